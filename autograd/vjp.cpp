@@ -1,0 +1,160 @@
+// autograd/vjp.cpp -- gradient rules: pointwise ones come from ops.def, the rest are written here.
+#include "autograd/vjp.h"
+
+#include <cmath>
+#include <numeric>
+
+#include "dsl/ops.h"
+
+namespace mixtape {
+namespace {
+
+using Grads = std::vector<Tensor>;
+
+Tensor in(const Node& node, size_t i) { return Tensor(node.inputs[i]); }
+Tensor out(const Node& node) { return Tensor(std::const_pointer_cast<Node>(node.shared_from_this())); }
+
+Grads vjp_leaf(const Node&, const Tensor&) { return {}; }
+Grads vjp_Constant(const Node& n, const Tensor& g) { return vjp_leaf(n, g); }
+Grads vjp_Full(const Node& n, const Tensor& g) { return vjp_leaf(n, g); }
+Grads vjp_Arange(const Node& n, const Tensor& g) { return vjp_leaf(n, g); }
+Grads vjp_RandUniform(const Node& n, const Tensor& g) { return vjp_leaf(n, g); }
+Grads vjp_RandNormal(const Node& n, const Tensor& g) { return vjp_leaf(n, g); }
+Grads vjp_Argmax(const Node&, const Tensor&) { return {Tensor()}; }
+
+Grads vjp_Where(const Node& n, const Tensor& g) {
+  Tensor cond = in(n, 0), zero = zeros_like(g);
+  return {Tensor(), where(cond, g, zero), where(cond, zero, g)};
+}
+
+Grads vjp_Cast(const Node& n, const Tensor& g) {
+  DType from = n.inputs[0]->dtype;
+  return {is_floating(from) ? cast(g, from) : Tensor()};
+}
+
+// g of a reduced shape, brought back to the shape of the reduction's input.
+Tensor unreduce(const Node& n, const Tensor& g) {
+  Shape kept = n.inputs[0]->shape;
+  for (int64_t axis : n.attrs.axes) kept[axis] = 1;
+  return broadcast_to(reshape(g, kept), n.inputs[0]->shape);
+}
+
+Grads vjp_Sum(const Node& n, const Tensor& g) { return {unreduce(n, g)}; }
+
+// The gradient goes to the elements equal to the maximum, shared evenly between ties.
+Grads vjp_Max(const Node& n, const Tensor& g) {
+  Tensor x = in(n, 0);
+  Shape kept = x.shape();
+  for (int64_t axis : n.attrs.axes) kept[axis] = 1;
+  Tensor is_max = eq(x, broadcast_to(reshape(out(n), kept), x.shape()));
+  Tensor count = sum(cast(is_max, x.dtype()), n.attrs.axes, true);
+  Tensor share = broadcast_to(reshape(g, kept) / count, x.shape());
+  return {where(is_max, share, zeros_like(share))};
+}
+
+Grads vjp_MatMul(const Node& n, const Tensor& g) {
+  Tensor a = in(n, 0), b = in(n, 1);
+  bool ta = n.attrs.transpose_a, tb = n.attrs.transpose_b;
+  Tensor ga = ta ? matmul(b, g, tb, true) : matmul(g, b, false, !tb);
+  Tensor gb = tb ? matmul(g, a, true, ta) : matmul(a, g, !ta, false);
+  return {ga, gb};
+}
+
+Grads vjp_Reshape(const Node& n, const Tensor& g) { return {reshape(g, n.inputs[0]->shape)}; }
+
+Grads vjp_Permute(const Node& n, const Tensor& g) {
+  std::vector<int64_t> inverse(n.attrs.axes.size());
+  for (size_t i = 0; i < inverse.size(); ++i) inverse[n.attrs.axes[i]] = static_cast<int64_t>(i);
+  return {permute(g, inverse)};
+}
+
+Grads vjp_BroadcastTo(const Node& n, const Tensor& g) {
+  const Shape& from = n.inputs[0]->shape;
+  size_t lead = n.shape.size() - from.size();
+  std::vector<int64_t> axes;
+  for (size_t d = 0; d < n.shape.size(); ++d)
+    if (d < lead || (from[d - lead] == 1 && n.shape[d] != 1)) axes.push_back(static_cast<int64_t>(d));
+  return {reshape(sum(g, axes, false), from)};
+}
+
+Grads vjp_Slice(const Node& n, const Tensor& g) {
+  return {unslice(g, n.attrs.starts, n.attrs.steps, n.inputs[0]->shape)};
+}
+
+Grads vjp_Unslice(const Node& n, const Tensor& g) {
+  return {slice(g, n.attrs.starts, n.attrs.steps, n.inputs[0]->shape)};
+}
+
+Grads vjp_Concat(const Node& n, const Tensor& g) {
+  Grads grads;
+  int64_t start = 0, axis = n.attrs.axis;
+  for (const NodePtr& input : n.inputs) {
+    int64_t size = input->shape[axis];
+    grads.push_back(slice(g, axis, start, start + size));
+    start += size;
+  }
+  return grads;
+}
+
+Grads vjp_IndexSelect(const Node& n, const Tensor& g) {
+  return {index_add(zeros_like(in(n, 0)), in(n, 1), g, n.attrs.axis), Tensor()};
+}
+
+Grads vjp_IndexAdd(const Node& n, const Tensor& g) {
+  return {g, Tensor(), index_select(g, in(n, 1), n.attrs.axis)};
+}
+
+Grads vjp_Gather(const Node& n, const Tensor& g) {
+  return {scatter_add(zeros_like(in(n, 0)), in(n, 1), g, n.attrs.axis), Tensor()};
+}
+
+Grads vjp_ScatterAdd(const Node& n, const Tensor& g) {
+  return {g, Tensor(), gather(g, in(n, 1), n.attrs.axis)};
+}
+
+Grads vjp_Custom(const Node& n, const Tensor& g) {
+  std::vector<Tensor> inputs;
+  for (size_t i = 1; i < n.inputs.size(); ++i) inputs.push_back(in(n, i));
+  Grads user = (*n.attrs.vjp)(inputs, out(n), g);
+  if (user.size() != inputs.size())
+    fail("custom_op: the vjp returned {} gradients for {} inputs", user.size(), inputs.size());
+  Grads grads{Tensor()};
+  for (size_t i = 0; i < user.size(); ++i) {
+    if (user[i].defined() && user[i].shape() != inputs[i].shape())
+      fail("custom_op: the vjp's gradient {} has shape {}, the input has {}", i,
+           to_string(user[i].shape()), to_string(inputs[i].shape()));
+    grads.push_back(user[i]);
+  }
+  return grads;
+}
+
+}  // namespace
+
+std::vector<Tensor> vjp(const NodePtr& node, const Tensor& g) {
+  const Node& n = *node;
+  switch (n.op) {
+#define MT_OP(Name, fname, kind, arity, category) \
+  case OpCode::Name: return vjp_##Name(n, g);
+#define MT_UNARY(Name, fname, category, domain, REF, VJP) \
+  case OpCode::Name: {                                    \
+    Tensor x = in(n, 0), y(node);                         \
+    (void)x;                                              \
+    (void)y;                                              \
+    return {VJP};                                         \
+  }
+#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
+  case OpCode::Name: {                                            \
+    Tensor x0 = in(n, 0), x1 = in(n, 1), y(node);                 \
+    (void)x0;                                                     \
+    (void)x1;                                                     \
+    (void)y;                                                      \
+    return {VJP0, VJP1};                                          \
+  }
+#define MT_COMPARE(Name, fname, REF) \
+  case OpCode::Name: return {Tensor(), Tensor()};
+#include "dsl/ops.def"
+  }
+  fail("vjp: unknown op code {}", static_cast<int>(n.op));
+}
+
+}  // namespace mixtape

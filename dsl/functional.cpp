@@ -1,0 +1,191 @@
+// dsl/functional.cpp -- composites over primitives: they get gradients, precision and fusion free.
+#include "dsl/functional.h"
+
+#include <cmath>
+#include <limits>
+
+namespace mixtape {
+namespace {
+
+void require(const Tensor& t, const char* op, const char* role, const Loc& loc) {
+  if (!t.defined()) op_fail(op, loc, "the {} is an undefined tensor", role);
+}
+
+void require_float(const Tensor& t, const char* op, const char* role, const Loc& loc) {
+  require(t, op, role, loc);
+  if (!is_floating(t.dtype()))
+    op_fail(op, loc, "the {} must be floating-point, got {}", role, name(t.dtype()));
+}
+
+// The per-row shift that keeps exp() from overflowing; constant for gradients, and 0 for rows
+// that are entirely -inf so that they give -inf / NaN as the math says rather than NaN early.
+Tensor stable_shift(const Tensor& x, const std::vector<int64_t>& axes, const Loc& loc) {
+  Tensor m = max(x, axes, true, loc).detach();
+  return where(abs(m) < std::numeric_limits<double>::infinity(), m, zeros_like(m), loc);
+}
+
+}  // namespace
+
+Tensor softmax(const Tensor& x, int64_t axis, const Loc& loc) {
+  CallSiteScope site(loc);
+  require_float(x, "softmax", "input", loc);
+  Tensor e = exp(x - stable_shift(x, {axis}, loc));
+  return e / sum(e, {axis}, true);
+}
+
+Tensor log_softmax(const Tensor& x, int64_t axis, const Loc& loc) {
+  CallSiteScope site(loc);
+  require_float(x, "log_softmax", "input", loc);
+  Tensor shifted = x - stable_shift(x, {axis}, loc);
+  return shifted - log(sum(exp(shifted), {axis}, true));
+}
+
+Tensor logsumexp(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
+  CallSiteScope site(loc);
+  require_float(x, "logsumexp", "input", loc);
+  Tensor m = stable_shift(x, axes, loc);
+  Tensor result = log(sum(exp(x - m), axes, true)) + m;
+  if (keepdim) return result;
+  Shape shape;
+  std::vector<int64_t> reduced = axes;
+  for (int64_t& a : reduced) a = a < 0 ? a + x.dim() : a;
+  for (int64_t d = 0; d < x.dim(); ++d)
+    if (std::find(reduced.begin(), reduced.end(), d) == reduced.end()) shape.push_back(x.size(d));
+  return reshape(result, shape);
+}
+
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                  int64_t normalized_dims, const Loc& loc) {
+  CallSiteScope site(loc);
+  require_float(x, "layer_norm", "input", loc);
+  if (normalized_dims < 1 || normalized_dims > x.dim())
+    op_fail("layer_norm", loc, "cannot normalize the last {} axes of {}", normalized_dims,
+            to_string(x.shape()));
+  Shape normalized(x.shape().end() - normalized_dims, x.shape().end());
+  for (const Tensor* p : {&weight, &bias})
+    if (p->defined() && p->shape() != normalized)
+      op_fail("layer_norm", loc, "weight/bias shape {} should be {}", to_string(p->shape()),
+              to_string(normalized));
+  std::vector<int64_t> axes;
+  for (int64_t d = x.dim() - normalized_dims; d < x.dim(); ++d) axes.push_back(d);
+  Tensor centered = x - mean(x, axes, true);
+  Tensor y = centered * rsqrt(mean(square(centered), axes, true) + eps);
+  if (weight.defined()) y = y * weight;
+  if (bias.defined()) y = y + bias;
+  return y;
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, const Loc& loc) {
+  CallSiteScope site(loc);
+  require_float(x, "rms_norm", "input", loc);
+  if (x.dim() == 0) op_fail("rms_norm", loc, "needs at least one axis");
+  if (weight.defined() && weight.shape() != Shape{x.size(-1)})
+    op_fail("rms_norm", loc, "weight shape {} should be [{}]", to_string(weight.shape()), x.size(-1));
+  Tensor y = x * rsqrt(mean(square(x), {-1}, true) + eps);
+  return weight.defined() ? y * weight : y;
+}
+
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "linear", "input", loc);
+  require(weight, "linear", "weight", loc);
+  if (weight.dim() != 2)
+    op_fail("linear", loc, "weight must be [out, in], got {}", to_string(weight.shape()));
+  if (x.dim() == 0 || x.size(-1) != weight.size(1))
+    op_fail("linear", loc, "input {} does not end in the weight's in-features {} (weight {})",
+            to_string(x.shape()), weight.size(1), to_string(weight.shape()));
+  Tensor y = matmul(x, weight, false, true);
+  if (bias.defined()) {
+    if (bias.shape() != Shape{weight.size(0)})
+      op_fail("linear", loc, "bias shape {} should be [{}]", to_string(bias.shape()), weight.size(0));
+    y = y + bias;
+  }
+  return y;
+}
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOptions options,
+                     const Loc& loc) {
+  CallSiteScope site(loc);
+  require_float(logits, "cross_entropy", "logits", loc);
+  require(targets, "cross_entropy", "targets", loc);
+  if (!is_integer(targets.dtype()))
+    op_fail("cross_entropy", loc, "targets must be integer class indices, got {}",
+            name(targets.dtype()));
+  Shape expected(logits.shape().begin(), logits.shape().end() - (logits.dim() > 0 ? 1 : 0));
+  if (logits.dim() == 0 || targets.shape() != expected)
+    op_fail("cross_entropy", loc, "logits {} need targets of shape {}, got {}",
+            to_string(logits.shape()), to_string(expected), to_string(targets.shape()));
+  if (options.label_smoothing < 0 || options.label_smoothing > 1)
+    op_fail("cross_entropy", loc, "label_smoothing must be in [0, 1], got {}",
+            options.label_smoothing);
+  Tensor logp = log_softmax(logits, -1);
+  Tensor valid = ne(targets, scalar(static_cast<double>(options.ignore_index), targets.dtype()));
+  Tensor safe_targets = where(valid, targets, zeros_like(targets));
+  Tensor picked = squeeze(gather(logp, unsqueeze(safe_targets, -1), -1), -1);
+  Tensor loss = -picked;
+  if (options.label_smoothing > 0)
+    loss = loss * (1.0 - options.label_smoothing) -
+           mean(logp, {-1}) * options.label_smoothing;
+  loss = where(valid, loss, zeros_like(loss));
+  switch (options.reduction) {
+    case Reduction::None: return loss;
+    case Reduction::Sum: return sum(loss);
+    case Reduction::Mean: return sum(loss) / sum(cast(valid, logits.dtype()));
+  }
+  return loss;
+}
+
+Tensor mse_loss(const Tensor& prediction, const Tensor& target, Reduction reduction,
+                const Loc& loc) {
+  CallSiteScope site(loc);
+  require_float(prediction, "mse_loss", "prediction", loc);
+  require(target, "mse_loss", "target", loc);
+  if (prediction.shape() != target.shape())
+    op_fail("mse_loss", loc, "prediction {} and target {} must have the same shape",
+            to_string(prediction.shape()), to_string(target.shape()));
+  Tensor error = square(prediction - target);
+  switch (reduction) {
+    case Reduction::None: return error;
+    case Reduction::Sum: return sum(error);
+    case Reduction::Mean: return mean(error);
+  }
+  return error;
+}
+
+Tensor dropout(const Tensor& x, double p, bool training, Generator* gen, const Loc& loc) {
+  CallSiteScope site(loc);
+  require_float(x, "dropout", "input", loc);
+  if (!(p >= 0 && p <= 1)) op_fail("dropout", loc, "p must be in [0, 1], got {}", p);
+  if (!training || p == 0) return x;
+  if (p == 1) return x * 0.0;
+  Tensor keep = rand(x.shape(), f32, gen) >= p;
+  return where(keep, x * (1.0 / (1.0 - p)), zeros_like(x));
+}
+
+Tensor causal_mask(int64_t size, const Loc& loc) {
+  CallSiteScope site(loc);
+  if (size < 0) op_fail("causal_mask", loc, "size must be non-negative, got {}", size);
+  Tensor positions = arange(size);
+  return ge(unsqueeze(positions, 1), unsqueeze(positions, 0));
+}
+
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                                    const Loc& loc) {
+  CallSiteScope site(loc);
+  require_float(q, "scaled_dot_product_attention", "query", loc);
+  require_float(k, "scaled_dot_product_attention", "key", loc);
+  require_float(v, "scaled_dot_product_attention", "value", loc);
+  if (q.dim() < 2 || q.size(-1) != k.size(-1) || k.size(-2) != v.size(-2))
+    op_fail("scaled_dot_product_attention", loc, "shapes q {} k {} v {} do not fit",
+            to_string(q.shape()), to_string(k.shape()), to_string(v.shape()));
+  Tensor scores = matmul(q, k, false, true) * (1.0 / std::sqrt(static_cast<double>(q.size(-1))));
+  if (causal) {
+    if (q.size(-2) != k.size(-2))
+      op_fail("scaled_dot_product_attention", loc, "a causal mask needs as many queries as keys");
+    scores = where(causal_mask(q.size(-2)), scores,
+                   full_like(scores, -std::numeric_limits<double>::infinity()));
+  }
+  return matmul(softmax(scores, -1), v);
+}
+
+}  // namespace mixtape

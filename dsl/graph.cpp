@@ -1,0 +1,87 @@
+// dsl/graph.cpp -- node creation and the thread-local scopes that annotate new nodes.
+#include "dsl/graph.h"
+
+#include <atomic>
+
+namespace mixtape {
+namespace {
+
+const OpInfo kOpInfo[] = {
+#define MT_OP(Name, fname, kind, arity, category) \
+  {#fname, OpKind::kind, arity, Category::category},
+#include "dsl/ops.def"
+};
+
+std::atomic<uint64_t> next_node_id{1};
+thread_local bool grad_mode = true;
+thread_local std::string module_path;
+thread_local const Loc* call_site = nullptr;
+
+// Ops whose result is never differentiable, whatever their inputs.
+bool blocks_gradient(OpCode op) {
+  switch (op) {
+    case OpCode::Detach:
+    case OpCode::Eq:
+    case OpCode::Ne:
+    case OpCode::Lt:
+    case OpCode::Le:
+    case OpCode::Gt:
+    case OpCode::Ge:
+    case OpCode::Argmax:
+    case OpCode::Sign: return true;
+    default: return false;
+  }
+}
+
+}  // namespace
+
+const OpInfo& op_info(OpCode op) { return kOpInfo[static_cast<size_t>(op)]; }
+int op_count() { return static_cast<int>(std::size(kOpInfo)); }
+
+NodePtr make_node(OpCode op, DType dtype, Shape shape, std::vector<NodePtr> inputs, Attrs attrs,
+                  const Loc& loc) {
+  auto node = std::make_shared<Node>();
+  node->op = op;
+  node->dtype = dtype;
+  node->shape = std::move(shape);
+  node->attrs = std::move(attrs);
+  node->id = next_node_id.fetch_add(1, std::memory_order_relaxed);
+  bool any_input_requires_grad = false;
+  for (const NodePtr& input : inputs) any_input_requires_grad |= input->requires_grad;
+  node->requires_grad =
+      grad_mode && any_input_requires_grad && is_floating(dtype) && !blocks_gradient(op);
+  node->inputs = std::move(inputs);
+  node->module_path = module_path;
+  node->location = user_call_site(loc);
+  return node;
+}
+
+void op_error(const char* op, const Loc& loc, const std::string& detail) {
+  const Loc& site = user_call_site(loc);
+  std::string where = short_location(site);
+  if (!module_path.empty()) throw Error(fmt::format("{}: {} [module '{}', at {}]", op, detail,
+                                                    module_path, where));
+  throw Error(fmt::format("{}: {} [at {}]", op, detail, where));
+}
+
+bool grad_enabled() { return grad_mode; }
+
+NoGradGuard::NoGradGuard() : NoGradGuard(false) {}
+NoGradGuard::NoGradGuard(bool enabled) : previous_(grad_mode) { grad_mode = enabled; }
+NoGradGuard::~NoGradGuard() { grad_mode = previous_; }
+
+ModulePathScope::ModulePathScope(const std::string& path) : previous_(module_path) {
+  module_path = path;
+}
+ModulePathScope::~ModulePathScope() { module_path = previous_; }
+const std::string& current_module_path() { return module_path; }
+
+CallSiteScope::CallSiteScope(const Loc& loc) : owner_(call_site == nullptr) {
+  if (owner_) call_site = &loc;
+}
+CallSiteScope::~CallSiteScope() {
+  if (owner_) call_site = nullptr;
+}
+const Loc& user_call_site(const Loc& loc) { return call_site ? *call_site : loc; }
+
+}  // namespace mixtape

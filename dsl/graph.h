@@ -1,0 +1,76 @@
+// dsl/graph.h -- making nodes: ids, grad mode, module-path and call-site scopes, the eval hook.
+#pragma once
+
+#include <source_location>
+#include <string>
+#include <vector>
+
+#include "dsl/error.h"
+#include "dsl/node.h"
+
+namespace mixtape {
+
+using Loc = std::source_location;
+
+/// Creates a node; fills id, requires_grad, module path and call site. Shapes and dtypes must
+/// already be checked by the caller (the op builders).
+NodePtr make_node(OpCode op, DType dtype, Shape shape, std::vector<NodePtr> inputs, Attrs attrs,
+                  const Loc& loc);
+
+/// Throws mt::Error "op: detail [module 'path', at file:line]" with the user's call site.
+[[noreturn]] void op_error(const char* op, const Loc& loc, const std::string& detail);
+
+template <typename... Args>
+[[noreturn]] void op_fail(const char* op, const Loc& loc, fmt::format_string<Args...> format,
+                          Args&&... args) {
+  op_error(op, loc, fmt::format(format, std::forward<Args>(args)...));
+}
+
+bool grad_enabled();
+
+/// Disables gradient recording for nodes made while it lives (like torch.no_grad()).
+class NoGradGuard {
+ public:
+  NoGradGuard();
+  explicit NoGradGuard(bool enabled);  // sets grad mode to `enabled`
+  ~NoGradGuard();
+  NoGradGuard(const NoGradGuard&) = delete;
+  NoGradGuard& operator=(const NoGradGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+/// Module path recorded on the nodes made while it lives ("blocks.0.attn").
+class ModulePathScope {
+ public:
+  explicit ModulePathScope(const std::string& path);
+  ~ModulePathScope();
+  ModulePathScope(const ModulePathScope&) = delete;
+  ModulePathScope& operator=(const ModulePathScope&) = delete;
+
+ private:
+  std::string previous_;
+};
+const std::string& current_module_path();
+
+/// Makes nodes built inside library code (composites, modules) report the user's call site:
+/// the outermost scope wins.
+class CallSiteScope {
+ public:
+  explicit CallSiteScope(const Loc& loc);
+  ~CallSiteScope();
+  CallSiteScope(const CallSiteScope&) = delete;
+  CallSiteScope& operator=(const CallSiteScope&) = delete;
+
+ private:
+  bool owner_;
+};
+/// The call site to report for an op invoked at `loc`.
+const Loc& user_call_site(const Loc& loc);
+
+/// Computes `value` for every node in `outputs` (and what they need). Provided by the runtime
+/// layer, which owns the executors; the DSL only asks.
+void evaluate(const std::vector<NodePtr>& outputs);
+
+}  // namespace mixtape

@@ -1,0 +1,99 @@
+// dsl/node.h -- graph nodes: op codes and per-op facts generated from ops.def, attributes, storage.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <source_location>
+#include <string>
+#include <vector>
+
+#include "dsl/dtype.h"
+#include "dsl/shape.h"
+
+namespace mixtape {
+
+enum class OpCode : uint16_t {
+#define MT_OP(Name, fname, kind, arity, category) Name,
+#include "dsl/ops.def"
+};
+
+enum class OpKind : uint8_t { Leaf, Pointwise, Reduce, MatMul, View, Gather, Opaque };
+
+/// Precision categories (DESIGN.md decision 4); the policy pass maps them to dtypes.
+enum class Category : uint8_t { LowOk, Fp32, Fp32Accum, Promote, Follow };
+
+struct OpInfo {
+  const char* name;  // the user-facing function name, used in errors and reports
+  OpKind kind;
+  int arity;  // -1: variadic
+  Category category;
+};
+
+const OpInfo& op_info(OpCode op);
+inline const char* op_name(OpCode op) { return op_info(op).name; }
+int op_count();
+
+/// A flat buffer of elements of one dtype, row-major and contiguous.
+struct Storage {
+  DType dtype;
+  int64_t count;
+  std::vector<std::byte> bytes;
+  Storage(DType dtype, int64_t count)
+      : dtype(dtype), count(count), bytes(static_cast<size_t>(count) * size_of(dtype)) {}
+  template <typename T>
+  T* as() {
+    return reinterpret_cast<T*>(bytes.data());
+  }
+  template <typename T>
+  const T* as() const {
+    return reinterpret_cast<const T*>(bytes.data());
+  }
+};
+
+struct Node;
+using NodePtr = std::shared_ptr<Node>;
+struct TensorImpl;
+class Tensor;
+
+/// The vjp of a user-defined op: (inputs, output, incoming gradient) -> one gradient per input.
+using CustomVjp = std::function<std::vector<Tensor>(const std::vector<Tensor>& inputs,
+                                                    const Tensor& output, const Tensor& grad)>;
+
+/// Per-op parameters; each op reads only the fields its line in ops.def documents.
+struct Attrs {
+  std::vector<int64_t> axes;     // Sum, Max, Argmax (normalized), Permute (the permutation)
+  bool keepdim = false;          // Sum, Max, Argmax
+  int64_t axis = 0;              // Concat, IndexSelect, IndexAdd, Gather, ScatterAdd
+  bool transpose_a = false;      // MatMul
+  bool transpose_b = false;      // MatMul
+  std::vector<int64_t> starts;   // Slice, Unslice
+  std::vector<int64_t> steps;    // Slice, Unslice
+  double value = 0;              // Full (the fill value), Arange (start)
+  double step = 1;               // Arange
+  uint64_t seed = 0;             // RandUniform, RandNormal: Philox key
+  uint64_t offset = 0;           // RandUniform, RandNormal: Philox counter base
+  std::shared_ptr<CustomVjp> vjp;  // Custom
+};
+
+/// One value of the lazy graph. Nodes are immutable once made, except that evaluation fills
+/// `value` and may drop `inputs` of nodes no gradient will ever flow through.
+struct Node : std::enable_shared_from_this<Node> {
+  OpCode op;
+  DType dtype;
+  Shape shape;
+  std::vector<NodePtr> inputs;
+  Attrs attrs;
+  uint64_t id = 0;  // creation order: the tape order that backward walks in reverse
+  bool requires_grad = false;
+  std::shared_ptr<Storage> value;        // set once evaluated (always set for Constant)
+  std::weak_ptr<TensorImpl> grad_owner;  // the leaf tensor whose .grad() receives gradients
+  std::string module_path;
+  std::source_location location;
+
+  bool evaluated() const { return value != nullptr; }
+  int64_t numel() const { return mixtape::numel(shape); }
+};
+
+}  // namespace mixtape

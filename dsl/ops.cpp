@@ -1,0 +1,625 @@
+// dsl/ops.cpp -- op builders: validate shapes and dtypes, insert casts and broadcasts, make nodes.
+#include "dsl/ops.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace mixtape {
+namespace {
+
+enum class Domain { Float, Numeric, Any };
+
+const NodePtr& input(const Tensor& t, const char* op, const Loc& loc, const char* role = "input") {
+  if (!t.defined()) op_fail(op, loc, "the {} is an undefined tensor", role);
+  return t.node();
+}
+
+void check_domain(const char* op, Domain domain, DType t, const Loc& loc) {
+  if (domain == Domain::Float && !is_floating(t))
+    op_fail(op, loc, "expects a floating-point dtype, got {}", name(t));
+  if (domain == Domain::Numeric && t == boolean)
+    op_fail(op, loc, "does not accept bool tensors (cast to a numeric dtype first)");
+}
+
+std::string shapes_text(const Tensor& a, const Tensor& b) {
+  return fmt::format("{} ({}) and {} ({})", to_string(a.shape()), name(a.dtype()),
+                     to_string(b.shape()), name(b.dtype()));
+}
+
+Shape broadcast_or_fail(const Tensor& a, const Tensor& b, const char* op, const Loc& loc) {
+  const Shape& sa = a.shape();
+  const Shape& sb = b.shape();
+  size_t rank = std::max(sa.size(), sb.size());
+  Shape out(rank);
+  for (size_t i = 0; i < rank; ++i) {
+    int64_t da = i < rank - sa.size() ? 1 : sa[i - (rank - sa.size())];
+    int64_t db = i < rank - sb.size() ? 1 : sb[i - (rank - sb.size())];
+    if (da != db && da != 1 && db != 1)
+      op_fail(op, loc, "shapes cannot be broadcast together: {}", shapes_text(a, b));
+    out[i] = da == 1 ? db : da;
+  }
+  return out;
+}
+
+// The node for `x` cast to `dtype` and broadcast to `shape` (no new node when nothing changes).
+NodePtr conform(const Tensor& x, DType dtype, const Shape& shape, const Loc& loc) {
+  Tensor t = x.dtype() == dtype ? x : cast(x, dtype, loc);
+  if (t.shape() != shape) t = broadcast_to(t, shape, loc);
+  return t.node();
+}
+
+Tensor pointwise(OpCode op, Domain domain, bool to_bool, const Tensor& a, const Tensor& b,
+                 const Loc& loc) {
+  const char* opname = op_name(op);
+  input(a, opname, loc, "first operand");
+  input(b, opname, loc, "second operand");
+  DType t = promote(a.dtype(), b.dtype());
+  check_domain(opname, domain, t, loc);
+  Shape shape = broadcast_or_fail(a, b, opname, loc);
+  return Tensor(make_node(op, to_bool ? boolean : t, shape,
+                          {conform(a, t, shape, loc), conform(b, t, shape, loc)}, {}, loc));
+}
+
+Tensor unary(OpCode op, Domain domain, const Tensor& x, const Loc& loc) {
+  const NodePtr& node = input(x, op_name(op), loc);
+  check_domain(op_name(op), domain, x.dtype(), loc);
+  return Tensor(make_node(op, x.dtype(), node->shape, {node}, {}, loc));
+}
+
+Tensor scalar_like(const Operand& s, const Tensor& other, const Loc& loc) {
+  DType t = other.dtype();
+  if (!is_floating(t) && !s.scalar_is_integral) t = f32;
+  if (t == boolean) t = i64;
+  return scalar(s.scalar, t, loc);
+}
+
+template <typename Builder>
+Tensor apply_operator(const Operand& a, const Operand& b, Builder build) {
+  const Loc& loc = b.tensor.defined() ? b.loc : a.loc;
+  if (!a.tensor.defined() && !b.tensor.defined()) op_fail("operator", loc, "needs a tensor operand");
+  Tensor ta = a.tensor.defined() ? a.tensor : scalar_like(a, b.tensor, loc);
+  Tensor tb = b.tensor.defined() ? b.tensor : scalar_like(b, a.tensor, loc);
+  return build(ta, tb, loc);
+}
+
+Shape reduced_shape(const Shape& shape, const std::vector<int64_t>& axes, bool keepdim) {
+  Shape out;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    bool reduced = std::find(axes.begin(), axes.end(), static_cast<int64_t>(i)) != axes.end();
+    if (!reduced) out.push_back(shape[i]);
+    else if (keepdim) out.push_back(1);
+  }
+  return out;
+}
+
+int64_t axis_or_fail(int64_t axis, size_t rank, const char* op, const Loc& loc) {
+  int64_t r = static_cast<int64_t>(rank);
+  if (axis < -r || axis >= r) op_fail(op, loc, "axis {} is out of range for rank {}", axis, rank);
+  return axis < 0 ? axis + r : axis;
+}
+
+std::vector<int64_t> axes_or_fail(const std::vector<int64_t>& axes, size_t rank, const char* op,
+                                  const Loc& loc) {
+  std::vector<int64_t> out;
+  if (axes.empty()) {
+    out.resize(rank);
+    std::iota(out.begin(), out.end(), 0);
+    return out;
+  }
+  for (int64_t a : axes) out.push_back(axis_or_fail(a, rank, op, loc));
+  std::sort(out.begin(), out.end());
+  if (std::adjacent_find(out.begin(), out.end()) != out.end())
+    op_fail(op, loc, "axis list [{}] repeats an axis", fmt::join(axes, ", "));
+  return out;
+}
+
+Tensor reduce(OpCode op, const Tensor& x, const std::vector<int64_t>& axes, bool keepdim,
+              DType dtype, const Loc& loc) {
+  const char* opname = op_name(op);
+  const NodePtr& node = input(x, opname, loc);
+  Attrs attrs;
+  attrs.axes = axes_or_fail(axes, node->shape.size(), opname, loc);
+  attrs.keepdim = keepdim;
+  if (op != OpCode::Sum)
+    for (int64_t a : attrs.axes)
+      if (node->shape[a] == 0) op_fail(opname, loc, "cannot reduce an empty axis {}", a);
+  Shape shape = reduced_shape(node->shape, attrs.axes, keepdim);
+  return Tensor(make_node(op, dtype, std::move(shape), {node}, std::move(attrs), loc));
+}
+
+void check_index_dtype(const char* op, const Tensor& index, const Loc& loc) {
+  if (!is_integer(index.dtype()))
+    op_fail(op, loc, "index must be an integer tensor, got {}", name(index.dtype()));
+}
+
+}  // namespace
+
+// ---- generated pointwise builders ----
+#define MT_UNARY(Name, fname, category, domain, REF, VJP)  \
+  Tensor fname(const Tensor& x, const Loc& loc) {          \
+    return unary(OpCode::Name, Domain::domain, x, loc);    \
+  }
+#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1)     \
+  Tensor fname(const Tensor& a, const Tensor& b, const Loc& loc) {    \
+    return pointwise(OpCode::Name, Domain::domain, false, a, b, loc); \
+  }
+#define MT_COMPARE(Name, fname, REF)                                 \
+  Tensor fname(const Tensor& a, const Tensor& b, const Loc& loc) {   \
+    return pointwise(OpCode::Name, Domain::Any, true, a, b, loc);    \
+  }
+#include "dsl/ops.def"
+
+Tensor operator+(const Operand& a, const Operand& b) { return apply_operator(a, b, add); }
+Tensor operator-(const Operand& a, const Operand& b) { return apply_operator(a, b, sub); }
+Tensor operator*(const Operand& a, const Operand& b) { return apply_operator(a, b, mul); }
+Tensor operator/(const Operand& a, const Operand& b) { return apply_operator(a, b, div); }
+Tensor operator<(const Operand& a, const Operand& b) { return apply_operator(a, b, lt); }
+Tensor operator<=(const Operand& a, const Operand& b) { return apply_operator(a, b, le); }
+Tensor operator>(const Operand& a, const Operand& b) { return apply_operator(a, b, gt); }
+Tensor operator>=(const Operand& a, const Operand& b) { return apply_operator(a, b, ge); }
+Tensor operator-(const Tensor& x) { return neg(x); }
+
+Tensor pow(const Tensor& x, double exponent, const Loc& loc) {
+  input(x, "pow", loc);
+  return pow(x, scalar(exponent, is_floating(x.dtype()) ? x.dtype() : f32, loc), loc);
+}
+
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b, const Loc& loc) {
+  input(cond, "where", loc, "condition");
+  input(a, "where", loc, "first value");
+  input(b, "where", loc, "second value");
+  if (cond.dtype() != boolean)
+    op_fail("where", loc, "the condition must be bool, got {}", name(cond.dtype()));
+  DType t = promote(a.dtype(), b.dtype());
+  Shape shape = broadcast_or_fail(a, b, "where", loc);
+  shape = broadcast_or_fail(cond, Tensor(make_node(OpCode::Full, t, shape, {}, {}, loc)), "where",
+                            loc);
+  return Tensor(make_node(OpCode::Where, t, shape,
+                          {conform(cond, boolean, shape, loc), conform(a, t, shape, loc),
+                           conform(b, t, shape, loc)},
+                          {}, loc));
+}
+
+Tensor cast(const Tensor& x, DType dtype, const Loc& loc) {
+  const NodePtr& node = input(x, "cast", loc);
+  if (x.dtype() == dtype) return Tensor(node);
+  return Tensor(make_node(OpCode::Cast, dtype, node->shape, {node}, {}, loc));
+}
+
+Tensor sum(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
+  input(x, "sum", loc);
+  DType t = is_floating(x.dtype()) ? x.dtype() : i64;
+  return reduce(OpCode::Sum, x, axes, keepdim, t, loc);
+}
+
+Tensor mean(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
+  CallSiteScope site(loc);
+  input(x, "mean", loc);
+  check_domain("mean", Domain::Float, x.dtype(), loc);
+  std::vector<int64_t> normalized = axes_or_fail(axes, x.shape().size(), "mean", loc);
+  int64_t count = 1;
+  for (int64_t a : normalized) count *= x.shape()[a];
+  if (count == 0) op_fail("mean", loc, "mean over zero elements");
+  return sum(x, normalized, keepdim, loc) * (1.0 / static_cast<double>(count));
+}
+
+Tensor max(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
+  input(x, "max", loc);
+  check_domain("max", Domain::Numeric, x.dtype(), loc);
+  return reduce(OpCode::Max, x, axes, keepdim, x.dtype(), loc);
+}
+
+Tensor min(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
+  CallSiteScope site(loc);
+  return -max(-x, axes, keepdim, loc);
+}
+
+Tensor argmax(const Tensor& x, std::optional<int64_t> axis, bool keepdim, const Loc& loc) {
+  CallSiteScope site(loc);
+  input(x, "argmax", loc);
+  check_domain("argmax", Domain::Numeric, x.dtype(), loc);
+  if (axis) return reduce(OpCode::Argmax, x, {*axis}, keepdim, i64, loc);
+  Tensor flat = reduce(OpCode::Argmax, reshape(x, {-1}, loc), {0}, false, i64, loc);
+  return keepdim ? reshape(flat, Shape(x.shape().size(), 1), loc) : flat;
+}
+
+Tensor var(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
+  CallSiteScope site(loc);
+  Tensor centered = x - mean(x, axes, true, loc);
+  return mean(square(centered), axes, keepdim, loc);
+}
+
+Tensor matmul(const Tensor& a_in, const Tensor& b_in, bool transpose_a, bool transpose_b,
+              const Loc& loc) {
+  CallSiteScope site(loc);
+  input(a_in, "matmul", loc, "first operand");
+  input(b_in, "matmul", loc, "second operand");
+  if (a_in.dim() == 0 || b_in.dim() == 0)
+    op_fail("matmul", loc, "operands must have at least one dimension: {}",
+            shapes_text(a_in, b_in));
+  if ((a_in.dim() == 1 && transpose_a) || (b_in.dim() == 1 && transpose_b))
+    op_fail("matmul", loc, "cannot transpose a 1-d operand");
+  DType t = promote(a_in.dtype(), b_in.dtype());
+  check_domain("matmul", Domain::Float, t, loc);
+  Tensor a = a_in.dim() == 1 ? reshape(a_in, {1, a_in.size(0)}, loc) : a_in;
+  Tensor b = b_in.dim() == 1 ? reshape(b_in, {b_in.size(0), 1}, loc) : b_in;
+  const Shape& sa = a.shape();
+  const Shape& sb = b.shape();
+  int64_t m = transpose_a ? sa[sa.size() - 1] : sa[sa.size() - 2];
+  int64_t ka = transpose_a ? sa[sa.size() - 2] : sa[sa.size() - 1];
+  int64_t kb = transpose_b ? sb[sb.size() - 1] : sb[sb.size() - 2];
+  int64_t n = transpose_b ? sb[sb.size() - 2] : sb[sb.size() - 1];
+  if (ka != kb)
+    op_fail("matmul", loc, "inner dimensions differ ({} vs {}): {}{}{}", ka, kb,
+            shapes_text(a_in, b_in), transpose_a ? ", first transposed" : "",
+            transpose_b ? ", second transposed" : "");
+  Shape batch_a(sa.begin(), sa.end() - 2), batch_b(sb.begin(), sb.end() - 2);
+  Shape batch;
+  {
+    size_t rank = std::max(batch_a.size(), batch_b.size());
+    batch.resize(rank);
+    for (size_t i = 0; i < rank; ++i) {
+      int64_t da = i < rank - batch_a.size() ? 1 : batch_a[i - (rank - batch_a.size())];
+      int64_t db = i < rank - batch_b.size() ? 1 : batch_b[i - (rank - batch_b.size())];
+      if (da != db && da != 1 && db != 1)
+        op_fail("matmul", loc, "batch dimensions cannot be broadcast: {}", shapes_text(a_in, b_in));
+      batch[i] = da == 1 ? db : da;
+    }
+  }
+  Shape full_a = batch, full_b = batch, out = batch;
+  full_a.insert(full_a.end(), sa.end() - 2, sa.end());
+  full_b.insert(full_b.end(), sb.end() - 2, sb.end());
+  out.push_back(m);
+  out.push_back(n);
+  Attrs attrs;
+  attrs.transpose_a = transpose_a;
+  attrs.transpose_b = transpose_b;
+  Tensor result(make_node(OpCode::MatMul, t, out,
+                          {conform(a, t, full_a, loc), conform(b, t, full_b, loc)},
+                          std::move(attrs), loc));
+  if (a_in.dim() == 1) result = squeeze(result, -2, loc);
+  if (b_in.dim() == 1) result = squeeze(result, -1, loc);
+  return result;
+}
+
+Tensor reshape(const Tensor& x, Shape shape, const Loc& loc) {
+  const NodePtr& node = input(x, "reshape", loc);
+  int64_t known = 1, inferred = -1;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (shape[i] == -1) {
+      if (inferred >= 0) op_fail("reshape", loc, "only one dimension may be -1 in {}", to_string(shape));
+      inferred = static_cast<int64_t>(i);
+    } else if (shape[i] < 0) {
+      op_fail("reshape", loc, "invalid dimension {} in {}", shape[i], to_string(shape));
+    } else {
+      known *= shape[i];
+    }
+  }
+  if (inferred >= 0) {
+    if (known == 0 || node->numel() % known != 0)
+      op_fail("reshape", loc, "cannot reshape {} into {}", to_string(node->shape), to_string(shape));
+    shape[inferred] = node->numel() / known;
+  }
+  if (numel(shape) != node->numel())
+    op_fail("reshape", loc, "cannot reshape {} ({} elements) into {} ({} elements)",
+            to_string(node->shape), node->numel(), to_string(shape), numel(shape));
+  if (shape == node->shape) return Tensor(node);
+  return Tensor(make_node(OpCode::Reshape, node->dtype, std::move(shape), {node}, {}, loc));
+}
+
+Tensor permute(const Tensor& x, std::vector<int64_t> perm, const Loc& loc) {
+  const NodePtr& node = input(x, "permute", loc);
+  size_t rank = node->shape.size();
+  if (perm.size() != rank)
+    op_fail("permute", loc, "permutation [{}] does not match rank {} of {}", fmt::join(perm, ", "),
+            rank, to_string(node->shape));
+  std::vector<bool> seen(rank, false);
+  Shape shape(rank);
+  bool identity = true;
+  for (size_t i = 0; i < rank; ++i) {
+    int64_t p = axis_or_fail(perm[i], rank, "permute", loc);
+    if (seen[p]) op_fail("permute", loc, "[{}] is not a permutation", fmt::join(perm, ", "));
+    seen[p] = true;
+    perm[i] = p;
+    shape[i] = node->shape[p];
+    identity &= p == static_cast<int64_t>(i);
+  }
+  if (identity) return Tensor(node);
+  Attrs attrs;
+  attrs.axes = std::move(perm);
+  return Tensor(make_node(OpCode::Permute, node->dtype, std::move(shape), {node}, std::move(attrs),
+                          loc));
+}
+
+Tensor transpose(const Tensor& x, int64_t a, int64_t b, const Loc& loc) {
+  input(x, "transpose", loc);
+  size_t rank = x.shape().size();
+  if (rank < 2) op_fail("transpose", loc, "needs at least 2 dimensions, got {}", to_string(x.shape()));
+  std::vector<int64_t> perm(rank);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::swap(perm[axis_or_fail(a, rank, "transpose", loc)], perm[axis_or_fail(b, rank, "transpose", loc)]);
+  return permute(x, perm, loc);
+}
+
+Tensor broadcast_to(const Tensor& x, Shape shape, const Loc& loc) {
+  const NodePtr& node = input(x, "broadcast_to", loc);
+  const Shape& from = node->shape;
+  bool ok = shape.size() >= from.size();
+  for (size_t i = 0; ok && i < from.size(); ++i) {
+    int64_t target = shape[shape.size() - from.size() + i];
+    ok = from[i] == target || from[i] == 1;
+  }
+  for (int64_t d : shape) ok &= d >= 0;
+  if (!ok) op_fail("broadcast_to", loc, "cannot broadcast {} to {}", to_string(from), to_string(shape));
+  if (shape == from) return Tensor(node);
+  return Tensor(make_node(OpCode::BroadcastTo, node->dtype, std::move(shape), {node}, {}, loc));
+}
+
+Tensor unsqueeze(const Tensor& x, int64_t axis, const Loc& loc) {
+  input(x, "unsqueeze", loc);
+  Shape shape = x.shape();
+  int64_t a = axis_or_fail(axis, shape.size() + 1, "unsqueeze", loc);
+  shape.insert(shape.begin() + a, 1);
+  return reshape(x, shape, loc);
+}
+
+Tensor squeeze(const Tensor& x, int64_t axis, const Loc& loc) {
+  input(x, "squeeze", loc);
+  Shape shape = x.shape();
+  int64_t a = axis_or_fail(axis, shape.size(), "squeeze", loc);
+  if (shape[a] != 1)
+    op_fail("squeeze", loc, "axis {} of {} has size {}, not 1", axis, to_string(shape), shape[a]);
+  shape.erase(shape.begin() + a);
+  return reshape(x, shape, loc);
+}
+
+Tensor flatten(const Tensor& x, int64_t start_axis, int64_t end_axis, const Loc& loc) {
+  input(x, "flatten", loc);
+  Shape shape = x.shape();
+  if (shape.empty()) return reshape(x, {1}, loc);
+  int64_t s = axis_or_fail(start_axis, shape.size(), "flatten", loc);
+  int64_t e = axis_or_fail(end_axis, shape.size(), "flatten", loc);
+  if (s > e) op_fail("flatten", loc, "start axis {} comes after end axis {}", start_axis, end_axis);
+  Shape out(shape.begin(), shape.begin() + s);
+  int64_t merged = 1;
+  for (int64_t i = s; i <= e; ++i) merged *= shape[i];
+  out.push_back(merged);
+  out.insert(out.end(), shape.begin() + e + 1, shape.end());
+  return reshape(x, out, loc);
+}
+
+Tensor slice(const Tensor& x, int64_t axis, int64_t start, int64_t stop, int64_t step,
+             const Loc& loc) {
+  input(x, "slice", loc);
+  const Shape& shape = x.shape();
+  int64_t a = axis_or_fail(axis, shape.size(), "slice", loc);
+  if (step <= 0) op_fail("slice", loc, "step must be positive, got {}", step);
+  int64_t dim = shape[a];
+  auto clamp_index = [dim](int64_t i) {
+    if (i < 0) i += dim;
+    return std::clamp<int64_t>(i, 0, dim);
+  };
+  start = clamp_index(start);
+  stop = clamp_index(stop);
+  int64_t count = stop > start ? (stop - start + step - 1) / step : 0;
+  std::vector<int64_t> starts(shape.size(), 0), steps(shape.size(), 1);
+  starts[a] = start;
+  steps[a] = step;
+  Shape out = shape;
+  out[a] = count;
+  return slice(x, starts, steps, out, loc);
+}
+
+namespace {
+void check_strided_window(const char* op, const Shape& window, const Shape& full,
+                          const std::vector<int64_t>& starts, const std::vector<int64_t>& steps,
+                          const Loc& loc) {
+  if (starts.size() != full.size() || steps.size() != full.size() || window.size() != full.size())
+    op_fail(op, loc, "starts, steps and shape must each have one entry per axis of {}",
+            to_string(full));
+  for (size_t i = 0; i < full.size(); ++i) {
+    if (steps[i] <= 0) op_fail(op, loc, "step {} on axis {} must be positive", steps[i], i);
+    if (window[i] < 0 || starts[i] < 0 ||
+        (window[i] > 0 && starts[i] + (window[i] - 1) * steps[i] >= full[i]))
+      op_fail(op, loc, "window of size {} from {} step {} does not fit axis {} of {}", window[i],
+              starts[i], steps[i], i, to_string(full));
+  }
+}
+}  // namespace
+
+Tensor slice(const Tensor& x, std::vector<int64_t> starts, std::vector<int64_t> steps, Shape shape,
+             const Loc& loc) {
+  const NodePtr& node = input(x, "slice", loc);
+  check_strided_window("slice", shape, node->shape, starts, steps, loc);
+  if (shape == node->shape) return Tensor(node);
+  Attrs attrs;
+  attrs.starts = std::move(starts);
+  attrs.steps = std::move(steps);
+  return Tensor(make_node(OpCode::Slice, node->dtype, std::move(shape), {node}, std::move(attrs),
+                          loc));
+}
+
+Tensor unslice(const Tensor& x, std::vector<int64_t> starts, std::vector<int64_t> steps,
+               Shape full_shape, const Loc& loc) {
+  const NodePtr& node = input(x, "unslice", loc);
+  check_strided_window("unslice", node->shape, full_shape, starts, steps, loc);
+  if (full_shape == node->shape) return Tensor(node);
+  Attrs attrs;
+  attrs.starts = std::move(starts);
+  attrs.steps = std::move(steps);
+  return Tensor(make_node(OpCode::Unslice, node->dtype, std::move(full_shape), {node},
+                          std::move(attrs), loc));
+}
+
+Tensor concat(const std::vector<Tensor>& xs, int64_t axis, const Loc& loc) {
+  if (xs.empty()) op_fail("concat", loc, "needs at least one tensor");
+  for (const Tensor& x : xs) input(x, "concat", loc);
+  const Shape& first = xs[0].shape();
+  if (first.empty()) op_fail("concat", loc, "cannot concatenate 0-d tensors (use stack)");
+  int64_t a = axis_or_fail(axis, first.size(), "concat", loc);
+  DType t = xs[0].dtype();
+  Shape out = first;
+  out[a] = 0;
+  for (const Tensor& x : xs) {
+    const Shape& s = x.shape();
+    bool ok = s.size() == first.size();
+    for (size_t i = 0; ok && i < s.size(); ++i) ok = static_cast<int64_t>(i) == a || s[i] == first[i];
+    if (!ok)
+      op_fail("concat", loc, "shapes {} and {} differ outside axis {}", to_string(first),
+              to_string(s), a);
+    out[a] += s[a];
+    t = promote(t, x.dtype());
+  }
+  if (xs.size() == 1) return Tensor(xs[0].node());
+  std::vector<NodePtr> nodes;
+  for (const Tensor& x : xs) nodes.push_back(conform(x, t, x.shape(), loc));
+  Attrs attrs;
+  attrs.axis = a;
+  return Tensor(make_node(OpCode::Concat, t, std::move(out), std::move(nodes), std::move(attrs), loc));
+}
+
+Tensor stack(const std::vector<Tensor>& xs, int64_t axis, const Loc& loc) {
+  CallSiteScope site(loc);
+  if (xs.empty()) op_fail("stack", loc, "needs at least one tensor");
+  for (const Tensor& x : xs) {
+    input(x, "stack", loc);
+    if (x.shape() != xs[0].shape())
+      op_fail("stack", loc, "all shapes must match: {} vs {}", to_string(xs[0].shape()),
+              to_string(x.shape()));
+  }
+  int64_t a = axis_or_fail(axis, xs[0].shape().size() + 1, "stack", loc);
+  std::vector<Tensor> expanded;
+  for (const Tensor& x : xs) expanded.push_back(unsqueeze(x, a, loc));
+  return concat(expanded, a, loc);
+}
+
+Tensor index_select(const Tensor& x, const Tensor& index, int64_t axis, const Loc& loc) {
+  const NodePtr& node = input(x, "index_select", loc);
+  const NodePtr& idx = input(index, "index_select", loc, "index");
+  check_index_dtype("index_select", index, loc);
+  if (node->shape.empty()) op_fail("index_select", loc, "cannot index a 0-d tensor");
+  int64_t a = axis_or_fail(axis, node->shape.size(), "index_select", loc);
+  Shape out(node->shape.begin(), node->shape.begin() + a);
+  out.insert(out.end(), idx->shape.begin(), idx->shape.end());
+  out.insert(out.end(), node->shape.begin() + a + 1, node->shape.end());
+  Attrs attrs;
+  attrs.axis = a;
+  return Tensor(make_node(OpCode::IndexSelect, node->dtype, std::move(out), {node, idx},
+                          std::move(attrs), loc));
+}
+
+Tensor index_add(const Tensor& base, const Tensor& index, const Tensor& source, int64_t axis,
+                 const Loc& loc) {
+  input(base, "index_add", loc, "base");
+  const NodePtr& idx = input(index, "index_add", loc, "index");
+  input(source, "index_add", loc, "source");
+  check_index_dtype("index_add", index, loc);
+  const Shape& bs = base.shape();
+  if (bs.empty()) op_fail("index_add", loc, "cannot index a 0-d tensor");
+  int64_t a = axis_or_fail(axis, bs.size(), "index_add", loc);
+  Shape expected(bs.begin(), bs.begin() + a);
+  expected.insert(expected.end(), idx->shape.begin(), idx->shape.end());
+  expected.insert(expected.end(), bs.begin() + a + 1, bs.end());
+  if (source.shape() != expected)
+    op_fail("index_add", loc, "source shape {} should be {} for base {} and index {}",
+            to_string(source.shape()), to_string(expected), to_string(bs), to_string(idx->shape));
+  DType t = promote(base.dtype(), source.dtype());
+  Attrs attrs;
+  attrs.axis = a;
+  return Tensor(make_node(OpCode::IndexAdd, t, bs,
+                          {conform(base, t, bs, loc), idx, conform(source, t, expected, loc)},
+                          std::move(attrs), loc));
+}
+
+namespace {
+void check_gather_index(const char* op, const Shape& data, const Shape& index, int64_t axis,
+                        const Loc& loc) {
+  bool ok = data.size() == index.size();
+  for (size_t i = 0; ok && i < data.size(); ++i)
+    ok = static_cast<int64_t>(i) == axis || index[i] <= data[i];
+  if (!ok)
+    op_fail(op, loc, "index shape {} must have the rank of {} and fit it outside axis {}",
+            to_string(index), to_string(data), axis);
+}
+}  // namespace
+
+Tensor gather(const Tensor& x, const Tensor& index, int64_t axis, const Loc& loc) {
+  const NodePtr& node = input(x, "gather", loc);
+  const NodePtr& idx = input(index, "gather", loc, "index");
+  check_index_dtype("gather", index, loc);
+  if (node->shape.empty()) op_fail("gather", loc, "cannot index a 0-d tensor");
+  int64_t a = axis_or_fail(axis, node->shape.size(), "gather", loc);
+  check_gather_index("gather", node->shape, idx->shape, a, loc);
+  Attrs attrs;
+  attrs.axis = a;
+  return Tensor(make_node(OpCode::Gather, node->dtype, idx->shape, {node, idx}, std::move(attrs),
+                          loc));
+}
+
+Tensor scatter_add(const Tensor& base, const Tensor& index, const Tensor& source, int64_t axis,
+                   const Loc& loc) {
+  input(base, "scatter_add", loc, "base");
+  const NodePtr& idx = input(index, "scatter_add", loc, "index");
+  input(source, "scatter_add", loc, "source");
+  check_index_dtype("scatter_add", index, loc);
+  const Shape& bs = base.shape();
+  if (bs.empty()) op_fail("scatter_add", loc, "cannot index a 0-d tensor");
+  int64_t a = axis_or_fail(axis, bs.size(), "scatter_add", loc);
+  check_gather_index("scatter_add", bs, idx->shape, a, loc);
+  if (source.shape() != idx->shape)
+    op_fail("scatter_add", loc, "source shape {} must equal index shape {}",
+            to_string(source.shape()), to_string(idx->shape));
+  DType t = promote(base.dtype(), source.dtype());
+  Attrs attrs;
+  attrs.axis = a;
+  return Tensor(make_node(OpCode::ScatterAdd, t, bs,
+                          {conform(base, t, bs, loc), idx, conform(source, t, idx->shape, loc)},
+                          std::move(attrs), loc));
+}
+
+Tensor embedding(const Tensor& weight, const Tensor& ids, const Loc& loc) {
+  input(weight, "embedding", loc, "weight");
+  if (weight.dim() != 2)
+    op_fail("embedding", loc, "weight must be [num, dim], got {}", to_string(weight.shape()));
+  return index_select(weight, ids, 0, loc);
+}
+
+Tensor one_hot(const Tensor& ids, int64_t num_classes, DType dtype, const Loc& loc) {
+  CallSiteScope site(loc);
+  input(ids, "one_hot", loc, "ids");
+  check_index_dtype("one_hot", ids, loc);
+  if (num_classes <= 0) op_fail("one_hot", loc, "num_classes must be positive, got {}", num_classes);
+  Tensor classes = arange(num_classes, ids.dtype(), loc);
+  return cast(eq(unsqueeze(ids, -1, loc), classes, loc), dtype, loc);
+}
+
+Tensor custom_op(const std::vector<Tensor>& inputs,
+                 const std::function<Tensor(const std::vector<Tensor>&)>& forward, CustomVjp vjp,
+                 const Loc& loc) {
+  std::vector<NodePtr> nodes{nullptr};
+  std::vector<Tensor> detached;
+  for (const Tensor& x : inputs) {
+    nodes.push_back(input(x, "custom_op", loc));
+    detached.push_back(x.detach());
+  }
+  if (!forward || !vjp) op_fail("custom_op", loc, "needs both a forward and a vjp function");
+  Tensor out;
+  {
+    NoGradGuard no_grad;
+    out = forward(detached);
+  }
+  if (!out.defined()) op_fail("custom_op", loc, "the forward function returned an undefined tensor");
+  nodes[0] = out.node();
+  Attrs attrs;
+  attrs.vjp = std::make_shared<CustomVjp>(std::move(vjp));
+  return Tensor(make_node(OpCode::Custom, out.dtype(), out.shape(), std::move(nodes),
+                          std::move(attrs), loc));
+}
+
+Tensor gelu_tanh_derivative(const Tensor& x) {
+  constexpr double k = 0.7978845608028654, c = 0.044715;
+  Tensor t = tanh((x + x * x * x * c) * k);
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * c * x * x);
+}
+
+}  // namespace mixtape

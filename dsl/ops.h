@@ -1,0 +1,121 @@
+// dsl/ops.h -- the functional API over primitive ops: builders that check shapes and dtypes.
+#pragma once
+
+#include <concepts>
+#include <vector>
+
+#include "dsl/tensor.h"
+
+namespace mixtape {
+
+// ---- pointwise ops generated from ops.def: mt::exp(x), mt::add(a, b), mt::lt(a, b), ... ----
+#define MT_UNARY(Name, fname, category, domain, REF, VJP) \
+  Tensor fname(const Tensor& x, const Loc& loc = Loc::current());
+#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
+  Tensor fname(const Tensor& a, const Tensor& b, const Loc& loc = Loc::current());
+#define MT_COMPARE(Name, fname, REF) \
+  Tensor fname(const Tensor& a, const Tensor& b, const Loc& loc = Loc::current());
+#include "dsl/ops.def"
+
+/// An operand of an overloaded operator: a tensor or a scalar, with the caller's source line.
+/// Scalars take the tensor operand's dtype (or f32 when a float scalar meets an integer tensor).
+struct Operand {
+  Tensor tensor;
+  double scalar = 0;
+  bool scalar_is_integral = false;
+  Loc loc;
+  Operand(const Tensor& t, const Loc& loc = Loc::current()) : tensor(t), loc(loc) {}
+  template <typename S>
+    requires std::is_arithmetic_v<S>
+  Operand(S s, const Loc& loc = Loc::current())
+      : scalar(static_cast<double>(s)), scalar_is_integral(std::is_integral_v<S>), loc(loc) {}
+};
+Tensor operator+(const Operand& a, const Operand& b);
+Tensor operator-(const Operand& a, const Operand& b);
+Tensor operator*(const Operand& a, const Operand& b);
+Tensor operator/(const Operand& a, const Operand& b);
+Tensor operator<(const Operand& a, const Operand& b);
+Tensor operator<=(const Operand& a, const Operand& b);
+Tensor operator>(const Operand& a, const Operand& b);
+Tensor operator>=(const Operand& a, const Operand& b);
+Tensor operator-(const Tensor& x);
+Tensor pow(const Tensor& x, double exponent, const Loc& loc = Loc::current());
+
+/// cond ? a : b elementwise, with broadcasting; cond must be bool.
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b, const Loc& loc = Loc::current());
+Tensor cast(const Tensor& x, DType dtype, const Loc& loc = Loc::current());
+
+// ---- reductions; empty axes = all axes ----
+Tensor sum(const Tensor& x, std::vector<int64_t> axes = {}, bool keepdim = false,
+           const Loc& loc = Loc::current());
+Tensor mean(const Tensor& x, std::vector<int64_t> axes = {}, bool keepdim = false,
+            const Loc& loc = Loc::current());
+/// Largest element (like torch.amax): ties share the gradient evenly. NaN wins.
+Tensor max(const Tensor& x, std::vector<int64_t> axes = {}, bool keepdim = false,
+           const Loc& loc = Loc::current());
+Tensor min(const Tensor& x, std::vector<int64_t> axes = {}, bool keepdim = false,
+           const Loc& loc = Loc::current());
+/// Index (i64) of the first largest element along `axis`; without an axis, of the flattened x.
+Tensor argmax(const Tensor& x, std::optional<int64_t> axis = std::nullopt, bool keepdim = false,
+              const Loc& loc = Loc::current());
+/// Population variance (divides by n), the form layer_norm uses.
+Tensor var(const Tensor& x, std::vector<int64_t> axes = {}, bool keepdim = false,
+           const Loc& loc = Loc::current());
+
+// ---- matmul: [..., m, k] x [..., k, n] with numpy batch broadcasting; 1-d operands as numpy ----
+Tensor matmul(const Tensor& a, const Tensor& b, bool transpose_a = false, bool transpose_b = false,
+              const Loc& loc = Loc::current());
+
+// ---- shape and data movement ----
+/// One dimension may be -1 (inferred).
+Tensor reshape(const Tensor& x, Shape shape, const Loc& loc = Loc::current());
+Tensor permute(const Tensor& x, std::vector<int64_t> perm, const Loc& loc = Loc::current());
+Tensor transpose(const Tensor& x, int64_t a = -2, int64_t b = -1, const Loc& loc = Loc::current());
+Tensor broadcast_to(const Tensor& x, Shape shape, const Loc& loc = Loc::current());
+Tensor unsqueeze(const Tensor& x, int64_t axis, const Loc& loc = Loc::current());
+Tensor squeeze(const Tensor& x, int64_t axis, const Loc& loc = Loc::current());
+Tensor flatten(const Tensor& x, int64_t start_axis = 0, int64_t end_axis = -1,
+               const Loc& loc = Loc::current());
+/// x[start:stop:step] along one axis; negative start/stop count from the end and are clamped
+/// like Python slices. step must be positive.
+Tensor slice(const Tensor& x, int64_t axis, int64_t start, int64_t stop, int64_t step = 1,
+             const Loc& loc = Loc::current());
+/// Strided slice over every axis at once: starts, steps per axis; the result has `shape`.
+Tensor slice(const Tensor& x, std::vector<int64_t> starts, std::vector<int64_t> steps, Shape shape,
+             const Loc& loc = Loc::current());
+/// The adjoint of slice: x placed at starts/steps inside zeros of `full_shape`.
+Tensor unslice(const Tensor& x, std::vector<int64_t> starts, std::vector<int64_t> steps,
+               Shape full_shape, const Loc& loc = Loc::current());
+Tensor concat(const std::vector<Tensor>& xs, int64_t axis = 0, const Loc& loc = Loc::current());
+Tensor stack(const std::vector<Tensor>& xs, int64_t axis = 0, const Loc& loc = Loc::current());
+
+// ---- indexing ----
+/// Rows of x along `axis` picked by integer `index` of any shape:
+/// result shape x.shape[:axis] + index.shape + x.shape[axis+1:].
+Tensor index_select(const Tensor& x, const Tensor& index, int64_t axis = 0,
+                    const Loc& loc = Loc::current());
+/// base with `source` added at the rows `index` names along `axis` (repeats accumulate).
+Tensor index_add(const Tensor& base, const Tensor& index, const Tensor& source, int64_t axis = 0,
+                 const Loc& loc = Loc::current());
+/// torch.gather / numpy take_along_axis: index has x's rank; result has index's shape.
+Tensor gather(const Tensor& x, const Tensor& index, int64_t axis, const Loc& loc = Loc::current());
+/// base plus source scattered to the positions index names along axis (repeats accumulate).
+Tensor scatter_add(const Tensor& base, const Tensor& index, const Tensor& source, int64_t axis,
+                   const Loc& loc = Loc::current());
+/// weight[ids]: [num, dim] table, integer ids of any shape -> ids.shape + [dim].
+Tensor embedding(const Tensor& weight, const Tensor& ids, const Loc& loc = Loc::current());
+/// [..., num_classes] of dtype with 1 at each id; ids outside [0, num_classes) give all zeros.
+Tensor one_hot(const Tensor& ids, int64_t num_classes, DType dtype = f32,
+               const Loc& loc = Loc::current());
+
+// ---- user-defined ops ----
+/// An op whose forward is `forward(inputs)` (traced without gradient) and whose gradient is
+/// `vjp(inputs, output, grad)`, returning one gradient (or an undefined Tensor) per input.
+Tensor custom_op(const std::vector<Tensor>& inputs,
+                 const std::function<Tensor(const std::vector<Tensor>&)>& forward, CustomVjp vjp,
+                 const Loc& loc = Loc::current());
+
+/// Used by ops.def vjp rules: d/dx of the tanh-form gelu.
+Tensor gelu_tanh_derivative(const Tensor& x);
+
+}  // namespace mixtape

@@ -1,0 +1,194 @@
+// dsl/optim.cpp -- optimizer updates written as graph code; one evaluation per step.
+#include "dsl/optim.h"
+
+#include <cmath>
+#include <numbers>
+
+#include "dsl/ops.h"
+
+namespace mixtape {
+namespace {
+
+Tensor* find_state(NamedTensors& state, const std::string& name) {
+  for (auto& [key, value] : state)
+    if (key == name) return &value;
+  return nullptr;
+}
+
+void set_state(NamedTensors& state, const std::string& name, Tensor value) {
+  if (Tensor* slot = find_state(state, name)) *slot = std::move(value);
+  else state.emplace_back(name, std::move(value));
+}
+
+}  // namespace
+
+Optimizer::Optimizer(std::vector<Tensor> params, const char* kind)
+    : params_(std::move(params)), state_(params_.size()), kind_(kind) {
+  if (params_.empty()) fail("{}: got an empty parameter list", kind_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].defined()) fail("{}: parameter {} is undefined", kind_, i);
+    if (!params_[i].requires_grad())
+      fail("{}: parameter {} does not require grad", kind_, i);
+  }
+}
+
+void Optimizer::set_lr(double lr) {
+  if (!(lr >= 0) || !std::isfinite(lr)) fail("{}: learning rate must be finite and >= 0, got {}", kind_, lr);
+  lr_ = lr;
+}
+
+void Optimizer::step() {
+  std::vector<size_t> updated;
+  std::vector<Tensor> new_params;
+  std::vector<NamedTensors> new_state;
+  {
+    NoGradGuard no_grad;
+    for (size_t i = 0; i < params_.size(); ++i) {
+      Tensor g = params_[i].grad();
+      if (!g.defined()) continue;
+      NamedTensors state = state_[i];
+      Tensor p(params_[i].node());
+      new_params.push_back(update(p, g.dtype() == p.dtype() ? g : cast(g, p.dtype()), state));
+      new_state.push_back(std::move(state));
+      updated.push_back(i);
+    }
+  }
+  if (updated.empty()) return;
+  std::vector<Tensor> outputs = new_params;
+  for (const NamedTensors& state : new_state)
+    for (const auto& [name, value] : state) outputs.push_back(value);
+  eval(outputs);  // the whole update as one program
+  for (size_t k = 0; k < updated.size(); ++k) {
+    size_t i = updated[k];
+    params_[i].assign(new_params[k]);
+    for (auto& [name, value] : new_state[k]) {
+      Tensor persistent = from_storage(value.node()->value, value.shape());
+      set_state(state_[i], name, persistent);
+    }
+  }
+  ++steps_;
+}
+
+void Optimizer::zero_grad() {
+  for (Tensor& p : params_) p.zero_grad();
+}
+
+NamedTensors Optimizer::state(size_t param_index) const {
+  if (param_index >= params_.size())
+    fail("{}: parameter index {} out of range ({} parameters)", kind_, param_index, params_.size());
+  return state_[param_index];
+}
+
+void Optimizer::load_state(size_t param_index, const NamedTensors& state) {
+  if (param_index >= params_.size())
+    fail("{}: parameter index {} out of range ({} parameters)", kind_, param_index, params_.size());
+  for (const auto& [name, value] : state)
+    if (!value.defined() || value.shape() != params_[param_index].shape())
+      fail("{}: state '{}' for parameter {} has shape {}, expected {}", kind_, name, param_index,
+           value.defined() ? to_string(value.shape()) : "undefined",
+           to_string(params_[param_index].shape()));
+  NamedTensors converted;
+  for (const auto& [name, value] : state) converted.emplace_back(name, cast(value, f32).detach());
+  state_[param_index] = converted;
+}
+
+void Optimizer::set_steps_taken(int64_t steps) {
+  if (steps < 0) fail("{}: step count must be non-negative, got {}", kind_, steps);
+  steps_ = steps;
+}
+
+SGD::SGD(std::vector<Tensor> params, SGDOptions options)
+    : Optimizer(std::move(params), "SGD"), options(options) {
+  set_lr(options.lr);
+  if (options.momentum < 0 || options.weight_decay < 0 || options.dampening < 0)
+    fail("SGD: momentum, dampening and weight_decay must be >= 0");
+  if (options.nesterov && (options.momentum <= 0 || options.dampening != 0))
+    fail("SGD: Nesterov momentum requires a momentum > 0 and zero dampening");
+}
+
+Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
+  Tensor g = grad;
+  if (options.weight_decay != 0) g = g + param * options.weight_decay;
+  if (options.momentum != 0) {
+    Tensor* previous = find_state(state, "momentum_buffer");
+    Tensor buffer = previous ? *previous * options.momentum + g * (1.0 - options.dampening) : g;
+    set_state(state, "momentum_buffer", buffer);
+    g = options.nesterov ? g + buffer * options.momentum : buffer;
+  }
+  return param - g * lr_;
+}
+
+Adam::Adam(std::vector<Tensor> params, AdamOptions options)
+    : Adam(std::move(params), options, "Adam", false) {}
+
+Adam::Adam(std::vector<Tensor> params, AdamOptions options, const char* kind, bool decoupled)
+    : Optimizer(std::move(params), kind), options(options), decoupled_(decoupled) {
+  set_lr(options.lr);
+  if (!(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1))
+    fail("{}: betas must be in [0, 1), got ({}, {})", kind, options.beta1, options.beta2);
+  if (!(options.eps > 0) || options.weight_decay < 0)
+    fail("{}: eps must be > 0 and weight_decay >= 0", kind);
+}
+
+Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
+  double t = static_cast<double>(steps_taken() + 1);
+  Tensor p = param, g = grad;
+  if (options.weight_decay != 0) {
+    if (decoupled_) p = p * (1.0 - lr_ * options.weight_decay);
+    else g = g + p * options.weight_decay;
+  }
+  Tensor* m_prev = find_state(state, "exp_avg");
+  Tensor* v_prev = find_state(state, "exp_avg_sq");
+  Tensor m = m_prev ? *m_prev * options.beta1 + g * (1 - options.beta1) : g * (1 - options.beta1);
+  Tensor v = v_prev ? *v_prev * options.beta2 + square(g) * (1 - options.beta2)
+                    : square(g) * (1 - options.beta2);
+  set_state(state, "exp_avg", m);
+  set_state(state, "exp_avg_sq", v);
+  // The same arrangement of the bias corrections as torch.optim.Adam, so results agree closely.
+  double bias1 = 1 - std::pow(options.beta1, t), bias2 = 1 - std::pow(options.beta2, t);
+  Tensor denom = sqrt(v) * (1.0 / std::sqrt(bias2)) + options.eps;
+  return p - m / denom * (lr_ / bias1);
+}
+
+AdamW::AdamW(std::vector<Tensor> params, AdamOptions options)
+    : Adam(std::move(params), options, "AdamW", true) {}
+
+Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
+  if (!(max_norm > 0)) fail("clip_grad_norm: max_norm must be > 0, got {}", max_norm);
+  NoGradGuard no_grad;
+  Tensor total;
+  for (const Tensor& p : params) {
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    Tensor squares = sum(square(cast(g, f32)));
+    total = total.defined() ? total + squares : squares;
+  }
+  if (!total.defined()) return scalar(0.0);
+  Tensor norm = sqrt(total);
+  Tensor coefficient = minimum(max_norm / (norm + 1e-6), scalar(1.0));
+  for (const Tensor& p : params) {
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    Tensor handle = p;
+    handle.set_grad(g * cast(coefficient, g.dtype()));
+  }
+  return norm;
+}
+
+CosineWithWarmup::CosineWithWarmup(double peak_lr, int64_t warmup_steps, int64_t total_steps,
+                                   double min_lr)
+    : peak_(peak_lr), min_(min_lr), warmup_(warmup_steps), total_(total_steps) {
+  if (warmup_steps < 0 || total_steps <= 0 || warmup_steps > total_steps)
+    fail("CosineWithWarmup: need 0 <= warmup_steps ({}) <= total_steps ({}) and total > 0",
+         warmup_steps, total_steps);
+  if (!(peak_lr >= 0) || !(min_lr >= 0)) fail("CosineWithWarmup: learning rates must be >= 0");
+}
+
+double CosineWithWarmup::lr(int64_t step) const {
+  if (step < warmup_) return peak_ * static_cast<double>(step + 1) / static_cast<double>(warmup_);
+  if (step >= total_) return min_;
+  double progress = static_cast<double>(step - warmup_) / static_cast<double>(total_ - warmup_);
+  return min_ + 0.5 * (peak_ - min_) * (1 + std::cos(std::numbers::pi * progress));
+}
+
+}  // namespace mixtape

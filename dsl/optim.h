@@ -1,0 +1,124 @@
+// dsl/optim.h -- optimizers (SGD, Adam, AdamW) as DSL code over persistent fp32 state, gradient
+// clipping and learning-rate schedules.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "dsl/module.h"
+
+namespace mixtape {
+
+/// Base of all optimizers: holds the parameters and their per-parameter state tensors.
+/// step() builds every update as graph code and evaluates them together as one program.
+class Optimizer {
+ public:
+  explicit Optimizer(std::vector<Tensor> params, const char* kind);
+  virtual ~Optimizer() = default;
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  /// Updates every parameter that has a gradient.
+  void step();
+  void zero_grad();
+  double lr() const { return lr_; }
+  void set_lr(double lr);
+  int64_t steps_taken() const { return steps_; }
+  const std::vector<Tensor>& params() const { return params_; }
+
+  /// Per-parameter state ("exp_avg", "exp_avg_sq", "momentum_buffer"), for checkpoints.
+  NamedTensors state(size_t param_index) const;
+  /// Restores state saved by state(); shapes must match. `steps` is the update count.
+  void load_state(size_t param_index, const NamedTensors& state);
+  void set_steps_taken(int64_t steps);
+
+ protected:
+  /// The updated parameter for `param` with gradient `grad`; writes new state into `state`.
+  virtual Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) = 0;
+  double lr_ = 0;
+
+ private:
+  std::vector<Tensor> params_;
+  std::vector<NamedTensors> state_;
+  int64_t steps_ = 0;
+  const char* kind_;
+};
+
+struct SGDOptions {
+  double lr = 0.01;
+  double momentum = 0;
+  double dampening = 0;
+  double weight_decay = 0;
+  bool nesterov = false;
+};
+
+/// Stochastic gradient descent with PyTorch's momentum, Nesterov and L2 weight-decay rules.
+class SGD : public Optimizer {
+ public:
+  SGD(std::vector<Tensor> params, SGDOptions options);
+  SGDOptions options;
+
+ protected:
+  Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
+};
+
+struct AdamOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0;
+};
+
+/// Adam (L2 weight decay added to the gradient), as torch.optim.Adam.
+class Adam : public Optimizer {
+ public:
+  Adam(std::vector<Tensor> params, AdamOptions options);
+  AdamOptions options;
+
+ protected:
+  Adam(std::vector<Tensor> params, AdamOptions options, const char* kind, bool decoupled);
+  Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
+
+ private:
+  bool decoupled_;
+};
+
+/// AdamW (decoupled weight decay, default 0.01), as torch.optim.AdamW.
+class AdamW : public Adam {
+ public:
+  AdamW(std::vector<Tensor> params, AdamOptions options = {.weight_decay = 0.01});
+};
+
+/// Scales all gradients so that their global L2 norm is at most max_norm; returns the norm
+/// before clipping (a graph value: reading it is the only host sync).
+Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm);
+
+/// Learning rate as a function of the step (0-based).
+class LRSchedule {
+ public:
+  virtual ~LRSchedule() = default;
+  virtual double lr(int64_t step) const = 0;
+};
+
+class ConstantLR : public LRSchedule {
+ public:
+  explicit ConstantLR(double lr) : lr_(lr) {}
+  double lr(int64_t) const override { return lr_; }
+
+ private:
+  double lr_;
+};
+
+/// Linear warmup from 0 to peak over warmup_steps, then cosine decay to min_lr at total_steps.
+class CosineWithWarmup : public LRSchedule {
+ public:
+  CosineWithWarmup(double peak_lr, int64_t warmup_steps, int64_t total_steps, double min_lr = 0);
+  double lr(int64_t step) const override;
+
+ private:
+  double peak_, min_;
+  int64_t warmup_, total_;
+};
+
+}  // namespace mixtape

@@ -1,0 +1,254 @@
+// dsl/tensor.cpp -- Tensor handle methods, evaluation requests and creation functions.
+#include "dsl/tensor.h"
+
+#include <cmath>
+
+#include "dsl/convert.h"
+#include "dsl/ops.h"
+
+namespace mixtape {
+
+Tensor::Tensor(NodePtr node) : impl_(std::make_shared<TensorImpl>()) {
+  impl_->node = std::move(node);
+}
+
+const NodePtr& Tensor::node() const {
+  if (!impl_) throw Error("use of an undefined tensor (default-constructed mt::Tensor)");
+  return impl_->node;
+}
+
+int64_t Tensor::size(int64_t axis) const {
+  const Shape& s = shape();
+  int64_t rank = static_cast<int64_t>(s.size());
+  if (axis < -rank || axis >= rank)
+    fail("size: axis {} is out of range for shape {}", axis, to_string(s));
+  return s[axis < 0 ? axis + rank : axis];
+}
+
+double Tensor::item() const {
+  if (numel() != 1)
+    fail("item: the tensor has {} elements (shape {}), not 1", numel(), to_string(shape()));
+  evaluate({node()});
+  return load_element<double>(*node()->value, 0);
+}
+
+template <typename T>
+std::vector<T> Tensor::to_vector() const {
+  evaluate({node()});
+  return load_all<T>(*node()->value);
+}
+template std::vector<float> Tensor::to_vector<float>() const;
+template std::vector<double> Tensor::to_vector<double>() const;
+template std::vector<int32_t> Tensor::to_vector<int32_t>() const;
+template std::vector<int64_t> Tensor::to_vector<int64_t>() const;
+
+template <>
+std::vector<bool> Tensor::to_vector<bool>() const {
+  evaluate({node()});
+  std::vector<bool> out(static_cast<size_t>(numel()));
+  for (int64_t i = 0; i < numel(); ++i) out[i] = load_element<double>(*node()->value, i) != 0;
+  return out;
+}
+
+Tensor& Tensor::requires_grad_(bool enabled) {
+  const NodePtr& n = node();
+  if (!is_leaf())
+    fail("requires_grad_: only leaf tensors (made from data or creation functions) can be marked; "
+         "this one is the result of '{}' — use detach() first",
+         op_name(n->op));
+  if (enabled && !is_floating(n->dtype))
+    fail("requires_grad_: only floating-point tensors can require gradients, got {}",
+         name(n->dtype));
+  n->requires_grad = enabled;
+  n->grad_owner = enabled ? std::weak_ptr<TensorImpl>(impl_) : std::weak_ptr<TensorImpl>();
+  return *this;
+}
+
+bool Tensor::is_leaf() const { return op_info(node()->op).kind == OpKind::Leaf; }
+
+Tensor Tensor::grad() const {
+  node();
+  return impl_->grad ? Tensor(impl_->grad) : Tensor();
+}
+
+void Tensor::set_grad(const Tensor& grad) {
+  node();
+  if (!grad.defined()) {
+    impl_->grad = nullptr;
+    return;
+  }
+  if (grad.shape() != shape())
+    fail("set_grad: gradient shape {} does not match tensor shape {}", to_string(grad.shape()),
+         to_string(shape()));
+  impl_->grad = grad.dtype() == dtype() ? grad.node() : cast(grad, dtype()).node();
+}
+
+void Tensor::zero_grad() {
+  node();
+  impl_->grad = nullptr;
+}
+
+Tensor Tensor::detach() const { return stop_gradient(*this); }
+
+void Tensor::assign(const Tensor& value, const Loc& loc) {
+  const NodePtr& current = node();
+  if (!value.defined()) op_fail("assign", loc, "the value is an undefined tensor");
+  if (value.shape() != current->shape || value.dtype() != current->dtype)
+    op_fail("assign", loc, "value {} {} does not match tensor {} {}", to_string(value.shape()),
+            name(value.dtype()), to_string(current->shape), name(current->dtype));
+  evaluate({value.node()});
+  auto leaf = make_node(OpCode::Constant, current->dtype, current->shape, {}, {}, loc);
+  leaf->value = value.node()->value;
+  leaf->module_path = current->module_path;
+  if (current->requires_grad) {
+    leaf->requires_grad = true;
+    leaf->grad_owner = impl_;
+  }
+  impl_->node = std::move(leaf);
+}
+
+Tensor Tensor::to(DType dtype, const Loc& loc) const { return cast(*this, dtype, loc); }
+Tensor Tensor::reshape(Shape shape, const Loc& loc) const {
+  return mixtape::reshape(*this, std::move(shape), loc);
+}
+Tensor Tensor::transpose(int64_t a, int64_t b, const Loc& loc) const {
+  return mixtape::transpose(*this, a, b, loc);
+}
+Tensor Tensor::sum(std::vector<int64_t> axes, bool keepdim, const Loc& loc) const {
+  return mixtape::sum(*this, std::move(axes), keepdim, loc);
+}
+Tensor Tensor::mean(std::vector<int64_t> axes, bool keepdim, const Loc& loc) const {
+  return mixtape::mean(*this, std::move(axes), keepdim, loc);
+}
+
+void eval(const std::vector<Tensor>& tensors) {
+  std::vector<NodePtr> nodes;
+  for (const Tensor& t : tensors) nodes.push_back(t.node());
+  evaluate(nodes);
+}
+
+// ---- creation ----
+namespace {
+
+void check_shape(const char* op, const Shape& shape, const Loc& loc) {
+  for (int64_t d : shape)
+    if (d < 0) op_fail(op, loc, "negative dimension in shape {}", to_string(shape));
+}
+
+Tensor leaf(OpCode op, DType dtype, Shape shape, Attrs attrs, const Loc& loc) {
+  return Tensor(make_node(op, dtype, std::move(shape), {}, std::move(attrs), loc));
+}
+
+}  // namespace
+
+template <typename T>
+Tensor tensor(std::span<const T> values, Shape shape, std::optional<DType> dtype, const Loc& loc) {
+  check_shape("tensor", shape, loc);
+  if (static_cast<int64_t>(values.size()) != numel(shape))
+    op_fail("tensor", loc, "{} values do not fill shape {} ({} elements)", values.size(),
+            to_string(shape), numel(shape));
+  DType t = dtype.value_or(dtype_of<T>());
+  auto storage = std::make_shared<Storage>(t, static_cast<int64_t>(values.size()));
+  for (size_t i = 0; i < values.size(); ++i) store_element(*storage, static_cast<int64_t>(i), values[i]);
+  return from_storage(std::move(storage), std::move(shape), loc);
+}
+template Tensor tensor<float>(std::span<const float>, Shape, std::optional<DType>, const Loc&);
+template Tensor tensor<double>(std::span<const double>, Shape, std::optional<DType>, const Loc&);
+template Tensor tensor<int32_t>(std::span<const int32_t>, Shape, std::optional<DType>, const Loc&);
+template Tensor tensor<int64_t>(std::span<const int64_t>, Shape, std::optional<DType>, const Loc&);
+
+template <>
+Tensor tensor<bool>(std::span<const bool> values, Shape shape, std::optional<DType> dtype,
+                    const Loc& loc) {
+  std::vector<uint8_t> bytes(values.begin(), values.end());
+  check_shape("tensor", shape, loc);
+  if (static_cast<int64_t>(values.size()) != numel(shape))
+    op_fail("tensor", loc, "{} values do not fill shape {}", values.size(), to_string(shape));
+  auto storage = std::make_shared<Storage>(dtype.value_or(boolean), numel(shape));
+  for (size_t i = 0; i < bytes.size(); ++i) store_element(*storage, static_cast<int64_t>(i), bytes[i]);
+  return from_storage(std::move(storage), std::move(shape), loc);
+}
+
+Tensor scalar(double value, DType dtype, const Loc& loc) {
+  Attrs attrs;
+  attrs.value = value;
+  return leaf(OpCode::Full, dtype, {}, std::move(attrs), loc);
+}
+
+Tensor from_storage(std::shared_ptr<Storage> storage, Shape shape, const Loc& loc) {
+  check_shape("from_storage", shape, loc);
+  if (!storage) op_fail("from_storage", loc, "storage is null");
+  if (storage->count != numel(shape) ||
+      storage->bytes.size() != static_cast<size_t>(storage->count) * size_of(storage->dtype))
+    op_fail("from_storage", loc, "storage of {} {} elements does not fit shape {}", storage->count,
+            name(storage->dtype), to_string(shape));
+  auto node = make_node(OpCode::Constant, storage->dtype, std::move(shape), {}, {}, loc);
+  node->value = std::move(storage);
+  return Tensor(std::move(node));
+}
+
+Tensor full(Shape shape, double value, DType dtype, const Loc& loc) {
+  check_shape("full", shape, loc);
+  Attrs attrs;
+  attrs.value = value;
+  return leaf(OpCode::Full, dtype, std::move(shape), std::move(attrs), loc);
+}
+Tensor zeros(Shape shape, DType dtype, const Loc& loc) { return full(std::move(shape), 0, dtype, loc); }
+Tensor ones(Shape shape, DType dtype, const Loc& loc) { return full(std::move(shape), 1, dtype, loc); }
+Tensor zeros_like(const Tensor& x, const Loc& loc) { return full(x.shape(), 0, x.dtype(), loc); }
+Tensor ones_like(const Tensor& x, const Loc& loc) { return full(x.shape(), 1, x.dtype(), loc); }
+Tensor full_like(const Tensor& x, double value, const Loc& loc) {
+  return full(x.shape(), value, x.dtype(), loc);
+}
+
+Tensor arange(double start, double stop, double step, DType dtype, const Loc& loc) {
+  if (step == 0 || !std::isfinite(start) || !std::isfinite(stop) || !std::isfinite(step))
+    op_fail("arange", loc, "needs finite start/stop and a non-zero step (got {}, {}, {})", start,
+            stop, step);
+  int64_t count = std::max<int64_t>(0, static_cast<int64_t>(std::ceil((stop - start) / step)));
+  Attrs attrs;
+  attrs.value = start;
+  attrs.step = step;
+  return leaf(OpCode::Arange, dtype, {count}, std::move(attrs), loc);
+}
+Tensor arange(int64_t n, DType dtype, const Loc& loc) {
+  if (n < 0) op_fail("arange", loc, "count must be non-negative, got {}", n);
+  return arange(0.0, static_cast<double>(n), 1.0, dtype, loc);
+}
+
+Generator& default_generator() {
+  static Generator generator(0);
+  return generator;
+}
+void manual_seed(uint64_t seed) { default_generator().manual_seed(seed); }
+
+namespace {
+Tensor random_leaf(OpCode op, const char* opname, Shape shape, DType dtype, Generator* gen,
+                   const Loc& loc) {
+  check_shape(opname, shape, loc);
+  if (!is_floating(dtype)) op_fail(opname, loc, "needs a floating dtype, got {}", name(dtype));
+  Generator& g = gen ? *gen : default_generator();
+  Attrs attrs;
+  attrs.seed = g.seed();
+  attrs.offset = g.advance(static_cast<uint64_t>(numel(shape)));
+  return leaf(op, dtype, std::move(shape), std::move(attrs), loc);
+}
+}  // namespace
+
+Tensor rand(Shape shape, DType dtype, Generator* gen, double low, double high, const Loc& loc) {
+  if (!(low < high)) op_fail("rand", loc, "needs low < high, got [{}, {})", low, high);
+  Tensor u = random_leaf(OpCode::RandUniform, "rand", std::move(shape), dtype, gen, loc);
+  if (low == 0 && high == 1) return u;
+  CallSiteScope site(loc);
+  return u * (high - low) + low;
+}
+
+Tensor randn(Shape shape, DType dtype, Generator* gen, double mean, double stddev, const Loc& loc) {
+  if (!(stddev >= 0)) op_fail("randn", loc, "stddev must be non-negative, got {}", stddev);
+  Tensor z = random_leaf(OpCode::RandNormal, "randn", std::move(shape), dtype, gen, loc);
+  if (mean == 0 && stddev == 1) return z;
+  CallSiteScope site(loc);
+  return z * stddev + mean;
+}
+
+}  // namespace mixtape

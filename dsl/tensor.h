@@ -1,0 +1,150 @@
+// dsl/tensor.h -- mt::Tensor, the user's handle to a lazy graph node, and tensor creation.
+#pragma once
+
+#include <concepts>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "dsl/graph.h"
+#include "dsl/node.h"
+
+namespace mixtape {
+
+/// Shared state behind every copy of one Tensor handle: the node it currently names and the
+/// gradient accumulated for it. Copies of a Tensor share this, so a parameter updated by an
+/// optimizer (assign) is updated for every holder, as in PyTorch.
+struct TensorImpl {
+  NodePtr node;
+  NodePtr grad;
+};
+
+class Tensor {
+ public:
+  Tensor() = default;  // undefined: no node; most operations on it throw mt::Error
+  explicit Tensor(NodePtr node);
+
+  bool defined() const { return impl_ != nullptr; }
+  const NodePtr& node() const;
+  const Shape& shape() const { return node()->shape; }
+  int64_t dim() const { return static_cast<int64_t>(shape().size()); }
+  int64_t size(int64_t axis) const;
+  int64_t numel() const { return node()->numel(); }
+  DType dtype() const { return node()->dtype; }
+
+  // ---- evaluation (each call evaluates what is not yet computed) ----
+  /// The single element as a double; mt::Error unless numel() == 1.
+  double item() const;
+  /// All elements converted to T, row-major.
+  template <typename T>
+  std::vector<T> to_vector() const;
+
+  // ---- autograd ----
+  /// Marks a leaf (a tensor made from data or by a creation function) as requiring gradients.
+  Tensor& requires_grad_(bool enabled = true);
+  bool requires_grad() const { return node()->requires_grad; }
+  bool is_leaf() const;
+  /// The gradient accumulated by backward(); undefined when none has been accumulated.
+  Tensor grad() const;
+  void set_grad(const Tensor& grad);
+  void zero_grad();
+  /// Accumulates d(this)/d(leaf) into leaf.grad() for every leaf that requires grad. `grad`
+  /// defaults to ones for a single-element tensor. Defined in autograd/.
+  void backward(const Tensor& grad = Tensor(), const Loc& loc = Loc::current()) const;
+  /// The same value, cut from the graph: no gradient flows through it.
+  Tensor detach() const;
+  /// Evaluates `value` and makes this handle (and every copy of it) a leaf holding that data.
+  /// Shape and dtype must match. Keeps requires_grad and the accumulated gradient.
+  void assign(const Tensor& value, const Loc& loc = Loc::current());
+
+  // ---- method spellings of common ops (see ops.h) ----
+  Tensor to(DType dtype, const Loc& loc = Loc::current()) const;
+  Tensor reshape(Shape shape, const Loc& loc = Loc::current()) const;
+  Tensor transpose(int64_t a = -2, int64_t b = -1, const Loc& loc = Loc::current()) const;
+  Tensor sum(std::vector<int64_t> axes = {}, bool keepdim = false,
+             const Loc& loc = Loc::current()) const;
+  Tensor mean(std::vector<int64_t> axes = {}, bool keepdim = false,
+              const Loc& loc = Loc::current()) const;
+
+  /// True when both handles share state (copies of one another).
+  bool same(const Tensor& other) const { return impl_ == other.impl_; }
+
+ private:
+  std::shared_ptr<TensorImpl> impl_;
+};
+
+/// Evaluates all given tensors in one go (one program for the reference executor).
+void eval(const std::vector<Tensor>& tensors);
+
+// ---- creation ----
+/// The dtype mixtape uses for host values of type T.
+template <typename T>
+constexpr DType dtype_of();
+template <> constexpr DType dtype_of<float>() { return f32; }
+template <> constexpr DType dtype_of<double>() { return f64; }
+template <> constexpr DType dtype_of<int32_t>() { return i32; }
+template <> constexpr DType dtype_of<int64_t>() { return i64; }
+template <> constexpr DType dtype_of<bool>() { return boolean; }
+
+/// A tensor holding a copy of `values` converted to `dtype` (f16/bf16 rounded to nearest even).
+template <typename T>
+Tensor tensor(std::span<const T> values, Shape shape, std::optional<DType> dtype = std::nullopt,
+              const Loc& loc = Loc::current());
+template <typename T>
+Tensor tensor(const std::vector<T>& values, Shape shape,
+              std::optional<DType> dtype = std::nullopt, const Loc& loc = Loc::current()) {
+  return tensor(std::span<const T>(values), std::move(shape), dtype, loc);
+}
+/// A 0-d tensor.
+Tensor scalar(double value, DType dtype = f32, const Loc& loc = Loc::current());
+/// A tensor that wraps already converted storage (its dtype and count must fit `shape`).
+Tensor from_storage(std::shared_ptr<Storage> storage, Shape shape,
+                    const Loc& loc = Loc::current());
+
+Tensor full(Shape shape, double value, DType dtype = f32, const Loc& loc = Loc::current());
+Tensor zeros(Shape shape, DType dtype = f32, const Loc& loc = Loc::current());
+Tensor ones(Shape shape, DType dtype = f32, const Loc& loc = Loc::current());
+Tensor zeros_like(const Tensor& x, const Loc& loc = Loc::current());
+Tensor ones_like(const Tensor& x, const Loc& loc = Loc::current());
+Tensor full_like(const Tensor& x, double value, const Loc& loc = Loc::current());
+/// start, start+step, ... below stop (as numpy.arange).
+Tensor arange(double start, double stop, double step = 1, DType dtype = i64,
+              const Loc& loc = Loc::current());
+Tensor arange(int64_t n, DType dtype = i64, const Loc& loc = Loc::current());
+
+/// Counter-based random streams (Philox4x32-10): a (seed, offset) pair fixes every value, so
+/// results are reproducible and the same on every back end.
+class Generator {
+ public:
+  explicit Generator(uint64_t seed = 0) : seed_(seed) {}
+  uint64_t seed() const { return seed_; }
+  uint64_t offset() const { return offset_; }
+  void manual_seed(uint64_t seed) {
+    seed_ = seed;
+    offset_ = 0;
+  }
+  /// Reserves `count` counters and returns the first.
+  uint64_t advance(uint64_t count) {
+    uint64_t first = offset_;
+    offset_ += count;
+    return first;
+  }
+
+ private:
+  uint64_t seed_;
+  uint64_t offset_ = 0;
+};
+/// The process-wide generator used when none is passed.
+Generator& default_generator();
+void manual_seed(uint64_t seed);
+
+/// Uniform in [low, high).
+Tensor rand(Shape shape, DType dtype = f32, Generator* gen = nullptr, double low = 0,
+            double high = 1, const Loc& loc = Loc::current());
+/// Normal with the given mean and standard deviation.
+Tensor randn(Shape shape, DType dtype = f32, Generator* gen = nullptr, double mean = 0,
+             double stddev = 1, const Loc& loc = Loc::current());
+
+}  // namespace mixtape

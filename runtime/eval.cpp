@@ -1,0 +1,33 @@
+// runtime/eval.cpp -- mt::evaluate: runs every unevaluated node an output needs, in tape order.
+#include <algorithm>
+#include <unordered_set>
+
+#include "dsl/graph.h"
+#include "runtime/reference_executor.h"
+
+namespace mixtape {
+
+void evaluate(const std::vector<NodePtr>& outputs) {
+  std::vector<Node*> pending;
+  std::unordered_set<Node*> seen;
+  std::vector<Node*> stack;
+  for (const NodePtr& output : outputs)
+    if (output && !output->evaluated()) stack.push_back(output.get());
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    pending.push_back(node);
+    for (const NodePtr& input : node->inputs)
+      if (!input->evaluated() && !seen.count(input.get())) stack.push_back(input.get());
+  }
+  // Inputs are always made before their users, so creation order is a topological order.
+  std::sort(pending.begin(), pending.end(), [](Node* a, Node* b) { return a->id < b->id; });
+  for (Node* node : pending) node->value = reference_compute(*node);
+  // No gradient will ever flow through these, so their producers are no longer needed: this is
+  // what keeps step-to-step chains (optimizer updates) from growing.
+  for (Node* node : pending)
+    if (!node->requires_grad) node->inputs.clear();
+}
+
+}  // namespace mixtape

@@ -1,0 +1,449 @@
+// runtime/reference_executor.cpp -- readable per-op loops; the oracle every back end is tested against.
+#include "runtime/reference_executor.h"
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+
+#include "dsl/convert.h"
+#include "dsl/error.h"
+#include "dsl/ops.h"
+#include "dsl/random.h"
+
+namespace mixtape {
+namespace {
+
+using StoragePtr = std::shared_ptr<Storage>;
+
+template <typename... Args>
+[[noreturn]] void node_fail(const Node& node, fmt::format_string<Args...> format, Args&&... args) {
+  std::string detail = fmt::format(format, std::forward<Args>(args)...);
+  std::string where = short_location(node.location);
+  if (!node.module_path.empty())
+    fail("{}: {} [module '{}', at {}]", op_name(node.op), detail, node.module_path, where);
+  fail("{}: {} [at {}]", op_name(node.op), detail, where);
+}
+
+template <typename T>
+bool is_nan(T a) {
+  if constexpr (std::is_floating_point_v<T>) return std::isnan(a);
+  else return false;
+}
+
+const Storage& value_of(const Node& node, size_t i) { return *node.inputs[i]->value; }
+
+StoragePtr new_storage(const Node& node) {
+  return std::make_shared<Storage>(node.dtype, node.numel());
+}
+
+// Calls f with a value of the compute type for elements of `dtype`.
+template <typename F>
+auto with_compute_type(DType dtype, F&& f) {
+  if (dtype == f64) return f(double{});
+  if (is_floating(dtype)) return f(float{});
+  return f(int64_t{});
+}
+
+// ---- pointwise ----
+template <typename F>
+StoragePtr map_unary(const Node& node, F f) {
+  StoragePtr out = new_storage(node);
+  with_compute_type(node.inputs[0]->dtype, [&](auto zero) {
+    using T = decltype(zero);
+    std::vector<T> a = load_all<T>(value_of(node, 0));
+    for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, static_cast<T>(f(a[i])));
+  });
+  return out;
+}
+
+template <typename F>
+StoragePtr map_binary(const Node& node, F f) {
+  StoragePtr out = new_storage(node);
+  with_compute_type(node.inputs[0]->dtype, [&](auto zero) {
+    using T = decltype(zero);
+    std::vector<T> a = load_all<T>(value_of(node, 0));
+    std::vector<T> b = load_all<T>(value_of(node, 1));
+    for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, f(a[i], b[i]));
+  });
+  return out;
+}
+
+StoragePtr ref_Where(const Node& node) {
+  StoragePtr out = new_storage(node);
+  std::vector<int64_t> cond = load_all<int64_t>(value_of(node, 0));
+  with_compute_type(node.dtype, [&](auto zero) {
+    using T = decltype(zero);
+    std::vector<T> a = load_all<T>(value_of(node, 1));
+    std::vector<T> b = load_all<T>(value_of(node, 2));
+    for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, cond[i] ? a[i] : b[i]);
+  });
+  return out;
+}
+
+StoragePtr ref_Cast(const Node& node) {
+  StoragePtr out = new_storage(node);
+  const Storage& in = value_of(node, 0);
+  if (is_floating(in.dtype) || is_floating(node.dtype)) {
+    // Through double, which holds every value of every source dtype up to 2^53 exactly.
+    for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, load_element<double>(in, i));
+  } else {
+    for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, load_element<int64_t>(in, i));
+  }
+  return out;
+}
+
+// ---- leaves ----
+StoragePtr ref_Constant(const Node& node) { node_fail(node, "constant has no data"); }
+
+StoragePtr ref_Full(const Node& node) {
+  StoragePtr out = new_storage(node);
+  for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, node.attrs.value);
+  return out;
+}
+
+StoragePtr ref_Arange(const Node& node) {
+  StoragePtr out = new_storage(node);
+  for (int64_t i = 0; i < out->count; ++i)
+    store_element(*out, i, node.attrs.value + static_cast<double>(i) * node.attrs.step);
+  return out;
+}
+
+StoragePtr ref_RandUniform(const Node& node) {
+  StoragePtr out = new_storage(node);
+  for (int64_t i = 0; i < out->count; ++i)
+    store_element(*out, i, philox_uniform(node.attrs.seed, node.attrs.offset, i));
+  return out;
+}
+
+StoragePtr ref_RandNormal(const Node& node) {
+  StoragePtr out = new_storage(node);
+  for (int64_t i = 0; i < out->count; ++i)
+    store_element(*out, i, philox_normal(node.attrs.seed, node.attrs.offset, i));
+  return out;
+}
+
+// ---- data movement: element copies by strided offsets ----
+// Copies each element of the output (of shape `shape`) from input offset
+// base + sum(index[d] * strides[d]).
+StoragePtr strided_copy(const Node& node, const Storage& in, const std::vector<int64_t>& strides,
+                        int64_t base) {
+  StoragePtr out = new_storage(node);
+  size_t bytes = size_of(node.dtype);
+  const Shape& shape = node.shape;
+  std::vector<int64_t> index(shape.size(), 0);
+  int64_t offset = base;
+  for (int64_t i = 0; i < out->count; ++i) {
+    std::memcpy(out->bytes.data() + i * bytes, in.bytes.data() + offset * bytes, bytes);
+    for (size_t d = shape.size(); d-- > 0;) {  // odometer increment
+      offset += strides[d];
+      if (++index[d] < shape[d]) break;
+      offset -= strides[d] * shape[d];
+      index[d] = 0;
+    }
+  }
+  return out;
+}
+
+StoragePtr ref_Reshape(const Node& node) { return node.inputs[0]->value; }
+
+StoragePtr ref_Permute(const Node& node) {
+  std::vector<int64_t> in_strides = strides_of(node.inputs[0]->shape), strides;
+  for (int64_t axis : node.attrs.axes) strides.push_back(in_strides[axis]);
+  return strided_copy(node, value_of(node, 0), strides, 0);
+}
+
+StoragePtr ref_BroadcastTo(const Node& node) {
+  const Shape& in = node.inputs[0]->shape;
+  std::vector<int64_t> in_strides = strides_of(in), strides(node.shape.size(), 0);
+  size_t lead = node.shape.size() - in.size();
+  for (size_t d = 0; d < in.size(); ++d) strides[lead + d] = in[d] == 1 ? 0 : in_strides[d];
+  return strided_copy(node, value_of(node, 0), strides, 0);
+}
+
+StoragePtr ref_Slice(const Node& node) {
+  std::vector<int64_t> in_strides = strides_of(node.inputs[0]->shape), strides;
+  int64_t base = 0;
+  for (size_t d = 0; d < in_strides.size(); ++d) {
+    strides.push_back(in_strides[d] * node.attrs.steps[d]);
+    base += node.attrs.starts[d] * in_strides[d];
+  }
+  return strided_copy(node, value_of(node, 0), strides, base);
+}
+
+StoragePtr ref_Unslice(const Node& node) {
+  StoragePtr out = new_storage(node);  // zero-initialized bytes are 0 in every dtype
+  const Storage& in = value_of(node, 0);
+  const Shape& window = node.inputs[0]->shape;
+  std::vector<int64_t> out_strides = strides_of(node.shape);
+  size_t bytes = size_of(node.dtype);
+  std::vector<int64_t> index(window.size(), 0);
+  for (int64_t i = 0; i < in.count; ++i) {
+    int64_t offset = 0;
+    for (size_t d = 0; d < window.size(); ++d)
+      offset += (node.attrs.starts[d] + index[d] * node.attrs.steps[d]) * out_strides[d];
+    std::memcpy(out->bytes.data() + offset * bytes, in.bytes.data() + i * bytes, bytes);
+    for (size_t d = window.size(); d-- > 0;) {
+      if (++index[d] < window[d]) break;
+      index[d] = 0;
+    }
+  }
+  return out;
+}
+
+StoragePtr ref_Concat(const Node& node) {
+  StoragePtr out = new_storage(node);
+  size_t bytes = size_of(node.dtype);
+  int64_t axis = node.attrs.axis;
+  int64_t outer = 1, inner = 1;
+  for (int64_t d = 0; d < axis; ++d) outer *= node.shape[d];
+  for (size_t d = axis + 1; d < node.shape.size(); ++d) inner *= node.shape[d];
+  int64_t out_row = node.shape[axis] * inner, column = 0;
+  for (const NodePtr& input : node.inputs) {
+    int64_t row = input->shape[axis] * inner;
+    for (int64_t o = 0; o < outer; ++o)
+      std::memcpy(out->bytes.data() + (o * out_row + column) * bytes,
+                  input->value->bytes.data() + o * row * bytes, row * bytes);
+    column += row;
+  }
+  return out;
+}
+
+// ---- reductions ----
+// For every input element, the flat index of the output element it reduces into.
+std::vector<int64_t> reduction_targets(const Shape& in, const std::vector<int64_t>& axes) {
+  std::vector<int64_t> kept_strides(in.size(), 0);
+  int64_t stride = 1;
+  for (size_t d = in.size(); d-- > 0;) {
+    bool reduced = std::find(axes.begin(), axes.end(), static_cast<int64_t>(d)) != axes.end();
+    if (!reduced) {
+      kept_strides[d] = stride;
+      stride *= in[d];
+    }
+  }
+  std::vector<int64_t> targets(static_cast<size_t>(numel(in)));
+  std::vector<int64_t> index(in.size(), 0);
+  int64_t offset = 0;
+  for (size_t i = 0; i < targets.size(); ++i) {
+    targets[i] = offset;
+    for (size_t d = in.size(); d-- > 0;) {
+      offset += kept_strides[d];
+      if (++index[d] < in[d]) break;
+      offset -= kept_strides[d] * in[d];
+      index[d] = 0;
+    }
+  }
+  return targets;
+}
+
+StoragePtr ref_Sum(const Node& node) {
+  StoragePtr out = new_storage(node);
+  std::vector<int64_t> targets = reduction_targets(node.inputs[0]->shape, node.attrs.axes);
+  auto accumulate = [&](auto zero) {
+    using T = decltype(zero);
+    std::vector<T> in = load_all<T>(value_of(node, 0));
+    std::vector<T> acc(static_cast<size_t>(out->count), T(0));
+    for (size_t i = 0; i < in.size(); ++i) acc[targets[i]] += in[i];
+    for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, acc[i]);
+  };
+  if (is_floating(node.dtype)) accumulate(double{});
+  else accumulate(int64_t{});
+  return out;
+}
+
+StoragePtr ref_Max(const Node& node) {
+  StoragePtr out = new_storage(node);
+  std::vector<int64_t> targets = reduction_targets(node.inputs[0]->shape, node.attrs.axes);
+  with_compute_type(node.dtype, [&](auto zero) {
+    using T = decltype(zero);
+    std::vector<T> in = load_all<T>(value_of(node, 0));
+    std::vector<T> best(static_cast<size_t>(out->count), std::numeric_limits<T>::lowest());
+    if constexpr (std::is_floating_point_v<T>)
+      std::fill(best.begin(), best.end(), -std::numeric_limits<T>::infinity());
+    for (size_t i = 0; i < in.size(); ++i) {
+      T& b = best[targets[i]];
+      if (is_nan(in[i]) || (!is_nan(b) && in[i] > b)) b = in[i];
+    }
+    for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, best[i]);
+  });
+  return out;
+}
+
+StoragePtr ref_Argmax(const Node& node) {
+  StoragePtr out = new_storage(node);
+  const Shape& shape = node.inputs[0]->shape;
+  int64_t axis = node.attrs.axes[0];
+  int64_t outer = 1, inner = 1, dim = shape[axis];
+  for (int64_t d = 0; d < axis; ++d) outer *= shape[d];
+  for (size_t d = axis + 1; d < shape.size(); ++d) inner *= shape[d];
+  std::vector<double> in = load_all<double>(value_of(node, 0));
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t i = 0; i < inner; ++i) {
+      int64_t best = 0;
+      double best_value = in[o * dim * inner + i];
+      for (int64_t k = 1; k < dim && !std::isnan(best_value); ++k) {
+        double v = in[(o * dim + k) * inner + i];
+        if (std::isnan(v) || v > best_value) {
+          best = k;
+          best_value = v;
+        }
+      }
+      out->as<int64_t>()[o * inner + i] = best;
+    }
+  return out;
+}
+
+// ---- matmul ----
+// Row-major [batch, rows, cols] copy of one operand in f64, transposed if asked.
+std::vector<double> matrix_operand(const Storage& in, int64_t batch, int64_t rows, int64_t cols,
+                                   bool transposed) {
+  std::vector<double> values = load_all<double>(in);
+  if (!transposed) return values;
+  std::vector<double> out(values.size());
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        out[(b * rows + r) * cols + c] = values[(b * cols + c) * rows + r];
+  return out;
+}
+
+StoragePtr ref_MatMul(const Node& node) {
+  StoragePtr out = new_storage(node);
+  const Shape& sa = node.inputs[0]->shape;
+  size_t rank = node.shape.size();
+  int64_t m = node.shape[rank - 2], n = node.shape[rank - 1];
+  int64_t k = node.attrs.transpose_a ? sa[rank - 2] : sa[rank - 1];
+  int64_t batch = numel(node.shape) / std::max<int64_t>(1, m * n);
+  if (m * n == 0) return out;
+  std::vector<double> a = matrix_operand(value_of(node, 0), batch, m, k, node.attrs.transpose_a);
+  std::vector<double> b = matrix_operand(value_of(node, 1), batch, k, n, node.attrs.transpose_b);
+  std::vector<double> row(static_cast<size_t>(n));
+  for (int64_t bi = 0; bi < batch; ++bi)
+    for (int64_t i = 0; i < m; ++i) {
+      std::fill(row.begin(), row.end(), 0.0);
+      const double* a_row = &a[(bi * m + i) * k];
+      for (int64_t p = 0; p < k; ++p) {
+        double av = a_row[p];
+        const double* b_row = &b[(bi * k + p) * n];
+        for (int64_t j = 0; j < n; ++j) row[j] += av * b_row[j];
+      }
+      for (int64_t j = 0; j < n; ++j) store_element(*out, (bi * m + i) * n + j, row[j]);
+    }
+  return out;
+}
+
+// ---- indexing ----
+int64_t checked_index(const Node& node, int64_t index, int64_t dim, int64_t axis) {
+  if (index < 0 || index >= dim)
+    node_fail(node, "index {} is out of range for axis {} of size {}", index, axis, dim);
+  return index;
+}
+
+StoragePtr ref_IndexSelect(const Node& node) {
+  StoragePtr out = new_storage(node);
+  const Shape& shape = node.inputs[0]->shape;
+  int64_t axis = node.attrs.axis, outer = 1, inner = 1, dim = shape[axis];
+  for (int64_t d = 0; d < axis; ++d) outer *= shape[d];
+  for (size_t d = axis + 1; d < shape.size(); ++d) inner *= shape[d];
+  std::vector<int64_t> index = load_all<int64_t>(value_of(node, 1));
+  int64_t count = static_cast<int64_t>(index.size());
+  size_t bytes = size_of(node.dtype);
+  const Storage& in = value_of(node, 0);
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t j = 0; j < count; ++j) {
+      int64_t row = checked_index(node, index[j], dim, axis);
+      std::memcpy(out->bytes.data() + ((o * count + j) * inner) * bytes,
+                  in.bytes.data() + ((o * dim + row) * inner) * bytes, inner * bytes);
+    }
+  return out;
+}
+
+StoragePtr ref_IndexAdd(const Node& node) {
+  StoragePtr out = new_storage(node);
+  const Shape& shape = node.shape;
+  int64_t axis = node.attrs.axis, outer = 1, inner = 1, dim = shape[axis];
+  for (int64_t d = 0; d < axis; ++d) outer *= shape[d];
+  for (size_t d = axis + 1; d < shape.size(); ++d) inner *= shape[d];
+  std::vector<int64_t> index = load_all<int64_t>(value_of(node, 1));
+  int64_t count = static_cast<int64_t>(index.size());
+  std::vector<double> acc = load_all<double>(value_of(node, 0));
+  std::vector<double> source = load_all<double>(value_of(node, 2));
+  for (int64_t o = 0; o < outer; ++o)
+    for (int64_t j = 0; j < count; ++j) {
+      int64_t row = checked_index(node, index[j], dim, axis);
+      for (int64_t i = 0; i < inner; ++i)
+        acc[(o * dim + row) * inner + i] += source[(o * count + j) * inner + i];
+    }
+  for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, acc[i]);
+  return out;
+}
+
+// Visits every element of `index_shape`, passing its flat position and the flat offset of the
+// element it names in a tensor of `data_shape` (with the index value substituted on `axis`).
+template <typename F>
+void for_each_gathered(const Node& node, const Shape& data_shape, const Shape& index_shape,
+                       const std::vector<int64_t>& index, int64_t axis, F visit) {
+  std::vector<int64_t> data_strides = strides_of(data_shape);
+  std::vector<int64_t> position(index_shape.size(), 0);
+  for (size_t i = 0; i < index.size(); ++i) {
+    int64_t offset = 0;
+    for (size_t d = 0; d < index_shape.size(); ++d) {
+      int64_t coordinate = static_cast<int64_t>(d) == axis
+                               ? checked_index(node, index[i], data_shape[d], axis)
+                               : position[d];
+      offset += coordinate * data_strides[d];
+    }
+    visit(static_cast<int64_t>(i), offset);
+    for (size_t d = index_shape.size(); d-- > 0;) {
+      if (++position[d] < index_shape[d]) break;
+      position[d] = 0;
+    }
+  }
+}
+
+StoragePtr ref_Gather(const Node& node) {
+  StoragePtr out = new_storage(node);
+  std::vector<int64_t> index = load_all<int64_t>(value_of(node, 1));
+  size_t bytes = size_of(node.dtype);
+  const Storage& in = value_of(node, 0);
+  for_each_gathered(node, node.inputs[0]->shape, node.shape, index, node.attrs.axis,
+                    [&](int64_t i, int64_t offset) {
+                      std::memcpy(out->bytes.data() + i * bytes, in.bytes.data() + offset * bytes,
+                                  bytes);
+                    });
+  return out;
+}
+
+StoragePtr ref_ScatterAdd(const Node& node) {
+  StoragePtr out = new_storage(node);
+  std::vector<int64_t> index = load_all<int64_t>(value_of(node, 1));
+  std::vector<double> acc = load_all<double>(value_of(node, 0));
+  std::vector<double> source = load_all<double>(value_of(node, 2));
+  for_each_gathered(node, node.shape, node.inputs[1]->shape, index, node.attrs.axis,
+                    [&](int64_t i, int64_t offset) { acc[offset] += source[i]; });
+  for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, acc[i]);
+  return out;
+}
+
+StoragePtr ref_Custom(const Node& node) { return node.inputs[0]->value; }
+
+}  // namespace
+
+std::shared_ptr<Storage> reference_compute(const Node& node) {
+  switch (node.op) {
+#define MT_OP(Name, fname, kind, arity, category) \
+  case OpCode::Name: return ref_##Name(node);
+#define MT_UNARY(Name, fname, category, domain, REF, VJP) \
+  case OpCode::Name:                                    \
+    return map_unary(node, [](auto a) { using T = decltype(a); return static_cast<T>(REF); });
+#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
+  case OpCode::Name:                                              \
+    return map_binary(node, [](auto a, auto b) { using T = decltype(a); return T(REF); });
+#define MT_COMPARE(Name, fname, REF) \
+  case OpCode::Name: return map_binary(node, [](auto a, auto b) { return REF; });
+#include "dsl/ops.def"
+  }
+  node_fail(node, "unknown op code {}", static_cast<int>(node.op));
+}
+
+}  // namespace mixtape
