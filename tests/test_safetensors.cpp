@@ -1,0 +1,733 @@
+// tests/test_safetensors.cpp -- JSON parsing and dumping, safetensors round trips, corruption
+// handling, atomic writes and interop with an independent Python reader and writer.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <bit>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <random>
+#include <set>
+#include <sstream>
+
+#include "dsl/error.h"
+#include "runtime/json.h"
+#include "runtime/safetensors.h"
+
+namespace mt = mixtape;
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace st = mt::safetensors;
+using mt::DType;
+using mt::json::Value;
+
+static_assert(std::endian::native == std::endian::little, "tests build tensor bytes natively");
+
+// Runs the statement and expects an mt::Error whose message contains the fragment. Any other
+// exception escapes and fails the test, which is the point: readers may only throw mt::Error.
+#define EXPECT_MT_ERROR(statement, fragment)                                                  \
+  do {                                                                                        \
+    try {                                                                                     \
+      statement;                                                                              \
+      ADD_FAILURE() << "no mt::Error from " #statement ", expected \"" << (fragment) << "\""; \
+    } catch (const mt::Error& error) {                                                        \
+      EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)                  \
+          << "message: " << error.what();                                                     \
+    }                                                                                         \
+  } while (0)
+
+template <typename T>
+std::vector<std::byte> to_bytes(const std::vector<T>& values) {
+  std::vector<std::byte> bytes(values.size() * sizeof(T));
+  if (!values.empty()) std::memcpy(bytes.data(), values.data(), bytes.size());
+  return bytes;
+}
+
+template <typename T>
+std::vector<T> from_bytes(const std::vector<std::byte>& bytes) {
+  std::vector<T> values(bytes.size() / sizeof(T));
+  if (!values.empty()) std::memcpy(values.data(), bytes.data(), bytes.size());
+  return values;
+}
+
+uint16_t bf16_bits(float value) {
+  return static_cast<uint16_t>(std::bit_cast<uint32_t>(value) >> 16);
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+void write_bytes(const fs::path& path, std::span<const std::byte> bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
+  ASSERT_TRUE(out.good()) << path;
+}
+
+std::set<std::string> listing(const fs::path& dir) {
+  std::set<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir))
+    names.insert(entry.path().filename().string());
+  return names;
+}
+
+// ---- JSON ----
+
+TEST(Json, ParsesScalarsAndKeepsIntegersExact) {
+  EXPECT_TRUE(mt::json::parse("null").is_null());
+  EXPECT_TRUE(mt::json::parse(" true ").as_bool());
+  EXPECT_FALSE(mt::json::parse("false").as_bool());
+  EXPECT_EQ(mt::json::parse("9007199254740993").as_int(), 9007199254740993);  // not a double
+  EXPECT_EQ(mt::json::parse("-9223372036854775808").as_int(), std::numeric_limits<int64_t>::min());
+  EXPECT_EQ(mt::json::parse("9223372036854775807").as_int(), std::numeric_limits<int64_t>::max());
+  Value beyond_int64 = mt::json::parse("9223372036854775808");
+  EXPECT_FALSE(beyond_int64.is_integer());
+  EXPECT_DOUBLE_EQ(beyond_int64.as_double(), 9223372036854775808.0);
+  EXPECT_DOUBLE_EQ(mt::json::parse("-1.25e-3").as_double(), -1.25e-3);
+  EXPECT_FALSE(mt::json::parse("1.0").is_integer());
+  EXPECT_EQ(mt::json::parse("1e-400").as_double(), 0.0);  // underflow is not an error
+  EXPECT_EQ(mt::json::parse("0e99999").as_double(), 0.0);
+  EXPECT_EQ(mt::json::parse("\"a\\\"\\\\\\/\\b\\f\\n\\r\\t\"").as_string(), "a\"\\/\b\f\n\r\t");
+  EXPECT_EQ(mt::json::parse("\"\\u00e9\\u20AC\"").as_string(), "\u00e9\u20ac");
+  EXPECT_EQ(mt::json::parse("\"\\ud83d\\ude00\"").as_string(), "\xF0\x9F\x98\x80");
+  EXPECT_EQ(mt::json::parse("\"\\u0000\"").as_string(), std::string(1, '\0'));
+  EXPECT_EQ(mt::json::parse("\"caf\xC3\xA9 \xF0\x9F\x98\x80\"").as_string(),
+            "caf\u00e9 \U0001F600");
+}
+
+TEST(Json, ParsesContainersInOrder) {
+  Value v = mt::json::parse(" {\"z\": [1, 2.5, \"x\", {}], \"a\": {\"n\": null}, \"m\": []} ");
+  ASSERT_TRUE(v.is_object());
+  ASSERT_EQ(v.size(), 3u);
+  EXPECT_EQ(v.as_object()[0].first, "z");
+  EXPECT_EQ(v.as_object()[1].first, "a");
+  EXPECT_EQ(v.at("z").at(0).as_int(), 1);
+  EXPECT_DOUBLE_EQ(v.at("z").at(1).as_double(), 2.5);
+  EXPECT_EQ(v.at("z").at(2).as_string(), "x");
+  EXPECT_EQ(v.at("z").at(3).size(), 0u);
+  EXPECT_TRUE(v.at("a").at("n").is_null());
+  EXPECT_EQ(v.find("missing"), nullptr);
+  EXPECT_EQ(mt::json::dump(v), R"({"z":[1,2.5,"x",{}],"a":{"n":null},"m":[]})");
+}
+
+TEST(Json, DumpsDeterministicallyAndEscapes) {
+  Value report = mt::json::Object{};
+  report.set("name", "quote\" back\\ nl\n tab\t ctl\x01 del\x7f \u00e9");
+  report.set("count", 3);
+  report.set("ratio", 0.5);
+  report.set("whole", 2.0);
+  report.set("flags", mt::json::Array{true, false, nullptr});
+  report.set("count", 4);  // replaces in place, keeps position
+  EXPECT_EQ(mt::json::dump(report),
+            "{\"name\":\"quote\\\" back\\\\ nl\\n tab\\t ctl\\u0001 del\x7f \u00e9\","
+            "\"count\":4,\"ratio\":0.5,\"whole\":2.0,\"flags\":[true,false,null]}");
+  EXPECT_EQ(mt::json::parse(mt::json::dump(report)), report);
+}
+
+TEST(Json, DoublesRoundTripBitExactly) {
+  for (double d : {0.1, 1.0 / 3.0, -1e300, 5e-324, 2.2250738585072014e-308, 1e21, 123456789.0, -0.0,
+                   std::numeric_limits<double>::max(), 0.30000000000000004}) {
+    std::string text = mt::json::dump(d);
+    Value back = mt::json::parse(text);
+    EXPECT_FALSE(back.is_integer()) << text;
+    EXPECT_EQ(std::bit_cast<uint64_t>(back.as_double()), std::bit_cast<uint64_t>(d)) << text;
+  }
+  EXPECT_MT_ERROR(mt::json::dump(std::nan("")), "cannot represent");
+  EXPECT_MT_ERROR(mt::json::dump(std::numeric_limits<double>::infinity()), "cannot represent");
+  EXPECT_MT_ERROR(mt::json::dump("bad \xFF utf8"), "UTF-8");
+}
+
+TEST(Json, AccessorsNameTheMismatch) {
+  EXPECT_MT_ERROR(Value(1).as_string(), "expected string, got number");
+  EXPECT_MT_ERROR(Value("x").as_int(), "expected number, got string");
+  EXPECT_MT_ERROR(Value(1.5).as_int(), "integer");
+  EXPECT_MT_ERROR(Value().as_array(), "expected array, got null");
+  EXPECT_MT_ERROR(Value(true).as_object(), "expected object, got bool");
+  EXPECT_MT_ERROR(mt::json::parse("{}").at("dtype"), "missing key \"dtype\"");
+  EXPECT_MT_ERROR(mt::json::parse("[1]").at(1), "out of range");
+  EXPECT_MT_ERROR(Value(std::numeric_limits<uint64_t>::max()), "does not fit");
+  EXPECT_MT_ERROR(Value(3).size(), "array or object");
+}
+
+TEST(Json, RejectsMalformedInputWithOffset) {
+  struct Case {
+    std::string text;
+    std::string fragment;
+  };
+  const std::vector<Case> cases = {
+      {"", "byte 0"},
+      {"   ", "byte 3"},
+      {"tru", "invalid literal"},
+      {"nul", "invalid literal"},
+      {"[1,]", "byte 3"},
+      {"[1 2]", "byte 3"},
+      {"[1,,2]", "byte 3"},
+      {"{\"a\":1,}", "byte 7"},
+      {"{\"a\" 1}", "expected ':'"},
+      {"{1:2}", "string key"},
+      {"{'a':1}", "string key"},
+      {"01", "leading zeros"},
+      {"-01", "leading zeros"},
+      {"1.", "after '.'"},
+      {".5", "expected a value"},
+      {"+1", "expected a value"},
+      {"-", "expected a digit"},
+      {"1e", "exponent"},
+      {"1e+", "exponent"},
+      {"NaN", "expected a value"},
+      {"Infinity", "expected a value"},
+      {"-Infinity", "expected a digit"},
+      {"1e400", "out of range"},
+      {"-1e400", "out of range"},
+      {"1" + std::string(400, '0'), "out of range"},
+      {"\"abc", "unterminated"},
+      {"\"\\x\"", "invalid escape"},
+      {"\"\\", "invalid escape"},
+      {"\"\\u12\"", "four hex digits"},
+      {"\"\\u12G4\"", "four hex digits"},
+      {"\"\\u+123\"", "four hex digits"},
+      {"\"\\u-123\"", "four hex digits"},
+      {"\"\\u 123\"", "four hex digits"},
+      {"\"\\ud800\"", "low surrogate"},
+      {"\"\\ud800\\u0041\"", "low surrogate"},
+      {"\"\\ud800\\n\"", "low surrogate"},
+      {"\"\\udc00\"", "unpaired low surrogate"},
+      {"\"a\tb\"", "control character"},
+      {std::string("\"a\0b\"", 5), "control character"},
+      {"\"\xFF\"", "UTF-8"},
+      {"\"\xC0\xAF\"", "UTF-8"},          // overlong '/'
+      {"\"\xED\xA0\x80\"", "UTF-8"},      // encoded surrogate
+      {"\"\xF4\x90\x80\x80\"", "UTF-8"},  // above U+10FFFF
+      {"\"\xE2\x82\"", "UTF-8"},          // truncated sequence
+      {"[1] x", "trailing"},
+      {"{} {}", "trailing"},
+      {"{\"a\":1,\"b\":2,\"a\":3}", "duplicate key \"a\" at byte 13"},
+      {"[true false]", "expected ','"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.text);
+    EXPECT_MT_ERROR(mt::json::parse(c.text), c.fragment);
+    EXPECT_MT_ERROR(mt::json::parse(c.text), "json: ");
+  }
+}
+
+TEST(Json, LimitsNestingDepth) {
+  auto nested = [](int depth) { return std::string(depth, '[') + std::string(depth, ']'); };
+  EXPECT_NO_THROW(mt::json::parse(nested(mt::json::max_depth)));
+  EXPECT_MT_ERROR(mt::json::parse(nested(mt::json::max_depth + 1)), "nesting deeper than 64");
+  std::string objects;
+  for (int i = 0; i <= mt::json::max_depth; ++i) objects += "{\"k\":";
+  EXPECT_MT_ERROR(mt::json::parse(objects + "1" + std::string(65, '}')), "nesting deeper");
+  // Far too deep for the stack if the limit were missing.
+  EXPECT_MT_ERROR(mt::json::parse(std::string(1'000'000, '[')), "nesting deeper");
+}
+
+// ---- safetensors ----
+
+struct Expected {
+  std::string name;
+  std::string dtype;
+  std::vector<int64_t> shape;
+  Value values;
+};
+
+st::TensorData tensor(std::string name, DType dtype, std::vector<int64_t> shape,
+                      std::vector<std::byte> bytes) {
+  return {std::move(name), dtype, std::move(shape), std::move(bytes)};
+}
+
+// Every dtype, a 0-d tensor, empty tensors and metadata that needs escaping.
+st::File sample_file() {
+  st::File file;
+  file.tensors.push_back(tensor("layer.0.weight", DType::f32, {2, 3},
+                                to_bytes<float>({1.5f, -2.25f, 0.0f, 1024.0f, 0.125f, -7.0f})));
+  file.tensors.push_back(tensor("stats", DType::f64, {3}, to_bytes<double>({0.1, -1e300, 5e-324})));
+  file.tensors.push_back(tensor("scale", DType::f16, {}, to_bytes<uint16_t>({0x3E00})));  // 1.5
+  file.tensors.push_back(tensor("bf", DType::bf16, {2, 2},
+                                to_bytes<uint16_t>({bf16_bits(1.0f), bf16_bits(-0.5f),
+                                                    bf16_bits(256.0f), bf16_bits(3.140625f)})));
+  file.tensors.push_back(tensor("empty_i32", DType::i32, {0}, {}));
+  file.tensors.push_back(
+      tensor("steps", DType::i64, {3},
+             to_bytes<int64_t>({9007199254740993, -5, std::numeric_limits<int64_t>::min()})));
+  file.tensors.push_back(tensor("empty_f64", DType::f64, {0, 3}, {}));
+  file.tensors.push_back(tensor("mask", DType::boolean, {2, 1}, to_bytes<uint8_t>({1, 0})));
+  file.metadata = {{"format", "pt"}, {"note", "\u00fcn\u00efc\u00f6d\u00e9 \"quoted\"\n"}};
+  return file;
+}
+
+// What an independent reader should find in sample_file(), values decoded to plain numbers.
+std::vector<Expected> sample_expectations() {
+  using mt::json::Array;
+  return {
+      {"layer.0.weight", "F32", {2, 3}, Array{1.5, -2.25, 0.0, 1024.0, 0.125, -7.0}},
+      {"stats", "F64", {3}, Array{0.1, -1e300, 5e-324}},
+      {"scale", "F16", {}, Array{1.5}},
+      {"bf", "BF16", {2, 2}, Array{1.0, -0.5, 256.0, 3.140625}},
+      {"empty_i32", "I32", {0}, Array{}},
+      {"steps", "I64", {3}, Array{9007199254740993, -5, std::numeric_limits<int64_t>::min()}},
+      {"empty_f64", "F64", {0, 3}, Array{}},
+      {"mask", "BOOL", {2, 1}, Array{true, false}},
+  };
+}
+
+void expect_same(const st::File& actual, const st::File& expected) {
+  ASSERT_EQ(actual.tensors.size(), expected.tensors.size());
+  for (size_t i = 0; i < expected.tensors.size(); ++i) {
+    SCOPED_TRACE(expected.tensors[i].name);
+    EXPECT_EQ(actual.tensors[i].name, expected.tensors[i].name);
+    EXPECT_EQ(actual.tensors[i].dtype, expected.tensors[i].dtype);
+    EXPECT_EQ(actual.tensors[i].shape, expected.tensors[i].shape);
+    EXPECT_EQ(actual.tensors[i].bytes, expected.tensors[i].bytes);
+  }
+  EXPECT_EQ(actual.metadata, expected.metadata);
+}
+
+class SafetensorsFiles : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           fmt::format("mixtape_st_{}_{}", ::getpid(),
+                       ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override {
+    if (!dir_.empty()) fs::remove_all(dir_);
+  }
+
+  fs::path dir_;
+};
+
+TEST(Safetensors, RoundTripsEveryDtypeInMemory) {
+  st::File file = sample_file();
+  std::vector<std::byte> bytes = st::serialize(file);
+  uint64_t header_length = 0;
+  std::memcpy(&header_length, bytes.data(), 8);
+  EXPECT_EQ(header_length % 8, 0u) << "header must be padded to 8 bytes";
+  EXPECT_EQ(static_cast<char>(bytes[8]), '{');
+  expect_same(st::parse(bytes, "memory"), file);
+
+  const st::TensorData* scale = file.find("scale");
+  ASSERT_NE(scale, nullptr);
+  EXPECT_TRUE(scale->shape.empty());
+  EXPECT_EQ(file.find("nope"), nullptr);
+}
+
+TEST(Safetensors, EmptyFileAndNoMetadata) {
+  st::File empty;
+  std::vector<std::byte> bytes = st::serialize(empty);
+  EXPECT_EQ(bytes.size(), 16u);  // "{}" padded to 8
+  st::File back = st::parse(bytes, "memory");
+  EXPECT_TRUE(back.tensors.empty());
+  EXPECT_TRUE(back.metadata.empty());
+}
+
+TEST_F(SafetensorsFiles, RoundTripsThroughDiskAndOverwrites) {
+  std::string path = dir_ / "model.safetensors";
+  st::File file = sample_file();
+  st::write(path, file);
+  expect_same(st::read(path), file);
+  EXPECT_EQ(listing(dir_), std::set<std::string>{"model.safetensors"});
+
+  file.tensors.resize(1);
+  file.metadata.clear();
+  st::write(path, file);
+  expect_same(st::read(path), file);
+  EXPECT_EQ(listing(dir_), std::set<std::string>{"model.safetensors"});
+}
+
+TEST_F(SafetensorsFiles, WriterRejectsInvalidFilesWithoutTouchingDisk) {
+  std::string path = dir_ / "bad.safetensors";
+  auto with = [](auto edit) {
+    st::File file = sample_file();
+    edit(file);
+    return file;
+  };
+  EXPECT_MT_ERROR(st::write(path, with([](st::File& f) { f.tensors[0].bytes.pop_back(); })),
+                  "needs 24");
+  EXPECT_MT_ERROR(st::write(path, with([](st::File& f) { f.tensors[1].name = "scale"; })),
+                  "duplicate tensor name 'scale'");
+  EXPECT_MT_ERROR(st::write(path, with([](st::File& f) { f.tensors[1].name = ""; })), "empty");
+  EXPECT_MT_ERROR(st::write(path, with([](st::File& f) { f.tensors[1].name = "__metadata__"; })),
+                  "reserved");
+  EXPECT_MT_ERROR(st::write(path, with([](st::File& f) { f.tensors[1].name = "bad\xFF"; })),
+                  "valid UTF-8");
+  EXPECT_MT_ERROR(st::write(path, with([](st::File& f) { f.metadata[0].second = "\xC0\xAF"; })),
+                  "valid UTF-8");
+  EXPECT_MT_ERROR(st::write(path, with([](st::File& f) { f.tensors[4].shape = {-1}; })),
+                  "negative");
+  EXPECT_MT_ERROR(st::write(path, with([](st::File& f) {
+                              f.metadata.push_back({"format", "x"});
+                            })),
+                  "duplicate metadata key");
+  EXPECT_MT_ERROR(st::write(path, with([](st::File& f) {
+                              f.tensors[0].shape = {int64_t{1} << 40, int64_t{1} << 40};
+                            })),
+                  "too large");
+  EXPECT_MT_ERROR(st::serialize(with([](st::File& f) { f.tensors[2].shape = {2}; })), "needs 4");
+  EXPECT_MT_ERROR(st::write(path, with([](st::File& f) { f.tensors[2].shape = {2}; })), path);
+  EXPECT_TRUE(listing(dir_).empty());
+}
+
+// A header and data section assembled by hand, so each reader rule can be broken in isolation.
+std::vector<std::byte> hand_made(std::string_view header, size_t data_bytes) {
+  std::vector<std::byte> bytes(8 + header.size() + data_bytes, std::byte{0x11});
+  uint64_t length = header.size();
+  std::memcpy(bytes.data(), &length, 8);
+  std::memcpy(bytes.data() + 8, header.data(), header.size());
+  return bytes;
+}
+
+TEST(Safetensors, ReaderValidatesEveryHeaderRule) {
+  const std::string good = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  ASSERT_EQ(st::parse(hand_made(good, 8), "hand").tensors.size(), 1u);
+  ASSERT_EQ(st::parse(hand_made(good + "    ", 8), "hand").tensors.size(), 1u);
+
+  struct Case {
+    std::string header;
+    size_t data_bytes;
+    std::string fragment;
+  };
+  auto entry = [](std::string body) { return "{\"a\":{" + body + "}}"; };
+  const std::vector<Case> cases = {
+      {"not json", 8, "not valid JSON"},
+      {good + "x", 8, "trailing"},
+      {"", 0, "not valid JSON"},
+      {"[]", 0, "must be a JSON object, got array"},
+      {"\"a\"", 0, "must be a JSON object, got string"},
+      {R"({"a":[1]})", 0, "tensor 'a': expected an object"},
+      {entry(R"("shape":[2],"data_offsets":[0,8])"), 8, "missing field 'dtype'"},
+      {entry(R"("dtype":"F32","data_offsets":[0,8])"), 8, "missing field 'shape'"},
+      {entry(R"("dtype":"F32","shape":[2])"), 8, "missing field 'data_offsets'"},
+      {entry(R"("dtype":"F32","shape":[2],"data_offsets":[0,8],"extra":1)"), 8,
+       "unexpected field 'extra'"},
+      {entry(R"("dtype":32,"shape":[2],"data_offsets":[0,8])"), 8, "'dtype' must be a string"},
+      {entry(R"("dtype":"F8_E4M3","shape":[2],"data_offsets":[0,2])"), 2,
+       "unknown dtype 'F8_E4M3'"},
+      {entry(R"("dtype":"f32","shape":[2],"data_offsets":[0,8])"), 8, "unknown dtype 'f32'"},
+      {entry(R"("dtype":"F32","shape":2,"data_offsets":[0,8])"), 8, "'shape' must be"},
+      {entry(R"("dtype":"F32","shape":[-2],"data_offsets":[0,8])"), 8, "'shape' must be"},
+      {entry(R"("dtype":"F32","shape":[2.5],"data_offsets":[0,8])"), 8, "'shape' must be"},
+      {entry(R"("dtype":"F32","shape":[2.0],"data_offsets":[0,8])"), 8, "'shape' must be"},
+      {entry(R"("dtype":"F32","shape":["2"],"data_offsets":[0,8])"), 8, "'shape' must be"},
+      {entry(R"("dtype":"F32","shape":[1e30],"data_offsets":[0,8])"), 8, "'shape' must be"},
+      {entry(R"("dtype":"F32","shape":[2],"data_offsets":[8])"), 8, "'data_offsets' must be"},
+      {entry(R"("dtype":"F32","shape":[2],"data_offsets":[0,8,8])"), 8, "'data_offsets' must be"},
+      {entry(R"("dtype":"F32","shape":[2],"data_offsets":[-1,7])"), 8, "'data_offsets' must be"},
+      {entry(R"("dtype":"F32","shape":[2],"data_offsets":[0,8.0])"), 8, "'data_offsets' must be"},
+      {entry(R"("dtype":"F32","shape":[2],"data_offsets":{"0":8})"), 8, "'data_offsets' must be"},
+      {entry(R"("dtype":"F32","shape":[0],"data_offsets":[8,0])"), 8, "begin 8 is after end 0"},
+      {entry(R"("dtype":"F32","shape":[2],"data_offsets":[0,8])"), 4, "beyond the 4-byte data"},
+      {entry(R"("dtype":"F32","shape":[2],"data_offsets":[0,18446744073709551615])"), 8,
+       "'data_offsets' must be"},
+      {entry(R"("dtype":"F32","shape":[3],"data_offsets":[0,8])"), 8,
+       "span 8 bytes but F32 with shape [3] needs 12"},
+      {entry(R"("dtype":"F64","shape":[2],"data_offsets":[0,8])"), 8, "needs 16"},
+      {entry(R"("dtype":"F32","shape":[4294967296,4294967296,16],"data_offsets":[0,8])"), 8,
+       "too large"},
+      {entry(R"("dtype":"I64","shape":[9223372036854775807,3],"data_offsets":[0,8])"), 8,
+       "too large"},
+      {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+       R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+       12, "tensors 'a' [0, 8) and 'b' [4, 12) overlap"},
+      {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+       R"("b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
+       8, "overlap"},
+      {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+       R"("b":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})",
+       8, "overlap"},
+      {R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+       R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
+       12, "bytes [4, 8) belong to no tensor"},
+      {R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8,
+       "bytes [0, 4) belong to no tensor"},
+      {good, 12, "bytes [8, 12) belong to no tensor"},
+      {"{}", 4, "bytes [0, 4) belong to no tensor"},
+      {R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+       R"("a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+       8, "duplicate key \"a\""},
+      {R"({"":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8, "empty tensor name"},
+      {R"({"__metadata__":{"k":1},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8,
+       "metadata 'k' must be a string, got number"},
+      {R"({"__metadata__":{"k":null},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8,
+       "metadata 'k' must be a string"},
+      {R"({"__metadata__":["k"],"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8,
+       "'__metadata__' must be an object"},
+      {R"({"__metadata__":{"k":"v","k":"w"}})", 0, "duplicate key"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.header);
+    EXPECT_MT_ERROR(st::parse(hand_made(c.header, c.data_bytes), "hand-edited.st"), c.fragment);
+    EXPECT_MT_ERROR(st::parse(hand_made(c.header, c.data_bytes), "hand-edited.st"),
+                    "hand-edited.st: ");
+  }
+
+  // A zero dim makes a tensor empty however large the other dims are.
+  std::string huge_but_empty =
+      entry(R"("dtype":"F64","shape":[9223372036854775807,0,9223372036854775807],)"
+            R"("data_offsets":[0,0])");
+  EXPECT_EQ(st::parse(hand_made(huge_but_empty, 0), "hand").tensors.at(0).bytes.size(), 0u);
+}
+
+TEST(Safetensors, ReaderRejectsBadHeaderLengths) {
+  std::vector<std::byte> bytes = st::serialize(sample_file());
+  auto with_length = [&](uint64_t length) {
+    std::vector<std::byte> edited = bytes;
+    std::memcpy(edited.data(), &length, 8);
+    return edited;
+  };
+  EXPECT_MT_ERROR(st::parse(with_length(~uint64_t{0}), "huge.st"), "exceeds the limit");
+  EXPECT_MT_ERROR(st::parse(with_length(uint64_t{1} << 63), "huge.st"), "exceeds the limit");
+  EXPECT_MT_ERROR(st::parse(with_length(st::max_header_bytes + 1), "huge.st"), "exceeds the limit");
+  EXPECT_MT_ERROR(st::parse(with_length(bytes.size() - 7), "long.st"), "runs past the end");
+  EXPECT_MT_ERROR(st::parse(with_length(0), "zero.st"), "not valid JSON");
+  EXPECT_MT_ERROR(st::parse(with_length(16), "short.st"), "not valid JSON");
+}
+
+TEST_F(SafetensorsFiles, EveryTruncationIsAnError) {
+  st::File file;
+  file.tensors.push_back(tensor("w", DType::f32, {3}, to_bytes<float>({1, 2, 3})));
+  file.tensors.push_back(tensor("b", DType::i64, {}, to_bytes<int64_t>({7})));
+  file.metadata = {{"k", "v"}};
+  std::vector<std::byte> bytes = st::serialize(file);
+  std::string path = dir_ / "cut.safetensors";
+  for (size_t length = 0; length < bytes.size(); ++length) {
+    SCOPED_TRACE(length);
+    std::span<const std::byte> prefix(bytes.data(), length);
+    EXPECT_MT_ERROR(st::parse(prefix, "cut.st"), "cut.st: ");
+    write_bytes(path, prefix);
+    EXPECT_MT_ERROR(st::read(path), path);
+  }
+  write_bytes(path, bytes);
+  expect_same(st::read(path), file);
+}
+
+// Random byte corruption anywhere in the file must end in a clean mt::Error or a valid File.
+TEST(Safetensors, RandomCorruptionNeverCrashes) {
+  std::vector<std::byte> bytes = st::serialize(sample_file());
+  std::mt19937 rng(1234);
+  std::uniform_int_distribution<size_t> position(0, bytes.size() - 1);
+  std::uniform_int_distribution<int> value(0, 255);
+  int rejected = 0;
+  for (int trial = 0; trial < 3000; ++trial) {
+    std::vector<std::byte> corrupt = bytes;
+    for (int flips = 1 + trial % 3; flips > 0; --flips)
+      corrupt[position(rng)] = static_cast<std::byte>(value(rng));
+    try {
+      st::parse(corrupt, "fuzz");
+    } catch (const mt::Error&) {
+      ++rejected;
+    }
+  }
+  EXPECT_GT(rejected, 1000);
+}
+
+TEST_F(SafetensorsFiles, ReadReportsMissingAndNonRegularFiles) {
+  std::string missing = dir_ / "missing.safetensors";
+  EXPECT_MT_ERROR(st::read(missing), missing);
+  EXPECT_MT_ERROR(st::read(dir_.string()), "not a regular file");
+  std::string fifo = dir_ / "fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_MT_ERROR(st::read(fifo), "not a regular file");  // and must not block
+}
+
+TEST_F(SafetensorsFiles, WriteFailuresLeaveNothingBehind) {
+  st::File file = sample_file();
+
+  // A regular file where a directory should be: creating the temporary fails.
+  write_bytes(dir_ / "blocker", std::vector<std::byte>(3));
+  std::string under_file = dir_ / "blocker" / "model.safetensors";
+  EXPECT_MT_ERROR(st::write(under_file, file), under_file);
+  EXPECT_EQ(listing(dir_), std::set<std::string>{"blocker"});
+
+  // /proc refuses new files even for root.
+  std::string in_proc = "/proc/mixtape_cannot_write.safetensors";
+  EXPECT_MT_ERROR(st::write(in_proc, file), in_proc);
+  EXPECT_FALSE(fs::exists(in_proc));
+  EXPECT_FALSE(fs::exists(in_proc + ".tmp." + std::to_string(::getpid())));
+
+  // The temporary is written fine but cannot be renamed over a directory: it must be removed.
+  fs::create_directories(dir_ / "occupied" / "inside");
+  std::string onto_dir = dir_ / "occupied";
+  EXPECT_MT_ERROR(st::write(onto_dir, file), "renaming");
+  EXPECT_EQ(listing(dir_), (std::set<std::string>{"blocker", "occupied"}));
+  EXPECT_TRUE(fs::is_directory(onto_dir));
+}
+
+// ---- interop with an independent implementation of the format ----
+
+constexpr const char* python = "/usr/bin/python3";
+
+// Decodes a file with nothing but struct and json, and compares it with what the C++ side
+// says it wrote; also cross-checks with the safetensors package when that is installed.
+constexpr const char* python_reader = R"PY(
+import json, math, struct, sys
+
+path, expected_path = sys.argv[1], sys.argv[2]
+data = open(path, 'rb').read()
+expected = json.load(open(expected_path, encoding='utf-8'))
+(n,) = struct.unpack('<Q', data[:8])
+assert n % 8 == 0, 'header length %d not a multiple of 8' % n
+header = json.loads(data[8:8 + n].decode('utf-8'))
+body = data[8 + n:]
+assert header.pop('__metadata__') == expected['metadata'], 'metadata differs'
+names = [t['name'] for t in expected['tensors']]
+assert list(header) == names, ('names', list(header), names)
+formats = {'F32': 'f', 'F64': 'd', 'F16': 'e', 'BF16': 'H', 'I32': 'i', 'I64': 'q', 'BOOL': '?'}
+cursor = 0
+for t in expected['tensors']:
+    entry = header[t['name']]
+    assert sorted(entry) == ['data_offsets', 'dtype', 'shape'], entry
+    assert entry['dtype'] == t['dtype'], (entry, t)
+    assert entry['shape'] == t['shape'], (entry, t)
+    begin, end = entry['data_offsets']
+    assert begin == cursor, ('gap or overlap before', t['name'])
+    cursor = end
+    code = formats[entry['dtype']]
+    count = math.prod(entry['shape'])
+    assert end - begin == count * struct.calcsize(code), ('size', t['name'])
+    values = list(struct.unpack('<%d%s' % (count, code), body[begin:end]))
+    if entry['dtype'] == 'BF16':
+        values = [struct.unpack('<f', struct.pack('<I', v << 16))[0] for v in values]
+    assert values == t['values'], (t['name'], values, t['values'])
+assert cursor == len(body), 'data section not fully covered'
+
+try:
+    from safetensors import safe_open
+except ImportError:
+    safe_open = None
+if safe_open is not None:
+    with safe_open(path, framework='pt') as f:
+        assert sorted(f.keys()) == sorted(names)
+        for t in expected['tensors']:
+            assert list(f.get_tensor(t['name']).shape) == t['shape']
+print('ok')
+)PY";
+
+// Writes a file byte by byte per the spec, keys sorted (unlike the data order) and non-ASCII
+// metadata escaped as \uXXXX, as Python's json module does by default.
+constexpr const char* python_writer = R"PY(
+import json, struct, sys
+
+bf16 = b''.join(struct.pack('<f', v)[2:] for v in [1.0, -0.5, 256.0, 3.140625, 0.0, -2.0])
+tensors = [
+    ('weight.bf16', 'BF16', [2, 3], bf16),
+    ('counts', 'I64', [4], struct.pack('<4q', 1, -2, 2**62, -2**63)),
+    ('scale', 'F16', [], struct.pack('<e', -0.25)),
+    ('mask', 'BOOL', [0, 5], b''),
+]
+header = {'__metadata__': {'format': 'pt', 'author': 'python \u00fc \U0001F600'}}
+body = b''
+for name, dtype, shape, raw in tensors:
+    offsets = [len(body), len(body) + len(raw)]
+    header[name] = {'dtype': dtype, 'shape': shape, 'data_offsets': offsets}
+    body += raw
+text = json.dumps(header, sort_keys=True).encode('ascii')
+text += b' ' * (-len(text) % 8)
+with open(sys.argv[1], 'wb') as f:
+    f.write(struct.pack('<Q', len(text)) + text + body)
+)PY";
+
+class PythonInterop : public SafetensorsFiles {
+ protected:
+  void SetUp() override {
+    if (::access(python, X_OK) != 0) GTEST_SKIP() << python << " not found; interop not checked";
+    SafetensorsFiles::SetUp();
+  }
+
+  // Runs a script with arguments; returns its combined output, failing the test on nonzero exit.
+  std::string run_python(const char* script, const std::vector<std::string>& args) {
+    fs::path script_path = dir_ / "script.py";
+    fs::path output_path = dir_ / "python_output.txt";
+    std::ofstream(script_path) << script;
+    std::string command = fmt::format("{} '{}'", python, script_path.string());
+    for (const std::string& arg : args) command += fmt::format(" '{}'", arg);
+    command += fmt::format(" > '{}' 2>&1", output_path.string());
+    int status = std::system(command.c_str());
+    std::string output = read_text(output_path);
+    EXPECT_EQ(status, 0) << "python failed:\n" << output;
+    return output;
+  }
+};
+
+TEST_F(PythonInterop, PythonReadsWhatMixtapeWrites) {
+  std::string path = dir_ / "from_cpp.safetensors";
+  st::File file = sample_file();
+  st::write(path, file);
+
+  Value expected = mt::json::Object{};
+  Value metadata = mt::json::Object{};
+  for (const auto& [key, value] : file.metadata) metadata.set(key, value);
+  expected.set("metadata", metadata);
+  mt::json::Array tensors;
+  for (const Expected& e : sample_expectations()) {
+    tensors.push_back(mt::json::Object{{"name", e.name},
+                                       {"dtype", e.dtype},
+                                       {"shape", mt::json::Array(e.shape.begin(), e.shape.end())},
+                                       {"values", e.values}});
+  }
+  expected.set("tensors", std::move(tensors));
+  std::string expected_path = dir_ / "expected.json";
+  std::ofstream(expected_path) << mt::json::dump(expected);
+
+  EXPECT_NE(run_python(python_reader, {path, expected_path}).find("ok"), std::string::npos);
+}
+
+TEST_F(PythonInterop, MixtapeReadsWhatPythonWrites) {
+  std::string path = dir_ / "from_python.safetensors";
+  run_python(python_writer, {path});
+  st::File file = st::read(path);
+
+  // Tensors come back in data order, not the header's sorted key order.
+  ASSERT_EQ(file.tensors.size(), 4u);
+  EXPECT_EQ(file.tensors[0].name, "weight.bf16");
+  EXPECT_EQ(file.tensors[1].name, "counts");
+  EXPECT_EQ(file.tensors[2].name, "scale");
+  EXPECT_EQ(file.tensors[3].name, "mask");
+
+  const st::TensorData& weight = file.tensors[0];
+  EXPECT_EQ(weight.dtype, DType::bf16);
+  EXPECT_EQ(weight.shape, (std::vector<int64_t>{2, 3}));
+  std::vector<uint16_t> expected_bf16;
+  for (float v : {1.0f, -0.5f, 256.0f, 3.140625f, 0.0f, -2.0f})
+    expected_bf16.push_back(bf16_bits(v));
+  EXPECT_EQ(from_bytes<uint16_t>(weight.bytes), expected_bf16);
+
+  const st::TensorData& counts = file.tensors[1];
+  EXPECT_EQ(counts.dtype, DType::i64);
+  EXPECT_EQ(counts.shape, (std::vector<int64_t>{4}));
+  EXPECT_EQ(from_bytes<int64_t>(counts.bytes),
+            (std::vector<int64_t>{1, -2, int64_t{1} << 62, std::numeric_limits<int64_t>::min()}));
+
+  const st::TensorData& scale = file.tensors[2];
+  EXPECT_EQ(scale.dtype, DType::f16);
+  EXPECT_TRUE(scale.shape.empty());
+  EXPECT_EQ(from_bytes<uint16_t>(scale.bytes), std::vector<uint16_t>{0xB400});  // -0.25
+
+  const st::TensorData& mask = file.tensors[3];
+  EXPECT_EQ(mask.dtype, DType::boolean);
+  EXPECT_EQ(mask.shape, (std::vector<int64_t>{0, 5}));
+  EXPECT_TRUE(mask.bytes.empty());
+
+  using Metadata = std::vector<std::pair<std::string, std::string>>;
+  EXPECT_EQ(file.metadata, (Metadata{{"author", "python \u00fc \U0001F600"}, {"format", "pt"}}));
+
+  // And mixtape's own rewrite of it reads back identically.
+  std::string rewritten = dir_ / "rewritten.safetensors";
+  st::write(rewritten, file);
+  expect_same(st::read(rewritten), file);
+}
+
+}  // namespace
