@@ -1,0 +1,165 @@
+// examples/digits_mlp.cpp -- the demo: an MLP trained on the UCI handwritten digits.
+#include <mixtape/mixtape.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+namespace mt = mixtape;
+
+namespace {
+
+struct DigitsMLP : mt::Module {
+  mt::Linear fc1{64, 128}, fc2{128, 128}, fc3{128, 10};
+  DigitsMLP() {
+    register_module("fc1", fc1);
+    register_module("fc2", fc2);
+    register_module("fc3", fc3);
+  }
+  mt::Tensor operator()(const mt::Tensor& x) const { return fc3(mt::relu(fc2(mt::relu(fc1(x))))); }
+};
+
+struct Options {
+  int64_t steps = 1000;
+  int64_t batch = 64;
+  double lr = -1;  // per-optimizer default below
+  std::string optimizer = "adamw";
+  uint64_t seed = 0;
+  bool shuffle = true;
+  std::string load, save;
+  bool json_only = false;
+};
+
+[[noreturn]] void usage(const char* problem) {
+  std::fprintf(stderr,
+               "digits_mlp: %s\n"
+               "usage: digits_mlp [--steps N] [--batch N] [--lr X] [--optimizer sgd|adamw]\n"
+               "                  [--seed N] [--no-shuffle] [--load FILE] [--save FILE] [--json]\n",
+               problem);
+  std::exit(2);
+}
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) usage(("missing value for " + flag).c_str());
+      return argv[++i];
+    };
+    auto number = [&](const std::string& text) {
+      char* end = nullptr;
+      double v = std::strtod(text.c_str(), &end);
+      if (text.empty() || *end != '\0') usage(("not a number for " + flag + ": " + text).c_str());
+      return v;
+    };
+    if (flag == "--steps") o.steps = static_cast<int64_t>(number(value()));
+    else if (flag == "--batch") o.batch = static_cast<int64_t>(number(value()));
+    else if (flag == "--lr") o.lr = number(value());
+    else if (flag == "--optimizer") o.optimizer = value();
+    else if (flag == "--seed") o.seed = static_cast<uint64_t>(number(value()));
+    else if (flag == "--no-shuffle") o.shuffle = false;
+    else if (flag == "--load") o.load = value();
+    else if (flag == "--save") o.save = value();
+    else if (flag == "--json") o.json_only = true;
+    else if (flag == "--help" || flag == "-h") usage("help");
+    else usage(("unknown flag " + flag).c_str());
+  }
+  if (o.steps < 1) usage("--steps must be at least 1");
+  if (o.batch < 1 || o.batch > 1437) usage("--batch must be in [1, 1437]");
+  if (o.optimizer != "sgd" && o.optimizer != "adamw") usage("--optimizer must be sgd or adamw");
+  if (o.lr < 0) o.lr = o.optimizer == "sgd" ? 0.1 : 2e-3;
+  return o;
+}
+
+mt::TensorDataset split(const mt::Digits& digits, int64_t begin, int64_t end) {
+  std::vector<float> pixels(digits.pixels.begin() + begin * 64, digits.pixels.begin() + end * 64);
+  for (float& p : pixels) p /= 16.0f;
+  std::vector<int64_t> labels(digits.labels.begin() + begin, digits.labels.begin() + end);
+  return mt::TensorDataset(std::move(pixels), {64}, std::move(labels));
+}
+
+void progress(const Options& o, bool terminal, int64_t step, double loss, double rate) {
+  if (o.json_only) return;
+  if (terminal) {
+    int width = 30, done = static_cast<int>(width * step / o.steps);
+    std::printf("\r[%-*s] step %lld/%lld  loss %.4f  %.0f steps/s", width,
+                std::string(done, '#').c_str(), static_cast<long long>(step),
+                static_cast<long long>(o.steps), loss, rate);
+    if (step == o.steps) std::printf("\n");
+    std::fflush(stdout);
+  } else {
+    std::printf("step %lld loss %.4f steps/s %.1f\n", static_cast<long long>(step), loss, rate);
+  }
+}
+
+int run(const Options& o) {
+  mt::manual_seed(o.seed);
+  mt::Digits digits = mt::load_digits(mt::default_data_dir() + "/digits.csv.gz");
+  if (digits.count() != 1797) mt::fail("digits: expected 1797 rows, found {}", digits.count());
+  mt::TensorDataset train = split(digits, 0, 1437), test = split(digits, 1437, 1797);
+
+  DigitsMLP net;
+  if (!o.load.empty()) mt::load_checkpoint(o.load, net);
+  std::unique_ptr<mt::Optimizer> optimizer;
+  if (o.optimizer == "sgd")
+    optimizer = std::make_unique<mt::SGD>(net.parameters(), mt::SGDOptions{.lr = o.lr, .momentum = 0.9});
+  else
+    optimizer = std::make_unique<mt::AdamW>(net.parameters(), mt::AdamOptions{.lr = o.lr, .weight_decay = 0.01});
+
+  mt::DataLoader loader(train, o.batch, o.shuffle, o.seed);
+  bool terminal = isatty(STDOUT_FILENO) != 0;
+  int64_t report_every = std::max<int64_t>(1, o.steps / (terminal ? 100 : 10));
+  double loss_value = 0;
+  auto start = std::chrono::steady_clock::now();
+  for (int64_t step = 1; step <= o.steps; ++step) {
+    mt::Batch batch = loader.next();
+    optimizer->zero_grad();
+    mt::Tensor loss = mt::cross_entropy(net(batch.inputs), batch.targets);
+    loss.backward();
+    optimizer->step();
+    if (step % report_every == 0 || step == o.steps) {
+      loss_value = loss.item();
+      double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      progress(o, terminal, step, loss_value, static_cast<double>(step) / seconds);
+    }
+  }
+  double train_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  net.eval();
+  mt::NoGradGuard no_grad;
+  std::vector<int64_t> all(static_cast<size_t>(test.size()));
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
+  mt::Batch test_batch = test.get_batch(all);
+  std::vector<int64_t> predicted = mt::argmax(net(test_batch.inputs), -1).to_vector<int64_t>();
+  std::vector<int64_t> labels = test_batch.targets.to_vector<int64_t>();
+  int64_t correct = 0;
+  for (size_t i = 0; i < labels.size(); ++i) correct += predicted[i] == labels[i];
+  double accuracy = static_cast<double>(correct) / static_cast<double>(labels.size());
+
+  if (!o.save.empty()) mt::save_checkpoint(o.save, net, optimizer.get());
+  if (!o.json_only)
+    std::printf("test accuracy %.2f%% (%lld/%zu), %lld steps in %.1f s\n", accuracy * 100,
+                static_cast<long long>(correct), labels.size(), static_cast<long long>(o.steps),
+                train_seconds);
+  std::printf("{\"example\":\"digits_mlp\",\"test_accuracy\":%.4f,\"final_loss\":%.6f,"
+              "\"steps\":%lld,\"train_seconds\":%.3f,\"optimizer\":\"%s\",\"batch\":%lld}\n",
+              accuracy, loss_value, static_cast<long long>(o.steps), train_seconds,
+              o.optimizer.c_str(), static_cast<long long>(o.batch));
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options = parse(argc, argv);
+  try {
+    return run(options);
+  } catch (const mt::Error& e) {
+    std::fprintf(stderr, "digits_mlp: error: %s\n", e.what());
+    return 1;
+  }
+}

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# tools/install_deps.sh -- installs the Debian packages mixtape needs (only those missing).
+# Usage: tools/install_deps.sh [--test]   (--test adds what the test suite needs: GoogleTest,
+# PyTorch and numpy for the oracle tests). Safe to run again: installs nothing when all is there.
+set -euo pipefail
+packages=(g++ cmake make libfmt-dev zlib1g-dev)
+if [[ "${1:-}" == "--test" ]]; then
+  packages+=(libgtest-dev libgmock-dev python3 python3-torch python3-numpy)
+fi
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if ((${#missing[@]} == 0)); then
+  exit 0
+fi
+if [[ $(id -u) -ne 0 ]]; then
+  echo "install_deps: missing Debian packages: ${missing[*]} (run as root, or install them)" >&2
+  exit 1
+fi
+echo "install_deps: installing ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# tools/test.sh -- installs what the tests need, builds everything and runs the whole test suite.
+# MIXTAPE_SANITIZE=1 builds and runs it under AddressSanitizer + UndefinedBehaviorSanitizer
+# in build-asan/ instead.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+tools/install_deps.sh --test
+if [[ "${MIXTAPE_SANITIZE:-0}" == 1 ]]; then
+  dir=build-asan
+  flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo -DMIXTAPE_SANITIZE=ON)
+  export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1 UBSAN_OPTIONS=print_stacktrace=1
+else
+  dir=build
+  flags=(-DCMAKE_BUILD_TYPE=Release)
+fi
+cmake -S . -B "$dir" -DMIXTAPE_WERROR=ON -DMIXTAPE_BUILD_TESTS=ON "${flags[@]}" >/dev/null
+cmake --build "$dir" -j"$(nproc)"
+ctest --test-dir "$dir" --output-on-failure -j"$(nproc)"
