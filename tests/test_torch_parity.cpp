@@ -1,0 +1,891 @@
+// tests/test_torch_parity.cpp -- mixtape against PyTorch on the same weights and data: MLP and
+// TransformerBlock forward/backward, optimizer trajectories, clipping, losses and composite ops.
+//
+// The suite writes every case's inputs (weights from Module::named_parameters, data, options as
+// metadata) into one temp directory, runs a single Python process that rebuilds each case with
+// torch independently and writes its results back, then every test compares tensor by tensor.
+// One interpreter start for all cases keeps the suite fast (importing torch costs ~1-2 s).
+#include <gtest/gtest.h>
+#include <fmt/format.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <mixtape/mixtape.h>
+
+#include "runtime/checkpoint.h"
+
+namespace mt = mixtape;
+
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+constexpr const char* kPython = "/usr/bin/python3";
+constexpr int kNoTorch = 77;  // the torch side's exit status when torch or numpy is missing
+// Norm-wise relative error allowed per tensor: float32 forward/backward through a few layers,
+// where only summation order differs between the two libraries.
+constexpr double kGradTolerance = 1e-5;
+// Parameters after optimizer steps: the updates are small next to the parameters themselves.
+constexpr double kParamTolerance = 1e-6;
+
+// ---------------------------------------------------------------------------------------------
+// The torch side. It knows mixtape only through the files: it builds its own nn.Modules with
+// PyTorch's conventions and loads the weights by name with load_state_dict(strict=True).
+constexpr const char* kTorchScript = R"PY(
+import json, math, os, struct, sys, time
+t0 = time.time()
+try:
+    import numpy as np
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+except ImportError as e:
+    print('cannot import torch and numpy (%s)' % e)
+    sys.exit(77)
+t_import = time.time() - t0
+torch.set_num_threads(1)
+
+DTYPES = {'F32': np.float32, 'F64': np.float64, 'I64': np.int64, 'I32': np.int32, 'BOOL': np.bool_}
+TAGS = {np.dtype(v): k for k, v in DTYPES.items()}
+
+def load(path):
+    with open(path, 'rb') as f:
+        raw = f.read()
+    n = struct.unpack('<Q', raw[:8])[0]
+    header = json.loads(raw[8:8 + n])
+    meta = header.pop('__metadata__', {})
+    out = {}
+    for name, info in header.items():
+        b, e = info['data_offsets']
+        arr = np.frombuffer(raw[8 + n + b:8 + n + e], dtype=DTYPES[info['dtype']])
+        out[name] = torch.from_numpy(arr.reshape(info['shape']).copy())
+    return out, meta
+
+def save(path, tensors):
+    header, blobs, offset = {}, [], 0
+    for name, t in tensors.items():
+        a = t.detach().contiguous().numpy()
+        b = a.tobytes()
+        header[name] = {'dtype': TAGS[a.dtype], 'shape': list(a.shape),
+                        'data_offsets': [offset, offset + len(b)]}
+        blobs.append(b)
+        offset += len(b)
+    text = json.dumps(header).encode()
+    with open(path + '.tmp', 'wb') as f:
+        f.write(struct.pack('<Q', len(text)) + text + b''.join(blobs))
+    os.replace(path + '.tmp', path)
+
+ACT = {'relu': F.relu, 'gelu': F.gelu, 'gelu_tanh': lambda x: F.gelu(x, approximate='tanh'),
+       'silu': F.silu, 'tanh': torch.tanh}
+
+class MLP(nn.Module):
+    def __init__(self, sizes, act):
+        super().__init__()
+        self.n = len(sizes) - 1
+        for i in range(self.n):
+            setattr(self, 'fc%d' % (i + 1), nn.Linear(sizes[i], sizes[i + 1]))
+        self.act = ACT[act]
+    def forward(self, x):
+        for i in range(self.n):
+            x = getattr(self, 'fc%d' % (i + 1))(x)
+            if i + 1 < self.n:
+                x = self.act(x)
+        return x
+
+class Attention(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.qkv, self.proj, self.heads = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), heads
+    def forward(self, x):
+        B, T, C = x.shape
+        H, D = self.heads, C // self.heads
+        q, k, v = self.qkv(x).split(C, dim=-1)
+        q, k, v = [t.reshape(B, T, H, D).transpose(1, 2) for t in (q, k, v)]
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(D)
+        mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
+        att = scores.masked_fill(~mask, float('-inf')).softmax(-1)
+        return self.proj((att @ v).transpose(1, 2).reshape(B, T, C))
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(dim, eps=1e-5), Attention(dim, heads)
+        self.ln2, self.mlp = nn.LayerNorm(dim, eps=1e-5), MLP([dim, 4 * dim, dim], 'gelu_tanh')
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+def sizes(m):
+    return [int(s) for s in m['sizes'].split(',')]
+
+def grads(model):
+    return {'grad.' + n: p.grad for n, p in model.named_parameters()}
+
+def run_mlp(d, m, params):
+    model = MLP(sizes(m), m['activation'])
+    model.load_state_dict(params, strict=True)
+    out = model(d['x'])
+    loss = F.cross_entropy(out, d['y'])
+    loss.backward()
+    return {'loss': loss, 'output': out, **grads(model)}
+
+def run_block(d, m, params):
+    model = Block(int(m['dim']), int(m['heads']))
+    model.load_state_dict(params, strict=True)
+    x = d['x'].clone().requires_grad_(True)
+    out = model(x)
+    loss = F.mse_loss(out, d['target'])
+    loss.backward()
+    return {'loss': loss, 'output': out, 'grad.input': x.grad, **grads(model)}
+
+def make_optimizer(m, params):
+    f = lambda k: float(m[k])
+    if m['optimizer'] == 'sgd':
+        return torch.optim.SGD(params, lr=f('lr'), momentum=f('momentum'),
+                               dampening=f('dampening'), weight_decay=f('weight_decay'),
+                               nesterov=m['nesterov'] == '1')
+    kind = {'adam': torch.optim.Adam, 'adamw': torch.optim.AdamW}[m['optimizer']]
+    return kind(params, lr=f('lr'), betas=(f('beta1'), f('beta2')), eps=f('eps'),
+                weight_decay=f('weight_decay'))
+
+def run_optim(d, m, params):
+    model = MLP(sizes(m), m['activation'])
+    model.load_state_dict(params, strict=True)
+    opt = make_optimizer(m, model.parameters())
+    out = {}
+    for step in range(int(m['steps'])):
+        opt.zero_grad()
+        loss = F.cross_entropy(model(d['x']), d['y'])
+        loss.backward()
+        opt.step()
+        out['loss%d' % step] = loss.detach().clone()
+        for n, p in model.named_parameters():
+            out['step%d.%s' % (step, n)] = p.detach().clone()
+    return out
+
+def run_clip(d, m, params):
+    model = MLP(sizes(m), m['activation'])
+    model.load_state_dict(params, strict=True)
+    F.cross_entropy(model(d['x']), d['y']).backward()
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float(m['max_norm']))
+    return {'norm': norm, **grads(model)}
+
+def run_cross_entropy(d, m, _):
+    logits = d['logits'].clone().requires_grad_(True)
+    targets = d['targets']
+    C = logits.shape[-1]
+    loss = F.cross_entropy(logits.reshape(-1, C), targets.reshape(-1), reduction=m['reduction'],
+                           ignore_index=int(m['ignore_index']),
+                           label_smoothing=float(m['label_smoothing']))
+    if m['reduction'] == 'none':
+        loss = loss.reshape(targets.shape)
+        (loss * d['w']).sum().backward()
+    else:
+        loss.backward()
+    return {'loss': loss, 'grad.logits': logits.grad}
+
+def run_op(d, m, _):
+    x = d['x'].clone().requires_grad_(True)
+    extra = {k: d[k].clone().requires_grad_(True) for k in ('weight', 'bias') if k in d}
+    op = m['op']
+    if op == 'softmax':
+        y = torch.softmax(x, int(m['axis']))
+    elif op == 'log_softmax':
+        y = torch.log_softmax(x, int(m['axis']))
+    elif op == 'logsumexp':
+        y = torch.logsumexp(x, dim=[int(a) for a in m['axes'].split(',')])
+    elif op == 'layer_norm':
+        n = int(m['normalized_dims'])
+        y = F.layer_norm(x, x.shape[-n:], extra.get('weight'), extra.get('bias'), float(m['eps']))
+    elif op == 'rms_norm':
+        # torch 1.13 has no rms_norm: the textbook formula.
+        y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + float(m['eps']))
+        if 'weight' in extra:
+            y = y * extra['weight']
+    elif op == 'gelu':
+        y = F.gelu(x)
+    elif op == 'gelu_tanh':
+        y = F.gelu(x, approximate='tanh')
+    else:
+        raise ValueError('unknown op ' + op)
+    (y * d['w']).sum().backward()
+    return {'y': y, 'grad.x': x.grad, **{'grad.' + k: t.grad for k, t in extra.items()}}
+
+HANDLERS = {'mlp': run_mlp, 'block': run_block, 'optim': run_optim, 'clip': run_clip,
+            'cross_entropy': run_cross_entropy, 'op': run_op}
+
+folder = sys.argv[1]
+cases = sorted(f[:-len('.in.safetensors')] for f in os.listdir(folder)
+               if f.endswith('.in.safetensors'))
+t1 = time.time()
+for case in cases:
+    data, meta = load(os.path.join(folder, case + '.in.safetensors'))
+    params_path = os.path.join(folder, case + '.params.safetensors')
+    params = load(params_path)[0] if os.path.exists(params_path) else None
+    result = HANDLERS[meta['kind']](data, meta, params)
+    save(os.path.join(folder, case + '.out.safetensors'),
+         {k: v.detach() for k, v in result.items() if v is not None})
+print('torch %s: %d cases, import %.2f s, cases %.2f s' % (torch.__version__, len(cases),
+      t_import, time.time() - t1))
+)PY";
+
+// ---------------------------------------------------------------------------------------------
+// Host-side random data: the values only need to be the same on both sides, and both sides read
+// them from the same file.
+class HostRandom {
+ public:
+  explicit HostRandom(uint64_t seed) : engine_(seed) {}
+  mt::Tensor normal(const mt::Shape& shape, double scale = 1.0) {
+    std::normal_distribution<float> dist(0.0f, static_cast<float>(scale));
+    std::vector<float> values(static_cast<size_t>(mt::numel(shape)));
+    for (float& v : values) v = dist(engine_);
+    return mt::tensor(values, shape);
+  }
+  mt::Tensor classes(const mt::Shape& shape, int64_t count) {
+    std::uniform_int_distribution<int64_t> dist(0, count - 1);
+    std::vector<int64_t> values(static_cast<size_t>(mt::numel(shape)));
+    for (int64_t& v : values) v = dist(engine_);
+    return mt::tensor(values, shape);
+  }
+
+ private:
+  std::mt19937_64 engine_;
+};
+
+mt::Tensor with_ints(const mt::Tensor& t, const std::vector<std::pair<size_t, int64_t>>& edits) {
+  std::vector<int64_t> values = t.to_vector<int64_t>();
+  for (auto [index, value] : edits) values.at(index) = value;
+  return mt::tensor(values, t.shape());
+}
+
+std::string join(const std::vector<int64_t>& values) {
+  std::string text;
+  for (int64_t v : values) {
+    if (!text.empty()) text += ',';
+    text += std::to_string(v);
+  }
+  return text;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The cases, shared by the writer (before torch runs) and the tests (after).
+
+struct ActivationCase {
+  mt::Activation activation;
+  const char* name;  // the torch side's key
+};
+constexpr ActivationCase kActivations[] = {{mt::Activation::Relu, "relu"},
+                                           {mt::Activation::Gelu, "gelu"},
+                                           {mt::Activation::GeluTanh, "gelu_tanh"},
+                                           {mt::Activation::Silu, "silu"},
+                                           {mt::Activation::Tanh, "tanh"}};
+const std::vector<int64_t> kMlpSizes = {16, 32, 32, 5};
+
+constexpr int64_t kBlockDim = 32, kBlockHeads = 4;
+
+// A small model for the optimizer trajectories: tanh keeps every gradient away from exact zeros
+// and kinks, where Adam's sign-like update would amplify rounding differences.
+const std::vector<int64_t> kOptSizes = {6, 10, 3};
+constexpr int kOptSteps = 5;
+
+struct OptConfig {
+  const char* name;
+  const char* type;  // sgd, adam, adamw
+  double lr;
+  double momentum = 0, dampening = 0, weight_decay = 0;
+  bool nesterov = false;
+  double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+};
+const OptConfig kOptConfigs[] = {
+    {.name = "sgd", .type = "sgd", .lr = 0.1},
+    {.name = "sgd_momentum", .type = "sgd", .lr = 0.1, .momentum = 0.9},
+    {.name = "sgd_dampening", .type = "sgd", .lr = 0.1, .momentum = 0.9, .dampening = 0.3},
+    {.name = "sgd_nesterov", .type = "sgd", .lr = 0.1, .momentum = 0.9, .nesterov = true},
+    {.name = "sgd_weight_decay", .type = "sgd", .lr = 0.1, .weight_decay = 0.05},
+    {.name = "sgd_nesterov_weight_decay", .type = "sgd", .lr = 0.05, .momentum = 0.8,
+     .weight_decay = 0.1, .nesterov = true},
+    {.name = "adam", .type = "adam", .lr = 0.01},
+    {.name = "adam_l2", .type = "adam", .lr = 0.01, .weight_decay = 0.1},
+    {.name = "adamw", .type = "adamw", .lr = 0.01, .weight_decay = 0.1},
+    {.name = "adamw_betas", .type = "adamw", .lr = 0.02, .weight_decay = 0.05, .beta1 = 0.8,
+     .beta2 = 0.99, .eps = 1e-6},
+};
+
+std::unique_ptr<mt::Optimizer> make_optimizer(const OptConfig& c, std::vector<mt::Tensor> params) {
+  if (std::string(c.type) == "sgd")
+    return std::make_unique<mt::SGD>(
+        std::move(params), mt::SGDOptions{.lr = c.lr, .momentum = c.momentum,
+                                          .dampening = c.dampening,
+                                          .weight_decay = c.weight_decay, .nesterov = c.nesterov});
+  mt::AdamOptions options{.lr = c.lr, .beta1 = c.beta1, .beta2 = c.beta2, .eps = c.eps,
+                          .weight_decay = c.weight_decay};
+  if (std::string(c.type) == "adam") return std::make_unique<mt::Adam>(std::move(params), options);
+  return std::make_unique<mt::AdamW>(std::move(params), options);
+}
+
+constexpr double kClipNorms[] = {0.3, 100.0};  // one that clips, one that does not
+
+struct CrossEntropyCase {
+  std::string name;
+  mt::Shape logits_shape;
+  mt::Reduction reduction;
+  int64_t ignore_index = -100;
+  double label_smoothing = 0;
+  bool all_ignored = false;
+  double scale = 2.0;  // logit spread
+};
+std::vector<CrossEntropyCase> cross_entropy_cases() {
+  using R = mt::Reduction;
+  std::vector<CrossEntropyCase> cases;
+  for (auto [reduction, rname] : {std::pair{R::Mean, "mean"}, {R::Sum, "sum"}, {R::None, "none"}})
+    for (double smoothing : {0.0, 0.1}) {
+      std::string name = fmt::format("ce_{}_ls{}", rname, smoothing == 0 ? "0" : "01");
+      cases.push_back({name, {6, 5}, reduction, -100, smoothing});
+      cases.push_back({name + "_all_ignored", {6, 5}, reduction, -100, smoothing, true});
+    }
+  cases.push_back({"ce_ignore_index_2", {6, 5}, R::Mean, 2, 0.2});
+  cases.push_back({"ce_3d", {2, 3, 5}, R::Mean, -100, 0.1});
+  cases.push_back({"ce_3d_none", {2, 3, 5}, R::None, -100, 0.1});
+  cases.push_back({"ce_large_logits", {6, 5}, R::Mean, -100, 0.05, false, 60.0});
+  return cases;
+}
+
+const char* reduction_name(mt::Reduction r) {
+  switch (r) {
+    case mt::Reduction::Mean: return "mean";
+    case mt::Reduction::Sum: return "sum";
+    case mt::Reduction::None: return "none";
+  }
+  return "?";
+}
+
+// A composite op on x (and an optional weight/bias), reduced against a random weighting w so that
+// the gradient is not trivially zero (the gradient of sum(softmax) is).
+struct OpCase {
+  std::string name;
+  std::string op;
+  mt::Shape shape;
+  std::map<std::string, std::string> options;  // axis, axes, eps, normalized_dims
+  bool weight = false, bias = false;
+  bool with_infinities = false;  // rows with some and with only -inf entries
+};
+std::vector<OpCase> op_cases() {
+  std::vector<OpCase> cases;
+  for (const char* op : {"softmax", "log_softmax"}) {
+    cases.push_back({fmt::format("{}_last", op), op, {4, 6}, {{"axis", "-1"}}, false, false, true});
+    cases.push_back({fmt::format("{}_first", op), op, {5, 3, 4}, {{"axis", "0"}}});
+  }
+  cases.push_back({"logsumexp_last", "logsumexp", {4, 6}, {{"axes", "-1"}}, false, false, true});
+  cases.push_back({"logsumexp_two_axes", "logsumexp", {3, 4, 5}, {{"axes", "0,2"}}});
+  cases.push_back({"layer_norm_1", "layer_norm", {3, 4, 8}, {{"normalized_dims", "1"},
+                   {"eps", "1e-05"}}, true, true});
+  cases.push_back({"layer_norm_2", "layer_norm", {3, 4, 8}, {{"normalized_dims", "2"},
+                   {"eps", "0.001"}}, true, true});
+  cases.push_back({"layer_norm_plain", "layer_norm", {5, 7}, {{"normalized_dims", "1"},
+                   {"eps", "1e-05"}}});
+  cases.push_back({"rms_norm", "rms_norm", {3, 4, 8}, {{"eps", "1e-06"}}, true});
+  cases.push_back({"rms_norm_big_eps", "rms_norm", {6, 5}, {{"eps", "0.5"}}, true});
+  cases.push_back({"rms_norm_plain", "rms_norm", {6, 5}, {{"eps", "1e-06"}}});
+  cases.push_back({"gelu", "gelu", {64}, {}});
+  cases.push_back({"gelu_tanh", "gelu_tanh", {64}, {}});
+  return cases;
+}
+
+mt::Tensor apply_op(const OpCase& c, const mt::Tensor& x, const mt::Tensor& weight,
+                    const mt::Tensor& bias) {
+  auto number = [&](const char* key) { return std::stod(c.options.at(key)); };
+  auto integer = [&](const char* key) { return std::stoll(c.options.at(key)); };
+  if (c.op == "softmax") return mt::softmax(x, integer("axis"));
+  if (c.op == "log_softmax") return mt::log_softmax(x, integer("axis"));
+  if (c.op == "logsumexp") {
+    std::vector<int64_t> axes;
+    std::stringstream list(c.options.at("axes"));
+    for (std::string item; std::getline(list, item, ',');) axes.push_back(std::stoll(item));
+    return mt::logsumexp(x, axes);
+  }
+  if (c.op == "layer_norm")
+    return mt::layer_norm(x, weight, bias, number("eps"), integer("normalized_dims"));
+  if (c.op == "rms_norm") return mt::rms_norm(x, weight, number("eps"));
+  if (c.op == "gelu") return mt::gelu(x);
+  if (c.op == "gelu_tanh") return mt::gelu_tanh(x);
+  throw std::runtime_error("unknown op " + c.op);
+}
+
+mt::Shape op_output_shape(const OpCase& c) {
+  if (c.op != "logsumexp") return c.shape;
+  std::set<int64_t> reduced;
+  std::stringstream list(c.options.at("axes"));
+  auto rank = static_cast<int64_t>(c.shape.size());
+  for (std::string item; std::getline(list, item, ',');)
+    reduced.insert((std::stoll(item) + rank) % rank);
+  mt::Shape shape;
+  for (int64_t d = 0; d < rank; ++d)
+    if (!reduced.count(d)) shape.push_back(c.shape[static_cast<size_t>(d)]);
+  return shape;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Writing inputs.
+
+void write_case(const fs::path& dir, const std::string& id, mt::Metadata metadata,
+                const mt::NamedTensors& data, const mt::Module* model = nullptr) {
+  if (model) mt::save_tensors(dir / (id + ".params.safetensors"), model->named_parameters());
+  mt::save_tensors(dir / (id + ".in.safetensors"), data, metadata);
+}
+
+// LayerNorm starts at ones/zeros; perturbed values make its gradients and the checks sharper.
+void perturb_norms(mt::Module& model, HostRandom& rng) {
+  for (auto& [name, p] : model.named_parameters()) {
+    if (name.find("ln") == std::string::npos) continue;
+    bool is_weight = name.ends_with("weight");
+    p.assign(rng.normal(p.shape(), 0.2) + (is_weight ? 1.0 : 0.0));
+  }
+}
+
+void write_inputs(const fs::path& dir) {
+  HostRandom rng(20240611);
+  uint64_t seed = 1;
+  for (const ActivationCase& a : kActivations) {
+    mt::Generator gen(seed++);
+    mt::MLP model(kMlpSizes, a.activation, &gen);
+    write_case(dir, fmt::format("mlp_{}", a.name),
+               {{"kind", "mlp"}, {"sizes", join(kMlpSizes)}, {"activation", a.name}},
+               {{"x", rng.normal({8, kMlpSizes.front()})}, {"y", rng.classes({8}, 5)}}, &model);
+  }
+  {
+    mt::Generator gen(seed++);
+    mt::TransformerBlock block(kBlockDim, kBlockHeads, 0.0, &gen);
+    perturb_norms(block, rng);
+    write_case(dir, "block",
+               {{"kind", "block"}, {"dim", std::to_string(kBlockDim)},
+                {"heads", std::to_string(kBlockHeads)}},
+               {{"x", rng.normal({2, 8, kBlockDim})}, {"target", rng.normal({2, 8, kBlockDim})}},
+               &block);
+  }
+  mt::Tensor opt_x = rng.normal({8, kOptSizes.front()}), opt_y = rng.classes({8}, 3);
+  for (const OptConfig& c : kOptConfigs) {
+    mt::Generator gen(seed);  // one start for all: the optimizers are the only difference
+    mt::MLP model(kOptSizes, mt::Activation::Tanh, &gen);
+    write_case(dir, fmt::format("optim_{}", c.name),
+               {{"kind", "optim"}, {"sizes", join(kOptSizes)}, {"activation", "tanh"},
+                {"steps", std::to_string(kOptSteps)}, {"optimizer", c.type},
+                {"lr", fmt::format("{}", c.lr)}, {"momentum", fmt::format("{}", c.momentum)},
+                {"dampening", fmt::format("{}", c.dampening)},
+                {"weight_decay", fmt::format("{}", c.weight_decay)},
+                {"nesterov", c.nesterov ? "1" : "0"}, {"beta1", fmt::format("{}", c.beta1)},
+                {"beta2", fmt::format("{}", c.beta2)}, {"eps", fmt::format("{}", c.eps)}},
+               {{"x", opt_x}, {"y", opt_y}}, &model);
+  }
+  ++seed;
+  for (double max_norm : kClipNorms) {
+    mt::Generator gen(seed++);
+    mt::MLP model(kMlpSizes, mt::Activation::Gelu, &gen);
+    write_case(dir, fmt::format("clip_{}", max_norm),
+               {{"kind", "clip"}, {"sizes", join(kMlpSizes)}, {"activation", "gelu"},
+                {"max_norm", fmt::format("{}", max_norm)}},
+               {{"x", rng.normal({8, kMlpSizes.front()})}, {"y", rng.classes({8}, 5)}}, &model);
+  }
+  for (const CrossEntropyCase& c : cross_entropy_cases()) {
+    mt::Shape target_shape(c.logits_shape.begin(), c.logits_shape.end() - 1);
+    int64_t classes = c.logits_shape.back();
+    mt::Tensor targets = rng.classes(target_shape, classes);
+    if (c.all_ignored) {
+      targets = mt::full(target_shape, static_cast<double>(c.ignore_index), mt::i64);
+    } else if (c.ignore_index == -100) {
+      targets = with_ints(targets, {{1, -100}, {4, -100}});
+    } else {
+      targets = with_ints(targets, {{0, c.ignore_index}, {3, c.ignore_index}});
+    }
+    write_case(dir, c.name,
+               {{"kind", "cross_entropy"}, {"reduction", reduction_name(c.reduction)},
+                {"ignore_index", std::to_string(c.ignore_index)},
+                {"label_smoothing", fmt::format("{}", c.label_smoothing)}},
+               {{"logits", rng.normal(c.logits_shape, c.scale)},
+                {"targets", targets},
+                {"w", rng.normal(target_shape)}});
+  }
+  for (const OpCase& c : op_cases()) {
+    bool gelu = c.op.starts_with("gelu");
+    std::vector<float> values = rng.normal(c.shape, gelu ? 3.0 : 1.5).to_vector<float>();
+    if (c.with_infinities) {
+      // Row 1 is partly -inf (those entries get probability 0), row 2 entirely (NaN in torch).
+      constexpr float inf = std::numeric_limits<float>::infinity();
+      auto width = static_cast<size_t>(c.shape.back());
+      values[width + 1] = values[width + 3] = -inf;
+      std::fill_n(values.begin() + static_cast<std::ptrdiff_t>(2 * width), width, -inf);
+    }
+    if (gelu) {
+      const float specials[] = {0.0f, 10.0f, -10.0f, -0.5f};  // zero, both tails, a negative
+      std::copy(std::begin(specials), std::end(specials), values.begin());
+    }
+    mt::Tensor x = mt::tensor(values, c.shape);
+    mt::NamedTensors data{{"x", x}, {"w", rng.normal(op_output_shape(c))}};
+    mt::Shape param_shape(c.shape.end() - (c.options.count("normalized_dims")
+                                                ? std::stoll(c.options.at("normalized_dims"))
+                                                : 1),
+                          c.shape.end());
+    if (c.weight) data.emplace_back("weight", rng.normal(param_shape, 0.5) + 1.0);
+    if (c.bias) data.emplace_back("bias", rng.normal(param_shape, 0.5));
+    mt::Metadata meta{{"kind", "op"}, {"op", c.op}};
+    for (const auto& [key, value] : c.options) meta.emplace_back(key, value);
+    write_case(dir, "op_" + c.name, meta, data);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The suite: one temp directory and one Python run for every test below.
+
+struct TorchRun {
+  fs::path dir;
+  std::string skip;   // torch is not available
+  std::string error;  // writing inputs or the Python run failed
+};
+
+TorchRun& torch_run() {
+  static TorchRun run;
+  return run;
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+using TensorMap = std::map<std::string, mt::Tensor>;
+
+TensorMap load_map(const fs::path& path) {
+  TensorMap map;
+  for (auto& [name, tensor] : mt::load_tensors(path)) map.emplace(name, tensor);
+  return map;
+}
+
+// Inputs and torch's results for one case id.
+struct Case {
+  std::string id;
+  TensorMap in, torch;
+
+  const mt::Tensor& input(const std::string& name) const { return get(in, name, "input"); }
+  const mt::Tensor& ref(const std::string& name) const { return get(torch, name, "torch result"); }
+  bool has_ref(const std::string& name) const { return torch.count(name) > 0; }
+
+ private:
+  const mt::Tensor& get(const TensorMap& map, const std::string& name, const char* what) const {
+    auto found = map.find(name);
+    if (found == map.end()) throw std::runtime_error(fmt::format("{}: no {} '{}'", id, what, name));
+    return found->second;
+  }
+};
+
+// Loads a case; with a model, loads the weights torch started from into it (strictly, by name).
+Case open_case(const std::string& id, mt::Module* model = nullptr) {
+  const fs::path& dir = torch_run().dir;
+  Case c{id, load_map(dir / (id + ".in.safetensors")), load_map(dir / (id + ".out.safetensors"))};
+  if (model) model->load_state_dict(mt::load_tensors(dir / (id + ".params.safetensors")));
+  return c;
+}
+
+// Norm-wise comparison of many tensors of one case, with a one-line summary at the end.
+class Comparison {
+ public:
+  explicit Comparison(std::string id) : id_(std::move(id)) {}
+  ~Comparison() {
+    std::printf("[  torch   ] %-34s %3d tensors, worst rel %.1e (%s), max abs %.1e\n",
+                id_.c_str(), count_, worst_rel_, worst_.c_str(), max_abs_);
+  }
+
+  // ||a - b|| / ||b|| over the entries torch computed as finite; NaN and +-inf must sit at the
+  // same places in both.
+  void check(const std::string& what, const mt::Tensor& actual, const mt::Tensor& expected,
+             double tolerance = kGradTolerance) {
+    ++count_;
+    ASSERT_TRUE(actual.defined()) << id_ << " " << what << ": mixtape has no value";
+    ASSERT_EQ(actual.shape(), expected.shape()) << id_ << " " << what;
+    std::vector<double> a = actual.to_vector<double>(), b = expected.to_vector<double>();
+    double diff2 = 0, ref2 = 0, max_abs = 0;
+    int pattern_mismatches = 0;
+    std::string first_mismatch;
+    for (size_t i = 0; i < a.size(); ++i) {
+      bool same_class = std::isfinite(b[i])
+                            ? std::isfinite(a[i])
+                            : (std::isnan(b[i]) ? std::isnan(a[i]) : a[i] == b[i]);
+      if (!same_class) {
+        if (pattern_mismatches++ == 0)
+          first_mismatch = fmt::format("[{}] mixtape {} torch {}", i, a[i], b[i]);
+        continue;
+      }
+      if (!std::isfinite(b[i])) continue;
+      double d = a[i] - b[i];
+      diff2 += d * d;
+      ref2 += b[i] * b[i];
+      max_abs = std::max(max_abs, std::abs(d));
+    }
+    EXPECT_EQ(pattern_mismatches, 0)
+        << id_ << " " << what << ": non-finite entries differ, first at " << first_mismatch;
+    double rel = ref2 > 0 ? std::sqrt(diff2 / ref2) : (diff2 == 0 ? 0.0 : HUGE_VAL);
+    EXPECT_LE(rel, tolerance) << id_ << " " << what << ": relative error " << rel
+                              << ", max abs diff " << max_abs;
+    if (rel >= worst_rel_) {
+      worst_rel_ = rel;
+      worst_ = what;
+    }
+    max_abs_ = std::max(max_abs_, max_abs);
+  }
+
+  // Every parameter's gradient by name, and no parameter that torch knows and mixtape does not.
+  void check_grads(const mt::Module& model, const Case& c) {
+    std::set<std::string> torch_names;
+    for (const auto& [name, value] : c.torch)
+      if (name.starts_with("grad.") && name != "grad.input") torch_names.insert(name.substr(5));
+    std::set<std::string> names;
+    for (const auto& [name, p] : model.named_parameters()) {
+      names.insert(name);
+      check("grad " + name, p.grad(), c.ref("grad." + name));
+    }
+    EXPECT_EQ(names, torch_names) << id_;
+  }
+
+ private:
+  std::string id_;
+  int count_ = 0;
+  double worst_rel_ = 0, max_abs_ = 0;
+  std::string worst_ = "-";
+};
+
+class TorchParity : public ::testing::Test {
+ public:
+  static void SetUpTestSuite() {
+    TorchRun& run = torch_run();
+    if (!run.dir.empty() || !run.skip.empty()) return;
+    if (::access(kPython, X_OK) != 0) {
+      run.skip = fmt::format("{} not found; PyTorch parity not checked", kPython);
+      return;
+    }
+    run.dir = fs::temp_directory_path() / fmt::format("mixtape_torch_parity_{}", ::getpid());
+    fs::remove_all(run.dir);
+    fs::create_directories(run.dir);
+    try {
+      auto start = Clock::now();
+      write_inputs(run.dir);
+      auto written = Clock::now();
+      fs::path script = run.dir / "torch_side.py", log = run.dir / "torch_side.log";
+      std::ofstream(script) << kTorchScript;
+      std::string command = fmt::format("OMP_NUM_THREADS=1 {} '{}' '{}' > '{}' 2>&1", kPython,
+                                        script.string(), run.dir.string(), log.string());
+      int status = std::system(command.c_str());
+      std::string output = read_text(log);
+      while (!output.empty() && std::isspace(static_cast<unsigned char>(output.back())))
+        output.pop_back();
+      // The script exits with 77 when torch does not import: probing first would cost a second
+      // interpreter start.
+      if (WIFEXITED(status) && WEXITSTATUS(status) == kNoTorch) {
+        run.skip = fmt::format("{} {}; PyTorch parity not checked", kPython, output);
+        return;
+      }
+      if (status != 0) run.error = "the torch side failed:\n" + output;
+      std::chrono::duration<double> prepare = written - start, python = Clock::now() - written;
+      std::printf("[  torch   ] inputs written in %.2f s; python run %.2f s: %s\n", prepare.count(),
+                  python.count(), output.c_str());
+    } catch (const std::exception& e) {
+      run.error = std::string("writing the inputs failed: ") + e.what();
+    }
+  }
+
+  static void TearDownTestSuite() {
+    TorchRun& run = torch_run();
+    if (!run.dir.empty()) fs::remove_all(run.dir);
+    run.dir.clear();
+  }
+
+ protected:
+  void SetUp() override {
+    if (!torch_run().skip.empty()) GTEST_SKIP() << torch_run().skip;
+    ASSERT_TRUE(torch_run().error.empty()) << torch_run().error;
+  }
+};
+
+// ---------------------------------------------------------------------------------------------
+// 1. Models: forward and backward.
+
+TEST_F(TorchParity, MlpForwardBackwardWithCrossEntropy) {
+  for (const ActivationCase& a : kActivations) {
+    std::string id = fmt::format("mlp_{}", a.name);
+    SCOPED_TRACE(id);
+    mt::MLP model(kMlpSizes, a.activation);
+    Case c = open_case(id, &model);
+    mt::Tensor logits = model(c.input("x"));
+    mt::Tensor loss = mt::cross_entropy(logits, c.input("y"));
+    loss.backward();
+    Comparison cmp(id);
+    cmp.check("loss", loss, c.ref("loss"));
+    cmp.check("output", logits, c.ref("output"));
+    cmp.check_grads(model, c);
+  }
+}
+
+TEST_F(TorchParity, TransformerBlockForwardBackward) {
+  mt::TransformerBlock block(kBlockDim, kBlockHeads, 0.0);
+  Case c = open_case("block", &block);
+  mt::Tensor x = c.input("x");
+  x.requires_grad_();
+  mt::Tensor out = block(x);
+  mt::Tensor loss = mt::mse_loss(out, c.input("target"));
+  loss.backward();
+  Comparison cmp("block");
+  cmp.check("loss", loss, c.ref("loss"));
+  cmp.check("output", out, c.ref("output"));
+  cmp.check("grad input", x.grad(), c.ref("grad.input"));
+  cmp.check_grads(block, c);
+  // The names torch loaded with strict=True are the ones a PyTorch user would write.
+  for (const char* name : {"ln1.weight", "ln1.bias", "attn.qkv.weight", "attn.qkv.bias",
+                           "attn.proj.weight", "ln2.weight", "mlp.fc1.weight", "mlp.fc2.bias"})
+    EXPECT_TRUE(c.has_ref(fmt::format("grad.{}", name))) << name;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Optimizers, clipping and schedules.
+
+TEST_F(TorchParity, OptimizerTrajectoriesMatchTorchOptim) {
+  for (const OptConfig& config : kOptConfigs) {
+    std::string id = fmt::format("optim_{}", config.name);
+    SCOPED_TRACE(id);
+    mt::MLP model(kOptSizes, mt::Activation::Tanh);
+    Case c = open_case(id, &model);
+    std::unique_ptr<mt::Optimizer> opt = make_optimizer(config, model.parameters());
+    Comparison cmp(id);
+    std::map<std::string, std::vector<float>> initial;
+    for (const auto& [name, p] : model.named_parameters()) initial[name] = p.to_vector<float>();
+    double moved = 0;  // how far the run went, so that a no-op optimizer cannot pass
+    for (int step = 0; step < kOptSteps; ++step) {
+      opt->zero_grad();
+      mt::Tensor loss = mt::cross_entropy(model(c.input("x")), c.input("y"));
+      loss.backward();
+      opt->step();
+      cmp.check(fmt::format("loss {}", step), loss, c.ref(fmt::format("loss{}", step)),
+                kParamTolerance);
+      for (const auto& [name, p] : model.named_parameters())
+        cmp.check(fmt::format("step {} {}", step, name), p,
+                  c.ref(fmt::format("step{}.{}", step, name)), kParamTolerance);
+    }
+    for (const auto& [name, p] : model.named_parameters()) {
+      std::vector<float> now = p.to_vector<float>(), before = initial.at(name);
+      for (size_t i = 0; i < now.size(); ++i)
+        moved = std::max(moved, std::abs(double(now[i]) - before[i]));
+    }
+    EXPECT_GT(moved, 1e-3) << id << ": the parameters barely moved";
+  }
+}
+
+TEST_F(TorchParity, ClipGradNormMatchesTorch) {
+  for (double max_norm : kClipNorms) {
+    std::string id = fmt::format("clip_{}", max_norm);
+    SCOPED_TRACE(id);
+    mt::MLP model(kMlpSizes, mt::Activation::Gelu);
+    Case c = open_case(id, &model);
+    mt::cross_entropy(model(c.input("x")), c.input("y")).backward();
+    mt::Tensor norm = mt::clip_grad_norm(model.parameters(), max_norm);
+    Comparison cmp(id);
+    cmp.check("norm", norm, c.ref("norm"));
+    cmp.check_grads(model, c);
+    // The case that clips must end at max_norm; the other must be untouched.
+    double clipped = 0;
+    for (const mt::Tensor& p : model.parameters())
+      for (float g : p.grad().to_vector<float>()) clipped += double(g) * g;
+    clipped = std::sqrt(clipped);
+    if (norm.item() > max_norm) {
+      EXPECT_NEAR(clipped, max_norm, 1e-5 * max_norm);
+    } else {
+      EXPECT_NEAR(clipped, norm.item(), 1e-5 * clipped);
+    }
+  }
+}
+
+// Hand-worked: warmup (step+1)/warmup * peak, then min + (peak-min)/2 * (1 + cos(pi * progress)).
+TEST(Schedules, CosineWithWarmupMatchesHandComputedValues) {
+  mt::CosineWithWarmup schedule(1e-3, 4, 10, 1e-4);
+  const std::pair<int64_t, double> expected[] = {
+      {0, 2.5e-4}, {1, 5e-4}, {2, 7.5e-4}, {3, 1e-3}, {4, 1e-3},
+      {5, 9.397114317029974e-4},   // progress 1/6: 1e-4 + 4.5e-4 * (1 + cos(pi/6))
+      {7, 5.5e-4},                 // progress 1/2: the midpoint
+      {9, 1.6028856829700263e-4},  // progress 5/6: 1e-4 + 4.5e-4 * (1 - cos(pi/6))
+      {10, 1e-4}, {1000, 1e-4}};
+  for (auto [step, lr] : expected) EXPECT_NEAR(schedule.lr(step), lr, 1e-15) << "step " << step;
+  mt::CosineWithWarmup no_warmup(1.0, 0, 4);
+  EXPECT_DOUBLE_EQ(no_warmup.lr(0), 1.0);
+  EXPECT_DOUBLE_EQ(no_warmup.lr(1), 0.8535533905932737);  // (1 + cos(pi/4)) / 2
+  EXPECT_NEAR(no_warmup.lr(2), 0.5, 1e-15);
+  EXPECT_NEAR(no_warmup.lr(3), 0.14644660940672627, 1e-15);
+  EXPECT_EQ(no_warmup.lr(4), 0.0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Losses and composite ops, values and gradients.
+
+TEST_F(TorchParity, CrossEntropyOptionsMatchTorch) {
+  for (const CrossEntropyCase& ce : cross_entropy_cases()) {
+    SCOPED_TRACE(ce.name);
+    Case c = open_case(ce.name);
+    mt::Tensor logits = c.input("logits");
+    logits.requires_grad_();
+    mt::Tensor loss = mt::cross_entropy(logits, c.input("targets"),
+                                        {.reduction = ce.reduction, .ignore_index = ce.ignore_index,
+                                         .label_smoothing = ce.label_smoothing});
+    if (ce.reduction == mt::Reduction::None) mt::sum(loss * c.input("w")).backward();
+    else loss.backward();
+    Comparison cmp(ce.name);
+    cmp.check("loss", loss, c.ref("loss"));
+    cmp.check("grad logits", logits.grad(), c.ref("grad.logits"));
+    if (ce.all_ignored && ce.reduction == mt::Reduction::Mean) {
+      EXPECT_TRUE(std::isnan(loss.item())) << "a mean over no targets is 0/0, as in torch";
+    }
+  }
+}
+
+TEST_F(TorchParity, CompositeOpsMatchTorch) {
+  for (const OpCase& op : op_cases()) {
+    std::string id = "op_" + op.name;
+    SCOPED_TRACE(id);
+    Case c = open_case(id);
+    mt::Tensor x = c.input("x"), weight, bias;
+    x.requires_grad_();
+    if (op.weight) (weight = c.input("weight")).requires_grad_();
+    if (op.bias) (bias = c.input("bias")).requires_grad_();
+    mt::Tensor y = apply_op(op, x, weight, bias);
+    mt::sum(y * c.input("w")).backward();
+    Comparison cmp(id);
+    cmp.check("value", y, c.ref("y"));
+    if (op.with_infinities) {
+      // The -inf rows must really reach the non-finite comparison: NaN for the all -inf row of
+      // softmax and log_softmax (plus log(0) = -inf entries of the latter), -inf for logsumexp.
+      std::vector<float> values = y.to_vector<float>();
+      auto nonfinite = std::count_if(values.begin(), values.end(),
+                                     [](float v) { return !std::isfinite(v); });
+      EXPECT_EQ(nonfinite, op.op == "softmax" ? 6 : op.op == "log_softmax" ? 8 : 1);
+    }
+    cmp.check("grad x", x.grad(), c.ref("grad.x"));
+    if (op.weight) cmp.check("grad weight", weight.grad(), c.ref("grad.weight"));
+    if (op.bias) cmp.check("grad bias", bias.grad(), c.ref("grad.bias"));
+  }
+}
+
+}  // namespace
