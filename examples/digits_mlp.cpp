@@ -23,22 +23,28 @@ struct DigitsMLP : mt::Module {
 };
 
 struct Options {
-  int64_t steps = 1000;
+  // The defaults reach >= 95% on the last 360 digits (other writers than the training rows):
+  // label smoothing and input noise are what close the gap to 1-nearest-neighbour (95.6%).
+  int64_t steps = 3000;
   int64_t batch = 64;
   double lr = -1;  // per-optimizer default below
-  std::string optimizer = "adamw";
+  std::string optimizer = "sgd";
+  double label_smoothing = 0.2;
+  double noise = 0.2;
+  bool cosine = false;
   uint64_t seed = 0;
   bool shuffle = true;
   std::string load, save;
   bool json_only = false;
 };
 
-[[noreturn]] void usage(const char* problem) {
-  std::fprintf(stderr,
-               "digits_mlp: %s\n"
-               "usage: digits_mlp [--steps N] [--batch N] [--lr X] [--optimizer sgd|adamw]\n"
-               "                  [--seed N] [--no-shuffle] [--load FILE] [--save FILE] [--json]\n",
-               problem);
+constexpr const char* kUsage =
+    "usage: digits_mlp [--steps N] [--batch N] [--lr X] [--optimizer sgd|adamw] [--seed N]\n"
+    "                  [--no-shuffle] [--load FILE] [--save FILE] [--json]\n"
+    "                  [--label-smoothing X] [--noise STDDEV] [--cosine]\n";
+
+[[noreturn]] void usage(const std::string& problem) {
+  std::fprintf(stderr, "digits_mlp: %s (see --help)\n", problem.c_str());
   std::exit(2);
 }
 
@@ -47,13 +53,13 @@ Options parse(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
     auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage(("missing value for " + flag).c_str());
+      if (i + 1 >= argc) usage("missing value for " + flag);
       return argv[++i];
     };
     auto number = [&](const std::string& text) {
       char* end = nullptr;
       double v = std::strtod(text.c_str(), &end);
-      if (text.empty() || *end != '\0') usage(("not a number for " + flag + ": " + text).c_str());
+      if (text.empty() || *end != '\0') usage("not a number for " + flag + ": " + text);
       return v;
     };
     if (flag == "--steps") o.steps = static_cast<int64_t>(number(value()));
@@ -62,16 +68,21 @@ Options parse(int argc, char** argv) {
     else if (flag == "--optimizer") o.optimizer = value();
     else if (flag == "--seed") o.seed = static_cast<uint64_t>(number(value()));
     else if (flag == "--no-shuffle") o.shuffle = false;
+    else if (flag == "--label-smoothing") o.label_smoothing = number(value());
+    else if (flag == "--noise") o.noise = number(value());
+    else if (flag == "--cosine") o.cosine = true;
     else if (flag == "--load") o.load = value();
     else if (flag == "--save") o.save = value();
     else if (flag == "--json") o.json_only = true;
-    else if (flag == "--help" || flag == "-h") usage("help");
-    else usage(("unknown flag " + flag).c_str());
+    else if (flag == "--help" || flag == "-h") std::printf("%s", kUsage), std::exit(0);
+    else usage("unknown flag " + flag);
   }
   if (o.steps < 1) usage("--steps must be at least 1");
   if (o.batch < 1 || o.batch > 1437) usage("--batch must be in [1, 1437]");
   if (o.optimizer != "sgd" && o.optimizer != "adamw") usage("--optimizer must be sgd or adamw");
-  if (o.lr < 0) o.lr = o.optimizer == "sgd" ? 0.1 : 2e-3;
+  if (o.label_smoothing < 0 || o.label_smoothing > 1) usage("--label-smoothing must be in [0, 1]");
+  if (o.noise < 0) usage("--noise must be >= 0");
+  if (o.lr < 0) o.lr = o.optimizer == "sgd" ? 0.05 : 2e-3;
   return o;
 }
 
@@ -111,6 +122,9 @@ int run(const Options& o) {
     optimizer = std::make_unique<mt::AdamW>(net.parameters(), mt::AdamOptions{.lr = o.lr, .weight_decay = 0.01});
 
   mt::DataLoader loader(train, o.batch, o.shuffle, o.seed);
+  mt::Generator noise_generator(o.seed ^ 0x6e6f697365ULL);
+  mt::CosineWithWarmup cosine(o.lr, 0, o.steps);
+  mt::CrossEntropyOptions loss_options{.label_smoothing = o.label_smoothing};
   bool terminal = isatty(STDOUT_FILENO) != 0;
   int64_t report_every = std::max<int64_t>(1, o.steps / (terminal ? 100 : 10));
   double loss_value = 0;
@@ -118,7 +132,10 @@ int run(const Options& o) {
   for (int64_t step = 1; step <= o.steps; ++step) {
     mt::Batch batch = loader.next();
     optimizer->zero_grad();
-    mt::Tensor loss = mt::cross_entropy(net(batch.inputs), batch.targets);
+    if (o.cosine) optimizer->set_lr(cosine.lr(step - 1));
+    mt::Tensor inputs = batch.inputs;
+    if (o.noise > 0) inputs = inputs + mt::randn(inputs.shape(), mt::f32, &noise_generator, 0, o.noise);
+    mt::Tensor loss = mt::cross_entropy(net(inputs), batch.targets, loss_options);
     loss.backward();
     optimizer->step();
     if (step % report_every == 0 || step == o.steps) {

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# tests/examples/digits_mlp_test.sh -- runs the digits_mlp demo as a user would and checks what it
+# promises: >= 95% test accuracy with the defaults, reproducible runs, --save/--load round trip,
+# --no-shuffle order, and one clear line plus a non-zero exit for bad flags or files.
+set -euo pipefail
+bin="$1"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+field() {  # field NAME JSONLINE
+  python3 -c "import json,sys; print(json.loads(sys.argv[2])['$1'])" x "$2"
+}
+check() {  # check CONDITION MESSAGE
+  if ! python3 -c "import sys; sys.exit(0 if ($1) else 1)"; then
+    echo "FAIL: $2"
+    exit 1
+  fi
+  echo "ok: $2"
+}
+
+line=$("$bin" --json | tail -n 1)
+echo "$line"
+accuracy=$(field test_accuracy "$line")
+check "$accuracy >= 0.95" "default settings reach >= 95% test accuracy (got $accuracy)"
+check "'$(field example "$line")' == 'digits_mlp'" "the JSON line names the example"
+
+a=$("$bin" --json --steps 30 --seed 7 | tail -n 1)
+b=$("$bin" --json --steps 30 --seed 7 | tail -n 1)
+check "$(field final_loss "$a") == $(field final_loss "$b")" "the same seed gives the same loss"
+
+"$bin" --json --steps 30 --no-shuffle --save "$work/ckpt.safetensors" > "$work/save.txt"
+check "$(test -s "$work/ckpt.safetensors" && echo 1 || echo 0) == 1" "--save writes a checkpoint"
+# Loading the trained weights and training 0 further steps is not possible (steps >= 1), so load
+# them, train one more step with lr 0 and compare the accuracy with the saved run's.
+saved=$(tail -n 1 "$work/save.txt")
+loaded=$("$bin" --json --steps 1 --lr 0 --load "$work/ckpt.safetensors" | tail -n 1)
+check "$(field test_accuracy "$saved") == $(field test_accuracy "$loaded")" \
+  "--load restores the weights that --save wrote"
+
+if "$bin" --steps 0 > "$work/out.txt" 2> "$work/err.txt"; then
+  echo "FAIL: --steps 0 was accepted"; exit 1
+fi
+check "$(wc -l < "$work/err.txt") <= 3 and 'steps' in open('$work/err.txt').read()" \
+  "a bad flag value exits non-zero with a message naming it"
+
+echo "garbage" > "$work/bad.safetensors"
+if "$bin" --steps 1 --load "$work/bad.safetensors" > "$work/out.txt" 2> "$work/err.txt"; then
+  echo "FAIL: a corrupt checkpoint was accepted"; exit 1
+fi
+check "$(wc -l < "$work/err.txt") == 1 and 'bad.safetensors' in open('$work/err.txt').read()" \
+  "a corrupt checkpoint exits non-zero with one line naming the file"
+
+if MIXTAPE_DATA_DIR="$work/nowhere" "$bin" --steps 1 > "$work/out.txt" 2> "$work/err.txt"; then
+  echo "FAIL: a missing data directory was accepted"; exit 1
+fi
+check "$(wc -l < "$work/err.txt") == 1 and 'nowhere' in open('$work/err.txt').read()" \
+  "a missing data file exits non-zero with one line naming it"
+echo "digits_mlp: all checks passed"
