@@ -41,6 +41,13 @@ void accumulate(std::unordered_map<const Node*, Tensor>& grads, const NodePtr& n
 std::unordered_map<const Node*, Tensor> backpropagate(const std::vector<NodePtr>& roots,
                                                       const std::vector<Tensor>& seeds,
                                                       bool create_graph) {
+  if (seeds.size() != roots.size())
+    fail("backpropagate: {} seeds for {} roots", seeds.size(), roots.size());
+  for (size_t i = 0; i < roots.size(); ++i)
+    if (!seeds[i].defined() || seeds[i].shape() != roots[i]->shape)
+      fail("backpropagate: seed {} has shape {}, its root has {}", i,
+           seeds[i].defined() ? to_string(seeds[i].shape()) : "undefined",
+           to_string(roots[i]->shape));
   NoGradGuard mode(create_graph);
   std::unordered_map<const Node*, Tensor> grads;
   for (size_t i = 0; i < roots.size(); ++i)

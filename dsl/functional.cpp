@@ -17,6 +17,13 @@ void require_float(const Tensor& t, const char* op, const char* role, const Loc&
     op_fail(op, loc, "the {} must be floating-point, got {}", role, name(t.dtype()));
 }
 
+// Checked here so that a bad axis is reported as the caller's op, not as the max inside it.
+void check_axes(const Tensor& x, const std::vector<int64_t>& axes, const char* op, const Loc& loc) {
+  for (int64_t axis : axes)
+    if (axis < -x.dim() || axis >= x.dim())
+      op_fail(op, loc, "axis {} is out of range for shape {}", axis, to_string(x.shape()));
+}
+
 // The per-row shift that keeps exp() from overflowing; constant for gradients, and 0 for rows
 // that are entirely -inf so that they give -inf / NaN as the math says rather than NaN early.
 Tensor stable_shift(const Tensor& x, const std::vector<int64_t>& axes, const Loc& loc) {
@@ -29,6 +36,7 @@ Tensor stable_shift(const Tensor& x, const std::vector<int64_t>& axes, const Loc
 Tensor softmax(const Tensor& x, int64_t axis, const Loc& loc) {
   CallSiteScope site(loc);
   require_float(x, "softmax", "input", loc);
+  check_axes(x, {axis}, "softmax", loc);
   Tensor e = exp(x - stable_shift(x, {axis}, loc));
   return e / sum(e, {axis}, true);
 }
@@ -36,6 +44,7 @@ Tensor softmax(const Tensor& x, int64_t axis, const Loc& loc) {
 Tensor log_softmax(const Tensor& x, int64_t axis, const Loc& loc) {
   CallSiteScope site(loc);
   require_float(x, "log_softmax", "input", loc);
+  check_axes(x, {axis}, "log_softmax", loc);
   Tensor shifted = x - stable_shift(x, {axis}, loc);
   return shifted - log(sum(exp(shifted), {axis}, true));
 }
@@ -43,6 +52,7 @@ Tensor log_softmax(const Tensor& x, int64_t axis, const Loc& loc) {
 Tensor logsumexp(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
   CallSiteScope site(loc);
   require_float(x, "logsumexp", "input", loc);
+  check_axes(x, axes, "logsumexp", loc);
   Tensor m = stable_shift(x, axes, loc);
   Tensor result = log(sum(exp(x - m), axes, true)) + m;
   if (keepdim) return result;
@@ -175,7 +185,8 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   require_float(q, "scaled_dot_product_attention", "query", loc);
   require_float(k, "scaled_dot_product_attention", "key", loc);
   require_float(v, "scaled_dot_product_attention", "value", loc);
-  if (q.dim() < 2 || q.size(-1) != k.size(-1) || k.size(-2) != v.size(-2))
+  if (q.dim() < 2 || k.dim() < 2 || v.dim() < 2 || q.size(-1) != k.size(-1) ||
+      k.size(-2) != v.size(-2))
     op_fail("scaled_dot_product_attention", loc, "shapes q {} k {} v {} do not fit",
             to_string(q.shape()), to_string(k.shape()), to_string(v.shape()));
   Tensor scores = matmul(q, k, false, true) * (1.0 / std::sqrt(static_cast<double>(q.size(-1))));

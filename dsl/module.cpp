@@ -31,6 +31,9 @@ void Module::add_child(const std::string& name, Module& child) {
 Tensor Module::register_parameter(const std::string& name, Tensor value, bool requires_grad) {
   check_new_name(name);
   if (!value.defined()) fail("Module '{}': parameter '{}' is undefined", path(), name);
+  if (requires_grad && !is_floating(value.dtype()))
+    fail("Module '{}': parameter '{}' is {}, but only floating-point tensors can require grad",
+         path(), name, mixtape::name(value.dtype()));
   if (!value.is_leaf()) {  // e.g. an initializer's randn * std: keep the values, not the graph
     mixtape::eval({value});
     value = from_storage(value.node()->value, value.shape());

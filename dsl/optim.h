@@ -24,6 +24,8 @@ class Optimizer {
   double lr() const { return lr_; }
   void set_lr(double lr);
   int64_t steps_taken() const { return steps_; }
+  /// "SGD", "Adam", "AdamW": checkpoints record it so state is not loaded into another kind.
+  const char* kind() const { return kind_; }
   const std::vector<Tensor>& params() const { return params_; }
 
   /// Per-parameter state ("exp_avg", "exp_avg_sq", "momentum_buffer"), for checkpoints.
@@ -103,7 +105,9 @@ class LRSchedule {
 
 class ConstantLR : public LRSchedule {
  public:
-  explicit ConstantLR(double lr) : lr_(lr) {}
+  explicit ConstantLR(double lr) : lr_(lr) {
+    if (!(lr >= 0)) fail("ConstantLR: the learning rate must be >= 0, got {}", lr);
+  }
   double lr(int64_t) const override { return lr_; }
 
  private:

@@ -88,7 +88,10 @@ void Tensor::zero_grad() {
   impl_->grad = nullptr;
 }
 
-Tensor Tensor::detach() const { return stop_gradient(*this); }
+Tensor Tensor::detach(const Loc& loc) const {
+  if (!defined()) op_fail("detach", loc, "called on an undefined tensor");
+  return stop_gradient(*this, loc);
+}
 
 void Tensor::assign(const Tensor& value, const Loc& loc) {
   const NodePtr& current = node();
@@ -123,7 +126,10 @@ Tensor Tensor::mean(std::vector<int64_t> axes, bool keepdim, const Loc& loc) con
 
 void eval(const std::vector<Tensor>& tensors) {
   std::vector<NodePtr> nodes;
-  for (const Tensor& t : tensors) nodes.push_back(t.node());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (!tensors[i].defined()) fail("eval: tensor {} is undefined", i);
+    nodes.push_back(tensors[i].node());
+  }
   evaluate(nodes);
 }
 
@@ -169,6 +175,13 @@ Tensor tensor<bool>(std::span<const bool> values, Shape shape, std::optional<DTy
   return from_storage(std::move(storage), std::move(shape), loc);
 }
 
+Tensor tensor(const std::vector<bool>& values, Shape shape, std::optional<DType> dtype,
+              const Loc& loc) {
+  std::unique_ptr<bool[]> unpacked(new bool[values.size()]);
+  std::copy(values.begin(), values.end(), unpacked.get());
+  return tensor(std::span<const bool>(unpacked.get(), values.size()), std::move(shape), dtype, loc);
+}
+
 Tensor scalar(double value, DType dtype, const Loc& loc) {
   Attrs attrs;
   attrs.value = value;
@@ -193,11 +206,29 @@ Tensor full(Shape shape, double value, DType dtype, const Loc& loc) {
   attrs.value = value;
   return leaf(OpCode::Full, dtype, std::move(shape), std::move(attrs), loc);
 }
-Tensor zeros(Shape shape, DType dtype, const Loc& loc) { return full(std::move(shape), 0, dtype, loc); }
-Tensor ones(Shape shape, DType dtype, const Loc& loc) { return full(std::move(shape), 1, dtype, loc); }
-Tensor zeros_like(const Tensor& x, const Loc& loc) { return full(x.shape(), 0, x.dtype(), loc); }
-Tensor ones_like(const Tensor& x, const Loc& loc) { return full(x.shape(), 1, x.dtype(), loc); }
+Tensor zeros(Shape shape, DType dtype, const Loc& loc) {
+  check_shape("zeros", shape, loc);
+  return full(std::move(shape), 0, dtype, loc);
+}
+Tensor ones(Shape shape, DType dtype, const Loc& loc) {
+  check_shape("ones", shape, loc);
+  return full(std::move(shape), 1, dtype, loc);
+}
+namespace {
+void check_like_input(const char* op, const Tensor& x, const Loc& loc) {
+  if (!x.defined()) op_fail(op, loc, "the input is an undefined tensor");
+}
+}  // namespace
+Tensor zeros_like(const Tensor& x, const Loc& loc) {
+  check_like_input("zeros_like", x, loc);
+  return full(x.shape(), 0, x.dtype(), loc);
+}
+Tensor ones_like(const Tensor& x, const Loc& loc) {
+  check_like_input("ones_like", x, loc);
+  return full(x.shape(), 1, x.dtype(), loc);
+}
 Tensor full_like(const Tensor& x, double value, const Loc& loc) {
+  check_like_input("full_like", x, loc);
   return full(x.shape(), value, x.dtype(), loc);
 }
 

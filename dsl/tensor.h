@@ -54,7 +54,7 @@ class Tensor {
   /// defaults to ones for a single-element tensor. Defined in autograd/.
   void backward(const Tensor& grad = Tensor(), const Loc& loc = Loc::current()) const;
   /// The same value, cut from the graph: no gradient flows through it.
-  Tensor detach() const;
+  Tensor detach(const Loc& loc = Loc::current()) const;
   /// Evaluates `value` and makes this handle (and every copy of it) a leaf holding that data.
   /// Shape and dtype must match. Keeps requires_grad and the accumulated gradient.
   void assign(const Tensor& value, const Loc& loc = Loc::current());
@@ -97,6 +97,9 @@ Tensor tensor(const std::vector<T>& values, Shape shape,
               std::optional<DType> dtype = std::nullopt, const Loc& loc = Loc::current()) {
   return tensor(std::span<const T>(values), std::move(shape), dtype, loc);
 }
+/// std::vector<bool> packs its bits and has no span, so it gets its own overload.
+Tensor tensor(const std::vector<bool>& values, Shape shape,
+              std::optional<DType> dtype = std::nullopt, const Loc& loc = Loc::current());
 /// A 0-d tensor.
 Tensor scalar(double value, DType dtype = f32, const Loc& loc = Loc::current());
 /// A tensor that wraps already converted storage (its dtype and count must fit `shape`).

@@ -77,6 +77,7 @@ void save_checkpoint(const std::string& path, const Module& module, const Optimi
       for (const auto& [state_name, value] : optimizer->state(i))
         tensors.emplace_back(kOptimizerPrefix + names[i] + "." + state_name, value);
     meta.emplace_back("optimizer.steps", std::to_string(optimizer->steps_taken()));
+    meta.emplace_back("optimizer.kind", optimizer->kind());
   }
   save_tensors(path, tensors, meta);
 }
@@ -89,9 +90,14 @@ void load_checkpoint(const std::string& path, Module& module, Optimizer* optimiz
   for (auto& entry : all)
     (entry.first.rfind(kOptimizerPrefix, 0) == 0 ? optimizer_entries : model).push_back(entry);
   std::vector<NamedTensors> states;
+  std::vector<std::string> names;
   int64_t steps = 0;
   if (optimizer) {
-    std::vector<std::string> names = optimizer_param_names(module, *optimizer, path);
+    names = optimizer_param_names(module, *optimizer, path);
+    std::string kind = metadata_value(meta, "optimizer.kind");
+    if (!kind.empty() && kind != optimizer->kind())
+      fail("load_checkpoint {}: the file holds {} state, the optimizer is {}", path, kind,
+           optimizer->kind());
     std::string steps_text = metadata_value(meta, "optimizer.steps");
     auto [end, ec] = std::from_chars(steps_text.data(), steps_text.data() + steps_text.size(), steps);
     if (steps_text.empty() || ec != std::errc() || end != steps_text.data() + steps_text.size() ||
@@ -109,8 +115,8 @@ void load_checkpoint(const std::string& path, Module& module, Optimizer* optimiz
   for (size_t i = 0; i < states.size(); ++i)  // validated before anything changes
     for (const auto& [state_name, value] : states[i])
       if (value.shape() != optimizer->params()[i].shape())
-        fail("load_checkpoint {}: optimizer state '{}' of parameter {} has shape {}, expected {}",
-             path, state_name, i, to_string(value.shape()),
+        fail("load_checkpoint {}: optimizer state '{}{}.{}' has shape {}, expected {}", path,
+             kOptimizerPrefix, names[i], state_name, to_string(value.shape()),
              to_string(optimizer->params()[i].shape()));
   try {
     module.load_state_dict(model, true);

@@ -1,0 +1,558 @@
+// tests/test_checkpoint.cpp -- checkpoints of modules and optimizers: bit-exact resume, metadata,
+// rejection of mismatched, corrupt and truncated files, every dtype, and the on-disk layout as an
+// independent Python reader sees it.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <bit>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
+#include <limits>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <mixtape/mixtape.h>
+
+namespace mt = mixtape;
+namespace fs = std::filesystem;
+
+namespace {
+
+static_assert(std::endian::native == std::endian::little, "tests build tensor bytes natively");
+
+#define EXPECT_MT_ERROR(statement, ...)                                                 \
+  do {                                                                                  \
+    try {                                                                               \
+      statement;                                                                        \
+      ADD_FAILURE() << "no mt::Error from " #statement;                                 \
+    } catch (const mt::Error& error) {                                                  \
+      for (const std::string& fragment : std::vector<std::string>{__VA_ARGS__})         \
+        EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)          \
+            << "missing \"" << fragment << "\" in: " << error.what();                   \
+    }                                                                                   \
+  } while (0)
+
+using Bytes = std::vector<std::byte>;
+
+Bytes bytes_of(const mt::Tensor& t) {
+  mt::eval({t});
+  return t.node()->value->bytes;
+}
+
+// Every value a checkpoint should restore, as raw bytes: parameters, buffers, optimizer state.
+struct Snapshot {
+  std::vector<std::pair<std::string, Bytes>> entries;
+  int64_t steps = -1;
+  bool operator==(const Snapshot&) const = default;
+};
+
+Snapshot snapshot(const mt::Module& module, const mt::Optimizer* optimizer = nullptr) {
+  Snapshot s;
+  for (const auto& [name, tensor] : module.state_dict())
+    s.entries.emplace_back(name, bytes_of(tensor));
+  if (optimizer) {
+    for (size_t i = 0; i < optimizer->params().size(); ++i)
+      for (const auto& [name, tensor] : optimizer->state(i))
+        s.entries.emplace_back(std::to_string(i) + "/" + name, bytes_of(tensor));
+    s.steps = optimizer->steps_taken();
+  }
+  return s;
+}
+
+Bytes read_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> chars((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  Bytes out(chars.size());
+  if (!chars.empty()) std::memcpy(out.data(), chars.data(), chars.size());
+  return out;
+}
+
+void write_bytes(const fs::path& path, const Bytes& bytes) {
+  // A fresh file rather than a truncated one: ext4 flushes truncate-and-rewrite on close, which
+  // makes thousands of rewrites take seconds.
+  fs::remove(path);
+  std::ofstream out(path, std::ios::binary);
+  out.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
+  ASSERT_TRUE(out.good());
+}
+
+uint64_t header_length(const Bytes& file) {
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint8_t>(file[static_cast<size_t>(i)]);
+  return n;
+}
+
+class Checkpoint : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = fs::temp_directory_path() /
+           ("mixtape_test_checkpoint_" + std::to_string(::getpid()) + "_" + info->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  fs::path dir_;
+};
+
+// A model with its optimizer and fixed batches; `loss(i)` is the loss on batch i.
+struct Training {
+  std::unique_ptr<mt::Module> model;
+  std::unique_ptr<mt::AdamW> opt;
+  std::function<mt::Tensor(int)> loss;
+  void train(int from, int to) {
+    for (int i = from; i < to; ++i) {
+      opt->zero_grad();
+      loss(i).backward();
+      opt->step();
+    }
+  }
+};
+
+Training mlp_run(uint64_t seed) {
+  auto gen = std::make_shared<mt::Generator>(seed);
+  auto mlp = std::make_unique<mt::MLP>(std::vector<int64_t>{4, 8, 3}, mt::Activation::Relu,
+                                       gen.get());
+  mt::MLP* net = mlp.get();
+  Training run;
+  run.opt = std::make_unique<mt::AdamW>(mlp->parameters(),
+                                        mt::AdamOptions{.lr = 0.05, .weight_decay = 0.1});
+  run.model = std::move(mlp);
+  run.loss = [net](int i) {
+    mt::Generator data(1000 + static_cast<uint64_t>(i));  // batch i is the same in every run
+    mt::Tensor x = mt::randn({5, 4}, mt::f32, &data);
+    std::vector<int64_t> labels{i % 3, (i + 1) % 3, 2, 0, 1};
+    return mt::cross_entropy((*net)(x), mt::tensor(labels, {5}));
+  };
+  return run;
+}
+
+Training transformer_run(uint64_t seed) {
+  auto gen = std::make_shared<mt::Generator>(seed);
+  auto block = std::make_unique<mt::TransformerBlock>(8, 2, 0.0, gen.get());
+  mt::TransformerBlock* net = block.get();
+  Training run;
+  run.opt = std::make_unique<mt::AdamW>(block->parameters(), mt::AdamOptions{.lr = 0.01});
+  run.model = std::move(block);
+  run.loss = [net](int i) {
+    mt::Generator data(2000 + static_cast<uint64_t>(i));
+    mt::Tensor x = mt::randn({2, 3, 8}, mt::f32, &data);
+    mt::Tensor target = mt::randn({2, 3, 8}, mt::f32, &data);
+    return mt::mse_loss((*net)(x), target);
+  };
+  return run;
+}
+
+void check_resume(const std::function<Training(uint64_t)>& make, const std::string& file) {
+  Training original = make(1);
+  original.train(0, 3);
+  mt::save_checkpoint(file, *original.model, original.opt.get());
+  Snapshot saved = snapshot(*original.model, original.opt.get());
+  Snapshot saved_model = snapshot(*original.model);
+  ASSERT_EQ(saved.steps, 3);
+  original.train(3, 6);
+  Snapshot uninterrupted = snapshot(*original.model, original.opt.get());
+
+  Training resumed = make(2);  // different initial values, and no optimizer state yet
+  ASSERT_FALSE(snapshot(*resumed.model) == saved_model);
+  EXPECT_EQ(resumed.opt->steps_taken(), 0);
+  mt::load_checkpoint(file, *resumed.model, resumed.opt.get());
+  Snapshot loaded = snapshot(*resumed.model, resumed.opt.get());
+  ASSERT_EQ(loaded.entries.size(), saved.entries.size());
+  for (size_t i = 0; i < saved.entries.size(); ++i) {
+    EXPECT_EQ(loaded.entries[i].first, saved.entries[i].first);
+    EXPECT_TRUE(loaded.entries[i].second == saved.entries[i].second) << saved.entries[i].first;
+  }
+  EXPECT_EQ(loaded.steps, 3);
+  for (const mt::Tensor& p : resumed.model->parameters()) EXPECT_TRUE(p.requires_grad());
+
+  resumed.train(3, 6);
+  Snapshot continued = snapshot(*resumed.model, resumed.opt.get());
+  ASSERT_EQ(continued.entries.size(), uninterrupted.entries.size());
+  for (size_t i = 0; i < continued.entries.size(); ++i)
+    EXPECT_TRUE(continued.entries[i].second == uninterrupted.entries[i].second)
+        << continued.entries[i].first;
+  EXPECT_EQ(continued.steps, 6);
+  // Training really moved the weights, so equality above is not trivially true.
+  EXPECT_FALSE(uninterrupted == saved);
+}
+
+TEST_F(Checkpoint, MlpResumesBitIdentically) { check_resume(mlp_run, path("mlp.safetensors")); }
+
+TEST_F(Checkpoint, TransformerBlockResumesBitIdentically) {
+  check_resume(transformer_run, path("block.safetensors"));
+}
+
+TEST_F(Checkpoint, OptimizerStateIsSavedUnderParameterPaths) {
+  Training run = mlp_run(1);
+  run.train(0, 2);
+  mt::save_checkpoint(path("c.safetensors"), *run.model, run.opt.get());
+  mt::Metadata meta;
+  mt::NamedTensors entries = mt::load_tensors(path("c.safetensors"), &meta);
+  std::vector<std::string> names;
+  for (const auto& [name, tensor] : entries) names.push_back(name);
+  std::vector<std::string> expected{"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
+  for (const char* p : {"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"})
+    for (const char* s : {"exp_avg", "exp_avg_sq"})
+      expected.push_back(std::string("optimizer.") + p + "." + s);
+  EXPECT_EQ(names, expected);
+  EXPECT_EQ(entries[4].second.shape(), (mt::Shape{8, 4}));
+  EXPECT_TRUE(bytes_of(entries[5].second) == bytes_of(run.opt->state(0)[1].second));
+}
+
+TEST_F(Checkpoint, MetadataRoundTrips) {
+  Training run = mlp_run(1);
+  run.train(0, 2);
+  mt::Metadata user{{"epoch", "7"}, {"note", "d\xc3\xa9j\xc3\xa0 vu \"quoted\"\n"}, {"empty", ""}};
+  mt::save_checkpoint(path("m.safetensors"), *run.model, run.opt.get(), user);
+  Training other = mlp_run(2);
+  mt::Metadata loaded;
+  mt::load_checkpoint(path("m.safetensors"), *other.model, other.opt.get(), &loaded);
+  auto value = [&](const std::string& key) -> std::string {
+    for (const auto& [k, v] : loaded)
+      if (k == key) return v;
+    return "<absent>";
+  };
+  EXPECT_EQ(value("epoch"), "7");
+  EXPECT_EQ(value("note"), "d\xc3\xa9j\xc3\xa0 vu \"quoted\"\n");
+  EXPECT_EQ(value("empty"), "");
+  EXPECT_EQ(value("optimizer.steps"), "2");
+  EXPECT_EQ(value("optimizer.kind"), "AdamW");
+  EXPECT_EQ(value("format"), "mixtape-checkpoint-1");
+  // Without an optimizer only the module and the user's entries are written.
+  mt::save_checkpoint(path("plain.safetensors"), *run.model, nullptr, user);
+  mt::Metadata plain;
+  mt::NamedTensors entries = mt::load_tensors(path("plain.safetensors"), &plain);
+  EXPECT_EQ(entries.size(), 4u);
+  EXPECT_EQ(plain.size(), 4u);
+}
+
+// Loading `file` into `target` must fail with every fragment and change nothing.
+void expect_rejected(const std::string& file, mt::Module& target, mt::Optimizer* opt,
+                     const std::vector<std::string>& fragments) {
+  Snapshot before = snapshot(target, opt);
+  try {
+    mt::load_checkpoint(file, target, opt);
+    ADD_FAILURE() << "no mt::Error loading " << file;
+  } catch (const mt::Error& error) {
+    for (const std::string& fragment : fragments)
+      EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)
+          << "missing \"" << fragment << "\" in: " << error.what();
+  }
+  EXPECT_TRUE(snapshot(target, opt) == before) << "the failed load changed the target";
+}
+
+TEST_F(Checkpoint, MismatchedModelsAreRejectedWithoutChanges) {
+  mt::Generator gen(5);
+  mt::MLP source({4, 8, 3}, mt::Activation::Relu, &gen);
+  mt::AdamW source_opt(source.parameters());
+  mt::MLP deeper({4, 8, 3, 2}, mt::Activation::Relu, &gen);
+  mt::save_checkpoint(path("small.safetensors"), source, &source_opt);
+  mt::save_checkpoint(path("deep.safetensors"), deeper);
+  mt::save_checkpoint(path("small_no_opt.safetensors"), source);
+
+  // The targets have taken a step so that their optimizers have state to protect.
+  auto trained = [&](std::vector<int64_t> sizes) {
+    auto net = std::make_unique<mt::MLP>(sizes, mt::Activation::Relu, &gen);
+    auto opt = std::make_unique<mt::AdamW>(net->parameters());
+    mt::Tensor x = mt::randn({2, 4}, mt::f32, &gen);
+    mt::sum((*net)(x)).backward();
+    opt->step();
+    return std::make_pair(std::move(net), std::move(opt));
+  };
+  {
+    SCOPED_TRACE("different hidden width");
+    auto [net, opt] = trained({4, 9, 3});
+    expect_rejected(path("small_no_opt.safetensors"), *net, nullptr,
+                    {"small_no_opt.safetensors", "fc1.weight", "[9, 4]", "[8, 4]"});
+    expect_rejected(path("small.safetensors"), *net, opt.get(), {"fc1.weight", "[9, 4]"});
+  }
+  {
+    SCOPED_TRACE("parameter missing from the file");
+    auto [net, opt] = trained({4, 8, 3, 2});
+    expect_rejected(path("small_no_opt.safetensors"), *net, nullptr,
+                    {"missing", "fc3.weight", "fc3.bias"});
+  }
+  {
+    SCOPED_TRACE("extra parameter in the file");
+    auto [net, opt] = trained({4, 8, 3});
+    expect_rejected(path("deep.safetensors"), *net, nullptr, {"unexpected", "fc3.weight"});
+    // The optimizer's step count is checked before anything else changes.
+    expect_rejected(path("small_no_opt.safetensors"), *net, opt.get(), {"step count"});
+  }
+  {
+    SCOPED_TRACE("dtype that cannot be converted");
+    auto [net, opt] = trained({4, 8, 3});
+    mt::NamedTensors state = source.state_dict();
+    state[1].second = mt::zeros({8}, mt::i32);
+    mt::save_tensors(path("int.safetensors"), state);
+    expect_rejected(path("int.safetensors"), *net, nullptr, {"fc1.bias", "i32"});
+  }
+}
+
+TEST_F(Checkpoint, OptimizerMismatchesAreRejectedWithoutChanges) {
+  Training source = mlp_run(1);
+  source.train(0, 2);
+  mt::save_checkpoint(path("adamw.safetensors"), *source.model, source.opt.get());
+  mt::Metadata meta;
+  mt::NamedTensors entries = mt::load_tensors(path("adamw.safetensors"), &meta);
+
+  Training target = mlp_run(2);
+  target.train(0, 1);
+  {
+    SCOPED_TRACE("optimizer state of the wrong shape");
+    mt::NamedTensors bad = entries;
+    for (auto& [name, tensor] : bad)
+      if (name == "optimizer.fc2.bias.exp_avg_sq") tensor = mt::zeros({4});
+    mt::save_tensors(path("bad_state.safetensors"), bad, meta);
+    expect_rejected(path("bad_state.safetensors"), *target.model, target.opt.get(),
+                    {"optimizer.fc2.bias.exp_avg_sq", "[4]", "[3]"});
+  }
+  {
+    SCOPED_TRACE("state of another optimizer kind");
+    mt::Generator gen(3);
+    mt::MLP net({4, 8, 3}, mt::Activation::Relu, &gen);
+    mt::SGD sgd(net.parameters(), {.lr = 0.1, .momentum = 0.9});
+    mt::sum(net(mt::ones({1, 4}))).backward();
+    sgd.step();
+    mt::save_checkpoint(path("sgd.safetensors"), net, &sgd);
+    expect_rejected(path("sgd.safetensors"), *target.model, target.opt.get(), {"SGD", "AdamW"});
+  }
+  {
+    SCOPED_TRACE("an invalid step count");
+    for (const char* steps : {"-1", "three", "3x", ""}) {
+      mt::Metadata bad_meta = meta;
+      for (auto& [k, v] : bad_meta)
+        if (k == "optimizer.steps") v = steps;
+      mt::save_tensors(path("bad_steps.safetensors"), entries, bad_meta);
+      expect_rejected(path("bad_steps.safetensors"), *target.model, target.opt.get(),
+                      {"step count"});
+    }
+  }
+}
+
+TEST_F(Checkpoint, CorruptAndTruncatedFilesAreRejectedWithoutChanges) {
+  Training source = mlp_run(1);
+  source.train(0, 2);
+  std::string good_path = path("good.safetensors");
+  mt::save_checkpoint(good_path, *source.model, source.opt.get());
+  const Bytes good = read_bytes(good_path);
+  const uint64_t n = header_length(good);
+  ASSERT_LT(8 + n, good.size());
+
+  Training target = mlp_run(2);
+  target.train(0, 1);
+  std::string bad = path("bad.safetensors");
+  std::vector<uint64_t> lengths{0, 1, 7, 8, 9, 8 + n / 2, 8 + n - 1, 8 + n, 8 + n + 1,
+                                8 + n + 4, good.size() / 2 + 4, good.size() - 4, good.size() - 1};
+  for (uint64_t length : lengths) {
+    SCOPED_TRACE("truncated to " + std::to_string(length) + " bytes");
+    write_bytes(bad, Bytes(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(length)));
+    expect_rejected(bad, *target.model, target.opt.get(), {"bad.safetensors"});
+  }
+  {
+    SCOPED_TRACE("trailing bytes after the data");
+    Bytes longer = good;
+    longer.push_back(std::byte{0});
+    write_bytes(bad, longer);
+    expect_rejected(bad, *target.model, target.opt.get(), {"bad.safetensors"});
+  }
+  // Inverting any byte of the length field or of the JSON header makes it invalid (the header
+  // is ASCII, so an inverted byte is never valid UTF-8, and padding spaces become garbage).
+  for (uint64_t i = 0; i < 8 + n; ++i) {
+    SCOPED_TRACE("header byte " + std::to_string(i) + " inverted");
+    Bytes flipped = good;
+    flipped[i] ^= std::byte{0xff};
+    write_bytes(bad, flipped);
+    expect_rejected(bad, *target.model, target.opt.get(), {"bad.safetensors"});
+    if (::testing::Test::HasFailure()) break;
+  }
+  // Smaller changes can still leave a valid file (a digit of a metadata value, say); the loader
+  // must then either load it or throw mt::Error, never crash, and a failed load changes nothing.
+  Snapshot before = snapshot(*target.model, target.opt.get());
+  int rejected = 0;
+  Training fresh = mlp_run(3);
+  const Snapshot fresh_before = snapshot(*fresh.model, fresh.opt.get());
+  for (uint64_t i = 0; i < 8 + n; ++i) {
+    Bytes flipped = good;
+    flipped[i] ^= std::byte{0x01};
+    write_bytes(bad, flipped);
+    try {
+      mt::load_checkpoint(bad, *fresh.model, fresh.opt.get());
+      fresh = mlp_run(3);  // it loaded: start the next try from the same state again
+    } catch (const mt::Error&) {
+      ++rejected;
+      ASSERT_TRUE(snapshot(*fresh.model, fresh.opt.get()) == fresh_before) << "byte " << i;
+    }
+  }
+  EXPECT_GT(rejected, static_cast<int>(n) / 2);
+  EXPECT_TRUE(snapshot(*target.model, target.opt.get()) == before);
+  // The good file still loads after all that.
+  mt::load_checkpoint(good_path, *target.model, target.opt.get());
+  EXPECT_TRUE(snapshot(*target.model, target.opt.get()) ==
+              snapshot(*source.model, source.opt.get()));
+}
+
+TEST_F(Checkpoint, MissingFileIsRejected) {
+  Training target = mlp_run(2);
+  expect_rejected(path("absent.safetensors"), *target.model, target.opt.get(),
+                  {"absent.safetensors"});
+  EXPECT_MT_ERROR(mt::load_tensors(path("absent.safetensors")), "absent.safetensors");
+  EXPECT_MT_ERROR(mt::load_tensors(dir_.string()), dir_.string());
+}
+
+TEST_F(Checkpoint, UnwritableDestinationThrows) {
+  Training run = mlp_run(1);
+  // A path under a regular file cannot be created even by root, unlike a read-only directory.
+  write_bytes(path("plain_file"), Bytes(3));
+  std::string under_file = path("plain_file") + "/ckpt.safetensors";
+  EXPECT_MT_ERROR(mt::save_checkpoint(under_file, *run.model, run.opt.get()), under_file);
+  std::string missing_dir = path("no/such/dir") + "/ckpt.safetensors";
+  EXPECT_MT_ERROR(mt::save_checkpoint(missing_dir, *run.model), missing_dir);
+  EXPECT_MT_ERROR(mt::save_tensors(missing_dir, {{"x", mt::ones({2})}}), missing_dir);
+  // Nothing half-written is left behind.
+  std::vector<std::string> left;
+  for (const auto& entry : fs::directory_iterator(dir_)) left.push_back(entry.path().filename());
+  EXPECT_EQ(left, std::vector<std::string>{"plain_file"});
+}
+
+TEST_F(Checkpoint, SaveOverwritesAtomically) {
+  Training run = mlp_run(1);
+  std::string file = path("c.safetensors");
+  mt::save_checkpoint(file, *run.model, run.opt.get());
+  run.train(0, 1);
+  mt::save_checkpoint(file, *run.model, run.opt.get());
+  Training other = mlp_run(2);
+  mt::load_checkpoint(file, *other.model, other.opt.get());
+  EXPECT_TRUE(snapshot(*other.model, other.opt.get()) == snapshot(*run.model, run.opt.get()));
+  std::vector<std::string> left;
+  for (const auto& entry : fs::directory_iterator(dir_)) left.push_back(entry.path().filename());
+  EXPECT_EQ(left, std::vector<std::string>{"c.safetensors"});
+}
+
+template <typename T>
+mt::Tensor raw(mt::DType dtype, const std::vector<T>& values, mt::Shape shape) {
+  auto storage = std::make_shared<mt::Storage>(dtype, static_cast<int64_t>(values.size()));
+  EXPECT_EQ(storage->bytes.size(), values.size() * sizeof(T));
+  if (!values.empty()) std::memcpy(storage->bytes.data(), values.data(), storage->bytes.size());
+  return mt::from_storage(storage, std::move(shape));
+}
+
+// Bit patterns that a lossy path would change: NaN payloads, signed zero, infinities, subnormals.
+mt::NamedTensors every_dtype() {
+  auto f32 = [](uint32_t bits) { return std::bit_cast<float>(bits); };
+  auto f64 = [](uint64_t bits) { return std::bit_cast<double>(bits); };
+  return {
+      {"f32", raw<float>(mt::f32,
+                         {1.5f, -0.0f, f32(0x7fc12345u), f32(0xff800000u), f32(0x00000001u), 3e38f},
+                         {2, 3})},
+      {"f64", raw<double>(mt::f64, {f64(0x7ff0000000000001ull), -0.0, 1e-310, 0.1}, {4})},
+      {"f16", raw<uint16_t>(mt::f16, {0x3c00, 0x8000, 0x7c00, 0x0001, 0x7e01, 0xfbff}, {3, 2})},
+      {"bf16", raw<uint16_t>(mt::bf16, {0x3f80, 0x8000, 0xff80, 0x0001, 0x7fc1}, {5})},
+      {"i32", raw<int32_t>(mt::i32,
+                           {std::numeric_limits<int32_t>::min(), -1, 0, 2147483647}, {2, 2})},
+      {"i64", raw<int64_t>(mt::i64, {std::numeric_limits<int64_t>::min(), 42,
+                                     std::numeric_limits<int64_t>::max()}, {3})},
+      {"bool", raw<uint8_t>(mt::boolean, {1, 0, 0, 1}, {2, 1, 2})},
+      {"scalar", raw<float>(mt::f32, {2.25f}, {})},
+      {"empty", raw<int64_t>(mt::i64, {}, {0, 3})},
+  };
+}
+
+TEST_F(Checkpoint, EveryDtypeRoundTripsBitExactly) {
+  mt::NamedTensors tensors = every_dtype();
+  mt::Metadata meta{{"source", "test"}};
+  mt::save_tensors(path("all.safetensors"), tensors, meta);
+  mt::Metadata loaded_meta;
+  mt::NamedTensors loaded = mt::load_tensors(path("all.safetensors"), &loaded_meta);
+  EXPECT_EQ(loaded_meta, meta);
+  ASSERT_EQ(loaded.size(), tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    SCOPED_TRACE(tensors[i].first);
+    EXPECT_EQ(loaded[i].first, tensors[i].first);
+    EXPECT_EQ(loaded[i].second.dtype(), tensors[i].second.dtype());
+    EXPECT_EQ(loaded[i].second.shape(), tensors[i].second.shape());
+    EXPECT_TRUE(bytes_of(loaded[i].second) == bytes_of(tensors[i].second));
+    EXPECT_TRUE(loaded[i].second.is_leaf());
+    EXPECT_FALSE(loaded[i].second.requires_grad());
+  }
+  // Values survive computing with them, so the storage is usable, not just bytes.
+  EXPECT_EQ(loaded[5].second.to_vector<int64_t>()[1], 42);
+  EXPECT_EQ(loaded[3].second.to_vector<float>()[0], 1.0f);
+  EXPECT_EQ(loaded[7].second.item(), 2.25);
+  // A lazily computed tensor is evaluated on save.
+  mt::save_tensors(path("lazy.safetensors"), {{"y", mt::arange(4, mt::f32) * 2.0}});
+  EXPECT_EQ(mt::load_tensors(path("lazy.safetensors"))[0].second.to_vector<float>(),
+            (std::vector<float>{0, 2, 4, 6}));
+}
+
+bool python_available() {
+  return std::system("/usr/bin/python3 -c 'import json, struct' 2>/dev/null") == 0;
+}
+
+TEST_F(Checkpoint, FilesParseInPythonSafetensorsLayout) {
+  if (!python_available()) GTEST_SKIP() << "/usr/bin/python3 is not available";
+  mt::save_tensors(path("all.safetensors"), every_dtype(), {{"source", "mixtape"}});
+  // An independent reader of the documented layout: u64 LE header length, JSON header, data.
+  std::string script = path("check.py");
+  std::ofstream(script) << R"PY(
+import json, math, struct, sys
+raw = open(sys.argv[1], 'rb').read()
+(n,) = struct.unpack('<Q', raw[:8])
+header = json.loads(raw[8:8 + n].decode('utf-8'))
+data = raw[8 + n:]
+assert header.pop('__metadata__') == {'source': 'mixtape'}, 'metadata'
+want = {
+    'f32': ('F32', [2, 3]), 'f64': ('F64', [4]), 'f16': ('F16', [3, 2]), 'bf16': ('BF16', [5]),
+    'i32': ('I32', [2, 2]), 'i64': ('I64', [3]), 'bool': ('BOOL', [2, 1, 2]),
+    'scalar': ('F32', []), 'empty': ('I64', [0, 3]),
+}
+sizes = {'F32': 4, 'F64': 8, 'F16': 2, 'BF16': 2, 'I32': 4, 'I64': 8, 'BOOL': 1}
+assert set(header) == set(want), sorted(header)
+spans = []
+for name, (dtype, shape) in want.items():
+    entry = header[name]
+    assert entry['dtype'] == dtype and entry['shape'] == shape, (name, entry)
+    begin, end = entry['data_offsets']
+    assert end - begin == math.prod(shape) * sizes[dtype], (name, entry)
+    spans.append((begin, end))
+spans.sort()
+assert spans[0][0] == 0 and spans[-1][1] == len(data), 'data section not covered'
+assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), 'gap or overlap'
+def at(name, fmt):
+    begin, end = header[name]['data_offsets']
+    return struct.unpack('<' + fmt * ((end - begin) // struct.calcsize(fmt)), data[begin:end])
+f32 = at('f32', 'f')
+assert f32[0] == 1.5 and str(f32[1]) == '-0.0' and math.isnan(f32[2]) and f32[3] == -math.inf
+assert at('f64', 'd')[3] == 0.1
+assert at('f16', 'e')[:3] == (1.0, -0.0, math.inf) and at('f16', 'e')[5] == -65504.0
+bf16 = [struct.unpack('<f', struct.pack('<I', b << 16))[0] for b in at('bf16', 'H')]
+assert bf16[0] == 1.0 and bf16[2] == -math.inf
+assert at('i32', 'i') == (-2**31, -1, 0, 2**31 - 1)
+assert at('i64', 'q') == (-2**63, 42, 2**63 - 1)
+assert at('bool', '?') == (True, False, False, True)
+assert at('scalar', 'f') == (2.25,)
+print('OK', n % 8)
+)PY";
+  std::string out_file = path("python.out");
+  std::string command = "/usr/bin/python3 " + script + " " + path("all.safetensors") + " > " +
+                        out_file + " 2>&1";
+  int status = std::system(command.c_str());
+  std::ifstream in(out_file);
+  std::string output((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(status, 0) << output;
+  // The header is padded so the data section starts 8-byte aligned.
+  EXPECT_EQ(output, "OK 0\n");
+}
+
+}  // namespace
