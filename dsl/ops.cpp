@@ -76,6 +76,10 @@ Tensor scalar_like(const Operand& s, const Tensor& other, const Loc& loc) {
 template <typename Builder>
 Tensor apply_operator(const Operand& a, const Operand& b, Builder build) {
   const Loc& loc = b.tensor.defined() ? b.loc : a.loc;
+  // The builder reports an undefined tensor operand by position.
+  if ((a.is_tensor && !a.tensor.defined()) || (b.is_tensor && !b.tensor.defined()))
+    return build(a.is_tensor ? a.tensor : scalar(a.scalar, f32, loc),
+                 b.is_tensor ? b.tensor : scalar(b.scalar, f32, loc), loc);
   if (!a.tensor.defined() && !b.tensor.defined()) op_fail("operator", loc, "needs a tensor operand");
   Tensor ta = a.tensor.defined() ? a.tensor : scalar_like(a, b.tensor, loc);
   Tensor tb = b.tensor.defined() ? b.tensor : scalar_like(b, a.tensor, loc);
@@ -157,7 +161,10 @@ Tensor operator<(const Operand& a, const Operand& b) { return apply_operator(a, 
 Tensor operator<=(const Operand& a, const Operand& b) { return apply_operator(a, b, le); }
 Tensor operator>(const Operand& a, const Operand& b) { return apply_operator(a, b, gt); }
 Tensor operator>=(const Operand& a, const Operand& b) { return apply_operator(a, b, ge); }
-Tensor operator-(const Tensor& x) { return neg(x); }
+Tensor operator-(const Operand& x) {
+  if (!x.is_tensor) op_fail("neg", x.loc, "needs a tensor operand");
+  return neg(x.tensor, x.loc);
+}
 
 Tensor pow(const Tensor& x, double exponent, const Loc& loc) {
   input(x, "pow", loc);
@@ -211,6 +218,10 @@ Tensor max(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& 
 
 Tensor min(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
   CallSiteScope site(loc);
+  input(x, "min", loc);
+  check_domain("min", Domain::Numeric, x.dtype(), loc);
+  for (int64_t a : axes_or_fail(axes, x.shape().size(), "min", loc))
+    if (x.shape()[a] == 0) op_fail("min", loc, "cannot reduce an empty axis {}", a);
   return -max(-x, axes, keepdim, loc);
 }
 
@@ -225,6 +236,9 @@ Tensor argmax(const Tensor& x, std::optional<int64_t> axis, bool keepdim, const 
 
 Tensor var(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
   CallSiteScope site(loc);
+  input(x, "var", loc);
+  check_domain("var", Domain::Float, x.dtype(), loc);
+  axes_or_fail(axes, x.shape().size(), "var", loc);
   Tensor centered = x - mean(x, axes, true, loc);
   return mean(square(centered), axes, keepdim, loc);
 }
@@ -581,6 +595,8 @@ Tensor embedding(const Tensor& weight, const Tensor& ids, const Loc& loc) {
   input(weight, "embedding", loc, "weight");
   if (weight.dim() != 2)
     op_fail("embedding", loc, "weight must be [num, dim], got {}", to_string(weight.shape()));
+  input(ids, "embedding", loc, "ids");
+  check_index_dtype("embedding", ids, loc);
   return index_select(weight, ids, 0, loc);
 }
 

@@ -23,8 +23,10 @@ struct Operand {
   Tensor tensor;
   double scalar = 0;
   bool scalar_is_integral = false;
+  bool is_tensor = false;  // so that an undefined tensor is an error rather than the scalar 0
   Loc loc;
-  Operand(const Tensor& t, const Loc& loc = Loc::current()) : tensor(t), loc(loc) {}
+  Operand(const Tensor& t, const Loc& loc = Loc::current())
+      : tensor(t), is_tensor(true), loc(loc) {}
   template <typename S>
     requires std::is_arithmetic_v<S>
   Operand(S s, const Loc& loc = Loc::current())
@@ -38,7 +40,9 @@ Tensor operator<(const Operand& a, const Operand& b);
 Tensor operator<=(const Operand& a, const Operand& b);
 Tensor operator>(const Operand& a, const Operand& b);
 Tensor operator>=(const Operand& a, const Operand& b);
-Tensor operator-(const Tensor& x);
+// An Operand, not a Tensor, so that the node records the caller's line (operators cannot take
+// a defaulted location argument).
+Tensor operator-(const Operand& x);
 Tensor pow(const Tensor& x, double exponent, const Loc& loc = Loc::current());
 
 /// cond ? a : b elementwise, with broadcasting; cond must be bool.

@@ -111,8 +111,12 @@ StoragePtr ref_Arange(const Node& node) {
 
 StoragePtr ref_RandUniform(const Node& node) {
   StoragePtr out = new_storage(node);
-  for (int64_t i = 0; i < out->count; ++i)
+  for (int64_t i = 0; i < out->count; ++i) {
     store_element(*out, i, philox_uniform(node.attrs.seed, node.attrs.offset, i));
+    // Nearest rounding carries the top of [0, 1) up to 1.0 in f16/bf16; those values take the
+    // largest one below 1 instead, so the stream stays in [0, 1) in every dtype.
+    if (is_half(node.dtype) && load_element<double>(*out, i) >= 1.0) out->as<uint16_t>()[i] -= 1;
+  }
   return out;
 }
 

@@ -1,0 +1,853 @@
+// tests/test_gradcheck.cpp -- every op's gradient against f64 central finite differences.
+//
+// "An op without a passing gradient check does not exist": the per-op suite below is
+// instantiated for every OpCode of dsl/ops.def, and an op that has neither a gradient sample nor
+// a proof that it never carries a gradient fails. Pointwise samples are generated from ops.def
+// itself, so a new unary or binary op is checked the moment it is declared.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <numeric>
+#include <string>
+#include <unordered_set>
+#include <vector>
+
+#include "mixtape/mixtape.h"
+
+namespace mt = mixtape;
+
+namespace {
+
+using mt::OpCode;
+using Tensors = std::vector<mt::Tensor>;
+using Builder = std::function<mt::Tensor(const Tensors&)>;
+using Values = std::vector<std::vector<double>>;
+
+// Where input values come from. Each distribution keeps central differences (which look eps to
+// either side) clear of the points where an op has no derivative.
+enum class Dist {
+  Normal,        // N(0, 1)
+  Positive,      // U[0.5, 2): log, sqrt, rsqrt, the base of pow
+  AwayFromZero,  // |x| in [0.3, 1.3): kinks of relu/abs, poles of reciprocal/div
+  Grid,          // distinct: ranks 0.25 apart plus jitter < 0.04, so max never ties
+  GridShifted,   // the Grid lattice moved by 0.125: at least 0.085 from any Grid value
+  Dyadic,        // multiples of 2^-8 in [-2, 2]: exact in f16 and f32, and so are x +- 2^-8
+};
+
+struct Input {
+  mt::Shape shape;
+  Dist dist = Dist::Normal;
+};
+
+struct Sample {
+  std::string label;
+  std::vector<Input> inputs;
+  Builder build;
+  // The op under test must appear in the built graph; false only where the API is documented to
+  // skip the node (a cast to the same dtype returns its input).
+  bool makes_node = true;
+  double eps = 1e-6;
+  Dist weights = Dist::Normal;  // of the fixed random weighting that reduces y to a scalar
+};
+
+uint64_t seed_of(const std::string& label) {  // FNV-1a: stable across runs and platforms
+  uint64_t h = 1469598103934665603ull;
+  for (char c : label) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
+  return h;
+}
+
+std::vector<double> draw(Dist dist, int64_t n, mt::Generator& gen) {
+  switch (dist) {
+    case Dist::Normal:
+      return mt::randn({n}, mt::f64, &gen).to_vector<double>();
+    case Dist::Positive:
+      return mt::rand({n}, mt::f64, &gen, 0.5, 2.0).to_vector<double>();
+    case Dist::AwayFromZero: {
+      std::vector<double> v = mt::rand({n}, mt::f64, &gen, -1.0, 1.0).to_vector<double>();
+      for (double& x : v) x += x < 0 ? -0.3 : 0.3;
+      return v;
+    }
+    case Dist::Grid:
+    case Dist::GridShifted: {
+      std::vector<double> order = mt::rand({n}, mt::f64, &gen).to_vector<double>();
+      std::vector<double> jitter = mt::rand({n}, mt::f64, &gen, 0.0, 0.04).to_vector<double>();
+      std::vector<int64_t> rank(static_cast<size_t>(n));
+      std::iota(rank.begin(), rank.end(), 0);
+      std::sort(rank.begin(), rank.end(),
+                [&](int64_t a, int64_t b) { return order[a] < order[b]; });
+      std::vector<double> v(static_cast<size_t>(n));
+      double shift = dist == Dist::GridShifted ? 0.125 : 0.0;
+      for (int64_t r = 0; r < n; ++r)
+        v[rank[r]] = 0.25 * static_cast<double>(r - n / 2) + jitter[rank[r]] + shift;
+      return v;
+    }
+    case Dist::Dyadic: {
+      std::vector<double> v = mt::rand({n}, mt::f64, &gen, -2.0, 2.0).to_vector<double>();
+      for (double& x : v) x = std::round(x * 256.0) / 256.0;
+      return v;
+    }
+  }
+  return {};
+}
+
+Tensors leaves_of(const Sample& s, const Values& values, bool requires_grad) {
+  Tensors leaves;
+  for (size_t i = 0; i < s.inputs.size(); ++i) {
+    mt::Tensor t = mt::tensor(values[i], s.inputs[i].shape);
+    if (requires_grad) t.requires_grad_();
+    leaves.push_back(t);
+  }
+  return leaves;
+}
+
+mt::Tensor weighted_sum(const mt::Tensor& y, const std::vector<double>& w) {
+  return mt::sum(y * mt::tensor(w, y.shape()));
+}
+
+// The sample's inputs and the weighting of its output, both fixed by the label.
+struct Prepared {
+  Values values;
+  std::vector<double> weights;
+};
+
+Prepared prepare(const Sample& s) {
+  mt::Generator gen(seed_of(s.label));
+  Prepared p;
+  for (const Input& in : s.inputs) p.values.push_back(draw(in.dist, mt::numel(in.shape), gen));
+  mt::Tensor y = s.build(leaves_of(s, p.values, false));
+  p.weights = draw(s.weights, y.numel(), gen);
+  return p;
+}
+
+bool graph_contains(const mt::Tensor& y, OpCode op) {
+  std::vector<const mt::Node*> stack{y.node().get()};
+  std::unordered_set<const mt::Node*> seen;
+  while (!stack.empty()) {
+    const mt::Node* n = stack.back();
+    stack.pop_back();
+    if (!seen.insert(n).second) continue;
+    if (n->op == op) return true;
+    for (const mt::NodePtr& input : n->inputs) stack.push_back(input.get());
+  }
+  return false;
+}
+
+struct Mismatch {
+  size_t input;
+  size_t element;
+  double analytic;
+  double numeric;
+};
+
+struct Report {
+  int64_t checked = 0;
+  std::vector<Mismatch> mismatches;
+};
+
+// Compares one analytic gradient per input against central differences of `f` over every input
+// element. A gradient the autograd left undefined counts as zero.
+Report compare_with_fd(const Sample& s, const Values& values, const Tensors& analytic,
+                       const std::function<double(const Values&)>& f, double tol) {
+  Report report;
+  Values x = values;
+  for (size_t i = 0; i < values.size(); ++i) {
+    std::vector<double> a = analytic[i].defined() ? analytic[i].to_vector<double>()
+                                                  : std::vector<double>(values[i].size(), 0.0);
+    for (size_t j = 0; j < values[i].size(); ++j) {
+      x[i][j] = values[i][j] + s.eps;
+      double plus = f(x);
+      x[i][j] = values[i][j] - s.eps;
+      double minus = f(x);
+      x[i][j] = values[i][j];
+      double numeric = (plus - minus) / (2 * s.eps);
+      ++report.checked;
+      if (!(std::abs(a[j] - numeric) <= tol * (1 + std::abs(numeric))))
+        report.mismatches.push_back({i, j, a[j], numeric});
+    }
+  }
+  return report;
+}
+
+// d/dx sum(build(x) * w) by mt::grad, against central differences of the forward value.
+Report check_first_order(const Sample& s, double tol = 1e-6) {
+  Prepared p = prepare(s);
+  Tensors leaves = leaves_of(s, p.values, true);
+  mt::Tensor y = s.build(leaves);
+  EXPECT_EQ(y.dtype(), mt::f64) << s.label;
+  EXPECT_TRUE(y.requires_grad()) << s.label << ": the output does not require grad";
+  Tensors grads = mt::grad({weighted_sum(y, p.weights)}, leaves, {}, false, true);
+  auto loss = [&](const Values& v) {
+    mt::NoGradGuard no_grad;
+    return weighted_sum(s.build(leaves_of(s, v, false)), p.weights).item();
+  };
+  return compare_with_fd(s, p.values, grads, loss, tol);
+}
+
+// With S(x) = sum_i <dL/dx_i, v_i> for fixed random v, mt::grad(S) is the Hessian of L applied to
+// v. It is checked against central differences of S computed from first-order gradients only.
+Report check_second_order(const Sample& s, double tol = 1e-6) {
+  Prepared p = prepare(s);
+  mt::Generator gen(seed_of(s.label + "/direction"));
+  Values v;
+  for (const Input& in : s.inputs) v.push_back(draw(Dist::Normal, mt::numel(in.shape), gen));
+
+  Tensors leaves = leaves_of(s, p.values, true);
+  Tensors first = mt::grad({weighted_sum(s.build(leaves), p.weights)}, leaves, {}, true, true);
+  mt::Tensor directional;
+  for (size_t i = 0; i < first.size(); ++i) {
+    if (!first[i].defined()) continue;
+    mt::Tensor term = mt::sum(first[i] * mt::tensor(v[i], s.inputs[i].shape));
+    directional = directional.defined() ? directional + term : term;
+  }
+  Report empty;
+  if (!directional.defined() || !directional.requires_grad()) {
+    ADD_FAILURE() << s.label << ": the first gradient does not depend on the inputs";
+    return empty;
+  }
+  Tensors second = mt::grad({directional}, leaves, {}, false, true);
+
+  auto directional_value = [&](const Values& x) {
+    Tensors at = leaves_of(s, x, true);
+    Tensors g = mt::grad({weighted_sum(s.build(at), p.weights)}, at, {}, false, true);
+    double total = 0;
+    for (size_t i = 0; i < g.size(); ++i) {
+      if (!g[i].defined()) continue;
+      std::vector<double> gi = g[i].to_vector<double>();
+      total += std::inner_product(gi.begin(), gi.end(), v[i].begin(), 0.0);
+    }
+    return total;
+  };
+  return compare_with_fd(s, p.values, second, directional_value, tol);
+}
+
+void expect_passes(const Sample& s, const Report& report) {
+  EXPECT_GT(report.checked, 0) << s.label << ": nothing was checked";
+  for (size_t k = 0; k < report.mismatches.size() && k < 6; ++k) {
+    const Mismatch& m = report.mismatches[k];
+    ADD_FAILURE() << s.label << ": d/d input " << m.input << " [" << m.element << "]: analytic "
+                  << m.analytic << " vs finite differences " << m.numeric;
+  }
+  if (report.mismatches.size() > 6)
+    ADD_FAILURE() << s.label << ": " << report.mismatches.size() - 6 << " more mismatches";
+}
+
+// ---------------------------------------------------------------------------------------------
+// The sample table: OpCode -> builders. Pointwise entries come from ops.def.
+
+mt::Tensor ids(std::vector<int64_t> values, mt::Shape shape, mt::DType dtype = mt::i64) {
+  return mt::tensor(values, std::move(shape), dtype);
+}
+
+Dist unary_dist(OpCode op) {
+  switch (op) {
+    case OpCode::Log:
+    case OpCode::Sqrt:
+    case OpCode::Rsqrt:
+      return Dist::Positive;
+    case OpCode::Abs:
+    case OpCode::Relu:
+    case OpCode::Reciprocal:
+      return Dist::AwayFromZero;
+    default:
+      return Dist::Normal;
+  }
+}
+
+std::pair<Dist, Dist> binary_dists(OpCode op) {
+  switch (op) {
+    case OpCode::Div:
+      return {Dist::Normal, Dist::AwayFromZero};
+    case OpCode::Pow:
+      return {Dist::Positive, Dist::Normal};
+    case OpCode::Maximum:
+    case OpCode::Minimum:
+      return {Dist::Grid, Dist::GridShifted};
+    default:
+      return {Dist::Normal, Dist::Normal};
+  }
+}
+
+using Table = std::map<OpCode, std::vector<Sample>>;
+
+void add(Table& t, OpCode op, std::string label, std::vector<Input> inputs, Builder build) {
+  t[op].push_back(Sample{std::move(label), std::move(inputs), std::move(build)});
+}
+
+void add_pointwise(Table& t) {
+  const std::vector<mt::Shape> unary_shapes = {{}, {5}, {2, 3}};
+  // Both operands broadcast, rank differs, a 0-d operand, and plain same-shape.
+  const std::vector<std::pair<mt::Shape, mt::Shape>> binary_shapes = {
+      {{2, 3}, {2, 3}}, {{3, 1}, {1, 4}}, {{2, 3, 4}, {4}}, {{}, {2, 3}}, {{2, 1, 4}, {3, 1}}};
+  std::map<OpCode, Builder> unary, binary;
+#define MT_OP(Name, fname, kind, arity, category)
+#define MT_UNARY(Name, fname, category, domain, REF, VJP) \
+  unary[OpCode::Name] = [](const Tensors& x) { return mt::fname(x[0]); };
+#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
+  binary[OpCode::Name] = [](const Tensors& x) { return mt::fname(x[0], x[1]); };
+#define MT_COMPARE(Name, fname, REF)
+#include "dsl/ops.def"
+  for (auto& [op, build] : unary) {
+    if (op == OpCode::Sign || op == OpCode::Detach) continue;  // no gradient: probed below
+    for (const mt::Shape& shape : unary_shapes)
+      add(t, op, fmt::format("{} {}", mt::op_name(op), mt::to_string(shape)),
+          {{shape, unary_dist(op)}}, build);
+  }
+  for (auto& [op, build] : binary) {
+    auto [d0, d1] = binary_dists(op);
+    for (const auto& [s0, s1] : binary_shapes)
+      add(t, op, fmt::format("{} {}x{}", mt::op_name(op), mt::to_string(s0), mt::to_string(s1)),
+          {{s0, d0}, {s1, d1}}, build);
+  }
+  // Operators with a scalar operand go through the same nodes with a Full leaf.
+  add(t, OpCode::Add, "x + 1.5", {{{2, 3}}}, [](const Tensors& x) { return x[0] + 1.5; });
+  add(t, OpCode::Sub, "2 - x", {{{2, 3}}}, [](const Tensors& x) { return 2 - x[0]; });
+  add(t, OpCode::Mul, "x * x (one input twice)", {{{2, 3}}},
+      [](const Tensors& x) { return x[0] * x[0]; });
+  add(t, OpCode::Div, "1 / x", {{{2, 3}, Dist::AwayFromZero}},
+      [](const Tensors& x) { return 1.0 / x[0]; });
+  add(t, OpCode::Pow, "pow(x, 3) negative bases", {{{2, 3}, Dist::AwayFromZero}},
+      [](const Tensors& x) { return mt::pow(x[0], 3.0); });
+  add(t, OpCode::Pow, "pow(x, -0.5)", {{{2, 3}, Dist::Positive}},
+      [](const Tensors& x) { return mt::pow(x[0], -0.5); });
+  add(t, OpCode::Maximum, "maximum(x, 0)", {{{2, 3}, Dist::AwayFromZero}},
+      [](const Tensors& x) { return mt::maximum(x[0], mt::zeros({}, mt::f64)); });
+
+  // where: the condition is data, the two values are differentiable and broadcast.
+  auto cond = [](mt::Shape shape) {
+    std::vector<int64_t> bits(static_cast<size_t>(mt::numel(shape)));
+    for (size_t i = 0; i < bits.size(); ++i) bits[i] = (i * 7 + 3) % 5 < 2;
+    return mt::tensor(bits, shape, mt::boolean);
+  };
+  add(t, OpCode::Where, "where [3,1] ? [3,4] : [4]", {{{3, 4}}, {{4}}}, [cond](const Tensors& x) {
+    return mt::where(cond({3, 1}), x[0], x[1]);
+  });
+  add(t, OpCode::Where, "where [2,3] ? [2,3] : []", {{{2, 3}}, {{}}}, [cond](const Tensors& x) {
+    return mt::where(cond({2, 3}), x[0], x[1]);
+  });
+  add(t, OpCode::Where, "where [2,3,4] ? [3,1] : [2,1,4]", {{{3, 1}}, {{2, 1, 4}}},
+      [cond](const Tensors& x) {
+        return mt::where(cond({2, 3, 4}), x[0], x[1]);
+      });
+}
+
+void add_cast(Table& t) {
+  Sample same{"cast f64 -> f64 (no node)", {{{2, 3}}}, [](const Tensors& x) {
+                return mt::cast(x[0], mt::f64) * 1.0;
+              }};
+  same.makes_node = false;
+  t[OpCode::Cast].push_back(same);
+  // Dyadic inputs, steps and weights keep the round trips exact, so differences see slope 1.
+  Sample f32{"cast f64 -> f32 -> f64", {{{2, 3}, Dist::Dyadic}}, [](const Tensors& x) {
+               return mt::cast(mt::cast(x[0], mt::f32), mt::f64);
+             }};
+  Sample f32_math{"square in f32 between casts", {{{2, 3}, Dist::Dyadic}}, [](const Tensors& x) {
+                    return mt::cast(mt::square(mt::cast(x[0], mt::f32)), mt::f64);
+                  }};
+  Sample f16{"cast f64 -> f16 -> f64", {{{2, 3}, Dist::Dyadic}}, [](const Tensors& x) {
+               return mt::cast(mt::cast(x[0], mt::f16), mt::f64);
+             }};
+  Sample promote{"f32 + f64 promotes through a cast",
+                 {{{2, 3}, Dist::Dyadic}, {{3}, Dist::Dyadic}},
+                 [](const Tensors& x) { return mt::cast(x[0], mt::f32) + x[1]; }};
+  for (Sample* s : {&f32, &f32_math, &f16, &promote}) {
+    s->eps = 0x1p-8;
+    s->weights = Dist::Dyadic;
+    t[OpCode::Cast].push_back(*s);
+  }
+}
+
+void add_reductions(Table& t) {
+  struct Axes {
+    std::vector<int64_t> axes;
+    bool keepdim;
+  };
+  const std::vector<Axes> cases = {
+      {{}, false}, {{1}, false}, {{0, 2}, true}, {{-1}, true}, {{2, 0}, false}};
+  for (const Axes& c : cases) {
+    std::string suffix = fmt::format("axes [{}] keepdim {}", fmt::join(c.axes, ","), c.keepdim);
+    add(t, OpCode::Sum, "sum [2,3,4] " + suffix, {{{2, 3, 4}}},
+        [c](const Tensors& x) { return mt::sum(x[0], c.axes, c.keepdim); });
+    add(t, OpCode::Max, "max [2,3,4] " + suffix, {{{2, 3, 4}, Dist::Grid}},
+        [c](const Tensors& x) { return mt::max(x[0], c.axes, c.keepdim); });
+  }
+  add(t, OpCode::Sum, "sum of a 0-d tensor", {{{}}},
+      [](const Tensors& x) { return mt::sum(x[0]); });
+  add(t, OpCode::Max, "max [6]", {{{6}, Dist::Grid}},
+      [](const Tensors& x) { return mt::max(x[0]); });
+}
+
+void add_matmul(Table& t) {
+  struct Case {
+    std::string label;
+    mt::Shape a, b;
+    bool ta, tb;
+  };
+  const std::vector<Case> cases = {
+      {"[3,4]@[4,2]", {3, 4}, {4, 2}, false, false},
+      {"[4,3]^T@[4,2]", {4, 3}, {4, 2}, true, false},
+      {"[3,4]@[2,4]^T", {3, 4}, {2, 4}, false, true},
+      {"[4,3]^T@[2,4]^T", {4, 3}, {2, 4}, true, true},
+      {"batch-broadcast [2,1,3,4]@[3,4,2]", {2, 1, 3, 4}, {3, 4, 2}, false, false},
+      {"batch-broadcast [2,4,3]^T@[1,2,4]^T", {2, 4, 3}, {1, 2, 4}, true, true},
+      {"batched [2,3,4]@[4,2]", {2, 3, 4}, {4, 2}, false, false},
+      {"1-d [4]@[4,2]", {4}, {4, 2}, false, false},
+      {"1-d [3,4]@[4]", {3, 4}, {4}, false, false},
+      {"1-d dot [4]@[4]", {4}, {4}, false, false},
+      {"1-d [2,3,4]@[4]", {2, 3, 4}, {4}, false, false},
+      {"1-d [4]@[2,4,3]", {4}, {2, 4, 3}, false, false},
+      {"1-d [4]@[3,4]^T", {4}, {3, 4}, false, true},
+  };
+  for (const Case& c : cases)
+    add(t, OpCode::MatMul, "matmul " + c.label, {{c.a}, {c.b}},
+        [c](const Tensors& x) { return mt::matmul(x[0], x[1], c.ta, c.tb); });
+}
+
+void add_data_movement(Table& t) {
+  add(t, OpCode::Reshape, "reshape [2,3,4] -> [6,4]", {{{2, 3, 4}}}, [](const Tensors& x) {
+    return mt::reshape(x[0], {6, 4});
+  });
+  add(t, OpCode::Reshape, "reshape [2,3,4] -> [4,-1]", {{{2, 3, 4}}}, [](const Tensors& x) {
+    return mt::reshape(x[0], {4, -1});
+  });
+  add(t, OpCode::Reshape, "reshape [1] -> []", {{{1}}},
+      [](const Tensors& x) { return mt::reshape(x[0], {}); });
+  add(t, OpCode::Reshape, "unsqueeze/squeeze/flatten", {{{2, 3, 4}}},
+      [](const Tensors& x) { return mt::flatten(mt::squeeze(mt::unsqueeze(x[0], 1), 1), 1, 2); });
+
+  add(t, OpCode::Permute, "permute [2,3,4] (2,0,1)", {{{2, 3, 4}}}, [](const Tensors& x) {
+    return mt::permute(x[0], {2, 0, 1});
+  });
+  add(t, OpCode::Permute, "permute [2,3,4] (1,-1,0)", {{{2, 3, 4}}}, [](const Tensors& x) {
+    return mt::permute(x[0], {1, -1, 0});
+  });
+  add(t, OpCode::Permute, "transpose [3,4]", {{{3, 4}}},
+      [](const Tensors& x) { return mt::transpose(x[0]); });
+
+  const std::vector<std::pair<mt::Shape, mt::Shape>> broadcasts = {
+      {{3, 1}, {2, 3, 4}}, {{4}, {3, 4}}, {{}, {2, 2}}, {{1, 3, 1}, {2, 3, 4}}};
+  for (const auto& [from, to] : broadcasts)
+    add(t, OpCode::BroadcastTo,
+        fmt::format("broadcast_to {} -> {}", mt::to_string(from), mt::to_string(to)), {{from}},
+        [to](const Tensors& x) { return mt::broadcast_to(x[0], to); });
+
+  add(t, OpCode::Slice, "slice [5,4] rows 1:5:2", {{{5, 4}}},
+      [](const Tensors& x) { return mt::slice(x[0], 0, 1, 5, 2); });
+  add(t, OpCode::Slice, "slice [3,7] cols -5:100:3 (negative, clamped)", {{{3, 7}}},
+      [](const Tensors& x) { return mt::slice(x[0], 1, -5, 100, 3); });
+  add(t, OpCode::Slice, "slice [3,4] last axis 0:-1", {{{3, 4}}},
+      [](const Tensors& x) { return mt::slice(x[0], -1, 0, -1); });
+  add(t, OpCode::Slice, "strided slice [4,5,3]", {{{4, 5, 3}}}, [](const Tensors& x) {
+    return mt::slice(x[0], {1, 0, 2}, {2, 2, 1}, {2, 3, 1});
+  });
+
+  add(t, OpCode::Unslice, "unslice [2,3] into [5,6]", {{{2, 3}}}, [](const Tensors& x) {
+    return mt::unslice(x[0], {1, 0}, {2, 2}, {5, 6});
+  });
+  add(t, OpCode::Unslice, "unslice [3] into [7] from 4", {{{3}}},
+      [](const Tensors& x) { return mt::unslice(x[0], {4}, {1}, {7}); });
+
+  add(t, OpCode::Concat, "concat 3 inputs axis 1", {{{2, 1, 3}}, {{2, 2, 3}}, {{2, 3, 3}}},
+      [](const Tensors& x) { return mt::concat(x, 1); });
+  add(t, OpCode::Concat, "concat 3 inputs axis 0", {{{1, 4}}, {{2, 4}}, {{3, 4}}},
+      [](const Tensors& x) { return mt::concat(x, 0); });
+  add(t, OpCode::Concat, "concat 3 inputs axis -1", {{{2, 2}}, {{2, 1}}, {{2, 3}}},
+      [](const Tensors& x) { return mt::concat(x, -1); });
+  add(t, OpCode::Concat, "stack 3 inputs axis 1", {{{2, 3}}, {{2, 3}}, {{2, 3}}},
+      [](const Tensors& x) { return mt::stack(x, 1); });
+  add(t, OpCode::Concat, "concat one input twice", {{{2, 3}}}, [](const Tensors& x) {
+    return mt::concat({x[0], x[0] * 2.0}, 0);
+  });
+}
+
+void add_indexing(Table& t) {
+  add(t, OpCode::IndexSelect, "index_select [5,3] rows 4,0,4,2", {{{5, 3}}}, [](const Tensors& x) {
+    return mt::index_select(x[0], ids({4, 0, 4, 2}, {4}), 0);
+  });
+  add(t, OpCode::IndexSelect, "index_select [3,4,2] axis 1 by a [2,3] index", {{{3, 4, 2}}},
+      [](const Tensors& x) {
+        return mt::index_select(x[0], ids({3, 0, 3, 1, 1, 2}, {2, 3}, mt::i32), 1);
+      });
+  add(t, OpCode::IndexSelect, "embedding [6,3] by [2,3] ids", {{{6, 3}}}, [](const Tensors& x) {
+    return mt::embedding(x[0], ids({5, 1, 1, 0, 5, 5}, {2, 3}));
+  });
+
+  add(t, OpCode::IndexAdd, "index_add [5,3] += [4,3] at 1,3,1,0", {{{5, 3}}, {{4, 3}}},
+      [](const Tensors& x) {
+        return mt::index_add(x[0], ids({1, 3, 1, 0}, {4}), x[1], 0);
+      });
+  add(t, OpCode::IndexAdd, "index_add [2,4,3] axis 1 += [2,2,3] at 3,3", {{{2, 4, 3}}, {{2, 2, 3}}},
+      [](const Tensors& x) {
+        return mt::index_add(x[0], ids({3, 3}, {2}), x[1], 1);
+      });
+
+  add(t, OpCode::Gather, "gather [3,4] axis 1 by [3,2]", {{{3, 4}}}, [](const Tensors& x) {
+    return mt::gather(x[0], ids({0, 3, 2, 2, 1, 0}, {3, 2}), 1);
+  });
+  add(t, OpCode::Gather, "gather [4,3] axis 0 by [2,3] (i32)", {{{4, 3}}}, [](const Tensors& x) {
+    return mt::gather(x[0], ids({3, 0, 1, 3, 3, 2}, {2, 3}, mt::i32), 0);
+  });
+
+  add(t, OpCode::ScatterAdd, "scatter_add [3,4] axis 1 from [3,3]", {{{3, 4}}, {{3, 3}}},
+      [](const Tensors& x) {
+        return mt::scatter_add(x[0], ids({0, 3, 0, 2, 2, 2, 1, 0, 3}, {3, 3}), x[1], 1);
+      });
+  add(t, OpCode::ScatterAdd, "scatter_add [4,3] axis 0 from [2,3]", {{{4, 3}}, {{2, 3}}},
+      [](const Tensors& x) {
+        return mt::scatter_add(x[0], ids({3, 0, 1, 3, 3, 2}, {2, 3}), x[1], 0);
+      });
+}
+
+mt::Tensor custom_mul_sin(const Tensors& x) {
+  return mt::custom_op(
+      {x[0], x[1]}, [](const Tensors& in) { return in[0] * in[1] + mt::sin(in[0]); },
+      [](const Tensors& in, const mt::Tensor&, const mt::Tensor& g) -> Tensors {
+        return {g * (in[1] + mt::cos(in[0])), g * in[0]};
+      });
+}
+
+void add_custom(Table& t) {
+  add(t, OpCode::Custom, "custom a*b + sin(a)", {{{2, 3}}, {{2, 3}}}, custom_mul_sin);
+  add(t, OpCode::Custom, "custom exp, vjp from the output", {{{4}}}, [](const Tensors& x) {
+    return mt::custom_op(
+        {x[0]}, [](const Tensors& in) { return mt::exp(in[0]); },
+        [](const Tensors&, const mt::Tensor& out, const mt::Tensor& g) -> Tensors {
+          return {g * out};
+        });
+  });
+  add(t, OpCode::Custom, "custom op inside a graph", {{{3}}}, [](const Tensors& x) {
+    return mt::tanh(custom_mul_sin({x[0] * 2.0, mt::square(x[0])}));
+  });
+}
+
+const Table& op_samples() {
+  static const Table table = [] {
+    Table t;
+    add_pointwise(t);
+    add_cast(t);
+    add_reductions(t);
+    add_matmul(t);
+    add_data_movement(t);
+    add_indexing(t);
+    add_custom(t);
+    return t;
+  }();
+  return table;
+}
+
+// Ops whose result never carries a gradient. Each probe gets an f64 [3,4] input that requires
+// grad and must return a node of that op which does not require grad.
+const std::map<OpCode, Builder>& no_grad_probes() {
+  static const std::map<OpCode, Builder> probes = [] {
+    std::map<OpCode, Builder> p;
+    p[OpCode::Constant] = [](const Tensors&) {
+      return mt::tensor(std::vector<double>{1, 2, 3}, {3});
+    };
+    p[OpCode::Full] = [](const Tensors& x) { return mt::full_like(x[0], 2.0); };
+    p[OpCode::Arange] = [](const Tensors&) { return mt::arange(0.0, 5.0, 1.0, mt::f64); };
+    p[OpCode::RandUniform] = [](const Tensors& x) {
+      mt::Generator gen(7);
+      return mt::rand(x[0].shape(), mt::f64, &gen);
+    };
+    p[OpCode::RandNormal] = [](const Tensors& x) {
+      mt::Generator gen(7);
+      return mt::randn(x[0].shape(), mt::f64, &gen);
+    };
+#define MT_OP(Name, fname, kind, arity, category)
+#define MT_UNARY(Name, fname, category, domain, REF, VJP)
+#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1)
+#define MT_COMPARE(Name, fname, REF) \
+  p[OpCode::Name] = [](const Tensors& x) { return mt::fname(x[0], x[0] * 0.5); };
+#include "dsl/ops.def"
+    p[OpCode::Argmax] = [](const Tensors& x) { return mt::argmax(x[0], 1); };
+    p[OpCode::Sign] = [](const Tensors& x) { return mt::sign(x[0]); };
+    p[OpCode::Detach] = [](const Tensors& x) { return x[0].detach(); };
+    return p;
+  }();
+  return probes;
+}
+
+// Composite ops are DSL code over primitives; their gradients are checked end to end.
+const std::vector<Sample>& composite_samples() {
+  static const std::vector<Sample> samples = [] {
+    std::vector<Sample> c;
+    auto add_c = [&c](std::string label, std::vector<Input> inputs, Builder build) {
+      c.push_back(Sample{std::move(label), std::move(inputs), std::move(build)});
+    };
+    add_c("softmax_last", {{{3, 4}}}, [](const Tensors& x) { return mt::softmax(x[0]); });
+    add_c("softmax_axis0", {{{3, 4}}}, [](const Tensors& x) { return mt::softmax(x[0], 0); });
+    add_c("log_softmax_last", {{{2, 3, 4}}},
+          [](const Tensors& x) { return mt::log_softmax(x[0]); });
+    add_c("log_softmax_axis1", {{{2, 3, 4}}},
+          [](const Tensors& x) { return mt::log_softmax(x[0], 1); });
+    add_c("logsumexp_last", {{{3, 4}}}, [](const Tensors& x) { return mt::logsumexp(x[0]); });
+    add_c("logsumexp_axes01_keepdim", {{{2, 3, 4}}}, [](const Tensors& x) {
+      return mt::logsumexp(x[0], {0, 1}, true);
+    });
+    add_c("layer_norm", {{{3, 4}}, {{4}}, {{4}}},
+          [](const Tensors& x) { return mt::layer_norm(x[0], x[1], x[2]); });
+    add_c("layer_norm_two_axes", {{{2, 3, 4}}, {{3, 4}}, {{3, 4}}},
+          [](const Tensors& x) { return mt::layer_norm(x[0], x[1], x[2], 1e-5, 2); });
+    add_c("layer_norm_no_affine", {{{3, 5}}},
+          [](const Tensors& x) { return mt::layer_norm(x[0], mt::Tensor(), mt::Tensor()); });
+    add_c("rms_norm", {{{3, 4}}, {{4}}}, [](const Tensors& x) { return mt::rms_norm(x[0], x[1]); });
+    add_c("linear", {{{2, 3}}, {{4, 3}}, {{4}}},
+          [](const Tensors& x) { return mt::linear(x[0], x[1], x[2]); });
+    add_c("cross_entropy_ignore_index_label_smoothing", {{{4, 5}}}, [](const Tensors& x) {
+      return mt::cross_entropy(x[0], ids({1, -100, 4, 0}, {4}),
+                               {.reduction = mt::Reduction::Mean, .label_smoothing = 0.1});
+    });
+    add_c("cross_entropy_sum_3d", {{{2, 3, 5}}}, [](const Tensors& x) {
+      return mt::cross_entropy(x[0], ids({1, 2, 4, 0, 0, 3}, {2, 3}),
+                               {.reduction = mt::Reduction::Sum});
+    });
+    add_c("cross_entropy_none_custom_ignore", {{{4, 3}}}, [](const Tensors& x) {
+      return mt::cross_entropy(
+          x[0], ids({2, 0, 2, 1}, {4}, mt::i32),
+          {.reduction = mt::Reduction::None, .ignore_index = 2, .label_smoothing = 0.2});
+    });
+    add_c("mse_loss_mean", {{{3, 4}}, {{3, 4}}},
+          [](const Tensors& x) { return mt::mse_loss(x[0], x[1]); });
+    add_c("mse_loss_sum", {{{3, 4}}, {{3, 4}}},
+          [](const Tensors& x) { return mt::mse_loss(x[0], x[1], mt::Reduction::Sum); });
+    add_c("gelu_and_gelu_tanh", {{{2, 3}}},
+          [](const Tensors& x) { return mt::gelu(x[0]) * mt::gelu_tanh(x[0]); });
+    add_c("sdpa_causal", {{{2, 3, 4}}, {{2, 3, 4}}, {{2, 3, 4}}}, [](const Tensors& x) {
+      return mt::scaled_dot_product_attention(x[0], x[1], x[2], true);
+    });
+    add_c("sdpa_cross_lengths", {{{2, 2, 4}}, {{2, 3, 4}}, {{2, 3, 5}}},
+          [](const Tensors& x) { return mt::scaled_dot_product_attention(x[0], x[1], x[2]); });
+    // A fresh generator per build: every finite-difference rebuild draws the same mask.
+    add_c("dropout_fixed_generator", {{{4, 5}}}, [](const Tensors& x) {
+      mt::Generator gen(1234);
+      return mt::dropout(x[0], 0.3, true, &gen);
+    });
+    add_c("min_axis1", {{{3, 4}, Dist::Grid}}, [](const Tensors& x) { return mt::min(x[0], {1}); });
+    add_c("min_all", {{{3, 4}, Dist::Grid}}, [](const Tensors& x) { return mt::min(x[0]); });
+    add_c("var_axis0_keepdim", {{{3, 4}}},
+          [](const Tensors& x) { return mt::var(x[0], {0}, true); });
+    add_c("var_all", {{{3, 4}}}, [](const Tensors& x) { return mt::var(x[0]); });
+    add_c("mean_last", {{{2, 3, 4}}}, [](const Tensors& x) { return mt::mean(x[0], {-1}); });
+    add_c("mean_all", {{{2, 3}}}, [](const Tensors& x) { return x[0].mean(); });
+    add_c("operators_mixed", {{{2, 3}}, {{3}, Dist::AwayFromZero}},
+          [](const Tensors& x) { return (x[0] * 3.0 - 1.5) / x[1] + mt::exp(-x[0]) * x[1]; });
+    add_c("one_hot_weighting", {{{4, 3}}}, [](const Tensors& x) {
+      return x[0] * mt::one_hot(ids({2, 0, 7, 1}, {4}), 3, mt::f64);
+    });
+    return c;
+  }();
+  return samples;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests
+
+std::string test_name(std::string label) {
+  for (char& ch : label)
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  return label;
+}
+
+class OpGradCheck : public ::testing::TestWithParam<int> {};
+
+TEST_P(OpGradCheck, MatchesFiniteDifferences) {
+  OpCode op = static_cast<OpCode>(GetParam());
+  SCOPED_TRACE(mt::op_name(op));
+  const Table& table = op_samples();
+  const auto& probes = no_grad_probes();
+  auto found = table.find(op);
+  auto probe = probes.find(op);
+  if (probe != probes.end()) {
+    EXPECT_TRUE(found == table.end()) << "an op without gradient cannot have gradient samples";
+    mt::Generator gen(11);
+    mt::Tensor x = mt::tensor(mt::randn({3, 4}, mt::f64, &gen).to_vector<double>(), {3, 4});
+    x.requires_grad_();
+    mt::Tensor y = probe->second({x});
+    EXPECT_EQ(y.node()->op, op) << "the probe does not make the op";
+    EXPECT_FALSE(y.requires_grad()) << "the op's output requires grad";
+    EXPECT_NO_THROW(y.to_vector<double>());
+    return;
+  }
+  ASSERT_TRUE(found != table.end() && !found->second.empty())
+      << "op '" << mt::op_name(op) << "' has no gradient sample and no no-gradient probe";
+  bool any_makes_node = false;
+  for (const Sample& s : found->second) {
+    SCOPED_TRACE(s.label);
+    Tensors leaves = leaves_of(s, prepare(s).values, true);
+    mt::Tensor y = s.build(leaves);
+    bool contains = graph_contains(y, op);
+    if (s.makes_node) {
+      EXPECT_TRUE(contains) << s.label << " does not make a '" << mt::op_name(op) << "' node";
+    }
+    any_makes_node |= contains;
+    expect_passes(s, check_first_order(s));
+  }
+  EXPECT_TRUE(any_makes_node);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllOps, OpGradCheck, ::testing::Range(0, mt::op_count()),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return test_name(mt::op_name(static_cast<OpCode>(info.param)));
+                         });
+
+TEST(GradCheckCoverage, EveryOpHasASampleOrProvablyNoGradient) {
+  const Table& table = op_samples();
+  const auto& probes = no_grad_probes();
+  int missing = 0;
+  for (int i = 0; i < mt::op_count(); ++i) {
+    OpCode op = static_cast<OpCode>(i);
+    bool sampled = table.count(op) && !table.at(op).empty();
+    bool probed = probes.count(op) > 0;
+    if (sampled == probed) {
+      ++missing;
+      ADD_FAILURE() << "op '" << mt::op_name(op) << "': " << (sampled ? "both" : "neither")
+                    << " a gradient sample and a no-gradient probe";
+    }
+  }
+  EXPECT_EQ(missing, 0);
+  for (const auto& [op, samples] : table) EXPECT_LT(static_cast<int>(op), mt::op_count());
+  // The leaves, comparisons, argmax, sign and detach are exactly the no-gradient ops.
+  std::vector<OpCode> expected = {
+      OpCode::Constant, OpCode::Full,   OpCode::Arange, OpCode::RandUniform, OpCode::RandNormal,
+      OpCode::Eq,       OpCode::Ne,     OpCode::Lt,     OpCode::Le,          OpCode::Gt,
+      OpCode::Ge,       OpCode::Argmax, OpCode::Sign,   OpCode::Detach};
+  EXPECT_EQ(probes.size(), expected.size());
+  for (OpCode op : expected) EXPECT_TRUE(probes.count(op)) << mt::op_name(op);
+}
+
+class CompositeGradCheck : public ::testing::TestWithParam<size_t> {};
+
+TEST_P(CompositeGradCheck, MatchesFiniteDifferences) {
+  const Sample& s = composite_samples()[GetParam()];
+  SCOPED_TRACE(s.label);
+  expect_passes(s, check_first_order(s));
+}
+
+INSTANTIATE_TEST_SUITE_P(Composites, CompositeGradCheck,
+                         ::testing::Range<size_t>(0, composite_samples().size()),
+                         [](const ::testing::TestParamInfo<size_t>& info) {
+                           return test_name(composite_samples()[info.param].label);
+                         });
+
+// Second order: the vjp rules are graph code, so differentiating a gradient must work too.
+std::vector<Sample> second_order_samples() {
+  std::vector<Sample> c;
+  auto add_s = [&c](std::string label, std::vector<Input> inputs, Builder build) {
+    c.push_back(Sample{std::move(label), std::move(inputs), std::move(build)});
+  };
+  for (const auto& [op, samples] : op_samples()) {
+    // Piecewise linear ops have no second derivative; a cast is linear.
+    if (op == OpCode::Abs || op == OpCode::Relu || op == OpCode::Neg || op == OpCode::Cast)
+      continue;
+    if (mt::op_info(op).kind != mt::OpKind::Pointwise || mt::op_info(op).arity != 1) continue;
+    c.push_back(samples.back());  // the [2,3] shape
+  }
+  add_s("mul", {{{2, 3}}, {{3}}}, [](const Tensors& x) { return x[0] * x[1]; });
+  add_s("div", {{{2, 3}}, {{3}, Dist::AwayFromZero}}, [](const Tensors& x) { return x[0] / x[1]; });
+  add_s("pow", {{{2, 3}, Dist::Positive}, {{2, 3}}},
+        [](const Tensors& x) { return mt::pow(x[0], x[1]); });
+  add_s("matmul_transposed", {{{4, 3}}, {{2, 4}}},
+        [](const Tensors& x) { return mt::matmul(x[0], x[1], true, true); });
+  add_s("softmax", {{{3, 4}}}, [](const Tensors& x) { return mt::softmax(x[0]); });
+  add_s("log_softmax", {{{3, 4}}}, [](const Tensors& x) { return mt::log_softmax(x[0], 0); });
+  add_s("layer_norm", {{{3, 4}}, {{4}}, {{4}}},
+        [](const Tensors& x) { return mt::layer_norm(x[0], x[1], x[2]); });
+  add_s("cross_entropy", {{{3, 4}}}, [](const Tensors& x) {
+    return mt::cross_entropy(x[0], ids({3, 0, -100}, {3}), {.label_smoothing = 0.1});
+  });
+  add_s("sdpa_causal", {{{1, 3, 2}}, {{1, 3, 2}}, {{1, 3, 2}}},
+        [](const Tensors& x) { return mt::scaled_dot_product_attention(x[0], x[1], x[2], true); });
+  add_s("custom_op", {{{2, 3}}, {{2, 3}}}, custom_mul_sin);
+  return c;
+}
+
+TEST(SecondOrderGradCheck, HessianVectorProductsMatchFiniteDifferences) {
+  std::vector<Sample> samples = second_order_samples();
+  EXPECT_GE(samples.size(), 20u);
+  for (const Sample& s : samples) {
+    SCOPED_TRACE("second order: " + s.label);
+    expect_passes(s, check_second_order(s, 1e-5));
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The harness itself, and gradient facts that finite differences cannot see.
+
+TEST(GradCheckHarness, CatchesAWrongVjp) {
+  Sample wrong{
+      "custom op with a vjp off by a factor 2", {{{2, 3}}, {{2, 3}}}, [](const Tensors& x) {
+        return mt::custom_op(
+            {x[0], x[1]}, [](const Tensors& in) { return in[0] * in[1]; },
+            [](const Tensors& in, const mt::Tensor&, const mt::Tensor& g) -> Tensors {
+              return {g * in[1], g * in[0] * 2.0};
+            });
+      }};
+  Report report = check_first_order(wrong);
+  EXPECT_EQ(report.checked, 12);
+  ASSERT_EQ(report.mismatches.size(), 6u);  // every element of the second input, none of the first
+  for (const Mismatch& m : report.mismatches) {
+    EXPECT_EQ(m.input, 1u);
+    EXPECT_NEAR(m.analytic, 2 * m.numeric, 1e-6 * (1 + std::abs(m.numeric)));
+  }
+}
+
+TEST(GradCheckHarness, DistributionsKeepAwayFromKinks) {
+  mt::Generator gen(5);
+  for (double v : draw(Dist::AwayFromZero, 200, gen)) EXPECT_GE(std::abs(v), 0.3);
+  for (double v : draw(Dist::Positive, 200, gen)) EXPECT_GE(v, 0.5);
+  std::vector<double> grid = draw(Dist::Grid, 50, gen), shifted = draw(Dist::GridShifted, 30, gen);
+  for (size_t i = 0; i < grid.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) EXPECT_GT(std::abs(grid[i] - grid[j]), 0.2);
+    for (double s : shifted) EXPECT_GT(std::abs(grid[i] - s), 0.08);
+  }
+  for (double v : draw(Dist::Dyadic, 100, gen)) EXPECT_EQ(v * 256, std::round(v * 256));
+}
+
+// Ties are not differentiable, so the convention (the gradient is shared evenly) is hand-worked.
+TEST(GradFacts, MaxAndMaximumShareTiesEvenly) {
+  mt::Tensor x = mt::tensor(std::vector<double>{1, 3, 3, 2, 5, 5, 5, 0}, {2, 4});
+  x.requires_grad_();
+  mt::Tensor g =
+      mt::grad({mt::sum(mt::max(x, {1}) * mt::tensor(std::vector<double>{2, 3}, {2}))}, {x})[0];
+  std::vector<double> expected = {0, 1, 1, 0, 1, 1, 1, 0};
+  EXPECT_EQ(g.to_vector<double>(), expected);
+
+  mt::Tensor a = mt::tensor(std::vector<double>{1, 2, 3}, {3});
+  mt::Tensor b = mt::tensor(std::vector<double>{1, 5, 0}, {3});
+  a.requires_grad_();
+  b.requires_grad_();
+  Tensors gs = mt::grad({mt::sum(mt::maximum(a, b))}, {a, b});
+  EXPECT_EQ(gs[0].to_vector<double>(), (std::vector<double>{0.5, 0, 1}));
+  EXPECT_EQ(gs[1].to_vector<double>(), (std::vector<double>{0.5, 1, 0}));
+}
+
+TEST(GradFacts, NonDifferentiableOpsActAsConstants) {
+  std::vector<double> v = {-1.5, 0.5, 2.0, -0.25};
+  mt::Tensor x = mt::tensor(v, {4});
+  x.requires_grad_();
+  // d/dx sum(x * stop(x)) = x; d/dx sum(x * sign(x)) = sign(x); comparisons gate, not flow.
+  EXPECT_EQ(mt::grad({mt::sum(x * x.detach())}, {x})[0].to_vector<double>(), v);
+  EXPECT_EQ(mt::grad({mt::sum(x * mt::sign(x))}, {x})[0].to_vector<double>(),
+            (std::vector<double>{-1, 1, 1, -1}));
+  EXPECT_EQ(mt::grad({mt::sum(x * mt::cast(x > 0.0, mt::f64))}, {x})[0].to_vector<double>(),
+            (std::vector<double>{0, 1, 1, 0}));
+  // An argmax-picked row routes the gradient only through the gather, not the index.
+  mt::Tensor picked = mt::index_select(x, mt::argmax(x, 0, true), 0);
+  EXPECT_EQ(mt::grad({mt::sum(picked * 3.0)}, {x})[0].to_vector<double>(),
+            (std::vector<double>{0, 0, 3, 0}));
+}
+
+TEST(GradFacts, RandomLeavesAndConstantsStopGradients) {
+  mt::Tensor x = mt::tensor(std::vector<double>{0.5, -1.0}, {2});
+  x.requires_grad_();
+  mt::Generator gen(3);
+  mt::Tensor noise = mt::randn({2}, mt::f64, &gen);
+  std::vector<double> n = noise.to_vector<double>();
+  mt::Tensor g = mt::grad({mt::sum(x * noise + mt::full({2}, 4.0, mt::f64))}, {x})[0];
+  EXPECT_EQ(g.to_vector<double>(), n);
+}
+
+}  // namespace
