@@ -8,11 +8,11 @@ namespace mt = mixtape;
 int main() {
   mt::manual_seed(0);
   mt::Linear layer(3, 1);
-  mt::SGD opt(layer.parameters(), {.lr = 0.1});
+  mt::Adam opt(layer.parameters(), {.lr = 0.05});
   mt::Tensor x = mt::tensor(std::vector<float>{1, 2, 3, 4, 5, 6}, {2, 3});
   mt::Tensor y = mt::tensor(std::vector<float>{1, -1}, {2, 1});
   double first = 0, last = 0;
-  for (int step = 0; step < 50; ++step) {
+  for (int step = 0; step < 200; ++step) {
     opt.zero_grad();
     mt::Tensor loss = mt::mse_loss(layer(x), y);
     loss.backward();
