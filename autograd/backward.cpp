@@ -71,8 +71,10 @@ namespace {
 Tensor seed_for(const Tensor& output, const Tensor& grad, const char* op, const Loc& loc) {
   if (!grad.defined()) {
     if (output.numel() != 1)
-      op_fail(op, loc, "an implicit gradient needs a single-element output, got shape {}; pass a "
-              "gradient of the output's shape", to_string(output.shape()));
+      op_fail(op, loc,
+              "an implicit gradient needs a single-element output, got shape {}; pass a "
+              "gradient of the output's shape",
+              to_string(output.shape()));
     return ones_like(output);
   }
   if (grad.shape() != output.shape())
@@ -86,7 +88,8 @@ Tensor seed_for(const Tensor& output, const Tensor& grad, const char* op, const 
 void Tensor::backward(const Tensor& grad, const Loc& loc) const {
   if (!defined()) op_fail("backward", loc, "called on an undefined tensor");
   if (!requires_grad())
-    op_fail("backward", loc, "the tensor does not require grad: no input of the computation was "
+    op_fail("backward", loc,
+            "the tensor does not require grad: no input of the computation was "
             "marked with requires_grad_() (or it was built under no_grad)");
   Tensor seed = seed_for(*this, grad, "backward", loc);
   auto grads = backpropagate({node()}, {seed}, false);
@@ -109,8 +112,8 @@ std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<T
   for (size_t i = 0; i < outputs.size(); ++i) {
     if (!outputs[i].defined()) op_fail("grad", loc, "output {} is undefined", i);
     roots.push_back(outputs[i].node());
-    seeds.push_back(seed_for(outputs[i], grad_outputs.empty() ? Tensor() : grad_outputs[i], "grad",
-                             loc));
+    seeds.push_back(
+        seed_for(outputs[i], grad_outputs.empty() ? Tensor() : grad_outputs[i], "grad", loc));
   }
   for (size_t i = 0; i < inputs.size(); ++i) {
     if (!inputs[i].defined()) op_fail("grad", loc, "input {} is undefined", i);

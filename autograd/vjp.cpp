@@ -12,7 +12,9 @@ namespace {
 using Grads = std::vector<Tensor>;
 
 Tensor in(const Node& node, size_t i) { return Tensor(node.inputs[i]); }
-Tensor out(const Node& node) { return Tensor(std::const_pointer_cast<Node>(node.shared_from_this())); }
+Tensor out(const Node& node) {
+  return Tensor(std::const_pointer_cast<Node>(node.shared_from_this()));
+}
 
 Grads vjp_leaf(const Node&, const Tensor&) { return {}; }
 Grads vjp_Constant(const Node& n, const Tensor& g) { return vjp_leaf(n, g); }
@@ -73,7 +75,8 @@ Grads vjp_BroadcastTo(const Node& n, const Tensor& g) {
   size_t lead = n.shape.size() - from.size();
   std::vector<int64_t> axes;
   for (size_t d = 0; d < n.shape.size(); ++d)
-    if (d < lead || (from[d - lead] == 1 && n.shape[d] != 1)) axes.push_back(static_cast<int64_t>(d));
+    if (d < lead || (from[d - lead] == 1 && n.shape[d] != 1))
+      axes.push_back(static_cast<int64_t>(d));
   return {reshape(sum(g, axes, false), from)};
 }
 
@@ -135,7 +138,8 @@ std::vector<Tensor> vjp(const NodePtr& node, const Tensor& g) {
   const Node& n = *node;
   switch (n.op) {
 #define MT_OP(Name, fname, kind, arity, category) \
-  case OpCode::Name: return vjp_##Name(n, g);
+  case OpCode::Name:                              \
+    return vjp_##Name(n, g);
 #define MT_UNARY(Name, fname, category, domain, REF, VJP) \
   case OpCode::Name: {                                    \
     Tensor x = in(n, 0), y(node);                         \
@@ -152,7 +156,8 @@ std::vector<Tensor> vjp(const NodePtr& node, const Tensor& g) {
     return {VJP0, VJP1};                                          \
   }
 #define MT_COMPARE(Name, fname, REF) \
-  case OpCode::Name: return {Tensor(), Tensor()};
+  case OpCode::Name:                 \
+    return {Tensor(), Tensor()};
 #include "dsl/ops.def"
   }
   fail("vjp: unknown op code {}", static_cast<int>(n.op));

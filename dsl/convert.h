@@ -3,8 +3,8 @@
 
 #include <bit>
 #include <cmath>
-#include <type_traits>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "dsl/half.h"
@@ -23,8 +23,10 @@ inline float round_to_odd_f32(double v) {
 
 template <typename T>
 inline float to_f32_for_half(T v) {
-  if constexpr (std::is_same_v<T, float>) return v;
-  else return round_to_odd_f32(static_cast<double>(v));
+  if constexpr (std::is_same_v<T, float>)
+    return v;
+  else
+    return round_to_odd_f32(static_cast<double>(v));
 }
 
 /// Converts one host value to the storage representation of `dtype` and writes it at `out[i]`.
@@ -33,26 +35,47 @@ inline float to_f32_for_half(T v) {
 template <typename T>
 inline void store_element(Storage& out, int64_t i, T v) {
   switch (out.dtype) {
-    case DType::f32: out.as<float>()[i] = static_cast<float>(v); break;
-    case DType::f64: out.as<double>()[i] = static_cast<double>(v); break;
-    case DType::f16: out.as<uint16_t>()[i] = f32_to_f16_bits(to_f32_for_half(v)); break;
-    case DType::bf16: out.as<uint16_t>()[i] = f32_to_bf16_bits(to_f32_for_half(v)); break;
-    case DType::i32: out.as<int32_t>()[i] = static_cast<int32_t>(v); break;
-    case DType::i64: out.as<int64_t>()[i] = static_cast<int64_t>(v); break;
-    case DType::boolean: out.as<uint8_t>()[i] = v != T(0); break;
+    case DType::f32:
+      out.as<float>()[i] = static_cast<float>(v);
+      break;
+    case DType::f64:
+      out.as<double>()[i] = static_cast<double>(v);
+      break;
+    case DType::f16:
+      out.as<uint16_t>()[i] = f32_to_f16_bits(to_f32_for_half(v));
+      break;
+    case DType::bf16:
+      out.as<uint16_t>()[i] = f32_to_bf16_bits(to_f32_for_half(v));
+      break;
+    case DType::i32:
+      out.as<int32_t>()[i] = static_cast<int32_t>(v);
+      break;
+    case DType::i64:
+      out.as<int64_t>()[i] = static_cast<int64_t>(v);
+      break;
+    case DType::boolean:
+      out.as<uint8_t>()[i] = v != T(0);
+      break;
   }
 }
 
 template <typename T>
 inline T load_element(const Storage& in, int64_t i) {
   switch (in.dtype) {
-    case DType::f32: return static_cast<T>(in.as<float>()[i]);
-    case DType::f64: return static_cast<T>(in.as<double>()[i]);
-    case DType::f16: return static_cast<T>(f16_bits_to_f32(in.as<uint16_t>()[i]));
-    case DType::bf16: return static_cast<T>(bf16_bits_to_f32(in.as<uint16_t>()[i]));
-    case DType::i32: return static_cast<T>(in.as<int32_t>()[i]);
-    case DType::i64: return static_cast<T>(in.as<int64_t>()[i]);
-    case DType::boolean: return static_cast<T>(in.as<uint8_t>()[i] != 0);
+    case DType::f32:
+      return static_cast<T>(in.as<float>()[i]);
+    case DType::f64:
+      return static_cast<T>(in.as<double>()[i]);
+    case DType::f16:
+      return static_cast<T>(f16_bits_to_f32(in.as<uint16_t>()[i]));
+    case DType::bf16:
+      return static_cast<T>(bf16_bits_to_f32(in.as<uint16_t>()[i]));
+    case DType::i32:
+      return static_cast<T>(in.as<int32_t>()[i]);
+    case DType::i64:
+      return static_cast<T>(in.as<int64_t>()[i]);
+    case DType::boolean:
+      return static_cast<T>(in.as<uint8_t>()[i] != 0);
   }
   return T(0);
 }
@@ -80,13 +103,16 @@ std::shared_ptr<Storage> store_all(DType dtype, const std::vector<T>& values) {
   auto out = std::make_shared<Storage>(dtype, static_cast<int64_t>(values.size()));
   switch (dtype) {
     case DType::f32:
-      for (size_t i = 0; i < values.size(); ++i) out->as<float>()[i] = static_cast<float>(values[i]);
+      for (size_t i = 0; i < values.size(); ++i)
+        out->as<float>()[i] = static_cast<float>(values[i]);
       return out;
     case DType::f64:
-      for (size_t i = 0; i < values.size(); ++i) out->as<double>()[i] = static_cast<double>(values[i]);
+      for (size_t i = 0; i < values.size(); ++i)
+        out->as<double>()[i] = static_cast<double>(values[i]);
       return out;
     default:
-      for (size_t i = 0; i < values.size(); ++i) store_element(*out, static_cast<int64_t>(i), values[i]);
+      for (size_t i = 0; i < values.size(); ++i)
+        store_element(*out, static_cast<int64_t>(i), values[i]);
       return out;
   }
 }

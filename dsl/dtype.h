@@ -20,12 +20,16 @@ inline constexpr DType boolean = DType::boolean;
 constexpr size_t size_of(DType t) {
   switch (t) {
     case DType::f64:
-    case DType::i64: return 8;
+    case DType::i64:
+      return 8;
     case DType::f32:
-    case DType::i32: return 4;
+    case DType::i32:
+      return 4;
     case DType::f16:
-    case DType::bf16: return 2;
-    case DType::boolean: return 1;
+    case DType::bf16:
+      return 2;
+    case DType::boolean:
+      return 1;
   }
   return 0;
 }
@@ -36,7 +40,8 @@ constexpr bool is_floating(DType t) {
 constexpr bool is_integer(DType t) { return t == DType::i32 || t == DType::i64; }
 constexpr bool is_half(DType t) { return t == DType::f16 || t == DType::bf16; }
 
-/// The short name used in errors, reports and safetensors headers' counterpart ("f32", "bf16", ...).
+/// The short name used in errors, reports and safetensors headers' counterpart ("f32", "bf16",
+/// ...).
 std::string_view name(DType t);
 /// The safetensors dtype tag ("F32", "BF16", "I64", "BOOL", ...).
 std::string_view safetensors_name(DType t);

@@ -90,7 +90,8 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, const Loc& lo
   require_float(x, "rms_norm", "input", loc);
   if (x.dim() == 0) op_fail("rms_norm", loc, "needs at least one axis");
   if (weight.defined() && weight.shape() != Shape{x.size(-1)})
-    op_fail("rms_norm", loc, "weight shape {} should be [{}]", to_string(weight.shape()), x.size(-1));
+    op_fail("rms_norm", loc, "weight shape {} should be [{}]", to_string(weight.shape()),
+            x.size(-1));
   Tensor y = x * rsqrt(mean(square(x), {-1}, true) + eps);
   return weight.defined() ? y * weight : y;
 }
@@ -107,7 +108,8 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const L
   Tensor y = matmul(x, weight, false, true);
   if (bias.defined()) {
     if (bias.shape() != Shape{weight.size(0)})
-      op_fail("linear", loc, "bias shape {} should be [{}]", to_string(bias.shape()), weight.size(0));
+      op_fail("linear", loc, "bias shape {} should be [{}]", to_string(bias.shape()),
+              weight.size(0));
     y = y + bias;
   }
   return y;
@@ -134,13 +136,15 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOp
   Tensor picked = squeeze(gather(logp, unsqueeze(safe_targets, -1), -1), -1);
   Tensor loss = -picked;
   if (options.label_smoothing > 0)
-    loss = loss * (1.0 - options.label_smoothing) -
-           mean(logp, {-1}) * options.label_smoothing;
+    loss = loss * (1.0 - options.label_smoothing) - mean(logp, {-1}) * options.label_smoothing;
   loss = where(valid, loss, zeros_like(loss));
   switch (options.reduction) {
-    case Reduction::None: return loss;
-    case Reduction::Sum: return sum(loss);
-    case Reduction::Mean: return sum(loss) / sum(cast(valid, logits.dtype()));
+    case Reduction::None:
+      return loss;
+    case Reduction::Sum:
+      return sum(loss);
+    case Reduction::Mean:
+      return sum(loss) / sum(cast(valid, logits.dtype()));
   }
   return loss;
 }
@@ -155,9 +159,12 @@ Tensor mse_loss(const Tensor& prediction, const Tensor& target, Reduction reduct
             to_string(prediction.shape()), to_string(target.shape()));
   Tensor error = square(prediction - target);
   switch (reduction) {
-    case Reduction::None: return error;
-    case Reduction::Sum: return sum(error);
-    case Reduction::Mean: return mean(error);
+    case Reduction::None:
+      return error;
+    case Reduction::Sum:
+      return sum(error);
+    case Reduction::Mean:
+      return mean(error);
   }
   return error;
 }

@@ -1,4 +1,5 @@
-// dsl/functional.h -- composite ops written as DSL code: softmax, norms, losses, dropout, attention.
+// dsl/functional.h -- composite ops written as DSL code: softmax, norms, losses, dropout,
+// attention.
 #pragma once
 
 #include <optional>

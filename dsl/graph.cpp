@@ -7,8 +7,7 @@ namespace mixtape {
 namespace {
 
 const OpInfo kOpInfo[] = {
-#define MT_OP(Name, fname, kind, arity, category) \
-  {#fname, OpKind::kind, arity, Category::category},
+#define MT_OP(Name, fname, kind, arity, category) {#fname, OpKind::kind, arity, Category::category},
 #include "dsl/ops.def"
 };
 
@@ -28,8 +27,10 @@ bool blocks_gradient(OpCode op) {
     case OpCode::Gt:
     case OpCode::Ge:
     case OpCode::Argmax:
-    case OpCode::Sign: return true;
-    default: return false;
+    case OpCode::Sign:
+      return true;
+    default:
+      return false;
   }
 }
 
@@ -59,8 +60,8 @@ NodePtr make_node(OpCode op, DType dtype, Shape shape, std::vector<NodePtr> inpu
 void op_error(const char* op, const Loc& loc, const std::string& detail) {
   const Loc& site = user_call_site(loc);
   std::string where = short_location(site);
-  if (!module_path.empty()) throw Error(fmt::format("{}: {} [module '{}', at {}]", op, detail,
-                                                    module_path, where));
+  if (!module_path.empty())
+    throw Error(fmt::format("{}: {} [module '{}', at {}]", op, detail, module_path, where));
   throw Error(fmt::format("{}: {} [at {}]", op, detail, where));
 }
 

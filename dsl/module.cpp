@@ -93,8 +93,9 @@ void Module::load_state_dict(const NamedTensors& state, bool strict) {
       continue;
     }
     const Tensor& value = found->second;
-    bool convertible = value.defined() && (value.dtype() == target.dtype() ||
-                                           (is_floating(value.dtype()) && is_floating(target.dtype())));
+    bool convertible =
+        value.defined() && (value.dtype() == target.dtype() ||
+                            (is_floating(value.dtype()) && is_floating(target.dtype())));
     if (!convertible || value.shape() != target.shape()) {
       mismatched.push_back(fmt::format("{} (expected {} {}, got {} {})", name,
                                        to_string(target.shape()), mixtape::name(target.dtype()),

@@ -16,7 +16,8 @@ Tensor uniform(Shape shape, double low, double high, Generator* gen, DType dtype
 }
 
 std::pair<int64_t, int64_t> fans(const Shape& shape) {
-  if (shape.size() < 2) fail("init: fan in/out needs a weight of rank >= 2, got {}", to_string(shape));
+  if (shape.size() < 2)
+    fail("init: fan in/out needs a weight of rank >= 2, got {}", to_string(shape));
   int64_t receptive = 1;
   for (size_t d = 2; d < shape.size(); ++d) receptive *= shape[d];
   return {shape[1] * receptive, shape[0] * receptive};
@@ -50,8 +51,10 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool with_bias, Genera
   if (in_features <= 0 || out_features <= 0)
     fail("Linear: features must be positive, got in={} out={}", in_features, out_features);
   double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
-  weight = register_parameter("weight", init::uniform({out_features, in_features}, -bound, bound, gen));
-  if (with_bias) bias = register_parameter("bias", init::uniform({out_features}, -bound, bound, gen));
+  weight =
+      register_parameter("weight", init::uniform({out_features, in_features}, -bound, bound, gen));
+  if (with_bias)
+    bias = register_parameter("bias", init::uniform({out_features}, -bound, bound, gen));
 }
 
 Tensor Linear::operator()(const Tensor& x, const Loc& loc) const {
@@ -102,11 +105,16 @@ Tensor Dropout::operator()(const Tensor& x, const Loc& loc) const {
 
 Tensor activate(Activation activation, const Tensor& x) {
   switch (activation) {
-    case Activation::Relu: return relu(x);
-    case Activation::Gelu: return gelu(x);
-    case Activation::GeluTanh: return gelu_tanh(x);
-    case Activation::Silu: return silu(x);
-    case Activation::Tanh: return tanh(x);
+    case Activation::Relu:
+      return relu(x);
+    case Activation::Gelu:
+      return gelu(x);
+    case Activation::GeluTanh:
+      return gelu_tanh(x);
+    case Activation::Silu:
+      return silu(x);
+    case Activation::Tanh:
+      return tanh(x);
   }
   return x;
 }
@@ -134,7 +142,9 @@ Tensor MLP::operator()(const Tensor& x, const Loc& loc) const {
 }
 
 CausalSelfAttention::CausalSelfAttention(int64_t dim, int64_t heads, double dropout, Generator* gen)
-    : qkv(dim, 3 * dim, true, gen), proj(dim, dim, true, gen), heads(heads),
+    : qkv(dim, 3 * dim, true, gen),
+      proj(dim, dim, true, gen),
+      heads(heads),
       attn_dropout(dropout, gen) {
   if (heads <= 0 || dim % heads != 0)
     fail("CausalSelfAttention: dim {} is not divisible by {} heads", dim, heads);
@@ -157,16 +167,19 @@ Tensor CausalSelfAttention::operator()(const Tensor& x, const Loc& loc) const {
   };
   Tensor q = split_heads(0), k = split_heads(1), v = split_heads(2);
   Tensor scores = matmul(q, k, false, true) * (1.0 / std::sqrt(static_cast<double>(head_dim)));
-  scores = where(causal_mask(time), scores,
-                 full_like(scores, -std::numeric_limits<double>::infinity()));
+  scores =
+      where(causal_mask(time), scores, full_like(scores, -std::numeric_limits<double>::infinity()));
   Tensor attention = attn_dropout(softmax(scores, -1));
   Tensor merged = reshape(permute(matmul(attention, v), {0, 2, 1, 3}), {batch, time, dim});
   return proj(merged);
 }
 
 TransformerBlock::TransformerBlock(int64_t dim, int64_t heads, double dropout, Generator* gen)
-    : ln1(dim), attn(dim, heads, dropout, gen), ln2(dim),
-      mlp({dim, 4 * dim, dim}, Activation::GeluTanh, gen), resid_dropout(dropout, gen) {
+    : ln1(dim),
+      attn(dim, heads, dropout, gen),
+      ln2(dim),
+      mlp({dim, 4 * dim, dim}, Activation::GeluTanh, gen),
+      resid_dropout(dropout, gen) {
   register_module("ln1", ln1);
   register_module("attn", attn);
   register_module("ln2", ln2);

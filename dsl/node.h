@@ -63,17 +63,17 @@ using CustomVjp = std::function<std::vector<Tensor>(const std::vector<Tensor>& i
 
 /// Per-op parameters; each op reads only the fields its line in ops.def documents.
 struct Attrs {
-  std::vector<int64_t> axes;     // Sum, Max, Argmax (normalized), Permute (the permutation)
-  bool keepdim = false;          // Sum, Max, Argmax
-  int64_t axis = 0;              // Concat, IndexSelect, IndexAdd, Gather, ScatterAdd
-  bool transpose_a = false;      // MatMul
-  bool transpose_b = false;      // MatMul
-  std::vector<int64_t> starts;   // Slice, Unslice
-  std::vector<int64_t> steps;    // Slice, Unslice
-  double value = 0;              // Full (the fill value), Arange (start)
-  double step = 1;               // Arange
-  uint64_t seed = 0;             // RandUniform, RandNormal: Philox key
-  uint64_t offset = 0;           // RandUniform, RandNormal: Philox counter base
+  std::vector<int64_t> axes;       // Sum, Max, Argmax (normalized), Permute (the permutation)
+  bool keepdim = false;            // Sum, Max, Argmax
+  int64_t axis = 0;                // Concat, IndexSelect, IndexAdd, Gather, ScatterAdd
+  bool transpose_a = false;        // MatMul
+  bool transpose_b = false;        // MatMul
+  std::vector<int64_t> starts;     // Slice, Unslice
+  std::vector<int64_t> steps;      // Slice, Unslice
+  double value = 0;                // Full (the fill value), Arange (start)
+  double step = 1;                 // Arange
+  uint64_t seed = 0;               // RandUniform, RandNormal: Philox key
+  uint64_t offset = 0;             // RandUniform, RandNormal: Philox counter base
   std::shared_ptr<CustomVjp> vjp;  // Custom
 };
 

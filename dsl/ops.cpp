@@ -80,7 +80,8 @@ Tensor apply_operator(const Operand& a, const Operand& b, Builder build) {
   if ((a.is_tensor && !a.tensor.defined()) || (b.is_tensor && !b.tensor.defined()))
     return build(a.is_tensor ? a.tensor : scalar(a.scalar, f32, loc),
                  b.is_tensor ? b.tensor : scalar(b.scalar, f32, loc), loc);
-  if (!a.tensor.defined() && !b.tensor.defined()) op_fail("operator", loc, "needs a tensor operand");
+  if (!a.tensor.defined() && !b.tensor.defined())
+    op_fail("operator", loc, "needs a tensor operand");
   Tensor ta = a.tensor.defined() ? a.tensor : scalar_like(a, b.tensor, loc);
   Tensor tb = b.tensor.defined() ? b.tensor : scalar_like(b, a.tensor, loc);
   return build(ta, tb, loc);
@@ -90,8 +91,10 @@ Shape reduced_shape(const Shape& shape, const std::vector<int64_t>& axes, bool k
   Shape out;
   for (size_t i = 0; i < shape.size(); ++i) {
     bool reduced = std::find(axes.begin(), axes.end(), static_cast<int64_t>(i)) != axes.end();
-    if (!reduced) out.push_back(shape[i]);
-    else if (keepdim) out.push_back(1);
+    if (!reduced)
+      out.push_back(shape[i]);
+    else if (keepdim)
+      out.push_back(1);
   }
   return out;
 }
@@ -139,17 +142,17 @@ void check_index_dtype(const char* op, const Tensor& index, const Loc& loc) {
 }  // namespace
 
 // ---- generated pointwise builders ----
-#define MT_UNARY(Name, fname, category, domain, REF, VJP)  \
-  Tensor fname(const Tensor& x, const Loc& loc) {          \
-    return unary(OpCode::Name, Domain::domain, x, loc);    \
+#define MT_UNARY(Name, fname, category, domain, REF, VJP) \
+  Tensor fname(const Tensor& x, const Loc& loc) {         \
+    return unary(OpCode::Name, Domain::domain, x, loc);   \
   }
 #define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1)     \
   Tensor fname(const Tensor& a, const Tensor& b, const Loc& loc) {    \
     return pointwise(OpCode::Name, Domain::domain, false, a, b, loc); \
   }
-#define MT_COMPARE(Name, fname, REF)                                 \
-  Tensor fname(const Tensor& a, const Tensor& b, const Loc& loc) {   \
-    return pointwise(OpCode::Name, Domain::Any, true, a, b, loc);    \
+#define MT_COMPARE(Name, fname, REF)                               \
+  Tensor fname(const Tensor& a, const Tensor& b, const Loc& loc) { \
+    return pointwise(OpCode::Name, Domain::Any, true, a, b, loc);  \
   }
 #include "dsl/ops.def"
 
@@ -179,12 +182,12 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b, const Loc& lo
     op_fail("where", loc, "the condition must be bool, got {}", name(cond.dtype()));
   DType t = promote(a.dtype(), b.dtype());
   Shape shape = broadcast_or_fail(a, b, "where", loc);
-  shape = broadcast_or_fail(cond, Tensor(make_node(OpCode::Full, t, shape, {}, {}, loc)), "where",
-                            loc);
-  return Tensor(make_node(OpCode::Where, t, shape,
-                          {conform(cond, boolean, shape, loc), conform(a, t, shape, loc),
-                           conform(b, t, shape, loc)},
-                          {}, loc));
+  shape =
+      broadcast_or_fail(cond, Tensor(make_node(OpCode::Full, t, shape, {}, {}, loc)), "where", loc);
+  return Tensor(make_node(
+      OpCode::Where, t, shape,
+      {conform(cond, boolean, shape, loc), conform(a, t, shape, loc), conform(b, t, shape, loc)},
+      {}, loc));
 }
 
 Tensor cast(const Tensor& x, DType dtype, const Loc& loc) {
@@ -301,7 +304,8 @@ Tensor reshape(const Tensor& x, Shape shape, const Loc& loc) {
   int64_t known = 1, inferred = -1;
   for (size_t i = 0; i < shape.size(); ++i) {
     if (shape[i] == -1) {
-      if (inferred >= 0) op_fail("reshape", loc, "only one dimension may be -1 in {}", to_string(shape));
+      if (inferred >= 0)
+        op_fail("reshape", loc, "only one dimension may be -1 in {}", to_string(shape));
       inferred = static_cast<int64_t>(i);
     } else if (shape[i] < 0) {
       op_fail("reshape", loc, "invalid dimension {} in {}", shape[i], to_string(shape));
@@ -311,7 +315,8 @@ Tensor reshape(const Tensor& x, Shape shape, const Loc& loc) {
   }
   if (inferred >= 0) {
     if (known == 0 || node->numel() % known != 0)
-      op_fail("reshape", loc, "cannot reshape {} into {}", to_string(node->shape), to_string(shape));
+      op_fail("reshape", loc, "cannot reshape {} into {}", to_string(node->shape),
+              to_string(shape));
     shape[inferred] = node->numel() / known;
   }
   if (numel(shape) != node->numel())
@@ -341,17 +346,19 @@ Tensor permute(const Tensor& x, std::vector<int64_t> perm, const Loc& loc) {
   if (identity) return Tensor(node);
   Attrs attrs;
   attrs.axes = std::move(perm);
-  return Tensor(make_node(OpCode::Permute, node->dtype, std::move(shape), {node}, std::move(attrs),
-                          loc));
+  return Tensor(
+      make_node(OpCode::Permute, node->dtype, std::move(shape), {node}, std::move(attrs), loc));
 }
 
 Tensor transpose(const Tensor& x, int64_t a, int64_t b, const Loc& loc) {
   input(x, "transpose", loc);
   size_t rank = x.shape().size();
-  if (rank < 2) op_fail("transpose", loc, "needs at least 2 dimensions, got {}", to_string(x.shape()));
+  if (rank < 2)
+    op_fail("transpose", loc, "needs at least 2 dimensions, got {}", to_string(x.shape()));
   std::vector<int64_t> perm(rank);
   std::iota(perm.begin(), perm.end(), 0);
-  std::swap(perm[axis_or_fail(a, rank, "transpose", loc)], perm[axis_or_fail(b, rank, "transpose", loc)]);
+  std::swap(perm[axis_or_fail(a, rank, "transpose", loc)],
+            perm[axis_or_fail(b, rank, "transpose", loc)]);
   return permute(x, perm, loc);
 }
 
@@ -364,7 +371,8 @@ Tensor broadcast_to(const Tensor& x, Shape shape, const Loc& loc) {
     ok = from[i] == target || from[i] == 1;
   }
   for (int64_t d : shape) ok &= d >= 0;
-  if (!ok) op_fail("broadcast_to", loc, "cannot broadcast {} to {}", to_string(from), to_string(shape));
+  if (!ok)
+    op_fail("broadcast_to", loc, "cannot broadcast {} to {}", to_string(from), to_string(shape));
   if (shape == from) return Tensor(node);
   return Tensor(make_node(OpCode::BroadcastTo, node->dtype, std::move(shape), {node}, {}, loc));
 }
@@ -449,8 +457,8 @@ Tensor slice(const Tensor& x, std::vector<int64_t> starts, std::vector<int64_t> 
   Attrs attrs;
   attrs.starts = std::move(starts);
   attrs.steps = std::move(steps);
-  return Tensor(make_node(OpCode::Slice, node->dtype, std::move(shape), {node}, std::move(attrs),
-                          loc));
+  return Tensor(
+      make_node(OpCode::Slice, node->dtype, std::move(shape), {node}, std::move(attrs), loc));
 }
 
 Tensor unslice(const Tensor& x, std::vector<int64_t> starts, std::vector<int64_t> steps,
@@ -477,7 +485,8 @@ Tensor concat(const std::vector<Tensor>& xs, int64_t axis, const Loc& loc) {
   for (const Tensor& x : xs) {
     const Shape& s = x.shape();
     bool ok = s.size() == first.size();
-    for (size_t i = 0; ok && i < s.size(); ++i) ok = static_cast<int64_t>(i) == a || s[i] == first[i];
+    for (size_t i = 0; ok && i < s.size(); ++i)
+      ok = static_cast<int64_t>(i) == a || s[i] == first[i];
     if (!ok)
       op_fail("concat", loc, "shapes {} and {} differ outside axis {}", to_string(first),
               to_string(s), a);
@@ -489,7 +498,8 @@ Tensor concat(const std::vector<Tensor>& xs, int64_t axis, const Loc& loc) {
   for (const Tensor& x : xs) nodes.push_back(conform(x, t, x.shape(), loc));
   Attrs attrs;
   attrs.axis = a;
-  return Tensor(make_node(OpCode::Concat, t, std::move(out), std::move(nodes), std::move(attrs), loc));
+  return Tensor(
+      make_node(OpCode::Concat, t, std::move(out), std::move(nodes), std::move(attrs), loc));
 }
 
 Tensor stack(const std::vector<Tensor>& xs, int64_t axis, const Loc& loc) {
@@ -566,8 +576,8 @@ Tensor gather(const Tensor& x, const Tensor& index, int64_t axis, const Loc& loc
   check_gather_index("gather", node->shape, idx->shape, a, loc);
   Attrs attrs;
   attrs.axis = a;
-  return Tensor(make_node(OpCode::Gather, node->dtype, idx->shape, {node, idx}, std::move(attrs),
-                          loc));
+  return Tensor(
+      make_node(OpCode::Gather, node->dtype, idx->shape, {node, idx}, std::move(attrs), loc));
 }
 
 Tensor scatter_add(const Tensor& base, const Tensor& index, const Tensor& source, int64_t axis,
@@ -604,7 +614,8 @@ Tensor one_hot(const Tensor& ids, int64_t num_classes, DType dtype, const Loc& l
   CallSiteScope site(loc);
   input(ids, "one_hot", loc, "ids");
   check_index_dtype("one_hot", ids, loc);
-  if (num_classes <= 0) op_fail("one_hot", loc, "num_classes must be positive, got {}", num_classes);
+  if (num_classes <= 0)
+    op_fail("one_hot", loc, "num_classes must be positive, got {}", num_classes);
   Tensor classes = arange(num_classes, ids.dtype(), loc);
   return cast(eq(unsqueeze(ids, -1, loc), classes, loc), dtype, loc);
 }
@@ -624,12 +635,13 @@ Tensor custom_op(const std::vector<Tensor>& inputs,
     NoGradGuard no_grad;
     out = forward(detached);
   }
-  if (!out.defined()) op_fail("custom_op", loc, "the forward function returned an undefined tensor");
+  if (!out.defined())
+    op_fail("custom_op", loc, "the forward function returned an undefined tensor");
   nodes[0] = out.node();
   Attrs attrs;
   attrs.vjp = std::make_shared<CustomVjp>(std::move(vjp));
-  return Tensor(make_node(OpCode::Custom, out.dtype(), out.shape(), std::move(nodes),
-                          std::move(attrs), loc));
+  return Tensor(
+      make_node(OpCode::Custom, out.dtype(), out.shape(), std::move(nodes), std::move(attrs), loc));
 }
 
 Tensor gelu_tanh_derivative(const Tensor& x) {

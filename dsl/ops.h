@@ -28,8 +28,7 @@ struct Operand {
   Operand(const Tensor& t, const Loc& loc = Loc::current())
       : tensor(t), is_tensor(true), loc(loc) {}
   template <typename S>
-    requires std::is_arithmetic_v<S>
-  Operand(S s, const Loc& loc = Loc::current())
+  requires std::is_arithmetic_v<S> Operand(S s, const Loc& loc = Loc::current())
       : scalar(static_cast<double>(s)), scalar_is_integral(std::is_integral_v<S>), loc(loc) {}
 };
 Tensor operator+(const Operand& a, const Operand& b);

@@ -16,8 +16,10 @@ Tensor* find_state(NamedTensors& state, const std::string& name) {
 }
 
 void set_state(NamedTensors& state, const std::string& name, Tensor value) {
-  if (Tensor* slot = find_state(state, name)) *slot = std::move(value);
-  else state.emplace_back(name, std::move(value));
+  if (Tensor* slot = find_state(state, name))
+    *slot = std::move(value);
+  else
+    state.emplace_back(name, std::move(value));
 }
 
 }  // namespace
@@ -27,13 +29,13 @@ Optimizer::Optimizer(std::vector<Tensor> params, const char* kind)
   if (params_.empty()) fail("{}: got an empty parameter list", kind_);
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!params_[i].defined()) fail("{}: parameter {} is undefined", kind_, i);
-    if (!params_[i].requires_grad())
-      fail("{}: parameter {} does not require grad", kind_, i);
+    if (!params_[i].requires_grad()) fail("{}: parameter {} does not require grad", kind_, i);
   }
 }
 
 void Optimizer::set_lr(double lr) {
-  if (!(lr >= 0) || !std::isfinite(lr)) fail("{}: learning rate must be finite and >= 0, got {}", kind_, lr);
+  if (!(lr >= 0) || !std::isfinite(lr))
+    fail("{}: learning rate must be finite and >= 0, got {}", kind_, lr);
   lr_ = lr;
 }
 
@@ -134,8 +136,10 @@ Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state
   double t = static_cast<double>(steps_taken() + 1);
   Tensor p = param, g = grad;
   if (options.weight_decay != 0) {
-    if (decoupled_) p = p * (1.0 - lr_ * options.weight_decay);
-    else g = g + p * options.weight_decay;
+    if (decoupled_)
+      p = p * (1.0 - lr_ * options.weight_decay);
+    else
+      g = g + p * options.weight_decay;
   }
   Tensor* m_prev = find_state(state, "exp_avg");
   Tensor* v_prev = find_state(state, "exp_avg_sq");

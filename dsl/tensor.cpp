@@ -53,9 +53,10 @@ std::vector<bool> Tensor::to_vector<bool>() const {
 Tensor& Tensor::requires_grad_(bool enabled) {
   const NodePtr& n = node();
   if (!is_leaf())
-    fail("requires_grad_: only leaf tensors (made from data or creation functions) can be marked; "
-         "this one is the result of '{}' — use detach() first",
-         op_name(n->op));
+    fail(
+        "requires_grad_: only leaf tensors (made from data or creation functions) can be marked; "
+        "this one is the result of '{}' — use detach() first",
+        op_name(n->op));
   if (enabled && !is_floating(n->dtype))
     fail("requires_grad_: only floating-point tensors can require gradients, got {}",
          name(n->dtype));
@@ -155,7 +156,8 @@ Tensor tensor(std::span<const T> values, Shape shape, std::optional<DType> dtype
             to_string(shape), numel(shape));
   DType t = dtype.value_or(dtype_of<T>());
   auto storage = std::make_shared<Storage>(t, static_cast<int64_t>(values.size()));
-  for (size_t i = 0; i < values.size(); ++i) store_element(*storage, static_cast<int64_t>(i), values[i]);
+  for (size_t i = 0; i < values.size(); ++i)
+    store_element(*storage, static_cast<int64_t>(i), values[i]);
   return from_storage(std::move(storage), std::move(shape), loc);
 }
 template Tensor tensor<float>(std::span<const float>, Shape, std::optional<DType>, const Loc&);
@@ -171,7 +173,8 @@ Tensor tensor<bool>(std::span<const bool> values, Shape shape, std::optional<DTy
   if (static_cast<int64_t>(values.size()) != numel(shape))
     op_fail("tensor", loc, "{} values do not fill shape {}", values.size(), to_string(shape));
   auto storage = std::make_shared<Storage>(dtype.value_or(boolean), numel(shape));
-  for (size_t i = 0; i < bytes.size(); ++i) store_element(*storage, static_cast<int64_t>(i), bytes[i]);
+  for (size_t i = 0; i < bytes.size(); ++i)
+    store_element(*storage, static_cast<int64_t>(i), bytes[i]);
   return from_storage(std::move(storage), std::move(shape), loc);
 }
 

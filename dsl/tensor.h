@@ -82,19 +82,34 @@ void eval(const std::vector<Tensor>& tensors);
 /// The dtype mixtape uses for host values of type T.
 template <typename T>
 constexpr DType dtype_of();
-template <> constexpr DType dtype_of<float>() { return f32; }
-template <> constexpr DType dtype_of<double>() { return f64; }
-template <> constexpr DType dtype_of<int32_t>() { return i32; }
-template <> constexpr DType dtype_of<int64_t>() { return i64; }
-template <> constexpr DType dtype_of<bool>() { return boolean; }
+template <>
+constexpr DType dtype_of<float>() {
+  return f32;
+}
+template <>
+constexpr DType dtype_of<double>() {
+  return f64;
+}
+template <>
+constexpr DType dtype_of<int32_t>() {
+  return i32;
+}
+template <>
+constexpr DType dtype_of<int64_t>() {
+  return i64;
+}
+template <>
+constexpr DType dtype_of<bool>() {
+  return boolean;
+}
 
 /// A tensor holding a copy of `values` converted to `dtype` (f16/bf16 rounded to nearest even).
 template <typename T>
 Tensor tensor(std::span<const T> values, Shape shape, std::optional<DType> dtype = std::nullopt,
               const Loc& loc = Loc::current());
 template <typename T>
-Tensor tensor(const std::vector<T>& values, Shape shape,
-              std::optional<DType> dtype = std::nullopt, const Loc& loc = Loc::current()) {
+Tensor tensor(const std::vector<T>& values, Shape shape, std::optional<DType> dtype = std::nullopt,
+              const Loc& loc = Loc::current()) {
   return tensor(std::span<const T>(values), std::move(shape), dtype, loc);
 }
 /// std::vector<bool> packs its bits and has no span, so it gets its own overload.
@@ -103,8 +118,7 @@ Tensor tensor(const std::vector<bool>& values, Shape shape,
 /// A 0-d tensor.
 Tensor scalar(double value, DType dtype = f32, const Loc& loc = Loc::current());
 /// A tensor that wraps already converted storage (its dtype and count must fit `shape`).
-Tensor from_storage(std::shared_ptr<Storage> storage, Shape shape,
-                    const Loc& loc = Loc::current());
+Tensor from_storage(std::shared_ptr<Storage> storage, Shape shape, const Loc& loc = Loc::current());
 
 Tensor full(Shape shape, double value, DType dtype = f32, const Loc& loc = Loc::current());
 Tensor zeros(Shape shape, DType dtype = f32, const Loc& loc = Loc::current());

@@ -62,20 +62,34 @@ Options parse(int argc, char** argv) {
       if (text.empty() || *end != '\0') usage("not a number for " + flag + ": " + text);
       return v;
     };
-    if (flag == "--steps") o.steps = static_cast<int64_t>(number(value()));
-    else if (flag == "--batch") o.batch = static_cast<int64_t>(number(value()));
-    else if (flag == "--lr") o.lr = number(value());
-    else if (flag == "--optimizer") o.optimizer = value();
-    else if (flag == "--seed") o.seed = static_cast<uint64_t>(number(value()));
-    else if (flag == "--no-shuffle") o.shuffle = false;
-    else if (flag == "--label-smoothing") o.label_smoothing = number(value());
-    else if (flag == "--noise") o.noise = number(value());
-    else if (flag == "--cosine") o.cosine = true;
-    else if (flag == "--load") o.load = value();
-    else if (flag == "--save") o.save = value();
-    else if (flag == "--json") o.json_only = true;
-    else if (flag == "--help" || flag == "-h") std::printf("%s", kUsage), std::exit(0);
-    else usage("unknown flag " + flag);
+    if (flag == "--steps")
+      o.steps = static_cast<int64_t>(number(value()));
+    else if (flag == "--batch")
+      o.batch = static_cast<int64_t>(number(value()));
+    else if (flag == "--lr")
+      o.lr = number(value());
+    else if (flag == "--optimizer")
+      o.optimizer = value();
+    else if (flag == "--seed")
+      o.seed = static_cast<uint64_t>(number(value()));
+    else if (flag == "--no-shuffle")
+      o.shuffle = false;
+    else if (flag == "--label-smoothing")
+      o.label_smoothing = number(value());
+    else if (flag == "--noise")
+      o.noise = number(value());
+    else if (flag == "--cosine")
+      o.cosine = true;
+    else if (flag == "--load")
+      o.load = value();
+    else if (flag == "--save")
+      o.save = value();
+    else if (flag == "--json")
+      o.json_only = true;
+    else if (flag == "--help" || flag == "-h")
+      std::printf("%s", kUsage), std::exit(0);
+    else
+      usage("unknown flag " + flag);
   }
   if (o.steps < 1) usage("--steps must be at least 1");
   if (o.batch < 1 || o.batch > 1437) usage("--batch must be in [1, 1437]");
@@ -117,9 +131,11 @@ int run(const Options& o) {
   if (!o.load.empty()) mt::load_checkpoint(o.load, net);
   std::unique_ptr<mt::Optimizer> optimizer;
   if (o.optimizer == "sgd")
-    optimizer = std::make_unique<mt::SGD>(net.parameters(), mt::SGDOptions{.lr = o.lr, .momentum = 0.9});
+    optimizer =
+        std::make_unique<mt::SGD>(net.parameters(), mt::SGDOptions{.lr = o.lr, .momentum = 0.9});
   else
-    optimizer = std::make_unique<mt::AdamW>(net.parameters(), mt::AdamOptions{.lr = o.lr, .weight_decay = 0.01});
+    optimizer = std::make_unique<mt::AdamW>(net.parameters(),
+                                            mt::AdamOptions{.lr = o.lr, .weight_decay = 0.01});
 
   mt::DataLoader loader(train, o.batch, o.shuffle, o.seed);
   mt::Generator noise_generator(o.seed ^ 0x6e6f697365ULL);
@@ -134,17 +150,20 @@ int run(const Options& o) {
     optimizer->zero_grad();
     if (o.cosine) optimizer->set_lr(cosine.lr(step - 1));
     mt::Tensor inputs = batch.inputs;
-    if (o.noise > 0) inputs = inputs + mt::randn(inputs.shape(), mt::f32, &noise_generator, 0, o.noise);
+    if (o.noise > 0)
+      inputs = inputs + mt::randn(inputs.shape(), mt::f32, &noise_generator, 0, o.noise);
     mt::Tensor loss = mt::cross_entropy(net(inputs), batch.targets, loss_options);
     loss.backward();
     optimizer->step();
     if (step % report_every == 0 || step == o.steps) {
       loss_value = loss.item();
-      double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       progress(o, terminal, step, loss_value, static_cast<double>(step) / seconds);
     }
   }
-  double train_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  double train_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   net.eval();
   mt::NoGradGuard no_grad;
@@ -162,10 +181,11 @@ int run(const Options& o) {
     std::printf("test accuracy %.2f%% (%lld/%zu), %lld steps in %.1f s\n", accuracy * 100,
                 static_cast<long long>(correct), labels.size(), static_cast<long long>(o.steps),
                 train_seconds);
-  std::printf("{\"example\":\"digits_mlp\",\"test_accuracy\":%.4f,\"final_loss\":%.6f,"
-              "\"steps\":%lld,\"train_seconds\":%.3f,\"optimizer\":\"%s\",\"batch\":%lld}\n",
-              accuracy, loss_value, static_cast<long long>(o.steps), train_seconds,
-              o.optimizer.c_str(), static_cast<long long>(o.batch));
+  std::printf(
+      "{\"example\":\"digits_mlp\",\"test_accuracy\":%.4f,\"final_loss\":%.6f,"
+      "\"steps\":%lld,\"train_seconds\":%.3f,\"optimizer\":\"%s\",\"batch\":%lld}\n",
+      accuracy, loss_value, static_cast<long long>(o.steps), train_seconds, o.optimizer.c_str(),
+      static_cast<long long>(o.batch));
   return 0;
 }
 

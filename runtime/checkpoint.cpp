@@ -17,7 +17,8 @@ std::vector<std::string> optimizer_param_names(const Module& module, const Optim
   NamedTensors named = module.named_parameters();
   std::vector<std::string> names;
   for (const Tensor& p : optimizer.params()) {
-    auto found = std::find_if(named.begin(), named.end(), [&](auto& e) { return e.second.same(p); });
+    auto found =
+        std::find_if(named.begin(), named.end(), [&](auto& e) { return e.second.same(p); });
     if (found == named.end())
       fail("checkpoint {}: the optimizer holds a parameter that is not part of the module", path);
     names.push_back(found->first);
@@ -99,7 +100,8 @@ void load_checkpoint(const std::string& path, Module& module, Optimizer* optimiz
       fail("load_checkpoint {}: the file holds {} state, the optimizer is {}", path, kind,
            optimizer->kind());
     std::string steps_text = metadata_value(meta, "optimizer.steps");
-    auto [end, ec] = std::from_chars(steps_text.data(), steps_text.data() + steps_text.size(), steps);
+    auto [end, ec] =
+        std::from_chars(steps_text.data(), steps_text.data() + steps_text.size(), steps);
     if (steps_text.empty() || ec != std::errc() || end != steps_text.data() + steps_text.size() ||
         steps < 0)
       fail("load_checkpoint {}: no valid optimizer step count in the metadata", path);

@@ -13,7 +13,8 @@ namespace mixtape {
 using Metadata = std::vector<std::pair<std::string, std::string>>;
 
 /// Writes named tensors (evaluated first) to a safetensors file, atomically.
-void save_tensors(const std::string& path, const NamedTensors& tensors, const Metadata& metadata = {});
+void save_tensors(const std::string& path, const NamedTensors& tensors,
+                  const Metadata& metadata = {});
 /// Reads every tensor of a safetensors file; the file is validated completely first.
 NamedTensors load_tensors(const std::string& path, Metadata* metadata = nullptr);
 

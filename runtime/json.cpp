@@ -9,25 +9,37 @@ namespace mixtape::json {
 
 std::string_view kind_name(Kind kind) {
   switch (kind) {
-    case Kind::null: return "null";
-    case Kind::boolean: return "bool";
-    case Kind::number: return "number";
-    case Kind::string: return "string";
-    case Kind::array: return "array";
-    case Kind::object: return "object";
+    case Kind::null:
+      return "null";
+    case Kind::boolean:
+      return "bool";
+    case Kind::number:
+      return "number";
+    case Kind::string:
+      return "string";
+    case Kind::array:
+      return "array";
+    case Kind::object:
+      return "object";
   }
   return "?";
 }
 
 Kind Value::kind() const {
   switch (data_.index()) {
-    case 0: return Kind::null;
-    case 1: return Kind::boolean;
+    case 0:
+      return Kind::null;
+    case 1:
+      return Kind::boolean;
     case 2:
-    case 3: return Kind::number;
-    case 4: return Kind::string;
-    case 5: return Kind::array;
-    default: return Kind::object;
+    case 3:
+      return Kind::number;
+    case 4:
+      return Kind::string;
+    case 5:
+      return Kind::array;
+    default:
+      return Kind::object;
   }
 }
 
@@ -212,12 +224,18 @@ class Parser {
 
   Value parse_value(int depth) {
     switch (peek()) {
-      case '{': return parse_object(depth + 1);
-      case '[': return parse_array(depth + 1);
-      case '"': return parse_string();
-      case 't': return parse_literal("true", true);
-      case 'f': return parse_literal("false", false);
-      case 'n': return parse_literal("null", nullptr);
+      case '{':
+        return parse_object(depth + 1);
+      case '[':
+        return parse_array(depth + 1);
+      case '"':
+        return parse_string();
+      case 't':
+        return parse_literal("true", true);
+      case 'f':
+        return parse_literal("false", false);
+      case 'n':
+        return parse_literal("null", nullptr);
       default:
         if (peek() == '-' || is_digit(peek())) return parse_number();
         error(at_end() ? "unexpected end of input" : "expected a value");
@@ -321,16 +339,34 @@ class Parser {
     char c = peek();
     ++pos_;
     switch (c) {
-      case '"': out += '"'; return;
-      case '\\': out += '\\'; return;
-      case '/': out += '/'; return;
-      case 'b': out += '\b'; return;
-      case 'f': out += '\f'; return;
-      case 'n': out += '\n'; return;
-      case 'r': out += '\r'; return;
-      case 't': out += '\t'; return;
-      case 'u': break;
-      default: error_at(start, "invalid escape sequence");
+      case '"':
+        out += '"';
+        return;
+      case '\\':
+        out += '\\';
+        return;
+      case '/':
+        out += '/';
+        return;
+      case 'b':
+        out += '\b';
+        return;
+      case 'f':
+        out += '\f';
+        return;
+      case 'n':
+        out += '\n';
+        return;
+      case 'r':
+        out += '\r';
+        return;
+      case 't':
+        out += '\t';
+        return;
+      case 'u':
+        break;
+      default:
+        error_at(start, "invalid escape sequence");
     }
     uint32_t code_point = parse_hex4(start);
     if (code_point >= 0xDC00 && code_point <= 0xDFFF) error_at(start, "unpaired low surrogate");
@@ -408,13 +444,27 @@ void dump_string(std::string& out, std::string_view s) {
   for (size_t i = 0; i < s.size();) {
     auto c = static_cast<unsigned char>(s[i]);
     switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
+      case '"':
+        out += "\\\"";
+        break;
+      case '\\':
+        out += "\\\\";
+        break;
+      case '\b':
+        out += "\\b";
+        break;
+      case '\f':
+        out += "\\f";
+        break;
+      case '\n':
+        out += "\\n";
+        break;
+      case '\r':
+        out += "\\r";
+        break;
+      case '\t':
+        out += "\\t";
+        break;
       default:
         if (c < 0x20) {
           out += fmt::format("\\u{:04x}", c);
@@ -442,15 +492,21 @@ void dump_double(std::string& out, double d) {
 
 void dump_value(std::string& out, const Value& value) {
   switch (value.kind()) {
-    case Kind::null: out += "null"; return;
-    case Kind::boolean: out += value.as_bool() ? "true" : "false"; return;
+    case Kind::null:
+      out += "null";
+      return;
+    case Kind::boolean:
+      out += value.as_bool() ? "true" : "false";
+      return;
     case Kind::number:
       if (value.is_integer())
         out += std::to_string(value.as_int());
       else
         dump_double(out, value.as_double());
       return;
-    case Kind::string: dump_string(out, value.as_string()); return;
+    case Kind::string:
+      dump_string(out, value.as_string());
+      return;
     case Kind::array: {
       out += '[';
       bool first = true;

@@ -1,4 +1,5 @@
-// runtime/reference_executor.cpp -- readable per-op loops; the oracle every back end is tested against.
+// runtime/reference_executor.cpp -- readable per-op loops; the oracle every back end is tested
+// against.
 #include "runtime/reference_executor.h"
 
 #include <cmath>
@@ -27,8 +28,10 @@ template <typename... Args>
 
 template <typename T>
 bool is_nan(T a) {
-  if constexpr (std::is_floating_point_v<T>) return std::isnan(a);
-  else return false;
+  if constexpr (std::is_floating_point_v<T>)
+    return std::isnan(a);
+  else
+    return false;
 }
 
 const Storage& value_of(const Node& node, size_t i) { return *node.inputs[i]->value; }
@@ -250,8 +253,10 @@ StoragePtr ref_Sum(const Node& node) {
     for (size_t i = 0; i < in.size(); ++i) acc[targets[i]] += in[i];
     for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, acc[i]);
   };
-  if (is_floating(node.dtype)) accumulate(double{});
-  else accumulate(int64_t{});
+  if (is_floating(node.dtype))
+    accumulate(double{});
+  else
+    accumulate(int64_t{});
   return out;
 }
 
@@ -436,15 +441,23 @@ StoragePtr ref_Custom(const Node& node) { return node.inputs[0]->value; }
 std::shared_ptr<Storage> reference_compute(const Node& node) {
   switch (node.op) {
 #define MT_OP(Name, fname, kind, arity, category) \
-  case OpCode::Name: return ref_##Name(node);
+  case OpCode::Name:                              \
+    return ref_##Name(node);
 #define MT_UNARY(Name, fname, category, domain, REF, VJP) \
-  case OpCode::Name:                                    \
-    return map_unary(node, [](auto a) { using T = decltype(a); return static_cast<T>(REF); });
+  case OpCode::Name:                                      \
+    return map_unary(node, [](auto a) {                   \
+      using T = decltype(a);                              \
+      return static_cast<T>(REF);                         \
+    });
 #define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
   case OpCode::Name:                                              \
-    return map_binary(node, [](auto a, auto b) { using T = decltype(a); return T(REF); });
+    return map_binary(node, [](auto a, auto b) {                  \
+      using T = decltype(a);                                      \
+      return T(REF);                                              \
+    });
 #define MT_COMPARE(Name, fname, REF) \
-  case OpCode::Name: return map_binary(node, [](auto a, auto b) { return REF; });
+  case OpCode::Name:                 \
+    return map_binary(node, [](auto a, auto b) { return REF; });
 #include "dsl/ops.def"
   }
   node_fail(node, "unknown op code {}", static_cast<int>(node.op));

@@ -15,16 +15,16 @@ namespace {
 
 // Runs the statement and expects an mt::Error whose message contains every fragment; any other
 // exception escapes and fails the test.
-#define EXPECT_MT_ERROR(statement, ...)                                                 \
-  do {                                                                                  \
-    try {                                                                               \
-      statement;                                                                        \
-      ADD_FAILURE() << "no mt::Error from " #statement;                                 \
-    } catch (const mt::Error& error) {                                                  \
-      for (const std::string& fragment : std::vector<std::string>{__VA_ARGS__})         \
-        EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)          \
-            << "missing \"" << fragment << "\" in: " << error.what();                   \
-    }                                                                                   \
+#define EXPECT_MT_ERROR(statement, ...)                                         \
+  do {                                                                          \
+    try {                                                                       \
+      statement;                                                                \
+      ADD_FAILURE() << "no mt::Error from " #statement;                         \
+    } catch (const mt::Error& error) {                                          \
+      for (const std::string& fragment : std::vector<std::string>{__VA_ARGS__}) \
+        EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)  \
+            << "missing \"" << fragment << "\" in: " << error.what();           \
+    }                                                                           \
   } while (0)
 
 mt::Tensor leaf(const std::vector<double>& values, mt::Shape shape, mt::DType dtype = mt::f64) {
@@ -342,7 +342,9 @@ TEST(CustomOp, BadVjpResultsThrow) {
   mt::Tensor x = leaf({1, 2, 3}, {3});
   auto forward = [](const std::vector<mt::Tensor>& in) { return in[0] * 2.0; };
   auto too_many = [](const std::vector<mt::Tensor>&, const mt::Tensor&,
-                     const mt::Tensor& g) -> std::vector<mt::Tensor> { return {g, g}; };
+                     const mt::Tensor& g) -> std::vector<mt::Tensor> {
+    return {g, g};
+  };
   auto wrong_shape = [](const std::vector<mt::Tensor>&, const mt::Tensor&,
                         const mt::Tensor&) -> std::vector<mt::Tensor> {
     return {mt::ones({2}, mt::f64)};

@@ -27,16 +27,16 @@ namespace {
 
 static_assert(std::endian::native == std::endian::little, "tests build tensor bytes natively");
 
-#define EXPECT_MT_ERROR(statement, ...)                                                 \
-  do {                                                                                  \
-    try {                                                                               \
-      statement;                                                                        \
-      ADD_FAILURE() << "no mt::Error from " #statement;                                 \
-    } catch (const mt::Error& error) {                                                  \
-      for (const std::string& fragment : std::vector<std::string>{__VA_ARGS__})         \
-        EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)          \
-            << "missing \"" << fragment << "\" in: " << error.what();                   \
-    }                                                                                   \
+#define EXPECT_MT_ERROR(statement, ...)                                         \
+  do {                                                                          \
+    try {                                                                       \
+      statement;                                                                \
+      ADD_FAILURE() << "no mt::Error from " #statement;                         \
+    } catch (const mt::Error& error) {                                          \
+      for (const std::string& fragment : std::vector<std::string>{__VA_ARGS__}) \
+        EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)  \
+            << "missing \"" << fragment << "\" in: " << error.what();           \
+    }                                                                           \
   } while (0)
 
 using Bytes = std::vector<std::byte>;
@@ -121,8 +121,8 @@ struct Training {
 
 Training mlp_run(uint64_t seed) {
   auto gen = std::make_shared<mt::Generator>(seed);
-  auto mlp = std::make_unique<mt::MLP>(std::vector<int64_t>{4, 8, 3}, mt::Activation::Relu,
-                                       gen.get());
+  auto mlp =
+      std::make_unique<mt::MLP>(std::vector<int64_t>{4, 8, 3}, mt::Activation::Relu, gen.get());
   mt::MLP* net = mlp.get();
   Training run;
   run.opt = std::make_unique<mt::AdamW>(mlp->parameters(),
@@ -353,8 +353,19 @@ TEST_F(Checkpoint, CorruptAndTruncatedFilesAreRejectedWithoutChanges) {
   Training target = mlp_run(2);
   target.train(0, 1);
   std::string bad = path("bad.safetensors");
-  std::vector<uint64_t> lengths{0, 1, 7, 8, 9, 8 + n / 2, 8 + n - 1, 8 + n, 8 + n + 1,
-                                8 + n + 4, good.size() / 2 + 4, good.size() - 4, good.size() - 1};
+  std::vector<uint64_t> lengths{0,
+                                1,
+                                7,
+                                8,
+                                9,
+                                8 + n / 2,
+                                8 + n - 1,
+                                8 + n,
+                                8 + n + 1,
+                                8 + n + 4,
+                                good.size() / 2 + 4,
+                                good.size() - 4,
+                                good.size() - 1};
   for (uint64_t length : lengths) {
     SCOPED_TRACE("truncated to " + std::to_string(length) + " bytes");
     write_bytes(bad, Bytes(good.begin(), good.begin() + static_cast<std::ptrdiff_t>(length)));
@@ -459,10 +470,12 @@ mt::NamedTensors every_dtype() {
       {"f64", raw<double>(mt::f64, {f64(0x7ff0000000000001ull), -0.0, 1e-310, 0.1}, {4})},
       {"f16", raw<uint16_t>(mt::f16, {0x3c00, 0x8000, 0x7c00, 0x0001, 0x7e01, 0xfbff}, {3, 2})},
       {"bf16", raw<uint16_t>(mt::bf16, {0x3f80, 0x8000, 0xff80, 0x0001, 0x7fc1}, {5})},
-      {"i32", raw<int32_t>(mt::i32,
-                           {std::numeric_limits<int32_t>::min(), -1, 0, 2147483647}, {2, 2})},
-      {"i64", raw<int64_t>(mt::i64, {std::numeric_limits<int64_t>::min(), 42,
-                                     std::numeric_limits<int64_t>::max()}, {3})},
+      {"i32",
+       raw<int32_t>(mt::i32, {std::numeric_limits<int32_t>::min(), -1, 0, 2147483647}, {2, 2})},
+      {"i64",
+       raw<int64_t>(mt::i64,
+                    {std::numeric_limits<int64_t>::min(), 42, std::numeric_limits<int64_t>::max()},
+                    {3})},
       {"bool", raw<uint8_t>(mt::boolean, {1, 0, 0, 1}, {2, 1, 2})},
       {"scalar", raw<float>(mt::f32, {2.25f}, {})},
       {"empty", raw<int64_t>(mt::i64, {}, {0, 3})},
@@ -545,8 +558,8 @@ assert at('scalar', 'f') == (2.25,)
 print('OK', n % 8)
 )PY";
   std::string out_file = path("python.out");
-  std::string command = "/usr/bin/python3 " + script + " " + path("all.safetensors") + " > " +
-                        out_file + " 2>&1";
+  std::string command =
+      "/usr/bin/python3 " + script + " " + path("all.safetensors") + " > " + out_file + " 2>&1";
   int status = std::system(command.c_str());
   std::ifstream in(out_file);
   std::string output((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());

@@ -33,10 +33,14 @@ struct Case {
 
 // In a macro expansion both __LINE__ and std::source_location report the line where the macro is
 // invoked, so rows may wrap and still compare exactly.
-#define OP_CASE(op, statement, ...) \
-  Case { op, __LINE__, true, [=]() mutable { (void)(statement); }, { __VA_ARGS__ } }
-#define CASE(op, statement, ...) \
-  Case { op, __LINE__, false, [=]() mutable { (void)(statement); }, { __VA_ARGS__ } }
+#define OP_CASE(op, statement, ...)                                           \
+  Case {                                                                      \
+    op, __LINE__, true, [=]() mutable { (void)(statement); }, { __VA_ARGS__ } \
+  }
+#define CASE(op, statement, ...)                                               \
+  Case {                                                                       \
+    op, __LINE__, false, [=]() mutable { (void)(statement); }, { __VA_ARGS__ } \
+  }
 
 std::string location_text(int line) { return "at test_errors.cpp:" + std::to_string(line) + "]"; }
 
@@ -69,14 +73,14 @@ std::vector<int64_t> i64s(std::vector<int64_t> v) { return v; }
 
 // ---- shared inputs ----
 struct Inputs {
-  mt::Tensor f = mt::randn({2, 3});                                // f32 [2, 3]
-  mt::Tensor f4 = mt::randn({4});                                  // f32 [4]
-  mt::Tensor s0 = mt::scalar(1.5);                                 // f32 []
-  mt::Tensor i = mt::tensor(i64s({1, 2, 3, 4, 5, 6}), {2, 3});     // i64 [2, 3]
-  mt::Tensor b = mt::tensor(std::vector<bool>(6, true), {2, 3});   // bool [2, 3]
-  mt::Tensor u;                                                    // undefined
-  mt::Tensor idx = mt::tensor(i64s({0, 1}), {2});                  // i64 [2], valid rows of f
-  mt::Tensor fidx = mt::tensor(std::vector<float>{0, 1}, {2});     // f32 [2], not an index
+  mt::Tensor f = mt::randn({2, 3});                               // f32 [2, 3]
+  mt::Tensor f4 = mt::randn({4});                                 // f32 [4]
+  mt::Tensor s0 = mt::scalar(1.5);                                // f32 []
+  mt::Tensor i = mt::tensor(i64s({1, 2, 3, 4, 5, 6}), {2, 3});    // i64 [2, 3]
+  mt::Tensor b = mt::tensor(std::vector<bool>(6, true), {2, 3});  // bool [2, 3]
+  mt::Tensor u;                                                   // undefined
+  mt::Tensor idx = mt::tensor(i64s({0, 1}), {2});                 // i64 [2], valid rows of f
+  mt::Tensor fidx = mt::tensor(std::vector<float>{0, 1}, {2});    // f32 [2], not an index
 };
 
 // ---- pointwise ops, generated from the op table so that a new op gets its rows for free ----
@@ -111,15 +115,15 @@ std::vector<Binary> binary_ops() {
   std::vector<Binary> ops;
 #define MT_OP(Name, fname, kind, arity, category)
 #define MT_UNARY(Name, fname, category, domain, REF, VJP)
-#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1)                      \
-  ops.push_back({#fname, Domain::domain, false,                                         \
-                 [](const mt::Tensor& a, const mt::Tensor& b, const mt::Loc& loc) {     \
-                   return mt::fname(a, b, loc);                                         \
+#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1)                   \
+  ops.push_back({#fname, Domain::domain, false,                                     \
+                 [](const mt::Tensor& a, const mt::Tensor& b, const mt::Loc& loc) { \
+                   return mt::fname(a, b, loc);                                     \
                  }});
-#define MT_COMPARE(Name, fname, REF)                                                    \
-  ops.push_back({#fname, Domain::Any, true,                                             \
-                 [](const mt::Tensor& a, const mt::Tensor& b, const mt::Loc& loc) {     \
-                   return mt::fname(a, b, loc);                                         \
+#define MT_COMPARE(Name, fname, REF)                                                \
+  ops.push_back({#fname, Domain::Any, true,                                         \
+                 [](const mt::Tensor& a, const mt::Tensor& b, const mt::Loc& loc) { \
+                   return mt::fname(a, b, loc);                                     \
                  }});
 #include "dsl/ops.def"
   return ops;
@@ -364,14 +368,12 @@ std::vector<Case> ops_cases() {
               "index 5 is out of range", "axis 0 of size 2"),
       OP_CASE("index_select", mt::index_select(f, negative_rows, 1).to_vector<float>(), "index -1",
               "axis 1 of size 3"),
-      OP_CASE("index_add", mt::index_add(f, bad_rows, f).to_vector<float>(), "index 5",
-              "size 2"),
+      OP_CASE("index_add", mt::index_add(f, bad_rows, f).to_vector<float>(), "index 5", "size 2"),
       OP_CASE("gather", mt::gather(f, col_index, 1).to_vector<float>(), "index 3",
               "axis 1 of size 3"),
       OP_CASE("scatter_add", mt::scatter_add(f, col_index, mt::ones({2, 1}), 1).to_vector<float>(),
               "index 3", "axis 1 of size 3"),
-      OP_CASE("index_select", mt::embedding(f, bad_rows).to_vector<float>(), "index 5",
-              "size 2"),
+      OP_CASE("index_select", mt::embedding(f, bad_rows).to_vector<float>(), "index 5", "size 2"),
   };
 }
 
@@ -446,10 +448,10 @@ std::vector<Case> functional_cases() {
               "k [4]"),
       OP_CASE("scaled_dot_product_attention", mt::scaled_dot_product_attention(q24, q24, f4),
               "v [4]"),
-      OP_CASE("scaled_dot_product_attention",
-              mt::scaled_dot_product_attention(q24, k34, k34, true), "causal", "queries"),
-      OP_CASE("scaled_dot_product_attention", mt::scaled_dot_product_attention(i, i, i),
-              "query", "floating-point", "i64"),
+      OP_CASE("scaled_dot_product_attention", mt::scaled_dot_product_attention(q24, k34, k34, true),
+              "causal", "queries"),
+      OP_CASE("scaled_dot_product_attention", mt::scaled_dot_product_attention(i, i, i), "query",
+              "floating-point", "i64"),
   };
 }
 
@@ -708,8 +710,7 @@ TEST_F(ErrorsWithFiles, Checkpoint) {
   std::string absent = path("absent.safetensors");
   mt::Tensor one = mt::ones({1});
   run({
-      CASE("save_tensors", mt::save_tensors(good, {{"x", mt::Tensor()}}), "'x' is undefined",
-           good),
+      CASE("save_tensors", mt::save_tensors(good, {{"x", mt::Tensor()}}), "'x' is undefined", good),
       CASE("cannot write", mt::save_tensors(good, {{"x", one}, {"x", one}}), "duplicate", "'x'"),
       CASE("cannot write", mt::save_tensors(good, {{"", one}}), "empty"),
       CASE("cannot write", mt::save_tensors(good, {{"__metadata__", one}}), "reserved"),
@@ -725,8 +726,8 @@ TEST_F(ErrorsWithFiles, Checkpoint) {
       CASE("cannot write", mt::save_checkpoint(nowhere, *net), nowhere),
       CASE("cannot open", mt::load_checkpoint(absent, *net), absent),
       CASE(garbage, mt::load_checkpoint(garbage, *net), "header"),
-      CASE("load_checkpoint", mt::load_checkpoint(good, *bigger), good, "fc1.weight",
-           "[4, 2]", "[3, 2]"),
+      CASE("load_checkpoint", mt::load_checkpoint(good, *bigger), good, "fc1.weight", "[4, 2]",
+           "[3, 2]"),
       CASE("load_checkpoint", mt::load_checkpoint(good, *net, opt.get()), good, "step count"),
       CASE("checkpoint", mt::load_checkpoint(good, *net, foreign_opt.get()),
            "not part of the module"),
@@ -763,10 +764,8 @@ TEST_F(ErrorsWithFiles, Data) {
       CASE("CharVocab::encode", vocab->encode("abz"), "position 2"),
       CASE("CharVocab::decode", vocab->decode({0, 3}), "id 3", "position 1", "[0, 3)"),
       CASE("CharVocab::decode", vocab->decode({-1}), "id -1"),
-      CASE("TensorDataset", mt::TensorDataset({1, 2, 3}, {2}, {0}), "3 feature values",
-           "[2]"),
-      CASE("TensorDataset", mt::TensorDataset({1, 2}, {2}, {0, 1}), "1 examples",
-           "got 2"),
+      CASE("TensorDataset", mt::TensorDataset({1, 2, 3}, {2}, {0}), "3 feature values", "[2]"),
+      CASE("TensorDataset", mt::TensorDataset({1, 2}, {2}, {0, 1}), "1 examples", "got 2"),
       CASE("TensorDataset", mt::TensorDataset({}, {2}, {}), "0 feature values"),
       CASE("TensorDataset", mt::TensorDataset({1}, {0}, {0}), "[0]", "below 1"),
       CASE("TensorDataset::get_batch", data->get_batch(far), "index 9", "[0, 2)"),

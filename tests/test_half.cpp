@@ -178,9 +178,9 @@ std::vector<float> halfway_points(Format f) {
 std::vector<float> special_floats() {
   const float inf = std::numeric_limits<float>::infinity();
   const float denorm_min = std::numeric_limits<float>::denorm_min();
-  std::vector<float> v = {0.0f,     inf,      FLT_MAX,  FLT_MIN,   std::nextafter(FLT_MIN, 0.0f),
-                          1.0f,     65504.0f, 65520.0f, 65536.0f,  denorm_min,
-                          0x1p-24f, 0x1p-25f, 0x1p-26f, 0x1p-14f,  0x1p-133f,
+  std::vector<float> v = {0.0f,      inf,      FLT_MAX,  FLT_MIN,  std::nextafter(FLT_MIN, 0.0f),
+                          1.0f,      65504.0f, 65520.0f, 65536.0f, denorm_min,
+                          0x1p-24f,  0x1p-25f, 0x1p-26f, 0x1p-14f, 0x1p-133f,
                           0x1p-134f, 0x1p127f};
   for (uint32_t nan : {0x7FC00000u, 0x7F800001u, 0x7FBFFFFFu, 0x7FFFFFFFu, 0x7F801FFFu, 0x7F802000u,
                        0x7F807FFFu, 0x7F808000u, 0x7FA00000u}) {

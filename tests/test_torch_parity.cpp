@@ -5,14 +5,14 @@
 // metadata) into one temp directory, runs a single Python process that rebuilds each case with
 // torch independently and writes its results back, then every test compares tensor by tensor.
 // One interpreter start for all cases keeps the suite fast (importing torch costs ~1-2 s).
-#include <gtest/gtest.h>
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cctype>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -321,23 +321,34 @@ const OptConfig kOptConfigs[] = {
     {.name = "sgd_dampening", .type = "sgd", .lr = 0.1, .momentum = 0.9, .dampening = 0.3},
     {.name = "sgd_nesterov", .type = "sgd", .lr = 0.1, .momentum = 0.9, .nesterov = true},
     {.name = "sgd_weight_decay", .type = "sgd", .lr = 0.1, .weight_decay = 0.05},
-    {.name = "sgd_nesterov_weight_decay", .type = "sgd", .lr = 0.05, .momentum = 0.8,
-     .weight_decay = 0.1, .nesterov = true},
+    {.name = "sgd_nesterov_weight_decay",
+     .type = "sgd",
+     .lr = 0.05,
+     .momentum = 0.8,
+     .weight_decay = 0.1,
+     .nesterov = true},
     {.name = "adam", .type = "adam", .lr = 0.01},
     {.name = "adam_l2", .type = "adam", .lr = 0.01, .weight_decay = 0.1},
     {.name = "adamw", .type = "adamw", .lr = 0.01, .weight_decay = 0.1},
-    {.name = "adamw_betas", .type = "adamw", .lr = 0.02, .weight_decay = 0.05, .beta1 = 0.8,
-     .beta2 = 0.99, .eps = 1e-6},
+    {.name = "adamw_betas",
+     .type = "adamw",
+     .lr = 0.02,
+     .weight_decay = 0.05,
+     .beta1 = 0.8,
+     .beta2 = 0.99,
+     .eps = 1e-6},
 };
 
 std::unique_ptr<mt::Optimizer> make_optimizer(const OptConfig& c, std::vector<mt::Tensor> params) {
   if (std::string(c.type) == "sgd")
-    return std::make_unique<mt::SGD>(
-        std::move(params), mt::SGDOptions{.lr = c.lr, .momentum = c.momentum,
-                                          .dampening = c.dampening,
-                                          .weight_decay = c.weight_decay, .nesterov = c.nesterov});
-  mt::AdamOptions options{.lr = c.lr, .beta1 = c.beta1, .beta2 = c.beta2, .eps = c.eps,
-                          .weight_decay = c.weight_decay};
+    return std::make_unique<mt::SGD>(std::move(params),
+                                     mt::SGDOptions{.lr = c.lr,
+                                                    .momentum = c.momentum,
+                                                    .dampening = c.dampening,
+                                                    .weight_decay = c.weight_decay,
+                                                    .nesterov = c.nesterov});
+  mt::AdamOptions options{
+      .lr = c.lr, .beta1 = c.beta1, .beta2 = c.beta2, .eps = c.eps, .weight_decay = c.weight_decay};
   if (std::string(c.type) == "adam") return std::make_unique<mt::Adam>(std::move(params), options);
   return std::make_unique<mt::AdamW>(std::move(params), options);
 }
@@ -371,9 +382,12 @@ std::vector<CrossEntropyCase> cross_entropy_cases() {
 
 const char* reduction_name(mt::Reduction r) {
   switch (r) {
-    case mt::Reduction::Mean: return "mean";
-    case mt::Reduction::Sum: return "sum";
-    case mt::Reduction::None: return "none";
+    case mt::Reduction::Mean:
+      return "mean";
+    case mt::Reduction::Sum:
+      return "sum";
+    case mt::Reduction::None:
+      return "none";
   }
   return "?";
 }
@@ -396,12 +410,20 @@ std::vector<OpCase> op_cases() {
   }
   cases.push_back({"logsumexp_last", "logsumexp", {4, 6}, {{"axes", "-1"}}, false, false, true});
   cases.push_back({"logsumexp_two_axes", "logsumexp", {3, 4, 5}, {{"axes", "0,2"}}});
-  cases.push_back({"layer_norm_1", "layer_norm", {3, 4, 8}, {{"normalized_dims", "1"},
-                   {"eps", "1e-05"}}, true, true});
-  cases.push_back({"layer_norm_2", "layer_norm", {3, 4, 8}, {{"normalized_dims", "2"},
-                   {"eps", "0.001"}}, true, true});
-  cases.push_back({"layer_norm_plain", "layer_norm", {5, 7}, {{"normalized_dims", "1"},
-                   {"eps", "1e-05"}}});
+  cases.push_back({"layer_norm_1",
+                   "layer_norm",
+                   {3, 4, 8},
+                   {{"normalized_dims", "1"}, {"eps", "1e-05"}},
+                   true,
+                   true});
+  cases.push_back({"layer_norm_2",
+                   "layer_norm",
+                   {3, 4, 8},
+                   {{"normalized_dims", "2"}, {"eps", "0.001"}},
+                   true,
+                   true});
+  cases.push_back(
+      {"layer_norm_plain", "layer_norm", {5, 7}, {{"normalized_dims", "1"}, {"eps", "1e-05"}}});
   cases.push_back({"rms_norm", "rms_norm", {3, 4, 8}, {{"eps", "1e-06"}}, true});
   cases.push_back({"rms_norm_big_eps", "rms_norm", {6, 5}, {{"eps", "0.5"}}, true});
   cases.push_back({"rms_norm_plain", "rms_norm", {6, 5}, {{"eps", "1e-06"}}});
@@ -476,7 +498,8 @@ void write_inputs(const fs::path& dir) {
     mt::TransformerBlock block(kBlockDim, kBlockHeads, 0.0, &gen);
     perturb_norms(block, rng);
     write_case(dir, "block",
-               {{"kind", "block"}, {"dim", std::to_string(kBlockDim)},
+               {{"kind", "block"},
+                {"dim", std::to_string(kBlockDim)},
                 {"heads", std::to_string(kBlockHeads)}},
                {{"x", rng.normal({2, 8, kBlockDim})}, {"target", rng.normal({2, 8, kBlockDim})}},
                &block);
@@ -486,13 +509,19 @@ void write_inputs(const fs::path& dir) {
     mt::Generator gen(seed);  // one start for all: the optimizers are the only difference
     mt::MLP model(kOptSizes, mt::Activation::Tanh, &gen);
     write_case(dir, fmt::format("optim_{}", c.name),
-               {{"kind", "optim"}, {"sizes", join(kOptSizes)}, {"activation", "tanh"},
-                {"steps", std::to_string(kOptSteps)}, {"optimizer", c.type},
-                {"lr", fmt::format("{}", c.lr)}, {"momentum", fmt::format("{}", c.momentum)},
+               {{"kind", "optim"},
+                {"sizes", join(kOptSizes)},
+                {"activation", "tanh"},
+                {"steps", std::to_string(kOptSteps)},
+                {"optimizer", c.type},
+                {"lr", fmt::format("{}", c.lr)},
+                {"momentum", fmt::format("{}", c.momentum)},
                 {"dampening", fmt::format("{}", c.dampening)},
                 {"weight_decay", fmt::format("{}", c.weight_decay)},
-                {"nesterov", c.nesterov ? "1" : "0"}, {"beta1", fmt::format("{}", c.beta1)},
-                {"beta2", fmt::format("{}", c.beta2)}, {"eps", fmt::format("{}", c.eps)}},
+                {"nesterov", c.nesterov ? "1" : "0"},
+                {"beta1", fmt::format("{}", c.beta1)},
+                {"beta2", fmt::format("{}", c.beta2)},
+                {"eps", fmt::format("{}", c.eps)}},
                {{"x", opt_x}, {"y", opt_y}}, &model);
   }
   ++seed;
@@ -500,7 +529,9 @@ void write_inputs(const fs::path& dir) {
     mt::Generator gen(seed++);
     mt::MLP model(kMlpSizes, mt::Activation::Gelu, &gen);
     write_case(dir, fmt::format("clip_{}", max_norm),
-               {{"kind", "clip"}, {"sizes", join(kMlpSizes)}, {"activation", "gelu"},
+               {{"kind", "clip"},
+                {"sizes", join(kMlpSizes)},
+                {"activation", "gelu"},
                 {"max_norm", fmt::format("{}", max_norm)}},
                {{"x", rng.normal({8, kMlpSizes.front()})}, {"y", rng.classes({8}, 5)}}, &model);
   }
@@ -516,7 +547,8 @@ void write_inputs(const fs::path& dir) {
       targets = with_ints(targets, {{0, c.ignore_index}, {3, c.ignore_index}});
     }
     write_case(dir, c.name,
-               {{"kind", "cross_entropy"}, {"reduction", reduction_name(c.reduction)},
+               {{"kind", "cross_entropy"},
+                {"reduction", reduction_name(c.reduction)},
                 {"ignore_index", std::to_string(c.ignore_index)},
                 {"label_smoothing", fmt::format("{}", c.label_smoothing)}},
                {{"logits", rng.normal(c.logits_shape, c.scale)},
@@ -539,10 +571,10 @@ void write_inputs(const fs::path& dir) {
     }
     mt::Tensor x = mt::tensor(values, c.shape);
     mt::NamedTensors data{{"x", x}, {"w", rng.normal(op_output_shape(c))}};
-    mt::Shape param_shape(c.shape.end() - (c.options.count("normalized_dims")
-                                                ? std::stoll(c.options.at("normalized_dims"))
-                                                : 1),
-                          c.shape.end());
+    mt::Shape param_shape(
+        c.shape.end() -
+            (c.options.count("normalized_dims") ? std::stoll(c.options.at("normalized_dims")) : 1),
+        c.shape.end());
     if (c.weight) data.emplace_back("weight", rng.normal(param_shape, 0.5) + 1.0);
     if (c.bias) data.emplace_back("bias", rng.normal(param_shape, 0.5));
     mt::Metadata meta{{"kind", "op"}, {"op", c.op}};
@@ -610,8 +642,8 @@ class Comparison {
  public:
   explicit Comparison(std::string id) : id_(std::move(id)) {}
   ~Comparison() {
-    std::printf("[  torch   ] %-34s %3d tensors, worst rel %.1e (%s), max abs %.1e\n",
-                id_.c_str(), count_, worst_rel_, worst_.c_str(), max_abs_);
+    std::printf("[  torch   ] %-34s %3d tensors, worst rel %.1e (%s), max abs %.1e\n", id_.c_str(),
+                count_, worst_rel_, worst_.c_str(), max_abs_);
   }
 
   // ||a - b|| / ||b|| over the entries torch computed as finite; NaN and +-inf must sit at the
@@ -626,9 +658,8 @@ class Comparison {
     int pattern_mismatches = 0;
     std::string first_mismatch;
     for (size_t i = 0; i < a.size(); ++i) {
-      bool same_class = std::isfinite(b[i])
-                            ? std::isfinite(a[i])
-                            : (std::isnan(b[i]) ? std::isnan(a[i]) : a[i] == b[i]);
+      bool same_class = std::isfinite(b[i]) ? std::isfinite(a[i])
+                                            : (std::isnan(b[i]) ? std::isnan(a[i]) : a[i] == b[i]);
       if (!same_class) {
         if (pattern_mismatches++ == 0)
           first_mismatch = fmt::format("[{}] mixtape {} torch {}", i, a[i], b[i]);
@@ -824,11 +855,16 @@ TEST_F(TorchParity, ClipGradNormMatchesTorch) {
 TEST(Schedules, CosineWithWarmupMatchesHandComputedValues) {
   mt::CosineWithWarmup schedule(1e-3, 4, 10, 1e-4);
   const std::pair<int64_t, double> expected[] = {
-      {0, 2.5e-4}, {1, 5e-4}, {2, 7.5e-4}, {3, 1e-3}, {4, 1e-3},
+      {0, 2.5e-4},
+      {1, 5e-4},
+      {2, 7.5e-4},
+      {3, 1e-3},
+      {4, 1e-3},
       {5, 9.397114317029974e-4},   // progress 1/6: 1e-4 + 4.5e-4 * (1 + cos(pi/6))
       {7, 5.5e-4},                 // progress 1/2: the midpoint
       {9, 1.6028856829700263e-4},  // progress 5/6: 1e-4 + 4.5e-4 * (1 - cos(pi/6))
-      {10, 1e-4}, {1000, 1e-4}};
+      {10, 1e-4},
+      {1000, 1e-4}};
   for (auto [step, lr] : expected) EXPECT_NEAR(schedule.lr(step), lr, 1e-15) << "step " << step;
   mt::CosineWithWarmup no_warmup(1.0, 0, 4);
   EXPECT_DOUBLE_EQ(no_warmup.lr(0), 1.0);
@@ -848,10 +884,13 @@ TEST_F(TorchParity, CrossEntropyOptionsMatchTorch) {
     mt::Tensor logits = c.input("logits");
     logits.requires_grad_();
     mt::Tensor loss = mt::cross_entropy(logits, c.input("targets"),
-                                        {.reduction = ce.reduction, .ignore_index = ce.ignore_index,
+                                        {.reduction = ce.reduction,
+                                         .ignore_index = ce.ignore_index,
                                          .label_smoothing = ce.label_smoothing});
-    if (ce.reduction == mt::Reduction::None) mt::sum(loss * c.input("w")).backward();
-    else loss.backward();
+    if (ce.reduction == mt::Reduction::None)
+      mt::sum(loss * c.input("w")).backward();
+    else
+      loss.backward();
     Comparison cmp(ce.name);
     cmp.check("loss", loss, c.ref("loss"));
     cmp.check("grad logits", logits.grad(), c.ref("grad.logits"));
@@ -878,8 +917,8 @@ TEST_F(TorchParity, CompositeOpsMatchTorch) {
       // The -inf rows must really reach the non-finite comparison: NaN for the all -inf row of
       // softmax and log_softmax (plus log(0) = -inf entries of the latter), -inf for logsumexp.
       std::vector<float> values = y.to_vector<float>();
-      auto nonfinite = std::count_if(values.begin(), values.end(),
-                                     [](float v) { return !std::isfinite(v); });
+      auto nonfinite =
+          std::count_if(values.begin(), values.end(), [](float v) { return !std::isfinite(v); });
       EXPECT_EQ(nonfinite, op.op == "softmax" ? 6 : op.op == "log_softmax" ? 8 : 1);
     }
     cmp.check("grad x", x.grad(), c.ref("grad.x"));
