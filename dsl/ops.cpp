@@ -27,18 +27,9 @@ std::string shapes_text(const Tensor& a, const Tensor& b) {
 }
 
 Shape broadcast_or_fail(const Tensor& a, const Tensor& b, const char* op, const Loc& loc) {
-  const Shape& sa = a.shape();
-  const Shape& sb = b.shape();
-  size_t rank = std::max(sa.size(), sb.size());
-  Shape out(rank);
-  for (size_t i = 0; i < rank; ++i) {
-    int64_t da = i < rank - sa.size() ? 1 : sa[i - (rank - sa.size())];
-    int64_t db = i < rank - sb.size() ? 1 : sb[i - (rank - sb.size())];
-    if (da != db && da != 1 && db != 1)
-      op_fail(op, loc, "shapes cannot be broadcast together: {}", shapes_text(a, b));
-    out[i] = da == 1 ? db : da;
-  }
-  return out;
+  std::optional<Shape> shape = broadcast_shapes(a.shape(), b.shape());
+  if (!shape) op_fail(op, loc, "shapes cannot be broadcast together: {}", shapes_text(a, b));
+  return *shape;
 }
 
 // The node for `x` cast to `dtype` and broadcast to `shape` (no new node when nothing changes).
@@ -181,9 +172,12 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b, const Loc& lo
   if (cond.dtype() != boolean)
     op_fail("where", loc, "the condition must be bool, got {}", name(cond.dtype()));
   DType t = promote(a.dtype(), b.dtype());
-  Shape shape = broadcast_or_fail(a, b, "where", loc);
-  shape =
-      broadcast_or_fail(cond, Tensor(make_node(OpCode::Full, t, shape, {}, {}, loc)), "where", loc);
+  std::optional<Shape> values = broadcast_shapes(a.shape(), b.shape());
+  std::optional<Shape> all = values ? broadcast_shapes(cond.shape(), *values) : std::nullopt;
+  if (!all)
+    op_fail("where", loc, "shapes cannot be broadcast together: condition {}, values {}",
+            to_string(cond.shape()), shapes_text(a, b));
+  const Shape& shape = *all;
   return Tensor(make_node(
       OpCode::Where, t, shape,
       {conform(cond, boolean, shape, loc), conform(a, t, shape, loc), conform(b, t, shape, loc)},
@@ -270,20 +264,11 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in, bool transpose_a, bool tra
     op_fail("matmul", loc, "inner dimensions differ ({} vs {}): {}{}{}", ka, kb,
             shapes_text(a_in, b_in), transpose_a ? ", first transposed" : "",
             transpose_b ? ", second transposed" : "");
-  Shape batch_a(sa.begin(), sa.end() - 2), batch_b(sb.begin(), sb.end() - 2);
-  Shape batch;
-  {
-    size_t rank = std::max(batch_a.size(), batch_b.size());
-    batch.resize(rank);
-    for (size_t i = 0; i < rank; ++i) {
-      int64_t da = i < rank - batch_a.size() ? 1 : batch_a[i - (rank - batch_a.size())];
-      int64_t db = i < rank - batch_b.size() ? 1 : batch_b[i - (rank - batch_b.size())];
-      if (da != db && da != 1 && db != 1)
-        op_fail("matmul", loc, "batch dimensions cannot be broadcast: {}", shapes_text(a_in, b_in));
-      batch[i] = da == 1 ? db : da;
-    }
-  }
-  Shape full_a = batch, full_b = batch, out = batch;
+  std::optional<Shape> batch =
+      broadcast_shapes(Shape(sa.begin(), sa.end() - 2), Shape(sb.begin(), sb.end() - 2));
+  if (!batch)
+    op_fail("matmul", loc, "batch dimensions cannot be broadcast: {}", shapes_text(a_in, b_in));
+  Shape full_a = *batch, full_b = *batch, out = *batch;
   full_a.insert(full_a.end(), sa.end() - 2, sa.end());
   full_b.insert(full_b.end(), sb.end() - 2, sb.end());
   out.push_back(m);

@@ -9,23 +9,14 @@
 
 #include <mixtape/mixtape.h>
 
+#include "tests/test_util.h"
+
 namespace mt = mixtape;
 
 namespace {
 
 // Runs the statement and expects an mt::Error whose message contains every fragment; any other
 // exception escapes and fails the test.
-#define EXPECT_MT_ERROR(statement, ...)                                         \
-  do {                                                                          \
-    try {                                                                       \
-      statement;                                                                \
-      ADD_FAILURE() << "no mt::Error from " #statement;                         \
-    } catch (const mt::Error& error) {                                          \
-      for (const std::string& fragment : std::vector<std::string>{__VA_ARGS__}) \
-        EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)  \
-            << "missing \"" << fragment << "\" in: " << error.what();           \
-    }                                                                           \
-  } while (0)
 
 mt::Tensor leaf(const std::vector<double>& values, mt::Shape shape, mt::DType dtype = mt::f64) {
   mt::Tensor t = mt::tensor(values, std::move(shape), dtype);

@@ -20,24 +20,14 @@
 
 #include <mixtape/mixtape.h>
 
+#include "tests/test_util.h"
+
 namespace mt = mixtape;
 namespace fs = std::filesystem;
 
 namespace {
 
 static_assert(std::endian::native == std::endian::little, "tests build tensor bytes natively");
-
-#define EXPECT_MT_ERROR(statement, ...)                                         \
-  do {                                                                          \
-    try {                                                                       \
-      statement;                                                                \
-      ADD_FAILURE() << "no mt::Error from " #statement;                         \
-    } catch (const mt::Error& error) {                                          \
-      for (const std::string& fragment : std::vector<std::string>{__VA_ARGS__}) \
-        EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)  \
-            << "missing \"" << fragment << "\" in: " << error.what();           \
-    }                                                                           \
-  } while (0)
 
 using Bytes = std::vector<std::byte>;
 

@@ -19,6 +19,8 @@
 #include "runtime/json.h"
 #include "runtime/safetensors.h"
 
+#include "tests/test_util.h"
+
 namespace mt = mixtape;
 
 namespace {
@@ -32,16 +34,6 @@ static_assert(std::endian::native == std::endian::little, "tests build tensor by
 
 // Runs the statement and expects an mt::Error whose message contains the fragment. Any other
 // exception escapes and fails the test, which is the point: readers may only throw mt::Error.
-#define EXPECT_MT_ERROR(statement, fragment)                                                  \
-  do {                                                                                        \
-    try {                                                                                     \
-      statement;                                                                              \
-      ADD_FAILURE() << "no mt::Error from " #statement ", expected \"" << (fragment) << "\""; \
-    } catch (const mt::Error& error) {                                                        \
-      EXPECT_NE(std::string(error.what()).find(fragment), std::string::npos)                  \
-          << "message: " << error.what();                                                     \
-    }                                                                                         \
-  } while (0)
 
 template <typename T>
 std::vector<std::byte> to_bytes(const std::vector<T>& values) {
