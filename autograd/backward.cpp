@@ -56,8 +56,7 @@ std::unordered_map<const Node*, Tensor> backpropagate(const std::vector<NodePtr>
     if (op_info(node->op).kind == OpKind::Leaf) continue;
     auto found = grads.find(node.get());
     if (found == grads.end()) continue;
-    ModulePathScope path(node->module_path);
-    CallSiteScope site(node->location);
+    BackwardScope scope(*node);
     std::vector<Tensor> input_grads = vjp(node, found->second);
     for (size_t i = 0; i < input_grads.size() && i < node->inputs.size(); ++i)
       if (input_grads[i].defined() && node->inputs[i]->requires_grad)

@@ -15,6 +15,9 @@ std::atomic<uint64_t> next_node_id{1};
 thread_local bool grad_mode = true;
 thread_local std::string module_path;
 thread_local const Loc* call_site = nullptr;
+thread_local const char* composite = nullptr;
+thread_local const Node* differentiating = nullptr;
+thread_local std::shared_ptr<const Policy> policy;
 
 // Ops whose result is never differentiable, whatever their inputs.
 bool blocks_gradient(OpCode op) {
@@ -54,6 +57,17 @@ NodePtr make_node(OpCode op, DType dtype, Shape shape, std::vector<NodePtr> inpu
   node->inputs = std::move(inputs);
   node->module_path = module_path;
   node->location = user_call_site(loc);
+  node->storage = node->compute = dtype;
+  node->accum = dtype == f64 ? f64 : f32;
+  if (differentiating) {
+    node->policy = differentiating->policy;
+    node->composite = differentiating->composite;
+    node->backward = true;
+    node->forward_op = differentiating->op;
+  } else {
+    node->policy = policy;
+    node->composite = composite;
+  }
   return node;
 }
 
@@ -77,12 +91,27 @@ ModulePathScope::ModulePathScope(const std::string& path) : previous_(module_pat
 ModulePathScope::~ModulePathScope() { module_path = previous_; }
 const std::string& current_module_path() { return module_path; }
 
-CallSiteScope::CallSiteScope(const Loc& loc) : owner_(call_site == nullptr) {
-  if (owner_) call_site = &loc;
+CallSiteScope::CallSiteScope(const Loc& loc, const char* name)
+    : owns_site_(call_site == nullptr), owns_composite_(name && composite == nullptr) {
+  if (owns_site_) call_site = &loc;
+  if (owns_composite_) composite = name;
 }
 CallSiteScope::~CallSiteScope() {
-  if (owner_) call_site = nullptr;
+  if (owns_site_) call_site = nullptr;
+  if (owns_composite_) composite = nullptr;
 }
 const Loc& user_call_site(const Loc& loc) { return call_site ? *call_site : loc; }
+
+const std::shared_ptr<const Policy>& current_policy() { return policy; }
+std::shared_ptr<const Policy> exchange_current_policy(std::shared_ptr<const Policy> next) {
+  std::swap(policy, next);
+  return next;
+}
+
+BackwardScope::BackwardScope(const Node& forward)
+    : previous_(differentiating), path_(forward.module_path), site_(forward.location) {
+  differentiating = &forward;
+}
+BackwardScope::~BackwardScope() { differentiating = previous_; }
 
 }  // namespace mixtape

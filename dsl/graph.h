@@ -56,18 +56,41 @@ const std::string& current_module_path();
 
 /// Makes nodes built inside library code (composites, modules) report the user's call site:
 /// the outermost scope wins.
+/// A composite op (softmax, cross_entropy, ...) also names itself, so that precision policies
+/// can treat every node it makes as part of it.
 class CallSiteScope {
  public:
-  explicit CallSiteScope(const Loc& loc);
+  explicit CallSiteScope(const Loc& loc, const char* composite = nullptr);
   ~CallSiteScope();
   CallSiteScope(const CallSiteScope&) = delete;
   CallSiteScope& operator=(const CallSiteScope&) = delete;
 
  private:
-  bool owner_;
+  bool owns_site_;
+  bool owns_composite_;
 };
 /// The call site to report for an op invoked at `loc`.
 const Loc& user_call_site(const Loc& loc);
+
+/// The precision policy recorded on nodes made now (null: none, nodes keep their traced dtypes).
+const std::shared_ptr<const Policy>& current_policy();
+/// Sets it, returning the previous one; mt::autocast is the scoped way to use this.
+std::shared_ptr<const Policy> exchange_current_policy(std::shared_ptr<const Policy> policy);
+
+/// Nodes made while it lives differentiate `forward`: they take its policy, composite and
+/// module path, so backward runs at the precision of the forward node (DESIGN.md decision 4).
+class BackwardScope {
+ public:
+  explicit BackwardScope(const Node& forward);
+  ~BackwardScope();
+  BackwardScope(const BackwardScope&) = delete;
+  BackwardScope& operator=(const BackwardScope&) = delete;
+
+ private:
+  const Node* previous_;
+  ModulePathScope path_;
+  CallSiteScope site_;
+};
 
 /// Computes `value` for every node in `outputs` (and what they need). Provided by the runtime
 /// layer, which owns the executors; the DSL only asks.

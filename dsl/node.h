@@ -54,6 +54,7 @@ struct Storage {
 
 struct Node;
 using NodePtr = std::shared_ptr<Node>;
+class Policy;  // precision_policy/policy.h
 struct TensorImpl;
 class Tensor;
 
@@ -91,6 +92,18 @@ struct Node : std::enable_shared_from_this<Node> {
   std::weak_ptr<TensorImpl> grad_owner;  // the leaf tensor whose .grad() receives gradients
   std::string module_path;
   std::source_location location;
+
+  // ---- precision (DESIGN.md decision 4): `dtype` is what tracing typed; the policy pass fills
+  // these before the node runs. Until then they equal the traced types.
+  DType storage;  // what the value is stored as (rounded RNE to it)
+  DType compute;  // what float data inputs are rounded to before the op
+  DType accum;    // what reductions and matmuls accumulate in
+  bool precision_assigned = false;
+  std::string precision_rule;            // why the policy chose these, for reports
+  std::shared_ptr<const Policy> policy;  // the autocast policy active when the node was made
+  const char* composite = nullptr;       // the outermost composite (softmax, ...) that made it
+  bool backward = false;                 // made by autograd for the forward node below
+  OpCode forward_op = OpCode::Constant;
 
   bool evaluated() const { return value != nullptr; }
   int64_t numel() const { return mixtape::numel(shape); }

@@ -103,6 +103,8 @@ void Tensor::assign(const Tensor& value, const Loc& loc) {
   evaluate({value.node()});
   auto leaf = make_node(OpCode::Constant, current->dtype, current->shape, {}, {}, loc);
   leaf->value = value.node()->value;
+  leaf->storage = leaf->compute = leaf->value->dtype;
+  leaf->precision_assigned = true;
   leaf->module_path = current->module_path;
   if (current->requires_grad) {
     leaf->requires_grad = true;

@@ -3,6 +3,7 @@
 #include <unordered_set>
 
 #include "dsl/graph.h"
+#include "precision_policy/assign.h"
 #include "runtime/reference_executor.h"
 
 namespace mixtape {
@@ -23,6 +24,7 @@ void evaluate(const std::vector<NodePtr>& outputs) {
   }
   // Inputs are always made before their users, so creation order is a topological order.
   std::sort(pending.begin(), pending.end(), [](Node* a, Node* b) { return a->id < b->id; });
+  assign_precision(pending);
   for (Node* node : pending) node->value = reference_compute(*node);
   // No gradient will ever flow through these, so their producers are no longer needed: this is
   // what keeps step-to-step chains (optimizer updates) from growing.

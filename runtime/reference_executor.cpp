@@ -37,7 +37,20 @@ bool is_nan(T a) {
 const Storage& value_of(const Node& node, size_t i) { return *node.inputs[i]->value; }
 
 StoragePtr new_storage(const Node& node) {
-  return std::make_shared<Storage>(node.dtype, node.numel());
+  return std::make_shared<Storage>(node.storage, node.numel());
+}
+
+// Input i in the node's storage type, for ops that move elements as bytes. The precision pass
+// may store an input differently (an f32 parameter viewed inside an f16 region): convert it.
+StoragePtr input_as_storage(const Node& node, size_t i) {
+  const StoragePtr& in = node.inputs[i]->value;
+  if (in->dtype == node.storage) return in;
+  auto out = std::make_shared<Storage>(node.storage, in->count);
+  if (is_floating(in->dtype) || is_floating(node.storage))
+    for (int64_t k = 0; k < in->count; ++k) store_element(*out, k, load_element<double>(*in, k));
+  else
+    for (int64_t k = 0; k < in->count; ++k) store_element(*out, k, load_element<int64_t>(*in, k));
+  return out;
 }
 
 // Calls f with a value of the compute type for elements of `dtype`.
@@ -118,7 +131,7 @@ StoragePtr ref_RandUniform(const Node& node) {
     store_element(*out, i, philox_uniform(node.attrs.seed, node.attrs.offset, i));
     // Nearest rounding carries the top of [0, 1) up to 1.0 in f16/bf16; those values take the
     // largest one below 1 instead, so the stream stays in [0, 1) in every dtype.
-    if (is_half(node.dtype) && load_element<double>(*out, i) >= 1.0) out->as<uint16_t>()[i] -= 1;
+    if (is_half(node.storage) && load_element<double>(*out, i) >= 1.0) out->as<uint16_t>()[i] -= 1;
   }
   return out;
 }
@@ -136,7 +149,7 @@ StoragePtr ref_RandNormal(const Node& node) {
 StoragePtr strided_copy(const Node& node, const Storage& in, const std::vector<int64_t>& strides,
                         int64_t base) {
   StoragePtr out = new_storage(node);
-  size_t bytes = size_of(node.dtype);
+  size_t bytes = size_of(node.storage);
   const Shape& shape = node.shape;
   std::vector<int64_t> index(shape.size(), 0);
   int64_t offset = base;
@@ -152,12 +165,12 @@ StoragePtr strided_copy(const Node& node, const Storage& in, const std::vector<i
   return out;
 }
 
-StoragePtr ref_Reshape(const Node& node) { return node.inputs[0]->value; }
+StoragePtr ref_Reshape(const Node& node) { return input_as_storage(node, 0); }
 
 StoragePtr ref_Permute(const Node& node) {
   std::vector<int64_t> in_strides = strides_of(node.inputs[0]->shape), strides;
   for (int64_t axis : node.attrs.axes) strides.push_back(in_strides[axis]);
-  return strided_copy(node, value_of(node, 0), strides, 0);
+  return strided_copy(node, *input_as_storage(node, 0), strides, 0);
 }
 
 StoragePtr ref_BroadcastTo(const Node& node) {
@@ -165,7 +178,7 @@ StoragePtr ref_BroadcastTo(const Node& node) {
   std::vector<int64_t> in_strides = strides_of(in), strides(node.shape.size(), 0);
   size_t lead = node.shape.size() - in.size();
   for (size_t d = 0; d < in.size(); ++d) strides[lead + d] = in[d] == 1 ? 0 : in_strides[d];
-  return strided_copy(node, value_of(node, 0), strides, 0);
+  return strided_copy(node, *input_as_storage(node, 0), strides, 0);
 }
 
 StoragePtr ref_Slice(const Node& node) {
@@ -175,15 +188,16 @@ StoragePtr ref_Slice(const Node& node) {
     strides.push_back(in_strides[d] * node.attrs.steps[d]);
     base += node.attrs.starts[d] * in_strides[d];
   }
-  return strided_copy(node, value_of(node, 0), strides, base);
+  return strided_copy(node, *input_as_storage(node, 0), strides, base);
 }
 
 StoragePtr ref_Unslice(const Node& node) {
   StoragePtr out = new_storage(node);  // zero-initialized bytes are 0 in every dtype
-  const Storage& in = value_of(node, 0);
+  StoragePtr converted = input_as_storage(node, 0);
+  const Storage& in = *converted;
   const Shape& window = node.inputs[0]->shape;
   std::vector<int64_t> out_strides = strides_of(node.shape);
-  size_t bytes = size_of(node.dtype);
+  size_t bytes = size_of(node.storage);
   std::vector<int64_t> index(window.size(), 0);
   for (int64_t i = 0; i < in.count; ++i) {
     int64_t offset = 0;
@@ -200,17 +214,19 @@ StoragePtr ref_Unslice(const Node& node) {
 
 StoragePtr ref_Concat(const Node& node) {
   StoragePtr out = new_storage(node);
-  size_t bytes = size_of(node.dtype);
+  size_t bytes = size_of(node.storage);
   int64_t axis = node.attrs.axis;
   int64_t outer = 1, inner = 1;
   for (int64_t d = 0; d < axis; ++d) outer *= node.shape[d];
   for (size_t d = axis + 1; d < node.shape.size(); ++d) inner *= node.shape[d];
   int64_t out_row = node.shape[axis] * inner, column = 0;
-  for (const NodePtr& input : node.inputs) {
+  for (size_t i = 0; i < node.inputs.size(); ++i) {
+    const NodePtr& input = node.inputs[i];
+    StoragePtr converted = input_as_storage(node, i);
     int64_t row = input->shape[axis] * inner;
     for (int64_t o = 0; o < outer; ++o)
       std::memcpy(out->bytes.data() + (o * out_row + column) * bytes,
-                  input->value->bytes.data() + o * row * bytes, row * bytes);
+                  converted->bytes.data() + o * row * bytes, row * bytes);
     column += row;
   }
   return out;
@@ -304,9 +320,18 @@ StoragePtr ref_Argmax(const Node& node) {
 
 // ---- matmul ----
 // Row-major [batch, rows, cols] copy of one operand in f64, transposed if asked.
+// Operands are rounded to the compute type first: an f16 matmul sees f16 inputs, as tensor cores
+// do, whatever the inputs are stored as.
 std::vector<double> matrix_operand(const Storage& in, int64_t batch, int64_t rows, int64_t cols,
-                                   bool transposed) {
+                                   bool transposed, DType compute) {
   std::vector<double> values = load_all<double>(in);
+  if (compute != in.dtype && compute != f64) {
+    Storage rounded(compute, 1);
+    for (double& v : values) {
+      store_element(rounded, 0, v);
+      v = load_element<double>(rounded, 0);
+    }
+  }
   if (!transposed) return values;
   std::vector<double> out(values.size());
   for (int64_t b = 0; b < batch; ++b)
@@ -324,8 +349,10 @@ StoragePtr ref_MatMul(const Node& node) {
   int64_t k = node.attrs.transpose_a ? sa[rank - 2] : sa[rank - 1];
   int64_t batch = numel(node.shape) / std::max<int64_t>(1, m * n);
   if (m * n == 0) return out;
-  std::vector<double> a = matrix_operand(value_of(node, 0), batch, m, k, node.attrs.transpose_a);
-  std::vector<double> b = matrix_operand(value_of(node, 1), batch, k, n, node.attrs.transpose_b);
+  std::vector<double> a =
+      matrix_operand(value_of(node, 0), batch, m, k, node.attrs.transpose_a, node.compute);
+  std::vector<double> b =
+      matrix_operand(value_of(node, 1), batch, k, n, node.attrs.transpose_b, node.compute);
   std::vector<double> row(static_cast<size_t>(n));
   for (int64_t bi = 0; bi < batch; ++bi)
     for (int64_t i = 0; i < m; ++i) {
@@ -356,8 +383,9 @@ StoragePtr ref_IndexSelect(const Node& node) {
   for (size_t d = axis + 1; d < shape.size(); ++d) inner *= shape[d];
   std::vector<int64_t> index = load_all<int64_t>(value_of(node, 1));
   int64_t count = static_cast<int64_t>(index.size());
-  size_t bytes = size_of(node.dtype);
-  const Storage& in = value_of(node, 0);
+  size_t bytes = size_of(node.storage);
+  StoragePtr converted = input_as_storage(node, 0);
+  const Storage& in = *converted;
   for (int64_t o = 0; o < outer; ++o)
     for (int64_t j = 0; j < count; ++j) {
       int64_t row = checked_index(node, index[j], dim, axis);
@@ -413,8 +441,9 @@ void for_each_gathered(const Node& node, const Shape& data_shape, const Shape& i
 StoragePtr ref_Gather(const Node& node) {
   StoragePtr out = new_storage(node);
   std::vector<int64_t> index = load_all<int64_t>(value_of(node, 1));
-  size_t bytes = size_of(node.dtype);
-  const Storage& in = value_of(node, 0);
+  size_t bytes = size_of(node.storage);
+  StoragePtr converted = input_as_storage(node, 0);
+  const Storage& in = *converted;
   for_each_gathered(node, node.inputs[0]->shape, node.shape, index, node.attrs.axis,
                     [&](int64_t i, int64_t offset) {
                       std::memcpy(out->bytes.data() + i * bytes, in.bytes.data() + offset * bytes,
@@ -434,7 +463,7 @@ StoragePtr ref_ScatterAdd(const Node& node) {
   return out;
 }
 
-StoragePtr ref_Custom(const Node& node) { return node.inputs[0]->value; }
+StoragePtr ref_Custom(const Node& node) { return input_as_storage(node, 0); }
 
 }  // namespace
 

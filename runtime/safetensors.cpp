@@ -13,7 +13,7 @@
 #include <unordered_set>
 
 #include "dsl/error.h"
-#include "runtime/json.h"
+#include "dsl/json.h"
 
 namespace mixtape::safetensors {
 

@@ -16,7 +16,7 @@
 #include <sstream>
 
 #include "dsl/error.h"
-#include "runtime/json.h"
+#include "dsl/json.h"
 #include "runtime/safetensors.h"
 
 #include "tests/test_util.h"

@@ -12,3 +12,5 @@
 #include "dsl/optim.h"
 #include "dsl/tensor.h"
 #include "runtime/checkpoint.h"
+#include "precision_policy/policy.h"
+#include "precision_policy/report.h"

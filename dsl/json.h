@@ -1,4 +1,4 @@
-// runtime/json.h -- a small JSON value with a strict parser and a deterministic serializer.
+// dsl/json.h -- a small JSON value with a strict parser and a deterministic serializer.
 #pragma once
 
 #include <concepts>

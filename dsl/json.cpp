@@ -1,5 +1,5 @@
-// runtime/json.cpp -- JSON value accessors, the strict parser and the serializer.
-#include "runtime/json.h"
+// dsl/json.cpp -- JSON value accessors, the strict parser and the serializer.
+#include "dsl/json.h"
 
 #include <algorithm>
 #include <charconv>

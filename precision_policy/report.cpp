@@ -1,0 +1,66 @@
+// precision_policy/report.cpp -- collects the graph's precision decisions as a table and as JSON.
+#include "precision_policy/report.h"
+
+#include <algorithm>
+#include <unordered_set>
+
+#include "dsl/json.h"
+#include "precision_policy/assign.h"
+
+namespace mixtape {
+
+PrecisionReport precision_report(const std::vector<Tensor>& outputs) {
+  std::vector<Node*> nodes;
+  std::unordered_set<Node*> seen;
+  std::vector<Node*> stack;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (!outputs[i].defined()) fail("precision_report: output {} is undefined", i);
+    stack.push_back(outputs[i].node().get());
+  }
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    nodes.push_back(node);
+    for (const NodePtr& input : node->inputs) stack.push_back(input.get());
+  }
+  std::sort(nodes.begin(), nodes.end(), [](Node* a, Node* b) { return a->id < b->id; });
+  assign_precision(nodes);
+  PrecisionReport report;
+  for (Node* n : nodes)
+    report.rows.push_back({n->id, op_name(n->op), n->module_path, n->shape, n->dtype, n->storage,
+                           n->compute, n->accum, n->backward, n->precision_rule});
+  return report;
+}
+
+std::string PrecisionReport::table() const {
+  std::string out =
+      fmt::format("{:>6}  {:<14} {:<22} {:<16} {:<7} {:<7} {:<7} {:<5}  {}\n", "id", "op", "module",
+                  "shape", "storage", "compute", "accum", "pass", "rule");
+  for (const PrecisionRow& r : rows)
+    out += fmt::format("{:>6}  {:<14} {:<22} {:<16} {:<7} {:<7} {:<7} {:<5}  {}\n", r.id, r.op,
+                       r.module_path.empty() ? "-" : r.module_path, to_string(r.shape),
+                       name(r.storage), name(r.compute), name(r.accum), r.backward ? "bwd" : "fwd",
+                       r.rule);
+  return out;
+}
+
+std::string PrecisionReport::json() const {
+  json::Array nodes;
+  for (const PrecisionRow& r : rows) {
+    json::Array shape(r.shape.begin(), r.shape.end());
+    nodes.push_back(json::Object{{"id", r.id},
+                                 {"op", r.op},
+                                 {"module", r.module_path},
+                                 {"shape", std::move(shape)},
+                                 {"traced", name(r.traced)},
+                                 {"storage", name(r.storage)},
+                                 {"compute", name(r.compute)},
+                                 {"accum", name(r.accum)},
+                                 {"pass", r.backward ? "backward" : "forward"},
+                                 {"rule", r.rule}});
+  }
+  return json::dump(json::Object{{"nodes", std::move(nodes)}});
+}
+
+}  // namespace mixtape
