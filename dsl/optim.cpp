@@ -1,6 +1,7 @@
 // dsl/optim.cpp -- optimizer updates written as graph code; one evaluation per step.
 #include "dsl/optim.h"
 
+#include <algorithm>
 #include <cmath>
 #include <numbers>
 
@@ -31,6 +32,7 @@ Optimizer::Optimizer(std::vector<Tensor> params, const char* kind)
     if (!params_[i].defined()) fail("{}: parameter {} is undefined", kind_, i);
     if (!params_[i].requires_grad()) fail("{}: parameter {} does not require grad", kind_, i);
   }
+  set_steps_taken(0);
 }
 
 void Optimizer::set_lr(double lr) {
@@ -39,37 +41,76 @@ void Optimizer::set_lr(double lr) {
   lr_ = lr;
 }
 
-void Optimizer::step() {
+void Optimizer::step() { step_unless(Tensor(), {}); }
+
+void Optimizer::step_unless(const Tensor& skip) {
+  if (!skip.defined()) fail("{}: step_unless got an undefined skip flag", kind_);
+  step_unless(skip, {});
+}
+
+void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also) {
+  for (size_t i = 0; i < also.size(); ++i)
+    if (!also[i].defined()) fail("{}: step_unless: extra output {} is undefined", kind_, i);
   std::vector<size_t> updated;
   std::vector<Tensor> new_params;
   std::vector<NamedTensors> new_state;
+  Tensor new_step;
   {
     NoGradGuard no_grad;
+    skip_ = Tensor();
+    if (skip.defined()) {
+      if (skip.numel() != 1)
+        fail("{}: the skip flag must have one element, got shape {}", kind_,
+             to_string(skip.shape()));
+      Tensor flag = reshape(skip, {});
+      skip_ = flag.dtype() == boolean ? flag : ne(flag, zeros({}, flag.dtype()));
+    }
+    next_step_ = step_ + 1.0;
+    begin_step();
     for (size_t i = 0; i < params_.size(); ++i) {
       Tensor g = params_[i].grad();
       if (!g.defined()) continue;
       NamedTensors state = state_[i];
       Tensor p(params_[i].node());
-      new_params.push_back(update(p, g.dtype() == p.dtype() ? g : cast(g, p.dtype()), state));
+      Tensor next = update(p, g.dtype() == p.dtype() ? g : cast(g, p.dtype()), state);
+      if (skip_.defined()) {
+        // State that did not exist yet is kept at zero by a skipped step: for every built-in
+        // rule zero state updates exactly like absent state, or the rule keeps a '~' flag.
+        next = where(skip_, p, next);
+        for (auto& [name, value] : state) {
+          Tensor* old = find_state(state_[i], name);
+          value = where(skip_, old ? *old : zeros_like(value), value);
+        }
+      }
+      new_params.push_back(next);
       new_state.push_back(std::move(state));
       updated.push_back(i);
     }
+    if (!updated.empty()) new_step = skip_.defined() ? where(skip_, step_, next_step_) : next_step_;
+    next_step_ = skip_ = Tensor();
   }
-  if (updated.empty()) return;
+  if (updated.empty()) {
+    if (!also.empty()) eval(also);
+    return;
+  }
   std::vector<Tensor> outputs = new_params;
   for (const NamedTensors& state : new_state)
     for (const auto& [name, value] : state) outputs.push_back(value);
+  outputs.push_back(new_step);
+  outputs.insert(outputs.end(), also.begin(), also.end());
   eval(outputs);  // the whole update as one program
   for (size_t k = 0; k < updated.size(); ++k) {
     size_t i = updated[k];
     params_[i].assign(new_params[k]);
-    for (auto& [name, value] : new_state[k]) {
-      Tensor persistent = from_storage(value.node()->value, value.shape());
-      set_state(state_[i], name, persistent);
-    }
+    NamedTensors persistent;
+    for (auto& [name, value] : new_state[k])
+      persistent.emplace_back(name, from_storage(value.node()->value, value.shape()));
+    state_[i] = std::move(persistent);
   }
-  ++steps_;
+  step_ = from_storage(new_step.node()->value, {});
 }
+
+int64_t Optimizer::steps_taken() const { return static_cast<int64_t>(step_.item()); }
 
 void Optimizer::zero_grad() {
   for (Tensor& p : params_) p.zero_grad();
@@ -78,7 +119,10 @@ void Optimizer::zero_grad() {
 NamedTensors Optimizer::state(size_t param_index) const {
   if (param_index >= params_.size())
     fail("{}: parameter index {} out of range ({} parameters)", kind_, param_index, params_.size());
-  return state_[param_index];
+  NamedTensors visible;
+  for (const auto& entry : state_[param_index])
+    if (entry.first.empty() || entry.first[0] != '~') visible.push_back(entry);
+  return visible;
 }
 
 void Optimizer::load_state(size_t param_index, const NamedTensors& state) {
@@ -96,7 +140,7 @@ void Optimizer::load_state(size_t param_index, const NamedTensors& state) {
 
 void Optimizer::set_steps_taken(int64_t steps) {
   if (steps < 0) fail("{}: step count must be non-negative, got {}", kind_, steps);
-  steps_ = steps;
+  step_ = full({}, static_cast<double>(steps), f64);
 }
 
 SGD::SGD(std::vector<Tensor> params, SGDOptions options)
@@ -114,6 +158,15 @@ Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state)
   if (options.momentum != 0) {
     Tensor* previous = find_state(state, "momentum_buffer");
     Tensor buffer = previous ? *previous * options.momentum + g * (1.0 - options.dampening) : g;
+    // The first update copies the gradient. A skipped first step leaves a zero buffer, which
+    // with dampening would not update like that, so a flag records whether one really happened.
+    const char* started = "~momentum_started";
+    Tensor* flag = find_state(state, started);
+    if (flag) buffer = where(*flag, buffer, g);
+    if (skip_flag().defined() && (flag || (!previous && options.dampening != 0)))
+      set_state(state, started, ones({}, boolean));  // stays false while steps are skipped
+    else if (flag)
+      std::erase_if(state, [&](const auto& entry) { return entry.first == started; });
     set_state(state, "momentum_buffer", buffer);
     g = options.nesterov ? g + buffer * options.momentum : buffer;
   }
@@ -132,8 +185,18 @@ Adam::Adam(std::vector<Tensor> params, AdamOptions options, const char* kind, bo
     fail("{}: eps must be > 0 and weight_decay >= 0", kind);
 }
 
+void Adam::begin_step() {
+  // The bias corrections follow the step count in the graph (a skipped step does not advance
+  // it), in f64 and in the same arrangement as torch.optim.Adam, rounded to the state's dtype
+  // where they meet it, so results agree closely.
+  const Tensor& t = step_number();
+  Tensor bias1 = 1.0 - pow(full({}, options.beta1, f64), t);
+  Tensor bias2 = 1.0 - pow(full({}, options.beta2, f64), t);
+  inv_sqrt_bias2_ = 1.0 / sqrt(bias2);
+  step_size_ = lr_ / bias1;
+}
+
 Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
-  double t = static_cast<double>(steps_taken() + 1);
   Tensor p = param, g = grad;
   if (options.weight_decay != 0) {
     if (decoupled_)
@@ -148,10 +211,8 @@ Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state
                     : square(g) * (1 - options.beta2);
   set_state(state, "exp_avg", m);
   set_state(state, "exp_avg_sq", v);
-  // The same arrangement of the bias corrections as torch.optim.Adam, so results agree closely.
-  double bias1 = 1 - std::pow(options.beta1, t), bias2 = 1 - std::pow(options.beta2, t);
-  Tensor denom = sqrt(v) * (1.0 / std::sqrt(bias2)) + options.eps;
-  return p - m / denom * (lr_ / bias1);
+  Tensor denom = sqrt(v) * cast(inv_sqrt_bias2_, v.dtype()) + options.eps;
+  return p - m / denom * cast(step_size_, m.dtype());
 }
 
 AdamW::AdamW(std::vector<Tensor> params, AdamOptions options)

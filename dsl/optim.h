@@ -20,10 +20,24 @@ class Optimizer {
 
   /// Updates every parameter that has a gradient.
   void step();
+  /// step() predicated on a graph value: `skip` is a single-element bool (or numeric, non-zero
+  /// meaning skip) tensor that is evaluated in the same program as the update, never read on the
+  /// host. Every new parameter, state tensor and the step count is where(skip, old, new), so a
+  /// skipped step leaves all of them bit-identical. (State a parameter has not had yet is created
+  /// as zeros by a skipped step; the next real step still acts as a first step.) GradScaler uses
+  /// this to skip non-finite steps.
+  void step_unless(const Tensor& skip);
+  /// The same, also evaluating `also` in that program (GradScaler's pending scale update).
+  void step_unless(const Tensor& skip, const std::vector<Tensor>& also);
   void zero_grad();
   double lr() const { return lr_; }
   void set_lr(double lr);
-  int64_t steps_taken() const { return steps_; }
+  /// Updates taken so far, skipped ones not counted. The count lives in the graph (so that a
+  /// predicated step can follow it without a host read): this call evaluates and reads it, a
+  /// host sync.
+  int64_t steps_taken() const;
+  /// The same count as a 0-d f64 graph value, persistent between steps.
+  const Tensor& step_count() const { return step_; }
   /// "SGD", "Adam", "AdamW": checkpoints record it so state is not loaded into another kind.
   const char* kind() const { return kind_; }
   const std::vector<Tensor>& params() const { return params_; }
@@ -35,14 +49,24 @@ class Optimizer {
   void set_steps_taken(int64_t steps);
 
  protected:
+  /// Called once per step before the update() calls, when step_number() is set.
+  virtual void begin_step() {}
   /// The updated parameter for `param` with gradient `grad`; writes new state into `state`.
+  /// State entries whose names start with '~' are private to the optimizer: state() leaves
+  /// them out and load_state() drops them.
   virtual Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) = 0;
+  /// Inside begin_step()/update(): the 1-based number of the update being built, a 0-d f64
+  /// graph value (the persistent count plus one).
+  const Tensor& step_number() const { return next_step_; }
+  /// Inside update(): the bool skip flag of a predicated step; undefined for a plain step().
+  const Tensor& skip_flag() const { return skip_; }
   double lr_ = 0;
 
  private:
   std::vector<Tensor> params_;
   std::vector<NamedTensors> state_;
-  int64_t steps_ = 0;
+  Tensor step_;  // 0-d f64: updates taken, skipped ones not counted
+  Tensor next_step_, skip_;
   const char* kind_;
 };
 
@@ -80,10 +104,12 @@ class Adam : public Optimizer {
 
  protected:
   Adam(std::vector<Tensor> params, AdamOptions options, const char* kind, bool decoupled);
+  void begin_step() override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
 
  private:
   bool decoupled_;
+  Tensor inv_sqrt_bias2_, step_size_;  // this step's bias corrections, 0-d f64 graph values
 };
 
 /// AdamW (decoupled weight decay, default 0.01), as torch.optim.AdamW.

@@ -32,6 +32,7 @@ struct Options {
   double label_smoothing = 0.2;
   double noise = 0.2;
   bool cosine = false;
+  std::string policy = "fp32";
   uint64_t seed = 0;
   bool shuffle = true;
   std::string load, save;
@@ -41,7 +42,8 @@ struct Options {
 constexpr const char* kUsage =
     "usage: digits_mlp [--steps N] [--batch N] [--lr X] [--optimizer sgd|adamw] [--seed N]\n"
     "                  [--no-shuffle] [--load FILE] [--save FILE] [--json]\n"
-    "                  [--label-smoothing X] [--noise STDDEV] [--cosine]\n";
+    "                  [--label-smoothing X] [--noise STDDEV] [--cosine]\n"
+    "                  [--policy fp32|autocast-f16|autocast-bf16|pure-f16|pure-bf16]\n";
 
 [[noreturn]] void usage(const std::string& problem) {
   std::fprintf(stderr, "digits_mlp: %s (see --help)\n", problem.c_str());
@@ -80,6 +82,8 @@ Options parse(int argc, char** argv) {
       o.noise = number(value());
     else if (flag == "--cosine")
       o.cosine = true;
+    else if (flag == "--policy")
+      o.policy = value();
     else if (flag == "--load")
       o.load = value();
     else if (flag == "--save")
@@ -122,6 +126,7 @@ void progress(const Options& o, bool terminal, int64_t step, double loss, double
 }
 
 int run(const Options& o) {
+  mt::PolicyPtr policy = mt::policy_by_name(o.policy);
   mt::manual_seed(o.seed);
   mt::Digits digits = mt::load_digits(mt::default_data_dir() + "/digits.csv.gz");
   if (digits.count() != 1797) mt::fail("digits: expected 1797 rows, found {}", digits.count());
@@ -152,7 +157,11 @@ int run(const Options& o) {
     mt::Tensor inputs = batch.inputs;
     if (o.noise > 0)
       inputs = inputs + mt::randn(inputs.shape(), mt::f32, &noise_generator, 0, o.noise);
-    mt::Tensor loss = mt::cross_entropy(net(inputs), batch.targets, loss_options);
+    mt::Tensor loss;
+    {
+      mt::autocast guard(policy);
+      loss = mt::cross_entropy(net(inputs), batch.targets, loss_options);
+    }
     loss.backward();
     optimizer->step();
     if (step % report_every == 0 || step == o.steps) {
@@ -170,6 +179,7 @@ int run(const Options& o) {
   std::vector<int64_t> all(static_cast<size_t>(test.size()));
   for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
   mt::Batch test_batch = test.get_batch(all);
+  mt::autocast guard(policy);
   std::vector<int64_t> predicted = mt::argmax(net(test_batch.inputs), -1).to_vector<int64_t>();
   std::vector<int64_t> labels = test_batch.targets.to_vector<int64_t>();
   int64_t correct = 0;
@@ -181,11 +191,11 @@ int run(const Options& o) {
     std::printf("test accuracy %.2f%% (%lld/%zu), %lld steps in %.1f s\n", accuracy * 100,
                 static_cast<long long>(correct), labels.size(), static_cast<long long>(o.steps),
                 train_seconds);
-  std::printf(
-      "{\"example\":\"digits_mlp\",\"test_accuracy\":%.4f,\"final_loss\":%.6f,"
-      "\"steps\":%lld,\"train_seconds\":%.3f,\"optimizer\":\"%s\",\"batch\":%lld}\n",
-      accuracy, loss_value, static_cast<long long>(o.steps), train_seconds, o.optimizer.c_str(),
-      static_cast<long long>(o.batch));
+  mt::json::Object line{{"example", "digits_mlp"},    {"test_accuracy", accuracy},
+                        {"final_loss", loss_value},     {"steps", o.steps},
+                        {"train_seconds", train_seconds}, {"optimizer", o.optimizer},
+                        {"batch", o.batch},             {"policy", o.policy}};
+  std::printf("%s\n", mt::json::dump(line).c_str());
   return 0;
 }
 

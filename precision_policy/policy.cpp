@@ -104,6 +104,8 @@ bool glob_match(const char* glob, const char* path) {
   // Components are separated by '.'; '*' matches within one component, '**' across them.
   if (*glob == '\0') return *path == '\0' || *path == '.';
   if (glob[0] == '*' && glob[1] == '*') {
+    // "**." also stands for no components at all: "**.qkv" matches a top-level "qkv".
+    if (glob[2] == '.' && glob_match(glob + 3, path)) return true;
     for (const char* p = path;; ++p) {
       if (glob_match(glob + 2, p)) return true;
       if (*p == '\0') return false;

@@ -4,12 +4,36 @@
 #include <charconv>
 #include <cstring>
 
+#include "precision_policy/grad_scaler.h"
 #include "runtime/safetensors.h"
 
 namespace mixtape {
 namespace {
 
 constexpr const char* kOptimizerPrefix = "optimizer.";
+constexpr const char* kScalerPrefix = "scaler.";
+
+// The scaler's state tensors; its other entries (hyperparameters) travel as metadata.
+bool is_scaler_tensor(const std::string& name) {
+  return name == "scaler.scale" || name == "scaler.growth_tracker";
+}
+
+// The scaler state a file holds: its two tensors plus the "scaler." metadata as 0-d f64 values.
+NamedTensors scaler_state(const std::string& path, const NamedTensors& entries,
+                          const Metadata& metadata) {
+  NamedTensors state;
+  for (const auto& [key, value] : entries)
+    if (is_scaler_tensor(key)) state.emplace_back(key.substr(std::strlen(kScalerPrefix)), value);
+  for (const auto& [key, text] : metadata) {
+    if (key.rfind(kScalerPrefix, 0) != 0) continue;
+    double value = 0;
+    auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (text.empty() || ec != std::errc() || end != text.data() + text.size())
+      fail("load_checkpoint {}: metadata '{}' = '{}' is not a number", path, key, text);
+    state.emplace_back(key.substr(std::strlen(kScalerPrefix)), full({}, value, f64));
+  }
+  return state;
+}
 
 // The module path of each optimizer parameter, found by handle identity.
 std::vector<std::string> optimizer_param_names(const Module& module, const Optimizer& optimizer,
@@ -68,7 +92,7 @@ NamedTensors load_tensors(const std::string& path, Metadata* metadata) {
 }
 
 void save_checkpoint(const std::string& path, const Module& module, const Optimizer* optimizer,
-                     const Metadata& metadata) {
+                     const Metadata& metadata, const GradScaler* scaler) {
   NamedTensors tensors = module.state_dict();
   Metadata meta = metadata;
   meta.emplace_back("format", "mixtape-checkpoint-1");
@@ -80,16 +104,35 @@ void save_checkpoint(const std::string& path, const Module& module, const Optimi
     meta.emplace_back("optimizer.steps", std::to_string(optimizer->steps_taken()));
     meta.emplace_back("optimizer.kind", optimizer->kind());
   }
+  if (scaler)
+    for (const auto& [name, value] : scaler->state_dict()) {
+      std::string key = kScalerPrefix + name;
+      if (is_scaler_tensor(key))
+        tensors.emplace_back(key, value);
+      else
+        meta.emplace_back(key, fmt::format("{}", value.item()));  // shortest exact text
+    }
   save_tensors(path, tensors, meta);
 }
 
 void load_checkpoint(const std::string& path, Module& module, Optimizer* optimizer,
-                     Metadata* metadata) {
+                     Metadata* metadata, GradScaler* scaler) {
   Metadata meta;
   NamedTensors all = load_tensors(path, &meta);
   NamedTensors model, optimizer_entries;
   for (auto& entry : all)
-    (entry.first.rfind(kOptimizerPrefix, 0) == 0 ? optimizer_entries : model).push_back(entry);
+    if (!is_scaler_tensor(entry.first))
+      (entry.first.rfind(kOptimizerPrefix, 0) == 0 ? optimizer_entries : model).push_back(entry);
+  NamedTensors scaler_entries;
+  if (scaler && scaler->is_enabled()) {
+    scaler_entries = scaler_state(path, all, meta);
+    if (scaler_entries.empty()) fail("load_checkpoint {}: the file holds no scaler state", path);
+    try {  // validated on a copy before anything changes
+      GradScaler(scaler->options()).load_state_dict(scaler_entries);
+    } catch (const Error& e) {
+      fail("load_checkpoint {}: {}", path, e.what());
+    }
+  }
   std::vector<NamedTensors> states;
   std::vector<std::string> names;
   int64_t steps = 0;
@@ -129,6 +172,7 @@ void load_checkpoint(const std::string& path, Module& module, Optimizer* optimiz
     for (size_t i = 0; i < states.size(); ++i) optimizer->load_state(i, states[i]);
     optimizer->set_steps_taken(steps);
   }
+  if (!scaler_entries.empty()) scaler->load_state_dict(scaler_entries);
   if (metadata) *metadata = std::move(meta);
 }
 

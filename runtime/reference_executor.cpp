@@ -62,12 +62,31 @@ auto with_compute_type(DType dtype, F&& f) {
 }
 
 // ---- pointwise ----
+// Input i of a pointwise node as T, rounded to the node's compute type when that is a 16-bit
+// float: an f32 bias or scalar constant entering an f16 op is used as f16, as PyTorch rounds a
+// Python scalar or an autocast-cast parameter (node.h: compute is what float inputs are rounded
+// to). The math itself then runs in T and rounds once at the output.
+template <typename T>
+std::vector<T> pointwise_input(const Node& node, size_t i) {
+  std::vector<T> values = load_all<T>(value_of(node, i));
+  if constexpr (std::is_floating_point_v<T>) {
+    if (is_half(node.compute) && value_of(node, i).dtype != node.compute) {
+      Storage rounded(node.compute, 1);
+      for (T& v : values) {
+        store_element(rounded, 0, v);
+        v = load_element<T>(rounded, 0);
+      }
+    }
+  }
+  return values;
+}
+
 template <typename F>
 StoragePtr map_unary(const Node& node, F f) {
   StoragePtr out = new_storage(node);
   with_compute_type(node.inputs[0]->dtype, [&](auto zero) {
     using T = decltype(zero);
-    std::vector<T> a = load_all<T>(value_of(node, 0));
+    std::vector<T> a = pointwise_input<T>(node, 0);
     for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, static_cast<T>(f(a[i])));
   });
   return out;
@@ -78,8 +97,8 @@ StoragePtr map_binary(const Node& node, F f) {
   StoragePtr out = new_storage(node);
   with_compute_type(node.inputs[0]->dtype, [&](auto zero) {
     using T = decltype(zero);
-    std::vector<T> a = load_all<T>(value_of(node, 0));
-    std::vector<T> b = load_all<T>(value_of(node, 1));
+    std::vector<T> a = pointwise_input<T>(node, 0);
+    std::vector<T> b = pointwise_input<T>(node, 1);
     for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, f(a[i], b[i]));
   });
   return out;

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# tests/examples/loss_scaling_demo_test.sh -- the loss-scaling experiment shows what it claims:
+# fp16 without scaling loses at least half of the gradient values and its loss stays behind
+# fp32's; fp16 with dynamic scaling and bf16 end within 2% (relative) of fp32's loss.
+set -euo pipefail
+line=$("$1" 300 | tail -n 1)
+python3 - "$line" <<'PY'
+import json, sys
+runs = {r["run"]: r for r in json.loads(sys.argv[1])["runs"]}
+fp32 = runs["fp32"]["final_loss"]
+checks = [
+    (runs["fp16 (no scaling)"]["underflow_fraction"] >= 0.5,
+     "fp16 without scaling loses at least half of the gradient values"),
+    (runs["fp16 (no scaling)"]["final_loss"] > fp32 + 0.5,
+     "fp16 without scaling stays measurably behind fp32"),
+    (abs(runs["fp16 + dynamic scaling"]["final_loss"] - fp32) <= 0.02 * fp32 + 1e-3,
+     "fp16 with dynamic scaling ends within 2% of fp32's loss"),
+    (abs(runs["bf16 (no scaling)"]["final_loss"] - fp32) <= 0.02 * fp32 + 1e-3,
+     "bf16 ends within 2% of fp32's loss"),
+    (runs["fp16 + dynamic scaling"]["underflow_fraction"] < 0.05,
+     "dynamic scaling keeps the gradients"),
+]
+failed = False
+for ok, what in checks:
+    print(("ok: " if ok else "FAIL: ") + what)
+    failed |= not ok
+print(json.dumps(runs, indent=1))
+sys.exit(1 if failed else 0)
+PY

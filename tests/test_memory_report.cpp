@@ -1,0 +1,378 @@
+// tests/test_memory_report.cpp -- mt::memory_report against byte counts and liveness peaks worked
+// out by hand for tiny graphs and an MLP under fp32, autocast-f16 and pure-bf16.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <mixtape/mixtape.h>
+
+#include "tests/test_util.h"
+
+namespace mt = mixtape;
+
+namespace {
+
+std::vector<float> iota_values(size_t n, float start, float step) {
+  std::vector<float> out(n);
+  for (size_t i = 0; i < n; ++i) out[i] = start + step * static_cast<float>(i);
+  return out;
+}
+
+// One parameter of any shape, for hand-sized graphs.
+struct OneParam : mt::Module {
+  explicit OneParam(mt::Shape shape) {
+    const int64_t n = mt::numel(shape);
+    w = register_parameter("w", mt::tensor(iota_values(n, 0.25f, 0.125f), shape));
+  }
+  mt::Tensor w;
+};
+
+struct Mlp : mt::Module {
+  mt::Linear fc1{3, 6}, fc2{6, 2};
+  Mlp() {
+    register_module("fc1", fc1);
+    register_module("fc2", fc2);
+  }
+};
+
+// The MLP's step with handles on the values the hand count needs.
+struct MlpStep {
+  mt::Tensor x, h, r, y, d, loss;
+};
+
+MlpStep mlp_step(const Mlp& net, const mt::PolicyPtr& policy, int64_t batch = 4) {
+  MlpStep s;
+  s.x = mt::tensor(iota_values(static_cast<size_t>(batch) * 3, -1.0f, 0.125f), {batch, 3});
+  mt::Tensor target =
+      mt::tensor(iota_values(static_cast<size_t>(batch) * 2, 0.5f, -0.0625f), {batch, 2});
+  {
+    std::optional<mt::autocast> guard;
+    if (policy) guard.emplace(policy);
+    s.h = net.fc1(s.x);
+    s.r = mt::relu(s.h);
+    s.y = net.fc2(s.r);
+    s.d = s.y - target;
+    s.loss = mt::mean(mt::square(s.d));
+  }
+  s.loss.backward();
+  return s;
+}
+
+int64_t grad_bytes(const mt::Module& model) {
+  // A gradient's bytes from the dtype its node was given, as read back from the precision report.
+  int64_t total = 0;
+  for (const auto& [name, p] : model.named_parameters()) {
+    mt::PrecisionReport report = mt::precision_report({p.grad()});
+    total += p.numel() * static_cast<int64_t>(mt::size_of(report.rows.back().storage));
+  }
+  return total;
+}
+
+// ---- hand-worked graphs ----
+
+// loss = sum(w * x), w a parameter [8], x data [8], fp32 throughout. Buffers in tape order:
+//   x 32 B (data), m = w*x 32 B, loss 4 B, seed/reshape/broadcast (fills and
+//   views of them: free), gw = broadcast * x 32 B. Masters 32 B live always.
+//   at m: x + m = 64; at loss: x + m + loss = 68; at gw: x + loss + gw = 68. Peak 32 + 68 = 100,
+//   first reached at the sum.
+TEST(MemoryReport, HandWorkedPeakInF32) {
+  OneParam model({8});
+  mt::Tensor x = mt::tensor(iota_values(8, 1.0f, 1.0f), {8});
+  mt::Tensor loss = mt::sum(model.w * x);
+  loss.backward();
+  mt::MemoryReport report = mt::memory_report(model, nullptr, loss);
+  EXPECT_EQ(report.policy, "none");
+  EXPECT_EQ(report.master_weights, 32);
+  EXPECT_EQ(report.half_copies, 0);
+  EXPECT_EQ(report.gradients, 32);
+  EXPECT_EQ(report.optimizer_state, 0);
+  EXPECT_FALSE(report.optimizer_state_estimated);
+  EXPECT_EQ(report.saved_activations, 32);  // x, read by the backward mul
+  ASSERT_EQ(report.saved.size(), 1u);
+  EXPECT_EQ(report.saved[0].id, x.node()->id);
+  EXPECT_EQ(report.peak, 100);
+  EXPECT_EQ(report.peak_node, loss.node()->id);
+  EXPECT_EQ(report.peak_op, "sum");
+  EXPECT_FALSE(report.peak_backward);
+
+  // Adam will create two f32 tensors per parameter on its first step: 64 B more, all the time.
+  mt::Adam adam(model.parameters(), {});
+  mt::MemoryReport with_adam = mt::memory_report(model, &adam, loss);
+  EXPECT_EQ(with_adam.optimizer_state, 64);
+  EXPECT_TRUE(with_adam.optimizer_state_estimated);
+  EXPECT_EQ(with_adam.persistent(), 96);
+  EXPECT_EQ(with_adam.peak, 164);
+  EXPECT_EQ(with_adam.parameters.at(0).state_bytes, 64);
+}
+
+// Two parameters a, b [16] (128 B of masters), x data [16]; loss = sum(a * x) + sum(b * x).
+// Backward makes gb = broadcast(seed) * x first, then ga; both are outputs and stay. Live values:
+//   a*x 64 + x 64 = 128; + sum 4 = 132; b*x: x + s1 + m2 = 132; at s2: 136; at the add: 76;
+//   gb: x + loss + gb = 132; ga: x + loss + gb + ga = 196, the peak: 128 + 196 = 324.
+TEST(MemoryReport, HandWorkedPeakKeepsGradientsToTheEnd) {
+  struct TwoParams : mt::Module {
+    TwoParams() {
+      a = register_parameter("a", mt::tensor(iota_values(16, 1.0f, 0.5f), {16}));
+      b = register_parameter("b", mt::tensor(iota_values(16, -1.0f, 0.25f), {16}));
+    }
+    mt::Tensor a, b;
+  } model;
+  mt::Tensor x = mt::tensor(iota_values(16, 0.5f, 0.5f), {16});
+  mt::Tensor s1 = mt::sum(model.a * x);  // in this order: the operands of + are unsequenced
+  mt::Tensor s2 = mt::sum(model.b * x);
+  mt::Tensor loss = s1 + s2;
+  loss.backward();
+  mt::MemoryReport report = mt::memory_report(model, nullptr, loss);
+  EXPECT_EQ(report.master_weights, 128);
+  EXPECT_EQ(report.gradients, 128);
+  EXPECT_EQ(report.saved_activations, 64);
+  EXPECT_EQ(report.peak, 324);
+  EXPECT_EQ(report.peak_node, model.a.grad().node()->id);
+  EXPECT_TRUE(report.peak_backward);
+}
+
+// A gradient handed to backward() is read only by the backward pass: not an activation. Of the
+// forward values only x (read by the mul's vjp) is.
+TEST(MemoryReport, AnExplicitSeedIsNotASavedActivation) {
+  OneParam model({8});
+  mt::Tensor x = mt::tensor(iota_values(8, 1.0f, 1.0f), {8});
+  mt::Tensor y = model.w * x;
+  y.backward(mt::tensor(iota_values(8, 2.0f, 1.0f), {8}));
+  mt::MemoryReport report = mt::memory_report(model, nullptr, y);
+  ASSERT_EQ(report.saved.size(), 1u);
+  EXPECT_EQ(report.saved[0].id, x.node()->id);
+  EXPECT_EQ(report.saved_activations, 32);
+}
+
+// loss = sum(x @ w^T) under autocast-f16, w [3, 4], x data [2, 4]. The matmul reads w's f16 copy
+// (24 B, alive only while the forward matmul runs: backward only needs x for dW).
+//   at the matmul: x 32 + copy 24 + y (f16 [2, 3]) 12 = 68 -> 48 + 68 = 116;
+//   at the sum: x 32 + y 12 + loss 4 = 48; at dW: x 32 + loss 4 + dW = 36 + dW.
+TEST(MemoryReport, HandWorkedHalfCopyAndPeakUnderAutocast) {
+  OneParam model({3, 4});
+  mt::Tensor x = mt::tensor(iota_values(8, -0.5f, 0.25f), {2, 4});
+  mt::Tensor y, loss;
+  {
+    mt::autocast guard(mt::f16);
+    y = mt::matmul(x, model.w, false, true);
+    loss = mt::sum(y);
+  }
+  loss.backward();
+  mt::MemoryReport report = mt::memory_report(model, nullptr, loss);
+  ASSERT_EQ(y.node()->storage, mt::f16) << "precondition: autocast keeps matmul results in f16";
+  ASSERT_EQ(loss.node()->storage, mt::f32) << "precondition: sums are stored in f32";
+  const int64_t dw = grad_bytes(model);
+  EXPECT_EQ(report.policy, "autocast-f16");
+  EXPECT_EQ(report.master_weights, 48);
+  EXPECT_EQ(report.half_copies, 24);
+  ASSERT_EQ(report.parameters.at(0).half_copies, std::vector<mt::DType>{mt::f16});
+  EXPECT_EQ(report.gradients, dw);
+  EXPECT_EQ(report.saved_activations, 32);
+  EXPECT_EQ(report.peak, std::max<int64_t>(116, 48 + 36 + dw));
+  if (dw < 32) {
+    EXPECT_EQ(report.peak_node, y.node()->id);
+    EXPECT_EQ(report.peak_op, "matmul");
+  }
+}
+
+// ---- the MLP under three policies ----
+
+// Masters 38 params x 4 B = 152 B whatever the policy. The backward pass reads x (data [4, 3],
+// f32: 48 B), h = fc1's output (relu's input, [4, 6]), r = relu's output (dW2 needs it, [4, 6]) and
+// d = y - target (square's input, [4, 2]); nothing else of the forward pass.
+//   fp32:         48 + 96 + 96 + 32 = 272
+//   autocast-f16: 48 + 48 + 48 + 32 = 176 (linear and relu in f16; y - target promotes to f32)
+//   pure-bf16:    48 + 48 + 48 + 16 = 160 (the subtraction runs in bf16 too)
+// Every parameter is read by a 16-bit matmul or bias broadcast under both half policies: one
+// 2-byte copy each, 76 B. Adam's state is 2 x 152 B.
+TEST(MemoryReport, MlpUnderThreePolicies) {
+  struct Case {
+    mt::PolicyPtr policy;
+    mt::DType half_storage;  // h and r
+    mt::DType diff_storage;  // d
+    int64_t half_copies, saved;
+  };
+  const std::vector<Case> cases{{mt::fp32_policy(), mt::f32, mt::f32, 0, 272},
+                                {mt::autocast_policy(mt::f16), mt::f16, mt::f32, 76, 176},
+                                {mt::pure_policy(mt::bf16), mt::bf16, mt::bf16, 76, 160}};
+  std::vector<mt::MemoryReport> reports;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.policy->name());
+    Mlp net;
+    mt::Adam adam(net.parameters(), {});
+    MlpStep s = mlp_step(net, c.policy);
+    mt::MemoryReport report = mt::memory_report(net, &adam, s.loss);
+    // The precision pass ran; these are what the hand count assumed of the policy.
+    ASSERT_EQ(s.h.node()->storage, c.half_storage);
+    ASSERT_EQ(s.r.node()->storage, c.half_storage);
+    ASSERT_EQ(s.d.node()->storage, c.diff_storage);
+
+    EXPECT_EQ(report.policy, c.policy->name());
+    EXPECT_EQ(report.master_weights, 152);
+    EXPECT_EQ(report.half_copies, c.half_copies);
+    EXPECT_EQ(report.gradients, grad_bytes(net));
+    if (c.policy == mt::fp32_policy()) {
+      EXPECT_EQ(report.gradients, 152);
+    }
+    EXPECT_EQ(report.optimizer_state, 304);
+    EXPECT_TRUE(report.optimizer_state_estimated);
+    EXPECT_EQ(report.saved_activations, c.saved);
+    std::vector<uint64_t> saved_ids;
+    for (const mt::SavedActivationRow& row : report.saved) saved_ids.push_back(row.id);
+    EXPECT_EQ(saved_ids, (std::vector<uint64_t>{s.x.node()->id, s.h.node()->id, s.r.node()->id,
+                                                s.d.node()->id}));
+
+    // Per-parameter rows add up to the totals.
+    ASSERT_EQ(report.parameters.size(), 4u);
+    EXPECT_EQ(report.parameters[0].name, "fc1.weight");
+    EXPECT_EQ(report.parameters[0].master_bytes, 72);
+    EXPECT_EQ(report.parameters[0].state_bytes, 144);
+    int64_t masters = 0, halves = 0, grads = 0, state = 0;
+    for (const mt::MemoryParamRow& p : report.parameters) {
+      masters += p.master_bytes;
+      halves += p.half_copy_bytes;
+      grads += p.grad_bytes;
+      state += p.state_bytes;
+      EXPECT_EQ(p.half_copies.empty(), c.half_copies == 0) << p.name;
+    }
+    EXPECT_EQ(masters, report.master_weights);
+    EXPECT_EQ(halves, report.half_copies);
+    EXPECT_EQ(grads, report.gradients);
+    EXPECT_EQ(state, report.optimizer_state);
+
+    // Whatever the liveness details: the first backward node runs while every saved activation
+    // is kept, and the last one while every gradient and the loss are.
+    EXPECT_GE(report.peak, report.persistent() + report.saved_activations);
+    EXPECT_GE(report.peak, report.persistent() + report.gradients + 4);
+    // ... and no more can be live at once than every value of the step (views and fills take
+    // less) plus the half copies.
+    std::vector<mt::Tensor> outputs{s.loss};
+    std::vector<uint64_t> param_ids;
+    for (const mt::Tensor& p : net.parameters()) {
+      outputs.push_back(p.grad());
+      param_ids.push_back(p.node()->id);
+    }
+    int64_t all_values = 0;
+    for (const mt::PrecisionRow& row : mt::precision_report(outputs).rows)
+      if (std::find(param_ids.begin(), param_ids.end(), row.id) == param_ids.end())
+        all_values += mt::numel(row.shape) * static_cast<int64_t>(mt::size_of(row.storage));
+    EXPECT_LE(report.peak, report.persistent() + report.half_copies + all_values);
+
+    mt::json::Value json = mt::json::parse(report.json());
+    EXPECT_EQ(json.at("policy").as_string(), c.policy->name());
+    EXPECT_EQ(json.at("master_weights").as_int(), report.master_weights);
+    EXPECT_EQ(json.at("half_copies").as_int(), report.half_copies);
+    EXPECT_EQ(json.at("gradients").as_int(), report.gradients);
+    EXPECT_EQ(json.at("optimizer_state").as_int(), report.optimizer_state);
+    EXPECT_EQ(json.at("saved_activations").as_int(), report.saved_activations);
+    EXPECT_EQ(json.at("peak").as_int(), report.peak);
+    EXPECT_EQ(json.at("peak_at").at("id").as_int(), static_cast<int64_t>(report.peak_node));
+    EXPECT_EQ(json.at("parameters").size(), 4u);
+    EXPECT_EQ(json.at("saved").size(), 4u);
+    std::string table = report.table();
+    for (const char* fragment : {"fc1.weight", "fc2.bias", "saved activations", "peak"})
+      EXPECT_NE(table.find(fragment), std::string::npos) << fragment;
+    reports.push_back(report);
+  }
+  std::string comparison = mt::memory_comparison_table(reports);
+  EXPECT_NE(comparison.find("autocast-f16"), std::string::npos);
+  EXPECT_NE(comparison.find("pure-bf16"), std::string::npos);
+}
+
+// A parameter is cast once per step and type however often it is read, also through views.
+TEST(MemoryReport, HalfCopiesAreMadeOncePerStepAndType) {
+  {  // used twice (tied weights): one f16 copy
+    OneParam model({4, 4});
+    mt::Tensor x = mt::tensor(iota_values(8, 0.5f, 0.25f), {2, 4});
+    mt::Tensor loss;
+    {
+      mt::autocast guard(mt::f16);
+      loss = mt::sum(mt::matmul(mt::matmul(x, model.w), model.w));
+    }
+    loss.backward();
+    mt::MemoryReport report = mt::memory_report(model, nullptr, loss);
+    EXPECT_EQ(report.half_copies, 32);
+  }
+  {  // used under f16 and under bf16: one copy of each
+    OneParam model({4, 4});
+    mt::Tensor x = mt::tensor(iota_values(8, 0.5f, 0.25f), {2, 4});
+    mt::Tensor a, b;
+    {
+      mt::autocast guard(mt::f16);
+      a = mt::sum(mt::matmul(x, model.w));
+    }
+    {
+      mt::autocast guard(mt::bf16);
+      b = mt::sum(mt::matmul(x, model.w));
+    }
+    mt::Tensor loss = a + b;
+    loss.backward();
+    mt::MemoryReport report = mt::memory_report(model, nullptr, loss);
+    EXPECT_EQ(report.half_copies, 64);
+    EXPECT_EQ(report.parameters.at(0).half_copies, (std::vector<mt::DType>{mt::f16, mt::bf16}));
+    EXPECT_EQ(report.policy, "autocast-f16, autocast-bf16");
+  }
+  {  // reshaped outside autocast (an f32 view of the master), read by an f16 matmul
+    OneParam model({12});
+    mt::Tensor x = mt::tensor(iota_values(8, 0.5f, 0.25f), {2, 4});
+    mt::Tensor w = mt::reshape(model.w, {3, 4});
+    mt::Tensor loss;
+    {
+      mt::autocast guard(mt::f16);
+      loss = mt::sum(mt::matmul(x, w, false, true));
+    }
+    loss.backward();
+    mt::MemoryReport report = mt::memory_report(model, nullptr, loss);
+    EXPECT_EQ(report.half_copies, 24);
+  }
+  {  // the same graph in f32: no copies
+    OneParam model({4, 4});
+    mt::Tensor x = mt::tensor(iota_values(8, 0.5f, 0.25f), {2, 4});
+    mt::Tensor loss = mt::sum(mt::matmul(mt::matmul(x, model.w), model.w));
+    loss.backward();
+    EXPECT_EQ(mt::memory_report(model, nullptr, loss).half_copies, 0);
+  }
+}
+
+// Real state once it exists; nothing for a plain SGD.
+TEST(MemoryReport, OptimizerStateBeforeAndAfterTheFirstStep) {
+  Mlp net;
+  mt::SGD momentum(net.parameters(), {.lr = 0.01, .momentum = 0.9});
+  MlpStep first = mlp_step(net, nullptr);
+  mt::MemoryReport before = mt::memory_report(net, &momentum, first.loss);
+  EXPECT_EQ(before.optimizer_state, 152);
+  EXPECT_TRUE(before.optimizer_state_estimated);
+  momentum.step();
+  momentum.zero_grad();
+  MlpStep second = mlp_step(net, nullptr);
+  mt::MemoryReport after = mt::memory_report(net, &momentum, second.loss);
+  EXPECT_EQ(after.optimizer_state, 152);
+  EXPECT_FALSE(after.optimizer_state_estimated);
+
+  Mlp plain_net;
+  mt::SGD plain(plain_net.parameters(), {.lr = 0.01});
+  MlpStep step = mlp_step(plain_net, nullptr);
+  EXPECT_EQ(mt::memory_report(plain_net, &plain, step.loss).optimizer_state, 0);
+}
+
+// With a real batch the activations dominate and a half policy lowers the peak.
+TEST(MemoryReport, HalfPoliciesLowerThePeakOfALargeBatch) {
+  Mlp a, b;
+  MlpStep fp32 = mlp_step(a, mt::fp32_policy(), 256);
+  MlpStep half = mlp_step(b, mt::autocast_policy(mt::bf16), 256);
+  mt::MemoryReport r32 = mt::memory_report(a, nullptr, fp32.loss);
+  mt::MemoryReport r16 = mt::memory_report(b, nullptr, half.loss);
+  EXPECT_EQ(r32.saved_activations, 256 * (12 + 24 + 24 + 8));
+  EXPECT_EQ(r16.saved_activations, 256 * (12 + 12 + 12 + 8));
+  EXPECT_LT(r16.peak, r32.peak);
+}
+
+TEST(MemoryReport, RejectsAnUndefinedLoss) {
+  Mlp net;
+  EXPECT_MT_ERROR(mt::memory_report(net, nullptr, mt::Tensor()), "memory_report", "undefined");
+}
+
+}  // namespace
