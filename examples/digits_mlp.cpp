@@ -33,6 +33,7 @@ struct Options {
   double noise = 0.2;
   bool cosine = false;
   std::string policy = "fp32";
+  std::string loss_scale = "none";  // none | static:N | dynamic
   uint64_t seed = 0;
   bool shuffle = true;
   std::string load, save;
@@ -43,7 +44,8 @@ constexpr const char* kUsage =
     "usage: digits_mlp [--steps N] [--batch N] [--lr X] [--optimizer sgd|adamw] [--seed N]\n"
     "                  [--no-shuffle] [--load FILE] [--save FILE] [--json]\n"
     "                  [--label-smoothing X] [--noise STDDEV] [--cosine]\n"
-    "                  [--policy fp32|autocast-f16|autocast-bf16|pure-f16|pure-bf16]\n";
+    "                  [--policy fp32|autocast-f16|autocast-bf16|pure-f16|pure-bf16]\n"
+    "                  [--loss-scale none|static:N|dynamic]\n";
 
 [[noreturn]] void usage(const std::string& problem) {
   std::fprintf(stderr, "digits_mlp: %s (see --help)\n", problem.c_str());
@@ -84,6 +86,8 @@ Options parse(int argc, char** argv) {
       o.cosine = true;
     else if (flag == "--policy")
       o.policy = value();
+    else if (flag == "--loss-scale")
+      o.loss_scale = value();
     else if (flag == "--load")
       o.load = value();
     else if (flag == "--save")
@@ -100,6 +104,8 @@ Options parse(int argc, char** argv) {
   if (o.optimizer != "sgd" && o.optimizer != "adamw") usage("--optimizer must be sgd or adamw");
   if (o.label_smoothing < 0 || o.label_smoothing > 1) usage("--label-smoothing must be in [0, 1]");
   if (o.noise < 0) usage("--noise must be >= 0");
+  if (o.loss_scale != "none" && o.loss_scale != "dynamic" && !o.loss_scale.starts_with("static:"))
+    usage("--loss-scale must be none, static:N or dynamic");
   if (o.lr < 0) o.lr = o.optimizer == "sgd" ? 0.05 : 2e-3;
   return o;
 }
@@ -127,6 +133,16 @@ void progress(const Options& o, bool terminal, int64_t step, double loss, double
 
 int run(const Options& o) {
   mt::PolicyPtr policy = mt::policy_by_name(o.policy);
+  mt::GradScalerOptions scaling{.enabled = o.loss_scale != "none",
+                                .dynamic = o.loss_scale == "dynamic"};
+  if (o.loss_scale.starts_with("static:")) {
+    std::string factor = o.loss_scale.substr(7);
+    char* end = nullptr;
+    scaling.init_scale = std::strtod(factor.c_str(), &end);
+    if (factor.empty() || *end != '\0' || !(scaling.init_scale > 0))
+      usage("--loss-scale static:N needs a positive number, got '" + factor + "'");
+  }
+  mt::GradScaler scaler(scaling);
   mt::manual_seed(o.seed);
   mt::Digits digits = mt::load_digits(mt::default_data_dir() + "/digits.csv.gz");
   if (digits.count() != 1797) mt::fail("digits: expected 1797 rows, found {}", digits.count());
@@ -162,8 +178,9 @@ int run(const Options& o) {
       mt::autocast guard(policy);
       loss = mt::cross_entropy(net(inputs), batch.targets, loss_options);
     }
-    loss.backward();
-    optimizer->step();
+    scaler.scale(loss).backward();
+    scaler.step(*optimizer);
+    scaler.update();
     if (step % report_every == 0 || step == o.steps) {
       loss_value = loss.item();
       double seconds =
@@ -191,10 +208,17 @@ int run(const Options& o) {
     std::printf("test accuracy %.2f%% (%lld/%zu), %lld steps in %.1f s\n", accuracy * 100,
                 static_cast<long long>(correct), labels.size(), static_cast<long long>(o.steps),
                 train_seconds);
-  mt::json::Object line{{"example", "digits_mlp"},    {"test_accuracy", accuracy},
-                        {"final_loss", loss_value},     {"steps", o.steps},
-                        {"train_seconds", train_seconds}, {"optimizer", o.optimizer},
-                        {"batch", o.batch},             {"policy", o.policy}};
+  mt::json::Object line{{"example", "digits_mlp"},
+                        {"test_accuracy", accuracy},
+                        {"final_loss", loss_value},
+                        {"steps", o.steps},
+                        {"train_seconds", train_seconds},
+                        {"optimizer", o.optimizer},
+                        {"batch", o.batch},
+                        {"policy", o.policy},
+                        {"loss_scale", o.loss_scale},
+                        {"final_scale", scaler.get_scale()},
+                        {"skipped_steps", scaler.skipped_steps()}};
   std::printf("%s\n", mt::json::dump(line).c_str());
   return 0;
 }

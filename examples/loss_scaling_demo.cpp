@@ -100,8 +100,9 @@ int main(int argc, char** argv) {
   try {
     int64_t steps = argc > 1 ? std::atoll(argv[1]) : 300;
     if (steps < 20) {
-      std::fprintf(stderr, "loss_scaling_demo: steps must be at least 20 (usage: "
-                           "loss_scaling_demo [STEPS])\n");
+      std::fprintf(stderr,
+                   "loss_scaling_demo: steps must be at least 20 (usage: "
+                   "loss_scaling_demo [STEPS])\n");
       return 2;
     }
     mt::Digits digits = mt::load_digits(mt::default_data_dir() + "/digits.csv.gz");
@@ -117,7 +118,8 @@ int main(int argc, char** argv) {
     std::vector<RunResult> runs;
     runs.push_back(train(setup, "fp32", mt::fp32_policy(), false, &g32));
     runs.push_back(train(setup, "fp16 (no scaling)", mt::autocast_policy(mt::f16), false, &g16));
-    runs.push_back(train(setup, "fp16 + dynamic scaling", mt::autocast_policy(mt::f16), true, &g16s));
+    runs.push_back(
+        train(setup, "fp16 + dynamic scaling", mt::autocast_policy(mt::f16), true, &g16s));
     runs.push_back(train(setup, "bf16 (no scaling)", mt::autocast_policy(mt::bf16), false, &gbf));
     runs[0].underflow_fraction = lost_fraction(g32, g32);
     runs[1].underflow_fraction = lost_fraction(g16, g32);
@@ -128,9 +130,8 @@ int main(int argc, char** argv) {
                 "skipped steps", "final scale");
     mt::json::Array json_runs;
     for (const RunResult& r : runs) {
-      std::printf("%-24s %17.1f%% %16.4f %14lld %12g\n", r.name.c_str(),
-                  r.underflow_fraction * 100, r.final_loss, static_cast<long long>(r.skipped_steps),
-                  r.final_scale);
+      std::printf("%-24s %17.1f%% %16.4f %14lld %12g\n", r.name.c_str(), r.underflow_fraction * 100,
+                  r.final_loss, static_cast<long long>(r.skipped_steps), r.final_scale);
       json_runs.push_back(mt::json::Object{{"run", r.name},
                                            {"underflow_fraction", r.underflow_fraction},
                                            {"final_loss", r.final_loss},

@@ -24,6 +24,16 @@ accuracy=$(field test_accuracy "$line")
 check "$accuracy >= 0.95" "default settings reach >= 95% test accuracy (got $accuracy)"
 check "'$(field example "$line")' == 'digits_mlp'" "the JSON line names the example"
 
+# Mixed precision keeps the accuracy: within 1 point of fp32's.
+for args in "--policy autocast-f16 --loss-scale dynamic" "--policy autocast-bf16"; do
+  mixed=$("$bin" --json $args | tail -n 1)
+  echo "$mixed"
+  check "abs($(field test_accuracy "$mixed") - $accuracy) <= 0.01" \
+    "$args ends within 1 point of fp32's test accuracy"
+  check "$(field skipped_steps "$mixed") >= 0 and $(field final_scale "$mixed") > 0" \
+    "$args reports its final scale and skipped steps"
+done
+
 a=$("$bin" --json --steps 30 --seed 7 | tail -n 1)
 b=$("$bin" --json --steps 30 --seed 7 | tail -n 1)
 check "$(field final_loss "$a") == $(field final_loss "$b")" "the same seed gives the same loss"
