@@ -1,7 +1,9 @@
 // dsl/graph.cpp -- node creation and the thread-local scopes that annotate new nodes.
 #include "dsl/graph.h"
 
+#include <algorithm>
 #include <atomic>
+#include <unordered_set>
 
 namespace mixtape {
 namespace {
@@ -101,6 +103,22 @@ CallSiteScope::~CallSiteScope() {
   if (owns_composite_) composite = nullptr;
 }
 const Loc& user_call_site(const Loc& loc) { return call_site ? *call_site : loc; }
+
+std::vector<Node*> nodes_in_tape_order(const std::vector<NodePtr>& roots) {
+  std::vector<Node*> nodes;
+  std::unordered_set<Node*> seen;
+  std::vector<Node*> stack;
+  for (const NodePtr& root : roots) stack.push_back(root.get());
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    nodes.push_back(node);
+    for (const NodePtr& input : node->inputs) stack.push_back(input.get());
+  }
+  std::sort(nodes.begin(), nodes.end(), [](Node* a, Node* b) { return a->id < b->id; });
+  return nodes;
+}
 
 const std::shared_ptr<const Policy>& current_policy() { return policy; }
 std::shared_ptr<const Policy> exchange_current_policy(std::shared_ptr<const Policy> next) {

@@ -92,6 +92,10 @@ class BackwardScope {
   CallSiteScope site_;
 };
 
+/// Every node the roots depend on (as far as the graph is still recorded), in tape order:
+/// inputs are made before their readers, so creation order is a topological order.
+std::vector<Node*> nodes_in_tape_order(const std::vector<NodePtr>& roots);
+
 /// Computes `value` for every node in `outputs` (and what they need). Provided by the runtime
 /// layer, which owns the executors; the DSL only asks.
 void evaluate(const std::vector<NodePtr>& outputs);

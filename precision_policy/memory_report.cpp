@@ -46,23 +46,6 @@ struct Buffer {
   bool read_backward = false;
 };
 
-std::vector<Node*> graph_of(const std::vector<NodePtr>& roots) {
-  std::vector<Node*> nodes;
-  std::unordered_set<Node*> seen;
-  std::vector<Node*> stack;
-  for (const NodePtr& root : roots) stack.push_back(root.get());
-  while (!stack.empty()) {
-    Node* node = stack.back();
-    stack.pop_back();
-    if (!seen.insert(node).second) continue;
-    nodes.push_back(node);
-    for (const NodePtr& input : node->inputs) stack.push_back(input.get());
-  }
-  // Inputs are made before their readers, so creation order is a topological order.
-  std::sort(nodes.begin(), nodes.end(), [](Node* a, Node* b) { return a->id < b->id; });
-  return nodes;
-}
-
 // State the optimizer creates on a parameter's first update, in f32 tensors of its shape.
 int estimated_state_tensors(const Optimizer& opt) {
   if (const auto* sgd = dynamic_cast<const SGD*>(&opt)) return sgd->options.momentum != 0 ? 1 : 0;
@@ -108,7 +91,7 @@ MemoryReport memory_report(const Module& model, const Optimizer* opt, const Tens
   std::vector<NodePtr> roots{loss.node()};
   for (const auto& [name, p] : params)
     if (p.grad().defined()) roots.push_back(p.grad().node());
-  std::vector<Node*> nodes = graph_of(roots);
+  std::vector<Node*> nodes = nodes_in_tape_order(roots);
   assign_precision(nodes);
   std::unordered_map<const Node*, int64_t> position;
   for (size_t k = 0; k < nodes.size(); ++k) position.emplace(nodes[k], static_cast<int64_t>(k));

@@ -1,30 +1,18 @@
 // precision_policy/report.cpp -- collects the graph's precision decisions as a table and as JSON.
 #include "precision_policy/report.h"
 
-#include <algorithm>
-#include <unordered_set>
-
 #include "dsl/json.h"
 #include "precision_policy/assign.h"
 
 namespace mixtape {
 
 PrecisionReport precision_report(const std::vector<Tensor>& outputs) {
-  std::vector<Node*> nodes;
-  std::unordered_set<Node*> seen;
-  std::vector<Node*> stack;
+  std::vector<NodePtr> roots;
   for (size_t i = 0; i < outputs.size(); ++i) {
     if (!outputs[i].defined()) fail("precision_report: output {} is undefined", i);
-    stack.push_back(outputs[i].node().get());
+    roots.push_back(outputs[i].node());
   }
-  while (!stack.empty()) {
-    Node* node = stack.back();
-    stack.pop_back();
-    if (!seen.insert(node).second) continue;
-    nodes.push_back(node);
-    for (const NodePtr& input : node->inputs) stack.push_back(input.get());
-  }
-  std::sort(nodes.begin(), nodes.end(), [](Node* a, Node* b) { return a->id < b->id; });
+  std::vector<Node*> nodes = nodes_in_tape_order(roots);
   assign_precision(nodes);
   PrecisionReport report;
   for (Node* n : nodes)
