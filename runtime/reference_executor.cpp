@@ -278,6 +278,18 @@ std::vector<int64_t> reduction_targets(const Shape& in, const std::vector<int64_
   return targets;
 }
 
+// Accumulators are f64, at least as accurate as an f32 accum; a policy that asks for a 16-bit
+// accumulator gets every partial sum rounded to it, as 16-bit hardware accumulation would.
+struct Accumulator {
+  DType accum;
+  double add(double sum, double term) const {
+    if (!is_half(accum)) return sum + term;
+    Storage rounded(accum, 1);
+    store_element(rounded, 0, sum + term);
+    return load_element<double>(rounded, 0);
+  }
+};
+
 StoragePtr ref_Sum(const Node& node) {
   StoragePtr out = new_storage(node);
   std::vector<int64_t> targets = reduction_targets(node.inputs[0]->shape, node.attrs.axes);
@@ -285,7 +297,13 @@ StoragePtr ref_Sum(const Node& node) {
     using T = decltype(zero);
     std::vector<T> in = load_all<T>(value_of(node, 0));
     std::vector<T> acc(static_cast<size_t>(out->count), T(0));
-    for (size_t i = 0; i < in.size(); ++i) acc[targets[i]] += in[i];
+    if constexpr (std::is_floating_point_v<T>) {
+      Accumulator accumulator{node.accum};
+      for (size_t i = 0; i < in.size(); ++i)
+        acc[targets[i]] = accumulator.add(acc[targets[i]], in[i]);
+    } else {
+      for (size_t i = 0; i < in.size(); ++i) acc[targets[i]] += in[i];
+    }
     for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, acc[i]);
   };
   if (is_floating(node.dtype))
@@ -373,6 +391,7 @@ StoragePtr ref_MatMul(const Node& node) {
   std::vector<double> b =
       matrix_operand(value_of(node, 1), batch, k, n, node.attrs.transpose_b, node.compute);
   std::vector<double> row(static_cast<size_t>(n));
+  Accumulator accumulator{node.accum};
   for (int64_t bi = 0; bi < batch; ++bi)
     for (int64_t i = 0; i < m; ++i) {
       std::fill(row.begin(), row.end(), 0.0);
@@ -380,7 +399,7 @@ StoragePtr ref_MatMul(const Node& node) {
       for (int64_t p = 0; p < k; ++p) {
         double av = a_row[p];
         const double* b_row = &b[(bi * k + p) * n];
-        for (int64_t j = 0; j < n; ++j) row[j] += av * b_row[j];
+        for (int64_t j = 0; j < n; ++j) row[j] = accumulator.add(row[j], av * b_row[j]);
       }
       for (int64_t j = 0; j < n; ++j) store_element(*out, (bi * m + i) * n + j, row[j]);
     }

@@ -1278,4 +1278,38 @@ TEST_F(TorchAutocast, TransformerBlockStepMatchesTorchCpuAutocastBf16) {
   compare("block", bf16, fp32, torch);
 }
 
+// A policy may ask for a 16-bit accumulator: every partial sum is then rounded to it. Adding
+// 2^-11 to 1 four times in f16 stays at 1 (each sum is a tie that rounds to even), while the f32
+// accumulator keeps all four.
+TEST(Executor, HonoursAHalfAccumulatorFromACustomPolicy) {
+  auto accumulate_in = [](mt::DType accum) {
+    auto policy = std::make_shared<mt::OverridePolicy>(mt::fp32_policy());
+    policy->rule("accumulate sums in " + std::string(mt::name(accum)),
+                 [accum](const mt::PrecisionQuery& q) -> std::optional<mt::Precision> {
+                   if (q.op != OpCode::Sum && q.op != OpCode::MatMul) return std::nullopt;
+                   return mt::Precision{mt::f32, mt::f32, accum, "test accumulator"};
+                 });
+    return policy;
+  };
+  std::vector<float> values{1.0f, 0x1p-11f, 0x1p-11f, 0x1p-11f, 0x1p-11f};
+  mt::Tensor x = mt::tensor(values, {5});
+  mt::Tensor row = mt::tensor(values, {1, 5});
+  mt::Tensor column = mt::ones({5, 1});
+  mt::Tensor sum16, sum32, dot16, dot32;
+  {
+    mt::autocast guard(accumulate_in(mt::f16));
+    sum16 = mt::sum(x);
+    dot16 = mt::matmul(row, column);
+  }
+  {
+    mt::autocast guard(accumulate_in(mt::f32));
+    sum32 = mt::sum(x);
+    dot32 = mt::matmul(row, column);
+  }
+  EXPECT_EQ(sum16.item(), 1.0);
+  EXPECT_EQ(dot16.item(), 1.0);
+  EXPECT_EQ(sum32.item(), 1.0 + 4 * 0x1p-11);
+  EXPECT_EQ(dot32.item(), 1.0 + 4 * 0x1p-11);
+}
+
 }  // namespace
