@@ -282,8 +282,9 @@ std::vector<int64_t> reduction_targets(const Shape& in, const std::vector<int64_
 // accumulator gets every partial sum rounded to it, as 16-bit hardware accumulation would.
 struct Accumulator {
   DType accum;
+  bool rounds() const { return is_half(accum); }
   double add(double sum, double term) const {
-    if (!is_half(accum)) return sum + term;
+    if (!rounds()) return sum + term;
     Storage rounded(accum, 1);
     store_element(rounded, 0, sum + term);
     return load_element<double>(rounded, 0);
@@ -399,7 +400,10 @@ StoragePtr ref_MatMul(const Node& node) {
       for (int64_t p = 0; p < k; ++p) {
         double av = a_row[p];
         const double* b_row = &b[(bi * k + p) * n];
-        for (int64_t j = 0; j < n; ++j) row[j] = accumulator.add(row[j], av * b_row[j]);
+        if (accumulator.rounds())
+          for (int64_t j = 0; j < n; ++j) row[j] = accumulator.add(row[j], av * b_row[j]);
+        else  // the common case, kept a plain loop so that it vectorizes
+          for (int64_t j = 0; j < n; ++j) row[j] += av * b_row[j];
       }
       for (int64_t j = 0; j < n; ++j) store_element(*out, (bi * m + i) * n + j, row[j]);
     }
