@@ -83,12 +83,18 @@ void eval(const std::vector<Tensor>& tensors);
 /// The dtype mixtape uses for host values of type T.
 template <typename T>
 constexpr DType dtype_of() {
-  if constexpr (std::is_same_v<T, float>) return f32;
-  else if constexpr (std::is_same_v<T, double>) return f64;
-  else if constexpr (std::is_same_v<T, int32_t>) return i32;
-  else if constexpr (std::is_same_v<T, int64_t>) return i64;
-  else if constexpr (std::is_same_v<T, bool>) return boolean;
-  else static_assert(sizeof(T) == 0, "no mixtape dtype for this host type");
+  if constexpr (std::is_same_v<T, float>)
+    return f32;
+  else if constexpr (std::is_same_v<T, double>)
+    return f64;
+  else if constexpr (std::is_same_v<T, int32_t>)
+    return i32;
+  else if constexpr (std::is_same_v<T, int64_t>)
+    return i64;
+  else if constexpr (std::is_same_v<T, bool>)
+    return boolean;
+  else
+    static_assert(sizeof(T) == 0, "no mixtape dtype for this host type");
 }
 
 /// A tensor holding a copy of `values` converted to `dtype` (f16/bf16 rounded to nearest even).
