@@ -4,6 +4,8 @@
 
 #include "dsl/graph.h"
 #include "precision_policy/assign.h"
+#include "runtime/cpu_executor.h"
+#include "runtime/device.h"
 #include "runtime/reference_executor.h"
 
 namespace mixtape {
@@ -24,12 +26,21 @@ void evaluate(const std::vector<NodePtr>& outputs) {
   }
   // Inputs are always made before their users, so creation order is a topological order.
   std::sort(pending.begin(), pending.end(), [](Node* a, Node* b) { return a->id < b->id; });
+  if (pending.empty()) return;
   assign_precision(pending);
-  for (Node* node : pending) node->value = reference_compute(*node);
+  if (current_device() == Device::reference) {
+    for (Node* node : pending) node->value = reference_compute(*node);
+  } else {
+    std::vector<Node*> required;
+    for (const NodePtr& output : outputs)
+      if (output && !output->evaluated()) required.push_back(output.get());
+    execute_cpu(pending, required);
+  }
   // No gradient will ever flow through these, so their producers are no longer needed: this is
-  // what keeps step-to-step chains (optimizer updates) from growing.
+  // what keeps step-to-step chains (optimizer updates) from growing. Nodes a fused kernel
+  // computed only in registers keep their inputs, to be recomputed if something asks later.
   for (Node* node : pending)
-    if (!node->requires_grad) node->inputs.clear();
+    if (!node->requires_grad && node->evaluated()) node->inputs.clear();
 }
 
 }  // namespace mixtape

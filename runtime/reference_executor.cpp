@@ -11,6 +11,7 @@
 #include "dsl/error.h"
 #include "dsl/ops.h"
 #include "dsl/random.h"
+#include "dsl/scalar_math.h"
 
 namespace mixtape {
 namespace {

@@ -18,3 +18,4 @@
 #include "precision_policy/policy.h"
 #include "precision_policy/report.h"
 #include "runtime/checkpoint.h"
+#include "runtime/device.h"

@@ -1,0 +1,146 @@
+# bench/bench_common.py -- what the Python peers share: workload names, data, the timing loop.
+"""Shared by peer_torch.py and peer_jax.py (and the driver, run.py).
+
+Every system times a workload the same way (mixtape_bench.cpp has the same loop in C++):
+warm-up steps (not timed into the result), then `windows` timed windows of K steps each, K
+chosen from the warm-up step time so that a window lasts about `window_seconds`; the reported
+rate is the median of the per-window rates.
+"""
+
+import argparse
+import gzip
+import json
+import os
+import re
+import statistics
+import sys
+import time
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+DATA_DIR = os.environ.get("MIXTAPE_DATA_DIR") or os.path.join(BENCH_DIR, "..", "examples", "data")
+
+# ---- the workloads (identical shapes, ops and optimizers in every system) ----
+MLP_IN, MLP_OUT, MLP_HIDDEN_LAYERS, MLP_LR = 32, 16, 4, 1e-3
+DIGITS = dict(hidden=128, batch=64, lr=0.05, momentum=0.9, label_smoothing=0.2, noise=0.2,
+              train_rows=1437)
+# nanoGPT's CPU settings, as examples/char_gpt.cpp: AdamW 1e-3 with beta2 0.99 and weight decay 0.1,
+# gradient norm clipped at 1. One optimizer (decay on every parameter) in every system.
+GPT = dict(layers=4, heads=4, width=128, context=64, batch=12, lr=1e-3, beta1=0.9, beta2=0.99,
+           eps=1e-8, weight_decay=0.1, clip=1.0)
+SEED = 0
+
+
+def mlp_shape(name):
+    """(width, batch) of an "mlp_w<W>_b<B>" workload, or None."""
+    match = re.fullmatch(r"mlp_w(\d+)_b(\d+)", name)
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def mlp_sizes(width):
+    """Layer sizes: 32 -> width x4 hidden layers -> 16 (five Linear layers)."""
+    return [MLP_IN] + [width] * MLP_HIDDEN_LAYERS + [MLP_OUT]
+
+
+def gemm_shape(name):
+    """(dtype, size) of a "gemm_<f32|bf16>_<N>" workload (an N^3 product), or None."""
+    match = re.fullmatch(r"gemm_(f32|bf16)_(\d+)", name)
+    return (match.group(1), int(match.group(2))) if match else None
+
+
+def known_workload(name):
+    return (mlp_shape(name) is not None or gemm_shape(name) is not None
+            or name in ("digits_mlp", "char_gpt"))
+
+
+# ---- data ----
+def load_digits():
+    """(pixels [1797][64] scaled to [0, 1], labels [1797]) as lists, like examples/digits_mlp."""
+    pixels, labels = [], []
+    with gzip.open(os.path.join(DATA_DIR, "digits.csv.gz"), "rt") as f:
+        for line in f:
+            fields = line.strip().split(",")
+            if len(fields) != 65:
+                continue
+            pixels.append([float(v) / 16.0 for v in fields[:64]])
+            labels.append(int(fields[64]))
+    if len(labels) != 1797:
+        sys.exit(f"digits: expected 1797 rows, found {len(labels)}")
+    return pixels, labels
+
+
+def load_fortunes():
+    """(token ids as a list, vocabulary size): bytes of fortunes.txt, ids in sorted byte order
+    (mt::CharVocab's rule)."""
+    with open(os.path.join(DATA_DIR, "fortunes.txt"), "rb") as f:
+        data = f.read()
+    chars = sorted(set(data))
+    index = {c: i for i, c in enumerate(chars)}
+    return [index[b] for b in data], len(chars)
+
+
+# ---- timing ----
+def measure(step, sync, warmup, windows, window_seconds, budget_seconds):
+    """Runs `step` warm-up then timed windows; returns the result fields of one workload.
+
+    `sync` waits for all work issued so far (a no-op for synchronous systems). When the warm-up
+    shows that the planned windows would exceed `budget_seconds`, fewer windows run (at least one
+    step in one window) and the result says so; warm-up stops after two steps when the second
+    alone takes half the budget."""
+    warm_times = []
+    for _ in range(max(1, warmup)):
+        start = time.perf_counter()
+        step()
+        sync()
+        warm_times.append(time.perf_counter() - start)
+        # Slow steps: two warm-up steps (the first one compiles) are enough once the steps after
+        # the first have taken half the budget.
+        if len(warm_times) >= 2 and sum(warm_times[1:]) > budget_seconds / 2:
+            break
+    estimate = statistics.median(warm_times[1:]) if len(warm_times) > 1 else warm_times[0]
+    per_window = max(1, round(window_seconds / max(estimate, 1e-9)))
+    planned = windows
+    if estimate * per_window * windows > budget_seconds:
+        windows = max(1, int(budget_seconds // (estimate * per_window)))
+    rates = []
+    for _ in range(windows):
+        start = time.perf_counter()
+        for _ in range(per_window):
+            step()
+        sync()
+        rates.append(per_window / (time.perf_counter() - start))
+    result = {
+        "steps_per_s": statistics.median(rates),
+        "window_steps_per_s": [round(r, 3) for r in rates],
+        "steps_per_window": per_window,
+        "windows": windows,
+        "warmup_steps": len(warm_times),
+        "first_step_s": warm_times[0],
+    }
+    if windows < planned:
+        result["windows_cut_by_budget"] = planned
+    return result
+
+
+def peer_arguments(description):
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--workloads", required=True,
+                        help="comma-separated: mlp_w64_b256, digits_mlp, char_gpt, gemm_f32_1024...")
+    parser.add_argument("--precisions", default="fp32,bf16", help="fp32,bf16 (not for gemm_*)")
+    parser.add_argument("--warmup", type=int, default=5, help="warm-up steps per workload")
+    parser.add_argument("--windows", type=int, default=5, help="timed windows per workload")
+    parser.add_argument("--window-seconds", type=float, default=1.0, help="length of one window")
+    parser.add_argument("--budget-seconds", type=float, default=60.0,
+                        help="at most this long in timed windows per workload")
+    return parser
+
+
+def split_list(text):
+    return [item for item in text.split(",") if item]
+
+
+def emit(record):
+    print(json.dumps(record), flush=True)
+
+
+def gemm_flops(size):
+    return 2.0 * size * size * size

@@ -1,0 +1,460 @@
+#!/usr/bin/env python3
+# bench/run.py -- the benchmark driver: mixtape and its peers in one run, one JSON document out.
+"""Runs the benchmark programs (built beforehand: bench_training, bench_gemm) under each mixtape
+back end, then the PyTorch and JAX peers on the same workloads, and prints one JSON document
+with steps/s, GFLOP/s and ratios (mixtape / peer: above 1 means mixtape is faster). Progress and
+a summary table go to stderr; the JSON goes to stdout (and to --out).
+
+  python3 bench/run.py --quick                 # about two minutes on 2 cores
+  python3 bench/run.py                         # every size, longer windows
+  python3 bench/run.py --only mlp,gemm --build-dir /tmp/build
+
+It builds nothing: build the programs first (cmake --build build --target bench_training
+bench_gemm). Peers: bench/setup_peers.sh installs JAX into bench/.venv and unpacks OpenBLAS for
+Debian's torch; what is missing is skipped with a note in the output.
+"""
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_DIR = os.path.dirname(BENCH_DIR)
+sys.path.insert(0, BENCH_DIR)
+import bench_common as common  # noqa: E402
+
+OPENBLAS_DIR = os.path.join(BENCH_DIR, ".openblas", "usr", "lib", "x86_64-linux-gnu",
+                            "openblas-pthread")
+
+# Each mode is one child environment for the mixtape programs (runtime/device.h reads these).
+MIXTAPE_MODES = {
+    "compiled": {"MIXTAPE_DEVICE": "cpu"},
+    "eager": {"MIXTAPE_DEVICE": "cpu", "MIXTAPE_EAGER": "1"},
+    "reference": {"MIXTAPE_DEVICE": "reference"},
+}
+
+# What each size of run covers and how long it times each workload. The reference executor (an
+# oracle, not a speed target) runs only where it is cheap, with few warm-up steps.
+PLANS = {
+    "quick": dict(mlp=["mlp_w64_b256", "mlp_w64_b4096"], gemm_sizes=[256, 512, 1024],
+                  timing=dict(warmup=3, windows=3, window_seconds=0.2, budget_seconds=2.0),
+                  reference=["mlp_w64_b256", "digits_mlp"],
+                  reference_timing=dict(warmup=2, windows=3, window_seconds=0.25,
+                                        budget_seconds=2.0),
+                  child_timeout=300),
+    "full": dict(mlp=["mlp_w64_b256", "mlp_w64_b4096", "mlp_w128_b4096", "mlp_w256_b4096"],
+                 gemm_sizes=[256, 512, 1024, 2048],
+                 timing=dict(warmup=5, windows=5, window_seconds=1.0, budget_seconds=20.0),
+                 reference=["mlp_w64_b256", "mlp_w64_b4096", "digits_mlp", "char_gpt"],
+                 reference_timing=dict(warmup=2, windows=3, window_seconds=1.0,
+                                       budget_seconds=10.0),
+                 child_timeout=1800),
+}
+
+GROUPS = ("mlp", "digits", "gpt", "gemm")
+START = time.perf_counter()
+
+
+def log(message):
+    print(f"[{time.perf_counter() - START:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+def timing_flags(timing):
+    return ["--warmup", str(timing["warmup"]), "--windows", str(timing["windows"]),
+            "--window-seconds", str(timing["window_seconds"]),
+            "--budget-seconds", str(timing["budget_seconds"])]
+
+
+def run_child(label, command, env, timeout):
+    """(JSON records the child printed, error text or None). A crash or timeout keeps the records
+    printed before it."""
+    log(f"{label}: {' '.join(os.path.relpath(c) if os.path.isabs(c) else c for c in command)}")
+    load_before = os.getloadavg()[0]
+    start = time.perf_counter()
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
+        stdout, stderr, code = done.stdout, done.stderr, done.returncode
+    except subprocess.TimeoutExpired as expired:
+        stdout = expired.stdout.decode() if isinstance(expired.stdout, bytes) else expired.stdout
+        stderr, code = f"timed out after {timeout} s", None
+    records = []
+    for line in (stdout or "").splitlines():
+        if line.startswith("{"):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            record["load_average_1min"] = [round(load_before, 2), round(os.getloadavg()[0], 2)]
+            records.append(record)
+    error = None
+    if code != 0:
+        tail = [line for line in (stderr or "").strip().splitlines() if line.strip()]
+        error = f"exit status {code}: {tail[-1] if tail else 'no message'}"
+        if code is None:
+            error = stderr
+        log(f"{label}: FAILED ({error})")
+    log(f"{label}: {len(records)} results in {time.perf_counter() - start:.1f} s")
+    return records, error
+
+
+def select_workloads(plan, only):
+    """Training workload names and gemm workload names for the --only selection."""
+    training, gemm = [], []
+    for item in only:
+        if item == "mlp":
+            training += plan["mlp"]
+        elif item == "digits":
+            training.append("digits_mlp")
+        elif item == "gpt":
+            training.append("char_gpt")
+        elif item == "gemm":
+            gemm += [f"gemm_{dtype}_{n}" for dtype in ("f32", "bf16") for n in plan["gemm_sizes"]]
+        elif common.gemm_shape(item):
+            gemm.append(item)
+        elif common.known_workload(item):
+            training.append(item)
+        else:
+            sys.exit(f"run.py: --only takes {', '.join(GROUPS)} or workload names "
+                     f"(mlp_w64_b256, digits_mlp, char_gpt, gemm_f32_1024), not '{item}'")
+    unique = lambda names: list(dict.fromkeys(names))
+    return unique(training), unique(gemm)
+
+
+def base_env():
+    env = dict(os.environ)
+    for name in ("MIXTAPE_DEVICE", "MIXTAPE_EAGER"):
+        env.pop(name, None)
+    return env
+
+
+def jax_python(requested, notes):
+    candidates = [requested] if requested else [os.path.join(BENCH_DIR, ".venv", "bin", "python"),
+                                                sys.executable]
+    for python in candidates:
+        if python and os.path.exists(python):
+            check = subprocess.run([python, "-c", "import jax"], capture_output=True)
+            if check.returncode == 0:
+                return python
+    notes.append("JAX skipped: not importable by " + " or ".join(c for c in candidates if c) +
+                 "; install it with bench/setup_peers.sh (a venv in bench/.venv)")
+    return None
+
+
+def torch_env(notes):
+    env = base_env()
+    env["OPENBLAS_CORETYPE"] = "SkylakeX"
+    if os.path.exists(os.path.join(OPENBLAS_DIR, "libblas.so.3")):
+        env["LD_LIBRARY_PATH"] = OPENBLAS_DIR + (
+            ":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
+    else:
+        notes.append("torch runs with the system's libblas.so.3; bench/setup_peers.sh unpacks "
+                     "OpenBLAS for it (Debian's default reference BLAS is ~50x slower)")
+    return env
+
+
+def ratio(numerator, denominator):
+    if numerator is None or not denominator:
+        return None
+    return numerator / denominator
+
+
+def best(runs, label):
+    """The fastest of a system's records (one per thread setting), or None."""
+    records = runs.get(label, [])
+    return max(records, key=lambda r: r["steps_per_s"]) if records else None
+
+
+def by_threads(runs, label, scale=1.0):
+    """Rate by thread setting when a system ran more than one, else None."""
+    records = runs.get(label, [])
+    if len(records) < 2:
+        return None
+    return {str(r.get("threads", "default")): r["steps_per_s"] * scale for r in records}
+
+
+def summarize_training(name, precision, runs, errors):
+    def rate(label):
+        record = best(runs, label)
+        return record["steps_per_s"] if record else None
+
+    torch_best, jax_best, mixtape_best = best(runs, "torch"), best(runs, "jax"), best(runs, "mixtape")
+    torch_rate = rate("torch")
+    entry = {
+        "workload": name,
+        "precision": precision,
+        "mixtape_steps_per_s": rate("mixtape"),
+        "mixtape_backend": mixtape_best["backend"] if mixtape_best else None,
+        "mixtape_threads": mixtape_best.get("threads", "default") if mixtape_best else None,
+        "mixtape_eager_steps_per_s": rate("mixtape_eager"),
+        "mixtape_reference_steps_per_s": rate("mixtape_reference"),
+        "torch_steps_per_s": torch_rate,
+        "torch_threads": torch_best["threads"] if torch_best else None,
+        "torch_steps_per_s_by_threads": by_threads(runs, "torch"),
+        "jax_steps_per_s": rate("jax"),
+        "jax_jit_compile_s": jax_best["jit_compile_s"] if jax_best else None,
+    }
+    for mode, key in (("", "mixtape"), ("eager_", "mixtape_eager"),
+                      ("reference_", "mixtape_reference")):
+        entry[f"{mode}ratio_vs_torch"] = ratio(rate(key), torch_rate)
+        entry[f"{mode}ratio_vs_jax"] = ratio(rate(key), rate("jax"))
+    entry["compiled_vs_eager"] = ratio(rate("mixtape"), rate("mixtape_eager"))
+    # Every system reports its trainable parameter count: one model, or the comparison is void.
+    counts = {label: records[0]["parameters"] for label, records in runs.items()
+              if records and records[0].get("parameters") is not None}
+    if len(set(counts.values())) == 1:
+        entry["parameters"] = next(iter(counts.values()))
+    elif counts:
+        entry["parameters"] = counts
+        entry["parameter_counts_differ"] = True
+    if errors:
+        entry["errors"] = errors
+    entry["runs"] = runs
+    return entry
+
+
+def summarize_gemm(name, runs, errors, peak):
+    dtype, size = common.gemm_shape(name)
+    torch_best = best(runs, "torch")
+    mixtape_best = best(runs, "mixtape")
+    gflops = lambda record: record["gflops"] if record else None
+    peak_value = None
+    if peak:
+        f32 = max(peak["f32_gflops"])
+        # bf16 may be widened to f32 and run on the FMA units: its ceiling is the better peak.
+        peak_value = max(f32, max(peak["bf16_gflops"])) if dtype == "bf16" else f32
+    entry = {
+        "workload": name, "dtype": dtype, "size": size,
+        "peak_gflops": peak_value,
+        "mixtape_gflops": gflops(mixtape_best),
+        "mixtape_threads": mixtape_best.get("threads", "default") if mixtape_best else None,
+        "mixtape_gflops_by_threads": by_threads(runs, "mixtape", common.gemm_flops(size) / 1e9),
+        "torch_gflops": gflops(torch_best),
+        "torch_threads": torch_best["threads"] if torch_best else None,
+        "torch_gflops_by_threads": by_threads(runs, "torch", common.gemm_flops(size) / 1e9),
+        "jax_gflops": gflops(best(runs, "jax")),
+    }
+    for system in ("mixtape", "torch", "jax"):
+        entry[f"{system}_fraction_of_peak"] = ratio(entry[f"{system}_gflops"], peak_value)
+    entry["ratio_vs_torch"] = ratio(entry["mixtape_gflops"], entry["torch_gflops"])
+    entry["ratio_vs_jax"] = ratio(entry["mixtape_gflops"], entry["jax_gflops"])
+    if errors:
+        entry["errors"] = errors
+    entry["runs"] = runs
+    return entry
+
+
+def fmt(value, digits=1):
+    if value is None:
+        return "-"
+    if isinstance(value, float) and abs(value) < 10 and digits == 1:
+        return f"{value:.2f}"
+    return f"{value:.{digits}f}"
+
+
+def print_table(document):
+    rows = [("workload", "mixtape", "eager", "ref", "torch(thr)", "jax", "x torch", "x jax")]
+    for key, e in document["workloads"].items():
+        if "precision" in e:
+            torch_cell = (f"{fmt(e['torch_steps_per_s'])}({e['torch_threads']})"
+                          if e["torch_steps_per_s"] else "-")
+            rows.append((key, fmt(e["mixtape_steps_per_s"]), fmt(e["mixtape_eager_steps_per_s"]),
+                         fmt(e["mixtape_reference_steps_per_s"]), torch_cell,
+                         fmt(e["jax_steps_per_s"]), fmt(e["ratio_vs_torch"], 2),
+                         fmt(e["ratio_vs_jax"], 2)))
+        else:
+            torch_cell = (f"{fmt(e['torch_gflops'])}({e['torch_threads']})"
+                          if e["torch_gflops"] else "-")
+            rows.append((key + " GFLOP/s", fmt(e["mixtape_gflops"]), "", "", torch_cell,
+                         fmt(e["jax_gflops"]), fmt(e["ratio_vs_torch"], 2),
+                         fmt(e["ratio_vs_jax"], 2)))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    print("", file=sys.stderr)
+    for row in rows:
+        print("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in
+                        enumerate(zip(row, widths))), file=sys.stderr)
+    print("(steps/s unless marked; x = mixtape compiled / peer, above 1 is faster)",
+          file=sys.stderr)
+
+
+def machine_info():
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return {"cpu": model, "cores": os.cpu_count(), "platform": platform.platform(),
+            "load_average_1min_at_start": round(os.getloadavg()[0], 2),
+            "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="\n".join(__doc__.splitlines()[1:]))
+    parser.add_argument("--quick", action="store_true", help="fewer sizes, short windows (~2 min)")
+    parser.add_argument("--only", default=",".join(GROUPS),
+                        help="groups (mlp,digits,gpt,gemm) or workload names; default all")
+    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--build-dir", default=os.path.join(REPO_DIR, "build"),
+                        help="where bench_training and bench_gemm are (default: build/)")
+    parser.add_argument("--modes", default="compiled,eager,reference",
+                        help="mixtape back ends to run: compiled, eager, reference")
+    parser.add_argument("--peers", default="torch,jax", help="peers to run: torch, jax")
+    parser.add_argument("--torch-python", default="/usr/bin/python3")
+    parser.add_argument("--jax-python", default=None,
+                        help="python with JAX (default: bench/.venv/bin/python, else this one)")
+    parser.add_argument("--torch-threads", default="1,2", help="torch runs each; the best counts")
+    parser.add_argument("--mixtape-threads", default="",
+                        help="OMP_NUM_THREADS values to run mixtape at, the best counts (e.g. "
+                             "1,2); default: the library's own (all cores)")
+    parser.add_argument("--out", help="also write the JSON document to this file")
+    args = parser.parse_args()
+
+    plan = PLANS["quick" if args.quick else "full"]
+    training, gemm = select_workloads(plan, common.split_list(args.only))
+    precisions = common.split_list(args.precisions)
+    modes = common.split_list(args.modes)
+    peers = common.split_list(args.peers)
+    for mode in modes:
+        if mode not in MIXTAPE_MODES:
+            sys.exit(f"run.py: unknown mode '{mode}' (compiled, eager, reference)")
+    notes, errors = [], {}
+    machine = machine_info()
+    records = []  # (system label, record)
+
+    def add(label, found, error, workloads):
+        records.extend((label, r) for r in found)
+        if error:
+            for name in workloads:
+                errors.setdefault(name, {})[label] = error
+
+    # ---- mixtape ----
+    training_binary = os.path.join(args.build_dir, "bench_training")
+    gemm_binary = os.path.join(args.build_dir, "bench_gemm")
+    timing = plan["timing"]
+    for binary, needed in ((training_binary, training), (gemm_binary, gemm)):
+        if needed and not os.access(binary, os.X_OK):
+            notes.append(f"mixtape skipped for {', '.join(needed)}: {binary} is not built "
+                         f"(cmake --build {os.path.relpath(args.build_dir)} --target "
+                         f"{os.path.basename(binary)}, or pass --build-dir)")
+    thread_settings = common.split_list(args.mixtape_threads) or [None]
+
+    def mixtape_env(mode, threads):
+        env = base_env()
+        env.update(MIXTAPE_MODES[mode])
+        if threads:
+            env["OMP_NUM_THREADS"] = threads
+        return env
+
+    def tag(found, threads):
+        for r in found:
+            if threads:
+                r["threads"] = int(threads)
+        return found
+
+    if training and os.access(training_binary, os.X_OK):
+        for mode in modes:
+            names = [n for n in training if mode != "reference" or n in plan["reference"]]
+            mode_timing = plan["reference_timing"] if mode == "reference" else timing
+            label = "mixtape" if mode == "compiled" else f"mixtape_{mode}"
+            # One child per workload, so a crash loses only that workload.
+            for name in names:
+                for threads in thread_settings:
+                    found, error = run_child(
+                        f"{label} {name}" + (f" OMP_NUM_THREADS={threads}" if threads else ""),
+                        [training_binary, "--workloads", name, "--precisions",
+                         ",".join(precisions)] + timing_flags(mode_timing),
+                        mixtape_env(mode, threads), plan["child_timeout"])
+                    add(label, tag(found, threads), error, [f"{name}/{p}" for p in precisions])
+    peak = None
+    if gemm and os.access(gemm_binary, os.X_OK):
+        for threads in thread_settings:
+            found, error = run_child(
+                "mixtape gemm" + (f" OMP_NUM_THREADS={threads}" if threads else ""),
+                [gemm_binary, "--workloads", ",".join(["fma_peak"] + gemm)] + timing_flags(timing),
+                mixtape_env("compiled", threads), plan["child_timeout"])
+            # The peak does not depend on OMP_NUM_THREADS (it starts its own threads): keep one.
+            peak = peak or next((r for r in found if r["workload"] == "fma_peak"), None)
+            add("mixtape", tag([r for r in found if r["workload"] != "fma_peak"], threads), error,
+                gemm)
+
+    # ---- peers ----
+    peer_flags = ["--workloads", ",".join(training + gemm), "--precisions", ",".join(precisions)]
+    peer_flags += timing_flags(timing)
+    if "torch" in peers and training + gemm:
+        if shutil.which(args.torch_python) or os.path.exists(args.torch_python):
+            found, error = run_child(
+                "torch", [args.torch_python, os.path.join(BENCH_DIR, "peer_torch.py")]
+                + peer_flags + ["--threads", args.torch_threads], torch_env(notes),
+                plan["child_timeout"])
+            add("torch", found, error, training + gemm)
+            if found and found[0].get("blas") != "openblas":
+                notes.append(f"torch used {found[0].get('blas')} for f32 matmuls")
+        else:
+            notes.append(f"torch skipped: {args.torch_python} not found")
+    if "jax" in peers and training + gemm:
+        python = jax_python(args.jax_python, notes)
+        if python:
+            found, error = run_child("jax", [python, os.path.join(BENCH_DIR, "peer_jax.py")]
+                                     + peer_flags, base_env(), plan["child_timeout"])
+            add("jax", found, error, training + gemm)
+
+    # ---- one document ----
+    workloads = {}
+    for name in training:
+        for precision in precisions:
+            key = f"{name}/{precision}"
+            runs = {}
+            for label, r in records:
+                if r["workload"] == name and r.get("precision") == precision:
+                    runs.setdefault(label, []).append(r)
+            workloads[key] = summarize_training(name, precision, runs, errors.get(key, {}))
+    for name in gemm:
+        runs = {}
+        for label, r in records:
+            if r["workload"] == name:
+                runs.setdefault(label, []).append(r)
+        workloads[name] = summarize_gemm(name, runs, errors.get(name, {}), peak)
+    machine["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
+    for key, entry in workloads.items():
+        if entry.get("parameter_counts_differ"):
+            notes.append(f"{key}: the systems' parameter counts differ: {entry['parameters']}")
+    document = {
+        "mixtape_bench": 1,
+        "quick": args.quick,
+        "machine": machine,
+        "timing": {"training_and_gemm": timing, "reference": plan["reference_timing"],
+                   "rule": "warm-up steps untimed, then windows of K steps (K from the warm-up "
+                           "step time); rate = median window; JAX compile time apart"},
+        "ratio": "mixtape steps/s (or GFLOP/s) divided by the peer's; above 1: mixtape is faster",
+        "notes": notes,
+        "peak": peak,
+        "workloads": workloads,
+        "seconds": round(time.perf_counter() - START, 1),
+    }
+    text = json.dumps(document, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    print_table(document)
+    for note in notes:
+        print("note: " + note, file=sys.stderr)
+    failed = sorted({label for per in errors.values() for label in per})
+    if failed:
+        print(f"failed runs: {', '.join(failed)} (see 'errors' in the JSON)", file=sys.stderr)
+    print(f"done in {document['seconds']} s", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

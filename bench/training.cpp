@@ -1,0 +1,227 @@
+// bench/training.cpp -- bench_training: mixtape training steps/s for the MLP, digits and char-GPT
+// workloads, one JSON line per workload and precision (run.py compares them with the peers).
+#include <mixtape/mixtape.h>
+
+#include <cstdio>
+#include <functional>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench/timing.h"
+#include "examples/char_gpt_model.h"
+
+namespace mt = mixtape;
+
+namespace {
+
+constexpr const char* kUsage =
+    "usage: bench_training --workloads LIST [--precisions fp32,bf16] [--warmup N] [--windows N]\n"
+    "                      [--window-seconds S] [--budget-seconds S]\n"
+    "  workloads: mlp_w<W>_b<B> (32 -> W x4 hidden -> 16, ReLU, MSE, Adam 1e-3), digits_mlp\n"
+    "             (examples/digits_mlp's model and loop), char_gpt (CharGpt 4x4x128, context 64,\n"
+    "             batch 12, AdamW, clipping at 1)\n"
+    "  The back end is chosen by the environment: MIXTAPE_DEVICE=cpu|reference, MIXTAPE_EAGER=1.\n";
+
+constexpr uint64_t kSeed = 0;
+
+/// One workload, ready to step: the step closure owns the model, optimizer and data.
+struct Workload {
+  std::function<void()> step;
+  mt::json::Object facts;  // shapes and settings reported with the result
+};
+
+/// Trainable values, reported so that run.py can check every system trains the same model.
+int64_t parameter_count(const mt::Module& module) {
+  int64_t count = 0;
+  for (const mt::Tensor& p : module.parameters()) count += p.numel();
+  return count;
+}
+
+/// Host-generated N(0, 1) data, made once, so each step reads the same constant.
+mt::Tensor random_normal(mt::Shape shape, std::mt19937_64& rng) {
+  int64_t count = 1;
+  for (int64_t d : shape) count *= d;
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> values(static_cast<size_t>(count));
+  for (float& v : values) v = normal(rng);
+  return mt::tensor(values, std::move(shape));
+}
+
+Workload mlp_workload(int64_t width, int64_t batch, const mt::PolicyPtr& policy) {
+  struct State {
+    mt::Generator gen{kSeed};
+    std::unique_ptr<mt::MLP> net;
+    std::unique_ptr<mt::Adam> optimizer;
+    mt::Tensor inputs, targets;
+  };
+  auto state = std::make_shared<State>();
+  state->net = std::make_unique<mt::MLP>(std::vector<int64_t>{32, width, width, width, width, 16},
+                                         mt::Activation::Relu, &state->gen);
+  state->optimizer =
+      std::make_unique<mt::Adam>(state->net->parameters(), mt::AdamOptions{.lr = 1e-3});
+  std::mt19937_64 rng(kSeed);
+  state->inputs = random_normal({batch, 32}, rng);
+  state->targets = random_normal({batch, 16}, rng);
+  auto step = [state, policy] {
+    state->optimizer->zero_grad();
+    mt::Tensor loss;
+    {
+      mt::autocast guard(policy);
+      loss = mt::mse_loss((*state->net)(state->inputs), state->targets);
+    }
+    loss.backward();
+    state->optimizer->step();
+  };
+  return {step,
+          {{"width", width},
+           {"batch", batch},
+           {"hidden_layers", 4},
+           {"parameters", parameter_count(*state->net)}}};
+}
+
+/// examples/digits_mlp.cpp's model and training step with its defaults (SGD momentum 0.9 at
+/// 0.05, batch 64, label smoothing 0.2, input noise 0.2, shuffled loader).
+Workload digits_workload(const mt::PolicyPtr& policy) {
+  struct Net : mt::Module {
+    mt::Linear fc1, fc2, fc3;
+    explicit Net(mt::Generator* gen)
+        : fc1(64, 128, true, gen), fc2(128, 128, true, gen), fc3(128, 10, true, gen) {
+      register_module("fc1", fc1);
+      register_module("fc2", fc2);
+      register_module("fc3", fc3);
+    }
+    mt::Tensor operator()(const mt::Tensor& x) const {
+      return fc3(mt::relu(fc2(mt::relu(fc1(x)))));
+    }
+  };
+  struct State {
+    mt::Generator gen{kSeed}, noise{kSeed ^ 0x6e6f697365ULL};
+    std::unique_ptr<Net> net;
+    std::unique_ptr<mt::SGD> optimizer;
+    std::unique_ptr<mt::TensorDataset> train;
+    std::unique_ptr<mt::DataLoader> loader;
+  };
+  auto state = std::make_shared<State>();
+  mt::Digits digits = mt::load_digits(mt::default_data_dir() + "/digits.csv.gz");
+  constexpr int64_t kTrainRows = 1437, kBatch = 64;
+  if (digits.count() < kTrainRows) mt::fail("digits: expected 1797 rows, found {}", digits.count());
+  std::vector<float> pixels(digits.pixels.begin(), digits.pixels.begin() + kTrainRows * 64);
+  for (float& p : pixels) p /= 16.0f;
+  std::vector<int64_t> labels(digits.labels.begin(), digits.labels.begin() + kTrainRows);
+  state->train =
+      std::make_unique<mt::TensorDataset>(std::move(pixels), mt::Shape{64}, std::move(labels));
+  state->loader = std::make_unique<mt::DataLoader>(*state->train, kBatch, true, kSeed);
+  state->net = std::make_unique<Net>(&state->gen);
+  state->optimizer = std::make_unique<mt::SGD>(state->net->parameters(),
+                                               mt::SGDOptions{.lr = 0.05, .momentum = 0.9});
+  auto step = [state, policy] {
+    mt::Batch batch = state->loader->next();
+    state->optimizer->zero_grad();
+    mt::Tensor inputs =
+        batch.inputs + mt::randn(batch.inputs.shape(), mt::f32, &state->noise, 0, 0.2);
+    mt::Tensor loss;
+    {
+      mt::autocast guard(policy);
+      loss = mt::cross_entropy((*state->net)(inputs), batch.targets,
+                               mt::CrossEntropyOptions{.label_smoothing = 0.2});
+    }
+    loss.backward();
+    state->optimizer->step();
+  };
+  return {step, {{"batch", kBatch}, {"hidden", 128}, {"parameters", parameter_count(*state->net)}}};
+}
+
+/// CharGpt (examples/char_gpt_model.h) on fortunes.txt with nanoGPT's CPU settings: 4 layers,
+/// 4 heads, width 128, context 64, batch 12, AdamW 1e-3 (beta2 0.99, weight decay 0.1) and
+/// gradient clipping at 1. One optimizer over all parameters: the peers do the same.
+Workload gpt_workload(const mt::PolicyPtr& policy) {
+  struct State {
+    mt::Generator gen{kSeed};
+    std::unique_ptr<CharGpt> model;
+    std::unique_ptr<mt::AdamW> optimizer;
+    std::unique_ptr<mt::TextWindows> windows;
+    std::unique_ptr<mt::DataLoader> loader;
+  };
+  auto state = std::make_shared<State>();
+  std::string text = mt::read_file(mt::default_data_dir() + "/fortunes.txt");
+  mt::CharVocab vocab(text);
+  GptConfig config{.vocab = vocab.size(), .layers = 4, .heads = 4, .width = 128, .context = 64};
+  constexpr int64_t kBatch = 12;
+  state->windows = std::make_unique<mt::TextWindows>(vocab.encode(text), config.context);
+  state->loader = std::make_unique<mt::DataLoader>(*state->windows, kBatch, true, kSeed);
+  state->model = std::make_unique<CharGpt>(config, &state->gen);
+  state->optimizer = std::make_unique<mt::AdamW>(
+      state->model->parameters(), mt::AdamOptions{.lr = 1e-3, .beta2 = 0.99, .weight_decay = 0.1});
+  auto step = [state, policy] {
+    mt::Batch batch = state->loader->next();
+    state->optimizer->zero_grad();
+    mt::Tensor loss;
+    {
+      mt::autocast guard(policy);
+      loss = state->model->loss(batch.inputs, batch.targets);
+    }
+    loss.backward();
+    mt::clip_grad_norm(state->model->parameters(), 1.0);
+    state->optimizer->step();
+  };
+  return {step,
+          {{"batch", kBatch},
+           {"context", config.context},
+           {"layers", config.layers},
+           {"heads", config.heads},
+           {"width", config.width},
+           {"vocab", config.vocab},
+           {"parameters", parameter_count(*state->model)}}};
+}
+
+Workload make_workload(const std::string& name, const mt::PolicyPtr& policy) {
+  long long width = 0, batch = 0;
+  int consumed = 0;
+  if (std::sscanf(name.c_str(), "mlp_w%lld_b%lld%n", &width, &batch, &consumed) == 2 &&
+      static_cast<size_t>(consumed) == name.size() && width > 0 && batch > 0)
+    return mlp_workload(width, batch, policy);
+  if (name == "digits_mlp") return digits_workload(policy);
+  if (name == "char_gpt") return gpt_workload(policy);
+  mt::fail("bench_training: unknown workload '{}' (mlp_w<W>_b<B>, digits_mlp, char_gpt)", name);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bench::CommandLine line = bench::parse_command_line(argc, argv, "bench_training", kUsage);
+  try {
+    for (const std::string& name : line.workloads) {
+      for (const std::string& precision : line.precisions) {
+        mt::PolicyPtr policy = mt::policy_by_name(precision == "bf16" ? "autocast-bf16" : "fp32");
+        mt::reset_execution_stats();
+        Workload workload = make_workload(name, policy);
+        // Setup and warm-up (tracing, compiling, first runs) apart from the timed windows, whose
+        // counters are reported per step.
+        mt::ExecutionStats warmup_stats;
+        auto after_warmup = [&] {
+          warmup_stats = mt::execution_stats();
+          mt::reset_execution_stats();
+        };
+        mt::json::Object result = bench::measure(workload.step, line.timing, after_warmup);
+        mt::json::Value timed(result);
+        int64_t timed_steps = timed.at("steps_per_window").as_int() * timed.at("windows").as_int();
+        mt::json::Object record{{"system", "mixtape"},
+                                {"workload", name},
+                                {"precision", precision},
+                                {"backend", bench::backend()}};
+        bench::append(record, workload.facts);
+        bench::append(record, result);
+        record.emplace_back("setup_and_warmup_stats", bench::stats_json(warmup_stats));
+        record.emplace_back("per_step_stats",
+                            bench::stats_json(mt::execution_stats(), timed_steps));
+        bench::emit(record);
+      }
+    }
+  } catch (const mt::Error& e) {
+    std::fprintf(stderr, "bench_training: error: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

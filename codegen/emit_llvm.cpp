@@ -1,0 +1,529 @@
+// codegen/emit_llvm.cpp -- kernel IR -> LLVM 16 IR text (opaque pointers) for the ORC JIT.
+#include "codegen/emit_llvm.h"
+
+#include <bit>
+#include <cmath>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "dsl/error.h"
+
+namespace mixtape {
+namespace {
+
+using kir::Affine;
+using kir::Op;
+using kir::Type;
+using kir::Value;
+
+const char* llvm_type(Type type) {
+  switch (type) {
+    case Type::f32:
+      return "float";
+    case Type::f64:
+      return "double";
+    case Type::i64:
+      return "i64";
+    case Type::i1:
+      return "i1";
+  }
+  return "";
+}
+
+bool is_float(Type type) { return type == Type::f32 || type == Type::f64; }
+
+std::string constant(Type type, double imm) {
+  switch (type) {
+    case Type::f32:  // LLVM spells float constants as the double of the same value, in hex
+      return fmt::format("0x{:016X}",
+                         std::bit_cast<uint64_t>(static_cast<double>(static_cast<float>(imm))));
+    case Type::f64:
+      return fmt::format("0x{:016X}", std::bit_cast<uint64_t>(imm));
+    case Type::i64:
+      return fmt::format("{}", static_cast<int64_t>(imm));
+    case Type::i1:
+      return imm != 0 ? "true" : "false";
+  }
+  return "";
+}
+
+class Emitter {
+ public:
+  explicit Emitter(const kir::Kernel& kernel) : k_(kernel) {}
+
+  std::string run() {
+    emit_function();
+    std::string function = std::move(out_);
+    std::string text = fmt::format("; mixtape kernel {}\n", k_.name);
+    for (const std::string& decl : declarations_) text += decl + "\n";
+    return text + function;
+  }
+
+ private:
+  template <typename... Args>
+  void line(fmt::format_string<Args...> format, Args&&... args) {
+    out_ += "  ";
+    out_ += fmt::format(format, std::forward<Args>(args)...);
+    out_ += "\n";
+  }
+  void label(const std::string& name) { out_ += name + ":\n"; }
+  std::string tmp() { return fmt::format("%t{}", next_tmp_++); }
+
+  void emit_function() {
+    out_ += fmt::format(
+        "define void @{}(ptr noalias nocapture readonly %params, i64 %begin, i64 %end) #0 {{\n",
+        k_.name);
+    label("entry");
+    for (size_t p = 0; p < k_.params.size(); ++p) {
+      line("%pp{} = getelementptr inbounds ptr, ptr %params, i64 {}", p, p);
+      line("%p{} = load ptr, ptr %pp{}, !noalias !0", p, p);
+    }
+    int rank = static_cast<int>(k_.dims.size());
+    for (int d = 0; d < rank; ++d) line("%i{}.addr = alloca i64", d);
+    line("%o.addr = alloca i64");
+    for (size_t r = 0; r < k_.reductions.size(); ++r)
+      line("%acc{}.addr = alloca {}", r, llvm_type(k_.reductions[r].type));
+    // The executor hands out ranges of the parallel dims flattened: decompose per point.
+    int parallel = k_.parallel_dims();
+    line("store i64 %begin, ptr %o.addr");
+    line("br label %outer.head");
+    label("outer.head");
+    line("%o = load i64, ptr %o.addr");
+    line("%outer.more = icmp slt i64 %o, %end");
+    line("br i1 %outer.more, label %outer.body, label %exit");
+    label("outer.body");
+    std::string rest = "%o";
+    for (int d = parallel - 1; d >= 0; --d) {
+      if (d == 0) {
+        line("%i0 = add i64 {}, 0", rest);
+      } else {
+        line("%i{} = urem i64 {}, {}", d, rest, k_.dims[d]);
+        line("%q{} = udiv i64 {}, {}", d, rest, k_.dims[d]);
+        rest = fmt::format("%q{}", d);
+      }
+    }
+    if (k_.is_reduction()) {
+      for (size_t r = 0; r < k_.reductions.size(); ++r) {
+        const kir::Reduction& red = k_.reductions[r];
+        std::string init_text;
+        if (red.kind == kir::ReduceKind::Sum)
+          init_text = constant(red.type, 0.0);
+        else if (is_float(red.type))
+          init_text = "0xFFF0000000000000";  // -inf
+        else
+          init_text = "-9223372036854775808";
+        line("store {} {}, ptr %acc{}.addr", llvm_type(red.type), init_text, r);
+      }
+      inner_loops(parallel, rank, [&] {
+        values(k_.body, "v");
+        stores(k_.stores);
+        accumulate();
+      });
+      for (size_t r = 0; r < k_.reductions.size(); ++r)
+        line("%acc{} = load {}, ptr %acc{}.addr", r, llvm_type(k_.reductions[r].type), r);
+      values(k_.epilogue, "e");
+      stores(k_.epilogue_stores);
+    } else {
+      inner_loops(parallel, rank, [&] {
+        values(k_.body, "v");
+        stores(k_.stores);
+      });
+    }
+    line("%o.next = add nsw i64 %o, 1");
+    line("store i64 %o.next, ptr %o.addr");
+    line("br label %outer.head");
+    label("exit");
+    line("ret void");
+    out_ += "}\n\n";
+    out_ +=
+        "attributes #0 = { nounwind \"prefer-vector-width\"=\"512\" "
+        "\"min-legal-vector-width\"=\"0\" }\n";
+    out_ += "!0 = !{}\n";
+  }
+
+  // Loops dims [from, to) around `body`, innermost last.
+  template <typename F>
+  void inner_loops(int from, int to, F body) {
+    if (from >= to) {
+      body();
+      return;
+    }
+    int d = from;
+    line("store i64 0, ptr %i{}.addr", d);
+    line("br label %l{}.head", d);
+    label(fmt::format("l{}.head", d));
+    line("%i{} = load i64, ptr %i{}.addr", d, d);
+    line("%l{}.more = icmp slt i64 %i{}, {}", d, d, k_.dims[d]);
+    line("br i1 %l{}.more, label %l{}.body, label %l{}.exit", d, d, d);
+    label(fmt::format("l{}.body", d));
+    inner_loops(from + 1, to, body);
+    line("%i{}.next = add nsw i64 %i{}, 1", d, d);
+    line("store i64 %i{}.next, ptr %i{}.addr", d, d);
+    line("br label %l{}.head", d);
+    label(fmt::format("l{}.exit", d));
+  }
+
+  std::string offset(const Affine& map) {
+    std::string sum = fmt::format("{}", map.base);
+    for (size_t d = 0; d < map.coeff.size(); ++d) {
+      if (map.coeff[d] == 0) continue;
+      std::string term = tmp();
+      line("{} = mul nsw i64 %i{}, {}", term, d, map.coeff[d]);
+      std::string next = tmp();
+      line("{} = add nsw i64 {}, {}", next, sum, term);
+      sum = next;
+    }
+    return sum;
+  }
+
+  void declare(const std::string& decl) { declarations_.insert(decl); }
+
+  std::string call(const char* name, Type type, const std::string& args) {
+    std::string fn = type == Type::f32 ? fmt::format("{}f", name) : name;
+    const char* t = llvm_type(type);
+    std::string params = args.find(',') != std::string::npos ? fmt::format("{}, {}", t, t) : t;
+    declare(fmt::format("declare {} @{}({}) nounwind", t, fn, params));
+    return fmt::format("call {} @{}({})", t, fn, args);
+  }
+
+  // f32 `x` rounded to bf16 (as integer operations, DESIGN.md decision 8) and widened back.
+  std::string round_bf16(const std::string& x) {
+    std::string bits = tmp(), mag = tmp(), nan = tmp(), lsb = tmp(), lsb1 = tmp(), bias = tmp(),
+                sum = tmp(), rounded = tmp(), hi = tmp(), quiet = tmp(), pick = tmp(), out = tmp(),
+                result = tmp();
+    line("{} = bitcast float {} to i32", bits, x);
+    line("{} = and i32 {}, 2147483647", mag, bits);
+    line("{} = icmp ugt i32 {}, 2139095040", nan, mag);
+    line("{} = lshr i32 {}, 16", lsb, bits);
+    line("{} = and i32 {}, 1", lsb1, lsb);
+    line("{} = add i32 {}, 32767", bias, lsb1);
+    line("{} = add i32 {}, {}", sum, bits, bias);
+    line("{} = and i32 {}, -65536", rounded, sum);
+    line("{} = and i32 {}, -65536", hi, bits);
+    line("{} = or i32 {}, 4194304", quiet, hi);
+    line("{} = select i1 {}, i32 {}, i32 {}", pick, nan, quiet, rounded);
+    line("{} = add i32 {}, 0", out, pick);
+    line("{} = bitcast i32 {} to float", result, out);
+    return result;
+  }
+
+  // f64 `x` to f32 with round-to-odd, so that one more rounding to a 16-bit type is exact.
+  std::string round_to_odd(const std::string& x) {
+    std::string f = tmp(), back = tmp(), exact = tmp(), bits = tmp(), abs_back = tmp(),
+                abs_x = tmp(), bigger = tmp(), down = tmp(), toward = tmp(), odd = tmp(),
+                odd_f = tmp(), result = tmp();
+    declare("declare double @llvm.fabs.f64(double)");
+    line("{} = fptrunc double {} to float", f, x);
+    line("{} = fpext float {} to double", back, f);
+    line("{} = fcmp ueq double {}, {}", exact, back, x);
+    line("{} = bitcast float {} to i32", bits, f);
+    line("{} = call double @llvm.fabs.f64(double {})", abs_back, back);
+    line("{} = call double @llvm.fabs.f64(double {})", abs_x, x);
+    line("{} = fcmp ogt double {}, {}", bigger, abs_back, abs_x);
+    line("{} = sub i32 {}, 1", down, bits);
+    line("{} = select i1 {}, i32 {}, i32 {}", toward, bigger, down, bits);
+    line("{} = or i32 {}, 1", odd, toward);
+    line("{} = bitcast i32 {} to float", odd_f, odd);
+    line("{} = select i1 {}, float {}, float {}", result, exact, f, odd_f);
+    return result;
+  }
+
+  std::string round_to(const Value& v, const std::string& a, Type from) {
+    if (v.dtype == DType::i32) {
+      std::string narrow = tmp(), wide = tmp();
+      line("{} = trunc i64 {} to i32", narrow, a);
+      line("{} = sext i32 {} to i64", wide, narrow);
+      return wide;
+    }
+    std::string x = from == Type::f64 ? round_to_odd(a) : a;
+    if (v.dtype == DType::bf16) return round_bf16(x);
+    std::string h = tmp(), back = tmp();
+    line("{} = fptrunc float {} to half", h, x);
+    line("{} = fpext half {} to float", back, h);
+    return back;
+  }
+
+  std::string convert(const std::string& a, Type from, Type to) {
+    std::string r = tmp();
+    const char* f = llvm_type(from);
+    const char* t = llvm_type(to);
+    if (from == to) return a;
+    if (from == Type::f32 && to == Type::f64)
+      line("{} = fpext float {} to double", r, a);
+    else if (from == Type::f64 && to == Type::f32)
+      line("{} = fptrunc double {} to float", r, a);
+    else if (is_float(from) && to == Type::i64)
+      line("{} = fptosi {} {} to i64", r, f, a);
+    else if (is_float(from) && to == Type::i1)
+      line("{} = fcmp une {} {}, 0.0", r, f, a);
+    else if (from == Type::i64 && is_float(to))
+      line("{} = sitofp i64 {} to {}", r, a, t);
+    else if (from == Type::i64 && to == Type::i1)
+      line("{} = icmp ne i64 {}, 0", r, a);
+    else if (from == Type::i1 && to == Type::i64)
+      line("{} = zext i1 {} to i64", r, a);
+    else if (from == Type::i1 && is_float(to))
+      line("{} = uitofp i1 {} to {}", r, a, t);
+    else
+      fail("llvm emitter: no conversion from {} to {}", f, t);
+    return r;
+  }
+
+  std::string load(const Value& v) {
+    DType dtype = k_.params[v.param].dtype;
+    std::string off = offset(v.map);
+    std::string ptr = tmp(), raw = tmp();
+    auto gep = [&](const char* elt) {
+      line("{} = getelementptr inbounds {}, ptr %p{}, i64 {}", ptr, elt, v.param, off);
+    };
+    switch (dtype) {
+      case DType::f32:
+        gep("float");
+        line("{} = load float, ptr {}", raw, ptr);
+        return raw;
+      case DType::f64:
+        gep("double");
+        line("{} = load double, ptr {}", raw, ptr);
+        return raw;
+      case DType::f16: {
+        gep("half");
+        line("{} = load half, ptr {}", raw, ptr);
+        std::string r = tmp();
+        line("{} = fpext half {} to float", r, raw);
+        return r;
+      }
+      case DType::bf16: {
+        gep("i16");
+        line("{} = load i16, ptr {}", raw, ptr);
+        std::string wide = tmp(), shifted = tmp(), r = tmp();
+        line("{} = zext i16 {} to i32", wide, raw);
+        line("{} = shl i32 {}, 16", shifted, wide);
+        line("{} = bitcast i32 {} to float", r, shifted);
+        return r;
+      }
+      case DType::i32: {
+        gep("i32");
+        line("{} = load i32, ptr {}", raw, ptr);
+        std::string r = tmp();
+        line("{} = sext i32 {} to i64", r, raw);
+        return r;
+      }
+      case DType::i64:
+        gep("i64");
+        line("{} = load i64, ptr {}", raw, ptr);
+        return raw;
+      case DType::boolean: {
+        gep("i8");
+        line("{} = load i8, ptr {}", raw, ptr);
+        std::string r = tmp();
+        line("{} = icmp ne i8 {}, 0", r, raw);
+        return r;
+      }
+    }
+    return raw;
+  }
+
+  void store(DType dtype, int param, const Affine& map, const std::string& value) {
+    std::string off = offset(map);
+    std::string ptr = tmp();
+    auto gep = [&](const char* elt) {
+      line("{} = getelementptr inbounds {}, ptr %p{}, i64 {}", ptr, elt, param, off);
+    };
+    switch (dtype) {
+      case DType::f32:
+        gep("float");
+        line("store float {}, ptr {}", value, ptr);
+        return;
+      case DType::f64:
+        gep("double");
+        line("store double {}, ptr {}", value, ptr);
+        return;
+      case DType::f16: {  // the value is already rounded: the truncation is exact
+        std::string h = tmp();
+        line("{} = fptrunc float {} to half", h, value);
+        gep("half");
+        line("store half {}, ptr {}", h, ptr);
+        return;
+      }
+      case DType::bf16: {
+        std::string bits = tmp(), hi = tmp(), h = tmp();
+        line("{} = bitcast float {} to i32", bits, value);
+        line("{} = lshr i32 {}, 16", hi, bits);
+        line("{} = trunc i32 {} to i16", h, hi);
+        gep("i16");
+        line("store i16 {}, ptr {}", h, ptr);
+        return;
+      }
+      case DType::i32: {
+        std::string n = tmp();
+        line("{} = trunc i64 {} to i32", n, value);
+        gep("i32");
+        line("store i32 {}, ptr {}", n, ptr);
+        return;
+      }
+      case DType::i64:
+        gep("i64");
+        line("store i64 {}, ptr {}", value, ptr);
+        return;
+      case DType::boolean: {
+        std::string b = tmp();
+        line("{} = zext i1 {} to i8", b, value);
+        gep("i8");
+        line("store i8 {}, ptr {}", b, ptr);
+        return;
+      }
+    }
+  }
+
+  void values(const std::vector<Value>& list, const char* prefix) {
+    names_.assign(list.size(), "");
+    for (size_t i = 0; i < list.size(); ++i) names_[i] = value(list[i], prefix, i, list);
+  }
+
+  std::string value(const Value& v, const char* prefix, size_t index,
+                    const std::vector<Value>& list) {
+    std::string r = fmt::format("%{}{}", prefix, index);
+    const char* t = llvm_type(v.type);
+    auto operand = [&](int32_t id) { return names_[id]; };
+    auto operand_type = [&](int32_t id) { return list[id].type; };
+    bool f = v.a >= 0 && is_float(operand_type(v.a));
+    switch (v.op) {
+      case Op::Const:
+        return constant(v.type, v.imm);
+      case Op::Load:
+        return load(v);
+      case Op::Accumulated:
+        return fmt::format("%acc{}", v.param);
+      case Op::Neg:
+        if (f)
+          line("{} = fneg {} {}", r, t, operand(v.a));
+        else
+          line("{} = sub i64 0, {}", r, operand(v.a));
+        return r;
+      case Op::Add:
+      case Op::Sub:
+      case Op::Mul:
+      case Op::Div: {
+        static const char* float_ops[] = {"fadd", "fsub", "fmul", "fdiv"};
+        static const char* int_ops[] = {"add", "sub", "mul", "sdiv"};
+        int k = static_cast<int>(v.op) - static_cast<int>(Op::Add);
+        line("{} = {} {} {}, {}", r, f ? float_ops[k] : int_ops[k], t, operand(v.a), operand(v.b));
+        return r;
+      }
+      case Op::Lt:
+      case Op::Le:
+      case Op::Gt:
+      case Op::Ge:
+      case Op::Eq:
+      case Op::Ne: {
+        // C++ semantics: ordered compares are false on NaN, != is true.
+        static const char* float_preds[] = {"olt", "ole", "ogt", "oge", "oeq", "une"};
+        static const char* int_preds[] = {"slt", "sle", "sgt", "sge", "eq", "ne"};
+        int k = static_cast<int>(v.op) - static_cast<int>(Op::Lt);
+        Type ot = operand_type(v.a);
+        if (is_float(ot))
+          line("{} = fcmp {} {} {}, {}", r, float_preds[k], llvm_type(ot), operand(v.a),
+               operand(v.b));
+        else
+          line("{} = icmp {} {} {}, {}", r, int_preds[k], llvm_type(ot), operand(v.a),
+               operand(v.b));
+        return r;
+      }
+      case Op::Or:
+        line("{} = or i1 {}, {}", r, operand(v.a), operand(v.b));
+        return r;
+      case Op::Select:
+        line("{} = select i1 {}, {} {}, {} {}", r, operand(v.a), t, operand(v.b), t, operand(v.c));
+        return r;
+      case Op::IsNan:
+        line("{} = fcmp uno {} {}, {}", r, llvm_type(operand_type(v.a)), operand(v.a),
+             operand(v.a));
+        return r;
+      case Op::Sqrt:
+        declare(
+            fmt::format("declare {} @llvm.sqrt.{}({})", t, v.type == Type::f32 ? "f32" : "f64", t));
+        line("{} = call {} @llvm.sqrt.{}({} {})", r, t, v.type == Type::f32 ? "f32" : "f64", t,
+             operand(v.a));
+        return r;
+      case Op::Exp:
+      case Op::Log:
+      case Op::Tanh:
+      case Op::Erf:
+      case Op::Sin:
+      case Op::Cos: {
+        static const char* names[] = {"exp", "log", "sqrt", "tanh", "erf", "sin", "cos"};
+        const char* name = names[static_cast<int>(v.op) - static_cast<int>(Op::Exp)];
+        line("{} = {}", r, call(name, v.type, fmt::format("{} {}", t, operand(v.a))));
+        return r;
+      }
+      case Op::Pow:
+        line("{} = {}", r,
+             call("pow", v.type, fmt::format("{} {}, {} {}", t, operand(v.a), t, operand(v.b))));
+        return r;
+      case Op::Convert:
+        return convert(operand(v.a), operand_type(v.a), v.type);
+      case Op::RoundTo:
+        return round_to(v, operand(v.a), operand_type(v.a));
+    }
+    fail("llvm emitter: unknown op {}", kir::op_name(v.op));
+  }
+
+  void stores(const std::vector<kir::Store>& list_stores) {
+    for (const kir::Store& s : list_stores)
+      store(k_.params[s.param].dtype, s.param, s.map, names_[s.value]);
+  }
+
+  void accumulate() {
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      const kir::Reduction& red = k_.reductions[r];
+      const char* t = llvm_type(red.type);
+      std::string acc = tmp(), next = tmp();
+      std::string x = names_[red.value];
+      line("{} = load {}, ptr %acc{}.addr", acc, t, r);
+      if (red.kind == kir::ReduceKind::Sum) {
+        if (!is_float(red.type)) {
+          line("{} = add i64 {}, {}", next, acc, x);
+        } else if (is_half(red.round_to)) {
+          std::string sum = tmp();
+          line("{} = fadd {} {}, {}", sum, t, acc, x);
+          Value round{Op::RoundTo, red.type};
+          round.dtype = red.round_to;
+          next = round_to(round, sum, red.type);
+        } else {
+          // Reassociation lets the vectorizer split the sum into lanes, as every fast
+          // reduction does; results differ from a sequential sum within rounding.
+          line("{} = fadd reassoc {} {}, {}", next, t, acc, x);
+        }
+      } else if (is_float(red.type)) {
+        // NaN-propagating: a NaN wins, and nothing replaces a NaN.
+        std::string x_nan = tmp(), acc_nan = tmp(), gt = tmp(), keep = tmp(), take_gt = tmp(),
+                    take = tmp();
+        line("{} = fcmp uno {} {}, {}", x_nan, t, x, x);
+        line("{} = fcmp uno {} {}, {}", acc_nan, t, acc, acc);
+        line("{} = fcmp ogt {} {}, {}", gt, t, x, acc);
+        line("{} = xor i1 {}, true", keep, acc_nan);
+        line("{} = and i1 {}, {}", take_gt, keep, gt);
+        line("{} = or i1 {}, {}", take, x_nan, take_gt);
+        line("{} = select i1 {}, {} {}, {} {}", next, take, t, x, t, acc);
+      } else {
+        std::string gt = tmp();
+        line("{} = icmp sgt i64 {}, {}", gt, x, acc);
+        line("{} = select i1 {}, i64 {}, i64 {}", next, gt, x, acc);
+      }
+      line("store {} {}, ptr %acc{}.addr", t, next, r);
+    }
+  }
+
+  const kir::Kernel& k_;
+  std::string out_;
+  std::set<std::string> declarations_;
+  std::vector<std::string> names_;
+  int next_tmp_ = 0;
+};
+
+}  // namespace
+
+std::string emit_llvm(const kir::Kernel& kernel) { return Emitter(kernel).run(); }
+
+}  // namespace mixtape

@@ -1,0 +1,90 @@
+// codegen/kernel_ir.cpp -- register types and the readable listing of kernels.
+#include "codegen/kernel_ir.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+namespace mixtape::kir {
+
+Type register_type(DType dtype) {
+  switch (dtype) {
+    case DType::f64:
+      return Type::f64;
+    case DType::f32:
+    case DType::f16:
+    case DType::bf16:
+      return Type::f32;
+    case DType::i32:
+    case DType::i64:
+      return Type::i64;
+    case DType::boolean:
+      return Type::i1;
+  }
+  return Type::f32;
+}
+
+const char* op_name(Op op) {
+  static const char* names[] = {
+      "const", "load", "neg", "add", "sub", "mul",    "div",     "lt",       "le",
+      "gt",    "ge",   "eq",  "ne",  "or",  "select", "isnan",   "exp",      "log",
+      "sqrt",  "tanh", "erf", "sin", "cos", "pow",    "convert", "round_to", "accumulated"};
+  return names[static_cast<int>(op)];
+}
+
+namespace {
+
+const char* type_name(Type type) {
+  static const char* names[] = {"f32", "f64", "i64", "i1"};
+  return names[static_cast<int>(type)];
+}
+
+std::string affine(const Affine& a) {
+  std::string out = fmt::format("{}", a.base);
+  for (size_t d = 0; d < a.coeff.size(); ++d)
+    if (a.coeff[d] != 0) out += fmt::format(" + {}*i{}", a.coeff[d], d);
+  return out;
+}
+
+void list_values(std::string& out, const std::vector<Value>& values, const char* prefix) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    const Value& v = values[i];
+    out += fmt::format("  {}{} = {}.{}", prefix, i, op_name(v.op), type_name(v.type));
+    for (int32_t operand : {v.a, v.b, v.c})
+      if (operand >= 0) out += fmt::format(" {}{}", prefix, operand);
+    if (v.op == Op::Const) out += fmt::format(" {}", v.imm);
+    if (v.op == Op::Load) out += fmt::format(" p{}[{}]", v.param, affine(v.map));
+    if (v.op == Op::Accumulated) out += fmt::format(" r{}", v.param);
+    if (v.op == Op::RoundTo) out += fmt::format(" {}", name(v.dtype));
+    out += "\n";
+  }
+}
+
+void list_stores(std::string& out, const std::vector<Store>& stores, const char* prefix) {
+  for (const Store& s : stores)
+    out += fmt::format("  p{}[{}] = {}{}\n", s.param, affine(s.map), prefix, s.value);
+}
+
+}  // namespace
+
+std::string to_string(const Kernel& kernel) {
+  std::string out = fmt::format("kernel {} dims [{}]", kernel.name, fmt::join(kernel.dims, ", "));
+  if (kernel.is_reduction()) out += fmt::format(" reduce from {}", kernel.reduce_from);
+  out += "\n";
+  for (size_t p = 0; p < kernel.params.size(); ++p)
+    out += fmt::format("  p{}: {} {}\n", p, name(kernel.params[p].dtype),
+                       kernel.params[p].output ? "out" : "in");
+  list_values(out, kernel.body, "v");
+  list_stores(out, kernel.stores, "v");
+  for (size_t r = 0; r < kernel.reductions.size(); ++r) {
+    const Reduction& red = kernel.reductions[r];
+    out += fmt::format(
+        "  r{} = {}.{} v{}{}\n", r, red.kind == ReduceKind::Sum ? "sum" : "max",
+        type_name(red.type), red.value,
+        is_half(red.round_to) ? fmt::format(" rounding to {}", name(red.round_to)) : "");
+  }
+  list_values(out, kernel.epilogue, "e");
+  list_stores(out, kernel.epilogue_stores, "e");
+  return out;
+}
+
+}  // namespace mixtape::kir

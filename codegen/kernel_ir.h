@@ -1,0 +1,119 @@
+// codegen/kernel_ir.h -- the backend-neutral kernel IR that fusion groups lower to and emitters
+// print.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "dsl/dtype.h"
+
+namespace mixtape::kir {
+
+/// Register types: every float storage type computes in f32 registers except f64; integers in
+/// i64; bool in i1.
+enum class Type : uint8_t { f32, f64, i64, i1 };
+
+enum class Op : uint8_t {
+  Const,  // imm
+  Load,   // element of param `param` at offset `map` (register type of the param's dtype)
+  Neg,
+  Add,
+  Sub,
+  Mul,
+  Div,
+  Lt,  // comparisons give i1
+  Le,
+  Gt,
+  Ge,
+  Eq,
+  Ne,
+  Or,      // i1
+  Select,  // a ? b : c
+  IsNan,
+  Exp,  // libm calls, so that results equal the reference executor's bit for bit
+  Log,
+  Sqrt,
+  Tanh,
+  Erf,
+  Sin,
+  Cos,
+  Pow,
+  Convert,     // a to `type` (C conversion rules: float->int truncates, ->i1 is != 0)
+  RoundTo,     // a (f32 or f64) rounded RNE to `dtype` and back: a value stored as `dtype`
+  Accumulated  // the final value of reduction `param` (epilogue only)
+};
+
+/// An affine function of the loop variables: base + sum(coeff[d] * i_d).
+struct Affine {
+  int64_t base = 0;
+  std::vector<int64_t> coeff;
+  bool operator==(const Affine&) const = default;
+};
+
+struct Value {
+  Value(Op op, Type type) : op(op), type(type) {}
+  Op op;
+  Type type;
+  int32_t a = -1, b = -1, c = -1;  // operands: indices into the same value list
+  double imm = 0;                  // Const
+  int32_t param = -1;              // Load: param index; Accumulated: reduction index
+  Affine map;                      // Load: element offset
+  DType dtype = DType::f32;        // RoundTo: the storage type
+};
+
+struct Param {
+  DType dtype;
+  bool output;
+};
+
+struct Store {
+  int32_t param;
+  int32_t value;  // index into the list the store belongs to (body or epilogue)
+  Affine map;
+};
+
+enum class ReduceKind : uint8_t { Sum, Max };
+
+struct Reduction {
+  ReduceKind kind;
+  Type type;             // accumulator register type
+  int32_t value;         // body value reduced
+  DType round_to = f32;  // f16/bf16: every partial sum is rounded to it (a 16-bit accumulator)
+};
+
+/// One kernel: a loop nest over `dims` (outer to inner). Pointwise kernels compute `body` and
+/// `stores` at every point. Reduction kernels loop dims[0, reduce_from) outside and
+/// dims[reduce_from, end) inside, accumulate `reductions` over the inner dims from `body`, then
+/// compute `epilogue` and `epilogue_stores` once per outer point (their maps use outer dims only).
+struct Kernel {
+  std::string name;
+  std::vector<Param> params;
+  std::vector<int64_t> dims;
+  int reduce_from = -1;  // -1: pointwise
+  std::vector<Value> body;
+  std::vector<Store> stores;
+  std::vector<Reduction> reductions;
+  std::vector<Value> epilogue;
+  std::vector<Store> epilogue_stores;
+
+  bool is_reduction() const { return reduce_from >= 0; }
+  /// The loop dims the executor splits across threads: every dim but the innermost for
+  /// pointwise kernels of rank > 1, else the single dim; the outer dims of a reduction.
+  int parallel_dims() const {
+    if (is_reduction()) return reduce_from;
+    return dims.size() > 1 ? static_cast<int>(dims.size()) - 1 : 1;
+  }
+  int64_t parallel_extent() const {
+    int64_t n = 1;
+    for (int d = 0; d < parallel_dims(); ++d) n *= dims[d];
+    return n;
+  }
+};
+
+Type register_type(DType dtype);
+const char* op_name(Op op);
+/// A readable listing, for MIXTAPE_LOG=kernels and for tests.
+std::string to_string(const Kernel& kernel);
+
+}  // namespace mixtape::kir

@@ -1,0 +1,316 @@
+// codegen/lower.cpp -- fusion group -> kernel IR, tracing ops.def's REF expressions with Sym.
+#include "codegen/lower.h"
+
+#include <algorithm>
+#include <unordered_set>
+
+#include "codegen/hash.h"
+#include "codegen/scalar_trace.h"
+#include "dsl/convert.h"
+#include "dsl/error.h"
+#include "dsl/scalar_math.h"
+#include "dsl/shape.h"
+
+namespace mixtape {
+namespace {
+
+using kir::Affine;
+using kir::Op;
+using kir::Sym;
+using kir::Type;
+using kir::ValueBuilder;
+
+// The register type the reference executor computes a pointwise op of `dtype` in (its
+// with_compute_type): f32 for all float types but f64, and i64 for integers and bool.
+Type compute_type(DType dtype) {
+  if (dtype == f64) return Type::f64;
+  return is_floating(dtype) ? Type::f32 : Type::i64;
+}
+
+// The value `fill` takes once stored as `dtype`, as a double.
+double stored_constant(double fill, DType dtype) {
+  Storage one(dtype, 1);
+  store_element(one, 0, fill);
+  return load_element<double>(one, 0);
+}
+
+class Lowerer {
+ public:
+  explicit Lowerer(const FusionGroup& group) : group_(group) {
+    members_.insert(group.members.begin(), group.members.end());
+    prologue_ = prologue_members();
+  }
+
+  LoweredKernel run() {
+    kir::Kernel& k = out_.kernel;
+    k.dims = group_.dims;
+    k.reduce_from = group_.reduce_from;
+    if (group_.reduction) ensure_reduction();
+    for (Node* output : group_.outputs) {
+      const std::vector<Access>& accesses = group_.access.at(output);
+      bool in_body = !group_.reduction || prologue_.count(output);
+      if (output == group_.reduction) in_body = false;
+      Stage& stage = in_body ? body_ : epilogue_;
+      int32_t value = emit(output, accesses[0], stage);
+      kir::Store store{output_param(output), value, offset(accesses[0], output->shape)};
+      (in_body ? k.stores : k.epilogue_stores).push_back(store);
+    }
+    std::string listing = kir::to_string(k);
+    k.name = "mt_" + hash_string(listing).hex();
+    return std::move(out_);
+  }
+
+ private:
+  struct Stage {
+    std::vector<kir::Value>* values;
+    bool epilogue;
+    std::vector<std::pair<std::pair<Node*, Access>, int32_t>> memo;
+  };
+
+  std::unordered_set<Node*> prologue_members() const {
+    std::unordered_set<Node*> prologue;
+    if (!group_.reduction) return prologue;
+    std::vector<Node*> stack = {group_.reduction->inputs[0].get()};
+    while (!stack.empty()) {
+      Node* node = stack.back();
+      stack.pop_back();
+      if (!members_.count(node) || !prologue.insert(node).second) continue;
+      for (const NodePtr& input : node->inputs) stack.push_back(input.get());
+    }
+    return prologue;
+  }
+
+  // The reduction is traced into the body once, whichever output asks for it first.
+  void ensure_reduction() {
+    if (reduction_index_ >= 0) return;
+    Node* r = group_.reduction;
+    Access input_identity = reduction_input_access();
+    int32_t value = emit(r->inputs[0].get(), input_identity, body_);
+    kir::Reduction red;
+    red.kind = r->op == OpCode::Sum ? kir::ReduceKind::Sum : kir::ReduceKind::Max;
+    if (r->op == OpCode::Sum)
+      red.type = is_floating(r->dtype) ? (r->accum == f64 ? Type::f64 : Type::f32) : Type::i64;
+    else
+      red.type = compute_type(r->dtype);
+    if (red.kind == kir::ReduceKind::Sum && is_half(r->accum)) red.round_to = r->accum;
+    red.value = convert(body_, value, red.type);
+    out_.kernel.reductions.push_back(red);
+    reduction_index_ = 0;
+  }
+
+  Access reduction_input_access() const {
+    // The loop var of each input axis: kept axes are the outer dims in order, reduced ones the
+    // inner dims in order (fusion.cpp builds the nest the same way).
+    Node* r = group_.reduction;
+    const Shape& in = r->inputs[0]->shape;
+    size_t rank = group_.dims.size();
+    int outer = static_cast<int>(rank) - static_cast<int>(in.size());  // 1 for a full reduction
+    int kept = 0, reduced = 0;
+    for (size_t d = 0; d < in.size(); ++d)
+      if (std::find(r->attrs.axes.begin(), r->attrs.axes.end(), static_cast<int64_t>(d)) ==
+          r->attrs.axes.end())
+        ++kept;
+    Access access;
+    for (size_t d = 0; d < in.size(); ++d) {
+      bool is_reduced = std::find(r->attrs.axes.begin(), r->attrs.axes.end(),
+                                  static_cast<int64_t>(d)) != r->attrs.axes.end();
+      int var = is_reduced ? outer + kept + reduced++ : outer + (static_cast<int>(d) - reduced);
+      Affine a;
+      a.coeff.assign(rank, 0);
+      a.coeff[var] = 1;
+      access.coords.push_back(a);
+    }
+    return access;
+  }
+
+  int32_t output_param(Node* node) {
+    out_.nodes.push_back(node);
+    out_.kernel.params.push_back({node->storage, true});
+    return static_cast<int32_t>(out_.kernel.params.size() - 1);
+  }
+
+  int32_t input_param(Node* node) {
+    for (size_t i = 0; i < out_.nodes.size(); ++i)
+      if (out_.nodes[i] == node && !out_.kernel.params[i].output) return static_cast<int32_t>(i);
+    out_.nodes.push_back(node);
+    out_.kernel.params.push_back({node->value->dtype, false});
+    return static_cast<int32_t>(out_.nodes.size() - 1);
+  }
+
+  static Affine offset(const Access& access, const Shape& shape) {
+    if (access.flat) return access.coords[0];
+    Affine sum;
+    sum.coeff.assign(access.coords.empty() ? 0 : access.coords[0].coeff.size(), 0);
+    std::vector<int64_t> strides = strides_of(shape);
+    for (size_t j = 0; j < access.coords.size(); ++j) {
+      sum.base += access.coords[j].base * strides[j];
+      for (size_t d = 0; d < sum.coeff.size(); ++d)
+        sum.coeff[d] += access.coords[j].coeff[d] * strides[j];
+    }
+    return sum;
+  }
+
+  int32_t convert(Stage& stage, int32_t value, Type to) {
+    return ValueBuilder(*stage.values).convert(value, to);
+  }
+
+  // A value computed as `from` stored as `storage` and read back: the rounding every node output
+  // gets in the reference executor (store_element), kept in a register.
+  int32_t to_storage(Stage& stage, int32_t value, DType storage) {
+    ValueBuilder b(*stage.values);
+    Type from = b.type_of(value);
+    if (is_half(storage)) {
+      if (from == Type::i64 || from == Type::i1) value = b.convert(value, Type::f64);
+      kir::Value round{Op::RoundTo, Type::f32};
+      round.a = value;
+      round.dtype = storage;
+      return b.add(round);
+    }
+    if (storage == i32) {
+      // C's conversion to int32: wrap (the value is an int64 or a truncated float).
+      int32_t wide = b.convert(value, Type::i64);
+      kir::Value round{Op::RoundTo, Type::i64};
+      round.a = wide;
+      round.dtype = i32;
+      return b.add(round);
+    }
+    return b.convert(value, kir::register_type(storage));
+  }
+
+  // Input k of a pointwise node as its compute type T, rounded to the node's compute dtype when
+  // that is a 16-bit float the input is not stored as (reference_executor's pointwise_input).
+  int32_t pointwise_input(Node* node, size_t k, const Access& access, Stage& stage, Type t,
+                          bool round_to_compute) {
+    // Pointwise inputs share the node's shape, so they are read at the node's own access.
+    int32_t v = convert(stage, emit(node->inputs[k].get(), access, stage), t);
+    DType stored = stored_dtype(node->inputs[k].get());
+    if (round_to_compute && t == Type::f32 && is_half(node->compute) && stored != node->compute) {
+      kir::Value round{Op::RoundTo, Type::f32};
+      round.a = v;
+      round.dtype = node->compute;
+      v = ValueBuilder(*stage.values).add(round);
+    }
+    return v;
+  }
+
+  DType stored_dtype(Node* node) const { return node->value ? node->value->dtype : node->storage; }
+
+  int32_t emit(Node* node, const Access& access, Stage& stage) {
+    for (auto& [key, id] : stage.memo)
+      if (key.first == node && key.second == access) return id;
+    int32_t id = compute(node, access, stage);
+    stage.memo.push_back({{node, access}, id});
+    return id;
+  }
+
+  int32_t compute(Node* node, const Access& access, Stage& stage) {
+    ValueBuilder b(*stage.values);
+    if (!members_.count(node)) {
+      if (!node->evaluated()) {
+        // A fill, or a view of one (fusion inlines those): the same constant at every point,
+        // rounded to each storage type on the way up as the reference would.
+        std::vector<Node*> chain = {node};
+        while (chain.back()->op != OpCode::Full) chain.push_back(chain.back()->inputs[0].get());
+        double value = chain.back()->attrs.value;
+        for (auto it = chain.rbegin(); it != chain.rend(); ++it)
+          value = stored_constant(value, (*it)->storage);
+        return b.constant(kir::register_type(node->storage), value);
+      }
+      kir::Value load{Op::Load, kir::register_type(node->value->dtype)};
+      load.param = input_param(node);
+      load.map = offset(access, node->shape);
+      return b.add(load);
+    }
+    if (node == group_.reduction) {
+      kir::Value acc{Op::Accumulated, out_.kernel.reductions[0].type};
+      acc.param = 0;
+      return to_storage(stage, b.add(acc), node->storage);
+    }
+    if (node->op == OpCode::Full)
+      return b.constant(kir::register_type(node->storage),
+                        stored_constant(node->attrs.value, node->storage));
+    if (op_info(node->op).kind == OpKind::View) {
+      Access in;
+      std::string why;
+      if (!transfer_access(*node, 0, access, group_.dims.size(), in, why))
+        fail("lowering: {}", why);
+      int32_t v = emit(node->inputs[0].get(), in, stage);
+      return to_storage(stage, v, node->storage);
+    }
+    if (node->op == OpCode::Cast) {
+      int32_t v = emit(node->inputs[0].get(), access, stage);
+      Type from = b.type_of(v);
+      bool floats = is_floating(stored_dtype(node->inputs[0].get())) || is_floating(node->dtype);
+      // Through double (exact for every source) or int64, as ref_Cast does.
+      if (floats && from != Type::f32) v = b.convert(v, Type::f64);
+      if (!floats) v = b.convert(v, Type::i64);
+      return to_storage(stage, v, node->storage);
+    }
+    if (node->op == OpCode::Where) {
+      Type t = compute_type(node->dtype);
+      int32_t cond = emit(node->inputs[0].get(), access, stage);
+      cond = b.convert(b.convert(cond, Type::i64), Type::i1);
+      int32_t x = b.convert(emit(node->inputs[1].get(), access, stage), t);
+      int32_t y = b.convert(emit(node->inputs[2].get(), access, stage), t);
+      return to_storage(stage, b.select(cond, x, y), node->storage);
+    }
+    return pointwise(node, access, stage);
+  }
+
+  int32_t pointwise(Node* node, const Access& access, Stage& stage) {
+    Type t = compute_type(node->inputs[0]->dtype);
+    kir::TraceContext& context = kir::trace_context();
+    kir::TraceContext saved = context;
+    ValueBuilder b(*stage.values);
+    context.builder = &b;
+    context.literal_type = t;
+    auto input = [&](size_t k) {
+      return Sym(pointwise_input(node, k, access, stage, t, true), t, 0);
+    };
+    int32_t result = -1;
+    switch (node->op) {
+#define MT_OP(Name, fname, kind, arity, category)
+#define MT_UNARY(Name, fname, category, domain, REF, VJP) \
+  case OpCode::Name: {                                    \
+    using T = Sym;                                        \
+    Sym a = input(0);                                     \
+    result = static_cast<T>(REF).id;                      \
+    break;                                                \
+  }
+#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
+  case OpCode::Name: {                                            \
+    using T = Sym;                                                \
+    Sym a = input(0);                                             \
+    Sym b = input(1);                                             \
+    result = T(REF).id;                                           \
+    break;                                                        \
+  }
+#define MT_COMPARE(Name, fname, REF) \
+  case OpCode::Name: {               \
+    Sym a = input(0);                \
+    Sym b = input(1);                \
+    result = Sym(REF).id;            \
+    break;                           \
+  }
+#include "dsl/ops.def"
+      default:
+        context = saved;
+        fail("lowering: {} is not a pointwise op", op_name(node->op));
+    }
+    context = saved;
+    return to_storage(stage, result, node->storage);
+  }
+
+  const FusionGroup& group_;
+  std::unordered_set<Node*> members_, prologue_;
+  LoweredKernel out_;
+  Stage body_{&out_.kernel.body, false, {}};
+  Stage epilogue_{&out_.kernel.epilogue, true, {}};
+  int reduction_index_ = -1;
+};
+
+}  // namespace
+
+LoweredKernel lower(const FusionGroup& group) { return Lowerer(group).run(); }
+
+}  // namespace mixtape

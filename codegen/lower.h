@@ -1,0 +1,22 @@
+// codegen/lower.h -- turns one fusion group into a kernel of the backend-neutral kernel IR.
+#pragma once
+
+#include <vector>
+
+#include "codegen/fusion.h"
+#include "codegen/kernel_ir.h"
+
+namespace mixtape {
+
+/// A kernel and the node behind each of its parameters (kernel.params[i] is nodes[i]: a value
+/// read, or one the kernel stores when kernel.params[i].output).
+struct LoweredKernel {
+  kir::Kernel kernel;
+  std::vector<Node*> nodes;
+};
+
+/// Lowers a Kernel-kind group. Values are computed exactly as the reference executor does
+/// (same compute types, same rounding points); the name is a hash of the kernel's structure.
+LoweredKernel lower(const FusionGroup& group);
+
+}  // namespace mixtape

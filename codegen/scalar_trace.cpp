@@ -1,0 +1,84 @@
+// codegen/scalar_trace.cpp -- the operators of Sym: each records one kernel IR value.
+#include "codegen/scalar_trace.h"
+
+#include "dsl/error.h"
+
+namespace mixtape::kir {
+
+TraceContext& trace_context() {
+  thread_local TraceContext context;
+  return context;
+}
+
+namespace {
+
+ValueBuilder& builder() { return *trace_context().builder; }
+
+Sym arith(Op op, Sym a, Sym b) {
+  if (a.type != b.type) fail("kernel trace: {} of mismatched register types", op_name(op));
+  return Sym(builder().binary(op, a.type, a.id, b.id), a.type, 0);
+}
+
+Sym compare(Op op, Sym a, Sym b) {
+  if (a.type != b.type) fail("kernel trace: {} of mismatched register types", op_name(op));
+  return Sym(builder().binary(op, Type::i1, a.id, b.id), Type::i1, 0);
+}
+
+Sym float_call(Op op, Sym a) {
+  if (a.type != Type::f32 && a.type != Type::f64)
+    fail("kernel trace: {} needs a float operand", op_name(op));
+  return Sym(builder().unary(op, a.type, a.id), a.type, 0);
+}
+
+}  // namespace
+
+Sym operator-(Sym a) { return Sym(builder().unary(Op::Neg, a.type, a.id), a.type, 0); }
+Sym operator+(Sym a, Sym b) { return arith(Op::Add, a, b); }
+Sym operator-(Sym a, Sym b) { return arith(Op::Sub, a, b); }
+Sym operator*(Sym a, Sym b) { return arith(Op::Mul, a, b); }
+Sym operator/(Sym a, Sym b) { return arith(Op::Div, a, b); }
+Sym operator<(Sym a, Sym b) { return compare(Op::Lt, a, b); }
+Sym operator<=(Sym a, Sym b) { return compare(Op::Le, a, b); }
+Sym operator>(Sym a, Sym b) { return compare(Op::Gt, a, b); }
+Sym operator>=(Sym a, Sym b) { return compare(Op::Ge, a, b); }
+Sym operator==(Sym a, Sym b) { return compare(Op::Eq, a, b); }
+Sym operator!=(Sym a, Sym b) { return compare(Op::Ne, a, b); }
+Sym operator||(Sym a, Sym b) {
+  if (a.type != Type::i1 || b.type != Type::i1) fail("kernel trace: || of non-bool values");
+  return Sym(builder().binary(Op::Or, Type::i1, a.id, b.id), Type::i1, 0);
+}
+
+}  // namespace mixtape::kir
+
+namespace mixtape::math {
+
+using kir::Op;
+using kir::Type;
+
+Sym select(Sym condition, Sym if_true, Sym if_false) {
+  if (condition.type != Type::i1 || if_true.type != if_false.type)
+    fail("kernel trace: select of mismatched register types");
+  return Sym(kir::trace_context().builder->select(condition.id, if_true.id, if_false.id),
+             if_true.type, 0);
+}
+
+Sym is_nan(Sym a) {
+  if (a.type == Type::i64 || a.type == Type::i1)  // never NaN
+    return Sym(kir::trace_context().builder->constant(Type::i1, 0), Type::i1, 0);
+  return Sym(kir::trace_context().builder->unary(Op::IsNan, Type::i1, a.id), Type::i1, 0);
+}
+
+Sym exp(Sym a) { return kir::float_call(Op::Exp, a); }
+Sym log(Sym a) { return kir::float_call(Op::Log, a); }
+Sym sqrt(Sym a) { return kir::float_call(Op::Sqrt, a); }
+Sym tanh(Sym a) { return kir::float_call(Op::Tanh, a); }
+Sym erf(Sym a) { return kir::float_call(Op::Erf, a); }
+Sym sin(Sym a) { return kir::float_call(Op::Sin, a); }
+Sym cos(Sym a) { return kir::float_call(Op::Cos, a); }
+Sym pow(Sym a, Sym b) {
+  if (a.type != b.type || (a.type != Type::f32 && a.type != Type::f64))
+    fail("kernel trace: pow needs float operands of one type");
+  return Sym(kir::trace_context().builder->binary(Op::Pow, a.type, a.id, b.id), a.type, 0);
+}
+
+}  // namespace mixtape::math

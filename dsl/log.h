@@ -1,0 +1,21 @@
+// dsl/log.h -- MIXTAPE_LOG=topic[,topic...] (or "all"): diagnostic lines on stderr by topic.
+#pragma once
+
+#include <cstdio>
+#include <string_view>
+
+#include <fmt/format.h>
+
+namespace mixtape {
+
+/// Whether MIXTAPE_LOG names `topic` (read once per process).
+bool log_enabled(std::string_view topic);
+
+template <typename... Args>
+void log_line(std::string_view topic, fmt::format_string<Args...> format, Args&&... args) {
+  std::string line = fmt::format(format, std::forward<Args>(args)...);
+  std::fprintf(stderr, "mixtape[%.*s]: %s\n", static_cast<int>(topic.size()), topic.data(),
+               line.c_str());
+}
+
+}  // namespace mixtape

@@ -1,0 +1,54 @@
+// runtime/device.h -- choosing where graphs run (MIXTAPE_DEVICE, MIXTAPE_EAGER) and execution
+// stats.
+#pragma once
+
+#include <cstdint>
+
+namespace mixtape {
+
+enum class Device : uint8_t {
+  reference,  // the per-op oracle (runtime/reference_executor.cpp)
+  cpu,        // fused kernels compiled by LLVM, matmuls by oneDNN
+  cuda,       // NVIDIA GPUs (not part of this build yet: selecting it is an error)
+};
+
+/// The device evaluation uses. Starts as MIXTAPE_DEVICE (cpu | reference | cuda | auto; default
+/// and auto: reference for now, see device.cpp); an unknown value is an mt::Error at the first
+/// evaluation.
+Device current_device();
+void set_device(Device device);
+const char* device_name(Device device);
+
+/// Eager mode: one kernel per op, no fusion (MIXTAPE_EAGER=1 or eager_scope), for debugging and
+/// as the unfused baseline of benchmarks.
+bool eager_mode();
+void set_eager_mode(bool eager);
+class eager_scope {
+ public:
+  explicit eager_scope(bool eager = true);
+  ~eager_scope();
+  eager_scope(const eager_scope&) = delete;
+  eager_scope& operator=(const eager_scope&) = delete;
+
+ private:
+  bool previous_;
+};
+
+/// Counters of the compiled back end since the process started (or the last reset).
+struct ExecutionStats {
+  int64_t evaluations = 0;   // calls that ran something
+  int64_t kernels = 0;       // generated kernels launched
+  int64_t kernel_nodes = 0;  // graph nodes computed inside them
+  int64_t gemms = 0;         // library matmuls
+  int64_t host_ops = 0;      // ops run by the reference loops (gathers, random, ...)
+  int64_t bytes_read = 0;    // by kernels and matmuls, from their parameters
+  int64_t bytes_written = 0;
+  int64_t kernels_compiled = 0;   // LLVM compilations (disk-cache misses)
+  int64_t kernels_from_disk = 0;  // objects loaded from the disk cache
+  double compile_seconds = 0;
+  double load_seconds = 0;
+};
+ExecutionStats execution_stats();
+void reset_execution_stats();
+
+}  // namespace mixtape

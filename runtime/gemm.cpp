@@ -1,0 +1,438 @@
+// runtime/gemm.cpp -- the CPU matmul back end: oneDNN matmul primitives, cached per problem.
+#include "runtime/gemm.h"
+
+#include <bit>
+#include <cmath>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <new>
+#include <string>
+#include <unordered_map>
+
+#include <omp.h>
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include "dsl/error.h"
+#include "dsl/half.h"
+
+// Findings about oneDNN 2.6 (Debian 2.6.3) on this CPU (AVX512-BF16 and AVX512-FP16, no AMX) that
+// shape the choices below:
+// - Matmul supports f32 x f32 -> f32 and bf16 x bf16 -> f32/bf16 only: no f16 operands (the
+//   AVX512-FP16 units go unused), and no f16 or bf16 destination for f32 operands. So f16
+//   operands are widened to f32 (exactly: every f16 is an f32 and f16 * f16 products are exact in
+//   f32), and half results are rounded here from an f32 destination with dsl/half.h.
+// - Its bf16 destination rounds to nearest even like dsl/half.h for normal values, but the bf16
+//   kernel (VDPBF16PS) treats subnormal operands and products as zero. Rounding here keeps one
+//   code path for both half types and keeps f32 subnormal sums of the f32 kernel exact.
+// - The bf16 kernel runs at about half the f32 kernel's speed (no AMX; VDPBF16PS does as many
+//   multiply-adds per cycle as two FMAs), so for large enough matrices widening bf16 operands to
+//   f32 is faster despite the conversion pass; Bf16Kernel::automatic picks by shape.
+// - Its relu post-op is max(x, 0), which turns NaN into 0, where the reference keeps NaN (and the
+//   loss scaler's overflow check relies on seeing it), so relu runs here, fused with the rounding
+//   to half outputs (a separate pass only for f32 outputs).
+// - Its library-managed scratchpad is shared by all primitives unless the library was built for
+//   concurrent execution, so primitives are made with a user scratchpad, owned by each calling
+//   thread, which makes concurrent gemm calls safe.
+
+namespace mixtape {
+namespace {
+
+using OnednnType = dnnl::memory::data_type;
+
+// Below this many elements a conversion (about 0.5 ns an element on one core) runs on the calling
+// thread: waking the OpenMP team costs microseconds on an idle machine and milliseconds on a loaded
+// one, where a spinning or descheduled team member stalls the region.
+constexpr int64_t kParallelConversionMinimum = int64_t{1} << 18;
+
+// Bf16Kernel::automatic widens bf16 operands when the matmul does at least this many flops per
+// widened operand element, 2mn / (m + n). Measured per core here (best of 7, GFLOP/s widened vs
+// native): 128^3 (128) 135 vs 107, 4096x64x64 (126) 165 vs 101, 64x1024x1024 (120) 118 vs 99,
+// 1024^3 (1024) 112 vs 67; 32x1024x1024 (62) 90 vs 98, 64^3 (64) 74 vs 88, 8x1024x1024 (16)
+// 35 vs 67, 1x1024x1024 (2) 4 vs 17.
+constexpr double kWidenBf16MinFlopsPerElement = 96.0;
+
+// Products below this many flops run on the calling thread alone: splitting them saves less than
+// an OpenMP fork and join costs, and far less on a loaded machine, where a descheduled team member
+// stalls the whole region.
+constexpr double kSingleThreadMaxFlops = double{1 << 20};
+
+// f16 <-> f32 as bitwise selects between constant shifts, instead of dsl/half.h's branches,
+// countl_zero and variable shifts, so that the loops vectorize (with SSE2 already). Both are
+// bit-identical to dsl/half.h: widening checked for all 2^16 inputs by the tests, narrowing for all
+// 2^32 inputs once by hand and for a sample by the tests.
+
+// c ? a : b without a branch: GCC will not if-convert a ?: whose arms hold float math (it might
+// trap), and a branch stops vectorization.
+inline uint32_t select_bits(bool c, uint32_t a, uint32_t b) {
+  const uint32_t mask = 0u - static_cast<uint32_t>(c);
+  return (a & mask) | (b & ~mask);
+}
+
+inline float f16_bits_to_f32_vectorizable(uint16_t bits) {
+  const uint32_t sign = (static_cast<uint32_t>(bits) & 0x8000u) << 16;
+  const uint32_t em = bits & 0x7FFFu;
+  const uint32_t normal = (em << 13) + 0x38000000u;   // rebias the exponent, 15 -> 127
+  const uint32_t special = (em << 13) | 0x7F800000u;  // inf, or NaN with its payload
+  // A subnormal (or zero) f16 is em * 2^-24; both factors and the product are exact f32s (the
+  // signed conversion because SSE2 has no unsigned one).
+  const float scaled = static_cast<float>(static_cast<int32_t>(em)) * 0x1p-24f;
+  const uint32_t subnormal = std::bit_cast<uint32_t>(scaled);
+  const uint32_t magnitude =
+      select_bits(em >= 0x7C00u, special, select_bits(em >= 0x0400u, normal, subnormal));
+  return std::bit_cast<float>(sign | magnitude);
+}
+
+inline uint16_t f32_to_f16_bits_vectorizable(float x) {
+  const uint32_t f = std::bit_cast<uint32_t>(x);
+  const uint32_t sign = (f >> 16) & 0x8000u;
+  const uint32_t a = f & 0x7FFFFFFFu;
+  const uint32_t nan = 0x7E00u | ((a >> 13) & 0x3FFu);  // quiet, with the top payload bits
+  // Normal results as in dsl/half.h: rebias, round away 13 bits; the clamp makes overflow inf.
+  const uint32_t n = (a < 0x47800000u ? a : 0x47800000u) - 0x38000000u;
+  const uint32_t normal = (n + 0x0FFFu + ((n >> 13) & 1u)) >> 13;
+  // Subnormal results (|x| < 2^-14): in 0.5 + |x| the f32 ulp is 2^-24, the f16 subnormal step, so
+  // the add rounds |x| to nearest even in units of 2^-24, which land in the low bits. This needs
+  // the default round-to-nearest mode; DAZ/FTZ cannot matter (f32 subnormals give 0 either way).
+  const uint32_t subnormal = std::bit_cast<uint32_t>(std::bit_cast<float>(a) + 0.5f) - 0x3F000000u;
+  const uint32_t magnitude =
+      select_bits(a > 0x7F800000u, nan, select_bits(a >= 0x38800000u, normal, subnormal));
+  return static_cast<uint16_t>(sign | magnitude);
+}
+
+/// A 64-byte aligned byte buffer that only grows, so per-call scratch is allocated once.
+class ScratchBuffer {
+ public:
+  ScratchBuffer() = default;
+  ScratchBuffer(const ScratchBuffer&) = delete;
+  ScratchBuffer& operator=(const ScratchBuffer&) = delete;
+  ~ScratchBuffer() { release(); }
+
+  template <typename T>
+  T* get(int64_t count) {
+    const size_t bytes = static_cast<size_t>(count) * sizeof(T);
+    if (bytes > capacity_) {
+      release();
+      data_ = ::operator new (bytes, std::align_val_t{64});
+      capacity_ = bytes;
+    }
+    return static_cast<T*>(data_);
+  }
+  void release() {
+    if (data_ != nullptr) ::operator delete (data_, std::align_val_t{64});
+    data_ = nullptr;
+    capacity_ = 0;
+  }
+
+ private:
+  void* data_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+// Per thread, so that concurrent calls never share a buffer and need no lock.
+struct ThreadScratch {
+  ScratchBuffer a, b, bias, result, onednn;
+};
+
+ThreadScratch& thread_scratch() {
+  thread_local ThreadScratch scratch;
+  return scratch;
+}
+
+// Everything a oneDNN matmul primitive depends on. f16 and widened bf16 operands reach oneDNN as
+// f32, and the destination is always f32, so those share primitives with f32 problems.
+struct PrimitiveKey {
+  int64_t batch, m, n, k;
+  bool transpose_a, transpose_b;
+  OnednnType operand;
+  bool has_bias;
+  auto operator<=>(const PrimitiveKey&) const = default;
+};
+
+struct CachedPrimitive {
+  dnnl::matmul matmul;
+  dnnl::memory::desc a, b, bias, result, scratchpad;
+};
+
+struct Backend {
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  std::mutex mutex;  // guards cache
+  std::map<PrimitiveKey, std::shared_ptr<const CachedPrimitive>> cache;
+};
+
+// Never destroyed: oneDNN's own globals may be gone by the time static destructors run.
+Backend& backend() {
+  static Backend* const instance = new Backend;
+  return *instance;
+}
+
+std::string describe(const GemmDesc& d) {
+  std::string text = fmt::format("gemm(batch {}, m {}, n {}, k {}, a {}{}, b {}{}, out {}", d.batch,
+                                 d.m, d.n, d.k, name(d.operand), d.transpose_a ? " transposed" : "",
+                                 name(d.operand), d.transpose_b ? " transposed" : "", name(d.out));
+  if (d.has_bias) text += fmt::format(", bias {}", name(d.bias_type));
+  if (d.relu) text += ", relu";
+  return text + ")";
+}
+
+bool is_gemm_float(DType t) { return t == f32 || t == bf16 || t == f16; }
+
+bool widens_bf16(const GemmDesc& d) {
+  switch (d.bf16_kernel) {
+    case Bf16Kernel::native:
+      return false;
+    case Bf16Kernel::widened:
+      return true;
+    case Bf16Kernel::automatic:
+      break;
+  }
+  const double m = static_cast<double>(d.m), n = static_cast<double>(d.n);
+  return 2.0 * m * n / (m + n) >= kWidenBf16MinFlopsPerElement;
+}
+
+// A dense row-major [batch,] rows x cols operand, or its transpose stored as cols x rows.
+dnnl::memory::desc matrix_desc(int64_t batch, int64_t rows, int64_t cols, bool transposed,
+                               OnednnType type) {
+  const dnnl::memory::dims inner =
+      transposed ? dnnl::memory::dims{1, rows} : dnnl::memory::dims{cols, 1};
+  if (batch == 1) return dnnl::memory::desc({rows, cols}, type, inner);
+  return dnnl::memory::desc({batch, rows, cols}, type, {rows * cols, inner[0], inner[1]});
+}
+
+std::shared_ptr<const CachedPrimitive> create_primitive(const PrimitiveKey& key) {
+  const Backend& state = backend();
+  auto made = std::make_shared<CachedPrimitive>();
+  made->a = matrix_desc(key.batch, key.m, key.k, key.transpose_a, key.operand);
+  made->b = matrix_desc(key.batch, key.k, key.n, key.transpose_b, key.operand);
+  made->result = matrix_desc(key.batch, key.m, key.n, false, OnednnType::f32);
+  if (key.has_bias)  // one row, broadcast over rows and batches
+    made->bias = key.batch == 1
+                     ? dnnl::memory::desc({1, key.n}, OnednnType::f32, {key.n, 1})
+                     : dnnl::memory::desc({1, 1, key.n}, OnednnType::f32, {key.n, key.n, 1});
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(made->a, made->b, made->bias, made->result),
+                                  attr, state.engine);
+  made->scratchpad = pd.scratchpad_desc();
+  made->matmul = dnnl::matmul(pd);
+  return made;
+}
+
+std::shared_ptr<const CachedPrimitive> cached_primitive(const PrimitiveKey& key) {
+  Backend& state = backend();
+  {
+    std::lock_guard lock(state.mutex);
+    auto found = state.cache.find(key);
+    if (found != state.cache.end()) return found->second;
+  }
+  // Built outside the lock (JIT compilation takes a while); a racing thread's copy is dropped.
+  std::shared_ptr<const CachedPrimitive> made = create_primitive(key);
+  std::lock_guard lock(state.mutex);
+  return state.cache.emplace(key, std::move(made)).first->second;
+}
+
+// Limits the calling thread's OpenMP team to one thread while it lives. oneDNN reads the limit
+// when it creates a primitive and runs a one-thread primitive without a parallel region.
+class SingleThreaded {
+ public:
+  explicit SingleThreaded(bool active) : saved_(active ? omp_get_max_threads() : 0) {
+    if (active) omp_set_num_threads(1);
+  }
+  SingleThreaded(const SingleThreaded&) = delete;
+  SingleThreaded& operator=(const SingleThreaded&) = delete;
+  ~SingleThreaded() {
+    if (saved_ > 0) omp_set_num_threads(saved_);
+  }
+
+ private:
+  int saved_;
+};
+
+void run_onednn(const PrimitiveKey& key, const void* a, const void* b, const float* bias,
+                float* result) {
+  const double flops = 2.0 * static_cast<double>(key.batch) * static_cast<double>(key.m) *
+                       static_cast<double>(key.n) * static_cast<double>(key.k);
+  SingleThreaded single_threaded(flops < kSingleThreadMaxFlops);
+  const dnnl::engine& engine = backend().engine;
+  std::shared_ptr<const CachedPrimitive> primitive = cached_primitive(key);
+  // One stream per thread: oneDNN does not promise that a stream may be used concurrently.
+  thread_local dnnl::stream stream(backend().engine);
+  std::unordered_map<int, dnnl::memory> args{
+      {DNNL_ARG_SRC, dnnl::memory(primitive->a, engine, const_cast<void*>(a))},
+      {DNNL_ARG_WEIGHTS, dnnl::memory(primitive->b, engine, const_cast<void*>(b))},
+      {DNNL_ARG_DST, dnnl::memory(primitive->result, engine, result)}};
+  if (key.has_bias)
+    args.emplace(DNNL_ARG_BIAS, dnnl::memory(primitive->bias, engine, const_cast<float*>(bias)));
+  const size_t scratchpad_bytes = primitive->scratchpad.get_size();
+  if (scratchpad_bytes > 0) {
+    std::byte* scratchpad =
+        thread_scratch().onednn.get<std::byte>(static_cast<int64_t>(scratchpad_bytes));
+    args.emplace(DNNL_ARG_SCRATCHPAD, dnnl::memory(primitive->scratchpad, engine, scratchpad));
+  }
+  primitive->matmul.execute(stream, args);
+  stream.wait();
+}
+
+// The reference's relu: x for x > 0 and NaN, +0 otherwise (-0 included).
+inline float reference_relu(float x) {
+  return std::bit_cast<float>(select_bits(!(x <= 0.0f), std::bit_cast<uint32_t>(x), 0u));
+}
+
+// k == 0: the empty sum is +0, plus the bias.
+void fill_empty_product(const GemmDesc& d, const float* bias, float* result) {
+  const int64_t rows = d.batch * d.m;
+  for (int64_t row = 0; row < rows; ++row)
+    for (int64_t j = 0; j < d.n; ++j)
+      result[row * d.n + j] = bias != nullptr ? 0.0f + bias[j] : 0.0f;
+}
+
+// Runs body(i) for i in [0, count): on the calling thread for small counts (written out, not as
+// an OpenMP `if` clause, whose serial version GCC leaves unvectorized), else on the OpenMP team.
+template <typename Body>
+void for_each_element(int64_t count, Body body) {
+  if (count < kParallelConversionMinimum) {
+    for (int64_t i = 0; i < count; ++i) body(i);
+    return;
+  }
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < count; ++i) body(i);
+}
+
+template <uint16_t (*kRound)(float), bool kRelu>
+void narrow(const float* in, uint16_t* bits, int64_t count) {
+  for_each_element(count,
+                   [=](int64_t i) { bits[i] = kRound(kRelu ? reference_relu(in[i]) : in[i]); });
+}
+
+// The epilogue after oneDNN: relu, and the one rounding to a half output.
+void finish(const GemmDesc& d, float* result, void* out, int64_t count) {
+  uint16_t* bits = static_cast<uint16_t*>(out);
+  if (d.out == f32 && d.relu) {
+    for_each_element(count, [=](int64_t i) { result[i] = reference_relu(result[i]); });
+  } else if (d.out == bf16) {
+    d.relu ? narrow<f32_to_bf16_bits, true>(result, bits, count)
+           : narrow<f32_to_bf16_bits, false>(result, bits, count);
+  } else if (d.out == f16) {
+    d.relu ? narrow<f32_to_f16_bits_vectorizable, true>(result, bits, count)
+           : narrow<f32_to_f16_bits_vectorizable, false>(result, bits, count);
+  }
+}
+
+// Widens a and b in one OpenMP region rather than two.
+template <float (*kWiden)(uint16_t)>
+void widen_pair(const uint16_t* a, float* a_out, int64_t a_count, const uint16_t* b, float* b_out,
+                int64_t b_count) {
+  if (a_count + b_count < kParallelConversionMinimum) {
+    for (int64_t i = 0; i < a_count; ++i) a_out[i] = kWiden(a[i]);
+    for (int64_t i = 0; i < b_count; ++i) b_out[i] = kWiden(b[i]);
+    return;
+  }
+#pragma omp parallel
+  {
+#pragma omp for simd schedule(static) nowait
+    for (int64_t i = 0; i < a_count; ++i) a_out[i] = kWiden(a[i]);
+#pragma omp for simd schedule(static)
+    for (int64_t i = 0; i < b_count; ++i) b_out[i] = kWiden(b[i]);
+  }
+}
+
+}  // namespace
+
+bool gemm_supported(const GemmDesc& d) {
+  return d.batch >= 0 && d.m >= 0 && d.n >= 0 && d.k >= 0 && is_gemm_float(d.operand) &&
+         is_gemm_float(d.out) && (!d.has_bias || is_gemm_float(d.bias_type));
+}
+
+void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void* bias) {
+  if (!gemm_supported(d))
+    fail(
+        "{}: unsupported; gemm takes f32, bf16 or f16 operands, outputs and biases and "
+        "non-negative sizes",
+        describe(d));
+  if (d.batch == 0 || d.m == 0 || d.n == 0) return;
+  if (out == nullptr || (d.k > 0 && (a == nullptr || b == nullptr)) ||
+      (d.has_bias && bias == nullptr))
+    fail("{}: null {} pointer", describe(d),
+         out == nullptr ? "output" : (d.has_bias && bias == nullptr ? "bias" : "operand"));
+
+  ThreadScratch& scratch = thread_scratch();
+  const int64_t result_count = d.batch * d.m * d.n;
+  float* result = d.out == f32 ? static_cast<float*>(out) : scratch.result.get<float>(result_count);
+  const float* bias_f32 = static_cast<const float*>(bias);
+  if (d.has_bias && d.bias_type != f32) {
+    float* widened = scratch.bias.get<float>(d.n);
+    const uint16_t* bits = static_cast<const uint16_t*>(bias);
+    d.bias_type == f16 ? widen_f16(bits, widened, d.n) : widen_bf16(bits, widened, d.n);
+    bias_f32 = widened;
+  }
+
+  if (d.k == 0) {
+    fill_empty_product(d, bias_f32, result);
+  } else {
+    const bool widen = d.operand == f16 || (d.operand == bf16 && widens_bf16(d));
+    const OnednnType operand_type =
+        d.operand == bf16 && !widen ? OnednnType::bf16 : OnednnType::f32;
+    const PrimitiveKey key{d.batch,       d.m,           d.n,          d.k,
+                           d.transpose_a, d.transpose_b, operand_type, d.has_bias};
+    const void* a_operand = a;
+    const void* b_operand = b;
+    if (widen) {
+      const int64_t a_count = d.batch * d.m * d.k, b_count = d.batch * d.k * d.n;
+      float* a_widened = scratch.a.get<float>(a_count);
+      float* b_widened = scratch.b.get<float>(b_count);
+      const uint16_t* a_bits = static_cast<const uint16_t*>(a);
+      const uint16_t* b_bits = static_cast<const uint16_t*>(b);
+      if (d.operand == f16)
+        widen_pair<f16_bits_to_f32_vectorizable>(a_bits, a_widened, a_count, b_bits, b_widened,
+                                                 b_count);
+      else
+        widen_pair<bf16_bits_to_f32>(a_bits, a_widened, a_count, b_bits, b_widened, b_count);
+      a_operand = a_widened;
+      b_operand = b_widened;
+    }
+    try {
+      run_onednn(key, a_operand, b_operand, bias_f32, result);
+    } catch (const dnnl::error& error) {
+      fail("{}: oneDNN failed: {}", describe(d), error.what());
+    }
+  }
+
+  finish(d, result, out, result_count);
+}
+
+size_t gemm_primitive_cache_size() {
+  Backend& state = backend();
+  std::lock_guard lock(state.mutex);
+  return state.cache.size();
+}
+
+void gemm_clear_primitive_cache() {
+  Backend& state = backend();
+  std::lock_guard lock(state.mutex);
+  state.cache.clear();
+}
+
+void gemm_release_scratch() {
+  ThreadScratch& scratch = thread_scratch();
+  for (ScratchBuffer* buffer :
+       {&scratch.a, &scratch.b, &scratch.bias, &scratch.result, &scratch.onednn})
+    buffer->release();
+}
+
+void widen_f16(const uint16_t* bits, float* out, int64_t count) {
+  for_each_element(count, [=](int64_t i) { out[i] = f16_bits_to_f32_vectorizable(bits[i]); });
+}
+
+void widen_bf16(const uint16_t* bits, float* out, int64_t count) {
+  for_each_element(count, [=](int64_t i) { out[i] = bf16_bits_to_f32(bits[i]); });
+}
+
+void narrow_to_f16(const float* in, uint16_t* bits, int64_t count) {
+  narrow<f32_to_f16_bits_vectorizable, false>(in, bits, count);
+}
+
+void narrow_to_bf16(const float* in, uint16_t* bits, int64_t count) {
+  narrow<f32_to_bf16_bits, false>(in, bits, count);
+}
+
+}  // namespace mixtape

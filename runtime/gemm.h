@@ -1,0 +1,65 @@
+// runtime/gemm.h -- CPU matmuls through oneDNN: f32/bf16/f16 operands, f32 accumulation.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "dsl/dtype.h"
+
+namespace mixtape {
+
+/// How bf16 operands are multiplied. Both accumulate in f32 and give the same results for values
+/// in the normal range; they differ in speed, and in subnormals (below 2^-126): the native
+/// kernel's VDPBF16PS flushes subnormal operands and products to zero, the widened one keeps them.
+enum class Bf16Kernel : uint8_t {
+  automatic,  // by shape: widened when there are enough flops per converted element (gemm.cpp)
+  native,     // oneDNN's bf16 matmul (AVX512-BF16 dot products)
+  widened,    // operands widened exactly to f32, then oneDNN's f32 matmul
+};
+
+struct GemmDesc {
+  int64_t batch = 1, m = 0, n = 0, k = 0;
+  bool transpose_a = false;  // a is [batch, m, k] row-major, or [batch, k, m] when transposed
+  bool transpose_b = false;  // b is [batch, k, n] row-major, or [batch, n, k] when transposed
+  DType operand = f32;       // dtype of a and b: f32, bf16 or f16
+  DType out = f32;           // dtype of the result [batch, m, n]: f32, bf16 or f16
+  // Optional epilogue: out = act(a@b + bias[n]); bias has dtype bias_type (f32, bf16 or f16).
+  // The bias add and the relu run in f32 on the f32 accumulator and the result is rounded to `out`
+  // once, so a half-typed result differs from an unfused matmul (rounded to `out`) followed by a
+  // separate add (rounded again) by that one extra rounding.
+  bool has_bias = false;
+  DType bias_type = f32;
+  bool relu = false;  // max(x, 0) with +0 for x <= 0 and NaN kept, as the reference's Relu
+  Bf16Kernel bf16_kernel = Bf16Kernel::automatic;  // only read when operand is bf16
+};
+
+/// False for operand, output or bias dtypes gemm cannot take (f64, integers, bool) and for
+/// negative sizes; the caller then uses the reference executor.
+bool gemm_supported(const GemmDesc& desc);
+
+/// out[b] = act(op(a[b]) @ op(b[b]) + bias) for every batch index b, all operands dense and
+/// row-major. Products are exact and accumulated in f32; the f32 result is rounded once,
+/// to nearest even, to desc.out. k == 0 gives act(bias) (or zeros); m * n == 0 writes nothing.
+/// `out` must not overlap a, b or bias. Safe to call from several threads at once. Throws mt::Error
+/// naming the shapes and dtypes for an unsupported description, a missing pointer or a oneDNN
+/// failure.
+void gemm(const GemmDesc& desc, const void* a, const void* b, void* out,
+          const void* bias = nullptr);
+
+/// The number of oneDNN matmul primitives created and cached so far (one per distinct oneDNN
+/// problem: shapes, transposes, oneDNN operand type, bias); for tests and reports.
+size_t gemm_primitive_cache_size();
+/// Drops every cached primitive (they are rebuilt on demand).
+void gemm_clear_primitive_cache();
+/// Frees the calling thread's scratch buffers (widened operands, f32 results, oneDNN scratchpad),
+/// which otherwise stay at their largest size for reuse by the next call.
+void gemm_release_scratch();
+
+/// The bulk conversions gemm uses, OpenMP-parallel and vectorizable, bit-identical to dsl/half.h
+/// for every input (NaN payloads included). `bits` point to raw 16-bit f16 / bf16 storage.
+void widen_f16(const uint16_t* bits, float* out, int64_t count);
+void widen_bf16(const uint16_t* bits, float* out, int64_t count);
+void narrow_to_f16(const float* in, uint16_t* bits, int64_t count);
+void narrow_to_bf16(const float* in, uint16_t* bits, int64_t count);
+
+}  // namespace mixtape

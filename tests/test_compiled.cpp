@@ -1,0 +1,206 @@
+// tests/test_compiled.cpp -- the compiled CPU back end against the reference executor: bitwise
+// pointwise results, fusion, kernel reuse, eager mode and the emitted IR.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <functional>
+
+#include "codegen/emit_llvm.h"
+#include "codegen/fusion.h"
+#include "codegen/lower.h"
+#include "dsl/functional.h"
+#include "dsl/graph.h"
+#include "dsl/ops.h"
+#include "dsl/tensor.h"
+#include "precision_policy/policy.h"
+#include "runtime/device.h"
+#include "test_util.h"
+
+namespace mt = mixtape;
+
+namespace {
+
+// Runs `program` on the reference executor and on the compiled back end from the same inputs and
+// returns both results' raw bytes.
+std::pair<std::vector<std::byte>, std::vector<std::byte>> both(
+    const std::function<mt::Tensor()>& program) {
+  std::vector<std::byte> out[2];
+  mt::Device devices[2] = {mt::Device::reference, mt::Device::cpu};
+  mt::Device previous = mt::current_device();
+  for (int d = 0; d < 2; ++d) {
+    mt::set_device(devices[d]);
+    mt::Tensor result = program();
+    mt::eval({result});
+    out[d] = result.node()->value->bytes;
+  }
+  mt::set_device(previous);
+  return {out[0], out[1]};
+}
+
+// Values that exercise rounding: wide magnitudes, both signs, zero, ties, inf and NaN.
+mt::Tensor interesting(mt::DType dtype, int64_t n, uint64_t seed) {
+  mt::Generator gen(seed);
+  mt::Tensor x = mt::randn({n}, mt::f32, &gen) * 3.0;
+  std::vector<float> v = x.to_vector<float>();
+  v[0] = 0.0f;
+  v[1] = -0.0f;
+  v[2] = INFINITY;
+  v[3] = NAN;
+  v[4] = 1.0f + 0x1p-11f;  // an f16 tie
+  v[5] = 70000.0f;         // overflows f16
+  v[6] = 1e-6f;            // an f16 subnormal
+  return mt::tensor(v, {n}, dtype);
+}
+
+bool same_bits_or_both_nan(const std::vector<std::byte>& a, const std::vector<std::byte>& b,
+                           mt::DType dtype, std::string& where) {
+  if (a.size() != b.size()) return false;
+  size_t width = mt::size_of(dtype);
+  for (size_t i = 0; i < a.size(); i += width) {
+    if (std::memcmp(&a[i], &b[i], width) == 0) continue;
+    double x, y;
+    if (dtype == mt::f32) {
+      float fx, fy;
+      std::memcpy(&fx, &a[i], 4);
+      std::memcpy(&fy, &b[i], 4);
+      x = fx;
+      y = fy;
+    } else if (dtype == mt::f64) {
+      std::memcpy(&x, &a[i], 8);
+      std::memcpy(&y, &b[i], 8);
+    } else {
+      x = y = 0;
+    }
+    if (std::isnan(x) && std::isnan(y)) continue;
+    uint16_t ha = 0, hb = 0;
+    if (width == 2) {
+      std::memcpy(&ha, &a[i], 2);
+      std::memcpy(&hb, &b[i], 2);
+      // NaN payloads may differ: both NaN is equal enough.
+      uint16_t exp_mask = dtype == mt::f16 ? 0x7C00 : 0x7F80;
+      uint16_t man_mask = dtype == mt::f16 ? 0x03FF : 0x007F;
+      if ((ha & exp_mask) == exp_mask && (ha & man_mask) && (hb & exp_mask) == exp_mask &&
+          (hb & man_mask))
+        continue;
+    }
+    where = fmt::format("element {}: reference {} vs compiled {} (bits {:04x} {:04x})", i / width,
+                        x, y, ha, hb);
+    return false;
+  }
+  return true;
+}
+
+class EveryPointwiseOp : public ::testing::TestWithParam<mt::DType> {};
+
+// Pointwise-only programs match the reference bit for bit (DESIGN.md decision 6), for every
+// unary and binary op of the op table, in every float storage type.
+TEST_P(EveryPointwiseOp, MatchesTheReferenceBitForBit) {
+  mt::DType dtype = GetParam();
+  const int64_t n = 257;
+  mt::Tensor x = interesting(dtype, n, 1);
+  mt::Tensor y = interesting(dtype, n, 2);
+  mt::Tensor positive = mt::abs(interesting(dtype, n, 3)) + 0.5;
+  mt::eval({x, y, positive});
+  std::vector<std::pair<const char*, std::function<mt::Tensor()>>> programs = {
+#define MT_OP(Name, fname, kind, arity, category)
+#define MT_UNARY(Name, fname, category, domain, REF, VJP) \
+  {#fname, [&] { return mt::fname(std::string(#fname) == "log" ? positive : x); }},
+#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
+  {#fname, [&] { return mt::fname(x, std::string(#fname) == "pow" ? positive : y); }},
+#define MT_COMPARE(Name, fname, REF) {#fname, [&] { return mt::fname(x, y); }},
+#include "dsl/ops.def"
+      {"chain", [&] { return mt::tanh(x * 0.5 + mt::sigmoid(y)) - mt::relu(x) / positive; }},
+      {"where", [&] { return mt::where(x > y, mt::exp(x), y * 2.0); }},
+      {"cast", [&] { return mt::cast(mt::cast(x, mt::f64) * 3.0, dtype); }},
+  };
+  for (auto& [name, program] : programs) {
+    auto [reference, compiled] = both(program);
+    std::string where;
+    mt::Tensor probe = program();
+    EXPECT_TRUE(same_bits_or_both_nan(reference, compiled, probe.node()->storage, where))
+        << name << " in " << mt::name(dtype) << ": " << where;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Compiled, EveryPointwiseOp,
+                         ::testing::Values(mt::f32, mt::f16, mt::bf16, mt::f64),
+                         [](const auto& info) { return std::string(mt::name(info.param)); });
+
+TEST(Compiled, ReductionsAndBroadcastsMatchTheReferenceClosely) {
+  mt::Generator gen(5);
+  mt::Tensor x = mt::randn({7, 33, 5}, mt::f32, &gen);
+  mt::eval({x});
+  std::vector<std::function<mt::Tensor()>> programs = {
+      [&] { return mt::sum(x, {1}); },
+      [&] {
+        return mt::sum(x * x, {0, 2}, true);
+      },
+      [&] { return mt::max(x, {2}); },
+      [&] { return mt::softmax(x, -1); },
+      [&] { return mt::layer_norm(x, mt::Tensor(), mt::Tensor(), 1e-5); },
+      [&] { return mt::mean(mt::exp(x.transpose(0, 2)), {0}); },
+      [&] {
+        return x.reshape({7, 165}).sum({1});
+      },
+  };
+  for (size_t p = 0; p < programs.size(); ++p) {
+    auto [reference, compiled] = both(programs[p]);
+    ASSERT_EQ(reference.size(), compiled.size());
+    const float* r = reinterpret_cast<const float*>(reference.data());
+    const float* c = reinterpret_cast<const float*>(compiled.data());
+    for (size_t i = 0; i < reference.size() / 4; ++i)
+      ASSERT_NEAR(r[i], c[i], 2e-6 * (1 + std::fabs(r[i]))) << "program " << p << " at " << i;
+  }
+}
+
+TEST(Compiled, APointwiseChainIsOneKernelAndTheSecondRunCompilesNothing) {
+  mt::set_device(mt::Device::cpu);
+  mt::Tensor x = mt::tensor(std::vector<float>(1000, 1.5f), {10, 100});
+  mt::Tensor b = mt::tensor(std::vector<float>(100, 0.25f), {100});
+  auto program = [&] { return mt::relu(x * 2.0 + b) - mt::sigmoid(x); };
+  mt::eval({program()});
+  mt::reset_execution_stats();
+  int64_t compiled_before =
+      mt::execution_stats().kernels_compiled + mt::execution_stats().kernels_from_disk;
+  mt::Tensor again = program();
+  mt::eval({again});
+  mt::ExecutionStats stats = mt::execution_stats();
+  EXPECT_EQ(stats.kernels, 1);
+  EXPECT_GE(stats.kernel_nodes, 5);
+  EXPECT_EQ(stats.kernels_compiled + stats.kernels_from_disk, compiled_before);
+  EXPECT_EQ(stats.bytes_written, 1000 * 4);
+  EXPECT_FLOAT_EQ(again.to_vector<float>()[0], 3.25f - 1.0f / (1.0f + std::exp(-1.5f)));
+  {
+    mt::eager_scope eager;
+    mt::reset_execution_stats();
+    mt::eval({program()});
+    EXPECT_GE(mt::execution_stats().kernels, 5);  // one per op
+  }
+  mt::set_device(mt::Device::reference);
+}
+
+TEST(Compiled, EmittedLlvmIrForABf16ChainIsStable) {
+  // A golden check of the emitter's output for a small mixed-precision group: bf16 storage is
+  // converted with integer operations and math calls go to the C library.
+  auto x = mt::tensor(std::vector<float>{1, 2, 3, 4}, {4}, mt::bf16);
+  mt::Tensor y = mt::exp(x) * 2.0;
+  std::vector<mt::Node*> pending = mt::nodes_in_tape_order({y.node()});
+  std::erase_if(pending, [](mt::Node* n) { return n->evaluated(); });
+  std::vector<mt::FusionGroup> groups = mt::fuse(pending, {y.node().get()}, {});
+  ASSERT_EQ(groups.size(), 1u);
+  mt::LoweredKernel lowered = mt::lower(groups[0]);
+  std::string ir = mt::emit_llvm(lowered.kernel);
+  EXPECT_NE(ir.find("declare float @expf(float)"), std::string::npos) << ir;
+  EXPECT_NE(ir.find("load i16"), std::string::npos) << ir;
+  EXPECT_NE(ir.find("store i16"), std::string::npos) << ir;
+  EXPECT_NE(ir.find("and i32 %"), std::string::npos) << ir;  // RNE to bf16 in integer ops
+  EXPECT_EQ(ir.find("bfloat"), std::string::npos) << ir;
+  EXPECT_EQ(lowered.kernel.params.size(), 2u);
+}
+
+TEST(Compiled, UnknownDeviceIsAClearError) {
+  EXPECT_MT_ERROR(mt::set_device(mt::Device::cuda), "cuda", "no CUDA back end");
+}
+
+}  // namespace

@@ -1,0 +1,513 @@
+// tests/test_gemm.cpp -- the oneDNN matmul back end against a naive f64 matmul of the same values.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <iostream>
+#include <limits>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "dsl/half.h"
+#include "runtime/gemm.h"
+#include "test_util.h"
+
+namespace mt = mixtape;
+
+namespace {
+
+// A tensor stored in `dtype` together with the exact values it holds, for the f64 reference.
+struct Stored {
+  mt::DType dtype = mt::f32;
+  std::vector<float> words;      // f32 storage
+  std::vector<uint16_t> halves;  // f16 / bf16 storage
+  std::vector<double> values;
+
+  const void* data() const {
+    return dtype == mt::f32 ? static_cast<const void*>(words.data()) : halves.data();
+  }
+};
+
+uint16_t half_bits(mt::DType dtype, float x) {
+  return dtype == mt::bf16 ? mt::f32_to_bf16_bits(x) : mt::f32_to_f16_bits(x);
+}
+
+double half_value(mt::DType dtype, uint16_t bits) {
+  return dtype == mt::bf16 ? mt::bf16_bits_to_f32(bits) : mt::f16_bits_to_f32(bits);
+}
+
+// Stores each float rounded to `dtype`.
+Stored store(mt::DType dtype, const std::vector<float>& xs) {
+  Stored s;
+  s.dtype = dtype;
+  for (float x : xs) {
+    if (dtype == mt::f32) {
+      s.words.push_back(x);
+      s.values.push_back(x);
+    } else {
+      s.halves.push_back(half_bits(dtype, x));
+      s.values.push_back(half_value(dtype, s.halves.back()));
+    }
+  }
+  return s;
+}
+
+// Multiples of 1/8 in [-1, 1]: exact in every operand type, and every partial sum of up to 130
+// products (multiples of 1/64 below 2^8) is exact in f32, so the f32 accumulator holds the exact
+// result and a half output must be exactly its round-to-nearest-even value.
+std::vector<float> eighths(std::mt19937& rng, int64_t count) {
+  std::uniform_int_distribution<int> pick(-8, 8);
+  std::vector<float> xs(static_cast<size_t>(count));
+  for (float& x : xs) x = static_cast<float>(pick(rng)) / 8.0f;
+  return xs;
+}
+
+std::vector<float> uniform(std::mt19937& rng, int64_t count) {
+  std::uniform_real_distribution<float> pick(-1.0f, 1.0f);
+  std::vector<float> xs(static_cast<size_t>(count));
+  for (float& x : xs) x = pick(rng);
+  return xs;
+}
+
+double reference_relu(double x) { return (x > 0 || std::isnan(x)) ? x : 0.0; }
+
+struct Reference {
+  std::vector<double> value;      // act(a@b + bias), summed in f64 from +0 as the reference does
+  std::vector<double> magnitude;  // sum of |a||b| + |bias|, the scale of f32 accumulation error
+};
+
+Reference naive_matmul(const mt::GemmDesc& d, const Stored& a, const Stored& b,
+                       const Stored* bias) {
+  Reference r;
+  r.value.resize(static_cast<size_t>(d.batch * d.m * d.n));
+  r.magnitude.resize(r.value.size());
+  for (int64_t bi = 0; bi < d.batch; ++bi)
+    for (int64_t i = 0; i < d.m; ++i)
+      for (int64_t j = 0; j < d.n; ++j) {
+        double sum = 0.0, magnitude = 0.0;
+        for (int64_t p = 0; p < d.k; ++p) {
+          double av = a.values[bi * d.m * d.k + (d.transpose_a ? p * d.m + i : i * d.k + p)];
+          double bv = b.values[bi * d.k * d.n + (d.transpose_b ? j * d.k + p : p * d.n + j)];
+          sum += av * bv;
+          magnitude += std::fabs(av * bv);
+        }
+        if (bias != nullptr) {
+          sum += bias->values[j];
+          magnitude += std::fabs(bias->values[j]);
+        }
+        size_t at = static_cast<size_t>((bi * d.m + i) * d.n + j);
+        r.value[at] = d.relu ? reference_relu(sum) : sum;
+        r.magnitude[at] = magnitude;
+      }
+  return r;
+}
+
+// Output storage with room for `count` elements of `dtype`, as bytes so one type serves all.
+std::vector<uint32_t> output_buffer(int64_t count) {
+  return std::vector<uint32_t>(static_cast<size_t>(std::max<int64_t>(count, 1)), 0xDEADBEEFu);
+}
+
+double output_value(mt::DType dtype, const std::vector<uint32_t>& out, int64_t i) {
+  if (dtype == mt::f32) return std::bit_cast<float>(out[i]);
+  return half_value(dtype, reinterpret_cast<const uint16_t*>(out.data())[i]);
+}
+
+uint32_t output_bits(mt::DType dtype, const std::vector<uint32_t>& out, int64_t i) {
+  if (dtype == mt::f32) return out[i];
+  return reinterpret_cast<const uint16_t*>(out.data())[i];
+}
+
+// The stored bits of `x` (exact in f32) in `dtype`, rounded to nearest even.
+uint32_t expected_bits(mt::DType dtype, double x) {
+  float f = static_cast<float>(x);
+  return dtype == mt::f32 ? std::bit_cast<uint32_t>(f) : half_bits(dtype, f);
+}
+
+// Distance in representable values between two finite half bit patterns (+0 and -0 coincide).
+int64_t ulp_distance(uint32_t x, uint32_t y) {
+  auto ordered = [](uint32_t bits) -> int64_t {
+    return (bits & 0x8000u) ? -static_cast<int64_t>(bits & 0x7FFFu) : (bits & 0x7FFFu);
+  };
+  return std::abs(ordered(x) - ordered(y));
+}
+
+// The spacing of `dtype`'s values around |x|.
+double half_spacing(mt::DType dtype, double x) {
+  int exponent = 0;
+  std::frexp(x, &exponent);  // x = f * 2^exponent with f in [0.5, 1)
+  int min_exponent = dtype == mt::bf16 ? -126 : -14;
+  int mantissa_bits = dtype == mt::bf16 ? 7 : 10;
+  return std::ldexp(1.0, std::max(exponent - 1, min_exponent) - mantissa_bits);
+}
+
+std::string label(const mt::GemmDesc& d) {
+  const char* kernel = d.operand != mt::bf16                      ? ""
+                       : d.bf16_kernel == mt::Bf16Kernel::native  ? " native"
+                       : d.bf16_kernel == mt::Bf16Kernel::widened ? " widened"
+                                                                  : " automatic";
+  return fmt::format("batch {} m {} n {} k {} ta {} tb {} operand {}{} out {} bias {} relu {}",
+                     d.batch, d.m, d.n, d.k, d.transpose_a, d.transpose_b, mt::name(d.operand),
+                     kernel, mt::name(d.out), d.has_bias ? mt::name(d.bias_type) : "none", d.relu);
+}
+
+// Runs one problem on both families of values and checks every element. Returns false (after
+// reporting) on the first failing problem, so a broken build does not print thousands of lines.
+bool check_problem(const mt::GemmDesc& d, std::mt19937& rng) {
+  for (bool exact : {true, false}) {
+    auto values = [&](int64_t count) { return exact ? eighths(rng, count) : uniform(rng, count); };
+    Stored a = store(d.operand, values(d.batch * d.m * d.k));
+    Stored b = store(d.operand, values(d.batch * d.k * d.n));
+    Stored bias = store(d.bias_type, values(d.n));
+    const int64_t count = d.batch * d.m * d.n;
+    std::vector<uint32_t> out = output_buffer(count);
+    mt::gemm(d, a.data(), b.data(), out.data(), d.has_bias ? bias.data() : nullptr);
+    if (count == 0) {
+      if (out[0] != 0xDEADBEEFu) {
+        ADD_FAILURE() << label(d) << ": an empty product wrote its output";
+        return false;
+      }
+      continue;
+    }
+    Reference ref = naive_matmul(d, a, b, d.has_bias ? &bias : nullptr);
+    for (int64_t i = 0; i < count; ++i) {
+      const double want = ref.value[i], got = output_value(d.out, out, i);
+      const double f32_error = 1e-5 * ref.magnitude[i];
+      bool ok;
+      if (exact)  // the f32 accumulator is exact: the result must be its RNE rounding, bit for bit
+        ok = output_bits(d.out, out, i) == expected_bits(d.out, want);
+      else if (d.out == mt::f32)
+        ok = std::fabs(got - want) <= f32_error;
+      else  // one ulp from the RNE rounding of the f64 value, or as close as f32 sums can be
+        ok = ulp_distance(output_bits(d.out, out, i), expected_bits(d.out, want)) <= 1 ||
+             std::fabs(got - want) <= f32_error + half_spacing(d.out, want) / 2;
+      if (!ok) {
+        ADD_FAILURE() << label(d) << (exact ? " (exact values)" : " (random values)")
+                      << ": element " << i << " is " << got << ", want " << want;
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+struct Operand {
+  mt::DType dtype;
+  mt::Bf16Kernel kernel;
+};
+
+TEST(Gemm, MatchesF64ReferenceForAllDtypesTransposesShapesAndEpilogues) {
+  const int64_t shapes[][3] = {{1, 1, 1},   {7, 33, 130}, {130, 7, 33}, {33, 130, 7}, {1, 130, 33},
+                               {130, 1, 7}, {7, 7, 0},    {0, 7, 7},    {7, 0, 7}};
+  const Operand operands[] = {{mt::f32, mt::Bf16Kernel::automatic},
+                              {mt::f16, mt::Bf16Kernel::automatic},
+                              {mt::bf16, mt::Bf16Kernel::native},
+                              {mt::bf16, mt::Bf16Kernel::widened}};
+  const mt::DType floats[] = {mt::f32, mt::bf16, mt::f16};
+  std::mt19937 rng(20240611);
+  int checked = 0;
+  for (const Operand& operand : operands)
+    for (mt::DType out : floats)
+      for (int transposes = 0; transposes < 4; ++transposes)
+        for (int64_t batch : {1, 3})
+          for (int epilogue = 0; epilogue < 4; ++epilogue)
+            for (const auto& shape : shapes) {
+              mt::GemmDesc d;
+              d.batch = batch;
+              d.m = shape[0], d.n = shape[1], d.k = shape[2];
+              d.transpose_a = transposes & 1;
+              d.transpose_b = transposes & 2;
+              d.operand = operand.dtype;
+              d.bf16_kernel = operand.kernel;
+              d.out = out;
+              d.has_bias = epilogue & 1;
+              d.relu = epilogue & 2;
+              d.bias_type = floats[(checked / 7) % 3];
+              ASSERT_TRUE(mt::gemm_supported(d)) << label(d);
+              ASSERT_TRUE(check_problem(d, rng));
+              ++checked;
+            }
+  EXPECT_EQ(checked, 4 * 3 * 4 * 2 * 4 * 9);
+}
+
+// Large enough for oneDNN's multithreaded kernels (small ones run on the calling thread alone).
+TEST(Gemm, MultithreadedProblemsMatchF64Reference) {
+  std::mt19937 rng(11);
+  const Operand operands[] = {{mt::f32, mt::Bf16Kernel::automatic},
+                              {mt::f16, mt::Bf16Kernel::automatic},
+                              {mt::bf16, mt::Bf16Kernel::native},
+                              {mt::bf16, mt::Bf16Kernel::widened}};
+  for (const Operand& operand : operands)
+    for (int transposes = 0; transposes < 4; ++transposes) {
+      mt::GemmDesc d;
+      d.batch = 2, d.m = 97, d.n = 131, d.k = 65;
+      d.transpose_a = transposes & 1, d.transpose_b = transposes & 2;
+      d.operand = operand.dtype, d.bf16_kernel = operand.kernel;
+      d.out = transposes % 2 ? mt::f16 : mt::bf16;
+      d.has_bias = true, d.bias_type = mt::bf16, d.relu = transposes < 2;
+      ASSERT_TRUE(check_problem(d, rng));
+    }
+}
+
+TEST(Gemm, AutomaticBf16KernelIsCorrectOnBothSidesOfItsThreshold) {
+  std::mt19937 rng(7);
+  for (int64_t size : {8, 200}) {  // 8 rows: native; 200 x 200: widened
+    mt::GemmDesc d;
+    d.m = size, d.n = 200, d.k = 40, d.operand = mt::bf16, d.out = mt::bf16;
+    d.transpose_b = true, d.has_bias = true, d.relu = true;
+    EXPECT_TRUE(check_problem(d, rng));
+  }
+}
+
+// Halfway cases and the ends of the ranges, with hand-written expected bits: sum = x + y (f32
+// operands, b = [1, 1]) must be rounded once, to nearest even.
+TEST(Gemm, HalfOutputsRoundOnceToNearestEven) {
+  struct Case {
+    float x, y;
+    mt::DType out;
+    uint16_t want;
+  };
+  const Case cases[] = {
+      {1.0f, 0x1p-8f, mt::bf16, 0x3F80},          // halfway to 0x3F81: stays even
+      {1.0f, 0x1.8p-7f, mt::bf16, 0x3F82},        // halfway between 0x3F81 and 0x3F82
+      {1.0f, 0x1.01p-8f, mt::bf16, 0x3F81},       // just above halfway: up
+      {-1.0f, -0x1p-8f, mt::bf16, 0xBF80},        // signs are symmetric
+      {0x1p-133f, 0x1p-134f, mt::bf16, 0x0002},   // 1.5 subnormal units: even, up
+      {0x1p-134f, 0.0f, mt::bf16, 0x0000},        // half a subnormal unit: down to +0
+      {0x1.fep127f, 0x1p119f, mt::bf16, 0x7F80},  // halfway above the largest: inf
+      {1.0f, 0x1p-11f, mt::f16, 0x3C00},          // halfway: stays even
+      {1.0f, 0x1.8p-10f, mt::f16, 0x3C02},        // halfway between 0x3C01 and 0x3C02
+      {0x1p-24f, 0x1p-25f, mt::f16, 0x0002},      // 1.5 subnormal units
+      {0x1p-25f, 0.0f, mt::f16, 0x0000},          // half a unit: +0
+      {65504.0f, 15.0f, mt::f16, 0x7BFF},         // below halfway above the largest
+      {65504.0f, 16.0f, mt::f16, 0x7C00},         // halfway: inf
+      {-65504.0f, -16.0f, mt::f16, 0xFC00},
+  };
+  for (const Case& c : cases) {
+    mt::GemmDesc d;
+    d.m = 1, d.n = 1, d.k = 2, d.out = c.out;
+    const float a[] = {c.x, c.y}, b[] = {1.0f, 1.0f};
+    uint16_t got = 0xFFFF;
+    mt::gemm(d, a, b, &got);
+    EXPECT_EQ(got, c.want) << c.x << " + " << c.y << " to " << mt::name(c.out);
+  }
+}
+
+// The bias is added to the f32 accumulator and the sum rounded once: (1 + 2^-8) + 2^-9 is 3/4 of a
+// bf16 ulp above 1 and rounds up, while rounding the product first (a tie, down to 1) and then
+// adding 2^-9 (a quarter ulp, down again) would give 1.
+TEST(Gemm, BiasIsAddedBeforeTheSingleRounding) {
+  mt::GemmDesc d;
+  d.m = 1, d.n = 1, d.k = 2, d.out = mt::bf16, d.has_bias = true, d.bias_type = mt::f32;
+  const float a[] = {1.0f, 0x1p-8f}, b[] = {1.0f, 1.0f}, bias[] = {0x1p-9f};
+  uint16_t got = 0;
+  mt::gemm(d, a, b, &got, bias);
+  EXPECT_EQ(got, 0x3F81);
+}
+
+TEST(Gemm, ZeroSignsAndReluMatchTheReference) {
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  // a = [1; 0] (m = 2, k = 1), b = [-2, 0, nan, 3, -0]: row 1 is all products of +-0.
+  const std::vector<float> a_values = {1.0f, 0.0f}, b_values = {-2.0f, 0.0f, nan, 3.0f, -0.0f};
+  for (const Operand& operand :
+       {Operand{mt::f32, mt::Bf16Kernel::automatic}, Operand{mt::f16, mt::Bf16Kernel::automatic},
+        Operand{mt::bf16, mt::Bf16Kernel::native}, Operand{mt::bf16, mt::Bf16Kernel::widened}})
+    for (mt::DType out : {mt::f32, mt::bf16, mt::f16})
+      for (bool relu : {false, true}) {
+        mt::GemmDesc d;
+        d.m = 2, d.n = 5, d.k = 1, d.operand = operand.dtype, d.bf16_kernel = operand.kernel;
+        d.out = out, d.relu = relu;
+        Stored a = store(d.operand, a_values), b = store(d.operand, b_values);
+        std::vector<uint32_t> got = output_buffer(10);
+        mt::gemm(d, a.data(), b.data(), got.data());
+        // The reference sums from +0, so every zero is +0; relu maps negatives to +0.
+        const double want[] = {relu ? 0.0 : -2.0, 0.0, nan, 3.0, 0.0, 0.0, 0.0, nan, 0.0, 0.0};
+        for (int i = 0; i < 10; ++i) {
+          double value = output_value(out, got, i);
+          if (std::isnan(want[i])) {
+            EXPECT_TRUE(std::isnan(value)) << label(d) << " element " << i;
+          } else {
+            EXPECT_EQ(value, want[i]) << label(d) << " element " << i;
+            EXPECT_FALSE(std::signbit(value) && want[i] == 0.0) << label(d) << " -0 at " << i;
+          }
+        }
+      }
+}
+
+TEST(Gemm, EmptySumGivesTheEpilogueOfZero) {
+  mt::GemmDesc d;
+  d.batch = 2, d.m = 2, d.n = 3, d.k = 0, d.out = mt::bf16, d.has_bias = true;
+  d.bias_type = mt::f16, d.relu = true;
+  const uint16_t bias[] = {mt::f32_to_f16_bits(-1.5f), mt::f32_to_f16_bits(2.5f),
+                           mt::f32_to_f16_bits(-0.0f)};
+  std::vector<uint16_t> out(12, 0xFFFF);
+  mt::gemm(d, nullptr, nullptr, out.data(), bias);
+  for (int i = 0; i < 12; ++i)
+    EXPECT_EQ(out[i], i % 3 == 1 ? mt::f32_to_bf16_bits(2.5f) : 0x0000) << "element " << i;
+}
+
+TEST(Gemm, PrimitivesAreCachedAndReused) {
+  mt::gemm_clear_primitive_cache();
+  ASSERT_EQ(mt::gemm_primitive_cache_size(), 0u);
+  mt::GemmDesc d;
+  d.m = 5, d.n = 6, d.k = 7;
+  std::vector<float> a(35, 1.0f), b(42, 1.0f), out(30);
+  std::vector<uint16_t> a16(35, mt::f32_to_f16_bits(1.0f)), b16(42, mt::f32_to_f16_bits(1.0f));
+  std::vector<uint16_t> out16(30);
+  mt::gemm(d, a.data(), b.data(), out.data());
+  EXPECT_EQ(mt::gemm_primitive_cache_size(), 1u);
+  mt::gemm(d, a.data(), b.data(), out.data());
+  EXPECT_EQ(mt::gemm_primitive_cache_size(), 1u);  // same problem: reused
+  // f16 operands and half outputs reach oneDNN as the same f32 problem.
+  mt::GemmDesc half = d;
+  half.operand = mt::f16, half.out = mt::bf16;
+  mt::gemm(half, a16.data(), b16.data(), out16.data());
+  EXPECT_EQ(mt::gemm_primitive_cache_size(), 1u);
+  EXPECT_EQ(out16[0], mt::f32_to_bf16_bits(7.0f));
+  mt::GemmDesc other = d;
+  other.transpose_a = true;
+  mt::gemm(other, a.data(), b.data(), out.data());
+  EXPECT_EQ(mt::gemm_primitive_cache_size(), 2u);
+  other.relu = true;  // applied after oneDNN: no new primitive
+  mt::gemm(other, a.data(), b.data(), out.data());
+  EXPECT_EQ(mt::gemm_primitive_cache_size(), 2u);
+  other.has_bias = true;
+  mt::gemm(other, a.data(), b.data(), out.data(), b.data());
+  EXPECT_EQ(mt::gemm_primitive_cache_size(), 3u);
+  mt::gemm_clear_primitive_cache();
+  EXPECT_EQ(mt::gemm_primitive_cache_size(), 0u);
+  mt::gemm(d, a.data(), b.data(), out.data());
+  EXPECT_EQ(out[29], 7.0f);
+}
+
+TEST(Gemm, UnsupportedDescriptionsAreReportedWithShapesAndDtypes) {
+  mt::GemmDesc d;
+  d.batch = 2, d.m = 3, d.n = 4, d.k = 5;
+  EXPECT_TRUE(mt::gemm_supported(d));
+  float dummy[64] = {};
+  for (mt::DType bad : {mt::f64, mt::i32, mt::i64, mt::boolean}) {
+    mt::GemmDesc x = d;
+    x.operand = bad;
+    EXPECT_FALSE(mt::gemm_supported(x));
+    EXPECT_MT_ERROR(mt::gemm(x, dummy, dummy, dummy), "unsupported", std::string(mt::name(bad)),
+                    "batch 2, m 3, n 4, k 5");
+    x = d;
+    x.out = bad;
+    EXPECT_FALSE(mt::gemm_supported(x));
+    x = d;
+    x.has_bias = true, x.bias_type = bad;
+    EXPECT_FALSE(mt::gemm_supported(x));
+    x.has_bias = false;  // an unused bias type does not matter
+    EXPECT_TRUE(mt::gemm_supported(x));
+  }
+  mt::GemmDesc negative = d;
+  negative.k = -1;
+  EXPECT_FALSE(mt::gemm_supported(negative));
+  EXPECT_MT_ERROR(mt::gemm(negative, dummy, dummy, dummy), "k -1");
+  mt::GemmDesc biased = d;
+  biased.has_bias = true;
+  EXPECT_MT_ERROR(mt::gemm(biased, dummy, dummy, dummy), "null bias");
+  EXPECT_MT_ERROR(mt::gemm(d, nullptr, dummy, dummy), "null operand");
+}
+
+// Every conversion runs once with a count above the parallel threshold (2^18) and once below it.
+TEST(Gemm, BulkConversionsMatchHalfHForEveryPattern) {
+  const int64_t counts[] = {int64_t{1} << 19, 1000};
+  std::vector<uint16_t> patterns(size_t{1} << 19);  // every 16-bit pattern, 8 times
+  for (size_t i = 0; i < patterns.size(); ++i) patterns[i] = static_cast<uint16_t>(i);
+  std::vector<float> widened(patterns.size());
+  for (int64_t count : counts) {
+    std::fill(widened.begin(), widened.end(), 0.0f);
+    mt::widen_f16(patterns.data(), widened.data(), count);
+    for (int64_t i = 0; i < count; ++i)
+      ASSERT_EQ(std::bit_cast<uint32_t>(widened[i]),
+                std::bit_cast<uint32_t>(mt::f16_bits_to_f32(patterns[i])))
+          << "f16 pattern " << patterns[i];
+    mt::widen_bf16(patterns.data(), widened.data(), count);
+    for (int64_t i = 0; i < count; ++i)
+      ASSERT_EQ(std::bit_cast<uint32_t>(widened[i]), uint32_t{patterns[i]} << 16)
+          << "bf16 pattern " << patterns[i];
+  }
+  // Narrowing: for every sign and exponent, mantissas at and around the f16 and bf16 rounding
+  // points (ties, carries, NaN payloads), then random bit patterns.
+  std::vector<float> xs;
+  const uint32_t mantissas[] = {0,        1,        0xFFF,    0x1000,   0x1001,
+                                0x1FFF,   0x2000,   0x3000,   0x7FFF,   0x8000,
+                                0x8001,   0x18000,  0x7FE000, 0x7FEFFF, 0x7FF000,
+                                0x7FF001, 0x7FFFFF, 0x400000, 0x400001, 0x200000};
+  for (uint32_t sign_exponent = 0; sign_exponent < 512; ++sign_exponent)
+    for (uint32_t mantissa : mantissas)
+      xs.push_back(std::bit_cast<float>(sign_exponent << 23 | mantissa));
+  std::mt19937 rng(3);
+  while (xs.size() < 300000) xs.push_back(std::bit_cast<float>(static_cast<uint32_t>(rng())));
+  std::vector<uint16_t> narrowed(xs.size());
+  for (int64_t count : {static_cast<int64_t>(xs.size()), int64_t{12000}}) {
+    std::fill(narrowed.begin(), narrowed.end(), 0);
+    mt::narrow_to_f16(xs.data(), narrowed.data(), count);
+    for (int64_t i = 0; i < count; ++i)
+      ASSERT_EQ(narrowed[i], mt::f32_to_f16_bits(xs[i])) << std::hexfloat << xs[i];
+    mt::narrow_to_bf16(xs.data(), narrowed.data(), count);
+    for (int64_t i = 0; i < count; ++i)
+      ASSERT_EQ(narrowed[i], mt::f32_to_bf16_bits(xs[i])) << std::hexfloat << xs[i];
+  }
+}
+
+TEST(Gemm, ConcurrentCallsGiveCorrectResults) {
+  std::atomic<int> failures{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t)
+    threads.emplace_back([t, &failures] {
+      std::mt19937 rng(100 + t);
+      for (int repeat = 0; repeat < 3; ++repeat) {
+        mt::GemmDesc d;
+        d.batch = 2, d.m = 33, d.n = 17 + t / 2, d.k = 65;  // two threads share each problem
+        d.operand = t < 2 ? mt::f16 : mt::bf16, d.out = mt::bf16, d.has_bias = true;
+        d.bf16_kernel = mt::Bf16Kernel::native;
+        if (!check_problem(d, rng)) ++failures;
+      }
+    });
+  for (std::thread& thread : threads) thread.join();
+  EXPECT_EQ(failures.load(), 0);
+}
+
+// Informational: throughput of a 1024^3 product (not asserted; the machine is shared). A few
+// sampled elements are checked so the timed runs are known to compute the right thing.
+TEST(Gemm, ReportsThroughputFor1024Cubed) {
+  const int64_t size = 1024;
+  std::mt19937 rng(5);
+  std::vector<float> values = uniform(rng, size * size);
+  for (Operand operand :
+       {Operand{mt::f32, mt::Bf16Kernel::automatic}, Operand{mt::bf16, mt::Bf16Kernel::automatic},
+        Operand{mt::bf16, mt::Bf16Kernel::native}, Operand{mt::f16, mt::Bf16Kernel::automatic}}) {
+    mt::GemmDesc d;
+    d.m = d.n = d.k = size, d.operand = operand.dtype, d.bf16_kernel = operand.kernel;
+    Stored a = store(d.operand, values), b = store(d.operand, values);
+    std::vector<float> out(static_cast<size_t>(size * size));
+    mt::gemm(d, a.data(), b.data(), out.data());  // creates the primitive
+    double best = std::numeric_limits<double>::infinity();
+    for (int repeat = 0; repeat < 3; ++repeat) {
+      auto start = std::chrono::steady_clock::now();
+      mt::gemm(d, a.data(), b.data(), out.data());
+      best = std::min(
+          best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    }
+    std::cout << "[ info ] gemm " << size << "^3 " << label(d) << ": "
+              << 2.0 * size * size * size / best / 1e9 << " GFLOP/s (best of 3)\n";
+    for (int sample = 0; sample < 16; ++sample) {
+      int64_t i = (sample * 389) % size, j = (sample * 631) % size;
+      double want = 0, magnitude = 0;
+      for (int64_t p = 0; p < size; ++p) {
+        want += a.values[i * size + p] * b.values[p * size + j];
+        magnitude += std::fabs(a.values[i * size + p] * b.values[p * size + j]);
+      }
+      EXPECT_NEAR(out[i * size + j], want, 1e-5 * magnitude) << label(d) << " at " << i << "," << j;
+    }
+  }
+}
+
+}  // namespace

@@ -1,0 +1,651 @@
+// tests/test_kernel_cache.cpp -- the 128-bit hash and the kernel cache (disk, processes, damage).
+// Hash: pinned values, framing, collisions, avalanche. Cache: round trips across instances and
+// processes, corrupt entries, unusable directories, the environment, concurrency, atomic writes.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <optional>
+#include <random>
+#include <string>
+#include <thread>
+#include <unordered_set>
+#include <vector>
+
+#include "codegen/hash.h"
+#include "codegen/kernel_cache.h"
+
+namespace mt = mixtape;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::span<const std::byte> bytes_of(std::string_view text) {
+  return std::as_bytes(std::span(text.data(), text.size()));
+}
+
+std::vector<std::byte> random_bytes(size_t count, uint32_t seed) {
+  std::mt19937 generator(seed);
+  std::vector<std::byte> bytes(count);
+  for (std::byte& byte : bytes) byte = std::byte(generator() & 0xFF);
+  return bytes;
+}
+
+int differing_bits(const mt::Hash128& x, const mt::Hash128& y) {
+  return std::popcount(x.lo ^ y.lo) + std::popcount(x.hi ^ y.hi);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hash
+
+// Computed once from this implementation and pinned: cache file names depend on these values, so
+// a change here silently orphans every cache on disk and must be a deliberate format change.
+TEST(Hash, PinnedValuesNeverChange) {
+  EXPECT_EQ(mt::hash_string("").hex(), "e32d3566ceeb780c319fa65e0e536d7e");
+  EXPECT_EQ(mt::hash_string("a").hex(), "c4947c9a54e2b3ec7b6a2b1d7fc4f1d1");
+  EXPECT_EQ(mt::hash_string("mixtape kernel cache").hex(), "57c1f49c57cd239781904fb6b24cde5e");
+  std::vector<std::byte> counting(1000);
+  for (size_t i = 0; i < counting.size(); ++i) counting[i] = std::byte(i * 7 % 251);
+  EXPECT_EQ(mt::hash_bytes(counting).hex(), "901ee23f9dd4d9168272ae0c0a6b19bd");
+  mt::Hasher fields;
+  fields.update("matmul").update(int64_t{-3}).update(2.5).update(uint8_t{7});
+  EXPECT_EQ(fields.finish().hex(), "122686eeffd1252fa6473b90e5215389");
+}
+
+TEST(Hash, HexIsHighWordThenLowWordInLowercase) {
+  EXPECT_EQ((mt::Hash128{0x1, 0xABCDEF}).hex(), "0000000000abcdef0000000000000001");
+  EXPECT_EQ(mt::hash_string("x").hex().size(), 32u);
+}
+
+TEST(Hash, IncrementalEqualsOneShotForEverySplit) {
+  for (size_t length : {0, 1, 7, 8, 9, 15, 16, 17, 63, 64, 65, 200}) {
+    std::vector<std::byte> data = random_bytes(length, static_cast<uint32_t>(length));
+    mt::Hash128 whole = mt::hash_bytes(data);
+    for (size_t first = 0; first <= length; ++first) {
+      for (size_t second = first; second <= length; second += 3) {
+        mt::Hasher pieces;
+        std::span<const std::byte> span(data);
+        pieces.update_bytes(span.subspan(0, first));
+        pieces.update_bytes(span.subspan(first, second - first));
+        pieces.update_bytes(span.subspan(second));
+        ASSERT_EQ(pieces.finish(), whole) << length << " split at " << first << ", " << second;
+      }
+    }
+    mt::Hasher byte_by_byte;
+    for (std::byte byte : data) byte_by_byte.update_bytes(std::span(&byte, 1));
+    EXPECT_EQ(byte_by_byte.finish(), whole);
+  }
+  EXPECT_EQ(mt::hash_string("kernel"), mt::hash_bytes(bytes_of("kernel")));
+}
+
+TEST(Hash, FinishDoesNotDisturbTheHasher) {
+  mt::Hasher hasher;
+  hasher.update_bytes(bytes_of("abc"));
+  mt::Hash128 early = hasher.finish();
+  EXPECT_EQ(hasher.finish(), early);
+  hasher.update_bytes(bytes_of("def"));
+  EXPECT_EQ(hasher.finish(), mt::hash_string("abcdef"));
+  EXPECT_NE(hasher.finish(), early);
+}
+
+TEST(Hash, DistinctInputsGiveDistinctHashesInBothHalves) {
+  std::vector<std::string> inputs;
+  inputs.push_back("");
+  for (int a = 0; a < 256; ++a) {
+    inputs.push_back(std::string(1, char(a)));
+    for (int b = 0; b < 256; ++b) inputs.push_back(std::string{char(a), char(b)});
+  }
+  for (size_t zeros = 3; zeros <= 80; ++zeros) inputs.push_back(std::string(zeros, '\0'));
+  for (int number = 0; number < 100'000; ++number) inputs.push_back(std::to_string(number) + "th");
+  ASSERT_EQ(std::unordered_set<std::string>(inputs.begin(), inputs.end()).size(), inputs.size());
+  std::unordered_set<uint64_t> low_halves, high_halves;
+  for (const std::string& input : inputs) {
+    mt::Hash128 hash = mt::hash_string(input);
+    low_halves.insert(hash.lo);
+    high_halves.insert(hash.hi);
+  }
+  // 166k inputs into 2^64 values: an honest collision has probability ~1e-9.
+  EXPECT_EQ(low_halves.size(), inputs.size());
+  EXPECT_EQ(high_halves.size(), inputs.size());
+}
+
+// Flipping any one input bit should flip each output bit with probability 1/2.
+TEST(Hash, SingleBitFlipsAvalancheOverAllOutputBits) {
+  for (size_t length : {3, 8, 64}) {
+    std::vector<int64_t> flips_per_output_bit(128, 0);
+    int64_t trials = 0;
+    int fewest_changed_bits = 128;
+    for (uint32_t sample = 0; sample < 200; ++sample) {
+      std::vector<std::byte> data = random_bytes(length, 1000 + sample);
+      mt::Hash128 original = mt::hash_bytes(data);
+      for (size_t bit = 0; bit < 8 * length; ++bit) {
+        data[bit / 8] ^= std::byte(1u << (bit % 8));
+        mt::Hash128 flipped = mt::hash_bytes(data);
+        data[bit / 8] ^= std::byte(1u << (bit % 8));
+        fewest_changed_bits = std::min(fewest_changed_bits, differing_bits(original, flipped));
+        for (int out = 0; out < 64; ++out) {
+          flips_per_output_bit[out] += ((original.lo ^ flipped.lo) >> out) & 1;
+          flips_per_output_bit[64 + out] += ((original.hi ^ flipped.hi) >> out) & 1;
+        }
+        ++trials;
+      }
+    }
+    for (int out = 0; out < 128; ++out) {
+      double rate = double(flips_per_output_bit[out]) / double(trials);
+      EXPECT_GT(rate, 0.45) << "length " << length << " output bit " << out;
+      EXPECT_LT(rate, 0.55) << "length " << length << " output bit " << out;
+    }
+    EXPECT_GE(fewest_changed_bits, 30) << "length " << length;
+  }
+}
+
+TEST(Hash, TypedUpdatesFrameTheirFields) {
+  auto digest = [](const std::function<void(mt::Hasher&)>& feed) {
+    mt::Hasher hasher;
+    feed(hasher);
+    return hasher.finish();
+  };
+  EXPECT_NE(digest([](mt::Hasher& h) { h.update("ab").update("c"); }),
+            digest([](mt::Hasher& h) { h.update("a").update("bc"); }));
+  EXPECT_NE(digest([](mt::Hasher& h) { h.update(""); }), digest([](mt::Hasher&) {}));
+  EXPECT_NE(digest([](mt::Hasher& h) { h.update(""); }),
+            digest([](mt::Hasher& h) { h.update("").update(""); }));
+  EXPECT_NE(digest([](mt::Hasher& h) { h.update(1); }),
+            digest([](mt::Hasher& h) { h.update(1.0); }));
+  EXPECT_NE(digest([](mt::Hasher& h) { h.update(0.0); }),
+            digest([](mt::Hasher& h) { h.update(-0.0); }));
+  EXPECT_NE(digest([](mt::Hasher& h) { h.update(1).update(2); }),
+            digest([](mt::Hasher& h) { h.update(2).update(1); }));
+  EXPECT_NE(digest([](mt::Hasher& h) { h.update("x"); }), mt::hash_string("x"));
+  // Integers hash by value, whatever their type.
+  EXPECT_EQ(digest([](mt::Hasher& h) { h.update(int32_t{-5}); }),
+            digest([](mt::Hasher& h) { h.update(int64_t{-5}); }));
+  EXPECT_EQ(digest([](mt::Hasher& h) { h.update(uint16_t{9}); }),
+            digest([](mt::Hasher& h) { h.update(size_t{9}); }));
+  enum class Backend : uint8_t { cpu = 1, cuda = 2 };
+  EXPECT_EQ(digest([](mt::Hasher& h) { h.update(Backend::cuda); }),
+            digest([](mt::Hasher& h) { h.update(2); }));
+  EXPECT_EQ(digest([](mt::Hasher& h) { h.update(std::string("s")); }),
+            digest([](mt::Hasher& h) { h.update("s"); }));
+  EXPECT_EQ(digest([](mt::Hasher& h) { h.update(1.5f); }),
+            digest([](mt::Hasher& h) { h.update(1.5); }));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Kernel cache helpers
+
+class TemporaryDirectory {
+ public:
+  TemporaryDirectory() {
+    std::string pattern = (fs::temp_directory_path() / "mixtape-kernel-cache-XXXXXX").string();
+    path_ = ::mkdtemp(pattern.data());
+    EXPECT_FALSE(path_.empty());
+  }
+  ~TemporaryDirectory() {
+    std::error_code ignored;
+    fs::remove_all(path_, ignored);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// Sets or clears environment variables for one test and restores them afterwards.
+class ScopedEnvironment {
+ public:
+  void set(const std::string& name, const char* value) {
+    const char* old = std::getenv(name.c_str());
+    saved_.push_back({name, old ? std::optional<std::string>(old) : std::nullopt});
+    if (value)
+      ::setenv(name.c_str(), value, 1);
+    else
+      ::unsetenv(name.c_str());
+  }
+  ~ScopedEnvironment() {
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
+      if (it->second)
+        ::setenv(it->first.c_str(), it->second->c_str(), 1);
+      else
+        ::unsetenv(it->first.c_str());
+    }
+  }
+
+ private:
+  std::vector<std::pair<std::string, std::optional<std::string>>> saved_;
+};
+
+std::vector<std::byte> object_for(std::string_view key, size_t size = 300) {
+  std::vector<std::byte> object(size);
+  uint64_t state = mt::hash_string(key).lo;
+  for (std::byte& byte : object) {
+    state = state * 6364136223846793005ull + 1442695040888963407ull;
+    byte = std::byte(state >> 56);
+  }
+  return object;
+}
+
+std::vector<std::byte> read_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::vector<char> chars((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::byte> bytes(chars.size());
+  std::transform(chars.begin(), chars.end(), bytes.begin(), [](char c) { return std::byte(c); });
+  return bytes;
+}
+
+void write_file(const std::string& path, std::span<const std::byte> bytes) {
+  std::ofstream out(path, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
+}
+
+std::vector<std::string> directory_entries(const std::string& dir) {
+  std::vector<std::string> names;
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir))
+    names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+bool only_entry_files(const std::string& dir) {
+  for (const std::string& name : directory_entries(dir))
+    if (name.size() != 32 + 5 || !name.ends_with(".mtkc")) return false;
+  return true;
+}
+
+// Header layout of an entry (see kernel_cache.cpp): magic, u32 version, u64 key length, u64
+// payload length, 16-byte checksum, then key and payload.
+constexpr size_t header_bytes = 40;
+
+// ---------------------------------------------------------------------------------------------
+// Kernel cache
+
+TEST(KernelCache, StoresAndLoadsInAFreshDirectory) {
+  TemporaryDirectory dir;
+  std::string cache_dir = dir.path() + "/nested/cache";  // created on demand
+  mt::KernelCache cache(cache_dir);
+  ASSERT_TRUE(cache.disk_enabled());
+  EXPECT_EQ(cache.directory(), cache_dir);
+
+  EXPECT_EQ(cache.load("kernel-a"), std::nullopt);
+  std::vector<std::byte> object = object_for("kernel-a");
+  cache.store("kernel-a", object);
+  EXPECT_EQ(cache.load("kernel-a"), object);
+  EXPECT_EQ(cache.load("kernel-b"), std::nullopt);
+
+  std::string path = cache.entry_path("kernel-a");
+  ASSERT_TRUE(fs::is_regular_file(path)) << path;
+  EXPECT_EQ(fs::path(path).parent_path(), fs::path(cache_dir));
+  std::vector<std::byte> file = read_file(path);
+  ASSERT_EQ(file.size(), header_bytes + 8 + object.size());
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(file.data()), 4), "MTKC");
+  EXPECT_TRUE(std::equal(object.begin(), object.end(), file.end() - object.size()));
+
+  // An empty object and one holding every byte value survive too; a store replaces.
+  cache.store("empty", {});
+  EXPECT_EQ(cache.load("empty"), std::vector<std::byte>{});
+  std::vector<std::byte> every_byte(256);
+  for (int i = 0; i < 256; ++i) every_byte[i] = std::byte(i);
+  cache.store("kernel-a", every_byte);
+  EXPECT_EQ(cache.load("kernel-a"), every_byte);
+
+  mt::KernelCache::Stats stats = cache.stats();
+  EXPECT_EQ(stats.memory_hits, 3);
+  EXPECT_EQ(stats.disk_hits, 0);
+  EXPECT_EQ(stats.misses, 2);
+  EXPECT_EQ(stats.stores, 3);
+  EXPECT_EQ(stats.corrupt_entries, 0);
+  EXPECT_TRUE(only_entry_files(cache_dir));
+  EXPECT_EQ(directory_entries(cache_dir).size(), 2u);
+}
+
+TEST(KernelCache, ASecondInstanceOnTheSameDirectoryGetsDiskHits) {
+  TemporaryDirectory dir;
+  std::string long_key(5000, 'k');  // keys are stored whole, however long
+  {
+    mt::KernelCache writer(dir.path());
+    writer.store("kernel-a", object_for("kernel-a"));
+    writer.store(long_key, object_for(long_key, 100'000));
+  }
+  mt::KernelCache reader(dir.path());
+  EXPECT_EQ(reader.load("kernel-a"), object_for("kernel-a"));
+  EXPECT_EQ(reader.load(long_key), object_for(long_key, 100'000));
+  EXPECT_EQ(reader.load("kernel-a"), object_for("kernel-a"));
+  EXPECT_EQ(reader.load("never-stored"), std::nullopt);
+  mt::KernelCache::Stats stats = reader.stats();
+  EXPECT_EQ(stats.disk_hits, 2);
+  EXPECT_EQ(stats.memory_hits, 1);
+  EXPECT_EQ(stats.misses, 1);
+  EXPECT_EQ(stats.stores, 0);
+
+  reader.clear_memory();
+  EXPECT_EQ(reader.load("kernel-a"), object_for("kernel-a"));
+  EXPECT_EQ(reader.stats().disk_hits, 3);
+}
+
+// A forked child is a real second process: its own pid, memory and file descriptors.
+TEST(KernelCache, SeparateProcessesShareEntries) {
+  TemporaryDirectory dir;
+  {
+    mt::KernelCache parent(dir.path());
+    parent.store("from-parent", object_for("from-parent"));
+  }
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    mt::KernelCache cache(dir.path());
+    bool read_parent_entry =
+        cache.load("from-parent") == object_for("from-parent") && cache.stats().disk_hits == 1;
+    cache.store("from-child", object_for("from-child"));
+    ::_exit(read_parent_entry ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child did not read the parent's entry";
+  mt::KernelCache again(dir.path());
+  EXPECT_EQ(again.load("from-child"), object_for("from-child"));
+  EXPECT_EQ(again.stats().disk_hits, 1);
+}
+
+// Processes racing to write the same entries (as parallel test runs or training jobs do) must
+// leave only complete, valid entries and no temporary files.
+TEST(KernelCache, ConcurrentProcessesAndThreadsLeaveOnlyValidEntries) {
+  TemporaryDirectory dir;
+  constexpr int processes = 3, threads = 3, keys = 12, rounds = 5;
+  auto hammer = [&](int worker) {
+    mt::KernelCache cache(dir.path());
+    std::vector<std::thread> pool;
+    bool all_loads_valid = true;
+    std::mutex result_mutex;
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] {
+        for (int round = 0; round < rounds; ++round) {
+          for (int k = 0; k < keys; ++k) {
+            int key_index = (k + t + worker) % keys;
+            std::string key = "shared-" + std::to_string(key_index);
+            std::vector<std::byte> object = object_for(key, 2000 + 100 * key_index);
+            cache.store(key, object);
+            if (round % 2 == 1) cache.clear_memory();
+            if (cache.load(key) != object) {
+              std::lock_guard lock(result_mutex);
+              all_loads_valid = false;
+            }
+          }
+        }
+      });
+    }
+    for (std::thread& thread : pool) thread.join();
+    return all_loads_valid && cache.stats().corrupt_entries == 0;
+  };
+  std::vector<pid_t> children;
+  for (int worker = 0; worker < processes; ++worker) {
+    pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) ::_exit(hammer(worker) ? 0 : 1);
+    children.push_back(child);
+  }
+  EXPECT_TRUE(hammer(processes));
+  for (pid_t child : children) {
+    int status = 0;
+    ASSERT_EQ(::waitpid(child, &status, 0), child);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+  EXPECT_TRUE(only_entry_files(dir.path()));
+  EXPECT_EQ(directory_entries(dir.path()).size(), size_t(keys));
+  mt::KernelCache reader(dir.path());
+  for (int k = 0; k < keys; ++k) {
+    std::string key = "shared-" + std::to_string(k);
+    EXPECT_EQ(reader.load(key), object_for(key, 2000 + 100 * k)) << key;
+  }
+  EXPECT_EQ(reader.stats().disk_hits, keys);
+}
+
+struct Corruption {
+  std::string name;
+  std::string reason_fragment;
+  std::function<void(std::vector<std::byte>& file, const std::vector<std::byte>& other_entry)>
+      apply;
+};
+
+std::vector<Corruption> corruptions() {
+  return {
+      {"empty file", "truncated: 0 bytes", [](auto& file, auto&) { file.clear(); }},
+      {"truncated header", "truncated: 20 bytes", [](auto& file, auto&) { file.resize(20); }},
+      {"truncated payload", "truncated: header promises",
+       [](auto& file, auto&) { file.pop_back(); }},
+      {"trailing bytes", "1 unexpected bytes", [](auto& file, auto&) { file.push_back({}); }},
+      {"flipped payload byte", "checksum mismatch",
+       [](auto& file, auto&) { file[file.size() - 5] ^= std::byte{0x10}; }},
+      {"flipped checksum byte", "checksum mismatch",
+       [](auto& file, auto&) { file[30] ^= std::byte{0x01}; }},
+      {"wrong magic", "bad magic", [](auto& file, auto&) { file[0] = std::byte{'X'}; }},
+      {"other format version", "format version 2, expected 1",
+       [](auto& file, auto&) { file[4] = std::byte{2}; }},
+      {"huge key length", "truncated: header promises",
+       [](auto& file, auto&) { file[15] = std::byte{0x7F}; }},
+      {"huge payload length", "truncated: header promises",
+       [](auto& file, auto&) { file[23] = std::byte{0xFF}; }},
+      {"same-length foreign key", "different key",
+       [](auto& file, auto&) { file[header_bytes] ^= std::byte{0x01}; }},
+      {"another key's entry (a hash collision)", "different key",
+       [](auto& file, auto& other) { file = other; }},
+  };
+}
+
+TEST(KernelCache, CorruptEntriesAreReportedDeletedAndRepaired) {
+  for (const Corruption& corruption : corruptions()) {
+    SCOPED_TRACE(corruption.name);
+    TemporaryDirectory dir;
+    std::string key = "kernel-key";
+    std::string other_key = "a-different-key";
+    std::string path, other_path;
+    {
+      mt::KernelCache writer(dir.path());
+      writer.store(key, object_for(key));
+      writer.store(other_key, object_for(other_key, 50));
+      path = writer.entry_path(key);
+      other_path = writer.entry_path(other_key);
+    }
+    std::vector<std::byte> file = read_file(path);
+    corruption.apply(file, read_file(other_path));
+    write_file(path, file);
+
+    mt::KernelCache reader(dir.path());
+    testing::internal::CaptureStderr();
+    std::optional<std::vector<std::byte>> loaded = reader.load(key);
+    std::string warning = testing::internal::GetCapturedStderr();
+    EXPECT_EQ(loaded, std::nullopt);
+    EXPECT_EQ(reader.stats().corrupt_entries, 1);
+    EXPECT_EQ(reader.stats().misses, 1);
+    std::string expected_start = "mixtape: warning: kernel cache entry " + path + " is corrupt (";
+    EXPECT_TRUE(warning.starts_with(expected_start)) << warning;
+    EXPECT_TRUE(warning.ends_with("); recompiling\n")) << warning;
+    EXPECT_NE(warning.find(corruption.reason_fragment), std::string::npos) << warning;
+    EXPECT_EQ(std::count(warning.begin(), warning.end(), '\n'), 1) << warning;
+    EXPECT_FALSE(fs::exists(path)) << "the corrupt entry was not deleted";
+
+    // Gone now: a plain miss, silently. The other entry is untouched.
+    testing::internal::CaptureStderr();
+    EXPECT_EQ(reader.load(key), std::nullopt);
+    EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+    EXPECT_EQ(reader.load(other_key), object_for(other_key, 50));
+
+    // A store repairs it for everyone.
+    reader.store(key, object_for(key));
+    mt::KernelCache later(dir.path());
+    EXPECT_EQ(later.load(key), object_for(key));
+    EXPECT_EQ(later.stats().disk_hits, 1);
+    EXPECT_EQ(later.stats().corrupt_entries, 0);
+  }
+}
+
+TEST(KernelCache, AnEntryIsWarnedAboutOnlyOnce) {
+  TemporaryDirectory dir;
+  mt::KernelCache writer(dir.path());
+  writer.store("k", object_for("k"));
+  std::string path = writer.entry_path("k");
+  std::vector<std::byte> good = read_file(path);
+  std::vector<std::byte> bad = good;
+  bad.back() ^= std::byte{1};
+
+  mt::KernelCache reader(dir.path());
+  testing::internal::CaptureStderr();
+  for (int attempt = 0; attempt < 3; ++attempt) {
+    write_file(path, bad);
+    EXPECT_EQ(reader.load("k"), std::nullopt);
+  }
+  std::string warnings = testing::internal::GetCapturedStderr();
+  EXPECT_EQ(std::count(warnings.begin(), warnings.end(), '\n'), 1) << warnings;
+  EXPECT_EQ(reader.stats().corrupt_entries, 3);
+  write_file(path, good);
+  EXPECT_EQ(reader.load("k"), object_for("k"));
+}
+
+void expect_memory_only_with_warning(const std::string& dir) {
+  SCOPED_TRACE(dir);
+  testing::internal::CaptureStderr();
+  mt::KernelCache cache(dir);
+  std::string warning = testing::internal::GetCapturedStderr();
+  EXPECT_FALSE(cache.disk_enabled());
+  EXPECT_EQ(cache.directory(), dir);
+  EXPECT_EQ(cache.entry_path("k"), "");
+  std::string expected_start =
+      "mixtape: warning: kernel cache directory " + dir + " is not writable (";
+  EXPECT_TRUE(warning.starts_with(expected_start)) << warning;
+  EXPECT_TRUE(warning.ends_with("); caching in memory only\n")) << warning;
+  EXPECT_EQ(std::count(warning.begin(), warning.end(), '\n'), 1) << warning;
+
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(cache.load("k"), std::nullopt);
+  cache.store("k", object_for("k"));
+  EXPECT_EQ(cache.load("k"), object_for("k"));
+  EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+  EXPECT_EQ(cache.stats().memory_hits, 1);
+  EXPECT_EQ(cache.stats().misses, 1);
+  EXPECT_EQ(cache.stats().stores, 1);
+}
+
+// Tests run as root, where permission bits do not stop writes, so unusable directories are made
+// from paths that no user can create.
+TEST(KernelCache, AnUnusableDirectoryMeansMemoryOnly) {
+  TemporaryDirectory dir;
+  std::string regular_file = dir.path() + "/a-file";
+  write_file(regular_file, object_for("x", 10));
+  expect_memory_only_with_warning(regular_file);
+  expect_memory_only_with_warning(regular_file + "/cache");
+  expect_memory_only_with_warning(regular_file + "/deeper/cache");
+  expect_memory_only_with_warning("/proc/mixtape-kernel-cache-test");
+  expect_memory_only_with_warning("/proc/self/mixtape-kernel-cache-test/sub");
+  EXPECT_EQ(directory_entries(dir.path()), std::vector<std::string>{"a-file"});
+}
+
+TEST(KernelCache, AnUnwritableEntryIsKeptInMemory) {
+  TemporaryDirectory dir;
+  mt::KernelCache cache(dir.path());
+  std::string path = cache.entry_path("blocked");
+  fs::create_directories(path + "/occupied");  // rename() cannot replace a non-empty directory
+  testing::internal::CaptureStderr();
+  cache.store("blocked", object_for("blocked"));
+  cache.store("blocked", object_for("blocked"));
+  std::string warning = testing::internal::GetCapturedStderr();
+  EXPECT_TRUE(warning.starts_with("mixtape: warning: kernel cache entry " + path +
+                                  " could not be written ("))
+      << warning;
+  EXPECT_EQ(std::count(warning.begin(), warning.end(), '\n'), 1) << warning;
+  EXPECT_EQ(cache.load("blocked"), object_for("blocked"));
+
+  mt::KernelCache other(dir.path());
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(other.load("blocked"), std::nullopt);
+  warning = testing::internal::GetCapturedStderr();
+  EXPECT_NE(warning.find("not a regular file"), std::string::npos) << warning;
+  EXPECT_EQ(other.stats().corrupt_entries, 1);
+  // No temporary files left behind by the failed renames.
+  EXPECT_EQ(directory_entries(dir.path()),
+            std::vector<std::string>{fs::path(path).filename().string()});
+}
+
+TEST(KernelCache, TheEnvironmentChoosesTheDirectory) {
+  TemporaryDirectory dir;
+  {
+    ScopedEnvironment environment;
+    environment.set("MIXTAPE_CACHE_DIR", (dir.path() + "/from-env").c_str());
+    environment.set("HOME", (dir.path() + "/home").c_str());
+    mt::KernelCache cache;
+    EXPECT_EQ(cache.directory(), dir.path() + "/from-env");
+    EXPECT_TRUE(cache.disk_enabled());
+    cache.store("k", object_for("k"));
+    EXPECT_TRUE(fs::is_regular_file(cache.entry_path("k")));
+    EXPECT_EQ(fs::path(cache.entry_path("k")).parent_path(), fs::path(dir.path() + "/from-env"));
+    // An explicit directory wins over the environment.
+    mt::KernelCache explicit_dir(dir.path() + "/explicit");
+    EXPECT_EQ(explicit_dir.directory(), dir.path() + "/explicit");
+  }
+  {
+    ScopedEnvironment environment;
+    environment.set("MIXTAPE_CACHE_DIR", "");
+    environment.set("HOME", (dir.path() + "/home").c_str());
+    mt::KernelCache cache;
+    EXPECT_EQ(cache.directory(), dir.path() + "/home/.cache/mixtape");
+    EXPECT_TRUE(cache.disk_enabled());
+    EXPECT_TRUE(fs::is_directory(dir.path() + "/home/.cache/mixtape"));
+  }
+  {
+    ScopedEnvironment environment;
+    environment.set("MIXTAPE_CACHE_DIR", nullptr);
+    environment.set("HOME", nullptr);
+    testing::internal::CaptureStderr();
+    mt::KernelCache cache;
+    EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
+    EXPECT_EQ(cache.directory(), "");
+    EXPECT_FALSE(cache.disk_enabled());
+    cache.store("k", object_for("k"));
+    EXPECT_EQ(cache.load("k"), object_for("k"));
+  }
+}
+
+// The process-wide cache exists once per process, so it is checked in a fresh child process each
+// time (the parent never makes it), which keeps the test valid under --gtest_repeat.
+TEST(KernelCache, TheProcessWideCacheIsMadeFromTheEnvironmentOnce) {
+  TemporaryDirectory dir;
+  std::string process_dir = dir.path() + "/process";
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::setenv("MIXTAPE_CACHE_DIR", process_dir.c_str(), 1);
+    mt::KernelCache& cache = mt::kernel_cache();
+    ::setenv("MIXTAPE_CACHE_DIR", (dir.path() + "/ignored-later").c_str(), 1);
+    bool same_instance = &mt::kernel_cache() == &cache;
+    bool from_environment = cache.directory() == process_dir && cache.disk_enabled();
+    cache.store("process-wide", object_for("process-wide"));
+    ::_exit(same_instance && from_environment ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  mt::KernelCache reader(process_dir);
+  EXPECT_EQ(reader.load("process-wide"), object_for("process-wide"));
+  EXPECT_FALSE(fs::exists(dir.path() + "/ignored-later"));
+}
+
+TEST(KernelCache, StoresNeverLeaveTemporaryFiles) {
+  TemporaryDirectory dir;
+  mt::KernelCache cache(dir.path());
+  for (int i = 0; i < 50; ++i) {
+    std::string key = "kernel-" + std::to_string(i % 10);
+    cache.store(key, object_for(key, size_t(i) * 37));
+  }
+  EXPECT_TRUE(only_entry_files(dir.path()));
+  EXPECT_EQ(directory_entries(dir.path()).size(), 10u);
+}
+
+}  // namespace
