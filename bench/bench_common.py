@@ -124,7 +124,8 @@ def measure(step, sync, warmup, windows, window_seconds, budget_seconds):
 def peer_arguments(description):
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--workloads", required=True,
-                        help="comma-separated: mlp_w64_b256, digits_mlp, char_gpt, gemm_f32_1024...")
+                        help="comma-separated: mlp_w64_b256, digits_mlp, char_gpt, "
+                             "gemm_f32_1024...")
     parser.add_argument("--precisions", default="fp32,bf16", help="fp32,bf16 (not for gemm_*)")
     parser.add_argument("--warmup", type=int, default=5, help="warm-up steps per workload")
     parser.add_argument("--windows", type=int, default=5, help="timed windows per workload")

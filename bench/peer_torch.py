@@ -1,4 +1,4 @@
-# bench/peer_torch.py -- the PyTorch (eager) peer: the bench workloads as a PyTorch user writes them.
+# bench/peer_torch.py -- the PyTorch (eager) peer: the workloads as a PyTorch user writes them.
 """Run with /usr/bin/python3 (Debian's python3-torch) and OPENBLAS_CORETYPE=SkylakeX in the
 environment (run.py sets it). Prints one JSON line per workload, precision and thread count.
 

@@ -182,7 +182,8 @@ def summarize_training(name, precision, runs, errors):
         record = best(runs, label)
         return record["steps_per_s"] if record else None
 
-    torch_best, jax_best, mixtape_best = best(runs, "torch"), best(runs, "jax"), best(runs, "mixtape")
+    torch_best, jax_best = best(runs, "torch"), best(runs, "jax")
+    mixtape_best = best(runs, "mixtape")
     torch_rate = rate("torch")
     entry = {
         "workload": name,
@@ -224,9 +225,10 @@ def summarize_gemm(name, runs, errors, peak):
     gflops = lambda record: record["gflops"] if record else None
     peak_value = None
     if peak:
-        f32 = max(peak["f32_gflops"])
-        # bf16 may be widened to f32 and run on the FMA units: its ceiling is the better peak.
-        peak_value = max(f32, max(peak["bf16_gflops"])) if dtype == "bf16" else f32
+        # One core's peak times the cores (bench_gemm's machine_*); bf16 may be widened to f32
+        # and run on the FMA units, so its ceiling is the better of the two peaks.
+        f32 = peak["machine_f32_gflops"]
+        peak_value = max(f32, peak["machine_bf16_gflops"]) if dtype == "bf16" else f32
     entry = {
         "workload": name, "dtype": dtype, "size": size,
         "peak_gflops": peak_value,

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# bench/setup_peers.sh -- installs the benchmark peers' extras: JAX in bench/.venv, OpenBLAS for torch.
-# Idempotent; run as root on Debian 12. PyTorch itself is Debian's python3-torch (tools/install_deps.sh).
+# bench/setup_peers.sh -- installs the peers' extras: JAX in bench/.venv, OpenBLAS for torch.
+# Idempotent; run as root on Debian 12. PyTorch itself is Debian's python3-torch.
 #
 # - JAX (CPU) from PyPI into bench/.venv (its own venv: JAX wants a newer numpy than Debian's,
 #   which python3-torch is built against).
@@ -20,7 +20,8 @@ if [ -x "$here/.venv/bin/python" ] && "$here/.venv/bin/python" -c 'import jax' 2
 else
   /usr/bin/python3 -m venv "$here/.venv"
   "$here/.venv/bin/pip" install --quiet jax
-  echo "setup_peers: installed JAX $("$here/.venv/bin/python" -c 'import jax; print(jax.__version__)')"
+  version="$("$here/.venv/bin/python" -c 'import jax; print(jax.__version__)')"
+  echo "setup_peers: installed JAX $version"
 fi
 
 openblas_dir="$here/.openblas/usr/lib/x86_64-linux-gnu/openblas-pthread"

@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+# bench/to_markdown.py -- renders a run.py JSON document as the Markdown tables of bench/README.md.
+"""usage: python3 bench/to_markdown.py RESULT.json  (from python3 bench/run.py --out RESULT.json)"""
+
+import json
+import sys
+
+
+def cell(value, digits=None):
+    if value is None:
+        return "–"
+    if digits is None:
+        digits = 2 if abs(value) < 10 else 1 if abs(value) < 1000 else 0
+    return f"{value:,.{digits}f}"
+
+
+def device(entry):
+    backend = entry.get("mixtape_backend")
+    if not backend:
+        return ""
+    return f" ({backend['device']}{', eager' if backend.get('eager') else ''})"
+
+
+def main():
+    if len(sys.argv) != 2:
+        sys.exit(__doc__)
+    with open(sys.argv[1]) as f:
+        doc = json.load(f)
+    machine = doc["machine"]
+    print(f"Measured {machine['date_utc']} on {machine['cpu']}, {machine['cores']} cores; "
+          f"1-minute load average {machine['load_average_1min_at_start']} at the start, "
+          f"{machine['load_average_1min_at_end']} at the end; "
+          f"{'--quick' if doc['quick'] else 'full'} run, {doc['seconds']} s.\n")
+    print("| workload | mixtape compiled | mixtape eager | mixtape reference | torch (threads) "
+          "| jax (jit compile s) | compiled / torch | compiled / jax |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for key, e in doc["workloads"].items():
+        if "precision" not in e:
+            continue
+        torch = (f"{cell(e['torch_steps_per_s'])} ({e['torch_threads']})"
+                 if e["torch_steps_per_s"] else "–")
+        jax = (f"{cell(e['jax_steps_per_s'])} ({cell(e['jax_jit_compile_s'], 1)})"
+               if e["jax_steps_per_s"] else "–")
+        print(f"| {key} | {cell(e['mixtape_steps_per_s'])}{device(e)} | "
+              f"{cell(e['mixtape_eager_steps_per_s'])} | "
+              f"{cell(e['mixtape_reference_steps_per_s'])} | {torch} | {jax} | "
+              f"{cell(e['ratio_vs_torch'])} | {cell(e['ratio_vs_jax'])} |")
+    gemms = [e for e in doc["workloads"].values() if "precision" not in e]
+    if gemms:
+        peak = doc.get("peak")
+        if peak:
+            print(f"\nFMA peak, GFLOP/s at threads {peak['threads']}: f32 ({peak['f32_isa']}) "
+                  f"{[round(v, 1) for v in peak['f32_gflops']]}, bf16 dot products "
+                  f"({peak['bf16_isa']}) {[round(v, 1) for v in peak['bf16_gflops']]}; machine "
+                  f"peak (one core's times the cores) f32 {peak['machine_f32_gflops']:.0f}, bf16 "
+                  f"{peak['machine_bf16_gflops']:.0f}. Fractions below are of the machine peak "
+                  f"(bf16: the better of the two, as bf16 may be widened to f32).\n")
+        print("| GEMM (N³) | mixtape GFLOP/s (threads) | fraction of peak | torch.mm (threads) "
+              "| fraction | jax | fraction | mixtape / torch |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for e in gemms:
+            mixtape = (f"{cell(e['mixtape_gflops'])} ({e['mixtape_threads']})"
+                       if e["mixtape_gflops"] else "–")
+            torch = (f"{cell(e['torch_gflops'])} ({e['torch_threads']})"
+                     if e["torch_gflops"] else "–")
+            print(f"| {e['dtype']} {e['size']} | {mixtape} | {cell(e['mixtape_fraction_of_peak'])} "
+                  f"| {torch} | {cell(e['torch_fraction_of_peak'])} | {cell(e['jax_gflops'])} "
+                  f"| {cell(e['jax_fraction_of_peak'])} | {cell(e['ratio_vs_torch'])} |")
+    for note in doc.get("notes", []):
+        print(f"\nNote: {note}")
+
+
+if __name__ == "__main__":
+    main()
