@@ -329,6 +329,9 @@ def main():
     for mode in modes:
         if mode not in MIXTAPE_MODES:
             sys.exit(f"run.py: unknown mode '{mode}' (compiled, eager, reference)")
+    for peer in peers:
+        if peer not in ("torch", "jax"):
+            sys.exit(f"run.py: unknown peer '{peer}' (torch, jax)")
     notes, errors = [], {}
     machine = machine_info()
     records = []  # (system label, record)
@@ -346,7 +349,7 @@ def main():
     for binary, needed in ((training_binary, training), (gemm_binary, gemm)):
         if needed and not os.access(binary, os.X_OK):
             notes.append(f"mixtape skipped for {', '.join(needed)}: {binary} is not built "
-                         f"(cmake --build {os.path.relpath(args.build_dir)} --target "
+                         f"(cmake --build {args.build_dir} --target "
                          f"{os.path.basename(binary)}, or pass --build-dir)")
     thread_settings = common.split_list(args.mixtape_threads) or [None]
 
@@ -394,13 +397,19 @@ def main():
     peer_flags += timing_flags(timing)
     if "torch" in peers and training + gemm:
         if shutil.which(args.torch_python) or os.path.exists(args.torch_python):
-            found, error = run_child(
-                "torch", [args.torch_python, os.path.join(BENCH_DIR, "peer_torch.py")]
-                + peer_flags + ["--threads", args.torch_threads], torch_env(notes),
-                plan["child_timeout"])
-            add("torch", found, error, training + gemm)
-            if found and found[0].get("blas") != "openblas":
-                notes.append(f"torch used {found[0].get('blas')} for f32 matmuls")
+            env = torch_env(notes)
+            for threads in common.split_list(args.torch_threads):
+                # OpenBLAS (torch's f32 GEMMs) keeps its own thread pool, which
+                # torch.set_num_threads does not size: one child per count, both pools set.
+                env.update(OPENBLAS_NUM_THREADS=threads, OMP_NUM_THREADS=threads)
+                found, error = run_child(
+                    f"torch threads={threads}",
+                    [args.torch_python, os.path.join(BENCH_DIR, "peer_torch.py")] + peer_flags
+                    + ["--threads", threads], dict(env), plan["child_timeout"])
+                add("torch", found, error, training + gemm)
+                note = f"torch used {found[0].get('blas')} for f32 matmuls" if found else None
+                if note and found[0].get("blas") != "openblas" and note not in notes:
+                    notes.append(note)
         else:
             notes.append(f"torch skipped: {args.torch_python} not found")
     if "jax" in peers and training + gemm:
