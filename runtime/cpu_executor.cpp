@@ -28,6 +28,12 @@ ExecutionStats& stats() {
   return s;
 }
 
+// The JIT keeps its own lifetime counters; a reset remembers them so that stats count from it.
+LlvmJit::Stats& jit_baseline() {
+  static LlvmJit::Stats baseline;
+  return baseline;
+}
+
 std::shared_ptr<Storage> allocate(const Node& node) {
   return std::make_shared<Storage>(node.storage, node.numel());
 }
@@ -155,13 +161,17 @@ void execute_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& re
 ExecutionStats execution_stats() {
   ExecutionStats s = stats();
   LlvmJit::Stats jit = LlvmJit::instance().stats();
-  s.kernels_compiled = jit.compiled;
-  s.kernels_from_disk = jit.disk_loaded;
-  s.compile_seconds = jit.compile_seconds;
-  s.load_seconds = jit.load_seconds;
+  const LlvmJit::Stats& base = jit_baseline();
+  s.kernels_compiled = jit.compiled - base.compiled;
+  s.kernels_from_disk = jit.disk_loaded - base.disk_loaded;
+  s.compile_seconds = jit.compile_seconds - base.compile_seconds;
+  s.load_seconds = jit.load_seconds - base.load_seconds;
   return s;
 }
 
-void reset_execution_stats() { stats() = ExecutionStats{}; }
+void reset_execution_stats() {
+  stats() = ExecutionStats{};
+  jit_baseline() = LlvmJit::instance().stats();
+}
 
 }  // namespace mixtape
