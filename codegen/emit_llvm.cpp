@@ -79,6 +79,15 @@ class Emitter {
       line("%pp{} = getelementptr inbounds ptr, ptr %params, i64 {}", p, p);
       line("%p{} = load ptr, ptr %pp{}, !noalias !0", p, p);
     }
+    // Scalar slots: a double array behind the last pointer, read once.
+    if (k_.scalars > 0) {
+      line("%sp = getelementptr inbounds ptr, ptr %params, i64 {}", k_.params.size());
+      line("%sa = load ptr, ptr %sp, !noalias !0");
+      for (int32_t s = 0; s < k_.scalars; ++s) {
+        line("%sg{} = getelementptr inbounds double, ptr %sa, i64 {}", s, s);
+        line("%s{} = load double, ptr %sg{}, !noalias !0", s, s);
+      }
+    }
     int rank = static_cast<int>(k_.dims.size());
     for (int d = 0; d < rank; ++d) line("%i{}.addr = alloca i64", d);
     line("%o.addr = alloca i64");
@@ -395,6 +404,11 @@ class Emitter {
         return load(v);
       case Op::Accumulated:
         return fmt::format("%acc{}", v.param);
+      case Op::Scalar:
+        // Lowering passes only float fills, exactly representable in their register type.
+        if (v.type == Type::f64) return fmt::format("%s{}", v.param);
+        line("{} = fptrunc double %s{} to float", r, v.param);
+        return r;
       case Op::Neg:
         if (f)
           line("{} = fneg {} {}", r, t, operand(v.a));

@@ -20,13 +20,6 @@ bool is_view(OpCode op) {
          op == OpCode::Slice;
 }
 
-// A value that every kernel can recompute for free: a fill, or a view of one.
-bool is_constant_fill(const Node& node) {
-  if (node.evaluated()) return false;
-  if (node.op == OpCode::Full) return true;
-  return is_view(node.op) && is_constant_fill(*node.inputs[0]);
-}
-
 Affine unit(size_t rank, int var) {
   Affine a;
   a.coeff.assign(rank, 0);
@@ -414,6 +407,12 @@ class Fuser {
 };
 
 }  // namespace
+
+bool is_constant_fill(const Node& node) {
+  if (node.evaluated()) return false;
+  if (node.op == OpCode::Full) return true;
+  return is_view(node.op) && is_constant_fill(*node.inputs[0]);
+}
 
 bool kernel_op(const Node& node) {
   switch (op_info(node.op).kind) {

@@ -50,6 +50,9 @@ std::vector<FusionGroup> fuse(const std::vector<Node*>& pending, const std::vect
 bool transfer_access(const Node& node, size_t k, const Access& access, size_t rank, Access& out,
                      std::string& why);
 
+/// A value that every kernel can recompute for free: an unevaluated fill, or a view of one.
+bool is_constant_fill(const Node& node);
+
 /// Whether a node can run inside a generated kernel (pointwise ops, views, Sum/Max, Full).
 bool kernel_op(const Node& node);
 

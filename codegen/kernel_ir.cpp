@@ -25,9 +25,9 @@ Type register_type(DType dtype) {
 
 const char* op_name(Op op) {
   static const char* names[] = {
-      "const", "load", "neg", "add", "sub", "mul",    "div",     "lt",       "le",
-      "gt",    "ge",   "eq",  "ne",  "or",  "select", "isnan",   "exp",      "log",
-      "sqrt",  "tanh", "erf", "sin", "cos", "pow",    "convert", "round_to", "accumulated"};
+      "const", "load", "neg", "add", "sub",     "mul",      "div",         "lt",    "le",   "gt",
+      "ge",    "eq",   "ne",  "or",  "select",  "isnan",    "exp",         "log",   "sqrt", "tanh",
+      "erf",   "sin",  "cos", "pow", "convert", "round_to", "accumulated", "scalar"};
   return names[static_cast<int>(op)];
 }
 
@@ -54,6 +54,7 @@ void list_values(std::string& out, const std::vector<Value>& values, const char*
     if (v.op == Op::Const) out += fmt::format(" {}", v.imm);
     if (v.op == Op::Load) out += fmt::format(" p{}[{}]", v.param, affine(v.map));
     if (v.op == Op::Accumulated) out += fmt::format(" r{}", v.param);
+    if (v.op == Op::Scalar) out += fmt::format(" s{}", v.param);
     if (v.op == Op::RoundTo) out += fmt::format(" {}", name(v.dtype));
     out += "\n";
   }
@@ -69,6 +70,7 @@ void list_stores(std::string& out, const std::vector<Store>& stores, const char*
 std::string to_string(const Kernel& kernel) {
   std::string out = fmt::format("kernel {} dims [{}]", kernel.name, fmt::join(kernel.dims, ", "));
   if (kernel.is_reduction()) out += fmt::format(" reduce from {}", kernel.reduce_from);
+  if (kernel.scalars > 0) out += fmt::format(" scalars {}", kernel.scalars);
   out += "\n";
   for (size_t p = 0; p < kernel.params.size(); ++p)
     out += fmt::format("  p{}: {} {}\n", p, name(kernel.params[p].dtype),

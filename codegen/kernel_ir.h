@@ -39,9 +39,10 @@ enum class Op : uint8_t {
   Sin,
   Cos,
   Pow,
-  Convert,     // a to `type` (C conversion rules: float->int truncates, ->i1 is != 0)
-  RoundTo,     // a (f32 or f64) rounded RNE to `dtype` and back: a value stored as `dtype`
-  Accumulated  // the final value of reduction `param` (epilogue only)
+  Convert,      // a to `type` (C conversion rules: float->int truncates, ->i1 is != 0)
+  RoundTo,      // a (f32 or f64) rounded RNE to `dtype` and back: a value stored as `dtype`
+  Accumulated,  // the final value of reduction `param` (epilogue only)
+  Scalar        // the launch-time value of scalar slot `param` (a fill: learning rates, ...)
 };
 
 /// An affine function of the loop variables: base + sum(coeff[d] * i_d).
@@ -57,7 +58,7 @@ struct Value {
   Type type;
   int32_t a = -1, b = -1, c = -1;  // operands: indices into the same value list
   double imm = 0;                  // Const
-  int32_t param = -1;              // Load: param index; Accumulated: reduction index
+  int32_t param = -1;              // Load: param index; Accumulated: reduction index; Scalar: slot
   Affine map;                      // Load: element offset
   DType dtype = DType::f32;        // RoundTo: the storage type
 };
@@ -89,6 +90,9 @@ struct Reduction {
 struct Kernel {
   std::string name;
   std::vector<Param> params;
+  // Scalar slots, passed by value at each launch so that a value that changes every step (a
+  // learning rate) does not change the kernel. Each is a double, exactly the stored constant.
+  int32_t scalars = 0;
   std::vector<int64_t> dims;
   int reduce_from = -1;  // -1: pointwise
   std::vector<Value> body;

@@ -133,7 +133,7 @@ class Lowerer {
     for (size_t i = 0; i < out_.nodes.size(); ++i)
       if (out_.nodes[i] == node && !out_.kernel.params[i].output) return static_cast<int32_t>(i);
     out_.nodes.push_back(node);
-    out_.kernel.params.push_back({node->value->dtype, false});
+    out_.kernel.params.push_back({stored_dtype(node), false});
     return static_cast<int32_t>(out_.nodes.size() - 1);
   }
 
@@ -206,17 +206,10 @@ class Lowerer {
   int32_t compute(Node* node, const Access& access, Stage& stage) {
     ValueBuilder b(*stage.values);
     if (!members_.count(node)) {
-      if (!node->evaluated()) {
-        // A fill, or a view of one (fusion inlines those): the same constant at every point,
-        // rounded to each storage type on the way up as the reference would.
-        std::vector<Node*> chain = {node};
-        while (chain.back()->op != OpCode::Full) chain.push_back(chain.back()->inputs[0].get());
-        double value = chain.back()->attrs.value;
-        for (auto it = chain.rbegin(); it != chain.rend(); ++it)
-          value = stored_constant(value, (*it)->storage);
-        return b.constant(kir::register_type(node->storage), value);
-      }
-      kir::Value load{Op::Load, kir::register_type(node->value->dtype)};
+      // A fill, or a view of one (fusion inlines those): the same value at every point.
+      if (is_constant_fill(*node)) return fill(b, node);
+      // Another group's output, which may not have run yet: the program is built before it runs.
+      kir::Value load{Op::Load, kir::register_type(stored_dtype(node))};
       load.param = input_param(node);
       load.map = offset(access, node->shape);
       return b.add(load);
@@ -226,9 +219,7 @@ class Lowerer {
       acc.param = 0;
       return to_storage(stage, b.add(acc), node->storage);
     }
-    if (node->op == OpCode::Full)
-      return b.constant(kir::register_type(node->storage),
-                        stored_constant(node->attrs.value, node->storage));
+    if (node->op == OpCode::Full) return fill(b, node);
     if (op_info(node->op).kind == OpKind::View) {
       Access in;
       std::string why;
@@ -255,6 +246,19 @@ class Lowerer {
       return to_storage(stage, b.select(cond, x, y), node->storage);
     }
     return pointwise(node, access, stage);
+  }
+
+  // Float fills become scalar slots, passed at launch, so that a value that changes from step
+  // to step (a learning rate, a bias correction) reuses the kernel. Integer and bool fills stay
+  // constants: a double could not hold every int64, and they do not change between steps.
+  int32_t fill(ValueBuilder& b, Node* node) {
+    kir::Type type = kir::register_type(node->storage);
+    if (!is_floating(node->storage)) return b.constant(type, fill_value(*node));
+    kir::Value scalar{Op::Scalar, type};
+    scalar.param = out_.kernel.scalars++;
+    out_.scalars.push_back(fill_value(*node));
+    out_.scalar_nodes.push_back(node);
+    return b.add(scalar);
   }
 
   int32_t pointwise(Node* node, const Access& access, Stage& stage) {
@@ -312,5 +316,18 @@ class Lowerer {
 }  // namespace
 
 LoweredKernel lower(const FusionGroup& group) { return Lowerer(group).run(); }
+
+double fill_value(const Node& node) {
+  // Rounded to each storage type on the way up, as the reference executor would.
+  std::vector<const Node*> chain = {&node};
+  while (chain.back()->op != OpCode::Full) {
+    if (chain.back()->inputs.empty()) fail("lowering: {} is not a fill", op_name(chain.back()->op));
+    chain.push_back(chain.back()->inputs[0].get());
+  }
+  double value = chain.back()->attrs.value;
+  for (auto it = chain.rbegin(); it != chain.rend(); ++it)
+    value = stored_constant(value, (*it)->storage);
+  return value;
+}
 
 }  // namespace mixtape

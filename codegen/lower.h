@@ -13,10 +13,15 @@ namespace mixtape {
 struct LoweredKernel {
   kir::Kernel kernel;
   std::vector<Node*> nodes;
+  std::vector<double> scalars;      // this launch's value of each scalar slot
+  std::vector<Node*> scalar_nodes;  // the fill (or view of one) behind each slot
 };
 
 /// Lowers a Kernel-kind group. Values are computed exactly as the reference executor does
 /// (same compute types, same rounding points); the name is a hash of the kernel's structure.
 LoweredKernel lower(const FusionGroup& group);
+
+/// The value a fill, or a view of one, holds: Full's value rounded through each storage type.
+double fill_value(const Node& node);
 
 }  // namespace mixtape

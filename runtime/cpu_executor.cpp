@@ -9,6 +9,7 @@
 
 #include "codegen/emit_llvm.h"
 #include "codegen/fusion.h"
+#include "codegen/hash.h"
 #include "codegen/llvm_jit.h"
 #include "codegen/lower.h"
 #include "dsl/convert.h"
@@ -40,55 +41,167 @@ std::shared_ptr<Storage> allocate(const Node& node) {
 
 int64_t bytes_of(const Storage& s) { return s.count * static_cast<int64_t>(size_of(s.dtype)); }
 
-void run_kernel(const FusionGroup& group) {
-  LoweredKernel lowered = lower(group);
-  const kir::Kernel& kernel = lowered.kernel;
+// A node of one evaluation by position: pending[ref] for ref >= 0, else externals[-ref - 1]
+// (evaluated inputs, numbered in the order the signature first meets them).
+using NodeRef = int32_t;
+
+// What fusion and lowering depend on, as a hash, and the evaluated inputs in a fixed order.
+// Two evaluations with equal hashes run the same program on their own nodes. Float fill values
+// are left out (they are launch-time scalars), as are the random seeds and custom vjps that host
+// ops read from their node when they run.
+struct Signature {
+  Hash128 hash;
+  std::unordered_map<Node*, NodeRef> refs;
+  std::vector<Node*> externals;
+
+  Node* resolve(NodeRef ref, const std::vector<Node*>& pending) const {
+    return ref >= 0 ? pending[ref] : externals[-ref - 1];
+  }
+};
+
+template <typename T>
+void update_all(Hasher& h, const std::vector<T>& values) {
+  h.update(values.size());
+  for (const T& v : values) h.update(v);
+}
+
+Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& required, bool fuse) {
+  Signature sig;
+  Hasher h;
+  h.update(std::string_view("mixtape-cpu-program-1"));
+  h.update(fuse);
+  h.update(pending.size());
+  for (size_t i = 0; i < pending.size(); ++i) sig.refs.emplace(pending[i], static_cast<int32_t>(i));
+  for (Node* node : pending) {
+    h.update(node->op).update(node->dtype).update(node->storage).update(node->compute);
+    h.update(node->accum);
+    update_all(h, node->shape);
+    const Attrs& a = node->attrs;
+    update_all(h, a.axes);
+    h.update(a.keepdim).update(a.axis).update(a.transpose_a).update(a.transpose_b);
+    update_all(h, a.starts);
+    update_all(h, a.steps);
+    if (!(node->op == OpCode::Full && is_floating(node->storage))) h.update(a.value);
+    h.update(a.step);
+    h.update(node->inputs.size());
+    for (const NodePtr& input : node->inputs) {
+      auto [it, added] =
+          sig.refs.emplace(input.get(), -static_cast<int32_t>(sig.externals.size()) - 1);
+      h.update(it->second);
+      if (added) {
+        sig.externals.push_back(input.get());
+        h.update(input->value->dtype);
+        update_all(h, input->shape);
+      }
+    }
+  }
+  h.update(required.size());
+  for (Node* node : required) h.update(sig.refs.at(node));
+  sig.hash = h.finish();
+  return sig;
+}
+
+// One fusion group, ready to run on any evaluation of the same signature.
+struct Step {
+  FusionGroup::Kind kind = FusionGroup::Kind::Host;
+  NodeRef node = 0;  // MatMul, Host
+  // Kernel:
+  KernelFunction function = nullptr;
+  std::shared_ptr<const kir::Kernel> kernel;
+  std::vector<NodeRef> params;        // kernel.params[i]'s node
+  std::vector<NodeRef> scalar_nodes;  // the fill behind each scalar slot
+  int64_t members = 0;
+};
+
+struct Program {
+  std::vector<Step> steps;
+};
+
+KernelFunction load_kernel(const kir::Kernel& kernel) {
   // Emitting is skipped for kernels this process has already loaded.
   static std::mutex mutex;
   static std::unordered_map<std::string, KernelFunction> loaded;
-  KernelFunction function = nullptr;
   {
     std::lock_guard<std::mutex> lock(mutex);
     auto found = loaded.find(kernel.name);
-    if (found != loaded.end()) function = found->second;
+    if (found != loaded.end()) return found->second;
   }
-  if (!function) {
-    if (log_enabled("kernels")) log_line("kernels", "{}", kir::to_string(kernel));
-    function = LlvmJit::instance().load(kernel.name, emit_llvm(kernel));
-    std::lock_guard<std::mutex> lock(mutex);
-    loaded.emplace(kernel.name, function);
+  if (log_enabled("kernels")) log_line("kernels", "{}", kir::to_string(kernel));
+  KernelFunction function = LlvmJit::instance().load(kernel.name, emit_llvm(kernel));
+  std::lock_guard<std::mutex> lock(mutex);
+  loaded.emplace(kernel.name, function);
+  return function;
+}
+
+Program build_program(const std::vector<Node*>& pending, const std::vector<Node*>& required,
+                      const FusionOptions& options, const Signature& sig) {
+  Program program;
+  for (FusionGroup& group : fuse(pending, required, options)) {
+    Step step;
+    step.kind = group.kind;
+    if (group.kind != FusionGroup::Kind::Kernel) {
+      step.node = sig.refs.at(group.members[0]);
+    } else {
+      LoweredKernel lowered = lower(group);
+      step.function = load_kernel(lowered.kernel);
+      for (Node* node : lowered.nodes) step.params.push_back(sig.refs.at(node));
+      for (Node* node : lowered.scalar_nodes) step.scalar_nodes.push_back(sig.refs.at(node));
+      step.kernel = std::make_shared<const kir::Kernel>(std::move(lowered.kernel));
+      step.members = static_cast<int64_t>(group.members.size());
+    }
+    program.steps.push_back(std::move(step));
   }
-  std::vector<void*> params;
-  std::vector<std::shared_ptr<Storage>> outputs(lowered.nodes.size());
+  return program;
+}
+
+KernelObserver& observer() {
+  static KernelObserver o;
+  return o;
+}
+
+void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signature& sig) {
+  const kir::Kernel& kernel = *step.kernel;
+  size_t count = step.params.size();
+  std::vector<Node*> nodes(count);
+  std::vector<void*> params(count);
+  std::vector<std::shared_ptr<Storage>> outputs(count);
   ExecutionStats& s = stats();
-  for (size_t i = 0; i < lowered.nodes.size(); ++i) {
-    Node* node = lowered.nodes[i];
+  for (size_t i = 0; i < count; ++i) {
+    Node* node = nodes[i] = sig.resolve(step.params[i], pending);
     if (kernel.params[i].output) {
       outputs[i] = allocate(*node);
-      params.push_back(outputs[i]->bytes.data());
+      params[i] = outputs[i]->bytes.data();
       s.bytes_written += bytes_of(*outputs[i]);
     } else {
-      params.push_back(node->value->bytes.data());
+      params[i] = node->value->bytes.data();
       s.bytes_read += bytes_of(*node->value);
     }
+  }
+  std::vector<double> scalars;
+  for (NodeRef ref : step.scalar_nodes) scalars.push_back(fill_value(*sig.resolve(ref, pending)));
+  if (!scalars.empty()) params.push_back(scalars.data());
+  if (observer()) {
+    LoweredKernel lowered{kernel, nodes, scalars, {}};
+    for (NodeRef ref : step.scalar_nodes) lowered.scalar_nodes.push_back(sig.resolve(ref, pending));
+    observer()(lowered);
   }
   int64_t extent = kernel.parallel_extent();
   int64_t total = 1;
   for (int64_t d : kernel.dims) total *= d;
   int threads = total >= parallel_threshold ? omp_get_max_threads() : 1;
   if (threads <= 1 || extent < 2) {
-    function(params.data(), 0, extent);
+    step.function(params.data(), 0, extent);
   } else {
 #pragma omp parallel num_threads(threads)
     {
       int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-      function(params.data(), extent * t / n, extent * (t + 1) / n);
+      step.function(params.data(), extent * t / n, extent * (t + 1) / n);
     }
   }
-  for (size_t i = 0; i < lowered.nodes.size(); ++i)
-    if (outputs[i]) lowered.nodes[i]->value = outputs[i];
+  for (size_t i = 0; i < count; ++i)
+    if (outputs[i]) nodes[i]->value = outputs[i];
   ++s.kernels;
-  s.kernel_nodes += static_cast<int64_t>(group.members.size());
+  s.kernel_nodes += step.members;
 }
 
 // An input's value in `dtype` (the matmul's compute type): itself, or converted.
@@ -137,26 +250,52 @@ void run_matmul(Node& node) {
 
 }  // namespace
 
+// Programs by signature. Steps of one training loop share one entry; a loop that alternates a
+// few shapes (train and eval batches) shares a few.
+constexpr size_t max_programs = 256;
+
 void execute_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required) {
   FusionOptions options;
   options.fuse = !eager_mode();
-  std::vector<FusionGroup> groups = fuse(pending, required, options);
-  ++stats().evaluations;
-  for (FusionGroup& group : groups) {
-    switch (group.kind) {
+  Signature sig = sign(pending, required, options.fuse);
+  static std::mutex mutex;
+  static std::unordered_map<Hash128, std::shared_ptr<const Program>> programs;
+  std::shared_ptr<const Program> program;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    auto found = programs.find(sig.hash);
+    if (found != programs.end()) program = found->second;
+  }
+  ExecutionStats& s = stats();
+  if (program) {
+    ++s.programs_reused;
+  } else {
+    program = std::make_shared<const Program>(build_program(pending, required, options, sig));
+    ++s.programs_built;
+    std::lock_guard<std::mutex> lock(mutex);
+    if (programs.size() >= max_programs) programs.clear();
+    programs.emplace(sig.hash, program);
+  }
+  ++s.evaluations;
+  for (const Step& step : program->steps) {
+    switch (step.kind) {
       case FusionGroup::Kind::Kernel:
-        run_kernel(group);
+        run_kernel(step, pending, sig);
         break;
       case FusionGroup::Kind::MatMul:
-        run_matmul(*group.members[0]);
+        run_matmul(*sig.resolve(step.node, pending));
         break;
-      case FusionGroup::Kind::Host:
-        group.members[0]->value = reference_compute(*group.members[0]);
-        ++stats().host_ops;
+      case FusionGroup::Kind::Host: {
+        Node* node = sig.resolve(step.node, pending);
+        node->value = reference_compute(*node);
+        ++s.host_ops;
         break;
+      }
     }
   }
 }
+
+void set_kernel_observer(KernelObserver o) { observer() = std::move(o); }
 
 ExecutionStats execution_stats() {
   ExecutionStats s = stats();

@@ -1,8 +1,10 @@
 // runtime/cpu_executor.h -- the compiled CPU back end's entry point.
 #pragma once
 
+#include <functional>
 #include <vector>
 
+#include "codegen/lower.h"
 #include "dsl/node.h"
 #include "runtime/device.h"
 
@@ -13,5 +15,12 @@ namespace mixtape {
 /// node in `required` and of every node another group reads. Nodes fused away stay unevaluated;
 /// a later evaluation that needs them recomputes them from their inputs.
 void execute_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required);
+
+/// Called with each kernel the CPU back end is about to run, its inputs already evaluated
+/// (kernel.nodes[i]->value for input params): for tools and tests that look at the generated
+/// code, such as the NVRTC tests that compile every kernel of a model for the GPU. An empty
+/// function removes the observer.
+using KernelObserver = std::function<void(const LoweredKernel&)>;
+void set_kernel_observer(KernelObserver observer);
 
 }  // namespace mixtape

@@ -27,12 +27,10 @@ Device current_device() {
   if (!device) {
     const char* env = std::getenv("MIXTAPE_DEVICE");
     std::string name = env ? env : "";
-    // The reference executor stays the default until the compiled back end's per-step host
-    // work (fusion and lowering are redone every step) is cached: today it is slower on small
-    // models (see the README's back-end section).
-    if (name == "cpu")
+    // auto picks the fastest back end this build has: the compiled CPU one.
+    if (name.empty() || name == "auto" || name == "cpu")
       device = Device::cpu;
-    else if (name.empty() || name == "auto" || name == "reference")
+    else if (name == "reference")
       device = Device::reference;
     else if (name == "cuda")
       device = Device::cuda;

@@ -13,8 +13,7 @@ enum class Device : uint8_t {
 };
 
 /// The device evaluation uses. Starts as MIXTAPE_DEVICE (cpu | reference | cuda | auto; default
-/// and auto: reference for now, see device.cpp); an unknown value is an mt::Error at the first
-/// evaluation.
+/// and auto: cpu); an unknown value is an mt::Error at the first evaluation.
 Device current_device();
 void set_device(Device device);
 const char* device_name(Device device);
@@ -36,12 +35,14 @@ class eager_scope {
 
 /// Counters of the compiled back end since the process started (or the last reset).
 struct ExecutionStats {
-  int64_t evaluations = 0;   // calls that ran something
-  int64_t kernels = 0;       // generated kernels launched
-  int64_t kernel_nodes = 0;  // graph nodes computed inside them
-  int64_t gemms = 0;         // library matmuls
-  int64_t host_ops = 0;      // ops run by the reference loops (gathers, random, ...)
-  int64_t bytes_read = 0;    // by kernels and matmuls, from their parameters
+  int64_t evaluations = 0;      // calls that ran something
+  int64_t programs_built = 0;   // evaluations of a new graph structure: fused and lowered
+  int64_t programs_reused = 0;  // evaluations that replayed a program built before
+  int64_t kernels = 0;          // generated kernels launched
+  int64_t kernel_nodes = 0;     // graph nodes computed inside them
+  int64_t gemms = 0;            // library matmuls
+  int64_t host_ops = 0;         // ops run by the reference loops (gathers, random, ...)
+  int64_t bytes_read = 0;       // by kernels and matmuls, from their parameters
   int64_t bytes_written = 0;
   int64_t kernels_compiled = 0;   // LLVM compilations (disk-cache misses)
   int64_t kernels_from_disk = 0;  // objects loaded from the disk cache
