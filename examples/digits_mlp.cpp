@@ -8,19 +8,11 @@
 #include <cstring>
 #include <string>
 
+#include "digits_model.h"
+
 namespace mt = mixtape;
 
 namespace {
-
-struct DigitsMLP : mt::Module {
-  mt::Linear fc1{64, 128}, fc2{128, 128}, fc3{128, 10};
-  DigitsMLP() {
-    register_module("fc1", fc1);
-    register_module("fc2", fc2);
-    register_module("fc3", fc3);
-  }
-  mt::Tensor operator()(const mt::Tensor& x) const { return fc3(mt::relu(fc2(mt::relu(fc1(x))))); }
-};
 
 struct Options {
   // The defaults reach >= 95% on the last 360 digits (other writers than the training rows):

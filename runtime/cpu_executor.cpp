@@ -4,8 +4,10 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "codegen/emit_llvm.h"
 #include "codegen/fusion.h"
@@ -21,8 +23,9 @@
 namespace mixtape {
 namespace {
 
-// Below this many elements per launch, threads cost more than they save.
-constexpr int64_t parallel_threshold = 1 << 15;
+// Below this many elements per launch (tens of microseconds of work), threads cost more than
+// they save, above all on a loaded machine.
+constexpr int64_t parallel_threshold = 1 << 17;
 
 ExecutionStats& stats() {
   static ExecutionStats s;
@@ -53,6 +56,10 @@ struct Signature {
   Hash128 hash;
   std::unordered_map<Node*, NodeRef> refs;
   std::vector<Node*> externals;
+  // The nodes to store: those asked for, and those something outside this evaluation still
+  // owns (a Tensor the user holds, such as the loss read after step()). The rest may stay in
+  // registers or be dropped after their last reader.
+  std::vector<Node*> stored;
 
   Node* resolve(NodeRef ref, const std::vector<Node*>& pending) const {
     return ref >= 0 ? pending[ref] : externals[-ref - 1];
@@ -72,6 +79,7 @@ Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& requ
   h.update(fuse);
   h.update(pending.size());
   for (size_t i = 0; i < pending.size(); ++i) sig.refs.emplace(pending[i], static_cast<int32_t>(i));
+  std::vector<int64_t> readers(pending.size(), 0);
   for (Node* node : pending) {
     h.update(node->op).update(node->dtype).update(node->storage).update(node->compute);
     h.update(node->accum);
@@ -88,6 +96,7 @@ Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& requ
       auto [it, added] =
           sig.refs.emplace(input.get(), -static_cast<int32_t>(sig.externals.size()) - 1);
       h.update(it->second);
+      if (it->second >= 0) ++readers[it->second];
       if (added) {
         sig.externals.push_back(input.get());
         h.update(input->value->dtype);
@@ -95,8 +104,13 @@ Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& requ
       }
     }
   }
-  h.update(required.size());
-  for (Node* node : required) h.update(sig.refs.at(node));
+  sig.stored = required;
+  std::unordered_set<Node*> asked(required.begin(), required.end());
+  for (size_t i = 0; i < pending.size(); ++i)
+    if (pending[i]->weak_from_this().use_count() > readers[i] && !asked.count(pending[i]))
+      sig.stored.push_back(pending[i]);
+  h.update(sig.stored.size());
+  for (Node* node : sig.stored) h.update(sig.refs.at(node));
   sig.hash = h.finish();
   return sig;
 }
@@ -115,7 +129,41 @@ struct Step {
 
 struct Program {
   std::vector<Step> steps;
+  // Memory plan: the stored values no later step reads and the caller did not ask for, dropped
+  // right after step i (release_after[i]). Their memory goes back to the allocator for the
+  // steps that follow; a later evaluation that does need one recomputes it from its inputs, as
+  // it would a value fusion kept in registers.
+  std::vector<std::vector<NodeRef>> release_after;
 };
+
+// What each step reads and stores, by reference, for the memory plan.
+void plan_memory(Program& program, const std::vector<Node*>& pending,
+                 const std::vector<Node*>& required, const Signature& sig) {
+  std::unordered_map<NodeRef, size_t> last_use;
+  std::vector<NodeRef> stored_order;
+  for (size_t i = 0; i < program.steps.size(); ++i) {
+    const Step& step = program.steps[i];
+    std::vector<NodeRef> reads, writes;
+    if (step.kind == FusionGroup::Kind::Kernel) {
+      for (size_t p = 0; p < step.params.size(); ++p)
+        (step.kernel->params[p].output ? writes : reads).push_back(step.params[p]);
+    } else {
+      for (const NodePtr& input : pending[step.node]->inputs)
+        reads.push_back(sig.refs.at(input.get()));
+      writes.push_back(step.node);
+    }
+    for (NodeRef ref : reads)
+      if (ref >= 0) last_use[ref] = i;
+    for (NodeRef ref : writes) {
+      last_use.emplace(ref, i);
+      stored_order.push_back(ref);
+    }
+  }
+  std::unordered_set<Node*> keep(required.begin(), required.end());
+  program.release_after.assign(program.steps.size(), {});
+  for (NodeRef ref : stored_order)
+    if (!keep.count(pending[ref])) program.release_after[last_use.at(ref)].push_back(ref);
+}
 
 KernelFunction load_kernel(const kir::Kernel& kernel) {
   // Emitting is skipped for kernels this process has already loaded.
@@ -151,6 +199,7 @@ Program build_program(const std::vector<Node*>& pending, const std::vector<Node*
     }
     program.steps.push_back(std::move(step));
   }
+  plan_memory(program, pending, required, sig);
   return program;
 }
 
@@ -270,14 +319,18 @@ void execute_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& re
   if (program) {
     ++s.programs_reused;
   } else {
-    program = std::make_shared<const Program>(build_program(pending, required, options, sig));
+    program = std::make_shared<const Program>(build_program(pending, sig.stored, options, sig));
     ++s.programs_built;
     std::lock_guard<std::mutex> lock(mutex);
     if (programs.size() >= max_programs) programs.clear();
     programs.emplace(sig.hash, program);
   }
   ++s.evaluations;
-  for (const Step& step : program->steps) {
+  // Bytes of this evaluation's stored values alive at once, for peak_bytes.
+  int64_t live = 0, peak = 0;
+  auto value_bytes = [](const Node* node) { return node->value ? bytes_of(*node->value) : 0; };
+  for (size_t i = 0; i < program->steps.size(); ++i) {
+    const Step& step = program->steps[i];
     switch (step.kind) {
       case FusionGroup::Kind::Kernel:
         run_kernel(step, pending, sig);
@@ -292,7 +345,21 @@ void execute_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& re
         break;
       }
     }
+    if (step.kind == FusionGroup::Kind::Kernel) {
+      for (size_t p = 0; p < step.params.size(); ++p)
+        if (step.kernel->params[p].output)
+          live += value_bytes(sig.resolve(step.params[p], pending));
+    } else {
+      live += value_bytes(sig.resolve(step.node, pending));
+    }
+    peak = std::max(peak, live);
+    for (NodeRef ref : program->release_after[i]) {
+      Node* node = pending[ref];
+      live -= value_bytes(node);
+      node->value.reset();
+    }
   }
+  s.peak_bytes = std::max(s.peak_bytes, peak);
 }
 
 void set_kernel_observer(KernelObserver o) { observer() = std::move(o); }

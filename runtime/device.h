@@ -44,6 +44,7 @@ struct ExecutionStats {
   int64_t host_ops = 0;         // ops run by the reference loops (gathers, random, ...)
   int64_t bytes_read = 0;       // by kernels and matmuls, from their parameters
   int64_t bytes_written = 0;
+  int64_t peak_bytes = 0;         // most bytes of one evaluation's stored values alive at once
   int64_t kernels_compiled = 0;   // LLVM compilations (disk-cache misses)
   int64_t kernels_from_disk = 0;  // objects loaded from the disk cache
   double compile_seconds = 0;

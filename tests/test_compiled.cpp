@@ -218,6 +218,39 @@ TEST(Compiled, ATrainingStepIsBuiltOnceAndReplayedWithNewScalars) {
   }
 }
 
+// The memory plan drops each stored value after its last reader in the step, unless something
+// outside the step still holds it.
+TEST(Compiled, StoredValuesLiveOnlyUntilTheirLastReader) {
+  mt::set_device(mt::Device::cpu);
+  mt::Generator gen(3);
+  mt::MLP model({64, 256, 256, 256, 256, 8}, mt::Activation::Relu, &gen);
+  mt::Adam optimizer(model.parameters(), mt::AdamOptions{});
+  mt::Tensor x = mt::randn({512, 64}, mt::f32, &gen);
+  mt::Tensor y = mt::randn({512, 8}, mt::f32, &gen);
+  std::vector<float> reference;
+  for (int step = 0; step < 2; ++step) {
+    optimizer.zero_grad();
+    mt::Tensor loss = mt::mse_loss(model(x), y);
+    loss.backward();
+    mt::reset_execution_stats();
+    optimizer.step();
+    mt::ExecutionStats stats = mt::execution_stats();
+    // Four 512x256 f32 activations are stored for backward (and more gradients besides); they
+    // are not all alive at once.
+    EXPECT_GT(stats.bytes_written, 4 * 512 * 256 * 4);
+    EXPECT_GT(stats.peak_bytes, 0);
+    EXPECT_LT(stats.peak_bytes, stats.bytes_written * 3 / 4);
+    // The loss itself is not part of the step's graph (no gradient reads it), so reading it runs
+    // its last kernels, from the model output the step stored, but no matmul of the forward.
+    mt::reset_execution_stats();
+    float value = loss.item();
+    EXPECT_EQ(mt::execution_stats().gemms, 0);
+    EXPECT_LE(mt::execution_stats().kernels, 2);
+    EXPECT_TRUE(std::isfinite(value));
+  }
+  mt::set_device(mt::Device::reference);
+}
+
 TEST(Compiled, EmittedLlvmIrForABf16ChainIsStable) {
   // A golden check of the emitter's output for a small mixed-precision group: bf16 storage is
   // converted with integer operations and math calls go to the C library.

@@ -1,0 +1,705 @@
+// codegen/emit_cuda.cpp -- kernel IR -> CUDA C++ for NVRTC (one extern "C" __global__ kernel).
+#include "codegen/emit_cuda.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "dsl/error.h"
+
+namespace mixtape {
+namespace {
+
+using kir::Affine;
+using kir::Op;
+using kir::Type;
+using kir::Value;
+
+// Device helpers shared by every kernel, guarded so that concatenated sources compile once. Each
+// mirrors a piece of emit_llvm.cpp; the comments say which.
+constexpr const char* prelude = R"(#ifndef MIXTAPE_CUDA_PRELUDE_V1
+#define MIXTAPE_CUDA_PRELUDE_V1
+// f16 conversions as the PTX instructions cuda_fp16.h uses: round to nearest even, subnormals
+// kept, overflow to inf (emit_llvm: fptrunc/fpext half).
+static __device__ __forceinline__ float mt_f16_to_f32(unsigned short h) {
+  float f;
+  asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(h));
+  return f;
+}
+static __device__ __forceinline__ unsigned short mt_f32_to_f16(float f) {
+  unsigned short h;
+  asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return h;
+}
+static __device__ __forceinline__ float mt_round_f16(float x) {
+  return mt_f16_to_f32(mt_f32_to_f16(x));
+}
+// bf16 as integer operations (DESIGN.md decision 8; emit_llvm's round_bf16): RNE on the high 16
+// bits, NaN kept quiet.
+static __device__ __forceinline__ float mt_bf16_to_f32(unsigned short h) {
+  return __uint_as_float(static_cast<unsigned>(h) << 16);
+}
+static __device__ __forceinline__ unsigned short mt_f32_to_bf16(float rounded) {
+  return static_cast<unsigned short>(__float_as_uint(rounded) >> 16);
+}
+static __device__ __forceinline__ float mt_round_bf16(float x) {
+  unsigned bits = __float_as_uint(x);
+  unsigned rounded = (bits + (0x7FFFu + ((bits >> 16) & 1u))) & 0xFFFF0000u;
+  unsigned quiet = (bits & 0xFFFF0000u) | 0x400000u;
+  return __uint_as_float((bits & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
+}
+// f64 -> f32 rounding to odd, so that one more rounding to a 16-bit type is correctly rounded
+// (emit_llvm's round_to_odd).
+static __device__ __forceinline__ float mt_f64_to_f32_odd(double x) {
+  float f = __double2float_rn(x);
+  double back = static_cast<double>(f);
+  if (back == x || x != x) return f;
+  unsigned bits = __float_as_uint(f);
+  if (fabs(back) > fabs(x)) bits -= 1u;
+  return __uint_as_float(bits | 1u);
+}
+// i64 arithmetic wraps, as LLVM's add/sub/mul without nsw do.
+static __device__ __forceinline__ long long mt_add_i64(long long a, long long b) {
+  return static_cast<long long>(static_cast<unsigned long long>(a) +
+                                static_cast<unsigned long long>(b));
+}
+static __device__ __forceinline__ long long mt_sub_i64(long long a, long long b) {
+  return static_cast<long long>(static_cast<unsigned long long>(a) -
+                                static_cast<unsigned long long>(b));
+}
+static __device__ __forceinline__ long long mt_mul_i64(long long a, long long b) {
+  return static_cast<long long>(static_cast<unsigned long long>(a) *
+                                static_cast<unsigned long long>(b));
+}
+// An i64 stored as i32 and read back: C's wrapping conversion (emit_llvm: trunc + sext).
+static __device__ __forceinline__ long long mt_wrap_i32(long long a) {
+  return static_cast<int>(static_cast<unsigned>(static_cast<unsigned long long>(a)));
+}
+// NaN-propagating max, one element after another (emit_llvm's accumulate): a NaN wins, and
+// nothing replaces a NaN but a later NaN.
+template <typename T>
+static __device__ __forceinline__ T mt_max_step(T acc, T x) {
+  return (x != x || (acc == acc && x > acc)) ? x : acc;
+}
+// The same with the index of the element kept, for reductions split across threads: merging
+// two partial results then gives exactly what the sequential loop gives (the last NaN, else the
+// first of the largest values), in whatever order the partials come.
+template <typename T>
+static __device__ __forceinline__ void mt_max_step_at(T& acc, long long& at, T x, long long x_at) {
+  if (x != x || (acc == acc && x > acc)) {
+    acc = x;
+    at = x_at;
+  }
+}
+template <typename T>
+static __device__ __forceinline__ void mt_max_merge(T& acc, long long& at, T other,
+                                                    long long other_at) {
+  bool acc_nan = acc != acc, other_nan = other != other;
+  bool take = other_nan ? (!acc_nan || other_at > at)
+                        : (!acc_nan && (other > acc || (other == acc && other_at < at)));
+  if (take) {
+    acc = other;
+    at = other_at;
+  }
+}
+#endif  // MIXTAPE_CUDA_PRELUDE_V1
+)";
+
+constexpr uint32_t warp_size = 32;
+constexpr uint32_t max_block = 256;
+constexpr int64_t max_pointwise_grid = 8192;
+constexpr int64_t max_reduction_grid = 65535;
+
+// How a kernel is spread over the GPU.
+enum class Shape : uint8_t {
+  pointwise,     // grid-stride loop over all points, one point per thread at a time
+  block_reduce,  // one block per outer point; the block's threads share the inner points
+  thread_reduce  // one thread per outer point; the inner loop runs sequentially, as on the CPU
+};
+
+struct Plan {
+  Shape shape = Shape::pointwise;
+  int64_t outer = 1, inner = 1;  // reductions: points outside and inside; pointwise: all in outer
+  uint32_t block = warp_size;
+  uint32_t grid = 1;
+};
+
+int64_t product(const std::vector<int64_t>& dims, size_t from, size_t to) {
+  int64_t n = 1;
+  for (size_t d = from; d < to; ++d) n *= dims[d];
+  return n;
+}
+
+uint32_t round_up_to_warps(int64_t threads) {
+  int64_t warps = std::max<int64_t>(1, (threads + warp_size - 1) / warp_size);
+  return static_cast<uint32_t>(std::min<int64_t>(warps * warp_size, max_block));
+}
+
+uint32_t clamp_grid(int64_t blocks, int64_t cap) {
+  return static_cast<uint32_t>(std::clamp<int64_t>(blocks, 1, cap));
+}
+
+Plan plan(const kir::Kernel& k) {
+  Plan p;
+  size_t rank = k.dims.size();
+  if (!k.is_reduction()) {
+    p.outer = product(k.dims, 0, rank);
+    p.block = round_up_to_warps(p.outer);
+    p.grid = clamp_grid((p.outer + p.block - 1) / p.block, max_pointwise_grid);
+    return p;
+  }
+  size_t split = static_cast<size_t>(k.reduce_from);
+  p.outer = product(k.dims, 0, split);
+  p.inner = product(k.dims, split, rank);
+  bool half_accumulator = std::any_of(k.reductions.begin(), k.reductions.end(),
+                                      [](const kir::Reduction& r) { return is_half(r.round_to); });
+  // A 16-bit accumulator rounds every partial sum: only the CPU's sequential order gives the
+  // CPU's result. Short inner loops are not worth a block either.
+  if (half_accumulator || p.inner < static_cast<int64_t>(warp_size)) {
+    p.shape = Shape::thread_reduce;
+    p.block = round_up_to_warps(p.outer);
+    p.grid = clamp_grid((p.outer + p.block - 1) / p.block, max_pointwise_grid);
+    return p;
+  }
+  p.shape = Shape::block_reduce;
+  uint32_t block = warp_size;
+  while (block < max_block && block < p.inner) block *= 2;
+  p.block = block;
+  p.grid = clamp_grid(p.outer, max_reduction_grid);
+  return p;
+}
+
+const char* cuda_type(Type type) {
+  switch (type) {
+    case Type::f32:
+      return "float";
+    case Type::f64:
+      return "double";
+    case Type::i64:
+      return "long long";
+    case Type::i1:
+      return "bool";
+  }
+  return "";
+}
+
+// The element type of a parameter buffer (see emit_cuda.h for the ABI).
+const char* element_type(DType dtype) {
+  switch (dtype) {
+    case DType::f32:
+      return "float";
+    case DType::f64:
+      return "double";
+    case DType::f16:
+    case DType::bf16:
+      return "unsigned short";
+    case DType::i32:
+      return "int";
+    case DType::i64:
+      return "long long";
+    case DType::boolean:
+      return "unsigned char";
+  }
+  return "";
+}
+
+bool is_float(Type type) { return type == Type::f32 || type == Type::f64; }
+
+std::string integer(int64_t value) {
+  if (value == std::numeric_limits<int64_t>::min()) return "(-9223372036854775807LL - 1)";
+  if (value > std::numeric_limits<int32_t>::max() || value < -std::numeric_limits<int32_t>::max())
+    return fmt::format("{}LL", value);
+  return fmt::format("{}", value);
+}
+
+// The shortest decimal that reads back as the same value (fmt's guarantee), as a literal.
+std::string decimal(std::string text) {
+  if (text.find_first_of(".e") == std::string::npos) text += ".0";
+  return text;
+}
+
+std::string constant(Type type, double imm) {
+  switch (type) {
+    case Type::f32: {
+      float f = static_cast<float>(imm);
+      if (!std::isfinite(f)) {
+        uint32_t bits;
+        std::memcpy(&bits, &f, 4);
+        return fmt::format("__uint_as_float(0x{:08X}u)", bits);
+      }
+      return decimal(fmt::format("{}", f)) + "f";
+    }
+    case Type::f64: {
+      if (!std::isfinite(imm)) {
+        uint64_t bits;
+        std::memcpy(&bits, &imm, 8);
+        return fmt::format("__longlong_as_double(static_cast<long long>(0x{:016X}ULL))", bits);
+      }
+      return decimal(fmt::format("{}", imm));
+    }
+    case Type::i64:
+      return integer(static_cast<int64_t>(imm));
+    case Type::i1:
+      return imm != 0 ? "true" : "false";
+  }
+  return "";
+}
+
+std::string neg_infinity(Type type) {
+  return type == Type::f32 ? "__uint_as_float(0xFF800000u)"
+                           : "__longlong_as_double(static_cast<long long>(0xFFF0000000000000ULL))";
+}
+
+class Emitter {
+ public:
+  explicit Emitter(const kir::Kernel& kernel) : k_(kernel), plan_(plan(kernel)) {}
+
+  std::string run() {
+    find_used_dims();
+    out_ = prelude;
+    out_ += "\n";
+    header();
+    indent_ = 1;
+    switch (plan_.shape) {
+      case Shape::pointwise:
+        pointwise();
+        break;
+      case Shape::block_reduce:
+        block_reduce();
+        break;
+      case Shape::thread_reduce:
+        thread_reduce();
+        break;
+    }
+    out_ += "}\n";
+    return std::move(out_);
+  }
+
+ private:
+  template <typename... Args>
+  void line(fmt::format_string<Args...> format, Args&&... args) {
+    out_.append(static_cast<size_t>(2 * indent_), ' ');
+    out_ += fmt::format(format, std::forward<Args>(args)...);
+    out_ += "\n";
+  }
+  void open(const std::string& text) {
+    line("{} {{", text);
+    ++indent_;
+  }
+  void close() {
+    --indent_;
+    line("}}");
+  }
+
+  void find_used_dims() {
+    used_.assign(k_.dims.size(), false);
+    auto mark = [&](const Affine& map) {
+      for (size_t d = 0; d < map.coeff.size() && d < used_.size(); ++d)
+        if (map.coeff[d] != 0) used_[d] = true;
+    };
+    for (const std::vector<Value>* list : {&k_.body, &k_.epilogue})
+      for (const Value& v : *list)
+        if (v.op == Op::Load) mark(v.map);
+    for (const std::vector<kir::Store>* list : {&k_.stores, &k_.epilogue_stores})
+      for (const kir::Store& s : *list) mark(s.map);
+  }
+
+  void header() {
+    const char* shape = plan_.shape == Shape::pointwise ? "pointwise"
+                        : plan_.shape == Shape::block_reduce
+                            ? "reduction, a block per outer point"
+                            : "reduction, a thread per outer point";
+    std::string dims;
+    for (size_t d = 0; d < k_.dims.size(); ++d)
+      dims += fmt::format("{}{}", d ? ", " : "", k_.dims[d]);
+    out_ += fmt::format("// mixtape kernel {}: {} over [{}]", k_.name, shape, dims);
+    if (k_.is_reduction()) out_ += fmt::format(", reduced from dim {}", k_.reduce_from);
+    out_ += fmt::format("; launch {} x {} threads\n", plan_.grid, plan_.block);
+    std::string args;
+    for (size_t p = 0; p < k_.params.size(); ++p) {
+      const kir::Param& param = k_.params[p];
+      args += fmt::format("{}    {}{}* __restrict__ p{}", p ? ",\n" : "",
+                          param.output ? "" : "const ", element_type(param.dtype), p);
+    }
+    for (int32_t s = 0; s < k_.scalars; ++s)
+      args += fmt::format("{}    double s{}", args.empty() ? "" : ",\n", s);
+    out_ += fmt::format("extern \"C\" __global__ void __launch_bounds__({}) {}(\n{}) {{\n",
+                        plan_.block, k_.name, args);
+  }
+
+  // Declares the loop variables i<from> .. i<to - 1> of the flat index `flat` over those dims
+  // (innermost fastest), skipping the ones no map reads.
+  void coordinates(const std::string& flat, int from, int to) {
+    int outermost_used = -1;
+    for (int d = to - 1; d >= from; --d)
+      if (used_[d]) outermost_used = d;
+    if (outermost_used < 0) return;
+    if (to - from == 1) {
+      line("const long long i{} = {};", from, flat);
+      return;
+    }
+    std::string rest = flat + "_rest";
+    line("long long {} = {};", rest, flat);
+    for (int d = to - 1; d >= from; --d) {
+      if (d == from) {
+        line("const long long i{} = {};", d, rest);
+        break;
+      }
+      if (used_[d]) line("const long long i{} = {} % {};", d, rest, integer(k_.dims[d]));
+      if (d == outermost_used) break;
+      line("{} /= {};", rest, integer(k_.dims[d]));
+    }
+  }
+
+  std::string offset(const Affine& map) const {
+    std::string text;
+    for (size_t d = 0; d < map.coeff.size(); ++d) {
+      int64_t c = map.coeff[d];
+      if (c == 0) continue;
+      std::string term = c == 1 ? fmt::format("i{}", d) : fmt::format("i{} * {}", d, integer(c));
+      text += text.empty() ? term : " + " + term;
+    }
+    if (map.base != 0 || text.empty())
+      text += text.empty() ? integer(map.base) : " + " + integer(map.base);
+    return text;
+  }
+
+  // The f32 value `x` (of register type `from`) rounded to the 16-bit `dtype` and widened back.
+  static std::string round_half(DType dtype, Type from, const std::string& x) {
+    std::string narrow = from == Type::f64 ? fmt::format("mt_f64_to_f32_odd({})", x) : x;
+    return fmt::format("{}({})", dtype == DType::bf16 ? "mt_round_bf16" : "mt_round_f16", narrow);
+  }
+
+  std::string round_to(const Value& v, const std::string& a, Type from) const {
+    if (v.dtype == DType::i32 && from == Type::i64) return fmt::format("mt_wrap_i32({})", a);
+    if (is_half(v.dtype) && is_float(from)) return round_half(v.dtype, from, a);
+    fail("cuda emitter: kernel {}: no rounding of {} to {}", k_.name, cuda_type(from),
+         name(v.dtype));
+  }
+
+  std::string convert(const std::string& a, Type from, Type to) const {
+    if (from == to) return a;
+    if (from == Type::f32 && to == Type::f64) return fmt::format("static_cast<double>({})", a);
+    if (from == Type::f64 && to == Type::f32) return fmt::format("__double2float_rn({})", a);
+    if (is_float(from) && to == Type::i64) return fmt::format("static_cast<long long>({})", a);
+    if (is_float(from) && to == Type::i1)  // une: NaN converts to true, as in C
+      return fmt::format("({} != {})", a, constant(from, 0.0));
+    if (from == Type::i64 && to == Type::f32) return fmt::format("__ll2float_rn({})", a);
+    if (from == Type::i64 && to == Type::f64) return fmt::format("__ll2double_rn({})", a);
+    if (from == Type::i64 && to == Type::i1) return fmt::format("({} != 0)", a);
+    if (from == Type::i1 && to == Type::i64) return fmt::format("static_cast<long long>({})", a);
+    if (from == Type::i1 && is_float(to))
+      return fmt::format("({} ? {} : {})", a, constant(to, 1.0), constant(to, 0.0));
+    fail("cuda emitter: kernel {}: no conversion from {} to {}", k_.name, cuda_type(from),
+         cuda_type(to));
+  }
+
+  std::string load(const Value& v) const {
+    std::string element = fmt::format("p{}[{}]", v.param, offset(v.map));
+    switch (k_.params[v.param].dtype) {
+      case DType::f32:
+      case DType::f64:
+      case DType::i64:
+        return element;
+      case DType::f16:
+        return fmt::format("mt_f16_to_f32({})", element);
+      case DType::bf16:
+        return fmt::format("mt_bf16_to_f32({})", element);
+      case DType::i32:
+        return fmt::format("static_cast<long long>({})", element);
+      case DType::boolean:
+        return fmt::format("({} != 0)", element);
+    }
+    return element;
+  }
+
+  void store(const kir::Store& s, const std::string& value) {
+    std::string element = fmt::format("p{}[{}]", s.param, offset(s.map));
+    switch (k_.params[s.param].dtype) {
+      case DType::f32:
+      case DType::f64:
+      case DType::i64:
+        line("{} = {};", element, value);
+        return;
+      case DType::f16:  // the value is already rounded: the conversion is exact
+        line("{} = mt_f32_to_f16({});", element, value);
+        return;
+      case DType::bf16:
+        line("{} = mt_f32_to_bf16({});", element, value);
+        return;
+      case DType::i32:
+        line("{} = static_cast<int>(mt_wrap_i32({}));", element, value);
+        return;
+      case DType::boolean:
+        line("{} = static_cast<unsigned char>({} ? 1 : 0);", element, value);
+        return;
+    }
+  }
+
+  // Declares every value of `list` as a const local named <prefix><index>.
+  void values(const std::vector<Value>& list, const char* prefix) {
+    names_.assign(list.size(), "");
+    for (size_t i = 0; i < list.size(); ++i) {
+      names_[i] = fmt::format("{}{}", prefix, i);
+      line("const {} {} = {};", cuda_type(list[i].type), names_[i], expression(list[i], list));
+    }
+  }
+
+  std::string expression(const Value& v, const std::vector<Value>& list) const {
+    auto operand = [&](int32_t id) { return names_[id]; };
+    auto operand_type = [&](int32_t id) { return list[id].type; };
+    std::string a = v.a >= 0 ? operand(v.a) : "", b = v.b >= 0 ? operand(v.b) : "";
+    Type ta = v.a >= 0 ? operand_type(v.a) : v.type;
+    bool f32 = ta == Type::f32;
+    switch (v.op) {
+      case Op::Const:
+        return constant(v.type, v.imm);
+      case Op::Load:
+        return load(v);
+      case Op::Accumulated:
+        return fmt::format("acc{}", v.param);
+      case Op::Scalar:
+        return convert(fmt::format("s{}", v.param), Type::f64, v.type);
+      case Op::Neg:
+        if (is_float(ta)) return fmt::format("-{}", a);
+        if (ta == Type::i64) return fmt::format("mt_sub_i64(0, {})", a);
+        break;
+      case Op::Add:
+      case Op::Sub:
+      case Op::Mul:
+      case Op::Div: {
+        int k = static_cast<int>(v.op) - static_cast<int>(Op::Add);
+        static const char* f32_ops[] = {"__fadd_rn", "__fsub_rn", "__fmul_rn", "__fdiv_rn"};
+        static const char* f64_ops[] = {"__dadd_rn", "__dsub_rn", "__dmul_rn", "__ddiv_rn"};
+        static const char* i64_ops[] = {"mt_add_i64", "mt_sub_i64", "mt_mul_i64", ""};
+        if (is_float(ta)) return fmt::format("{}({}, {})", f32 ? f32_ops[k] : f64_ops[k], a, b);
+        if (ta == Type::i64) {
+          if (v.op == Op::Div) return fmt::format("({} / {})", a, b);
+          return fmt::format("{}({}, {})", i64_ops[k], a, b);
+        }
+        break;
+      }
+      case Op::Lt:
+      case Op::Le:
+      case Op::Gt:
+      case Op::Ge:
+      case Op::Eq:
+      case Op::Ne: {
+        // C++ compares as LLVM's olt/ole/ogt/oge/oeq/une: false on NaN, but != is true.
+        static const char* ops[] = {"<", "<=", ">", ">=", "==", "!="};
+        const char* op = ops[static_cast<int>(v.op) - static_cast<int>(Op::Lt)];
+        if (ta == Type::i1 && v.op != Op::Eq && v.op != Op::Ne)  // icmp slt i1: true is -1
+          return fmt::format("(-static_cast<int>({}) {} -static_cast<int>({}))", a, op, b);
+        return fmt::format("({} {} {})", a, op, b);
+      }
+      case Op::Or:
+        return fmt::format("({} || {})", a, b);
+      case Op::Select:
+        return fmt::format("({} ? {} : {})", a, b, operand(v.c));
+      case Op::IsNan:
+        return fmt::format("({} != {})", a, a);
+      case Op::Sqrt:
+        return fmt::format("{}({})", f32 ? "__fsqrt_rn" : "__dsqrt_rn", a);
+      case Op::Exp:
+      case Op::Log:
+      case Op::Tanh:
+      case Op::Erf:
+      case Op::Sin:
+      case Op::Cos: {
+        static const char* names[] = {"exp", "log", "sqrt", "tanh", "erf", "sin", "cos"};
+        const char* fn = names[static_cast<int>(v.op) - static_cast<int>(Op::Exp)];
+        return fmt::format("{}{}({})", fn, f32 ? "f" : "", a);
+      }
+      case Op::Pow:
+        return fmt::format("pow{}({}, {})", f32 ? "f" : "", a, b);
+      case Op::Convert:
+        return convert(a, ta, v.type);
+      case Op::RoundTo:
+        return round_to(v, a, ta);
+    }
+    fail("cuda emitter: kernel {}: {} of {} is not supported", k_.name, kir::op_name(v.op),
+         cuda_type(ta));
+  }
+
+  void stores(const std::vector<kir::Store>& list) {
+    for (const kir::Store& s : list) store(s, names_[s.value]);
+  }
+
+  std::string init(const kir::Reduction& red) const {
+    if (red.kind == kir::ReduceKind::Sum) return constant(red.type, 0.0);
+    return is_float(red.type) ? neg_infinity(red.type)
+                              : integer(std::numeric_limits<int64_t>::min());
+  }
+
+  // Max reductions of floats split across threads carry the index of the value they keep.
+  static bool carries_index(const kir::Reduction& red, const Plan& p) {
+    return p.shape == Shape::block_reduce && red.kind == kir::ReduceKind::Max && is_float(red.type);
+  }
+
+  void declare_accumulators() {
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      const kir::Reduction& red = k_.reductions[r];
+      line("{} acc{} = {};", cuda_type(red.type), r, init(red));
+      if (carries_index(red, plan_)) line("long long acc{}_at = 9223372036854775807LL;", r);
+    }
+  }
+
+  // acc = acc (+|max) x, with the reduction's rounding; `at` is the element's inner index.
+  void accumulate(const std::string& at) {
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      const kir::Reduction& red = k_.reductions[r];
+      std::string x = names_[red.value];
+      if (red.kind == kir::ReduceKind::Sum) {
+        if (!is_float(red.type)) {
+          line("acc{} = mt_add_i64(acc{}, {});", r, r, x);
+          continue;
+        }
+        std::string sum =
+            fmt::format("{}(acc{}, {})", red.type == Type::f32 ? "__fadd_rn" : "__dadd_rn", r, x);
+        if (is_half(red.round_to)) sum = round_half(red.round_to, red.type, sum);
+        line("acc{} = {};", r, sum);
+      } else if (carries_index(red, plan_)) {
+        line("mt_max_step_at(acc{}, acc{}_at, {}, {});", r, r, x, at);
+      } else if (is_float(red.type)) {
+        line("acc{} = mt_max_step(acc{}, {});", r, r, x);
+      } else {
+        line("acc{} = {} > acc{} ? {} : acc{};", r, x, r, x, r);
+      }
+    }
+  }
+
+  // Folds each lane's accumulators into lane 0's with a fixed shuffle tree, so the result does
+  // not depend on timing: lane i takes lane i + offset's partial, which covers later elements.
+  void warp_tree() {
+    open("for (int offset = 16; offset > 0; offset >>= 1)");
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      const kir::Reduction& red = k_.reductions[r];
+      std::string other = fmt::format("__shfl_down_sync(0xFFFFFFFFu, acc{}, offset)", r);
+      if (red.kind == kir::ReduceKind::Sum && is_float(red.type))
+        line("acc{} = {}(acc{}, {});", r, red.type == Type::f32 ? "__fadd_rn" : "__dadd_rn", r,
+             other);
+      else if (red.kind == kir::ReduceKind::Sum)
+        line("acc{} = mt_add_i64(acc{}, {});", r, r, other);
+      else if (carries_index(red, plan_))
+        line("mt_max_merge(acc{}, acc{}_at, {}, __shfl_down_sync(0xFFFFFFFFu, acc{}_at, offset));",
+             r, r, other, r);
+      else
+        line("acc{} = mt_max_step(acc{}, {});", r, r, other);
+    }
+    close();
+  }
+
+  void epilogue() {
+    values(k_.epilogue, "e");
+    stores(k_.epilogue_stores);
+  }
+
+  void pointwise() {
+    line("const long long total = {};", integer(plan_.outer));
+    open(
+        "for (long long point = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; "
+        "point < total;\n       point += static_cast<long long>(gridDim.x) * blockDim.x)");
+    coordinates("point", 0, static_cast<int>(k_.dims.size()));
+    values(k_.body, "v");
+    stores(k_.stores);
+    close();
+  }
+
+  void thread_reduce() {
+    int split = k_.reduce_from, rank = static_cast<int>(k_.dims.size());
+    line("const long long outer_total = {}, inner_total = {};", integer(plan_.outer),
+         integer(plan_.inner));
+    open(
+        "for (long long outer = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; "
+        "outer < outer_total;\n       outer += static_cast<long long>(gridDim.x) * blockDim.x)");
+    coordinates("outer", 0, split);
+    declare_accumulators();
+    open("for (long long inner = 0; inner < inner_total; ++inner)");
+    coordinates("inner", split, rank);
+    values(k_.body, "v");
+    stores(k_.stores);
+    accumulate("inner");
+    close();
+    epilogue();
+    close();
+  }
+
+  void block_reduce() {
+    int split = k_.reduce_from, rank = static_cast<int>(k_.dims.size());
+    uint32_t warps = plan_.block / warp_size;
+    line("// Launched with exactly {} threads per block.", plan_.block);
+    line("const long long outer_total = {}, inner_total = {};", integer(plan_.outer),
+         integer(plan_.inner));
+    if (warps > 1) {
+      line("const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;");
+      for (size_t r = 0; r < k_.reductions.size(); ++r) {
+        line("__shared__ {} partial{}[{}];", cuda_type(k_.reductions[r].type), r, warps);
+        if (carries_index(k_.reductions[r], plan_))
+          line("__shared__ long long partial{}_at[{}];", r, warps);
+      }
+    }
+    open("for (long long outer = blockIdx.x; outer < outer_total; outer += gridDim.x)");
+    coordinates("outer", 0, split);
+    declare_accumulators();
+    // A blockDim.x stride (== the block size above) rather than the constant: NVRTC 13.0 crashes
+    // on a constant-stride inner loop inside the grid-stride outer loop for some kernels.
+    open("for (long long inner = threadIdx.x; inner < inner_total; inner += blockDim.x)");
+    coordinates("inner", split, rank);
+    values(k_.body, "v");
+    stores(k_.stores);
+    accumulate("inner");
+    close();
+    warp_tree();
+    if (warps == 1) {
+      open("if (threadIdx.x == 0)");
+      epilogue();
+      close();
+      close();
+      return;
+    }
+    // Each warp's lane 0 leaves its partial in shared memory; warp 0 folds them in warp order.
+    open("if (lane == 0)");
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      line("partial{}[warp] = acc{};", r, r);
+      if (carries_index(k_.reductions[r], plan_)) line("partial{}_at[warp] = acc{}_at;", r, r);
+    }
+    close();
+    line("__syncthreads();");
+    open("if (warp == 0)");
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      const kir::Reduction& red = k_.reductions[r];
+      line("acc{} = lane < {} ? partial{}[lane] : {};", r, warps, r, init(red));
+      if (carries_index(red, plan_))
+        line("acc{}_at = lane < {} ? partial{}_at[lane] : 9223372036854775807LL;", r, warps, r);
+    }
+    warp_tree();
+    open("if (lane == 0)");
+    epilogue();
+    close();
+    close();
+    line("__syncthreads();  // the partials are rewritten for the next outer point");
+    close();
+  }
+
+  const kir::Kernel& k_;
+  Plan plan_;
+  std::string out_;
+  std::vector<std::string> names_;
+  std::vector<bool> used_;
+  int indent_ = 0;
+};
+
+}  // namespace
+
+std::string emit_cuda(const kir::Kernel& kernel) { return Emitter(kernel).run(); }
+
+CudaLaunch cuda_launch_shape(const kir::Kernel& kernel) {
+  Plan p = plan(kernel);
+  return CudaLaunch{p.grid, p.block, 0};
+}
+
+}  // namespace mixtape

@@ -1,0 +1,42 @@
+// codegen/emit_cuda.h -- prints a kernel as CUDA C++ for NVRTC, and the launch shape it expects.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "codegen/kernel_ir.h"
+
+namespace mixtape {
+
+/// One self-contained CUDA C++ translation unit defining
+///
+///   extern "C" __global__ void <kernel.name>(T0* p0, T1* p1, ..., double s0, double s1, ...)
+///
+/// ABI (the runtime launches with cuLaunchKernel, kernelParams[i] = &arg_i):
+///  - one pointer per kernel parameter, in order: `const T* __restrict__` for inputs,
+///    `T* __restrict__` for outputs, where T is float (f32), double (f64), unsigned short
+///    (f16 and bf16: the raw 16 bits), int (i32), long long (i64), unsigned char (bool, 0 or 1);
+///  - then one double per scalar slot (kernel.scalars), the exact value of the fill;
+///  - nothing else: dims are compile-time constants, so the kernel reads nothing but these.
+///
+/// Semantics equal emit_llvm's exactly (same RoundTo, Convert and NaN-propagating max, bf16 as
+/// integer operations, f64 -> 16-bit through round-to-odd) except that expf, tanhf, powf, ...
+/// are CUDA's, which may differ from the C library's by a few ulps, and that float sums are
+/// reduced in a different (but fixed) order than the CPU's vectorized one. Arithmetic uses the
+/// _rn intrinsics, so no compiler flag can contract it into FMAs or flush subnormals.
+///
+/// Every emitted source starts with the same guarded prelude, so the sources of several kernels
+/// can be concatenated into one NVRTC program.
+std::string emit_cuda(const kir::Kernel& kernel);
+
+/// How the runtime must launch the kernel emit_cuda printed: a 1-D grid of `grid` blocks of
+/// exactly `block` threads (reduction kernels size their shared memory for `block`) and
+/// `shared_bytes` of dynamic shared memory.
+struct CudaLaunch {
+  uint32_t grid = 1;
+  uint32_t block = 32;
+  uint32_t shared_bytes = 0;
+};
+CudaLaunch cuda_launch_shape(const kir::Kernel& kernel);
+
+}  // namespace mixtape

@@ -1,0 +1,384 @@
+// tests/test_cuda_runtime.cpp -- CUDA runtime without a GPU: allocator, no-driver fallback, ABI.
+#include <dlfcn.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "runtime/cublaslt.h"
+#include "runtime/cuda_allocator.h"
+#include "runtime/cuda_driver.h"
+#include "tests/test_util.h"
+
+#if defined(MIXTAPE_HAVE_CUDA_HEADERS)
+#include <cstddef>
+
+#include <cublasLt.h>
+#include <cuda.h>
+#endif
+
+namespace mt = mixtape;
+namespace cu = mixtape::cuda;
+
+namespace {
+
+constexpr size_t kMiB = size_t{1} << 20;
+
+// Host memory with a capacity, so running out is real: a request past it gets nullptr, as
+// cuMemAlloc's CUDA_ERROR_OUT_OF_MEMORY does. Counts what the allocator asks of it.
+struct HostBackendLog {
+  size_t used = 0;
+  int allocations = 0, releases = 0, synchronizations = 0, refused = 0;
+  std::map<void*, size_t> live;
+};
+
+class HostBackend : public cu::MemoryBackend {
+ public:
+  HostBackend(size_t capacity, HostBackendLog* log) : capacity_(capacity), log_(log) {}
+  void* allocate(size_t bytes) override {
+    if (log_->used + bytes > capacity_) {
+      ++log_->refused;
+      return nullptr;
+    }
+    void* ptr = std::aligned_alloc(512, bytes);
+    if (ptr == nullptr) throw mt::Error("host allocation failed");
+    log_->used += bytes;
+    log_->live[ptr] = bytes;
+    ++log_->allocations;
+    return ptr;
+  }
+  void release(void* ptr) override {
+    auto it = log_->live.find(ptr);
+    ASSERT_NE(it, log_->live.end()) << "released a pointer the backend never gave out";
+    log_->used -= it->second;
+    log_->live.erase(it);
+    ++log_->releases;
+    std::free(ptr);
+  }
+  void synchronize() override { ++log_->synchronizations; }
+  std::string describe() const override { return "host test backend"; }
+
+ private:
+  size_t capacity_;
+  HostBackendLog* log_;
+};
+
+struct AllocatorFixture : ::testing::Test {
+  HostBackendLog log;
+  std::unique_ptr<cu::CachingAllocator> allocator;
+  void make(size_t capacity = 1024 * kMiB) {
+    TearDown();
+    log = HostBackendLog();
+    allocator =
+        std::make_unique<cu::CachingAllocator>(std::make_unique<HostBackend>(capacity, &log));
+  }
+  void SetUp() override { make(); }
+  // The allocator returns only its cached blocks; the ones a test left in use are freed here.
+  void TearDown() override {
+    allocator.reset();
+    for (const auto& [ptr, bytes] : log.live) std::free(ptr);
+    log.live.clear();
+  }
+};
+
+TEST(CachingAllocatorRounding, SizeClasses) {
+  using A = cu::CachingAllocator;
+  EXPECT_EQ(A::round_size(0), 512u);
+  EXPECT_EQ(A::round_size(1), 512u);
+  EXPECT_EQ(A::round_size(512), 512u);
+  EXPECT_EQ(A::round_size(513), 1024u);
+  EXPECT_EQ(A::round_size(1000 * 1000), 1000448u);  // 1954 * 512
+  EXPECT_EQ(A::round_size(kMiB), kMiB);
+  EXPECT_EQ(A::round_size(kMiB + 1), 2 * kMiB);
+  EXPECT_EQ(A::round_size(2 * kMiB), 2 * kMiB);
+  EXPECT_EQ(A::round_size(2 * kMiB + 1), 4 * kMiB);
+  EXPECT_EQ(A::round_size(9 * kMiB), 10 * kMiB);
+}
+
+TEST_F(AllocatorFixture, FreedBlockIsReusedWithoutTheBackend) {
+  void* first = allocator->allocate(1000);
+  EXPECT_EQ(allocator->block_size(first), 1024u);
+  std::memset(first, 0xAB, 1000);  // the block is real, writable memory
+  allocator->deallocate(first);
+  void* second = allocator->allocate(900);  // same class: 1024
+  EXPECT_EQ(second, first);
+  cu::AllocatorStats stats = allocator->stats();
+  EXPECT_EQ(stats.alloc_count, 2);
+  EXPECT_EQ(stats.cache_hits, 1);
+  EXPECT_EQ(stats.backend_allocs, 1);
+  EXPECT_EQ(log.allocations, 1);
+  EXPECT_EQ(log.synchronizations, 0);  // reuse on the same stream needs no synchronization
+  allocator->deallocate(second);
+}
+
+TEST_F(AllocatorFixture, BestFitWithinTwiceTheRequest) {
+  void* b4096 = allocator->allocate(4096);
+  void* b2048 = allocator->allocate(2048);
+  void* b8192 = allocator->allocate(8192);
+  allocator->deallocate(b4096);
+  allocator->deallocate(b2048);
+  allocator->deallocate(b8192);
+  EXPECT_EQ(allocator->allocate(1500), b2048);  // 1536: 2048 is the smallest that fits
+  EXPECT_EQ(allocator->allocate(5000), b8192);  // 5120: 8192 <= 2 * 5120
+  void* fresh = allocator->allocate(100);       // 512: 4096 is more than twice that
+  EXPECT_NE(fresh, b4096);
+  EXPECT_EQ(log.allocations, 4);
+  EXPECT_EQ(allocator->stats().cache_hits, 2);
+}
+
+TEST_F(AllocatorFixture, SmallAndLargeClassesDoNotMix) {
+  void* large = allocator->allocate(2 * kMiB);
+  allocator->deallocate(large);
+  void* small = allocator->allocate(kMiB);  // rounds to 1 MiB, small; 2 MiB is within 2x
+  EXPECT_NE(small, large);
+  EXPECT_EQ(allocator->block_size(small), kMiB);
+  EXPECT_EQ(allocator->allocate(2 * kMiB - 5), large);  // the large request takes it
+}
+
+TEST_F(AllocatorFixture, BlocksAreReusedOnlyOnTheirStream) {
+  void* on_one = allocator->allocate(4096, /*stream=*/1);
+  allocator->deallocate(on_one);
+  void* on_two = allocator->allocate(4096, /*stream=*/2);
+  EXPECT_NE(on_two, on_one);
+  EXPECT_EQ(allocator->allocate(4096, /*stream=*/1), on_one);
+  EXPECT_EQ(log.allocations, 2);
+}
+
+TEST_F(AllocatorFixture, StatsTrackAllocatedReservedAndPeaks) {
+  void* a = allocator->allocate(3 * kMiB);  // 4 MiB block
+  void* b = allocator->allocate(100);       // 512
+  cu::AllocatorStats s = allocator->stats();
+  EXPECT_EQ(s.allocated, 4 * kMiB + 512);
+  EXPECT_EQ(s.reserved, 4 * kMiB + 512);
+  allocator->deallocate(a);
+  s = allocator->stats();
+  EXPECT_EQ(s.allocated, 512u);
+  EXPECT_EQ(s.reserved, 4 * kMiB + 512);  // cached, still held
+  EXPECT_EQ(s.peak_allocated, 4 * kMiB + 512);
+  void* c = allocator->allocate(4 * kMiB);  // reuses a's block
+  EXPECT_EQ(c, a);
+  void* d = allocator->allocate(kMiB + 1);  // new 2 MiB block
+  s = allocator->stats();
+  EXPECT_EQ(s.allocated, 6 * kMiB + 512);
+  EXPECT_EQ(s.reserved, 6 * kMiB + 512);
+  EXPECT_EQ(s.peak_allocated, 6 * kMiB + 512);
+  EXPECT_EQ(s.peak_reserved, 6 * kMiB + 512);
+  EXPECT_EQ(s.alloc_count, 4);
+  EXPECT_EQ(s.cache_hits, 1);
+  allocator->deallocate(c);
+  allocator->deallocate(d);
+  allocator->reset_peak_stats();
+  s = allocator->stats();
+  EXPECT_EQ(s.peak_allocated, 512u);
+  EXPECT_EQ(s.peak_reserved, 6 * kMiB + 512);
+  allocator->deallocate(b);
+  EXPECT_EQ(log.used, 6 * kMiB + 512);
+}
+
+TEST_F(AllocatorFixture, EmptyCacheReleasesOnlyFreeBlocks) {
+  void* kept = allocator->allocate(kMiB);
+  void* freed1 = allocator->allocate(4 * kMiB);
+  void* freed2 = allocator->allocate(512);
+  allocator->deallocate(freed1);
+  allocator->deallocate(freed2);
+  allocator->empty_cache();
+  EXPECT_EQ(log.releases, 2);
+  EXPECT_EQ(log.synchronizations, 1);  // queued work is waited for once before releasing
+  EXPECT_EQ(log.live.size(), 1u);
+  EXPECT_EQ(log.live.count(kept), 1u);
+  cu::AllocatorStats s = allocator->stats();
+  EXPECT_EQ(s.reserved, kMiB);
+  EXPECT_EQ(s.allocated, kMiB);
+  allocator->empty_cache();  // nothing cached: no synchronization
+  EXPECT_EQ(log.synchronizations, 1);
+  allocator->deallocate(kept);
+}
+
+TEST_F(AllocatorFixture, OutOfMemoryFreesTheCacheRetriesThenFails) {
+  make(8 * kMiB);
+  void* cached = allocator->allocate(4 * kMiB);
+  allocator->deallocate(cached);
+  // 6 MiB does not fit beside the cached 4 MiB block (too small to reuse): the cache goes back
+  // to the backend and the retry succeeds.
+  void* big = allocator->allocate(6 * kMiB);
+  ASSERT_NE(big, nullptr);
+  EXPECT_EQ(log.refused, 1);
+  EXPECT_EQ(log.releases, 1);
+  EXPECT_EQ(log.synchronizations, 1);
+  EXPECT_EQ(allocator->stats().reserved, 6 * kMiB);
+  // 4 MiB more cannot fit even with an empty cache: an error naming the sizes.
+  EXPECT_MT_ERROR(allocator->allocate(3 * kMiB + 7), "out of device memory", "4.00 MiB",
+                  "3145735 bytes requested", "6.00 MiB allocated", "host test backend");
+  EXPECT_EQ(log.refused, 2);  // no retry without a cache to free
+  cu::AllocatorStats s = allocator->stats();
+  EXPECT_EQ(s.allocated, 6 * kMiB);
+  EXPECT_EQ(s.reserved, 6 * kMiB);
+  allocator->deallocate(big);
+}
+
+TEST_F(AllocatorFixture, ForeignAndDoubleFreesAreErrors) {
+  int local = 0;
+  EXPECT_MT_ERROR(allocator->deallocate(&local), "not allocated by this allocator");
+  void* p = allocator->allocate(64);
+  allocator->deallocate(p);
+  EXPECT_MT_ERROR(allocator->deallocate(p), "freed twice");
+  allocator->deallocate(nullptr);  // like free(nullptr)
+}
+
+bool driver_loadable() {
+  void* handle = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+  if (handle != nullptr) dlclose(handle);
+  return handle != nullptr;
+}
+
+void expect_unavailable_everywhere(const std::string& library_fragment) {
+  EXPECT_FALSE(cu::available());
+  std::string reason = cu::unavailable_reason();
+  EXPECT_NE(reason.find(library_fragment), std::string::npos) << reason;
+  EXPECT_EQ(reason.find('\n'), std::string::npos) << reason;
+  try {
+    cu::require_available();
+    ADD_FAILURE() << "require_available() did not throw";
+  } catch (const mt::Error& error) {
+    std::string what = error.what();
+    EXPECT_EQ(what, "CUDA is not available: " + reason);
+    EXPECT_EQ(what.find('\n'), std::string::npos);
+  }
+  EXPECT_MT_ERROR(cu::device_name(), "CUDA is not available");
+  EXPECT_MT_ERROR(cu::device_allocator(), "CUDA is not available");
+  EXPECT_MT_ERROR(cu::DeviceBuffer(16), "CUDA is not available");
+  EXPECT_FALSE(cu::cublaslt_available());
+  EXPECT_NE(cu::cublaslt_unavailable_reason().find("CUDA is not available"), std::string::npos);
+  cu::MatmulDesc desc;
+  desc.m = desc.n = desc.k = 8;
+  float x[64] = {};
+  EXPECT_MT_ERROR(cu::matmul(desc, {x, x, x}), "cuBLASLt is not available");
+}
+
+TEST(CudaDriver, UnavailableWithoutADriver) {
+  if (driver_loadable())
+    GTEST_SKIP() << "libcuda.so.1 is installed; the child-process test covers this";
+  expect_unavailable_everywhere("libcuda.so.1");
+}
+
+// The CUDA libraries must be loaded only on demand: mapped in no process that has not asked.
+std::vector<std::string> mapped_cuda_libraries() {
+  std::ifstream maps("/proc/self/maps");
+  std::vector<std::string> found;
+  for (std::string line; std::getline(maps, line);)
+    for (const char* name : {"libcuda.so", "libcublas", "libnvrtc", "libcudart"})
+      if (line.find(name) != std::string::npos) found.push_back(line);
+  return found;
+}
+
+// Run by CudaFallback.ChildProcessWithoutDriverRunsCleanly in a fresh process whose
+// MIXTAPE_CUDA_DRIVER and LD_LIBRARY_PATH point into an empty directory (disabled otherwise).
+TEST(CudaFallbackChild, DISABLED_NoDriver) {
+  EXPECT_TRUE(mapped_cuda_libraries().empty()) << mapped_cuda_libraries().front();
+  const char* driver = std::getenv("MIXTAPE_CUDA_DRIVER");
+  ASSERT_NE(driver, nullptr);
+  expect_unavailable_everywhere(driver);
+  EXPECT_NE(cu::unavailable_reason().find("libcuda.so.1"), std::string::npos);
+  EXPECT_TRUE(mapped_cuda_libraries().empty()) << mapped_cuda_libraries().front();
+}
+
+TEST(CudaFallback, ChildProcessWithoutDriverRunsCleanly) {
+  namespace fs = std::filesystem;
+  fs::path empty = fs::temp_directory_path() / ("mixtape_no_cuda_" + std::to_string(getpid()));
+  fs::create_directories(empty);
+  std::string driver = (empty / "libcuda.so.1").string();
+  int out[2];
+  ASSERT_EQ(pipe(out), 0);
+  pid_t child = fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    dup2(out[1], STDOUT_FILENO);
+    dup2(out[1], STDERR_FILENO);
+    close(out[0]);
+    setenv("MIXTAPE_CUDA_DRIVER", driver.c_str(), 1);
+    setenv("LD_LIBRARY_PATH", empty.c_str(), 1);
+    execl("/proc/self/exe", "test_cuda_runtime", "--gtest_also_run_disabled_tests",
+          "--gtest_filter=CudaFallbackChild.DISABLED_NoDriver", static_cast<char*>(nullptr));
+    _exit(127);
+  }
+  close(out[1]);
+  std::string output;
+  char buffer[4096];
+  for (ssize_t n; (n = read(out[0], buffer, sizeof(buffer))) > 0;) output.append(buffer, n);
+  close(out[0]);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  fs::remove_all(empty);
+  ASSERT_TRUE(WIFEXITED(status)) << "child died: " << output;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << output;
+  EXPECT_NE(output.find("[  PASSED  ] 1 test"), std::string::npos) << output;
+}
+
+#if defined(MIXTAPE_HAVE_CUDA_HEADERS)
+// mixtape's declarations must match the toolkit's.
+static_assert(cu::driver_abi::kSuccess == CUDA_SUCCESS);
+static_assert(cu::driver_abi::kErrorOutOfMemory == CUDA_ERROR_OUT_OF_MEMORY);
+static_assert(cu::driver_abi::kErrorNotReady == CUDA_ERROR_NOT_READY);
+static_assert(cu::driver_abi::kAttributeMultiprocessorCount ==
+              CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT);
+static_assert(cu::driver_abi::kAttributeComputeCapabilityMajor ==
+              CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR);
+static_assert(cu::driver_abi::kAttributeComputeCapabilityMinor ==
+              CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR);
+static_assert(cu::driver_abi::kStreamNonBlocking == CU_STREAM_NON_BLOCKING);
+static_assert(cu::driver_abi::kEventDefault == CU_EVENT_DEFAULT);
+static_assert(cu::driver_abi::kEventDisableTiming == CU_EVENT_DISABLE_TIMING);
+static_assert(sizeof(cu::CUdeviceptr) == sizeof(::CUdeviceptr));
+static_assert(sizeof(cu::CUresult) == sizeof(::CUresult));
+
+static_assert(cu::lt_abi::kStatusSuccess == CUBLAS_STATUS_SUCCESS);
+static_assert(cu::lt_abi::kStatusNotSupported == CUBLAS_STATUS_NOT_SUPPORTED);
+static_assert(cu::lt_abi::kOpN == CUBLAS_OP_N);
+static_assert(cu::lt_abi::kOpT == CUBLAS_OP_T);
+static_assert(cu::lt_abi::kComputeF32 == CUBLAS_COMPUTE_32F);
+static_assert(cu::lt_abi::kComputeF32FastTf32 == CUBLAS_COMPUTE_32F_FAST_TF32);
+static_assert(cu::lt_abi::kDataF32 == CUDA_R_32F);
+static_assert(cu::lt_abi::kDataF16 == CUDA_R_16F);
+static_assert(cu::lt_abi::kDataBf16 == CUDA_R_16BF);
+static_assert(cu::lt_abi::kDescTransA == CUBLASLT_MATMUL_DESC_TRANSA);
+static_assert(cu::lt_abi::kDescTransB == CUBLASLT_MATMUL_DESC_TRANSB);
+static_assert(cu::lt_abi::kDescEpilogue == CUBLASLT_MATMUL_DESC_EPILOGUE);
+static_assert(cu::lt_abi::kDescBiasPointer == CUBLASLT_MATMUL_DESC_BIAS_POINTER);
+static_assert(cu::lt_abi::kDescBiasBatchStride == CUBLASLT_MATMUL_DESC_BIAS_BATCH_STRIDE);
+static_assert(cu::lt_abi::kDescEpilogueAuxPointer == CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER);
+static_assert(cu::lt_abi::kDescEpilogueAuxLd == CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD);
+static_assert(cu::lt_abi::kDescEpilogueAuxBatchStride ==
+              CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_BATCH_STRIDE);
+static_assert(cu::lt_abi::kLayoutBatchCount == CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT);
+static_assert(cu::lt_abi::kLayoutStridedBatchOffset == CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET);
+static_assert(cu::lt_abi::kPrefMaxWorkspaceBytes == CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES);
+static_assert(cu::lt_abi::kPrefReductionSchemeMask == CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK);
+static_assert(cu::lt_abi::kReductionInplace == CUBLASLT_REDUCTION_SCHEME_INPLACE);
+static_assert(cu::lt_abi::kReductionComputeType == CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE);
+static_assert(cu::lt_abi::kPrefMinAlignmentA == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES);
+static_assert(cu::lt_abi::kPrefMinAlignmentB == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES);
+static_assert(cu::lt_abi::kPrefMinAlignmentC == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES);
+static_assert(cu::lt_abi::kPrefMinAlignmentD == CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES);
+static_assert(cu::lt_abi::kEpilogueDefault == CUBLASLT_EPILOGUE_DEFAULT);
+static_assert(cu::lt_abi::kEpilogueBias == CUBLASLT_EPILOGUE_BIAS);
+static_assert(cu::lt_abi::kEpilogueReluBias == CUBLASLT_EPILOGUE_RELU_BIAS);
+static_assert(cu::lt_abi::kEpilogueReluAuxBias == CUBLASLT_EPILOGUE_RELU_AUX_BIAS);
+static_assert(cu::lt_abi::kEpilogueGeluBias == CUBLASLT_EPILOGUE_GELU_BIAS);
+static_assert(cu::lt_abi::kEpilogueGeluAuxBias == CUBLASLT_EPILOGUE_GELU_AUX_BIAS);
+static_assert(cu::lt_abi::kEpilogueDreluBgrad == CUBLASLT_EPILOGUE_DRELU_BGRAD);
+static_assert(cu::lt_abi::kEpilogueDgeluBgrad == CUBLASLT_EPILOGUE_DGELU_BGRAD);
+static_assert(cu::lt_abi::kHeuristicResultBytes == sizeof(cublasLtMatmulHeuristicResult_t));
+static_assert(cu::lt_abi::kHeuristicStateOffset ==
+              offsetof(cublasLtMatmulHeuristicResult_t, state));
+static_assert(sizeof(cublasLtMatmulAlgo_t) == 64);
+#endif
+
+}  // namespace

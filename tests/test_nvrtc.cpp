@@ -1,0 +1,554 @@
+// tests/test_nvrtc.cpp -- the CUDA emitter and NVRTC without a GPU: every kernel the CPU back end
+// runs for four models under the five built-in policies compiles (CUBIN sm_80/sm_90, PTX through
+// ptxas); golden CUDA sources; NVRTC errors; the kernel cache. CTest label `nvrtc`.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "codegen/emit_cuda.h"
+#include "codegen/kernel_cache.h"
+#include "codegen/nvrtc.h"
+#include "examples/char_gpt_model.h"
+#include "examples/digits_model.h"
+#include "precision_policy/policy.h"
+#include "runtime/cpu_executor.h"
+#include "runtime/device.h"
+#include "test_util.h"
+
+// Our hand-written NVRTC declarations (codegen/nvrtc.cpp) against the toolkit's header.
+#if __has_include("/usr/local/cuda/include/nvrtc.h")
+#include "/usr/local/cuda/include/nvrtc.h"
+static_assert(NVRTC_SUCCESS == 0);
+static_assert(std::is_same_v<decltype(&nvrtcCompileProgram),
+                             nvrtcResult (*)(nvrtcProgram, int, const char* const*)>);
+static_assert(std::is_same_v<decltype(&nvrtcCreateProgram),
+                             nvrtcResult (*)(nvrtcProgram*, const char*, const char*, int,
+                                             const char* const*, const char* const*)>);
+static_assert(std::is_same_v<decltype(&nvrtcGetCUBIN), nvrtcResult (*)(nvrtcProgram, char*)>);
+static_assert(std::is_same_v<decltype(&nvrtcVersion), nvrtcResult (*)(int*, int*)>);
+static_assert(sizeof(nvrtcResult) == sizeof(int));
+#endif
+
+namespace mt = mixtape;
+namespace kir = mixtape::kir;
+
+namespace {
+
+#define SKIP_WITHOUT_NVRTC()                                                            \
+  do {                                                                                  \
+    if (!mt::nvrtc_available()) {                                                       \
+      GTEST_SKIP() << "NVRTC cannot be dlopened (tried libnvrtc.so.13, .so.12, "        \
+                      "libnvrtc.so, $CUDA_HOME/lib64 and /usr/local/cuda/lib64): CUDA " \
+                      "compilation is not tested";                                      \
+    }                                                                                   \
+  } while (0)
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+const char* policy_names[] = {"fp32", "autocast-f16", "autocast-bf16", "pure-f16", "pure-bf16"};
+
+// Every kernel the CPU back end runs while `steps` runs, by name.
+std::map<std::string, kir::Kernel> kernels_of(const std::function<void()>& steps) {
+  std::map<std::string, kir::Kernel> seen;
+  mt::Device previous = mt::current_device();
+  mt::set_device(mt::Device::cpu);
+  mt::set_kernel_observer(
+      [&](const mt::LoweredKernel& lowered) { seen.emplace(lowered.kernel.name, lowered.kernel); });
+  try {
+    steps();
+  } catch (...) {
+    mt::set_kernel_observer({});
+    mt::set_device(previous);
+    throw;
+  }
+  mt::set_kernel_observer({});
+  mt::set_device(previous);
+  return seen;
+}
+
+// Two training steps: forward and loss under the policy, backward, GradScaler (enabled for f16
+// policies, as PyTorch would), optimizer step; the loss is read each step.
+void train(mt::Module& net, const std::function<mt::Tensor()>& loss_of, const std::string& policy,
+           bool sgd) {
+  mt::PolicyPtr p = mt::policy_by_name(policy);
+  std::unique_ptr<mt::Optimizer> optimizer;
+  if (sgd)
+    optimizer =
+        std::make_unique<mt::SGD>(net.parameters(), mt::SGDOptions{.lr = 0.05, .momentum = 0.9});
+  else
+    optimizer = std::make_unique<mt::AdamW>(net.parameters(),
+                                            mt::AdamOptions{.lr = 1e-3, .weight_decay = 0.01});
+  mt::GradScaler scaler({.enabled = policy.ends_with("-f16")});
+  for (int step = 0; step < 2; ++step) {
+    optimizer->zero_grad();
+    mt::Tensor loss;
+    {
+      mt::autocast guard(p);
+      loss = loss_of();
+    }
+    scaler.scale(loss).backward();
+    scaler.step(*optimizer);
+    scaler.update();
+    EXPECT_TRUE(std::isfinite(loss.item())) << policy;
+  }
+}
+
+struct Model {
+  std::string name;
+  std::function<void(const std::string& policy)> train;
+};
+
+std::vector<Model> models() {
+  std::vector<Model> list;
+  list.push_back({"mlp", [](const std::string& policy) {
+                    mt::manual_seed(1);
+                    mt::MLP net({16, 32, 8}, mt::Activation::Gelu);
+                    mt::Tensor x = mt::randn({8, 16});
+                    mt::Tensor y = mt::tensor(std::vector<int64_t>{0, 1, 2, 3, 4, 5, 6, 7}, {8});
+                    train(
+                        net, [&] { return mt::cross_entropy(net(x), y); }, policy, true);
+                  }});
+  list.push_back({"transformer_block", [](const std::string& policy) {
+                    mt::manual_seed(2);
+                    mt::TransformerBlock block(32, 4);
+                    mt::Tensor x = mt::randn({2, 8, 32});
+                    train(
+                        block,
+                        [&] {
+                          mt::Tensor y = mt::cast(block(x), mt::f32);
+                          return mt::mean(y * y);
+                        },
+                        policy, false);
+                  }});
+  list.push_back({"digits_mlp", [](const std::string& policy) {
+                    mt::manual_seed(3);
+                    DigitsMLP net;
+                    mt::Tensor x = mt::randn({16, 64});
+                    std::vector<int64_t> labels(16);
+                    for (size_t i = 0; i < labels.size(); ++i) labels[i] = (i * 7) % 10;
+                    mt::Tensor y = mt::tensor(labels, {16});
+                    mt::CrossEntropyOptions options{.label_smoothing = 0.2};
+                    train(
+                        net, [&] { return mt::cross_entropy(net(x), y, options); }, policy, true);
+                  }});
+  list.push_back({"char_gpt", [](const std::string& policy) {
+                    mt::Generator gen(4);
+                    CharGpt net({.vocab = 11, .layers = 1, .heads = 2, .width = 16, .context = 8},
+                                &gen);
+                    std::vector<int64_t> tokens(16), targets(16);
+                    for (size_t i = 0; i < tokens.size(); ++i) {
+                      tokens[i] = (i * 3) % 11;
+                      targets[i] = (i * 3 + 1) % 11;
+                    }
+                    mt::Tensor t = mt::tensor(tokens, {2, 8}), u = mt::tensor(targets, {2, 8});
+                    train(
+                        net, [&] { return net.loss(t, u); }, policy, false);
+                  }});
+  return list;
+}
+
+bool has_kernel_entry(const std::string& ptx, const std::string& name) {
+  return ptx.find(".entry " + name + "(") != std::string::npos;
+}
+
+// ptxas on `ptx` for `arch`; "" on success, else its output.
+std::string run_ptxas(const std::string& ptxas, const std::string& ptx, const std::string& arch,
+                      const std::string& stem) {
+  std::filesystem::path dir = std::filesystem::temp_directory_path();
+  std::string in = (dir / (stem + ".ptx")).string(), out = (dir / (stem + "." + arch)).string(),
+              log = (dir / (stem + "." + arch + ".log")).string();
+  std::ofstream(in, std::ios::binary) << ptx;
+  std::string command =
+      fmt::format("'{}' -arch={} '{}' -o '{}' > '{}' 2>&1", ptxas, arch, in, out, log);
+  int status = std::system(command.c_str());
+  std::string text;
+  if (status != 0) {
+    std::stringstream buffer;
+    buffer << std::ifstream(log).rdbuf();
+    text = fmt::format("ptxas -arch={} exited with {}: {}", arch, status, buffer.str());
+  } else if (!std::filesystem::exists(out) || std::filesystem::file_size(out) == 0) {
+    text = "ptxas wrote no CUBIN";
+  }
+  std::filesystem::remove(in);
+  std::filesystem::remove(out);
+  std::filesystem::remove(log);
+  return text;
+}
+
+// What one compile job found wrong ("" when nothing): a CUBIN for sm_XX, or PTX for compute_80
+// assembled by ptxas for sm_80 and sm_90.
+std::string compile_job(const std::string& model, const std::string& source,
+                        const std::vector<std::string>& names, const std::string& arch,
+                        const std::string& ptxas) {
+  std::string binary;
+  try {
+    binary = mt::compile_cuda(source, arch, model + ".cu");
+  } catch (const mt::Error& error) {
+    return error.what();
+  }
+  std::string problems;
+  if (arch.starts_with("sm_")) {
+    if (!binary.starts_with("\x7f"
+                            "ELF"))
+      problems += arch + " CUBIN is not ELF; ";
+    for (const std::string& name : names)
+      if (binary.find(name) == std::string::npos) problems += name + " missing from the CUBIN; ";
+    return problems;
+  }
+  for (const std::string& name : names)
+    if (!has_kernel_entry(binary, name)) problems += name + " missing from the PTX; ";
+  if (!ptxas.empty())
+    for (const char* target : {"sm_80", "sm_90"})
+      problems +=
+          run_ptxas(ptxas, binary, target, fmt::format("mixtape_nvrtc_{}_{}", model, ::getpid()));
+  return problems;
+}
+
+TEST(Nvrtc, EveryKernelOfFourModelsUnderEveryPolicyCompiles) {
+  SKIP_WITHOUT_NVRTC();
+  std::string ptxas = "/usr/local/cuda/bin/ptxas";
+  if (!std::filesystem::exists(ptxas)) {
+    std::printf("ptxas not found at %s: the PTX is not assembled\n", ptxas.c_str());
+    ptxas.clear();
+  }
+  auto start = std::chrono::steady_clock::now();
+  std::map<std::string, kir::Kernel> all;
+  struct Program {
+    std::string model, source;
+    std::vector<std::string> names;
+  };
+  std::vector<Program> programs;
+  int64_t pointwise = 0, reductions = 0, scalar_kernels = 0;
+  for (const Model& model : models()) {
+    std::map<std::string, kir::Kernel> fresh;
+    for (const char* policy : policy_names) {
+      std::map<std::string, kir::Kernel> seen = kernels_of([&] { model.train(policy); });
+      std::printf("%-18s %-14s %3zu kernels\n", model.name.c_str(), policy, seen.size());
+      EXPECT_GT(seen.size(), 3u) << model.name << " " << policy;
+      for (auto& [name, kernel] : seen)
+        if (!all.count(name)) fresh.emplace(name, kernel);
+    }
+    // One NVRTC program per model (the kernels no earlier model had) and arch: NVRTC's
+    // per-program overhead dominates.
+    Program program{model.name, "", {}};
+    for (auto& [name, kernel] : fresh) {
+      program.source += mt::emit_cuda(kernel);
+      program.names.push_back(name);
+      mt::CudaLaunch launch = mt::cuda_launch_shape(kernel);
+      EXPECT_GE(launch.grid, 1u);
+      EXPECT_TRUE(launch.block >= 32 && launch.block <= 256 && launch.block % 32 == 0) << name;
+      (kernel.is_reduction() ? reductions : pointwise) += 1;
+      scalar_kernels += kernel.scalars > 0;
+    }
+    std::printf("%-18s %3zu new kernels, %zu bytes of CUDA C++\n", model.name.c_str(), fresh.size(),
+                program.source.size());
+    all.insert(fresh.begin(), fresh.end());
+    if (!fresh.empty()) programs.push_back(std::move(program));
+  }
+  double collect_seconds = seconds_since(start);
+
+  // NVRTC and ptxas run single-threaded: two workers keep both cores busy.
+  start = std::chrono::steady_clock::now();
+  struct Job {
+    const Program* program;
+    std::string arch, problems;
+  };
+  std::vector<Job> jobs;
+  for (const Program& program : programs)
+    for (const char* arch : {"compute_80", "sm_80", "sm_90"}) jobs.push_back({&program, arch, ""});
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t i = next++; i < jobs.size(); i = next++)
+      jobs[i].problems = compile_job(jobs[i].program->model, jobs[i].program->source,
+                                     jobs[i].program->names, jobs[i].arch, ptxas);
+  };
+  std::thread helper(worker);
+  worker();
+  helper.join();
+  for (const Job& job : jobs)
+    EXPECT_EQ(job.problems, "") << job.program->model << " for " << job.arch;
+
+  mt::NvrtcStats stats = mt::nvrtc_stats();
+  std::printf(
+      "%zu distinct kernels (%lld pointwise, %lld reductions, %lld with scalar slots); "
+      "NVRTC %s: %lld programs compiled, %lld from the cache%s\n"
+      "seconds: collecting on the CPU %.1f, NVRTC and ptxas %.1f (wall, 2 threads)\n",
+      all.size(), static_cast<long long>(pointwise), static_cast<long long>(reductions),
+      static_cast<long long>(scalar_kernels), mt::nvrtc_version().c_str(),
+      static_cast<long long>(stats.compiled), static_cast<long long>(stats.cache_hits),
+      ptxas.empty() ? "" : "; PTX assembled by ptxas for sm_80 and sm_90", collect_seconds,
+      seconds_since(start));
+  EXPECT_GT(all.size(), 50u);
+  EXPECT_GT(reductions, 5);
+  EXPECT_GT(scalar_kernels, 0);
+}
+
+// ---- golden sources: kernels built by hand, emitted text compared with tests/golden/ ----
+
+kir::Value load(int32_t param, std::vector<int64_t> coeff, kir::Type type = kir::Type::f32) {
+  kir::Value v{kir::Op::Load, type};
+  v.param = param;
+  v.map.coeff = std::move(coeff);
+  return v;
+}
+kir::Value op(kir::Op o, kir::Type type, int32_t a, int32_t b = -1, int32_t c = -1) {
+  kir::Value v{o, type};
+  v.a = a;
+  v.b = b;
+  v.c = c;
+  return v;
+}
+kir::Value constant(kir::Type type, double imm) {
+  kir::Value v{kir::Op::Const, type};
+  v.imm = imm;
+  return v;
+}
+kir::Value round_to(int32_t a, mt::DType dtype) {
+  kir::Value v = op(kir::Op::RoundTo, kir::Type::f32, a);
+  v.dtype = dtype;
+  return v;
+}
+kir::Value special(kir::Op o, kir::Type type, int32_t param) {
+  kir::Value v{o, type};
+  v.param = param;
+  return v;
+}
+
+using kir::Op;
+using kir::Type;
+
+// gelu-ish chain in bf16 with a broadcast bias: y = bf16(tanh(bf16(x * w + b[j]))) over [4, 8].
+kir::Kernel bf16_broadcast_chain() {
+  kir::Kernel k;
+  k.name = "golden_bf16_broadcast_chain";
+  k.dims = {4, 8};
+  k.params = {{mt::bf16, false}, {mt::bf16, false}, {mt::bf16, true}};
+  k.body = {load(0, {8, 1}),
+            constant(Type::f32, 0.5),
+            op(Op::Mul, Type::f32, 0, 1),
+            load(1, {0, 1}),
+            op(Op::Add, Type::f32, 2, 3),
+            round_to(4, mt::bf16),
+            op(Op::Tanh, Type::f32, 5),
+            round_to(6, mt::bf16)};
+  k.stores = {{2, 7, kir::Affine{0, {8, 1}}}};
+  return k;
+}
+
+// Softmax's statistics of each row of [6, 100] f16 logits: the NaN-propagating max and the sum,
+// the epilogue storing max and log(sum) - as f32.
+kir::Kernel row_max_and_sum() {
+  kir::Kernel k;
+  k.name = "golden_row_max_and_sum";
+  k.dims = {6, 100};
+  k.reduce_from = 1;
+  k.params = {{mt::f16, false}, {mt::f32, true}, {mt::f32, true}};
+  k.body = {load(0, {100, 1})};
+  k.reductions = {{kir::ReduceKind::Max, Type::f32, 0}, {kir::ReduceKind::Sum, Type::f32, 0}};
+  k.epilogue = {special(Op::Accumulated, Type::f32, 0), special(Op::Accumulated, Type::f32, 1),
+                op(Op::Log, Type::f32, 1), op(Op::Sub, Type::f32, 2, 0)};
+  k.epilogue_stores = {{1, 0, kir::Affine{0, {1, 0}}}, {2, 3, kir::Affine{0, {1, 0}}}};
+  return k;
+}
+
+// A column sum of [64, 5] bf16 values into a bf16 accumulator (every partial rounded), stored
+// as bf16: outer dim 5 (kept), inner dim 64 (reduced).
+kir::Kernel half_accumulator_sum() {
+  kir::Kernel k;
+  k.name = "golden_half_accumulator_sum";
+  k.dims = {5, 64};
+  k.reduce_from = 1;
+  k.params = {{mt::bf16, false}, {mt::bf16, true}};
+  k.body = {load(0, {1, 5})};
+  kir::Reduction sum{kir::ReduceKind::Sum, Type::f32, 0};
+  sum.round_to = mt::bf16;
+  k.reductions = {sum};
+  k.epilogue = {special(Op::Accumulated, Type::f32, 0), round_to(0, mt::bf16)};
+  k.epilogue_stores = {{1, 1, kir::Affine{0, {1, 0}}}};
+  return k;
+}
+
+// An SGD step with the learning rate in a scalar slot, skipped when found_inf (a bool) is set:
+// w' = found_inf ? w : w - lr * g, with an i32 step counter incremented alongside.
+kir::Kernel scalar_sgd_step() {
+  kir::Kernel k;
+  k.name = "golden_scalar_sgd_step";
+  k.dims = {300};
+  k.scalars = 1;
+  k.params = {{mt::f32, false}, {mt::f32, false}, {mt::boolean, false},
+              {mt::i32, false}, {mt::f32, true},  {mt::i32, true}};
+  k.body = {load(0, {1}),
+            load(1, {1}),
+            special(Op::Scalar, Type::f32, 0),
+            op(Op::Mul, Type::f32, 2, 1),
+            op(Op::Sub, Type::f32, 0, 3),
+            load(2, {0}, Type::i1),
+            op(Op::Select, Type::f32, 5, 0, 4),
+            load(3, {0}, Type::i64),
+            constant(Type::i64, 1),
+            op(Op::Add, Type::i64, 7, 8),
+            round_to(9, mt::i32)};
+  k.body.back().type = Type::i64;
+  k.stores = {{4, 6, kir::Affine{0, {1}}}, {5, 10, kir::Affine{0, {0}}}};
+  return k;
+}
+
+// A row sum over two inner dims inside the grid-stride outer loop: with a constant inner stride
+// this shape crashed NVRTC 13.0 (a segfault in its optimizer), hence the blockDim.x stride.
+kir::Kernel two_inner_dims_sum() {
+  kir::Kernel k;
+  k.name = "two_inner_dims_sum";
+  k.dims = {192, 2, 40};
+  k.reduce_from = 1;
+  k.params = {{mt::f16, false}, {mt::f16, false}, {mt::f16, true}, {mt::f16, true}};
+  k.body = {load(0, {1, 7680, 192}), load(1, {1, 7680, 192}), op(Op::Add, Type::f32, 0, 1),
+            round_to(2, mt::f16)};
+  k.stores = {{2, 3, kir::Affine{0, {1, 7680, 192}}}};
+  k.reductions = {{kir::ReduceKind::Sum, Type::f32, 3}};
+  k.epilogue = {special(Op::Accumulated, Type::f32, 0), round_to(0, mt::f16)};
+  k.epilogue_stores = {{3, 1, kir::Affine{0, {1, 0, 0}}}};
+  return k;
+}
+
+class Golden : public ::testing::TestWithParam<std::pair<const char*, kir::Kernel (*)()>> {};
+
+TEST_P(Golden, EmittedCudaMatchesTheGoldenFile) {
+  auto [file, make] = GetParam();
+  std::string emitted = mt::emit_cuda(make());
+  std::filesystem::path path = std::filesystem::path(MIXTAPE_SOURCE_DIR) / "tests/golden" / file;
+  const char* update = std::getenv("MIXTAPE_UPDATE_GOLDEN");
+  if (update && std::string(update) == "1") {
+    std::filesystem::create_directories(path.parent_path());
+    std::ofstream(path, std::ios::binary) << emitted;
+    std::printf("rewrote %s\n", path.c_str());
+  }
+  std::ifstream in(path, std::ios::binary);
+  ASSERT_TRUE(in) << path << " is missing; create it with MIXTAPE_UPDATE_GOLDEN=1";
+  std::stringstream golden;
+  golden << in.rdbuf();
+  if (emitted == golden.str()) return;
+  // Name the first line that differs rather than print both sources.
+  std::istringstream want(golden.str()), got(emitted);
+  std::string want_line, got_line;
+  int number = 0;
+  while (true) {
+    ++number;
+    bool more_want = static_cast<bool>(std::getline(want, want_line));
+    bool more_got = static_cast<bool>(std::getline(got, got_line));
+    if (!more_want && !more_got) break;
+    if (more_want != more_got || want_line != got_line) break;
+  }
+  ADD_FAILURE() << path << " differs from the emitted source at line " << number
+                << ":\n  golden:  " << want_line << "\n  emitted: " << got_line
+                << "\nIf the change is intended, rerun with MIXTAPE_UPDATE_GOLDEN=1 and review "
+                   "the diff.";
+}
+
+TEST(Golden, AllGoldenKernelsCompileInOneProgram) {
+  SKIP_WITHOUT_NVRTC();
+  std::string source = mt::emit_cuda(bf16_broadcast_chain()) + mt::emit_cuda(row_max_and_sum()) +
+                       mt::emit_cuda(half_accumulator_sum()) + mt::emit_cuda(scalar_sgd_step());
+  source += mt::emit_cuda(two_inner_dims_sum());
+  std::string ptx = mt::compile_cuda(source, "compute_90", "golden.cu");
+  for (const char* name :
+       {"golden_bf16_broadcast_chain", "golden_row_max_and_sum", "golden_half_accumulator_sum",
+        "golden_scalar_sgd_step", "two_inner_dims_sum"})
+    EXPECT_TRUE(has_kernel_entry(ptx, name)) << name;
+  // IEEE arithmetic: nothing may be contracted into an FMA (the CPU rounds a*b and a*b+c apart).
+  // libm bodies (tanhf, logf) use fma on purpose, so look at the SGD kernel alone.
+  std::string sgd = mt::compile_cuda(mt::emit_cuda(scalar_sgd_step()), "compute_90", "sgd.cu");
+  EXPECT_EQ(sgd.find("fma"), std::string::npos);
+  EXPECT_NE(sgd.find("mul.rn.f32"), std::string::npos);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Kernels, Golden,
+    ::testing::Values(std::pair{"cuda_bf16_broadcast_chain.cu", &bf16_broadcast_chain},
+                      std::pair{"cuda_row_max_and_sum.cu", &row_max_and_sum},
+                      std::pair{"cuda_half_accumulator_sum.cu", &half_accumulator_sum},
+                      std::pair{"cuda_scalar_sgd_step.cu", &scalar_sgd_step}),
+    [](const auto& info) {
+      std::string name = info.param.first;
+      name = name.substr(5, name.size() - 8);
+      return name;
+    });
+
+TEST(CudaLaunch, ShapesFollowTheKernel) {
+  mt::CudaLaunch chain = mt::cuda_launch_shape(bf16_broadcast_chain());  // 32 points
+  EXPECT_EQ(chain.grid, 1u);
+  EXPECT_EQ(chain.block, 32u);
+  mt::CudaLaunch rows = mt::cuda_launch_shape(row_max_and_sum());  // a block of 128 per row
+  EXPECT_EQ(rows.grid, 6u);
+  EXPECT_EQ(rows.block, 128u);
+  mt::CudaLaunch half = mt::cuda_launch_shape(half_accumulator_sum());  // a thread per column
+  EXPECT_EQ(half.grid, 1u);
+  EXPECT_EQ(half.block, 32u);
+  kir::Kernel big = scalar_sgd_step();
+  big.dims = {1 << 24};
+  mt::CudaLaunch wide = mt::cuda_launch_shape(big);
+  EXPECT_EQ(wide.block, 256u);
+  EXPECT_EQ(wide.grid, 8192u);  // grid-stride beyond that
+  EXPECT_EQ(wide.shared_bytes, 0u);
+}
+
+// ---- errors and the cache ----
+
+TEST(Nvrtc, CompileErrorCarriesNvrtcsLog) {
+  SKIP_WITHOUT_NVRTC();
+  std::string bad =
+      "extern \"C\" __global__ void broken(float* p) { p[0] = undeclared_value_xyz; }\n";
+  EXPECT_MT_ERROR(mt::compile_cuda(bad, "sm_90", "broken.cu"), "NVRTC", "broken.cu", "sm_90",
+                  "undeclared_value_xyz", "undefined");
+  EXPECT_MT_ERROR(mt::compile_cuda(bad, "gfx90a"), "gfx90a", "sm_NN");
+}
+
+TEST(Nvrtc, SameSourceCompilesOnceThroughTheKernelCache) {
+  SKIP_WITHOUT_NVRTC();
+  // A source no earlier run has cached: the first call must compile.
+  std::string source = fmt::format("// {} {}\n", ::getpid(),
+                                   std::chrono::steady_clock::now().time_since_epoch().count()) +
+                       mt::emit_cuda(bf16_broadcast_chain());
+  mt::NvrtcStats before = mt::nvrtc_stats();
+  std::string first = mt::compile_cuda(source, "compute_80");
+  mt::NvrtcStats middle = mt::nvrtc_stats();
+  EXPECT_EQ(middle.compiled, before.compiled + 1);
+  std::string second = mt::compile_cuda(source, "compute_80");
+  mt::NvrtcStats after = mt::nvrtc_stats();
+  EXPECT_EQ(after.compiled, middle.compiled);
+  EXPECT_EQ(after.cache_hits, middle.cache_hits + 1);
+  EXPECT_EQ(first, second);
+  // Another arch is another object.
+  mt::compile_cuda(source, "compute_90");
+  EXPECT_EQ(mt::nvrtc_stats().compiled, after.compiled + 1);
+  // A fresh process finds it on disk.
+  if (mt::kernel_cache().disk_enabled()) {
+    mt::kernel_cache().clear_memory();
+    int64_t disk_hits = mt::kernel_cache().stats().disk_hits;
+    EXPECT_EQ(mt::compile_cuda(source, "compute_80"), first);
+    EXPECT_EQ(mt::kernel_cache().stats().disk_hits, disk_hits + 1);
+    EXPECT_EQ(mt::nvrtc_stats().compiled, after.compiled + 1);
+  }
+}
+
+TEST(Nvrtc, VersionIsReported) {
+  SKIP_WITHOUT_NVRTC();
+  std::string version = mt::nvrtc_version();
+  EXPECT_NE(version.find('.'), std::string::npos) << version;
+  EXPECT_GE(std::atoi(version.c_str()), 11);
+}
+
+}  // namespace
