@@ -56,7 +56,7 @@ PLANS = {
                  child_timeout=1800),
 }
 
-GROUPS = ("mlp", "digits", "gpt", "gemm")
+GROUPS = ("mlp", "digits", "gpt", "gemm", "jit")
 START = time.perf_counter()
 
 
@@ -114,6 +114,8 @@ def select_workloads(plan, only):
             training.append("char_gpt")
         elif item == "gemm":
             gemm += [f"gemm_{dtype}_{n}" for dtype in ("f32", "bf16") for n in plan["gemm_sizes"]]
+        elif item == "jit":
+            pass  # measured apart: measure_jit
         elif common.gemm_shape(item):
             gemm.append(item)
         elif common.known_workload(item):
@@ -298,6 +300,43 @@ def machine_info():
             "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
+def measure_jit(binary, timing, timeout, mixtape_env, notes):
+    """Compile and disk-load times of digits_mlp's kernels (fp32 and bf16) from an empty cache and
+    from a filled one, and what they cost against a 1000-step run."""
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix="mixtape-jit-") as cache:
+        env = mixtape_env("compiled", None)
+        env["MIXTAPE_CACHE_DIR"] = cache
+        result = {}
+        for phase in ("cold", "warm"):
+            found, error = run_child(f"mixtape jit {phase}",
+                                     [binary, "--workloads", "digits_mlp", "--precisions",
+                                      "fp32,bf16"] + timing_flags(timing), env, timeout)
+            if error or not found:
+                notes.append(f"jit {phase} run failed: {error}")
+                return None
+            stats = [r["setup_and_warmup_stats"] for r in found]
+            compiled = sum(s["kernels_compiled"] for s in stats)
+            loaded = sum(s["kernels_from_disk"] for s in stats)
+            compile_s = sum(s["compile_seconds"] for s in stats)
+            load_s = sum(s["load_seconds"] for s in stats)
+            steps_per_s = min(r["steps_per_s"] for r in found)
+            result[phase] = {
+                "kernels_compiled": compiled, "kernels_from_disk": loaded,
+                "compile_seconds": round(compile_s, 4), "load_seconds": round(load_s, 4),
+                "ms_per_compiled_kernel": round(1e3 * compile_s / compiled, 2) if compiled else None,
+                "ms_per_loaded_kernel": round(1e3 * load_s / loaded, 3) if loaded else None,
+                "steps_per_s": round(steps_per_s, 1)}
+        cold, warm = result["cold"], result["warm"]
+        run_seconds = 1000 / cold["steps_per_s"]
+        result["cold_jit_share_of_1000_steps"] = round(
+            cold["compile_seconds"] / (cold["compile_seconds"] + run_seconds), 4)
+        result["warm_start_added_seconds"] = round(warm["compile_seconds"] + warm["load_seconds"], 4)
+        result["targets"] = {"warm_start_added_seconds": "< 0.05",
+                             "cold_jit_share_of_1000_steps": "< 0.05"}
+        return result
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -392,6 +431,11 @@ def main():
             add("mixtape", tag([r for r in found if r["workload"] != "fma_peak"], threads), error,
                 gemm)
 
+    # ---- (d) JIT cost: digits_mlp with an empty kernel cache (cold), then the filled one (warm)
+    jit = None
+    if "jit" in common.split_list(args.only) and os.access(training_binary, os.X_OK):
+        jit = measure_jit(training_binary, timing, plan["child_timeout"], mixtape_env, notes)
+
     # ---- peers ----
     peer_flags = ["--workloads", ",".join(training + gemm), "--precisions", ",".join(precisions)]
     peer_flags += timing_flags(timing)
@@ -449,6 +493,7 @@ def main():
         "ratio": "mixtape steps/s (or GFLOP/s) divided by the peer's; above 1: mixtape is faster",
         "notes": notes,
         "peak": peak,
+        "jit": jit,
         "workloads": workloads,
         "seconds": round(time.perf_counter() - START, 1),
     }

@@ -89,10 +89,22 @@ class Emitter {
       }
     }
     int rank = static_cast<int>(k_.dims.size());
-    for (int d = 0; d < rank; ++d) line("%i{}.addr = alloca i64", d);
+    bool column = k_.column_reduction();
+    int column_dim = k_.reduce_from - 1;
+    for (int d = 0; d < rank; ++d) {
+      line("%i{}.addr = alloca i64", d);
+      var_.push_back(fmt::format("%i{}", d));
+    }
     line("%o.addr = alloca i64");
-    for (size_t r = 0; r < k_.reductions.size(); ++r)
-      line("%acc{}.addr = alloca {}", r, llvm_type(k_.reductions[r].type));
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      const char* t = llvm_type(k_.reductions[r].type);
+      if (column)
+        line("%acc{}.addr = alloca {}, i64 {}", r, t, k_.dims[column_dim]);
+      else
+        line("%acc{}.addr = alloca {}", r, t);
+      acc_ptr_.push_back(fmt::format("%acc{}.addr", r));
+      acc_value_.push_back(fmt::format("%acc{}", r));
+    }
     // The executor hands out ranges of the parallel dims flattened: decompose per point.
     int parallel = k_.parallel_dims();
     line("store i64 %begin, ptr %o.addr");
@@ -112,18 +124,33 @@ class Emitter {
         rest = fmt::format("%q{}", d);
       }
     }
-    if (k_.is_reduction()) {
-      for (size_t r = 0; r < k_.reductions.size(); ++r) {
-        const kir::Reduction& red = k_.reductions[r];
-        std::string init_text;
-        if (red.kind == kir::ReduceKind::Sum)
-          init_text = constant(red.type, 0.0);
-        else if (is_float(red.type))
-          init_text = "0xFFF0000000000000";  // -inf
-        else
-          init_text = "-9223372036854775808";
-        line("store {} {}, ptr %acc{}.addr", llvm_type(red.type), init_text, r);
-      }
+    if (column) {
+      // One accumulator per column: initialize them, add the reduced dims' terms with the
+      // column loop innermost, then run the epilogue per column.
+      column_loop(column_dim, [&] {
+        point_accumulators(column_dim);
+        initialize_accumulators();
+      });
+      inner_loops(parallel + 1, rank, [&] {
+        column_loop(column_dim, [&] {
+          point_accumulators(column_dim);
+          values(k_.body, "v");
+          stores(k_.stores);
+          accumulate();
+        });
+      });
+      column_loop(column_dim, [&] {
+        point_accumulators(column_dim);
+        for (size_t r = 0; r < k_.reductions.size(); ++r) {
+          acc_value_[r] = tmp();
+          line("{} = load {}, ptr {}", acc_value_[r], llvm_type(k_.reductions[r].type),
+               acc_ptr_[r]);
+        }
+        values(k_.epilogue, "e");
+        stores(k_.epilogue_stores);
+      });
+    } else if (k_.is_reduction()) {
+      initialize_accumulators();
       inner_loops(parallel, rank, [&] {
         values(k_.body, "v");
         stores(k_.stores);
@@ -149,6 +176,50 @@ class Emitter {
         "attributes #0 = { nounwind \"prefer-vector-width\"=\"512\" "
         "\"min-legal-vector-width\"=\"0\" }\n";
     out_ += "!0 = !{}\n";
+  }
+
+  void initialize_accumulators() {
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      const kir::Reduction& red = k_.reductions[r];
+      std::string init_text;
+      if (red.kind == kir::ReduceKind::Sum)
+        init_text = constant(red.type, 0.0);
+      else if (is_float(red.type))
+        init_text = "0xFFF0000000000000";  // -inf
+      else
+        init_text = "-9223372036854775808";
+      line("store {} {}, ptr {}", llvm_type(red.type), init_text, acc_ptr_[r]);
+    }
+  }
+
+  // Column reductions: the accumulators of the current point of dim d.
+  void point_accumulators(int d) {
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      acc_ptr_[r] = tmp();
+      line("{} = getelementptr inbounds {}, ptr %acc{}.addr, i64 {}", acc_ptr_[r],
+           llvm_type(k_.reductions[r].type), r, var_[d]);
+    }
+  }
+
+  // One loop over dim d around `body`, with its own labels and loop variable (a column
+  // reduction loops over its column dim three times).
+  template <typename F>
+  void column_loop(int d, F body) {
+    int n = loop_count_++;
+    std::string var = fmt::format("%c{}.i", n);
+    line("store i64 0, ptr %i{}.addr", d);
+    line("br label %c{}.head", n);
+    label(fmt::format("c{}.head", n));
+    line("{} = load i64, ptr %i{}.addr", var, d);
+    line("%c{}.more = icmp slt i64 {}, {}", n, var, k_.dims[d]);
+    line("br i1 %c{}.more, label %c{}.body, label %c{}.exit", n, n, n);
+    label(fmt::format("c{}.body", n));
+    var_[d] = var;
+    body();
+    line("%c{}.next = add nsw i64 {}, 1", n, var);
+    line("store i64 %c{}.next, ptr %i{}.addr", n, d);
+    line("br label %c{}.head", n);
+    label(fmt::format("c{}.exit", n));
   }
 
   // Loops dims [from, to) around `body`, innermost last.
@@ -178,7 +249,7 @@ class Emitter {
     for (size_t d = 0; d < map.coeff.size(); ++d) {
       if (map.coeff[d] == 0) continue;
       std::string term = tmp();
-      line("{} = mul nsw i64 %i{}, {}", term, d, map.coeff[d]);
+      line("{} = mul nsw i64 {}, {}", term, var_[d], map.coeff[d]);
       std::string next = tmp();
       line("{} = add nsw i64 {}, {}", next, sum, term);
       sum = next;
@@ -403,7 +474,7 @@ class Emitter {
       case Op::Load:
         return load(v);
       case Op::Accumulated:
-        return fmt::format("%acc{}", v.param);
+        return acc_value_[v.param];
       case Op::Scalar:
         // Lowering passes only float fills, exactly representable in their register type.
         if (v.type == Type::f64) return fmt::format("%s{}", v.param);
@@ -494,7 +565,7 @@ class Emitter {
       const char* t = llvm_type(red.type);
       std::string acc = tmp(), next = tmp();
       std::string x = names_[red.value];
-      line("{} = load {}, ptr %acc{}.addr", acc, t, r);
+      line("{} = load {}, ptr {}", acc, t, acc_ptr_[r]);
       if (red.kind == kir::ReduceKind::Sum) {
         if (!is_float(red.type)) {
           line("{} = add i64 {}, {}", next, acc, x);
@@ -525,7 +596,7 @@ class Emitter {
         line("{} = icmp sgt i64 {}, {}", gt, x, acc);
         line("{} = select i1 {}, i64 {}, i64 {}", next, gt, x, acc);
       }
-      line("store {} {}, ptr %acc{}.addr", t, next, r);
+      line("store {} {}, ptr {}", t, next, acc_ptr_[r]);
     }
   }
 
@@ -534,6 +605,10 @@ class Emitter {
   std::set<std::string> declarations_;
   std::vector<std::string> names_;
   int next_tmp_ = 0;
+  int loop_count_ = 0;
+  std::vector<std::string> var_;        // the SSA name of each dim's loop variable where used
+  std::vector<std::string> acc_ptr_;    // where each reduction's accumulator is
+  std::vector<std::string> acc_value_;  // its final value, in the epilogue
 };
 
 }  // namespace

@@ -23,6 +23,22 @@ Type register_type(DType dtype) {
   return Type::f32;
 }
 
+bool Kernel::column_reduction() const {
+  // Accumulators live on the stack, one per point of the column dim.
+  constexpr int64_t max_columns = 16384;
+  if (!is_reduction() || reduce_from < 1 || dims[reduce_from - 1] > max_columns) return false;
+  size_t column = reduce_from - 1, last = dims.size() - 1;
+  int unit_column = 0, unit_last = 0;
+  auto count = [&](const Affine& map) {
+    unit_column += map.coeff[column] == 1;
+    unit_last += map.coeff[last] == 1;
+  };
+  for (const Value& v : body)
+    if (v.op == Op::Load) count(v.map);
+  for (const Store& s : stores) count(s.map);
+  return unit_column > unit_last;
+}
+
 const char* op_name(Op op) {
   static const char* names[] = {
       "const", "load", "neg", "add", "sub",     "mul",      "div",         "lt",    "le",   "gt",

@@ -102,10 +102,16 @@ struct Kernel {
   std::vector<Store> epilogue_stores;
 
   bool is_reduction() const { return reduce_from >= 0; }
+  /// A reduction whose memory runs fastest along the last outer dim, not the reduced ones (a
+  /// bias gradient: a sum over the rows of a row-major matrix). The CPU emitter then keeps one
+  /// accumulator per point of that dim and makes it the innermost loop, so that loads are
+  /// contiguous and vectorize; each accumulator still adds its terms in the same order.
+  bool column_reduction() const;
   /// The loop dims the executor splits across threads: every dim but the innermost for
-  /// pointwise kernels of rank > 1, else the single dim; the outer dims of a reduction.
+  /// pointwise kernels of rank > 1, else the single dim; the outer dims of a reduction (but the
+  /// last one of a column reduction).
   int parallel_dims() const {
-    if (is_reduction()) return reduce_from;
+    if (is_reduction()) return column_reduction() ? reduce_from - 1 : reduce_from;
     return dims.size() > 1 ? static_cast<int>(dims.size()) - 1 : 1;
   }
   int64_t parallel_extent() const {

@@ -16,6 +16,8 @@
 #include "dsl/optim.h"
 #include "dsl/tensor.h"
 #include "precision_policy/policy.h"
+#include "runtime/cpu_executor.h"
+#include "runtime/cuda_executor.h"
 #include "runtime/device.h"
 #include "test_util.h"
 
@@ -132,8 +134,16 @@ INSTANTIATE_TEST_SUITE_P(Compiled, EveryPointwiseOp,
 TEST(Compiled, ReductionsAndBroadcastsMatchTheReferenceClosely) {
   mt::Generator gen(5);
   mt::Tensor x = mt::randn({7, 33, 5}, mt::f32, &gen);
-  mt::eval({x});
+  mt::Tensor rows = mt::randn({300, 70}, mt::f32, &gen);
+  mt::eval({x, rows});
+  // Sums over rows (bias gradients) take the column schedule: count the kernels that did.
+  int column_kernels = 0;
+  mt::set_kernel_observer(
+      [&](const mt::LoweredKernel& k) { column_kernels += k.kernel.column_reduction(); });
   std::vector<std::function<mt::Tensor()>> programs = {
+      [&] { return mt::sum(mt::relu(rows) * 0.5, {0}); },
+      [&] { return mt::max(rows, {0}, true) - rows; },
+      [&] { return mt::softmax(rows, 0); },
       [&] { return mt::sum(x, {1}); },
       [&] {
         return mt::sum(x * x, {0, 2}, true);
@@ -154,6 +164,8 @@ TEST(Compiled, ReductionsAndBroadcastsMatchTheReferenceClosely) {
     for (size_t i = 0; i < reference.size() / 4; ++i)
       ASSERT_NEAR(r[i], c[i], 2e-6 * (1 + std::fabs(r[i]))) << "program " << p << " at " << i;
   }
+  mt::set_kernel_observer({});
+  EXPECT_GE(column_kernels, 4);
 }
 
 TEST(Compiled, APointwiseChainIsOneKernelAndTheSecondRunCompilesNothing) {
@@ -270,8 +282,12 @@ TEST(Compiled, EmittedLlvmIrForABf16ChainIsStable) {
   EXPECT_EQ(lowered.kernel.params.size(), 2u);
 }
 
-TEST(Compiled, UnknownDeviceIsAClearError) {
-  EXPECT_MT_ERROR(mt::set_device(mt::Device::cuda), "cuda", "no CUDA back end");
+TEST(Compiled, CudaWithoutAGpuIsAClearError) {
+  if (mt::cuda_backend_available()) GTEST_SKIP() << "CUDA is available on this machine";
+  mt::Device before = mt::current_device();
+  EXPECT_MT_ERROR(mt::set_device(mt::Device::cuda), "device cuda", "CUDA is not available",
+                  mt::cuda_backend_unavailable_reason());
+  EXPECT_EQ(mt::current_device(), before);  // the failed selection changed nothing
 }
 
 }  // namespace
