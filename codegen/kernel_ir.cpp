@@ -29,7 +29,8 @@ bool Kernel::column_reduction() const {
   if (!is_reduction() || reduce_from < 1 || dims[reduce_from - 1] > max_columns) return false;
   size_t column = reduce_from - 1, last = dims.size() - 1;
   int unit_column = 0, unit_last = 0;
-  auto count = [&](const Affine& map) {
+  auto count = [&](const Affine& map) {  // a 0-d value's map has no coefficients
+    if (map.coeff.size() != dims.size()) return;
     unit_column += map.coeff[column] == 1;
     unit_last += map.coeff[last] == 1;
   };

@@ -18,8 +18,12 @@
 #include <llvm/Target/TargetMachine.h>
 #include <llvm/TargetParser/Host.h>
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <mutex>
+#include <optional>
+#include <thread>
 #include <unordered_map>
 
 #include "codegen/kernel_cache.h"
@@ -39,6 +43,10 @@ std::string to_text(llvm::Error error) {
   return text;
 }
 
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 template <typename T>
 T unwrap(llvm::Expected<T> value, const char* what) {
   if (!value) fail("LLVM JIT: {}: {}", what, to_text(value.takeError()));
@@ -50,6 +58,7 @@ T unwrap(llvm::Expected<T> value, const char* what) {
 struct LlvmJit::State {
   std::mutex mutex;
   std::unique_ptr<llvm::orc::LLJIT> jit;
+  std::optional<llvm::orc::JITTargetMachineBuilder> builder;  // one target machine per compile
   std::unique_ptr<llvm::TargetMachine> machine;
   std::string cpu, features;
   std::unordered_map<std::string, KernelFunction> loaded;
@@ -71,6 +80,7 @@ LlvmJit::LlvmJit() : state_(std::make_unique<State>()) {
   builder.addFeatures(features.getFeatures());
   builder.setCodeGenOptLevel(llvm::CodeGenOpt::Aggressive);
   state_->machine = unwrap(builder.createTargetMachine(), "creating the target machine");
+  state_->builder = builder;
   state_->jit = unwrap(llvm::orc::LLJITBuilder().setJITTargetMachineBuilder(builder).create(),
                        "creating the ORC LLJIT");
   // Kernels call the C library's math functions (expf, tanhf, ...): resolve them in-process.
@@ -107,8 +117,11 @@ std::vector<std::byte> LlvmJit::compile_object(const std::string& name, const st
     diagnostic.print(name.c_str(), os, false);
     fail("LLVM JIT: kernel {} does not parse: {}", name, os.str());
   }
-  module->setDataLayout(state_->machine->createDataLayout());
-  module->setTargetTriple(state_->machine->getTargetTriple().str());
+  // Compilations run on several threads at once: each gets its own target machine.
+  std::unique_ptr<llvm::TargetMachine> machine =
+      unwrap(state_->builder->createTargetMachine(), "creating the target machine");
+  module->setDataLayout(machine->createDataLayout());
+  module->setTargetTriple(machine->getTargetTriple().str());
   std::string problems;
   llvm::raw_string_ostream verify_os(problems);
   if (llvm::verifyModule(*module, &verify_os))
@@ -118,7 +131,7 @@ std::vector<std::byte> LlvmJit::compile_object(const std::string& name, const st
   llvm::FunctionAnalysisManager functions;
   llvm::CGSCCAnalysisManager cgscc;
   llvm::ModuleAnalysisManager modules;
-  llvm::PassBuilder passes(state_->machine.get());
+  llvm::PassBuilder passes(machine.get());
   passes.registerModuleAnalyses(modules);
   passes.registerCGSCCAnalyses(cgscc);
   passes.registerFunctionAnalyses(functions);
@@ -129,7 +142,7 @@ std::vector<std::byte> LlvmJit::compile_object(const std::string& name, const st
   llvm::SmallVector<char, 0> object;
   llvm::raw_svector_ostream os(object);
   llvm::legacy::PassManager codegen;
-  if (state_->machine->addPassesToEmitFile(codegen, os, nullptr, llvm::CGFT_ObjectFile))
+  if (machine->addPassesToEmitFile(codegen, os, nullptr, llvm::CGFT_ObjectFile))
     fail("LLVM JIT: the target cannot emit object files");
   codegen.run(*module);
   const auto* begin = reinterpret_cast<const std::byte*>(object.data());
@@ -137,35 +150,86 @@ std::vector<std::byte> LlvmJit::compile_object(const std::string& name, const st
 }
 
 KernelFunction LlvmJit::load(const std::string& name, const std::string& ir) {
-  std::lock_guard<std::mutex> lock(state_->mutex);
-  auto found = state_->loaded.find(name);
-  if (found != state_->loaded.end()) {
-    ++state_->stats.memory_hits;
-    return found->second;
-  }
+  return load_all({{name, ir}})[0];
+}
+
+std::vector<KernelFunction> LlvmJit::load_all(const std::vector<KernelSource>& kernels) {
+  std::vector<KernelFunction> functions(kernels.size(), nullptr);
+  std::vector<std::optional<std::vector<std::byte>>> objects(kernels.size());
+  std::vector<std::string> keys(kernels.size());
+  std::vector<size_t> missing;
   auto start = std::chrono::steady_clock::now();
-  std::string key = fmt::format("llvm-jit v{}\n{}\n{}", jit_version, target(), ir);
-  KernelCache& cache = kernel_cache();
-  std::optional<std::vector<std::byte>> object = cache.load(key);
-  bool compiled = !object;
-  if (compiled) {
-    object = compile_object(name, ir);
-    cache.store(key, *object);
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    for (size_t i = 0; i < kernels.size(); ++i) {
+      auto found = state_->loaded.find(kernels[i].name);
+      if (found != state_->loaded.end()) {
+        functions[i] = found->second;
+        ++state_->stats.memory_hits;
+        continue;
+      }
+      keys[i] = fmt::format("llvm-jit v{}\n{}\n{}", jit_version, target(), kernels[i].ir);
+      objects[i] = kernel_cache().load(keys[i]);
+      if (!objects[i]) missing.push_back(i);
+    }
   }
-  llvm::StringRef bytes(reinterpret_cast<const char*>(object->data()), object->size());
-  auto buffer = llvm::MemoryBuffer::getMemBufferCopy(bytes, name);
-  if (llvm::Error error = state_->jit->addObjectFile(std::move(buffer)))
-    fail("LLVM JIT: loading kernel {}: {}", name, to_text(std::move(error)));
-  auto address = unwrap(state_->jit->lookup(name), "looking up a kernel");
-  auto function = address.toPtr<KernelFunction>();
-  state_->loaded.emplace(name, function);
-  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  (compiled ? state_->stats.compiled : state_->stats.disk_loaded) += 1;
-  (compiled ? state_->stats.compile_seconds : state_->stats.load_seconds) += seconds;
-  if (log_enabled("jit"))
-    log_line("jit", "{} {} in {:.2f} ms", compiled ? "compiled" : "loaded from disk", name,
-             seconds * 1e3);
-  return function;
+  double load_seconds = seconds_since(start);
+  // Cache misses compile in parallel, one LLVM context and target machine per thread: a new
+  // model's first step waits for its slowest share, not for the sum.
+  start = std::chrono::steady_clock::now();
+  if (!missing.empty()) {
+    std::atomic<size_t> next{0};
+    std::mutex error_mutex;
+    std::optional<Error> error;
+    auto work = [&] {
+      for (size_t k; (k = next.fetch_add(1)) < missing.size();) {
+        size_t i = missing[k];
+        try {
+          objects[i] = compile_object(kernels[i].name, kernels[i].ir);
+        } catch (const Error& e) {
+          std::lock_guard<std::mutex> lock(error_mutex);
+          if (!error) error = e;
+        }
+      }
+    };
+    size_t threads =
+        std::min<size_t>(missing.size(), std::max(1u, std::thread::hardware_concurrency()));
+    std::vector<std::thread> pool;
+    for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
+    work();
+    for (std::thread& thread : pool) thread.join();
+    if (error) throw *error;
+  }
+  double compile_seconds = seconds_since(start);
+  std::lock_guard<std::mutex> lock(state_->mutex);
+  for (size_t i = 0; i < kernels.size(); ++i) {
+    if (functions[i]) continue;
+    const std::string& name = kernels[i].name;
+    auto found = state_->loaded.find(name);  // a racing call loaded it meanwhile
+    if (found != state_->loaded.end()) {
+      functions[i] = found->second;
+      continue;
+    }
+    bool compiled = std::find(missing.begin(), missing.end(), i) != missing.end();
+    if (compiled) kernel_cache().store(keys[i], *objects[i]);
+    auto load_start = std::chrono::steady_clock::now();
+    llvm::StringRef bytes(reinterpret_cast<const char*>(objects[i]->data()), objects[i]->size());
+    auto buffer = llvm::MemoryBuffer::getMemBufferCopy(bytes, name);
+    if (llvm::Error e = state_->jit->addObjectFile(std::move(buffer)))
+      fail("LLVM JIT: loading kernel {}: {}", name, to_text(std::move(e)));
+    auto address = unwrap(state_->jit->lookup(name), "looking up a kernel");
+    functions[i] = address.toPtr<KernelFunction>();
+    state_->loaded.emplace(name, functions[i]);
+    load_seconds += seconds_since(load_start);
+    (compiled ? state_->stats.compiled : state_->stats.disk_loaded) += 1;
+    if (log_enabled("jit"))
+      log_line("jit", "{} {}", compiled ? "compiled" : "loaded from disk", name);
+  }
+  state_->stats.compile_seconds += compile_seconds;
+  state_->stats.load_seconds += load_seconds;
+  if (log_enabled("jit") && !missing.empty())
+    log_line("jit", "compiled {} kernels in {:.1f} ms", missing.size(), compile_seconds * 1e3);
+  return functions;
 }
 
 }  // namespace mixtape

@@ -264,6 +264,15 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in, bool transpose_a, bool tra
     op_fail("matmul", loc, "inner dimensions differ ({} vs {}): {}{}{}", ka, kb,
             shapes_text(a_in, b_in), transpose_a ? ", first transposed" : "",
             transpose_b ? ", second transposed" : "");
+  if (b_in.dim() == 2 && sa.size() > 2 && !transpose_a && ka > 0) {
+    // A batch of rows times one matrix (a linear layer on [batch, time, features]) is one
+    // matrix product over all the rows: no copy of the matrix per batch, and its gradient is
+    // one product instead of a batch of them summed.
+    Shape rows_out(sa.begin(), sa.end() - 1);
+    rows_out.push_back(n);
+    Tensor rows = reshape(a, {numel(sa) / ka, ka}, loc);
+    return reshape(matmul(rows, b, false, transpose_b, loc), rows_out, loc);
+  }
   std::optional<Shape> batch =
       broadcast_shapes(Shape(sa.begin(), sa.end() - 2), Shape(sb.begin(), sb.end() - 2));
   if (!batch)
