@@ -2,6 +2,7 @@
 #include "codegen/scalar_trace.h"
 
 #include "dsl/error.h"
+#include "dsl/scalar_math.h"
 
 namespace mixtape::kir {
 
@@ -71,7 +72,20 @@ Sym is_nan(Sym a) {
 Sym exp(Sym a) { return kir::float_call(Op::Exp, a); }
 Sym log(Sym a) { return kir::float_call(Op::Log, a); }
 Sym sqrt(Sym a) { return kir::float_call(Op::Sqrt, a); }
-Sym tanh(Sym a) { return kir::float_call(Op::Tanh, a); }
+Sym tanh(Sym a) {
+  if (a.type != Type::f32) return kir::float_call(Op::Tanh, a);
+  // The rational function of dsl/scalar_math.h's tanh(float), step for step.
+  kir::TraceContext& context = kir::trace_context();
+  Type saved = context.literal_type;
+  context.literal_type = Type::f32;
+  Sym limit(tanh_limit);
+  Sym x = select(a > limit, limit, select(a < -limit, -limit, a));
+  Sym s = x * x, p(tanh_p[0]), q(tanh_q[0]);
+  for (int i = 1; i < 5; ++i) p = p * s + Sym(tanh_p[i]);
+  for (int i = 1; i < 5; ++i) q = q * s + Sym(tanh_q[i]);
+  context.literal_type = saved;
+  return x * p / q;
+}
 Sym erf(Sym a) { return kir::float_call(Op::Erf, a); }
 Sym sin(Sym a) { return kir::float_call(Op::Sin, a); }
 Sym cos(Sym a) { return kir::float_call(Op::Cos, a); }

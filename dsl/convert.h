@@ -85,13 +85,18 @@ template <typename T>
 std::vector<T> load_all(const Storage& in) {
   std::vector<T> out(static_cast<size_t>(in.count));
   switch (in.dtype) {  // the common cases without a per-element switch
-    case DType::f32:
-      for (int64_t i = 0; i < in.count; ++i) out[i] = static_cast<T>(in.as<float>()[i]);
+    case DType::f32: {
+      const float* data = in.as<float>();  // once: the device check is not hoisted by itself
+      for (int64_t i = 0; i < in.count; ++i) out[i] = static_cast<T>(data[i]);
       return out;
-    case DType::f64:
-      for (int64_t i = 0; i < in.count; ++i) out[i] = static_cast<T>(in.as<double>()[i]);
+    }
+    case DType::f64: {
+      const double* data = in.as<double>();
+      for (int64_t i = 0; i < in.count; ++i) out[i] = static_cast<T>(data[i]);
       return out;
+    }
     default:
+      if (in.count > 0) in.host_data();  // fetch once, outside the loop
       for (int64_t i = 0; i < in.count; ++i) out[i] = load_element<T>(in, i);
       return out;
   }
@@ -102,14 +107,16 @@ template <typename T>
 std::shared_ptr<Storage> store_all(DType dtype, const std::vector<T>& values) {
   auto out = std::make_shared<Storage>(dtype, static_cast<int64_t>(values.size()));
   switch (dtype) {
-    case DType::f32:
-      for (size_t i = 0; i < values.size(); ++i)
-        out->as<float>()[i] = static_cast<float>(values[i]);
+    case DType::f32: {
+      float* data = out->as<float>();
+      for (size_t i = 0; i < values.size(); ++i) data[i] = static_cast<float>(values[i]);
       return out;
-    case DType::f64:
-      for (size_t i = 0; i < values.size(); ++i)
-        out->as<double>()[i] = static_cast<double>(values[i]);
+    }
+    case DType::f64: {
+      double* data = out->as<double>();
+      for (size_t i = 0; i < values.size(); ++i) data[i] = static_cast<double>(values[i]);
       return out;
+    }
     default:
       for (size_t i = 0; i < values.size(); ++i)
         store_element(*out, static_cast<int64_t>(i), values[i]);

@@ -1,6 +1,7 @@
 // dsl/node.h -- graph nodes: op codes and per-op facts generated from ops.def, attributes, storage.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -35,21 +36,56 @@ const OpInfo& op_info(OpCode op);
 inline const char* op_name(OpCode op) { return op_info(op).name; }
 int op_count();
 
-/// A flat buffer of elements of one dtype, row-major and contiguous.
+struct DeviceCopy;  // a value's copy in device memory, defined by the device back end
+
+/// A flat buffer of elements of one dtype, row-major and contiguous. A value computed on a GPU
+/// lives there (`device`) and has no host copy until something on the host reads it: every host
+/// read goes through host_data() / as<T>(), which fetches it (synchronizing with the device)
+/// the first time. Values made on the host keep `device` empty until a device back end uploads
+/// them, once, and keeps the copy here.
 struct Storage {
   DType dtype;
   int64_t count;
+  // The host copy: valid unless host_stale; empty until first read for device-only values.
+  // Read it through host_data() (or as<T>()), never directly.
   std::vector<std::byte> bytes;
+  std::shared_ptr<DeviceCopy> device;  // opaque to dsl; runtime/cuda_executor.cpp defines it
+  std::atomic<bool> host_stale{false};
+
   Storage(DType dtype, int64_t count)
       : dtype(dtype), count(count), bytes(static_cast<size_t>(count) * size_of(dtype)) {}
+  /// A value that exists only on the device; the host bytes are allocated on first read.
+  Storage(DType dtype, int64_t count, std::shared_ptr<DeviceCopy> device_copy)
+      : dtype(dtype), count(count), device(std::move(device_copy)), host_stale(true) {}
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  /// The host bytes, fetched from the device first if they are stale.
+  std::byte* host_data() {
+    if (host_stale.load(std::memory_order_acquire)) [[unlikely]]
+      fetch_host();
+    return bytes.data();
+  }
+  const std::byte* host_data() const { return const_cast<Storage*>(this)->host_data(); }
   template <typename T>
   T* as() {
-    return reinterpret_cast<T*>(bytes.data());
+    return reinterpret_cast<T*>(host_data());
   }
   template <typename T>
   const T* as() const {
-    return reinterpret_cast<const T*>(bytes.data());
+    return reinterpret_cast<const T*>(host_data());
   }
+  /// Call after writing the host bytes in place: a device copy would no longer match.
+  void host_written() { device.reset(); }
+  int64_t size_bytes() const { return count * static_cast<int64_t>(size_of(dtype)); }
+
+  /// How a device back end copies a stale value to the host: fills `bytes` (sized by then) and
+  /// clears host_stale. Registered by the back end before it makes its first device value.
+  using HostFetch = void (*)(Storage& storage);
+  static void set_host_fetch(HostFetch fetch);
+
+ private:
+  void fetch_host();  // dsl/tensor.cpp
 };
 
 struct Node;

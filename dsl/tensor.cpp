@@ -1,12 +1,25 @@
 // dsl/tensor.cpp -- Tensor handle methods, evaluation requests and creation functions.
 #include "dsl/tensor.h"
 
+#include <atomic>
 #include <cmath>
 
 #include "dsl/convert.h"
 #include "dsl/ops.h"
 
 namespace mixtape {
+
+namespace {
+std::atomic<Storage::HostFetch> host_fetch{nullptr};
+}  // namespace
+
+void Storage::set_host_fetch(HostFetch fetch) { host_fetch.store(fetch); }
+
+void Storage::fetch_host() {
+  HostFetch fetch = host_fetch.load();
+  if (!fetch) fail("a value lives on a device, but no device back end can fetch it");
+  fetch(*this);
+}
 
 Tensor::Tensor(NodePtr node) : impl_(std::make_shared<TensorImpl>()) {
   impl_->node = std::move(node);
@@ -197,7 +210,8 @@ Tensor from_storage(std::shared_ptr<Storage> storage, Shape shape, const Loc& lo
   check_shape("from_storage", shape, loc);
   if (!storage) op_fail("from_storage", loc, "storage is null");
   if (storage->count != numel(shape) ||
-      storage->bytes.size() != static_cast<size_t>(storage->count) * size_of(storage->dtype))
+      (!storage->host_stale &&
+       storage->bytes.size() != static_cast<size_t>(storage->count) * size_of(storage->dtype)))
     op_fail("from_storage", loc, "storage of {} {} elements does not fit shape {}", storage->count,
             name(storage->dtype), to_string(shape));
   auto node = make_node(OpCode::Constant, storage->dtype, std::move(shape), {}, {}, loc);

@@ -72,7 +72,8 @@ void save_tensors(const std::string& path, const NamedTensors& tensors, const Me
     data.name = name;
     data.dtype = tensor.dtype();
     data.shape = tensor.shape();
-    data.bytes = storage.bytes;
+    const std::byte* host = storage.host_data();
+    data.bytes.assign(host, host + storage.size_bytes());
     file.tensors.push_back(std::move(data));
   }
   file.metadata = metadata;

@@ -6,6 +6,7 @@
 #include <string>
 
 #include "dsl/error.h"
+#include "runtime/cuda_executor.h"
 
 namespace mixtape {
 namespace {
@@ -20,6 +21,22 @@ std::optional<bool>& eager_setting() {
   return eager;
 }
 
+void require_cuda() {
+  if (!cuda_backend_available())
+    fail("device cuda: CUDA is not available: {}", cuda_backend_unavailable_reason());
+}
+
+// auto: the GPU when this machine can run the CUDA back end, else the CPU. A machine without an
+// NVIDIA driver stays silent (the common CPU-only case); one whose driver or libraries fail says
+// why once, since the user probably expected the GPU.
+Device automatic_device() {
+  if (cuda_backend_available()) return Device::cuda;
+  std::string reason = cuda_backend_unavailable_reason();
+  if (reason.rfind("cannot load the NVIDIA driver library", 0) != 0)
+    fmt::print(stderr, "mixtape: no CUDA device ({}); running on the CPU\n", reason);
+  return Device::cpu;
+}
+
 }  // namespace
 
 Device current_device() {
@@ -27,8 +44,9 @@ Device current_device() {
   if (!device) {
     const char* env = std::getenv("MIXTAPE_DEVICE");
     std::string name = env ? env : "";
-    // auto picks the fastest back end this build has: the compiled CPU one.
-    if (name.empty() || name == "auto" || name == "cpu")
+    if (name.empty() || name == "auto")
+      device = automatic_device();
+    else if (name == "cpu")
       device = Device::cpu;
     else if (name == "reference")
       device = Device::reference;
@@ -37,14 +55,12 @@ Device current_device() {
     else
       fail("MIXTAPE_DEVICE={} is not a device (cpu, cuda, reference or auto)", name);
   }
-  if (*device == Device::cuda)
-    fail("device cuda: this build of mixtape has no CUDA back end; use cpu or reference");
+  if (*device == Device::cuda) require_cuda();
   return *device;
 }
 
 void set_device(Device device) {
-  if (device == Device::cuda)
-    fail("device cuda: this build of mixtape has no CUDA back end; use cpu or reference");
+  if (device == Device::cuda) require_cuda();
   selected() = device;
 }
 

@@ -9,11 +9,13 @@ namespace mixtape {
 enum class Device : uint8_t {
   reference,  // the per-op oracle (runtime/reference_executor.cpp)
   cpu,        // fused kernels compiled by LLVM, matmuls by oneDNN
-  cuda,       // NVIDIA GPUs (not part of this build yet: selecting it is an error)
+  cuda,       // NVIDIA GPUs: NVRTC kernels, cuBLASLt matmuls (runtime/cuda_executor.h)
 };
 
 /// The device evaluation uses. Starts as MIXTAPE_DEVICE (cpu | reference | cuda | auto; default
-/// and auto: cpu); an unknown value is an mt::Error at the first evaluation.
+/// and auto: cuda when the CUDA back end can run here, else cpu, saying why on stderr once when
+/// an NVIDIA driver is present but fails); an unknown value is an mt::Error at the first
+/// evaluation. cuda (here or in set_device) is an mt::Error with the reason when CUDA cannot run.
 Device current_device();
 void set_device(Device device);
 const char* device_name(Device device);
@@ -45,7 +47,9 @@ struct ExecutionStats {
   int64_t bytes_read = 0;       // by kernels and matmuls, from their parameters
   int64_t bytes_written = 0;
   int64_t peak_bytes = 0;         // most bytes of one evaluation's stored values alive at once
-  int64_t kernels_compiled = 0;   // LLVM compilations (disk-cache misses)
+  int64_t bytes_uploaded = 0;     // cuda: host values copied to the device (constants, batches)
+  int64_t bytes_downloaded = 0;   // cuda: device values copied to the host (reads, host ops)
+  int64_t kernels_compiled = 0;   // LLVM and NVRTC compilations (disk-cache misses)
   int64_t kernels_from_disk = 0;  // objects loaded from the disk cache
   double compile_seconds = 0;
   double load_seconds = 0;

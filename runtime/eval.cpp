@@ -5,6 +5,7 @@
 #include "dsl/graph.h"
 #include "precision_policy/assign.h"
 #include "runtime/cpu_executor.h"
+#include "runtime/cuda_executor.h"
 #include "runtime/device.h"
 #include "runtime/reference_executor.h"
 
@@ -28,13 +29,17 @@ void evaluate(const std::vector<NodePtr>& outputs) {
   std::sort(pending.begin(), pending.end(), [](Node* a, Node* b) { return a->id < b->id; });
   if (pending.empty()) return;
   assign_precision(pending);
-  if (current_device() == Device::reference) {
+  Device device = current_device();
+  if (device == Device::reference) {
     for (Node* node : pending) node->value = reference_compute(*node);
   } else {
     std::vector<Node*> required;
     for (const NodePtr& output : outputs)
       if (output && !output->evaluated()) required.push_back(output.get());
-    execute_cpu(pending, required);
+    if (device == Device::cuda)
+      execute_cuda(pending, required);
+    else
+      execute_cpu(pending, required);
   }
   // No gradient will ever flow through these, so their producers are no longer needed: this is
   // what keeps step-to-step chains (optimizer updates) from growing. Nodes a fused kernel

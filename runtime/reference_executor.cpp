@@ -174,7 +174,7 @@ StoragePtr strided_copy(const Node& node, const Storage& in, const std::vector<i
   std::vector<int64_t> index(shape.size(), 0);
   int64_t offset = base;
   for (int64_t i = 0; i < out->count; ++i) {
-    std::memcpy(out->bytes.data() + i * bytes, in.bytes.data() + offset * bytes, bytes);
+    std::memcpy(out->host_data() + i * bytes, in.host_data() + offset * bytes, bytes);
     for (size_t d = shape.size(); d-- > 0;) {  // odometer increment
       offset += strides[d];
       if (++index[d] < shape[d]) break;
@@ -223,7 +223,7 @@ StoragePtr ref_Unslice(const Node& node) {
     int64_t offset = 0;
     for (size_t d = 0; d < window.size(); ++d)
       offset += (node.attrs.starts[d] + index[d] * node.attrs.steps[d]) * out_strides[d];
-    std::memcpy(out->bytes.data() + offset * bytes, in.bytes.data() + i * bytes, bytes);
+    std::memcpy(out->host_data() + offset * bytes, in.host_data() + i * bytes, bytes);
     for (size_t d = window.size(); d-- > 0;) {
       if (++index[d] < window[d]) break;
       index[d] = 0;
@@ -245,8 +245,8 @@ StoragePtr ref_Concat(const Node& node) {
     StoragePtr converted = input_as_storage(node, i);
     int64_t row = input->shape[axis] * inner;
     for (int64_t o = 0; o < outer; ++o)
-      std::memcpy(out->bytes.data() + (o * out_row + column) * bytes,
-                  converted->bytes.data() + o * row * bytes, row * bytes);
+      std::memcpy(out->host_data() + (o * out_row + column) * bytes,
+                  converted->host_data() + o * row * bytes, row * bytes);
     column += row;
   }
   return out;
@@ -432,8 +432,8 @@ StoragePtr ref_IndexSelect(const Node& node) {
   for (int64_t o = 0; o < outer; ++o)
     for (int64_t j = 0; j < count; ++j) {
       int64_t row = checked_index(node, index[j], dim, axis);
-      std::memcpy(out->bytes.data() + ((o * count + j) * inner) * bytes,
-                  in.bytes.data() + ((o * dim + row) * inner) * bytes, inner * bytes);
+      std::memcpy(out->host_data() + ((o * count + j) * inner) * bytes,
+                  in.host_data() + ((o * dim + row) * inner) * bytes, inner * bytes);
     }
   return out;
 }
@@ -489,7 +489,7 @@ StoragePtr ref_Gather(const Node& node) {
   const Storage& in = *converted;
   for_each_gathered(node, node.inputs[0]->shape, node.shape, index, node.attrs.axis,
                     [&](int64_t i, int64_t offset) {
-                      std::memcpy(out->bytes.data() + i * bytes, in.bytes.data() + offset * bytes,
+                      std::memcpy(out->host_data() + i * bytes, in.host_data() + offset * bytes,
                                   bytes);
                     });
   return out;

@@ -21,6 +21,7 @@
 
 #include "dsl/half.h"
 #include "dsl/random.h"
+#include "dsl/scalar_math.h"
 #include "mixtape/mixtape.h"
 
 namespace mt = mixtape;
@@ -1035,3 +1036,25 @@ TEST(TorchOracle, EveryOpMatchesPyTorch) {
 }
 
 }  // namespace
+
+// tanh in float is mixtape's own rational function (dsl/scalar_math.h), so that compiled kernels
+// vectorize it: it must stay within its documented 7 ulp of the true value everywhere, saturate
+// to exactly +-1, and keep tanh's symmetry, zeros and NaN.
+TEST(Ops, FloatTanhIsWithinSevenUlpOfTheTrueValue) {
+  double worst = 0;
+  for (uint32_t bits = 0; bits < 0x7F800000u; bits += 97) {
+    float x = std::bit_cast<float>(bits);
+    double exact = std::tanh(static_cast<double>(x));
+    float ulp = std::nextafter(static_cast<float>(exact), 2.0f) - static_cast<float>(exact);
+    if (ulp == 0) ulp = std::numeric_limits<float>::denorm_min();
+    double error = std::fabs(static_cast<double>(mixtape::math::tanh(x)) - exact) / ulp;
+    worst = std::max(worst, error);
+    ASSERT_EQ(mixtape::math::tanh(-x), -mixtape::math::tanh(x)) << x;
+  }
+  EXPECT_LE(worst, 7.0);
+  EXPECT_EQ(mixtape::math::tanh(std::numeric_limits<float>::infinity()), 1.0f);
+  EXPECT_EQ(mixtape::math::tanh(-std::numeric_limits<float>::infinity()), -1.0f);
+  EXPECT_EQ(mixtape::math::tanh(20.0f), 1.0f);
+  EXPECT_TRUE(std::signbit(mixtape::math::tanh(-0.0f)));
+  EXPECT_TRUE(std::isnan(mixtape::math::tanh(std::nanf(""))));
+}

@@ -1,0 +1,297 @@
+// runtime/cuda_executor.cpp -- runs fusion groups on an NVIDIA GPU: NVRTC kernels, cuBLASLt
+// matmuls, host ops; values stay in device memory until the host reads them.
+#include "runtime/cuda_executor.h"
+
+#include <algorithm>
+#include <atomic>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "codegen/emit_cuda.h"
+#include "codegen/lower.h"
+#include "codegen/nvrtc.h"
+#include "dsl/error.h"
+#include "dsl/log.h"
+#include "runtime/cublaslt.h"
+#include "runtime/cuda_allocator.h"
+#include "runtime/cuda_driver.h"
+#include "runtime/device.h"
+#include "runtime/program.h"
+#include "runtime/reference_executor.h"
+
+namespace mixtape {
+
+/// A value's device memory (dsl/node.h declares it): back to the caching allocator when the last
+/// Storage holding it goes. Reuse is ordered on the compute stream, so no synchronization.
+struct DeviceCopy {
+  cuda::DeviceBuffer buffer;
+};
+
+namespace {
+
+ExecutionStats& stats() { return execution_counters(); }
+
+std::shared_ptr<DeviceCopy> device_memory(int64_t bytes) {
+  auto copy = std::make_shared<DeviceCopy>();
+  copy->buffer = cuda::DeviceBuffer(static_cast<size_t>(std::max<int64_t>(bytes, 1)));
+  return copy;
+}
+
+// Storage::HostFetch: the download every host reader of a device value goes through. The copy
+// is queued after everything that computes the value, so this is where the host waits.
+void fetch_to_host(Storage& storage) {
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (!storage.host_stale.load(std::memory_order_acquire)) return;
+  int64_t bytes = storage.size_bytes();
+  storage.bytes.resize(static_cast<size_t>(bytes));
+  if (bytes > 0) cuda::download(storage.bytes.data(), storage.device->buffer.address(), bytes);
+  stats().bytes_downloaded += bytes;
+  storage.host_stale.store(false, std::memory_order_release);
+}
+
+// The device address of a value, uploading a host value the first time a GPU step reads it.
+cuda::CUdeviceptr device_address(Storage& storage) {
+  if (!storage.device) {
+    int64_t bytes = storage.size_bytes();
+    auto copy = device_memory(bytes);
+    if (bytes > 0) cuda::upload(copy->buffer.address(), storage.host_data(), bytes);
+    stats().bytes_uploaded += bytes;
+    storage.device = std::move(copy);
+  }
+  return storage.device->buffer.address();
+}
+
+std::shared_ptr<Storage> device_value(DType dtype, int64_t count) {
+  return std::make_shared<Storage>(dtype, count,
+                                   device_memory(count * static_cast<int64_t>(size_of(dtype))));
+}
+
+std::string device_arch() { return "sm_" + std::to_string(cuda::compute_capability()); }
+
+// A kernel loaded into the context. `function` stays null from the program build until
+// compile_pending() has compiled it with the others the build asked for.
+struct LoadedKernel {
+  std::shared_ptr<const kir::Kernel> kernel;
+  cuda::CUfunction function = nullptr;
+  CudaLaunch launch;
+};
+
+std::mutex kernels_mutex;
+std::unordered_map<std::string, std::unique_ptr<LoadedKernel>>& loaded_kernels() {
+  static std::unordered_map<std::string, std::unique_ptr<LoadedKernel>> loaded;
+  return loaded;
+}
+std::vector<LoadedKernel*>& uncompiled() {
+  static std::vector<LoadedKernel*> pending;
+  return pending;
+}
+
+// The program builder's kernel loader: registers the kernel; compiling waits for the whole
+// program's kernels, which compile_pending() compiles in parallel.
+uintptr_t register_kernel(const kir::Kernel& kernel) {
+  std::lock_guard<std::mutex> lock(kernels_mutex);
+  auto [it, added] = loaded_kernels().try_emplace(kernel.name);
+  if (added) {
+    it->second = std::make_unique<LoadedKernel>();
+    it->second->kernel = std::make_shared<const kir::Kernel>(kernel);
+    it->second->launch = cuda_launch_shape(kernel);
+    uncompiled().push_back(it->second.get());
+  }
+  return reinterpret_cast<uintptr_t>(it->second.get());
+}
+
+// Compiles (or takes from the kernel cache) every registered kernel not loaded yet, several at
+// once: NVRTC runs are independent, and the first step of a model has a hundred kernels.
+void compile_pending() {
+  std::lock_guard<std::mutex> lock(kernels_mutex);
+  std::vector<LoadedKernel*>& todo = uncompiled();
+  if (todo.empty()) return;
+  std::string arch = device_arch();
+  std::vector<std::string> images(todo.size());
+  std::vector<std::string> errors(todo.size());
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i = next++; i < todo.size(); i = next++) {
+      try {
+        const kir::Kernel& kernel = *todo[i]->kernel;
+        if (log_enabled("kernels")) log_line("kernels", "{}", kir::to_string(kernel));
+        images[i] = compile_cuda(emit_cuda(kernel), arch, kernel.name + ".cu");
+      } catch (const std::exception& e) {
+        errors[i] = e.what();
+      }
+    }
+  };
+  size_t threads = std::min<size_t>(todo.size(), std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& thread : pool) thread.join();
+  std::vector<LoadedKernel*> batch = std::move(todo);
+  todo.clear();  // a kernel that fails stays unloaded: run_kernel reports it
+  for (size_t i = 0; i < batch.size(); ++i)
+    if (!errors[i].empty()) fail("{}", errors[i]);
+  for (size_t i = 0; i < batch.size(); ++i) {
+    std::string& image = images[i];
+    cuda::CUmodule module = cuda::load_module(std::span<const char>(image.data(), image.size()));
+    batch[i]->function = cuda::get_function(module, batch[i]->kernel->name);  // loaded for good
+  }
+}
+
+void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signature& sig) {
+  const LoadedKernel& loaded = *reinterpret_cast<const LoadedKernel*>(step.compiled);
+  const kir::Kernel& kernel = *step.kernel;
+  if (!loaded.function) fail("CUDA kernel {} failed to compile earlier", kernel.name);
+  size_t count = step.params.size();
+  std::vector<cuda::CUdeviceptr> pointers(count);
+  std::vector<Node*> outputs;
+  std::vector<std::shared_ptr<Storage>> values;
+  ExecutionStats& s = stats();
+  for (size_t i = 0; i < count; ++i) {
+    Node* node = sig.resolve(step.params[i], pending);
+    if (kernel.params[i].output) {
+      auto value = device_value(node->storage, node->numel());
+      pointers[i] = value->device->buffer.address();
+      s.bytes_written += value->size_bytes();
+      outputs.push_back(node);
+      values.push_back(std::move(value));
+    } else {
+      pointers[i] = device_address(*node->value);
+      s.bytes_read += node->value->size_bytes();
+    }
+  }
+  std::vector<double> scalars;
+  for (NodeRef ref : step.scalar_nodes) scalars.push_back(fill_value(*sig.resolve(ref, pending)));
+  std::vector<void*> args;
+  for (cuda::CUdeviceptr& pointer : pointers) args.push_back(&pointer);
+  for (double& scalar : scalars) args.push_back(&scalar);
+  cuda::launch(loaded.function, {loaded.launch.grid, 1, 1}, {loaded.launch.block, 1, 1},
+               loaded.launch.shared_bytes, args.data());
+  for (size_t i = 0; i < outputs.size(); ++i) outputs[i]->value = std::move(values[i]);
+  ++s.kernels;
+  s.kernel_nodes += step.members;
+}
+
+// A GPU copy of `value` converted to `dtype` (both f32, f16 or bf16), by a one-line kernel that
+// rounds exactly as the CPU back end's conversions do (RNE).
+std::shared_ptr<Storage> convert_on_device(Storage& value, DType dtype) {
+  kir::Kernel kernel;
+  kernel.name =
+      fmt::format("mixtape_convert_{}_{}_{}", name(value.dtype), name(dtype), value.count);
+  kernel.params = {{value.dtype, false}, {dtype, true}};
+  kernel.dims = {value.count};
+  kir::Value load(kir::Op::Load, kir::register_type(value.dtype));
+  load.param = 0;
+  load.map = {0, {1}};
+  kernel.body.push_back(load);
+  if (is_half(dtype)) {  // stores expect values already rounded to their type, as lower() makes
+    kir::Value rounded(kir::Op::RoundTo, kir::Type::f32);
+    rounded.a = 0;
+    rounded.dtype = dtype;
+    kernel.body.push_back(rounded);
+  }
+  kernel.stores.push_back({1, static_cast<int32_t>(kernel.body.size()) - 1, {0, {1}}});
+  const LoadedKernel& loaded = *reinterpret_cast<const LoadedKernel*>(register_kernel(kernel));
+  compile_pending();
+  auto out = device_value(dtype, value.count);
+  cuda::CUdeviceptr in_ptr = device_address(value), out_ptr = out->device->buffer.address();
+  void* args[] = {&in_ptr, &out_ptr};
+  cuda::launch(loaded.function, {loaded.launch.grid, 1, 1}, {loaded.launch.block, 1, 1},
+               loaded.launch.shared_bytes, args);
+  ++stats().kernels;
+  return out;
+}
+
+void run_on_host(Node& node) {
+  node.value = reference_compute(node);
+  ++stats().host_ops;
+}
+
+bool half_or_f32(DType t) { return t == f32 || is_half(t); }
+
+void run_matmul(Node& node) {
+  const Shape& a_shape = node.inputs[0]->shape;
+  size_t rank = node.shape.size();
+  cuda::MatmulDesc desc;
+  desc.m = node.shape[rank - 2];
+  desc.n = node.shape[rank - 1];
+  desc.k = node.attrs.transpose_a ? a_shape[rank - 2] : a_shape[rank - 1];
+  desc.batch = desc.m * desc.n == 0 ? 0 : node.numel() / (desc.m * desc.n);
+  desc.transpose_a = node.attrs.transpose_a;
+  desc.transpose_b = node.attrs.transpose_b;
+  desc.input = node.compute;
+  desc.output = node.storage;
+  // cuBLASLt accumulates in f32: other accumulators (f64, 16-bit ones a custom policy asks for)
+  // and integer or f64 operands take the reference loops. Results are f32 or the operands' type.
+  bool supported = half_or_f32(node.compute) && half_or_f32(node.storage) && node.accum == f32 &&
+                   (node.storage == f32 || node.storage == node.compute) &&
+                   half_or_f32(node.inputs[0]->value->dtype) &&
+                   half_or_f32(node.inputs[1]->value->dtype);
+  if (!supported) return run_on_host(node);
+  auto out = device_value(node.storage, node.numel());
+  ExecutionStats& s = stats();
+  s.bytes_written += out->size_bytes();
+  if (desc.batch > 0 && desc.k == 0) {
+    cuda::memset_async(out->device->buffer.address(), 0, out->size_bytes());
+  } else if (desc.batch > 0) {
+    std::shared_ptr<Storage> a = node.inputs[0]->value, b = node.inputs[1]->value;
+    if (a->dtype != desc.input) a = convert_on_device(*a, desc.input);
+    if (b->dtype != desc.input) b = convert_on_device(*b, desc.input);
+    cuda::MatmulArgs args;
+    args.a = reinterpret_cast<const void*>(device_address(*a));
+    args.b = reinterpret_cast<const void*>(device_address(*b));
+    args.c = out->device->buffer.data();
+    cuda::matmul(desc, args);
+    s.bytes_read += a->size_bytes() + b->size_bytes();
+  }
+  node.value = std::move(out);
+  ++s.gemms;
+}
+
+std::string backend_unavailable_reason() {
+  if (!cuda::available()) return cuda::unavailable_reason();
+  if (!nvrtc_available()) return "NVRTC (libnvrtc.so) could not be loaded";
+  if (!cuda::cublaslt_available()) return cuda::cublaslt_unavailable_reason();
+  return {};
+}
+
+const std::string& cached_reason() {
+  static const std::string reason = backend_unavailable_reason();
+  return reason;
+}
+
+}  // namespace
+
+bool cuda_backend_available() { return cached_reason().empty(); }
+std::string cuda_backend_unavailable_reason() { return cached_reason(); }
+
+void execute_cuda(const std::vector<Node*>& pending, const std::vector<Node*>& required) {
+  if (!cuda_backend_available()) fail("device cuda: CUDA is not available: {}", cached_reason());
+  Storage::set_host_fetch(fetch_to_host);
+  FusionOptions options;
+  options.fuse = !eager_mode();
+  Signature sig = sign(pending, required, options.fuse, "mixtape-cuda-program-1");
+  static ProgramCache programs;
+  std::shared_ptr<const Program> program = programs.get(pending, options, sig, register_kernel);
+  compile_pending();
+  run_program(*program, pending, sig, [&](const Step& step) {
+    switch (step.kind) {
+      case FusionGroup::Kind::Kernel:
+        run_kernel(step, pending, sig);
+        break;
+      case FusionGroup::Kind::MatMul:
+        run_matmul(*sig.resolve(step.node, pending));
+        break;
+      case FusionGroup::Kind::Host:
+        run_on_host(*sig.resolve(step.node, pending));
+        break;
+    }
+  });
+}
+
+void cuda_synchronize() {
+  if (cuda::available()) cuda::compute_stream().synchronize();
+}
+
+}  // namespace mixtape

@@ -1,0 +1,199 @@
+// runtime/program.cpp -- graph signatures, programs of fusion groups, their cache and memory plan.
+#include "runtime/program.h"
+
+#include <algorithm>
+#include <unordered_set>
+
+#include "codegen/llvm_jit.h"
+#include "codegen/lower.h"
+#include "codegen/nvrtc.h"
+
+namespace mixtape {
+namespace {
+
+template <typename T>
+void update_all(Hasher& h, const std::vector<T>& values) {
+  h.update(values.size());
+  for (const T& v : values) h.update(v);
+}
+
+int64_t stored_bytes(const Node* node) { return node->value ? node->value->size_bytes() : 0; }
+
+// What each step reads and stores, by reference, for the memory plan.
+void plan_memory(Program& program, const std::vector<Node*>& pending, const Signature& sig) {
+  std::unordered_map<NodeRef, size_t> last_use;
+  std::vector<NodeRef> stored_order;
+  for (size_t i = 0; i < program.steps.size(); ++i) {
+    const Step& step = program.steps[i];
+    std::vector<NodeRef> reads, writes;
+    if (step.kind == FusionGroup::Kind::Kernel) {
+      for (size_t p = 0; p < step.params.size(); ++p)
+        (step.kernel->params[p].output ? writes : reads).push_back(step.params[p]);
+    } else {
+      for (const NodePtr& input : pending[step.node]->inputs)
+        reads.push_back(sig.refs.at(input.get()));
+      writes.push_back(step.node);
+    }
+    for (NodeRef ref : reads)
+      if (ref >= 0) last_use[ref] = i;
+    for (NodeRef ref : writes) {
+      last_use.emplace(ref, i);
+      stored_order.push_back(ref);
+    }
+  }
+  std::unordered_set<Node*> keep(sig.stored.begin(), sig.stored.end());
+  program.release_after.assign(program.steps.size(), {});
+  for (NodeRef ref : stored_order)
+    if (!keep.count(pending[ref])) program.release_after[last_use.at(ref)].push_back(ref);
+}
+
+}  // namespace
+
+ExecutionStats& execution_counters() {
+  static ExecutionStats s;
+  return s;
+}
+
+namespace {
+// The compilers keep their own lifetime counters; a reset remembers them so that stats count
+// from it.
+struct CompilerBaseline {
+  LlvmJit::Stats jit;
+  NvrtcStats nvrtc;
+};
+CompilerBaseline& compiler_baseline() {
+  static CompilerBaseline baseline;
+  return baseline;
+}
+}  // namespace
+
+ExecutionStats execution_stats() {
+  ExecutionStats s = execution_counters();
+  LlvmJit::Stats jit = LlvmJit::instance().stats();
+  NvrtcStats nvrtc = nvrtc_stats();
+  const CompilerBaseline& base = compiler_baseline();
+  s.kernels_compiled = jit.compiled - base.jit.compiled + nvrtc.compiled - base.nvrtc.compiled;
+  s.kernels_from_disk = jit.disk_loaded - base.jit.disk_loaded;
+  s.compile_seconds = jit.compile_seconds - base.jit.compile_seconds + nvrtc.compile_seconds -
+                      base.nvrtc.compile_seconds;
+  s.load_seconds = jit.load_seconds - base.jit.load_seconds;
+  return s;
+}
+
+void reset_execution_stats() {
+  execution_counters() = ExecutionStats{};
+  compiler_baseline() = {LlvmJit::instance().stats(), nvrtc_stats()};
+}
+
+Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& required, bool fuse,
+               std::string_view salt) {
+  Signature sig;
+  Hasher h;
+  h.update(salt);
+  h.update(fuse);
+  h.update(pending.size());
+  for (size_t i = 0; i < pending.size(); ++i) sig.refs.emplace(pending[i], static_cast<int32_t>(i));
+  std::vector<int64_t> readers(pending.size(), 0);
+  for (Node* node : pending) {
+    h.update(node->op).update(node->dtype).update(node->storage).update(node->compute);
+    h.update(node->accum);
+    update_all(h, node->shape);
+    const Attrs& a = node->attrs;
+    update_all(h, a.axes);
+    h.update(a.keepdim).update(a.axis).update(a.transpose_a).update(a.transpose_b);
+    update_all(h, a.starts);
+    update_all(h, a.steps);
+    if (!(node->op == OpCode::Full && is_floating(node->storage))) h.update(a.value);
+    h.update(a.step);
+    h.update(node->inputs.size());
+    for (const NodePtr& input : node->inputs) {
+      auto [it, added] =
+          sig.refs.emplace(input.get(), -static_cast<int32_t>(sig.externals.size()) - 1);
+      h.update(it->second);
+      if (it->second >= 0) ++readers[it->second];
+      if (added) {
+        sig.externals.push_back(input.get());
+        h.update(input->value->dtype);
+        update_all(h, input->shape);
+      }
+    }
+  }
+  sig.stored = required;
+  std::unordered_set<Node*> asked(required.begin(), required.end());
+  for (size_t i = 0; i < pending.size(); ++i)
+    if (pending[i]->weak_from_this().use_count() > readers[i] && !asked.count(pending[i]))
+      sig.stored.push_back(pending[i]);
+  h.update(sig.stored.size());
+  for (Node* node : sig.stored) h.update(sig.refs.at(node));
+  sig.hash = h.finish();
+  return sig;
+}
+
+Program build_program(const std::vector<Node*>& pending, const FusionOptions& options,
+                      const Signature& sig, const KernelLoader& load) {
+  Program program;
+  for (FusionGroup& group : fuse(pending, sig.stored, options)) {
+    Step step;
+    step.kind = group.kind;
+    if (group.kind != FusionGroup::Kind::Kernel) {
+      step.node = sig.refs.at(group.members[0]);
+    } else {
+      LoweredKernel lowered = lower(group);
+      step.compiled = load(lowered.kernel);
+      for (Node* node : lowered.nodes) step.params.push_back(sig.refs.at(node));
+      for (Node* node : lowered.scalar_nodes) step.scalar_nodes.push_back(sig.refs.at(node));
+      step.kernel = std::make_shared<const kir::Kernel>(std::move(lowered.kernel));
+      step.members = static_cast<int64_t>(group.members.size());
+    }
+    program.steps.push_back(std::move(step));
+  }
+  plan_memory(program, pending, sig);
+  return program;
+}
+
+std::shared_ptr<const Program> ProgramCache::get(const std::vector<Node*>& pending,
+                                                 const FusionOptions& options, const Signature& sig,
+                                                 const KernelLoader& load) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = programs_.find(sig.hash);
+    if (found != programs_.end()) {
+      ++execution_counters().programs_reused;
+      return found->second;
+    }
+  }
+  auto program = std::make_shared<const Program>(build_program(pending, options, sig, load));
+  ++execution_counters().programs_built;
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (programs_.size() >= max_programs) programs_.clear();
+  programs_.emplace(sig.hash, program);
+  return program;
+}
+
+void run_program(const Program& program, const std::vector<Node*>& pending, const Signature& sig,
+                 const std::function<void(const Step&)>& run_step) {
+  ++execution_counters().evaluations;
+  // Bytes of this evaluation's stored values alive at once, for peak_bytes.
+  int64_t live = 0, peak = 0;
+  for (size_t i = 0; i < program.steps.size(); ++i) {
+    const Step& step = program.steps[i];
+    run_step(step);
+    if (step.kind == FusionGroup::Kind::Kernel) {
+      for (size_t p = 0; p < step.params.size(); ++p)
+        if (step.kernel->params[p].output)
+          live += stored_bytes(sig.resolve(step.params[p], pending));
+    } else {
+      live += stored_bytes(sig.resolve(step.node, pending));
+    }
+    peak = std::max(peak, live);
+    for (NodeRef ref : program.release_after[i]) {
+      Node* node = pending[ref];
+      live -= stored_bytes(node);
+      node->value.reset();
+    }
+  }
+  ExecutionStats& s = execution_counters();
+  s.peak_bytes = std::max(s.peak_bytes, peak);
+}
+
+}  // namespace mixtape

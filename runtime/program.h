@@ -1,0 +1,98 @@
+// runtime/program.h -- what the compiled back ends share: graph signatures, programs of fusion
+// groups cached by signature, the memory plan, and the execution counters.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "codegen/fusion.h"
+#include "codegen/hash.h"
+#include "codegen/kernel_ir.h"
+#include "dsl/node.h"
+#include "runtime/device.h"
+
+namespace mixtape {
+
+/// The counters execution_stats() reports, updated by every back end.
+ExecutionStats& execution_counters();
+
+/// A node of one evaluation by position: pending[ref] for ref >= 0, else externals[-ref - 1]
+/// (evaluated inputs, numbered in the order the signature first meets them).
+using NodeRef = int32_t;
+
+/// What fusion and lowering depend on, as a hash, and the evaluated inputs in a fixed order.
+/// Two evaluations with equal hashes run the same program on their own nodes. Float fill values
+/// are left out (they are launch-time scalars), as are the random seeds and custom vjps that host
+/// ops read from their node when they run.
+struct Signature {
+  Hash128 hash;
+  std::unordered_map<Node*, NodeRef> refs;
+  std::vector<Node*> externals;
+  // The nodes to store: those asked for, and those something outside this evaluation still
+  // owns (a Tensor the user holds, such as the loss read after step()). The rest may stay in
+  // registers or be dropped after their last reader.
+  std::vector<Node*> stored;
+
+  Node* resolve(NodeRef ref, const std::vector<Node*>& pending) const {
+    return ref >= 0 ? pending[ref] : externals[-ref - 1];
+  }
+};
+
+/// `salt` names the back end, so that its programs never answer another's signatures.
+Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& required, bool fuse,
+               std::string_view salt);
+
+/// One fusion group, ready to run on any evaluation of the same signature.
+struct Step {
+  FusionGroup::Kind kind = FusionGroup::Kind::Host;
+  NodeRef node = 0;  // MatMul, Host
+  // Kernel:
+  std::shared_ptr<const kir::Kernel> kernel;
+  uintptr_t compiled = 0;             // what the back end's kernel loader returned
+  std::vector<NodeRef> params;        // kernel.params[i]'s node
+  std::vector<NodeRef> scalar_nodes;  // the fill behind each scalar slot
+  int64_t members = 0;
+};
+
+struct Program {
+  std::vector<Step> steps;
+  // Memory plan: the stored values no later step reads and the caller did not ask for, dropped
+  // right after step i (release_after[i]). Their memory goes back to the allocator for the
+  // steps that follow; a later evaluation that does need one recomputes it from its inputs, as
+  // it would a value fusion kept in registers.
+  std::vector<std::vector<NodeRef>> release_after;
+};
+
+/// Loads (compiles or fetches from a cache) a lowered kernel for one back end.
+using KernelLoader = std::function<uintptr_t(const kir::Kernel&)>;
+
+/// Fuses and lowers `pending` into a program whose kernels `load` has loaded.
+Program build_program(const std::vector<Node*>& pending, const FusionOptions& options,
+                      const Signature& sig, const KernelLoader& load);
+
+/// A back end's programs by signature. Steps of one training loop share one entry; a loop that
+/// alternates a few shapes (train and eval batches) shares a few.
+class ProgramCache {
+ public:
+  /// The program for `sig`, built with `load` (and counted in programs_built) on a miss.
+  std::shared_ptr<const Program> get(const std::vector<Node*>& pending,
+                                     const FusionOptions& options, const Signature& sig,
+                                     const KernelLoader& load);
+
+ private:
+  static constexpr size_t max_programs = 256;
+  std::mutex mutex_;
+  std::unordered_map<Hash128, std::shared_ptr<const Program>> programs_;
+};
+
+/// Runs every step with `run_step`, drops values as the memory plan says, and records the peak
+/// of the stored values' bytes alive at once.
+void run_program(const Program& program, const std::vector<Node*>& pending, const Signature& sig,
+                 const std::function<void(const Step&)>& run_step);
+
+}  // namespace mixtape

@@ -1,0 +1,494 @@
+// tests/gpu/test_gpu_models.cpp -- the CUDA back end against the CPU one: every pointwise op,
+// reductions, matmuls, and four models trained under every built-in policy.
+//
+// Each test runs a program on the CPU back end (the baseline) and on the GPU (the device under
+// test) from the same inputs and compares. MIXTAPE_GPU_TEST_DRY_RUN=1 runs the same checks with
+// the reference executor as the baseline and the CPU back end under test, so that the tests'
+// own logic and tolerances can be exercised on a machine without a GPU.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "codegen/nvrtc.h"
+#include "dsl/functional.h"
+#include "dsl/graph.h"
+#include "dsl/nn.h"
+#include "dsl/ops.h"
+#include "dsl/optim.h"
+#include "dsl/tensor.h"
+#include "examples/char_gpt_model.h"
+#include "examples/digits_model.h"
+#include "precision_policy/grad_scaler.h"
+#include "precision_policy/policy.h"
+#include "runtime/cuda_executor.h"
+#include "runtime/device.h"
+#include "tests/test_util.h"
+
+namespace mt = mixtape;
+
+namespace {
+
+bool dry_run() {
+  const char* env = std::getenv("MIXTAPE_GPU_TEST_DRY_RUN");
+  return env && std::string(env) == "1";
+}
+mt::Device baseline() { return dry_run() ? mt::Device::reference : mt::Device::cpu; }
+mt::Device tested() { return dry_run() ? mt::Device::cpu : mt::Device::cuda; }
+
+#define SKIP_WITHOUT_CUDA()                                                          \
+  do {                                                                               \
+    if (!dry_run() && !mt::cuda_backend_available())                                 \
+      GTEST_SKIP() << "CUDA unavailable: " << mt::cuda_backend_unavailable_reason(); \
+  } while (0)
+
+// Restores the device the test started with.
+class DeviceScope {
+ public:
+  DeviceScope() : previous_(mt::current_device()) {}
+  ~DeviceScope() { mt::set_device(previous_); }
+
+ private:
+  mt::Device previous_;
+};
+
+// The result of `program` on `device`, as doubles (read through the host accessor, so a GPU
+// value is downloaded here).
+std::vector<double> run_on(mt::Device device, const std::function<mt::Tensor()>& program,
+                           mt::DType* dtype = nullptr) {
+  DeviceScope scope;
+  mt::set_device(device);
+  mt::Tensor result = program();
+  mt::eval({result});
+  if (dtype) *dtype = result.node()->storage;
+  return result.to_vector<double>();
+}
+
+// One unit in the last place of a value stored as `dtype`, relative to its magnitude.
+double relative_ulp(mt::DType dtype) {
+  switch (dtype) {
+    case mt::f16:
+      return 0x1p-10;
+    case mt::bf16:
+      return 0x1p-7;
+    case mt::f64:
+      return 0x1p-52;
+    default:
+      return 0x1p-23;
+  }
+}
+
+// Values that exercise rounding: wide magnitudes, both signs, zero, ties, inf and NaN.
+mt::Tensor interesting(mt::DType dtype, int64_t n, uint64_t seed) {
+  mt::Generator gen(seed);
+  DeviceScope scope;
+  mt::set_device(mt::Device::cpu);
+  mt::Tensor x = mt::randn({n}, mt::f32, &gen) * 3.0;
+  std::vector<float> v = x.to_vector<float>();
+  v[0] = 0.0f;
+  v[1] = -0.0f;
+  v[2] = INFINITY;
+  v[3] = NAN;
+  v[4] = 1.0f + 0x1p-11f;  // an f16 tie
+  v[5] = 70000.0f;         // overflows f16
+  v[6] = 1e-6f;            // an f16 subnormal
+  return mt::tensor(v, {n}, dtype);
+}
+
+// Where two results differ by more than `ulps` units of `dtype` (plus `absolute`), or "".
+std::string first_difference(const std::vector<double>& expected, const std::vector<double>& actual,
+                             mt::DType dtype, double ulps, double absolute = 0) {
+  if (expected.size() != actual.size())
+    return fmt::format("{} elements vs {}", expected.size(), actual.size());
+  for (size_t i = 0; i < expected.size(); ++i) {
+    double e = expected[i], a = actual[i];
+    if (std::isnan(e) && std::isnan(a)) continue;
+    if (e == a) continue;
+    double tolerance = ulps * relative_ulp(dtype) * std::max(std::fabs(e), std::fabs(a)) + absolute;
+    if (std::isfinite(e) && std::isfinite(a) && std::fabs(e - a) <= tolerance) continue;
+    return fmt::format("element {}: {} {} vs {} {}", i, mt::device_name(baseline()), e,
+                       mt::device_name(tested()), a);
+  }
+  return "";
+}
+
+class GpuEveryPointwiseOp : public ::testing::TestWithParam<mt::DType> {};
+
+// Pointwise programs match the CPU bit for bit, except where CUDA's expf, tanhf, ... differ from
+// the C library's by an ulp or two (one ulp after rounding to a 16-bit type).
+TEST_P(GpuEveryPointwiseOp, MatchesTheCpu) {
+  SKIP_WITHOUT_CUDA();
+  mt::DType dtype = GetParam();
+  const int64_t n = 1031;
+  mt::Tensor x = interesting(dtype, n, 1);
+  mt::Tensor y = interesting(dtype, n, 2);
+  mt::Tensor positive = mt::abs(interesting(dtype, n, 3)) + 0.5;
+  {
+    DeviceScope scope;
+    mt::set_device(mt::Device::cpu);
+    mt::eval({x, y, positive});
+  }
+  const std::set<std::string> libm = {"exp", "log", "tanh", "sigmoid", "gelu",  "gelu_tanh", "silu",
+                                      "erf", "sin", "cos",  "pow",     "chain", "where"};
+  std::vector<std::pair<const char*, std::function<mt::Tensor()>>> programs = {
+#define MT_OP(Name, fname, kind, arity, category)
+#define MT_UNARY(Name, fname, category, domain, REF, VJP) \
+  {#fname, [&] { return mt::fname(std::string(#fname) == "log" ? positive : x); }},
+#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
+  {#fname, [&] { return mt::fname(x, std::string(#fname) == "pow" ? positive : y); }},
+#define MT_COMPARE(Name, fname, REF) {#fname, [&] { return mt::fname(x, y); }},
+#include "dsl/ops.def"
+      {"chain", [&] { return mt::tanh(x * 0.5 + mt::sigmoid(y)) - mt::relu(x) / positive; }},
+      {"where", [&] { return mt::where(x > y, mt::exp(x), y * 2.0); }},
+      {"cast", [&] { return mt::cast(mt::cast(x, mt::f64) * 3.0, dtype); }},
+  };
+  // The reference executor is no bit-exact stand-in for libm differences: dry runs compare
+  // everything with the libm tolerance.
+  for (auto& [name, program] : programs) {
+    mt::DType out_dtype = dtype;
+    std::vector<double> expected = run_on(baseline(), program, &out_dtype);
+    std::vector<double> actual = run_on(tested(), program);
+    // libm results differ by an ulp or two of an intermediate; gelu's 1 + erf(x / sqrt 2)
+    // cancels for negative x, so that difference is an absolute one, a few ulps of 1.
+    bool inexact = libm.count(name) || dry_run();
+    double ulps = inexact ? (mt::is_half(out_dtype) ? 1.01 : 4) : 0;
+    double absolute = inexact ? 8 * relative_ulp(out_dtype) : 0;
+    EXPECT_EQ(first_difference(expected, actual, out_dtype, ulps, absolute), "")
+        << name << " in " << mt::name(dtype) << " (" << ulps << " ulps + " << absolute
+        << " allowed)";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Gpu, GpuEveryPointwiseOp,
+                         ::testing::Values(mt::f32, mt::f16, mt::bf16, mt::f64),
+                         [](const auto& info) { return std::string(mt::name(info.param)); });
+
+// Sums are reduced in another order on the GPU: a few ulps of the sum of magnitudes.
+TEST(GpuReductions, SumsMaxSoftmaxAndLayerNormMatchTheCpu) {
+  SKIP_WITHOUT_CUDA();
+  mt::Generator gen(5);
+  mt::Tensor x = mt::randn({7, 333, 5}, mt::f32, &gen);
+  mt::Tensor wide = mt::randn({3, 4099}, mt::f32, &gen);
+  {
+    DeviceScope scope;
+    mt::set_device(mt::Device::cpu);
+    mt::eval({x, wide});
+  }
+  std::vector<std::function<mt::Tensor()>> programs = {
+      [&] { return mt::sum(x, {1}); },
+      [&] {
+        return mt::sum(x * x, {0, 2}, true);
+      },
+      [&] { return mt::max(x, {2}); },
+      [&] { return mt::max(wide, {1}); },
+      [&] { return mt::sum(wide, {1}); },
+      [&] { return mt::softmax(x, -1); },
+      [&] { return mt::softmax(wide, -1); },
+      [&] { return mt::layer_norm(x, mt::Tensor(), mt::Tensor(), 1e-5); },
+      [&] { return mt::layer_norm(wide, mt::Tensor(), mt::Tensor(), 1e-5); },
+      [&] { return mt::mean(mt::exp(x.transpose(0, 2)), {0}); },
+      [&] {
+        return x.reshape({7, 1665}).sum({1});
+      },
+      [&] { return mt::cast(mt::softmax(mt::cast(wide, mt::bf16), -1), mt::f32); },
+  };
+  for (size_t p = 0; p < programs.size(); ++p) {
+    mt::DType dtype = mt::f32;
+    std::vector<double> expected = run_on(baseline(), programs[p], &dtype);
+    std::vector<double> actual = run_on(tested(), programs[p]);
+    // bf16 softmax: one bf16 ulp; f32: a few ulps of values of order one.
+    EXPECT_EQ(
+        first_difference(expected, actual, p == 11 ? mt::bf16 : mt::f32, p == 11 ? 1.01 : 64, 1e-5),
+        "")
+        << "program " << p;
+  }
+}
+
+// Matmuls: f32 operands with f32 accumulation; f16/bf16 operands with f32 accumulation, the
+// result rounded once (so one ulp of the output type apart at most, plus the sum's order).
+TEST(GpuMatmul, F32F16Bf16AndTransposesMatchTheCpu) {
+  SKIP_WITHOUT_CUDA();
+  for (mt::DType dtype : {mt::f32, mt::f16, mt::bf16}) {
+    for (int transposes = 0; transposes < 4; ++transposes) {
+      bool ta = transposes & 1, tb = transposes & 2;
+      mt::Generator gen(7 + transposes);
+      const int64_t batch = 3, m = 37, k = 129, n = 41;
+      mt::Tensor a, b;
+      {
+        DeviceScope scope;
+        mt::set_device(mt::Device::cpu);
+        a = mt::cast(mt::randn(ta ? mt::Shape{batch, k, m} : mt::Shape{batch, m, k}, mt::f32, &gen),
+                     dtype);
+        b = mt::cast(mt::randn(tb ? mt::Shape{batch, n, k} : mt::Shape{batch, k, n}, mt::f32, &gen),
+                     dtype);
+        mt::eval({a, b});
+      }
+      auto program = [&] {
+        return mt::matmul(ta ? a.transpose(1, 2) : a, tb ? b.transpose(1, 2) : b);
+      };
+      std::vector<double> expected = run_on(baseline(), program);
+      std::vector<double> actual = run_on(tested(), program);
+      // Products of values of order one summed k times: the f32 error is about sqrt(k) ulps of
+      // a sum of magnitudes of order sqrt(k).
+      EXPECT_EQ(first_difference(expected, actual, dtype, dtype == mt::f32 ? 0 : 1.01, 2e-5 * k),
+                "")
+          << mt::name(dtype) << " transposes " << transposes;
+    }
+  }
+}
+
+TEST(GpuMatmul, AutocastConvertsF32OperandsOnTheDevice) {
+  SKIP_WITHOUT_CUDA();
+  mt::Generator gen(11);
+  mt::Tensor a, b;
+  {
+    DeviceScope scope;
+    mt::set_device(mt::Device::cpu);
+    a = mt::randn({64, 96}, mt::f32, &gen);
+    b = mt::randn({96, 80}, mt::f32, &gen);
+    mt::eval({a, b});
+  }
+  for (const char* policy : {"autocast-bf16", "autocast-f16"}) {
+    auto program = [&] {
+      mt::autocast guard(mt::policy_by_name(policy));
+      return mt::cast(mt::relu(mt::matmul(a, b)), mt::f32);
+    };
+    std::vector<double> expected = run_on(baseline(), program);
+    std::vector<double> actual = run_on(tested(), program);
+    mt::DType half = std::string(policy).ends_with("bf16") ? mt::bf16 : mt::f16;
+    EXPECT_EQ(first_difference(expected, actual, half, 1.01, 2e-5 * 96), "") << policy;
+  }
+}
+
+// ---- training: the same steps on both devices, losses and parameters compared.
+
+const char* policy_names[] = {"fp32", "autocast-f16", "autocast-bf16", "pure-f16", "pure-bf16"};
+
+struct Trained {
+  std::vector<double> losses;
+  std::vector<std::vector<double>> parameters;
+  mt::ExecutionStats late;  // counted over the steps after the warm-up
+};
+
+constexpr int warmup_steps = 2, steps = 4;
+
+// `steps` training steps with AdamW, the loss under the policy, GradScaler for f16 policies as
+// PyTorch would; the loss is read every step.
+Trained train(mt::Module& net, const std::function<mt::Tensor()>& loss_of,
+              const std::string& policy) {
+  mt::PolicyPtr p = mt::policy_by_name(policy);
+  mt::AdamW optimizer(net.parameters(), mt::AdamOptions{.lr = 1e-3, .weight_decay = 0.01});
+  mt::GradScaler scaler({.enabled = policy.ends_with("-f16")});
+  Trained out;
+  for (int step = 0; step < steps; ++step) {
+    if (step == warmup_steps) mt::reset_execution_stats();
+    optimizer.zero_grad();
+    mt::Tensor loss;
+    {
+      mt::autocast guard(p);
+      loss = loss_of();
+    }
+    scaler.scale(loss).backward();
+    scaler.step(optimizer);
+    scaler.update();
+    out.losses.push_back(loss.item());
+  }
+  out.late = mt::execution_stats();
+  for (const mt::Tensor& parameter : net.parameters())
+    out.parameters.push_back(parameter.to_vector<double>());
+  return out;
+}
+
+struct Model {
+  std::string name;
+  std::function<Trained(const std::string& policy)> train;
+};
+
+std::vector<Model> models() {
+  std::vector<Model> list;
+  list.push_back({"mlp", [](const std::string& policy) {
+                    mt::manual_seed(1);
+                    mt::MLP net({16, 64, 64, 8}, mt::Activation::Gelu);
+                    mt::Tensor x = mt::randn({32, 16});
+                    std::vector<int64_t> labels(32);
+                    for (size_t i = 0; i < labels.size(); ++i) labels[i] = (i * 5) % 8;
+                    mt::Tensor y = mt::tensor(labels, {32});
+                    return train(
+                        net, [&] { return mt::cross_entropy(net(x), y); }, policy);
+                  }});
+  list.push_back({"transformer_block", [](const std::string& policy) {
+                    mt::manual_seed(2);
+                    mt::TransformerBlock block(32, 4);
+                    mt::Tensor x = mt::randn({2, 8, 32});
+                    return train(
+                        block,
+                        [&] {
+                          mt::Tensor y = mt::cast(block(x), mt::f32);
+                          return mt::mean(y * y);
+                        },
+                        policy);
+                  }});
+  list.push_back({"digits_mlp", [](const std::string& policy) {
+                    mt::manual_seed(3);
+                    DigitsMLP net;
+                    mt::Tensor x = mt::randn({64, 64});
+                    std::vector<int64_t> labels(64);
+                    for (size_t i = 0; i < labels.size(); ++i) labels[i] = (i * 7) % 10;
+                    mt::Tensor y = mt::tensor(labels, {64});
+                    mt::CrossEntropyOptions options{.label_smoothing = 0.1};
+                    return train(
+                        net, [&] { return mt::cross_entropy(net(x), y, options); }, policy);
+                  }});
+  list.push_back({"char_gpt", [](const std::string& policy) {
+                    mt::Generator gen(4);
+                    CharGpt net({.vocab = 11, .layers = 2, .heads = 2, .width = 32, .context = 16},
+                                &gen);
+                    std::vector<int64_t> tokens(64), targets(64);
+                    for (size_t i = 0; i < tokens.size(); ++i) {
+                      tokens[i] = (i * 3) % 11;
+                      targets[i] = (i * 3 + 1) % 11;
+                    }
+                    mt::Tensor t = mt::tensor(tokens, {4, 16}), u = mt::tensor(targets, {4, 16});
+                    return train(
+                        net, [&] { return net.loss(t, u); }, policy);
+                  }});
+  return list;
+}
+
+Trained train_on(mt::Device device, const Model& model, const std::string& policy) {
+  DeviceScope scope;
+  mt::set_device(device);
+  return model.train(policy);
+}
+
+// How far two runs may drift: fp32 by the sums' order (and libm ulps); 16-bit policies by an
+// ulp of a 16-bit activation here and there, which Adam (normalized steps of about lr) turns
+// into parameter differences of a few lr at most.
+struct Tolerance {
+  double loss, parameter;
+};
+Tolerance tolerance_of(const std::string& policy) {
+  if (policy == "fp32") return {1e-4, 3e-4};
+  if (policy.starts_with("autocast")) return {5e-3, 8e-3};
+  return {2e-2, 2e-2};
+}
+
+class GpuTraining : public ::testing::TestWithParam<int> {};
+
+TEST_P(GpuTraining, EveryPolicyMatchesTheCpuAndLaterStepsCompileNothing) {
+  SKIP_WITHOUT_CUDA();
+  Model model = models()[GetParam()];
+  for (const char* policy : policy_names) {
+    Trained expected = train_on(baseline(), model, policy);
+    Trained actual = train_on(tested(), model, policy);
+    Tolerance tol = tolerance_of(policy);
+    std::string what = model.name + " under " + policy;
+    ASSERT_EQ(actual.losses.size(), expected.losses.size());
+    for (size_t s = 0; s < expected.losses.size(); ++s) {
+      EXPECT_TRUE(std::isfinite(actual.losses[s])) << what << " step " << s;
+      EXPECT_NEAR(actual.losses[s], expected.losses[s],
+                  tol.loss * (1 + std::fabs(expected.losses[s])))
+          << what << " step " << s;
+    }
+    ASSERT_EQ(actual.parameters.size(), expected.parameters.size());
+    for (size_t p = 0; p < expected.parameters.size(); ++p) {
+      const std::vector<double>& e = expected.parameters[p];
+      const std::vector<double>& a = actual.parameters[p];
+      ASSERT_EQ(a.size(), e.size());
+      double worst = 0;
+      size_t at = 0;
+      for (size_t i = 0; i < e.size(); ++i) {
+        double d = std::fabs(a[i] - e[i]) / (1 + std::fabs(e[i]));
+        if (!(d <= worst)) worst = d, at = i;
+      }
+      EXPECT_LE(worst, tol.parameter)
+          << what << " parameter " << p << " element " << at << ": " << e[at] << " vs " << a[at];
+    }
+    // After the warm-up (Adam's state exists from the first step), every step replays cached
+    // programs: nothing is fused, lowered or compiled again.
+    EXPECT_EQ(actual.late.programs_built, 0) << what;
+    EXPECT_GT(actual.late.programs_reused, 0) << what;
+    EXPECT_EQ(actual.late.kernels_compiled, 0) << what;
+    EXPECT_GT(actual.late.kernels, 0) << what;
+    EXPECT_GT(actual.late.gemms, 0) << what;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Gpu, GpuTraining, ::testing::Range(0, 4),
+                         [](const auto& info) { return models()[info.param].name; });
+
+// A step whose scaled gradients overflow f16 is skipped and the scale halves, on the GPU as on
+// the CPU; the next, finite step updates the parameters.
+TEST(GpuLossScaling, AnOverflowStepIsSkippedAndTheScaleHalves) {
+  SKIP_WITHOUT_CUDA();
+  struct Outcome {
+    std::vector<double> scales, after_overflow, after_finite;
+    std::vector<bool> skips;
+  };
+  auto run = [](mt::Device device) {
+    DeviceScope scope;
+    mt::set_device(device);
+    mt::manual_seed(9);
+    mt::Linear layer(8, 4);
+    mt::Tensor x = mt::randn({16, 8});
+    mt::SGD optimizer(layer.parameters(), mt::SGDOptions{.lr = 0.1});
+    mt::GradScaler scaler({.init_scale = 65536.0});
+    Outcome out;
+    for (double magnitude : {1e4, 1.0}) {  // 1e4 * 65536 overflows f16 gradients
+      optimizer.zero_grad();
+      mt::Tensor loss;
+      {
+        mt::autocast guard(mt::policy_by_name("pure-f16"));
+        loss = mt::mean(mt::cast(layer(x), mt::f32)) * magnitude;
+      }
+      scaler.scale(loss).backward();
+      scaler.step(optimizer);
+      scaler.update();
+      out.scales.push_back(scaler.get_scale());
+      (magnitude > 1 ? out.after_overflow : out.after_finite) = layer.weight.to_vector<double>();
+    }
+    out.skips = scaler.skip_history();
+    return out;
+  };
+  Outcome expected = run(baseline());
+  Outcome actual = run(tested());
+  EXPECT_EQ(actual.skips, (std::vector<bool>{true, false}));
+  EXPECT_EQ(actual.skips, expected.skips);
+  EXPECT_EQ(actual.scales, (std::vector<double>{32768.0, 32768.0}));
+  EXPECT_EQ(actual.scales, expected.scales);
+  EXPECT_EQ(first_difference(expected.after_overflow, actual.after_overflow, mt::f16, 0), "");
+  EXPECT_EQ(first_difference(expected.after_finite, actual.after_finite, mt::f16, 1.01), "");
+  EXPECT_NE(actual.after_overflow, actual.after_finite);
+}
+
+// Values computed on the GPU stay there until read: a chain of steps downloads only what the
+// host asks for.
+TEST(GpuResidency, ValuesStayOnTheDeviceUntilRead) {
+  SKIP_WITHOUT_CUDA();
+  if (dry_run()) GTEST_SKIP() << "device residency needs a GPU";
+  DeviceScope scope;
+  mt::set_device(mt::Device::cuda);
+  mt::Tensor x = mt::tensor(std::vector<float>(4096, 1.5f), {64, 64});
+  mt::Tensor y = mt::matmul(x, x) + 1.0;
+  mt::eval({y});
+  mt::reset_execution_stats();
+  mt::Tensor z = mt::relu(mt::matmul(y, x)) * 0.5;
+  mt::eval({z});
+  mt::ExecutionStats stats = mt::execution_stats();
+  EXPECT_EQ(stats.bytes_uploaded, 0);  // x was uploaded once, y never left the device
+  EXPECT_EQ(stats.bytes_downloaded, 0);
+  EXPECT_TRUE(z.node()->value->host_stale);
+  std::vector<float> values = z.to_vector<float>();
+  EXPECT_EQ(mt::execution_stats().bytes_downloaded, 4096 * 4);
+  float expected = (64 * 1.5f * 1.5f + 1.0f) * 1.5f * 64 * 0.5f;
+  EXPECT_FLOAT_EQ(values[0], expected);
+  EXPECT_FLOAT_EQ(values[4095], expected);
+}
+
+}  // namespace
