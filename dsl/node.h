@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "dsl/dtype.h"
+#include "dsl/host_memory.h"
 #include "dsl/shape.h"
 
 namespace mixtape {
@@ -48,11 +49,18 @@ struct Storage {
   int64_t count;
   // The host copy: valid unless host_stale; empty until first read for device-only values.
   // Read it through host_data() (or as<T>()), never directly.
-  std::vector<std::byte> bytes;
+  std::vector<std::byte, HostAllocator<std::byte>> bytes;
   std::shared_ptr<DeviceCopy> device;  // opaque to dsl; runtime/cuda_executor.cpp defines it
   std::atomic<bool> host_stale{false};
 
+  /// Zeros (every dtype's zero is all-zero bits).
   Storage(DType dtype, int64_t count)
+      : dtype(dtype),
+        count(count),
+        bytes(static_cast<size_t>(count) * size_of(dtype), std::byte{0}) {}
+  /// Uninitialized bytes, for a value about to be written whole (a kernel's output).
+  struct Uninitialized {};
+  Storage(DType dtype, int64_t count, Uninitialized)
       : dtype(dtype), count(count), bytes(static_cast<size_t>(count) * size_of(dtype)) {}
   /// A value that exists only on the device; the host bytes are allocated on first read.
   Storage(DType dtype, int64_t count, std::shared_ptr<DeviceCopy> device_copy)

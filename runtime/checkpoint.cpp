@@ -84,8 +84,9 @@ NamedTensors load_tensors(const std::string& path, Metadata* metadata) {
   safetensors::File file = safetensors::read(path);
   NamedTensors out;
   for (safetensors::TensorData& data : file.tensors) {
-    auto storage = std::make_shared<Storage>(data.dtype, numel(data.shape));
-    storage->bytes = std::move(data.bytes);
+    auto storage =
+        std::make_shared<Storage>(data.dtype, numel(data.shape), Storage::Uninitialized{});
+    storage->bytes.assign(data.bytes.begin(), data.bytes.end());
     out.emplace_back(data.name, from_storage(std::move(storage), data.shape));
   }
   if (metadata) *metadata = std::move(file.metadata);

@@ -31,25 +31,49 @@ constexpr int64_t parallel_threshold = 1 << 17;
 ExecutionStats& stats() { return execution_counters(); }
 
 std::shared_ptr<Storage> allocate(const Node& node) {
-  return std::make_shared<Storage>(node.storage, node.numel());
+  return std::make_shared<Storage>(node.storage, node.numel(), Storage::Uninitialized{});
 }
 
 int64_t bytes_of(const Storage& s) { return s.size_bytes(); }
 
-KernelFunction load_kernel(const kir::Kernel& kernel) {
-  // Emitting is skipped for kernels this process has already loaded.
-  static std::mutex mutex;
-  static std::unordered_map<std::string, KernelFunction> loaded;
-  {
-    std::lock_guard<std::mutex> lock(mutex);
-    auto found = loaded.find(kernel.name);
-    if (found != loaded.end()) return found->second;
+// A kernel's entry point: null from the program build until compile_pending() has loaded it
+// together with the rest of the program's new kernels.
+struct KernelCell {
+  KernelFunction function = nullptr;
+};
+
+std::mutex cells_mutex;
+std::unordered_map<std::string, std::unique_ptr<KernelCell>>& kernel_cells() {
+  static std::unordered_map<std::string, std::unique_ptr<KernelCell>> cells;
+  return cells;
+}
+std::vector<std::pair<KernelCell*, LlvmJit::KernelSource>>& unloaded() {
+  static std::vector<std::pair<KernelCell*, LlvmJit::KernelSource>> kernels;
+  return kernels;
+}
+
+// The program builder's kernel loader: emits a kernel new to this process and leaves it for
+// compile_pending(), so that a new program's kernels compile in parallel.
+uintptr_t register_kernel(const kir::Kernel& kernel) {
+  std::lock_guard<std::mutex> lock(cells_mutex);
+  auto [it, added] = kernel_cells().try_emplace(kernel.name);
+  if (added) {
+    it->second = std::make_unique<KernelCell>();
+    if (log_enabled("kernels")) log_line("kernels", "{}", kir::to_string(kernel));
+    unloaded().push_back({it->second.get(), {kernel.name, emit_llvm(kernel)}});
   }
-  if (log_enabled("kernels")) log_line("kernels", "{}", kir::to_string(kernel));
-  KernelFunction function = LlvmJit::instance().load(kernel.name, emit_llvm(kernel));
-  std::lock_guard<std::mutex> lock(mutex);
-  loaded.emplace(kernel.name, function);
-  return function;
+  return reinterpret_cast<uintptr_t>(it->second.get());
+}
+
+void compile_pending() {
+  std::lock_guard<std::mutex> lock(cells_mutex);
+  auto& todo = unloaded();
+  if (todo.empty()) return;
+  std::vector<LlvmJit::KernelSource> sources;
+  for (auto& [cell, source] : todo) sources.push_back(source);
+  std::vector<KernelFunction> functions = LlvmJit::instance().load_all(sources);
+  for (size_t i = 0; i < todo.size(); ++i) todo[i].first->function = functions[i];
+  todo.clear();
 }
 
 KernelObserver& observer() {
@@ -59,7 +83,8 @@ KernelObserver& observer() {
 
 void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signature& sig) {
   const kir::Kernel& kernel = *step.kernel;
-  auto function = reinterpret_cast<KernelFunction>(step.compiled);
+  KernelFunction function = reinterpret_cast<const KernelCell*>(step.compiled)->function;
+  if (!function) fail("CPU kernel {} failed to compile earlier", kernel.name);
   size_t count = step.params.size();
   std::vector<Node*> nodes(count);
   std::vector<void*> params(count);
@@ -154,9 +179,8 @@ void execute_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& re
   options.fuse = !eager_mode();
   Signature sig = sign(pending, required, options.fuse, "mixtape-cpu-program-1");
   static ProgramCache programs;
-  std::shared_ptr<const Program> program = programs.get(
-      pending, options, sig,
-      [](const kir::Kernel& kernel) { return reinterpret_cast<uintptr_t>(load_kernel(kernel)); });
+  std::shared_ptr<const Program> program = programs.get(pending, options, sig, register_kernel);
+  compile_pending();
   ExecutionStats& s = stats();
   run_program(*program, pending, sig, [&](const Step& step) {
     switch (step.kind) {

@@ -2,6 +2,8 @@
 #include "runtime/program.h"
 
 #include <algorithm>
+#include <bit>
+#include <type_traits>
 #include <unordered_set>
 
 #include "codegen/llvm_jit.h"
@@ -11,8 +13,41 @@
 namespace mixtape {
 namespace {
 
+// The program cache lives in this process only, so its key needs no stable byte format: a
+// word at a time through two multiply-rotate lanes, several times faster than Hasher's framed
+// bytes (the signature is taken on every evaluation).
+class WordHasher {
+ public:
+  template <typename T>
+  requires std::is_arithmetic_v<T> || std::is_enum_v<T> WordHasher& update(T value) {
+    uint64_t word;
+    if constexpr (std::is_floating_point_v<T>)
+      word = std::bit_cast<uint64_t>(static_cast<double>(value));
+    else
+      word = static_cast<uint64_t>(value);
+    uint64_t a = std::rotl((a_ ^ word) * 0x9E3779B97F4A7C15ull, 31) + b_;
+    b_ = std::rotl((b_ + word) * 0x165667B19E3779F9ull, 27) ^ a;
+    a_ = a;
+    return *this;
+  }
+  WordHasher& update(std::string_view text) {
+    update(text.size());
+    for (char c : text) update(c);
+    return *this;
+  }
+  Hash128 finish() const {
+    Hash128 h;
+    h.lo = a_ ^ std::rotl(b_, 17);
+    h.hi = b_ * 0xC2B2AE3D27D4EB4Full ^ (a_ >> 29);
+    return h;
+  }
+
+ private:
+  uint64_t a_ = 0x6D69787461706531ull, b_ = 0xC2B2AE3D27D4EB4Full;
+};
+
 template <typename T>
-void update_all(Hasher& h, const std::vector<T>& values) {
+void update_all(WordHasher& h, const std::vector<T>& values) {
   h.update(values.size());
   for (const T& v : values) h.update(v);
 }
@@ -88,7 +123,7 @@ void reset_execution_stats() {
 Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& required, bool fuse,
                std::string_view salt) {
   Signature sig;
-  Hasher h;
+  WordHasher h;
   h.update(salt);
   h.update(fuse);
   h.update(pending.size());

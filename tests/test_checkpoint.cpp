@@ -33,7 +33,8 @@ using Bytes = std::vector<std::byte>;
 
 Bytes bytes_of(const mt::Tensor& t) {
   mt::eval({t});
-  return t.node()->value->bytes;
+  const mt::Storage& s = *t.node()->value;
+  return Bytes(s.host_data(), s.host_data() + s.size_bytes());
 }
 
 // Every value a checkpoint should restore, as raw bytes: parameters, buffers, optimizer state.

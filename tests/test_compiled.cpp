@@ -36,7 +36,8 @@ std::pair<std::vector<std::byte>, std::vector<std::byte>> both(
     mt::set_device(devices[d]);
     mt::Tensor result = program();
     mt::eval({result});
-    out[d] = result.node()->value->bytes;
+    const mt::Storage& s = *result.node()->value;
+    out[d].assign(s.host_data(), s.host_data() + s.size_bytes());
   }
   mt::set_device(previous);
   return {out[0], out[1]};

@@ -31,7 +31,8 @@ using Bytes = std::vector<std::byte>;
 
 Bytes bytes_of(const mt::Tensor& t) {
   mt::eval({t});
-  return t.node()->value->bytes;
+  const mt::Storage& s = *t.node()->value;
+  return Bytes(s.host_data(), s.host_data() + s.size_bytes());
 }
 
 // Every bit an optimizer step may change: parameters, state (exp_avg, exp_avg_sq,
