@@ -18,4 +18,5 @@
 #include "precision_policy/policy.h"
 #include "precision_policy/report.h"
 #include "runtime/checkpoint.h"
+#include "runtime/cuda_driver.h"
 #include "runtime/device.h"

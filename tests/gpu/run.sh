@@ -27,7 +27,7 @@ else
   cmake -S . -B "$bin" -DCMAKE_BUILD_TYPE=Release -DMIXTAPE_BUILD_TESTS=ON >> "$log" 2>&1 &&
     cmake --build "$bin" -j"$(nproc)" >> "$log" 2>&1 || { echo "build failed, see $log"; exit 1; }
 fi
-export MIXTAPE_CACHE_DIR="$out/.kernel-cache" OMP_WAIT_POLICY=passive
+export MIXTAPE_CACHE_DIR="$(mktemp -d)" OMP_WAIT_POLICY=passive
 
 status=0
 summary=()
@@ -50,6 +50,13 @@ for bench in "$bin"/bench_gpu_*; do
   timeout 300 "$bench" > "$out/$name.json" 2>> "$log" || { echo "$name failed" | tee -a "$log"; status=1; }
   cat "$out/$name.json"
 done
+# PyTorch's AMP eager and torch.compile steps on the same workload, where torch has CUDA.
+if python3 -c "import torch" > /dev/null 2>&1; then
+  echo "=== peer_torch_gpu" | tee -a "$log"
+  timeout 300 python3 bench/peer_torch_gpu.py > "$out/peer_torch_gpu.json" 2>> "$log" ||
+    echo "peer_torch_gpu failed" | tee -a "$log"
+  cat "$out/peer_torch_gpu.json"
+fi
 # One summary: each binary's exit code and time, and every failed test case by name.
 python3 - "$out" "${summary[@]}" > "$out/summary.json" <<'PY'
 import glob, json, os, sys
