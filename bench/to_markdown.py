@@ -66,6 +66,16 @@ def main():
             print(f"| {e['dtype']} {e['size']} | {mixtape} | {cell(e['mixtape_fraction_of_peak'])} "
                   f"| {torch} | {cell(e['torch_fraction_of_peak'])} | {cell(e['jax_gflops'])} "
                   f"| {cell(e['jax_fraction_of_peak'])} | {cell(e['ratio_vs_torch'])} |")
+    jit = doc.get("jit")
+    if jit:
+        cold, warm = jit["cold"], jit["warm"]
+        print(f"\nJIT (digits_mlp, fp32 and bf16): cold, {cold['kernels_compiled']} kernels "
+              f"compiled in {cold['compile_seconds']} s ({cold['ms_per_compiled_kernel']} ms "
+              f"each), {cell(100 * jit['cold_jit_share_of_1000_steps'], 1)}% of a 1000-step run "
+              f"(target < 5%); warm, {warm['kernels_from_disk']} kernels loaded from the disk "
+              f"cache in {warm['load_seconds']} s ({warm['ms_per_loaded_kernel']} ms each), "
+              f"{warm['kernels_compiled']} compiled: a warm start adds "
+              f"{cell(1e3 * jit['warm_start_added_seconds'], 1)} ms (target < 50 ms).")
     for note in doc.get("notes", []):
         print(f"\nNote: {note}")
 
