@@ -136,6 +136,7 @@ class Fuser {
                 [](Node* a, Node* b) { return a->id < b->id; });
       std::sort(group.outputs.begin(), group.outputs.end(),
                 [](Node* a, Node* b) { return a->id < b->id; });
+      if (is_alias(group)) group.kind = FusionGroup::Kind::Alias;
       out.push_back(std::move(group));
     }
     // A group's inputs are stored by groups whose newest member is older than any reader (see
@@ -196,6 +197,18 @@ class Fuser {
   }
 
   uint64_t root_id(size_t g) const { return groups_[g].members.front()->id; }
+
+  // A kernel that would only copy a stored value into a new shape (a reshape read by a matmul):
+  // row-major storage is the same bytes in any shape, so the reshape shares its input's buffer.
+  static bool is_alias(const FusionGroup& group) {
+    if (group.kind != FusionGroup::Kind::Kernel || group.members.size() != 1) return false;
+    const Node& node = *group.members[0];
+    if (node.op != OpCode::Reshape) return false;
+    const Node& input = *node.inputs[0];
+    if (is_constant_fill(input)) return false;
+    DType stored = input.value ? input.value->dtype : input.storage;
+    return stored == node.storage;
+  }
 
   void new_group(Node* node, FusionGroup::Kind kind) {
     FusionGroup group;
@@ -392,6 +405,7 @@ class Fuser {
     for (Node* m : group.members) names += fmt::format(" {}#{}", op_name(m->op), m->id);
     const char* kind = group.kind == FusionGroup::Kind::Kernel   ? "kernel"
                        : group.kind == FusionGroup::Kind::MatMul ? "matmul"
+                       : group.kind == FusionGroup::Kind::Alias  ? "alias"
                                                                  : "host";
     log_line("fusion", "{} [{} nodes, {} stored]:{}", kind, group.members.size(),
              group.outputs.size(), names);

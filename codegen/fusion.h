@@ -21,7 +21,8 @@ struct Access {
 };
 
 struct FusionGroup {
-  enum class Kind { Kernel, MatMul, Host };
+  // Alias: a reshape of a value another group stores, sharing its buffer (no copy).
+  enum class Kind { Kernel, MatMul, Host, Alias };
   Kind kind = Kind::Host;
   std::vector<Node*> members;  // tape order
   std::vector<Node*> outputs;  // members whose values are stored

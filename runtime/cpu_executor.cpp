@@ -184,6 +184,8 @@ void execute_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& re
   ExecutionStats& s = stats();
   run_program(*program, pending, sig, [&](const Step& step) {
     switch (step.kind) {
+      case FusionGroup::Kind::Alias:  // run_program shares the storage itself
+        break;
       case FusionGroup::Kind::Kernel:
         run_kernel(step, pending, sig);
         break;

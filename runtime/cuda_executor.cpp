@@ -277,6 +277,8 @@ void execute_cuda(const std::vector<Node*>& pending, const std::vector<Node*>& r
   compile_pending();
   run_program(*program, pending, sig, [&](const Step& step) {
     switch (step.kind) {
+      case FusionGroup::Kind::Alias:  // run_program shares the storage itself
+        break;
       case FusionGroup::Kind::Kernel:
         run_kernel(step, pending, sig);
         break;

@@ -212,7 +212,14 @@ void run_program(const Program& program, const std::vector<Node*>& pending, cons
   int64_t live = 0, peak = 0;
   for (size_t i = 0; i < program.steps.size(); ++i) {
     const Step& step = program.steps[i];
-    run_step(step);
+    if (step.kind == FusionGroup::Kind::Alias) {
+      // Every back end stores values flat and row-major: a reshape shares its input's storage
+      // (counted again below, so peak_bytes errs high while both are alive).
+      Node* node = sig.resolve(step.node, pending);
+      node->value = node->inputs[0]->value;
+    } else {
+      run_step(step);
+    }
     if (step.kind == FusionGroup::Kind::Kernel) {
       for (size_t p = 0; p < step.params.size(); ++p)
         if (step.kernel->params[p].output)

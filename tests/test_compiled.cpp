@@ -264,6 +264,32 @@ TEST(Compiled, StoredValuesLiveOnlyUntilTheirLastReader) {
   mt::set_device(mt::Device::reference);
 }
 
+// A reshape of a stored value that a matmul reads shares the value's buffer: no copy kernel.
+TEST(Compiled, AReshapeOfAStoredValueSharesItsBuffer) {
+  mt::set_device(mt::Device::cpu);
+  mt::Generator gen(9);
+  mt::Tensor a = mt::randn({4, 6, 8}, mt::f32, &gen);
+  mt::Tensor w = mt::randn({8, 5}, mt::f32, &gen);
+  mt::eval({a, w});
+  mt::Tensor rows = a.reshape({24, 8});
+  mt::Tensor product = mt::matmul(rows, w);
+  mt::reset_execution_stats();
+  mt::eval({product});
+  EXPECT_EQ(mt::execution_stats().kernels, 0);
+  EXPECT_EQ(mt::execution_stats().gemms, 1);
+  ASSERT_TRUE(rows.node()->evaluated());
+  EXPECT_EQ(rows.node()->value, a.node()->value);
+  std::vector<float> got = product.to_vector<float>(), av = a.to_vector<float>(),
+                     wv = w.to_vector<float>();
+  for (int i = 0; i < 24; ++i)
+    for (int j = 0; j < 5; ++j) {
+      double expected = 0;
+      for (int k = 0; k < 8; ++k) expected += double(av[i * 8 + k]) * wv[k * 5 + j];
+      ASSERT_NEAR(got[i * 5 + j], expected, 1e-5 * (1 + std::fabs(expected)));
+    }
+  mt::set_device(mt::Device::reference);
+}
+
 TEST(Compiled, EmittedLlvmIrForABf16ChainIsStable) {
   // A golden check of the emitter's output for a small mixed-precision group: bf16 storage is
   // converted with integer operations and math calls go to the C library.
