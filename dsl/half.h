@@ -56,9 +56,12 @@ inline constexpr float f16_bits_to_f32(uint16_t bits) {
 /// with its sign and top 7 payload bits.
 inline constexpr uint16_t f32_to_bf16_bits(float x) {
   const uint32_t f = std::bit_cast<uint32_t>(x);
-  // The rounding add below would carry a NaN's payload into inf (or, for 0x7FFFFFFF, into -0).
-  if ((f & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((f >> 16) | 0x0040u);
-  return static_cast<uint16_t>((f + 0x7FFFu + ((f >> 16) & 1u)) >> 16);
+  // The rounding add would carry a NaN's payload into inf (or, for 0x7FFFFFFF, into -0), so NaNs
+  // take the quieted top half instead. Both are computed and one selected, without a branch, so
+  // that loops of conversions vectorize.
+  const uint32_t quiet_nan = (f >> 16) | 0x0040u;
+  const uint32_t rounded = (f + 0x7FFFu + ((f >> 16) & 1u)) >> 16;
+  return static_cast<uint16_t>((f & 0x7FFFFFFFu) > 0x7F800000u ? quiet_nan : rounded);
 }
 
 /// bfloat16 -> f32, exact: bf16 is the top half of an f32.
