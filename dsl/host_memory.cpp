@@ -12,8 +12,9 @@ namespace mixtape {
 namespace {
 
 constexpr size_t alignment = 64;
-// Blocks below this go straight to malloc's own free lists, which already reuse them well.
-constexpr size_t smallest_cached = size_t{1} << 16;
+// Blocks below this go straight to malloc's own free lists. Above it, a step's many mid-sized
+// buffers (activations of small batches) would otherwise keep malloc consolidating free chunks.
+constexpr size_t smallest_cached = size_t{1} << 10;
 // Freed blocks kept at most; past it a freed block goes back to the OS.
 constexpr int64_t max_cached_bytes = int64_t{1} << 30;
 

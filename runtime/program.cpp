@@ -127,6 +127,7 @@ Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& requ
   h.update(salt);
   h.update(fuse);
   h.update(pending.size());
+  sig.refs.reserve(2 * pending.size());
   for (size_t i = 0; i < pending.size(); ++i) sig.refs.emplace(pending[i], static_cast<int32_t>(i));
   std::vector<int64_t> readers(pending.size(), 0);
   for (Node* node : pending) {
