@@ -109,10 +109,8 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
     for (NodeRef ref : step.scalar_nodes) lowered.scalar_nodes.push_back(sig.resolve(ref, pending));
     observer()(lowered);
   }
-  int64_t extent = kernel.parallel_extent();
-  int64_t total = 1;
-  for (int64_t d : kernel.dims) total *= d;
-  int threads = total >= parallel_threshold ? omp_get_max_threads() : 1;
+  int64_t extent = step.parallel_extent;
+  int threads = step.points >= parallel_threshold ? omp_get_max_threads() : 1;
   if (threads <= 1 || extent < 2) {
     function(params.data(), 0, extent);
   } else {

@@ -178,6 +178,8 @@ Program build_program(const std::vector<Node*>& pending, const FusionOptions& op
       step.compiled = load(lowered.kernel);
       for (Node* node : lowered.nodes) step.params.push_back(sig.refs.at(node));
       for (Node* node : lowered.scalar_nodes) step.scalar_nodes.push_back(sig.refs.at(node));
+      step.parallel_extent = lowered.kernel.parallel_extent();
+      for (int64_t d : lowered.kernel.dims) step.points *= d;
       step.kernel = std::make_shared<const kir::Kernel>(std::move(lowered.kernel));
       step.members = static_cast<int64_t>(group.members.size());
     }

@@ -57,6 +57,10 @@ struct Step {
   std::vector<NodeRef> params;        // kernel.params[i]'s node
   std::vector<NodeRef> scalar_nodes;  // the fill behind each scalar slot
   int64_t members = 0;
+  // From the kernel, once at build time rather than at every launch (column_reduction() walks
+  // the kernel's values): the range split across threads, and the loop nest's points.
+  int64_t parallel_extent = 1;
+  int64_t points = 1;
 };
 
 struct Program {

@@ -426,9 +426,19 @@ kir::Kernel two_inner_dims_sum() {
 
 class Golden : public ::testing::TestWithParam<std::pair<const char*, kir::Kernel (*)()>> {};
 
+// Every source starts with the same guarded device helpers (codegen/emit_cuda.cpp's prelude);
+// the golden files hold the kernel that follows them.
+std::string kernel_after_prelude(const std::string& source) {
+  const std::string prelude_end = "#endif  // MIXTAPE_CUDA_PRELUDE_V1\n";
+  size_t at = source.find(prelude_end);
+  EXPECT_EQ(source.rfind("#ifndef MIXTAPE_CUDA_PRELUDE_V1", 0), 0u) << "no prelude first";
+  EXPECT_NE(at, std::string::npos) << "the prelude does not end";
+  return at == std::string::npos ? source : source.substr(at + prelude_end.size());
+}
+
 TEST_P(Golden, EmittedCudaMatchesTheGoldenFile) {
   auto [file, make] = GetParam();
-  std::string emitted = mt::emit_cuda(make());
+  std::string emitted = kernel_after_prelude(mt::emit_cuda(make()));
   std::filesystem::path path = std::filesystem::path(MIXTAPE_SOURCE_DIR) / "tests/golden" / file;
   const char* update = std::getenv("MIXTAPE_UPDATE_GOLDEN");
   if (update && std::string(update) == "1") {
