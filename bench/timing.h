@@ -111,6 +111,7 @@ struct CommandLine {
   std::vector<std::string> workloads;
   std::vector<std::string> precisions{"fp32", "bf16"};
   TimingOptions timing;
+  std::string step = "traced";  // bench_training: traced (every step) or compiled (mt::compile)
 };
 
 [[noreturn]] inline void usage_error(const char* program, const std::string& problem,
@@ -149,6 +150,8 @@ inline CommandLine parse_command_line(int argc, char** argv, const char* program
       line.timing.window_seconds = number();
     else if (flag == "--budget-seconds")
       line.timing.budget_seconds = number();
+    else if (flag == "--step" && (value == "traced" || value == "compiled"))
+      line.step = value;
     else
       usage_error(program, "unknown flag " + flag, usage);
   }

@@ -18,10 +18,12 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: bench_training --workloads LIST [--precisions fp32,bf16] [--warmup N] [--windows N]\n"
-    "                      [--window-seconds S] [--budget-seconds S]\n"
+    "                      [--window-seconds S] [--budget-seconds S] [--step traced|compiled]\n"
     "  workloads: mlp_w<W>_b<B> (32 -> W x4 hidden -> 16, ReLU, MSE, Adam 1e-3), digits_mlp\n"
     "             (examples/digits_mlp's model and loop), char_gpt (CharGpt 4x4x128, context 64,\n"
     "             batch 12, AdamW, clipping at 1)\n"
+    "  --step compiled runs each step through mt::compile (traced once, then replayed); traced\n"
+    "  (the default) builds the graph every step, as the plain training loop does.\n"
     "  The back end is chosen by the environment: MIXTAPE_DEVICE=cpu|reference, MIXTAPE_EAGER=1.\n";
 
 constexpr uint64_t kSeed = 0;
@@ -29,8 +31,27 @@ constexpr uint64_t kSeed = 0;
 /// One workload, ready to step: the step closure owns the model, optimizer and data.
 struct Workload {
   std::function<void()> step;
-  mt::json::Object facts;  // shapes and settings reported with the result
+  mt::json::Object facts;                           // shapes and settings reported with the result
+  std::function<mt::CompileStats()> compile_stats;  // set for --step compiled
 };
+
+/// A training step as a function of one batch (`train`), fed by `next_batch`: traced on every
+/// call, or through mt::compile as a user who wants to skip the tracing writes it.
+template <typename Train, typename NextBatch>
+Workload make_workload(Train train, NextBatch next_batch, bool compiled, mt::json::Object facts) {
+  if (!compiled)
+    return {[train, next_batch]() mutable {
+              auto [inputs, targets] = next_batch();
+              train(inputs, targets);
+            },
+            std::move(facts), nullptr};
+  auto step = std::make_shared<mt::Compiled<Train>>(std::move(train));
+  return {[step, next_batch]() mutable {
+            auto [inputs, targets] = next_batch();
+            (*step)(inputs, targets);
+          },
+          std::move(facts), [step] { return step->stats(); }};
+}
 
 /// Trainable values, reported so that run.py can check every system trains the same model.
 int64_t parameter_count(const mt::Module& module) {
@@ -49,7 +70,7 @@ mt::Tensor random_normal(mt::Shape shape, std::mt19937_64& rng) {
   return mt::tensor(values, std::move(shape));
 }
 
-Workload mlp_workload(int64_t width, int64_t batch, const mt::PolicyPtr& policy) {
+Workload mlp_workload(int64_t width, int64_t batch, const mt::PolicyPtr& policy, bool compiled) {
   struct State {
     mt::Generator gen{kSeed};
     std::unique_ptr<mt::MLP> net;
@@ -64,26 +85,28 @@ Workload mlp_workload(int64_t width, int64_t batch, const mt::PolicyPtr& policy)
   std::mt19937_64 rng(kSeed);
   state->inputs = random_normal({batch, 32}, rng);
   state->targets = random_normal({batch, 16}, rng);
-  auto step = [state, policy] {
+  auto train = [state, policy](const mt::Tensor& inputs, const mt::Tensor& targets) {
     state->optimizer->zero_grad();
     mt::Tensor loss;
     {
       mt::autocast guard(policy);
-      loss = mt::mse_loss((*state->net)(state->inputs), state->targets);
+      loss = mt::mse_loss((*state->net)(inputs), targets);
     }
     loss.backward();
     state->optimizer->step();
+    return loss;
   };
-  return {step,
-          {{"width", width},
-           {"batch", batch},
-           {"hidden_layers", 4},
-           {"parameters", parameter_count(*state->net)}}};
+  auto next_batch = [state] { return std::pair(state->inputs, state->targets); };
+  return make_workload(train, next_batch, compiled,
+                       {{"width", width},
+                        {"batch", batch},
+                        {"hidden_layers", 4},
+                        {"parameters", parameter_count(*state->net)}});
 }
 
 /// examples/digits_mlp.cpp's model and training step with its defaults (SGD momentum 0.9 at
 /// 0.05, batch 64, label smoothing 0.2, input noise 0.2, shuffled loader).
-Workload digits_workload(const mt::PolicyPtr& policy) {
+Workload digits_workload(const mt::PolicyPtr& policy, bool compiled) {
   struct Net : mt::Module {
     mt::Linear fc1, fc2, fc3;
     explicit Net(mt::Generator* gen)
@@ -116,27 +139,33 @@ Workload digits_workload(const mt::PolicyPtr& policy) {
   state->net = std::make_unique<Net>(&state->gen);
   state->optimizer = std::make_unique<mt::SGD>(state->net->parameters(),
                                                mt::SGDOptions{.lr = 0.05, .momentum = 0.9});
-  auto step = [state, policy] {
-    mt::Batch batch = state->loader->next();
+  auto train = [state, policy](const mt::Tensor& inputs, const mt::Tensor& targets) {
     state->optimizer->zero_grad();
-    mt::Tensor inputs =
-        batch.inputs + mt::randn(batch.inputs.shape(), mt::f32, &state->noise, 0, 0.2);
     mt::Tensor loss;
     {
       mt::autocast guard(policy);
-      loss = mt::cross_entropy((*state->net)(inputs), batch.targets,
+      loss = mt::cross_entropy((*state->net)(inputs), targets,
                                mt::CrossEntropyOptions{.label_smoothing = 0.2});
     }
     loss.backward();
     state->optimizer->step();
+    return loss;
   };
-  return {step, {{"batch", kBatch}, {"hidden", 128}, {"parameters", parameter_count(*state->net)}}};
+  // The input noise is drawn outside the step, so that a compiled step replays.
+  auto next_batch = [state] {
+    mt::Batch batch = state->loader->next();
+    mt::Tensor noise = mt::randn(batch.inputs.shape(), mt::f32, &state->noise, 0, 0.2);
+    return std::pair(batch.inputs + noise, batch.targets);
+  };
+  return make_workload(
+      train, next_batch, compiled,
+      {{"batch", kBatch}, {"hidden", 128}, {"parameters", parameter_count(*state->net)}});
 }
 
 /// CharGpt (examples/char_gpt_model.h) on fortunes.txt with nanoGPT's CPU settings: 4 layers,
 /// 4 heads, width 128, context 64, batch 12, AdamW 1e-3 (beta2 0.99, weight decay 0.1) and
 /// gradient clipping at 1. One optimizer over all parameters: the peers do the same.
-Workload gpt_workload(const mt::PolicyPtr& policy) {
+Workload gpt_workload(const mt::PolicyPtr& policy, bool compiled) {
   struct State {
     mt::Generator gen{kSeed};
     std::unique_ptr<CharGpt> model;
@@ -154,36 +183,40 @@ Workload gpt_workload(const mt::PolicyPtr& policy) {
   state->model = std::make_unique<CharGpt>(config, &state->gen);
   state->optimizer = std::make_unique<mt::AdamW>(
       state->model->parameters(), mt::AdamOptions{.lr = 1e-3, .beta2 = 0.99, .weight_decay = 0.1});
-  auto step = [state, policy] {
-    mt::Batch batch = state->loader->next();
+  auto train = [state, policy](const mt::Tensor& inputs, const mt::Tensor& targets) {
     state->optimizer->zero_grad();
     mt::Tensor loss;
     {
       mt::autocast guard(policy);
-      loss = state->model->loss(batch.inputs, batch.targets);
+      loss = state->model->loss(inputs, targets);
     }
     loss.backward();
     mt::clip_grad_norm(state->model->parameters(), 1.0);
     state->optimizer->step();
+    return loss;
   };
-  return {step,
-          {{"batch", kBatch},
-           {"context", config.context},
-           {"layers", config.layers},
-           {"heads", config.heads},
-           {"width", config.width},
-           {"vocab", config.vocab},
-           {"parameters", parameter_count(*state->model)}}};
+  auto next_batch = [state] {
+    mt::Batch batch = state->loader->next();
+    return std::pair(batch.inputs, batch.targets);
+  };
+  return make_workload(train, next_batch, compiled,
+                       {{"batch", kBatch},
+                        {"context", config.context},
+                        {"layers", config.layers},
+                        {"heads", config.heads},
+                        {"width", config.width},
+                        {"vocab", config.vocab},
+                        {"parameters", parameter_count(*state->model)}});
 }
 
-Workload make_workload(const std::string& name, const mt::PolicyPtr& policy) {
+Workload workload_by_name(const std::string& name, const mt::PolicyPtr& policy, bool compiled) {
   long long width = 0, batch = 0;
   int consumed = 0;
   if (std::sscanf(name.c_str(), "mlp_w%lld_b%lld%n", &width, &batch, &consumed) == 2 &&
       static_cast<size_t>(consumed) == name.size() && width > 0 && batch > 0)
-    return mlp_workload(width, batch, policy);
-  if (name == "digits_mlp") return digits_workload(policy);
-  if (name == "char_gpt") return gpt_workload(policy);
+    return mlp_workload(width, batch, policy, compiled);
+  if (name == "digits_mlp") return digits_workload(policy, compiled);
+  if (name == "char_gpt") return gpt_workload(policy, compiled);
   mt::fail("bench_training: unknown workload '{}' (mlp_w<W>_b<B>, digits_mlp, char_gpt)", name);
 }
 
@@ -196,7 +229,7 @@ int main(int argc, char** argv) {
       for (const std::string& precision : line.precisions) {
         mt::PolicyPtr policy = mt::policy_by_name(precision == "bf16" ? "autocast-bf16" : "fp32");
         mt::reset_execution_stats();
-        Workload workload = make_workload(name, policy);
+        Workload workload = workload_by_name(name, policy, line.step == "compiled");
         // Setup and warm-up (tracing, compiling, first runs) apart from the timed windows, whose
         // counters are reported per step.
         mt::ExecutionStats warmup_stats;
@@ -210,12 +243,20 @@ int main(int argc, char** argv) {
         mt::json::Object record{{"system", "mixtape"},
                                 {"workload", name},
                                 {"precision", precision},
-                                {"backend", bench::backend()}};
+                                {"backend", bench::backend()},
+                                {"step", line.step}};
         bench::append(record, workload.facts);
         bench::append(record, result);
         record.emplace_back("setup_and_warmup_stats", bench::stats_json(warmup_stats));
         record.emplace_back("per_step_stats",
                             bench::stats_json(mt::execution_stats(), timed_steps));
+        if (workload.compile_stats) {
+          mt::CompileStats c = workload.compile_stats();
+          record.emplace_back("compile", mt::json::Object{{"calls", c.calls},
+                                                          {"traces", c.traces},
+                                                          {"replays", c.replays},
+                                                          {"reason", c.reason}});
+        }
         bench::emit(record);
       }
     }

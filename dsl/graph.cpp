@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <unordered_set>
+#include <utility>
 
 namespace mixtape {
 namespace {
@@ -20,6 +21,7 @@ thread_local const Loc* call_site = nullptr;
 thread_local const char* composite = nullptr;
 thread_local const Node* differentiating = nullptr;
 thread_local std::shared_ptr<const Policy> policy;
+thread_local TraceObserver* tracer = nullptr;
 
 // Ops whose result is never differentiable, whatever their inputs.
 bool blocks_gradient(OpCode op) {
@@ -70,7 +72,17 @@ NodePtr make_node(OpCode op, DType dtype, Shape shape, std::vector<NodePtr> inpu
     node->policy = policy;
     node->composite = composite;
   }
+  if (tracer) [[unlikely]]
+    tracer->node_made(node);
   return node;
+}
+
+TraceObserver* trace_observer() { return tracer; }
+TraceObserver* exchange_trace_observer(TraceObserver* observer) {
+  return std::exchange(tracer, observer);
+}
+void note_side_effect(const char* what) {
+  if (tracer) tracer->side_effect(what);
 }
 
 void op_error(const char* op, const Loc& loc, const std::string& detail) {

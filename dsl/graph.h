@@ -96,6 +96,22 @@ class BackwardScope {
 /// inputs are made before their readers, so creation order is a topological order.
 std::vector<Node*> nodes_in_tape_order(const std::vector<NodePtr>& roots);
 
+/// What mt::compile (runtime/compile.h) is told while it traces a function: every node made,
+/// and every effect that a replay of the recorded programs would not repeat (a value read on
+/// the host, a random draw, a changed setting), which makes the trace unfit to replay.
+/// One per thread; null when nothing is being traced.
+class TraceObserver {
+ public:
+  virtual ~TraceObserver() = default;
+  virtual void node_made(const NodePtr& node) = 0;
+  virtual void side_effect(const char* what) = 0;
+};
+TraceObserver* trace_observer();
+/// Installs `observer` for this thread, returning the previous one.
+TraceObserver* exchange_trace_observer(TraceObserver* observer);
+/// Tells the observer, if any, about an effect a replay would skip.
+void note_side_effect(const char* what);
+
 /// Computes `value` for every node in `outputs` (and what they need). Provided by the runtime
 /// layer, which owns the executors; the DSL only asks.
 void evaluate(const std::vector<NodePtr>& outputs);

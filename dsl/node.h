@@ -86,6 +86,16 @@ struct Storage {
   /// Call after writing the host bytes in place: a device copy would no longer match.
   void host_written() { device.reset(); }
   int64_t size_bytes() const { return count * static_cast<int64_t>(size_of(dtype)); }
+  /// Exchanges the values (host bytes and device copy) of two storages of one dtype and size,
+  /// so that every holder of this one sees `other`'s value: how mt::compile updates state in
+  /// place.
+  void swap_value(Storage& other) {
+    bytes.swap(other.bytes);
+    device.swap(other.device);
+    bool stale = host_stale.load();
+    host_stale.store(other.host_stale.load());
+    other.host_stale.store(stale);
+  }
 
   /// How a device back end copies a stale value to the host: fills `bytes` (sized by then) and
   /// clears host_stale. Registered by the back end before it makes its first device value.

@@ -38,7 +38,14 @@ Optimizer::Optimizer(std::vector<Tensor> params, const char* kind)
 void Optimizer::set_lr(double lr) {
   if (!(lr >= 0) || !std::isfinite(lr))
     fail("{}: learning rate must be finite and >= 0, got {}", kind_, lr);
+  note_side_effect("sets the learning rate (call set_lr outside the compiled function)");
   lr_ = lr;
+  if (!lr_value_.defined()) {
+    lr_value_ = from_storage(std::make_shared<Storage>(f64, 1), {});
+  }
+  Storage& rate = *lr_value_.node()->value;
+  rate.as<double>()[0] = lr;
+  rate.host_written();
 }
 
 void Optimizer::step() { step_unless(Tensor(), {}); }
@@ -170,7 +177,7 @@ Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state)
     set_state(state, "momentum_buffer", buffer);
     g = options.nesterov ? g + buffer * options.momentum : buffer;
   }
-  return param - g * lr_;
+  return param - g * cast(lr_value(), g.dtype());
 }
 
 Adam::Adam(std::vector<Tensor> params, AdamOptions options)
@@ -193,14 +200,14 @@ void Adam::begin_step() {
   Tensor bias1 = 1.0 - pow(full({}, options.beta1, f64), t);
   Tensor bias2 = 1.0 - pow(full({}, options.beta2, f64), t);
   inv_sqrt_bias2_ = 1.0 / sqrt(bias2);
-  step_size_ = lr_ / bias1;
+  step_size_ = lr_value() / bias1;
 }
 
 Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   Tensor p = param, g = grad;
   if (options.weight_decay != 0) {
     if (decoupled_)
-      p = p * (1.0 - lr_ * options.weight_decay);
+      p = p * cast(1.0 - lr_value() * options.weight_decay, p.dtype());
     else
       g = g + p * options.weight_decay;
   }

@@ -31,6 +31,8 @@ class Optimizer {
   void step_unless(const Tensor& skip, const std::vector<Tensor>& also);
   void zero_grad();
   double lr() const { return lr_; }
+  /// Takes effect at the next step. The rate is a graph input (lr_value()), written in place,
+  /// so a step compiled by mt::compile follows a schedule set outside it.
   void set_lr(double lr);
   /// Updates taken so far, skipped ones not counted. The count lives in the graph (so that a
   /// predicated step can follow it without a host read): this call evaluates and reads it, a
@@ -60,9 +62,12 @@ class Optimizer {
   const Tensor& step_number() const { return next_step_; }
   /// Inside update(): the bool skip flag of a predicated step; undefined for a plain step().
   const Tensor& skip_flag() const { return skip_; }
-  double lr_ = 0;
+  /// The learning rate as a 0-d f64 leaf, for update(): its storage holds the current lr().
+  const Tensor& lr_value() const { return lr_value_; }
 
  private:
+  double lr_ = 0;
+  Tensor lr_value_;
   std::vector<Tensor> params_;
   std::vector<NamedTensors> state_;
   Tensor step_;  // 0-d f64: updates taken, skipped ones not counted

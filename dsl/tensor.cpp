@@ -41,12 +41,14 @@ int64_t Tensor::size(int64_t axis) const {
 double Tensor::item() const {
   if (numel() != 1)
     fail("item: the tensor has {} elements (shape {}), not 1", numel(), to_string(shape()));
+  note_side_effect("reads a value on the host (item())");
   evaluate({node()});
   return load_element<double>(*node()->value, 0);
 }
 
 template <typename T>
 std::vector<T> Tensor::to_vector() const {
+  note_side_effect("reads values on the host (to_vector())");
   evaluate({node()});
   return load_all<T>(*node()->value);
 }
@@ -57,6 +59,7 @@ template std::vector<int64_t> Tensor::to_vector<int64_t>() const;
 
 template <>
 std::vector<bool> Tensor::to_vector<bool>() const {
+  note_side_effect("reads values on the host (to_vector())");
   evaluate({node()});
   std::vector<bool> out(static_cast<size_t>(numel()));
   for (int64_t i = 0; i < numel(); ++i) out[i] = load_element<double>(*node()->value, i) != 0;
@@ -281,6 +284,7 @@ Tensor random_leaf(OpCode op, const char* opname, Shape shape, DType dtype, Gene
   Attrs attrs;
   attrs.seed = g.seed();
   attrs.offset = g.advance(static_cast<uint64_t>(numel(shape)));
+  note_side_effect("draws random numbers (its generator advances on every call)");
   return leaf(op, dtype, std::move(shape), std::move(attrs), loc);
 }
 }  // namespace

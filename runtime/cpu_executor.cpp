@@ -172,15 +172,22 @@ void run_matmul(Node& node) {
 
 }  // namespace
 
-void execute_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required) {
+ExecutedProgram execute_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required) {
   FusionOptions options;
   options.fuse = !eager_mode();
-  Signature sig = sign(pending, required, options.fuse, "mixtape-cpu-program-1");
+  ExecutedProgram executed;
+  executed.sig = sign(pending, required, options.fuse, "mixtape-cpu-program-1");
   static ProgramCache programs;
-  std::shared_ptr<const Program> program = programs.get(pending, options, sig, register_kernel);
+  executed.program = programs.get(pending, options, executed.sig, register_kernel);
   compile_pending();
+  replay_cpu(executed, pending);
+  return executed;
+}
+
+void replay_cpu(const ExecutedProgram& executed, const std::vector<Node*>& pending) {
+  const Signature& sig = executed.sig;
   ExecutionStats& s = stats();
-  run_program(*program, pending, sig, [&](const Step& step) {
+  run_program(*executed.program, pending, sig, [&](const Step& step) {
     switch (step.kind) {
       case FusionGroup::Kind::Alias:  // run_program shares the storage itself
         break;

@@ -7,6 +7,7 @@
 #include "codegen/lower.h"
 #include "dsl/node.h"
 #include "runtime/device.h"
+#include "runtime/program.h"
 
 namespace mixtape {
 
@@ -14,7 +15,11 @@ namespace mixtape {
 /// (or not, in eager mode), runs each kernel, matmul and host op, and stores the values of every
 /// node in `required` and of every node another group reads. Nodes fused away stay unevaluated;
 /// a later evaluation that needs them recomputes them from their inputs.
-void execute_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required);
+/// Returns the program it ran, which replay_cpu runs again on the same nodes (mt::compile).
+ExecutedProgram execute_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required);
+/// Runs `executed` again on `pending`, the nodes it was signed with: their inputs
+/// (sig.externals) hold the values to use, the pending nodes' values are recomputed.
+void replay_cpu(const ExecutedProgram& executed, const std::vector<Node*>& pending);
 
 /// Called with each kernel the CPU back end is about to run, its inputs already evaluated
 /// (kernel.nodes[i]->value for input params): for tools and tests that look at the generated

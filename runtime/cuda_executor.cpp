@@ -266,16 +266,24 @@ const std::string& cached_reason() {
 bool cuda_backend_available() { return cached_reason().empty(); }
 std::string cuda_backend_unavailable_reason() { return cached_reason(); }
 
-void execute_cuda(const std::vector<Node*>& pending, const std::vector<Node*>& required) {
+ExecutedProgram execute_cuda(const std::vector<Node*>& pending,
+                             const std::vector<Node*>& required) {
   if (!cuda_backend_available()) fail("device cuda: CUDA is not available: {}", cached_reason());
   Storage::set_host_fetch(fetch_to_host);
   FusionOptions options;
   options.fuse = !eager_mode();
-  Signature sig = sign(pending, required, options.fuse, "mixtape-cuda-program-1");
+  ExecutedProgram executed;
+  executed.sig = sign(pending, required, options.fuse, "mixtape-cuda-program-1");
   static ProgramCache programs;
-  std::shared_ptr<const Program> program = programs.get(pending, options, sig, register_kernel);
+  executed.program = programs.get(pending, options, executed.sig, register_kernel);
   compile_pending();
-  run_program(*program, pending, sig, [&](const Step& step) {
+  replay_cuda(executed, pending);
+  return executed;
+}
+
+void replay_cuda(const ExecutedProgram& executed, const std::vector<Node*>& pending) {
+  const Signature& sig = executed.sig;
+  run_program(*executed.program, pending, sig, [&](const Step& step) {
     switch (step.kind) {
       case FusionGroup::Kind::Alias:  // run_program shares the storage itself
         break;

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "dsl/node.h"
+#include "runtime/program.h"
 
 namespace mixtape {
 
@@ -22,7 +23,9 @@ std::string cuda_backend_unavailable_reason();
 /// Ops without a GPU kernel (gathers, random, f64 or 16-bit-accumulating matmuls) run on the
 /// host: their inputs are downloaded and their result uploaded when a GPU step reads it. Nothing
 /// waits for the GPU except those downloads.
-void execute_cuda(const std::vector<Node*>& pending, const std::vector<Node*>& required);
+ExecutedProgram execute_cuda(const std::vector<Node*>& pending, const std::vector<Node*>& required);
+/// execute_cuda's replay_cpu.
+void replay_cuda(const ExecutedProgram& executed, const std::vector<Node*>& pending);
 
 /// Waits until all queued GPU work has finished (for timing); a no-op without CUDA.
 void cuda_synchronize();

@@ -4,6 +4,7 @@
 
 #include "dsl/graph.h"
 #include "precision_policy/assign.h"
+#include "runtime/compile.h"
 #include "runtime/cpu_executor.h"
 #include "runtime/cuda_executor.h"
 #include "runtime/device.h"
@@ -31,15 +32,17 @@ void evaluate(const std::vector<NodePtr>& outputs) {
   assign_precision(pending);
   Device device = current_device();
   if (device == Device::reference) {
+    if (tracing_step())
+      note_side_effect("runs on the reference executor, which has no programs to replay");
     for (Node* node : pending) node->value = reference_compute(*node);
   } else {
     std::vector<Node*> required;
     for (const NodePtr& output : outputs)
       if (output && !output->evaluated()) required.push_back(output.get());
-    if (device == Device::cuda)
-      execute_cuda(pending, required);
-    else
-      execute_cpu(pending, required);
+    ExecutedProgram executed =
+        device == Device::cuda ? execute_cuda(pending, required) : execute_cpu(pending, required);
+    // A traced step keeps its graph whole until the trace is done with it.
+    if (record_evaluation(pending, std::move(executed), device)) return;
   }
   // No gradient will ever flow through these, so their producers are no longer needed: this is
   // what keeps step-to-step chains (optimizer updates) from growing. Nodes a fused kernel

@@ -94,6 +94,12 @@ class ProgramCache {
   std::unordered_map<Hash128, std::shared_ptr<const Program>> programs_;
 };
 
+/// What a back end ran for one evaluation: enough to run it again on the same nodes.
+struct ExecutedProgram {
+  Signature sig;
+  std::shared_ptr<const Program> program;
+};
+
 /// Runs every step with `run_step`, drops values as the memory plan says, and records the peak
 /// of the stored values' bytes alive at once.
 void run_program(const Program& program, const std::vector<Node*>& pending, const Signature& sig,

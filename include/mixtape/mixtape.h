@@ -18,5 +18,6 @@
 #include "precision_policy/policy.h"
 #include "precision_policy/report.h"
 #include "runtime/checkpoint.h"
+#include "runtime/compile.h"
 #include "runtime/cuda_driver.h"
 #include "runtime/device.h"

@@ -1,0 +1,295 @@
+// tests/test_compile.cpp -- mt::compile against the same loop traced every step: bit-identical
+// losses, parameters, optimizer and loss-scaler state; replay only where it is sound.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+
+#include "dsl/functional.h"
+#include "dsl/nn.h"
+#include "dsl/ops.h"
+#include "dsl/optim.h"
+#include "dsl/tensor.h"
+#include "precision_policy/grad_scaler.h"
+#include "precision_policy/policy.h"
+#include "runtime/compile.h"
+#include "runtime/device.h"
+
+namespace mt = mixtape;
+
+namespace {
+
+bool replays_here() { return mt::current_device() != mt::Device::reference; }
+
+std::vector<uint32_t> bits(const mt::Tensor& t) {
+  std::vector<float> v = t.to(mt::f32).to_vector<float>();
+  std::vector<uint32_t> out(v.size());
+  std::memcpy(out.data(), v.data(), v.size() * sizeof(float));
+  return out;
+}
+
+// Everything a training run leaves behind, as bits.
+struct Snapshot {
+  std::vector<uint32_t> losses;
+  std::vector<std::vector<uint32_t>> params, state;
+  int64_t steps = 0;
+  std::vector<double> scales;
+  bool operator==(const Snapshot&) const = default;
+};
+
+void snapshot_model(Snapshot& s, const mt::Module& model, const mt::Optimizer& opt) {
+  for (const mt::Tensor& p : model.parameters()) s.params.push_back(bits(p));
+  for (size_t i = 0; i < opt.params().size(); ++i)
+    for (const auto& [name, value] : opt.state(i)) s.state.push_back(bits(value));
+  s.steps = opt.steps_taken();
+}
+
+// One step of an MLP under AdamW; the learning rate follows a schedule set outside the step.
+struct MlpRun {
+  mt::Generator gen{21};
+  mt::MLP model{{8, 32, 32, 4}, mt::Activation::Gelu, &gen};
+  mt::AdamW opt{model.parameters(), mt::AdamOptions{.lr = 1e-2, .weight_decay = 0.1}};
+  mt::Tensor x = mt::randn({64, 8}, mt::f32, &gen);
+  mt::Tensor y = mt::randn({64, 4}, mt::f32, &gen);
+
+  mt::Tensor step(const mt::Tensor& input, const mt::Tensor& target) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::mse_loss(model(input), target);
+    loss.backward();
+    opt.step();
+    return loss;
+  }
+  mt::Tensor batch(int i) const { return x * (1.0 + 0.01 * i); }
+};
+
+template <typename Step>
+Snapshot train_mlp(int steps, Step&& step_fn, MlpRun& run) {
+  Snapshot s;
+  for (int i = 0; i < steps; ++i) {
+    run.opt.set_lr(1e-2 / (1 + i));
+    s.losses.push_back(bits(step_fn(run.batch(i), run.y))[0]);
+  }
+  snapshot_model(s, run.model, run.opt);
+  return s;
+}
+
+TEST(Compile, AReplayedStepMatchesTracingEveryStepBitForBit) {
+  const int steps = 8;
+  MlpRun plain_run, compiled_run;
+  Snapshot plain = train_mlp(
+      steps, [&](const mt::Tensor& x, const mt::Tensor& y) { return plain_run.step(x, y); },
+      plain_run);
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& y) { return compiled_run.step(x, y); });
+  Snapshot compiled = train_mlp(steps, step, compiled_run);
+  EXPECT_EQ(plain.losses, compiled.losses);
+  EXPECT_EQ(plain.params, compiled.params);
+  EXPECT_EQ(plain.state, compiled.state);
+  EXPECT_EQ(compiled.steps, steps);
+  EXPECT_EQ(step.stats().calls, steps);
+  if (replays_here()) {
+    // Adam's first step has no moments yet, so calls 2 and 3 are the first alike.
+    EXPECT_EQ(step.stats().traces, 3) << step.stats().reason;
+    EXPECT_EQ(step.stats().replays, steps - 3);
+    EXPECT_EQ(step.stats().plans, 1);
+  } else {
+    EXPECT_EQ(step.stats().replays, 0);
+  }
+  // Gradients are state too: p.grad() shows the last step's.
+  EXPECT_EQ(bits(plain_run.model.parameters()[0].grad()),
+            bits(compiled_run.model.parameters()[0].grad()));
+}
+
+TEST(Compile, AReplayBuildsAndCompilesNothingAndRunsNoHostCode) {
+  if (!replays_here()) GTEST_SKIP() << "the reference executor has no programs to replay";
+  MlpRun run;
+  auto step = mt::compile([&](const mt::Tensor& x, const mt::Tensor& y) { return run.step(x, y); });
+  for (int i = 0; i < 4; ++i) step(run.batch(i), run.y);
+  ASSERT_EQ(step.stats().replays, 1);
+  mt::Tensor input = run.batch(4);
+  mt::eval({input});
+  mt::reset_execution_stats();
+  int64_t traces_before = step.stats().traces;
+  step(input, run.y);
+  mt::ExecutionStats stats = mt::execution_stats();
+  EXPECT_EQ(step.stats().traces, traces_before);
+  EXPECT_EQ(stats.programs_built + stats.programs_reused, 0);  // no signature was even computed
+  EXPECT_EQ(stats.kernels_compiled + stats.kernels_from_disk, 0);
+  EXPECT_GE(stats.kernels, 1);
+  EXPECT_GE(stats.gemms, 1);
+}
+
+TEST(Compile, ResultsAreFreshTensorsEveryCall) {
+  MlpRun run;
+  auto step = mt::compile([&](const mt::Tensor& x, const mt::Tensor& y) { return run.step(x, y); });
+  std::vector<mt::Tensor> losses;
+  for (int i = 0; i < 6; ++i) losses.push_back(step(run.batch(i), run.y));
+  std::vector<double> first_values;
+  for (const mt::Tensor& l : losses) first_values.push_back(l.item());
+  for (int i = 6; i < 9; ++i) step(run.batch(i), run.y);
+  for (size_t i = 0; i < losses.size(); ++i) EXPECT_EQ(losses[i].item(), first_values[i]) << i;
+  // Training makes progress, so the replayed losses are not one value repeated.
+  EXPECT_LT(first_values.back(), first_values.front());
+}
+
+// Dynamic loss scaling under f16 autocast: the first scale overflows, steps are skipped and the
+// scale halves inside the replayed program, then grows every 3 clean steps.
+TEST(Compile, LossScalingSkipsAndRescalesInsideReplays) {
+  struct Run {
+    mt::Generator gen{5};
+    mt::MLP model{{16, 64, 8}, mt::Activation::Relu, &gen};
+    mt::Adam opt{model.parameters(), mt::AdamOptions{.lr = 1e-3}};
+    mt::GradScaler scaler{mt::GradScalerOptions{.init_scale = 0x1p40, .growth_interval = 3}};
+    mt::Tensor x = mt::randn({32, 16}, mt::f32, &gen);
+    mt::Tensor y = mt::randn({32, 8}, mt::f32, &gen);
+    mt::Tensor step(const mt::Tensor& input, const mt::Tensor& target) {
+      opt.zero_grad();
+      mt::Tensor loss;
+      {
+        mt::autocast guard(mt::f16);
+        loss = mt::mse_loss(model(input), target);
+      }
+      scaler.scale(loss).backward();
+      scaler.step(opt);
+      scaler.update();
+      return loss;
+    }
+  };
+  auto run_all = [](Run& run, const std::function<mt::Tensor(mt::Tensor, mt::Tensor)>& step) {
+    Snapshot s;
+    for (int i = 0; i < 40; ++i) {
+      s.losses.push_back(bits(step(run.x * (1.0 - 0.01 * i), run.y))[0]);
+      s.scales.push_back(run.scaler.get_scale());
+    }
+    snapshot_model(s, run.model, run.opt);
+    return s;
+  };
+  Run plain_run, compiled_run;
+  Snapshot plain =
+      run_all(plain_run, [&](mt::Tensor x, mt::Tensor y) { return plain_run.step(x, y); });
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& y) { return compiled_run.step(x, y); });
+  Snapshot compiled = run_all(compiled_run, [&](mt::Tensor x, mt::Tensor y) { return step(x, y); });
+  EXPECT_EQ(plain, compiled);
+  // The run really skipped steps and moved the scale both ways.
+  EXPECT_LT(plain.steps, 40);
+  EXPECT_GT(plain.steps, 0);
+  bool grew = false;
+  for (size_t i = 1; i < plain.scales.size(); ++i) grew |= plain.scales[i] > plain.scales[i - 1];
+  EXPECT_LT(plain.scales[10], 0x1p40);
+  EXPECT_TRUE(grew);
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 30) << step.stats().reason;
+  }
+}
+
+// A function whose trace would not replay faithfully keeps working, traced every call.
+TEST(Compile, SideEffectsKeepTheFunctionTracedEveryCall) {
+  struct Case {
+    const char* reason;
+    std::function<void(MlpRun&)> inside;
+  };
+  std::vector<Case> cases = {
+      {"reads a value on the host", [](MlpRun& run) { (void)run.x.sum().item(); }},
+      {"draws random numbers", [](MlpRun& run) { (void)mt::rand({2}, mt::f32, &run.gen); }},
+      {"sets the learning rate", [](MlpRun& run) { run.opt.set_lr(run.opt.lr() * 0.9); }},
+  };
+  for (const Case& c : cases) {
+    MlpRun plain_run, compiled_run;
+    auto plain_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
+      c.inside(plain_run);
+      return plain_run.step(x, y);
+    };
+    auto step = mt::compile([&](const mt::Tensor& x, const mt::Tensor& y) {
+      c.inside(compiled_run);
+      return compiled_run.step(x, y);
+    });
+    std::vector<uint32_t> plain_losses, compiled_losses;
+    for (int i = 0; i < 5; ++i) {
+      plain_losses.push_back(bits(plain_step(plain_run.batch(i), plain_run.y))[0]);
+      compiled_losses.push_back(bits(step(compiled_run.batch(i), compiled_run.y))[0]);
+    }
+    EXPECT_EQ(plain_losses, compiled_losses) << c.reason;
+    EXPECT_EQ(step.stats().replays, 0) << c.reason;
+    if (replays_here()) {
+      EXPECT_NE(step.stats().reason.find(c.reason), std::string::npos) << step.stats().reason;
+    }
+  }
+}
+
+// A tensor made from host data inside the function is a new input every call: no replay.
+TEST(Compile, HostDataMadeInsideTheFunctionIsNotFrozen) {
+  MlpRun run;
+  int call = 0;
+  auto step = mt::compile([&](const mt::Tensor& x) {
+    std::vector<float> offsets(4, static_cast<float>(call++));
+    return (x.sum({0}) + mt::tensor(offsets, {4})).sum();
+  });
+  mt::Tensor x = mt::ones({3, 4});
+  for (int i = 0; i < 5; ++i) EXPECT_EQ(step(x).item(), 12.0 + 4.0 * i);
+  EXPECT_EQ(step.stats().replays, 0);
+  if (replays_here()) {
+    EXPECT_NE(step.stats().reason.find("host data"), std::string::npos) << step.stats().reason;
+  }
+}
+
+// Replacing state from outside (loading weights) is followed: the plan is dropped and rebuilt.
+TEST(Compile, ReplacedParametersAreFollowed) {
+  MlpRun plain_run, compiled_run;
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& y) { return compiled_run.step(x, y); });
+  auto reload = [](MlpRun& run) {
+    mt::Tensor w = run.model.parameters()[0];
+    w.assign(mt::full(w.shape(), 0.05, w.dtype()));
+  };
+  std::vector<uint32_t> plain, compiled;
+  for (int i = 0; i < 12; ++i) {
+    if (i == 6) {
+      reload(plain_run);
+      reload(compiled_run);
+    }
+    plain.push_back(bits(plain_run.step(plain_run.batch(i), plain_run.y))[0]);
+    compiled.push_back(bits(step(compiled_run.batch(i), compiled_run.y))[0]);
+  }
+  EXPECT_EQ(plain, compiled);
+  if (replays_here()) {
+    EXPECT_EQ(step.stats().plans, 2) << step.stats().reason;
+    EXPECT_GE(step.stats().replays, 4);
+  }
+}
+
+// Each argument signature gets its own trace and plan; a function may return several values.
+TEST(Compile, ShapesArePlannedSeparately) {
+  auto stats_of = mt::compile([](const mt::Tensor& x) {
+    return std::vector<mt::Tensor>{x.mean(), (x * x).sum()};
+  });
+  for (int i = 0; i < 8; ++i) {
+    int64_t rows = i % 2 == 0 ? 3 : 5;
+    std::vector<mt::Tensor> s = stats_of(mt::full({rows, 2}, static_cast<double>(i)));
+    ASSERT_EQ(s.size(), 2u);
+    EXPECT_EQ(s[0].item(), i);
+    EXPECT_EQ(s[1].item(), static_cast<double>(rows * 2 * i * i));
+  }
+  if (replays_here()) {
+    EXPECT_EQ(stats_of.stats().plans, 2) << stats_of.stats().reason;
+    EXPECT_EQ(stats_of.stats().replays, 4);
+  }
+}
+
+// State a function keeps in a captured tensor through assign() is carried from call to call;
+// a function may return nothing.
+TEST(Compile, StateAssignedInsideTheFunctionIsCarried) {
+  mt::Tensor total = mt::zeros({});
+  auto accumulate = mt::compile([&](const mt::Tensor& x) { total.assign(total + x.sum()); });
+  double expected = 0;
+  for (int i = 0; i < 8; ++i) {
+    accumulate(mt::full({3, 2}, static_cast<double>(i)));
+    expected += 6.0 * i;
+    EXPECT_EQ(total.item(), expected) << i;
+  }
+  if (replays_here()) {
+    EXPECT_EQ(accumulate.stats().replays, 5) << accumulate.stats().reason;
+  }
+}
+
+}  // namespace
