@@ -36,7 +36,11 @@ MIXTAPE_MODES = {
     "compiled": {"MIXTAPE_DEVICE": "cpu"},
     "eager": {"MIXTAPE_DEVICE": "cpu", "MIXTAPE_EAGER": "1"},
     "reference": {"MIXTAPE_DEVICE": "reference"},
+    "step": {"MIXTAPE_DEVICE": "cpu"},
 }
+# Modes that differ in how bench_training writes the step rather than in the environment:
+# "step" runs it through mt::compile (traced once, then replayed), the others trace every step.
+MODE_ARGS = {"step": ["--step", "compiled"]}
 
 # What each size of run covers and how long it times each workload. The reference executor (an
 # oracle, not a speed target) runs only where it is cheap, with few warm-up steps.
@@ -195,6 +199,7 @@ def summarize_training(name, precision, runs, errors):
         "mixtape_threads": mixtape_best.get("threads", "default") if mixtape_best else None,
         "mixtape_eager_steps_per_s": rate("mixtape_eager"),
         "mixtape_reference_steps_per_s": rate("mixtape_reference"),
+        "mixtape_step_steps_per_s": rate("mixtape_step"),
         "torch_steps_per_s": torch_rate,
         "torch_threads": torch_best["threads"] if torch_best else None,
         "torch_steps_per_s_by_threads": by_threads(runs, "torch"),
@@ -202,7 +207,7 @@ def summarize_training(name, precision, runs, errors):
         "jax_jit_compile_s": jax_best["jit_compile_s"] if jax_best else None,
     }
     for mode, key in (("", "mixtape"), ("eager_", "mixtape_eager"),
-                      ("reference_", "mixtape_reference")):
+                      ("reference_", "mixtape_reference"), ("step_", "mixtape_step")):
         entry[f"{mode}ratio_vs_torch"] = ratio(rate(key), torch_rate)
         entry[f"{mode}ratio_vs_jax"] = ratio(rate(key), rate("jax"))
     entry["compiled_vs_eager"] = ratio(rate("mixtape"), rate("mixtape_eager"))
@@ -261,27 +266,30 @@ def fmt(value, digits=1):
 
 
 def print_table(document):
-    rows = [("workload", "mixtape", "eager", "ref", "torch(thr)", "jax", "x torch", "x jax")]
+    rows = [("workload", "mixtape", "compile", "eager", "ref", "torch(thr)", "jax", "x torch",
+             "x jax", "compile x jax")]
     for key, e in document["workloads"].items():
         if "precision" in e:
             torch_cell = (f"{fmt(e['torch_steps_per_s'])}({e['torch_threads']})"
                           if e["torch_steps_per_s"] else "-")
-            rows.append((key, fmt(e["mixtape_steps_per_s"]), fmt(e["mixtape_eager_steps_per_s"]),
+            rows.append((key, fmt(e["mixtape_steps_per_s"]), fmt(e["mixtape_step_steps_per_s"]),
+                         fmt(e["mixtape_eager_steps_per_s"]),
                          fmt(e["mixtape_reference_steps_per_s"]), torch_cell,
                          fmt(e["jax_steps_per_s"]), fmt(e["ratio_vs_torch"], 2),
-                         fmt(e["ratio_vs_jax"], 2)))
+                         fmt(e["ratio_vs_jax"], 2), fmt(e["step_ratio_vs_jax"], 2)))
         else:
             torch_cell = (f"{fmt(e['torch_gflops'])}({e['torch_threads']})"
                           if e["torch_gflops"] else "-")
-            rows.append((key + " GFLOP/s", fmt(e["mixtape_gflops"]), "", "", torch_cell,
+            rows.append((key + " GFLOP/s", fmt(e["mixtape_gflops"]), "", "", "", torch_cell,
                          fmt(e["jax_gflops"]), fmt(e["ratio_vs_torch"], 2),
-                         fmt(e["ratio_vs_jax"], 2)))
+                         fmt(e["ratio_vs_jax"], 2), ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     print("", file=sys.stderr)
     for row in rows:
         print("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in
                         enumerate(zip(row, widths))), file=sys.stderr)
-    print("(steps/s unless marked; x = mixtape compiled / peer, above 1 is faster)",
+    print("(steps/s unless marked; mixtape: the step traced every call, compile: mt::compile; "
+          "x = mixtape / peer, above 1 is faster)",
           file=sys.stderr)
 
 
@@ -347,8 +355,9 @@ def main():
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--build-dir", default=os.path.join(REPO_DIR, "build"),
                         help="where bench_training and bench_gemm are (default: build/)")
-    parser.add_argument("--modes", default="compiled,eager,reference",
-                        help="mixtape back ends to run: compiled, eager, reference")
+    parser.add_argument("--modes", default="compiled,step,eager,reference",
+                        help="mixtape back ends to run: compiled, step (mt::compile), eager, "
+                             "reference")
     parser.add_argument("--peers", default="torch,jax", help="peers to run: torch, jax")
     parser.add_argument("--torch-python", default="/usr/bin/python3")
     parser.add_argument("--jax-python", default=None,
@@ -367,7 +376,7 @@ def main():
     peers = common.split_list(args.peers)
     for mode in modes:
         if mode not in MIXTAPE_MODES:
-            sys.exit(f"run.py: unknown mode '{mode}' (compiled, eager, reference)")
+            sys.exit(f"run.py: unknown mode '{mode}' (compiled, step, eager, reference)")
     for peer in peers:
         if peer not in ("torch", "jax"):
             sys.exit(f"run.py: unknown peer '{peer}' (torch, jax)")
@@ -416,7 +425,8 @@ def main():
                     found, error = run_child(
                         f"{label} {name}" + (f" OMP_NUM_THREADS={threads}" if threads else ""),
                         [training_binary, "--workloads", name, "--precisions",
-                         ",".join(precisions)] + timing_flags(mode_timing),
+                         ",".join(precisions)] + timing_flags(mode_timing)
+                        + MODE_ARGS.get(mode, []),
                         mixtape_env(mode, threads), plan["child_timeout"])
                     add(label, tag(found, threads), error, [f"{name}/{p}" for p in precisions])
     peak = None

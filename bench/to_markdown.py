@@ -31,9 +31,10 @@ def main():
           f"1-minute load average {machine['load_average_1min_at_start']} at the start, "
           f"{machine['load_average_1min_at_end']} at the end; "
           f"{'--quick' if doc['quick'] else 'full'} run, {doc['seconds']} s.\n")
-    print("| workload | mixtape compiled | mixtape eager | mixtape reference | torch (threads) "
-          "| jax (jit compile s) | compiled / torch | compiled / jax |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| workload | mixtape compiled | mt::compile step | mixtape eager | mixtape reference "
+          "| torch (threads) | jax (jit compile s) | compiled / torch | compiled / jax "
+          "| mt::compile / torch | mt::compile / jax |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for key, e in doc["workloads"].items():
         if "precision" not in e:
             continue
@@ -42,9 +43,11 @@ def main():
         jax = (f"{cell(e['jax_steps_per_s'])} ({cell(e['jax_jit_compile_s'], 1)})"
                if e["jax_steps_per_s"] else "–")
         print(f"| {key} | {cell(e['mixtape_steps_per_s'])}{device(e)} | "
+              f"{cell(e.get('mixtape_step_steps_per_s'))} | "
               f"{cell(e['mixtape_eager_steps_per_s'])} | "
               f"{cell(e['mixtape_reference_steps_per_s'])} | {torch} | {jax} | "
-              f"{cell(e['ratio_vs_torch'])} | {cell(e['ratio_vs_jax'])} |")
+              f"{cell(e['ratio_vs_torch'])} | {cell(e['ratio_vs_jax'])} | "
+              f"{cell(e.get('step_ratio_vs_torch'))} | {cell(e.get('step_ratio_vs_jax'))} |")
     gemms = [e for e in doc["workloads"].values() if "precision" not in e]
     if gemms:
         peak = doc.get("peak")

@@ -112,6 +112,12 @@ TraceObserver* exchange_trace_observer(TraceObserver* observer);
 /// Tells the observer, if any, about an effect a replay would skip.
 void note_side_effect(const char* what);
 
+/// The most bytes of stored values that the compiled program evaluating `outputs` would keep
+/// alive at once under its memory plan (the peak_bytes execution_stats() reports once it runs;
+/// inputs and persistent values not included). Plans without running or compiling anything;
+/// 0 when nothing is pending. Provided by the runtime layer, like evaluate().
+int64_t planned_peak_bytes(const std::vector<NodePtr>& outputs);
+
 /// Computes `value` for every node in `outputs` (and what they need). Provided by the runtime
 /// layer, which owns the executors; the DSL only asks.
 void evaluate(const std::vector<NodePtr>& outputs);

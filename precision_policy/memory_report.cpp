@@ -254,6 +254,8 @@ MemoryReport memory_report(const Module& model, const Optimizer* opt, const Tens
     }
   }
 
+  report.compiled_peak = planned_peak_bytes(roots);
+
   std::vector<std::string> policies;
   for (const Node* node : nodes)
     if (!node->backward && node->policy &&
@@ -276,6 +278,7 @@ std::string MemoryReport::table() const {
   line("saved activations", saved_activations);
   line("peak", peak,
        fmt::format("  at node {} ({}, {})", peak_node, peak_op, peak_backward ? "bwd" : "fwd"));
+  line("compiled program peak", compiled_peak, "  (stored values under its memory plan)");
   out +=
       fmt::format("\n  {:<26} {:<14} {:<7} {:>10} {:<10} {:>10} {:<5} {:>10} {:>10}\n", "parameter",
                   "shape", "master", "bytes", "half", "bytes", "grad", "bytes", "state");
@@ -326,6 +329,7 @@ std::string MemoryReport::json() const {
       {"optimizer_state_estimated", optimizer_state_estimated},
       {"saved_activations", saved_activations},
       {"peak", peak},
+      {"compiled_peak", compiled_peak},
       {"peak_at",
        json::Object{
            {"id", peak_node}, {"op", peak_op}, {"pass", peak_backward ? "backward" : "forward"}}},

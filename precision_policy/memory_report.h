@@ -47,6 +47,10 @@ struct MemoryReport {
   bool optimizer_state_estimated = false;
   int64_t saved_activations = 0;
   int64_t peak = 0;
+  /// The compiled back end's own figure: the most bytes its memory plan for this graph keeps
+  /// alive at once (stored values only; persistent memory and the inputs come on top). It is
+  /// what execution_stats().peak_bytes reports when the loss and gradients are evaluated.
+  int64_t compiled_peak = 0;
   uint64_t peak_node = 0;  // the node running when the peak is reached
   std::string peak_op;
   bool peak_backward = false;
@@ -58,7 +62,7 @@ struct MemoryReport {
   /// The totals, then one line per parameter and per saved activation.
   std::string table() const;
   /// {"policy":..,"master_weights":..,"half_copies":..,"gradients":..,"optimizer_state":..,
-  ///  "optimizer_state_estimated":..,"saved_activations":..,"peak":..,
+  ///  "optimizer_state_estimated":..,"saved_activations":..,"peak":..,"compiled_peak":..,
   ///  "peak_at":{"id":..,"op":..,"pass":..},"parameters":[..],"saved":[..]}
   std::string json() const;
 };

@@ -1,7 +1,4 @@
 // runtime/eval.cpp -- mt::evaluate: runs every unevaluated node an output needs, in tape order.
-#include <algorithm>
-#include <unordered_set>
-
 #include "dsl/graph.h"
 #include "precision_policy/assign.h"
 #include "runtime/compile.h"
@@ -13,21 +10,7 @@
 namespace mixtape {
 
 void evaluate(const std::vector<NodePtr>& outputs) {
-  std::vector<Node*> pending;
-  std::unordered_set<Node*> seen;
-  std::vector<Node*> stack;
-  for (const NodePtr& output : outputs)
-    if (output && !output->evaluated()) stack.push_back(output.get());
-  while (!stack.empty()) {
-    Node* node = stack.back();
-    stack.pop_back();
-    if (!seen.insert(node).second) continue;
-    pending.push_back(node);
-    for (const NodePtr& input : node->inputs)
-      if (!input->evaluated() && !seen.count(input.get())) stack.push_back(input.get());
-  }
-  // Inputs are always made before their users, so creation order is a topological order.
-  std::sort(pending.begin(), pending.end(), [](Node* a, Node* b) { return a->id < b->id; });
+  std::vector<Node*> pending = pending_nodes(outputs);
   if (pending.empty()) return;
   assign_precision(pending);
   Device device = current_device();

@@ -9,6 +9,8 @@
 #include "codegen/llvm_jit.h"
 #include "codegen/lower.h"
 #include "codegen/nvrtc.h"
+#include "dsl/graph.h"
+#include "precision_policy/assign.h"
 
 namespace mixtape {
 namespace {
@@ -53,6 +55,18 @@ void update_all(WordHasher& h, const std::vector<T>& values) {
 }
 
 int64_t stored_bytes(const Node* node) { return node->value ? node->value->size_bytes() : 0; }
+
+// The bytes of what step `step` stores, measured by `bytes_of` (run_program and the plan-only
+// peak count the same values).
+template <typename BytesOf>
+int64_t step_output_bytes(const Step& step, const std::vector<Node*>& pending, const Signature& sig,
+                          BytesOf bytes_of) {
+  if (step.kind != FusionGroup::Kind::Kernel) return bytes_of(sig.resolve(step.node, pending));
+  int64_t bytes = 0;
+  for (size_t p = 0; p < step.params.size(); ++p)
+    if (step.kernel->params[p].output) bytes += bytes_of(sig.resolve(step.params[p], pending));
+  return bytes;
+}
 
 // What each step reads and stores, by reference, for the memory plan.
 void plan_memory(Program& program, const std::vector<Node*>& pending, const Signature& sig) {
@@ -223,13 +237,7 @@ void run_program(const Program& program, const std::vector<Node*>& pending, cons
     } else {
       run_step(step);
     }
-    if (step.kind == FusionGroup::Kind::Kernel) {
-      for (size_t p = 0; p < step.params.size(); ++p)
-        if (step.kernel->params[p].output)
-          live += stored_bytes(sig.resolve(step.params[p], pending));
-    } else {
-      live += stored_bytes(sig.resolve(step.node, pending));
-    }
+    live += step_output_bytes(step, pending, sig, stored_bytes);
     peak = std::max(peak, live);
     for (NodeRef ref : program.release_after[i]) {
       Node* node = pending[ref];
@@ -239,6 +247,48 @@ void run_program(const Program& program, const std::vector<Node*>& pending, cons
   }
   ExecutionStats& s = execution_counters();
   s.peak_bytes = std::max(s.peak_bytes, peak);
+}
+
+std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs) {
+  std::vector<Node*> pending;
+  std::unordered_set<Node*> seen;
+  std::vector<Node*> stack;
+  for (const NodePtr& output : outputs)
+    if (output && !output->evaluated()) stack.push_back(output.get());
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    pending.push_back(node);
+    for (const NodePtr& input : node->inputs)
+      if (!input->evaluated() && !seen.count(input.get())) stack.push_back(input.get());
+  }
+  // Inputs are always made before their users, so creation order is a topological order.
+  std::sort(pending.begin(), pending.end(), [](Node* a, Node* b) { return a->id < b->id; });
+  return pending;
+}
+
+int64_t planned_peak_bytes(const std::vector<NodePtr>& outputs) {
+  std::vector<Node*> pending = pending_nodes(outputs);
+  if (pending.empty()) return 0;
+  assign_precision(pending);
+  std::vector<Node*> required;
+  for (const NodePtr& output : outputs)
+    if (output && !output->evaluated()) required.push_back(output.get());
+  FusionOptions options;
+  options.fuse = !eager_mode();
+  Signature sig = sign(pending, required, options.fuse, "mixtape-memory-plan");
+  Program program = build_program(pending, options, sig, [](const kir::Kernel&) { return 0; });
+  auto planned_bytes = [](const Node* node) {
+    return node->numel() * static_cast<int64_t>(size_of(node->storage));
+  };
+  int64_t live = 0, peak = 0;
+  for (size_t i = 0; i < program.steps.size(); ++i) {
+    live += step_output_bytes(program.steps[i], pending, sig, planned_bytes);
+    peak = std::max(peak, live);
+    for (NodeRef ref : program.release_after[i]) live -= planned_bytes(pending[ref]);
+  }
+  return peak;
 }
 
 }  // namespace mixtape

@@ -43,6 +43,9 @@ struct Signature {
   }
 };
 
+/// The unevaluated nodes that evaluating `outputs` computes, in tape order.
+std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs);
+
 /// `salt` names the back end, so that its programs never answer another's signatures.
 Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& required, bool fuse,
                std::string_view salt);
