@@ -301,11 +301,12 @@ class Emitter {
       for (size_t d = 0; d < map.coeff.size() && d < used_.size(); ++d)
         if (map.coeff[d] != 0) used_[d] = true;
     };
-    for (const std::vector<Value>* list : {&k_.body, &k_.epilogue})
-      for (const Value& v : *list)
+    for (int pass = 0; pass <= k_.pass_count(); ++pass) {
+      bool epilogue = pass == k_.pass_count();
+      for (const Value& v : epilogue ? k_.epilogue : k_.pass_body(pass))
         if (v.op == Op::Load) mark(v.map);
-    for (const std::vector<kir::Store>* list : {&k_.stores, &k_.epilogue_stores})
-      for (const kir::Store& s : *list) mark(s.map);
+      for (const kir::Store& s : epilogue ? k_.epilogue_stores : k_.pass_stores(pass)) mark(s.map);
+    }
   }
 
   void header() {
@@ -548,10 +549,12 @@ class Emitter {
     }
   }
 
-  // acc = acc (+|max) x, with the reduction's rounding; `at` is the element's inner index.
-  void accumulate(const std::string& at) {
+  // acc = acc (+|max) x for the reductions of `pass`, with the reduction's rounding; `at` is the
+  // element's inner index.
+  void accumulate(int pass, const std::string& at) {
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
       const kir::Reduction& red = k_.reductions[r];
+      if (red.pass != pass) continue;
       std::string x = names_[red.value];
       if (red.kind == kir::ReduceKind::Sum) {
         if (!is_float(red.type)) {
@@ -574,10 +577,11 @@ class Emitter {
 
   // Folds each lane's accumulators into lane 0's with a fixed shuffle tree, so the result does
   // not depend on timing: lane i takes lane i + offset's partial, which covers later elements.
-  void warp_tree() {
+  void warp_tree(int pass) {
     open("for (int offset = 16; offset > 0; offset >>= 1)");
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
       const kir::Reduction& red = k_.reductions[r];
+      if (red.pass != pass) continue;
       std::string other = fmt::format("__shfl_down_sync(0xFFFFFFFFu, acc{}, offset)", r);
       if (red.kind == kir::ReduceKind::Sum && is_float(red.type))
         line("acc{} = {}(acc{}, {});", r, red.type == Type::f32 ? "__fadd_rn" : "__dadd_rn", r,
@@ -618,14 +622,74 @@ class Emitter {
         "outer < outer_total;\n       outer += static_cast<long long>(gridDim.x) * blockDim.x)");
     coordinates("outer", 0, split);
     declare_accumulators();
-    open("for (long long inner = 0; inner < inner_total; ++inner)");
-    coordinates("inner", split, rank);
-    values(k_.body, "v");
-    stores(k_.stores);
-    accumulate("inner");
-    close();
+    for (int pass = 0; pass < k_.pass_count(); ++pass) {
+      if (pass > 0) line("// pass {}: reads the reductions of the passes before", pass);
+      open("for (long long inner = 0; inner < inner_total; ++inner)");
+      coordinates("inner", split, rank);
+      values(k_.pass_body(pass), "v");
+      stores(k_.pass_stores(pass));
+      accumulate(pass, "inner");
+      close();
+    }
     epilogue();
     close();
+  }
+
+  // One sweep of the block's threads over the inner points: pass `pass`'s values, stores and
+  // per-thread partials.
+  void block_pass(int pass, int split, int rank) {
+    if (pass > 0) line("// pass {}: reads the reductions of the passes before", pass);
+    // A blockDim.x stride (== the block size above) rather than the constant: NVRTC 13.0 crashes
+    // on a constant-stride inner loop inside the grid-stride outer loop for some kernels.
+    open("for (long long inner = threadIdx.x; inner < inner_total; inner += blockDim.x)");
+    coordinates("inner", split, rank);
+    values(k_.pass_body(pass), "v");
+    stores(k_.pass_stores(pass));
+    accumulate(pass, "inner");
+    close();
+    warp_tree(pass);
+  }
+
+  // Every pass but the last: the reductions of `pass` are folded as in the last pass, then every
+  // thread of the block takes the result, which later passes read.
+  void broadcast(int pass, uint32_t warps) {
+    std::vector<size_t> reduced;
+    for (size_t r = 0; r < k_.reductions.size(); ++r)
+      if (k_.reductions[r].pass == pass) reduced.push_back(r);
+    if (warps == 1) {
+      for (size_t r : reduced) line("acc{} = __shfl_sync(0xFFFFFFFFu, acc{}, 0);", r, r);
+      return;
+    }
+    fold_partials(pass, warps);
+    open("if (lane == 0)");
+    for (size_t r : reduced) line("partial{}[0] = acc{};", r, r);
+    close();
+    close();
+    line("__syncthreads();");
+    for (size_t r : reduced) line("acc{} = partial{}[0];", r, r);
+    line("__syncthreads();  // the partials are rewritten by the next pass");
+  }
+
+  // Warps' lane 0 leave their partials of `pass` in shared memory; warp 0 folds them in warp
+  // order. Leaves the `if (warp == 0)` scope open.
+  void fold_partials(int pass, uint32_t warps) {
+    open("if (lane == 0)");
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      if (k_.reductions[r].pass != pass) continue;
+      line("partial{}[warp] = acc{};", r, r);
+      if (carries_index(k_.reductions[r], plan_)) line("partial{}_at[warp] = acc{}_at;", r, r);
+    }
+    close();
+    line("__syncthreads();");
+    open("if (warp == 0)");
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      const kir::Reduction& red = k_.reductions[r];
+      if (red.pass != pass) continue;
+      line("acc{} = lane < {} ? partial{}[lane] : {};", r, warps, r, init(red));
+      if (carries_index(red, plan_))
+        line("acc{}_at = lane < {} ? partial{}_at[lane] : 9223372036854775807LL;", r, warps, r);
+    }
+    warp_tree(pass);
   }
 
   void block_reduce() {
@@ -645,15 +709,12 @@ class Emitter {
     open("for (long long outer = blockIdx.x; outer < outer_total; outer += gridDim.x)");
     coordinates("outer", 0, split);
     declare_accumulators();
-    // A blockDim.x stride (== the block size above) rather than the constant: NVRTC 13.0 crashes
-    // on a constant-stride inner loop inside the grid-stride outer loop for some kernels.
-    open("for (long long inner = threadIdx.x; inner < inner_total; inner += blockDim.x)");
-    coordinates("inner", split, rank);
-    values(k_.body, "v");
-    stores(k_.stores);
-    accumulate("inner");
-    close();
-    warp_tree();
+    int last = k_.pass_count() - 1;
+    for (int pass = 0; pass < last; ++pass) {
+      block_pass(pass, split, rank);
+      broadcast(pass, warps);
+    }
+    block_pass(last, split, rank);
     if (warps == 1) {
       open("if (threadIdx.x == 0)");
       epilogue();
@@ -661,22 +722,7 @@ class Emitter {
       close();
       return;
     }
-    // Each warp's lane 0 leaves its partial in shared memory; warp 0 folds them in warp order.
-    open("if (lane == 0)");
-    for (size_t r = 0; r < k_.reductions.size(); ++r) {
-      line("partial{}[warp] = acc{};", r, r);
-      if (carries_index(k_.reductions[r], plan_)) line("partial{}_at[warp] = acc{}_at;", r, r);
-    }
-    close();
-    line("__syncthreads();");
-    open("if (warp == 0)");
-    for (size_t r = 0; r < k_.reductions.size(); ++r) {
-      const kir::Reduction& red = k_.reductions[r];
-      line("acc{} = lane < {} ? partial{}[lane] : {};", r, warps, r, init(red));
-      if (carries_index(red, plan_))
-        line("acc{}_at = lane < {} ? partial{}_at[lane] : 9223372036854775807LL;", r, warps, r);
-    }
-    warp_tree();
+    fold_partials(last, warps);
     open("if (lane == 0)");
     epilogue();
     close();

@@ -126,19 +126,28 @@ class Emitter {
     }
     if (column) {
       // One accumulator per column: initialize them, add the reduced dims' terms with the
-      // column loop innermost, then run the epilogue per column.
+      // column loop innermost (once per pass), then run the epilogue per column.
       column_loop(column_dim, [&] {
         point_accumulators(column_dim);
         initialize_accumulators();
       });
-      inner_loops(parallel + 1, rank, [&] {
-        column_loop(column_dim, [&] {
-          point_accumulators(column_dim);
-          values(k_.body, "v");
-          stores(k_.stores);
-          accumulate();
+      for (int pass = 0; pass < k_.pass_count(); ++pass) {
+        std::string prefix = pass == 0 ? "v" : fmt::format("v{}.", pass);
+        inner_loops(parallel + 1, rank, pass, [&] {
+          column_loop(column_dim, [&] {
+            point_accumulators(column_dim);
+            for (size_t r = 0; r < k_.reductions.size(); ++r)
+              if (k_.reductions[r].pass < pass) {  // final: read by this pass
+                acc_value_[r] = tmp();
+                line("{} = load {}, ptr {}", acc_value_[r], llvm_type(k_.reductions[r].type),
+                     acc_ptr_[r]);
+              }
+            values(k_.pass_body(pass), prefix.c_str());
+            stores(k_.pass_stores(pass));
+            accumulate(pass);
+          });
         });
-      });
+      }
       column_loop(column_dim, [&] {
         point_accumulators(column_dim);
         for (size_t r = 0; r < k_.reductions.size(); ++r) {
@@ -150,18 +159,24 @@ class Emitter {
         stores(k_.epilogue_stores);
       });
     } else if (k_.is_reduction()) {
+      // One sweep over the inner dims per pass; a pass's reductions are final when it ends, and
+      // later passes and the epilogue read them.
       initialize_accumulators();
-      inner_loops(parallel, rank, [&] {
-        values(k_.body, "v");
-        stores(k_.stores);
-        accumulate();
-      });
-      for (size_t r = 0; r < k_.reductions.size(); ++r)
-        line("%acc{} = load {}, ptr %acc{}.addr", r, llvm_type(k_.reductions[r].type), r);
+      for (int pass = 0; pass < k_.pass_count(); ++pass) {
+        std::string prefix = pass == 0 ? "v" : fmt::format("v{}.", pass);
+        inner_loops(parallel, rank, pass, [&] {
+          values(k_.pass_body(pass), prefix.c_str());
+          stores(k_.pass_stores(pass));
+          accumulate(pass);
+        });
+        for (size_t r = 0; r < k_.reductions.size(); ++r)
+          if (k_.reductions[r].pass == pass)
+            line("%acc{} = load {}, ptr %acc{}.addr", r, llvm_type(k_.reductions[r].type), r);
+      }
       values(k_.epilogue, "e");
       stores(k_.epilogue_stores);
     } else {
-      inner_loops(parallel, rank, [&] {
+      inner_loops(parallel, rank, 0, [&] {
         values(k_.body, "v");
         stores(k_.stores);
       });
@@ -222,26 +237,30 @@ class Emitter {
     label(fmt::format("c{}.exit", n));
   }
 
-  // Loops dims [from, to) around `body`, innermost last.
+  // Loops dims [from, to) around `body`, innermost last. Each pass of a multi-pass reduction
+  // has its own labels and loop variables.
   template <typename F>
-  void inner_loops(int from, int to, F body) {
+  void inner_loops(int from, int to, int pass, F body) {
     if (from >= to) {
       body();
       return;
     }
     int d = from;
+    std::string l = pass == 0 ? fmt::format("l{}", d) : fmt::format("l{}.{}", d, pass);
+    std::string i = pass == 0 ? fmt::format("%i{}", d) : fmt::format("%i{}.{}", d, pass);
+    var_[d] = i;
     line("store i64 0, ptr %i{}.addr", d);
-    line("br label %l{}.head", d);
-    label(fmt::format("l{}.head", d));
-    line("%i{} = load i64, ptr %i{}.addr", d, d);
-    line("%l{}.more = icmp slt i64 %i{}, {}", d, d, k_.dims[d]);
-    line("br i1 %l{}.more, label %l{}.body, label %l{}.exit", d, d, d);
-    label(fmt::format("l{}.body", d));
-    inner_loops(from + 1, to, body);
-    line("%i{}.next = add nsw i64 %i{}, 1", d, d);
-    line("store i64 %i{}.next, ptr %i{}.addr", d, d);
-    line("br label %l{}.head", d);
-    label(fmt::format("l{}.exit", d));
+    line("br label %{}.head", l);
+    label(fmt::format("{}.head", l));
+    line("{} = load i64, ptr %i{}.addr", i, d);
+    line("%{}.more = icmp slt i64 {}, {}", l, i, k_.dims[d]);
+    line("br i1 %{}.more, label %{}.body, label %{}.exit", l, l, l);
+    label(fmt::format("{}.body", l));
+    inner_loops(from + 1, to, pass, body);
+    line("{}.next = add nsw i64 {}, 1", i, i);
+    line("store i64 {}.next, ptr %i{}.addr", i, d);
+    line("br label %{}.head", l);
+    label(fmt::format("{}.exit", l));
   }
 
   std::string offset(const Affine& map) {
@@ -559,9 +578,11 @@ class Emitter {
       store(k_.params[s.param].dtype, s.param, s.map, names_[s.value]);
   }
 
-  void accumulate() {
+  // Adds this point's terms to the reductions of `pass`.
+  void accumulate(int pass) {
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
       const kir::Reduction& red = k_.reductions[r];
+      if (red.pass != pass) continue;
       const char* t = llvm_type(red.type);
       std::string acc = tmp(), next = tmp();
       std::string x = names_[red.value];

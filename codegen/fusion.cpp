@@ -6,6 +6,8 @@
 #include <numeric>
 #include <unordered_set>
 
+#include <fmt/ranges.h>
+
 #include "dsl/error.h"
 #include "dsl/log.h"
 #include "dsl/shape.h"
@@ -25,6 +27,23 @@ Affine unit(size_t rank, int var) {
   a.coeff.assign(rank, 0);
   if (var >= 0) a.coeff[var] = 1;
   return a;
+}
+
+bool is_reduction(const Node& node) { return node.op == OpCode::Sum || node.op == OpCode::Max; }
+
+bool reduced_axis(const Node& reduction, size_t d) {
+  const std::vector<int64_t>& axes = reduction.attrs.axes;
+  return std::find(axes.begin(), axes.end(), static_cast<int64_t>(d)) != axes.end();
+}
+
+// Reductions that loop over the same nest: the same input shape and the same reduced axes (the
+// nest keeps the axes in input order, whatever order they were named in).
+bool same_loop_nest(const Node& a, const Node& b) {
+  const Shape& in = a.inputs[0]->shape;
+  if (in != b.inputs[0]->shape) return false;
+  for (size_t d = 0; d < in.size(); ++d)
+    if (reduced_axis(a, d) != reduced_axis(b, d)) return false;
+  return true;
 }
 
 Affine scaled_sum(const std::vector<Affine>& coords, const std::vector<int64_t>& strides) {
@@ -93,8 +112,10 @@ bool transfer_access(const Node& node, size_t k, const Access& access, size_t ra
 
 namespace {
 
-// Each coordinate is one distinct loop variable over exactly that extent: every element once.
-bool bijective(const Access& access, const Shape& shape, const std::vector<int64_t>& dims) {
+// Each coordinate is one distinct loop variable of dims[0, loop_dims) over exactly that extent:
+// every element once per point of those dims.
+bool bijective(const Access& access, const Shape& shape, const std::vector<int64_t>& dims,
+               size_t loop_dims) {
   if (access.flat) return false;
   std::vector<bool> used(dims.size(), false);
   int64_t covered = 1;
@@ -104,15 +125,40 @@ bool bijective(const Access& access, const Shape& shape, const std::vector<int64
     int var = -1;
     for (size_t d = 0; d < a.coeff.size(); ++d) {
       if (a.coeff[d] == 0) continue;
-      if (a.coeff[d] != 1 || var >= 0 || used[d] || dims[d] != shape[j]) return false;
+      if (a.coeff[d] != 1 || var >= 0 || used[d] || d >= loop_dims || dims[d] != shape[j])
+        return false;
       var = static_cast<int>(d);
     }
     if (var < 0 && shape[j] != 1) return false;
     if (var >= 0) used[var] = true;
     covered *= shape[j];
   }
-  int64_t total = std::accumulate(dims.begin(), dims.end(), int64_t{1}, std::multiplies<>());
+  int64_t total = std::accumulate(dims.begin(), dims.begin() + static_cast<ptrdiff_t>(loop_dims),
+                                  int64_t{1}, std::multiplies<>());
   return covered == total;
+}
+
+// The row-major element offset an access reads of a value of `shape`.
+Affine element_offset(const Access& access, const Shape& shape) {
+  if (access.flat) return access.coords[0];
+  return scaled_sum(access.coords, strides_of(shape));
+}
+
+// Whether two accesses read the same element at every point (a reshape's flat access and the
+// coordinates it came from, say).
+bool same_elements(const Access& a, const Access& b, const Shape& shape) {
+  if (a == b) return true;
+  Affine x = element_offset(a, shape), y = element_offset(b, shape);
+  x.coeff.resize(std::max(x.coeff.size(), y.coeff.size()), 0);
+  y.coeff.resize(x.coeff.size(), 0);
+  return x == y;
+}
+
+bool varies_along(const Access& access, int from) {
+  for (const Affine& a : access.coords)
+    for (size_t d = static_cast<size_t>(from); d < a.coeff.size(); ++d)
+      if (a.coeff[d] != 0) return true;
+  return false;
 }
 
 class Fuser {
@@ -216,7 +262,7 @@ class Fuser {
     group.members = {node};
     group.outputs = {node};
     if (kind == FusionGroup::Kind::Kernel) {
-      if (node->op == OpCode::Sum || node->op == OpCode::Max) group.reduction = node;
+      if (is_reduction(*node)) group.reductions = {node};
       std::string why;
       if (!plan_access(group, why))
         fail("fusion: cannot lower a single {} node: {}", op_name(node->op), why);
@@ -229,14 +275,26 @@ class Fuser {
     FusionGroup trial = groups_[g];
     trial.members.push_back(node);
     if (stored) trial.outputs.push_back(node);
-    bool is_reduction = node->op == OpCode::Sum || node->op == OpCode::Max;
     std::string why;
-    if (is_reduction && trial.reduction) {
+    if (is_reduction(*node) && !trial.reductions.empty() && !options_.multi_pass) {
       why = "the kernel already has a reduction";
+    } else if (is_reduction(*node) && !trial.reductions.empty() &&
+               !same_loop_nest(*node, *trial.reductions.front())) {
+      why = fmt::format(
+          "the kernel's reduction runs over other axes or another shape ({} over {} of {}, "
+          "this one over {} of {})",
+          op_name(trial.reductions.front()->op),
+          fmt::join(trial.reductions.front()->attrs.axes, ","),
+          to_string(trial.reductions.front()->inputs[0]->shape), fmt::join(node->attrs.axes, ","),
+          to_string(node->inputs[0]->shape));
     } else if (static_cast<int>(trial.members.size()) > options_.max_members) {
       why = "the kernel is at its size limit";
     } else {
-      if (is_reduction) trial.reduction = node;
+      if (is_reduction(*node)) {
+        trial.reductions.push_back(node);
+        std::sort(trial.reductions.begin(), trial.reductions.end(),
+                  [](Node* a, Node* b) { return a->id < b->id; });
+      }
       if (plan_access(trial, why) && count_params(trial) > options_.max_params)
         why = "too many kernel parameters";
     }
@@ -265,9 +323,8 @@ class Fuser {
     std::unordered_set<Node*> members(group.members.begin(), group.members.end());
     Node* root = *std::max_element(group.members.begin(), group.members.end(),
                                    [](Node* a, Node* b) { return a->id < b->id; });
-    Node* reduction = group.reduction;
+    Node* reduction = group.reductions.empty() ? nullptr : group.reductions.front();
     // Loop nest and the identity access of an output of the (epilogue) domain.
-    std::vector<Access> out_access;  // per dim of the domain shape
     Shape domain = reduction ? reduction->shape : root->shape;
     std::vector<int> domain_var(domain.size(), -1);  // loop var of each domain coordinate
     std::vector<int> input_var;                      // reduction: loop var of each input axis
@@ -275,33 +332,27 @@ class Fuser {
     group.reduce_from = -1;
     if (reduction) {
       const Shape& in = reduction->inputs[0]->shape;
-      const std::vector<int64_t>& axes = reduction->attrs.axes;
-      auto reduced = [&](size_t d) {
-        return std::find(axes.begin(), axes.end(), static_cast<int64_t>(d)) != axes.end();
-      };
       input_var.assign(in.size(), -1);
       for (size_t d = 0; d < in.size(); ++d)
-        if (!reduced(d)) {
+        if (!reduced_axis(*reduction, d)) {
           input_var[d] = static_cast<int>(group.dims.size());
           group.dims.push_back(in[d]);
         }
       group.reduce_from = static_cast<int>(group.dims.size());
       for (size_t d = 0; d < in.size(); ++d)
-        if (reduced(d)) {
+        if (reduced_axis(*reduction, d)) {
           input_var[d] = static_cast<int>(group.dims.size());
           group.dims.push_back(in[d]);
         }
-      size_t j = 0;  // domain coordinate -> loop var
-      for (size_t d = 0; d < in.size(); ++d) {
-        if (reduced(d) && !reduction->attrs.keepdim) continue;
-        domain_var[j++] = reduced(d) ? -1 : input_var[d];
-      }
       if (group.reduce_from == 0) {  // a full reduction: one outer point
         group.dims.insert(group.dims.begin(), 1);
         group.reduce_from = 1;
         for (int& v : input_var) ++v;
-        for (int& v : domain_var)
-          if (v >= 0) ++v;
+      }
+      size_t j = 0;  // domain coordinate -> loop var
+      for (size_t d = 0; d < in.size(); ++d) {
+        if (reduced_axis(*reduction, d) && !reduction->attrs.keepdim) continue;
+        domain_var[j++] = reduced_axis(*reduction, d) ? -1 : input_var[d];
       }
     } else {
       group.dims = domain;
@@ -313,14 +364,46 @@ class Fuser {
     for (int v : domain_var) identity.coords.push_back(unit(rank, v));
     Access input_identity;
     for (int v : input_var) input_identity.coords.push_back(unit(rank, v));
+    // Where each reduction's result is read: every reduction shares the nest, but may keep the
+    // reduced axes as size-1 dims or drop them.
+    auto result_identity = [&](bool keepdim) {
+      Access access;
+      for (size_t d = 0; d < input_var.size(); ++d) {
+        if (!reduced_axis(*reduction, d))
+          access.coords.push_back(unit(rank, input_var[d]));
+        else if (keepdim)
+          access.coords.push_back(unit(rank, -1));
+      }
+      return access;
+    };
+    auto is_member_reduction = [&](Node* node) {
+      return std::find(group.reductions.begin(), group.reductions.end(), node) !=
+             group.reductions.end();
+    };
 
     std::vector<Node*> order(group.members.begin(), group.members.end());
     std::sort(order.begin(), order.end(), [](Node* a, Node* b) { return a->id > b->id; });
+    // The outer domain as the reductions give it, with the reduced axes kept or dropped.
+    auto outer_shape = [&](bool keepdim) {
+      Shape shape;
+      for (size_t d = 0; d < input_var.size(); ++d)
+        if (!reduced_axis(*reduction, d))
+          shape.push_back(reduction->inputs[0]->shape[d]);
+        else if (keepdim)
+          shape.push_back(1);
+      return shape;
+    };
     for (Node* output : group.outputs) {
-      if (output->shape == domain) {
+      if (is_member_reduction(output)) {
+        group.access[output].push_back(result_identity(output->attrs.keepdim));
+      } else if (output->shape == domain) {
         group.access[output].push_back(identity);
       } else if (reduction && output->shape == reduction->inputs[0]->shape) {
-        group.access[output].push_back(input_identity);  // checked below to be in the prologue
+        group.access[output].push_back(input_identity);
+      } else if (reduction && output->shape == outer_shape(true)) {
+        group.access[output].push_back(result_identity(true));
+      } else if (reduction && output->shape == outer_shape(false)) {
+        group.access[output].push_back(result_identity(false));
       } else {
         why = "stored values of different shapes";
         return false;
@@ -332,8 +415,10 @@ class Fuser {
         why = fmt::format("{} has no reader in the kernel", op_name(node->op));
         return false;
       }
-      if (node == reduction) {
-        if (accesses.size() != 1 || !(accesses[0] == identity)) {
+      if (is_member_reduction(node)) {
+        if (!std::all_of(accesses.begin(), accesses.end(), [&](const Access& access) {
+              return same_elements(access, result_identity(node->attrs.keepdim), node->shape);
+            })) {
           why = "the reduction's result is read at other points than its own";
           return false;
         }
@@ -350,11 +435,20 @@ class Fuser {
         }
       }
     }
-    if (reduction && !epilogue_stays_outside(group, members, why)) return false;
+    if (reduction && !options_.multi_pass && !epilogue_stays_outside(group, members, why))
+      return false;
     for (Node* output : group.outputs) {
       const std::vector<Access>& accesses = group.access[output];
-      if (output == reduction) continue;
-      if (accesses.size() != 1 || !bijective(accesses[0], output->shape, group.dims)) {
+      if (is_member_reduction(output)) continue;
+      // A stored value that does not vary along the reduced axes is stored once per outer
+      // point, after the reductions.
+      size_t loop_dims = reduction && !varies_along(accesses[0], group.reduce_from)
+                             ? static_cast<size_t>(group.reduce_from)
+                             : group.dims.size();
+      bool once = std::all_of(accesses.begin(), accesses.end(), [&](const Access& access) {
+        return same_elements(access, accesses[0], output->shape);
+      });
+      if (!once || !bijective(accesses[0], output->shape, group.dims, loop_dims)) {
         why = fmt::format("stored {} is not read exactly once per element", op_name(output->op));
         return false;
       }
@@ -362,12 +456,12 @@ class Fuser {
     return true;
   }
 
-  // Members after the reduction run once per outer point, so they may not vary along the
-  // reduced axes (that would need a second pass over them).
+  // Single-pass kernels: members after the reduction run once per outer point, so they may not
+  // vary along the reduced axes (that needs a second pass over them).
   static bool epilogue_stays_outside(const FusionGroup& group,
                                      const std::unordered_set<Node*>& members, std::string& why) {
     std::unordered_set<Node*> prologue;
-    std::vector<Node*> stack = {group.reduction->inputs[0].get()};
+    std::vector<Node*> stack = {group.reductions.front()->inputs[0].get()};
     while (!stack.empty()) {
       Node* node = stack.back();
       stack.pop_back();
@@ -375,14 +469,12 @@ class Fuser {
       for (const NodePtr& input : node->inputs) stack.push_back(input.get());
     }
     for (Node* member : group.members) {
-      if (member == group.reduction || prologue.count(member)) continue;
+      if (member == group.reductions.front() || prologue.count(member)) continue;
       for (const Access& access : group.access.at(member))
-        for (const kir::Affine& a : access.coords)
-          for (size_t d = group.reduce_from; d < a.coeff.size(); ++d)
-            if (a.coeff[d] != 0) {
-              why = "a value after the reduction varies along the reduced axes";
-              return false;
-            }
+        if (varies_along(access, group.reduce_from)) {
+          why = "a value after the reduction varies along the reduced axes";
+          return false;
+        }
     }
     return true;
   }
@@ -390,6 +482,8 @@ class Fuser {
   static void push_access(FusionGroup& group, Node* node, const Access& access,
                           const std::unordered_set<Node*>& members) {
     if (!members.count(node)) return;
+    // Lowering traces each access on its own, so accesses that read the same elements in
+    // another form (flat or coordinates) are kept apart.
     std::vector<Access>& list = group.access[node];
     if (std::find(list.begin(), list.end(), access) == list.end()) list.push_back(access);
   }

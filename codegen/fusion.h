@@ -28,14 +28,19 @@ struct FusionGroup {
   std::vector<Node*> outputs;  // members whose values are stored
   // Kernel groups: the loop nest, and where each member is evaluated (a member read through two
   // different views is evaluated twice).
+  // Reductions all share the loop nest (same input shape, same reduced axes); a reduction whose
+  // body reads another's result runs in a later pass over the inner dims (kir::Kernel).
   std::vector<int64_t> dims;
   int reduce_from = -1;
-  Node* reduction = nullptr;
+  std::vector<Node*> reductions;  // tape order
   std::unordered_map<Node*, std::vector<Access>> access;
 };
 
 struct FusionOptions {
   bool fuse = true;  // false: eager mode, one kernel per op
+  // false: at most one reduction per kernel, and nothing after it that varies along the reduced
+  // axes (single-pass kernels only).
+  bool multi_pass = true;
   int max_members = 96;
   int max_params = 48;
 };

@@ -34,9 +34,11 @@ bool Kernel::column_reduction() const {
     unit_column += map.coeff[column] == 1;
     unit_last += map.coeff[last] == 1;
   };
-  for (const Value& v : body)
-    if (v.op == Op::Load) count(v.map);
-  for (const Store& s : stores) count(s.map);
+  for (int pass = 0; pass < pass_count(); ++pass) {
+    for (const Value& v : pass_body(pass))
+      if (v.op == Op::Load) count(v.map);
+    for (const Store& s : pass_stores(pass)) count(s.map);
+  }
   return unit_column > unit_last;
 }
 
@@ -92,14 +94,20 @@ std::string to_string(const Kernel& kernel) {
   for (size_t p = 0; p < kernel.params.size(); ++p)
     out += fmt::format("  p{}: {} {}\n", p, name(kernel.params[p].dtype),
                        kernel.params[p].output ? "out" : "in");
-  list_values(out, kernel.body, "v");
-  list_stores(out, kernel.stores, "v");
-  for (size_t r = 0; r < kernel.reductions.size(); ++r) {
-    const Reduction& red = kernel.reductions[r];
-    out += fmt::format(
-        "  r{} = {}.{} v{}{}\n", r, red.kind == ReduceKind::Sum ? "sum" : "max",
-        type_name(red.type), red.value,
-        is_half(red.round_to) ? fmt::format(" rounding to {}", name(red.round_to)) : "");
+  // Pass 0 lists exactly as a single-pass kernel always has (its names are kernel hashes).
+  for (int pass = 0; pass < kernel.pass_count(); ++pass) {
+    std::string prefix = pass == 0 ? "v" : fmt::format("w{}.", pass);
+    if (pass > 0) out += fmt::format("  pass {}\n", pass);
+    list_values(out, kernel.pass_body(pass), prefix.c_str());
+    list_stores(out, kernel.pass_stores(pass), prefix.c_str());
+    for (size_t r = 0; r < kernel.reductions.size(); ++r) {
+      const Reduction& red = kernel.reductions[r];
+      if (red.pass != pass) continue;
+      out += fmt::format(
+          "  r{} = {}.{} {}{}{}\n", r, red.kind == ReduceKind::Sum ? "sum" : "max",
+          type_name(red.type), prefix, red.value,
+          is_half(red.round_to) ? fmt::format(" rounding to {}", name(red.round_to)) : "");
+    }
   }
   list_values(out, kernel.epilogue, "e");
   list_stores(out, kernel.epilogue_stores, "e");

@@ -41,7 +41,7 @@ enum class Op : uint8_t {
   Pow,
   Convert,      // a to `type` (C conversion rules: float->int truncates, ->i1 is != 0)
   RoundTo,      // a (f32 or f64) rounded RNE to `dtype` and back: a value stored as `dtype`
-  Accumulated,  // the final value of reduction `param` (epilogue only)
+  Accumulated,  // the final value of reduction `param` (epilogue, or a later pass's body)
   Scalar        // the launch-time value of scalar slot `param` (a fill: learning rates, ...)
 };
 
@@ -79,14 +79,26 @@ enum class ReduceKind : uint8_t { Sum, Max };
 struct Reduction {
   ReduceKind kind;
   Type type;             // accumulator register type
-  int32_t value;         // body value reduced
+  int32_t value;         // value reduced, in the body of pass `pass`
   DType round_to = f32;  // f16/bf16: every partial sum is rounded to it (a 16-bit accumulator)
+  int32_t pass = 0;      // the pass over the inner dims that accumulates it
+};
+
+/// One sweep over the inner dims of a reduction kernel after the first (see Kernel).
+struct Pass {
+  std::vector<Value> body;
+  std::vector<Store> stores;
 };
 
 /// One kernel: a loop nest over `dims` (outer to inner). Pointwise kernels compute `body` and
-/// `stores` at every point. Reduction kernels loop dims[0, reduce_from) outside and
-/// dims[reduce_from, end) inside, accumulate `reductions` over the inner dims from `body`, then
-/// compute `epilogue` and `epilogue_stores` once per outer point (their maps use outer dims only).
+/// `stores` at every point. Reduction kernels loop dims[0, reduce_from) outside and, per outer
+/// point, sweep dims[reduce_from, end) inside once per pass: pass 0 computes `body` and `stores`,
+/// pass p > 0 `later_passes[p - 1]`, at every inner point, and each pass accumulates its
+/// `reductions` (Reduction::pass) over the inner dims. A pass's body may read (Accumulated) the
+/// final value of any reduction of an earlier pass, so softmax (max; sum of exp(x - max);
+/// exp(x - max) / sum) is one kernel of three passes. Each reduction adds its terms in the order
+/// a single-pass kernel would. After the last pass, `epilogue` and `epilogue_stores` run once per
+/// outer point (their maps use outer dims only) and may read every reduction.
 struct Kernel {
   std::string name;
   std::vector<Param> params;
@@ -98,10 +110,18 @@ struct Kernel {
   std::vector<Value> body;
   std::vector<Store> stores;
   std::vector<Reduction> reductions;
+  std::vector<Pass> later_passes;  // reduction kernels: passes 1, 2, ... (pass 0 is body/stores)
   std::vector<Value> epilogue;
   std::vector<Store> epilogue_stores;
 
   bool is_reduction() const { return reduce_from >= 0; }
+  int pass_count() const { return 1 + static_cast<int>(later_passes.size()); }
+  const std::vector<Value>& pass_body(int pass) const {
+    return pass == 0 ? body : later_passes[pass - 1].body;
+  }
+  const std::vector<Store>& pass_stores(int pass) const {
+    return pass == 0 ? stores : later_passes[pass - 1].stores;
+  }
   /// A reduction whose memory runs fastest along the last outer dim, not the reduced ones (a
   /// bias gradient: a sum over the rows of a row-major matrix). The CPU emitter then keeps one
   /// accumulator per point of that dim and makes it the innermost loop, so that loads are

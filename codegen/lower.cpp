@@ -2,6 +2,7 @@
 #include "codegen/lower.h"
 
 #include <algorithm>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "codegen/hash.h"
@@ -38,22 +39,38 @@ class Lowerer {
  public:
   explicit Lowerer(const FusionGroup& group) : group_(group) {
     members_.insert(group.members.begin(), group.members.end());
-    prologue_ = prologue_members();
   }
 
   LoweredKernel run() {
     kir::Kernel& k = out_.kernel;
     k.dims = group_.dims;
     k.reduce_from = group_.reduce_from;
-    if (group_.reduction) ensure_reduction();
+    // Pass p computes the reductions of level p and the stored values of level p that vary
+    // along the reduced axes; stored values that do not vary wait for the epilogue.
+    int passes = 1;
+    for (Node* r : group_.reductions) passes = std::max(passes, level(r) + 1);
+    for (Node* output : group_.outputs)
+      if (!group_.reductions.empty() && !is_reduction(output) && varies(output))
+        passes = std::max(passes, level(output) + 1);
+    k.later_passes.resize(passes - 1);
+    for (int p = 0; p < passes; ++p)
+      passes_.push_back(Stage{p == 0 ? &k.body : &k.later_passes[p - 1].body, p, {}});
+    std::vector<Node*> reductions = group_.reductions;
+    std::stable_sort(reductions.begin(), reductions.end(),
+                     [&](Node* a, Node* b) { return level(a) < level(b); });
+    for (Node* r : reductions) add_reduction(r);
     for (Node* output : group_.outputs) {
       const std::vector<Access>& accesses = group_.access.at(output);
-      bool in_body = !group_.reduction || prologue_.count(output);
-      if (output == group_.reduction) in_body = false;
-      Stage& stage = in_body ? body_ : epilogue_;
+      bool in_pass = group_.reductions.empty() || (!is_reduction(output) && varies(output));
+      Stage& stage = in_pass ? passes_[level(output)] : epilogue_;
       int32_t value = emit(output, accesses[0], stage);
       kir::Store store{output_param(output), value, offset(accesses[0], output->shape)};
-      (in_body ? k.stores : k.epilogue_stores).push_back(store);
+      if (!in_pass)
+        k.epilogue_stores.push_back(store);
+      else if (stage.pass == 0)
+        k.stores.push_back(store);
+      else
+        k.later_passes[stage.pass - 1].stores.push_back(store);
     }
     std::string listing = kir::to_string(k);
     k.name = "mt_" + hash_string(listing).hex();
@@ -63,29 +80,41 @@ class Lowerer {
  private:
   struct Stage {
     std::vector<kir::Value>* values;
-    bool epilogue;
+    int pass;  // -1: the epilogue
     std::vector<std::pair<std::pair<Node*, Access>, int32_t>> memo;
   };
 
-  std::unordered_set<Node*> prologue_members() const {
-    std::unordered_set<Node*> prologue;
-    if (!group_.reduction) return prologue;
-    std::vector<Node*> stack = {group_.reduction->inputs[0].get()};
-    while (!stack.empty()) {
-      Node* node = stack.back();
-      stack.pop_back();
-      if (!members_.count(node) || !prologue.insert(node).second) continue;
-      for (const NodePtr& input : node->inputs) stack.push_back(input.get());
-    }
-    return prologue;
+  bool is_reduction(Node* node) const {
+    return std::find(group_.reductions.begin(), group_.reductions.end(), node) !=
+           group_.reductions.end();
   }
 
-  // The reduction is traced into the body once, whichever output asks for it first.
-  void ensure_reduction() {
-    if (reduction_index_ >= 0) return;
-    Node* r = group_.reduction;
-    Access input_identity = reduction_input_access();
-    int32_t value = emit(r->inputs[0].get(), input_identity, body_);
+  // The first pass that can compute `node`: one after the last pass of any reduction it reads.
+  // A reduction's own level is its input's: the pass that accumulates it.
+  int level(Node* node) {
+    auto found = levels_.find(node);
+    if (found != levels_.end()) return found->second;
+    int l = 0;
+    for (const NodePtr& input : node->inputs)
+      if (members_.count(input.get()))
+        l = std::max(l, level(input.get()) + (is_reduction(input.get()) ? 1 : 0));
+    levels_[node] = l;
+    return l;
+  }
+
+  // Whether `node` is evaluated at more than one point of the reduced dims.
+  bool varies(Node* node) const {
+    for (const Access& access : group_.access.at(node))
+      for (const Affine& a : access.coords)
+        for (size_t d = group_.reduce_from; d < a.coeff.size(); ++d)
+          if (a.coeff[d] != 0) return true;
+    return false;
+  }
+
+  // Traces the reduction's input into the body of its pass.
+  void add_reduction(Node* r) {
+    int pass = level(r);
+    int32_t value = emit(r->inputs[0].get(), reduction_input_access(r), passes_[pass]);
     kir::Reduction red;
     red.kind = r->op == OpCode::Sum ? kir::ReduceKind::Sum : kir::ReduceKind::Max;
     if (r->op == OpCode::Sum)
@@ -93,15 +122,15 @@ class Lowerer {
     else
       red.type = compute_type(r->dtype);
     if (red.kind == kir::ReduceKind::Sum && is_half(r->accum)) red.round_to = r->accum;
-    red.value = convert(body_, value, red.type);
+    red.value = convert(passes_[pass], value, red.type);
+    red.pass = pass;
+    reduction_index_[r] = static_cast<int32_t>(out_.kernel.reductions.size());
     out_.kernel.reductions.push_back(red);
-    reduction_index_ = 0;
   }
 
-  Access reduction_input_access() const {
+  Access reduction_input_access(Node* r) const {
     // The loop var of each input axis: kept axes are the outer dims in order, reduced ones the
     // inner dims in order (fusion.cpp builds the nest the same way).
-    Node* r = group_.reduction;
     const Shape& in = r->inputs[0]->shape;
     size_t rank = group_.dims.size();
     int outer = static_cast<int>(rank) - static_cast<int>(in.size());  // 1 for a full reduction
@@ -214,17 +243,25 @@ class Lowerer {
       load.map = offset(access, node->shape);
       return b.add(load);
     }
-    if (node == group_.reduction) {
-      kir::Value acc{Op::Accumulated, out_.kernel.reductions[0].type};
-      acc.param = 0;
+    if (is_reduction(node)) {
+      auto found = reduction_index_.find(node);
+      if (found == reduction_index_.end() ||
+          (stage.pass >= 0 && out_.kernel.reductions[found->second].pass >= stage.pass))
+        fail("lowering: {} #{} is read before its pass ends", op_name(node->op), node->id);
+      kir::Value acc{Op::Accumulated, out_.kernel.reductions[found->second].type};
+      acc.param = found->second;
       return to_storage(stage, b.add(acc), node->storage);
     }
     if (node->op == OpCode::Full) return fill(b, node);
     if (op_info(node->op).kind == OpKind::View) {
       Access in;
       std::string why;
-      if (!transfer_access(*node, 0, access, group_.dims.size(), in, why))
+      if (!transfer_access(*node, 0, access, group_.dims.size(), in, why)) {
+        // A view of a fill is the same value at every point, whatever the access (fusion does
+        // not trace accesses into fills).
+        if (is_constant_fill(*node)) return fill(b, node);
         fail("lowering: {}", why);
+      }
       int32_t v = emit(node->inputs[0].get(), in, stage);
       return to_storage(stage, v, node->storage);
     }
@@ -306,11 +343,12 @@ class Lowerer {
   }
 
   const FusionGroup& group_;
-  std::unordered_set<Node*> members_, prologue_;
+  std::unordered_set<Node*> members_;
+  std::unordered_map<Node*, int> levels_;
+  std::unordered_map<Node*, int32_t> reduction_index_;
   LoweredKernel out_;
-  Stage body_{&out_.kernel.body, false, {}};
-  Stage epilogue_{&out_.kernel.epilogue, true, {}};
-  int reduction_index_ = -1;
+  std::vector<Stage> passes_;
+  Stage epilogue_{&out_.kernel.epilogue, -1, {}};
 };
 
 }  // namespace

@@ -9,7 +9,7 @@ namespace mixtape {
 
 /// Bumped whenever the CUDA code emit_cuda prints, or the options it is compiled with, change
 /// meaning for the same kernel: part of every cache key.
-constexpr int cuda_codegen_version = 1;
+constexpr int cuda_codegen_version = 2;
 
 /// True when NVRTC could be loaded: libnvrtc.so.13, .so.12, libnvrtc.so from the loader's path,
 /// else the same under $CUDA_HOME/lib64 and /usr/local/cuda/lib64. Tried once per process.

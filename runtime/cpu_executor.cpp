@@ -173,8 +173,7 @@ void run_matmul(Node& node) {
 }  // namespace
 
 ExecutedProgram execute_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required) {
-  FusionOptions options;
-  options.fuse = !eager_mode();
+  FusionOptions options = fusion_options(Device::cpu);
   ExecutedProgram executed;
   executed.sig = sign(pending, required, options.fuse, "mixtape-cpu-program-1");
   static ProgramCache programs;

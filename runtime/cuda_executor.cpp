@@ -270,8 +270,7 @@ ExecutedProgram execute_cuda(const std::vector<Node*>& pending,
                              const std::vector<Node*>& required) {
   if (!cuda_backend_available()) fail("device cuda: CUDA is not available: {}", cached_reason());
   Storage::set_host_fetch(fetch_to_host);
-  FusionOptions options;
-  options.fuse = !eager_mode();
+  FusionOptions options = fusion_options(Device::cuda);
   ExecutedProgram executed;
   executed.sig = sign(pending, required, options.fuse, "mixtape-cuda-program-1");
   static ProgramCache programs;

@@ -249,6 +249,13 @@ void run_program(const Program& program, const std::vector<Node*>& pending, cons
   s.peak_bytes = std::max(s.peak_bytes, peak);
 }
 
+FusionOptions fusion_options(Device device) {
+  FusionOptions options;
+  options.fuse = !eager_mode();
+  options.multi_pass = device != Device::cuda;
+  return options;
+}
+
 std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs) {
   std::vector<Node*> pending;
   std::unordered_set<Node*> seen;
@@ -275,8 +282,7 @@ int64_t planned_peak_bytes(const std::vector<NodePtr>& outputs) {
   std::vector<Node*> required;
   for (const NodePtr& output : outputs)
     if (output && !output->evaluated()) required.push_back(output.get());
-  FusionOptions options;
-  options.fuse = !eager_mode();
+  FusionOptions options = fusion_options(current_device());
   Signature sig = sign(pending, required, options.fuse, "mixtape-memory-plan");
   Program program = build_program(pending, options, sig, [](const kir::Kernel&) { return 0; });
   auto planned_bytes = [](const Node* node) {

@@ -43,6 +43,10 @@ struct Signature {
   }
 };
 
+/// How `device` fuses: one kernel per op in eager mode. CUDA keeps to single-pass reductions:
+/// its multi-pass kernels compile (test_nvrtc) but have not yet been checked on a GPU.
+FusionOptions fusion_options(Device device);
+
 /// The unevaluated nodes that evaluating `outputs` computes, in tape order.
 std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs);
 

@@ -2,6 +2,7 @@
 // pointwise results, fusion, kernel reuse, eager mode and the emitted IR.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <functional>
@@ -167,6 +168,141 @@ TEST(Compiled, ReductionsAndBroadcastsMatchTheReferenceClosely) {
   }
   mt::set_kernel_observer({});
   EXPECT_GE(column_kernels, 4);
+}
+
+// A row op (softmax, layer_norm, ...) over the last axis, run forward and backward under a
+// policy on one device: its outputs, the gradients, and the kernels each half ran.
+struct RowRun {
+  std::vector<std::vector<float>> values;
+  int64_t forward_kernels = 0, backward_kernels = 0;
+};
+
+using RowOp = std::function<mt::Tensor(const mt::Tensor& x, const mt::Tensor& w)>;
+
+RowRun run_row_op(mt::Device device, const std::string& policy, const RowOp& op) {
+  mt::set_device(device);
+  mt::Generator gen(21);
+  mt::Tensor x =
+      mt::tensor((mt::randn({37, 83}, mt::f32, &gen) * 2.0).to_vector<float>(), {37, 83});
+  mt::Tensor w = mt::tensor((mt::randn({83}, mt::f32, &gen) + 1.0).to_vector<float>(), {83});
+  x.requires_grad_();
+  w.requires_grad_();
+  RowRun run;
+  mt::Tensor y;
+  {
+    mt::autocast guard(mt::policy_by_name(policy));
+    y = op(x, w);
+  }
+  mt::Tensor upstream = mt::cast(mt::randn(y.shape(), mt::f32, &gen), y.dtype());
+  mt::eval({upstream});
+  mt::reset_execution_stats();
+  mt::eval({y});
+  run.forward_kernels = mt::execution_stats().kernels;
+  mt::reset_execution_stats();
+  y.backward(upstream);
+  std::vector<mt::Tensor> grads = {x.grad()};
+  if (w.grad().defined()) grads.push_back(w.grad());
+  mt::eval(grads);
+  run.backward_kernels = mt::execution_stats().kernels;
+  run.values.push_back(mt::cast(y, mt::f32).to_vector<float>());
+  for (const mt::Tensor& g : grads) run.values.push_back(mt::cast(g, mt::f32).to_vector<float>());
+  mt::set_device(mt::Device::reference);
+  return run;
+}
+
+class RowOps : public ::testing::TestWithParam<std::string> {};
+
+// Softmax, log_softmax, logsumexp and layer_norm are one kernel forward (several passes over each
+// row: max, then sum of exp(x - max), then the normalized row), the first three one kernel
+// backward too, and they match the reference executor within the reductions' tolerance (sums run
+// in another order).
+TEST_P(RowOps, AreOneKernelAndMatchTheReference) {
+  const std::string policy = GetParam();
+  struct Case {
+    const char* name;
+    RowOp op;
+    int64_t forward_kernels, backward_kernels;
+  };
+  std::vector<Case> cases = {
+      {"softmax", [](const mt::Tensor& x, const mt::Tensor&) { return mt::softmax(x); }, 1, 1},
+      {"log_softmax", [](const mt::Tensor& x, const mt::Tensor&) { return mt::log_softmax(x); }, 1,
+       1},
+      {"logsumexp", [](const mt::Tensor& x, const mt::Tensor&) { return mt::logsumexp(x); }, 1, 1},
+      {"layer_norm",
+       [](const mt::Tensor& x, const mt::Tensor& w) {
+         return mt::layer_norm(x, w, mt::Tensor(), 1e-5);
+       },
+       // Backward: the row statistics, the weight gradient (a sum over rows: another nest), and
+       // the input gradient, whose kernel cannot take the statistics: the weight gradient's
+       // kernel, which runs first, reads them.
+       1, 3},
+  };
+  bool half = policy != "fp32";
+  for (const Case& c : cases) {
+    RowRun reference = run_row_op(mt::Device::reference, policy, c.op);
+    RowRun compiled = run_row_op(mt::Device::cpu, policy, c.op);
+    EXPECT_EQ(compiled.forward_kernels, c.forward_kernels) << c.name;
+    EXPECT_EQ(compiled.backward_kernels, c.backward_kernels) << c.name;
+    ASSERT_EQ(reference.values.size(), compiled.values.size()) << c.name;
+    for (size_t v = 0; v < reference.values.size(); ++v) {
+      const std::vector<float>& r = reference.values[v];
+      const std::vector<float>& got = compiled.values[v];
+      ASSERT_EQ(r.size(), got.size());
+      double scale = 0;
+      for (float e : r) scale = std::max(scale, double(std::fabs(e)));
+      for (size_t i = 0; i < r.size(); ++i)
+        ASSERT_NEAR(r[i], got[i], (half ? 1e-2 : 1e-5) * (std::fabs(r[i]) + 1e-2 * scale))
+            << c.name << " value " << v << " at " << i;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Compiled, RowOps, ::testing::Values("fp32", "pure-bf16", "autocast-bf16"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
+// Reductions over different axes do not share a loop nest: they stay separate kernels.
+TEST(Compiled, ReductionsOverDifferentAxesStaySeparate) {
+  mt::Generator gen(4);
+  mt::Tensor x = mt::randn({29, 41}, mt::f32, &gen);
+  mt::eval({x});
+  auto program = [&] { return x * mt::sum(x, {0}, true) - mt::max(x, {1}, true); };
+  auto [reference, compiled] = both(program);
+  mt::set_device(mt::Device::cpu);
+  mt::reset_execution_stats();
+  mt::eval({program()});
+  EXPECT_EQ(mt::execution_stats().kernels, 2);
+  mt::set_device(mt::Device::reference);
+  ASSERT_EQ(reference.size(), compiled.size());
+  const float* r = reinterpret_cast<const float*>(reference.data());
+  const float* c = reinterpret_cast<const float*>(compiled.data());
+  for (size_t i = 0; i < reference.size() / 4; ++i)
+    ASSERT_NEAR(r[i], c[i], 2e-6 * (1 + std::fabs(r[i]))) << i;
+}
+
+// FusionOptions::multi_pass = false keeps kernels single-pass: softmax is then a kernel per
+// reduction plus one for the division, and each lowered kernel has one pass.
+TEST(Compiled, SinglePassFusionSplitsSoftmax) {
+  mt::Generator gen(6);
+  mt::Tensor x = mt::randn({5, 40}, mt::f32, &gen);
+  mt::eval({x});
+  mt::Tensor y = mt::softmax(x);
+  std::vector<mt::Node*> pending = mt::nodes_in_tape_order({y.node()});
+  std::erase_if(pending, [](mt::Node* n) { return n->evaluated(); });
+  auto kernels = [&](bool multi_pass) {
+    mt::FusionOptions options;
+    options.multi_pass = multi_pass;
+    std::vector<int> passes;
+    for (const mt::FusionGroup& group : mt::fuse(pending, {y.node().get()}, options))
+      if (group.kind == mt::FusionGroup::Kind::Kernel)
+        passes.push_back(mt::lower(group).kernel.pass_count());
+    return passes;
+  };
+  EXPECT_EQ(kernels(true), std::vector<int>({3}));
+  EXPECT_EQ(kernels(false), std::vector<int>({1, 1, 1}));
 }
 
 TEST(Compiled, APointwiseChainIsOneKernelAndTheSecondRunCompilesNothing) {

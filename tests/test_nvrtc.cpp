@@ -424,6 +424,32 @@ kir::Kernel two_inner_dims_sum() {
   return k;
 }
 
+// Softmax over the rows of [6, 100] f32 in three passes over each row: the max, the sum of
+// exp(x - max), then exp(x - max) / sum stored; every thread of a block reads the first two
+// passes' results.
+kir::Kernel softmax_rows() {
+  kir::Kernel k;
+  k.name = "golden_softmax_rows";
+  k.dims = {6, 100};
+  k.reduce_from = 1;
+  k.params = {{mt::f32, false}, {mt::f32, true}};
+  k.body = {load(0, {100, 1})};
+  kir::Pass sum_pass, store_pass;
+  sum_pass.body = {load(0, {100, 1}), special(Op::Accumulated, Type::f32, 0),
+                   op(Op::Sub, Type::f32, 0, 1), op(Op::Exp, Type::f32, 2)};
+  store_pass.body = {load(0, {100, 1}),
+                     special(Op::Accumulated, Type::f32, 0),
+                     op(Op::Sub, Type::f32, 0, 1),
+                     op(Op::Exp, Type::f32, 2),
+                     special(Op::Accumulated, Type::f32, 1),
+                     op(Op::Div, Type::f32, 3, 4)};
+  store_pass.stores = {{1, 5, kir::Affine{0, {100, 1}}}};
+  k.later_passes = {sum_pass, store_pass};
+  k.reductions = {{kir::ReduceKind::Max, Type::f32, 0}, {kir::ReduceKind::Sum, Type::f32, 3}};
+  k.reductions[1].pass = 1;
+  return k;
+}
+
 class Golden : public ::testing::TestWithParam<std::pair<const char*, kir::Kernel (*)()>> {};
 
 // Every source starts with the same guarded device helpers (codegen/emit_cuda.cpp's prelude);
@@ -472,11 +498,11 @@ TEST(Golden, AllGoldenKernelsCompileInOneProgram) {
   SKIP_WITHOUT_NVRTC();
   std::string source = mt::emit_cuda(bf16_broadcast_chain()) + mt::emit_cuda(row_max_and_sum()) +
                        mt::emit_cuda(half_accumulator_sum()) + mt::emit_cuda(scalar_sgd_step());
-  source += mt::emit_cuda(two_inner_dims_sum());
+  source += mt::emit_cuda(two_inner_dims_sum()) + mt::emit_cuda(softmax_rows());
   std::string ptx = mt::compile_cuda(source, "compute_90", "golden.cu");
   for (const char* name :
        {"golden_bf16_broadcast_chain", "golden_row_max_and_sum", "golden_half_accumulator_sum",
-        "golden_scalar_sgd_step", "two_inner_dims_sum"})
+        "golden_scalar_sgd_step", "two_inner_dims_sum", "golden_softmax_rows"})
     EXPECT_TRUE(has_kernel_entry(ptx, name)) << name;
   // IEEE arithmetic: nothing may be contracted into an FMA (the CPU rounds a*b and a*b+c apart).
   // libm bodies (tanhf, logf) use fma on purpose, so look at the SGD kernel alone.
@@ -490,7 +516,8 @@ INSTANTIATE_TEST_SUITE_P(
     ::testing::Values(std::pair{"cuda_bf16_broadcast_chain.cu", &bf16_broadcast_chain},
                       std::pair{"cuda_row_max_and_sum.cu", &row_max_and_sum},
                       std::pair{"cuda_half_accumulator_sum.cu", &half_accumulator_sum},
-                      std::pair{"cuda_scalar_sgd_step.cu", &scalar_sgd_step}),
+                      std::pair{"cuda_scalar_sgd_step.cu", &scalar_sgd_step},
+                      std::pair{"cuda_softmax_rows.cu", &softmax_rows}),
     [](const auto& info) {
       std::string name = info.param.first;
       name = name.substr(5, name.size() - 8);
