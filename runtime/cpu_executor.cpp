@@ -86,9 +86,16 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
   KernelFunction function = reinterpret_cast<const KernelCell*>(step.compiled)->function;
   if (!function) fail("CPU kernel {} failed to compile earlier", kernel.name);
   size_t count = step.params.size();
-  std::vector<Node*> nodes(count);
-  std::vector<void*> params(count);
-  std::vector<std::shared_ptr<Storage>> outputs(count);
+  // Reused from launch to launch: a replayed step launches dozens of small kernels, and these
+  // allocations were a visible share of them.
+  thread_local std::vector<Node*> nodes;
+  thread_local std::vector<void*> params;
+  thread_local std::vector<std::shared_ptr<Storage>> outputs;
+  thread_local std::vector<double> scalars;
+  nodes.assign(count, nullptr);
+  params.assign(count, nullptr);
+  outputs.assign(count, nullptr);
+  scalars.clear();
   ExecutionStats& s = stats();
   for (size_t i = 0; i < count; ++i) {
     Node* node = nodes[i] = sig.resolve(step.params[i], pending);
@@ -101,7 +108,6 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
       s.bytes_read += bytes_of(*node->value);
     }
   }
-  std::vector<double> scalars;
   for (NodeRef ref : step.scalar_nodes) scalars.push_back(fill_value(*sig.resolve(ref, pending)));
   if (!scalars.empty()) params.push_back(scalars.data());
   if (observer()) {
@@ -111,17 +117,19 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
   }
   int64_t extent = step.parallel_extent;
   int threads = step.points >= parallel_threshold ? omp_get_max_threads() : 1;
+  // The scratch vectors are this thread's: the team gets their data by pointer.
+  void** args = params.data();
   if (threads <= 1 || extent < 2) {
-    function(params.data(), 0, extent);
+    function(args, 0, extent);
   } else {
 #pragma omp parallel num_threads(threads)
     {
       int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-      function(params.data(), extent * t / n, extent * (t + 1) / n);
+      function(args, extent * t / n, extent * (t + 1) / n);
     }
   }
   for (size_t i = 0; i < count; ++i)
-    if (outputs[i]) nodes[i]->value = outputs[i];
+    if (outputs[i]) nodes[i]->value = std::move(outputs[i]);
   ++s.kernels;
   s.kernel_nodes += step.members;
 }

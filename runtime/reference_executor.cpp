@@ -145,8 +145,13 @@ StoragePtr ref_Arange(const Node& node) {
   return out;
 }
 
+// Random streams are counter-based, so elements are independent: large draws (a batch's noise,
+// a dropout mask; ~40 ns an element) are split across threads with identical results.
+constexpr int64_t kParallelDraws = 2048;
+
 StoragePtr ref_RandUniform(const Node& node) {
   StoragePtr out = new_storage(node);
+#pragma omp parallel for if (out->count >= kParallelDraws)
   for (int64_t i = 0; i < out->count; ++i) {
     store_element(*out, i, philox_uniform(node.attrs.seed, node.attrs.offset, i));
     // Nearest rounding carries the top of [0, 1) up to 1.0 in f16/bf16; those values take the
@@ -158,6 +163,7 @@ StoragePtr ref_RandUniform(const Node& node) {
 
 StoragePtr ref_RandNormal(const Node& node) {
   StoragePtr out = new_storage(node);
+#pragma omp parallel for if (out->count >= kParallelDraws)
   for (int64_t i = 0; i < out->count; ++i)
     store_element(*out, i, philox_normal(node.attrs.seed, node.attrs.offset, i));
   return out;
