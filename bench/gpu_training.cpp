@@ -1,105 +1,203 @@
-// bench/gpu_training.cpp -- bench_gpu_training: training steps/s of the MLP workload on the GPU
-// (MIXTAPE_DEVICE=cuda's back end), fp32 and bf16 autocast, as one JSON object.
+// bench/gpu_training.cpp -- bench_gpu_training: training steps/s on the GPU (MIXTAPE_DEVICE=cuda's
+// back end) for the MLP and a GPT-2-small-shaped model, traced or mt::compile'd, one JSON line
+// each.
 #include <mixtape/mixtape.h>
 
-#include <chrono>
-#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include <fmt/format.h>
-
+#include "bench/timing.h"
+#include "examples/char_gpt_model.h"
 #include "runtime/cuda_executor.h"
 
 namespace mt = mixtape;
 
 namespace {
 
-constexpr int64_t kBatch = 65536;
-constexpr int kWarmupSteps = 3;
-constexpr double kSeconds = 2.0;  // timed per configuration, after the warm-up
+constexpr const char* kUsage =
+    "usage: bench_gpu_training --workloads LIST [--precisions fp32,bf16] [--warmup N]\n"
+    "                          [--windows N] [--window-seconds S] [--budget-seconds S]\n"
+    "                          [--step traced|compiled]\n"
+    "  workloads: mlp_w<W>_b<B> (32 -> W x4 hidden -> 16, ReLU, MSE, Adam 1e-3; the GPU runs use\n"
+    "             B = 65536), gpt2_small (GPT-2 small: 12 layers, 12 heads, width 768, context\n"
+    "             1024, vocab 50257, batch 8, random tokens, AdamW 3e-4 and clipping at 1);\n"
+    "             gpt2_l<L>_t<T>_b<B> overrides layers, context and batch (each part optional,\n"
+    "             e.g. gpt2_l2_t64_b2)\n"
+    "  --step compiled runs each step through mt::compile (traced twice, then replayed); traced\n"
+    "  (the default) builds the graph every step, as the plain training loop does.\n"
+    "  Steps are queued on the GPU; the clock of each window stops after the GPU has finished.\n"
+    "  Runs on the GPU (a {\"skipped\": reason} line without one) unless MIXTAPE_DEVICE is set:\n"
+    "  MIXTAPE_DEVICE=cpu runs the same workloads on the CPU back end (a smoke test).\n";
 
-mt::Tensor random_normal(mt::Shape shape, std::mt19937_64& rng) {
-  int64_t count = 1;
-  for (int64_t d : shape) count *= d;
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> values(static_cast<size_t>(count));
-  for (float& v : values) v = normal(rng);
-  return mt::tensor(values, std::move(shape));
-}
+/// The sizes a gpt2 workload name may override; the defaults are GPT-2 small's.
+struct Gpt2Shape {
+  int64_t layers = 12, context = 1024, batch = 8;
+};
 
-// The MLP workload of bench_training: 32 -> width x4 (ReLU) -> 16, MSE, Adam 1e-3; the data is
-// uploaded once and stays on the GPU. Steps are queued without reading the loss; the clock
-// stops after the GPU has finished them.
-std::string run(int64_t width, const char* precision) {
-  mt::Generator gen(0);
-  mt::MLP net({32, width, width, width, width, 16}, mt::Activation::Relu, &gen);
-  mt::Adam optimizer(net.parameters(), mt::AdamOptions{.lr = 1e-3});
-  std::mt19937_64 rng(0);
-  mt::Tensor inputs = random_normal({kBatch, 32}, rng);
-  mt::Tensor targets = random_normal({kBatch, 16}, rng);
-  mt::PolicyPtr policy =
-      mt::policy_by_name(std::string(precision) == "bf16" ? "autocast-bf16" : "fp32");
-  mt::Tensor loss;
-  auto step = [&] {
-    optimizer.zero_grad();
+constexpr int64_t kGpt2Vocab = 50257, kGpt2Heads = 12, kGpt2Width = 768;
+constexpr int kTokenBatches = 4;
+
+/// GPT-2 small's shape (CharGpt: pre-norm blocks, 4x GELU(tanh) MLP, untied head with bias) on
+/// uniformly random tokens, each row's targets its inputs shifted by one; nanoGPT's GPT-2
+/// optimizer settings (AdamW lr 3e-4, betas 0.9/0.95, weight decay 0.1 on every parameter) and
+/// gradient clipping at 1. Model FLOPs per token as nanoGPT and PaLM count them: 6 per weight
+/// that multiplies (every parameter but the two embedding tables, whose lookups multiply nothing)
+/// plus 12 * layers * context * width for the attention scores and their weighted sums.
+bench::Workload gpt2_workload(const Gpt2Shape& shape, const mt::PolicyPtr& policy, bool compiled) {
+  struct State {
+    mt::Generator gen{bench::kSeed};
+    std::unique_ptr<CharGpt> model;
+    std::unique_ptr<mt::AdamW> optimizer;
+    std::vector<std::pair<mt::Tensor, mt::Tensor>> batches;
+    size_t next = 0;
+  };
+  auto state = std::make_shared<State>();
+  GptConfig config{.vocab = kGpt2Vocab,
+                   .layers = shape.layers,
+                   .heads = kGpt2Heads,
+                   .width = kGpt2Width,
+                   .context = shape.context};
+  state->model = std::make_unique<CharGpt>(config, &state->gen);
+  state->optimizer = std::make_unique<mt::AdamW>(
+      state->model->parameters(),
+      mt::AdamOptions{.lr = 3e-4, .beta1 = 0.9, .beta2 = 0.95, .weight_decay = 0.1});
+  // A few distinct batches made once and cycled: drawing tokens on the host every step would
+  // time the host's random numbers, and a single batch would be one constant.
+  std::mt19937_64 rng(bench::kSeed);
+  std::uniform_int_distribution<int64_t> token(0, kGpt2Vocab - 1);
+  int64_t time = shape.context;
+  for (int b = 0; b < kTokenBatches; ++b) {
+    std::vector<int64_t> inputs, targets;
+    for (int64_t row = 0; row < shape.batch; ++row) {
+      std::vector<int64_t> stream(static_cast<size_t>(time + 1));
+      for (int64_t& t : stream) t = token(rng);
+      inputs.insert(inputs.end(), stream.begin(), stream.end() - 1);
+      targets.insert(targets.end(), stream.begin() + 1, stream.end());
+    }
+    state->batches.emplace_back(mt::tensor(inputs, {shape.batch, time}),
+                                mt::tensor(targets, {shape.batch, time}));
+  }
+  auto train = [state, policy](const mt::Tensor& inputs, const mt::Tensor& targets) {
+    state->optimizer->zero_grad();
+    mt::Tensor loss;
     {
       mt::autocast guard(policy);
-      loss = mt::mse_loss(net(inputs), targets);
+      loss = state->model->loss(inputs, targets);
     }
     loss.backward();
-    optimizer.step();
+    mt::clip_grad_norm(state->model->parameters(), 1.0);
+    state->optimizer->step();
+    return loss;
   };
-  for (int i = 0; i < kWarmupSteps; ++i) step();
-  double first_loss = loss.item();
-  mt::reset_execution_stats();
-  using clock = std::chrono::steady_clock;
-  auto start = clock::now();
-  int steps = 0;
-  double elapsed = 0;
-  while (elapsed < kSeconds) {
-    for (int i = 0; i < 10; ++i, ++steps) step();
-    mt::cuda_synchronize();
-    elapsed = std::chrono::duration<double>(clock::now() - start).count();
+  auto next_batch = [state] {
+    std::pair<mt::Tensor, mt::Tensor> batch = state->batches[state->next];
+    state->next = (state->next + 1) % state->batches.size();
+    return batch;
+  };
+  int64_t parameters = bench::parameter_count(*state->model);
+  int64_t embedding_parameters = state->model->token_embedding.weight.numel() +
+                                 state->model->position_embedding.weight.numel();
+  int64_t flops_per_token =
+      6 * (parameters - embedding_parameters) + 12 * config.layers * config.context * config.width;
+  return bench::make_workload(
+      train, next_batch, compiled,
+      {{"batch", shape.batch},
+       {"context", config.context},
+       {"layers", config.layers},
+       {"heads", config.heads},
+       {"width", config.width},
+       {"vocab", config.vocab},
+       {"parameters", parameters},
+       {"embedding_parameters", embedding_parameters},
+       {"tokens_per_step", shape.batch * config.context},
+       {"flops_per_token", flops_per_token},
+       {"flops_formula",
+        "flops_per_token = 6 * (parameters - embedding_parameters) + 12 * layers * context * "
+        "width; model_tflops = tokens_per_s * flops_per_token / 1e12"}});
+}
+
+/// gpt2_small, or gpt2 followed by any of _l<layers>, _t<context>, _b<batch> (once each).
+bool parse_gpt2_name(const std::string& name, Gpt2Shape& shape) {
+  if (name == "gpt2_small") return true;
+  if (name.rfind("gpt2", 0) != 0) return false;
+  std::string seen;
+  size_t at = 4;
+  while (at < name.size()) {
+    long long value = 0;
+    char part = 0;
+    int consumed = 0;
+    if (std::sscanf(name.c_str() + at, "_%c%lld%n", &part, &value, &consumed) != 2 || value < 1 ||
+        seen.find(part) != std::string::npos)
+      return false;
+    if (part == 'l')
+      shape.layers = value;
+    else if (part == 't')
+      shape.context = value;
+    else if (part == 'b')
+      shape.batch = value;
+    else
+      return false;
+    seen += part;
+    at += static_cast<size_t>(consumed);
   }
-  mt::ExecutionStats stats = mt::execution_stats();
-  double last_loss = loss.item();
-  return fmt::format(
-      "{{\"width\": {}, \"batch\": {}, \"hidden_layers\": 4, \"precision\": \"{}\", "
-      "\"steps\": {}, \"seconds\": {:.4f}, \"steps_per_s\": {:.2f}, \"ms_per_step\": {:.4f}, "
-      "\"kernels_per_step\": {:.1f}, \"gemms_per_step\": {:.1f}, \"host_ops_per_step\": {:.1f}, "
-      "\"programs_built\": {}, \"loss_after_warmup\": {:.6g}, \"final_loss\": {:.6g}}}",
-      width, kBatch, precision, steps, elapsed, steps / elapsed, 1e3 * elapsed / steps,
-      static_cast<double>(stats.kernels) / steps, static_cast<double>(stats.gemms) / steps,
-      static_cast<double>(stats.host_ops) / steps, stats.programs_built, first_loss, last_loss);
+  return true;
+}
+
+bench::Workload workload_by_name(const std::string& name, const mt::PolicyPtr& policy,
+                                 bool compiled) {
+  long long width = 0, batch = 0;
+  int consumed = 0;
+  if (std::sscanf(name.c_str(), "mlp_w%lld_b%lld%n", &width, &batch, &consumed) == 2 &&
+      static_cast<size_t>(consumed) == name.size() && width > 0 && batch > 0)
+    return bench::mlp_workload(width, batch, policy, compiled);
+  Gpt2Shape shape;
+  if (parse_gpt2_name(name, shape)) return gpt2_workload(shape, policy, compiled);
+  mt::fail(
+      "bench_gpu_training: unknown workload '{}' (mlp_w<W>_b<B>, gpt2_small, gpt2_l<L>_t<T>_b<B>)",
+      name);
 }
 
 }  // namespace
 
-int main() {
-  if (!mt::cuda_backend_available()) {
-    std::string reason;
-    for (char c : mt::cuda_backend_unavailable_reason()) {
-      if (c == '"' || c == '\\') reason += '\\';
-      reason += c;
-    }
-    std::printf("{\"benchmark\": \"gpu_training\", \"skipped\": \"%s\"}\n", reason.c_str());
-    return 0;
-  }
+int main(int argc, char** argv) {
+  bench::CommandLine line = bench::parse_command_line(argc, argv, "bench_gpu_training", kUsage);
   try {
-    mt::set_device(mt::Device::cuda);
-    std::vector<std::string> results;
-    for (int64_t width : {64, 128})
-      for (const char* precision : {"fp32", "bf16"}) results.push_back(run(width, precision));
-    std::string joined;
-    for (const std::string& r : results) joined += (joined.empty() ? "" : ", ") + r;
-    std::printf("{\"benchmark\": \"gpu_training\", \"device\": \"cuda\", \"results\": [%s]}\n",
-                joined.c_str());
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "bench_gpu_training: %s\n", e.what());
+    if (!std::getenv("MIXTAPE_DEVICE")) {
+      if (!mt::cuda_backend_available()) {
+        bench::emit(
+            {{"benchmark", "gpu_training"}, {"skipped", mt::cuda_backend_unavailable_reason()}});
+        return 0;
+      }
+      mt::set_device(mt::Device::cuda);
+    }
+    for (const std::string& name : line.workloads) {
+      for (const std::string& precision : line.precisions) {
+        mt::PolicyPtr policy = mt::policy_by_name(precision == "bf16" ? "autocast-bf16" : "fp32");
+        mt::reset_execution_stats();
+        bench::Workload workload = workload_by_name(name, policy, line.step == "compiled");
+        mt::json::Object record =
+            bench::measure_workload(workload, name, precision, line, mt::cuda_synchronize);
+        record.insert(record.begin(), {"benchmark", "gpu_training"});
+        mt::json::Value view(record);
+        double steps_per_s = view.at("steps_per_s").as_double();
+        record.emplace_back("ms_per_step", 1e3 / steps_per_s);
+        if (const mt::json::Value* tokens = view.find("tokens_per_step")) {
+          double tokens_per_s = steps_per_s * static_cast<double>(tokens->as_int());
+          record.emplace_back("tokens_per_s", tokens_per_s);
+          record.emplace_back(
+              "model_tflops",
+              tokens_per_s * static_cast<double>(view.at("flops_per_token").as_int()) / 1e12);
+        }
+        bench::emit(record);
+      }
+    }
+  } catch (const mt::Error& e) {
+    std::fprintf(stderr, "bench_gpu_training: error: %s\n", e.what());
     return 1;
   }
   return 0;

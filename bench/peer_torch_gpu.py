@@ -1,81 +1,241 @@
 #!/usr/bin/env python3
-# bench/peer_torch_gpu.py -- the peer of bench_gpu_training: the same MLP steps in PyTorch on the
-# GPU, AMP eager (autocast bf16) and fp32, eager and under torch.compile; one JSON object.
+# bench/peer_torch_gpu.py -- the peer of bench_gpu_training: the same MLP and GPT-2 steps in
+# PyTorch on the GPU, AMP (autocast bf16) and fp32, eager and under torch.compile; JSON lines.
 """Runs where PyTorch with CUDA is installed (tests/gpu/run.sh calls it when `python3 -c
-"import torch"` works there). MLP 32 -> width x4 (ReLU) -> 16, MSE, Adam 1e-3, batch 65536, data
-on the GPU; steps are queued and the clock stops after torch.cuda.synchronize()."""
+"import torch"` works there). One JSON line per workload, precision and mode, printed as each
+finishes (a run cut short keeps what it measured); a failed configuration is a line with "error".
 
+Workloads, as bench_gpu_training names them:
+  mlp_w<W>_b<B>   MLP 32 -> W x4 (ReLU) -> 16, MSE, Adam 1e-3, one batch on the device reused;
+                  torch.compile compiles the whole step.
+  gpt2_small      GPT-2 small as bench_gpu_training builds it (12 layers, 12 heads, width 768,
+                  context 1024, vocab 50257, untied head with bias, 4x GELU(tanh) MLP, batch 8),
+                  four batches of uniformly random tokens on the device cycled, targets the
+                  inputs shifted by one; AdamW lr 3e-4, betas 0.9/0.95, weight decay 0.1 on every
+                  parameter (fused where this torch has it), gradient norm clipped at 1.
+                  torch.compile compiles the model, as nanoGPT does. gpt2_l<L>_t<T>_b<B> overrides
+                  layers, context and batch (each part optional).
+Steps are queued and the clock stops after torch.cuda.synchronize(). --device cpu runs the same
+code on the CPU (a smoke test of this script)."""
+
+import argparse
+import inspect
 import json
+import math
+import re
 import sys
 import time
 
-SECONDS = 2.0
-BATCH = 65536
+GPT2 = {"vocab": 50257, "heads": 12, "width": 768}
+TOKEN_BATCHES = 4
+FLOPS_FORMULA = ("flops_per_token = 6 * (parameters - embedding_parameters) + 12 * layers * "
+                 "context * width; model_tflops = tokens_per_s * flops_per_token / 1e12")
 
 
-def run(torch, width, precision, compiled):
-    torch.manual_seed(0)
+def parse_workload(name):
+    """("mlp", {width, batch}) or ("gpt2", {layers, context, batch}); ValueError otherwise."""
+    match = re.fullmatch(r"mlp_w(\d+)_b(\d+)", name)
+    if match and int(match[1]) > 0 and int(match[2]) > 0:
+        return "mlp", {"width": int(match[1]), "batch": int(match[2])}
+    shape = {"layers": 12, "context": 1024, "batch": 8}
+    if name == "gpt2_small":
+        return "gpt2", shape
+    match = re.fullmatch(r"gpt2((?:_[ltb]\d+)*)", name)
+    parts = re.findall(r"_([ltb])(\d+)", match[1]) if match else []
+    keys = {"l": "layers", "t": "context", "b": "batch"}
+    if match and len({p for p, _ in parts}) == len(parts) and all(int(v) > 0 for _, v in parts):
+        shape.update({keys[p]: int(v) for p, v in parts})
+        return "gpt2", shape
+    raise ValueError(f"unknown workload {name!r} (mlp_w<W>_b<B>, gpt2_small, gpt2_l<L>_t<T>_b<B>)")
+
+
+def mlp_setup(torch, device, compiled, width, batch):
     layers = []
     sizes = [32, width, width, width, width, 16]
     for i in range(len(sizes) - 1):
         layers.append(torch.nn.Linear(sizes[i], sizes[i + 1]))
         if i + 2 < len(sizes):
             layers.append(torch.nn.ReLU())
-    net = torch.nn.Sequential(*layers).cuda()
+    net = torch.nn.Sequential(*layers).to(device)
     optimizer = torch.optim.Adam(net.parameters(), lr=1e-3)
-    x = torch.randn(BATCH, 32, device="cuda")
-    y = torch.randn(BATCH, 16, device="cuda")
+    x = torch.randn(batch, 32, device=device)
+    y = torch.randn(batch, 16, device=device)
+
+    def forward_loss():
+        return torch.nn.functional.mse_loss(net(x).float(), y)
+
+    facts = {"width": width, "batch": batch, "hidden_layers": 4,
+             "parameters": sum(p.numel() for p in net.parameters())}
+    return net, optimizer, forward_loss, None, facts
+
+
+def gpt2_model(torch, layers, context, vocab, heads, width):
+    nn, F = torch.nn, torch.nn.functional
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+            self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+            self.fc1, self.fc2 = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+        def forward(self, x):
+            b, t, c = x.shape
+            q, k, v = (z.view(b, t, heads, c // heads).transpose(1, 2)
+                       for z in self.qkv(self.ln1(x)).split(width, dim=2))
+            if hasattr(F, "scaled_dot_product_attention"):
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:  # torch < 2.0
+                scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // heads)
+                causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+                y = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
+            x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+            return x + self.fc2(F.gelu(self.fc1(self.ln2(x)), approximate="tanh"))
+
+    class Gpt(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.token_embedding = nn.Embedding(vocab, width)
+            self.position_embedding = nn.Embedding(context, width)
+            self.blocks = nn.ModuleList(Block() for _ in range(layers))
+            self.ln_f = nn.LayerNorm(width)
+            self.head = nn.Linear(width, vocab)
+            # nanoGPT's initialization, as examples/char_gpt_model.h's CharGpt.
+            for name, p in self.named_parameters():
+                if name.endswith("bias") and "ln" not in name:
+                    nn.init.zeros_(p)
+                elif p.dim() >= 2:
+                    residual = name.endswith(("proj.weight", "fc2.weight"))
+                    nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * layers) if residual else 0.02)
+
+        def forward(self, tokens):
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+            x = self.token_embedding(tokens) + self.position_embedding(positions)
+            for block in self.blocks:
+                x = block(x)
+            return self.head(self.ln_f(x))
+
+    return Gpt()
+
+
+def gpt2_setup(torch, device, compiled, layers, context, batch):
+    model = gpt2_model(torch, layers, context, **GPT2).to(device)
+    forward = torch.compile(model) if compiled else model
+    fused = device == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95),
+                                  weight_decay=0.1, **({"fused": True} if fused else {}))
+    streams = [torch.randint(0, GPT2["vocab"], (batch, context + 1), device=device)
+               for _ in range(TOKEN_BATCHES)]
+    batches = [(s[:, :-1].contiguous(), s[:, 1:].contiguous()) for s in streams]
+    cursor = [0]
+
+    def forward_loss():
+        x, y = batches[cursor[0]]
+        cursor[0] = (cursor[0] + 1) % len(batches)
+        logits = forward(x).float()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    parameters = sum(p.numel() for p in model.parameters())
+    embedding = model.token_embedding.weight.numel() + model.position_embedding.weight.numel()
+    facts = {"batch": batch, "context": context, "layers": layers, **GPT2,
+             "parameters": parameters, "embedding_parameters": embedding,
+             "tokens_per_step": batch * context,
+             "flops_per_token": 6 * (parameters - embedding) + 12 * layers * context *
+             GPT2["width"], "flops_formula": FLOPS_FORMULA, "adamw_fused": fused}
+    return model, optimizer, forward_loss, 1.0, facts
+
+
+def run(torch, device, name, precision, compiled, args):
+    kind, shape = parse_workload(name)
+    torch.manual_seed(0)
+    setup = mlp_setup if kind == "mlp" else gpt2_setup
+    model, optimizer, forward_loss, clip, facts = setup(torch, device, compiled, **shape)
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss = torch.nn.functional.mse_loss(net(x).float(), y)
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = forward_loss()
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
         return loss
 
-    if compiled:
+    if compiled and kind == "mlp":
         step = torch.compile(step)
+
+    def synchronize():
+        if device == "cuda":
+            torch.cuda.synchronize()
+
     start = time.perf_counter()
-    for _ in range(3):
+    step()
+    synchronize()
+    first_step = time.perf_counter() - start
+    start = time.perf_counter()
+    for _ in range(max(1, args.warmup - 1)):
         step()
-    torch.cuda.synchronize()
-    warmup = time.perf_counter() - start
+    synchronize()
+    per_step = (time.perf_counter() - start) / max(1, args.warmup - 1)
+    # Steps queued between synchronizations: about 0.2 s of them, at most 20.
+    chunk = max(1, min(20, round(0.2 / max(per_step, 1e-9))))
     steps, start = 0, time.perf_counter()
-    while time.perf_counter() - start < SECONDS:
-        for _ in range(20):
-            step()
-        steps += 20
-        torch.cuda.synchronize()
+    while steps == 0 or time.perf_counter() - start < args.seconds:
+        for _ in range(chunk):
+            loss = step()
+        steps += chunk
+        synchronize()
     seconds = time.perf_counter() - start
-    return {"width": width, "batch": BATCH, "precision": precision,
-            "mode": "torch.compile" if compiled else "eager", "steps_per_s": steps / seconds,
-            "ms_per_step": 1e3 * seconds / steps, "warmup_seconds": warmup}
+    result = {"workload": name, **facts, "precision": precision,
+              "mode": "torch.compile" if compiled else "eager", "steps": steps,
+              "steps_per_s": steps / seconds, "ms_per_step": 1e3 * seconds / steps,
+              "first_step_s": first_step, "final_loss": loss.item()}
+    if "tokens_per_step" in facts:
+        result["tokens_per_s"] = result["steps_per_s"] * facts["tokens_per_step"]
+        result["model_tflops"] = result["tokens_per_s"] * facts["flops_per_token"] / 1e12
+    return result
 
 
 def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="mlp_w64_b65536,mlp_w128_b65536")
+    parser.add_argument("--precisions", default="fp32,bf16")
+    parser.add_argument("--modes", default="eager,compile", help="eager and/or compile")
+    parser.add_argument("--seconds", type=float, default=2.0, help="timed per configuration")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    args = parser.parse_args()
+    workloads = [w for w in args.workloads.split(",") if w]
+    modes = [m for m in args.modes.split(",") if m]
+    precisions = [p for p in args.precisions.split(",") if p]
+    for name in workloads:
+        try:
+            parse_workload(name)
+        except ValueError as e:
+            parser.error(str(e))
+    if not set(modes) <= {"eager", "compile"} or not set(precisions) <= {"fp32", "bf16"}:
+        parser.error("modes are eager and compile, precisions fp32 and bf16")
+    head = {"benchmark": "peer_torch_gpu"}
     try:
         import torch
     except ImportError as e:
-        print(json.dumps({"skipped": f"no torch: {e}"}))
+        print(json.dumps({**head, "skipped": f"no torch: {e}"}))
         return 0
-    if not torch.cuda.is_available():
-        print(json.dumps({"skipped": "torch has no CUDA device"}))
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print(json.dumps({**head, "skipped": "torch has no CUDA device"}))
         return 0
-    results = []
-    for compiled in (False, True):
-        for width in (64, 128):
-            for precision in ("fp32", "bf16"):
+    head.update(torch=torch.__version__, device=torch.cuda.get_device_name()
+                if args.device == "cuda" else "cpu")
+    for compiled in [m == "compile" for m in modes]:
+        for name in workloads:
+            for precision in precisions:
                 try:
-                    results.append(run(torch, width, precision, compiled))
-                except Exception as e:  # torch.compile needs a working Triton toolchain
-                    results.append({"width": width, "precision": precision,
-                                    "mode": "torch.compile" if compiled else "eager",
-                                    "error": str(e).splitlines()[0][:300]})
-                # Each result as it comes, so that a run cut short keeps what it measured.
-                print(json.dumps(results[-1]), file=sys.stderr, flush=True)
-    print(json.dumps({"benchmark": "peer_torch_gpu", "torch": torch.__version__,
-                      "device": torch.cuda.get_device_name(), "results": results}))
+                    result = run(torch, args.device, name, precision, compiled, args)
+                except Exception as e:  # torch.compile needs torch >= 2 and a working Triton
+                    result = {"workload": name, "precision": precision,
+                              "mode": "torch.compile" if compiled else "eager",
+                              "error": (str(e).splitlines() or [type(e).__name__])[0][:300]}
+                print(json.dumps({**head, **result}), flush=True)
     return 0
 
 

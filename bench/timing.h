@@ -1,4 +1,5 @@
-// bench/timing.h -- the timing loop and command line shared by the C++ benchmark programs.
+// bench/timing.h -- the timing loop, command line and workload plumbing shared by the C++
+// benchmark programs.
 #pragma once
 
 #include <mixtape/mixtape.h>
@@ -9,7 +10,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <memory>
+#include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "runtime/device.h"
@@ -36,17 +40,19 @@ inline double median(std::vector<double> values) {
   return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
 }
 
-/// Warm-up steps, then timed windows of K steps with K set from the warm-up step time (the same
-/// rules, budget cuts included, as bench_common.measure in the Python peers). `step`
-/// must return only when its work is done (a mixtape optimizer step evaluates before returning).
-/// The result holds steps_per_s (median window) and how it was measured.
-/// `after_warmup` (optional) runs between the warm-up and the first window, untimed.
-inline mt::json::Object measure(const std::function<void()>& step, const TimingOptions& options,
-                                const std::function<void()>& after_warmup = {}) {
+/// measure() for steps that may return before their work has finished (the GPU back end queues
+/// them): `wait` (optional) blocks until all queued work is done. It runs inside the clock after
+/// every warm-up step and at the end of every window, so the steps of a window overlap as they
+/// do in a training loop while every window still pays for all of its work.
+inline mt::json::Object measure_queued(const std::function<void()>& step,
+                                       const std::function<void()>& wait,
+                                       const TimingOptions& options,
+                                       const std::function<void()>& after_warmup = {}) {
   std::vector<double> warm_times;
   for (int i = 0; i < std::max(1, options.warmup); ++i) {
     auto start = std::chrono::steady_clock::now();
     step();
+    if (wait) wait();
     warm_times.push_back(seconds_since(start));
     // Slow steps: two warm-up steps (the first one compiles) are enough once the steps after the
     // first have taken half the budget.
@@ -70,6 +76,7 @@ inline mt::json::Object measure(const std::function<void()>& step, const TimingO
   for (int w = 0; w < windows; ++w) {
     auto start = std::chrono::steady_clock::now();
     for (int64_t i = 0; i < per_window; ++i) step();
+    if (wait) wait();
     double rate = static_cast<double>(per_window) / seconds_since(start);
     rates.push_back(rate);
     window_rates.push_back(std::round(rate * 1000) / 1000);
@@ -82,6 +89,16 @@ inline mt::json::Object measure(const std::function<void()>& step, const TimingO
                           {"first_step_s", warm_times[0]}};
   if (windows < options.windows) result.emplace_back("windows_cut_by_budget", options.windows);
   return result;
+}
+
+/// Warm-up steps, then timed windows of K steps with K set from the warm-up step time (the same
+/// rules, budget cuts included, as bench_common.measure in the Python peers). `step`
+/// must return only when its work is done (a mixtape optimizer step evaluates before returning).
+/// The result holds steps_per_s (median window) and how it was measured.
+/// `after_warmup` (optional) runs between the warm-up and the first window, untimed.
+inline mt::json::Object measure(const std::function<void()>& step, const TimingOptions& options,
+                                const std::function<void()>& after_warmup = {}) {
+  return measure_queued(step, {}, options, after_warmup);
 }
 
 inline void append(mt::json::Object& into, const mt::json::Object& from) {
@@ -189,6 +206,132 @@ inline mt::json::Object stats_json(const mt::ExecutionStats& s, int64_t steps = 
           {"kernels_from_disk", s.kernels_from_disk},
           {"compile_seconds", s.compile_seconds},
           {"load_seconds", s.load_seconds}};
+}
+
+/// The seed of every workload's model, optimizer and data.
+inline constexpr uint64_t kSeed = 0;
+
+/// One workload, ready to step: the step closure owns the model, optimizer and data and returns
+/// the step's loss (callers that time it drop the loss at once, as a training loop does).
+struct Workload {
+  std::function<mt::Tensor()> step;
+  mt::json::Object facts;                           // shapes and settings reported with the result
+  std::function<mt::CompileStats()> compile_stats;  // set for --step compiled
+};
+
+/// A training step as a function of one batch (`train`), fed by `next_batch`: traced on every
+/// call, or through mt::compile as a user who wants to skip the tracing writes it.
+template <typename Train, typename NextBatch>
+Workload make_workload(Train train, NextBatch next_batch, bool compiled, mt::json::Object facts) {
+  if (!compiled)
+    return {[train, next_batch]() mutable {
+              auto [inputs, targets] = next_batch();
+              return mt::Tensor(train(inputs, targets));
+            },
+            std::move(facts), nullptr};
+  auto step = std::make_shared<mt::Compiled<Train>>(std::move(train));
+  return {[step, next_batch]() mutable {
+            auto [inputs, targets] = next_batch();
+            return mt::Tensor((*step)(inputs, targets));
+          },
+          std::move(facts), [step] { return step->stats(); }};
+}
+
+/// Trainable values, reported so that run.py can check every system trains the same model.
+inline int64_t parameter_count(const mt::Module& module) {
+  int64_t count = 0;
+  for (const mt::Tensor& p : module.parameters()) count += p.numel();
+  return count;
+}
+
+/// Host-generated N(0, 1) data, made once, so each step reads the same constant.
+inline mt::Tensor random_normal(mt::Shape shape, std::mt19937_64& rng) {
+  int64_t count = 1;
+  for (int64_t d : shape) count *= d;
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> values(static_cast<size_t>(count));
+  for (float& v : values) v = normal(rng);
+  return mt::tensor(values, std::move(shape));
+}
+
+/// The MLP workload (bench_training, bench_gpu_training): 32 -> width x4 hidden (ReLU) -> 16,
+/// MSE, Adam 1e-3, on one batch of random inputs and targets made once and reused every step.
+inline Workload mlp_workload(int64_t width, int64_t batch, const mt::PolicyPtr& policy,
+                             bool compiled) {
+  struct State {
+    mt::Generator gen{kSeed};
+    std::unique_ptr<mt::MLP> net;
+    std::unique_ptr<mt::Adam> optimizer;
+    mt::Tensor inputs, targets;
+  };
+  auto state = std::make_shared<State>();
+  state->net = std::make_unique<mt::MLP>(std::vector<int64_t>{32, width, width, width, width, 16},
+                                         mt::Activation::Relu, &state->gen);
+  state->optimizer =
+      std::make_unique<mt::Adam>(state->net->parameters(), mt::AdamOptions{.lr = 1e-3});
+  std::mt19937_64 rng(kSeed);
+  state->inputs = random_normal({batch, 32}, rng);
+  state->targets = random_normal({batch, 16}, rng);
+  auto train = [state, policy](const mt::Tensor& inputs, const mt::Tensor& targets) {
+    state->optimizer->zero_grad();
+    mt::Tensor loss;
+    {
+      mt::autocast guard(policy);
+      loss = mt::mse_loss((*state->net)(inputs), targets);
+    }
+    loss.backward();
+    state->optimizer->step();
+    return loss;
+  };
+  auto next_batch = [state] { return std::pair(state->inputs, state->targets); };
+  return make_workload(train, next_batch, compiled,
+                       {{"width", width},
+                        {"batch", batch},
+                        {"hidden_layers", 4},
+                        {"parameters", parameter_count(*state->net)}});
+}
+
+/// Times `workload` (measure_queued with `wait`, which may be empty) and returns its record: what
+/// ran, the timing, the back end's counters for setup and warm-up and per timed step, mt::compile's
+/// counters under --step compiled, and the loss of one more (untimed) step after the windows.
+/// Call mt::reset_execution_stats() before making the workload so that its setup is counted.
+inline mt::json::Object measure_workload(Workload& workload, const std::string& name,
+                                         const std::string& precision, const CommandLine& line,
+                                         const std::function<void()>& wait = {}) {
+  // Setup and warm-up (tracing, compiling, first runs) apart from the timed windows, whose
+  // counters are reported per step.
+  mt::ExecutionStats warmup_stats;
+  auto after_warmup = [&] {
+    warmup_stats = mt::execution_stats();
+    mt::reset_execution_stats();
+  };
+  mt::json::Object result =
+      measure_queued([&] { workload.step(); }, wait, line.timing, after_warmup);
+  mt::ExecutionStats timed_stats = mt::execution_stats();
+  mt::json::Value timed(result);
+  int64_t timed_steps = timed.at("steps_per_window").as_int() * timed.at("windows").as_int();
+  mt::json::Object record{{"system", "mixtape"},
+                          {"workload", name},
+                          {"precision", precision},
+                          {"backend", backend()},
+                          {"step", line.step}};
+  append(record, workload.facts);
+  append(record, result);
+  record.emplace_back("setup_and_warmup_stats", stats_json(warmup_stats));
+  record.emplace_back("per_step_stats", stats_json(timed_stats, timed_steps));
+  if (workload.compile_stats) {
+    mt::CompileStats c = workload.compile_stats();
+    record.emplace_back("compile", mt::json::Object{{"calls", c.calls},
+                                                    {"traces", c.traces},
+                                                    {"replays", c.replays},
+                                                    {"plans", c.plans},
+                                                    {"reason", c.reason}});
+  }
+  // JSON has no NaN: a diverged run says so in text.
+  double loss = workload.step().item();
+  record.emplace_back("final_loss", std::isfinite(loss) ? mt::json::Value(loss)
+                                                        : mt::json::Value(std::to_string(loss)));
+  return record;
 }
 
 }  // namespace bench

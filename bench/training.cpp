@@ -5,7 +5,6 @@
 #include <cstdio>
 #include <functional>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -26,83 +25,11 @@ constexpr const char* kUsage =
     "  (the default) builds the graph every step, as the plain training loop does.\n"
     "  The back end is chosen by the environment: MIXTAPE_DEVICE=cpu|reference, MIXTAPE_EAGER=1.\n";
 
-constexpr uint64_t kSeed = 0;
-
-/// One workload, ready to step: the step closure owns the model, optimizer and data.
-struct Workload {
-  std::function<void()> step;
-  mt::json::Object facts;                           // shapes and settings reported with the result
-  std::function<mt::CompileStats()> compile_stats;  // set for --step compiled
-};
-
-/// A training step as a function of one batch (`train`), fed by `next_batch`: traced on every
-/// call, or through mt::compile as a user who wants to skip the tracing writes it.
-template <typename Train, typename NextBatch>
-Workload make_workload(Train train, NextBatch next_batch, bool compiled, mt::json::Object facts) {
-  if (!compiled)
-    return {[train, next_batch]() mutable {
-              auto [inputs, targets] = next_batch();
-              train(inputs, targets);
-            },
-            std::move(facts), nullptr};
-  auto step = std::make_shared<mt::Compiled<Train>>(std::move(train));
-  return {[step, next_batch]() mutable {
-            auto [inputs, targets] = next_batch();
-            (*step)(inputs, targets);
-          },
-          std::move(facts), [step] { return step->stats(); }};
-}
-
-/// Trainable values, reported so that run.py can check every system trains the same model.
-int64_t parameter_count(const mt::Module& module) {
-  int64_t count = 0;
-  for (const mt::Tensor& p : module.parameters()) count += p.numel();
-  return count;
-}
-
-/// Host-generated N(0, 1) data, made once, so each step reads the same constant.
-mt::Tensor random_normal(mt::Shape shape, std::mt19937_64& rng) {
-  int64_t count = 1;
-  for (int64_t d : shape) count *= d;
-  std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<float> values(static_cast<size_t>(count));
-  for (float& v : values) v = normal(rng);
-  return mt::tensor(values, std::move(shape));
-}
-
-Workload mlp_workload(int64_t width, int64_t batch, const mt::PolicyPtr& policy, bool compiled) {
-  struct State {
-    mt::Generator gen{kSeed};
-    std::unique_ptr<mt::MLP> net;
-    std::unique_ptr<mt::Adam> optimizer;
-    mt::Tensor inputs, targets;
-  };
-  auto state = std::make_shared<State>();
-  state->net = std::make_unique<mt::MLP>(std::vector<int64_t>{32, width, width, width, width, 16},
-                                         mt::Activation::Relu, &state->gen);
-  state->optimizer =
-      std::make_unique<mt::Adam>(state->net->parameters(), mt::AdamOptions{.lr = 1e-3});
-  std::mt19937_64 rng(kSeed);
-  state->inputs = random_normal({batch, 32}, rng);
-  state->targets = random_normal({batch, 16}, rng);
-  auto train = [state, policy](const mt::Tensor& inputs, const mt::Tensor& targets) {
-    state->optimizer->zero_grad();
-    mt::Tensor loss;
-    {
-      mt::autocast guard(policy);
-      loss = mt::mse_loss((*state->net)(inputs), targets);
-    }
-    loss.backward();
-    state->optimizer->step();
-    return loss;
-  };
-  auto next_batch = [state] { return std::pair(state->inputs, state->targets); };
-  return make_workload(train, next_batch, compiled,
-                       {{"width", width},
-                        {"batch", batch},
-                        {"hidden_layers", 4},
-                        {"parameters", parameter_count(*state->net)}});
-}
+using bench::kSeed;
+using bench::make_workload;
+using bench::mlp_workload;
+using bench::parameter_count;
+using bench::Workload;
 
 /// examples/digits_mlp.cpp's model and training step with its defaults (SGD momentum 0.9 at
 /// 0.05, batch 64, label smoothing 0.2, input noise 0.2, shuffled loader).
@@ -230,34 +157,7 @@ int main(int argc, char** argv) {
         mt::PolicyPtr policy = mt::policy_by_name(precision == "bf16" ? "autocast-bf16" : "fp32");
         mt::reset_execution_stats();
         Workload workload = workload_by_name(name, policy, line.step == "compiled");
-        // Setup and warm-up (tracing, compiling, first runs) apart from the timed windows, whose
-        // counters are reported per step.
-        mt::ExecutionStats warmup_stats;
-        auto after_warmup = [&] {
-          warmup_stats = mt::execution_stats();
-          mt::reset_execution_stats();
-        };
-        mt::json::Object result = bench::measure(workload.step, line.timing, after_warmup);
-        mt::json::Value timed(result);
-        int64_t timed_steps = timed.at("steps_per_window").as_int() * timed.at("windows").as_int();
-        mt::json::Object record{{"system", "mixtape"},
-                                {"workload", name},
-                                {"precision", precision},
-                                {"backend", bench::backend()},
-                                {"step", line.step}};
-        bench::append(record, workload.facts);
-        bench::append(record, result);
-        record.emplace_back("setup_and_warmup_stats", bench::stats_json(warmup_stats));
-        record.emplace_back("per_step_stats",
-                            bench::stats_json(mt::execution_stats(), timed_steps));
-        if (workload.compile_stats) {
-          mt::CompileStats c = workload.compile_stats();
-          record.emplace_back("compile", mt::json::Object{{"calls", c.calls},
-                                                          {"traces", c.traces},
-                                                          {"replays", c.replays},
-                                                          {"reason", c.reason}});
-        }
-        bench::emit(record);
+        bench::emit(bench::measure_workload(workload, name, precision, line));
       }
     }
   } catch (const mt::Error& e) {

@@ -10,7 +10,8 @@ stage=$(mktemp -d)
 trap 'rm -rf "$stage"' EXIT
 mkdir -p "$stage/bin" "$stage/lib/compat" "$out"
 binaries=()
-for f in "$build"/test_gpu_* "$build"/bench_gpu_* "$build"/test_nvrtc; do
+for f in "$build"/test_gpu_* "$build"/bench_gpu_* "$build"/test_nvrtc "$build"/test_compile \
+  "$build"/test_memory_report; do
   [[ -x "$f" ]] && binaries+=("$f")
 done
 if ((${#binaries[@]} == 0)); then

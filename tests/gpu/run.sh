@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # tests/gpu/run.sh -- on a machine with an NVIDIA GPU: builds mixtape with its CUDA back end (or
 # unpacks a bundle made by tools/gpu_bundle.sh), runs the gpu-labelled tests and the GPU
-# benchmarks, and writes logs and JSON to OUTDIR: gpu_tests.log, summary.json, bench_*.json,
-# nvidia-smi.txt. Exits non-zero when a test fails.
+# benchmarks, and writes logs and JSON to OUTDIR: gpu_tests.log, summary.json, bench_gpu_gemm.json,
+# bench_gpu_training.jsonl and peer_torch_gpu.jsonl (JSON lines), nvidia-smi.txt. Exits non-zero
+# when a test or a mixtape benchmark fails. The benchmarks keep the whole run within about
+# 7.5 minutes after the build: each runs under a timeout cut to what is left of that, and is
+# skipped (said in the log) when less than 20 s are left.
 # usage: tests/gpu/run.sh OUTDIR        (MIXTAPE_GPU_BUNDLE=path/bundle.tar.xz: use prebuilt)
 set -uo pipefail
 out=${1:?usage: tests/gpu/run.sh OUTDIR}
@@ -28,10 +31,13 @@ else
     cmake --build "$bin" -j"$(nproc)" >> "$log" 2>&1 || { echo "build failed, see $log"; exit 1; }
 fi
 export MIXTAPE_CACHE_DIR="$(mktemp -d)" OMP_WAIT_POLICY=passive
+SECONDS=0  # the time budget below starts after the build
 
 status=0
 summary=()
-for test in "$bin"/test_gpu_* "$bin"/test_nvrtc; do
+# test_compile and test_memory_report run on the default device, cuda here: mt::compile's
+# replay and the planned peak of the CUDA programs.
+for test in "$bin"/test_gpu_* "$bin"/test_nvrtc "$bin"/test_compile "$bin"/test_memory_report; do
   [[ -x "$test" ]] || continue
   name=$(basename "$test")
   echo "=== $name" | tee -a "$log"
@@ -43,19 +49,63 @@ for test in "$bin"/test_gpu_* "$bin"/test_nvrtc; do
   ((rc != 0)) && status=1
   summary+=("{\"test\":\"$name\",\"exit\":$rc,\"milliseconds\":$milliseconds}")
 done
+# `timeout` for a benchmark: its own limit, cut to what is left of the budget (0: skip it).
+budget_seconds=450
+limit() {
+  local left=$((budget_seconds - SECONDS))
+  ((left < 20)) && left=0
+  echo $(($1 < left ? $1 : left))
+}
+# run_bench LIMIT OUTFILE PROGRAM ARGS...: appends the program's JSON to OUTFILE.
+run_bench() {
+  local seconds file=$2 label="$(basename "$3") ${*:4}"
+  seconds=$(limit "$1")
+  shift 2
+  echo "=== $label" | tee -a "$log"
+  if ((seconds == 0)); then
+    echo "$label skipped: out of time" | tee -a "$log"
+    return 0
+  fi
+  timeout "$seconds" "$@" >> "$file" 2>> "$log" || { echo "$label failed" | tee -a "$log"; return 1; }
+}
 for bench in "$bin"/bench_gpu_*; do
-  [[ -x "$bench" ]] || continue
+  [[ -x "$bench" && $(basename "$bench") != bench_gpu_training ]] || continue
   name=$(basename "$bench")
-  echo "=== $name" | tee -a "$log"
-  timeout 300 "$bench" > "$out/$name.json" 2>> "$log" || { echo "$name failed" | tee -a "$log"; status=1; }
+  : > "$out/$name.json"
+  run_bench 300 "$out/$name.json" "$bench" || status=1
   cat "$out/$name.json"
 done
-# PyTorch's AMP eager and torch.compile steps on the same workload, where torch has CUDA.
+# bench_gpu_training: the MLPs at batch 65536 traced and through mt::compile (0.5 s windows, a
+# few seconds per configuration), then GPT-2 small (batch 8, context 1024) through mt::compile
+# once per precision: 3 warm-up steps (the first compiles every kernel), three 1 s windows, fewer
+# when a step is slow (--budget-seconds).
+training="$bin/bench_gpu_training"
+if [[ -x "$training" ]]; then
+  file="$out/bench_gpu_training.jsonl"
+  : > "$file"
+  mlp=(--workloads mlp_w64_b65536,mlp_w128_b65536 --warmup 3 --windows 3 --window-seconds 0.5
+    --budget-seconds 5)
+  for step in traced compiled; do
+    run_bench 90 "$file" "$training" "${mlp[@]}" --step "$step" || status=1
+  done
+  for precision in fp32 bf16; do
+    run_bench 150 "$file" "$training" --workloads gpt2_small --precisions "$precision" \
+      --step compiled --warmup 3 --windows 3 --window-seconds 1 --budget-seconds 15 || status=1
+  done
+  cat "$file"
+fi
+# PyTorch on the same workloads, where torch has CUDA: AMP eager and torch.compile for the MLPs;
+# for GPT-2 small eager fp32 and bf16, and torch.compile bf16 (compiling takes about a minute).
 if python3 -c "import torch" > /dev/null 2>&1; then
-  echo "=== peer_torch_gpu" | tee -a "$log"
-  timeout 300 python3 bench/peer_torch_gpu.py > "$out/peer_torch_gpu.json" 2>> "$log" ||
-    echo "peer_torch_gpu failed" | tee -a "$log"
-  cat "$out/peer_torch_gpu.json"
+  file="$out/peer_torch_gpu.jsonl"
+  : > "$file"
+  run_bench 150 "$file" python3 bench/peer_torch_gpu.py --workloads mlp_w64_b65536,mlp_w128_b65536 \
+    --seconds 1.5
+  run_bench 90 "$file" python3 bench/peer_torch_gpu.py --workloads gpt2_small --modes eager \
+    --seconds 3
+  run_bench 150 "$file" python3 bench/peer_torch_gpu.py --workloads gpt2_small --modes compile \
+    --precisions bf16 --seconds 3
+  cat "$file"
 fi
 # One summary: each binary's exit code and time, and every failed test case by name.
 python3 - "$out" "${summary[@]}" > "$out/summary.json" <<'PY'
