@@ -37,6 +37,7 @@ struct Options {
   std::string loss_scale = "none";  // none | static:N | dynamic
   uint64_t seed = 0;
   bool json_only = false;
+  bool compile = false;  // the training step through mt::compile (traced twice, then replayed)
 };
 
 constexpr const char* kUsage =
@@ -45,7 +46,7 @@ constexpr const char* kUsage =
     "                [--schedule cosine|constant] [--warmup N]\n"
     "                [--eval-every N] [--eval-batches N] [--sample N] [--temperature X (0: "
     "greedy)]\n"
-    "                [--prompt TEXT] [--seed N] [--json]\n"
+    "                [--prompt TEXT] [--seed N] [--json] [--compile]\n"
     "                [--policy fp32|autocast-f16|autocast-bf16|pure-f16|pure-bf16]\n"
     "                [--loss-scale none|static:N|dynamic]\n";
 
@@ -115,6 +116,8 @@ Options parse(int argc, char** argv) {
       o.policy = value();
     else if (flag == "--loss-scale")
       o.loss_scale = value();
+    else if (flag == "--compile")
+      o.compile = true;
     else if (flag == "--json")
       o.json_only = true;
     else if (flag == "--help" || flag == "-h")
@@ -256,18 +259,15 @@ int run(const Options& o) {
 
   using Clock = std::chrono::steady_clock;
   double train_seconds = 0, train_loss = 0, val_loss = 0, last_batch_loss = 0;
-  for (int64_t step = 1; step <= o.steps; ++step) {
-    auto start = Clock::now();
-    mt::Batch batch = loader.next();
+  // One training step as a function of the batch, so that --compile can replay it; the learning
+  // rate is set outside it (set_lr writes a graph input in place).
+  auto train_step = [&](const mt::Tensor& inputs, const mt::Tensor& targets) {
     decay_optimizer.zero_grad();
     plain_optimizer.zero_grad();
-    double lr = schedule->lr(step - 1);
-    decay_optimizer.set_lr(lr);
-    plain_optimizer.set_lr(lr);
     mt::Tensor loss;
     {
       mt::autocast guard(policy);
-      loss = model.loss(batch.inputs, batch.targets);
+      loss = model.loss(inputs, targets);
     }
     scaler.scale(loss).backward();
     if (o.clip > 0) {
@@ -278,6 +278,17 @@ int run(const Options& o) {
     scaler.step(decay_optimizer);
     scaler.step(plain_optimizer);
     scaler.update();
+    return loss;
+  };
+  auto compiled_step = mt::compile(train_step);
+  for (int64_t step = 1; step <= o.steps; ++step) {
+    auto start = Clock::now();
+    mt::Batch batch = loader.next();
+    double lr = schedule->lr(step - 1);
+    decay_optimizer.set_lr(lr);
+    plain_optimizer.set_lr(lr);
+    mt::Tensor loss = o.compile ? compiled_step(batch.inputs, batch.targets)
+                                : train_step(batch.inputs, batch.targets);
     bool report = step % o.eval_every == 0 || step == o.steps;
     if (report) last_batch_loss = loss.item();
     train_seconds += std::chrono::duration<double>(Clock::now() - start).count();
@@ -326,7 +337,9 @@ int run(const Options& o) {
                         {"parameters", parameter_count},
                         {"train_seconds", train_seconds},
                         {"final_scale", scaler.get_scale()},
-                        {"skipped_steps", scaler.skipped_steps()}};
+                        {"skipped_steps", scaler.skipped_steps()},
+                        {"step", o.compile ? "compiled" : "traced"},
+                        {"replayed_steps", compiled_step.stats().replays}};
   std::printf("%s\n", mt::json::dump(line).c_str());
   return 0;
 }

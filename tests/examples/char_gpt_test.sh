@@ -43,6 +43,10 @@ again=$("$bin" $small | tail -n 1)
 same="import json,sys; a,b=(json.loads(x) for x in sys.argv[1:]); keys=('train_loss','val_loss','sample')"
 same="$same; print(all(a[k] == b[k] for k in keys))"
 check "$(python3 -c "$same" "$line" "$again")" "the same seed gives the same losses and sample"
+# mt::compile replays the step from the fourth call on and must give the very same run.
+compiled=$("$bin" $small --compile | tail -n 1)
+check "$(python3 -c "$same" "$line" "$compiled")" "--compile gives the same losses and sample"
+check "$(field replayed_steps "$compiled") >= 20" "--compile replays the step"
 other=$("$bin" $small --seed 1 | tail -n 1)
 check "$(field val_loss "$line") != $(field val_loss "$other")" "another seed gives another run"
 
