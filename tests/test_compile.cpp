@@ -5,6 +5,7 @@
 #include <cstring>
 #include <functional>
 
+#include "dsl/error.h"
 #include "dsl/functional.h"
 #include "dsl/nn.h"
 #include "dsl/ops.h"
@@ -290,6 +291,34 @@ TEST(Compile, StateAssignedInsideTheFunctionIsCarried) {
   if (replays_here()) {
     EXPECT_EQ(accumulate.stats().replays, 5) << accumulate.stats().reason;
   }
+}
+
+// A result fed back as the next call's argument (a recurrent state) is an argument like any
+// other; an exception inside the function reaches the caller and leaves it usable.
+TEST(Compile, ResultsFedBackAsArgumentsAndErrorsPassThrough) {
+  mt::Generator gen(8);
+  mt::Tensor w = mt::randn({6, 6}, mt::f32, &gen) * 0.3;
+  mt::Tensor x = mt::randn({2, 6}, mt::f32, &gen);
+  mt::eval({w, x});
+  bool fail_now = false;
+  auto cell = mt::compile([&](const mt::Tensor& h) {
+    if (fail_now) mt::fail("the function failed on purpose");
+    return mt::tanh(mt::matmul(h, w) + x);
+  });
+  mt::Tensor traced = mt::zeros({2, 6}), replayed = mt::zeros({2, 6});
+  for (int i = 0; i < 8; ++i) {
+    traced = mt::tanh(mt::matmul(traced, w) + x);
+    replayed = cell(replayed);
+    EXPECT_EQ(bits(traced), bits(replayed)) << i;
+  }
+  if (replays_here()) {
+    EXPECT_GE(cell.stats().replays, 5) << cell.stats().reason;
+  }
+  // A new shape traces; the error inside propagates and nothing is recorded.
+  fail_now = true;
+  EXPECT_THROW(cell(mt::zeros({3, 6})), mt::Error);
+  fail_now = false;
+  EXPECT_EQ(bits(cell(replayed)), bits(mt::tanh(mt::matmul(replayed, w) + x)));
 }
 
 }  // namespace
