@@ -176,7 +176,7 @@ bool nvrtc_available() { return nvrtc().library != nullptr; }
 std::string nvrtc_version() { return nvrtc().version; }
 
 std::string compile_cuda(const std::string& source, const std::string& arch,
-                         const std::string& program_name) {
+                         const std::string& program_name, bool* from_cache) {
   bool cubin = wants_cubin(arch);
   const Nvrtc& n = nvrtc();
   if (!n.library)
@@ -186,7 +186,9 @@ std::string compile_cuda(const std::string& source, const std::string& arch,
   for (const std::string& o : opts) key += o + "\n";
   key += source;
   KernelCache& cache = kernel_cache();
+  if (from_cache) *from_cache = false;
   if (std::optional<std::vector<std::byte>> hit = cache.load(key)) {
+    if (from_cache) *from_cache = true;
     std::lock_guard<std::mutex> lock(stats_mutex);
     ++stats.cache_hits;
     return std::string(reinterpret_cast<const char*>(hit->data()), hit->size());

@@ -23,9 +23,11 @@ std::string nvrtc_version();
 /// Cached: the key holds the source, arch, options, NVRTC version and cuda_codegen_version, so
 /// a second call (or a second process) compiles nothing. mt::Error when NVRTC is missing or the
 /// arch is malformed, and on a compile error with NVRTC's whole log. Safe to call from several
-/// threads. `program_name` names the source in NVRTC's messages.
+/// threads. `program_name` names the source in NVRTC's messages. `from_cache`, when given, says
+/// whether the kernel cache answered.
 std::string compile_cuda(const std::string& source, const std::string& arch,
-                         const std::string& program_name = "mixtape_kernels.cu");
+                         const std::string& program_name = "mixtape_kernels.cu",
+                         bool* from_cache = nullptr);
 
 struct NvrtcStats {
   int64_t compiled = 0;    // NVRTC runs (cache misses)

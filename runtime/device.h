@@ -50,9 +50,9 @@ struct ExecutionStats {
   int64_t bytes_uploaded = 0;     // cuda: host values copied to the device (constants, batches)
   int64_t bytes_downloaded = 0;   // cuda: device values copied to the host (reads, host ops)
   int64_t kernels_compiled = 0;   // LLVM and NVRTC compilations (disk-cache misses)
-  int64_t kernels_from_disk = 0;  // objects loaded from the disk cache
+  int64_t kernels_from_disk = 0;  // LLVM objects and CUDA images taken from the kernel cache
   double compile_seconds = 0;
-  double load_seconds = 0;
+  double load_seconds = 0;  // their fetch and load (for CUDA: to a function ready to launch)
 };
 ExecutionStats execution_stats();
 void reset_execution_stats();

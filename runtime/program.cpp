@@ -122,10 +122,11 @@ ExecutionStats execution_stats() {
   NvrtcStats nvrtc = nvrtc_stats();
   const CompilerBaseline& base = compiler_baseline();
   s.kernels_compiled = jit.compiled - base.jit.compiled + nvrtc.compiled - base.nvrtc.compiled;
-  s.kernels_from_disk = jit.disk_loaded - base.jit.disk_loaded;
+  // The counters hold the CUDA back end's cache loads; LLVM's come from its own counters.
+  s.kernels_from_disk += jit.disk_loaded - base.jit.disk_loaded;
   s.compile_seconds = jit.compile_seconds - base.jit.compile_seconds + nvrtc.compile_seconds -
                       base.nvrtc.compile_seconds;
-  s.load_seconds = jit.load_seconds - base.jit.load_seconds;
+  s.load_seconds += jit.load_seconds - base.jit.load_seconds;
   return s;
 }
 
