@@ -741,7 +741,12 @@ class Emitter {
 
 }  // namespace
 
-std::string emit_cuda(const kir::Kernel& kernel) { return Emitter(kernel).run(); }
+std::string emit_cuda(const kir::Kernel& kernel) {
+  // The CUDA executor never forms multi-tensor steps (fusion_options): none reaches here.
+  if (kernel.multi_tensor)
+    fail("cuda emitter: kernel {}: multi-tensor kernels are CPU-only", kernel.name);
+  return Emitter(kernel).run();
+}
 
 CudaLaunch cuda_launch_shape(const kir::Kernel& kernel) {
   Plan p = plan(kernel);

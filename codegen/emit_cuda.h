@@ -25,6 +25,9 @@ namespace mixtape {
 /// reduced in a different (but fixed) order than the CPU's vectorized one. Arithmetic uses the
 /// _rn intrinsics, so no compiler flag can contract it into FMAs or flush subnormals.
 ///
+/// Multi-tensor kernels (kir::Kernel::multi_tensor) are CPU-only for now: emit_cuda refuses them
+/// with mixtape::Error, and the CUDA executor never forms them (fusion_options).
+///
 /// Every emitted source starts with the same guarded prelude, so the sources of several kernels
 /// can be concatenated into one NVRTC program.
 std::string emit_cuda(const kir::Kernel& kernel);

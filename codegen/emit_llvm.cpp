@@ -71,6 +71,10 @@ class Emitter {
   std::string tmp() { return fmt::format("%t{}", next_tmp_++); }
 
   void emit_function() {
+    if (k_.multi_tensor) {
+      emit_multi_tensor();
+      return;
+    }
     out_ += fmt::format(
         "define void @{}(ptr noalias nocapture readonly %params, i64 %begin, i64 %end) #0 {{\n",
         k_.name);
@@ -184,6 +188,85 @@ class Emitter {
     line("%o.next = add nsw i64 %o, 1");
     line("store i64 %o.next, ptr %o.addr");
     line("br label %outer.head");
+    label("exit");
+    line("ret void");
+    out_ += "}\n\n";
+    out_ +=
+        "attributes #0 = { nounwind \"prefer-vector-width\"=\"512\" "
+        "\"min-legal-vector-width\"=\"0\" }\n";
+    out_ += "!0 = !{}\n";
+  }
+
+  // kir::Kernel::multi_tensor's ABI: for each segment that meets [begin, end), load its
+  // pointers and scalars, then run the pointwise loop over its part of the range, a loop of the
+  // same shape as a rank-1 kernel's so that it vectorizes the same way.
+  void emit_multi_tensor() {
+    if (k_.is_reduction() || k_.dims.size() != 1)
+      fail("llvm emitter: multi-tensor kernel {} is not rank-1 pointwise", k_.name);
+    size_t stride = k_.params.size() + (k_.scalars > 0 ? 1 : 0);
+    out_ += fmt::format(
+        "define void @{}(ptr noalias nocapture readonly %params, i64 %begin, i64 %end) #0 {{\n",
+        k_.name);
+    label("entry");
+    line("%info = load ptr, ptr %params, !noalias !0");
+    line("%segments = load i64, ptr %info, !noalias !0");
+    line("%seg.addr = alloca i64");
+    line("%o.addr = alloca i64");
+    line("store i64 0, ptr %seg.addr");
+    line("br label %seg.head");
+    label("seg.head");
+    line("%seg = load i64, ptr %seg.addr");
+    line("%seg.more = icmp slt i64 %seg, %segments");
+    line("br i1 %seg.more, label %seg.check, label %exit");
+    label("seg.check");
+    line("%seg.1 = add nsw i64 %seg, 1");
+    line("%seg.2 = add nsw i64 %seg, 2");
+    line("%start.g = getelementptr inbounds i64, ptr %info, i64 %seg.1");
+    line("%start = load i64, ptr %start.g, !noalias !0");
+    line("%stop.g = getelementptr inbounds i64, ptr %info, i64 %seg.2");
+    line("%stop = load i64, ptr %stop.g, !noalias !0");
+    line("%seg.past = icmp sge i64 %start, %end");
+    line("br i1 %seg.past, label %exit, label %seg.body");
+    label("seg.body");
+    line("%lo.c = icmp sgt i64 %begin, %start");
+    line("%lo = select i1 %lo.c, i64 %begin, i64 %start");
+    line("%hi.c = icmp slt i64 %end, %stop");
+    line("%hi = select i1 %hi.c, i64 %end, i64 %stop");
+    line("%lo.rel = sub nsw i64 %lo, %start");
+    line("%hi.rel = sub nsw i64 %hi, %start");
+    line("%seg.base0 = mul nsw i64 %seg, {}", stride);
+    line("%seg.base = add nsw i64 %seg.base0, 1");
+    for (size_t p = 0; p < k_.params.size(); ++p) {
+      line("%pi{} = add nsw i64 %seg.base, {}", p, p);
+      line("%pp{} = getelementptr inbounds ptr, ptr %params, i64 %pi{}", p, p);
+      line("%p{} = load ptr, ptr %pp{}, !noalias !0", p, p);
+    }
+    if (k_.scalars > 0) {
+      line("%si = add nsw i64 %seg.base, {}", k_.params.size());
+      line("%sp = getelementptr inbounds ptr, ptr %params, i64 %si");
+      line("%sa = load ptr, ptr %sp, !noalias !0");
+      for (int32_t slot = 0; slot < k_.scalars; ++slot) {
+        line("%sg{} = getelementptr inbounds double, ptr %sa, i64 {}", slot, slot);
+        line("%s{} = load double, ptr %sg{}, !noalias !0", slot, slot);
+      }
+    }
+    var_ = {"%i0"};
+    line("store i64 %lo.rel, ptr %o.addr");
+    line("br label %outer.head");
+    label("outer.head");
+    line("%o = load i64, ptr %o.addr");
+    line("%outer.more = icmp slt i64 %o, %hi.rel");
+    line("br i1 %outer.more, label %outer.body, label %seg.next");
+    label("outer.body");
+    line("%i0 = add i64 %o, 0");
+    values(k_.body, "v");
+    stores(k_.stores);
+    line("%o.next = add nsw i64 %o, 1");
+    line("store i64 %o.next, ptr %o.addr");
+    line("br label %outer.head");
+    label("seg.next");
+    line("store i64 %seg.1, ptr %seg.addr");
+    line("br label %seg.head");
     label("exit");
     line("ret void");
     out_ += "}\n\n";

@@ -43,6 +43,10 @@ struct FusionOptions {
   bool multi_pass = true;
   int max_members = 96;
   int max_params = 48;
+  // Run structurally identical, independent flat pointwise kernels (the per-parameter optimizer
+  // updates, the unscale and inf checks) as one multi-tensor step (kir::Kernel::multi_tensor).
+  // build_program forms them, after fusion and lowering.
+  bool multi_tensor = false;
 };
 
 /// Groups `pending` (unevaluated nodes in tape order) so that every node in `required` is stored.

@@ -86,8 +86,57 @@ void list_stores(std::string& out, const std::vector<Store>& stores, const char*
 
 }  // namespace
 
+std::optional<Kernel> multi_tensor_form(const Kernel& kernel, const std::vector<bool>& zero_rank) {
+  if (kernel.is_reduction() || kernel.multi_tensor) return std::nullopt;
+  size_t rank = kernel.dims.size();
+  int64_t numel = 1;
+  for (int64_t d : kernel.dims) numel *= d;
+  // Row-major strides; a dim of extent 1 contributes nothing, whatever its coefficient.
+  std::vector<int64_t> strides(rank, 1);
+  for (size_t d = rank; d-- > 1;) strides[d - 1] = strides[d] * kernel.dims[d];
+  auto identity = [&](const Affine& map) {
+    if (map.base != 0 || map.coeff.size() != rank) return rank == 0 && map.base == 0;
+    for (size_t d = 0; d < rank; ++d)
+      if (kernel.dims[d] > 1 && map.coeff[d] != strides[d]) return false;
+    return true;
+  };
+  auto constant = [&](const Affine& map) {
+    for (size_t d = 0; d < map.coeff.size() && d < rank; ++d)
+      if (kernel.dims[d] > 1 && map.coeff[d] != 0) return false;
+    return true;
+  };
+  auto flat = [](int64_t base, int64_t coeff) {
+    Affine a;
+    a.base = base;
+    a.coeff = {coeff};
+    return a;
+  };
+  Kernel out = kernel;
+  out.name.clear();
+  out.dims = {0};
+  out.multi_tensor = true;
+  for (Value& v : out.body) {
+    if (v.op != Op::Load) continue;
+    // A one-element kernel cannot tell a whole-tensor read from a broadcast 0-d one: a 0-d param
+    // is the broadcast, as it is in every larger kernel of the same structure.
+    if (identity(v.map) && !(numel == 1 && zero_rank[v.param]))
+      v.map = flat(0, 1);
+    else if (constant(v.map))
+      v.map = flat(v.map.base, 0);
+    else
+      return std::nullopt;
+  }
+  for (Store& s : out.stores) {
+    if (!identity(s.map)) return std::nullopt;
+    s.map = flat(0, 1);
+  }
+  return out;
+}
+
 std::string to_string(const Kernel& kernel) {
-  std::string out = fmt::format("kernel {} dims [{}]", kernel.name, fmt::join(kernel.dims, ", "));
+  std::string out = kernel.multi_tensor ? fmt::format("kernel {} multi_tensor", kernel.name)
+                                        : fmt::format("kernel {} dims [{}]", kernel.name,
+                                                      fmt::join(kernel.dims, ", "));
   if (kernel.is_reduction()) out += fmt::format(" reduce from {}", kernel.reduce_from);
   if (kernel.scalars > 0) out += fmt::format(" scalars {}", kernel.scalars);
   out += "\n";

@@ -93,23 +93,28 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
   thread_local std::vector<std::shared_ptr<Storage>> outputs;
   thread_local std::vector<double> scalars;
   nodes.assign(count, nullptr);
-  params.assign(count, nullptr);
+  params.clear();
   outputs.assign(count, nullptr);
   scalars.clear();
   ExecutionStats& s = stats();
+  for (NodeRef ref : step.scalar_nodes) scalars.push_back(fill_value(*sig.resolve(ref, pending)));
+  // A multi-tensor kernel takes its segment table first, then each segment's pointers and
+  // scalars (kir::Kernel::multi_tensor); an ordinary one is a single segment without the table.
+  if (kernel.multi_tensor) params.push_back(const_cast<int64_t*>(step.segment_table.data()));
+  size_t per_segment = kernel.params.size();
   for (size_t i = 0; i < count; ++i) {
     Node* node = nodes[i] = sig.resolve(step.params[i], pending);
-    if (kernel.params[i].output) {
+    if (step.param_is_output(i)) {
       outputs[i] = allocate(*node);
-      params[i] = outputs[i]->host_data();
+      params.push_back(outputs[i]->host_data());
       s.bytes_written += bytes_of(*outputs[i]);
     } else {
-      params[i] = node->value->host_data();
+      params.push_back(node->value->host_data());
       s.bytes_read += bytes_of(*node->value);
     }
+    if (kernel.scalars > 0 && (i + 1) % per_segment == 0)
+      params.push_back(scalars.data() + (i / per_segment) * kernel.scalars);
   }
-  for (NodeRef ref : step.scalar_nodes) scalars.push_back(fill_value(*sig.resolve(ref, pending)));
-  if (!scalars.empty()) params.push_back(scalars.data());
   if (observer()) {
     LoweredKernel lowered{kernel, nodes, scalars, {}};
     for (NodeRef ref : step.scalar_nodes) lowered.scalar_nodes.push_back(sig.resolve(ref, pending));
@@ -183,7 +188,10 @@ void run_matmul(Node& node) {
 ExecutedProgram execute_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required) {
   FusionOptions options = fusion_options(Device::cpu);
   ExecutedProgram executed;
-  executed.sig = sign(pending, required, options.fuse, "mixtape-cpu-program-1");
+  // Programs with and without multi-tensor steps differ for the same graph.
+  executed.sig =
+      sign(pending, required, options.fuse,
+           options.multi_tensor ? "mixtape-cpu-program-1/multi-tensor" : "mixtape-cpu-program-1");
   static ProgramCache programs;
   executed.program = programs.get(pending, options, executed.sig, register_kernel);
   compile_pending();

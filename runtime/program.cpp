@@ -2,15 +2,21 @@
 #include "runtime/program.h"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
+#include <cstdlib>
 #include <type_traits>
 #include <unordered_set>
 
+#include "codegen/kernel_ir.h"
 #include "codegen/llvm_jit.h"
 #include "codegen/lower.h"
 #include "codegen/nvrtc.h"
+#include "dsl/error.h"
 #include "dsl/graph.h"
+#include "dsl/log.h"
 #include "precision_policy/assign.h"
+#include "runtime/multi_tensor.h"
 
 namespace mixtape {
 namespace {
@@ -64,7 +70,7 @@ int64_t step_output_bytes(const Step& step, const std::vector<Node*>& pending, c
   if (step.kind != FusionGroup::Kind::Kernel) return bytes_of(sig.resolve(step.node, pending));
   int64_t bytes = 0;
   for (size_t p = 0; p < step.params.size(); ++p)
-    if (step.kernel->params[p].output) bytes += bytes_of(sig.resolve(step.params[p], pending));
+    if (step.param_is_output(p)) bytes += bytes_of(sig.resolve(step.params[p], pending));
   return bytes;
 }
 
@@ -72,17 +78,9 @@ int64_t step_output_bytes(const Step& step, const std::vector<Node*>& pending, c
 void plan_memory(Program& program, const std::vector<Node*>& pending, const Signature& sig) {
   std::unordered_map<NodeRef, size_t> last_use;
   std::vector<NodeRef> stored_order;
+  std::vector<NodeRef> reads, writes;
   for (size_t i = 0; i < program.steps.size(); ++i) {
-    const Step& step = program.steps[i];
-    std::vector<NodeRef> reads, writes;
-    if (step.kind == FusionGroup::Kind::Kernel) {
-      for (size_t p = 0; p < step.params.size(); ++p)
-        (step.kernel->params[p].output ? writes : reads).push_back(step.params[p]);
-    } else {
-      for (const NodePtr& input : pending[step.node]->inputs)
-        reads.push_back(sig.refs.at(input.get()));
-      writes.push_back(step.node);
-    }
+    step_io(program.steps[i], pending, sig, reads, writes);
     for (NodeRef ref : reads)
       if (ref >= 0) last_use[ref] = i;
     for (NodeRef ref : writes) {
@@ -180,25 +178,69 @@ Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& requ
   return sig;
 }
 
+namespace {
+
+Step kernel_step(LoweredKernel&& lowered, int64_t members, const Signature& sig,
+                 const KernelLoader& load) {
+  Step step;
+  step.kind = FusionGroup::Kind::Kernel;
+  step.compiled = load(lowered.kernel);
+  for (Node* node : lowered.nodes) step.params.push_back(sig.refs.at(node));
+  for (Node* node : lowered.scalar_nodes) step.scalar_nodes.push_back(sig.refs.at(node));
+  step.parallel_extent = lowered.kernel.parallel_extent();
+  for (int64_t d : lowered.kernel.dims) step.points *= d;
+  step.kernel = std::make_shared<const kir::Kernel>(std::move(lowered.kernel));
+  step.members = members;
+  return step;
+}
+
+}  // namespace
+
 Program build_program(const std::vector<Node*>& pending, const FusionOptions& options,
                       const Signature& sig, const KernelLoader& load) {
   Program program;
-  for (FusionGroup& group : fuse(pending, sig.stored, options)) {
-    Step step;
+  std::vector<FusionGroup> groups = fuse(pending, sig.stored, options);
+  // Kernel steps get their params now (the sets need what each reads and stores) and their
+  // kernels once the sets are known.
+  std::vector<PendingKernel> lowered(groups.size());
+  std::vector<PendingKernel*> kernels(groups.size(), nullptr);
+  std::vector<Step> steps(groups.size());
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const FusionGroup& group = groups[i];
+    Step& step = steps[i];
     step.kind = group.kind;
     if (group.kind != FusionGroup::Kind::Kernel) {
       step.node = sig.refs.at(group.members[0]);
-    } else {
-      LoweredKernel lowered = lower(group);
-      step.compiled = load(lowered.kernel);
-      for (Node* node : lowered.nodes) step.params.push_back(sig.refs.at(node));
-      for (Node* node : lowered.scalar_nodes) step.scalar_nodes.push_back(sig.refs.at(node));
-      step.parallel_extent = lowered.kernel.parallel_extent();
-      for (int64_t d : lowered.kernel.dims) step.points *= d;
-      step.kernel = std::make_shared<const kir::Kernel>(std::move(lowered.kernel));
-      step.members = static_cast<int64_t>(group.members.size());
+      continue;
     }
-    program.steps.push_back(std::move(step));
+    PendingKernel& k = lowered[i];
+    kernels[i] = &k;
+    k.lowered = lower(group);
+    k.members = static_cast<int64_t>(group.members.size());
+    for (Node* node : k.lowered.nodes) step.params.push_back(sig.refs.at(node));
+    step.kernel = std::make_shared<const kir::Kernel>(k.lowered.kernel);
+    if (options.multi_tensor) {
+      std::vector<bool> zero_rank;
+      for (Node* node : k.lowered.nodes) zero_rank.push_back(node->shape.empty());
+      k.flat = kir::multi_tensor_form(k.lowered.kernel, zero_rank);
+      if (k.flat) k.key = kir::to_string(*k.flat);
+    }
+  }
+  std::vector<std::vector<size_t>> order;
+  if (options.multi_tensor) {
+    order = multi_tensor_order(steps, kernels, pending, sig);
+  } else {
+    for (size_t i = 0; i < groups.size(); ++i) order.push_back({i});
+  }
+  for (const std::vector<size_t>& entry : order) {
+    size_t i = entry[0];
+    if (entry.size() > 1)
+      program.steps.push_back(multi_tensor_step(entry, kernels, sig, load));
+    else if (kernels[i])
+      program.steps.push_back(
+          kernel_step(std::move(kernels[i]->lowered), kernels[i]->members, sig, load));
+    else
+      program.steps.push_back(std::move(steps[i]));
   }
   plan_memory(program, pending, sig);
   return program;
@@ -254,8 +296,23 @@ FusionOptions fusion_options(Device device) {
   FusionOptions options;
   options.fuse = !eager_mode();
   options.multi_pass = device != Device::cuda;
+  options.multi_tensor = device == Device::cpu && options.fuse && multi_tensor_steps();
   return options;
 }
+
+namespace {
+std::atomic<bool>& multi_tensor_setting() {
+  // MIXTAPE_MULTI_TENSOR=0 turns them off, to compare.
+  static std::atomic<bool> enabled{[] {
+    const char* value = std::getenv("MIXTAPE_MULTI_TENSOR");
+    return !(value && std::string_view(value) == "0");
+  }()};
+  return enabled;
+}
+}  // namespace
+
+bool multi_tensor_steps() { return multi_tensor_setting().load(); }
+void set_multi_tensor_steps(bool enabled) { multi_tensor_setting().store(enabled); }
 
 std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs) {
   std::vector<Node*> pending;

@@ -43,9 +43,15 @@ struct Signature {
   }
 };
 
-/// How `device` fuses: one kernel per op in eager mode. CUDA keeps to single-pass reductions:
-/// its multi-pass kernels compile (test_nvrtc) but have not yet been checked on a GPU.
+/// How `device` fuses: one kernel per op in eager mode. CUDA keeps to single-pass reductions and
+/// forms no multi-tensor steps: its multi-pass kernels compile (test_nvrtc) but have not yet
+/// been checked on a GPU, and it has no multi-tensor emitter.
 FusionOptions fusion_options(Device device);
+
+/// Whether the CPU back end forms multi-tensor steps: on unless MIXTAPE_MULTI_TENSOR=0, and
+/// settable for tests that compare both.
+bool multi_tensor_steps();
+void set_multi_tensor_steps(bool enabled);
 
 /// The unevaluated nodes that evaluating `outputs` computes, in tape order.
 std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs);
@@ -68,6 +74,13 @@ struct Step {
   // the kernel's values): the range split across threads, and the loop nest's points.
   int64_t parallel_extent = 1;
   int64_t points = 1;
+  // A multi-tensor kernel (kernel->multi_tensor): S segments, params and scalar_nodes hold each
+  // segment's in turn, and the table {S, start_0 = 0, ..., start_S} is the kernel's params[0].
+  std::vector<int64_t> segment_table;
+
+  int64_t segments() const { return segment_table.empty() ? 1 : segment_table[0]; }
+  /// Whether params[i] is a value the kernel stores (params repeat per segment).
+  bool param_is_output(size_t i) const { return kernel->params[i % kernel->params.size()].output; }
 };
 
 struct Program {
@@ -82,7 +95,10 @@ struct Program {
 /// Loads (compiles or fetches from a cache) a lowered kernel for one back end.
 using KernelLoader = std::function<uintptr_t(const kir::Kernel&)>;
 
-/// Fuses and lowers `pending` into a program whose kernels `load` has loaded.
+/// Fuses and lowers `pending` into a program whose kernels `load` has loaded. With
+/// options.multi_tensor, kernels that take the same multi-tensor form and read none of one
+/// another's outputs (directly or through other steps) become one step, placed where the last
+/// of them was.
 Program build_program(const std::vector<Node*>& pending, const FusionOptions& options,
                       const Signature& sig, const KernelLoader& load);
 

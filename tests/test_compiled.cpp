@@ -6,9 +6,13 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <map>
+#include <memory>
+#include <set>
 
 #include "codegen/emit_llvm.h"
 #include "codegen/fusion.h"
+#include "codegen/kernel_ir.h"
 #include "codegen/lower.h"
 #include "dsl/functional.h"
 #include "dsl/graph.h"
@@ -16,10 +20,12 @@
 #include "dsl/ops.h"
 #include "dsl/optim.h"
 #include "dsl/tensor.h"
+#include "precision_policy/grad_scaler.h"
 #include "precision_policy/policy.h"
 #include "runtime/cpu_executor.h"
 #include "runtime/cuda_executor.h"
 #include "runtime/device.h"
+#include "runtime/program.h"
 #include "test_util.h"
 
 namespace mt = mixtape;
@@ -451,6 +457,205 @@ TEST(Compiled, CudaWithoutAGpuIsAClearError) {
   EXPECT_MT_ERROR(mt::set_device(mt::Device::cuda), "device cuda", "CUDA is not available",
                   mt::cuda_backend_unavailable_reason());
   EXPECT_EQ(mt::current_device(), before);  // the failed selection changed nothing
+}
+
+// Multi-tensor steps: the per-parameter optimizer updates of a network without biases (every
+// gradient is a matmul's, so every update is a pointwise kernel of its own).
+enum class Update { SgdMomentum, Adam, AdamW, ScaledF16 };
+
+struct UpdateRun {
+  std::vector<std::vector<std::byte>> params;  // the final values' bytes
+  std::vector<mt::ExecutionStats> stats;       // per step
+  std::vector<int64_t> segments;               // of each multi-tensor launch, all steps
+  std::set<std::string> multi_kernels;         // their names
+  // Multi-tensor form listing -> the names of the ordinary kernels of that form that ran, and
+  // the forms of the multi-tensor kernels that ran.
+  std::map<std::string, std::set<std::string>> per_shape_kernels;
+  std::set<std::string> multi_forms;
+  std::vector<float> losses;
+};
+
+UpdateRun train_updates(Update kind, mt::Device device, bool multi_tensor) {
+  mt::set_multi_tensor_steps(multi_tensor);
+  mt::set_device(device);
+  UpdateRun run;
+  mt::set_kernel_observer([&](const mt::LoweredKernel& k) {
+    if (k.kernel.multi_tensor) {
+      run.segments.push_back(static_cast<int64_t>(k.nodes.size() / k.kernel.params.size()));
+      run.multi_kernels.insert(k.kernel.name);
+      mt::kir::Kernel unnamed = k.kernel;
+      unnamed.name.clear();
+      run.multi_forms.insert(mt::kir::to_string(unnamed));
+      return;
+    }
+    std::vector<bool> zero_rank;
+    for (mt::Node* node : k.nodes) zero_rank.push_back(node->shape.empty());
+    if (auto form = mt::kir::multi_tensor_form(k.kernel, zero_rank))
+      run.per_shape_kernels[mt::kir::to_string(*form)].insert(k.kernel.name);
+  });
+  mt::Generator gen(23);
+  std::vector<int64_t> widths = {12, 24, 20, 16, 6};
+  std::vector<mt::Tensor> weights;
+  for (size_t l = 0; l + 1 < widths.size(); ++l) {
+    mt::Shape shape = {widths[l], widths[l + 1]};
+    mt::Tensor init = mt::randn(shape, mt::f32, &gen) * 0.3;
+    weights.push_back(mt::tensor(init.to_vector<float>(), shape).requires_grad_());
+  }
+  mt::Tensor x = mt::randn({32, 12}, mt::f32, &gen);
+  mt::Tensor y = mt::randn({32, 6}, mt::f32, &gen);
+  mt::eval({x, y});
+  std::unique_ptr<mt::Optimizer> optimizer;
+  // Hyperparameters no other test uses: the kernels compiled here are this test's own (the
+  // multi-tensor ones fit every shape, so any other Adam of the same options would share them).
+  if (kind == Update::SgdMomentum)
+    optimizer = std::make_unique<mt::SGD>(weights, mt::SGDOptions{.lr = 0.05, .momentum = 0.85});
+  else if (kind == Update::AdamW)
+    optimizer = std::make_unique<mt::AdamW>(
+        weights, mt::AdamOptions{.lr = 1e-2, .beta1 = 0.85, .beta2 = 0.995, .weight_decay = 0.01});
+  else
+    optimizer = std::make_unique<mt::Adam>(
+        weights, mt::AdamOptions{.lr = 1e-2, .beta1 = 0.85, .beta2 = 0.995});
+  mt::GradScaler scaler({.enabled = kind == Update::ScaledF16});
+  mt::PolicyPtr policy = mt::policy_by_name(kind == Update::ScaledF16 ? "autocast-f16" : "fp32");
+  for (int step = 0; step < 4; ++step) {
+    mt::reset_execution_stats();
+    optimizer->zero_grad();
+    mt::Tensor loss;
+    {
+      mt::autocast guard(policy);
+      mt::Tensor h = x;
+      for (size_t l = 0; l < weights.size(); ++l) {
+        h = mt::matmul(h, weights[l]);
+        if (l + 1 < weights.size()) h = mt::relu(h);
+      }
+      loss = mt::mse_loss(h, y);
+    }
+    scaler.scale(loss).backward();
+    scaler.step(*optimizer);
+    scaler.update();
+    for (mt::Tensor& w : weights) mt::eval({w});
+    run.stats.push_back(mt::execution_stats());
+    run.losses.push_back(loss.item());
+  }
+  mt::set_kernel_observer({});
+  for (mt::Tensor& w : weights) {
+    const mt::Storage& s = *w.node()->value;
+    run.params.emplace_back(s.host_data(), s.host_data() + s.size_bytes());
+  }
+  mt::set_device(mt::Device::reference);
+  mt::set_multi_tensor_steps(true);
+  return run;
+}
+
+std::string update_name(Update kind) {
+  static const char* names[] = {"SgdMomentum", "Adam", "AdamW", "ScaledF16"};
+  return names[static_cast<int>(kind)];
+}
+
+class MultiTensorUpdates : public ::testing::TestWithParam<Update> {};
+
+// Each update is bit for bit what the per-parameter kernels compute (pointwise kernels are
+// exact); the step runs one kernel for the four updates instead of four, and that kernel is
+// compiled once for all four shapes.
+TEST_P(MultiTensorUpdates, MatchPerParameterKernelsBitForBitInOneLaunch) {
+  Update kind = GetParam();
+  UpdateRun reference = train_updates(kind, mt::Device::reference, false);
+  UpdateRun separate = train_updates(kind, mt::Device::cpu, false);
+  UpdateRun merged = train_updates(kind, mt::Device::cpu, true);
+  const int64_t params = 4;
+  ASSERT_EQ(merged.params.size(), static_cast<size_t>(params));
+  for (size_t p = 0; p < merged.params.size(); ++p) {
+    EXPECT_EQ(merged.params[p], separate.params[p]) << "param " << p;
+    ASSERT_EQ(reference.params[p].size(), merged.params[p].size());
+    const float* r = reinterpret_cast<const float*>(reference.params[p].data());
+    const float* c = reinterpret_cast<const float*>(merged.params[p].data());
+    for (size_t i = 0; i < reference.params[p].size() / 4; ++i)
+      ASSERT_NEAR(r[i], c[i], 1e-4 * (1 + std::fabs(r[i]))) << "param " << p << " at " << i;
+  }
+  EXPECT_EQ(merged.losses, separate.losses);
+  EXPECT_TRUE(separate.segments.empty());
+  // One multi-tensor launch per step over every parameter's update. Under the GradScaler the
+  // unscale fuses into each update, and a second launch holds the selects that keep Adam's two
+  // moments when a gradient is not finite (two kernels per parameter before).
+  std::vector<int64_t> per_step = {params};
+  if (kind == Update::ScaledF16) per_step = {params, 2 * params};
+  std::vector<int64_t> expected_segments;
+  int64_t kernels_saved = 0;
+  for (int64_t segments : per_step) kernels_saved += segments - 1;
+  for (int step = 0; step < 4; ++step)
+    expected_segments.insert(expected_segments.end(), per_step.begin(), per_step.end());
+  EXPECT_EQ(merged.segments, expected_segments);
+  for (size_t step = 0; step < merged.stats.size(); ++step)
+    EXPECT_EQ(merged.stats[step].kernels, separate.stats[step].kernels - kernels_saved)
+        << "step " << step;
+  // Without multi-tensor steps each form ran as one kernel per shape; with them, one kernel per
+  // form serves all four shapes. Every other kernel `separate` compiled already: `merged`
+  // compiles at most its multi-tensor kernels (fewer when an earlier test's optimizer of the
+  // same form compiled them: their extents are launch arguments).
+  EXPECT_EQ(merged.multi_kernels.size(), merged.multi_forms.size());
+  EXPECT_LE(merged.multi_forms.size(), 2 * per_step.size());  // the first step's differ
+  for (const std::string& form : merged.multi_forms)
+    EXPECT_EQ(separate.per_shape_kernels[form].size(), static_cast<size_t>(params)) << form;
+  int64_t compiled = 0;
+  for (const mt::ExecutionStats& s : merged.stats)
+    compiled += s.kernels_compiled + s.kernels_from_disk;
+  EXPECT_LE(compiled, static_cast<int64_t>(merged.multi_kernels.size()));
+}
+
+INSTANTIATE_TEST_SUITE_P(Compiled, MultiTensorUpdates,
+                         ::testing::Values(Update::SgdMomentum, Update::Adam, Update::AdamW,
+                                           Update::ScaledF16),
+                         [](const auto& info) { return update_name(info.param); });
+
+// Kernels of the same structure merge only when neither needs the other: `b` reads `a` through a
+// matmul, so they stay apart, while `d` (independent of both) joins `b`. Segments of different
+// ranks and sizes, one of them a broadcast 0-d read, and enough elements to split across threads
+// inside and across segments.
+TEST(Compiled, MultiTensorStepsKeepDependentKernelsApart) {
+  auto program = [](std::vector<mt::Tensor>& outs) {
+    mt::Generator gen(31);
+    mt::Tensor scale = mt::tensor(std::vector<float>{0.75f}, {});
+    auto update = [&](const mt::Tensor& p, const mt::Tensor& g) { return p * scale + g * 0.5; };
+    mt::Tensor p1 = mt::randn({8, 8}, mt::f32, &gen), g1 = mt::randn({8, 8}, mt::f32, &gen);
+    mt::Tensor w = mt::randn({8, 8}, mt::f32, &gen), p2 = mt::randn({8, 8}, mt::f32, &gen);
+    mt::Tensor p3 = mt::randn({300, 500}, mt::f32, &gen), g3 = mt::randn({300, 500}, mt::f32, &gen);
+    mt::Tensor p4 = mt::randn({70001}, mt::f32, &gen), g4 = mt::randn({70001}, mt::f32, &gen);
+    mt::eval({scale, p1, g1, w, p2, p3, g3, p4, g4});
+    mt::Tensor a = update(p1, g1);
+    mt::Tensor b = update(p2, mt::matmul(a, w));
+    outs = {a, b, update(p3, g3), update(p4, g4)};
+    mt::eval(outs);
+  };
+  std::vector<std::vector<float>> results[3];
+  int64_t kernels[3] = {0, 0, 0};
+  std::vector<int64_t> segments;
+  mt::set_kernel_observer([&](const mt::LoweredKernel& k) {
+    if (k.kernel.multi_tensor)
+      segments.push_back(static_cast<int64_t>(k.nodes.size() / k.kernel.params.size()));
+  });
+  for (int run = 0; run < 3; ++run) {
+    mt::set_device(run == 0 ? mt::Device::reference : mt::Device::cpu);
+    mt::set_multi_tensor_steps(run == 2);
+    std::vector<mt::Tensor> outs;
+    mt::reset_execution_stats();
+    program(outs);
+    kernels[run] = mt::execution_stats().kernels;
+    for (mt::Tensor& t : outs) results[run].push_back(t.to_vector<float>());
+  }
+  mt::set_kernel_observer({});
+  mt::set_multi_tensor_steps(true);
+  mt::set_device(mt::Device::reference);
+  EXPECT_EQ(kernels[1], 4);
+  EXPECT_EQ(kernels[2], 2);  // a; then b, c and d in one launch
+  EXPECT_EQ(segments, std::vector<int64_t>({3}));
+  for (size_t o = 0; o < results[0].size(); ++o) {
+    EXPECT_EQ(results[1][o], results[2][o]) << "output " << o;
+    if (o != 1)  // pointwise from the same inputs: exact
+      EXPECT_EQ(results[0][o], results[2][o]) << "output " << o;
+    else
+      for (size_t i = 0; i < results[0][o].size(); ++i)
+        ASSERT_NEAR(results[0][o][i], results[2][o][i], 1e-5 * (1 + std::fabs(results[0][o][i])));
+  }
 }
 
 }  // namespace

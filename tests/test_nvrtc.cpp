@@ -25,6 +25,7 @@
 #include "precision_policy/policy.h"
 #include "runtime/cpu_executor.h"
 #include "runtime/device.h"
+#include "runtime/program.h"
 #include "test_util.h"
 
 // Our hand-written NVRTC declarations (codegen/nvrtc.cpp) against the toolkit's header.
@@ -61,10 +62,14 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 const char* policy_names[] = {"fp32", "autocast-f16", "autocast-bf16", "pure-f16", "pure-bf16"};
 
-// Every kernel the CPU back end runs while `steps` runs, by name.
+// Every kernel the CPU back end runs while `steps` runs, by name. The CUDA executor forms no
+// multi-tensor steps (and CUDA cannot emit them), so the CPU runs without them here too: the
+// kernels collected are the per-parameter ones CUDA runs.
 std::map<std::string, kir::Kernel> kernels_of(const std::function<void()>& steps) {
   std::map<std::string, kir::Kernel> seen;
   mt::Device previous = mt::current_device();
+  bool multi_tensor = mt::multi_tensor_steps();
+  mt::set_multi_tensor_steps(false);
   mt::set_device(mt::Device::cpu);
   mt::set_kernel_observer(
       [&](const mt::LoweredKernel& lowered) { seen.emplace(lowered.kernel.name, lowered.kernel); });
@@ -73,10 +78,12 @@ std::map<std::string, kir::Kernel> kernels_of(const std::function<void()>& steps
   } catch (...) {
     mt::set_kernel_observer({});
     mt::set_device(previous);
+    mt::set_multi_tensor_steps(multi_tensor);
     throw;
   }
   mt::set_kernel_observer({});
   mt::set_device(previous);
+  mt::set_multi_tensor_steps(multi_tensor);
   return seen;
 }
 
