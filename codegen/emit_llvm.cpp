@@ -188,13 +188,7 @@ class Emitter {
     line("%o.next = add nsw i64 %o, 1");
     line("store i64 %o.next, ptr %o.addr");
     line("br label %outer.head");
-    label("exit");
-    line("ret void");
-    out_ += "}\n\n";
-    out_ +=
-        "attributes #0 = { nounwind \"prefer-vector-width\"=\"512\" "
-        "\"min-legal-vector-width\"=\"0\" }\n";
-    out_ += "!0 = !{}\n";
+    finish_function();
   }
 
   // kir::Kernel::multi_tensor's ABI: for each segment that meets [begin, end), load its
@@ -267,6 +261,11 @@ class Emitter {
     label("seg.next");
     line("store i64 %seg.1, ptr %seg.addr");
     line("br label %seg.head");
+    finish_function();
+  }
+
+  // The exit block, the end of the function and the attributes and metadata it names.
+  void finish_function() {
     label("exit");
     line("ret void");
     out_ += "}\n\n";
