@@ -77,6 +77,13 @@ struct Plan {
   std::vector<std::pair<StoragePtr, long>> watched;
 };
 
+// A dropped plan gives its graph back as a trace would.
+void release(Plan& plan) {
+  Trace owner;
+  for (PlannedEvaluation& planned : plan.evals) owner.evals.push_back(std::move(planned.eval));
+  release(owner);
+}
+
 std::string describe(const Node& node) {
   return fmt::format("{} {} {}", op_name(node.op), to_string(node.shape), name(node.dtype));
 }
@@ -385,12 +392,7 @@ const CompileStats& StepReplayer::stats() const { return state_->stats; }
 void StepReplayer::reset() {
   for (auto& [key, entry] : state_->entries) {
     if (entry.previous) release(*entry.previous);
-    if (entry.plan)
-      for (PlannedEvaluation& planned : entry.plan->evals) {
-        Trace owner;
-        owner.evals.push_back(std::move(planned.eval));
-        release(owner);
-      }
+    if (entry.plan) release(*entry.plan);
   }
   state_->entries.clear();
 }
@@ -410,10 +412,7 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
     if (const char* replaced = replaced_state(*entry.plan)) {
       stats.reason = replaced;
       if (log) log_line("compile", "dropping the replay plan: {}", replaced);
-      Trace owner;
-      for (PlannedEvaluation& planned : entry.plan->evals)
-        owner.evals.push_back(std::move(planned.eval));
-      release(owner);
+      release(*entry.plan);
       entry.plan.reset();
     } else {
       std::vector<Tensor> results;
