@@ -165,7 +165,10 @@ StoragePtr ref_RandNormal(const Node& node) {
   StoragePtr out = new_storage(node);
 #pragma omp parallel for if (out->count >= kParallelDraws)
   for (int64_t i = 0; i < out->count; ++i)
-    store_element(*out, i, philox_normal(node.attrs.seed, node.attrs.offset, i));
+    store_element(*out, i,
+                  node.storage == f64 ? philox_normal(node.attrs.seed, node.attrs.offset, i)
+                                      : static_cast<double>(philox_normal_f32(
+                                            node.attrs.seed, node.attrs.offset, i)));
   return out;
 }
 
