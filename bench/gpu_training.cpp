@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "bench/gpt_step.h"
 #include "bench/timing.h"
 #include "examples/char_gpt_model.h"
 #include "runtime/cuda_executor.h"
@@ -82,18 +83,7 @@ bench::Workload gpt2_workload(const Gpt2Shape& shape, const mt::PolicyPtr& polic
     state->batches.emplace_back(mt::tensor(inputs, {shape.batch, time}),
                                 mt::tensor(targets, {shape.batch, time}));
   }
-  auto train = [state, policy](const mt::Tensor& inputs, const mt::Tensor& targets) {
-    state->optimizer->zero_grad();
-    mt::Tensor loss;
-    {
-      mt::autocast guard(policy);
-      loss = state->model->loss(inputs, targets);
-    }
-    loss.backward();
-    mt::clip_grad_norm(state->model->parameters(), 1.0);
-    state->optimizer->step();
-    return loss;
-  };
+  auto train = bench::gpt_train_step(state, policy);
   auto next_batch = [state] {
     std::pair<mt::Tensor, mt::Tensor> batch = state->batches[state->next];
     state->next = (state->next + 1) % state->batches.size();

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/gpt_step.h"
 #include "bench/timing.h"
 #include "examples/char_gpt_model.h"
 
@@ -110,18 +111,7 @@ Workload gpt_workload(const mt::PolicyPtr& policy, bool compiled) {
   state->model = std::make_unique<CharGpt>(config, &state->gen);
   state->optimizer = std::make_unique<mt::AdamW>(
       state->model->parameters(), mt::AdamOptions{.lr = 1e-3, .beta2 = 0.99, .weight_decay = 0.1});
-  auto train = [state, policy](const mt::Tensor& inputs, const mt::Tensor& targets) {
-    state->optimizer->zero_grad();
-    mt::Tensor loss;
-    {
-      mt::autocast guard(policy);
-      loss = state->model->loss(inputs, targets);
-    }
-    loss.backward();
-    mt::clip_grad_norm(state->model->parameters(), 1.0);
-    state->optimizer->step();
-    return loss;
-  };
+  auto train = bench::gpt_train_step(state, policy);
   auto next_batch = [state] {
     mt::Batch batch = state->loader->next();
     return std::pair(batch.inputs, batch.targets);

@@ -200,26 +200,10 @@ ExecutedProgram execute_cpu(const std::vector<Node*>& pending, const std::vector
 }
 
 void replay_cpu(const ExecutedProgram& executed, const std::vector<Node*>& pending) {
-  const Signature& sig = executed.sig;
-  ExecutionStats& s = stats();
-  run_program(*executed.program, pending, sig, [&](const Step& step) {
-    switch (step.kind) {
-      case FusionGroup::Kind::Alias:  // run_program shares the storage itself
-        break;
-      case FusionGroup::Kind::Kernel:
-        run_kernel(step, pending, sig);
-        break;
-      case FusionGroup::Kind::MatMul:
-        run_matmul(*sig.resolve(step.node, pending));
-        break;
-      case FusionGroup::Kind::Host: {
-        Node* node = sig.resolve(step.node, pending);
-        node->value = reference_compute(*node);
-        ++s.host_ops;
-        break;
-      }
-    }
-  });
+  run_program(*executed.program, pending, executed.sig, {run_kernel, run_matmul, [](Node& node) {
+                                                           node.value = reference_compute(node);
+                                                           ++stats().host_ops;
+                                                         }});
 }
 
 void set_kernel_observer(KernelObserver o) { observer() = std::move(o); }

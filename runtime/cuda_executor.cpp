@@ -298,22 +298,7 @@ ExecutedProgram execute_cuda(const std::vector<Node*>& pending,
 }
 
 void replay_cuda(const ExecutedProgram& executed, const std::vector<Node*>& pending) {
-  const Signature& sig = executed.sig;
-  run_program(*executed.program, pending, sig, [&](const Step& step) {
-    switch (step.kind) {
-      case FusionGroup::Kind::Alias:  // run_program shares the storage itself
-        break;
-      case FusionGroup::Kind::Kernel:
-        run_kernel(step, pending, sig);
-        break;
-      case FusionGroup::Kind::MatMul:
-        run_matmul(*sig.resolve(step.node, pending));
-        break;
-      case FusionGroup::Kind::Host:
-        run_on_host(*sig.resolve(step.node, pending));
-        break;
-    }
-  });
+  run_program(*executed.program, pending, executed.sig, {run_kernel, run_matmul, run_on_host});
 }
 
 void cuda_synchronize() {

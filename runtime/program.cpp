@@ -266,7 +266,7 @@ std::shared_ptr<const Program> ProgramCache::get(const std::vector<Node*>& pendi
 }
 
 void run_program(const Program& program, const std::vector<Node*>& pending, const Signature& sig,
-                 const std::function<void(const Step&)>& run_step) {
+                 const StepRunners& run) {
   ++execution_counters().evaluations;
   // Bytes of this evaluation's stored values alive at once, for peak_bytes.
   int64_t live = 0, peak = 0;
@@ -277,8 +277,11 @@ void run_program(const Program& program, const std::vector<Node*>& pending, cons
       // (counted again below, so peak_bytes errs high while both are alive).
       Node* node = sig.resolve(step.node, pending);
       node->value = node->inputs[0]->value;
+    } else if (step.kind == FusionGroup::Kind::Kernel) {
+      run.kernel(step, pending, sig);
     } else {
-      run_step(step);
+      Node& node = *sig.resolve(step.node, pending);
+      (step.kind == FusionGroup::Kind::MatMul ? run.matmul : run.host)(node);
     }
     live += step_output_bytes(step, pending, sig, stored_bytes);
     peak = std::max(peak, live);

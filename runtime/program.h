@@ -123,9 +123,16 @@ struct ExecutedProgram {
   std::shared_ptr<const Program> program;
 };
 
-/// Runs every step with `run_step`, drops values as the memory plan says, and records the peak
-/// of the stored values' bytes alive at once.
+/// How a back end runs the steps that are its own (run_program shares Alias storage itself).
+struct StepRunners {
+  void (*kernel)(const Step& step, const std::vector<Node*>& pending, const Signature& sig);
+  void (*matmul)(Node& node);
+  void (*host)(Node& node);  // ops without a kernel: gathers, random numbers, ...
+};
+
+/// Runs every step with `run`, drops values as the memory plan says, and records the peak of
+/// the stored values' bytes alive at once.
 void run_program(const Program& program, const std::vector<Node*>& pending, const Signature& sig,
-                 const std::function<void(const Step&)>& run_step);
+                 const StepRunners& run);
 
 }  // namespace mixtape
