@@ -4,7 +4,9 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <chrono>
 #include <cstdlib>
+#include <map>
 #include <type_traits>
 #include <unordered_set>
 
@@ -265,13 +267,74 @@ std::shared_ptr<const Program> ProgramCache::get(const std::vector<Node*>& pendi
   return program;
 }
 
+namespace {
+// MIXTAPE_LOG=profile: wall time per step, summed by what the step is, printed at exit with the
+// heaviest first, so a user can see where a training step's time goes.
+class StepProfile {
+ public:
+  static StepProfile* active() {
+    static StepProfile* profile = log_enabled("profile") ? new StepProfile : nullptr;
+    return profile;
+  }
+  void add(std::string label, double seconds) {
+    std::lock_guard lock(mutex_);
+    Entry& e = entries_[std::move(label)];
+    e.seconds += seconds;
+    ++e.count;
+  }
+  ~StepProfile() = default;
+
+ private:
+  struct Entry {
+    double seconds = 0;
+    int64_t count = 0;
+  };
+  StepProfile() {
+    std::atexit([] { active()->print(); });
+  }
+  void print() {
+    std::lock_guard lock(mutex_);
+    std::vector<std::pair<std::string, Entry>> rows(entries_.begin(), entries_.end());
+    std::sort(rows.begin(), rows.end(),
+              [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
+    double total = 0;
+    for (const auto& row : rows) total += row.second.seconds;
+    log_line("profile", "{:>10} {:>6} {:>10} {:>9}  step", "total ms", "share", "runs", "us/run");
+    for (const auto& [label, e] : rows)
+      log_line("profile", "{:>10.1f} {:>5.1f}% {:>10} {:>9.1f}  {}", e.seconds * 1e3,
+               100 * e.seconds / total, e.count, e.seconds * 1e6 / e.count, label);
+  }
+  std::mutex mutex_;
+  std::map<std::string, Entry> entries_;
+};
+
+std::string step_label(const Step& step, const std::vector<Node*>& pending, const Signature& sig) {
+  if (step.kind == FusionGroup::Kind::Kernel) {
+    const kir::Kernel& k = *step.kernel;
+    std::string kind = k.multi_tensor     ? "multi-tensor x" + std::to_string(step.segments())
+                       : k.is_reduction() ? "reduction"
+                                          : "pointwise";
+    return fmt::format("kernel {} {} {} nodes {}", kind, to_string(k.dims), step.members, k.name);
+  }
+  const Node& node = *sig.resolve(step.node, pending);
+  std::string inputs;
+  for (const NodePtr& input : node.inputs)
+    inputs += fmt::format("{}{} ", name(input->storage), to_string(input->shape));
+  return fmt::format("{} {} {}-> {}{}", step.kind == FusionGroup::Kind::MatMul ? "matmul" : "host",
+                     op_name(node.op), inputs, name(node.storage), to_string(node.shape));
+}
+}  // namespace
+
 void run_program(const Program& program, const std::vector<Node*>& pending, const Signature& sig,
                  const StepRunners& run) {
   ++execution_counters().evaluations;
+  StepProfile* profile = StepProfile::active();
   // Bytes of this evaluation's stored values alive at once, for peak_bytes.
   int64_t live = 0, peak = 0;
   for (size_t i = 0; i < program.steps.size(); ++i) {
     const Step& step = program.steps[i];
+    auto start =
+        profile ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
     if (step.kind == FusionGroup::Kind::Alias) {
       // Every back end stores values flat and row-major: a reshape shares its input's storage
       // (counted again below, so peak_bytes errs high while both are alive).
@@ -283,6 +346,9 @@ void run_program(const Program& program, const std::vector<Node*>& pending, cons
       Node& node = *sig.resolve(step.node, pending);
       (step.kind == FusionGroup::Kind::MatMul ? run.matmul : run.host)(node);
     }
+    if (profile && step.kind != FusionGroup::Kind::Alias)
+      profile->add(step_label(step, pending, sig),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     live += step_output_bytes(step, pending, sig, stored_bytes);
     peak = std::max(peak, live);
     for (NodeRef ref : program.release_after[i]) {

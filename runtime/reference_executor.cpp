@@ -225,15 +225,28 @@ StoragePtr ref_Unslice(const Node& node) {
   StoragePtr converted = input_as_storage(node, 0);
   const Storage& in = *converted;
   const Shape& window = node.inputs[0]->shape;
-  std::vector<int64_t> out_strides = strides_of(node.shape);
   size_t bytes = size_of(node.storage);
+  if (window.empty()) {  // a 0-d slice is its only element
+    std::memcpy(out->host_data(), in.host_data(), bytes);
+    return out;
+  }
+  if (in.count == 0) return out;
+  std::vector<int64_t> out_strides = strides_of(node.shape);
+  // The window's last dim is copied a run at a time: one memcpy where its step is 1.
+  size_t last = window.size() - 1;
+  int64_t run = window[last], step = node.attrs.steps[last] * out_strides[last];
   std::vector<int64_t> index(window.size(), 0);
-  for (int64_t i = 0; i < in.count; ++i) {
+  for (int64_t i = 0; i < in.count; i += run) {
     int64_t offset = 0;
     for (size_t d = 0; d < window.size(); ++d)
       offset += (node.attrs.starts[d] + index[d] * node.attrs.steps[d]) * out_strides[d];
-    std::memcpy(out->host_data() + offset * bytes, in.host_data() + i * bytes, bytes);
-    for (size_t d = window.size(); d-- > 0;) {
+    std::byte* to = out->host_data() + offset * bytes;
+    const std::byte* from = in.host_data() + i * bytes;
+    if (step == 1)
+      std::memcpy(to, from, run * bytes);
+    else
+      for (int64_t j = 0; j < run; ++j) std::memcpy(to + j * step * bytes, from + j * bytes, bytes);
+    for (size_t d = last; d-- > 0;) {
       if (++index[d] < window[d]) break;
       index[d] = 0;
     }
