@@ -79,6 +79,17 @@ static __device__ __forceinline__ long long mt_mul_i64(long long a, long long b)
 static __device__ __forceinline__ long long mt_wrap_i32(long long a) {
   return static_cast<int>(static_cast<unsigned>(static_cast<unsigned long long>(a)));
 }
+// a * 2^b for an integer-valued b, as two exact power-of-two factors (emit_llvm: Ldexp).
+static __device__ __forceinline__ float mt_ldexp_f32(float a, float b) {
+  int k = static_cast<int>(b), half = k >> 1;
+  return __fmul_rn(__fmul_rn(a, __int_as_float((half + 127) << 23)),
+                   __int_as_float((k - half + 127) << 23));
+}
+static __device__ __forceinline__ double mt_ldexp_f64(double a, double b) {
+  long long k = static_cast<long long>(b), half = k >> 1;
+  return __dmul_rn(__dmul_rn(a, __longlong_as_double((half + 1023) << 52)),
+                   __longlong_as_double((k - half + 1023) << 52));
+}
 // NaN-propagating max, one element after another (emit_llvm's accumulate): a NaN wins, and
 // nothing replaces a NaN but a later NaN.
 template <typename T>
@@ -517,6 +528,9 @@ class Emitter {
       }
       case Op::Pow:
         return fmt::format("pow{}({}, {})", f32 ? "f" : "", a, b);
+      case Op::Ldexp:  // math::ldexp, with the same two exact factors
+        return f32 ? fmt::format("mt_ldexp_f32({}, {})", a, b)
+                   : fmt::format("mt_ldexp_f64({}, {})", a, b);
       case Op::Convert:
         return convert(a, ta, v.type);
       case Op::RoundTo:

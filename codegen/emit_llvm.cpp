@@ -647,6 +647,26 @@ class Emitter {
         line("{} = {}", r,
              call("pow", v.type, fmt::format("{} {}, {} {}", t, operand(v.a), t, operand(v.b))));
         return r;
+      case Op::Ldexp: {
+        // math::ldexp: two exact power-of-two factors built from exponent bits, so that a
+        // result that overflows or is subnormal rounds once, at the second product.
+        const bool f32 = v.type == Type::f32;
+        const char* it = f32 ? "i32" : "i64";
+        std::string k = tmp(), half = tmp(), rest = tmp(), product = tmp();
+        line("{} = fptosi {} {} to {}", k, t, operand(v.b), it);
+        line("{} = ashr {} {}, 1", half, it, k);
+        line("{} = sub {} {}, {}", rest, it, k, half);
+        std::string scaled = operand(v.a);
+        for (const std::string& e : {half, rest}) {
+          std::string biased = tmp(), bits = tmp(), factor = tmp(), next = tmp();
+          line("{} = add {} {}, {}", biased, it, e, f32 ? 127 : 1023);
+          line("{} = shl {} {}, {}", bits, it, biased, f32 ? 23 : 52);
+          line("{} = bitcast {} {} to {}", factor, it, bits, t);
+          line("{} = fmul {} {}, {}", next, t, scaled, factor);
+          scaled = next;
+        }
+        return scaled;
+      }
       case Op::Convert:
         return convert(operand(v.a), operand_type(v.a), v.type);
       case Op::RoundTo:

@@ -43,10 +43,11 @@ bool Kernel::column_reduction() const {
 }
 
 const char* op_name(Op op) {
-  static const char* names[] = {
-      "const", "load", "neg", "add", "sub",     "mul",      "div",         "lt",    "le",   "gt",
-      "ge",    "eq",   "ne",  "or",  "select",  "isnan",    "exp",         "log",   "sqrt", "tanh",
-      "erf",   "sin",  "cos", "pow", "convert", "round_to", "accumulated", "scalar"};
+  static const char* names[] = {"const", "load",    "neg",      "add",         "sub",   "mul",
+                                "div",   "lt",      "le",       "gt",          "ge",    "eq",
+                                "ne",    "or",      "select",   "isnan",       "exp",   "log",
+                                "sqrt",  "tanh",    "erf",      "sin",         "cos",   "pow",
+                                "ldexp", "convert", "round_to", "accumulated", "scalar"};
   return names[static_cast<int>(op)];
 }
 

@@ -40,6 +40,7 @@ enum class Op : uint8_t {
   Sin,
   Cos,
   Pow,
+  Ldexp,        // a * 2^b for an integer-valued b (math::ldexp: f32 b in [-252, 254])
   Convert,      // a to `type` (C conversion rules: float->int truncates, ->i1 is != 0)
   RoundTo,      // a (f32 or f64) rounded RNE to `dtype` and back: a value stored as `dtype`
   Accumulated,  // the final value of reduction `param` (epilogue, or a later pass's body)

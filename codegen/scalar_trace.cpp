@@ -49,6 +49,24 @@ Sym operator||(Sym a, Sym b) {
   return Sym(builder().binary(Op::Or, Type::i1, a.id, b.id), Type::i1, 0);
 }
 
+Sym select(Sym condition, Sym if_true, Sym if_false) {
+  if (condition.type != Type::i1 || if_true.type != if_false.type)
+    fail("kernel trace: select of mismatched register types");
+  return Sym(builder().select(condition.id, if_true.id, if_false.id), if_true.type, 0);
+}
+
+Sym is_nan(Sym a) {
+  if (a.type == Type::i64 || a.type == Type::i1)  // never NaN
+    return Sym(builder().constant(Type::i1, 0), Type::i1, 0);
+  return Sym(builder().unary(Op::IsNan, Type::i1, a.id), Type::i1, 0);
+}
+
+Sym ldexp(Sym a, Sym b) {
+  if (a.type != b.type || (a.type != Type::f32 && a.type != Type::f64))
+    fail("kernel trace: ldexp needs float operands of one type");
+  return arith(Op::Ldexp, a, b);
+}
+
 }  // namespace mixtape::kir
 
 namespace mixtape::math {
@@ -56,35 +74,29 @@ namespace mixtape::math {
 using kir::Op;
 using kir::Type;
 
-Sym select(Sym condition, Sym if_true, Sym if_false) {
-  if (condition.type != Type::i1 || if_true.type != if_false.type)
-    fail("kernel trace: select of mismatched register types");
-  return Sym(kir::trace_context().builder->select(condition.id, if_true.id, if_false.id),
-             if_true.type, 0);
+namespace {
+// Runs one of scalar_math.h's float templates on f32 registers: its literals become f32
+// constants, whatever the expression being traced uses.
+template <typename Steps>
+Sym f32_steps(Steps steps) {
+  kir::TraceContext& context = kir::trace_context();
+  Type saved = context.literal_type;
+  context.literal_type = Type::f32;
+  Sym result = steps();
+  context.literal_type = saved;
+  return result;
 }
+}  // namespace
 
-Sym is_nan(Sym a) {
-  if (a.type == Type::i64 || a.type == Type::i1)  // never NaN
-    return Sym(kir::trace_context().builder->constant(Type::i1, 0), Type::i1, 0);
-  return Sym(kir::trace_context().builder->unary(Op::IsNan, Type::i1, a.id), Type::i1, 0);
+Sym exp(Sym a) {
+  if (a.type != Type::f32) return kir::float_call(Op::Exp, a);
+  return f32_steps([a] { return exp_steps(a); });
 }
-
-Sym exp(Sym a) { return kir::float_call(Op::Exp, a); }
 Sym log(Sym a) { return kir::float_call(Op::Log, a); }
 Sym sqrt(Sym a) { return kir::float_call(Op::Sqrt, a); }
 Sym tanh(Sym a) {
   if (a.type != Type::f32) return kir::float_call(Op::Tanh, a);
-  // The rational function of dsl/scalar_math.h's tanh(float), step for step.
-  kir::TraceContext& context = kir::trace_context();
-  Type saved = context.literal_type;
-  context.literal_type = Type::f32;
-  Sym limit(tanh_limit);
-  Sym x = select(a > limit, limit, select(a < -limit, -limit, a));
-  Sym s = x * x, p(tanh_p[0]), q(tanh_q[0]);
-  for (int i = 1; i < 5; ++i) p = p * s + Sym(tanh_p[i]);
-  for (int i = 1; i < 5; ++i) q = q * s + Sym(tanh_q[i]);
-  context.literal_type = saved;
-  return x * p / q;
+  return f32_steps([a] { return tanh_steps(a); });
 }
 Sym erf(Sym a) { return kir::float_call(Op::Erf, a); }
 Sym sin(Sym a) { return kir::float_call(Op::Sin, a); }

@@ -84,13 +84,19 @@ Sym operator>=(Sym a, Sym b);
 Sym operator==(Sym a, Sym b);
 Sym operator!=(Sym a, Sym b);
 Sym operator||(Sym a, Sym b);
+// Here rather than in math so that argument-dependent lookup finds them from scalar_math.h's
+// templates (exp_steps, tanh_steps), which are defined before this header.
+Sym select(Sym condition, Sym if_true, Sym if_false);
+Sym is_nan(Sym a);
+Sym ldexp(Sym a, Sym b);
 
 }  // namespace mixtape::kir
 
 namespace mixtape::math {
+using kir::is_nan;
+using kir::ldexp;
+using kir::select;
 using kir::Sym;
-Sym select(Sym condition, Sym if_true, Sym if_false);
-Sym is_nan(Sym a);
 Sym exp(Sym a);
 Sym log(Sym a);
 Sym sqrt(Sym a);

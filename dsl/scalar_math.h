@@ -1,6 +1,7 @@
 // dsl/scalar_math.h -- the scalar functions the REF expressions of ops.def are written in.
 #pragma once
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 
@@ -24,31 +25,76 @@ inline bool is_nan(int64_t) { return false; }
   inline float fn(float a) { return std::fn(a); }   \
   inline double fn(double a) { return std::fn(a); } \
   inline double fn(int64_t a) { return std::fn(static_cast<double>(a)); }
-MT_SCALAR_MATH(exp)
 MT_SCALAR_MATH(log)
 MT_SCALAR_MATH(sqrt)
 MT_SCALAR_MATH(erf)
 MT_SCALAR_MATH(sin)
 MT_SCALAR_MATH(cos)
 #undef MT_SCALAR_MATH
-// tanh in float is a rational function of x, with |x| clamped to 9.1 (where tanh rounds to 1):
-// tanh(x) = x P(x^2) / Q(x^2). It is only arithmetic, so generated kernels vectorize it (libm's
-// tanhf does not), and codegen/scalar_trace.cpp traces the same steps in the same order, so the
-// reference executor and every back end agree bit for bit. At most 7 ulp from the true value
-// (glibc's tanhf: 1), at most 1 ulp on average; fitted for mixtape by weighted least squares on
-// the relative error. Coefficients are highest power first, as Horner's rule uses them.
+
+/// a * 2^b for an integer-valued b in [-252, 254] (f64: [-2044, 2046]), as two exact powers of
+/// two built from exponent bits: a result that overflows or is subnormal rounds once, at the
+/// second product. kir::Op::Ldexp, which the emitters print with the same steps.
+inline float ldexp(float a, float b) {
+  int32_t k = static_cast<int32_t>(b), half = k >> 1;
+  return a * std::bit_cast<float>((half + 127) << 23) *
+         std::bit_cast<float>((k - half + 127) << 23);
+}
+inline double ldexp(double a, double b) {
+  int64_t k = static_cast<int64_t>(b), half = k >> 1;
+  return a * std::bit_cast<double>((half + 1023) << 52) *
+         std::bit_cast<double>((k - half + 1023) << 52);
+}
+
+// exp and tanh in float are written as arithmetic, select and ldexp only, as templates over the
+// scalar type: the reference executor runs them on float, and codegen/scalar_trace.cpp runs the
+// very same steps on its symbolic scalar to print kernel code. So every back end agrees with the
+// reference bit for bit, and generated kernels vectorize them (libm's expf and tanhf do not).
+// Literals are written F(...) so that both types take them.
+
+// exp(a) = 2^n e^r with n = round(a / ln 2) and |r| <= ln(2)/2, e^r by Cephes' expf polynomial,
+// ln 2 split in two so that n * ln2_hi is exact. Under 1 ulp from the true value (0.96 at worst
+// on every 97th float, tests/test_scalar_math.cpp; glibc's expf: 0.5). Inputs are clamped to
+// where exp rounds to inf or 0.
+inline constexpr float exp_high = 88.8f, exp_low = -104.0f;
+inline constexpr float exp_p[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                  4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+template <typename F>
+F exp_steps(F a) {
+  F x = select(a > F(exp_high), F(exp_high), select(a < F(exp_low), F(exp_low), a));
+  x = select(is_nan(a), F(0.0f), x);  // a NaN must not reach ldexp's integer conversion
+  // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer.
+  F n = (x * F(1.44269504088896341f) + F(12582912.0f)) - F(12582912.0f);
+  F r = (x - n * F(0.693359375f)) - n * F(-2.12194440e-4f);
+  F p = F(exp_p[0]);
+  for (int i = 1; i < 6; ++i) p = p * r + F(exp_p[i]);
+  F y = (p * (r * r) + r) + F(1.0f);
+  return select(is_nan(a), a, ldexp(y, n));
+}
+
+// tanh(x) = x P(x^2) / Q(x^2) with |x| clamped to 9.1 (where tanh rounds to 1). At most 7 ulp
+// from the true value (glibc's tanhf: 1), at most 1 ulp on average; fitted for mixtape by
+// weighted least squares on the relative error. Coefficients are highest power first, as
+// Horner's rule uses them.
 inline constexpr float tanh_limit = 9.1f;
 inline constexpr float tanh_p[] = {1.357146395264408e-08f, 2.077439785352908e-05f,
                                    0.0035060143563896418f, 0.13389933109283447f, 1.0f};
 inline constexpr float tanh_q[] = {7.867919862292183e-07f, 0.00033024183358065784f,
                                    0.025917043909430504f, 0.4672325551509857f, 1.0f};
-inline float tanh(float a) {
-  float x = a > tanh_limit ? tanh_limit : (a < -tanh_limit ? -tanh_limit : a);
-  float s = x * x, p = tanh_p[0], q = tanh_q[0];
-  for (int i = 1; i < 5; ++i) p = p * s + tanh_p[i];
-  for (int i = 1; i < 5; ++i) q = q * s + tanh_q[i];
+template <typename F>
+F tanh_steps(F a) {
+  F limit = F(tanh_limit);
+  F x = select(a > limit, limit, select(a < -limit, -limit, a));
+  F s = x * x, p = F(tanh_p[0]), q = F(tanh_q[0]);
+  for (int i = 1; i < 5; ++i) p = p * s + F(tanh_p[i]);
+  for (int i = 1; i < 5; ++i) q = q * s + F(tanh_q[i]);
   return x * p / q;
 }
+
+inline float exp(float a) { return exp_steps(a); }
+inline double exp(double a) { return std::exp(a); }
+inline double exp(int64_t a) { return std::exp(static_cast<double>(a)); }
+inline float tanh(float a) { return tanh_steps(a); }
 inline double tanh(double a) { return std::tanh(a); }
 inline double tanh(int64_t a) { return std::tanh(static_cast<double>(a)); }
 inline float pow(float a, float b) { return std::pow(a, b); }
