@@ -101,7 +101,7 @@ class Emitter {
     }
     line("%o.addr = alloca i64");
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
-      const char* t = llvm_type(k_.reductions[r].type);
+      const char* t = acc_type(k_.reductions[r]);
       if (column)
         line("%acc{}.addr = alloca {}, i64 {}", r, t, k_.dims[column_dim]);
       else
@@ -141,11 +141,8 @@ class Emitter {
           column_loop(column_dim, [&] {
             point_accumulators(column_dim);
             for (size_t r = 0; r < k_.reductions.size(); ++r)
-              if (k_.reductions[r].pass < pass) {  // final: read by this pass
-                acc_value_[r] = tmp();
-                line("{} = load {}, ptr {}", acc_value_[r], llvm_type(k_.reductions[r].type),
-                     acc_ptr_[r]);
-              }
+              if (k_.reductions[r].pass < pass)  // final: read by this pass
+                acc_value_[r] = load_final(r);
             values(k_.pass_body(pass), prefix.c_str());
             stores(k_.pass_stores(pass));
             accumulate(pass);
@@ -154,11 +151,7 @@ class Emitter {
       }
       column_loop(column_dim, [&] {
         point_accumulators(column_dim);
-        for (size_t r = 0; r < k_.reductions.size(); ++r) {
-          acc_value_[r] = tmp();
-          line("{} = load {}, ptr {}", acc_value_[r], llvm_type(k_.reductions[r].type),
-               acc_ptr_[r]);
-        }
+        for (size_t r = 0; r < k_.reductions.size(); ++r) acc_value_[r] = load_final(r);
         values(k_.epilogue, "e");
         stores(k_.epilogue_stores);
       });
@@ -174,8 +167,7 @@ class Emitter {
           accumulate(pass);
         });
         for (size_t r = 0; r < k_.reductions.size(); ++r)
-          if (k_.reductions[r].pass == pass)
-            line("%acc{} = load {}, ptr %acc{}.addr", r, llvm_type(k_.reductions[r].type), r);
+          if (k_.reductions[r].pass == pass) acc_value_[r] = load_final(r);
       }
       values(k_.epilogue, "e");
       stores(k_.epilogue_stores);
@@ -281,12 +273,57 @@ class Emitter {
       std::string init_text;
       if (red.kind == kir::ReduceKind::Sum)
         init_text = constant(red.type, 0.0);
-      else if (is_float(red.type))
-        init_text = "0xFFF0000000000000";  // -inf
+      else if (red.type == Type::f32)
+        init_text = "-2139095041";  // the order key of -inf
+      else if (red.type == Type::f64)
+        init_text = "-9218868437227405313";
       else
         init_text = "-9223372036854775808";
-      line("store {} {}, ptr {}", llvm_type(red.type), init_text, acc_ptr_[r]);
+      line("store {} {}, ptr {}", acc_type(red), init_text, acc_ptr_[r]);
     }
+  }
+
+  // What a reduction's accumulator holds: float maxima are kept as order keys.
+  static const char* acc_type(const kir::Reduction& red) {
+    if (red.kind == kir::ReduceKind::Max && is_float(red.type))
+      return red.type == Type::f32 ? "i32" : "i64";
+    return llvm_type(red.type);
+  }
+
+  // The float's bits with all but the sign flipped when it is negative, so that signed integer
+  // order is ref_Max's order (-0 below +0), and every NaN the largest key.
+  std::string order_key(Type type, const std::string& x) {
+    const bool f32 = type == Type::f32;
+    const char* it = f32 ? "i32" : "i64";
+    std::string bits = tmp(), sign = tmp(), mask = tmp(), key = tmp(), nan = tmp(), out = tmp();
+    line("{} = bitcast {} {} to {}", bits, llvm_type(type), x, it);
+    line("{} = ashr {} {}, {}", sign, it, bits, f32 ? 31 : 63);
+    line("{} = lshr {} {}, 1", mask, it, sign);
+    line("{} = xor {} {}, {}", key, it, bits, mask);
+    line("{} = fcmp uno {} {}, {}", nan, llvm_type(type), x, x);
+    line("{} = select i1 {}, {} {}, {} {}", out, nan, it,
+         f32 ? "2147483647" : "9223372036854775807", it, key);
+    return out;
+  }
+
+  // Reduction r's final value, as a register of its type: a float max's key decoded (the key
+  // map is its own inverse), the largest key being the quiet NaN.
+  std::string load_final(size_t r) {
+    const kir::Reduction& red = k_.reductions[r];
+    std::string acc = tmp();
+    line("{} = load {}, ptr {}", acc, acc_type(red), acc_ptr_[r]);
+    if (red.kind != kir::ReduceKind::Max || !is_float(red.type)) return acc;
+    const bool f32 = red.type == Type::f32;
+    const char* it = f32 ? "i32" : "i64";
+    const char* t = llvm_type(red.type);
+    std::string sign = tmp(), mask = tmp(), bits = tmp(), value = tmp(), nan = tmp(), out = tmp();
+    line("{} = ashr {} {}, {}", sign, it, acc, f32 ? 31 : 63);
+    line("{} = lshr {} {}, 1", mask, it, sign);
+    line("{} = xor {} {}, {}", bits, it, acc, mask);
+    line("{} = bitcast {} {} to {}", value, it, bits, t);
+    line("{} = icmp eq {} {}, {}", nan, it, acc, f32 ? "2147483647" : "9223372036854775807");
+    line("{} = select i1 {}, {} {}, {} {}", out, nan, t, "0x7FF8000000000000", t, value);
+    return out;
   }
 
   // Column reductions: the accumulators of the current point of dim d.
@@ -294,7 +331,7 @@ class Emitter {
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
       acc_ptr_[r] = tmp();
       line("{} = getelementptr inbounds {}, ptr %acc{}.addr, i64 {}", acc_ptr_[r],
-           llvm_type(k_.reductions[r].type), r, var_[d]);
+           acc_type(k_.reductions[r]), r, var_[d]);
     }
   }
 
@@ -685,7 +722,7 @@ class Emitter {
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
       const kir::Reduction& red = k_.reductions[r];
       if (red.pass != pass) continue;
-      const char* t = llvm_type(red.type);
+      const char* t = acc_type(red);
       std::string acc = tmp(), next = tmp();
       std::string x = names_[red.value];
       line("{} = load {}, ptr {}", acc, t, acc_ptr_[r]);
@@ -703,21 +740,13 @@ class Emitter {
           // reduction does; results differ from a sequential sum within rounding.
           line("{} = fadd reassoc {} {}, {}", next, t, acc, x);
         }
-      } else if (is_float(red.type)) {
-        // NaN-propagating: a NaN wins, and nothing replaces a NaN.
-        std::string x_nan = tmp(), acc_nan = tmp(), gt = tmp(), keep = tmp(), take_gt = tmp(),
-                    take = tmp();
-        line("{} = fcmp uno {} {}, {}", x_nan, t, x, x);
-        line("{} = fcmp uno {} {}, {}", acc_nan, t, acc, acc);
-        line("{} = fcmp ogt {} {}, {}", gt, t, x, acc);
-        line("{} = xor i1 {}, true", keep, acc_nan);
-        line("{} = and i1 {}, {}", take_gt, keep, gt);
-        line("{} = or i1 {}, {}", take, x_nan, take_gt);
-        line("{} = select i1 {}, {} {}, {} {}", next, take, t, x, t, acc);
       } else {
+        // Floats compare by order key (the total order of reference_executor.cpp's ref_Max):
+        // a signed integer max, which vectorizes where a NaN-propagating float max does not.
+        std::string key = is_float(red.type) ? order_key(red.type, x) : x;
         std::string gt = tmp();
-        line("{} = icmp sgt i64 {}, {}", gt, x, acc);
-        line("{} = select i1 {}, i64 {}, i64 {}", next, gt, x, acc);
+        line("{} = icmp sgt {} {}, {}", gt, t, key, acc);
+        line("{} = select i1 {}, {} {}, {} {}", next, gt, t, key, t, acc);
       }
       line("store {} {}, ptr {}", t, next, acc_ptr_[r]);
     }

@@ -346,9 +346,21 @@ StoragePtr ref_Max(const Node& node) {
     std::vector<T> best(static_cast<size_t>(out->count), std::numeric_limits<T>::lowest());
     if constexpr (std::is_floating_point_v<T>)
       std::fill(best.begin(), best.end(), -std::numeric_limits<T>::infinity());
+    // Floats: the maximum in the order -inf < ... < -0 < +0 < ... < +inf, whatever order the
+    // elements come in, and the quiet NaN if any element is NaN. The compiled back end reduces
+    // by integer keys of that order, which vectorizes, and agrees bit for bit.
     for (size_t i = 0; i < in.size(); ++i) {
       T& b = best[targets[i]];
-      if (is_nan(in[i]) || (!is_nan(b) && in[i] > b)) b = in[i];
+      T x = in[i];
+      if (is_nan(b)) continue;
+      if constexpr (std::is_floating_point_v<T>) {
+        if (is_nan(x))
+          b = std::numeric_limits<T>::quiet_NaN();
+        else if (x > b || (x == b && std::signbit(b) && !std::signbit(x)))
+          b = x;
+      } else if (x > b) {
+        b = x;
+      }
     }
     for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, best[i]);
   });

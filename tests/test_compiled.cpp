@@ -432,6 +432,32 @@ TEST(Compiled, AReshapeOfAStoredValueSharesItsBuffer) {
   mt::set_device(mt::Device::reference);
 }
 
+TEST(Compiled, FloatMaxOrdersSignedZerosAndPropagatesNan) {
+  // Max reductions run on integer order keys in the compiled kernels (so that they vectorize);
+  // the reference defines the same order: -0 below +0 in either position, any NaN gives the
+  // quiet NaN. Rows (last axis) and columns (axis 0, a column reduction) of every case.
+  const float inf = INFINITY, nan = NAN;
+  std::vector<float> rows = {-0.0f, 0.0f,  -1.0f, -2.0f,  0.0f, -0.0f, -3.0f, -5.0f,
+                             -inf,  -inf,  -inf,  -inf,   1.0f, nan,   7.0f,  -nan,
+                             -7.5f, -2.5f, -9.0f, -2.25f, inf,  3.0f,  -0.0f, 1e-40f};
+  for (mt::DType dtype : {mt::f32, mt::bf16, mt::f64})
+    for (int64_t axis : {1, 0}) {
+      auto program = [&] { return mt::max(mt::tensor(rows, {6, 4}, dtype), {axis}); };
+      auto [reference, compiled] = both(program);
+      EXPECT_EQ(reference, compiled) << mt::name(dtype) << " axis " << axis;
+    }
+  mt::Device previous = mt::current_device();
+  mt::set_device(mt::Device::cpu);
+  std::vector<float> got = mt::max(mt::tensor(rows, {6, 4}), {1}).to_vector<float>();
+  mt::set_device(previous);
+  EXPECT_FALSE(std::signbit(got[0]));
+  EXPECT_FALSE(std::signbit(got[1]));
+  EXPECT_EQ(got[2], -inf);
+  EXPECT_TRUE(std::isnan(got[3]));
+  EXPECT_EQ(got[4], -2.25f);
+  EXPECT_EQ(got[5], inf);
+}
+
 TEST(Compiled, EmittedLlvmIrForABf16ChainIsStable) {
   // A golden check of the emitter's output for a small mixed-precision group: bf16 storage is
   // converted with integer operations, exp is inline arithmetic (scalar_math.h's exp_steps, its
