@@ -61,15 +61,19 @@ inline constexpr float exp_p[] = {1.9875691500e-4f, 1.3981999507e-3f, 8.33345190
                                   4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
 template <typename F>
 F exp_steps(F a) {
-  F x = select(a > F(exp_high), F(exp_high), select(a < F(exp_low), F(exp_low), a));
-  x = select(is_nan(a), F(0.0f), x);  // a NaN must not reach ldexp's integer conversion
+  // Below exp_low the result is 0: those lanes compute exp(0) instead, because a product that
+  // underflows to a subnormal or zero costs a microcode assist on x86, and masked attention
+  // scores (-inf) are half of a causal softmax. A NaN must not reach ldexp's integer conversion.
+  auto underflow = a < F(exp_low);
+  F x = select(a > F(exp_high), F(exp_high), a);
+  x = select(underflow || is_nan(a), F(0.0f), x);
   // Adding and subtracting 1.5 * 2^23 rounds to the nearest integer.
   F n = (x * F(1.44269504088896341f) + F(12582912.0f)) - F(12582912.0f);
   F r = (x - n * F(0.693359375f)) - n * F(-2.12194440e-4f);
   F p = F(exp_p[0]);
   for (int i = 1; i < 6; ++i) p = p * r + F(exp_p[i]);
   F y = (p * (r * r) + r) + F(1.0f);
-  return select(is_nan(a), a, ldexp(y, n));
+  return select(underflow, F(0.0f), select(is_nan(a), a, ldexp(y, n)));
 }
 
 // tanh(x) = x P(x^2) / Q(x^2) with |x| clamped to 9.1 (where tanh rounds to 1). At most 7 ulp

@@ -60,7 +60,9 @@ uintptr_t register_kernel(const kir::Kernel& kernel) {
   if (added) {
     it->second = std::make_unique<KernelCell>();
     if (log_enabled("kernels")) log_line("kernels", "{}", kir::to_string(kernel));
-    unloaded().push_back({it->second.get(), {kernel.name, emit_llvm(kernel)}});
+    std::string ir = emit_llvm(kernel);
+    if (log_enabled("llvm")) log_line("llvm", "{}", ir);
+    unloaded().push_back({it->second.get(), {kernel.name, std::move(ir)}});
   }
   return reinterpret_cast<uintptr_t>(it->second.get());
 }
