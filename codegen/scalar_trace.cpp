@@ -98,7 +98,10 @@ Sym tanh(Sym a) {
   if (a.type != Type::f32) return kir::float_call(Op::Tanh, a);
   return f32_steps([a] { return tanh_steps(a); });
 }
-Sym erf(Sym a) { return kir::float_call(Op::Erf, a); }
+Sym erf(Sym a) {
+  if (a.type != Type::f32) return kir::float_call(Op::Erf, a);
+  return f32_steps([a] { return erf_steps(a); });
+}
 Sym sin(Sym a) { return kir::float_call(Op::Sin, a); }
 Sym cos(Sym a) { return kir::float_call(Op::Cos, a); }
 Sym pow(Sym a, Sym b) {

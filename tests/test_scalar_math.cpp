@@ -1,5 +1,5 @@
-// tests/test_scalar_math.cpp -- dsl/scalar_math.h's float exp, tanh and ldexp against f64 libm,
-// and the compiled CPU kernels against them bit for bit.
+// tests/test_scalar_math.cpp -- dsl/scalar_math.h's float exp, tanh, erf and ldexp against f64
+// libm, and the compiled CPU kernels against them bit for bit.
 #include <gtest/gtest.h>
 
 #include <bit>
@@ -96,6 +96,22 @@ TEST(ScalarMath, TanhIsWithinSevenUlp) {
   EXPECT_EQ(mt::math::tanh(-std::numeric_limits<float>::infinity()), -1.0f);
 }
 
+TEST(ScalarMath, ErfIsWithinThreeUlp) {
+  // Both pieces and the switch between them (0.875), up to beyond where erf rounds to 1.
+  ErrorSweep s = sweep(
+      0x1p-30f, 6.0f, 97, [](float x) { return mt::math::erf(x); },
+      [](double x) { return std::erf(x); });
+  std::printf("erf: max %.3f ulp at %a, mean %.3f ulp over %lld inputs\n", s.max, s.worst_input,
+              s.sum / s.count, static_cast<long long>(s.count));
+  EXPECT_LE(s.max, 3.0) << "worst at " << s.worst_input;
+  EXPECT_LE(s.sum / s.count, 0.75);
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(mt::math::erf(inf), 1.0f);
+  EXPECT_EQ(mt::math::erf(-inf), -1.0f);
+  EXPECT_TRUE(std::signbit(mt::math::erf(-0.0f)));
+  EXPECT_TRUE(std::isnan(mt::math::erf(std::numeric_limits<float>::quiet_NaN())));
+}
+
 TEST(ScalarMath, LdexpScalesExactlyAndRoundsOnce) {
   EXPECT_EQ(mt::math::ldexp(1.5f, 10.0f), 1536.0f);
   EXPECT_EQ(mt::math::ldexp(1.5f, -130.0f), 1.5f * 0x1p-130f);  // subnormal, exact
@@ -118,13 +134,17 @@ TEST(ScalarMath, CompiledKernelsEqualTheReferenceBitForBit) {
   mt::Device before = mt::current_device();
   mt::set_device(mt::Device::cpu);
   mt::Tensor input = mt::tensor(x, {static_cast<int64_t>(x.size())});
-  std::vector<float> e = mt::exp(input).to_vector<float>(), t = mt::tanh(input).to_vector<float>();
+  std::vector<float> e = mt::exp(input).to_vector<float>(), t = mt::tanh(input).to_vector<float>(),
+                     r = mt::erf(input * 0.05).to_vector<float>();
   mt::set_device(before);
   for (size_t i = 0; i < x.size(); ++i) {
     EXPECT_EQ(std::bit_cast<uint32_t>(e[i]), std::bit_cast<uint32_t>(mt::math::exp(x[i])))
         << "exp(" << x[i] << ")";
     EXPECT_EQ(std::bit_cast<uint32_t>(t[i]), std::bit_cast<uint32_t>(mt::math::tanh(x[i])))
         << "tanh(" << x[i] << ")";
+    float scaled = x[i] * 0.05f;
+    EXPECT_EQ(std::bit_cast<uint32_t>(r[i]), std::bit_cast<uint32_t>(mt::math::erf(scaled)))
+        << "erf(" << scaled << ")";
   }
 }
 
