@@ -30,30 +30,20 @@ inline std::array<uint32_t, 4> philox4x32(uint64_t counter_lo, uint64_t counter_
   return {c0, c1, c2, c3};
 }
 
-/// Element `index` of the uniform [0, 1) stream (seed, offset), with 24 random bits so every
-/// value is exact in f32 and below 1 after rounding.
+/// Element `index` of the uniform [0, 1) stream (seed, offset) of f64 tensors, with 24 random
+/// bits. (f32, f16 and bf16 tensors draw four elements per counter: runtime/random_fill.h.)
 inline double philox_uniform(uint64_t seed, uint64_t offset, uint64_t index) {
   auto w = philox4x32(offset + index, 0, seed);
   return static_cast<double>(w[0] >> 8) * 0x1.0p-24;
 }
 
-/// Element `index` of the standard normal stream (seed, offset), by Box-Muller on two words,
-/// in f64 (for f64 tensors).
+/// Element `index` of the standard normal stream (seed, offset) of f64 tensors, by Box-Muller
+/// on two words.
 inline double philox_normal(uint64_t seed, uint64_t offset, uint64_t index) {
   auto w = philox4x32(offset + index, 0, seed);
   double u1 = (static_cast<double>(w[0] >> 8) + 1.0) * 0x1.0p-24;  // (0, 1]: log stays finite
   double u2 = static_cast<double>(w[1] >> 8) * 0x1.0p-24;
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
-}
-
-/// The same stream for tensors of 32 bits or fewer, in f32 arithmetic as PyTorch's CPU randn:
-/// the f32 logarithm and cosine cost a third of the f64 ones (a batch's noise was a third of a
-/// small training step), and f64 precision would be rounded away.
-inline float philox_normal_f32(uint64_t seed, uint64_t offset, uint64_t index) {
-  auto w = philox4x32(offset + index, 0, seed);
-  float u1 = (static_cast<float>(w[0] >> 8) + 1.0f) * 0x1.0p-24f;  // (0, 1]: log stays finite
-  float u2 = static_cast<float>(w[1] >> 8) * 0x1.0p-24f;
-  return std::sqrt(-2.0f * std::log(u1)) * std::cos(6.2831853f * u2);
 }
 
 }  // namespace mixtape

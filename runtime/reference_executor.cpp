@@ -12,6 +12,7 @@
 #include "dsl/ops.h"
 #include "dsl/random.h"
 #include "dsl/scalar_math.h"
+#include "runtime/random_fill.h"
 
 namespace mixtape {
 namespace {
@@ -145,30 +146,34 @@ StoragePtr ref_Arange(const Node& node) {
   return out;
 }
 
-// Random streams are counter-based, so elements are independent: large draws (a batch's noise,
-// a dropout mask; ~40 ns an element) are split across threads with identical results.
+// Random streams are counter-based, so elements are independent: large f64 draws (~40 ns an
+// element) are split across threads with identical results. f32, f16 and bf16 draws take
+// runtime/random_fill.h's vectorized streams, which split large draws themselves.
 constexpr int64_t kParallelDraws = 2048;
 
 StoragePtr ref_RandUniform(const Node& node) {
+  if (has_random_fill(node.storage)) {
+    auto out = std::make_shared<Storage>(node.storage, node.numel(), Storage::Uninitialized{});
+    fill_uniform(*out, node.attrs.seed, node.attrs.offset);
+    return out;
+  }
   StoragePtr out = new_storage(node);
 #pragma omp parallel for if (out->count >= kParallelDraws)
-  for (int64_t i = 0; i < out->count; ++i) {
+  for (int64_t i = 0; i < out->count; ++i)
     store_element(*out, i, philox_uniform(node.attrs.seed, node.attrs.offset, i));
-    // Nearest rounding carries the top of [0, 1) up to 1.0 in f16/bf16; those values take the
-    // largest one below 1 instead, so the stream stays in [0, 1) in every dtype.
-    if (is_half(node.storage) && load_element<double>(*out, i) >= 1.0) out->as<uint16_t>()[i] -= 1;
-  }
   return out;
 }
 
 StoragePtr ref_RandNormal(const Node& node) {
+  if (has_random_fill(node.storage)) {
+    auto out = std::make_shared<Storage>(node.storage, node.numel(), Storage::Uninitialized{});
+    fill_normal(*out, node.attrs.seed, node.attrs.offset);
+    return out;
+  }
   StoragePtr out = new_storage(node);
 #pragma omp parallel for if (out->count >= kParallelDraws)
   for (int64_t i = 0; i < out->count; ++i)
-    store_element(*out, i,
-                  node.storage == f64 ? philox_normal(node.attrs.seed, node.attrs.offset, i)
-                                      : static_cast<double>(philox_normal_f32(
-                                            node.attrs.seed, node.attrs.offset, i)));
+    store_element(*out, i, philox_normal(node.attrs.seed, node.attrs.offset, i));
   return out;
 }
 
