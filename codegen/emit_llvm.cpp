@@ -256,6 +256,14 @@ class Emitter {
     finish_function();
   }
 
+  // Every parameter is a buffer of its own (the executor allocates each output afresh; inputs
+  // are only read), so each gets an alias scope: the vectorizer then needs no runtime overlap
+  // checks, which it cannot combine with a masked tail.
+  std::string alias_tags(int param) const {
+    int n = static_cast<int>(k_.params.size());
+    return fmt::format(", !alias.scope !{}, !noalias !{}", 2 + n + param, 2 + 2 * n + param);
+  }
+
   // The exit block, the end of the function and the attributes and metadata it names.
   void finish_function() {
     label("exit");
@@ -265,6 +273,17 @@ class Emitter {
         "attributes #0 = { nounwind \"prefer-vector-width\"=\"512\" "
         "\"min-legal-vector-width\"=\"0\" }\n";
     out_ += "!0 = !{}\n";
+    // !1 the domain, !(2 + p) param p's scope, then the scope lists alias_tags names.
+    int n = static_cast<int>(k_.params.size());
+    out_ += "!1 = distinct !{!1, !\"mixtape params\"}\n";
+    for (int p = 0; p < n; ++p) out_ += fmt::format("!{} = distinct !{{!{}, !1}}\n", 2 + p, 2 + p);
+    for (int p = 0; p < n; ++p) out_ += fmt::format("!{} = !{{!{}}}\n", 2 + n + p, 2 + p);
+    for (int p = 0; p < n; ++p) {
+      std::string others;
+      for (int q = 0; q < n; ++q)
+        if (q != p) others += fmt::format("{}!{}", others.empty() ? "" : ", ", 2 + q);
+      out_ += fmt::format("!{} = !{{{}}}\n", 2 + 2 * n + p, others);
+    }
   }
 
   void initialize_accumulators() {
@@ -498,22 +517,22 @@ class Emitter {
     switch (dtype) {
       case DType::f32:
         gep("float");
-        line("{} = load float, ptr {}", raw, ptr);
+        line("{} = load float, ptr {}{}", raw, ptr, alias_tags(v.param));
         return raw;
       case DType::f64:
         gep("double");
-        line("{} = load double, ptr {}", raw, ptr);
+        line("{} = load double, ptr {}{}", raw, ptr, alias_tags(v.param));
         return raw;
       case DType::f16: {
         gep("half");
-        line("{} = load half, ptr {}", raw, ptr);
+        line("{} = load half, ptr {}{}", raw, ptr, alias_tags(v.param));
         std::string r = tmp();
         line("{} = fpext half {} to float", r, raw);
         return r;
       }
       case DType::bf16: {
         gep("i16");
-        line("{} = load i16, ptr {}", raw, ptr);
+        line("{} = load i16, ptr {}{}", raw, ptr, alias_tags(v.param));
         std::string wide = tmp(), shifted = tmp(), r = tmp();
         line("{} = zext i16 {} to i32", wide, raw);
         line("{} = shl i32 {}, 16", shifted, wide);
@@ -522,18 +541,18 @@ class Emitter {
       }
       case DType::i32: {
         gep("i32");
-        line("{} = load i32, ptr {}", raw, ptr);
+        line("{} = load i32, ptr {}{}", raw, ptr, alias_tags(v.param));
         std::string r = tmp();
         line("{} = sext i32 {} to i64", r, raw);
         return r;
       }
       case DType::i64:
         gep("i64");
-        line("{} = load i64, ptr {}", raw, ptr);
+        line("{} = load i64, ptr {}{}", raw, ptr, alias_tags(v.param));
         return raw;
       case DType::boolean: {
         gep("i8");
-        line("{} = load i8, ptr {}", raw, ptr);
+        line("{} = load i8, ptr {}{}", raw, ptr, alias_tags(v.param));
         std::string r = tmp();
         line("{} = icmp ne i8 {}, 0", r, raw);
         return r;
@@ -551,17 +570,17 @@ class Emitter {
     switch (dtype) {
       case DType::f32:
         gep("float");
-        line("store float {}, ptr {}", value, ptr);
+        line("store float {}, ptr {}{}", value, ptr, alias_tags(param));
         return;
       case DType::f64:
         gep("double");
-        line("store double {}, ptr {}", value, ptr);
+        line("store double {}, ptr {}{}", value, ptr, alias_tags(param));
         return;
       case DType::f16: {  // the value is already rounded: the truncation is exact
         std::string h = tmp();
         line("{} = fptrunc float {} to half", h, value);
         gep("half");
-        line("store half {}, ptr {}", h, ptr);
+        line("store half {}, ptr {}{}", h, ptr, alias_tags(param));
         return;
       }
       case DType::bf16: {
@@ -570,25 +589,25 @@ class Emitter {
         line("{} = lshr i32 {}, 16", hi, bits);
         line("{} = trunc i32 {} to i16", h, hi);
         gep("i16");
-        line("store i16 {}, ptr {}", h, ptr);
+        line("store i16 {}, ptr {}{}", h, ptr, alias_tags(param));
         return;
       }
       case DType::i32: {
         std::string n = tmp();
         line("{} = trunc i64 {} to i32", n, value);
         gep("i32");
-        line("store i32 {}, ptr {}", n, ptr);
+        line("store i32 {}, ptr {}{}", n, ptr, alias_tags(param));
         return;
       }
       case DType::i64:
         gep("i64");
-        line("store i64 {}, ptr {}", value, ptr);
+        line("store i64 {}, ptr {}{}", value, ptr, alias_tags(param));
         return;
       case DType::boolean: {
         std::string b = tmp();
         line("{} = zext i1 {} to i8", b, value);
         gep("i8");
-        line("store i8 {}, ptr {}", b, ptr);
+        line("store i8 {}, ptr {}{}", b, ptr, alias_tags(param));
         return;
       }
     }

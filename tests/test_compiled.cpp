@@ -478,6 +478,11 @@ TEST(Compiled, EmittedLlvmIrForABf16ChainIsStable) {
   EXPECT_NE(ir.find("store i16"), std::string::npos) << ir;
   EXPECT_NE(ir.find("and i32 %"), std::string::npos) << ir;  // RNE to bf16 in integer ops
   EXPECT_EQ(ir.find("bfloat"), std::string::npos) << ir;
+  // Each buffer its own alias scope, so that loops vectorize without runtime overlap checks.
+  EXPECT_NE(ir.find("load i16, ptr %t2, !alias.scope !4, !noalias !6"), std::string::npos) << ir;
+  EXPECT_NE(ir.find(", !alias.scope !5, !noalias !7"), std::string::npos) << ir;
+  EXPECT_NE(ir.find("!6 = !{!3}"), std::string::npos) << ir;
+  EXPECT_NE(ir.find("!7 = !{!2}"), std::string::npos) << ir;
   EXPECT_EQ(lowered.kernel.params.size(), 2u);
 }
 
