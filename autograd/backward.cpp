@@ -1,5 +1,6 @@
 // autograd/backward.cpp -- the tape walk: backward() and grad() emit gradient nodes into the graph.
 #include <algorithm>
+#include <optional>
 #include <unordered_map>
 
 #include "autograd/grad.h"
@@ -30,10 +31,67 @@ std::vector<NodePtr> tape_in_reverse(const std::vector<NodePtr>& roots) {
   return order;
 }
 
-void accumulate(std::unordered_map<const Node*, Tensor>& grads, const NodePtr& node, Tensor g) {
+// Gradients of slices of one tensor (the q, k and v of a fused projection) arrive as zero-padded
+// unslices. Two whose windows sit side by side along one axis become one unslice of their
+// concatenation, so n windows cost one copy instead of n padded buffers and n - 1 sums. (The sum
+// would turn a -0 of a window into +0; the concatenation keeps it.)
+std::optional<Tensor> join_adjacent_unslices(const Tensor& a, const Tensor& b) {
+  const Node& x = *a.node();
+  const Node& y = *b.node();
+  if (x.op != OpCode::Unslice || y.op != OpCode::Unslice || x.shape != y.shape ||
+      x.dtype != y.dtype)
+    return std::nullopt;
+  const Shape &wx = x.inputs[0]->shape, &wy = y.inputs[0]->shape;
+  int64_t axis = -1;
+  for (size_t d = 0; d < x.shape.size(); ++d) {
+    if (x.attrs.steps[d] != 1 || y.attrs.steps[d] != 1) return std::nullopt;
+    if (x.attrs.starts[d] == y.attrs.starts[d] && wx[d] == wy[d]) continue;
+    if (axis >= 0) return std::nullopt;
+    axis = static_cast<int64_t>(d);
+  }
+  if (axis < 0) return std::nullopt;
+  const Node& first = x.attrs.starts[axis] < y.attrs.starts[axis] ? x : y;
+  const Node& second = &first == &x ? y : x;
+  if (first.attrs.starts[axis] + first.inputs[0]->shape[axis] != second.attrs.starts[axis])
+    return std::nullopt;
+  // A window joined before is already a concatenation along the axis: extend it instead.
+  std::vector<Tensor> parts;
+  for (const Node* window : {&first, &second}) {
+    const NodePtr& part = window->inputs[0];
+    if (part->op == OpCode::Concat && part->attrs.axis == axis && !part->evaluated())
+      for (const NodePtr& input : part->inputs) parts.emplace_back(input);
+    else
+      parts.emplace_back(part);
+  }
+  Tensor joined = concat(parts, axis);
+  return unslice(joined, first.attrs.starts, first.attrs.steps, x.shape);
+}
+
+// The contributions to one node's gradient, in the order they arrived.
+using Terms = std::unordered_map<const Node*, std::vector<Tensor>>;
+
+void accumulate(Terms& grads, const NodePtr& node, Tensor g) {
   if (g.dtype() != node->dtype) g = cast(g, node->dtype);
-  Tensor& slot = grads[node.get()];
-  slot = slot.defined() ? slot + g : g;
+  grads[node.get()].push_back(std::move(g));
+}
+
+// A node's gradient once every contribution is in (reverse tape order sees to that): adjacent
+// unslices joined, in whatever order they arrived, then the rest summed in arrival order.
+const Tensor& combine(std::vector<Tensor>& terms) {
+  for (bool joined = true; joined && terms.size() > 1;) {
+    joined = false;
+    for (size_t i = 0; i < terms.size() && !joined; ++i)
+      for (size_t j = i + 1; j < terms.size() && !joined; ++j)
+        if (std::optional<Tensor> both = join_adjacent_unslices(terms[i], terms[j])) {
+          terms[i] = std::move(*both);
+          terms.erase(terms.begin() + static_cast<ptrdiff_t>(j));
+          joined = true;
+        }
+  }
+  Tensor sum = terms[0];
+  for (size_t i = 1; i < terms.size(); ++i) sum = sum + terms[i];
+  terms.assign(1, std::move(sum));
+  return terms[0];
 }
 
 }  // namespace
@@ -49,7 +107,7 @@ std::unordered_map<const Node*, Tensor> backpropagate(const std::vector<NodePtr>
            seeds[i].defined() ? to_string(seeds[i].shape()) : "undefined",
            to_string(roots[i]->shape));
   NoGradGuard mode(create_graph);
-  std::unordered_map<const Node*, Tensor> grads;
+  Terms grads;
   for (size_t i = 0; i < roots.size(); ++i)
     if (roots[i]->requires_grad) accumulate(grads, roots[i], seeds[i]);
   for (const NodePtr& node : tape_in_reverse(roots)) {
@@ -57,12 +115,14 @@ std::unordered_map<const Node*, Tensor> backpropagate(const std::vector<NodePtr>
     auto found = grads.find(node.get());
     if (found == grads.end()) continue;
     BackwardScope scope(*node);
-    std::vector<Tensor> input_grads = vjp(node, found->second);
+    std::vector<Tensor> input_grads = vjp(node, combine(found->second));
     for (size_t i = 0; i < input_grads.size() && i < node->inputs.size(); ++i)
       if (input_grads[i].defined() && node->inputs[i]->requires_grad)
         accumulate(grads, node->inputs[i], input_grads[i]);
   }
-  return grads;
+  std::unordered_map<const Node*, Tensor> result;
+  for (auto& [node, terms] : grads) result.emplace(node, combine(terms));
+  return result;
 }
 
 namespace {

@@ -109,8 +109,10 @@ class Emitter {
       acc_ptr_.push_back(fmt::format("%acc{}.addr", r));
       acc_value_.push_back(fmt::format("%acc{}", r));
     }
-    // The executor hands out ranges of the parallel dims flattened: decompose per point.
-    int parallel = k_.parallel_dims();
+    // The executor hands out ranges of the parallel dims flattened: decompose per point. A
+    // column split's range is of columns: the body runs once, its column loops over the range.
+    split_columns_ = k_.column_split();
+    int parallel = split_columns_ ? 0 : k_.parallel_dims();
     line("store i64 %begin, ptr %o.addr");
     line("br label %outer.head");
     label("outer.head");
@@ -177,7 +179,7 @@ class Emitter {
         stores(k_.stores);
       });
     }
-    line("%o.next = add nsw i64 %o, 1");
+    line("%o.next = add nsw i64 {}, 1", split_columns_ ? "%end" : "%o");
     line("store i64 %o.next, ptr %o.addr");
     line("br label %outer.head");
     finish_function();
@@ -360,11 +362,13 @@ class Emitter {
   void column_loop(int d, F body) {
     int n = loop_count_++;
     std::string var = fmt::format("%c{}.i", n);
-    line("store i64 0, ptr %i{}.addr", d);
+    const bool split = split_columns_ && d == 0;
+    line("store i64 {}, ptr %i{}.addr", split ? "%begin" : "0", d);
     line("br label %c{}.head", n);
     label(fmt::format("c{}.head", n));
     line("{} = load i64, ptr %i{}.addr", var, d);
-    line("%c{}.more = icmp slt i64 {}, {}", n, var, k_.dims[d]);
+    line("%c{}.more = icmp slt i64 {}, {}", n, var,
+         split ? std::string("%end") : std::to_string(k_.dims[d]));
     line("br i1 %c{}.more, label %c{}.body, label %c{}.exit", n, n, n);
     label(fmt::format("c{}.body", n));
     var_[d] = var;
@@ -778,6 +782,7 @@ class Emitter {
   int next_tmp_ = 0;
   int loop_count_ = 0;
   std::vector<std::string> var_;        // the SSA name of each dim's loop variable where used
+  bool split_columns_ = false;          // kir::Kernel::column_split
   std::vector<std::string> acc_ptr_;    // where each reduction's accumulator is
   std::vector<std::string> acc_value_;  // its final value, in the epilogue
 };

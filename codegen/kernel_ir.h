@@ -138,10 +138,15 @@ struct Kernel {
   /// accumulator per point of that dim and makes it the innermost loop, so that loads are
   /// contiguous and vectorize; each accumulator still adds its terms in the same order.
   bool column_reduction() const;
+  /// A column reduction whose column dim is dims[0] (a bias gradient: a sum over the rows of a
+  /// matrix): no outer dims to split, so threads split the columns instead, each sweeping every
+  /// row over its own range. Each column's terms are added in the same order either way.
+  bool column_split() const { return reduce_from == 1 && column_reduction(); }
   /// The loop dims the executor splits across threads: every dim but the innermost for
   /// pointwise kernels of rank > 1, else the single dim; the outer dims of a reduction (but the
   /// last one of a column reduction).
   int parallel_dims() const {
+    if (column_split()) return 1;
     if (is_reduction()) return column_reduction() ? reduce_from - 1 : reduce_from;
     return dims.size() > 1 ? static_cast<int>(dims.size()) - 1 : 1;
   }

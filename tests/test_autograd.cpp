@@ -293,6 +293,36 @@ TEST(Backward, ViewOpsRouteGradientsToTheRightPositions) {
   }
 }
 
+TEST(Backward, GradientsOfAdjacentSlicesAreJoinedNotSummed) {
+  // q, k, v = three column blocks of one projection: their gradients concatenate into one
+  // buffer (autograd/backward.cpp) instead of summing three zero-padded ones; values unchanged.
+  std::vector<double> data(24);
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<double>(i) - 7.5;
+  mt::Tensor x = leaf(data, {4, 6});
+  mt::Tensor loss = mt::sum(mt::slice(x, 1, 4, 6) * 3.0) + mt::sum(mt::slice(x, 1, 0, 2) * 1.0) +
+                    mt::sum(mt::square(mt::slice(x, 1, 2, 4)));
+  loss.backward();
+  const mt::Node& grad = *x.grad().node();
+  EXPECT_NE(grad.op, mt::OpCode::Add);
+  bool concat = false;
+  for (mt::Node* n : mt::nodes_in_tape_order({x.grad().node()})) {
+    concat |= n->op == mt::OpCode::Concat;
+    EXPECT_NE(n->op, mt::OpCode::Unslice) << "the joined windows cover the whole tensor";
+  }
+  EXPECT_TRUE(concat);
+  EXPECT_EQ(grad.op, mt::OpCode::Concat);
+  EXPECT_EQ(grad.inputs.size(), 3u) << "joined twice, into one concatenation";
+  std::vector<double> want;
+  for (int r = 0; r < 4; ++r)
+    for (int c = 0; c < 6; ++c) want.push_back(c < 2 ? 1.0 : c < 4 ? 2 * data[r * 6 + c] : 3.0);
+  expect_near_all(values(x.grad()), want);
+  // Windows that do not meet still sum.
+  mt::Tensor y = leaf(data, {4, 6});
+  (mt::sum(mt::slice(y, 1, 0, 2)) + mt::sum(mt::slice(y, 1, 3, 5))).backward();
+  expect_near_all(values(y.grad()),
+                  {1, 1, 0, 1, 1, 0, 1, 1, 0, 1, 1, 0, 1, 1, 0, 1, 1, 0, 1, 1, 0, 1, 1, 0});
+}
+
 TEST(CustomOp, StraightThroughEstimatorIsUsedByBackward) {
   mt::Tensor x = leaf({-2.0, -0.5, 0.25, 3.0}, {4});
   mt::Tensor w = mt::tensor(std::vector<double>{1, 2, 3, 4}, {4});

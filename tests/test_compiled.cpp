@@ -10,6 +10,11 @@
 #include <memory>
 #include <set>
 
+#if __has_include(<omp.h>)
+#include <omp.h>
+#define MIXTAPE_TEST_HAS_OMP 1
+#endif
+
 #include "codegen/emit_llvm.h"
 #include "codegen/fusion.h"
 #include "codegen/kernel_ir.h"
@@ -430,6 +435,35 @@ TEST(Compiled, AReshapeOfAStoredValueSharesItsBuffer) {
       ASSERT_NEAR(got[i * 5 + j], expected, 1e-5 * (1 + std::fabs(expected)));
     }
   mt::set_device(mt::Device::reference);
+}
+
+TEST(Compiled, ColumnSumsSplitAcrossThreadsGiveTheSameBits) {
+  // A bias gradient (the sum over a matrix's rows) has no outer dims to split: threads split the
+  // columns (kir::Kernel::column_split), and each column still adds its rows in order.
+  mt::Generator gen(9);
+  mt::Tensor rows = mt::randn({4096, 96}, mt::f32, &gen);
+  mt::Tensor upstream = mt::randn({4096, 96}, mt::f32, &gen);
+  mt::eval({rows, upstream});
+  auto program = [&] { return mt::sum(mt::relu(rows) * upstream * 0.5, {0}); };
+  bool split = false;
+  mt::set_kernel_observer([&](const mt::LoweredKernel& k) { split |= k.kernel.column_split(); });
+  auto [reference, compiled] = both(program);
+  mt::set_kernel_observer({});
+  EXPECT_TRUE(split);
+  const float* r = reinterpret_cast<const float*>(reference.data());
+  const float* c = reinterpret_cast<const float*>(compiled.data());
+  for (size_t i = 0; i < reference.size() / 4; ++i)
+    ASSERT_NEAR(r[i], c[i], 1e-4 * (1 + std::fabs(r[i]))) << "column " << i;
+#ifdef MIXTAPE_TEST_HAS_OMP
+  const int saved = omp_get_max_threads();
+  omp_set_num_threads(1);
+  auto [unused1, one_thread] = both(program);
+  omp_set_num_threads(2);
+  auto [unused2, two_threads] = both(program);
+  omp_set_num_threads(saved);
+  EXPECT_EQ(one_thread, two_threads);
+  EXPECT_EQ(one_thread, compiled);
+#endif
 }
 
 TEST(Compiled, FloatMaxOrdersSignedZerosAndPropagatesNan) {
