@@ -424,7 +424,9 @@ class Emitter {
     std::string fn = type == Type::f32 ? fmt::format("{}f", name) : name;
     const char* t = llvm_type(type);
     std::string params = args.find(',') != std::string::npos ? fmt::format("{}, {}", t, t) : t;
-    declare(fmt::format("declare {} @{}({}) nounwind", t, fn, params));
+    // Pure functions to the optimizer (errno, which they may set, is never read): a call whose
+    // argument does not change in a loop (the log of a row's sum) is hoisted out of it.
+    declare(fmt::format("declare {} @{}({}) nounwind willreturn memory(none)", t, fn, params));
     return fmt::format("call {} @{}({})", t, fn, args);
   }
 

@@ -486,13 +486,21 @@ StoragePtr ref_IndexAdd(const Node& node) {
   std::vector<int64_t> index = load_all<int64_t>(value_of(node, 1));
   int64_t count = static_cast<int64_t>(index.size());
   std::vector<double> acc = load_all<double>(value_of(node, 0));
-  std::vector<double> source = load_all<double>(value_of(node, 2));
-  for (int64_t o = 0; o < outer; ++o)
-    for (int64_t j = 0; j < count; ++j) {
-      int64_t row = checked_index(node, index[j], dim, axis);
-      for (int64_t i = 0; i < inner; ++i)
-        acc[(o * dim + row) * inner + i] += source[(o * count + j) * inner + i];
-    }
+  auto add_rows = [&](const auto* source) {
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t j = 0; j < count; ++j) {
+        int64_t row = checked_index(node, index[j], dim, axis);
+        double* to = acc.data() + (o * dim + row) * inner;
+        const auto* from = source + (o * count + j) * inner;
+        for (int64_t i = 0; i < inner; ++i) to[i] += static_cast<double>(from[i]);
+      }
+  };
+  // f32 sources (an embedding's gradient) are read in place; others through doubles.
+  const Storage& source = value_of(node, 2);
+  if (source.dtype == f32)
+    add_rows(source.as<float>());
+  else
+    add_rows(load_all<double>(source).data());
   for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, acc[i]);
   return out;
 }
