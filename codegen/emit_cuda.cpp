@@ -90,32 +90,37 @@ static __device__ __forceinline__ double mt_ldexp_f64(double a, double b) {
   return __dmul_rn(__dmul_rn(a, __longlong_as_double((half + 1023) << 52)),
                    __longlong_as_double((k - half + 1023) << 52));
 }
-// NaN-propagating max, one element after another (emit_llvm's accumulate): a NaN wins, and
-// nothing replaces a NaN but a later NaN.
+// Max in the reference's total order (ref_Max; emit_llvm reduces order keys): -0 below +0, and
+// any NaN gives the quiet NaN. The order is total, so partials merge in any order to the same
+// bits; the index kept alongside is only where the value came from.
+static __device__ __forceinline__ bool mt_max_above(float x, float acc) {
+  return x > acc || (x == acc && signbit(acc) && !signbit(x));
+}
+static __device__ __forceinline__ bool mt_max_above(double x, double acc) {
+  return x > acc || (x == acc && signbit(acc) && !signbit(x));
+}
+static __device__ __forceinline__ bool mt_max_above(long long x, long long acc) { return x > acc; }
+static __device__ __forceinline__ float mt_quiet_nan(float) { return __int_as_float(0x7fc00000); }
+static __device__ __forceinline__ double mt_quiet_nan(double) {
+  return __longlong_as_double(0x7ff8000000000000LL);
+}
+static __device__ __forceinline__ long long mt_quiet_nan(long long x) { return x; }
 template <typename T>
 static __device__ __forceinline__ T mt_max_step(T acc, T x) {
-  return (x != x || (acc == acc && x > acc)) ? x : acc;
+  if (acc != acc) return acc;
+  if (x != x) return mt_quiet_nan(x);
+  return mt_max_above(x, acc) ? x : acc;
 }
-// The same with the index of the element kept, for reductions split across threads: merging
-// two partial results then gives exactly what the sequential loop gives (the last NaN, else the
-// first of the largest values), in whatever order the partials come.
 template <typename T>
 static __device__ __forceinline__ void mt_max_step_at(T& acc, long long& at, T x, long long x_at) {
-  if (x != x || (acc == acc && x > acc)) {
-    acc = x;
-    at = x_at;
-  }
+  T next = mt_max_step(acc, x);
+  if (next != acc || (next == next) != (acc == acc)) at = x_at;
+  acc = next;
 }
 template <typename T>
 static __device__ __forceinline__ void mt_max_merge(T& acc, long long& at, T other,
                                                     long long other_at) {
-  bool acc_nan = acc != acc, other_nan = other != other;
-  bool take = other_nan ? (!acc_nan || other_at > at)
-                        : (!acc_nan && (other > acc || (other == acc && other_at < at)));
-  if (take) {
-    acc = other;
-    at = other_at;
-  }
+  mt_max_step_at(acc, at, other, other_at);
 }
 #endif  // MIXTAPE_CUDA_PRELUDE_V1
 )";

@@ -9,8 +9,9 @@ namespace mixtape {
 
 /// One module defining `void @<kernel.name>(ptr params, i64 begin, i64 end)`: params points to
 /// one buffer pointer per kernel parameter; [begin, end) is a range of the kernel's flattened
-/// parallel dims (kir::Kernel::parallel_dims). Math calls go to the C library (expf, ...), so
-/// results equal the reference executor's bit for bit.
+/// parallel dims (kir::Kernel::parallel_dims). f32 exp, tanh and erf arrive as arithmetic
+/// (dsl/scalar_math.h), other math calls go to the C library (logf, ...), so results equal the
+/// reference executor's bit for bit.
 std::string emit_llvm(const kir::Kernel& kernel);
 
 }  // namespace mixtape
