@@ -131,6 +131,7 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
   } else {
 #pragma omp parallel num_threads(threads)
     {
+      apply_flush_denormal();
       int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
       function(args, extent * t / n, extent * (t + 1) / n);
     }

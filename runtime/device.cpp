@@ -1,6 +1,11 @@
-// runtime/device.cpp -- the process-wide device and eager-mode settings.
+// runtime/device.cpp -- the process-wide device, eager-mode and flush-to-zero settings.
 #include "runtime/device.h"
 
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
+
+#include <atomic>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -86,6 +91,39 @@ bool eager_mode() {
 }
 
 void set_eager_mode(bool eager) { eager_setting() = eager; }
+
+namespace {
+std::atomic<bool>& flush_setting() {
+  static std::atomic<bool> on{[] {
+    const char* env = std::getenv("MIXTAPE_FLUSH_DENORMAL");
+    return env && std::string(env) != "" && std::string(env) != "0";
+  }()};
+  return on;
+}
+}  // namespace
+
+bool flush_denormal() { return flush_setting().load(std::memory_order_relaxed); }
+
+void apply_flush_denormal() {
+#if defined(__SSE__)
+  constexpr unsigned ftz_daz = 0x8040;  // MXCSR bits 15 (flush to zero) and 6 (denormals are zero)
+  unsigned csr = _mm_getcsr(), want = flush_denormal() ? csr | ftz_daz : csr & ~ftz_daz;
+  if (want != csr) _mm_setcsr(want);
+#endif
+}
+
+bool set_flush_denormal(bool on) {
+#if defined(__SSE__)
+  flush_setting().store(on);
+  // Every thread of the OpenMP team (which oneDNN's matmuls use too) takes the mode now.
+#pragma omp parallel
+  apply_flush_denormal();
+  apply_flush_denormal();
+  return true;
+#else
+  return !on;
+#endif
+}
 
 eager_scope::eager_scope(bool eager) : previous_(eager_mode()) { set_eager_mode(eager); }
 eager_scope::~eager_scope() { set_eager_mode(previous_); }

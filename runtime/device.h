@@ -24,6 +24,18 @@ const char* device_name(Device device);
 /// as the unfused baseline of benchmarks.
 bool eager_mode();
 void set_eager_mode(bool eager);
+/// Flush-to-zero on the CPU, as torch.set_flush_denormal: subnormal results of float arithmetic
+/// become zero and subnormal inputs count as zero (x86 MXCSR's FTZ and DAZ), in kernels, matmuls
+/// and host ops alike. Off by default (IEEE). Worth it where values decay through the subnormals
+/// (Adam's moments of parameters whose gradients are zero): each such operation costs x86 a
+/// microcode assist. MIXTAPE_FLUSH_DENORMAL=1 turns it on at start. Returns false, changing
+/// nothing, where the CPU has no such mode.
+bool set_flush_denormal(bool on);
+bool flush_denormal();
+/// Sets the calling thread's float mode to the setting above; the back ends call it on each
+/// thread that runs a step (cheap when nothing changes).
+void apply_flush_denormal();
+
 class eager_scope {
  public:
   explicit eager_scope(bool eager = true);

@@ -328,6 +328,7 @@ std::string step_label(const Step& step, const std::vector<Node*>& pending, cons
 void run_program(const Program& program, const std::vector<Node*>& pending, const Signature& sig,
                  const StepRunners& run) {
   ++execution_counters().evaluations;
+  apply_flush_denormal();
   StepProfile* profile = StepProfile::active();
   // Bytes of this evaluation's stored values alive at once, for peak_bytes.
   int64_t live = 0, peak = 0;

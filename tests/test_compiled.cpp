@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <set>
@@ -464,6 +465,34 @@ TEST(Compiled, ColumnSumsSplitAcrossThreadsGiveTheSameBits) {
   EXPECT_EQ(one_thread, two_threads);
   EXPECT_EQ(one_thread, compiled);
 #endif
+}
+
+TEST(Compiled, FlushDenormalIsOptInAndReversible) {
+  // 1e-20 * 1e-20 is subnormal in f32, and so is 2e-39 * 3: IEEE keeps both, flush-to-zero
+  // (mt::set_flush_denormal, as torch.set_flush_denormal) gives 0 for a subnormal result and
+  // reads a subnormal input as 0.
+  mt::Device before = mt::current_device();
+  mt::set_device(mt::Device::cpu);
+  auto x = mt::tensor(std::vector<float>{1e-20f, 2e-39f, 1.0f}, {3});
+  auto run = [&] {
+    std::vector<float> small = (x * 1e-20).to_vector<float>(),
+                       tripled = (x * 3.0).to_vector<float>();
+    return std::vector<float>{small[0], tripled[1], small[2], tripled[2]};
+  };
+  EXPECT_FALSE(mt::flush_denormal());
+  std::vector<float> ieee = run();
+  EXPECT_GT(ieee[0], 0.0f);
+  EXPECT_LT(ieee[0], std::numeric_limits<float>::min());
+  EXPECT_EQ(ieee[1], 2e-39f * 3.0f);
+  ASSERT_TRUE(mt::set_flush_denormal(true));
+  std::vector<float> flushed = run();
+  mt::set_flush_denormal(false);
+  EXPECT_EQ(flushed[0], 0.0f);
+  EXPECT_EQ(flushed[1], 0.0f);
+  EXPECT_EQ(flushed[2], 1e-20f);  // normal values are untouched
+  EXPECT_EQ(flushed[3], 3.0f);
+  EXPECT_EQ(run(), ieee);  // and IEEE again once it is off
+  mt::set_device(before);
 }
 
 TEST(Compiled, FloatMaxOrdersSignedZerosAndPropagatesNan) {
