@@ -282,7 +282,6 @@ class StepProfile {
     e.seconds += seconds;
     ++e.count;
   }
-  ~StepProfile() = default;
 
  private:
   struct Entry {

@@ -231,10 +231,7 @@ StoragePtr ref_Unslice(const Node& node) {
   const Storage& in = *converted;
   const Shape& window = node.inputs[0]->shape;
   size_t bytes = size_of(node.storage);
-  if (window.empty()) {  // a 0-d slice is its only element
-    std::memcpy(out->host_data(), in.host_data(), bytes);
-    return out;
-  }
+  // unslice() returns a window as large as its tensor (every 0-d one) unchanged: rank >= 1 here.
   if (in.count == 0) return out;
   std::vector<int64_t> out_strides = strides_of(node.shape);
   // The window's last dim is copied a run at a time: one memcpy where its step is 1.
