@@ -122,6 +122,11 @@ static __device__ __forceinline__ void mt_max_merge(T& acc, long long& at, T oth
                                                     long long other_at) {
   mt_max_step_at(acc, at, other, other_at);
 }
+// N consecutive elements moved by one aligned load or store (vectorized pointwise kernels).
+template <typename T, int N>
+struct alignas(sizeof(T) * N) mt_pack {
+  T x[N];
+};
 #endif  // MIXTAPE_CUDA_PRELUDE_V1
 )";
 
@@ -159,13 +164,42 @@ uint32_t clamp_grid(int64_t blocks, int64_t cap) {
   return static_cast<uint32_t>(std::clamp<int64_t>(blocks, 1, cap));
 }
 
+// How many consecutive points a thread of a pointwise kernel takes at once: where every map is
+// the identity or a constant, each buffer read or written whole moves 16 bytes (for its widest
+// element type; fewer for narrower ones) per thread with one aligned access. Buffers are whole
+// allocations (256-byte aligned), so point `vec * width` starts an aligned pack. 1: scalar code.
+int vector_width(const kir::Kernel& k) {
+  if (k.is_reduction() || k.multi_tensor) return 1;
+  size_t widest = 0;
+  for (const Value& v : k.body) {
+    if (v.op != Op::Load) continue;
+    if (kir::is_identity_map(k, v.map))
+      widest = std::max(widest, size_of(k.params[v.param].dtype));
+    else if (!kir::is_constant_map(k, v.map))
+      return 1;
+  }
+  for (const kir::Store& s : k.stores) {
+    if (!kir::is_identity_map(k, s.map)) return 1;
+    widest = std::max(widest, size_of(k.params[s.param].dtype));
+  }
+  if (widest == 0) return 1;
+  int width = static_cast<int>(16 / widest);
+  return product(k.dims, 0, k.dims.size()) >= 4 * width ? width : 1;  // tiny: not worth it
+}
+
 Plan plan(const kir::Kernel& k) {
   Plan p;
   size_t rank = k.dims.size();
+  if (k.multi_tensor) {  // the grid depends on the segments: cuda_multi_tensor_launch
+    p.shape = k.is_reduction() ? Shape::block_reduce : Shape::pointwise;
+    p.block = max_block;
+    return p;
+  }
   if (!k.is_reduction()) {
     p.outer = product(k.dims, 0, rank);
-    p.block = round_up_to_warps(p.outer);
-    p.grid = clamp_grid((p.outer + p.block - 1) / p.block, max_pointwise_grid);
+    int64_t threads = p.outer / vector_width(k);
+    p.block = round_up_to_warps(threads);
+    p.grid = clamp_grid((threads + p.block - 1) / p.block, max_pointwise_grid);
     return p;
   }
   size_t split = static_cast<size_t>(k.reduce_from);
@@ -278,6 +312,10 @@ class Emitter {
     find_used_dims();
     out_ = prelude;
     out_ += "\n";
+    if (k_.multi_tensor) {
+      multi_tensor();
+      return std::move(out_);
+    }
     header();
     indent_ = 1;
     switch (plan_.shape) {
@@ -415,8 +453,17 @@ class Emitter {
          cuda_type(to));
   }
 
+  // Param p's element at the current point. In a vectorized loop (no loop variables there),
+  // an identity map reads lane `lane` of its pack, a constant one its base.
+  std::string element(int32_t param, const Affine& map) const {
+    if (width_ > 1 && kir::is_identity_map(k_, map))
+      return fmt::format("{}{}.x[lane]", k_.params[param].output ? "out" : "in", param);
+    if (width_ > 1) return fmt::format("p{}[{}]", param, integer(map.base));
+    return fmt::format("p{}[{}]", param, offset(map));
+  }
+
   std::string load(const Value& v) const {
-    std::string element = fmt::format("p{}[{}]", v.param, offset(v.map));
+    std::string element = this->element(v.param, v.map);
     switch (k_.params[v.param].dtype) {
       case DType::f32:
       case DType::f64:
@@ -435,7 +482,7 @@ class Emitter {
   }
 
   void store(const kir::Store& s, const std::string& value) {
-    std::string element = fmt::format("p{}[{}]", s.param, offset(s.map));
+    std::string element = this->element(s.param, s.map);
     switch (k_.params[s.param].dtype) {
       case DType::f32:
       case DType::f64:
@@ -621,7 +668,52 @@ class Emitter {
     stores(k_.epilogue_stores);
   }
 
+  // vector_width() points per thread: every identity-mapped buffer is read or written as one
+  // pack per thread, the body runs once per lane, and the points past the last whole pack run
+  // one per thread as in pointwise().
+  void vector_pointwise() {
+    int width = vector_width(k_);
+    std::vector<bool> packed(k_.params.size(), false);
+    for (const Value& v : k_.body)
+      if (v.op == Op::Load && kir::is_identity_map(k_, v.map)) packed[v.param] = true;
+    for (const kir::Store& st : k_.stores) packed[st.param] = true;
+    auto pack = [&](size_t p) {
+      return fmt::format("mt_pack<{}, {}>", element_type(k_.params[p].dtype), width);
+    };
+    line("const long long total = {}, packs = {};", integer(plan_.outer),
+         integer(plan_.outer / width));
+    line(
+        "const long long first = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x, "
+        "stride = static_cast<long long>(gridDim.x) * blockDim.x;");
+    open("for (long long vec = first; vec < packs; vec += stride)");
+    for (size_t p = 0; p < k_.params.size(); ++p) {
+      if (!packed[p]) continue;
+      if (k_.params[p].output)
+        line("{} out{};", pack(p), p);
+      else
+        line("const {} in{} = reinterpret_cast<const {}*>(p{})[vec];", pack(p), p, pack(p), p);
+    }
+    line("#pragma unroll");
+    open(fmt::format("for (int lane = 0; lane < {}; ++lane)", width));
+    width_ = width;
+    values(k_.body, "v");
+    stores(k_.stores);
+    width_ = 1;
+    close();
+    for (size_t p = 0; p < k_.params.size(); ++p)
+      if (packed[p] && k_.params[p].output)
+        line("reinterpret_cast<{}*>(p{})[vec] = out{};", pack(p), p, p);
+    close();
+    open("for (long long point = packs * " + integer(width) +
+         " + first; point < total; point += stride)");
+    coordinates("point", 0, static_cast<int>(k_.dims.size()));
+    values(k_.body, "v");
+    stores(k_.stores);
+    close();
+  }
+
   void pointwise() {
+    if (vector_width(k_) > 1) return vector_pointwise();
     line("const long long total = {};", integer(plan_.outer));
     open(
         "for (long long point = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; "
@@ -630,6 +722,57 @@ class Emitter {
     values(k_.body, "v");
     stores(k_.stores);
     close();
+  }
+
+  // emit_cuda.h's multi-tensor ABI: the segment table arrives by value as the only argument.
+  // Pointwise, each segment runs the grid-stride loop of a rank-1 kernel over its own extent; a
+  // reduction gives each segment a block, as block_reduce gives each outer point one.
+  void multi_tensor() {
+    if (k_.dims.size() != 1 || (k_.is_reduction() && k_.reduce_from != 0))
+      fail("cuda emitter: multi-tensor kernel {} is neither rank-1 pointwise nor a whole reduction",
+           k_.name);
+    int64_t capacity = cuda_multi_tensor_capacity(k_);
+    std::string table = k_.name + "_segments";
+    out_ +=
+        fmt::format("// mixtape kernel {}: multi-tensor {}, up to {} segments a launch\n", k_.name,
+                    k_.is_reduction() ? "reduction, a block per segment" : "pointwise", capacity);
+    out_ += fmt::format("struct {} {{\n  long long count;\n  long long start[{}];\n", table,
+                        capacity + 1);
+    out_ += fmt::format("  void* pointer[{}][{}];\n", capacity, k_.params.size());
+    if (k_.scalars > 0) out_ += fmt::format("  double scalar[{}][{}];\n", capacity, k_.scalars);
+    out_ += "};\n";
+    out_ +=
+        fmt::format("extern \"C\" __global__ void __launch_bounds__({}) {}(const {} table) {{\n",
+                    plan_.block, k_.name, table);
+    indent_ = 1;
+    if (k_.is_reduction()) {
+      block_reduce();
+    } else {
+      open("for (long long seg = 0; seg < table.count; ++seg)");
+      line("const long long total = table.start[seg + 1] - table.start[seg];");
+      bind_segment();
+      open(
+          "for (long long point = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; "
+          "point < total;\n       point += static_cast<long long>(gridDim.x) * blockDim.x)");
+      line("const long long i0 = point;");
+      values(k_.body, "v");
+      stores(k_.stores);
+      close();
+      close();
+    }
+    out_ += "}\n";
+  }
+
+  // A multi-tensor segment's pointers and scalars, under the names ordinary kernels' have.
+  void bind_segment() {
+    for (size_t p = 0; p < k_.params.size(); ++p) {
+      const kir::Param& param = k_.params[p];
+      std::string type =
+          fmt::format("{}{}*", param.output ? "" : "const ", element_type(param.dtype));
+      line("{} __restrict__ p{} = static_cast<{}>(table.pointer[seg][{}]);", type, p, type, p);
+    }
+    for (int32_t slot = 0; slot < k_.scalars; ++slot)
+      line("const double s{} = table.scalar[seg][{}];", slot, slot);
   }
 
   void thread_reduce() {
@@ -715,8 +858,9 @@ class Emitter {
     int split = k_.reduce_from, rank = static_cast<int>(k_.dims.size());
     uint32_t warps = plan_.block / warp_size;
     line("// Launched with exactly {} threads per block.", plan_.block);
-    line("const long long outer_total = {}, inner_total = {};", integer(plan_.outer),
-         integer(plan_.inner));
+    if (!k_.multi_tensor)
+      line("const long long outer_total = {}, inner_total = {};", integer(plan_.outer),
+           integer(plan_.inner));
     if (warps > 1) {
       line("const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;");
       for (size_t r = 0; r < k_.reductions.size(); ++r) {
@@ -725,8 +869,14 @@ class Emitter {
           line("__shared__ long long partial{}_at[{}];", r, warps);
       }
     }
-    open("for (long long outer = blockIdx.x; outer < outer_total; outer += gridDim.x)");
-    coordinates("outer", 0, split);
+    if (k_.multi_tensor) {
+      open("for (long long seg = blockIdx.x; seg < table.count; seg += gridDim.x)");
+      line("const long long inner_total = table.start[seg + 1] - table.start[seg];");
+      bind_segment();
+    } else {
+      open("for (long long outer = blockIdx.x; outer < outer_total; outer += gridDim.x)");
+      coordinates("outer", 0, split);
+    }
     declare_accumulators();
     int last = k_.pass_count() - 1;
     for (int pass = 0; pass < last; ++pass) {
@@ -756,20 +906,31 @@ class Emitter {
   std::vector<std::string> names_;
   std::vector<bool> used_;
   int indent_ = 0;
+  int width_ = 1;  // inside a vectorized loop: loads and stores of identity maps use packs
 };
 
 }  // namespace
 
-std::string emit_cuda(const kir::Kernel& kernel) {
-  // The CUDA executor never forms multi-tensor steps (fusion_options): none reaches here.
-  if (kernel.multi_tensor)
-    fail("cuda emitter: kernel {}: multi-tensor kernels are CPU-only", kernel.name);
-  return Emitter(kernel).run();
-}
+std::string emit_cuda(const kir::Kernel& kernel) { return Emitter(kernel).run(); }
 
 CudaLaunch cuda_launch_shape(const kir::Kernel& kernel) {
   Plan p = plan(kernel);
   return CudaLaunch{p.grid, p.block, 0};
+}
+
+int64_t cuda_multi_tensor_capacity(const kir::Kernel& kernel) {
+  // count, start[capacity + 1], then a pointer per param and a double per scalar per segment,
+  // all 8-byte words, within the 4 KiB every architecture takes as kernel parameters.
+  int64_t words_per_segment = 1 + static_cast<int64_t>(kernel.params.size()) + kernel.scalars;
+  return (cuda_multi_tensor_table_bytes / 8 - 2) / words_per_segment;
+}
+
+CudaLaunch cuda_multi_tensor_launch(const kir::Kernel& kernel, int64_t segments,
+                                    int64_t largest_segment) {
+  if (kernel.is_reduction())
+    return CudaLaunch{clamp_grid(segments, max_reduction_grid), max_block, 0};
+  return CudaLaunch{clamp_grid((largest_segment + max_block - 1) / max_block, max_pointwise_grid),
+                    max_block, 0};
 }
 
 }  // namespace mixtape

@@ -25,8 +25,16 @@ namespace mixtape {
 /// reduced in a different (but fixed) order than the CPU's vectorized one. Arithmetic uses the
 /// _rn intrinsics, so no compiler flag can contract it into FMAs or flush subnormals.
 ///
-/// Multi-tensor kernels (kir::Kernel::multi_tensor) are CPU-only for now: emit_cuda refuses them
-/// with mixtape::Error, and the CUDA executor never forms them (fusion_options).
+/// A multi-tensor kernel (kir::Kernel::multi_tensor) instead takes one argument by value, a
+/// struct of 8-byte words that serves up to C = cuda_multi_tensor_capacity(kernel) segments:
+///
+///   { long long count;                       // S <= C segments in this launch
+///     long long start[C + 1];                // segment s covers [start[s], start[s + 1])
+///     void* pointer[C][params];              // segment s's buffer for each kernel param
+///     double scalar[C][scalars]; }           // and its scalar slots (absent when none)
+///
+/// (cuda_multi_tensor_table_bytes in all, unused entries zero). A step of more segments is
+/// launched in chunks of C, each with its starts counted from 0.
 ///
 /// Every emitted source starts with the same guarded prelude, so the sources of several kernels
 /// can be concatenated into one NVRTC program.
@@ -41,5 +49,13 @@ struct CudaLaunch {
   uint32_t shared_bytes = 0;
 };
 CudaLaunch cuda_launch_shape(const kir::Kernel& kernel);
+
+/// The size of a multi-tensor kernel's argument, and how many segments it holds.
+constexpr int64_t cuda_multi_tensor_table_bytes = 4096;
+int64_t cuda_multi_tensor_capacity(const kir::Kernel& kernel);
+/// A multi-tensor launch of `segments` segments: pointwise, enough blocks for the largest
+/// segment, every segment sharing them; a reduction, a block per segment.
+CudaLaunch cuda_multi_tensor_launch(const kir::Kernel& kernel, int64_t segments,
+                                    int64_t largest_segment);
 
 }  // namespace mixtape

@@ -187,10 +187,13 @@ class Emitter {
 
   // kir::Kernel::multi_tensor's ABI: for each segment that meets [begin, end), load its
   // pointers and scalars, then run the pointwise loop over its part of the range, a loop of the
-  // same shape as a rank-1 kernel's so that it vectorizes the same way.
+  // same shape as a rank-1 kernel's so that it vectorizes the same way. A reduction's range is
+  // of segments: each is swept whole, then its epilogue stores the segment's result.
   void emit_multi_tensor() {
-    if (k_.is_reduction() || k_.dims.size() != 1)
-      fail("llvm emitter: multi-tensor kernel {} is not rank-1 pointwise", k_.name);
+    const bool reduce = k_.is_reduction();
+    if (k_.dims.size() != 1 || (reduce && (k_.reduce_from != 0 || k_.pass_count() != 1)))
+      fail("llvm emitter: multi-tensor kernel {} is neither rank-1 pointwise nor a whole reduction",
+           k_.name);
     size_t stride = k_.params.size() + (k_.scalars > 0 ? 1 : 0);
     out_ += fmt::format(
         "define void @{}(ptr noalias nocapture readonly %params, i64 %begin, i64 %end) #0 {{\n",
@@ -200,11 +203,16 @@ class Emitter {
     line("%segments = load i64, ptr %info, !noalias !0");
     line("%seg.addr = alloca i64");
     line("%o.addr = alloca i64");
-    line("store i64 0, ptr %seg.addr");
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      line("%acc{}.addr = alloca {}", r, acc_type(k_.reductions[r]));
+      acc_ptr_.push_back(fmt::format("%acc{}.addr", r));
+      acc_value_.push_back(fmt::format("%acc{}", r));
+    }
+    line("store i64 {}, ptr %seg.addr", reduce ? "%begin" : "0");
     line("br label %seg.head");
     label("seg.head");
     line("%seg = load i64, ptr %seg.addr");
-    line("%seg.more = icmp slt i64 %seg, %segments");
+    line("%seg.more = icmp slt i64 %seg, {}", reduce ? "%end" : "%segments");
     line("br i1 %seg.more, label %seg.check, label %exit");
     label("seg.check");
     line("%seg.1 = add nsw i64 %seg, 1");
@@ -213,15 +221,24 @@ class Emitter {
     line("%start = load i64, ptr %start.g, !noalias !0");
     line("%stop.g = getelementptr inbounds i64, ptr %info, i64 %seg.2");
     line("%stop = load i64, ptr %stop.g, !noalias !0");
-    line("%seg.past = icmp sge i64 %start, %end");
-    line("br i1 %seg.past, label %exit, label %seg.body");
+    if (reduce) {
+      line("br label %seg.body");
+    } else {
+      line("%seg.past = icmp sge i64 %start, %end");
+      line("br i1 %seg.past, label %exit, label %seg.body");
+    }
     label("seg.body");
-    line("%lo.c = icmp sgt i64 %begin, %start");
-    line("%lo = select i1 %lo.c, i64 %begin, i64 %start");
-    line("%hi.c = icmp slt i64 %end, %stop");
-    line("%hi = select i1 %hi.c, i64 %end, i64 %stop");
-    line("%lo.rel = sub nsw i64 %lo, %start");
-    line("%hi.rel = sub nsw i64 %hi, %start");
+    if (reduce) {
+      line("%lo.rel = add i64 0, 0");
+      line("%hi.rel = sub nsw i64 %stop, %start");
+    } else {
+      line("%lo.c = icmp sgt i64 %begin, %start");
+      line("%lo = select i1 %lo.c, i64 %begin, i64 %start");
+      line("%hi.c = icmp slt i64 %end, %stop");
+      line("%hi = select i1 %hi.c, i64 %end, i64 %stop");
+      line("%lo.rel = sub nsw i64 %lo, %start");
+      line("%hi.rel = sub nsw i64 %hi, %start");
+    }
     line("%seg.base0 = mul nsw i64 %seg, {}", stride);
     line("%seg.base = add nsw i64 %seg.base0, 1");
     for (size_t p = 0; p < k_.params.size(); ++p) {
@@ -239,6 +256,7 @@ class Emitter {
       }
     }
     var_ = {"%i0"};
+    initialize_accumulators();
     line("store i64 %lo.rel, ptr %o.addr");
     line("br label %outer.head");
     label("outer.head");
@@ -249,10 +267,16 @@ class Emitter {
     line("%i0 = add i64 %o, 0");
     values(k_.body, "v");
     stores(k_.stores);
+    accumulate(0);
     line("%o.next = add nsw i64 %o, 1");
     line("store i64 %o.next, ptr %o.addr");
     line("br label %outer.head");
     label("seg.next");
+    if (reduce) {
+      for (size_t r = 0; r < k_.reductions.size(); ++r) acc_value_[r] = load_final(r);
+      values(k_.epilogue, "e");
+      stores(k_.epilogue_stores);
+    }
     line("store i64 %seg.1, ptr %seg.addr");
     line("br label %seg.head");
     finish_function();

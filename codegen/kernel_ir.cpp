@@ -87,25 +87,39 @@ void list_stores(std::string& out, const std::vector<Store>& stores, const char*
 
 }  // namespace
 
-std::optional<Kernel> multi_tensor_form(const Kernel& kernel, const std::vector<bool>& zero_rank) {
-  if (kernel.is_reduction() || kernel.multi_tensor) return std::nullopt;
+bool is_identity_map(const Kernel& kernel, const Affine& map) {
   size_t rank = kernel.dims.size();
+  if (map.base != 0 || map.coeff.size() != rank) return rank == 0 && map.base == 0;
+  // Row-major strides; a dim of extent 1 contributes nothing, whatever its coefficient.
+  int64_t stride = 1;
+  for (size_t d = rank; d-- > 0;) {
+    if (kernel.dims[d] > 1 && map.coeff[d] != stride) return false;
+    stride *= kernel.dims[d];
+  }
+  return true;
+}
+
+bool is_constant_map(const Kernel& kernel, const Affine& map) {
+  for (size_t d = 0; d < map.coeff.size() && d < kernel.dims.size(); ++d)
+    if (kernel.dims[d] > 1 && map.coeff[d] != 0) return false;
+  return true;
+}
+
+std::optional<Kernel> multi_tensor_form(const Kernel& kernel, const std::vector<bool>& zero_rank) {
+  if (kernel.multi_tensor) return std::nullopt;
+  if (kernel.is_reduction()) {
+    // Whole-tensor reductions in one pass, with 32-bit or wider accumulators: each segment is
+    // then one sweep, as on its own (a 16-bit accumulator's CUDA order would be a thread's).
+    if (kernel.pass_count() != 1) return std::nullopt;
+    for (int d = 0; d < kernel.reduce_from; ++d)
+      if (kernel.dims[d] != 1) return std::nullopt;
+    for (const Reduction& r : kernel.reductions)
+      if (is_half(r.round_to)) return std::nullopt;
+  }
   int64_t numel = 1;
   for (int64_t d : kernel.dims) numel *= d;
-  // Row-major strides; a dim of extent 1 contributes nothing, whatever its coefficient.
-  std::vector<int64_t> strides(rank, 1);
-  for (size_t d = rank; d-- > 1;) strides[d - 1] = strides[d] * kernel.dims[d];
-  auto identity = [&](const Affine& map) {
-    if (map.base != 0 || map.coeff.size() != rank) return rank == 0 && map.base == 0;
-    for (size_t d = 0; d < rank; ++d)
-      if (kernel.dims[d] > 1 && map.coeff[d] != strides[d]) return false;
-    return true;
-  };
-  auto constant = [&](const Affine& map) {
-    for (size_t d = 0; d < map.coeff.size() && d < rank; ++d)
-      if (kernel.dims[d] > 1 && map.coeff[d] != 0) return false;
-    return true;
-  };
+  auto identity = [&](const Affine& map) { return is_identity_map(kernel, map); };
+  auto constant = [&](const Affine& map) { return is_constant_map(kernel, map); };
   auto flat = [](int64_t base, int64_t coeff) {
     Affine a;
     a.base = base;
@@ -115,6 +129,7 @@ std::optional<Kernel> multi_tensor_form(const Kernel& kernel, const std::vector<
   Kernel out = kernel;
   out.name.clear();
   out.dims = {0};
+  if (kernel.is_reduction()) out.reduce_from = 0;
   out.multi_tensor = true;
   for (Value& v : out.body) {
     if (v.op != Op::Load) continue;
@@ -130,6 +145,16 @@ std::optional<Kernel> multi_tensor_form(const Kernel& kernel, const std::vector<
   for (Store& s : out.stores) {
     if (!identity(s.map)) return std::nullopt;
     s.map = flat(0, 1);
+  }
+  // A whole-tensor reduction's epilogue runs once: every map in it is constant.
+  for (Value& v : out.epilogue) {
+    if (v.op != Op::Load) continue;
+    if (!constant(v.map)) return std::nullopt;
+    v.map = flat(v.map.base, 0);
+  }
+  for (Store& s : out.epilogue_stores) {
+    if (!constant(s.map)) return std::nullopt;
+    s.map = flat(s.map.base, 0);
   }
   return out;
 }

@@ -115,14 +115,16 @@ struct Kernel {
   std::vector<Pass> later_passes;  // reduction kernels: passes 1, 2, ... (pass 0 is body/stores)
   std::vector<Value> epilogue;
   std::vector<Store> epilogue_stores;
-  // A multi-tensor kernel (PyTorch's multi_tensor_apply): a rank-1 pointwise kernel run over
-  // several segments at one launch, each with its own parameter pointers, scalar values and
-  // extent. dims[0] is 0 here: extents are launch arguments, so one compiled kernel serves any
-  // number of segments of any sizes. Maps use i0, the index within the current segment.
-  // CPU ABI (emit_llvm): params[0] points to int64 {S, start_0 = 0, start_1, ..., start_S}
-  // (segment s covers [start_s, start_s+1) of their concatenation), then each segment's
-  // parameter pointers followed, when scalars > 0, by a pointer to its double scalars; begin and
-  // end index the concatenation.
+  // A multi-tensor kernel (PyTorch's multi_tensor_apply): a rank-1 kernel run over several
+  // segments at one launch, each with its own parameter pointers, scalar values and extent:
+  // pointwise, or a single-pass reduction of the whole segment (reduce_from 0) whose epilogue
+  // stores the segment's result (a gradient's inf check; lowered alone, its outer dims are 1s).
+  // dims[0] is 0 here: extents are launch arguments, so one compiled kernel serves any number of
+  // segments of any sizes. Maps use i0, the index within the current segment. CPU ABI (emit_llvm):
+  // params[0] points to int64 {S, start_0 = 0, start_1, ..., start_S} (segment s covers [start_s,
+  // start_s+1) of their concatenation), then each segment's parameter pointers followed, when
+  // scalars > 0, by a pointer to its double scalars; begin and end index the concatenation
+  // (pointwise) or the segments (reductions: each whole).
   bool multi_tensor = false;
 
   bool is_reduction() const { return reduce_from >= 0; }
@@ -157,10 +159,16 @@ struct Kernel {
   }
 };
 
-/// The multi-tensor form of a pointwise kernel whose every map is either the row-major identity
-/// over the whole loop nest or a constant (all coefficients zero): the same body over one flat
-/// dim. `zero_rank[p]` says whether param p is 0-d, which decides how to read a map that is both
-/// (a kernel of one element). nullopt when the kernel does not qualify.
+/// Whether `map` reads the loop nest's points in row-major order (element i of the flattened
+/// nest at offset i), or one element at every point; dims of extent 1 are ignored in both.
+bool is_identity_map(const Kernel& kernel, const Affine& map);
+bool is_constant_map(const Kernel& kernel, const Affine& map);
+
+/// The multi-tensor form of a pointwise kernel, or of a single-pass whole-tensor reduction
+/// without a 16-bit accumulator, whose every map is either the row-major identity over the whole
+/// loop nest or a constant (all coefficients zero): the same body over one flat dim. `zero_rank[p]`
+/// says whether param p is 0-d, which decides how to read a map that is both (a kernel of one
+/// element). nullopt when the kernel does not qualify.
 std::optional<Kernel> multi_tensor_form(const Kernel& kernel, const std::vector<bool>& zero_rank);
 
 Type register_type(DType dtype);

@@ -133,7 +133,17 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
     {
       apply_flush_denormal();
       int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-      function(args, extent * t / n, extent * (t + 1) / n);
+      if (kernel.multi_tensor && kernel.is_reduction()) {
+        // Whole segments, a thread taking those that start in its share of the elements.
+        const int64_t* starts = step.segment_table.data() + 1;
+        int64_t total = starts[extent];
+        auto first_from = [&](int64_t share) {
+          return std::lower_bound(starts, starts + extent, total * share / n) - starts;
+        };
+        function(args, first_from(t), t + 1 == n ? extent : first_from(t + 1));
+      } else {
+        function(args, extent * t / n, extent * (t + 1) / n);
+      }
     }
   }
   for (size_t i = 0; i < count; ++i)

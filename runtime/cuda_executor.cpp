@@ -156,6 +156,41 @@ void compile_pending() {
   }
 }
 
+// Launches a multi-tensor step in chunks of as many segments as the kernel's argument holds
+// (emit_cuda.h's ABI): `pointers` and `scalars` hold every segment's in turn.
+void launch_multi_tensor(const Step& step, const LoadedKernel& loaded,
+                         const std::vector<cuda::CUdeviceptr>& pointers,
+                         const std::vector<double>& scalars) {
+  const kir::Kernel& kernel = *step.kernel;
+  int64_t capacity = cuda_multi_tensor_capacity(kernel);
+  int64_t params = static_cast<int64_t>(kernel.params.size()), slots = kernel.scalars;
+  int64_t segments = step.segments();
+  const int64_t* start = step.segment_table.data() + 1;
+  for (int64_t first = 0; first < segments; first += capacity) {
+    int64_t count = std::min(capacity, segments - first);
+    std::vector<uint64_t> table(cuda_multi_tensor_table_bytes / 8, 0);
+    uint64_t* starts = table.data() + 1;
+    uint64_t* segment_pointers = starts + capacity + 1;
+    double* segment_scalars = reinterpret_cast<double*>(segment_pointers + capacity * params);
+    table[0] = static_cast<uint64_t>(count);
+    int64_t largest = 0;
+    for (int64_t s = 0; s < count; ++s) {
+      int64_t at = first + s;
+      starts[s + 1] = static_cast<uint64_t>(start[at + 1] - start[first]);
+      largest = std::max(largest, start[at + 1] - start[at]);
+      for (int64_t p = 0; p < params; ++p)
+        segment_pointers[s * params + p] = pointers[static_cast<size_t>(at * params + p)];
+      for (int64_t k = 0; k < slots; ++k)
+        segment_scalars[s * slots + k] = scalars[static_cast<size_t>(at * slots + k)];
+    }
+    if (largest == 0 && !kernel.is_reduction()) continue;  // a reduction stores even then
+    CudaLaunch shape = cuda_multi_tensor_launch(kernel, count, largest);
+    void* args[] = {table.data()};  // cuLaunchKernel copies the argument at the call
+    cuda::launch(loaded.function, {shape.grid, 1, 1}, {shape.block, 1, 1}, shape.shared_bytes,
+                 args);
+  }
+}
+
 void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signature& sig) {
   const LoadedKernel& loaded = *reinterpret_cast<const LoadedKernel*>(step.compiled);
   const kir::Kernel& kernel = *step.kernel;
@@ -167,7 +202,7 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
   ExecutionStats& s = stats();
   for (size_t i = 0; i < count; ++i) {
     Node* node = sig.resolve(step.params[i], pending);
-    if (kernel.params[i].output) {
+    if (step.param_is_output(i)) {
       auto value = device_value(node->storage, node->numel());
       pointers[i] = value->device->buffer.address();
       s.bytes_written += value->size_bytes();
@@ -180,11 +215,15 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
   }
   std::vector<double> scalars;
   for (NodeRef ref : step.scalar_nodes) scalars.push_back(fill_value(*sig.resolve(ref, pending)));
-  std::vector<void*> args;
-  for (cuda::CUdeviceptr& pointer : pointers) args.push_back(&pointer);
-  for (double& scalar : scalars) args.push_back(&scalar);
-  cuda::launch(loaded.function, {loaded.launch.grid, 1, 1}, {loaded.launch.block, 1, 1},
-               loaded.launch.shared_bytes, args.data());
+  if (kernel.multi_tensor) {
+    launch_multi_tensor(step, loaded, pointers, scalars);
+  } else {
+    std::vector<void*> args;
+    for (cuda::CUdeviceptr& pointer : pointers) args.push_back(&pointer);
+    for (double& scalar : scalars) args.push_back(&scalar);
+    cuda::launch(loaded.function, {loaded.launch.grid, 1, 1}, {loaded.launch.block, 1, 1},
+                 loaded.launch.shared_bytes, args.data());
+  }
   for (size_t i = 0; i < outputs.size(); ++i) outputs[i]->value = std::move(values[i]);
   ++s.kernels;
   s.kernel_nodes += step.members;
@@ -289,7 +328,9 @@ ExecutedProgram execute_cuda(const std::vector<Node*>& pending,
   Storage::set_host_fetch(fetch_to_host);
   FusionOptions options = fusion_options(Device::cuda);
   ExecutedProgram executed;
-  executed.sig = sign(pending, required, options.fuse, "mixtape-cuda-program-1");
+  executed.sig =
+      sign(pending, required, options.fuse,
+           options.multi_tensor ? "mixtape-cuda-program-1/multi-tensor" : "mixtape-cuda-program-1");
   static ProgramCache programs;
   executed.program = programs.get(pending, options, executed.sig, register_kernel);
   compile_pending();

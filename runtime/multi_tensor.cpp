@@ -154,7 +154,8 @@ Step multi_tensor_step(const std::vector<size_t>& set, std::vector<PendingKernel
     for (Node* node : lowered.scalar_nodes) step.scalar_nodes.push_back(sig.refs.at(node));
     step.members += kernels[i]->members;
   }
-  step.parallel_extent = total;
+  // Threads split a pointwise kernel's elements, a reduction's segments (each swept whole).
+  step.parallel_extent = flat.is_reduction() ? static_cast<int64_t>(set.size()) : total;
   step.points = total;
   if (log_enabled("fusion"))
     log_line("fusion", "multi-tensor step {}: {} kernels, {} elements", flat.name, set.size(),

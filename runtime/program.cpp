@@ -365,7 +365,7 @@ FusionOptions fusion_options(Device device) {
   FusionOptions options;
   options.fuse = !eager_mode();
   options.multi_pass = device != Device::cuda;
-  options.multi_tensor = device == Device::cpu && options.fuse && multi_tensor_steps();
+  options.multi_tensor = device != Device::reference && options.fuse && multi_tensor_steps();
   return options;
 }
 

@@ -449,8 +449,9 @@ void add_data_movement(Table& t) {
   });
   add(t, OpCode::Unslice, "unslice [3] into [7] from 4", {{{3}}},
       [](const Tensors& x) { return mt::unslice(x[0], {4}, {1}, {7}); });
-  add(t, OpCode::Unslice, "unslice [2,2,3] rows into [3,4,5]", {{{2, 2, 3}}},
-      [](const Tensors& x) { return mt::unslice(x[0], {1, 2, 1}, {1, 1, 1}, {3, 4, 5}); });
+  add(t, OpCode::Unslice, "unslice [2,2,3] rows into [3,4,5]", {{{2, 2, 3}}}, [](const Tensors& x) {
+    return mt::unslice(x[0], {1, 2, 1}, {1, 1, 1}, {3, 4, 5});
+  });
 
   add(t, OpCode::Concat, "concat 3 inputs axis 1", {{{2, 1, 3}}, {{2, 2, 3}}, {{2, 3, 3}}},
       [](const Tensors& x) { return mt::concat(x, 1); });

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "codegen/emit_cuda.h"
+#include "codegen/hash.h"
 #include "codegen/kernel_cache.h"
 #include "codegen/nvrtc.h"
 #include "examples/char_gpt_model.h"
@@ -62,17 +63,24 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 const char* policy_names[] = {"fp32", "autocast-f16", "autocast-bf16", "pure-f16", "pure-bf16"};
 
-// Every kernel the CPU back end runs while `steps` runs, by name. The CUDA executor forms no
-// multi-tensor steps (and CUDA cannot emit them), so the CPU runs without them here too: the
-// kernels collected are the per-parameter ones CUDA runs.
+// Every kernel the CPU back end runs while `steps` runs, by name, and the multi-tensor form of
+// each pointwise one that has one, named as the program builder names it. The CPU runs without
+// multi-tensor steps here, so that every kernel is seen as it runs alone too (a set of one).
 std::map<std::string, kir::Kernel> kernels_of(const std::function<void()>& steps) {
   std::map<std::string, kir::Kernel> seen;
   mt::Device previous = mt::current_device();
   bool multi_tensor = mt::multi_tensor_steps();
   mt::set_multi_tensor_steps(false);
   mt::set_device(mt::Device::cpu);
-  mt::set_kernel_observer(
-      [&](const mt::LoweredKernel& lowered) { seen.emplace(lowered.kernel.name, lowered.kernel); });
+  mt::set_kernel_observer([&](const mt::LoweredKernel& lowered) {
+    seen.emplace(lowered.kernel.name, lowered.kernel);
+    std::vector<bool> zero_rank;
+    for (const mt::Node* node : lowered.nodes) zero_rank.push_back(node->shape.empty());
+    if (std::optional<kir::Kernel> flat = kir::multi_tensor_form(lowered.kernel, zero_rank)) {
+      flat->name = "mt_" + mt::hash_string(kir::to_string(*flat)).hex();
+      seen.emplace(flat->name, *flat);
+    }
+  });
   try {
     steps();
   } catch (...) {
@@ -239,7 +247,7 @@ TEST(Nvrtc, EveryKernelOfFourModelsUnderEveryPolicyCompiles) {
     std::vector<std::string> names;
   };
   std::vector<Program> programs;
-  int64_t pointwise = 0, reductions = 0, scalar_kernels = 0;
+  int64_t pointwise = 0, reductions = 0, scalar_kernels = 0, multi_tensor = 0, vectorized = 0;
   for (const Model& model : models()) {
     std::map<std::string, kir::Kernel> fresh;
     for (const char* policy : policy_names) {
@@ -253,12 +261,18 @@ TEST(Nvrtc, EveryKernelOfFourModelsUnderEveryPolicyCompiles) {
     // per-program overhead dominates.
     Program program{model.name, "", {}};
     for (auto& [name, kernel] : fresh) {
-      program.source += mt::emit_cuda(kernel);
+      std::string source = mt::emit_cuda(kernel);
+      vectorized += source.find("mt_pack<", source.find("#endif  // MIXTAPE_CUDA_PRELUDE")) !=
+                    std::string::npos;
+      program.source += source;
       program.names.push_back(name);
       mt::CudaLaunch launch = mt::cuda_launch_shape(kernel);
       EXPECT_GE(launch.grid, 1u);
       EXPECT_TRUE(launch.block >= 32 && launch.block <= 256 && launch.block % 32 == 0) << name;
-      (kernel.is_reduction() ? reductions : pointwise) += 1;
+      if (kernel.multi_tensor) {
+        EXPECT_GE(mt::cuda_multi_tensor_capacity(kernel), 20) << name;
+      }
+      (kernel.multi_tensor ? multi_tensor : kernel.is_reduction() ? reductions : pointwise) += 1;
       scalar_kernels += kernel.scalars > 0;
     }
     std::printf("%-18s %3zu new kernels, %zu bytes of CUDA C++\n", model.name.c_str(), fresh.size(),
@@ -291,10 +305,12 @@ TEST(Nvrtc, EveryKernelOfFourModelsUnderEveryPolicyCompiles) {
 
   mt::NvrtcStats stats = mt::nvrtc_stats();
   std::printf(
-      "%zu distinct kernels (%lld pointwise, %lld reductions, %lld with scalar slots); "
+      "%zu distinct kernels (%lld multi-tensor, %lld other pointwise of which %lld vectorized, "
+      "%lld other reductions; %lld with scalar slots); "
       "NVRTC %s: %lld programs compiled, %lld from the cache%s\n"
       "seconds: collecting on the CPU %.1f, NVRTC and ptxas %.1f (wall, 2 threads)\n",
-      all.size(), static_cast<long long>(pointwise), static_cast<long long>(reductions),
+      all.size(), static_cast<long long>(multi_tensor), static_cast<long long>(pointwise),
+      static_cast<long long>(vectorized), static_cast<long long>(reductions),
       static_cast<long long>(scalar_kernels), mt::nvrtc_version().c_str(),
       static_cast<long long>(stats.compiled), static_cast<long long>(stats.cache_hits),
       ptxas.empty() ? "" : "; PTX assembled by ptxas for sm_80 and sm_90", collect_seconds,
@@ -302,6 +318,8 @@ TEST(Nvrtc, EveryKernelOfFourModelsUnderEveryPolicyCompiles) {
   EXPECT_GT(all.size(), 50u);
   EXPECT_GT(reductions, 5);
   EXPECT_GT(scalar_kernels, 0);
+  EXPECT_GT(multi_tensor, 20);
+  EXPECT_GT(vectorized, 50);
 }
 
 // ---- golden sources: kernels built by hand, emitted text compared with tests/golden/ ----
@@ -457,6 +475,62 @@ kir::Kernel softmax_rows() {
   return k;
 }
 
+// The SGD step above without its counter, in its multi-tensor form: every param of every
+// segment is a pointer in the table, the found_inf flag 0-d.
+kir::Kernel multi_tensor_sgd_step() {
+  kir::Kernel k = scalar_sgd_step();
+  k.params = {k.params[0], k.params[1], k.params[2], k.params[4]};
+  k.body.erase(k.body.begin() + 7, k.body.end());
+  k.stores = {{3, 6, kir::Affine{0, {1}}}};
+  std::optional<kir::Kernel> flat = kir::multi_tensor_form(k, {false, false, true, false});
+  EXPECT_TRUE(flat.has_value());
+  flat->name = "golden_multi_tensor_sgd_step";
+  return *flat;
+}
+
+// A pointwise f16/f32 chain whose maps are all the identity or a constant: each thread moves 4
+// points per pack (16 bytes of f32, 8 of f16). Over [6, 42] the packs cover every point; over
+// [250] two points are left for the tail loop. y = f16(x * scale + b), z = b * 2 with x f16,
+// b f32 and scale a 0-d f32.
+kir::Kernel vector_f16_chain(std::vector<int64_t> dims, const char* name) {
+  kir::Kernel k;
+  k.name = name;
+  k.dims = dims;
+  std::vector<int64_t> identity =
+      dims.size() == 2 ? std::vector<int64_t>{dims[1], 1} : std::vector<int64_t>{1};
+  std::vector<int64_t> zero(dims.size(), 0);
+  k.params = {
+      {mt::f16, false}, {mt::f32, false}, {mt::f32, false}, {mt::f16, true}, {mt::f32, true}};
+  k.body = {load(0, identity),
+            load(2, zero),
+            op(Op::Mul, Type::f32, 0, 1),
+            load(1, identity),
+            op(Op::Add, Type::f32, 2, 3),
+            round_to(4, mt::f16),
+            constant(Type::f32, 2.0),
+            op(Op::Mul, Type::f32, 3, 6)};
+  k.stores = {{3, 5, kir::Affine{0, identity}}, {4, 7, kir::Affine{0, identity}}};
+  return k;
+}
+kir::Kernel vector_f16_chain() { return vector_f16_chain({6, 42}, "golden_vector_f16_chain"); }
+
+// GradScaler's inf check of a [4, 50] bf16 gradient, sum(g - g) into an f32 0-d flag (0, or
+// NaN when an element is not finite), in its multi-tensor form: a block per gradient.
+kir::Kernel multi_tensor_inf_check() {
+  kir::Kernel k;
+  k.dims = {4, 50};
+  k.reduce_from = 0;
+  k.params = {{mt::bf16, false}, {mt::f32, true}};
+  k.body = {load(0, {50, 1}), op(Op::Sub, Type::f32, 0, 0)};
+  k.reductions = {{kir::ReduceKind::Sum, Type::f32, 1}};
+  k.epilogue = {special(Op::Accumulated, Type::f32, 0)};
+  k.epilogue_stores = {{1, 0, kir::Affine{0, {0, 0}}}};
+  std::optional<kir::Kernel> flat = kir::multi_tensor_form(k, {false, true});
+  EXPECT_TRUE(flat.has_value());
+  flat->name = "golden_multi_tensor_inf_check";
+  return *flat;
+}
+
 class Golden : public ::testing::TestWithParam<std::pair<const char*, kir::Kernel (*)()>> {};
 
 // Every source starts with the same guarded device helpers (codegen/emit_cuda.cpp's prelude);
@@ -505,12 +579,26 @@ TEST(Golden, AllGoldenKernelsCompileInOneProgram) {
   SKIP_WITHOUT_NVRTC();
   std::string source = mt::emit_cuda(bf16_broadcast_chain()) + mt::emit_cuda(row_max_and_sum()) +
                        mt::emit_cuda(half_accumulator_sum()) + mt::emit_cuda(scalar_sgd_step());
-  source += mt::emit_cuda(two_inner_dims_sum()) + mt::emit_cuda(softmax_rows());
+  source += mt::emit_cuda(two_inner_dims_sum()) + mt::emit_cuda(softmax_rows()) +
+            mt::emit_cuda(multi_tensor_sgd_step()) + mt::emit_cuda(multi_tensor_inf_check()) +
+            mt::emit_cuda(vector_f16_chain()) +
+            mt::emit_cuda(vector_f16_chain({250}, "vector_f16_chain_with_tail"));
   std::string ptx = mt::compile_cuda(source, "compute_90", "golden.cu");
   for (const char* name :
        {"golden_bf16_broadcast_chain", "golden_row_max_and_sum", "golden_half_accumulator_sum",
-        "golden_scalar_sgd_step", "two_inner_dims_sum", "golden_softmax_rows"})
+        "golden_scalar_sgd_step", "two_inner_dims_sum", "golden_softmax_rows",
+        "golden_multi_tensor_sgd_step", "golden_multi_tensor_inf_check", "golden_vector_f16_chain",
+        "vector_f16_chain_with_tail"})
     EXPECT_TRUE(has_kernel_entry(ptx, name)) << name;
+  // Packs are single 16-byte (f32) and 8-byte (f16) accesses.
+  std::string vector = mt::compile_cuda(mt::emit_cuda(vector_f16_chain()), "compute_90", "v.cu");
+  EXPECT_NE(vector.find("ld.global.nc.v4.f32"), std::string::npos) << vector;
+  EXPECT_NE(vector.find("st.global.v4.f32"), std::string::npos) << vector;
+  EXPECT_NE(vector.find(".v4.u16"), std::string::npos) << vector;
+  // The multi-tensor kernel's one argument is the whole table, as the executor fills it.
+  EXPECT_NE(ptx.find(fmt::format("golden_multi_tensor_sgd_step_param_0[{}]",
+                                 mt::cuda_multi_tensor_table_bytes)),
+            std::string::npos);
   // IEEE arithmetic: nothing may be contracted into an FMA (the CPU rounds a*b and a*b+c apart).
   // libm bodies (tanhf, logf) use fma on purpose, so look at the SGD kernel alone.
   std::string sgd = mt::compile_cuda(mt::emit_cuda(scalar_sgd_step()), "compute_90", "sgd.cu");
@@ -524,7 +612,11 @@ INSTANTIATE_TEST_SUITE_P(
                       std::pair{"cuda_row_max_and_sum.cu", &row_max_and_sum},
                       std::pair{"cuda_half_accumulator_sum.cu", &half_accumulator_sum},
                       std::pair{"cuda_scalar_sgd_step.cu", &scalar_sgd_step},
-                      std::pair{"cuda_softmax_rows.cu", &softmax_rows}),
+                      std::pair{"cuda_softmax_rows.cu", &softmax_rows},
+                      std::pair{"cuda_multi_tensor_sgd_step.cu", &multi_tensor_sgd_step},
+                      std::pair{"cuda_multi_tensor_inf_check.cu", &multi_tensor_inf_check},
+                      std::pair{"cuda_vector_f16_chain.cu",
+                                static_cast<kir::Kernel (*)()>(&vector_f16_chain)}),
     [](const auto& info) {
       std::string name = info.param.first;
       name = name.substr(5, name.size() - 8);
@@ -547,6 +639,23 @@ TEST(CudaLaunch, ShapesFollowTheKernel) {
   EXPECT_EQ(wide.block, 256u);
   EXPECT_EQ(wide.grid, 8192u);  // grid-stride beyond that
   EXPECT_EQ(wide.shared_bytes, 0u);
+  // Multi-tensor: 8-byte words for count and starts, then 4 pointers and 1 scalar per segment.
+  kir::Kernel sgd = multi_tensor_sgd_step();
+  int64_t capacity = mt::cuda_multi_tensor_capacity(sgd);
+  EXPECT_EQ(capacity, (4096 / 8 - 2) / 6);
+  EXPECT_LE(8 * (2 + capacity * 6), mt::cuda_multi_tensor_table_bytes);
+  EXPECT_EQ(mt::cuda_launch_shape(sgd).block, 256u);
+  EXPECT_EQ(mt::cuda_multi_tensor_launch(sgd, 9, 1).grid, 1u);
+  EXPECT_EQ(mt::cuda_multi_tensor_launch(sgd, 9, 257).grid, 2u);
+  EXPECT_EQ(mt::cuda_multi_tensor_launch(sgd, 9, int64_t{1} << 30).grid, 8192u);
+  // Vectorized: 4 points a thread (f32 packs of 16 bytes), so 63 threads for [6, 42].
+  mt::CudaLaunch packed = mt::cuda_launch_shape(vector_f16_chain());
+  EXPECT_EQ(packed.grid, 1u);
+  EXPECT_EQ(packed.block, 64u);
+  // A reduction: a block of 256 per segment, whatever the segments' sizes.
+  kir::Kernel check = multi_tensor_inf_check();
+  EXPECT_EQ(mt::cuda_multi_tensor_launch(check, 9, int64_t{1} << 30).grid, 9u);
+  EXPECT_EQ(mt::cuda_multi_tensor_launch(check, 9, 0).block, 256u);
 }
 
 // ---- errors and the cache ----

@@ -423,6 +423,97 @@ TEST_P(GpuTraining, EveryPolicyMatchesTheCpuAndLaterStepsCompileNothing) {
 INSTANTIATE_TEST_SUITE_P(Gpu, GpuTraining, ::testing::Range(0, 4),
                          [](const auto& info) { return models()[info.param].name; });
 
+// ---- multi-tensor steps: one launch updates many parameters.
+
+struct ManyUpdates {
+  std::vector<std::vector<double>> parameters;
+  mt::ExecutionStats last;  // of the last step
+};
+
+// 70 parameters of sizes 1 to 3000, one larger than a full grid (so its threads stride), and
+// the loss a sum of their squares: every gradient and update is pointwise, and the updates of
+// one optimizer form one multi-tensor step whose segments need two of CUDA's launches.
+ManyUpdates update_many(mt::Device device, bool adam) {
+  DeviceScope scope;
+  mt::set_device(device);
+  mt::Generator gen(31);
+  std::vector<mt::Tensor> params;
+  for (int64_t i = 0; i < 70; ++i) {
+    int64_t n = i == 7 ? 3'000'000 : 1 + (i * 977) % 3000;
+    params.push_back(
+        mt::tensor(mt::randn({n}, mt::f32, &gen).to_vector<float>(), {n}).requires_grad_());
+  }
+  std::unique_ptr<mt::Optimizer> optimizer;
+  if (adam)
+    optimizer =
+        std::make_unique<mt::AdamW>(params, mt::AdamOptions{.lr = 1e-2, .weight_decay = 0.1});
+  else
+    optimizer = std::make_unique<mt::SGD>(params, mt::SGDOptions{.lr = 0.05, .momentum = 0.9});
+  ManyUpdates out;
+  for (int step = 0; step < 3; ++step) {
+    mt::reset_execution_stats();
+    optimizer->zero_grad();
+    mt::Tensor loss = mt::sum(params[0] * params[0]);
+    for (size_t i = 1; i < params.size(); ++i) loss = loss + mt::sum(params[i] * params[i]);
+    loss.backward();
+    optimizer->step();
+    mt::eval(params);
+    out.last = mt::execution_stats();
+  }
+  for (const mt::Tensor& p : params) out.parameters.push_back(p.to_vector<double>());
+  return out;
+}
+
+// The updates are pointwise and IEEE, so both devices give the same bits; the GPU runs the
+// same number of kernels as the CPU, whose multi-tensor steps it shares.
+TEST(GpuMultiTensor, SeventyUpdatesMatchTheCpuInTheSameKernelCount) {
+  SKIP_WITHOUT_CUDA();
+  for (bool adam : {false, true}) {
+    ManyUpdates expected = update_many(baseline(), adam);
+    ManyUpdates actual = update_many(tested(), adam);
+    ASSERT_EQ(actual.parameters.size(), expected.parameters.size());
+    for (size_t p = 0; p < expected.parameters.size(); ++p)
+      EXPECT_EQ(first_difference(expected.parameters[p], actual.parameters[p], mt::f32, 0), "")
+          << (adam ? "AdamW" : "SGD") << " parameter " << p;
+    if (!dry_run()) {
+      EXPECT_EQ(actual.last.kernels, expected.last.kernels);
+    }
+    EXPECT_LT(actual.last.kernels, 70) << "the updates did not share a launch";
+  }
+}
+
+// 200 whole-tensor sums of independent tensors (empty to 3M elements): one multi-tensor
+// reduction step, a block per tensor, in two launches on the GPU. An f32 sum of 3M terms is
+// good to a few parts in 10^6 in any order.
+TEST(GpuMultiTensor, TwoHundredWholeSumsMatchTheCpu) {
+  SKIP_WITHOUT_CUDA();
+  auto sums = [](mt::Device device) {
+    DeviceScope scope;
+    mt::set_device(device);
+    mt::Generator gen(41);
+    std::vector<mt::Tensor> outs;
+    for (int64_t i = 0; i < 200; ++i) {
+      int64_t n = i == 11 ? 3'000'000 : (i * 7919) % 5000;
+      mt::Tensor x = mt::tensor(mt::randn({n}, mt::f32, &gen).to_vector<float>(), {n});
+      outs.push_back(mt::sum(x * x - 0.5));
+    }
+    mt::reset_execution_stats();
+    mt::eval(outs);
+    std::vector<double> values;
+    for (const mt::Tensor& t : outs) values.push_back(t.item());
+    return std::pair{values, mt::execution_stats().kernels};
+  };
+  auto [expected, expected_kernels] = sums(baseline());
+  auto [actual, actual_kernels] = sums(tested());
+  ASSERT_EQ(actual.size(), expected.size());
+  for (size_t i = 0; i < expected.size(); ++i)
+    EXPECT_NEAR(actual[i], expected[i], 2e-5 * (1 + std::fabs(expected[i]))) << "sum " << i;
+  EXPECT_EQ(actual_kernels, 1);
+  if (!dry_run()) {
+    EXPECT_EQ(expected_kernels, 1);
+  }
+}
+
 // A step whose scaled gradients overflow f16 is skipped and the scale halves, on the GPU as on
 // the CPU; the next, finite step updates the parameters.
 TEST(GpuLossScaling, AnOverflowStepIsSkippedAndTheScaleHalves) {
