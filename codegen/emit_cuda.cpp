@@ -913,6 +913,8 @@ class Emitter {
 
 std::string emit_cuda(const kir::Kernel& kernel) { return Emitter(kernel).run(); }
 
+const char* cuda_prelude() { return prelude; }
+
 CudaLaunch cuda_launch_shape(const kir::Kernel& kernel) {
   Plan p = plan(kernel);
   return CudaLaunch{p.grid, p.block, 0};

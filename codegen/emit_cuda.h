@@ -40,6 +40,10 @@ namespace mixtape {
 /// can be concatenated into one NVRTC program.
 std::string emit_cuda(const kir::Kernel& kernel);
 
+/// The guarded device helpers every emitted source starts with (f16/bf16 conversions and
+/// rounding, ...), for hand-written kernels that must round exactly as emitted ones.
+const char* cuda_prelude();
+
 /// How the runtime must launch the kernel emit_cuda printed: a 1-D grid of `grid` blocks of
 /// exactly `block` threads (reduction kernels size their shared memory for `block`) and
 /// `shared_bytes` of dynamic shared memory.

@@ -1,6 +1,8 @@
 // runtime/cuda_executor.cpp -- runs fusion groups on an NVIDIA GPU: NVRTC kernels, cuBLASLt
 // matmuls, host ops; values stay in device memory until the host reads them.
 #include "runtime/cuda_executor.h"
+#include "runtime/cuda_movement.h"
+#include "runtime/cuda_values.h"
 
 #include <algorithm>
 #include <atomic>
@@ -50,23 +52,6 @@ void fetch_to_host(Storage& storage) {
   if (bytes > 0) cuda::download(storage.bytes.data(), storage.device->buffer.address(), bytes);
   stats().bytes_downloaded += bytes;
   storage.host_stale.store(false, std::memory_order_release);
-}
-
-// The device address of a value, uploading a host value the first time a GPU step reads it.
-cuda::CUdeviceptr device_address(Storage& storage) {
-  if (!storage.device) {
-    int64_t bytes = storage.size_bytes();
-    auto copy = device_memory(bytes);
-    if (bytes > 0) cuda::upload(copy->buffer.address(), storage.host_data(), bytes);
-    stats().bytes_uploaded += bytes;
-    storage.device = std::move(copy);
-  }
-  return storage.device->buffer.address();
-}
-
-std::shared_ptr<Storage> device_value(DType dtype, int64_t count) {
-  return std::make_shared<Storage>(dtype, count,
-                                   device_memory(count * static_cast<int64_t>(size_of(dtype))));
 }
 
 std::string device_arch() { return "sm_" + std::to_string(cuda::compute_capability()); }
@@ -229,39 +214,15 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
   s.kernel_nodes += step.members;
 }
 
-// A GPU copy of `value` converted to `dtype` (both f32, f16 or bf16), by a one-line kernel that
-// rounds exactly as the CPU back end's conversions do (RNE).
-std::shared_ptr<Storage> convert_on_device(Storage& value, DType dtype) {
-  kir::Kernel kernel;
-  kernel.name =
-      fmt::format("mixtape_convert_{}_{}_{}", name(value.dtype), name(dtype), value.count);
-  kernel.params = {{value.dtype, false}, {dtype, true}};
-  kernel.dims = {value.count};
-  kir::Value load(kir::Op::Load, kir::register_type(value.dtype));
-  load.param = 0;
-  load.map = {0, {1}};
-  kernel.body.push_back(load);
-  if (is_half(dtype)) {  // stores expect values already rounded to their type, as lower() makes
-    kir::Value rounded(kir::Op::RoundTo, kir::Type::f32);
-    rounded.a = 0;
-    rounded.dtype = dtype;
-    kernel.body.push_back(rounded);
-  }
-  kernel.stores.push_back({1, static_cast<int32_t>(kernel.body.size()) - 1, {0, {1}}});
-  const LoadedKernel& loaded = *reinterpret_cast<const LoadedKernel*>(register_kernel(kernel));
-  compile_pending();
-  auto out = device_value(dtype, value.count);
-  cuda::CUdeviceptr in_ptr = device_address(value), out_ptr = out->device->buffer.address();
-  void* args[] = {&in_ptr, &out_ptr};
-  cuda::launch(loaded.function, {loaded.launch.grid, 1, 1}, {loaded.launch.block, 1, 1},
-               loaded.launch.shared_bytes, args);
-  ++stats().kernels;
-  return out;
-}
-
 void run_on_host(Node& node) {
   node.value = reference_compute(node);
   ++stats().host_ops;
+}
+
+// Steps without a generated kernel: the data movement ops on the GPU where it has kernels for
+// them, the rest (random numbers, gathers along an index tensor, ...) on the host.
+void run_other(Node& node) {
+  if (!run_movement_on_device(node)) run_on_host(node);
 }
 
 bool half_or_f32(DType t) { return t == f32 || is_half(t); }
@@ -319,6 +280,51 @@ const std::string& cached_reason() {
 
 }  // namespace
 
+cuda::CUdeviceptr device_address(Storage& storage) {
+  if (!storage.device) {
+    int64_t bytes = storage.size_bytes();
+    auto copy = device_memory(bytes);
+    if (bytes > 0) cuda::upload(copy->buffer.address(), storage.host_data(), bytes);
+    stats().bytes_uploaded += bytes;
+    storage.device = std::move(copy);
+  }
+  return storage.device->buffer.address();
+}
+
+std::shared_ptr<Storage> device_value(DType dtype, int64_t count) {
+  return std::make_shared<Storage>(dtype, count,
+                                   device_memory(count * static_cast<int64_t>(size_of(dtype))));
+}
+
+// A one-line kernel whose store rounds as lower() makes every store round.
+std::shared_ptr<Storage> convert_on_device(Storage& value, DType dtype) {
+  kir::Kernel kernel;
+  kernel.name =
+      fmt::format("mixtape_convert_{}_{}_{}", name(value.dtype), name(dtype), value.count);
+  kernel.params = {{value.dtype, false}, {dtype, true}};
+  kernel.dims = {value.count};
+  kir::Value load(kir::Op::Load, kir::register_type(value.dtype));
+  load.param = 0;
+  load.map = {0, {1}};
+  kernel.body.push_back(load);
+  if (is_half(dtype)) {  // stores expect values already rounded to their type, as lower() makes
+    kir::Value rounded(kir::Op::RoundTo, kir::Type::f32);
+    rounded.a = 0;
+    rounded.dtype = dtype;
+    kernel.body.push_back(rounded);
+  }
+  kernel.stores.push_back({1, static_cast<int32_t>(kernel.body.size()) - 1, {0, {1}}});
+  const LoadedKernel& loaded = *reinterpret_cast<const LoadedKernel*>(register_kernel(kernel));
+  compile_pending();
+  auto out = device_value(dtype, value.count);
+  cuda::CUdeviceptr in_ptr = device_address(value), out_ptr = out->device->buffer.address();
+  void* args[] = {&in_ptr, &out_ptr};
+  cuda::launch(loaded.function, {loaded.launch.grid, 1, 1}, {loaded.launch.block, 1, 1},
+               loaded.launch.shared_bytes, args);
+  ++stats().kernels;
+  return out;
+}
+
 bool cuda_backend_available() { return cached_reason().empty(); }
 std::string cuda_backend_unavailable_reason() { return cached_reason(); }
 
@@ -339,7 +345,7 @@ ExecutedProgram execute_cuda(const std::vector<Node*>& pending,
 }
 
 void replay_cuda(const ExecutedProgram& executed, const std::vector<Node*>& pending) {
-  run_program(*executed.program, pending, executed.sig, {run_kernel, run_matmul, run_on_host});
+  run_program(*executed.program, pending, executed.sig, {run_kernel, run_matmul, run_other});
 }
 
 void cuda_synchronize() {

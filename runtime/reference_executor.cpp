@@ -454,23 +454,27 @@ int64_t checked_index(const Node& node, int64_t index, int64_t dim, int64_t axis
   return index;
 }
 
+// IndexSelect's (of its input's) and IndexAdd's (of its output's) indices along the axis.
+int64_t indexed_dim(const Node& node) {
+  const Shape& shape = node.op == OpCode::IndexSelect ? node.inputs[0]->shape : node.shape;
+  return shape[node.attrs.axis];
+}
+
 StoragePtr ref_IndexSelect(const Node& node) {
   StoragePtr out = new_storage(node);
   const Shape& shape = node.inputs[0]->shape;
   int64_t axis = node.attrs.axis, outer = 1, inner = 1, dim = shape[axis];
   for (int64_t d = 0; d < axis; ++d) outer *= shape[d];
   for (size_t d = axis + 1; d < shape.size(); ++d) inner *= shape[d];
-  std::vector<int64_t> index = load_all<int64_t>(value_of(node, 1));
+  std::vector<int64_t> index = checked_indices(node);
   int64_t count = static_cast<int64_t>(index.size());
   size_t bytes = size_of(node.storage);
   StoragePtr converted = input_as_storage(node, 0);
   const Storage& in = *converted;
   for (int64_t o = 0; o < outer; ++o)
-    for (int64_t j = 0; j < count; ++j) {
-      int64_t row = checked_index(node, index[j], dim, axis);
+    for (int64_t j = 0; j < count; ++j)
       std::memcpy(out->host_data() + ((o * count + j) * inner) * bytes,
-                  in.host_data() + ((o * dim + row) * inner) * bytes, inner * bytes);
-    }
+                  in.host_data() + ((o * dim + index[j]) * inner) * bytes, inner * bytes);
   return out;
 }
 
@@ -480,14 +484,13 @@ StoragePtr ref_IndexAdd(const Node& node) {
   int64_t axis = node.attrs.axis, outer = 1, inner = 1, dim = shape[axis];
   for (int64_t d = 0; d < axis; ++d) outer *= shape[d];
   for (size_t d = axis + 1; d < shape.size(); ++d) inner *= shape[d];
-  std::vector<int64_t> index = load_all<int64_t>(value_of(node, 1));
+  std::vector<int64_t> index = checked_indices(node);
   int64_t count = static_cast<int64_t>(index.size());
   std::vector<double> acc = load_all<double>(value_of(node, 0));
   auto add_rows = [&](const auto* source) {
     for (int64_t o = 0; o < outer; ++o)
       for (int64_t j = 0; j < count; ++j) {
-        int64_t row = checked_index(node, index[j], dim, axis);
-        double* to = acc.data() + (o * dim + row) * inner;
+        double* to = acc.data() + (o * dim + index[j]) * inner;
         const auto* from = source + (o * count + j) * inner;
         for (int64_t i = 0; i < inner; ++i) to[i] += static_cast<double>(from[i]);
       }
@@ -553,6 +556,13 @@ StoragePtr ref_ScatterAdd(const Node& node) {
 StoragePtr ref_Custom(const Node& node) { return input_as_storage(node, 0); }
 
 }  // namespace
+
+std::vector<int64_t> checked_indices(const Node& node) {
+  std::vector<int64_t> index = load_all<int64_t>(value_of(node, 1));
+  int64_t dim = indexed_dim(node);
+  for (int64_t i : index) checked_index(node, i, dim, node.attrs.axis);
+  return index;
+}
 
 std::shared_ptr<Storage> reference_compute(const Node& node) {
   switch (node.op) {

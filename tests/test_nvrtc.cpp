@@ -25,6 +25,7 @@
 #include "examples/digits_model.h"
 #include "precision_policy/policy.h"
 #include "runtime/cpu_executor.h"
+#include "runtime/cuda_movement.h"
 #include "runtime/device.h"
 #include "runtime/program.h"
 #include "test_util.h"
@@ -604,6 +605,21 @@ TEST(Golden, AllGoldenKernelsCompileInOneProgram) {
   std::string sgd = mt::compile_cuda(mt::emit_cuda(scalar_sgd_step()), "compute_90", "sgd.cu");
   EXPECT_EQ(sgd.find("fma"), std::string::npos);
   EXPECT_NE(sgd.find("mul.rn.f32"), std::string::npos);
+}
+
+// The hand-written movement kernels (runtime/cuda_movement.cpp) compile for both archs, and
+// their PTX assembles: every entry the executor looks up is there.
+TEST(Nvrtc, MovementKernelsCompile) {
+  SKIP_WITHOUT_NVRTC();
+  std::vector<std::string> names = {"mt_index_add"};
+  for (int bytes : {1, 2, 4, 8}) {
+    names.push_back(fmt::format("mt_copy_box_{}", bytes));
+    names.push_back(fmt::format("mt_index_select_{}", bytes));
+  }
+  std::string ptxas = "/usr/local/cuda/bin/ptxas";
+  if (!std::filesystem::exists(ptxas)) ptxas.clear();
+  for (const char* arch : {"compute_80", "sm_80", "sm_90"})
+    EXPECT_EQ(compile_job("movement", mt::cuda_movement_source(), names, arch, ptxas), "") << arch;
 }
 
 INSTANTIATE_TEST_SUITE_P(

@@ -514,6 +514,51 @@ TEST(GpuMultiTensor, TwoHundredWholeSumsMatchTheCpu) {
   }
 }
 
+// ---- data movement on the device: the same bits as the CPU, and nothing through the host.
+
+TEST(GpuMovement, ConcatUnsliceIndexSelectAndIndexAddMatchTheCpuOnTheDevice) {
+  SKIP_WITHOUT_CUDA();
+  for (mt::DType dtype : {mt::f32, mt::bf16, mt::f16}) {
+    auto program = [&](mt::ExecutionStats* stats) {
+      mt::Generator gen(43);
+      mt::Tensor table = mt::cast(mt::randn({97, 24}, mt::f32, &gen), dtype);
+      mt::Tensor a = mt::cast(mt::randn({4, 5, 24}, mt::f32, &gen), dtype);
+      mt::Tensor b = mt::cast(mt::randn({4, 3, 24}, mt::f32, &gen), dtype);
+      std::vector<int64_t> ids(40);
+      for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int64_t>((i * 37) % 97);
+      mt::Tensor index = mt::tensor(ids, {40});
+      mt::Tensor grad = mt::cast(mt::randn({40, 24}, mt::f32, &gen), dtype);
+      mt::eval({table, a, b, index, grad});
+      mt::reset_execution_stats();
+      mt::Tensor joined = mt::concat({a, b, a}, 1);                          // [4, 13, 24]
+      mt::Tensor placed = mt::unslice(b, {1, 0, 2}, {2, 2, 3}, {9, 6, 75});  // strided window
+      mt::Tensor rows = mt::index_select(table, index);                      // [40, 24]
+      mt::Tensor summed = mt::index_add(mt::zeros({97, 24}, mt::f32), index, grad);  // repeats
+      std::vector<mt::Tensor> outs = {joined, placed, rows, summed};
+      mt::eval(outs);
+      if (stats) *stats = mt::execution_stats();
+      std::vector<std::vector<double>> values;
+      for (const mt::Tensor& t : outs) values.push_back(t.to_vector<double>());
+      return values;
+    };
+    auto run = [&](mt::Device device, mt::ExecutionStats* stats) {
+      DeviceScope scope;
+      mt::set_device(device);
+      return program(stats);
+    };
+    mt::ExecutionStats stats;
+    auto expected = run(baseline(), nullptr);
+    auto actual = run(tested(), &stats);
+    ASSERT_EQ(actual.size(), expected.size());
+    for (size_t o = 0; o < expected.size(); ++o)
+      EXPECT_EQ(actual[o], expected[o]) << mt::name(dtype) << " output " << o;
+    if (!dry_run()) {
+      EXPECT_EQ(stats.host_ops, 0) << mt::name(dtype);
+      EXPECT_EQ(stats.bytes_downloaded, 0) << mt::name(dtype);
+    }
+  }
+}
+
 // A step whose scaled gradients overflow f16 is skipped and the scale halves, on the GPU as on
 // the CPU; the next, finite step updates the parameters.
 TEST(GpuLossScaling, AnOverflowStepIsSkippedAndTheScaleHalves) {

@@ -1,0 +1,311 @@
+// runtime/cuda_movement.cpp -- the movement kernels' source, their lazy compile, and launches
+// from the plans of runtime/movement_plan.h.
+#include "runtime/cuda_movement.h"
+
+#include <algorithm>
+#include <bit>
+#include <mutex>
+#include <span>
+
+#include <fmt/format.h>
+
+#include "codegen/emit_cuda.h"
+#include "codegen/nvrtc.h"
+#include "dsl/error.h"
+#include "runtime/cuda_allocator.h"
+#include "runtime/cuda_values.h"
+#include "runtime/device.h"
+#include "runtime/movement_plan.h"
+#include "runtime/program.h"
+#include "runtime/reference_executor.h"
+
+namespace mixtape {
+namespace {
+
+constexpr int max_box_rank = 8;
+constexpr unsigned block = 256;
+constexpr int64_t max_grid = 8192;
+
+// The kernels' box argument, word for word (mt_box in the source).
+struct BoxArgs {
+  int64_t count, src_base, dst_base, rank;
+  int64_t shape[max_box_rank], src_stride[max_box_rank], dst_stride[max_box_rank];
+};
+
+constexpr const char* kernels = R"(
+// Box copies, row gathers and row sums for mixtape's data movement ops (runtime/cuda_movement.h).
+struct mt_box {
+  long long count, src_base, dst_base, rank;
+  long long shape[8], src_stride[8], dst_stride[8];
+};
+template <typename T>
+static __device__ __forceinline__ void mt_copy_box(const T* __restrict__ src, T* __restrict__ dst,
+                                                   const mt_box& box) {
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; e < box.count;
+       e += stride) {
+    long long rest = e, s = box.src_base, d = box.dst_base;
+    for (long long k = box.rank - 1; k >= 0; --k) {
+      const long long c = rest % box.shape[k];
+      rest /= box.shape[k];
+      s += c * box.src_stride[k];
+      d += c * box.dst_stride[k];
+    }
+    dst[d] = src[s];
+  }
+}
+// dst[o, j, i] = src[o, index[j], i] over [outer, count, inner]; indices checked on the host.
+template <typename T>
+static __device__ __forceinline__ void mt_index_select(const T* __restrict__ src,
+                                                       const long long* __restrict__ index,
+                                                       T* __restrict__ dst, long long total,
+                                                       long long count, long long dim,
+                                                       long long inner) {
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += stride) {
+    const long long i = e % inner, row = e / inner, j = row % count, o = row / count;
+    dst[e] = src[(o * dim + index[j]) * inner + i];
+  }
+}
+#define MT_MOVEMENT(BYTES, T)                                                                   \
+  extern "C" __global__ void mt_copy_box_##BYTES(const T* __restrict__ src, T* __restrict__ dst, \
+                                                 const mt_box box) {                            \
+    mt_copy_box(src, dst, box);                                                                 \
+  }                                                                                             \
+  extern "C" __global__ void mt_index_select_##BYTES(                                           \
+      const T* __restrict__ src, const long long* __restrict__ index, T* __restrict__ dst,      \
+      long long total, long long count, long long dim, long long inner) {                       \
+    mt_index_select(src, index, dst, total, count, dim, inner);                                 \
+  }
+MT_MOVEMENT(1, unsigned char)
+MT_MOVEMENT(2, unsigned short)
+MT_MOVEMENT(4, unsigned int)
+MT_MOVEMENT(8, unsigned long long)
+
+// Float values as the reference's index_add reads them (exactly, as doubles) and stores them
+// (f64 -> f32 round to nearest even; -> f16/bf16 through round-to-odd f32).
+static __device__ __forceinline__ double mt_load_as_double(const void* p, int dtype, long long i) {
+  switch (dtype) {
+    case MT_F32:
+      return static_cast<const float*>(p)[i];
+    case MT_F64:
+      return static_cast<const double*>(p)[i];
+    case MT_F16:
+      return mt_f16_to_f32(static_cast<const unsigned short*>(p)[i]);
+    default:
+      return mt_bf16_to_f32(static_cast<const unsigned short*>(p)[i]);
+  }
+}
+static __device__ __forceinline__ void mt_store_double(void* p, int dtype, long long i, double v) {
+  switch (dtype) {
+    case MT_F32:
+      static_cast<float*>(p)[i] = __double2float_rn(v);
+      break;
+    case MT_F64:
+      static_cast<double*>(p)[i] = v;
+      break;
+    case MT_F16:
+      static_cast<unsigned short*>(p)[i] = mt_f32_to_f16(mt_f64_to_f32_odd(v));
+      break;
+    default:
+      static_cast<unsigned short*>(p)[i] = mt_f32_to_bf16(mt_round_bf16(mt_f64_to_f32_odd(v)));
+      break;
+  }
+}
+// out[o, r, i] = base[o, r, i] + the sources of row r in plan order, summed in f64 as the
+// reference sums: the same bits, whatever the schedule.
+extern "C" __global__ void mt_index_add(const void* base, int base_dtype, const void* source,
+                                        int source_dtype, const long long* __restrict__ offsets,
+                                        const long long* __restrict__ order, void* out,
+                                        int out_dtype, long long total, long long count,
+                                        long long dim, long long inner) {
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += stride) {
+    const long long i = e % inner, r = (e / inner) % dim, o = e / inner / dim;
+    double acc = mt_load_as_double(base, base_dtype, e);
+    for (long long q = offsets[r]; q < offsets[r + 1]; ++q)
+      acc = __dadd_rn(acc, mt_load_as_double(source, source_dtype, (o * count + order[q]) * inner + i));
+    mt_store_double(out, out_dtype, e, acc);
+  }
+}
+)";
+
+bool is_float_dtype(DType t) { return t == f32 || t == f64 || is_half(t); }
+
+// The compiled module's functions, compiled (or taken from the kernel cache) on first use.
+struct MovementKernels {
+  cuda::CUfunction copy_box[4] = {}, index_select[4] = {}, index_add = nullptr;
+};
+
+const MovementKernels& movement_kernels() {
+  static MovementKernels loaded;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    std::string arch = "sm_" + std::to_string(cuda::compute_capability());
+    std::string image = compile_cuda(cuda_movement_source(), arch, "mixtape_movement.cu");
+    cuda::CUmodule module = cuda::load_module(std::span<const char>(image.data(), image.size()));
+    for (int w = 0; w < 4; ++w) {
+      loaded.copy_box[w] = cuda::get_function(module, fmt::format("mt_copy_box_{}", 1 << w));
+      loaded.index_select[w] =
+          cuda::get_function(module, fmt::format("mt_index_select_{}", 1 << w));
+    }
+    loaded.index_add = cuda::get_function(module, "mt_index_add");
+  });
+  return loaded;
+}
+
+int width_slot(DType dtype) { return std::countr_zero(static_cast<unsigned>(size_of(dtype))); }
+
+unsigned grid_for(int64_t elements) {
+  return static_cast<unsigned>(std::clamp<int64_t>((elements + block - 1) / block, 1, max_grid));
+}
+
+void launch(cuda::CUfunction function, int64_t elements, void** args) {
+  cuda::launch(function, {grid_for(elements), 1, 1}, {block, 1, 1}, 0, args);
+  ++execution_counters().kernels;
+}
+
+// Input i's value on the device in the node's storage dtype, or null when that takes a
+// conversion the GPU does not do.
+std::shared_ptr<Storage> input_on_device(const Node& node, size_t i) {
+  std::shared_ptr<Storage> value = node.inputs[i]->value;
+  if (value->dtype == node.storage) return value;
+  bool convertible = (value->dtype == f32 || is_half(value->dtype)) &&
+                     (node.storage == f32 || is_half(node.storage));
+  return convertible ? convert_on_device(*value, node.storage) : nullptr;
+}
+
+void copy_box(const CopyBox& box, Storage& src, Storage& dst) {
+  if (box.count() == 0) return;
+  BoxArgs args{};
+  args.count = box.count();
+  args.src_base = box.src_base;
+  args.dst_base = box.dst_base;
+  args.rank = static_cast<int64_t>(box.shape.size());
+  for (size_t k = 0; k < box.shape.size(); ++k) {
+    args.shape[k] = box.shape[k];
+    args.src_stride[k] = box.src_stride[k];
+    args.dst_stride[k] = box.dst_stride[k];
+  }
+  cuda::CUdeviceptr from = device_address(src), to = device_address(dst);
+  void* params[] = {&from, &to, &args};
+  launch(movement_kernels().copy_box[width_slot(dst.dtype)], args.count, params);
+}
+
+// A device copy of host integers (plans and indices), freed in stream order after its reader.
+cuda::DeviceBuffer upload_int64(const std::vector<int64_t>& values) {
+  cuda::DeviceBuffer buffer(std::max<size_t>(values.size(), 1) * sizeof(int64_t));
+  if (!values.empty())
+    cuda::upload(buffer.address(), values.data(), values.size() * sizeof(int64_t));
+  execution_counters().bytes_uploaded += static_cast<int64_t>(values.size() * sizeof(int64_t));
+  return buffer;
+}
+
+bool run_concat(Node& node) {
+  std::vector<CopyBox> boxes = concat_boxes(node);
+  for (const CopyBox& box : boxes)
+    if (box.shape.size() > max_box_rank) return false;
+  std::vector<std::shared_ptr<Storage>> inputs;
+  for (size_t i = 0; i < node.inputs.size(); ++i) {
+    inputs.push_back(input_on_device(node, i));
+    if (!inputs.back()) return false;
+  }
+  auto out = device_value(node.storage, node.numel());
+  for (size_t i = 0; i < boxes.size(); ++i) copy_box(boxes[i], *inputs[i], *out);
+  node.value = std::move(out);
+  return true;
+}
+
+bool run_unslice(Node& node) {
+  CopyBox box = unslice_box(node);
+  if (box.shape.size() > max_box_rank) return false;
+  std::shared_ptr<Storage> input = input_on_device(node, 0);
+  if (!input) return false;
+  auto out = device_value(node.storage, node.numel());
+  cuda::memset_async(device_address(*out), 0, static_cast<size_t>(out->size_bytes()));
+  copy_box(box, *input, *out);
+  node.value = std::move(out);
+  return true;
+}
+
+// outer, dim (of the indexed axis) and inner of `shape` around `axis`.
+struct AxisSplit {
+  int64_t outer = 1, dim = 1, inner = 1;
+};
+AxisSplit split_at(const Shape& shape, int64_t axis) {
+  AxisSplit s;
+  for (int64_t d = 0; d < axis; ++d) s.outer *= shape[d];
+  s.dim = shape[axis];
+  for (size_t d = static_cast<size_t>(axis) + 1; d < shape.size(); ++d) s.inner *= shape[d];
+  return s;
+}
+
+bool run_index_select(Node& node) {
+  std::shared_ptr<Storage> input = input_on_device(node, 0);
+  if (!input) return false;
+  std::vector<int64_t> index = checked_indices(node);
+  AxisSplit s = split_at(node.inputs[0]->shape, node.attrs.axis);
+  auto out = device_value(node.storage, node.numel());
+  int64_t total = node.numel(), count = static_cast<int64_t>(index.size());
+  if (total > 0) {
+    cuda::DeviceBuffer rows = upload_int64(index);
+    cuda::CUdeviceptr from = device_address(*input), at = rows.address(), to = device_address(*out);
+    void* params[] = {&from, &at, &to, &total, &count, &s.dim, &s.inner};
+    launch(movement_kernels().index_select[width_slot(node.storage)], total, params);
+  }
+  node.value = std::move(out);
+  return true;
+}
+
+bool run_index_add(Node& node) {
+  Storage& base = *node.inputs[0]->value;
+  Storage& source = *node.inputs[2]->value;
+  if (!is_float_dtype(node.storage) || !is_float_dtype(base.dtype) || !is_float_dtype(source.dtype))
+    return false;
+  std::vector<int64_t> index = checked_indices(node);
+  AxisSplit s = split_at(node.shape, node.attrs.axis);
+  IndexAddPlan plan = index_add_plan(index, s.dim);
+  auto out = device_value(node.storage, node.numel());
+  int64_t total = node.numel(), count = static_cast<int64_t>(index.size());
+  if (total > 0) {
+    cuda::DeviceBuffer offsets = upload_int64(plan.offsets), order = upload_int64(plan.order);
+    cuda::CUdeviceptr base_ptr = device_address(base), source_ptr = device_address(source),
+                      offsets_ptr = offsets.address(), order_ptr = order.address(),
+                      out_ptr = device_address(*out);
+    int base_dtype = static_cast<int>(base.dtype), source_dtype = static_cast<int>(source.dtype),
+        out_dtype = static_cast<int>(node.storage);
+    void* params[] = {&base_ptr, &base_dtype, &source_ptr, &source_dtype, &offsets_ptr, &order_ptr,
+                      &out_ptr,  &out_dtype,  &total,      &count,        &s.dim,       &s.inner};
+    launch(movement_kernels().index_add, total, params);
+  }
+  node.value = std::move(out);
+  return true;
+}
+
+}  // namespace
+
+std::string cuda_movement_source() {
+  return std::string(cuda_prelude()) +
+         fmt::format("#define MT_F32 {}\n#define MT_F64 {}\n#define MT_F16 {}\n",
+                     static_cast<int>(f32), static_cast<int>(f64), static_cast<int>(f16)) +
+         kernels;
+}
+
+bool run_movement_on_device(Node& node) {
+  switch (node.op) {
+    case OpCode::Concat:
+      return run_concat(node);
+    case OpCode::Unslice:
+      return run_unslice(node);
+    case OpCode::IndexSelect:
+      return run_index_select(node);
+    case OpCode::IndexAdd:
+      return run_index_add(node);
+    default:
+      return false;
+  }
+}
+
+}  // namespace mixtape
