@@ -1,7 +1,7 @@
 // runtime/cuda_executor.cpp -- runs fusion groups on an NVIDIA GPU: NVRTC kernels, cuBLASLt
 // matmuls, host ops; values stay in device memory until the host reads them.
 #include "runtime/cuda_executor.h"
-#include "runtime/cuda_movement.h"
+#include "runtime/cuda_fixed_kernels.h"
 #include "runtime/cuda_values.h"
 
 #include <algorithm>
@@ -222,7 +222,7 @@ void run_on_host(Node& node) {
 // Steps without a generated kernel: the data movement ops on the GPU where it has kernels for
 // them, the rest (random numbers, gathers along an index tensor, ...) on the host.
 void run_other(Node& node) {
-  if (!run_movement_on_device(node)) run_on_host(node);
+  if (!run_fixed_kernel(node)) run_on_host(node);
 }
 
 bool half_or_f32(DType t) { return t == f32 || is_half(t); }

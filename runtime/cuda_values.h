@@ -1,5 +1,5 @@
 // runtime/cuda_values.h -- device memory of graph values, for the CUDA executor's own steps
-// (runtime/cuda_executor.cpp defines these; runtime/cuda_movement.cpp uses them).
+// (runtime/cuda_executor.cpp defines these; runtime/cuda_fixed_kernels.cpp uses them).
 #pragma once
 
 #include <cstdint>

@@ -1,5 +1,5 @@
 // runtime/movement_plan.h -- concat, unslice and index_add as device-independent copy plans that
-// a GPU runs as kernels (runtime/cuda_movement.cpp) and tests check on the host.
+// a GPU runs as kernels (runtime/cuda_fixed_kernels.cpp) and tests check on the host.
 #pragma once
 
 #include <cstdint>

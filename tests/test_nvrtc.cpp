@@ -25,7 +25,7 @@
 #include "examples/digits_model.h"
 #include "precision_policy/policy.h"
 #include "runtime/cpu_executor.h"
-#include "runtime/cuda_movement.h"
+#include "runtime/cuda_fixed_kernels.h"
 #include "runtime/device.h"
 #include "runtime/program.h"
 #include "test_util.h"
@@ -607,11 +607,11 @@ TEST(Golden, AllGoldenKernelsCompileInOneProgram) {
   EXPECT_NE(sgd.find("mul.rn.f32"), std::string::npos);
 }
 
-// The hand-written movement kernels (runtime/cuda_movement.cpp) compile for both archs, and
+// The hand-written kernels (runtime/cuda_fixed_kernels.cpp) compile for both archs, and
 // their PTX assembles: every entry the executor looks up is there.
-TEST(Nvrtc, MovementKernelsCompile) {
+TEST(Nvrtc, FixedKernelsCompile) {
   SKIP_WITHOUT_NVRTC();
-  std::vector<std::string> names = {"mt_index_add"};
+  std::vector<std::string> names = {"mt_index_add", "mt_random_fill"};
   for (int bytes : {1, 2, 4, 8}) {
     names.push_back(fmt::format("mt_copy_box_{}", bytes));
     names.push_back(fmt::format("mt_index_select_{}", bytes));
@@ -619,7 +619,8 @@ TEST(Nvrtc, MovementKernelsCompile) {
   std::string ptxas = "/usr/local/cuda/bin/ptxas";
   if (!std::filesystem::exists(ptxas)) ptxas.clear();
   for (const char* arch : {"compute_80", "sm_80", "sm_90"})
-    EXPECT_EQ(compile_job("movement", mt::cuda_movement_source(), names, arch, ptxas), "") << arch;
+    EXPECT_EQ(compile_job("fixed", mt::cuda_fixed_kernels_source(), names, arch, ptxas), "")
+        << arch;
 }
 
 INSTANTIATE_TEST_SUITE_P(

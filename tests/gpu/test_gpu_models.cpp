@@ -559,6 +559,32 @@ TEST(GpuMovement, ConcatUnsliceIndexSelectAndIndexAddMatchTheCpuOnTheDevice) {
   }
 }
 
+// rand and randn drawn on the device: the CPU's streams bit for bit, in every 32-bit-or-less
+// float dtype, for a size that ends inside a Philox block.
+TEST(GpuRandom, DeviceStreamsAreTheCpusBits) {
+  SKIP_WITHOUT_CUDA();
+  for (mt::DType dtype : {mt::f32, mt::f16, mt::bf16}) {
+    auto draw = [&](mt::Device device, mt::ExecutionStats* stats) {
+      DeviceScope scope;
+      mt::set_device(device);
+      mt::Generator gen(47);
+      mt::reset_execution_stats();
+      mt::Tensor u = mt::rand({1001, 33}, dtype, &gen), n = mt::randn({70001}, dtype, &gen);
+      mt::eval({u, n});
+      if (stats) *stats = mt::execution_stats();
+      return std::pair{u.to_vector<double>(), n.to_vector<double>()};
+    };
+    mt::ExecutionStats stats;
+    auto expected = draw(baseline(), nullptr);
+    auto actual = draw(tested(), &stats);
+    EXPECT_EQ(actual.first, expected.first) << "rand " << mt::name(dtype);
+    EXPECT_EQ(actual.second, expected.second) << "randn " << mt::name(dtype);
+    if (!dry_run()) {
+      EXPECT_EQ(stats.host_ops, 0) << mt::name(dtype);
+    }
+  }
+}
+
 // A step whose scaled gradients overflow f16 is skipped and the scale halves, on the GPU as on
 // the CPU; the next, finite step updates the parameters.
 TEST(GpuLossScaling, AnOverflowStepIsSkippedAndTheScaleHalves) {

@@ -1,6 +1,6 @@
-// runtime/cuda_movement.cpp -- the movement kernels' source, their lazy compile, and launches
-// from the plans of runtime/movement_plan.h.
-#include "runtime/cuda_movement.h"
+// runtime/cuda_fixed_kernels.cpp -- the fixed kernels' source, their lazy compile, and launches
+// (data movement from the plans of runtime/movement_plan.h).
+#include "runtime/cuda_fixed_kernels.h"
 
 #include <algorithm>
 #include <bit>
@@ -17,6 +17,7 @@
 #include "runtime/device.h"
 #include "runtime/movement_plan.h"
 #include "runtime/program.h"
+#include "runtime/random_fill.h"
 #include "runtime/reference_executor.h"
 
 namespace mixtape {
@@ -33,7 +34,8 @@ struct BoxArgs {
 };
 
 constexpr const char* kernels = R"(
-// Box copies, row gathers and row sums for mixtape's data movement ops (runtime/cuda_movement.h).
+// mixtape's fixed kernels (runtime/cuda_fixed_kernels.h): box copies, row gathers and row sums
+// for the data movement ops, and the rand/randn streams.
 struct mt_box {
   long long count, src_base, dst_base, rank;
   long long shape[8], src_stride[8], dst_stride[8];
@@ -130,21 +132,154 @@ extern "C" __global__ void mt_index_add(const void* base, int base_dtype, const 
     mt_store_double(out, out_dtype, e, acc);
   }
 }
+
+// ---- the random streams' arithmetic: runtime/random_fill.h's, operation for operation (correctly rounded
+// IEEE steps only, in the same order), so every element has the CPU's bits. A thread makes the
+// four elements of one Philox block.
+static __device__ __forceinline__ void mt_philox(unsigned long long counter, unsigned long long key,
+                                                 unsigned w[4]) {
+  unsigned k0 = static_cast<unsigned>(key), k1 = static_cast<unsigned>(key >> 32);
+  unsigned c0 = static_cast<unsigned>(counter), c1 = static_cast<unsigned>(counter >> 32);
+  unsigned c2 = 0, c3 = 0;
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    const unsigned long long p0 = static_cast<unsigned long long>(0xD2511F53u) * c0;
+    const unsigned long long p1 = static_cast<unsigned long long>(0xCD9E8D57u) * c2;
+    const unsigned next0 = static_cast<unsigned>(p1 >> 32) ^ c1 ^ k0;
+    const unsigned next2 = static_cast<unsigned>(p0 >> 32) ^ c3 ^ k1;
+    c1 = static_cast<unsigned>(p1);
+    c3 = static_cast<unsigned>(p0);
+    c0 = next0;
+    c2 = next2;
+    k0 += 0x9E3779B9u;
+    k1 += 0xBB67AE85u;
+  }
+  w[0] = c0;
+  w[1] = c1;
+  w[2] = c2;
+  w[3] = c3;
+}
+static __device__ __forceinline__ float mt_top24_unit(unsigned word) {
+  return __fmul_rn(static_cast<float>(static_cast<int>(word >> 8)), 0x1p-24f);
+}
+static __device__ __forceinline__ float mt_top24_unit_open(unsigned word) {
+  return __fmul_rn(static_cast<float>(static_cast<int>((word >> 8) + 1u)), 0x1p-24f);
+}
+static __device__ __forceinline__ float mt_random_log(float x) {
+  const float ln2_hi = 6.9313812256e-01f, ln2_lo = 9.0580006145e-06f;
+  const float lg1 = 0xaaaaaa.0p-24f, lg2 = 0xccce13.0p-25f, lg3 = 0x91e9ee.0p-25f,
+              lg4 = 0xf89e26.0p-26f;
+  const unsigned bits = __float_as_uint(x) + (0x3f800000u - 0x3f3504f3u);
+  const int k = static_cast<int>(bits >> 23) - 0x7f;
+  const float m = __uint_as_float((bits & 0x007fffffu) + 0x3f3504f3u);
+  const float f = __fsub_rn(m, 1.0f);
+  const float s = __fdiv_rn(f, __fadd_rn(2.0f, f));
+  const float z = __fmul_rn(s, s);
+  const float w = __fmul_rn(z, z);
+  const float t1 = __fmul_rn(w, __fadd_rn(lg2, __fmul_rn(w, lg4)));
+  const float t2 = __fmul_rn(z, __fadd_rn(lg1, __fmul_rn(w, lg3)));
+  const float r = __fadd_rn(t2, t1);
+  const float half_f_squared = __fmul_rn(__fmul_rn(0.5f, f), f);
+  const float dk = static_cast<float>(k);
+  float sum = __fmul_rn(s, __fadd_rn(half_f_squared, r));
+  sum = __fadd_rn(sum, __fmul_rn(dk, ln2_lo));
+  sum = __fsub_rn(sum, half_f_squared);
+  sum = __fadd_rn(sum, f);
+  return __fadd_rn(sum, __fmul_rn(dk, ln2_hi));
+}
+static __device__ __forceinline__ void mt_random_sincos(unsigned k, float& sin_out,
+                                                        float& cos_out) {
+  const float s1_rest = 0.0707963267948966192f, s3 = -0.645964097506246254f,
+              s5 = 0.0796926262461670451f, s7 = -0.00468175413531868810f,
+              s9 = 0.000160441184787359821f;
+  const float c2 = -1.23370055013616983f, c4 = 0.253669507901048014f,
+              c6 = -0.0208634807633529609f, c8 = 0.000919260274839426256f,
+              c10 = -0.0000252020423730606054f;
+  const unsigned quadrant = k >> 22, fraction = k & 0x3fffffu;
+  const bool reflect = fraction > 0x200000u;
+  const unsigned reduced = reflect ? 0x400000u - fraction : fraction;
+  const float t = __fmul_rn(static_cast<float>(static_cast<int>(reduced)), 0x1p-22f);
+  const float t2 = __fmul_rn(t, t);
+  // Horner's rule, innermost first, as the CPU's nested expressions evaluate.
+  float sin_rest = __fadd_rn(s7, __fmul_rn(t2, s9));
+  sin_rest = __fadd_rn(s5, __fmul_rn(t2, sin_rest));
+  sin_rest = __fadd_rn(s3, __fmul_rn(t2, sin_rest));
+  sin_rest = __fadd_rn(s1_rest, __fmul_rn(t2, sin_rest));
+  const float sin_t = __fadd_rn(__fmul_rn(1.5f, t), __fmul_rn(t, sin_rest));
+  float cos_t = __fadd_rn(c8, __fmul_rn(t2, c10));
+  cos_t = __fadd_rn(c6, __fmul_rn(t2, cos_t));
+  cos_t = __fadd_rn(c4, __fmul_rn(t2, cos_t));
+  cos_t = __fadd_rn(c2, __fmul_rn(t2, cos_t));
+  cos_t = __fadd_rn(1.0f, __fmul_rn(t2, cos_t));
+  const float sin_f = reflect ? cos_t : sin_t, cos_f = reflect ? sin_t : cos_t;
+  const bool odd = (quadrant & 1u) != 0;
+  const float sin_q = odd ? cos_f : sin_f, cos_q = odd ? sin_f : cos_f;
+  const unsigned sin_sign = (quadrant >> 1) << 31;
+  const unsigned cos_sign = ((quadrant ^ (quadrant >> 1)) & 1u) << 31;
+  sin_out = __uint_as_float(__float_as_uint(sin_q) ^ sin_sign);
+  cos_out = __uint_as_float(__float_as_uint(cos_q) ^ cos_sign);
+}
+// The four f32 values of Philox block `counter`: rand's, or randn's when `normal`.
+static __device__ __forceinline__ void mt_random_block(unsigned long long counter,
+                                                       unsigned long long seed, int normal,
+                                                       float v[4]) {
+  unsigned w[4];
+  mt_philox(counter, seed, w);
+  if (!normal) {
+    for (int k = 0; k < 4; ++k) v[k] = mt_top24_unit(w[k]);
+    return;
+  }
+  for (int pair = 0; pair < 2; ++pair) {
+    const float radius =
+        __fsqrt_rn(__fmul_rn(-2.0f, mt_random_log(mt_top24_unit_open(w[2 * pair]))));
+    float sin_angle, cos_angle;
+    mt_random_sincos(w[2 * pair + 1] >> 8, sin_angle, cos_angle);
+    v[2 * pair] = __fmul_rn(radius, cos_angle);
+    v[2 * pair + 1] = __fmul_rn(radius, sin_angle);
+  }
+}
+// ---- end of the random streams' arithmetic (tests/test_movement_plan.cpp runs it on the host)
+
+// Elements [0, count) of the stream (seed, offset): rand, or randn when `normal`, stored as
+// dtype (f32, f16 or bf16; rand's values that round up to 1 take the largest one below).
+extern "C" __global__ void mt_random_fill(void* out, int dtype, int normal, long long count,
+                                          unsigned long long seed, unsigned long long offset) {
+  const long long blocks = (count + 3) / 4;
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long b = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; b < blocks;
+       b += stride) {
+    float v[4];
+    mt_random_block(offset + static_cast<unsigned long long>(b), seed, normal, v);
+    for (int k = 0; k < 4; ++k) {
+      const long long i = 4 * b + k;
+      if (i >= count) break;
+      if (dtype == MT_F32) {
+        static_cast<float*>(out)[i] = v[k];
+        continue;
+      }
+      unsigned short bits = dtype == MT_F16 ? mt_f32_to_f16(v[k]) : mt_f32_to_bf16(mt_round_bf16(v[k]));
+      const unsigned short one = dtype == MT_F16 ? 0x3C00 : 0x3F80;
+      if (!normal && bits == one) bits -= 1;
+      static_cast<unsigned short*>(out)[i] = bits;
+    }
+  }
+}
 )";
 
 bool is_float_dtype(DType t) { return t == f32 || t == f64 || is_half(t); }
 
 // The compiled module's functions, compiled (or taken from the kernel cache) on first use.
-struct MovementKernels {
-  cuda::CUfunction copy_box[4] = {}, index_select[4] = {}, index_add = nullptr;
+struct FixedKernels {
+  cuda::CUfunction copy_box[4] = {}, index_select[4] = {}, index_add = nullptr,
+                   random_fill = nullptr;
 };
 
-const MovementKernels& movement_kernels() {
-  static MovementKernels loaded;
+const FixedKernels& fixed_kernels() {
+  static FixedKernels loaded;
   static std::once_flag once;
   std::call_once(once, [] {
     std::string arch = "sm_" + std::to_string(cuda::compute_capability());
-    std::string image = compile_cuda(cuda_movement_source(), arch, "mixtape_movement.cu");
+    std::string image = compile_cuda(cuda_fixed_kernels_source(), arch, "mixtape_fixed_kernels.cu");
     cuda::CUmodule module = cuda::load_module(std::span<const char>(image.data(), image.size()));
     for (int w = 0; w < 4; ++w) {
       loaded.copy_box[w] = cuda::get_function(module, fmt::format("mt_copy_box_{}", 1 << w));
@@ -152,6 +287,7 @@ const MovementKernels& movement_kernels() {
           cuda::get_function(module, fmt::format("mt_index_select_{}", 1 << w));
     }
     loaded.index_add = cuda::get_function(module, "mt_index_add");
+    loaded.random_fill = cuda::get_function(module, "mt_random_fill");
   });
   return loaded;
 }
@@ -191,7 +327,7 @@ void copy_box(const CopyBox& box, Storage& src, Storage& dst) {
   }
   cuda::CUdeviceptr from = device_address(src), to = device_address(dst);
   void* params[] = {&from, &to, &args};
-  launch(movement_kernels().copy_box[width_slot(dst.dtype)], args.count, params);
+  launch(fixed_kernels().copy_box[width_slot(dst.dtype)], args.count, params);
 }
 
 // A device copy of host integers (plans and indices), freed in stream order after its reader.
@@ -253,7 +389,7 @@ bool run_index_select(Node& node) {
     cuda::DeviceBuffer rows = upload_int64(index);
     cuda::CUdeviceptr from = device_address(*input), at = rows.address(), to = device_address(*out);
     void* params[] = {&from, &at, &to, &total, &count, &s.dim, &s.inner};
-    launch(movement_kernels().index_select[width_slot(node.storage)], total, params);
+    launch(fixed_kernels().index_select[width_slot(node.storage)], total, params);
   }
   node.value = std::move(out);
   return true;
@@ -278,7 +414,22 @@ bool run_index_add(Node& node) {
         out_dtype = static_cast<int>(node.storage);
     void* params[] = {&base_ptr, &base_dtype, &source_ptr, &source_dtype, &offsets_ptr, &order_ptr,
                       &out_ptr,  &out_dtype,  &total,      &count,        &s.dim,       &s.inner};
-    launch(movement_kernels().index_add, total, params);
+    launch(fixed_kernels().index_add, total, params);
+  }
+  node.value = std::move(out);
+  return true;
+}
+
+bool run_random_fill(Node& node) {
+  if (!has_random_fill(node.storage)) return false;
+  auto out = device_value(node.storage, node.numel());
+  long long count = node.numel();
+  if (count > 0) {
+    cuda::CUdeviceptr to = device_address(*out);
+    int dtype = static_cast<int>(node.storage), normal = node.op == OpCode::RandNormal;
+    unsigned long long seed = node.attrs.seed, offset = node.attrs.offset;
+    void* params[] = {&to, &dtype, &normal, &count, &seed, &offset};
+    launch(fixed_kernels().random_fill, (count + 3) / 4, params);
   }
   node.value = std::move(out);
   return true;
@@ -286,14 +437,14 @@ bool run_index_add(Node& node) {
 
 }  // namespace
 
-std::string cuda_movement_source() {
+std::string cuda_fixed_kernels_source() {
   return std::string(cuda_prelude()) +
          fmt::format("#define MT_F32 {}\n#define MT_F64 {}\n#define MT_F16 {}\n",
                      static_cast<int>(f32), static_cast<int>(f64), static_cast<int>(f16)) +
          kernels;
 }
 
-bool run_movement_on_device(Node& node) {
+bool run_fixed_kernel(Node& node) {
   switch (node.op) {
     case OpCode::Concat:
       return run_concat(node);
@@ -303,6 +454,9 @@ bool run_movement_on_device(Node& node) {
       return run_index_select(node);
     case OpCode::IndexAdd:
       return run_index_add(node);
+    case OpCode::RandUniform:
+    case OpCode::RandNormal:
+      return run_random_fill(node);
     default:
       return false;
   }

@@ -1,0 +1,23 @@
+// runtime/cuda_fixed_kernels.h -- hand-written CUDA kernels for the ops without a kernel-IR
+// form (data movement, random fills), so that their values stay in device memory.
+#pragma once
+
+#include <string>
+
+#include "dsl/node.h"
+
+namespace mixtape {
+
+/// The CUDA C++ of the fixed kernels (the emitted kernels' prelude first): box copies for
+/// 1/2/4/8-byte elements, row gathers, row sums in the reference's order and rounding, and the
+/// f32/f16/bf16 rand and randn streams of runtime/random_fill.h.
+std::string cuda_fixed_kernels_source();
+
+/// Runs `node` on the GPU when it is a Concat, Unslice, IndexSelect, IndexAdd, RandUniform or
+/// RandNormal of dtypes these kernels cover, its inputs' values there or uploaded. False, with
+/// nothing done, otherwise (the executor then runs it on the host). The results are the bits the
+/// reference computes. Indices are checked on the host first, as the reference checks them: an
+/// index computed on the device is downloaded for that.
+bool run_fixed_kernel(Node& node);
+
+}  // namespace mixtape
