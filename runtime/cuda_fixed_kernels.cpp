@@ -133,7 +133,7 @@ extern "C" __global__ void mt_index_add(const void* base, int base_dtype, const 
   }
 }
 
-// ---- the random streams' arithmetic: runtime/random_fill.h's, operation for operation (correctly rounded
+// The random streams' arithmetic: runtime/random_fill.h's, operation for operation (correctly rounded
 // IEEE steps only, in the same order), so every element has the CPU's bits. A thread makes the
 // four elements of one Philox block.
 static __device__ __forceinline__ void mt_philox(unsigned long long counter, unsigned long long key,
@@ -238,7 +238,6 @@ static __device__ __forceinline__ void mt_random_block(unsigned long long counte
     v[2 * pair + 1] = __fmul_rn(radius, sin_angle);
   }
 }
-// ---- end of the random streams' arithmetic (tests/test_movement_plan.cpp runs it on the host)
 
 // Elements [0, count) of the stream (seed, offset): rand, or randn when `normal`, stored as
 // dtype (f32, f16 or bf16; rand's values that round up to 1 take the largest one below).

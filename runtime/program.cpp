@@ -364,7 +364,6 @@ void run_program(const Program& program, const std::vector<Node*>& pending, cons
 FusionOptions fusion_options(Device device) {
   FusionOptions options;
   options.fuse = !eager_mode();
-  options.multi_pass = device != Device::cuda;
   options.multi_tensor = device != Device::reference && options.fuse && multi_tensor_steps();
   return options;
 }

@@ -43,9 +43,8 @@ struct Signature {
   }
 };
 
-/// How `device` fuses: one kernel per op in eager mode. CUDA keeps to single-pass reductions and
-/// forms no multi-tensor steps: its multi-pass kernels compile (test_nvrtc) but have not yet
-/// been checked on a GPU, and it has no multi-tensor emitter.
+/// How `device` fuses: one kernel per op in eager mode; multi-pass reductions and multi-tensor
+/// steps (MIXTAPE_MULTI_TENSOR=0 turns those off) on both compiling back ends.
 FusionOptions fusion_options(Device device);
 
 /// Whether the CPU back end forms multi-tensor steps: on unless MIXTAPE_MULTI_TENSOR=0, and

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -582,6 +583,62 @@ TEST(GpuRandom, DeviceStreamsAreTheCpusBits) {
     if (!dry_run()) {
       EXPECT_EQ(stats.host_ops, 0) << mt::name(dtype);
     }
+  }
+}
+
+// GradScaler's decisions against torch.cuda.amp.GradScaler on the same gradient script (finite,
+// +inf, NaN, -inf steps; growth after 3 clean ones; a factor that is not a power of two), where
+// PyTorch with CUDA is installed: each step's skip and the scale after it.
+TEST(GpuLossScaling, DecisionsMatchCudaPyTorch) {
+  SKIP_WITHOUT_CUDA();
+  const std::string script = "FFFIFNFFFFMFFFFIIF";
+  const char* probe =
+      "/usr/bin/python3 -c 'import torch,sys; sys.exit(0 if "
+      "torch.cuda.is_available() else 1)' > /dev/null 2>&1";
+  if (std::system(probe) != 0) GTEST_SKIP() << "PyTorch with CUDA is not installed";
+  std::string python = fmt::format(R"(/usr/bin/python3 - <<'PY'
+import torch
+p = torch.zeros(2, device="cuda", requires_grad=True)
+opt = torch.optim.SGD([p], lr=1.0)
+scaler = torch.cuda.amp.GradScaler(init_scale=1024.0, growth_factor=3.0, backoff_factor=0.25,
+                                   growth_interval=3)
+for c in "{}":
+    second = {{"I": float("inf"), "M": -float("inf"), "N": float("nan")}}.get(c, -2.0)
+    opt.zero_grad()
+    p.grad = torch.tensor([1.0, second], device="cuda") * scaler.get_scale()
+    before = p.detach().clone()
+    scaler.step(opt)
+    scaler.update()
+    print(int(torch.equal(before, p.detach())), repr(scaler.get_scale()))
+PY)",
+                                   script);
+  FILE* pipe = popen(python.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::vector<std::pair<bool, double>> torch_steps;
+  int skipped = 0;
+  double scale = 0;
+  while (std::fscanf(pipe, "%d %lf", &skipped, &scale) == 2)
+    torch_steps.push_back({skipped != 0, scale});
+  ASSERT_EQ(pclose(pipe), 0);
+  ASSERT_EQ(torch_steps.size(), script.size());
+
+  DeviceScope scope;
+  mt::set_device(tested());
+  mt::Tensor p = mt::tensor(std::vector<float>{0, 0}, {2}).requires_grad_();
+  mt::SGD optimizer({p}, mt::SGDOptions{.lr = 1.0});
+  mt::GradScaler scaler(
+      {.init_scale = 1024.0, .growth_factor = 3.0, .backoff_factor = 0.25, .growth_interval = 3});
+  for (size_t i = 0; i < script.size(); ++i) {
+    char c = script[i];
+    float second = c == 'I' ? INFINITY : c == 'M' ? -INFINITY : c == 'N' ? NAN : -2.0f;
+    optimizer.zero_grad();
+    float scale_now = static_cast<float>(scaler.get_scale());
+    p.set_grad(mt::tensor(std::vector<float>{scale_now, second * scale_now}, {2}));
+    scaler.step(optimizer);
+    scaler.update();
+    EXPECT_EQ(scaler.skip_history().back(), torch_steps[i].first)
+        << "step " << i << " '" << c << "'";
+    EXPECT_EQ(scaler.get_scale(), torch_steps[i].second) << "step " << i << " '" << c << "'";
   }
 }
 

@@ -1,17 +1,9 @@
-// tests/test_fixed_kernels.cpp -- the GPU's fixed kernels checked on the host: the data movement
-// plans (runtime/movement_plan.h) applied as the kernels apply them, against the reference
-// executor; the random streams' CUDA arithmetic compiled as host C++, against the CPU's fill.
+// tests/test_movement_plan.cpp -- the GPU's data movement plans (runtime/movement_plan.h)
+// applied on the host as the fixed kernels apply them, against the reference executor (the
+// kernels themselves run on the host in tests/test_cuda_on_host.cpp).
 #include <gtest/gtest.h>
 
-#include <unistd.h>
-
-#include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <filesystem>
-#include <fstream>
-#include <sstream>
-#include <string>
 #include <vector>
 
 #include "dsl/convert.h"
@@ -19,10 +11,8 @@
 #include "dsl/ops.h"
 #include "dsl/random.h"
 #include "dsl/tensor.h"
-#include "runtime/cuda_fixed_kernels.h"
 #include "runtime/device.h"
 #include "runtime/movement_plan.h"
-#include "runtime/random_fill.h"
 #include "runtime/reference_executor.h"
 #include "tests/test_util.h"
 
@@ -180,75 +170,6 @@ TEST_F(Reference, IndicesOutOfRangeAreTheReferencesError) {
                                   random_tensor({1, 2}, mt::f32, 2));
   mt::evaluate({grad.node()->inputs[1]});
   EXPECT_MT_ERROR(mt::checked_indices(*grad.node()), "index -1 is out of range");
-}
-
-// The device arithmetic of mt_random_fill (mt_philox ... mt_random_block, cut from the source
-// the GPU compiles) built as host C++ with the CUDA intrinsics as the IEEE operations they
-// are, then run for blocks across a 2^32 counter carry: every value must have the bits of the
-// CPU's fill_uniform and fill_normal.
-TEST(FixedKernels, RandomStreamArithmeticGivesTheCpusBits) {
-  std::string source = mt::cuda_fixed_kernels_source();
-  size_t begin = source.find("// ---- the random streams' arithmetic");
-  size_t end = source.find("// ---- end of the random streams' arithmetic");
-  ASSERT_NE(begin, std::string::npos);
-  ASSERT_NE(end, std::string::npos);
-  const char* shim = R"(#include <cmath>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#define __device__
-#define __forceinline__ inline
-static float __fadd_rn(float a, float b) { return a + b; }
-static float __fsub_rn(float a, float b) { return a - b; }
-static float __fmul_rn(float a, float b) { return a * b; }
-static float __fdiv_rn(float a, float b) { return a / b; }
-static float __fsqrt_rn(float a) { return std::sqrt(a); }
-static unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
-static float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
-)";
-  const char* main_text = R"(
-int main(int, char** argv) {
-  unsigned long long seed = std::strtoull(argv[1], nullptr, 0),
-                     offset = std::strtoull(argv[2], nullptr, 0),
-                     blocks = std::strtoull(argv[3], nullptr, 0);
-  int normal = std::atoi(argv[4]);
-  for (unsigned long long b = 0; b < blocks; ++b) {
-    float v[4];
-    mt_random_block(offset + b, seed, normal, v);
-    for (float x : v) std::printf("%08x\n", __float_as_uint(x));
-  }
-}
-)";
-  std::filesystem::path dir =
-      std::filesystem::temp_directory_path() / fmt::format("mixtape_rng_{}", ::getpid());
-  std::filesystem::create_directories(dir);
-  std::ofstream(dir / "rng.cpp") << shim << source.substr(begin, end - begin) << main_text;
-  std::string compile = fmt::format("c++ -std=c++17 -O2 -ffp-contract=off -w '{}' -o '{}' 2>&1",
-                                    (dir / "rng.cpp").string(), (dir / "rng").string());
-  ASSERT_EQ(std::system(compile.c_str()), 0) << compile;
-  const uint64_t seed = 0x1234567890ABCDEFull, offset = 0xFFFFF000ull;  // crosses 2^32
-  const int64_t blocks = 8192;
-  for (int normal : {0, 1}) {
-    std::string run = fmt::format("'{}' {} {} {} {} > '{}'", (dir / "rng").string(), seed, offset,
-                                  blocks, normal, (dir / "out.txt").string());
-    ASSERT_EQ(std::system(run.c_str()), 0) << run;
-    mt::Storage expected(mt::f32, 4 * blocks);
-    (normal ? mt::fill_normal : mt::fill_uniform)(expected, seed, offset);
-    std::ifstream in(dir / "out.txt");
-    std::string line;
-    int64_t i = 0, differing = 0;
-    while (std::getline(in, line)) {
-      uint32_t got = static_cast<uint32_t>(std::stoul(line, nullptr, 16)), want;
-      std::memcpy(&want, expected.as<float>() + i, 4);
-      if (got != want && differing++ < 3)
-        ADD_FAILURE() << (normal ? "randn" : "rand") << " element " << i << ": " << std::hex << got
-                      << " vs the CPU's " << want;
-      ++i;
-    }
-    EXPECT_EQ(i, 4 * blocks);
-    EXPECT_EQ(differing, 0) << (normal ? "randn" : "rand");
-  }
-  std::filesystem::remove_all(dir);
 }
 
 }  // namespace

@@ -1,0 +1,598 @@
+// tests/test_cuda_on_host.cpp -- CUDA kernels run without a GPU: every kernel the CPU back end
+// launches for a few programs is printed by emit_cuda and compiled as host C++ (CUDA's
+// intrinsics as the IEEE operations they are; blocks one after another, a block that uses
+// barriers or warp shuffles as one std::thread per CUDA thread). Pointwise kernels must store
+// the CPU back end's bits, reductions its values up to the order of their sums; the fixed
+// kernels (runtime/cuda_fixed_kernels.cpp) the reference's bits.
+//
+// This checks what the emitters decide (indexing, packs and their tails, segment tables, the
+// block and warp trees, passes, conversions and rounding) on every machine; tests/gpu/ checks
+// the same kernels on a GPU.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "codegen/emit_cuda.h"
+#include "dsl/convert.h"
+#include "dsl/functional.h"
+#include "dsl/graph.h"
+#include "dsl/ops.h"
+#include "dsl/optim.h"
+#include "dsl/tensor.h"
+#include "precision_policy/policy.h"
+#include "runtime/cpu_executor.h"
+#include "runtime/cuda_fixed_kernels.h"
+#include "runtime/device.h"
+#include "runtime/movement_plan.h"
+#include "runtime/program.h"
+#include "runtime/random_fill.h"
+#include "runtime/reference_executor.h"
+
+namespace mt = mixtape;
+namespace kir = mixtape::kir;
+namespace fs = std::filesystem;
+
+namespace {
+
+// CUDA's keywords, thread indices and intrinsics for a host compiler. The prelude's two f16
+// conversions are inline PTX; they become dsl/half.h's exact conversions (both round to nearest
+// even and keep subnormals).
+constexpr const char* shim = R"(#include <barrier>
+#include <cmath>
+#include <memory>
+#include <thread>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
+#include "dsl/half.h"
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __restrict__ __restrict
+#define __launch_bounds__(n)
+#define __shared__ static  // blocks run one at a time, so a static is one block's memory
+struct mt_dim3 { unsigned x = 0; };
+static mt_dim3 blockIdx, blockDim, gridDim;
+static thread_local mt_dim3 threadIdx;
+// A block that cooperates (barriers, shuffles) runs as one std::thread per CUDA thread.
+static std::barrier<>* mt_block_barrier = nullptr;
+static std::vector<std::unique_ptr<std::barrier<>>> mt_warp_barriers;
+static unsigned char mt_lanes[8][32][8];
+static void __syncthreads() { mt_block_barrier->arrive_and_wait(); }
+template <typename T> static T mt_exchange(T v, int from_lane) {
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  std::memcpy(mt_lanes[warp][lane], &v, sizeof(T));
+  mt_warp_barriers[warp]->arrive_and_wait();
+  T out = v;
+  if (from_lane >= 0 && from_lane < 32) std::memcpy(&out, mt_lanes[warp][from_lane], sizeof(T));
+  mt_warp_barriers[warp]->arrive_and_wait();
+  return out;
+}
+template <typename T> static T __shfl_down_sync(unsigned, T v, int offset) {
+  return mt_exchange(v, static_cast<int>(threadIdx.x % 32) + offset);
+}
+template <typename T> static T __shfl_sync(unsigned, T v, int lane) { return mt_exchange(v, lane); }
+template <typename F> static void mt_run_grid(unsigned grid, unsigned block, bool cooperative,
+                                              F call) {
+  gridDim.x = grid;
+  blockDim.x = block;
+  for (blockIdx.x = 0; blockIdx.x < grid; ++blockIdx.x) {
+    if (!cooperative) {
+      for (threadIdx.x = 0; threadIdx.x < block; ++threadIdx.x) call();
+      continue;
+    }
+    std::barrier<> barrier(block);
+    mt_block_barrier = &barrier;
+    mt_warp_barriers.clear();
+    for (unsigned w = 0; w < block / 32; ++w)
+      mt_warp_barriers.push_back(std::make_unique<std::barrier<>>(32));
+    std::vector<std::thread> threads;
+    for (unsigned t = 0; t < block; ++t)
+      threads.emplace_back([t, &call] {
+        threadIdx.x = t;
+        call();
+      });
+    for (std::thread& thread : threads) thread.join();
+  }
+}
+template <typename T> static T mt_bits(const void* p) { T t; std::memcpy(&t, p, sizeof(T)); return t; }
+static float __fadd_rn(float a, float b) { return a + b; }
+static float __fsub_rn(float a, float b) { return a - b; }
+static float __fmul_rn(float a, float b) { return a * b; }
+static float __fdiv_rn(float a, float b) { return a / b; }
+static float __fsqrt_rn(float a) { return std::sqrt(a); }
+static double __dadd_rn(double a, double b) { return a + b; }
+static double __dsub_rn(double a, double b) { return a - b; }
+static double __dmul_rn(double a, double b) { return a * b; }
+static double __ddiv_rn(double a, double b) { return a / b; }
+static double __dsqrt_rn(double a) { return std::sqrt(a); }
+static float __double2float_rn(double a) { return static_cast<float>(a); }
+static float __ll2float_rn(long long a) { return static_cast<float>(a); }
+static double __ll2double_rn(long long a) { return static_cast<double>(a); }
+static float __uint_as_float(unsigned u) { return mt_bits<float>(&u); }
+static unsigned __float_as_uint(float f) { return mt_bits<unsigned>(&f); }
+static float __int_as_float(int i) { return mt_bits<float>(&i); }
+static double __longlong_as_double(long long i) { return mt_bits<double>(&i); }
+using std::signbit;
+static std::vector<char> mt_read(const char* path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<char>(std::istreambuf_iterator<char>(in), {});
+}
+static void mt_write(const char* path, const std::vector<char>& bytes) {
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+)";
+
+const char* element_type(mt::DType dtype) {
+  switch (dtype) {
+    case mt::DType::f32:
+      return "float";
+    case mt::DType::f64:
+      return "double";
+    case mt::DType::f16:
+    case mt::DType::bf16:
+      return "unsigned short";
+    case mt::DType::i32:
+      return "int";
+    case mt::DType::i64:
+      return "long long";
+    case mt::DType::boolean:
+      return "unsigned char";
+  }
+  return "";
+}
+
+// The prelude with its inline-PTX f16 conversions replaced.
+std::string host_prelude() {
+  std::string prelude = mt::cuda_prelude();
+  auto replace_function = [&](const std::string& signature, const std::string& body) {
+    size_t at = prelude.find(signature);
+    EXPECT_NE(at, std::string::npos) << signature;
+    if (at == std::string::npos) return;
+    size_t end = prelude.find("\n}\n", at);
+    prelude.replace(at, end + 3 - at, signature + " " + body + "\n");
+  };
+  replace_function("static __device__ __forceinline__ float mt_f16_to_f32(unsigned short h) {",
+                   "return mixtape::f16_bits_to_f32(h); }");
+  replace_function("static __device__ __forceinline__ unsigned short mt_f32_to_f16(float f) {",
+                   "return mixtape::f32_to_f16_bits(f); }");
+  return prelude;
+}
+
+// One observed launch: the kernel, its inputs' bytes when it ran, its scalars, and the nodes
+// whose values it stored (kept alive, and compared once the evaluation is done).
+struct Launch {
+  kir::Kernel kernel;
+  std::vector<std::vector<char>> inputs;  // per param (empty for outputs), all segments
+  std::vector<std::shared_ptr<const mt::Node>> nodes;
+  std::vector<int64_t> counts;   // each node's elements
+  std::vector<int64_t> extents;  // per segment
+  std::vector<double> scalars;
+};
+
+std::vector<Launch> observe(const std::function<void()>& program) {
+  std::vector<Launch> launches;
+  mt::Device previous = mt::current_device();
+  mt::set_device(mt::Device::cpu);
+  mt::set_kernel_observer([&](const mt::LoweredKernel& lowered) {
+    Launch launch{lowered.kernel, {}, {}, {}, {}, lowered.scalars};
+    size_t per_segment = lowered.kernel.params.size();
+    for (size_t i = 0; i < lowered.nodes.size(); ++i) {
+      launch.nodes.push_back(lowered.nodes[i]->shared_from_this());
+      launch.counts.push_back(lowered.nodes[i]->numel());
+      // A segment's extent: its largest buffer (the others are 0-d, or a whole reduction's 0-d
+      // result).
+      if (lowered.kernel.multi_tensor) {
+        size_t segment = i / per_segment;
+        if (launch.extents.size() <= segment) launch.extents.push_back(0);
+        launch.extents[segment] = std::max(launch.extents[segment], lowered.nodes[i]->numel());
+      }
+      const mt::kir::Param& param = lowered.kernel.params[i % per_segment];
+      if (param.output) {
+        launch.inputs.emplace_back();
+        continue;
+      }
+      const mt::Storage& value = *lowered.nodes[i]->value;
+      launch.inputs.emplace_back(
+          reinterpret_cast<const char*>(value.host_data()),
+          reinterpret_cast<const char*>(value.host_data()) + value.size_bytes());
+    }
+    launches.push_back(std::move(launch));
+  });
+  try {
+    program();
+  } catch (...) {
+    mt::set_kernel_observer({});
+    mt::set_device(previous);
+    throw;
+  }
+  mt::set_kernel_observer({});
+  mt::set_device(previous);
+  return launches;
+}
+
+// A double as a C++ expression of exactly its value (inf and NaN by their bits).
+std::string double_literal(double value) {
+  if (std::isfinite(value)) return fmt::format("{:a}", value);
+  uint64_t bits;
+  std::memcpy(&bits, &value, 8);
+  return fmt::format("std::bit_cast<double>(0x{:016X}ULL)", bits);
+}
+
+// The host driver of launch `k`: reads its inputs, runs its grid, writes its outputs.
+std::string driver(const Launch& launch, size_t k, const fs::path& dir) {
+  const kir::Kernel& kernel = launch.kernel;
+  size_t per_segment = kernel.params.size();
+  auto file = [&](size_t i, const char* kind) {
+    return (dir / fmt::format("k{}_{}.{}", k, i, kind)).string();
+  };
+  std::string out = "  {\n";
+  for (size_t i = 0; i < launch.nodes.size(); ++i) {
+    const kir::Param& param = kernel.params[i % per_segment];
+    if (param.output)
+      out += fmt::format("    std::vector<char> b{}({});\n", i,
+                         launch.counts[i] * static_cast<int64_t>(mt::size_of(param.dtype)));
+    else
+      out += fmt::format("    std::vector<char> b{} = mt_read(\"{}\");\n", i, file(i, "in"));
+  }
+  auto pointer = [&](size_t i) {
+    const kir::Param& param = kernel.params[i % per_segment];
+    return fmt::format("reinterpret_cast<{}{}*>(b{}.data())", param.output ? "" : "const ",
+                       element_type(param.dtype), i);
+  };
+  mt::CudaLaunch shape;
+  std::string call;
+  if (kernel.multi_tensor) {
+    int64_t segments = static_cast<int64_t>(launch.extents.size()), largest = 0;
+    EXPECT_LE(segments, mt::cuda_multi_tensor_capacity(kernel));
+    out +=
+        fmt::format("    {}_segments table{{}};\n    table.count = {};\n", kernel.name, segments);
+    int64_t start = 0;
+    for (int64_t s = 0; s < segments; ++s) {
+      start += launch.extents[s];
+      largest = std::max(largest, launch.extents[s]);
+      out += fmt::format("    table.start[{}] = {};\n", s + 1, start);
+      for (size_t p = 0; p < per_segment; ++p)
+        out += fmt::format(
+            "    table.pointer[{}][{}] = const_cast<void*>(static_cast<const "
+            "void*>({}));\n",
+            s, p, pointer(s * per_segment + p));
+      for (int32_t slot = 0; slot < kernel.scalars; ++slot)
+        out += fmt::format("    table.scalar[{}][{}] = {};\n", s, slot,
+                           double_literal(launch.scalars[s * kernel.scalars + slot]));
+    }
+    shape = mt::cuda_multi_tensor_launch(kernel, segments, largest);
+    call = fmt::format("{}(table)", kernel.name);
+  } else {
+    shape = mt::cuda_launch_shape(kernel);
+    std::vector<std::string> args;
+    for (size_t i = 0; i < launch.nodes.size(); ++i) args.push_back(pointer(i));
+    for (double scalar : launch.scalars) args.push_back(double_literal(scalar));
+    call = fmt::format("{}({})", kernel.name, fmt::join(args, ", "));
+  }
+  bool cooperative = mt::emit_cuda(kernel).find("__shfl") != std::string::npos;
+  out += fmt::format("    mt_run_grid({}, {}, {}, [&] {{ {}; }});\n", shape.grid, shape.block,
+                     cooperative, call);
+  for (size_t i = 0; i < launch.nodes.size(); ++i)
+    if (kernel.params[i % per_segment].output)
+      out += fmt::format("    mt_write(\"{}\", b{});\n", file(i, "out"), i);
+  return out + "  }\n";
+}
+
+// Where a reduction kernel's output `got` is further from the CPU's than the sums' order
+// explains (a few units of the stored type's last place, relative to the larger), or "".
+std::string first_difference(const std::vector<char>& got, const mt::Storage& want) {
+  if (got.size() != static_cast<size_t>(want.size_bytes()))
+    return fmt::format("{} bytes vs {}", got.size(), want.size_bytes());
+  mt::Storage actual(want.dtype, want.count);
+  std::memcpy(actual.host_data(), got.data(), got.size());
+  double ulp = want.dtype == mt::f16    ? 0x1p-10
+               : want.dtype == mt::bf16 ? 0x1p-7
+               : want.dtype == mt::f64  ? 0x1p-52
+                                        : 0x1p-23;
+  for (int64_t i = 0; i < want.count; ++i) {
+    double a = mt::load_element<double>(actual, i), e = mt::load_element<double>(want, i);
+    if (a == e || (std::isnan(a) && std::isnan(e))) continue;
+    // f32 layer_norm divides differences of a mean-centred row: an absolute term covers them.
+    if (std::fabs(a - e) <= 4 * ulp * std::max(std::fabs(a), std::fabs(e)) + 1e-5) continue;
+    return fmt::format("element {}: {} on the host-run CUDA, {} on the CPU", i, a, e);
+  }
+  return "";
+}
+
+// Builds `program` (host C++ holding CUDA kernels, with the shim) in `dir` and runs it.
+bool compile_and_run(const fs::path& dir, const std::string& program, const std::string& what) {
+  std::ofstream(dir / "kernels.cpp") << program;
+  std::string command = fmt::format(
+      "c++ -std=c++20 -O1 -ffp-contract=off -w -I'{}' '{}' -o '{}' > '{}' 2>&1", MIXTAPE_SOURCE_DIR,
+      (dir / "kernels.cpp").string(), (dir / "kernels").string(), (dir / "log.txt").string());
+  if (std::system(command.c_str()) != 0) {
+    std::ifstream log(dir / "log.txt");
+    std::string text((std::istreambuf_iterator<char>(log)), {});
+    ADD_FAILURE() << what << ": the CUDA does not compile as host C++ (" << dir
+                  << "/kernels.cpp):\n"
+                  << text.substr(0, 4000);
+    return false;
+  }
+  int status = std::system((dir / "kernels").string().c_str());
+  EXPECT_EQ(status, 0) << what;
+  return status == 0;
+}
+
+// Runs every observed launch's CUDA on the host and compares what each stored with the CPU
+// back end's value of that node; returns how many were compared.
+int64_t check_on_host(const std::vector<Launch>& launches, const std::string& what) {
+  fs::path dir = fs::temp_directory_path() / fmt::format("mixtape_cuda_host_{}", ::getpid());
+  fs::create_directories(dir);
+  std::string source = std::string(shim) + host_prelude();
+  std::string main_text = "int main() {\n";
+  std::set<std::string> defined;
+  for (size_t k = 0; k < launches.size(); ++k) {
+    const Launch& launch = launches[k];
+    if (defined.insert(launch.kernel.name).second) {
+      const std::string prelude_end = "#endif  // MIXTAPE_CUDA_PRELUDE_V1\n";
+      std::string kernel = mt::emit_cuda(launch.kernel);
+      source += kernel.substr(kernel.find(prelude_end) + prelude_end.size());
+    }
+    for (size_t i = 0; i < launch.inputs.size(); ++i)
+      if (!launch.kernel.params[i % launch.kernel.params.size()].output)
+        std::ofstream(dir / fmt::format("k{}_{}.in", k, i), std::ios::binary)
+            .write(launch.inputs[i].data(), static_cast<std::streamsize>(launch.inputs[i].size()));
+    main_text += driver(launch, k, dir);
+  }
+  if (!compile_and_run(dir, source + main_text + "}\n", what)) return 0;
+  int64_t compared = 0;
+  for (size_t k = 0; k < launches.size(); ++k) {
+    const Launch& launch = launches[k];
+    size_t per_segment = launch.kernel.params.size();
+    for (size_t i = 0; i < launch.nodes.size(); ++i) {
+      if (!launch.kernel.params[i % per_segment].output) continue;
+      const mt::Node& node = *launch.nodes[i];
+      if (!node.value) continue;  // released after its last reader
+      std::ifstream in(dir / fmt::format("k{}_{}.out", k, i), std::ios::binary);
+      std::vector<char> got((std::istreambuf_iterator<char>(in)), {});
+      std::vector<char> want(
+          reinterpret_cast<const char*>(node.value->host_data()),
+          reinterpret_cast<const char*>(node.value->host_data()) + node.value->size_bytes());
+      std::string where = fmt::format("{}: kernel {} param {} (segment {})", what,
+                                      launch.kernel.name, i % per_segment, i / per_segment);
+      if (launch.kernel.is_reduction())  // CUDA sums in another order than the CPU
+        EXPECT_EQ(first_difference(got, *node.value), "") << where;
+      else
+        EXPECT_EQ(got, want) << where << "\n" << mt::emit_cuda(launch.kernel);
+      ++compared;
+    }
+  }
+  fs::remove_all(dir);
+  return compared;
+}
+
+mt::Tensor values(mt::Shape shape, mt::DType dtype, uint64_t seed) {
+  mt::Generator gen(seed);
+  mt::Tensor x = mt::cast(mt::randn(shape, mt::f32, &gen) * 3.0, dtype);
+  mt::eval({x});
+  return x;
+}
+
+// Pointwise chains in every float dtype: whole-tensor (packed, with a tail: 1001 is odd) and
+// broadcast (scalar code), activations, comparisons, where, casts to integers and bool.
+TEST(CudaOnHost, PointwiseKernelsStoreTheCpusBits) {
+  for (mt::DType dtype : {mt::f32, mt::f16, mt::bf16, mt::f64}) {
+    std::vector<mt::Tensor> outs;
+    auto launches = observe([&] {
+      mt::Tensor x = values({7, 143}, dtype, 1), y = values({7, 143}, dtype, 2);
+      mt::Tensor row = values({143}, dtype, 3);
+      outs = {mt::gelu(x) * y + 0.5,
+              mt::where(x > y, mt::exp(x), mt::tanh(y)),
+              mt::sigmoid(x + row),
+              mt::cast(mt::relu(x) * 4.0, mt::i32),
+              mt::cast(mt::abs(y) < 1.0, mt::f32),
+              mt::erf(mt::reshape(x, {1001})) / 3.0};
+      mt::eval(outs);
+    });
+    EXPECT_GE(launches.size(), 3u);
+    EXPECT_GE(check_on_host(launches, std::string(mt::name(dtype))), 6) << mt::name(dtype);
+  }
+}
+
+// Reductions as CUDA runs them, each block's threads together: row statistics a block per row
+// (softmax, log_softmax and layer_norm are multi-pass kernels, their passes' results shared
+// through shared memory), short rows a thread per row, column sums, whole-tensor sums and max
+// with NaN, and independent whole sums as one multi-tensor reduction.
+TEST(CudaOnHost, ReductionKernelsMatchTheCpu) {
+  for (mt::DType dtype : {mt::f32, mt::bf16, mt::f16}) {
+    int64_t multi_pass = 0, multi_tensor = 0;
+    auto launches = observe([&] {
+      mt::Tensor x = values({12, 300}, dtype, 5), w = values({300}, dtype, 6);
+      mt::Tensor b = values({300}, dtype, 7), shortrows = values({40, 20}, dtype, 8);
+      mt::Tensor with_nan = mt::where(x > 5.0, mt::full({}, NAN, dtype), x);
+      std::vector<mt::Tensor> outs = {mt::softmax(x),
+                                      mt::log_softmax(shortrows),
+                                      mt::layer_norm(x, w, b),
+                                      mt::sum(x, {0}),
+                                      mt::max(with_nan, {1}),
+                                      mt::mean(x * x),
+                                      mt::max(x),
+                                      mt::sum(w * w),
+                                      mt::sum(b * b)};
+      mt::eval(outs);
+    });
+    for (const Launch& launch : launches) {
+      multi_pass += launch.kernel.pass_count() > 1;
+      multi_tensor += launch.kernel.multi_tensor && launch.kernel.is_reduction();
+    }
+    EXPECT_GE(multi_pass, 2) << mt::name(dtype);
+    EXPECT_GE(multi_tensor, 1) << mt::name(dtype);
+    EXPECT_GE(check_on_host(launches, std::string(mt::name(dtype))), 9) << mt::name(dtype);
+  }
+}
+
+// An optimizer's updates as multi-tensor kernels: five parameters of different sizes (some
+// under one pack), AdamW with a learning rate in a scalar slot.
+TEST(CudaOnHost, MultiTensorUpdatesStoreTheCpusBits) {
+  std::vector<mt::Tensor> params;
+  for (int64_t n : {3, 64, 1000, 5, 257})
+    params.push_back(
+        mt::tensor(values({n}, mt::f32, static_cast<uint64_t>(n)).to_vector<float>(), {n})
+            .requires_grad_());
+  mt::AdamW optimizer(params, mt::AdamOptions{.lr = 1e-2, .weight_decay = 0.1});
+  int64_t multi_tensor = 0, compared = 0;
+  for (int step = 0; step < 2; ++step) {
+    auto launches = observe([&] {
+      optimizer.zero_grad();
+      mt::Tensor loss = mt::sum(params[0] * params[0]);
+      for (size_t i = 1; i < params.size(); ++i) loss = loss + mt::sum(params[i] * params[i]);
+      loss.backward();
+      optimizer.step();
+      mt::eval(params);
+      for (size_t i = 0; i < params.size(); ++i)
+        for (const auto& [name, state] : optimizer.state(i)) mt::eval({state});
+    });
+    for (const Launch& launch : launches) multi_tensor += launch.kernel.multi_tensor;
+    compared += check_on_host(launches, fmt::format("AdamW step {}", step));
+  }
+  EXPECT_GT(multi_tensor, 0);
+  EXPECT_GE(compared, 10);
+}
+
+// ---- the fixed kernels (runtime/cuda_fixed_kernels.cpp) against the reference executor.
+
+// A byte buffer as a C++ initializer of the program (small test tensors).
+std::string bytes_literal(const mt::Storage& value) {
+  std::string text = "{";
+  for (int64_t i = 0; i < value.size_bytes(); ++i)
+    text += fmt::format("{}{}", i ? "," : "",
+                        static_cast<int>(static_cast<unsigned char>(value.host_data()[i])));
+  return text + "}";
+}
+
+std::string grid_call(int64_t elements, const std::string& call) {
+  int64_t grid = std::clamp<int64_t>((elements + 255) / 256, 1, 8192);
+  return fmt::format("  mt_run_grid({}, 256, false, [&] {{ {}; }});\n", grid, call);
+}
+
+std::string box_literal(const mt::CopyBox& box) {
+  std::vector<int64_t> shape = box.shape, src = box.src_stride, dst = box.dst_stride;
+  shape.resize(8, 0);
+  src.resize(8, 0);
+  dst.resize(8, 0);
+  return fmt::format("mt_box{{{}, {}, {}, {}, {{{}}}, {{{}}}, {{{}}}}}", box.count(), box.src_base,
+                     box.dst_base, box.shape.size(), fmt::join(shape, ","), fmt::join(src, ","),
+                     fmt::join(dst, ","));
+}
+
+// Concat and unslice (box copies), index_select and index_add (with its plan), computed by the
+// fixed kernels from the reference's inputs, and random fills: the reference's bytes.
+TEST(CudaOnHost, FixedKernelsStoreTheReferencesBits) {
+  mt::Device previous = mt::current_device();
+  mt::set_device(mt::Device::reference);
+  mt::Tensor a = values({4, 5, 6}, mt::f16, 1), b = values({4, 3, 6}, mt::f16, 2);
+  mt::Tensor table = values({11, 6}, mt::f32, 3), grad = values({9, 6}, mt::f16, 4);
+  mt::Tensor index = mt::tensor(std::vector<int64_t>{3, 0, 3, 10, 3, 7, 0, 2, 9}, {9});
+  mt::Tensor start = mt::cast(table, mt::bf16);
+  mt::eval({index, start});
+  mt::Tensor joined = mt::concat({a, b, a}, 1);
+  mt::Tensor placed = mt::unslice(b, {1, 0, 2}, {2, 2, 1}, {9, 6, 9});
+  mt::Tensor rows = mt::index_select(table, index);
+  mt::Tensor summed = mt::index_add(start, index, grad);
+  std::vector<mt::Tensor> outs = {joined, placed, rows, summed};
+  // The plans come from the pending nodes, as the CUDA executor makes them.
+  std::vector<mt::CopyBox> concat = mt::concat_boxes(*joined.node());
+  mt::CopyBox window = mt::unslice_box(*placed.node());
+  mt::IndexAddPlan plan = mt::index_add_plan(mt::checked_indices(*summed.node()), 11);
+  mt::eval(outs);
+  const mt::Storage& base = *start.node()->value;
+  mt::set_device(previous);
+
+  std::string main_text = "int main() {\n";
+  auto buffer = [&](const char* name, const mt::Storage& value) {
+    main_text += fmt::format("  std::vector<char> {} = {};\n", name, bytes_literal(value));
+  };
+  buffer("a", *a.node()->value);
+  buffer("b", *b.node()->value);
+  buffer("table", *table.node()->value);
+  buffer("grad", *grad.node()->value);
+  buffer("base", base);
+  std::vector<std::string> names = {"joined", "placed", "rows", "summed"};
+  for (size_t o = 0; o < outs.size(); ++o)
+    main_text +=
+        fmt::format("  std::vector<char> {}({});\n", names[o], outs[o].node()->value->size_bytes());
+  // concat: each input's box; unslice: zeros, then the window's box.
+  const char* concat_inputs[] = {"a", "b", "a"};
+  for (size_t i = 0; i < concat.size(); ++i)
+    main_text += grid_call(concat[i].count(),
+                           fmt::format("mt_copy_box_2(reinterpret_cast<const unsigned short*>({}"
+                                       ".data()), reinterpret_cast<unsigned short*>(joined.data()),"
+                                       " {})",
+                                       concat_inputs[i], box_literal(concat[i])));
+  main_text += grid_call(window.count(),
+                         fmt::format("mt_copy_box_2(reinterpret_cast<const unsigned short*>(b."
+                                     "data()), reinterpret_cast<unsigned short*>(placed.data()), "
+                                     "{})",
+                                     box_literal(window)));
+  main_text += fmt::format("  std::vector<long long> index = {{{}}};\n",
+                           fmt::join(index.to_vector<int64_t>(), ","));
+  main_text += grid_call(rows.numel(),
+                         "mt_index_select_4(reinterpret_cast<const unsigned*>(table.data()), "
+                         "index.data(), reinterpret_cast<unsigned*>(rows.data()), 54, 9, 11, 6)");
+  main_text += fmt::format("  std::vector<long long> offsets = {{{}}}, order = {{{}}};\n",
+                           fmt::join(plan.offsets, ","), fmt::join(plan.order, ","));
+  main_text += grid_call(
+      summed.numel(),
+      fmt::format("mt_index_add(base.data(), {}, grad.data(), {}, offsets.data(), order.data(), "
+                  "summed.data(), {}, 66, 9, 11, 6)",
+                  static_cast<int>(base.dtype), static_cast<int>(grad.node()->value->dtype),
+                  static_cast<int>(summed.node()->storage)));
+  // rand in bf16 and randn in f16, 1001 elements (a partial last block) whose Philox counters
+  // cross 2^32: fill_* on the host.
+  std::vector<std::unique_ptr<mt::Storage>> draws;
+  for (int normal : {0, 1}) {
+    mt::DType dtype = normal ? mt::f16 : mt::bf16;
+    draws.push_back(std::make_unique<mt::Storage>(dtype, 1001));
+    (normal ? mt::fill_normal : mt::fill_uniform)(*draws.back(), 77, 0xFFFFFFF0u);
+    std::string name = fmt::format("draw{}", normal);
+    names.push_back(name);
+    main_text += fmt::format("  std::vector<char> {}(2002);\n", name);
+    main_text +=
+        grid_call(251, fmt::format("mt_random_fill({}.data(), {}, {}, 1001, 77, 0xFFFFFFF0ull)",
+                                   name, static_cast<int>(dtype), normal));
+  }
+  fs::path dir = fs::temp_directory_path() / fmt::format("mixtape_cuda_fixed_{}", ::getpid());
+  fs::create_directories(dir);
+  for (const std::string& name : names)
+    main_text += fmt::format("  mt_write(\"{}\", {});\n", (dir / (name + ".out")).string(), name);
+  main_text += "}\n";
+  std::string source = mt::cuda_fixed_kernels_source();
+  source = host_prelude() + source.substr(std::string(mt::cuda_prelude()).size());
+  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + source + main_text, "fixed kernels"));
+  for (size_t o = 0; o < names.size(); ++o) {
+    std::ifstream in(dir / (names[o] + ".out"), std::ios::binary);
+    std::vector<char> got((std::istreambuf_iterator<char>(in)), {});
+    const mt::Storage& want = o < outs.size() ? *outs[o].node()->value : *draws[o - outs.size()];
+    EXPECT_EQ(
+        got, std::vector<char>(reinterpret_cast<const char*>(want.host_data()),
+                               reinterpret_cast<const char*>(want.host_data()) + want.size_bytes()))
+        << names[o];
+  }
+  fs::remove_all(dir);
+}
+
+}  // namespace
