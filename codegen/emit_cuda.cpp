@@ -915,6 +915,8 @@ std::string emit_cuda(const kir::Kernel& kernel) { return Emitter(kernel).run();
 
 const char* cuda_prelude() { return prelude; }
 
+const char* cuda_element_type(DType dtype) { return element_type(dtype); }
+
 CudaLaunch cuda_launch_shape(const kir::Kernel& kernel) {
   Plan p = plan(kernel);
   return CudaLaunch{p.grid, p.block, 0};

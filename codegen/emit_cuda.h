@@ -40,6 +40,9 @@ namespace mixtape {
 /// can be concatenated into one NVRTC program.
 std::string emit_cuda(const kir::Kernel& kernel);
 
+/// The C++ type of a `dtype` buffer in the kernels' parameters (the ABI above).
+const char* cuda_element_type(DType dtype);
+
 /// The guarded device helpers every emitted source starts with (f16/bf16 conversions and
 /// rounding, ...), for hand-written kernels that must round exactly as emitted ones.
 const char* cuda_prelude();

@@ -4,6 +4,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cstdlib>
@@ -41,6 +42,9 @@ struct Nvrtc {
   nvrtcResult (*GetPTX)(nvrtcProgram, char*) = nullptr;
   nvrtcResult (*GetCUBINSize)(nvrtcProgram, size_t*) = nullptr;
   nvrtcResult (*GetCUBIN)(nvrtcProgram, char*) = nullptr;
+  // Optional (NVRTC 11.2 and later): the sm_NN this NVRTC compiles for.
+  nvrtcResult (*GetNumSupportedArchs)(int*) = nullptr;
+  nvrtcResult (*GetSupportedArchs)(int*) = nullptr;
 };
 
 std::vector<std::string> candidate_paths() {
@@ -91,6 +95,8 @@ const Nvrtc& nvrtc() {
       dlclose(n.library);
       return Nvrtc{};
     }
+    bind(n.library, n.GetNumSupportedArchs, "nvrtcGetNumSupportedArchs");
+    bind(n.library, n.GetSupportedArchs, "nvrtcGetSupportedArchs");
     n.version = fmt::format("{}.{}", major, minor);
     if (log_enabled("nvrtc")) log_line("nvrtc", "loaded NVRTC {}", n.version);
     return n;
@@ -174,6 +180,30 @@ std::string compile_uncached(const Nvrtc& n, const std::string& source, const st
 bool nvrtc_available() { return nvrtc().library != nullptr; }
 
 std::string nvrtc_version() { return nvrtc().version; }
+
+std::vector<int> nvrtc_supported_archs() {
+  const Nvrtc& n = nvrtc();
+  if (!n.library || !n.GetNumSupportedArchs || !n.GetSupportedArchs) return {};
+  int count = 0;
+  if (n.GetNumSupportedArchs(&count) != nvrtc_success || count <= 0) return {};
+  std::vector<int> archs(static_cast<size_t>(count));
+  if (n.GetSupportedArchs(archs.data()) != nvrtc_success) return {};
+  std::sort(archs.begin(), archs.end());
+  return archs;
+}
+
+std::string nvrtc_target(int compute_capability) {
+  std::vector<int> archs = nvrtc_supported_archs();
+  if (archs.empty() || std::count(archs.begin(), archs.end(), compute_capability))
+    return fmt::format("sm_{}", compute_capability);
+  auto newest_below = std::upper_bound(archs.begin(), archs.end(), compute_capability);
+  if (newest_below == archs.begin())
+    fail(
+        "NVRTC {} does not compile for sm_{} (the oldest it supports is sm_{}): use a CUDA "
+        "toolkit that supports this GPU",
+        nvrtc_version(), compute_capability, archs.front());
+  return fmt::format("compute_{}", *std::prev(newest_below));
+}
 
 std::string compile_cuda(const std::string& source, const std::string& arch,
                          const std::string& program_name, bool* from_cache) {

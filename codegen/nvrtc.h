@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace mixtape {
 
@@ -28,6 +29,14 @@ std::string nvrtc_version();
 std::string compile_cuda(const std::string& source, const std::string& arch,
                          const std::string& program_name = "mixtape_kernels.cu",
                          bool* from_cache = nullptr);
+
+/// The compute capabilities this NVRTC compiles CUBINs for (90 for sm_90), ascending; empty
+/// when NVRTC is missing or too old to say.
+std::vector<int> nvrtc_supported_archs();
+/// What to compile for a device of `compute_capability`: "sm_NN" when NVRTC supports it (or
+/// cannot say), else PTX for the newest older "compute_MM", which the driver compiles for a GPU
+/// newer than this NVRTC. mt::Error when the GPU is older than every arch NVRTC supports.
+std::string nvrtc_target(int compute_capability);
 
 struct NvrtcStats {
   int64_t compiled = 0;    // NVRTC runs (cache misses)

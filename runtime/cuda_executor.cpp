@@ -54,7 +54,7 @@ void fetch_to_host(Storage& storage) {
   storage.host_stale.store(false, std::memory_order_release);
 }
 
-std::string device_arch() { return "sm_" + std::to_string(cuda::compute_capability()); }
+std::string device_arch() { return nvrtc_target(cuda::compute_capability()); }
 
 // A kernel loaded into the context. `function` stays null from the program build until
 // compile_pending() has compiled it with the others the build asked for.

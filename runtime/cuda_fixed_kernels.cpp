@@ -277,7 +277,7 @@ const FixedKernels& fixed_kernels() {
   static FixedKernels loaded;
   static std::once_flag once;
   std::call_once(once, [] {
-    std::string arch = "sm_" + std::to_string(cuda::compute_capability());
+    std::string arch = nvrtc_target(cuda::compute_capability());
     std::string image = compile_cuda(cuda_fixed_kernels_source(), arch, "mixtape_fixed_kernels.cu");
     cuda::CUmodule module = cuda::load_module(std::span<const char>(image.data(), image.size()));
     for (int w = 0; w < 4; ++w) {

@@ -715,6 +715,33 @@ INSTANTIATE_TEST_SUITE_P(Compiled, MultiTensorUpdates,
 // matmul, so they stay apart, while `d` (independent of both) joins `b`. Segments of different
 // ranks and sizes, one of them a broadcast 0-d read, and enough elements to split across threads
 // inside and across segments.
+// A program run on the reference, then on the CPU without and with multi-tensor steps: each
+// run's outputs and kernel count, and the segments of every multi-tensor launch.
+struct ThreeWays {
+  std::vector<mt::Tensor> outs[3];
+  int64_t kernels[3] = {0, 0, 0};
+  std::vector<int64_t> segments;
+};
+
+ThreeWays run_three_ways(const std::function<void(std::vector<mt::Tensor>&)>& program) {
+  ThreeWays runs;
+  mt::set_kernel_observer([&](const mt::LoweredKernel& k) {
+    if (k.kernel.multi_tensor)
+      runs.segments.push_back(static_cast<int64_t>(k.nodes.size() / k.kernel.params.size()));
+  });
+  for (int run = 0; run < 3; ++run) {
+    mt::set_device(run == 0 ? mt::Device::reference : mt::Device::cpu);
+    mt::set_multi_tensor_steps(run == 2);
+    mt::reset_execution_stats();
+    program(runs.outs[run]);
+    runs.kernels[run] = mt::execution_stats().kernels;
+  }
+  mt::set_kernel_observer({});
+  mt::set_multi_tensor_steps(true);
+  mt::set_device(mt::Device::reference);
+  return runs;
+}
+
 TEST(Compiled, MultiTensorStepsKeepDependentKernelsApart) {
   auto program = [](std::vector<mt::Tensor>& outs) {
     mt::Generator gen(31);
@@ -730,25 +757,12 @@ TEST(Compiled, MultiTensorStepsKeepDependentKernelsApart) {
     outs = {a, b, update(p3, g3), update(p4, g4)};
     mt::eval(outs);
   };
+  ThreeWays runs = run_three_ways(program);
+  const int64_t* kernels = runs.kernels;
+  const std::vector<int64_t>& segments = runs.segments;
   std::vector<std::vector<float>> results[3];
-  int64_t kernels[3] = {0, 0, 0};
-  std::vector<int64_t> segments;
-  mt::set_kernel_observer([&](const mt::LoweredKernel& k) {
-    if (k.kernel.multi_tensor)
-      segments.push_back(static_cast<int64_t>(k.nodes.size() / k.kernel.params.size()));
-  });
-  for (int run = 0; run < 3; ++run) {
-    mt::set_device(run == 0 ? mt::Device::reference : mt::Device::cpu);
-    mt::set_multi_tensor_steps(run == 2);
-    std::vector<mt::Tensor> outs;
-    mt::reset_execution_stats();
-    program(outs);
-    kernels[run] = mt::execution_stats().kernels;
-    for (mt::Tensor& t : outs) results[run].push_back(t.to_vector<float>());
-  }
-  mt::set_kernel_observer({});
-  mt::set_multi_tensor_steps(true);
-  mt::set_device(mt::Device::reference);
+  for (int run = 0; run < 3; ++run)
+    for (mt::Tensor& t : runs.outs[run]) results[run].push_back(t.to_vector<float>());
   EXPECT_EQ(kernels[1], 4);
   EXPECT_EQ(kernels[2], 2);  // a; then b, c and d in one launch
   EXPECT_EQ(segments, std::vector<int64_t>({3}));
@@ -776,25 +790,12 @@ TEST(Compiled, WholeTensorSumsShareALaunchAndSplitBySegment) {
     for (const mt::Tensor& x : inputs) outs.push_back(mt::sum(x * x - 0.5));
     mt::eval(outs);
   };
+  ThreeWays runs = run_three_ways(program);
+  const int64_t* kernels = runs.kernels;
+  const std::vector<int64_t>& segments = runs.segments;
   std::vector<double> results[3];
-  int64_t kernels[3] = {0, 0, 0};
-  std::vector<int64_t> segments;
-  mt::set_kernel_observer([&](const mt::LoweredKernel& k) {
-    if (k.kernel.multi_tensor)
-      segments.push_back(static_cast<int64_t>(k.nodes.size() / k.kernel.params.size()));
-  });
-  for (int run = 0; run < 3; ++run) {
-    mt::set_device(run == 0 ? mt::Device::reference : mt::Device::cpu);
-    mt::set_multi_tensor_steps(run == 2);
-    std::vector<mt::Tensor> outs;
-    mt::reset_execution_stats();
-    program(outs);
-    kernels[run] = mt::execution_stats().kernels;
-    for (mt::Tensor& t : outs) results[run].push_back(t.item());
-  }
-  mt::set_kernel_observer({});
-  mt::set_multi_tensor_steps(true);
-  mt::set_device(mt::Device::reference);
+  for (int run = 0; run < 3; ++run)
+    for (mt::Tensor& t : runs.outs[run]) results[run].push_back(t.item());
   EXPECT_EQ(kernels[2], 1);
   EXPECT_EQ(kernels[1], static_cast<int64_t>(sizes.size()));
   EXPECT_EQ(segments, std::vector<int64_t>({static_cast<int64_t>(sizes.size())}));

@@ -141,25 +141,6 @@ static void mt_write(const char* path, const std::vector<char>& bytes) {
 }
 )";
 
-const char* element_type(mt::DType dtype) {
-  switch (dtype) {
-    case mt::DType::f32:
-      return "float";
-    case mt::DType::f64:
-      return "double";
-    case mt::DType::f16:
-    case mt::DType::bf16:
-      return "unsigned short";
-    case mt::DType::i32:
-      return "int";
-    case mt::DType::i64:
-      return "long long";
-    case mt::DType::boolean:
-      return "unsigned char";
-  }
-  return "";
-}
-
 // The prelude with its inline-PTX f16 conversions replaced.
 std::string host_prelude() {
   std::string prelude = mt::cuda_prelude();
@@ -256,7 +237,7 @@ std::string driver(const Launch& launch, size_t k, const fs::path& dir) {
   auto pointer = [&](size_t i) {
     const kir::Param& param = kernel.params[i % per_segment];
     return fmt::format("reinterpret_cast<{}{}*>(b{}.data())", param.output ? "" : "const ",
-                       element_type(param.dtype), i);
+                       mt::cuda_element_type(param.dtype), i);
   };
   mt::CudaLaunch shape;
   std::string call;

@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -41,6 +42,8 @@ static_assert(std::is_same_v<decltype(&nvrtcCreateProgram),
                                              const char* const*, const char* const*)>);
 static_assert(std::is_same_v<decltype(&nvrtcGetCUBIN), nvrtcResult (*)(nvrtcProgram, char*)>);
 static_assert(std::is_same_v<decltype(&nvrtcVersion), nvrtcResult (*)(int*, int*)>);
+static_assert(std::is_same_v<decltype(&nvrtcGetNumSupportedArchs), nvrtcResult (*)(int*)>);
+static_assert(std::is_same_v<decltype(&nvrtcGetSupportedArchs), nvrtcResult (*)(int*)>);
 static_assert(sizeof(nvrtcResult) == sizeof(int));
 #endif
 
@@ -673,6 +676,25 @@ TEST(CudaLaunch, ShapesFollowTheKernel) {
   kir::Kernel check = multi_tensor_inf_check();
   EXPECT_EQ(mt::cuda_multi_tensor_launch(check, 9, int64_t{1} << 30).grid, 9u);
   EXPECT_EQ(mt::cuda_multi_tensor_launch(check, 9, 0).block, 256u);
+}
+
+// The device's arch when NVRTC has it, else PTX for the newest older one (a GPU newer than the
+// toolkit), and a clear error for a GPU older than all of them.
+TEST(Nvrtc, TargetFallsBackToPtxForAnUnknownNewerGpu) {
+  SKIP_WITHOUT_NVRTC();
+  std::vector<int> archs = mt::nvrtc_supported_archs();
+  ASSERT_FALSE(archs.empty()) << "NVRTC " << mt::nvrtc_version() << " lists no archs";
+  EXPECT_TRUE(std::is_sorted(archs.begin(), archs.end()));
+  EXPECT_EQ(std::count(archs.begin(), archs.end(), 90), 1);
+  EXPECT_EQ(mt::nvrtc_target(90), "sm_90");
+  EXPECT_EQ(mt::nvrtc_target(archs.back() + 1), fmt::format("compute_{}", archs.back()));
+  if (archs.front() > 10) {
+    EXPECT_MT_ERROR(mt::nvrtc_target(10), "does not compile for sm_10",
+                    fmt::format("sm_{}", archs.front()));
+  }
+  std::string ptx = mt::compile_cuda(mt::emit_cuda(bf16_broadcast_chain()),
+                                     mt::nvrtc_target(archs.back() + 1), "future.cu");
+  EXPECT_TRUE(has_kernel_entry(ptx, "golden_bf16_broadcast_chain"));
 }
 
 // ---- errors and the cache ----
