@@ -929,6 +929,40 @@ int64_t cuda_multi_tensor_capacity(const kir::Kernel& kernel) {
   return (cuda_multi_tensor_table_bytes / 8 - 2) / words_per_segment;
 }
 
+std::vector<CudaSegmentTable> cuda_multi_tensor_tables(const kir::Kernel& kernel,
+                                                       std::span<const int64_t> starts,
+                                                       std::span<const uint64_t> pointers,
+                                                       std::span<const double> scalars) {
+  int64_t capacity = cuda_multi_tensor_capacity(kernel);
+  int64_t params = static_cast<int64_t>(kernel.params.size()), slots = kernel.scalars;
+  int64_t segments = static_cast<int64_t>(starts.size()) - 1;
+  if (segments < 0 || static_cast<int64_t>(pointers.size()) != segments * params ||
+      static_cast<int64_t>(scalars.size()) != segments * slots)
+    fail("multi-tensor kernel {}: {} starts, {} pointers and {} scalars do not make segments",
+         kernel.name, starts.size(), pointers.size(), scalars.size());
+  std::vector<CudaSegmentTable> tables;
+  for (int64_t first = 0; first < segments; first += capacity) {
+    CudaSegmentTable table;
+    table.segments = std::min(capacity, segments - first);
+    table.words.assign(cuda_multi_tensor_table_bytes / 8, 0);
+    uint64_t* start_words = table.words.data() + 1;
+    uint64_t* pointer_words = start_words + capacity + 1;
+    uint64_t* scalar_words = pointer_words + capacity * params;
+    table.words[0] = static_cast<uint64_t>(table.segments);
+    for (int64_t s = 0; s < table.segments; ++s) {
+      int64_t at = first + s;
+      start_words[s + 1] = static_cast<uint64_t>(starts[at + 1] - starts[first]);
+      table.largest = std::max(table.largest, starts[at + 1] - starts[at]);
+      for (int64_t p = 0; p < params; ++p)
+        pointer_words[s * params + p] = pointers[at * params + p];
+      for (int64_t k = 0; k < slots; ++k)
+        std::memcpy(&scalar_words[s * slots + k], &scalars[at * slots + k], 8);
+    }
+    tables.push_back(std::move(table));
+  }
+  return tables;
+}
+
 CudaLaunch cuda_multi_tensor_launch(const kir::Kernel& kernel, int64_t segments,
                                     int64_t largest_segment) {
   if (kernel.is_reduction())

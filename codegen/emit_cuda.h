@@ -2,7 +2,9 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "codegen/kernel_ir.h"
 
@@ -60,6 +62,19 @@ CudaLaunch cuda_launch_shape(const kir::Kernel& kernel);
 /// The size of a multi-tensor kernel's argument, and how many segments it holds.
 constexpr int64_t cuda_multi_tensor_table_bytes = 4096;
 int64_t cuda_multi_tensor_capacity(const kir::Kernel& kernel);
+/// The argument of each launch of a multi-tensor step, as the ABI above lays it out: `starts`
+/// is the step's {start_0 = 0, ..., start_S}, `pointers` and `scalars` every segment's in
+/// turn. One table per chunk of at most cuda_multi_tensor_capacity(kernel) segments, its starts
+/// counted from its first segment's.
+struct CudaSegmentTable {
+  std::vector<uint64_t> words;  // cuda_multi_tensor_table_bytes
+  int64_t segments = 0;
+  int64_t largest = 0;  // the most elements of one segment
+};
+std::vector<CudaSegmentTable> cuda_multi_tensor_tables(const kir::Kernel& kernel,
+                                                       std::span<const int64_t> starts,
+                                                       std::span<const uint64_t> pointers,
+                                                       std::span<const double> scalars);
 /// A multi-tensor launch of `segments` segments: pointwise, enough blocks for the largest
 /// segment, every segment sharing them; a reduction, a block per segment.
 CudaLaunch cuda_multi_tensor_launch(const kir::Kernel& kernel, int64_t segments,

@@ -147,30 +147,12 @@ void launch_multi_tensor(const Step& step, const LoadedKernel& loaded,
                          const std::vector<cuda::CUdeviceptr>& pointers,
                          const std::vector<double>& scalars) {
   const kir::Kernel& kernel = *step.kernel;
-  int64_t capacity = cuda_multi_tensor_capacity(kernel);
-  int64_t params = static_cast<int64_t>(kernel.params.size()), slots = kernel.scalars;
-  int64_t segments = step.segments();
-  const int64_t* start = step.segment_table.data() + 1;
-  for (int64_t first = 0; first < segments; first += capacity) {
-    int64_t count = std::min(capacity, segments - first);
-    std::vector<uint64_t> table(cuda_multi_tensor_table_bytes / 8, 0);
-    uint64_t* starts = table.data() + 1;
-    uint64_t* segment_pointers = starts + capacity + 1;
-    double* segment_scalars = reinterpret_cast<double*>(segment_pointers + capacity * params);
-    table[0] = static_cast<uint64_t>(count);
-    int64_t largest = 0;
-    for (int64_t s = 0; s < count; ++s) {
-      int64_t at = first + s;
-      starts[s + 1] = static_cast<uint64_t>(start[at + 1] - start[first]);
-      largest = std::max(largest, start[at + 1] - start[at]);
-      for (int64_t p = 0; p < params; ++p)
-        segment_pointers[s * params + p] = pointers[static_cast<size_t>(at * params + p)];
-      for (int64_t k = 0; k < slots; ++k)
-        segment_scalars[s * slots + k] = scalars[static_cast<size_t>(at * slots + k)];
-    }
-    if (largest == 0 && !kernel.is_reduction()) continue;  // a reduction stores even then
-    CudaLaunch shape = cuda_multi_tensor_launch(kernel, count, largest);
-    void* args[] = {table.data()};  // cuLaunchKernel copies the argument at the call
+  std::vector<uint64_t> words(pointers.begin(), pointers.end());
+  for (CudaSegmentTable& table :
+       cuda_multi_tensor_tables(kernel, std::span(step.segment_table).subspan(1), words, scalars)) {
+    if (table.largest == 0 && !kernel.is_reduction()) continue;  // a reduction stores even then
+    CudaLaunch shape = cuda_multi_tensor_launch(kernel, table.segments, table.largest);
+    void* args[] = {table.words.data()};  // cuLaunchKernel copies the argument at the call
     cuda::launch(loaded.function, {shape.grid, 1, 1}, {shape.block, 1, 1}, shape.shared_bytes,
                  args);
   }

@@ -268,6 +268,7 @@ StoragePtr ref_Concat(const Node& node) {
     const NodePtr& input = node.inputs[i];
     StoragePtr converted = input_as_storage(node, i);
     int64_t row = input->shape[axis] * inner;
+    if (row == 0) continue;  // an empty input (its buffer may be null)
     for (int64_t o = 0; o < outer; ++o)
       std::memcpy(out->host_data() + (o * out_row + column) * bytes,
                   converted->host_data() + o * row * bytes, row * bytes);
