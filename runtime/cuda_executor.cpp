@@ -221,6 +221,7 @@ void run_matmul(Node& node) {
   desc.transpose_b = node.attrs.transpose_b;
   desc.input = node.compute;
   desc.output = node.storage;
+  desc.allow_tf32 = node.compute == f32 && allow_tf32();
   // cuBLASLt accumulates in f32: other accumulators (f64, 16-bit ones a custom policy asks for)
   // and integer or f64 operands take the reference loops. Results are f32 or the operands' type.
   bool supported = half_or_f32(node.compute) && half_or_f32(node.storage) && node.accum == f32 &&
@@ -247,6 +248,33 @@ void run_matmul(Node& node) {
   node.value = std::move(out);
   ++s.gemms;
 }
+
+// MIXTAPE_LOG=profile's device timer: events recorded on the compute stream, reused from one
+// evaluation to the next (run_program calls these from the one thread that runs it).
+std::vector<std::unique_ptr<cuda::Event>>& timing_events() {
+  static std::vector<std::unique_ptr<cuda::Event>> events;
+  return events;
+}
+size_t marks_made = 0;
+
+void mark_on_stream() {
+  std::vector<std::unique_ptr<cuda::Event>>& events = timing_events();
+  if (marks_made == events.size()) events.push_back(std::make_unique<cuda::Event>());
+  events[marks_made++]->record();
+}
+
+std::vector<double> seconds_between_marks() {
+  std::vector<double> seconds;
+  if (marks_made == 0) return seconds;
+  std::vector<std::unique_ptr<cuda::Event>>& events = timing_events();
+  events[marks_made - 1]->synchronize();
+  for (size_t i = 0; i + 1 < marks_made; i += 2)
+    seconds.push_back(1e-3 * cuda::Event::elapsed_ms(*events[i], *events[i + 1]));
+  marks_made = 0;
+  return seconds;
+}
+
+const DeviceTimer stream_timer{mark_on_stream, seconds_between_marks};
 
 std::string backend_unavailable_reason() {
   if (!cuda::available()) return cuda::unavailable_reason();
@@ -327,7 +355,8 @@ ExecutedProgram execute_cuda(const std::vector<Node*>& pending,
 }
 
 void replay_cuda(const ExecutedProgram& executed, const std::vector<Node*>& pending) {
-  run_program(*executed.program, pending, executed.sig, {run_kernel, run_matmul, run_other});
+  run_program(*executed.program, pending, executed.sig,
+              {run_kernel, run_matmul, run_other, &stream_timer});
 }
 
 void cuda_synchronize() {

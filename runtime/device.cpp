@@ -16,6 +16,12 @@
 namespace mixtape {
 namespace {
 
+// An on/off environment variable: set, non-empty and not "0" is on.
+bool env_flag(const char* name) {
+  const char* env = std::getenv(name);
+  return env && std::string(env) != "" && std::string(env) != "0";
+}
+
 std::optional<Device>& selected() {
   static std::optional<Device> device;
   return device;
@@ -83,10 +89,7 @@ const char* device_name(Device device) {
 
 bool eager_mode() {
   std::optional<bool>& eager = eager_setting();
-  if (!eager) {
-    const char* env = std::getenv("MIXTAPE_EAGER");
-    eager = env && std::string(env) != "" && std::string(env) != "0";
-  }
+  if (!eager) eager = env_flag("MIXTAPE_EAGER");
   return *eager;
 }
 
@@ -94,13 +97,17 @@ void set_eager_mode(bool eager) { eager_setting() = eager; }
 
 namespace {
 std::atomic<bool>& flush_setting() {
-  static std::atomic<bool> on{[] {
-    const char* env = std::getenv("MIXTAPE_FLUSH_DENORMAL");
-    return env && std::string(env) != "" && std::string(env) != "0";
-  }()};
+  static std::atomic<bool> on{env_flag("MIXTAPE_FLUSH_DENORMAL")};
+  return on;
+}
+std::atomic<bool>& tf32_setting() {
+  static std::atomic<bool> on{env_flag("MIXTAPE_ALLOW_TF32")};
   return on;
 }
 }  // namespace
+
+void set_allow_tf32(bool allow) { tf32_setting().store(allow, std::memory_order_relaxed); }
+bool allow_tf32() { return tf32_setting().load(std::memory_order_relaxed); }
 
 bool flush_denormal() { return flush_setting().load(std::memory_order_relaxed); }
 

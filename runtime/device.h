@@ -35,6 +35,14 @@ bool flush_denormal();
 /// Sets the calling thread's float mode to the setting above; the back ends call it on each
 /// thread that runs a step (cheap when nothing changes).
 void apply_flush_denormal();
+/// TF32 tensor cores for f32 matmuls on the cuda device, as torch.backends.cuda.matmul.allow_tf32
+/// (torch.set_float32_matmul_precision("high")): operands rounded to TF32's 10-bit mantissa, f32
+/// accumulation (CUBLAS_COMPUTE_32F_FAST_TF32), several times the f32 rate at about 1e-3
+/// relative error. Off by default, so f32 matmuls are IEEE f32 products; MIXTAPE_ALLOW_TF32=1
+/// turns it on at start. Read at every matmul launch, so it applies to programs built before
+/// (and to mt::compile replays). Half-precision matmuls and the CPU back ends are unaffected.
+void set_allow_tf32(bool allow);
+bool allow_tf32();
 
 class eager_scope {
  public:

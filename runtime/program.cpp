@@ -269,16 +269,17 @@ std::shared_ptr<const Program> ProgramCache::get(const std::vector<Node*>& pendi
 
 namespace {
 // MIXTAPE_LOG=profile: wall time per step, summed by what the step is, printed at exit with the
-// heaviest first, so a user can see where a training step's time goes.
+// heaviest first, so a user can see where a training step's time goes. On a device that runs
+// steps asynchronously the wall time is the launch's, so a second table has the device's time.
 class StepProfile {
  public:
   static StepProfile* active() {
     static StepProfile* profile = log_enabled("profile") ? new StepProfile : nullptr;
     return profile;
   }
-  void add(std::string label, double seconds) {
+  void add(std::string label, double seconds, bool on_device = false) {
     std::lock_guard lock(mutex_);
-    Entry& e = entries_[std::move(label)];
+    Entry& e = (on_device ? device_ : wall_)[std::move(label)];
     e.seconds += seconds;
     ++e.count;
   }
@@ -288,12 +289,20 @@ class StepProfile {
     double seconds = 0;
     int64_t count = 0;
   };
+  using Table = std::map<std::string, Entry>;
   StepProfile() {
     std::atexit([] { active()->print(); });
   }
   void print() {
     std::lock_guard lock(mutex_);
-    std::vector<std::pair<std::string, Entry>> rows(entries_.begin(), entries_.end());
+    if (!device_.empty()) log_line("profile", "wall time on the host (launches, for the device)");
+    print(wall_);
+    if (device_.empty()) return;
+    log_line("profile", "time on the device");
+    print(device_);
+  }
+  static void print(const Table& table) {
+    std::vector<std::pair<std::string, Entry>> rows(table.begin(), table.end());
     std::sort(rows.begin(), rows.end(),
               [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
     double total = 0;
@@ -304,7 +313,7 @@ class StepProfile {
                100 * e.seconds / total, e.count, e.seconds * 1e6 / e.count, label);
   }
   std::mutex mutex_;
-  std::map<std::string, Entry> entries_;
+  Table wall_, device_;
 };
 
 std::string step_label(const Step& step, const std::vector<Node*>& pending, const Signature& sig) {
@@ -329,12 +338,17 @@ void run_program(const Program& program, const std::vector<Node*>& pending, cons
   ++execution_counters().evaluations;
   apply_flush_denormal();
   StepProfile* profile = StepProfile::active();
+  const DeviceTimer* timer = profile ? run.timer : nullptr;
+  std::vector<std::string> timed;  // the label of each step the timer marked, in order
+  if (timer) timer->elapsed();     // drops the marks of an evaluation that threw midway
   // Bytes of this evaluation's stored values alive at once, for peak_bytes.
   int64_t live = 0, peak = 0;
   for (size_t i = 0; i < program.steps.size(); ++i) {
     const Step& step = program.steps[i];
     auto start =
         profile ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
+    bool marked = timer && step.kind != FusionGroup::Kind::Alias;
+    if (marked) timer->mark();
     if (step.kind == FusionGroup::Kind::Alias) {
       // Every back end stores values flat and row-major: a reshape shares its input's storage
       // (counted again below, so peak_bytes errs high while both are alive).
@@ -346,9 +360,13 @@ void run_program(const Program& program, const std::vector<Node*>& pending, cons
       Node& node = *sig.resolve(step.node, pending);
       (step.kind == FusionGroup::Kind::MatMul ? run.matmul : run.host)(node);
     }
-    if (profile && step.kind != FusionGroup::Kind::Alias)
-      profile->add(step_label(step, pending, sig),
+    if (marked) timer->mark();
+    if (profile && step.kind != FusionGroup::Kind::Alias) {
+      std::string label = step_label(step, pending, sig);
+      profile->add(label,
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      if (marked) timed.push_back(std::move(label));
+    }
     live += step_output_bytes(step, pending, sig, stored_bytes);
     peak = std::max(peak, live);
     for (NodeRef ref : program.release_after[i]) {
@@ -356,6 +374,11 @@ void run_program(const Program& program, const std::vector<Node*>& pending, cons
       live -= stored_bytes(node);
       node->value.reset();
     }
+  }
+  if (timer) {
+    std::vector<double> seconds = timer->elapsed();
+    for (size_t i = 0; i < timed.size() && i < seconds.size(); ++i)
+      profile->add(std::move(timed[i]), seconds[i], true);
   }
   ExecutionStats& s = execution_counters();
   s.peak_bytes = std::max(s.peak_bytes, peak);

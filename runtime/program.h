@@ -122,15 +122,27 @@ struct ExecutedProgram {
   std::shared_ptr<const Program> program;
 };
 
+/// Times steps on a device that runs them asynchronously, for MIXTAPE_LOG=profile: `mark`
+/// queues a timestamp behind the work queued so far; `elapsed` waits for the marks made since it
+/// was last called and returns the seconds between marks 2i and 2i+1, for each i.
+struct DeviceTimer {
+  void (*mark)();
+  std::vector<double> (*elapsed)();
+};
+
 /// How a back end runs the steps that are its own (run_program shares Alias storage itself).
 struct StepRunners {
   void (*kernel)(const Step& step, const std::vector<Node*>& pending, const Signature& sig);
   void (*matmul)(Node& node);
   void (*host)(Node& node);  // ops without a kernel: gathers, random numbers, ...
+  // Null where a step has finished when its runner returns (the CPU: its wall time is its time).
+  const DeviceTimer* timer = nullptr;
 };
 
 /// Runs every step with `run`, drops values as the memory plan says, and records the peak of
-/// the stored values' bytes alive at once.
+/// the stored values' bytes alive at once. Under MIXTAPE_LOG=profile it also sums each step's
+/// wall time by what the step is, and with a `run.timer` its device time (waiting for the device
+/// at the end of the evaluation), both printed at exit.
 void run_program(const Program& program, const std::vector<Node*>& pending, const Signature& sig,
                  const StepRunners& run);
 

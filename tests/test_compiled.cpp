@@ -495,6 +495,20 @@ TEST(Compiled, FlushDenormalIsOptInAndReversible) {
   mt::set_device(before);
 }
 
+TEST(Compiled, AllowTf32IsOffByDefaultAndLeavesCpuMatmulsF32) {
+  // TF32 is a cuda-device setting (tests/gpu checks it takes effect there): the CPU's f32
+  // matmuls stay IEEE f32 products whatever it says.
+  mt::Generator gen(5);
+  mt::Tensor a = mt::randn({33, 70}, mt::f32, &gen), b = mt::randn({70, 21}, mt::f32, &gen);
+  EXPECT_FALSE(mt::allow_tf32());
+  std::vector<float> strict = mt::matmul(a, b).to_vector<float>();
+  mt::set_allow_tf32(true);
+  EXPECT_TRUE(mt::allow_tf32());
+  std::vector<float> asked = mt::matmul(a, b).to_vector<float>();
+  mt::set_allow_tf32(false);
+  EXPECT_EQ(asked, strict);
+}
+
 TEST(Compiled, FloatMaxOrdersSignedZerosAndPropagatesNan) {
   // Max reductions run on integer order keys in the compiled kernels (so that they vectorize);
   // the reference defines the same order: -0 below +0 in either position, any NaN gives the

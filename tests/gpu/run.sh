@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # tests/gpu/run.sh -- on a machine with an NVIDIA GPU: builds mixtape with its CUDA back end (or
 # unpacks a bundle made by tools/gpu_bundle.sh), runs the gpu-labelled tests and the GPU
-# benchmarks, and writes logs and JSON to OUTDIR: gpu_tests.log, summary.json, bench_gpu_gemm.json,
-# bench_gpu_training.jsonl and peer_torch_gpu.jsonl (JSON lines), nvidia-smi.txt. Exits non-zero
-# when a test or a mixtape benchmark fails. The benchmarks keep the whole run within about
-# 7.5 minutes after the build: each runs under a timeout cut to what is left of that, and is
-# skipped (said in the log) when less than 20 s are left.
+# benchmarks, and writes logs and JSON to OUTDIR: gpu_tests.log, summary.json,
+# bench_gpu_gemm.json, bench_gpu_training.jsonl and peer_torch_gpu.jsonl (JSON lines),
+# nvidia-smi.txt, and profile_mlp_w64_b65536_bf16.txt (MIXTAPE_LOG=profile: the host's and the
+# device's time per step kind). Exits non-zero when a test or a mixtape benchmark fails. The
+# benchmarks keep the whole run within about 7.5 minutes after the build: each runs under a
+# timeout cut to what is left of that, and is skipped (said in the log) when less than 20 s are
+# left.
 # usage: tests/gpu/run.sh OUTDIR        (MIXTAPE_GPU_BUNDLE=path/bundle.tar.xz: use prebuilt)
 set -uo pipefail
 out=${1:?usage: tests/gpu/run.sh OUTDIR}
@@ -88,6 +90,14 @@ if [[ -x "$training" ]]; then
   for step in traced compiled; do
     run_bench 90 "$file" "$training" "${mlp[@]}" --step "$step" || status=1
   done
+  # Where the tiny MLP's compiled bf16 step spends its time, on the host and on the device.
+  seconds=$(limit 30)
+  if ((seconds > 0)); then
+    echo "=== profile of mlp_w64_b65536 bf16 (profile_mlp_w64_b65536_bf16.txt)" | tee -a "$log"
+    MIXTAPE_LOG=profile timeout "$seconds" "$training" --workloads mlp_w64_b65536 \
+      --precisions bf16 --step compiled --warmup 3 --windows 1 --window-seconds 0.5 \
+      > /dev/null 2> "$out/profile_mlp_w64_b65536_bf16.txt" || echo "profile run failed" | tee -a "$log"
+  fi
   for precision in fp32 bf16; do
     run_bench 150 "$file" "$training" --workloads gpt2_small --precisions "$precision" \
       --step compiled --warmup 3 --windows 3 --window-seconds 1 --budget-seconds 15 || status=1

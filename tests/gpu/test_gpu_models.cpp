@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <set>
@@ -267,6 +268,56 @@ TEST(GpuMatmul, AutocastConvertsF32OperandsOnTheDevice) {
   }
 }
 
+// mt::set_allow_tf32: f32 matmuls take TF32 tensor cores (operands cut to a 10-bit mantissa),
+// within TF32's error of the f64 product and visibly not the f32 one; off again, they are f32.
+TEST(GpuMatmul, AllowTf32UsesTf32ForF32MatmulsOnly) {
+  SKIP_WITHOUT_CUDA();
+  mt::Generator gen(13);
+  const int64_t m = 64, k = 256, n = 48;
+  mt::Tensor a, b;
+  {
+    DeviceScope scope;
+    mt::set_device(mt::Device::cpu);
+    a = mt::randn({m, k}, mt::f32, &gen);
+    b = mt::randn({k, n}, mt::f32, &gen);
+    mt::eval({a, b});
+  }
+  std::vector<double> av = a.to_vector<double>(), bv = b.to_vector<double>();
+  // Largest error of `c` against the f64 product, relative to sum |a_ik b_kj| of its element.
+  auto worst_error = [&](const std::vector<double>& c) {
+    double worst = 0;
+    for (int64_t i = 0; i < m; ++i)
+      for (int64_t j = 0; j < n; ++j) {
+        double exact = 0, scale = 0;
+        for (int64_t q = 0; q < k; ++q) {
+          exact += av[i * k + q] * bv[q * n + j];
+          scale += std::fabs(av[i * k + q] * bv[q * n + j]);
+        }
+        worst = std::max(worst, std::fabs(c[i * n + j] - exact) / scale);
+      }
+    return worst;
+  };
+  auto program = [&] { return mt::matmul(a, b); };
+  ASSERT_FALSE(mt::allow_tf32());
+  std::vector<double> strict = run_on(tested(), program);
+  mt::set_allow_tf32(true);
+  std::vector<double> tf32 = run_on(tested(), program);
+  mt::set_allow_tf32(false);
+  std::vector<double> strict_again = run_on(tested(), program);
+  EXPECT_LT(worst_error(strict), 1e-6);
+  EXPECT_EQ(strict_again, strict);
+  EXPECT_LT(worst_error(tf32), 2 * 0x1p-10);  // two operands each within 2^-11
+  if (!dry_run()) {
+    EXPECT_GT(worst_error(tf32), 1e-5) << "TF32 was asked for but not used";
+  }
+  // Half operands are unaffected.
+  auto half_program = [&] { return mt::matmul(mt::cast(a, mt::bf16), mt::cast(b, mt::bf16)); };
+  std::vector<double> half = run_on(tested(), half_program);
+  mt::set_allow_tf32(true);
+  EXPECT_EQ(run_on(tested(), half_program), half);
+  mt::set_allow_tf32(false);
+}
+
 // ---- training: the same steps on both devices, losses and parameters compared.
 
 const char* policy_names[] = {"fp32", "autocast-f16", "autocast-bf16", "pure-f16", "pure-bf16"};
@@ -423,6 +474,50 @@ TEST_P(GpuTraining, EveryPolicyMatchesTheCpuAndLaterStepsCompileNothing) {
 
 INSTANTIATE_TEST_SUITE_P(Gpu, GpuTraining, ::testing::Range(0, 4),
                          [](const auto& info) { return models()[info.param].name; });
+
+// MIXTAPE_LOG=profile (read once at start, so in a child process: this binary running one of
+// its training tests): the wall time of every step kind and, on the GPU, a second table of the
+// time each took on the device, from events around it, with matmuls and kernels in it.
+TEST(GpuProfile, DeviceTimeOfEveryStepKindIsPrinted) {
+  SKIP_WITHOUT_CUDA();
+  std::string command = fmt::format(
+      "MIXTAPE_LOG=profile '{}' --gtest_filter=Gpu/GpuTraining."
+      "EveryPolicyMatchesTheCpuAndLaterStepsCompileNothing/digits_mlp 2>&1",
+      std::filesystem::read_symlink("/proc/self/exe").string());
+  FILE* pipe = popen(command.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::vector<std::string> lines;
+  char buffer[4096];
+  while (std::fgets(buffer, sizeof buffer, pipe)) lines.emplace_back(buffer);
+  ASSERT_EQ(pclose(pipe), 0);
+  // Rows of each table: "mixtape[profile]:   total  share%  runs  us/run  step".
+  std::vector<std::string> wall, device;
+  std::vector<std::string>* table = &wall;
+  for (const std::string& line : lines) {
+    if (!line.starts_with("mixtape[profile]:")) continue;
+    if (line.find("time on the device") != std::string::npos) table = &device;
+    double total = 0, share = 0, us = 0;
+    long long runs = 0;
+    if (std::sscanf(line.c_str(), "mixtape[profile]: %lf %lf%% %lld %lf", &total, &share, &runs,
+                    &us) == 4) {
+      EXPECT_GT(runs, 0) << line;
+      EXPECT_GE(total, 0) << line;
+      table->push_back(line);
+    }
+  }
+  auto has = [](const std::vector<std::string>& rows, const char* kind) {
+    return std::any_of(rows.begin(), rows.end(),
+                       [&](const std::string& row) { return row.find(kind) != std::string::npos; });
+  };
+  EXPECT_TRUE(has(wall, " kernel ")) << lines.size() << " lines";
+  EXPECT_TRUE(has(wall, " matmul "));
+  if (dry_run()) {
+    EXPECT_TRUE(device.empty()) << "the CPU runs steps synchronously: no device table";
+  } else {
+    EXPECT_TRUE(has(device, " kernel "));
+    EXPECT_TRUE(has(device, " matmul "));
+  }
+}
 
 // ---- multi-tensor steps: one launch updates many parameters.
 
