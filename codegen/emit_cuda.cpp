@@ -134,11 +134,17 @@ constexpr uint32_t warp_size = 32;
 constexpr uint32_t max_block = 256;
 constexpr int64_t max_pointwise_grid = 8192;
 constexpr int64_t max_reduction_grid = 65535;
+// A reduction over few outer points but many inner ones splits each outer point's inner range
+// across blocks (about split_target_blocks in all, for a GPU of a hundred-odd SMs), each block
+// taking at least split_min_points of them.
+constexpr int64_t split_target_blocks = 512;
+constexpr int64_t split_min_points = 4096;
 
 // How a kernel is spread over the GPU.
 enum class Shape : uint8_t {
   pointwise,     // grid-stride loop over all points, one point per thread at a time
-  block_reduce,  // one block per outer point; the block's threads share the inner points
+  block_reduce,  // one block per outer point (or per chunk of one: Plan::chunks); the block's
+                 // threads share its inner points
   thread_reduce  // one thread per outer point; the inner loop runs sequentially, as on the CPU
 };
 
@@ -147,6 +153,17 @@ struct Plan {
   int64_t outer = 1, inner = 1;  // reductions: points outside and inside; pointwise: all in outer
   uint32_t block = warp_size;
   uint32_t grid = 1;
+  // block_reduce: blocks per outer point, each taking a chunk of `chunk_points` inner points.
+  // With more than one, each block leaves its partials in the workspace and the last block of
+  // an outer point to finish folds them in chunk order and runs the epilogue.
+  int64_t chunks = 1, chunk_points = 0;
+};
+
+// Where a split reduction's workspace keeps each reduction's partials (and the index of a
+// carried max), one per block, and each outer point's count of blocks that finished.
+struct Workspace {
+  std::vector<int64_t> partial, at;  // byte offsets, per reduction (-1: none)
+  int64_t arrivals = 0, bytes = 0;
 };
 
 int64_t product(const std::vector<int64_t>& dims, size_t from, size_t to) {
@@ -220,7 +237,37 @@ Plan plan(const kir::Kernel& k) {
   while (block < max_block && block < p.inner) block *= 2;
   p.block = block;
   p.grid = clamp_grid(p.outer, max_reduction_grid);
+  // A later pass reads the whole row's results, which a block of one chunk does not have.
+  if (k.multi_tensor || k.pass_count() != 1) return p;
+  int64_t chunks =
+      std::min((p.inner + split_min_points - 1) / split_min_points, split_target_blocks / p.outer);
+  if (chunks < 2) return p;
+  p.chunks = chunks;
+  p.chunk_points = (p.inner + chunks - 1) / chunks;
+  p.block = max_block;
+  p.grid = static_cast<uint32_t>(p.outer * chunks);
   return p;
+}
+
+bool is_float(Type type) { return type == Type::f32 || type == Type::f64; }
+
+bool carries_index(const kir::Reduction& red, const Plan& p) {
+  return p.shape == Shape::block_reduce && red.kind == kir::ReduceKind::Max && is_float(red.type);
+}
+
+Workspace workspace(const kir::Kernel& k, const Plan& p) {
+  Workspace w;
+  if (p.chunks < 2) return w;
+  int64_t blocks = p.outer * p.chunks;
+  for (const kir::Reduction& red : k.reductions) {
+    w.partial.push_back(w.bytes);
+    w.bytes += 8 * blocks;  // every accumulator type fits 8 bytes, which keeps them aligned
+    w.at.push_back(carries_index(red, p) ? w.bytes : -1);
+    if (carries_index(red, p)) w.bytes += 8 * blocks;
+  }
+  w.arrivals = w.bytes;
+  w.bytes += 4 * p.outer;
+  return w;
 }
 
 const char* cuda_type(Type type) {
@@ -256,8 +303,6 @@ const char* element_type(DType dtype) {
   }
   return "";
 }
-
-bool is_float(Type type) { return type == Type::f32 || type == Type::f64; }
 
 std::string integer(int64_t value) {
   if (value == std::numeric_limits<int64_t>::min()) return "(-9223372036854775807LL - 1)";
@@ -364,10 +409,11 @@ class Emitter {
   }
 
   void header() {
-    const char* shape = plan_.shape == Shape::pointwise ? "pointwise"
-                        : plan_.shape == Shape::block_reduce
-                            ? "reduction, a block per outer point"
-                            : "reduction, a thread per outer point";
+    std::string shape =
+        plan_.shape == Shape::pointwise ? "pointwise"
+        : plan_.chunks > 1 ? fmt::format("reduction, {} blocks per outer point", plan_.chunks)
+        : plan_.shape == Shape::block_reduce ? "reduction, a block per outer point"
+                                             : "reduction, a thread per outer point";
     std::string dims;
     for (size_t d = 0; d < k_.dims.size(); ++d)
       dims += fmt::format("{}{}", d ? ", " : "", k_.dims[d]);
@@ -382,6 +428,7 @@ class Emitter {
     }
     for (int32_t s = 0; s < k_.scalars; ++s)
       args += fmt::format("{}    double s{}", args.empty() ? "" : ",\n", s);
+    if (plan_.chunks > 1) args += ",\n    unsigned char* __restrict__ workspace";
     out_ += fmt::format("extern \"C\" __global__ void __launch_bounds__({}) {}(\n{}) {{\n",
                         plan_.block, k_.name, args);
   }
@@ -602,10 +649,8 @@ class Emitter {
                               : integer(std::numeric_limits<int64_t>::min());
   }
 
-  // Max reductions of floats split across threads carry the index of the value they keep.
-  static bool carries_index(const kir::Reduction& red, const Plan& p) {
-    return p.shape == Shape::block_reduce && red.kind == kir::ReduceKind::Max && is_float(red.type);
-  }
+  // Max reductions of floats split across threads carry the index of the value they keep
+  // (carries_index above).
 
   void declare_accumulators() {
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
@@ -646,21 +691,25 @@ class Emitter {
   void warp_tree(int pass) {
     open("for (int offset = 16; offset > 0; offset >>= 1)");
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
-      const kir::Reduction& red = k_.reductions[r];
-      if (red.pass != pass) continue;
-      std::string other = fmt::format("__shfl_down_sync(0xFFFFFFFFu, acc{}, offset)", r);
-      if (red.kind == kir::ReduceKind::Sum && is_float(red.type))
-        line("acc{} = {}(acc{}, {});", r, red.type == Type::f32 ? "__fadd_rn" : "__dadd_rn", r,
-             other);
-      else if (red.kind == kir::ReduceKind::Sum)
-        line("acc{} = mt_add_i64(acc{}, {});", r, r, other);
-      else if (carries_index(red, plan_))
-        line("mt_max_merge(acc{}, acc{}_at, {}, __shfl_down_sync(0xFFFFFFFFu, acc{}_at, offset));",
-             r, r, other, r);
-      else
-        line("acc{} = mt_max_step(acc{}, {});", r, r, other);
+      if (k_.reductions[r].pass != pass) continue;
+      merge(r, fmt::format("__shfl_down_sync(0xFFFFFFFFu, acc{}, offset)", r),
+            fmt::format("__shfl_down_sync(0xFFFFFFFFu, acc{}_at, offset)", r));
     }
     close();
+  }
+
+  // acc<r> takes in a partial that covers later elements, `other` (and its index `other_at`).
+  void merge(size_t r, const std::string& other, const std::string& other_at) {
+    const kir::Reduction& red = k_.reductions[r];
+    if (red.kind == kir::ReduceKind::Sum && is_float(red.type))
+      line("acc{} = {}(acc{}, {});", r, red.type == Type::f32 ? "__fadd_rn" : "__dadd_rn", r,
+           other);
+    else if (red.kind == kir::ReduceKind::Sum)
+      line("acc{} = mt_add_i64(acc{}, {});", r, r, other);
+    else if (carries_index(red, plan_))
+      line("mt_max_merge(acc{}, acc{}_at, {}, {});", r, r, other, other_at);
+    else
+      line("acc{} = mt_max_step(acc{}, {});", r, r, other);
   }
 
   void epilogue() {
@@ -799,11 +848,13 @@ class Emitter {
 
   // One sweep of the block's threads over the inner points: pass `pass`'s values, stores and
   // per-thread partials.
-  void block_pass(int pass, int split, int rank) {
+  void block_pass(int pass, int split, int rank, const std::string& begin = "0",
+                  const std::string& end = "inner_total") {
     if (pass > 0) line("// pass {}: reads the reductions of the passes before", pass);
     // A blockDim.x stride (== the block size above) rather than the constant: NVRTC 13.0 crashes
     // on a constant-stride inner loop inside the grid-stride outer loop for some kernels.
-    open("for (long long inner = threadIdx.x; inner < inner_total; inner += blockDim.x)");
+    open(fmt::format("for (long long inner = {}threadIdx.x; inner < {}; inner += blockDim.x)",
+                     begin == "0" ? "" : begin + " + ", end));
     coordinates("inner", split, rank);
     values(k_.pass_body(pass), "v");
     stores(k_.pass_stores(pass));
@@ -855,6 +906,7 @@ class Emitter {
   }
 
   void block_reduce() {
+    if (plan_.chunks > 1) return split_reduce();
     int split = k_.reduce_from, rank = static_cast<int>(k_.dims.size());
     uint32_t warps = plan_.block / warp_size;
     line("// Launched with exactly {} threads per block.", plan_.block);
@@ -900,6 +952,80 @@ class Emitter {
     close();
   }
 
+  // Plan::chunks blocks per outer point, each over its chunk of the inner points. A block folds
+  // its chunk as block_reduce folds a row and leaves the result in the workspace; the block
+  // that finds itself the last of its outer point to arrive folds the chunks' partials in chunk
+  // order (lane l takes chunks l, l + 32, ..., then the warp tree), so the result does not
+  // depend on which block came last, and zeroes the partials and the count it read, leaving the
+  // workspace as the next launch needs it.
+  void split_reduce() {
+    int split = k_.reduce_from, rank = static_cast<int>(k_.dims.size());
+    uint32_t warps = plan_.block / warp_size;
+    Workspace w = workspace(k_, plan_);
+    std::string chunks = integer(plan_.chunks);
+    line("// Launched with exactly {} threads per block, {} blocks.", plan_.block, plan_.grid);
+    line("const long long inner_total = {}, chunk_points = {};", integer(plan_.inner),
+         integer(plan_.chunk_points));
+    line("const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;");
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      std::string type = cuda_type(k_.reductions[r].type);
+      line("__shared__ {} partial{}[{}];", type, r, warps);
+      line("{}* const chunk_partial{} = reinterpret_cast<{}*>(workspace + {});", type, r, type,
+           w.partial[r]);
+      if (w.at[r] >= 0) {
+        line("__shared__ long long partial{}_at[{}];", r, warps);
+        line("long long* const chunk_partial{}_at = reinterpret_cast<long long*>(workspace + {});",
+             r, w.at[r]);
+      }
+    }
+    line("unsigned* const arrivals = reinterpret_cast<unsigned*>(workspace + {});", w.arrivals);
+    line("const long long outer = blockIdx.x / {}, chunk = blockIdx.x % {};", chunks, chunks);
+    line("const long long chunk_begin = chunk * chunk_points;");
+    line("const long long chunk_end =");
+    line(
+        "    chunk_begin + chunk_points < inner_total ? chunk_begin + chunk_points : inner_total;");
+    coordinates("outer", 0, split);
+    declare_accumulators();
+    block_pass(0, split, rank, "chunk_begin", "chunk_end");
+    fold_partials(0, warps);
+    line("int last = 0;");
+    open("if (lane == 0)");
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      line("chunk_partial{}[blockIdx.x] = acc{};", r, r);
+      if (w.at[r] >= 0) line("chunk_partial{}_at[blockIdx.x] = acc{}_at;", r, r);
+    }
+    line("__threadfence();  // the partials are visible before the count says so");
+    line("last = atomicAdd(&arrivals[outer], 1u) == {}u;", plan_.chunks - 1);
+    close();
+    line("last = __shfl_sync(0xFFFFFFFFu, last, 0);");
+    open("if (last)");
+    line("__threadfence();");
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      line("acc{} = {};", r, init(k_.reductions[r]));
+      if (w.at[r] >= 0) line("acc{}_at = 9223372036854775807LL;", r);
+    }
+    open(fmt::format("for (long long c = lane; c < {}; c += 32)", chunks));
+    line("const long long at = outer * {} + c;", chunks);
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      line("const {} chunk{} = __ldcg(&chunk_partial{}[at]);", cuda_type(k_.reductions[r].type), r,
+           r);
+      line("chunk_partial{}[at] = 0;", r);
+      if (w.at[r] >= 0) {
+        line("const long long chunk{}_at = __ldcg(&chunk_partial{}_at[at]);", r, r);
+        line("chunk_partial{}_at[at] = 0;", r);
+      }
+      merge(r, fmt::format("chunk{}", r), fmt::format("chunk{}_at", r));
+    }
+    close();
+    warp_tree(0);
+    open("if (lane == 0)");
+    line("arrivals[outer] = 0u;  // ready for the next launch");
+    epilogue();
+    close();
+    close();
+    close();
+  }
+
   const kir::Kernel& k_;
   Plan plan_;
   std::string out_;
@@ -919,7 +1045,7 @@ const char* cuda_element_type(DType dtype) { return element_type(dtype); }
 
 CudaLaunch cuda_launch_shape(const kir::Kernel& kernel) {
   Plan p = plan(kernel);
-  return CudaLaunch{p.grid, p.block, 0};
+  return CudaLaunch{p.grid, p.block, 0, static_cast<uint64_t>(workspace(kernel, p).bytes)};
 }
 
 int64_t cuda_multi_tensor_capacity(const kir::Kernel& kernel) {
@@ -966,9 +1092,9 @@ std::vector<CudaSegmentTable> cuda_multi_tensor_tables(const kir::Kernel& kernel
 CudaLaunch cuda_multi_tensor_launch(const kir::Kernel& kernel, int64_t segments,
                                     int64_t largest_segment) {
   if (kernel.is_reduction())
-    return CudaLaunch{clamp_grid(segments, max_reduction_grid), max_block, 0};
+    return CudaLaunch{clamp_grid(segments, max_reduction_grid), max_block, 0, 0};
   return CudaLaunch{clamp_grid((largest_segment + max_block - 1) / max_block, max_pointwise_grid),
-                    max_block, 0};
+                    max_block, 0, 0};
 }
 
 }  // namespace mixtape

@@ -19,6 +19,10 @@ namespace mixtape {
 ///    `T* __restrict__` for outputs, where T is float (f32), double (f64), unsigned short
 ///    (f16 and bf16: the raw 16 bits), int (i32), long long (i64), unsigned char (bool, 0 or 1);
 ///  - then one double per scalar slot (kernel.scalars), the exact value of the fill;
+///  - then, for a reduction split across blocks (cuda_launch_shape's workspace_bytes > 0), an
+///    `unsigned char* __restrict__ workspace` of that many bytes, zero before the kernel's first
+///    launch; each launch leaves it all zero again, so one buffer serves every launch of the
+///    kernel on one stream;
 ///  - nothing else: dims are compile-time constants, so the kernel reads nothing but these.
 ///
 /// Semantics equal emit_llvm's exactly (same RoundTo, Convert and NaN-propagating max, bf16 as
@@ -50,12 +54,13 @@ const char* cuda_element_type(DType dtype);
 const char* cuda_prelude();
 
 /// How the runtime must launch the kernel emit_cuda printed: a 1-D grid of `grid` blocks of
-/// exactly `block` threads (reduction kernels size their shared memory for `block`) and
-/// `shared_bytes` of dynamic shared memory.
+/// exactly `block` threads (reduction kernels size their shared memory for `block`),
+/// `shared_bytes` of dynamic shared memory, and the workspace argument's size (0: none).
 struct CudaLaunch {
   uint32_t grid = 1;
   uint32_t block = 32;
   uint32_t shared_bytes = 0;
+  uint64_t workspace_bytes = 0;
 };
 CudaLaunch cuda_launch_shape(const kir::Kernel& kernel);
 

@@ -62,6 +62,10 @@ struct LoadedKernel {
   std::shared_ptr<const kir::Kernel> kernel;
   cuda::CUfunction function = nullptr;
   CudaLaunch launch;
+  // A split reduction's workspace (launch.workspace_bytes), zeroed once: every launch leaves it
+  // zero, and launches are ordered on the one compute stream.
+  cuda::DeviceBuffer workspace;
+  cuda::CUdeviceptr workspace_address = 0;
 };
 
 std::mutex kernels_mutex;
@@ -132,6 +136,11 @@ void compile_pending() {
     auto start = std::chrono::steady_clock::now();
     cuda::CUmodule module = cuda::load_module(std::span<const char>(image.data(), image.size()));
     batch[i]->function = cuda::get_function(module, batch[i]->kernel->name);  // loaded for good
+    if (uint64_t bytes = batch[i]->launch.workspace_bytes) {
+      batch[i]->workspace = cuda::DeviceBuffer(bytes);
+      batch[i]->workspace_address = batch[i]->workspace.address();
+      cuda::memset_async(batch[i]->workspace_address, 0, bytes);
+    }
     if (cached[i]) {
       ++s.kernels_from_disk;
       s.load_seconds +=
@@ -188,6 +197,8 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
     std::vector<void*> args;
     for (cuda::CUdeviceptr& pointer : pointers) args.push_back(&pointer);
     for (double& scalar : scalars) args.push_back(&scalar);
+    cuda::CUdeviceptr workspace = loaded.workspace_address;
+    if (loaded.launch.workspace_bytes > 0) args.push_back(&workspace);
     cuda::launch(loaded.function, {loaded.launch.grid, 1, 1}, {loaded.launch.block, 1, 1},
                  loaded.launch.shared_bytes, args.data());
   }

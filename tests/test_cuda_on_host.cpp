@@ -90,6 +90,15 @@ template <typename T> static T __shfl_down_sync(unsigned, T v, int offset) {
   return mt_exchange(v, static_cast<int>(threadIdx.x % 32) + offset);
 }
 template <typename T> static T __shfl_sync(unsigned, T v, int lane) { return mt_exchange(v, lane); }
+// Split reductions: blocks run one after another here, so the last block of an outer point to
+// arrive is its last chunk, and every other block's partial is in memory before it.
+static unsigned atomicAdd(unsigned* address, unsigned value) {
+  unsigned old = *address;
+  *address = old + value;
+  return old;
+}
+static void __threadfence() {}
+template <typename T> static T __ldcg(const T* address) { return *address; }
 template <typename F> static void mt_run_grid(unsigned grid, unsigned block, bool cooperative,
                                               F call) {
   gridDim.x = grid;
@@ -277,8 +286,22 @@ std::string driver(const Launch& launch, size_t k, const fs::path& dir) {
     std::vector<std::string> args;
     for (size_t i = 0; i < launch.nodes.size(); ++i) args.push_back(pointer(i));
     for (double scalar : launch.scalars) args.push_back(double_literal(scalar));
-    out += fmt::format("    mt_run_grid({}, {}, {}, [&] {{ {}({}); }});\n", shape.grid, shape.block,
-                       cooperative, kernel.name, fmt::join(args, ", "));
+    // A split reduction's workspace starts zero and must be zero again after each launch: it is
+    // launched twice on one workspace, and the second launch's results are the ones compared.
+    int launches = 1;
+    if (shape.workspace_bytes > 0) {
+      out += fmt::format("    std::vector<unsigned char> workspace({});\n", shape.workspace_bytes);
+      args.push_back("workspace.data()");
+      launches = 2;
+    }
+    for (int l = 0; l < launches; ++l)
+      out += fmt::format("    mt_run_grid({}, {}, {}, [&] {{ {}({}); }});\n", shape.grid,
+                         shape.block, cooperative, kernel.name, fmt::join(args, ", "));
+    if (shape.workspace_bytes > 0)
+      out += fmt::format(
+          "    for (unsigned char byte : workspace)\n"
+          "      if (byte != 0) {{ std::puts(\"{}: workspace not left zero\"); return 1; }}\n",
+          kernel.name);
   }
   for (size_t i = 0; i < launch.nodes.size(); ++i)
     if (kernel.params[i % per_segment].output)
@@ -288,7 +311,7 @@ std::string driver(const Launch& launch, size_t k, const fs::path& dir) {
 
 // Where a reduction kernel's output `got` is further from the CPU's than the sums' order
 // explains (a few units of the stored type's last place, relative to the larger), or "".
-std::string first_difference(const std::vector<char>& got, const mt::Storage& want) {
+std::string first_difference(const std::vector<char>& got, const mt::Storage& want, double ulps) {
   if (got.size() != static_cast<size_t>(want.size_bytes()))
     return fmt::format("{} bytes vs {}", got.size(), want.size_bytes());
   mt::Storage actual(want.dtype, want.count);
@@ -301,7 +324,7 @@ std::string first_difference(const std::vector<char>& got, const mt::Storage& wa
     double a = mt::load_element<double>(actual, i), e = mt::load_element<double>(want, i);
     if (a == e || (std::isnan(a) && std::isnan(e))) continue;
     // f32 layer_norm divides differences of a mean-centred row: an absolute term covers them.
-    if (std::fabs(a - e) <= 4 * ulp * std::max(std::fabs(a), std::fabs(e)) + 1e-5) continue;
+    if (std::fabs(a - e) <= ulps * ulp * std::max(std::fabs(a), std::fabs(e)) + 1e-5) continue;
     return fmt::format("element {}: {} on the host-run CUDA, {} on the CPU", i, a, e);
   }
   return "";
@@ -328,7 +351,9 @@ bool compile_and_run(const fs::path& dir, const std::string& program, const std:
 
 // Runs every observed launch's CUDA on the host and compares what each stored with the CPU
 // back end's value of that node; returns how many were compared.
-int64_t check_on_host(const std::vector<Launch>& launches, const std::string& what) {
+// Reductions may differ by `ulps` of the stored type (4: sums of a few hundred terms).
+int64_t check_on_host(const std::vector<Launch>& launches, const std::string& what,
+                      double ulps = 4) {
   fs::path dir = fs::temp_directory_path() / fmt::format("mixtape_cuda_host_{}", ::getpid());
   fs::create_directories(dir);
   std::string source = std::string(shim) + host_prelude();
@@ -364,7 +389,7 @@ int64_t check_on_host(const std::vector<Launch>& launches, const std::string& wh
       std::string where = fmt::format("{}: kernel {} param {} (segment {})", what,
                                       launch.kernel.name, i % per_segment, i / per_segment);
       if (launch.kernel.is_reduction())  // CUDA sums in another order than the CPU
-        EXPECT_EQ(first_difference(got, *node.value), "") << where;
+        EXPECT_EQ(first_difference(got, *node.value, ulps), "") << where;
       else
         EXPECT_EQ(got, want) << where << "\n" << mt::emit_cuda(launch.kernel);
       ++compared;
@@ -432,6 +457,41 @@ TEST(CudaOnHost, ReductionKernelsMatchTheCpu) {
     EXPECT_GE(multi_tensor, 1) << mt::name(dtype);
     EXPECT_GE(check_on_host(launches, std::string(mt::name(dtype))), 9) << mt::name(dtype);
   }
+}
+
+// Reductions over few outer points and many inner ones, which CUDA splits across blocks (each
+// block a chunk, the last to arrive folding the chunks' partials): whole-tensor sum and max
+// (sharing a kernel, the max carrying its index through the NaN), column sums and maxima of a
+// tall matrix, row means of a few long rows, and an integer count. The values are positive, so
+// the two orders' sums differ by rounding alone: the CPU adds a column's 9000 terms one after
+// another (an error of order sqrt(n) ulps, about 100 here), so 256 ulps (1.5e-5) are allowed,
+// where a chunk lost or counted twice is a third of the sum. Multi-tensor steps are off so that
+// the whole-tensor reductions run as the kernels they lower to.
+TEST(CudaOnHost, SplitReductionsMatchTheCpu) {
+  bool multi_tensor = mt::multi_tensor_steps();
+  mt::set_multi_tensor_steps(false);
+  for (mt::DType dtype : {mt::f32, mt::bf16}) {
+    int64_t split = 0;
+    auto launches = observe([&] {
+      auto positive = [&](mt::Shape shape, uint64_t seed) {
+        mt::Tensor v = mt::cast(mt::abs(values(shape, dtype, seed)) + 1.0, dtype);
+        mt::eval({v});
+        return v;
+      };
+      mt::Tensor x = positive({12000}, 9), tall = positive({8200, 6}, 10);
+      mt::Tensor rows = positive({2, 8200}, 11);
+      mt::Tensor with_nan = mt::where(x > 9.0, mt::full({}, NAN, dtype), x);
+      std::vector<mt::Tensor> outs = {mt::sum(x * x),      mt::max(with_nan),
+                                      mt::sum(tall, {0}),  mt::max(tall, {0}),
+                                      mt::mean(rows, {1}), mt::sum(mt::cast(x > 3.0, mt::i32))};
+      mt::eval(outs);
+    });
+    for (const Launch& launch : launches)
+      split += mt::cuda_launch_shape(launch.kernel).workspace_bytes > 0;
+    EXPECT_GE(split, 4) << mt::name(dtype);
+    EXPECT_GE(check_on_host(launches, std::string(mt::name(dtype)), 256), 6) << mt::name(dtype);
+  }
+  mt::set_multi_tensor_steps(multi_tensor);
 }
 
 // An optimizer's updates as multi-tensor kernels: 45 parameters of different sizes (some under

@@ -394,6 +394,22 @@ kir::Kernel row_max_and_sum() {
   return k;
 }
 
+// A bias gradient's column sums (and maxima) of a tall [20000, 6] bf16 matrix: few outer points
+// and many inner ones, so each column's rows are split across blocks whose partials the last
+// block to arrive folds (the workspace argument).
+kir::Kernel split_column_sum_and_max() {
+  kir::Kernel k;
+  k.name = "golden_split_column_sum_and_max";
+  k.dims = {6, 20000};
+  k.reduce_from = 1;
+  k.params = {{mt::bf16, false}, {mt::f32, true}, {mt::f32, true}};
+  k.body = {load(0, {1, 6})};
+  k.reductions = {{kir::ReduceKind::Sum, Type::f32, 0}, {kir::ReduceKind::Max, Type::f32, 0}};
+  k.epilogue = {special(Op::Accumulated, Type::f32, 0), special(Op::Accumulated, Type::f32, 1)};
+  k.epilogue_stores = {{1, 0, kir::Affine{0, {1, 0}}}, {2, 1, kir::Affine{0, {1, 0}}}};
+  return k;
+}
+
 // A column sum of [64, 5] bf16 values into a bf16 accumulator (every partial rounded), stored
 // as bf16: outer dim 5 (kept), inner dim 64 (reduced).
 kir::Kernel half_accumulator_sum() {
@@ -586,14 +602,26 @@ TEST(Golden, AllGoldenKernelsCompileInOneProgram) {
   source += mt::emit_cuda(two_inner_dims_sum()) + mt::emit_cuda(softmax_rows()) +
             mt::emit_cuda(multi_tensor_sgd_step()) + mt::emit_cuda(multi_tensor_inf_check()) +
             mt::emit_cuda(vector_f16_chain()) +
-            mt::emit_cuda(vector_f16_chain({250}, "vector_f16_chain_with_tail"));
+            mt::emit_cuda(vector_f16_chain({250}, "vector_f16_chain_with_tail")) +
+            mt::emit_cuda(split_column_sum_and_max());
   std::string ptx = mt::compile_cuda(source, "compute_90", "golden.cu");
   for (const char* name :
        {"golden_bf16_broadcast_chain", "golden_row_max_and_sum", "golden_half_accumulator_sum",
         "golden_scalar_sgd_step", "two_inner_dims_sum", "golden_softmax_rows",
         "golden_multi_tensor_sgd_step", "golden_multi_tensor_inf_check", "golden_vector_f16_chain",
-        "vector_f16_chain_with_tail"})
+        "vector_f16_chain_with_tail", "golden_split_column_sum_and_max"})
     EXPECT_TRUE(has_kernel_entry(ptx, name)) << name;
+  // The split reduction asks for its workspace (6 columns x 5 chunks of 4000 rows: partial
+  // sums, maxima and their indices, 8 bytes each, then a 4-byte count per column).
+  EXPECT_EQ(mt::cuda_launch_shape(split_column_sum_and_max()).workspace_bytes, 3 * 8 * 30 + 4 * 6);
+  EXPECT_EQ(mt::cuda_launch_shape(split_column_sum_and_max()).grid, 30u);
+  std::string ptxas = "/usr/local/cuda/bin/ptxas";
+  if (std::filesystem::exists(ptxas)) {
+    std::string ptx80 = mt::compile_cuda(source, "compute_80", "golden.cu");
+    for (const char* target : {"sm_80", "sm_90"})
+      EXPECT_EQ(run_ptxas(ptxas, ptx80, target, fmt::format("mixtape_golden_{}", ::getpid())), "")
+          << target;
+  }
   // Packs are single 16-byte (f32) and 8-byte (f16) accesses.
   std::string vector = mt::compile_cuda(mt::emit_cuda(vector_f16_chain()), "compute_90", "v.cu");
   EXPECT_NE(vector.find("ld.global.nc.v4.f32"), std::string::npos) << vector;
@@ -635,6 +663,7 @@ INSTANTIATE_TEST_SUITE_P(
                       std::pair{"cuda_softmax_rows.cu", &softmax_rows},
                       std::pair{"cuda_multi_tensor_sgd_step.cu", &multi_tensor_sgd_step},
                       std::pair{"cuda_multi_tensor_inf_check.cu", &multi_tensor_inf_check},
+                      std::pair{"cuda_split_column_sum_and_max.cu", &split_column_sum_and_max},
                       std::pair{"cuda_vector_f16_chain.cu",
                                 static_cast<kir::Kernel (*)()>(&vector_f16_chain)}),
     [](const auto& info) {

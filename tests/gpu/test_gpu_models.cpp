@@ -212,6 +212,39 @@ TEST(GpuReductions, SumsMaxSoftmaxAndLayerNormMatchTheCpu) {
   }
 }
 
+// Reductions over few outer points and many inner ones run split across blocks, the last block
+// of each point folding the others' partials from a workspace every launch leaves zeroed: a
+// whole-tensor sum and max of 2^20 values, bias-gradient-like column sums of a tall matrix, a
+// few long rows' means; each launched three times (the same bits every time) and compared with
+// the CPU up to the order of the sums: sums of order 1000 and 256 here, whose CPU sums (a
+// column's 65536 terms one after another) are 1e-3 off, where a chunk lost would be 100 off.
+TEST(GpuReductions, SplitAcrossBlocksMatchTheCpuAndRepeatExactly) {
+  SKIP_WITHOUT_CUDA();
+  mt::Generator gen(6);
+  mt::Tensor big = mt::randn({1 << 20}, mt::f32, &gen);
+  mt::Tensor tall = mt::cast(mt::randn({65536, 64}, mt::f32, &gen), mt::bf16);
+  mt::Tensor rows = mt::randn({4, 100000}, mt::f32, &gen);
+  {
+    DeviceScope scope;
+    mt::set_device(mt::Device::cpu);
+    mt::eval({big, tall, rows});
+  }
+  std::vector<std::pair<std::function<mt::Tensor()>, double>> programs = {
+      {[&] { return mt::sum(big); }, 1e-2},
+      {[&] { return mt::max(big); }, 0},
+      {[&] { return mt::sum(tall, {0}); }, 1e-2},
+      {[&] { return mt::mean(rows, {1}); }, 1e-6},
+  };
+  for (size_t p = 0; p < programs.size(); ++p) {
+    auto [program, absolute] = programs[p];
+    std::vector<double> expected = run_on(baseline(), program);
+    std::vector<double> actual = run_on(tested(), program);
+    EXPECT_EQ(first_difference(expected, actual, mt::f32, 64, absolute), "") << "program " << p;
+    for (int again = 0; again < 2; ++again)
+      EXPECT_EQ(run_on(tested(), program), actual) << "program " << p << ", launch " << again + 2;
+  }
+}
+
 // Matmuls: f32 operands with f32 accumulation; f16/bf16 operands with f32 accumulation, the
 // result rounded once (so one ulp of the output type apart at most, plus the sum's order).
 TEST(GpuMatmul, F32F16Bf16AndTransposesMatchTheCpu) {
