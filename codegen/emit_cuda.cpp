@@ -136,9 +136,11 @@ constexpr int64_t max_pointwise_grid = 8192;
 constexpr int64_t max_reduction_grid = 65535;
 // A reduction over few outer points but many inner ones splits each outer point's inner range
 // across blocks (about split_target_blocks in all, for a GPU of a hundred-odd SMs), each block
-// taking at least split_min_points of them.
+// taking at least split_min_points of them. A multi-tensor reduction gives each segment a block
+// per multi_tensor_chunk_points of its elements.
 constexpr int64_t split_target_blocks = 512;
 constexpr int64_t split_min_points = 4096;
+constexpr int64_t multi_tensor_chunk_points = 32768;
 
 // How a kernel is spread over the GPU.
 enum class Shape : uint8_t {
@@ -159,11 +161,18 @@ struct Plan {
   int64_t chunks = 1, chunk_points = 0;
 };
 
-// Where a split reduction's workspace keeps each reduction's partials (and the index of a
-// carried max), one per block, and each outer point's count of blocks that finished.
+// How a split reduction's workspace is laid out: arrays of one 8-byte word per block (every
+// accumulator type fits one) for each reduction's partial and each carried max's index, then a
+// 4-byte count per outer point (or segment) of the blocks that finished it.
 struct Workspace {
-  std::vector<int64_t> partial, at;  // byte offsets, per reduction (-1: none)
-  int64_t arrivals = 0, bytes = 0;
+  std::vector<int> partial, at;  // per reduction: its arrays' places (-1: none)
+  int arrays = 0;
+
+  int64_t array_offset(int array, int64_t blocks) const { return 8 * array * blocks; }
+  int64_t arrivals_offset(int64_t blocks) const { return array_offset(arrays, blocks); }
+  int64_t bytes(int64_t blocks, int64_t points) const {
+    return arrivals_offset(blocks) + 4 * points;
+  }
 };
 
 int64_t product(const std::vector<int64_t>& dims, size_t from, size_t to) {
@@ -257,17 +266,17 @@ bool carries_index(const kir::Reduction& red, const Plan& p) {
 
 Workspace workspace(const kir::Kernel& k, const Plan& p) {
   Workspace w;
-  if (p.chunks < 2) return w;
-  int64_t blocks = p.outer * p.chunks;
   for (const kir::Reduction& red : k.reductions) {
-    w.partial.push_back(w.bytes);
-    w.bytes += 8 * blocks;  // every accumulator type fits 8 bytes, which keeps them aligned
-    w.at.push_back(carries_index(red, p) ? w.bytes : -1);
-    if (carries_index(red, p)) w.bytes += 8 * blocks;
+    w.partial.push_back(w.arrays++);
+    w.at.push_back(carries_index(red, p) ? w.arrays++ : -1);
   }
-  w.arrivals = w.bytes;
-  w.bytes += 4 * p.outer;
   return w;
+}
+
+// The workspace bytes of a kernel split Plan::chunks ways (0 when it is not).
+int64_t split_workspace_bytes(const kir::Kernel& k, const Plan& p) {
+  if (k.multi_tensor || p.chunks < 2) return 0;
+  return workspace(k, p).bytes(p.outer * p.chunks, p.outer);
 }
 
 const char* cuda_type(Type type) {
@@ -773,29 +782,30 @@ class Emitter {
     close();
   }
 
-  // emit_cuda.h's multi-tensor ABI: the segment table arrives by value as the only argument.
-  // Pointwise, each segment runs the grid-stride loop of a rank-1 kernel over its own extent; a
-  // reduction gives each segment a block, as block_reduce gives each outer point one.
+  // emit_cuda.h's multi-tensor ABI: the segment table arrives by value (a reduction's workspace
+  // after it). Pointwise, each segment runs the grid-stride loop of a rank-1 kernel over its own
+  // extent; a reduction gives each segment blocks by its size (multi_tensor_reduce).
   void multi_tensor() {
     if (k_.dims.size() != 1 || (k_.is_reduction() && k_.reduce_from != 0))
       fail("cuda emitter: multi-tensor kernel {} is neither rank-1 pointwise nor a whole reduction",
            k_.name);
     int64_t capacity = cuda_multi_tensor_capacity(k_);
     std::string table = k_.name + "_segments";
-    out_ +=
-        fmt::format("// mixtape kernel {}: multi-tensor {}, up to {} segments a launch\n", k_.name,
-                    k_.is_reduction() ? "reduction, a block per segment" : "pointwise", capacity);
+    out_ += fmt::format(
+        "// mixtape kernel {}: multi-tensor {}, up to {} segments a launch\n", k_.name,
+        k_.is_reduction() ? "reduction, blocks by segment size" : "pointwise", capacity);
     out_ += fmt::format("struct {} {{\n  long long count;\n  long long start[{}];\n", table,
                         capacity + 1);
+    if (k_.is_reduction()) out_ += fmt::format("  long long first_block[{}];\n", capacity + 1);
     out_ += fmt::format("  void* pointer[{}][{}];\n", capacity, k_.params.size());
     if (k_.scalars > 0) out_ += fmt::format("  double scalar[{}][{}];\n", capacity, k_.scalars);
     out_ += "};\n";
-    out_ +=
-        fmt::format("extern \"C\" __global__ void __launch_bounds__({}) {}(const {} table) {{\n",
-                    plan_.block, k_.name, table);
+    out_ += fmt::format(
+        "extern \"C\" __global__ void __launch_bounds__({}) {}(const {} table{}) {{\n", plan_.block,
+        k_.name, table, k_.is_reduction() ? ", unsigned char* __restrict__ workspace" : "");
     indent_ = 1;
     if (k_.is_reduction()) {
-      block_reduce();
+      multi_tensor_reduce();
     } else {
       open("for (long long seg = 0; seg < table.count; ++seg)");
       line("const long long total = table.start[seg + 1] - table.start[seg];");
@@ -910,9 +920,8 @@ class Emitter {
     int split = k_.reduce_from, rank = static_cast<int>(k_.dims.size());
     uint32_t warps = plan_.block / warp_size;
     line("// Launched with exactly {} threads per block.", plan_.block);
-    if (!k_.multi_tensor)
-      line("const long long outer_total = {}, inner_total = {};", integer(plan_.outer),
-           integer(plan_.inner));
+    line("const long long outer_total = {}, inner_total = {};", integer(plan_.outer),
+         integer(plan_.inner));
     if (warps > 1) {
       line("const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;");
       for (size_t r = 0; r < k_.reductions.size(); ++r) {
@@ -921,14 +930,8 @@ class Emitter {
           line("__shared__ long long partial{}_at[{}];", r, warps);
       }
     }
-    if (k_.multi_tensor) {
-      open("for (long long seg = blockIdx.x; seg < table.count; seg += gridDim.x)");
-      line("const long long inner_total = table.start[seg + 1] - table.start[seg];");
-      bind_segment();
-    } else {
-      open("for (long long outer = blockIdx.x; outer < outer_total; outer += gridDim.x)");
-      coordinates("outer", 0, split);
-    }
+    open("for (long long outer = blockIdx.x; outer < outer_total; outer += gridDim.x)");
+    coordinates("outer", 0, split);
     declare_accumulators();
     int last = k_.pass_count() - 1;
     for (int pass = 0; pass < last; ++pass) {
@@ -952,42 +955,62 @@ class Emitter {
     close();
   }
 
-  // Plan::chunks blocks per outer point, each over its chunk of the inner points. A block folds
-  // its chunk as block_reduce folds a row and leaves the result in the workspace; the block
-  // that finds itself the last of its outer point to arrive folds the chunks' partials in chunk
-  // order (lane l takes chunks l, l + 32, ..., then the warp tree), so the result does not
-  // depend on which block came last, and zeroes the partials and the count it read, leaving the
-  // workspace as the next launch needs it.
+  // Plan::chunks blocks per outer point, each over its chunk of the inner points (fold_chunks).
   void split_reduce() {
     int split = k_.reduce_from, rank = static_cast<int>(k_.dims.size());
     uint32_t warps = plan_.block / warp_size;
-    Workspace w = workspace(k_, plan_);
     std::string chunks = integer(plan_.chunks);
     line("// Launched with exactly {} threads per block, {} blocks.", plan_.block, plan_.grid);
     line("const long long inner_total = {}, chunk_points = {};", integer(plan_.inner),
          integer(plan_.chunk_points));
-    line("const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;");
-    for (size_t r = 0; r < k_.reductions.size(); ++r) {
-      std::string type = cuda_type(k_.reductions[r].type);
-      line("__shared__ {} partial{}[{}];", type, r, warps);
-      line("{}* const chunk_partial{} = reinterpret_cast<{}*>(workspace + {});", type, r, type,
-           w.partial[r]);
-      if (w.at[r] >= 0) {
-        line("__shared__ long long partial{}_at[{}];", r, warps);
-        line("long long* const chunk_partial{}_at = reinterpret_cast<long long*>(workspace + {});",
-             r, w.at[r]);
-      }
-    }
-    line("unsigned* const arrivals = reinterpret_cast<unsigned*>(workspace + {});", w.arrivals);
+    declare_chunk_partials(warps, integer(plan_.outer * plan_.chunks));
     line("const long long outer = blockIdx.x / {}, chunk = blockIdx.x % {};", chunks, chunks);
-    line("const long long chunk_begin = chunk * chunk_points;");
-    line("const long long chunk_end =");
-    line(
-        "    chunk_begin + chunk_points < inner_total ? chunk_begin + chunk_points : inner_total;");
+    chunk_range();
     coordinates("outer", 0, split);
     declare_accumulators();
     block_pass(0, split, rank, "chunk_begin", "chunk_end");
     fold_partials(0, warps);
+    fold_chunks("outer", "outer * " + chunks, chunks);
+  }
+
+  // The shared partials of a block's warps and the workspace's arrays, for `blocks` blocks.
+  void declare_chunk_partials(uint32_t warps, const std::string& blocks) {
+    Workspace w = workspace(k_, plan_);
+    line("const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;");
+    auto array = [&](int index) {
+      return index == 0 ? std::string("workspace")
+                        : fmt::format("workspace + {} * {}", 8 * index, blocks);
+    };
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      std::string type = cuda_type(k_.reductions[r].type);
+      line("__shared__ {} partial{}[{}];", type, r, warps);
+      line("{}* const chunk_partial{} = reinterpret_cast<{}*>({});", type, r, type,
+           array(w.partial[r]));
+      if (w.at[r] >= 0) {
+        line("__shared__ long long partial{}_at[{}];", r, warps);
+        line("long long* const chunk_partial{}_at = reinterpret_cast<long long*>({});", r,
+             array(w.at[r]));
+      }
+    }
+    line("unsigned* const arrivals = reinterpret_cast<unsigned*>({});", array(w.arrays));
+  }
+
+  // This block's share of the inner points, from `chunk` and `chunk_points`.
+  void chunk_range() {
+    line("const long long chunk_begin = chunk * chunk_points;");
+    line("const long long chunk_end =");
+    line(
+        "    chunk_begin + chunk_points < inner_total ? chunk_begin + chunk_points : inner_total;");
+  }
+
+  // A block of a split reduction, after fold_partials (inside its `if (warp == 0)`, lane 0
+  // holding the block's result): the result goes to the workspace, and the block that finds
+  // itself the last of `point`'s `chunks` blocks to arrive folds their partials (from block
+  // `first` on) in chunk order: lane l takes chunks l, l + 32, ..., then the warp tree, so the
+  // result does not depend on which block came last. It runs the epilogue and zeroes what it
+  // read, leaving the workspace as the next launch needs it.
+  void fold_chunks(const std::string& point, const std::string& first, const std::string& chunks) {
+    Workspace w = workspace(k_, plan_);
     line("int last = 0;");
     open("if (lane == 0)");
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
@@ -995,7 +1018,7 @@ class Emitter {
       if (w.at[r] >= 0) line("chunk_partial{}_at[blockIdx.x] = acc{}_at;", r, r);
     }
     line("__threadfence();  // the partials are visible before the count says so");
-    line("last = atomicAdd(&arrivals[outer], 1u) == {}u;", plan_.chunks - 1);
+    line("last = atomicAdd(&arrivals[{}], 1u) + 1u == static_cast<unsigned>({});", point, chunks);
     close();
     line("last = __shfl_sync(0xFFFFFFFFu, last, 0);");
     open("if (last)");
@@ -1005,7 +1028,7 @@ class Emitter {
       if (w.at[r] >= 0) line("acc{}_at = 9223372036854775807LL;", r);
     }
     open(fmt::format("for (long long c = lane; c < {}; c += 32)", chunks));
-    line("const long long at = outer * {} + c;", chunks);
+    line("const long long at = {} + c;", first);
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
       line("const {} chunk{} = __ldcg(&chunk_partial{}[at]);", cuda_type(k_.reductions[r].type), r,
            r);
@@ -1019,11 +1042,33 @@ class Emitter {
     close();
     warp_tree(0);
     open("if (lane == 0)");
-    line("arrivals[outer] = 0u;  // ready for the next launch");
+    line("arrivals[{}] = 0u;  // ready for the next launch", point);
     epilogue();
     close();
     close();
     close();
+  }
+
+  // A multi-tensor reduction: segment s has the blocks [first_block[s], first_block[s + 1]),
+  // each over a chunk of its elements, folded as in split_reduce.
+  void multi_tensor_reduce() {
+    uint32_t warps = plan_.block / warp_size;
+    line("// Launched with exactly {} threads per block, table.first_block[table.count] blocks.",
+         plan_.block);
+    line("const long long blocks = table.first_block[table.count];");
+    declare_chunk_partials(warps, "blocks");
+    line("long long seg = 0;");
+    line("while (table.first_block[seg + 1] <= blockIdx.x) ++seg;");
+    line("const long long chunks = table.first_block[seg + 1] - table.first_block[seg];");
+    line("const long long chunk = blockIdx.x - table.first_block[seg];");
+    line("const long long inner_total = table.start[seg + 1] - table.start[seg];");
+    line("const long long chunk_points = (inner_total + chunks - 1) / chunks;");
+    chunk_range();
+    bind_segment();
+    declare_accumulators();
+    block_pass(0, 0, 1, "chunk_begin", "chunk_end");
+    fold_partials(0, warps);
+    fold_chunks("seg", "table.first_block[seg]", "chunks");
   }
 
   const kir::Kernel& k_;
@@ -1045,14 +1090,16 @@ const char* cuda_element_type(DType dtype) { return element_type(dtype); }
 
 CudaLaunch cuda_launch_shape(const kir::Kernel& kernel) {
   Plan p = plan(kernel);
-  return CudaLaunch{p.grid, p.block, 0, static_cast<uint64_t>(workspace(kernel, p).bytes)};
+  return CudaLaunch{p.grid, p.block, 0, static_cast<uint64_t>(split_workspace_bytes(kernel, p))};
 }
 
 int64_t cuda_multi_tensor_capacity(const kir::Kernel& kernel) {
-  // count, start[capacity + 1], then a pointer per param and a double per scalar per segment,
-  // all 8-byte words, within the 4 KiB every architecture takes as kernel parameters.
-  int64_t words_per_segment = 1 + static_cast<int64_t>(kernel.params.size()) + kernel.scalars;
-  return (cuda_multi_tensor_table_bytes / 8 - 2) / words_per_segment;
+  // count, start[capacity + 1] (and for a reduction first_block[capacity + 1]), then a pointer
+  // per param and a double per scalar per segment, all 8-byte words, within the 4 KiB every
+  // architecture takes as kernel parameters.
+  int64_t arrays = kernel.is_reduction() ? 2 : 1;
+  int64_t words_per_segment = arrays + static_cast<int64_t>(kernel.params.size()) + kernel.scalars;
+  return (cuda_multi_tensor_table_bytes / 8 - 1 - arrays) / words_per_segment;
 }
 
 std::vector<CudaSegmentTable> cuda_multi_tensor_tables(const kir::Kernel& kernel,
@@ -1066,34 +1113,56 @@ std::vector<CudaSegmentTable> cuda_multi_tensor_tables(const kir::Kernel& kernel
       static_cast<int64_t>(scalars.size()) != segments * slots)
     fail("multi-tensor kernel {}: {} starts, {} pointers and {} scalars do not make segments",
          kernel.name, starts.size(), pointers.size(), scalars.size());
+  bool reduction = kernel.is_reduction();
+  // A reduction's segment takes a block per multi_tensor_chunk_points elements (at least one),
+  // and a launch at most max_reduction_grid blocks.
+  auto blocks_of = [&](int64_t s) {
+    int64_t extent = starts[s + 1] - starts[s];
+    return std::clamp<int64_t>((extent + multi_tensor_chunk_points - 1) / multi_tensor_chunk_points,
+                               1, max_reduction_grid);
+  };
   std::vector<CudaSegmentTable> tables;
-  for (int64_t first = 0; first < segments; first += capacity) {
+  for (int64_t first = 0; first < segments;) {
+    int64_t count = 0, blocks = 0;
+    for (; first + count < segments && count < capacity; ++count) {
+      int64_t more = reduction ? blocks_of(first + count) : 0;
+      if (count > 0 && blocks + more > max_reduction_grid) break;
+      blocks += more;
+    }
     CudaSegmentTable table;
-    table.segments = std::min(capacity, segments - first);
+    table.segments = count;
     table.words.assign(cuda_multi_tensor_table_bytes / 8, 0);
     uint64_t* start_words = table.words.data() + 1;
-    uint64_t* pointer_words = start_words + capacity + 1;
+    uint64_t* block_words = start_words + capacity + 1;
+    uint64_t* pointer_words = block_words + (reduction ? capacity + 1 : 0);
     uint64_t* scalar_words = pointer_words + capacity * params;
     table.words[0] = static_cast<uint64_t>(table.segments);
     for (int64_t s = 0; s < table.segments; ++s) {
       int64_t at = first + s;
       start_words[s + 1] = static_cast<uint64_t>(starts[at + 1] - starts[first]);
+      if (reduction) {
+        table.blocks += blocks_of(at);
+        block_words[s + 1] = static_cast<uint64_t>(table.blocks);
+      }
       table.largest = std::max(table.largest, starts[at + 1] - starts[at]);
       for (int64_t p = 0; p < params; ++p)
         pointer_words[s * params + p] = pointers[at * params + p];
       for (int64_t k = 0; k < slots; ++k)
         std::memcpy(&scalar_words[s * slots + k], &scalars[at * slots + k], 8);
     }
+    if (reduction)
+      table.workspace_bytes = static_cast<uint64_t>(
+          workspace(kernel, plan(kernel)).bytes(table.blocks, table.segments));
     tables.push_back(std::move(table));
+    first += count;
   }
   return tables;
 }
 
-CudaLaunch cuda_multi_tensor_launch(const kir::Kernel& kernel, int64_t segments,
-                                    int64_t largest_segment) {
+CudaLaunch cuda_multi_tensor_launch(const kir::Kernel& kernel, const CudaSegmentTable& table) {
   if (kernel.is_reduction())
-    return CudaLaunch{clamp_grid(segments, max_reduction_grid), max_block, 0, 0};
-  return CudaLaunch{clamp_grid((largest_segment + max_block - 1) / max_block, max_pointwise_grid),
+    return CudaLaunch{static_cast<uint32_t>(table.blocks), max_block, 0, table.workspace_bytes};
+  return CudaLaunch{clamp_grid((table.largest + max_block - 1) / max_block, max_pointwise_grid),
                     max_block, 0, 0};
 }
 

@@ -36,11 +36,13 @@ namespace mixtape {
 ///
 ///   { long long count;                       // S <= C segments in this launch
 ///     long long start[C + 1];                // segment s covers [start[s], start[s + 1])
+///     long long first_block[C + 1];          // reductions: segment s's blocks, from 0
 ///     void* pointer[C][params];              // segment s's buffer for each kernel param
 ///     double scalar[C][scalars]; }           // and its scalar slots (absent when none)
 ///
-/// (cuda_multi_tensor_table_bytes in all, unused entries zero). A step of more segments is
-/// launched in chunks of C, each with its starts counted from 0.
+/// (cuda_multi_tensor_table_bytes in all, unused entries zero), and a reduction then the
+/// workspace pointer, as a split reduction's, of the table's workspace_bytes. A step of more
+/// segments is launched in chunks of at most C, each with its starts (and blocks) counted from 0.
 ///
 /// Every emitted source starts with the same guarded prelude, so the sources of several kernels
 /// can be concatenated into one NVRTC program.
@@ -75,14 +77,16 @@ struct CudaSegmentTable {
   std::vector<uint64_t> words;  // cuda_multi_tensor_table_bytes
   int64_t segments = 0;
   int64_t largest = 0;  // the most elements of one segment
+  // Reductions: every segment's blocks (one per 32768 elements), and the workspace they need.
+  int64_t blocks = 0;
+  uint64_t workspace_bytes = 0;
 };
 std::vector<CudaSegmentTable> cuda_multi_tensor_tables(const kir::Kernel& kernel,
                                                        std::span<const int64_t> starts,
                                                        std::span<const uint64_t> pointers,
                                                        std::span<const double> scalars);
-/// A multi-tensor launch of `segments` segments: pointwise, enough blocks for the largest
-/// segment, every segment sharing them; a reduction, a block per segment.
-CudaLaunch cuda_multi_tensor_launch(const kir::Kernel& kernel, int64_t segments,
-                                    int64_t largest_segment);
+/// The launch of one table: pointwise, enough blocks for its largest segment, every segment
+/// sharing them; a reduction, table.blocks blocks and its workspace.
+CudaLaunch cuda_multi_tensor_launch(const kir::Kernel& kernel, const CudaSegmentTable& table);
 
 }  // namespace mixtape

@@ -62,10 +62,18 @@ struct LoadedKernel {
   std::shared_ptr<const kir::Kernel> kernel;
   cuda::CUfunction function = nullptr;
   CudaLaunch launch;
-  // A split reduction's workspace (launch.workspace_bytes), zeroed once: every launch leaves it
-  // zero, and launches are ordered on the one compute stream.
+  // A split reduction's workspace, zeroed when allocated: every launch leaves it zero, and
+  // launches are ordered on the one compute stream. Grown to what a launch needs (a multi-tensor
+  // reduction's depends on its segments).
   cuda::DeviceBuffer workspace;
-  cuda::CUdeviceptr workspace_address = 0;
+
+  cuda::CUdeviceptr workspace_for(uint64_t bytes) {
+    if (workspace.size() < bytes) {
+      workspace = cuda::DeviceBuffer(bytes);
+      cuda::memset_async(workspace.address(), 0, bytes);
+    }
+    return workspace.address();
+  }
 };
 
 std::mutex kernels_mutex;
@@ -136,11 +144,6 @@ void compile_pending() {
     auto start = std::chrono::steady_clock::now();
     cuda::CUmodule module = cuda::load_module(std::span<const char>(image.data(), image.size()));
     batch[i]->function = cuda::get_function(module, batch[i]->kernel->name);  // loaded for good
-    if (uint64_t bytes = batch[i]->launch.workspace_bytes) {
-      batch[i]->workspace = cuda::DeviceBuffer(bytes);
-      batch[i]->workspace_address = batch[i]->workspace.address();
-      cuda::memset_async(batch[i]->workspace_address, 0, bytes);
-    }
     if (cached[i]) {
       ++s.kernels_from_disk;
       s.load_seconds +=
@@ -152,7 +155,7 @@ void compile_pending() {
 
 // Launches a multi-tensor step in chunks of as many segments as the kernel's argument holds
 // (emit_cuda.h's ABI): `pointers` and `scalars` hold every segment's in turn.
-void launch_multi_tensor(const Step& step, const LoadedKernel& loaded,
+void launch_multi_tensor(const Step& step, LoadedKernel& loaded,
                          const std::vector<cuda::CUdeviceptr>& pointers,
                          const std::vector<double>& scalars) {
   const kir::Kernel& kernel = *step.kernel;
@@ -160,15 +163,17 @@ void launch_multi_tensor(const Step& step, const LoadedKernel& loaded,
   for (CudaSegmentTable& table :
        cuda_multi_tensor_tables(kernel, std::span(step.segment_table).subspan(1), words, scalars)) {
     if (table.largest == 0 && !kernel.is_reduction()) continue;  // a reduction stores even then
-    CudaLaunch shape = cuda_multi_tensor_launch(kernel, table.segments, table.largest);
-    void* args[] = {table.words.data()};  // cuLaunchKernel copies the argument at the call
+    CudaLaunch shape = cuda_multi_tensor_launch(kernel, table);
+    cuda::CUdeviceptr workspace = loaded.workspace_for(shape.workspace_bytes);
+    // cuLaunchKernel copies the arguments at the call; a pointwise kernel takes only the table.
+    void* args[] = {table.words.data(), &workspace};
     cuda::launch(loaded.function, {shape.grid, 1, 1}, {shape.block, 1, 1}, shape.shared_bytes,
                  args);
   }
 }
 
 void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signature& sig) {
-  const LoadedKernel& loaded = *reinterpret_cast<const LoadedKernel*>(step.compiled);
+  LoadedKernel& loaded = *reinterpret_cast<LoadedKernel*>(step.compiled);
   const kir::Kernel& kernel = *step.kernel;
   if (!loaded.function) fail("CUDA kernel {} failed to compile earlier", kernel.name);
   size_t count = step.params.size();
@@ -197,7 +202,7 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
     std::vector<void*> args;
     for (cuda::CUdeviceptr& pointer : pointers) args.push_back(&pointer);
     for (double& scalar : scalars) args.push_back(&scalar);
-    cuda::CUdeviceptr workspace = loaded.workspace_address;
+    cuda::CUdeviceptr workspace = loaded.workspace_for(loaded.launch.workspace_bytes);
     if (loaded.launch.workspace_bytes > 0) args.push_back(&workspace);
     cuda::launch(loaded.function, {loaded.launch.grid, 1, 1}, {loaded.launch.block, 1, 1},
                  loaded.launch.shared_bytes, args.data());

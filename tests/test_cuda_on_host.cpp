@@ -231,6 +231,19 @@ std::string double_literal(double value) {
   return fmt::format("std::bit_cast<double>(0x{:016X}ULL)", bits);
 }
 
+// A split reduction's grid, run as `call`: its workspace (`workspace`, zero at first) must be
+// zero again after each launch, so it runs twice on it, and the second run's results are the
+// ones compared.
+std::string launch_twice(const mt::CudaLaunch& shape, bool cooperative, const std::string& call) {
+  std::string run = fmt::format("mt_run_grid({}, {}, {}, [&] {{ {}; }});", shape.grid, shape.block,
+                                cooperative, call);
+  return fmt::format(
+      "    {}\n    {}\n"
+      "    for (unsigned char byte : workspace)\n"
+      "      if (byte != 0) {{ std::puts(\"{}: workspace not left zero\"); return 1; }}\n",
+      run, run, call);
+}
+
 // The host driver of launch `k`: reads its inputs, runs its grid, writes its outputs.
 std::string driver(const Launch& launch, size_t k, const fs::path& dir) {
   const kir::Kernel& kernel = launch.kernel;
@@ -267,7 +280,7 @@ std::string driver(const Launch& launch, size_t k, const fs::path& dir) {
     for (const mt::CudaSegmentTable& table :
          mt::cuda_multi_tensor_tables(kernel, starts, placeholders, launch.scalars)) {
       if (table.largest == 0 && !kernel.is_reduction()) continue;
-      mt::CudaLaunch shape = mt::cuda_multi_tensor_launch(kernel, table.segments, table.largest);
+      mt::CudaLaunch shape = mt::cuda_multi_tensor_launch(kernel, table);
       out += fmt::format("    {{\n      std::vector<unsigned long long> words = {{{}ull}};\n",
                          fmt::join(table.words, "ull, "));
       out += fmt::format(
@@ -278,30 +291,30 @@ std::string driver(const Launch& launch, size_t k, const fs::path& dir) {
           "      static_assert(sizeof(table) <= {});\n"
           "      std::memcpy(&table, words.data(), sizeof(table));\n",
           pointer_tag, kernel.name, mt::cuda_multi_tensor_table_bytes);
-      out += fmt::format("      mt_run_grid({}, {}, {}, [&] {{ {}(table); }});\n    }}\n",
-                         shape.grid, shape.block, cooperative, kernel.name);
+      if (!kernel.is_reduction()) {
+        out += fmt::format("      mt_run_grid({}, {}, {}, [&] {{ {}(table); }});\n    }}\n",
+                           shape.grid, shape.block, cooperative, kernel.name);
+        continue;
+      }
+      out +=
+          fmt::format("      std::vector<unsigned char> workspace({});\n", shape.workspace_bytes);
+      out += launch_twice(shape, cooperative, kernel.name + "(table, workspace.data())");
+      out += "    }\n";
     }
   } else {
     mt::CudaLaunch shape = mt::cuda_launch_shape(kernel);
     std::vector<std::string> args;
     for (size_t i = 0; i < launch.nodes.size(); ++i) args.push_back(pointer(i));
     for (double scalar : launch.scalars) args.push_back(double_literal(scalar));
-    // A split reduction's workspace starts zero and must be zero again after each launch: it is
-    // launched twice on one workspace, and the second launch's results are the ones compared.
-    int launches = 1;
-    if (shape.workspace_bytes > 0) {
-      out += fmt::format("    std::vector<unsigned char> workspace({});\n", shape.workspace_bytes);
-      args.push_back("workspace.data()");
-      launches = 2;
-    }
-    for (int l = 0; l < launches; ++l)
+    if (shape.workspace_bytes == 0) {
       out += fmt::format("    mt_run_grid({}, {}, {}, [&] {{ {}({}); }});\n", shape.grid,
                          shape.block, cooperative, kernel.name, fmt::join(args, ", "));
-    if (shape.workspace_bytes > 0)
-      out += fmt::format(
-          "    for (unsigned char byte : workspace)\n"
-          "      if (byte != 0) {{ std::puts(\"{}: workspace not left zero\"); return 1; }}\n",
-          kernel.name);
+    } else {
+      out += fmt::format("    std::vector<unsigned char> workspace({});\n", shape.workspace_bytes);
+      args.push_back("workspace.data()");
+      out += launch_twice(shape, cooperative,
+                          fmt::format("{}({})", kernel.name, fmt::join(args, ", ")));
+    }
   }
   for (size_t i = 0; i < launch.nodes.size(); ++i)
     if (kernel.params[i % per_segment].output)
@@ -492,6 +505,33 @@ TEST(CudaOnHost, SplitReductionsMatchTheCpu) {
     EXPECT_GE(check_on_host(launches, std::string(mt::name(dtype)), 256), 6) << mt::name(dtype);
   }
   mt::set_multi_tensor_steps(multi_tensor);
+}
+
+// Whole sums of several tensors as one multi-tensor reduction (the loss scaler's inf checks,
+// clipping's squared norms): each segment takes a block per 32768 elements, the last of a
+// segment's blocks folding their partials, so segments of 70000, 40000 and 5 elements take 3, 2
+// and 1 blocks of one launch.
+TEST(CudaOnHost, MultiTensorReductionsSplitLargeSegments) {
+  for (mt::DType dtype : {mt::f32, mt::bf16}) {
+    int64_t blocks = 0;
+    auto launches = observe([&] {
+      mt::Tensor a = values({70000}, dtype, 12), b = values({200, 200}, dtype, 13);
+      mt::Tensor c = values({5}, dtype, 14);
+      mt::eval({mt::sum(a - a), mt::sum(b - b), mt::sum(c - c), mt::sum(mt::abs(a)),
+                mt::sum(mt::abs(b)), mt::sum(mt::abs(c))});
+    });
+    for (const Launch& launch : launches) {
+      if (!launch.kernel.multi_tensor || !launch.kernel.is_reduction()) continue;
+      std::vector<int64_t> starts = {0};
+      for (int64_t extent : launch.extents) starts.push_back(starts.back() + extent);
+      std::vector<uint64_t> pointers(launch.nodes.size(), 0);
+      for (const mt::CudaSegmentTable& table :
+           mt::cuda_multi_tensor_tables(launch.kernel, starts, pointers, launch.scalars))
+        blocks += table.blocks;
+    }
+    EXPECT_EQ(blocks, 2 * (3 + 2 + 1)) << mt::name(dtype);
+    EXPECT_GE(check_on_host(launches, std::string(mt::name(dtype)), 16), 6) << mt::name(dtype);
+  }
 }
 
 // An optimizer's updates as multi-tensor kernels: 45 parameters of different sizes (some under

@@ -694,17 +694,45 @@ TEST(CudaLaunch, ShapesFollowTheKernel) {
   EXPECT_EQ(capacity, (4096 / 8 - 2) / 6);
   EXPECT_LE(8 * (2 + capacity * 6), mt::cuda_multi_tensor_table_bytes);
   EXPECT_EQ(mt::cuda_launch_shape(sgd).block, 256u);
-  EXPECT_EQ(mt::cuda_multi_tensor_launch(sgd, 9, 1).grid, 1u);
-  EXPECT_EQ(mt::cuda_multi_tensor_launch(sgd, 9, 257).grid, 2u);
-  EXPECT_EQ(mt::cuda_multi_tensor_launch(sgd, 9, int64_t{1} << 30).grid, 8192u);
+  auto pointwise_grid = [&](int64_t largest) {
+    mt::CudaSegmentTable table;
+    table.segments = 9;
+    table.largest = largest;
+    return mt::cuda_multi_tensor_launch(sgd, table).grid;
+  };
+  EXPECT_EQ(pointwise_grid(1), 1u);
+  EXPECT_EQ(pointwise_grid(257), 2u);
+  EXPECT_EQ(pointwise_grid(int64_t{1} << 30), 8192u);
   // Vectorized: 4 points a thread (f32 packs of 16 bytes), so 63 threads for [6, 42].
   mt::CudaLaunch packed = mt::cuda_launch_shape(vector_f16_chain());
   EXPECT_EQ(packed.grid, 1u);
   EXPECT_EQ(packed.block, 64u);
-  // A reduction: a block of 256 per segment, whatever the segments' sizes.
+  // A reduction: blocks of 256, one per 32768 elements of a segment (at least one), numbered
+  // in first_block (after count and starts); its workspace a word per block and a count per
+  // segment. 2 params, no scalars: 3 words a segment.
   kir::Kernel check = multi_tensor_inf_check();
-  EXPECT_EQ(mt::cuda_multi_tensor_launch(check, 9, int64_t{1} << 30).grid, 9u);
-  EXPECT_EQ(mt::cuda_multi_tensor_launch(check, 9, 0).block, 256u);
+  int64_t check_capacity = mt::cuda_multi_tensor_capacity(check);
+  EXPECT_EQ(check_capacity, (4096 / 8 - 3) / 4);
+  std::vector<int64_t> starts = {0};
+  for (int64_t extent : {int64_t{1}, int64_t{32768}, int64_t{32769}, int64_t{1} << 20, int64_t{0}})
+    starts.push_back(starts.back() + extent);
+  std::vector<uint64_t> pointers(10, 0);
+  std::vector<mt::CudaSegmentTable> tables =
+      mt::cuda_multi_tensor_tables(check, starts, pointers, {});
+  ASSERT_EQ(tables.size(), 1u);
+  EXPECT_EQ(tables[0].blocks, 1 + 1 + 2 + 32 + 1);
+  const uint64_t* first_block = tables[0].words.data() + 1 + check_capacity + 1;
+  EXPECT_EQ(std::vector<uint64_t>(first_block, first_block + 6),
+            (std::vector<uint64_t>{0, 1, 2, 4, 36, 37}));
+  mt::CudaLaunch reduction = mt::cuda_multi_tensor_launch(check, tables[0]);
+  EXPECT_EQ(reduction.grid, 37u);
+  EXPECT_EQ(reduction.block, 256u);
+  EXPECT_EQ(reduction.workspace_bytes, 8u * 37 + 4 * 5);
+  // No launch has more than 65535 blocks: segments of 2^30 take 32768 each, one a table.
+  std::vector<int64_t> huge = {0, int64_t{1} << 30, int64_t{2} << 30, int64_t{3} << 30};
+  tables = mt::cuda_multi_tensor_tables(check, huge, std::vector<uint64_t>(6, 0), {});
+  ASSERT_EQ(tables.size(), 3u);
+  for (const mt::CudaSegmentTable& table : tables) EXPECT_EQ(table.blocks, 32768);
 }
 
 // The device's arch when NVRTC has it, else PTX for the newest older one (a GPU newer than the
