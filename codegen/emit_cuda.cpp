@@ -141,13 +141,17 @@ constexpr int64_t max_reduction_grid = 65535;
 constexpr int64_t split_target_blocks = 512;
 constexpr int64_t split_min_points = 4096;
 constexpr int64_t multi_tensor_chunk_points = 32768;
+// A column reduction's blocks take 32 columns each and at least this many of their rows.
+constexpr int64_t column_min_rows = 1024;
 
 // How a kernel is spread over the GPU.
 enum class Shape : uint8_t {
-  pointwise,     // grid-stride loop over all points, one point per thread at a time
-  block_reduce,  // one block per outer point (or per chunk of one: Plan::chunks); the block's
-                 // threads share its inner points
-  thread_reduce  // one thread per outer point; the inner loop runs sequentially, as on the CPU
+  pointwise,      // grid-stride loop over all points, one point per thread at a time
+  block_reduce,   // one block per outer point (or per chunk of one: Plan::chunks); the block's
+                  // threads share its inner points
+  thread_reduce,  // one thread per outer point; the inner loop runs sequentially, as on the CPU
+  column_tiles    // a column reduction (kir::Kernel::column_reduction): a block per 32 columns
+                  // (or per chunk of their rows), a lane per column, the warps sharing the rows
 };
 
 struct Plan {
@@ -155,10 +159,12 @@ struct Plan {
   int64_t outer = 1, inner = 1;  // reductions: points outside and inside; pointwise: all in outer
   uint32_t block = warp_size;
   uint32_t grid = 1;
-  // block_reduce: blocks per outer point, each taking a chunk of `chunk_points` inner points.
-  // With more than one, each block leaves its partials in the workspace and the last block of
-  // an outer point to finish folds them in chunk order and runs the epilogue.
+  // block_reduce: blocks per outer point, each taking a chunk of `chunk_points` inner points;
+  // column_tiles: blocks per tile of columns, likewise. With more than one, each block leaves
+  // its partials in the workspace and the last block of an outer point (or tile) to finish
+  // folds them in chunk order and runs the epilogue.
   int64_t chunks = 1, chunk_points = 0;
+  int64_t columns = 0, tiles = 0;  // column_tiles: the column dim's extent; tiles in all
 };
 
 // How a split reduction's workspace is laid out: arrays of one 8-byte word per block (every
@@ -241,6 +247,23 @@ Plan plan(const kir::Kernel& k) {
     p.grid = clamp_grid((p.outer + p.block - 1) / p.block, max_pointwise_grid);
     return p;
   }
+  // Memory runs along the columns (a bias gradient): lanes take consecutive columns, so each
+  // warp's loads are contiguous. One pass only: a later pass would need every row's results.
+  if (!k.multi_tensor && k.pass_count() == 1 && k.column_reduction()) {
+    p.columns = k.dims[split - 1];
+    p.tiles = p.outer / p.columns * ((p.columns + warp_size - 1) / warp_size);
+    p.chunks = std::clamp<int64_t>(
+        std::min((p.inner + column_min_rows - 1) / column_min_rows, split_target_blocks / p.tiles),
+        1, max_reduction_grid);
+    if (p.tiles * p.chunks <= max_reduction_grid) {
+      p.shape = Shape::column_tiles;
+      p.chunk_points = (p.inner + p.chunks - 1) / p.chunks;
+      p.block = max_block;
+      p.grid = static_cast<uint32_t>(p.tiles * p.chunks);
+      return p;
+    }
+    p.chunks = 1;  // too many tiles for one grid: a block per outer point
+  }
   p.shape = Shape::block_reduce;
   uint32_t block = warp_size;
   while (block < max_block && block < p.inner) block *= 2;
@@ -273,9 +296,12 @@ Workspace workspace(const kir::Kernel& k, const Plan& p) {
   return w;
 }
 
-// The workspace bytes of a kernel split Plan::chunks ways (0 when it is not).
+// The workspace bytes of a kernel split Plan::chunks ways (0 when it is not): column tiles keep
+// a word per column of each block, and count arrivals per tile.
 int64_t split_workspace_bytes(const kir::Kernel& k, const Plan& p) {
   if (k.multi_tensor || p.chunks < 2) return 0;
+  if (p.shape == Shape::column_tiles)
+    return workspace(k, p).bytes(p.tiles * p.chunks * warp_size, p.tiles);
   return workspace(k, p).bytes(p.outer * p.chunks, p.outer);
 }
 
@@ -382,6 +408,9 @@ class Emitter {
       case Shape::thread_reduce:
         thread_reduce();
         break;
+      case Shape::column_tiles:
+        column_tiles();
+        break;
     }
     out_ += "}\n";
     return std::move(out_);
@@ -418,10 +447,11 @@ class Emitter {
   }
 
   void header() {
+    std::string per = plan_.chunks > 1 ? fmt::format("{} blocks per", plan_.chunks) : "a block per";
     std::string shape =
-        plan_.shape == Shape::pointwise ? "pointwise"
-        : plan_.chunks > 1 ? fmt::format("reduction, {} blocks per outer point", plan_.chunks)
-        : plan_.shape == Shape::block_reduce ? "reduction, a block per outer point"
+        plan_.shape == Shape::pointwise      ? "pointwise"
+        : plan_.shape == Shape::column_tiles ? "column reduction, " + per + " 32 columns"
+        : plan_.shape == Shape::block_reduce ? "reduction, " + per + " outer point"
                                              : "reduction, a thread per outer point";
     std::string dims;
     for (size_t d = 0; d < k_.dims.size(); ++d)
@@ -1043,6 +1073,91 @@ class Emitter {
     warp_tree(0);
     open("if (lane == 0)");
     line("arrivals[{}] = 0u;  // ready for the next launch", point);
+    epilogue();
+    close();
+    close();
+    close();
+  }
+
+  // Column tiles: block b takes 32 consecutive columns of one tile (lane l column l, those past
+  // the last column idle) and its chunk of their rows, which the warps share (warp w rows w,
+  // w + 8, ...), so each warp reads 32 neighbouring elements at a time. The warps' partials of
+  // each column fold in warp order through shared memory; with several chunks, each block's go
+  // to the workspace and the tile's last block to arrive folds them in chunk order, lane by
+  // lane. Every column's result is then the same whichever block came last.
+  void column_tiles() {
+    int split = k_.reduce_from, rank = static_cast<int>(k_.dims.size());
+    uint32_t warps = plan_.block / warp_size;
+    std::string chunks = integer(plan_.chunks);
+    int64_t tiles_per_row = (plan_.columns + warp_size - 1) / warp_size;
+    line("// Launched with exactly {} threads per block, {} blocks.", plan_.block, plan_.grid);
+    line("const long long inner_total = {}, chunk_points = {};", integer(plan_.inner),
+         integer(plan_.chunk_points));
+    line("const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;");
+    line("const long long tile = blockIdx.x / {}, chunk = blockIdx.x % {};", chunks, chunks);
+    line("const long long column = tile % {} * 32 + lane;", integer(tiles_per_row));
+    line("const bool active = column < {};", integer(plan_.columns));
+    line("const long long outer = tile / {} * {} + column;", integer(tiles_per_row),
+         integer(plan_.columns));
+    chunk_range();
+    coordinates("outer", 0, split);
+    declare_accumulators();
+    open("if (active)");
+    // A blockDim.x / 32 stride rather than the constant, as block_pass explains.
+    open("for (long long inner = chunk_begin + warp; inner < chunk_end; inner += blockDim.x / 32)");
+    coordinates("inner", split, rank);
+    values(k_.pass_body(0), "v");
+    stores(k_.pass_stores(0));
+    accumulate(0, "inner");
+    close();
+    close();
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      line("__shared__ {} partial{}[{}][32];", cuda_type(k_.reductions[r].type), r, warps);
+      line("partial{}[warp][lane] = acc{};", r, r);
+    }
+    line("__syncthreads();");
+    open("if (warp == 0)");
+    open(fmt::format("for (int w = 1; w < {}; ++w)", warps));
+    for (size_t r = 0; r < k_.reductions.size(); ++r)
+      merge(r, fmt::format("partial{}[w][lane]", r), "");
+    close();
+    if (plan_.chunks == 1) {
+      open("if (active)");
+      epilogue();
+      close();
+      close();
+      return;
+    }
+    Workspace w = workspace(k_, plan_);
+    std::string words = integer(plan_.tiles * plan_.chunks * warp_size);
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      std::string type = cuda_type(k_.reductions[r].type);
+      line("{}* const chunk_partial{} = reinterpret_cast<{}*>(workspace + {} * {});", type, r, type,
+           8 * w.partial[r], words);
+      line("chunk_partial{}[blockIdx.x * 32 + lane] = acc{};", r, r);
+    }
+    line("unsigned* const arrivals = reinterpret_cast<unsigned*>(workspace + {} * {});",
+         8 * w.arrays, words);
+    line("__threadfence();  // every lane's partials are visible before the count says so");
+    line("__syncwarp();");
+    line("int last = 0;");
+    line("if (lane == 0) last = atomicAdd(&arrivals[tile], 1u) + 1u == {}u;", plan_.chunks);
+    line("last = __shfl_sync(0xFFFFFFFFu, last, 0);");
+    open("if (last)");
+    line("__threadfence();");
+    for (size_t r = 0; r < k_.reductions.size(); ++r)
+      line("acc{} = {};", r, init(k_.reductions[r]));
+    open(fmt::format("for (long long c = 0; c < {}; ++c)", chunks));
+    line("const long long at = (tile * {} + c) * 32 + lane;", chunks);
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      line("const {} chunk{} = __ldcg(&chunk_partial{}[at]);", cuda_type(k_.reductions[r].type), r,
+           r);
+      line("chunk_partial{}[at] = 0;", r);
+      merge(r, fmt::format("chunk{}", r), "");
+    }
+    close();
+    line("if (lane == 0) arrivals[tile] = 0u;  // ready for the next launch");
+    open("if (active)");
     epilogue();
     close();
     close();

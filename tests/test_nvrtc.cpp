@@ -394,21 +394,24 @@ kir::Kernel row_max_and_sum() {
   return k;
 }
 
-// A bias gradient's column sums (and maxima) of a tall [20000, 6] bf16 matrix: few outer points
-// and many inner ones, so each column's rows are split across blocks whose partials the last
-// block to arrive folds (the workspace argument).
-kir::Kernel split_column_sum_and_max() {
+// Sums and maxima of 20000 bf16 values, over the rows of [3, 20000] (row = true: few outer points
+// and many inner ones, so each row is split across blocks whose partials the last block to
+// arrive folds through the workspace argument) or over the columns of a tall [20000, 6] matrix
+// (a bias gradient: a block per 32 columns, a lane per column, its rows split likewise).
+kir::Kernel sum_and_max(bool row) {
   kir::Kernel k;
-  k.name = "golden_split_column_sum_and_max";
-  k.dims = {6, 20000};
+  k.name = row ? "golden_split_row_sum_and_max" : "golden_column_sum_and_max";
+  k.dims = {row ? 3 : 6, 20000};
   k.reduce_from = 1;
   k.params = {{mt::bf16, false}, {mt::f32, true}, {mt::f32, true}};
-  k.body = {load(0, {1, 6})};
+  k.body = {load(0, row ? std::vector<int64_t>{20000, 1} : std::vector<int64_t>{1, 6})};
   k.reductions = {{kir::ReduceKind::Sum, Type::f32, 0}, {kir::ReduceKind::Max, Type::f32, 0}};
   k.epilogue = {special(Op::Accumulated, Type::f32, 0), special(Op::Accumulated, Type::f32, 1)};
   k.epilogue_stores = {{1, 0, kir::Affine{0, {1, 0}}}, {2, 1, kir::Affine{0, {1, 0}}}};
   return k;
 }
+kir::Kernel split_row_sum_and_max() { return sum_and_max(true); }
+kir::Kernel column_sum_and_max() { return sum_and_max(false); }
 
 // A column sum of [64, 5] bf16 values into a bf16 accumulator (every partial rounded), stored
 // as bf16: outer dim 5 (kept), inner dim 64 (reduced).
@@ -603,18 +606,22 @@ TEST(Golden, AllGoldenKernelsCompileInOneProgram) {
             mt::emit_cuda(multi_tensor_sgd_step()) + mt::emit_cuda(multi_tensor_inf_check()) +
             mt::emit_cuda(vector_f16_chain()) +
             mt::emit_cuda(vector_f16_chain({250}, "vector_f16_chain_with_tail")) +
-            mt::emit_cuda(split_column_sum_and_max());
+            mt::emit_cuda(split_row_sum_and_max()) + mt::emit_cuda(column_sum_and_max());
   std::string ptx = mt::compile_cuda(source, "compute_90", "golden.cu");
   for (const char* name :
        {"golden_bf16_broadcast_chain", "golden_row_max_and_sum", "golden_half_accumulator_sum",
         "golden_scalar_sgd_step", "two_inner_dims_sum", "golden_softmax_rows",
         "golden_multi_tensor_sgd_step", "golden_multi_tensor_inf_check", "golden_vector_f16_chain",
-        "vector_f16_chain_with_tail", "golden_split_column_sum_and_max"})
+        "vector_f16_chain_with_tail", "golden_split_row_sum_and_max", "golden_column_sum_and_max"})
     EXPECT_TRUE(has_kernel_entry(ptx, name)) << name;
-  // The split reduction asks for its workspace (6 columns x 5 chunks of 4000 rows: partial
-  // sums, maxima and their indices, 8 bytes each, then a 4-byte count per column).
-  EXPECT_EQ(mt::cuda_launch_shape(split_column_sum_and_max()).workspace_bytes, 3 * 8 * 30 + 4 * 6);
-  EXPECT_EQ(mt::cuda_launch_shape(split_column_sum_and_max()).grid, 30u);
+  // The split reductions ask for their workspaces. Rows: 3 rows x 5 chunks of 4000, a block
+  // each, with partial sums, maxima and their indices, 8 bytes each, then a 4-byte count per
+  // row. Columns: one tile of 6 columns in 20 chunks of 1000 rows, a word per lane of each block
+  // for sums and maxima, then one count.
+  EXPECT_EQ(mt::cuda_launch_shape(split_row_sum_and_max()).workspace_bytes, 3 * 8 * 15 + 4 * 3);
+  EXPECT_EQ(mt::cuda_launch_shape(split_row_sum_and_max()).grid, 15u);
+  EXPECT_EQ(mt::cuda_launch_shape(column_sum_and_max()).workspace_bytes, 2 * 8 * 20 * 32 + 4);
+  EXPECT_EQ(mt::cuda_launch_shape(column_sum_and_max()).grid, 20u);
   std::string ptxas = "/usr/local/cuda/bin/ptxas";
   if (std::filesystem::exists(ptxas)) {
     std::string ptx80 = mt::compile_cuda(source, "compute_80", "golden.cu");
@@ -663,7 +670,8 @@ INSTANTIATE_TEST_SUITE_P(
                       std::pair{"cuda_softmax_rows.cu", &softmax_rows},
                       std::pair{"cuda_multi_tensor_sgd_step.cu", &multi_tensor_sgd_step},
                       std::pair{"cuda_multi_tensor_inf_check.cu", &multi_tensor_inf_check},
-                      std::pair{"cuda_split_column_sum_and_max.cu", &split_column_sum_and_max},
+                      std::pair{"cuda_split_row_sum_and_max.cu", &split_row_sum_and_max},
+                      std::pair{"cuda_column_sum_and_max.cu", &column_sum_and_max},
                       std::pair{"cuda_vector_f16_chain.cu",
                                 static_cast<kir::Kernel (*)()>(&vector_f16_chain)}),
     [](const auto& info) {

@@ -1,20 +1,20 @@
 
-// mixtape kernel golden_split_column_sum_and_max: reduction, 5 blocks per outer point over [6, 20000], reduced from dim 1; launch 30 x 256 threads
-extern "C" __global__ void __launch_bounds__(256) golden_split_column_sum_and_max(
+// mixtape kernel golden_split_row_sum_and_max: reduction, 5 blocks per outer point over [3, 20000], reduced from dim 1; launch 15 x 256 threads
+extern "C" __global__ void __launch_bounds__(256) golden_split_row_sum_and_max(
     const unsigned short* __restrict__ p0,
     float* __restrict__ p1,
     float* __restrict__ p2,
     unsigned char* __restrict__ workspace) {
-  // Launched with exactly 256 threads per block, 30 blocks.
+  // Launched with exactly 256 threads per block, 15 blocks.
   const long long inner_total = 20000, chunk_points = 4000;
   const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   __shared__ float partial0[8];
   float* const chunk_partial0 = reinterpret_cast<float*>(workspace);
   __shared__ float partial1[8];
-  float* const chunk_partial1 = reinterpret_cast<float*>(workspace + 8 * 30);
+  float* const chunk_partial1 = reinterpret_cast<float*>(workspace + 8 * 15);
   __shared__ long long partial1_at[8];
-  long long* const chunk_partial1_at = reinterpret_cast<long long*>(workspace + 16 * 30);
-  unsigned* const arrivals = reinterpret_cast<unsigned*>(workspace + 24 * 30);
+  long long* const chunk_partial1_at = reinterpret_cast<long long*>(workspace + 16 * 15);
+  unsigned* const arrivals = reinterpret_cast<unsigned*>(workspace + 24 * 15);
   const long long outer = blockIdx.x / 5, chunk = blockIdx.x % 5;
   const long long chunk_begin = chunk * chunk_points;
   const long long chunk_end =
@@ -25,7 +25,7 @@ extern "C" __global__ void __launch_bounds__(256) golden_split_column_sum_and_ma
   long long acc1_at = 9223372036854775807LL;
   for (long long inner = chunk_begin + threadIdx.x; inner < chunk_end; inner += blockDim.x) {
     const long long i1 = inner;
-    const float v0 = mt_bf16_to_f32(p0[i0 + i1 * 6]);
+    const float v0 = mt_bf16_to_f32(p0[i0 * 20000 + i1]);
     acc0 = __fadd_rn(acc0, v0);
     mt_max_step_at(acc1, acc1_at, v0, inner);
   }
