@@ -177,9 +177,17 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
   const kir::Kernel& kernel = *step.kernel;
   if (!loaded.function) fail("CUDA kernel {} failed to compile earlier", kernel.name);
   size_t count = step.params.size();
-  std::vector<cuda::CUdeviceptr> pointers(count);
-  std::vector<Node*> outputs;
-  std::vector<std::shared_ptr<Storage>> values;
+  // Reused from launch to launch, as the CPU executor's: a replayed step is dozens of launches,
+  // each of which the host must queue before the GPU runs dry.
+  thread_local std::vector<cuda::CUdeviceptr> pointers;
+  thread_local std::vector<Node*> outputs;
+  thread_local std::vector<std::shared_ptr<Storage>> values;
+  thread_local std::vector<double> scalars;
+  thread_local std::vector<void*> args;
+  pointers.assign(count, 0);
+  outputs.clear();
+  values.clear();
+  scalars.clear();
   ExecutionStats& s = stats();
   for (size_t i = 0; i < count; ++i) {
     Node* node = sig.resolve(step.params[i], pending);
@@ -194,12 +202,11 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
       s.bytes_read += node->value->size_bytes();
     }
   }
-  std::vector<double> scalars;
   for (NodeRef ref : step.scalar_nodes) scalars.push_back(fill_value(*sig.resolve(ref, pending)));
   if (kernel.multi_tensor) {
     launch_multi_tensor(step, loaded, pointers, scalars);
   } else {
-    std::vector<void*> args;
+    args.clear();
     for (cuda::CUdeviceptr& pointer : pointers) args.push_back(&pointer);
     for (double& scalar : scalars) args.push_back(&scalar);
     cuda::CUdeviceptr workspace = loaded.workspace_for(loaded.launch.workspace_bytes);
@@ -208,6 +215,7 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
                  loaded.launch.shared_bytes, args.data());
   }
   for (size_t i = 0; i < outputs.size(); ++i) outputs[i]->value = std::move(values[i]);
+  values.clear();
   ++s.kernels;
   s.kernel_nodes += step.members;
 }
