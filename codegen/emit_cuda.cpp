@@ -993,7 +993,9 @@ class Emitter {
     line("// Launched with exactly {} threads per block, {} blocks.", plan_.block, plan_.grid);
     line("const long long inner_total = {}, chunk_points = {};", integer(plan_.inner),
          integer(plan_.chunk_points));
-    declare_chunk_partials(warps, integer(plan_.outer * plan_.chunks));
+    line("const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;");
+    declare_shared_partials(warps);
+    declare_workspace(integer(plan_.outer * plan_.chunks));
     line("const long long outer = blockIdx.x / {}, chunk = blockIdx.x % {};", chunks, chunks);
     chunk_range();
     coordinates("outer", 0, split);
@@ -1003,24 +1005,30 @@ class Emitter {
     fold_chunks("outer", "outer * " + chunks, chunks);
   }
 
-  // The shared partials of a block's warps and the workspace's arrays, for `blocks` blocks.
-  void declare_chunk_partials(uint32_t warps, const std::string& blocks) {
+  // The shared partials of a block's warps (one per lane of each with `per_lane`).
+  void declare_shared_partials(uint32_t warps, bool per_lane = false) {
+    std::string lanes = per_lane ? "[32]" : "";
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      line("__shared__ {} partial{}[{}]{};", cuda_type(k_.reductions[r].type), r, warps, lanes);
+      if (carries_index(k_.reductions[r], plan_))
+        line("__shared__ long long partial{}_at[{}]{};", r, warps, lanes);
+    }
+  }
+
+  // The workspace's arrays (Workspace), of `words` words each.
+  void declare_workspace(const std::string& words) {
     Workspace w = workspace(k_, plan_);
-    line("const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;");
     auto array = [&](int index) {
       return index == 0 ? std::string("workspace")
-                        : fmt::format("workspace + {} * {}", 8 * index, blocks);
+                        : fmt::format("workspace + {} * {}", 8 * index, words);
     };
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
       std::string type = cuda_type(k_.reductions[r].type);
-      line("__shared__ {} partial{}[{}];", type, r, warps);
       line("{}* const chunk_partial{} = reinterpret_cast<{}*>({});", type, r, type,
            array(w.partial[r]));
-      if (w.at[r] >= 0) {
-        line("__shared__ long long partial{}_at[{}];", r, warps);
+      if (w.at[r] >= 0)
         line("long long* const chunk_partial{}_at = reinterpret_cast<long long*>({});", r,
              array(w.at[r]));
-      }
     }
     line("unsigned* const arrivals = reinterpret_cast<unsigned*>({});", array(w.arrays));
   }
@@ -1033,23 +1041,28 @@ class Emitter {
         "    chunk_begin + chunk_points < inner_total ? chunk_begin + chunk_points : inner_total;");
   }
 
-  // A block of a split reduction, after fold_partials (inside its `if (warp == 0)`, lane 0
-  // holding the block's result): the result goes to the workspace, and the block that finds
-  // itself the last of `point`'s `chunks` blocks to arrive folds their partials (from block
-  // `first` on) in chunk order: lane l takes chunks l, l + 32, ..., then the warp tree, so the
-  // result does not depend on which block came last. It runs the epilogue and zeroes what it
-  // read, leaving the workspace as the next launch needs it.
-  void fold_chunks(const std::string& point, const std::string& first, const std::string& chunks) {
+  // A block of a split reduction, inside warp 0 once it holds the block's result (in lane 0;
+  // with `per_lane`, each lane its column's): the result goes to the workspace, and the block
+  // that finds itself the last of `point`'s `chunks` blocks to arrive folds their partials (from
+  // block `first` on) in chunk order: lane l takes chunks l, l + 32, ..., then the warp tree
+  // (per lane: every chunk of its own column in turn), so the result does not depend on which
+  // block came last. It runs the epilogue and zeroes what it read, leaving the workspace as the
+  // next launch needs it.
+  void fold_chunks(const std::string& point, const std::string& first, const std::string& chunks,
+                   bool per_lane = false) {
     Workspace w = workspace(k_, plan_);
+    std::string slot = per_lane ? "blockIdx.x * 32 + lane" : "blockIdx.x";
     line("int last = 0;");
-    open("if (lane == 0)");
+    if (!per_lane) open("if (lane == 0)");
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
-      line("chunk_partial{}[blockIdx.x] = acc{};", r, r);
-      if (w.at[r] >= 0) line("chunk_partial{}_at[blockIdx.x] = acc{}_at;", r, r);
+      line("chunk_partial{}[{}] = acc{};", r, slot, r);
+      if (w.at[r] >= 0) line("chunk_partial{}_at[{}] = acc{}_at;", r, slot, r);
     }
     line("__threadfence();  // the partials are visible before the count says so");
-    line("last = atomicAdd(&arrivals[{}], 1u) + 1u == static_cast<unsigned>({});", point, chunks);
-    close();
+    if (per_lane) line("__syncwarp();  // every lane's, before lane 0 counts the block");
+    line("{}last = atomicAdd(&arrivals[{}], 1u) + 1u == static_cast<unsigned>({});",
+         per_lane ? "if (lane == 0) " : "", point, chunks);
+    if (!per_lane) close();
     line("last = __shfl_sync(0xFFFFFFFFu, last, 0);");
     open("if (last)");
     line("__threadfence();");
@@ -1057,8 +1070,13 @@ class Emitter {
       line("acc{} = {};", r, init(k_.reductions[r]));
       if (w.at[r] >= 0) line("acc{}_at = 9223372036854775807LL;", r);
     }
-    open(fmt::format("for (long long c = lane; c < {}; c += 32)", chunks));
-    line("const long long at = {} + c;", first);
+    if (per_lane) {
+      open(fmt::format("for (long long c = 0; c < {}; ++c)", chunks));
+      line("const long long at = ({} + c) * 32 + lane;", first);
+    } else {
+      open(fmt::format("for (long long c = lane; c < {}; c += 32)", chunks));
+      line("const long long at = {} + c;", first);
+    }
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
       line("const {} chunk{} = __ldcg(&chunk_partial{}[at]);", cuda_type(k_.reductions[r].type), r,
            r);
@@ -1070,9 +1088,14 @@ class Emitter {
       merge(r, fmt::format("chunk{}", r), fmt::format("chunk{}_at", r));
     }
     close();
-    warp_tree(0);
-    open("if (lane == 0)");
-    line("arrivals[{}] = 0u;  // ready for the next launch", point);
+    if (per_lane) {
+      line("if (lane == 0) arrivals[{}] = 0u;  // ready for the next launch", point);
+      open("if (active)");
+    } else {
+      warp_tree(0);
+      open("if (lane == 0)");
+      line("arrivals[{}] = 0u;  // ready for the next launch", point);
+    }
     epilogue();
     close();
     close();
@@ -1111,10 +1134,8 @@ class Emitter {
     accumulate(0, "inner");
     close();
     close();
-    for (size_t r = 0; r < k_.reductions.size(); ++r) {
-      line("__shared__ {} partial{}[{}][32];", cuda_type(k_.reductions[r].type), r, warps);
-      line("partial{}[warp][lane] = acc{};", r, r);
-    }
+    declare_shared_partials(warps, true);
+    for (size_t r = 0; r < k_.reductions.size(); ++r) line("partial{}[warp][lane] = acc{};", r, r);
     line("__syncthreads();");
     open("if (warp == 0)");
     open(fmt::format("for (int w = 1; w < {}; ++w)", warps));
@@ -1128,40 +1149,8 @@ class Emitter {
       close();
       return;
     }
-    Workspace w = workspace(k_, plan_);
-    std::string words = integer(plan_.tiles * plan_.chunks * warp_size);
-    for (size_t r = 0; r < k_.reductions.size(); ++r) {
-      std::string type = cuda_type(k_.reductions[r].type);
-      line("{}* const chunk_partial{} = reinterpret_cast<{}*>(workspace + {} * {});", type, r, type,
-           8 * w.partial[r], words);
-      line("chunk_partial{}[blockIdx.x * 32 + lane] = acc{};", r, r);
-    }
-    line("unsigned* const arrivals = reinterpret_cast<unsigned*>(workspace + {} * {});",
-         8 * w.arrays, words);
-    line("__threadfence();  // every lane's partials are visible before the count says so");
-    line("__syncwarp();");
-    line("int last = 0;");
-    line("if (lane == 0) last = atomicAdd(&arrivals[tile], 1u) + 1u == {}u;", plan_.chunks);
-    line("last = __shfl_sync(0xFFFFFFFFu, last, 0);");
-    open("if (last)");
-    line("__threadfence();");
-    for (size_t r = 0; r < k_.reductions.size(); ++r)
-      line("acc{} = {};", r, init(k_.reductions[r]));
-    open(fmt::format("for (long long c = 0; c < {}; ++c)", chunks));
-    line("const long long at = (tile * {} + c) * 32 + lane;", chunks);
-    for (size_t r = 0; r < k_.reductions.size(); ++r) {
-      line("const {} chunk{} = __ldcg(&chunk_partial{}[at]);", cuda_type(k_.reductions[r].type), r,
-           r);
-      line("chunk_partial{}[at] = 0;", r);
-      merge(r, fmt::format("chunk{}", r), "");
-    }
-    close();
-    line("if (lane == 0) arrivals[tile] = 0u;  // ready for the next launch");
-    open("if (active)");
-    epilogue();
-    close();
-    close();
-    close();
+    declare_workspace(integer(plan_.tiles * plan_.chunks * warp_size));
+    fold_chunks("tile", "tile * " + chunks, chunks, true);
   }
 
   // A multi-tensor reduction: segment s has the blocks [first_block[s], first_block[s + 1]),
@@ -1171,7 +1160,9 @@ class Emitter {
     line("// Launched with exactly {} threads per block, table.first_block[table.count] blocks.",
          plan_.block);
     line("const long long blocks = table.first_block[table.count];");
-    declare_chunk_partials(warps, "blocks");
+    line("const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;");
+    declare_shared_partials(warps);
+    declare_workspace("blocks");
     line("long long seg = 0;");
     line("while (table.first_block[seg + 1] <= blockIdx.x) ++seg;");
     line("const long long chunks = table.first_block[seg + 1] - table.first_block[seg];");

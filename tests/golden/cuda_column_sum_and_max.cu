@@ -27,8 +27,8 @@ extern "C" __global__ void __launch_bounds__(256) golden_column_sum_and_max(
     }
   }
   __shared__ float partial0[8][32];
-  partial0[warp][lane] = acc0;
   __shared__ float partial1[8][32];
+  partial0[warp][lane] = acc0;
   partial1[warp][lane] = acc1;
   __syncthreads();
   if (warp == 0) {
@@ -36,15 +36,15 @@ extern "C" __global__ void __launch_bounds__(256) golden_column_sum_and_max(
       acc0 = __fadd_rn(acc0, partial0[w][lane]);
       acc1 = mt_max_step(acc1, partial1[w][lane]);
     }
-    float* const chunk_partial0 = reinterpret_cast<float*>(workspace + 0 * 640);
-    chunk_partial0[blockIdx.x * 32 + lane] = acc0;
+    float* const chunk_partial0 = reinterpret_cast<float*>(workspace);
     float* const chunk_partial1 = reinterpret_cast<float*>(workspace + 8 * 640);
-    chunk_partial1[blockIdx.x * 32 + lane] = acc1;
     unsigned* const arrivals = reinterpret_cast<unsigned*>(workspace + 16 * 640);
-    __threadfence();  // every lane's partials are visible before the count says so
-    __syncwarp();
     int last = 0;
-    if (lane == 0) last = atomicAdd(&arrivals[tile], 1u) + 1u == 20u;
+    chunk_partial0[blockIdx.x * 32 + lane] = acc0;
+    chunk_partial1[blockIdx.x * 32 + lane] = acc1;
+    __threadfence();  // the partials are visible before the count says so
+    __syncwarp();  // every lane's, before lane 0 counts the block
+    if (lane == 0) last = atomicAdd(&arrivals[tile], 1u) + 1u == static_cast<unsigned>(20);
     last = __shfl_sync(0xFFFFFFFFu, last, 0);
     if (last) {
       __threadfence();

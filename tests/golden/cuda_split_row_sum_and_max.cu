@@ -9,10 +9,10 @@ extern "C" __global__ void __launch_bounds__(256) golden_split_row_sum_and_max(
   const long long inner_total = 20000, chunk_points = 4000;
   const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   __shared__ float partial0[8];
-  float* const chunk_partial0 = reinterpret_cast<float*>(workspace);
   __shared__ float partial1[8];
-  float* const chunk_partial1 = reinterpret_cast<float*>(workspace + 8 * 15);
   __shared__ long long partial1_at[8];
+  float* const chunk_partial0 = reinterpret_cast<float*>(workspace);
+  float* const chunk_partial1 = reinterpret_cast<float*>(workspace + 8 * 15);
   long long* const chunk_partial1_at = reinterpret_cast<long long*>(workspace + 16 * 15);
   unsigned* const arrivals = reinterpret_cast<unsigned*>(workspace + 24 * 15);
   const long long outer = blockIdx.x / 5, chunk = blockIdx.x % 5;
