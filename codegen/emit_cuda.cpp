@@ -249,7 +249,7 @@ Plan plan(const kir::Kernel& k) {
   }
   // Memory runs along the columns (a bias gradient): lanes take consecutive columns, so each
   // warp's loads are contiguous. One pass only: a later pass would need every row's results.
-  if (!k.multi_tensor && k.pass_count() == 1 && k.column_reduction()) {
+  if (!k.multi_tensor && k.pass_count() == 1 && k.column_reduction() && p.outer > 0) {
     p.columns = k.dims[split - 1];
     p.tiles = p.outer / p.columns * ((p.columns + warp_size - 1) / warp_size);
     p.chunks = std::clamp<int64_t>(
@@ -270,7 +270,7 @@ Plan plan(const kir::Kernel& k) {
   p.block = block;
   p.grid = clamp_grid(p.outer, max_reduction_grid);
   // A later pass reads the whole row's results, which a block of one chunk does not have.
-  if (k.multi_tensor || k.pass_count() != 1) return p;
+  if (k.multi_tensor || k.pass_count() != 1 || p.outer == 0) return p;
   int64_t chunks =
       std::min((p.inner + split_min_points - 1) / split_min_points, split_target_blocks / p.outer);
   if (chunks < 2) return p;

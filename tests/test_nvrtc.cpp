@@ -736,6 +736,16 @@ TEST(CudaLaunch, ShapesFollowTheKernel) {
   EXPECT_EQ(reduction.grid, 37u);
   EXPECT_EQ(reduction.block, 256u);
   EXPECT_EQ(reduction.workspace_bytes, 8u * 37 + 4 * 5);
+  // Reductions with no outer points (a sum over the rows of a [0, 20000] tensor) are neither
+  // split nor tiled: one block with nothing to do, no workspace.
+  for (bool row : {true, false}) {
+    kir::Kernel none = sum_and_max(row);
+    none.dims[0] = 0;
+    mt::CudaLaunch shape = mt::cuda_launch_shape(none);
+    EXPECT_EQ(shape.grid, 1u) << row;
+    EXPECT_EQ(shape.workspace_bytes, 0u) << row;
+    EXPECT_NE(mt::emit_cuda(none).find("outer_total = 0"), std::string::npos) << row;
+  }
   // No launch has more than 65535 blocks: segments of 2^30 take 32768 each, one a table.
   std::vector<int64_t> huge = {0, int64_t{1} << 30, int64_t{2} << 30, int64_t{3} << 30};
   tables = mt::cuda_multi_tensor_tables(check, huge, std::vector<uint64_t>(6, 0), {});
