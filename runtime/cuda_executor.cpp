@@ -274,10 +274,11 @@ void run_matmul(Node& node) {
 }
 
 // MIXTAPE_LOG=profile's device timer: events recorded on the compute stream, reused from one
-// evaluation to the next (run_program calls these from the one thread that runs it).
+// evaluation to the next (run_program calls these from the one thread that runs it). Never
+// destroyed, as the allocator is not: the driver may be gone by the time statics are.
 std::vector<std::unique_ptr<cuda::Event>>& timing_events() {
-  static std::vector<std::unique_ptr<cuda::Event>> events;
-  return events;
+  static auto* events = new std::vector<std::unique_ptr<cuda::Event>>;
+  return *events;
 }
 size_t marks_made = 0;
 
