@@ -283,6 +283,7 @@ Plan plan(const kir::Kernel& k) {
 
 bool is_float(Type type) { return type == Type::f32 || type == Type::f64; }
 
+// Max reductions of floats that a block's threads split carry the index of the value they keep.
 bool carries_index(const kir::Reduction& red, const Plan& p) {
   return p.shape == Shape::block_reduce && red.kind == kir::ReduceKind::Max && is_float(red.type);
 }
@@ -687,9 +688,6 @@ class Emitter {
     return is_float(red.type) ? neg_infinity(red.type)
                               : integer(std::numeric_limits<int64_t>::min());
   }
-
-  // Max reductions of floats split across threads carry the index of the value they keep
-  // (carries_index above).
 
   void declare_accumulators() {
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
