@@ -136,6 +136,12 @@ class Generator {
     seed_ = seed;
     offset_ = 0;
   }
+  /// Restores a saved (seed(), offset()) pair, e.g. from a checkpoint: the streams go on exactly
+  /// where they were.
+  void set_state(uint64_t seed, uint64_t offset) {
+    seed_ = seed;
+    offset_ = offset;
+  }
   /// Reserves `count` counters and returns the first.
   uint64_t advance(uint64_t count) {
     uint64_t first = offset_;
