@@ -12,15 +12,23 @@
 namespace mixtape {
 namespace {
 
-// A positive value the f32 scale can hold: rounding must keep it finite and non-zero.
+// The scale is kept in f32 and unscaling multiplies by its reciprocal in f32, so both must be
+// finite and non-zero: the scale stays within the normal f32 range, [2^-126, FLT_MAX]. Below it,
+// 1/scale overflows to inf (2^-128 after 144 halvings from 2^16) and would poison every update.
+constexpr double kSafeMinScale = std::numeric_limits<float>::min();
+constexpr double kSafeMaxScale = std::numeric_limits<float>::max();
+
+// A value the f32 scale can hold safely: rounded to f32 it stays a normal number.
 bool fits_f32_scale(double value) {
-  return value > 0 && std::isfinite(value) && std::isfinite(static_cast<float>(value)) &&
-         static_cast<float>(value) > 0;
+  if (!(value > 0) || !std::isfinite(value)) return false;
+  float rounded = static_cast<float>(value);
+  return std::isfinite(rounded) && rounded >= static_cast<float>(kSafeMinScale);
 }
 
 void check_options(const GradScalerOptions& o, const char* who, bool check_init) {
   if (check_init && !fits_f32_scale(o.init_scale))
-    fail("{}: init_scale must be positive and finite in f32, got {}", who, o.init_scale);
+    fail("{}: init_scale must be a normal f32 value in [2^-126, 3.4e38], got {}", who,
+         o.init_scale);
   if (!(o.growth_factor > 1) || !std::isfinite(o.growth_factor))
     fail("{}: growth_factor must be finite and > 1, got {}", who, o.growth_factor);
   if (!(o.backoff_factor > 0 && o.backoff_factor < 1))
@@ -29,9 +37,9 @@ void check_options(const GradScalerOptions& o, const char* who, bool check_init)
     fail("{}: growth_interval must be in [1, 2^31 - 1] (the tracker is i32), got {}", who,
          o.growth_interval);
   if (o.min_scale && !fits_f32_scale(*o.min_scale))
-    fail("{}: min_scale must be positive and finite in f32, got {}", who, *o.min_scale);
+    fail("{}: min_scale must be a normal f32 value in [2^-126, 3.4e38], got {}", who, *o.min_scale);
   if (o.max_scale && !fits_f32_scale(*o.max_scale))
-    fail("{}: max_scale must be positive and finite in f32, got {}", who, *o.max_scale);
+    fail("{}: max_scale must be a normal f32 value in [2^-126, 3.4e38], got {}", who, *o.max_scale);
   if (o.min_scale && o.max_scale && *o.min_scale > *o.max_scale)
     fail("{}: min_scale ({}) must not exceed max_scale ({})", who, *o.min_scale, *o.max_scale);
   if (check_init && ((o.min_scale && o.init_scale < *o.min_scale) ||
@@ -104,13 +112,16 @@ void GradScaler::unscale_(Optimizer& optimizer) {
   for (const Tensor& p : optimizer.params()) {
     Tensor g = p.grad();
     if (!g.defined()) continue;
-    // g - g is exactly 0 for every finite value and NaN for inf and NaN, so one sum per gradient
-    // carries the flag, and the partial sums combine by addition.
-    Tensor partial = cast(sum(g - g), f32);
-    nan_if_bad = nan_if_bad.defined() ? nan_if_bad + partial : partial;
     // As PyTorch's kernel: half gradients are unscaled in f32 and rounded back.
     Tensor unscaled = is_half(g.dtype()) ? cast(cast(g, f32) * inv_scale, g.dtype())
                                          : g * cast(inv_scale, g.dtype());
+    // The check runs on what the optimizer will apply, the unscaled gradients, as PyTorch's
+    // _amp_foreach_non_finite_check_and_unscale_ does: a finite scaled gradient can still
+    // overflow when unscaled, and no update with a non-finite value may reach the weights.
+    // u - u is exactly 0 for every finite value and NaN for inf and NaN, so one sum per gradient
+    // carries the flag, and the partial sums combine by addition.
+    Tensor partial = cast(sum(unscaled - unscaled), f32);
+    nan_if_bad = nan_if_bad.defined() ? nan_if_bad + partial : partial;
     Tensor handle = p;
     handle.set_grad(unscaled);
   }
@@ -162,7 +173,9 @@ void GradScaler::update() {
     Tensor zero = zeros({}, i32);
     Tensor scale =
         where(found, backed_off, where(grow, where(grown_is_finite, grown, scale_), scale_));
-    if (options_.min_scale) scale = maximum(scale, full({}, *options_.min_scale, f32));
+    // The user's bounds, else the safe range: the scale never backs off into the subnormals,
+    // where its reciprocal overflows.
+    scale = maximum(scale, full({}, options_.min_scale.value_or(kSafeMinScale), f32));
     if (options_.max_scale) scale = minimum(scale, full({}, *options_.max_scale, f32));
     tracker_ = where(found, zero, where(grow, zero, successful));
     scale_ = scale;
@@ -174,7 +187,8 @@ void GradScaler::update() {
 void GradScaler::update(double new_scale) {
   if (!options_.enabled) return;
   if (!fits_f32_scale(new_scale))
-    fail("GradScaler.update: the new scale must be positive and finite in f32, got {}", new_scale);
+    fail("GradScaler.update: the new scale must be a normal f32 value in [2^-126, 3.4e38], got {}",
+         new_scale);
   if ((options_.min_scale && new_scale < *options_.min_scale) ||
       (options_.max_scale && new_scale > *options_.max_scale))
     fail("GradScaler.update: the new scale {} lies outside [min_scale, max_scale]", new_scale);
@@ -289,9 +303,13 @@ void GradScaler::load_state_dict(const NamedTensors& state) {
   next.max_scale = get("max_scale");
   check_options(next, who, false);
   double scale = *get("scale"), tracker = *get("growth_tracker");
-  // A scale that backed off to zero is what PyTorch would save too, so zero is accepted.
-  if (!(scale >= 0) || !std::isfinite(static_cast<float>(scale)))
-    fail("{}: the scale must be finite and >= 0 in f32, got {}", who, scale);
+  // PyTorch would save a scale that backed off to zero, but resuming from it applies
+  // 1/0 = inf to every gradient: a zero or subnormal scale cannot be right.
+  if (!fits_f32_scale(scale))
+    fail(
+        "{}: the scale must be a normal f32 value in [2^-126, 3.4e38] (not zero, subnormal, "
+        "negative or non-finite), got {}",
+        who, scale);
   if ((next.min_scale && scale < *next.min_scale) || (next.max_scale && scale > *next.max_scale))
     fail("{}: the scale {} lies outside [min_scale, max_scale]", who, scale);
   if (tracker != std::floor(tracker) || tracker < 0 ||

@@ -20,7 +20,9 @@ struct GradScalerOptions {
   /// false: every call is a pass-through (scale 1, plain optimizer steps), as PyTorch's flag.
   bool enabled = true;
   /// Bounds for the scale after each update (our extension; PyTorch has none). init_scale must
-  /// lie within them.
+  /// lie within them. Unset, the scale is still kept a normal f32 value (>= 2^-126), so that its
+  /// reciprocal stays finite: every scale (init, bounds, update(new_scale), a loaded one) must be
+  /// a normal f32 value in [2^-126, 3.4e38].
   std::optional<double> min_scale = std::nullopt;
   std::optional<double> max_scale = std::nullopt;
   /// false: a static scale that never changes; non-finite steps are still skipped.
@@ -48,9 +50,10 @@ class GradScaler {
   /// loss * scale, in f32 (or f64 for an f64 loss). A disabled scaler returns `loss` itself.
   Tensor scale(const Tensor& loss);
   /// Divides the gradients of every parameter of `optimizer` by the scale (the inverse is
-  /// computed in f64 and rounded to f32, as PyTorch does) and records whether any of them holds
-  /// an inf or NaN. Clipping after it sees true gradients. At most once per optimizer between
-  /// update() calls, and not after step().
+  /// computed in f64 and rounded to f32, as PyTorch does) and records whether any of the
+  /// unscaled gradients holds an inf or NaN (as PyTorch, the check runs after unscaling, so a
+  /// value that overflows only when unscaled is caught too). Clipping after it sees true
+  /// gradients. At most once per optimizer between update() calls, and not after step().
   void unscale_(Optimizer& optimizer);
   /// unscale_ (unless done), then optimizer.step_unless(found inf). At most once per optimizer
   /// between update() calls; the optimizer must have gradients.
@@ -60,7 +63,8 @@ class GradScaler {
   /// inf/NaN the scale is multiplied by backoff_factor and the tracker reset; otherwise the
   /// tracker counts up and at growth_interval the scale is multiplied by growth_factor (unless
   /// that overflows f32) and the tracker reset. Then the scale is clamped into
-  /// [min_scale, max_scale] when those are set (our extension). A static scaler keeps both.
+  /// [min_scale, max_scale] when those are set (our extension), and never below 2^-126 when
+  /// min_scale is not. A static scaler keeps both.
   void update();
   /// Sets the scale to `new_scale` (as PyTorch's update(new_scale)); the tracker is kept.
   void update(double new_scale);
