@@ -6,6 +6,7 @@
 #include "autograd/grad.h"
 #include "autograd/vjp.h"
 #include "dsl/ops.h"
+#include "dsl/orphan_parameters.h"
 
 namespace mixtape {
 namespace {
@@ -144,7 +145,7 @@ Tensor seed_for(const Tensor& output, const Tensor& grad, const char* op, const 
 
 }  // namespace
 
-void Tensor::backward(const Tensor& grad, const Loc& loc) const {
+void Tensor::backward(const Tensor& grad, bool retain_graph, const Loc& loc) const {
   if (!defined()) op_fail("backward", loc, "called on an undefined tensor");
   if (!requires_grad())
     op_fail("backward", loc,
@@ -152,11 +153,28 @@ void Tensor::backward(const Tensor& grad, const Loc& loc) const {
             "marked with requires_grad_() (or it was built under no_grad)");
   Tensor seed = seed_for(*this, grad, "backward", loc);
   auto grads = backpropagate({node()}, {seed}, false);
+  // The graph is lazy and outlives a backward pass, so a second walk through it would add every
+  // gradient again. Checked before any gradient is accumulated, so an error changes nothing.
+  std::vector<Node*> walked;
+  for (const auto& [node, g] : grads) {
+    if (op_info(node->op).kind == OpKind::Leaf) continue;
+    if (node->backward_done)
+      op_fail("backward", loc,
+              "a second backward() through the same graph (its {} node from {} was already "
+              "walked by an earlier backward(), and would add its gradients again); pass "
+              "retain_graph = true to the earlier call to walk it twice, or build the graph "
+              "again",
+              op_name(node->op), short_location(node->location));
+    walked.push_back(const_cast<Node*>(node));
+  }
+  if (!retain_graph)
+    for (Node* node : walked) node->backward_done = true;
   for (auto& [node, g] : grads) {
     if (op_info(node->op).kind != OpKind::Leaf) continue;
     std::shared_ptr<TensorImpl> owner = node->grad_owner.lock();
     if (!owner || owner->node.get() != node) continue;
     owner->grad = owner->grad ? (Tensor(owner->grad) + g).node() : g.node();
+    note_gradient(owner);
   }
 }
 

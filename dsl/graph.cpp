@@ -48,6 +48,8 @@ int op_count() { return static_cast<int>(std::size(kOpInfo)); }
 
 NodePtr make_node(OpCode op, DType dtype, Shape shape, std::vector<NodePtr> inputs, Attrs attrs,
                   const Loc& loc) {
+  // Every size computed later (buffers, strides, kernel loops) is exact once these hold.
+  check_shape_size(op_name(op), shape, dtype, loc);
   auto node = std::make_shared<Node>();
   node->op = op;
   node->dtype = dtype;
@@ -75,6 +77,32 @@ NodePtr make_node(OpCode op, DType dtype, Shape shape, std::vector<NodePtr> inpu
   if (tracer) [[unlikely]]
     tracer->node_made(node);
   return node;
+}
+
+void check_shape_size(const char* op, const Shape& shape, DType dtype, const Loc& loc) {
+  std::optional<int64_t> count = checked_numel(shape);
+  if (!count)
+    op_fail(op, loc, "shape {} has a negative dimension or more elements than a 64-bit count holds",
+            to_string(shape));
+  if (*count > max_tensor_bytes / static_cast<int64_t>(size_of(dtype)))
+    op_fail(op, loc,
+            "a {} tensor of shape {} would span {} elements of {} bytes, more than the 2^60 bytes "
+            "one tensor may take",
+            name(dtype), to_string(shape), *count, size_of(dtype));
+}
+
+std::shared_ptr<Storage> allocate_value(const Node& node, DType dtype, int64_t count,
+                                        bool uninitialized) {
+  try {
+    return uninitialized ? std::make_shared<Storage>(dtype, count, Storage::Uninitialized{})
+                         : std::make_shared<Storage>(dtype, count);
+  } catch (const Error& e) {
+    std::string where = short_location(node.location);
+    if (!node.module_path.empty())
+      where = fmt::format("module '{}', at {}", node.module_path, where);
+    fail("{}: cannot hold its {} value of shape {}: {} [{}]", op_name(node.op), name(dtype),
+         to_string(node.shape), e.what(), where);
+  }
 }
 
 TraceObserver* trace_observer() { return tracer; }

@@ -13,9 +13,21 @@ namespace mixtape {
 using Loc = std::source_location;
 
 /// Creates a node; fills id, requires_grad, module path and call site. Shapes and dtypes must
-/// already be checked by the caller (the op builders).
+/// already be checked by the caller (the op builders); this checks only that the element count
+/// and byte size are representable (mt::Error naming the op and the shape).
 NodePtr make_node(OpCode op, DType dtype, Shape shape, std::vector<NodePtr> inputs, Attrs attrs,
                   const Loc& loc);
+
+/// mt::Error "op: ..." unless every dimension of `shape` is >= 0 and its element count and byte
+/// size in `dtype` are representable (at most 2^60 bytes): make_node checks every node so, and
+/// builders that take a shape from the user call it first to report the user's op.
+void check_shape_size(const char* op, const Shape& shape, DType dtype, const Loc& loc);
+
+/// A host buffer of `count` elements of `dtype` for the value of `node` (zeros, or uninitialized
+/// for a value about to be written whole). A failed allocation, or one past the memory limit,
+/// is an mt::Error naming the node's op, shape and call site and the bytes asked for.
+std::shared_ptr<Storage> allocate_value(const Node& node, DType dtype, int64_t count,
+                                        bool uninitialized);
 
 /// Throws mt::Error "op: detail [module 'path', at file:line]" with the user's call site.
 [[noreturn]] void op_error(const char* op, const Loc& loc, const std::string& detail);

@@ -1,12 +1,18 @@
 // dsl/host_memory.cpp -- the cache of freed host blocks behind every Storage.
 #include "dsl/host_memory.h"
 
+#include <atomic>
 #include <bit>
+#include <cerrno>
 #include <cstdlib>
+#include <limits>
 #include <mutex>
 #include <new>
+#include <string>
 #include <unordered_map>
 #include <vector>
+
+#include "dsl/error.h"
 
 namespace mixtape {
 namespace {
@@ -37,41 +43,134 @@ Cache& cache() {
   return *c;
 }
 
+std::atomic<int64_t>& limit() {
+  static std::atomic<int64_t> bytes = [] {
+    const char* env = std::getenv("MIXTAPE_MAX_MEMORY");
+    return env && *env ? parse_byte_size(env, "MIXTAPE_MAX_MEMORY") : int64_t{0};
+  }();
+  return bytes;
+}
+
+std::string human_bytes(double bytes) {
+  const char* units[] = {"bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
+  int unit = 0;
+  while (bytes >= 1024 && unit < 6) {
+    bytes /= 1024;
+    ++unit;
+  }
+  return unit == 0 ? fmt::format("{} bytes", bytes) : fmt::format("{:.1f} {}", bytes, units[unit]);
+}
+
+void free_cached(Cache& c) {
+  for (auto& [size, blocks] : c.free_blocks)
+    for (void* block : blocks) std::free(block);
+  c.free_blocks.clear();
+  c.stats.cached_bytes = 0;
+}
+
+// Under the cache's lock: room for `size` more bytes within the limit, giving the cached
+// blocks back first if that makes room.
+void reserve(Cache& c, size_t size, size_t asked) {
+  int64_t cap = limit().load(std::memory_order_relaxed);
+  if (cap <= 0) return;
+  auto fits = [&] {
+    return static_cast<double>(c.stats.live_bytes) + static_cast<double>(c.stats.cached_bytes) +
+               static_cast<double>(size) <=
+           static_cast<double>(cap);
+  };
+  if (!fits()) free_cached(c);
+  if (!fits())
+    fail(
+        "out of memory: {} asked for, but values already hold {} of the {} memory limit "
+        "(MIXTAPE_MAX_MEMORY / mt::set_memory_limit)",
+        human_bytes(static_cast<double>(asked)),
+        human_bytes(static_cast<double>(c.stats.live_bytes)),
+        human_bytes(static_cast<double>(cap)));
+}
+
 }  // namespace
 
+int64_t parse_byte_size(const char* text, const char* what) {
+  std::string s = text;
+  size_t digits = 0;
+  while (digits < s.size() && s[digits] >= '0' && s[digits] <= '9') ++digits;
+  std::string suffix = s.substr(digits);
+  int shift = suffix.empty() || suffix == "B"                      ? 0
+              : suffix == "K" || suffix == "KB" || suffix == "KiB" ? 10
+              : suffix == "M" || suffix == "MB" || suffix == "MiB" ? 20
+              : suffix == "G" || suffix == "GB" || suffix == "GiB" ? 30
+              : suffix == "T" || suffix == "TB" || suffix == "TiB" ? 40
+                                                                   : -1;
+  errno = 0;
+  unsigned long long number = digits ? std::strtoull(s.substr(0, digits).c_str(), nullptr, 10) : 0;
+  if (digits == 0 || shift < 0 || errno == ERANGE ||
+      number > (static_cast<unsigned long long>(std::numeric_limits<int64_t>::max()) >> shift))
+    fail("{}: expected a byte count such as 8G, 512M, 64K or 1000000, got '{}'", what, text);
+  return static_cast<int64_t>(number << shift);
+}
+
+void set_memory_limit(int64_t bytes) {
+  if (bytes < 0) fail("set_memory_limit: the limit must be >= 0 (0: none), got {}", bytes);
+  limit().store(bytes, std::memory_order_relaxed);
+}
+
+int64_t memory_limit() { return limit().load(std::memory_order_relaxed); }
+
 void* host_allocate(size_t bytes) {
+  // Sizes this large cannot be rounded to a size class without overflowing; no machine has them.
+  constexpr size_t largest = size_t{1} << 62;
+  if (bytes > largest)
+    fail("out of memory: {} asked for, more than any machine holds",
+         human_bytes(static_cast<double>(bytes)));
   size_t size = size_class(bytes == 0 ? 1 : bytes);
   Cache& c = cache();
-  if (size >= smallest_cached) {
+  {
     std::lock_guard<std::mutex> lock(c.mutex);
-    auto found = c.free_blocks.find(size);
-    if (found != c.free_blocks.end() && !found->second.empty()) {
-      void* block = found->second.back();
-      found->second.pop_back();
-      c.stats.cached_bytes -= static_cast<int64_t>(size);
-      ++c.stats.hits;
-      return block;
+    if (size >= smallest_cached) {
+      auto found = c.free_blocks.find(size);
+      if (found != c.free_blocks.end() && !found->second.empty()) {
+        void* block = found->second.back();
+        found->second.pop_back();
+        c.stats.cached_bytes -= static_cast<int64_t>(size);
+        c.stats.live_bytes += static_cast<int64_t>(size);
+        ++c.stats.hits;
+        return block;
+      }
+      ++c.stats.misses;
     }
-    ++c.stats.misses;
+    reserve(c, size, bytes);
+    c.stats.live_bytes += static_cast<int64_t>(size);
   }
   void* block = std::aligned_alloc(alignment, size);
-  if (!block) throw std::bad_alloc();
+  if (!block) {
+    // Freed blocks of other sizes may be what the OS lacks: give them back and try once more.
+    std::lock_guard<std::mutex> lock(c.mutex);
+    free_cached(c);
+    block = std::aligned_alloc(alignment, size);
+    if (!block) {
+      c.stats.live_bytes -= static_cast<int64_t>(size);
+      fail("out of memory: the system could not provide {} ({} bytes)",
+           human_bytes(static_cast<double>(bytes)), bytes);
+    }
+  }
   return block;
 }
 
 void host_release(void* block, size_t bytes) noexcept {
   if (!block) return;
   size_t size = size_class(bytes == 0 ? 1 : bytes);
-  if (size >= smallest_cached) {
-    Cache& c = cache();
-    std::lock_guard<std::mutex> lock(c.mutex);
-    if (c.stats.cached_bytes + static_cast<int64_t>(size) <= max_cached_bytes) {
-      try {
-        c.free_blocks[size].push_back(block);
-        c.stats.cached_bytes += static_cast<int64_t>(size);
-        return;
-      } catch (...) {  // no memory to remember it: give it back instead
-      }
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.stats.live_bytes -= static_cast<int64_t>(size);
+  int64_t cap = limit().load(std::memory_order_relaxed);
+  if (size >= smallest_cached &&
+      c.stats.cached_bytes + static_cast<int64_t>(size) <= max_cached_bytes &&
+      (cap <= 0 || c.stats.live_bytes + c.stats.cached_bytes + static_cast<int64_t>(size) <= cap)) {
+    try {
+      c.free_blocks[size].push_back(block);
+      c.stats.cached_bytes += static_cast<int64_t>(size);
+      return;
+    } catch (...) {  // no memory to remember it: give it back instead
     }
   }
   std::free(block);
@@ -86,10 +185,7 @@ HostMemoryStats host_memory_stats() {
 void host_memory_trim() {
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mutex);
-  for (auto& [size, blocks] : c.free_blocks)
-    for (void* block : blocks) std::free(block);
-  c.free_blocks.clear();
-  c.stats.cached_bytes = 0;
+  free_cached(c);
 }
 
 }  // namespace mixtape

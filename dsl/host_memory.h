@@ -12,11 +12,24 @@ namespace mixtape {
 /// A block of at least `bytes`, 64-byte aligned, from the cache of freed blocks of its size
 /// class when one is there. A training step frees and allocates the same sizes every step;
 /// handing them back to the OS would make every step fault its pages in and zero them again.
+/// mt::Error (with the bytes asked for) when the OS has no memory for it or it would take the
+/// values past the memory limit; never std::bad_alloc.
 void* host_allocate(size_t bytes);
 /// Returns a block from host_allocate(bytes) to the cache (or to the OS, past the cache's cap).
 void host_release(void* block, size_t bytes) noexcept;
 
+/// The most host memory that values (every Storage's bytes, freed blocks kept for reuse
+/// included) may hold at once; 0, the default, for no limit. Set from MIXTAPE_MAX_MEMORY at
+/// start ("8G", "512M", "64K" or bytes; powers of 1024). An allocation that would pass it first
+/// gives the cached blocks back, then fails with an mt::Error saying what asked for how much, so
+/// a job stops cleanly instead of being killed by the OS. Devices' memory is not counted.
+void set_memory_limit(int64_t bytes);
+int64_t memory_limit();
+/// Parses MIXTAPE_MAX_MEMORY's syntax; mt::Error naming `what` for anything else.
+int64_t parse_byte_size(const char* text, const char* what);
+
 struct HostMemoryStats {
+  int64_t live_bytes = 0;    // blocks handed out (by size class) and not yet released
   int64_t cached_bytes = 0;  // freed blocks kept for reuse
   int64_t hits = 0;          // allocations served from the cache
   int64_t misses = 0;        // allocations that went to the OS

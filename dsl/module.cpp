@@ -4,6 +4,7 @@
 #include <set>
 
 #include "dsl/ops.h"
+#include "dsl/orphan_parameters.h"
 
 namespace mixtape {
 
@@ -38,7 +39,10 @@ Tensor Module::register_parameter(const std::string& name, Tensor value, bool re
     mixtape::eval({value});
     value = from_storage(value.node()->value, value.shape());
   }
-  if (requires_grad) value.requires_grad_(true);
+  if (requires_grad) {
+    value.requires_grad_(true);
+    note_module_parameter(value, name);
+  }
   parameters_.emplace_back(name, value);
   return value;
 }

@@ -142,6 +142,7 @@ struct Node : std::enable_shared_from_this<Node> {
   Attrs attrs;
   uint64_t id = 0;  // creation order: the tape order that backward walks in reverse
   bool requires_grad = false;
+  bool backward_done = false;            // a backward() without retain_graph went through this node
   std::shared_ptr<Storage> value;        // set once evaluated (always set for Constant)
   std::weak_ptr<TensorImpl> grad_owner;  // the leaf tensor whose .grad() receives gradients
   std::string module_path;

@@ -303,8 +303,9 @@ Tensor reshape(const Tensor& x, Shape shape, const Loc& loc) {
       inferred = static_cast<int64_t>(i);
     } else if (shape[i] < 0) {
       op_fail("reshape", loc, "invalid dimension {} in {}", shape[i], to_string(shape));
-    } else {
-      known *= shape[i];
+    } else if (__builtin_mul_overflow(known, shape[i], &known)) {
+      op_fail("reshape", loc, "shape {} has more elements than a 64-bit count holds",
+              to_string(shape));
     }
   }
   if (inferred >= 0) {

@@ -6,6 +6,7 @@
 #include <numbers>
 
 #include "dsl/ops.h"
+#include "dsl/orphan_parameters.h"
 
 namespace mixtape {
 namespace {
@@ -33,7 +34,10 @@ Optimizer::Optimizer(std::vector<Tensor> params, const char* kind)
     if (!params_[i].requires_grad()) fail("{}: parameter {} does not require grad", kind_, i);
   }
   set_steps_taken(0);
+  note_optimizer_parameters(params_, true);
 }
+
+Optimizer::~Optimizer() { note_optimizer_parameters(params_, false); }
 
 void Optimizer::set_lr(double lr) {
   if (!(lr >= 0) || !std::isfinite(lr))
@@ -56,6 +60,7 @@ void Optimizer::step_unless(const Tensor& skip) {
 }
 
 void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also) {
+  warn_about_orphan_parameters();
   for (size_t i = 0; i < also.size(); ++i)
     if (!also[i].defined()) fail("{}: step_unless: extra output {} is undefined", kind_, i);
   std::vector<size_t> updated;

@@ -14,7 +14,7 @@ namespace mixtape {
 class Optimizer {
  public:
   explicit Optimizer(std::vector<Tensor> params, const char* kind);
-  virtual ~Optimizer() = default;
+  virtual ~Optimizer();
   Optimizer(const Optimizer&) = delete;
   Optimizer& operator=(const Optimizer&) = delete;
 

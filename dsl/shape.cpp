@@ -7,9 +7,18 @@
 
 namespace mixtape {
 
+std::optional<int64_t> checked_numel(const Shape& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape)
+    if (d < 0 || __builtin_mul_overflow(n, d, &n)) return std::nullopt;
+  return n;
+}
+
 int64_t numel(const Shape& shape) {
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape)
+    if (__builtin_mul_overflow(n, d, &n))
+      fail("the element count of shape {} overflows a 64-bit integer", to_string(shape));
   return n;
 }
 

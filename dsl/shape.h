@@ -10,7 +10,14 @@ namespace mixtape {
 
 using Shape = std::vector<int64_t>;
 
+/// The element count; mt::Error if it overflows int64 (shapes of nodes are checked when the node
+/// is made, so this only fires for shapes that never became one).
 int64_t numel(const Shape& shape);
+/// The element count, or nullopt for a negative dimension or a count that overflows int64.
+std::optional<int64_t> checked_numel(const Shape& shape);
+/// The most bytes one tensor may span, 2^60 (an exbibyte): larger counts cannot be real, and
+/// keeping byte arithmetic far from int64's limit keeps every offset computation exact.
+inline constexpr int64_t max_tensor_bytes = int64_t{1} << 60;
 /// Row-major strides in elements.
 std::vector<int64_t> strides_of(const Shape& shape);
 /// "[2, 3, 4]"

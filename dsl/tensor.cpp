@@ -155,9 +155,10 @@ void eval(const std::vector<Tensor>& tensors) {
 // ---- creation ----
 namespace {
 
-void check_shape(const char* op, const Shape& shape, const Loc& loc) {
+void check_shape(const char* op, const Shape& shape, DType dtype, const Loc& loc) {
   for (int64_t d : shape)
     if (d < 0) op_fail(op, loc, "negative dimension in shape {}", to_string(shape));
+  check_shape_size(op, shape, dtype, loc);
 }
 
 Tensor leaf(OpCode op, DType dtype, Shape shape, Attrs attrs, const Loc& loc) {
@@ -168,11 +169,11 @@ Tensor leaf(OpCode op, DType dtype, Shape shape, Attrs attrs, const Loc& loc) {
 
 template <typename T>
 Tensor tensor(std::span<const T> values, Shape shape, std::optional<DType> dtype, const Loc& loc) {
-  check_shape("tensor", shape, loc);
+  DType t = dtype.value_or(dtype_of<T>());
+  check_shape("tensor", shape, t, loc);
   if (static_cast<int64_t>(values.size()) != numel(shape))
     op_fail("tensor", loc, "{} values do not fill shape {} ({} elements)", values.size(),
             to_string(shape), numel(shape));
-  DType t = dtype.value_or(dtype_of<T>());
   auto storage = std::make_shared<Storage>(t, static_cast<int64_t>(values.size()));
   for (size_t i = 0; i < values.size(); ++i)
     store_element(*storage, static_cast<int64_t>(i), values[i]);
@@ -187,7 +188,7 @@ template <>
 Tensor tensor<bool>(std::span<const bool> values, Shape shape, std::optional<DType> dtype,
                     const Loc& loc) {
   std::vector<uint8_t> bytes(values.begin(), values.end());
-  check_shape("tensor", shape, loc);
+  check_shape("tensor", shape, dtype.value_or(boolean), loc);
   if (static_cast<int64_t>(values.size()) != numel(shape))
     op_fail("tensor", loc, "{} values do not fill shape {}", values.size(), to_string(shape));
   auto storage = std::make_shared<Storage>(dtype.value_or(boolean), numel(shape));
@@ -210,8 +211,8 @@ Tensor scalar(double value, DType dtype, const Loc& loc) {
 }
 
 Tensor from_storage(std::shared_ptr<Storage> storage, Shape shape, const Loc& loc) {
-  check_shape("from_storage", shape, loc);
   if (!storage) op_fail("from_storage", loc, "storage is null");
+  check_shape("from_storage", shape, storage->dtype, loc);
   if (storage->count != numel(shape) ||
       (!storage->host_stale &&
        storage->bytes.size() != static_cast<size_t>(storage->count) * size_of(storage->dtype)))
@@ -223,17 +224,17 @@ Tensor from_storage(std::shared_ptr<Storage> storage, Shape shape, const Loc& lo
 }
 
 Tensor full(Shape shape, double value, DType dtype, const Loc& loc) {
-  check_shape("full", shape, loc);
+  check_shape("full", shape, dtype, loc);
   Attrs attrs;
   attrs.value = value;
   return leaf(OpCode::Full, dtype, std::move(shape), std::move(attrs), loc);
 }
 Tensor zeros(Shape shape, DType dtype, const Loc& loc) {
-  check_shape("zeros", shape, loc);
+  check_shape("zeros", shape, dtype, loc);
   return full(std::move(shape), 0, dtype, loc);
 }
 Tensor ones(Shape shape, DType dtype, const Loc& loc) {
-  check_shape("ones", shape, loc);
+  check_shape("ones", shape, dtype, loc);
   return full(std::move(shape), 1, dtype, loc);
 }
 namespace {
@@ -258,7 +259,12 @@ Tensor arange(double start, double stop, double step, DType dtype, const Loc& lo
   if (step == 0 || !std::isfinite(start) || !std::isfinite(stop) || !std::isfinite(step))
     op_fail("arange", loc, "needs finite start/stop and a non-zero step (got {}, {}, {})", start,
             stop, step);
-  int64_t count = std::max<int64_t>(0, static_cast<int64_t>(std::ceil((stop - start) / step)));
+  double steps = std::ceil((stop - start) / step);
+  // Checked in double: converting a count past int64's range is undefined.
+  if (!(steps < 0x1p62))
+    op_fail("arange", loc, "[{}, {}) in steps of {} has more elements than a tensor can hold",
+            start, stop, step);
+  int64_t count = std::max<int64_t>(0, static_cast<int64_t>(steps));
   Attrs attrs;
   attrs.value = start;
   attrs.step = step;
@@ -278,7 +284,7 @@ void manual_seed(uint64_t seed) { default_generator().manual_seed(seed); }
 namespace {
 Tensor random_leaf(OpCode op, const char* opname, Shape shape, DType dtype, Generator* gen,
                    const Loc& loc) {
-  check_shape(opname, shape, loc);
+  check_shape(opname, shape, dtype, loc);
   if (!is_floating(dtype)) op_fail(opname, loc, "needs a floating dtype, got {}", name(dtype));
   Generator& g = gen ? *gen : default_generator();
   Attrs attrs;

@@ -52,8 +52,12 @@ class Tensor {
   void set_grad(const Tensor& grad);
   void zero_grad();
   /// Accumulates d(this)/d(leaf) into leaf.grad() for every leaf that requires grad. `grad`
-  /// defaults to ones for a single-element tensor. Defined in autograd/.
-  void backward(const Tensor& grad = Tensor(), const Loc& loc = Loc::current()) const;
+  /// defaults to ones for a single-element tensor. As in PyTorch, a graph is walked once:
+  /// another backward() through a node an earlier one went through (which would add its
+  /// gradients again) is an mt::Error, unless that earlier call passed retain_graph = true.
+  /// Defined in autograd/.
+  void backward(const Tensor& grad = Tensor(), bool retain_graph = false,
+                const Loc& loc = Loc::current()) const;
   /// The same value, cut from the graph: no gradient flows through it.
   Tensor detach(const Loc& loc = Loc::current()) const;
   /// Evaluates `value` and makes this handle (and every copy of it) a leaf holding that data.

@@ -107,21 +107,28 @@ void GradScaler::unscale_(Optimizer& optimizer) {
          optimizer.kind());
   settle();
   NoGradGuard no_grad;
-  Tensor inv_scale = cast(reciprocal(cast(scale_, f64)), f32);
+  auto inverse = [&] { return cast(reciprocal(cast(scale_, f64)), f32); };
+  Tensor inv_scale = inverse();
+  // As PyTorch's kernel: half gradients are unscaled in f32 and rounded back.
+  auto unscale = [](const Tensor& g, const Tensor& inv) {
+    return is_half(g.dtype()) ? cast(cast(g, f32) * inv, g.dtype()) : g * cast(inv, g.dtype());
+  };
   Tensor nan_if_bad;
   for (const Tensor& p : optimizer.params()) {
     Tensor g = p.grad();
     if (!g.defined()) continue;
-    // As PyTorch's kernel: half gradients are unscaled in f32 and rounded back.
-    Tensor unscaled = is_half(g.dtype()) ? cast(cast(g, f32) * inv_scale, g.dtype())
-                                         : g * cast(inv_scale, g.dtype());
     // The check runs on what the optimizer will apply, the unscaled gradients, as PyTorch's
     // _amp_foreach_non_finite_check_and_unscale_ does: a finite scaled gradient can still
     // overflow when unscaled, and no update with a non-finite value may reach the weights.
     // u - u is exactly 0 for every finite value and NaN for inf and NaN, so one sum per gradient
-    // carries the flag, and the partial sums combine by addition.
-    Tensor partial = cast(sum(unscaled - unscaled), f32);
+    // carries the flag, and the partial sums combine by addition. Each check unscales with
+    // nodes of its own, down to the 0-d reciprocal, so that every check kernel reads only g and
+    // the scale (the same kernel form for all, one multi-tensor launch) and the update's kernel
+    // recomputes the product instead of reading a stored copy.
+    Tensor checked = unscale(g, inverse());
+    Tensor partial = cast(sum(checked - checked), f32);
     nan_if_bad = nan_if_bad.defined() ? nan_if_bad + partial : partial;
+    Tensor unscaled = unscale(g, inv_scale);
     Tensor handle = p;
     handle.set_grad(unscaled);
   }

@@ -16,6 +16,7 @@
 #include "codegen/lower.h"
 #include "dsl/convert.h"
 #include "dsl/error.h"
+#include "dsl/graph.h"
 #include "dsl/log.h"
 #include "runtime/gemm.h"
 #include "runtime/program.h"
@@ -31,7 +32,7 @@ constexpr int64_t parallel_threshold = 1 << 17;
 ExecutionStats& stats() { return execution_counters(); }
 
 std::shared_ptr<Storage> allocate(const Node& node) {
-  return std::make_shared<Storage>(node.storage, node.numel(), Storage::Uninitialized{});
+  return allocate_value(node, node.storage, node.numel(), true);
 }
 
 int64_t bytes_of(const Storage& s) { return s.size_bytes(); }

@@ -19,13 +19,17 @@ namespace {
 
 using StoragePtr = std::shared_ptr<Storage>;
 
+// Names what the user called: a composite's own name (cross_entropy) before the primitive inside
+// it that failed, which the user never wrote.
 template <typename... Args>
 [[noreturn]] void node_fail(const Node& node, fmt::format_string<Args...> format, Args&&... args) {
   std::string detail = fmt::format(format, std::forward<Args>(args)...);
+  std::string what =
+      node.composite ? fmt::format("{}: {} (in its {})", node.composite, detail, op_name(node.op))
+                     : fmt::format("{}: {}", op_name(node.op), detail);
   std::string where = short_location(node.location);
-  if (!node.module_path.empty())
-    fail("{}: {} [module '{}', at {}]", op_name(node.op), detail, node.module_path, where);
-  fail("{}: {} [at {}]", op_name(node.op), detail, where);
+  if (!node.module_path.empty()) fail("{} [module '{}', at {}]", what, node.module_path, where);
+  fail("{} [at {}]", what, where);
 }
 
 template <typename T>
@@ -39,7 +43,7 @@ bool is_nan(T a) {
 const Storage& value_of(const Node& node, size_t i) { return *node.inputs[i]->value; }
 
 StoragePtr new_storage(const Node& node) {
-  return std::make_shared<Storage>(node.storage, node.numel());
+  return allocate_value(node, node.storage, node.numel(), false);
 }
 
 // Input i in the node's storage type, for ops that move elements as bytes. The precision pass
@@ -153,7 +157,7 @@ constexpr int64_t kParallelDraws = 2048;
 
 StoragePtr ref_RandUniform(const Node& node) {
   if (has_random_fill(node.storage)) {
-    auto out = std::make_shared<Storage>(node.storage, node.numel(), Storage::Uninitialized{});
+    auto out = allocate_value(node, node.storage, node.numel(), true);
     fill_uniform(*out, node.attrs.seed, node.attrs.offset);
     return out;
   }
@@ -166,7 +170,7 @@ StoragePtr ref_RandUniform(const Node& node) {
 
 StoragePtr ref_RandNormal(const Node& node) {
   if (has_random_fill(node.storage)) {
-    auto out = std::make_shared<Storage>(node.storage, node.numel(), Storage::Uninitialized{});
+    auto out = allocate_value(node, node.storage, node.numel(), true);
     fill_normal(*out, node.attrs.seed, node.attrs.offset);
     return out;
   }
@@ -424,7 +428,7 @@ StoragePtr ref_MatMul(const Node& node) {
   int64_t m = node.shape[rank - 2], n = node.shape[rank - 1];
   int64_t k = node.attrs.transpose_a ? sa[rank - 2] : sa[rank - 1];
   int64_t batch = numel(node.shape) / std::max<int64_t>(1, m * n);
-  if (m * n == 0) return out;
+  if (m * n == 0 || k == 0) return out;  // empty, or sums over nothing: zeros
   std::vector<double> a =
       matrix_operand(value_of(node, 0), batch, m, k, node.attrs.transpose_a, node.compute);
   std::vector<double> b =

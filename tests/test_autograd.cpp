@@ -50,12 +50,13 @@ TEST(Backward, AccumulatesAcrossCallsUntilZeroGrad) {
   expect_near_all(values(x.grad()), {5, -1, 9});
 }
 
-TEST(Backward, SameGraphTwiceAccumulatesTwice) {
+TEST(Backward, SameGraphTwiceAccumulatesTwiceWhenRetained) {
   mt::Tensor x = leaf({0.5, 2}, {2});
   mt::Tensor loss = mt::sum(mt::exp(x));
-  loss.backward();
+  loss.backward(mt::Tensor(), /*retain_graph=*/true);
   loss.backward();
   expect_near_all(values(x.grad()), {2 * std::exp(0.5), 2 * std::exp(2.0)});
+  EXPECT_MT_ERROR(loss.backward(), "backward", "second backward()");  // not retained the 2nd time
 }
 
 TEST(Backward, ExplicitGradientWeightsTheOutputs) {

@@ -431,7 +431,8 @@ std::vector<Case> functional_cases() {
               "label_smoothing", "1.5"),
       OP_CASE("cross_entropy", mt::cross_entropy(f, u), "targets", "undefined"),
       // A class id beyond the logits is caught where the loss picks it, at evaluation.
-      OP_CASE("index_select", mt::cross_entropy(f, bad_targets).item(), "index 7", "size 3"),
+      OP_CASE("cross_entropy", mt::cross_entropy(f, bad_targets).item(), "index 7", "size 3",
+              "in its index_select"),
       OP_CASE("mse_loss", mt::mse_loss(f, f4), "[2, 3]", "[4]"),
       OP_CASE("mse_loss", mt::mse_loss(i, i), "floating-point", "i64"),
       OP_CASE("mse_loss", mt::mse_loss(f, u), "target", "undefined"),
