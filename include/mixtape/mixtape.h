@@ -6,6 +6,7 @@
 #include "dsl/dtype.h"
 #include "dsl/error.h"
 #include "dsl/functional.h"
+#include "dsl/host_memory.h"
 #include "dsl/json.h"
 #include "dsl/module.h"
 #include "dsl/nn.h"
