@@ -30,11 +30,11 @@ NamedTensors load_tensors(const std::string& path, Metadata* metadata = nullptr)
 struct CheckpointOptions {
   /// Random streams by name (not empty, unique): each one's (seed, offset) is saved as metadata
   /// "generator.<name>.seed" and "generator.<name>.offset", and restored with set_state().
-  std::vector<std::pair<std::string, Generator*>> generators;
+  std::vector<std::pair<std::string, Generator*>> generators{};
   /// Data loaders by their index in this list: the current epoch's order as the i64 tensor
   /// "loader.<i>.order", and epoch, position, batch_size, shuffle, seed and drop_last as metadata
   /// "loader.<i>.<field>". A load checks them with DataLoader::check_state().
-  std::vector<DataLoader*> loaders;
+  std::vector<DataLoader*> loaders{};
   /// Load only: accept NaN and infinite values in the module's tensors and the optimizer state
   /// (to look into a run that diverged). By default they are an mt::Error naming the tensor.
   bool allow_nonfinite = false;
