@@ -1,4 +1,5 @@
-// runtime/checkpoint.cpp -- maps modules and optimizers onto safetensors entries.
+// runtime/checkpoint.cpp -- maps modules, optimizers, scalers, generators and data loaders onto
+// safetensors entries, and checks what a load would restore before it changes anything.
 #include "runtime/checkpoint.h"
 
 #include <algorithm>
@@ -104,7 +105,7 @@ const Tensor* find_entry(const NamedTensors& entries, const std::string& name) {
   return nullptr;
 }
 
-void check_generators(const std::string& path, const CheckpointOptions& options) {
+void check_options(const std::string& path, const CheckpointOptions& options) {
   std::set<std::string> names;
   for (const auto& [name, generator] : options.generators) {
     if (name.empty()) fail("checkpoint {}: a generator has an empty name", path);
@@ -181,7 +182,7 @@ NamedTensors load_tensors(const std::string& path, Metadata* metadata) {
 void save_checkpoint(const std::string& path, const Module& module, const Optimizer* optimizer,
                      const Metadata& metadata, const GradScaler* scaler,
                      const CheckpointOptions& options) {
-  check_generators(path, options);
+  check_options(path, options);
   NamedTensors tensors = module.state_dict();
   Metadata meta = metadata;
   meta.emplace_back("format", "mixtape-checkpoint-1");
@@ -221,7 +222,7 @@ void save_checkpoint(const std::string& path, const Module& module, const Optimi
 
 void load_checkpoint(const std::string& path, Module& module, Optimizer* optimizer,
                      Metadata* metadata, GradScaler* scaler, const CheckpointOptions& options) {
-  check_generators(path, options);
+  check_options(path, options);
   Metadata meta;
   NamedTensors all = load_tensors(path, &meta);
   NamedTensors model, optimizer_entries;

@@ -1,4 +1,5 @@
-// runtime/checkpoint.h -- tensors, modules and optimizer state to and from safetensors files.
+// runtime/checkpoint.h -- tensors, modules, optimizer and scaler state, generators and data
+// loaders to and from safetensors files.
 #pragma once
 
 #include <string>
