@@ -102,6 +102,30 @@ std::vector<T> load_all(const Storage& in) {
   }
 }
 
+/// The index of the first NaN or infinite element of `in`, or -1 when there is none (always for
+/// integer and bool dtypes). Reads the host copy; f16 and bf16 are tested on their bits, so no
+/// element is converted.
+inline int64_t first_nonfinite(const Storage& in) {
+  if (in.count == 0) return -1;
+  auto find = [&](const auto* data, auto finite) -> int64_t {
+    for (int64_t i = 0; i < in.count; ++i)
+      if (!finite(data[i])) return i;
+    return -1;
+  };
+  switch (in.dtype) {
+    case DType::f32:
+      return find(in.as<float>(), [](float v) { return std::isfinite(v); });
+    case DType::f64:
+      return find(in.as<double>(), [](double v) { return std::isfinite(v); });
+    case DType::f16:  // all-ones exponent: infinity or NaN
+      return find(in.as<uint16_t>(), [](uint16_t b) { return (b & 0x7c00u) != 0x7c00u; });
+    case DType::bf16:
+      return find(in.as<uint16_t>(), [](uint16_t b) { return (b & 0x7f80u) != 0x7f80u; });
+    default:
+      return -1;
+  }
+}
+
 /// A new storage of `dtype` holding `values` converted.
 template <typename T>
 std::shared_ptr<Storage> store_all(DType dtype, const std::vector<T>& values) {

@@ -367,6 +367,50 @@ Batch DataLoader::next() {
   return batch;
 }
 
+DataLoader::State DataLoader::state() const {
+  return {.epoch = epoch_,
+          .position = batch_,
+          .order = order_,
+          .batch_size = batch_size_,
+          .shuffle = shuffle_,
+          .seed = seed_,
+          .drop_last = drop_last_};
+}
+
+void DataLoader::check_state(const State& state) const {
+  auto differs = [](const char* what, auto saved, auto own) {
+    fail("DataLoader::load_state: the state is of a loader with {} {}, this one has {}", what,
+         saved, own);
+  };
+  if (state.batch_size != batch_size_) differs("batch_size", state.batch_size, batch_size_);
+  if (state.shuffle != shuffle_) differs("shuffle", state.shuffle, shuffle_);
+  if (state.seed != seed_) differs("seed", state.seed, seed_);
+  if (state.drop_last != drop_last_) differs("drop_last", state.drop_last, drop_last_);
+  int64_t n = data_->size();
+  if (static_cast<int64_t>(state.order.size()) != n)
+    fail("DataLoader::load_state: the state's order has {} entries, the dataset has {} examples",
+         state.order.size(), n);
+  std::vector<bool> seen(static_cast<size_t>(n));
+  for (size_t i = 0; i < state.order.size(); ++i) {
+    int64_t index = state.order[i];
+    if (index < 0 || index >= n || seen[static_cast<size_t>(index)])
+      fail("DataLoader::load_state: the order is not a permutation of [0, {}): entry {} is {}{}", n,
+           i, index, index >= 0 && index < n ? ", which comes twice" : "");
+    seen[static_cast<size_t>(index)] = true;
+  }
+  if (state.epoch < 0) fail("DataLoader::load_state: epoch {} is negative", state.epoch);
+  if (state.position < 0 || state.position >= batches_per_epoch())
+    fail("DataLoader::load_state: position {} is outside the epoch's {} batches", state.position,
+         batches_per_epoch());
+}
+
+void DataLoader::load_state(const State& state) {
+  check_state(state);
+  epoch_ = state.epoch;
+  batch_ = state.position;
+  order_ = state.order;
+}
+
 DataLoader::Iterator::Iterator(DataLoader* loader)
     : loader_(loader), epoch_(loader->epoch()), batch_(loader->next()) {}
 

@@ -178,6 +178,26 @@ class DataLoader {
   const Dataset& dataset() const { return *data_; }
   int64_t batch_size() const { return batch_size_; }
 
+  /// Where a loader stands, for checkpoints, plus the settings that decide how it goes on.
+  struct State {
+    int64_t epoch = 0;           // epoch() when it was taken
+    int64_t position = 0;        // index within the epoch of the next batch
+    std::vector<int64_t> order;  // the epoch's example order, a permutation of the dataset
+    int64_t batch_size = 0;
+    bool shuffle = false;
+    uint64_t seed = 0;
+    bool drop_last = true;
+  };
+  State state() const;
+  /// mt::Error, changing nothing, unless `state` could have been taken from a loader like this
+  /// one: the same batch size, shuffle, seed and drop_last (else later epochs would differ), an
+  /// order that is a permutation of [0, dataset size), 0 <= position < batches_per_epoch() and
+  /// epoch >= 0.
+  void check_state(const State& state) const;
+  /// Restores a state after check_state(): next() then returns exactly the batches the loader
+  /// it was taken from would have returned, mid-epoch included.
+  void load_state(const State& state);
+
  private:
   void start_epoch();
 

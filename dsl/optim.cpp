@@ -5,6 +5,7 @@
 #include <cmath>
 #include <numbers>
 
+#include "dsl/convert.h"
 #include "dsl/ops.h"
 #include "dsl/orphan_parameters.h"
 
@@ -137,14 +138,38 @@ NamedTensors Optimizer::state(size_t param_index) const {
   return visible;
 }
 
-void Optimizer::load_state(size_t param_index, const NamedTensors& state) {
+void Optimizer::check_state(size_t param_index, const NamedTensors& state, bool allow_nonfinite,
+                            const std::string& prefix) const {
   if (param_index >= params_.size())
     fail("{}: parameter index {} out of range ({} parameters)", kind_, param_index, params_.size());
-  for (const auto& [name, value] : state)
+  for (const auto& [name, value] : state) {
     if (!value.defined() || value.shape() != params_[param_index].shape())
-      fail("{}: state '{}' for parameter {} has shape {}, expected {}", kind_, name, param_index,
-           value.defined() ? to_string(value.shape()) : "undefined",
+      fail("{}: state '{}{}' for parameter {} has shape {}, expected {}", kind_, prefix, name,
+           param_index, value.defined() ? to_string(value.shape()) : "undefined",
            to_string(params_[param_index].shape()));
+    if (!is_floating(value.dtype()))
+      fail("{}: state '{}{}' for parameter {} is {}, not a floating-point tensor", kind_, prefix,
+           name, param_index, mixtape::name(value.dtype()));
+  }
+  for (const auto& [name, value] : state) {
+    eval({value});
+    const Storage& values = *value.node()->value;
+    int64_t bad = allow_nonfinite ? -1 : first_nonfinite(values);
+    if (bad >= 0)
+      fail(
+          "{}: state '{}{}' for parameter {} holds {} at element {} (pass allow_nonfinite to "
+          "load non-finite values)",
+          kind_, prefix, name, param_index, load_element<double>(values, bad), bad);
+    std::string problem = impossible_state(name, values);
+    if (!problem.empty())
+      fail("{}: state '{}{}' for parameter {} {}", kind_, prefix, name, param_index, problem);
+  }
+}
+
+std::string Optimizer::impossible_state(const std::string&, const Storage&) const { return ""; }
+
+void Optimizer::load_state(size_t param_index, const NamedTensors& state, bool allow_nonfinite) {
+  check_state(param_index, state, allow_nonfinite);
   NamedTensors converted;
   for (const auto& [name, value] : state) converted.emplace_back(name, cast(value, f32).detach());
   state_[param_index] = converted;
@@ -225,6 +250,17 @@ Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state
   set_state(state, "exp_avg_sq", v);
   Tensor denom = sqrt(v) * cast(inv_sqrt_bias2_, v.dtype()) + options.eps;
   return p - m / denom * cast(step_size_, m.dtype());
+}
+
+std::string Adam::impossible_state(const std::string& name, const Storage& values) const {
+  if (name != "exp_avg_sq") return "";
+  // -0.0 compares equal to zero and NaN compares false: only real negatives are caught here.
+  for (int64_t i = 0; i < values.count; ++i)
+    if (double v = load_element<double>(values, i); v < 0)
+      return fmt::format(
+          "holds {} at element {}: it is a running mean of squared gradients, never below zero", v,
+          i);
+  return "";
 }
 
 AdamW::AdamW(std::vector<Tensor> params, AdamOptions options)

@@ -46,8 +46,15 @@ class Optimizer {
 
   /// Per-parameter state ("exp_avg", "exp_avg_sq", "momentum_buffer"), for checkpoints.
   NamedTensors state(size_t param_index) const;
-  /// Restores state saved by state(); shapes must match. `steps` is the update count.
-  void load_state(size_t param_index, const NamedTensors& state);
+  /// mt::Error, changing nothing, unless `state` could be this optimizer's state for parameter
+  /// `param_index`: every entry defined, floating point and of the parameter's shape, with values
+  /// the update rule can produce (Adam's exp_avg_sq is a mean of squares, so no element is below
+  /// zero), and, unless allow_nonfinite, no NaN or infinity. Messages name an entry as
+  /// `prefix + name` (a checkpoint passes "optimizer.<parameter path>.").
+  void check_state(size_t param_index, const NamedTensors& state, bool allow_nonfinite = false,
+                   const std::string& prefix = "") const;
+  /// Restores state saved by state(), after check_state().
+  void load_state(size_t param_index, const NamedTensors& state, bool allow_nonfinite = false);
   void set_steps_taken(int64_t steps);
 
  protected:
@@ -57,6 +64,9 @@ class Optimizer {
   /// State entries whose names start with '~' are private to the optimizer: state() leaves
   /// them out and load_state() drops them.
   virtual Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) = 0;
+  /// Why `values` (host values of a state entry `name`, as check_state() found them) cannot be
+  /// state this rule produced, or "" when they can. Non-finite values are checked before.
+  virtual std::string impossible_state(const std::string& name, const Storage& values) const;
   /// Inside begin_step()/update(): the 1-based number of the update being built, a 0-d f64
   /// graph value (the persistent count plus one).
   const Tensor& step_number() const { return next_step_; }
@@ -111,6 +121,7 @@ class Adam : public Optimizer {
   Adam(std::vector<Tensor> params, AdamOptions options, const char* kind, bool decoupled);
   void begin_step() override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
+  std::string impossible_state(const std::string& name, const Storage& values) const override;
 
  private:
   bool decoupled_;

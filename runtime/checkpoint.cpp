@@ -1,9 +1,14 @@
-// runtime/checkpoint.cpp -- maps modules and optimizers onto safetensors entries.
+// runtime/checkpoint.cpp -- maps modules, optimizers, scalers, generators and data loaders onto
+// safetensors entries, and checks what a load would restore before it changes anything.
 #include "runtime/checkpoint.h"
 
+#include <algorithm>
 #include <charconv>
 #include <cstring>
+#include <set>
+#include <string_view>
 
+#include "dsl/convert.h"
 #include "precision_policy/grad_scaler.h"
 #include "runtime/safetensors.h"
 
@@ -12,6 +17,7 @@ namespace {
 
 constexpr const char* kOptimizerPrefix = "optimizer.";
 constexpr const char* kScalerPrefix = "scaler.";
+constexpr const char* kGeneratorPrefix = "generator.";
 
 // The scaler's state tensors; its other entries (hyperparameters) travel as metadata.
 bool is_scaler_tensor(const std::string& name) {
@@ -56,6 +62,86 @@ std::string metadata_value(const Metadata& metadata, const std::string& key) {
   return "";
 }
 
+bool has_metadata(const Metadata& metadata, const std::string& key) {
+  return std::any_of(metadata.begin(), metadata.end(), [&](auto& e) { return e.first == key; });
+}
+
+// A whole decimal integer from the metadata; an absent or malformed value names the key.
+template <typename T>
+T metadata_integer(const std::string& path, const Metadata& metadata, const std::string& key) {
+  if (!has_metadata(metadata, key)) fail("load_checkpoint {}: the file has no '{}'", path, key);
+  std::string text = metadata_value(metadata, key);
+  T value{};
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || ec != std::errc() || end != text.data() + text.size())
+    fail("load_checkpoint {}: metadata '{}' = '{}' is not an integer in range", path, key, text);
+  return value;
+}
+
+bool metadata_bool(const std::string& path, const Metadata& metadata, const std::string& key) {
+  std::string text = metadata_value(metadata, key);
+  if (text != "true" && text != "false")
+    fail("load_checkpoint {}: metadata '{}' = '{}' is not true or false", path, key, text);
+  return text == "true";
+}
+
+std::string loader_key(size_t index, const char* field) {
+  return fmt::format("loader.{}.{}", index, field);
+}
+
+// "loader.<digits>.order": only that exact form is the loaders', so a submodule called "loader"
+// keeps its tensors.
+bool is_loader_tensor(const std::string& name) {
+  constexpr std::string_view prefix = "loader.", suffix = ".order";
+  if (!name.starts_with(prefix) || !name.ends_with(suffix)) return false;
+  std::string_view index(name.data() + prefix.size(), name.size() - prefix.size() - suffix.size());
+  return !index.empty() &&
+         std::all_of(index.begin(), index.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+const Tensor* find_entry(const NamedTensors& entries, const std::string& name) {
+  for (const auto& [key, value] : entries)
+    if (key == name) return &value;
+  return nullptr;
+}
+
+void check_options(const std::string& path, const CheckpointOptions& options) {
+  std::set<std::string> names;
+  for (const auto& [name, generator] : options.generators) {
+    if (name.empty()) fail("checkpoint {}: a generator has an empty name", path);
+    if (!generator) fail("checkpoint {}: generator '{}' is null", path, name);
+    if (!names.insert(name).second)
+      fail("checkpoint {}: two generators are called '{}'", path, name);
+  }
+  for (size_t i = 0; i < options.loaders.size(); ++i)
+    if (!options.loaders[i]) fail("checkpoint {}: loader {} is null", path, i);
+}
+
+// The saved state of loader `index`, checked against `loader` (which is not changed).
+DataLoader::State loader_state(const std::string& path, const NamedTensors& entries,
+                               const Metadata& metadata, size_t index, const DataLoader& loader) {
+  std::string order_name = loader_key(index, "order");
+  const Tensor* order = find_entry(entries, order_name);
+  if (!order) fail("load_checkpoint {}: the file holds no state for loader {}", path, index);
+  if (order->dtype() != i64 || order->dim() != 1)
+    fail("load_checkpoint {}: '{}' is {} {}, expected a 1-d i64 tensor", path, order_name,
+         name(order->dtype()), to_string(order->shape()));
+  DataLoader::State state{
+      .epoch = metadata_integer<int64_t>(path, metadata, loader_key(index, "epoch")),
+      .position = metadata_integer<int64_t>(path, metadata, loader_key(index, "position")),
+      .order = order->to_vector<int64_t>(),
+      .batch_size = metadata_integer<int64_t>(path, metadata, loader_key(index, "batch_size")),
+      .shuffle = metadata_bool(path, metadata, loader_key(index, "shuffle")),
+      .seed = metadata_integer<uint64_t>(path, metadata, loader_key(index, "seed")),
+      .drop_last = metadata_bool(path, metadata, loader_key(index, "drop_last"))};
+  try {
+    loader.check_state(state);
+  } catch (const Error& e) {
+    fail("load_checkpoint {}: loader {}: {}", path, index, e.what());
+  }
+  return state;
+}
+
 }  // namespace
 
 void save_tensors(const std::string& path, const NamedTensors& tensors, const Metadata& metadata) {
@@ -94,7 +180,9 @@ NamedTensors load_tensors(const std::string& path, Metadata* metadata) {
 }
 
 void save_checkpoint(const std::string& path, const Module& module, const Optimizer* optimizer,
-                     const Metadata& metadata, const GradScaler* scaler) {
+                     const Metadata& metadata, const GradScaler* scaler,
+                     const CheckpointOptions& options) {
+  check_options(path, options);
   NamedTensors tensors = module.state_dict();
   Metadata meta = metadata;
   meta.emplace_back("format", "mixtape-checkpoint-1");
@@ -114,32 +202,49 @@ void save_checkpoint(const std::string& path, const Module& module, const Optimi
       else
         meta.emplace_back(key, fmt::format("{}", value.item()));  // shortest exact text
     }
+  for (const auto& [name, generator] : options.generators) {
+    meta.emplace_back(kGeneratorPrefix + name + ".seed", std::to_string(generator->seed()));
+    meta.emplace_back(kGeneratorPrefix + name + ".offset", std::to_string(generator->offset()));
+  }
+  for (size_t i = 0; i < options.loaders.size(); ++i) {
+    DataLoader::State state = options.loaders[i]->state();
+    auto size = static_cast<int64_t>(state.order.size());
+    tensors.emplace_back(loader_key(i, "order"), tensor(state.order, {size}, i64));
+    meta.emplace_back(loader_key(i, "epoch"), std::to_string(state.epoch));
+    meta.emplace_back(loader_key(i, "position"), std::to_string(state.position));
+    meta.emplace_back(loader_key(i, "batch_size"), std::to_string(state.batch_size));
+    meta.emplace_back(loader_key(i, "shuffle"), state.shuffle ? "true" : "false");
+    meta.emplace_back(loader_key(i, "seed"), std::to_string(state.seed));
+    meta.emplace_back(loader_key(i, "drop_last"), state.drop_last ? "true" : "false");
+  }
   save_tensors(path, tensors, meta);
 }
 
 void load_checkpoint(const std::string& path, Module& module, Optimizer* optimizer,
-                     Metadata* metadata, GradScaler* scaler) {
+                     Metadata* metadata, GradScaler* scaler, const CheckpointOptions& options) {
+  check_options(path, options);
   Metadata meta;
   NamedTensors all = load_tensors(path, &meta);
   NamedTensors model, optimizer_entries;
   for (auto& entry : all)
-    if (!is_scaler_tensor(entry.first))
+    if (!is_scaler_tensor(entry.first) && !is_loader_tensor(entry.first))
       (entry.first.rfind(kOptimizerPrefix, 0) == 0 ? optimizer_entries : model).push_back(entry);
+
+  // Everything is read and checked first; nothing changes until all of it has passed.
   NamedTensors scaler_entries;
   if (scaler && scaler->is_enabled()) {
     scaler_entries = scaler_state(path, all, meta);
     if (scaler_entries.empty()) fail("load_checkpoint {}: the file holds no scaler state", path);
-    try {  // validated on a copy before anything changes
+    try {  // validated on a copy
       GradScaler(scaler->options()).load_state_dict(scaler_entries);
     } catch (const Error& e) {
       fail("load_checkpoint {}: {}", path, e.what());
     }
   }
   std::vector<NamedTensors> states;
-  std::vector<std::string> names;
   int64_t steps = 0;
   if (optimizer) {
-    names = optimizer_param_names(module, *optimizer, path);
+    std::vector<std::string> names = optimizer_param_names(module, *optimizer, path);
     std::string kind = metadata_value(meta, "optimizer.kind");
     if (!kind.empty() && kind != optimizer->kind())
       fail("load_checkpoint {}: the file holds {} state, the optimizer is {}", path, kind,
@@ -150,31 +255,62 @@ void load_checkpoint(const std::string& path, Module& module, Optimizer* optimiz
     if (steps_text.empty() || ec != std::errc() || end != steps_text.data() + steps_text.size() ||
         steps < 0)
       fail("load_checkpoint {}: no valid optimizer step count in the metadata", path);
-    for (const std::string& name : names) {
-      std::string prefix = kOptimizerPrefix + name + ".";
+    for (size_t i = 0; i < names.size(); ++i) {
+      std::string prefix = kOptimizerPrefix + names[i] + ".";
       NamedTensors state;
       for (const auto& [key, value] : optimizer_entries)
         if (key.rfind(prefix, 0) == 0 && key.find('.', prefix.size()) == std::string::npos)
           state.emplace_back(key.substr(prefix.size()), value);
+      try {
+        optimizer->check_state(i, state, options.allow_nonfinite, prefix);
+      } catch (const Error& e) {
+        fail("load_checkpoint {}: {}", path, e.what());
+      }
       states.push_back(std::move(state));
     }
   }
-  for (size_t i = 0; i < states.size(); ++i)  // validated before anything changes
-    for (const auto& [state_name, value] : states[i])
-      if (value.shape() != optimizer->params()[i].shape())
-        fail("load_checkpoint {}: optimizer state '{}{}.{}' has shape {}, expected {}", path,
-             kOptimizerPrefix, names[i], state_name, to_string(value.shape()),
-             to_string(optimizer->params()[i].shape()));
+  if (!options.allow_nonfinite) {
+    // Only the module's own entries: others are reported as unexpected by load_state_dict.
+    NamedTensors own = module.state_dict();
+    for (const auto& [name, value] : model) {
+      if (!find_entry(own, name)) continue;
+      const Storage& values = *value.node()->value;
+      int64_t bad = first_nonfinite(values);
+      if (bad >= 0)
+        fail(
+            "load_checkpoint {}: '{}' holds {} at element {} (pass allow_nonfinite to load "
+            "non-finite values)",
+            path, name, load_element<double>(values, bad), bad);
+    }
+  }
+  std::vector<std::pair<uint64_t, uint64_t>> generator_states;
+  for (const auto& [name, generator] : options.generators) {
+    std::string seed_key = kGeneratorPrefix + name + ".seed";
+    if (!has_metadata(meta, seed_key))
+      fail("load_checkpoint {}: the file holds no state for generator '{}'", path, name);
+    generator_states.emplace_back(
+        metadata_integer<uint64_t>(path, meta, seed_key),
+        metadata_integer<uint64_t>(path, meta, kGeneratorPrefix + name + ".offset"));
+  }
+  std::vector<DataLoader::State> loader_states;
+  for (size_t i = 0; i < options.loaders.size(); ++i)
+    loader_states.push_back(loader_state(path, all, meta, i, *options.loaders[i]));
+
   try {
-    module.load_state_dict(model, true);
+    module.load_state_dict(model, true);  // checks names, shapes and dtypes before it assigns
   } catch (const Error& e) {
     fail("load_checkpoint {}: {}", path, e.what());
   }
   if (optimizer) {
-    for (size_t i = 0; i < states.size(); ++i) optimizer->load_state(i, states[i]);
+    for (size_t i = 0; i < states.size(); ++i)
+      optimizer->load_state(i, states[i], options.allow_nonfinite);
     optimizer->set_steps_taken(steps);
   }
   if (!scaler_entries.empty()) scaler->load_state_dict(scaler_entries);
+  for (size_t i = 0; i < generator_states.size(); ++i)
+    options.generators[i].second->set_state(generator_states[i].first, generator_states[i].second);
+  for (size_t i = 0; i < loader_states.size(); ++i)
+    options.loaders[i]->load_state(loader_states[i]);
   if (metadata) *metadata = std::move(meta);
 }
 

@@ -16,6 +16,7 @@
 #include <limits>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <mixtape/mixtape.h>
@@ -230,10 +231,11 @@ TEST_F(Checkpoint, MetadataRoundTrips) {
 
 // Loading `file` into `target` must fail with every fragment and change nothing.
 void expect_rejected(const std::string& file, mt::Module& target, mt::Optimizer* opt,
-                     const std::vector<std::string>& fragments) {
+                     const std::vector<std::string>& fragments,
+                     const mt::CheckpointOptions& options = {}) {
   Snapshot before = snapshot(target, opt);
   try {
-    mt::load_checkpoint(file, target, opt);
+    mt::load_checkpoint(file, target, opt, nullptr, nullptr, options);
     ADD_FAILURE() << "no mt::Error loading " << file;
   } catch (const mt::Error& error) {
     for (const std::string& fragment : fragments)
@@ -557,6 +559,120 @@ print('OK', n % 8)
   EXPECT_EQ(status, 0) << output;
   // The header is padded so the data section starts 8-byte aligned.
   EXPECT_EQ(output, "OK 0\n");
+}
+
+// The file of `entries` and `meta` with element `index` of entry `name` replaced by `value`'s bits.
+template <typename T>
+void save_with(const std::string& file, mt::NamedTensors entries, const mt::Metadata& meta,
+               const std::string& name, int64_t index, T value) {
+  bool found = false;
+  for (auto& [key, tensor] : entries)
+    if (key == name) {
+      Bytes bytes = bytes_of(tensor);
+      std::memcpy(bytes.data() + index * static_cast<int64_t>(sizeof(T)), &value, sizeof(T));
+      auto storage = std::make_shared<mt::Storage>(tensor.dtype(), tensor.numel());
+      std::memcpy(storage->bytes.data(), bytes.data(), bytes.size());
+      tensor = mt::from_storage(storage, tensor.shape());
+      found = true;
+    }
+  ASSERT_TRUE(found) << name;
+  mt::save_tensors(file, entries, meta);
+}
+
+TEST_F(Checkpoint, NegativeExpAvgSqIsRejectedWithoutChanges) {
+  Training source = mlp_run(1);
+  source.train(0, 2);
+  mt::save_checkpoint(path("good.safetensors"), *source.model, source.opt.get());
+  mt::Metadata meta;
+  mt::NamedTensors entries = mt::load_tensors(path("good.safetensors"), &meta);
+  Training target = mlp_run(2);
+  target.train(0, 1);
+  std::string bad = path("bad.safetensors");
+  const std::string name = "optimizer.fc1.bias.exp_avg_sq";
+  save_with(bad, entries, meta, name, 2, -1e-3f);
+  expect_rejected(bad, *target.model, target.opt.get(),
+                  {"bad.safetensors", name, "-0.001", "element 2"});
+  // Negative is never right, so allow_nonfinite does not let it in, nor -inf.
+  expect_rejected(bad, *target.model, target.opt.get(), {name, "-0.001"},
+                  {.allow_nonfinite = true});
+  save_with(bad, entries, meta, name, 5, -std::numeric_limits<float>::infinity());
+  expect_rejected(bad, *target.model, target.opt.get(), {name, "-inf", "element 5"},
+                  {.allow_nonfinite = true});
+  // Negative zero equals zero: it loads.
+  save_with(bad, entries, meta, name, 0, -0.0f);
+  mt::load_checkpoint(bad, *target.model, target.opt.get());
+  EXPECT_EQ(std::bit_cast<uint32_t>(target.opt->state(1)[1].second.to_vector<float>()[0]),
+            0x80000000u);
+  // Optimizer::load_state checks the same way.
+  Snapshot before = snapshot(*target.model, target.opt.get());
+  mt::NamedTensors state = target.opt->state(1);
+  state[1].second = mt::full({8}, -2.0);
+  EXPECT_MT_ERROR(target.opt->load_state(1, state), "AdamW", "'exp_avg_sq'", "-2", "element 0");
+  EXPECT_TRUE(snapshot(*target.model, target.opt.get()) == before);
+}
+
+TEST_F(Checkpoint, NonFiniteValuesLoadOnlyWhenAllowed) {
+  Training source = mlp_run(1);
+  source.train(0, 2);
+  mt::save_checkpoint(path("good.safetensors"), *source.model, source.opt.get());
+  mt::Metadata meta;
+  mt::NamedTensors entries = mt::load_tensors(path("good.safetensors"), &meta);
+  Training target = mlp_run(2);
+  target.train(0, 1);
+  std::string bad = path("bad.safetensors");
+  const float nan = std::bit_cast<float>(0x7fc01234u), inf = std::numeric_limits<float>::infinity();
+  struct Case {
+    std::string name;
+    int64_t index;
+    float value;
+    std::string shown;
+  };
+  for (const Case& c : std::vector<Case>{{"fc2.weight", 1, nan, "nan"},
+                                         {"fc1.bias", 7, -inf, "-inf"},
+                                         {"optimizer.fc1.weight.exp_avg", 3, inf, "inf"},
+                                         {"optimizer.fc2.bias.exp_avg_sq", 0, nan, "nan"},
+                                         {"optimizer.fc2.bias.exp_avg_sq", 2, inf, "inf"}}) {
+    SCOPED_TRACE(c.name + " = " + c.shown);
+    save_with(bad, entries, meta, c.name, c.index, c.value);
+    expect_rejected(bad, *target.model, target.opt.get(),
+                    {"bad.safetensors", "'" + c.name + "'", c.shown,
+                     "element " + std::to_string(c.index), "allow_nonfinite"});
+    // Allowed, the value arrives bit for bit.
+    Training diverged = mlp_run(3);
+    mt::load_checkpoint(bad, *diverged.model, diverged.opt.get(), nullptr, nullptr,
+                        {.allow_nonfinite = true});
+    mt::NamedTensors loaded = diverged.model->state_dict();
+    for (size_t i = 0; i < diverged.opt->params().size(); ++i)
+      for (const auto& [state_name, value] : diverged.opt->state(i))
+        loaded.emplace_back("optimizer." + diverged.model->state_dict()[i].first + "." + state_name,
+                            value);
+    for (const auto& [name, value] : loaded) {
+      if (name != c.name) continue;
+      EXPECT_EQ(std::bit_cast<uint32_t>(value.to_vector<float>()[c.index]),
+                std::bit_cast<uint32_t>(c.value));
+    }
+  }
+  // Half-precision files converted on load are checked on their own bits.
+  for (const auto& [dtype, bits, fine] :
+       std::vector<std::tuple<mt::DType, uint16_t, bool>>{{mt::f16, 0x7c00, false},
+                                                          {mt::f16, 0xfe01, false},
+                                                          {mt::f16, 0xfbff, true},
+                                                          {mt::bf16, 0x7fc1, false},
+                                                          {mt::bf16, 0xff80, false},
+                                                          {mt::bf16, 0x7f7f, true}}) {
+    SCOPED_TRACE(std::string(mt::name(dtype)) + " bits " + std::to_string(bits));
+    mt::NamedTensors half = source.model->state_dict();
+    std::vector<uint16_t> values(3, 0);
+    values[1] = bits;
+    half[3].second = raw<uint16_t>(dtype, values, {3});  // fc2.bias
+    mt::save_tensors(bad, half);
+    if (fine) {
+      Training loads = mlp_run(3);
+      mt::load_checkpoint(bad, *loads.model);
+    } else {
+      expect_rejected(bad, *target.model, nullptr, {"'fc2.bias'", "element 1"});
+    }
+  }
 }
 
 }  // namespace

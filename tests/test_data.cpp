@@ -497,6 +497,99 @@ TEST(DataLoader, TextWindowsBatches) {
   for (size_t i = 0; i < x.size(); ++i) EXPECT_EQ(y[i], x[i] + 1);
 }
 
+// A loader restored from a state, at the start of an epoch, mid-epoch and just before the end of
+// one, returns exactly the batches the loader the state was taken from goes on to return.
+TEST(DataLoader, StateRestoresTheRemainingBatches) {
+  TensorDataset data = numbered(11);
+  for (bool drop_last : {true, false}) {
+    for (int64_t taken : {0, 1, 3, 4, 5, 8}) {
+      SCOPED_TRACE("drop_last " + std::to_string(drop_last) + ", " + std::to_string(taken) +
+                   " batches taken");
+      DataLoader original(data, 3, /*shuffle=*/true, /*seed=*/9, drop_last);
+      for (int64_t k = 0; k < taken; ++k) original.next();
+      DataLoader::State state = original.state();
+      EXPECT_EQ(state.epoch, original.epoch());
+      EXPECT_EQ(state.epoch * original.batches_per_epoch() + state.position, taken);
+      DataLoader resumed(data, 3, true, 9, drop_last);
+      resumed.load_state(state);
+      EXPECT_EQ(resumed.epoch(), original.epoch());
+      for (int k = 0; k < 10; ++k) EXPECT_EQ(rows_of(resumed.next()), rows_of(original.next()));
+      EXPECT_EQ(resumed.epoch(), original.epoch());
+    }
+  }
+}
+
+// The saved order is used as it is (not recomputed from the seed) for the rest of its epoch; the
+// epochs after it are the seed's.
+TEST(DataLoader, StateOrderIsUsedForTheRestOfItsEpoch) {
+  TensorDataset data = numbered(6);
+  DataLoader loader(data, 2, true, 4);
+  DataLoader::State state = loader.state();
+  state.order = {5, 4, 3, 2, 1, 0};
+  state.position = 1;
+  state.epoch = 2;
+  loader.load_state(state);
+  EXPECT_EQ(rows_of(loader.next()), (std::vector<int64_t>{3, 2}));
+  EXPECT_EQ(rows_of(loader.next()), (std::vector<int64_t>{1, 0}));
+  EXPECT_EQ(loader.epoch(), 3);
+  DataLoader reference(data, 2, true, 4);
+  for (int epoch = 0; epoch < 3; ++epoch) epoch_rows(reference);
+  EXPECT_EQ(epoch_rows(loader), epoch_rows(reference));
+  EXPECT_EQ(loader.state().order, reference.state().order);
+}
+
+TEST(DataLoader, LoadStateRejectsWhatCannotBeRightAndChangesNothing) {
+  TensorDataset data = numbered(10);
+  DataLoader loader(data, 3, true, 5);
+  loader.next();
+  const DataLoader::State good = loader.state();
+  auto rejected = [&](DataLoader::State state, const std::vector<std::string>& fragments) {
+    std::string message = error_of([&] { loader.load_state(state); });
+    for (const std::string& fragment : fragments)
+      EXPECT_TRUE(contains(message, fragment)) << "missing \"" << fragment << "\" in: " << message;
+    DataLoader::State now = loader.state();
+    EXPECT_EQ(now.order, good.order);
+    EXPECT_EQ(now.position, good.position);
+    EXPECT_EQ(now.epoch, good.epoch);
+  };
+  DataLoader::State state = good;
+  state.order[3] = state.order[4];
+  rejected(state, {"not a permutation", "entry 4", "twice"});
+  state = good;
+  state.order[0] = 10;
+  rejected(state, {"not a permutation", "entry 0 is 10"});
+  state = good;
+  state.order[2] = -1;
+  rejected(state, {"not a permutation", "-1"});
+  state = good;
+  state.order.pop_back();
+  rejected(state, {"9 entries", "10 examples"});
+  state = good;
+  state.batch_size = 2;
+  rejected(state, {"batch_size 2", "has 3"});
+  state = good;
+  state.seed = 6;
+  rejected(state, {"seed 6", "has 5"});
+  state = good;
+  state.shuffle = false;
+  rejected(state, {"shuffle false"});
+  state = good;
+  state.drop_last = false;
+  rejected(state, {"drop_last false"});
+  state = good;
+  state.position = 3;
+  rejected(state, {"position 3", "3 batches"});
+  state.position = -1;
+  rejected(state, {"position -1"});
+  state = good;
+  state.epoch = -2;
+  rejected(state, {"epoch -2"});
+  // A different dataset size is caught through the order.
+  TensorDataset bigger = numbered(12);
+  DataLoader other(bigger, 3, true, 5);
+  EXPECT_TRUE(contains(error_of([&] { other.load_state(good); }), "12 examples"));
+}
+
 TEST(DataLoader, RejectsBadArguments) {
   TensorDataset data = numbered(10);
   EXPECT_TRUE(contains(error_of([&] { DataLoader(data, 0, false, 0); }), "batch_size 0"));
