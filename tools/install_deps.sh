@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # tools/install_deps.sh -- installs the Debian packages mixtape needs (only those missing).
 # Usage: tools/install_deps.sh [--test]   (--test adds what the test suite needs: GoogleTest,
-# PyTorch and numpy for the oracle tests). Safe to run again: installs nothing when all is there.
+# PyTorch and numpy for the oracle tests, Python's xxhash to check checkpoint checksums). Safe to run again: installs nothing when all is there.
 set -euo pipefail
-packages=(g++ cmake make libfmt-dev zlib1g-dev llvm-16-dev libdnnl-dev)
+packages=(g++ cmake make libfmt-dev zlib1g-dev llvm-16-dev libdnnl-dev libxxhash-dev)
 if [[ "${1:-}" == "--test" ]]; then
-  packages+=(libgtest-dev libgmock-dev python3 python3-torch python3-numpy)
+  packages+=(libgtest-dev libgmock-dev python3 python3-torch python3-numpy python3-xxhash)
 fi
 missing=()
 for p in "${packages[@]}"; do
