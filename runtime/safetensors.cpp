@@ -48,6 +48,7 @@ uint64_t checksum(std::span<const std::byte> bytes) {
 [[noreturn]] void not_safetensors(std::string_view origin, std::string_view why) {
   fail("not a safetensors file: {} ({})", origin, why);
 }
+
 constexpr DType all_dtypes[] = {DType::f32, DType::f64, DType::f16,    DType::bf16,
                                 DType::i32, DType::i64, DType::boolean};
 
@@ -478,7 +479,12 @@ File read(const std::string& path) {
   if (file_size >= length_field_bytes) read_exact(fd, length_field, length_field_bytes, path);
   uint64_t header_length = file_size >= length_field_bytes ? load_u64_le(length_field) : 0;
   check_header_length(header_length, file_size, path);
-  std::string header(header_length, '\0');
+  std::string header;
+  try {
+    header.resize(header_length);
+  } catch (const std::bad_alloc&) {
+    fail("{}: out of memory allocating {} bytes for the header", path, header_length);
+  }
   read_exact(fd, header.data(), header.size(), path);
   // Every entry is checked to lie within the file's real size here, so what is allocated below
   // is data the file holds, never merely what its header claims.

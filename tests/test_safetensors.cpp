@@ -857,6 +857,52 @@ TEST_F(SafetensorsFiles, DeclaredSizesBeyondTheFileAreRejectedBeforeAllocating) 
   EXPECT_MT_ERROR(st::read(path), path, "tensor 'huge'", "beyond the 16-byte data section");
 }
 
+// A 1 GiB tensor the file really holds (sparse), read where memory is short: an mt::Error naming
+// the bytes and the tensor, not std::bad_alloc. In a child process, whose address space is
+// limited; ASan reserves terabytes of shadow memory, so it cannot run under such a limit.
+TEST_F(SafetensorsFiles, RunningOutOfMemoryWhileReadingIsAnMtError) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "an address-space limit cannot be combined with AddressSanitizer";
+#endif
+  constexpr uint64_t tensor_bytes = uint64_t{1} << 30;
+  std::string header =
+      fmt::format(R"({{"huge":{{"dtype":"F32","shape":[{}],"data_offsets":[0,{}]}}}})",
+                  tensor_bytes / 4, tensor_bytes);
+  header.append((8 - header.size() % 8) % 8, ' ');
+  std::string path = dir_ / "sparse.safetensors";
+  write_bytes(path, hand_made(header, 0));
+  fs::resize_file(path, 8 + header.size() + tensor_bytes);  // a hole: no disk space used
+
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    long pages = 0;
+    std::ifstream("/proc/self/statm") >> pages;
+    uint64_t limit = static_cast<uint64_t>(pages) * ::sysconf(_SC_PAGESIZE) + (uint64_t{256} << 20);
+    struct rlimit rl {
+      limit, limit
+    };
+    if (::setrlimit(RLIMIT_AS, &rl) != 0) ::_exit(3);
+    try {
+      st::read(path);
+      ::_exit(1);
+    } catch (const mt::Error& e) {
+      std::string message = e.what();
+      bool named = message.find("out of memory allocating 1073741824 bytes for tensor 'huge'") !=
+                       std::string::npos &&
+                   message.find(path) != std::string::npos;
+      ::_exit(named ? 0 : 2);
+    } catch (...) {
+      ::_exit(4);
+    }
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: no error, 2: unclear message, 3: setrlimit failed, "
+                                       "4: an exception other than mt::Error";
+}
+
 // ---- interop with an independent implementation of the format ----
 
 constexpr const char* python = "/usr/bin/python3";
