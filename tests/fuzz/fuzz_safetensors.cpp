@@ -5,11 +5,11 @@
 // exception or hang; and reading it from a file must agree with parsing it in memory.
 // With MIXTAPE_FUZZ_WRITE_SEEDS=<folder> the target instead writes its seed corpus there (files
 // the library writes) and exits; tests/fuzz/run_fuzz.sh does both.
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -82,7 +82,10 @@ bool same(const st::File& a, const st::File& b) {
   return true;
 }
 
-std::string scratch_path;  // the file each input is written to, one per fuzzing process
+// The file each input is read from: an in-memory file (no disk traffic), opened by its path
+// /proc/self/fd/N as read() opens any path.
+int scratch_fd = -1;
+std::string scratch_path;
 
 }  // namespace
 
@@ -91,10 +94,9 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
     write_seeds(folder);
     std::exit(0);
   }
-  const char* tmp = std::getenv("TMPDIR");
-  scratch_path = std::string(tmp ? tmp : "/tmp") + "/mixtape_fuzz_" + std::to_string(::getpid()) +
-                 ".safetensors";
-  std::atexit([] { ::unlink(scratch_path.c_str()); });
+  scratch_fd = ::memfd_create("mixtape_fuzz", MFD_CLOEXEC);
+  if (scratch_fd < 0) std::abort();
+  scratch_path = "/proc/self/fd/" + std::to_string(scratch_fd);
   return 0;
 }
 
@@ -108,8 +110,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } catch (const mixtape::Error&) {
   }
 
-  FILE* out = std::fopen(scratch_path.c_str(), "wb");
-  if (!out || std::fwrite(data, 1, size, out) != size || std::fclose(out) != 0) std::abort();
+  if (::ftruncate(scratch_fd, 0) != 0 ||
+      ::pwrite(scratch_fd, data, size, 0) != static_cast<ssize_t>(size))
+    std::abort();
   std::optional<st::File> read;
   try {
     read = st::read(scratch_path);
