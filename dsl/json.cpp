@@ -190,7 +190,8 @@ bool overflows_double(std::string_view number) {
 
 class Parser {
  public:
-  explicit Parser(std::string_view text) : text_(text) {}
+  explicit Parser(std::string_view text, size_t max_values = SIZE_MAX)
+      : text_(text), max_values_(max_values) {}
 
   Value parse_document() {
     skip_whitespace();
@@ -198,6 +199,36 @@ class Parser {
     skip_whitespace();
     if (pos_ != text_.size()) error("unexpected trailing characters");
     return value;
+  }
+
+  // Each member's count of values starts afresh; only one member is alive at a time.
+  void parse_members(const MemberVisitor& visit) {
+    skip_whitespace();
+    if (peek() != '{') error("expected an object");
+    ++pos_;
+    skip_whitespace();
+    if (peek() != '}') {
+      while (true) {
+        skip_whitespace();
+        if (peek() != '"') error("expected a string key");
+        size_t key_offset = pos_;
+        std::string key = parse_string();
+        skip_whitespace();
+        expect(':', "expected ':' after object key");
+        skip_whitespace();
+        values_ = 0;
+        member_ = &key;
+        Value value = parse_value(1);
+        member_ = nullptr;
+        visit(std::move(key), std::move(value), key_offset);
+        skip_whitespace();
+        if (peek() == '}') break;
+        expect(',', "expected ',' or '}' in object");
+      }
+    }
+    ++pos_;
+    skip_whitespace();
+    if (pos_ != text_.size()) error("unexpected trailing characters");
   }
 
  private:
@@ -223,6 +254,12 @@ class Parser {
   }
 
   Value parse_value(int depth) {
+    if (++values_ > max_values_) {
+      if (member_)
+        error(fmt::format("member \"{}\" holds more than {} values, the limit", *member_,
+                          max_values_));
+      error(fmt::format("more than {} values, the limit", max_values_));
+    }
     switch (peek()) {
       case '{':
         return parse_object(depth + 1);
@@ -437,6 +474,9 @@ class Parser {
 
   std::string_view text_;
   size_t pos_ = 0;
+  size_t max_values_;
+  size_t values_ = 0;
+  const std::string* member_ = nullptr;  // the top-level member parse_members is reading
 };
 
 void dump_string(std::string& out, std::string_view s) {
@@ -537,6 +577,14 @@ void dump_value(std::string& out, const Value& value) {
 }  // namespace
 
 Value parse(std::string_view text) { return Parser(text).parse_document(); }
+
+Value parse(std::string_view text, size_t max_values) {
+  return Parser(text, max_values).parse_document();
+}
+
+void parse_members(std::string_view text, size_t max_values, const MemberVisitor& visit) {
+  Parser(text, max_values).parse_members(visit);
+}
 
 std::string dump(const Value& value) {
   std::string out;

@@ -4,6 +4,7 @@
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -86,6 +87,20 @@ class Value {
 /// surrogates, numbers too large for a double and nesting deeper than max_depth. Integer text
 /// that fits int64 is kept exact; larger integers become doubles.
 Value parse(std::string_view text);
+
+/// As parse(), but a document of more than max_values values (every array element, object
+/// member value and the root count one) is an error, raised as soon as the count is passed: the
+/// parsed tree costs tens of bytes per value, so this bounds the memory hostile text can claim.
+Value parse(std::string_view text, size_t max_values);
+
+/// Called with each member of a top-level object, its key and the key's byte offset.
+using MemberVisitor = std::function<void(std::string key, Value value, size_t key_offset)>;
+
+/// Parses a document that must be one object, handing each member to visit as soon as it is
+/// read and then dropping it, so memory is bounded by the largest member rather than the whole
+/// document; each member may hold at most max_values values. Duplicate top-level keys are not
+/// detected here (the visitor sees every member); nested objects are checked as by parse().
+void parse_members(std::string_view text, size_t max_values, const MemberVisitor& visit);
 
 /// Compact, deterministic JSON. Doubles use the shortest text that reads back to the same bits
 /// and always carry a '.' or exponent so they read back as doubles. Throws mt::Error for NaN,

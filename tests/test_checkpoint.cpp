@@ -517,7 +517,9 @@ raw = open(sys.argv[1], 'rb').read()
 (n,) = struct.unpack('<Q', raw[:8])
 header = json.loads(raw[8:8 + n].decode('utf-8'))
 data = raw[8 + n:]
-assert header.pop('__metadata__') == {'source': 'mixtape'}, 'metadata'
+metadata = header.pop('__metadata__')
+assert set(json.loads(metadata.pop('mixtape.checksum.xxh3_64'))) == set(header), 'checksums'
+assert metadata == {'source': 'mixtape'}, 'metadata'
 want = {
     'f32': ('F32', [2, 3]), 'f64': ('F64', [4]), 'f16': ('F16', [3, 2]), 'bf16': ('BF16', [5]),
     'i32': ('I32', [2, 2]), 'i64': ('I64', [3]), 'bool': ('BOOL', [2, 1, 2]),

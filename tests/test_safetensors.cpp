@@ -1,19 +1,26 @@
 // tests/test_safetensors.cpp -- JSON parsing and dumping, safetensors round trips, corruption
 // handling, atomic writes and interop with an independent Python reader and writer.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <bit>
+#include <charconv>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <random>
 #include <set>
 #include <sstream>
+#include <thread>
 
 #include "dsl/error.h"
 #include "dsl/json.h"
@@ -225,6 +232,31 @@ TEST(Json, LimitsNestingDepth) {
   EXPECT_MT_ERROR(mt::json::parse(std::string(1'000'000, '[')), "nesting deeper");
 }
 
+TEST(Json, LimitsValuesAndParsesMemberByMember) {
+  EXPECT_EQ(mt::json::parse("[1,[2,3]]", 5).size(), 2u);  // root, 1, [..], 2, 3
+  EXPECT_MT_ERROR(mt::json::parse("[1,[2,3]]", 4), "more than 4 values");
+  EXPECT_MT_ERROR(mt::json::parse(std::string(100, '[') + "]", 3), "more than 3 values");
+
+  std::vector<std::pair<std::string, Value>> seen;
+  auto visit = [&](std::string key, Value value, size_t offset) {
+    seen.emplace_back(fmt::format("{}@{}", key, offset), std::move(value));
+  };
+  mt::json::parse_members(R"( {"a": [1, 2], "b": {"c": null}} )", 3, visit);
+  ASSERT_EQ(seen.size(), 2u);
+  EXPECT_EQ(seen[0].first, "a@2");
+  EXPECT_EQ(mt::json::dump(seen[0].second), "[1,2]");
+  EXPECT_EQ(seen[1].first, "b@15");
+  EXPECT_EQ(mt::json::dump(seen[1].second), R"({"c":null})");
+  // The limit is per member; the first members have been visited when a later one fails.
+  seen.clear();
+  EXPECT_MT_ERROR(mt::json::parse_members(R"({"a":[1],"b":[1,2,3]})", 3, visit),
+                  "member \"b\" holds more than 3 values");
+  EXPECT_EQ(seen.size(), 1u);
+  EXPECT_MT_ERROR(mt::json::parse_members("[]", 3, visit), "expected an object");
+  EXPECT_MT_ERROR(mt::json::parse_members("{} x", 3, visit), "trailing");
+  EXPECT_MT_ERROR(mt::json::parse_members(R"({"a":{"b":1,"b":2}})", 9, visit), "duplicate key");
+}
+
 // ---- safetensors ----
 
 struct Expected {
@@ -394,11 +426,13 @@ TEST(Safetensors, ReaderValidatesEveryHeaderRule) {
   };
   auto entry = [](std::string body) { return "{\"a\":{" + body + "}}"; };
   const std::vector<Case> cases = {
-      {"not json", 8, "not valid JSON"},
+      {"not json", 8, "not a safetensors file: hand-edited.st (its header is not a JSON object)"},
+      {"{not json", 8, "hand-edited.st: header is not valid JSON"},
       {good + "x", 8, "trailing"},
-      {"", 0, "not valid JSON"},
-      {"[]", 0, "must be a JSON object, got array"},
-      {"\"a\"", 0, "must be a JSON object, got string"},
+      {"", 0, "not a safetensors file"},
+      {" {}", 0, "not a safetensors file"},
+      {"[]", 0, "not a safetensors file"},
+      {"\"a\"", 0, "not a safetensors file"},
       {R"({"a":[1]})", 0, "tensor 'a': expected an object"},
       {entry(R"("shape":[2],"data_offsets":[0,8])"), 8, "missing field 'dtype'"},
       {entry(R"("dtype":"F32","data_offsets":[0,8])"), 8, "missing field 'shape'"},
@@ -449,7 +483,8 @@ TEST(Safetensors, ReaderValidatesEveryHeaderRule) {
       {"{}", 4, "bytes [0, 4) belong to no tensor"},
       {R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
        R"("a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
-       8, "duplicate key \"a\""},
+       8, "duplicate key \"a\" in the header"},
+      {R"({"__metadata__":{},"__metadata__":{}})", 0, "duplicate key \"__metadata__\""},
       {R"({"":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8, "empty tensor name"},
       {R"({"__metadata__":{"k":1},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8,
        "metadata 'k' must be a string, got number"},
@@ -463,7 +498,7 @@ TEST(Safetensors, ReaderValidatesEveryHeaderRule) {
     SCOPED_TRACE(c.header);
     EXPECT_MT_ERROR(st::parse(hand_made(c.header, c.data_bytes), "hand-edited.st"), c.fragment);
     EXPECT_MT_ERROR(st::parse(hand_made(c.header, c.data_bytes), "hand-edited.st"),
-                    "hand-edited.st: ");
+                    "hand-edited.st");
   }
 
   // A zero dim makes a tensor empty however large the other dims are.
@@ -480,12 +515,23 @@ TEST(Safetensors, ReaderRejectsBadHeaderLengths) {
     std::memcpy(edited.data(), &length, 8);
     return edited;
   };
-  EXPECT_MT_ERROR(st::parse(with_length(~uint64_t{0}), "huge.st"), "exceeds the limit");
-  EXPECT_MT_ERROR(st::parse(with_length(uint64_t{1} << 63), "huge.st"), "exceeds the limit");
-  EXPECT_MT_ERROR(st::parse(with_length(st::max_header_bytes + 1), "huge.st"), "exceeds the limit");
-  EXPECT_MT_ERROR(st::parse(with_length(bytes.size() - 7), "long.st"), "runs past the end");
-  EXPECT_MT_ERROR(st::parse(with_length(0), "zero.st"), "not valid JSON");
+  // What a file of some other kind gives (here the text "PK\x03\x04" of a zip, read as a
+  // length) says so, rather than quoting an absurd header length.
+  EXPECT_MT_ERROR(st::parse(with_length(~uint64_t{0}), "huge.st"),
+                  "not a safetensors file: huge.st (its header length field says "
+                  "18446744073709551615 bytes, but the file has");
+  EXPECT_MT_ERROR(st::parse(with_length(0x0000000004034b50), "zip.st"),
+                  "not a safetensors file: zip.st");
+  EXPECT_MT_ERROR(st::parse(with_length(uint64_t{1} << 63), "huge.st"), "not a safetensors file");
+  EXPECT_MT_ERROR(st::parse(with_length(bytes.size() - 7), "long.st"), "not a safetensors file");
+  EXPECT_MT_ERROR(st::parse(with_length(0), "zero.st"), "not a safetensors file");
   EXPECT_MT_ERROR(st::parse(with_length(16), "short.st"), "not valid JSON");
+  EXPECT_MT_ERROR(st::parse(std::vector<std::byte>(7), "tiny.st"),
+                  "not a safetensors file: tiny.st (7 bytes, too short");
+  std::vector<std::byte> big(st::max_header_bytes + 16);
+  uint64_t too_long = st::max_header_bytes + 1;
+  std::memcpy(big.data(), &too_long, 8);
+  EXPECT_MT_ERROR(st::parse(big, "big.st"), "header length 100000001 exceeds the limit");
 }
 
 TEST_F(SafetensorsFiles, EveryTruncationIsAnError) {
@@ -498,7 +544,7 @@ TEST_F(SafetensorsFiles, EveryTruncationIsAnError) {
   for (size_t length = 0; length < bytes.size(); ++length) {
     SCOPED_TRACE(length);
     std::span<const std::byte> prefix(bytes.data(), length);
-    EXPECT_MT_ERROR(st::parse(prefix, "cut.st"), "cut.st: ");
+    EXPECT_MT_ERROR(st::parse(prefix, "cut.st"), "cut.st");
     write_bytes(path, prefix);
     EXPECT_MT_ERROR(st::read(path), path);
   }
@@ -558,14 +604,351 @@ TEST_F(SafetensorsFiles, WriteFailuresLeaveNothingBehind) {
   EXPECT_TRUE(fs::is_directory(onto_dir));
 }
 
+// ---- atomic saves: concurrency, leftovers, modes, symbolic links ----
+
+// A file whose every part says which generation wrote it: a metadata entry and two tensors
+// filled with that number, big enough that two writers' writes interleave.
+st::File generation_file(int generation) {
+  st::File file;
+  file.tensors.push_back(
+      tensor("w", DType::i32, {16384}, to_bytes(std::vector<int32_t>(16384, generation))));
+  file.tensors.push_back(tensor("b", DType::i64, {1}, to_bytes<int64_t>({generation})));
+  file.metadata = {{"generation", std::to_string(generation)}};
+  return file;
+}
+
+// The generation a loaded file is, checking that all its parts agree.
+int generation_of(const st::File& file) {
+  int generation = std::stoi(file.metadata.at(0).second);
+  for (int32_t v : from_bytes<int32_t>(file.tensors.at(0).bytes)) EXPECT_EQ(v, generation);
+  EXPECT_EQ(from_bytes<int64_t>(file.tensors.at(1).bytes).at(0), generation);
+  return generation;
+}
+
+// Two threads saving to one path at once: none may fail, and what is on disk after each round
+// (and whatever a reader sees meanwhile) is one generation whole.
+TEST_F(SafetensorsFiles, ConcurrentSavesNeverFailNorTear) {
+  std::string path = dir_ / "shared.safetensors";
+  st::write(path, generation_file(0));
+  std::atomic<int> failures{0};
+  std::atomic<bool> done{false};
+  std::thread reader([&] {
+    while (!done) {
+      try {
+        generation_of(st::read(path));
+      } catch (const mt::Error& e) {
+        ADD_FAILURE() << "reader: " << e.what();
+        ++failures;
+      }
+    }
+  });
+  for (int round = 1; round <= 60; ++round) {
+    std::vector<std::thread> writers;
+    for (int w = 0; w < 2; ++w)
+      writers.emplace_back([&, w] {
+        try {
+          st::write(path, generation_file(2 * round + w));
+        } catch (const mt::Error& e) {
+          ADD_FAILURE() << "writer: " << e.what();
+          ++failures;
+        }
+      });
+    for (std::thread& t : writers) t.join();
+    int generation = generation_of(st::read(path));
+    EXPECT_TRUE(generation == 2 * round || generation == 2 * round + 1) << generation;
+  }
+  done = true;
+  reader.join();
+  EXPECT_EQ(failures, 0);
+  EXPECT_EQ(listing(dir_), std::set<std::string>{"shared.safetensors"});
+}
+
+// The pid of a process that has exited and been reaped: certainly not a live writer.
+pid_t dead_pid() {
+  pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ::waitpid(child, nullptr, 0);
+  return child;
+}
+
+TEST_F(SafetensorsFiles, SaveRemovesDeadWritersTemporariesOnly) {
+  std::string name = "model.safetensors";
+  std::string dead = std::to_string(dead_pid());
+  std::vector<std::string> stale = {
+      name + ".tmp." + dead,                          // as earlier versions named them
+      name + ".tmp." + dead + ".7.0123456789abcdef",  // as this one does
+  };
+  std::vector<std::string> kept = {
+      name + ".tmp.1.0.0123456789abcdef",                                    // pid 1 is alive
+      name + ".tmp." + std::to_string(::getpid()) + ".99.fedcba9876543210",  // this process's
+      name + ".tmp." + dead + ".x",                                          // not our naming
+      name + ".tmp." + dead + ".7.0123456789ABCDEF",                         // not our naming
+      name + ".tmp.notapid",                                                 // not our naming
+      "other.safetensors.tmp." + dead,                                       // another target's
+  };
+  for (const std::string& file : stale) write_bytes(dir_ / file, std::vector<std::byte>(5));
+  for (const std::string& file : kept) write_bytes(dir_ / file, std::vector<std::byte>(5));
+  st::write(dir_ / name, sample_file());
+  std::set<std::string> expected(kept.begin(), kept.end());
+  expected.insert(name);
+  EXPECT_EQ(listing(dir_), expected);
+}
+
+mode_t mode_of(const fs::path& path) {
+  struct stat info {};
+  EXPECT_EQ(::stat(path.c_str(), &info), 0) << path;
+  return info.st_mode & 07777;
+}
+
+TEST_F(SafetensorsFiles, SaveKeepsTheModeOfAnExistingFile) {
+  std::string path = dir_ / "private.safetensors";
+  mode_t old_umask = ::umask(027);
+  st::write(path, sample_file());
+  EXPECT_EQ(mode_of(path), 0640u);  // a new file: 0666 less the umask
+  ::umask(old_umask);
+  ASSERT_EQ(::chmod(path.c_str(), 0600), 0);
+  st::write(path, sample_file());
+  EXPECT_EQ(mode_of(path), 0600u);
+  ASSERT_EQ(::chmod(path.c_str(), 0604), 0);
+  st::write(path, sample_file());
+  EXPECT_EQ(mode_of(path), 0604u);
+}
+
+TEST_F(SafetensorsFiles, SaveWritesThroughSymbolicLinks) {
+  fs::create_directories(dir_ / "real");
+  fs::create_directories(dir_ / "links");
+  fs::path target = dir_ / "real" / "model.safetensors";
+  st::write(target, generation_file(1));
+  ASSERT_EQ(::chmod(target.c_str(), 0600), 0);
+  // A relative link to a relative link: each resolves against its own folder.
+  fs::create_symlink("../real/model.safetensors", dir_ / "links" / "first");
+  fs::create_symlink("first", dir_ / "links" / "second");
+  st::write(dir_ / "links" / "second", generation_file(2));
+  EXPECT_TRUE(fs::is_symlink(dir_ / "links" / "second"));
+  EXPECT_TRUE(fs::is_symlink(dir_ / "links" / "first"));
+  EXPECT_EQ(generation_of(st::read(target)), 2);
+  EXPECT_EQ(mode_of(target), 0600u);
+  EXPECT_EQ(listing(dir_ / "links"), (std::set<std::string>{"first", "second"}));
+  EXPECT_EQ(listing(dir_ / "real"), std::set<std::string>{"model.safetensors"});
+
+  // A dangling link creates its target, as a shell's '>' does.
+  fs::create_symlink(dir_ / "real" / "new.safetensors", dir_ / "links" / "dangling");
+  st::write(dir_ / "links" / "dangling", generation_file(3));
+  EXPECT_TRUE(fs::is_symlink(dir_ / "links" / "dangling"));
+  EXPECT_EQ(generation_of(st::read(dir_ / "real" / "new.safetensors")), 3);
+
+  // A loop is an error, not a hang.
+  fs::create_symlink("loop_b", dir_ / "links" / "loop_a");
+  fs::create_symlink("loop_a", dir_ / "links" / "loop_b");
+  EXPECT_MT_ERROR(st::write(dir_ / "links" / "loop_a", generation_file(4)), "symbolic links");
+}
+
+// ---- checksums ----
+
+// Where a tensor's bytes start in a serialized file.
+size_t data_start(std::span<const std::byte> bytes, const st::File& file, std::string_view name) {
+  uint64_t header_length = 0;
+  std::memcpy(&header_length, bytes.data(), 8);
+  size_t offset = 8 + header_length;
+  for (const st::TensorData& t : file.tensors) {
+    if (t.name == name) return offset;
+    offset += t.bytes.size();
+  }
+  ADD_FAILURE() << "no tensor " << name;
+  return 0;
+}
+
+TEST_F(SafetensorsFiles, ChecksumsCatchAFlippedDataByte) {
+  st::File file;
+  file.tensors.push_back(
+      tensor("fc1.weight", DType::f32, {2, 2}, to_bytes<float>({-0.0809f, 0.5f, 0.25f, -1.0f})));
+  file.tensors.push_back(tensor("fc1.bias", DType::f32, {2}, to_bytes<float>({0.125f, 2.0f})));
+  file.metadata = {{"format", "pt"}};
+  std::string path = dir_ / "model.safetensors";
+  st::write(path, file);
+  expect_same(st::read(path), file);  // the checksum entry is not user metadata
+
+  std::vector<std::byte> bytes = st::serialize(file);
+  for (const char* name : {"fc1.weight", "fc1.bias"}) {
+    SCOPED_TRACE(name);
+    std::vector<std::byte> corrupt = bytes;
+    // The top byte of the first float: -0.0809 becomes about -2.75e37, still a finite float.
+    corrupt[data_start(bytes, file, name) + 3] ^= std::byte{0x7c};
+    write_bytes(path, corrupt);
+    std::string fragment = fmt::format("tensor '{}' is corrupt", name);
+    EXPECT_MT_ERROR(st::read(path), path, fragment, "xxh3_64");
+    EXPECT_MT_ERROR(st::parse(corrupt, "memory.st"), "memory.st", fragment);
+  }
+}
+
+TEST(Safetensors, ChecksumMetadataIsCheckedAndReserved) {
+  st::File file = sample_file();
+  std::vector<std::byte> bytes = st::serialize(file);
+  std::string text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  EXPECT_NE(text.find("\"mixtape.checksum.xxh3_64\":\"{"), std::string::npos);
+
+  // User metadata may not use the prefix, so a user's entry is never taken for ours.
+  st::File reserved = file;
+  reserved.metadata.push_back({"mixtape.checksum.crc32c", "x"});
+  EXPECT_MT_ERROR(st::serialize(reserved), "'mixtape.checksum.crc32c'", "reserved");
+
+  // A checksum entry that does not match the tensors means a tool rewrote the file.
+  const std::string data = R"("a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]})";
+  auto with_sums = [&](std::string sums) {
+    return hand_made(R"({"__metadata__":{"mixtape.checksum.xxh3_64":)" + sums + "}," + data + "}",
+                     4);
+  };
+  EXPECT_MT_ERROR(st::parse(with_sums(R"("{}")"), "m.st"), "lists 0 tensors, the file holds 1");
+  EXPECT_MT_ERROR(st::parse(with_sums(R"("{\"b\":\"0000000000000000\"}")"), "m.st"),
+                  "no checksum for tensor 'a'");
+  EXPECT_MT_ERROR(st::parse(with_sums(R"("{\"a\":\"12\"}")"), "m.st"), "not 16 hex digits");
+  EXPECT_MT_ERROR(st::parse(with_sums(R"("[1]")"), "m.st"), "must hold a JSON object");
+  EXPECT_MT_ERROR(st::parse(with_sums(R"("{")"), "m.st"), "is not a JSON object");
+  EXPECT_MT_ERROR(st::parse(with_sums(R"("{\"a\":\"0000000000000000\"}")"), "m.st"),
+                  "tensor 'a' is corrupt");
+  // Without the entry (another writer's file) the data loads unverified.
+  EXPECT_EQ(st::parse(hand_made("{" + data + "}", 4), "m.st").tensors.size(), 1u);
+}
+
+// ---- hostile headers and sizes ----
+
+// Bytes the process has held at most so far, from the kernel's high-water mark.
+int64_t peak_rss_bytes() {
+  struct rusage usage {};
+  ::getrusage(RUSAGE_SELF, &usage);
+  return int64_t{usage.ru_maxrss} * 1024;
+}
+
+// Headers just under the size cap that cost 1.2-2.7 GB and 15-28 s each before parsing became
+// bounded: each must now be refused quickly with a clear message and little memory.
+TEST(Safetensors, HostileHeadersCostBoundedTimeAndMemory) {
+  // A header of `head`, then `before`, a distinct key (unless `before` is empty) and `after`
+  // repeated while it fits, then `tail`.
+  // Written straight into one buffer: appending ~7M pieces to strings takes seconds under ASan.
+  auto header = [](std::string_view head, std::string_view before, std::string_view after,
+                   std::string_view tail) {
+    std::vector<std::byte> bytes(8 + st::max_header_bytes);
+    char* const start = reinterpret_cast<char*>(bytes.data()) + 8;
+    char* const budget_end = start + st::max_header_bytes - tail.size() - 64;
+    char* out = std::copy(head.begin(), head.end(), start);
+    for (size_t i = 0; out < budget_end; ++i) {
+      if (!before.empty()) {
+        out = std::copy(before.begin(), before.end(), out);
+        out = std::to_chars(out, out + 32, i, 36).ptr;
+      }
+      out = std::copy(after.begin(), after.end(), out);
+    }
+    out = std::copy(tail.begin(), tail.end(), out - 1);  // over the last ','
+    uint64_t length = static_cast<uint64_t>(out - start);
+    std::memcpy(bytes.data(), &length, 8);
+    bytes.resize(8 + length);
+    return bytes;
+  };
+  struct Case {
+    std::function<std::vector<std::byte>()> make;
+    std::string fragment;
+  };
+  const Case cases[] = {
+      {[&] {  // a 50M-element shape
+         return header(R"({"a":{"dtype":"F32","data_offsets":[0,0],"shape":[)", "", "0,", "]}}");
+       },
+       "member \"a\" holds more than"},
+      {[&] {  // millions of metadata keys
+         return header(R"({"__metadata__":{)", "\"", R"(":"",)", "}}");
+       },
+       "member \"__metadata__\" holds more than"},
+      {[&] {  // millions of empty tensors
+         return header("{", "\"", R"(":{"dtype":"F32","shape":[0],"data_offsets":[0,0]},)", "}");
+       },
+       fmt::format("more than {} tensors, the limit", st::max_tensors)},
+  };
+  // 0.02-0.4 s a case in a release build, where a full parse took 10-15 s; sanitizers are slower.
+#if defined(__SANITIZE_ADDRESS__)
+  const double time_limit = 10;
+#else
+  const double time_limit = 3;
+#endif
+  int64_t rss_before = peak_rss_bytes();
+  for (const Case& c : cases) {
+    std::vector<std::byte> bytes = c.make();
+    ASSERT_GT(bytes.size(), st::max_header_bytes - 200);
+    ASSERT_LE(bytes.size(), st::max_header_bytes + 8);
+    auto start = std::chrono::steady_clock::now();
+    EXPECT_MT_ERROR(st::parse(bytes, "hostile.st"), "hostile.st", c.fragment);
+    double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    EXPECT_LT(seconds, time_limit) << c.fragment;
+  }
+  // A case's bytes are ~100 MB; the parse may add a small multiple of the header's size, not the
+  // 1.2-2.7 GB a full parse tree took.
+  EXPECT_LT(peak_rss_bytes() - rss_before, int64_t{500} << 20);
+}
+
+TEST_F(SafetensorsFiles, DeclaredSizesBeyondTheFileAreRejectedBeforeAllocating) {
+  // 64 GiB declared, 16 bytes present: an mt::Error from the header check, never bad_alloc.
+  std::string header =
+      R"({"huge":{"dtype":"F32","shape":[16,1073741824],"data_offsets":[0,68719476736]}})";
+  std::string path = dir_ / "sparse_claim.safetensors";
+  write_bytes(path, hand_made(header, 16));
+  EXPECT_MT_ERROR(st::read(path), path, "tensor 'huge'", "beyond the 16-byte data section");
+}
+
+// A 1 GiB tensor the file really holds (sparse), read where memory is short: an mt::Error naming
+// the bytes and the tensor, not std::bad_alloc. In a child process, whose address space is
+// limited; ASan reserves terabytes of shadow memory, so it cannot run under such a limit.
+TEST_F(SafetensorsFiles, RunningOutOfMemoryWhileReadingIsAnMtError) {
+#if defined(__SANITIZE_ADDRESS__)
+  GTEST_SKIP() << "an address-space limit cannot be combined with AddressSanitizer";
+#endif
+  constexpr uint64_t tensor_bytes = uint64_t{1} << 30;
+  std::string header =
+      fmt::format(R"({{"huge":{{"dtype":"F32","shape":[{}],"data_offsets":[0,{}]}}}})",
+                  tensor_bytes / 4, tensor_bytes);
+  header.append((8 - header.size() % 8) % 8, ' ');
+  std::string path = dir_ / "sparse.safetensors";
+  write_bytes(path, hand_made(header, 0));
+  fs::resize_file(path, 8 + header.size() + tensor_bytes);  // a hole: no disk space used
+
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    long pages = 0;
+    std::ifstream("/proc/self/statm") >> pages;
+    uint64_t limit = static_cast<uint64_t>(pages) * ::sysconf(_SC_PAGESIZE) + (uint64_t{256} << 20);
+    struct rlimit rl {
+      limit, limit
+    };
+    if (::setrlimit(RLIMIT_AS, &rl) != 0) ::_exit(3);
+    try {
+      st::read(path);
+      ::_exit(1);
+    } catch (const mt::Error& e) {
+      std::string message = e.what();
+      bool named = message.find("out of memory allocating 1073741824 bytes for tensor 'huge'") !=
+                       std::string::npos &&
+                   message.find(path) != std::string::npos;
+      ::_exit(named ? 0 : 2);
+    } catch (...) {
+      ::_exit(4);
+    }
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "1: no error, 2: unclear message, 3: setrlimit failed, "
+                                       "4: an exception other than mt::Error";
+}
+
 // ---- interop with an independent implementation of the format ----
 
 constexpr const char* python = "/usr/bin/python3";
 
 // Decodes a file with nothing but struct and json, and compares it with what the C++ side
-// says it wrote; also cross-checks with the safetensors package when that is installed.
+// says it wrote, checksums recomputed with Python's xxhash; also cross-checks with the
+// safetensors package when that is installed.
 constexpr const char* python_reader = R"PY(
 import json, math, struct, sys
+import xxhash
 
 path, expected_path = sys.argv[1], sys.argv[2]
 data = open(path, 'rb').read()
@@ -574,7 +957,9 @@ expected = json.load(open(expected_path, encoding='utf-8'))
 assert n % 8 == 0, 'header length %d not a multiple of 8' % n
 header = json.loads(data[8:8 + n].decode('utf-8'))
 body = data[8 + n:]
-assert header.pop('__metadata__') == expected['metadata'], 'metadata differs'
+metadata = header.pop('__metadata__')
+checksums = json.loads(metadata.pop('mixtape.checksum.xxh3_64'))
+assert metadata == expected['metadata'], 'metadata differs'
 names = [t['name'] for t in expected['tensors']]
 assert list(header) == names, ('names', list(header), names)
 formats = {'F32': 'f', 'F64': 'd', 'F16': 'e', 'BF16': 'H', 'I32': 'i', 'I64': 'q', 'BOOL': '?'}
@@ -594,7 +979,10 @@ for t in expected['tensors']:
     if entry['dtype'] == 'BF16':
         values = [struct.unpack('<f', struct.pack('<I', v << 16))[0] for v in values]
     assert values == t['values'], (t['name'], values, t['values'])
+    # The checksum, recomputed by an independent XXH3 implementation.
+    assert checksums.pop(t['name']) == xxhash.xxh3_64_hexdigest(body[begin:end]), t['name']
 assert cursor == len(body), 'data section not fully covered'
+assert not checksums, ('checksums for unknown tensors', checksums)
 
 try:
     from safetensors import safe_open
