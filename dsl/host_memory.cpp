@@ -70,20 +70,20 @@ void free_cached(Cache& c) {
 
 // Under the cache's lock: room for `size` more bytes within the limit, giving the cached
 // blocks back first if that makes room.
-void reserve(Cache& c, size_t size, size_t asked) {
+void reserve(Cache& c, double size, double asked, const std::string& what = "") {
   int64_t cap = limit().load(std::memory_order_relaxed);
   if (cap <= 0) return;
   auto fits = [&] {
     return static_cast<double>(c.stats.live_bytes) + static_cast<double>(c.stats.cached_bytes) +
-               static_cast<double>(size) <=
+               size <=
            static_cast<double>(cap);
   };
   if (!fits()) free_cached(c);
   if (!fits())
     fail(
-        "out of memory: {} asked for, but values already hold {} of the {} memory limit "
+        "out of memory: {}{} asked for, but values already hold {} of the {} memory limit "
         "(MIXTAPE_MAX_MEMORY / mt::set_memory_limit)",
-        human_bytes(static_cast<double>(asked)),
+        what.empty() ? "" : what + ": ", human_bytes(asked),
         human_bytes(static_cast<double>(c.stats.live_bytes)),
         human_bytes(static_cast<double>(cap)));
 }
@@ -107,6 +107,12 @@ int64_t parse_byte_size(const char* text, const char* what) {
       number > (static_cast<unsigned long long>(std::numeric_limits<int64_t>::max()) >> shift))
     fail("{}: expected a byte count such as 8G, 512M, 64K or 1000000, got '{}'", what, text);
   return static_cast<int64_t>(number << shift);
+}
+
+void check_memory_request(uint64_t bytes, const std::string& what) {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  reserve(c, static_cast<double>(bytes), static_cast<double>(bytes), what);
 }
 
 void set_memory_limit(int64_t bytes) {
@@ -138,7 +144,7 @@ void* host_allocate(size_t bytes) {
       }
       ++c.stats.misses;
     }
-    reserve(c, size, bytes);
+    reserve(c, static_cast<double>(size), static_cast<double>(bytes));
     c.stats.live_bytes += static_cast<int64_t>(size);
   }
   void* block = std::aligned_alloc(alignment, size);

@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <new>
+#include <string>
 #include <utility>
 
 namespace mixtape {
@@ -25,6 +26,10 @@ void host_release(void* block, size_t bytes) noexcept;
 /// a job stops cleanly instead of being killed by the OS. Devices' memory is not counted.
 void set_memory_limit(int64_t bytes);
 int64_t memory_limit();
+/// mt::Error, as an allocation past the limit would be, when `bytes` more would not fit within
+/// the memory limit: for readers that know the total they are about to allocate (a checkpoint's
+/// tensors) and refuse it whole, before allocating any of it. `what` names the asker.
+void check_memory_request(uint64_t bytes, const std::string& what);
 /// Parses MIXTAPE_MAX_MEMORY's syntax; mt::Error naming `what` for anything else.
 int64_t parse_byte_size(const char* text, const char* what);
 

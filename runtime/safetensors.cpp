@@ -17,6 +17,7 @@
 #include <unordered_set>
 
 #include "dsl/error.h"
+#include "dsl/host_memory.h"
 #include "dsl/json.h"
 #include "runtime/atomic_file.h"
 
@@ -490,6 +491,8 @@ File read(const std::string& path) {
   // is data the file holds, never merely what its header claims.
   Layout layout = read_header(header, file_size - length_field_bytes - header_length, path);
   header = {};
+  // Past the memory limit, the whole file is refused before any tensor is allocated.
+  check_memory_request(file_size, fmt::format("loading '{}'", path));
 
   // Entries tile the data section in order, so their bytes can be read straight into place.
   File file = file_from(layout);

@@ -3,6 +3,8 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <string>
 #include <vector>
 
 #include <mixtape/mixtape.h>
@@ -59,6 +61,17 @@ TEST_F(MemoryLimit, AnEvaluationPastTheLimitFailsCleanly) {
   mt::set_memory_limit(0);
   EXPECT_EQ(mt::sum(mt::exp(mt::zeros({int64_t{16} << 20}))).item(), 16 << 20);
   EXPECT_MT_ERROR(mt::set_memory_limit(-1), "set_memory_limit");
+}
+
+TEST_F(MemoryLimit, ACheckpointPastTheLimitIsRefusedBeforeAllocating) {
+  std::string path = ::testing::TempDir() + "/reliability_limit.safetensors";
+  mt::save_tensors(path, {{"big", mt::ones({int64_t{1} << 20})}});  // 4 MiB
+  mt::set_memory_limit(int64_t{2} << 20);
+  EXPECT_MT_ERROR(mt::load_tensors(path), "out of memory", "loading", "reliability_limit",
+                  "memory limit");
+  mt::set_memory_limit(0);
+  EXPECT_EQ(mt::load_tensors(path).at(0).second.numel(), int64_t{1} << 20);
+  std::remove(path.c_str());
 }
 
 TEST(Reliability, MemoryLimitSyntax) {

@@ -13,7 +13,7 @@ mkdir -p "$work"
 "$cxx" -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
   -fno-omit-frame-pointer -I"$src" \
   "$src/tests/fuzz/fuzz_safetensors.cpp" "$src/runtime/safetensors.cpp" \
-  "$src/runtime/atomic_file.cpp" "$src/dsl/json.cpp" "$src/dsl/dtype.cpp" \
+  "$src/runtime/atomic_file.cpp" "$src/dsl/json.cpp" "$src/dsl/dtype.cpp" "$src/dsl/host_memory.cpp" \
   -lfmt -o "$work/fuzz_safetensors"
 rm -rf "$work/seeds" "$work/corpus"
 mkdir -p "$work/seeds" "$work/corpus"
