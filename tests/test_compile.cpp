@@ -308,7 +308,6 @@ TEST(Compile, SideEffectsKeepTheFunctionTracedEveryCall) {
   };
   std::vector<Case> cases = {
       {"reads a value on the host", [](MlpRun& run) { (void)run.x.sum().item(); }},
-      {"draws random numbers", [](MlpRun& run) { (void)mt::rand({2}, mt::f32, &run.gen); }},
       {"sets the learning rate", [](MlpRun& run) { run.opt.set_lr(run.opt.lr() * 0.9); }},
   };
   for (const Case& c : cases) {
@@ -331,6 +330,128 @@ TEST(Compile, SideEffectsKeepTheFunctionTracedEveryCall) {
     if (replays_here()) {
       EXPECT_NE(step.stats().reason.find(c.reason), std::string::npos) << step.stats().reason;
     }
+  }
+}
+
+// Dropout and input noise drawn inside the step: each replay draws fresh numbers, those that
+// tracing every call draws, because the draws read and advance their generator's offset as
+// graph values.
+struct DropoutRun {
+  mt::Generator init{31}, noise{32}, drop{33};
+  mt::Linear fc1{8, 32, true, &init}, fc2{32, 4, true, &init};
+  mt::AdamW opt{{fc1.weight, fc1.bias, fc2.weight, fc2.bias}, mt::AdamOptions{.lr = 1e-2}};
+  mt::Tensor x = mt::randn({16, 8}, mt::f32, &init);
+  mt::Tensor y = mt::randn({16, 4}, mt::f32, &init);
+  mt::Tensor step(const mt::Tensor& input) {
+    opt.zero_grad();
+    mt::Tensor noisy = input + mt::randn(input.shape(), mt::f32, &noise, 0.0, 0.05);
+    mt::Tensor h = mt::dropout(mt::gelu(fc1(noisy)), 0.3, true, &drop);
+    mt::Tensor loss = mt::mse_loss(fc2(mt::dropout(h, 0.1, true, &drop)), y);
+    loss.backward();
+    opt.step();
+    return loss;
+  }
+  std::vector<std::vector<uint32_t>> params() const {
+    return {bits(fc1.weight), bits(fc1.bias), bits(fc2.weight), bits(fc2.bias)};
+  }
+};
+
+TEST(Compile, DropoutReplaysWithFreshNumbersBitForBit) {
+  DropoutRun plain_run, compiled_run;
+  auto step = mt::compile([&](const mt::Tensor& x) { return compiled_run.step(x); });
+  std::vector<uint32_t> plain, compiled;
+  for (int i = 0; i < 12; ++i) {
+    plain.push_back(bits(plain_run.step(plain_run.x))[0]);
+    compiled.push_back(bits(step(compiled_run.x))[0]);
+  }
+  EXPECT_EQ(plain, compiled);
+  EXPECT_EQ(plain_run.params(), compiled_run.params());
+  EXPECT_EQ(plain_run.drop.offset(), compiled_run.drop.offset());
+  EXPECT_EQ(plain_run.noise.offset(), compiled_run.noise.offset());
+  EXPECT_EQ(compiled_run.noise.offset(), 12u * 16 * 8);
+  // The same input every step: only fresh masks and noise make the losses differ.
+  EXPECT_NE(compiled[10], compiled[11]);
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 9) << step.stats().reason;
+  }
+}
+
+// Reseeding, restoring or drawing from a generator outside the step is followed: the replays
+// stop and the step is traced again from the generator's new state.
+TEST(Compile, GeneratorsChangedOutsideTheStepAreFollowed) {
+  DropoutRun plain_run, compiled_run;
+  auto step = mt::compile([&](const mt::Tensor& x) { return compiled_run.step(x); });
+  std::vector<std::function<void(DropoutRun&)>> outside = {
+      [](DropoutRun& run) { run.drop.manual_seed(99); },
+      [](DropoutRun& run) { run.drop.set_state(5, 1000); },
+      [](DropoutRun& run) { (void)mt::rand({3}, mt::f32, &run.noise).to_vector<float>(); },
+      [](DropoutRun& run) { run.noise.advance(64); },
+  };
+  std::vector<uint32_t> plain, compiled;
+  for (int i = 0; i < 28; ++i) {
+    if (i % 7 == 6) {
+      outside[i / 7](plain_run);
+      outside[i / 7](compiled_run);
+    }
+    plain.push_back(bits(plain_run.step(plain_run.x))[0]);
+    compiled.push_back(bits(step(compiled_run.x))[0]);
+  }
+  EXPECT_EQ(plain, compiled);
+  EXPECT_EQ(plain_run.params(), compiled_run.params());
+  EXPECT_EQ(plain_run.drop.seed(), compiled_run.drop.seed());
+  EXPECT_EQ(plain_run.drop.offset(), compiled_run.drop.offset());
+  if (replays_here()) {
+    EXPECT_GE(step.stats().plans, 4) << step.stats().reason;
+    EXPECT_GE(step.stats().replays, 8);
+  }
+}
+
+// A character-level GPT block with attention and residual dropout, as examples/char_gpt.cpp
+// trains it.
+TEST(Compile, TransformerWithDropoutReplaysBitForBit) {
+  struct Run {
+    mt::Generator gen{41};
+    mt::Embedding embed{16, 32, &gen};
+    mt::TransformerBlock block{32, 4, 0.1, &gen};
+    mt::Linear head{32, 16, true, &gen};
+    std::unique_ptr<mt::AdamW> opt;
+    Run() {
+      std::vector<mt::Tensor> params = embed.parameters();
+      for (const mt::Tensor& p : block.parameters()) params.push_back(p);
+      for (const mt::Tensor& p : head.parameters()) params.push_back(p);
+      opt = std::make_unique<mt::AdamW>(params, mt::AdamOptions{.lr = 3e-3});
+    }
+    mt::Tensor step(const mt::Tensor& ids, const mt::Tensor& targets) {
+      opt->zero_grad();
+      mt::Tensor logits = head(block(embed(ids)));
+      mt::Tensor loss = mt::cross_entropy(logits.reshape({-1, 16}), targets.reshape({-1}));
+      loss.backward();
+      opt->step();
+      return loss;
+    }
+  };
+  std::vector<int64_t> text(2 * 9);
+  for (size_t i = 0; i < text.size(); ++i) text[i] = static_cast<int64_t>((i * 7 + i / 3) % 16);
+  std::vector<int64_t> ids, targets;
+  for (int b = 0; b < 2; ++b)
+    for (int t = 0; t < 8; ++t) {
+      ids.push_back(text[b * 9 + t]);
+      targets.push_back(text[b * 9 + t + 1]);
+    }
+  mt::Tensor x = mt::tensor(ids, {2, 8}), y = mt::tensor(targets, {2, 8});
+  Run plain_run, compiled_run;
+  auto step = mt::compile(
+      [&](const mt::Tensor& a, const mt::Tensor& b) { return compiled_run.step(a, b); });
+  std::vector<uint32_t> plain, compiled;
+  for (int i = 0; i < 8; ++i) {
+    plain.push_back(bits(plain_run.step(x, y))[0]);
+    compiled.push_back(bits(step(x, y))[0]);
+  }
+  EXPECT_EQ(plain, compiled);
+  for (size_t i = 0; i < plain_run.opt->params().size(); ++i)
+    EXPECT_EQ(bits(plain_run.opt->params()[i]), bits(compiled_run.opt->params()[i])) << i;
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 4) << step.stats().reason;
   }
 }
 
