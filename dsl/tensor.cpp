@@ -342,7 +342,12 @@ Tensor Generator::draw(uint64_t count) {
     uint64_t changes_ = 0;
   };
   Tensor first = state_->offset;
-  {
+  const NodePtr& node = first.node();
+  if (!trace_observer() && node->evaluated() && !node->value->host_stale.load()) {
+    // Outside a compiled step, with the offset at hand on the host, no graph code is needed.
+    uint64_t at = std::bit_cast<uint64_t>(load_element<int64_t>(*node->value, 0));
+    state_->offset = offset_value(at + count);
+  } else {
     NoGradGuard no_grad;
     state_->offset = add(first, full({}, static_cast<double>(count), i64));
   }
