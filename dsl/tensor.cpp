@@ -352,7 +352,7 @@ Tensor Generator::draw(uint64_t count) {
     state_->offset = add(first, full({}, static_cast<double>(count), i64));
   }
   ++state_->changes;
-  on_each_call(std::make_shared<Unchanged>(state_));
+  if (trace_observer()) on_each_call(std::make_shared<Unchanged>(state_));
   return first;
 }
 
