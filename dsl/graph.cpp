@@ -112,6 +112,11 @@ TraceObserver* exchange_trace_observer(TraceObserver* observer) {
 void note_side_effect(const char* what) {
   if (tracer) tracer->side_effect(what);
 }
+bool on_each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values) {
+  if (!tracer) return false;
+  tracer->each_call(std::move(hook), std::move(values));
+  return true;
+}
 
 void op_error(const char* op, const Loc& loc, const std::string& detail) {
   const Loc& site = user_call_site(loc);

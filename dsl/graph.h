@@ -108,21 +108,40 @@ class BackwardScope {
 /// inputs are made before their readers, so creation order is a topological order.
 std::vector<Node*> nodes_in_tape_order(const std::vector<NodePtr>& roots);
 
+/// Host work that a replay of a compiled step would skip but that every call of the step needs:
+/// a loss scaler's statistics, a generator's check that nobody reseeded it. Registered while the
+/// step is traced (on_each_call); mt::compile runs it after that trace and around every replay.
+class StepHook {
+ public:
+  virtual ~StepHook() = default;
+  /// Before each replay: why replaying would no longer do what tracing the step would (state
+  /// the trace read was changed outside it), or null. A reason makes the next call trace again.
+  virtual const char* stale() const { return nullptr; }
+  /// After the trace and after each replay, with copies of the values passed to on_each_call as
+  /// that call computed them: buffers of their own, which later replays do not overwrite.
+  virtual void ran(const std::vector<std::shared_ptr<Storage>>& values) = 0;
+};
+
 /// What mt::compile (runtime/compile.h) is told while it traces a function: every node made,
-/// and every effect that a replay of the recorded programs would not repeat (a value read on
-/// the host, a random draw, a changed setting), which makes the trace unfit to replay.
-/// One per thread; null when nothing is being traced.
+/// every effect that a replay of the recorded programs would not repeat (a value read on the
+/// host, a changed setting), which makes the trace unfit to replay, and the host work a replay
+/// must still do. One per thread; null when nothing is being traced.
 class TraceObserver {
  public:
   virtual ~TraceObserver() = default;
   virtual void node_made(const NodePtr& node) = 0;
   virtual void side_effect(const char* what) = 0;
+  virtual void each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values) = 0;
 };
 TraceObserver* trace_observer();
 /// Installs `observer` for this thread, returning the previous one.
 TraceObserver* exchange_trace_observer(TraceObserver* observer);
 /// Tells the observer, if any, about an effect a replay would skip.
 void note_side_effect(const char* what);
+/// Hands `hook` to the step being traced, to run on every call of it (StepHook), with `values`
+/// (evaluated by the end of the trace). False, doing nothing, when nothing is being traced: the
+/// caller then does the work itself.
+bool on_each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values = {});
 
 /// The most bytes of stored values that the compiled program evaluating `outputs` would keep
 /// alive at once under its memory plan (the peak_bytes execution_stats() reports once it runs;

@@ -127,8 +127,8 @@ struct Attrs {
   std::vector<int64_t> steps;      // Slice, Unslice
   double value = 0;                // Full (the fill value), Arange (start)
   double step = 1;                 // Arange
-  uint64_t seed = 0;               // RandUniform, RandNormal: Philox key
-  uint64_t offset = 0;             // RandUniform, RandNormal: Philox counter base
+  uint64_t seed = 0;               // RandUniform, RandNormal: Philox key (the counter base is
+                                   // their input, the generator's offset: 0-d i64)
   std::shared_ptr<CustomVjp> vjp;  // Custom
 };
 

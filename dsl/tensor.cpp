@@ -2,6 +2,7 @@
 #include "dsl/tensor.h"
 
 #include <atomic>
+#include <bit>
 #include <cmath>
 
 #include "dsl/convert.h"
@@ -275,6 +276,92 @@ Tensor arange(int64_t n, DType dtype, const Loc& loc) {
   return arange(0.0, static_cast<double>(n), 1.0, dtype, loc);
 }
 
+struct Generator::State {
+  uint64_t seed = 0;
+  Tensor offset;  // 0-d i64 holding the offset's bits
+  // Counts every change made other than by a replay of a compiled step: a draw, a reseed, a
+  // restore. A compiled step replays only while the count is where its last call left it.
+  uint64_t changes = 0;
+};
+
+namespace {
+Tensor offset_value(uint64_t offset) {
+  auto storage = std::make_shared<Storage>(i64, 1);
+  storage->as<int64_t>()[0] = std::bit_cast<int64_t>(offset);
+  return from_storage(std::move(storage), {});
+}
+}  // namespace
+
+Generator::Generator(uint64_t seed) : state_(std::make_shared<State>()) {
+  state_->seed = seed;
+  state_->offset = offset_value(0);
+}
+Generator::Generator(const Generator& other) : Generator(other.seed()) {
+  state_->offset = offset_value(other.offset());
+}
+Generator& Generator::operator=(const Generator& other) {
+  if (this != &other) set_state(other.seed(), other.offset());
+  return *this;
+}
+Generator::~Generator() = default;
+
+uint64_t Generator::seed() const { return state_->seed; }
+
+uint64_t Generator::offset() const {
+  return std::bit_cast<uint64_t>(state_->offset.to_vector<int64_t>().at(0));
+}
+
+void Generator::manual_seed(uint64_t seed) { set_state(seed, 0); }
+
+void Generator::set_state(uint64_t seed, uint64_t offset) {
+  // A new value rather than a write in place: draws not evaluated yet keep the offset they read.
+  state_->seed = seed;
+  state_->offset = offset_value(offset);
+  ++state_->changes;
+}
+
+uint64_t Generator::advance(uint64_t count) {
+  uint64_t first = offset();
+  set_state(state_->seed, first + count);
+  return first;
+}
+
+Tensor Generator::draw(uint64_t count) {
+  // What tracing a compiled step cannot see: that the generator is changed outside the step
+  // between its calls (reseeded, restored, drawn from by other code). The replays would then
+  // go on from the offset they keep, so they stop, and the step is traced again.
+  class Unchanged final : public StepHook {
+   public:
+    explicit Unchanged(const std::shared_ptr<State>& state) : state_(state) {}
+    const char* stale() const override {
+      std::shared_ptr<State> state = state_.lock();
+      if (!state || state->changes == changes_) return nullptr;
+      return "a generator it draws from was reseeded, restored or drawn from outside it since the "
+             "last call";
+    }
+    void ran(const std::vector<std::shared_ptr<Storage>>&) override {
+      if (std::shared_ptr<State> state = state_.lock()) changes_ = state->changes;
+    }
+
+   private:
+    std::weak_ptr<State> state_;
+    uint64_t changes_ = 0;
+  };
+  Tensor first = state_->offset;
+  const NodePtr& node = first.node();
+  if (!trace_observer() && node->evaluated() && !node->value->host_stale.load()) {
+    // Outside a compiled step, with the offset at hand on the host, no graph code is needed.
+    uint64_t at = std::bit_cast<uint64_t>(load_element<int64_t>(*node->value, 0));
+    state_->offset = offset_value(at + count);
+  } else {
+    NoGradGuard no_grad;
+    state_->offset = add(first, full({}, static_cast<double>(count), i64));
+  }
+  ++state_->changes;
+  if (trace_observer()) on_each_call(std::make_shared<Unchanged>(state_));
+  return first;
+}
+
 Generator& default_generator() {
   static Generator generator(0);
   return generator;
@@ -289,9 +376,8 @@ Tensor random_leaf(OpCode op, const char* opname, Shape shape, DType dtype, Gene
   Generator& g = gen ? *gen : default_generator();
   Attrs attrs;
   attrs.seed = g.seed();
-  attrs.offset = g.advance(static_cast<uint64_t>(numel(shape)));
-  note_side_effect("draws random numbers (its generator advances on every call)");
-  return leaf(op, dtype, std::move(shape), std::move(attrs), loc);
+  Tensor offset = g.draw(static_cast<uint64_t>(numel(shape)));
+  return Tensor(make_node(op, dtype, std::move(shape), {offset.node()}, std::move(attrs), loc));
 }
 }  // namespace
 

@@ -130,32 +130,34 @@ Tensor arange(double start, double stop, double step = 1, DType dtype = i64,
 Tensor arange(int64_t n, DType dtype = i64, const Loc& loc = Loc::current());
 
 /// Counter-based random streams (Philox4x32-10): a (seed, offset) pair fixes every value, so
-/// results are reproducible and the same on every back end.
+/// results are reproducible and the same on every back end. As in PyTorch's graph-safe Philox,
+/// the offset is a graph value (0-d i64) that each draw reads and advances with graph code, so a
+/// step compiled by mt::compile draws fresh numbers on every replay: those tracing every call
+/// would draw. A copy is a stream of its own that starts where the original stood.
 class Generator {
  public:
-  explicit Generator(uint64_t seed = 0) : seed_(seed) {}
-  uint64_t seed() const { return seed_; }
-  uint64_t offset() const { return offset_; }
-  void manual_seed(uint64_t seed) {
-    seed_ = seed;
-    offset_ = 0;
-  }
+  explicit Generator(uint64_t seed = 0);
+  Generator(const Generator& other);
+  Generator& operator=(const Generator& other);
+  ~Generator();
+
+  uint64_t seed() const;
+  /// The first counter of the next draw. Reads the offset on the host (with a device, a sync).
+  uint64_t offset() const;
+  /// Sets the seed and starts the stream over (offset 0).
+  void manual_seed(uint64_t seed);
   /// Restores a saved (seed(), offset()) pair, e.g. from a checkpoint: the streams go on exactly
   /// where they were.
-  void set_state(uint64_t seed, uint64_t offset) {
-    seed_ = seed;
-    offset_ = offset;
-  }
-  /// Reserves `count` counters and returns the first.
-  uint64_t advance(uint64_t count) {
-    uint64_t first = offset_;
-    offset_ += count;
-    return first;
-  }
+  void set_state(uint64_t seed, uint64_t offset);
+  /// Reserves `count` counters and returns the first (reads the offset, as offset() does).
+  uint64_t advance(uint64_t count);
+  /// For draws (rand, randn): the offset a draw of `count` counters starts at, as a graph value;
+  /// the generator's offset moves on past them as graph code, without a host read.
+  Tensor draw(uint64_t count);
 
  private:
-  uint64_t seed_;
-  uint64_t offset_ = 0;
+  struct State;
+  std::shared_ptr<State> state_;
 };
 /// The process-wide generator used when none is passed.
 Generator& default_generator();

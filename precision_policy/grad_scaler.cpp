@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <string>
 
@@ -206,27 +207,57 @@ void GradScaler::update(double new_scale) {
   per_optimizer_.clear();
 }
 
+namespace {
+
+// What record() leaves a compiled step to do after each replay: the replay recomputed this
+// update's flag and scale in place, so the record takes copies of them.
+class RecordEachCall final : public StepHook {
+ public:
+  explicit RecordEachCall(std::function<void(Tensor, Tensor)> add) : add_(std::move(add)) {}
+  void ran(const std::vector<std::shared_ptr<Storage>>& values) override {
+    add_(from_storage(values.at(0), {}), from_storage(values.at(1), {}));
+  }
+
+ private:
+  std::function<void(Tensor, Tensor)> add_;
+};
+
+}  // namespace
+
 void GradScaler::record(const Tensor& found) {
-  pending_.push_back({found, scale_});
-  // The flags wait as graph values; resolving them now and then keeps the buffer small.
-  if (pending_.size() >= kMaxPendingRecords) resolve();
+  // A step compiled by mt::compile runs this code only when it traces, so the record is made
+  // on every call by host work the replays repeat (with no host read).
+  std::weak_ptr<Statistics> stats = stats_.data;
+  auto add = [stats](Tensor found_copy, Tensor scale_copy) {
+    if (std::shared_ptr<Statistics> alive = stats.lock())
+      alive->add({std::move(found_copy), std::move(scale_copy)});
+  };
+  if (on_each_call(std::make_shared<RecordEachCall>(std::move(add)), {found.node(), scale_.node()}))
+    return;
+  stats_.data->add({found, scale_});
 }
 
-void GradScaler::resolve() const {
-  if (pending_.empty()) return;
+void GradScaler::Statistics::add(Record record) {
+  pending.push_back(std::move(record));
+  // The flags wait as graph values; resolving them now and then keeps the buffer small.
+  if (pending.size() >= kMaxPendingRecords) resolve();
+}
+
+void GradScaler::Statistics::resolve() {
+  if (pending.empty()) return;
   std::vector<Tensor> values;
-  for (const Record& r : pending_) {
+  for (const Record& r : pending) {
     values.push_back(r.found);
     values.push_back(r.scale);
   }
   eval(values);
-  for (const Record& r : pending_) {
-    bool skipped = r.found.item() != 0;
-    skip_history_.push_back(skipped);
-    skipped_ += skipped;
-    scale_history_.push_back(r.scale.item());
+  for (const Record& r : pending) {
+    bool skip = r.found.item() != 0;
+    skip_history.push_back(skip);
+    skipped += skip;
+    scale_history.push_back(r.scale.item());
   }
-  pending_.clear();
+  pending.clear();
 }
 
 double GradScaler::get_scale() const { return options_.enabled ? scale_.item() : 1.0; }
@@ -236,18 +267,18 @@ int64_t GradScaler::get_growth_tracker() const {
 }
 
 int64_t GradScaler::skipped_steps() const {
-  resolve();
-  return skipped_;
+  stats_.data->resolve();
+  return stats_.data->skipped;
 }
 
 std::vector<double> GradScaler::scale_history() const {
-  resolve();
-  return scale_history_;
+  stats_.data->resolve();
+  return stats_.data->scale_history;
 }
 
 std::vector<bool> GradScaler::skip_history() const {
-  resolve();
-  return skip_history_;
+  stats_.data->resolve();
+  return stats_.data->skip_history;
 }
 
 NamedTensors GradScaler::state_dict() const {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -106,6 +107,28 @@ class GradScaler {
     Tensor found;  // 0-d bool
     Tensor scale;  // 0-d f32, after the update
   };
+  // The statistics: per-update records waiting as graph values, and what resolving them read.
+  struct Statistics {
+    std::vector<Record> pending;
+    std::vector<double> scale_history;
+    std::vector<bool> skip_history;
+    int64_t skipped = 0;
+    void add(Record record);
+    void resolve();
+  };
+  // Shared with the host work that a step compiled by mt::compile runs after each replay (see
+  // record()), which holds it weakly: records of a scaler that is gone are dropped. A copy of
+  // the scaler gets statistics of its own.
+  struct SharedStatistics {
+    std::shared_ptr<Statistics> data = std::make_shared<Statistics>();
+    SharedStatistics() = default;
+    SharedStatistics(const SharedStatistics& other)
+        : data(std::make_shared<Statistics>(*other.data)) {}
+    SharedStatistics& operator=(const SharedStatistics& other) {
+      data = std::make_shared<Statistics>(*other.data);
+      return *this;
+    }
+  };
 
   // Swaps evaluated scaler values for plain leaves, so the graph does not keep what made them.
   void settle();
@@ -113,16 +136,12 @@ class GradScaler {
   // The OR of the recorded found-inf flags, as their f32 sum; undefined when none was recorded.
   Tensor combined_found_inf() const;
   void record(const Tensor& found);
-  void resolve() const;
 
   GradScalerOptions options_;
   Tensor scale_, tracker_;
   // In first-use order, so that the graph an update builds does not depend on addresses.
   std::vector<std::pair<const Optimizer*, PerOptimizer>> per_optimizer_;
-  mutable std::vector<Record> pending_;
-  mutable std::vector<double> scale_history_;
-  mutable std::vector<bool> skip_history_;
-  mutable int64_t skipped_ = 0;
+  SharedStatistics stats_;
 };
 
 }  // namespace mixtape

@@ -3,6 +3,7 @@
 #include "runtime/compile.h"
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 #include <set>
 #include <unordered_map>
@@ -11,6 +12,7 @@
 #include "dsl/log.h"
 #include "runtime/cpu_executor.h"
 #include "runtime/cuda_executor.h"
+#include "runtime/cuda_values.h"
 
 namespace mixtape {
 namespace {
@@ -28,14 +30,49 @@ struct Evaluation {
   std::vector<StoragePtr> outputs;  // the value of each sig.stored[j] once it ran
 };
 
+std::string describe(const Node& node) {
+  return fmt::format("{} {} {}", op_name(node.op), to_string(node.shape), name(node.dtype));
+}
+
 constexpr std::pair<int, int> kUndefined{-1, -1};
+
+// Host work the traced call registered (on_each_call), with the values it is handed.
+struct Hook {
+  std::shared_ptr<StepHook> hook;
+  std::vector<NodePtr> values;
+};
 
 struct Trace {
   std::vector<StoragePtr> args;
   std::vector<Evaluation> evals;
   std::vector<std::pair<int, int>> results;  // (evaluation, stored index) of each result
-  std::string unfit;                         // why no trace of this call can be replayed
+  std::vector<Hook> hooks;
+  std::string unfit;  // why no trace of this call can be replayed
 };
+
+// A buffer of its own holding `value`'s current contents, where the value lives: a device value
+// is copied on the device, queued behind what computes it, so the host does not wait.
+StoragePtr private_copy(Storage& value) {
+  if (value.device && value.host_stale.load(std::memory_order_acquire))
+    return copy_on_device(value);
+  auto copy = std::make_shared<Storage>(value.dtype, value.count, Storage::Uninitialized{});
+  if (value.size_bytes() > 0)
+    std::memcpy(copy->bytes.data(), value.host_data(), static_cast<size_t>(value.size_bytes()));
+  return copy;
+}
+
+// Hands every hook private copies of its values as this call left them.
+void run_hooks(const std::vector<Hook>& hooks) {
+  for (const Hook& h : hooks) {
+    std::vector<StoragePtr> copies;
+    for (const NodePtr& node : h.values) {
+      if (!node->value)
+        fail("compile: a value handed to host work ({}) has no value", describe(*node));
+      copies.push_back(private_copy(*node->value));
+    }
+    h.hook->ran(copies);
+  }
+}
 
 // Gives back what evaluate() would have dropped at once had no trace kept the graph.
 void release(Trace& trace) {
@@ -49,6 +86,12 @@ class Recorder final : public TraceObserver {
   void node_made(const NodePtr& node) override { made.push_back(node); }
   void side_effect(const char* what) override {
     if (trace.unfit.empty()) trace.unfit = what;
+  }
+  void each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values) override {
+    if (!hook) fail("compile: on_each_call got no hook");
+    for (const NodePtr& node : values)
+      if (!node) fail("compile: on_each_call got an undefined value");
+    trace.hooks.push_back({std::move(hook), std::move(values)});
   }
   std::vector<std::weak_ptr<Node>> made;
   Trace trace;
@@ -66,11 +109,15 @@ struct PlannedEvaluation {
   std::vector<NodePtr> leaves;
   std::vector<Binding> inputs;   // per external
   std::vector<int> result_slot;  // per stored node: index into the results, or -1
+  // Per stored node: the first stored node of this evaluation whose buffer it shares (it is a
+  // view of that one, e.g. a reshape assigned to a buffer), or -1. Its value is updated once.
+  std::vector<int> shares_with;
 };
 
 struct Plan {
   std::vector<PlannedEvaluation> evals;
   std::vector<std::pair<int, int>> results;
+  std::vector<Hook> hooks;
   // Buffers the replay reads or updates in place, with their holder counts when planned: a
   // lower count means something outside replaced or dropped one (assign, load_state,
   // zero_grad outside the function), which the replay would not follow.
@@ -82,10 +129,6 @@ void release(Plan& plan) {
   Trace owner;
   for (PlannedEvaluation& planned : plan.evals) owner.evals.push_back(std::move(planned.eval));
   release(owner);
-}
-
-std::string describe(const Node& node) {
-  return fmt::format("{} {} {}", op_name(node.op), to_string(node.shape), name(node.dtype));
 }
 
 // Nodes the function made that are still pending and that something outside the trace holds
@@ -108,6 +151,12 @@ std::vector<Tensor> leftovers(const Recorder& rec) {
     if (!node->evaluated() && !ran.count(node.get()) && node.use_count() - 1 > inside)
       out.emplace_back(node);
   }
+  // What host work is handed must be stored, even a value an evaluation kept in registers.
+  std::unordered_set<const Node*> taken;
+  for (const Tensor& t : out) taken.insert(t.node().get());
+  for (const Hook& h : rec.trace.hooks)
+    for (const NodePtr& node : h.values)
+      if (!node->evaluated() && taken.insert(node.get()).second) out.emplace_back(node);
   return out;
 }
 
@@ -136,6 +185,12 @@ Trace trace_call(const std::vector<Tensor>& args, const StepReplayer::Function& 
     }
   }
   Trace& trace = rec.trace;
+  try {
+    run_hooks(trace.hooks);
+  } catch (...) {
+    release(trace);
+    throw;
+  }
   for (size_t i = 0; i < results.size(); ++i) {
     std::pair<int, int> at = kUndefined;
     if (results[i].defined()) {
@@ -165,6 +220,11 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
     why = "consecutive calls returned values from different places";
     return nullptr;
   }
+  if (a.hooks.size() != b.hooks.size()) {
+    why = fmt::format("consecutive calls registered {} and {} pieces of host work", a.hooks.size(),
+                      b.hooks.size());
+    return nullptr;
+  }
   for (size_t e = 0; e < b.evals.size(); ++e) {
     if (!(a.evals[e].executed.sig.hash == b.evals[e].executed.sig.hash) ||
         a.evals[e].device != b.evals[e].device) {
@@ -180,10 +240,13 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
     }
   }
   using Place = std::pair<int, int>;
+  // A buffer stored twice by one evaluation is a value and its view; by two, it cannot be.
   auto index_outputs = [&](const Trace& t, std::unordered_map<const Storage*, Place>& at) {
     for (size_t e = 0; e < t.evals.size(); ++e)
-      for (size_t j = 0; j < t.evals[e].outputs.size(); ++j)
-        if (!at.emplace(t.evals[e].outputs[j].get(), Place(e, j)).second) return false;
+      for (size_t j = 0; j < t.evals[e].outputs.size(); ++j) {
+        auto [it, added] = at.emplace(t.evals[e].outputs[j].get(), Place(e, j));
+        if (!added && it->second.first != static_cast<int>(e)) return false;
+      }
     return true;
   };
   std::unordered_map<const Storage*, Place> out_a, out_b;
@@ -260,8 +323,33 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
       }
     PlannedEvaluation planned;
     planned.inputs = std::move(inputs);
+    planned.shares_with.assign(eb.outputs.size(), -1);
+    for (size_t j = 0; j < eb.outputs.size(); ++j) {
+      int first = out_b.at(eb.outputs[j].get()).second;
+      if (first == static_cast<int>(j)) continue;
+      // A returned value must be a buffer of its own (a replay hands out fresh ones), and so
+      // must the view: then both are the same fresh buffer, as in the trace.
+      if (results.count(Place(e, j)) != results.count(Place(e, first))) {
+        why =
+            "a value the function returns shares its buffer with state the step keeps (return "
+            "a copy)";
+        return nullptr;
+      }
+      planned.shares_with[j] = first;
+    }
     plan->evals.push_back(std::move(planned));
   }
+  // Host work reads its values from the stored buffers that replays update in place; a returned
+  // value is a fresh buffer on each replay instead.
+  std::unordered_set<const Node*> returned;
+  for (const Place& r : b.results)
+    if (r != kUndefined) returned.insert(b.evals[r.first].executed.sig.stored[r.second]);
+  for (const Hook& h : b.hooks)
+    for (const NodePtr& node : h.values)
+      if (returned.count(node.get())) {
+        why = "a value the function returns is also handed to host work that runs every call";
+        return nullptr;
+      }
 
   // The plan takes the second trace's graph. Its external inputs become private leaves, so that
   // binding a replay's inputs never touches a node the user may still hold.
@@ -292,6 +380,7 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
         planned.result_slot[plan->results[r].second] = static_cast<int>(r);
   }
   b.evals.clear();
+  plan->hooks = std::move(b.hooks);
   return plan;
 }
 
@@ -314,6 +403,8 @@ const char* replaced_state(const Plan& plan) {
     if (object.use_count() < count)
       return "a buffer the step reads or updates was replaced or dropped outside it since the "
              "last call (assign, load_state, zero_grad outside the function)";
+  for (const Hook& h : plan.hooks)
+    if (const char* why = h.hook->stale()) return why;
   return nullptr;
 }
 
@@ -339,19 +430,25 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
       replay_cuda(e.executed, e.pending_raw);
     else
       replay_cpu(e.executed, e.pending_raw);
+    std::vector<StoragePtr> fresh_of(sig.stored.size());
     for (size_t j = 0; j < sig.stored.size(); ++j) {
       Node* node = sig.stored[j];
       StoragePtr fresh = std::move(node->value);
       node->value = e.outputs[j];
       if (!fresh) fail("compile: replay of evaluation left {} without a value", describe(*node));
+      if (int first = planned.shares_with[j]; first >= 0 && fresh != fresh_of[first])
+        fail("compile: replay gave {} a buffer of its own, where the trace had it share one",
+             describe(*node));
       if (planned.result_slot[j] >= 0)
-        results[planned.result_slot[j]] = result_leaf(*node, std::move(fresh));
-      else
+        results[planned.result_slot[j]] = result_leaf(*node, fresh);
+      else if (planned.shares_with[j] < 0)
         e.outputs[j]->swap_value(*fresh);
+      fresh_of[j] = std::move(fresh);
     }
     for (size_t x = 0; x < planned.inputs.size(); ++x)
       if (planned.inputs[x].arg >= 0) sig.externals[x]->value.reset();
   }
+  run_hooks(plan.hooks);
   return results;
 }
 

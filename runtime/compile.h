@@ -35,13 +35,21 @@ struct CompileStats {
 /// step wrote (parameters, optimizer and loss-scaler state, gradients) is updated in place, so
 /// every handle to it (model.parameters(), opt.state(), p.grad()) sees the new values.
 ///
+/// State includes buffers written with assign() and every random generator's offset: draws read
+/// it as a graph input and advance it with graph code, so a replay draws the numbers tracing
+/// would. Host work that a replay would skip but every call needs (the loss scaler's per-step
+/// records) is registered during the trace (on_each_call, dsl/graph.h) and runs after the trace
+/// and after each replay, on copies of the values it asked for, with no host sync; such work
+/// can also report, before a replay, that state it depends on changed (a generator reseeded
+/// outside the step), and the call then traces again.
+///
 /// As with jax.jit, the function must be a pure step: what it reads besides its arguments and
 /// the state that earlier calls wrote is frozen at the trace. A trace that reads values on the
-/// host (item(), to_vector()), draws random numbers, or sets a learning rate cannot be
-/// replayed; such a function still works, traced on every call (stats().reason says why).
-/// Changing state from outside between calls is fine when it writes in place (set_lr, writing a
-/// storage); replacing it (assign, load_state, a new optimizer) is detected and makes the next
-/// calls trace again. Not thread-safe.
+/// host (item(), to_vector()) or sets a learning rate cannot be replayed; such a function still
+/// works, traced on every call (stats().reason says why). Changing state from outside between
+/// calls is fine when it writes in place (set_lr, writing a storage); replacing it (assign,
+/// load_state, a new optimizer, reseeding a generator) is detected and makes the next calls
+/// trace again. Not thread-safe.
 class StepReplayer {
  public:
   using Function = std::function<std::vector<Tensor>(const std::vector<Tensor>&)>;

@@ -331,6 +331,15 @@ std::shared_ptr<Storage> device_value(DType dtype, int64_t count) {
                                    device_memory(count * static_cast<int64_t>(size_of(dtype))));
 }
 
+std::shared_ptr<Storage> copy_on_device(Storage& value) {
+  auto copy = device_value(value.dtype, value.count);
+  int64_t bytes = value.size_bytes();
+  if (bytes > 0)
+    cuda::copy_device_to_device_async(copy->device->buffer.address(), device_address(value),
+                                      static_cast<size_t>(bytes));
+  return copy;
+}
+
 // A one-line kernel whose store rounds as lower() makes every store round.
 std::shared_ptr<Storage> convert_on_device(Storage& value, DType dtype) {
   kir::Kernel kernel;

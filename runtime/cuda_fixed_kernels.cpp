@@ -242,7 +242,9 @@ static __device__ __forceinline__ void mt_random_block(unsigned long long counte
 // Elements [0, count) of the stream (seed, offset): rand, or randn when `normal`, stored as
 // dtype (f32, f16 or bf16; rand's values that round up to 1 take the largest one below).
 extern "C" __global__ void mt_random_fill(void* out, int dtype, int normal, long long count,
-                                          unsigned long long seed, unsigned long long offset) {
+                                          unsigned long long seed,
+                                          const unsigned long long* offset_value) {
+  const unsigned long long offset = *offset_value;  // the generator's, computed on the device
   const long long blocks = (count + 3) / 4;
   const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
   for (long long b = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; b < blocks;
@@ -426,7 +428,8 @@ bool run_random_fill(Node& node) {
   if (count > 0) {
     cuda::CUdeviceptr to = device_address(*out);
     int dtype = static_cast<int>(node.storage), normal = node.op == OpCode::RandNormal;
-    unsigned long long seed = node.attrs.seed, offset = node.attrs.offset;
+    unsigned long long seed = node.attrs.seed;
+    cuda::CUdeviceptr offset = device_address(*node.inputs.at(0)->value);
     void* params[] = {&to, &dtype, &normal, &count, &seed, &offset};
     launch(fixed_kernels().random_fill, (count + 3) / 4, params);
   }

@@ -2,6 +2,7 @@
 // against.
 #include "runtime/reference_executor.h"
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -41,6 +42,12 @@ bool is_nan(T a) {
 }
 
 const Storage& value_of(const Node& node, size_t i) { return *node.inputs[i]->value; }
+
+// The counter base of a rand or randn node: its generator's offset (0-d i64, the bits of a
+// uint64).
+uint64_t draw_offset(const Node& node) {
+  return std::bit_cast<uint64_t>(load_element<int64_t>(value_of(node, 0), 0));
+}
 
 StoragePtr new_storage(const Node& node) {
   return allocate_value(node, node.storage, node.numel(), false);
@@ -156,28 +163,28 @@ StoragePtr ref_Arange(const Node& node) {
 constexpr int64_t kParallelDraws = 2048;
 
 StoragePtr ref_RandUniform(const Node& node) {
+  const uint64_t seed = node.attrs.seed, offset = draw_offset(node);
   if (has_random_fill(node.storage)) {
     auto out = allocate_value(node, node.storage, node.numel(), true);
-    fill_uniform(*out, node.attrs.seed, node.attrs.offset);
+    fill_uniform(*out, seed, offset);
     return out;
   }
   StoragePtr out = new_storage(node);
 #pragma omp parallel for if (out->count >= kParallelDraws)
-  for (int64_t i = 0; i < out->count; ++i)
-    store_element(*out, i, philox_uniform(node.attrs.seed, node.attrs.offset, i));
+  for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, philox_uniform(seed, offset, i));
   return out;
 }
 
 StoragePtr ref_RandNormal(const Node& node) {
+  const uint64_t seed = node.attrs.seed, offset = draw_offset(node);
   if (has_random_fill(node.storage)) {
     auto out = allocate_value(node, node.storage, node.numel(), true);
-    fill_normal(*out, node.attrs.seed, node.attrs.offset);
+    fill_normal(*out, seed, offset);
     return out;
   }
   StoragePtr out = new_storage(node);
 #pragma omp parallel for if (out->count >= kParallelDraws)
-  for (int64_t i = 0; i < out->count; ++i)
-    store_element(*out, i, philox_normal(node.attrs.seed, node.attrs.offset, i));
+  for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, philox_normal(seed, offset, i));
   return out;
 }
 

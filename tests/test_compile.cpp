@@ -2,6 +2,8 @@
 // losses, parameters, optimizer and loss-scaler state; replay only where it is sound.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
 
@@ -184,6 +186,120 @@ TEST(Compile, LossScalingSkipsAndRescalesInsideReplays) {
   }
 }
 
+// Every statistic the loss scaler offers, read after a run.
+struct ScalerStats {
+  int64_t skipped = 0, tracker = 0;
+  double scale = 0;
+  std::vector<double> scales;
+  std::vector<bool> skips;
+  bool operator==(const ScalerStats&) const = default;
+};
+
+ScalerStats scaler_stats(const mt::GradScaler& scaler) {
+  return {scaler.skipped_steps(), scaler.get_growth_tracker(), scaler.get_scale(),
+          scaler.scale_history(), scaler.skip_history()};
+}
+
+void expect_same_statistics(const ScalerStats& compiled, const ScalerStats& traced) {
+  EXPECT_EQ(compiled.skipped, traced.skipped);
+  EXPECT_EQ(compiled.scales, traced.scales);
+  EXPECT_EQ(compiled.skips, traced.skips);
+  EXPECT_EQ(compiled.scale, traced.scale);
+  EXPECT_EQ(compiled.tracker, traced.tracker);
+}
+
+// A small f16 MLP under dynamic loss scaling whose step is poisoned (an inf in the input, so
+// every gradient is non-finite) when its `poison` argument is inf.
+struct ScaledRun {
+  mt::Generator gen{13};
+  mt::MLP model{{8, 16, 4}, mt::Activation::Relu, &gen};
+  mt::Adam opt{model.parameters(), mt::AdamOptions{.lr = 1e-3}};
+  mt::GradScaler scaler{mt::GradScalerOptions{.init_scale = 0x1p12, .growth_interval = 4}};
+  mt::Tensor x = mt::randn({16, 8}, mt::f32, &gen);
+  mt::Tensor y = mt::randn({16, 4}, mt::f32, &gen);
+  mt::Tensor step(const mt::Tensor& input, const mt::Tensor& poison) {
+    opt.zero_grad();
+    mt::Tensor loss;
+    {
+      mt::autocast guard(mt::f16);
+      loss = mt::mse_loss(model(input * poison), y);
+    }
+    scaler.scale(loss).backward();
+    scaler.step(opt);
+    scaler.update();
+    return loss;
+  }
+};
+
+// Runs `steps` steps, poisoned where `poisoned(i)`, traced every call or compiled; returns the
+// scaler's statistics and the run's losses and weights.
+std::pair<ScalerStats, Snapshot> scaled_run(int steps, const std::function<bool(int)>& poisoned,
+                                            bool compiled, int64_t* replays = nullptr) {
+  ScaledRun run;
+  auto compiled_step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& poison) { return run.step(x, poison); });
+  Snapshot s;
+  for (int i = 0; i < steps; ++i) {
+    mt::Tensor x = run.x * (1.0 + 0.01 * (i % 7));
+    mt::Tensor poison = mt::scalar(poisoned(i) ? INFINITY : 1.0);
+    s.losses.push_back(bits(compiled ? compiled_step(x, poison) : run.step(x, poison))[0]);
+  }
+  snapshot_model(s, run.model, run.opt);
+  if (replays) *replays = compiled_step.stats().replays;
+  return {scaler_stats(run.scaler), s};
+}
+
+TEST(Compile, LossScalerStatisticsAreThoseOfTracingEveryCall) {
+  // 24 of 60 steps overflow.
+  auto some = [](int i) { return i % 5 == 1 || i % 5 == 3; };
+  int64_t replays = 0;
+  auto [traced, traced_run] = scaled_run(60, some, false);
+  auto [compiled, compiled_run] = scaled_run(60, some, true, &replays);
+  EXPECT_EQ(traced.skipped, 24);
+  EXPECT_EQ(traced.scales.size(), 60u);
+  expect_same_statistics(compiled, traced);
+  EXPECT_EQ(compiled_run, traced_run);
+  if (replays_here()) {
+    EXPECT_GE(replays, 50);
+  }
+}
+
+TEST(Compile, LossScalerStatisticsSurviveALongPoisonedStretch) {
+  // 200 poisoned steps, then clean ones.
+  auto first_200 = [](int i) { return i < 200; };
+  int64_t replays = 0;
+  auto [traced, traced_run] = scaled_run(210, first_200, false);
+  auto [compiled, compiled_run] = scaled_run(210, first_200, true, &replays);
+  EXPECT_GE(traced.skipped, 200);
+  expect_same_statistics(compiled, traced);
+  EXPECT_EQ(compiled_run, traced_run);
+  if (replays_here()) {
+    EXPECT_GE(replays, 200);
+  }
+}
+
+// The records a replay leaves are copies held by the scaler: a scaler that is gone before the
+// compiled function is harmless, and reading the statistics in between does not disturb them.
+TEST(Compile, LossScalerRecordsOutliveReplaysAndTheirScaler) {
+  auto run = std::make_unique<ScaledRun>();
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& poison) { return run->step(x, poison); });
+  mt::Tensor clean = mt::scalar(1.0), bad = mt::scalar(INFINITY);
+  for (int i = 0; i < 6; ++i) step(run->x, i == 4 ? bad : clean);
+  std::vector<bool> early = run->scaler.skip_history();
+  for (int i = 0; i < 4; ++i) step(run->x, clean);
+  std::vector<bool> skips = run->scaler.skip_history();
+  ASSERT_EQ(skips.size(), 10u);
+  EXPECT_EQ(std::vector<bool>(skips.begin(), skips.begin() + 6), early);
+  EXPECT_EQ(std::count(skips.begin(), skips.end(), true), 1);
+  mt::GradScaler copy = run->scaler;  // statistics of its own, from here on
+  EXPECT_EQ(copy.skip_history(), skips);
+  // The hook a replay runs holds the statistics weakly; the step's own state stays alive.
+  run->scaler = mt::GradScaler(mt::GradScalerOptions{.init_scale = 0x1p12, .growth_interval = 4});
+  step(run->x, clean);
+  EXPECT_EQ(copy.skip_history(), skips);
+}
+
 // A function whose trace would not replay faithfully keeps working, traced every call.
 TEST(Compile, SideEffectsKeepTheFunctionTracedEveryCall) {
   struct Case {
@@ -192,7 +308,6 @@ TEST(Compile, SideEffectsKeepTheFunctionTracedEveryCall) {
   };
   std::vector<Case> cases = {
       {"reads a value on the host", [](MlpRun& run) { (void)run.x.sum().item(); }},
-      {"draws random numbers", [](MlpRun& run) { (void)mt::rand({2}, mt::f32, &run.gen); }},
       {"sets the learning rate", [](MlpRun& run) { run.opt.set_lr(run.opt.lr() * 0.9); }},
   };
   for (const Case& c : cases) {
@@ -215,6 +330,128 @@ TEST(Compile, SideEffectsKeepTheFunctionTracedEveryCall) {
     if (replays_here()) {
       EXPECT_NE(step.stats().reason.find(c.reason), std::string::npos) << step.stats().reason;
     }
+  }
+}
+
+// Dropout and input noise drawn inside the step: each replay draws fresh numbers, those that
+// tracing every call draws, because the draws read and advance their generator's offset as
+// graph values.
+struct DropoutRun {
+  mt::Generator init{31}, noise{32}, drop{33};
+  mt::Linear fc1{8, 32, true, &init}, fc2{32, 4, true, &init};
+  mt::AdamW opt{{fc1.weight, fc1.bias, fc2.weight, fc2.bias}, mt::AdamOptions{.lr = 1e-2}};
+  mt::Tensor x = mt::randn({16, 8}, mt::f32, &init);
+  mt::Tensor y = mt::randn({16, 4}, mt::f32, &init);
+  mt::Tensor step(const mt::Tensor& input) {
+    opt.zero_grad();
+    mt::Tensor noisy = input + mt::randn(input.shape(), mt::f32, &noise, 0.0, 0.05);
+    mt::Tensor h = mt::dropout(mt::gelu(fc1(noisy)), 0.3, true, &drop);
+    mt::Tensor loss = mt::mse_loss(fc2(mt::dropout(h, 0.1, true, &drop)), y);
+    loss.backward();
+    opt.step();
+    return loss;
+  }
+  std::vector<std::vector<uint32_t>> params() const {
+    return {bits(fc1.weight), bits(fc1.bias), bits(fc2.weight), bits(fc2.bias)};
+  }
+};
+
+TEST(Compile, DropoutReplaysWithFreshNumbersBitForBit) {
+  DropoutRun plain_run, compiled_run;
+  auto step = mt::compile([&](const mt::Tensor& x) { return compiled_run.step(x); });
+  std::vector<uint32_t> plain, compiled;
+  for (int i = 0; i < 12; ++i) {
+    plain.push_back(bits(plain_run.step(plain_run.x))[0]);
+    compiled.push_back(bits(step(compiled_run.x))[0]);
+  }
+  EXPECT_EQ(plain, compiled);
+  EXPECT_EQ(plain_run.params(), compiled_run.params());
+  EXPECT_EQ(plain_run.drop.offset(), compiled_run.drop.offset());
+  EXPECT_EQ(plain_run.noise.offset(), compiled_run.noise.offset());
+  EXPECT_EQ(compiled_run.noise.offset(), 12u * 16 * 8);
+  // The same input every step: only fresh masks and noise make the losses differ.
+  EXPECT_NE(compiled[10], compiled[11]);
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 9) << step.stats().reason;
+  }
+}
+
+// Reseeding, restoring or drawing from a generator outside the step is followed: the replays
+// stop and the step is traced again from the generator's new state.
+TEST(Compile, GeneratorsChangedOutsideTheStepAreFollowed) {
+  DropoutRun plain_run, compiled_run;
+  auto step = mt::compile([&](const mt::Tensor& x) { return compiled_run.step(x); });
+  std::vector<std::function<void(DropoutRun&)>> outside = {
+      [](DropoutRun& run) { run.drop.manual_seed(99); },
+      [](DropoutRun& run) { run.drop.set_state(5, 1000); },
+      [](DropoutRun& run) { (void)mt::rand({3}, mt::f32, &run.noise).to_vector<float>(); },
+      [](DropoutRun& run) { run.noise.advance(64); },
+  };
+  std::vector<uint32_t> plain, compiled;
+  for (int i = 0; i < 28; ++i) {
+    if (i % 7 == 6) {
+      outside[i / 7](plain_run);
+      outside[i / 7](compiled_run);
+    }
+    plain.push_back(bits(plain_run.step(plain_run.x))[0]);
+    compiled.push_back(bits(step(compiled_run.x))[0]);
+  }
+  EXPECT_EQ(plain, compiled);
+  EXPECT_EQ(plain_run.params(), compiled_run.params());
+  EXPECT_EQ(plain_run.drop.seed(), compiled_run.drop.seed());
+  EXPECT_EQ(plain_run.drop.offset(), compiled_run.drop.offset());
+  if (replays_here()) {
+    EXPECT_GE(step.stats().plans, 4) << step.stats().reason;
+    EXPECT_GE(step.stats().replays, 8);
+  }
+}
+
+// A character-level GPT block with attention and residual dropout, as examples/char_gpt.cpp
+// trains it.
+TEST(Compile, TransformerWithDropoutReplaysBitForBit) {
+  struct Run {
+    mt::Generator gen{41};
+    mt::Embedding embed{16, 32, &gen};
+    mt::TransformerBlock block{32, 4, 0.1, &gen};
+    mt::Linear head{32, 16, true, &gen};
+    std::unique_ptr<mt::AdamW> opt;
+    Run() {
+      std::vector<mt::Tensor> params = embed.parameters();
+      for (const mt::Tensor& p : block.parameters()) params.push_back(p);
+      for (const mt::Tensor& p : head.parameters()) params.push_back(p);
+      opt = std::make_unique<mt::AdamW>(params, mt::AdamOptions{.lr = 3e-3});
+    }
+    mt::Tensor step(const mt::Tensor& ids, const mt::Tensor& targets) {
+      opt->zero_grad();
+      mt::Tensor logits = head(block(embed(ids)));
+      mt::Tensor loss = mt::cross_entropy(logits.reshape({-1, 16}), targets.reshape({-1}));
+      loss.backward();
+      opt->step();
+      return loss;
+    }
+  };
+  std::vector<int64_t> text(2 * 9);
+  for (size_t i = 0; i < text.size(); ++i) text[i] = static_cast<int64_t>((i * 7 + i / 3) % 16);
+  std::vector<int64_t> ids, targets;
+  for (int b = 0; b < 2; ++b)
+    for (int t = 0; t < 8; ++t) {
+      ids.push_back(text[b * 9 + t]);
+      targets.push_back(text[b * 9 + t + 1]);
+    }
+  mt::Tensor x = mt::tensor(ids, {2, 8}), y = mt::tensor(targets, {2, 8});
+  Run plain_run, compiled_run;
+  auto step = mt::compile(
+      [&](const mt::Tensor& a, const mt::Tensor& b) { return compiled_run.step(a, b); });
+  std::vector<uint32_t> plain, compiled;
+  for (int i = 0; i < 8; ++i) {
+    plain.push_back(bits(plain_run.step(x, y))[0]);
+    compiled.push_back(bits(step(x, y))[0]);
+  }
+  EXPECT_EQ(plain, compiled);
+  for (size_t i = 0; i < plain_run.opt->params().size(); ++i)
+    EXPECT_EQ(bits(plain_run.opt->params()[i]), bits(compiled_run.opt->params()[i])) << i;
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 4) << step.stats().reason;
   }
 }
 
@@ -290,6 +527,64 @@ TEST(Compile, StateAssignedInsideTheFunctionIsCarried) {
   }
   if (replays_here()) {
     EXPECT_EQ(accumulate.stats().replays, 5) << accumulate.stats().reason;
+  }
+}
+
+// A module whose buffers hold running statistics, written with assign() inside the step: an
+// average, a counter, and a view of a value the step also stores (a keepdim mean reshaped).
+struct RunningStats : mt::Module {
+  mt::Generator gen{17};
+  mt::Linear fc{6, 4, true, &gen};
+  mt::Tensor running_mean, last_mean, count;
+  RunningStats() {
+    register_module("fc", fc);
+    running_mean = register_buffer("running_mean", mt::zeros({4}));
+    last_mean = register_buffer("last_mean", mt::zeros({4}));
+    count = register_buffer("count", mt::zeros({}, mt::i64));
+  }
+  mt::Tensor operator()(const mt::Tensor& x) {
+    mt::Tensor h = fc(x);
+    mt::Tensor mean = h.mean({0}, true);
+    // The detached mean is alive while the assign evaluates its view, so both are stored.
+    last_mean.assign(mean.detach().reshape({4}));
+    running_mean.assign(running_mean * 0.9 + last_mean * 0.1);
+    count.assign(count + 1);
+    return h - mean;
+  }
+};
+
+TEST(Compile, BuffersAssignedInsideTheStepReplayLikeOptimizerState) {
+  struct Run {
+    RunningStats net;
+    mt::SGD opt{net.parameters(), mt::SGDOptions{.lr = 0.05, .momentum = 0.9}};
+    mt::Tensor step(const mt::Tensor& x) {
+      opt.zero_grad();
+      mt::Tensor loss = mt::square(net(x)).mean();
+      loss.backward();
+      opt.step();
+      return loss;
+    }
+  };
+  Run plain_run, compiled_run;
+  auto step = mt::compile([&](const mt::Tensor& x) { return compiled_run.step(x); });
+  mt::Generator data(3);
+  std::vector<uint32_t> plain, compiled;
+  for (int i = 0; i < 10; ++i) {
+    mt::Tensor x = mt::randn({8, 6}, mt::f32, &data) + 0.1 * i;
+    mt::eval({x});
+    plain.push_back(bits(plain_run.step(x))[0]);
+    compiled.push_back(bits(step(x))[0]);
+  }
+  EXPECT_EQ(plain, compiled);
+  for (const auto& [name, value] : plain_run.net.named_buffers()) {
+    mt::Tensor other;
+    for (const auto& [n, v] : compiled_run.net.named_buffers())
+      if (n == name) other = v;
+    EXPECT_EQ(bits(value), bits(other)) << name;
+  }
+  EXPECT_EQ(compiled_run.net.count.item(), 10);
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 7) << step.stats().reason;
   }
 }
 

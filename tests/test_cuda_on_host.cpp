@@ -676,9 +676,11 @@ TEST(CudaOnHost, FixedKernelsStoreTheReferencesBits) {
     std::string name = fmt::format("draw{}", normal);
     names.push_back(name);
     main_text += fmt::format("  std::vector<char> {}(2002);\n", name);
+    // The offset is the generator's, read from device memory.
+    main_text += fmt::format("  unsigned long long {}_offset = 0xFFFFFFF0ull;\n", name);
     main_text +=
-        grid_call(251, fmt::format("mt_random_fill({}.data(), {}, {}, 1001, 77, 0xFFFFFFF0ull)",
-                                   name, static_cast<int>(dtype), normal));
+        grid_call(251, fmt::format("mt_random_fill({}.data(), {}, {}, 1001, 77, &{}_offset)", name,
+                                   static_cast<int>(dtype), normal, name));
   }
   fs::path dir = fs::temp_directory_path() / fmt::format("mixtape_cuda_fixed_{}", ::getpid());
   fs::create_directories(dir);

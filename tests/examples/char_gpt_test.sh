@@ -47,6 +47,11 @@ check "$(python3 -c "$same" "$line" "$again")" "the same seed gives the same los
 compiled=$("$bin" $small --compile | tail -n 1)
 check "$(python3 -c "$same" "$line" "$compiled")" "--compile gives the same losses and sample"
 check "$(field replayed_steps "$compiled") >= 20" "--compile replays the step"
+# With dropout too: each replay draws fresh masks, the very ones tracing every step draws.
+dropped=$("$bin" $small --dropout 0.1 | tail -n 1)
+compiled=$("$bin" $small --dropout 0.1 --compile | tail -n 1)
+check "$(python3 -c "$same" "$dropped" "$compiled")" "--compile with dropout gives the same run"
+check "$(field replayed_steps "$compiled") >= 20" "--compile with dropout replays the step"
 other=$("$bin" $small --seed 1 | tail -n 1)
 check "$(field val_loss "$line") != $(field val_loss "$other")" "another seed gives another run"
 
