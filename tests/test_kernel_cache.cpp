@@ -261,9 +261,10 @@ bool only_entry_files(const std::string& dir) {
   return true;
 }
 
-// Header layout of an entry (see kernel_cache.cpp): magic, u32 version, u64 key length, u64
-// payload length, 16-byte checksum, then key and payload.
-constexpr size_t header_bytes = 40;
+// Layout of an entry (see kernel_cache.cpp): magic, u32 version, u64 key length, u64 payload
+// length, then key and payload, then a 32-byte HMAC-SHA256 of all that.
+constexpr size_t header_bytes = 24;
+constexpr size_t mac_bytes = 32;
 
 // ---------------------------------------------------------------------------------------------
 // Kernel cache
@@ -285,9 +286,9 @@ TEST(KernelCache, StoresAndLoadsInAFreshDirectory) {
   ASSERT_TRUE(fs::is_regular_file(path)) << path;
   EXPECT_EQ(fs::path(path).parent_path(), fs::path(cache_dir));
   std::vector<std::byte> file = read_file(path);
-  ASSERT_EQ(file.size(), header_bytes + 8 + object.size());
+  ASSERT_EQ(file.size(), header_bytes + 8 + object.size() + mac_bytes);
   EXPECT_EQ(std::string(reinterpret_cast<const char*>(file.data()), 4), "MTKC");
-  EXPECT_TRUE(std::equal(object.begin(), object.end(), file.end() - object.size()));
+  EXPECT_TRUE(std::equal(object.begin(), object.end(), file.end() - mac_bytes - object.size()));
 
   // An empty object and one holding every byte value survive too; a store replaces.
   cache.store("empty", {});
@@ -423,18 +424,18 @@ std::vector<Corruption> corruptions() {
       {"truncated payload", "truncated: header promises",
        [](auto& file, auto&) { file.pop_back(); }},
       {"trailing bytes", "1 unexpected bytes", [](auto& file, auto&) { file.push_back({}); }},
-      {"flipped payload byte", "checksum mismatch",
-       [](auto& file, auto&) { file[file.size() - 5] ^= std::byte{0x10}; }},
-      {"flipped checksum byte", "checksum mismatch",
-       [](auto& file, auto&) { file[30] ^= std::byte{0x01}; }},
+      {"flipped payload byte", "authentication failed",
+       [](auto& file, auto&) { file[file.size() - mac_bytes - 5] ^= std::byte{0x10}; }},
+      {"flipped MAC byte", "authentication failed",
+       [](auto& file, auto&) { file[file.size() - 3] ^= std::byte{0x01}; }},
       {"wrong magic", "bad magic", [](auto& file, auto&) { file[0] = std::byte{'X'}; }},
-      {"other format version", "format version 2, expected 1",
-       [](auto& file, auto&) { file[4] = std::byte{2}; }},
+      {"older format version", "format version 1, expected 2",
+       [](auto& file, auto&) { file[4] = std::byte{1}; }},
       {"huge key length", "truncated: header promises",
        [](auto& file, auto&) { file[15] = std::byte{0x7F}; }},
       {"huge payload length", "truncated: header promises",
        [](auto& file, auto&) { file[23] = std::byte{0xFF}; }},
-      {"same-length foreign key", "different key",
+      {"same-length foreign key", "authentication failed",
        [](auto& file, auto&) { file[header_bytes] ^= std::byte{0x01}; }},
       {"another key's entry (a hash collision)", "different key",
        [](auto& file, auto& other) { file = other; }},
@@ -519,7 +520,7 @@ void expect_memory_only_with_warning(const std::string& dir) {
   EXPECT_EQ(cache.directory(), dir);
   EXPECT_EQ(cache.entry_path("k"), "");
   std::string expected_start =
-      "mixtape: warning: kernel cache directory " + dir + " is not writable (";
+      "mixtape: warning: kernel cache directory " + dir + " cannot be used (";
   EXPECT_TRUE(warning.starts_with(expected_start)) << warning;
   EXPECT_TRUE(warning.ends_with("); caching in memory only\n")) << warning;
   EXPECT_EQ(std::count(warning.begin(), warning.end(), '\n'), 1) << warning;

@@ -3,7 +3,7 @@
 # Usage: tools/install_deps.sh [--test]   (--test adds what the test suite needs: GoogleTest,
 # PyTorch and numpy for the oracle tests). Safe to run again: installs nothing when all is there.
 set -euo pipefail
-packages=(g++ cmake make libfmt-dev zlib1g-dev llvm-16-dev libdnnl-dev)
+packages=(g++ cmake make libfmt-dev zlib1g-dev libssl-dev llvm-16-dev libdnnl-dev)
 if [[ "${1:-}" == "--test" ]]; then
   packages+=(libgtest-dev libgmock-dev python3 python3-torch python3-numpy)
 fi
