@@ -161,17 +161,21 @@ struct OpenedDirectory {
 OpenedDirectory open_directory_creating(const std::string& path) {
   std::vector<std::string> parts = path_components(path);
   if (parts.empty()) return {-1, "not a directory path"};
-  FileDescriptor current(::open(path[0] == '/' ? "/" : ".", O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  FileDescriptor current(::open(path[0] == '/' ? "/" : ".", O_PATH | O_DIRECTORY | O_CLOEXEC));
   if (current.get() < 0) return {-1, errno_text(errno)};
   for (size_t i = 0; i < parts.size(); ++i) {
     bool last = i + 1 == parts.size();
     if (::mkdirat(current.get(), parts[i].c_str(), 0700) != 0 && errno != EEXIST)
       return {-1, fmt::format("cannot create {}: {}", parts[i], errno_text(errno))};
-    int flags = O_RDONLY | O_DIRECTORY | O_CLOEXEC | (last ? O_NOFOLLOW : 0);
+    // The components above need only search permission (O_PATH); the directory itself is read.
+    int flags = O_DIRECTORY | O_CLOEXEC | (last ? O_RDONLY | O_NOFOLLOW : O_PATH);
     int next = ::openat(current.get(), parts[i].c_str(), flags);
     if (next < 0) {
       int error = errno;
-      if (last && error == ELOOP) return {-1, "it is a symbolic link"};
+      struct stat info;
+      if (last && ::fstatat(current.get(), parts[i].c_str(), &info, AT_SYMLINK_NOFOLLOW) == 0 &&
+          S_ISLNK(info.st_mode))
+        return {-1, "it is a symbolic link"};
       return {-1, error == ENOTDIR
                       ? fmt::format("{} is not a directory", parts[i])
                       : fmt::format("cannot open {}: {}", parts[i], errno_text(error))};
