@@ -83,10 +83,12 @@ struct LlvmJit::State {
 };
 
 struct JitKernel::Private {
+  // First, so destroyed last: the tracker's destructor still calls into the JIT, which the last
+  // kernel alive at exit keeps (after the LlvmJit instance is gone).
+  std::shared_ptr<LlvmJit::State> state;
   std::string name;
   llvm::orc::ResourceTrackerSP tracker;
   int64_t bytes = 0;
-  std::shared_ptr<LlvmJit::State> state;
 };
 
 JitKernel::JitKernel(std::unique_ptr<Private> p) : p_(std::move(p)) {}
@@ -97,6 +99,7 @@ JitKernel::~JitKernel() {
   state.loaded.erase(p_->name);
   // Removing code cannot fail in a way the caller could act on; the bytes are then leaked.
   llvm::consumeError(p_->tracker->remove());
+  p_->tracker = nullptr;
   --state.stats.resident;
   state.stats.resident_bytes -= p_->bytes;
 }

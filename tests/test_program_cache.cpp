@@ -2,6 +2,10 @@
 // are least-recently-used within a byte budget, a program a caller still holds stays usable, and
 // the JIT frees the code of kernels no program uses any more.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <csignal>
 
 #include <memory>
 #include <vector>
@@ -133,6 +137,37 @@ TEST(ProgramCache, TheCpuBackEndFreesTheCodeOfEvictedPrograms) {
     EXPECT_EQ(stats.kernels_compiled + stats.kernels_from_disk, 0);
   }
   mt::set_device(previous);
+}
+
+// Run only by the next test, in a fresh process: the CPU back end's first use makes its program
+// cache before the JIT, so at exit the cached programs' kernels outlive the LlvmJit instance.
+TEST(ProgramCache, DISABLED_ExitAfterRunningOnTheCpu) {
+  mt::set_device(mt::Device::cpu);
+  EXPECT_EQ(graph_for(5).item(), 15.0);
+}
+
+TEST(ProgramCache, AProcessExitsCleanlyWhileItsProgramsStillHoldKernels) {
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    const char* args[] = {"test_program_cache", "--gtest_filter=*DISABLED_ExitAfterRunningOnTheCpu",
+                          "--gtest_also_run_disabled_tests", nullptr};
+    ::freopen("/dev/null", "w", stdout);
+    ::execv("/proc/self/exe", const_cast<char* const*>(args));
+    ::_exit(127);
+  }
+  int status = 0;
+  bool exited = false;
+  for (int waited = 0; waited < 6000 && !exited; ++waited) {
+    exited = ::waitpid(child, &status, WNOHANG) == child;
+    if (!exited) ::usleep(10'000);
+  }
+  if (!exited) {
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+  }
+  EXPECT_TRUE(exited) << "the process hung at exit";
+  EXPECT_TRUE(exited && WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
 }
 
 }  // namespace
