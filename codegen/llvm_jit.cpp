@@ -61,11 +61,50 @@ struct LlvmJit::State {
   std::optional<llvm::orc::JITTargetMachineBuilder> builder;  // one target machine per compile
   std::unique_ptr<llvm::TargetMachine> machine;
   std::string cpu, features;
-  std::unordered_map<std::string, KernelFunction> loaded;
+  // An entry expires when its kernel's last owner lets go; the kernel's destructor then erases
+  // it (under the mutex) as it removes the code.
+  std::unordered_map<std::string, std::weak_ptr<const JitKernel>> loaded;
   Stats stats;
+
+  // The loaded kernel `name`, or null when there is none. A kernel whose last owner has just let
+  // go is waited for (the lock released meanwhile) until its destructor has removed its code, so
+  // that the caller may define the symbol again.
+  std::shared_ptr<const JitKernel> live(const std::string& name,
+                                        std::unique_lock<std::mutex>& lock) {
+    for (;;) {
+      auto found = loaded.find(name);
+      if (found == loaded.end()) return nullptr;
+      if (std::shared_ptr<const JitKernel> kernel = found->second.lock()) return kernel;
+      lock.unlock();
+      std::this_thread::yield();
+      lock.lock();
+    }
+  }
 };
 
-LlvmJit::LlvmJit() : state_(std::make_unique<State>()) {
+struct JitKernel::Private {
+  // First, so destroyed last: the tracker's destructor still calls into the JIT, which the last
+  // kernel alive at exit keeps (after the LlvmJit instance is gone).
+  std::shared_ptr<LlvmJit::State> state;
+  std::string name;
+  llvm::orc::ResourceTrackerSP tracker;
+  int64_t bytes = 0;
+};
+
+JitKernel::JitKernel(std::unique_ptr<Private> p) : p_(std::move(p)) {}
+
+JitKernel::~JitKernel() {
+  LlvmJit::State& state = *p_->state;
+  std::lock_guard<std::mutex> lock(state.mutex);
+  state.loaded.erase(p_->name);
+  // Removing code cannot fail in a way the caller could act on; the bytes are then leaked.
+  llvm::consumeError(p_->tracker->remove());
+  p_->tracker = nullptr;
+  --state.stats.resident;
+  state.stats.resident_bytes -= p_->bytes;
+}
+
+LlvmJit::LlvmJit() : state_(std::make_shared<State>()) {
   llvm::InitializeNativeTarget();
   llvm::InitializeNativeTargetAsmPrinter();
   llvm::InitializeNativeTargetAsmParser();
@@ -153,22 +192,23 @@ std::vector<std::byte> LlvmJit::compile_object(const std::string& name, const st
   return std::vector<std::byte>(begin, begin + object.size());
 }
 
-KernelFunction LlvmJit::load(const std::string& name, const std::string& ir) {
+std::shared_ptr<const JitKernel> LlvmJit::load(const std::string& name, const std::string& ir) {
   return load_all({{name, ir}})[0];
 }
 
-std::vector<KernelFunction> LlvmJit::load_all(const std::vector<KernelSource>& kernels) {
-  std::vector<KernelFunction> functions(kernels.size(), nullptr);
+std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
+    const std::vector<KernelSource>& kernels) {
+  // Declared before any lock: should a kernel made here be dropped (an error midway), its
+  // destructor takes the lock.
+  std::vector<std::shared_ptr<const JitKernel>> result(kernels.size());
   std::vector<std::optional<std::vector<std::byte>>> objects(kernels.size());
   std::vector<std::string> keys(kernels.size());
   std::vector<size_t> missing;
   auto start = std::chrono::steady_clock::now();
   {
-    std::lock_guard<std::mutex> lock(state_->mutex);
+    std::unique_lock<std::mutex> lock(state_->mutex);
     for (size_t i = 0; i < kernels.size(); ++i) {
-      auto found = state_->loaded.find(kernels[i].name);
-      if (found != state_->loaded.end()) {
-        functions[i] = found->second;
+      if ((result[i] = state_->live(kernels[i].name, lock))) {
         ++state_->stats.memory_hits;
         continue;
       }
@@ -205,25 +245,37 @@ std::vector<KernelFunction> LlvmJit::load_all(const std::vector<KernelSource>& k
     if (error) throw *error;
   }
   double compile_seconds = seconds_since(start);
-  std::lock_guard<std::mutex> lock(state_->mutex);
+  std::unique_lock<std::mutex> lock(state_->mutex);
   for (size_t i = 0; i < kernels.size(); ++i) {
-    if (functions[i]) continue;
+    if (result[i]) continue;
     const std::string& name = kernels[i].name;
-    auto found = state_->loaded.find(name);  // a racing call loaded it meanwhile
-    if (found != state_->loaded.end()) {
-      functions[i] = found->second;
-      continue;
-    }
+    if ((result[i] = state_->live(name, lock))) continue;  // a racing call loaded it meanwhile
     bool compiled = std::find(missing.begin(), missing.end(), i) != missing.end();
     if (compiled) kernel_cache().store(keys[i], *objects[i]);
     auto load_start = std::chrono::steady_clock::now();
     llvm::StringRef bytes(reinterpret_cast<const char*>(objects[i]->data()), objects[i]->size());
     auto buffer = llvm::MemoryBuffer::getMemBufferCopy(bytes, name);
-    if (llvm::Error e = state_->jit->addObjectFile(std::move(buffer)))
+    auto p = std::make_unique<JitKernel::Private>();
+    p->name = name;
+    p->tracker = state_->jit->getMainJITDylib().createResourceTracker();
+    p->bytes = static_cast<int64_t>(objects[i]->size());
+    p->state = state_;
+    if (llvm::Error e = state_->jit->addObjectFile(p->tracker, std::move(buffer))) {
+      llvm::consumeError(p->tracker->remove());
       fail("LLVM JIT: loading kernel {}: {}", name, to_text(std::move(e)));
-    auto address = unwrap(state_->jit->lookup(name), "looking up a kernel");
-    functions[i] = address.toPtr<KernelFunction>();
-    state_->loaded.emplace(name, functions[i]);
+    }
+    auto address = state_->jit->lookup(name);
+    if (!address) {
+      std::string problem = to_text(address.takeError());
+      llvm::consumeError(p->tracker->remove());
+      fail("LLVM JIT: looking up kernel {}: {}", name, problem);
+    }
+    std::shared_ptr<JitKernel> kernel(new JitKernel(std::move(p)));
+    kernel->function = address->toPtr<KernelFunction>();
+    state_->loaded.emplace(name, kernel);
+    ++state_->stats.resident;
+    state_->stats.resident_bytes += kernel->p_->bytes;
+    result[i] = std::move(kernel);
     load_seconds += seconds_since(load_start);
     (compiled ? state_->stats.compiled : state_->stats.disk_loaded) += 1;
     if (log_enabled("jit"))
@@ -233,7 +285,7 @@ std::vector<KernelFunction> LlvmJit::load_all(const std::vector<KernelSource>& k
   state_->stats.load_seconds += load_seconds;
   if (log_enabled("jit") && !missing.empty())
     log_line("jit", "compiled {} kernels in {:.1f} ms", missing.size(), compile_seconds * 1e3);
-  return functions;
+  return result;
 }
 
 }  // namespace mixtape

@@ -13,6 +13,25 @@ namespace mixtape {
 /// The entry point of every generated CPU kernel (see codegen/emit_llvm.h).
 using KernelFunction = void (*)(void* const* params, int64_t begin, int64_t end);
 
+/// A kernel loaded into the JIT. Its code stays mapped while the object lives: the last owner's
+/// release removes it from the JIT (its own ORC ResourceTracker), so that a process sweeping
+/// many shapes holds the code of the kernels its cached programs still use, not of every kernel
+/// it ever ran.
+class JitKernel {
+ public:
+  ~JitKernel();
+  JitKernel(const JitKernel&) = delete;
+  JitKernel& operator=(const JitKernel&) = delete;
+
+  KernelFunction function = nullptr;
+
+ private:
+  friend class LlvmJit;
+  struct Private;
+  explicit JitKernel(std::unique_ptr<Private> p);
+  std::unique_ptr<Private> p_;
+};
+
 class LlvmJit {
  public:
   static LlvmJit& instance();
@@ -20,7 +39,7 @@ class LlvmJit {
 
   /// The function `name` defined by `ir`: from this process's loaded kernels, else from the
   /// kernel cache (memory or disk), else compiled at -O3 for the host CPU and cached.
-  KernelFunction load(const std::string& name, const std::string& ir);
+  std::shared_ptr<const JitKernel> load(const std::string& name, const std::string& ir);
 
   /// load() for many kernels at once: those neither loaded nor cached compile in parallel, on
   /// every core.
@@ -28,7 +47,7 @@ class LlvmJit {
     std::string name;
     std::string ir;
   };
-  std::vector<KernelFunction> load_all(const std::vector<KernelSource>& kernels);
+  std::vector<std::shared_ptr<const JitKernel>> load_all(const std::vector<KernelSource>& kernels);
 
   /// LLVM version, host CPU name and features: what makes an object valid for this machine.
   std::string target() const;
@@ -39,14 +58,19 @@ class LlvmJit {
     int64_t memory_hits = 0;     // already loaded in this process
     double compile_seconds = 0;  // wall time waited for compilation (parallel: the longest)
     double load_seconds = 0;
+    int64_t resident = 0;        // kernels loaded now (some owner still holds them)
+    int64_t resident_bytes = 0;  // their object files' bytes
   };
   Stats stats() const;
 
  private:
   LlvmJit();
   std::vector<std::byte> compile_object(const std::string& name, const std::string& ir);
+  friend class JitKernel;
   struct State;
-  std::unique_ptr<State> state_;
+  // Shared with every JitKernel, so the JIT outlives the last of them (static destruction order
+  // is not known).
+  std::shared_ptr<State> state_;
 };
 
 }  // namespace mixtape

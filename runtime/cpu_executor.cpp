@@ -38,34 +38,50 @@ std::shared_ptr<Storage> allocate(const Node& node) {
 int64_t bytes_of(const Storage& s) { return s.size_bytes(); }
 
 // A kernel's entry point: null from the program build until compile_pending() has loaded it
-// together with the rest of the program's new kernels.
+// together with the rest of the program's new kernels. Owned by the steps that run it (and,
+// until then, by the list of kernels to compile), so that its code is freed with the last program
+// that uses it.
 struct KernelCell {
   KernelFunction function = nullptr;
+  std::shared_ptr<const JitKernel> code;
 };
 
 std::mutex cells_mutex;
-std::unordered_map<std::string, std::unique_ptr<KernelCell>>& kernel_cells() {
-  static std::unordered_map<std::string, std::unique_ptr<KernelCell>> cells;
+// By name, for programs that share a kernel; an entry expires with its cell.
+std::unordered_map<std::string, std::weak_ptr<KernelCell>>& kernel_cells() {
+  static std::unordered_map<std::string, std::weak_ptr<KernelCell>> cells;
   return cells;
 }
-std::vector<std::pair<KernelCell*, LlvmJit::KernelSource>>& unloaded() {
-  static std::vector<std::pair<KernelCell*, LlvmJit::KernelSource>> kernels;
+std::vector<std::pair<std::shared_ptr<KernelCell>, LlvmJit::KernelSource>>& unloaded() {
+  static std::vector<std::pair<std::shared_ptr<KernelCell>, LlvmJit::KernelSource>> kernels;
   return kernels;
+}
+
+// Forgets the expired entries once they are as many as the live ones (so the sweep's cost is
+// shared by as many registrations as it frees).
+void forget_expired_cells() {
+  auto& cells = kernel_cells();
+  static size_t sweep_at = 64;
+  if (cells.size() < sweep_at) return;
+  std::erase_if(cells, [](const auto& entry) { return entry.second.expired(); });
+  sweep_at = std::max<size_t>(64, 2 * cells.size());
 }
 
 // The program builder's kernel loader: emits a kernel new to this process and leaves it for
 // compile_pending(), so that a new program's kernels compile in parallel.
-uintptr_t register_kernel(const kir::Kernel& kernel) {
+KernelRef register_kernel(const kir::Kernel& kernel) {
   std::lock_guard<std::mutex> lock(cells_mutex);
-  auto [it, added] = kernel_cells().try_emplace(kernel.name);
-  if (added) {
-    it->second = std::make_unique<KernelCell>();
+  std::shared_ptr<KernelCell> cell = kernel_cells()[kernel.name].lock();
+  if (!cell) {
+    forget_expired_cells();
+    cell = std::make_shared<KernelCell>();
+    kernel_cells()[kernel.name] = cell;
     if (log_enabled("kernels")) log_line("kernels", "{}", kir::to_string(kernel));
     std::string ir = emit_llvm(kernel);
     if (log_enabled("llvm")) log_line("llvm", "{}", ir);
-    unloaded().push_back({it->second.get(), {kernel.name, std::move(ir)}});
+    unloaded().push_back({cell, {kernel.name, std::move(ir)}});
   }
-  return reinterpret_cast<uintptr_t>(it->second.get());
+  return {reinterpret_cast<uintptr_t>(cell.get()), cell};
 }
 
 void compile_pending() {
@@ -74,9 +90,17 @@ void compile_pending() {
   if (todo.empty()) return;
   std::vector<LlvmJit::KernelSource> sources;
   for (auto& [cell, source] : todo) sources.push_back(source);
-  std::vector<KernelFunction> functions = LlvmJit::instance().load_all(sources);
-  for (size_t i = 0; i < todo.size(); ++i) todo[i].first->function = functions[i];
+  std::vector<std::shared_ptr<const JitKernel>> kernels = LlvmJit::instance().load_all(sources);
+  for (size_t i = 0; i < todo.size(); ++i) {
+    todo[i].first->function = kernels[i]->function;
+    todo[i].first->code = std::move(kernels[i]);
+  }
   todo.clear();
+}
+
+ProgramCache& cpu_programs() {
+  static ProgramCache programs;
+  return programs;
 }
 
 KernelObserver& observer() {
@@ -206,8 +230,7 @@ ExecutedProgram execute_cpu(const std::vector<Node*>& pending, const std::vector
   executed.sig =
       sign(pending, required, options.fuse,
            options.multi_tensor ? "mixtape-cpu-program-1/multi-tensor" : "mixtape-cpu-program-1");
-  static ProgramCache programs;
-  executed.program = programs.get(pending, options, executed.sig, register_kernel);
+  executed.program = cpu_programs().get(pending, options, executed.sig, register_kernel);
   compile_pending();
   replay_cpu(executed, pending);
   return executed;
@@ -221,5 +244,7 @@ void replay_cpu(const ExecutedProgram& executed, const std::vector<Node*>& pendi
 }
 
 void set_kernel_observer(KernelObserver o) { observer() = std::move(o); }
+
+ProgramCache::Stats cpu_program_cache_stats() { return cpu_programs().stats(); }
 
 }  // namespace mixtape

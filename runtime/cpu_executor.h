@@ -28,4 +28,7 @@ void replay_cpu(const ExecutedProgram& executed, const std::vector<Node*>& pendi
 using KernelObserver = std::function<void(const LoweredKernel&)>;
 void set_kernel_observer(KernelObserver observer);
 
+/// The CPU back end's program cache (bounded by memory_cache_bytes()), for tests and tools.
+ProgramCache::Stats cpu_program_cache_stats();
+
 }  // namespace mixtape

@@ -87,8 +87,9 @@ std::vector<LoadedKernel*>& uncompiled() {
 }
 
 // The program builder's kernel loader: registers the kernel; compiling waits for the whole
-// program's kernels, which compile_pending() compiles in parallel.
-uintptr_t register_kernel(const kir::Kernel& kernel) {
+// program's kernels, which compile_pending() compiles in parallel. CUDA modules stay loaded for
+// the process's life (no owner).
+KernelRef register_kernel(const kir::Kernel& kernel) {
   std::lock_guard<std::mutex> lock(kernels_mutex);
   auto [it, added] = loaded_kernels().try_emplace(kernel.name);
   if (added) {
@@ -97,7 +98,7 @@ uintptr_t register_kernel(const kir::Kernel& kernel) {
     it->second->launch = cuda_launch_shape(kernel);
     uncompiled().push_back(it->second.get());
   }
-  return reinterpret_cast<uintptr_t>(it->second.get());
+  return {reinterpret_cast<uintptr_t>(it->second.get()), nullptr};
 }
 
 // Compiles (or takes from the kernel cache) every registered kernel not loaded yet, several at
@@ -358,7 +359,8 @@ std::shared_ptr<Storage> convert_on_device(Storage& value, DType dtype) {
     kernel.body.push_back(rounded);
   }
   kernel.stores.push_back({1, static_cast<int32_t>(kernel.body.size()) - 1, {0, {1}}});
-  const LoadedKernel& loaded = *reinterpret_cast<const LoadedKernel*>(register_kernel(kernel));
+  const LoadedKernel& loaded =
+      *reinterpret_cast<const LoadedKernel*>(register_kernel(kernel).address);
   compile_pending();
   auto out = device_value(dtype, value.count);
   cuda::CUdeviceptr in_ptr = device_address(value), out_ptr = out->device->buffer.address();

@@ -141,7 +141,9 @@ Step multi_tensor_step(const std::vector<size_t>& set, std::vector<PendingKernel
   flat.name = "mt_" + hash_string(kernels[set[0]]->key).hex();
   Step step;
   step.kind = FusionGroup::Kind::Kernel;
-  step.compiled = load(flat);
+  KernelRef ref = load(flat);
+  step.compiled = ref.address;
+  step.code = std::move(ref.owner);
   step.segment_table = {static_cast<int64_t>(set.size()), 0};
   int64_t total = 0;
   for (size_t i : set) {

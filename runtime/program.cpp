@@ -186,7 +186,9 @@ Step kernel_step(LoweredKernel&& lowered, int64_t members, const Signature& sig,
                  const KernelLoader& load) {
   Step step;
   step.kind = FusionGroup::Kind::Kernel;
-  step.compiled = load(lowered.kernel);
+  KernelRef ref = load(lowered.kernel);
+  step.compiled = ref.address;
+  step.code = std::move(ref.owner);
   for (Node* node : lowered.nodes) step.params.push_back(sig.refs.at(node));
   for (Node* node : lowered.scalar_nodes) step.scalar_nodes.push_back(sig.refs.at(node));
   step.parallel_extent = lowered.kernel.parallel_extent();
@@ -253,18 +255,56 @@ std::shared_ptr<const Program> ProgramCache::get(const std::vector<Node*>& pendi
                                                  const KernelLoader& load) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto found = programs_.find(sig.hash);
-    if (found != programs_.end()) {
+    if (const std::shared_ptr<const Program>* found = programs_.find(sig.hash)) {
       ++execution_counters().programs_reused;
-      return found->second;
+      return *found;
     }
   }
   auto program = std::make_shared<const Program>(build_program(pending, options, sig, load));
   ++execution_counters().programs_built;
   std::lock_guard<std::mutex> lock(mutex_);
-  if (programs_.size() >= max_programs) programs_.clear();
-  programs_.emplace(sig.hash, program);
+  programs_.put(sig.hash, program, approximate_bytes(*program));
   return program;
+}
+
+ProgramCache::Stats ProgramCache::stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return {static_cast<int64_t>(programs_.size()), programs_.bytes(), programs_.evictions()};
+}
+
+namespace {
+template <typename T>
+int64_t vector_bytes(const std::vector<T>& values) {
+  return static_cast<int64_t>(values.capacity() * sizeof(T));
+}
+
+int64_t kernel_bytes(const kir::Kernel& k) {
+  int64_t bytes = sizeof(kir::Kernel) + static_cast<int64_t>(k.name.capacity()) +
+                  vector_bytes(k.params) + vector_bytes(k.dims) + vector_bytes(k.body) +
+                  vector_bytes(k.stores) + vector_bytes(k.reductions) + vector_bytes(k.epilogue) +
+                  vector_bytes(k.epilogue_stores);
+  for (const kir::Pass& pass : k.later_passes)
+    bytes += sizeof(pass) + vector_bytes(pass.body) + vector_bytes(pass.stores);
+  return bytes;
+}
+
+// A CPU kernel's object is a few KiB (more for multi-tensor steps), and the JIT keeps about as
+// much again in symbol tables and sections; CUDA images are of the same order. Counted once per
+// step: kernels shared between programs are counted in each, which errs towards a smaller cache.
+constexpr int64_t compiled_code_allowance = 8 << 10;
+}  // namespace
+
+int64_t approximate_bytes(const Program& program) {
+  int64_t bytes =
+      sizeof(Program) + vector_bytes(program.steps) + vector_bytes(program.release_after);
+  for (const Step& step : program.steps) {
+    bytes += vector_bytes(step.params) + vector_bytes(step.scalar_nodes) +
+             vector_bytes(step.segment_table);
+    if (step.kernel) bytes += kernel_bytes(*step.kernel) + compiled_code_allowance;
+  }
+  for (const std::vector<NodeRef>& released : program.release_after)
+    bytes += vector_bytes(released);
+  return bytes;
 }
 
 namespace {
@@ -433,7 +473,8 @@ int64_t planned_peak_bytes(const std::vector<NodePtr>& outputs) {
     if (output && !output->evaluated()) required.push_back(output.get());
   FusionOptions options = fusion_options(current_device());
   Signature sig = sign(pending, required, options.fuse, "mixtape-memory-plan");
-  Program program = build_program(pending, options, sig, [](const kir::Kernel&) { return 0; });
+  Program program =
+      build_program(pending, options, sig, [](const kir::Kernel&) { return KernelRef{}; });
   auto planned_bytes = [](const Node* node) {
     return node->numel() * static_cast<int64_t>(size_of(node->storage));
   };

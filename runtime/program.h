@@ -13,6 +13,7 @@
 #include "codegen/fusion.h"
 #include "codegen/hash.h"
 #include "codegen/kernel_ir.h"
+#include "codegen/lru_cache.h"
 #include "dsl/node.h"
 #include "runtime/device.h"
 
@@ -65,7 +66,10 @@ struct Step {
   NodeRef node = 0;  // MatMul, Host
   // Kernel:
   std::shared_ptr<const kir::Kernel> kernel;
-  uintptr_t compiled = 0;             // what the back end's kernel loader returned
+  uintptr_t compiled = 0;  // what the back end's kernel loader returned (KernelRef::address)
+  // Keeps the compiled code alive while a program (cached, or held by a replay plan) has this
+  // step; null where the back end keeps its kernels for good.
+  std::shared_ptr<const void> code;
   std::vector<NodeRef> params;        // kernel.params[i]'s node
   std::vector<NodeRef> scalar_nodes;  // the fill behind each scalar slot
   int64_t members = 0;
@@ -91,8 +95,15 @@ struct Program {
   std::vector<std::vector<NodeRef>> release_after;
 };
 
+/// What a back end's kernel loader returns for a kernel: the address its step runner takes, and
+/// the owner of the compiled code (Step::code).
+struct KernelRef {
+  uintptr_t address = 0;
+  std::shared_ptr<const void> owner;
+};
+
 /// Loads (compiles or fetches from a cache) a lowered kernel for one back end.
-using KernelLoader = std::function<uintptr_t(const kir::Kernel&)>;
+using KernelLoader = std::function<KernelRef(const kir::Kernel&)>;
 
 /// Fuses and lowers `pending` into a program whose kernels `load` has loaded. With
 /// options.multi_tensor, kernels that take the same multi-tensor form and read none of one
@@ -101,19 +112,35 @@ using KernelLoader = std::function<uintptr_t(const kir::Kernel&)>;
 Program build_program(const std::vector<Node*>& pending, const FusionOptions& options,
                       const Signature& sig, const KernelLoader& load);
 
+/// About how many bytes a program holds: its steps, their kernels' IR and (for kernel steps)
+/// an allowance for the compiled code they keep loaded.
+int64_t approximate_bytes(const Program& program);
+
 /// A back end's programs by signature. Steps of one training loop share one entry; a loop that
-/// alternates a few shapes (train and eval batches) shares a few.
+/// alternates a few shapes (train and eval batches) shares a few. Least recently used programs
+/// are dropped once the cache holds more than memory_cache_bytes() (approximate_bytes each);
+/// a dropped program lives on while a caller (an mt::compile plan) still holds it, and the
+/// kernel code its steps own is freed with its last holder.
 class ProgramCache {
  public:
+  /// budget < 0: memory_cache_bytes().
+  explicit ProgramCache(int64_t budget = -1) : programs_(budget) {}
+
   /// The program for `sig`, built with `load` (and counted in programs_built) on a miss.
   std::shared_ptr<const Program> get(const std::vector<Node*>& pending,
                                      const FusionOptions& options, const Signature& sig,
                                      const KernelLoader& load);
 
+  struct Stats {
+    int64_t programs = 0;  // held now
+    int64_t bytes = 0;     // their approximate_bytes, within the budget
+    int64_t evictions = 0;
+  };
+  Stats stats();
+
  private:
-  static constexpr size_t max_programs = 256;
   std::mutex mutex_;
-  std::unordered_map<Hash128, std::shared_ptr<const Program>> programs_;
+  LruCache<Hash128, std::shared_ptr<const Program>> programs_;
 };
 
 /// What a back end ran for one evaluation: enough to run it again on the same nodes.

@@ -1,9 +1,18 @@
 // tests/test_kernel_cache.cpp -- the 128-bit hash and the kernel cache (disk, processes, damage).
 // Hash: pinned values, framing, collisions, avalanche. Cache: round trips across instances and
-// processes, corrupt entries, unusable directories, the environment, concurrency, atomic writes.
+// processes, corrupt entries, unusable directories, the environment, concurrency, atomic writes;
+// trust (forged entries, unsafe folders, links, FIFOs, huge files, the key file, read-only
+// folders); the memory and disk caps.
+#include <fmt/format.h>
+#include <grp.h>
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <fcntl.h>
+#include <csignal>
 
 #include <algorithm>
 #include <bit>
@@ -261,9 +270,10 @@ bool only_entry_files(const std::string& dir) {
   return true;
 }
 
-// Header layout of an entry (see kernel_cache.cpp): magic, u32 version, u64 key length, u64
-// payload length, 16-byte checksum, then key and payload.
-constexpr size_t header_bytes = 40;
+// Layout of an entry (see kernel_cache.cpp): magic, u32 version, u64 key length, u64 payload
+// length, then key and payload, then a 32-byte HMAC-SHA256 of all that.
+constexpr size_t header_bytes = 24;
+constexpr size_t mac_bytes = 32;
 
 // ---------------------------------------------------------------------------------------------
 // Kernel cache
@@ -285,9 +295,9 @@ TEST(KernelCache, StoresAndLoadsInAFreshDirectory) {
   ASSERT_TRUE(fs::is_regular_file(path)) << path;
   EXPECT_EQ(fs::path(path).parent_path(), fs::path(cache_dir));
   std::vector<std::byte> file = read_file(path);
-  ASSERT_EQ(file.size(), header_bytes + 8 + object.size());
+  ASSERT_EQ(file.size(), header_bytes + 8 + object.size() + mac_bytes);
   EXPECT_EQ(std::string(reinterpret_cast<const char*>(file.data()), 4), "MTKC");
-  EXPECT_TRUE(std::equal(object.begin(), object.end(), file.end() - object.size()));
+  EXPECT_TRUE(std::equal(object.begin(), object.end(), file.end() - mac_bytes - object.size()));
 
   // An empty object and one holding every byte value survive too; a store replaces.
   cache.store("empty", {});
@@ -423,18 +433,18 @@ std::vector<Corruption> corruptions() {
       {"truncated payload", "truncated: header promises",
        [](auto& file, auto&) { file.pop_back(); }},
       {"trailing bytes", "1 unexpected bytes", [](auto& file, auto&) { file.push_back({}); }},
-      {"flipped payload byte", "checksum mismatch",
-       [](auto& file, auto&) { file[file.size() - 5] ^= std::byte{0x10}; }},
-      {"flipped checksum byte", "checksum mismatch",
-       [](auto& file, auto&) { file[30] ^= std::byte{0x01}; }},
+      {"flipped payload byte", "authentication failed",
+       [](auto& file, auto&) { file[file.size() - mac_bytes - 5] ^= std::byte{0x10}; }},
+      {"flipped MAC byte", "authentication failed",
+       [](auto& file, auto&) { file[file.size() - 3] ^= std::byte{0x01}; }},
       {"wrong magic", "bad magic", [](auto& file, auto&) { file[0] = std::byte{'X'}; }},
-      {"other format version", "format version 2, expected 1",
-       [](auto& file, auto&) { file[4] = std::byte{2}; }},
+      {"older format version", "format version 1, expected 2",
+       [](auto& file, auto&) { file[4] = std::byte{1}; }},
       {"huge key length", "truncated: header promises",
        [](auto& file, auto&) { file[15] = std::byte{0x7F}; }},
       {"huge payload length", "truncated: header promises",
        [](auto& file, auto&) { file[23] = std::byte{0xFF}; }},
-      {"same-length foreign key", "different key",
+      {"same-length foreign key", "authentication failed",
        [](auto& file, auto&) { file[header_bytes] ^= std::byte{0x01}; }},
       {"another key's entry (a hash collision)", "different key",
        [](auto& file, auto& other) { file = other; }},
@@ -519,7 +529,7 @@ void expect_memory_only_with_warning(const std::string& dir) {
   EXPECT_EQ(cache.directory(), dir);
   EXPECT_EQ(cache.entry_path("k"), "");
   std::string expected_start =
-      "mixtape: warning: kernel cache directory " + dir + " is not writable (";
+      "mixtape: warning: kernel cache directory " + dir + " cannot be used (";
   EXPECT_TRUE(warning.starts_with(expected_start)) << warning;
   EXPECT_TRUE(warning.ends_with("); caching in memory only\n")) << warning;
   EXPECT_EQ(std::count(warning.begin(), warning.end(), '\n'), 1) << warning;
@@ -646,6 +656,465 @@ TEST(KernelCache, StoresNeverLeaveTemporaryFiles) {
   }
   EXPECT_TRUE(only_entry_files(dir.path()));
   EXPECT_EQ(directory_entries(dir.path()).size(), 10u);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Trust: only the user's own entries, in the user's own directory, are ever loaded.
+
+constexpr uid_t nobody = 65534;
+
+// Makes path (not following a link) belong to "nobody". Only root can: the caller skips when this
+// fails.
+bool give_to_nobody(const std::string& path) { return ::lchown(path.c_str(), nobody, nobody) == 0; }
+
+mt::KernelCache::Options options_for(const std::string& dir, const std::string& key_file) {
+  mt::KernelCache::Options options;
+  options.directory = dir;
+  options.key_file = key_file;
+  return options;
+}
+
+// A directory holding a valid entry for "planted", written by this user with this user's key.
+std::string directory_with_entry(const TemporaryDirectory& base, const std::string& key_file) {
+  std::string dir = base.path() + "/cache";
+  mt::KernelCache writer(options_for(dir, key_file));
+  EXPECT_TRUE(writer.disk_enabled());
+  writer.store("planted", object_for("planted"));
+  return dir;
+}
+
+// Constructs a cache on dir, expecting the disk refused with exactly one warning containing
+// `reason`; then a load of "planted" must miss.
+void expect_refused(const std::string& dir, const std::string& key_file,
+                    const std::string& reason) {
+  SCOPED_TRACE(dir + ": " + reason);
+  testing::internal::CaptureStderr();
+  mt::KernelCache cache(options_for(dir, key_file));
+  EXPECT_EQ(cache.load("planted"), std::nullopt);
+  std::string warning = testing::internal::GetCapturedStderr();
+  EXPECT_FALSE(cache.disk_enabled());
+  EXPECT_EQ(cache.entry_path("planted"), "");
+  EXPECT_NE(warning.find(reason), std::string::npos) << warning;
+  EXPECT_TRUE(warning.ends_with("caching in memory only\n")) << warning;
+  EXPECT_EQ(std::count(warning.begin(), warning.end(), '\n'), 1) << warning;
+  EXPECT_EQ(cache.stats().disk_hits, 0);
+}
+
+TEST(KernelCacheTrust, TheDirectoryAndItsNewParentsAreCreatedPrivate) {
+  TemporaryDirectory base;
+  std::string dir = base.path() + "/a/b/cache";
+  mode_t old_mask = ::umask(0);  // even a permissive umask leaves them 0700
+  mt::KernelCache cache(options_for(dir, base.path() + "/cache.key"));
+  ::umask(old_mask);
+  ASSERT_TRUE(cache.disk_enabled());
+  for (const std::string& path : {base.path() + "/a", base.path() + "/a/b", dir})
+    EXPECT_EQ(fs::status(path).permissions(), fs::perms::owner_all) << path;
+}
+
+// The issue's attack: a folder everybody may write (1777, like /tmp), an entry planted in it.
+TEST(KernelCacheTrust, AGroupOrWorldWritableDirectoryIsRefused) {
+  for (fs::perms mode : {fs::perms(01777), fs::perms(0777), fs::perms(0770), fs::perms(0702)}) {
+    TemporaryDirectory base;
+    std::string key_file = base.path() + "/cache.key";
+    std::string dir = directory_with_entry(base, key_file);
+    fs::permissions(dir, mode);
+    expect_refused(dir, key_file, "is refused (writable by group or others");
+  }
+}
+
+TEST(KernelCacheTrust, ADirectoryOwnedByAnotherUserIsRefused) {
+  TemporaryDirectory base;
+  std::string key_file = base.path() + "/cache.key";
+  std::string dir = directory_with_entry(base, key_file);
+  if (!give_to_nobody(dir)) GTEST_SKIP() << "chown to uid 65534 needs root";
+  expect_refused(dir, key_file, "is refused (owned by uid 65534");
+}
+
+TEST(KernelCacheTrust, ADirectoryReachedThroughASymlinkIsRefused) {
+  TemporaryDirectory base;
+  std::string key_file = base.path() + "/cache.key";
+  std::string dir = directory_with_entry(base, key_file);
+  std::string link = base.path() + "/link";
+  fs::create_directory_symlink(dir, link);
+  expect_refused(link, key_file, "(it is a symbolic link)");
+  expect_refused(link + "/", key_file, "(it is a symbolic link)");
+}
+
+// A complete, well-formed entry with every length and checksum right, written with another key:
+// what anyone who can write the folder but does not know this user's secret can make.
+TEST(KernelCacheTrust, AForgedEntryIsRejectedRecompiledAndOverwritten) {
+  TemporaryDirectory base;
+  std::string dir = base.path() + "/cache";
+  std::string key_file = base.path() + "/victim.key";
+  std::vector<std::byte> attacker_code = object_for("attacker code", 300);
+  {
+    mt::KernelCache attacker(options_for(dir, base.path() + "/attacker.key"));
+    ASSERT_TRUE(attacker.disk_enabled());
+    attacker.store("kernel", attacker_code);
+  }
+  mt::KernelCache victim(options_for(dir, key_file));
+  ASSERT_TRUE(victim.disk_enabled());
+  std::string path = victim.entry_path("kernel");
+  ASSERT_TRUE(fs::is_regular_file(path));
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(victim.load("kernel"), std::nullopt);  // never the attacker's bytes
+  std::string warning = testing::internal::GetCapturedStderr();
+  EXPECT_NE(warning.find("authentication failed"), std::string::npos) << warning;
+  EXPECT_EQ(victim.stats().corrupt_entries, 1);
+  EXPECT_EQ(victim.stats().misses, 1);
+  // The caller compiles and stores: the entry now holds the real object, for every process.
+  victim.store("kernel", object_for("kernel"));
+  mt::KernelCache later(options_for(dir, key_file));
+  EXPECT_EQ(later.load("kernel"), object_for("kernel"));
+  EXPECT_EQ(later.stats().disk_hits, 1);
+}
+
+TEST(KernelCacheTrust, EntriesThatAreLinksOrNotOursAreRefused) {
+  TemporaryDirectory base;
+  std::string key_file = base.path() + "/cache.key";
+  std::string dir = directory_with_entry(base, key_file);
+  mt::KernelCache cache(options_for(dir, key_file));
+  std::string path = cache.entry_path("planted");
+  std::string elsewhere = base.path() + "/valid-entry";
+  fs::rename(path, elsewhere);
+  fs::create_symlink(elsewhere, path);  // a valid entry, but through a link
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(cache.load("planted"), std::nullopt);
+  std::string warning = testing::internal::GetCapturedStderr();
+  EXPECT_NE(warning.find("(a symbolic link)"), std::string::npos) << warning;
+  EXPECT_FALSE(fs::is_symlink(path));
+  EXPECT_TRUE(fs::exists(elsewhere)) << "the link's target was touched";
+
+  fs::copy_file(elsewhere, path);
+  if (!give_to_nobody(path)) GTEST_SKIP() << "chown to uid 65534 needs root";
+  mt::KernelCache fresh(options_for(dir, key_file));  // each entry is warned about once
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(fresh.load("planted"), std::nullopt);
+  warning = testing::internal::GetCapturedStderr();
+  EXPECT_NE(warning.find("owned by uid 65534"), std::string::npos) << warning;
+  EXPECT_EQ(fresh.stats().corrupt_entries, 1);
+}
+
+// Waits up to `seconds` for child; kills it if it is still running then. Its exit code, or -1.
+int wait_or_kill(pid_t child, int seconds) {
+  for (int waited = 0; waited < seconds * 100; ++waited) {
+    int status = 0;
+    if (::waitpid(child, &status, WNOHANG) == child)
+      return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    ::usleep(10'000);
+  }
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  return -1;
+}
+
+TEST(KernelCacheTrust, AFifoAtAnEntryPathDoesNotHang) {
+  TemporaryDirectory base;
+  std::string key_file = base.path() + "/cache.key";
+  std::string dir = directory_with_entry(base, key_file);
+  mt::KernelCache probe(options_for(dir, key_file));
+  std::string path = probe.entry_path("planted");
+  fs::remove(path);
+  ASSERT_EQ(::mkfifo(path.c_str(), 0600), 0);
+  // In a child, so that a hang fails this test instead of blocking the suite.
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::freopen("/dev/null", "w", stderr);
+    mt::KernelCache cache(options_for(dir, key_file));
+    bool refused = cache.load("planted") == std::nullopt && cache.stats().corrupt_entries == 1;
+    ::_exit(refused ? 0 : 1);
+  }
+  EXPECT_EQ(wait_or_kill(child, 20), 0) << "loading an entry that is a FIFO hung or succeeded";
+  EXPECT_FALSE(fs::exists(path)) << "the FIFO was not deleted";
+}
+
+TEST(KernelCacheTrust, AnOversizedSparseEntryIsRejectedWithoutReadingIt) {
+  TemporaryDirectory base;
+  std::string key_file = base.path() + "/cache.key";
+  std::string dir = directory_with_entry(base, key_file);
+  mt::KernelCache probe(options_for(dir, key_file));
+  std::string path = probe.entry_path("planted");
+  auto make_sparse = [&] {  // 2 GiB, nearly all a hole: no disk used
+    if (!fs::exists(path)) std::ofstream(path).close();
+    fs::resize_file(path, uint64_t{2} << 30);
+  };
+  make_sparse();
+  // In a child, whose peak resident memory shows whether the 2 GiB were read.
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::freopen("/dev/null", "w", stderr);
+    struct rusage before, after;
+    ::getrusage(RUSAGE_SELF, &before);
+    mt::KernelCache cache(options_for(dir, key_file));
+    bool refused = cache.load("planted") == std::nullopt && cache.stats().corrupt_entries == 1;
+    ::getrusage(RUSAGE_SELF, &after);
+    bool unread = after.ru_maxrss - before.ru_maxrss < 64 * 1024;  // KiB
+    ::_exit(refused ? (unread ? 0 : 2) : 1);
+  }
+  EXPECT_EQ(wait_or_kill(child, 60), 0) << "1: loaded; 2: read into memory";
+  EXPECT_FALSE(fs::exists(path)) << "the oversized entry was not deleted";
+  make_sparse();
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(probe.load("planted"), std::nullopt);
+  std::string warning = testing::internal::GetCapturedStderr();
+  EXPECT_NE(warning.find("2147483648 bytes, over the 268435456-byte cap"), std::string::npos)
+      << warning;
+}
+
+// Runs fn as uid/gid 65534 in a child when this process is root (permission bits do not stop
+// root, so a read-only directory needs another user), else in this process. True when fn did.
+bool as_unprivileged_user(const std::function<bool()>& fn, const std::string& stderr_file) {
+  if (::geteuid() != 0) {
+    testing::internal::CaptureStderr();
+    bool ok = fn();
+    std::ofstream(stderr_file) << testing::internal::GetCapturedStderr();
+    return ok;
+  }
+  pid_t child = ::fork();
+  if (child < 0) return false;
+  if (child == 0) {
+    bool ok = ::freopen(stderr_file.c_str(), "w", stderr) != nullptr &&
+              ::setgroups(0, nullptr) == 0 && ::setgid(nobody) == 0 && ::setuid(nobody) == 0 &&
+              fn();
+    std::fflush(stderr);
+    ::_exit(ok ? 0 : 1);
+  }
+  return wait_or_kill(child, 60) == 0;
+}
+
+// The issue: 21 valid entries in a read-only folder were all recompiled. They must all load.
+TEST(KernelCacheTrust, AReadOnlyDirectoryIsStillRead) {
+  TemporaryDirectory base;
+  std::string dir = base.path() + "/cache", key_dir = base.path() + "/config";
+  std::string stderr_file = base.path() + "/stderr";
+  if (::geteuid() == 0) {  // the unprivileged user's own folders, reachable through base
+    fs::permissions(base.path(), fs::perms(0711));
+    fs::create_directory(dir);
+    fs::create_directory(key_dir);
+    ASSERT_TRUE(give_to_nobody(dir) && give_to_nobody(key_dir));
+    std::ofstream(stderr_file).close();
+    ASSERT_TRUE(give_to_nobody(stderr_file));
+  }
+  constexpr int entries = 21;
+  bool ok = as_unprivileged_user(
+      [&] {
+        mt::KernelCache::Options options = options_for(dir, key_dir + "/cache.key");
+        {
+          mt::KernelCache writer(options);
+          for (int i = 0; i < entries; ++i)
+            writer.store(fmt::format("k{}", i), object_for(fmt::format("k{}", i)));
+        }
+        if (::chmod(dir.c_str(), 0500) != 0) return false;
+        mt::KernelCache reader(options);
+        if (!reader.disk_enabled()) return false;
+        for (int i = 0; i < entries; ++i)
+          if (reader.load(fmt::format("k{}", i)) != object_for(fmt::format("k{}", i))) return false;
+        mt::KernelCache::Stats stats = reader.stats();
+        if (stats.disk_hits != entries || stats.misses != 0) return false;
+        // Stores stay in memory, with one warning however many.
+        reader.store("new-1", object_for("new-1"));
+        reader.store("new-2", object_for("new-2"));
+        bool stored_in_memory = reader.load("new-1") == object_for("new-1");
+        ::chmod(dir.c_str(), 0700);
+        return stored_in_memory && !reader.disk_writable();
+      },
+      stderr_file);
+  std::string warnings = std::string(reinterpret_cast<const char*>(read_file(stderr_file).data()),
+                                     read_file(stderr_file).size());
+  EXPECT_TRUE(ok) << warnings;
+  EXPECT_EQ(std::count(warnings.begin(), warnings.end(), '\n'), 1) << warnings;
+  EXPECT_NE(warnings.find("is read-only"), std::string::npos) << warnings;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The key file
+
+TEST(KernelCacheKey, IsCreatedPrivateWithItsParents) {
+  TemporaryDirectory base;
+  std::string key_file = base.path() + "/config/mixtape/cache.key";
+  mt::KernelCache cache(options_for(base.path() + "/cache", key_file));
+  ASSERT_TRUE(cache.disk_enabled());
+  EXPECT_EQ(cache.key_file(), key_file);
+  EXPECT_EQ(fs::status(key_file).permissions(), fs::perms::owner_read | fs::perms::owner_write);
+  EXPECT_EQ(fs::file_size(key_file), 32u);
+  EXPECT_EQ(fs::status(base.path() + "/config/mixtape").permissions(), fs::perms::owner_all);
+  // A second cache reuses it: entries written by the first authenticate.
+  std::vector<std::byte> key_bytes = read_file(key_file);
+  cache.store("k", object_for("k"));
+  mt::KernelCache again(options_for(base.path() + "/cache", key_file));
+  EXPECT_EQ(again.load("k"), object_for("k"));
+  EXPECT_EQ(read_file(key_file), key_bytes);
+  // Two users' keys differ (32 random bytes each).
+  mt::KernelCache other(options_for(base.path() + "/cache2", base.path() + "/other.key"));
+  EXPECT_NE(read_file(base.path() + "/other.key"), key_bytes);
+}
+
+TEST(KernelCacheKey, AnUnsafeKeyFileTurnsTheDiskOff) {
+  TemporaryDirectory base;
+  std::string good_key = base.path() + "/good.key";
+  std::string dir = directory_with_entry(base, good_key);
+  std::vector<std::byte> secret = read_file(good_key);
+
+  std::string readable = base.path() + "/readable.key";
+  fs::copy_file(good_key, readable);
+  fs::permissions(readable, fs::perms(0644));
+  expect_refused(dir, readable, "readable or writable by group or others: mode 644");
+
+  std::string link = base.path() + "/link.key";
+  fs::create_symlink(good_key, link);
+  expect_refused(dir, link, "it is a symbolic link");
+
+  std::string short_key = base.path() + "/short.key";
+  fs::copy_file(good_key, short_key);
+  fs::resize_file(short_key, 16);
+  expect_refused(dir, short_key, "16 bytes, not 32");
+
+  expect_refused(dir, base.path(), "not a regular file");
+  expect_refused(dir, dir + "/cache.key", "inside the cache directory");
+
+  std::string foreign = base.path() + "/foreign.key";
+  fs::copy_file(good_key, foreign);
+  if (!give_to_nobody(foreign)) GTEST_SKIP() << "chown to uid 65534 needs root";
+  expect_refused(dir, foreign, "owned by uid 65534");
+}
+
+// Processes starting at once with no key yet must all end up with the one key.
+TEST(KernelCacheKey, ProcessesCreatingItAtOnceShareOneKey) {
+  TemporaryDirectory base;
+  std::string dir = base.path() + "/cache", key_file = base.path() + "/config/cache.key";
+  constexpr int processes = 6;
+  std::vector<pid_t> children;
+  for (int i = 0; i < processes; ++i) {
+    pid_t child = ::fork();
+    ASSERT_GE(child, 0);
+    if (child == 0) {
+      mt::KernelCache cache(options_for(dir, key_file));
+      cache.store(fmt::format("from-{}", i), object_for(fmt::format("from-{}", i)));
+      ::_exit(cache.disk_writable() ? 0 : 1);
+    }
+    children.push_back(child);
+  }
+  for (pid_t child : children) EXPECT_EQ(wait_or_kill(child, 60), 0);
+  mt::KernelCache reader(options_for(dir, key_file));
+  for (int i = 0; i < processes; ++i)
+    EXPECT_EQ(reader.load(fmt::format("from-{}", i)), object_for(fmt::format("from-{}", i)));
+  EXPECT_EQ(reader.stats().disk_hits, processes);
+  EXPECT_EQ(directory_entries(base.path() + "/config"), std::vector<std::string>{"cache.key"});
+}
+
+TEST(KernelCacheKey, TheEnvironmentChoosesTheKeyFile) {
+  TemporaryDirectory base;
+  std::string dir = base.path() + "/cache";
+  ScopedEnvironment environment;
+  environment.set("MIXTAPE_CACHE_KEY_FILE", (base.path() + "/explicit.key").c_str());
+  environment.set("XDG_CONFIG_HOME", (base.path() + "/xdg").c_str());
+  environment.set("HOME", (base.path() + "/home").c_str());
+  EXPECT_EQ(mt::KernelCache(dir).key_file(), base.path() + "/explicit.key");
+  environment.set("MIXTAPE_CACHE_KEY_FILE", "");
+  EXPECT_EQ(mt::KernelCache(dir).key_file(), base.path() + "/xdg/mixtape/cache.key");
+  environment.set("XDG_CONFIG_HOME", nullptr);
+  EXPECT_EQ(mt::KernelCache(dir).key_file(), base.path() + "/home/.config/mixtape/cache.key");
+  EXPECT_TRUE(fs::is_regular_file(base.path() + "/home/.config/mixtape/cache.key"));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Bounds
+
+TEST(KernelCacheBounds, MemoryStaysWithinItsBudgetAndACyclingSetThatFitsIsReused) {
+  TemporaryDirectory base;
+  mt::KernelCache::Options options = options_for(base.path() + "/cache", base.path() + "/k.key");
+  options.memory_bytes = 64 << 10;
+  mt::KernelCache cache(options);
+  // A sweep over many more shapes than fit.
+  for (int i = 0; i < 1000; ++i) {
+    cache.store(fmt::format("sweep-{}", i), object_for(fmt::format("sweep-{}", i), 1000));
+    ASSERT_LE(cache.stats().memory_bytes, 64 << 10) << i;
+  }
+  mt::KernelCache::Stats stats = cache.stats();
+  EXPECT_GT(stats.memory_entries, 40);
+  EXPECT_LT(stats.memory_entries, 66);
+  EXPECT_GT(stats.memory_evictions, 900);
+  // The most recent are held; the oldest come back from disk.
+  EXPECT_EQ(cache.load("sweep-999"), object_for("sweep-999", 1000));
+  EXPECT_EQ(cache.load("sweep-0"), object_for("sweep-0", 1000));
+  EXPECT_EQ(cache.stats().memory_hits, 1);
+  EXPECT_EQ(cache.stats().disk_hits, 1);
+
+  // 20 keys cycling, 20 KiB in all: after the first round every load is a memory hit.
+  cache.clear_memory();
+  for (int round = 0; round < 5; ++round)
+    for (int i = 0; i < 20; ++i)
+      EXPECT_EQ(cache.load(fmt::format("sweep-{}", i)),
+                object_for(fmt::format("sweep-{}", i), 1000));
+  EXPECT_EQ(cache.stats().memory_hits, 1 + 4 * 20);
+  EXPECT_EQ(cache.stats().disk_hits, 1 + 20);
+}
+
+int64_t bytes_on_disk(const std::string& dir) {
+  int64_t total = 0;
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir))
+    total += static_cast<int64_t>(entry.file_size());
+  return total;
+}
+
+void set_age(const std::string& path, int seconds_ago) {
+  struct timespec times[2];
+  ::clock_gettime(CLOCK_REALTIME, &times[0]);
+  times[0].tv_sec -= seconds_ago;
+  times[1] = times[0];
+  ASSERT_EQ(::utimensat(AT_FDCWD, path.c_str(), times, 0), 0);
+}
+
+TEST(KernelCacheBounds, TheDiskCapEvictsTheLeastRecentlyUsed) {
+  TemporaryDirectory base;
+  mt::KernelCache::Options options = options_for(base.path() + "/cache", base.path() + "/k.key");
+  options.max_disk_bytes = 12000;  // about 11 entries of 1059 bytes
+  auto key = [](int i) { return fmt::format("k{:02}", i); };
+  {
+    mt::KernelCache writer(options);
+    for (int i = 0; i < 10; ++i) {
+      writer.store(key(i), object_for(key(i), 1000));
+      set_age(writer.entry_path(key(i)), 1000 - i);  // k00 oldest
+    }
+    EXPECT_EQ(writer.stats().disk_evictions, 0);
+  }
+  mt::KernelCache cache(options);
+  // Used now: the two oldest become the most recent.
+  EXPECT_EQ(cache.load(key(0)), object_for(key(0), 1000));
+  EXPECT_EQ(cache.load(key(1)), object_for(key(1), 1000));
+  cache.store(key(10), object_for(key(10), 1000));
+  cache.store(key(11), object_for(key(11), 1000));
+  EXPECT_LE(bytes_on_disk(options.directory), 12000);
+  EXPECT_EQ(cache.stats().disk_evictions, 2);
+  EXPECT_FALSE(fs::exists(cache.entry_path(key(2))));
+  EXPECT_FALSE(fs::exists(cache.entry_path(key(3))));
+  for (int i : {0, 1, 4, 9, 10, 11}) EXPECT_TRUE(fs::exists(cache.entry_path(key(i)))) << i;
+
+  // A long sweep never takes the directory over the cap.
+  for (int i = 12; i < 200; ++i) {
+    cache.store(key(i), object_for(key(i), 1000));
+    ASSERT_LE(bytes_on_disk(options.directory), 12000) << i;
+  }
+  EXPECT_TRUE(fs::exists(cache.entry_path(key(199))));
+}
+
+TEST(KernelCacheBounds, TheDiskCapComesFromTheEnvironment) {
+  TemporaryDirectory base;
+  ScopedEnvironment environment;
+  environment.set("MIXTAPE_CACHE_MAX_BYTES", "3M");
+  EXPECT_EQ(mt::KernelCache(options_for(base.path() + "/c", base.path() + "/k")).max_disk_bytes(),
+            3 << 20);
+  environment.set("MIXTAPE_CACHE_MAX_BYTES", nullptr);
+  EXPECT_EQ(mt::KernelCache(options_for(base.path() + "/c", base.path() + "/k")).max_disk_bytes(),
+            mt::KernelCache::default_max_disk_bytes);
+  environment.set("MIXTAPE_CACHE_MAX_BYTES", "lots");
+  testing::internal::CaptureStderr();
+  EXPECT_EQ(mt::KernelCache(options_for(base.path() + "/c", base.path() + "/k")).max_disk_bytes(),
+            mt::KernelCache::default_max_disk_bytes);
+  EXPECT_NE(testing::internal::GetCapturedStderr().find("MIXTAPE_CACHE_MAX_BYTES=lots"),
+            std::string::npos);
 }
 
 }  // namespace

@@ -5,7 +5,7 @@
 # 16's libFuzzer for tests/fuzz: clang 14 cannot compile GCC 12's <source_location>).
 # Safe to run again: installs nothing when all is there.
 set -euo pipefail
-packages=(g++ cmake make libfmt-dev zlib1g-dev llvm-16-dev libdnnl-dev libxxhash-dev)
+packages=(g++ cmake make libfmt-dev zlib1g-dev libssl-dev llvm-16-dev libdnnl-dev libxxhash-dev)
 if [[ "${1:-}" == "--test" ]]; then
   packages+=(libgtest-dev libgmock-dev python3 python3-torch python3-numpy python3-xxhash
     clang-16 libclang-rt-16-dev)
