@@ -23,7 +23,7 @@
 
 #include <fmt/format.h>
 
-#include "codegen/byte_count.h"
+#include "dsl/byte_count.h"
 #include "codegen/hash.h"
 
 namespace mixtape {

@@ -12,6 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "dsl/byte_count.h"
 #include "dsl/error.h"
 
 namespace mixtape {
@@ -45,8 +46,7 @@ Cache& cache() {
 
 std::atomic<int64_t>& limit() {
   static std::atomic<int64_t> bytes = [] {
-    const char* env = std::getenv("MIXTAPE_MAX_MEMORY");
-    return env && *env ? parse_byte_size(env, "MIXTAPE_MAX_MEMORY") : int64_t{0};
+    return byte_count_from_environment("MIXTAPE_MAX_MEMORY", 0);
   }();
   return bytes;
 }
@@ -89,25 +89,6 @@ void reserve(Cache& c, double size, double asked, const std::string& what = "") 
 }
 
 }  // namespace
-
-int64_t parse_byte_size(const char* text, const char* what) {
-  std::string s = text;
-  size_t digits = 0;
-  while (digits < s.size() && s[digits] >= '0' && s[digits] <= '9') ++digits;
-  std::string suffix = s.substr(digits);
-  int shift = suffix.empty() || suffix == "B"                      ? 0
-              : suffix == "K" || suffix == "KB" || suffix == "KiB" ? 10
-              : suffix == "M" || suffix == "MB" || suffix == "MiB" ? 20
-              : suffix == "G" || suffix == "GB" || suffix == "GiB" ? 30
-              : suffix == "T" || suffix == "TB" || suffix == "TiB" ? 40
-                                                                   : -1;
-  errno = 0;
-  unsigned long long number = digits ? std::strtoull(s.substr(0, digits).c_str(), nullptr, 10) : 0;
-  if (digits == 0 || shift < 0 || errno == ERANGE ||
-      number > (static_cast<unsigned long long>(std::numeric_limits<int64_t>::max()) >> shift))
-    fail("{}: expected a byte count such as 8G, 512M, 64K or 1000000, got '{}'", what, text);
-  return static_cast<int64_t>(number << shift);
-}
 
 void check_memory_request(uint64_t bytes, const std::string& what) {
   Cache& c = cache();

@@ -21,7 +21,8 @@ void host_release(void* block, size_t bytes) noexcept;
 
 /// The most host memory that values (every Storage's bytes, freed blocks kept for reuse
 /// included) may hold at once; 0, the default, for no limit. Set from MIXTAPE_MAX_MEMORY at
-/// start ("8G", "512M", "64K" or bytes; powers of 1024). An allocation that would pass it first
+/// start ("8G", "512M", "64K" or bytes; powers of 1024; a value that is not a byte count is
+/// ignored with a warning). An allocation that would pass it first
 /// gives the cached blocks back, then fails with an mt::Error saying what asked for how much, so
 /// a job stops cleanly instead of being killed by the OS. Devices' memory is not counted.
 void set_memory_limit(int64_t bytes);
@@ -30,8 +31,6 @@ int64_t memory_limit();
 /// the memory limit: for readers that know the total they are about to allocate (a checkpoint's
 /// tensors) and refuse it whole, before allocating any of it. `what` names the asker.
 void check_memory_request(uint64_t bytes, const std::string& what);
-/// Parses MIXTAPE_MAX_MEMORY's syntax; mt::Error naming `what` for anything else.
-int64_t parse_byte_size(const char* text, const char* what);
 
 struct HostMemoryStats {
   int64_t live_bytes = 0;    // blocks handed out (by size class) and not yet released

@@ -14,6 +14,7 @@ mkdir -p "$work"
   -fno-omit-frame-pointer -I"$src" \
   "$src/tests/fuzz/fuzz_safetensors.cpp" "$src/runtime/safetensors.cpp" \
   "$src/runtime/atomic_file.cpp" "$src/dsl/json.cpp" "$src/dsl/dtype.cpp" "$src/dsl/host_memory.cpp" \
+  "$src/dsl/byte_count.cpp" \
   -lfmt -o "$work/fuzz_safetensors"
 rm -rf "$work/seeds" "$work/corpus"
 mkdir -p "$work/seeds" "$work/corpus"

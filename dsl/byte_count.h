@@ -1,5 +1,5 @@
-// codegen/byte_count.h -- byte counts given as text ("1073741824", "512M", "1G"), as the cache
-// size settings take them.
+// dsl/byte_count.h -- byte counts given as text ("1073741824", "512M", "1G"), as the memory limit
+// and the cache size settings take them.
 #pragma once
 
 #include <cstdint>
@@ -8,7 +8,7 @@
 
 namespace mixtape {
 
-/// Digits, optionally followed by K, M or G (or KiB, MiB, GiB): powers of 1024. nullopt for
+/// Digits, optionally followed by K, M, G or T (or KiB, MiB, GiB, TiB): powers of 1024. nullopt for
 /// anything else, a negative number or an overflow.
 std::optional<int64_t> parse_byte_count(std::string_view text);
 
