@@ -418,7 +418,9 @@ Tensor slice(const Tensor& x, int64_t axis, int64_t start, int64_t stop, int64_t
   };
   start = clamp_index(start);
   stop = clamp_index(stop);
-  int64_t count = stop > start ? (stop - start + step - 1) / step : 0;
+  // ceil((stop - start) / step) without forming stop - start + step - 1, which overflows for a
+  // huge step (and wrapped to an empty slice instead of the one element Python gives).
+  int64_t count = stop > start ? (stop - start - 1) / step + 1 : 0;
   std::vector<int64_t> starts(shape.size(), 0), steps(shape.size(), 1);
   starts[a] = start;
   steps[a] = step;
@@ -436,8 +438,12 @@ void check_strided_window(const char* op, const Shape& window, const Shape& full
             to_string(full));
   for (size_t i = 0; i < full.size(); ++i) {
     if (steps[i] <= 0) op_fail(op, loc, "step {} on axis {} must be positive", steps[i], i);
+    // The last index, overflow-checked: a huge step used to wrap it negative and pass the
+    // check, and the kernels then read or wrote far outside the buffer.
+    int64_t last = 0;
     if (window[i] < 0 || starts[i] < 0 ||
-        (window[i] > 0 && starts[i] + (window[i] - 1) * steps[i] >= full[i]))
+        (window[i] > 0 && (__builtin_mul_overflow(window[i] - 1, steps[i], &last) ||
+                           __builtin_add_overflow(starts[i], last, &last) || last >= full[i])))
       op_fail(op, loc, "window of size {} from {} step {} does not fit axis {} of {}", window[i],
               starts[i], steps[i], i, to_string(full));
   }
@@ -485,7 +491,8 @@ Tensor concat(const std::vector<Tensor>& xs, int64_t axis, const Loc& loc) {
     if (!ok)
       op_fail("concat", loc, "shapes {} and {} differ outside axis {}", to_string(first),
               to_string(s), a);
-    out[a] += s[a];
+    if (__builtin_add_overflow(out[a], s[a], &out[a]))
+      op_fail("concat", loc, "axis {} would have more elements than a 64-bit count holds", a);
     t = promote(t, x.dtype());
   }
   if (xs.size() == 1) return Tensor(xs[0].node());

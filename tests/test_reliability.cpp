@@ -37,6 +37,26 @@ TEST(Reliability, ElementCountsThatOverflowAreErrorsNamingTheOpAndShape) {
   EXPECT_MT_ERROR(mt::reshape(mt::ones({4}), {k32, k32, 0, 4}), "reshape");
 }
 
+// Huge steps and many huge inputs used to overflow before any node was made: a strided slice's
+// last index wrapped negative and passed its bounds check (segfault reading, a write far outside
+// the buffer), a single-axis slice with a huge step came out empty, and concat's axis wrapped.
+TEST(Reliability, HugeStepsAndConcatenatedSizesDoNotWrap) {
+  mt::Tensor x = mt::arange(10, mt::f32);
+  const std::vector<int64_t> start{0}, huge_step{k62};
+  EXPECT_MT_ERROR(mt::slice(x, start, huge_step, mt::Shape{3}), "slice", "does not fit");
+  EXPECT_MT_ERROR(mt::unslice(mt::ones({3}), start, huge_step, mt::Shape{10}), "unslice",
+                  "does not fit");
+  // As Python's x[0:10:huge]: the first element alone.
+  mt::Tensor first = mt::slice(x, 0, 0, 10, INT64_MAX);
+  ASSERT_EQ(first.shape(), (mt::Shape{1}));
+  EXPECT_EQ(first.to_vector<float>(), std::vector<float>{0});
+  std::vector<mt::Tensor> parts;
+  for (int i = 0; i < 16; ++i)
+    parts.push_back(mt::broadcast_to(mt::ones({1}, mt::boolean), {int64_t{1} << 60}));
+  parts.push_back(mt::ones({5}, mt::boolean));  // 16 * 2^60 + 5 wrapped to 5
+  EXPECT_MT_ERROR(mt::concat(parts), "concat", "64-bit");
+}
+
 // Allocations that the system cannot satisfy were std::bad_alloc / std::length_error.
 TEST(Reliability, AllocationFailuresAreErrorsWithTheBytesAskedFor) {
   EXPECT_MT_ERROR(mt::sum(mt::zeros({int64_t{1} << 40}) + 1).item(), "out of memory", "4.0 TiB",
