@@ -65,6 +65,10 @@ void note_optimizer_parameters(const std::vector<Tensor>& params, bool add) {
 void note_gradient(const std::shared_ptr<TensorImpl>& leaf) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
+  // Only module parameters can be orphans: inputs that take gradients (adversarial examples,
+  // saliency maps) are not remembered, so loops without an optimizer step do not grow this.
+  auto param = r.parameters.find(leaf.get());
+  if (param == r.parameters.end() || param->second.alive.lock() != leaf) return;
   if (r.recent.insert(leaf.get()).second) r.with_gradients.push_back(leaf);
 }
 

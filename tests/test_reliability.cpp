@@ -171,6 +171,14 @@ TEST(Reliability, AParameterNoOptimizerUpdatesGetsOneWarningAtTheStep) {
   EXPECT_NE(first.find("register_module"), std::string::npos) << first;
   EXPECT_EQ(first.find("[4, 3]"), std::string::npos) << first;  // the registered one is fine
   EXPECT_EQ(step(), "");                                        // once per parameter
+  // Inputs that take gradients with no optimizer step (saliency, adversarial examples) are not
+  // parameters: nothing is remembered or reported for them.
+  for (int i = 0; i < 3; ++i) {
+    mt::Tensor input = mt::ones({5, 3});
+    input.requires_grad_();
+    mt::sum(net(input)).backward();
+  }
+  EXPECT_EQ(step(), "");
   // A model whose every parameter trains is never warned about.
   mt::Linear whole(3, 2);
   mt::SGD whole_opt(whole.parameters(), {.lr = 0.1});
