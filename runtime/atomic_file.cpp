@@ -39,6 +39,18 @@ fs::path resolve_symlinks(const std::string& path) {
   for (int hops = 0; hops <= max_symlink_hops; ++hops) {
     struct stat info {};
     if (::lstat(current.c_str(), &info) != 0 || !S_ISLNK(info.st_mode)) return current;
+    // As the kernel's fs.protected_symlinks does for open(): in a sticky folder anyone may write
+    // (/tmp), a link is followed only when it is ours or the folder owner's. Otherwise any user
+    // could plant one there and point our save at any file we may replace.
+    fs::path folder = current.parent_path().empty() ? fs::path(".") : current.parent_path();
+    struct stat folder_info {};
+    if (::stat(folder.c_str(), &folder_info) == 0 && (folder_info.st_mode & S_ISVTX) &&
+        (folder_info.st_mode & S_IWOTH) && info.st_uid != ::geteuid() &&
+        info.st_uid != folder_info.st_uid)
+      fail(
+          "refusing to follow the symbolic link '{}': it belongs to uid {}, in the shared folder "
+          "'{}' where anyone may plant one",
+          current.string(), info.st_uid, folder.string());
     std::error_code error;
     fs::path target = fs::read_symlink(current, error);
     if (error) fail("reading the symbolic link '{}': {}", current.string(), error.message());
@@ -127,7 +139,8 @@ void write_file_atomically(const std::string& path, const std::function<void(int
     fs::path target = resolve_symlinks(path);
     remove_stale_temporaries(target);
     struct stat existing {};
-    bool keep_mode = ::stat(target.c_str(), &existing) == 0 && S_ISREG(existing.st_mode);
+    // lstat: a link planted after resolve_symlinks must not lend us another file's owner and mode.
+    bool keep_mode = ::lstat(target.c_str(), &existing) == 0 && S_ISREG(existing.st_mode);
     tmp_path = temporary_name(target);
     // 0600 until the final mode is set, so the data is never readable by more than the old file.
     fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,

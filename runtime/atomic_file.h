@@ -15,7 +15,8 @@ namespace mixtape {
 /// see the old file or the new one whole; of two concurrent writers the last rename wins.
 ///
 /// - A symbolic link at path is written through: the file it (finally) points to is replaced,
-///   and the link stays.
+///   and the link stays. A link in a sticky, world-writable folder (/tmp) that belongs neither to
+///   the effective user nor to the folder's owner is refused, as fs.protected_symlinks does.
 /// - An existing file keeps its permission bits (and its owner and group where the process may
 ///   set them); a new file gets 0666 less the umask.
 /// - Temporaries of this naming for the same target left by processes that no longer exist (a

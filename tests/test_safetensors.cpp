@@ -743,6 +743,30 @@ TEST_F(SafetensorsFiles, SaveWritesThroughSymbolicLinks) {
   EXPECT_MT_ERROR(st::write(dir_ / "links" / "loop_a", generation_file(4)), "symbolic links");
 }
 
+// A link another user planted in a shared sticky folder such as /tmp is not followed: writing
+// through it would let them point a victim's save at any file the victim may replace. The kernel
+// refuses such links too (fs.protected_symlinks); following them by hand must not bypass that.
+TEST_F(SafetensorsFiles, SaveRefusesLinksPlantedByOthersInStickyFolders) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give a link to another user";
+  fs::path shared = dir_ / "shared";
+  fs::create_directories(shared);
+  ASSERT_EQ(::chmod(shared.c_str(), 01777), 0);
+  fs::path victim = dir_ / "victim.txt";
+  std::ofstream(victim) << "precious";
+  fs::path planted = shared / "model.safetensors";
+  fs::create_symlink(victim, planted);
+  ASSERT_EQ(::lchown(planted.c_str(), 65534, 65534), 0);  // as if nobody had made it
+  EXPECT_MT_ERROR(st::write(planted, generation_file(1)), "symbolic link");
+  std::ifstream in(victim);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, "precious");
+  // The user's own links there are still written through.
+  fs::path own = shared / "own.safetensors";
+  fs::create_symlink(dir_ / "real.safetensors", own);
+  st::write(own, generation_file(2));
+  EXPECT_EQ(generation_of(st::read(dir_ / "real.safetensors")), 2);
+}
+
 // ---- checksums ----
 
 // Where a tensor's bytes start in a serialized file.
