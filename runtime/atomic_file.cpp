@@ -5,6 +5,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -94,7 +95,15 @@ void remove_stale_temporaries(const fs::path& target) {
     std::optional<pid_t> owner = temporary_owner(name.substr(prefix.size()));
     if (!owner || *owner == ::getpid()) continue;
     if (::kill(*owner, 0) == 0 || errno != ESRCH) continue;  // alive (or not ours to signal)
-    ::unlinkat(::dirfd(listing), entry->d_name, 0);          // best effort: a race is harmless
+    // A pid can look dead from here and be alive elsewhere (another pid namespace or host on a
+    // shared folder): a writer holds an exclusive lock on its temporary until it is renamed, and
+    // the kernel drops it when the writer dies, wherever it ran.
+    int fd =
+        ::openat(::dirfd(listing), entry->d_name, O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    if (fd < 0) continue;
+    if (::flock(fd, LOCK_EX | LOCK_NB) == 0)
+      ::unlinkat(::dirfd(listing), entry->d_name, 0);  // best effort: a race is harmless
+    ::close(fd);
   }
   ::closedir(listing);
 }
@@ -151,6 +160,9 @@ void write_file_atomically(const std::string& path, const std::function<void(int
       tmp_path.clear();  // not ours to remove
       fail("creating '{}': {}", attempted, why);
     }
+    // Held until the rename, so that no cleaner (remove_stale_temporaries) takes it for a dead
+    // writer's; uncontended, since cleaners only try.
+    if (::flock(fd, LOCK_EX) != 0) fail("locking '{}': {}", tmp_path, errno_message());
     if (keep_mode) {
       // Only root may give a file away: anyone else's save leaves the file theirs (the call
       // fails, harmlessly), with its old mode.
@@ -164,12 +176,12 @@ void write_file_atomically(const std::string& path, const std::function<void(int
     // Without the sync a crash right after the rename could leave an empty or torn file under
     // the final name on some file systems.
     if (::fsync(fd) != 0) fail("syncing '{}': {}", tmp_path, errno_message());
-    int closed = ::close(fd);
-    fd = -1;
-    if (closed != 0) fail("closing '{}': {}", tmp_path, errno_message());
     if (::rename(tmp_path.c_str(), target.c_str()) != 0)
       fail("renaming '{}' over it: {}", tmp_path, errno_message());
     tmp_path.clear();
+    int closed = ::close(fd);  // after the rename: the lock covers the temporary's whole life
+    fd = -1;
+    if (closed != 0) fail("closing '{}': {}", path, errno_message());
     sync_directory(target);  // makes the rename itself durable
   } catch (const Error& e) {
     if (fd >= 0) ::close(fd);

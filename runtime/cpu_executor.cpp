@@ -86,7 +86,10 @@ KernelRef register_kernel(const kir::Kernel& kernel) {
 
 void compile_pending() {
   std::lock_guard<std::mutex> lock(cells_mutex);
-  auto& todo = unloaded();
+  // Taken off the queue first: a batch that fails to compile leaves its cells without code
+  // (run_kernel then says so) instead of failing every later compile with it.
+  auto todo = std::move(unloaded());
+  unloaded().clear();
   if (todo.empty()) return;
   std::vector<LlvmJit::KernelSource> sources;
   for (auto& [cell, source] : todo) sources.push_back(source);
@@ -95,7 +98,6 @@ void compile_pending() {
     todo[i].first->function = kernels[i]->function;
     todo[i].first->code = std::move(kernels[i]);
   }
-  todo.clear();
 }
 
 ProgramCache& cpu_programs() {

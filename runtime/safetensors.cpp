@@ -287,13 +287,20 @@ void check_unique_names(const std::vector<Entry>& entries, std::string_view orig
       fail("{}: duplicate key \"{}\" in the header", origin, *names[i]);
 }
 
-/// Moves the checksum entry (and any other of the reserved prefix, from a later version) out of
-/// the metadata and matches it to the entries; no entry means the file has no checksums.
+/// Moves the checksum entry out of the metadata and matches it to the entries; no entry means the
+/// file has no checksums. Any other key of the reserved prefix is an error: a damaged byte in the
+/// key's name must not turn verification off silently.
 std::vector<uint64_t> take_checksums(Layout& layout, std::string_view origin) {
   std::optional<std::string> text;
+  for (const auto& [key, value] : layout.metadata)
+    if (key.starts_with(reserved_metadata_prefix) && key != checksum_key)
+      fail(
+          "{}: metadata '{}' uses the prefix reserved for checksums but is not '{}': the file is "
+          "damaged, or from a newer mixtape",
+          origin, key, checksum_key);
   std::erase_if(layout.metadata, [&](auto& key_value) {
-    if (!key_value.first.starts_with(reserved_metadata_prefix)) return false;
-    if (key_value.first == checksum_key) text = std::move(key_value.second);
+    if (key_value.first != checksum_key) return false;
+    text = std::move(key_value.second);
     return true;
   });
   if (!text) return {};

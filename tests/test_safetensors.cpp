@@ -1,6 +1,7 @@
 // tests/test_safetensors.cpp -- JSON parsing and dumping, safetensors round trips, corruption
 // handling, atomic writes and interop with an independent Python reader and writer.
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -692,6 +693,20 @@ TEST_F(SafetensorsFiles, SaveRemovesDeadWritersTemporariesOnly) {
   std::set<std::string> expected(kept.begin(), kept.end());
   expected.insert(name);
   EXPECT_EQ(listing(dir_), expected);
+  // A writer whose pid looks dead from here (another pid namespace, another host on a shared
+  // folder) but that still holds the lock on its temporary keeps it.
+  std::string elsewhere = name + ".tmp." + dead + ".8.0123456789abcdef";
+  write_bytes(dir_ / elsewhere, std::vector<std::byte>(5));
+  int held = ::open((dir_ / elsewhere).c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(held, 0);
+  ASSERT_EQ(::flock(held, LOCK_EX), 0);
+  st::write(dir_ / name, sample_file());
+  expected.insert(elsewhere);
+  EXPECT_EQ(listing(dir_), expected);
+  ::close(held);  // the writer is gone: the next save cleans up after it
+  st::write(dir_ / name, sample_file());
+  expected.erase(elsewhere);
+  EXPECT_EQ(listing(dir_), expected);
 }
 
 mode_t mode_of(const fs::path& path) {
@@ -832,6 +847,10 @@ TEST(Safetensors, ChecksumMetadataIsCheckedAndReserved) {
                   "tensor 'a' is corrupt");
   // Without the entry (another writer's file) the data loads unverified.
   EXPECT_EQ(st::parse(hand_made("{" + data + "}", 4), "m.st").tensors.size(), 1u);
+  // One damaged byte in the entry's name must not turn verification off.
+  std::string renamed = R"({"__metadata__":{"mixtape.checksum.xxh3_65":"{\"a\":\"0\"}"},)";
+  EXPECT_MT_ERROR(st::parse(hand_made(renamed + data + "}", 4), "m.st"),
+                  "'mixtape.checksum.xxh3_65'", "reserved for checksums");
 }
 
 // ---- hostile headers and sizes ----
