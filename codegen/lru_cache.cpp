@@ -7,9 +7,10 @@
 
 namespace mixtape {
 namespace {
-// 64 MiB holds thousands of programs or kernel objects (a few KiB each), far more than a training
-// loop alternates between, and stays small beside the tensors.
-constexpr int64_t default_memory_cache_bytes = int64_t{64} << 20;
+// 16 MiB holds about a thousand programs or kernel objects (a few KiB each), far more than a
+// training loop alternates between. Measured over a sweep of new shapes on the cpu device, the
+// process's RSS levels off at about 45 MB above its start with this budget (180 MB with 64 MiB).
+constexpr int64_t default_memory_cache_bytes = int64_t{16} << 20;
 
 std::atomic<int64_t>& memory_budget() {
   static std::atomic<int64_t> budget{

@@ -12,7 +12,7 @@
 namespace mixtape {
 
 /// The byte budget of each in-memory cache (the kernel cache's objects, each back end's
-/// programs): $MIXTAPE_MEMORY_CACHE_BYTES if set to a number, else 64 MiB. A long run over many
+/// programs): $MIXTAPE_MEMORY_CACHE_BYTES if set to a number, else 16 MiB. A long run over many
 /// shapes then holds what its recent shapes need instead of growing without end.
 int64_t memory_cache_bytes();
 /// Replaces the budget for every in-memory cache (tests sweep shapes under a small one); the
