@@ -20,7 +20,10 @@ namespace mixtape {
 /// - An existing file keeps its permission bits (and its owner and group where the process may
 ///   set them); a new file gets 0666 less the umask.
 /// - Temporaries of this naming for the same target left by processes that no longer exist (a
-///   writer killed mid-save) are removed first; those of live processes are left alone.
+///   writer killed mid-save) are removed first; those of live processes are left alone. A writer
+///   holds an exclusive flock on its temporary until the rename, and only temporaries that can
+///   be locked are removed, so a writer whose pid merely looks dead from here (another pid
+///   namespace or host sharing the folder) keeps its own.
 ///
 /// Throws mt::Error naming path on any failure (fill's mt::Errors included); the temporary is
 /// removed then and the old file is untouched.
