@@ -203,6 +203,7 @@ void GradScaler::update(double new_scale) {
   Tensor combined = combined_found_inf();
   NoGradGuard no_grad;
   scale_ = full({}, new_scale, f32);
+  ++stats_.data->state_version;
   record(combined.defined() ? ne(combined, zeros({}, f32)) : zeros({}, boolean));
   per_optimizer_.clear();
 }
@@ -213,13 +214,20 @@ namespace {
 // update's flag and scale in place, so the record takes copies of them.
 class RecordEachCall final : public StepHook {
  public:
-  explicit RecordEachCall(std::function<void(Tensor, Tensor)> add) : add_(std::move(add)) {}
+  RecordEachCall(std::function<void(Tensor, Tensor)> add, std::function<bool()> replaced)
+      : add_(std::move(add)), replaced_(std::move(replaced)) {}
+  const char* stale() const override {
+    return replaced_() ? "the loss scaler's state was loaded or set (load_state_dict, update(s)) "
+                         "since the step was traced"
+                       : nullptr;
+  }
   void ran(const std::vector<std::shared_ptr<Storage>>& values) override {
     add_(from_storage(values.at(0), {}), from_storage(values.at(1), {}));
   }
 
  private:
   std::function<void(Tensor, Tensor)> add_;
+  std::function<bool()> replaced_;
 };
 
 }  // namespace
@@ -232,7 +240,12 @@ void GradScaler::record(const Tensor& found) {
     if (std::shared_ptr<Statistics> alive = stats.lock())
       alive->add({std::move(found_copy), std::move(scale_copy)});
   };
-  if (on_each_call(std::make_shared<RecordEachCall>(std::move(add)), {found.node(), scale_.node()}))
+  auto replaced = [stats, version = stats_.data->state_version] {
+    std::shared_ptr<Statistics> alive = stats.lock();
+    return alive && alive->state_version != version;
+  };
+  if (on_each_call(std::make_shared<RecordEachCall>(std::move(add), std::move(replaced)),
+                   {found.node(), scale_.node()}))
     return;
   stats_.data->add({found, scale_});
 }
@@ -357,6 +370,7 @@ void GradScaler::load_state_dict(const NamedTensors& state) {
   options_ = next;
   scale_ = full({}, scale, f32);
   tracker_ = full({}, tracker, i32);
+  ++stats_.data->state_version;
 }
 
 }  // namespace mixtape

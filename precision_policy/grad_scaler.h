@@ -113,6 +113,9 @@ class GradScaler {
     std::vector<double> scale_history;
     std::vector<bool> skip_history;
     int64_t skipped = 0;
+    // Bumped when the state is replaced from outside a step (load_state_dict, update(s)): a
+    // compiled step traced before it would replay the old scale and settings, so it traces again.
+    int64_t state_version = 0;
     void add(Record record);
     void resolve();
   };

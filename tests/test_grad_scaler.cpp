@@ -762,6 +762,30 @@ TEST(GradScalerReliability, PoisonedStepsThenCleanOnesLeaveTheWeightsFiniteCompi
   poisoned_then_clean(true);
 }
 
+// A state loaded between replays of a compiled step (e.g. resuming into a running loop) is the
+// state the next call uses, not the one the replay plan last wrote.
+TEST(GradScalerReliability, StateLoadedBetweenCompiledStepsIsFollowed) {
+  Tiny m;
+  mt::SGD opt(m.lin.parameters(), {.lr = 0.01});
+  mt::GradScaler scaler({.init_scale = 1024});
+  auto step = mt::compile([&](const mt::Tensor& x) {
+    opt.zero_grad();
+    scaler.scale(m.loss_on(x)).backward();
+    scaler.step(opt);
+    scaler.update();
+  });
+  for (int i = 0; i < 4; ++i) step(m.x);
+  EXPECT_EQ(scaler.get_scale(), 1024);
+  mt::NamedTensors state = mt::GradScaler({.init_scale = 8}).state_dict();
+  scaler.load_state_dict(state);
+  step(m.x);
+  EXPECT_EQ(scaler.get_scale(), 8);
+  EXPECT_EQ(scaler.scale_history().back(), 8);
+  scaler.update(64.0);  // set from outside, as PyTorch's update(new_scale)
+  step(m.x);
+  EXPECT_EQ(scaler.get_scale(), 64);
+}
+
 TEST(GradScalerReliability, GradientsThatOverflowOnlyWhenUnscaledAreSkipped) {
   // A scale below 1 (as fp16 runs reach after overflows) unscales a finite 3e38 into inf: the
   // check must look at what the optimizer would apply, as PyTorch's does.
