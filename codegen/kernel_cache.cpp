@@ -23,8 +23,8 @@
 
 #include <fmt/format.h>
 
-#include "dsl/byte_count.h"
 #include "codegen/hash.h"
+#include "dsl/byte_count.h"
 
 namespace mixtape {
 
@@ -139,16 +139,11 @@ int write_file_atomically(int dir_fd, const std::string& name, std::span<const s
   return error;
 }
 
-// "a/b//c/" -> "a/b/c"; keeps a leading "/".
+// "a/b//c/" -> {"a", "b", "c"}; whether the path is absolute is the caller's to see.
 std::vector<std::string> path_components(const std::string& path) {
   std::vector<std::string> parts;
-  size_t start = 0;
-  while (start <= path.size()) {
-    size_t end = path.find('/', start);
-    if (end == std::string::npos) end = path.size();
-    if (end > start) parts.push_back(path.substr(start, end - start));
-    start = end + 1;
-  }
+  for (const std::filesystem::path& part : std::filesystem::path(path).relative_path())
+    if (!part.empty()) parts.push_back(part.string());
   return parts;
 }
 
@@ -251,7 +246,9 @@ std::string load_or_create_secret(const std::string& path,
   if (::fstat(dir_fd.get(), &dir_info) != 0) return errno_text(errno);
   if (dir_info.st_dev == cache_directory.st_dev && dir_info.st_ino == cache_directory.st_ino)
     return "it is inside the cache directory, where the entries it authenticates live";
-  for (int attempt = 0; attempt < 2; ++attempt) {
+  // Each pass returns, but for one: the file was missing and has just been made (by us or by a
+  // process racing us), so the second pass reads it.
+  for (int attempt = 0;; ++attempt) {
     FileDescriptor fd(
         ::openat(dir_fd.get(), name.c_str(), O_RDONLY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC));
     if (fd.get() >= 0) return read_secret(fd.get(), secret);
@@ -266,7 +263,6 @@ std::string load_or_create_secret(const std::string& path,
     if (error != 0 && error != EEXIST)
       return fmt::format("cannot create it: {}", errno_text(error));
   }
-  return "unreachable";
 }
 
 std::array<unsigned char, mac_bytes> mac_of(const std::array<unsigned char, secret_bytes>& secret,

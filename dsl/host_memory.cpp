@@ -36,7 +36,10 @@ size_t size_class(size_t bytes) {
 struct Cache {
   std::mutex mutex;
   std::unordered_map<size_t, std::vector<void*>> free_blocks;
-  HostMemoryStats stats;
+  HostMemoryStats stats;  // live_bytes is kept in `live` instead
+  // Atomic, so that small blocks (which skip the free lists) are counted without the lock: they
+  // are most of a step's allocations.
+  std::atomic<int64_t> live{0};
 };
 
 Cache& cache() {
@@ -74,8 +77,7 @@ void reserve(Cache& c, double size, double asked, const std::string& what = "") 
   int64_t cap = limit().load(std::memory_order_relaxed);
   if (cap <= 0) return;
   auto fits = [&] {
-    return static_cast<double>(c.stats.live_bytes) + static_cast<double>(c.stats.cached_bytes) +
-               size <=
+    return static_cast<double>(c.live.load()) + static_cast<double>(c.stats.cached_bytes) + size <=
            static_cast<double>(cap);
   };
   if (!fits()) free_cached(c);
@@ -84,8 +86,7 @@ void reserve(Cache& c, double size, double asked, const std::string& what = "") 
         "out of memory: {}{} asked for, but values already hold {} of the {} memory limit "
         "(MIXTAPE_MAX_MEMORY / mt::set_memory_limit)",
         what.empty() ? "" : what + ": ", human_bytes(asked),
-        human_bytes(static_cast<double>(c.stats.live_bytes)),
-        human_bytes(static_cast<double>(cap)));
+        human_bytes(static_cast<double>(c.live.load())), human_bytes(static_cast<double>(cap)));
 }
 
 }  // namespace
@@ -110,24 +111,25 @@ void* host_allocate(size_t bytes) {
     fail("out of memory: {} asked for, more than any machine holds",
          human_bytes(static_cast<double>(bytes)));
   size_t size = size_class(bytes == 0 ? 1 : bytes);
+  auto counted = static_cast<int64_t>(size);
   Cache& c = cache();
-  {
+  if (size >= smallest_cached || limit().load(std::memory_order_relaxed) > 0) {
     std::lock_guard<std::mutex> lock(c.mutex);
     if (size >= smallest_cached) {
       auto found = c.free_blocks.find(size);
       if (found != c.free_blocks.end() && !found->second.empty()) {
         void* block = found->second.back();
         found->second.pop_back();
-        c.stats.cached_bytes -= static_cast<int64_t>(size);
-        c.stats.live_bytes += static_cast<int64_t>(size);
+        c.stats.cached_bytes -= counted;
+        c.live += counted;
         ++c.stats.hits;
         return block;
       }
       ++c.stats.misses;
     }
     reserve(c, static_cast<double>(size), static_cast<double>(bytes));
-    c.stats.live_bytes += static_cast<int64_t>(size);
   }
+  c.live += counted;
   void* block = std::aligned_alloc(alignment, size);
   if (!block) {
     // Freed blocks of other sizes may be what the OS lacks: give them back and try once more.
@@ -135,7 +137,7 @@ void* host_allocate(size_t bytes) {
     free_cached(c);
     block = std::aligned_alloc(alignment, size);
     if (!block) {
-      c.stats.live_bytes -= static_cast<int64_t>(size);
+      c.live -= counted;
       fail("out of memory: the system could not provide {} ({} bytes)",
            human_bytes(static_cast<double>(bytes)), bytes);
     }
@@ -146,16 +148,20 @@ void* host_allocate(size_t bytes) {
 void host_release(void* block, size_t bytes) noexcept {
   if (!block) return;
   size_t size = size_class(bytes == 0 ? 1 : bytes);
+  auto counted = static_cast<int64_t>(size);
   Cache& c = cache();
+  c.live -= counted;
+  if (size < smallest_cached) {
+    std::free(block);
+    return;
+  }
   std::lock_guard<std::mutex> lock(c.mutex);
-  c.stats.live_bytes -= static_cast<int64_t>(size);
   int64_t cap = limit().load(std::memory_order_relaxed);
-  if (size >= smallest_cached &&
-      c.stats.cached_bytes + static_cast<int64_t>(size) <= max_cached_bytes &&
-      (cap <= 0 || c.stats.live_bytes + c.stats.cached_bytes + static_cast<int64_t>(size) <= cap)) {
+  if (c.stats.cached_bytes + counted <= max_cached_bytes &&
+      (cap <= 0 || c.live.load() + c.stats.cached_bytes + counted <= cap)) {
     try {
       c.free_blocks[size].push_back(block);
-      c.stats.cached_bytes += static_cast<int64_t>(size);
+      c.stats.cached_bytes += counted;
       return;
     } catch (...) {  // no memory to remember it: give it back instead
     }
@@ -166,7 +172,9 @@ void host_release(void* block, size_t bytes) noexcept {
 HostMemoryStats host_memory_stats() {
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mutex);
-  return c.stats;
+  HostMemoryStats stats = c.stats;
+  stats.live_bytes = c.live.load();
+  return stats;
 }
 
 void host_memory_trim() {

@@ -581,14 +581,26 @@ void save_with(const std::string& file, mt::NamedTensors entries, const mt::Meta
   mt::save_tensors(file, entries, meta);
 }
 
-TEST_F(Checkpoint, NegativeExpAvgSqIsRejectedWithoutChanges) {
+// A run saved to `good` after two steps, that file's entries and metadata (to damage and save
+// again), and another run, one step in, to load the damaged files into.
+struct SavedRun {
+  Training source, target;
+  mt::Metadata meta;
+  mt::NamedTensors entries;
+};
+SavedRun saved_run(const std::string& good) {
   Training source = mlp_run(1);
   source.train(0, 2);
-  mt::save_checkpoint(path("good.safetensors"), *source.model, source.opt.get());
+  mt::save_checkpoint(good, *source.model, source.opt.get());
   mt::Metadata meta;
-  mt::NamedTensors entries = mt::load_tensors(path("good.safetensors"), &meta);
+  mt::NamedTensors entries = mt::load_tensors(good, &meta);
   Training target = mlp_run(2);
   target.train(0, 1);
+  return {std::move(source), std::move(target), std::move(meta), std::move(entries)};
+}
+
+TEST_F(Checkpoint, NegativeExpAvgSqIsRejectedWithoutChanges) {
+  auto [source, target, meta, entries] = saved_run(path("good.safetensors"));
   std::string bad = path("bad.safetensors");
   const std::string name = "optimizer.fc1.bias.exp_avg_sq";
   save_with(bad, entries, meta, name, 2, -1e-3f);
@@ -614,13 +626,7 @@ TEST_F(Checkpoint, NegativeExpAvgSqIsRejectedWithoutChanges) {
 }
 
 TEST_F(Checkpoint, NonFiniteValuesLoadOnlyWhenAllowed) {
-  Training source = mlp_run(1);
-  source.train(0, 2);
-  mt::save_checkpoint(path("good.safetensors"), *source.model, source.opt.get());
-  mt::Metadata meta;
-  mt::NamedTensors entries = mt::load_tensors(path("good.safetensors"), &meta);
-  Training target = mlp_run(2);
-  target.train(0, 1);
+  auto [source, target, meta, entries] = saved_run(path("good.safetensors"));
   std::string bad = path("bad.safetensors");
   const float nan = std::bit_cast<float>(0x7fc01234u), inf = std::numeric_limits<float>::infinity();
   struct Case {
