@@ -9,15 +9,14 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include "codegen/emit_llvm.h"
 #include "codegen/fusion.h"
 #include "codegen/hash.h"
-#include "codegen/llvm_jit.h"
 #include "codegen/lower.h"
 #include "dsl/convert.h"
 #include "dsl/error.h"
 #include "dsl/graph.h"
 #include "dsl/log.h"
+#include "runtime/cpu_kernels.h"
 #include "runtime/gemm.h"
 #include "runtime/program.h"
 #include "runtime/reference_executor.h"
@@ -41,10 +40,7 @@ int64_t bytes_of(const Storage& s) { return s.size_bytes(); }
 // together with the rest of the program's new kernels. Owned by the steps that run it (and,
 // until then, by the list of kernels to compile), so that its code is freed with the last program
 // that uses it.
-struct KernelCell {
-  KernelFunction function = nullptr;
-  std::shared_ptr<const JitKernel> code;
-};
+using KernelCell = CompiledKernel;
 
 std::mutex cells_mutex;
 // By name, for programs that share a kernel; an entry expires with its cell.
@@ -52,9 +48,14 @@ std::unordered_map<std::string, std::weak_ptr<KernelCell>>& kernel_cells() {
   static std::unordered_map<std::string, std::weak_ptr<KernelCell>> cells;
   return cells;
 }
-std::vector<std::pair<std::shared_ptr<KernelCell>, LlvmJit::KernelSource>>& unloaded() {
-  static std::vector<std::pair<std::shared_ptr<KernelCell>, LlvmJit::KernelSource>> kernels;
+std::vector<std::pair<std::shared_ptr<KernelCell>, kir::Kernel>>& unloaded() {
+  static std::vector<std::pair<std::shared_ptr<KernelCell>, kir::Kernel>> kernels;
   return kernels;
+}
+
+CpuKernelCompiler*& installed_compiler() {
+  static CpuKernelCompiler* compiler = nullptr;
+  return compiler;
 }
 
 // Forgets the expired entries once they are as many as the live ones (so the sweep's cost is
@@ -67,7 +68,7 @@ void forget_expired_cells() {
   sweep_at = std::max<size_t>(64, 2 * cells.size());
 }
 
-// The program builder's kernel loader: emits a kernel new to this process and leaves it for
+// The program builder's kernel loader: leaves a kernel new to this process for
 // compile_pending(), so that a new program's kernels compile in parallel.
 KernelRef register_kernel(const kir::Kernel& kernel) {
   std::lock_guard<std::mutex> lock(cells_mutex);
@@ -77,9 +78,7 @@ KernelRef register_kernel(const kir::Kernel& kernel) {
     cell = std::make_shared<KernelCell>();
     kernel_cells()[kernel.name] = cell;
     if (log_enabled("kernels")) log_line("kernels", "{}", kir::to_string(kernel));
-    std::string ir = emit_llvm(kernel);
-    if (log_enabled("llvm")) log_line("llvm", "{}", ir);
-    unloaded().push_back({cell, {kernel.name, std::move(ir)}});
+    unloaded().push_back({cell, kernel});
   }
   return {reinterpret_cast<uintptr_t>(cell.get()), cell};
 }
@@ -91,13 +90,17 @@ void compile_pending() {
   auto todo = std::move(unloaded());
   unloaded().clear();
   if (todo.empty()) return;
-  std::vector<LlvmJit::KernelSource> sources;
-  for (auto& [cell, source] : todo) sources.push_back(source);
-  std::vector<std::shared_ptr<const JitKernel>> kernels = LlvmJit::instance().load_all(sources);
-  for (size_t i = 0; i < todo.size(); ++i) {
-    todo[i].first->function = kernels[i]->function;
-    todo[i].first->code = std::move(kernels[i]);
-  }
+  CpuKernelCompiler* compiler = cpu_kernel_compiler();
+  if (!compiler)
+    fail(
+        "the CPU back end has no kernel compiler: this program links only mixtape_runtime, which "
+        "runs exported artifacts; link the mixtape library to compile graphs ({} new kernels, "
+        "the first {})",
+        todo.size(), todo[0].second.name);
+  std::vector<const kir::Kernel*> kernels;
+  for (auto& [cell, kernel] : todo) kernels.push_back(&kernel);
+  std::vector<CompiledKernel> compiled = compiler->compile(kernels);
+  for (size_t i = 0; i < todo.size(); ++i) *todo[i].first = std::move(compiled[i]);
 }
 
 ProgramCache& cpu_programs() {
@@ -246,6 +249,14 @@ void replay_cpu(const ExecutedProgram& executed, const std::vector<Node*>& pendi
 }
 
 void set_kernel_observer(KernelObserver o) { observer() = std::move(o); }
+
+CpuKernelCompiler* cpu_kernel_compiler() { return installed_compiler(); }
+void set_cpu_kernel_compiler(CpuKernelCompiler* compiler) { installed_compiler() = compiler; }
+
+KernelRef ready_cpu_kernel(CompiledKernel kernel) {
+  auto cell = std::make_shared<KernelCell>(std::move(kernel));
+  return {reinterpret_cast<uintptr_t>(cell.get()), cell};
+}
 
 ProgramCache::Stats cpu_program_cache_stats() { return cpu_programs().stats(); }
 

@@ -11,13 +11,13 @@
 #include <unordered_set>
 
 #include "codegen/kernel_ir.h"
-#include "codegen/llvm_jit.h"
 #include "codegen/lower.h"
 #include "codegen/nvrtc.h"
 #include "dsl/error.h"
 #include "dsl/graph.h"
 #include "dsl/log.h"
 #include "precision_policy/assign.h"
+#include "runtime/cpu_kernels.h"
 #include "runtime/multi_tensor.h"
 
 namespace mixtape {
@@ -107,9 +107,13 @@ namespace {
 // The compilers keep their own lifetime counters; a reset remembers them so that stats count
 // from it.
 struct CompilerBaseline {
-  LlvmJit::Stats jit;
+  CompilerStats jit;
   NvrtcStats nvrtc;
 };
+CompilerStats cpu_compiler_stats() {
+  CpuKernelCompiler* compiler = cpu_kernel_compiler();
+  return compiler ? compiler->stats() : CompilerStats{};
+}
 CompilerBaseline& compiler_baseline() {
   static CompilerBaseline baseline;
   return baseline;
@@ -118,7 +122,7 @@ CompilerBaseline& compiler_baseline() {
 
 ExecutionStats execution_stats() {
   ExecutionStats s = execution_counters();
-  LlvmJit::Stats jit = LlvmJit::instance().stats();
+  CompilerStats jit = cpu_compiler_stats();
   NvrtcStats nvrtc = nvrtc_stats();
   const CompilerBaseline& base = compiler_baseline();
   s.kernels_compiled = jit.compiled - base.jit.compiled + nvrtc.compiled - base.nvrtc.compiled;
@@ -132,7 +136,7 @@ ExecutionStats execution_stats() {
 
 void reset_execution_stats() {
   execution_counters() = ExecutionStats{};
-  compiler_baseline() = {LlvmJit::instance().stats(), nvrtc_stats()};
+  compiler_baseline() = {cpu_compiler_stats(), nvrtc_stats()};
 }
 
 Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& required, bool fuse,

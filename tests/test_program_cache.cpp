@@ -10,7 +10,7 @@
 #include <memory>
 #include <vector>
 
-#include "codegen/llvm_jit.h"
+#include "jit/llvm_jit.h"
 #include "codegen/lru_cache.h"
 #include "dsl/ops.h"
 #include "dsl/tensor.h"

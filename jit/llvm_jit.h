@@ -1,4 +1,4 @@
-// codegen/llvm_jit.h -- compiles LLVM IR text for the host CPU with ORC LLJIT, through the kernel
+// jit/llvm_jit.h -- compiles LLVM IR text for the host CPU with ORC LLJIT, through the kernel
 // cache.
 #pragma once
 
@@ -8,10 +8,9 @@
 #include <string>
 #include <vector>
 
-namespace mixtape {
+#include "runtime/cpu_kernels.h"
 
-/// The entry point of every generated CPU kernel (see codegen/emit_llvm.h).
-using KernelFunction = void (*)(void* const* params, int64_t begin, int64_t end);
+namespace mixtape {
 
 /// A kernel loaded into the JIT. Its code stays mapped while the object lives: the last owner's
 /// release removes it from the JIT (its own ORC ResourceTracker), so that a process sweeping

@@ -1,6 +1,6 @@
-// codegen/llvm_jit.cpp -- LLVM IR text -> host machine code: O3 pipeline, object emission, ORC
+// jit/llvm_jit.cpp -- LLVM IR text -> host machine code: O3 pipeline, object emission, ORC
 // LLJIT.
-#include "codegen/llvm_jit.h"
+#include "jit/llvm_jit.h"
 
 #include <llvm/ExecutionEngine/Orc/ExecutionUtils.h>
 #include <llvm/ExecutionEngine/Orc/JITTargetMachineBuilder.h>
