@@ -34,7 +34,9 @@ namespace mixtape {
 namespace {
 
 // Bumped whenever emitted code for the same IR could change (pipeline, flags): part of the key.
-constexpr int jit_version = 2;
+// 3: position-independent code, so that the AOT packager links cached objects into shared
+// libraries.
+constexpr int jit_version = 3;
 
 std::string to_text(llvm::Error error) {
   std::string text;
@@ -118,6 +120,9 @@ LlvmJit::LlvmJit() : state_(std::make_shared<State>()) {
   builder.setCPU(state_->cpu);
   builder.addFeatures(features.getFeatures());
   builder.setCodeGenOptLevel(llvm::CodeGenOpt::Aggressive);
+  // The same objects go into AOT artifacts' shared libraries (jit/aot_package.h), which need
+  // position-independent code; the JIT links it as well.
+  builder.setRelocationModel(llvm::Reloc::PIC_);
   state_->machine = unwrap(builder.createTargetMachine(), "creating the target machine");
   state_->builder = builder;
   state_->jit = unwrap(llvm::orc::LLJITBuilder().setJITTargetMachineBuilder(builder).create(),
@@ -192,6 +197,62 @@ std::vector<std::byte> LlvmJit::compile_object(const std::string& name, const st
   return std::vector<std::byte>(begin, begin + object.size());
 }
 
+std::string LlvmJit::cache_key(const std::string& ir) const {
+  return fmt::format("llvm-jit v{}\n{}\n{}", jit_version, target(), ir);
+}
+
+double LlvmJit::compile_missing(const std::vector<KernelSource>& kernels,
+                                const std::vector<size_t>& missing,
+                                std::vector<std::optional<std::vector<std::byte>>>& objects) {
+  // Cache misses compile in parallel, one LLVM context and target machine per thread: a new
+  // model's first step waits for its slowest share, not for the sum.
+  auto start = std::chrono::steady_clock::now();
+  if (missing.empty()) return 0;
+  std::atomic<size_t> next{0};
+  std::mutex error_mutex;
+  std::optional<Error> error;
+  auto work = [&] {
+    for (size_t k; (k = next.fetch_add(1)) < missing.size();) {
+      size_t i = missing[k];
+      try {
+        objects[i] = compile_object(kernels[i].name, kernels[i].ir);
+      } catch (const Error& e) {
+        std::lock_guard<std::mutex> lock(error_mutex);
+        if (!error) error = e;
+      }
+    }
+  };
+  size_t threads =
+      std::min<size_t>(missing.size(), std::max(1u, std::thread::hardware_concurrency()));
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& thread : pool) thread.join();
+  if (error) throw *error;
+  return seconds_since(start);
+}
+
+std::vector<std::vector<std::byte>> LlvmJit::objects(const std::vector<KernelSource>& kernels) {
+  std::vector<std::optional<std::vector<std::byte>>> objects(kernels.size());
+  std::vector<std::string> keys(kernels.size());
+  std::vector<size_t> missing;
+  for (size_t i = 0; i < kernels.size(); ++i) {
+    keys[i] = cache_key(kernels[i].ir);
+    objects[i] = kernel_cache().load(keys[i]);
+    if (!objects[i]) missing.push_back(i);
+  }
+  double compile_seconds = compile_missing(kernels, missing, objects);
+  for (size_t i : missing) kernel_cache().store(keys[i], *objects[i]);
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->stats.compiled += static_cast<int64_t>(missing.size());
+    state_->stats.compile_seconds += compile_seconds;
+  }
+  std::vector<std::vector<std::byte>> result;
+  for (auto& object : objects) result.push_back(std::move(*object));
+  return result;
+}
+
 std::shared_ptr<const JitKernel> LlvmJit::load(const std::string& name, const std::string& ir) {
   return load_all({{name, ir}})[0];
 }
@@ -212,39 +273,13 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
         ++state_->stats.memory_hits;
         continue;
       }
-      keys[i] = fmt::format("llvm-jit v{}\n{}\n{}", jit_version, target(), kernels[i].ir);
+      keys[i] = cache_key(kernels[i].ir);
       objects[i] = kernel_cache().load(keys[i]);
       if (!objects[i]) missing.push_back(i);
     }
   }
   double load_seconds = seconds_since(start);
-  // Cache misses compile in parallel, one LLVM context and target machine per thread: a new
-  // model's first step waits for its slowest share, not for the sum.
-  start = std::chrono::steady_clock::now();
-  if (!missing.empty()) {
-    std::atomic<size_t> next{0};
-    std::mutex error_mutex;
-    std::optional<Error> error;
-    auto work = [&] {
-      for (size_t k; (k = next.fetch_add(1)) < missing.size();) {
-        size_t i = missing[k];
-        try {
-          objects[i] = compile_object(kernels[i].name, kernels[i].ir);
-        } catch (const Error& e) {
-          std::lock_guard<std::mutex> lock(error_mutex);
-          if (!error) error = e;
-        }
-      }
-    };
-    size_t threads =
-        std::min<size_t>(missing.size(), std::max(1u, std::thread::hardware_concurrency()));
-    std::vector<std::thread> pool;
-    for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
-    work();
-    for (std::thread& thread : pool) thread.join();
-    if (error) throw *error;
-  }
-  double compile_seconds = seconds_since(start);
+  double compile_seconds = compile_missing(kernels, missing, objects);
   std::unique_lock<std::mutex> lock(state_->mutex);
   for (size_t i = 0; i < kernels.size(); ++i) {
     if (result[i]) continue;

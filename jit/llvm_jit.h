@@ -5,6 +5,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -48,6 +49,12 @@ class LlvmJit {
   };
   std::vector<std::shared_ptr<const JitKernel>> load_all(const std::vector<KernelSource>& kernels);
 
+  /// The relocatable object file of each kernel (its function `name`, position-independent,
+  /// for the host CPU at -O3), as load_all() would load it: from the kernel cache, else compiled
+  /// (misses in parallel) and cached. The AOT packager links these into an artifact, so kernels
+  /// the training run compiled are not compiled again.
+  std::vector<std::vector<std::byte>> objects(const std::vector<KernelSource>& kernels);
+
   /// LLVM version, host CPU name and features: what makes an object valid for this machine.
   std::string target() const;
 
@@ -65,6 +72,13 @@ class LlvmJit {
  private:
   LlvmJit();
   std::vector<std::byte> compile_object(const std::string& name, const std::string& ir);
+  // Kernel-cache key of an object compiled from ir.
+  std::string cache_key(const std::string& ir) const;
+  // Compiles kernels[i] into objects[i] for each i in missing, on every core; returns the wall
+  // time.
+  double compile_missing(const std::vector<KernelSource>& kernels,
+                         const std::vector<size_t>& missing,
+                         std::vector<std::optional<std::vector<std::byte>>>& objects);
   friend class JitKernel;
   struct State;
   // Shared with every JitKernel, so the JIT outlives the last of them (static destruction order
