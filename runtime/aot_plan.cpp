@@ -144,12 +144,39 @@ Value plan_to_json(const std::vector<TracedPlan>& traced,
       if (nodes_at.back().size() != nodes_at[0].size() ||
           t.plan->evals[e].eval.executed.sig.externals.size() !=
               planned.eval.executed.sig.externals.size())
-        fail("evaluation {} of the step has different graphs at batch {} and batch {}", e,
-             traced[0].batch, t.batch);
+        fail(
+            "evaluation {} has different graphs at batch {} and batch {}: what it computes "
+            "depends on the batch size (a mean over the batch?), so it cannot take a dynamic "
+            "batch; export it at a fixed batch",
+            e, traced[0].batch, t.batch);
     }
     const std::vector<Node*>& nodes = nodes_at[0];
-    std::unordered_map<const Node*, int64_t> index;
-    for (size_t i = 0; i < nodes.size(); ++i) index.emplace(nodes[i], static_cast<int64_t>(i));
+    // Each trace's nodes by number, so that the traces can be compared edge by edge.
+    std::vector<std::unordered_map<const Node*, int64_t>> index_at(traced.size());
+    for (size_t t = 0; t < traced.size(); ++t)
+      for (size_t i = 0; i < nodes_at[t].size(); ++i)
+        index_at[t].emplace(nodes_at[t][i], static_cast<int64_t>(i));
+    const std::unordered_map<const Node*, int64_t>& index = index_at[0];
+    auto same_structure = [&](size_t t, size_t i) {
+      const Node &node = *nodes[i], &other = *nodes_at[t][i];
+      if (other.op != node.op || other.shape.size() != node.shape.size() ||
+          other.storage != node.storage || other.compute != node.compute ||
+          other.accum != node.accum || other.inputs.size() != node.inputs.size() ||
+          attrs_value(other) != attrs_value(node))
+        return false;
+      for (size_t k = 0; k < node.inputs.size(); ++k) {
+        auto a = index.find(node.inputs[k].get());
+        auto b = index_at[t].find(other.inputs[k].get());
+        if (a == index.end() || b == index_at[t].end() || a->second != b->second) return false;
+      }
+      if (i < planned.inputs.size()) {
+        const Binding &x = planned.inputs[i], &y = t == 0 ? x : traced[t].plan->evals[e].inputs[i];
+        // State and constants are the same buffers in every trace; a value an earlier
+        // evaluation of the same call stored is each trace's own.
+        if (x.arg != y.arg || (x.first_value && x.object != y.object)) return false;
+      }
+      return true;
+    };
     size_t leaves = planned.eval.executed.sig.externals.size();
     Array node_values;
     for (size_t i = 0; i < nodes.size(); ++i) {
@@ -160,20 +187,17 @@ Value plan_to_json(const std::vector<TracedPlan>& traced,
       o.emplace_back("storage", std::string(name(node.storage)));
       o.emplace_back("compute", std::string(name(node.compute)));
       o.emplace_back("accum", std::string(name(node.accum)));
+      for (size_t t = 1; t < traced.size(); ++t)
+        if (!same_structure(t, i))
+          fail(
+              "{} differs between batch {} and batch {} by more than its shape: what it computes "
+              "depends on the batch size (a mean over the batch?), so it cannot take a dynamic "
+              "batch; export it at a fixed batch",
+              describe(node), traced[0].batch, traced[t].batch);
       Array shape;
       for (size_t d = 0; d < node.shape.size(); ++d) {
         std::vector<int64_t> at;
-        for (size_t t = 0; t < traced.size(); ++t) {
-          const Node& other = *nodes_at[t][i];
-          if (other.op != node.op || other.shape.size() != node.shape.size() ||
-              other.storage != node.storage || other.inputs.size() != node.inputs.size() ||
-              Value(attrs_value(other)) != attrs_value(node))
-            fail(
-                "{} differs between batch {} and batch {} by more than its shape (a value "
-                "that depends on the batch size, such as a mean over the batch?)",
-                describe(node), traced[0].batch, traced[t].batch);
-          at.push_back(other.shape[d]);
-        }
+        for (size_t t = 0; t < traced.size(); ++t) at.push_back(nodes_at[t][i]->shape[d]);
         shape.push_back(dim_value(traced, at, node));
       }
       o.emplace_back("shape", std::move(shape));
@@ -211,8 +235,6 @@ Value plan_to_json(const std::vector<TracedPlan>& traced,
         s.emplace_back("buffer", buffer_index(planned.eval.outputs[j]));
       stored.push_back(std::move(s));
     }
-    Array fills;
-    for (double f : planned.eval.fills) fills.push_back(double_bits(f));
     evaluations.push_back(Object{{"leaves", static_cast<int64_t>(leaves)},
                                  {"nodes", std::move(node_values)},
                                  {"stored", std::move(stored)}});

@@ -302,6 +302,41 @@ TEST_F(AotErrors, CudaAndUnknownDevices) {
   EXPECT_EQ(m, nullptr);
 }
 
+TEST_F(AotErrors, CpuWithoutTheKernelsFeatures) {
+  std::string copy = edited("digits.json", [](std::string& t) {
+    auto at = t.find("\"cpu_features\":[");
+    t.insert(at + std::strlen("\"cpu_features\":["), "\"avx1024\",");
+  });
+  mixtape_aot_model* m = nullptr;
+  EXPECT_EQ(open(copy, nullptr, &m), MIXTAPE_AOT_ERROR_DEVICE);
+  EXPECT_NE(std::string(mixtape_aot_error(nullptr)).find("lacks avx1024"), std::string::npos)
+      << mixtape_aot_error(nullptr);
+  fs::remove_all(copy);
+}
+
+// A dynamic batch needs rows that do not see each other: a mean over the batch is refused at
+// export, naming the node, rather than exported wrong.
+TEST(AotExport, DynamicBatchRefusesMixingRows) {
+  std::string dir = temp_dir("mixing");
+  mt::aot::Options o{.name = "centered", .dynamic_batch = {.max = 8}};
+  EXPECT_THROW(
+      {
+        try {
+          mt::aot::export_function([](const mt::Tensor& x) { return x - mt::mean(x, {0}, true); },
+                                   {mt::aot::input("x", {8, 4}, mt::f32)}, {"y"}, dir, o);
+        } catch (const mt::Error& e) {
+          EXPECT_NE(std::string(e.what()).find("depends on the batch size"), std::string::npos)
+              << e.what();
+          throw;
+        }
+      },
+      mt::Error);
+  o.dynamic_batch.max = 0;  // at a fixed batch it exports
+  mt::aot::export_function([](const mt::Tensor& x) { return x - mt::mean(x, {0}, true); },
+                           {mt::aot::input("x", {8, 4}, mt::f32)}, {"y"}, dir, o);
+  fs::remove_all(dir);
+}
+
 TEST_F(AotErrors, FunctionsHaveNoCheckpoints) {
   Model model(*dir_, "digits", *table_);
   EXPECT_EQ(mixtape_aot_save(model.m, (*dir_ + "/x.safetensors").c_str()),
