@@ -43,10 +43,11 @@ build_make() {  # build_make OUTDIR ARTIFACTDIR
     { cat "$1/build.log"; fail "the Makefile builds against $2"; }
 }
 build_make "$work/make" "$work/export"
-"$cmake" -S "$deploy" -B "$work/cmake" -DDIR="$work/export" -DCMAKE_C_COMPILER="$cc" \
-  -DCMAKE_C_FLAGS="$cflags" > "$work/cmake.log" 2>&1 &&
-  "$cmake" --build "$work/cmake" >> "$work/cmake.log" 2>&1 ||
-  { cat "$work/cmake.log"; fail "the CMake project builds against the artifact"; }
+if ! { "$cmake" -S "$deploy" -B "$work/cmake" -DDIR="$work/export" -DCMAKE_C_COMPILER="$cc" \
+  -DCMAKE_C_FLAGS="$cflags" && "$cmake" --build "$work/cmake"; } > "$work/cmake.log" 2>&1; then
+  cat "$work/cmake.log"
+  fail "the CMake project builds against the artifact"
+fi
 ok "the Makefile and the CMake project build classify_digits and train_digits"
 
 # ---- no JIT in the programs ----
@@ -112,12 +113,11 @@ cmp -s "$work/export/digits_mlp.json" "$work/bad/corrupt/digits_mlp.json" &&
   fail "the corrupt copy's manifest differs"
 cmp -s "$work/export/digits_mlp.json" "$work/bad/version/digits_mlp.json" &&
   fail "the other version's manifest differs"
-export PKG_CONFIG_PATH="$work/export"
-# shellcheck disable=SC2046  # pkg-config's flags are words
-"$cc" -std=c11 $cflags $(pkg-config --cflags digits_mlp digits_mlp_train) \
-  "$source/tests/examples/deploy_bad_input.c" -o "$work/bad/bad_input" \
-  $(pkg-config --libs digits_mlp digits_mlp_train)
-unset PKG_CONFIG_PATH
+read -ra flags <<< "$cflags $(PKG_CONFIG_PATH="$work/export" pkg-config --cflags digits_mlp \
+  digits_mlp_train)"
+read -ra libs <<< "$(PKG_CONFIG_PATH="$work/export" pkg-config --libs digits_mlp digits_mlp_train)"
+"$cc" -std=c11 "${flags[@]}" "$source/tests/examples/deploy_bad_input.c" -o "$work/bad/bad_input" \
+  "${libs[@]}"
 "$work/bad/bad_input" "$work/export" "$work/bad/missing" "$work/bad/corrupt" "$work/bad/version" ||
   fail "deploy_bad_input: every bad input gets its code and a message"
 
