@@ -9,6 +9,7 @@
 #include <string>
 
 #include "digits_model.h"
+#include "jit/aot_export.h"
 
 namespace mt = mixtape;
 
@@ -29,12 +30,13 @@ struct Options {
   uint64_t seed = 0;
   bool shuffle = true;
   std::string load, save;
+  std::string export_dir;  // --export: the trained model as C libraries (examples/deploy/)
   bool json_only = false;
 };
 
 constexpr const char* kUsage =
     "usage: digits_mlp [--steps N] [--batch N] [--lr X] [--optimizer sgd|adamw] [--seed N]\n"
-    "                  [--no-shuffle] [--load FILE] [--save FILE] [--json]\n"
+    "                  [--no-shuffle] [--load FILE] [--save FILE] [--export DIR] [--json]\n"
     "                  [--label-smoothing X] [--noise STDDEV] [--cosine]\n"
     "                  [--policy fp32|autocast-f16|autocast-bf16|pure-f16|pure-bf16]\n"
     "                  [--loss-scale none|static:N|dynamic]\n";
@@ -84,6 +86,8 @@ Options parse(int argc, char** argv) {
       o.load = value();
     else if (flag == "--save")
       o.save = value();
+    else if (flag == "--export")
+      o.export_dir = value();
     else if (flag == "--json")
       o.json_only = true;
     else if (flag == "--help" || flag == "-h")
@@ -156,23 +160,29 @@ int run(const Options& o) {
   mt::CrossEntropyOptions loss_options{.label_smoothing = o.label_smoothing};
   bool terminal = isatty(STDOUT_FILENO) != 0;
   int64_t report_every = std::max<int64_t>(1, o.steps / (terminal ? 100 : 10));
-  double loss_value = 0;
-  auto start = std::chrono::steady_clock::now();
-  for (int64_t step = 1; step <= o.steps; ++step) {
-    mt::Batch batch = loader.next();
+  // One training step; the loop feeds it noisy batches, and --export writes it as
+  // digits_mlp_train (the noise, the learning-rate schedule and the data stay outside).
+  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
     optimizer->zero_grad();
-    if (o.cosine) optimizer->set_lr(cosine.lr(step - 1));
-    mt::Tensor inputs = batch.inputs;
-    if (o.noise > 0)
-      inputs = inputs + mt::randn(inputs.shape(), mt::f32, &noise_generator, 0, o.noise);
     mt::Tensor loss;
     {
       mt::autocast guard(policy);
-      loss = mt::cross_entropy(net(inputs), batch.targets, loss_options);
+      loss = mt::cross_entropy(net(x), y, loss_options);
     }
     scaler.scale(loss).backward();
     scaler.step(*optimizer);
     scaler.update();
+    return loss;
+  };
+  double loss_value = 0;
+  auto start = std::chrono::steady_clock::now();
+  for (int64_t step = 1; step <= o.steps; ++step) {
+    mt::Batch batch = loader.next();
+    if (o.cosine) optimizer->set_lr(cosine.lr(step - 1));
+    mt::Tensor inputs = batch.inputs;
+    if (o.noise > 0)
+      inputs = inputs + mt::randn(inputs.shape(), mt::f32, &noise_generator, 0, o.noise);
+    mt::Tensor loss = train_step(inputs, batch.targets);
     if (step % report_every == 0 || step == o.steps) {
       loss_value = loss.item();
       double seconds =
@@ -183,19 +193,47 @@ int run(const Options& o) {
   double train_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
+  // The step is exported while the model still trains; the export puts the state back.
+  if (!o.export_dir.empty()) {
+    mt::aot::Options step_options{.name = "digits_mlp_train",
+                                  .module = &net,
+                                  .optimizer = optimizer.get(),
+                                  .scaler = &scaler};
+    mt::aot::export_step(
+        [&](const mt::Tensor& x, const mt::Tensor& y) { return train_step(x, y).reshape({1}); },
+        {mt::aot::input("x", {o.batch, 64}, mt::f32), mt::aot::input("y", {o.batch}, mt::i64)},
+        {"loss"}, o.export_dir, step_options);
+  }
+
   net.eval();
-  mt::NoGradGuard no_grad;
+  auto classify = [&](const mt::Tensor& x) {
+    mt::autocast guard(policy);
+    return mt::cast(net(x), mt::f32);
+  };
   std::vector<int64_t> all(static_cast<size_t>(test.size()));
   for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
   mt::Batch test_batch = test.get_batch(all);
-  mt::autocast guard(policy);
-  std::vector<int64_t> predicted = mt::argmax(net(test_batch.inputs), -1).to_vector<int64_t>();
+  std::vector<int64_t> predicted;
+  {
+    mt::NoGradGuard no_grad;
+    predicted = mt::argmax(classify(test_batch.inputs), -1).to_vector<int64_t>();
+  }
   std::vector<int64_t> labels = test_batch.targets.to_vector<int64_t>();
   int64_t correct = 0;
   for (size_t i = 0; i < labels.size(); ++i) correct += predicted[i] == labels[i];
   double accuracy = static_cast<double>(correct) / static_cast<double>(labels.size());
 
   if (!o.save.empty()) mt::save_checkpoint(o.save, net, optimizer.get());
+  if (!o.export_dir.empty()) {
+    mt::aot::Options options{.name = "digits_mlp", .dynamic_batch = {.max = 1024}, .module = &net};
+    mt::aot::export_function(classify, {mt::aot::input("x", {1024, 64}, mt::f32)}, {"logits"},
+                             o.export_dir, options);
+    std::printf(
+        "exported to %s: digits_mlp (logits f32 [batch, 10] from x f32 [batch, 64], batch "
+        "1..1024, policy %s) and digits_mlp_train (one training step, batch %lld); see "
+        "examples/deploy/\n",
+        o.export_dir.c_str(), o.policy.c_str(), static_cast<long long>(o.batch));
+  }
   if (!o.json_only)
     std::printf("test accuracy %.2f%% (%lld/%zu), %lld steps in %.1f s\n", accuracy * 100,
                 static_cast<long long>(correct), labels.size(), static_cast<long long>(o.steps),

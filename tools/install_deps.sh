@@ -2,13 +2,16 @@
 # tools/install_deps.sh -- installs the Debian packages mixtape needs (only those missing).
 # Usage: tools/install_deps.sh [--test]   (--test adds what the test suite needs: GoogleTest,
 # PyTorch and numpy for the oracle tests, Python's xxhash to check checkpoint checksums, clang
-# 16's libFuzzer for tests/fuzz: clang 14 cannot compile GCC 12's <source_location>).
+# 16's libFuzzer for tests/fuzz: clang 14 cannot compile GCC 12's <source_location>, pkg-config
+# for the deploy test's C builds). gcc and binutils: an AOT export compiles and links the
+# artifact's libraries with cc, ld, objcopy, ar and nm.
 # Safe to run again: installs nothing when all is there.
 set -euo pipefail
-packages=(g++ cmake make libfmt-dev zlib1g-dev libssl-dev llvm-16-dev libdnnl-dev libxxhash-dev)
+packages=(g++ gcc binutils cmake make libfmt-dev zlib1g-dev libssl-dev llvm-16-dev libdnnl-dev
+  libxxhash-dev)
 if [[ "${1:-}" == "--test" ]]; then
   packages+=(libgtest-dev libgmock-dev python3 python3-torch python3-numpy python3-xxhash
-    clang-16 libclang-rt-16-dev)
+    clang-16 libclang-rt-16-dev pkgconf)
 fi
 missing=()
 for p in "${packages[@]}"; do
