@@ -9,7 +9,6 @@
 #include <string>
 
 #include "digits_model.h"
-#include "jit/aot_export.h"
 
 namespace mt = mixtape;
 
