@@ -7,7 +7,7 @@
 set -euo pipefail
 packages=(g++ cmake make libfmt-dev zlib1g-dev libssl-dev llvm-16-dev libdnnl-dev libxxhash-dev)
 if [[ "${1:-}" == "--test" ]]; then
-  packages+=(libgtest-dev libgmock-dev python3 python3-torch python3-numpy python3-xxhash
+  packages+=(libgtest-dev libgmock-dev pkgconf python3 python3-torch python3-numpy python3-xxhash
     clang-16 libclang-rt-16-dev)
 fi
 missing=()
