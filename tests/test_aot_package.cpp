@@ -510,6 +510,13 @@ TEST_F(AotPackage, SharedLibraryNeedsNoLlvmNvrtcOrJit) {
   for (const char* banned : {"LLVM", "nvrtc", "libmixtape"})
     EXPECT_EQ(needed.find(banned), std::string::npos) << banned << " in\n" << needed;
   EXPECT_EQ(needed.find("not found"), std::string::npos) << needed;
+  // Every object says it needs no executable stack (LLVM's kernels too), or the loader would
+  // make the whole process's stack executable.
+  std::string segments = run("readelf", {"-lW", (out / "libtiny.so").string()});
+  size_t stack = segments.find("GNU_STACK");
+  ASSERT_NE(stack, std::string::npos) << segments;
+  std::string line = segments.substr(stack, segments.find('\n', stack) - stack);
+  EXPECT_EQ(line.find("RWE"), std::string::npos) << line;
 }
 
 // pkg-config cannot hold blanks or quotes in a path, so this builds from a copy in a plain
