@@ -118,6 +118,7 @@ void check_globals(const std::string& object, const std::vector<std::string>& ap
 std::vector<std::string> write_package(const PackageSpec& spec) {
   check_package_spec(spec);
   const std::string& name = spec.name;
+  if (spec.dir.empty()) fail("AOT export of {}: no directory to write to", name);
   std::string archive = runtime_archive();
   std::error_code error;
   fs::create_directories(spec.dir, error);

@@ -606,6 +606,8 @@ TEST(AotPackageErrors, AMissingToolIsNamedAndNothingIsWritten) {
   EXPECT_MT_ERROR(mt::aot::write_package(spec), "'mixtape-no-such-cc' was not found", "$CC",
                   "apt-get install gcc");
   EXPECT_TRUE(fs::is_empty(root.path / "out"));
+  spec.dir = "";
+  EXPECT_MT_ERROR(mt::aot::write_package(spec), "no directory");
   spec.name = "bad name";
   EXPECT_MT_ERROR(mt::aot::write_package(spec), "\"bad name\"");
 }
