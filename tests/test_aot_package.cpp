@@ -668,3 +668,31 @@ TEST(AotPackageRealRuntime, ExportsOnlyTheApiNeedsNoLlvmAndLinksTwice) {
 #endif
   run("cc", arguments);
 }
+
+// The packager takes kernels' objects from the JIT's cache: what a training run compiled is not
+// compiled again, and each is a relocatable ELF object defining the kernel's symbol.
+TEST(AotObjects, KernelsTheJitLoadedAreNotCompiledAgain) {
+  mt::aot::PackageKernel kernel = tiny_kernel();
+  std::shared_ptr<const mt::JitKernel> loaded =
+      mt::LlvmJit::instance().load(kernel.symbol, kernel.llvm_ir);
+  int64_t compiled = mt::LlvmJit::instance().stats().compiled;
+  std::vector<std::vector<std::byte>> objects =
+      mt::LlvmJit::instance().objects({{kernel.symbol, kernel.llvm_ir}});
+  EXPECT_EQ(mt::LlvmJit::instance().stats().compiled, compiled);
+  ASSERT_EQ(objects.size(), 1u);
+  ASSERT_GT(objects[0].size(), 64u);
+  EXPECT_EQ(std::memcmp(objects[0].data(),
+                        "\x7f"
+                        "ELF",
+                        4),
+            0);
+  EXPECT_EQ(static_cast<int>(objects[0][16]), 1) << "e_type is not ET_REL";
+  TempDir dir("mixtape-aot-object-");
+  write(dir.path / "k.o",
+        std::string(reinterpret_cast<const char*>(objects[0].data()), objects[0].size()));
+  EXPECT_EQ(exported({"-g", "--defined-only", "-P", (dir.path / "k.o").string()}),
+            std::set<std::string>{kernel.symbol});
+  // Position-independent: no absolute 32-bit relocation, which a shared library cannot hold.
+  std::string relocations = run("readelf", {"-rW", (dir.path / "k.o").string()});
+  EXPECT_EQ(relocations.find("R_X86_64_32"), std::string::npos) << relocations;
+}
