@@ -13,34 +13,12 @@
 #include "runtime/cpu_executor.h"
 #include "runtime/cuda_executor.h"
 #include "runtime/cuda_values.h"
+#include "runtime/step_plan.h"
 
 namespace mixtape {
 namespace {
 
-using StoragePtr = std::shared_ptr<Storage>;
-
-// One evaluation a traced call made, with the identity of every buffer it read and stored.
-struct Evaluation {
-  std::vector<NodePtr> pending;
-  std::vector<Node*> pending_raw;
-  ExecutedProgram executed;
-  Device device = Device::cpu;
-  std::vector<double> fills;        // float fill values: signatures leave them out
-  std::vector<StoragePtr> inputs;   // the value of each sig.externals[x]
-  std::vector<StoragePtr> outputs;  // the value of each sig.stored[j] once it ran
-};
-
-std::string describe(const Node& node) {
-  return fmt::format("{} {} {}", op_name(node.op), to_string(node.shape), name(node.dtype));
-}
-
 constexpr std::pair<int, int> kUndefined{-1, -1};
-
-// Host work the traced call registered (on_each_call), with the values it is handed.
-struct Hook {
-  std::shared_ptr<StepHook> hook;
-  std::vector<NodePtr> values;
-};
 
 struct Trace {
   std::vector<StoragePtr> args;
@@ -50,35 +28,9 @@ struct Trace {
   std::string unfit;  // why no trace of this call can be replayed
 };
 
-// A buffer of its own holding `value`'s current contents, where the value lives: a device value
-// is copied on the device, queued behind what computes it, so the host does not wait.
-StoragePtr private_copy(Storage& value) {
-  if (value.device && value.host_stale.load(std::memory_order_acquire))
-    return copy_on_device(value);
-  auto copy = std::make_shared<Storage>(value.dtype, value.count, Storage::Uninitialized{});
-  if (value.size_bytes() > 0)
-    std::memcpy(copy->bytes.data(), value.host_data(), static_cast<size_t>(value.size_bytes()));
-  return copy;
-}
-
-// Hands every hook private copies of its values as this call left them.
-void run_hooks(const std::vector<Hook>& hooks) {
-  for (const Hook& h : hooks) {
-    std::vector<StoragePtr> copies;
-    for (const NodePtr& node : h.values) {
-      if (!node->value)
-        fail("compile: a value handed to host work ({}) has no value", describe(*node));
-      copies.push_back(private_copy(*node->value));
-    }
-    h.hook->ran(copies);
-  }
-}
-
 // Gives back what evaluate() would have dropped at once had no trace kept the graph.
 void release(Trace& trace) {
-  for (Evaluation& e : trace.evals)
-    for (Node* node : e.pending_raw)
-      if (!node->requires_grad && node->evaluated()) node->inputs.clear();
+  for (Evaluation& e : trace.evals) release_graph(e.pending_raw);
 }
 
 class Recorder final : public TraceObserver {
@@ -98,38 +50,6 @@ class Recorder final : public TraceObserver {
 };
 
 thread_local Recorder* recorder = nullptr;
-
-struct Binding {
-  int arg = -1;       // >= 0: the call's argument
-  StoragePtr object;  // else this buffer, which the step keeps up to date in place
-};
-
-struct PlannedEvaluation {
-  Evaluation eval;  // the second trace's, its external inputs replaced by private leaves
-  std::vector<NodePtr> leaves;
-  std::vector<Binding> inputs;   // per external
-  std::vector<int> result_slot;  // per stored node: index into the results, or -1
-  // Per stored node: the first stored node of this evaluation whose buffer it shares (it is a
-  // view of that one, e.g. a reshape assigned to a buffer), or -1. Its value is updated once.
-  std::vector<int> shares_with;
-};
-
-struct Plan {
-  std::vector<PlannedEvaluation> evals;
-  std::vector<std::pair<int, int>> results;
-  std::vector<Hook> hooks;
-  // Buffers the replay reads or updates in place, with their holder counts when planned: a
-  // lower count means something outside replaced or dropped one (assign, load_state,
-  // zero_grad outside the function), which the replay would not follow.
-  std::vector<std::pair<StoragePtr, long>> watched;
-};
-
-// A dropped plan gives its graph back as a trace would.
-void release(Plan& plan) {
-  Trace owner;
-  for (PlannedEvaluation& planned : plan.evals) owner.evals.push_back(std::move(planned.eval));
-  release(owner);
-}
 
 // Nodes the function made that are still pending and that something outside the trace holds
 // (its results, a loss scaler's next scale): evaluated at the end of the trace, so that
@@ -271,6 +191,7 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
       const Node& external = *eb.executed.sig.externals[x];
       Binding binding;
       Place source{-1, -1};
+      bool same_call = false;
       if (auto arg = arg_of.find(now); arg != arg_of.end()) {
         if (before != a.args[arg->second].get()) {
           why = fmt::format("evaluation {} reads argument {} in one call but not the other", e,
@@ -280,6 +201,7 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
         binding.arg = arg->second;
       } else if (auto own = out_b.find(now); own != out_b.end()) {
         // Stored earlier in the same call.
+        same_call = true;
         source = own->second;
         if (source.first >= static_cast<int>(e) ||
             a.evals[source.first].outputs[source.second].get() != before) {
@@ -314,6 +236,9 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
         }
         binding.object = b.evals[source.first].outputs[source.second];
       }
+      // State the previous call left (or a constant): what the earlier call read is the value
+      // before it. A value stored earlier in the same call is no state.
+      if (binding.arg < 0 && !same_call) binding.first_value = ea.inputs[x];
       inputs.push_back(std::move(binding));
     }
     for (const StoragePtr& output : eb.outputs)
@@ -406,50 +331,6 @@ const char* replaced_state(const Plan& plan) {
   for (const Hook& h : plan.hooks)
     if (const char* why = h.hook->stale()) return why;
   return nullptr;
-}
-
-// A leaf holding a replay's result, typed like the node that computed it in the trace.
-Tensor result_leaf(const Node& like, StoragePtr value) {
-  auto node = make_node(OpCode::Constant, like.dtype, like.shape, {}, {}, Loc::current());
-  node->storage = node->compute = value->dtype;
-  node->precision_assigned = true;
-  node->value = std::move(value);
-  return Tensor(std::move(node));
-}
-
-std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
-  std::vector<Tensor> results(plan.results.size());
-  for (PlannedEvaluation& planned : plan.evals) {
-    Evaluation& e = planned.eval;
-    const Signature& sig = e.executed.sig;
-    for (size_t x = 0; x < planned.inputs.size(); ++x)
-      if (planned.inputs[x].arg >= 0)
-        sig.externals[x]->value = args[planned.inputs[x].arg].node()->value;
-    for (Node* node : e.pending_raw) node->value.reset();
-    if (e.device == Device::cuda)
-      replay_cuda(e.executed, e.pending_raw);
-    else
-      replay_cpu(e.executed, e.pending_raw);
-    std::vector<StoragePtr> fresh_of(sig.stored.size());
-    for (size_t j = 0; j < sig.stored.size(); ++j) {
-      Node* node = sig.stored[j];
-      StoragePtr fresh = std::move(node->value);
-      node->value = e.outputs[j];
-      if (!fresh) fail("compile: replay of evaluation left {} without a value", describe(*node));
-      if (int first = planned.shares_with[j]; first >= 0 && fresh != fresh_of[first])
-        fail("compile: replay gave {} a buffer of its own, where the trace had it share one",
-             describe(*node));
-      if (planned.result_slot[j] >= 0)
-        results[planned.result_slot[j]] = result_leaf(*node, fresh);
-      else if (planned.shares_with[j] < 0)
-        e.outputs[j]->swap_value(*fresh);
-      fresh_of[j] = std::move(fresh);
-    }
-    for (size_t x = 0; x < planned.inputs.size(); ++x)
-      if (planned.inputs[x].arg >= 0) sig.externals[x]->value.reset();
-  }
-  run_hooks(plan.hooks);
-  return results;
 }
 
 struct Entry {
@@ -551,6 +432,33 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
     entry.previous = std::move(trace);
   }
   return results;
+}
+
+std::unique_ptr<Plan> plan_step(const std::vector<Tensor>& args, const StepReplayer::Function& fn) {
+  if (trace_observer()) fail("a step cannot be planned inside another traced function");
+  std::vector<Tensor> defined;
+  for (const Tensor& a : args)
+    if (a.defined()) defined.push_back(a);
+  eval(defined);
+  std::vector<Tensor> results;
+  // As in StepReplayer::call: a first call that differs from the next (an optimizer creating
+  // its state) is followed by one more.
+  Trace previous = trace_call(args, fn, results);
+  std::string why;
+  for (int call = 2; call <= 3; ++call) {
+    if (!previous.unfit.empty()) {
+      release(previous);
+      fail("the function {}, so it cannot be replayed", previous.unfit);
+    }
+    Trace next = trace_call(args, fn, results);
+    std::unique_ptr<Plan> plan;
+    if (next.unfit.empty()) plan = make_plan(previous, next, why);
+    release(previous);
+    if (plan) return plan;
+    previous = std::move(next);
+  }
+  release(previous);
+  fail("the function cannot be replayed: {}", why);
 }
 
 bool tracing_step() { return recorder != nullptr; }

@@ -127,6 +127,13 @@ Compiled<F> compile(F fn) {
   return Compiled<F>(std::move(fn));
 }
 
+struct Plan;  // runtime/step_plan.h
+/// For AOT export: calls `fn` on `args`, tracing, as mt::compile's first calls do, until two
+/// consecutive calls show how to replay it (two calls, or three when the first differs, as an
+/// optimizer's first step does), and returns the replay plan; each state binding's first_value
+/// is the state before the last call. An mt::Error saying why when it cannot be replayed.
+std::unique_ptr<Plan> plan_step(const std::vector<Tensor>& args, const StepReplayer::Function& fn);
+
 /// For runtime/eval.cpp: hands an evaluation that just ran to the trace in progress on this
 /// thread. False when nothing is being traced (the caller then tidies the graph as usual).
 bool record_evaluation(const std::vector<Node*>& pending, ExecutedProgram&& executed,

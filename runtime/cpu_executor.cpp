@@ -228,13 +228,18 @@ void run_matmul(Node& node) {
 
 }  // namespace
 
+Signature sign_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required,
+                   const FusionOptions& options) {
+  // Programs with and without multi-tensor steps differ for the same graph.
+  return sign(
+      pending, required, options.fuse,
+      options.multi_tensor ? "mixtape-cpu-program-1/multi-tensor" : "mixtape-cpu-program-1");
+}
+
 ExecutedProgram execute_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required) {
   FusionOptions options = fusion_options(Device::cpu);
   ExecutedProgram executed;
-  // Programs with and without multi-tensor steps differ for the same graph.
-  executed.sig =
-      sign(pending, required, options.fuse,
-           options.multi_tensor ? "mixtape-cpu-program-1/multi-tensor" : "mixtape-cpu-program-1");
+  executed.sig = sign_cpu(pending, required, options);
   executed.program = cpu_programs().get(pending, options, executed.sig, register_kernel);
   compile_pending();
   replay_cpu(executed, pending);

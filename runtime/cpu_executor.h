@@ -17,6 +17,9 @@ namespace mixtape {
 /// a later evaluation that needs them recomputes them from their inputs.
 /// Returns the program it ran, which replay_cpu runs again on the same nodes (mt::compile).
 ExecutedProgram execute_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required);
+/// The signature execute_cpu() gives an evaluation built with `options`.
+Signature sign_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required,
+                   const FusionOptions& options);
 /// Runs `executed` again on `pending`, the nodes it was signed with: their inputs
 /// (sig.externals) hold the values to use, the pending nodes' values are recomputed.
 void replay_cpu(const ExecutedProgram& executed, const std::vector<Node*>& pending);

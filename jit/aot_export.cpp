@@ -1,0 +1,330 @@
+// jit/aot_export.cpp -- traces the function or step, names its state, and writes the plan, the
+// weights, the libraries (jit/aot_package.h) and the manifest that ties them together.
+#include "jit/aot_export.h"
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <map>
+#include <regex>
+#include <set>
+
+#include "codegen/emit_llvm.h"
+#include "dsl/graph.h"
+#include "dsl/json.h"
+#include "jit/aot_package.h"
+#include "precision_policy/grad_scaler.h"
+#include "precision_policy/policy.h"
+#include "runtime/aot_plan.h"
+#include "runtime/atomic_file.h"
+#include "runtime/compile.h"
+#include "runtime/cpu_features.h"
+#include "runtime/device.h"
+#include "runtime/file_digest.h"
+#include "runtime/safetensors.h"
+#include "runtime/step_plan.h"
+
+namespace mixtape::aot {
+namespace {
+
+using json::Array;
+using json::Object;
+using json::Value;
+
+struct Named {
+  std::vector<std::pair<StoragePtr, PlanBuffer>> buffers;  // the checkpoint's tensors first
+  std::vector<std::pair<std::string, std::string>> metadata;
+  StoragePtr steps;  // the optimizer's step count (metadata "optimizer.steps")
+};
+
+void add(Named& named, const std::string& name, const Tensor& t) {
+  eval({t});
+  named.buffers.push_back({t.node()->value, PlanBuffer{name, t.node()->value->dtype, t.shape()}});
+}
+
+// The state save_checkpoint would write, by storage (runtime/checkpoint.cpp's layout).
+Named checkpoint_names(const Options& o) {
+  Named named;
+  if (!o.module) return named;
+  for (const auto& [name, t] : o.module->state_dict()) add(named, name, t);
+  named.metadata.emplace_back("format", "mixtape-checkpoint-1");
+  if (o.optimizer) {
+    NamedTensors params = o.module->named_parameters();
+    for (size_t i = 0; i < o.optimizer->params().size(); ++i) {
+      auto found = std::find_if(params.begin(), params.end(),
+                                [&](auto& e) { return e.second.same(o.optimizer->params()[i]); });
+      if (found == params.end())
+        fail("aot: the optimizer holds a parameter that is not part of the module");
+      for (const auto& [state, value] : o.optimizer->state(i))
+        add(named, "optimizer." + found->first + "." + state, value);
+    }
+    named.metadata.emplace_back("optimizer.kind", o.optimizer->kind());
+    // The step count is checkpoint metadata ("optimizer.steps"); the artifact keeps it as a
+    // tensor of its own weights file.
+    add(named, "aot.optimizer.steps", o.optimizer->step_count());
+    named.steps = named.buffers.back().first;
+  }
+  if (o.scaler)
+    for (const auto& [name, value] : o.scaler->state_dict()) {
+      if (name == "scale" || name == "growth_tracker")
+        add(named, "scaler." + name, value);
+      else
+        named.metadata.emplace_back("scaler." + name, fmt::format("{}", value.item()));
+    }
+  return named;
+}
+
+Value argument_list(const std::vector<std::string>& names, const std::vector<DType>& dtypes,
+                    const std::vector<Shape>& shapes) {
+  Array out;
+  for (size_t i = 0; i < names.size(); ++i) {
+    Array shape;
+    for (int64_t d : shapes[i]) shape.emplace_back(d);
+    out.push_back(Object{
+        {"name", names[i]}, {"dtype", std::string(name(dtypes[i]))}, {"shape", std::move(shape)}});
+  }
+  return out;
+}
+
+// The batch sizes traced: the export batch, and for a dynamic batch 1 and one in between, so
+// that every shape is checked to grow linearly and every kernel a batch needs is exported.
+std::vector<int64_t> traced_batches(int64_t batch, int64_t max) {
+  std::vector<int64_t> out{batch};
+  if (max > 0) {
+    for (int64_t b : {int64_t{1}, (max + 1) / 2 + 1, max})
+      if (b >= 1 && b <= max && std::find(out.begin(), out.end(), b) == out.end()) out.push_back(b);
+  }
+  return out;
+}
+
+// Restores the device and eager mode, and drops the plans' graphs, however the export ends.
+struct Session {
+  Device device = current_device();
+  bool eager = eager_mode();
+  std::vector<std::unique_ptr<Plan>> plans;
+  Session() {
+    set_device(Device::cpu);
+    set_eager_mode(false);
+  }
+  ~Session() {
+    for (auto& plan : plans) release(*plan);
+    set_device(device);
+    set_eager_mode(eager);
+  }
+};
+
+}  // namespace
+
+Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
+                         const std::vector<std::string>& outputs, const std::string& dir,
+                         const Options& o, bool step) {
+  static const std::regex identifier("[A-Za-z_][A-Za-z0-9_]*");
+  if (!std::regex_match(o.name, identifier))
+    fail("aot: the name '{}' is not a C identifier", o.name);
+  if (inputs.empty()) fail("aot: {} has no inputs", o.name);
+  if (step && !o.module) fail("aot: export_step needs Options::module to name the state it keeps");
+  for (const Input& in : inputs)
+    if (!std::regex_match(in.name, identifier) || in.shape.empty())
+      fail("aot: input '{}' needs a C identifier for a name and a shape whose dim 0 is the batch",
+           in.name);
+  int64_t batch = inputs[0].shape[0];
+  for (const Input& in : inputs)
+    if (in.shape[0] != batch)
+      fail("aot: input '{}' has batch {}, input '{}' {}", in.name, in.shape[0], inputs[0].name,
+           batch);
+  int64_t max = o.dynamic_batch.max;
+  if (max < 0 || (max > 0 && batch > max) || batch < 1)
+    fail("aot: the export batch {} must be in 1..{}", batch, max > 0 ? max : batch);
+
+  Session session;
+  std::vector<TracedPlan> traced;
+  Function call = fn;
+  if (!step)
+    call = [&fn](const std::vector<Tensor>& args) {
+      NoGradGuard no_grad;
+      return fn(args);
+    };
+  for (int64_t b : traced_batches(batch, max)) {
+    std::vector<Tensor> args;
+    for (const Input& in : inputs) {
+      Shape shape = in.shape;
+      shape[0] = b;
+      args.push_back(zeros(shape, in.dtype));
+    }
+    session.plans.push_back(plan_step(args, call));
+    if (session.plans.back()->results.size() != outputs.size())
+      fail("aot: {} returns {} values, {} output names were given", o.name,
+           session.plans.back()->results.size(), outputs.size());
+    traced.push_back({b, session.plans.back().get()});
+  }
+  const Plan& plan = *traced[0].plan;
+
+  // The state, named as a checkpoint names it; what the checkpoint does not name is a constant.
+  Named named = checkpoint_names(o);
+  std::vector<std::pair<StoragePtr, PlanBuffer>> buffers = named.buffers;
+  Value plan_doc = plan_to_json(traced, buffers);
+  std::map<const Storage*, StoragePtr> first_value;  // the state before the traces ran
+  std::set<const Storage*> read;
+  for (const PlannedEvaluation& planned : plan.evals)
+    for (const Binding& binding : planned.inputs)
+      if (binding.object) {
+        read.insert(binding.object.get());
+        if (binding.first_value && binding.first_value != binding.object)
+          first_value.emplace(binding.object.get(), binding.first_value);
+      }
+  int64_t steps_buffer = -1;
+  size_t constants = 0;
+  Array buffer_list;
+  safetensors::File weights;
+  for (size_t k = 0; k < buffers.size(); ++k) {
+    auto& [storage, info] = buffers[k];
+    bool named_state = k < named.buffers.size();
+    bool checkpoint = named_state && storage != named.steps;
+    bool carried = first_value.count(storage.get()) > 0;
+    if (!named_state && carried)
+      fail(
+          "aot: the step carries a {} {} value from call to call that {} does not name (state "
+          "of a module, optimizer or scaler not given in Options, or a buffer of its own)",
+          name(info.dtype), to_string(info.shape), o.module ? "the checkpoint" : "nothing");
+    if (!named_state) info.name = fmt::format("constant.{}", constants++);
+    if (storage == named.steps) steps_buffer = static_cast<int64_t>(k);
+    bool saved = named_state || read.count(storage.get()) > 0;
+    if (saved) {
+      const Storage& value = carried ? *first_value.at(storage.get()) : *storage;
+      safetensors::TensorData data{info.name, info.dtype, info.shape, {}};
+      data.bytes.assign(value.host_data(), value.host_data() + value.size_bytes());
+      weights.tensors.push_back(std::move(data));
+    }
+    Array shape;
+    for (int64_t d : info.shape) shape.emplace_back(d);
+    buffer_list.push_back(Object{{"name", info.name},
+                                 {"dtype", std::string(name(info.dtype))},
+                                 {"shape", std::move(shape)},
+                                 {"saved", saved},
+                                 {"checkpoint", checkpoint && step}});
+  }
+  weights.metadata = named.metadata;
+  if (named.steps)
+    weights.metadata.emplace_back(
+        "optimizer.steps",
+        std::to_string(static_cast<int64_t>(
+            (first_value.count(named.steps.get()) ? first_value.at(named.steps.get()) : named.steps)
+                ->as<double>()[0])));
+  // The step ran twice to be traced: its state goes back to where it was.
+  for (const auto& [storage, before] : first_value) {
+    auto& target = const_cast<Storage&>(*storage);
+    std::memcpy(target.host_data(), before->host_data(), static_cast<size_t>(before->size_bytes()));
+    target.host_written();
+  }
+
+  // The kernels of every traced batch, one per key: the largest dims[0] serves the others.
+  std::map<std::string, const kir::Kernel*> by_key;
+  std::map<std::string, int> precision;
+  std::set<std::string> policies;
+  for (const TracedPlan& t : traced)
+    for (const PlannedEvaluation& planned : t.plan->evals) {
+      for (const Step& s : planned.eval.executed.program->steps) {
+        if (s.kind != FusionGroup::Kind::Kernel) continue;
+        const kir::Kernel*& kept = by_key[kernel_key(*s.kernel)];
+        if (!kept || (serves_smaller_dim0(*s.kernel) && s.kernel->dims[0] > kept->dims[0]))
+          kept = s.kernel.get();
+      }
+      if (t.plan == &plan)
+        for (Node* node : planned.eval.pending_raw) {
+          ++precision[fmt::format("{}/{}", name(node->storage), name(node->compute))];
+          if (node->policy) policies.insert(node->policy->name());
+        }
+    }
+  Exported exported;
+  exported.dir = dir;
+  Array kernel_list;
+  PackageSpec spec;
+  spec.dir = dir;
+  spec.name = o.name;
+  spec.step = step;
+  spec.max_batch = max;
+  for (const auto& [key, kernel] : by_key) {
+    exported.kernels.push_back({kernel->name, key, emit_llvm(*kernel)});
+    spec.kernels.push_back({kernel->name, key, exported.kernels.back().llvm_ir});
+    kernel_list.push_back(Object{{"symbol", kernel->name},
+                                 {"key", key},
+                                 {"dim0", kernel->dims.empty() ? int64_t{0} : kernel->dims[0]}});
+  }
+  std::vector<std::string> input_names, output_names = outputs;
+  std::vector<DType> input_dtypes, output_dtypes;
+  std::vector<Shape> input_shapes, output_shapes;
+  for (const Input& in : inputs) {
+    input_names.push_back(in.name);
+    input_dtypes.push_back(in.dtype);
+    input_shapes.push_back(in.shape);
+    spec.inputs.push_back({in.name, in.dtype, in.shape});
+  }
+  for (size_t r = 0; r < outputs.size(); ++r) {
+    if (!std::regex_match(outputs[r], identifier))
+      fail("aot: output '{}' needs a C identifier for a name", outputs[r]);
+    auto [e, j] = plan.results[r];
+    const Node& node = *plan.evals[e].eval.executed.sig.stored[j];
+    if (max > 0 && (node.shape.empty() || node.shape[0] != batch))
+      fail("aot: output '{}' ({}) has no batch dim 0, which a dynamic batch needs", outputs[r],
+           describe(node));
+    output_dtypes.push_back(node.dtype);
+    output_shapes.push_back(node.shape);
+    spec.outputs.push_back({outputs[r], node.dtype, node.shape});
+  }
+
+  std::filesystem::create_directories(dir);
+  auto path = [&](const std::string& file) { return dir + "/" + file; };
+  std::string plan_text = json::dump(plan_doc);
+  write_file_atomically(path(o.name + ".plan"), [&](int fd) {
+    write_all(fd, plan_text.data(), plan_text.size(), path(o.name + ".plan"));
+  });
+  safetensors::write(path(o.name + ".safetensors"), weights);
+  exported.files = write_package(spec);
+
+  Object files;
+  for (const std::string& file : {o.name + ".plan", o.name + ".safetensors"}) {
+    FileDigest digest = digest_file(path(file));
+    files.emplace_back(
+        file, Object{{"bytes", digest.bytes}, {"xxh3_64", digest.xxh3_64}, {"verify", true}});
+  }
+  for (const std::string& file : exported.files) {
+    FileDigest digest = digest_file(path(file));
+    files.emplace_back(
+        file, Object{{"bytes", digest.bytes}, {"xxh3_64", digest.xxh3_64}, {"verify", false}});
+  }
+  Array features;
+  for (const std::string& f : host_cpu_features()) features.emplace_back(f);
+  Object precision_counts;
+  for (const auto& [types, count] : precision) precision_counts.emplace_back(types, count);
+  Array policy_names;
+  for (const std::string& p : policies) policy_names.emplace_back(p);
+  Object manifest{{"format", "mixtape-aot-1"},
+                  {"mixtape_version", MIXTAPE_VERSION},
+                  {"name", o.name},
+                  {"kind", step ? "step" : "function"},
+                  {"devices", Array{"cpu"}},
+                  {"cpu_features", std::move(features)},
+                  {"batch", Object{{"export", batch}, {"max", max}}},
+                  {"inputs", argument_list(input_names, input_dtypes, input_shapes)},
+                  {"outputs", argument_list(output_names, output_dtypes, output_shapes)},
+                  {"precision", Object{{"policies", std::move(policy_names)},
+                                       {"storage/compute", std::move(precision_counts)}}},
+                  {"buffers", std::move(buffer_list)},
+                  {"kernels", std::move(kernel_list)},
+                  {"files", std::move(files)}};
+  if (step) {
+    Array metadata;
+    for (const auto& [k, v] : named.metadata) metadata.push_back(Array{k, v});
+    manifest.emplace_back(
+        "checkpoint", Object{{"metadata", std::move(metadata)}, {"steps_buffer", steps_buffer}});
+  }
+  std::string manifest_text = json::dump(Value(std::move(manifest)));
+  write_file_atomically(path(o.name + ".json"), [&](int fd) {
+    write_all(fd, manifest_text.data(), manifest_text.size(), path(o.name + ".json"));
+  });
+  exported.files.insert(exported.files.begin(),
+                        {o.name + ".json", o.name + ".plan", o.name + ".safetensors"});
+  return exported;
+}
+
+}  // namespace mixtape::aot

@@ -1,0 +1,482 @@
+// runtime/aot_runtime.cpp -- opens an exported artifact (manifest, checksums, plan, weights) and
+// replays its plan through the same executor as mt::compile, with the artifact's kernels.
+#include "runtime/aot_runtime.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <unordered_map>
+
+#include "dsl/convert.h"
+#include "dsl/error.h"
+#include "dsl/json.h"
+#include "runtime/aot_plan.h"
+#include "runtime/cpu_features.h"
+#include "runtime/cpu_kernels.h"
+#include "runtime/device.h"
+#include "runtime/file_digest.h"
+#include "runtime/safetensors.h"
+#include "runtime/step_plan.h"
+
+namespace mt = mixtape;
+
+namespace {
+
+using mt::json::Value;
+
+constexpr const char* kManifestFormat = "mixtape-aot-1";
+// Bounds on what a manifest and a plan may cost to parse: far above any real artifact's.
+constexpr size_t kMaxManifestBytes = 64u << 20;
+constexpr size_t kMaxPlanBytes = 1u << 30;
+constexpr size_t kMaxJsonValues = 64u << 20;
+// Plans kept for batch sizes a dynamic-batch model ran at (each is a few programs).
+constexpr size_t kMaxCachedPlans = 8;
+
+struct AotError {
+  int code;
+  std::string message;
+};
+
+[[noreturn]] void raise(int code, std::string message) { throw AotError{code, std::move(message)}; }
+
+struct Argument {
+  std::string name;
+  mt::DType dtype;
+  mt::Shape shape;  // at the export batch
+};
+
+struct KernelEntry {
+  mt::KernelFunction function;
+  int64_t dim0;  // the largest dims[0] it was compiled for
+};
+
+thread_local std::string thread_error;
+
+std::string read_text(const std::string& path, size_t limit) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in)
+    raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
+  std::string text;
+  char chunk[1 << 16];
+  while (in.read(chunk, sizeof chunk) || in.gcount() > 0) {
+    text.append(chunk, static_cast<size_t>(in.gcount()));
+    if (text.size() > limit)
+      raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: larger than {} bytes", path, limit));
+  }
+  return text;
+}
+
+std::vector<Argument> arguments(const Value& list) {
+  std::vector<Argument> out;
+  for (const Value& v : list.as_array()) {
+    Argument a{v.at("name").as_string(), mt::parse_dtype(v.at("dtype").as_string()), {}};
+    for (const Value& d : v.at("shape").as_array()) a.shape.push_back(d.as_int());
+    out.push_back(std::move(a));
+  }
+  return out;
+}
+
+}  // namespace
+
+struct mixtape_aot_model {
+  std::string dir, name, error;
+  Value manifest, plan_doc;
+  bool step = false;
+  int64_t export_batch = 0, max_batch = 0;  // max_batch 0: the batch is fixed
+  std::vector<Argument> inputs, outputs;
+  std::vector<mt::StoragePtr> buffers;
+  std::vector<mt::aot::PlanBuffer> buffer_info;
+  std::vector<bool> checkpointed;  // per buffer: saved by NAME_save under its name
+  int64_t steps_buffer = -1;       // the optimizer's step count, saved as metadata
+  std::vector<std::pair<std::string, std::string>> checkpoint_metadata;
+  std::unordered_map<std::string, KernelEntry> kernels;
+  std::map<int64_t, std::unique_ptr<mt::Plan>> plans;  // by batch
+  std::vector<int64_t> plan_order;                     // least recently used first
+
+  std::string path(const std::string& file) const { return dir + "/" + file; }
+
+  mt::KernelRef find_kernel(const mt::kir::Kernel& kernel) const {
+    auto found = kernels.find(mt::aot::kernel_key(kernel));
+    if (found == kernels.end() ||
+        (mt::aot::serves_smaller_dim0(kernel) && kernel.dims[0] > found->second.dim0))
+      raise(MIXTAPE_AOT_ERROR_RUN,
+            fmt::format("{}: the artifact has no kernel for {} at this batch size (its graph "
+                        "fuses differently here than at the batch sizes traced at export)",
+                        name, kernel.name));
+    return mt::ready_cpu_kernel({found->second.function, nullptr});
+  }
+
+  mt::Plan& plan_for(int64_t batch) {
+    auto found = plans.find(batch);
+    if (found == plans.end()) {
+      if (plans.size() >= kMaxCachedPlans) {
+        release(*plans.at(plan_order.front()));
+        plans.erase(plan_order.front());
+        plan_order.erase(plan_order.begin());
+      }
+      auto plan = mt::aot::plan_from_json(plan_doc, batch, buffers,
+                                          [&](const mt::kir::Kernel& k) { return find_kernel(k); });
+      found = plans.emplace(batch, std::move(plan)).first;
+    } else {
+      std::erase(plan_order, batch);
+    }
+    plan_order.push_back(batch);
+    return *found->second;
+  }
+
+  mt::Shape shape_at(const Argument& a, int64_t batch) const {
+    mt::Shape shape = a.shape;
+    if (max_batch > 0 && !shape.empty()) shape[0] = batch;
+    return shape;
+  }
+};
+
+namespace {
+
+void verify_files(mixtape_aot_model& m) {
+  const Value& files = m.manifest.at("files");
+  for (const auto& [file, info] : files.as_object()) {
+    if (!info.at("verify").as_bool()) continue;
+    if (file.find('/') != std::string::npos || file == "..")
+      raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: the manifest lists a file outside its "
+                                                "directory: {}",
+                                                m.name, file));
+    mt::FileDigest digest;
+    try {
+      digest = mt::digest_file(m.path(file));
+    } catch (const mt::Error& e) {
+      raise(MIXTAPE_AOT_ERROR_FILE, e.what());
+    }
+    if (digest.bytes != info.at("bytes").as_int() ||
+        digest.xxh3_64 != info.at("xxh3_64").as_string())
+      raise(MIXTAPE_AOT_ERROR_FILE,
+            fmt::format("{}: {} is corrupt or was replaced: {} bytes with xxh3_64 {}, the "
+                        "manifest recorded {} bytes with {}",
+                        m.name, m.path(file), digest.bytes, digest.xxh3_64,
+                        info.at("bytes").as_int(), info.at("xxh3_64").as_string()));
+  }
+}
+
+void load_buffers(mixtape_aot_model& m) {
+  std::string weights = m.path(m.name + ".safetensors");
+  mt::safetensors::File file;
+  try {
+    file = mt::safetensors::read(weights);
+  } catch (const mt::Error& e) {
+    raise(MIXTAPE_AOT_ERROR_FILE, e.what());
+  }
+  for (const Value& b : m.manifest.at("buffers").as_array()) {
+    mt::aot::PlanBuffer info{
+        b.at("name").as_string(), mt::parse_dtype(b.at("dtype").as_string()), {}};
+    for (const Value& d : b.at("shape").as_array()) info.shape.push_back(d.as_int());
+    mt::check_shape_size("artifact buffer", info.shape, info.dtype, mt::Loc::current());
+    auto storage = std::make_shared<mt::Storage>(info.dtype, mt::numel(info.shape));
+    if (b.at("saved").as_bool()) {
+      const mt::safetensors::TensorData* data = file.find(info.name);
+      if (!data || data->dtype != info.dtype || data->shape != info.shape)
+        raise(MIXTAPE_AOT_ERROR_FILE,
+              fmt::format("{}: {} holds no {} tensor '{}' of shape {}", m.name, weights,
+                          mt::name(info.dtype), info.name, mt::to_string(info.shape)));
+      std::memcpy(storage->bytes.data(), data->bytes.data(), data->bytes.size());
+    }
+    m.checkpointed.push_back(b.at("checkpoint").as_bool());
+    m.buffers.push_back(std::move(storage));
+    m.buffer_info.push_back(std::move(info));
+  }
+}
+
+void open_model(mixtape_aot_model& m, const char* device, const mixtape_aot_kernel* kernels,
+                int64_t kernel_count) {
+  std::string manifest_path = m.path(m.name + ".json");
+  try {
+    m.manifest = mt::json::parse(read_text(manifest_path, kMaxManifestBytes), kMaxJsonValues);
+  } catch (const mt::Error& e) {
+    raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: not a manifest: {}", manifest_path, e.what()));
+  }
+  const Value& manifest = m.manifest;
+  const Value* format = manifest.find("format");
+  const Value* version = manifest.find("mixtape_version");
+  if (!format || !format->is_string() || format->as_string() != kManifestFormat || !version ||
+      !version->is_string() || version->as_string() != MIXTAPE_RUNTIME_VERSION)
+    raise(MIXTAPE_AOT_ERROR_VERSION,
+          fmt::format("{}: written by mixtape {} (format {}); this runtime is mixtape {} and reads "
+                      "format {}: export the model again with this version",
+                      manifest_path, version && version->is_string() ? version->as_string() : "?",
+                      format && format->is_string() ? format->as_string() : "?",
+                      MIXTAPE_RUNTIME_VERSION, kManifestFormat));
+  if (manifest.at("name").as_string() != m.name)
+    raise(MIXTAPE_AOT_ERROR_FILE,
+          fmt::format("{}: the manifest is artifact '{}', not '{}'", manifest_path,
+                      manifest.at("name").as_string(), m.name));
+  std::vector<std::string> devices;
+  for (const Value& d : manifest.at("devices").as_array()) devices.push_back(d.as_string());
+  std::string wanted = device ? device : devices.at(0);
+  if (wanted != "cpu" && wanted != "cuda")
+    raise(MIXTAPE_AOT_ERROR_ARGUMENT,
+          fmt::format("{}: unknown device '{}' (cpu, cuda, or NULL for the best)", m.name, wanted));
+  if (std::find(devices.begin(), devices.end(), wanted) == devices.end())
+    raise(MIXTAPE_AOT_ERROR_DEVICE,
+          fmt::format("{}: the artifact has no kernels for {} (it was exported for: {})", m.name,
+                      wanted, fmt::join(devices, ", ")));
+  std::vector<std::string> features;
+  for (const Value& f : manifest.at("cpu_features").as_array()) features.push_back(f.as_string());
+  if (std::vector<std::string> missing = mt::missing_cpu_features(features); !missing.empty())
+    raise(MIXTAPE_AOT_ERROR_DEVICE,
+          fmt::format("{}: this CPU lacks {}, which the artifact's kernels use (they were compiled "
+                      "for the export machine's CPU)",
+                      m.name, fmt::join(missing, ", ")));
+  verify_files(m);
+  for (int64_t i = 0; i < kernel_count; ++i) {
+    if (!kernels[i].key || !kernels[i].function)
+      raise(MIXTAPE_AOT_ERROR_ARGUMENT,
+            fmt::format("{}: kernel {} of the table is NULL", m.name, i));
+    m.kernels[kernels[i].key] = {kernels[i].function, 0};
+  }
+  for (const Value& k : manifest.at("kernels").as_array()) {
+    auto found = m.kernels.find(k.at("key").as_string());
+    if (found == m.kernels.end())
+      raise(MIXTAPE_AOT_ERROR_FILE,
+            fmt::format("{}: the manifest lists kernel {}, which the library does not hold (a "
+                        "manifest from another export?)",
+                        m.name, k.at("key").as_string()));
+    found->second.dim0 = std::max(found->second.dim0, k.at("dim0").as_int());
+  }
+  m.step = manifest.at("kind").as_string() == "step";
+  m.export_batch = manifest.at("batch").at("export").as_int();
+  m.max_batch = manifest.at("batch").at("max").as_int();
+  m.inputs = arguments(manifest.at("inputs"));
+  m.outputs = arguments(manifest.at("outputs"));
+  if (m.step) {
+    const Value& checkpoint = manifest.at("checkpoint");
+    for (const Value& kv : checkpoint.at("metadata").as_array())
+      m.checkpoint_metadata.emplace_back(kv.at(0).as_string(), kv.at(1).as_string());
+    m.steps_buffer = checkpoint.at("steps_buffer").as_int();
+  }
+  try {
+    m.plan_doc =
+        mt::json::parse(read_text(m.path(m.name + ".plan"), kMaxPlanBytes), kMaxJsonValues);
+  } catch (const mt::Error& e) {
+    raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: {}", m.path(m.name + ".plan"), e.what()));
+  }
+  load_buffers(m);
+  if (m.steps_buffer >= static_cast<int64_t>(m.buffers.size()))
+    raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: the manifest's step count buffer {} does not "
+                                              "exist",
+                                              m.name, m.steps_buffer));
+  m.plan_for(m.export_batch);  // builds the programs now, so the first run is a run
+}
+
+void run_model(mixtape_aot_model& m, int64_t batch, const void* const* inputs,
+               void* const* outputs) {
+  int64_t low = m.max_batch > 0 ? 1 : m.export_batch;
+  int64_t high = m.max_batch > 0 ? m.max_batch : m.export_batch;
+  if (batch < low || batch > high)
+    raise(MIXTAPE_AOT_ERROR_ARGUMENT,
+          low == high
+              ? fmt::format("{}: batch {}: this artifact runs batch {} only", m.name, batch, low)
+              : fmt::format("{}: batch {} is outside 1..{}", m.name, batch, high));
+  if ((!inputs && !m.inputs.empty()) || (!outputs && !m.outputs.empty()))
+    raise(MIXTAPE_AOT_ERROR_ARGUMENT, fmt::format("{}: the input or output array is NULL", m.name));
+  std::vector<mt::Tensor> args;
+  for (size_t i = 0; i < m.inputs.size(); ++i) {
+    if (!inputs[i])
+      raise(MIXTAPE_AOT_ERROR_ARGUMENT,
+            fmt::format("{}: input '{}' is NULL", m.name, m.inputs[i].name));
+    mt::Shape shape = m.shape_at(m.inputs[i], batch);
+    auto storage = std::make_shared<mt::Storage>(m.inputs[i].dtype, mt::numel(shape),
+                                                 mt::Storage::Uninitialized{});
+    std::memcpy(storage->bytes.data(), inputs[i], static_cast<size_t>(storage->size_bytes()));
+    args.push_back(mt::from_storage(std::move(storage), shape));
+  }
+  for (size_t o = 0; o < m.outputs.size(); ++o)
+    if (!outputs[o])
+      raise(MIXTAPE_AOT_ERROR_ARGUMENT,
+            fmt::format("{}: output '{}' is NULL", m.name, m.outputs[o].name));
+  std::vector<mt::Tensor> results = replay(m.plan_for(batch), args);
+  for (size_t o = 0; o < m.outputs.size(); ++o) {
+    mt::StoragePtr value_ptr = results.at(o).node()->value;
+    mt::Shape shape = m.shape_at(m.outputs[o], batch);
+    // A value stored in a narrower type than its traced one (a bf16 matmul under autocast)
+    // reaches the caller as the traced type, exactly widened, as to_vector() gives it in C++.
+    if (value_ptr->dtype != m.outputs[o].dtype) {
+      auto widened = std::make_shared<mt::Storage>(m.outputs[o].dtype, value_ptr->count,
+                                                   mt::Storage::Uninitialized{});
+      for (int64_t i = 0; i < value_ptr->count; ++i)
+        mt::store_element(*widened, i, mt::load_element<double>(*value_ptr, i));
+      value_ptr = std::move(widened);
+    }
+    const mt::Storage& value = *value_ptr;
+    if (value.dtype != m.outputs[o].dtype || value.count != mt::numel(shape))
+      raise(MIXTAPE_AOT_ERROR_RUN,
+            fmt::format("{}: output '{}' came out as {} {} values, the manifest says {} {}", m.name,
+                        m.outputs[o].name, value.count, mt::name(value.dtype), mt::to_string(shape),
+                        mt::name(m.outputs[o].dtype)));
+    std::memcpy(outputs[o], value.host_data(), static_cast<size_t>(value.size_bytes()));
+  }
+}
+
+void require_step(const mixtape_aot_model& m, const char* what) {
+  if (!m.step)
+    raise(MIXTAPE_AOT_ERROR_ARGUMENT,
+          fmt::format("{}: {} is for exported training steps; this artifact is a function", m.name,
+                      what));
+}
+
+void save_model(const mixtape_aot_model& m, const std::string& path) {
+  require_step(m, "save");
+  mt::safetensors::File file;
+  for (size_t k = 0; k < m.buffers.size(); ++k) {
+    if (!m.checkpointed[k]) continue;
+    const mt::Storage& value = *m.buffers[k];
+    mt::safetensors::TensorData data{
+        m.buffer_info[k].name, value.dtype, m.buffer_info[k].shape, {}};
+    data.bytes.assign(value.host_data(), value.host_data() + value.size_bytes());
+    file.tensors.push_back(std::move(data));
+  }
+  file.metadata = m.checkpoint_metadata;
+  if (m.steps_buffer >= 0)
+    file.metadata.emplace_back(
+        "optimizer.steps",
+        std::to_string(static_cast<int64_t>(m.buffers[m.steps_buffer]->as<double>()[0])));
+  mt::safetensors::write(path, file);
+}
+
+// A checkpoint's state, checked whole before any of it replaces the model's.
+void load_model(mixtape_aot_model& m, const std::string& path) {
+  require_step(m, "load");
+  mt::safetensors::File file;
+  try {
+    file = mt::safetensors::read(path);
+  } catch (const mt::Error& e) {
+    raise(MIXTAPE_AOT_ERROR_FILE, e.what());
+  }
+  std::vector<std::pair<size_t, const mt::safetensors::TensorData*>> entries;
+  for (size_t k = 0; k < m.buffers.size(); ++k) {
+    if (!m.checkpointed[k]) continue;
+    const mt::aot::PlanBuffer& info = m.buffer_info[k];
+    const mt::safetensors::TensorData* data = file.find(info.name);
+    if (!data || data->dtype != info.dtype || data->shape != info.shape)
+      raise(MIXTAPE_AOT_ERROR_FILE,
+            fmt::format("{}: {} holds no {} tensor '{}' of shape {}", m.name, path,
+                        mt::name(info.dtype), info.name, mt::to_string(info.shape)));
+    if (mt::is_floating(info.dtype))
+      for (int64_t i = 0; i < m.buffers[k]->count; ++i) {
+        mt::Storage probe(info.dtype, 1, mt::Storage::Uninitialized{});
+        size_t size = mt::size_of(info.dtype);
+        std::memcpy(probe.bytes.data(), data->bytes.data() + i * size, size);
+        double v = mt::load_element<double>(probe, 0);
+        if (!std::isfinite(v))
+          raise(MIXTAPE_AOT_ERROR_FILE,
+                fmt::format("{}: {} holds {} in '{}'", m.name, path, v, info.name));
+        if (info.name == "scaler.scale" && !(v > 0 && std::isnormal(v)))
+          raise(MIXTAPE_AOT_ERROR_FILE,
+                fmt::format("{}: {} holds the loss scale {}, not a normal positive number", m.name,
+                            path, v));
+        if (v < 0 && info.name.ends_with(".exp_avg_sq"))
+          raise(MIXTAPE_AOT_ERROR_FILE,
+                fmt::format("{}: {} holds a negative value in '{}', a mean of squares", m.name,
+                            path, info.name));
+      }
+    entries.emplace_back(k, data);
+  }
+  int64_t steps = -1;
+  for (const auto& [key, value] : file.metadata) {
+    if (key == "optimizer.steps") steps = std::strtoll(value.c_str(), nullptr, 10);
+    if (key == "optimizer.kind")
+      for (const auto& [our_key, ours] : m.checkpoint_metadata)
+        if (our_key == key && ours != value)
+          raise(MIXTAPE_AOT_ERROR_FILE,
+                fmt::format("{}: {} holds {} state, the step runs {}", m.name, path, value, ours));
+  }
+  if (m.steps_buffer >= 0 && steps < 0)
+    raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: {} has no valid optimizer.steps", m.name, path));
+  for (const auto& [k, data] : entries) {
+    std::memcpy(m.buffers[k]->host_data(), data->bytes.data(), data->bytes.size());
+    m.buffers[k]->host_written();
+  }
+  if (m.steps_buffer >= 0) {
+    m.buffers[m.steps_buffer]->as<double>()[0] = static_cast<double>(steps);
+    m.buffers[m.steps_buffer]->host_written();
+  }
+}
+
+// Runs `body`, turning every failure into a code and the message both `m` and the thread keep.
+template <typename F>
+int guarded(mixtape_aot_model* m, F body) {
+  std::string message;
+  int code = MIXTAPE_AOT_OK;
+  try {
+    body();
+  } catch (const AotError& e) {
+    code = e.code;
+    message = e.message;
+  } catch (const mt::Error& e) {
+    code = MIXTAPE_AOT_ERROR_RUN;
+    message = e.what();
+  } catch (const std::bad_alloc&) {
+    code = MIXTAPE_AOT_ERROR_RUN;
+    message = "out of memory";
+  } catch (const std::exception& e) {
+    code = MIXTAPE_AOT_ERROR_FILE;  // a malformed document (json lookups, numbers)
+    message = e.what();
+  }
+  thread_error = message;
+  if (m) m->error = message;
+  return code;
+}
+
+}  // namespace
+
+extern "C" {
+
+int mixtape_aot_open(const char* dir, const char* name, const char* device,
+                     const mixtape_aot_kernel* kernels, int64_t kernel_count,
+                     mixtape_aot_model** out) {
+  if (out) *out = nullptr;
+  auto model = std::make_unique<mixtape_aot_model>();
+  int code = guarded(nullptr, [&] {
+    if (!out || !dir || !name || (!kernels && kernel_count > 0) || kernel_count < 0)
+      raise(MIXTAPE_AOT_ERROR_ARGUMENT, "open: dir, name and out must not be NULL");
+    model->dir = dir;
+    model->name = name;
+    open_model(*model, device, kernels, kernel_count);
+  });
+  if (code == MIXTAPE_AOT_OK) *out = model.release();
+  return code;
+}
+
+int mixtape_aot_run(mixtape_aot_model* model, int64_t batch, const void* const* inputs,
+                    void* const* outputs) {
+  return guarded(model, [&] {
+    if (!model) raise(MIXTAPE_AOT_ERROR_ARGUMENT, "run: the model is NULL");
+    run_model(*model, batch, inputs, outputs);
+  });
+}
+
+int mixtape_aot_save(mixtape_aot_model* model, const char* path) {
+  return guarded(model, [&] {
+    if (!model || !path) raise(MIXTAPE_AOT_ERROR_ARGUMENT, "save: the model or path is NULL");
+    save_model(*model, path);
+  });
+}
+
+int mixtape_aot_load(mixtape_aot_model* model, const char* path) {
+  return guarded(model, [&] {
+    if (!model || !path) raise(MIXTAPE_AOT_ERROR_ARGUMENT, "load: the model or path is NULL");
+    load_model(*model, path);
+  });
+}
+
+const char* mixtape_aot_error(const mixtape_aot_model* model) {
+  return model ? model->error.c_str() : thread_error.c_str();
+}
+
+void mixtape_aot_close(mixtape_aot_model* model) {
+  if (!model) return;
+  for (auto& [batch, plan] : model->plans) release(*plan);
+  delete model;
+}
+
+}  // extern "C"

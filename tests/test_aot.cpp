@@ -1,0 +1,346 @@
+// tests/test_aot.cpp -- exported artifacts replay bit for bit what the JIT computes (functions at
+// any allowed batch, N training steps against mt::compile), and refuse bad input with a code.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "examples/digits_model.h"
+#include "jit/aot_export.h"
+#include "jit/llvm_jit.h"
+#include "runtime/aot_runtime.h"
+
+namespace mt = mixtape;
+namespace fs = std::filesystem;
+
+namespace {
+
+std::string temp_dir(const std::string& what) {
+  auto dir = fs::temp_directory_path() / fmt::format("mixtape_aot_{}_{}", what, getpid());
+  fs::remove_all(dir);
+  return dir.string();
+}
+
+// The artifact's kernel table, from the exported IR compiled by this process's JIT: the same
+// object code the artifact's libraries hold, without building them.
+struct Table {
+  std::vector<std::string> keys;
+  std::vector<std::shared_ptr<const mt::JitKernel>> code;
+  std::vector<mixtape_aot_kernel> entries;
+  explicit Table(const mt::aot::Exported& exported) {
+    for (const auto& k : exported.kernels) {
+      keys.push_back(k.key);
+      code.push_back(mt::LlvmJit::instance().load(k.symbol, k.llvm_ir));
+    }
+    for (size_t i = 0; i < keys.size(); ++i)
+      entries.push_back({keys[i].c_str(), code[i]->function});
+  }
+};
+
+struct Model {
+  mixtape_aot_model* m = nullptr;
+  Model(const std::string& dir, const std::string& name, const Table& table,
+        const char* device = "cpu") {
+    int code = mixtape_aot_open(dir.c_str(), name.c_str(), device, table.entries.data(),
+                                static_cast<int64_t>(table.entries.size()), &m);
+    EXPECT_EQ(code, 0) << mixtape_aot_error(nullptr);
+  }
+  ~Model() { mixtape_aot_close(m); }
+};
+
+std::vector<float> digits_inputs(int64_t batch, uint64_t seed) {
+  mt::Generator g(seed);
+  return mt::rand({batch, 64}, mt::f32, &g).to_vector<float>();
+}
+
+std::unique_ptr<mt::autocast> policy_scope(const std::string& policy) {
+  if (policy == "bf16") return std::make_unique<mt::autocast>(mt::bf16);
+  if (policy == "f16") return std::make_unique<mt::autocast>(mt::f16);
+  return nullptr;
+}
+
+class AotFunction : public testing::TestWithParam<std::string> {};
+
+TEST_P(AotFunction, DigitsMlpEqualsTheJitAtEveryBatch) {
+  mt::manual_seed(3);
+  DigitsMLP net;
+  std::string dir = temp_dir("fn_" + GetParam());
+  auto forward = [&](const mt::Tensor& x) {
+    auto scope = policy_scope(GetParam());
+    return mt::cast(net(x), mt::f32);
+  };
+  mt::aot::Options o{.name = "digits", .dynamic_batch = {.max = getenv("FIXED") ? 0 : 1024}};
+  mt::aot::Exported exported = mt::aot::export_function(
+      forward, {mt::aot::input("x", {1024, 64}, mt::f32)}, {"logits"}, dir, o);
+  Table table(exported);
+  Model model(dir, "digits", table);
+  ASSERT_NE(model.m, nullptr);
+  for (int64_t batch : {1024, 1, 7, 360}) {
+    std::vector<float> x = digits_inputs(batch, 10 + batch);
+    std::vector<float> expected;
+    {
+      mt::NoGradGuard no_grad;
+      expected = forward(mt::tensor(x, {batch, 64})).to_vector<float>();
+    }
+    std::vector<float> got(batch * 10);
+    const void* in[] = {x.data()};
+    void* out[] = {got.data()};
+    ASSERT_EQ(mixtape_aot_run(model.m, batch, in, out), 0) << mixtape_aot_error(model.m);
+    size_t first = 0;
+    while (first < got.size() && std::memcmp(&got[first], &expected[first], sizeof(float)) == 0)
+      ++first;
+    ASSERT_EQ(first, got.size()) << "batch " << batch << ": " << got[first] << " against "
+                                 << expected[first];
+  }
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, AotFunction, testing::Values("fp32", "bf16", "f16"));
+
+// N exported steps leave parameters, optimizer and scaler state bit-identical to N steps of
+// mt::compile from the same state, and NAME_save writes a checkpoint load_checkpoint reads.
+class AotStep : public testing::TestWithParam<std::string> {};
+
+TEST_P(AotStep, TrainingStepEqualsCompile) {
+  const std::string policy = GetParam();
+  constexpr int64_t batch = 32, steps = 5;
+  mt::manual_seed(5);
+  DigitsMLP net;
+  mt::AdamW opt(net.parameters(), {.lr = 1e-3});
+  mt::GradScaler scaler({.init_scale = 1024, .enabled = policy == "f16"});
+  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    opt.zero_grad();
+    mt::Tensor loss;
+    {
+      auto scope = policy_scope(policy);
+      loss = mt::cross_entropy(net(x), y);
+    }
+    scaler.scale(loss).backward();
+    scaler.step(opt);
+    scaler.update();
+    return loss;
+  };
+  // One step first: the optimizer makes its state at its first step (see export_step).
+  mt::Generator g(9);
+  train_step(mt::randn({batch, 64}, mt::f32, &g), mt::zeros({batch}, mt::i64));
+  std::string dir = temp_dir("step_" + policy);
+  std::string start = dir + "_start.safetensors";
+  mt::save_checkpoint(start, net, &opt, {}, &scaler);
+  mt::aot::Options o{.name = "digits_train", .module = &net, .optimizer = &opt, .scaler = &scaler};
+  mt::aot::Exported exported = mt::aot::export_step(
+      train_step,
+      {mt::aot::input("x", {batch, 64}, mt::f32), mt::aot::input("y", {batch}, mt::i64)}, {"loss"},
+      dir, o);
+  // The export put the state back: the model still saves what it did before.
+  std::string after_export = dir + "_after.safetensors";
+  mt::save_checkpoint(after_export, net, &opt, {}, &scaler);
+  EXPECT_EQ(mt::load_tensors(after_export).size(), mt::load_tensors(start).size());
+  for (auto& [name, t] : mt::load_tensors(start)) {
+    auto again = mt::load_tensors(after_export);
+    auto found = std::find_if(again.begin(), again.end(), [&](auto& e) { return e.first == name; });
+    ASSERT_NE(found, again.end());
+    EXPECT_EQ(t.to_vector<double>(), found->second.to_vector<double>()) << name;
+  }
+
+  Table table(exported);
+  Model model(dir, "digits_train", table);
+  ASSERT_NE(model.m, nullptr);
+  auto compiled = mt::compile(train_step);
+  for (int64_t s = 0; s < steps; ++s) {
+    std::vector<float> x = mt::randn({batch, 64}, mt::f32, &g).to_vector<float>();
+    // Large inputs in one step overflow f16 and make the scaler skip it.
+    if (s == 2)
+      for (float& v : x) v *= 3e4f;
+    std::vector<int64_t> y(batch);
+    for (int64_t i = 0; i < batch; ++i) y[i] = (i * 7 + s) % 10;
+    mt::Tensor expected = compiled(mt::tensor(x, {batch, 64}), mt::tensor(y, {batch}, mt::i64));
+    float loss = 0;
+    const void* in[] = {x.data(), y.data()};
+    void* out[] = {&loss};
+    ASSERT_EQ(mixtape_aot_run(model.m, batch, in, out), 0) << mixtape_aot_error(model.m);
+    float want = expected.to_vector<float>()[0];
+    EXPECT_EQ(std::memcmp(&loss, &want, sizeof loss), 0) << "step " << s;
+  }
+  std::string saved = dir + "_saved.safetensors";
+  ASSERT_EQ(mixtape_aot_save(model.m, saved.c_str()), 0) << mixtape_aot_error(model.m);
+  std::string reference = dir + "_reference.safetensors";
+  mt::save_checkpoint(reference, net, &opt, {}, &scaler);
+  mt::Metadata ours, theirs;
+  auto a = mt::load_tensors(saved, &ours), b = mt::load_tensors(reference, &theirs);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    auto found = std::find_if(b.begin(), b.end(), [&](auto& e) { return e.first == a[i].first; });
+    ASSERT_NE(found, b.end()) << a[i].first;
+    auto x = mt::cast(a[i].second, mt::f64).to_vector<double>();
+    auto y = mt::cast(found->second, mt::f64).to_vector<double>();
+    ASSERT_EQ(x.size(), y.size());
+    EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(double)), 0) << a[i].first;
+  }
+  std::sort(ours.begin(), ours.end());
+  std::sort(theirs.begin(), theirs.end());
+  EXPECT_EQ(ours, theirs);
+  // And the C++ side reads it, and the artifact reads what C++ wrote.
+  mt::load_checkpoint(saved, net, &opt, nullptr, &scaler);
+  EXPECT_EQ(mixtape_aot_load(model.m, reference.c_str()), 0) << mixtape_aot_error(model.m);
+  for (const std::string& f : {start, after_export, saved, reference}) fs::remove(f);
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, AotStep, testing::Values("fp32", "bf16", "f16"));
+
+// ---- bad input: a code and words, never a crash ----
+
+class AotErrors : public testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    mt::manual_seed(1);
+    net_ = new DigitsMLP;
+    dir_ = new std::string(temp_dir("errors"));
+    mt::aot::Options o{.name = "digits", .dynamic_batch = {.max = 16}, .module = net_};
+    auto exported =
+        mt::aot::export_function([](const mt::Tensor& x) { return (*net_)(x); },
+                                 {mt::aot::input("x", {16, 64}, mt::f32)}, {"logits"}, *dir_, o);
+    table_ = new Table(exported);
+  }
+  static void TearDownTestSuite() {
+    fs::remove_all(*dir_);
+    delete table_;
+    delete dir_;
+    delete net_;
+  }
+  int open(const std::string& dir, const char* device, mixtape_aot_model** m) {
+    return mixtape_aot_open(dir.c_str(), "digits", device, table_->entries.data(),
+                            static_cast<int64_t>(table_->entries.size()), m);
+  }
+  // A copy of the artifact whose file `file` is rewritten by `edit`.
+  std::string edited(const std::string& file, const std::function<void(std::string&)>& edit) {
+    std::string copy = *dir_ + "_edited";
+    fs::remove_all(copy);
+    fs::copy(*dir_, copy);
+    std::ifstream in(copy + "/" + file, std::ios::binary);
+    std::string text((std::istreambuf_iterator<char>(in)), {});
+    in.close();
+    edit(text);
+    std::ofstream(copy + "/" + file, std::ios::binary) << text;
+    return copy;
+  }
+  static DigitsMLP* net_;
+  static std::string* dir_;
+  static Table* table_;
+};
+DigitsMLP* AotErrors::net_ = nullptr;
+std::string* AotErrors::dir_ = nullptr;
+Table* AotErrors::table_ = nullptr;
+
+TEST_F(AotErrors, BatchOutOfRange) {
+  Model model(*dir_, "digits", *table_);
+  std::vector<float> x(17 * 64), y(17 * 10);
+  const void* in[] = {x.data()};
+  void* out[] = {y.data()};
+  EXPECT_EQ(mixtape_aot_run(model.m, 0, in, out), MIXTAPE_AOT_ERROR_ARGUMENT);
+  EXPECT_NE(std::string(mixtape_aot_error(model.m)).find("outside 1..16"), std::string::npos);
+  EXPECT_EQ(mixtape_aot_run(model.m, 17, in, out), MIXTAPE_AOT_ERROR_ARGUMENT);
+  EXPECT_EQ(mixtape_aot_run(model.m, 16, in, out), 0) << mixtape_aot_error(model.m);
+}
+
+TEST_F(AotErrors, NullPointers) {
+  Model model(*dir_, "digits", *table_);
+  std::vector<float> x(64), y(10);
+  const void* in[] = {x.data()};
+  const void* null_in[] = {nullptr};
+  void* out[] = {y.data()};
+  EXPECT_EQ(mixtape_aot_run(nullptr, 1, in, out), MIXTAPE_AOT_ERROR_ARGUMENT);
+  EXPECT_NE(std::string(mixtape_aot_error(nullptr)).find("NULL"), std::string::npos);
+  EXPECT_EQ(mixtape_aot_run(model.m, 1, nullptr, out), MIXTAPE_AOT_ERROR_ARGUMENT);
+  EXPECT_EQ(mixtape_aot_run(model.m, 1, null_in, out), MIXTAPE_AOT_ERROR_ARGUMENT);
+  EXPECT_NE(std::string(mixtape_aot_error(model.m)).find("input 'x'"), std::string::npos);
+  EXPECT_EQ(mixtape_aot_save(model.m, nullptr), MIXTAPE_AOT_ERROR_ARGUMENT);
+  mixtape_aot_model* m = nullptr;
+  EXPECT_EQ(mixtape_aot_open(nullptr, "digits", nullptr, nullptr, 0, &m),
+            MIXTAPE_AOT_ERROR_ARGUMENT);
+  EXPECT_EQ(mixtape_aot_open(dir_->c_str(), "digits", nullptr, nullptr, 0, nullptr),
+            MIXTAPE_AOT_ERROR_ARGUMENT);
+  mixtape_aot_close(nullptr);
+}
+
+TEST_F(AotErrors, MissingAndCorruptFiles) {
+  mixtape_aot_model* m = nullptr;
+  EXPECT_EQ(open(*dir_ + "_nowhere", nullptr, &m), MIXTAPE_AOT_ERROR_FILE);
+  EXPECT_EQ(m, nullptr);
+  EXPECT_NE(std::string(mixtape_aot_error(nullptr)).find("cannot open"), std::string::npos);
+  // One changed byte of the weights: the manifest's checksum no longer matches.
+  std::string copy = edited("digits.safetensors", [](std::string& t) { t[t.size() - 3] ^= 1; });
+  EXPECT_EQ(open(copy, nullptr, &m), MIXTAPE_AOT_ERROR_FILE);
+  EXPECT_NE(std::string(mixtape_aot_error(nullptr)).find("corrupt"), std::string::npos)
+      << mixtape_aot_error(nullptr);
+  fs::remove(copy + "/digits.plan");
+  EXPECT_EQ(open(copy, nullptr, &m), MIXTAPE_AOT_ERROR_FILE);
+  copy = edited("digits.json", [](std::string& t) { t.resize(t.size() / 2); });
+  EXPECT_EQ(open(copy, nullptr, &m), MIXTAPE_AOT_ERROR_FILE);
+  fs::remove_all(copy);
+}
+
+TEST_F(AotErrors, ManifestFromAnotherVersion) {
+  std::string copy = edited("digits.json", [](std::string& t) {
+    auto at = t.find("\"mixtape_version\":\"");
+    t.replace(at, std::strlen("\"mixtape_version\":\"0"), "\"mixtape_version\":\"9");
+  });
+  mixtape_aot_model* m = nullptr;
+  EXPECT_EQ(open(copy, nullptr, &m), MIXTAPE_AOT_ERROR_VERSION);
+  EXPECT_NE(std::string(mixtape_aot_error(nullptr)).find("export the model again"),
+            std::string::npos);
+  fs::remove_all(copy);
+}
+
+TEST_F(AotErrors, CudaAndUnknownDevices) {
+  mixtape_aot_model* m = nullptr;
+  EXPECT_EQ(open(*dir_, "cuda", &m), MIXTAPE_AOT_ERROR_DEVICE);
+  EXPECT_NE(std::string(mixtape_aot_error(nullptr)).find("exported for: cpu"), std::string::npos);
+  EXPECT_EQ(open(*dir_, "tpu", &m), MIXTAPE_AOT_ERROR_ARGUMENT);
+  EXPECT_EQ(m, nullptr);
+}
+
+TEST_F(AotErrors, CpuWithoutTheKernelsFeatures) {
+  std::string copy = edited("digits.json", [](std::string& t) {
+    auto at = t.find("\"cpu_features\":[");
+    t.insert(at + std::strlen("\"cpu_features\":["), "\"avx1024\",");
+  });
+  mixtape_aot_model* m = nullptr;
+  EXPECT_EQ(open(copy, nullptr, &m), MIXTAPE_AOT_ERROR_DEVICE);
+  EXPECT_NE(std::string(mixtape_aot_error(nullptr)).find("lacks avx1024"), std::string::npos)
+      << mixtape_aot_error(nullptr);
+  fs::remove_all(copy);
+}
+
+// A dynamic batch needs rows that do not see each other: a mean over the batch is refused at
+// export, naming the node, rather than exported wrong.
+TEST(AotExport, DynamicBatchRefusesMixingRows) {
+  std::string dir = temp_dir("mixing");
+  mt::aot::Options o{.name = "centered", .dynamic_batch = {.max = 8}};
+  EXPECT_THROW(
+      {
+        try {
+          mt::aot::export_function([](const mt::Tensor& x) { return x - mt::mean(x, {0}, true); },
+                                   {mt::aot::input("x", {8, 4}, mt::f32)}, {"y"}, dir, o);
+        } catch (const mt::Error& e) {
+          EXPECT_NE(std::string(e.what()).find("depends on the batch size"), std::string::npos)
+              << e.what();
+          throw;
+        }
+      },
+      mt::Error);
+  o.dynamic_batch.max = 0;  // at a fixed batch it exports
+  mt::aot::export_function([](const mt::Tensor& x) { return x - mt::mean(x, {0}, true); },
+                           {mt::aot::input("x", {8, 4}, mt::f32)}, {"y"}, dir, o);
+  fs::remove_all(dir);
+}
+
+TEST_F(AotErrors, FunctionsHaveNoCheckpoints) {
+  Model model(*dir_, "digits", *table_);
+  EXPECT_EQ(mixtape_aot_save(model.m, (*dir_ + "/x.safetensors").c_str()),
+            MIXTAPE_AOT_ERROR_ARGUMENT);
+}
+
+}  // namespace
