@@ -118,6 +118,7 @@ void check_globals(const std::string& object, const std::vector<std::string>& ap
 std::vector<std::string> write_package(const PackageSpec& spec) {
   check_package_spec(spec);
   const std::string& name = spec.name;
+  if (spec.dir.empty()) fail("AOT export of {}: no directory to write to", name);
   std::string archive = runtime_archive();
   std::error_code error;
   fs::create_directories(spec.dir, error);
@@ -135,7 +136,9 @@ std::vector<std::string> write_package(const PackageSpec& spec) {
   for (const PackageKernel& kernel : spec.kernels)
     sources.push_back({kernel.symbol, kernel.llvm_ir});
   std::vector<std::vector<std::byte>> objects = LlvmJit::instance().objects(sources);
-  std::vector<std::string> link = {"-r", "-o", work.file(name + ".prelink.o"), glue_object};
+  // -S: no debug information. A deployed artifact is shipped for size (a debug build's runtime
+  // archive carries ~150 MB of it).
+  std::vector<std::string> link = {"-r", "-S", "-o", work.file(name + ".prelink.o"), glue_object};
   for (size_t i = 0; i < objects.size(); ++i) {
     std::string path = work.file("kernel" + std::to_string(i) + ".o");
     write_bytes(path, objects[i].data(), objects[i].size());

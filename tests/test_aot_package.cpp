@@ -17,6 +17,8 @@
 #include "dsl/graph.h"
 #include "dsl/ops.h"
 #include "dsl/tensor.h"
+#include "examples/digits_model.h"
+#include "jit/aot_export.h"
 #include "jit/aot_package.h"
 #include "jit/aot_package_files.h"
 #include "jit/llvm_jit.h"
@@ -510,6 +512,13 @@ TEST_F(AotPackage, SharedLibraryNeedsNoLlvmNvrtcOrJit) {
   for (const char* banned : {"LLVM", "nvrtc", "libmixtape"})
     EXPECT_EQ(needed.find(banned), std::string::npos) << banned << " in\n" << needed;
   EXPECT_EQ(needed.find("not found"), std::string::npos) << needed;
+  // Every object says it needs no executable stack (LLVM's kernels too), or the loader would
+  // make the whole process's stack executable.
+  std::string segments = run("readelf", {"-lW", (out / "libtiny.so").string()});
+  size_t stack = segments.find("GNU_STACK");
+  ASSERT_NE(stack, std::string::npos) << segments;
+  std::string line = segments.substr(stack, segments.find('\n', stack) - stack);
+  EXPECT_EQ(line.find("RWE"), std::string::npos) << line;
 }
 
 // pkg-config cannot hold blanks or quotes in a path, so this builds from a copy in a plain
@@ -599,25 +608,17 @@ TEST(AotPackageErrors, AMissingToolIsNamedAndNothingIsWritten) {
   EXPECT_MT_ERROR(mt::aot::write_package(spec), "'mixtape-no-such-cc' was not found", "$CC",
                   "apt-get install gcc");
   EXPECT_TRUE(fs::is_empty(root.path / "out"));
+  spec.dir = "";
+  EXPECT_MT_ERROR(mt::aot::write_package(spec), "no directory");
   spec.name = "bad name";
   EXPECT_MT_ERROR(mt::aot::write_package(spec), "\"bad name\"");
 }
 
 // The real runtime archive (C++: COMDAT groups, static locals, oneDNN and OpenMP) prelinks into
 // artifacts that export only their C API, need no LLVM, and link side by side into one program.
-// Until the archive defines the mixtape_aot_* functions itself, the stand-in is added to a copy.
 TEST(AotPackageRealRuntime, ExportsOnlyTheApiNeedsNoLlvmAndLinksTwice) {
   TempDir root("mixtape-aot-real-");
   fs::path archive = fs::path(MIXTAPE_BINARY_DIR) / "libmixtape_runtime.a";
-  std::string symbols = run("nm", {"-g", "--defined-only", "-P", archive.string()});
-  if (symbols.find("\nmixtape_aot_open ") == std::string::npos) {
-    write(root.path / "fake.cpp", fake_runtime);
-    run("c++", {"-O2", "-fPIC", "-fno-gnu-unique", "-c", (root.path / "fake.cpp").string(), "-o",
-                (root.path / "fake.o").string()});
-    fs::copy_file(archive, root.path / "runtime.a");
-    archive = root.path / "runtime.a";
-    run("ar", {"q", archive.string(), (root.path / "fake.o").string()});
-  }
   ScopedEnv chosen("MIXTAPE_RUNTIME_ARCHIVE", archive.string());
   mt::aot::PackageSpec spec;
   spec.dir = (root.path / "out").string();
@@ -658,4 +659,101 @@ TEST(AotPackageRealRuntime, ExportsOnlyTheApiNeedsNoLlvmAndLinksTwice) {
   arguments.push_back("-fsanitize=address,undefined");
 #endif
   run("cc", arguments);
+}
+
+// The packager takes kernels' objects from the JIT's cache: what a training run compiled is not
+// compiled again, and each is a relocatable ELF object defining the kernel's symbol.
+TEST(AotObjects, KernelsTheJitLoadedAreNotCompiledAgain) {
+  mt::aot::PackageKernel kernel = tiny_kernel();
+  std::shared_ptr<const mt::JitKernel> loaded =
+      mt::LlvmJit::instance().load(kernel.symbol, kernel.llvm_ir);
+  int64_t compiled = mt::LlvmJit::instance().stats().compiled;
+  std::vector<std::vector<std::byte>> objects =
+      mt::LlvmJit::instance().objects({{kernel.symbol, kernel.llvm_ir}});
+  EXPECT_EQ(mt::LlvmJit::instance().stats().compiled, compiled);
+  ASSERT_EQ(objects.size(), 1u);
+  ASSERT_GT(objects[0].size(), 64u);
+  EXPECT_EQ(std::memcmp(objects[0].data(),
+                        "\x7f"
+                        "ELF",
+                        4),
+            0);
+  EXPECT_EQ(static_cast<int>(objects[0][16]), 1) << "e_type is not ET_REL";
+  TempDir dir("mixtape-aot-object-");
+  write(dir.path / "k.o",
+        std::string(reinterpret_cast<const char*>(objects[0].data()), objects[0].size()));
+  EXPECT_EQ(exported({"-g", "--defined-only", "-P", (dir.path / "k.o").string()}),
+            std::set<std::string>{kernel.symbol});
+  // Position-independent: no absolute 32-bit relocation, which a shared library cannot hold.
+  std::string relocations = run("readelf", {"-rW", (dir.path / "k.o").string()});
+  EXPECT_EQ(relocations.find("R_X86_64_32"), std::string::npos) << relocations;
+}
+
+// A plain C program built with pkg-config against an exported (and moved) digits MLP computes
+// what the JIT computes, at batch 7 and 1: the whole path from export to a separate binary.
+TEST(AotPackageRealRuntime, ACProgramRunsAnExportedModelAsTheJitDoes) {
+  TempDir root("mixtape-aot-run-");
+  mt::manual_seed(5);
+  DigitsMLP net;
+  auto forward = [&](const mt::Tensor& x) { return net(x); };
+  mt::aot::Options options{.name = "digits", .dynamic_batch = {.max = 16}};
+  mt::aot::export_function(forward, {mt::aot::input("x", {16, 64}, mt::f32)}, {"logits"},
+                           (root.path / "export").string(), options);
+  fs::copy(root.path / "export", root.path / "moved");
+  fs::remove_all(root.path / "export");
+  auto input = [](int64_t batch) {
+    std::vector<float> x(batch * 64);
+    for (int64_t i = 0; i < batch * 64; ++i)
+      x[i] = static_cast<float>((i * 37) % 101) / 50.0f - 1.0f;
+    return x;
+  };
+  write(root.path / "app.c", R"(
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "digits.h"
+int main(int argc, char** argv) {
+  int64_t batch = atoi(argv[2]);
+  float x[16 * 64], logits[16 * 10];
+  for (int64_t i = 0; i < batch * 64; ++i) x[i] = (float)((i * 37) % 101) / 50.0f - 1.0f;
+  digits* m = NULL;
+  if (digits_open(argv[1], "cpu", &m) != digits_OK) {
+    fprintf(stderr, "%s\n", digits_error(NULL));
+    return 1;
+  }
+  if (digits_run(m, batch, x, logits) != digits_OK) {
+    fprintf(stderr, "%s\n", digits_error(m));
+    return 2;
+  }
+  for (int64_t i = 0; i < batch * 10; ++i) {
+    uint32_t bits;
+    memcpy(&bits, &logits[i], 4);
+    printf("%08x ", bits);
+  }
+  digits_close(m);
+  return 0;
+}
+)");
+  std::string moved = (root.path / "moved").string();
+  ScopedEnv path("PKG_CONFIG_PATH", moved);
+  std::vector<std::string> arguments = {"-std=c11", (root.path / "app.c").string(), "-o",
+                                        (root.path / "app").string()};
+  for (const std::string& flag : split(run("pkg-config", {"--cflags", "--libs", "digits"})))
+    arguments.push_back(flag);
+  run("cc", arguments);
+  for (int64_t batch : {7, 1}) {
+    std::vector<float> expected;
+    {
+      mt::NoGradGuard no_grad;
+      expected = forward(mt::tensor(input(batch), {batch, 64})).to_vector<float>();
+    }
+    std::string bits;
+    for (float v : expected) {
+      uint32_t b;
+      std::memcpy(&b, &v, 4);
+      bits += fmt::format("{:08x} ", b);
+    }
+    EXPECT_EQ(run((root.path / "app").string(), {moved, std::to_string(batch)}), bits)
+        << "batch " << batch;
+  }
 }
