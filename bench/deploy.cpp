@@ -2,7 +2,6 @@
 // GPT as artifacts, builds bench/deploy_driver.c against each through its pkg-config file and
 // times it (open to first result, batch-1 latency, batch-256 throughput, peak RSS), times the JIT'd
 // forward (traced and mt::compile) in a child process of its own, and prints JSON lines.
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -121,10 +120,13 @@ mt::Tensor run_forward(const Model& m, const mt::Tensor& x) {
   return y;
 }
 
+// VmHWM, as deploy_driver.c reads it (ru_maxrss would report the parent's peak: see there).
 long peak_rss_kb() {
-  rusage usage{};
-  getrusage(RUSAGE_SELF, &usage);
-  return usage.ru_maxrss;
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::atol(line.c_str() + 6);
+  return -1;
 }
 
 double seconds_since(std::chrono::steady_clock::time_point start) {

@@ -1,7 +1,7 @@
 /* bench/deploy_driver.c -- a plain C program built against an exported artifact, as a user builds
    one (cc deploy_driver.c $(pkg-config --cflags --libs NAME)); bench_deploy compiles it per model
    and prints what it measures: NAME_open to the first result, batch-1 latency, batch-max
-   throughput and this process's peak RSS, as one JSON line.
+   throughput and this process's peak RSS (VmHWM), as one JSON line.
 
    Compiled with -DDEPLOY_NAME=<artifact name> -DDEPLOY_HEADER=<NAME.h> -DDEPLOY_IN_T=<float or
    int64_t> -DDEPLOY_IN_ROW=<input values per row> -DDEPLOY_OUT_ROW=<output values per row>
@@ -18,7 +18,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/resource.h>
 #include <time.h>
 
 #include DEPLOY_HEADER
@@ -40,10 +39,17 @@ static int compare_doubles(const void* a, const void* b) {
   return (x > y) - (x < y);
 }
 
+/* The peak resident set of this process image: VmHWM, the high-water mark of the address space
+   exec made. (getrusage's ru_maxrss is no good here: Linux carries it over from the parent across
+   a vfork and exec, so a child spawned by a big program reports the parent's peak.) */
 static long peak_rss_kb(void) {
-  struct rusage usage;
-  getrusage(RUSAGE_SELF, &usage);
-  return usage.ru_maxrss; /* kilobytes on Linux */
+  FILE* f = fopen("/proc/self/status", "r");
+  char line[256];
+  long kb = -1;
+  while (f && fgets(line, sizeof line, f))
+    if (strncmp(line, "VmHWM:", 6) == 0) kb = atol(line + 6);
+  if (f) fclose(f);
+  return kb;
 }
 
 /* Deterministic inputs (an LCG): pixels in [0, 1) or tokens in [0, DEPLOY_TOKENS). */
