@@ -125,7 +125,8 @@ def markdown(document):
                  f"average {m['load_average_1min_at_start']} at the start, "
                  f"{m['load_average_1min_at_end']} at the end; {document['seconds']} s.")
     lines.append("")
-    lines.append("| model | system | batch-1 latency µs (p90; threads) | batch-256 rows/s (threads) "
+    lines.append("| model | system | batch-1 latency µs (p90; threads) "
+                 "| batch-256 rows/s (threads) "
                  "| open → first result ms | peak RSS MB | max abs diff vs mixtape |")
     lines.append("|---|---|---:|---:|---:|---:|---:|")
     for model, s in document["summary"].items():
@@ -156,7 +157,8 @@ def markdown(document):
                      f"| {cell('batch1_speedup_vs_PyTorch eager')} "
                      f"({yes('batch1_3x_faster_than_torch_eager')}) "
                      f"| {cell('batch1_speedup_vs_TorchScript (trace)')} "
-                     f"| {cell('throughput_vs_ONNX Runtime')} | {cell('throughput_vs_PyTorch eager')} "
+                     f"| {cell('throughput_vs_ONNX Runtime')} "
+                     f"| {cell('throughput_vs_PyTorch eager')} "
                      f"| {yes('open_to_first_result_under_20ms')} |")
     lines.append("")
     lines.append("| model | artifact files (bytes) | total | export s |")
@@ -177,7 +179,8 @@ def main():
     parser.add_argument("--models", default="digits_mlp,char_gpt")
     parser.add_argument("--threads", default="1,2", help="every system runs at each; best counts")
     parser.add_argument("--build-dir", default=os.path.join(driver.REPO_DIR, "build"))
-    parser.add_argument("--python", default=os.path.join(BENCH_DIR, ".venv-deploy", "bin", "python"),
+    parser.add_argument("--python",
+                        default=os.path.join(BENCH_DIR, ".venv-deploy", "bin", "python"),
                         help="python with torch, safetensors and onnxruntime (setup_peers.sh)")
     parser.add_argument("--dir", help="keep the artifacts, weights and ONNX files here")
     parser.add_argument("--out", help="also write the JSON document to this file")

@@ -81,7 +81,8 @@ def time_calls(call, args):
     return {"batch1_calls": n, "batch1_latency_us": 1e6 * times[n // 2],
             "batch1_p10_us": 1e6 * times[n // 10], "batch1_p90_us": 1e6 * times[n * 9 // 10],
             "max_batch": args.max_batch, "calls_per_window": per_window, "windows": args.windows,
-            "batch_max_rows_per_s": rows_per_s, "batch_max_ms_per_call": 1e3 * args.max_batch / rows_per_s}
+            "batch_max_rows_per_s": rows_per_s,
+            "batch_max_ms_per_call": 1e3 * args.max_batch / rows_per_s}
 
 
 def twin(model, directory):
