@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
-# bench/setup_peers.sh -- installs the peers' extras: JAX in bench/.venv, OpenBLAS for torch.
+# bench/setup_peers.sh -- installs the peers' extras: JAX in bench/.venv, ONNX Runtime in
+# bench/.venv-deploy, OpenBLAS for torch.
 # Idempotent; run as root on Debian 12. PyTorch itself is Debian's python3-torch.
 #
 # - JAX (CPU) from PyPI into bench/.venv (its own venv: JAX wants a newer numpy than Debian's,
 #   which python3-torch is built against).
+# - ONNX Runtime and safetensors from PyPI into bench/.venv-deploy, for bench/peer_deploy.py: a
+#   venv on Debian's python3 with --system-site-packages, so that one interpreter has Debian's
+#   torch (for the twin models, TorchScript and torch.onnx.export) and ONNX Runtime. numpy is
+#   pinned to Debian's, which torch is built against, so pip cannot replace it in the venv.
 # - Debian's torch calls whatever libblas.so.3 the system selects; with only libblas3 installed that
 #   is the netlib reference BLAS (about 2 GFLOP/s). run.py gives torch its best setting by putting
 #   OpenBLAS first on its library path; this unpacks Debian's libopenblas0-pthread into
@@ -22,6 +27,21 @@ else
   "$here/.venv/bin/pip" install --quiet jax
   version="$("$here/.venv/bin/python" -c 'import jax; print(jax.__version__)')"
   echo "setup_peers: installed JAX $version"
+fi
+
+if [ -x "$here/.venv-deploy/bin/python" ] &&
+  "$here/.venv-deploy/bin/python" -c 'import onnxruntime, safetensors, torch' 2>/dev/null; then
+  echo "setup_peers: ONNX Runtime already in bench/.venv-deploy"
+elif /usr/bin/python3 -c 'import torch, numpy' 2>/dev/null; then
+  /usr/bin/python3 -m venv --system-site-packages "$here/.venv-deploy"
+  pin="$(mktemp)"
+  /usr/bin/python3 -c 'import numpy; print("numpy==" + numpy.__version__)' >"$pin"
+  "$here/.venv-deploy/bin/pip" install --quiet -c "$pin" onnxruntime safetensors
+  rm -f "$pin"
+  version="$("$here/.venv-deploy/bin/python" -c 'import onnxruntime; print(onnxruntime.__version__)')"
+  echo "setup_peers: installed ONNX Runtime $version in bench/.venv-deploy"
+else
+  echo "setup_peers: skipping bench/.venv-deploy: /usr/bin/python3 lacks torch or numpy" >&2
 fi
 
 openblas_dir="$here/.openblas/usr/lib/x86_64-linux-gnu/openblas-pthread"
