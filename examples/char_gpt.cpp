@@ -1,5 +1,6 @@
 // examples/char_gpt.cpp -- a character-level GPT (nanoGPT's CPU configuration) trained on the
-// BSD fortunes: progress, a held-out validation loss, a generated sample and a JSON line.
+// BSD fortunes: progress, a held-out validation loss, a generated sample and a JSON line; --export
+// writes the trained model as a C library that examples/deploy/sample_text.c samples from.
 #include <mixtape/mixtape.h>
 
 #include <algorithm>
@@ -12,6 +13,8 @@
 #include <vector>
 
 #include "char_gpt_model.h"
+#include "jit/aot_export.h"
+#include "runtime/atomic_file.h"
 
 namespace {
 
@@ -37,8 +40,14 @@ struct Options {
   std::string loss_scale = "none";  // none | static:N | dynamic
   uint64_t seed = 0;
   bool json_only = false;
-  bool compile = false;  // the training step through mt::compile (traced twice, then replayed)
+  bool compile = false;    // the training step through mt::compile (traced twice, then replayed)
+  std::string export_dir;  // --export: the trained model as a C library (examples/deploy/)
 };
+
+// What --export writes: the artifact char_gpt (logits f32 [batch, context, vocab] for tokens i64
+// [batch, context], batch 1..kExportMaxBatch) and kVocabFile, which maps token ids to bytes.
+constexpr int64_t kExportMaxBatch = 256;
+constexpr const char* kVocabFile = "char_gpt_vocab.txt";
 
 constexpr const char* kUsage =
     "usage: char_gpt [--steps N] [--batch N] [--layers N] [--heads N] [--width N] [--context N]\n"
@@ -46,7 +55,7 @@ constexpr const char* kUsage =
     "                [--schedule cosine|constant] [--warmup N]\n"
     "                [--eval-every N] [--eval-batches N] [--sample N] [--temperature X (0: "
     "greedy)]\n"
-    "                [--prompt TEXT] [--seed N] [--json] [--compile]\n"
+    "                [--prompt TEXT] [--seed N] [--json] [--compile] [--export DIR]\n"
     "                [--policy fp32|autocast-f16|autocast-bf16|pure-f16|pure-bf16]\n"
     "                [--loss-scale none|static:N|dynamic]\n";
 
@@ -118,6 +127,8 @@ Options parse(int argc, char** argv) {
       o.loss_scale = value();
     else if (flag == "--compile")
       o.compile = true;
+    else if (flag == "--export")
+      o.export_dir = value();
     else if (flag == "--json")
       o.json_only = true;
     else if (flag == "--help" || flag == "-h")
@@ -179,6 +190,30 @@ double estimate_loss(CharGpt& model, const mt::TextWindows& windows, int64_t bat
   }
   model.train();
   return total / static_cast<double>(batches);
+}
+
+/// Writes the trained model into `dir` as the artifact char_gpt: next-token logits at every
+/// position of a window of `context` tokens (rows shorter than the context are padded at the
+/// end: attention is causal, so logits before the padding do not depend on it), in the training
+/// policy, for 1..kExportMaxBatch rows; and kVocabFile, a line "mixtape-char-vocab-1 CONTEXT
+/// VOCAB" followed by the VOCAB bytes of the vocabulary in token id order.
+void export_model(CharGpt& model, const mt::CharVocab& vocab, const mt::PolicyPtr& policy,
+                  const std::string& dir) {
+  model.eval();
+  auto logits = [&](const mt::Tensor& tokens) {
+    mt::autocast guard(policy);
+    return mt::cast(model(tokens), mt::f32);
+  };
+  int64_t context = model.config().context;
+  mt::aot::Options options{
+      .name = "char_gpt", .dynamic_batch = {.max = kExportMaxBatch}, .module = &model};
+  mt::aot::export_function(logits, {mt::aot::input("tokens", {kExportMaxBatch, context}, mt::i64)},
+                           {"logits"}, dir, options);
+  std::string path = dir + "/" + kVocabFile;
+  std::string text = fmt::format("mixtape-char-vocab-1 {} {}\n", context, vocab.size());
+  text += vocab.chars();
+  mt::write_file_atomically(path,
+                            [&](int fd) { mt::write_all(fd, text.data(), text.size(), path); });
 }
 
 /// The text with every byte that does not belong to a valid UTF-8 sequence replaced by U+FFFD:
@@ -319,6 +354,17 @@ int run(const Options& o) {
     std::printf("%lld steps in %.1f s of training; sample (temperature %g):\n%s%s\n",
                 static_cast<long long>(o.steps), train_seconds, o.temperature, o.prompt.c_str(),
                 sample.c_str());
+
+  if (!o.export_dir.empty()) {
+    export_model(model, vocab, policy, o.export_dir);
+    if (!o.json_only)
+      std::printf(
+          "exported to %s: char_gpt (logits f32 [batch, %lld, %lld] from tokens i64 [batch, "
+          "%lld], batch 1..%lld, policy %s) and %s; see examples/deploy/sample_text.c\n",
+          o.export_dir.c_str(), static_cast<long long>(config.context),
+          static_cast<long long>(config.vocab), static_cast<long long>(config.context),
+          static_cast<long long>(kExportMaxBatch), o.policy.c_str(), kVocabFile);
+  }
 
   mt::json::Object line{{"example", "char_gpt"},
                         {"policy", o.policy},

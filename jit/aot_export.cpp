@@ -149,7 +149,11 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
     for (const Input& in : inputs) {
       Shape shape = in.shape;
       shape[0] = b;
-      args.push_back(zeros(shape, in.dtype));
+      // Zeros as data, as a caller's argument is: a lazy zeros() is a Full node, which the
+      // precision pass takes for a scalar constant that does not widen the ops it meets (an
+      // f32 input plus a bf16 value would be stored in bf16, unlike in the JIT).
+      int64_t count = numel(shape);
+      args.push_back(from_storage(std::make_shared<Storage>(in.dtype, count), shape));
     }
     session.plans.push_back(plan_step(args, call));
     if (session.plans.back()->results.size() != outputs.size())

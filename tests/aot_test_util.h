@@ -1,0 +1,97 @@
+// tests/aot_test_util.h -- what the AOT tests share: a kernel table from an export's IR, an open
+// artifact, the autocast scope of a policy name, and bit-for-bit comparisons of outputs and of
+// checkpoints.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <mixtape/mixtape.h>
+
+#include "jit/aot_export.h"
+#include "jit/llvm_jit.h"
+#include "runtime/aot_runtime.h"
+
+namespace mixtape::aot_test {
+
+namespace mt = mixtape;
+
+inline std::string temp_dir(const std::string& what) {
+  auto dir =
+      std::filesystem::temp_directory_path() / fmt::format("mixtape_aot_{}_{}", what, getpid());
+  std::filesystem::remove_all(dir);
+  return dir.string();
+}
+
+// The artifact's kernel table, from the exported IR compiled by this process's JIT: the same
+// object code the artifact's libraries hold, without building them.
+struct Table {
+  std::vector<std::string> keys;
+  std::vector<std::shared_ptr<const mt::JitKernel>> code;
+  std::vector<mixtape_aot_kernel> entries;
+  explicit Table(const mt::aot::Exported& exported) {
+    for (const auto& k : exported.kernels) {
+      keys.push_back(k.key);
+      code.push_back(mt::LlvmJit::instance().load(k.symbol, k.llvm_ir));
+    }
+    for (size_t i = 0; i < keys.size(); ++i)
+      entries.push_back({keys[i].c_str(), code[i]->function});
+  }
+};
+
+struct Model {
+  mixtape_aot_model* m = nullptr;
+  Model(const std::string& dir, const std::string& name, const Table& table,
+        const char* device = "cpu") {
+    int code = mixtape_aot_open(dir.c_str(), name.c_str(), device, table.entries.data(),
+                                static_cast<int64_t>(table.entries.size()), &m);
+    EXPECT_EQ(code, 0) << mixtape_aot_error(nullptr);
+  }
+  Model(const Model&) = delete;
+  Model& operator=(const Model&) = delete;
+  ~Model() { mixtape_aot_close(m); }
+};
+
+// The autocast scope of a test's policy name: "fp32" (none), "bf16" or "f16".
+inline std::unique_ptr<mt::autocast> policy_scope(const std::string& policy) {
+  if (policy == "bf16") return std::make_unique<mt::autocast>(mt::bf16);
+  if (policy == "f16") return std::make_unique<mt::autocast>(mt::f16);
+  return nullptr;
+}
+
+// The index of the first element whose bytes differ, or the size when all are equal.
+template <typename T>
+size_t first_difference(const std::vector<T>& got, const std::vector<T>& expected) {
+  if (got.size() != expected.size()) return 0;
+  size_t first = 0;
+  while (first < got.size() && std::memcmp(&got[first], &expected[first], sizeof(T)) == 0) ++first;
+  return first;
+}
+
+// The two checkpoint files hold the same tensors, bit for bit, and the same metadata.
+inline void expect_same_checkpoint(const std::string& saved, const std::string& reference) {
+  mt::Metadata ours, theirs;
+  auto a = mt::load_tensors(saved, &ours), b = mt::load_tensors(reference, &theirs);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    auto found = std::find_if(b.begin(), b.end(), [&](auto& e) { return e.first == a[i].first; });
+    ASSERT_NE(found, b.end()) << a[i].first;
+    EXPECT_EQ(a[i].second.dtype(), found->second.dtype()) << a[i].first;
+    auto x = mt::cast(a[i].second, mt::f64).to_vector<double>();
+    auto y = mt::cast(found->second, mt::f64).to_vector<double>();
+    ASSERT_EQ(x.size(), y.size()) << a[i].first;
+    EXPECT_EQ(first_difference(x, y), x.size()) << a[i].first;
+  }
+  std::sort(ours.begin(), ours.end());
+  std::sort(theirs.begin(), theirs.end());
+  EXPECT_EQ(ours, theirs);
+}
+
+}  // namespace mixtape::aot_test
