@@ -1,6 +1,7 @@
 // runtime/gemm.cpp -- the CPU matmul back end: oneDNN matmul primitives, cached per problem.
 #include "runtime/gemm.h"
 
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <map>
@@ -153,6 +154,7 @@ struct PrimitiveKey {
 struct CachedPrimitive {
   dnnl::matmul matmul;
   dnnl::memory::desc a, b, bias, result, scratchpad;
+  uint64_t id = 0;  // unique for the process's life (a cleared cache's addresses are reused)
 };
 
 struct Backend {
@@ -216,6 +218,8 @@ std::shared_ptr<const CachedPrimitive> create_primitive(const PrimitiveKey& key)
                                   attr, state.engine);
   made->scratchpad = pd.scratchpad_desc();
   made->matmul = dnnl::matmul(pd);
+  static std::atomic<uint64_t> next_id{1};
+  made->id = next_id++;
   return made;
 }
 
@@ -251,13 +255,11 @@ class SingleThreaded {
 
 // A primitive's arguments for the calling thread, made once: each call only points them at its
 // buffers. Making dnnl::memory objects and their map on every call was about a fifth of a small
-// matmul's time (an exported MLP's batch-1 latency, perf). Primitives are never evicted, so their
-// addresses stay valid keys.
+// matmul's time (an exported MLP's batch-1 latency, perf).
 std::unordered_map<int, dnnl::memory>& bound_arguments(const CachedPrimitive& primitive,
                                                        bool has_bias) {
-  thread_local std::unordered_map<const CachedPrimitive*, std::unordered_map<int, dnnl::memory>>
-      bound;
-  auto [it, added] = bound.try_emplace(&primitive);
+  thread_local std::unordered_map<uint64_t, std::unordered_map<int, dnnl::memory>> bound;
+  auto [it, added] = bound.try_emplace(primitive.id);
   if (added) {
     const dnnl::engine& engine = backend().engine;
     auto& args = it->second;
