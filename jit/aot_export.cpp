@@ -13,6 +13,7 @@
 #include "dsl/graph.h"
 #include "dsl/json.h"
 #include "jit/aot_package.h"
+#include "jit/llvm_jit.h"
 #include "precision_policy/grad_scaler.h"
 #include "precision_policy/policy.h"
 #include "runtime/aot_plan.h"
@@ -247,6 +248,16 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   spec.name = o.name;
   spec.step = step;
   spec.max_batch = max;
+  spec.variants.push_back({"native", "", host_cpu_features()});
+  for (const std::string& cpu : o.cpu_targets) {
+    if (!LlvmJit::instance().known_cpu(cpu) || cpu == "native")
+      fail(
+          "aot: '{}' is not a CPU LLVM knows (cpu_targets takes LLVM CPU names such as "
+          "x86-64-v3, x86-64-v2, x86-64 or znver3)",
+          cpu);
+    spec.variants.push_back(
+        {cpu, cpu, LlvmJit::instance().cpu_features(cpu, known_cpu_features())});
+  }
   for (const auto& [key, kernel] : by_key) {
     exported.kernels.push_back({kernel->name, key, emit_llvm(*kernel)});
     spec.kernels.push_back({kernel->name, key, exported.kernels.back().llvm_ir});
@@ -296,8 +307,12 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
     files.emplace_back(
         file, Object{{"bytes", digest.bytes}, {"xxh3_64", digest.xxh3_64}, {"verify", false}});
   }
-  Array features;
-  for (const std::string& f : host_cpu_features()) features.emplace_back(f);
+  Array variants;
+  for (const PackageVariant& variant : spec.variants) {
+    Array features;
+    for (const std::string& f : variant.features) features.emplace_back(f);
+    variants.push_back(Object{{"target", variant.target}, {"features", std::move(features)}});
+  }
   Object precision_counts;
   for (const auto& [types, count] : precision) precision_counts.emplace_back(types, count);
   Array policy_names;
@@ -307,7 +322,7 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
                   {"name", o.name},
                   {"kind", step ? "step" : "function"},
                   {"devices", Array{"cpu"}},
-                  {"cpu_features", std::move(features)},
+                  {"cpu_variants", std::move(variants)},
                   {"batch", Object{{"export", batch}, {"max", max}}},
                   {"inputs", argument_list(input_names, input_dtypes, input_shapes)},
                   {"outputs", argument_list(output_names, output_dtypes, output_shapes)},

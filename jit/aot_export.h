@@ -46,6 +46,11 @@ struct Options {
   const Module* module = nullptr;
   const Optimizer* optimizer = nullptr;
   const GradScaler* scaler = nullptr;
+  /// The kernels are compiled for the export machine's CPU ("native"); each LLVM CPU name here
+  /// ("x86-64-v3", "x86-64-v2", "x86-64" for any x86-64, "znver3", ...) adds a build of them for
+  /// that CPU, best first. NAME_open takes the first build whose features the CPU has (or the one
+  /// "cpu:TARGET" names).
+  std::vector<std::string> cpu_targets{};
 };
 
 /// What an export wrote.

@@ -127,15 +127,30 @@ std::vector<std::string> write_package(const PackageSpec& spec) {
   WorkDirectory work(name);
   std::string header = package_header(spec);
   write_text(work.file(name + ".h"), header);
+  static constexpr const char* runtime_header =
+#include "aot_runtime_header.inc"
+      ;
+  write_text(work.file("mixtape_aot_runtime.h"), runtime_header);
   write_text(work.file(name + "_glue.c"), package_glue(spec));
   std::string glue_object = work.file(name + "_glue.o");
   run_tool(c_compiler, {"-std=c11", "-O2", "-fPIC", "-c", work.file(name + "_glue.c"), "-I",
                         work.file(""), "-o", glue_object});
 
-  std::vector<LlvmJit::KernelSource> sources;
-  for (const PackageKernel& kernel : spec.kernels)
-    sources.push_back({kernel.symbol, kernel.llvm_ir});
-  std::vector<std::vector<std::byte>> objects = LlvmJit::instance().objects(sources);
+  // Each variant's kernels, compiled for its CPU, their functions renamed for it.
+  std::vector<std::vector<std::byte>> objects;
+  for (size_t v = 0; v < spec.variants.size(); ++v) {
+    std::vector<LlvmJit::KernelSource> sources;
+    for (const PackageKernel& kernel : spec.kernels) {
+      std::string symbol = variant_symbol(kernel, v), ir = kernel.llvm_ir;
+      if (symbol != kernel.symbol)
+        for (size_t at = 0; (at = ir.find("@" + kernel.symbol + "(", at)) != std::string::npos;
+             at += symbol.size() + 1)
+          ir.replace(at, kernel.symbol.size() + 1, "@" + symbol);
+      sources.push_back({symbol, std::move(ir)});
+    }
+    for (auto& object : LlvmJit::instance().objects(sources, spec.variants[v].cpu))
+      objects.push_back(std::move(object));
+  }
   // -S: no debug information. A deployed artifact is shipped for size (a debug build's runtime
   // archive carries ~150 MB of it).
   std::vector<std::string> link = {"-r", "-S", "-o", work.file(name + ".prelink.o"), glue_object};

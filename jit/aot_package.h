@@ -26,6 +26,14 @@ struct PackageKernel {
   std::string llvm_ir;
 };
 
+/// One build of the kernels: for the host CPU (cpu empty) or an LLVM CPU name, used on CPUs
+/// that have every feature listed. The runtime takes the first variant the CPU can run.
+struct PackageVariant {
+  std::string target;  // its name at NAME_open ("cpu:TARGET"): "native", "x86-64-v3", ...
+  std::string cpu;     // what LLVM compiles for; empty: the host CPU with all its features
+  std::vector<std::string> features;
+};
+
 struct PackageSpec {
   std::string dir;    // the export directory (created when missing)
   std::string name;   // a C identifier ([A-Za-z_][A-Za-z0-9_]*, no C or C++ keyword)
@@ -35,7 +43,12 @@ struct PackageSpec {
   int64_t max_batch = 0;
   std::vector<PackageArgument> inputs, outputs;
   std::vector<PackageKernel> kernels;
+  /// Best first; at least one. Variant v > 0 names its kernels' functions symbol + "_v<v>".
+  std::vector<PackageVariant> variants;
 };
+
+/// The function name of `kernel` in variant `v` of a package.
+std::string variant_symbol(const PackageKernel& kernel, size_t v);
 
 /// Writes DIR/NAME.h, DIR/libNAME.a, DIR/libNAME.so, DIR/NAME.pc and DIR/NAMEConfig.cmake, each
 /// atomically (runtime/atomic_file.h), and returns their names relative to DIR, for the manifest.

@@ -270,7 +270,35 @@ void check_package_spec(const PackageSpec& spec) {
     if (!keys.insert(kernel.key).second)
       fail("AOT export of {}: two kernels have the key \"{}\"", spec.name, kernel.key);
   }
+  if (spec.variants.empty()) fail("AOT export of {}: no kernel variant to build", spec.name);
+  std::set<std::string> targets;
+  for (const PackageVariant& variant : spec.variants) {
+    bool plain =
+        !variant.target.empty() &&
+        std::all_of(variant.target.begin(), variant.target.end(), [](char c) {
+          return std::isalnum(static_cast<unsigned char>(c)) || c == '-' || c == '_' || c == '.';
+        });
+    if (!plain)
+      fail(
+          "AOT export of {}: the cpu target \"{}\" is not a name of letters, digits, '-', '_' "
+          "and '.'",
+          spec.name, variant.target);
+    if (!targets.insert(variant.target).second)
+      fail("AOT export of {}: two kernel variants are called {}", spec.name, variant.target);
+  }
 }
+
+std::string variant_symbol(const PackageKernel& kernel, size_t v) {
+  return v == 0 ? kernel.symbol : fmt::format("{}_v{}", kernel.symbol, v);
+}
+
+namespace {
+std::string variant_targets(const PackageSpec& spec) {
+  std::vector<std::string> targets;
+  for (const PackageVariant& variant : spec.variants) targets.push_back(variant.target);
+  return join(targets, ", ");
+}
+}  // namespace
 
 std::string package_header(const PackageSpec& spec) {
   const std::string& n = spec.name;
@@ -319,8 +347,9 @@ enum {{
 typedef struct {0} {0};
 
 /* Opens the artifact in dir (the export directory: {0}.json, its weights and kernels are
- * read from there). device: "cpu", "cuda", or NULL for the best available. On success *out is
- * the model (close it with {0}_close); on failure *out is NULL and {0}_error(NULL) says why. */
+ * read from there). device: "cpu" (the best of the kernel builds this CPU runs), "cpu:TARGET"
+ * (that build: {8}), "cuda", or NULL for the best available. On success *out is the model
+ * (close it with {0}_close); on failure *out is NULL and {0}_error(NULL) says why. */
 int {0}_open(const char* dir, const char* device, {0}** out);
 
 /* {4}
@@ -338,7 +367,7 @@ void {0}_close({0}* m);
       spec.step ? ", and the training state\n * (parameters, optimizer and loss scaler state)" : "",
       spec.step ? "Runs one training step on the batch, updating the state kept in m. Arguments:"
                 : "Runs the function on the batch. Arguments:",
-      batch_line, arguments, run_parameters(spec));
+      batch_line, arguments, run_parameters(spec), variant_targets(spec));
   if (spec.step)
     text += fmt::format(R"(
 /* Saves the training state of m to path as a safetensors checkpoint, in mt::save_checkpoint's
@@ -370,35 +399,38 @@ std::string package_glue(const PackageSpec& spec) {
 
 #include "{0}.h"
 
-typedef void (*mixtape_aot_kernel_fn)(void* const* params, int64_t begin, int64_t end);
-typedef struct {{
-  const char* key;
-  mixtape_aot_kernel_fn function;
-}} mixtape_aot_kernel;
-typedef struct mixtape_aot_model mixtape_aot_model;
-int mixtape_aot_open(const char* dir, const char* name, const char* device,
-                     const mixtape_aot_kernel* kernels, int64_t kernel_count,
-                     mixtape_aot_model** out);
-int mixtape_aot_run(mixtape_aot_model* m, int64_t batch, const void* const* inputs,
-                    void* const* outputs);
-int mixtape_aot_save(mixtape_aot_model* m, const char* path);
-int mixtape_aot_load(mixtape_aot_model* m, const char* path);
-const char* mixtape_aot_error(const mixtape_aot_model* m);
-void mixtape_aot_close(mixtape_aot_model* m);
+#include "mixtape_aot_runtime.h"
 
 )",
                   n, MIXTAPE_VERSION);
-  for (const PackageKernel& kernel : spec.kernels)
-    text +=
-        fmt::format("void {}(void* const* params, int64_t begin, int64_t end);\n", kernel.symbol);
-  std::string table = "NULL";
-  if (!spec.kernels.empty()) {
-    text += fmt::format("\nstatic const mixtape_aot_kernel {}_kernels[] = {{\n", n);
+  for (size_t v = 0; v < spec.variants.size(); ++v) {
+    const PackageVariant& variant = spec.variants[v];
+    text += fmt::format("\n/* Kernels for {} */\n", variant.target);
     for (const PackageKernel& kernel : spec.kernels)
-      text += fmt::format("    {{{}, {}}},\n", c_string(kernel.key), kernel.symbol);
-    text += "};\n";
-    table = n + "_kernels";
+      text += fmt::format("void {}(void* const* params, int64_t begin, int64_t end);\n",
+                          variant_symbol(kernel, v));
+    if (!spec.kernels.empty()) {
+      text += fmt::format("static const mixtape_aot_kernel {}_kernels_{}[] = {{\n", n, v);
+      for (const PackageKernel& kernel : spec.kernels)
+        text += fmt::format("    {{{}, {}}},\n", c_string(kernel.key), variant_symbol(kernel, v));
+      text += "};\n";
+    }
+    if (!variant.features.empty()) {
+      text += fmt::format("static const char* const {}_features_{}[] = {{", n, v);
+      for (size_t f = 0; f < variant.features.size(); ++f)
+        text += (f ? ", " : "") + c_string(variant.features[f]);
+      text += "};\n";
+    }
   }
+  text += fmt::format("\nstatic const mixtape_aot_variant {}_variants[] = {{\n", n);
+  for (size_t v = 0; v < spec.variants.size(); ++v)
+    text += fmt::format(
+        "    {{{}, {}, {}, {}, {}}},\n", c_string(spec.variants[v].target),
+        spec.variants[v].features.empty() ? "NULL" : fmt::format("{}_features_{}", n, v),
+        spec.variants[v].features.size(),
+        spec.kernels.empty() ? "NULL" : fmt::format("{}_kernels_{}", n, v), spec.kernels.size());
+  text += "};\n";
+  std::string table = n + "_variants";
   std::string inputs = "NULL", outputs = "NULL", arrays;
   if (!spec.inputs.empty()) {
     std::vector<std::string> names;
@@ -432,7 +464,7 @@ void {0}_close({0}* m) {{
   mixtape_aot_close((mixtape_aot_model*)m);
 }}
 )",
-                      n, c_string(n), table, spec.kernels.size(), run_parameters(spec), arrays,
+                      n, c_string(n), table, spec.variants.size(), run_parameters(spec), arrays,
                       inputs, outputs);
   if (spec.step)
     text += fmt::format(R"(

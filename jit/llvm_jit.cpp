@@ -10,6 +10,7 @@
 #include <llvm/IR/Module.h>
 #include <llvm/IR/Verifier.h>
 #include <llvm/IRReader/IRReader.h>
+#include <llvm/MC/MCSubtargetInfo.h>
 #include <llvm/Passes/PassBuilder.h>
 #include <llvm/Support/MemoryBuffer.h>
 #include <llvm/Support/SourceMgr.h>
@@ -150,7 +151,8 @@ LlvmJit::Stats LlvmJit::stats() const {
   return state_->stats;
 }
 
-std::vector<std::byte> LlvmJit::compile_object(const std::string& name, const std::string& ir) {
+std::vector<std::byte> LlvmJit::compile_object(const std::string& name, const std::string& ir,
+                                               const std::string& cpu) {
   llvm::LLVMContext context;
   llvm::SMDiagnostic diagnostic;
   std::unique_ptr<llvm::Module> module =
@@ -162,8 +164,7 @@ std::vector<std::byte> LlvmJit::compile_object(const std::string& name, const st
     fail("LLVM JIT: kernel {} does not parse: {}", name, os.str());
   }
   // Compilations run on several threads at once: each gets its own target machine.
-  std::unique_ptr<llvm::TargetMachine> machine =
-      unwrap(state_->builder->createTargetMachine(), "creating the target machine");
+  std::unique_ptr<llvm::TargetMachine> machine = target_machine(cpu);
   module->setDataLayout(machine->createDataLayout());
   module->setTargetTriple(machine->getTargetTriple().str());
   std::string problems;
@@ -197,13 +198,39 @@ std::vector<std::byte> LlvmJit::compile_object(const std::string& name, const st
   return std::vector<std::byte>(begin, begin + object.size());
 }
 
-std::string LlvmJit::cache_key(const std::string& ir) const {
-  return fmt::format("llvm-jit v{}\n{}\n{}", jit_version, target(), ir);
+std::string LlvmJit::cache_key(const std::string& ir, const std::string& cpu) const {
+  return fmt::format("llvm-jit v{}\n{}\n{}", jit_version, cpu.empty() ? target() : "cpu " + cpu,
+                     ir);
+}
+
+std::unique_ptr<llvm::TargetMachine> LlvmJit::target_machine(const std::string& cpu) const {
+  if (cpu.empty())
+    return unwrap(state_->builder->createTargetMachine(), "creating the target machine");
+  // A named CPU brings its own features; nothing of the host's is added.
+  llvm::orc::JITTargetMachineBuilder builder(state_->builder->getTargetTriple());
+  builder.setCPU(cpu);
+  builder.setCodeGenOptLevel(llvm::CodeGenOpt::Aggressive);
+  builder.setRelocationModel(llvm::Reloc::PIC_);
+  return unwrap(builder.createTargetMachine(), "creating the target machine for a named CPU");
+}
+
+bool LlvmJit::known_cpu(const std::string& cpu) const {
+  return state_->machine->getMCSubtargetInfo()->isCPUStringValid(cpu);
+}
+
+std::vector<std::string> LlvmJit::cpu_features(const std::string& cpu,
+                                               const std::vector<std::string>& candidates) const {
+  std::unique_ptr<llvm::TargetMachine> machine = target_machine(cpu);
+  std::vector<std::string> out;
+  for (const std::string& feature : candidates)
+    if (machine->getMCSubtargetInfo()->checkFeatures("+" + feature)) out.push_back(feature);
+  return out;
 }
 
 double LlvmJit::compile_missing(const std::vector<KernelSource>& kernels,
                                 const std::vector<size_t>& missing,
-                                std::vector<std::optional<std::vector<std::byte>>>& objects) {
+                                std::vector<std::optional<std::vector<std::byte>>>& objects,
+                                const std::string& cpu) {
   // Cache misses compile in parallel, one LLVM context and target machine per thread: a new
   // model's first step waits for its slowest share, not for the sum.
   auto start = std::chrono::steady_clock::now();
@@ -215,7 +242,7 @@ double LlvmJit::compile_missing(const std::vector<KernelSource>& kernels,
     for (size_t k; (k = next.fetch_add(1)) < missing.size();) {
       size_t i = missing[k];
       try {
-        objects[i] = compile_object(kernels[i].name, kernels[i].ir);
+        objects[i] = compile_object(kernels[i].name, kernels[i].ir, cpu);
       } catch (const Error& e) {
         std::lock_guard<std::mutex> lock(error_mutex);
         if (!error) error = e;
@@ -232,16 +259,18 @@ double LlvmJit::compile_missing(const std::vector<KernelSource>& kernels,
   return seconds_since(start);
 }
 
-std::vector<std::vector<std::byte>> LlvmJit::objects(const std::vector<KernelSource>& kernels) {
+std::vector<std::vector<std::byte>> LlvmJit::objects(const std::vector<KernelSource>& kernels,
+                                                     const std::string& cpu) {
+  if (!cpu.empty() && !known_cpu(cpu)) fail("LLVM: '{}' is not a CPU this LLVM knows", cpu);
   std::vector<std::optional<std::vector<std::byte>>> objects(kernels.size());
   std::vector<std::string> keys(kernels.size());
   std::vector<size_t> missing;
   for (size_t i = 0; i < kernels.size(); ++i) {
-    keys[i] = cache_key(kernels[i].ir);
+    keys[i] = cache_key(kernels[i].ir, cpu);
     objects[i] = kernel_cache().load(keys[i]);
     if (!objects[i]) missing.push_back(i);
   }
-  double compile_seconds = compile_missing(kernels, missing, objects);
+  double compile_seconds = compile_missing(kernels, missing, objects, cpu);
   for (size_t i : missing) kernel_cache().store(keys[i], *objects[i]);
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
@@ -273,13 +302,13 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
         ++state_->stats.memory_hits;
         continue;
       }
-      keys[i] = cache_key(kernels[i].ir);
+      keys[i] = cache_key(kernels[i].ir, "");
       objects[i] = kernel_cache().load(keys[i]);
       if (!objects[i]) missing.push_back(i);
     }
   }
   double load_seconds = seconds_since(start);
-  double compile_seconds = compile_missing(kernels, missing, objects);
+  double compile_seconds = compile_missing(kernels, missing, objects, "");
   std::unique_lock<std::mutex> lock(state_->mutex);
   for (size_t i = 0; i < kernels.size(); ++i) {
     if (result[i]) continue;

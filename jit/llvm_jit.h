@@ -11,6 +11,10 @@
 
 #include "runtime/cpu_kernels.h"
 
+namespace llvm {
+class TargetMachine;
+}
+
 namespace mixtape {
 
 /// A kernel loaded into the JIT. Its code stays mapped while the object lives: the last owner's
@@ -49,11 +53,20 @@ class LlvmJit {
   };
   std::vector<std::shared_ptr<const JitKernel>> load_all(const std::vector<KernelSource>& kernels);
 
-  /// The relocatable object file of each kernel (its function `name`, position-independent,
-  /// for the host CPU at -O3), as load_all() would load it: from the kernel cache, else compiled
-  /// (misses in parallel) and cached. The AOT packager links these into an artifact, so kernels
-  /// the training run compiled are not compiled again.
-  std::vector<std::vector<std::byte>> objects(const std::vector<KernelSource>& kernels);
+  /// The relocatable object file of each kernel (its function `name`, position-independent, at
+  /// -O3), as load_all() would load it: from the kernel cache, else compiled (misses in
+  /// parallel) and cached. The AOT packager links these into an artifact, so kernels the
+  /// training run compiled are not compiled again. `cpu` empty: for the host CPU, with all its
+  /// features; else for that LLVM CPU name ("x86-64-v3", "x86-64", "znver3") and only the
+  /// features it implies (an mt::Error for a name LLVM does not know).
+  std::vector<std::vector<std::byte>> objects(const std::vector<KernelSource>& kernels,
+                                              const std::string& cpu = "");
+  /// Whether LLVM knows the CPU name.
+  bool known_cpu(const std::string& cpu) const;
+  /// Those of `candidates` (LLVM feature names, runtime/cpu_features.h's table) that code
+  /// compiled for `cpu` (empty: the host) may use.
+  std::vector<std::string> cpu_features(const std::string& cpu,
+                                        const std::vector<std::string>& candidates) const;
 
   /// LLVM version, host CPU name and features: what makes an object valid for this machine.
   std::string target() const;
@@ -71,14 +84,18 @@ class LlvmJit {
 
  private:
   LlvmJit();
-  std::vector<std::byte> compile_object(const std::string& name, const std::string& ir);
-  // Kernel-cache key of an object compiled from ir.
-  std::string cache_key(const std::string& ir) const;
+  std::vector<std::byte> compile_object(const std::string& name, const std::string& ir,
+                                        const std::string& cpu);
+  // Kernel-cache key of an object compiled from ir for cpu (empty: the host).
+  std::string cache_key(const std::string& ir, const std::string& cpu) const;
+  // A target machine for cpu (empty: the host's, with its features).
+  std::unique_ptr<llvm::TargetMachine> target_machine(const std::string& cpu) const;
   // Compiles kernels[i] into objects[i] for each i in missing, on every core; returns the wall
   // time.
   double compile_missing(const std::vector<KernelSource>& kernels,
                          const std::vector<size_t>& missing,
-                         std::vector<std::optional<std::vector<std::byte>>>& objects);
+                         std::vector<std::optional<std::vector<std::byte>>>& objects,
+                         const std::string& cpu);
   friend class JitKernel;
   struct State;
   // Shared with every JitKernel, so the JIT outlives the last of them (static destruction order

@@ -82,6 +82,7 @@ std::vector<Argument> arguments(const Value& list) {
 
 struct mixtape_aot_model {
   std::string dir, name, error;
+  std::string cpu_target;  // the kernel variant in use
   Value manifest, plan_doc;
   bool step = false;
   int64_t export_batch = 0, max_batch = 0;  // max_batch 0: the batch is fixed
@@ -187,8 +188,45 @@ void load_buffers(mixtape_aot_model& m) {
   }
 }
 
-void open_model(mixtape_aot_model& m, const char* device, const mixtape_aot_kernel* kernels,
-                int64_t kernel_count) {
+// The variant `device` asks for ("cpu": the first this CPU runs, "cpu:TARGET": that one).
+const mixtape_aot_variant& choose_variant(const mixtape_aot_model& m, const std::string& device,
+                                          const mixtape_aot_variant* variants, int64_t count) {
+  std::string wanted = device.starts_with("cpu:") ? device.substr(4) : "";
+  std::vector<std::string> refusals;
+  for (int64_t v = 0; v < count; ++v) {
+    const mixtape_aot_variant& variant = variants[v];
+    if (!variant.target || (variant.feature_count > 0 && !variant.features) ||
+        variant.feature_count < 0 || (variant.kernel_count > 0 && !variant.kernels) ||
+        variant.kernel_count < 0)
+      raise(MIXTAPE_AOT_ERROR_ARGUMENT,
+            fmt::format("{}: kernel variant {} is malformed", m.name, v));
+    if (!wanted.empty() && wanted != variant.target) continue;
+    std::vector<std::string> features;
+    for (int64_t f = 0; f < variant.feature_count; ++f) {
+      if (!variant.features[f])
+        raise(MIXTAPE_AOT_ERROR_ARGUMENT,
+              fmt::format("{}: a feature of {} is NULL", m.name, variant.target));
+      features.push_back(variant.features[f]);
+    }
+    std::vector<std::string> missing = mt::missing_cpu_features(features);
+    if (missing.empty()) return variant;
+    refusals.push_back(fmt::format("{} needs {}", variant.target, fmt::join(missing, ", ")));
+  }
+  if (!wanted.empty() && refusals.empty()) {
+    std::vector<std::string> targets;
+    for (int64_t v = 0; v < count; ++v) targets.push_back(variants[v].target);
+    raise(MIXTAPE_AOT_ERROR_ARGUMENT, fmt::format("{}: no kernels for cpu target '{}' (the "
+                                                  "artifact has: {})",
+                                                  m.name, wanted, fmt::join(targets, ", ")));
+  }
+  raise(MIXTAPE_AOT_ERROR_DEVICE,
+        fmt::format("{}: this CPU lacks features every kernel build of the artifact uses ({}); "
+                    "export it again with a cpu target this CPU has (Options::cpu_targets)",
+                    m.name, fmt::join(refusals, "; ")));
+}
+
+void open_model(mixtape_aot_model& m, const char* device, const mixtape_aot_variant* variants,
+                int64_t variant_count) {
   std::string manifest_path = m.path(m.name + ".json");
   try {
     m.manifest = mt::json::parse(read_text(manifest_path, kMaxManifestBytes), kMaxJsonValues);
@@ -213,26 +251,24 @@ void open_model(mixtape_aot_model& m, const char* device, const mixtape_aot_kern
   std::vector<std::string> devices;
   for (const Value& d : manifest.at("devices").as_array()) devices.push_back(d.as_string());
   std::string wanted = device ? device : devices.at(0);
-  if (wanted != "cpu" && wanted != "cuda")
+  std::string kind = wanted.substr(0, wanted.find(':'));
+  if ((kind != "cpu" && kind != "cuda") || (kind == "cuda" && wanted != "cuda"))
     raise(MIXTAPE_AOT_ERROR_ARGUMENT,
-          fmt::format("{}: unknown device '{}' (cpu, cuda, or NULL for the best)", m.name, wanted));
-  if (std::find(devices.begin(), devices.end(), wanted) == devices.end())
+          fmt::format("{}: unknown device '{}' (cpu, cpu:TARGET, cuda, or NULL for the best)",
+                      m.name, wanted));
+  if (std::find(devices.begin(), devices.end(), kind) == devices.end())
     raise(MIXTAPE_AOT_ERROR_DEVICE,
           fmt::format("{}: the artifact has no kernels for {} (it was exported for: {})", m.name,
-                      wanted, fmt::join(devices, ", ")));
-  std::vector<std::string> features;
-  for (const Value& f : manifest.at("cpu_features").as_array()) features.push_back(f.as_string());
-  if (std::vector<std::string> missing = mt::missing_cpu_features(features); !missing.empty())
-    raise(MIXTAPE_AOT_ERROR_DEVICE,
-          fmt::format("{}: this CPU lacks {}, which the artifact's kernels use (they were compiled "
-                      "for the export machine's CPU)",
-                      m.name, fmt::join(missing, ", ")));
+                      kind, fmt::join(devices, ", ")));
+  const mixtape_aot_variant& variant = choose_variant(m, wanted, variants, variant_count);
+  m.cpu_target = variant.target;
   verify_files(m);
-  for (int64_t i = 0; i < kernel_count; ++i) {
-    if (!kernels[i].key || !kernels[i].function)
+  for (int64_t i = 0; i < variant.kernel_count; ++i) {
+    const mixtape_aot_kernel& kernel = variant.kernels[i];
+    if (!kernel.key || !kernel.function)
       raise(MIXTAPE_AOT_ERROR_ARGUMENT,
-            fmt::format("{}: kernel {} of the table is NULL", m.name, i));
-    m.kernels[kernels[i].key] = {kernels[i].function, 0};
+            fmt::format("{}: kernel {} of the {} table is NULL", m.name, i, variant.target));
+    m.kernels[kernel.key] = {kernel.function, 0};
   }
   for (const Value& k : manifest.at("kernels").as_array()) {
     auto found = m.kernels.find(k.at("key").as_string());
@@ -432,16 +468,16 @@ int guarded(mixtape_aot_model* m, F body) {
 extern "C" {
 
 int mixtape_aot_open(const char* dir, const char* name, const char* device,
-                     const mixtape_aot_kernel* kernels, int64_t kernel_count,
+                     const mixtape_aot_variant* variants, int64_t variant_count,
                      mixtape_aot_model** out) {
   if (out) *out = nullptr;
   auto model = std::make_unique<mixtape_aot_model>();
   int code = guarded(nullptr, [&] {
-    if (!out || !dir || !name || (!kernels && kernel_count > 0) || kernel_count < 0)
+    if (!out || !dir || !name || (!variants && variant_count > 0) || variant_count < 0)
       raise(MIXTAPE_AOT_ERROR_ARGUMENT, "open: dir, name and out must not be NULL");
     model->dir = dir;
     model->name = name;
-    open_model(*model, device, kernels, kernel_count);
+    open_model(*model, device, variants, variant_count);
   });
   if (code == MIXTAPE_AOT_OK) *out = model.release();
   return code;

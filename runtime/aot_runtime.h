@@ -18,6 +18,16 @@ typedef struct {
   mixtape_aot_kernel_fn function;
 } mixtape_aot_kernel;
 
+/* One build of the artifact's CPU kernels, for CPUs that have every feature in `features`
+   (LLVM's names: "avx2", "avx512bf16", ...): `target` names it ("native", "x86-64-v3", ...). */
+typedef struct {
+  const char* target;
+  const char* const* features;
+  int64_t feature_count;
+  const mixtape_aot_kernel* kernels;
+  int64_t kernel_count;
+} mixtape_aot_variant;
+
 typedef struct mixtape_aot_model mixtape_aot_model;
 
 enum {
@@ -29,11 +39,12 @@ enum {
   MIXTAPE_AOT_ERROR_RUN = 5       /* anything else while running, saving or loading */
 };
 
-/* Opens artifact `name` in `dir` (NAME.json, NAME.plan, NAME.safetensors) on `device` ("cpu",
-   "cuda", or NULL for the best the artifact and machine allow). *out is the model, or NULL on
-   failure; mixtape_aot_error(NULL) then says why. */
+/* Opens artifact `name` in `dir` (NAME.json, NAME.plan, NAME.safetensors) on `device`: "cpu"
+   (the first of `variants`, best first, whose features this CPU has), "cpu:TARGET" (that
+   variant), "cuda", or NULL for the best the artifact and machine allow. *out is the model, or
+   NULL on failure; mixtape_aot_error(NULL) then says why. */
 int mixtape_aot_open(const char* dir, const char* name, const char* device,
-                     const mixtape_aot_kernel* kernels, int64_t kernel_count,
+                     const mixtape_aot_variant* variants, int64_t variant_count,
                      mixtape_aot_model** out);
 /* One call of the exported function (or one training step): inputs and outputs are host
    buffers in the manifest's order and dtypes, at `batch` rows. */

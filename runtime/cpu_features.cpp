@@ -73,6 +73,12 @@ const std::vector<Feature>& features() {
 
 }  // namespace
 
+std::vector<std::string> known_cpu_features() {
+  std::vector<std::string> names;
+  for (const Feature& f : features()) names.push_back(f.name);
+  return names;
+}
+
 std::vector<std::string> host_cpu_features() {
   std::vector<std::string> present;
   for (const Feature& feature : features())

@@ -16,6 +16,9 @@ namespace mixtape {
 /// empty: nothing is recorded and nothing is checked.
 std::vector<std::string> host_cpu_features();
 
+/// Every feature of the table, whether this CPU has it or not.
+std::vector<std::string> known_cpu_features();
+
 /// The features of `required` that this CPU lacks, in the order given. A name outside the table
 /// (written by a newer mixtape, say) counts as missing: this build cannot tell whether the CPU
 /// has it, and a kernel that uses it would crash.

@@ -18,6 +18,7 @@
 #include "jit/aot_export.h"
 #include "jit/llvm_jit.h"
 #include "runtime/aot_runtime.h"
+#include "runtime/cpu_features.h"
 
 namespace mixtape::aot_test {
 
@@ -32,10 +33,14 @@ inline std::string temp_dir(const std::string& what) {
 
 // The artifact's kernel table, from the exported IR compiled by this process's JIT: the same
 // object code the artifact's libraries hold, without building them.
+// One variant, "native", for this CPU's features (`features`, which a test may change).
 struct Table {
   std::vector<std::string> keys;
   std::vector<std::shared_ptr<const mt::JitKernel>> code;
   std::vector<mixtape_aot_kernel> entries;
+  std::vector<std::string> features = mt::host_cpu_features();
+  std::vector<const char*> feature_names;
+  mixtape_aot_variant variant{};
   explicit Table(const mt::aot::Exported& exported) {
     for (const auto& k : exported.kernels) {
       keys.push_back(k.key);
@@ -43,6 +48,17 @@ struct Table {
     }
     for (size_t i = 0; i < keys.size(); ++i)
       entries.push_back({keys[i].c_str(), code[i]->function});
+    bind();
+  }
+  Table(const Table&) = delete;
+  Table& operator=(const Table&) = delete;
+  // Points the variant at the current features and entries.
+  const mixtape_aot_variant* bind() {
+    feature_names.clear();
+    for (const std::string& f : features) feature_names.push_back(f.c_str());
+    variant = {"native", feature_names.data(), static_cast<int64_t>(feature_names.size()),
+               entries.data(), static_cast<int64_t>(entries.size())};
+    return &variant;
   }
 };
 
@@ -50,8 +66,7 @@ struct Model {
   mixtape_aot_model* m = nullptr;
   Model(const std::string& dir, const std::string& name, const Table& table,
         const char* device = "cpu") {
-    int code = mixtape_aot_open(dir.c_str(), name.c_str(), device, table.entries.data(),
-                                static_cast<int64_t>(table.entries.size()), &m);
+    int code = mixtape_aot_open(dir.c_str(), name.c_str(), device, &table.variant, 1, &m);
     EXPECT_EQ(code, 0) << mixtape_aot_error(nullptr);
   }
   Model(const Model&) = delete;

@@ -8,57 +8,18 @@
 #include <fstream>
 
 #include "examples/digits_model.h"
-#include "jit/aot_export.h"
-#include "jit/llvm_jit.h"
-#include "runtime/aot_runtime.h"
+#include "tests/aot_test_util.h"
 
 namespace mt = mixtape;
 namespace fs = std::filesystem;
 
 namespace {
 
-std::string temp_dir(const std::string& what) {
-  auto dir = fs::temp_directory_path() / fmt::format("mixtape_aot_{}_{}", what, getpid());
-  fs::remove_all(dir);
-  return dir.string();
-}
-
-// The artifact's kernel table, from the exported IR compiled by this process's JIT: the same
-// object code the artifact's libraries hold, without building them.
-struct Table {
-  std::vector<std::string> keys;
-  std::vector<std::shared_ptr<const mt::JitKernel>> code;
-  std::vector<mixtape_aot_kernel> entries;
-  explicit Table(const mt::aot::Exported& exported) {
-    for (const auto& k : exported.kernels) {
-      keys.push_back(k.key);
-      code.push_back(mt::LlvmJit::instance().load(k.symbol, k.llvm_ir));
-    }
-    for (size_t i = 0; i < keys.size(); ++i)
-      entries.push_back({keys[i].c_str(), code[i]->function});
-  }
-};
-
-struct Model {
-  mixtape_aot_model* m = nullptr;
-  Model(const std::string& dir, const std::string& name, const Table& table,
-        const char* device = "cpu") {
-    int code = mixtape_aot_open(dir.c_str(), name.c_str(), device, table.entries.data(),
-                                static_cast<int64_t>(table.entries.size()), &m);
-    EXPECT_EQ(code, 0) << mixtape_aot_error(nullptr);
-  }
-  ~Model() { mixtape_aot_close(m); }
-};
+using namespace mt::aot_test;
 
 std::vector<float> digits_inputs(int64_t batch, uint64_t seed) {
   mt::Generator g(seed);
   return mt::rand({batch, 64}, mt::f32, &g).to_vector<float>();
-}
-
-std::unique_ptr<mt::autocast> policy_scope(const std::string& policy) {
-  if (policy == "bf16") return std::make_unique<mt::autocast>(mt::bf16);
-  if (policy == "f16") return std::make_unique<mt::autocast>(mt::f16);
-  return nullptr;
 }
 
 class AotFunction : public testing::TestWithParam<std::string> {};
@@ -211,8 +172,7 @@ class AotErrors : public testing::Test {
     delete net_;
   }
   int open(const std::string& dir, const char* device, mixtape_aot_model** m) {
-    return mixtape_aot_open(dir.c_str(), "digits", device, table_->entries.data(),
-                            static_cast<int64_t>(table_->entries.size()), m);
+    return mixtape_aot_open(dir.c_str(), "digits", device, table_->bind(), 1, m);
   }
   // A copy of the artifact whose file `file` is rewritten by `edit`.
   std::string edited(const std::string& file, const std::function<void(std::string&)>& edit) {
@@ -303,15 +263,16 @@ TEST_F(AotErrors, CudaAndUnknownDevices) {
 }
 
 TEST_F(AotErrors, CpuWithoutTheKernelsFeatures) {
-  std::string copy = edited("digits.json", [](std::string& t) {
-    auto at = t.find("\"cpu_features\":[");
-    t.insert(at + std::strlen("\"cpu_features\":["), "\"avx1024\",");
-  });
   mixtape_aot_model* m = nullptr;
-  EXPECT_EQ(open(copy, nullptr, &m), MIXTAPE_AOT_ERROR_DEVICE);
-  EXPECT_NE(std::string(mixtape_aot_error(nullptr)).find("lacks avx1024"), std::string::npos)
+  table_->features.push_back("avx1024");
+  EXPECT_EQ(open(*dir_, nullptr, &m), MIXTAPE_AOT_ERROR_DEVICE);
+  EXPECT_NE(std::string(mixtape_aot_error(nullptr)).find("native needs avx1024"), std::string::npos)
       << mixtape_aot_error(nullptr);
-  fs::remove_all(copy);
+  EXPECT_EQ(open(*dir_, "cpu:x86-64", &m), MIXTAPE_AOT_ERROR_ARGUMENT);
+  EXPECT_NE(std::string(mixtape_aot_error(nullptr)).find("has: native"), std::string::npos);
+  table_->features.pop_back();
+  EXPECT_EQ(open(*dir_, "cpu:native", &m), 0) << mixtape_aot_error(nullptr);
+  mixtape_aot_close(m);
 }
 
 // A dynamic batch needs rows that do not see each other: a mean over the batch is refused at

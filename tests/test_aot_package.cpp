@@ -86,6 +86,7 @@ mt::aot::PackageSpec digits_like_spec(bool step) {
   if (step) spec.inputs.push_back({"y", mt::i64, {32}});
   spec.outputs = {step ? mt::aot::PackageArgument{"loss", mt::f32, {1}}
                        : mt::aot::PackageArgument{"logits", mt::f32, {1024, 10}}};
+  spec.variants = {{"native", "", {}}};
   return spec;
 }
 
@@ -208,22 +209,28 @@ TEST(AotPackageFiles, GlueHandsTheRuntimeTheKernelTableAndBuffers) {
   TempDir dir("mixtape-aot-glue-");
   write(dir.path / "digits_train.h", mt::aot::package_header(spec));
   write(dir.path / "glue.c", mt::aot::package_glue(spec));
+  fs::copy_file(fs::path(MIXTAPE_SOURCE_DIR) / "runtime/aot_runtime.h",
+                dir.path / "mixtape_aot_runtime.h");
   write(dir.path / "fake.c", R"C(
 #include <stdint.h>
 #include <stdio.h>
 #include <string.h>
 typedef void (*fn)(void* const*, int64_t, int64_t);
 typedef struct { const char* key; fn function; } kernel;
+typedef struct {
+  const char* target; const char* const* features; int64_t feature_count;
+  const kernel* kernels; int64_t kernel_count;
+} variant;
 static const kernel* table; static int64_t table_size; static int model;
 void kern_a(void* const* p, int64_t b, int64_t e) { (void)p; printf("a %lld %lld\n", (long long)b, (long long)e); }
 void kern_b(void* const* p, int64_t b, int64_t e) { (void)p; printf("b %lld %lld\n", (long long)b, (long long)e); }
-int mixtape_aot_open(const char* dir, const char* name, const char* device, const kernel* k,
+int mixtape_aot_open(const char* dir, const char* name, const char* device, const variant* v,
                      int64_t n, void** out) {
-  printf("open %s %s %s %lld\n", dir, name, device ? device : "(null)",
-        (long long)n);
+  printf("open %s %s %s %lld %s %lld\n", dir, name, device ? device : "(null)",
+        (long long)n, v[0].target, (long long)v[0].feature_count);
   if (!out) return 1;
-  table = k;
-  table_size = n;
+  table = v[0].kernels;
+  table_size = v[0].kernel_count;
   *out = &model;
   return 0;
 }
@@ -270,7 +277,7 @@ int main(void) {
   std::string hex;
   for (unsigned char c : odd_key) hex += fmt::format(" {:02x}", c);
   EXPECT_EQ(run(program.string(), {}),
-            "open some dir digits_train (null) 2\n"
+            "open some dir digits_train (null) 1 native 0\n"
             "key 0: 70 6c 61 69 6e\n"
             "key 1:" +
                 hex +
@@ -285,7 +292,7 @@ int main(void) {
                 "2\n"
                 "model error|thread error\n"
                 "close 1\n"
-                "open d digits_train cpu 2\n"
+                "open d digits_train cpu 1 native 0\n"
                 "1\n");
 }
 
@@ -335,6 +342,10 @@ const char* fake_runtime = R"(
 extern "C" {
 typedef void (*mixtape_aot_kernel_fn)(void* const*, int64_t, int64_t);
 typedef struct { const char* key; mixtape_aot_kernel_fn function; } mixtape_aot_kernel;
+typedef struct {
+  const char* target; const char* const* features; int64_t feature_count;
+  const mixtape_aot_kernel* kernels; int64_t kernel_count;
+} mixtape_aot_variant;
 }
 struct mixtape_aot_model {
   std::vector<mixtape_aot_kernel> kernels;
@@ -342,9 +353,11 @@ struct mixtape_aot_model {
 };
 inline int& opened() { static int count = 0; return count; }
 extern "C" int mixtape_aot_open(const char* dir, const char* name, const char*,
-                                const mixtape_aot_kernel* k, int64_t n, mixtape_aot_model** out) {
+                                const mixtape_aot_variant* v, int64_t, mixtape_aot_model** out) {
   if (!out) return 1;
-  *out = new mixtape_aot_model{{k, k + n}, std::string(name) + " opened from " + dir};
+  const mixtape_aot_kernel* k = v[0].kernels;
+  *out = new mixtape_aot_model{{k, k + v[0].kernel_count},
+                               std::string(name) + " opened from " + dir};
   return ++opened() > 0 ? 0 : 5;
 }
 extern "C" int mixtape_aot_run(mixtape_aot_model* m, int64_t batch, const void* const* in,
@@ -460,6 +473,7 @@ class AotPackage : public ::testing::Test {
     spec.inputs = {{"x", mt::f32, {8}}};
     spec.outputs = {{"y", mt::f32, {8}}};
     spec.kernels = {tiny_kernel()};
+    spec.variants = {{"native", "", {}}};
     written = new std::vector<std::string>(mt::aot::write_package(spec));
     spec.name = "tiny_step";
     spec.step = true;
@@ -625,6 +639,7 @@ TEST(AotPackageRealRuntime, ExportsOnlyTheApiNeedsNoLlvmAndLinksTwice) {
   spec.inputs = {{"x", mt::f32, {8}}};
   spec.outputs = {{"y", mt::f32, {8}}};
   spec.kernels = {tiny_kernel()};
+  spec.variants = {{"native", "", {}}};
   for (const char* name : {"tiny", "tiny_step"}) {
     spec.name = name;
     spec.step = spec.name == "tiny_step";
@@ -691,12 +706,15 @@ TEST(AotObjects, KernelsTheJitLoadedAreNotCompiledAgain) {
 
 // A plain C program built with pkg-config against an exported (and moved) digits MLP computes
 // what the JIT computes, at batch 7 and 1: the whole path from export to a separate binary.
+// Each kernel build (the host's, x86-64-v3's, baseline x86-64's) gives the JIT's bits: kernels
+// do IEEE operations one at a time (no contraction, no reassociation) whatever the vector width.
 TEST(AotPackageRealRuntime, ACProgramRunsAnExportedModelAsTheJitDoes) {
   TempDir root("mixtape-aot-run-");
   mt::manual_seed(5);
   DigitsMLP net;
   auto forward = [&](const mt::Tensor& x) { return net(x); };
-  mt::aot::Options options{.name = "digits", .dynamic_batch = {.max = 16}};
+  mt::aot::Options options{
+      .name = "digits", .dynamic_batch = {.max = 16}, .cpu_targets = {"x86-64-v3", "x86-64"}};
   mt::aot::export_function(forward, {mt::aot::input("x", {16, 64}, mt::f32)}, {"logits"},
                            (root.path / "export").string(), options);
   fs::copy(root.path / "export", root.path / "moved");
@@ -717,7 +735,7 @@ int main(int argc, char** argv) {
   float x[16 * 64], logits[16 * 10];
   for (int64_t i = 0; i < batch * 64; ++i) x[i] = (float)((i * 37) % 101) / 50.0f - 1.0f;
   digits* m = NULL;
-  if (digits_open(argv[1], "cpu", &m) != digits_OK) {
+  if (digits_open(argv[1], argv[3], &m) != digits_OK) {
     fprintf(stderr, "%s\n", digits_error(NULL));
     return 1;
   }
@@ -753,7 +771,8 @@ int main(int argc, char** argv) {
       std::memcpy(&b, &v, 4);
       bits += fmt::format("{:08x} ", b);
     }
-    EXPECT_EQ(run((root.path / "app").string(), {moved, std::to_string(batch)}), bits)
-        << "batch " << batch;
+    for (const char* device : {"cpu", "cpu:native", "cpu:x86-64-v3", "cpu:x86-64"})
+      EXPECT_EQ(run((root.path / "app").string(), {moved, std::to_string(batch), device}), bits)
+          << "batch " << batch << " on " << device;
   }
 }
