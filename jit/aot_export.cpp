@@ -124,6 +124,9 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
     fail("aot: the name '{}' is not a C identifier", o.name);
   if (inputs.empty()) fail("aot: {} has no inputs", o.name);
   if (step && !o.module) fail("aot: export_step needs Options::module to name the state it keeps");
+  // A step's loss is a mean over the batch, and each trace at another batch size would train.
+  if (step && o.dynamic_batch.max != 0)
+    fail("aot: export_step takes a fixed batch (Options::dynamic_batch is for functions)");
   for (const Input& in : inputs)
     if (!std::regex_match(in.name, identifier) || in.shape.empty())
       fail("aot: input '{}' needs a C identifier for a name and a shape whose dim 0 is the batch",

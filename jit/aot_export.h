@@ -32,7 +32,8 @@ inline Input input(std::string name, Shape shape, DType dtype) {
 
 struct DynamicBatch {
   /// > 0: dim 0 of every input and output may be 1..max at run time (the export batch, the
-  /// inputs' dim 0, must not exceed it). 0: shapes are fixed at the export batch.
+  /// inputs' dim 0, must not exceed it). 0: shapes are fixed at the export batch. Functions
+  /// only: a training step's batch is fixed.
   int64_t max = 0;
 };
 

@@ -298,6 +298,22 @@ TEST(AotExport, DynamicBatchRefusesMixingRows) {
   fs::remove_all(dir);
 }
 
+TEST(AotExport, StepsTakeAFixedBatch) {
+  DigitsMLP net;
+  mt::AdamW opt(net.parameters(), {.lr = 1e-3});
+  mt::aot::Options o{.name = "step", .dynamic_batch = {.max = 8}, .module = &net, .optimizer = &opt};
+  auto step = [&](const mt::Tensor& x) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::mean(net(x));
+    loss.backward();
+    opt.step();
+    return loss;
+  };
+  EXPECT_THROW(mt::aot::export_step(step, {mt::aot::input("x", {8, 64}, mt::f32)}, {"loss"},
+                                    temp_dir("fixed"), o),
+               mt::Error);
+}
+
 TEST_F(AotErrors, FunctionsHaveNoCheckpoints) {
   Model model(*dir_, "digits", *table_);
   EXPECT_EQ(mixtape_aot_save(model.m, (*dir_ + "/x.safetensors").c_str()),
