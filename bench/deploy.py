@@ -4,8 +4,9 @@
 """Runs bench_deploy (exports the digits MLP and the char GPT, times the C driver built against
 each artifact and the JIT'd forward; exports their training steps and times the C step driver
 against mt::compile), then bench/peer_deploy.py for PyTorch eager, TorchScript and ONNX Runtime on
-the same weights, each at every thread count of --threads; the best thread count counts. Prints one JSON document (stdout and --out) and the tables of bench/README.md's
-"Deployment" section (stderr).
+the same weights, each at every thread count of --threads; the best thread count counts. Prints
+one JSON document (stdout and --out) and the tables of bench/README.md's "Deployment" section
+(stderr).
 
   cmake --build build --target bench_deploy && bench/setup_peers.sh
   python3 bench/deploy.py --out deploy.json         # about 5 minutes on 2 idle cores
@@ -198,9 +199,9 @@ def markdown(document):
     steps = document.get("summary_steps")
     if steps:
         lines.append("")
-        lines.append("| training step | batch | threads | artifact (C) steps/s | mt::compile steps/s "
-                     "| artifact / compile (target ≥ 0.95) | open → first step ms | first losses "
-                     "| peak RSS MB C / C++ | artifact MB |")
+        lines.append("| training step | batch | threads | artifact (C) steps/s "
+                     "| mt::compile steps/s | artifact / compile (target ≥ 0.95) "
+                     "| open → first step ms | first losses | peak RSS MB C / C++ | artifact MB |")
         lines.append("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
         for r in steps:
             mb = lambda kb: fmt(kb / 1024, 1) if kb else "–"
