@@ -15,19 +15,19 @@
 #define DEPLOY_CAT(a, b) DEPLOY_CAT2(a, b)
 #define FN(suffix) DEPLOY_CAT(DEPLOY_NAME, suffix)
 
-static double now_s(void) {
+static inline double now_s(void) {
   struct timespec t;
   clock_gettime(CLOCK_MONOTONIC, &t);
   return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
-static int compare_doubles(const void* a, const void* b) {
+static inline int compare_doubles(const void* a, const void* b) {
   double x = *(const double*)a, y = *(const double*)b;
   return (x > y) - (x < y);
 }
 
 /* The median of n values (sorts them). */
-static double median_of(double* values, size_t n) {
+static inline double median_of(double* values, size_t n) {
   qsort(values, n, sizeof(double), compare_doubles);
   return n % 2 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
 }
@@ -35,7 +35,7 @@ static double median_of(double* values, size_t n) {
 /* The peak resident set of this process image: VmHWM, the high-water mark of the address space
    exec made. (getrusage's ru_maxrss is no good here: Linux carries it over from the parent across
    a vfork and exec, so a child spawned by a big program reports the parent's peak.) */
-static long peak_rss_kb(void) {
+static inline long peak_rss_kb(void) {
   FILE* f = fopen("/proc/self/status", "r");
   char line[256];
   long kb = -1;
@@ -47,16 +47,16 @@ static long peak_rss_kb(void) {
 
 /* A seeded LCG's next 31 bits: the inputs are pixels bits / 2^31 in [0, 1) or tokens and labels
    bits % count, so bench_deploy can make the same ones in C++. */
-static uint32_t lcg_next(uint64_t* state) {
+static inline uint32_t lcg_next(uint64_t* state) {
   *state = *state * 6364136223846793005ULL + 1442695040888963407ULL;
   return (uint32_t)(*state >> 33);
 }
 
-static void fill_pixels(float* x, size_t n, uint64_t seed) {
+static inline void fill_pixels(float* x, size_t n, uint64_t seed) {
   for (size_t i = 0; i < n; ++i) x[i] = (float)((double)lcg_next(&seed) / 2147483648.0);
 }
 
-static void fill_tokens(int64_t* x, size_t n, int64_t count, uint64_t seed) {
+static inline void fill_tokens(int64_t* x, size_t n, int64_t count, uint64_t seed) {
   for (size_t i = 0; i < n; ++i) x[i] = (int64_t)(lcg_next(&seed) % (uint32_t)count);
 }
 
