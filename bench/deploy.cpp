@@ -1,7 +1,9 @@
 // bench/deploy.cpp -- the deployment benchmark's mixtape side: exports the digits MLP and the char
 // GPT as artifacts, builds bench/deploy_driver.c against each through its pkg-config file and
 // times it (open to first result, batch-1 latency, batch-256 throughput, peak RSS), times the JIT'd
-// forward (traced and mt::compile) in a child process of its own, and prints JSON lines.
+// forward (traced and mt::compile) in a child process of its own, and prints JSON lines. Then the
+// same for their training steps: export_step's artifact driven by bench/deploy_step_driver.c
+// against the same step under mt::compile (steps/s, open to the first step's loss).
 #include <unistd.h>
 
 #include <chrono>
@@ -17,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/gpt_step.h"
 #include "examples/char_gpt_model.h"
 #include "examples/digits_model.h"
 #include "jit/aot_export.h"
@@ -32,22 +35,28 @@ const char* const kUsage =
     "usage: bench_deploy [--models digits_mlp,char_gpt] [--threads 1,2] [--dir DIR]\n"
     "                    [--max-batch 256] [--latency-seconds S] [--window-seconds S]\n"
     "                    [--windows N] [--cold-runs N] [--driver deploy_driver.c]\n"
+    "                    [--steps digits_mlp:fp32,digits_mlp:bf16,char_gpt:bf16 | none]\n"
+    "                    [--step-window-seconds S] [--step-warmup N] [--step-driver FILE]\n"
     "  Exports each model into DIR/<model> (default: a temporary directory, removed at the end),\n"
     "  writes DIR/<model>_weights.safetensors and DIR/<model>_reference.safetensors for the "
     "Python\n"
-    "  peers (bench/peer_deploy.py), and prints one JSON line per measurement.\n";
+    "  peers (bench/peer_deploy.py), and prints one JSON line per measurement.\n"
+    "  --steps: the training steps (MODEL:fp32|bf16) exported and timed against mt::compile, for\n"
+    "  the models of --models.\n";
 
 struct Flags {
   std::vector<std::string> models{"digits_mlp", "char_gpt"};
   std::vector<std::string> threads{"1", "2"};
-  std::string dir, driver, jit_child;
+  std::vector<std::string> steps{"digits_mlp:fp32", "digits_mlp:bf16", "char_gpt:bf16"};
+  std::string dir, driver, step_driver, jit_child, step_child, step_state;
   int64_t max_batch = 256;
-  double latency_seconds = 1.0, window_seconds = 0.5;
-  int windows = 5, cold_runs = 5;
+  double latency_seconds = 1.0, window_seconds = 0.5, step_window_seconds = 1.0;
+  int windows = 5, cold_runs = 5, step_warmup = 5;
 };
 
 constexpr uint64_t kSeed = 0;
 constexpr int64_t kVocab = 110;  // fortunes.txt's bytes, as bench_training's char_gpt
+constexpr int kCheckSteps = 3;   // steps whose losses the artifact and mt::compile compare
 
 // One model: what it is called, its input's shape per row and dtype, its output's values per row.
 struct Model {
@@ -270,6 +279,40 @@ std::vector<char> read_bytes(const std::string& path) {
   return std::vector<char>((std::istreambuf_iterator<char>(in)), {});
 }
 
+// The files of an exported artifact with their sizes, by name; `total` gets their sum.
+json::Object artifact_files(const std::string& artifact, int64_t& total) {
+  json::Object files;
+  for (const auto& entry : fs::directory_iterator(artifact)) {
+    int64_t size = static_cast<int64_t>(entry.file_size());
+    files.emplace_back(entry.path().filename().string(), size);
+    total += size;
+  }
+  std::sort(files.begin(), files.end(), [](auto& a, auto& b) { return a.first < b.first; });
+  return files;
+}
+
+// Builds the C program `source` against the artifact `name` in `artifact` as a user would, its
+// header and library found through NAME.pc; `defines` say what the program is driving. Returns
+// the program's path, `program`.
+std::string build_driver(const std::string& name, const std::string& artifact,
+                         const std::string& source, const std::string& program,
+                         const std::vector<std::string>& defines) {
+  setenv("PKG_CONFIG_PATH", artifact.c_str(), 1);
+  std::vector<std::string> pkg =
+      split_words(mt::run_tool(kPkgConfig, {"--cflags", "--libs", name}));
+  std::vector<std::string> cc{"-O2",
+                              "-std=c11",
+                              "-o",
+                              program,
+                              source,
+                              "-DDEPLOY_NAME=" + name,
+                              "-DDEPLOY_HEADER=<" + name + ".h>"};
+  cc.insert(cc.end(), defines.begin(), defines.end());
+  cc.insert(cc.end(), pkg.begin(), pkg.end());
+  mt::run_tool(kCc, cc);
+  return program;
+}
+
 void bench_model(const std::string& name, const Flags& flags, const std::string& dir) {
   Model m = make_model(name);
   std::string artifact = dir + "/" + name;
@@ -289,14 +332,8 @@ void bench_model(const std::string& name, const Flags& flags, const std::string&
       {mt::aot::input("x", batch_shape(m, flags.max_batch), m.input_dtype)}, {"logits"}, artifact,
       options);
   double export_s = seconds_since(start);
-  json::Object files;
   int64_t total = 0;
-  for (const auto& entry : fs::directory_iterator(artifact)) {
-    int64_t size = static_cast<int64_t>(entry.file_size());
-    files.emplace_back(entry.path().filename().string(), size);
-    total += size;
-  }
-  std::sort(files.begin(), files.end(), [](auto& a, auto& b) { return a.first < b.first; });
+  json::Object files = artifact_files(artifact, total);
   int64_t parameters = 0;
   for (const mt::Tensor& p : m.module->parameters()) parameters += p.numel();
   bench::emit({{"system", "mixtape_artifact"},
@@ -309,25 +346,12 @@ void bench_model(const std::string& name, const Flags& flags, const std::string&
                {"files_bytes", files},
                {"total_bytes", total}});
 
-  // Build the C driver as a user would: the header and library found through NAME.pc.
-  setenv("PKG_CONFIG_PATH", artifact.c_str(), 1);
-  std::vector<std::string> pkg =
-      split_words(mt::run_tool(kPkgConfig, {"--cflags", "--libs", name}));
-  std::string driver = dir + "/" + name + "_driver";
-  std::vector<std::string> cc{
-      "-O2",
-      "-std=c11",
-      "-o",
-      driver,
-      flags.driver,
-      "-DDEPLOY_NAME=" + name,
-      "-DDEPLOY_HEADER=<" + name + ".h>",
-      std::string("-DDEPLOY_IN_T=") + (m.input_dtype == mt::f32 ? "float" : "int64_t"),
-      "-DDEPLOY_IN_ROW=" + std::to_string(mt::numel(m.row)),
-      "-DDEPLOY_OUT_ROW=" + std::to_string(m.out_row),
-      "-DDEPLOY_TOKENS=" + std::to_string(m.input_dtype == mt::f32 ? 0 : kVocab)};
-  cc.insert(cc.end(), pkg.begin(), pkg.end());
-  mt::run_tool(kCc, cc);
+  std::string driver = build_driver(
+      name, artifact, flags.driver, dir + "/" + name + "_driver",
+      {std::string("-DDEPLOY_IN_T=") + (m.input_dtype == mt::f32 ? "float" : "int64_t"),
+       "-DDEPLOY_IN_ROW=" + std::to_string(mt::numel(m.row)),
+       "-DDEPLOY_OUT_ROW=" + std::to_string(m.out_row),
+       "-DDEPLOY_TOKENS=" + std::to_string(m.input_dtype == mt::f32 ? 0 : kVocab)});
   const mt::Tool run_driver{"", driver, ""};
 
   // The driver's batch-max output against the JIT's on its input: the same numbers?
@@ -414,12 +438,254 @@ void bench_model(const std::string& name, const Flags& flags, const std::string&
   unsetenv("OMP_NUM_THREADS");
 }
 
+// ---- the training step: export_step's artifact against mt::compile ----
+
+// One training step to time: the model, its optimizer (and scaler), the step function that both
+// export_step and mt::compile get, and the one batch every step trains on.
+struct Trainer {
+  std::string model, policy;
+  int64_t batch = 0;
+  int64_t tokens = 0;      // input tokens lie in [0, tokens); 0: the input is f32 pixels
+  int64_t target_row = 0;  // i64 targets per row
+  int64_t classes = 0;     // targets lie in [0, classes)
+  std::unique_ptr<mt::Module> module;
+  std::unique_ptr<mt::Optimizer> optimizer;
+  std::unique_ptr<mt::GradScaler> scaler;  // null: the step has none
+  std::function<mt::Tensor(const mt::Tensor&, const mt::Tensor&)> step;
+  mt::Tensor x, y;
+  mt::aot::Input x_input, y_input;
+};
+
+// deploy_driver.h's lcg_next in C++: the step driver's inputs (pixels seeded 12345 as bits / 2^31,
+// tokens and targets as bits % count, targets seeded 54321) made here for mt::compile.
+constexpr uint64_t kInputSeed = 12345, kTargetSeed = 54321;
+std::vector<uint32_t> lcg_bits(size_t count, uint64_t state) {
+  std::vector<uint32_t> bits(count);
+  for (uint32_t& b : bits) {
+    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
+    b = static_cast<uint32_t>(state >> 33);
+  }
+  return bits;
+}
+mt::Tensor lcg_tokens(mt::Shape shape, int64_t count, uint64_t seed) {
+  std::vector<int64_t> values;
+  for (uint32_t b : lcg_bits(static_cast<size_t>(mt::numel(shape)), seed))
+    values.push_back(static_cast<int64_t>(b % static_cast<uint32_t>(count)));
+  return mt::tensor(values, std::move(shape), mt::i64);
+}
+mt::Tensor lcg_pixels(mt::Shape shape, uint64_t seed) {
+  std::vector<float> values;
+  for (uint32_t b : lcg_bits(static_cast<size_t>(mt::numel(shape)), seed))
+    values.push_back(static_cast<float>(static_cast<double>(b) / 2147483648.0));
+  return mt::tensor(values, std::move(shape));
+}
+
+// "digits_mlp:bf16": the digits MLP at batch 64 (cross-entropy, AdamW 1e-3, a dynamic GradScaler
+// from 1024) or the char GPT of bench_training at batch 16 (bench/gpt_step.h: AdamW 1e-3, beta2
+// 0.99, weight decay 0.1, clipping at 1), under fp32 or autocast-bf16.
+std::unique_ptr<Trainer> make_trainer(const std::string& spec) {
+  size_t colon = spec.find(':');
+  auto t = std::make_unique<Trainer>();
+  t->model = spec.substr(0, colon);
+  t->policy = colon == std::string::npos ? "" : spec.substr(colon + 1);
+  if (t->policy != "fp32" && t->policy != "bf16")
+    mt::fail("bench_deploy: step '{}' is not MODEL:fp32 or MODEL:bf16", spec);
+  mt::PolicyPtr policy = mt::policy_by_name(t->policy == "bf16" ? "autocast-bf16" : "fp32");
+  if (t->model == "digits_mlp") {
+    mt::manual_seed(kSeed);
+    auto net = std::make_unique<DigitsMLP>();
+    auto opt = std::make_unique<mt::AdamW>(net->parameters(), mt::AdamOptions{.lr = 1e-3});
+    auto scaler = std::make_unique<mt::GradScaler>(mt::GradScalerOptions{.init_scale = 1024});
+    t->step = [net = net.get(), opt = opt.get(), scaler = scaler.get(), policy](
+                  const mt::Tensor& x, const mt::Tensor& y) {
+      opt->zero_grad();
+      mt::Tensor loss;
+      {
+        mt::autocast guard(policy);
+        loss = mt::cross_entropy((*net)(x), y);
+      }
+      scaler->scale(loss).backward();
+      scaler->step(*opt);
+      scaler->update();
+      return loss;
+    };
+    t->batch = 64;
+    t->target_row = 1;
+    t->classes = 10;
+    t->x = lcg_pixels({t->batch, 64}, kInputSeed);
+    t->y = lcg_tokens({t->batch}, t->classes, kTargetSeed);
+    t->x_input = mt::aot::input("x", {t->batch, 64}, mt::f32);
+    t->y_input = mt::aot::input("y", {t->batch}, mt::i64);
+    t->module = std::move(net);
+    t->optimizer = std::move(opt);
+    t->scaler = std::move(scaler);
+  } else if (t->model == "char_gpt") {
+    GptConfig config;
+    config.vocab = kVocab;
+    mt::Generator gen(kSeed);
+    auto net = std::make_unique<CharGpt>(config, &gen);
+    auto opt = std::make_unique<mt::AdamW>(
+        net->parameters(), mt::AdamOptions{.lr = 1e-3, .beta2 = 0.99, .weight_decay = 0.1});
+    struct State {
+      CharGpt* model;
+      mt::AdamW* optimizer;
+    };
+    t->step = bench::gpt_train_step(std::make_shared<State>(State{net.get(), opt.get()}), policy);
+    t->batch = 16;
+    t->tokens = kVocab;
+    t->target_row = config.context;
+    t->classes = kVocab;
+    t->x = lcg_tokens({t->batch, config.context}, kVocab, kInputSeed);
+    t->y = lcg_tokens({t->batch, config.context}, kVocab, kTargetSeed);
+    t->x_input = mt::aot::input("tokens", {t->batch, config.context}, mt::i64);
+    t->y_input = mt::aot::input("targets", {t->batch, config.context}, mt::i64);
+    t->module = std::move(net);
+    t->optimizer = std::move(opt);
+  } else {
+    mt::fail("bench_deploy: unknown model in step '{}' (digits_mlp, char_gpt)", spec);
+  }
+  return t;
+}
+
+uint32_t float_bits(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  return bits;
+}
+
+// The step under mt::compile (a child of its own, with the driver's thread count): from the
+// state the artifact starts from (flags.step_state), the first losses, then the driver's timing
+// rules (bench::measure: warm-up steps, then the median window).
+void step_child(const Flags& flags) {
+  std::unique_ptr<Trainer> t = make_trainer(flags.step_child);
+  t->step(t->x, t->y);  // makes the optimizer's state, which the checkpoint then overwrites
+  mt::load_checkpoint(flags.step_state, *t->module, t->optimizer.get(), nullptr, t->scaler.get());
+  auto compiled = mt::compile(t->step);
+  json::Array check;
+  auto start = std::chrono::steady_clock::now();
+  for (int i = 0; i < kCheckSteps; ++i)
+    check.push_back(int64_t{float_bits(compiled(t->x, t->y).to_vector<float>()[0])});
+  double check_s = seconds_since(start);
+  bench::TimingOptions timing{.warmup = flags.step_warmup,
+                              .windows = flags.windows,
+                              .window_seconds = flags.step_window_seconds,
+                              .budget_seconds = 1e9};  // no cut: the C driver has none
+  json::Object record{{"system", "mixtape_jit"},  {"model", t->model},
+                      {"mode", "step_compiled"},  {"policy", t->policy},
+                      {"batch", t->batch},        {"threads", threads_setting()},
+                      {"check_loss_bits", check}, {"check_steps_s", check_s}};
+  bench::append(record, bench::measure(
+                            [&] {
+                              mt::Tensor loss = compiled(t->x, t->y);
+                              mt::eval({loss});
+                            },
+                            timing));
+  record.emplace_back("replays", compiled.stats().replays);
+  record.emplace_back("traces", compiled.stats().traces);
+  record.emplace_back("peak_rss_kb", static_cast<int64_t>(peak_rss_kb()));
+  bench::emit(record);
+}
+
+void bench_step(const std::string& spec, const Flags& flags, const std::string& dir) {
+  std::unique_ptr<Trainer> t = make_trainer(spec);
+  // One step first: the optimizer makes its state at its first step (see export_step).
+  t->step(t->x, t->y);
+  std::string name = t->model + "_train_" + t->policy, artifact = dir + "/" + name;
+  std::string state = dir + "/" + name + "_start.safetensors";
+  mt::save_checkpoint(state, *t->module, t->optimizer.get(), {}, t->scaler.get());
+  fs::remove_all(artifact);
+  auto start = std::chrono::steady_clock::now();
+  mt::aot::Options options{.name = name,
+                           .module = t->module.get(),
+                           .optimizer = t->optimizer.get(),
+                           .scaler = t->scaler.get()};
+  mt::aot::Exported exported =
+      mt::aot::export_step(t->step, {t->x_input, t->y_input}, {"loss"}, artifact, options);
+  double export_s = seconds_since(start);
+  int64_t total = 0;
+  json::Object files = artifact_files(artifact, total);
+  bench::emit({{"system", "mixtape_artifact"},
+               {"model", t->model},
+               {"mode", "step_export"},
+               {"policy", t->policy},
+               {"batch", t->batch},
+               {"export_s", export_s},
+               {"kernels", static_cast<int64_t>(exported.kernels.size())},
+               {"files_bytes", files},
+               {"total_bytes", total}});
+
+  std::string driver =
+      build_driver(name, artifact, flags.step_driver, dir + "/" + name + "_driver",
+                   {"-DDEPLOY_BATCH=" + std::to_string(t->batch),
+                    std::string("-DDEPLOY_IN_T=") + (t->tokens ? "int64_t" : "float"),
+                    "-DDEPLOY_IN_ROW=" + std::to_string(mt::numel(t->x_input.shape) / t->batch),
+                    "-DDEPLOY_TOKENS=" + std::to_string(t->tokens),
+                    "-DDEPLOY_TARGET_ROW=" + std::to_string(t->target_row),
+                    "-DDEPLOY_CLASSES=" + std::to_string(t->classes)});
+  const mt::Tool run_driver{"", driver, ""};
+  const std::string windows = std::to_string(flags.windows),
+                    window_s = std::to_string(flags.step_window_seconds),
+                    warmup = std::to_string(flags.step_warmup),
+                    checks = std::to_string(kCheckSteps);
+
+  for (const std::string& threads : flags.threads) {
+    setenv("OMP_NUM_THREADS", threads.c_str(), 1);
+    std::vector<double> open_to_first, open;
+    for (int r = 0; r < flags.cold_runs; ++r) {
+      json::Value cold =
+          child_record(mt::run_tool(run_driver, {artifact, "cold"}), "deploy_step_driver cold");
+      open_to_first.push_back(cold.at("open_to_first_step_ms").as_double());
+      open.push_back(cold.at("open_ms").as_double());
+    }
+    json::Value warm = child_record(
+        mt::run_tool(run_driver, {artifact, "warm", checks, warmup, window_s, windows}),
+        "deploy_step_driver warm");
+    json::Object artifact_record{{"system", "mixtape_artifact"},
+                                 {"model", t->model},
+                                 {"mode", "step_driver"},
+                                 {"policy", t->policy},
+                                 {"threads", threads},
+                                 {"cold_runs", flags.cold_runs},
+                                 {"open_to_first_step_ms", bench::median(open_to_first)},
+                                 {"open_to_first_step_ms_min",
+                                  *std::min_element(open_to_first.begin(), open_to_first.end())},
+                                 {"open_ms", bench::median(open)}};
+    for (const auto& [key, value] : warm.as_object())
+      if (key != "system" && key != "mode") artifact_record.emplace_back(key, value);
+    bench::emit(artifact_record);
+
+    json::Value compiled = child_record(
+        mt::run_tool({"", self_path(), ""},
+                     {"--step-child", spec, "--step-state", state, "--step-warmup", warmup,
+                      "--step-window-seconds", window_s, "--windows", windows}),
+        "bench_deploy --step-child");
+    std::printf("%s\n", json::dump(compiled).c_str());
+    double ratio = warm.at("steps_per_s").as_double() / compiled.at("steps_per_s").as_double();
+    bench::emit({{"system", "mixtape_artifact"},
+                 {"model", t->model},
+                 {"mode", "step_vs_compile"},
+                 {"policy", t->policy},
+                 {"batch", t->batch},
+                 {"threads", threads},
+                 {"steps_per_s_artifact", warm.at("steps_per_s")},
+                 {"steps_per_s_compile", compiled.at("steps_per_s")},
+                 {"ratio_artifact_to_compile", ratio},
+                 {"within_5_percent", ratio >= 0.95},
+                 {"check_steps", kCheckSteps},
+                 {"losses_bit_identical", json::dump(warm.at("check_loss_bits")) ==
+                                              json::dump(compiled.at("check_loss_bits"))}});
+  }
+  unsetenv("OMP_NUM_THREADS");
+  fs::remove(state);
+}
+
 Flags parse(int argc, char** argv) {
   Flags flags;
   // Next to this source: __FILE__ is relative to the build directory, where the program is.
-  fs::path source = fs::path(__FILE__).parent_path() / "deploy_driver.c";
-  if (source.is_relative()) source = fs::path(self_path()).parent_path() / source;
-  flags.driver = source.lexically_normal().string();
+  fs::path bench = fs::path(__FILE__).parent_path();
+  if (bench.is_relative()) bench = fs::path(self_path()).parent_path() / bench;
+  flags.driver = (bench / "deploy_driver.c").lexically_normal().string();
+  flags.step_driver = (bench / "deploy_step_driver.c").lexically_normal().string();
   for (int i = 1; i < argc; ++i) {
     std::string flag = argv[i];
     if (flag == "--help" || flag == "-h") {
@@ -443,6 +709,18 @@ Flags parse(int argc, char** argv) {
       flags.dir = value;
     else if (flag == "--driver")
       flags.driver = value;
+    else if (flag == "--step-driver")
+      flags.step_driver = value;
+    else if (flag == "--steps")
+      flags.steps = value == "none" ? std::vector<std::string>{} : bench::split_list(value);
+    else if (flag == "--step-child")
+      flags.step_child = value;
+    else if (flag == "--step-state")
+      flags.step_state = value;
+    else if (flag == "--step-window-seconds")
+      flags.step_window_seconds = number();
+    else if (flag == "--step-warmup")
+      flags.step_warmup = static_cast<int>(number());
     else if (flag == "--jit-child")
       flags.jit_child = value;
     else if (flag == "--max-batch")
@@ -470,8 +748,15 @@ int main(int argc, char** argv) {
       jit_child(flags);
       return 0;
     }
+    if (!flags.step_child.empty()) {
+      step_child(flags);
+      return 0;
+    }
     if (!fs::exists(flags.driver))
       mt::fail("bench_deploy: {} not found (pass --driver bench/deploy_driver.c)", flags.driver);
+    if (!flags.steps.empty() && !fs::exists(flags.step_driver))
+      mt::fail("bench_deploy: {} not found (pass --step-driver bench/deploy_step_driver.c)",
+               flags.step_driver);
     bool temporary = flags.dir.empty();
     std::string dir =
         temporary
@@ -479,7 +764,11 @@ int main(int argc, char** argv) {
                   .string()
             : fs::absolute(flags.dir).string();
     fs::create_directories(dir);
-    for (const std::string& name : flags.models) bench_model(name, flags, dir);
+    for (const std::string& name : flags.models) {
+      bench_model(name, flags, dir);
+      for (const std::string& step : flags.steps)
+        if (step.substr(0, step.find(':')) == name) bench_step(step, flags, dir);
+    }
     if (temporary) fs::remove_all(dir);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "bench_deploy: %s\n", e.what());

@@ -2,14 +2,15 @@
 # bench/deploy.py -- the deployment benchmark's driver: bench_deploy and its peers in one run, one
 # JSON document out, a Markdown summary on stderr.
 """Runs bench_deploy (exports the digits MLP and the char GPT, times the C driver built against
-each artifact and the JIT'd forward), then bench/peer_deploy.py for PyTorch eager, TorchScript and
-ONNX Runtime on the same weights, each at every thread count of --threads; the best thread count
-counts. Prints one JSON document (stdout and --out) and the tables of bench/README.md's
-"Deployment" section (stderr).
+each artifact and the JIT'd forward; exports their training steps and times the C step driver
+against mt::compile), then bench/peer_deploy.py for PyTorch eager, TorchScript and ONNX Runtime on
+the same weights, each at every thread count of --threads; the best thread count counts. Prints
+one JSON document (stdout and --out) and the tables of bench/README.md's "Deployment" section
+(stderr).
 
   cmake --build build --target bench_deploy && bench/setup_peers.sh
-  python3 bench/deploy.py --out deploy.json         # about 4 minutes on 2 idle cores
-  python3 bench/deploy.py --quick                   # short windows, about 2 minutes
+  python3 bench/deploy.py --out deploy.json         # about 5 minutes on 2 idle cores
+  python3 bench/deploy.py --quick                   # short windows, about 3 minutes
 """
 
 import argparse
@@ -101,6 +102,33 @@ def summarize(records, models):
     return summary
 
 
+def summarize_steps(records):
+    """One row per exported training step and thread count: the C step driver against the same
+    step under mt::compile (bench_deploy's step_* records)."""
+    rows = []
+    for cmp in (r for r in records if r.get("mode") == "step_vs_compile"):
+        def find(mode):
+            return next((r for r in records if r.get("mode") == mode
+                         and r.get("model") == cmp["model"] and r.get("policy") == cmp["policy"]
+                         and r.get("threads", cmp["threads"]) == cmp["threads"]), None)
+        driver, compiled, export = find("step_driver"), find("step_compiled"), find("step_export")
+        rows.append({
+            "model": cmp["model"], "policy": cmp["policy"], "batch": cmp["batch"],
+            "threads": cmp["threads"],
+            "artifact_steps_per_s": cmp["steps_per_s_artifact"],
+            "compile_steps_per_s": cmp["steps_per_s_compile"],
+            "ratio_artifact_to_compile": cmp["ratio_artifact_to_compile"],
+            "within_5_percent": cmp["within_5_percent"],
+            "losses_bit_identical": cmp["losses_bit_identical"],
+            "open_to_first_step_ms": driver["open_to_first_step_ms"] if driver else None,
+            "artifact_peak_rss_kb": driver.get("peak_rss_kb") if driver else None,
+            "compile_peak_rss_kb": compiled.get("peak_rss_kb") if compiled else None,
+            "export_s": export["export_s"] if export else None,
+            "artifact_bytes": export["total_bytes"] if export else None,
+        })
+    return rows
+
+
 def fmt(value, digits=1):
     if value is None:
         return "–"
@@ -168,6 +196,24 @@ def markdown(document):
         if a:
             files = ", ".join(f"{name} {size:,}" for name, size in a["files_bytes"].items())
             lines.append(f"| {model} | {files} | {a['total_bytes']:,} | {a['export_s']:.1f} |")
+    steps = document.get("summary_steps")
+    if steps:
+        lines.append("")
+        lines.append("| training step | batch | threads | artifact (C) steps/s "
+                     "| mt::compile steps/s | artifact / compile (target ≥ 0.95) "
+                     "| open → first step ms | first losses | peak RSS MB C / C++ | artifact MB |")
+        lines.append("|---|---:|---:|---:|---:|---:|---:|---|---:|---:|")
+        for r in steps:
+            mb = lambda kb: fmt(kb / 1024, 1) if kb else "–"
+            lines.append(
+                f"| {r['model']} {r['policy']} | {r['batch']} | {r['threads']} "
+                f"| {fmt(r['artifact_steps_per_s'], 1)} | {fmt(r['compile_steps_per_s'], 1)} "
+                f"| {r['ratio_artifact_to_compile']:.3f} "
+                f"({'met' if r['within_5_percent'] else 'not met'}) "
+                f"| {fmt(r['open_to_first_step_ms'], 1)} "
+                f"| {'bit-identical' if r['losses_bit_identical'] else 'DIFFER'} "
+                f"| {mb(r['artifact_peak_rss_kb'])} / {mb(r['compile_peak_rss_kb'])} "
+                f"| {fmt((r['artifact_bytes'] or 0) / 1e6, 1)} |")
     return "\n".join(lines)
 
 
@@ -178,6 +224,8 @@ def main():
     parser.add_argument("--quick", action="store_true", help="short windows (~2 minutes)")
     parser.add_argument("--models", default="digits_mlp,char_gpt")
     parser.add_argument("--threads", default="1,2", help="every system runs at each; best counts")
+    parser.add_argument("--steps", default="digits_mlp:fp32,digits_mlp:bf16,char_gpt:bf16",
+                        help="training steps (MODEL:fp32|bf16) timed against mt::compile, or none")
     parser.add_argument("--build-dir", default=os.path.join(driver.REPO_DIR, "build"))
     parser.add_argument("--python",
                         default=os.path.join(BENCH_DIR, ".venv-deploy", "bin", "python"),
@@ -186,8 +234,9 @@ def main():
     parser.add_argument("--out", help="also write the JSON document to this file")
     args = parser.parse_args()
 
-    timing = (dict(latency_seconds=0.3, window_seconds=0.2, windows=3) if args.quick else
-              dict(latency_seconds=1.0, window_seconds=0.5, windows=5))
+    timing = (dict(latency_seconds=0.3, window_seconds=0.2, windows=3, step_window_seconds=0.3)
+              if args.quick else
+              dict(latency_seconds=1.0, window_seconds=0.5, windows=5, step_window_seconds=1.0))
     flags = ["--latency-seconds", str(timing["latency_seconds"]),
              "--window-seconds", str(timing["window_seconds"]), "--windows", str(timing["windows"])]
     machine = driver.machine_info()
@@ -202,7 +251,9 @@ def main():
                  "bench_deploy)")
     found, error = driver.run_child(
         "bench_deploy", [binary, "--models", args.models, "--threads", args.threads,
-                         "--dir", work] + flags, driver.base_env(), timeout)
+                         "--dir", work, "--steps", args.steps,
+                         "--step-window-seconds", str(timing["step_window_seconds"])] + flags,
+        driver.base_env(), timeout)
     records += found
     if error:
         errors["mixtape"] = error
@@ -237,9 +288,12 @@ def main():
         "machine": machine,
         "timing": dict(timing, rule="batch 1: each call timed, median (p10, p90) after 20 warm-up "
                        "calls; batch 256: rows/s, median of windows after 3 warm-up calls; best "
-                       "of --threads per system; peak RSS = VmHWM"),
+                       "of --threads per system; peak RSS = VmHWM; training steps: steps/s, "
+                       "median of windows after 5 warm-up steps, artifact and mt::compile at "
+                       "the same thread count"),
         "notes": notes,
         "summary": summarize(records, models),
+        "summary_steps": summarize_steps(records),
         "records": records,
         "seconds": round(time.perf_counter() - driver.START, 1),
     }

@@ -14,56 +14,19 @@
        WINDOWS windows of about WINDOW_SECONDS); with INPUT and OUTPUT, writes the batch-MAX_BATCH
        input and output there (raw, native order) so the caller can check them against the JIT */
 #define _POSIX_C_SOURCE 200809L /* clock_gettime in C11 */
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <time.h>
+#include "deploy_driver.h"
 
 #include DEPLOY_HEADER
 
-#define DEPLOY_CAT2(a, b) a##b
-#define DEPLOY_CAT(a, b) DEPLOY_CAT2(a, b)
-#define FN(suffix) DEPLOY_CAT(DEPLOY_NAME, suffix)
-
 typedef DEPLOY_IN_T input_t;
 
-static double now_s(void) {
-  struct timespec t;
-  clock_gettime(CLOCK_MONOTONIC, &t);
-  return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
-static int compare_doubles(const void* a, const void* b) {
-  double x = *(const double*)a, y = *(const double*)b;
-  return (x > y) - (x < y);
-}
-
-/* The peak resident set of this process image: VmHWM, the high-water mark of the address space
-   exec made. (getrusage's ru_maxrss is no good here: Linux carries it over from the parent across
-   a vfork and exec, so a child spawned by a big program reports the parent's peak.) */
-static long peak_rss_kb(void) {
-  FILE* f = fopen("/proc/self/status", "r");
-  char line[256];
-  long kb = -1;
-  while (f && fgets(line, sizeof line, f))
-    if (strncmp(line, "VmHWM:", 6) == 0) kb = atol(line + 6);
-  if (f) fclose(f);
-  return kb;
-}
-
-/* Deterministic inputs (an LCG): pixels in [0, 1) or tokens in [0, DEPLOY_TOKENS). */
+/* Deterministic inputs: pixels in [0, 1) or tokens in [0, DEPLOY_TOKENS). */
 static void fill(input_t* x, size_t n) {
-  uint64_t state = 12345;
-  for (size_t i = 0; i < n; ++i) {
-    state = state * 6364136223846793005ULL + 1442695040888963407ULL;
-    uint32_t bits = (uint32_t)(state >> 33);
 #if DEPLOY_TOKENS > 0
-    x[i] = (input_t)(bits % DEPLOY_TOKENS);
+  fill_tokens(x, n, DEPLOY_TOKENS, 12345);
 #else
-    x[i] = (input_t)((double)bits / 2147483648.0);
+  fill_pixels(x, n, 12345);
 #endif
-  }
 }
 
 static void die(const char* what, int code, const DEPLOY_NAME* m) {
@@ -146,9 +109,7 @@ int main(int argc, char** argv) {
         if ((code = FN(_run)(m, max_batch, x, y)) != 0) die("run", code, m);
       rates[w] = (double)per_window * (double)max_batch / (now_s() - t0);
     }
-    qsort(rates, (size_t)windows, sizeof(double), compare_doubles);
-    double rows_per_s =
-        windows % 2 ? rates[windows / 2] : (rates[windows / 2 - 1] + rates[windows / 2]) / 2;
+    double rows_per_s = median_of(rates, (size_t)windows);
     printf(
         ", \"max_batch\": %lld, \"calls_per_window\": %ld, \"windows\": %d, "
         "\"batch_max_rows_per_s\": %.2f, \"batch_max_ms_per_call\": %.4f",
