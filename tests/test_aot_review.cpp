@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <thread>
 
 #include "aot_test_util.h"
 #include "dsl/json.h"
@@ -102,6 +103,52 @@ INSTANTIATE_TEST_SUITE_P(Models, AotReviewDynamicBatch, testing::Range(0, 6),
                          [](const testing::TestParamInfo<int>& i) {
                            return std::string(cases()[i.param].name);
                          });
+
+// Every batch in 1..max (more than the plan cache holds, so plans are evicted and rebuilt), and
+// two handles of one artifact run from two threads at once (the header promises a handle to one
+// thread at a time, so two handles may run together): each answer equals the JIT's.
+TEST(AotReviewDigits, EveryBatchAndTwoThreadsEqualTheJit) {
+  mt::manual_seed(3);
+  DigitsMLP net;
+  std::string dir = temp_dir("review_every_batch");
+  mt::aot::Options o{.name = "digits", .dynamic_batch = {.max = 40}};
+  auto forward = [&](const mt::Tensor& x) { return net(x); };
+  auto exported = mt::aot::export_function(forward, {mt::aot::input("x", {40, 64}, mt::f32)},
+                                           {"logits"}, dir, o);
+  Table table(exported);
+  std::vector<std::vector<float>> inputs, expected;
+  for (int64_t batch = 1; batch <= 40; ++batch) {
+    mt::Generator g(batch);
+    inputs.push_back(mt::randn({batch, 64}, mt::f32, &g).to_vector<float>());
+    mt::NoGradGuard no_grad;
+    expected.push_back(forward(mt::tensor(inputs.back(), {batch, 64})).to_vector<float>());
+  }
+  auto run_all = [&](mixtape_aot_model* m, bool reverse, std::string& error) {
+    for (int64_t i = 0; i < 40 && error.empty(); ++i) {
+      int64_t batch = reverse ? 40 - i : i + 1;
+      std::vector<float> got(batch * 10);
+      const void* in[] = {inputs[batch - 1].data()};
+      void* out[] = {got.data()};
+      if (mixtape_aot_run(m, batch, in, out) != 0)
+        error = fmt::format("batch {}: {}", batch, mixtape_aot_error(m));
+      else if (first_difference(got, expected[batch - 1]) != got.size())
+        error = fmt::format("batch {}: differs from the JIT", batch);
+    }
+  };
+  Model a(dir, "digits", table), b(dir, "digits", table);
+  ASSERT_TRUE(a.m && b.m);
+  std::string error_a, error_b;
+  run_all(a.m, false, error_a);
+  EXPECT_EQ(error_a, "");
+  for (int round = 0; round < 3; ++round) {
+    std::thread t([&] { run_all(b.m, true, error_b); });
+    run_all(a.m, false, error_a);
+    t.join();
+    EXPECT_EQ(error_a, "");
+    EXPECT_EQ(error_b, "");
+  }
+  fs::remove_all(dir);
+}
 
 // ---- 2. hostile / corrupt files ----
 
@@ -203,6 +250,54 @@ TEST_F(AotReviewFiles, ManifestOutputCountLargerThanThePlansIsAnError) {
   const void* in[] = {x.data()};
   void* out[] = {y.data(), z.data()};
   EXPECT_NE(mixtape_aot_run(m, 16, in, out), 0);
+  mixtape_aot_close(m);
+  fs::remove_all(copy);
+}
+
+// The manifest is not checksummed and not tied to the compiled header: its output dtype decides
+// how many bytes the runtime writes into the caller's buffer. A manifest saying f64 for the f32
+// logits writes twice the buffer the header told the caller to pass (a canary past it changes).
+TEST_F(AotReviewFiles, DISABLED_ManifestOutputDtypeCannotOverflowTheCallersBuffer) {
+  std::string copy = edited("digits.json", [](std::string& t) {
+    replace(t, R"("outputs":[{"name":"logits","dtype":"f32")",
+            R"("outputs":[{"name":"logits","dtype":"f64")");
+  });
+  mixtape_aot_model* m = nullptr;
+  int code = mixtape_aot_open(copy.c_str(), "digits", "cpu", table_->entries.data(),
+                              static_cast<int64_t>(table_->entries.size()), &m);
+  if (code == 0) {
+    std::vector<float> x(16 * 64), y(2 * 16 * 10, 12345.f);  // [16, 10] f32, then a canary
+    const void* in[] = {x.data()};
+    void* out[] = {y.data()};
+    code = mixtape_aot_run(m, 16, in, out);
+    EXPECT_TRUE(std::all_of(y.begin() + 160, y.end(), [](float v) { return v == 12345.f; }))
+        << "the runtime wrote past the [16, 10] f32 buffer the header asks for";
+    mixtape_aot_close(m);
+  }
+  EXPECT_NE(code, 0);
+  fs::remove_all(copy);
+}
+
+// Likewise the batch bound: the header says 1..16, the runtime believes the manifest's max (and
+// its kernels' dim0, which also only the manifest holds): batch 17 writes 17 rows of logits into
+// the 16 the caller was told to pass.
+TEST_F(AotReviewFiles, DISABLED_ManifestMaxBatchCannotExceedTheHeaders) {
+  std::string copy = edited("digits.json", [](std::string& t) {
+    replace(t, R"("batch":{"export":16,"max":16})", R"("batch":{"export":16,"max":1048576})");
+    for (size_t at; (at = t.find(R"("dim0":16})")) != std::string::npos;)
+      t.replace(at, 10, R"("dim0":1048576})");
+  });
+  mixtape_aot_model* m = nullptr;
+  ASSERT_EQ(mixtape_aot_open(copy.c_str(), "digits", "cpu", table_->entries.data(),
+                             static_cast<int64_t>(table_->entries.size()), &m),
+            0);
+  std::vector<float> x(17 * 64), y(17 * 10, 12345.f);  // [16, 10] as the header says, a canary
+  const void* in[] = {x.data()};
+  void* out[] = {y.data()};
+  EXPECT_EQ(mixtape_aot_run(m, 17, in, out), MIXTAPE_AOT_ERROR_ARGUMENT)
+      << "batch 17 ran against a header that promises 1..16: " << mixtape_aot_error(m);
+  EXPECT_TRUE(std::all_of(y.begin() + 160, y.end(), [](float v) { return v == 12345.f; }))
+      << "the runtime wrote a 17th row";
   mixtape_aot_close(m);
   fs::remove_all(copy);
 }
