@@ -13,6 +13,7 @@
 #include "dsl/json.h"
 #include "examples/digits_model.h"
 #include "runtime/file_digest.h"
+#include "runtime/safetensors.h"
 
 namespace mt = mixtape;
 namespace fs = std::filesystem;
@@ -430,6 +431,43 @@ TEST(AotReviewState, DISABLED_TiedWeightsSaveWhatTheStepTrained) {
   ASSERT_EQ(mixtape_aot_save(model.m, saved.c_str()), 0) << mixtape_aot_error(model.m);
   mt::save_checkpoint(reference, net, &opt);
   expect_same_checkpoint(saved, reference);
+  fs::remove_all(dir);
+}
+
+// NAME_load reads optimizer.steps with strtoll: "12abc" loads as 12 and "abc" as 0 (resetting
+// Adam's bias correction), where mt::load_checkpoint refuses both (from_chars, whole text).
+TEST(AotReviewState, DISABLED_LoadRefusesAStepCountLoadCheckpointRefuses) {
+  mt::manual_seed(5);
+  DigitsMLP net;
+  mt::AdamW opt(net.parameters(), {.lr = 1e-3});
+  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::cross_entropy(net(x), y);
+    loss.backward();
+    opt.step();
+    return loss;
+  };
+  mt::Generator g(9);
+  train_step(mt::randn({8, 64}, mt::f32, &g), mt::zeros({8}, mt::i64));
+  std::string dir = temp_dir("review_steps_text");
+  mt::aot::Options o{.name = "train", .module = &net, .optimizer = &opt};
+  auto exported = mt::aot::export_step(
+      train_step, {mt::aot::input("x", {8, 64}, mt::f32), mt::aot::input("y", {8}, mt::i64)},
+      {"loss"}, dir, o);
+  Table table(exported);
+  Model model(dir, "train", table);
+  ASSERT_NE(model.m, nullptr);
+  std::string path = dir + "/ck.safetensors";
+  ASSERT_EQ(mixtape_aot_save(model.m, path.c_str()), 0) << mixtape_aot_error(model.m);
+  for (const char* text : {"12abc", "abc", "99999999999999999999999"}) {
+    mt::safetensors::File file = mt::safetensors::read(path);
+    for (auto& [key, value] : file.metadata)
+      if (key == "optimizer.steps") value = text;
+    std::string bad = dir + "/bad.safetensors";
+    mt::safetensors::write(bad, file);
+    EXPECT_THROW(mt::load_checkpoint(bad, net, &opt), mt::Error) << text;
+    EXPECT_NE(mixtape_aot_load(model.m, bad.c_str()), 0) << "optimizer.steps = " << text;
+  }
   fs::remove_all(dir);
 }
 
