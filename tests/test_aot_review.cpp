@@ -63,6 +63,30 @@ const std::vector<Case>& cases() {
        }},
       // A rank-0 value (a whole-tensor reduction, reduce_from 0) broadcast back.
       {"rank0_scale", [](const mt::Tensor& x) { return x * mt::sum(x * x); }},
+      // Controls that keep the batch in dim 0 (these pass): rows flattened with the batch
+      // (dims[0] = 4 * batch), a reduction over a middle dim (a column reduction whose column
+      // dim is not the batch), batch-first attention, and layer norm.
+      {"flattened_rows",
+       [](const mt::Tensor& x) {
+         return mt::reshape(mt::softmax(mt::reshape(x, {x.shape()[0] * 4, 3}), 1),
+                            {x.shape()[0], 12});
+       }},
+      {"middle_dim_sum",
+       [](const mt::Tensor& x) {
+         mt::Tensor x3 = mt::reshape(x, {x.shape()[0], 3, 4});
+         return mt::reshape(x3 * mt::sum(x3, {1}, true), {x.shape()[0], 12});
+       }},
+      {"attention",
+       [](const mt::Tensor& x) {
+         mt::Tensor q = mt::reshape(x, {x.shape()[0], 3, 4});
+         mt::Tensor p = mt::softmax(mt::matmul(q, q, false, true) * 0.5, -1);
+         return mt::reshape(mt::matmul(p, q), {x.shape()[0], 12});
+       }},
+      {"layer_norm",
+       [](const mt::Tensor& x) {
+         static const mt::Tensor w = mt::full({12}, 1.5), b = mt::full({12}, 0.25);
+         return mt::layer_norm(x, w, b);
+       }},
   };
   return all;
 }
@@ -102,7 +126,7 @@ TEST_P(AotReviewDynamicBatch, DISABLED_UntracedBatchesRunAndEqualTheJit) {
   fs::remove_all(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, AotReviewDynamicBatch, testing::Range(0, 6),
+INSTANTIATE_TEST_SUITE_P(Models, AotReviewDynamicBatch, testing::Range(0, 10),
                          [](const testing::TestParamInfo<int>& i) {
                            return std::string(cases()[i.param].name);
                          });
