@@ -601,6 +601,44 @@ TEST(AotReviewState, DISABLED_LoadRefusesAStepCountLoadCheckpointRefuses) {
   fs::remove_all(dir);
 }
 
+// A step that fails part way (a label out of range: cross_entropy's gather refuses it) returns
+// an error; the state must then be what it was before the call, not half a step further.
+TEST(AotReviewState, FailedStepLeavesTheStateAsItWas) {
+  mt::manual_seed(5);
+  DigitsMLP net;
+  mt::AdamW opt(net.parameters(), {.lr = 1e-2});
+  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::cross_entropy(net(x), y);
+    loss.backward();
+    opt.step();
+    return loss;
+  };
+  mt::Generator g(9);
+  train_step(mt::randn({8, 64}, mt::f32, &g), mt::zeros({8}, mt::i64));
+  std::string dir = temp_dir("review_failed_run");
+  mt::aot::Options o{.name = "train", .module = &net, .optimizer = &opt};
+  auto exported = mt::aot::export_step(
+      train_step, {mt::aot::input("x", {8, 64}, mt::f32), mt::aot::input("y", {8}, mt::i64)},
+      {"loss"}, dir, o);
+  Table table(exported);
+  Model model(dir, "train", table);
+  ASSERT_NE(model.m, nullptr);
+  std::vector<float> x = mt::randn({8, 64}, mt::f32, &g).to_vector<float>();
+  std::vector<int64_t> y(8, 3);
+  float loss = 0;
+  const void* in[] = {x.data(), y.data()};
+  void* out[] = {&loss};
+  ASSERT_EQ(mixtape_aot_run(model.m, 8, in, out), 0) << mixtape_aot_error(model.m);
+  std::string before = dir + "/before.safetensors", after = dir + "/after.safetensors";
+  ASSERT_EQ(mixtape_aot_save(model.m, before.c_str()), 0);
+  y[5] = 99;  // 10 classes
+  EXPECT_NE(mixtape_aot_run(model.m, 8, in, out), 0);
+  ASSERT_EQ(mixtape_aot_save(model.m, after.c_str()), 0);
+  expect_same_checkpoint(after, before);
+  fs::remove_all(dir);
+}
+
 // A step exported with a dynamic batch: traced at four batch sizes, each trace makes new
 // storages for the state, and the restore puts back only the first trace's. Either the export
 // says a step takes a fixed batch, or it works and leaves the state as it was.
