@@ -1,0 +1,676 @@
+// tests/test_aot_review.cpp -- an adversarial review's failing cases for AOT export: dynamic
+// batches whose kernels name the batch outside dims[0], hostile or corrupt artifact files, and
+// state an export_step leaves behind. Each DISABLED_ test fails (or crashes) on main as written.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <thread>
+
+#include <stdlib.h>
+
+#include "aot_test_util.h"
+#include "dsl/json.h"
+#include "examples/digits_model.h"
+#include "runtime/file_digest.h"
+#include "runtime/safetensors.h"
+
+namespace mt = mixtape;
+namespace fs = std::filesystem;
+using namespace mt::aot_test;
+
+namespace {
+
+std::string read(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(in), {}};
+}
+void write(const std::string& path, const std::string& text) {
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << text;
+}
+
+// ---- 1. dynamic batch: every batch in 1..max must run, and equal the JIT ----
+
+struct Case {
+  const char* name;
+  std::function<mt::Tensor(const mt::Tensor&)> fn;
+};
+
+class AotReviewDynamicBatch : public testing::TestWithParam<int> {};
+
+const std::vector<Case>& cases() {
+  static const std::vector<Case> all = {
+      // A row reduction (dims [B, 4]): the batch is dims[0]. The control: this one passes.
+      {"row_softmax", [](const mt::Tensor& x) { return mt::softmax(x, 1); }},
+      // Rows that see each other without a 1/B constant: export does not refuse these (only a
+      // mean is caught), and their kernels carry B outside dims[0].
+      {"sum_over_batch", [](const mt::Tensor& x) { return x - mt::sum(x, {0}, true); }},
+      {"softmax_over_batch", [](const mt::Tensor& x) { return mt::softmax(x, 0); }},
+      // A permute that moves the batch inward, then a row reduction: dims [3, B, 4].
+      {"permute_batch_inward",
+       [](const mt::Tensor& x) {
+         mt::Tensor p = mt::permute(mt::reshape(x, {x.shape()[0], 3, 4}), {1, 0, 2});
+         mt::Tensor s = p * mt::sum(p, {2}, true);
+         return mt::reshape(mt::permute(s, {1, 0, 2}), {x.shape()[0], 12});
+       }},
+      // A concat along dim 0 read back through a reshape that puts the batch in dim 1.
+      {"concat_dim0",
+       [](const mt::Tensor& x) {
+         mt::Tensor c = mt::concat({x, x * 2.0}, 0);
+         return mt::sum(mt::reshape(c, {2, x.shape()[0], 12}), {0});
+       }},
+      // A rank-0 value (a whole-tensor reduction, reduce_from 0) broadcast back.
+      {"rank0_scale", [](const mt::Tensor& x) { return x * mt::sum(x * x); }},
+      // Controls that keep the batch in dim 0 (these pass): rows flattened with the batch
+      // (dims[0] = 4 * batch), a reduction over a middle dim (a column reduction whose column
+      // dim is not the batch), batch-first attention, and layer norm.
+      {"flattened_rows",
+       [](const mt::Tensor& x) {
+         return mt::reshape(mt::softmax(mt::reshape(x, {x.shape()[0] * 4, 3}), 1),
+                            {x.shape()[0], 12});
+       }},
+      {"middle_dim_sum",
+       [](const mt::Tensor& x) {
+         mt::Tensor x3 = mt::reshape(x, {x.shape()[0], 3, 4});
+         return mt::reshape(x3 * mt::sum(x3, {1}, true), {x.shape()[0], 12});
+       }},
+      {"attention",
+       [](const mt::Tensor& x) {
+         mt::Tensor q = mt::reshape(x, {x.shape()[0], 3, 4});
+         mt::Tensor p = mt::softmax(mt::matmul(q, q, false, true) * 0.5, -1);
+         return mt::reshape(mt::matmul(p, q), {x.shape()[0], 12});
+       }},
+      {"layer_norm",
+       [](const mt::Tensor& x) {
+         static const mt::Tensor w = mt::full({12}, 1.5), b = mt::full({12}, 0.25);
+         return mt::layer_norm(x, w, b);
+       }},
+  };
+  return all;
+}
+
+// The artifact's answers at batches the export did not trace (it traces 1, max/2+1 and max)
+// equal the JIT's, bit for bit; an export that cannot promise that must refuse.
+TEST_P(AotReviewDynamicBatch, DISABLED_UntracedBatchesRunAndEqualTheJit) {
+  const Case& c = cases()[GetParam()];
+  std::string dir = temp_dir(std::string("review_dyn_") + c.name);
+  mt::aot::Options o{.name = "dyn", .dynamic_batch = {.max = 64}};
+  mt::aot::Exported exported;
+  try {
+    exported =
+        mt::aot::export_function(c.fn, {mt::aot::input("x", {64, 12}, mt::f32)}, {"y"}, dir, o);
+  } catch (const mt::Error& e) {
+    // Refusing at export is a correct answer too: what must not happen is a failure at run.
+    GTEST_SKIP() << c.name << ": export refused: " << e.what();
+  }
+  Table table(exported);
+  Model model(dir, "dyn", table);
+  ASSERT_NE(model.m, nullptr);
+  for (int64_t batch : {1, 5, 20, 33, 64}) {
+    mt::Generator g(batch);
+    std::vector<float> x = mt::randn({batch, 12}, mt::f32, &g).to_vector<float>();
+    std::vector<float> expected;
+    {
+      mt::NoGradGuard no_grad;
+      expected = c.fn(mt::tensor(x, {batch, 12})).to_vector<float>();
+    }
+    std::vector<float> got(expected.size());
+    const void* in[] = {x.data()};
+    void* out[] = {got.data()};
+    ASSERT_EQ(mixtape_aot_run(model.m, batch, in, out), 0)
+        << c.name << " batch " << batch << ": " << mixtape_aot_error(model.m);
+    EXPECT_EQ(first_difference(got, expected), got.size()) << c.name << " batch " << batch;
+  }
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, AotReviewDynamicBatch, testing::Range(0, 10),
+                         [](const testing::TestParamInfo<int>& i) {
+                           return std::string(cases()[i.param].name);
+                         });
+
+// Every batch in 1..max (more than the plan cache holds, so plans are evicted and rebuilt), and
+// two handles of one artifact run from two threads at once (the header promises a handle to one
+// thread at a time, so two handles may run together): each answer equals the JIT's.
+TEST(AotReviewDigits, EveryBatchAndTwoThreadsEqualTheJit) {
+  mt::manual_seed(3);
+  DigitsMLP net;
+  std::string dir = temp_dir("review_every_batch");
+  mt::aot::Options o{.name = "digits", .dynamic_batch = {.max = 40}};
+  auto forward = [&](const mt::Tensor& x) { return net(x); };
+  auto exported = mt::aot::export_function(forward, {mt::aot::input("x", {40, 64}, mt::f32)},
+                                           {"logits"}, dir, o);
+  Table table(exported);
+  std::vector<std::vector<float>> inputs, expected;
+  for (int64_t batch = 1; batch <= 40; ++batch) {
+    mt::Generator g(batch);
+    inputs.push_back(mt::randn({batch, 64}, mt::f32, &g).to_vector<float>());
+    mt::NoGradGuard no_grad;
+    expected.push_back(forward(mt::tensor(inputs.back(), {batch, 64})).to_vector<float>());
+  }
+  auto run_all = [&](mixtape_aot_model* m, bool reverse, std::string& error) {
+    for (int64_t i = 0; i < 40 && error.empty(); ++i) {
+      int64_t batch = reverse ? 40 - i : i + 1;
+      std::vector<float> got(batch * 10);
+      const void* in[] = {inputs[batch - 1].data()};
+      void* out[] = {got.data()};
+      if (mixtape_aot_run(m, batch, in, out) != 0)
+        error = fmt::format("batch {}: {}", batch, mixtape_aot_error(m));
+      else if (first_difference(got, expected[batch - 1]) != got.size())
+        error = fmt::format("batch {}: differs from the JIT", batch);
+    }
+  };
+  Model a(dir, "digits", table), b(dir, "digits", table);
+  ASSERT_TRUE(a.m && b.m);
+  std::string error_a, error_b;
+  run_all(a.m, false, error_a);
+  EXPECT_EQ(error_a, "");
+  for (int round = 0; round < 3; ++round) {
+    std::thread t([&] { run_all(b.m, true, error_b); });
+    run_all(a.m, false, error_a);
+    t.join();
+    EXPECT_EQ(error_a, "");
+    EXPECT_EQ(error_b, "");
+  }
+  fs::remove_all(dir);
+}
+
+// Outputs that are not a fresh value of their own: the same tensor twice, an input as it came,
+// a view of an input. Each export either refuses with an mt::Error or runs and equals the JIT.
+class AotReviewOutputs : public testing::TestWithParam<int> {};
+
+TEST_P(AotReviewOutputs, DISABLED_UnusualOutputsExportOrRefuse) {
+  using Fn = std::function<std::vector<mt::Tensor>(const mt::Tensor&)>;
+  static const std::vector<std::pair<const char*, Fn>> fns = {
+      {"same_twice",
+       [](const mt::Tensor& x) {
+         mt::Tensor y = x * 2.0;
+         return std::vector<mt::Tensor>{y, y};
+       }},
+      {"input_itself",
+       [](const mt::Tensor& x) {
+         return std::vector<mt::Tensor>{x * 2.0, x};
+       }},
+      {"input_view",
+       [](const mt::Tensor& x) {
+         return std::vector<mt::Tensor>{x * 2.0, mt::reshape(x, {x.shape()[0], 2, 2})};
+       }},
+  };
+  const auto& [name, fn] = fns[GetParam()];
+  std::string dir = temp_dir(std::string("review_outputs_") + name);
+  mt::aot::Options o{.name = "outs", .dynamic_batch = {.max = 8}};
+  mt::aot::Exported exported;
+  try {
+    exported =
+        mt::aot::export_artifact([&](const std::vector<mt::Tensor>& a) { return fn(a.at(0)); },
+                                 {mt::aot::input("x", {8, 4}, mt::f32)}, {"a", "b"}, dir, o, false);
+  } catch (const mt::Error& e) {
+    GTEST_SKIP() << name << ": refused: " << e.what();
+  }
+  Table table(exported);
+  Model model(dir, "outs", table);
+  ASSERT_NE(model.m, nullptr);
+  std::vector<float> x(8 * 4), a(8 * 4, -1.f), b(8 * 4, -1.f);
+  for (size_t i = 0; i < x.size(); ++i) x[i] = static_cast<float>(i);
+  const void* in[] = {x.data()};
+  void* out[] = {a.data(), b.data()};
+  ASSERT_EQ(mixtape_aot_run(model.m, 8, in, out), 0) << mixtape_aot_error(model.m);
+  std::vector<mt::Tensor> want;
+  {
+    mt::NoGradGuard no_grad;
+    want = fn(mt::tensor(x, {8, 4}));
+  }
+  EXPECT_EQ(a, want[0].to_vector<float>()) << name;
+  EXPECT_EQ(b, want[1].to_vector<float>()) << name;
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, AotReviewOutputs, testing::Range(0, 3));
+
+// The same for mt::compile, whose replay (runtime/step_plan.cpp) the artifact shares: a stored
+// node returned twice gets one result slot (PlannedEvaluation::result_slot), the other result is
+// left undefined from the first replay on.
+TEST(AotReviewOutputsCompile, DISABLED_CompiledFunctionReturningOneTensorTwice) {
+  auto fn = [](const mt::Tensor& x) {
+    mt::Tensor y = x * 2.0;
+    return std::vector<mt::Tensor>{y, y};
+  };
+  auto compiled = mt::compile(fn);
+  for (int call = 0; call < 4; ++call) {
+    std::vector<mt::Tensor> out;
+    ASSERT_NO_THROW(out = compiled(mt::full({2, 2}, call, mt::f32))) << "call " << call;
+    ASSERT_EQ(out.size(), 2u);
+    for (const mt::Tensor& t : out) {
+      ASSERT_TRUE(t.defined()) << "call " << call;
+      EXPECT_EQ(t.to_vector<float>(), std::vector<float>(4, 2.0f * call)) << "call " << call;
+    }
+  }
+}
+
+// ---- 2. hostile / corrupt files ----
+
+class AotReviewFiles : public testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    mt::manual_seed(1);
+    net_ = new DigitsMLP;
+    dir_ = new std::string(temp_dir("review_files"));
+    mt::aot::Options o{.name = "digits", .dynamic_batch = {.max = 16}, .module = net_};
+    auto exported =
+        mt::aot::export_function([](const mt::Tensor& x) { return (*net_)(x); },
+                                 {mt::aot::input("x", {16, 64}, mt::f32)}, {"logits"}, *dir_, o);
+    table_ = new Table(exported);
+  }
+  static void TearDownTestSuite() {
+    fs::remove_all(*dir_);
+    delete table_;
+    delete dir_;
+    delete net_;
+  }
+  // A copy of the artifact with `file` rewritten by `edit`; an edited plan gets a manifest whose
+  // checksum matches it (the manifest itself carries no checksum, so anyone can).
+  std::string edited(const std::string& file, const std::function<void(std::string&)>& edit) {
+    std::string copy = *dir_ + "_edited";
+    fs::remove_all(copy);
+    fs::copy(*dir_, copy);
+    std::string text = read(copy + "/" + file);
+    edit(text);
+    write(copy + "/" + file, text);
+    if (file == "digits.plan") {
+      mt::FileDigest digest = mt::digest_file(copy + "/digits.plan");
+      std::string manifest = read(copy + "/digits.json");
+      mt::json::Value doc = mt::json::parse(manifest);
+      mt::json::Object files;
+      for (auto [name, info] : doc.at("files").as_object()) {
+        if (name == "digits.plan")
+          info = mt::json::Object{
+              {"bytes", digest.bytes}, {"xxh3_64", digest.xxh3_64}, {"verify", true}};
+        files.emplace_back(name, info);
+      }
+      mt::json::Object out;
+      for (const auto& [key, value] : doc.as_object())
+        out.emplace_back(key, key == "files" ? mt::json::Value(files) : value);
+      write(copy + "/digits.json", mt::json::dump(mt::json::Value(std::move(out))));
+    }
+    return copy;
+  }
+  // Opens `dir` and runs batch 16 on zeros: the first nonzero code, or 0.
+  int open_and_run(const std::string& dir) {
+    mixtape_aot_model* m = nullptr;
+    int code = mixtape_aot_open(dir.c_str(), "digits", "cpu", table_->entries.data(),
+                                static_cast<int64_t>(table_->entries.size()), &m);
+    if (code != 0) return code;
+    std::vector<float> x(16 * 64), y(16 * 10);
+    const void* in[] = {x.data()};
+    void* out[] = {y.data()};
+    code = mixtape_aot_run(m, 16, in, out);
+    mixtape_aot_close(m);
+    return code;
+  }
+  static void replace(std::string& text, const std::string& from, const std::string& to) {
+    auto at = text.find(from);
+    ASSERT_NE(at, std::string::npos) << from;
+    text.replace(at, from.size(), to);
+  }
+  static DigitsMLP* net_;
+  static std::string* dir_;
+  static Table* table_;
+};
+DigitsMLP* AotReviewFiles::net_ = nullptr;
+std::string* AotReviewFiles::dir_ = nullptr;
+Table* AotReviewFiles::table_ = nullptr;
+
+// The manifest's input shape is trusted for the size of the caller's buffer and of the value
+// the plan's kernels read: a manifest that says [16, 1] makes the runtime copy 16 floats and
+// the matmul read 16 * 64 (a heap overflow under ASan; garbage logits without it).
+TEST_F(AotReviewFiles, DISABLED_ManifestInputShapeDisagreeingWithThePlanIsRefused) {
+  std::string copy = edited(
+      "digits.json", [](std::string& t) { replace(t, R"("shape":[16,64])", R"("shape":[16,1])"); });
+  EXPECT_NE(open_and_run(copy), 0) << "an input shape the plan does not read was accepted";
+  fs::remove_all(copy);
+}
+
+// Same for an output the manifest says is smaller than what the plan computes: caught by the
+// count check; and a manifest output count larger than the plan's results (results.at throws a
+// std::out_of_range, reported as a FILE error only by accident of the catch-all).
+TEST_F(AotReviewFiles, ManifestOutputCountLargerThanThePlansIsAnError) {
+  std::string copy = edited("digits.json", [](std::string& t) {
+    replace(t, R"("outputs":[{"name":"logits","dtype":"f32","shape":[16,10]}])",
+            R"("outputs":[{"name":"logits","dtype":"f32","shape":[16,10]},)"
+            R"({"name":"extra","dtype":"f32","shape":[16,10]}])");
+  });
+  mixtape_aot_model* m = nullptr;
+  ASSERT_EQ(mixtape_aot_open(copy.c_str(), "digits", "cpu", table_->entries.data(),
+                             static_cast<int64_t>(table_->entries.size()), &m),
+            0);
+  std::vector<float> x(16 * 64), y(16 * 10), z(16 * 10);
+  const void* in[] = {x.data()};
+  void* out[] = {y.data(), z.data()};
+  EXPECT_NE(mixtape_aot_run(m, 16, in, out), 0);
+  mixtape_aot_close(m);
+  fs::remove_all(copy);
+}
+
+// The manifest is not checksummed and not tied to the compiled header: its output dtype decides
+// how many bytes the runtime writes into the caller's buffer. A manifest saying f64 for the f32
+// logits writes twice the buffer the header told the caller to pass (a canary past it changes).
+TEST_F(AotReviewFiles, DISABLED_ManifestOutputDtypeCannotOverflowTheCallersBuffer) {
+  std::string copy = edited("digits.json", [](std::string& t) {
+    replace(t, R"("outputs":[{"name":"logits","dtype":"f32")",
+            R"("outputs":[{"name":"logits","dtype":"f64")");
+  });
+  mixtape_aot_model* m = nullptr;
+  int code = mixtape_aot_open(copy.c_str(), "digits", "cpu", table_->entries.data(),
+                              static_cast<int64_t>(table_->entries.size()), &m);
+  if (code == 0) {
+    std::vector<float> x(16 * 64), y(2 * 16 * 10, 12345.f);  // [16, 10] f32, then a canary
+    const void* in[] = {x.data()};
+    void* out[] = {y.data()};
+    code = mixtape_aot_run(m, 16, in, out);
+    EXPECT_TRUE(std::all_of(y.begin() + 160, y.end(), [](float v) { return v == 12345.f; }))
+        << "the runtime wrote past the [16, 10] f32 buffer the header asks for";
+    mixtape_aot_close(m);
+  }
+  EXPECT_NE(code, 0);
+  fs::remove_all(copy);
+}
+
+// Likewise the batch bound: the header says 1..16, the runtime believes the manifest's max (and
+// its kernels' dim0, which also only the manifest holds): batch 17 writes 17 rows of logits into
+// the 16 the caller was told to pass.
+TEST_F(AotReviewFiles, DISABLED_ManifestMaxBatchCannotExceedTheHeaders) {
+  std::string copy = edited("digits.json", [](std::string& t) {
+    replace(t, R"("batch":{"export":16,"max":16})", R"("batch":{"export":16,"max":1048576})");
+    for (size_t at; (at = t.find(R"("dim0":16})")) != std::string::npos;)
+      t.replace(at, 10, R"("dim0":1048576})");
+  });
+  mixtape_aot_model* m = nullptr;
+  ASSERT_EQ(mixtape_aot_open(copy.c_str(), "digits", "cpu", table_->entries.data(),
+                             static_cast<int64_t>(table_->entries.size()), &m),
+            0);
+  std::vector<float> x(17 * 64), y(17 * 10, 12345.f);  // [16, 10] as the header says, a canary
+  const void* in[] = {x.data()};
+  void* out[] = {y.data()};
+  EXPECT_EQ(mixtape_aot_run(m, 17, in, out), MIXTAPE_AOT_ERROR_ARGUMENT)
+      << "batch 17 ran against a header that promises 1..16: " << mixtape_aot_error(m);
+  EXPECT_TRUE(std::all_of(y.begin() + 160, y.end(), [](float v) { return v == 12345.f; }))
+      << "the runtime wrote a 17th row";
+  mixtape_aot_close(m);
+  fs::remove_all(copy);
+}
+
+// A plan (checksum fixed in the manifest) whose results list is empty: run_model indexes an
+// empty vector (UBSan: reference binding to null pointer; then a null deref).
+TEST_F(AotReviewFiles, DISABLED_PlanWithoutResultsIsRefused) {
+  std::string copy = edited(
+      "digits.plan", [](std::string& t) { replace(t, R"("results":[[0,0]])", R"("results":[])"); });
+  EXPECT_NE(open_and_run(copy), 0);
+  fs::remove_all(copy);
+}
+
+// A plan whose argument leaf is 0-d (shape []): the matmul reads a [16, 64] operand from a
+// one-element value (SEGV in run_matmul under ASan). Node shapes are never checked against
+// what their op computes from their inputs.
+TEST_F(AotReviewFiles, DISABLED_PlanNodeShapesAreCheckedAgainstTheirOps) {
+  std::string copy = edited("digits.plan", [](std::string& t) {
+    replace(t, R"("shape":[[0,1],64],"arg":0)", R"("shape":[],"arg":0)");
+  });
+  EXPECT_NE(open_and_run(copy), 0);
+  fs::remove_all(copy);
+}
+
+// A plan whose stored value names a result slot past the results (replay writes results[7]).
+TEST_F(AotReviewFiles, DISABLED_PlanResultSlotOutOfRangeIsRefused) {
+  std::string copy =
+      edited("digits.plan", [](std::string& t) { replace(t, R"("result":0)", R"("result":7)"); });
+  EXPECT_NE(open_and_run(copy), 0);
+  fs::remove_all(copy);
+}
+
+// A plan whose argument leaf names argument 3 of a one-input function (replay reads args[3]).
+TEST_F(AotReviewFiles, DISABLED_PlanArgumentOutOfRangeIsRefused) {
+  std::string copy =
+      edited("digits.plan", [](std::string& t) { replace(t, R"("arg":0)", R"("arg":3)"); });
+  EXPECT_NE(open_and_run(copy), 0);
+  fs::remove_all(copy);
+}
+
+// Each file of an export is replaced atomically, but not the set: the plan and weights are
+// written before the libraries are built and the manifest last. An export over a working
+// artifact that fails in between (no C compiler, no runtime archive, a full disk) leaves the old
+// manifest with checksums of files that are gone: the artifact that was there no longer opens.
+TEST(AotReviewExport, DISABLED_FailedExportOverAnArtifactLeavesItWorking) {
+  std::string dir = temp_dir("review_reexport");
+  mt::manual_seed(1);
+  DigitsMLP first, second;
+  mt::aot::Options o{.name = "digits"};
+  auto exported =
+      mt::aot::export_function([&](const mt::Tensor& x) { return first(x); },
+                               {mt::aot::input("x", {4, 64}, mt::f32)}, {"logits"}, dir, o);
+  Table table(exported);
+  {
+    Model before(dir, "digits", table);
+    ASSERT_NE(before.m, nullptr);
+  }
+  ::setenv("MIXTAPE_RUNTIME_ARCHIVE", (dir + "/no-such-archive.a").c_str(), 1);
+  EXPECT_THROW(
+      mt::aot::export_function([&](const mt::Tensor& x) { return second(x); },
+                               {mt::aot::input("x", {4, 64}, mt::f32)}, {"logits"}, dir, o),
+      mt::Error);
+  ::unsetenv("MIXTAPE_RUNTIME_ARCHIVE");
+  mixtape_aot_model* m = nullptr;
+  EXPECT_EQ(mixtape_aot_open(dir.c_str(), "digits", "cpu", table.entries.data(),
+                             static_cast<int64_t>(table.entries.size()), &m),
+            0)
+      << "the failed export broke the artifact that was there: " << mixtape_aot_error(nullptr);
+  mixtape_aot_close(m);
+  fs::remove_all(dir);
+}
+
+// ---- 3. state: an export_step that fails must leave the model as it was ----
+
+// Every parameter's values, concatenated (on zero inputs only the biases and later layers move).
+std::vector<float> all_parameters(DigitsMLP& net) {
+  std::vector<float> out;
+  for (const mt::Tensor& p : net.parameters()) {
+    std::vector<float> v = p.to_vector<float>();
+    out.insert(out.end(), v.begin(), v.end());
+  }
+  return out;
+}
+
+// export_step traces the step (two real training steps on zeros) before it checks the number of
+// outputs, the batch dependence, custom vjps and unnamed state (plan_to_json); it puts the state
+// back only after those passed. Such a failed export silently leaves the model trained two (or,
+// with a dynamic batch, up to eight) extra steps on zero inputs.
+TEST(AotReviewState, DISABLED_FailedExportStepLeavesTheStateAsItWas) {
+  mt::manual_seed(5);
+  DigitsMLP net;
+  mt::SGD opt(net.parameters(), {.lr = 0.5});
+  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::cross_entropy(net(x), y);
+    loss.backward();
+    opt.step();
+    return loss;
+  };
+  mt::Generator g(9);
+  train_step(mt::randn({8, 64}, mt::f32, &g), mt::zeros({8}, mt::i64));
+  std::vector<float> before = all_parameters(net);
+  std::string dir = temp_dir("review_failed_step");
+  mt::aot::Options o{.name = "train", .module = &net, .optimizer = &opt};
+  EXPECT_THROW(
+      mt::aot::export_step(
+          train_step, {mt::aot::input("x", {8, 64}, mt::f32), mt::aot::input("y", {8}, mt::i64)},
+          {"loss", "one_name_too_many"}, dir, o),
+      mt::Error);
+  std::vector<float> after = all_parameters(net);
+  EXPECT_EQ(first_difference(after, before), after.size())
+      << "the failed export changed the parameters";
+  fs::remove_all(dir);
+}
+
+// A weight registered under two names (tied embeddings: one tensor, two checkpoint entries).
+struct Tied : mt::Module {
+  mt::Linear fc{8, 8};
+  mt::Tensor tied;
+  Tied() {
+    register_module("fc", fc);
+    tied = register_parameter("head_weight", fc.weight, true);
+  }
+  mt::Tensor operator()(const mt::Tensor& x) const { return mt::matmul(fc(x), tied); }
+};
+
+// The artifact makes one storage per manifest buffer, so the two names of a tied weight become
+// two buffers, of which the plan updates one: NAME_save writes the other as it was at export,
+// and load_checkpoint of that file into the C++ model (which assigns both names to the one
+// tensor, the second last) throws away what the C program trained.
+TEST(AotReviewState, DISABLED_TiedWeightsSaveWhatTheStepTrained) {
+  mt::manual_seed(2);
+  Tied net;
+  mt::SGD opt(net.parameters(), {.lr = 0.1});
+  auto train_step = [&](const mt::Tensor& x) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::sum(net(x) * net(x));
+    loss.backward();
+    opt.step();
+    return loss;
+  };
+  mt::Generator g(4);
+  train_step(mt::randn({4, 8}, mt::f32, &g));
+  std::string dir = temp_dir("review_tied");
+  mt::aot::Options o{.name = "tied", .module = &net, .optimizer = &opt};
+  auto exported =
+      mt::aot::export_step(train_step, {mt::aot::input("x", {4, 8}, mt::f32)}, {"loss"}, dir, o);
+  Table table(exported);
+  Model model(dir, "tied", table);
+  ASSERT_NE(model.m, nullptr);
+  auto compiled = mt::compile(train_step);
+  for (int s = 0; s < 3; ++s) {
+    std::vector<float> x = mt::randn({4, 8}, mt::f32, &g).to_vector<float>();
+    float want = compiled(mt::tensor(x, {4, 8})).to_vector<float>()[0];
+    float loss = 0;
+    const void* in[] = {x.data()};
+    void* out[] = {&loss};
+    ASSERT_EQ(mixtape_aot_run(model.m, 4, in, out), 0) << mixtape_aot_error(model.m);
+    EXPECT_EQ(loss, want) << "step " << s;
+  }
+  std::string saved = dir + "/saved.safetensors", reference = dir + "/reference.safetensors";
+  ASSERT_EQ(mixtape_aot_save(model.m, saved.c_str()), 0) << mixtape_aot_error(model.m);
+  mt::save_checkpoint(reference, net, &opt);
+  expect_same_checkpoint(saved, reference);
+  fs::remove_all(dir);
+}
+
+// NAME_load reads optimizer.steps with strtoll: "12abc" loads as 12 and "abc" as 0 (resetting
+// Adam's bias correction), where mt::load_checkpoint refuses both (from_chars, whole text).
+TEST(AotReviewState, DISABLED_LoadRefusesAStepCountLoadCheckpointRefuses) {
+  mt::manual_seed(5);
+  DigitsMLP net;
+  mt::AdamW opt(net.parameters(), {.lr = 1e-3});
+  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::cross_entropy(net(x), y);
+    loss.backward();
+    opt.step();
+    return loss;
+  };
+  mt::Generator g(9);
+  train_step(mt::randn({8, 64}, mt::f32, &g), mt::zeros({8}, mt::i64));
+  std::string dir = temp_dir("review_steps_text");
+  mt::aot::Options o{.name = "train", .module = &net, .optimizer = &opt};
+  auto exported = mt::aot::export_step(
+      train_step, {mt::aot::input("x", {8, 64}, mt::f32), mt::aot::input("y", {8}, mt::i64)},
+      {"loss"}, dir, o);
+  Table table(exported);
+  Model model(dir, "train", table);
+  ASSERT_NE(model.m, nullptr);
+  std::string path = dir + "/ck.safetensors";
+  ASSERT_EQ(mixtape_aot_save(model.m, path.c_str()), 0) << mixtape_aot_error(model.m);
+  for (const char* text : {"12abc", "abc", "99999999999999999999999"}) {
+    mt::safetensors::File file = mt::safetensors::read(path);
+    for (auto& [key, value] : file.metadata)
+      if (key == "optimizer.steps") value = text;
+    std::string bad = dir + "/bad.safetensors";
+    mt::safetensors::write(bad, file);
+    EXPECT_THROW(mt::load_checkpoint(bad, net, &opt), mt::Error) << text;
+    EXPECT_NE(mixtape_aot_load(model.m, bad.c_str()), 0) << "optimizer.steps = " << text;
+  }
+  fs::remove_all(dir);
+}
+
+// A step that fails part way (a label out of range: cross_entropy's gather refuses it) returns
+// an error; the state must then be what it was before the call, not half a step further.
+TEST(AotReviewState, FailedStepLeavesTheStateAsItWas) {
+  mt::manual_seed(5);
+  DigitsMLP net;
+  mt::AdamW opt(net.parameters(), {.lr = 1e-2});
+  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::cross_entropy(net(x), y);
+    loss.backward();
+    opt.step();
+    return loss;
+  };
+  mt::Generator g(9);
+  train_step(mt::randn({8, 64}, mt::f32, &g), mt::zeros({8}, mt::i64));
+  std::string dir = temp_dir("review_failed_run");
+  mt::aot::Options o{.name = "train", .module = &net, .optimizer = &opt};
+  auto exported = mt::aot::export_step(
+      train_step, {mt::aot::input("x", {8, 64}, mt::f32), mt::aot::input("y", {8}, mt::i64)},
+      {"loss"}, dir, o);
+  Table table(exported);
+  Model model(dir, "train", table);
+  ASSERT_NE(model.m, nullptr);
+  std::vector<float> x = mt::randn({8, 64}, mt::f32, &g).to_vector<float>();
+  std::vector<int64_t> y(8, 3);
+  float loss = 0;
+  const void* in[] = {x.data(), y.data()};
+  void* out[] = {&loss};
+  ASSERT_EQ(mixtape_aot_run(model.m, 8, in, out), 0) << mixtape_aot_error(model.m);
+  std::string before = dir + "/before.safetensors", after = dir + "/after.safetensors";
+  ASSERT_EQ(mixtape_aot_save(model.m, before.c_str()), 0);
+  y[5] = 99;  // 10 classes
+  EXPECT_NE(mixtape_aot_run(model.m, 8, in, out), 0);
+  ASSERT_EQ(mixtape_aot_save(model.m, after.c_str()), 0);
+  expect_same_checkpoint(after, before);
+  fs::remove_all(dir);
+}
+
+// A step exported with a dynamic batch: traced at four batch sizes, each trace makes new
+// storages for the state, and the restore puts back only the first trace's. Either the export
+// says a step takes a fixed batch, or it works and leaves the state as it was.
+TEST(AotReviewState, DISABLED_DynamicBatchStepExportsOrRefusesCleanly) {
+  mt::manual_seed(5);
+  DigitsMLP net;
+  mt::SGD opt(net.parameters(), {.lr = 0.5});
+  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::sum(mt::cross_entropy(net(x), y, {.reduction = mt::Reduction::None}));
+    loss.backward();
+    opt.step();
+    return loss;
+  };
+  mt::Generator g(9);
+  train_step(mt::randn({8, 64}, mt::f32, &g), mt::zeros({8}, mt::i64));
+  std::vector<float> before = all_parameters(net);
+  std::string dir = temp_dir("review_dyn_step");
+  mt::aot::Options o{
+      .name = "train", .dynamic_batch = {.max = 8}, .module = &net, .optimizer = &opt};
+  std::string error;
+  try {
+    mt::aot::export_step(train_step,
+                         {mt::aot::input("x", {8, 64}, mt::f32), mt::aot::input("y", {8}, mt::i64)},
+                         {"loss"}, dir, o);
+  } catch (const mt::Error& e) {
+    error = e.what();
+  }
+  std::vector<float> after = all_parameters(net);
+  EXPECT_EQ(first_difference(after, before), after.size())
+      << "the export changed the parameters; its error: " << error;
+  fs::remove_all(dir);
+}
+
+}  // namespace
