@@ -9,6 +9,8 @@
 #include <regex>
 #include <set>
 
+#include <unistd.h>
+
 #include "codegen/emit_llvm.h"
 #include "dsl/graph.h"
 #include "dsl/json.h"
@@ -89,26 +91,79 @@ Value argument_list(const std::vector<std::string>& names, const std::vector<DTy
 
 // The batch sizes traced: the export batch, and for a dynamic batch 1 and one in between, so
 // that every shape is checked to grow linearly and every kernel a batch needs is exported.
+// The last of them, when there are several, only checks: its kernels are not exported, so the
+// check finds a batch whose kernels the exported ones do not serve (a batch dim that is not
+// dims[0] of every kernel that depends on it), as the artifact would at run time.
 std::vector<int64_t> traced_batches(int64_t batch, int64_t max) {
   std::vector<int64_t> out{batch};
   if (max > 0) {
-    for (int64_t b : {int64_t{1}, (max + 1) / 2 + 1, max})
-      if (b >= 1 && b <= max && std::find(out.begin(), out.end(), b) == out.end()) out.push_back(b);
+    for (int64_t b : {int64_t{1}, (max + 1) / 2 + 1, max, max / 3 + 2, max / 5 + 3, int64_t{2}})
+      if (b >= 1 && b <= max && std::find(out.begin(), out.end(), b) == out.end() && out.size() < 5)
+        out.push_back(b);
   }
   return out;
 }
 
-// Restores the device and eager mode, and drops the plans' graphs, however the export ends.
+// mt::Error unless the artifact's kernels serve every kernel of `checked`'s programs.
+void check_kernels_serve(const std::map<std::string, const kir::Kernel*>& by_key,
+                         const TracedPlan& checked) {
+  for (const PlannedEvaluation& planned : checked.plan->evals)
+    for (const Step& s : planned.eval.executed.program->steps) {
+      if (s.kind != FusionGroup::Kind::Kernel) continue;
+      auto found = by_key.find(kernel_key(*s.kernel));
+      if (found == by_key.end() ||
+          (serves_smaller_dim0(*s.kernel) && s.kernel->dims[0] > found->second->dims[0]))
+        fail(
+            "aot: at batch {} the function needs a kernel the traced batches' kernels do not "
+            "serve (its batch dim is not the outermost dim of every kernel that depends on it, "
+            "a permute or a reduction over the batch, say), so it cannot take a dynamic batch; "
+            "export it at a fixed batch:\n{}",
+            checked.batch, kir::to_string(*s.kernel));
+    }
+}
+
+// The named state's values by name, as they are now.
+std::vector<std::pair<std::string, StoragePtr>> snapshot(const Options& o) {
+  std::vector<std::pair<std::string, StoragePtr>> values;
+  for (const auto& [storage, info] : checkpoint_names(o).buffers) {
+    auto copy = std::make_shared<Storage>(storage->dtype, storage->count, Storage::Uninitialized{});
+    std::memcpy(copy->bytes.data(), storage->host_data(),
+                static_cast<size_t>(storage->size_bytes()));
+    values.emplace_back(info.name, std::move(copy));
+  }
+  return values;
+}
+
+// Restores the device and eager mode, drops the plans' graphs, and, should the export fail,
+// puts the state the traces changed back as it was (the traces train on zeros).
 struct Session {
+  const Options& options;
   Device device = current_device();
   bool eager = eager_mode();
   std::vector<std::unique_ptr<Plan>> plans;
-  Session() {
+  std::vector<std::pair<std::string, StoragePtr>> before;
+  bool done = false;
+  explicit Session(const Options& o, bool step) : options(o) {
+    if (step) before = snapshot(o);
     set_device(Device::cpu);
     set_eager_mode(false);
   }
   ~Session() {
     for (auto& plan : plans) release(*plan);
+    if (!done && !before.empty()) {
+      try {
+        for (const auto& [storage, info] : checkpoint_names(options).buffers)
+          for (const auto& [name, value] : before)
+            if (name == info.name && value->size_bytes() == storage->size_bytes() &&
+                value->dtype == storage->dtype) {
+              std::memcpy(storage->host_data(), value->host_data(),
+                          static_cast<size_t>(value->size_bytes()));
+              storage->host_written();
+            }
+      } catch (...) {
+        // The export's own error is the one to report.
+      }
+    }
     set_device(device);
     set_eager_mode(eager);
   }
@@ -140,7 +195,7 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   if (max < 0 || (max > 0 && batch > max) || batch < 1)
     fail("aot: the export batch {} must be in 1..{}", batch, max > 0 ? max : batch);
 
-  Session session;
+  Session session(o, step);
   std::vector<TracedPlan> traced;
   Function call = fn;
   if (!step)
@@ -205,11 +260,18 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
     }
     Array shape;
     for (int64_t d : info.shape) shape.emplace_back(d);
-    buffer_list.push_back(Object{{"name", info.name},
-                                 {"dtype", std::string(name(info.dtype))},
-                                 {"shape", std::move(shape)},
-                                 {"saved", saved},
-                                 {"checkpoint", checkpoint && step}});
+    Object entry{{"name", info.name},
+                 {"dtype", std::string(name(info.dtype))},
+                 {"shape", std::move(shape)},
+                 {"saved", saved},
+                 {"checkpoint", checkpoint && step}};
+    // A tensor the checkpoint names twice (tied weights) is one buffer under both names.
+    for (size_t first = 0; first < k; ++first)
+      if (buffers[first].first == storage) {
+        entry.emplace_back("same_as", static_cast<int64_t>(first));
+        break;
+      }
+    buffer_list.push_back(std::move(entry));
   }
   weights.metadata = named.metadata;
   if (named.steps)
@@ -229,8 +291,10 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   std::map<std::string, const kir::Kernel*> by_key;
   std::map<std::string, int> precision;
   std::set<std::string> policies;
-  for (const TracedPlan& t : traced)
-    for (const PlannedEvaluation& planned : t.plan->evals) {
+  size_t exported_traces = traced.size() > 1 ? traced.size() - 1 : 1;
+  for (size_t index = 0; index < exported_traces; ++index)
+    for (const PlannedEvaluation& planned : traced[index].plan->evals) {
+      const TracedPlan& t = traced[index];
       for (const Step& s : planned.eval.executed.program->steps) {
         if (s.kind != FusionGroup::Kind::Kernel) continue;
         const kir::Kernel*& kept = by_key[kernel_key(*s.kernel)];
@@ -243,6 +307,7 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
           if (node->policy) policies.insert(node->policy->name());
         }
     }
+  if (traced.size() > 1) check_kernels_serve(by_key, traced.back());
   Exported exported;
   exported.dir = dir;
   Array kernel_list;
@@ -290,26 +355,25 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
     spec.outputs.push_back({outputs[r], node.dtype, node.shape});
   }
 
+  // Nothing in `dir` changes until the libraries are built: a failed export over an artifact
+  // leaves it working. The weights are staged under a hidden name in `dir` (safetensors writes
+  // files), so that moving them in is a rename.
   std::filesystem::create_directories(dir);
   auto path = [&](const std::string& file) { return dir + "/" + file; };
   std::string plan_text = json::dump(plan_doc);
-  write_file_atomically(path(o.name + ".plan"), [&](int fd) {
-    write_all(fd, plan_text.data(), plan_text.size(), path(o.name + ".plan"));
-  });
-  safetensors::write(path(o.name + ".safetensors"), weights);
-  exported.files = write_package(spec);
-
+  std::string staged = fmt::format("{}/.{}.safetensors.{}.staged", dir, o.name, getpid());
+  struct Staged {
+    std::string path;
+    ~Staged() { std::filesystem::remove(path, ignored); }
+    std::error_code ignored;
+  } staging{staged, {}};
+  safetensors::write(staged, weights);
   Object files;
-  for (const std::string& file : {o.name + ".plan", o.name + ".safetensors"}) {
-    FileDigest digest = digest_file(path(file));
-    files.emplace_back(
-        file, Object{{"bytes", digest.bytes}, {"xxh3_64", digest.xxh3_64}, {"verify", true}});
-  }
-  for (const std::string& file : exported.files) {
-    FileDigest digest = digest_file(path(file));
-    files.emplace_back(
-        file, Object{{"bytes", digest.bytes}, {"xxh3_64", digest.xxh3_64}, {"verify", false}});
-  }
+  files.emplace_back(o.name + ".plan", Object{{"bytes", static_cast<int64_t>(plan_text.size())},
+                                              {"xxh3_64", digest_bytes(plan_text).xxh3_64}});
+  FileDigest weights_digest = digest_file(staged);
+  files.emplace_back(o.name + ".safetensors",
+                     Object{{"bytes", weights_digest.bytes}, {"xxh3_64", weights_digest.xxh3_64}});
   Array variants;
   for (const PackageVariant& variant : spec.variants) {
     Array features;
@@ -341,11 +405,20 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
         "checkpoint", Object{{"metadata", std::move(metadata)}, {"steps_buffer", steps_buffer}});
   }
   std::string manifest_text = json::dump(Value(std::move(manifest)));
+  // The library carries the manifest's digest, and the manifest the data files': the library
+  // vouches for every file NAME_open reads.
+  spec.manifest_xxh3 = exported.manifest_xxh3 = digest_bytes(manifest_text).xxh3_64;
+  exported.files = write_package(spec);
+  write_file_atomically(path(o.name + ".plan"), [&](int fd) {
+    write_all(fd, plan_text.data(), plan_text.size(), path(o.name + ".plan"));
+  });
+  std::filesystem::rename(staged, path(o.name + ".safetensors"));
   write_file_atomically(path(o.name + ".json"), [&](int fd) {
     write_all(fd, manifest_text.data(), manifest_text.size(), path(o.name + ".json"));
   });
   exported.files.insert(exported.files.begin(),
                         {o.name + ".json", o.name + ".plan", o.name + ".safetensors"});
+  session.done = true;
   return exported;
 }
 

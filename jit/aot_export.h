@@ -57,6 +57,7 @@ struct Options {
 /// What an export wrote.
 struct Exported {
   std::string dir;
+  std::string manifest_xxh3;       // what the library checks NAME.json against
   std::vector<std::string> files;  // relative to dir
   struct Kernel {
     std::string symbol, key, llvm_ir;

@@ -45,6 +45,8 @@ struct PackageSpec {
   std::vector<PackageKernel> kernels;
   /// Best first; at least one. Variant v > 0 names its kernels' functions symbol + "_v<v>".
   std::vector<PackageVariant> variants;
+  /// The XXH3-64 (16 hex digits) of the NAME.json the library opens (mixtape_aot_open).
+  std::string manifest_xxh3;
 };
 
 /// The function name of `kernel` in variant `v` of a package.

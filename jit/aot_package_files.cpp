@@ -447,7 +447,7 @@ std::string package_glue(const PackageSpec& spec) {
   text += fmt::format(R"(
 int {0}_open(const char* dir, const char* device, {0}** out) {{
   mixtape_aot_model* model = NULL;
-  int code = mixtape_aot_open(dir, {1}, device, {2}, {3}, out ? &model : NULL);
+  int code = mixtape_aot_open(dir, {1}, {8}, device, {2}, {3}, out ? &model : NULL);
   if (out) *out = ({0}*)model;
   return code;
 }}
@@ -465,7 +465,7 @@ void {0}_close({0}* m) {{
 }}
 )",
                       n, c_string(n), table, spec.variants.size(), run_parameters(spec), arrays,
-                      inputs, outputs);
+                      inputs, outputs, c_string(spec.manifest_xxh3));
   if (spec.step)
     text += fmt::format(R"(
 int {0}_save({0}* m, const char* path) {{

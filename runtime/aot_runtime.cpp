@@ -3,6 +3,7 @@
 #include "runtime/aot_runtime.h"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstring>
 #include <fstream>
@@ -138,8 +139,11 @@ namespace {
 
 void verify_files(mixtape_aot_model& m) {
   const Value& files = m.manifest.at("files");
+  for (const std::string& needed : {m.name + ".plan", m.name + ".safetensors"})
+    if (!files.find(needed))
+      raise(MIXTAPE_AOT_ERROR_FILE,
+            fmt::format("{}: the manifest has no checksum for {}", m.name, needed));
   for (const auto& [file, info] : files.as_object()) {
-    if (!info.at("verify").as_bool()) continue;
     if (file.find('/') != std::string::npos || file == "..")
       raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: the manifest lists a file outside its "
                                                 "directory: {}",
@@ -173,14 +177,26 @@ void load_buffers(mixtape_aot_model& m) {
         b.at("name").as_string(), mt::parse_dtype(b.at("dtype").as_string()), {}};
     for (const Value& d : b.at("shape").as_array()) info.shape.push_back(d.as_int());
     mt::check_shape_size("artifact buffer", info.shape, info.dtype, mt::Loc::current());
-    auto storage = std::make_shared<mt::Storage>(info.dtype, mt::numel(info.shape));
+    const mt::safetensors::TensorData* data = nullptr;
     if (b.at("saved").as_bool()) {
-      const mt::safetensors::TensorData* data = file.find(info.name);
+      data = file.find(info.name);
       if (!data || data->dtype != info.dtype || data->shape != info.shape)
         raise(MIXTAPE_AOT_ERROR_FILE,
               fmt::format("{}: {} holds no {} tensor '{}' of shape {}", m.name, weights,
                           mt::name(info.dtype), info.name, mt::to_string(info.shape)));
-      std::memcpy(storage->bytes.data(), data->bytes.data(), data->bytes.size());
+    }
+    mt::StoragePtr storage;
+    if (const Value* same = b.find("same_as")) {  // a second name of one tensor (tied weights)
+      int64_t first = same->as_int();
+      if (first < 0 || first >= static_cast<int64_t>(m.buffers.size()) ||
+          m.buffers[first]->dtype != info.dtype || m.buffers[first]->count != mt::numel(info.shape))
+        raise(
+            MIXTAPE_AOT_ERROR_FILE,
+            fmt::format("{}: buffer '{}' is the same as a buffer it cannot be", m.name, info.name));
+      storage = m.buffers[first];
+    } else {
+      storage = std::make_shared<mt::Storage>(info.dtype, mt::numel(info.shape));
+      if (data) std::memcpy(storage->bytes.data(), data->bytes.data(), data->bytes.size());
     }
     m.checkpointed.push_back(b.at("checkpoint").as_bool());
     m.buffers.push_back(std::move(storage));
@@ -225,11 +241,12 @@ const mixtape_aot_variant& choose_variant(const mixtape_aot_model& m, const std:
                     m.name, fmt::join(refusals, "; ")));
 }
 
-void open_model(mixtape_aot_model& m, const char* device, const mixtape_aot_variant* variants,
-                int64_t variant_count) {
+void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const char* device,
+                const mixtape_aot_variant* variants, int64_t variant_count) {
   std::string manifest_path = m.path(m.name + ".json");
+  std::string manifest_text = read_text(manifest_path, kMaxManifestBytes);
   try {
-    m.manifest = mt::json::parse(read_text(manifest_path, kMaxManifestBytes), kMaxJsonValues);
+    m.manifest = mt::json::parse(manifest_text, kMaxJsonValues);
   } catch (const mt::Error& e) {
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: not a manifest: {}", manifest_path, e.what()));
   }
@@ -244,6 +261,12 @@ void open_model(mixtape_aot_model& m, const char* device, const mixtape_aot_vari
                       manifest_path, version && version->is_string() ? version->as_string() : "?",
                       format && format->is_string() ? format->as_string() : "?",
                       MIXTAPE_RUNTIME_VERSION, kManifestFormat));
+  // After the version check, so that a manifest of another version says so.
+  if (std::string digest = mt::digest_bytes(manifest_text).xxh3_64; digest != manifest_xxh3)
+    raise(MIXTAPE_AOT_ERROR_FILE,
+          fmt::format("{}: not the manifest this library was built with (xxh3_64 {}, the library "
+                      "expects {}): the file was changed, or comes from another export of {}",
+                      manifest_path, digest, manifest_xxh3, m.name));
   if (manifest.at("name").as_string() != m.name)
     raise(MIXTAPE_AOT_ERROR_FILE,
           fmt::format("{}: the manifest is artifact '{}', not '{}'", manifest_path,
@@ -419,7 +442,14 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
   }
   int64_t steps = -1;
   for (const auto& [key, value] : file.metadata) {
-    if (key == "optimizer.steps") steps = std::strtoll(value.c_str(), nullptr, 10);
+    if (key == "optimizer.steps") {
+      // Whole decimal text, as load_checkpoint reads it.
+      auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), steps);
+      if (value.empty() || ec != std::errc() || end != value.data() + value.size() || steps < 0)
+        raise(
+            MIXTAPE_AOT_ERROR_FILE,
+            fmt::format("{}: {} has optimizer.steps '{}', not a step count", m.name, path, value));
+    }
     if (key == "optimizer.kind")
       for (const auto& [our_key, ours] : m.checkpoint_metadata)
         if (our_key == key && ours != value)
@@ -467,17 +497,18 @@ int guarded(mixtape_aot_model* m, F body) {
 
 extern "C" {
 
-int mixtape_aot_open(const char* dir, const char* name, const char* device,
-                     const mixtape_aot_variant* variants, int64_t variant_count,
+int mixtape_aot_open(const char* dir, const char* name, const char* manifest_xxh3,
+                     const char* device, const mixtape_aot_variant* variants, int64_t variant_count,
                      mixtape_aot_model** out) {
   if (out) *out = nullptr;
   auto model = std::make_unique<mixtape_aot_model>();
   int code = guarded(nullptr, [&] {
-    if (!out || !dir || !name || (!variants && variant_count > 0) || variant_count < 0)
+    if (!out || !dir || !name || !manifest_xxh3 || (!variants && variant_count > 0) ||
+        variant_count < 0)
       raise(MIXTAPE_AOT_ERROR_ARGUMENT, "open: dir, name and out must not be NULL");
     model->dir = dir;
     model->name = name;
-    open_model(*model, device, variants, variant_count);
+    open_model(*model, manifest_xxh3, device, variants, variant_count);
   });
   if (code == MIXTAPE_AOT_OK) *out = model.release();
   return code;

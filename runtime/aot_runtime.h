@@ -41,10 +41,12 @@ enum {
 
 /* Opens artifact `name` in `dir` (NAME.json, NAME.plan, NAME.safetensors) on `device`: "cpu"
    (the first of `variants`, best first, whose features this CPU has), "cpu:TARGET" (that
-   variant), "cuda", or NULL for the best the artifact and machine allow. *out is the model, or
+   variant), "cuda", or NULL for the best the artifact and machine allow. `manifest_xxh3` is the
+   XXH3-64 (16 hex digits) of the NAME.json the library was built with: the manifest holds the
+   other files' checksums, so the library vouches for every file it reads. *out is the model, or
    NULL on failure; mixtape_aot_error(NULL) then says why. */
-int mixtape_aot_open(const char* dir, const char* name, const char* device,
-                     const mixtape_aot_variant* variants, int64_t variant_count,
+int mixtape_aot_open(const char* dir, const char* name, const char* manifest_xxh3,
+                     const char* device, const mixtape_aot_variant* variants, int64_t variant_count,
                      mixtape_aot_model** out);
 /* One call of the exported function (or one training step): inputs and outputs are host
    buffers in the manifest's order and dtypes, at `batch` rows. */

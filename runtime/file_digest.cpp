@@ -32,3 +32,12 @@ FileDigest digest_file(const std::string& path) {
 }
 
 }  // namespace mixtape
+
+namespace mixtape {
+
+FileDigest digest_bytes(std::string_view bytes) {
+  return {static_cast<int64_t>(bytes.size()),
+          fmt::format("{:016x}", XXH3_64bits(bytes.data(), bytes.size()))};
+}
+
+}  // namespace mixtape

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 namespace mixtape {
 
@@ -13,5 +14,7 @@ struct FileDigest {
 
 /// Reads `path` whole (streamed); an mt::Error naming it when it cannot be read.
 FileDigest digest_file(const std::string& path);
+/// The same for bytes in memory.
+FileDigest digest_bytes(std::string_view bytes);
 
 }  // namespace mixtape

@@ -60,7 +60,8 @@ void release(Plan& plan) {
 
 std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
   std::vector<Tensor> results(plan.results.size());
-  for (PlannedEvaluation& planned : plan.evals) {
+  for (size_t index = 0; index < plan.evals.size(); ++index) {
+    PlannedEvaluation& planned = plan.evals[index];
     Evaluation& e = planned.eval;
     const Signature& sig = e.executed.sig;
     for (size_t x = 0; x < planned.inputs.size(); ++x)
@@ -80,12 +81,16 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
       if (int first = planned.shares_with[j]; first >= 0 && fresh != fresh_of[first])
         fail("compile: replay gave {} a buffer of its own, where the trace had it share one",
              describe(*node));
-      if (planned.result_slot[j] >= 0)
-        results[planned.result_slot[j]] = result_leaf(*node, fresh);
-      else if (planned.shares_with[j] < 0)
+      if (planned.result_slot[j] < 0 && planned.shares_with[j] < 0)
         e.outputs[j]->swap_value(*fresh);
       fresh_of[j] = std::move(fresh);
     }
+    // Every result from here, a value returned twice included.
+    for (size_t r = 0; r < plan.results.size(); ++r)
+      if (plan.results[r].first == static_cast<int>(index)) {
+        size_t j = static_cast<size_t>(plan.results[r].second);
+        results[r] = result_leaf(*sig.stored[j], fresh_of[j]);
+      }
     for (size_t x = 0; x < planned.inputs.size(); ++x)
       if (planned.inputs[x].arg >= 0) sig.externals[x]->value.reset();
   }

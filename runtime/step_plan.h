@@ -51,7 +51,8 @@ struct PlannedEvaluation {
   Evaluation eval;  // the second trace's, its external inputs replaced by private leaves
   std::vector<NodePtr> leaves;
   std::vector<Binding> inputs;   // per external
-  std::vector<int> result_slot;  // per stored node: index into the results, or -1
+  std::vector<int> result_slot;  // per stored node: an index into the results (one, if the
+                                 // value is returned more than once), or -1
   // Per stored node: the first stored node of this evaluation whose buffer it shares (it is a
   // view of that one, e.g. a reshape assigned to a buffer), or -1. Its value is updated once.
   std::vector<int> shares_with;

@@ -41,7 +41,8 @@ struct Table {
   std::vector<std::string> features = mt::host_cpu_features();
   std::vector<const char*> feature_names;
   mixtape_aot_variant variant{};
-  explicit Table(const mt::aot::Exported& exported) {
+  std::string manifest_xxh3;
+  explicit Table(const mt::aot::Exported& exported) : manifest_xxh3(exported.manifest_xxh3) {
     for (const auto& k : exported.kernels) {
       keys.push_back(k.key);
       code.push_back(mt::LlvmJit::instance().load(k.symbol, k.llvm_ir));
@@ -66,7 +67,8 @@ struct Model {
   mixtape_aot_model* m = nullptr;
   Model(const std::string& dir, const std::string& name, const Table& table,
         const char* device = "cpu") {
-    int code = mixtape_aot_open(dir.c_str(), name.c_str(), device, &table.variant, 1, &m);
+    int code = mixtape_aot_open(dir.c_str(), name.c_str(), table.manifest_xxh3.c_str(), device,
+                                &table.variant, 1, &m);
     EXPECT_EQ(code, 0) << mixtape_aot_error(nullptr);
   }
   Model(const Model&) = delete;

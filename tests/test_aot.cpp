@@ -172,7 +172,8 @@ class AotErrors : public testing::Test {
     delete net_;
   }
   int open(const std::string& dir, const char* device, mixtape_aot_model** m) {
-    return mixtape_aot_open(dir.c_str(), "digits", device, table_->bind(), 1, m);
+    return mixtape_aot_open(dir.c_str(), "digits", table_->manifest_xxh3.c_str(), device,
+                            table_->bind(), 1, m);
   }
   // A copy of the artifact whose file `file` is rewritten by `edit`.
   std::string edited(const std::string& file, const std::function<void(std::string&)>& edit) {
@@ -218,9 +219,11 @@ TEST_F(AotErrors, NullPointers) {
   EXPECT_NE(std::string(mixtape_aot_error(model.m)).find("input 'x'"), std::string::npos);
   EXPECT_EQ(mixtape_aot_save(model.m, nullptr), MIXTAPE_AOT_ERROR_ARGUMENT);
   mixtape_aot_model* m = nullptr;
-  EXPECT_EQ(mixtape_aot_open(nullptr, "digits", nullptr, nullptr, 0, &m),
+  EXPECT_EQ(mixtape_aot_open(nullptr, "digits", "0", nullptr, nullptr, 0, &m),
             MIXTAPE_AOT_ERROR_ARGUMENT);
-  EXPECT_EQ(mixtape_aot_open(dir_->c_str(), "digits", nullptr, nullptr, 0, nullptr),
+  EXPECT_EQ(mixtape_aot_open(dir_->c_str(), "digits", "0", nullptr, nullptr, 0, nullptr),
+            MIXTAPE_AOT_ERROR_ARGUMENT);
+  EXPECT_EQ(mixtape_aot_open(dir_->c_str(), "digits", nullptr, nullptr, table_->bind(), 1, &m),
             MIXTAPE_AOT_ERROR_ARGUMENT);
   mixtape_aot_close(nullptr);
 }
@@ -301,7 +304,8 @@ TEST(AotExport, DynamicBatchRefusesMixingRows) {
 TEST(AotExport, StepsTakeAFixedBatch) {
   DigitsMLP net;
   mt::AdamW opt(net.parameters(), {.lr = 1e-3});
-  mt::aot::Options o{.name = "step", .dynamic_batch = {.max = 8}, .module = &net, .optimizer = &opt};
+  mt::aot::Options o{
+      .name = "step", .dynamic_batch = {.max = 8}, .module = &net, .optimizer = &opt};
   auto step = [&](const mt::Tensor& x) {
     opt.zero_grad();
     mt::Tensor loss = mt::mean(net(x));

@@ -87,6 +87,7 @@ mt::aot::PackageSpec digits_like_spec(bool step) {
   spec.outputs = {step ? mt::aot::PackageArgument{"loss", mt::f32, {1}}
                        : mt::aot::PackageArgument{"logits", mt::f32, {1024, 10}}};
   spec.variants = {{"native", "", {}}};
+  spec.manifest_xxh3 = "0123456789abcdef";
   return spec;
 }
 
@@ -224,9 +225,9 @@ typedef struct {
 static const kernel* table; static int64_t table_size; static int model;
 void kern_a(void* const* p, int64_t b, int64_t e) { (void)p; printf("a %lld %lld\n", (long long)b, (long long)e); }
 void kern_b(void* const* p, int64_t b, int64_t e) { (void)p; printf("b %lld %lld\n", (long long)b, (long long)e); }
-int mixtape_aot_open(const char* dir, const char* name, const char* device, const variant* v,
-                     int64_t n, void** out) {
-  printf("open %s %s %s %lld %s %lld\n", dir, name, device ? device : "(null)",
+int mixtape_aot_open(const char* dir, const char* name, const char* manifest, const char* device,
+                     const variant* v, int64_t n, void** out) {
+  printf("open %s %s %s %s %lld %s %lld\n", dir, name, manifest, device ? device : "(null)",
         (long long)n, v[0].target, (long long)v[0].feature_count);
   if (!out) return 1;
   table = v[0].kernels;
@@ -277,7 +278,7 @@ int main(void) {
   std::string hex;
   for (unsigned char c : odd_key) hex += fmt::format(" {:02x}", c);
   EXPECT_EQ(run(program.string(), {}),
-            "open some dir digits_train (null) 1 native 0\n"
+            "open some dir digits_train 0123456789abcdef (null) 1 native 0\n"
             "key 0: 70 6c 61 69 6e\n"
             "key 1:" +
                 hex +
@@ -292,7 +293,7 @@ int main(void) {
                 "2\n"
                 "model error|thread error\n"
                 "close 1\n"
-                "open d digits_train cpu 1 native 0\n"
+                "open d digits_train 0123456789abcdef cpu 1 native 0\n"
                 "1\n");
 }
 
@@ -352,7 +353,7 @@ struct mixtape_aot_model {
   std::string error;
 };
 inline int& opened() { static int count = 0; return count; }
-extern "C" int mixtape_aot_open(const char* dir, const char* name, const char*,
+extern "C" int mixtape_aot_open(const char* dir, const char* name, const char*, const char*,
                                 const mixtape_aot_variant* v, int64_t, mixtape_aot_model** out) {
   if (!out) return 1;
   const mixtape_aot_kernel* k = v[0].kernels;
