@@ -128,20 +128,7 @@ TEST_P(AotStep, TrainingStepEqualsCompile) {
   ASSERT_EQ(mixtape_aot_save(model.m, saved.c_str()), 0) << mixtape_aot_error(model.m);
   std::string reference = dir + "_reference.safetensors";
   mt::save_checkpoint(reference, net, &opt, {}, &scaler);
-  mt::Metadata ours, theirs;
-  auto a = mt::load_tensors(saved, &ours), b = mt::load_tensors(reference, &theirs);
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) {
-    auto found = std::find_if(b.begin(), b.end(), [&](auto& e) { return e.first == a[i].first; });
-    ASSERT_NE(found, b.end()) << a[i].first;
-    auto x = mt::cast(a[i].second, mt::f64).to_vector<double>();
-    auto y = mt::cast(found->second, mt::f64).to_vector<double>();
-    ASSERT_EQ(x.size(), y.size());
-    EXPECT_EQ(std::memcmp(x.data(), y.data(), x.size() * sizeof(double)), 0) << a[i].first;
-  }
-  std::sort(ours.begin(), ours.end());
-  std::sort(theirs.begin(), theirs.end());
-  EXPECT_EQ(ours, theirs);
+  expect_same_checkpoint(saved, reference);
   // And the C++ side reads it, and the artifact reads what C++ wrote.
   mt::load_checkpoint(saved, net, &opt, nullptr, &scaler);
   EXPECT_EQ(mixtape_aot_load(model.m, reference.c_str()), 0) << mixtape_aot_error(model.m);
