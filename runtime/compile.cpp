@@ -215,9 +215,9 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
         source = carried->second;
         if (source.first < static_cast<int>(e)) {
           why = fmt::format(
-              "evaluation {} reads a value from the previous call that evaluation {} "
+              "evaluation {} reads a value from the previous call ({}) that evaluation {} "
               "of this call replaces first",
-              e, source.first);
+              e, describe(external), source.first);
           return nullptr;
         }
       } else if (now == before) {
