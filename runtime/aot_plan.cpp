@@ -173,7 +173,9 @@ Value plan_to_json(const std::vector<TracedPlan>& traced,
         const Binding &x = planned.inputs[i], &y = t == 0 ? x : traced[t].plan->evals[e].inputs[i];
         // State and constants are the same buffers in every trace; a value an earlier
         // evaluation of the same call stored is each trace's own.
-        if (x.arg != y.arg || (x.first_value && x.object != y.object)) return false;
+        if (x.arg != y.arg || x.at_call_start != y.at_call_start ||
+            (x.first_value && x.object != y.object))
+          return false;
       }
       return true;
     };
@@ -207,6 +209,7 @@ Value plan_to_json(const std::vector<TracedPlan>& traced,
           o.emplace_back("arg", binding.arg);
         else
           o.emplace_back("buffer", buffer_index(binding.object));
+        if (binding.at_call_start) o.emplace_back("at_call_start", true);
       } else {
         Array inputs;
         for (const NodePtr& input : node.inputs) {
@@ -319,6 +322,7 @@ std::unique_ptr<Plan> plan_from_json(const Value& doc, int64_t batch,
                  v.at("buffer").as_int(), binding.object->count, name(binding.object->dtype),
                  describe(*node));
           node->value = binding.object;
+          binding.at_call_start = v.find("at_call_start") != nullptr;
         }
         binding_of.emplace(node.get(), binding);
       }

@@ -210,16 +210,10 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
           return nullptr;
         }
       } else if (auto carried = out_a.find(now); carried != out_a.end()) {
-        // Stored by the previous call: by the time this evaluation runs, its buffer must not
-        // have been overwritten by this call yet.
+        // Stored by the previous call. When an earlier evaluation of this call replaces it
+        // first, the replay hands this one the value it replaced.
         source = carried->second;
-        if (source.first < static_cast<int>(e)) {
-          why = fmt::format(
-              "evaluation {} reads a value from the previous call ({}) that evaluation {} "
-              "of this call replaces first",
-              e, describe(external), source.first);
-          return nullptr;
-        }
+        binding.at_call_start = source.first < static_cast<int>(e);
       } else if (now == before) {
         binding.object = eb.inputs[x];  // the same buffer in both calls: a constant
       } else {

@@ -60,6 +60,17 @@ void release(Plan& plan) {
 
 std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
   std::vector<Tensor> results(plan.results.size());
+  // The buffers a later evaluation reads as they were when the call began, and (once an
+  // evaluation replaced it) that value: swap_value leaves it in the fresh storage.
+  std::vector<std::pair<const Storage*, StoragePtr>> replaced;
+  for (const PlannedEvaluation& planned : plan.evals)
+    for (const Binding& binding : planned.inputs)
+      if (binding.at_call_start) replaced.emplace_back(binding.object.get(), nullptr);
+  auto call_start_value = [&](const StoragePtr& object) {
+    for (const auto& [buffer, value] : replaced)
+      if (buffer == object.get() && value) return value;
+    return object;
+  };
   for (size_t index = 0; index < plan.evals.size(); ++index) {
     PlannedEvaluation& planned = plan.evals[index];
     Evaluation& e = planned.eval;
@@ -67,6 +78,8 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
     for (size_t x = 0; x < planned.inputs.size(); ++x)
       if (planned.inputs[x].arg >= 0)
         sig.externals[x]->value = args[planned.inputs[x].arg].node()->value;
+      else if (planned.inputs[x].at_call_start)
+        sig.externals[x]->value = call_start_value(planned.inputs[x].object);
     for (Node* node : e.pending_raw) node->value.reset();
     if (e.device == Device::cuda)
       replay_cuda(e.executed, e.pending_raw);
@@ -81,8 +94,11 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
       if (int first = planned.shares_with[j]; first >= 0 && fresh != fresh_of[first])
         fail("compile: replay gave {} a buffer of its own, where the trace had it share one",
              describe(*node));
-      if (planned.result_slot[j] < 0 && planned.shares_with[j] < 0)
+      if (planned.result_slot[j] < 0 && planned.shares_with[j] < 0) {
         e.outputs[j]->swap_value(*fresh);
+        for (auto& [buffer, value] : replaced)
+          if (buffer == e.outputs[j].get() && !value) value = fresh;  // now the old value
+      }
       fresh_of[j] = std::move(fresh);
     }
     // Every result from here, a value returned twice included.
@@ -92,7 +108,10 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
         results[r] = result_leaf(*sig.stored[j], fresh_of[j]);
       }
     for (size_t x = 0; x < planned.inputs.size(); ++x)
-      if (planned.inputs[x].arg >= 0) sig.externals[x]->value.reset();
+      if (planned.inputs[x].arg >= 0)
+        sig.externals[x]->value.reset();
+      else if (planned.inputs[x].at_call_start)
+        sig.externals[x]->value = planned.inputs[x].object;
   }
   run_hooks(plan.hooks);
   return results;

@@ -45,6 +45,10 @@ struct Binding {
   // The buffer's value when the earlier of the two traces the plan compares read it (the state
   // before that call), which AOT export saves; null for arguments.
   StoragePtr first_value;
+  // The evaluation reads the value `object` had when the call began, which an earlier
+  // evaluation of the call replaces (a returned loss evaluated after the optimizer's step reads
+  // the weights the step updated): the replay keeps what that evaluation replaced.
+  bool at_call_start = false;
 };
 
 struct PlannedEvaluation {

@@ -455,6 +455,39 @@ TEST(Compile, TransformerWithDropoutReplaysBitForBit) {
   }
 }
 
+// A returned loss that the backward pass does not need (the gradient of a mean needs no forward
+// value) is evaluated after the optimizer's step, from the weights as they were before it: the
+// replay hands that evaluation the values the step replaced.
+TEST(Compile, ALossEvaluatedAfterTheStepReadsTheWeightsItWasComputedFrom) {
+  struct Run {
+    mt::Generator gen{7};
+    mt::TransformerBlock block{16, 2, 0.1, &gen};
+    mt::AdamW opt{block.parameters(), {.lr = 1e-2}};
+    mt::Tensor step(const mt::Tensor& x) {
+      opt.zero_grad();
+      mt::Tensor loss = mt::mean(block(x));
+      loss.backward();
+      opt.step();
+      return loss;
+    }
+  };
+  mt::Generator data(3);
+  mt::Tensor x = mt::randn({2, 8, 16}, mt::f32, &data);
+  Run plain_run, compiled_run;
+  auto step = mt::compile([&](const mt::Tensor& a) { return compiled_run.step(a); });
+  std::vector<uint32_t> plain, compiled;
+  for (int i = 0; i < 6; ++i) {
+    plain.push_back(bits(plain_run.step(x))[0]);
+    compiled.push_back(bits(step(x))[0]);
+  }
+  EXPECT_EQ(plain, compiled);
+  for (size_t i = 0; i < plain_run.opt.params().size(); ++i)
+    EXPECT_EQ(bits(plain_run.opt.params()[i]), bits(compiled_run.opt.params()[i])) << i;
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 3) << step.stats().reason;
+  }
+}
+
 // A tensor made from host data inside the function is a new input every call: no replay.
 TEST(Compile, HostDataMadeInsideTheFunctionIsNotFrozen) {
   MlpRun run;
