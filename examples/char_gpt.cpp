@@ -205,8 +205,10 @@ void export_model(CharGpt& model, const mt::CharVocab& vocab, const mt::PolicyPt
     return mt::cast(model(tokens), mt::f32);
   };
   int64_t context = model.config().context;
-  mt::aot::Options options{
-      .name = "char_gpt", .dynamic_batch = {.max = kExportMaxBatch}, .module = &model};
+  mt::aot::Options options{.name = "char_gpt",
+                           .dynamic_batch = {.max = kExportMaxBatch},
+                           .module = &model,
+                           .devices = mt::aot::exportable_devices()};
   mt::aot::export_function(logits, {mt::aot::input("tokens", {kExportMaxBatch, context}, mt::i64)},
                            {"logits"}, dir, options);
   std::string path = dir + "/" + kVocabFile;

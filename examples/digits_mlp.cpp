@@ -197,7 +197,8 @@ int run(const Options& o) {
     mt::aot::Options step_options{.name = "digits_mlp_train",
                                   .module = &net,
                                   .optimizer = optimizer.get(),
-                                  .scaler = &scaler};
+                                  .scaler = &scaler,
+                                  .devices = mt::aot::exportable_devices()};
     mt::aot::export_step(
         [&](const mt::Tensor& x, const mt::Tensor& y) { return train_step(x, y).reshape({1}); },
         {mt::aot::input("x", {o.batch, 64}, mt::f32), mt::aot::input("y", {o.batch}, mt::i64)},
@@ -224,7 +225,10 @@ int run(const Options& o) {
 
   if (!o.save.empty()) mt::save_checkpoint(o.save, net, optimizer.get());
   if (!o.export_dir.empty()) {
-    mt::aot::Options options{.name = "digits_mlp", .dynamic_batch = {.max = 1024}, .module = &net};
+    mt::aot::Options options{.name = "digits_mlp",
+                             .dynamic_batch = {.max = 1024},
+                             .module = &net,
+                             .devices = mt::aot::exportable_devices()};
     mt::aot::export_function(classify, {mt::aot::input("x", {1024, 64}, mt::f32)}, {"logits"},
                              o.export_dir, options);
     std::printf(

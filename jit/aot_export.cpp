@@ -12,8 +12,10 @@
 #include <unistd.h>
 
 #include "codegen/emit_llvm.h"
+#include "codegen/nvrtc.h"
 #include "dsl/graph.h"
 #include "dsl/json.h"
+#include "jit/aot_cuda.h"
 #include "jit/aot_package.h"
 #include "jit/llvm_jit.h"
 #include "precision_policy/grad_scaler.h"
@@ -171,6 +173,12 @@ struct Session {
 
 }  // namespace
 
+std::vector<std::string> exportable_devices() {
+  std::vector<std::string> devices{"cpu"};
+  if (nvrtc_available()) devices.push_back("cuda");
+  return devices;
+}
+
 Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
                          const std::vector<std::string>& outputs, const std::string& dir,
                          const Options& o, bool step) {
@@ -194,6 +202,13 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   int64_t max = o.dynamic_batch.max;
   if (max < 0 || (max > 0 && batch > max) || batch < 1)
     fail("aot: the export batch {} must be in 1..{}", batch, max > 0 ? max : batch);
+
+  bool cuda = false;
+  for (const std::string& device : o.devices) {
+    if (device != "cpu" && device != "cuda")
+      fail("aot: unknown device '{}' in Options::devices (cpu, cuda)", device);
+    cuda = cuda || device == "cuda";
+  }
 
   Session session(o, step);
   std::vector<TracedPlan> traced;
@@ -308,6 +323,13 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
         }
     }
   if (traced.size() > 1) check_kernels_serve(by_key, traced.back());
+  CudaKernels cuda_kernels;
+  std::vector<int64_t> gpu_batches = cuda_batches(batch, max);
+  if (cuda) {
+    std::vector<StoragePtr> storages;
+    for (const auto& [storage, info] : buffers) storages.push_back(storage);
+    cuda_kernels = compile_cuda_kernels(plan_doc, storages, gpu_batches, o.cuda_archs, o.name);
+  }
   Exported exported;
   exported.dir = dir;
   Array kernel_list;
@@ -315,6 +337,7 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   spec.dir = dir;
   spec.name = o.name;
   spec.step = step;
+  spec.cuda = cuda;
   spec.max_batch = max;
   spec.variants.push_back({"native", "", host_cpu_features()});
   for (const std::string& cpu : o.cpu_targets) {
@@ -374,6 +397,23 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   FileDigest weights_digest = digest_file(staged);
   files.emplace_back(o.name + ".safetensors",
                      Object{{"bytes", weights_digest.bytes}, {"xxh3_64", weights_digest.xxh3_64}});
+  Object cuda_info;
+  if (cuda) {
+    Array images;
+    for (const CudaImage& image : cuda_kernels.images) {
+      std::string file = cuda_image_file(o.name, image);
+      images.push_back(Object{{"arch", image.arch}, {"file", file}});
+      files.emplace_back(file, Object{{"bytes", static_cast<int64_t>(image.bytes.size())},
+                                      {"xxh3_64", digest_bytes(image.bytes).xxh3_64}});
+    }
+    Array batches, functions;
+    for (int64_t b : gpu_batches) batches.emplace_back(b);
+    for (const std::string& f : cuda_kernels.functions) functions.emplace_back(f);
+    cuda_info = Object{{"nvrtc", nvrtc_version()},
+                       {"batches", std::move(batches)},
+                       {"images", std::move(images)},
+                       {"kernels", std::move(functions)}};
+  }
   Array variants;
   for (const PackageVariant& variant : spec.variants) {
     Array features;
@@ -388,7 +428,7 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
                   {"mixtape_version", MIXTAPE_VERSION},
                   {"name", o.name},
                   {"kind", step ? "step" : "function"},
-                  {"devices", Array{"cpu"}},
+                  {"devices", cuda ? Array{"cpu", "cuda"} : Array{"cpu"}},
                   {"cpu_variants", std::move(variants)},
                   {"batch", Object{{"export", batch}, {"max", max}}},
                   {"inputs", argument_list(input_names, input_dtypes, input_shapes)},
@@ -398,6 +438,7 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
                   {"buffers", std::move(buffer_list)},
                   {"kernels", std::move(kernel_list)},
                   {"files", std::move(files)}};
+  if (cuda) manifest.emplace_back("cuda", std::move(cuda_info));
   if (step) {
     Array metadata;
     for (const auto& [k, v] : named.metadata) metadata.push_back(Array{k, v});
@@ -412,6 +453,12 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   write_file_atomically(path(o.name + ".plan"), [&](int fd) {
     write_all(fd, plan_text.data(), plan_text.size(), path(o.name + ".plan"));
   });
+  for (const CudaImage& image : cuda_kernels.images) {
+    std::string file = path(cuda_image_file(o.name, image));
+    write_file_atomically(
+        file, [&](int fd) { write_all(fd, image.bytes.data(), image.bytes.size(), file); });
+    exported.files.push_back(std::filesystem::path(file).filename().string());
+  }
   std::filesystem::rename(staged, path(o.name + ".safetensors"));
   write_file_atomically(path(o.name + ".json"), [&](int fd) {
     write_all(fd, manifest_text.data(), manifest_text.size(), path(o.name + ".json"));

@@ -52,7 +52,17 @@ struct Options {
   /// that CPU, best first. NAME_open takes the first build whose features the CPU has (or the one
   /// "cpu:TARGET" names).
   std::vector<std::string> cpu_targets{};
+  /// Where the artifact runs: "cpu" (always built, so that it runs anywhere) and "cuda", which
+  /// adds the GPU kernels compiled by NVRTC at export (NVRTC is not needed where it runs).
+  std::vector<std::string> devices{"cpu"};
+  /// For "cuda": a CUBIN per compute capability (80: sm_80, for every 8.x GPU; 90: sm_90), and
+  /// PTX of the lowest, which the driver compiles for newer GPUs.
+  std::vector<int> cuda_archs{80, 90};
 };
+
+/// The devices this machine exports for: "cpu", and "cuda" where NVRTC loads (a GPU is not
+/// needed to export for one).
+std::vector<std::string> exportable_devices();
 
 /// What an export wrote.
 struct Exported {

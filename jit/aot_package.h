@@ -38,6 +38,7 @@ struct PackageSpec {
   std::string dir;    // the export directory (created when missing)
   std::string name;   // a C identifier ([A-Za-z_][A-Za-z0-9_]*, no C or C++ keyword)
   bool step = false;  // a training step: adds NAME_save and NAME_load
+  bool cuda = false;  // the artifact has CUDA kernels: adds NAME_run_device
   /// > 0: dim 0 of every argument (of rank 1 or more) varies at run time, 1..max_batch. 0: the
   /// shapes are fixed, and the batch passed to NAME_run must equal the first input's dim 0.
   int64_t max_batch = 0;

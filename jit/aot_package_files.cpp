@@ -368,6 +368,15 @@ void {0}_close({0}* m);
       spec.step ? "Runs one training step on the batch, updating the state kept in m. Arguments:"
                 : "Runs the function on the batch. Arguments:",
       batch_line, arguments, run_parameters(spec), variant_targets(spec));
+  if (spec.cuda)
+    text += fmt::format(R"(
+/* {0}_run on a model opened on "cuda", with device pointers (CUdeviceptr, as from cudaMalloc)
+ * of device 0, in the primary context the CUDA runtime uses, in place of host buffers. The
+ * inputs must be ready (their stream synchronized); {0}_run_device returns once the outputs
+ * are written. */
+int {0}_run_device({1});
+)",
+                        n, run_parameters(spec));
   if (spec.step)
     text += fmt::format(R"(
 /* Saves the training state of m to path as a safetensors checkpoint, in mt::save_checkpoint's
@@ -466,6 +475,13 @@ void {0}_close({0}* m) {{
 )",
                       n, c_string(n), table, spec.variants.size(), run_parameters(spec), arrays,
                       inputs, outputs, c_string(spec.manifest_xxh3));
+  if (spec.cuda)
+    text += fmt::format(R"(
+int {0}_run_device({1}) {{
+{2}  return mixtape_aot_run_device((mixtape_aot_model*)m, batch, {3}, {4});
+}}
+)",
+                        n, run_parameters(spec), arrays, inputs, outputs);
   if (spec.step)
     text += fmt::format(R"(
 int {0}_save({0}* m, const char* path) {{

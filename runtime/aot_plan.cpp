@@ -252,7 +252,7 @@ Value plan_to_json(const std::vector<TracedPlan>& traced,
 
 std::unique_ptr<Plan> plan_from_json(const Value& doc, int64_t batch,
                                      const std::vector<StoragePtr>& buffers,
-                                     const KernelLoader& load) {
+                                     const KernelLoader& load, Device device) {
   if (doc.at("format").as_string() != kPlanFormat)
     fail("the plan's format is {}, this runtime reads {}", doc.at("format").as_string(),
          kPlanFormat);
@@ -345,7 +345,7 @@ std::unique_ptr<Plan> plan_from_json(const Value& doc, int64_t batch,
     nodes.clear();
     for (const std::weak_ptr<Node>& node : computed)
       if (!node.expired()) e.pending_raw.push_back(node.lock().get());
-    e.device = Device::cpu;
+    e.device = device;
     e.executed.sig = sign_cpu(e.pending_raw, required, options);
     for (Node* node : e.pending_raw) e.pending.push_back(node->shared_from_this());
     const Signature& sig = e.executed.sig;

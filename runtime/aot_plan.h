@@ -51,10 +51,11 @@ json::Value plan_to_json(const std::vector<TracedPlan>& traced,
                          std::vector<std::pair<StoragePtr, PlanBuffer>>& buffers);
 
 /// The plan of `doc` at `batch`, its buffers bound to `buffers` (one per document buffer) and its
-/// programs built with `load` (kernels looked up, not compiled). An mt::Error for a document that
-/// does not make a valid plan.
+/// programs built with `load` (kernels looked up, not compiled) to replay on `device` (cpu or
+/// cuda: the same programs, each back end's kernels). An mt::Error for a document that does not
+/// make a valid plan.
 std::unique_ptr<Plan> plan_from_json(const json::Value& doc, int64_t batch,
                                      const std::vector<StoragePtr>& buffers,
-                                     const KernelLoader& load);
+                                     const KernelLoader& load, Device device = Device::cpu);
 
 }  // namespace mixtape::aot

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <unordered_map>
 
 #include "dsl/convert.h"
@@ -16,6 +17,11 @@
 #include "runtime/aot_plan.h"
 #include "runtime/cpu_features.h"
 #include "runtime/cpu_kernels.h"
+#include "runtime/cublaslt.h"
+#include "runtime/cuda_driver.h"
+#include "runtime/cuda_executor.h"
+#include "runtime/cuda_fixed_kernels.h"
+#include "runtime/cuda_values.h"
 #include "runtime/device.h"
 #include "runtime/file_digest.h"
 #include "runtime/safetensors.h"
@@ -84,6 +90,9 @@ std::vector<Argument> arguments(const Value& list) {
 struct mixtape_aot_model {
   std::string dir, name, error;
   std::string cpu_target;  // the kernel variant in use
+  mt::Device device = mt::Device::cpu;
+  mt::cuda::CUmodule cuda_module = nullptr;  // cuda: the artifact's kernels, loaded
+  std::vector<int64_t> cuda_batches;         // cuda: the batch sizes its kernels are for
   Value manifest, plan_doc;
   bool step = false;
   int64_t export_batch = 0, max_batch = 0;  // max_batch 0: the batch is fixed
@@ -100,6 +109,15 @@ struct mixtape_aot_model {
   std::string path(const std::string& file) const { return dir + "/" + file; }
 
   mt::KernelRef find_kernel(const mt::kir::Kernel& kernel) const {
+    if (device == mt::Device::cuda) {
+      try {
+        return mt::prebuilt_cuda_kernel(cuda_module, kernel);
+      } catch (const mt::Error& e) {
+        raise(MIXTAPE_AOT_ERROR_RUN,
+              fmt::format("{}: the artifact's CUDA module has no kernel {} ({})", name, kernel.name,
+                          e.what()));
+      }
+    }
     auto found = kernels.find(mt::aot::kernel_key(kernel));
     if (found == kernels.end() ||
         (mt::aot::serves_smaller_dim0(kernel) && kernel.dims[0] > found->second.dim0))
@@ -118,14 +136,26 @@ struct mixtape_aot_model {
         plans.erase(plan_order.front());
         plan_order.erase(plan_order.begin());
       }
-      auto plan = mt::aot::plan_from_json(plan_doc, batch, buffers,
-                                          [&](const mt::kir::Kernel& k) { return find_kernel(k); });
+      auto plan = mt::aot::plan_from_json(
+          plan_doc, batch, buffers, [&](const mt::kir::Kernel& k) { return find_kernel(k); },
+          device);
       found = plans.emplace(batch, std::move(plan)).first;
     } else {
       std::erase(plan_order, batch);
     }
     plan_order.push_back(batch);
     return *found->second;
+  }
+
+  // The batch the programs run at for `batch` rows: on cuda, the smallest batch the kernels
+  // were compiled for that holds them (the rows beyond are zero).
+  int64_t run_batch(int64_t batch) const {
+    if (device != mt::Device::cuda) return batch;
+    for (int64_t b : cuda_batches)
+      if (b >= batch) return b;
+    raise(MIXTAPE_AOT_ERROR_RUN,
+          fmt::format("{}: no CUDA kernels for batch {} (the artifact has {})", name, batch,
+                      fmt::join(cuda_batches, ", ")));
   }
 
   mt::Shape shape_at(const Argument& a, int64_t batch) const {
@@ -241,6 +271,75 @@ const mixtape_aot_variant& choose_variant(const mixtape_aot_model& m, const std:
                     m.name, fmt::join(refusals, "; ")));
 }
 
+// Why the GPU cannot run an artifact's kernels ("" when it can): the driver, a device, and
+// cuBLASLt for the matmuls. NVRTC is not needed: the kernels are compiled.
+std::string gpu_unusable_reason() {
+  if (!mt::cuda::available()) return mt::cuda::unavailable_reason();
+  if (!mt::cuda::cublaslt_available()) return mt::cuda::cublaslt_unavailable_reason();
+  return {};
+}
+
+// The module for this GPU: the CUBIN of the newest arch of the GPU's major version at or below
+// it (an sm_80 CUBIN runs on every 8.x), else PTX of an arch at or below it, which the driver
+// compiles. Loaded once per process and image, as the JIT keeps its modules.
+void open_cuda(mixtape_aot_model& m) {
+  const Value& info = m.manifest.at("cuda");
+  for (const Value& b : info.at("batches").as_array()) m.cuda_batches.push_back(b.as_int());
+  if (m.cuda_batches.empty() || !std::is_sorted(m.cuda_batches.begin(), m.cuda_batches.end()))
+    raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: the manifest's cuda batches are not a sorted "
+                                              "list",
+                                              m.name));
+  int cc = mt::cuda::compute_capability();
+  const Value* chosen = nullptr;
+  int chosen_arch = 0;
+  std::vector<std::string> archs;
+  for (const Value& image : info.at("images").as_array()) {
+    const std::string& arch = image.at("arch").as_string();
+    archs.push_back(arch);
+    bool cubin = arch.starts_with("sm_");
+    int number = 0;
+    std::string digits = arch.substr(arch.find('_') + 1);
+    auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), number);
+    if (ec != std::errc() || end != digits.data() + digits.size())
+      raise(MIXTAPE_AOT_ERROR_FILE,
+            fmt::format("{}: the manifest names an arch '{}'", m.name, arch));
+    bool runs = cubin ? number / 10 == cc / 10 && number <= cc : number <= cc;
+    // A CUBIN beats PTX; among CUBINs the newest that runs.
+    if (runs && (!chosen || (cubin && (!chosen->at("arch").as_string().starts_with("sm_") ||
+                                       number > chosen_arch)))) {
+      chosen = &image;
+      chosen_arch = number;
+    }
+  }
+  if (!chosen)
+    raise(MIXTAPE_AOT_ERROR_DEVICE,
+          fmt::format("{}: this GPU ({}, compute capability {}.{}) runs none of the artifact's "
+                      "CUDA builds ({}); export it again with its arch in Options::cuda_archs",
+                      m.name, mt::cuda::device_name(), cc / 10, cc % 10, fmt::join(archs, ", ")));
+  const std::string& file = chosen->at("file").as_string();
+  if (!m.manifest.at("files").find(file))
+    raise(MIXTAPE_AOT_ERROR_FILE,
+          fmt::format("{}: the manifest has no checksum for {}", m.name, file));
+  std::string image = read_text(m.path(file), kMaxPlanBytes);
+  std::string digest = mt::digest_bytes(image).xxh3_64;
+  if (digest != m.manifest.at("files").at(file).at("xxh3_64").as_string())
+    raise(MIXTAPE_AOT_ERROR_FILE,
+          fmt::format("{}: {} changed after it was checked", m.name, m.path(file)));
+  static std::mutex mutex;
+  static std::map<std::string, mt::cuda::CUmodule> modules;  // by the image's XXH3
+  std::lock_guard<std::mutex> lock(mutex);
+  mt::cuda::CUmodule& module = modules[digest];
+  if (!module) {
+    try {
+      module = mt::cuda::load_module(std::span<const char>(image.data(), image.size()));
+    } catch (const mt::Error& e) {
+      raise(MIXTAPE_AOT_ERROR_DEVICE, fmt::format("{}: {}: {}", m.name, m.path(file), e.what()));
+    }
+  }
+  m.cuda_module = module;
+  mt::use_prebuilt_fixed_kernels(module);
+}
+
 void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const char* device,
                 const mixtape_aot_variant* variants, int64_t variant_count) {
   std::string manifest_path = m.path(m.name + ".json");
@@ -273,7 +372,9 @@ void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const ch
                       manifest.at("name").as_string(), m.name));
   std::vector<std::string> devices;
   for (const Value& d : manifest.at("devices").as_array()) devices.push_back(d.as_string());
-  std::string wanted = device ? device : devices.at(0);
+  bool has_cuda = std::find(devices.begin(), devices.end(), "cuda") != devices.end();
+  // NULL: the GPU where the artifact has kernels for it and the machine can run them.
+  std::string wanted = device ? device : has_cuda && gpu_unusable_reason().empty() ? "cuda" : "cpu";
   std::string kind = wanted.substr(0, wanted.find(':'));
   if ((kind != "cpu" && kind != "cuda") || (kind == "cuda" && wanted != "cuda"))
     raise(MIXTAPE_AOT_ERROR_ARGUMENT,
@@ -283,17 +384,26 @@ void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const ch
     raise(MIXTAPE_AOT_ERROR_DEVICE,
           fmt::format("{}: the artifact has no kernels for {} (it was exported for: {})", m.name,
                       kind, fmt::join(devices, ", ")));
-  const mixtape_aot_variant& variant = choose_variant(m, wanted, variants, variant_count);
-  m.cpu_target = variant.target;
+  if (kind == "cuda") {
+    if (std::string reason = gpu_unusable_reason(); !reason.empty())
+      raise(MIXTAPE_AOT_ERROR_DEVICE, fmt::format("{}: device cuda: {}", m.name, reason));
+    variant_count = 0;  // the programs run the artifact's CUDA kernels, and host ops
+    m.device = mt::Device::cuda;
+  }
+  const mixtape_aot_variant* variant =
+      kind == "cpu" ? &choose_variant(m, wanted, variants, variant_count) : nullptr;
+  if (variant) m.cpu_target = variant->target;
   verify_files(m);
-  for (int64_t i = 0; i < variant.kernel_count; ++i) {
-    const mixtape_aot_kernel& kernel = variant.kernels[i];
+  if (m.device == mt::Device::cuda) open_cuda(m);
+  for (int64_t i = 0; variant && i < variant->kernel_count; ++i) {
+    const mixtape_aot_kernel& kernel = variant->kernels[i];
     if (!kernel.key || !kernel.function)
       raise(MIXTAPE_AOT_ERROR_ARGUMENT,
-            fmt::format("{}: kernel {} of the {} table is NULL", m.name, i, variant.target));
+            fmt::format("{}: kernel {} of the {} table is NULL", m.name, i, variant->target));
     m.kernels[kernel.key] = {kernel.function, 0};
   }
   for (const Value& k : manifest.at("kernels").as_array()) {
+    if (!variant) break;
     auto found = m.kernels.find(k.at("key").as_string());
     if (found == m.kernels.end())
       raise(MIXTAPE_AOT_ERROR_FILE,
@@ -324,11 +434,37 @@ void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const ch
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: the manifest's step count buffer {} does not "
                                               "exist",
                                               m.name, m.steps_buffer));
-  m.plan_for(m.export_batch);  // builds the programs now, so the first run is a run
+  m.plan_for(m.run_batch(m.export_batch));  // builds the programs now: the first run is a run
 }
 
-void run_model(mixtape_aot_model& m, int64_t batch, const void* const* inputs,
-               void* const* outputs) {
+// The bytes of an argument the caller's buffer holds: `batch` rows of a dynamic batch, else
+// the whole value.
+size_t caller_bytes(const mixtape_aot_model& m, const Argument& a, int64_t batch) {
+  mt::Shape shape = m.shape_at(a, batch);
+  return static_cast<size_t>(mt::numel(shape)) * mt::size_of(a.dtype);
+}
+
+// `value` as `dtype`, exactly widened where a narrower type stored it (a bf16 matmul's result
+// under autocast reaches the caller as the traced type, as to_vector() gives it in C++).
+mt::StoragePtr as_dtype(mt::StoragePtr value, mt::DType dtype, bool on_device) {
+  if (value->dtype == dtype) return value;
+  bool gpu_types = (value->dtype == mt::f32 || mt::is_half(value->dtype)) &&
+                   (dtype == mt::f32 || mt::is_half(dtype));
+  if (on_device && gpu_types) return mt::convert_on_device(*value, dtype);
+  auto widened = std::make_shared<mt::Storage>(dtype, value->count, mt::Storage::Uninitialized{});
+  for (int64_t i = 0; i < value->count; ++i)
+    mt::store_element(*widened, i, mt::load_element<double>(*value, i));
+  return widened;
+}
+
+// One call: `batch` rows of host buffers (or, `on_device`, device pointers of a cuda model),
+// run at m.run_batch(batch) rows.
+void run_model(mixtape_aot_model& m, int64_t batch, const void* const* inputs, void* const* outputs,
+               bool on_device) {
+  if (on_device && m.device != mt::Device::cuda)
+    raise(MIXTAPE_AOT_ERROR_ARGUMENT,
+          fmt::format("{}: run_device needs a model opened on cuda; this one runs on the cpu",
+                      m.name));
   int64_t low = m.max_batch > 0 ? 1 : m.export_batch;
   int64_t high = m.max_batch > 0 ? m.max_batch : m.export_batch;
   if (batch < low || batch > high)
@@ -338,42 +474,54 @@ void run_model(mixtape_aot_model& m, int64_t batch, const void* const* inputs,
               : fmt::format("{}: batch {} is outside 1..{}", m.name, batch, high));
   if ((!inputs && !m.inputs.empty()) || (!outputs && !m.outputs.empty()))
     raise(MIXTAPE_AOT_ERROR_ARGUMENT, fmt::format("{}: the input or output array is NULL", m.name));
+  int64_t rows = m.run_batch(batch);
   std::vector<mt::Tensor> args;
   for (size_t i = 0; i < m.inputs.size(); ++i) {
     if (!inputs[i])
       raise(MIXTAPE_AOT_ERROR_ARGUMENT,
             fmt::format("{}: input '{}' is NULL", m.name, m.inputs[i].name));
-    mt::Shape shape = m.shape_at(m.inputs[i], batch);
-    auto storage = std::make_shared<mt::Storage>(m.inputs[i].dtype, mt::numel(shape),
-                                                 mt::Storage::Uninitialized{});
-    std::memcpy(storage->bytes.data(), inputs[i], static_cast<size_t>(storage->size_bytes()));
+    mt::Shape shape = m.shape_at(m.inputs[i], rows);
+    mt::DType dtype = m.inputs[i].dtype;
+    size_t given = caller_bytes(m, m.inputs[i], batch);
+    mt::StoragePtr storage;
+    if (on_device) {
+      storage = mt::device_value(dtype, mt::numel(shape));
+      mt::cuda::CUdeviceptr address = mt::device_address(*storage);
+      if (given > 0)
+        mt::cuda::copy_device_to_device_async(address, mt::cuda::device_ptr(inputs[i]), given);
+      if (static_cast<size_t>(storage->size_bytes()) > given)
+        mt::cuda::memset_async(address + given, 0, storage->size_bytes() - given);
+    } else {
+      storage = rows == batch ? std::make_shared<mt::Storage>(dtype, mt::numel(shape),
+                                                              mt::Storage::Uninitialized{})
+                              : std::make_shared<mt::Storage>(dtype, mt::numel(shape));
+      if (given > 0) std::memcpy(storage->bytes.data(), inputs[i], given);
+    }
     args.push_back(mt::from_storage(std::move(storage), shape));
   }
   for (size_t o = 0; o < m.outputs.size(); ++o)
     if (!outputs[o])
       raise(MIXTAPE_AOT_ERROR_ARGUMENT,
             fmt::format("{}: output '{}' is NULL", m.name, m.outputs[o].name));
-  std::vector<mt::Tensor> results = replay(m.plan_for(batch), args);
+  std::vector<mt::Tensor> results = replay(m.plan_for(rows), args);
   for (size_t o = 0; o < m.outputs.size(); ++o) {
-    mt::StoragePtr value_ptr = results.at(o).node()->value;
-    mt::Shape shape = m.shape_at(m.outputs[o], batch);
-    // A value stored in a narrower type than its traced one (a bf16 matmul under autocast)
-    // reaches the caller as the traced type, exactly widened, as to_vector() gives it in C++.
-    if (value_ptr->dtype != m.outputs[o].dtype) {
-      auto widened = std::make_shared<mt::Storage>(m.outputs[o].dtype, value_ptr->count,
-                                                   mt::Storage::Uninitialized{});
-      for (int64_t i = 0; i < value_ptr->count; ++i)
-        mt::store_element(*widened, i, mt::load_element<double>(*value_ptr, i));
-      value_ptr = std::move(widened);
-    }
-    const mt::Storage& value = *value_ptr;
-    if (value.dtype != m.outputs[o].dtype || value.count != mt::numel(shape))
+    const Argument& out = m.outputs[o];
+    mt::Shape shape = m.shape_at(out, rows);
+    mt::StoragePtr value = as_dtype(results.at(o).node()->value, out.dtype, on_device);
+    if (value->dtype != out.dtype || value->count != mt::numel(shape))
       raise(MIXTAPE_AOT_ERROR_RUN,
             fmt::format("{}: output '{}' came out as {} {} values, the manifest says {} {}", m.name,
-                        m.outputs[o].name, value.count, mt::name(value.dtype), mt::to_string(shape),
-                        mt::name(m.outputs[o].dtype)));
-    std::memcpy(outputs[o], value.host_data(), static_cast<size_t>(value.size_bytes()));
+                        out.name, value->count, mt::name(value->dtype), mt::to_string(shape),
+                        mt::name(out.dtype)));
+    size_t bytes = caller_bytes(m, out, batch);
+    if (bytes == 0) continue;
+    if (on_device)
+      mt::cuda::copy_device_to_device_async(mt::cuda::device_ptr(outputs[o]),
+                                            mt::device_address(*value), bytes);
+    else
+      std::memcpy(outputs[o], value->host_data(), bytes);
   }
+  if (on_device) mt::cuda_synchronize();
 }
 
 void require_step(const mixtape_aot_model& m, const char* what) {
@@ -518,7 +666,15 @@ int mixtape_aot_run(mixtape_aot_model* model, int64_t batch, const void* const* 
                     void* const* outputs) {
   return guarded(model, [&] {
     if (!model) raise(MIXTAPE_AOT_ERROR_ARGUMENT, "run: the model is NULL");
-    run_model(*model, batch, inputs, outputs);
+    run_model(*model, batch, inputs, outputs, false);
+  });
+}
+
+int mixtape_aot_run_device(mixtape_aot_model* model, int64_t batch, const void* const* inputs,
+                           void* const* outputs) {
+  return guarded(model, [&] {
+    if (!model) raise(MIXTAPE_AOT_ERROR_ARGUMENT, "run_device: the model is NULL");
+    run_model(*model, batch, inputs, outputs, true);
   });
 }
 

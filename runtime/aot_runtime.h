@@ -52,6 +52,10 @@ int mixtape_aot_open(const char* dir, const char* name, const char* manifest_xxh
    buffers in the manifest's order and dtypes, at `batch` rows. */
 int mixtape_aot_run(mixtape_aot_model* model, int64_t batch, const void* const* inputs,
                     void* const* outputs);
+/* mixtape_aot_run on a model opened on "cuda", with device pointers of device 0 (its primary
+   context) for the inputs and outputs; returns once the outputs are written. */
+int mixtape_aot_run_device(mixtape_aot_model* model, int64_t batch, const void* const* inputs,
+                           void* const* outputs);
 /* Steps only: the state, as mixtape's save_checkpoint writes it (and load_checkpoint reads). */
 int mixtape_aot_save(mixtape_aot_model* model, const char* path);
 int mixtape_aot_load(mixtape_aot_model* model, const char* path);

@@ -341,36 +341,6 @@ std::shared_ptr<Storage> copy_on_device(Storage& value) {
   return copy;
 }
 
-// A one-line kernel whose store rounds as lower() makes every store round.
-std::shared_ptr<Storage> convert_on_device(Storage& value, DType dtype) {
-  kir::Kernel kernel;
-  kernel.name =
-      fmt::format("mixtape_convert_{}_{}_{}", name(value.dtype), name(dtype), value.count);
-  kernel.params = {{value.dtype, false}, {dtype, true}};
-  kernel.dims = {value.count};
-  kir::Value load(kir::Op::Load, kir::register_type(value.dtype));
-  load.param = 0;
-  load.map = {0, {1}};
-  kernel.body.push_back(load);
-  if (is_half(dtype)) {  // stores expect values already rounded to their type, as lower() makes
-    kir::Value rounded(kir::Op::RoundTo, kir::Type::f32);
-    rounded.a = 0;
-    rounded.dtype = dtype;
-    kernel.body.push_back(rounded);
-  }
-  kernel.stores.push_back({1, static_cast<int32_t>(kernel.body.size()) - 1, {0, {1}}});
-  const LoadedKernel& loaded =
-      *reinterpret_cast<const LoadedKernel*>(register_kernel(kernel).address);
-  compile_pending();
-  auto out = device_value(dtype, value.count);
-  cuda::CUdeviceptr in_ptr = device_address(value), out_ptr = out->device->buffer.address();
-  void* args[] = {&in_ptr, &out_ptr};
-  cuda::launch(loaded.function, {loaded.launch.grid, 1, 1}, {loaded.launch.block, 1, 1},
-               loaded.launch.shared_bytes, args);
-  ++stats().kernels;
-  return out;
-}
-
 bool cuda_backend_available() { return cached_reason().empty(); }
 std::string cuda_backend_unavailable_reason() { return cached_reason(); }
 
@@ -390,7 +360,16 @@ ExecutedProgram execute_cuda(const std::vector<Node*>& pending,
   return executed;
 }
 
+KernelRef prebuilt_cuda_kernel(cuda::CUmodule module, const kir::Kernel& kernel) {
+  auto loaded = std::make_shared<LoadedKernel>();
+  loaded->kernel = std::make_shared<const kir::Kernel>(kernel);
+  loaded->launch = cuda_launch_shape(kernel);
+  loaded->function = cuda::get_function(module, kernel.name);
+  return {reinterpret_cast<uintptr_t>(loaded.get()), std::move(loaded)};
+}
+
 void replay_cuda(const ExecutedProgram& executed, const std::vector<Node*>& pending) {
+  Storage::set_host_fetch(fetch_to_host);  // an artifact's replay may be the first CUDA work
   run_program(*executed.program, pending, executed.sig,
               {run_kernel, run_matmul, run_other, &stream_timer});
 }

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "dsl/node.h"
+#include "runtime/cuda_driver.h"
 #include "runtime/program.h"
 
 namespace mixtape {
@@ -24,6 +25,10 @@ std::string cuda_backend_unavailable_reason();
 /// host: their inputs are downloaded and their result uploaded when a GPU step reads it. Nothing
 /// waits for the GPU except those downloads.
 ExecutedProgram execute_cuda(const std::vector<Node*>& pending, const std::vector<Node*>& required);
+/// The KernelLoader of programs whose kernels are in `module`, loaded already (an AOT
+/// artifact's): no compiler runs. The program's step keeps what it loads. An mt::Error names a
+/// kernel the module does not hold.
+KernelRef prebuilt_cuda_kernel(cuda::CUmodule module, const kir::Kernel& kernel);
 /// execute_cuda's replay_cpu.
 void replay_cuda(const ExecutedProgram& executed, const std::vector<Node*>& pending);
 

@@ -3,6 +3,7 @@
 #include "runtime/cuda_fixed_kernels.h"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <mutex>
 #include <span>
@@ -241,6 +242,24 @@ static __device__ __forceinline__ void mt_random_block(unsigned long long counte
 
 // Elements [0, count) of the stream (seed, offset): rand, or randn when `normal`, stored as
 // dtype (f32, f16 or bf16; rand's values that round up to 1 take the largest one below).
+// out[i] = in[i] converted between f32, f16 and bf16, rounded to nearest even as emitted stores
+// round (a Load, then RoundTo for a 16-bit result).
+extern "C" __global__ void mt_convert(const void* __restrict__ in, int in_dtype,
+                                      void* __restrict__ out, int out_dtype, long long count) {
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < count;
+       i += stride) {
+    const float v = in_dtype == MT_F32   ? static_cast<const float*>(in)[i]
+                    : in_dtype == MT_F16 ? mt_f16_to_f32(static_cast<const unsigned short*>(in)[i])
+                                         : mt_bf16_to_f32(static_cast<const unsigned short*>(in)[i]);
+    if (out_dtype == MT_F32)
+      static_cast<float*>(out)[i] = v;
+    else if (out_dtype == MT_F16)
+      static_cast<unsigned short*>(out)[i] = mt_f32_to_f16(mt_round_f16(v));
+    else
+      static_cast<unsigned short*>(out)[i] = mt_f32_to_bf16(mt_round_bf16(v));
+  }
+}
 extern "C" __global__ void mt_random_fill(void* out, int dtype, int normal, long long count,
                                           unsigned long long seed,
                                           const unsigned long long* offset_value) {
@@ -272,16 +291,22 @@ bool is_float_dtype(DType t) { return t == f32 || t == f64 || is_half(t); }
 // The compiled module's functions, compiled (or taken from the kernel cache) on first use.
 struct FixedKernels {
   cuda::CUfunction copy_box[4] = {}, index_select[4] = {}, index_add = nullptr,
-                   random_fill = nullptr;
+                   random_fill = nullptr, convert = nullptr;
 };
+
+std::atomic<cuda::CUmodule> prebuilt_module{nullptr};
 
 const FixedKernels& fixed_kernels() {
   static FixedKernels loaded;
   static std::once_flag once;
   std::call_once(once, [] {
-    std::string arch = nvrtc_target(cuda::compute_capability());
-    std::string image = compile_cuda(cuda_fixed_kernels_source(), arch, "mixtape_fixed_kernels.cu");
-    cuda::CUmodule module = cuda::load_module(std::span<const char>(image.data(), image.size()));
+    cuda::CUmodule module = prebuilt_module.load();
+    if (!module) {
+      std::string arch = nvrtc_target(cuda::compute_capability());
+      std::string image =
+          compile_cuda(cuda_fixed_kernels_source(), arch, "mixtape_fixed_kernels.cu");
+      module = cuda::load_module(std::span<const char>(image.data(), image.size()));
+    }
     for (int w = 0; w < 4; ++w) {
       loaded.copy_box[w] = cuda::get_function(module, fmt::format("mt_copy_box_{}", 1 << w));
       loaded.index_select[w] =
@@ -289,6 +314,7 @@ const FixedKernels& fixed_kernels() {
     }
     loaded.index_add = cuda::get_function(module, "mt_index_add");
     loaded.random_fill = cuda::get_function(module, "mt_random_fill");
+    loaded.convert = cuda::get_function(module, "mt_convert");
   });
   return loaded;
 }
@@ -438,6 +464,23 @@ bool run_random_fill(Node& node) {
 }
 
 }  // namespace
+
+void use_prebuilt_fixed_kernels(cuda::CUmodule module) {
+  cuda::CUmodule none = nullptr;
+  prebuilt_module.compare_exchange_strong(none, module);
+}
+
+std::shared_ptr<Storage> convert_on_device(Storage& value, DType dtype) {
+  auto out = device_value(dtype, value.count);
+  if (value.count > 0) {
+    cuda::CUdeviceptr from = device_address(value), to = device_address(*out);
+    int in_dtype = static_cast<int>(value.dtype), out_dtype = static_cast<int>(dtype);
+    long long count = value.count;
+    void* params[] = {&from, &in_dtype, &to, &out_dtype, &count};
+    launch(fixed_kernels().convert, count, params);
+  }
+  return out;
+}
 
 std::string cuda_fixed_kernels_source() {
   return std::string(cuda_prelude()) +

@@ -5,13 +5,20 @@
 #include <string>
 
 #include "dsl/node.h"
+#include "runtime/cuda_driver.h"
 
 namespace mixtape {
 
 /// The CUDA C++ of the fixed kernels (the emitted kernels' prelude first): box copies for
 /// 1/2/4/8-byte elements, row gathers, row sums in the reference's order and rounding, and the
-/// f32/f16/bf16 rand and randn streams of runtime/random_fill.h.
+/// f32/f16/bf16 rand and randn streams of runtime/random_fill.h, and conversions between f32, f16
+/// and bf16 (convert_on_device).
 std::string cuda_fixed_kernels_source();
+
+/// The fixed kernels come from `module` (an AOT artifact's, compiled from
+/// cuda_fixed_kernels_source() with its other kernels) instead of NVRTC: the first module given
+/// before their first use serves the process (every module holds the same kernels).
+void use_prebuilt_fixed_kernels(cuda::CUmodule module);
 
 /// Runs `node` on the GPU when it is a Concat, Unslice, IndexSelect, IndexAdd, RandUniform or
 /// RandNormal of dtypes these kernels cover, its inputs' values there or uploaded. False, with

@@ -1,0 +1,156 @@
+// tests/gpu/test_gpu_aot.cpp -- an artifact's CUDA half on a GPU: the exported function's cuda
+// outputs equal the JIT's on cuda (host and device pointers), and N exported training steps on
+// cuda leave the state mt::compile's N steps on cuda leave, bit for bit.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+
+#include "examples/digits_model.h"
+#include "runtime/cuda_allocator.h"
+#include "runtime/cuda_executor.h"
+#include "tests/aot_test_util.h"
+
+namespace mt = mixtape;
+namespace fs = std::filesystem;
+
+namespace {
+
+using namespace mt::aot_test;
+
+#define SKIP_WITHOUT_CUDA()                                                          \
+  do {                                                                               \
+    if (!mt::cuda_backend_available())                                               \
+      GTEST_SKIP() << "CUDA unavailable: " << mt::cuda_backend_unavailable_reason(); \
+  } while (0)
+
+struct DeviceScope {
+  mt::Device previous = mt::current_device();
+  ~DeviceScope() { mt::set_device(previous); }
+};
+
+std::vector<float> inputs(int64_t batch, uint64_t seed) {
+  mt::Generator g(seed);
+  return mt::rand({batch, 64}, mt::f32, &g).to_vector<float>();
+}
+
+mixtape_aot_model* open_cuda(const std::string& dir, const std::string& name,
+                             const mt::aot::Exported& exported) {
+  mixtape_aot_model* m = nullptr;
+  int code = mixtape_aot_open(dir.c_str(), name.c_str(), exported.manifest_xxh3.c_str(), "cuda",
+                              nullptr, 0, &m);
+  EXPECT_EQ(code, 0) << mixtape_aot_error(nullptr);
+  return m;
+}
+
+class GpuAotFunction : public testing::TestWithParam<std::string> {};
+
+// At a batch the kernels were compiled for, the artifact runs the JIT's programs: equal bits. A
+// batch between runs at the next one, padded with zero rows: equal to the JIT there.
+TEST_P(GpuAotFunction, CudaOutputsEqualTheJitsOnCuda) {
+  SKIP_WITHOUT_CUDA();
+  DeviceScope scope;
+  mt::manual_seed(3);
+  DigitsMLP net;
+  std::string dir = temp_dir("gpu_fn_" + GetParam());
+  auto forward = [&](const mt::Tensor& x) {
+    auto policy = policy_scope(GetParam());
+    return mt::cast(net(x), mt::f32);
+  };
+  mt::aot::Options o{
+      .name = "digits", .dynamic_batch = {.max = 64}, .module = &net, .devices = {"cpu", "cuda"}};
+  mt::aot::Exported exported = mt::aot::export_function(
+      forward, {mt::aot::input("x", {64, 64}, mt::f32)}, {"logits"}, dir, o);
+  mixtape_aot_model* m = open_cuda(dir, "digits", exported);
+  ASSERT_NE(m, nullptr);
+  mt::set_device(mt::Device::cuda);
+  for (auto [batch, padded] : {std::pair<int64_t, int64_t>{64, 64}, {1, 1}, {16, 16}, {7, 8}}) {
+    std::vector<float> x = inputs(batch, 10 + batch), x_padded = x;
+    x_padded.resize(padded * 64, 0.0f);
+    std::vector<float> expected;
+    {
+      mt::NoGradGuard no_grad;
+      expected = forward(mt::tensor(x_padded, {padded, 64})).to_vector<float>();
+    }
+    expected.resize(batch * 10);
+    std::vector<float> got(batch * 10), got_device(batch * 10);
+    const void* in[] = {x.data()};
+    void* out[] = {got.data()};
+    ASSERT_EQ(mixtape_aot_run(m, batch, in, out), 0) << mixtape_aot_error(m);
+    EXPECT_EQ(first_difference(got, expected), got.size()) << "batch " << batch;
+    // The same through device pointers.
+    mt::cuda::DeviceBuffer x_device(x.size() * sizeof(float)), y_device(got.size() * sizeof(float));
+    mt::cuda::upload(x_device.address(), x.data(), x.size() * sizeof(float));
+    const void* device_in[] = {x_device.data()};
+    void* device_out[] = {y_device.data()};
+    ASSERT_EQ(mixtape_aot_run_device(m, batch, device_in, device_out), 0) << mixtape_aot_error(m);
+    mt::cuda::download(got_device.data(), y_device.address(), got_device.size() * sizeof(float));
+    EXPECT_EQ(first_difference(got_device, expected), got.size()) << "batch " << batch;
+  }
+  mixtape_aot_close(m);
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(Policies, GpuAotFunction, testing::Values("fp32", "bf16"));
+
+TEST(GpuAotStep, CudaStepsEqualCompileOnCuda) {
+  SKIP_WITHOUT_CUDA();
+  DeviceScope scope;
+  constexpr int64_t batch = 32, steps = 5;
+  mt::manual_seed(5);
+  DigitsMLP net;
+  mt::AdamW opt(net.parameters(), {.lr = 1e-3});
+  mt::GradScaler scaler({.init_scale = 1024});
+  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    opt.zero_grad();
+    mt::Tensor loss;
+    {
+      mt::autocast policy(mt::f16);
+      loss = mt::cross_entropy(net(x), y);
+    }
+    scaler.scale(loss).backward();
+    scaler.step(opt);
+    scaler.update();
+    return loss;
+  };
+  mt::Generator g(9);
+  train_step(mt::randn({batch, 64}, mt::f32, &g), mt::zeros({batch}, mt::i64));
+  std::string dir = temp_dir("gpu_step");
+  mt::aot::Options o{.name = "digits_train",
+                     .module = &net,
+                     .optimizer = &opt,
+                     .scaler = &scaler,
+                     .devices = {"cpu", "cuda"}};
+  mt::aot::Exported exported = mt::aot::export_step(
+      train_step,
+      {mt::aot::input("x", {batch, 64}, mt::f32), mt::aot::input("y", {batch}, mt::i64)}, {"loss"},
+      dir, o);
+  mixtape_aot_model* m = open_cuda(dir, "digits_train", exported);
+  ASSERT_NE(m, nullptr);
+  mt::set_device(mt::Device::cuda);
+  auto compiled = mt::compile(train_step);
+  for (int64_t s = 0; s < steps; ++s) {
+    std::vector<float> x = mt::randn({batch, 64}, mt::f32, &g).to_vector<float>();
+    if (s == 2)
+      for (float& v : x) v *= 3e4f;  // overflows f16: the scaler skips the step
+    std::vector<int64_t> y(batch);
+    for (int64_t i = 0; i < batch; ++i) y[i] = (i * 7 + s) % 10;
+    float want =
+        compiled(mt::tensor(x, {batch, 64}), mt::tensor(y, {batch}, mt::i64)).to_vector<float>()[0];
+    float loss = 0;
+    const void* in[] = {x.data(), y.data()};
+    void* out[] = {&loss};
+    ASSERT_EQ(mixtape_aot_run(m, batch, in, out), 0) << mixtape_aot_error(m);
+    EXPECT_EQ(std::memcmp(&loss, &want, sizeof loss), 0)
+        << "step " << s << ": " << loss << " against " << want;
+  }
+  std::string saved = dir + "_saved.safetensors", reference = dir + "_reference.safetensors";
+  ASSERT_EQ(mixtape_aot_save(m, saved.c_str()), 0) << mixtape_aot_error(m);
+  mt::save_checkpoint(reference, net, &opt, {}, &scaler);
+  expect_same_checkpoint(saved, reference);
+  mixtape_aot_close(m);
+  for (const std::string& f : {saved, reference}) fs::remove(f);
+  fs::remove_all(dir);
+}
+
+}  // namespace
