@@ -68,12 +68,21 @@ std::optional<Tensor> join_adjacent_unslices(const Tensor& a, const Tensor& b) {
   return unslice(joined, first.attrs.starts, first.attrs.steps, x.shape);
 }
 
-// The contributions to one node's gradient, in the order they arrived.
-using Terms = std::unordered_map<const Node*, std::vector<Tensor>>;
+// The contributions to each node's gradient, in the order they arrived, and the nodes in the
+// order their first contribution did. Whatever emits graph nodes per node walks them in that
+// order, never in the map's: its hash order follows node addresses, which differ from call to
+// call, and the ids of the emitted nodes (the order a traced step's graph is signed in) would
+// too, so that mt::compile saw a different graph in consecutive calls.
+struct Terms {
+  std::unordered_map<const Node*, std::vector<Tensor>> of;
+  std::vector<const Node*> arrival;
+};
 
 void accumulate(Terms& grads, const NodePtr& node, Tensor g) {
   if (g.dtype() != node->dtype) g = cast(g, node->dtype);
-  grads[node.get()].push_back(std::move(g));
+  auto [it, added] = grads.of.try_emplace(node.get());
+  if (added) grads.arrival.push_back(node.get());
+  it->second.push_back(std::move(g));
 }
 
 // A node's gradient once every contribution is in (reverse tape order sees to that): adjacent
@@ -97,9 +106,9 @@ const Tensor& combine(std::vector<Tensor>& terms) {
 
 }  // namespace
 
-std::unordered_map<const Node*, Tensor> backpropagate(const std::vector<NodePtr>& roots,
-                                                      const std::vector<Tensor>& seeds,
-                                                      bool create_graph) {
+std::vector<std::pair<const Node*, Tensor>> backpropagate(const std::vector<NodePtr>& roots,
+                                                          const std::vector<Tensor>& seeds,
+                                                          bool create_graph) {
   if (seeds.size() != roots.size())
     fail("backpropagate: {} seeds for {} roots", seeds.size(), roots.size());
   for (size_t i = 0; i < roots.size(); ++i)
@@ -113,16 +122,17 @@ std::unordered_map<const Node*, Tensor> backpropagate(const std::vector<NodePtr>
     if (roots[i]->requires_grad) accumulate(grads, roots[i], seeds[i]);
   for (const NodePtr& node : tape_in_reverse(roots)) {
     if (op_info(node->op).kind == OpKind::Leaf) continue;
-    auto found = grads.find(node.get());
-    if (found == grads.end()) continue;
+    auto found = grads.of.find(node.get());
+    if (found == grads.of.end()) continue;
     BackwardScope scope(*node);
     std::vector<Tensor> input_grads = vjp(node, combine(found->second));
     for (size_t i = 0; i < input_grads.size() && i < node->inputs.size(); ++i)
       if (input_grads[i].defined() && node->inputs[i]->requires_grad)
         accumulate(grads, node->inputs[i], input_grads[i]);
   }
-  std::unordered_map<const Node*, Tensor> result;
-  for (auto& [node, terms] : grads) result.emplace(node, combine(terms));
+  std::vector<std::pair<const Node*, Tensor>> result;
+  result.reserve(grads.arrival.size());
+  for (const Node* node : grads.arrival) result.emplace_back(node, combine(grads.of.at(node)));
   return result;
 }
 
@@ -196,7 +206,8 @@ std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<T
     if (!inputs[i].defined()) op_fail("grad", loc, "input {} is undefined", i);
     if (!inputs[i].requires_grad()) op_fail("grad", loc, "input {} does not require grad", i);
   }
-  auto grads = backpropagate(roots, seeds, create_graph);
+  std::unordered_map<const Node*, Tensor> grads;
+  for (auto& [node, g] : backpropagate(roots, seeds, create_graph)) grads.emplace(node, g);
   std::vector<Tensor> result;
   for (size_t i = 0; i < inputs.size(); ++i) {
     auto found = grads.find(inputs[i].node().get());

@@ -1,7 +1,7 @@
 // autograd/grad.h -- functional gradients (mt::grad) and the tape walk behind backward().
 #pragma once
 
-#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "dsl/tensor.h"
@@ -16,9 +16,11 @@ std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<T
                          bool allow_unused = false, const Loc& loc = Loc::current());
 
 /// Walks the tape from `roots` (seeded with `seeds`) and returns the gradient of every node
-/// that requires grad on the way.
-std::unordered_map<const Node*, Tensor> backpropagate(const std::vector<NodePtr>& roots,
-                                                      const std::vector<Tensor>& seeds,
-                                                      bool create_graph);
+/// that requires grad on the way, in the order the walk reached them: a fixed order for a given
+/// graph (never one that follows node addresses), so that what callers build from the list is
+/// the same graph every time.
+std::vector<std::pair<const Node*, Tensor>> backpropagate(const std::vector<NodePtr>& roots,
+                                                          const std::vector<Tensor>& seeds,
+                                                          bool create_graph);
 
 }  // namespace mixtape

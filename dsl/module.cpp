@@ -1,6 +1,7 @@
 // dsl/module.cpp -- module registration, recursive parameter listing and state dicts.
 #include "dsl/module.h"
 
+#include <algorithm>
 #include <set>
 
 #include "dsl/ops.h"
@@ -62,7 +63,9 @@ void Module::collect(const std::string& prefix, bool buffers, NamedTensors& out)
 
 std::vector<Tensor> Module::parameters() const {
   std::vector<Tensor> out;
-  for (auto& [name, tensor] : named_parameters()) out.push_back(tensor);
+  for (auto& [name, tensor] : named_parameters())
+    if (std::none_of(out.begin(), out.end(), [&](const Tensor& t) { return t.same(tensor); }))
+      out.push_back(tensor);
   return out;
 }
 

@@ -22,9 +22,13 @@ class Module {
   Module(const Module&) = delete;
   Module& operator=(const Module&) = delete;
 
-  /// Every parameter of this module and its descendants, in registration order.
+  /// Every parameter of this module and its descendants, in registration order. A tensor
+  /// registered under several names (a tied weight) is listed once, at its first name, as in
+  /// PyTorch's Module.parameters(): an optimizer refuses a tensor listed twice, and
+  /// clip_grad_norm would count its gradient twice.
   std::vector<Tensor> parameters() const;
-  /// ("fc1.weight", tensor) pairs, names relative to this module.
+  /// ("fc1.weight", tensor) pairs, names relative to this module; a tied weight under each of
+  /// its names (a checkpoint stores every name).
   NamedTensors named_parameters() const;
   NamedTensors named_buffers() const;
   /// Parameters then buffers, by name.

@@ -33,6 +33,15 @@ Optimizer::Optimizer(std::vector<Tensor> params, const char* kind)
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!params_[i].defined()) fail("{}: parameter {} is undefined", kind_, i);
     if (!params_[i].requires_grad()) fail("{}: parameter {} does not require grad", kind_, i);
+    // Updated twice from the same value, the second assign would win and the step be taken
+    // once, but the tensor would have two sets of state, saved under one checkpoint name.
+    // (PyTorch warns of duplicates in a group and refuses a tensor in two groups.)
+    for (size_t j = 0; j < i; ++j)
+      if (params_[i].same(params_[j]))
+        fail(
+            "{}: parameter {} is parameter {} again (a weight tied under two names?); list each "
+            "tensor once, as Module::parameters() does",
+            kind_, i, j);
   }
   set_steps_taken(0);
   note_optimizer_parameters(params_, true);

@@ -9,7 +9,8 @@
 
 namespace mixtape {
 
-/// Base of all optimizers: holds the parameters and their per-parameter state tensors.
+/// Base of all optimizers: holds the parameters and their per-parameter state tensors. Each
+/// tensor may be listed once (mt::Error otherwise); Module::parameters() lists a tied weight once.
 /// step() builds every update as graph code and evaluates them together as one program.
 class Optimizer {
  public:

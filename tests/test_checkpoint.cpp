@@ -202,6 +202,56 @@ TEST_F(Checkpoint, OptimizerStateIsSavedUnderParameterPaths) {
   EXPECT_TRUE(bytes_of(entries[5].second) == bytes_of(run.opt->state(0)[1].second));
 }
 
+// A weight registered under a second name (tied embeddings) is one tensor: parameters() lists
+// it once, as PyTorch's does, so an optimizer built from it keeps one set of state, which the
+// checkpoint saves under the first name named_parameters() gives; the module's entries keep
+// both names. An optimizer
+// given the tensor twice refuses it (two sets of state under one name, each update computed
+// twice and the second kept).
+TEST_F(Checkpoint, ATiedWeightIsOneParameterWithOneOptimizerState) {
+  struct Tied : mt::Module {
+    mt::Generator gen{4};
+    mt::Linear fc{3, 3, true, &gen};
+    mt::Tensor head;
+    Tied() {
+      register_module("fc", fc);
+      head = register_parameter("head", fc.weight);
+    }
+  };
+  Tied net;
+  EXPECT_EQ(net.named_parameters().size(), 3u);
+  ASSERT_EQ(net.parameters().size(), 2u);
+  EXPECT_TRUE(net.parameters()[0].same(net.fc.weight));
+  EXPECT_TRUE(net.parameters()[1].same(net.fc.bias));
+  EXPECT_THROW(mt::AdamW({net.fc.weight, net.fc.bias, net.head}), mt::Error);
+  mt::AdamW opt(net.parameters(), {.lr = 1e-2});
+  mt::Tensor x = mt::ones({2, 3});
+  for (int i = 0; i < 2; ++i) {
+    opt.zero_grad();
+    mt::sum(mt::matmul(net.fc(x), net.head)).backward();
+    opt.step();
+  }
+  mt::save_checkpoint(path("tied.safetensors"), net, &opt);
+  std::vector<std::string> names;
+  for (const auto& [name, tensor] : mt::load_tensors(path("tied.safetensors")))
+    names.push_back(name);
+  // A module's own parameters come before its children's: "head" is the weight's first name.
+  std::vector<std::string> expected{"head",
+                                    "fc.weight",
+                                    "fc.bias",
+                                    "optimizer.head.exp_avg",
+                                    "optimizer.head.exp_avg_sq",
+                                    "optimizer.fc.bias.exp_avg",
+                                    "optimizer.fc.bias.exp_avg_sq"};
+  EXPECT_EQ(names, expected);
+  Snapshot saved = snapshot(net, &opt);
+  Tied other;
+  mt::AdamW other_opt(other.parameters(), {.lr = 1e-2});
+  mt::load_checkpoint(path("tied.safetensors"), other, &other_opt);
+  EXPECT_TRUE(other.head.same(other.fc.weight));
+  EXPECT_TRUE(snapshot(other, &other_opt) == saved);
+}
+
 TEST_F(Checkpoint, MetadataRoundTrips) {
   Training run = mlp_run(1);
   run.train(0, 2);

@@ -649,4 +649,63 @@ TEST(Compile, ResultsFedBackAsArgumentsAndErrorsPassThrough) {
   EXPECT_EQ(bits(cell(replayed)), bits(mt::tanh(mt::matmul(replayed, w) + x)));
 }
 
+// Every parameter here gets its gradient from several uses (the model runs twice per backward
+// pass, and the tied weight is used twice per run), so backward sums several terms for each
+// leaf, and a second backward pass adds to each gradient. The order it did both in once came
+// from a hash map keyed by node address, which differs between calls: the graph of one call
+// then differed from the next's now and then, and mt::compile traced again. Fresh runs each plan at
+// their third call (the first also creates the step count) and replay every call after it, bit for
+// bit what tracing every call computes.
+struct TwiceTied : mt::Module {
+  mt::Linear first, second;
+  mt::Tensor head;
+  explicit TwiceTied(mt::Generator* gen) : first(8, 8, true, gen), second(8, 8, true, gen) {
+    register_module("first", first);
+    register_module("second", second);
+    head = register_parameter("head", second.weight);
+  }
+  mt::Tensor operator()(const mt::Tensor& x) const {
+    return mt::matmul(second(mt::tanh(first(x))), head);
+  }
+};
+
+TEST(Compile, AStepWithParametersUsedSeveralTimesIsTracedTheSameEveryCall) {
+  struct Run {
+    mt::Generator gen{5};
+    TwiceTied net{&gen};
+    mt::SGD opt{net.parameters(), mt::SGDOptions{.lr = 1e-3}};
+    mt::Tensor step(const mt::Tensor& x) {
+      opt.zero_grad();
+      mt::Tensor loss = mt::sum(net(x) * net(x));
+      loss.backward();
+      // A second micro-batch adds its gradients to those of the first, parameter by parameter.
+      mt::Tensor half = x * 0.5;
+      mt::sum(net(half) * net(half)).backward();
+      opt.step();
+      return loss;
+    }
+  };
+  mt::Generator data(6);
+  mt::Tensor x = mt::randn({4, 8}, mt::f32, &data);
+  mt::eval({x});
+  const int calls = 5;
+  for (int run = 0; run < 12; ++run) {
+    Run plain_run, compiled_run;
+    auto step = mt::compile([&](const mt::Tensor& a) { return compiled_run.step(a); });
+    std::vector<uint32_t> plain, compiled;
+    for (int i = 0; i < calls; ++i) {
+      plain.push_back(bits(plain_run.step(x))[0]);
+      compiled.push_back(bits(step(x))[0]);
+    }
+    ASSERT_EQ(plain, compiled) << "run " << run;
+    for (size_t i = 0; i < plain_run.opt.params().size(); ++i)
+      ASSERT_EQ(bits(plain_run.opt.params()[i]), bits(compiled_run.opt.params()[i]))
+          << "run " << run << ", parameter " << i;
+    if (replays_here()) {
+      ASSERT_EQ(step.stats().traces, 3) << "run " << run << ": " << step.stats().reason;
+      ASSERT_EQ(step.stats().replays, calls - 3) << "run " << run;
+    }
+  }
+}
+
 }  // namespace

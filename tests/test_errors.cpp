@@ -605,6 +605,8 @@ TEST(Errors, Nn) { run(nn_cases()); }
 std::vector<Case> optim_cases() {
   mt::Tensor p = mt::zeros({2});
   p.requires_grad_();
+  mt::Tensor q = mt::zeros({3});
+  q.requires_grad_();
   mt::Tensor frozen = mt::zeros({2});
   auto sgd = std::make_shared<mt::SGD>(std::vector<mt::Tensor>{p}, mt::SGDOptions{});
   auto adam = std::make_shared<mt::Adam>(std::vector<mt::Tensor>{p}, mt::AdamOptions{});
@@ -615,6 +617,7 @@ std::vector<Case> optim_cases() {
       CASE("SGD", mt::SGD({}, {}), "empty parameter list"),
       CASE("SGD", mt::SGD({mt::Tensor()}, {}), "parameter 0 is undefined"),
       CASE("SGD", mt::SGD({p, frozen}, {}), "parameter 1 does not require grad"),
+      CASE("SGD", mt::SGD({p, q, p}, {}), "parameter 2 is parameter 0 again", "once"),
       CASE("SGD", mt::SGD({p}, {.lr = -1}), "learning rate", "-1"),
       CASE("SGD", mt::SGD({p}, {.lr = nan}), "learning rate", "nan"),
       CASE("SGD", mt::SGD({p}, {.lr = 0.1, .momentum = -0.5}), "momentum"),
