@@ -47,6 +47,12 @@ struct Options {
   const Module* module = nullptr;
   const Optimizer* optimizer = nullptr;
   const GradScaler* scaler = nullptr;
+  /// The random generators the step draws from (dropout, rand, randn; mt::default_generator()
+  /// when none is passed), by name as CheckpointOptions::generators names them: each one's
+  /// offset is state the artifact keeps and NAME_save writes as metadata
+  /// "generator.<name>.offset". Its seed is compiled into the step, saved as
+  /// "generator.<name>.seed", and NAME_load refuses a checkpoint with another seed.
+  std::vector<std::pair<std::string, Generator*>> generators{};
   /// The kernels are compiled for the export machine's CPU ("native"); each LLVM CPU name here
   /// ("x86-64-v3", "x86-64-v2", "x86-64" for any x86-64, "znver3", ...) adds a build of them for
   /// that CPU, best first. NAME_open takes the first build whose features the CPU has (or the one
