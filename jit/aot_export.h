@@ -124,8 +124,9 @@ Exported export_function(F fn, const std::vector<Input>& inputs,
 
 /// Exports a whole training step (forward, backward, loss scaling, optimizer update): each
 /// NAME_run is one call of `fn`, updating the state the artifact keeps (parameters, optimizer
-/// and scaler state), which starts as the state before the export. The step is traced by
-/// calling it twice on zeros, as mt::compile's first calls are, and the state those calls
+/// and scaler state, the offsets of Options::generators), which starts as the state before the
+/// export. A step that draws random numbers (dropout) must name its generators there. The step is
+/// traced by calling it twice on zeros, as mt::compile's first calls are, and the state those calls
 /// changed is put back afterwards. A step whose first call differs from later ones (an
 /// optimizer's first step creates its state) is called once more, and the model and the
 /// artifact then start from the state after that first call: train a step before exporting.

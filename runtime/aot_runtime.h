@@ -52,7 +52,8 @@ int mixtape_aot_open(const char* dir, const char* name, const char* manifest_xxh
    buffers in the manifest's order and dtypes, at `batch` rows. */
 int mixtape_aot_run(mixtape_aot_model* model, int64_t batch, const void* const* inputs,
                     void* const* outputs);
-/* Steps only: the state, as mixtape's save_checkpoint writes it (and load_checkpoint reads). */
+/* Steps only: the state, as mixtape's save_checkpoint writes it (and load_checkpoint reads).
+   A load refuses a checkpoint whose generator seeds differ from those compiled into the step. */
 int mixtape_aot_save(mixtape_aot_model* model, const char* path);
 int mixtape_aot_load(mixtape_aot_model* model, const char* path);
 /* The last error of `model`, or with NULL the calling thread's last error; "" when none. */
