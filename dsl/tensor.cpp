@@ -362,6 +362,8 @@ Tensor Generator::draw(uint64_t count) {
   return first;
 }
 
+const Tensor& Generator::offset_tensor() const { return state_->offset; }
+
 Generator& default_generator() {
   static Generator generator(0);
   return generator;

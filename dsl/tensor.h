@@ -154,6 +154,9 @@ class Generator {
   /// For draws (rand, randn): the offset a draw of `count` counters starts at, as a graph value;
   /// the generator's offset moves on past them as graph code, without a host read.
   Tensor draw(uint64_t count);
+  /// The offset as the graph value draws read (0-d i64 holding its bits): the state a traced
+  /// step carries for this generator, which AOT export names (mt::aot::Options::generators).
+  const Tensor& offset_tensor() const;
 
  private:
   struct State;

@@ -3,6 +3,7 @@
 #include "jit/aot_export.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <filesystem>
 #include <map>
@@ -40,6 +41,12 @@ struct Named {
   std::vector<std::pair<StoragePtr, PlanBuffer>> buffers;  // the checkpoint's tensors first
   std::vector<std::pair<std::string, std::string>> metadata;
   StoragePtr steps;  // the optimizer's step count (metadata "optimizer.steps")
+  struct Drawn {
+    std::string name;
+    uint64_t seed;
+    StoragePtr offset;  // metadata "generator.<name>.offset"
+  };
+  std::vector<Drawn> generators;
 };
 
 void add(Named& named, const std::string& name, const Tensor& t) {
@@ -76,7 +83,27 @@ Named checkpoint_names(const Options& o) {
       else
         named.metadata.emplace_back("scaler." + name, fmt::format("{}", value.item()));
     }
+  // A generator's offset is metadata in a checkpoint; the artifact keeps it as a tensor.
+  for (const auto& [name, generator] : o.generators) {
+    add(named, "aot.generator." + name + ".offset", generator->offset_tensor());
+    named.generators.push_back({name, generator->seed(), named.buffers.back().first});
+  }
   return named;
+}
+
+// The buffers a draw (rand, randn, dropout) reads as its generator's offset.
+std::set<const Storage*> drawn_offsets(const Plan& plan) {
+  std::set<const Storage*> out;
+  for (const PlannedEvaluation& planned : plan.evals) {
+    const std::vector<Node*>& externals = planned.eval.executed.sig.externals;
+    for (const Node* node : planned.eval.pending_raw)
+      if ((node->op == OpCode::RandUniform || node->op == OpCode::RandNormal) &&
+          !node->inputs.empty())
+        for (size_t x = 0; x < externals.size(); ++x)
+          if (node->inputs[0].get() == externals[x] && planned.inputs[x].object)
+            out.insert(planned.inputs[x].object.get());
+  }
+  return out;
 }
 
 Value argument_list(const std::vector<std::string>& names, const std::vector<DType>& dtypes,
@@ -187,6 +214,13 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
     fail("aot: the name '{}' is not a C identifier", o.name);
   if (inputs.empty()) fail("aot: {} has no inputs", o.name);
   if (step && !o.module) fail("aot: export_step needs Options::module to name the state it keeps");
+  std::set<std::string> generator_names;
+  for (const auto& [name, generator] : o.generators)
+    if (name.empty() || !generator || !generator_names.insert(name).second)
+      fail(
+          "aot: Options::generators needs a generator for each name, names not empty nor "
+          "repeated ('{}')",
+          name);
   // A step's loss is a mean over the batch, and each trace at another batch size would train.
   if (step && o.dynamic_batch.max != 0)
     fail("aot: export_step takes a fixed batch (Options::dynamic_batch is for functions)");
@@ -251,18 +285,27 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
           first_value.emplace(binding.object.get(), binding.first_value);
       }
   int64_t steps_buffer = -1;
+  std::set<const Storage*> drawn = drawn_offsets(plan), offsets;
+  for (const Named::Drawn& g : named.generators) offsets.insert(g.offset.get());
   size_t constants = 0;
   Array buffer_list;
   safetensors::File weights;
   for (size_t k = 0; k < buffers.size(); ++k) {
     auto& [storage, info] = buffers[k];
     bool named_state = k < named.buffers.size();
-    bool checkpoint = named_state && storage != named.steps;
+    bool checkpoint = named_state && storage != named.steps && !offsets.count(storage.get());
     bool carried = first_value.count(storage.get()) > 0;
+    if (!named_state && carried && drawn.count(storage.get()))
+      fail(
+          "aot: the step draws random numbers (dropout, rand, randn) from a generator that "
+          "Options::generators does not name: its offset is state the step carries from call to "
+          "call. Name each generator the step draws from in Options::generators, as "
+          "CheckpointOptions::generators names it (mt::default_generator() for draws given none)");
     if (!named_state && carried)
       fail(
           "aot: the step carries a {} {} value from call to call that {} does not name (state "
-          "of a module, optimizer or scaler not given in Options, or a buffer of its own)",
+          "of a module, optimizer or scaler not given in Options, a generator's offset not in "
+          "Options::generators, or a buffer of its own)",
           name(info.dtype), to_string(info.shape), o.module ? "the checkpoint" : "nothing");
     if (!named_state) info.name = fmt::format("constant.{}", constants++);
     if (storage == named.steps) steps_buffer = static_cast<int64_t>(k);
@@ -295,6 +338,21 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
         std::to_string(static_cast<int64_t>(
             (first_value.count(named.steps.get()) ? first_value.at(named.steps.get()) : named.steps)
                 ->as<double>()[0])));
+  Array generator_list;
+  for (const Named::Drawn& g : named.generators) {
+    const StoragePtr& offset =
+        first_value.count(g.offset.get()) ? first_value.at(g.offset.get()) : g.offset;
+    weights.metadata.emplace_back("generator." + g.name + ".seed", std::to_string(g.seed));
+    weights.metadata.emplace_back(
+        "generator." + g.name + ".offset",
+        std::to_string(std::bit_cast<uint64_t>(offset->as<int64_t>()[0])));
+    auto k = std::find_if(buffers.begin(), buffers.end(),
+                          [&](const auto& b) { return b.first == g.offset; }) -
+             buffers.begin();
+    // The seed as text: JSON numbers here are int64.
+    generator_list.push_back(Object{
+        {"name", g.name}, {"seed", std::to_string(g.seed)}, {"buffer", static_cast<int64_t>(k)}});
+  }
   // The step ran twice to be traced: its state goes back to where it was.
   for (const auto& [storage, before] : first_value) {
     auto& target = const_cast<Storage&>(*storage);
@@ -442,8 +500,9 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   if (step) {
     Array metadata;
     for (const auto& [k, v] : named.metadata) metadata.push_back(Array{k, v});
-    manifest.emplace_back(
-        "checkpoint", Object{{"metadata", std::move(metadata)}, {"steps_buffer", steps_buffer}});
+    manifest.emplace_back("checkpoint", Object{{"metadata", std::move(metadata)},
+                                               {"steps_buffer", steps_buffer},
+                                               {"generators", std::move(generator_list)}});
   }
   std::string manifest_text = json::dump(Value(std::move(manifest)));
   // The library carries the manifest's digest, and the manifest the data files': the library

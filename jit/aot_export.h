@@ -47,6 +47,12 @@ struct Options {
   const Module* module = nullptr;
   const Optimizer* optimizer = nullptr;
   const GradScaler* scaler = nullptr;
+  /// The random generators the step draws from (dropout, rand, randn; mt::default_generator()
+  /// when none is passed), by name as CheckpointOptions::generators names them: each one's
+  /// offset is state the artifact keeps and NAME_save writes as metadata
+  /// "generator.<name>.offset". Its seed is compiled into the step, saved as
+  /// "generator.<name>.seed", and NAME_load refuses a checkpoint with another seed.
+  std::vector<std::pair<std::string, Generator*>> generators{};
   /// The kernels are compiled for the export machine's CPU ("native"); each LLVM CPU name here
   /// ("x86-64-v3", "x86-64-v2", "x86-64" for any x86-64, "znver3", ...) adds a build of them for
   /// that CPU, best first. NAME_open takes the first build whose features the CPU has (or the one
@@ -128,8 +134,9 @@ Exported export_function(F fn, const std::vector<Input>& inputs,
 
 /// Exports a whole training step (forward, backward, loss scaling, optimizer update): each
 /// NAME_run is one call of `fn`, updating the state the artifact keeps (parameters, optimizer
-/// and scaler state), which starts as the state before the export. The step is traced by
-/// calling it twice on zeros, as mt::compile's first calls are, and the state those calls
+/// and scaler state, the offsets of Options::generators), which starts as the state before the
+/// export. A step that draws random numbers (dropout) must name its generators there. The step is
+/// traced by calling it twice on zeros, as mt::compile's first calls are, and the state those calls
 /// changed is put back afterwards. A step whose first call differs from later ones (an
 /// optimizer's first step creates its state) is called once more, and the model and the
 /// artifact then start from the state after that first call: train a step before exporting.

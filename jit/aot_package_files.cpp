@@ -364,7 +364,9 @@ const char* {0}_error(const {0}* m);
 void {0}_close({0}* m);
 )",
       n, MIXTAPE_VERSION, spec.step ? "training step" : "function",
-      spec.step ? ", and the training state\n * (parameters, optimizer and loss scaler state)" : "",
+      spec.step ? ", and the training state\n * (parameters, optimizer and loss scaler state, "
+                  "random generators' offsets)"
+                : "",
       spec.step ? "Runs one training step on the batch, updating the state kept in m. Arguments:"
                 : "Runs the function on the batch. Arguments:",
       batch_line, arguments, run_parameters(spec), variant_targets(spec));
@@ -384,7 +386,8 @@ int {0}_run_device({1});
 int {0}_save({0}* m, const char* path);
 
 /* Loads the training state in path (written by {0}_save or mt::save_checkpoint of the same
- * model) into m. */
+ * model) into m. The seeds of the random generators the step draws from are compiled in: a
+ * checkpoint with another seed is refused ({0}_ERROR_FILE), and m is left as it was. */
 int {0}_load({0}* m, const char* path);
 )",
                         n);

@@ -3,6 +3,7 @@
 #include "runtime/aot_runtime.h"
 
 #include <algorithm>
+#include <bit>
 #include <charconv>
 #include <cmath>
 #include <cstring>
@@ -75,6 +76,16 @@ std::string read_text(const std::string& path, size_t limit) {
   return text;
 }
 
+// Whole decimal text, as load_checkpoint reads its integers.
+uint64_t parse_uint64(const std::string& text, const char* what) {
+  uint64_t value = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || ec != std::errc() || end != text.data() + text.size())
+    raise(MIXTAPE_AOT_ERROR_FILE,
+          fmt::format("{} '{}' is not a 64-bit unsigned integer", what, text));
+  return value;
+}
+
 std::vector<Argument> arguments(const Value& list) {
   std::vector<Argument> out;
   for (const Value& v : list.as_array()) {
@@ -102,6 +113,12 @@ struct mixtape_aot_model {
   std::vector<bool> checkpointed;  // per buffer: saved by NAME_save under its name
   int64_t steps_buffer = -1;       // the optimizer's step count, saved as metadata
   std::vector<std::pair<std::string, std::string>> checkpoint_metadata;
+  struct Generator {
+    std::string name;
+    uint64_t seed;   // compiled into the plan's draws
+    int64_t buffer;  // its offset (the bits of a uint64 in an i64)
+  };
+  std::vector<Generator> generators;  // saved as metadata "generator.<name>.seed" / ".offset"
   std::unordered_map<std::string, KernelEntry> kernels;
   std::map<int64_t, std::unique_ptr<mt::Plan>> plans;  // by batch
   std::vector<int64_t> plan_order;                     // least recently used first
@@ -422,6 +439,10 @@ void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const ch
     for (const Value& kv : checkpoint.at("metadata").as_array())
       m.checkpoint_metadata.emplace_back(kv.at(0).as_string(), kv.at(1).as_string());
     m.steps_buffer = checkpoint.at("steps_buffer").as_int();
+    for (const Value& g : checkpoint.at("generators").as_array())
+      m.generators.push_back({g.at("name").as_string(),
+                              parse_uint64(g.at("seed").as_string(), "generator seed"),
+                              g.at("buffer").as_int()});
   }
   try {
     m.plan_doc =
@@ -434,6 +455,13 @@ void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const ch
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: the manifest's step count buffer {} does not "
                                               "exist",
                                               m.name, m.steps_buffer));
+  for (const auto& g : m.generators)
+    if (g.buffer < 0 || g.buffer >= static_cast<int64_t>(m.buffers.size()) ||
+        m.buffers[g.buffer]->dtype != mt::i64 || m.buffers[g.buffer]->count != 1)
+      raise(MIXTAPE_AOT_ERROR_FILE,
+            fmt::format("{}: the manifest's offset buffer of generator '{}' is not a 0-d i64 "
+                        "buffer",
+                        m.name, g.name));
   m.plan_for(m.run_batch(m.export_batch));  // builds the programs now: the first run is a run
 }
 
@@ -547,7 +575,46 @@ void save_model(const mixtape_aot_model& m, const std::string& path) {
     file.metadata.emplace_back(
         "optimizer.steps",
         std::to_string(static_cast<int64_t>(m.buffers[m.steps_buffer]->as<double>()[0])));
+  for (const auto& g : m.generators) {
+    file.metadata.emplace_back("generator." + g.name + ".seed", std::to_string(g.seed));
+    file.metadata.emplace_back(
+        "generator." + g.name + ".offset",
+        std::to_string(std::bit_cast<uint64_t>(m.buffers[g.buffer]->as<int64_t>()[0])));
+  }
   mt::safetensors::write(path, file);
+}
+
+// The offset a checkpoint holds for generator `name`, whose seed must be `seed`: the draws of
+// the plan have the seed compiled in, so a stream of another seed cannot be continued.
+uint64_t generator_offset(const mixtape_aot_model& m,
+                          const std::vector<std::pair<std::string, std::string>>& metadata,
+                          const std::string& path, const std::string& name, uint64_t seed) {
+  const std::string* seed_text = nullptr;
+  const std::string* offset_text = nullptr;
+  for (const auto& [key, value] : metadata) {
+    if (key == "generator." + name + ".seed") seed_text = &value;
+    if (key == "generator." + name + ".offset") offset_text = &value;
+  }
+  if (!seed_text || !offset_text)
+    raise(MIXTAPE_AOT_ERROR_FILE,
+          fmt::format("{}: {} holds no state for generator '{}' (metadata generator.{}.seed and "
+                      "generator.{}.offset)",
+                      m.name, path, name, name, name));
+  auto number = [&](const std::string& text, const char* what) {
+    try {
+      return parse_uint64(text, what);
+    } catch (const AotError& e) {
+      raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: {}: {}", m.name, path, e.message));
+    }
+  };
+  uint64_t saved_seed = number(*seed_text, "generator seed");
+  if (saved_seed != seed)
+    raise(MIXTAPE_AOT_ERROR_FILE,
+          fmt::format("{}: {} holds generator '{}' with seed {}, but the artifact's draws were "
+                      "compiled with seed {}: export the step again from a generator seeded {} "
+                      "to continue that stream",
+                      m.name, path, name, saved_seed, seed, saved_seed));
+  return number(*offset_text, "generator offset");
 }
 
 // A checkpoint's state, checked whole before any of it replaces the model's.
@@ -606,6 +673,9 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
   }
   if (m.steps_buffer >= 0 && steps < 0)
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: {} has no valid optimizer.steps", m.name, path));
+  std::vector<uint64_t> offsets;
+  for (const auto& g : m.generators)
+    offsets.push_back(generator_offset(m, file.metadata, path, g.name, g.seed));
   for (const auto& [k, data] : entries) {
     std::memcpy(m.buffers[k]->host_data(), data->bytes.data(), data->bytes.size());
     m.buffers[k]->host_written();
@@ -613,6 +683,11 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
   if (m.steps_buffer >= 0) {
     m.buffers[m.steps_buffer]->as<double>()[0] = static_cast<double>(steps);
     m.buffers[m.steps_buffer]->host_written();
+  }
+  for (size_t i = 0; i < offsets.size(); ++i) {
+    mt::Storage& offset = *m.buffers[m.generators[i].buffer];
+    offset.as<int64_t>()[0] = std::bit_cast<int64_t>(offsets[i]);
+    offset.host_written();
   }
 }
 

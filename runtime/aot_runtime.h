@@ -56,7 +56,8 @@ int mixtape_aot_run(mixtape_aot_model* model, int64_t batch, const void* const* 
    context) for the inputs and outputs; returns once the outputs are written. */
 int mixtape_aot_run_device(mixtape_aot_model* model, int64_t batch, const void* const* inputs,
                            void* const* outputs);
-/* Steps only: the state, as mixtape's save_checkpoint writes it (and load_checkpoint reads). */
+/* Steps only: the state, as mixtape's save_checkpoint writes it (and load_checkpoint reads).
+   A load refuses a checkpoint whose generator seeds differ from those compiled into the step. */
 int mixtape_aot_save(mixtape_aot_model* model, const char* path);
 int mixtape_aot_load(mixtape_aot_model* model, const char* path);
 /* The last error of `model`, or with NULL the calling thread's last error; "" when none. */

@@ -18,8 +18,7 @@ using namespace mixtape::aot_test;
 namespace {
 
 // Small enough that a test takes a few seconds, big enough to have every part: two blocks of two
-// heads, a context of 8. Dropout is 0: a dropout generator's offset is carried state that the
-// checkpoint (hence Options) does not name, which export_step refuses.
+// heads, a context of 8. Dropout is 0 here; tests/test_aot_dropout.cpp exports steps with dropout.
 constexpr int64_t kVocab = 13, kWidth = 16, kHeads = 2, kTime = 8, kMaxBatch = 360;
 GptConfig small_gpt() {
   return {.vocab = kVocab, .layers = 2, .heads = kHeads, .width = kWidth, .context = kTime};
