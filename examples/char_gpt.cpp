@@ -40,7 +40,7 @@ struct Options {
   std::string loss_scale = "none";  // none | static:N | dynamic
   uint64_t seed = 0;
   bool json_only = false;
-  bool compile = false;    // the training step through mt::compile (traced twice, then replayed)
+  bool compile = true;     // the training step through mt::compile (traced twice, then replayed)
   std::string export_dir;  // --export: the trained model as a C library (examples/deploy/)
 };
 
@@ -55,7 +55,7 @@ constexpr const char* kUsage =
     "                [--schedule cosine|constant] [--warmup N]\n"
     "                [--eval-every N] [--eval-batches N] [--sample N] [--temperature X (0: "
     "greedy)]\n"
-    "                [--prompt TEXT] [--seed N] [--json] [--compile] [--export DIR]\n"
+    "                [--prompt TEXT] [--seed N] [--json] [--no-compile] [--export DIR]\n"
     "                [--policy fp32|autocast-f16|autocast-bf16|pure-f16|pure-bf16]\n"
     "                [--loss-scale none|static:N|dynamic]\n";
 
@@ -127,6 +127,8 @@ Options parse(int argc, char** argv) {
       o.loss_scale = value();
     else if (flag == "--compile")
       o.compile = true;
+    else if (flag == "--no-compile")
+      o.compile = false;
     else if (flag == "--export")
       o.export_dir = value();
     else if (flag == "--json")
@@ -296,8 +298,8 @@ int run(const Options& o) {
 
   using Clock = std::chrono::steady_clock;
   double train_seconds = 0, train_loss = 0, val_loss = 0, last_batch_loss = 0;
-  // One training step as a function of the batch, so that --compile can replay it; the learning
-  // rate is set outside it (set_lr writes a graph input in place).
+  // One training step as a function of the batch, so that mt::compile replays it (unless
+  // --no-compile); the learning rate is set outside it (set_lr writes a graph input in place).
   auto train_step = [&](const mt::Tensor& inputs, const mt::Tensor& targets) {
     decay_optimizer.zero_grad();
     plain_optimizer.zero_grad();

@@ -31,11 +31,13 @@ struct Options {
   std::string load, save;
   std::string export_dir;  // --export: the trained model as C libraries (examples/deploy/)
   bool json_only = false;
+  bool compile = true;  // the step through mt::compile (traced twice, then replayed)
 };
 
 constexpr const char* kUsage =
     "usage: digits_mlp [--steps N] [--batch N] [--lr X] [--optimizer sgd|adamw] [--seed N]\n"
     "                  [--no-shuffle] [--load FILE] [--save FILE] [--export DIR] [--json]\n"
+    "                  [--no-compile]\n"
     "                  [--label-smoothing X] [--noise STDDEV] [--cosine]\n"
     "                  [--policy fp32|autocast-f16|autocast-bf16|pure-f16|pure-bf16]\n"
     "                  [--loss-scale none|static:N|dynamic]\n";
@@ -87,6 +89,10 @@ Options parse(int argc, char** argv) {
       o.save = value();
     else if (flag == "--export")
       o.export_dir = value();
+    else if (flag == "--no-compile")
+      o.compile = false;
+    else if (flag == "--compile")
+      o.compile = true;
     else if (flag == "--json")
       o.json_only = true;
     else if (flag == "--help" || flag == "-h")
@@ -173,6 +179,9 @@ int run(const Options& o) {
     scaler.update();
     return loss;
   };
+  // The loop as users write it, replayed: mt::compile traces the step twice, then runs its
+  // programs without tracing (--no-compile traces every step; the results are the same bits).
+  auto compiled_step = mt::compile(train_step);
   double loss_value = 0;
   auto start = std::chrono::steady_clock::now();
   for (int64_t step = 1; step <= o.steps; ++step) {
@@ -181,7 +190,8 @@ int run(const Options& o) {
     mt::Tensor inputs = batch.inputs;
     if (o.noise > 0)
       inputs = inputs + mt::randn(inputs.shape(), mt::f32, &noise_generator, 0, o.noise);
-    mt::Tensor loss = train_step(inputs, batch.targets);
+    mt::Tensor loss =
+        o.compile ? compiled_step(inputs, batch.targets) : train_step(inputs, batch.targets);
     if (step % report_every == 0 || step == o.steps) {
       loss_value = loss.item();
       double seconds =
@@ -251,7 +261,9 @@ int run(const Options& o) {
                         {"policy", o.policy},
                         {"loss_scale", o.loss_scale},
                         {"final_scale", scaler.get_scale()},
-                        {"skipped_steps", scaler.skipped_steps()}};
+                        {"skipped_steps", scaler.skipped_steps()},
+                        {"step", o.compile ? "compiled" : "traced"},
+                        {"replayed_steps", compiled_step.stats().replays}};
   std::printf("%s\n", mt::json::dump(line).c_str());
   return 0;
 }

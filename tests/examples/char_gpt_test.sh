@@ -43,15 +43,17 @@ again=$("$bin" $small | tail -n 1)
 same="import json,sys; a,b=(json.loads(x) for x in sys.argv[1:]); keys=('train_loss','val_loss','sample')"
 same="$same; print(all(a[k] == b[k] for k in keys))"
 check "$(python3 -c "$same" "$line" "$again")" "the same seed gives the same losses and sample"
-# mt::compile replays the step from the fourth call on and must give the very same run.
-compiled=$("$bin" $small --compile | tail -n 1)
-check "$(python3 -c "$same" "$line" "$compiled")" "--compile gives the same losses and sample"
-check "$(field replayed_steps "$compiled") >= 20" "--compile replays the step"
+# The step runs through mt::compile by default, replayed from the fourth call on; tracing every
+# step (--no-compile) must give the very same run.
+traced=$("$bin" $small --no-compile | tail -n 1)
+check "$(python3 -c "$same" "$line" "$traced")" "--no-compile gives the same losses and sample"
+check "$(field replayed_steps "$line") >= 20 and $(field replayed_steps "$traced") == 0" \
+  "the default loop replays the step, --no-compile traces it"
 # With dropout too: each replay draws fresh masks, the very ones tracing every step draws.
 dropped=$("$bin" $small --dropout 0.1 | tail -n 1)
-compiled=$("$bin" $small --dropout 0.1 --compile | tail -n 1)
-check "$(python3 -c "$same" "$dropped" "$compiled")" "--compile with dropout gives the same run"
-check "$(field replayed_steps "$compiled") >= 20" "--compile with dropout replays the step"
+traced=$("$bin" $small --dropout 0.1 --no-compile | tail -n 1)
+check "$(python3 -c "$same" "$dropped" "$traced")" "--no-compile with dropout gives the same run"
+check "$(field replayed_steps "$dropped") >= 20" "the default loop with dropout replays the step"
 other=$("$bin" $small --seed 1 | tail -n 1)
 check "$(field val_loss "$line") != $(field val_loss "$other")" "another seed gives another run"
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # tests/examples/digits_mlp_test.sh -- runs the digits_mlp demo as a user would and checks what it
 # promises: >= 95% test accuracy with the defaults, reproducible runs, --save/--load round trip,
-# --no-shuffle order, and one clear line plus a non-zero exit for bad flags or files.
+# --no-shuffle order, mt::compile by default (the same run as --no-compile), and one clear line
+# plus a non-zero exit for bad flags or files.
 set -euo pipefail
 bin="$1"
 work=$(mktemp -d)
@@ -33,6 +34,15 @@ for args in "--policy autocast-f16 --loss-scale dynamic" "--policy autocast-bf16
   check "$(field skipped_steps "$mixed") >= 0 and $(field final_scale "$mixed") > 0" \
     "$args reports its final scale and skipped steps"
 done
+
+# The loop runs through mt::compile by default; tracing every step (--no-compile) is the same run.
+compiled=$("$bin" --json --steps 60 --cosine | tail -n 1)
+traced=$("$bin" --json --steps 60 --cosine --no-compile | tail -n 1)
+check "'$(field step "$compiled")' == 'compiled' and $(field replayed_steps "$compiled") >= 57" \
+  "the default loop replays the step through mt::compile"
+check "$(field final_loss "$compiled") == $(field final_loss "$traced") and \
+  $(field test_accuracy "$compiled") == $(field test_accuracy "$traced")" \
+  "--no-compile (traced every step) gives the same loss and accuracy"
 
 a=$("$bin" --json --steps 30 --seed 7 | tail -n 1)
 b=$("$bin" --json --steps 30 --seed 7 | tail -n 1)
