@@ -1,5 +1,6 @@
-# cmake/mixtapeDeps.cmake -- finds the CPU back end's libraries (LLVM 16, oneDNN, OpenMP) as
-# imported targets; used by the build and by an installed mixtape's package config.
+# cmake/mixtapeDeps.cmake -- finds the CPU back end's libraries (LLVM 16, oneDNN, OpenMP, and
+# jemalloc for training programs) as imported targets; used by the build and by an installed
+# mixtape's package config.
 # LLVM's and oneDNN's own CMake packages drag in C checks, FFI and OpenCL that mixtape never
 # uses, so the shared libraries and headers are found directly.
 find_library(MIXTAPE_LLVM_LIBRARY NAMES LLVM-16 HINTS /usr/lib/llvm-16/lib REQUIRED)
@@ -8,6 +9,7 @@ find_path(MIXTAPE_LLVM_INCLUDE_DIR llvm/ExecutionEngine/Orc/LLJIT.h
 find_library(MIXTAPE_DNNL_LIBRARY NAMES dnnl REQUIRED)
 find_path(MIXTAPE_DNNL_INCLUDE_DIR oneapi/dnnl/dnnl.hpp REQUIRED)
 find_package(OpenMP REQUIRED COMPONENTS CXX)
+find_library(MIXTAPE_JEMALLOC_LIBRARY NAMES jemalloc)
 if(NOT TARGET mixtape_deps::llvm)
   add_library(mixtape_deps::llvm SHARED IMPORTED)
   set_target_properties(mixtape_deps::llvm PROPERTIES IMPORTED_LOCATION ${MIXTAPE_LLVM_LIBRARY}
@@ -15,4 +17,9 @@ if(NOT TARGET mixtape_deps::llvm)
   add_library(mixtape_deps::dnnl SHARED IMPORTED)
   set_target_properties(mixtape_deps::dnnl PROPERTIES IMPORTED_LOCATION ${MIXTAPE_DNNL_LIBRARY}
     INTERFACE_INCLUDE_DIRECTORIES ${MIXTAPE_DNNL_INCLUDE_DIR})
+endif()
+if(MIXTAPE_JEMALLOC_LIBRARY AND NOT TARGET mixtape_deps::jemalloc)
+  add_library(mixtape_deps::jemalloc SHARED IMPORTED)
+  set_target_properties(mixtape_deps::jemalloc PROPERTIES
+    IMPORTED_LOCATION ${MIXTAPE_JEMALLOC_LIBRARY})
 endif()

@@ -12,6 +12,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include <sys/sysinfo.h>
+
 #include "dsl/byte_count.h"
 #include "dsl/error.h"
 
@@ -62,6 +64,18 @@ std::string human_bytes(double bytes) {
     ++unit;
   }
   return unit == 0 ? fmt::format("{} bytes", bytes) : fmt::format("{:.1f} {}", bytes, units[unit]);
+}
+
+// The machine's memory and swap. A block larger than both is refused before the allocator is
+// asked: an allocator that maps with MAP_NORESERVE (jemalloc does, on Linux) would hand it out,
+// and the process would be killed when it touched the pages.
+uint64_t machine_bytes() {
+  static const uint64_t total = [] {
+    struct sysinfo info {};
+    if (sysinfo(&info) != 0) return std::numeric_limits<uint64_t>::max();
+    return (static_cast<uint64_t>(info.totalram) + info.totalswap) * info.mem_unit;
+  }();
+  return total;
 }
 
 void free_cached(Cache& c) {
@@ -129,6 +143,10 @@ void* host_allocate(size_t bytes) {
     }
     reserve(c, static_cast<double>(size), static_cast<double>(bytes));
   }
+  if (size > machine_bytes())
+    fail("out of memory: the system could not provide {} ({} bytes): it has {} of memory and swap",
+         human_bytes(static_cast<double>(bytes)), bytes,
+         human_bytes(static_cast<double>(machine_bytes())));
   c.live += counted;
   void* block = std::aligned_alloc(alignment, size);
   if (!block) {

@@ -154,11 +154,16 @@ struct Node : std::enable_shared_from_this<Node> {
   DType compute;  // what float data inputs are rounded to before the op
   DType accum;    // what reductions and matmuls accumulate in
   bool precision_assigned = false;
-  std::string precision_rule;            // why the policy chose these, for reports
+  std::shared_ptr<const std::string> precision_rule;  // why the policy chose these (reports)
   std::shared_ptr<const Policy> policy;  // the autocast policy active when the node was made
   const char* composite = nullptr;       // the outermost composite (softmax, ...) that made it
   bool backward = false;                 // made by autograd for the forward node below
   OpCode forward_op = OpCode::Constant;
+
+  // Scratch of the evaluation that computes this node: its index in the pending list sign()
+  // and Signature::ref() were given (runtime/program.h). Valid while the node is pending.
+  int32_t sign_slot = -1;
+  uint64_t pending_walk = 0;  // the last pending_nodes() walk that reached it
 
   bool evaluated() const { return value != nullptr; }
   int64_t numel() const { return mixtape::numel(shape); }

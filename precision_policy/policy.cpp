@@ -1,6 +1,7 @@
 // precision_policy/policy.cpp -- the built-in policies and the override mechanism.
 #include "precision_policy/policy.h"
 
+#include <atomic>
 #include <cstring>
 
 #include "dsl/error.h"
@@ -43,6 +44,7 @@ class CategoryPolicy : public Policy {
   CategoryPolicy(std::string name, DType half, bool pure)
       : Policy(std::move(name)), half_(half), pure_(pure) {}
 
+  bool pure() const override { return true; }
   Precision decide(const PrecisionQuery& q) const override {
     const std::string& who = name();
     if (q.op == OpCode::Cast && !q.backward)
@@ -89,6 +91,7 @@ class CategoryPolicy : public Policy {
 class Fp32Policy : public Policy {
  public:
   Fp32Policy() : Policy("fp32") {}
+  bool pure() const override { return true; }
   Precision decide(const PrecisionQuery& q) const override {
     return {q.traced, q.traced, q.traced == f64 ? f64 : f32, "fp32: as traced"};
   }
@@ -151,32 +154,47 @@ bool module_path_matches(const std::string& glob, const std::string& path) {
   return !glob.empty() && glob_match(glob.c_str(), path.c_str());
 }
 
+Policy::Policy(std::string name) : name_(std::move(name)) {
+  static std::atomic<uint64_t> made{0};
+  id_ = ++made;
+}
+
 OverridePolicy::OverridePolicy(PolicyPtr base)
     : Policy(base ? base->name() + "+overrides" : ""), base_(std::move(base)) {
   if (!base_) fail("OverridePolicy: the base policy is null");
+  pure_ = base_->pure();
 }
 
 OverridePolicy& OverridePolicy::module(const std::string& glob, PolicyPtr policy) {
   if (glob.empty() || !policy) fail("OverridePolicy::module: needs a pattern and a policy");
-  return rule(fmt::format("module '{}' -> {}", glob, policy->name()),
-              [glob, policy](const PrecisionQuery& q) -> std::optional<Precision> {
-                if (!module_path_matches(glob, q.module_path)) return std::nullopt;
-                return policy->decide(q);
-              });
+  return add(
+      fmt::format("module '{}' -> {}", glob, policy->name()),
+      [glob, policy](const PrecisionQuery& q) -> std::optional<Precision> {
+        if (!module_path_matches(glob, q.module_path)) return std::nullopt;
+        return policy->decide(q);
+      },
+      policy->pure());
 }
 
 OverridePolicy& OverridePolicy::op(OpCode op, PolicyPtr policy) {
   if (!policy) fail("OverridePolicy::op: the policy is null");
-  return rule(fmt::format("op {} -> {}", op_name(op), policy->name()),
-              [op, policy](const PrecisionQuery& q) -> std::optional<Precision> {
-                if (q.op != op && !(q.backward && q.forward_op == op)) return std::nullopt;
-                return policy->decide(q);
-              });
+  return add(
+      fmt::format("op {} -> {}", op_name(op), policy->name()),
+      [op, policy](const PrecisionQuery& q) -> std::optional<Precision> {
+        if (q.op != op && !(q.backward && q.forward_op == op)) return std::nullopt;
+        return policy->decide(q);
+      },
+      policy->pure());
 }
 
 OverridePolicy& OverridePolicy::rule(std::string description, Rule rule) {
+  return add(std::move(description), std::move(rule), false);
+}
+
+OverridePolicy& OverridePolicy::add(std::string description, Rule rule, bool pure) {
   if (!rule) fail("OverridePolicy::rule: the rule '{}' is empty", description);
   rules_.emplace_back(std::move(description), std::move(rule));
+  pure_ = pure_ && pure;
   return *this;
 }
 

@@ -38,13 +38,20 @@ struct Precision {
 /// Decides each node's precision. Users extend mixtape by implementing decide().
 class Policy {
  public:
-  explicit Policy(std::string name) : name_(std::move(name)) {}
+  explicit Policy(std::string name);
   virtual ~Policy() = default;
   virtual Precision decide(const PrecisionQuery& node) const = 0;
+  /// True when decide() depends on its query alone (no state, no side effects): the precision
+  /// pass then asks once per distinct query and reuses the answer, so that the loop traced every
+  /// step does not format every node's rule again. mixtape's policies are; a user's may say so.
+  virtual bool pure() const { return false; }
   const std::string& name() const { return name_; }
+  /// Unique to this object for the process's life (caches key on it, not on an address).
+  uint64_t id() const { return id_; }
 
  private:
   std::string name_;
+  uint64_t id_;
 };
 
 using PolicyPtr = std::shared_ptr<const Policy>;
@@ -74,10 +81,14 @@ class OverridePolicy : public Policy {
   /// Any callable; returning nullopt passes the node on.
   OverridePolicy& rule(std::string description, Rule rule);
   Precision decide(const PrecisionQuery& node) const override;
+  /// Pure when its base and every module()/op() policy are and no rule() was added.
+  bool pure() const override { return pure_; }
 
  private:
+  OverridePolicy& add(std::string description, Rule rule, bool pure);
   PolicyPtr base_;
   std::vector<std::pair<std::string, Rule>> rules_;
+  bool pure_;
 };
 
 /// True when `path` is a module matched by `glob` or inside one ("blocks.*.attn" matches

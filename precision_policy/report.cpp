@@ -17,7 +17,8 @@ PrecisionReport precision_report(const std::vector<Tensor>& outputs) {
   PrecisionReport report;
   for (Node* n : nodes)
     report.rows.push_back({n->id, op_name(n->op), n->module_path, n->shape, n->dtype, n->storage,
-                           n->compute, n->accum, n->backward, n->precision_rule});
+                           n->compute, n->accum, n->backward,
+                           n->precision_rule ? *n->precision_rule : std::string()});
   return report;
 }
 

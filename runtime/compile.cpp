@@ -283,10 +283,7 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
       leaf->inputs.clear();
       leaf->value = planned.inputs[x].object;
       private_leaf.emplace(external, leaf);
-      NodeRef ref = sig.refs.at(external);
-      sig.refs.erase(external);
-      sig.refs.emplace(leaf.get(), ref);
-      sig.externals[x] = leaf.get();
+      sig.externals[x] = leaf.get();  // Signature::ref() maps the leaf from here on
       planned.leaves.push_back(std::move(leaf));
     }
     for (Node* node : planned.eval.pending_raw)

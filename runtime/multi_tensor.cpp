@@ -22,7 +22,7 @@ void step_io(const Step& step, const std::vector<Node*>& pending, const Signatur
       (step.param_is_output(p) ? writes : reads).push_back(step.params[p]);
   } else {
     for (const NodePtr& input : pending[step.node]->inputs)
-      reads.push_back(sig.refs.at(input.get()));
+      reads.push_back(sig.ref(input.get(), pending));
     writes.push_back(step.node);
   }
 }
@@ -136,7 +136,8 @@ std::vector<std::vector<size_t>> multi_tensor_order(const std::vector<Step>& ste
 }
 
 Step multi_tensor_step(const std::vector<size_t>& set, std::vector<PendingKernel*>& kernels,
-                       const Signature& sig, const KernelLoader& load) {
+                       const std::vector<Node*>& pending, const Signature& sig,
+                       const KernelLoader& load) {
   kir::Kernel flat = *kernels[set[0]]->flat;
   flat.name = "mt_" + hash_string(kernels[set[0]]->key).hex();
   Step step;
@@ -152,8 +153,8 @@ Step multi_tensor_step(const std::vector<size_t>& set, std::vector<PendingKernel
     for (int64_t d : lowered.kernel.dims) extent *= d;
     total += extent;
     step.segment_table.push_back(total);
-    for (Node* node : lowered.nodes) step.params.push_back(sig.refs.at(node));
-    for (Node* node : lowered.scalar_nodes) step.scalar_nodes.push_back(sig.refs.at(node));
+    for (Node* node : lowered.nodes) step.params.push_back(sig.ref(node, pending));
+    for (Node* node : lowered.scalar_nodes) step.scalar_nodes.push_back(sig.ref(node, pending));
     step.members += kernels[i]->members;
   }
   // Threads split a pointwise kernel's elements, a reduction's segments (each swept whole).

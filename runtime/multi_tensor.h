@@ -39,6 +39,7 @@ std::vector<std::vector<size_t>> multi_tensor_order(const std::vector<Step>& ste
 /// One step running the kernels `set` (indices into `kernels`) as segments of their shared
 /// multi-tensor form, loaded with `load`.
 Step multi_tensor_step(const std::vector<size_t>& set, std::vector<PendingKernel*>& kernels,
-                       const Signature& sig, const KernelLoader& load);
+                       const std::vector<Node*>& pending, const Signature& sig,
+                       const KernelLoader& load);
 
 }  // namespace mixtape

@@ -139,6 +139,24 @@ void reset_execution_stats() {
   compiler_baseline() = {cpu_compiler_stats(), nvrtc_stats()};
 }
 
+NodeRef Signature::ref(const Node* node, const std::vector<Node*>& pending) const {
+  int32_t slot = node->sign_slot;
+  if (slot >= 0 && static_cast<size_t>(slot) < pending.size() && pending[slot] == node) return slot;
+  auto cached = [&]() -> NodeRef {
+    auto found = external_refs_.find(node);
+    return found != external_refs_.end() && externals[-found->second - 1] == node ? found->second
+                                                                                  : 0;
+  };
+  if (NodeRef x = cached()) return x;
+  // Built on first use, and again once the externals changed (mt::compile's plan replaces
+  // them by private leaves).
+  external_refs_.clear();
+  for (size_t x = 0; x < externals.size(); ++x)
+    external_refs_.emplace(externals[x], -static_cast<NodeRef>(x) - 1);
+  if (NodeRef x = cached()) return x;
+  fail("internal: {} is neither computed nor read by this evaluation", op_name(node->op));
+}
+
 Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& required, bool fuse,
                std::string_view salt) {
   Signature sig;
@@ -146,8 +164,11 @@ Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& requ
   h.update(salt);
   h.update(fuse);
   h.update(pending.size());
-  sig.refs.reserve(2 * pending.size());
-  for (size_t i = 0; i < pending.size(); ++i) sig.refs.emplace(pending[i], static_cast<int32_t>(i));
+  // Every unevaluated input is pending (pending_nodes), every evaluated one external: a pending
+  // node's ref is its index, kept in the node while it is pending (no map on the traced path).
+  for (size_t i = 0; i < pending.size(); ++i) pending[i]->sign_slot = static_cast<int32_t>(i);
+  thread_local std::unordered_map<const Node*, NodeRef> external_index;
+  external_index.clear();
   std::vector<int64_t> readers(pending.size(), 0);
   for (Node* node : pending) {
     h.update(node->op).update(node->dtype).update(node->storage).update(node->compute);
@@ -162,10 +183,18 @@ Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& requ
     h.update(a.step);
     h.update(node->inputs.size());
     for (const NodePtr& input : node->inputs) {
+      if (!input->evaluated()) {
+        int32_t slot = input->sign_slot;
+        if (slot < 0 || static_cast<size_t>(slot) >= pending.size() || pending[slot] != input.get())
+          fail("internal: {} reads an unevaluated {} that is not pending", op_name(node->op),
+               op_name(input->op));
+        h.update(slot);
+        ++readers[slot];
+        continue;
+      }
       auto [it, added] =
-          sig.refs.emplace(input.get(), -static_cast<int32_t>(sig.externals.size()) - 1);
+          external_index.emplace(input.get(), -static_cast<NodeRef>(sig.externals.size()) - 1);
       h.update(it->second);
-      if (it->second >= 0) ++readers[it->second];
       if (added) {
         sig.externals.push_back(input.get());
         h.update(input->value->dtype);
@@ -174,27 +203,28 @@ Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& requ
     }
   }
   sig.stored = required;
-  std::unordered_set<Node*> asked(required.begin(), required.end());
+  std::vector<char> asked(pending.size(), 0);
+  for (Node* node : required) asked[sig.ref(node, pending)] = 1;
   for (size_t i = 0; i < pending.size(); ++i)
-    if (pending[i]->weak_from_this().use_count() > readers[i] && !asked.count(pending[i]))
+    if (pending[i]->weak_from_this().use_count() > readers[i] && !asked[i])
       sig.stored.push_back(pending[i]);
   h.update(sig.stored.size());
-  for (Node* node : sig.stored) h.update(sig.refs.at(node));
+  for (Node* node : sig.stored) h.update(sig.ref(node, pending));
   sig.hash = h.finish();
   return sig;
 }
 
 namespace {
 
-Step kernel_step(LoweredKernel&& lowered, int64_t members, const Signature& sig,
-                 const KernelLoader& load) {
+Step kernel_step(LoweredKernel&& lowered, int64_t members, const std::vector<Node*>& pending,
+                 const Signature& sig, const KernelLoader& load) {
   Step step;
   step.kind = FusionGroup::Kind::Kernel;
   KernelRef ref = load(lowered.kernel);
   step.compiled = ref.address;
   step.code = std::move(ref.owner);
-  for (Node* node : lowered.nodes) step.params.push_back(sig.refs.at(node));
-  for (Node* node : lowered.scalar_nodes) step.scalar_nodes.push_back(sig.refs.at(node));
+  for (Node* node : lowered.nodes) step.params.push_back(sig.ref(node, pending));
+  for (Node* node : lowered.scalar_nodes) step.scalar_nodes.push_back(sig.ref(node, pending));
   step.parallel_extent = lowered.kernel.parallel_extent();
   for (int64_t d : lowered.kernel.dims) step.points *= d;
   step.kernel = std::make_shared<const kir::Kernel>(std::move(lowered.kernel));
@@ -218,14 +248,14 @@ Program build_program(const std::vector<Node*>& pending, const FusionOptions& op
     Step& step = steps[i];
     step.kind = group.kind;
     if (group.kind != FusionGroup::Kind::Kernel) {
-      step.node = sig.refs.at(group.members[0]);
+      step.node = sig.ref(group.members[0], pending);
       continue;
     }
     PendingKernel& k = lowered[i];
     kernels[i] = &k;
     k.lowered = lower(group);
     k.members = static_cast<int64_t>(group.members.size());
-    for (Node* node : k.lowered.nodes) step.params.push_back(sig.refs.at(node));
+    for (Node* node : k.lowered.nodes) step.params.push_back(sig.ref(node, pending));
     step.kernel = std::make_shared<const kir::Kernel>(k.lowered.kernel);
     if (options.multi_tensor) {
       std::vector<bool> zero_rank;
@@ -243,10 +273,10 @@ Program build_program(const std::vector<Node*>& pending, const FusionOptions& op
   for (const std::vector<size_t>& entry : order) {
     size_t i = entry[0];
     if (entry.size() > 1)
-      program.steps.push_back(multi_tensor_step(entry, kernels, sig, load));
+      program.steps.push_back(multi_tensor_step(entry, kernels, pending, sig, load));
     else if (kernels[i])
       program.steps.push_back(
-          kernel_step(std::move(kernels[i]->lowered), kernels[i]->members, sig, load));
+          kernel_step(std::move(kernels[i]->lowered), kernels[i]->members, pending, sig, load));
     else
       program.steps.push_back(std::move(steps[i]));
   }
@@ -450,18 +480,23 @@ bool multi_tensor_steps() { return multi_tensor_setting().load(); }
 void set_multi_tensor_steps(bool enabled) { multi_tensor_setting().store(enabled); }
 
 std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs) {
+  // Each walk marks the unevaluated nodes it reaches with a number of its own, instead of
+  // keeping a set: the traced loop walks every step's graph.
+  static std::atomic<uint64_t> walks{0};
+  uint64_t walk = ++walks;
   std::vector<Node*> pending;
-  std::unordered_set<Node*> seen;
-  std::vector<Node*> stack;
+  thread_local std::vector<Node*> stack;
+  stack.clear();
   for (const NodePtr& output : outputs)
     if (output && !output->evaluated()) stack.push_back(output.get());
   while (!stack.empty()) {
     Node* node = stack.back();
     stack.pop_back();
-    if (!seen.insert(node).second) continue;
+    if (node->pending_walk == walk) continue;
+    node->pending_walk = walk;
     pending.push_back(node);
     for (const NodePtr& input : node->inputs)
-      if (!input->evaluated() && !seen.count(input.get())) stack.push_back(input.get());
+      if (!input->evaluated() && input->pending_walk != walk) stack.push_back(input.get());
   }
   // Inputs are always made before their users, so creation order is a topological order.
   std::sort(pending.begin(), pending.end(), [](Node* a, Node* b) { return a->id < b->id; });

@@ -32,7 +32,6 @@ using NodeRef = int32_t;
 /// ops read from their node when they run.
 struct Signature {
   Hash128 hash;
-  std::unordered_map<Node*, NodeRef> refs;
   std::vector<Node*> externals;
   // The nodes to store: those asked for, and those something outside this evaluation still
   // owns (a Tensor the user holds, such as the loss read after step()). The rest may stay in
@@ -42,6 +41,12 @@ struct Signature {
   Node* resolve(NodeRef ref, const std::vector<Node*>& pending) const {
     return ref >= 0 ? pending[ref] : externals[-ref - 1];
   }
+  /// The NodeRef of `node`, one of `pending` (the list this signature was made from) or of the
+  /// externals; an mt::Error for any other. Program builds ask; signing itself keeps no map.
+  NodeRef ref(const Node* node, const std::vector<Node*>& pending) const;
+
+ private:
+  mutable std::unordered_map<const Node*, NodeRef> external_refs_;  // built on first ref()
 };
 
 /// How `device` fuses: one kernel per op in eager mode; multi-pass reductions and multi-tensor

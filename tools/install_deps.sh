@@ -8,7 +8,7 @@
 # Safe to run again: installs nothing when all is there.
 set -euo pipefail
 packages=(g++ gcc binutils cmake make libfmt-dev zlib1g-dev libssl-dev llvm-16-dev libdnnl-dev
-  libxxhash-dev)
+  libxxhash-dev libjemalloc-dev)
 if [[ "${1:-}" == "--test" ]]; then
   packages+=(libgtest-dev libgmock-dev python3 python3-torch python3-numpy python3-xxhash
     clang-16 libclang-rt-16-dev pkgconf)
