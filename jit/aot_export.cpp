@@ -386,6 +386,11 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   if (cuda) {
     std::vector<StoragePtr> storages;
     for (const auto& [storage, info] : buffers) storages.push_back(storage);
+    if (max > 0) {
+      std::vector<std::pair<DType, Shape>> shapes;
+      for (const Input& in : inputs) shapes.emplace_back(in.dtype, in.shape);
+      check_padding_keeps_rows(plan_doc, storages, shapes, outputs, gpu_batches, o.name);
+    }
     cuda_kernels = compile_cuda_kernels(plan_doc, storages, gpu_batches, o.cuda_archs, o.name);
   }
   Exported exported;

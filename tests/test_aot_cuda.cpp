@@ -254,3 +254,48 @@ TEST_F(AotCuda, ExportRefusesUnknownDevicesAndArchs) {
 }
 
 }  // namespace
+
+namespace {
+
+using namespace mt::aot_test;
+
+// On cuda a batch between two compiled batches runs padded with zero rows. A function whose rows
+// see one another through a matmul over the batch (no kernel names the batch outside dims[0],
+// so the cpu export takes it) would answer wrongly there: the cuda export refuses it; the cpu
+// export still runs it at every batch.
+TEST(AotCudaPadding, ACudaExportRefusesAFunctionWhoseRowsSeeOneAnother) {
+  std::string dir = temp_dir("cuda_mixing");
+  auto fn = [](const mt::Tensor& x) {
+    mt::Tensor y = x + 1.0;
+    return mt::matmul(x, mt::matmul(y, y, true, false));
+  };
+  mt::aot::Options o{.name = "mixing", .dynamic_batch = {.max = 8}, .devices = {"cpu", "cuda"}};
+  try {
+    mt::aot::export_function(fn, {mt::aot::input("x", {8, 4}, mt::f32)}, {"y"}, dir, o);
+    ADD_FAILURE() << "a cuda export padded a function whose rows see one another";
+  } catch (const mt::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("output 'y' of this function changes with that padding"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(fs::exists(dir + "/mixing.json"));
+  // The padding would change the answer: batch 3 against batch 4 with a zero row, on the cpu.
+  o.devices = {"cpu"};
+  mt::aot::Exported exported =
+      mt::aot::export_function(fn, {mt::aot::input("x", {8, 4}, mt::f32)}, {"y"}, dir, o);
+  Table table(exported);
+  Model model(dir, "mixing", table);
+  ASSERT_NE(model.m, nullptr);
+  std::vector<float> x(3 * 4, 0.5f), padded(4 * 4, 0.0f), y(3 * 4), y_padded(4 * 4);
+  std::copy(x.begin(), x.end(), padded.begin());
+  const void* in[] = {x.data()};
+  void* out[] = {y.data()};
+  ASSERT_EQ(mixtape_aot_run(model.m, 3, in, out), 0) << mixtape_aot_error(model.m);
+  const void* padded_in[] = {padded.data()};
+  void* padded_out[] = {y_padded.data()};
+  ASSERT_EQ(mixtape_aot_run(model.m, 4, padded_in, padded_out), 0) << mixtape_aot_error(model.m);
+  EXPECT_NE(y[0], y_padded[0]);
+  fs::remove_all(dir);
+}
+
+}  // namespace
