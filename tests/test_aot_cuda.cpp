@@ -12,6 +12,7 @@
 #include "dsl/json.h"
 #include "examples/digits_model.h"
 #include "jit/aot_cuda.h"
+#include "runtime/aot_cuda_image.h"
 #include "runtime/cuda_driver.h"
 #include "tests/aot_test_util.h"
 
@@ -33,6 +34,22 @@ TEST(AotCudaBatches, PowersOfTwoUpToTheMaxAndTheExportBatch) {
   EXPECT_EQ(mt::aot::cuda_batches(24, 100), V({1, 2, 4, 8, 16, 24, 32, 64, 100}));
   EXPECT_EQ(mt::aot::cuda_batches(1, 1), V({1}));
   EXPECT_EQ(mt::aot::cuda_batches(64, 64), V({1, 2, 4, 8, 16, 32, 64}));
+}
+
+// The image each GPU runs: an sm_80 CUBIN on every 8.x, sm_90 on 9.0, PTX (which the driver
+// compiles) on newer majors, the newest PTX of several, nothing on a 7.5.
+TEST(AotCudaImage, EachComputeCapabilityRunsTheImageItCan) {
+  std::vector<std::string> archs{"sm_80", "sm_90", "compute_80"};
+  for (auto [cc, index] : std::vector<std::pair<int, int>>{
+           {80, 0}, {86, 0}, {87, 0}, {89, 0}, {90, 1}, {100, 2}, {120, 2}, {75, -1}})
+    EXPECT_EQ(mt::aot::cuda_image_for(archs, cc), index) << "compute capability " << cc;
+  EXPECT_EQ(mt::aot::cuda_image_for({"compute_80", "compute_90"}, 100), 1);
+  EXPECT_EQ(mt::aot::cuda_image_for({"compute_90", "compute_80"}, 89), 1);
+  EXPECT_EQ(mt::aot::cuda_image_for({"compute_90", "sm_86"}, 89), 1);
+  EXPECT_EQ(mt::aot::cuda_image_for({"sm_86"}, 80), -1);
+  EXPECT_EQ(mt::aot::cuda_image_for({}, 90), -1);
+  for (const char* bad : {"sm_", "sm_9x", "gfx90", "compute_"})
+    EXPECT_THROW(mt::aot::cuda_image_for({bad}, 90), mt::Error) << bad;
 }
 
 // The digits MLP under autocast-bf16 (conversions, bf16 matmuls) as a function with a dynamic
