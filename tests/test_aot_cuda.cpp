@@ -316,3 +316,41 @@ TEST(AotCudaPadding, ACudaExportRefusesAFunctionWhoseRowsSeeOneAnother) {
 }
 
 }  // namespace
+
+namespace {
+
+using namespace mt::aot_test;
+
+// An export over an artifact with CUDA images that has none (or other archs) removes the old
+// images: the new manifest does not list them, and a copy of the directory would carry them.
+TEST(AotCudaFiles, AnExportRemovesTheImagesOfAnEarlierOne) {
+  if (!mt::nvrtc_available()) GTEST_SKIP() << "NVRTC cannot be dlopened: no CUDA export here";
+  std::string dir = temp_dir("cuda_stale");
+  auto fn = [](const mt::Tensor& x) { return x * 2.0; };
+  mt::aot::Options o{.name = "twice", .devices = {"cpu", "cuda"}, .cuda_archs = {80}};
+  mt::aot::export_function(fn, {mt::aot::input("x", {4, 4}, mt::f32)}, {"y"}, dir, o);
+  for (const char* file : {"twice.sm_80.cubin", "twice.compute_80.ptx"})
+    EXPECT_TRUE(fs::exists(dir + "/" + file)) << file;
+  std::ofstream(dir + "/other.sm_80.cubin") << "another artifact's";
+  o.cuda_archs = {90};
+  mt::aot::export_function(fn, {mt::aot::input("x", {4, 4}, mt::f32)}, {"y"}, dir, o);
+  EXPECT_FALSE(fs::exists(dir + "/twice.sm_80.cubin"));
+  EXPECT_FALSE(fs::exists(dir + "/twice.compute_80.ptx"));
+  EXPECT_TRUE(fs::exists(dir + "/twice.sm_90.cubin"));
+  EXPECT_TRUE(fs::exists(dir + "/twice.compute_90.ptx"));
+  o.devices = {"cpu"};
+  mt::aot::Exported exported =
+      mt::aot::export_function(fn, {mt::aot::input("x", {4, 4}, mt::f32)}, {"y"}, dir, o);
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    std::string file = entry.path().filename().string();
+    EXPECT_FALSE(file.starts_with("twice.") && (file.ends_with(".cubin") || file.ends_with(".ptx")))
+        << file;
+  }
+  EXPECT_TRUE(fs::exists(dir + "/other.sm_80.cubin"));
+  Table table(exported);
+  Model model(dir, "twice", table);
+  EXPECT_NE(model.m, nullptr);
+  fs::remove_all(dir);
+}
+
+}  // namespace
