@@ -17,6 +17,16 @@ namespace mixtape::aot {
 /// rows beyond the batch zero (a dynamic batch's rows do not see one another).
 std::vector<int64_t> cuda_batches(int64_t batch, int64_t max);
 
+/// An mt::Error unless padding keeps the rows of `plan_doc`'s function: on cuda a batch between
+/// two of `batches` runs at the next one with zero rows added, which is only right when no row
+/// sees another (a matmul over the batch, which the kernel check does not catch, does). Replays
+/// the plan on the CPU at a batch that pads and at the batch it runs at, on the same rows, and
+/// compares the rows asked for. `inputs` are the dtypes and export-batch shapes of the inputs.
+void check_padding_keeps_rows(const json::Value& plan_doc, const std::vector<StoragePtr>& buffers,
+                              const std::vector<std::pair<DType, Shape>>& inputs,
+                              const std::vector<std::string>& outputs,
+                              const std::vector<int64_t>& batches, const std::string& name);
+
 /// One compiled module: a CUBIN ("sm_90") or PTX ("compute_80", which the driver compiles for
 /// newer GPUs).
 struct CudaImage {

@@ -386,6 +386,11 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   if (cuda) {
     std::vector<StoragePtr> storages;
     for (const auto& [storage, info] : buffers) storages.push_back(storage);
+    if (max > 0) {
+      std::vector<std::pair<DType, Shape>> shapes;
+      for (const Input& in : inputs) shapes.emplace_back(in.dtype, in.shape);
+      check_padding_keeps_rows(plan_doc, storages, shapes, outputs, gpu_batches, o.name);
+    }
     cuda_kernels = compile_cuda_kernels(plan_doc, storages, gpu_batches, o.cuda_archs, o.name);
   }
   Exported exported;
@@ -524,6 +529,18 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   });
   exported.files.insert(exported.files.begin(),
                         {o.name + ".json", o.name + ".plan", o.name + ".safetensors"});
+  // CUDA images an earlier export of NAME wrote that this one does not list (it has no cuda, or
+  // other archs): nothing opens them now, and a copy of the directory should not carry them.
+  static const std::regex image_file(R"((sm_\d+\.cubin|compute_\d+\.ptx))");
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    std::string file = entry.path().filename().string();
+    if (file.starts_with(o.name + ".") &&
+        std::regex_match(file.substr(o.name.size() + 1), image_file) &&
+        std::find(exported.files.begin(), exported.files.end(), file) == exported.files.end()) {
+      std::error_code ignored;  // the export succeeded; a file left over does no harm
+      std::filesystem::remove(entry.path(), ignored);
+    }
+  }
   session.done = true;
   return exported;
 }

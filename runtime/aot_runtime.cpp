@@ -15,6 +15,7 @@
 #include "dsl/convert.h"
 #include "dsl/error.h"
 #include "dsl/json.h"
+#include "runtime/aot_cuda_image.h"
 #include "runtime/aot_plan.h"
 #include "runtime/cpu_features.h"
 #include "runtime/cpu_kernels.h"
@@ -296,9 +297,25 @@ std::string gpu_unusable_reason() {
   return {};
 }
 
-// The module for this GPU: the CUBIN of the newest arch of the GPU's major version at or below
-// it (an sm_80 CUBIN runs on every 8.x), else PTX of an arch at or below it, which the driver
-// compiles. Loaded once per process and image, as the JIT keeps its modules.
+// The manifest's CUDA images by arch, in its order.
+std::vector<std::string> cuda_archs(const mixtape_aot_model& m) {
+  std::vector<std::string> archs;
+  for (const Value& image : m.manifest.at("cuda").at("images").as_array())
+    archs.push_back(image.at("arch").as_string());
+  return archs;
+}
+
+// The index of the manifest's image this GPU runs (aot::cuda_image_for), -1 when none.
+int cuda_image(const mixtape_aot_model& m) {
+  try {
+    return mt::aot::cuda_image_for(cuda_archs(m), mt::cuda::compute_capability());
+  } catch (const mt::Error& e) {
+    raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: {}", m.name, e.what()));
+  }
+}
+
+// The module for this GPU (aot::cuda_image_for), loaded once per process and image, as the JIT
+// keeps its modules.
 void open_cuda(mixtape_aot_model& m) {
   const Value& info = m.manifest.at("cuda");
   for (const Value& b : info.at("batches").as_array()) m.cuda_batches.push_back(b.as_int());
@@ -306,33 +323,16 @@ void open_cuda(mixtape_aot_model& m) {
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: the manifest's cuda batches are not a sorted "
                                               "list",
                                               m.name));
-  int cc = mt::cuda::compute_capability();
-  const Value* chosen = nullptr;
-  int chosen_arch = 0;
-  std::vector<std::string> archs;
-  for (const Value& image : info.at("images").as_array()) {
-    const std::string& arch = image.at("arch").as_string();
-    archs.push_back(arch);
-    bool cubin = arch.starts_with("sm_");
-    int number = 0;
-    std::string digits = arch.substr(arch.find('_') + 1);
-    auto [end, ec] = std::from_chars(digits.data(), digits.data() + digits.size(), number);
-    if (ec != std::errc() || end != digits.data() + digits.size())
-      raise(MIXTAPE_AOT_ERROR_FILE,
-            fmt::format("{}: the manifest names an arch '{}'", m.name, arch));
-    bool runs = cubin ? number / 10 == cc / 10 && number <= cc : number <= cc;
-    // A CUBIN beats PTX; among CUBINs the newest that runs.
-    if (runs && (!chosen || (cubin && (!chosen->at("arch").as_string().starts_with("sm_") ||
-                                       number > chosen_arch)))) {
-      chosen = &image;
-      chosen_arch = number;
-    }
-  }
-  if (!chosen)
+  int index = cuda_image(m);
+  if (index < 0) {
+    int cc = mt::cuda::compute_capability();
     raise(MIXTAPE_AOT_ERROR_DEVICE,
           fmt::format("{}: this GPU ({}, compute capability {}.{}) runs none of the artifact's "
                       "CUDA builds ({}); export it again with its arch in Options::cuda_archs",
-                      m.name, mt::cuda::device_name(), cc / 10, cc % 10, fmt::join(archs, ", ")));
+                      m.name, mt::cuda::device_name(), cc / 10, cc % 10,
+                      fmt::join(cuda_archs(m), ", ")));
+  }
+  const Value* chosen = &info.at("images").as_array().at(static_cast<size_t>(index));
   const std::string& file = chosen->at("file").as_string();
   if (!m.manifest.at("files").find(file))
     raise(MIXTAPE_AOT_ERROR_FILE,
@@ -390,8 +390,10 @@ void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const ch
   std::vector<std::string> devices;
   for (const Value& d : manifest.at("devices").as_array()) devices.push_back(d.as_string());
   bool has_cuda = std::find(devices.begin(), devices.end(), "cuda") != devices.end();
-  // NULL: the GPU where the artifact has kernels for it and the machine can run them.
-  std::string wanted = device ? device : has_cuda && gpu_unusable_reason().empty() ? "cuda" : "cpu";
+  // NULL: the GPU where the artifact has kernels this GPU runs and the machine can run them.
+  std::string wanted = device                                                            ? device
+                       : has_cuda && gpu_unusable_reason().empty() && cuda_image(m) >= 0 ? "cuda"
+                                                                                         : "cpu";
   std::string kind = wanted.substr(0, wanted.find(':'));
   if ((kind != "cpu" && kind != "cuda") || (kind == "cuda" && wanted != "cuda"))
     raise(MIXTAPE_AOT_ERROR_ARGUMENT,

@@ -240,8 +240,6 @@ static __device__ __forceinline__ void mt_random_block(unsigned long long counte
   }
 }
 
-// Elements [0, count) of the stream (seed, offset): rand, or randn when `normal`, stored as
-// dtype (f32, f16 or bf16; rand's values that round up to 1 take the largest one below).
 // out[i] = in[i] converted between f32, f16 and bf16, rounded to nearest even as emitted stores
 // round (a Load, then RoundTo for a 16-bit result).
 extern "C" __global__ void mt_convert(const void* __restrict__ in, int in_dtype,
@@ -260,6 +258,8 @@ extern "C" __global__ void mt_convert(const void* __restrict__ in, int in_dtype,
       static_cast<unsigned short*>(out)[i] = mt_f32_to_bf16(mt_round_bf16(v));
   }
 }
+// Elements [0, count) of the stream (seed, offset): rand, or randn when `normal`, stored as
+// dtype (f32, f16 or bf16; rand's values that round up to 1 take the largest one below).
 extern "C" __global__ void mt_random_fill(void* out, int dtype, int normal, long long count,
                                           unsigned long long seed,
                                           const unsigned long long* offset_value) {

@@ -12,6 +12,7 @@
 #include "dsl/json.h"
 #include "examples/digits_model.h"
 #include "jit/aot_cuda.h"
+#include "runtime/aot_cuda_image.h"
 #include "runtime/cuda_driver.h"
 #include "tests/aot_test_util.h"
 
@@ -33,6 +34,22 @@ TEST(AotCudaBatches, PowersOfTwoUpToTheMaxAndTheExportBatch) {
   EXPECT_EQ(mt::aot::cuda_batches(24, 100), V({1, 2, 4, 8, 16, 24, 32, 64, 100}));
   EXPECT_EQ(mt::aot::cuda_batches(1, 1), V({1}));
   EXPECT_EQ(mt::aot::cuda_batches(64, 64), V({1, 2, 4, 8, 16, 32, 64}));
+}
+
+// The image each GPU runs: an sm_80 CUBIN on every 8.x, sm_90 on 9.0, PTX (which the driver
+// compiles) on newer majors, the newest PTX of several, nothing on a 7.5.
+TEST(AotCudaImage, EachComputeCapabilityRunsTheImageItCan) {
+  std::vector<std::string> archs{"sm_80", "sm_90", "compute_80"};
+  for (auto [cc, index] : std::vector<std::pair<int, int>>{
+           {80, 0}, {86, 0}, {87, 0}, {89, 0}, {90, 1}, {100, 2}, {120, 2}, {75, -1}})
+    EXPECT_EQ(mt::aot::cuda_image_for(archs, cc), index) << "compute capability " << cc;
+  EXPECT_EQ(mt::aot::cuda_image_for({"compute_80", "compute_90"}, 100), 1);
+  EXPECT_EQ(mt::aot::cuda_image_for({"compute_90", "compute_80"}, 89), 1);
+  EXPECT_EQ(mt::aot::cuda_image_for({"compute_90", "sm_86"}, 89), 1);
+  EXPECT_EQ(mt::aot::cuda_image_for({"sm_86"}, 80), -1);
+  EXPECT_EQ(mt::aot::cuda_image_for({}, 90), -1);
+  for (const char* bad : {"sm_", "sm_9x", "gfx90", "compute_"})
+    EXPECT_THROW(mt::aot::cuda_image_for({bad}, 90), mt::Error) << bad;
 }
 
 // The digits MLP under autocast-bf16 (conversions, bf16 matmuls) as a function with a dynamic
@@ -250,6 +267,89 @@ TEST_F(AotCuda, ExportRefusesUnknownDevicesAndArchs) {
         << e.what();
   }
   EXPECT_FALSE(fs::exists(dir + "/digits.json"));
+  fs::remove_all(dir);
+}
+
+}  // namespace
+
+namespace {
+
+using namespace mt::aot_test;
+
+// On cuda a batch between two compiled batches runs padded with zero rows. A function whose rows
+// see one another through a matmul over the batch (no kernel names the batch outside dims[0],
+// so the cpu export takes it) would answer wrongly there: the cuda export refuses it; the cpu
+// export still runs it at every batch.
+TEST(AotCudaPadding, ACudaExportRefusesAFunctionWhoseRowsSeeOneAnother) {
+  std::string dir = temp_dir("cuda_mixing");
+  auto fn = [](const mt::Tensor& x) {
+    mt::Tensor y = x + 1.0;
+    return mt::matmul(x, mt::matmul(y, y, true, false));
+  };
+  mt::aot::Options o{.name = "mixing", .dynamic_batch = {.max = 8}, .devices = {"cpu", "cuda"}};
+  try {
+    mt::aot::export_function(fn, {mt::aot::input("x", {8, 4}, mt::f32)}, {"y"}, dir, o);
+    ADD_FAILURE() << "a cuda export padded a function whose rows see one another";
+  } catch (const mt::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("output 'y' of this function changes with that padding"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(fs::exists(dir + "/mixing.json"));
+  // The padding would change the answer: batch 3 against batch 4 with a zero row, on the cpu.
+  o.devices = {"cpu"};
+  mt::aot::Exported exported =
+      mt::aot::export_function(fn, {mt::aot::input("x", {8, 4}, mt::f32)}, {"y"}, dir, o);
+  Table table(exported);
+  Model model(dir, "mixing", table);
+  ASSERT_NE(model.m, nullptr);
+  std::vector<float> x(3 * 4, 0.5f), padded(4 * 4, 0.0f), y(3 * 4), y_padded(4 * 4);
+  std::copy(x.begin(), x.end(), padded.begin());
+  const void* in[] = {x.data()};
+  void* out[] = {y.data()};
+  ASSERT_EQ(mixtape_aot_run(model.m, 3, in, out), 0) << mixtape_aot_error(model.m);
+  const void* padded_in[] = {padded.data()};
+  void* padded_out[] = {y_padded.data()};
+  ASSERT_EQ(mixtape_aot_run(model.m, 4, padded_in, padded_out), 0) << mixtape_aot_error(model.m);
+  EXPECT_NE(y[0], y_padded[0]);
+  fs::remove_all(dir);
+}
+
+}  // namespace
+
+namespace {
+
+using namespace mt::aot_test;
+
+// An export over an artifact with CUDA images that has none (or other archs) removes the old
+// images: the new manifest does not list them, and a copy of the directory would carry them.
+TEST(AotCudaFiles, AnExportRemovesTheImagesOfAnEarlierOne) {
+  if (!mt::nvrtc_available()) GTEST_SKIP() << "NVRTC cannot be dlopened: no CUDA export here";
+  std::string dir = temp_dir("cuda_stale");
+  auto fn = [](const mt::Tensor& x) { return x * 2.0; };
+  mt::aot::Options o{.name = "twice", .devices = {"cpu", "cuda"}, .cuda_archs = {80}};
+  mt::aot::export_function(fn, {mt::aot::input("x", {4, 4}, mt::f32)}, {"y"}, dir, o);
+  for (const char* file : {"twice.sm_80.cubin", "twice.compute_80.ptx"})
+    EXPECT_TRUE(fs::exists(dir + "/" + file)) << file;
+  std::ofstream(dir + "/other.sm_80.cubin") << "another artifact's";
+  o.cuda_archs = {90};
+  mt::aot::export_function(fn, {mt::aot::input("x", {4, 4}, mt::f32)}, {"y"}, dir, o);
+  EXPECT_FALSE(fs::exists(dir + "/twice.sm_80.cubin"));
+  EXPECT_FALSE(fs::exists(dir + "/twice.compute_80.ptx"));
+  EXPECT_TRUE(fs::exists(dir + "/twice.sm_90.cubin"));
+  EXPECT_TRUE(fs::exists(dir + "/twice.compute_90.ptx"));
+  o.devices = {"cpu"};
+  mt::aot::Exported exported =
+      mt::aot::export_function(fn, {mt::aot::input("x", {4, 4}, mt::f32)}, {"y"}, dir, o);
+  for (const auto& entry : fs::directory_iterator(dir)) {
+    std::string file = entry.path().filename().string();
+    EXPECT_FALSE(file.starts_with("twice.") && (file.ends_with(".cubin") || file.ends_with(".ptx")))
+        << file;
+  }
+  EXPECT_TRUE(fs::exists(dir + "/other.sm_80.cubin"));
+  Table table(exported);
+  Model model(dir, "twice", table);
+  EXPECT_NE(model.m, nullptr);
   fs::remove_all(dir);
 }
 

@@ -3,12 +3,16 @@
 // cuda leave the state mt::compile's N steps on cuda leave, bit for bit.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 
+#include "codegen/nvrtc.h"
+#include "dsl/convert.h"
 #include "examples/digits_model.h"
 #include "runtime/cuda_allocator.h"
 #include "runtime/cuda_executor.h"
+#include "runtime/cuda_values.h"
 #include "tests/aot_test_util.h"
 
 namespace mt = mixtape;
@@ -150,6 +154,89 @@ TEST(GpuAotStep, CudaStepsEqualCompileOnCuda) {
   expect_same_checkpoint(saved, reference);
   mixtape_aot_close(m);
   for (const std::string& f : {saved, reference}) fs::remove(f);
+  fs::remove_all(dir);
+}
+
+// convert_on_device (the fixed kernel mt_convert, which artifacts carry) gives the CPU back end's
+// bits for every f16 and bf16 value and for f32's edges (NaN, inf, subnormals, overflow, ties):
+// NaN as a NaN, whose payload the GPU's cvt may canonicalize.
+TEST(GpuAotConvert, FixedConvertKernelGivesTheCpusBits) {
+  SKIP_WITHOUT_CUDA();
+  DeviceScope scope;
+  mt::set_device(mt::Device::cuda);
+  (mt::ones({1}) * 2.0).to_vector<float>();  // the executor registers its host fetch
+  std::vector<uint16_t> halves(65536);
+  for (size_t i = 0; i < halves.size(); ++i) halves[i] = static_cast<uint16_t>(i);
+  std::vector<uint32_t> floats;
+  for (uint32_t sign : {0u, 0x80000000u})
+    for (uint32_t bits :
+         {0x00000000u, 0x00000001u, 0x007FFFFFu, 0x00800000u, 0x33000000u, 0x33000001u, 0x387FC000u,
+          0x387FE000u, 0x38800000u, 0x3F800000u, 0x3F808000u, 0x3F818000u, 0x3F800FFFu, 0x3F801000u,
+          0x3F801001u, 0x477FEFFFu, 0x477FF000u, 0x477FE000u, 0x47800000u, 0x7F7FFFFFu, 0x7F7F8000u,
+          0x7F800000u, 0x7FC00000u, 0x7F800001u, 0x7FBFFFFFu, 0x7FFFFFFFu})
+      floats.push_back(sign | bits);
+  for (uint32_t i = 0; i < 4096; ++i) floats.push_back(i * 0x000FFFF1u);  // spread over all bits
+  auto host = [](mt::DType dtype, const void* data, size_t count) {
+    auto s = std::make_shared<mt::Storage>(dtype, static_cast<int64_t>(count));
+    std::memcpy(s->bytes.data(), data, static_cast<size_t>(s->size_bytes()));
+    return s;
+  };
+  struct Case {
+    mt::DType from, to;
+  };
+  for (Case c : {Case{mt::f32, mt::f16}, Case{mt::f32, mt::bf16}, Case{mt::f16, mt::bf16},
+                 Case{mt::bf16, mt::f16}, Case{mt::f16, mt::f32}, Case{mt::bf16, mt::f32}}) {
+    std::shared_ptr<mt::Storage> in = c.from == mt::f32
+                                          ? host(mt::f32, floats.data(), floats.size())
+                                          : host(c.from, halves.data(), halves.size());
+    std::shared_ptr<mt::Storage> gpu = mt::convert_on_device(*in, c.to);
+    mt::set_device(mt::Device::cpu);
+    mt::Tensor cpu = mt::cast(mt::from_storage(in, {in->count}), c.to);
+    const mt::Storage& want = *cpu.node()->value;
+    for (int64_t i = 0; i < in->count; ++i) {
+      double a = mt::load_element<double>(*gpu, i), b = mt::load_element<double>(want, i);
+      bool same = std::isnan(a) ? std::isnan(b)
+                                : std::memcmp(gpu->host_data() + i * mt::size_of(c.to),
+                                              want.host_data() + i * mt::size_of(c.to),
+                                              mt::size_of(c.to)) == 0;
+      ASSERT_TRUE(same) << mt::name(c.from) << " -> " << mt::name(c.to) << " element " << i
+                        << ": gpu " << a << ", cpu " << b;
+    }
+  }
+}
+
+// An artifact whose CUDA builds this GPU cannot run (a newer major's CUBIN and PTX): "cuda" is an
+// error that says so, and NULL (the best available) opens it on the CPU instead.
+TEST(GpuAotOpen, NullOpensOnTheCpuWhereTheGpuRunsNoImage) {
+  SKIP_WITHOUT_CUDA();
+  int cc = mt::cuda::compute_capability(), newer = 0;
+  for (int arch : mt::nvrtc_supported_archs())
+    if (arch / 10 > cc / 10 && newer == 0) newer = arch;
+  if (newer == 0) GTEST_SKIP() << "NVRTC compiles for no major version above this GPU's";
+  mt::manual_seed(3);
+  DigitsMLP net;
+  std::string dir = temp_dir("gpu_newer");
+  mt::aot::Options o{.name = "digits", .module = &net, .devices = {"cpu", "cuda"}};
+  o.cuda_archs = {newer};
+  mt::aot::Exported exported =
+      mt::aot::export_function([&](const mt::Tensor& x) { return net(x); },
+                               {mt::aot::input("x", {4, 64}, mt::f32)}, {"logits"}, dir, o);
+  Table table(exported);
+  mixtape_aot_model* m = nullptr;
+  EXPECT_EQ(mixtape_aot_open(dir.c_str(), "digits", exported.manifest_xxh3.c_str(), "cuda",
+                             &table.variant, 1, &m),
+            MIXTAPE_AOT_ERROR_DEVICE);
+  EXPECT_NE(std::string(mixtape_aot_error(nullptr)).find("runs none of the artifact's CUDA builds"),
+            std::string::npos)
+      << mixtape_aot_error(nullptr);
+  Model model(dir, "digits", table, nullptr);
+  ASSERT_NE(model.m, nullptr);
+  std::vector<float> x(4 * 64, 0.25f), y(4 * 10, -1.0f), device_y(4 * 10);
+  const void* in[] = {x.data()};
+  void* out[] = {y.data()};
+  EXPECT_EQ(mixtape_aot_run(model.m, 4, in, out), 0) << mixtape_aot_error(model.m);
+  void* device_out[] = {device_y.data()};
+  EXPECT_EQ(mixtape_aot_run_device(model.m, 4, in, device_out), MIXTAPE_AOT_ERROR_ARGUMENT);
   fs::remove_all(dir);
 }
 
