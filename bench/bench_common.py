@@ -42,9 +42,14 @@ def mlp_sizes(width):
 
 
 def gemm_shape(name):
-    """(dtype, size) of a "gemm_<f32|bf16>_<N>" workload (an N^3 product), or None."""
-    match = re.fullmatch(r"gemm_(f32|bf16)_(\d+)", name)
-    return (match.group(1), int(match.group(2))) if match else None
+    """(dtype, (m, n, k)) of a "gemm_<f32|bf16>_<N>" workload (an N^3 product) or of
+    "gemm_<f32|bf16>_<M>x<N>x<K>" (M x K times K x N), or None."""
+    match = re.fullmatch(r"gemm_(f32|bf16)_(\d+)(?:x(\d+)x(\d+))?", name)
+    if not match:
+        return None
+    m = int(match.group(2))
+    return match.group(1), ((m, m, m) if match.group(3) is None
+                            else (m, int(match.group(3)), int(match.group(4))))
 
 
 def known_workload(name):
@@ -143,5 +148,6 @@ def emit(record):
     print(json.dumps(record), flush=True)
 
 
-def gemm_flops(size):
-    return 2.0 * size * size * size
+def gemm_flops(shape):
+    m, n, k = shape
+    return 2.0 * m * n * k

@@ -1,12 +1,16 @@
-// bench/gemm.cpp -- bench_gemm: the machine's FMA peak (AVX-512 intrinsics, 1 and all threads) and
-// GFLOP/s of runtime/gemm.h's matmuls on N^3 cubes, f32 and bf16, as a fraction of that peak.
+// bench/gemm.cpp -- bench_gemm: the machine's FMA and bf16 peaks (AVX-512 and AMX intrinsics, 1 and
+// all threads) and GFLOP/s of runtime/gemm.h's matmuls, f32 and bf16, as a fraction of that peak.
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
+#include <fstream>
 #include <map>
 #include <random>
 #include <string>
@@ -14,6 +18,7 @@
 #include <vector>
 
 #include "bench/timing.h"
+#include "runtime/cpu_features.h"
 #include "runtime/gemm.h"
 
 namespace mt = mixtape;
@@ -23,8 +28,10 @@ namespace {
 constexpr const char* kUsage =
     "usage: bench_gemm --workloads LIST [--warmup N] [--windows N] [--window-seconds S]\n"
     "                  [--budget-seconds S]\n"
-    "  workloads: fma_peak (f32 FMA and bf16 dot-product peak, 1 and all threads),\n"
-    "             gemm_f32_<N>, gemm_bf16_<N> (N^3 product through runtime/gemm.h, f32 result)\n";
+    "  workloads: fma_peak (f32 FMA, bf16 dot-product and AMX peaks, 1 and all threads),\n"
+    "             gemm_<f32|bf16>_<N> (N^3 product through runtime/gemm.h, f32 result),\n"
+    "             gemm_<f32|bf16>_<M>x<N>x<K> (an M x K by K x N product); a suffix\n"
+    "             :native or :widened picks the bf16 kernel (default: automatic)\n";
 
 // Enough independent accumulators to cover the FMA latency (4 cycles) on two FMA ports with
 // room to spare, few enough to stay in the 32 (AVX-512) or 16 (AVX2) vector registers.
@@ -70,6 +77,53 @@ __attribute__((target("avx512f,avx512bf16"))) float bf16_dot_avx512(int64_t iter
   __m512 total = acc[0];
   for (int i = 1; i < kAccumulators512; ++i) total = _mm512_add_ps(total, acc[i]);
   return sum_lanes(total);
+}
+
+// Linux hands out the AMX tile data state only on request (arch_prctl, kernel 5.16+); oneDNN makes
+// the same request for itself.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    if (!__builtin_cpu_supports("amx-bf16")) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// The AMX tile configuration (palette 1): tiles 0-3 accumulators of 16 rows x 16 f32, tiles 4-7
+// operands of 16 rows x 32 bf16.
+struct __attribute__((packed)) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// TDPBF16PS: a 16x16 f32 tile += a 16x32 bf16 tile times a 32x16 one (VNNI pairs), 16,384 flops;
+// four independent accumulators (a 2x2 block of C, as a GEMM's inner loop) cover its latency.
+__attribute__((target("amx-tile,amx-bf16"))) float amx_bf16(int64_t iterations) {
+  TileConfig config;
+  for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = 16;
+  _tile_loadconfig(&config);
+  alignas(64) static thread_local uint16_t operand[16 * 32];
+  alignas(64) static thread_local float result[16 * 16];
+  for (uint16_t& v : operand) v = 0x3A83;  // 1e-3 in bf16: sums stay far from overflow
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_loadd(4, operand, 64);
+  _tile_loadd(5, operand, 64);
+  _tile_loadd(6, operand, 64);
+  _tile_loadd(7, operand, 64);
+  for (int64_t it = 0; it < iterations; ++it) {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+  _tile_stored(0, result, 64);
+  _tile_release();
+  return result[0];
 }
 
 __attribute__((target("avx2,fma"))) float fma_avx2(int64_t iterations) {
@@ -141,6 +195,8 @@ class Peaks {
     static const PeakKernel f32_512{"avx512f", fma_avx512, 2.0 * 16 * kAccumulators512};
     static const PeakKernel f32_256{"avx2+fma", fma_avx2, 2.0 * 8 * kAccumulators256};
     static const PeakKernel bf16_512{"avx512bf16", bf16_dot_avx512, 4.0 * 16 * kAccumulators512};
+    static const PeakKernel amx{"amx-bf16", amx_bf16, 4.0 * 2.0 * 16 * 16 * 32};
+    if (kind == "amx") return amx_permitted() ? &amx : nullptr;
     if (kind == "f32") {
       if (__builtin_cpu_supports("avx512f")) return &f32_512;
       if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return &f32_256;
@@ -150,9 +206,13 @@ class Peaks {
   }
   /// The machine's peak: one core's peak times the cores, or the all-core measurement when that
   /// is higher. On a shared machine the all-core run rarely gets every core at once; the
-  /// per-core burst does, so this is the ceiling a GEMM is held to.
+  /// per-core burst does, so this is the ceiling a GEMM is held to. "bf16" is the better of the
+  /// AVX512-BF16 dot products and AMX tiles, where the CPU and the kernel allow AMX.
   double machine_gflops(const std::string& kind) {
-    return std::max(gflops(kind, all_threads()), all_threads() * gflops(kind, 1));
+    if (kind == "bf16" && kernel("amx") != nullptr)
+      return std::max(machine_gflops("avx512bf16"), machine_gflops("amx"));
+    const std::string measured = kind == "avx512bf16" ? "bf16" : kind;
+    return std::max(gflops(measured, all_threads()), all_threads() * gflops(measured, 1));
   }
   double gflops(const std::string& kind, int threads) {
     auto key = std::make_pair(kind, threads);
@@ -168,20 +228,34 @@ class Peaks {
   std::map<std::pair<std::string, int>, double> measured_;
 };
 
+// The CPU's model name as /proc/cpuinfo gives it (empty elsewhere).
+std::string cpu_model() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  for (std::string line; std::getline(cpuinfo, line);)
+    if (line.rfind("model name", 0) == 0 && line.find(':') != std::string::npos)
+      return line.substr(line.find(':') + 2);
+  return "";
+}
+
 mt::json::Object fma_peak_record(Peaks& peaks) {
-  mt::json::Array threads, f32, bf16;
+  mt::json::Array threads, f32, bf16, amx, features;
   std::vector<int> counts{1};
   if (all_threads() > 1) counts.push_back(all_threads());
   for (int t : counts) {
     threads.push_back(t);
     f32.push_back(peaks.gflops("f32", t));
     bf16.push_back(peaks.gflops("bf16", t));
+    if (peaks.kernel("amx")) amx.push_back(peaks.gflops("amx", t));
   }
+  for (const std::string& feature : mt::host_cpu_features()) features.push_back(feature);
   const PeakKernel* f32_kernel = peaks.kernel("f32");
   const PeakKernel* bf16_kernel = peaks.kernel("bf16");
   return {
       {"system", "mixtape"},
       {"workload", "fma_peak"},
+      {"cpu_model", cpu_model()},
+      {"cpu_features", features},
+      {"amx_permitted", amx_permitted()},
       {"f32_isa", f32_kernel ? f32_kernel->isa : "none"},
       {"bf16_isa", bf16_kernel ? bf16_kernel->isa : "none"},
       {"accumulators", f32_kernel && std::string(f32_kernel->isa) == "avx2+fma" ? kAccumulators256
@@ -189,27 +263,67 @@ mt::json::Object fma_peak_record(Peaks& peaks) {
       {"threads", threads},
       {"f32_gflops", f32},
       {"bf16_gflops", bf16},
+      {"amx_bf16_gflops", amx},
       {"machine_f32_gflops", peaks.machine_gflops("f32")},
+      {"machine_avx512bf16_gflops", peaks.machine_gflops("avx512bf16")},
       {"machine_bf16_gflops", peaks.machine_gflops("bf16")}};
 }
 
-mt::json::Object gemm_record(const std::string& name, const std::string& dtype, int64_t size,
-                             Peaks& peaks, const bench::TimingOptions& timing) {
+/// A gemm workload's name parsed: gemm_<dtype>_<N> or gemm_<dtype>_<M>x<N>x<K>, and :kernel.
+struct GemmWorkload {
+  std::string dtype;
+  int64_t m = 0, n = 0, k = 0;
+  mt::Bf16Kernel kernel = mt::Bf16Kernel::automatic;
+};
+
+bool parse_gemm(const std::string& name, GemmWorkload& w) {
+  std::string shape = name;
+  const size_t colon = name.find(':');
+  if (colon != std::string::npos) {
+    const std::string kernel = name.substr(colon + 1);
+    if (kernel == "native")
+      w.kernel = mt::Bf16Kernel::native;
+    else if (kernel == "widened")
+      w.kernel = mt::Bf16Kernel::widened;
+    else
+      return false;
+    shape = name.substr(0, colon);
+  }
+  char dtype[8] = {};
+  long long m = 0, n = 0, k = 0;
+  int consumed = 0;
+  if (std::sscanf(shape.c_str(), "gemm_%4[a-z0-9]_%lldx%lldx%lld%n", dtype, &m, &n, &k,
+                  &consumed) == 4 &&
+      static_cast<size_t>(consumed) == shape.size()) {
+  } else if (std::sscanf(shape.c_str(), "gemm_%4[a-z0-9]_%lld%n", dtype, &m, &consumed) == 2 &&
+             static_cast<size_t>(consumed) == shape.size()) {
+    n = k = m;
+  } else {
+    return false;
+  }
+  w.dtype = dtype, w.m = m, w.n = n, w.k = k;
+  return (w.dtype == "f32" || w.dtype == "bf16") && m > 0 && n > 0 && k > 0 &&
+         (w.kernel == mt::Bf16Kernel::automatic || w.dtype == "bf16");
+}
+
+mt::json::Object gemm_record(const std::string& name, const GemmWorkload& w, Peaks& peaks,
+                             const bench::TimingOptions& timing) {
   std::mt19937_64 rng(0);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  size_t count = static_cast<size_t>(size * size);
-  std::vector<float> a(count), b(count), out(count);
+  const std::string& dtype = w.dtype;
+  std::vector<float> a(static_cast<size_t>(w.m * w.k)), b(static_cast<size_t>(w.k * w.n));
+  std::vector<float> out(static_cast<size_t>(w.m * w.n));
   for (float& v : a) v = normal(rng);
   for (float& v : b) v = normal(rng);
   std::vector<uint16_t> a16, b16;
-  mt::GemmDesc desc{.m = size, .n = size, .k = size};
+  mt::GemmDesc desc{.m = w.m, .n = w.n, .k = w.k, .bf16_kernel = w.kernel};
   const void* a_data = a.data();
   const void* b_data = b.data();
   if (dtype == "bf16") {
-    a16.resize(count);
-    b16.resize(count);
-    mt::narrow_to_bf16(a.data(), a16.data(), static_cast<int64_t>(count));
-    mt::narrow_to_bf16(b.data(), b16.data(), static_cast<int64_t>(count));
+    a16.resize(a.size());
+    b16.resize(b.size());
+    mt::narrow_to_bf16(a.data(), a16.data(), static_cast<int64_t>(a.size()));
+    mt::narrow_to_bf16(b.data(), b16.data(), static_cast<int64_t>(b.size()));
     desc.operand = mt::bf16;
     a_data = a16.data();
     b_data = b16.data();
@@ -217,14 +331,22 @@ mt::json::Object gemm_record(const std::string& name, const std::string& dtype, 
   auto step = [&] { mt::gemm(desc, a_data, b_data, out.data()); };
   mt::json::Object result = bench::measure(step, timing);
   double calls_per_s = mt::json::Value(result).at("steps_per_s").as_double();
-  double gflops = calls_per_s * 2.0 * static_cast<double>(size * size * size) / 1e9;
+  double gflops = calls_per_s * 2.0 * static_cast<double>(w.m * w.n * w.k) / 1e9;
   // bf16 operands may be widened to f32 and run on the FMA units (runtime/gemm.h), so their
-  // ceiling is the better of the two peaks, not the bf16 dot-product peak alone.
+  // ceiling is the better of the f32 and bf16 peaks (AMX, where the machine has it).
   double peak = peaks.machine_gflops("f32");
   if (dtype == "bf16") peak = std::max(peak, peaks.machine_gflops("bf16"));
-  mt::json::Object record{{"system", "mixtape"}, {"workload", name},   {"dtype", dtype},
-                          {"size", size},        {"out_dtype", "f32"}, {"gflops", gflops},
+  mt::json::Object record{{"system", "mixtape"},
+                          {"workload", name},
+                          {"dtype", dtype},
+                          {"m", w.m},
+                          {"n", w.n},
+                          {"k", w.k},
+                          {"kernel", mt::gemm_kernel(desc)},
+                          {"out_dtype", "f32"},
+                          {"gflops", gflops},
                           {"peak_gflops", peak}};
+  if (w.m == w.n && w.n == w.k) record.emplace_back("size", w.m);
   if (peak > 0) record.emplace_back("fraction_of_peak", gflops / peak);
   bench::append(record, result);
   return record;
@@ -237,18 +359,16 @@ int main(int argc, char** argv) {
   try {
     Peaks peaks;
     for (const std::string& name : line.workloads) {
-      char dtype[8] = {};
-      long long size = 0;
-      int consumed = 0;
+      GemmWorkload gemm;
       if (name == "fma_peak") {
         bench::emit(fma_peak_record(peaks));
-      } else if (std::sscanf(name.c_str(), "gemm_%4[a-z0-9]_%lld%n", dtype, &size, &consumed) ==
-                     2 &&
-                 static_cast<size_t>(consumed) == name.size() && size > 0 &&
-                 (std::string(dtype) == "f32" || std::string(dtype) == "bf16")) {
-        bench::emit(gemm_record(name, dtype, size, peaks, line.timing));
+      } else if (parse_gemm(name, gemm)) {
+        bench::emit(gemm_record(name, gemm, peaks, line.timing));
       } else {
-        mt::fail("bench_gemm: unknown workload '{}' (fma_peak, gemm_f32_<N>, gemm_bf16_<N>)", name);
+        mt::fail(
+            "bench_gemm: unknown workload '{}' (fma_peak, gemm_<f32|bf16>_<N>, "
+            "gemm_<f32|bf16>_<M>x<N>x<K>, with :native or :widened for bf16)",
+            name);
       }
     }
   } catch (const mt::Error& e) {

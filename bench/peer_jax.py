@@ -251,11 +251,12 @@ def gpt_runner(precision):
     return Runner(compiled, state, starts), seconds
 
 
-def gemm_runner(dtype, size):
+def gemm_runner(dtype, shape):
+    m, n, k = shape
     ka, kb = jax.random.split(jax.random.PRNGKey(common.SEED))
     jdtype = jnp.float32 if dtype == "f32" else BF16
-    a = jax.random.normal(ka, (size, size), jnp.float32).astype(jdtype)
-    b = jax.random.normal(kb, (size, size), jnp.float32).astype(jdtype)
+    a = jax.random.normal(ka, (m, k), jnp.float32).astype(jdtype)
+    b = jax.random.normal(kb, (k, n), jnp.float32).astype(jdtype)
     start = time.perf_counter()
     # f32 output for bf16 operands (f32 accumulation), as mixtape's GEMM sweep.
     compiled = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32)).lower(

@@ -162,12 +162,13 @@ def gpt_step(precision):
     return step, count(model)
 
 
-def gemm_step(dtype, size):
+def gemm_step(dtype, shape):
+    m, n, k = shape
     torch.manual_seed(common.SEED)
     torch_dtype = torch.float32 if dtype == "f32" else torch.bfloat16
-    a = torch.randn(size, size).to(torch_dtype)
-    b = torch.randn(size, size).to(torch_dtype)
-    out = torch.empty(size, size, dtype=torch_dtype)
+    a = torch.randn(m, k).to(torch_dtype)
+    b = torch.randn(k, n).to(torch_dtype)
+    out = torch.empty(m, n, dtype=torch_dtype)
     return lambda: torch.mm(a, b, out=out)
 
 

@@ -44,15 +44,17 @@ MODE_ARGS = {"step": ["--step", "compiled"]}
 
 # What each size of run covers and how long it times each workload. The reference executor (an
 # oracle, not a speed target) runs only where it is cheap, with few warm-up steps.
+# GEMM sizes: N for an N^3 cube, "MxNxK" for the MLPs' small products (K = 64-256).
+SMALL_GEMMS = ["256x64x64", "256x256x64", "4096x64x64", "4096x256x256"]
 PLANS = {
-    "quick": dict(mlp=["mlp_w64_b256", "mlp_w64_b4096"], gemm_sizes=[256, 512, 1024],
+    "quick": dict(mlp=["mlp_w64_b256", "mlp_w64_b4096"], gemm_sizes=SMALL_GEMMS + [256, 512, 1024],
                   timing=dict(warmup=3, windows=3, window_seconds=0.2, budget_seconds=2.0),
                   reference=["mlp_w64_b256", "digits_mlp"],
                   reference_timing=dict(warmup=2, windows=3, window_seconds=0.25,
                                         budget_seconds=2.0),
                   child_timeout=300),
     "full": dict(mlp=["mlp_w64_b256", "mlp_w64_b4096", "mlp_w128_b4096", "mlp_w256_b4096"],
-                 gemm_sizes=[256, 512, 1024, 2048],
+                 gemm_sizes=SMALL_GEMMS + [256, 512, 1024, 2048],
                  timing=dict(warmup=5, windows=5, window_seconds=1.0, budget_seconds=20.0),
                  reference=["mlp_w64_b256", "mlp_w64_b4096", "digits_mlp", "char_gpt"],
                  reference_timing=dict(warmup=2, windows=3, window_seconds=1.0,
@@ -226,25 +228,28 @@ def summarize_training(name, precision, runs, errors):
 
 
 def summarize_gemm(name, runs, errors, peak):
-    dtype, size = common.gemm_shape(name)
+    dtype, shape = common.gemm_shape(name)
     torch_best = best(runs, "torch")
     mixtape_best = best(runs, "mixtape")
     gflops = lambda record: record["gflops"] if record else None
     peak_value = None
     if peak:
         # One core's peak times the cores (bench_gemm's machine_*); bf16 may be widened to f32
-        # and run on the FMA units, so its ceiling is the better of the two peaks.
+        # and run on the FMA units, so its ceiling is the better of the two peaks (bench_gemm's
+        # bf16 peak is AMX's where the machine has it).
         f32 = peak["machine_f32_gflops"]
         peak_value = max(f32, peak["machine_bf16_gflops"]) if dtype == "bf16" else f32
     entry = {
-        "workload": name, "dtype": dtype, "size": size,
+        "workload": name, "dtype": dtype,
+        "size": shape[0] if len(set(shape)) == 1 else "x".join(map(str, shape)),
+        "mixtape_kernel": mixtape_best.get("kernel") if mixtape_best else None,
         "peak_gflops": peak_value,
         "mixtape_gflops": gflops(mixtape_best),
         "mixtape_threads": mixtape_best.get("threads", "default") if mixtape_best else None,
-        "mixtape_gflops_by_threads": by_threads(runs, "mixtape", common.gemm_flops(size) / 1e9),
+        "mixtape_gflops_by_threads": by_threads(runs, "mixtape", common.gemm_flops(shape) / 1e9),
         "torch_gflops": gflops(torch_best),
         "torch_threads": torch_best["threads"] if torch_best else None,
-        "torch_gflops_by_threads": by_threads(runs, "torch", common.gemm_flops(size) / 1e9),
+        "torch_gflops_by_threads": by_threads(runs, "torch", common.gemm_flops(shape) / 1e9),
         "jax_gflops": gflops(best(runs, "jax")),
     }
     for system in ("mixtape", "torch", "jax"):

@@ -54,11 +54,15 @@ def main():
         if peak:
             print(f"\nFMA peak, GFLOP/s at threads {peak['threads']}: f32 ({peak['f32_isa']}) "
                   f"{[round(v, 1) for v in peak['f32_gflops']]}, bf16 dot products "
-                  f"({peak['bf16_isa']}) {[round(v, 1) for v in peak['bf16_gflops']]}; machine "
-                  f"peak (one core's times the cores) f32 {peak['machine_f32_gflops']:.0f}, bf16 "
-                  f"{peak['machine_bf16_gflops']:.0f}. Fractions below are of the machine peak "
-                  f"(bf16: the better of the two, as bf16 may be widened to f32).\n")
-        print("| GEMM (N³) | mixtape GFLOP/s (threads) | fraction of peak | torch.mm (threads) "
+                  f"({peak['bf16_isa']}) {[round(v, 1) for v in peak['bf16_gflops']]}"
+                  + (f", AMX bf16 tiles {[round(v, 1) for v in peak['amx_bf16_gflops']]}"
+                     if peak.get("amx_bf16_gflops") else "")
+                  + f"; machine peak (one core's times the cores) f32 "
+                  f"{peak['machine_f32_gflops']:.0f}, bf16 {peak['machine_bf16_gflops']:.0f}. "
+                  f"CPU: {peak.get('cpu_model', 'not recorded')}. Fractions below are of the "
+                  f"machine peak (bf16: the best of f32, AVX512-BF16 and AMX, as bf16 may be "
+                  f"widened to f32).\n")
+        print("| GEMM (N³ or MxNxK) | mixtape GFLOP/s (threads) | fraction of peak | torch.mm (threads) "
               "| fraction | jax | fraction | mixtape / torch |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for e in gemms:

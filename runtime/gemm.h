@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 #include "dsl/dtype.h"
 
@@ -10,10 +11,12 @@ namespace mixtape {
 
 /// How bf16 operands are multiplied. Both accumulate in f32 and give the same results for values
 /// in the normal range; they differ in speed, and in subnormals (below 2^-126): the native
-/// kernel's VDPBF16PS flushes subnormal operands and products to zero, the widened one keeps them.
+/// kernel's VDPBF16PS or AMX TDPBF16PS flushes subnormal operands and products to zero, the
+/// widened one keeps them.
 enum class Bf16Kernel : uint8_t {
-  automatic,  // by shape: widened when there are enough flops per converted element (gemm.cpp)
-  native,     // oneDNN's bf16 matmul (AVX512-BF16 dot products)
+  automatic,  // native where oneDNN runs it on AMX; elsewhere by shape: widened when there are
+              // enough flops per converted element (gemm.cpp). Fixed per shape and machine.
+  native,     // oneDNN's bf16 matmul (AMX tiles or AVX512-BF16 dot products)
   widened,    // operands widened exactly to f32, then oneDNN's f32 matmul
 };
 
@@ -45,6 +48,12 @@ bool gemm_supported(const GemmDesc& desc);
 /// failure.
 void gemm(const GemmDesc& desc, const void* a, const void* b, void* out,
           const void* bias = nullptr);
+
+/// Which kernel `gemm(desc, ...)` runs, in words: "oneDNN bf16 brg:avx512_core_amx_bf16", or
+/// "bf16 widened to f32, oneDNN f32 brg:avx512_core" (oneDNN's implementation names). The same
+/// text is logged under MIXTAPE_LOG=profile the first time each distinct product runs. Makes
+/// and caches the primitive; throws mt::Error as gemm does for an unsupported description.
+std::string gemm_kernel(const GemmDesc& desc);
 
 /// The number of oneDNN matmul primitives created and cached so far (one per distinct oneDNN
 /// problem: shapes, transposes, oneDNN operand type, bias); for tests and reports.
