@@ -566,6 +566,55 @@ TEST(UserPolicy, SubclassDecidesAndSeesTheQuery) {
   EXPECT_TRUE(saw_backward_matmul);
 }
 
+// A policy that says it is pure is asked once per distinct question (the traced loop asks the
+// same ones every step); one that does not is asked for every node. Answers are the same.
+class CountingPolicy : public mt::Policy {
+ public:
+  explicit CountingPolicy(bool pure) : mt::Policy("counting"), pure_(pure) {}
+  bool pure() const override { return pure_; }
+  mt::Precision decide(const mt::PrecisionQuery& q) const override {
+    ++asked;
+    return {q.op == OpCode::MatMul ? mt::bf16 : q.traced, q.traced, mt::f32,
+            fmt::format("counting: {}", mt::op_name(q.op))};
+  }
+  mutable int asked = 0;
+
+ private:
+  bool pure_;
+};
+
+TEST(UserPolicy, APurePolicyIsAskedOncePerDistinctQuery) {
+  std::vector<std::vector<mt::PrecisionRow>> reports;
+  for (bool pure : {false, true}) {
+    auto policy = std::make_shared<CountingPolicy>(pure);
+    OneLayer net(4, 3);
+    int nodes = 0;
+    for (int step = 0; step < 3; ++step) {
+      mt::autocast guard(policy);
+      mt::Tensor y = net.fc(mt::ones({2, 4}));
+      std::vector<mt::PrecisionRow> rows = mt::precision_report({y}).rows;
+      nodes += static_cast<int>(rows.size());
+      if (step == 0) reports.push_back(rows);
+    }
+    if (pure)
+      EXPECT_LT(policy->asked, nodes / 2) << "the second and third steps ask nothing new";
+    else
+      EXPECT_GE(policy->asked, nodes - 6) << "every node but the leaves";
+  }
+  ASSERT_EQ(reports[0].size(), reports[1].size());
+  for (size_t i = 0; i < reports[0].size(); ++i) {
+    EXPECT_EQ(reports[0][i].storage, reports[1][i].storage);
+    EXPECT_EQ(reports[0][i].rule, reports[1][i].rule);
+  }
+  // mixtape's policies are pure; an OverridePolicy is unless a rule of the user's decides.
+  EXPECT_TRUE(mt::autocast_policy(mt::bf16)->pure());
+  mt::OverridePolicy overrides(mt::autocast_policy(mt::bf16));
+  overrides.module("fc", mt::fp32_policy());
+  EXPECT_TRUE(overrides.pure());
+  overrides.rule("mine", [](const mt::PrecisionQuery&) { return std::nullopt; });
+  EXPECT_FALSE(overrides.pure());
+}
+
 TEST(UserPolicy, NonFloatDecisionsAreRejected) {
   class Broken : public mt::Policy {
    public:
