@@ -1,6 +1,7 @@
 // dsl/host_memory.cpp -- the cache of freed host blocks behind every Storage.
 #include "dsl/host_memory.h"
 
+#include <algorithm>
 #include <atomic>
 #include <bit>
 #include <cerrno>
@@ -20,18 +21,18 @@
 namespace mixtape {
 namespace {
 
+// Every block is kept for reuse, small ones too: a step's mid-sized buffers would otherwise keep
+// malloc consolidating free chunks, and small aligned ones take malloc's slow memalign path
+// (a batch-1 forward pass makes a dozen of them per call).
 constexpr size_t alignment = 64;
-// Blocks below this go straight to malloc's own free lists. Above it, a step's many mid-sized
-// buffers (activations of small batches) would otherwise keep malloc consolidating free chunks.
-constexpr size_t smallest_cached = size_t{1} << 10;
 // Freed blocks kept at most; past it a freed block goes back to the OS.
 constexpr int64_t max_cached_bytes = int64_t{1} << 30;
 
-// Large sizes round up to a multiple of 1/8 of their power of two, so that nearby sizes (one
-// batch shape against another) share blocks while at most 12.5% is wasted.
+// Sizes round up to a multiple of 1/8 of their power of two (of the alignment at least), so
+// that nearby sizes (one batch shape against another) share blocks while at most 12.5% is
+// wasted.
 size_t size_class(size_t bytes) {
-  if (bytes < smallest_cached) return (bytes + alignment - 1) / alignment * alignment;
-  size_t step = std::bit_floor(bytes) / 8;
+  size_t step = std::max(alignment, std::bit_floor(bytes) / 8);
   return (bytes + step - 1) / step * step;
 }
 
@@ -39,8 +40,7 @@ struct Cache {
   std::mutex mutex;
   std::unordered_map<size_t, std::vector<void*>> free_blocks;
   HostMemoryStats stats;  // live_bytes is kept in `live` instead
-  // Atomic, so that small blocks (which skip the free lists) are counted without the lock: they
-  // are most of a step's allocations.
+  // Atomic: a fresh block is counted, and a released one uncounted, outside the lock.
   std::atomic<int64_t> live{0};
 };
 
@@ -127,20 +127,18 @@ void* host_allocate(size_t bytes) {
   size_t size = size_class(bytes == 0 ? 1 : bytes);
   auto counted = static_cast<int64_t>(size);
   Cache& c = cache();
-  if (size >= smallest_cached || limit().load(std::memory_order_relaxed) > 0) {
+  {
     std::lock_guard<std::mutex> lock(c.mutex);
-    if (size >= smallest_cached) {
-      auto found = c.free_blocks.find(size);
-      if (found != c.free_blocks.end() && !found->second.empty()) {
-        void* block = found->second.back();
-        found->second.pop_back();
-        c.stats.cached_bytes -= counted;
-        c.live += counted;
-        ++c.stats.hits;
-        return block;
-      }
-      ++c.stats.misses;
+    auto found = c.free_blocks.find(size);
+    if (found != c.free_blocks.end() && !found->second.empty()) {
+      void* block = found->second.back();
+      found->second.pop_back();
+      c.stats.cached_bytes -= counted;
+      c.live += counted;
+      ++c.stats.hits;
+      return block;
     }
+    ++c.stats.misses;
     reserve(c, static_cast<double>(size), static_cast<double>(bytes));
   }
   if (size > machine_bytes())
@@ -169,10 +167,6 @@ void host_release(void* block, size_t bytes) noexcept {
   auto counted = static_cast<int64_t>(size);
   Cache& c = cache();
   c.live -= counted;
-  if (size < smallest_cached) {
-    std::free(block);
-    return;
-  }
   std::lock_guard<std::mutex> lock(c.mutex);
   int64_t cap = limit().load(std::memory_order_relaxed);
   if (c.stats.cached_bytes + counted <= max_cached_bytes &&
