@@ -433,9 +433,14 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
       fail("aot: output '{}' needs a C identifier for a name", outputs[r]);
     auto [e, j] = plan.results[r];
     const Node& node = *plan.evals[e].eval.executed.sig.stored[j];
-    if (max > 0 && (node.shape.empty() || node.shape[0] != batch))
-      fail("aot: output '{}' ({}) has no batch dim 0, which a dynamic batch needs", outputs[r],
-           describe(node));
+    // Dim 0 must be the batch at every traced batch, not just equal to it at the export one.
+    for (const TracedPlan& t : traced) {
+      auto [te, tj] = t.plan->results[r];
+      const Node& at = *t.plan->evals[te].eval.executed.sig.stored[tj];
+      if (max > 0 && (at.shape.empty() || at.shape[0] != t.batch))
+        fail("aot: output '{}' ({} at batch {}) has no batch dim 0, which a dynamic batch needs",
+             outputs[r], describe(at), t.batch);
+    }
     output_dtypes.push_back(node.dtype);
     output_shapes.push_back(node.shape);
     spec.outputs.push_back({outputs[r], node.dtype, node.shape});

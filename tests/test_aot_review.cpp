@@ -231,6 +231,26 @@ TEST_P(AotReviewOutputs, UnusualOutputsExportOrRefuse) {
 
 INSTANTIATE_TEST_SUITE_P(Kinds, AotReviewOutputs, testing::Range(0, 3));
 
+// An output whose dim 0 equals the export batch without being the batch (a fixed [8, 4] value
+// exported at batch 8) is refused at export, not at the first call at another batch.
+TEST(AotReviewOutputsBatch, AFixedOutputThatLooksLikeTheBatchIsRefused) {
+  mt::Tensor w = mt::ones({8, 4});
+  std::string dir = temp_dir("review_fixed_output");
+  mt::aot::Options o{.name = "outs", .dynamic_batch = {.max = 16}};
+  try {
+    mt::aot::export_artifact(
+        [&](const std::vector<mt::Tensor>& a) {
+          return std::vector<mt::Tensor>{a.at(0) * 2.0, w * 3.0};
+        },
+        {mt::aot::input("x", {8, 4}, mt::f32)}, {"a", "b"}, dir, o, false);
+    ADD_FAILURE() << "exported an output of fixed size as one with a batch";
+  } catch (const mt::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("output 'b'"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("has no batch dim 0"), std::string::npos) << e.what();
+  }
+  fs::remove_all(dir);
+}
+
 // The same for mt::compile, whose replay (runtime/step_plan.cpp) the artifact shares: a stored
 // node returned twice gets one result slot (PlannedEvaluation::result_slot), the other result is
 // left undefined from the first replay on.
