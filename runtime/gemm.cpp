@@ -322,22 +322,29 @@ class SingleThreaded {
 
 // A primitive's arguments for the calling thread, made once: each call only points them at its
 // buffers. Making dnnl::memory objects and their map on every call was about a fifth of a small
-// matmul's time (an exported MLP's batch-1 latency, perf).
-std::unordered_map<int, dnnl::memory>& bound_arguments(const CachedPrimitive& primitive,
-                                                       bool has_bias) {
-  thread_local std::unordered_map<uint64_t, std::unordered_map<int, dnnl::memory>> bound;
+// matmul's time (an exported MLP's batch-1 latency, perf); the C API takes them as they are,
+// where the C++ one copies its map into a fresh array every call.
+struct BoundArguments {
+  std::vector<dnnl::memory> memories;  // src, weights, dst, then bias and scratchpad if any
+  std::vector<dnnl_exec_arg_t> args;
+};
+
+BoundArguments& bound_arguments(const CachedPrimitive& primitive, bool has_bias) {
+  thread_local std::unordered_map<uint64_t, BoundArguments> bound;
   auto [it, added] = bound.try_emplace(primitive.id);
   if (added) {
     const dnnl::engine& engine = backend().engine;
-    auto& args = it->second;
-    args.emplace(DNNL_ARG_SRC, dnnl::memory(primitive.a, engine, DNNL_MEMORY_NONE));
-    args.emplace(DNNL_ARG_WEIGHTS, dnnl::memory(primitive.b, engine, DNNL_MEMORY_NONE));
-    args.emplace(DNNL_ARG_DST, dnnl::memory(primitive.result, engine, DNNL_MEMORY_NONE));
-    if (has_bias)
-      args.emplace(DNNL_ARG_BIAS, dnnl::memory(primitive.bias, engine, DNNL_MEMORY_NONE));
-    if (primitive.scratchpad.get_size() > 0)
-      args.emplace(DNNL_ARG_SCRATCHPAD,
-                   dnnl::memory(primitive.scratchpad, engine, DNNL_MEMORY_NONE));
+    BoundArguments& b = it->second;
+    auto add = [&](int arg, const dnnl::memory::desc& desc) {
+      b.memories.push_back(dnnl::memory(desc, engine, DNNL_MEMORY_NONE));
+      b.args.push_back({arg, b.memories.back().get()});
+    };
+    b.memories.reserve(5);
+    add(DNNL_ARG_SRC, primitive.a);
+    add(DNNL_ARG_WEIGHTS, primitive.b);
+    add(DNNL_ARG_DST, primitive.result);
+    if (has_bias) add(DNNL_ARG_BIAS, primitive.bias);
+    if (primitive.scratchpad.get_size() > 0) add(DNNL_ARG_SCRATCHPAD, primitive.scratchpad);
   }
   return it->second;
 }
@@ -349,17 +356,21 @@ void run_onednn(const GemmDesc& d, const CachedPrimitive& primitive, const void*
   SingleThreaded single_threaded(flops < kSingleThreadMaxFlops);
   // One stream per thread: oneDNN does not promise that a stream may be used concurrently.
   thread_local dnnl::stream stream(backend().engine);
-  std::unordered_map<int, dnnl::memory>& args = bound_arguments(primitive, d.has_bias);
-  args.at(DNNL_ARG_SRC).set_data_handle(const_cast<void*>(a));
-  args.at(DNNL_ARG_WEIGHTS).set_data_handle(const_cast<void*>(b));
-  args.at(DNNL_ARG_DST).set_data_handle(result);
-  if (d.has_bias) args.at(DNNL_ARG_BIAS).set_data_handle(const_cast<float*>(bias));
+  BoundArguments& bound = bound_arguments(primitive, d.has_bias);
+  std::vector<dnnl::memory>& memory = bound.memories;
+  memory[0].set_data_handle(const_cast<void*>(a));
+  memory[1].set_data_handle(const_cast<void*>(b));
+  memory[2].set_data_handle(result);
+  size_t next = 3;
+  if (d.has_bias) memory[next++].set_data_handle(const_cast<float*>(bias));
   const size_t scratchpad_bytes = primitive.scratchpad.get_size();
   if (scratchpad_bytes > 0)
-    args.at(DNNL_ARG_SCRATCHPAD)
-        .set_data_handle(
-            thread_scratch().onednn.get<std::byte>(static_cast<int64_t>(scratchpad_bytes)));
-  primitive.matmul.execute(stream, args);
+    memory[next].set_data_handle(
+        thread_scratch().onednn.get<std::byte>(static_cast<int64_t>(scratchpad_bytes)));
+  dnnl::error::wrap_c_api(
+      dnnl_primitive_execute(primitive.matmul.get(), stream.get(),
+                             static_cast<int>(bound.args.size()), bound.args.data()),
+      "could not execute a matmul");
   stream.wait();
 }
 
