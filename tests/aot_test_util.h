@@ -15,6 +15,7 @@
 
 #include <mixtape/mixtape.h>
 
+#include "examples/digits_model.h"
 #include "jit/aot_export.h"
 #include "jit/llvm_jit.h"
 #include "runtime/aot_runtime.h"
@@ -82,6 +83,33 @@ inline std::unique_ptr<mt::autocast> policy_scope(const std::string& policy) {
   if (policy == "f16") return std::make_unique<mt::autocast>(mt::f16);
   return nullptr;
 }
+
+// The digits MLP's training step as the AOT tests export it: AdamW 1e-3 and a loss scaler
+// (enabled for "f16") under a test's policy name. The model is made by the constructor, so seed
+// the default generator first.
+struct DigitsTrainer {
+  std::string policy;
+  DigitsMLP net;
+  mt::AdamW opt{net.parameters(), {.lr = 1e-3}};
+  mt::GradScaler scaler;
+  explicit DigitsTrainer(const std::string& policy_name)
+      : policy(policy_name), scaler({.init_scale = 1024, .enabled = policy_name == "f16"}) {}
+  mt::Tensor step(const mt::Tensor& x, const mt::Tensor& y) {
+    opt.zero_grad();
+    mt::Tensor loss;
+    {
+      auto scope = policy_scope(policy);
+      loss = mt::cross_entropy(net(x), y);
+    }
+    scaler.scale(loss).backward();
+    scaler.step(opt);
+    scaler.update();
+    return loss;
+  }
+  auto step_function() {
+    return [this](const mt::Tensor& x, const mt::Tensor& y) { return step(x, y); };
+  }
+};
 
 // The index of the first element whose bytes differ, or the size when all are equal.
 template <typename T>

@@ -68,21 +68,9 @@ TEST_P(AotStep, TrainingStepEqualsCompile) {
   const std::string policy = GetParam();
   constexpr int64_t batch = 32, steps = 5;
   mt::manual_seed(5);
-  DigitsMLP net;
-  mt::AdamW opt(net.parameters(), {.lr = 1e-3});
-  mt::GradScaler scaler({.init_scale = 1024, .enabled = policy == "f16"});
-  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
-    opt.zero_grad();
-    mt::Tensor loss;
-    {
-      auto scope = policy_scope(policy);
-      loss = mt::cross_entropy(net(x), y);
-    }
-    scaler.scale(loss).backward();
-    scaler.step(opt);
-    scaler.update();
-    return loss;
-  };
+  DigitsTrainer trainer(policy);
+  auto& [_, net, opt, scaler] = trainer;
+  auto train_step = trainer.step_function();
   // One step first: the optimizer makes its state at its first step (see export_step).
   mt::Generator g(9);
   train_step(mt::randn({batch, 64}, mt::f32, &g), mt::zeros({batch}, mt::i64));

@@ -102,21 +102,9 @@ TEST(GpuAotStep, CudaStepsEqualCompileOnCuda) {
   DeviceScope scope;
   constexpr int64_t batch = 32, steps = 5;
   mt::manual_seed(5);
-  DigitsMLP net;
-  mt::AdamW opt(net.parameters(), {.lr = 1e-3});
-  mt::GradScaler scaler({.init_scale = 1024});
-  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
-    opt.zero_grad();
-    mt::Tensor loss;
-    {
-      mt::autocast policy(mt::f16);
-      loss = mt::cross_entropy(net(x), y);
-    }
-    scaler.scale(loss).backward();
-    scaler.step(opt);
-    scaler.update();
-    return loss;
-  };
+  DigitsTrainer trainer("f16");
+  auto& [_, net, opt, scaler] = trainer;
+  auto train_step = trainer.step_function();
   mt::Generator g(9);
   train_step(mt::randn({batch, 64}, mt::f32, &g), mt::zeros({batch}, mt::i64));
   std::string dir = temp_dir("gpu_step");
