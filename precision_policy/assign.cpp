@@ -50,20 +50,44 @@ void append(std::string& key, const T& value) {
   key.append(reinterpret_cast<const char*>(&value), sizeof value);
 }
 
-void query_key(std::string& key, const Policy& policy, const PrecisionQuery& q) {
+// What the policy is asked about `node`: its op, types, floating inputs and where it was made.
+PrecisionQuery query_of(const Node& node) {
+  PrecisionQuery query{node.op,
+                       op_info(node.op).category,
+                       node.dtype,
+                       {},
+                       {},
+                       node.module_path,
+                       node.composite,
+                       node.backward,
+                       node.forward_op};
+  for (const NodePtr& input : node.inputs)
+    if (is_floating(input->dtype)) {
+      query.input_storage.push_back(input->storage);
+      query.input_is_scalar.push_back(is_scalar_constant(*input));
+    }
+  return query;
+}
+
+// query_of(node)'s contents as bytes, with the policy's id, made without building the query: a
+// cached answer needs no query.
+void query_key(std::string& key, const Policy& policy, const Node& node) {
   key.clear();
   append(key, policy.id());
-  append(key, q.op);
-  append(key, q.traced);
-  append(key, q.backward);
-  append(key, q.forward_op);
-  append(key, q.composite);  // string literals of dsl/functional.cpp: one address per name
-  append(key, q.input_storage.size());
-  for (size_t i = 0; i < q.input_storage.size(); ++i) {
-    append(key, q.input_storage[i]);
-    append(key, static_cast<bool>(q.input_is_scalar[i]));
-  }
-  key.append(q.module_path);
+  append(key, node.op);
+  append(key, node.dtype);
+  append(key, node.backward);
+  append(key, node.forward_op);
+  append(key, node.composite);  // string literals of dsl/functional.cpp: one address per name
+  size_t floating = 0;
+  for (const NodePtr& input : node.inputs) floating += is_floating(input->dtype);
+  append(key, floating);
+  for (const NodePtr& input : node.inputs)
+    if (is_floating(input->dtype)) {
+      append(key, input->storage);
+      append(key, is_scalar_constant(*input));
+    }
+  key.append(node.module_path);
 }
 
 Decision decide(const Policy& policy, const PrecisionQuery& query) {
@@ -97,33 +121,19 @@ void assign_precision(const std::vector<Node*>& order) {
       keep_traced(*node, leaf_data);
       node->storage = node->compute = node->value ? node->value->dtype : node->dtype;
     } else {
-      PrecisionQuery query{node->op,
-                           op_info(node->op).category,
-                           node->dtype,
-                           {},
-                           {},
-                           node->module_path,
-                           node->composite,
-                           node->backward,
-                           node->forward_op};
-      for (const NodePtr& input : node->inputs)
-        if (is_floating(input->dtype)) {
-          query.input_storage.push_back(input->storage);
-          query.input_is_scalar.push_back(is_scalar_constant(*input));
-        }
       const Policy& policy = *node->policy;
       Decision decided;
       if (policy.pure()) {
         thread_local std::string key;
-        query_key(key, policy, query);
+        query_key(key, policy, *node);
         auto found = answers.find(std::string_view(key));
         if (found == answers.end()) {
           if (answers.size() >= kMaxAnswers) answers.clear();
-          found = answers.emplace(key, decide(policy, query)).first;
+          found = answers.emplace(key, decide(policy, query_of(*node))).first;
         }
         decided = found->second;
       } else {
-        decided = decide(policy, query);
+        decided = decide(policy, query_of(*node));
       }
       node->storage = decided.storage;
       node->compute = decided.compute;

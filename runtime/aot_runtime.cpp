@@ -481,10 +481,7 @@ mt::StoragePtr as_dtype(mt::StoragePtr value, mt::DType dtype, bool on_device) {
   bool gpu_types = (value->dtype == mt::f32 || mt::is_half(value->dtype)) &&
                    (dtype == mt::f32 || mt::is_half(dtype));
   if (on_device && gpu_types) return mt::convert_on_device(*value, dtype);
-  auto widened = std::make_shared<mt::Storage>(dtype, value->count, mt::Storage::Uninitialized{});
-  for (int64_t i = 0; i < value->count; ++i)
-    mt::store_element(*widened, i, mt::load_element<double>(*value, i));
-  return widened;
+  return mt::store_all(dtype, mt::load_all<double>(*value));
 }
 
 // One call: `batch` rows of host buffers (or, `on_device`, device pointers of a cuda model),

@@ -76,6 +76,14 @@ struct LoadedKernel {
   }
 };
 
+// A kernel with its launch shape, its function not loaded yet.
+std::unique_ptr<LoadedKernel> unloaded(const kir::Kernel& kernel) {
+  auto loaded = std::make_unique<LoadedKernel>();
+  loaded->kernel = std::make_shared<const kir::Kernel>(kernel);
+  loaded->launch = cuda_launch_shape(kernel);
+  return loaded;
+}
+
 std::mutex kernels_mutex;
 std::unordered_map<std::string, std::unique_ptr<LoadedKernel>>& loaded_kernels() {
   static std::unordered_map<std::string, std::unique_ptr<LoadedKernel>> loaded;
@@ -93,9 +101,7 @@ KernelRef register_kernel(const kir::Kernel& kernel) {
   std::lock_guard<std::mutex> lock(kernels_mutex);
   auto [it, added] = loaded_kernels().try_emplace(kernel.name);
   if (added) {
-    it->second = std::make_unique<LoadedKernel>();
-    it->second->kernel = std::make_shared<const kir::Kernel>(kernel);
-    it->second->launch = cuda_launch_shape(kernel);
+    it->second = unloaded(kernel);
     uncompiled().push_back(it->second.get());
   }
   return {reinterpret_cast<uintptr_t>(it->second.get()), nullptr};
@@ -361,9 +367,7 @@ ExecutedProgram execute_cuda(const std::vector<Node*>& pending,
 }
 
 KernelRef prebuilt_cuda_kernel(cuda::CUmodule module, const kir::Kernel& kernel) {
-  auto loaded = std::make_shared<LoadedKernel>();
-  loaded->kernel = std::make_shared<const kir::Kernel>(kernel);
-  loaded->launch = cuda_launch_shape(kernel);
+  std::shared_ptr<LoadedKernel> loaded = unloaded(kernel);
   loaded->function = cuda::get_function(module, kernel.name);
   return {reinterpret_cast<uintptr_t>(loaded.get()), std::move(loaded)};
 }

@@ -1,6 +1,6 @@
 // tests/test_aot_review.cpp -- an adversarial review's failing cases for AOT export: dynamic
 // batches whose kernels name the batch outside dims[0], hostile or corrupt artifact files, and
-// state an export_step leaves behind. Each DISABLED_ test fails (or crashes) on main as written.
+// state an export_step leaves behind. Each test failed (or crashed) before the fix it names.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -517,26 +517,38 @@ TEST(AotReviewState, TiedWeightsSaveWhatTheStepTrained) {
   fs::remove_all(dir);
 }
 
-// NAME_load reads optimizer.steps with strtoll: "12abc" loads as 12 and "abc" as 0 (resetting
+// The digits MLP with plain AdamW (no scaler), trained one step (the optimizer makes its state
+// then) and exported at batch 8 as "train", with the generator its inputs came from.
+struct AdamStepArtifact {
+  DigitsMLP net;
+  mt::AdamW opt;
+  mt::Generator g{9};
+  std::string dir;
+  mt::aot::Exported exported;
+  AdamStepArtifact(const std::string& what, double lr)
+      : opt(net.parameters(), {.lr = lr}), dir(temp_dir(what)) {
+    auto train_step = [this](const mt::Tensor& x, const mt::Tensor& y) {
+      opt.zero_grad();
+      mt::Tensor loss = mt::cross_entropy(net(x), y);
+      loss.backward();
+      opt.step();
+      return loss;
+    };
+    train_step(mt::randn({8, 64}, mt::f32, &g), mt::zeros({8}, mt::i64));
+    mt::aot::Options o{.name = "train", .module = &net, .optimizer = &opt};
+    exported = mt::aot::export_step(
+        train_step, {mt::aot::input("x", {8, 64}, mt::f32), mt::aot::input("y", {8}, mt::i64)},
+        {"loss"}, dir, o);
+  }
+  ~AdamStepArtifact() { fs::remove_all(dir); }
+};
+
+// NAME_load read optimizer.steps with strtoll: "12abc" loaded as 12 and "abc" as 0 (resetting
 // Adam's bias correction), where mt::load_checkpoint refuses both (from_chars, whole text).
 TEST(AotReviewState, LoadRefusesAStepCountLoadCheckpointRefuses) {
   mt::manual_seed(5);
-  DigitsMLP net;
-  mt::AdamW opt(net.parameters(), {.lr = 1e-3});
-  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
-    opt.zero_grad();
-    mt::Tensor loss = mt::cross_entropy(net(x), y);
-    loss.backward();
-    opt.step();
-    return loss;
-  };
-  mt::Generator g(9);
-  train_step(mt::randn({8, 64}, mt::f32, &g), mt::zeros({8}, mt::i64));
-  std::string dir = temp_dir("review_steps_text");
-  mt::aot::Options o{.name = "train", .module = &net, .optimizer = &opt};
-  auto exported = mt::aot::export_step(
-      train_step, {mt::aot::input("x", {8, 64}, mt::f32), mt::aot::input("y", {8}, mt::i64)},
-      {"loss"}, dir, o);
+  AdamStepArtifact a("review_steps_text", 1e-3);
+  auto& [net, opt, g, dir, exported] = a;
   Table table(exported);
   Model model(dir, "train", table);
   ASSERT_NE(model.m, nullptr);
@@ -551,29 +563,14 @@ TEST(AotReviewState, LoadRefusesAStepCountLoadCheckpointRefuses) {
     EXPECT_THROW(mt::load_checkpoint(bad, net, &opt), mt::Error) << text;
     EXPECT_NE(mixtape_aot_load(model.m, bad.c_str()), 0) << "optimizer.steps = " << text;
   }
-  fs::remove_all(dir);
 }
 
 // A step that fails part way (a label out of range: cross_entropy's gather refuses it) returns
 // an error; the state must then be what it was before the call, not half a step further.
 TEST(AotReviewState, FailedStepLeavesTheStateAsItWas) {
   mt::manual_seed(5);
-  DigitsMLP net;
-  mt::AdamW opt(net.parameters(), {.lr = 1e-2});
-  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
-    opt.zero_grad();
-    mt::Tensor loss = mt::cross_entropy(net(x), y);
-    loss.backward();
-    opt.step();
-    return loss;
-  };
-  mt::Generator g(9);
-  train_step(mt::randn({8, 64}, mt::f32, &g), mt::zeros({8}, mt::i64));
-  std::string dir = temp_dir("review_failed_run");
-  mt::aot::Options o{.name = "train", .module = &net, .optimizer = &opt};
-  auto exported = mt::aot::export_step(
-      train_step, {mt::aot::input("x", {8, 64}, mt::f32), mt::aot::input("y", {8}, mt::i64)},
-      {"loss"}, dir, o);
+  AdamStepArtifact a("review_failed_run", 1e-2);
+  auto& [net, opt, g, dir, exported] = a;
   Table table(exported);
   Model model(dir, "train", table);
   ASSERT_NE(model.m, nullptr);
@@ -589,7 +586,6 @@ TEST(AotReviewState, FailedStepLeavesTheStateAsItWas) {
   EXPECT_NE(mixtape_aot_run(model.m, 8, in, out), 0);
   ASSERT_EQ(mixtape_aot_save(model.m, after.c_str()), 0);
   expect_same_checkpoint(after, before);
-  fs::remove_all(dir);
 }
 
 // A step exported with a dynamic batch: traced at four batch sizes, each trace makes new
