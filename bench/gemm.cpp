@@ -20,6 +20,7 @@
 #include "bench/timing.h"
 #include "runtime/cpu_features.h"
 #include "runtime/gemm.h"
+#include "runtime/half_convert.h"
 
 namespace mt = mixtape;
 

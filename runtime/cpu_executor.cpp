@@ -18,6 +18,7 @@
 #include "dsl/log.h"
 #include "runtime/cpu_kernels.h"
 #include "runtime/gemm.h"
+#include "runtime/half_convert.h"
 #include "runtime/program.h"
 #include "runtime/reference_executor.h"
 

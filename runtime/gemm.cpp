@@ -2,7 +2,6 @@
 #include "runtime/gemm.h"
 
 #include <atomic>
-#include <bit>
 #include <cmath>
 #include <map>
 #include <memory>
@@ -18,6 +17,7 @@
 #include "dsl/error.h"
 #include "dsl/half.h"
 #include "dsl/log.h"
+#include "runtime/half_convert.h"
 
 // Findings about oneDNN 2.6 (Debian 2.6.3) on an Intel CPU with AVX512-BF16 and AVX512-FP16 but no
 // AMX that shape the choices below:
@@ -49,11 +49,6 @@ namespace {
 
 using OnednnType = dnnl::memory::data_type;
 
-// Below this many elements a conversion (about 0.5 ns an element on one core) runs on the calling
-// thread: waking the OpenMP team costs microseconds on an idle machine and milliseconds on a loaded
-// one, where a spinning or descheduled team member stalls the region.
-constexpr int64_t kParallelConversionMinimum = int64_t{1} << 18;
-
 // Bf16Kernel::automatic widens bf16 operands when the matmul does at least this many flops per
 // widened operand element, 2mn / (m + n). Measured per core here (best of 7, GFLOP/s widened vs
 // native): 128^3 (128) 135 vs 107, 4096x64x64 (126) 165 vs 101, 64x1024x1024 (120) 118 vs 99,
@@ -66,49 +61,6 @@ constexpr double kWidenBf16MinFlopsPerElement = 96.0;
 // descheduled team member stalls the whole region (digits_mlp's 64x64x128 products: 710 steps/s
 // split over 2 threads against 1810 on one, at load 4 on 2 cores).
 constexpr double kSingleThreadMaxFlops = double{1 << 24};
-
-// f16 <-> f32 as bitwise selects between constant shifts, instead of dsl/half.h's branches,
-// countl_zero and variable shifts, so that the loops vectorize (with SSE2 already). Both are
-// bit-identical to dsl/half.h: widening checked for all 2^16 inputs by the tests, narrowing for all
-// 2^32 inputs once by hand and for a sample by the tests.
-
-// c ? a : b without a branch: GCC will not if-convert a ?: whose arms hold float math (it might
-// trap), and a branch stops vectorization.
-inline uint32_t select_bits(bool c, uint32_t a, uint32_t b) {
-  const uint32_t mask = 0u - static_cast<uint32_t>(c);
-  return (a & mask) | (b & ~mask);
-}
-
-inline float f16_bits_to_f32_vectorizable(uint16_t bits) {
-  const uint32_t sign = (static_cast<uint32_t>(bits) & 0x8000u) << 16;
-  const uint32_t em = bits & 0x7FFFu;
-  const uint32_t normal = (em << 13) + 0x38000000u;   // rebias the exponent, 15 -> 127
-  const uint32_t special = (em << 13) | 0x7F800000u;  // inf, or NaN with its payload
-  // A subnormal (or zero) f16 is em * 2^-24; both factors and the product are exact f32s (the
-  // signed conversion because SSE2 has no unsigned one).
-  const float scaled = static_cast<float>(static_cast<int32_t>(em)) * 0x1p-24f;
-  const uint32_t subnormal = std::bit_cast<uint32_t>(scaled);
-  const uint32_t magnitude =
-      select_bits(em >= 0x7C00u, special, select_bits(em >= 0x0400u, normal, subnormal));
-  return std::bit_cast<float>(sign | magnitude);
-}
-
-inline uint16_t f32_to_f16_bits_vectorizable(float x) {
-  const uint32_t f = std::bit_cast<uint32_t>(x);
-  const uint32_t sign = (f >> 16) & 0x8000u;
-  const uint32_t a = f & 0x7FFFFFFFu;
-  const uint32_t nan = 0x7E00u | ((a >> 13) & 0x3FFu);  // quiet, with the top payload bits
-  // Normal results as in dsl/half.h: rebias, round away 13 bits; the clamp makes overflow inf.
-  const uint32_t n = (a < 0x47800000u ? a : 0x47800000u) - 0x38000000u;
-  const uint32_t normal = (n + 0x0FFFu + ((n >> 13) & 1u)) >> 13;
-  // Subnormal results (|x| < 2^-14): in 0.5 + |x| the f32 ulp is 2^-24, the f16 subnormal step, so
-  // the add rounds |x| to nearest even in units of 2^-24, which land in the low bits. This needs
-  // the default round-to-nearest mode; DAZ/FTZ cannot matter (f32 subnormals give 0 either way).
-  const uint32_t subnormal = std::bit_cast<uint32_t>(std::bit_cast<float>(a) + 0.5f) - 0x3F000000u;
-  const uint32_t magnitude =
-      select_bits(a > 0x7F800000u, nan, select_bits(a >= 0x38800000u, normal, subnormal));
-  return static_cast<uint16_t>(sign | magnitude);
-}
 
 /// A 64-byte aligned byte buffer that only grows, so per-call scratch is allocated once.
 class ScratchBuffer {
@@ -349,11 +301,16 @@ BoundArguments& bound_arguments(const CachedPrimitive& primitive, bool has_bias)
   return it->second;
 }
 
-void run_onednn(const GemmDesc& d, const CachedPrimitive& primitive, const void* a, const void* b,
-                const float* bias, float* result) {
+// Whether oneDNN runs the product on the OpenMP team (else on the calling thread alone).
+bool runs_on_team(const GemmDesc& d) {
   const double flops = 2.0 * static_cast<double>(d.batch) * static_cast<double>(d.m) *
                        static_cast<double>(d.n) * static_cast<double>(d.k);
-  SingleThreaded single_threaded(flops < kSingleThreadMaxFlops);
+  return flops >= kSingleThreadMaxFlops;
+}
+
+void run_onednn(const GemmDesc& d, const CachedPrimitive& primitive, const void* a, const void* b,
+                const float* bias, float* result) {
+  SingleThreaded single_threaded(!runs_on_team(d));
   // One stream per thread: oneDNN does not promise that a stream may be used concurrently.
   thread_local dnnl::stream stream(backend().engine);
   BoundArguments& bound = bound_arguments(primitive, d.has_bias);
@@ -374,11 +331,6 @@ void run_onednn(const GemmDesc& d, const CachedPrimitive& primitive, const void*
   stream.wait();
 }
 
-// The reference's relu: x for x > 0 and NaN, +0 otherwise (-0 included).
-inline float reference_relu(float x) {
-  return std::bit_cast<float>(select_bits(!(x <= 0.0f), std::bit_cast<uint32_t>(x), 0u));
-}
-
 // k == 0: the empty sum is +0, plus the bias.
 void fill_empty_product(const GemmDesc& d, const float* bias, float* result) {
   const int64_t rows = d.batch * d.m;
@@ -387,54 +339,20 @@ void fill_empty_product(const GemmDesc& d, const float* bias, float* result) {
       result[row * d.n + j] = bias != nullptr ? 0.0f + bias[j] : 0.0f;
 }
 
-// Runs body(i) for i in [0, count): on the calling thread for small counts (written out, not as
-// an OpenMP `if` clause, whose serial version GCC leaves unvectorized), else on the OpenMP team.
-template <typename Body>
-void for_each_element(int64_t count, Body body) {
-  if (count < kParallelConversionMinimum) {
-    for (int64_t i = 0; i < count; ++i) body(i);
-    return;
-  }
-#pragma omp parallel for simd schedule(static)
-  for (int64_t i = 0; i < count; ++i) body(i);
-}
-
-template <uint16_t (*kRound)(float), bool kRelu>
-void narrow(const float* in, uint16_t* bits, int64_t count) {
-  for_each_element(count,
-                   [=](int64_t i) { bits[i] = kRound(kRelu ? reference_relu(in[i]) : in[i]); });
-}
-
 // The epilogue after oneDNN: relu, and the one rounding to a half output.
+// A product the team computed is finished by the team, each member converting the rows it wrote
+// (still in its cache): on one thread the other member's half crosses between cores, which
+// doubled the epilogue's time (768x128 bf16 result: 41 us against 12 us for the loop alone).
 void finish(const GemmDesc& d, float* result, void* out, int64_t count) {
   uint16_t* bits = static_cast<uint16_t*>(out);
-  if (d.out == f32 && d.relu) {
-    for_each_element(count, [=](int64_t i) { result[i] = reference_relu(result[i]); });
-  } else if (d.out == bf16) {
-    d.relu ? narrow<f32_to_bf16_bits, true>(result, bits, count)
-           : narrow<f32_to_bf16_bits, false>(result, bits, count);
-  } else if (d.out == f16) {
-    d.relu ? narrow<f32_to_f16_bits_vectorizable, true>(result, bits, count)
-           : narrow<f32_to_f16_bits_vectorizable, false>(result, bits, count);
-  }
-}
-
-// Widens a and b in one OpenMP region rather than two.
-template <float (*kWiden)(uint16_t)>
-void widen_pair(const uint16_t* a, float* a_out, int64_t a_count, const uint16_t* b, float* b_out,
-                int64_t b_count) {
-  if (a_count + b_count < kParallelConversionMinimum) {
-    for (int64_t i = 0; i < a_count; ++i) a_out[i] = kWiden(a[i]);
-    for (int64_t i = 0; i < b_count; ++i) b_out[i] = kWiden(b[i]);
-    return;
-  }
-#pragma omp parallel
-  {
-#pragma omp for simd schedule(static) nowait
-    for (int64_t i = 0; i < a_count; ++i) a_out[i] = kWiden(a[i]);
-#pragma omp for simd schedule(static)
-    for (int64_t i = 0; i < b_count; ++i) b_out[i] = kWiden(b[i]);
-  }
+  const ConvertThreads threads =
+      d.k > 0 && runs_on_team(d) ? ConvertThreads::team : ConvertThreads::automatic;
+  if (d.out == f32 && d.relu)
+    relu_in_place(result, count, threads);
+  else if (d.out == bf16)
+    narrow_to_bf16(result, bits, count, d.relu, threads);
+  else if (d.out == f16)
+    narrow_to_f16(result, bits, count, d.relu, threads);
 }
 
 }  // namespace
@@ -486,11 +404,9 @@ void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void
       float* b_widened = scratch.b.get<float>(b_count);
       const uint16_t* a_bits = static_cast<const uint16_t*>(a);
       const uint16_t* b_bits = static_cast<const uint16_t*>(b);
-      if (d.operand == f16)
-        widen_pair<f16_bits_to_f32_vectorizable>(a_bits, a_widened, a_count, b_bits, b_widened,
-                                                 b_count);
-      else
-        widen_pair<bf16_bits_to_f32>(a_bits, a_widened, a_count, b_bits, b_widened, b_count);
+      auto widen_operand = d.operand == f16 ? widen_f16 : widen_bf16;
+      widen_operand(a_bits, a_widened, a_count);
+      widen_operand(b_bits, b_widened, b_count);
       a_operand = a_widened;
       b_operand = b_widened;
     }
@@ -533,22 +449,6 @@ void gemm_release_scratch() {
   for (ScratchBuffer* buffer :
        {&scratch.a, &scratch.b, &scratch.bias, &scratch.result, &scratch.onednn})
     buffer->release();
-}
-
-void widen_f16(const uint16_t* bits, float* out, int64_t count) {
-  for_each_element(count, [=](int64_t i) { out[i] = f16_bits_to_f32_vectorizable(bits[i]); });
-}
-
-void widen_bf16(const uint16_t* bits, float* out, int64_t count) {
-  for_each_element(count, [=](int64_t i) { out[i] = bf16_bits_to_f32(bits[i]); });
-}
-
-void narrow_to_f16(const float* in, uint16_t* bits, int64_t count) {
-  narrow<f32_to_f16_bits_vectorizable, false>(in, bits, count);
-}
-
-void narrow_to_bf16(const float* in, uint16_t* bits, int64_t count) {
-  narrow<f32_to_bf16_bits, false>(in, bits, count);
 }
 
 }  // namespace mixtape

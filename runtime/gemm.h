@@ -64,11 +64,4 @@ void gemm_clear_primitive_cache();
 /// which otherwise stay at their largest size for reuse by the next call.
 void gemm_release_scratch();
 
-/// The bulk conversions gemm uses, OpenMP-parallel and vectorizable, bit-identical to dsl/half.h
-/// for every input (NaN payloads included). `bits` point to raw 16-bit f16 / bf16 storage.
-void widen_f16(const uint16_t* bits, float* out, int64_t count);
-void widen_bf16(const uint16_t* bits, float* out, int64_t count);
-void narrow_to_f16(const float* in, uint16_t* bits, int64_t count);
-void narrow_to_bf16(const float* in, uint16_t* bits, int64_t count);
-
 }  // namespace mixtape

@@ -17,6 +17,7 @@
 
 #include "dsl/half.h"
 #include "runtime/gemm.h"
+#include "runtime/half_convert.h"
 #include "test_util.h"
 
 namespace mt = mixtape;
@@ -444,8 +445,23 @@ TEST(Gemm, UnsupportedDescriptionsAreReportedWithShapesAndDtypes) {
   EXPECT_MT_ERROR(mt::gemm(d, nullptr, dummy, dummy), "null operand");
 }
 
-// Every conversion runs once with a count above the parallel threshold (2^18) and once below it.
-TEST(Gemm, BulkConversionsMatchHalfHForEveryPattern) {
+// The reference's relu, as the matmul epilogue applies it before rounding: x for x > 0 and for
+// NaN, +0 otherwise (-0 included). In float: reference_relu's trip through double would quiet
+// signalling NaNs.
+float relu_keeping_nan_bits(float x) { return x > 0.0f || std::isnan(x) ? x : 0.0f; }
+
+// Every conversion runs once with a count above the parallel threshold (2^18) and once below it,
+// with the loops compiled for this CPU (AVX-512 where it has it) and with the baseline ones.
+class BulkConversions : public ::testing::TestWithParam<bool> {
+ protected:
+  void SetUp() override { mt::half_convert_force_baseline(GetParam()); }
+  void TearDown() override { mt::half_convert_force_baseline(false); }
+};
+
+TEST_P(BulkConversions, MatchHalfHForEveryPattern) {
+  SCOPED_TRACE(mt::half_convert_isa());
+  if (!GetParam() && std::string(mt::half_convert_isa()) == "baseline")
+    GTEST_SKIP() << "this CPU has no AVX-512: the baseline case covers it";
   const int64_t counts[] = {int64_t{1} << 19, 1000};
   std::vector<uint16_t> patterns(size_t{1} << 19);  // every 16-bit pattern, 8 times
   for (size_t i = 0; i < patterns.size(); ++i) patterns[i] = static_cast<uint16_t>(i);
@@ -476,15 +492,30 @@ TEST(Gemm, BulkConversionsMatchHalfHForEveryPattern) {
   while (xs.size() < 300000) xs.push_back(std::bit_cast<float>(static_cast<uint32_t>(rng())));
   std::vector<uint16_t> narrowed(xs.size());
   for (int64_t count : {static_cast<int64_t>(xs.size()), int64_t{12000}}) {
-    std::fill(narrowed.begin(), narrowed.end(), 0);
-    mt::narrow_to_f16(xs.data(), narrowed.data(), count);
+    for (bool relu : {false, true}) {
+      SCOPED_TRACE(relu ? "with relu" : "without relu");
+      auto expected = [&](int64_t i) { return relu ? relu_keeping_nan_bits(xs[i]) : xs[i]; };
+      std::fill(narrowed.begin(), narrowed.end(), 0);
+      mt::narrow_to_f16(xs.data(), narrowed.data(), count, relu);
+      for (int64_t i = 0; i < count; ++i)
+        ASSERT_EQ(narrowed[i], mt::f32_to_f16_bits(expected(i))) << std::hexfloat << xs[i];
+      mt::narrow_to_bf16(xs.data(), narrowed.data(), count, relu);
+      for (int64_t i = 0; i < count; ++i)
+        ASSERT_EQ(narrowed[i], mt::f32_to_bf16_bits(expected(i))) << std::hexfloat << xs[i];
+    }
+    std::vector<float> relued(xs.begin(), xs.begin() + count);
+    mt::relu_in_place(relued.data(), count);
     for (int64_t i = 0; i < count; ++i)
-      ASSERT_EQ(narrowed[i], mt::f32_to_f16_bits(xs[i])) << std::hexfloat << xs[i];
-    mt::narrow_to_bf16(xs.data(), narrowed.data(), count);
-    for (int64_t i = 0; i < count; ++i)
-      ASSERT_EQ(narrowed[i], mt::f32_to_bf16_bits(xs[i])) << std::hexfloat << xs[i];
+      ASSERT_EQ(std::bit_cast<uint32_t>(relued[i]),
+                std::bit_cast<uint32_t>(relu_keeping_nan_bits(xs[i])))
+          << std::hexfloat << xs[i];
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Gemm, BulkConversions, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? "Baseline" : "ForThisCpu";
+                         });
 
 TEST(Gemm, ConcurrentCallsGiveCorrectResults) {
   std::atomic<int> failures{0};
