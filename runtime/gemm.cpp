@@ -102,11 +102,13 @@ ThreadScratch& thread_scratch() {
 }
 
 // Everything a oneDNN matmul primitive depends on. f16 and widened bf16 operands reach oneDNN as
-// f32, and the destination is always f32, so those share primitives with f32 problems.
+// f32, and the destination is f32 (bf16 only for an AMX product's bf16 result, see choose()), so
+// those share primitives with f32 problems.
 struct PrimitiveKey {
   int64_t batch, m, n, k;
   bool transpose_a, transpose_b;
   OnednnType operand;
+  OnednnType result;
   bool has_bias;
   auto operator<=>(const PrimitiveKey&) const = default;
 };
@@ -156,7 +158,7 @@ std::shared_ptr<const CachedPrimitive> create_primitive(const PrimitiveKey& key)
   auto made = std::make_shared<CachedPrimitive>();
   made->a = matrix_desc(key.batch, key.m, key.k, key.transpose_a, key.operand);
   made->b = matrix_desc(key.batch, key.k, key.n, key.transpose_b, key.operand);
-  made->result = matrix_desc(key.batch, key.m, key.n, false, OnednnType::f32);
+  made->result = matrix_desc(key.batch, key.m, key.n, false, key.result);
   if (key.has_bias)  // one row, broadcast over rows and batches
     made->bias = key.batch == 1
                      ? dnnl::memory::desc({1, key.n}, OnednnType::f32, {key.n, 1})
@@ -197,8 +199,9 @@ bool runs_on_amx(const CachedPrimitive& primitive) {
   return primitive.implementation.find("amx") != std::string::npos;
 }
 
-PrimitiveKey primitive_key(const GemmDesc& d, OnednnType operand) {
-  return {d.batch, d.m, d.n, d.k, d.transpose_a, d.transpose_b, operand, d.has_bias};
+PrimitiveKey primitive_key(const GemmDesc& d, OnednnType operand,
+                           OnednnType result = OnednnType::f32) {
+  return {d.batch, d.m, d.n, d.k, d.transpose_a, d.transpose_b, operand, result, d.has_bias};
 }
 
 // The kernel for a product: widened (f32 operands) or oneDNN's bf16 one, and its primitive. The
@@ -206,8 +209,24 @@ PrimitiveKey primitive_key(const GemmDesc& d, OnednnType operand) {
 // and gives the same bits.
 struct Choice {
   bool widen = false;
+  bool bf16_result = false;  // oneDNN writes the bf16 result itself: there is no epilogue pass
   std::shared_ptr<const CachedPrimitive> primitive;
 };
+
+// An AMX product's bf16 result is rounded by oneDNN as it stores the tiles (VCVTNEPS2BF16), which
+// saves an f32 result's round trip through memory and a pass, about as long as the product itself
+// at 4096x64x64. That rounding is dsl/half.h's for every f32 but the subnormal ones (nearest even,
+// NaNs quieted with their sign and top payload bits), and those it flushes to zero, as the AMX
+// products themselves already flush subnormals (TDPBF16PS). A relu stays with the epilogue, since
+// oneDNN's would turn NaN into 0.
+Choice amx_choice(const GemmDesc& d, std::shared_ptr<const CachedPrimitive> native) {
+  if (d.out == bf16 && !d.relu) {
+    std::shared_ptr<const CachedPrimitive> direct =
+        cached_primitive(primitive_key(d, OnednnType::bf16, OnednnType::bf16));
+    if (runs_on_amx(*direct)) return {false, true, std::move(direct)};
+  }
+  return {false, false, std::move(native)};
+}
 
 Choice choose(const GemmDesc& d) {
   bool widen = d.operand == f16;
@@ -223,7 +242,7 @@ Choice choose(const GemmDesc& d) {
         if (onednn_may_use_amx()) {
           std::shared_ptr<const CachedPrimitive> native =
               cached_primitive(primitive_key(d, OnednnType::bf16));
-          if (runs_on_amx(*native)) return {false, std::move(native)};
+          if (runs_on_amx(*native)) return amx_choice(d, std::move(native));
         }
         const double m = static_cast<double>(d.m), n = static_cast<double>(d.n);
         widen = 2.0 * m * n / (m + n) >= kWidenBf16MinFlopsPerElement;
@@ -232,14 +251,15 @@ Choice choose(const GemmDesc& d) {
     }
   }
   const OnednnType type = d.operand == bf16 && !widen ? OnednnType::bf16 : OnednnType::f32;
-  return {widen, cached_primitive(primitive_key(d, type))};
+  return {widen, false, cached_primitive(primitive_key(d, type))};
 }
 
 std::string describe(const Choice& choice, const GemmDesc& d) {
   if (choice.widen)
     return fmt::format("{} widened to f32, oneDNN f32 {}", name(d.operand),
                        choice.primitive->implementation);
-  return fmt::format("oneDNN {} {}", name(d.operand), choice.primitive->implementation);
+  return fmt::format("oneDNN {} {}{}", name(d.operand), choice.primitive->implementation,
+                     choice.bf16_result ? ", rounding the bf16 result itself" : "");
 }
 
 // MIXTAPE_LOG=profile: which kernel each distinct product runs, once per product.
@@ -309,7 +329,7 @@ bool runs_on_team(const GemmDesc& d) {
 }
 
 void run_onednn(const GemmDesc& d, const CachedPrimitive& primitive, const void* a, const void* b,
-                const float* bias, float* result) {
+                const float* bias, void* result) {
   SingleThreaded single_threaded(!runs_on_team(d));
   // One stream per thread: oneDNN does not promise that a stream may be used concurrently.
   thread_local dnnl::stream stream(backend().engine);
@@ -376,7 +396,6 @@ void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void
 
   ThreadScratch& scratch = thread_scratch();
   const int64_t result_count = d.batch * d.m * d.n;
-  float* result = d.out == f32 ? static_cast<float*>(out) : scratch.result.get<float>(result_count);
   const float* bias_f32 = static_cast<const float*>(bias);
   if (d.has_bias && d.bias_type != f32) {
     float* widened = scratch.bias.get<float>(d.n);
@@ -384,40 +403,45 @@ void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void
     d.bias_type == f16 ? widen_f16(bits, widened, d.n) : widen_bf16(bits, widened, d.n);
     bias_f32 = widened;
   }
+  auto f32_result = [&] {
+    return d.out == f32 ? static_cast<float*>(out) : scratch.result.get<float>(result_count);
+  };
 
   if (d.k == 0) {
+    float* result = f32_result();
     fill_empty_product(d, bias_f32, result);
-  } else {
-    Choice choice;
-    try {
-      choice = choose(d);
-    } catch (const dnnl::error& error) {
-      fail("{}: oneDNN failed: {}", describe(d), error.what());
-    }
-    log_choice(choice, d);
-    const bool widen = choice.widen;
-    const void* a_operand = a;
-    const void* b_operand = b;
-    if (widen) {
-      const int64_t a_count = d.batch * d.m * d.k, b_count = d.batch * d.k * d.n;
-      float* a_widened = scratch.a.get<float>(a_count);
-      float* b_widened = scratch.b.get<float>(b_count);
-      const uint16_t* a_bits = static_cast<const uint16_t*>(a);
-      const uint16_t* b_bits = static_cast<const uint16_t*>(b);
-      auto widen_operand = d.operand == f16 ? widen_f16 : widen_bf16;
-      widen_operand(a_bits, a_widened, a_count);
-      widen_operand(b_bits, b_widened, b_count);
-      a_operand = a_widened;
-      b_operand = b_widened;
-    }
-    try {
-      run_onednn(d, *choice.primitive, a_operand, b_operand, bias_f32, result);
-    } catch (const dnnl::error& error) {
-      fail("{}: oneDNN failed: {}", describe(d), error.what());
-    }
+    finish(d, result, out, result_count);
+    return;
   }
-
-  finish(d, result, out, result_count);
+  Choice choice;
+  try {
+    choice = choose(d);
+  } catch (const dnnl::error& error) {
+    fail("{}: oneDNN failed: {}", describe(d), error.what());
+  }
+  log_choice(choice, d);
+  const void* a_operand = a;
+  const void* b_operand = b;
+  if (choice.widen) {
+    const int64_t a_count = d.batch * d.m * d.k, b_count = d.batch * d.k * d.n;
+    float* a_widened = scratch.a.get<float>(a_count);
+    float* b_widened = scratch.b.get<float>(b_count);
+    const uint16_t* a_bits = static_cast<const uint16_t*>(a);
+    const uint16_t* b_bits = static_cast<const uint16_t*>(b);
+    auto widen_operand = d.operand == f16 ? widen_f16 : widen_bf16;
+    widen_operand(a_bits, a_widened, a_count);
+    widen_operand(b_bits, b_widened, b_count);
+    a_operand = a_widened;
+    b_operand = b_widened;
+  }
+  float* result = choice.bf16_result ? nullptr : f32_result();
+  try {
+    run_onednn(d, *choice.primitive, a_operand, b_operand, bias_f32,
+               choice.bf16_result ? out : static_cast<void*>(result));
+  } catch (const dnnl::error& error) {
+    fail("{}: oneDNN failed: {}", describe(d), error.what());
+  }
+  if (!choice.bf16_result) finish(d, result, out, result_count);
 }
 
 std::string gemm_kernel(const GemmDesc& d) {

@@ -294,6 +294,39 @@ TEST(Gemm, AutomaticBf16KernelIsAmxWhereOneDnnHasIt) {
   }()) << "\n";
 }
 
+// Where oneDNN rounds an AMX product's bf16 result itself, the bits equal the f32 result of the
+// same product rounded by dsl/half.h: ties, NaNs (quieted, sign and payload kept) and infinities
+// included. Elsewhere the two go through the same epilogue and the test checks that instead.
+TEST(Gemm, Bf16ResultsEqualTheF32ResultRoundedOnce) {
+  std::mt19937 rng(17);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  const std::array<int64_t, 5> shapes[] = {{1, 4096, 64, 64, 0},
+                                           {48, 64, 32, 64, 1},
+                                           {1, 768, 512, 128, 2},
+                                           {1, 33, 17, 65, 3},
+                                           {1, 256, 256, 256, 0}};
+  for (const auto& [batch, m, n, k, variant] : shapes) {
+    mt::GemmDesc d;
+    d.batch = batch, d.m = m, d.n = n, d.k = k, d.operand = mt::bf16;
+    d.transpose_a = variant == 1, d.transpose_b = variant == 2, d.has_bias = variant == 3;
+    std::vector<uint16_t> a(batch * m * k), b(batch * k * n), out16(batch * m * n);
+    for (uint16_t& v : a) v = mt::f32_to_bf16_bits(normal(rng));
+    for (uint16_t& v : b) v = mt::f32_to_bf16_bits(normal(rng));
+    // A row of NaNs with a payload and a row of infinities (in a's first and last stored rows).
+    for (int64_t i = 0; i < k; ++i) a[i] = 0xFFC3, a[a.size() - 1 - i] = 0x7F80;
+    std::vector<float> bias(n);
+    for (float& v : bias) v = normal(rng);
+    std::vector<float> out32(out16.size());
+    mt::GemmDesc f32_out = d;
+    d.out = mt::bf16;
+    mt::gemm(f32_out, a.data(), b.data(), out32.data(), bias.data());
+    mt::gemm(d, a.data(), b.data(), out16.data(), bias.data());
+    SCOPED_TRACE(label(d) + ": " + mt::gemm_kernel(d));
+    for (size_t i = 0; i < out16.size(); ++i)
+      ASSERT_EQ(out16[i], mt::f32_to_bf16_bits(out32[i])) << "element " << i << " of " << out32[i];
+  }
+}
+
 // Halfway cases and the ends of the ranges, with hand-written expected bits: sum = x + y (f32
 // operands, b = [1, 1]) must be rounded once, to nearest even.
 TEST(Gemm, HalfOutputsRoundOnceToNearestEven) {
