@@ -22,7 +22,10 @@ DATA_DIR = os.environ.get("MIXTAPE_DATA_DIR") or os.path.join(BENCH_DIR, "..", "
 # ---- the workloads (identical shapes, ops and optimizers in every system) ----
 MLP_IN, MLP_OUT, MLP_HIDDEN_LAYERS, MLP_LR = 32, 16, 4, 1e-3
 DIGITS = dict(hidden=128, batch=64, lr=0.05, momentum=0.9, label_smoothing=0.2, noise=0.2,
-              train_rows=1437)
+              train_rows=1437, optimizer="sgd")
+# The README's demo, `digits_mlp --batch 256 --optimizer adamw`: AdamW 2e-3, weight decay 0.01.
+DIGITS_DEMO = dict(DIGITS, batch=256, optimizer="adamw", lr=2e-3, weight_decay=0.01)
+DIGITS_LOOPS = {"digits_mlp": DIGITS, "digits_demo": DIGITS_DEMO}
 # nanoGPT's CPU settings, as examples/char_gpt.cpp: AdamW 1e-3 with beta2 0.99 and weight decay 0.1,
 # gradient norm clipped at 1. One optimizer (decay on every parameter) in every system.
 GPT = dict(layers=4, heads=4, width=128, context=64, batch=12, lr=1e-3, beta1=0.9, beta2=0.99,
@@ -54,7 +57,7 @@ def gemm_shape(name):
 
 def known_workload(name):
     return (mlp_shape(name) is not None or gemm_shape(name) is not None
-            or name in ("digits_mlp", "char_gpt"))
+            or name in ("digits_mlp", "digits_demo", "char_gpt"))
 
 
 # ---- data ----

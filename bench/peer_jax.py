@@ -134,24 +134,29 @@ def cross_entropy(logits, labels, label_smoothing=0.0):
     return jnp.mean(nll)
 
 
-def digits_runner(precision):
-    cfg = common.DIGITS
+def digits_runner(name, precision):
+    cfg = common.DIGITS_LOOPS[name]
     pixels, labels = common.load_digits()
     rows, batch = cfg["train_rows"], cfg["batch"]
     features = jnp.asarray(np.array(pixels[:rows], np.float32))
     classes = jnp.asarray(np.array(labels[:rows], np.int32))
     params = init_mlp(jax.random.PRNGKey(common.SEED), [64, cfg["hidden"], cfg["hidden"], 10])
-    momentum = jax.tree_util.tree_map(jnp.zeros_like, params)
+    adamw = cfg["optimizer"] == "adamw"
+    opt = adam_init(params) if adamw else jax.tree_util.tree_map(jnp.zeros_like, params)
 
     def step(state, index):
-        params, momentum, key = state
+        params, opt, key = state
         key, noise_key = jax.random.split(key)
         x = features[index] + cfg["noise"] * jax.random.normal(noise_key, (batch, 64))
         loss_fn = lambda p: cross_entropy(mlp_forward(p, x, precision), classes[index],
                                           cfg["label_smoothing"])
         grads = jax.grad(loss_fn)(params)
+        if adamw:
+            params, opt = adam_update(params, grads, opt, cfg["lr"], 0.9, 0.999, 1e-8,
+                                      cfg["weight_decay"], True)
+            return params, opt, key
         # torch.optim.SGD with momentum: buf = momentum * buf + g (buf starts as g), p -= lr * buf.
-        momentum = jax.tree_util.tree_map(lambda b, g: cfg["momentum"] * b + g, momentum, grads)
+        momentum = jax.tree_util.tree_map(lambda b, g: cfg["momentum"] * b + g, opt, grads)
         params = jax.tree_util.tree_map(lambda p, b: p - cfg["lr"] * b, params, momentum)
         return params, momentum, key
 
@@ -166,7 +171,7 @@ def digits_runner(precision):
         loader["next"] += 1
         return (index,)
 
-    state = (params, momentum, jax.random.PRNGKey(common.SEED + 1))
+    state = (params, opt, jax.random.PRNGKey(common.SEED + 1))
     compiled, seconds = compiled_step(step, (state, np.zeros(batch, np.int32)))
     return Runner(compiled, state, next_index), seconds
 
@@ -282,8 +287,8 @@ def main():
             else:
                 if common.mlp_shape(name):
                     runner, compile_seconds = mlp_runner(*common.mlp_shape(name), precision)
-                elif name == "digits_mlp":
-                    runner, compile_seconds = digits_runner(precision)
+                elif name in common.DIGITS_LOOPS:
+                    runner, compile_seconds = digits_runner(name, precision)
                 else:
                     runner, compile_seconds = gpt_runner(precision)
                 step, sync = runner.step, runner.sync

@@ -55,15 +55,19 @@ def mlp_step(width, batch, precision):
     return step, count(model)
 
 
-def digits_step(precision):
-    cfg = common.DIGITS
+def digits_step(name, precision):
+    cfg = common.DIGITS_LOOPS[name]
     torch.manual_seed(common.SEED)
     pixels, labels = common.load_digits()
     rows = cfg["train_rows"]
     features = torch.tensor(pixels[:rows], dtype=torch.float32)
     classes = torch.tensor(labels[:rows], dtype=torch.int64)
     model = mlp([64, cfg["hidden"], cfg["hidden"], 10])
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
+    if cfg["optimizer"] == "adamw":
+        optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"],
+                                      weight_decay=cfg["weight_decay"])
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
     generator = torch.Generator().manual_seed(common.SEED)
     batch, per_epoch = cfg["batch"], rows // cfg["batch"]  # shuffled, drop_last
     state = {"order": None, "next": per_epoch}
@@ -201,8 +205,8 @@ def main():
                     step = gemm_step(*gemm)
                 elif common.mlp_shape(name):
                     step, parameters = mlp_step(*common.mlp_shape(name), precision)
-                elif name == "digits_mlp":
-                    step, parameters = digits_step(precision)
+                elif name in common.DIGITS_LOOPS:
+                    step, parameters = digits_step(name, precision)
                 else:
                     step, parameters = gpt_step(precision)
                 result = common.measure(step, lambda: None, args.warmup, args.windows,

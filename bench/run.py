@@ -115,7 +115,7 @@ def select_workloads(plan, only):
         if item == "mlp":
             training += plan["mlp"]
         elif item == "digits":
-            training.append("digits_mlp")
+            training += ["digits_mlp", "digits_demo"]
         elif item == "gpt":
             training.append("char_gpt")
         elif item == "gemm":

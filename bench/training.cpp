@@ -20,7 +20,8 @@ constexpr const char* kUsage =
     "usage: bench_training --workloads LIST [--precisions fp32,bf16] [--warmup N] [--windows N]\n"
     "                      [--window-seconds S] [--budget-seconds S] [--step traced|compiled]\n"
     "  workloads: mlp_w<W>_b<B> (32 -> W x4 hidden -> 16, ReLU, MSE, Adam 1e-3), digits_mlp\n"
-    "             (examples/digits_mlp's model and loop), char_gpt (CharGpt 4x4x128, context 64,\n"
+    "             (examples/digits_mlp's model and loop), digits_demo (the README's demo: the\n"
+    "             same at batch 256 with AdamW), char_gpt (CharGpt 4x4x128, context 64,\n"
     "             batch 12, AdamW, clipping at 1)\n"
     "  --step compiled runs each step through mt::compile (traced once, then replayed); traced\n"
     "  (the default) builds the graph every step, as the plain training loop does.\n"
@@ -32,9 +33,17 @@ using bench::mlp_workload;
 using bench::parameter_count;
 using bench::Workload;
 
-/// examples/digits_mlp.cpp's model and training step with its defaults (SGD momentum 0.9 at
-/// 0.05, batch 64, label smoothing 0.2, input noise 0.2, shuffled loader).
-Workload digits_workload(const mt::PolicyPtr& policy, bool compiled) {
+/// The digits loop's batch and optimizer: examples/digits_mlp.cpp's defaults (digits_mlp: SGD
+/// momentum 0.9 at 0.05, batch 64), or the README's demo (digits_demo: `--batch 256 --optimizer
+/// adamw`, AdamW 2e-3 with weight decay 0.01).
+struct DigitsLoop {
+  int64_t batch;
+  bool adamw;
+};
+
+/// examples/digits_mlp.cpp's model and training step (label smoothing 0.2, input noise 0.2,
+/// shuffled loader), with `loop`'s batch and optimizer.
+Workload digits_workload(const mt::PolicyPtr& policy, bool compiled, DigitsLoop loop) {
   struct Net : mt::Module {
     mt::Linear fc1, fc2, fc3;
     explicit Net(mt::Generator* gen)
@@ -50,23 +59,27 @@ Workload digits_workload(const mt::PolicyPtr& policy, bool compiled) {
   struct State {
     mt::Generator gen{kSeed}, noise{kSeed ^ 0x6e6f697365ULL};
     std::unique_ptr<Net> net;
-    std::unique_ptr<mt::SGD> optimizer;
+    std::unique_ptr<mt::Optimizer> optimizer;
     std::unique_ptr<mt::TensorDataset> train;
     std::unique_ptr<mt::DataLoader> loader;
   };
   auto state = std::make_shared<State>();
   mt::Digits digits = mt::load_digits(mt::default_data_dir() + "/digits.csv.gz");
-  constexpr int64_t kTrainRows = 1437, kBatch = 64;
+  constexpr int64_t kTrainRows = 1437;
   if (digits.count() < kTrainRows) mt::fail("digits: expected 1797 rows, found {}", digits.count());
   std::vector<float> pixels(digits.pixels.begin(), digits.pixels.begin() + kTrainRows * 64);
   for (float& p : pixels) p /= 16.0f;
   std::vector<int64_t> labels(digits.labels.begin(), digits.labels.begin() + kTrainRows);
   state->train =
       std::make_unique<mt::TensorDataset>(std::move(pixels), mt::Shape{64}, std::move(labels));
-  state->loader = std::make_unique<mt::DataLoader>(*state->train, kBatch, true, kSeed);
+  state->loader = std::make_unique<mt::DataLoader>(*state->train, loop.batch, true, kSeed);
   state->net = std::make_unique<Net>(&state->gen);
-  state->optimizer = std::make_unique<mt::SGD>(state->net->parameters(),
-                                               mt::SGDOptions{.lr = 0.05, .momentum = 0.9});
+  if (loop.adamw)
+    state->optimizer = std::make_unique<mt::AdamW>(
+        state->net->parameters(), mt::AdamOptions{.lr = 2e-3, .weight_decay = 0.01});
+  else
+    state->optimizer = std::make_unique<mt::SGD>(state->net->parameters(),
+                                                 mt::SGDOptions{.lr = 0.05, .momentum = 0.9});
   auto train = [state, policy](const mt::Tensor& inputs, const mt::Tensor& targets) {
     state->optimizer->zero_grad();
     mt::Tensor loss;
@@ -85,9 +98,11 @@ Workload digits_workload(const mt::PolicyPtr& policy, bool compiled) {
     mt::Tensor noise = mt::randn(batch.inputs.shape(), mt::f32, &state->noise, 0, 0.2);
     return std::pair(batch.inputs + noise, batch.targets);
   };
-  return make_workload(
-      train, next_batch, compiled,
-      {{"batch", kBatch}, {"hidden", 128}, {"parameters", parameter_count(*state->net)}});
+  return make_workload(train, next_batch, compiled,
+                       {{"batch", loop.batch},
+                        {"optimizer", loop.adamw ? "adamw" : "sgd"},
+                        {"hidden", 128},
+                        {"parameters", parameter_count(*state->net)}});
 }
 
 /// CharGpt (examples/char_gpt_model.h) on fortunes.txt with nanoGPT's CPU settings: 4 layers,
@@ -132,9 +147,13 @@ Workload workload_by_name(const std::string& name, const mt::PolicyPtr& policy, 
   if (std::sscanf(name.c_str(), "mlp_w%lld_b%lld%n", &width, &batch, &consumed) == 2 &&
       static_cast<size_t>(consumed) == name.size() && width > 0 && batch > 0)
     return mlp_workload(width, batch, policy, compiled);
-  if (name == "digits_mlp") return digits_workload(policy, compiled);
+  if (name == "digits_mlp") return digits_workload(policy, compiled, {.batch = 64, .adamw = false});
+  if (name == "digits_demo")
+    return digits_workload(policy, compiled, {.batch = 256, .adamw = true});
   if (name == "char_gpt") return gpt_workload(policy, compiled);
-  mt::fail("bench_training: unknown workload '{}' (mlp_w<W>_b<B>, digits_mlp, char_gpt)", name);
+  mt::fail(
+      "bench_training: unknown workload '{}' (mlp_w<W>_b<B>, digits_mlp, digits_demo, char_gpt)",
+      name);
 }
 
 }  // namespace
