@@ -56,11 +56,14 @@ using OnednnType = dnnl::memory::data_type;
 // 35 vs 67, 1x1024x1024 (2) 4 vs 17.
 constexpr double kWidenBf16MinFlopsPerElement = 96.0;
 
-// Products below this many flops (about 100 us on one core) run on the calling thread alone:
-// splitting them saves less than an OpenMP fork and join costs on a loaded machine, where a
-// descheduled team member stalls the whole region (digits_mlp's 64x64x128 products: 710 steps/s
-// split over 2 threads against 1810 on one, at load 4 on 2 cores).
-constexpr double kSingleThreadMaxFlops = double{1 << 24};
+// Products below about 20 us of one core's work run on the calling thread alone: splitting them
+// saves less than an OpenMP fork and join costs on a loaded machine, where a descheduled team
+// member stalls the whole region (digits_mlp's 64x64x128 products: 710 steps/s split over 2
+// threads against 1810 on one, at load 4 on 2 cores). In flops that is 2^22 for the f32 kernel
+// (about 200 GFLOP/s a core) and 2^24 on AMX tiles (about 1,000 at these sizes). With 2^24 for
+// both, the demo's 256x128x128 f32 products ran on one thread: 10% fewer steps/s.
+constexpr double kSingleThreadMaxFlops = double{1 << 22};
+constexpr double kAmxSingleThreadMaxFlops = double{1 << 24};
 
 /// A 64-byte aligned byte buffer that only grows, so per-call scratch is allocated once.
 class ScratchBuffer {
@@ -322,15 +325,15 @@ BoundArguments& bound_arguments(const CachedPrimitive& primitive, bool has_bias)
 }
 
 // Whether oneDNN runs the product on the OpenMP team (else on the calling thread alone).
-bool runs_on_team(const GemmDesc& d) {
+bool runs_on_team(const GemmDesc& d, const CachedPrimitive& primitive) {
   const double flops = 2.0 * static_cast<double>(d.batch) * static_cast<double>(d.m) *
                        static_cast<double>(d.n) * static_cast<double>(d.k);
-  return flops >= kSingleThreadMaxFlops;
+  return flops >= (runs_on_amx(primitive) ? kAmxSingleThreadMaxFlops : kSingleThreadMaxFlops);
 }
 
-void run_onednn(const GemmDesc& d, const CachedPrimitive& primitive, const void* a, const void* b,
-                const float* bias, void* result) {
-  SingleThreaded single_threaded(!runs_on_team(d));
+void run_onednn(const GemmDesc& d, const CachedPrimitive& primitive, bool team, const void* a,
+                const void* b, const float* bias, void* result) {
+  SingleThreaded single_threaded(!team);
   // One stream per thread: oneDNN does not promise that a stream may be used concurrently.
   thread_local dnnl::stream stream(backend().engine);
   BoundArguments& bound = bound_arguments(primitive, d.has_bias);
@@ -363,10 +366,9 @@ void fill_empty_product(const GemmDesc& d, const float* bias, float* result) {
 // A product the team computed is finished by the team, each member converting the rows it wrote
 // (still in its cache): on one thread the other member's half crosses between cores, which
 // doubled the epilogue's time (768x128 bf16 result: 41 us against 12 us for the loop alone).
-void finish(const GemmDesc& d, float* result, void* out, int64_t count) {
+void finish(const GemmDesc& d, bool team, float* result, void* out, int64_t count) {
   uint16_t* bits = static_cast<uint16_t*>(out);
-  const ConvertThreads threads =
-      d.k > 0 && runs_on_team(d) ? ConvertThreads::team : ConvertThreads::automatic;
+  const ConvertThreads threads = team ? ConvertThreads::team : ConvertThreads::automatic;
   if (d.out == f32 && d.relu)
     relu_in_place(result, count, threads);
   else if (d.out == bf16)
@@ -410,7 +412,7 @@ void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void
   if (d.k == 0) {
     float* result = f32_result();
     fill_empty_product(d, bias_f32, result);
-    finish(d, result, out, result_count);
+    finish(d, false, result, out, result_count);
     return;
   }
   Choice choice;
@@ -435,13 +437,14 @@ void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void
     b_operand = b_widened;
   }
   float* result = choice.bf16_result ? nullptr : f32_result();
+  const bool team = runs_on_team(d, *choice.primitive);
   try {
-    run_onednn(d, *choice.primitive, a_operand, b_operand, bias_f32,
+    run_onednn(d, *choice.primitive, team, a_operand, b_operand, bias_f32,
                choice.bf16_result ? out : static_cast<void*>(result));
   } catch (const dnnl::error& error) {
     fail("{}: oneDNN failed: {}", describe(d), error.what());
   }
-  if (!choice.bf16_result) finish(d, result, out, result_count);
+  if (!choice.bf16_result) finish(d, team, result, out, result_count);
 }
 
 std::string gemm_kernel(const GemmDesc& d) {
