@@ -646,10 +646,13 @@ Tensor custom_op(const std::vector<Tensor>& inputs,
       make_node(OpCode::Custom, out.dtype(), out.shape(), std::move(nodes), std::move(attrs), loc));
 }
 
-Tensor gelu_tanh_derivative(const Tensor& x) {
+Tensor gelu_tanh_second_derivative(const Tensor& x) {
+  // With u = k (x + c x^3) and t = tanh(u): the slope is 0.5 (1 + t) + 0.5 x (1 - t^2) u', and its
+  // derivative (1 - t^2) (u' - x t u'^2 + 3 c k x^2).
   constexpr double k = 0.7978845608028654, c = 0.044715;
   Tensor t = tanh((x + x * x * x * c) * k);
-  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * k * (1.0 + 3.0 * c * x * x);
+  Tensor du = k * (1.0 + 3.0 * c * x * x);
+  return (1.0 - t * t) * (du - x * t * du * du + 3.0 * c * k * x * x);
 }
 
 }  // namespace mixtape

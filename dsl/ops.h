@@ -118,7 +118,8 @@ Tensor custom_op(const std::vector<Tensor>& inputs,
                  const std::function<Tensor(const std::vector<Tensor>&)>& forward, CustomVjp vjp,
                  const Loc& loc = Loc::current());
 
-/// Used by ops.def vjp rules: d/dx of the tanh-form gelu.
-Tensor gelu_tanh_derivative(const Tensor& x);
+/// Used by ops.def vjp rules: the second derivative of the tanh-form gelu (the gradient of
+/// gelu_tanh_backward with respect to x).
+Tensor gelu_tanh_second_derivative(const Tensor& x);
 
 }  // namespace mixtape

@@ -119,6 +119,14 @@ F erf_steps(F a) {
   return select(ax < F(erf_split), small, select(is_nan(a), a, large));
 }
 
+// The tanh-form gelu's slope 0.5 (1 + t) + 0.5 x (1 - t^2) k (1 + 3 c x^2), given
+// t = tanh(k (x + c x^3)): PyTorch's gelu_backward (approximate="tanh") in one expression.
+template <typename F>
+F gelu_tanh_slope(F x, F t) {
+  return F(0.5) * (F(1) + t) +
+         F(0.5) * x * (F(1) - t * t) * F(0.7978845608028654) * (F(1) + F(3 * 0.044715) * x * x);
+}
+
 inline float exp(float a) { return exp_steps(a); }
 inline double exp(double a) { return std::exp(a); }
 inline double exp(int64_t a) { return std::exp(static_cast<double>(a)); }

@@ -684,6 +684,7 @@ void add_pointwise_cases(Oracle& o, Data& d, mt::DType dt) {
       {"le", "a <= b"},
       {"gt", "a > b"},
       {"ge", "a >= b"},
+      {"gelu_tanh_backward", "torch.ops.aten.gelu_backward(a, b, approximate='tanh')"},
   };
   using Binary = std::function<mt::Tensor(const mt::Tensor&, const mt::Tensor&)>;
   std::map<std::string, std::function<mt::Tensor(const mt::Tensor&)>> unary;
