@@ -646,6 +646,17 @@ Tensor custom_op(const std::vector<Tensor>& inputs,
       make_node(OpCode::Custom, out.dtype(), out.shape(), std::move(nodes), std::move(attrs), loc));
 }
 
+Tensor gelu_second_derivative(const Tensor& x) {
+  // The slope is Phi(x) + x phi(x); its derivative phi(x) (2 - x^2).
+  return exp(x * x * -0.5) * 0.3989422804014327 * (2.0 - x * x);
+}
+
+Tensor silu_second_derivative(const Tensor& x) {
+  // The slope is s (1 + x (1 - s)) with s = sigmoid(x); its derivative s (1 - s) (2 + x (1 - 2s)).
+  Tensor s = sigmoid(x);
+  return s * (1.0 - s) * (2.0 + x * (1.0 - 2.0 * s));
+}
+
 Tensor gelu_tanh_second_derivative(const Tensor& x) {
   // With u = k (x + c x^3) and t = tanh(u): the slope is 0.5 (1 + t) + 0.5 x (1 - t^2) u', and its
   // derivative (1 - t^2) (u' - x t u'^2 + 3 c k x^2).

@@ -118,8 +118,10 @@ Tensor custom_op(const std::vector<Tensor>& inputs,
                  const std::function<Tensor(const std::vector<Tensor>&)>& forward, CustomVjp vjp,
                  const Loc& loc = Loc::current());
 
-/// Used by ops.def vjp rules: the second derivative of the tanh-form gelu (the gradient of
-/// gelu_tanh_backward with respect to x).
+/// Used by ops.def vjp rules: the second derivatives of gelu, the tanh-form gelu and silu (the
+/// gradients of gelu_backward, gelu_tanh_backward and silu_backward with respect to x).
+Tensor gelu_second_derivative(const Tensor& x);
 Tensor gelu_tanh_second_derivative(const Tensor& x);
+Tensor silu_second_derivative(const Tensor& x);
 
 }  // namespace mixtape

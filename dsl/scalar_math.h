@@ -127,6 +127,12 @@ F gelu_tanh_slope(F x, F t) {
          F(0.5) * x * (F(1) - t * t) * F(0.7978845608028654) * (F(1) + F(3 * 0.044715) * x * x);
 }
 
+// silu's slope s (1 + x (1 - s)), given s = sigmoid(x): PyTorch's silu_backward in one expression.
+template <typename F>
+F silu_slope(F x, F s) {
+  return s * (F(1) + x * (F(1) - s));
+}
+
 inline float exp(float a) { return exp_steps(a); }
 inline double exp(double a) { return std::exp(a); }
 inline double exp(int64_t a) { return std::exp(static_cast<double>(a)); }

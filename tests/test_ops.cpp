@@ -526,6 +526,9 @@ def sdpa(q, k, v, causal):
 def rms_norm(x, w, eps):
     return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
 
+def same_shape(*ts):
+    return [t.contiguous() for t in torch.broadcast_tensors(*ts)]
+
 def compare(out, want, rtol, atol):
     if not isinstance(want, torch.Tensor):
         return 'torch gave a %s' % type(want).__name__
@@ -553,7 +556,7 @@ def main():
     tensors, meta = load(sys.argv[1])
     for name in sorted(k[5:] for k in meta if k.startswith('expr/')):
         env = dict(torch=torch, F=F, np=np, math=math, f16=f16, unslice=unslice, sdpa=sdpa,
-                   rms_norm=rms_norm)
+                   rms_norm=rms_norm, same_shape=same_shape)
         i = 0
         while '%s/in%d' % (name, i) in tensors:
             env['abcdefgh'[i]] = tensors['%s/in%d' % (name, i)]
@@ -684,7 +687,11 @@ void add_pointwise_cases(Oracle& o, Data& d, mt::DType dt) {
       {"le", "a <= b"},
       {"gt", "a > b"},
       {"ge", "a >= b"},
-      {"gelu_tanh_backward", "torch.ops.aten.gelu_backward(a, b, approximate='tanh')"},
+      // ATen's backward ops take same-shaped contiguous tensors (its oneDNN path refuses others).
+      {"gelu_backward", "torch.ops.aten.gelu_backward(*same_shape(a, b))"},
+      {"gelu_tanh_backward",
+       "torch.ops.aten.gelu_backward(*same_shape(a, b), approximate='tanh')"},
+      {"silu_backward", "torch.ops.aten.silu_backward(*same_shape(a, b))"},
   };
   using Binary = std::function<mt::Tensor(const mt::Tensor&, const mt::Tensor&)>;
   std::map<std::string, std::function<mt::Tensor(const mt::Tensor&)>> unary;
