@@ -689,8 +689,7 @@ void add_pointwise_cases(Oracle& o, Data& d, mt::DType dt) {
       {"ge", "a >= b"},
       // ATen's backward ops take same-shaped contiguous tensors (its oneDNN path refuses others).
       {"gelu_backward", "torch.ops.aten.gelu_backward(*same_shape(a, b))"},
-      {"gelu_tanh_backward",
-       "torch.ops.aten.gelu_backward(*same_shape(a, b), approximate='tanh')"},
+      {"gelu_tanh_backward", "torch.ops.aten.gelu_backward(*same_shape(a, b), approximate='tanh')"},
       {"silu_backward", "torch.ops.aten.silu_backward(*same_shape(a, b))"},
   };
   using Binary = std::function<mt::Tensor(const mt::Tensor&, const mt::Tensor&)>;
