@@ -289,17 +289,25 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in, bool transpose_a, bool tra
       broadcast_shapes(Shape(sa.begin(), sa.end() - 2), Shape(sb.begin(), sb.end() - 2));
   if (!batch)
     op_fail("matmul", loc, "batch dimensions cannot be broadcast: {}", shapes_text(a_in, b_in));
-  Shape full_a = *batch, full_b = *batch, out = *batch;
-  full_a.insert(full_a.end(), sa.end() - 2, sa.end());
-  full_b.insert(full_b.end(), sb.end() - 2, sb.end());
-  out.push_back(m);
-  out.push_back(n);
+  // Each operand broadcast to the batch shape, then the product's shape (one allocation each).
+  auto batched = [&](int64_t rows, int64_t cols) {
+    Shape shape;
+    shape.reserve(batch->size() + 2);
+    shape.assign(batch->begin(), batch->end());
+    shape.push_back(rows);
+    shape.push_back(cols);
+    return shape;
+  };
+  // Operands without batch dimensions are already whole (the 2-d products of a training step).
+  std::vector<NodePtr> operands =
+      batch->empty() ? node_list(conform(a, t, sa, loc), conform(b, t, sb, loc))
+                     : node_list(conform(a, t, batched(sa[sa.size() - 2], sa[sa.size() - 1]), loc),
+                                 conform(b, t, batched(sb[sb.size() - 2], sb[sb.size() - 1]), loc));
   Attrs attrs;
   attrs.transpose_a = transpose_a;
   attrs.transpose_b = transpose_b;
-  Tensor result(make_node(OpCode::MatMul, t, out,
-                          node_list(conform(a, t, full_a, loc), conform(b, t, full_b, loc)),
-                          std::move(attrs), loc));
+  Tensor result(
+      make_node(OpCode::MatMul, t, batched(m, n), std::move(operands), std::move(attrs), loc));
   if (a_in.dim() == 1) result = squeeze(result, -2, loc);
   if (b_in.dim() == 1) result = squeeze(result, -1, loc);
   return result;
