@@ -1,5 +1,6 @@
 // autograd/backward.cpp -- the tape walk: backward() and grad() emit gradient nodes into the graph.
 #include <algorithm>
+#include <atomic>
 #include <optional>
 #include <unordered_map>
 
@@ -11,21 +12,62 @@
 namespace mixtape {
 namespace {
 
-// Every node that requires grad and leads to a root, latest first (reverse tape order).
-std::vector<NodePtr> tape_in_reverse(const std::vector<NodePtr>& roots) {
+// Each backward pass marks the nodes it walks with a number of its own (Node::grad_walk) and
+// finds a node's gradient terms through Node::grad_slot, instead of keeping maps keyed by address:
+// the traced loop runs a backward pass every step. A pass started inside another (a custom
+// vjp that calls grad()) puts back the marks of the nodes it walked when it ends, so the outer
+// pass finds its own again.
+std::atomic<uint64_t> grad_walks{0};
+thread_local int passes_running = 0;
+
+class WalkMarks {
+ public:
+  WalkMarks() : walk_(++grad_walks), nested_(passes_running++ > 0) {}
+  ~WalkMarks() {
+    for (auto it = saved_.rbegin(); it != saved_.rend(); ++it) {
+      it->node->grad_walk = it->walk;
+      it->node->grad_slot = it->slot;
+    }
+    --passes_running;
+  }
+  WalkMarks(const WalkMarks&) = delete;
+  WalkMarks& operator=(const WalkMarks&) = delete;
+
+  bool seen(const Node& node) const { return node.grad_walk == walk_; }
+  void see(Node& node) {
+    if (nested_) saved_.push_back({&node, node.grad_walk, node.grad_slot});
+    node.grad_walk = walk_;
+    node.grad_slot = -1;
+  }
+  /// The slot of `node`'s gradient terms in this pass, or -1 (none yet, or not on the tape).
+  int32_t slot(const Node& node) const { return seen(node) ? node.grad_slot : -1; }
+
+ private:
+  struct Saved {
+    Node* node;
+    uint64_t walk;
+    int32_t slot;
+  };
+  uint64_t walk_;
+  bool nested_;
+  std::vector<Saved> saved_;
+};
+
+// Every node that requires grad and leads to a root, latest first (reverse tape order), each
+// marked as seen by this pass.
+std::vector<NodePtr> tape_in_reverse(const std::vector<NodePtr>& roots, WalkMarks& marks) {
   std::vector<NodePtr> order;
-  std::unordered_map<const Node*, bool> seen;
-  std::vector<NodePtr> stack;
+  std::vector<Node*> stack;
   for (const NodePtr& root : roots)
-    if (root->requires_grad) stack.push_back(root);
+    if (root->requires_grad) stack.push_back(root.get());
   while (!stack.empty()) {
-    NodePtr node = std::move(stack.back());
+    Node* node = stack.back();
     stack.pop_back();
-    if (seen[node.get()]) continue;
-    seen[node.get()] = true;
+    if (marks.seen(*node)) continue;
+    marks.see(*node);
     for (const NodePtr& input : node->inputs)
-      if (input->requires_grad && !seen[input.get()]) stack.push_back(input);
-    order.push_back(std::move(node));
+      if (input->requires_grad && !marks.seen(*input)) stack.push_back(input.get());
+    order.push_back(node->shared_from_this());
   }
   std::sort(order.begin(), order.end(),
             [](const NodePtr& a, const NodePtr& b) { return a->id > b->id; });
@@ -69,20 +111,32 @@ std::optional<Tensor> join_adjacent_unslices(const Tensor& a, const Tensor& b) {
 }
 
 // The contributions to each node's gradient, in the order they arrived, and the nodes in the
-// order their first contribution did. Whatever emits graph nodes per node walks them in that
-// order, never in the map's: its hash order follows node addresses, which differ from call to
-// call, and the ids of the emitted nodes (the order a traced step's graph is signed in) would
-// too, so that mt::compile saw a different graph in consecutive calls.
+// order their first contribution did (a node's slot). Whatever emits graph nodes per node walks
+// them in that order, so that the ids of the emitted nodes (the order a traced step's graph is
+// signed in) are the same from call to call, as mt::compile needs.
 struct Terms {
-  std::unordered_map<const Node*, std::vector<Tensor>> of;
-  std::vector<const Node*> arrival;
+  explicit Terms(WalkMarks& marks) : marks(marks) {}
+  WalkMarks& marks;
+  std::vector<std::vector<Tensor>> of;  // by slot
+  std::vector<Node*> arrival;           // by slot
+
+  std::vector<Tensor>* find(const Node& node) {
+    int32_t slot = marks.slot(node);
+    return slot >= 0 ? &of[static_cast<size_t>(slot)] : nullptr;
+  }
 };
 
+// Every node that receives a contribution is on the tape (it requires grad), so it is marked.
 void accumulate(Terms& grads, const NodePtr& node, Tensor g) {
   if (g.dtype() != node->dtype) g = cast(g, node->dtype);
-  auto [it, added] = grads.of.try_emplace(node.get());
-  if (added) grads.arrival.push_back(node.get());
-  it->second.push_back(std::move(g));
+  int32_t slot = grads.marks.slot(*node);
+  if (slot < 0) {
+    slot = static_cast<int32_t>(grads.of.size());
+    node->grad_slot = slot;
+    grads.of.emplace_back();
+    grads.arrival.push_back(node.get());
+  }
+  grads.of[static_cast<size_t>(slot)].push_back(std::move(g));
 }
 
 // A node's gradient once every contribution is in (reverse tape order sees to that): adjacent
@@ -117,22 +171,29 @@ std::vector<std::pair<const Node*, Tensor>> backpropagate(const std::vector<Node
            seeds[i].defined() ? to_string(seeds[i].shape()) : "undefined",
            to_string(roots[i]->shape));
   NoGradGuard mode(create_graph);
-  Terms grads;
+  WalkMarks marks;
+  std::vector<NodePtr> tape = tape_in_reverse(roots, marks);
+  Terms grads(marks);
+  // Only nodes on the tape get a slot, so `of` never reallocates: the terms combine() returns
+  // stay where they are while the vjp's contributions go into other slots.
+  grads.of.reserve(tape.size());
+  grads.arrival.reserve(tape.size());
   for (size_t i = 0; i < roots.size(); ++i)
     if (roots[i]->requires_grad) accumulate(grads, roots[i], seeds[i]);
-  for (const NodePtr& node : tape_in_reverse(roots)) {
+  for (const NodePtr& node : tape) {
     if (op_info(node->op).kind == OpKind::Leaf) continue;
-    auto found = grads.of.find(node.get());
-    if (found == grads.of.end()) continue;
+    std::vector<Tensor>* terms = grads.find(*node);
+    if (!terms) continue;
     BackwardScope scope(*node);
-    std::vector<Tensor> input_grads = vjp(node, combine(found->second));
+    std::vector<Tensor> input_grads = vjp(node, combine(*terms));
     for (size_t i = 0; i < input_grads.size() && i < node->inputs.size(); ++i)
       if (input_grads[i].defined() && node->inputs[i]->requires_grad)
-        accumulate(grads, node->inputs[i], input_grads[i]);
+        accumulate(grads, node->inputs[i], std::move(input_grads[i]));
   }
   std::vector<std::pair<const Node*, Tensor>> result;
   result.reserve(grads.arrival.size());
-  for (const Node* node : grads.arrival) result.emplace_back(node, combine(grads.of.at(node)));
+  for (size_t slot = 0; slot < grads.arrival.size(); ++slot)
+    result.emplace_back(grads.arrival[slot], combine(grads.of[slot]));
   return result;
 }
 

@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <numeric>
+#include <string_view>
 
 #include "dsl/ops.h"
 
@@ -15,6 +16,22 @@ Tensor in(const Node& node, size_t i) { return Tensor(node.inputs[i]); }
 Tensor out(const Node& node) {
   return Tensor(std::const_pointer_cast<Node>(node.shared_from_this()));
 }
+
+// Whether a gradient rule of ops.def (its text) reads the identifier `name`: handles to the
+// inputs and output it does not read are not made (each is an allocation, and the traced loop
+// takes a vjp per node every step).
+constexpr bool reads(std::string_view rule, std::string_view name) {
+  auto is_word = [](char c) {
+    return c == '_' || (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9');
+  };
+  for (size_t at = rule.find(name); at != std::string_view::npos; at = rule.find(name, at + 1)) {
+    size_t end = at + name.size();
+    if ((at == 0 || !is_word(rule[at - 1])) && (end == rule.size() || !is_word(rule[end])))
+      return true;
+  }
+  return false;
+}
+Tensor in_if(bool read, const Node& node, size_t i) { return read ? in(node, i) : Tensor(); }
 
 Grads vjp_leaf(const Node&, const Tensor&) { return {}; }
 Grads vjp_Constant(const Node& n, const Tensor& g) { return vjp_leaf(n, g); }
@@ -140,20 +157,26 @@ std::vector<Tensor> vjp(const NodePtr& node, const Tensor& g) {
 #define MT_OP(Name, fname, kind, arity, category) \
   case OpCode::Name:                              \
     return vjp_##Name(n, g);
-#define MT_UNARY(Name, fname, category, domain, REF, VJP) \
-  case OpCode::Name: {                                    \
-    Tensor x = in(n, 0), y(node);                         \
-    (void)x;                                              \
-    (void)y;                                              \
-    return {VJP};                                         \
+#define MT_UNARY(Name, fname, category, domain, REF, VJP)                \
+  case OpCode::Name: {                                                   \
+    constexpr bool read_x = reads(#VJP, "x"), read_y = reads(#VJP, "y"); \
+    Tensor x = in_if(read_x, n, 0);                                      \
+    Tensor y = read_y ? Tensor(node) : Tensor();                         \
+    (void)x;                                                             \
+    (void)y;                                                             \
+    return {VJP};                                                        \
   }
-#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
-  case OpCode::Name: {                                            \
-    Tensor x0 = in(n, 0), x1 = in(n, 1), y(node);                 \
-    (void)x0;                                                     \
-    (void)x1;                                                     \
-    (void)y;                                                      \
-    return {VJP0, VJP1};                                          \
+#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1)      \
+  case OpCode::Name: {                                                 \
+    constexpr bool read_x0 = reads(#VJP0, "x0") || reads(#VJP1, "x0"); \
+    constexpr bool read_x1 = reads(#VJP0, "x1") || reads(#VJP1, "x1"); \
+    constexpr bool read_y = reads(#VJP0, "y") || reads(#VJP1, "y");    \
+    Tensor x0 = in_if(read_x0, n, 0), x1 = in_if(read_x1, n, 1);       \
+    Tensor y = read_y ? Tensor(node) : Tensor();                       \
+    (void)x0;                                                          \
+    (void)x1;                                                          \
+    (void)y;                                                           \
+    return {VJP0, VJP1};                                               \
   }
 #define MT_COMPARE(Name, fname, REF) \
   case OpCode::Name:                 \

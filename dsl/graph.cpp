@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <unordered_set>
 #include <utility>
 
@@ -14,7 +15,20 @@ const OpInfo kOpInfo[] = {
 #include "dsl/ops.def"
 };
 
-std::atomic<uint64_t> next_node_id{1};
+// Node ids come in blocks, one per thread at a time, so that making a node needs no atomic
+// increment of a shared counter. A node's id exceeds its inputs' (make_node takes a fresh block
+// when an input made on another thread has a later one), so ids stay a topological order.
+constexpr uint64_t kIdBlock = uint64_t{1} << 16;
+std::atomic<uint64_t> next_id_block{1};
+thread_local uint64_t next_node_id = 0, id_block_end = 0;
+
+uint64_t new_node_id(uint64_t after) {
+  if (next_node_id == id_block_end || after >= next_node_id) [[unlikely]] {
+    next_node_id = next_id_block.fetch_add(kIdBlock, std::memory_order_relaxed);
+    id_block_end = next_node_id + kIdBlock;
+  }
+  return next_node_id++;
+}
 thread_local bool grad_mode = true;
 thread_local std::string module_path;
 thread_local const Loc* call_site = nullptr;
@@ -55,9 +69,13 @@ NodePtr make_node(OpCode op, DType dtype, Shape shape, std::vector<NodePtr> inpu
   node->dtype = dtype;
   node->shape = std::move(shape);
   node->attrs = std::move(attrs);
-  node->id = next_node_id.fetch_add(1, std::memory_order_relaxed);
   bool any_input_requires_grad = false;
-  for (const NodePtr& input : inputs) any_input_requires_grad |= input->requires_grad;
+  uint64_t latest_input = 0;
+  for (const NodePtr& input : inputs) {
+    any_input_requires_grad |= input->requires_grad;
+    latest_input = std::max(latest_input, input->id);
+  }
+  node->id = new_node_id(latest_input);
   node->requires_grad =
       grad_mode && any_input_requires_grad && is_floating(dtype) && !blocks_gradient(op);
   node->inputs = std::move(inputs);
@@ -84,7 +102,8 @@ void check_shape_size(const char* op, const Shape& shape, DType dtype, const Loc
   if (!count)
     op_fail(op, loc, "shape {} has a negative dimension or more elements than a 64-bit count holds",
             to_string(shape));
-  if (*count > max_tensor_bytes / static_cast<int64_t>(size_of(dtype)))
+  // Element sizes are powers of two: a shift, not a division, on a path every node takes.
+  if (*count > max_tensor_bytes >> std::countr_zero(size_of(dtype)))
     op_fail(op, loc,
             "a {} tensor of shape {} would span {} elements of {} bytes, more than the 2^60 bytes "
             "one tensor may take",

@@ -134,36 +134,55 @@ struct Attrs {
 
 /// One value of the lazy graph. Nodes are immutable once made, except that evaluation fills
 /// `value` and may drop `inputs` of nodes no gradient will ever flow through.
+///
+/// The fields every pass reads (graph walks, the precision pass, signing a graph, running it)
+/// come first and fit in the first two cache lines: the traced loop builds and walks a few
+/// hundred nodes every step, and where they sat among the fields only reports read, each node
+/// cost several cache misses per pass. Dr.Jit's compact Variable is the model.
 struct Node : std::enable_shared_from_this<Node> {
-  OpCode op;
-  DType dtype;
-  Shape shape;
-  std::vector<NodePtr> inputs;
-  Attrs attrs;
-  uint64_t id = 0;  // creation order: the tape order that backward walks in reverse
-  bool requires_grad = false;
-  bool backward_done = false;            // a backward() without retain_graph went through this node
-  std::shared_ptr<Storage> value;        // set once evaluated (always set for Constant)
-  std::weak_ptr<TensorImpl> grad_owner;  // the leaf tensor whose .grad() receives gradients
-  std::string module_path;
-  std::source_location location;
+  // Not `= default`: make_shared value-initializes, which zero-fills a class whose default
+  // constructor is implicit before running it, and every field has an initializer anyway.
+  Node() {}
+
+  OpCode op = OpCode::Constant;
+  DType dtype = f32;
 
   // ---- precision (DESIGN.md decision 4): `dtype` is what tracing typed; the policy pass fills
   // these before the node runs. Until then they equal the traced types.
-  DType storage;  // what the value is stored as (rounded RNE to it)
-  DType compute;  // what float data inputs are rounded to before the op
-  DType accum;    // what reductions and matmuls accumulate in
+  DType storage = f32;  // what the value is stored as (rounded RNE to it)
+  DType compute = f32;  // what float data inputs are rounded to before the op
+  DType accum = f32;    // what reductions and matmuls accumulate in
   bool precision_assigned = false;
-  std::shared_ptr<const std::string> precision_rule;  // why the policy chose these (reports)
-  std::shared_ptr<const Policy> policy;  // the autocast policy active when the node was made
-  const char* composite = nullptr;       // the outermost composite (softmax, ...) that made it
-  bool backward = false;                 // made by autograd for the forward node below
+
+  bool requires_grad = false;
+  bool backward_done = false;  // a backward() without retain_graph went through this node
+  bool backward = false;       // made by autograd for the forward node below
   OpCode forward_op = OpCode::Constant;
 
-  // Scratch of the evaluation that computes this node: its index in the pending list sign()
-  // and Signature::ref() were given (runtime/program.h). Valid while the node is pending.
+  // Scratch of the evaluation that computes this node: its ref in the signature sign() made for
+  // it (runtime/program.h): its index in the pending list while it is pending, the negative ref
+  // of an external input once evaluated. Only trusted where that list says the same.
   int32_t sign_slot = -1;
+  // Scratch of a backward pass through it (autograd/backward.cpp): the slot of its gradient's
+  // terms, valid while grad_walk is that pass's number. Marks instead of maps keyed by address:
+  // the traced loop runs a backward pass every step.
+  int32_t grad_slot = -1;
+  uint64_t grad_walk = 0;
   uint64_t pending_walk = 0;  // the last pending_nodes() walk that reached it
+  uint64_t id = 0;            // creation order: the tape order that backward walks in reverse
+
+  Shape shape;
+  std::vector<NodePtr> inputs;
+  std::shared_ptr<Storage> value;  // set once evaluated (always set for Constant)
+  Attrs attrs;
+
+  // ---- where it was made, and what reports and errors read
+  std::shared_ptr<const Policy> policy;  // the autocast policy active when the node was made
+  const char* composite = nullptr;       // the outermost composite (softmax, ...) that made it
+  std::source_location location;
+  std::string module_path;
+  std::shared_ptr<const std::string> precision_rule;  // why the policy chose these (reports)
+  std::weak_ptr<TensorImpl> grad_owner;  // the leaf tensor whose .grad() receives gradients
 
   bool evaluated() const { return value != nullptr; }
   int64_t numel() const { return mixtape::numel(shape); }

@@ -32,8 +32,19 @@ Shape broadcast_or_fail(const Tensor& a, const Tensor& b, const char* op, const 
   return *shape;
 }
 
+// make_node's inputs, each NodePtr copied once (a braced list copies every element twice, and
+// each copy of a shared_ptr is an atomic increment).
+template <typename... Nodes>
+std::vector<NodePtr> node_list(Nodes&&... nodes) {
+  std::vector<NodePtr> list;
+  list.reserve(sizeof...(nodes));
+  (list.emplace_back(std::forward<Nodes>(nodes)), ...);
+  return list;
+}
+
 // The node for `x` cast to `dtype` and broadcast to `shape` (no new node when nothing changes).
 NodePtr conform(const Tensor& x, DType dtype, const Shape& shape, const Loc& loc) {
+  if (x.dtype() == dtype && x.shape() == shape) return x.node();
   Tensor t = x.dtype() == dtype ? x : cast(x, dtype, loc);
   if (t.shape() != shape) t = broadcast_to(t, shape, loc);
   return t.node();
@@ -46,15 +57,16 @@ Tensor pointwise(OpCode op, Domain domain, bool to_bool, const Tensor& a, const 
   input(b, opname, loc, "second operand");
   DType t = promote(a.dtype(), b.dtype());
   check_domain(opname, domain, t, loc);
-  Shape shape = broadcast_or_fail(a, b, opname, loc);
-  return Tensor(make_node(op, to_bool ? boolean : t, shape,
-                          {conform(a, t, shape, loc), conform(b, t, shape, loc)}, {}, loc));
+  // Operands of one shape (most of a training step's) need no broadcast.
+  Shape shape = a.shape() == b.shape() ? a.shape() : broadcast_or_fail(a, b, opname, loc);
+  std::vector<NodePtr> inputs = node_list(conform(a, t, shape, loc), conform(b, t, shape, loc));
+  return Tensor(make_node(op, to_bool ? boolean : t, std::move(shape), std::move(inputs), {}, loc));
 }
 
 Tensor unary(OpCode op, Domain domain, const Tensor& x, const Loc& loc) {
   const NodePtr& node = input(x, op_name(op), loc);
   check_domain(op_name(op), domain, x.dtype(), loc);
-  return Tensor(make_node(op, x.dtype(), node->shape, {node}, {}, loc));
+  return Tensor(make_node(op, x.dtype(), node->shape, node_list(node), {}, loc));
 }
 
 Tensor scalar_like(const Operand& s, const Tensor& other, const Loc& loc) {
@@ -122,7 +134,7 @@ Tensor reduce(OpCode op, const Tensor& x, const std::vector<int64_t>& axes, bool
     for (int64_t a : attrs.axes)
       if (node->shape[a] == 0) op_fail(opname, loc, "cannot reduce an empty axis {}", a);
   Shape shape = reduced_shape(node->shape, attrs.axes, keepdim);
-  return Tensor(make_node(op, dtype, std::move(shape), {node}, std::move(attrs), loc));
+  return Tensor(make_node(op, dtype, std::move(shape), node_list(node), std::move(attrs), loc));
 }
 
 void check_index_dtype(const char* op, const Tensor& index, const Loc& loc) {
@@ -178,16 +190,16 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b, const Loc& lo
     op_fail("where", loc, "shapes cannot be broadcast together: condition {}, values {}",
             to_string(cond.shape()), shapes_text(a, b));
   const Shape& shape = *all;
-  return Tensor(make_node(
-      OpCode::Where, t, shape,
-      {conform(cond, boolean, shape, loc), conform(a, t, shape, loc), conform(b, t, shape, loc)},
-      {}, loc));
+  return Tensor(make_node(OpCode::Where, t, shape,
+                          node_list(conform(cond, boolean, shape, loc), conform(a, t, shape, loc),
+                                    conform(b, t, shape, loc)),
+                          {}, loc));
 }
 
 Tensor cast(const Tensor& x, DType dtype, const Loc& loc) {
   const NodePtr& node = input(x, "cast", loc);
   if (x.dtype() == dtype) return Tensor(node);
-  return Tensor(make_node(OpCode::Cast, dtype, node->shape, {node}, {}, loc));
+  return Tensor(make_node(OpCode::Cast, dtype, node->shape, node_list(node), {}, loc));
 }
 
 Tensor sum(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
@@ -277,17 +289,25 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in, bool transpose_a, bool tra
       broadcast_shapes(Shape(sa.begin(), sa.end() - 2), Shape(sb.begin(), sb.end() - 2));
   if (!batch)
     op_fail("matmul", loc, "batch dimensions cannot be broadcast: {}", shapes_text(a_in, b_in));
-  Shape full_a = *batch, full_b = *batch, out = *batch;
-  full_a.insert(full_a.end(), sa.end() - 2, sa.end());
-  full_b.insert(full_b.end(), sb.end() - 2, sb.end());
-  out.push_back(m);
-  out.push_back(n);
+  // Each operand broadcast to the batch shape, then the product's shape (one allocation each).
+  auto batched = [&](int64_t rows, int64_t cols) {
+    Shape shape;
+    shape.reserve(batch->size() + 2);
+    shape.assign(batch->begin(), batch->end());
+    shape.push_back(rows);
+    shape.push_back(cols);
+    return shape;
+  };
+  // Operands without batch dimensions are already whole (the 2-d products of a training step).
+  std::vector<NodePtr> operands =
+      batch->empty() ? node_list(conform(a, t, sa, loc), conform(b, t, sb, loc))
+                     : node_list(conform(a, t, batched(sa[sa.size() - 2], sa[sa.size() - 1]), loc),
+                                 conform(b, t, batched(sb[sb.size() - 2], sb[sb.size() - 1]), loc));
   Attrs attrs;
   attrs.transpose_a = transpose_a;
   attrs.transpose_b = transpose_b;
-  Tensor result(make_node(OpCode::MatMul, t, out,
-                          {conform(a, t, full_a, loc), conform(b, t, full_b, loc)},
-                          std::move(attrs), loc));
+  Tensor result(
+      make_node(OpCode::MatMul, t, batched(m, n), std::move(operands), std::move(attrs), loc));
   if (a_in.dim() == 1) result = squeeze(result, -2, loc);
   if (b_in.dim() == 1) result = squeeze(result, -1, loc);
   return result;
@@ -318,7 +338,8 @@ Tensor reshape(const Tensor& x, Shape shape, const Loc& loc) {
     op_fail("reshape", loc, "cannot reshape {} ({} elements) into {} ({} elements)",
             to_string(node->shape), node->numel(), to_string(shape), numel(shape));
   if (shape == node->shape) return Tensor(node);
-  return Tensor(make_node(OpCode::Reshape, node->dtype, std::move(shape), {node}, {}, loc));
+  return Tensor(
+      make_node(OpCode::Reshape, node->dtype, std::move(shape), node_list(node), {}, loc));
 }
 
 Tensor permute(const Tensor& x, std::vector<int64_t> perm, const Loc& loc) {
@@ -341,8 +362,8 @@ Tensor permute(const Tensor& x, std::vector<int64_t> perm, const Loc& loc) {
   if (identity) return Tensor(node);
   Attrs attrs;
   attrs.axes = std::move(perm);
-  return Tensor(
-      make_node(OpCode::Permute, node->dtype, std::move(shape), {node}, std::move(attrs), loc));
+  return Tensor(make_node(OpCode::Permute, node->dtype, std::move(shape), node_list(node),
+                          std::move(attrs), loc));
 }
 
 Tensor transpose(const Tensor& x, int64_t a, int64_t b, const Loc& loc) {
@@ -369,7 +390,8 @@ Tensor broadcast_to(const Tensor& x, Shape shape, const Loc& loc) {
   if (!ok)
     op_fail("broadcast_to", loc, "cannot broadcast {} to {}", to_string(from), to_string(shape));
   if (shape == from) return Tensor(node);
-  return Tensor(make_node(OpCode::BroadcastTo, node->dtype, std::move(shape), {node}, {}, loc));
+  return Tensor(
+      make_node(OpCode::BroadcastTo, node->dtype, std::move(shape), node_list(node), {}, loc));
 }
 
 Tensor unsqueeze(const Tensor& x, int64_t axis, const Loc& loc) {
@@ -458,8 +480,8 @@ Tensor slice(const Tensor& x, std::vector<int64_t> starts, std::vector<int64_t> 
   Attrs attrs;
   attrs.starts = std::move(starts);
   attrs.steps = std::move(steps);
-  return Tensor(
-      make_node(OpCode::Slice, node->dtype, std::move(shape), {node}, std::move(attrs), loc));
+  return Tensor(make_node(OpCode::Slice, node->dtype, std::move(shape), node_list(node),
+                          std::move(attrs), loc));
 }
 
 Tensor unslice(const Tensor& x, std::vector<int64_t> starts, std::vector<int64_t> steps,
@@ -470,7 +492,7 @@ Tensor unslice(const Tensor& x, std::vector<int64_t> starts, std::vector<int64_t
   Attrs attrs;
   attrs.starts = std::move(starts);
   attrs.steps = std::move(steps);
-  return Tensor(make_node(OpCode::Unslice, node->dtype, std::move(full_shape), {node},
+  return Tensor(make_node(OpCode::Unslice, node->dtype, std::move(full_shape), node_list(node),
                           std::move(attrs), loc));
 }
 
@@ -530,7 +552,7 @@ Tensor index_select(const Tensor& x, const Tensor& index, int64_t axis, const Lo
   out.insert(out.end(), node->shape.begin() + a + 1, node->shape.end());
   Attrs attrs;
   attrs.axis = a;
-  return Tensor(make_node(OpCode::IndexSelect, node->dtype, std::move(out), {node, idx},
+  return Tensor(make_node(OpCode::IndexSelect, node->dtype, std::move(out), node_list(node, idx),
                           std::move(attrs), loc));
 }
 
@@ -578,8 +600,8 @@ Tensor gather(const Tensor& x, const Tensor& index, int64_t axis, const Loc& loc
   check_gather_index("gather", node->shape, idx->shape, a, loc);
   Attrs attrs;
   attrs.axis = a;
-  return Tensor(
-      make_node(OpCode::Gather, node->dtype, idx->shape, {node, idx}, std::move(attrs), loc));
+  return Tensor(make_node(OpCode::Gather, node->dtype, idx->shape, node_list(node, idx),
+                          std::move(attrs), loc));
 }
 
 Tensor scatter_add(const Tensor& base, const Tensor& index, const Tensor& source, int64_t axis,

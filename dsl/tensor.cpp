@@ -26,9 +26,8 @@ Tensor::Tensor(NodePtr node) : impl_(std::make_shared<TensorImpl>()) {
   impl_->node = std::move(node);
 }
 
-const NodePtr& Tensor::node() const {
-  if (!impl_) throw Error("use of an undefined tensor (default-constructed mt::Tensor)");
-  return impl_->node;
+void Tensor::undefined() {
+  throw Error("use of an undefined tensor (default-constructed mt::Tensor)");
 }
 
 int64_t Tensor::size(int64_t axis) const {

@@ -28,7 +28,11 @@ class Tensor {
   explicit Tensor(NodePtr node);
 
   bool defined() const { return impl_ != nullptr; }
-  const NodePtr& node() const;
+  const NodePtr& node() const {
+    if (!impl_) [[unlikely]]
+      undefined();
+    return impl_->node;
+  }
   const Shape& shape() const { return node()->shape; }
   int64_t dim() const { return static_cast<int64_t>(shape().size()); }
   int64_t size(int64_t axis) const;
@@ -77,6 +81,8 @@ class Tensor {
   bool same(const Tensor& other) const { return impl_ == other.impl_; }
 
  private:
+  [[noreturn]] static void undefined();  // the mt::Error for a use of an undefined tensor
+
   std::shared_ptr<TensorImpl> impl_;
 };
 

@@ -2,6 +2,7 @@
 // answer.
 #include "precision_policy/assign.h"
 
+#include <optional>
 #include <string_view>
 #include <unordered_map>
 
@@ -35,19 +36,66 @@ struct Decision {
   Rule rule;
 };
 
-// Answers of pure policies by their query's bytes (policy id, op, types, inputs, module path,
-// composite, pass): a traced step asks the same few hundred questions every step. Per thread,
-// so no lock; dropped whole when it grows past any real model's count of distinct queries.
-struct StringHash {
-  using is_transparent = void;
-  size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+// Answers of pure policies by their query (policy id, op, types, inputs, module path,
+// composite, pass): a traced step asks the same few hundred questions every step. The fixed
+// part of a query packs into a few words; a node with more floating inputs than they hold is
+// asked directly. Per thread, so no lock; dropped whole when it grows past any real model's
+// count of distinct queries.
+struct QueryWords {
+  uint64_t policy = 0;
+  const char* composite = nullptr;  // string literals of dsl/functional.cpp: one address per name
+  uint64_t inputs = 0;  // per floating input, 4 bits: its storage and whether it is a scalar
+  uint64_t node = 0;    // op, forward op, dtype, pass and the count of floating inputs
+  bool operator==(const QueryWords&) const = default;
 };
-thread_local std::unordered_map<std::string, Decision, StringHash, std::equal_to<>> answers;
+struct QueryView {
+  QueryWords words;
+  std::string_view module_path;
+};
+struct QueryKey {
+  QueryWords words;
+  std::string module_path;
+};
+struct QueryHash {
+  using is_transparent = void;
+  size_t operator()(const QueryView& q) const {
+    uint64_t h = std::hash<std::string_view>{}(q.module_path);
+    for (uint64_t w : {q.words.policy, reinterpret_cast<uint64_t>(q.words.composite),
+                       q.words.inputs, q.words.node})
+      h = (h ^ w) * 0x9E3779B97F4A7C15ull ^ (h >> 29);
+    return static_cast<size_t>(h);
+  }
+  size_t operator()(const QueryKey& q) const { return (*this)(QueryView{q.words, q.module_path}); }
+};
+struct QueryEqual {
+  using is_transparent = void;
+  static QueryView view(const QueryKey& q) { return {q.words, q.module_path}; }
+  static const QueryView& view(const QueryView& q) { return q; }
+  template <typename A, typename B>
+  bool operator()(const A& a, const B& b) const {
+    const QueryView &x = view(a), &y = view(b);
+    return x.words == y.words && x.module_path == y.module_path;
+  }
+};
+thread_local std::unordered_map<QueryKey, Decision, QueryHash, QueryEqual> answers;
 constexpr size_t kMaxAnswers = 1 << 14;
+constexpr size_t kMaxKeyedInputs = 16;
 
-template <typename T>
-void append(std::string& key, const T& value) {
-  key.append(reinterpret_cast<const char*>(&value), sizeof value);
+// The query_of(node) a pure policy's answer is cached under, made without building the query
+// (a cached answer needs none); nullopt for a node with too many floating inputs to pack.
+std::optional<QueryView> query_key(const Policy& policy, const Node& node) {
+  QueryView key{{policy.id(), node.composite, 0, 0}, node.module_path};
+  uint64_t floating = 0;
+  for (const NodePtr& input : node.inputs) {
+    if (!is_floating(input->dtype)) continue;
+    if (floating == kMaxKeyedInputs) return std::nullopt;
+    uint64_t bits = static_cast<uint64_t>(input->storage) << 1 | is_scalar_constant(*input);
+    key.words.inputs |= bits << (4 * floating++);
+  }
+  key.words.node = static_cast<uint64_t>(node.op) | static_cast<uint64_t>(node.forward_op) << 16 |
+                   uint64_t{static_cast<uint8_t>(node.dtype)} << 32 |
+                   uint64_t{node.backward} << 40 | floating << 48;
+  return key;
 }
 
 // What the policy is asked about `node`: its op, types, floating inputs and where it was made.
@@ -67,27 +115,6 @@ PrecisionQuery query_of(const Node& node) {
       query.input_is_scalar.push_back(is_scalar_constant(*input));
     }
   return query;
-}
-
-// query_of(node)'s contents as bytes, with the policy's id, made without building the query: a
-// cached answer needs no query.
-void query_key(std::string& key, const Policy& policy, const Node& node) {
-  key.clear();
-  append(key, policy.id());
-  append(key, node.op);
-  append(key, node.dtype);
-  append(key, node.backward);
-  append(key, node.forward_op);
-  append(key, node.composite);  // string literals of dsl/functional.cpp: one address per name
-  size_t floating = 0;
-  for (const NodePtr& input : node.inputs) floating += is_floating(input->dtype);
-  append(key, floating);
-  for (const NodePtr& input : node.inputs)
-    if (is_floating(input->dtype)) {
-      append(key, input->storage);
-      append(key, is_scalar_constant(*input));
-    }
-  key.append(node.module_path);
 }
 
 Decision decide(const Policy& policy, const PrecisionQuery& query) {
@@ -123,13 +150,16 @@ void assign_precision(const std::vector<Node*>& order) {
     } else {
       const Policy& policy = *node->policy;
       Decision decided;
-      if (policy.pure()) {
-        thread_local std::string key;
-        query_key(key, policy, *node);
-        auto found = answers.find(std::string_view(key));
+      std::optional<QueryView> key;
+      if (policy.pure()) key = query_key(policy, *node);
+      if (key) {
+        auto found = answers.find(*key);
         if (found == answers.end()) {
           if (answers.size() >= kMaxAnswers) answers.clear();
-          found = answers.emplace(key, decide(policy, query_of(*node))).first;
+          found = answers
+                      .emplace(QueryKey{key->words, std::string(key->module_path)},
+                               decide(policy, query_of(*node)))
+                      .first;
         }
         decided = found->second;
       } else {

@@ -62,6 +62,44 @@ void update_all(WordHasher& h, const std::vector<T>& values) {
   for (const T& v : values) h.update(v);
 }
 
+// What fusion and lowering read of one node, packed into few words: the signature is taken on
+// every evaluation of the traced loop, and hashing a word per field was most of its cost. The
+// first word holds the small fields and says which of the rarer ones follow, so that equal
+// hashes still mean equal fields (every optional part is announced before it is hashed).
+void hash_node(WordHasher& h, const Node& node) {
+  const Attrs& a = node.attrs;
+  // Fill values of float Fulls are launch-time scalars; -0 and 0 differ in their bits.
+  bool value = !(node.op == OpCode::Full && is_floating(node.storage)) &&
+               std::bit_cast<uint64_t>(a.value) != 0;
+  size_t sizes[] = {node.shape.size(), a.axes.size(), a.starts.size(), a.steps.size(),
+                    node.inputs.size()};
+  bool small = true;
+  for (size_t n : sizes) small &= n < 0x1000;
+  uint64_t word =
+      static_cast<uint64_t>(node.op) | uint64_t{static_cast<uint8_t>(node.dtype)} << 16 |
+      uint64_t{static_cast<uint8_t>(node.storage)} << 24 |
+      uint64_t{static_cast<uint8_t>(node.compute)} << 32 |
+      uint64_t{static_cast<uint8_t>(node.accum)} << 40 | uint64_t{a.keepdim} << 48 |
+      uint64_t{a.transpose_a} << 49 | uint64_t{a.transpose_b} << 50 | uint64_t{a.axis != 0} << 51 |
+      uint64_t{value} << 52 | uint64_t{a.step != 1} << 53 | uint64_t{small} << 54;
+  h.update(word);
+  if (small) {
+    // Five counts of 12 bits each.
+    uint64_t counts = 0;
+    for (size_t n : sizes) counts = counts << 12 | n;
+    h.update(counts);
+  } else {
+    for (size_t n : sizes) h.update(n);
+  }
+  for (int64_t d : node.shape) h.update(d);
+  for (int64_t x : a.axes) h.update(x);
+  for (int64_t x : a.starts) h.update(x);
+  for (int64_t x : a.steps) h.update(x);
+  if (a.axis != 0) h.update(a.axis);
+  if (value) h.update(a.value);
+  if (a.step != 1) h.update(a.step);
+}
+
 int64_t stored_bytes(const Node* node) { return node->value ? node->value->size_bytes() : 0; }
 
 // The bytes of what step `step` stores, measured by `bytes_of` (run_program and the plan-only
@@ -142,6 +180,8 @@ void reset_execution_stats() {
 NodeRef Signature::ref(const Node* node, const std::vector<Node*>& pending) const {
   int32_t slot = node->sign_slot;
   if (slot >= 0 && static_cast<size_t>(slot) < pending.size() && pending[slot] == node) return slot;
+  size_t x = static_cast<size_t>(-static_cast<int64_t>(slot) - 1);
+  if (slot < 0 && x < externals.size() && externals[x] == node) return slot;
   auto cached = [&]() -> NodeRef {
     auto found = external_refs_.find(node);
     return found != external_refs_.end() && externals[-found->second - 1] == node ? found->second
@@ -164,24 +204,13 @@ Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& requ
   h.update(salt);
   h.update(fuse);
   h.update(pending.size());
-  // Every unevaluated input is pending (pending_nodes), every evaluated one external: a pending
-  // node's ref is its index, kept in the node while it is pending (no map on the traced path).
+  // Every unevaluated input is pending (pending_nodes), every evaluated one external. A node
+  // keeps its ref in sign_slot (no map on the traced path): a pending node its index, an
+  // external its negative ref, trusted only where pending or externals says the same.
   for (size_t i = 0; i < pending.size(); ++i) pending[i]->sign_slot = static_cast<int32_t>(i);
-  thread_local std::unordered_map<const Node*, NodeRef> external_index;
-  external_index.clear();
   std::vector<int64_t> readers(pending.size(), 0);
   for (Node* node : pending) {
-    h.update(node->op).update(node->dtype).update(node->storage).update(node->compute);
-    h.update(node->accum);
-    update_all(h, node->shape);
-    const Attrs& a = node->attrs;
-    update_all(h, a.axes);
-    h.update(a.keepdim).update(a.axis).update(a.transpose_a).update(a.transpose_b);
-    update_all(h, a.starts);
-    update_all(h, a.steps);
-    if (!(node->op == OpCode::Full && is_floating(node->storage))) h.update(a.value);
-    h.update(a.step);
-    h.update(node->inputs.size());
+    hash_node(h, *node);
     for (const NodePtr& input : node->inputs) {
       if (!input->evaluated()) {
         int32_t slot = input->sign_slot;
@@ -192,14 +221,17 @@ Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& requ
         ++readers[slot];
         continue;
       }
-      auto [it, added] =
-          external_index.emplace(input.get(), -static_cast<NodeRef>(sig.externals.size()) - 1);
-      h.update(it->second);
-      if (added) {
-        sig.externals.push_back(input.get());
-        h.update(input->value->dtype);
-        update_all(h, input->shape);
+      int32_t slot = input->sign_slot;
+      size_t x = static_cast<size_t>(-static_cast<int64_t>(slot) - 1);
+      if (slot < 0 && x < sig.externals.size() && sig.externals[x] == input.get()) {
+        h.update(slot);
+        continue;
       }
+      input->sign_slot = -static_cast<NodeRef>(sig.externals.size()) - 1;
+      h.update(input->sign_slot);
+      sig.externals.push_back(input.get());
+      h.update(input->value->dtype);
+      update_all(h, input->shape);
     }
   }
   sig.stored = required;

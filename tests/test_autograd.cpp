@@ -5,6 +5,7 @@
 #include <cmath>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <mixtape/mixtape.h>
@@ -341,6 +342,39 @@ TEST(CustomOp, StraightThroughEstimatorIsUsedByBackward) {
   mt::sum(y * w).backward();
   EXPECT_EQ(vjp_calls, 1);
   expect_near_all(values(x.grad()), {0, 2, 3, 0});
+}
+
+// A backward pass marks the nodes it walks (Node::grad_walk/grad_slot); one run inside another,
+// by a vjp that takes gradients itself, must leave the outer pass's marks as they were: here the
+// outer pass has already given `s` a contribution when the inner one walks `s` again.
+TEST(CustomOp, AVjpThatTakesGradientsItselfLeavesTheOuterPassWhole) {
+  mt::Tensor x = leaf({1, 2}, {2});
+  mt::Tensor s = x * x;
+  auto forward = [](const std::vector<mt::Tensor>& in) { return in[0] + 0.0; };
+  auto vjp = [&x](const std::vector<mt::Tensor>& in, const mt::Tensor&,
+                  const mt::Tensor& g) -> std::vector<mt::Tensor> {
+    mt::Tensor ds_dx = mt::grad({in[0]}, {x}, {mt::ones_like(in[0])})[0];  // 2x, a constant here
+    return {g * ds_dx};
+  };
+  mt::Tensor y = mt::custom_op({s}, forward, vjp);
+  mt::Tensor loss = mt::sum(y) + mt::sum(s * 2.0);  // s * 2 is later on the tape than y
+  loss.backward();
+  // d loss / ds = 2x + 2 = {4, 6}; d loss / dx = that times 2x.
+  expect_near_all(values(x.grad()), {8, 24});
+}
+
+// Node ids come from per-thread blocks; a node made from one that another thread made later
+// still gets a larger id, so creation order stays a topological order for the tape and signing.
+TEST(Backward, NodesMadeOnAnotherThreadKeepTheTapeInOrder) {
+  mt::Tensor x = leaf({1, 2, 3}, {3});
+  mt::Tensor a = x * 3.0;
+  mt::Tensor b;
+  std::thread([&] { b = a * 2.0; }).join();
+  mt::Tensor c = b + x;
+  EXPECT_GT(b.node()->id, a.node()->id);
+  EXPECT_GT(c.node()->id, b.node()->id);
+  mt::sum(c).backward();
+  expect_near_all(values(x.grad()), {7, 7, 7});
 }
 
 TEST(CustomOp, SeveralInputsAndUndefinedGradients) {
