@@ -1,6 +1,8 @@
 // jit/background_worker.cpp -- the background worker's queue, holds, and its join at exit.
 #include "jit/background_worker.h"
 
+#include <pthread.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -61,38 +63,43 @@ bool BackgroundWorker::post(Job job) {
 }
 
 void BackgroundWorker::run() {
+  // Idle priority: any thread that wants this core preempts the worker at once -- above all an
+  // OpenMP team member, whose whole team would otherwise wait for the worker's time slice. (An
+  // unprivileged thread cannot raise its priority again, so waiting callers run jobs
+  // themselves: drain().)
+  sched_param param{};
+  pthread_setschedparam(pthread_self(), SCHED_IDLE, &param);
   std::unique_lock lock(mutex_);
   for (;;) {
-    wake_.wait(lock,
-               [&] { return stopping_ || (!queue_.empty() && (holds_ == 0 || draining_ > 0)); });
+    wake_.wait(lock, [&] { return stopping_ || (!queue_.empty() && holds_ == 0); });
     if (stopping_) break;
-    if (draining_ == 0 && std::chrono::steady_clock::now() < quiet_from_) {
-      // A hold, a drain or a stop meanwhile notifies; the checks then start again.
+    if (std::chrono::steady_clock::now() < quiet_from_) {
+      // A hold or a stop meanwhile notifies; the checks then start again.
       wake_.wait_until(lock, quiet_from_);
       continue;
     }
-    Job job = std::move(queue_.front());
-    queue_.pop_front();
-    running_job_ = true;
-    lock.unlock();
-    job();
-    job = nullptr;  // whatever the job holds is released outside the lock
-    lock.lock();
-    running_job_ = false;
-    done_.notify_all();
+    run_front(lock);
   }
-  queue_.clear();
-  running_job_ = false;
+}
+
+void BackgroundWorker::run_front(std::unique_lock<std::mutex>& lock) {
+  Job job = std::move(queue_.front());
+  queue_.pop_front();
+  ++running_;
+  lock.unlock();
+  job();
+  job = nullptr;  // whatever the job holds is released outside the lock
+  lock.lock();
+  --running_;
   done_.notify_all();
 }
 
 void BackgroundWorker::drain() {
   std::unique_lock lock(mutex_);
-  if (!thread_.joinable() || owner_pid_ != ::getpid()) return;
-  ++draining_;
-  wake_.notify_one();
-  done_.wait(lock, [&] { return stopping_ || (queue_.empty() && !running_job_); });
-  --draining_;
+  if (owner_pid_ != ::getpid()) return;
+  // The caller runs what is queued, at its own priority, and waits for what the worker runs.
+  while (!stopping_ && !queue_.empty()) run_front(lock);
+  done_.wait(lock, [&] { return running_ == 0; });
 }
 
 void BackgroundWorker::stop() {
@@ -112,11 +119,14 @@ void BackgroundWorker::stop() {
   }
   wake_.notify_one();
   if (thread.joinable()) thread.join();
+  // Jobs a drain() runs on another thread finish too.
+  std::unique_lock lock(mutex_);
+  done_.wait(lock, [&] { return running_ == 0; });
 }
 
 size_t BackgroundWorker::pending() const {
   std::lock_guard lock(mutex_);
-  return queue_.size() + (running_job_ ? 1 : 0);
+  return queue_.size() + static_cast<size_t>(running_);
 }
 
 BackgroundWorker::Hold::Hold(BackgroundWorker& worker) : worker_(worker) {

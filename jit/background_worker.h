@@ -11,7 +11,8 @@
 
 namespace mixtape {
 
-/// Runs jobs one at a time, in order, on a thread of its own. While a Hold exists (the JIT's
+/// Runs jobs one at a time, in order, on a thread of its own at idle priority (SCHED_IDLE: it
+/// gets a core only when no other thread wants it). While a Hold exists (the JIT's
 /// foreground compiles, which use every core), and for quiet_period after the last one ends, it
 /// starts no new job: foreground compiles come in bursts (a new program's kernels, then the next
 /// program's a few milliseconds later), and background work delays a burst by at most the job
@@ -38,7 +39,8 @@ class BackgroundWorker {
 
   /// Queues job; false (and job dropped) once stop() has run. Jobs must not throw.
   bool post(Job job);
-  /// Blocks until every job queued so far has run (holds are ignored meanwhile).
+  /// Blocks until every job queued so far has run: the caller runs the queued ones itself (at
+  /// its priority, holds or not), and waits for those already running.
   void drain();
   /// Lets the running job finish, drops the queued ones and joins the thread. Idempotent.
   void stop();
@@ -59,15 +61,16 @@ class BackgroundWorker {
 
  private:
   void run();
+  // Runs the queue's first job with the lock let go meanwhile.
+  void run_front(std::unique_lock<std::mutex>& lock);
 
   mutable std::mutex mutex_;
   std::condition_variable wake_, done_;
   std::deque<Job> queue_;
-  bool running_job_ = false;
+  int running_ = 0;  // jobs running now, on the worker or in drain()
   bool stopping_ = false;
   int holds_ = 0;
   std::chrono::steady_clock::time_point quiet_from_{};  // the end of the last hold + quiet_period
-  int draining_ = 0;  // callers in drain(): holds do not apply while one waits
   std::thread thread_;
   int owner_pid_ = 0;  // the process that started the thread
 };
