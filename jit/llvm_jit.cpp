@@ -531,26 +531,22 @@ void LlvmJit::tier_up(std::vector<TierUp> jobs) {
   State* state = state_.get();
   // A job runs on the worker (or, for the process's first, here); the LlvmJit instance and its
   // state outlive the worker, which exit() stops first.
+  // What fails leaves the kernel on its fast code, which gives the same bits; MIXTAPE_LOG=jit
+  // says why. Nothing escapes: a job runs on the worker.
   auto run = [this, state](TierUp& job) {
     auto start = std::chrono::steady_clock::now();
-    std::vector<std::byte> object;
     try {
-      auto machine = state->machines.lease("opt ", [&] { return target_machine(""); });
-      object = emit_optimized(job.name, job.bitcode, *machine);
-    } catch (const std::exception& e) {
-      if (log_enabled("jit"))
-        log_line("jit", "{} keeps its fast code: the optimizing compile failed: {}", job.name,
-                 e.what());
-      return;
-    }
-    kernel_cache().store(job.key, object);
-    // Held until the lock is let go: should this be the kernel's last owner, its destructor
-    // takes the lock.
-    std::shared_ptr<const JitKernel> kernel = job.kernel.lock();
-    std::lock_guard<std::mutex> lock(state->mutex);
-    state->stats.tier_up_seconds += seconds_since(start);
-    if (!kernel) return;  // gone meanwhile; its object is cached for the next one
-    try {
+      std::vector<std::byte> object;
+      {
+        auto machine = state->machines.lease("opt ", [&] { return target_machine(""); });
+        object = emit_optimized(job.name, job.bitcode, *machine);
+      }
+      kernel_cache().store(job.key, object);
+      // Let go after the lock: should this be the kernel's last owner, its destructor takes it.
+      std::shared_ptr<const JitKernel> kernel = job.kernel.lock();
+      std::lock_guard<std::mutex> lock(state->mutex);
+      state->stats.tier_up_seconds += seconds_since(start);
+      if (!kernel) return;  // gone meanwhile; its object is cached for the next one
       auto [tracker, function] = add_object(*state->jit, object, job.name, job.name);
       JitKernel::Private& p = *kernel->p_;
       p.optimized_tracker = tracker;
@@ -560,8 +556,10 @@ void LlvmJit::tier_up(std::vector<TierUp> jobs) {
       kernel->entry_.store(function, std::memory_order_release);
       ++state->stats.tiered_up;
       if (log_enabled("jit")) log_line("jit", "tiered up {}", job.name);
-    } catch (const Error& e) {
-      if (log_enabled("jit")) log_line("jit", "{} keeps its fast code: {}", job.name, e.what());
+    } catch (const std::exception& e) {
+      if (log_enabled("jit"))
+        log_line("jit", "{} keeps its fast code: the optimizing compile failed: {}", job.name,
+                 e.what());
     }
   };
   // The first tier-up of the process runs here, on the caller's thread: the statics it makes
