@@ -29,7 +29,10 @@ void stop_all_at_exit() {
     std::lock_guard lock(registry_mutex());
     workers = registry();
   }
-  for (BackgroundWorker* worker : workers) worker->stop();
+  for (BackgroundWorker* worker : workers) {
+    worker->drain();
+    worker->stop();
+  }
 }
 
 }  // namespace

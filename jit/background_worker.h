@@ -21,11 +21,11 @@ namespace mixtape {
 /// Exit: a job may run code whose function-local statics (LLVM's, OpenSSL's) are destroyed by
 /// exit(). The first post() starts the thread and registers an atexit handler at that moment;
 /// handlers and static destructors run in reverse order of registration, so the handler runs
-/// before the destructors of every static constructed before the first post(). It lets the
-/// running job finish, drops the queued ones and joins the thread. The caller makes sure that
-/// the statics its jobs use exist before the first post() (jit/llvm_jit.cpp runs its first job
-/// on the calling thread for that reason). In a child made by fork(), which has no such thread,
-/// the handler does nothing.
+/// before the destructors of every static constructed before the first post(). It runs the
+/// queued jobs (drain(): the exiting thread and the worker), then joins the thread. The caller
+/// makes sure that the statics its jobs use exist before the first post() (jit/llvm_jit.cpp runs
+/// its first job on the calling thread for that reason). In a child made by fork(), which has no
+/// such thread, the handler does nothing.
 class BackgroundWorker {
  public:
   using Job = std::function<void()>;

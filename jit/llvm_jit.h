@@ -94,8 +94,10 @@ class LlvmJit {
   ///   compile makes, byte for byte -- stores it in the kernel cache and swaps it in. Only
   ///   optimized objects are cached, so a later process and the AOT packager get those.
   /// - untiered: with CodeGenOpt::Aggressive at once, as the background thread would.
-  /// The background thread starts nothing while foreground compiles run, and is stopped and
-  /// joined at exit (jit/background_worker.h); tier-ups it had not done are dropped.
+  /// The background thread runs at idle priority and starts nothing while foreground compiles
+  /// run. At exit the tier-ups it has not done run on the exiting thread (so the cache always
+  /// ends with the optimized objects, and the next process runs them at once) before it is
+  /// joined (jit/background_worker.h).
   void set_tiered(bool tiered);
   bool tiered() const;
   /// Blocks until every tier-up queued so far has been swapped in (or has failed: the fast code

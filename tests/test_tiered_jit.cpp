@@ -293,6 +293,28 @@ TEST_F(TieredJit, ANewProcessLoadsTheOptimizedObjectFromDisk) {
             0);
 }
 
+// Run by the next test in a child: the tagged kernel compiled fast, and the process exits at once.
+TEST(TieredJitChild, DISABLED_CompilesFastAndExits) {
+  jit().set_tiered(true);
+  prime_tier_up();
+  mt::LlvmJit::KernelSource source = row_sum_kernel(::getenv("MIXTAPE_TIERED_TEST_TAG"));
+  std::shared_ptr<const mt::JitKernel> kernel = jit().load(source.name, source.ir);
+  EXPECT_NE(kernel->fast_function(), nullptr);
+  EXPECT_FALSE(kernel->optimized());
+}
+
+TEST(TieredJitExit, TierUpsLeftAtExitAreDoneSoTheNextProcessRunsOptimizedCode) {
+  if (!mt::kernel_cache().disk_writable()) GTEST_SKIP() << "no writable kernel cache directory";
+  std::string tag = unique_tag();
+  EXPECT_EQ(
+      run_child("TieredJitChild.DISABLED_CompilesFastAndExits", {"MIXTAPE_TIERED_TEST_TAG=" + tag}),
+      0);
+  EXPECT_EQ(run_child("TieredJitChild.DISABLED_LoadsTheOptimizedObjectFromDisk",
+                      {"MIXTAPE_TIERED_TEST_TAG=" + tag}),
+            0)
+      << "the first process exited without caching the optimized object";
+}
+
 // Run by the next test in children: kernels compiled fast, then an exit at some moment of their
 // tier-ups (queued, waiting for quiet, compiling, publishing).
 TEST(TieredJitChild, DISABLED_ExitsWhileTieringUp) {
