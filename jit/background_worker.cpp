@@ -48,8 +48,8 @@ bool BackgroundWorker::post(Job job) {
   {
     std::lock_guard lock(mutex_);
     if (stopping_) return false;
-    queue_.push_back(std::move(job));
-    start = !thread_.joinable();
+    queue_.push_back({std::move(job), Clock::now()});
+    start = !patient_thread_.joinable();
     if (start) owner_pid_ = ::getpid();
   }
   if (start) {
@@ -59,26 +59,38 @@ bool BackgroundWorker::post(Job job) {
     }
     std::atexit(stop_all_at_exit);
     std::lock_guard lock(mutex_);
-    thread_ = std::thread([this] { run(); });
+    if (use_idle_thread_) idle_thread_ = std::thread([this] { run(true); });
+    patient_thread_ = std::thread([this] { run(false); });
   }
-  wake_.notify_one();
+  wake_.notify_all();
   return true;
 }
 
-void BackgroundWorker::run() {
-  // Idle priority: any thread that wants this core preempts the worker at once -- above all an
-  // OpenMP team member, whose whole team would otherwise wait for the worker's time slice. (An
-  // unprivileged thread cannot raise its priority again, so waiting callers run jobs
-  // themselves: drain().)
-  sched_param param{};
-  pthread_setschedparam(pthread_self(), SCHED_IDLE, &param);
+void BackgroundWorker::run(bool idle) {
+  if (idle) {
+    // Under a real-time policy (chrt, as benchmarks run), the lowest real-time priority is the
+    // same deal: below the process's own threads, not starved behind every other process.
+    int policy = 0;
+    sched_param param{};
+    pthread_getschedparam(pthread_self(), &policy, &param);
+    if (policy == SCHED_FIFO || policy == SCHED_RR) {
+      param.sched_priority = sched_get_priority_min(policy);
+    } else {
+      policy = SCHED_IDLE;
+      param.sched_priority = 0;
+    }
+    pthread_setschedparam(pthread_self(), policy, &param);
+  }
   std::unique_lock lock(mutex_);
   for (;;) {
     wake_.wait(lock, [&] { return stopping_ || (!queue_.empty() && holds_ == 0); });
     if (stopping_) break;
-    if (std::chrono::steady_clock::now() < quiet_from_) {
-      // A hold or a stop meanwhile notifies; the checks then start again.
-      wake_.wait_until(lock, quiet_from_);
+    // Quiet after the last hold; for the patient thread, the first job's patience spent too.
+    Clock::time_point from = quiet_from_;
+    if (!idle) from = std::max(from, queue_.front().since + patience_);
+    if (Clock::now() < from) {
+      // A hold, a post or a stop meanwhile notifies; the checks then start again.
+      wake_.wait_until(lock, from);
       continue;
     }
     run_front(lock);
@@ -86,7 +98,7 @@ void BackgroundWorker::run() {
 }
 
 void BackgroundWorker::run_front(std::unique_lock<std::mutex>& lock) {
-  Job job = std::move(queue_.front());
+  Job job = std::move(queue_.front().job);
   queue_.pop_front();
   ++running_;
   lock.unlock();
@@ -100,28 +112,32 @@ void BackgroundWorker::run_front(std::unique_lock<std::mutex>& lock) {
 void BackgroundWorker::drain() {
   std::unique_lock lock(mutex_);
   if (owner_pid_ != ::getpid()) return;
-  // The caller runs what is queued, at its own priority, and waits for what the worker runs.
+  // The caller runs what is queued, at its own priority, and waits for what the threads run.
   while (!stopping_ && !queue_.empty()) run_front(lock);
   done_.wait(lock, [&] { return running_ == 0; });
 }
 
 void BackgroundWorker::stop() {
-  std::thread thread;
+  std::thread idle, patient;
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
     queue_.clear();
-    // A forked child has the object but not the thread: nothing to join, and the handle names
-    // a thread of the parent, so it is left alone (a joinable std::thread must not be destroyed).
-    if (thread_.joinable() && owner_pid_ != ::getpid()) {
+    // A forked child has the object but not the threads: nothing to join, and the handles name
+    // threads of the parent, so they are left alone (a joinable std::thread must not be
+    // destroyed).
+    if (patient_thread_.joinable() && owner_pid_ != ::getpid()) {
       static auto* parents_threads = new std::vector<std::thread>;  // reachable, never destroyed
-      parents_threads->push_back(std::move(thread_));
+      for (std::thread* thread : {&idle_thread_, &patient_thread_})
+        if (thread->joinable()) parents_threads->push_back(std::move(*thread));
       return;
     }
-    thread = std::move(thread_);
+    idle = std::move(idle_thread_);
+    patient = std::move(patient_thread_);
   }
-  wake_.notify_one();
-  if (thread.joinable()) thread.join();
+  wake_.notify_all();
+  if (idle.joinable()) idle.join();
+  if (patient.joinable()) patient.join();
   // Jobs a drain() runs on another thread finish too.
   std::unique_lock lock(mutex_);
   done_.wait(lock, [&] { return running_ == 0; });
@@ -143,7 +159,7 @@ BackgroundWorker::Hold::~Hold() {
     --worker_.holds_;
     worker_.quiet_from_ = std::chrono::steady_clock::now() + quiet_period;
   }
-  worker_.wake_.notify_one();
+  worker_.wake_.notify_all();
 }
 
 }  // namespace mixtape

@@ -94,10 +94,11 @@ class LlvmJit {
   ///   compile makes, byte for byte -- stores it in the kernel cache and swaps it in. Only
   ///   optimized objects are cached, so a later process and the AOT packager get those.
   /// - untiered: with CodeGenOpt::Aggressive at once, as the background thread would.
-  /// The background thread runs at idle priority and starts nothing while foreground compiles
-  /// run. At exit the tier-ups it has not done run on the exiting thread (so the cache always
-  /// ends with the optimized objects, and the next process runs them at once) before it is
-  /// joined (jit/background_worker.h).
+  /// The background threads (jit/background_worker.h) run a tier-up on idle CPU time, or at
+  /// normal priority once it has waited 2 s, and start nothing while foreground compiles run.
+  /// At exit the tier-ups not done yet run on the exiting thread (so the cache always ends with
+  /// the optimized objects, and the next process runs them at once) before the threads are
+  /// joined.
   void set_tiered(bool tiered);
   bool tiered() const;
   /// Blocks until every tier-up queued so far has been swapped in (or has failed: the fast code

@@ -2,9 +2,12 @@
 // swapped in from the background; the same bits from both, only optimized objects in the kernel
 // cache (a new process and the AOT packager get those), and a clean exit while tier-ups run.
 #include <gtest/gtest.h>
+#include <pthread.h>
+#include <sched.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -21,6 +24,7 @@
 #include "dsl/functional.h"
 #include "dsl/ops.h"
 #include "dsl/tensor.h"
+#include "jit/background_worker.h"
 #include "jit/llvm_jit.h"
 #include "runtime/device.h"
 
@@ -242,6 +246,49 @@ TEST_F(TieredJit, AGraphGivesTheSameBitsBeforeAndAfterTierUp) {
   EXPECT_EQ(jit().stats().compiled, loaded.compiled) << "the second run compiled again";
   ASSERT_EQ(fast.size(), optimized.size());
   EXPECT_EQ(std::memcmp(fast.data(), optimized.data(), fast.size() * sizeof(float)), 0);
+}
+
+// The normal-priority thread (here alone) runs a job once it has waited its patience, not before:
+// on a machine whose cores a training loop keeps busy, the idle thread may get no time at all.
+TEST(BackgroundWorker, AJobRunsAtNormalPriorityOnceItHasWaitedItsPatience) {
+  using namespace std::chrono;
+  mt::BackgroundWorker worker(milliseconds(200), /*idle_thread=*/false);
+  std::atomic<bool> ran{false};
+  int policy = -1;
+  auto start = steady_clock::now();
+  worker.post([&] {
+    sched_param param{};
+    pthread_getschedparam(pthread_self(), &policy, &param);
+    ran = true;
+  });
+  std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(ran) << "it ran before its patience";
+  while (!ran && steady_clock::now() - start < seconds(5)) std::this_thread::sleep_for(1ms);
+  EXPECT_TRUE(ran) << "it never ran";
+  EXPECT_GE(steady_clock::now() - start, milliseconds(200));
+  worker.drain();
+  EXPECT_NE(policy, SCHED_IDLE);
+}
+
+TEST(BackgroundWorker, AHoldKeepsJobsWaitingAndDrainRunsThemOnTheCaller) {
+  using namespace std::chrono;
+  mt::BackgroundWorker worker(milliseconds(20));
+  std::atomic<int> ran{0};
+  std::thread::id ran_on;
+  {
+    mt::BackgroundWorker::Hold hold(worker);
+    worker.post([&] {
+      ran_on = std::this_thread::get_id();
+      ++ran;
+    });
+    std::this_thread::sleep_for(150ms);  // past the patience and the quiet period
+    EXPECT_EQ(ran, 0) << "a job started during a hold";
+    EXPECT_EQ(worker.pending(), 1u);
+    worker.drain();
+  }
+  EXPECT_EQ(ran, 1);
+  EXPECT_EQ(ran_on, std::this_thread::get_id());
+  EXPECT_EQ(worker.pending(), 0u);
 }
 
 // Runs this binary's test `filter` in a child with `env` set; its exit status (-1: killed after
