@@ -51,7 +51,7 @@ void check_padding_keeps_rows(const json::Value& plan_doc, const std::vector<Sto
   if (batch == 0) return;  // every batch has kernels of its own
   KernelLoader jit = [](const kir::Kernel& kernel) {
     auto code = LlvmJit::instance().load(kernel.name, emit_llvm(kernel));
-    return ready_cpu_kernel({code->function, code});
+    return ready_cpu_kernel({code->function(), code, &code->entry()});
   };
   // Each replay on copies of the buffers, so that nothing the artifact saves changes.
   auto run = [&](int64_t rows) {

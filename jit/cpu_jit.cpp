@@ -18,7 +18,7 @@ class JitCompiler final : public CpuKernelCompiler {
     }
     std::vector<std::shared_ptr<const JitKernel>> loaded = LlvmJit::instance().load_all(sources);
     std::vector<CompiledKernel> out;
-    for (auto& kernel : loaded) out.push_back({kernel->function, kernel});
+    for (auto& kernel : loaded) out.push_back({kernel->function(), kernel, &kernel->entry()});
     return out;
   }
   CompilerStats stats() const override {

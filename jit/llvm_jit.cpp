@@ -1,7 +1,9 @@
-// jit/llvm_jit.cpp -- LLVM IR text -> host machine code: O3 pipeline, object emission, ORC
-// LLJIT.
+// jit/llvm_jit.cpp -- LLVM IR text -> host machine code: O3 pipeline, object emission (fast,
+// then optimized in the background), ORC LLJIT.
 #include "jit/llvm_jit.h"
 
+#include <llvm/Bitcode/BitcodeReader.h>
+#include <llvm/Bitcode/BitcodeWriter.h>
 #include <llvm/ExecutionEngine/Orc/ExecutionUtils.h>
 #include <llvm/ExecutionEngine/Orc/JITTargetMachineBuilder.h>
 #include <llvm/ExecutionEngine/Orc/LLJIT.h>
@@ -22,6 +24,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <map>
 #include <mutex>
 #include <optional>
 #include <thread>
@@ -30,6 +34,7 @@
 #include "codegen/kernel_cache.h"
 #include "dsl/error.h"
 #include "dsl/log.h"
+#include "jit/background_worker.h"
 
 namespace mixtape {
 namespace {
@@ -56,14 +61,95 @@ T unwrap(llvm::Expected<T> value, const char* what) {
   return std::move(*value);
 }
 
+// The fast tier's object defines the kernel's function under this suffix, so that the optimized
+// object, which defines the plain name (as cached objects and AOT artifacts do), can be added to
+// the same JITDylib beside it.
+constexpr const char* fast_suffix = ".fast";
+
+bool tiered_from_environment() {
+  const char* value = std::getenv("MIXTAPE_JIT_TIERED");
+  return !(value && std::string_view(value) == "0");
+}
+
+// module -> object file with machine's codegen level.
+std::vector<std::byte> emit_object(llvm::Module& module, llvm::TargetMachine& machine) {
+  llvm::SmallVector<char, 0> object;
+  llvm::raw_svector_ostream os(object);
+  llvm::legacy::PassManager codegen;
+  if (machine.addPassesToEmitFile(codegen, os, nullptr, llvm::CGFT_ObjectFile))
+    fail("LLVM JIT: the target cannot emit object files");
+  codegen.run(module);
+  const auto* begin = reinterpret_cast<const std::byte*>(object.data());
+  return std::vector<std::byte>(begin, begin + object.size());
+}
+
+// Target machines cost about a millisecond to make, and each makes its subtarget anew at its
+// first function (more again); one serves one compile at a time, so the idle ones are kept, per
+// CPU and codegen level. A reused one emits the same bytes as a new one.
+class MachinePool {
+ public:
+  // A pooled target machine, back in the pool when the lease ends.
+  class Lease {
+   public:
+    Lease(MachinePool& pool, std::string key, std::unique_ptr<llvm::TargetMachine> machine)
+        : pool_(pool), key_(std::move(key)), machine_(std::move(machine)) {}
+    ~Lease() {
+      std::lock_guard<std::mutex> lock(pool_.mutex_);
+      pool_.idle_[key_].push_back(std::move(machine_));
+    }
+    Lease(const Lease&) = delete;
+    Lease& operator=(const Lease&) = delete;
+    llvm::TargetMachine* operator->() const { return machine_.get(); }
+    llvm::TargetMachine& operator*() const { return *machine_; }
+
+   private:
+    MachinePool& pool_;
+    std::string key_;
+    std::unique_ptr<llvm::TargetMachine> machine_;
+  };
+
+  // An idle machine for key, else make()'s.
+  template <typename Make>
+  Lease lease(const std::string& key, Make make) {
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      std::vector<std::unique_ptr<llvm::TargetMachine>>& idle = idle_[key];
+      if (!idle.empty()) {
+        std::unique_ptr<llvm::TargetMachine> machine = std::move(idle.back());
+        idle.pop_back();
+        return Lease(*this, key, std::move(machine));
+      }
+    }
+    return Lease(*this, key, make());
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<std::string, std::vector<std::unique_ptr<llvm::TargetMachine>>> idle_;
+};
+
 }  // namespace
+
+// An optimizing compile to do in the background: the fast kernel, what makes its optimized
+// object, and where that object is cached.
+struct LlvmJit::TierUp {
+  std::weak_ptr<const JitKernel> kernel;
+  std::string name, key, bitcode;
+};
 
 struct LlvmJit::State {
   std::mutex mutex;
   std::unique_ptr<llvm::orc::LLJIT> jit;
-  std::optional<llvm::orc::JITTargetMachineBuilder> builder;  // one target machine per compile
+  std::optional<llvm::orc::JITTargetMachineBuilder> builder;  // the host's target machines
   std::unique_ptr<llvm::TargetMachine> machine;
   std::string cpu, features;
+  std::atomic<bool> tiered{tiered_from_environment()};
+
+  MachinePool machines;
+
+  // Runs the tier-ups; declared last of what its jobs use, so that it is stopped first.
+  BackgroundWorker worker;
+  bool worker_primed = false;  // the process's first tier-up has run on a caller's thread
   // An entry expires when its kernel's last owner lets go; the kernel's destructor then erases
   // it (under the mutex) as it removes the code.
   std::unordered_map<std::string, std::weak_ptr<const JitKernel>> loaded;
@@ -86,11 +172,14 @@ struct LlvmJit::State {
 };
 
 struct JitKernel::Private {
-  // First, so destroyed last: the tracker's destructor still calls into the JIT, which the last
+  // First, so destroyed last: the trackers' destructors still call into the JIT, which the last
   // kernel alive at exit keeps (after the LlvmJit instance is gone).
   std::shared_ptr<LlvmJit::State> state;
   std::string name;
-  llvm::orc::ResourceTrackerSP tracker;
+  llvm::orc::ResourceTrackerSP tracker;            // the code loaded first (fast or optimized)
+  llvm::orc::ResourceTrackerSP optimized_tracker;  // the optimized code swapped in later
+  bool optimized = false;                          // under the state's mutex
+  KernelFunction fast = nullptr;                   // the fast tier's code, if any
   int64_t bytes = 0;
 };
 
@@ -101,11 +190,21 @@ JitKernel::~JitKernel() {
   std::lock_guard<std::mutex> lock(state.mutex);
   state.loaded.erase(p_->name);
   // Removing code cannot fail in a way the caller could act on; the bytes are then leaked.
-  llvm::consumeError(p_->tracker->remove());
-  p_->tracker = nullptr;
+  for (llvm::orc::ResourceTrackerSP* tracker : {&p_->tracker, &p_->optimized_tracker})
+    if (*tracker) {
+      llvm::consumeError((*tracker)->remove());
+      *tracker = nullptr;
+    }
   --state.stats.resident;
   state.stats.resident_bytes -= p_->bytes;
 }
+
+bool JitKernel::optimized() const {
+  std::lock_guard<std::mutex> lock(p_->state->mutex);
+  return p_->optimized;
+}
+
+KernelFunction JitKernel::fast_function() const { return p_->fast; }
 
 LlvmJit::LlvmJit() : state_(std::make_shared<State>()) {
   llvm::InitializeNativeTarget();
@@ -151,8 +250,8 @@ LlvmJit::Stats LlvmJit::stats() const {
   return state_->stats;
 }
 
-std::vector<std::byte> LlvmJit::compile_object(const std::string& name, const std::string& ir,
-                                               const std::string& cpu) {
+LlvmJit::Compiled LlvmJit::compile_object(const std::string& name, const std::string& ir,
+                                          const std::string& cpu, bool fast) {
   llvm::LLVMContext context;
   llvm::SMDiagnostic diagnostic;
   std::unique_ptr<llvm::Module> module =
@@ -163,10 +262,11 @@ std::vector<std::byte> LlvmJit::compile_object(const std::string& name, const st
     diagnostic.print(name.c_str(), os, false);
     fail("LLVM JIT: kernel {} does not parse: {}", name, os.str());
   }
-  // Compilations run on several threads at once: each gets its own target machine.
-  std::unique_ptr<llvm::TargetMachine> machine = target_machine(cpu);
-  module->setDataLayout(machine->createDataLayout());
-  module->setTargetTriple(machine->getTargetTriple().str());
+  // The IR pipeline runs with the optimizing tier's machine whatever the tier, so that both emit
+  // the same optimized IR.
+  auto optimizing = state_->machines.lease("opt " + cpu, [&] { return target_machine(cpu); });
+  module->setDataLayout(optimizing->createDataLayout());
+  module->setTargetTriple(optimizing->getTargetTriple().str());
   std::string problems;
   llvm::raw_string_ostream verify_os(problems);
   if (llvm::verifyModule(*module, &verify_os))
@@ -180,7 +280,7 @@ std::vector<std::byte> LlvmJit::compile_object(const std::string& name, const st
   // it cut compile time by about a third without slowing the benchmark's kernels.
   llvm::PipelineTuningOptions tuning;
   tuning.LoopUnrolling = false;
-  llvm::PassBuilder passes(machine.get(), tuning);
+  llvm::PassBuilder passes(&*optimizing, tuning);
   passes.registerModuleAnalyses(modules);
   passes.registerCGSCCAnalyses(cgscc);
   passes.registerFunctionAnalyses(functions);
@@ -188,14 +288,20 @@ std::vector<std::byte> LlvmJit::compile_object(const std::string& name, const st
   passes.crossRegisterProxies(loops, functions, cgscc, modules);
   passes.buildPerModuleDefaultPipeline(llvm::OptimizationLevel::O3).run(*module, modules);
 
-  llvm::SmallVector<char, 0> object;
-  llvm::raw_svector_ostream os(object);
-  llvm::legacy::PassManager codegen;
-  if (machine->addPassesToEmitFile(codegen, os, nullptr, llvm::CGFT_ObjectFile))
-    fail("LLVM JIT: the target cannot emit object files");
-  codegen.run(*module);
-  const auto* begin = reinterpret_cast<const std::byte*>(object.data());
-  return std::vector<std::byte>(begin, begin + object.size());
+  if (!fast) return {emit_object(*module, *optimizing), {}};
+  Compiled compiled;
+  {
+    // Use-list order is kept, so the optimized object made from the bitcode later is the one
+    // this module would give.
+    llvm::raw_string_ostream os(compiled.bitcode);
+    llvm::WriteBitcodeToFile(*module, os, /*ShouldPreserveUseListOrder=*/true);
+  }
+  llvm::Function* function = module->getFunction(name);
+  if (!function) fail("LLVM JIT: kernel {} does not define a function of that name", name);
+  function->setName(name + fast_suffix);
+  auto quick = state_->machines.lease("fast " + cpu, [&] { return target_machine(cpu, true); });
+  compiled.object = emit_object(*module, *quick);
+  return compiled;
 }
 
 std::string LlvmJit::cache_key(const std::string& ir, const std::string& cpu) const {
@@ -203,13 +309,18 @@ std::string LlvmJit::cache_key(const std::string& ir, const std::string& cpu) co
                      ir);
 }
 
-std::unique_ptr<llvm::TargetMachine> LlvmJit::target_machine(const std::string& cpu) const {
-  if (cpu.empty())
-    return unwrap(state_->builder->createTargetMachine(), "creating the target machine");
+std::unique_ptr<llvm::TargetMachine> LlvmJit::target_machine(const std::string& cpu,
+                                                             bool fast) const {
+  llvm::CodeGenOpt::Level level = fast ? llvm::CodeGenOpt::None : llvm::CodeGenOpt::Aggressive;
+  if (cpu.empty()) {
+    llvm::orc::JITTargetMachineBuilder builder = *state_->builder;
+    builder.setCodeGenOptLevel(level);
+    return unwrap(builder.createTargetMachine(), "creating the target machine");
+  }
   // A named CPU brings its own features; nothing of the host's is added.
   llvm::orc::JITTargetMachineBuilder builder(state_->builder->getTargetTriple());
   builder.setCPU(cpu);
-  builder.setCodeGenOptLevel(llvm::CodeGenOpt::Aggressive);
+  builder.setCodeGenOptLevel(level);
   builder.setRelocationModel(llvm::Reloc::PIC_);
   return unwrap(builder.createTargetMachine(), "creating the target machine for a named CPU");
 }
@@ -228,21 +339,27 @@ std::vector<std::string> LlvmJit::cpu_features(const std::string& cpu,
 }
 
 double LlvmJit::compile_missing(const std::vector<KernelSource>& kernels,
-                                const std::vector<size_t>& missing,
-                                std::vector<std::optional<std::vector<std::byte>>>& objects,
-                                const std::string& cpu) {
+                                const std::vector<size_t>& missing, std::vector<Compiled>& compiled,
+                                const std::string& cpu, bool fast) {
   // Cache misses compile in parallel, one LLVM context and target machine per thread: a new
   // model's first step waits for its slowest share, not for the sum.
   auto start = std::chrono::steady_clock::now();
   if (missing.empty()) return 0;
+  // These use every core: the background tier-ups wait meanwhile.
+  BackgroundWorker::Hold hold(state_->worker);
+  // Largest first (IR size stands in for compile time), so that no big kernel starts last while
+  // the other threads idle.
+  std::vector<size_t> order = missing;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return kernels[a].ir.size() > kernels[b].ir.size(); });
   std::atomic<size_t> next{0};
   std::mutex error_mutex;
   std::optional<Error> error;
   auto work = [&] {
-    for (size_t k; (k = next.fetch_add(1)) < missing.size();) {
-      size_t i = missing[k];
+    for (size_t k; (k = next.fetch_add(1)) < order.size();) {
+      size_t i = order[k];
       try {
-        objects[i] = compile_object(kernels[i].name, kernels[i].ir, cpu);
+        compiled[i] = compile_object(kernels[i].name, kernels[i].ir, cpu, fast);
       } catch (const Error& e) {
         std::lock_guard<std::mutex> lock(error_mutex);
         if (!error) error = e;
@@ -262,23 +379,28 @@ double LlvmJit::compile_missing(const std::vector<KernelSource>& kernels,
 std::vector<std::vector<std::byte>> LlvmJit::objects(const std::vector<KernelSource>& kernels,
                                                      const std::string& cpu) {
   if (!cpu.empty() && !known_cpu(cpu)) fail("LLVM: '{}' is not a CPU this LLVM knows", cpu);
-  std::vector<std::optional<std::vector<std::byte>>> objects(kernels.size());
+  // Kernels this process compiled fast are cached once optimized: wait for those, rather than
+  // compile them again.
+  wait_for_tier_up();
+  std::vector<Compiled> compiled(kernels.size());
   std::vector<std::string> keys(kernels.size());
   std::vector<size_t> missing;
   for (size_t i = 0; i < kernels.size(); ++i) {
     keys[i] = cache_key(kernels[i].ir, cpu);
-    objects[i] = kernel_cache().load(keys[i]);
-    if (!objects[i]) missing.push_back(i);
+    if (auto cached = kernel_cache().load(keys[i]))
+      compiled[i].object = std::move(*cached);
+    else
+      missing.push_back(i);
   }
-  double compile_seconds = compile_missing(kernels, missing, objects, cpu);
-  for (size_t i : missing) kernel_cache().store(keys[i], *objects[i]);
+  double compile_seconds = compile_missing(kernels, missing, compiled, cpu, false);
+  for (size_t i : missing) kernel_cache().store(keys[i], compiled[i].object);
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
     state_->stats.compiled += static_cast<int64_t>(missing.size());
     state_->stats.compile_seconds += compile_seconds;
   }
   std::vector<std::vector<std::byte>> result;
-  for (auto& object : objects) result.push_back(std::move(*object));
+  for (Compiled& c : compiled) result.push_back(std::move(c.object));
   return result;
 }
 
@@ -286,14 +408,41 @@ std::shared_ptr<const JitKernel> LlvmJit::load(const std::string& name, const st
   return load_all({{name, ir}})[0];
 }
 
+namespace {
+
+// Adds object to the JIT under a new tracker of dylib and looks symbol up; the tracker and the
+// address. The state's mutex is held.
+std::pair<llvm::orc::ResourceTrackerSP, KernelFunction> add_object(
+    llvm::orc::LLJIT& jit, const std::vector<std::byte>& object, const std::string& name,
+    const std::string& symbol) {
+  llvm::StringRef bytes(reinterpret_cast<const char*>(object.data()), object.size());
+  auto buffer = llvm::MemoryBuffer::getMemBufferCopy(bytes, symbol);
+  llvm::orc::ResourceTrackerSP tracker = jit.getMainJITDylib().createResourceTracker();
+  if (llvm::Error e = jit.addObjectFile(tracker, std::move(buffer))) {
+    llvm::consumeError(tracker->remove());
+    fail("LLVM JIT: loading kernel {}: {}", name, to_text(std::move(e)));
+  }
+  auto address = jit.lookup(symbol);
+  if (!address) {
+    std::string problem = to_text(address.takeError());
+    llvm::consumeError(tracker->remove());
+    fail("LLVM JIT: looking up kernel {}: {}", name, problem);
+  }
+  return {tracker, address->toPtr<KernelFunction>()};
+}
+
+}  // namespace
+
 std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
     const std::vector<KernelSource>& kernels) {
   // Declared before any lock: should a kernel made here be dropped (an error midway), its
   // destructor takes the lock.
   std::vector<std::shared_ptr<const JitKernel>> result(kernels.size());
-  std::vector<std::optional<std::vector<std::byte>>> objects(kernels.size());
+  std::vector<Compiled> compiled(kernels.size());
   std::vector<std::string> keys(kernels.size());
   std::vector<size_t> missing;
+  std::vector<TierUp> tier_ups;
+  bool fast = tiered();
   auto start = std::chrono::steady_clock::now();
   {
     std::unique_lock<std::mutex> lock(state_->mutex);
@@ -303,53 +452,137 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
         continue;
       }
       keys[i] = cache_key(kernels[i].ir, "");
-      objects[i] = kernel_cache().load(keys[i]);
-      if (!objects[i]) missing.push_back(i);
+      if (auto cached = kernel_cache().load(keys[i]))
+        compiled[i].object = std::move(*cached);
+      else
+        missing.push_back(i);
     }
   }
   double load_seconds = seconds_since(start);
-  double compile_seconds = compile_missing(kernels, missing, objects, "");
-  std::unique_lock<std::mutex> lock(state_->mutex);
-  for (size_t i = 0; i < kernels.size(); ++i) {
-    if (result[i]) continue;
-    const std::string& name = kernels[i].name;
-    if ((result[i] = state_->live(name, lock))) continue;  // a racing call loaded it meanwhile
-    bool compiled = std::find(missing.begin(), missing.end(), i) != missing.end();
-    if (compiled) kernel_cache().store(keys[i], *objects[i]);
-    auto load_start = std::chrono::steady_clock::now();
-    llvm::StringRef bytes(reinterpret_cast<const char*>(objects[i]->data()), objects[i]->size());
-    auto buffer = llvm::MemoryBuffer::getMemBufferCopy(bytes, name);
-    auto p = std::make_unique<JitKernel::Private>();
-    p->name = name;
-    p->tracker = state_->jit->getMainJITDylib().createResourceTracker();
-    p->bytes = static_cast<int64_t>(objects[i]->size());
-    p->state = state_;
-    if (llvm::Error e = state_->jit->addObjectFile(p->tracker, std::move(buffer))) {
-      llvm::consumeError(p->tracker->remove());
-      fail("LLVM JIT: loading kernel {}: {}", name, to_text(std::move(e)));
+  double compile_seconds = compile_missing(kernels, missing, compiled, "", fast);
+  {
+    std::unique_lock<std::mutex> lock(state_->mutex);
+    for (size_t i = 0; i < kernels.size(); ++i) {
+      if (result[i]) continue;
+      const std::string& name = kernels[i].name;
+      if ((result[i] = state_->live(name, lock))) continue;  // a racing call loaded it meanwhile
+      bool was_compiled = std::find(missing.begin(), missing.end(), i) != missing.end();
+      bool is_fast = was_compiled && fast;
+      // Only optimized objects are cached: the fast ones are replaced within the run.
+      if (was_compiled && !fast) kernel_cache().store(keys[i], compiled[i].object);
+      auto load_start = std::chrono::steady_clock::now();
+      auto p = std::make_unique<JitKernel::Private>();
+      p->name = name;
+      p->state = state_;
+      p->bytes = static_cast<int64_t>(compiled[i].object.size());
+      p->optimized = !is_fast;
+      KernelFunction function;
+      std::tie(p->tracker, function) =
+          add_object(*state_->jit, compiled[i].object, name, is_fast ? name + fast_suffix : name);
+      if (is_fast) p->fast = function;
+      std::shared_ptr<JitKernel> kernel(new JitKernel(std::move(p)));
+      kernel->entry_.store(function, std::memory_order_release);
+      state_->loaded.emplace(name, kernel);
+      ++state_->stats.resident;
+      state_->stats.resident_bytes += kernel->p_->bytes;
+      if (is_fast)
+        tier_ups.push_back({kernel, name, std::move(keys[i]), std::move(compiled[i].bitcode)});
+      result[i] = std::move(kernel);
+      load_seconds += seconds_since(load_start);
+      (was_compiled ? state_->stats.compiled : state_->stats.disk_loaded) += 1;
+      if (is_fast) ++state_->stats.fast_compiled;
+      if (log_enabled("jit"))
+        log_line("jit", "{} {}",
+                 !was_compiled ? "loaded from disk"
+                 : is_fast     ? "compiled (fast tier)"
+                               : "compiled",
+                 name);
     }
-    auto address = state_->jit->lookup(name);
-    if (!address) {
-      std::string problem = to_text(address.takeError());
-      llvm::consumeError(p->tracker->remove());
-      fail("LLVM JIT: looking up kernel {}: {}", name, problem);
-    }
-    std::shared_ptr<JitKernel> kernel(new JitKernel(std::move(p)));
-    kernel->function = address->toPtr<KernelFunction>();
-    state_->loaded.emplace(name, kernel);
-    ++state_->stats.resident;
-    state_->stats.resident_bytes += kernel->p_->bytes;
-    result[i] = std::move(kernel);
-    load_seconds += seconds_since(load_start);
-    (compiled ? state_->stats.compiled : state_->stats.disk_loaded) += 1;
-    if (log_enabled("jit"))
-      log_line("jit", "{} {}", compiled ? "compiled" : "loaded from disk", name);
+    state_->stats.compile_seconds += compile_seconds;
+    state_->stats.load_seconds += load_seconds;
+    if (log_enabled("jit") && !missing.empty())
+      log_line("jit", "compiled {} kernels in {:.1f} ms", missing.size(), compile_seconds * 1e3);
   }
-  state_->stats.compile_seconds += compile_seconds;
-  state_->stats.load_seconds += load_seconds;
-  if (log_enabled("jit") && !missing.empty())
-    log_line("jit", "compiled {} kernels in {:.1f} ms", missing.size(), compile_seconds * 1e3);
+  if (!tier_ups.empty()) tier_up(std::move(tier_ups));
   return result;
+}
+
+void LlvmJit::set_tiered(bool tiered) { state_->tiered.store(tiered); }
+
+bool LlvmJit::tiered() const { return state_->tiered.load(); }
+
+void LlvmJit::wait_for_tier_up() { state_->worker.drain(); }
+
+namespace {
+
+// The optimized object of a fast kernel: its bitcode (the -O3 IR) emitted with
+// CodeGenOpt::Aggressive.
+std::vector<std::byte> emit_optimized(const std::string& name, const std::string& bitcode,
+                                      llvm::TargetMachine& machine) {
+  llvm::LLVMContext context;
+  std::unique_ptr<llvm::Module> module = unwrap(
+      llvm::parseBitcodeFile(llvm::MemoryBufferRef(bitcode, name), context), "reading bitcode");
+  return emit_object(*module, machine);
+}
+
+}  // namespace
+
+void LlvmJit::tier_up(std::vector<TierUp> jobs) {
+  State* state = state_.get();
+  // A job runs on the worker (or, for the process's first, here); the LlvmJit instance and its
+  // state outlive the worker, which exit() stops first.
+  // What fails leaves the kernel on its fast code, which gives the same bits; MIXTAPE_LOG=jit
+  // says why. Nothing escapes: a job runs on the worker.
+  auto run = [this, state](TierUp& job) {
+    auto start = std::chrono::steady_clock::now();
+    try {
+      std::vector<std::byte> object;
+      {
+        auto machine = state->machines.lease("opt ", [&] { return target_machine(""); });
+        object = emit_optimized(job.name, job.bitcode, *machine);
+      }
+      kernel_cache().store(job.key, object);
+      // Let go after the lock: should this be the kernel's last owner, its destructor takes it.
+      std::shared_ptr<const JitKernel> kernel = job.kernel.lock();
+      std::lock_guard<std::mutex> lock(state->mutex);
+      state->stats.tier_up_seconds += seconds_since(start);
+      if (!kernel) return;  // gone meanwhile; its object is cached for the next one
+      auto [tracker, function] = add_object(*state->jit, object, job.name, job.name);
+      JitKernel::Private& p = *kernel->p_;
+      p.optimized_tracker = tracker;
+      p.optimized = true;
+      p.bytes += static_cast<int64_t>(object.size());
+      state->stats.resident_bytes += static_cast<int64_t>(object.size());
+      kernel->entry_.store(function, std::memory_order_release);
+      ++state->stats.tiered_up;
+      if (log_enabled("jit")) log_line("jit", "tiered up {}", job.name);
+    } catch (const std::exception& e) {
+      if (log_enabled("jit"))
+        log_line("jit", "{} keeps its fast code: the optimizing compile failed: {}", job.name,
+                 e.what());
+    }
+  };
+  // The first tier-up of the process runs here, on the caller's thread: the statics it makes
+  // (LLVM's bitcode reader and optimizing code generator, OpenSSL's MAC for the cache) then exist
+  // before the worker's first job, so exit() destroys them after it has stopped the worker.
+  bool prime;
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    prime = !state_->worker_primed;
+    state_->worker_primed = true;
+  }
+  size_t first = 0;
+  if (prime) {
+    // The smallest: this one delays the caller.
+    auto smallest = std::min_element(jobs.begin(), jobs.end(), [](const auto& a, const auto& b) {
+      return a.bitcode.size() < b.bitcode.size();
+    });
+    std::iter_swap(jobs.begin(), smallest);
+    run(jobs[0]);
+    first = 1;
+  }
+  for (size_t j = first; j < jobs.size(); ++j)
+    state_->worker.post([run, job = std::make_shared<TierUp>(std::move(jobs[j]))] { run(*job); });
 }
 
 }  // namespace mixtape

@@ -2,6 +2,7 @@
 // cache.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -18,7 +19,7 @@ class TargetMachine;
 namespace mixtape {
 
 /// A kernel loaded into the JIT. Its code stays mapped while the object lives: the last owner's
-/// release removes it from the JIT (its own ORC ResourceTracker), so that a process sweeping
+/// release removes it from the JIT (its own ORC ResourceTrackers), so that a process sweeping
 /// many shapes holds the code of the kernels its cached programs still use, not of every kernel
 /// it ever ran.
 class JitKernel {
@@ -27,13 +28,24 @@ class JitKernel {
   JitKernel(const JitKernel&) = delete;
   JitKernel& operator=(const JitKernel&) = delete;
 
-  KernelFunction function = nullptr;
+  /// The code to call: the fast tier's while a kernel compiled cold waits for its optimized
+  /// code, then the optimized code (see LlvmJit::set_tiered). Both give the same bits.
+  KernelFunction function() const { return entry_.load(std::memory_order_acquire); }
+  /// Where function() reads from, for callers that keep the address and call many times
+  /// (runtime/cpu_kernels.h): the swap to the optimized code is one atomic store there. The fast
+  /// tier's code stays mapped as long as the kernel, so a call that read it still runs.
+  const std::atomic<KernelFunction>& entry() const { return entry_; }
+  /// Whether function() is the optimized code (-O3 IR, CodeGenOpt::Aggressive), which it stays.
+  bool optimized() const;
+  /// The fast tier's code, mapped as long as the kernel; null when it was loaded optimized.
+  KernelFunction fast_function() const;
 
  private:
   friend class LlvmJit;
   struct Private;
   explicit JitKernel(std::unique_ptr<Private> p);
   std::unique_ptr<Private> p_;
+  mutable std::atomic<KernelFunction> entry_{nullptr};  // swapped under the JIT's mutex
 };
 
 class LlvmJit {
@@ -42,7 +54,8 @@ class LlvmJit {
   ~LlvmJit();
 
   /// The function `name` defined by `ir`: from this process's loaded kernels, else from the
-  /// kernel cache (memory or disk), else compiled at -O3 for the host CPU and cached.
+  /// kernel cache (memory or disk), else compiled at -O3 for the host CPU (tiered: see
+  /// set_tiered) and cached.
   std::shared_ptr<const JitKernel> load(const std::string& name, const std::string& ir);
 
   /// load() for many kernels at once: those neither loaded nor cached compile in parallel, on
@@ -54,11 +67,12 @@ class LlvmJit {
   std::vector<std::shared_ptr<const JitKernel>> load_all(const std::vector<KernelSource>& kernels);
 
   /// The relocatable object file of each kernel (its function `name`, position-independent, at
-  /// -O3), as load_all() would load it: from the kernel cache, else compiled (misses in
-  /// parallel) and cached. The AOT packager links these into an artifact, so kernels the
-  /// training run compiled are not compiled again. `cpu` empty: for the host CPU, with all its
-  /// features; else for that LLVM CPU name ("x86-64-v3", "x86-64", "znver3") and only the
-  /// features it implies (an mt::Error for a name LLVM does not know).
+  /// -O3), as load_all() would load it once optimized: from the kernel cache (after waiting for
+  /// the tier-ups under way), else compiled (misses in parallel) and cached. The AOT packager links
+  /// these into an artifact, so kernels the training run compiled are not compiled again. `cpu`
+  /// empty: for the host CPU, with all its features; else for that LLVM CPU name ("x86-64-v3",
+  /// "x86-64", "znver3") and only the features it implies (an mt::Error for a name LLVM does not
+  /// know).
   std::vector<std::vector<std::byte>> objects(const std::vector<KernelSource>& kernels,
                                               const std::string& cpu = "");
   /// Whether LLVM knows the CPU name.
@@ -71,31 +85,64 @@ class LlvmJit {
   /// LLVM version, host CPU name and features: what makes an object valid for this machine.
   std::string target() const;
 
+  /// Tiered compilation, on unless $MIXTAPE_JIT_TIERED is 0. A kernel that load_all() finds
+  /// neither loaded nor cached goes through the same -O3 IR pipeline either way (so its results
+  /// are the same bits), then:
+  /// - tiered: to machine code with LLVM's fast instruction selection and register allocation
+  ///   (CodeGenOpt::None, a third of the compile time), which runs at once. A background thread
+  ///   then emits the same optimized IR with CodeGenOpt::Aggressive -- the object an untiered
+  ///   compile makes, byte for byte -- stores it in the kernel cache and swaps it in. Only
+  ///   optimized objects are cached, so a later process and the AOT packager get those.
+  /// - untiered: with CodeGenOpt::Aggressive at once, as the background thread would.
+  /// The background threads (jit/background_worker.h) run a tier-up on idle CPU time, or at
+  /// normal priority once it has waited 2 s, and start nothing while foreground compiles run.
+  /// At exit the tier-ups not done yet run on the exiting thread (so the cache always ends with
+  /// the optimized objects, and the next process runs them at once) before the threads are
+  /// joined.
+  void set_tiered(bool tiered);
+  bool tiered() const;
+  /// Blocks until every tier-up queued so far has been swapped in (or has failed: the fast code
+  /// then stays, and MIXTAPE_LOG=jit says why).
+  void wait_for_tier_up();
+
   struct Stats {
-    int64_t compiled = 0;        // IR compiled to machine code
+    int64_t compiled = 0;        // IR compiled to machine code in the foreground
+    int64_t fast_compiled = 0;   // of those, to fast code, optimized later in the background
+    int64_t tiered_up = 0;       // kernels whose optimized code was swapped in
     int64_t disk_loaded = 0;     // objects taken from the kernel cache
     int64_t memory_hits = 0;     // already loaded in this process
     double compile_seconds = 0;  // wall time waited for compilation (parallel: the longest)
+    double tier_up_seconds = 0;  // background thread's time on tier-ups
     double load_seconds = 0;
     int64_t resident = 0;        // kernels loaded now (some owner still holds them)
-    int64_t resident_bytes = 0;  // their object files' bytes
+    int64_t resident_bytes = 0;  // their object files' bytes (fast and optimized)
   };
   Stats stats() const;
 
  private:
   LlvmJit();
-  std::vector<std::byte> compile_object(const std::string& name, const std::string& ir,
-                                        const std::string& cpu);
+  // What compile_object() makes: the object, and for the fast tier the optimized IR as bitcode
+  // (the object then defines `name` + fast_suffix, so that the optimized object's `name` can be
+  // loaded beside it).
+  struct Compiled {
+    std::vector<std::byte> object;
+    std::string bitcode;
+  };
+  Compiled compile_object(const std::string& name, const std::string& ir, const std::string& cpu,
+                          bool fast);
   // Kernel-cache key of an object compiled from ir for cpu (empty: the host).
   std::string cache_key(const std::string& ir, const std::string& cpu) const;
-  // A target machine for cpu (empty: the host's, with its features).
-  std::unique_ptr<llvm::TargetMachine> target_machine(const std::string& cpu) const;
-  // Compiles kernels[i] into objects[i] for each i in missing, on every core; returns the wall
+  // A target machine for cpu (empty: the host's, with its features) and codegen level.
+  std::unique_ptr<llvm::TargetMachine> target_machine(const std::string& cpu,
+                                                      bool fast = false) const;
+  // Compiles kernels[i] into compiled[i] for each i in missing, on every core; returns the wall
   // time.
   double compile_missing(const std::vector<KernelSource>& kernels,
-                         const std::vector<size_t>& missing,
-                         std::vector<std::optional<std::vector<std::byte>>>& objects,
-                         const std::string& cpu);
+                         const std::vector<size_t>& missing, std::vector<Compiled>& compiled,
+                         const std::string& cpu, bool fast);
+  // Queues (or, for the process's first, runs here) the optimizing compile of fast kernels.
+  struct TierUp;
+  void tier_up(std::vector<TierUp> jobs);
   friend class JitKernel;
   struct State;
   // Shared with every JitKernel, so the JIT outlives the last of them (static destruction order

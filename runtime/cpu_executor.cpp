@@ -116,7 +116,7 @@ KernelObserver& observer() {
 
 void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signature& sig) {
   const kir::Kernel& kernel = *step.kernel;
-  KernelFunction function = reinterpret_cast<const KernelCell*>(step.compiled)->function;
+  KernelFunction function = reinterpret_cast<const KernelCell*>(step.compiled)->current();
   if (!function) fail("CPU kernel {} failed to compile earlier", kernel.name);
   size_t count = step.params.size();
   // Reused from launch to launch: a replayed step launches dozens of small kernels, and these

@@ -2,6 +2,7 @@
 // library (jit/) installs LLVM's compiler; an AOT artifact brings a table of compiled kernels.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <vector>
@@ -19,6 +20,13 @@ using KernelFunction = void (*)(void* const* params, int64_t begin, int64_t end)
 struct CompiledKernel {
   KernelFunction function = nullptr;
   std::shared_ptr<const void> code;
+  /// Where a tiered compiler swaps in faster code for the same kernel (kept alive by code): when
+  /// set, each launch calls what it holds instead of function.
+  const std::atomic<KernelFunction>* entry = nullptr;
+
+  KernelFunction current() const {
+    return entry ? entry->load(std::memory_order_acquire) : function;
+  }
 };
 
 /// Lifetime counters of a compiler, for execution_stats().

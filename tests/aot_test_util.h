@@ -49,7 +49,7 @@ struct Table {
       code.push_back(mt::LlvmJit::instance().load(k.symbol, k.llvm_ir));
     }
     for (size_t i = 0; i < keys.size(); ++i)
-      entries.push_back({keys[i].c_str(), code[i]->function});
+      entries.push_back({keys[i].c_str(), code[i]->function()});
     bind();
   }
   Table(const Table&) = delete;

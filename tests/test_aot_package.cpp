@@ -423,7 +423,7 @@ std::string jit_bits() {
       mt::LlvmJit::instance().load(kernel.symbol, kernel.llvm_ir);
   std::vector<float> x = tiny_input, y(8);
   void* params[] = {x.data(), y.data()};
-  jit->function(params, 0, 8);
+  jit->function()(params, 0, 8);
   std::string text;
   for (float v : y) {
     uint32_t bits;

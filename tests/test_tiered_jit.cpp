@@ -1,0 +1,391 @@
+// tests/test_tiered_jit.cpp -- the JIT's two tiers: fast code at once, then the optimized object
+// swapped in from the background; the same bits from both, only optimized objects in the kernel
+// cache (a new process and the AOT packager get those), and a clean exit while tier-ups run.
+#include <gtest/gtest.h>
+#include <pthread.h>
+#include <sched.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "codegen/kernel_cache.h"
+#include "dsl/functional.h"
+#include "dsl/ops.h"
+#include "dsl/tensor.h"
+#include "jit/background_worker.h"
+#include "jit/llvm_jit.h"
+#include "runtime/device.h"
+
+namespace mt = mixtape;
+
+namespace {
+
+// Every run of this binary starts from an empty kernel cache of its own, so that its kernels are
+// compiled (and tiered) rather than found on disk; the children it starts inherit it.
+const std::filesystem::path cache_dir = [] {
+  std::string dir = (std::filesystem::temp_directory_path() / "mixtape-tiered-XXXXXX").string();
+  if (!::getenv("MIXTAPE_TIERED_TEST_CHILD")) {
+    if (!::mkdtemp(dir.data())) std::abort();
+    ::setenv("MIXTAPE_CACHE_DIR", dir.c_str(), 1);
+    return std::filesystem::path(dir);
+  }
+  return std::filesystem::path(::getenv("MIXTAPE_CACHE_DIR"));
+}();
+
+class RemoveCacheDir : public ::testing::Environment {
+ public:
+  void TearDown() override {
+    if (!::getenv("MIXTAPE_TIERED_TEST_CHILD")) std::filesystem::remove_all(cache_dir);
+  }
+};
+const auto* remove_cache_dir = ::testing::AddGlobalTestEnvironment(new RemoveCacheDir);
+
+mt::LlvmJit& jit() { return mt::LlvmJit::instance(); }
+
+// A kernel over rows of `width` floats: out[r] = the sum of row r, a `fadd reassoc` reduction that
+// -O3's vectorizer splits into several partial sums -- other bits than a sequential sum, so a
+// tier without the IR pipeline would show. `tag` makes the kernel (and its cache key) unique.
+mt::LlvmJit::KernelSource row_sum_kernel(const std::string& tag, int width = 1000) {
+  std::string name = "tiered_row_sum_" + tag;
+  std::string ir = fmt::format(R"(; tiered JIT test kernel {0}
+define void @{0}(ptr noalias nocapture readonly %params, i64 %begin, i64 %end) #0 {{
+entry:
+  %in = load ptr, ptr %params
+  %pout = getelementptr inbounds ptr, ptr %params, i64 1
+  %out = load ptr, ptr %pout
+  br label %row
+row:
+  %r = phi i64 [ %begin, %entry ], [ %r.next, %row.end ]
+  %more = icmp slt i64 %r, %end
+  br i1 %more, label %body.pre, label %exit
+body.pre:
+  %base = mul nsw i64 %r, {1}
+  br label %body
+body:
+  %j = phi i64 [ 0, %body.pre ], [ %j.next, %body ]
+  %acc = phi float [ 0.0, %body.pre ], [ %acc.next, %body ]
+  %at = add nsw i64 %base, %j
+  %p = getelementptr inbounds float, ptr %in, i64 %at
+  %v = load float, ptr %p
+  %acc.next = fadd reassoc float %acc, %v
+  %j.next = add nsw i64 %j, 1
+  %again = icmp slt i64 %j.next, {1}
+  br i1 %again, label %body, label %row.end
+row.end:
+  %q = getelementptr inbounds float, ptr %out, i64 %r
+  store float %acc.next, ptr %q
+  %r.next = add nsw i64 %r, 1
+  br label %row
+exit:
+  ret void
+}}
+attributes #0 = {{ nounwind "prefer-vector-width"="512" "min-legal-vector-width"="0" }}
+)",
+                               name, width);
+  return {name, ir};
+}
+
+std::string unique_tag() {
+  static int counter = 0;
+  return fmt::format("{}_{}_{}", ::getpid(),
+                     std::chrono::steady_clock::now().time_since_epoch().count(), counter++);
+}
+
+// Rows of floats whose magnitudes span many binades, so that the order of a sum changes its bits.
+std::vector<float> spread_values(int rows, int width) {
+  std::mt19937 random(7);
+  std::uniform_real_distribution<float> mantissa(-1, 1);
+  std::uniform_int_distribution<int> exponent(-20, 20);
+  std::vector<float> values(static_cast<size_t>(rows) * width);
+  for (float& v : values) v = std::ldexp(mantissa(random), exponent(random));
+  return values;
+}
+
+std::vector<float> run_row_sum(mt::KernelFunction function, const std::vector<float>& in,
+                               int rows) {
+  std::vector<float> out(rows);
+  void* params[] = {const_cast<float*>(in.data()), out.data()};
+  function(params, 0, rows);
+  return out;
+}
+
+// The process's first tier-up runs on the caller's thread (jit/llvm_jit.cpp says why); the tests
+// want the ones after it, which run in the background.
+void prime_tier_up() {
+  static bool primed = [] {
+    mt::LlvmJit::KernelSource kernel = row_sum_kernel("primer_" + unique_tag(), 8);
+    jit().load(kernel.name, kernel.ir);
+    return true;
+  }();
+  (void)primed;
+}
+
+class TieredJit : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    saved_ = jit().tiered();
+    jit().set_tiered(true);
+    prime_tier_up();
+  }
+  void TearDown() override {
+    jit().wait_for_tier_up();
+    jit().set_tiered(saved_);
+  }
+
+ private:
+  bool saved_ = true;
+};
+
+TEST_F(TieredJit, FastCodeRunsFirstThenTheOptimizedCodeWithTheSameBits) {
+  mt::LlvmJit::KernelSource source = row_sum_kernel(unique_tag());
+  mt::LlvmJit::Stats before = jit().stats();
+  std::shared_ptr<const mt::JitKernel> kernel = jit().load(source.name, source.ir);
+  mt::LlvmJit::Stats loaded = jit().stats();
+  EXPECT_EQ(loaded.compiled - before.compiled, 1);
+  EXPECT_EQ(loaded.fast_compiled - before.fast_compiled, 1);
+  mt::KernelFunction fast = kernel->fast_function();
+  ASSERT_NE(fast, nullptr) << "a kernel compiled cold with tiering on starts with fast code";
+
+  jit().wait_for_tier_up();
+  mt::LlvmJit::Stats after = jit().stats();
+  EXPECT_EQ(after.tiered_up - loaded.tiered_up, 1);
+  EXPECT_GT(after.tier_up_seconds, loaded.tier_up_seconds);
+  EXPECT_TRUE(kernel->optimized());
+  mt::KernelFunction optimized = kernel->function();
+  ASSERT_NE(optimized, fast) << "the optimized code was not swapped in";
+
+  const int rows = 64, width = 1000;
+  std::vector<float> in = spread_values(rows, width);
+  std::vector<float> fast_out = run_row_sum(fast, in, rows);
+  std::vector<float> optimized_out = run_row_sum(optimized, in, rows);
+  EXPECT_EQ(std::memcmp(fast_out.data(), optimized_out.data(), rows * sizeof(float)), 0)
+      << "the tiers give different bits";
+  // Both are the vectorized sum: a sequential one gives other bits for some row, and the double
+  // sum is close to each.
+  int differs_from_sequential = 0;
+  for (int r = 0; r < rows; ++r) {
+    float sequential = 0;
+    double exact = 0;
+    for (int j = 0; j < width; ++j) {
+      sequential += in[r * width + j];
+      exact += in[r * width + j];
+    }
+    differs_from_sequential += sequential != fast_out[r];
+    EXPECT_NEAR(fast_out[r], exact, 1e-3 * (std::abs(exact) + 1)) << "row " << r;
+  }
+  EXPECT_GT(differs_from_sequential, 0) << "the fast tier did not run the -O3 IR pipeline";
+}
+
+TEST_F(TieredJit, TheOptimizedObjectIsTheOneAnUntieredCompileMakes) {
+  mt::LlvmJit::KernelSource source = row_sum_kernel(unique_tag());
+  std::shared_ptr<const mt::JitKernel> kernel = jit().load(source.name, source.ir);
+  jit().wait_for_tier_up();
+  ASSERT_TRUE(kernel->optimized());
+  // From the cache, where the tier-up put it: nothing is compiled.
+  int64_t compiled = jit().stats().compiled;
+  std::vector<std::byte> tiered = jit().objects({source})[0];
+  EXPECT_EQ(jit().stats().compiled, compiled) << "the tier-up did not cache its object";
+  // The same IR under another key (a comment line): compiled at the optimizing tier at once.
+  mt::LlvmJit::KernelSource again{source.name, source.ir + "; compiled untiered\n"};
+  std::vector<std::byte> untiered = jit().objects({again})[0];
+  EXPECT_EQ(jit().stats().compiled, compiled + 1);
+  ASSERT_EQ(tiered.size(), untiered.size());
+  EXPECT_EQ(std::memcmp(tiered.data(), untiered.data(), tiered.size()), 0)
+      << "the tiered-up object differs from an untiered compile of the same IR";
+}
+
+TEST_F(TieredJit, UntieredCompilesTheOptimizedCodeAtOnce) {
+  jit().set_tiered(false);
+  mt::LlvmJit::KernelSource source = row_sum_kernel(unique_tag());
+  mt::LlvmJit::Stats before = jit().stats();
+  std::shared_ptr<const mt::JitKernel> kernel = jit().load(source.name, source.ir);
+  mt::LlvmJit::Stats after = jit().stats();
+  EXPECT_EQ(after.compiled - before.compiled, 1);
+  EXPECT_EQ(after.fast_compiled, before.fast_compiled);
+  EXPECT_TRUE(kernel->optimized());
+  EXPECT_EQ(kernel->fast_function(), nullptr);
+  // Cached at once: objects() compiles nothing.
+  jit().objects({source});
+  EXPECT_EQ(jit().stats().compiled, after.compiled);
+}
+
+// A graph with reductions (softmax: max and sum), transcendental functions and bf16 rounding,
+// evaluated on the CPU back end.
+std::vector<float> graph_result(int64_t rows, int64_t cols) {
+  std::vector<float> values = spread_values(static_cast<int>(rows), static_cast<int>(cols));
+  for (float& v : values) v = std::tanh(v);
+  mt::Tensor x = mt::tensor(values, {rows, cols});
+  mt::Tensor y = mt::softmax(mt::exp(x) * 0.5, -1);
+  mt::Tensor z = mt::cast(mt::cast(y * 3.0 + x, mt::bf16), mt::f32).sum({1});
+  return z.to_vector<float>();
+}
+
+TEST_F(TieredJit, AGraphGivesTheSameBitsBeforeAndAfterTierUp) {
+  mt::set_device(mt::Device::cpu);
+  const int64_t rows = 29, cols = 301;  // shapes no other test uses: new kernels
+  mt::LlvmJit::Stats before = jit().stats();
+  std::vector<float> fast = graph_result(rows, cols);
+  mt::LlvmJit::Stats loaded = jit().stats();
+  int64_t new_kernels = loaded.fast_compiled - before.fast_compiled;
+  EXPECT_GT(new_kernels, 0);
+  jit().wait_for_tier_up();
+  EXPECT_GE(jit().stats().tiered_up - loaded.tiered_up, new_kernels);
+  std::vector<float> optimized = graph_result(rows, cols);
+  EXPECT_EQ(jit().stats().compiled, loaded.compiled) << "the second run compiled again";
+  ASSERT_EQ(fast.size(), optimized.size());
+  EXPECT_EQ(std::memcmp(fast.data(), optimized.data(), fast.size() * sizeof(float)), 0);
+}
+
+// The normal-priority thread (here alone) runs a job once it has waited its patience, not before:
+// on a machine whose cores a training loop keeps busy, the idle thread may get no time at all.
+TEST(BackgroundWorker, AJobRunsAtNormalPriorityOnceItHasWaitedItsPatience) {
+  using namespace std::chrono;
+  mt::BackgroundWorker worker(milliseconds(200), /*idle_thread=*/false);
+  std::atomic<bool> ran{false};
+  int policy = -1;
+  auto start = steady_clock::now();
+  worker.post([&] {
+    sched_param param{};
+    pthread_getschedparam(pthread_self(), &policy, &param);
+    ran = true;
+  });
+  std::this_thread::sleep_for(100ms);
+  EXPECT_FALSE(ran) << "it ran before its patience";
+  while (!ran && steady_clock::now() - start < seconds(5)) std::this_thread::sleep_for(1ms);
+  EXPECT_TRUE(ran) << "it never ran";
+  EXPECT_GE(steady_clock::now() - start, milliseconds(200));
+  worker.drain();
+  EXPECT_NE(policy, SCHED_IDLE);
+}
+
+TEST(BackgroundWorker, AHoldKeepsJobsWaitingAndDrainRunsThemOnTheCaller) {
+  using namespace std::chrono;
+  mt::BackgroundWorker worker(milliseconds(20));
+  std::atomic<int> ran{0};
+  std::thread::id ran_on;
+  {
+    mt::BackgroundWorker::Hold hold(worker);
+    worker.post([&] {
+      ran_on = std::this_thread::get_id();
+      ++ran;
+    });
+    std::this_thread::sleep_for(150ms);  // past the patience and the quiet period
+    EXPECT_EQ(ran, 0) << "a job started during a hold";
+    EXPECT_EQ(worker.pending(), 1u);
+    worker.drain();
+  }
+  EXPECT_EQ(ran, 1);
+  EXPECT_EQ(ran_on, std::this_thread::get_id());
+  EXPECT_EQ(worker.pending(), 0u);
+}
+
+// Runs this binary's test `filter` in a child with `env` set; its exit status (-1: killed after
+// a minute, a hang).
+int run_child(const std::string& filter, const std::vector<std::string>& env) {
+  pid_t child = ::fork();
+  if (child < 0) return -2;
+  if (child == 0) {
+    ::setenv("MIXTAPE_TIERED_TEST_CHILD", "1", 1);
+    for (const std::string& entry : env) ::putenv(const_cast<char*>(entry.c_str()));
+    std::string filter_flag = "--gtest_filter=" + filter;
+    const char* args[] = {"test_tiered_jit", filter_flag.c_str(), "--gtest_also_run_disabled_tests",
+                          nullptr};
+    if (!::freopen("/dev/null", "w", stdout)) ::_exit(126);
+    ::execv("/proc/self/exe", const_cast<char* const*>(args));
+    ::_exit(127);
+  }
+  int status = 0;
+  for (int waited = 0; waited < 6000; ++waited) {
+    if (::waitpid(child, &status, WNOHANG) == child)
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    ::usleep(10'000);
+  }
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  return -1;
+}
+
+// Run by the next test in a child: the tagged kernel, found on disk, optimized.
+TEST(TieredJitChild, DISABLED_LoadsTheOptimizedObjectFromDisk) {
+  jit().set_tiered(true);
+  mt::LlvmJit::KernelSource source = row_sum_kernel(::getenv("MIXTAPE_TIERED_TEST_TAG"));
+  std::shared_ptr<const mt::JitKernel> kernel = jit().load(source.name, source.ir);
+  EXPECT_EQ(jit().stats().disk_loaded, 1);
+  EXPECT_EQ(jit().stats().compiled, 0);
+  EXPECT_TRUE(kernel->optimized());
+  EXPECT_EQ(kernel->fast_function(), nullptr);
+}
+
+TEST_F(TieredJit, ANewProcessLoadsTheOptimizedObjectFromDisk) {
+  if (!mt::kernel_cache().disk_writable()) GTEST_SKIP() << "no writable kernel cache directory";
+  std::string tag = unique_tag();
+  mt::LlvmJit::KernelSource source = row_sum_kernel(tag);
+  std::shared_ptr<const mt::JitKernel> kernel = jit().load(source.name, source.ir);
+  ASSERT_NE(kernel->fast_function(), nullptr);
+  jit().wait_for_tier_up();
+  EXPECT_EQ(run_child("TieredJitChild.DISABLED_LoadsTheOptimizedObjectFromDisk",
+                      {"MIXTAPE_TIERED_TEST_TAG=" + tag}),
+            0);
+}
+
+// Run by the next test in a child: the tagged kernel compiled fast, and the process exits at once.
+TEST(TieredJitChild, DISABLED_CompilesFastAndExits) {
+  jit().set_tiered(true);
+  prime_tier_up();
+  mt::LlvmJit::KernelSource source = row_sum_kernel(::getenv("MIXTAPE_TIERED_TEST_TAG"));
+  std::shared_ptr<const mt::JitKernel> kernel = jit().load(source.name, source.ir);
+  EXPECT_NE(kernel->fast_function(), nullptr);
+  EXPECT_FALSE(kernel->optimized());
+}
+
+TEST(TieredJitExit, TierUpsLeftAtExitAreDoneSoTheNextProcessRunsOptimizedCode) {
+  if (!mt::kernel_cache().disk_writable()) GTEST_SKIP() << "no writable kernel cache directory";
+  std::string tag = unique_tag();
+  EXPECT_EQ(
+      run_child("TieredJitChild.DISABLED_CompilesFastAndExits", {"MIXTAPE_TIERED_TEST_TAG=" + tag}),
+      0);
+  EXPECT_EQ(run_child("TieredJitChild.DISABLED_LoadsTheOptimizedObjectFromDisk",
+                      {"MIXTAPE_TIERED_TEST_TAG=" + tag}),
+            0)
+      << "the first process exited without caching the optimized object";
+}
+
+// Run by the next test in children: kernels compiled fast, then an exit at some moment of their
+// tier-ups (queued, waiting for quiet, compiling, publishing).
+TEST(TieredJitChild, DISABLED_ExitsWhileTieringUp) {
+  jit().set_tiered(true);
+  std::vector<mt::LlvmJit::KernelSource> sources;
+  for (int i = 0; i < 8; ++i) sources.push_back(row_sum_kernel(unique_tag(), 100 + 37 * i));
+  std::vector<std::shared_ptr<const mt::JitKernel>> kernels = jit().load_all(sources);
+  EXPECT_EQ(jit().stats().fast_compiled, 8);
+  std::this_thread::sleep_for(
+      std::chrono::milliseconds(std::atoi(::getenv("MIXTAPE_TIERED_TEST_EXIT_AFTER_MS"))));
+  if (::getenv("MIXTAPE_TIERED_TEST_DROP_KERNELS")) kernels.clear();
+}
+
+TEST(TieredJitExit, AProcessExitsCleanlyWhileTieringUp) {
+  // 0: all queued; 52-60: at the end of the quiet period, the first jobs running; 80: more done.
+  // Dropping the kernels first makes the jobs find them gone.
+  for (int ms : {0, 52, 60, 80})
+    for (bool drop : {false, true}) {
+      std::vector<std::string> env = {fmt::format("MIXTAPE_TIERED_TEST_EXIT_AFTER_MS={}", ms)};
+      if (drop) env.push_back("MIXTAPE_TIERED_TEST_DROP_KERNELS=1");
+      EXPECT_EQ(run_child("TieredJitChild.DISABLED_ExitsWhileTieringUp", env), 0)
+          << "exit " << ms << " ms after loading" << (drop ? ", kernels dropped" : "")
+          << " (-1: it hung)";
+    }
+}
+
+}  // namespace
