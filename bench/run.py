@@ -314,8 +314,9 @@ def machine_info():
 
 
 def measure_jit(binary, timing, timeout, mixtape_env, notes):
-    """Compile and disk-load times of digits_mlp's kernels (fp32 and bf16) from an empty cache and
-    from a filled one, and what they cost against a 1000-step run."""
+    """Compile and disk-load times of the demo's kernels (digits_demo, fp32, through mt::compile as
+    `digits_mlp --batch 256 --optimizer adamw` runs) from an empty cache and from a filled one, its
+    first step's time, and what the cold JIT costs against a 1000-step run (issue 20's targets)."""
     import tempfile
     with tempfile.TemporaryDirectory(prefix="mixtape-jit-") as cache:
         env = mixtape_env("compiled", None)
@@ -323,8 +324,8 @@ def measure_jit(binary, timing, timeout, mixtape_env, notes):
         result = {}
         for phase in ("cold", "warm"):
             found, error = run_child(f"mixtape jit {phase}",
-                                     [binary, "--workloads", "digits_mlp", "--precisions",
-                                      "fp32,bf16"] + timing_flags(timing), env, timeout)
+                                     [binary, "--workloads", "digits_demo", "--precisions", "fp32",
+                                      "--step", "compiled"] + timing_flags(timing), env, timeout)
             if error or not found:
                 notes.append(f"jit {phase} run failed: {error}")
                 return None
@@ -339,14 +340,15 @@ def measure_jit(binary, timing, timeout, mixtape_env, notes):
                 "compile_seconds": round(compile_s, 4), "load_seconds": round(load_s, 4),
                 "ms_per_compiled_kernel": round(1e3 * compile_s / compiled, 2) if compiled else None,
                 "ms_per_loaded_kernel": round(1e3 * load_s / loaded, 3) if loaded else None,
-                "steps_per_s": round(steps_per_s, 1)}
+                "steps_per_s": round(steps_per_s, 1),
+                "first_step_s": round(max(r["first_step_s"] for r in found), 4)}
         cold, warm = result["cold"], result["warm"]
         run_seconds = 1000 / cold["steps_per_s"]
         result["cold_jit_share_of_1000_steps"] = round(
             cold["compile_seconds"] / (cold["compile_seconds"] + run_seconds), 4)
         result["warm_start_added_seconds"] = round(warm["compile_seconds"] + warm["load_seconds"], 4)
         result["targets"] = {"warm_start_added_seconds": "< 0.05",
-                             "cold_jit_share_of_1000_steps": "< 0.05"}
+                             "cold_jit_share_of_1000_steps": "< 0.10", "cold first_step_s": "< 0.06"}
         return result
 
 
