@@ -125,8 +125,9 @@ void BackgroundWorker::stop() {
     queue_.clear();
     // A forked child has the object but not the threads: nothing to join, and the handles name
     // threads of the parent, so they are left alone (a joinable std::thread must not be
-    // destroyed).
-    if (patient_thread_.joinable() && owner_pid_ != ::getpid()) {
+    // destroyed). Nor is there anything to wait for, on this call or a later one: running_
+    // counts the parent's jobs, which no thread of the child will finish.
+    if (owner_pid_ != 0 && owner_pid_ != ::getpid()) {
       static auto* parents_threads = new std::vector<std::thread>;  // reachable, never destroyed
       for (std::thread* thread : {&idle_thread_, &patient_thread_})
         if (thread->joinable()) parents_threads->push_back(std::move(*thread));

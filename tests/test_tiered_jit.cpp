@@ -291,6 +291,40 @@ TEST(BackgroundWorker, AHoldKeepsJobsWaitingAndDrainRunsThemOnTheCaller) {
   EXPECT_EQ(worker.pending(), 0u);
 }
 
+// A child forked while a job runs inherits a count of running jobs that none of its threads will
+// finish: stopping and destroying the worker there must not wait for them (it hung before).
+TEST(BackgroundWorker, AForkedChildStopsWithoutWaitingForTheParentsJobs) {
+  using std::chrono::milliseconds;
+  auto* worker = new mt::BackgroundWorker(milliseconds(0), /*idle_thread=*/false);
+  std::atomic<bool> started{false};
+  worker->post([&] {
+    started = true;
+    std::this_thread::sleep_for(milliseconds(1500));
+  });
+  while (!started) std::this_thread::yield();
+  pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    worker->drain();
+    worker->stop();
+    delete worker;
+    ::_exit(0);
+  }
+  int status = -1;
+  bool exited = false;
+  for (int waited = 0; waited < 100 && !exited; ++waited) {  // 1 s: less than the job takes
+    exited = ::waitpid(child, &status, WNOHANG) == child;
+    if (!exited) ::usleep(10'000);
+  }
+  if (!exited) {
+    ::kill(child, SIGKILL);
+    ::waitpid(child, nullptr, 0);
+  }
+  EXPECT_TRUE(exited) << "the child hung in stop()";
+  EXPECT_TRUE(exited && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  delete worker;
+}
+
 // Runs this binary's test `filter` in a child with `env` set; its exit status (-1: killed after
 // a minute, a hang).
 int run_child(const std::string& filter, const std::vector<std::string>& env) {
