@@ -221,9 +221,10 @@ struct Choice {
 // at 4096x64x64. That rounding is dsl/half.h's for every f32 but the subnormal ones (nearest even,
 // NaNs quieted with their sign and top payload bits), and those it flushes to zero, as the AMX
 // products themselves already flush subnormals (TDPBF16PS). A relu stays with the epilogue, since
-// oneDNN's would turn NaN into 0.
+// oneDNN's would turn NaN into 0, and so does a bias: a product plus a bias can be an f32
+// subnormal that the products alone never are.
 Choice amx_choice(const GemmDesc& d, std::shared_ptr<const CachedPrimitive> native) {
-  if (d.out == bf16 && !d.relu) {
+  if (d.out == bf16 && !d.relu && !d.has_bias) {
     std::shared_ptr<const CachedPrimitive> direct =
         cached_primitive(primitive_key(d, OnednnType::bf16, OnednnType::bf16));
     if (runs_on_amx(*direct)) return {false, true, std::move(direct)};

@@ -316,6 +316,14 @@ TEST(Gemm, Bf16ResultsEqualTheF32ResultRoundedOnce) {
     for (int64_t i = 0; i < k; ++i) a[i] = 0xFFC3, a[a.size() - 1 - i] = 0x7F80;
     std::vector<float> bias(n);
     for (float& v : bias) v = normal(rng);
+    if (d.has_bias) {
+      // Row 1, column 0: the product 2^-126 (normal) plus the bias -2^-127 is the f32 subnormal
+      // 2^-127, which rounds to the bf16 subnormal 0x0040 (a flush would give 0).
+      std::fill(a.begin() + k, a.begin() + 2 * k, uint16_t{0});
+      a[k] = mt::f32_to_bf16_bits(0x1p-63f);
+      b[0] = mt::f32_to_bf16_bits(0x1p-63f);
+      bias[0] = -0x1p-127f;
+    }
     std::vector<float> out32(out16.size());
     mt::GemmDesc f32_out = d;
     d.out = mt::bf16;
@@ -324,6 +332,9 @@ TEST(Gemm, Bf16ResultsEqualTheF32ResultRoundedOnce) {
     SCOPED_TRACE(label(d) + ": " + mt::gemm_kernel(d));
     for (size_t i = 0; i < out16.size(); ++i)
       ASSERT_EQ(out16[i], mt::f32_to_bf16_bits(out32[i])) << "element " << i << " of " << out32[i];
+    if (d.has_bias) {
+      EXPECT_EQ(out16[n], 0x0040) << "the subnormal sum of row 1, column 0";
+    }
   }
 }
 
