@@ -149,7 +149,10 @@ struct LlvmJit::State {
 
   // Runs the tier-ups; declared last of what its jobs use, so that it is stopped first.
   BackgroundWorker worker;
-  bool worker_primed = false;  // the process's first tier-up has run on a caller's thread
+  // The process's first tier-up has run on a caller's thread; prime_mutex is held while it runs,
+  // so that no other thread posts (and so starts the worker and its exit handler) before it ends.
+  std::mutex prime_mutex;
+  bool worker_primed = false;
   // An entry expires when its kernel's last owner lets go; the kernel's destructor then erases
   // it (under the mutex) as it removes the code.
   std::unordered_map<std::string, std::weak_ptr<const JitKernel>> loaded;
@@ -565,12 +568,8 @@ void LlvmJit::tier_up(std::vector<TierUp> jobs) {
   // The first tier-up of the process runs here, on the caller's thread: the statics it makes
   // (LLVM's bitcode reader and optimizing code generator, OpenSSL's MAC for the cache) then exist
   // before the worker's first job, so exit() destroys them after it has stopped the worker.
-  bool prime;
-  {
-    std::lock_guard<std::mutex> lock(state_->mutex);
-    prime = !state_->worker_primed;
-    state_->worker_primed = true;
-  }
+  std::unique_lock<std::mutex> prime_lock(state_->prime_mutex);
+  const bool prime = !state_->worker_primed;
   size_t first = 0;
   if (prime) {
     // The smallest: this one delays the caller.
@@ -580,7 +579,9 @@ void LlvmJit::tier_up(std::vector<TierUp> jobs) {
     std::iter_swap(jobs.begin(), smallest);
     run(jobs[0]);
     first = 1;
+    state_->worker_primed = true;
   }
+  prime_lock.unlock();
   for (size_t j = first; j < jobs.size(); ++j)
     state_->worker.post([run, job = std::make_shared<TierUp>(std::move(jobs[j]))] { run(*job); });
 }
