@@ -10,14 +10,15 @@
 #include <memory>
 #include <vector>
 
-#include "jit/llvm_jit.h"
 #include "codegen/lru_cache.h"
 #include "dsl/ops.h"
 #include "dsl/tensor.h"
+#include "jit/llvm_jit.h"
 #include "precision_policy/assign.h"
 #include "runtime/cpu_executor.h"
 #include "runtime/device.h"
 #include "runtime/program.h"
+#include "test_util.h"
 
 namespace mt = mixtape;
 
@@ -156,18 +157,7 @@ TEST(ProgramCache, AProcessExitsCleanlyWhileItsProgramsStillHoldKernels) {
     ::execv("/proc/self/exe", const_cast<char* const*>(args));
     ::_exit(127);
   }
-  int status = 0;
-  bool exited = false;
-  for (int waited = 0; waited < 6000 && !exited; ++waited) {
-    exited = ::waitpid(child, &status, WNOHANG) == child;
-    if (!exited) ::usleep(10'000);
-  }
-  if (!exited) {
-    ::kill(child, SIGKILL);
-    ::waitpid(child, nullptr, 0);
-  }
-  EXPECT_TRUE(exited) << "the process hung at exit";
-  EXPECT_TRUE(exited && WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  EXPECT_EQ(wait_for_child(child, std::chrono::minutes(1)), 0) << "-1: the process hung at exit";
 }
 
 }  // namespace

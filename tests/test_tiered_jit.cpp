@@ -27,6 +27,7 @@
 #include "jit/background_worker.h"
 #include "jit/llvm_jit.h"
 #include "runtime/device.h"
+#include "test_util.h"
 
 namespace mt = mixtape;
 
@@ -310,18 +311,8 @@ TEST(BackgroundWorker, AForkedChildStopsWithoutWaitingForTheParentsJobs) {
     delete worker;
     ::_exit(0);
   }
-  int status = -1;
-  bool exited = false;
-  for (int waited = 0; waited < 100 && !exited; ++waited) {  // 1 s: less than the job takes
-    exited = ::waitpid(child, &status, WNOHANG) == child;
-    if (!exited) ::usleep(10'000);
-  }
-  if (!exited) {
-    ::kill(child, SIGKILL);
-    ::waitpid(child, nullptr, 0);
-  }
-  EXPECT_TRUE(exited) << "the child hung in stop()";
-  EXPECT_TRUE(exited && WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  // 1 s: less than the parent's job takes.
+  EXPECT_EQ(wait_for_child(child, milliseconds(1000)), 0) << "-1: the child hung in stop()";
   delete worker;
 }
 
@@ -340,15 +331,7 @@ int run_child(const std::string& filter, const std::vector<std::string>& env) {
     ::execv("/proc/self/exe", const_cast<char* const*>(args));
     ::_exit(127);
   }
-  int status = 0;
-  for (int waited = 0; waited < 6000; ++waited) {
-    if (::waitpid(child, &status, WNOHANG) == child)
-      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-    ::usleep(10'000);
-  }
-  ::kill(child, SIGKILL);
-  ::waitpid(child, nullptr, 0);
-  return -1;
+  return wait_for_child(child, std::chrono::minutes(1));
 }
 
 // Run by the next test in a child: the tagged kernel, found on disk, optimized.

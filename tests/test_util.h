@@ -2,7 +2,11 @@
 #pragma once
 
 #include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
+#include <chrono>
 #include <string>
 #include <vector>
 
@@ -20,3 +24,18 @@
             << "missing \"" << fragment << "\" in: " << error.what();           \
     }                                                                           \
   } while (0)
+
+/// Waits up to `limit` for the child process to end: its exit status, 128 + the signal that
+/// killed it, or -1 when it had not ended by then (a hang: it is killed and reaped).
+inline int wait_for_child(pid_t child, std::chrono::milliseconds limit) {
+  int status = 0;
+  for (auto waited = std::chrono::milliseconds(0); waited < limit;
+       waited += std::chrono::milliseconds(10)) {
+    if (::waitpid(child, &status, WNOHANG) == child)
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    ::usleep(10'000);
+  }
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  return -1;
+}
