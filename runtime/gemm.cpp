@@ -7,6 +7,7 @@
 #include <memory>
 #include <mutex>
 #include <new>
+#include <optional>
 #include <set>
 #include <string>
 #include <unordered_map>
@@ -120,6 +121,7 @@ struct CachedPrimitive {
   dnnl::matmul matmul;
   dnnl::memory::desc a, b, bias, result, scratchpad;
   std::string implementation;  // oneDNN's name for the kernel it picked, e.g. "brg:avx512_core"
+  bool amx = false;            // that kernel runs on AMX tiles (read on every call)
   uint64_t id = 0;  // unique for the process's life (a cleared cache's addresses are reused)
 };
 
@@ -172,6 +174,7 @@ std::shared_ptr<const CachedPrimitive> create_primitive(const PrimitiveKey& key)
                                   attr, state.engine);
   made->scratchpad = pd.scratchpad_desc();
   made->implementation = pd.impl_info_str();
+  made->amx = made->implementation.find("amx") != std::string::npos;
   made->matmul = dnnl::matmul(pd);
   static std::atomic<uint64_t> next_id{1};
   made->id = next_id++;
@@ -198,10 +201,6 @@ bool onednn_may_use_amx() {
   return amx;
 }
 
-bool runs_on_amx(const CachedPrimitive& primitive) {
-  return primitive.implementation.find("amx") != std::string::npos;
-}
-
 PrimitiveKey primitive_key(const GemmDesc& d, OnednnType operand,
                            OnednnType result = OnednnType::f32) {
   return {d.batch, d.m, d.n, d.k, d.transpose_a, d.transpose_b, operand, result, d.has_bias};
@@ -222,14 +221,18 @@ struct Choice {
 // NaNs quieted with their sign and top payload bits), and those it flushes to zero, as the AMX
 // products themselves already flush subnormals (TDPBF16PS). A relu stays with the epilogue, since
 // oneDNN's would turn NaN into 0, and so does a bias: a product plus a bias can be an f32
-// subnormal that the products alone never are.
-Choice amx_choice(const GemmDesc& d, std::shared_ptr<const CachedPrimitive> native) {
+// subnormal that the products alone never are. The AMX choice, or nothing where oneDNN would not
+// run the product on AMX; one primitive lookup per call where it does.
+std::optional<Choice> amx_choice(const GemmDesc& d) {
   if (d.out == bf16 && !d.relu && !d.has_bias) {
     std::shared_ptr<const CachedPrimitive> direct =
         cached_primitive(primitive_key(d, OnednnType::bf16, OnednnType::bf16));
-    if (runs_on_amx(*direct)) return {false, true, std::move(direct)};
+    if (direct->amx) return Choice{false, true, std::move(direct)};
   }
-  return {false, false, std::move(native)};
+  std::shared_ptr<const CachedPrimitive> native =
+      cached_primitive(primitive_key(d, OnednnType::bf16));
+  if (native->amx) return Choice{false, false, std::move(native)};
+  return std::nullopt;
 }
 
 Choice choose(const GemmDesc& d) {
@@ -243,11 +246,8 @@ Choice choose(const GemmDesc& d) {
         widen = true;
         break;
       case Bf16Kernel::automatic: {
-        if (onednn_may_use_amx()) {
-          std::shared_ptr<const CachedPrimitive> native =
-              cached_primitive(primitive_key(d, OnednnType::bf16));
-          if (runs_on_amx(*native)) return amx_choice(d, std::move(native));
-        }
+        if (onednn_may_use_amx())
+          if (std::optional<Choice> amx = amx_choice(d)) return std::move(*amx);
         const double m = static_cast<double>(d.m), n = static_cast<double>(d.n);
         widen = 2.0 * m * n / (m + n) >= kWidenBf16MinFlopsPerElement;
         break;
@@ -329,7 +329,7 @@ BoundArguments& bound_arguments(const CachedPrimitive& primitive, bool has_bias)
 bool runs_on_team(const GemmDesc& d, const CachedPrimitive& primitive) {
   const double flops = 2.0 * static_cast<double>(d.batch) * static_cast<double>(d.m) *
                        static_cast<double>(d.n) * static_cast<double>(d.k);
-  return flops >= (runs_on_amx(primitive) ? kAmxSingleThreadMaxFlops : kSingleThreadMaxFlops);
+  return flops >= (primitive.amx ? kAmxSingleThreadMaxFlops : kSingleThreadMaxFlops);
 }
 
 void run_onednn(const GemmDesc& d, const CachedPrimitive& primitive, bool team, const void* a,
