@@ -152,10 +152,23 @@ class Lowerer {
     return access;
   }
 
+  // An output's parameter, made the first time the output is stored or read back.
   int32_t output_param(Node* node) {
+    for (size_t i = 0; i < out_.nodes.size(); ++i)
+      if (out_.nodes[i] == node && out_.kernel.params[i].output) return static_cast<int32_t>(i);
     out_.nodes.push_back(node);
     out_.kernel.params.push_back({node->storage, true});
     return static_cast<int32_t>(out_.kernel.params.size() - 1);
+  }
+
+  // The pass an output that varies along the reduced axes is stored in (-1 for the epilogue's
+  // or a pointwise kernel's), which later passes can read back instead of recomputing it.
+  int stored_pass(Node* node) {
+    if (group_.reductions.empty() || is_reduction(node) ||
+        std::find(group_.outputs.begin(), group_.outputs.end(), node) == group_.outputs.end() ||
+        !varies(node))
+      return -1;
+    return level(node);
   }
 
   int32_t input_param(Node* node) {
@@ -242,6 +255,20 @@ class Lowerer {
       load.param = input_param(node);
       load.map = offset(access, node->shape);
       return b.add(load);
+    }
+    // A value an earlier pass stored is read back from its buffer (a row just written, in
+    // cache) rather than recomputed: the same bits, as the stored value is the rounded one every
+    // reader sees. Softmax's last pass reads exp(x - max) so instead of computing it again.
+    if (stage.pass > 0) {
+      int pass = stored_pass(node);
+      Affine at = offset(access, node->shape);
+      Affine stored_at = offset(group_.access.at(node)[0], node->shape);
+      if (pass >= 0 && pass < stage.pass && at == stored_at) {
+        kir::Value load{Op::Load, kir::register_type(node->storage)};
+        load.param = output_param(node);
+        load.map = at;
+        return b.add(load);
+      }
     }
     if (is_reduction(node)) {
       auto found = reduction_index_.find(node);

@@ -52,20 +52,42 @@ Tensor stable_shift(const Tensor& x, const std::vector<int64_t>& axes, const Loc
 
 }  // namespace
 
+// Softmax and log_softmax take PyTorch's gradients, which read only the output: softmax's
+// y (g - sum(g y)) and log_softmax's g - exp(y) sum(g). The composites' own gradients would keep
+// exp(x - max) and the broadcast row sums for the backward pass, and take more passes over them.
+// Without a gradient to take they are the composites alone.
 Tensor softmax(const Tensor& x, int64_t axis, const Loc& loc) {
   CallSiteScope site(loc, "softmax");
   require_float(x, "softmax", "input", loc);
   check_axes(x, {axis}, "softmax", loc);
-  Tensor e = exp(x - stable_shift(x, {axis}, loc));
-  return e / sum(e, {axis}, true);
+  auto forward = [axis, &loc](const std::vector<Tensor>& in) {
+    Tensor e = exp(in[0] - stable_shift(in[0], {axis}, loc));
+    return e / sum(e, {axis}, true);
+  };
+  if (!grad_enabled() || !x.requires_grad()) return forward({x});
+  return custom_op(
+      {x}, forward,
+      [axis](const std::vector<Tensor>&, const Tensor& y, const Tensor& g) {
+        return std::vector<Tensor>{y * (g - sum(g * y, {axis}, true))};
+      },
+      loc);
 }
 
 Tensor log_softmax(const Tensor& x, int64_t axis, const Loc& loc) {
   CallSiteScope site(loc, "log_softmax");
   require_float(x, "log_softmax", "input", loc);
   check_axes(x, {axis}, "log_softmax", loc);
-  Tensor shifted = x - stable_shift(x, {axis}, loc);
-  return shifted - log(sum(exp(shifted), {axis}, true));
+  auto forward = [axis, &loc](const std::vector<Tensor>& in) {
+    Tensor shifted = in[0] - stable_shift(in[0], {axis}, loc);
+    return shifted - log(sum(exp(shifted), {axis}, true));
+  };
+  if (!grad_enabled() || !x.requires_grad()) return forward({x});
+  return custom_op(
+      {x}, forward,
+      [axis](const std::vector<Tensor>&, const Tensor& y, const Tensor& g) {
+        return std::vector<Tensor>{g - exp(y) * sum(g, {axis}, true)};
+      },
+      loc);
 }
 
 Tensor logsumexp(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {

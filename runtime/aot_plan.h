@@ -46,7 +46,7 @@ struct TracedPlan {
 /// which buffers they update. `buffers` lists the buffers in the order the document numbers them
 /// (the caller names them); `buffer_of` gives each buffer's index, -1 for one nothing names yet
 /// (added to `buffers` with an empty name). An mt::Error says why when the traces do not differ
-/// by the batch alone, or a node cannot be exported (a custom vjp).
+/// by the batch alone.
 json::Value plan_to_json(const std::vector<TracedPlan>& traced,
                          std::vector<std::pair<StoragePtr, PlanBuffer>>& buffers);
 

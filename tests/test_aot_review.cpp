@@ -431,7 +431,7 @@ std::vector<float> all_parameters(DigitsMLP& net) {
 }
 
 // export_step traces the step (two real training steps on zeros) before it checks the number of
-// outputs, the batch dependence, custom vjps and unnamed state (plan_to_json); it puts the state
+// outputs, the batch dependence and unnamed state (plan_to_json); it puts the state
 // back only after those passed. Such a failed export silently leaves the model trained two (or,
 // with a dynamic batch, up to eight) extra steps on zero inputs.
 TEST(AotReviewState, FailedExportStepLeavesTheStateAsItWas) {

@@ -317,6 +317,50 @@ TEST(Compiled, SinglePassFusionSplitsSoftmax) {
   EXPECT_EQ(kernels(false), std::vector<int>({1, 1, 1}));
 }
 
+// A value an earlier pass stored is read back by later passes rather than computed again:
+// softmax's last pass divides the stored exp(x - max) by the row sum, with no second exp.
+TEST(Compiled, LaterPassesReadBackWhatEarlierPassesStored) {
+  mt::Generator gen(6);
+  mt::Tensor x = mt::randn({5, 40}, mt::f32, &gen);
+  mt::eval({x});
+  mt::Tensor e = mt::exp(x - mt::max(x, {1}, true));
+  mt::Tensor y = e / mt::sum(e, {1}, true);
+  std::vector<mt::Node*> pending = mt::nodes_in_tape_order({y.node()});
+  std::erase_if(pending, [](mt::Node* n) { return n->evaluated(); });
+  std::vector<mt::FusionGroup> groups = mt::fuse(pending, {e.node().get(), y.node().get()}, {});
+  ASSERT_EQ(groups.size(), 1u);
+  mt::LoweredKernel lowered = mt::lower(groups[0]);
+  ASSERT_EQ(lowered.kernel.pass_count(), 3);
+  int32_t e_param = -1;
+  for (size_t i = 0; i < lowered.nodes.size(); ++i)
+    if (lowered.nodes[i] == e.node().get() && lowered.kernel.params[i].output)
+      e_param = static_cast<int32_t>(i);
+  ASSERT_GE(e_param, 0);
+  auto count = [](const std::vector<mt::kir::Value>& body, auto&& match) {
+    return std::count_if(body.begin(), body.end(), match);
+  };
+  auto is_ldexp = [](const mt::kir::Value& v) { return v.op == mt::kir::Op::Ldexp; };
+  const std::vector<mt::kir::Value>& exp_pass = lowered.kernel.later_passes[0].body;
+  const std::vector<mt::kir::Value>& last_pass = lowered.kernel.later_passes[1].body;
+  EXPECT_EQ(count(exp_pass, is_ldexp), 1);
+  EXPECT_EQ(count(last_pass, is_ldexp), 0) << mt::kir::to_string(lowered.kernel);
+  EXPECT_EQ(count(last_pass,
+                  [&](const mt::kir::Value& v) {
+                    return v.op == mt::kir::Op::Load && v.param == e_param;
+                  }),
+            1);
+  // And the results are the reference's.
+  auto [reference, compiled] = both([&] {
+    mt::Tensor e2 = mt::exp(x - mt::max(x, {1}, true));
+    return mt::concat({e2, e2 / mt::sum(e2, {1}, true)}, 0);
+  });
+  ASSERT_EQ(reference.size(), compiled.size());
+  const float* r = reinterpret_cast<const float*>(reference.data());
+  const float* c = reinterpret_cast<const float*>(compiled.data());
+  for (size_t i = 0; i < reference.size() / 4; ++i)
+    ASSERT_NEAR(r[i], c[i], 2e-6 * (1 + std::fabs(r[i]))) << i;
+}
+
 TEST(Compiled, APointwiseChainIsOneKernelAndTheSecondRunCompilesNothing) {
   mt::set_device(mt::Device::cpu);
   mt::Tensor x = mt::tensor(std::vector<float>(1000, 1.5f), {10, 100});

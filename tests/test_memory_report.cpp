@@ -147,6 +147,20 @@ TEST(MemoryReport, AnExplicitSeedIsNotASavedActivation) {
   EXPECT_EQ(report.saved_activations, 32);
 }
 
+// Softmax and log_softmax keep only their output for the backward pass, as PyTorch's do: their
+// composites' own gradients would also keep exp(x - max) and the broadcast row sums. loss =
+// sum(softmax(w) * c) + sum(log_softmax(w) * c) saves c (96 B) and the two outputs (96 B each).
+TEST(MemoryReport, SoftmaxKeepsOnlyItsOutputForBackward) {
+  OneParam model({4, 6});
+  mt::Tensor c = mt::tensor(iota_values(24, -1.0f, 0.125f), {4, 6});
+  mt::Tensor y = mt::softmax(model.w, -1), logp = mt::log_softmax(model.w, 0);
+  mt::Tensor loss = mt::sum(y * c) + mt::sum(logp * c);
+  loss.backward();
+  mt::MemoryReport report = mt::memory_report(model, nullptr, loss);
+  EXPECT_EQ(report.saved_activations, 3 * 96) << report.table();
+  for (const mt::SavedActivationRow& row : report.saved) EXPECT_EQ(row.bytes, 96);
+}
+
 // loss = sum(x @ w^T) under autocast-f16, w [3, 4], x data [2, 4]. The matmul reads w's f16 copy
 // (24 B, alive only while the forward matmul runs: backward only needs x for dW).
 //   at the matmul: x 32 + copy 24 + y (f16 [2, 3]) 12 = 68 -> 48 + 68 = 116;
