@@ -2,6 +2,7 @@
 #include "codegen/lower.h"
 
 #include <algorithm>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -161,6 +162,73 @@ class Lowerer {
     return static_cast<int32_t>(out_.kernel.params.size() - 1);
   }
 
+  // A value an earlier pass computed, read back from a buffer rather than computed again (a row
+  // just written, in cache). The same bits: a value's register holds its rounded, stored value.
+  // - A stored output is read back from its own buffer: softmax's composite, whose exp(x - max)
+  //   its backward keeps, divides it in the last pass.
+  // - Another value is kept in the buffer of an output that the reading pass (or a later one)
+  //   stores at the same elements, in a type that holds it exactly; that output's own store
+  //   comes after the read. Softmax's last pass reads exp(x - max) from the buffer of its
+  //   result, where the pass of the sum left it (as PyTorch's softmax kernels do).
+  std::optional<int32_t> read_back(Node* node, const Access& access, Stage& stage) {
+    Affine at = offset(access, node->shape);
+    auto load_from = [&](Node* owner) {
+      kir::Value load{Op::Load, kir::register_type(owner->storage)};
+      load.param = output_param(owner);
+      load.map = at;
+      return ValueBuilder(*stage.values).add(load);
+    };
+    int pass = stored_pass(node);
+    if (pass >= 0) {
+      if (pass < stage.pass && at == offset(group_.access.at(node)[0], node->shape))
+        return load_from(node);
+      return std::nullopt;
+    }
+    auto kept = kept_in_.find(node);
+    if (kept != kept_in_.end()) {
+      // Until the pass that stores the output's own value there.
+      auto [owner, kept_at] = kept->second;
+      if (kept_at == at && stage.pass <= stored_pass(owner)) return load_from(owner);
+      return std::nullopt;
+    }
+    // Worth a store and a load: an op whose own code (inputs aside) is long, as exp's is.
+    constexpr size_t min_own_values = 8;
+    auto cost = own_values_.find(node);
+    if (!is_floating(node->storage) || cost == own_values_.end() || cost->second < min_own_values)
+      return std::nullopt;
+    // The earlier pass that computed it at this point, and an output to keep it in.
+    for (int p = 0; p < stage.pass; ++p) {
+      auto& memo = passes_[p].memo;
+      auto found = std::find_if(memo.begin(), memo.end(), [&](const auto& entry) {
+        return entry.first.first == node && entry.first.second == access;
+      });
+      if (found == memo.end()) continue;
+      Node* owner = keeper(node, at, stage.pass);
+      if (!owner) return std::nullopt;
+      kept_in_[node] = {owner, at};
+      kir::Store keep{output_param(owner), found->second, at};
+      (p == 0 ? out_.kernel.stores : out_.kernel.later_passes[p - 1].stores).push_back(keep);
+      return load_from(owner);
+    }
+    return std::nullopt;
+  }
+
+  // An output stored in pass `from` or later at the elements `at` whose buffer holds a value of
+  // `node`'s type exactly, and that keeps no other value yet.
+  Node* keeper(Node* node, const Affine& at, int from) {
+    for (Node* output : group_.outputs) {
+      int pass = stored_pass(output);
+      if (pass < from || output == node) continue;
+      bool exact =
+          output->storage == node->storage || (output->storage == f32 && is_half(node->storage));
+      bool taken = std::any_of(kept_in_.begin(), kept_in_.end(),
+                               [&](const auto& entry) { return entry.second.first == output; });
+      if (exact && !taken && at == offset(group_.access.at(output)[0], output->shape))
+        return output;
+    }
+    return nullptr;
+  }
+
   // The pass an output that varies along the reduced axes is stored in (-1 for the epilogue's
   // or a pointwise kernel's), which later passes can read back instead of recomputing it.
   int stored_pass(Node* node) {
@@ -256,19 +324,8 @@ class Lowerer {
       load.map = offset(access, node->shape);
       return b.add(load);
     }
-    // A value an earlier pass stored is read back from its buffer (a row just written, in
-    // cache) rather than recomputed: the same bits, as the stored value is the rounded one every
-    // reader sees. Softmax's last pass reads exp(x - max) so instead of computing it again.
     if (stage.pass > 0) {
-      int pass = stored_pass(node);
-      Affine at = offset(access, node->shape);
-      Affine stored_at = offset(group_.access.at(node)[0], node->shape);
-      if (pass >= 0 && pass < stage.pass && at == stored_at) {
-        kir::Value load{Op::Load, kir::register_type(node->storage)};
-        load.param = output_param(node);
-        load.map = at;
-        return b.add(load);
-      }
+      if (std::optional<int32_t> v = read_back(node, access, stage)) return *v;
     }
     if (is_reduction(node)) {
       auto found = reduction_index_.find(node);
@@ -336,12 +393,14 @@ class Lowerer {
       return Sym(pointwise_input(node, k, access, stage, t, true), t, 0);
     };
     int32_t result = -1;
+    size_t own_start = 0;
     switch (node->op) {
 #define MT_OP(Name, fname, kind, arity, category)
 #define MT_UNARY(Name, fname, category, domain, REF, VJP) \
   case OpCode::Name: {                                    \
     using T = Sym;                                        \
     Sym a = input(0);                                     \
+    own_start = stage.values->size();                     \
     result = static_cast<T>(REF).id;                      \
     break;                                                \
   }
@@ -350,15 +409,17 @@ class Lowerer {
     using T = Sym;                                                \
     Sym a = input(0);                                             \
     Sym b = input(1);                                             \
+    own_start = stage.values->size();                             \
     result = T(REF).id;                                           \
     break;                                                        \
   }
-#define MT_COMPARE(Name, fname, REF) \
-  case OpCode::Name: {               \
-    Sym a = input(0);                \
-    Sym b = input(1);                \
-    result = Sym(REF).id;            \
-    break;                           \
+#define MT_COMPARE(Name, fname, REF)  \
+  case OpCode::Name: {                \
+    Sym a = input(0);                 \
+    Sym b = input(1);                 \
+    own_start = stage.values->size(); \
+    result = Sym(REF).id;             \
+    break;                            \
   }
 #include "dsl/ops.def"
       default:
@@ -366,6 +427,7 @@ class Lowerer {
         fail("lowering: {} is not a pointwise op", op_name(node->op));
     }
     context = saved;
+    own_values_.emplace(node, stage.values->size() - own_start);
     return to_storage(stage, result, node->storage);
   }
 
@@ -373,6 +435,8 @@ class Lowerer {
   std::unordered_set<Node*> members_;
   std::unordered_map<Node*, int> levels_;
   std::unordered_map<Node*, int32_t> reduction_index_;
+  std::unordered_map<Node*, std::pair<Node*, Affine>> kept_in_;  // value -> output buffer, at
+  std::unordered_map<Node*, size_t> own_values_;  // kir values of a pointwise op's own code
   LoweredKernel out_;
   std::vector<Stage> passes_;
   Stage epilogue_{&out_.kernel.epilogue, -1, {}};

@@ -317,8 +317,9 @@ TEST(Compiled, SinglePassFusionSplitsSoftmax) {
   EXPECT_EQ(kernels(false), std::vector<int>({1, 1, 1}));
 }
 
-// A value an earlier pass stored is read back by later passes rather than computed again:
-// softmax's last pass divides the stored exp(x - max) by the row sum, with no second exp.
+// A value an earlier pass computed is read back by later passes rather than computed again:
+// softmax's last pass divides exp(x - max) by the row sum with no second exp, reading it from
+// its own buffer when it is stored, or else from the buffer of the result.
 TEST(Compiled, LaterPassesReadBackWhatEarlierPassesStored) {
   mt::Generator gen(6);
   mt::Tensor x = mt::randn({5, 40}, mt::f32, &gen);
@@ -340,8 +341,8 @@ TEST(Compiled, LaterPassesReadBackWhatEarlierPassesStored) {
     return std::count_if(body.begin(), body.end(), match);
   };
   auto is_ldexp = [](const mt::kir::Value& v) { return v.op == mt::kir::Op::Ldexp; };
-  const std::vector<mt::kir::Value>& exp_pass = lowered.kernel.later_passes[0].body;
-  const std::vector<mt::kir::Value>& last_pass = lowered.kernel.later_passes[1].body;
+  std::vector<mt::kir::Value> exp_pass = lowered.kernel.later_passes[0].body;
+  std::vector<mt::kir::Value> last_pass = lowered.kernel.later_passes[1].body;
   EXPECT_EQ(count(exp_pass, is_ldexp), 1);
   EXPECT_EQ(count(last_pass, is_ldexp), 0) << mt::kir::to_string(lowered.kernel);
   EXPECT_EQ(count(last_pass,
@@ -349,6 +350,22 @@ TEST(Compiled, LaterPassesReadBackWhatEarlierPassesStored) {
                     return v.op == mt::kir::Op::Load && v.param == e_param;
                   }),
             1);
+  // Unstored, exp(x - max) waits in the result's buffer: the pass of the sum leaves it there,
+  // the last pass reads it back before it stores the quotient over it.
+  groups = mt::fuse(pending, {y.node().get()}, {});
+  ASSERT_EQ(groups.size(), 1u);
+  lowered = mt::lower(groups[0]);
+  ASSERT_EQ(lowered.kernel.pass_count(), 3);
+  ASSERT_EQ(lowered.nodes.size(), 2u);  // x and y
+  const mt::kir::Pass& sum_pass = lowered.kernel.later_passes[0];
+  const mt::kir::Pass& quotient_pass = lowered.kernel.later_passes[1];
+  EXPECT_EQ(count(quotient_pass.body, is_ldexp), 0) << mt::kir::to_string(lowered.kernel);
+  ASSERT_EQ(sum_pass.stores.size(), 1u);
+  EXPECT_EQ(sum_pass.stores[0].param, 1);
+  EXPECT_EQ(
+      count(quotient_pass.body,
+            [&](const mt::kir::Value& v) { return v.op == mt::kir::Op::Load && v.param == 1; }),
+      1);
   // And the results are the reference's.
   auto [reference, compiled] = both([&] {
     mt::Tensor e2 = mt::exp(x - mt::max(x, {1}, true));
