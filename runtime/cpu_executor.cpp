@@ -183,10 +183,26 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
   s.kernel_nodes += step.members;
 }
 
+// The 16-bit copies of f32 matmul operands made during one program run, kept until it ends: an
+// f32 value read by several half matmuls (a batch of inputs by the forward product and by the
+// weight gradient; attention probabilities by P @ V and by its gradient) is rounded once. Holding
+// the source keeps its address from being reused by another value while the entry lives.
+struct NarrowedCopy {
+  std::shared_ptr<Storage> source, copy;
+};
+std::vector<NarrowedCopy>& narrowed_copies() {
+  thread_local std::vector<NarrowedCopy> copies;
+  return copies;
+}
+
 // An input's value in `dtype` (the matmul's compute type): itself, or converted.
 std::shared_ptr<Storage> as_dtype(const std::shared_ptr<Storage>& value, DType dtype) {
   if (value->dtype == dtype) return value;
-  auto out = std::make_shared<Storage>(dtype, value->count);
+  std::vector<NarrowedCopy>& copies = narrowed_copies();
+  for (const NarrowedCopy& c : copies)
+    if (c.source == value && c.copy->dtype == dtype) return c.copy;
+  auto out = std::make_shared<Storage>(dtype, value->count, Storage::Uninitialized{});
+  copies.push_back({value, out});
   if (value->dtype == f32 && dtype == bf16)
     narrow_to_bf16(value->as<float>(), out->as<uint16_t>(), value->count);
   else if (value->dtype == f32 && dtype == f16)
@@ -248,6 +264,10 @@ ExecutedProgram execute_cpu(const std::vector<Node*>& pending, const std::vector
 }
 
 void replay_cpu(const ExecutedProgram& executed, const std::vector<Node*>& pending) {
+  struct DropCopies {  // also when a step throws
+    ~DropCopies() { narrowed_copies().clear(); }
+  } drop_copies;
+  narrowed_copies().clear();
   run_program(*executed.program, pending, executed.sig, {run_kernel, run_matmul, [](Node& node) {
                                                            node.value = reference_compute(node);
                                                            ++stats().host_ops;

@@ -97,7 +97,7 @@ class ScratchBuffer {
 
 // Per thread, so that concurrent calls never share a buffer and need no lock.
 struct ThreadScratch {
-  ScratchBuffer a, b, bias, result, onednn;
+  ScratchBuffer a, b, bias, result, onednn, partials;
 };
 
 ThreadScratch& thread_scratch() {
@@ -267,10 +267,11 @@ std::string describe(const Choice& choice, const GemmDesc& d) {
 }
 
 // MIXTAPE_LOG=profile: which kernel each distinct product runs, once per product.
-void log_choice(const Choice& choice, const GemmDesc& d) {
+template <typename Kernel>
+void log_choice(const GemmDesc& d, Kernel&& kernel) {
   static const bool enabled = log_enabled("profile");
   if (!enabled) return;
-  std::string line = fmt::format("{} runs {}", describe(d), describe(choice, d));
+  std::string line = fmt::format("{} runs {}", describe(d), kernel());
   Backend& state = backend();
   {
     std::lock_guard lock(state.mutex);
@@ -378,6 +379,41 @@ void finish(const GemmDesc& d, bool team, float* result, void* out, int64_t coun
     narrow_to_f16(result, bits, count, d.relu, threads);
 }
 
+// A weight gradient (x^T dy: a transposed, b not) has few output blocks and a long k, and
+// oneDNN gives each thread whole output blocks: a 64x64 result over k = 4096 ran on one core
+// (mlp_w64_b4096's weight gradients, a fifth of its step). Such a product is split along k
+// instead: each part is a contiguous run of rows of both operands, the parts run as one batched
+// product on the team, and their f32 results are summed. The same f32 accumulation, in another
+// order, as a blocked kernel's own order is. The number of parts, 1 when not split.
+int64_t k_split_parts(const GemmDesc& d) {
+  constexpr int64_t kBlock = 64;            // oneDNN's output blocks are about this size
+  constexpr int64_t kMinRowsPerPart = 512;  // each part at least this much of k
+  const int64_t threads = omp_get_max_threads();
+  if (d.batch != 1 || !d.transpose_a || d.transpose_b || threads < 2) return 1;
+  const int64_t blocks = ((d.m + kBlock - 1) / kBlock) * ((d.n + kBlock - 1) / kBlock);
+  if (blocks >= threads || d.k % threads != 0 || d.k / threads < kMinRowsPerPart) return 1;
+  const double flops =
+      2.0 * static_cast<double>(d.m) * static_cast<double>(d.n) * static_cast<double>(d.k);
+  return flops >= kSingleThreadMaxFlops ? threads : 1;
+}
+
+// The batched product of the parts: f32 results, the epilogue left for after their sum.
+GemmDesc k_split_part(const GemmDesc& d, int64_t parts) {
+  GemmDesc part = d;
+  part.batch = parts;
+  part.k = d.k / parts;
+  part.out = f32;
+  part.has_bias = false;
+  part.relu = false;
+  return part;
+}
+
+std::string describe_k_split(const GemmDesc& d, int64_t parts) {
+  const GemmDesc part = k_split_part(d, parts);
+  return fmt::format("k split in {} parts of {}, each {}", parts, part.k,
+                     describe(choose(part), part));
+}
+
 }  // namespace
 
 bool gemm_supported(const GemmDesc& d) {
@@ -416,13 +452,29 @@ void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void
     finish(d, false, result, out, result_count);
     return;
   }
+  if (const int64_t parts = k_split_parts(d); parts > 1) {
+    const GemmDesc part = k_split_part(d, parts);
+    const int64_t count = d.m * d.n;
+    float* partials = scratch.partials.get<float>(parts * count);
+    gemm(part, a, b, partials);
+    log_choice(d, [&] { return describe_k_split(d, parts); });
+    float* result = f32_result();
+#pragma omp parallel for num_threads(static_cast <int>(parts)) schedule(static)
+    for (int64_t i = 0; i < count; ++i) {
+      float sum = partials[i];
+      for (int64_t p = 1; p < parts; ++p) sum += partials[p * count + i];
+      result[i] = bias_f32 != nullptr ? sum + bias_f32[i % d.n] : sum;
+    }
+    finish(d, true, result, out, count);
+    return;
+  }
   Choice choice;
   try {
     choice = choose(d);
   } catch (const dnnl::error& error) {
     fail("{}: oneDNN failed: {}", describe(d), error.what());
   }
-  log_choice(choice, d);
+  log_choice(d, [&] { return describe(choice, d); });
   const void* a_operand = a;
   const void* b_operand = b;
   if (choice.widen) {
@@ -454,6 +506,7 @@ std::string gemm_kernel(const GemmDesc& d) {
   if (d.batch == 0 || d.m == 0 || d.n == 0) return "nothing (an empty result)";
   if (d.k == 0) return "no product (k = 0): the epilogue of zeros";
   try {
+    if (const int64_t parts = k_split_parts(d); parts > 1) return describe_k_split(d, parts);
     return describe(choose(d), d);
   } catch (const dnnl::error& error) {
     fail("{}: oneDNN failed: {}", describe(d), error.what());
@@ -475,7 +528,7 @@ void gemm_clear_primitive_cache() {
 void gemm_release_scratch() {
   ThreadScratch& scratch = thread_scratch();
   for (ScratchBuffer* buffer :
-       {&scratch.a, &scratch.b, &scratch.bias, &scratch.result, &scratch.onednn})
+       {&scratch.a, &scratch.b, &scratch.bias, &scratch.result, &scratch.onednn, &scratch.partials})
     buffer->release();
 }
 

@@ -1,5 +1,6 @@
 // tests/test_gemm.cpp -- the oneDNN matmul back end against a naive f64 matmul of the same values.
 #include <gtest/gtest.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <array>
@@ -252,6 +253,30 @@ TEST(Gemm, MultithreadedProblemsMatchF64Reference) {
       d.operand = operand.dtype, d.bf16_kernel = operand.kernel;
       d.out = transposes % 2 ? mt::f16 : mt::bf16;
       d.has_bias = true, d.bias_type = mt::bf16, d.relu = transposes < 2;
+      ASSERT_TRUE(check_problem(d, rng));
+    }
+}
+
+// Weight gradients (a transposed, b not, a small result over a long k) are split along k across
+// the threads, and their f32 parts summed before the bias, relu and one rounding.
+TEST(Gemm, KSplitWeightGradientsMatchF64Reference) {
+  if (omp_get_max_threads() < 2) GTEST_SKIP() << "one OpenMP thread: nothing to split";
+  std::mt19937 rng(13);
+  const Operand operands[] = {{mt::f32, mt::Bf16Kernel::automatic},
+                              {mt::f16, mt::Bf16Kernel::automatic},
+                              {mt::bf16, mt::Bf16Kernel::native}};
+  for (const Operand& operand : operands)
+    for (int epilogue = 0; epilogue < 4; ++epilogue) {
+      mt::GemmDesc d;
+      d.m = 64, d.n = 48, d.k = 512 * omp_get_max_threads();
+      d.transpose_a = true;
+      d.operand = operand.dtype, d.bf16_kernel = operand.kernel;
+      d.out = epilogue % 2 ? mt::f32 : mt::bf16;
+      d.has_bias = epilogue & 1, d.bias_type = mt::bf16, d.relu = epilogue & 2;
+      EXPECT_NE(mt::gemm_kernel(d).find("k split in"), std::string::npos) << mt::gemm_kernel(d);
+      ASSERT_TRUE(check_problem(d, rng));
+      d.transpose_b = true;  // not a weight gradient's layout: not split
+      EXPECT_EQ(mt::gemm_kernel(d).find("k split"), std::string::npos) << mt::gemm_kernel(d);
       ASSERT_TRUE(check_problem(d, rng));
     }
 }
