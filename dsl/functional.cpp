@@ -50,18 +50,18 @@ Tensor stable_shift(const Tensor& x, const std::vector<int64_t>& axes, const Loc
   return where(abs(m) < std::numeric_limits<double>::infinity(), m, zeros_like(m), loc);
 }
 
-}  // namespace
-
 // Softmax and log_softmax take PyTorch's gradients, which read only the output: softmax's
 // y (g - sum(g y)) and log_softmax's g - exp(y) sum(g). The composites' own gradients would keep
 // exp(x - max) and the broadcast row sums for the backward pass, and take more passes over them.
-// Without a gradient to take they are the composites alone.
-Tensor softmax(const Tensor& x, int64_t axis, const Loc& loc) {
-  CallSiteScope site(loc, "softmax");
-  require_float(x, "softmax", "input", loc);
-  check_axes(x, {axis}, "softmax", loc);
-  auto forward = [axis, &loc](const std::vector<Tensor>& in) {
-    Tensor e = exp(in[0] - stable_shift(in[0], {axis}, loc));
+// Without a gradient to take they are the composites alone. A mask is applied inside (-inf where
+// it is false), so that the masked scores are not kept either: masked places have y = 0, and so
+// a zero gradient, as where()'s would give them.
+Tensor softmax_of(const Tensor& x, const Tensor& mask, int64_t axis, const Loc& loc) {
+  auto forward = [&](const std::vector<Tensor>& in) {
+    Tensor scores = in[0];
+    if (mask.defined())
+      scores = where(mask, scores, full_like(scores, -std::numeric_limits<double>::infinity()));
+    Tensor e = exp(scores - stable_shift(scores, {axis}, loc));
     return e / sum(e, {axis}, true);
   };
   if (!grad_enabled() || !x.requires_grad()) return forward({x});
@@ -71,6 +71,25 @@ Tensor softmax(const Tensor& x, int64_t axis, const Loc& loc) {
         return std::vector<Tensor>{y * (g - sum(g * y, {axis}, true))};
       },
       loc);
+}
+
+}  // namespace
+
+Tensor softmax(const Tensor& x, int64_t axis, const Loc& loc) {
+  CallSiteScope site(loc, "softmax");
+  require_float(x, "softmax", "input", loc);
+  check_axes(x, {axis}, "softmax", loc);
+  return softmax_of(x, Tensor(), axis, loc);
+}
+
+Tensor masked_softmax(const Tensor& x, const Tensor& mask, int64_t axis, const Loc& loc) {
+  CallSiteScope site(loc, "softmax");
+  require_float(x, "masked_softmax", "input", loc);
+  check_axes(x, {axis}, "masked_softmax", loc);
+  if (!mask.defined() || mask.dtype() != boolean)
+    op_fail("masked_softmax", loc, "the mask must be a bool tensor, got {}",
+            mask.defined() ? name(mask.dtype()) : "an undefined tensor");
+  return softmax_of(x, mask, axis, loc);
 }
 
 Tensor log_softmax(const Tensor& x, int64_t axis, const Loc& loc) {
@@ -246,13 +265,10 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
     op_fail("scaled_dot_product_attention", loc, "shapes q {} k {} v {} do not fit",
             to_string(q.shape()), to_string(k.shape()), to_string(v.shape()));
   Tensor scores = matmul(q, k, false, true) * (1.0 / std::sqrt(static_cast<double>(q.size(-1))));
-  if (causal) {
-    if (q.size(-2) != k.size(-2))
-      op_fail("scaled_dot_product_attention", loc, "a causal mask needs as many queries as keys");
-    scores = where(causal_mask(q.size(-2)), scores,
-                   full_like(scores, -std::numeric_limits<double>::infinity()));
-  }
-  return matmul(softmax(scores, -1), v);
+  if (!causal) return matmul(softmax(scores, -1), v);
+  if (q.size(-2) != k.size(-2))
+    op_fail("scaled_dot_product_attention", loc, "a causal mask needs as many queries as keys");
+  return matmul(masked_softmax(scores, causal_mask(q.size(-2)), -1), v);
 }
 
 }  // namespace mixtape

@@ -9,6 +9,10 @@
 namespace mixtape {
 
 Tensor softmax(const Tensor& x, int64_t axis = -1, const Loc& loc = Loc::current());
+/// softmax(where(mask, x, -inf)) with the mask (bool, broadcast to x) applied inside, so that
+/// the backward pass keeps only the result, as attention's causal or padding masks want.
+Tensor masked_softmax(const Tensor& x, const Tensor& mask, int64_t axis = -1,
+                      const Loc& loc = Loc::current());
 Tensor log_softmax(const Tensor& x, int64_t axis = -1, const Loc& loc = Loc::current());
 Tensor logsumexp(const Tensor& x, std::vector<int64_t> axes = {-1}, bool keepdim = false,
                  const Loc& loc = Loc::current());

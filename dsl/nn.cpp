@@ -167,9 +167,7 @@ Tensor CausalSelfAttention::operator()(const Tensor& x, const Loc& loc) const {
   };
   Tensor q = split_heads(0), k = split_heads(1), v = split_heads(2);
   Tensor scores = matmul(q, k, false, true) * (1.0 / std::sqrt(static_cast<double>(head_dim)));
-  scores =
-      where(causal_mask(time), scores, full_like(scores, -std::numeric_limits<double>::infinity()));
-  Tensor attention = attn_dropout(softmax(scores, -1));
+  Tensor attention = attn_dropout(masked_softmax(scores, causal_mask(time), -1));
   Tensor merged = reshape(permute(matmul(attention, v), {0, 2, 1, 3}), {batch, time, dim});
   return proj(merged);
 }

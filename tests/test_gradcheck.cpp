@@ -582,6 +582,11 @@ const std::vector<Sample>& composite_samples() {
     };
     add_c("softmax_last", {{{3, 4}}}, [](const Tensors& x) { return mt::softmax(x[0]); });
     add_c("softmax_axis0", {{{3, 4}}}, [](const Tensors& x) { return mt::softmax(x[0], 0); });
+    add_c("masked_softmax_broadcast_mask", {{{2, 3, 4}}}, [](const Tensors& x) {
+      mt::Tensor mask =
+          mt::tensor(std::vector<int64_t>{1, 0, 1, 1, 0, 1, 1, 0, 1, 1, 1, 0}, {3, 4}, mt::boolean);
+      return mt::masked_softmax(x[0], mask);
+    });
     add_c("log_softmax_last", {{{2, 3, 4}}},
           [](const Tensors& x) { return mt::log_softmax(x[0]); });
     add_c("log_softmax_axis1", {{{2, 3, 4}}},
