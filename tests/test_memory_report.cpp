@@ -147,17 +147,20 @@ TEST(MemoryReport, AnExplicitSeedIsNotASavedActivation) {
   EXPECT_EQ(report.saved_activations, 32);
 }
 
-// Softmax and log_softmax keep only their output for the backward pass, as PyTorch's do: their
-// composites' own gradients would also keep exp(x - max) and the broadcast row sums. loss =
-// sum(softmax(w) * c) + sum(log_softmax(w) * c) saves c (96 B) and the two outputs (96 B each).
+// Softmax, masked_softmax and log_softmax keep only their output for the backward pass, as
+// PyTorch's do: their composites' own gradients would also keep exp(x - max), the broadcast row
+// sums and the masked scores. loss = sum(softmax(w) * c) + sum(log_softmax(w) * c) +
+// sum(masked_softmax(w, causal) * c) saves c (96 B) and the three outputs (96 B each).
 TEST(MemoryReport, SoftmaxKeepsOnlyItsOutputForBackward) {
   OneParam model({4, 6});
   mt::Tensor c = mt::tensor(iota_values(24, -1.0f, 0.125f), {4, 6});
+  mt::Tensor mask = mt::ge(mt::unsqueeze(mt::arange(6), 0), mt::unsqueeze(mt::arange(4), 1));
   mt::Tensor y = mt::softmax(model.w, -1), logp = mt::log_softmax(model.w, 0);
-  mt::Tensor loss = mt::sum(y * c) + mt::sum(logp * c);
+  mt::Tensor masked = mt::masked_softmax(model.w, mask, -1);
+  mt::Tensor loss = mt::sum(y * c) + mt::sum(logp * c) + mt::sum(masked * c);
   loss.backward();
   mt::MemoryReport report = mt::memory_report(model, nullptr, loss);
-  EXPECT_EQ(report.saved_activations, 3 * 96) << report.table();
+  EXPECT_EQ(report.saved_activations, 4 * 96) << report.table();
   for (const mt::SavedActivationRow& row : report.saved) EXPECT_EQ(row.bytes, 96);
 }
 
