@@ -606,6 +606,26 @@ class Emitter {
     std::string a = v.a >= 0 ? operand(v.a) : "", b = v.b >= 0 ? operand(v.b) : "";
     Type ta = v.a >= 0 ? operand_type(v.a) : v.type;
     bool f32 = ta == Type::f32;
+    const kir::OpTraits& op = kir::traits(v.op);
+    switch (op.form) {
+      case kir::OpForm::Arith: {
+        const char* fn = ta == Type::f32   ? op.cuda_f32
+                         : ta == Type::f64 ? op.cuda_f64
+                                           : op.cuda_i64;
+        if (ta == Type::i1 || !*fn) break;
+        if (std::string_view(fn) == "/") return fmt::format("({} / {})", a, b);
+        return fmt::format("{}({}, {})", fn, a, b);
+      }
+      case kir::OpForm::Compare:
+        if (ta == Type::i1 && v.op != Op::Eq && v.op != Op::Ne)  // icmp slt i1: true is -1
+          return fmt::format("(-static_cast<int>({}) {} -static_cast<int>({}))", a, op.cuda_f32, b);
+        return fmt::format("({} {} {})", a, op.cuda_f32, b);
+      case kir::OpForm::Libm:
+        if (op.arity == 2) return fmt::format("{}{}({}, {})", op.llvm_float, f32 ? "f" : "", a, b);
+        return fmt::format("{}{}({})", op.llvm_float, f32 ? "f" : "", a);
+      case kir::OpForm::Special:
+        break;
+    }
     switch (v.op) {
       case Op::Const:
         return constant(v.type, v.imm);
@@ -619,34 +639,6 @@ class Emitter {
         if (is_float(ta)) return fmt::format("-{}", a);
         if (ta == Type::i64) return fmt::format("mt_sub_i64(0, {})", a);
         break;
-      case Op::Add:
-      case Op::Sub:
-      case Op::Mul:
-      case Op::Div: {
-        int k = static_cast<int>(v.op) - static_cast<int>(Op::Add);
-        static const char* f32_ops[] = {"__fadd_rn", "__fsub_rn", "__fmul_rn", "__fdiv_rn"};
-        static const char* f64_ops[] = {"__dadd_rn", "__dsub_rn", "__dmul_rn", "__ddiv_rn"};
-        static const char* i64_ops[] = {"mt_add_i64", "mt_sub_i64", "mt_mul_i64", ""};
-        if (is_float(ta)) return fmt::format("{}({}, {})", f32 ? f32_ops[k] : f64_ops[k], a, b);
-        if (ta == Type::i64) {
-          if (v.op == Op::Div) return fmt::format("({} / {})", a, b);
-          return fmt::format("{}({}, {})", i64_ops[k], a, b);
-        }
-        break;
-      }
-      case Op::Lt:
-      case Op::Le:
-      case Op::Gt:
-      case Op::Ge:
-      case Op::Eq:
-      case Op::Ne: {
-        // C++ compares as LLVM's olt/ole/ogt/oge/oeq/une: false on NaN, but != is true.
-        static const char* ops[] = {"<", "<=", ">", ">=", "==", "!="};
-        const char* op = ops[static_cast<int>(v.op) - static_cast<int>(Op::Lt)];
-        if (ta == Type::i1 && v.op != Op::Eq && v.op != Op::Ne)  // icmp slt i1: true is -1
-          return fmt::format("(-static_cast<int>({}) {} -static_cast<int>({}))", a, op, b);
-        return fmt::format("({} {} {})", a, op, b);
-      }
       case Op::Or:
         return fmt::format("({} || {})", a, b);
       case Op::Select:
@@ -655,18 +647,6 @@ class Emitter {
         return fmt::format("({} != {})", a, a);
       case Op::Sqrt:
         return fmt::format("{}({})", f32 ? "__fsqrt_rn" : "__dsqrt_rn", a);
-      case Op::Exp:
-      case Op::Log:
-      case Op::Tanh:
-      case Op::Erf:
-      case Op::Sin:
-      case Op::Cos: {
-        static const char* names[] = {"exp", "log", "sqrt", "tanh", "erf", "sin", "cos"};
-        const char* fn = names[static_cast<int>(v.op) - static_cast<int>(Op::Exp)];
-        return fmt::format("{}{}({})", fn, f32 ? "f" : "", a);
-      }
-      case Op::Pow:
-        return fmt::format("pow{}({}, {})", f32 ? "f" : "", a, b);
       case Op::Ldexp:  // math::ldexp, with the same two exact factors
         return f32 ? fmt::format("mt_ldexp_f32({}, {})", a, b)
                    : fmt::format("mt_ldexp_f64({}, {})", a, b);
@@ -674,6 +654,8 @@ class Emitter {
         return convert(a, ta, v.type);
       case Op::RoundTo:
         return round_to(v, a, ta);
+      default:  // Arith, Compare and Libm ops: above
+        break;
     }
     fail("cuda emitter: kernel {}: {} of {} is not supported", k_.name, kir::op_name(v.op),
          cuda_type(ta));

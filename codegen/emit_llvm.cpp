@@ -655,6 +655,28 @@ class Emitter {
     auto operand = [&](int32_t id) { return names_[id]; };
     auto operand_type = [&](int32_t id) { return list[id].type; };
     bool f = v.a >= 0 && is_float(operand_type(v.a));
+    const kir::OpTraits& op = kir::traits(v.op);
+    switch (op.form) {
+      case kir::OpForm::Arith:
+        if (!*(f ? op.llvm_float : op.llvm_int)) break;
+        line("{} = {} {} {}, {}", r, f ? op.llvm_float : op.llvm_int, t, operand(v.a),
+             operand(v.b));
+        return r;
+      case kir::OpForm::Compare: {
+        Type ot = operand_type(v.a);
+        line("{} = {} {} {} {}, {}", r, is_float(ot) ? "fcmp" : "icmp",
+             is_float(ot) ? op.llvm_float : op.llvm_int, llvm_type(ot), operand(v.a), operand(v.b));
+        return r;
+      }
+      case kir::OpForm::Libm: {
+        std::string args = fmt::format("{} {}", t, operand(v.a));
+        if (op.arity == 2) args += fmt::format(", {} {}", t, operand(v.b));
+        line("{} = {}", r, call(op.llvm_float, v.type, args));
+        return r;
+      }
+      case kir::OpForm::Special:
+        break;
+    }
     switch (v.op) {
       case Op::Const:
         return constant(v.type, v.imm);
@@ -673,35 +695,6 @@ class Emitter {
         else
           line("{} = sub i64 0, {}", r, operand(v.a));
         return r;
-      case Op::Add:
-      case Op::Sub:
-      case Op::Mul:
-      case Op::Div: {
-        static const char* float_ops[] = {"fadd", "fsub", "fmul", "fdiv"};
-        static const char* int_ops[] = {"add", "sub", "mul", "sdiv"};
-        int k = static_cast<int>(v.op) - static_cast<int>(Op::Add);
-        line("{} = {} {} {}, {}", r, f ? float_ops[k] : int_ops[k], t, operand(v.a), operand(v.b));
-        return r;
-      }
-      case Op::Lt:
-      case Op::Le:
-      case Op::Gt:
-      case Op::Ge:
-      case Op::Eq:
-      case Op::Ne: {
-        // C++ semantics: ordered compares are false on NaN, != is true.
-        static const char* float_preds[] = {"olt", "ole", "ogt", "oge", "oeq", "une"};
-        static const char* int_preds[] = {"slt", "sle", "sgt", "sge", "eq", "ne"};
-        int k = static_cast<int>(v.op) - static_cast<int>(Op::Lt);
-        Type ot = operand_type(v.a);
-        if (is_float(ot))
-          line("{} = fcmp {} {} {}, {}", r, float_preds[k], llvm_type(ot), operand(v.a),
-               operand(v.b));
-        else
-          line("{} = icmp {} {} {}, {}", r, int_preds[k], llvm_type(ot), operand(v.a),
-               operand(v.b));
-        return r;
-      }
       case Op::Or:
         line("{} = or i1 {}, {}", r, operand(v.a), operand(v.b));
         return r;
@@ -717,21 +710,6 @@ class Emitter {
             fmt::format("declare {} @llvm.sqrt.{}({})", t, v.type == Type::f32 ? "f32" : "f64", t));
         line("{} = call {} @llvm.sqrt.{}({} {})", r, t, v.type == Type::f32 ? "f32" : "f64", t,
              operand(v.a));
-        return r;
-      case Op::Exp:
-      case Op::Log:
-      case Op::Tanh:
-      case Op::Erf:
-      case Op::Sin:
-      case Op::Cos: {
-        static const char* names[] = {"exp", "log", "sqrt", "tanh", "erf", "sin", "cos"};
-        const char* name = names[static_cast<int>(v.op) - static_cast<int>(Op::Exp)];
-        line("{} = {}", r, call(name, v.type, fmt::format("{} {}", t, operand(v.a))));
-        return r;
-      }
-      case Op::Pow:
-        line("{} = {}", r,
-             call("pow", v.type, fmt::format("{} {}, {} {}", t, operand(v.a), t, operand(v.b))));
         return r;
       case Op::Ldexp: {
         // math::ldexp: two exact power-of-two factors built from exponent bits, so that a
@@ -757,8 +735,10 @@ class Emitter {
         return convert(operand(v.a), operand_type(v.a), v.type);
       case Op::RoundTo:
         return round_to(v, operand(v.a), operand_type(v.a));
+      default:  // Arith, Compare and Libm ops: above
+        break;
     }
-    fail("llvm emitter: unknown op {}", kir::op_name(v.op));
+    fail("llvm emitter: {} of {} is not supported", kir::op_name(v.op), t);
   }
 
   void stores(const std::vector<kir::Store>& list_stores) {

@@ -42,14 +42,17 @@ bool Kernel::column_reduction() const {
   return unit_column > unit_last;
 }
 
-const char* op_name(Op op) {
-  static const char* names[] = {"const", "load",    "neg",      "add",         "sub",   "mul",
-                                "div",   "lt",      "le",       "gt",          "ge",    "eq",
-                                "ne",    "or",      "select",   "isnan",       "exp",   "log",
-                                "sqrt",  "tanh",    "erf",      "sin",         "cos",   "pow",
-                                "ldexp", "convert", "round_to", "accumulated", "scalar"};
-  return names[static_cast<int>(op)];
-}
+namespace {
+constexpr OpTraits kTraits[] = {
+#define KIR_OP(Name, name, arity, form, llvm_float, llvm_int, cuda_f32, cuda_f64, cuda_i64) \
+  {#name, arity, OpForm::form, llvm_float, llvm_int, cuda_f32, cuda_f64, cuda_i64},
+#include "codegen/kir_ops.def"
+};
+}  // namespace
+
+const OpTraits& traits(Op op) { return kTraits[static_cast<size_t>(op)]; }
+int op_count() { return static_cast<int>(std::size(kTraits)); }
+const char* op_name(Op op) { return traits(op).name; }
 
 namespace {
 

@@ -15,37 +15,29 @@ namespace mixtape::kir {
 /// i64; bool in i1.
 enum class Type : uint8_t { f32, f64, i64, i1 };
 
+/// The kir ops, from the table in codegen/kir_ops.def (what each reads and means is there).
 enum class Op : uint8_t {
-  Const,  // imm
-  Load,   // element of param `param` at offset `map` (register type of the param's dtype)
-  Neg,
-  Add,
-  Sub,
-  Mul,
-  Div,
-  Lt,  // comparisons give i1
-  Le,
-  Gt,
-  Ge,
-  Eq,
-  Ne,
-  Or,      // i1
-  Select,  // a ? b : c
-  IsNan,
-  Exp,  // libm calls, so that results equal the reference executor's bit for bit
-  Log,
-  Sqrt,
-  Tanh,
-  Erf,
-  Sin,
-  Cos,
-  Pow,
-  Ldexp,        // a * 2^b for an integer-valued b (math::ldexp: f32 b in [-252, 254])
-  Convert,      // a to `type` (C conversion rules: float->int truncates, ->i1 is != 0)
-  RoundTo,      // a (f32 or f64) rounded RNE to `dtype` and back: a value stored as `dtype`
-  Accumulated,  // the final value of reduction `param` (epilogue, or a later pass's body)
-  Scalar        // the launch-time value of scalar slot `param` (a fill: learning rates, ...)
+#define KIR_OP(Name, name, arity, form, llvm_float, llvm_int, cuda_f32, cuda_f64, cuda_i64) Name,
+#include "codegen/kir_ops.def"
 };
+
+/// How the emitters write an op (codegen/kir_ops.def).
+enum class OpForm : uint8_t { Special, Arith, Compare, Libm };
+
+/// An op's row of codegen/kir_ops.def.
+struct OpTraits {
+  const char* name;
+  int arity;
+  OpForm form;
+  const char* llvm_float;  // Arith: the instruction; Compare: the fcmp predicate; Libm: the name
+  const char* llvm_int;    // Arith: the instruction; Compare: the icmp predicate
+  const char* cuda_f32;    // Arith: the function; Compare: the C operator
+  const char* cuda_f64;
+  const char* cuda_i64;
+};
+const OpTraits& traits(Op op);
+/// The number of kir ops.
+int op_count();
 
 /// An affine function of the loop variables: base + sum(coeff[d] * i_d).
 struct Affine {

@@ -1,0 +1,193 @@
+// tests/test_op_tables.cpp -- every fact about an op lives in its table: the kernel IR's ops
+// (codegen/kir_ops.def) each have their spellings, and both emitters write every op from them.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "codegen/emit_cuda.h"
+#include "codegen/emit_llvm.h"
+#include "codegen/kernel_ir.h"
+#include "runtime/cpu_kernels.h"
+
+namespace mt = mixtape;
+namespace kir = mixtape::kir;
+using kir::Op;
+using kir::OpForm;
+using kir::Type;
+
+namespace {
+
+TEST(KirOpTable, EveryOpHasItsFacts) {
+  std::set<std::string> names;
+  for (int i = 0; i < kir::op_count(); ++i) {
+    const Op op = static_cast<Op>(i);
+    const kir::OpTraits& t = kir::traits(op);
+    ASSERT_NE(t.name, nullptr);
+    EXPECT_TRUE(names.insert(t.name).second) << "two kir ops are named " << t.name;
+    EXPECT_STREQ(kir::op_name(op), t.name);
+    EXPECT_GE(t.arity, 0) << t.name;
+    EXPECT_LE(t.arity, 3) << t.name;
+    switch (t.form) {
+      case OpForm::Arith:
+      case OpForm::Compare:
+        EXPECT_EQ(t.arity, 2) << t.name;
+        EXPECT_STRNE(t.llvm_float, "") << t.name;
+        EXPECT_STRNE(t.llvm_int, "") << t.name;
+        EXPECT_STRNE(t.cuda_f32, "") << t.name;
+        EXPECT_STRNE(t.cuda_f64, "") << t.name;
+        EXPECT_STRNE(t.cuda_i64, "") << t.name;
+        break;
+      case OpForm::Libm:
+        EXPECT_GE(t.arity, 1) << t.name;
+        EXPECT_STRNE(t.llvm_float, "") << t.name;
+        break;
+      case OpForm::Special:
+        for (const char* spelling : {t.llvm_float, t.llvm_int, t.cuda_f32, t.cuda_f64, t.cuda_i64})
+          EXPECT_STREQ(spelling, "") << t.name << " is written by hand; its row has spellings";
+        break;
+    }
+  }
+}
+
+kir::Value load(int32_t param, Type type) {
+  kir::Value v{Op::Load, type};
+  v.param = param;
+  v.map.coeff = {1};
+  return v;
+}
+
+kir::Value value(Op op, Type type, int32_t a = -1, int32_t b = -1, int32_t c = -1) {
+  kir::Value v{op, type};
+  v.a = a, v.b = b, v.c = c;
+  return v;
+}
+
+// Operands that name the loads every kernel starts with; others index `body`.
+constexpr int32_t kInputs = 1000, f32_in = kInputs, f64_in = kInputs + 1, i64_in = kInputs + 2;
+
+// A kernel over 8 points that reads an f32, an f64 and an i64 input (values 0, 1, 2) and stores
+// `body`'s last value, converted to f64, in param 3.
+kir::Kernel pointwise(const std::string& name, std::vector<kir::Value> body, int scalars = 0) {
+  kir::Kernel k;
+  k.name = name;
+  k.dims = {8};
+  k.params = {{mt::f32, false}, {mt::f64, false}, {mt::i64, false}, {mt::f64, true}};
+  k.scalars = scalars;
+  std::vector<kir::Value> values = {load(0, Type::f32), load(1, Type::f64), load(2, Type::i64)};
+  const int32_t offset = static_cast<int32_t>(values.size());
+  for (kir::Value v : body) {
+    for (int32_t* operand : {&v.a, &v.b, &v.c})
+      if (*operand >= kInputs)
+        *operand -= kInputs;
+      else if (*operand >= 0)
+        *operand += offset;
+    values.push_back(v);
+  }
+  values.push_back(value(Op::Convert, Type::f64, static_cast<int32_t>(values.size() - 1)));
+  k.body = values;
+  k.stores = {{3, static_cast<int32_t>(values.size() - 1), kir::Affine{0, {1}}}};
+  return k;
+}
+
+// One kernel per op and operand type it takes, each using the op once.
+std::vector<std::pair<Op, kir::Kernel>> kernels_using_every_op() {
+  std::vector<std::pair<Op, kir::Kernel>> out;
+  auto add = [&](Op op, std::vector<kir::Value> body, int scalars = 0) {
+    std::string name = fmt::format("op_table_{}_{}", kir::op_name(op), out.size());
+    out.push_back({op, pointwise(name, std::move(body), scalars)});
+  };
+  const std::pair<Type, int32_t> inputs[] = {
+      {Type::f32, f32_in}, {Type::f64, f64_in}, {Type::i64, i64_in}};
+  for (int i = 0; i < kir::op_count(); ++i) {
+    const Op op = static_cast<Op>(i);
+    const kir::OpTraits& t = kir::traits(op);
+    switch (t.form) {
+      case OpForm::Arith:
+        for (auto [type, in] : inputs) add(op, {value(op, type, in, in)});
+        break;
+      case OpForm::Compare:
+        for (auto [type, in] : inputs) add(op, {value(op, Type::i1, in, in)});
+        break;
+      case OpForm::Libm:
+        for (auto [type, in] : inputs)
+          if (type != Type::i64) add(op, {value(op, type, in, t.arity > 1 ? in : -1)});
+        break;
+      case OpForm::Special:
+        break;
+    }
+  }
+  kir::Value one{Op::Const, Type::f32};
+  one.imm = 1;
+  add(Op::Const, {one});
+  add(Op::Load, {value(Op::Neg, Type::f32, f32_in)});  // the loads are in every kernel
+  add(Op::Neg, {value(Op::Neg, Type::i64, i64_in)});
+  add(Op::Or, {value(Op::Lt, Type::i1, f32_in, f32_in), value(Op::Le, Type::i1, f32_in, f32_in),
+               value(Op::Or, Type::i1, 0, 1)});
+  add(Op::Select,
+      {value(Op::Lt, Type::i1, f32_in, f32_in), value(Op::Select, Type::f32, 0, f32_in, f32_in)});
+  add(Op::IsNan, {value(Op::IsNan, Type::i1, f64_in)});
+  add(Op::Sqrt, {value(Op::Sqrt, Type::f32, f32_in)});
+  add(Op::Sqrt, {value(Op::Sqrt, Type::f64, f64_in)});
+  add(Op::Ldexp, {value(Op::Ldexp, Type::f32, f32_in, f32_in)});
+  add(Op::Ldexp, {value(Op::Ldexp, Type::f64, f64_in, f64_in)});
+  add(Op::Convert, {value(Op::Convert, Type::f32, i64_in)});
+  kir::Value round = value(Op::RoundTo, Type::f32, f32_in);
+  round.dtype = mt::bf16;
+  add(Op::RoundTo, {round});
+  kir::Value scalar{Op::Scalar, Type::f32};
+  scalar.param = 0;
+  add(Op::Scalar, {scalar}, 1);
+  // Accumulated: a sum over the inner dim, read in the epilogue.
+  kir::Kernel sum;
+  sum.name = "op_table_accumulated";
+  sum.dims = {2, 4};
+  sum.reduce_from = 1;
+  sum.params = {{mt::f32, false}, {mt::f32, true}};
+  kir::Value in{Op::Load, Type::f32};
+  in.param = 0;
+  in.map.coeff = {4, 1};
+  sum.body = {in};
+  sum.reductions = {{kir::ReduceKind::Sum, Type::f32, 0}};
+  kir::Value accumulated{Op::Accumulated, Type::f32};
+  accumulated.param = 0;
+  sum.epilogue = {accumulated};
+  sum.epilogue_stores = {{1, 0, kir::Affine{0, {1, 0}}}};
+  out.push_back({Op::Accumulated, sum});
+  return out;
+}
+
+// Both emitters write every op of the table (a new op without its emitter code, or a spelling
+// the emitter does not read, fails here), and LLVM compiles what its emitter wrote.
+TEST(KirOpTable, BothEmittersWriteEveryOp) {
+  std::vector<std::pair<Op, kir::Kernel>> kernels = kernels_using_every_op();
+  std::set<Op> covered;
+  std::vector<const kir::Kernel*> to_compile;
+  for (const auto& [op, kernel] : kernels) {
+    covered.insert(op);
+    std::string ir, cuda;
+    ASSERT_NO_THROW(ir = mt::emit_llvm(kernel)) << kernel.name;
+    ASSERT_NO_THROW(cuda = mt::emit_cuda(kernel)) << kernel.name;
+    const kir::OpTraits& t = kir::traits(op);
+    if (t.form == OpForm::Libm) {
+      EXPECT_NE(ir.find(std::string("@") + t.llvm_float), std::string::npos) << ir;
+      EXPECT_NE(cuda.find(t.llvm_float), std::string::npos) << cuda;
+    } else if (t.form != OpForm::Special) {
+      EXPECT_TRUE(ir.find(std::string(" ") + t.llvm_float + " ") != std::string::npos ||
+                  ir.find(std::string(" ") + t.llvm_int + " ") != std::string::npos)
+          << ir;
+      EXPECT_TRUE(cuda.find(t.cuda_f32) != std::string::npos ||
+                  cuda.find(t.cuda_f64) != std::string::npos ||
+                  cuda.find(t.cuda_i64) != std::string::npos)
+          << cuda;
+    }
+    to_compile.push_back(&kernel);
+  }
+  EXPECT_EQ(static_cast<int>(covered.size()), kir::op_count());
+  ASSERT_NE(mt::cpu_kernel_compiler(), nullptr);
+  EXPECT_EQ(mt::cpu_kernel_compiler()->compile(to_compile).size(), to_compile.size());
+}
+
+}  // namespace
