@@ -7,6 +7,8 @@
 #include <mutex>
 #include <numeric>
 
+#include "dsl/composites.h"
+
 namespace mixtape {
 namespace {
 
@@ -76,14 +78,14 @@ Tensor softmax_of(const Tensor& x, const Tensor& mask, int64_t axis, const Loc& 
 }  // namespace
 
 Tensor softmax(const Tensor& x, int64_t axis, const Loc& loc) {
-  CallSiteScope site(loc, "softmax");
+  CallSiteScope site(loc, composite::softmax);
   require_float(x, "softmax", "input", loc);
   check_axes(x, {axis}, "softmax", loc);
   return softmax_of(x, Tensor(), axis, loc);
 }
 
 Tensor masked_softmax(const Tensor& x, const Tensor& mask, int64_t axis, const Loc& loc) {
-  CallSiteScope site(loc, "softmax");
+  CallSiteScope site(loc, composite::softmax);
   require_float(x, "masked_softmax", "input", loc);
   check_axes(x, {axis}, "masked_softmax", loc);
   if (!mask.defined() || mask.dtype() != boolean)
@@ -93,7 +95,7 @@ Tensor masked_softmax(const Tensor& x, const Tensor& mask, int64_t axis, const L
 }
 
 Tensor log_softmax(const Tensor& x, int64_t axis, const Loc& loc) {
-  CallSiteScope site(loc, "log_softmax");
+  CallSiteScope site(loc, composite::log_softmax);
   require_float(x, "log_softmax", "input", loc);
   check_axes(x, {axis}, "log_softmax", loc);
   auto forward = [axis, &loc](const std::vector<Tensor>& in) {
@@ -110,7 +112,7 @@ Tensor log_softmax(const Tensor& x, int64_t axis, const Loc& loc) {
 }
 
 Tensor logsumexp(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
-  CallSiteScope site(loc, "logsumexp");
+  CallSiteScope site(loc, composite::logsumexp);
   require_float(x, "logsumexp", "input", loc);
   check_axes(x, axes, "logsumexp", loc);
   Tensor m = stable_shift(x, axes, loc);
@@ -126,7 +128,7 @@ Tensor logsumexp(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const
 
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
                   int64_t normalized_dims, const Loc& loc) {
-  CallSiteScope site(loc, "layer_norm");
+  CallSiteScope site(loc, composite::layer_norm);
   require_float(x, "layer_norm", "input", loc);
   if (normalized_dims < 1 || normalized_dims > x.dim())
     op_fail("layer_norm", loc, "cannot normalize the last {} axes of {}", normalized_dims,
@@ -146,7 +148,7 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
 }
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, const Loc& loc) {
-  CallSiteScope site(loc, "rms_norm");
+  CallSiteScope site(loc, composite::rms_norm);
   require_float(x, "rms_norm", "input", loc);
   if (x.dim() == 0) op_fail("rms_norm", loc, "needs at least one axis");
   if (weight.defined() && weight.shape() != Shape{x.size(-1)})
@@ -157,7 +159,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, const Loc& lo
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Loc& loc) {
-  CallSiteScope site(loc, "linear");
+  CallSiteScope site(loc, composite::linear);
   require(x, "linear", "input", loc);
   require(weight, "linear", "weight", loc);
   if (weight.dim() != 2)
@@ -177,7 +179,7 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const L
 
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOptions options,
                      const Loc& loc) {
-  CallSiteScope site(loc, "cross_entropy");
+  CallSiteScope site(loc, composite::cross_entropy);
   require_float(logits, "cross_entropy", "logits", loc);
   require(targets, "cross_entropy", "targets", loc);
   if (!is_integer(targets.dtype()))
@@ -219,7 +221,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOp
 
 Tensor mse_loss(const Tensor& prediction, const Tensor& target, Reduction reduction,
                 const Loc& loc) {
-  CallSiteScope site(loc, "mse_loss");
+  CallSiteScope site(loc, composite::mse_loss);
   require_float(prediction, "mse_loss", "prediction", loc);
   require(target, "mse_loss", "target", loc);
   if (prediction.shape() != target.shape())
@@ -238,7 +240,7 @@ Tensor mse_loss(const Tensor& prediction, const Tensor& target, Reduction reduct
 }
 
 Tensor dropout(const Tensor& x, double p, bool training, Generator* gen, const Loc& loc) {
-  CallSiteScope site(loc, "dropout");
+  CallSiteScope site(loc, composite::dropout);
   require_float(x, "dropout", "input", loc);
   if (!(p >= 0 && p <= 1)) op_fail("dropout", loc, "p must be in [0, 1], got {}", p);
   if (!training || p == 0) return x;
@@ -248,7 +250,7 @@ Tensor dropout(const Tensor& x, double p, bool training, Generator* gen, const L
 }
 
 Tensor causal_mask(int64_t size, const Loc& loc) {
-  CallSiteScope site(loc, "causal_mask");
+  CallSiteScope site(loc, composite::causal_mask);
   if (size < 0) op_fail("causal_mask", loc, "size must be non-negative, got {}", size);
   Tensor positions = arange(size);
   return ge(unsqueeze(positions, 1), unsqueeze(positions, 0));
@@ -256,7 +258,7 @@ Tensor causal_mask(int64_t size, const Loc& loc) {
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
                                     const Loc& loc) {
-  CallSiteScope site(loc, "scaled_dot_product_attention");
+  CallSiteScope site(loc, composite::scaled_dot_product_attention);
   require_float(q, "scaled_dot_product_attention", "query", loc);
   require_float(k, "scaled_dot_product_attention", "key", loc);
   require_float(v, "scaled_dot_product_attention", "value", loc);

@@ -2,27 +2,12 @@
 #include "precision_policy/policy.h"
 
 #include <atomic>
-#include <cstring>
 
+#include "dsl/composites.h"
 #include "dsl/error.h"
 
 namespace mixtape {
 namespace {
-
-// Composites that autocast runs in f32 as a whole, as PyTorch's fp32 list does for softmax,
-// log_softmax, logsumexp, layer_norm and every loss.
-bool is_fp32_composite(const char* composite) {
-  if (!composite) return false;
-  for (const char* name : {"softmax", "log_softmax", "logsumexp", "layer_norm", "rms_norm",
-                           "cross_entropy", "mse_loss"})
-    if (std::strcmp(composite, name) == 0) return true;
-  return false;
-}
-
-// PyTorch's autocast lists `linear` (matmul plus bias) as a whole among the low-precision ops.
-bool is_low_precision_composite(const char* composite) {
-  return composite && std::strcmp(composite, "linear") == 0;
-}
 
 DType widest_input(const PrecisionQuery& q) {
   std::optional<DType> widest;
@@ -51,9 +36,12 @@ class CategoryPolicy : public Policy {
       return {q.traced, q.traced, f32, fmt::format("{}: explicit cast keeps its dtype", who)};
     if (op_info(q.op).kind == OpKind::Leaf)
       return {q.traced, q.traced, f32, fmt::format("{}: leaf keeps its traced dtype", who)};
-    if (is_fp32_composite(q.composite))
+    // Composites autocast runs as a whole (dsl/composites.def): PyTorch's fp32 list (softmax,
+    // norms, every loss) in f32, and linear in the half type.
+    const Category whole = composite::category(q.composite);
+    if (whole == Category::Fp32)
       return {f32, f32, f32, fmt::format("{}: inside {}, which runs in f32", who, q.composite)};
-    if (is_low_precision_composite(q.composite))
+    if (whole == Category::LowOk)
       return {half_, half_, f32,
               fmt::format("{}: inside {}, which runs in {} with f32 accumulation", who, q.composite,
                           name_of(half_))};

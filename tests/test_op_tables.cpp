@@ -1,8 +1,11 @@
 // tests/test_op_tables.cpp -- every fact about an op lives in its table: the kernel IR's ops
-// (codegen/kir_ops.def) each have their spellings, and both emitters write every op from them.
+// (codegen/kir_ops.def) each have their spellings, and both emitters write every op from them;
+// the composites (dsl/composites.def) name their nodes and carry their autocast category.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <functional>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -10,7 +13,10 @@
 #include "codegen/emit_cuda.h"
 #include "codegen/emit_llvm.h"
 #include "codegen/kernel_ir.h"
+#include "dsl/composites.h"
 #include "runtime/cpu_kernels.h"
+
+#include <mixtape/mixtape.h>
 
 namespace mt = mixtape;
 namespace kir = mixtape::kir;
@@ -188,6 +194,47 @@ TEST(KirOpTable, BothEmittersWriteEveryOp) {
   EXPECT_EQ(static_cast<int>(covered.size()), kir::op_count());
   ASSERT_NE(mt::cpu_kernel_compiler(), nullptr);
   EXPECT_EQ(mt::cpu_kernel_compiler()->compile(to_compile).size(), to_compile.size());
+}
+
+}  // namespace
+
+namespace {
+
+// Every composite of dsl/composites.def is made by the library under its name (a row no code
+// uses, or code that names its nodes otherwise, fails here), and autocast reads its category.
+TEST(CompositeTable, EveryCompositeNamesItsNodes) {
+  mt::Tensor x = mt::randn({2, 3, 4}), w = mt::randn({5, 4}), b = mt::randn({5});
+  mt::Tensor norm_weight = mt::ones({4}), norm_bias = mt::zeros({4});
+  mt::Tensor labels = mt::zeros({2, 3}, mt::i64);
+  mt::Generator gen(1);
+  const std::map<std::string, std::function<mt::Tensor()>> builders = {
+      {"softmax", [&] { return mt::softmax(x); }},
+      {"log_softmax", [&] { return mt::log_softmax(x); }},
+      {"logsumexp", [&] { return mt::logsumexp(x); }},
+      {"layer_norm", [&] { return mt::layer_norm(x, norm_weight, norm_bias); }},
+      {"rms_norm", [&] { return mt::rms_norm(x, norm_weight); }},
+      {"cross_entropy", [&] { return mt::cross_entropy(x, labels); }},
+      {"mse_loss", [&] { return mt::mse_loss(x, x * 2.0); }},
+      {"linear", [&] { return mt::linear(x, w, b); }},
+      {"dropout", [&] { return mt::dropout(x, 0.5, true, &gen); }},
+      {"causal_mask", [&] { return mt::causal_mask(3); }},
+      {"scaled_dot_product_attention",
+       [&] { return mt::scaled_dot_product_attention(x, x, x, true); }},
+  };
+  EXPECT_EQ(mt::composite::names().size(), builders.size());
+  for (const char* name : mt::composite::names()) {
+    auto builder = builders.find(name);
+    ASSERT_NE(builder, builders.end()) << name << " is in the table but not in this test";
+    mt::Tensor y = builder->second();
+    EXPECT_EQ(y.node()->composite, name) << name << ": the result is named otherwise";
+    const mt::Category category = mt::composite::category(name);
+    EXPECT_TRUE(category == mt::Category::Fp32 || category == mt::Category::LowOk ||
+                category == mt::Category::Follow)
+        << name;
+  }
+  EXPECT_EQ(mt::composite::category("softmax"), mt::Category::Fp32);
+  EXPECT_EQ(mt::composite::category(nullptr), mt::Category::Follow);
+  EXPECT_EQ(mt::composite::category("not_a_composite"), mt::Category::Follow);
 }
 
 }  // namespace
