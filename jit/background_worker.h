@@ -30,9 +30,9 @@ namespace mixtape {
 /// handlers and static destructors run in reverse order of registration, so the handler runs
 /// before the destructors of every static constructed before the first post(). It runs the
 /// queued jobs (drain()), then joins the threads. The caller makes sure that the statics its
-/// jobs use exist before the first post() (jit/llvm_jit.cpp runs its first job on the calling
-/// thread for that reason). In a child made by fork(), which has no such threads, the handler
-/// does nothing.
+/// jobs use exist before the first post() (jit/llvm_jit.cpp tiers up a kernel of its own before
+/// its first post() for that reason). In a child made by fork(), which has no such threads, the
+/// handler does nothing.
 class BackgroundWorker {
  public:
   using Job = std::function<void()>;

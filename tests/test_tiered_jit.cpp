@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <random>
 #include <string>
 #include <thread>
@@ -220,6 +221,93 @@ TEST_F(TieredJit, UntieredCompilesTheOptimizedCodeAtOnce) {
   // Cached at once: objects() compiles nothing.
   jit().objects({source});
   EXPECT_EQ(jit().stats().compiled, after.compiled);
+}
+
+// A pointwise kernel without fast-math flags: out[i] = expf(in[i]) * 0.75 + sqrt(|in[i]|) / in[i],
+// vectorized but for the call. `tag` makes the kernel unique.
+mt::LlvmJit::KernelSource pointwise_kernel(const std::string& tag) {
+  std::string name = "tiered_pointwise_" + tag;
+  std::string ir = fmt::format(R"(; tiered JIT test kernel {0}
+declare float @expf(float)
+declare float @llvm.sqrt.f32(float)
+declare float @llvm.fabs.f32(float)
+define void @{0}(ptr noalias nocapture readonly %params, i64 %begin, i64 %end) #0 {{
+entry:
+  %in = load ptr, ptr %params
+  %pout = getelementptr inbounds ptr, ptr %params, i64 1
+  %out = load ptr, ptr %pout
+  %i.addr = alloca i64
+  store i64 %begin, ptr %i.addr
+  br label %head
+head:
+  %i = load i64, ptr %i.addr
+  %more = icmp slt i64 %i, %end
+  br i1 %more, label %body, label %exit
+body:
+  %p = getelementptr inbounds float, ptr %in, i64 %i
+  %x = load float, ptr %p
+  %e = call float @expf(float %x)
+  %a = fmul float %e, 0.75
+  %f = call float @llvm.fabs.f32(float %x)
+  %s = call float @llvm.sqrt.f32(float %f)
+  %d = fdiv float %s, %x
+  %y = fadd float %a, %d
+  %q = getelementptr inbounds float, ptr %out, i64 %i
+  store float %y, ptr %q
+  %i.next = add nsw i64 %i, 1
+  store i64 %i.next, ptr %i.addr
+  br label %head
+exit:
+  ret void
+}}
+attributes #0 = {{ nounwind "prefer-vector-width"="512" "min-legal-vector-width"="0" }}
+)",
+                               name);
+  return {name, ir};
+}
+
+// Without fast-math flags a kernel's fast tier takes the short pipeline, and still gives the
+// optimized code's bits; its tier-up compiles the IR afresh into the object an untiered compile
+// makes.
+TEST_F(TieredJit, AKernelWithoutFastMathTakesTheShortPipelineWithTheSameBits) {
+  mt::LlvmJit::KernelSource source = pointwise_kernel(unique_tag());
+  mt::LlvmJit::Stats before = jit().stats();
+  std::shared_ptr<const mt::JitKernel> kernel = jit().load(source.name, source.ir);
+  mt::LlvmJit::Stats loaded = jit().stats();
+  EXPECT_EQ(loaded.fast_compiled - before.fast_compiled, 1);
+  EXPECT_EQ(loaded.short_compiled - before.short_compiled, 1);
+  mt::KernelFunction fast = kernel->fast_function();
+  ASSERT_NE(fast, nullptr);
+  jit().wait_for_tier_up();
+  ASSERT_TRUE(kernel->optimized());
+  mt::KernelFunction optimized = kernel->function();
+  ASSERT_NE(optimized, fast);
+
+  const int n = 4099;  // not a multiple of any vector width: the scalar remainder runs too
+  std::vector<float> in = spread_values(1, n);
+  in[5] = 0.0f;  // 0/0: a NaN from both
+  in[6] = -std::numeric_limits<float>::denorm_min();
+  auto run = [&](mt::KernelFunction function) {
+    std::vector<float> out(n);
+    void* params[] = {in.data(), out.data()};
+    function(params, 0, n);
+    return out;
+  };
+  std::vector<float> fast_out = run(fast), optimized_out = run(optimized);
+  EXPECT_EQ(std::memcmp(fast_out.data(), optimized_out.data(), n * sizeof(float)), 0)
+      << "the tiers give different bits";
+  for (int i : {0, 1, 100, n - 1}) {
+    float x = in[i];
+    EXPECT_EQ(fast_out[i], std::exp(x) * 0.75f + std::sqrt(std::abs(x)) / x) << "element " << i;
+  }
+
+  int64_t compiled = jit().stats().compiled;
+  std::vector<std::byte> tiered = jit().objects({source})[0];
+  EXPECT_EQ(jit().stats().compiled, compiled) << "the tier-up did not cache its object";
+  std::vector<std::byte> untiered = jit().objects({{source.name, source.ir + "; again\n"}})[0];
+  ASSERT_EQ(tiered.size(), untiered.size());
+  EXPECT_EQ(std::memcmp(tiered.data(), untiered.data(), tiered.size()), 0)
+      << "the tiered-up object differs from an untiered compile of the same IR";
 }
 
 // A graph with reductions (softmax: max and sum), transcendental functions and bf16 rounding,
