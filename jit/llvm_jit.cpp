@@ -27,6 +27,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -191,7 +192,56 @@ class MachinePool {
 struct LlvmJit::TierUp {
   std::weak_ptr<const JitKernel> kernel;
   std::string name, key, bitcode, ir;
+  // The fast object, for the fast-tier entry that replaces the tier-up should exit() drop it
+  // (empty: the kernel came from such an entry).
+  std::vector<std::byte> fast_object;
+  // Owed by an earlier process (the kernel came from a fast-tier entry): no patience.
+  bool at_once = false;
 };
+
+namespace {
+
+// The kernel-cache key of a kernel's fast-tier entry, beside `key`, its optimized object's. A
+// process that exits before a kernel's tier-up leaves one instead of the optimized object: the
+// fast object and what its tier-up needs. The next process that loads the kernel runs that fast
+// code at once and tiers it up without the usual patience, so that the optimized code is made by
+// a process that runs it, and the fast code is never taken for final.
+std::string fast_entry_key(const std::string& key) { return "fast tier\n" + key; }
+
+constexpr char fast_entry_magic[4] = {'M', 'T', 'F', 'T'};
+
+// A fast-tier entry: the magic, the object's length (8 bytes, host order: the key names the
+// host), the object, then the -O3 IR as bitcode (none: the tier-up compiles the IR afresh).
+std::vector<std::byte> pack_fast_entry(const std::vector<std::byte>& object,
+                                       const std::string& bitcode) {
+  uint64_t size = object.size();
+  std::vector<std::byte> entry(sizeof fast_entry_magic + sizeof size + object.size() +
+                               bitcode.size());
+  std::byte* at = entry.data();
+  std::memcpy(at, fast_entry_magic, sizeof fast_entry_magic);
+  std::memcpy(at += sizeof fast_entry_magic, &size, sizeof size);
+  std::memcpy(at += sizeof size, object.data(), object.size());
+  if (!bitcode.empty()) std::memcpy(at + object.size(), bitcode.data(), bitcode.size());
+  return entry;
+}
+
+// The object and bitcode of a fast-tier entry; false when it is not one.
+bool unpack_fast_entry(const std::vector<std::byte>& entry, std::vector<std::byte>& object,
+                       std::string& bitcode) {
+  uint64_t size = 0;
+  const size_t header = sizeof fast_entry_magic + sizeof size;
+  if (entry.size() < header ||
+      std::memcmp(entry.data(), fast_entry_magic, sizeof fast_entry_magic) != 0)
+    return false;
+  std::memcpy(&size, entry.data() + sizeof fast_entry_magic, sizeof size);
+  if (size == 0 || size > entry.size() - header) return false;
+  const std::byte* begin = entry.data() + header;
+  object.assign(begin, begin + size);
+  bitcode.assign(reinterpret_cast<const char*>(begin + size), entry.size() - header - size);
+  return true;
+}
+
+}  // namespace
 
 struct LlvmJit::State {
   std::mutex mutex;
@@ -310,7 +360,8 @@ LlvmJit::Stats LlvmJit::stats() const {
 }
 
 LlvmJit::Compiled LlvmJit::compile_object(const std::string& name, const std::string& ir,
-                                          const std::string& cpu, bool fast) {
+                                          const std::string& cpu, Output output) {
+  const bool fast = output == Output::fast_object;
   llvm::LLVMContext context;
   llvm::SMDiagnostic diagnostic;
   std::unique_ptr<llvm::Module> module =
@@ -347,7 +398,7 @@ LlvmJit::Compiled LlvmJit::compile_object(const std::string& name, const std::st
   module->setTargetTriple(optimizing->getTargetTriple().str());
   run_pipeline(*module, *optimizing, false);
   compiled.pipeline_seconds = seconds_since(start);
-  if (!fast) {
+  if (output == Output::optimized_object) {
     compiled.object = emit_object(*module, *optimizing);
     compiled.codegen_seconds = seconds_since(start) - compiled.pipeline_seconds;
     return compiled;
@@ -358,6 +409,7 @@ LlvmJit::Compiled LlvmJit::compile_object(const std::string& name, const std::st
     llvm::raw_string_ostream os(compiled.bitcode);
     llvm::WriteBitcodeToFile(*module, os, /*ShouldPreserveUseListOrder=*/true);
   }
+  if (output == Output::optimized_bitcode) return compiled;
   rename_fast(*module, name);
   auto quick = state_->machines.lease("fast " + cpu, [&] { return target_machine(cpu, true); });
   auto codegen_start = std::chrono::steady_clock::now();
@@ -400,6 +452,20 @@ std::vector<std::string> LlvmJit::cpu_features(const std::string& cpu,
   return out;
 }
 
+namespace {
+
+// The optimized object of a fast kernel: its bitcode (the -O3 IR) emitted with
+// CodeGenOpt::Aggressive.
+std::vector<std::byte> emit_optimized(const std::string& name, const std::string& bitcode,
+                                      llvm::TargetMachine& machine) {
+  llvm::LLVMContext context;
+  std::unique_ptr<llvm::Module> module = unwrap(
+      llvm::parseBitcodeFile(llvm::MemoryBufferRef(bitcode, name), context), "reading bitcode");
+  return emit_object(*module, machine);
+}
+
+}  // namespace
+
 double LlvmJit::compile_missing(const std::vector<KernelSource>& kernels,
                                 const std::vector<size_t>& missing, std::vector<Compiled>& compiled,
                                 const std::string& cpu, bool fast, bool prime) {
@@ -428,7 +494,8 @@ double LlvmJit::compile_missing(const std::vector<KernelSource>& kernels,
       }
       size_t i = order[k];
       try {
-        compiled[i] = compile_object(kernels[i].name, kernels[i].ir, cpu, fast);
+        compiled[i] = compile_object(kernels[i].name, kernels[i].ir, cpu,
+                                     fast ? Output::fast_object : Output::optimized_object);
       } catch (const Error& e) {
         std::lock_guard<std::mutex> lock(error_mutex);
         if (!error) error = e;
@@ -509,6 +576,7 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
   std::vector<Compiled> compiled(kernels.size());
   std::vector<std::string> keys(kernels.size());
   std::vector<size_t> missing;
+  std::vector<bool> from_fast_entry(kernels.size());
   std::vector<TierUp> tier_ups;
   bool fast = tiered();
   auto start = std::chrono::steady_clock::now();
@@ -520,10 +588,20 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
         continue;
       }
       keys[i] = cache_key(kernels[i].ir, "");
-      if (auto cached = kernel_cache().load(keys[i]))
+      if (auto cached = kernel_cache().load(keys[i])) {
         compiled[i].object = std::move(*cached);
-      else
-        missing.push_back(i);
+        continue;
+      }
+      // Untiered, a fast-tier entry is no use: the kernel is compiled optimized at once.
+      if (fast) {
+        auto entry = kernel_cache().load(fast_entry_key(keys[i]));
+        if (entry && unpack_fast_entry(*entry, compiled[i].object, compiled[i].bitcode)) {
+          compiled[i].short_pipeline = compiled[i].bitcode.empty();
+          from_fast_entry[i] = true;
+          continue;
+        }
+      }
+      missing.push_back(i);
     }
   }
   double load_seconds = seconds_since(start);
@@ -536,9 +614,10 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
       const std::string& name = kernels[i].name;
       if ((result[i] = state_->live(name, lock))) continue;  // a racing call loaded it meanwhile
       bool was_compiled = std::find(missing.begin(), missing.end(), i) != missing.end();
-      bool is_fast = was_compiled && fast;
-      // Only optimized objects are cached: the fast ones are replaced within the run.
-      if (was_compiled && !fast) kernel_cache().store(keys[i], compiled[i].object);
+      bool is_fast = (was_compiled && fast) || from_fast_entry[i];
+      // Only optimized objects are cached under their key: the fast ones are replaced within the
+      // run, or left under another (fast_entry_key()).
+      if (was_compiled && !is_fast) kernel_cache().store(keys[i], compiled[i].object);
       auto load_start = std::chrono::steady_clock::now();
       auto p = std::make_unique<JitKernel::Private>();
       p->name = name;
@@ -556,15 +635,18 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
       state_->stats.resident_bytes += kernel->p_->bytes;
       if (is_fast)
         tier_ups.push_back({kernel, name, std::move(keys[i]), std::move(compiled[i].bitcode),
-                            compiled[i].short_pipeline ? kernels[i].ir : std::string()});
+                            compiled[i].short_pipeline ? kernels[i].ir : std::string(),
+                            was_compiled ? compiled[i].object : std::vector<std::byte>(),
+                            from_fast_entry[i]});
       result[i] = std::move(kernel);
       load_seconds += seconds_since(load_start);
       (was_compiled ? state_->stats.compiled : state_->stats.disk_loaded) += 1;
-      if (is_fast) ++state_->stats.fast_compiled;
-      if (is_fast && compiled[i].short_pipeline) ++state_->stats.short_compiled;
+      if (from_fast_entry[i]) ++state_->stats.fast_disk_loaded;
+      if (is_fast && was_compiled) ++state_->stats.fast_compiled;
+      if (is_fast && was_compiled && compiled[i].short_pipeline) ++state_->stats.short_compiled;
       if (!log_enabled("jit")) {
       } else if (!was_compiled) {
-        log_line("jit", "loaded from disk {}", name);
+        log_line("jit", "loaded from disk{} {}", from_fast_entry[i] ? " (fast tier)" : "", name);
       } else {
         log_line("jit", "compiled{} {}: IR pipeline {:.2f} ms, code {:.2f} ms",
                  !is_fast                     ? ""
@@ -588,19 +670,7 @@ bool LlvmJit::tiered() const { return state_->tiered.load(); }
 
 void LlvmJit::wait_for_tier_up() { state_->worker.drain(); }
 
-namespace {
-
-// The optimized object of a fast kernel: its bitcode (the -O3 IR) emitted with
-// CodeGenOpt::Aggressive.
-std::vector<std::byte> emit_optimized(const std::string& name, const std::string& bitcode,
-                                      llvm::TargetMachine& machine) {
-  llvm::LLVMContext context;
-  std::unique_ptr<llvm::Module> module = unwrap(
-      llvm::parseBitcodeFile(llvm::MemoryBufferRef(bitcode, name), context), "reading bitcode");
-  return emit_object(*module, machine);
-}
-
-}  // namespace
+namespace {}  // namespace
 
 void LlvmJit::run_tier_up(TierUp& job) {
   State* state = state_.get();
@@ -610,7 +680,7 @@ void LlvmJit::run_tier_up(TierUp& job) {
   try {
     std::vector<std::byte> object;
     if (!job.ir.empty()) {
-      object = compile_object(job.name, job.ir, "", false).object;
+      object = compile_object(job.name, job.ir, "", Output::optimized_object).object;
     } else {
       auto machine = state->machines.lease("opt ", [&] { return target_machine(""); });
       object = emit_optimized(job.name, job.bitcode, *machine);
@@ -671,18 +741,19 @@ void LlvmJit::prime_tier_up() {
   std::lock_guard<std::mutex> lock(state_->prime_mutex);
   if (state_->worker_primed) return;
   // Both kinds of tier-up in one: the primer's IR parsed, through the -O3 pipeline and out as
-  // bitcode, then read back and emitted at CodeGenOpt::Aggressive, and cached.
+  // bitcode, then read back and emitted at CodeGenOpt::Aggressive, and cached (the rest of what
+  // compiling IR afresh does, the foreground has done).
   auto start = std::chrono::steady_clock::now();
   try {
     TierUp job;
     job.name = primer_name;
     job.key = cache_key(primer_ir, "");
-    job.bitcode = compile_object(primer_name, primer_ir, "", true).bitcode;
-    double fast_seconds = seconds_since(start);
+    job.bitcode = compile_object(primer_name, primer_ir, "", Output::optimized_bitcode).bitcode;
+    double pipeline_seconds = seconds_since(start);
     run_tier_up(job);
     if (log_enabled("jit"))
-      log_line("jit", "primed the tier-ups in {:.1f} ms (the fast tier's part {:.1f} ms)",
-               seconds_since(start) * 1e3, fast_seconds * 1e3);
+      log_line("jit", "primed the tier-ups in {:.1f} ms (IR pipeline {:.1f} ms)",
+               seconds_since(start) * 1e3, pipeline_seconds * 1e3);
   } catch (const std::exception& e) {
     if (log_enabled("jit")) log_line("jit", "the tier-up primer failed: {}", e.what());
   }
@@ -694,10 +765,24 @@ void LlvmJit::tier_up(std::vector<TierUp> jobs) {
   // handler (jit/background_worker.h): exit() then destroys them after it has stopped the worker.
   // load_all() has most often primed already, on a core its foreground compile left idle.
   prime_tier_up();
-  // The LlvmJit instance and its state outlive the worker, which exit() stops first.
-  for (TierUp& job : jobs)
-    state_->worker.post(
-        [this, job = std::make_shared<TierUp>(std::move(job))] { run_tier_up(*job); });
+  // The LlvmJit instance and its state outlive the worker, which exit() stops first. A tier-up
+  // that exit() drops leaves a fast-tier entry instead (fast_entry_key()), so that the process
+  // does not wait for optimized code it will not run.
+  for (TierUp& job : jobs) {
+    auto shared = std::make_shared<TierUp>(std::move(job));
+    BackgroundWorker::Job on_drop;
+    if (!shared->fast_object.empty())
+      on_drop = [shared] {
+        try {
+          kernel_cache().store(fast_entry_key(shared->key),
+                               pack_fast_entry(shared->fast_object, shared->bitcode));
+        } catch (const std::exception&) {
+          // Nothing lost but time: the next process compiles the kernel again.
+        }
+      };
+    state_->worker.post([this, shared] { run_tier_up(*shared); }, std::move(on_drop),
+                        shared->at_once);
+  }
 }
 
 }  // namespace mixtape

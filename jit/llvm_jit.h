@@ -115,6 +115,8 @@ class LlvmJit {
     int64_t short_compiled = 0;  // of those, through the short IR pipeline (see set_tiered)
     int64_t tiered_up = 0;       // kernels whose optimized code was swapped in
     int64_t disk_loaded = 0;     // objects taken from the kernel cache
+    int64_t fast_disk_loaded =
+        0;                       // of those, fast-tier entries (see set_tiered), tiered up at once
     int64_t memory_hits = 0;     // already loaded in this process
     double compile_seconds = 0;  // wall time waited for compilation (parallel: the longest)
     double tier_up_seconds = 0;  // background thread's time on tier-ups
@@ -136,8 +138,11 @@ class LlvmJit {
     bool short_pipeline = false;
     double pipeline_seconds = 0, codegen_seconds = 0;
   };
+  // What compile_object() is asked for: the optimizing tier's object, the fast tier's, or only the
+  // optimized IR as bitcode.
+  enum class Output { optimized_object, fast_object, optimized_bitcode };
   Compiled compile_object(const std::string& name, const std::string& ir, const std::string& cpu,
-                          bool fast);
+                          Output output);
   // Kernel-cache key of an object compiled from ir for cpu (empty: the host).
   std::string cache_key(const std::string& ir, const std::string& cpu) const;
   // A target machine for cpu (empty: the host's, with its features) and codegen level.

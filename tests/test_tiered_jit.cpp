@@ -359,6 +359,38 @@ TEST(BackgroundWorker, AJobRunsAtNormalPriorityOnceItHasWaitedItsPatience) {
   EXPECT_NE(policy, SCHED_IDLE);
 }
 
+// stop() (and so exit) drops what is queued, running each job's on_drop instead, and waits only
+// for what runs.
+TEST(BackgroundWorker, StopDropsTheQueuedJobsAndRunsTheirOnDrop) {
+  using namespace std::chrono;
+  mt::BackgroundWorker worker(seconds(30), /*idle_thread=*/false);
+  int ran = 0, dropped = 0;
+  worker.post([&] { ++ran; }, [&] { ++dropped; });
+  worker.drain();  // runs it: no drop
+  worker.post([&] { ++ran; }, [&] { ++dropped; });
+  worker.post([&] { ++ran; });
+  auto start = steady_clock::now();
+  worker.stop();
+  EXPECT_LT(steady_clock::now() - start, seconds(5)) << "stop() waited for the queued jobs";
+  EXPECT_EQ(ran, 1);
+  EXPECT_EQ(dropped, 1);
+  EXPECT_FALSE(worker.post([&] { ++ran; }, [&] { ++dropped; }));
+  worker.stop();
+  EXPECT_EQ(dropped, 1);
+}
+
+// A job posted at_once runs on the normal-priority thread without waiting its patience.
+TEST(BackgroundWorker, AJobPostedAtOnceSkipsThePatience) {
+  using namespace std::chrono;
+  mt::BackgroundWorker worker(seconds(30), /*idle_thread=*/false);
+  std::atomic<bool> ran{false};
+  auto start = steady_clock::now();
+  worker.post([&] { ran = true; }, {}, /*at_once=*/true);
+  while (!ran && steady_clock::now() - start < seconds(5)) std::this_thread::sleep_for(1ms);
+  EXPECT_TRUE(ran) << "it waited for its patience";
+  worker.stop();
+}
+
 TEST(BackgroundWorker, AHoldKeepsJobsWaitingAndDrainRunsThemOnTheCaller) {
   using namespace std::chrono;
   mt::BackgroundWorker worker(milliseconds(20));
@@ -445,26 +477,86 @@ TEST_F(TieredJit, ANewProcessLoadsTheOptimizedObjectFromDisk) {
             0);
 }
 
-// Run by the next test in a child: the tagged kernel compiled fast, and the process exits at once.
+// The tagged kernels of the exit test: a `fadd reassoc` sum (its fast tier runs the -O3 pipeline,
+// its tier-up reads the bitcode) and a pointwise kernel (the short pipeline, its tier-up compiles
+// the IR afresh).
+std::vector<mt::LlvmJit::KernelSource> exit_test_kernels() {
+  std::string tag = ::getenv("MIXTAPE_TIERED_TEST_TAG");
+  return {row_sum_kernel(tag), pointwise_kernel(tag)};
+}
+
+// Run by the next test in a child: the tagged kernels compiled fast, and the process exits at once.
 TEST(TieredJitChild, DISABLED_CompilesFastAndExits) {
   jit().set_tiered(true);
   prime_tier_up();
-  mt::LlvmJit::KernelSource source = row_sum_kernel(::getenv("MIXTAPE_TIERED_TEST_TAG"));
-  std::shared_ptr<const mt::JitKernel> kernel = jit().load(source.name, source.ir);
-  EXPECT_NE(kernel->fast_function(), nullptr);
-  EXPECT_FALSE(kernel->optimized());
+  std::vector<std::shared_ptr<const mt::JitKernel>> kernels = jit().load_all(exit_test_kernels());
+  for (const auto& kernel : kernels) {
+    EXPECT_NE(kernel->fast_function(), nullptr);
+    EXPECT_FALSE(kernel->optimized());
+  }
 }
 
-TEST(TieredJitExit, TierUpsLeftAtExitAreDoneSoTheNextProcessRunsOptimizedCode) {
+// Run by the next test in a child: the tagged kernels start from the fast-tier entries the first
+// child's exit left (nothing compiled, the fast code at once), then tier up without the usual
+// patience to code with the same bits, which is cached.
+TEST(TieredJitChild, DISABLED_StartsFromTheFastTierEntriesAndTiersUpAtOnce) {
+  using namespace std::chrono;
+  jit().set_tiered(true);
+  std::vector<mt::LlvmJit::KernelSource> sources = exit_test_kernels();
+  auto start = steady_clock::now();
+  std::vector<std::shared_ptr<const mt::JitKernel>> kernels = jit().load_all(sources);
+  mt::LlvmJit::Stats loaded = jit().stats();
+  EXPECT_EQ(loaded.compiled, 0);
+  EXPECT_EQ(loaded.disk_loaded, 2);
+  EXPECT_EQ(loaded.fast_disk_loaded, 2) << "the first process ran its tier-ups at exit";
+  std::vector<mt::KernelFunction> fast;
+  for (const auto& kernel : kernels) {
+    fast.push_back(kernel->fast_function());
+    ASSERT_NE(fast.back(), nullptr);
+  }
+  // Tier-ups owed by an earlier process do not wait out the patience (2 s).
+  auto all_optimized = [&] {
+    for (const auto& kernel : kernels)
+      if (!kernel->optimized()) return false;
+    return true;
+  };
+  while (!all_optimized() && steady_clock::now() - start < milliseconds(1500))
+    std::this_thread::sleep_for(milliseconds(1));
+  EXPECT_TRUE(all_optimized()) << "the owed tier-ups waited for their patience";
+  jit().wait_for_tier_up();
+  EXPECT_EQ(jit().stats().tiered_up, 2);
+  const int rows = 16, width = 1000;
+  std::vector<float> in = spread_values(rows, width);
+  for (size_t k = 0; k < kernels.size(); ++k) {
+    ASSERT_TRUE(kernels[k]->optimized());
+    // Both kernels take (in, out) and run over [0, rows): the row sum writes `rows` sums, the
+    // pointwise kernel `rows` elements.
+    std::vector<float> a = run_row_sum(fast[k], in, rows);
+    std::vector<float> b = run_row_sum(kernels[k]->function(), in, rows);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), rows * sizeof(float)), 0) << sources[k].name;
+  }
+}
+
+// Run by the next test in a child: the tagged kernels, found on disk, optimized.
+TEST(TieredJitChild, DISABLED_LoadsTheOptimizedObjectsFromDisk) {
+  jit().set_tiered(true);
+  std::vector<std::shared_ptr<const mt::JitKernel>> kernels = jit().load_all(exit_test_kernels());
+  EXPECT_EQ(jit().stats().disk_loaded, 2);
+  EXPECT_EQ(jit().stats().compiled, 0);
+  for (const auto& kernel : kernels) EXPECT_TRUE(kernel->optimized());
+}
+
+// An exit drops the tier-ups not done (it waits for none of them), leaving fast-tier entries, never
+// read as optimized code: the next process starts from them without compiling, tiers them up at
+// once and caches the optimized objects for the one after.
+TEST(TieredJitExit, TierUpsLeftAtExitAreDroppedAndTheNextProcessTiersUpTheirEntries) {
   if (!mt::kernel_cache().disk_writable()) GTEST_SKIP() << "no writable kernel cache directory";
-  std::string tag = unique_tag();
+  std::string tag = "MIXTAPE_TIERED_TEST_TAG=" + unique_tag();
+  EXPECT_EQ(run_child("TieredJitChild.DISABLED_CompilesFastAndExits", {tag}), 0);
   EXPECT_EQ(
-      run_child("TieredJitChild.DISABLED_CompilesFastAndExits", {"MIXTAPE_TIERED_TEST_TAG=" + tag}),
-      0);
-  EXPECT_EQ(run_child("TieredJitChild.DISABLED_LoadsTheOptimizedObjectFromDisk",
-                      {"MIXTAPE_TIERED_TEST_TAG=" + tag}),
-            0)
-      << "the first process exited without caching the optimized object";
+      run_child("TieredJitChild.DISABLED_StartsFromTheFastTierEntriesAndTiersUpAtOnce", {tag}), 0);
+  EXPECT_EQ(run_child("TieredJitChild.DISABLED_LoadsTheOptimizedObjectsFromDisk", {tag}), 0)
+      << "the second process did not cache the optimized objects";
 }
 
 // Run by the next test in children: kernels compiled fast, then an exit at some moment of their
