@@ -96,13 +96,15 @@ class LlvmJit {
   ///   simplification, LICM, the loop vectorizer), and the background thread compiles its IR
   ///   afresh at -O3. Either way the background thread makes the object an untiered compile
   ///   makes, byte for byte, stores it in the kernel cache and swaps it in. Only optimized
-  ///   objects are cached, so a later process and the AOT packager get those.
+  ///   objects are cached under a kernel's key, so a later process and the AOT packager get
+  ///   those.
   /// - untiered: -O3 and CodeGenOpt::Aggressive at once, as the background thread would.
   /// The background threads (jit/background_worker.h) run a tier-up on idle CPU time, or at
   /// normal priority once it has waited 2 s, and start nothing while foreground compiles run.
-  /// At exit the tier-ups not done yet run on the exiting thread (so the cache always ends with
-  /// the optimized objects, and the next process runs them at once) before the threads are
-  /// joined.
+  /// Exit waits for the tier-ups under way and drops the others, each leaving a fast-tier entry
+  /// in the kernel cache under a key of its own (its fast object and bitcode), never taken for
+  /// optimized code: a later process that loads the kernel (tiered) starts from that fast code,
+  /// compiling nothing, and tiers it up at once, without the 2 s patience.
   void set_tiered(bool tiered);
   bool tiered() const;
   /// Blocks until every tier-up queued so far has been swapped in (or has failed: the fast code
@@ -110,16 +112,15 @@ class LlvmJit {
   void wait_for_tier_up();
 
   struct Stats {
-    int64_t compiled = 0;        // IR compiled to machine code in the foreground
-    int64_t fast_compiled = 0;   // of those, to fast code, optimized later in the background
-    int64_t short_compiled = 0;  // of those, through the short IR pipeline (see set_tiered)
-    int64_t tiered_up = 0;       // kernels whose optimized code was swapped in
-    int64_t disk_loaded = 0;     // objects taken from the kernel cache
-    int64_t fast_disk_loaded =
-        0;                       // of those, fast-tier entries (see set_tiered), tiered up at once
-    int64_t memory_hits = 0;     // already loaded in this process
-    double compile_seconds = 0;  // wall time waited for compilation (parallel: the longest)
-    double tier_up_seconds = 0;  // background thread's time on tier-ups
+    int64_t compiled = 0;          // IR compiled to machine code in the foreground
+    int64_t fast_compiled = 0;     // of those, to fast code, optimized later in the background
+    int64_t short_compiled = 0;    // of those, through the short IR pipeline (see set_tiered)
+    int64_t tiered_up = 0;         // kernels whose optimized code was swapped in
+    int64_t disk_loaded = 0;       // objects taken from the kernel cache
+    int64_t fast_disk_loaded = 0;  // of those, fast-tier entries (see set_tiered)
+    int64_t memory_hits = 0;       // already loaded in this process
+    double compile_seconds = 0;    // wall time waited for compilation (parallel: the longest)
+    double tier_up_seconds = 0;    // background thread's time on tier-ups
     double load_seconds = 0;
     int64_t resident = 0;        // kernels loaded now (some owner still holds them)
     int64_t resident_bytes = 0;  // their object files' bytes (fast and optimized)
