@@ -644,16 +644,14 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
       if (from_fast_entry[i]) ++state_->stats.fast_disk_loaded;
       if (is_fast && was_compiled) ++state_->stats.fast_compiled;
       if (is_fast && was_compiled && compiled[i].short_pipeline) ++state_->stats.short_compiled;
-      if (!log_enabled("jit")) {
-      } else if (!was_compiled) {
+      if (log_enabled("jit") && !was_compiled)
         log_line("jit", "loaded from disk{} {}", from_fast_entry[i] ? " (fast tier)" : "", name);
-      } else {
+      if (log_enabled("jit") && was_compiled)
         log_line("jit", "compiled{} {}: IR pipeline {:.2f} ms, code {:.2f} ms",
                  !is_fast                     ? ""
                  : compiled[i].short_pipeline ? " (fast tier, short pipeline)"
                                               : " (fast tier)",
                  name, compiled[i].pipeline_seconds * 1e3, compiled[i].codegen_seconds * 1e3);
-      }
     }
     state_->stats.compile_seconds += compile_seconds;
     state_->stats.load_seconds += load_seconds;
