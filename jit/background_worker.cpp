@@ -29,10 +29,7 @@ void stop_all_at_exit() {
     std::lock_guard lock(registry_mutex());
     workers = registry();
   }
-  for (BackgroundWorker* worker : workers) {
-    worker->drain();
-    worker->stop();
-  }
+  for (BackgroundWorker* worker : workers) worker->stop();
 }
 
 }  // namespace
@@ -43,12 +40,14 @@ BackgroundWorker::~BackgroundWorker() {
   std::erase(registry(), this);
 }
 
-bool BackgroundWorker::post(Job job) {
+bool BackgroundWorker::post(Job job, Job on_drop, bool at_once) {
   bool start = false;
   {
     std::lock_guard lock(mutex_);
     if (stopping_) return false;
-    queue_.push_back({std::move(job), Clock::now()});
+    // `since` only counts toward the patience.
+    queue_.push_back({std::move(job), std::move(on_drop),
+                      Clock::now() - (at_once ? patience_ : Clock::duration())});
     start = !patient_thread_.joinable();
     if (start) owner_pid_ = ::getpid();
   }
@@ -119,10 +118,11 @@ void BackgroundWorker::drain() {
 
 void BackgroundWorker::stop() {
   std::thread idle, patient;
+  std::deque<Queued> dropped;
   {
     std::lock_guard lock(mutex_);
     stopping_ = true;
-    queue_.clear();
+    dropped.swap(queue_);
     // A forked child has the object but not the threads: nothing to join, and the handles name
     // threads of the parent, so they are left alone (a joinable std::thread must not be
     // destroyed). Nor is there anything to wait for, on this call or a later one: running_
@@ -140,8 +140,12 @@ void BackgroundWorker::stop() {
   if (idle.joinable()) idle.join();
   if (patient.joinable()) patient.join();
   // Jobs a drain() runs on another thread finish too.
-  std::unique_lock lock(mutex_);
-  done_.wait(lock, [&] { return running_ == 0; });
+  {
+    std::unique_lock lock(mutex_);
+    done_.wait(lock, [&] { return running_ == 0; });
+  }
+  for (Queued& queued : dropped)
+    if (queued.on_drop) queued.on_drop();
 }
 
 size_t BackgroundWorker::pending() const {

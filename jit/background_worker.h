@@ -28,11 +28,12 @@ namespace mixtape {
 /// Exit: a job may run code whose function-local statics (LLVM's, OpenSSL's) are destroyed by
 /// exit(). The first post() starts the threads and registers an atexit handler at that moment;
 /// handlers and static destructors run in reverse order of registration, so the handler runs
-/// before the destructors of every static constructed before the first post(). It runs the
-/// queued jobs (drain()), then joins the threads. The caller makes sure that the statics its
-/// jobs use exist before the first post() (jit/llvm_jit.cpp runs its first job on the calling
-/// thread for that reason). In a child made by fork(), which has no such threads, the handler
-/// does nothing.
+/// before the destructors of every static constructed before the first post(). It stops the
+/// worker (stop(): the running jobs finish, the queued ones are dropped, each with its on_drop),
+/// so that exit waits for at most the jobs under way. The caller makes sure that the statics its
+/// jobs use exist before the first post() (jit/llvm_jit.cpp tiers up a kernel of its own before
+/// its first post() for that reason). In a child made by fork(), which has no such threads, the
+/// handler does nothing.
 class BackgroundWorker {
  public:
   using Job = std::function<void()>;
@@ -49,12 +50,16 @@ class BackgroundWorker {
   BackgroundWorker(const BackgroundWorker&) = delete;
   BackgroundWorker& operator=(const BackgroundWorker&) = delete;
 
-  /// Queues job; false (and job dropped) once stop() has run. Jobs must not throw.
-  bool post(Job job);
+  /// Queues job; false (and job dropped, on_drop not run) once stop() has run. on_drop, if any,
+  /// runs instead of job should stop() drop it unrun (at exit, for one). Neither may throw.
+  /// at_once: the normal-priority thread need not wait its patience for it (quiet periods still
+  /// hold it back).
+  bool post(Job job, Job on_drop = {}, bool at_once = false);
   /// Blocks until every job queued so far has run: the caller runs the queued ones itself (at
   /// its priority, holds or not), and waits for those already running.
   void drain();
-  /// Lets the running jobs finish, drops the queued ones and joins the threads. Idempotent.
+  /// Lets the running jobs finish, drops the queued ones (running their on_drop on the caller's
+  /// thread, after the threads are joined) and joins the threads. Idempotent.
   void stop();
   /// Jobs queued or running now.
   size_t pending() const;
@@ -78,7 +83,7 @@ class BackgroundWorker {
   void run_front(std::unique_lock<std::mutex>& lock);
 
   struct Queued {
-    Job job;
+    Job job, on_drop;
     Clock::time_point since;
   };
   const std::chrono::milliseconds patience_;

@@ -7,9 +7,11 @@
 #include <llvm/ExecutionEngine/Orc/ExecutionUtils.h>
 #include <llvm/ExecutionEngine/Orc/JITTargetMachineBuilder.h>
 #include <llvm/ExecutionEngine/Orc/LLJIT.h>
+#include <llvm/IR/InstIterator.h>
 #include <llvm/IR/LLVMContext.h>
 #include <llvm/IR/LegacyPassManager.h>
 #include <llvm/IR/Module.h>
+#include <llvm/IR/Operator.h>
 #include <llvm/IR/Verifier.h>
 #include <llvm/IRReader/IRReader.h>
 #include <llvm/MC/MCSubtargetInfo.h>
@@ -25,6 +27,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -69,6 +72,59 @@ constexpr const char* fast_suffix = ".fast";
 bool tiered_from_environment() {
   const char* value = std::getenv("MIXTAPE_JIT_TIERED");
   return !(value && std::string_view(value) == "0");
+}
+
+// The fast tier's IR pipeline for a kernel without fast-math flags: promote the emitter's loop
+// counters to registers, simplify the index arithmetic, hoist what the loops do not change, and
+// vectorize -- what the pointwise and layout loops need to run at vector speed. About a third of
+// the -O3 pipeline's time. Without fast-math flags every pipeline keeps each operation's IEEE
+// result, so the code gives the bits the -O3 pipeline's does.
+constexpr const char* short_pipeline =
+    "function(sroa,early-cse,instcombine,simplifycfg,loop-mssa(loop-rotate,licm),indvars,"
+    "loop-vectorize,instcombine,simplifycfg)";
+
+// Whether an instruction of module carries a fast-math flag (the emitter's `fadd reassoc` sums):
+// the pipeline then picks the bits (the vectorizer splits such a sum into as many partial sums as
+// its cost model chooses), so both tiers must run the same one.
+bool has_fast_math(const llvm::Module& module) {
+  for (const llvm::Function& function : module)
+    for (const llvm::Instruction& inst : llvm::instructions(function))
+      if (const auto* op = llvm::dyn_cast<llvm::FPMathOperator>(&inst))
+        if (op->getFastMathFlags().any()) return true;
+  return false;
+}
+
+// Runs the -O3 pipeline, or short_pipeline when short_one, on module, for machine's target.
+void run_pipeline(llvm::Module& module, llvm::TargetMachine& machine, bool short_one) {
+  llvm::LoopAnalysisManager loops;
+  llvm::FunctionAnalysisManager functions;
+  llvm::CGSCCAnalysisManager cgscc;
+  llvm::ModuleAnalysisManager modules;
+  // No loop unrolling beyond the vectorizer's interleaving (which keeps several accumulators):
+  // it cut compile time by about a third without slowing the benchmark's kernels.
+  llvm::PipelineTuningOptions tuning;
+  tuning.LoopUnrolling = false;
+  llvm::PassBuilder passes(&machine, tuning);
+  passes.registerModuleAnalyses(modules);
+  passes.registerCGSCCAnalyses(cgscc);
+  passes.registerFunctionAnalyses(functions);
+  passes.registerLoopAnalyses(loops);
+  passes.crossRegisterProxies(loops, functions, cgscc, modules);
+  if (!short_one) {
+    passes.buildPerModuleDefaultPipeline(llvm::OptimizationLevel::O3).run(module, modules);
+    return;
+  }
+  llvm::ModulePassManager pipeline;
+  if (llvm::Error e = passes.parsePassPipeline(pipeline, short_pipeline))
+    fail("LLVM JIT: the fast tier's pipeline does not parse: {}", to_text(std::move(e)));
+  pipeline.run(module, modules);
+}
+
+// Renames the kernel's function for the fast tier's object (fast_suffix says why).
+void rename_fast(llvm::Module& module, const std::string& name) {
+  llvm::Function* function = module.getFunction(name);
+  if (!function) fail("LLVM JIT: kernel {} does not define a function of that name", name);
+  function->setName(name + fast_suffix);
 }
 
 // module -> object file with machine's codegen level.
@@ -131,11 +187,61 @@ class MachinePool {
 }  // namespace
 
 // An optimizing compile to do in the background: the fast kernel, what makes its optimized
-// object, and where that object is cached.
+// object (its -O3 IR as bitcode, or when the fast tier ran the short pipeline, its IR text to
+// compile afresh), and where that object is cached.
 struct LlvmJit::TierUp {
   std::weak_ptr<const JitKernel> kernel;
-  std::string name, key, bitcode;
+  std::string name, key, bitcode, ir;
+  // The fast object, for the fast-tier entry that replaces the tier-up should exit() drop it
+  // (empty: the kernel came from such an entry).
+  std::vector<std::byte> fast_object;
+  // Owed by an earlier process (the kernel came from a fast-tier entry): no patience.
+  bool at_once = false;
 };
+
+namespace {
+
+// The kernel-cache key of a kernel's fast-tier entry, beside `key`, its optimized object's. A
+// process that exits before a kernel's tier-up leaves one instead of the optimized object: the
+// fast object and what its tier-up needs. The next process that loads the kernel runs that fast
+// code at once and tiers it up without the usual patience, so that the optimized code is made by
+// a process that runs it, and the fast code is never taken for final.
+std::string fast_entry_key(const std::string& key) { return "fast tier\n" + key; }
+
+constexpr char fast_entry_magic[4] = {'M', 'T', 'F', 'T'};
+
+// A fast-tier entry: the magic, the object's length (8 bytes, host order: the key names the
+// host), the object, then the -O3 IR as bitcode (none: the tier-up compiles the IR afresh).
+std::vector<std::byte> pack_fast_entry(const std::vector<std::byte>& object,
+                                       const std::string& bitcode) {
+  uint64_t size = object.size();
+  std::vector<std::byte> entry(sizeof fast_entry_magic + sizeof size + object.size() +
+                               bitcode.size());
+  std::byte* at = entry.data();
+  std::memcpy(at, fast_entry_magic, sizeof fast_entry_magic);
+  std::memcpy(at += sizeof fast_entry_magic, &size, sizeof size);
+  std::memcpy(at += sizeof size, object.data(), object.size());
+  if (!bitcode.empty()) std::memcpy(at + object.size(), bitcode.data(), bitcode.size());
+  return entry;
+}
+
+// The object and bitcode of a fast-tier entry; false when it is not one.
+bool unpack_fast_entry(const std::vector<std::byte>& entry, std::vector<std::byte>& object,
+                       std::string& bitcode) {
+  uint64_t size = 0;
+  const size_t header = sizeof fast_entry_magic + sizeof size;
+  if (entry.size() < header ||
+      std::memcmp(entry.data(), fast_entry_magic, sizeof fast_entry_magic) != 0)
+    return false;
+  std::memcpy(&size, entry.data() + sizeof fast_entry_magic, sizeof size);
+  if (size == 0 || size > entry.size() - header) return false;
+  const std::byte* begin = entry.data() + header;
+  object.assign(begin, begin + size);
+  bitcode.assign(reinterpret_cast<const char*>(begin + size), entry.size() - header - size);
+  return true;
+}
+
+}  // namespace
 
 struct LlvmJit::State {
   std::mutex mutex;
@@ -149,10 +255,10 @@ struct LlvmJit::State {
 
   // Runs the tier-ups; declared last of what its jobs use, so that it is stopped first.
   BackgroundWorker worker;
-  // The process's first tier-up has run on a caller's thread; prime_mutex is held while it runs,
-  // so that no other thread posts (and so starts the worker and its exit handler) before it ends.
+  // prime_tier_up() has run; prime_mutex is held while it runs, so that no other thread posts
+  // (and so starts the worker and its exit handler) before it ends.
   std::mutex prime_mutex;
-  bool worker_primed = false;
+  std::atomic<bool> worker_primed{false};
   // An entry expires when its kernel's last owner lets go; the kernel's destructor then erases
   // it (under the mutex) as it removes the code.
   std::unordered_map<std::string, std::weak_ptr<const JitKernel>> loaded;
@@ -254,7 +360,8 @@ LlvmJit::Stats LlvmJit::stats() const {
 }
 
 LlvmJit::Compiled LlvmJit::compile_object(const std::string& name, const std::string& ir,
-                                          const std::string& cpu, bool fast) {
+                                          const std::string& cpu, Output output) {
+  const bool fast = output == Output::fast_object;
   llvm::LLVMContext context;
   llvm::SMDiagnostic diagnostic;
   std::unique_ptr<llvm::Module> module =
@@ -265,45 +372,49 @@ LlvmJit::Compiled LlvmJit::compile_object(const std::string& name, const std::st
     diagnostic.print(name.c_str(), os, false);
     fail("LLVM JIT: kernel {} does not parse: {}", name, os.str());
   }
+  std::string problems;
+  llvm::raw_string_ostream verify_os(problems);
+  if (llvm::verifyModule(*module, &verify_os))
+    fail("LLVM JIT: kernel {} is invalid IR: {}", name, verify_os.str());
+  auto start = std::chrono::steady_clock::now();
+  Compiled compiled;
+  compiled.short_pipeline = fast && !has_fast_math(*module);
+  if (compiled.short_pipeline) {
+    // Its tier-up compiles the IR afresh, so no optimizing machine is needed here.
+    auto quick = state_->machines.lease("fast " + cpu, [&] { return target_machine(cpu, true); });
+    module->setDataLayout(quick->createDataLayout());
+    module->setTargetTriple(quick->getTargetTriple().str());
+    run_pipeline(*module, *quick, true);
+    compiled.pipeline_seconds = seconds_since(start);
+    rename_fast(*module, name);
+    compiled.object = emit_object(*module, *quick);
+    compiled.codegen_seconds = seconds_since(start) - compiled.pipeline_seconds;
+    return compiled;
+  }
   // The IR pipeline runs with the optimizing tier's machine whatever the tier, so that both emit
   // the same optimized IR.
   auto optimizing = state_->machines.lease("opt " + cpu, [&] { return target_machine(cpu); });
   module->setDataLayout(optimizing->createDataLayout());
   module->setTargetTriple(optimizing->getTargetTriple().str());
-  std::string problems;
-  llvm::raw_string_ostream verify_os(problems);
-  if (llvm::verifyModule(*module, &verify_os))
-    fail("LLVM JIT: kernel {} is invalid IR: {}", name, verify_os.str());
-
-  llvm::LoopAnalysisManager loops;
-  llvm::FunctionAnalysisManager functions;
-  llvm::CGSCCAnalysisManager cgscc;
-  llvm::ModuleAnalysisManager modules;
-  // No loop unrolling beyond the vectorizer's interleaving (which keeps several accumulators):
-  // it cut compile time by about a third without slowing the benchmark's kernels.
-  llvm::PipelineTuningOptions tuning;
-  tuning.LoopUnrolling = false;
-  llvm::PassBuilder passes(&*optimizing, tuning);
-  passes.registerModuleAnalyses(modules);
-  passes.registerCGSCCAnalyses(cgscc);
-  passes.registerFunctionAnalyses(functions);
-  passes.registerLoopAnalyses(loops);
-  passes.crossRegisterProxies(loops, functions, cgscc, modules);
-  passes.buildPerModuleDefaultPipeline(llvm::OptimizationLevel::O3).run(*module, modules);
-
-  if (!fast) return {emit_object(*module, *optimizing), {}};
-  Compiled compiled;
+  run_pipeline(*module, *optimizing, false);
+  compiled.pipeline_seconds = seconds_since(start);
+  if (output == Output::optimized_object) {
+    compiled.object = emit_object(*module, *optimizing);
+    compiled.codegen_seconds = seconds_since(start) - compiled.pipeline_seconds;
+    return compiled;
+  }
   {
     // Use-list order is kept, so the optimized object made from the bitcode later is the one
     // this module would give.
     llvm::raw_string_ostream os(compiled.bitcode);
     llvm::WriteBitcodeToFile(*module, os, /*ShouldPreserveUseListOrder=*/true);
   }
-  llvm::Function* function = module->getFunction(name);
-  if (!function) fail("LLVM JIT: kernel {} does not define a function of that name", name);
-  function->setName(name + fast_suffix);
+  if (output == Output::optimized_bitcode) return compiled;
+  rename_fast(*module, name);
   auto quick = state_->machines.lease("fast " + cpu, [&] { return target_machine(cpu, true); });
+  auto codegen_start = std::chrono::steady_clock::now();
   compiled.object = emit_object(*module, *quick);
+  compiled.codegen_seconds = seconds_since(codegen_start);
   return compiled;
 }
 
@@ -341,9 +452,23 @@ std::vector<std::string> LlvmJit::cpu_features(const std::string& cpu,
   return out;
 }
 
+namespace {
+
+// The optimized object of a fast kernel: its bitcode (the -O3 IR) emitted with
+// CodeGenOpt::Aggressive.
+std::vector<std::byte> emit_optimized(const std::string& name, const std::string& bitcode,
+                                      llvm::TargetMachine& machine) {
+  llvm::LLVMContext context;
+  std::unique_ptr<llvm::Module> module = unwrap(
+      llvm::parseBitcodeFile(llvm::MemoryBufferRef(bitcode, name), context), "reading bitcode");
+  return emit_object(*module, machine);
+}
+
+}  // namespace
+
 double LlvmJit::compile_missing(const std::vector<KernelSource>& kernels,
                                 const std::vector<size_t>& missing, std::vector<Compiled>& compiled,
-                                const std::string& cpu, bool fast) {
+                                const std::string& cpu, bool fast, bool prime) {
   // Cache misses compile in parallel, one LLVM context and target machine per thread: a new
   // model's first step waits for its slowest share, not for the sum.
   auto start = std::chrono::steady_clock::now();
@@ -358,19 +483,26 @@ double LlvmJit::compile_missing(const std::vector<KernelSource>& kernels,
   std::atomic<size_t> next{0};
   std::mutex error_mutex;
   std::optional<Error> error;
+  // The primer, when asked for, comes last: a thread with no kernel left runs it, so that with
+  // fewer kernels than cores it costs no wall time.
+  const size_t jobs = order.size() + (prime ? 1 : 0);
   auto work = [&] {
-    for (size_t k; (k = next.fetch_add(1)) < order.size();) {
+    for (size_t k; (k = next.fetch_add(1)) < jobs;) {
+      if (k == order.size()) {
+        prime_tier_up();
+        continue;
+      }
       size_t i = order[k];
       try {
-        compiled[i] = compile_object(kernels[i].name, kernels[i].ir, cpu, fast);
+        compiled[i] = compile_object(kernels[i].name, kernels[i].ir, cpu,
+                                     fast ? Output::fast_object : Output::optimized_object);
       } catch (const Error& e) {
         std::lock_guard<std::mutex> lock(error_mutex);
         if (!error) error = e;
       }
     }
   };
-  size_t threads =
-      std::min<size_t>(missing.size(), std::max(1u, std::thread::hardware_concurrency()));
+  size_t threads = std::min<size_t>(jobs, std::max(1u, std::thread::hardware_concurrency()));
   std::vector<std::thread> pool;
   for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
   work();
@@ -395,7 +527,7 @@ std::vector<std::vector<std::byte>> LlvmJit::objects(const std::vector<KernelSou
     else
       missing.push_back(i);
   }
-  double compile_seconds = compile_missing(kernels, missing, compiled, cpu, false);
+  double compile_seconds = compile_missing(kernels, missing, compiled, cpu, false, false);
   for (size_t i : missing) kernel_cache().store(keys[i], compiled[i].object);
   {
     std::lock_guard<std::mutex> lock(state_->mutex);
@@ -444,6 +576,7 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
   std::vector<Compiled> compiled(kernels.size());
   std::vector<std::string> keys(kernels.size());
   std::vector<size_t> missing;
+  std::vector<bool> from_fast_entry(kernels.size());
   std::vector<TierUp> tier_ups;
   bool fast = tiered();
   auto start = std::chrono::steady_clock::now();
@@ -455,14 +588,25 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
         continue;
       }
       keys[i] = cache_key(kernels[i].ir, "");
-      if (auto cached = kernel_cache().load(keys[i]))
+      if (auto cached = kernel_cache().load(keys[i])) {
         compiled[i].object = std::move(*cached);
-      else
-        missing.push_back(i);
+        continue;
+      }
+      // Untiered, a fast-tier entry is no use: the kernel is compiled optimized at once.
+      if (fast) {
+        auto entry = kernel_cache().load(fast_entry_key(keys[i]));
+        if (entry && unpack_fast_entry(*entry, compiled[i].object, compiled[i].bitcode)) {
+          compiled[i].short_pipeline = compiled[i].bitcode.empty();
+          from_fast_entry[i] = true;
+          continue;
+        }
+      }
+      missing.push_back(i);
     }
   }
   double load_seconds = seconds_since(start);
-  double compile_seconds = compile_missing(kernels, missing, compiled, "", fast);
+  double compile_seconds =
+      compile_missing(kernels, missing, compiled, "", fast, fast && !state_->worker_primed);
   {
     std::unique_lock<std::mutex> lock(state_->mutex);
     for (size_t i = 0; i < kernels.size(); ++i) {
@@ -470,9 +614,10 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
       const std::string& name = kernels[i].name;
       if ((result[i] = state_->live(name, lock))) continue;  // a racing call loaded it meanwhile
       bool was_compiled = std::find(missing.begin(), missing.end(), i) != missing.end();
-      bool is_fast = was_compiled && fast;
-      // Only optimized objects are cached: the fast ones are replaced within the run.
-      if (was_compiled && !fast) kernel_cache().store(keys[i], compiled[i].object);
+      bool is_fast = (was_compiled && fast) || from_fast_entry[i];
+      // Only optimized objects are cached under their key: the fast ones are replaced within the
+      // run, or left under another (fast_entry_key()).
+      if (was_compiled && !is_fast) kernel_cache().store(keys[i], compiled[i].object);
       auto load_start = std::chrono::steady_clock::now();
       auto p = std::make_unique<JitKernel::Private>();
       p->name = name;
@@ -489,17 +634,24 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
       ++state_->stats.resident;
       state_->stats.resident_bytes += kernel->p_->bytes;
       if (is_fast)
-        tier_ups.push_back({kernel, name, std::move(keys[i]), std::move(compiled[i].bitcode)});
+        tier_ups.push_back({kernel, name, std::move(keys[i]), std::move(compiled[i].bitcode),
+                            compiled[i].short_pipeline ? kernels[i].ir : std::string(),
+                            was_compiled ? compiled[i].object : std::vector<std::byte>(),
+                            from_fast_entry[i]});
       result[i] = std::move(kernel);
       load_seconds += seconds_since(load_start);
       (was_compiled ? state_->stats.compiled : state_->stats.disk_loaded) += 1;
-      if (is_fast) ++state_->stats.fast_compiled;
-      if (log_enabled("jit"))
-        log_line("jit", "{} {}",
-                 !was_compiled ? "loaded from disk"
-                 : is_fast     ? "compiled (fast tier)"
-                               : "compiled",
-                 name);
+      if (from_fast_entry[i]) ++state_->stats.fast_disk_loaded;
+      if (is_fast && was_compiled) ++state_->stats.fast_compiled;
+      if (is_fast && was_compiled && compiled[i].short_pipeline) ++state_->stats.short_compiled;
+      if (log_enabled("jit") && !was_compiled)
+        log_line("jit", "loaded from disk{} {}", from_fast_entry[i] ? " (fast tier)" : "", name);
+      if (log_enabled("jit") && was_compiled)
+        log_line("jit", "compiled{} {}: IR pipeline {:.2f} ms, code {:.2f} ms",
+                 !is_fast                     ? ""
+                 : compiled[i].short_pipeline ? " (fast tier, short pipeline)"
+                                              : " (fast tier)",
+                 name, compiled[i].pipeline_seconds * 1e3, compiled[i].codegen_seconds * 1e3);
     }
     state_->stats.compile_seconds += compile_seconds;
     state_->stats.load_seconds += load_seconds;
@@ -516,74 +668,119 @@ bool LlvmJit::tiered() const { return state_->tiered.load(); }
 
 void LlvmJit::wait_for_tier_up() { state_->worker.drain(); }
 
+namespace {}  // namespace
+
+void LlvmJit::run_tier_up(TierUp& job) {
+  State* state = state_.get();
+  // What fails leaves the kernel on its fast code, which gives the same bits; MIXTAPE_LOG=jit
+  // says why. Nothing escapes: a job runs on the worker.
+  auto start = std::chrono::steady_clock::now();
+  try {
+    std::vector<std::byte> object;
+    if (!job.ir.empty()) {
+      object = compile_object(job.name, job.ir, "", Output::optimized_object).object;
+    } else {
+      auto machine = state->machines.lease("opt ", [&] { return target_machine(""); });
+      object = emit_optimized(job.name, job.bitcode, *machine);
+    }
+    kernel_cache().store(job.key, object);
+    // Let go after the lock: should this be the kernel's last owner, its destructor takes it.
+    std::shared_ptr<const JitKernel> kernel = job.kernel.lock();
+    std::lock_guard<std::mutex> lock(state->mutex);
+    state->stats.tier_up_seconds += seconds_since(start);
+    if (!kernel) return;  // gone meanwhile; its object is cached for the next one
+    auto [tracker, function] = add_object(*state->jit, object, job.name, job.name);
+    JitKernel::Private& p = *kernel->p_;
+    p.optimized_tracker = tracker;
+    p.optimized = true;
+    p.bytes += static_cast<int64_t>(object.size());
+    state->stats.resident_bytes += static_cast<int64_t>(object.size());
+    kernel->entry_.store(function, std::memory_order_release);
+    ++state->stats.tiered_up;
+    if (log_enabled("jit")) log_line("jit", "tiered up {}", job.name);
+  } catch (const std::exception& e) {
+    if (log_enabled("jit"))
+      log_line("jit", "{} keeps its fast code: the optimizing compile failed: {}", job.name,
+               e.what());
+  }
+}
+
 namespace {
 
-// The optimized object of a fast kernel: its bitcode (the -O3 IR) emitted with
-// CodeGenOpt::Aggressive.
-std::vector<std::byte> emit_optimized(const std::string& name, const std::string& bitcode,
-                                      llvm::TargetMachine& machine) {
-  llvm::LLVMContext context;
-  std::unique_ptr<llvm::Module> module = unwrap(
-      llvm::parseBitcodeFile(llvm::MemoryBufferRef(bitcode, name), context), "reading bitcode");
-  return emit_object(*module, machine);
+// The kernel prime_tier_up() tiers up: a `fadd reassoc` sum, which the -O3 pipeline vectorizes.
+constexpr const char* primer_name = "mt_tier_up_primer";
+constexpr const char* primer_ir = R"(; mixtape: the tier-up primer
+define void @mt_tier_up_primer(ptr noalias nocapture readonly %params, i64 %begin, i64 %end) {
+entry:
+  %in = load ptr, ptr %params
+  %pout = getelementptr inbounds ptr, ptr %params, i64 1
+  %out = load ptr, ptr %pout
+  %any = icmp slt i64 %begin, %end
+  br i1 %any, label %loop, label %exit
+loop:
+  %i = phi i64 [ %begin, %entry ], [ %i.next, %loop ]
+  %acc = phi float [ 0.0, %entry ], [ %acc.next, %loop ]
+  %at = getelementptr inbounds float, ptr %in, i64 %i
+  %x = load float, ptr %at
+  %acc.next = fadd reassoc float %acc, %x
+  %i.next = add nsw i64 %i, 1
+  %more = icmp slt i64 %i.next, %end
+  br i1 %more, label %loop, label %exit
+exit:
+  %sum = phi float [ 0.0, %entry ], [ %acc.next, %loop ]
+  store float %sum, ptr %out
+  ret void
 }
+)";
 
 }  // namespace
 
-void LlvmJit::tier_up(std::vector<TierUp> jobs) {
-  State* state = state_.get();
-  // A job runs on the worker (or, for the process's first, here); the LlvmJit instance and its
-  // state outlive the worker, which exit() stops first.
-  // What fails leaves the kernel on its fast code, which gives the same bits; MIXTAPE_LOG=jit
-  // says why. Nothing escapes: a job runs on the worker.
-  auto run = [this, state](TierUp& job) {
-    auto start = std::chrono::steady_clock::now();
-    try {
-      std::vector<std::byte> object;
-      {
-        auto machine = state->machines.lease("opt ", [&] { return target_machine(""); });
-        object = emit_optimized(job.name, job.bitcode, *machine);
-      }
-      kernel_cache().store(job.key, object);
-      // Let go after the lock: should this be the kernel's last owner, its destructor takes it.
-      std::shared_ptr<const JitKernel> kernel = job.kernel.lock();
-      std::lock_guard<std::mutex> lock(state->mutex);
-      state->stats.tier_up_seconds += seconds_since(start);
-      if (!kernel) return;  // gone meanwhile; its object is cached for the next one
-      auto [tracker, function] = add_object(*state->jit, object, job.name, job.name);
-      JitKernel::Private& p = *kernel->p_;
-      p.optimized_tracker = tracker;
-      p.optimized = true;
-      p.bytes += static_cast<int64_t>(object.size());
-      state->stats.resident_bytes += static_cast<int64_t>(object.size());
-      kernel->entry_.store(function, std::memory_order_release);
-      ++state->stats.tiered_up;
-      if (log_enabled("jit")) log_line("jit", "tiered up {}", job.name);
-    } catch (const std::exception& e) {
-      if (log_enabled("jit"))
-        log_line("jit", "{} keeps its fast code: the optimizing compile failed: {}", job.name,
-                 e.what());
-    }
-  };
-  // The first tier-up of the process runs here, on the caller's thread: the statics it makes
-  // (LLVM's bitcode reader and optimizing code generator, OpenSSL's MAC for the cache) then exist
-  // before the worker's first job, so exit() destroys them after it has stopped the worker.
-  std::unique_lock<std::mutex> prime_lock(state_->prime_mutex);
-  const bool prime = !state_->worker_primed;
-  size_t first = 0;
-  if (prime) {
-    // The smallest: this one delays the caller.
-    auto smallest = std::min_element(jobs.begin(), jobs.end(), [](const auto& a, const auto& b) {
-      return a.bitcode.size() < b.bitcode.size();
-    });
-    std::iter_swap(jobs.begin(), smallest);
-    run(jobs[0]);
-    first = 1;
-    state_->worker_primed = true;
+void LlvmJit::prime_tier_up() {
+  std::lock_guard<std::mutex> lock(state_->prime_mutex);
+  if (state_->worker_primed) return;
+  // Both kinds of tier-up in one: the primer's IR parsed, through the -O3 pipeline and out as
+  // bitcode, then read back and emitted at CodeGenOpt::Aggressive, and cached (the rest of what
+  // compiling IR afresh does, the foreground has done).
+  auto start = std::chrono::steady_clock::now();
+  try {
+    TierUp job;
+    job.name = primer_name;
+    job.key = cache_key(primer_ir, "");
+    job.bitcode = compile_object(primer_name, primer_ir, "", Output::optimized_bitcode).bitcode;
+    double pipeline_seconds = seconds_since(start);
+    run_tier_up(job);
+    if (log_enabled("jit"))
+      log_line("jit", "primed the tier-ups in {:.1f} ms (IR pipeline {:.1f} ms)",
+               seconds_since(start) * 1e3, pipeline_seconds * 1e3);
+  } catch (const std::exception& e) {
+    if (log_enabled("jit")) log_line("jit", "the tier-up primer failed: {}", e.what());
   }
-  prime_lock.unlock();
-  for (size_t j = first; j < jobs.size(); ++j)
-    state_->worker.post([run, job = std::make_shared<TierUp>(std::move(jobs[j]))] { run(*job); });
+  state_->worker_primed = true;
+}
+
+void LlvmJit::tier_up(std::vector<TierUp> jobs) {
+  // The statics a job makes must exist before the worker's first post() registers its exit
+  // handler (jit/background_worker.h): exit() then destroys them after it has stopped the worker.
+  // load_all() has most often primed already, on a core its foreground compile left idle.
+  prime_tier_up();
+  // The LlvmJit instance and its state outlive the worker, which exit() stops first. A tier-up
+  // that exit() drops leaves a fast-tier entry instead (fast_entry_key()), so that the process
+  // does not wait for optimized code it will not run.
+  for (TierUp& job : jobs) {
+    auto shared = std::make_shared<TierUp>(std::move(job));
+    BackgroundWorker::Job on_drop;
+    if (!shared->fast_object.empty())
+      on_drop = [shared] {
+        try {
+          kernel_cache().store(fast_entry_key(shared->key),
+                               pack_fast_entry(shared->fast_object, shared->bitcode));
+        } catch (const std::exception&) {
+          // Nothing lost but time: the next process compiles the kernel again.
+        }
+      };
+    state_->worker.post([this, shared] { run_tier_up(*shared); }, std::move(on_drop),
+                        shared->at_once);
+  }
 }
 
 }  // namespace mixtape

@@ -86,19 +86,25 @@ class LlvmJit {
   std::string target() const;
 
   /// Tiered compilation, on unless $MIXTAPE_JIT_TIERED is 0. A kernel that load_all() finds
-  /// neither loaded nor cached goes through the same -O3 IR pipeline either way (so its results
-  /// are the same bits), then:
+  /// neither loaded nor cached is compiled so that both tiers give the same bits:
   /// - tiered: to machine code with LLVM's fast instruction selection and register allocation
-  ///   (CodeGenOpt::None, a third of the compile time), which runs at once. A background thread
-  ///   then emits the same optimized IR with CodeGenOpt::Aggressive -- the object an untiered
-  ///   compile makes, byte for byte -- stores it in the kernel cache and swaps it in. Only
-  ///   optimized objects are cached, so a later process and the AOT packager get those.
-  /// - untiered: with CodeGenOpt::Aggressive at once, as the background thread would.
+  ///   (CodeGenOpt::None), which runs at once. A kernel with fast-math flags (the emitter's
+  ///   `fadd reassoc` sums, whose bits the vectorizer's choices decide) goes through the -O3 IR
+  ///   pipeline first, and a background thread then emits the same optimized IR with
+  ///   CodeGenOpt::Aggressive. A kernel without them, whose every operation keeps its IEEE result
+  ///   under any pipeline, goes through a short one (about a third of the time: SROA,
+  ///   simplification, LICM, the loop vectorizer), and the background thread compiles its IR
+  ///   afresh at -O3. Either way the background thread makes the object an untiered compile
+  ///   makes, byte for byte, stores it in the kernel cache and swaps it in. Only optimized
+  ///   objects are cached under a kernel's key, so a later process and the AOT packager get
+  ///   those.
+  /// - untiered: -O3 and CodeGenOpt::Aggressive at once, as the background thread would.
   /// The background threads (jit/background_worker.h) run a tier-up on idle CPU time, or at
   /// normal priority once it has waited 2 s, and start nothing while foreground compiles run.
-  /// At exit the tier-ups not done yet run on the exiting thread (so the cache always ends with
-  /// the optimized objects, and the next process runs them at once) before the threads are
-  /// joined.
+  /// Exit waits for the tier-ups under way and drops the others, each leaving a fast-tier entry
+  /// in the kernel cache under a key of its own (its fast object and bitcode), never taken for
+  /// optimized code: a later process that loads the kernel (tiered) starts from that fast code,
+  /// compiling nothing, and tiers it up at once, without the 2 s patience.
   void set_tiered(bool tiered);
   bool tiered() const;
   /// Blocks until every tier-up queued so far has been swapped in (or has failed: the fast code
@@ -106,13 +112,15 @@ class LlvmJit {
   void wait_for_tier_up();
 
   struct Stats {
-    int64_t compiled = 0;        // IR compiled to machine code in the foreground
-    int64_t fast_compiled = 0;   // of those, to fast code, optimized later in the background
-    int64_t tiered_up = 0;       // kernels whose optimized code was swapped in
-    int64_t disk_loaded = 0;     // objects taken from the kernel cache
-    int64_t memory_hits = 0;     // already loaded in this process
-    double compile_seconds = 0;  // wall time waited for compilation (parallel: the longest)
-    double tier_up_seconds = 0;  // background thread's time on tier-ups
+    int64_t compiled = 0;          // IR compiled to machine code in the foreground
+    int64_t fast_compiled = 0;     // of those, to fast code, optimized later in the background
+    int64_t short_compiled = 0;    // of those, through the short IR pipeline (see set_tiered)
+    int64_t tiered_up = 0;         // kernels whose optimized code was swapped in
+    int64_t disk_loaded = 0;       // objects taken from the kernel cache
+    int64_t fast_disk_loaded = 0;  // of those, fast-tier entries (see set_tiered)
+    int64_t memory_hits = 0;       // already loaded in this process
+    double compile_seconds = 0;    // wall time waited for compilation (parallel: the longest)
+    double tier_up_seconds = 0;    // background thread's time on tier-ups
     double load_seconds = 0;
     int64_t resident = 0;        // kernels loaded now (some owner still holds them)
     int64_t resident_bytes = 0;  // their object files' bytes (fast and optimized)
@@ -122,27 +130,40 @@ class LlvmJit {
  private:
   LlvmJit();
   // What compile_object() makes: the object, and for the fast tier the optimized IR as bitcode
-  // (the object then defines `name` + fast_suffix, so that the optimized object's `name` can be
-  // loaded beside it).
+  // unless it ran the short pipeline (the object then defines `name` + fast_suffix, so that the
+  // optimized object's `name` can be loaded beside it); the time its IR pipeline and its code
+  // generation took.
   struct Compiled {
     std::vector<std::byte> object;
     std::string bitcode;
+    bool short_pipeline = false;
+    double pipeline_seconds = 0, codegen_seconds = 0;
   };
+  // What compile_object() is asked for: the optimizing tier's object, the fast tier's, or only the
+  // optimized IR as bitcode.
+  enum class Output { optimized_object, fast_object, optimized_bitcode };
   Compiled compile_object(const std::string& name, const std::string& ir, const std::string& cpu,
-                          bool fast);
+                          Output output);
   // Kernel-cache key of an object compiled from ir for cpu (empty: the host).
   std::string cache_key(const std::string& ir, const std::string& cpu) const;
   // A target machine for cpu (empty: the host's, with its features) and codegen level.
   std::unique_ptr<llvm::TargetMachine> target_machine(const std::string& cpu,
                                                       bool fast = false) const;
-  // Compiles kernels[i] into compiled[i] for each i in missing, on every core; returns the wall
-  // time.
+  // Compiles kernels[i] into compiled[i] for each i in missing, on every core, and when prime,
+  // runs prime_tier_up() on one of them; returns the wall time.
   double compile_missing(const std::vector<KernelSource>& kernels,
                          const std::vector<size_t>& missing, std::vector<Compiled>& compiled,
-                         const std::string& cpu, bool fast);
-  // Queues (or, for the process's first, runs here) the optimizing compile of fast kernels.
+                         const std::string& cpu, bool fast, bool prime);
+  // Queues the optimizing compile of fast kernels, once prime_tier_up() has run.
   struct TierUp;
   void tier_up(std::vector<TierUp> jobs);
+  // Compiles, swaps in and caches job's optimized object.
+  void run_tier_up(TierUp& job);
+  // The process's first call tiers up a small kernel of its own on the calling thread, so that
+  // the statics a tier-up makes (LLVM's readers, -O3 pipeline and optimizing code generator,
+  // OpenSSL's MAC for the cache) exist before the worker starts; the others return once it is
+  // done.
+  void prime_tier_up();
   friend class JitKernel;
   struct State;
   // Shared with every JitKernel, so the JIT outlives the last of them (static destruction order

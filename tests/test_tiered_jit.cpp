@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <limits>
 #include <random>
 #include <string>
 #include <thread>
@@ -222,6 +223,93 @@ TEST_F(TieredJit, UntieredCompilesTheOptimizedCodeAtOnce) {
   EXPECT_EQ(jit().stats().compiled, after.compiled);
 }
 
+// A pointwise kernel without fast-math flags: out[i] = expf(in[i]) * 0.75 + sqrt(|in[i]|) / in[i],
+// vectorized but for the call. `tag` makes the kernel unique.
+mt::LlvmJit::KernelSource pointwise_kernel(const std::string& tag) {
+  std::string name = "tiered_pointwise_" + tag;
+  std::string ir = fmt::format(R"(; tiered JIT test kernel {0}
+declare float @expf(float)
+declare float @llvm.sqrt.f32(float)
+declare float @llvm.fabs.f32(float)
+define void @{0}(ptr noalias nocapture readonly %params, i64 %begin, i64 %end) #0 {{
+entry:
+  %in = load ptr, ptr %params
+  %pout = getelementptr inbounds ptr, ptr %params, i64 1
+  %out = load ptr, ptr %pout
+  %i.addr = alloca i64
+  store i64 %begin, ptr %i.addr
+  br label %head
+head:
+  %i = load i64, ptr %i.addr
+  %more = icmp slt i64 %i, %end
+  br i1 %more, label %body, label %exit
+body:
+  %p = getelementptr inbounds float, ptr %in, i64 %i
+  %x = load float, ptr %p
+  %e = call float @expf(float %x)
+  %a = fmul float %e, 0.75
+  %f = call float @llvm.fabs.f32(float %x)
+  %s = call float @llvm.sqrt.f32(float %f)
+  %d = fdiv float %s, %x
+  %y = fadd float %a, %d
+  %q = getelementptr inbounds float, ptr %out, i64 %i
+  store float %y, ptr %q
+  %i.next = add nsw i64 %i, 1
+  store i64 %i.next, ptr %i.addr
+  br label %head
+exit:
+  ret void
+}}
+attributes #0 = {{ nounwind "prefer-vector-width"="512" "min-legal-vector-width"="0" }}
+)",
+                               name);
+  return {name, ir};
+}
+
+// Without fast-math flags a kernel's fast tier takes the short pipeline, and still gives the
+// optimized code's bits; its tier-up compiles the IR afresh into the object an untiered compile
+// makes.
+TEST_F(TieredJit, AKernelWithoutFastMathTakesTheShortPipelineWithTheSameBits) {
+  mt::LlvmJit::KernelSource source = pointwise_kernel(unique_tag());
+  mt::LlvmJit::Stats before = jit().stats();
+  std::shared_ptr<const mt::JitKernel> kernel = jit().load(source.name, source.ir);
+  mt::LlvmJit::Stats loaded = jit().stats();
+  EXPECT_EQ(loaded.fast_compiled - before.fast_compiled, 1);
+  EXPECT_EQ(loaded.short_compiled - before.short_compiled, 1);
+  mt::KernelFunction fast = kernel->fast_function();
+  ASSERT_NE(fast, nullptr);
+  jit().wait_for_tier_up();
+  ASSERT_TRUE(kernel->optimized());
+  mt::KernelFunction optimized = kernel->function();
+  ASSERT_NE(optimized, fast);
+
+  const int n = 4099;  // not a multiple of any vector width: the scalar remainder runs too
+  std::vector<float> in = spread_values(1, n);
+  in[5] = 0.0f;  // 0/0: a NaN from both
+  in[6] = -std::numeric_limits<float>::denorm_min();
+  auto run = [&](mt::KernelFunction function) {
+    std::vector<float> out(n);
+    void* params[] = {in.data(), out.data()};
+    function(params, 0, n);
+    return out;
+  };
+  std::vector<float> fast_out = run(fast), optimized_out = run(optimized);
+  EXPECT_EQ(std::memcmp(fast_out.data(), optimized_out.data(), n * sizeof(float)), 0)
+      << "the tiers give different bits";
+  for (int i : {0, 1, 100, n - 1}) {
+    float x = in[i];
+    EXPECT_EQ(fast_out[i], std::exp(x) * 0.75f + std::sqrt(std::abs(x)) / x) << "element " << i;
+  }
+
+  int64_t compiled = jit().stats().compiled;
+  std::vector<std::byte> tiered = jit().objects({source})[0];
+  EXPECT_EQ(jit().stats().compiled, compiled) << "the tier-up did not cache its object";
+  std::vector<std::byte> untiered = jit().objects({{source.name, source.ir + "; again\n"}})[0];
+  ASSERT_EQ(tiered.size(), untiered.size());
+  EXPECT_EQ(std::memcmp(tiered.data(), untiered.data(), tiered.size()), 0)
+      << "the tiered-up object differs from an untiered compile of the same IR";
+}
+
 // A graph with reductions (softmax: max and sum), transcendental functions and bf16 rounding,
 // evaluated on the CPU back end.
 std::vector<float> graph_result(int64_t rows, int64_t cols) {
@@ -269,6 +357,38 @@ TEST(BackgroundWorker, AJobRunsAtNormalPriorityOnceItHasWaitedItsPatience) {
   EXPECT_GE(steady_clock::now() - start, milliseconds(200));
   worker.drain();
   EXPECT_NE(policy, SCHED_IDLE);
+}
+
+// stop() (and so exit) drops what is queued, running each job's on_drop instead, and waits only
+// for what runs.
+TEST(BackgroundWorker, StopDropsTheQueuedJobsAndRunsTheirOnDrop) {
+  using namespace std::chrono;
+  mt::BackgroundWorker worker(seconds(30), /*idle_thread=*/false);
+  int ran = 0, dropped = 0;
+  worker.post([&] { ++ran; }, [&] { ++dropped; });
+  worker.drain();  // runs it: no drop
+  worker.post([&] { ++ran; }, [&] { ++dropped; });
+  worker.post([&] { ++ran; });
+  auto start = steady_clock::now();
+  worker.stop();
+  EXPECT_LT(steady_clock::now() - start, seconds(5)) << "stop() waited for the queued jobs";
+  EXPECT_EQ(ran, 1);
+  EXPECT_EQ(dropped, 1);
+  EXPECT_FALSE(worker.post([&] { ++ran; }, [&] { ++dropped; }));
+  worker.stop();
+  EXPECT_EQ(dropped, 1);
+}
+
+// A job posted at_once runs on the normal-priority thread without waiting its patience.
+TEST(BackgroundWorker, AJobPostedAtOnceSkipsThePatience) {
+  using namespace std::chrono;
+  mt::BackgroundWorker worker(seconds(30), /*idle_thread=*/false);
+  std::atomic<bool> ran{false};
+  auto start = steady_clock::now();
+  worker.post([&] { ran = true; }, {}, /*at_once=*/true);
+  while (!ran && steady_clock::now() - start < seconds(5)) std::this_thread::sleep_for(1ms);
+  EXPECT_TRUE(ran) << "it waited for its patience";
+  worker.stop();
 }
 
 TEST(BackgroundWorker, AHoldKeepsJobsWaitingAndDrainRunsThemOnTheCaller) {
@@ -357,26 +477,86 @@ TEST_F(TieredJit, ANewProcessLoadsTheOptimizedObjectFromDisk) {
             0);
 }
 
-// Run by the next test in a child: the tagged kernel compiled fast, and the process exits at once.
+// The tagged kernels of the exit test: a `fadd reassoc` sum (its fast tier runs the -O3 pipeline,
+// its tier-up reads the bitcode) and a pointwise kernel (the short pipeline, its tier-up compiles
+// the IR afresh).
+std::vector<mt::LlvmJit::KernelSource> exit_test_kernels() {
+  std::string tag = ::getenv("MIXTAPE_TIERED_TEST_TAG");
+  return {row_sum_kernel(tag), pointwise_kernel(tag)};
+}
+
+// Run by the next test in a child: the tagged kernels compiled fast, and the process exits at once.
 TEST(TieredJitChild, DISABLED_CompilesFastAndExits) {
   jit().set_tiered(true);
   prime_tier_up();
-  mt::LlvmJit::KernelSource source = row_sum_kernel(::getenv("MIXTAPE_TIERED_TEST_TAG"));
-  std::shared_ptr<const mt::JitKernel> kernel = jit().load(source.name, source.ir);
-  EXPECT_NE(kernel->fast_function(), nullptr);
-  EXPECT_FALSE(kernel->optimized());
+  std::vector<std::shared_ptr<const mt::JitKernel>> kernels = jit().load_all(exit_test_kernels());
+  for (const auto& kernel : kernels) {
+    EXPECT_NE(kernel->fast_function(), nullptr);
+    EXPECT_FALSE(kernel->optimized());
+  }
 }
 
-TEST(TieredJitExit, TierUpsLeftAtExitAreDoneSoTheNextProcessRunsOptimizedCode) {
+// Run by the next test in a child: the tagged kernels start from the fast-tier entries the first
+// child's exit left (nothing compiled, the fast code at once), then tier up without the usual
+// patience to code with the same bits, which is cached.
+TEST(TieredJitChild, DISABLED_StartsFromTheFastTierEntriesAndTiersUpAtOnce) {
+  using namespace std::chrono;
+  jit().set_tiered(true);
+  std::vector<mt::LlvmJit::KernelSource> sources = exit_test_kernels();
+  auto start = steady_clock::now();
+  std::vector<std::shared_ptr<const mt::JitKernel>> kernels = jit().load_all(sources);
+  mt::LlvmJit::Stats loaded = jit().stats();
+  EXPECT_EQ(loaded.compiled, 0);
+  EXPECT_EQ(loaded.disk_loaded, 2);
+  EXPECT_EQ(loaded.fast_disk_loaded, 2) << "the first process ran its tier-ups at exit";
+  std::vector<mt::KernelFunction> fast;
+  for (const auto& kernel : kernels) {
+    fast.push_back(kernel->fast_function());
+    ASSERT_NE(fast.back(), nullptr);
+  }
+  // Tier-ups owed by an earlier process do not wait out the patience (2 s).
+  auto all_optimized = [&] {
+    for (const auto& kernel : kernels)
+      if (!kernel->optimized()) return false;
+    return true;
+  };
+  while (!all_optimized() && steady_clock::now() - start < milliseconds(1500))
+    std::this_thread::sleep_for(milliseconds(1));
+  EXPECT_TRUE(all_optimized()) << "the owed tier-ups waited for their patience";
+  jit().wait_for_tier_up();
+  EXPECT_EQ(jit().stats().tiered_up, 2);
+  const int rows = 16, width = 1000;
+  std::vector<float> in = spread_values(rows, width);
+  for (size_t k = 0; k < kernels.size(); ++k) {
+    ASSERT_TRUE(kernels[k]->optimized());
+    // Both kernels take (in, out) and run over [0, rows): the row sum writes `rows` sums, the
+    // pointwise kernel `rows` elements.
+    std::vector<float> a = run_row_sum(fast[k], in, rows);
+    std::vector<float> b = run_row_sum(kernels[k]->function(), in, rows);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), rows * sizeof(float)), 0) << sources[k].name;
+  }
+}
+
+// Run by the next test in a child: the tagged kernels, found on disk, optimized.
+TEST(TieredJitChild, DISABLED_LoadsTheOptimizedObjectsFromDisk) {
+  jit().set_tiered(true);
+  std::vector<std::shared_ptr<const mt::JitKernel>> kernels = jit().load_all(exit_test_kernels());
+  EXPECT_EQ(jit().stats().disk_loaded, 2);
+  EXPECT_EQ(jit().stats().compiled, 0);
+  for (const auto& kernel : kernels) EXPECT_TRUE(kernel->optimized());
+}
+
+// An exit drops the tier-ups not done (it waits for none of them), leaving fast-tier entries, never
+// read as optimized code: the next process starts from them without compiling, tiers them up at
+// once and caches the optimized objects for the one after.
+TEST(TieredJitExit, TierUpsLeftAtExitAreDroppedAndTheNextProcessTiersUpTheirEntries) {
   if (!mt::kernel_cache().disk_writable()) GTEST_SKIP() << "no writable kernel cache directory";
-  std::string tag = unique_tag();
+  std::string tag = "MIXTAPE_TIERED_TEST_TAG=" + unique_tag();
+  EXPECT_EQ(run_child("TieredJitChild.DISABLED_CompilesFastAndExits", {tag}), 0);
   EXPECT_EQ(
-      run_child("TieredJitChild.DISABLED_CompilesFastAndExits", {"MIXTAPE_TIERED_TEST_TAG=" + tag}),
-      0);
-  EXPECT_EQ(run_child("TieredJitChild.DISABLED_LoadsTheOptimizedObjectFromDisk",
-                      {"MIXTAPE_TIERED_TEST_TAG=" + tag}),
-            0)
-      << "the first process exited without caching the optimized object";
+      run_child("TieredJitChild.DISABLED_StartsFromTheFastTierEntriesAndTiersUpAtOnce", {tag}), 0);
+  EXPECT_EQ(run_child("TieredJitChild.DISABLED_LoadsTheOptimizedObjectsFromDisk", {tag}), 0)
+      << "the second process did not cache the optimized objects";
 }
 
 // Run by the next test in children: kernels compiled fast, then an exit at some moment of their
