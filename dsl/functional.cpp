@@ -219,6 +219,27 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOp
   return loss;
 }
 
+namespace {
+
+Tensor reduce(const Tensor& loss, Reduction reduction) {
+  switch (reduction) {
+    case Reduction::None:
+      return loss;
+    case Reduction::Sum:
+      return sum(loss);
+    case Reduction::Mean:
+      return mean(loss);
+  }
+  return loss;
+}
+
+int64_t axis_index(const Tensor& x, int64_t axis, const char* op, const Loc& loc) {
+  check_axes(x, {axis}, op, loc);
+  return axis < 0 ? axis + x.dim() : axis;
+}
+
+}  // namespace
+
 Tensor mse_loss(const Tensor& prediction, const Tensor& target, Reduction reduction,
                 const Loc& loc) {
   CallSiteScope site(loc, composite::mse_loss);
@@ -227,16 +248,151 @@ Tensor mse_loss(const Tensor& prediction, const Tensor& target, Reduction reduct
   if (prediction.shape() != target.shape())
     op_fail("mse_loss", loc, "prediction {} and target {} must have the same shape",
             to_string(prediction.shape()), to_string(target.shape()));
-  Tensor error = square(prediction - target);
-  switch (reduction) {
-    case Reduction::None:
-      return error;
-    case Reduction::Sum:
-      return sum(error);
-    case Reduction::Mean:
-      return mean(error);
+  return reduce(square(prediction - target), reduction);
+}
+
+Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targets,
+                                        BceWithLogitsOptions options, const Loc& loc) {
+  constexpr const char* op = "binary_cross_entropy_with_logits";
+  CallSiteScope site(loc, composite::binary_cross_entropy_with_logits);
+  require_float(logits, op, "logits", loc);
+  require_float(targets, op, "targets", loc);
+  if (logits.shape() != targets.shape())
+    op_fail(op, loc, "logits {} and targets {} must have the same shape", to_string(logits.shape()),
+            to_string(targets.shape()));
+  // -log(sigmoid(x)) = log1p(exp(-|x|)) + max(-x, 0), which overflows for neither sign. log1p(e)
+  // is log(u) e / (u - 1) with u = 1 + e (exact where u rounds to 1: then it is e), so that a
+  // confident prediction's small loss keeps its digits, as with PyTorch's log1p.
+  Tensor e = exp(-abs(logits)), u = 1.0 + e;
+  Tensor log1p_e = where(eq(u, full_like(u, 1.0)), e, log(u) * e / (u - 1.0));
+  Tensor neg_log_sigmoid = log1p_e + relu(-logits);
+  Tensor loss;
+  if (options.pos_weight.defined()) {
+    require_float(options.pos_weight, op, "pos_weight", loc);
+    Tensor log_weight = 1.0 + (options.pos_weight - 1.0) * targets;
+    loss = (1.0 - targets) * logits + log_weight * neg_log_sigmoid;
+  } else {
+    loss = (1.0 - targets) * logits + neg_log_sigmoid;
   }
-  return error;
+  return reduce(loss, options.reduction);
+}
+
+Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> max,
+             const Loc& loc) {
+  CallSiteScope site(loc, composite::clamp);
+  require(x, "clamp", "input", loc);
+  if (!min && !max) op_fail("clamp", loc, "needs a min or a max");
+  // Comparisons are false for NaN, so NaN passes both selections unchanged.
+  Tensor y = x;
+  if (min) y = where(y < *min, full_like(y, *min), y);
+  if (max) y = where(y > *max, full_like(y, *max), y);
+  return y;
+}
+
+Tensor masked_fill(const Tensor& x, const Tensor& mask, double value, const Loc& loc) {
+  CallSiteScope site(loc, composite::masked_fill);
+  require(x, "masked_fill", "input", loc);
+  if (!mask.defined() || mask.dtype() != boolean)
+    op_fail("masked_fill", loc, "the mask must be a bool tensor, got {}",
+            mask.defined() ? name(mask.dtype()) : "an undefined tensor");
+  return where(mask, full_like(x, value), x);
+}
+
+Tensor pad(const Tensor& x, const std::vector<int64_t>& pads, PadMode mode, double value,
+           const Loc& loc) {
+  CallSiteScope site(loc, composite::pad);
+  require(x, "pad", "input", loc);
+  if (pads.size() % 2 != 0 || pads.size() / 2 > static_cast<size_t>(x.dim()))
+    op_fail("pad", loc, "needs (before, after) pairs for at most {} axes, got {} values", x.dim(),
+            pads.size());
+  Tensor y = x;
+  for (size_t pair = 0; pair < pads.size() / 2; ++pair) {
+    const int64_t axis = x.dim() - 1 - static_cast<int64_t>(pair);
+    int64_t before = pads[2 * pair], after = pads[2 * pair + 1];
+    const int64_t size = y.size(axis);
+    if (mode != PadMode::Constant && (before < 0 || after < 0))
+      op_fail("pad", loc, "negative padding ({}, {}) of axis {} needs constant mode", before, after,
+              axis);
+    if (mode == PadMode::Reflect && (before >= size || after >= size))
+      op_fail("pad", loc, "reflect padding ({}, {}) of axis {} must be below its size {}", before,
+              after, axis, size);
+    if (mode == PadMode::Replicate && size == 0 && (before > 0 || after > 0))
+      op_fail("pad", loc, "cannot replicate the edge of axis {}, which is empty", axis);
+    if (before < 0 || after < 0) {  // negative constant pads crop
+      const int64_t start = std::max<int64_t>(-before, 0);
+      const int64_t stop = size - std::max<int64_t>(-after, 0);
+      if (stop < start)
+        op_fail("pad", loc, "padding ({}, {}) crops more than axis {} has ({})", before, after,
+                axis, size);
+      y = slice(y, axis, start, stop);
+      before = std::max<int64_t>(before, 0);
+      after = std::max<int64_t>(after, 0);
+    }
+    const int64_t n = y.size(axis);
+    auto block = [&](int64_t count, bool at_start) {
+      Shape shape = y.shape();
+      shape[axis] = count;
+      if (mode == PadMode::Constant) return full(shape, value, y.dtype());
+      if (mode == PadMode::Replicate)
+        return broadcast_to(slice(y, axis, at_start ? 0 : n - 1, at_start ? 1 : n), shape);
+      // Reflect: the mirror image without the edge, x[count] ... x[1] before, x[n-2] ... after.
+      std::vector<Tensor> rows;
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t at = at_start ? count - i : n - 2 - i;
+        rows.push_back(slice(y, axis, at, at + 1));
+      }
+      return concat(rows, axis);
+    };
+    std::vector<Tensor> parts;
+    if (before > 0) parts.push_back(block(before, true));
+    parts.push_back(y);
+    if (after > 0) parts.push_back(block(after, false));
+    if (parts.size() > 1) y = concat(parts, axis);
+  }
+  return y;
+}
+
+std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, int64_t axis,
+                          const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "split", "input", loc);
+  const int64_t a = axis_index(x, axis, "split", loc);
+  int64_t total = 0;
+  for (int64_t size : sizes) {
+    if (size < 0) op_fail("split", loc, "sizes must be non-negative, got {}", size);
+    total += size;
+  }
+  if (total != x.size(a))
+    op_fail("split", loc, "sizes add up to {}, but axis {} has {}", total, axis, x.size(a));
+  std::vector<Tensor> pieces;
+  int64_t start = 0;
+  for (int64_t size : sizes) {
+    pieces.push_back(slice(x, a, start, start + size));
+    start += size;
+  }
+  return pieces;
+}
+
+std::vector<Tensor> split(const Tensor& x, int64_t size, int64_t axis, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "split", "input", loc);
+  const int64_t a = axis_index(x, axis, "split", loc);
+  if (size <= 0) op_fail("split", loc, "the piece size must be positive, got {}", size);
+  std::vector<int64_t> sizes;
+  for (int64_t start = 0; start < x.size(a); start += size)
+    sizes.push_back(std::min(size, x.size(a) - start));
+  if (sizes.empty()) sizes.push_back(0);  // torch.split of an empty axis gives one empty piece
+  return split(x, sizes, a, loc);
+}
+
+std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t axis, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "chunk", "input", loc);
+  const int64_t a = axis_index(x, axis, "chunk", loc);
+  if (chunks <= 0) op_fail("chunk", loc, "the number of chunks must be positive, got {}", chunks);
+  // torch.chunk: pieces of ceil(size / chunks), so there may be fewer than `chunks`.
+  const int64_t size = std::max<int64_t>((x.size(a) + chunks - 1) / chunks, 1);
+  return split(x, size, a, loc);
 }
 
 Tensor dropout(const Tensor& x, double p, bool training, Generator* gen, const Loc& loc) {

@@ -41,6 +41,42 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOp
 Tensor mse_loss(const Tensor& prediction, const Tensor& target,
                 Reduction reduction = Reduction::Mean, const Loc& loc = Loc::current());
 
+struct BceWithLogitsOptions {
+  Reduction reduction = Reduction::Mean;
+  Tensor pos_weight;  // optional: the weight of the positive term, broadcast over the classes
+};
+/// Binary cross-entropy of sigmoid(logits) against targets in [0, 1], as PyTorch's
+/// binary_cross_entropy_with_logits: max(x, 0) - x y + log(1 + exp(-|x|)), which neither
+/// overflows nor loses the small probabilities, with pos_weight as PyTorch's.
+Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targets,
+                                        BceWithLogitsOptions options = {},
+                                        const Loc& loc = Loc::current());
+
+/// x limited to [min, max] (either optional), as torch.clamp: NaN stays NaN, min > max gives max,
+/// and the gradient passes where min <= x <= max.
+Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> max,
+             const Loc& loc = Loc::current());
+/// value where mask (bool, broadcast to x) is true, else x: torch's masked_fill.
+Tensor masked_fill(const Tensor& x, const Tensor& mask, double value,
+                   const Loc& loc = Loc::current());
+
+enum class PadMode { Constant, Reflect, Replicate };
+/// Pads x as torch.nn.functional.pad: `pads` holds (before, after) pairs from the last axis
+/// backwards, (left, right, top, bottom, ...). Constant fills with `value` and takes negative
+/// pads (which crop); Reflect mirrors without repeating the edge (each pad below the axis's
+/// size); Replicate repeats the edge.
+Tensor pad(const Tensor& x, const std::vector<int64_t>& pads, PadMode mode = PadMode::Constant,
+           double value = 0.0, const Loc& loc = Loc::current());
+
+/// x cut along `axis` into pieces of `size` (the last may be smaller), or of the given sizes,
+/// as torch.split; chunk into `chunks` pieces as torch.chunk. The pieces are views of x.
+std::vector<Tensor> split(const Tensor& x, int64_t size, int64_t axis = 0,
+                          const Loc& loc = Loc::current());
+std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, int64_t axis = 0,
+                          const Loc& loc = Loc::current());
+std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t axis = 0,
+                          const Loc& loc = Loc::current());
+
 /// Zeroes each element with probability p and scales the rest by 1/(1-p) when training;
 /// the mask comes from the Philox stream, so a seeded run is reproducible.
 Tensor dropout(const Tensor& x, double p, bool training = true, Generator* gen = nullptr,

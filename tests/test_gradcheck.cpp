@@ -592,6 +592,30 @@ const std::vector<Sample>& composite_samples() {
     add_c("log_softmax_axis1", {{{2, 3, 4}}},
           [](const Tensors& x) { return mt::log_softmax(x[0], 1); });
     add_c("logsumexp_last", {{{3, 4}}}, [](const Tensors& x) { return mt::logsumexp(x[0]); });
+    add_c("clamp", {{{3, 4}}}, [](const Tensors& x) { return mt::clamp(x[0], -0.4, 0.3); });
+    add_c("masked_fill", {{{3, 4}}}, [](const Tensors& x) {
+      return mt::masked_fill(x[0], mt::tensor(std::vector<int64_t>{1, 0, 0, 1}, {4}, mt::boolean),
+                             2.0);
+    });
+    add_c("pad_constant_crop", {{{2, 3, 4}}}, [](const Tensors& x) {
+      return mt::pad(x[0], {1, -1, -1, 2}, mt::PadMode::Constant, 3.0);
+    });
+    add_c("pad_reflect", {{{2, 3, 4}}}, [](const Tensors& x) {
+      return mt::pad(x[0], {3, 2, 1, 2}, mt::PadMode::Reflect);
+    });
+    add_c("pad_replicate", {{{2, 3, 4}}}, [](const Tensors& x) {
+      return mt::pad(x[0], {2, 1, 0, 3}, mt::PadMode::Replicate);
+    });
+    add_c("split_weighted", {{{2, 5}}}, [](const Tensors& x) {
+      std::vector<mt::Tensor> parts = mt::split(x[0], 2, 1);
+      return mt::concat({parts[2] * 3.0, parts[0], parts[1] * parts[1]}, 1);
+    });
+    add_c("bce_with_logits_pos_weight", {{{3, 4}}, {{4}}}, [](const Tensors& x) {
+      mt::Tensor y = mt::tensor(std::vector<double>{0, 1, 0.25, 0.5, 1, 0, 0.75, 1, 0, 0, 1, 0.5},
+                                {3, 4}, mt::f64);
+      return mt::binary_cross_entropy_with_logits(
+          x[0] * 4.0, y, {.reduction = mt::Reduction::Sum, .pos_weight = x[1]});
+    });
     add_c("logsumexp_axes01_keepdim", {{{2, 3, 4}}}, [](const Tensors& x) {
       return mt::logsumexp(x[0], {0, 1}, true);
     });

@@ -215,6 +215,14 @@ TEST(CompositeTable, EveryCompositeNamesItsNodes) {
       {"rms_norm", [&] { return mt::rms_norm(x, norm_weight); }},
       {"cross_entropy", [&] { return mt::cross_entropy(x, labels); }},
       {"mse_loss", [&] { return mt::mse_loss(x, x * 2.0); }},
+      {"binary_cross_entropy_with_logits",
+       [&] { return mt::binary_cross_entropy_with_logits(x, mt::sigmoid(x)); }},
+      {"clamp", [&] { return mt::clamp(x, -1.0, 1.0); }},
+      {"masked_fill", [&] { return mt::masked_fill(x, x > 0.0, 1.0); }},
+      {"pad",
+       [&] {
+         return mt::pad(x, {1, 1}, mt::PadMode::Reflect);
+       }},
       {"linear", [&] { return mt::linear(x, w, b); }},
       {"dropout", [&] { return mt::dropout(x, 0.5, true, &gen); }},
       {"causal_mask", [&] { return mt::causal_mask(3); }},

@@ -228,6 +228,48 @@ TEST(Slice, NegativeClampedAndStepped) {
   expect_same(values(mt::unslice(make({1, 2}, {2}), {1}, {2}, {5})), {0, 1, 0, 2, 0});
 }
 
+// torch.split and torch.chunk: pieces along an axis, views of the input.
+TEST(SplitChunk, PiecesAsPyTorchCutsThem) {
+  mt::Tensor m = mt::reshape(mt::arange(14), {2, 7});
+  auto shapes = [](const std::vector<mt::Tensor>& pieces) {
+    std::vector<mt::Shape> out;
+    for (const mt::Tensor& p : pieces) out.push_back(p.shape());
+    return out;
+  };
+  std::vector<mt::Tensor> by3 = mt::split(m, 3, 1);
+  EXPECT_EQ(shapes(by3), (std::vector<mt::Shape>{{2, 3}, {2, 3}, {2, 1}}));
+  EXPECT_EQ(int_values(by3[2]), (std::vector<int64_t>{6, 13}));
+  std::vector<mt::Tensor> sized = mt::split(m, std::vector<int64_t>{1, 0, 6}, -1);
+  EXPECT_EQ(shapes(sized), (std::vector<mt::Shape>{{2, 1}, {2, 0}, {2, 6}}));
+  EXPECT_EQ(int_values(sized[0]), (std::vector<int64_t>{0, 7}));
+  // torch.chunk(7, 3): pieces of ceil(7 / 3) = 3; chunk(7, 4): pieces of 2, so 4 of them.
+  EXPECT_EQ(shapes(mt::chunk(m, 3, 1)), (std::vector<mt::Shape>{{2, 3}, {2, 3}, {2, 1}}));
+  EXPECT_EQ(shapes(mt::chunk(m, 4, 1)), (std::vector<mt::Shape>{{2, 2}, {2, 2}, {2, 2}, {2, 1}}));
+  EXPECT_EQ(shapes(mt::chunk(m, 5, 0)), (std::vector<mt::Shape>{{1, 7}, {1, 7}}));
+  EXPECT_THROW(mt::split(m, 0, 1), mt::Error);
+  EXPECT_THROW(mt::split(m, std::vector<int64_t>{3, 3}, 1), mt::Error);
+  EXPECT_THROW(mt::split(m, 2, 2), mt::Error);
+  EXPECT_THROW(mt::chunk(m, 0, 1), mt::Error);
+  // Each piece's gradient lands on its own part of the input.
+  mt::Tensor x = mt::tensor(std::vector<double>{1, 2, 3, 4, 5}, {5}).requires_grad_(true);
+  std::vector<mt::Tensor> parts = mt::split(x, 2);
+  (mt::sum(parts[0]) + 10.0 * mt::sum(parts[2])).backward();
+  expect_same(values(x.grad()), {1, 1, 0, 0, 10});
+}
+
+// Padding's errors: the shapes pad refuses, as PyTorch does, with a reason.
+TEST(Pad, RefusesWhatItCannotPad) {
+  mt::Tensor x = mt::zeros({2, 3});
+  EXPECT_THROW(mt::pad(x, {1}), mt::Error);                              // not a pair
+  EXPECT_THROW(mt::pad(x, {1, 1, 1, 1, 1, 1}), mt::Error);               // more axes than x
+  EXPECT_THROW(mt::pad(x, {3, 0}, mt::PadMode::Reflect), mt::Error);     // not below the size
+  EXPECT_THROW(mt::pad(x, {-1, 0}, mt::PadMode::Replicate), mt::Error);  // negative, not constant
+  EXPECT_THROW(mt::pad(x, {-2, -2}), mt::Error);                         // crops more than 3
+  EXPECT_EQ(mt::pad(x, {-1, -2}).shape(), (mt::Shape{2, 0}));
+  EXPECT_THROW(mt::clamp(x, std::nullopt, std::nullopt), mt::Error);
+  EXPECT_THROW(mt::masked_fill(x, x, 1.0), mt::Error);  // the mask is not bool
+}
+
 TEST(ConcatStack, ValuesShapesAndPromotion) {
   mt::Tensor a = ints({1, 2, 3, 4}, {2, 2}), b = ints({5, 6}, {2, 1}),
              c = ints({7, 8, 9, 10}, {2, 2});
@@ -885,6 +927,33 @@ void add_composite_cases(Oracle& o, Data& d, mt::DType dt) {
   mt::Tensor q2 = d.randn({2, 2, 4}, dt), v2 = d.randn({2, 3, 5}, dt);
   o.add("sdpa/cross/" + t, {q2, k, v2}, mt::scaled_dot_product_attention(q2, k, v2),
         "sdpa(a, b, c, False)");
+  mt::Tensor cx =
+      make({-2.5, -1.0, 0.0, 0.5, 1.0, 3.0, kNan, kInf, -kInf, 0.75, -0.25, 2.0}, {3, 4}, dt);
+  o.add("clamp/both/" + t, {cx}, mt::clamp(cx, -1.0, 1.0), "torch.clamp(a, -1, 1)");
+  o.add("clamp/min/" + t, {cx}, mt::clamp(cx, 0.5, std::nullopt), "torch.clamp(a, min=0.5)");
+  o.add("clamp/max/" + t, {cx}, mt::clamp(cx, std::nullopt, 0.5), "torch.clamp(a, max=0.5)");
+  o.add("clamp/min_above_max/" + t, {cx}, mt::clamp(cx, 1.0, -1.0), "torch.clamp(a, 1, -1)");
+  mt::Tensor fill_mask = mt::tensor(std::vector<int64_t>{1, 0, 0, 1}, {4}, mt::boolean);
+  o.add("masked_fill/" + t, {cx, fill_mask}, mt::masked_fill(cx, fill_mask, -7.5),
+        "a.masked_fill(b, -7.5)");
+  mt::Tensor img = d.randn({2, 3, 4, 5}, dt);
+  o.add("pad/constant/" + t, {img}, mt::pad(img, {1, 2, 0, 3}, mt::PadMode::Constant, 0.5),
+        "F.pad(a, (1, 2, 0, 3), value=0.5)");
+  o.add("pad/constant_crop/" + t, {img}, mt::pad(img, {-1, 2, 1, -2}), "F.pad(a, (-1, 2, 1, -2))");
+  o.add("pad/reflect/" + t, {img}, mt::pad(img, {2, 1, 3, 0}, mt::PadMode::Reflect),
+        "F.pad(a, (2, 1, 3, 0), mode='reflect')");
+  o.add("pad/replicate/" + t, {img}, mt::pad(img, {3, 1, 1, 2}, mt::PadMode::Replicate),
+        "F.pad(a, (3, 1, 1, 2), mode='replicate')");
+  Doubles lv = d.normal(12, 4.0);
+  lv[0] = 30, lv[1] = -30, lv[2] = 12, lv[3] = -12;
+  mt::Tensor bl = make(lv, {3, 4}, dt), by = make(d.uniform(12, 0.0, 1.0), {3, 4}, dt);
+  mt::Tensor pw = make({0.5, 1.0, 2.0, 4.0}, {4}, dt);
+  o.add("bce_with_logits/mean/" + t, {bl, by}, mt::binary_cross_entropy_with_logits(bl, by),
+        "F.binary_cross_entropy_with_logits(a, b)");
+  o.add("bce_with_logits/none_pos_weight/" + t, {bl, by, pw},
+        mt::binary_cross_entropy_with_logits(bl, by,
+                                             {.reduction = mt::Reduction::None, .pos_weight = pw}),
+        "F.binary_cross_entropy_with_logits(a, b, pos_weight=c, reduction='none')");
   mt::Tensor ca = d.randn({2, 3}, dt), cb = d.randn({2, 3}, dt);
   mt::Tensor custom = mt::custom_op(
       {ca, cb}, [](const Tensors& in) { return in[0] * in[1] + mt::sin(in[0]); },
