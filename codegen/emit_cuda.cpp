@@ -620,9 +620,11 @@ class Emitter {
         if (ta == Type::i1 && v.op != Op::Eq && v.op != Op::Ne)  // icmp slt i1: true is -1
           return fmt::format("(-static_cast<int>({}) {} -static_cast<int>({}))", a, op.cuda_f32, b);
         return fmt::format("({} {} {})", a, op.cuda_f32, b);
-      case kir::OpForm::Libm:
-        if (op.arity == 2) return fmt::format("{}{}({}, {})", op.llvm_float, f32 ? "f" : "", a, b);
-        return fmt::format("{}{}({})", op.llvm_float, f32 ? "f" : "", a);
+      case kir::OpForm::Libm: {
+        const kir::LibmTraits& fn = kir::traits(static_cast<kir::Libm>(v.param));
+        if (fn.arity == 2) return fmt::format("{}{}({}, {})", fn.name, f32 ? "f" : "", a, b);
+        return fmt::format("{}{}({})", fn.name, f32 ? "f" : "", a);
+      }
       case kir::OpForm::Special:
         break;
     }

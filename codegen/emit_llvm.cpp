@@ -669,9 +669,10 @@ class Emitter {
         return r;
       }
       case kir::OpForm::Libm: {
+        const kir::LibmTraits& fn = kir::traits(static_cast<kir::Libm>(v.param));
         std::string args = fmt::format("{} {}", t, operand(v.a));
-        if (op.arity == 2) args += fmt::format(", {} {}", t, operand(v.b));
-        line("{} = {}", r, call(op.llvm_float, v.type, args));
+        if (fn.arity == 2) args += fmt::format(", {} {}", t, operand(v.b));
+        line("{} = {}", r, call(fn.name, v.type, args));
         return r;
       }
       case kir::OpForm::Special:

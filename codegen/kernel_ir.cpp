@@ -48,9 +48,15 @@ constexpr OpTraits kTraits[] = {
   {#name, arity, OpForm::form, llvm_float, llvm_int, cuda_f32, cuda_f64, cuda_i64},
 #include "codegen/kir_ops.def"
 };
+constexpr LibmTraits kLibm[] = {
+#define MT_LIBM(Name, name, arity, f32) {#name, arity},
+#include "dsl/libm.def"
+};
 }  // namespace
 
 const OpTraits& traits(Op op) { return kTraits[static_cast<size_t>(op)]; }
+const LibmTraits& traits(Libm fn) { return kLibm[static_cast<size_t>(fn)]; }
+int libm_count() { return static_cast<int>(std::size(kLibm)); }
 int op_count() { return static_cast<int>(std::size(kTraits)); }
 const char* op_name(Op op) { return traits(op).name; }
 
@@ -78,6 +84,7 @@ void list_values(std::string& out, const std::vector<Value>& values, const char*
     if (v.op == Op::Load) out += fmt::format(" p{}[{}]", v.param, affine(v.map));
     if (v.op == Op::Accumulated) out += fmt::format(" r{}", v.param);
     if (v.op == Op::Scalar) out += fmt::format(" s{}", v.param);
+    if (v.op == Op::Call) out += fmt::format(" {}", traits(static_cast<Libm>(v.param)).name);
     if (v.op == Op::RoundTo) out += fmt::format(" {}", name(v.dtype));
     out += "\n";
   }

@@ -21,6 +21,18 @@ enum class Op : uint8_t {
 #include "codegen/kir_ops.def"
 };
 
+/// The C library functions kernels call (dsl/libm.def): an Op::Call's `param`.
+enum class Libm : uint8_t {
+#define MT_LIBM(Name, name, arity, f32) Name,
+#include "dsl/libm.def"
+};
+struct LibmTraits {
+  const char* name;  // the double function; the float one adds the suffix f
+  int arity;
+};
+const LibmTraits& traits(Libm fn);
+int libm_count();
+
 /// How the emitters write an op (codegen/kir_ops.def).
 enum class OpForm : uint8_t { Special, Arith, Compare, Libm };
 
@@ -29,7 +41,7 @@ struct OpTraits {
   const char* name;
   int arity;
   OpForm form;
-  const char* llvm_float;  // Arith: the instruction; Compare: the fcmp predicate; Libm: the name
+  const char* llvm_float;  // Arith: the instruction; Compare: the fcmp predicate
   const char* llvm_int;    // Arith: the instruction; Compare: the icmp predicate
   const char* cuda_f32;    // Arith: the function; Compare: the C operator
   const char* cuda_f64;

@@ -186,9 +186,11 @@ class Lowerer {
     }
     auto kept = kept_in_.find(node);
     if (kept != kept_in_.end()) {
-      // Until the pass that stores the output's own value there.
-      auto [owner, kept_at] = kept->second;
-      if (kept_at == at && stage.pass <= stored_pass(owner)) return load_from(owner);
+      // After the pass that left it there (a pass's stores follow its loads), until the pass
+      // that stores the output's own value.
+      const Kept& k = kept->second;
+      if (k.at == at && k.pass < stage.pass && stage.pass <= stored_pass(k.owner))
+        return load_from(k.owner);
       return std::nullopt;
     }
     // Worth a store and a load: an op whose own code (inputs aside) is long, as exp's is.
@@ -205,7 +207,7 @@ class Lowerer {
       if (found == memo.end()) continue;
       Node* owner = keeper(node, at, stage.pass);
       if (!owner) return std::nullopt;
-      kept_in_[node] = {owner, at};
+      kept_in_[node] = {owner, at, p};
       kir::Store keep{output_param(owner), found->second, at};
       (p == 0 ? out_.kernel.stores : out_.kernel.later_passes[p - 1].stores).push_back(keep);
       return load_from(owner);
@@ -222,7 +224,7 @@ class Lowerer {
       bool exact =
           output->storage == node->storage || (output->storage == f32 && is_half(node->storage));
       bool taken = std::any_of(kept_in_.begin(), kept_in_.end(),
-                               [&](const auto& entry) { return entry.second.first == output; });
+                               [&](const auto& entry) { return entry.second.owner == output; });
       if (exact && !taken && at == offset(group_.access.at(output)[0], output->shape))
         return output;
     }
@@ -435,7 +437,13 @@ class Lowerer {
   std::unordered_set<Node*> members_;
   std::unordered_map<Node*, int> levels_;
   std::unordered_map<Node*, int32_t> reduction_index_;
-  std::unordered_map<Node*, std::pair<Node*, Affine>> kept_in_;  // value -> output buffer, at
+  // A value left in an output's buffer: the owner, the elements and the pass that stored it.
+  struct Kept {
+    Node* owner;
+    Affine at;
+    int pass;
+  };
+  std::unordered_map<Node*, Kept> kept_in_;
   std::unordered_map<Node*, size_t> own_values_;  // kir values of a pointwise op's own code
   LoweredKernel out_;
   std::vector<Stage> passes_;

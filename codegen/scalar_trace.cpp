@@ -25,10 +25,22 @@ Sym compare(Op op, Sym a, Sym b) {
   return Sym(builder().binary(op, Type::i1, a.id, b.id), Type::i1, 0);
 }
 
-Sym float_call(Op op, Sym a) {
+Sym float_op(Op op, Sym a) {
   if (a.type != Type::f32 && a.type != Type::f64)
     fail("kernel trace: {} needs a float operand", op_name(op));
   return Sym(builder().unary(op, a.type, a.id), a.type, 0);
+}
+
+// A call of the C library's `fn` (dsl/libm.def) on one or two float operands of one type.
+Sym libm_call(Libm fn, Sym a, const Sym* b = nullptr) {
+  const char* name = traits(fn).name;
+  if ((a.type != Type::f32 && a.type != Type::f64) || (b && b->type != a.type))
+    fail("kernel trace: {} needs float operands of one type", name);
+  Value v{Op::Call, a.type};
+  v.a = a.id;
+  if (b) v.b = b->id;
+  v.param = static_cast<int32_t>(fn);
+  return Sym(builder().add(v), a.type, 0);
 }
 
 }  // namespace
@@ -89,25 +101,28 @@ Sym f32_steps(Steps steps) {
 }  // namespace
 
 Sym exp(Sym a) {
-  if (a.type != Type::f32) return kir::float_call(Op::Exp, a);
+  if (a.type != Type::f32) return kir::libm_call(kir::Libm::Exp, a);
   return f32_steps([a] { return exp_steps(a); });
 }
-Sym log(Sym a) { return kir::float_call(Op::Log, a); }
-Sym sqrt(Sym a) { return kir::float_call(Op::Sqrt, a); }
 Sym tanh(Sym a) {
-  if (a.type != Type::f32) return kir::float_call(Op::Tanh, a);
+  if (a.type != Type::f32) return kir::libm_call(kir::Libm::Tanh, a);
   return f32_steps([a] { return tanh_steps(a); });
 }
 Sym erf(Sym a) {
-  if (a.type != Type::f32) return kir::float_call(Op::Erf, a);
+  if (a.type != Type::f32) return kir::libm_call(kir::Libm::Erf, a);
   return f32_steps([a] { return erf_steps(a); });
 }
-Sym sin(Sym a) { return kir::float_call(Op::Sin, a); }
-Sym cos(Sym a) { return kir::float_call(Op::Cos, a); }
-Sym pow(Sym a, Sym b) {
-  if (a.type != b.type || (a.type != Type::f32 && a.type != Type::f64))
-    fail("kernel trace: pow needs float operands of one type");
-  return Sym(kir::trace_context().builder->binary(Op::Pow, a.type, a.id, b.id), a.type, 0);
-}
+Sym sqrt(Sym a) { return kir::float_op(Op::Sqrt, a); }
+// The rest of dsl/libm.def: a call for every float type.
+#define MT_LIBM_TRACE_Libm_1(Name, name) \
+  Sym name(Sym a) { return kir::libm_call(kir::Libm::Name, a); }
+#define MT_LIBM_TRACE_Libm_2(Name, name) \
+  Sym name(Sym a, Sym b) { return kir::libm_call(kir::Libm::Name, a, &b); }
+#define MT_LIBM_TRACE_Own_1(Name, name)
+#define MT_LIBM(Name, name, arity, f32) MT_LIBM_TRACE_##f32##_##arity(Name, name)
+#include "dsl/libm.def"
+#undef MT_LIBM_TRACE_Libm_1
+#undef MT_LIBM_TRACE_Libm_2
+#undef MT_LIBM_TRACE_Own_1
 
 }  // namespace mixtape::math

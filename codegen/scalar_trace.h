@@ -97,12 +97,12 @@ using kir::is_nan;
 using kir::ldexp;
 using kir::select;
 using kir::Sym;
-Sym exp(Sym a);
-Sym log(Sym a);
 Sym sqrt(Sym a);
-Sym tanh(Sym a);
-Sym erf(Sym a);
-Sym sin(Sym a);
-Sym cos(Sym a);
-Sym pow(Sym a, Sym b);
+// dsl/libm.def's functions.
+#define MT_LIBM_DECLARE_1(name) Sym name(Sym a);
+#define MT_LIBM_DECLARE_2(name) Sym name(Sym a, Sym b);
+#define MT_LIBM(Name, name, arity, f32) MT_LIBM_DECLARE_##arity(name)
+#include "dsl/libm.def"
+#undef MT_LIBM_DECLARE_1
+#undef MT_LIBM_DECLARE_2
 }  // namespace mixtape::math

@@ -56,8 +56,8 @@ Tensor stable_shift(const Tensor& x, const std::vector<int64_t>& axes, const Loc
 // y (g - sum(g y)) and log_softmax's g - exp(y) sum(g). The composites' own gradients would keep
 // exp(x - max) and the broadcast row sums for the backward pass, and take more passes over them.
 // Without a gradient to take they are the composites alone. A mask is applied inside (-inf where
-// it is false), so that the masked scores are not kept either: masked places have y = 0, and so
-// a zero gradient, as where()'s would give them.
+// it is false), so that the masked scores are not kept either; masked places get a zero
+// gradient, as where()'s would give them.
 Tensor softmax_of(const Tensor& x, const Tensor& mask, int64_t axis, const Loc& loc) {
   auto forward = [&](const std::vector<Tensor>& in) {
     Tensor scores = in[0];
@@ -69,8 +69,10 @@ Tensor softmax_of(const Tensor& x, const Tensor& mask, int64_t axis, const Loc& 
   if (!grad_enabled() || !x.requires_grad()) return forward({x});
   return custom_op(
       {x}, forward,
-      [axis](const std::vector<Tensor>&, const Tensor& y, const Tensor& g) {
-        return std::vector<Tensor>{y * (g - sum(g * y, {axis}, true))};
+      [axis, mask](const std::vector<Tensor>&, const Tensor& y, const Tensor& g) {
+        Tensor dx = y * (g - sum(g * y, {axis}, true));
+        // Masked places get a zero gradient even in a row that is all masked (whose y is NaN).
+        return std::vector<Tensor>{mask.defined() ? where(mask, dx, zeros_like(dx)) : dx};
       },
       loc);
 }
@@ -91,6 +93,9 @@ Tensor masked_softmax(const Tensor& x, const Tensor& mask, int64_t axis, const L
   if (!mask.defined() || mask.dtype() != boolean)
     op_fail("masked_softmax", loc, "the mask must be a bool tensor, got {}",
             mask.defined() ? name(mask.dtype()) : "an undefined tensor");
+  if (broadcast_shapes(mask.shape(), x.shape()) != std::optional<Shape>(x.shape()))
+    op_fail("masked_softmax", loc, "the mask {} does not broadcast to the input {}",
+            to_string(mask.shape()), to_string(x.shape()));
   return softmax_of(x, mask, axis, loc);
 }
 
@@ -260,12 +265,9 @@ Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targ
   if (logits.shape() != targets.shape())
     op_fail(op, loc, "logits {} and targets {} must have the same shape", to_string(logits.shape()),
             to_string(targets.shape()));
-  // -log(sigmoid(x)) = log1p(exp(-|x|)) + max(-x, 0), which overflows for neither sign. log1p(e)
-  // is log(u) e / (u - 1) with u = 1 + e (exact where u rounds to 1: then it is e), so that a
-  // confident prediction's small loss keeps its digits, as with PyTorch's log1p.
-  Tensor e = exp(-abs(logits)), u = 1.0 + e;
-  Tensor log1p_e = where(eq(u, full_like(u, 1.0)), e, log(u) * e / (u - 1.0));
-  Tensor neg_log_sigmoid = log1p_e + relu(-logits);
+  // -log(sigmoid(x)) = log1p(exp(-|x|)) + max(-x, 0), which overflows for neither sign and keeps
+  // the digits of a confident prediction's small loss, as PyTorch's.
+  Tensor neg_log_sigmoid = log1p(exp(-abs(logits))) + relu(-logits);
   Tensor loss;
   if (options.pos_weight.defined()) {
     require_float(options.pos_weight, op, "pos_weight", loc);
@@ -296,6 +298,129 @@ Tensor masked_fill(const Tensor& x, const Tensor& mask, double value, const Loc&
     op_fail("masked_fill", loc, "the mask must be a bool tensor, got {}",
             mask.defined() ? name(mask.dtype()) : "an undefined tensor");
   return where(mask, full_like(x, value), x);
+}
+
+Tensor remainder(const Tensor& a, const Tensor& b, const Loc& loc) {
+  CallSiteScope site(loc, composite::remainder);
+  require_float(a, "remainder", "dividend", loc);
+  require_float(b, "remainder", "divisor", loc);
+  // fmod has the dividend's sign; a non-zero result of the other sign than b moves by b.
+  Tensor r = fmod(a, b);
+  Tensor other_sign = logical_and(ne(r, zeros_like(r)), ne(r < 0.0, b < 0.0));
+  return where(other_sign, r + b, r);
+}
+
+Tensor isnan(const Tensor& x, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "isnan", "input", loc);
+  if (!is_floating(x.dtype())) return zeros(x.shape(), boolean);
+  return ne(x, x);
+}
+
+Tensor isinf(const Tensor& x, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "isinf", "input", loc);
+  if (!is_floating(x.dtype())) return zeros(x.shape(), boolean);
+  return eq(abs(x), full_like(x, std::numeric_limits<double>::infinity()));
+}
+
+Tensor isfinite(const Tensor& x, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "isfinite", "input", loc);
+  if (!is_floating(x.dtype())) return ones(x.shape(), boolean);
+  return abs(x) < std::numeric_limits<double>::infinity();  // false for NaN
+}
+
+namespace {
+Tensor truth(const Tensor& x) { return x.dtype() == boolean ? x : ne(x, zeros_like(x)); }
+}  // namespace
+
+Tensor logical_not(const Tensor& x, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "logical_not", "input", loc);
+  return eq(truth(x), zeros_like(truth(x)));
+}
+
+Tensor logical_and(const Tensor& a, const Tensor& b, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(a, "logical_and", "input", loc);
+  require(b, "logical_and", "other", loc);
+  Tensor x = truth(a), y = truth(b);
+  return where(x, y, zeros_like(y));
+}
+
+Tensor logical_or(const Tensor& a, const Tensor& b, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(a, "logical_or", "input", loc);
+  require(b, "logical_or", "other", loc);
+  Tensor x = truth(a), y = truth(b);
+  return where(x, ones_like(y), y);
+}
+
+Tensor logical_xor(const Tensor& a, const Tensor& b, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(a, "logical_xor", "input", loc);
+  require(b, "logical_xor", "other", loc);
+  return ne(truth(a), truth(b));
+}
+
+Tensor softplus(const Tensor& x, double beta, double threshold, const Loc& loc) {
+  CallSiteScope site(loc, composite::softplus);
+  require_float(x, "softplus", "input", loc);
+  if (!(beta > 0)) op_fail("softplus", loc, "beta must be positive, got {}", beta);
+  // Linear above the threshold, as PyTorch's, where log1p(exp(beta x)) / beta rounds to x.
+  Tensor scaled = x * beta;
+  return where(scaled > threshold, x, log1p(exp(scaled)) * (1.0 / beta));
+}
+
+Tensor leaky_relu(const Tensor& x, double negative_slope, const Loc& loc) {
+  CallSiteScope site(loc, composite::leaky_relu);
+  require_float(x, "leaky_relu", "input", loc);
+  return where(x > 0.0, x, x * negative_slope);
+}
+
+Tensor elu(const Tensor& x, double alpha, const Loc& loc) {
+  CallSiteScope site(loc, composite::elu);
+  require_float(x, "elu", "input", loc);
+  return where(x > 0.0, x, expm1(x) * alpha);
+}
+
+Tensor selu(const Tensor& x, const Loc& loc) {
+  CallSiteScope site(loc, composite::selu);
+  require_float(x, "selu", "input", loc);
+  // The constants of Klambauer et al. (2017), as PyTorch has them.
+  constexpr double alpha = 1.6732632423543772848170429916717;
+  constexpr double scale = 1.0507009873554804934193349852946;
+  return where(x > 0.0, x * scale, expm1(x) * (alpha * scale));
+}
+
+Tensor mish(const Tensor& x, const Loc& loc) {
+  CallSiteScope site(loc, composite::mish);
+  require_float(x, "mish", "input", loc);
+  return x * tanh(softplus(x));
+}
+
+Tensor hardsigmoid(const Tensor& x, const Loc& loc) {
+  CallSiteScope site(loc, composite::hardsigmoid);
+  require_float(x, "hardsigmoid", "input", loc);
+  // relu6(x + 3) / 6, whose gradient is 1/6 strictly inside (-3, 3), as PyTorch's.
+  return where(x <= -3.0, zeros_like(x), where(x >= 3.0, ones_like(x), x * (1.0 / 6.0) + 0.5));
+}
+
+Tensor hardswish(const Tensor& x, const Loc& loc) {
+  CallSiteScope site(loc, composite::hardswish);
+  require_float(x, "hardswish", "input", loc);
+  return where(x <= -3.0, zeros_like(x), where(x > 3.0, x, x * (x + 3.0) * (1.0 / 6.0)));
+}
+
+Tensor lerp(const Tensor& start, const Tensor& end, const Tensor& weight, const Loc& loc) {
+  CallSiteScope site(loc, composite::lerp);
+  require_float(start, "lerp", "start", loc);
+  require_float(end, "lerp", "end", loc);
+  require_float(weight, "lerp", "weight", loc);
+  // PyTorch's two forms: from start below a weight of 0.5, from end above (exact at both ends).
+  Tensor diff = end - start;
+  return where(abs(weight) < 0.5, start + weight * diff, end - diff * (1.0 - weight));
 }
 
 Tensor pad(const Tensor& x, const std::vector<int64_t>& pads, PadMode mode, double value,

@@ -60,6 +60,31 @@ Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> m
 Tensor masked_fill(const Tensor& x, const Tensor& mask, double value,
                    const Loc& loc = Loc::current());
 
+/// PyTorch's remainder: a - b floor(a / b), with the sign of the divisor (Python's %).
+Tensor remainder(const Tensor& a, const Tensor& b, const Loc& loc = Loc::current());
+/// Bool tests of each element; false for every integer but isfinite's true.
+Tensor isnan(const Tensor& x, const Loc& loc = Loc::current());
+Tensor isinf(const Tensor& x, const Loc& loc = Loc::current());
+Tensor isfinite(const Tensor& x, const Loc& loc = Loc::current());
+/// Element-wise logic on truth values (non-zero is true), as torch.logical_*: bool results.
+Tensor logical_not(const Tensor& x, const Loc& loc = Loc::current());
+Tensor logical_and(const Tensor& a, const Tensor& b, const Loc& loc = Loc::current());
+Tensor logical_or(const Tensor& a, const Tensor& b, const Loc& loc = Loc::current());
+Tensor logical_xor(const Tensor& a, const Tensor& b, const Loc& loc = Loc::current());
+
+/// Activations with PyTorch's definitions, defaults and gradients at the kinks.
+Tensor softplus(const Tensor& x, double beta = 1.0, double threshold = 20.0,
+                const Loc& loc = Loc::current());
+Tensor leaky_relu(const Tensor& x, double negative_slope = 0.01, const Loc& loc = Loc::current());
+Tensor elu(const Tensor& x, double alpha = 1.0, const Loc& loc = Loc::current());
+Tensor selu(const Tensor& x, const Loc& loc = Loc::current());
+Tensor mish(const Tensor& x, const Loc& loc = Loc::current());
+Tensor hardsigmoid(const Tensor& x, const Loc& loc = Loc::current());
+Tensor hardswish(const Tensor& x, const Loc& loc = Loc::current());
+/// start + weight (end - start), in PyTorch's two forms (exact at weights 0 and 1).
+Tensor lerp(const Tensor& start, const Tensor& end, const Tensor& weight,
+            const Loc& loc = Loc::current());
+
 enum class PadMode { Constant, Reflect, Replicate };
 /// Pads x as torch.nn.functional.pad: `pads` holds (before, after) pairs from the last axis
 /// backwards, (left, right, top, bottom, ...). Constant fills with `value` and takes negative

@@ -21,15 +21,33 @@ inline bool is_nan(int64_t) { return false; }
 
 // Float-only ops are still instantiated for integer T (the domain check in ops.cpp keeps them
 // from running); the int64_t overloads compute in double as std:: would.
-#define MT_SCALAR_MATH(fn)                          \
-  inline float fn(float a) { return std::fn(a); }   \
-  inline double fn(double a) { return std::fn(a); } \
-  inline double fn(int64_t a) { return std::fn(static_cast<double>(a)); }
-MT_SCALAR_MATH(log)
-MT_SCALAR_MATH(sqrt)
-MT_SCALAR_MATH(sin)
-MT_SCALAR_MATH(cos)
-#undef MT_SCALAR_MATH
+inline float sqrt(float a) { return std::sqrt(a); }
+inline double sqrt(double a) { return std::sqrt(a); }
+inline double sqrt(int64_t a) { return std::sqrt(static_cast<double>(a)); }
+
+// The C library's functions of dsl/libm.def: a double (and an integer, as a double) calls the
+// library; a float the library's float function, but for those computed below (Own).
+#define MT_LIBM_FLOAT_Libm_1(name) \
+  inline float name(float a) { return std::name(a); }
+#define MT_LIBM_FLOAT_Libm_2(name) \
+  inline float name(float a, float b) { return std::name(a, b); }
+#define MT_LIBM_FLOAT_Own_1(name)
+#define MT_LIBM_DOUBLE_1(name)                          \
+  inline double name(double a) { return std::name(a); } \
+  inline double name(int64_t a) { return std::name(static_cast<double>(a)); }
+#define MT_LIBM_DOUBLE_2(name)                                        \
+  inline double name(double a, double b) { return std::name(a, b); }  \
+  inline double name(int64_t a, int64_t b) {                          \
+    return std::name(static_cast<double>(a), static_cast<double>(b)); \
+  }
+#define MT_LIBM(Name, name, arity, f32) \
+  MT_LIBM_FLOAT_##f32##_##arity(name) MT_LIBM_DOUBLE_##arity(name)
+#include "dsl/libm.def"
+#undef MT_LIBM_FLOAT_Libm_1
+#undef MT_LIBM_FLOAT_Libm_2
+#undef MT_LIBM_FLOAT_Own_1
+#undef MT_LIBM_DOUBLE_1
+#undef MT_LIBM_DOUBLE_2
 
 /// a * 2^b for an integer-valued b in [-252, 254] (f64: [-2044, 2046]), as two exact powers of
 /// two built from exponent bits: a result that overflows or is subnormal rounds once, at the
@@ -133,19 +151,9 @@ F silu_slope(F x, F s) {
   return s * (F(1) + x * (F(1) - s));
 }
 
+// The float functions dsl/libm.def marks Own.
 inline float exp(float a) { return exp_steps(a); }
-inline double exp(double a) { return std::exp(a); }
-inline double exp(int64_t a) { return std::exp(static_cast<double>(a)); }
 inline float tanh(float a) { return tanh_steps(a); }
 inline float erf(float a) { return erf_steps(a); }
-inline double erf(double a) { return std::erf(a); }
-inline double erf(int64_t a) { return std::erf(static_cast<double>(a)); }
-inline double tanh(double a) { return std::tanh(a); }
-inline double tanh(int64_t a) { return std::tanh(static_cast<double>(a)); }
-inline float pow(float a, float b) { return std::pow(a, b); }
-inline double pow(double a, double b) { return std::pow(a, b); }
-inline double pow(int64_t a, int64_t b) {
-  return std::pow(static_cast<double>(a), static_cast<double>(b));
-}
 
 }  // namespace mixtape::math

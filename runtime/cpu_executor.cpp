@@ -183,10 +183,11 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
   s.kernel_nodes += step.members;
 }
 
-// The 16-bit copies of f32 matmul operands made during one program run, kept until it ends: an
-// f32 value read by several half matmuls (a batch of inputs by the forward product and by the
-// weight gradient; attention probabilities by P @ V and by its gradient) is rounded once. Holding
-// the source keeps its address from being reused by another value while the entry lives.
+// The 16-bit copies of f32 leaves (weights, a batch of inputs) that half matmuls read during one
+// program run, kept until it ends: a leaf read by several (the forward product and the weight
+// gradient's) is rounded once, the "cast once" of memory_report. Leaves live through the run
+// anyway; a value the run computes is rounded per reader instead, so that its copy does not
+// outlive it. Holding the source keeps its address from being reused while the entry lives.
 struct NarrowedCopy {
   std::shared_ptr<Storage> source, copy;
 };
@@ -196,13 +197,16 @@ std::vector<NarrowedCopy>& narrowed_copies() {
 }
 
 // An input's value in `dtype` (the matmul's compute type): itself, or converted.
-std::shared_ptr<Storage> as_dtype(const std::shared_ptr<Storage>& value, DType dtype) {
+std::shared_ptr<Storage> as_dtype(const Node& input, DType dtype) {
+  const std::shared_ptr<Storage>& value = input.value;
   if (value->dtype == dtype) return value;
+  const bool leaf = op_info(input.op).kind == OpKind::Leaf;
   std::vector<NarrowedCopy>& copies = narrowed_copies();
-  for (const NarrowedCopy& c : copies)
-    if (c.source == value && c.copy->dtype == dtype) return c.copy;
+  if (leaf)
+    for (const NarrowedCopy& c : copies)
+      if (c.source == value && c.copy->dtype == dtype) return c.copy;
   auto out = std::make_shared<Storage>(dtype, value->count, Storage::Uninitialized{});
-  copies.push_back({value, out});
+  if (leaf) copies.push_back({value, out});
   if (value->dtype == f32 && dtype == bf16)
     narrow_to_bf16(value->as<float>(), out->as<uint16_t>(), value->count);
   else if (value->dtype == f32 && dtype == f16)
@@ -232,8 +236,8 @@ void run_matmul(Node& node) {
     ++stats().host_ops;
     return;
   }
-  auto a = as_dtype(node.inputs[0]->value, desc.operand);
-  auto b = as_dtype(node.inputs[1]->value, desc.operand);
+  auto a = as_dtype(*node.inputs[0], desc.operand);
+  auto b = as_dtype(*node.inputs[1], desc.operand);
   auto out = allocate(node);
   if (desc.batch > 0) gemm(desc, a->host_data(), b->host_data(), out->host_data());
   node.value = out;

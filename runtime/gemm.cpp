@@ -384,17 +384,18 @@ void finish(const GemmDesc& d, bool team, float* result, void* out, int64_t coun
 // (mlp_w64_b4096's weight gradients, a fifth of its step). Such a product is split along k
 // instead: each part is a contiguous run of rows of both operands, the parts run as one batched
 // product on the team, and their f32 results are summed. The same f32 accumulation, in another
-// order, as a blocked kernel's own order is. The number of parts, 1 when not split.
+// order, as a blocked kernel's own order is. The number of parts is fixed, whatever the number
+// of threads, so that the bits do not depend on it. The number of parts, 1 when not split.
 int64_t k_split_parts(const GemmDesc& d) {
+  constexpr int64_t kParts = 4;
   constexpr int64_t kBlock = 64;            // oneDNN's output blocks are about this size
-  constexpr int64_t kMinRowsPerPart = 512;  // each part at least this much of k
-  const int64_t threads = omp_get_max_threads();
-  if (d.batch != 1 || !d.transpose_a || d.transpose_b || threads < 2) return 1;
+  constexpr int64_t kMinRowsPerPart = 256;  // each part at least this much of k
+  if (d.batch != 1 || !d.transpose_a || d.transpose_b) return 1;
   const int64_t blocks = ((d.m + kBlock - 1) / kBlock) * ((d.n + kBlock - 1) / kBlock);
-  if (blocks >= threads || d.k % threads != 0 || d.k / threads < kMinRowsPerPart) return 1;
+  if (blocks >= kParts || d.k % kParts != 0 || d.k / kParts < kMinRowsPerPart) return 1;
   const double flops =
       2.0 * static_cast<double>(d.m) * static_cast<double>(d.n) * static_cast<double>(d.k);
-  return flops >= kSingleThreadMaxFlops ? threads : 1;
+  return flops >= kSingleThreadMaxFlops ? kParts : 1;
 }
 
 // The batched product of the parts: f32 results, the epilogue left for after their sum.
@@ -459,7 +460,7 @@ void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void
     gemm(part, a, b, partials);
     log_choice(d, [&] { return describe_k_split(d, parts); });
     float* result = f32_result();
-#pragma omp parallel for num_threads(static_cast <int>(parts)) schedule(static)
+#pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < count; ++i) {
       float sum = partials[i];
       for (int64_t p = 1; p < parts; ++p) sum += partials[p * count + i];

@@ -378,6 +378,29 @@ TEST(Compiled, LaterPassesReadBackWhatEarlierPassesStored) {
     ASSERT_NEAR(r[i], c[i], 2e-6 * (1 + std::fabs(r[i]))) << i;
 }
 
+// A value kept in an output's buffer is read back only after the pass that stored it: here exp(x)
+// is first needed in pass 1 (o1 = e + r0) but only kept, in o3's buffer, by pass 2 (found by the
+// review; pass 1 read o3's buffer before anything was written there).
+TEST(Compiled, AKeptValueIsReadOnlyAfterThePassThatStoredIt) {
+  mt::Generator gen(8);
+  mt::Tensor x = mt::randn({3, 50}, mt::f32, &gen);
+  mt::eval({x});
+  auto program = [&] {
+    mt::Tensor r0 = mt::sum(x, {-1}, true), r1 = mt::sum(x * r0, {-1}, true);
+    mt::Tensor e = mt::exp(x), o1 = e + r0;
+    mt::Tensor r2 = mt::sum(e * r1, {-1}, true), r3 = mt::sum((o1 + e) * r2, {-1}, true);
+    return mt::concat({e * r3, o1}, 0);
+  };
+  for (int run = 0; run < 2; ++run) {  // the second run reuses the first one's freed blocks
+    auto [reference, compiled] = both(program);
+    ASSERT_EQ(reference.size(), compiled.size());
+    const float* r = reinterpret_cast<const float*>(reference.data());
+    const float* c = reinterpret_cast<const float*>(compiled.data());
+    for (size_t i = 0; i < reference.size() / 4; ++i)
+      ASSERT_NEAR(r[i], c[i], 1e-4 * (1 + std::fabs(r[i]))) << i;
+  }
+}
+
 TEST(Compiled, APointwiseChainIsOneKernelAndTheSecondRunCompilesNothing) {
   mt::set_device(mt::Device::cpu);
   mt::Tensor x = mt::tensor(std::vector<float>(1000, 1.5f), {10, 100});

@@ -36,6 +36,7 @@ enum class Dist {
   Grid,          // distinct: ranks 0.25 apart plus jitter < 0.04, so max never ties
   GridShifted,   // the Grid lattice moved by 0.125: at least 0.085 from any Grid value
   Dyadic,        // multiples of 2^-8 in [-2, 2]: exact in f16 and f32, and so are x +- 2^-8
+  Inside,        // U[-0.8, 0.8): inside asin's and acos's domain, clear of its ends
 };
 
 struct Input {
@@ -66,6 +67,8 @@ std::vector<double> draw(Dist dist, int64_t n, mt::Generator& gen) {
       return mt::randn({n}, mt::f64, &gen).to_vector<double>();
     case Dist::Positive:
       return mt::rand({n}, mt::f64, &gen, 0.5, 2.0).to_vector<double>();
+    case Dist::Inside:
+      return mt::rand({n}, mt::f64, &gen, -0.8, 0.8).to_vector<double>();
     case Dist::AwayFromZero: {
       std::vector<double> v = mt::rand({n}, mt::f64, &gen, -1.0, 1.0).to_vector<double>();
       for (double& x : v) x += x < 0 ? -0.3 : 0.3;
@@ -245,9 +248,13 @@ mt::Tensor ids(std::vector<int64_t> values, mt::Shape shape, mt::DType dtype = m
 Dist unary_dist(OpCode op) {
   switch (op) {
     case OpCode::Log:
+    case OpCode::Log1p:
     case OpCode::Sqrt:
     case OpCode::Rsqrt:
       return Dist::Positive;
+    case OpCode::Asin:
+    case OpCode::Acos:
+      return Dist::Inside;
     case OpCode::Abs:
     case OpCode::Relu:
     case OpCode::Reciprocal:
@@ -260,6 +267,7 @@ Dist unary_dist(OpCode op) {
 std::pair<Dist, Dist> binary_dists(OpCode op) {
   switch (op) {
     case OpCode::Div:
+    case OpCode::Fmod:
       return {Dist::Normal, Dist::AwayFromZero};
     case OpCode::Pow:
       return {Dist::Positive, Dist::Normal};
@@ -593,6 +601,22 @@ const std::vector<Sample>& composite_samples() {
           [](const Tensors& x) { return mt::log_softmax(x[0], 1); });
     add_c("logsumexp_last", {{{3, 4}}}, [](const Tensors& x) { return mt::logsumexp(x[0]); });
     add_c("clamp", {{{3, 4}}}, [](const Tensors& x) { return mt::clamp(x[0], -0.4, 0.3); });
+    add_c("softplus_threshold", {{{3, 4}}},
+          [](const Tensors& x) { return mt::softplus(x[0] * 3.0, 1.5, 2.0); });
+    add_c("leaky_relu", {{{3, 4}, Dist::AwayFromZero}},
+          [](const Tensors& x) { return mt::leaky_relu(x[0], 0.2); });
+    add_c("elu", {{{3, 4}, Dist::AwayFromZero}},
+          [](const Tensors& x) { return mt::elu(x[0], 1.5); });
+    add_c("selu", {{{3, 4}, Dist::AwayFromZero}}, [](const Tensors& x) { return mt::selu(x[0]); });
+    add_c("mish", {{{3, 4}}}, [](const Tensors& x) { return mt::mish(x[0]); });
+    add_c("hardsigmoid", {{{3, 4}, Dist::GridShifted}},
+          [](const Tensors& x) { return mt::hardsigmoid(x[0] * 2.0); });
+    add_c("hardswish", {{{3, 4}, Dist::GridShifted}},
+          [](const Tensors& x) { return mt::hardswish(x[0] * 2.0); });
+    add_c("remainder", {{{3, 4}}, {{3, 4}, Dist::AwayFromZero}},
+          [](const Tensors& x) { return mt::remainder(x[0], x[1]); });
+    add_c("lerp", {{{3, 4}}, {{3, 4}}, {{3, 4}}},
+          [](const Tensors& x) { return mt::lerp(x[0], x[1], x[2]); });
     add_c("masked_fill", {{{3, 4}}}, [](const Tensors& x) {
       return mt::masked_fill(x[0], mt::tensor(std::vector<int64_t>{1, 0, 0, 1}, {4}, mt::boolean),
                              2.0);
@@ -771,8 +795,10 @@ std::vector<Sample> second_order_samples() {
     c.push_back(Sample{std::move(label), std::move(inputs), std::move(build)});
   };
   for (const auto& [op, samples] : op_samples()) {
-    // Piecewise linear ops have no second derivative; a cast is linear.
-    if (op == OpCode::Abs || op == OpCode::Relu || op == OpCode::Neg || op == OpCode::Cast)
+    // Piecewise linear ops have no second derivative; a cast is linear; the steps' gradient is
+    // zero everywhere.
+    if (op == OpCode::Abs || op == OpCode::Relu || op == OpCode::Neg || op == OpCode::Cast ||
+        op == OpCode::Floor || op == OpCode::Ceil || op == OpCode::Trunc || op == OpCode::Round)
       continue;
     if (mt::op_info(op).kind != mt::OpKind::Pointwise || mt::op_info(op).arity != 1) continue;
     c.push_back(samples.back());  // the [2,3] shape

@@ -147,10 +147,11 @@ TEST(MemoryReport, AnExplicitSeedIsNotASavedActivation) {
   EXPECT_EQ(report.saved_activations, 32);
 }
 
-// Softmax, masked_softmax and log_softmax keep only their output for the backward pass, as
-// PyTorch's do: their composites' own gradients would also keep exp(x - max), the broadcast row
-// sums and the masked scores. loss = sum(softmax(w) * c) + sum(log_softmax(w) * c) +
-// sum(masked_softmax(w, causal) * c) saves c (96 B) and the three outputs (96 B each).
+// Softmax, masked_softmax and log_softmax keep only their output (and the mask) for the backward
+// pass, as PyTorch's do: their composites' own gradients would also keep exp(x - max), the
+// broadcast row sums and the masked scores. loss = sum(softmax(w) * c) + sum(log_softmax(w) * c)
+// + sum(masked_softmax(w, causal) * c) saves c (96 B), the three outputs (96 B each) and the
+// [4, 6] bool mask (24 B).
 TEST(MemoryReport, SoftmaxKeepsOnlyItsOutputForBackward) {
   OneParam model({4, 6});
   mt::Tensor c = mt::tensor(iota_values(24, -1.0f, 0.125f), {4, 6});
@@ -160,8 +161,9 @@ TEST(MemoryReport, SoftmaxKeepsOnlyItsOutputForBackward) {
   mt::Tensor loss = mt::sum(y * c) + mt::sum(logp * c) + mt::sum(masked * c);
   loss.backward();
   mt::MemoryReport report = mt::memory_report(model, nullptr, loss);
-  EXPECT_EQ(report.saved_activations, 4 * 96) << report.table();
-  for (const mt::SavedActivationRow& row : report.saved) EXPECT_EQ(row.bytes, 96);
+  EXPECT_EQ(report.saved_activations, 4 * 96 + 24) << report.table();
+  for (const mt::SavedActivationRow& row : report.saved)
+    EXPECT_EQ(row.bytes, row.storage == mt::boolean ? 24 : 96);
 }
 
 // loss = sum(x @ w^T) under autocast-f16, w [3, 4], x data [2, 4]. The matmul reads w's f16 copy

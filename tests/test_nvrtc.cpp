@@ -351,6 +351,12 @@ kir::Value round_to(int32_t a, mt::DType dtype) {
   v.dtype = dtype;
   return v;
 }
+kir::Value call(kir::Libm fn, kir::Type type, int32_t a) {
+  kir::Value v{kir::Op::Call, type};
+  v.a = a;
+  v.param = static_cast<int32_t>(fn);
+  return v;
+}
 kir::Value special(kir::Op o, kir::Type type, int32_t param) {
   kir::Value v{o, type};
   v.param = param;
@@ -372,7 +378,7 @@ kir::Kernel bf16_broadcast_chain() {
             load(1, {0, 1}),
             op(Op::Add, Type::f32, 2, 3),
             round_to(4, mt::bf16),
-            op(Op::Tanh, Type::f32, 5),
+            call(kir::Libm::Tanh, Type::f32, 5),
             round_to(6, mt::bf16)};
   k.stores = {{2, 7, kir::Affine{0, {8, 1}}}};
   return k;
@@ -389,7 +395,7 @@ kir::Kernel row_max_and_sum() {
   k.body = {load(0, {100, 1})};
   k.reductions = {{kir::ReduceKind::Max, Type::f32, 0}, {kir::ReduceKind::Sum, Type::f32, 0}};
   k.epilogue = {special(Op::Accumulated, Type::f32, 0), special(Op::Accumulated, Type::f32, 1),
-                op(Op::Log, Type::f32, 1), op(Op::Sub, Type::f32, 2, 0)};
+                call(kir::Libm::Log, Type::f32, 1), op(Op::Sub, Type::f32, 2, 0)};
   k.epilogue_stores = {{1, 0, kir::Affine{0, {1, 0}}}, {2, 3, kir::Affine{0, {1, 0}}}};
   return k;
 }
@@ -484,11 +490,11 @@ kir::Kernel softmax_rows() {
   k.body = {load(0, {100, 1})};
   kir::Pass sum_pass, store_pass;
   sum_pass.body = {load(0, {100, 1}), special(Op::Accumulated, Type::f32, 0),
-                   op(Op::Sub, Type::f32, 0, 1), op(Op::Exp, Type::f32, 2)};
+                   op(Op::Sub, Type::f32, 0, 1), call(kir::Libm::Exp, Type::f32, 2)};
   store_pass.body = {load(0, {100, 1}),
                      special(Op::Accumulated, Type::f32, 0),
                      op(Op::Sub, Type::f32, 0, 1),
-                     op(Op::Exp, Type::f32, 2),
+                     call(kir::Libm::Exp, Type::f32, 2),
                      special(Op::Accumulated, Type::f32, 1),
                      op(Op::Div, Type::f32, 3, 4)};
   store_pass.stores = {{1, 5, kir::Affine{0, {100, 1}}}};

@@ -257,6 +257,37 @@ TEST(SplitChunk, PiecesAsPyTorchCutsThem) {
   expect_same(values(x.grad()), {1, 1, 0, 0, 10});
 }
 
+// binary_cross_entropy_with_logits' gradient is (sigmoid(x) - y) / n, finite for confident
+// logits too (their log1p branch must not divide by zero in the backward pass).
+TEST(BceWithLogits, ConfidentLogitsHaveFiniteGradients) {
+  for (mt::DType dt : {mt::f32, mt::f64}) {
+    mt::Tensor x = make({0.5, 10, 20, -20, 40}, {5}, dt).requires_grad_(true);
+    mt::Tensor y = make({1, 1, 1, 0, 1}, {5}, dt);
+    mt::binary_cross_entropy_with_logits(x, y).backward();
+    std::vector<double> grad = values(x.grad()), xs = {0.5, 10, 20, -20, 40}, ys = {1, 1, 1, 0, 1};
+    for (size_t i = 0; i < grad.size(); ++i) {
+      double want = (1 / (1 + std::exp(-xs[i])) - ys[i]) / 5;
+      EXPECT_NEAR(grad[i], want, 1e-7) << mt::name(dt) << " element " << i;
+    }
+  }
+}
+
+// masked_softmax: a row that is all masked gives NaN forward (0/0) but a zero gradient, as
+// where() followed by softmax gave; a mask that does not broadcast to the input is refused.
+TEST(MaskedSoftmax, AllMaskedRowsGetZeroGradients) {
+  mt::Tensor x = make({0.5, -1, 2, 1, 3, -2}, {2, 3}, mt::f32).requires_grad_(true);
+  mt::Tensor mask = mt::tensor(std::vector<int64_t>{1, 1, 0, 0, 0, 0}, {2, 3}, mt::boolean);
+  mt::Tensor y = mt::masked_softmax(x, mask);
+  mt::sum(mt::slice(y, 0, 0, 1) * 2.0).backward();
+  std::vector<double> grad = values(x.grad());
+  for (double g : grad) EXPECT_TRUE(std::isfinite(g));
+  EXPECT_EQ(grad[2], 0.0);
+  EXPECT_EQ(grad[3], 0.0);
+  EXPECT_EQ(grad[4], 0.0);
+  EXPECT_EQ(grad[5], 0.0);
+  EXPECT_THROW(mt::masked_softmax(mt::zeros({3}), mt::zeros({2, 3}, mt::boolean)), mt::Error);
+}
+
 // Padding's errors: the shapes pad refuses, as PyTorch does, with a reason.
 TEST(Pad, RefusesWhatItCannotPad) {
   mt::Tensor x = mt::zeros({2, 3});
@@ -714,6 +745,17 @@ void add_pointwise_cases(Oracle& o, Data& d, mt::DType dt) {
       {"sin", "a.sin()"},
       {"cos", "a.cos()"},
       {"stop_gradient", "a"},
+      {"log1p", "a.log1p()"},
+      {"expm1", "a.expm1()"},
+      {"asin", "a.asin()"},
+      {"acos", "a.acos()"},
+      {"atan", "a.atan()"},
+      {"sinh", "a.sinh()"},
+      {"cosh", "a.cosh()"},
+      {"floor", "a.floor()"},
+      {"ceil", "a.ceil()"},
+      {"trunc", "a.trunc()"},
+      {"round", "a.round()"},
   };
   const std::map<std::string, std::string> binary_torch = {
       {"add", "a + b"},
@@ -721,6 +763,8 @@ void add_pointwise_cases(Oracle& o, Data& d, mt::DType dt) {
       {"mul", "a * b"},
       {"div", "a / b"},
       {"pow", "torch.pow(a, b)"},
+      {"atan2", "torch.atan2(a, b)"},
+      {"fmod", "torch.fmod(a, b)"},
       {"maximum", "torch.maximum(a, b)"},
       {"minimum", "torch.minimum(a, b)"},
       {"eq", "a == b"},
@@ -954,6 +998,29 @@ void add_composite_cases(Oracle& o, Data& d, mt::DType dt) {
         mt::binary_cross_entropy_with_logits(bl, by,
                                              {.reduction = mt::Reduction::None, .pos_weight = pw}),
         "F.binary_cross_entropy_with_logits(a, b, pos_weight=c, reduction='none')");
+  mt::Tensor ax =
+      make({-4.0, -3.0, -1.5, -0.25, 0.0, 0.5, 2.0, 3.0, 3.5, 25.0, kNan, -30.0}, {3, 4}, dt);
+  o.add("softplus/" + t, {ax}, mt::softplus(ax), "F.softplus(a)");
+  o.add("softplus/beta2/" + t, {ax}, mt::softplus(ax, 2.0, 5.0), "F.softplus(a, 2.0, 5.0)");
+  o.add("leaky_relu/" + t, {ax}, mt::leaky_relu(ax, 0.2), "F.leaky_relu(a, 0.2)");
+  o.add("elu/" + t, {ax}, mt::elu(ax, 1.5), "F.elu(a, 1.5)");
+  o.add("selu/" + t, {ax}, mt::selu(ax), "F.selu(a)");
+  o.add("mish/" + t, {ax}, mt::mish(ax), "F.mish(a)");
+  o.add("hardsigmoid/" + t, {ax}, mt::hardsigmoid(ax), "F.hardsigmoid(a)");
+  o.add("hardswish/" + t, {ax}, mt::hardswish(ax), "F.hardswish(a)");
+  mt::Tensor ra = make({5.5, -5.5, 5.5, -5.5, 3.0, -3.0, 0.0, 7.25}, {8}, dt);
+  mt::Tensor rb = make({2.0, 2.0, -2.0, -2.0, 1.5, 1.5, 2.0, kInf}, {8}, dt);
+  o.add("remainder/" + t, {ra, rb}, mt::remainder(ra, rb), "torch.remainder(a, b)");
+  o.add("isnan/" + t, {ax}, mt::isnan(ax), "torch.isnan(a)");
+  o.add("isinf/" + t, {cx}, mt::isinf(cx), "torch.isinf(a)");
+  o.add("isfinite/" + t, {cx}, mt::isfinite(cx), "torch.isfinite(a)");
+  o.add("logical_and/" + t, {ax, cx}, mt::logical_and(ax, cx), "torch.logical_and(a, b)");
+  o.add("logical_or/" + t, {ax, cx}, mt::logical_or(ax, cx), "torch.logical_or(a, b)");
+  o.add("logical_xor/" + t, {ax, cx}, mt::logical_xor(ax, cx), "torch.logical_xor(a, b)");
+  o.add("logical_not/" + t, {ax}, mt::logical_not(ax), "torch.logical_not(a)");
+  mt::Tensor lw = make({-0.5, 0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 0.49}, {8}, dt);
+  mt::Tensor le = make({1.0, -2.0, 4.0, 0.5, -3.0, 2.0, 9.0, -1.0}, {8}, dt);
+  o.add("lerp/" + t, {ra, le, lw}, mt::lerp(ra, le, lw), "torch.lerp(a, b, c)");
   mt::Tensor ca = d.randn({2, 3}, dt), cb = d.randn({2, 3}, dt);
   mt::Tensor custom = mt::custom_op(
       {ca, cb}, [](const Tensors& in) { return in[0] * in[1] + mt::sin(in[0]); },
