@@ -181,7 +181,10 @@ std::vector<Tensor> vjp(const NodePtr& node, const Tensor& g) {
 #define MT_COMPARE(Name, fname, REF) \
   case OpCode::Name:                 \
     return {Tensor(), Tensor()};
+// An op whose result never requires grad has no gradient to give.
+#define NoGradient Tensor()
 #include "dsl/ops.def"
+#undef NoGradient
   }
   fail("vjp: unknown op code {}", static_cast<int>(n.op));
 }

@@ -17,10 +17,9 @@ namespace {
 
 using kir::Affine;
 
-bool is_view(OpCode op) {
-  return op == OpCode::Reshape || op == OpCode::Permute || op == OpCode::BroadcastTo ||
-         op == OpCode::Slice;
-}
+// The ops' kinds are in dsl/ops.def: views are affine index maps, reductions the ones kernels
+// fuse (sum and max).
+bool is_view(OpCode op) { return op_info(op).kind == OpKind::View; }
 
 Affine unit(size_t rank, int var) {
   Affine a;
@@ -29,7 +28,7 @@ Affine unit(size_t rank, int var) {
   return a;
 }
 
-bool is_reduction(const Node& node) { return node.op == OpCode::Sum || node.op == OpCode::Max; }
+bool is_reduction(const Node& node) { return op_info(node.op).kind == OpKind::Reduce; }
 
 bool reduced_axis(const Node& reduction, size_t d) {
   const std::vector<int64_t>& axes = reduction.attrs.axes;
@@ -525,13 +524,11 @@ bool is_constant_fill(const Node& node) {
 bool kernel_op(const Node& node) {
   switch (op_info(node.op).kind) {
     case OpKind::Pointwise:
-      return true;
     case OpKind::View:
-      return is_view(node.op);
     case OpKind::Reduce:
-      return node.op != OpCode::Argmax;
+      return true;
     case OpKind::Leaf:
-      return node.op == OpCode::Full;
+      return node.op == OpCode::Full;  // the one leaf a kernel computes: a constant
     default:
       return false;
   }

@@ -4,14 +4,19 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <string_view>
 #include <unordered_set>
 #include <utility>
 
 namespace mixtape {
 namespace {
 
-const OpInfo kOpInfo[] = {
-#define MT_OP(Name, fname, kind, arity, category) {#fname, OpKind::kind, arity, Category::category},
+constexpr OpInfo kOpInfo[] = {
+#define MT_OP(Name, fname, kind, arity, category) \
+  {#fname, OpKind::kind, arity, Category::category, true},
+#define MT_UNARY(Name, fname, category, domain, REF, VJP) \
+  {#fname, OpKind::Pointwise, 1, Category::category, std::string_view(#VJP) != "NoGradient"},
+#define MT_COMPARE(Name, fname, REF) {#fname, OpKind::Pointwise, 2, Category::Follow, false},
 #include "dsl/ops.def"
 };
 
@@ -37,23 +42,8 @@ thread_local const Node* differentiating = nullptr;
 thread_local std::shared_ptr<const Policy> policy;
 thread_local TraceObserver* tracer = nullptr;
 
-// Ops whose result is never differentiable, whatever their inputs.
-bool blocks_gradient(OpCode op) {
-  switch (op) {
-    case OpCode::Detach:
-    case OpCode::Eq:
-    case OpCode::Ne:
-    case OpCode::Lt:
-    case OpCode::Le:
-    case OpCode::Gt:
-    case OpCode::Ge:
-    case OpCode::Argmax:
-    case OpCode::Sign:
-      return true;
-    default:
-      return false;
-  }
-}
+// Ops whose result is never differentiable, whatever their inputs (dsl/ops.def).
+bool blocks_gradient(OpCode op) { return !kOpInfo[static_cast<size_t>(op)].differentiable; }
 
 }  // namespace
 

@@ -21,7 +21,18 @@ enum class OpCode : uint16_t {
 #include "dsl/ops.def"
 };
 
-enum class OpKind : uint8_t { Leaf, Pointwise, Reduce, MatMul, View, Gather, Opaque };
+/// What an op is to fusion and the graph walkers (dsl/ops.def says which kind each op is).
+enum class OpKind : uint8_t {
+  Leaf,
+  Pointwise,
+  Reduce,     // a reduction kernels fuse: sum, max
+  ArgReduce,  // one they do not: argmax
+  MatMul,
+  View,  // an affine index map kernels read through: reshape, permute, broadcast_to, slice
+  Copy,  // data movement that is not one: unslice, concat
+  Gather,
+  Opaque
+};
 
 /// Precision categories (DESIGN.md decision 4); the policy pass maps them to dtypes.
 enum class Category : uint8_t { LowOk, Fp32, Fp32Accum, Promote, Follow };
@@ -31,6 +42,7 @@ struct OpInfo {
   OpKind kind;
   int arity;  // -1: variadic
   Category category;
+  bool differentiable;  // false: the result never requires grad (detach, sign, comparisons)
 };
 
 const OpInfo& op_info(OpCode op);

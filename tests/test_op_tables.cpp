@@ -272,3 +272,39 @@ TEST(CompositeTable, EveryCompositeNamesItsNodes) {
 }
 
 }  // namespace
+
+namespace {
+
+// The facts fusion and autograd read come from dsl/ops.def's columns: the affine views and the
+// fusable reductions by their kind, the ops whose result never requires grad by their vjp.
+TEST(OpTable, EveryOpHasItsFacts) {
+  using mt::OpCode;
+  using mt::OpKind;
+  std::set<std::string> names;
+  std::set<OpCode> views, reductions, no_gradient;
+  for (int i = 0; i < mt::op_count(); ++i) {
+    const OpCode op = static_cast<OpCode>(i);
+    const mt::OpInfo& info = mt::op_info(op);
+    ASSERT_NE(info.name, nullptr);
+    EXPECT_TRUE(names.insert(info.name).second) << "two ops are named " << info.name;
+    EXPECT_GE(info.arity, -1) << info.name;
+    if (info.kind == OpKind::View) views.insert(op);
+    if (info.kind == OpKind::Reduce) reductions.insert(op);
+    if (!info.differentiable) no_gradient.insert(op);
+    if (info.kind == OpKind::Pointwise) {
+      EXPECT_GE(info.arity, 1) << info.name;
+    }
+  }
+  EXPECT_EQ(views, (std::set<OpCode>{OpCode::Reshape, OpCode::Permute, OpCode::BroadcastTo,
+                                     OpCode::Slice}));
+  EXPECT_EQ(reductions, (std::set<OpCode>{OpCode::Sum, OpCode::Max}));
+  EXPECT_EQ(no_gradient, (std::set<OpCode>{OpCode::Sign, OpCode::Detach, OpCode::Eq, OpCode::Ne,
+                                           OpCode::Lt, OpCode::Le, OpCode::Gt, OpCode::Ge}));
+  // The table is what the graph reads: a result of such an op never requires grad.
+  mt::Tensor x = mt::ones({3}).requires_grad_(true);
+  EXPECT_FALSE(mt::sign(x).requires_grad());
+  EXPECT_FALSE(x.detach().requires_grad());
+  EXPECT_TRUE(mt::floor(x).requires_grad());
+}
+
+}  // namespace
