@@ -77,6 +77,23 @@ Tensor softmax_of(const Tensor& x, const Tensor& mask, int64_t axis, const Loc& 
       loc);
 }
 
+Tensor reduce(const Tensor& loss, Reduction reduction) {
+  switch (reduction) {
+    case Reduction::None:
+      return loss;
+    case Reduction::Sum:
+      return sum(loss);
+    case Reduction::Mean:
+      return mean(loss);
+  }
+  return loss;
+}
+
+int64_t axis_index(const Tensor& x, int64_t axis, const char* op, const Loc& loc) {
+  check_axes(x, {axis}, op, loc);
+  return axis < 0 ? axis + x.dim() : axis;
+}
+
 }  // namespace
 
 Tensor softmax(const Tensor& x, int64_t axis, const Loc& loc) {
@@ -182,23 +199,20 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const L
   return y;
 }
 
-Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOptions options,
-                     const Loc& loc) {
-  CallSiteScope site(loc, composite::cross_entropy);
-  require_float(logits, "cross_entropy", "logits", loc);
-  require(targets, "cross_entropy", "targets", loc);
+namespace {
+
+// The targets' checks and the negative log-likelihood of each row of `logp` [..., C] at its
+// target (0 at ignore_index), with the mask of the rows that count: cross_entropy's and nll_loss's.
+std::pair<Tensor, Tensor> target_nll(const Tensor& logp, const Tensor& targets,
+                                     int64_t ignore_index, const char* op, const Loc& loc) {
+  require(targets, op, "targets", loc);
   if (!is_integer(targets.dtype()))
-    op_fail("cross_entropy", loc, "targets must be integer class indices, got {}",
-            name(targets.dtype()));
-  Shape expected(logits.shape().begin(), logits.shape().end() - (logits.dim() > 0 ? 1 : 0));
-  if (logits.dim() == 0 || targets.shape() != expected)
-    op_fail("cross_entropy", loc, "logits {} need targets of shape {}, got {}",
-            to_string(logits.shape()), to_string(expected), to_string(targets.shape()));
-  if (options.label_smoothing < 0 || options.label_smoothing > 1)
-    op_fail("cross_entropy", loc, "label_smoothing must be in [0, 1], got {}",
-            options.label_smoothing);
-  Tensor logp = log_softmax(logits, -1);
-  Tensor valid = ne(targets, scalar(static_cast<double>(options.ignore_index), targets.dtype()));
+    op_fail(op, loc, "targets must be integer class indices, got {}", name(targets.dtype()));
+  Shape expected(logp.shape().begin(), logp.shape().end() - (logp.dim() > 0 ? 1 : 0));
+  if (logp.dim() == 0 || targets.shape() != expected)
+    op_fail(op, loc, "inputs {} need targets of shape {}, got {}", to_string(logp.shape()),
+            to_string(expected), to_string(targets.shape()));
+  Tensor valid = ne(targets, scalar(static_cast<double>(ignore_index), targets.dtype()));
   Tensor safe_targets = where(valid, targets, zeros_like(targets));
   // The target's log-probability as a masked sum over the classes, not a gather: it joins the
   // log_softmax kernel, and its gradient is pointwise where a gather's is a scatter into a
@@ -206,44 +220,98 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOp
   // the value, the others are +0.
   // Picking each target out of the class list is the identity on valid ids, and the check
   // (at evaluation) that none is out of range; it reads only the targets.
-  const Tensor& classes = class_indices(logits.size(-1), targets.dtype());
+  const Tensor& classes = class_indices(logp.size(-1), targets.dtype());
   Tensor hit = eq(classes, unsqueeze(index_select(classes, safe_targets, 0), -1));
   Tensor picked = sum(where(hit, logp, zeros_like(logp)), {-1});
-  Tensor loss = -picked;
-  if (options.label_smoothing > 0)
-    loss = loss * (1.0 - options.label_smoothing) - mean(logp, {-1}) * options.label_smoothing;
-  loss = where(valid, loss, zeros_like(loss));
-  switch (options.reduction) {
-    case Reduction::None:
-      return loss;
-    case Reduction::Sum:
-      return sum(loss);
-    case Reduction::Mean:
-      return sum(loss) / sum(cast(valid, logits.dtype()));
-  }
-  return loss;
+  return {-picked, valid};
 }
 
-namespace {
-
-Tensor reduce(const Tensor& loss, Reduction reduction) {
-  switch (reduction) {
-    case Reduction::None:
-      return loss;
-    case Reduction::Sum:
-      return sum(loss);
-    case Reduction::Mean:
-      return mean(loss);
-  }
-  return loss;
-}
-
-int64_t axis_index(const Tensor& x, int64_t axis, const char* op, const Loc& loc) {
-  check_axes(x, {axis}, op, loc);
-  return axis < 0 ? axis + x.dim() : axis;
+// Mean over the rows that count, as PyTorch's ignore_index.
+Tensor reduce_valid(const Tensor& loss, const Tensor& valid, Reduction reduction) {
+  Tensor kept = where(valid, loss, zeros_like(loss));
+  if (reduction != Reduction::Mean) return reduce(kept, reduction);
+  return sum(kept) / sum(cast(valid, loss.dtype()));
 }
 
 }  // namespace
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOptions options,
+                     const Loc& loc) {
+  CallSiteScope site(loc, composite::cross_entropy);
+  require_float(logits, "cross_entropy", "logits", loc);
+  if (options.label_smoothing < 0 || options.label_smoothing > 1)
+    op_fail("cross_entropy", loc, "label_smoothing must be in [0, 1], got {}",
+            options.label_smoothing);
+  Tensor logp = log_softmax(logits, -1);
+  auto [loss, valid] = target_nll(logp, targets, options.ignore_index, "cross_entropy", loc);
+  if (options.label_smoothing > 0)
+    loss = loss * (1.0 - options.label_smoothing) - mean(logp, {-1}) * options.label_smoothing;
+  return reduce_valid(loss, valid, options.reduction);
+}
+
+Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, Reduction reduction,
+                int64_t ignore_index, const Loc& loc) {
+  CallSiteScope site(loc, composite::nll_loss);
+  require_float(log_probs, "nll_loss", "log_probs", loc);
+  auto [loss, valid] = target_nll(log_probs, targets, ignore_index, "nll_loss", loc);
+  return reduce_valid(loss, valid, reduction);
+}
+
+namespace {
+void same_shapes(const Tensor& a, const Tensor& b, const char* op, const Loc& loc) {
+  require_float(a, op, "input", loc);
+  require_float(b, op, "target", loc);
+  if (a.shape() != b.shape())
+    op_fail(op, loc, "input {} and target {} must have the same shape", to_string(a.shape()),
+            to_string(b.shape()));
+}
+}  // namespace
+
+Tensor binary_cross_entropy(const Tensor& probs, const Tensor& targets, Reduction reduction,
+                            const Loc& loc) {
+  CallSiteScope site(loc, composite::binary_cross_entropy);
+  same_shapes(probs, targets, "binary_cross_entropy", loc);
+  // PyTorch clamps each log at -100, so that a probability of 0 or 1 gives a finite loss.
+  Tensor log_p = maximum(log(probs), full_like(probs, -100.0));
+  Tensor log_q = maximum(log(1.0 - probs), full_like(probs, -100.0));
+  return reduce(-(targets * log_p + (1.0 - targets) * log_q), reduction);
+}
+
+Tensor l1_loss(const Tensor& input, const Tensor& target, Reduction reduction, const Loc& loc) {
+  CallSiteScope site(loc, composite::l1_loss);
+  same_shapes(input, target, "l1_loss", loc);
+  return reduce(abs(input - target), reduction);
+}
+
+Tensor smooth_l1_loss(const Tensor& input, const Tensor& target, Reduction reduction, double beta,
+                      const Loc& loc) {
+  CallSiteScope site(loc, composite::smooth_l1_loss);
+  same_shapes(input, target, "smooth_l1_loss", loc);
+  if (!(beta >= 0)) op_fail("smooth_l1_loss", loc, "beta must be non-negative, got {}", beta);
+  Tensor d = abs(input - target);
+  if (beta == 0) return reduce(d, reduction);
+  return reduce(where(d < beta, d * d * (0.5 / beta), d - 0.5 * beta), reduction);
+}
+
+Tensor huber_loss(const Tensor& input, const Tensor& target, Reduction reduction, double delta,
+                  const Loc& loc) {
+  CallSiteScope site(loc, composite::huber_loss);
+  same_shapes(input, target, "huber_loss", loc);
+  if (!(delta > 0)) op_fail("huber_loss", loc, "delta must be positive, got {}", delta);
+  Tensor d = abs(input - target);
+  return reduce(where(d < delta, d * d * 0.5, (d - 0.5 * delta) * delta), reduction);
+}
+
+Tensor kl_div(const Tensor& input, const Tensor& target, Reduction reduction, bool log_target,
+              const Loc& loc) {
+  CallSiteScope site(loc, composite::kl_div);
+  same_shapes(input, target, "kl_div", loc);
+  // target (log target - input), with 0 log 0 = 0 as PyTorch's xlogy.
+  Tensor pointwise = log_target ? exp(target) * (target - input)
+                                : where(eq(target, zeros_like(target)), zeros_like(target),
+                                        target * (log(target) - input));
+  return reduce(pointwise, reduction);
+}
 
 Tensor mse_loss(const Tensor& prediction, const Tensor& target, Reduction reduction,
                 const Loc& loc) {
@@ -362,6 +430,149 @@ Tensor logical_xor(const Tensor& a, const Tensor& b, const Loc& loc) {
   require(a, "logical_xor", "input", loc);
   require(b, "logical_xor", "other", loc);
   return ne(truth(a), truth(b));
+}
+
+Tensor flip(const Tensor& x, const std::vector<int64_t>& axes, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "flip", "input", loc);
+  check_axes(x, axes, "flip", loc);
+  Tensor y = x;
+  for (int64_t axis : axes) {
+    const int64_t n = y.size(axis);
+    if (n > 1) y = index_select(y, arange(static_cast<double>(n - 1), -1.0, -1.0), axis);
+  }
+  return y;
+}
+
+Tensor roll(const Tensor& x, const std::vector<int64_t>& shifts, const std::vector<int64_t>& axes,
+            const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "roll", "input", loc);
+  if (shifts.size() != axes.size())
+    op_fail("roll", loc, "needs one shift per axis, got {} shifts for {} axes", shifts.size(),
+            axes.size());
+  check_axes(x, axes, "roll", loc);
+  Tensor y = x;
+  for (size_t i = 0; i < axes.size(); ++i) {
+    const int64_t n = y.size(axes[i]);
+    if (n == 0) continue;
+    const int64_t shift = ((shifts[i] % n) + n) % n;  // element j moves to (j + shift) mod n
+    if (shift == 0) continue;
+    y = concat({slice(y, axes[i], n - shift, n), slice(y, axes[i], 0, n - shift)}, axes[i]);
+  }
+  return y;
+}
+
+namespace {
+// Whether element (row, col) of the last two axes is on or below the `diagonal`-th diagonal.
+Tensor lower_triangle(const Tensor& x, int64_t diagonal) {
+  Tensor rows = unsqueeze(arange(x.size(-2)), 1), cols = unsqueeze(arange(x.size(-1)), 0);
+  return cols - rows <= static_cast<double>(diagonal);
+}
+}  // namespace
+
+Tensor tril(const Tensor& x, int64_t diagonal, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "tril", "input", loc);
+  if (x.dim() < 2) op_fail("tril", loc, "needs at least 2 dims, got {}", to_string(x.shape()));
+  return where(lower_triangle(x, diagonal), x, zeros_like(x));
+}
+
+Tensor triu(const Tensor& x, int64_t diagonal, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "triu", "input", loc);
+  if (x.dim() < 2) op_fail("triu", loc, "needs at least 2 dims, got {}", to_string(x.shape()));
+  return where(lower_triangle(x, diagonal - 1), zeros_like(x), x);
+}
+
+Tensor repeat(const Tensor& x, const std::vector<int64_t>& repeats, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "repeat", "input", loc);
+  if (repeats.size() < static_cast<size_t>(x.dim()))
+    op_fail("repeat", loc, "needs a repeat count for each of the {} dims, got {}", x.dim(),
+            repeats.size());
+  for (int64_t r : repeats)
+    if (r < 0) op_fail("repeat", loc, "repeat counts must be non-negative, got {}", r);
+  // x as [1, s0, 1, s1, ...] broadcast to [r0, s0, r1, s1, ...], then merged pairwise.
+  Shape padded(repeats.size() - static_cast<size_t>(x.dim()), 1);
+  padded.insert(padded.end(), x.shape().begin(), x.shape().end());
+  Shape spread, broadcast, result;
+  for (size_t d = 0; d < repeats.size(); ++d) {
+    spread.insert(spread.end(), {1, padded[d]});
+    broadcast.insert(broadcast.end(), {repeats[d], padded[d]});
+    result.push_back(repeats[d] * padded[d]);
+  }
+  return reshape(broadcast_to(reshape(x, spread), broadcast), result);
+}
+
+Tensor tile(const Tensor& x, const std::vector<int64_t>& reps, const Loc& loc) {
+  CallSiteScope site(loc);
+  // torch.tile: fewer counts than dims are padded with leading 1s.
+  std::vector<int64_t> repeats(
+      static_cast<size_t>(std::max<int64_t>(0, x.dim() - static_cast<int64_t>(reps.size()))), 1);
+  repeats.insert(repeats.end(), reps.begin(), reps.end());
+  return repeat(x, repeats, loc);
+}
+
+Tensor std_dev(const Tensor& x, std::vector<int64_t> axes, bool keepdim, double correction,
+               const Loc& loc) {
+  CallSiteScope site(loc);
+  require_float(x, "std", "input", loc);
+  check_axes(x, axes, "std", loc);
+  int64_t n = 1;
+  if (axes.empty())
+    n = x.numel();
+  else
+    for (int64_t axis : axes) n *= x.size(axis);
+  // Bessel's correction as PyTorch's: var * n / (n - correction); n <= correction gives inf/NaN.
+  return sqrt(var(x, axes, keepdim) * (static_cast<double>(n) / (n - correction)));
+}
+
+Tensor norm(const Tensor& x, double p, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
+  CallSiteScope site(loc);
+  require_float(x, "norm", "input", loc);
+  check_axes(x, axes, "norm", loc);
+  if (p == 1) return sum(abs(x), axes, keepdim);
+  if (p == 2) return sqrt(sum(x * x, axes, keepdim));
+  if (std::isinf(p) && p > 0) return max(abs(x), axes, keepdim);
+  op_fail("norm", loc, "p must be 1, 2 or inf, got {}", p);
+}
+
+Tensor argmin(const Tensor& x, std::optional<int64_t> axis, bool keepdim, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "argmin", "input", loc);
+  // The first smallest is the first largest of an order-reversing map: -x for floats (NaN stays
+  // NaN and wins, as torch.argmin), ~x = -x - 1 for integers (which does not overflow).
+  Tensor reversed = is_floating(x.dtype()) ? -x : -x - 1;
+  return argmax(reversed, axis, keepdim, loc);
+}
+
+Tensor any(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "any", "input", loc);
+  check_axes(x, axes, "any", loc);
+  return sum(cast(truth(x), i64), axes, keepdim) > 0.0;
+}
+
+Tensor all(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "all", "input", loc);
+  return logical_not(any(logical_not(x), std::move(axes), keepdim, loc));
+}
+
+Tensor bernoulli(const Tensor& p, Generator* gen, const Loc& loc) {
+  CallSiteScope site(loc);
+  require_float(p, "bernoulli", "probabilities", loc);
+  return cast(rand(p.shape(), f32, gen) < cast(p, f32), p.dtype());
+}
+
+Tensor randint(int64_t low, int64_t high, Shape shape, Generator* gen, const Loc& loc) {
+  CallSiteScope site(loc);
+  if (high <= low) op_fail("randint", loc, "needs low < high, got [{}, {})", low, high);
+  // floor(u (high - low)) with u in [0, 1) drawn in f64 stays below high - low.
+  Tensor u = rand(std::move(shape), f64, gen);
+  return cast(floor(u * static_cast<double>(high - low)), i64) +
+         scalar(static_cast<double>(low), i64);
 }
 
 Tensor softplus(const Tensor& x, double beta, double threshold, const Loc& loc) {

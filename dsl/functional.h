@@ -40,6 +40,24 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOp
                      const Loc& loc = Loc::current());
 Tensor mse_loss(const Tensor& prediction, const Tensor& target,
                 Reduction reduction = Reduction::Mean, const Loc& loc = Loc::current());
+/// Losses with PyTorch's definitions. nll_loss takes log-probabilities [..., C] (classes last, as
+/// cross_entropy's logits) and integer targets [...]; binary_cross_entropy probabilities, each
+/// log clamped at -100 as PyTorch's; kl_div the input as log-probabilities and the target as
+/// probabilities (or log-probabilities with log_target), 0 log 0 taken as 0.
+Tensor nll_loss(const Tensor& log_probs, const Tensor& targets,
+                Reduction reduction = Reduction::Mean, int64_t ignore_index = -100,
+                const Loc& loc = Loc::current());
+Tensor binary_cross_entropy(const Tensor& probs, const Tensor& targets,
+                            Reduction reduction = Reduction::Mean, const Loc& loc = Loc::current());
+Tensor l1_loss(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::Mean,
+               const Loc& loc = Loc::current());
+Tensor smooth_l1_loss(const Tensor& input, const Tensor& target,
+                      Reduction reduction = Reduction::Mean, double beta = 1.0,
+                      const Loc& loc = Loc::current());
+Tensor huber_loss(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::Mean,
+                  double delta = 1.0, const Loc& loc = Loc::current());
+Tensor kl_div(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::Mean,
+              bool log_target = false, const Loc& loc = Loc::current());
 
 struct BceWithLogitsOptions {
   Reduction reduction = Reduction::Mean;
@@ -84,6 +102,40 @@ Tensor hardswish(const Tensor& x, const Loc& loc = Loc::current());
 /// start + weight (end - start), in PyTorch's two forms (exact at weights 0 and 1).
 Tensor lerp(const Tensor& start, const Tensor& end, const Tensor& weight,
             const Loc& loc = Loc::current());
+
+/// Shape and indexing with PyTorch's semantics: flip reverses the axes; roll shifts elements
+/// along each axis (those pushed off the end come back at the start); tril/triu keep the
+/// elements on and below / above the `diagonal`-th diagonal of the last two axes; repeat
+/// tiles x (torch.Tensor.repeat: one count per dim, extra counts add leading dims); tile pads
+/// the counts with leading 1s instead (torch.tile).
+Tensor flip(const Tensor& x, const std::vector<int64_t>& axes, const Loc& loc = Loc::current());
+Tensor roll(const Tensor& x, const std::vector<int64_t>& shifts, const std::vector<int64_t>& axes,
+            const Loc& loc = Loc::current());
+Tensor tril(const Tensor& x, int64_t diagonal = 0, const Loc& loc = Loc::current());
+Tensor triu(const Tensor& x, int64_t diagonal = 0, const Loc& loc = Loc::current());
+Tensor repeat(const Tensor& x, const std::vector<int64_t>& repeats,
+              const Loc& loc = Loc::current());
+Tensor tile(const Tensor& x, const std::vector<int64_t>& reps, const Loc& loc = Loc::current());
+
+/// torch.std (Bessel's correction 1 by default); `std` would shadow the namespace.
+Tensor std_dev(const Tensor& x, std::vector<int64_t> axes = {}, bool keepdim = false,
+               double correction = 1.0, const Loc& loc = Loc::current());
+/// The vector p-norm over `axes` (all when empty) for p = 1, 2 or inf.
+Tensor norm(const Tensor& x, double p = 2.0, std::vector<int64_t> axes = {}, bool keepdim = false,
+            const Loc& loc = Loc::current());
+/// Index (i64) of the first smallest element, as torch.argmin (a NaN wins).
+Tensor argmin(const Tensor& x, std::optional<int64_t> axis = std::nullopt, bool keepdim = false,
+              const Loc& loc = Loc::current());
+/// Whether any / every element over `axes` (all when empty) is non-zero: bool.
+Tensor any(const Tensor& x, std::vector<int64_t> axes = {}, bool keepdim = false,
+           const Loc& loc = Loc::current());
+Tensor all(const Tensor& x, std::vector<int64_t> axes = {}, bool keepdim = false,
+           const Loc& loc = Loc::current());
+/// 1 with probability p (each element of p), else 0, in p's dtype.
+Tensor bernoulli(const Tensor& p, Generator* gen = nullptr, const Loc& loc = Loc::current());
+/// Uniform integers (i64) in [low, high).
+Tensor randint(int64_t low, int64_t high, Shape shape, Generator* gen = nullptr,
+               const Loc& loc = Loc::current());
 
 enum class PadMode { Constant, Reflect, Replicate };
 /// Pads x as torch.nn.functional.pad: `pads` holds (before, after) pairs from the last axis

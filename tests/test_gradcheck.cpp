@@ -601,6 +601,32 @@ const std::vector<Sample>& composite_samples() {
           [](const Tensors& x) { return mt::log_softmax(x[0], 1); });
     add_c("logsumexp_last", {{{3, 4}}}, [](const Tensors& x) { return mt::logsumexp(x[0]); });
     add_c("clamp", {{{3, 4}}}, [](const Tensors& x) { return mt::clamp(x[0], -0.4, 0.3); });
+    add_c("nll_loss", {{{3, 4}}}, [](const Tensors& x) {
+      return mt::nll_loss(mt::log_softmax(x[0]), ids({3, -100, 1}, {3}));
+    });
+    add_c("binary_cross_entropy", {{{3, 4}}, {{3, 4}}}, [](const Tensors& x) {
+      return mt::binary_cross_entropy(mt::sigmoid(x[0]), mt::sigmoid(x[1]), mt::Reduction::Sum);
+    });
+    add_c("l1_loss", {{{3, 4}, Dist::AwayFromZero}, {{3, 4}, Dist::Dyadic}},
+          [](const Tensors& x) { return mt::l1_loss(x[0] * 4.0, x[1]); });
+    add_c("smooth_l1_loss", {{{3, 4}}, {{3, 4}}},
+          [](const Tensors& x) { return mt::smooth_l1_loss(x[0], x[1], mt::Reduction::Sum, 0.7); });
+    add_c("huber_loss", {{{3, 4}}, {{3, 4}}},
+          [](const Tensors& x) { return mt::huber_loss(x[0], x[1], mt::Reduction::Mean, 0.7); });
+    add_c("kl_div", {{{3, 4}}, {{3, 4}}}, [](const Tensors& x) {
+      return mt::kl_div(mt::log_softmax(x[0]), mt::softmax(x[1]), mt::Reduction::Sum);
+    });
+    add_c("flip_roll", {{{2, 3, 4}}}, [](const Tensors& x) {
+      return mt::roll(mt::flip(x[0], {1}), {-1, 2}, {0, 2});
+    });
+    add_c("tril_triu", {{{3, 4}}},
+          [](const Tensors& x) { return mt::tril(x[0], 1) * 2.0 + mt::triu(x[0], 2); });
+    add_c("repeat_tile", {{{2, 3}}}, [](const Tensors& x) {
+      return mt::repeat(x[0], {2, 1, 2}) + mt::tile(x[0], {2, 1, 2});
+    });
+    add_c("std_norm", {{{3, 4}}}, [](const Tensors& x) {
+      return mt::std_dev(x[0], {1}) + mt::norm(x[0], 2.0, {1}) + mt::norm(x[0], 1.0, {1});
+    });
     add_c("softplus_threshold", {{{3, 4}}},
           [](const Tensors& x) { return mt::softplus(x[0] * 3.0, 1.5, 2.0); });
     add_c("leaky_relu", {{{3, 4}, Dist::AwayFromZero}},

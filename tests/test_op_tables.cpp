@@ -241,6 +241,13 @@ TEST(CompositeTable, EveryCompositeNamesItsNodes) {
          return mt::pad(x, {1, 1}, mt::PadMode::Reflect);
        }},
       {"remainder", [&] { return mt::remainder(x, x + 3.0); }},
+      {"nll_loss", [&] { return mt::nll_loss(mt::log_softmax(x), labels); }},
+      {"binary_cross_entropy",
+       [&] { return mt::binary_cross_entropy(mt::sigmoid(x), mt::sigmoid(x * 2.0)); }},
+      {"l1_loss", [&] { return mt::l1_loss(x, x * 2.0); }},
+      {"smooth_l1_loss", [&] { return mt::smooth_l1_loss(x, x * 2.0); }},
+      {"huber_loss", [&] { return mt::huber_loss(x, x * 2.0); }},
+      {"kl_div", [&] { return mt::kl_div(mt::log_softmax(x), mt::softmax(x * 2.0)); }},
       {"softplus", [&] { return mt::softplus(x); }},
       {"leaky_relu", [&] { return mt::leaky_relu(x); }},
       {"elu", [&] { return mt::elu(x); }},

@@ -288,6 +288,34 @@ TEST(MaskedSoftmax, AllMaskedRowsGetZeroGradients) {
   EXPECT_THROW(mt::masked_softmax(mt::zeros({3}), mt::zeros({2, 3}, mt::boolean)), mt::Error);
 }
 
+// bernoulli and randint: seeded draws with the right support and roughly the right moments.
+TEST(RandomComposites, BernoulliAndRandint) {
+  mt::Generator gen(11);
+  mt::Tensor p = mt::full({20000}, 0.3, mt::f64);
+  std::vector<double> b = values(mt::bernoulli(p, &gen));
+  double ones = 0;
+  for (double v : b) {
+    EXPECT_TRUE(v == 0 || v == 1);
+    ones += v;
+  }
+  EXPECT_NEAR(ones / b.size(), 0.3, 0.02);
+  mt::Tensor r = mt::randint(-3, 4, {20000}, &gen);
+  EXPECT_EQ(r.dtype(), mt::i64);
+  std::vector<int64_t> ints = int_values(r);
+  std::vector<int> counts(7, 0);
+  for (int64_t v : ints) {
+    ASSERT_GE(v, -3);
+    ASSERT_LT(v, 4);
+    ++counts[v + 3];
+  }
+  for (int c : counts) EXPECT_NEAR(c / 20000.0, 1.0 / 7, 0.02);
+  EXPECT_THROW(mt::randint(2, 2, {3}, &gen), mt::Error);
+  EXPECT_THROW(mt::norm(p, 3.0), mt::Error);
+  EXPECT_THROW(mt::tril(p), mt::Error);
+  EXPECT_THROW(mt::roll(p, {1, 2}, {0}), mt::Error);
+  EXPECT_THROW(mt::repeat(mt::zeros({2, 3}), {2}), mt::Error);
+}
+
 // Padding's errors: the shapes pad refuses, as PyTorch does, with a reason.
 TEST(Pad, RefusesWhatItCannotPad) {
   mt::Tensor x = mt::zeros({2, 3});
@@ -1021,6 +1049,48 @@ void add_composite_cases(Oracle& o, Data& d, mt::DType dt) {
   mt::Tensor lw = make({-0.5, 0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 0.49}, {8}, dt);
   mt::Tensor le = make({1.0, -2.0, 4.0, 0.5, -3.0, 2.0, 9.0, -1.0}, {8}, dt);
   o.add("lerp/" + t, {ra, le, lw}, mt::lerp(ra, le, lw), "torch.lerp(a, b, c)");
+  mt::Tensor lp = mt::log_softmax(d.randn({4, 5}, dt)), nt = ints({1, -100, 4, 0}, {4});
+  o.add("nll_loss/mean_ignore/" + t, {lp, nt}, mt::nll_loss(lp, nt), "F.nll_loss(a, b)");
+  o.add("nll_loss/none/" + t, {lp, nt}, mt::nll_loss(lp, nt, mt::Reduction::None),
+        "F.nll_loss(a, b, reduction='none')");
+  mt::Tensor pr = make({0.0, 0.1, 0.5, 0.9, 1.0, 0.25}, {2, 3}, dt);
+  mt::Tensor py = make({0.0, 1.0, 0.5, 0.0, 1.0, 0.75}, {2, 3}, dt);
+  o.add("binary_cross_entropy/" + t, {pr, py}, mt::binary_cross_entropy(pr, py),
+        "F.binary_cross_entropy(a, b)");
+  o.add("binary_cross_entropy/none/" + t, {py, pr},
+        mt::binary_cross_entropy(py, pr, mt::Reduction::None),
+        "F.binary_cross_entropy(a, b, reduction='none')");
+  mt::Tensor li = d.randn({3, 4}, dt, 2.0), lt = d.randn({3, 4}, dt, 2.0);
+  o.add("l1_loss/" + t, {li, lt}, mt::l1_loss(li, lt), "F.l1_loss(a, b)");
+  o.add("smooth_l1_loss/" + t, {li, lt}, mt::smooth_l1_loss(li, lt, mt::Reduction::Sum, 0.5),
+        "F.smooth_l1_loss(a, b, reduction='sum', beta=0.5)");
+  o.add("huber_loss/" + t, {li, lt}, mt::huber_loss(li, lt, mt::Reduction::None, 1.5),
+        "F.huber_loss(a, b, reduction='none', delta=1.5)");
+  mt::Tensor kq = mt::log_softmax(d.randn({3, 4}, dt));
+  mt::Tensor kp = make({0.0, 0.5, 0.25, 0.25, 0.1, 0.2, 0.3, 0.4, 1.0, 0.0, 0.0, 0.0}, {3, 4}, dt);
+  o.add("kl_div/" + t, {kq, kp}, mt::kl_div(kq, kp, mt::Reduction::Sum),
+        "F.kl_div(a, b, reduction='sum')");
+  o.add("kl_div/log_target/" + t, {kq}, mt::kl_div(kq, kq * 0.5, mt::Reduction::None, true),
+        "F.kl_div(a, a * 0.5, reduction='none', log_target=True)");
+  mt::Tensor sq = d.randn({2, 3, 4}, dt);
+  o.add("flip/" + t, {sq}, mt::flip(sq, {0, 2}), "torch.flip(a, (0, 2))");
+  o.add("roll/" + t, {sq}, mt::roll(sq, {1, -5}, {1, 2}), "torch.roll(a, (1, -5), (1, 2))");
+  o.add("tril/" + t, {sq}, mt::tril(sq, -1), "torch.tril(a, -1)");
+  o.add("triu/" + t, {sq}, mt::triu(sq, 1), "torch.triu(a, 1)");
+  o.add("repeat/" + t, {sq}, mt::repeat(sq, {2, 1, 1, 3}), "a.repeat(2, 1, 1, 3)");
+  o.add("tile/" + t, {sq}, mt::tile(sq, {2, 2}), "torch.tile(a, (2, 2))");
+  o.add("std/" + t, {sq}, mt::std_dev(sq, {1}), "a.std(1)");
+  o.add("std/all_correction0/" + t, {sq}, mt::std_dev(sq, {}, false, 0.0), "a.std(unbiased=False)");
+  o.add("norm/l1/" + t, {sq}, mt::norm(sq, 1.0, {2}), "torch.linalg.vector_norm(a, 1, dim=2)");
+  o.add("norm/l2_keepdim/" + t, {sq}, mt::norm(sq, 2.0, {0, 1}, true),
+        "torch.linalg.vector_norm(a, 2, dim=(0, 1), keepdim=True)");
+  o.add("norm/inf/" + t, {sq}, mt::norm(sq, kInf), "torch.linalg.vector_norm(a, float('inf'))");
+  mt::Tensor ties = make({3, 1, 1, 2, kNan, 0, 5, 5, 5, -1, -1, 7}, {3, 4}, dt);
+  o.add("argmin/axis1/" + t, {ties}, mt::argmin(ties, 1), "a.argmin(1)");
+  o.add("argmin/all/" + t, {sq}, mt::argmin(sq), "a.argmin()");
+  mt::Tensor sparse = make({0, 0, 1, 0, 0, 0, 2, 3, 0, 0, 0, 0}, {3, 4}, dt);
+  o.add("any/" + t, {sparse}, mt::any(sparse, {1}), "a.any(1)");
+  o.add("all/" + t, {sparse}, mt::all(sparse, {0}, true), "a.all(0, keepdim=True)");
   mt::Tensor ca = d.randn({2, 3}, dt), cb = d.randn({2, 3}, dt);
   mt::Tensor custom = mt::custom_op(
       {ca, cb}, [](const Tensors& in) { return in[0] * in[1] + mt::sin(in[0]); },
@@ -1056,6 +1126,7 @@ void add_integer_cases(Oracle& o, Data& d) {
     o.add("int/sum_axis0/" + t, {a}, mt::sum(a, {0}), "a.sum(0)");
     o.add("int/max/" + t, {a}, mt::max(a, {1}), "a.amax(1)");
     o.add("int/argmax/" + t, {a}, mt::argmax(a, 0), "a.argmax(0)");
+    o.add("int/argmin/" + t, {a}, mt::argmin(a, 1), "a.argmin(1)");
     o.add("int/where/" + t, {a, b}, mt::where(mt::gt(a, b), a, b), "torch.where(a > b, a, b)");
     o.add("int/concat/" + t, {a, b}, mt::concat({a, mt::unsqueeze(b, 0)}, 0),
           "torch.cat([a, b.unsqueeze(0)], 0)");
