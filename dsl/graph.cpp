@@ -60,7 +60,7 @@ bool blocks_gradient(OpCode op) {
 const OpInfo& op_info(OpCode op) { return kOpInfo[static_cast<size_t>(op)]; }
 int op_count() { return static_cast<int>(std::size(kOpInfo)); }
 
-NodePtr make_node(OpCode op, DType dtype, Shape shape, std::vector<NodePtr> inputs, Attrs attrs,
+NodePtr make_node(OpCode op, DType dtype, Shape shape, NodeInputs inputs, Attrs attrs,
                   const Loc& loc) {
   // Every size computed later (buffers, strides, kernel loops) is exact once these hold.
   check_shape_size(op_name(op), shape, dtype, loc);

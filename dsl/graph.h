@@ -15,7 +15,7 @@ using Loc = std::source_location;
 /// Creates a node; fills id, requires_grad, module path and call site. Shapes and dtypes must
 /// already be checked by the caller (the op builders); this checks only that the element count
 /// and byte size are representable (mt::Error naming the op and the shape).
-NodePtr make_node(OpCode op, DType dtype, Shape shape, std::vector<NodePtr> inputs, Attrs attrs,
+NodePtr make_node(OpCode op, DType dtype, Shape shape, NodeInputs inputs, Attrs attrs,
                   const Loc& loc);
 
 /// mt::Error "op: ..." unless every dimension of `shape` is >= 0 and its element count and byte

@@ -12,6 +12,7 @@
 
 #include "dsl/dtype.h"
 #include "dsl/host_memory.h"
+#include "dsl/node_inputs.h"
 #include "dsl/shape.h"
 
 namespace mixtape {
@@ -106,8 +107,6 @@ struct Storage {
   void fetch_host();  // dsl/tensor.cpp
 };
 
-struct Node;
-using NodePtr = std::shared_ptr<Node>;
 class Policy;  // precision_policy/policy.h
 struct TensorImpl;
 class Tensor;
@@ -171,9 +170,9 @@ struct Node : std::enable_shared_from_this<Node> {
   uint64_t pending_walk = 0;  // the last pending_nodes() walk that reached it
   uint64_t id = 0;            // creation order: the tape order that backward walks in reverse
 
-  Shape shape;
-  std::vector<NodePtr> inputs;
   std::shared_ptr<Storage> value;  // set once evaluated (always set for Constant)
+  Shape shape;
+  NodeInputs inputs;
   Attrs attrs;
 
   // ---- where it was made, and what reports and errors read

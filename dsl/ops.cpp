@@ -35,19 +35,25 @@ Shape broadcast_or_fail(const Tensor& a, const Tensor& b, const char* op, const 
 // make_node's inputs, each NodePtr copied once (a braced list copies every element twice, and
 // each copy of a shared_ptr is an atomic increment).
 template <typename... Nodes>
-std::vector<NodePtr> node_list(Nodes&&... nodes) {
-  std::vector<NodePtr> list;
+NodeInputs node_list(Nodes&&... nodes) {
+  NodeInputs list;
   list.reserve(sizeof...(nodes));
   (list.emplace_back(std::forward<Nodes>(nodes)), ...);
   return list;
 }
 
+NodePtr broadcast_node(const NodePtr& node, Shape shape, const Loc& loc);
+
 // The node for `x` cast to `dtype` and broadcast to `shape` (no new node when nothing changes).
+// Made as nodes, not Tensors: a handle for each intermediate would be one more heap block.
 NodePtr conform(const Tensor& x, DType dtype, const Shape& shape, const Loc& loc) {
-  if (x.dtype() == dtype && x.shape() == shape) return x.node();
-  Tensor t = x.dtype() == dtype ? x : cast(x, dtype, loc);
-  if (t.shape() != shape) t = broadcast_to(t, shape, loc);
-  return t.node();
+  const NodePtr& given = x.node();
+  if (given->dtype == dtype && given->shape == shape) return given;
+  NodePtr node = given->dtype == dtype
+                     ? given
+                     : make_node(OpCode::Cast, dtype, given->shape, node_list(given), {}, loc);
+  if (node->shape != shape) node = broadcast_node(node, shape, loc);
+  return node;
 }
 
 Tensor pointwise(OpCode op, Domain domain, bool to_bool, const Tensor& a, const Tensor& b,
@@ -59,7 +65,7 @@ Tensor pointwise(OpCode op, Domain domain, bool to_bool, const Tensor& a, const 
   check_domain(opname, domain, t, loc);
   // Operands of one shape (most of a training step's) need no broadcast.
   Shape shape = a.shape() == b.shape() ? a.shape() : broadcast_or_fail(a, b, opname, loc);
-  std::vector<NodePtr> inputs = node_list(conform(a, t, shape, loc), conform(b, t, shape, loc));
+  NodeInputs inputs = node_list(conform(a, t, shape, loc), conform(b, t, shape, loc));
   return Tensor(make_node(op, to_bool ? boolean : t, std::move(shape), std::move(inputs), {}, loc));
 }
 
@@ -299,7 +305,7 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in, bool transpose_a, bool tra
     return shape;
   };
   // Operands without batch dimensions are already whole (the 2-d products of a training step).
-  std::vector<NodePtr> operands =
+  NodeInputs operands =
       batch->empty() ? node_list(conform(a, t, sa, loc), conform(b, t, sb, loc))
                      : node_list(conform(a, t, batched(sa[sa.size() - 2], sa[sa.size() - 1]), loc),
                                  conform(b, t, batched(sb[sb.size() - 2], sb[sb.size() - 1]), loc));
@@ -378,8 +384,8 @@ Tensor transpose(const Tensor& x, int64_t a, int64_t b, const Loc& loc) {
   return permute(x, perm, loc);
 }
 
-Tensor broadcast_to(const Tensor& x, Shape shape, const Loc& loc) {
-  const NodePtr& node = input(x, "broadcast_to", loc);
+namespace {
+NodePtr broadcast_node(const NodePtr& node, Shape shape, const Loc& loc) {
   const Shape& from = node->shape;
   bool ok = shape.size() >= from.size();
   for (size_t i = 0; ok && i < from.size(); ++i) {
@@ -389,9 +395,13 @@ Tensor broadcast_to(const Tensor& x, Shape shape, const Loc& loc) {
   for (int64_t d : shape) ok &= d >= 0;
   if (!ok)
     op_fail("broadcast_to", loc, "cannot broadcast {} to {}", to_string(from), to_string(shape));
-  if (shape == from) return Tensor(node);
-  return Tensor(
-      make_node(OpCode::BroadcastTo, node->dtype, std::move(shape), node_list(node), {}, loc));
+  if (shape == from) return node;
+  return make_node(OpCode::BroadcastTo, node->dtype, std::move(shape), node_list(node), {}, loc);
+}
+}  // namespace
+
+Tensor broadcast_to(const Tensor& x, Shape shape, const Loc& loc) {
+  return Tensor(broadcast_node(input(x, "broadcast_to", loc), std::move(shape), loc));
 }
 
 Tensor unsqueeze(const Tensor& x, int64_t axis, const Loc& loc) {
