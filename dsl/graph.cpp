@@ -7,6 +7,8 @@
 #include <unordered_set>
 #include <utility>
 
+#include "dsl/pool_allocator.h"
+
 namespace mixtape {
 namespace {
 
@@ -64,7 +66,7 @@ NodePtr make_node(OpCode op, DType dtype, Shape shape, NodeInputs inputs, Attrs 
                   const Loc& loc) {
   // Every size computed later (buffers, strides, kernel loops) is exact once these hold.
   check_shape_size(op_name(op), shape, dtype, loc);
-  auto node = std::make_shared<Node>();
+  auto node = std::allocate_shared<Node>(PoolAllocator<Node>());
   node->op = op;
   node->dtype = dtype;
   node->shape = std::move(shape);
