@@ -71,11 +71,10 @@ std::vector<NodePtr> tape_in_reverse(const std::vector<NodePtr>& roots, WalkMark
       if (input->requires_grad && !marks.seen(*input)) stack.push_back(&input);
     found.emplace_back(node->id, &node);
   }
-  std::sort(found.begin(), found.end(),
-            [](const auto& a, const auto& b) { return a.first > b.first; });
+  sort_by_id(found);
   std::vector<NodePtr> order;
   order.reserve(found.size());
-  for (const auto& [id, node] : found) order.push_back(*node);
+  for (auto it = found.rbegin(); it != found.rend(); ++it) order.push_back(*it->second);
   return order;
 }
 

@@ -9,6 +9,15 @@ namespace {
 
 enum class Domain { Float, Numeric, Any };
 
+// Shapes compared in line: std::vector's == calls memcmp, and builders compare a few shapes for
+// every node the traced loop makes.
+bool same_shape(const Shape& a, const Shape& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) return false;
+  return true;
+}
+
 const NodePtr& input(const Tensor& t, const char* op, const Loc& loc, const char* role = "input") {
   if (!t.defined()) op_fail(op, loc, "the {} is an undefined tensor", role);
   return t.node();
@@ -48,11 +57,11 @@ NodePtr broadcast_node(const NodePtr& node, Shape shape, const Loc& loc);
 // Made as nodes, not Tensors: a handle for each intermediate would be one more heap block.
 NodePtr conform(const Tensor& x, DType dtype, const Shape& shape, const Loc& loc) {
   const NodePtr& given = x.node();
-  if (given->dtype == dtype && given->shape == shape) return given;
+  if (given->dtype == dtype && same_shape(given->shape, shape)) return given;
   NodePtr node = given->dtype == dtype
                      ? given
                      : make_node(OpCode::Cast, dtype, given->shape, node_list(given), {}, loc);
-  if (node->shape != shape) node = broadcast_node(node, shape, loc);
+  if (!same_shape(node->shape, shape)) node = broadcast_node(node, shape, loc);
   return node;
 }
 
@@ -64,7 +73,7 @@ Tensor pointwise(OpCode op, Domain domain, bool to_bool, const Tensor& a, const 
   DType t = promote(a.dtype(), b.dtype());
   check_domain(opname, domain, t, loc);
   // Operands of one shape (most of a training step's) need no broadcast.
-  Shape shape = a.shape() == b.shape() ? a.shape() : broadcast_or_fail(a, b, opname, loc);
+  Shape shape = same_shape(a.shape(), b.shape()) ? a.shape() : broadcast_or_fail(a, b, opname, loc);
   NodeInputs inputs = node_list(conform(a, t, shape, loc), conform(b, t, shape, loc));
   return Tensor(make_node(op, to_bool ? boolean : t, std::move(shape), std::move(inputs), {}, loc));
 }
@@ -343,7 +352,7 @@ Tensor reshape(const Tensor& x, Shape shape, const Loc& loc) {
   if (numel(shape) != node->numel())
     op_fail("reshape", loc, "cannot reshape {} ({} elements) into {} ({} elements)",
             to_string(node->shape), node->numel(), to_string(shape), numel(shape));
-  if (shape == node->shape) return Tensor(node);
+  if (same_shape(shape, node->shape)) return Tensor(node);
   return Tensor(
       make_node(OpCode::Reshape, node->dtype, std::move(shape), node_list(node), {}, loc));
 }
@@ -395,7 +404,7 @@ NodePtr broadcast_node(const NodePtr& node, Shape shape, const Loc& loc) {
   for (int64_t d : shape) ok &= d >= 0;
   if (!ok)
     op_fail("broadcast_to", loc, "cannot broadcast {} to {}", to_string(from), to_string(shape));
-  if (shape == from) return node;
+  if (same_shape(shape, from)) return node;
   return make_node(OpCode::BroadcastTo, node->dtype, std::move(shape), node_list(node), {}, loc);
 }
 }  // namespace
@@ -486,7 +495,7 @@ Tensor slice(const Tensor& x, std::vector<int64_t> starts, std::vector<int64_t> 
              const Loc& loc) {
   const NodePtr& node = input(x, "slice", loc);
   check_strided_window("slice", shape, node->shape, starts, steps, loc);
-  if (shape == node->shape) return Tensor(node);
+  if (same_shape(shape, node->shape)) return Tensor(node);
   Attrs attrs;
   attrs.starts = std::move(starts);
   attrs.steps = std::move(steps);

@@ -30,19 +30,25 @@ namespace {
 // signature's words are gathered in a buffer and hashed at once by XXH3-128, which goes through
 // them several words at a time. (Hashing each word as it came, through a chain of multiplies
 // each waiting on the last, was most of signing's cost; the signature is taken on every
-// evaluation of the traced loop.) One buffer per thread, reused, so signing allocates nothing.
+// evaluation of the traced loop.)
 class WordHasher {
  public:
-  WordHasher() : words_(buffer()) { words_.clear(); }
+  WordHasher() : words_(buffer()) {
+    if (words_.size() < 1024) words_.resize(1024);
+    next_ = words_.data();
+    end_ = next_ + words_.size();
+  }
   WordHasher(const WordHasher&) = delete;
   WordHasher& operator=(const WordHasher&) = delete;
 
   template <typename T>
   requires std::is_arithmetic_v<T> || std::is_enum_v<T> WordHasher& update(T value) {
+    if (next_ == end_) [[unlikely]]
+      grow();
     if constexpr (std::is_floating_point_v<T>)
-      words_.push_back(std::bit_cast<uint64_t>(static_cast<double>(value)));
+      *next_++ = std::bit_cast<uint64_t>(static_cast<double>(value));
     else
-      words_.push_back(static_cast<uint64_t>(value));
+      *next_++ = static_cast<uint64_t>(value);
     return *this;
   }
   WordHasher& update(std::string_view text) {
@@ -51,16 +57,26 @@ class WordHasher {
     return *this;
   }
   Hash128 finish() const {
-    XXH128_hash_t digest = XXH3_128bits(words_.data(), words_.size() * sizeof(uint64_t));
+    XXH128_hash_t digest =
+        XXH3_128bits(words_.data(), static_cast<size_t>(next_ - words_.data()) * sizeof(uint64_t));
     return {digest.low64, digest.high64};
   }
 
  private:
+  // One buffer per thread, reused (one hasher per thread at a time: signing does not nest).
   static std::vector<uint64_t>& buffer() {
     thread_local std::vector<uint64_t> words;
     return words;
   }
+  void grow() {
+    size_t used = words_.size();
+    words_.resize(used * 2);
+    next_ = words_.data() + used;
+    end_ = words_.data() + words_.size();
+  }
   std::vector<uint64_t>& words_;
+  uint64_t* next_;
+  uint64_t* end_;
 };
 
 template <typename T>
@@ -555,8 +571,7 @@ std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs) {
       if (!input->evaluated() && input->pending_walk != walk) stack.push_back(input.get());
   }
   // Inputs are always made before their users, so creation order is a topological order.
-  std::sort(found.begin(), found.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
+  sort_by_id(found);
   std::vector<Node*> pending;
   pending.reserve(found.size());
   for (const auto& [id, node] : found) pending.push_back(node);
