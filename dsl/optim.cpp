@@ -73,9 +73,13 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
   warn_about_orphan_parameters();
   for (size_t i = 0; i < also.size(); ++i)
     if (!also[i].defined()) fail("{}: step_unless: extra output {} is undefined", kind_, i);
+  // Sized once: the traced loop runs this every step.
   std::vector<size_t> updated;
   std::vector<Tensor> new_params;
   std::vector<NamedTensors> new_state;
+  updated.reserve(params_.size());
+  new_params.reserve(params_.size());
+  new_state.reserve(params_.size());
   Tensor new_step;
   {
     NoGradGuard no_grad;
@@ -115,7 +119,11 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
     if (!also.empty()) eval(also);
     return;
   }
-  std::vector<Tensor> outputs = new_params;
+  std::vector<Tensor> outputs;
+  size_t output_count = new_params.size() + 1 + also.size();
+  for (const NamedTensors& state : new_state) output_count += state.size();
+  outputs.reserve(output_count);
+  outputs.insert(outputs.end(), new_params.begin(), new_params.end());
   for (const NamedTensors& state : new_state)
     for (const auto& [name, value] : state) outputs.push_back(value);
   outputs.push_back(new_step);
@@ -125,6 +133,7 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
     size_t i = updated[k];
     params_[i].assign(new_params[k]);
     NamedTensors persistent;
+    persistent.reserve(new_state[k].size());
     for (auto& [name, value] : new_state[k])
       persistent.emplace_back(name, from_storage(value.node()->value, value.shape()));
     state_[i] = std::move(persistent);
