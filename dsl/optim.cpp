@@ -212,7 +212,12 @@ Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state)
   if (options.weight_decay != 0) g = g + param * options.weight_decay;
   if (options.momentum != 0) {
     Tensor* previous = find_state(state, "momentum_buffer");
-    Tensor buffer = previous ? *previous * options.momentum + g * (1.0 - options.dampening) : g;
+    // Without dampening the gradient's factor is 1, and g * 1 is g, bit for bit (no contraction
+    // into a fused multiply-add, and flushed denormals flush either way), so the three nodes it
+    // took each step are left out. Under a precision policy the product may be rounded to a
+    // narrower storage, so there it stays.
+    Tensor damped = options.dampening == 0 && !current_policy() ? g : g * (1.0 - options.dampening);
+    Tensor buffer = previous ? *previous * options.momentum + damped : g;
     // The first update copies the gradient. A skipped first step leaves a zero buffer, which
     // with dampening would not update like that, so a flag records whether one really happened.
     const char* started = "~momentum_started";
