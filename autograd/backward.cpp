@@ -55,8 +55,9 @@ class WalkMarks {
 
 // Every node that requires grad and leads to a root, latest first (reverse tape order), each
 // marked as seen by this pass. The walk keeps the edges it came through (a root, or an entry of
-// a reader's inputs), which stay put while it runs, and sorts them by id: no trip to the node per
-// comparison, and one reference taken per node at the end instead of a shared_from_this().
+// a reader's inputs), which stay put while it runs, with their nodes' ids: ordering them takes no
+// second trip to each node, and each node's reference is a copy of its edge's, not a
+// shared_from_this().
 std::vector<NodePtr> tape_in_reverse(const std::vector<NodePtr>& roots, WalkMarks& marks) {
   std::vector<std::pair<uint64_t, const NodePtr*>> found;
   std::vector<const NodePtr*> stack;

@@ -553,8 +553,8 @@ std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs) {
   // keeping a set: the traced loop walks every step's graph.
   static std::atomic<uint64_t> walks{0};
   uint64_t walk = ++walks;
-  // Each node with its id, read while the walk has it at hand: sorting the pairs compares ids
-  // without a trip to each node.
+  // Each node with its id, read while the walk has it at hand, so that ordering them takes no
+  // second trip to each node.
   thread_local std::vector<std::pair<uint64_t, Node*>> found;
   thread_local std::vector<Node*> stack;
   found.clear();
