@@ -100,9 +100,11 @@ Tensor apply_operator(const Operand& a, const Operand& b, Builder build) {
                  b.is_tensor ? b.tensor : scalar(b.scalar, f32, loc), loc);
   if (!a.tensor.defined() && !b.tensor.defined())
     op_fail("operator", loc, "needs a tensor operand");
-  Tensor ta = a.tensor.defined() ? a.tensor : scalar_like(a, b.tensor, loc);
-  Tensor tb = b.tensor.defined() ? b.tensor : scalar_like(b, a.tensor, loc);
-  return build(ta, tb, loc);
+  // The operands as they are, not copies: each copy of a handle is a reference count taken and
+  // dropped again.
+  if (!a.tensor.defined()) return build(scalar_like(a, b.tensor, loc), b.tensor, loc);
+  if (!b.tensor.defined()) return build(a.tensor, scalar_like(b, a.tensor, loc), loc);
+  return build(a.tensor, b.tensor, loc);
 }
 
 Shape reduced_shape(const Shape& shape, const std::vector<int64_t>& axes, bool keepdim) {
