@@ -216,8 +216,10 @@ Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state)
     // into a fused multiply-add, and flushed denormals flush either way), so the three nodes it
     // took each step are left out. Under a precision policy the product may be rounded to a
     // narrower storage, so there it stays.
-    Tensor damped = options.dampening == 0 && !current_policy() ? g : g * (1.0 - options.dampening);
-    Tensor buffer = previous ? *previous * options.momentum + damped : g;
+    bool undamped = options.dampening == 0 && !current_policy();
+    Tensor buffer =
+        previous ? *previous * options.momentum + (undamped ? g : g * (1.0 - options.dampening))
+                 : g;
     // The first update copies the gradient. A skipped first step leaves a zero buffer, which
     // with dampening would not update like that, so a flag records whether one really happened.
     const char* started = "~momentum_started";
