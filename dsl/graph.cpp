@@ -70,25 +70,18 @@ NodePtr make_node(OpCode op, DType dtype, Shape shape, NodeInputs inputs, Attrs 
   bool small = shape.size() <= 4;
   for (int64_t d : shape) small &= static_cast<uint64_t>(d) < (uint64_t{1} << 14);
   if (!small) check_shape_size(op_name(op), shape, dtype, loc);
-  auto node = std::allocate_shared<Node>(PoolAllocator<Node>());
-  node->op = op;
-  node->dtype = dtype;
-  node->shape = std::move(shape);
-  node->attrs = std::move(attrs);
   bool any_input_requires_grad = false;
   uint64_t latest_input = 0;
   for (const NodePtr& input : inputs) {
     any_input_requires_grad |= input->requires_grad;
     latest_input = std::max(latest_input, input->id);
   }
+  auto node = std::allocate_shared<Node>(PoolAllocator<Node>(), op, dtype, std::move(shape),
+                                         std::move(inputs), std::move(attrs), module_path);
   node->id = new_node_id(latest_input);
   node->requires_grad =
       grad_mode && any_input_requires_grad && is_floating(dtype) && !blocks_gradient(op);
-  node->inputs = std::move(inputs);
-  node->module_path = module_path;
   node->location = user_call_site(loc);
-  node->storage = node->compute = dtype;
-  node->accum = dtype == f64 ? f64 : f32;
   if (differentiating) {
     node->policy = differentiating->policy;
     node->composite = differentiating->composite;

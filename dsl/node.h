@@ -142,6 +142,19 @@ struct Node : std::enable_shared_from_this<Node> {
   // Not `= default`: make_shared value-initializes, which zero-fills a class whose default
   // constructor is implicit before running it, and every field has an initializer anyway.
   Node() {}
+  /// A node of `op` with the traced types and the parts make_node hands over, moved in as the
+  /// node is built rather than assigned after (the traced loop makes hundreds every step).
+  Node(OpCode op, DType dtype, Shape&& shape, NodeInputs&& inputs, Attrs&& attrs,
+       const std::string& module_path)
+      : op(op),
+        dtype(dtype),
+        storage(dtype),
+        compute(dtype),
+        accum(dtype == f64 ? f64 : f32),
+        shape(std::move(shape)),
+        inputs(std::move(inputs)),
+        attrs(std::move(attrs)),
+        module_path(module_path) {}
 
   OpCode op = OpCode::Constant;
   DType dtype = f32;
