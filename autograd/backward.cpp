@@ -59,8 +59,11 @@ class WalkMarks {
 // second trip to each node, and each node's reference is a copy of its edge's, not a
 // shared_from_this().
 std::vector<NodePtr> tape_in_reverse(const std::vector<NodePtr>& roots, WalkMarks& marks) {
-  std::vector<std::pair<uint64_t, const NodePtr*>> found;
-  std::vector<const NodePtr*> stack;
+  // Scratch kept per thread (the walk runs to its end before any vjp could start another).
+  thread_local std::vector<std::pair<uint64_t, const NodePtr*>> found;
+  thread_local std::vector<const NodePtr*> stack;
+  found.clear();
+  stack.clear();
   for (const NodePtr& root : roots)
     if (root->requires_grad) stack.push_back(&root);
   while (!stack.empty()) {
@@ -246,6 +249,7 @@ void Tensor::backward(const Tensor& grad, bool retain_graph, const Loc& loc) con
   // The graph is lazy and outlives a backward pass, so a second walk through it would add every
   // gradient again. Checked before any gradient is accumulated, so an error changes nothing.
   std::vector<Node*> walked;
+  walked.reserve(grads.size());
   for (const auto& [node, g] : grads) {
     if (op_info(node->op).kind == OpKind::Leaf) continue;
     if (node->backward_done)

@@ -38,7 +38,7 @@ std::string shapes_text(const Tensor& a, const Tensor& b) {
 Shape broadcast_or_fail(const Tensor& a, const Tensor& b, const char* op, const Loc& loc) {
   std::optional<Shape> shape = broadcast_shapes(a.shape(), b.shape());
   if (!shape) op_fail(op, loc, "shapes cannot be broadcast together: {}", shapes_text(a, b));
-  return *shape;
+  return std::move(*shape);
 }
 
 // make_node's inputs, each NodePtr copied once (a braced list copies every element twice, and
