@@ -54,23 +54,31 @@ class WalkMarks {
 };
 
 // Every node that requires grad and leads to a root, latest first (reverse tape order), each
-// marked as seen by this pass.
+// marked as seen by this pass. The walk keeps the edges it came through (a root, or an entry of
+// a reader's inputs), which stay put while it runs, with their nodes' ids: ordering them takes no
+// second trip to each node, and each node's reference is a copy of its edge's, not a
+// shared_from_this().
 std::vector<NodePtr> tape_in_reverse(const std::vector<NodePtr>& roots, WalkMarks& marks) {
-  std::vector<NodePtr> order;
-  std::vector<Node*> stack;
+  // Scratch kept per thread (the walk runs to its end before any vjp could start another).
+  thread_local std::vector<std::pair<uint64_t, const NodePtr*>> found;
+  thread_local std::vector<const NodePtr*> stack;
+  found.clear();
+  stack.clear();
   for (const NodePtr& root : roots)
-    if (root->requires_grad) stack.push_back(root.get());
+    if (root->requires_grad) stack.push_back(&root);
   while (!stack.empty()) {
-    Node* node = stack.back();
+    const NodePtr& node = *stack.back();
     stack.pop_back();
     if (marks.seen(*node)) continue;
     marks.see(*node);
     for (const NodePtr& input : node->inputs)
-      if (input->requires_grad && !marks.seen(*input)) stack.push_back(input.get());
-    order.push_back(node->shared_from_this());
+      if (input->requires_grad && !marks.seen(*input)) stack.push_back(&input);
+    found.emplace_back(node->id, &node);
   }
-  std::sort(order.begin(), order.end(),
-            [](const NodePtr& a, const NodePtr& b) { return a->id > b->id; });
+  sort_by_id(found);
+  std::vector<NodePtr> order;
+  order.reserve(found.size());
+  for (auto it = found.rbegin(); it != found.rend(); ++it) order.push_back(*it->second);
   return order;
 }
 
@@ -110,17 +118,25 @@ std::optional<Tensor> join_adjacent_unslices(const Tensor& a, const Tensor& b) {
   return unslice(joined, first.attrs.starts, first.attrs.steps, x.shape);
 }
 
-// The contributions to each node's gradient, in the order they arrived, and the nodes in the
-// order their first contribution did (a node's slot). Whatever emits graph nodes per node walks
-// them in that order, so that the ids of the emitted nodes (the order a traced step's graph is
-// signed in) are the same from call to call, as mt::compile needs.
+// The contributions to one node's gradient, in the order they arrived. Most nodes get exactly
+// one, which is kept in place: a list of its own per node was most of a backward pass's heap
+// blocks, and the traced loop runs one every step.
+struct TermList {
+  Tensor first;
+  std::vector<Tensor> more;
+};
+
+// The contributions to each node's gradient, and the nodes in the order their first
+// contribution arrived (a node's slot). Whatever emits graph nodes per node walks them in that
+// order, so that the ids of the emitted nodes (the order a traced step's graph is signed in) are
+// the same from call to call, as mt::compile needs.
 struct Terms {
   explicit Terms(WalkMarks& marks) : marks(marks) {}
   WalkMarks& marks;
-  std::vector<std::vector<Tensor>> of;  // by slot
-  std::vector<Node*> arrival;           // by slot
+  std::vector<TermList> of;    // by slot
+  std::vector<Node*> arrival;  // by slot
 
-  std::vector<Tensor>* find(const Node& node) {
+  TermList* find(const Node& node) {
     int32_t slot = marks.slot(node);
     return slot >= 0 ? &of[static_cast<size_t>(slot)] : nullptr;
   }
@@ -131,17 +147,23 @@ void accumulate(Terms& grads, const NodePtr& node, Tensor g) {
   if (g.dtype() != node->dtype) g = cast(g, node->dtype);
   int32_t slot = grads.marks.slot(*node);
   if (slot < 0) {
-    slot = static_cast<int32_t>(grads.of.size());
-    node->grad_slot = slot;
-    grads.of.emplace_back();
+    node->grad_slot = static_cast<int32_t>(grads.of.size());
+    grads.of.push_back({std::move(g), {}});
     grads.arrival.push_back(node.get());
+    return;
   }
-  grads.of[static_cast<size_t>(slot)].push_back(std::move(g));
+  grads.of[static_cast<size_t>(slot)].more.push_back(std::move(g));
 }
 
 // A node's gradient once every contribution is in (reverse tape order sees to that): adjacent
 // unslices joined, in whatever order they arrived, then the rest summed in arrival order.
-const Tensor& combine(std::vector<Tensor>& terms) {
+const Tensor& combine(TermList& list) {
+  if (list.more.empty()) return list.first;
+  std::vector<Tensor> terms;
+  terms.reserve(list.more.size() + 1);
+  terms.push_back(std::move(list.first));
+  for (Tensor& t : list.more) terms.push_back(std::move(t));
+  list.more.clear();
   for (bool joined = true; joined && terms.size() > 1;) {
     joined = false;
     for (size_t i = 0; i < terms.size() && !joined; ++i)
@@ -154,8 +176,8 @@ const Tensor& combine(std::vector<Tensor>& terms) {
   }
   Tensor sum = terms[0];
   for (size_t i = 1; i < terms.size(); ++i) sum = sum + terms[i];
-  terms.assign(1, std::move(sum));
-  return terms[0];
+  list.first = std::move(sum);
+  return list.first;
 }
 
 }  // namespace
@@ -182,7 +204,7 @@ std::vector<std::pair<const Node*, Tensor>> backpropagate(const std::vector<Node
     if (roots[i]->requires_grad) accumulate(grads, roots[i], seeds[i]);
   for (const NodePtr& node : tape) {
     if (op_info(node->op).kind == OpKind::Leaf) continue;
-    std::vector<Tensor>* terms = grads.find(*node);
+    TermList* terms = grads.find(*node);
     if (!terms) continue;
     BackwardScope scope(*node);
     std::vector<Tensor> input_grads = vjp(node, combine(*terms));
@@ -227,6 +249,7 @@ void Tensor::backward(const Tensor& grad, bool retain_graph, const Loc& loc) con
   // The graph is lazy and outlives a backward pass, so a second walk through it would add every
   // gradient again. Checked before any gradient is accumulated, so an error changes nothing.
   std::vector<Node*> walked;
+  walked.reserve(grads.size());
   for (const auto& [node, g] : grads) {
     if (op_info(node->op).kind == OpKind::Leaf) continue;
     if (node->backward_done)

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <functional>
 #include <memory>
 #include <random>
@@ -32,6 +33,14 @@ struct TimingOptions {
 
 inline double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+/// The CPU time this process has used, every thread together: on a machine shared with other
+/// work, steps/s moves with the load while CPU time per step (at one thread) does not.
+inline double process_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
 }
 
 inline double median(std::vector<double> values) {
@@ -71,18 +80,21 @@ inline mt::json::Object measure_queued(const std::function<void()>& step,
     windows = std::max(
         1, static_cast<int>(options.budget_seconds / (estimate * static_cast<double>(per_window))));
   if (after_warmup) after_warmup();
-  std::vector<double> rates;
+  std::vector<double> rates, cpu_per_step;
   mt::json::Array window_rates;
   for (int w = 0; w < windows; ++w) {
     auto start = std::chrono::steady_clock::now();
+    double cpu_start = process_cpu_seconds();
     for (int64_t i = 0; i < per_window; ++i) step();
     if (wait) wait();
     double rate = static_cast<double>(per_window) / seconds_since(start);
+    cpu_per_step.push_back((process_cpu_seconds() - cpu_start) / static_cast<double>(per_window));
     rates.push_back(rate);
     window_rates.push_back(std::round(rate * 1000) / 1000);
   }
   mt::json::Object result{{"steps_per_s", median(rates)},
                           {"window_steps_per_s", window_rates},
+                          {"cpu_us_per_step", std::round(median(cpu_per_step) * 1e7) / 10},
                           {"steps_per_window", per_window},
                           {"windows", windows},
                           {"warmup_steps", static_cast<int64_t>(warm_times.size())},

@@ -8,6 +8,8 @@
 #include <unordered_set>
 #include <utility>
 
+#include "dsl/pool_allocator.h"
+
 namespace mixtape {
 namespace {
 
@@ -50,29 +52,26 @@ bool blocks_gradient(OpCode op) { return !kOpInfo[static_cast<size_t>(op)].diffe
 const OpInfo& op_info(OpCode op) { return kOpInfo[static_cast<size_t>(op)]; }
 int op_count() { return static_cast<int>(std::size(kOpInfo)); }
 
-NodePtr make_node(OpCode op, DType dtype, Shape shape, std::vector<NodePtr> inputs, Attrs attrs,
+NodePtr make_node(OpCode op, DType dtype, Shape shape, NodeInputs inputs, Attrs attrs,
                   const Loc& loc) {
-  // Every size computed later (buffers, strides, kernel loops) is exact once these hold.
-  check_shape_size(op_name(op), shape, dtype, loc);
-  auto node = std::make_shared<Node>();
-  node->op = op;
-  node->dtype = dtype;
-  node->shape = std::move(shape);
-  node->attrs = std::move(attrs);
+  // Every size computed later (buffers, strides, kernel loops) is exact once these hold. Up to
+  // four dimensions below 2^14 each hold fewer than 2^56 elements, well within the limit: most
+  // nodes need no more than that look.
+  bool small = shape.size() <= 4;
+  for (int64_t d : shape) small &= static_cast<uint64_t>(d) < (uint64_t{1} << 14);
+  if (!small) check_shape_size(op_name(op), shape, dtype, loc);
   bool any_input_requires_grad = false;
   uint64_t latest_input = 0;
   for (const NodePtr& input : inputs) {
     any_input_requires_grad |= input->requires_grad;
     latest_input = std::max(latest_input, input->id);
   }
+  auto node = std::allocate_shared<Node>(PoolAllocator<Node>(), op, dtype, std::move(shape),
+                                         std::move(inputs), std::move(attrs), module_path);
   node->id = new_node_id(latest_input);
   node->requires_grad =
       grad_mode && any_input_requires_grad && is_floating(dtype) && !blocks_gradient(op);
-  node->inputs = std::move(inputs);
-  node->module_path = module_path;
   node->location = user_call_site(loc);
-  node->storage = node->compute = dtype;
-  node->accum = dtype == f64 ? f64 : f32;
   if (differentiating) {
     node->policy = differentiating->policy;
     node->composite = differentiating->composite;

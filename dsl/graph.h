@@ -1,8 +1,11 @@
 // dsl/graph.h -- making nodes: ids, grad mode, module-path and call-site scopes, the eval hook.
 #pragma once
 
+#include <algorithm>
+#include <cstdint>
 #include <source_location>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dsl/error.h"
@@ -15,7 +18,7 @@ using Loc = std::source_location;
 /// Creates a node; fills id, requires_grad, module path and call site. Shapes and dtypes must
 /// already be checked by the caller (the op builders); this checks only that the element count
 /// and byte size are representable (mt::Error naming the op and the shape).
-NodePtr make_node(OpCode op, DType dtype, Shape shape, std::vector<NodePtr> inputs, Attrs attrs,
+NodePtr make_node(OpCode op, DType dtype, Shape shape, NodeInputs inputs, Attrs attrs,
                   const Loc& loc);
 
 /// mt::Error "op: ..." unless every dimension of `shape` is >= 0 and its element count and byte
@@ -103,6 +106,33 @@ class BackwardScope {
   ModulePathScope path_;
   CallSiteScope site_;
 };
+
+/// Sorts (id, item) pairs by id, ascending. The nodes a step makes have nearly consecutive ids
+/// (they are made one after another), so where the ids span little more than their count they
+/// are placed by id in one pass, with no comparisons: the traced loop sorts its pending nodes
+/// and its tape every step.
+template <typename T>
+void sort_by_id(std::vector<std::pair<uint64_t, T>>& items) {
+  auto by_id = [](const auto& a, const auto& b) { return a.first < b.first; };
+  size_t n = items.size();
+  if (n < 32) return std::sort(items.begin(), items.end(), by_id);
+  auto [lo, hi] = std::minmax_element(items.begin(), items.end(), by_id);
+  uint64_t first = lo->first, range = hi->first - lo->first + 1;
+  if (range > 4 * n || n > UINT32_MAX - 1) return std::sort(items.begin(), items.end(), by_id);
+  thread_local std::vector<uint32_t> slots;  // 1 + the item's index, by id - first
+  slots.assign(range, 0);
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t& slot = slots[items[i].first - first];
+    if (slot != 0) return std::sort(items.begin(), items.end(), by_id);  // a repeated id
+    slot = static_cast<uint32_t>(i + 1);
+  }
+  thread_local std::vector<std::pair<uint64_t, T>> sorted;
+  sorted.clear();
+  sorted.reserve(n);
+  for (uint32_t slot : slots)
+    if (slot != 0) sorted.push_back(items[slot - 1]);
+  items.swap(sorted);
+}
 
 /// Every node the roots depend on (as far as the graph is still recorded), in tape order:
 /// inputs are made before their readers, so creation order is a topological order.

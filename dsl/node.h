@@ -12,6 +12,7 @@
 
 #include "dsl/dtype.h"
 #include "dsl/host_memory.h"
+#include "dsl/node_inputs.h"
 #include "dsl/shape.h"
 
 namespace mixtape {
@@ -118,8 +119,6 @@ struct Storage {
   void fetch_host();  // dsl/tensor.cpp
 };
 
-struct Node;
-using NodePtr = std::shared_ptr<Node>;
 class Policy;  // precision_policy/policy.h
 struct TensorImpl;
 class Tensor;
@@ -155,6 +154,19 @@ struct Node : std::enable_shared_from_this<Node> {
   // Not `= default`: make_shared value-initializes, which zero-fills a class whose default
   // constructor is implicit before running it, and every field has an initializer anyway.
   Node() {}
+  /// A node of `op` with the traced types and the parts make_node hands over, moved in as the
+  /// node is built rather than assigned after (the traced loop makes hundreds every step).
+  Node(OpCode op, DType dtype, Shape&& shape, NodeInputs&& inputs, Attrs&& attrs,
+       const std::string& module_path)
+      : op(op),
+        dtype(dtype),
+        storage(dtype),
+        compute(dtype),
+        accum(dtype == f64 ? f64 : f32),
+        shape(std::move(shape)),
+        inputs(std::move(inputs)),
+        attrs(std::move(attrs)),
+        module_path(module_path) {}
 
   OpCode op = OpCode::Constant;
   DType dtype = f32;
@@ -183,9 +195,9 @@ struct Node : std::enable_shared_from_this<Node> {
   uint64_t pending_walk = 0;  // the last pending_nodes() walk that reached it
   uint64_t id = 0;            // creation order: the tape order that backward walks in reverse
 
-  Shape shape;
-  std::vector<NodePtr> inputs;
   std::shared_ptr<Storage> value;  // set once evaluated (always set for Constant)
+  Shape shape;
+  NodeInputs inputs;
   Attrs attrs;
 
   // ---- where it was made, and what reports and errors read

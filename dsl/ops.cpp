@@ -9,6 +9,15 @@ namespace {
 
 enum class Domain { Float, Numeric, Any };
 
+// Shapes compared in line: std::vector's == calls memcmp, and builders compare a few shapes for
+// every node the traced loop makes.
+bool same_shape(const Shape& a, const Shape& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i] != b[i]) return false;
+  return true;
+}
+
 const NodePtr& input(const Tensor& t, const char* op, const Loc& loc, const char* role = "input") {
   if (!t.defined()) op_fail(op, loc, "the {} is an undefined tensor", role);
   return t.node();
@@ -29,25 +38,31 @@ std::string shapes_text(const Tensor& a, const Tensor& b) {
 Shape broadcast_or_fail(const Tensor& a, const Tensor& b, const char* op, const Loc& loc) {
   std::optional<Shape> shape = broadcast_shapes(a.shape(), b.shape());
   if (!shape) op_fail(op, loc, "shapes cannot be broadcast together: {}", shapes_text(a, b));
-  return *shape;
+  return std::move(*shape);
 }
 
 // make_node's inputs, each NodePtr copied once (a braced list copies every element twice, and
 // each copy of a shared_ptr is an atomic increment).
 template <typename... Nodes>
-std::vector<NodePtr> node_list(Nodes&&... nodes) {
-  std::vector<NodePtr> list;
+NodeInputs node_list(Nodes&&... nodes) {
+  NodeInputs list;
   list.reserve(sizeof...(nodes));
   (list.emplace_back(std::forward<Nodes>(nodes)), ...);
   return list;
 }
 
+NodePtr broadcast_node(const NodePtr& node, Shape shape, const Loc& loc);
+
 // The node for `x` cast to `dtype` and broadcast to `shape` (no new node when nothing changes).
+// Made as nodes, not Tensors: a handle for each intermediate would be one more heap block.
 NodePtr conform(const Tensor& x, DType dtype, const Shape& shape, const Loc& loc) {
-  if (x.dtype() == dtype && x.shape() == shape) return x.node();
-  Tensor t = x.dtype() == dtype ? x : cast(x, dtype, loc);
-  if (t.shape() != shape) t = broadcast_to(t, shape, loc);
-  return t.node();
+  const NodePtr& given = x.node();
+  if (given->dtype == dtype && same_shape(given->shape, shape)) return given;
+  NodePtr node = given->dtype == dtype
+                     ? given
+                     : make_node(OpCode::Cast, dtype, given->shape, node_list(given), {}, loc);
+  if (!same_shape(node->shape, shape)) node = broadcast_node(node, shape, loc);
+  return node;
 }
 
 Tensor pointwise(OpCode op, Domain domain, bool to_bool, const Tensor& a, const Tensor& b,
@@ -58,8 +73,8 @@ Tensor pointwise(OpCode op, Domain domain, bool to_bool, const Tensor& a, const 
   DType t = promote(a.dtype(), b.dtype());
   check_domain(opname, domain, t, loc);
   // Operands of one shape (most of a training step's) need no broadcast.
-  Shape shape = a.shape() == b.shape() ? a.shape() : broadcast_or_fail(a, b, opname, loc);
-  std::vector<NodePtr> inputs = node_list(conform(a, t, shape, loc), conform(b, t, shape, loc));
+  Shape shape = same_shape(a.shape(), b.shape()) ? a.shape() : broadcast_or_fail(a, b, opname, loc);
+  NodeInputs inputs = node_list(conform(a, t, shape, loc), conform(b, t, shape, loc));
   return Tensor(make_node(op, to_bool ? boolean : t, std::move(shape), std::move(inputs), {}, loc));
 }
 
@@ -85,9 +100,11 @@ Tensor apply_operator(const Operand& a, const Operand& b, Builder build) {
                  b.is_tensor ? b.tensor : scalar(b.scalar, f32, loc), loc);
   if (!a.tensor.defined() && !b.tensor.defined())
     op_fail("operator", loc, "needs a tensor operand");
-  Tensor ta = a.tensor.defined() ? a.tensor : scalar_like(a, b.tensor, loc);
-  Tensor tb = b.tensor.defined() ? b.tensor : scalar_like(b, a.tensor, loc);
-  return build(ta, tb, loc);
+  // The operands as they are, not copies: each copy of a handle is a reference count taken and
+  // dropped again.
+  if (!a.tensor.defined()) return build(scalar_like(a, b.tensor, loc), b.tensor, loc);
+  if (!b.tensor.defined()) return build(a.tensor, scalar_like(b, a.tensor, loc), loc);
+  return build(a.tensor, b.tensor, loc);
 }
 
 Shape reduced_shape(const Shape& shape, const std::vector<int64_t>& axes, bool keepdim) {
@@ -299,7 +316,7 @@ Tensor matmul(const Tensor& a_in, const Tensor& b_in, bool transpose_a, bool tra
     return shape;
   };
   // Operands without batch dimensions are already whole (the 2-d products of a training step).
-  std::vector<NodePtr> operands =
+  NodeInputs operands =
       batch->empty() ? node_list(conform(a, t, sa, loc), conform(b, t, sb, loc))
                      : node_list(conform(a, t, batched(sa[sa.size() - 2], sa[sa.size() - 1]), loc),
                                  conform(b, t, batched(sb[sb.size() - 2], sb[sb.size() - 1]), loc));
@@ -337,7 +354,7 @@ Tensor reshape(const Tensor& x, Shape shape, const Loc& loc) {
   if (numel(shape) != node->numel())
     op_fail("reshape", loc, "cannot reshape {} ({} elements) into {} ({} elements)",
             to_string(node->shape), node->numel(), to_string(shape), numel(shape));
-  if (shape == node->shape) return Tensor(node);
+  if (same_shape(shape, node->shape)) return Tensor(node);
   return Tensor(
       make_node(OpCode::Reshape, node->dtype, std::move(shape), node_list(node), {}, loc));
 }
@@ -378,8 +395,8 @@ Tensor transpose(const Tensor& x, int64_t a, int64_t b, const Loc& loc) {
   return permute(x, perm, loc);
 }
 
-Tensor broadcast_to(const Tensor& x, Shape shape, const Loc& loc) {
-  const NodePtr& node = input(x, "broadcast_to", loc);
+namespace {
+NodePtr broadcast_node(const NodePtr& node, Shape shape, const Loc& loc) {
   const Shape& from = node->shape;
   bool ok = shape.size() >= from.size();
   for (size_t i = 0; ok && i < from.size(); ++i) {
@@ -389,9 +406,13 @@ Tensor broadcast_to(const Tensor& x, Shape shape, const Loc& loc) {
   for (int64_t d : shape) ok &= d >= 0;
   if (!ok)
     op_fail("broadcast_to", loc, "cannot broadcast {} to {}", to_string(from), to_string(shape));
-  if (shape == from) return Tensor(node);
-  return Tensor(
-      make_node(OpCode::BroadcastTo, node->dtype, std::move(shape), node_list(node), {}, loc));
+  if (same_shape(shape, from)) return node;
+  return make_node(OpCode::BroadcastTo, node->dtype, std::move(shape), node_list(node), {}, loc);
+}
+}  // namespace
+
+Tensor broadcast_to(const Tensor& x, Shape shape, const Loc& loc) {
+  return Tensor(broadcast_node(input(x, "broadcast_to", loc), std::move(shape), loc));
 }
 
 Tensor unsqueeze(const Tensor& x, int64_t axis, const Loc& loc) {
@@ -476,7 +497,7 @@ Tensor slice(const Tensor& x, std::vector<int64_t> starts, std::vector<int64_t> 
              const Loc& loc) {
   const NodePtr& node = input(x, "slice", loc);
   check_strided_window("slice", shape, node->shape, starts, steps, loc);
-  if (shape == node->shape) return Tensor(node);
+  if (same_shape(shape, node->shape)) return Tensor(node);
   Attrs attrs;
   attrs.starts = std::move(starts);
   attrs.steps = std::move(steps);

@@ -73,9 +73,13 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
   warn_about_orphan_parameters();
   for (size_t i = 0; i < also.size(); ++i)
     if (!also[i].defined()) fail("{}: step_unless: extra output {} is undefined", kind_, i);
+  // Sized once: the traced loop runs this every step.
   std::vector<size_t> updated;
   std::vector<Tensor> new_params;
   std::vector<NamedTensors> new_state;
+  updated.reserve(params_.size());
+  new_params.reserve(params_.size());
+  new_state.reserve(params_.size());
   Tensor new_step;
   {
     NoGradGuard no_grad;
@@ -115,7 +119,11 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
     if (!also.empty()) eval(also);
     return;
   }
-  std::vector<Tensor> outputs = new_params;
+  std::vector<Tensor> outputs;
+  size_t output_count = new_params.size() + 1 + also.size();
+  for (const NamedTensors& state : new_state) output_count += state.size();
+  outputs.reserve(output_count);
+  outputs.insert(outputs.end(), new_params.begin(), new_params.end());
   for (const NamedTensors& state : new_state)
     for (const auto& [name, value] : state) outputs.push_back(value);
   outputs.push_back(new_step);
@@ -125,6 +133,7 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
     size_t i = updated[k];
     params_[i].assign(new_params[k]);
     NamedTensors persistent;
+    persistent.reserve(new_state[k].size());
     for (auto& [name, value] : new_state[k])
       persistent.emplace_back(name, from_storage(value.node()->value, value.shape()));
     state_[i] = std::move(persistent);
@@ -203,7 +212,14 @@ Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state)
   if (options.weight_decay != 0) g = g + param * options.weight_decay;
   if (options.momentum != 0) {
     Tensor* previous = find_state(state, "momentum_buffer");
-    Tensor buffer = previous ? *previous * options.momentum + g * (1.0 - options.dampening) : g;
+    // Without dampening the gradient's factor is 1, and g * 1 is g, bit for bit (no contraction
+    // into a fused multiply-add, and flushed denormals flush either way), so the three nodes it
+    // took each step are left out. Under a precision policy the product may be rounded to a
+    // narrower storage, so there it stays.
+    bool undamped = options.dampening == 0 && !current_policy();
+    Tensor buffer =
+        previous ? *previous * options.momentum + (undamped ? g : g * (1.0 - options.dampening))
+                 : g;
     // The first update copies the gradient. A skipped first step leaves a zero buffer, which
     // with dampening would not update like that, so a flag records whether one really happened.
     const char* started = "~momentum_started";

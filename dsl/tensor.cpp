@@ -7,6 +7,7 @@
 
 #include "dsl/convert.h"
 #include "dsl/ops.h"
+#include "dsl/pool_allocator.h"
 
 namespace mixtape {
 
@@ -22,7 +23,8 @@ void Storage::fetch_host() {
   fetch(*this);
 }
 
-Tensor::Tensor(NodePtr node) : impl_(std::make_shared<TensorImpl>()) {
+Tensor::Tensor(NodePtr node)
+    : impl_(std::allocate_shared<TensorImpl>(PoolAllocator<TensorImpl>())) {
   impl_->node = std::move(node);
 }
 

@@ -2,6 +2,8 @@
 // answer.
 #include "precision_policy/assign.h"
 
+#include <algorithm>
+#include <array>
 #include <optional>
 #include <string_view>
 #include <unordered_map>
@@ -127,16 +129,61 @@ Decision decide(const Policy& policy, const PrecisionQuery& query) {
           std::make_shared<const std::string>(std::move(decided.rule))};
 }
 
+// The answers the last pass over a graph of each size took, in the order it asked: the traced
+// loop passes over the same graph every step, so the answer at the same position is almost
+// always the one wanted, and comparing its key costs less than hashing the query and walking a
+// bucket. A few sizes are kept (a training step evaluates a graph or two); a miss asks the map.
+using Answer = std::pair<const QueryKey, Decision>;
+struct Trail {
+  size_t graph_size = 0;
+  std::vector<const Answer*> answers;  // by position among the keyed questions; null: none
+};
+thread_local std::array<Trail, 4> trails;
+thread_local size_t next_trail = 0;
+
+Trail& trail_for(size_t graph_size) {
+  for (Trail& trail : trails)
+    if (trail.graph_size == graph_size) return trail;
+  Trail& trail = trails[next_trail++ % trails.size()];
+  trail.graph_size = graph_size;
+  trail.answers.clear();
+  return trail;
+}
+
+// The cached answer to `key`, asked as the `position`-th keyed question of a pass over `trail`.
+const Answer& answer(Trail& trail, size_t position, const QueryView& key, const Policy& policy,
+                     const Node& node) {
+  if (position < trail.answers.size()) {
+    const Answer* expected = trail.answers[position];
+    if (expected && QueryEqual{}(expected->first, key)) return *expected;
+  }
+  auto found = answers.find(key);
+  if (found == answers.end()) {
+    if (answers.size() >= kMaxAnswers) {
+      answers.clear();
+      for (Trail& t : trails) std::fill(t.answers.begin(), t.answers.end(), nullptr);
+    }
+    found = answers
+                .emplace(QueryKey{key.words, std::string(key.module_path)},
+                         decide(policy, query_of(node)))
+                .first;
+  }
+  if (position >= trail.answers.size()) trail.answers.resize(position + 1, nullptr);
+  trail.answers[position] = &*found;
+  return *found;
+}
 }  // namespace
 
 void assign_precision(const std::vector<Node*>& order) {
+  static const Rule not_float = shared_rule("not a floating-point value"),
+                    f64_kept = shared_rule("f64 is never lowered"),
+                    no_policy = shared_rule("no policy: as traced"),
+                    leaf_data = shared_rule("leaf data keeps its dtype");
+  Trail& trail = trail_for(order.size());
+  size_t position = 0;
   for (Node* node : order) {
     if (node->precision_assigned) continue;
     node->precision_assigned = true;
-    static const Rule not_float = shared_rule("not a floating-point value"),
-                      f64_kept = shared_rule("f64 is never lowered"),
-                      no_policy = shared_rule("no policy: as traced"),
-                      leaf_data = shared_rule("leaf data keeps its dtype");
     if (!is_floating(node->dtype)) {
       keep_traced(*node, not_float);
     } else if (node->dtype == f64) {
@@ -149,26 +196,21 @@ void assign_precision(const std::vector<Node*>& order) {
       node->storage = node->compute = node->value ? node->value->dtype : node->dtype;
     } else {
       const Policy& policy = *node->policy;
-      Decision decided;
       std::optional<QueryView> key;
       if (policy.pure()) key = query_key(policy, *node);
       if (key) {
-        auto found = answers.find(*key);
-        if (found == answers.end()) {
-          if (answers.size() >= kMaxAnswers) answers.clear();
-          found = answers
-                      .emplace(QueryKey{key->words, std::string(key->module_path)},
-                               decide(policy, query_of(*node)))
-                      .first;
-        }
-        decided = found->second;
+        const Decision& decided = answer(trail, position++, *key, policy, *node).second;
+        node->storage = decided.storage;
+        node->compute = decided.compute;
+        node->accum = decided.accum;
+        node->precision_rule = decided.rule;
       } else {
-        decided = decide(policy, query_of(*node));
+        Decision decided = decide(policy, query_of(*node));
+        node->storage = decided.storage;
+        node->compute = decided.compute;
+        node->accum = decided.accum;
+        node->precision_rule = std::move(decided.rule);
       }
-      node->storage = decided.storage;
-      node->compute = decided.compute;
-      node->accum = decided.accum;
-      node->precision_rule = std::move(decided.rule);
     }
   }
 }

@@ -20,24 +20,35 @@
 #include "runtime/cpu_kernels.h"
 #include "runtime/multi_tensor.h"
 
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 namespace mixtape {
 namespace {
 
-// The program cache lives in this process only, so its key needs no stable byte format: a
-// word at a time through two multiply-rotate lanes, several times faster than Hasher's framed
-// bytes (the signature is taken on every evaluation).
+// The program cache lives in this process only, so its key needs no stable byte format: the
+// signature's words are gathered in a buffer and hashed at once by XXH3-128, which goes through
+// them several words at a time. (Hashing each word as it came, through a chain of multiplies
+// each waiting on the last, was most of signing's cost; the signature is taken on every
+// evaluation of the traced loop.)
 class WordHasher {
  public:
+  WordHasher() : words_(buffer()) {
+    if (words_.size() < 1024) words_.resize(1024);
+    next_ = words_.data();
+    end_ = next_ + words_.size();
+  }
+  WordHasher(const WordHasher&) = delete;
+  WordHasher& operator=(const WordHasher&) = delete;
+
   template <typename T>
   requires std::is_arithmetic_v<T> || std::is_enum_v<T> WordHasher& update(T value) {
-    uint64_t word;
+    if (next_ == end_) [[unlikely]]
+      grow();
     if constexpr (std::is_floating_point_v<T>)
-      word = std::bit_cast<uint64_t>(static_cast<double>(value));
+      *next_++ = std::bit_cast<uint64_t>(static_cast<double>(value));
     else
-      word = static_cast<uint64_t>(value);
-    uint64_t a = std::rotl((a_ ^ word) * 0x9E3779B97F4A7C15ull, 31) + b_;
-    b_ = std::rotl((b_ + word) * 0x165667B19E3779F9ull, 27) ^ a;
-    a_ = a;
+      *next_++ = static_cast<uint64_t>(value);
     return *this;
   }
   WordHasher& update(std::string_view text) {
@@ -46,14 +57,26 @@ class WordHasher {
     return *this;
   }
   Hash128 finish() const {
-    Hash128 h;
-    h.lo = a_ ^ std::rotl(b_, 17);
-    h.hi = b_ * 0xC2B2AE3D27D4EB4Full ^ (a_ >> 29);
-    return h;
+    XXH128_hash_t digest =
+        XXH3_128bits(words_.data(), static_cast<size_t>(next_ - words_.data()) * sizeof(uint64_t));
+    return {digest.low64, digest.high64};
   }
 
  private:
-  uint64_t a_ = 0x6D69787461706531ull, b_ = 0xC2B2AE3D27D4EB4Full;
+  // One buffer per thread, reused (one hasher per thread at a time: signing does not nest).
+  static std::vector<uint64_t>& buffer() {
+    thread_local std::vector<uint64_t> words;
+    return words;
+  }
+  void grow() {
+    size_t used = words_.size();
+    words_.resize(used * 2);
+    next_ = words_.data() + used;
+    end_ = words_.data() + words_.size();
+  }
+  std::vector<uint64_t>& words_;
+  uint64_t* next_;
+  uint64_t* end_;
 };
 
 template <typename T>
@@ -208,7 +231,17 @@ Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& requ
   // keeps its ref in sign_slot (no map on the traced path): a pending node its index, an
   // external its negative ref, trusted only where pending or externals says the same.
   for (size_t i = 0; i < pending.size(); ++i) pending[i]->sign_slot = static_cast<int32_t>(i);
-  std::vector<int64_t> readers(pending.size(), 0);
+  // Per pending node: its readers among the pending nodes, how many references hold it (read
+  // off a reader's input edge, a plain load, where weak_from_this() would take and drop a weak
+  // reference, two atomic operations per node), and whether the caller asked for it. Scratch
+  // kept per thread, so signing allocates nothing of its own.
+  struct Uses {
+    int64_t readers;
+    long holders;
+    bool asked;
+  };
+  thread_local std::vector<Uses> uses;
+  uses.assign(pending.size(), {0, 0, false});
   for (Node* node : pending) {
     hash_node(h, *node);
     for (const NodePtr& input : node->inputs) {
@@ -218,7 +251,8 @@ Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& requ
           fail("internal: {} reads an unevaluated {} that is not pending", op_name(node->op),
                op_name(input->op));
         h.update(slot);
-        ++readers[slot];
+        ++uses[slot].readers;
+        uses[slot].holders = input.use_count();
         continue;
       }
       int32_t slot = input->sign_slot;
@@ -235,11 +269,14 @@ Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& requ
     }
   }
   sig.stored = required;
-  std::vector<char> asked(pending.size(), 0);
-  for (Node* node : required) asked[sig.ref(node, pending)] = 1;
-  for (size_t i = 0; i < pending.size(); ++i)
-    if (pending[i]->weak_from_this().use_count() > readers[i] && !asked[i])
-      sig.stored.push_back(pending[i]);
+  for (Node* node : required) uses[sig.ref(node, pending)].asked = true;
+  for (size_t i = 0; i < pending.size(); ++i) {
+    const Uses& u = uses[i];
+    if (u.asked) continue;
+    // A node no pending node reads has no edge to read its count from.
+    long holders = u.readers > 0 ? u.holders : pending[i]->weak_from_this().use_count();
+    if (holders > u.readers) sig.stored.push_back(pending[i]);
+  }
   h.update(sig.stored.size());
   for (Node* node : sig.stored) h.update(sig.ref(node, pending));
   sig.hash = h.finish();
@@ -516,8 +553,11 @@ std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs) {
   // keeping a set: the traced loop walks every step's graph.
   static std::atomic<uint64_t> walks{0};
   uint64_t walk = ++walks;
-  std::vector<Node*> pending;
+  // Each node with its id, read while the walk has it at hand, so that ordering them takes no
+  // second trip to each node.
+  thread_local std::vector<std::pair<uint64_t, Node*>> found;
   thread_local std::vector<Node*> stack;
+  found.clear();
   stack.clear();
   for (const NodePtr& output : outputs)
     if (output && !output->evaluated()) stack.push_back(output.get());
@@ -526,12 +566,15 @@ std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs) {
     stack.pop_back();
     if (node->pending_walk == walk) continue;
     node->pending_walk = walk;
-    pending.push_back(node);
+    found.emplace_back(node->id, node);
     for (const NodePtr& input : node->inputs)
       if (!input->evaluated() && input->pending_walk != walk) stack.push_back(input.get());
   }
   // Inputs are always made before their users, so creation order is a topological order.
-  std::sort(pending.begin(), pending.end(), [](Node* a, Node* b) { return a->id < b->id; });
+  sort_by_id(found);
+  std::vector<Node*> pending;
+  pending.reserve(found.size());
+  for (const auto& [id, node] : found) pending.push_back(node);
   return pending;
 }
 

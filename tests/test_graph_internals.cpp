@@ -1,0 +1,135 @@
+// tests/test_graph_internals.cpp -- the traced path's containers: a node's inline inputs, ordering
+// by id, the per-thread node pool, and which pending values a signature stores.
+#include <gtest/gtest.h>
+#include <mixtape/mixtape.h>
+
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <thread>
+
+#include "dsl/graph.h"
+#include "dsl/node_inputs.h"
+#include "dsl/pool_allocator.h"
+
+namespace mt = mixtape;
+
+namespace {
+
+std::vector<mt::NodePtr> leaves(int count) {
+  std::vector<mt::NodePtr> nodes;
+  for (int i = 0; i < count; ++i) nodes.push_back(mt::scalar(i).node());
+  return nodes;
+}
+
+TEST(NodeInputs, HoldsInOrderAndSpillsPastThree) {
+  std::vector<mt::NodePtr> nodes = leaves(6);
+  for (size_t n = 0; n <= nodes.size(); ++n) {
+    mt::NodeInputs inputs;
+    for (size_t i = 0; i < n; ++i) inputs.push_back(nodes[i]);
+    ASSERT_EQ(inputs.size(), n);
+    for (size_t i = 0; i < n; ++i) EXPECT_EQ(inputs[i], nodes[i]) << n << " inputs, #" << i;
+    // Copies and moves keep the order and the references.
+    mt::NodeInputs copy = inputs;
+    mt::NodeInputs moved = std::move(copy);
+    EXPECT_TRUE(copy.empty());  // NOLINT(bugprone-use-after-move): a moved-from list is empty
+    EXPECT_EQ(moved.to_vector(), std::vector<mt::NodePtr>(nodes.begin(), nodes.begin() + n));
+    mt::NodeInputs assigned{nodes[5]};
+    assigned = moved;
+    EXPECT_EQ(assigned.to_vector(), moved.to_vector());
+  }
+  long before = nodes[0].use_count();
+  {
+    mt::NodeInputs many(std::vector<mt::NodePtr>(5, nodes[0]));
+    EXPECT_EQ(nodes[0].use_count(), before + 5);
+    many.clear();
+    EXPECT_EQ(nodes[0].use_count(), before);
+    many.push_back(nodes[0]);
+    EXPECT_EQ(nodes[0].use_count(), before + 1);
+  }
+  EXPECT_EQ(nodes[0].use_count(), before);
+}
+
+TEST(NodeInputs, VariadicOpsEvaluate) {
+  // concat of five inputs: more than a node holds in itself.
+  std::vector<mt::Tensor> parts;
+  for (int i = 0; i < 5; ++i) parts.push_back(mt::full({2}, i));
+  mt::Tensor joined = mt::concat(parts, 0);
+  EXPECT_EQ(joined.node()->inputs.size(), 5u);
+  EXPECT_EQ(joined.to_vector<float>(), (std::vector<float>{0, 0, 1, 1, 2, 2, 3, 3, 4, 4}));
+}
+
+TEST(SortById, DenseSparseAndRepeatedIds) {
+  std::mt19937_64 rng(7);
+  auto check = [&](std::vector<uint64_t> ids) {
+    std::vector<std::pair<uint64_t, int>> items;
+    for (size_t i = 0; i < ids.size(); ++i) items.emplace_back(ids[i], static_cast<int>(i));
+    std::shuffle(items.begin(), items.end(), rng);
+    std::vector<std::pair<uint64_t, int>> expected = items;
+    std::stable_sort(expected.begin(), expected.end(),
+                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    mt::sort_by_id(items);
+    ASSERT_EQ(items.size(), expected.size());
+    for (size_t i = 0; i < items.size(); ++i) {
+      EXPECT_EQ(items[i].first, expected[i].first) << "position " << i;
+      // Unique ids carry their own item along.
+      auto same_id = [&](const auto& e) { return e.first == expected[i].first; };
+      if (std::count_if(expected.begin(), expected.end(), same_id) == 1) {
+        EXPECT_EQ(items[i].second, expected[i].second) << "position " << i;
+      }
+    }
+  };
+  std::vector<uint64_t> dense(300);
+  std::iota(dense.begin(), dense.end(), uint64_t{1} << 40);
+  for (size_t i = 0; i < dense.size(); i += 3) dense[i] += 700;  // gaps, still within 4x
+  check(dense);
+  std::vector<uint64_t> sparse;
+  for (uint64_t i = 0; i < 100; ++i) sparse.push_back(i * 1000);
+  check(sparse);
+  std::vector<uint64_t> repeated(100, 5);
+  std::iota(repeated.begin(), repeated.begin() + 60, 10);
+  check(repeated);
+  check({3, 1, 2});
+  check({});
+}
+
+struct Counted {
+  static inline std::atomic<int> alive{0};
+  int64_t payload[6] = {};
+  Counted() { ++alive; }
+  ~Counted() { --alive; }
+};
+
+TEST(PoolAllocator, ObjectsFreedOnAnotherThreadAndAtThreadExit) {
+  std::vector<std::shared_ptr<Counted>> made;
+  std::thread maker([&] {
+    for (int i = 0; i < 1000; ++i)
+      made.push_back(std::allocate_shared<Counted>(mt::PoolAllocator<Counted>()));
+    // Blocks this thread frees stay in its list until it ends.
+    for (int i = 0; i < 100; ++i) made.pop_back();
+  });
+  maker.join();
+  EXPECT_EQ(Counted::alive.load(), 900);
+  for (int round = 0; round < 3; ++round) {
+    made.clear();  // freed here, then reused by this thread's allocations
+    EXPECT_EQ(Counted::alive.load(), 0);
+    for (int i = 0; i < 900; ++i) {
+      made.push_back(std::allocate_shared<Counted>(mt::PoolAllocator<Counted>()));
+      made.back()->payload[5] = i;
+    }
+    for (int i = 0; i < 900; ++i) ASSERT_EQ(made[i]->payload[5], i);
+  }
+  made.clear();
+  EXPECT_EQ(Counted::alive.load(), 0);
+}
+
+TEST(Signature, StoresPendingValuesSomeoneStillHolds) {
+  mt::Tensor a = mt::tensor(std::vector<float>{1, 2, 3}, {3});
+  mt::Tensor held = a * 2.0f;  // read by `out` and held here: its value is kept
+  mt::Tensor out = (held + 1.0f).sum();
+  EXPECT_EQ(out.item(), 15.0);
+  EXPECT_TRUE(held.node()->evaluated());
+  EXPECT_EQ(held.to_vector<float>(), (std::vector<float>{2, 4, 6}));
+}
+
+}  // namespace
