@@ -201,17 +201,22 @@ Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const L
 
 namespace {
 
-// The targets' checks and the negative log-likelihood of each row of `logp` [..., C] at its
-// target (0 at ignore_index), with the mask of the rows that count: cross_entropy's and nll_loss's.
-std::pair<Tensor, Tensor> target_nll(const Tensor& logp, const Tensor& targets,
-                                     int64_t ignore_index, const char* op, const Loc& loc) {
+// Integer class targets of the scores' shape [..., C] without its last axis.
+void check_targets(const Tensor& scores, const Tensor& targets, const char* op, const Loc& loc) {
   require(targets, op, "targets", loc);
   if (!is_integer(targets.dtype()))
     op_fail(op, loc, "targets must be integer class indices, got {}", name(targets.dtype()));
-  Shape expected(logp.shape().begin(), logp.shape().end() - (logp.dim() > 0 ? 1 : 0));
-  if (logp.dim() == 0 || targets.shape() != expected)
-    op_fail(op, loc, "inputs {} need targets of shape {}, got {}", to_string(logp.shape()),
-            to_string(expected), to_string(targets.shape()));
+  Shape expected(scores.shape().begin(), scores.shape().end() - (scores.dim() > 0 ? 1 : 0));
+  if (scores.dim() == 0 || targets.shape() != expected)
+    op_fail(op, loc, "{} {} need targets of shape {}, got {}",
+            std::string_view(op) == "cross_entropy" ? "logits" : "inputs",
+            to_string(scores.shape()), to_string(expected), to_string(targets.shape()));
+}
+
+// The negative log-likelihood of each row of `logp` [..., C] at its target (0 at ignore_index),
+// with the mask of the rows that count: cross_entropy's and nll_loss's.
+std::pair<Tensor, Tensor> target_nll(const Tensor& logp, const Tensor& targets,
+                                     int64_t ignore_index) {
   Tensor valid = ne(targets, scalar(static_cast<double>(ignore_index), targets.dtype()));
   Tensor safe_targets = where(valid, targets, zeros_like(targets));
   // The target's log-probability as a masked sum over the classes, not a gather: it joins the
@@ -242,8 +247,9 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOp
   if (options.label_smoothing < 0 || options.label_smoothing > 1)
     op_fail("cross_entropy", loc, "label_smoothing must be in [0, 1], got {}",
             options.label_smoothing);
+  check_targets(logits, targets, "cross_entropy", loc);
   Tensor logp = log_softmax(logits, -1);
-  auto [loss, valid] = target_nll(logp, targets, options.ignore_index, "cross_entropy", loc);
+  auto [loss, valid] = target_nll(logp, targets, options.ignore_index);
   if (options.label_smoothing > 0)
     loss = loss * (1.0 - options.label_smoothing) - mean(logp, {-1}) * options.label_smoothing;
   return reduce_valid(loss, valid, options.reduction);
@@ -253,7 +259,8 @@ Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, Reduction reduct
                 int64_t ignore_index, const Loc& loc) {
   CallSiteScope site(loc, composite::nll_loss);
   require_float(log_probs, "nll_loss", "log_probs", loc);
-  auto [loss, valid] = target_nll(log_probs, targets, ignore_index, "nll_loss", loc);
+  check_targets(log_probs, targets, "nll_loss", loc);
+  auto [loss, valid] = target_nll(log_probs, targets, ignore_index);
   return reduce_valid(loss, valid, reduction);
 }
 
