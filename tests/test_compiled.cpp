@@ -56,6 +56,16 @@ std::pair<std::vector<std::byte>, std::vector<std::byte>> both(
   return {out[0], out[1]};
 }
 
+// f32 results equal within tol * (1 + |reference|), element by element.
+void expect_close_f32(const std::vector<std::byte>& reference,
+                      const std::vector<std::byte>& compiled, double tol) {
+  ASSERT_EQ(reference.size(), compiled.size());
+  const float* r = reinterpret_cast<const float*>(reference.data());
+  const float* c = reinterpret_cast<const float*>(compiled.data());
+  for (size_t i = 0; i < reference.size() / 4; ++i)
+    ASSERT_NEAR(r[i], c[i], tol * (1 + std::fabs(r[i]))) << i;
+}
+
 // Values that exercise rounding: wide magnitudes, both signs, zero, ties, inf and NaN.
 mt::Tensor interesting(mt::DType dtype, int64_t n, uint64_t seed) {
   mt::Generator gen(seed);
@@ -288,11 +298,7 @@ TEST(Compiled, ReductionsOverDifferentAxesStaySeparate) {
   mt::eval({program()});
   EXPECT_EQ(mt::execution_stats().kernels, 2);
   mt::set_device(mt::Device::reference);
-  ASSERT_EQ(reference.size(), compiled.size());
-  const float* r = reinterpret_cast<const float*>(reference.data());
-  const float* c = reinterpret_cast<const float*>(compiled.data());
-  for (size_t i = 0; i < reference.size() / 4; ++i)
-    ASSERT_NEAR(r[i], c[i], 2e-6 * (1 + std::fabs(r[i]))) << i;
+  expect_close_f32(reference, compiled, 2e-6);
 }
 
 // FusionOptions::multi_pass = false keeps kernels single-pass: softmax is then a kernel per
@@ -371,11 +377,7 @@ TEST(Compiled, LaterPassesReadBackWhatEarlierPassesStored) {
     mt::Tensor e2 = mt::exp(x - mt::max(x, {1}, true));
     return mt::concat({e2, e2 / mt::sum(e2, {1}, true)}, 0);
   });
-  ASSERT_EQ(reference.size(), compiled.size());
-  const float* r = reinterpret_cast<const float*>(reference.data());
-  const float* c = reinterpret_cast<const float*>(compiled.data());
-  for (size_t i = 0; i < reference.size() / 4; ++i)
-    ASSERT_NEAR(r[i], c[i], 2e-6 * (1 + std::fabs(r[i]))) << i;
+  expect_close_f32(reference, compiled, 2e-6);
 }
 
 // A value kept in an output's buffer is read back only after the pass that stored it: here exp(x)
@@ -393,11 +395,7 @@ TEST(Compiled, AKeptValueIsReadOnlyAfterThePassThatStoredIt) {
   };
   for (int run = 0; run < 2; ++run) {  // the second run reuses the first one's freed blocks
     auto [reference, compiled] = both(program);
-    ASSERT_EQ(reference.size(), compiled.size());
-    const float* r = reinterpret_cast<const float*>(reference.data());
-    const float* c = reinterpret_cast<const float*>(compiled.data());
-    for (size_t i = 0; i < reference.size() / 4; ++i)
-      ASSERT_NEAR(r[i], c[i], 1e-4 * (1 + std::fabs(r[i]))) << i;
+    expect_close_f32(reference, compiled, 1e-4);
   }
 }
 
