@@ -235,6 +235,17 @@ Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state)
   return param - g * cast(lr_value(), g.dtype());
 }
 
+namespace {
+// A running sum or mean of squares, never below zero: a negative element is a corrupt state.
+// -0.0 compares equal to zero and NaN compares false: only real negatives are caught here.
+std::string negative_element(const Storage& values, const char* what) {
+  for (int64_t i = 0; i < values.count; ++i)
+    if (double v = load_element<double>(values, i); v < 0)
+      return fmt::format("holds {} at element {}: it is {}, never below zero", v, i, what);
+  return "";
+}
+}  // namespace
+
 Adam::Adam(std::vector<Tensor> params, AdamOptions options)
     : Adam(std::move(params), options, "Adam", false) {}
 
@@ -279,17 +290,72 @@ Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state
 
 std::string Adam::impossible_state(const std::string& name, const Storage& values) const {
   if (name != "exp_avg_sq") return "";
-  // -0.0 compares equal to zero and NaN compares false: only real negatives are caught here.
-  for (int64_t i = 0; i < values.count; ++i)
-    if (double v = load_element<double>(values, i); v < 0)
-      return fmt::format(
-          "holds {} at element {}: it is a running mean of squared gradients, never below zero", v,
-          i);
-  return "";
+  return negative_element(values, "a running mean of squared gradients");
 }
 
 AdamW::AdamW(std::vector<Tensor> params, AdamOptions options)
     : Adam(std::move(params), options, "AdamW", true) {}
+
+RMSprop::RMSprop(std::vector<Tensor> params, RMSpropOptions options)
+    : Optimizer(std::move(params), "RMSprop"), options(options) {
+  set_lr(options.lr);
+  if (!(options.alpha >= 0 && options.alpha < 1))
+    fail("RMSprop: alpha must be in [0, 1), got {}", options.alpha);
+  if (!(options.eps > 0) || options.weight_decay < 0 || options.momentum < 0)
+    fail("RMSprop: eps must be > 0, weight_decay and momentum >= 0");
+}
+
+Tensor RMSprop::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
+  Tensor g = grad;
+  if (options.weight_decay != 0) g = g + param * options.weight_decay;
+  // The running means start at zero, as torch's.
+  auto running = [&](const char* name, const Tensor& x) {
+    Tensor* previous = find_state(state, name);
+    Tensor mean =
+        previous ? *previous * options.alpha + x * (1 - options.alpha) : x * (1 - options.alpha);
+    set_state(state, name, mean);
+    return mean;
+  };
+  Tensor square_avg = running("square_avg", square(g));
+  Tensor avg = options.centered ? sqrt(square_avg - square(running("grad_avg", g))) + options.eps
+                                : sqrt(square_avg) + options.eps;
+  Tensor step = g / avg;
+  if (options.momentum > 0) {
+    Tensor* previous = find_state(state, "momentum_buffer");
+    step = previous ? *previous * options.momentum + step : step;
+    set_state(state, "momentum_buffer", step);
+  }
+  return param - step * cast(lr_value(), step.dtype());
+}
+
+std::string RMSprop::impossible_state(const std::string& name, const Storage& values) const {
+  if (name != "square_avg") return "";
+  return negative_element(values, "a running mean of squared gradients");
+}
+
+Adagrad::Adagrad(std::vector<Tensor> params, AdagradOptions options)
+    : Optimizer(std::move(params), "Adagrad"), options(options) {
+  set_lr(options.lr);
+  if (!(options.eps > 0) || options.weight_decay < 0 || options.lr_decay < 0 ||
+      options.initial_accumulator_value < 0)
+    fail("Adagrad: eps must be > 0, and lr_decay, weight_decay and initial_accumulator_value >= 0");
+}
+
+Tensor Adagrad::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
+  Tensor g = grad;
+  if (options.weight_decay != 0) g = g + param * options.weight_decay;
+  Tensor* previous = find_state(state, "sum");
+  Tensor sum = previous ? *previous + square(g) : square(g) + options.initial_accumulator_value;
+  set_state(state, "sum", sum);
+  // The step's learning rate follows the step count in the graph, in f64 as torch's.
+  Tensor clr = lr_value() / ((step_number() - 1.0) * options.lr_decay + 1.0);
+  return param - g / (sqrt(sum) + options.eps) * cast(clr, g.dtype());
+}
+
+std::string Adagrad::impossible_state(const std::string& name, const Storage& values) const {
+  if (name != "sum") return "";
+  return negative_element(values, "a running sum of squared gradients");
+}
 
 Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
   if (!(max_norm > 0)) fail("clip_grad_norm: max_norm must be > 0, got {}", max_norm);

@@ -135,6 +135,46 @@ class AdamW : public Adam {
   AdamW(std::vector<Tensor> params, AdamOptions options = {.weight_decay = 0.01});
 };
 
+struct RMSpropOptions {
+  double lr = 0.01;
+  double alpha = 0.99;  // the running mean of squared gradients' decay
+  double eps = 1e-8;
+  double weight_decay = 0;
+  double momentum = 0;
+  bool centered = false;  // divide by the gradients' running variance, not their mean square
+};
+
+/// RMSprop, as torch.optim.RMSprop (eps added after the square root; L2 weight decay).
+class RMSprop : public Optimizer {
+ public:
+  RMSprop(std::vector<Tensor> params, RMSpropOptions options = {});
+  RMSpropOptions options;
+
+ protected:
+  Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
+  std::string impossible_state(const std::string& name, const Storage& values) const override;
+};
+
+struct AdagradOptions {
+  double lr = 0.01;
+  double lr_decay = 0;
+  double weight_decay = 0;
+  double initial_accumulator_value = 0;
+  double eps = 1e-10;
+};
+
+/// Adagrad, as torch.optim.Adagrad: the learning rate divided by 1 + (step - 1) lr_decay and
+/// by the square root of each element's running sum of squared gradients.
+class Adagrad : public Optimizer {
+ public:
+  Adagrad(std::vector<Tensor> params, AdagradOptions options = {});
+  AdagradOptions options;
+
+ protected:
+  Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
+  std::string impossible_state(const std::string& name, const Storage& values) const override;
+};
+
 /// Scales all gradients so that their global L2 norm is at most max_norm; returns the norm
 /// before clipping (a graph value: reading it is the only host sync).
 Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm);

@@ -675,6 +675,31 @@ TEST_F(Checkpoint, NegativeExpAvgSqIsRejectedWithoutChanges) {
   EXPECT_TRUE(snapshot(*target.model, target.opt.get()) == before);
 }
 
+// RMSprop's and Adagrad's running squares are never negative either: their state checks say so.
+TEST(OptimizerState, RunningSquaresRefuseNegativeValues) {
+  mt::Tensor w = mt::full({4}, 0.5).requires_grad_(true);
+  auto first_step = [&](mt::Optimizer& opt) {
+    opt.zero_grad();
+    mt::sum(w * w).backward();
+    opt.step();
+  };
+  mt::RMSprop rmsprop({w}, {.momentum = 0.9, .centered = true});
+  first_step(rmsprop);
+  mt::NamedTensors state = rmsprop.state(0);
+  for (auto& [name, value] : state)
+    if (name == "square_avg") value = mt::full({4}, -1.0);
+  EXPECT_MT_ERROR(rmsprop.load_state(0, state), "RMSprop", "'square_avg'", "-1", "element 0");
+  mt::Adagrad adagrad({w}, {.lr_decay = 0.1});
+  first_step(adagrad);
+  state = adagrad.state(0);
+  ASSERT_EQ(state.size(), 1u);
+  EXPECT_EQ(state[0].first, "sum");
+  state[0].second = mt::full({4}, -3.0);
+  EXPECT_MT_ERROR(adagrad.load_state(0, state), "Adagrad", "'sum'", "-3", "element 0");
+  EXPECT_THROW(mt::RMSprop({w}, {.alpha = 1.0}), mt::Error);
+  EXPECT_THROW(mt::Adagrad({w}, {.eps = 0}), mt::Error);
+}
+
 TEST_F(Checkpoint, NonFiniteValuesLoadOnlyWhenAllowed) {
   auto [source, target, meta, entries] = saved_run(path("good.safetensors"));
   std::string bad = path("bad.safetensors");

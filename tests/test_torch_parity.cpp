@@ -163,6 +163,15 @@ def make_optimizer(m, params):
         return torch.optim.SGD(params, lr=f('lr'), momentum=f('momentum'),
                                dampening=f('dampening'), weight_decay=f('weight_decay'),
                                nesterov=m['nesterov'] == '1')
+    if m['optimizer'] == 'rmsprop':
+        return torch.optim.RMSprop(params, lr=f('lr'), alpha=f('alpha'), eps=f('eps'),
+                                   weight_decay=f('weight_decay'), momentum=f('momentum'),
+                                   centered=m['centered'] == '1')
+    if m['optimizer'] == 'adagrad':
+        return torch.optim.Adagrad(params, lr=f('lr'), lr_decay=f('lr_decay'),
+                                   weight_decay=f('weight_decay'),
+                                   initial_accumulator_value=f('initial_accumulator_value'),
+                                   eps=f('eps'))
     kind = {'adam': torch.optim.Adam, 'adamw': torch.optim.AdamW}[m['optimizer']]
     return kind(params, lr=f('lr'), betas=(f('beta1'), f('beta2')), eps=f('eps'),
                 weight_decay=f('weight_decay'))
@@ -309,11 +318,14 @@ constexpr int kOptSteps = 5;
 
 struct OptConfig {
   const char* name;
-  const char* type;  // sgd, adam, adamw
+  const char* type;  // sgd, adam, adamw, rmsprop, adagrad
   double lr;
   double momentum = 0, dampening = 0, weight_decay = 0;
   bool nesterov = false;
   double beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  double alpha = 0.99;  // RMSprop
+  bool centered = false;
+  double lr_decay = 0, initial_accumulator_value = 0;  // Adagrad
 };
 const OptConfig kOptConfigs[] = {
     {.name = "sgd", .type = "sgd", .lr = 0.1},
@@ -337,6 +349,23 @@ const OptConfig kOptConfigs[] = {
      .beta1 = 0.8,
      .beta2 = 0.99,
      .eps = 1e-6},
+    {.name = "rmsprop", .type = "rmsprop", .lr = 0.01},
+    {.name = "rmsprop_centered_momentum",
+     .type = "rmsprop",
+     .lr = 0.005,
+     .momentum = 0.9,
+     .weight_decay = 0.05,
+     .eps = 1e-6,
+     .alpha = 0.9,
+     .centered = true},
+    {.name = "adagrad", .type = "adagrad", .lr = 0.1, .eps = 1e-10},
+    {.name = "adagrad_decay",
+     .type = "adagrad",
+     .lr = 0.1,
+     .weight_decay = 0.05,
+     .eps = 1e-10,
+     .lr_decay = 0.1,
+     .initial_accumulator_value = 0.2},
 };
 
 std::unique_ptr<mt::Optimizer> make_optimizer(const OptConfig& c, std::vector<mt::Tensor> params) {
@@ -347,6 +376,22 @@ std::unique_ptr<mt::Optimizer> make_optimizer(const OptConfig& c, std::vector<mt
                                                     .dampening = c.dampening,
                                                     .weight_decay = c.weight_decay,
                                                     .nesterov = c.nesterov});
+  if (std::string(c.type) == "rmsprop")
+    return std::make_unique<mt::RMSprop>(std::move(params),
+                                         mt::RMSpropOptions{.lr = c.lr,
+                                                            .alpha = c.alpha,
+                                                            .eps = c.eps,
+                                                            .weight_decay = c.weight_decay,
+                                                            .momentum = c.momentum,
+                                                            .centered = c.centered});
+  if (std::string(c.type) == "adagrad")
+    return std::make_unique<mt::Adagrad>(
+        std::move(params),
+        mt::AdagradOptions{.lr = c.lr,
+                           .lr_decay = c.lr_decay,
+                           .weight_decay = c.weight_decay,
+                           .initial_accumulator_value = c.initial_accumulator_value,
+                           .eps = c.eps});
   mt::AdamOptions options{
       .lr = c.lr, .beta1 = c.beta1, .beta2 = c.beta2, .eps = c.eps, .weight_decay = c.weight_decay};
   if (std::string(c.type) == "adam") return std::make_unique<mt::Adam>(std::move(params), options);
@@ -521,7 +566,11 @@ void write_inputs(const fs::path& dir) {
                 {"nesterov", c.nesterov ? "1" : "0"},
                 {"beta1", fmt::format("{}", c.beta1)},
                 {"beta2", fmt::format("{}", c.beta2)},
-                {"eps", fmt::format("{}", c.eps)}},
+                {"eps", fmt::format("{}", c.eps)},
+                {"alpha", fmt::format("{}", c.alpha)},
+                {"centered", c.centered ? "1" : "0"},
+                {"lr_decay", fmt::format("{}", c.lr_decay)},
+                {"initial_accumulator_value", fmt::format("{}", c.initial_accumulator_value)}},
                {{"x", opt_x}, {"y", opt_y}}, &model);
   }
   ++seed;
