@@ -514,15 +514,18 @@ TEST(TieredJitChild, DISABLED_StartsFromTheFastTierEntriesAndTiersUpAtOnce) {
     fast.push_back(kernel->fast_function());
     ASSERT_NE(fast.back(), nullptr);
   }
-  // Tier-ups owed by an earlier process do not wait out the patience (2 s).
+  // Tier-ups owed by an earlier process are posted at once, without the patience (2 s), which
+  // BackgroundWorker.AJobPostedAtOnceSkipsThePatience checks: no time bound here, as the worker
+  // runs at idle priority and a loaded machine (a sanitizer build, a parallel ctest) may starve
+  // it for longer than the patience.
   auto all_optimized = [&] {
     for (const auto& kernel : kernels)
       if (!kernel->optimized()) return false;
     return true;
   };
-  while (!all_optimized() && steady_clock::now() - start < milliseconds(1500))
+  while (!all_optimized() && steady_clock::now() - start < seconds(60))
     std::this_thread::sleep_for(milliseconds(1));
-  EXPECT_TRUE(all_optimized()) << "the owed tier-ups waited for their patience";
+  EXPECT_TRUE(all_optimized()) << "the owed tier-ups did not run";
   jit().wait_for_tier_up();
   EXPECT_EQ(jit().stats().tiered_up, 2);
   const int rows = 16, width = 1000;
