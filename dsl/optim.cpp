@@ -347,9 +347,13 @@ Tensor Adagrad::update(const Tensor& param, const Tensor& grad, NamedTensors& st
   Tensor* previous = find_state(state, "sum");
   Tensor sum = previous ? *previous + square(g) : square(g) + options.initial_accumulator_value;
   set_state(state, "sum", sum);
-  // The step's learning rate follows the step count in the graph, in f64 as torch's.
-  Tensor clr = lr_value() / ((step_number() - 1.0) * options.lr_decay + 1.0);
-  return param - g / (sqrt(sum) + options.eps) * cast(clr, g.dtype());
+  return param - g / (sqrt(sum) + options.eps) * cast(step_lr_, g.dtype());
+}
+
+void Adagrad::begin_step() {
+  // Once per step for all parameters: the learning rate follows the step count in the graph, in
+  // f64 as torch's.
+  step_lr_ = lr_value() / ((step_number() - 1.0) * options.lr_decay + 1.0);
 }
 
 std::string Adagrad::impossible_state(const std::string& name, const Storage& values) const {

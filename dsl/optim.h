@@ -171,8 +171,12 @@ class Adagrad : public Optimizer {
   AdagradOptions options;
 
  protected:
+  void begin_step() override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
   std::string impossible_state(const std::string& name, const Storage& values) const override;
+
+ private:
+  Tensor step_lr_;  // this step's decayed learning rate, a 0-d f64 graph value
 };
 
 /// Scales all gradients so that their global L2 norm is at most max_norm; returns the norm
