@@ -5,6 +5,7 @@
 #include <numeric>
 #include <string_view>
 
+#include "dsl/conv.h"
 #include "dsl/ops.h"
 
 namespace mixtape {
@@ -77,6 +78,23 @@ Grads vjp_MatMul(const Node& n, const Tensor& g) {
   Tensor ga = ta ? matmul(b, g, tb, true) : matmul(g, b, false, !tb);
   Tensor gb = tb ? matmul(g, a, true, ta) : matmul(a, g, !ta, false);
   return {ga, gb};
+}
+
+// Each convolution primitive is linear in both inputs, and its gradients are the other two.
+Grads vjp_Conv2d(const Node& n, const Tensor& g) {
+  Tensor x = in(n, 0), w = in(n, 1);
+  ConvWindow window = ConvWindow::from(n.attrs.window);
+  return {conv2d_input_grad(g, w, x.shape(), window), conv2d_weight_grad(x, g, w.shape(), window)};
+}
+Grads vjp_Conv2dInputGrad(const Node& n, const Tensor& g) {
+  Tensor gy = in(n, 0), w = in(n, 1);
+  ConvWindow window = ConvWindow::from(n.attrs.window);
+  return {conv2d_forward(g, w, window), conv2d_weight_grad(g, gy, w.shape(), window)};
+}
+Grads vjp_Conv2dWeightGrad(const Node& n, const Tensor& g) {
+  Tensor x = in(n, 0), gy = in(n, 1);
+  ConvWindow window = ConvWindow::from(n.attrs.window);
+  return {conv2d_input_grad(gy, g, x.shape(), window), conv2d_forward(x, g, window)};
 }
 
 Grads vjp_Reshape(const Node& n, const Tensor& g) { return {reshape(g, n.inputs[0]->shape)}; }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <atomic>
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -29,6 +30,7 @@ enum class OpKind : uint8_t {
   Reduce,     // a reduction kernels fuse: sum, max
   ArgReduce,  // one they do not: argmax
   MatMul,
+  Conv,  // a convolution or one of its gradients: a library call, as MatMul
   View,  // an affine index map kernels read through: reshape, permute, broadcast_to, slice
   Copy,  // data movement that is not one: unslice, concat
   Gather,
@@ -127,21 +129,25 @@ class Tensor;
 using CustomVjp = std::function<std::vector<Tensor>(const std::vector<Tensor>& inputs,
                                                     const Tensor& output, const Tensor& grad)>;
 
-/// Per-op parameters; each op reads only the fields its line in ops.def documents.
+using Ints = std::vector<int64_t>;
+
+/// Per-op parameters, one field per line of dsl/attrs.def; each op reads only the fields its line
+/// there names.
 struct Attrs {
-  std::vector<int64_t> axes;       // Sum, Max, Argmax (normalized), Permute (the permutation)
-  bool keepdim = false;            // Sum, Max, Argmax
-  int64_t axis = 0;                // Concat, IndexSelect, IndexAdd, Gather, ScatterAdd
-  bool transpose_a = false;        // MatMul
-  bool transpose_b = false;        // MatMul
-  std::vector<int64_t> starts;     // Slice, Unslice
-  std::vector<int64_t> steps;      // Slice, Unslice
-  double value = 0;                // Full (the fill value), Arange (start)
-  double step = 1;                 // Arange
-  uint64_t seed = 0;               // RandUniform, RandNormal: Philox key (the counter base is
-                                   // their input, the generator's offset: 0-d i64)
+#define MT_ATTR(type, name, default_value, hashed, ops) type name = default_value;
+#include "dsl/attrs.def"
   std::shared_ptr<CustomVjp> vjp;  // Custom
 };
+
+/// Whether two values of an attribute are the same, doubles by their bits (-0 is not 0, a NaN
+/// is itself): what the program signature and an exported plan compare with the default.
+template <typename T>
+bool same_attr(const T& a, const T& b) {
+  if constexpr (std::is_floating_point_v<T>)
+    return std::bit_cast<uint64_t>(a) == std::bit_cast<uint64_t>(b);
+  else
+    return a == b;
+}
 
 /// One value of the lazy graph. Nodes are immutable once made, except that evaluation fills
 /// `value` and may drop `inputs` of nodes no gradient will ever flow through.

@@ -65,37 +65,38 @@ int64_t dim_at(const Value& v, int64_t batch) {
   return v.at(0).as_int() + v.at(1).as_int() * batch;
 }
 
-// What fusion and lowering read from a node besides op, dtypes, shape and inputs. A custom op's
-// vjp (C++ code, which no file can carry) is left out: a plan replays a traced step, whose
-// backward pass the vjp already wrote as nodes, and the custom node itself is its forward value.
+// Attribute values in the plan, by their type in dsl/attrs.def. Doubles travel as their bits;
+// 64-bit seeds as decimal strings, which every JSON reader keeps exact.
+Value attr_value(const Ints& list) { return int_array(list); }
+Value attr_value(bool b) { return b; }
+Value attr_value(int64_t i) { return i; }
+Value attr_value(double d) { return double_bits(d); }
+Value attr_value(uint64_t u) { return std::to_string(u); }
+void read_attr(const Value& v, Ints& list) { list = ints(v); }
+void read_attr(const Value& v, bool& b) { b = v.as_bool(); }
+void read_attr(const Value& v, int64_t& i) { i = v.as_int(); }
+void read_attr(const Value& v, double& d) { d = from_bits(v); }
+void read_attr(const Value& v, uint64_t& u) { u = std::stoull(v.as_string()); }
+
+// Every attribute of dsl/attrs.def that differs from its default (launch-time ones included: the
+// plan replays them). A custom op's vjp (C++ code, which no file can carry) is left out: a plan
+// replays a traced step, whose backward pass the vjp already wrote as nodes, and the custom node
+// itself is its forward value.
 Value attrs_value(const Node& node) {
   const Attrs& a = node.attrs;
+  static const Attrs defaults;
   Object o;
-  if (!a.axes.empty()) o.emplace_back("axes", int_array(a.axes));
-  if (a.keepdim) o.emplace_back("keepdim", true);
-  if (a.axis != 0) o.emplace_back("axis", a.axis);
-  if (a.transpose_a) o.emplace_back("transpose_a", true);
-  if (a.transpose_b) o.emplace_back("transpose_b", true);
-  if (!a.starts.empty()) o.emplace_back("starts", int_array(a.starts));
-  if (!a.steps.empty()) o.emplace_back("steps", int_array(a.steps));
-  if (a.value != 0 || std::signbit(a.value)) o.emplace_back("value", double_bits(a.value));
-  if (a.step != 1) o.emplace_back("step", double_bits(a.step));
-  if (a.seed != 0) o.emplace_back("seed", std::to_string(a.seed));
+#define MT_ATTR(type, name, default_value, hashed, ops) \
+  if (!same_attr(a.name, defaults.name)) o.emplace_back(#name, attr_value(a.name));
+#include "dsl/attrs.def"
   return o;
 }
 
 Attrs attrs_from(const Value& v) {
   Attrs a;
-  if (auto* x = v.find("axes")) a.axes = ints(*x);
-  if (auto* x = v.find("keepdim")) a.keepdim = x->as_bool();
-  if (auto* x = v.find("axis")) a.axis = x->as_int();
-  if (auto* x = v.find("transpose_a")) a.transpose_a = x->as_bool();
-  if (auto* x = v.find("transpose_b")) a.transpose_b = x->as_bool();
-  if (auto* x = v.find("starts")) a.starts = ints(*x);
-  if (auto* x = v.find("steps")) a.steps = ints(*x);
-  if (auto* x = v.find("value")) a.value = from_bits(*x);
-  if (auto* x = v.find("step")) a.step = from_bits(*x);
-  if (auto* x = v.find("seed")) a.seed = std::stoull(x->as_string());
+#define MT_ATTR(type, name, default_value, hashed, ops) \
+  if (auto* x = v.find(#name)) read_attr(*x, a.name);
+#include "dsl/attrs.def"
   return a;
 }
 

@@ -16,6 +16,7 @@
 #include "dsl/error.h"
 #include "dsl/graph.h"
 #include "dsl/log.h"
+#include "runtime/conv.h"
 #include "runtime/cpu_kernels.h"
 #include "runtime/gemm.h"
 #include "runtime/half_convert.h"
@@ -247,6 +248,37 @@ void run_matmul(Node& node) {
   s.bytes_written += bytes_of(*out);
 }
 
+// A convolution primitive through oneDNN; other dtypes and accumulators (f64, a 16-bit
+// accumulator a custom policy asks for) take the reference loops.
+void run_conv(Node& node) {
+  ConvDesc desc;
+  desc.op = node.op;
+  desc.geometry = ConvGeometry::of(node);
+  desc.operand = node.compute;
+  desc.out = node.storage;
+  if (!conv_supported(desc) || is_half(node.accum)) {
+    node.value = reference_compute(node);
+    ++stats().host_ops;
+    return;
+  }
+  auto a = as_dtype(*node.inputs[0], desc.operand);
+  auto b = as_dtype(*node.inputs[1], desc.operand);
+  auto out = allocate(node);
+  conv(desc, a->host_data(), b->host_data(), out->host_data());
+  node.value = out;
+  ExecutionStats& s = stats();
+  ++s.convolutions;
+  s.bytes_read += bytes_of(*a) + bytes_of(*b);
+  s.bytes_written += bytes_of(*out);
+}
+
+// Steps without a kernel: convolutions through oneDNN, the rest by the reference loops.
+void run_host_step(Node& node) {
+  if (op_info(node.op).kind == OpKind::Conv) return run_conv(node);
+  node.value = reference_compute(node);
+  ++stats().host_ops;
+}
+
 }  // namespace
 
 Signature sign_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required,
@@ -272,10 +304,7 @@ void replay_cpu(const ExecutedProgram& executed, const std::vector<Node*>& pendi
     ~DropCopies() { narrowed_copies().clear(); }
   } drop_copies;
   narrowed_copies().clear();
-  run_program(*executed.program, pending, executed.sig, {run_kernel, run_matmul, [](Node& node) {
-                                                           node.value = reference_compute(node);
-                                                           ++stats().host_ops;
-                                                         }});
+  run_program(*executed.program, pending, executed.sig, {run_kernel, run_matmul, run_host_step});
 }
 
 void set_kernel_observer(KernelObserver o) { observer() = std::move(o); }

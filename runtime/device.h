@@ -63,6 +63,7 @@ struct ExecutionStats {
   int64_t kernels = 0;          // generated kernels launched
   int64_t kernel_nodes = 0;     // graph nodes computed inside them
   int64_t gemms = 0;            // library matmuls
+  int64_t convolutions = 0;     // library convolutions (and their gradients)
   int64_t host_ops = 0;         // ops run by the reference loops (gathers, random, ...)
   int64_t bytes_read = 0;       // by kernels and matmuls, from their parameters
   int64_t bytes_written = 0;

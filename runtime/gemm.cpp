@@ -19,6 +19,7 @@
 #include "dsl/half.h"
 #include "dsl/log.h"
 #include "runtime/half_convert.h"
+#include "runtime/scratch_buffer.h"
 
 // Findings about oneDNN 2.6 (Debian 2.6.3) on an Intel CPU with AVX512-BF16 and AVX512-FP16 but no
 // AMX that shape the choices below:
@@ -65,35 +66,6 @@ constexpr double kWidenBf16MinFlopsPerElement = 96.0;
 // both, the demo's 256x128x128 f32 products ran on one thread: 10% fewer steps/s.
 constexpr double kSingleThreadMaxFlops = double{1 << 22};
 constexpr double kAmxSingleThreadMaxFlops = double{1 << 24};
-
-/// A 64-byte aligned byte buffer that only grows, so per-call scratch is allocated once.
-class ScratchBuffer {
- public:
-  ScratchBuffer() = default;
-  ScratchBuffer(const ScratchBuffer&) = delete;
-  ScratchBuffer& operator=(const ScratchBuffer&) = delete;
-  ~ScratchBuffer() { release(); }
-
-  template <typename T>
-  T* get(int64_t count) {
-    const size_t bytes = static_cast<size_t>(count) * sizeof(T);
-    if (bytes > capacity_) {
-      release();
-      data_ = ::operator new (bytes, std::align_val_t{64});
-      capacity_ = bytes;
-    }
-    return static_cast<T*>(data_);
-  }
-  void release() {
-    if (data_ != nullptr) ::operator delete (data_, std::align_val_t{64});
-    data_ = nullptr;
-    capacity_ = 0;
-  }
-
- private:
-  void* data_ = nullptr;
-  size_t capacity_ = 0;
-};
 
 // Per thread, so that concurrent calls never share a buffer and need no lock.
 struct ThreadScratch {

@@ -87,40 +87,87 @@ void update_all(WordHasher& h, const std::vector<T>& values) {
 
 // What fusion and lowering read of one node, packed into few words: the signature is taken on
 // every evaluation of the traced loop, and hashing a word per field was most of its cost. The
-// first word holds the small fields and says which of the rarer ones follow, so that equal
-// hashes still mean equal fields (every optional part is announced before it is hashed).
+// first word holds the op, the types and a bit per scalar attribute of dsl/attrs.def that differs
+// from its default; the counts of the shape, the inputs and the list attributes follow, then the
+// values announced. Equal hashes still mean equal fields, since every optional part is announced
+// before it is hashed. Launch-time attributes (hashed false in the table) are left out.
+struct NodeWords {
+  static constexpr int kFirstFlag = 48;
+  uint64_t word = 0;
+  int flag = kFirstFlag;
+  size_t counts[8] = {};
+  int count_n = 0;
+
+  void announce(bool hashed, const Ints& list) { counts[count_n++] = hashed ? list.size() : 0; }
+  template <typename T>
+  void announce(bool hashed, const T& value, const T& default_value) {
+    if (hashed && !same_attr(value, default_value)) word |= uint64_t{1} << flag;
+    ++flag;
+  }
+};
+constexpr int kListAttrs = 0
+#define MT_ATTR(type, name, default_value, hashed, ops) \
+  +int {                                                \
+    std::is_same_v<type, Ints>                          \
+  }
+#include "dsl/attrs.def"
+    ;
+constexpr int kScalarAttrs = 0
+#define MT_ATTR(type, name, default_value, hashed, ops) \
+  +int {                                                \
+    !std::is_same_v<type, Ints>                         \
+  }
+#include "dsl/attrs.def"
+    ;
+static_assert(2 + kListAttrs <= 8, "NodeWords::counts holds the shape's, the inputs' and a list's");
+static_assert(NodeWords::kFirstFlag + kScalarAttrs <= 63, "the first word has a bit per scalar");
+
+void announce_attr(NodeWords& w, bool hashed, const Ints& list, const Ints&) {
+  w.announce(hashed, list);
+}
+template <typename T>
+void announce_attr(NodeWords& w, bool hashed, const T& value, const T& default_value) {
+  w.announce(hashed, value, default_value);
+}
+void hash_attr(WordHasher& h, bool hashed, const Ints& list, const Ints&) {
+  if (hashed)
+    for (int64_t x : list) h.update(x);
+}
+void hash_attr(WordHasher&, bool, bool, bool) {}  // its flag bit is its value
+template <typename T>
+void hash_attr(WordHasher& h, bool hashed, const T& value, const T& default_value) {
+  if (hashed && !same_attr(value, default_value)) h.update(value);
+}
+
 void hash_node(WordHasher& h, const Node& node) {
   const Attrs& a = node.attrs;
-  // Fill values of float Fulls are launch-time scalars; -0 and 0 differ in their bits.
-  bool value = !(node.op == OpCode::Full && is_floating(node.storage)) &&
-               std::bit_cast<uint64_t>(a.value) != 0;
-  size_t sizes[] = {node.shape.size(), a.axes.size(), a.starts.size(), a.steps.size(),
-                    node.inputs.size()};
+  static const Attrs defaults;
+  NodeWords w;
+  w.word = static_cast<uint64_t>(node.op) | uint64_t{static_cast<uint8_t>(node.dtype)} << 16 |
+           uint64_t{static_cast<uint8_t>(node.storage)} << 24 |
+           uint64_t{static_cast<uint8_t>(node.compute)} << 32 |
+           uint64_t{static_cast<uint8_t>(node.accum)} << 40;
+  w.counts[w.count_n++] = node.shape.size();
+  w.counts[w.count_n++] = node.inputs.size();
+#define MT_ATTR(type, name, default_value, hashed, ops) \
+  announce_attr(w, hashed, a.name, defaults.name);
+#include "dsl/attrs.def"
   bool small = true;
-  for (size_t n : sizes) small &= n < 0x1000;
-  uint64_t word =
-      static_cast<uint64_t>(node.op) | uint64_t{static_cast<uint8_t>(node.dtype)} << 16 |
-      uint64_t{static_cast<uint8_t>(node.storage)} << 24 |
-      uint64_t{static_cast<uint8_t>(node.compute)} << 32 |
-      uint64_t{static_cast<uint8_t>(node.accum)} << 40 | uint64_t{a.keepdim} << 48 |
-      uint64_t{a.transpose_a} << 49 | uint64_t{a.transpose_b} << 50 | uint64_t{a.axis != 0} << 51 |
-      uint64_t{value} << 52 | uint64_t{a.step != 1} << 53 | uint64_t{small} << 54;
-  h.update(word);
+  for (int i = 0; i < w.count_n; ++i) small &= w.counts[i] < 0x1000;
+  h.update(w.word | uint64_t{small} << 63);
   if (small) {
-    // Five counts of 12 bits each.
-    uint64_t counts = 0;
-    for (size_t n : sizes) counts = counts << 12 | n;
-    h.update(counts);
+    // Five counts of 12 bits to a word.
+    for (int i = 0; i < w.count_n; i += 5) {
+      uint64_t packed = 0;
+      for (int j = i; j < std::min(i + 5, w.count_n); ++j) packed = packed << 12 | w.counts[j];
+      h.update(packed);
+    }
   } else {
-    for (size_t n : sizes) h.update(n);
+    for (int i = 0; i < w.count_n; ++i) h.update(w.counts[i]);
   }
   for (int64_t d : node.shape) h.update(d);
-  for (int64_t x : a.axes) h.update(x);
-  for (int64_t x : a.starts) h.update(x);
-  for (int64_t x : a.steps) h.update(x);
-  if (a.axis != 0) h.update(a.axis);
-  if (value) h.update(a.value);
-  if (a.step != 1) h.update(a.step);
+#define MT_ATTR(type, name, default_value, hashed, ops) hash_attr(h, hashed, a.name, defaults.name);
+#include "dsl/attrs.def"
 }
 
 int64_t stored_bytes(const Node* node) { return node->value ? node->value->size_bytes() : 0; }

@@ -8,6 +8,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "dsl/conv.h"
 #include "dsl/convert.h"
 #include "dsl/error.h"
 #include "dsl/ops.h"
@@ -458,6 +459,59 @@ StoragePtr ref_MatMul(const Node& node) {
     }
   return out;
 }
+
+// ---- convolutions ----
+// Calls f(x index, w index, y index) for every tap of a 2-d convolution that reads the input (not
+// its padding), each output element's taps in a row.
+template <typename F>
+void for_each_tap(const ConvGeometry& g, F f) {
+  const ConvWindow& win = g.window;
+  const int64_t cg = g.c / win.groups, og = g.o / win.groups;
+  for (int64_t n = 0; n < g.n; ++n)
+    for (int64_t o = 0; o < g.o; ++o)
+      for (int64_t oy = 0; oy < g.oh; ++oy)
+        for (int64_t ox = 0; ox < g.ow; ++ox) {
+          const int64_t y_at = ((n * g.o + o) * g.oh + oy) * g.ow + ox;
+          const int64_t first_channel = o / og * cg;
+          for (int64_t ic = 0; ic < cg; ++ic)
+            for (int64_t ky = 0; ky < g.kh; ++ky) {
+              const int64_t iy = oy * win.stride[0] - win.pad[0] + ky * win.dil[0];
+              if (iy < 0 || iy >= g.h) continue;
+              for (int64_t kx = 0; kx < g.kw; ++kx) {
+                const int64_t ix = ox * win.stride[1] - win.pad[1] + kx * win.dil[1];
+                if (ix < 0 || ix >= g.w) continue;
+                f(((n * g.c + first_channel + ic) * g.h + iy) * g.w + ix,
+                  ((o * cg + ic) * g.kh + ky) * g.kw + kx, y_at);
+              }
+            }
+        }
+}
+
+// The three primitives are one sum over the taps: of x * w into y (Conv2d), of gy * w into x's
+// shape (Conv2dInputGrad), of x * gy into w's shape (Conv2dWeightGrad). Operands are rounded to
+// the compute type first, as for matmul.
+StoragePtr conv_reference(const Node& node) {
+  const ConvGeometry g = ConvGeometry::of(node);
+  const Storage &first = value_of(node, 0), &second = value_of(node, 1);
+  std::vector<double> a = matrix_operand(first, 1, first.count, 1, false, node.compute);
+  std::vector<double> b = matrix_operand(second, 1, second.count, 1, false, node.compute);
+  std::vector<double> acc(static_cast<size_t>(node.numel()), 0.0);
+  Accumulator accumulator{node.accum};
+  auto add = [&](int64_t at, double term) { acc[at] = accumulator.add(acc[at], term); };
+  if (node.op == OpCode::Conv2d)
+    for_each_tap(g, [&](int64_t x, int64_t w, int64_t y) { add(y, a[x] * b[w]); });
+  else if (node.op == OpCode::Conv2dInputGrad)
+    for_each_tap(g, [&](int64_t x, int64_t w, int64_t y) { add(x, a[y] * b[w]); });
+  else
+    for_each_tap(g, [&](int64_t x, int64_t w, int64_t y) { add(w, a[x] * b[y]); });
+  StoragePtr out = new_storage(node);
+  for (size_t i = 0; i < acc.size(); ++i) store_element(*out, static_cast<int64_t>(i), acc[i]);
+  return out;
+}
+
+StoragePtr ref_Conv2d(const Node& node) { return conv_reference(node); }
+StoragePtr ref_Conv2dInputGrad(const Node& node) { return conv_reference(node); }
+StoragePtr ref_Conv2dWeightGrad(const Node& node) { return conv_reference(node); }
 
 // ---- indexing ----
 int64_t checked_index(const Node& node, int64_t index, int64_t dim, int64_t axis) {

@@ -1,5 +1,5 @@
-// tests/test_aot_models.cpp -- transformers export bit for bit: the char GPT of
-// examples/char_gpt_model.h and a TransformerBlock, as functions at batch 1, 7 and the max (rank-3
+// tests/test_aot_models.cpp -- models export bit for bit: the char GPT of
+// examples/char_gpt_model.h, a TransformerBlock and a small convolution net, as functions at batch 1, 7 and the max (rank-3
 // shapes, attention masks, embedding gathers under a dynamic batch) and as training steps against
 // mt::compile, in fp32, autocast bf16 and autocast f16 with dynamic loss scaling.
 #include <gtest/gtest.h>
@@ -24,9 +24,26 @@ GptConfig small_gpt() {
   return {.vocab = kVocab, .layers = 2, .heads = kHeads, .width = kWidth, .context = kTime};
 }
 
-// One of the two models under test, with what it takes and how it is trained.
+// Convolutions of each kind, so that an artifact runs all three primitives forward and backward:
+// [batch, 3, 8, 8] to itself through a strided convolution and a transposed one.
+constexpr int64_t kImage = 8;
+struct SmallCnn : mt::Module {
+  mt::Conv2d in, down;
+  mt::ConvTranspose2d up;
+  explicit SmallCnn(mt::Generator* gen)
+      : in(3, 4, 3, {.padding = 1}, true, gen),
+        down(4, 4, 3, {.stride = 2, .padding = 1}, true, gen),
+        up(4, 3, 3, {.stride = 2, .padding = 1, .output_padding = 1}, true, gen) {
+    register_module("in", in);
+    register_module("down", down);
+    register_module("up", up);
+  }
+  mt::Tensor operator()(const mt::Tensor& x) const { return up(mt::relu(down(mt::relu(in(x))))); }
+};
+
+// One of the models under test, with what it takes and how it is trained.
 struct Subject {
-  std::string kind;  // "gpt" or "block"
+  std::string kind;  // "gpt", "block" or "cnn"
   std::unique_ptr<mt::Module> module;
   std::function<mt::Tensor(const mt::Tensor&)> forward;  // logits (gpt) or activations (block)
 
@@ -36,6 +53,10 @@ struct Subject {
       auto gpt = std::make_unique<CharGpt>(small_gpt(), &gen);
       forward = [m = gpt.get()](const mt::Tensor& tokens) { return (*m)(tokens); };
       module = std::move(gpt);
+    } else if (kind == "cnn") {
+      auto cnn = std::make_unique<SmallCnn>(&gen);
+      forward = [m = cnn.get()](const mt::Tensor& x) { return (*m)(x); };
+      module = std::move(cnn);
     } else {
       auto block = std::make_unique<mt::TransformerBlock>(kWidth, kHeads, 0.0, &gen);
       forward = [m = block.get()](const mt::Tensor& x) { return (*m)(x); };
@@ -43,12 +64,23 @@ struct Subject {
     }
   }
   bool gpt() const { return kind == "gpt"; }
-  // The model's input at `batch` rows: tokens i64 [batch, T] or activations f32 [batch, T, C].
-  mt::aot::Input input(int64_t batch) const {
-    return gpt() ? mt::aot::input("tokens", {batch, kTime}, mt::i64)
-                 : mt::aot::input("x", {batch, kTime, kWidth}, mt::f32);
+  // One example's shape: tokens [T] (gpt), activations [T, C] (block) or images [3, H, W].
+  mt::Shape example() const {
+    if (gpt()) return {kTime};
+    if (kind == "cnn") return {3, kImage, kImage};
+    return {kTime, kWidth};
   }
-  int64_t output_row() const { return kTime * (gpt() ? kVocab : kWidth); }
+  mt::Shape batched(int64_t batch) const {
+    mt::Shape shape = example();
+    shape.insert(shape.begin(), batch);
+    return shape;
+  }
+  // The model's input at `batch` rows: tokens i64 or activations f32.
+  mt::aot::Input input(int64_t batch) const {
+    return gpt() ? mt::aot::input("tokens", batched(batch), mt::i64)
+                 : mt::aot::input("x", batched(batch), mt::f32);
+  }
+  int64_t output_row() const { return gpt() ? kTime * kVocab : mt::numel(example()); }
   // A batch of the model's input; also the training target: next tokens (gpt) or a regression
   // target (block).
   mt::Tensor sample(int64_t batch, std::mt19937_64& g) const {
@@ -58,9 +90,9 @@ struct Subject {
       return mt::tensor(tokens, {batch, kTime}, mt::i64);
     }
     std::normal_distribution<float> normal;
-    std::vector<float> x(static_cast<size_t>(batch * kTime * kWidth));
+    std::vector<float> x(static_cast<size_t>(mt::numel(batched(batch))));
     for (float& v : x) v = normal(g);
-    return mt::tensor(x, {batch, kTime, kWidth});
+    return mt::tensor(x, batched(batch));
   }
   mt::Tensor loss(const mt::Tensor& x, const mt::Tensor& y) const {
     mt::Tensor out = forward(x);
@@ -123,7 +155,7 @@ TEST_P(AotModelFunction, EqualsTheJitAtEveryBatch) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, AotModelFunction,
-                         testing::Combine(testing::Values("gpt", "block"),
+                         testing::Combine(testing::Values("gpt", "block", "cnn"),
                                           testing::Values("fp32", "bf16", "f16")),
                          case_name);
 
@@ -207,7 +239,7 @@ TEST_P(AotModelStep, EqualsCompile) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, AotModelStep,
-                         testing::Combine(testing::Values("gpt", "block"),
+                         testing::Combine(testing::Values("gpt", "block", "cnn"),
                                           testing::Values("fp32", "bf16", "f16")),
                          case_name);
 

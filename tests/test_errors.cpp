@@ -244,6 +244,10 @@ std::vector<Case> ops_cases() {
              fidx = in.fidx;
   mt::Tensor empty = mt::zeros({0, 3});
   mt::Tensor a223 = mt::randn({2, 2, 3}), a332 = mt::randn({3, 3, 2});
+  mt::Tensor img = mt::zeros({1, 3, 4, 4}), ker = mt::zeros({2, 3, 3, 3});
+  mt::ConvWindow pad_neg, groups2;
+  pad_neg.pad[1] = -1;
+  groups2.groups = 2;
   mt::Tensor bad_rows = mt::tensor(i64s({0, 5}), {2});
   mt::Tensor negative_rows = mt::tensor(i64s({-1}), {1});
   mt::Tensor col_index = mt::tensor(i64s({0, 3}), {2, 1});
@@ -298,6 +302,21 @@ std::vector<Case> ops_cases() {
       OP_CASE("matmul", mt::matmul(i, mt::transpose(i)), "floating-point", "i64"),
       OP_CASE("matmul", mt::matmul(f4, f4, true), "1-d"),
       OP_CASE("matmul", mt::matmul(f, u), "second operand", "undefined"),
+      OP_CASE("conv2d_forward", mt::conv2d_forward(img, ker, pad_neg),
+              "padding must not be negative"),
+      OP_CASE("conv2d_forward", mt::conv2d_forward(img, mt::zeros({2, 3, 5, 5}), mt::ConvWindow{}),
+              "larger than the padded input", "[1, 3, 4, 4]"),
+      OP_CASE("conv2d_input_grad", mt::conv2d_input_grad(img, ker, {1, 3, 4, 4}, mt::ConvWindow{}),
+              "the output gradient is [1, 3, 4, 4]", "[1, 2, 2, 2]"),
+      OP_CASE("conv2d_weight_grad", mt::conv2d_weight_grad(img, img, {2, 3, 3, 3}, groups2),
+              "groups 2 must divide", "3"),
+      OP_CASE("conv2d", mt::conv2d(img, ker, {}, {.groups = 3}), "groups 3 must divide",
+              "output's 2"),
+      OP_CASE("conv2d", mt::conv2d(f, ker), "[N, C, H, W]"),
+      OP_CASE("conv1d", mt::conv1d(img, ker), "[N, C, L]", "[1, 3, 4, 4]"),
+      OP_CASE("conv_transpose2d",
+              mt::conv_transpose2d(img, mt::zeros({3, 2, 3, 3}), {}, {.output_padding = 1}),
+              "output_padding (1, 1)", "smaller than the stride (1, 1)"),
       OP_CASE("reshape", mt::reshape(f, {4, 2}), "[2, 3] (6 elements)", "[4, 2] (8 elements)"),
       OP_CASE("reshape", mt::reshape(f, {-1, -1}), "only one dimension may be -1"),
       OP_CASE("reshape", mt::reshape(f, {-2, 3}), "invalid dimension -2"),

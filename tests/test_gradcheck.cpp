@@ -414,6 +414,39 @@ void add_matmul(Table& t) {
         [c](const Tensors& x) { return mt::matmul(x[0], x[1], c.ta, c.tb); });
 }
 
+// Each convolution primitive with strides, padding, dilation and groups that leave some input
+// rows unread (a stride past the last tap) and pad both sides.
+void add_conv(Table& t) {
+  struct Case {
+    std::string label;
+    mt::Shape x, w;
+    mt::Conv2dOptions options;
+  };
+  const std::vector<Case> cases = {
+      {"[2,3,5,4]*[4,3,3,2]", {2, 3, 5, 4}, {4, 3, 3, 2}, {}},
+      {"stride 2 pad 1", {1, 2, 6, 5}, {3, 2, 3, 3}, {.stride = 2, .padding = 1}},
+      {"stride (2,1) pad (0,2) dilation (1,2) groups 2",
+       {1, 4, 5, 4},
+       {2, 2, 2, 3},
+       {.stride = {2, 1}, .padding = {0, 2}, .dilation = {1, 2}, .groups = 2}},
+      {"depthwise", {2, 3, 4, 4}, {3, 1, 3, 3}, {.padding = 1, .groups = 3}},
+  };
+  for (const Case& c : cases) {
+    mt::ConvWindow window;
+    window.stride[0] = c.options.stride.h, window.stride[1] = c.options.stride.w;
+    window.pad[0] = c.options.padding.h, window.pad[1] = c.options.padding.w;
+    window.dil[0] = c.options.dilation.h, window.dil[1] = c.options.dilation.w;
+    window.groups = c.options.groups;
+    mt::Shape y = mt::conv2d(mt::zeros(c.x), mt::zeros(c.w), {}, c.options).shape();
+    add(t, OpCode::Conv2d, "conv2d " + c.label, {{c.x}, {c.w}},
+        [c](const Tensors& x) { return mt::conv2d(x[0], x[1], {}, c.options); });
+    add(t, OpCode::Conv2dInputGrad, "conv2d_input_grad " + c.label, {{y}, {c.w}},
+        [c, window](const Tensors& x) { return mt::conv2d_input_grad(x[0], x[1], c.x, window); });
+    add(t, OpCode::Conv2dWeightGrad, "conv2d_weight_grad " + c.label, {{c.x}, {y}},
+        [c, window](const Tensors& x) { return mt::conv2d_weight_grad(x[0], x[1], c.w, window); });
+  }
+}
+
 void add_data_movement(Table& t) {
   add(t, OpCode::Reshape, "reshape [2,3,4] -> [6,4]", {{{2, 3, 4}}}, [](const Tensors& x) {
     return mt::reshape(x[0], {6, 4});
@@ -541,6 +574,7 @@ const Table& op_samples() {
     add_cast(t);
     add_reductions(t);
     add_matmul(t);
+    add_conv(t);
     add_data_movement(t);
     add_indexing(t);
     add_custom(t);
@@ -589,6 +623,18 @@ const std::vector<Sample>& composite_samples() {
       c.push_back(Sample{std::move(label), std::move(inputs), std::move(build)});
     };
     add_c("softmax_last", {{{3, 4}}}, [](const Tensors& x) { return mt::softmax(x[0]); });
+    add_c("conv2d_bias_3d_input", {{{2, 5, 4}}, {{3, 2, 2, 3}}, {{3}}}, [](const Tensors& x) {
+      return mt::conv2d(x[0], x[1], x[2], {.padding = {1, 0}});
+    });
+    add_c("conv1d_bias_stride_dilation", {{{2, 2, 7}}, {{4, 1, 3}}, {{4}}}, [](const Tensors& x) {
+      return mt::conv1d(x[0], x[1], x[2], {.stride = 2, .padding = 1, .dilation = 2, .groups = 2});
+    });
+    add_c("conv_transpose2d_bias_output_padding", {{{1, 4, 3, 2}}, {{4, 3, 3, 2}}, {{6}}},
+          [](const Tensors& x) {
+            return mt::conv_transpose2d(
+                x[0], x[1], x[2],
+                {.stride = 2, .padding = {1, 0}, .output_padding = {1, 0}, .groups = 2});
+          });
     add_c("softmax_axis0", {{{3, 4}}}, [](const Tensors& x) { return mt::softmax(x[0], 0); });
     add_c("masked_softmax_broadcast_mask", {{{2, 3, 4}}}, [](const Tensors& x) {
       mt::Tensor mask =

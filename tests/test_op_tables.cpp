@@ -15,7 +15,9 @@
 #include "codegen/kernel_ir.h"
 #include "codegen/nvrtc.h"
 #include "dsl/composites.h"
+#include "dsl/graph.h"
 #include "runtime/cpu_kernels.h"
+#include "runtime/program.h"
 
 #include <mixtape/mixtape.h>
 
@@ -257,6 +259,18 @@ TEST(CompositeTable, EveryCompositeNamesItsNodes) {
       {"hardswish", [&] { return mt::hardswish(x); }},
       {"lerp", [&] { return mt::lerp(x, x * 2.0, mt::sigmoid(x)); }},
       {"linear", [&] { return mt::linear(x, w, b); }},
+      {"conv1d",
+       [&] {
+         return mt::conv1d(x, mt::ones({5, 3, 2}), b);
+       }},
+      {"conv2d",
+       [&] {
+         return mt::conv2d(x, mt::ones({5, 2, 2, 2}), b);
+       }},
+      {"conv_transpose2d",
+       [&] {
+         return mt::conv_transpose2d(x, mt::ones({2, 5, 2, 2}), b);
+       }},
       {"dropout", [&] { return mt::dropout(x, 0.5, true, &gen); }},
       {"causal_mask", [&] { return mt::causal_mask(3); }},
       {"scaled_dot_product_attention",
@@ -312,6 +326,63 @@ TEST(OpTable, EveryOpHasItsFacts) {
   EXPECT_FALSE(mt::sign(x).requires_grad());
   EXPECT_FALSE(x.detach().requires_grad());
   EXPECT_TRUE(mt::floor(x).requires_grad());
+}
+
+}  // namespace
+
+namespace {
+
+// A value of each attribute type other than the given one.
+mt::Ints other(const mt::Ints&) { return {1, 2}; }
+bool other(bool b) { return !b; }
+int64_t other(int64_t i) { return i + 3; }
+double other(double d) { return d + 0.25; }
+uint64_t other(uint64_t u) { return u + 7; }
+
+// The program signature of one node of `op` over a [2, 3] input, with `attrs`.
+mt::Hash128 signature_of(mt::OpCode op, mt::DType dtype, mt::Attrs attrs) {
+  mt::Tensor x = mt::ones({2, 3}, dtype);
+  mt::eval({x});
+  mt::NodeInputs inputs;
+  inputs.emplace_back(x.node());
+  mt::NodePtr node = mt::make_node(op, dtype, {2, 3}, std::move(inputs), std::move(attrs),
+                                   std::source_location::current());
+  std::vector<mt::Node*> pending{node.get()};
+  return mt::sign(pending, pending, true, "attr-table").hash;
+}
+
+// Every attribute of dsl/attrs.def is in the program signature exactly when the table says it is
+// structural: one left out would let two programs that differ in it share compiled code.
+TEST(AttrTable, TheSignatureHoldsExactlyTheStructuralAttributes) {
+  int attributes = 0;
+  for (auto [op, dtype] : {std::pair{mt::OpCode::Sum, mt::f32},
+                           {mt::OpCode::Full, mt::f32},
+                           {mt::OpCode::Full, mt::i64}}) {
+    const mt::Hash128 base = signature_of(op, dtype, {});
+    const mt::Node probe(op, dtype, {2, 3}, {}, {}, "");
+#define MT_ATTR(type, field, default_value, hashed, ops)            \
+  {                                                                 \
+    using namespace mixtape;                                        \
+    const Node& node = probe;                                       \
+    (void)node;                                                     \
+    const bool structural = (hashed);                               \
+    Attrs changed;                                                  \
+    changed.field = other(changed.field);                           \
+    const Hash128 hash = signature_of(op, dtype, changed);          \
+    EXPECT_EQ(hash.lo != base.lo || hash.hi != base.hi, structural) \
+        << #field << " of " << op_name(op) << " " << name(dtype);   \
+    ++attributes;                                                   \
+  }
+#include "dsl/attrs.def"
+  }
+  EXPECT_GE(attributes, 3 * 11);  // the 11 attributes of the table when this was written
+  // The table's one value-dependent row: a float Full's fill value is a launch-time argument.
+  mt::Attrs fill;
+  fill.value = 2.5;
+  EXPECT_EQ(signature_of(mt::OpCode::Full, mt::f32, fill).lo,
+            signature_of(mt::OpCode::Full, mt::f32, {}).lo);
+  EXPECT_NE(signature_of(mt::OpCode::Full, mt::i64, fill).lo,
+            signature_of(mt::OpCode::Full, mt::i64, {}).lo);
 }
 
 }  // namespace

@@ -912,6 +912,67 @@ void add_matmul_cases(Oracle& o, Data& d, mt::DType dt) {
   o.add("linear/" + t, {x, w, bias}, mt::linear(x, w, bias), "F.linear(a, b, c)", rtol, atol);
 }
 
+std::string join_dims(const mt::Shape& shape) {
+  std::string text;
+  for (int64_t d : shape) text += std::to_string(d) + ", ";
+  return text;
+}
+
+// The three convolution primitives (torch.nn.grad has the two gradients) and the composites.
+void add_conv_cases(Oracle& o, Data& d, mt::DType dt) {
+  const std::string t(mt::name(dt));
+  double rtol = dt == mt::f32 ? 1e-5 : 1e-12, atol = dt == mt::f32 ? 1e-5 : 1e-12;
+  struct Case {
+    std::string name;
+    mt::Shape x, w;
+    mt::Conv2dOptions options;
+  };
+  const std::vector<Case> cases = {
+      {"plain", {2, 3, 6, 5}, {4, 3, 3, 3}, {}},
+      {"strided_padded",
+       {1, 4, 9, 8},
+       {6, 2, 3, 2},
+       {.stride = {2, 3}, .padding = {1, 2}, .groups = 2}},
+      {"dilated_depthwise", {2, 3, 7, 7}, {3, 1, 3, 3}, {.padding = 2, .dilation = 2, .groups = 3}},
+  };
+  for (const Case& c : cases) {
+    const mt::Conv2dOptions& p = c.options;
+    mt::ConvWindow window;
+    window.stride[0] = p.stride.h, window.stride[1] = p.stride.w;
+    window.pad[0] = p.padding.h, window.pad[1] = p.padding.w;
+    window.dil[0] = p.dilation.h, window.dil[1] = p.dilation.w;
+    window.groups = p.groups;
+    const std::string args =
+        fmt::format("stride=({}, {}), padding=({}, {}), dilation=({}, {}), groups={}", p.stride.h,
+                    p.stride.w, p.padding.h, p.padding.w, p.dilation.h, p.dilation.w, p.groups);
+    mt::Tensor x = d.randn(c.x, dt), w = d.randn(c.w, dt), bias = d.randn({c.w[0]}, dt);
+    mt::Tensor y = mt::conv2d(x, w, bias, p);
+    o.add("conv2d/" + c.name + "/" + t, {x, w, bias}, y, "F.conv2d(a, b, c, " + args + ")", rtol,
+          atol);
+    mt::Tensor gy = d.randn(y.shape(), dt);
+    o.add("conv2d_input_grad/" + c.name + "/" + t, {gy, w},
+          mt::conv2d_input_grad(gy, w, c.x, window),
+          fmt::format("torch.nn.grad.conv2d_input(({}), b, a, {})", join_dims(c.x), args), rtol,
+          atol);
+    o.add("conv2d_weight_grad/" + c.name + "/" + t, {x, gy},
+          mt::conv2d_weight_grad(x, gy, c.w, window),
+          fmt::format("torch.nn.grad.conv2d_weight(a, ({}), b, {})", join_dims(c.w), args), rtol,
+          atol);
+  }
+  mt::Tensor x1 = d.randn({2, 4, 11}, dt), w1 = d.randn({6, 2, 3}, dt), b1 = d.randn({6}, dt);
+  o.add("conv1d/" + t, {x1, w1, b1},
+        mt::conv1d(x1, w1, b1, {.stride = 2, .padding = 1, .dilation = 2, .groups = 2}),
+        "F.conv1d(a, b, c, stride=2, padding=1, dilation=2, groups=2)", rtol, atol);
+  mt::Tensor xt = d.randn({2, 4, 3, 4}, dt), wt = d.randn({4, 3, 3, 2}, dt), bt = d.randn({6}, dt);
+  o.add(
+      "conv_transpose2d/" + t, {xt, wt, bt},
+      mt::conv_transpose2d(
+          xt, wt, bt, {.stride = {2, 3}, .padding = {1, 0}, .output_padding = {1, 2}, .groups = 2}),
+      "F.conv_transpose2d(a, b, c, stride=(2, 3), padding=(1, 0), output_padding=(1, 2), "
+      "groups=2)",
+      rtol, atol);
+}
+
 void add_movement_cases(Oracle& o, Data& d, mt::DType dt) {
   const std::string t(mt::name(dt));
   mt::Tensor x = d.randn({2, 3, 4}, dt);
@@ -1201,6 +1262,7 @@ TEST(TorchOracle, EveryOpMatchesPyTorch) {
     add_pointwise_cases(oracle, data, dt);
     add_reduction_cases(oracle, data, dt);
     add_matmul_cases(oracle, data, dt);
+    add_conv_cases(oracle, data, dt);
     add_movement_cases(oracle, data, dt);
     add_indexing_cases(oracle, data, dt);
     add_composite_cases(oracle, data, dt);

@@ -2,6 +2,8 @@
 #pragma once
 
 #include "autograd/grad.h"
+#include "dsl/conv.h"
+#include "dsl/conv_layers.h"
 #include "dsl/data.h"
 #include "dsl/dtype.h"
 #include "dsl/error.h"

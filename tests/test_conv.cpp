@@ -1,0 +1,201 @@
+// tests/test_conv.cpp -- the convolution primitives on the CPU back end (oneDNN) against the
+// reference loops, in f32, bf16 and f16, and the errors of conv1d, conv2d, conv_transpose2d and
+// their modules. Gradients against finite differences are in test_gradcheck, values against
+// PyTorch in test_torch_parity.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "mixtape/mixtape.h"
+#include "test_util.h"
+
+namespace mt = mixtape;
+
+namespace {
+
+struct Case {
+  std::string label;
+  mt::Shape x, w;
+  mt::Conv2dOptions options;
+};
+
+const std::vector<Case>& cases() {
+  static const std::vector<Case> all = {
+      {"3x3 pad 1", {2, 16, 12, 12}, {32, 16, 3, 3}, {.padding = 1}},
+      {"1x1 stride 2", {2, 32, 9, 9}, {16, 32, 1, 1}, {.stride = 2}},
+      {"7x7 stride 2 pad 3 (a ResNet stem)",
+       {2, 3, 20, 20},
+       {8, 3, 7, 7},
+       {.stride = 2, .padding = 3}},
+      {"depthwise 3x3", {2, 8, 10, 10}, {8, 1, 3, 3}, {.padding = 1, .groups = 8}},
+      {"grouped, asymmetric, dilated",
+       {1, 6, 11, 9},
+       {4, 3, 3, 2},
+       {.stride = {2, 1}, .padding = {1, 2}, .dilation = {2, 1}, .groups = 2}},
+  };
+  return all;
+}
+
+mt::ConvWindow window_of(const mt::Conv2dOptions& o) {
+  mt::ConvWindow w;
+  w.stride[0] = o.stride.h, w.stride[1] = o.stride.w;
+  w.pad[0] = o.padding.h, w.pad[1] = o.padding.w;
+  w.dil[0] = o.dilation.h, w.dil[1] = o.dilation.w;
+  w.groups = o.groups;
+  return w;
+}
+
+// The three primitives of one case on the current device, from inputs cast to `dtype`.
+std::vector<std::vector<float>> run_case(const Case& c, mt::DType dtype) {
+  mt::Generator gen(7);
+  mt::Tensor x = mt::cast(mt::randn(c.x, mt::f32, &gen), dtype);
+  mt::Tensor w = mt::cast(mt::randn(c.w, mt::f32, &gen), dtype);
+  mt::Tensor y = mt::conv2d(x, w, {}, c.options);
+  mt::Tensor gy = mt::cast(mt::randn(y.shape(), mt::f32, &gen), dtype);
+  const mt::ConvWindow window = window_of(c.options);
+  std::vector<mt::Tensor> results = {y, mt::conv2d_input_grad(gy, w, c.x, window),
+                                     mt::conv2d_weight_grad(x, gy, c.w, window)};
+  for (const mt::Tensor& r : results) EXPECT_EQ(r.dtype(), dtype);
+  mt::eval(results);
+  std::vector<std::vector<float>> out;
+  for (const mt::Tensor& r : results) out.push_back(mt::cast(r, mt::f32).to_vector<float>());
+  return out;
+}
+
+// Each element within `tol` of the reference, relative to the largest reference magnitude (a
+// sum of products has no elementwise relative bound where terms cancel).
+void expect_close(const std::vector<float>& reference, const std::vector<float>& got, double tol,
+                  const std::string& what) {
+  ASSERT_EQ(reference.size(), got.size()) << what;
+  double scale = 0;
+  for (float r : reference) scale = std::max(scale, std::fabs(double{r}));
+  for (size_t i = 0; i < reference.size(); ++i)
+    ASSERT_NEAR(reference[i], got[i], tol * scale) << what << " at " << i;
+}
+
+class ConvOnCpu : public ::testing::TestWithParam<mt::DType> {};
+
+TEST_P(ConvOnCpu, OneDnnMatchesTheReferenceLoops) {
+  const mt::DType dtype = GetParam();
+  // f32 sums in another order; a 16-bit result may differ in its last bit (the reference rounds
+  // an exact sum once, oneDNN an f32 sum).
+  const double tol = dtype == mt::f32 ? 1e-5 : dtype == mt::bf16 ? 1.0 / 128 : 1.0 / 1024;
+  const char* names[] = {"forward", "input grad", "weight grad"};
+  for (const Case& c : cases()) {
+    mt::set_device(mt::Device::reference);
+    std::vector<std::vector<float>> reference = run_case(c, dtype);
+    mt::set_device(mt::Device::cpu);
+    mt::reset_execution_stats();
+    std::vector<std::vector<float>> cpu = run_case(c, dtype);
+    EXPECT_EQ(mt::execution_stats().convolutions, 3) << c.label << ": not run by oneDNN";
+    for (int i = 0; i < 3; ++i)
+      expect_close(reference[i], cpu[i], tol,
+                   c.label + " " + names[i] + " " + std::string(mt::name(dtype)));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, ConvOnCpu, ::testing::Values(mt::f32, mt::bf16, mt::f16),
+                         [](const ::testing::TestParamInfo<mt::DType>& info) {
+                           return std::string(mt::name(info.param));
+                         });
+
+// Under autocast the convolution runs in the half type with f32 accumulation, as matmul does,
+// and its gradients flow back to the f32 weights.
+TEST(Conv, AutocastRunsInTheHalfTypeAndTrains) {
+  mt::set_device(mt::Device::cpu);
+  mt::Generator gen(3);
+  mt::Conv2d conv(3, 4, 3, {.padding = 1}, true, &gen);
+  mt::Tensor x = mt::randn({2, 3, 6, 6}, mt::f32, &gen);
+  mt::Tensor loss;
+  {
+    mt::autocast guard(mt::bf16);
+    loss = mt::sum(mt::square(conv(x)));
+  }
+  loss.backward();
+  mt::Tensor y = mt::conv2d(x, conv.weight, conv.bias, {.padding = 1});
+  EXPECT_EQ(conv.weight.grad().dtype(), mt::f32);
+  EXPECT_EQ(conv.weight.grad().shape(), conv.weight.shape());
+  EXPECT_EQ(conv.bias.grad().shape(), (mt::Shape{4}));
+  // d/db sum(y^2) = 2 sum(y) over N, H, W: the bf16 run agrees with the f32 one to bf16 precision.
+  std::vector<float> expected = mt::sum(y * 2.0, {0, 2, 3}).to_vector<float>();
+  std::vector<float> got = conv.bias.grad().to_vector<float>();
+  for (size_t i = 0; i < expected.size(); ++i)
+    EXPECT_NEAR(got[i], expected[i], 0.02 * (1 + std::fabs(expected[i]))) << i;
+  mt::PrecisionReport report = mt::precision_report({y});
+  EXPECT_NE(report.table().find("conv2d"), std::string::npos);
+}
+
+TEST(Conv, ModulesHavePyTorchShapesAndNames) {
+  mt::Conv2d c2(6, 4, {3, 2}, {.groups = 2});
+  EXPECT_EQ(c2.weight.shape(), (mt::Shape{4, 3, 3, 2}));
+  mt::Conv1d c1(4, 8, 5, {.padding = 2});
+  EXPECT_EQ(c1.weight.shape(), (mt::Shape{8, 4, 5}));
+  EXPECT_EQ(c1(mt::zeros({2, 4, 9})).shape(), (mt::Shape{2, 8, 9}));
+  mt::ConvTranspose2d t(4, 6, 3, {.stride = 2, .padding = 1, .output_padding = 1, .groups = 2});
+  EXPECT_EQ(t.weight.shape(), (mt::Shape{4, 3, 3, 3}));
+  EXPECT_EQ(t(mt::zeros({1, 4, 5, 5})).shape(), (mt::Shape{1, 6, 10, 10}));
+  std::vector<std::string> names;
+  for (const auto& [name, tensor] : c2.named_parameters()) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"weight", "bias"}));
+  // U(-1/sqrt(fan_in), 1/sqrt(fan_in)) with fan_in = 3 * 3 * 2.
+  double bound = 1.0 / std::sqrt(18.0);
+  for (float v : c2.weight.to_vector<float>()) EXPECT_LE(std::fabs(v), bound);
+}
+
+TEST(Conv, BadArgumentsNameTheOpAndShapes) {
+  mt::Tensor x = mt::zeros({1, 4, 5, 5}), w = mt::zeros({6, 2, 3, 3});
+  EXPECT_MT_ERROR(mt::conv2d(x, w, {}, {.padding = -1}), "conv2d", "padding must not be negative");
+  EXPECT_MT_ERROR(mt::conv2d(x, mt::zeros({6, 4, 3, 3}), {}, {.groups = 3}), "groups 3", "4", "6");
+  EXPECT_MT_ERROR(mt::conv2d(x, w, {}, {.groups = 1}), "[6, 2, 3, 3]", "expects 2 input channels");
+  EXPECT_MT_ERROR(mt::conv2d(x, mt::zeros({6, 4, 7, 3})), "larger than the padded input",
+                  "[1, 4, 5, 5]");
+  EXPECT_MT_ERROR(mt::conv2d(x, w, {}, {.stride = 0, .groups = 2}), "stride must be positive");
+  EXPECT_MT_ERROR(mt::conv2d(mt::zeros({4, 5, 5, 1, 1}), w), "[N, C, H, W]");
+  EXPECT_MT_ERROR(mt::conv2d(x, w, mt::zeros({5}), {.groups = 2}), "bias shape [5]", "[6]");
+  EXPECT_MT_ERROR(mt::conv2d(mt::zeros({1, 4, 5, 5}, mt::i64), mt::zeros({6, 2, 3, 3}, mt::i64), {},
+                             {.groups = 2}),
+                  "floating-point");
+  EXPECT_MT_ERROR(mt::conv1d(mt::zeros({2, 4}), mt::zeros({3, 2, 5})), "conv1d",
+                  "larger than the padded");
+  EXPECT_MT_ERROR(
+      mt::conv_transpose2d(x, mt::zeros({4, 3, 3, 3}), {}, {.stride = 2, .output_padding = 2}),
+      "output_padding (2, 2)", "smaller than the stride");
+  EXPECT_MT_ERROR(mt::conv_transpose2d(x, mt::zeros({5, 3, 3, 3})), "conv_transpose2d",
+                  "[5, 3, 3, 3]");
+  EXPECT_MT_ERROR(mt::Conv2d(6, 4, 3, {.groups = 4}), "Conv2d", "groups 4");
+  EXPECT_MT_ERROR(mt::Conv2d(6, 4, {0, 3}), "Conv2d", "kernel sizes must be positive");
+}
+
+// The convolution and its gradients replay under mt::compile, bit for bit as the traced step.
+TEST(Conv, CompiledStepReplaysTheTracedOne) {
+  mt::set_device(mt::Device::cpu);
+  auto train = [](bool compiled) {
+    mt::Generator gen(11);
+    mt::Conv2d conv(2, 3, 3, {.stride = 2, .padding = 1}, true, &gen);
+    mt::SGD opt(conv.parameters(), {.lr = 0.1});
+    mt::Tensor x = mt::randn({4, 2, 7, 7}, mt::f32, &gen);
+    auto step = [&](const mt::Tensor& batch) {
+      opt.zero_grad();
+      mt::Tensor loss = mt::mean(mt::square(conv(batch)));
+      loss.backward();
+      opt.step();
+      return loss;
+    };
+    std::vector<double> losses;
+    if (compiled) {
+      auto fast = mt::compile(step);
+      for (int i = 0; i < 4; ++i) losses.push_back(fast(x).item());
+      EXPECT_GE(fast.stats().replays, 1);
+    } else {
+      for (int i = 0; i < 4; ++i) losses.push_back(step(x).item());
+    }
+    return losses;
+  };
+  EXPECT_EQ(train(false), train(true));
+}
+
+}  // namespace
