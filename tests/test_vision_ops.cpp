@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <string>
 #include <vector>
 
 #include "mixtape/mixtape.h"
@@ -353,6 +355,34 @@ TEST(Sequential, ChainsItsStepsAndNamesThemByIndex) {
                                  2),
                   1);
   EXPECT_EQ(values(net(x)), values(mt::linear(h, state[2].second, state[3].second)));
+}
+
+TEST(VisionPrecision, NormsRunInF32AndPoolingFollowsItsInputUnderAutocast) {
+  mt::Generator gen(10);
+  mt::Tensor x = mt::randn({4, 4, 6, 6}, mt::f32, &gen);
+  mt::Tensor p = mt::randn({6, 6}, mt::f32, &gen);
+  mt::autocast guard(mt::bf16);
+  mt::Tensor h = mt::matmul(x, p);  // bf16
+  mt::Tensor pooled = mt::max_pool2d(h, 2) + mt::avg_pool2d(h, 2) +
+                      mt::adaptive_avg_pool2d(mt::interpolate(h, {.size = {3, 3}}), {3, 3});
+  mt::Tensor normed =
+      mt::batch_norm(h, {}, {}, {}, {}, true) + mt::group_norm(h, 2) + mt::instance_norm(h);
+  std::map<std::string, int> f32_rows;
+  for (const mt::PrecisionRow& row : mt::precision_report({pooled, normed}).rows) {
+    for (const char* norm : {"batch_norm", "group_norm", "instance_norm"})
+      if (row.rule.find(std::string("inside ") + norm) != std::string::npos) {
+        EXPECT_EQ(row.storage, mt::f32) << row.op << ": " << row.rule;
+        ++f32_rows[norm];
+      }
+    // (A scalar operand is broadcast in its own type; the op reading it follows the bf16 input.)
+    if (row.shape == mt::Shape{4, 4, 3, 3} && !row.backward && row.op != "slice" &&
+        row.op != "broadcast_to") {
+      EXPECT_EQ(row.storage, mt::bf16) << row.op << ": " << row.rule;
+    }
+  }
+  for (const char* norm : {"batch_norm", "group_norm", "instance_norm"})
+    EXPECT_GT(f32_rows[norm], 2) << norm << " is not named in the precision report";
+  EXPECT_EQ(pooled.node()->storage, mt::bf16);
 }
 
 TEST(VisionErrors, BadArgumentsNameTheOpAndTheShapes) {
