@@ -103,6 +103,124 @@ Tensor Dropout::operator()(const Tensor& x, const Loc& loc) const {
   return dropout(x, p, is_training(), gen_, loc);
 }
 
+BatchNorm::BatchNorm(const char* kind, int64_t num_features, double eps,
+                     std::optional<double> momentum, bool affine, bool track_running_stats)
+    : eps(eps), momentum(momentum), kind_(kind) {
+  if (num_features <= 0) fail("{}: num_features must be positive, got {}", kind, num_features);
+  if (momentum && !(*momentum >= 0 && *momentum <= 1))
+    fail("{}: momentum must be in [0, 1], got {}", kind, *momentum);
+  if (affine) {
+    weight = register_parameter("weight", ones({num_features}));
+    bias = register_parameter("bias", zeros({num_features}));
+  }
+  if (track_running_stats) {
+    running_mean = register_buffer("running_mean", zeros({num_features}));
+    running_var = register_buffer("running_var", ones({num_features}));
+    num_batches_tracked = register_buffer("num_batches_tracked", zeros({}, i64));
+  }
+}
+
+Tensor BatchNorm::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  if (!x.defined()) fail("{} '{}': the input is an undefined tensor", kind_, path());
+  check_rank(x);
+  // Without running statistics the batch's are used in eval mode too, as PyTorch's.
+  const bool use_batch = is_training() || !running_mean.defined();
+  return detail::batch_norm_tracked(x, running_mean, running_var, num_batches_tracked, weight, bias,
+                                    use_batch, momentum, eps, loc);
+}
+
+BatchNorm1d::BatchNorm1d(int64_t num_features, double eps, std::optional<double> momentum,
+                         bool affine, bool track_running_stats)
+    : BatchNorm("BatchNorm1d", num_features, eps, momentum, affine, track_running_stats) {}
+
+void BatchNorm1d::check_rank(const Tensor& x) const {
+  if (x.dim() != 2 && x.dim() != 3)
+    fail("BatchNorm1d '{}': needs an [N, C] or [N, C, L] input, got {}", path(),
+         to_string(x.shape()));
+}
+
+BatchNorm2d::BatchNorm2d(int64_t num_features, double eps, std::optional<double> momentum,
+                         bool affine, bool track_running_stats)
+    : BatchNorm("BatchNorm2d", num_features, eps, momentum, affine, track_running_stats) {}
+
+void BatchNorm2d::check_rank(const Tensor& x) const {
+  if (x.dim() != 4)
+    fail("BatchNorm2d '{}': needs an [N, C, H, W] input, got {}", path(), to_string(x.shape()));
+}
+
+GroupNorm::GroupNorm(int64_t num_groups, int64_t num_channels, double eps, bool affine)
+    : num_groups(num_groups), eps(eps) {
+  if (num_groups <= 0 || num_channels <= 0 || num_channels % num_groups != 0)
+    fail("GroupNorm: {} groups do not divide {} channels", num_groups, num_channels);
+  if (affine) {
+    weight = register_parameter("weight", ones({num_channels}));
+    bias = register_parameter("bias", zeros({num_channels}));
+  }
+}
+
+Tensor GroupNorm::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  return group_norm(x, num_groups, weight, bias, eps, loc);
+}
+
+MaxPool2d::MaxPool2d(Size2 kernel, std::optional<Size2> stride, Size2 padding, Size2 dilation,
+                     bool ceil_mode)
+    : kernel(kernel), stride(stride), padding(padding), dilation(dilation), ceil_mode(ceil_mode) {}
+
+Tensor MaxPool2d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  return max_pool2d(x, kernel, stride, padding, dilation, ceil_mode, loc);
+}
+
+AvgPool2d::AvgPool2d(Size2 kernel, std::optional<Size2> stride, Size2 padding, bool ceil_mode,
+                     bool count_include_pad)
+    : kernel(kernel),
+      stride(stride),
+      padding(padding),
+      ceil_mode(ceil_mode),
+      count_include_pad(count_include_pad) {}
+
+Tensor AvgPool2d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  return avg_pool2d(x, kernel, stride, padding, ceil_mode, count_include_pad, loc);
+}
+
+AdaptiveAvgPool2d::AdaptiveAvgPool2d(Size2 output_size) : output_size(output_size) {}
+
+Tensor AdaptiveAvgPool2d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  return adaptive_avg_pool2d(x, output_size, loc);
+}
+
+Dropout2d::Dropout2d(double p, Generator* gen) : p(p), gen_(gen) {
+  if (!(p >= 0 && p <= 1)) fail("Dropout2d: p must be in [0, 1], got {}", p);
+}
+
+Tensor Dropout2d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  return dropout2d(x, p, is_training(), gen_, loc);
+}
+
+Flatten::Flatten(int64_t start_dim, int64_t end_dim) : start_dim(start_dim), end_dim(end_dim) {}
+
+Tensor Flatten::operator()(const Tensor& x, const Loc& loc) const {
+  return flatten(x, start_dim, end_dim, loc);
+}
+
+Sequential& Sequential::append(Step step) {
+  if (!step) fail("Sequential '{}': an empty step at index {}", path(), steps_.size());
+  steps_.push_back(std::move(step));
+  return *this;
+}
+
+Tensor Sequential::operator()(const Tensor& x, const Loc& loc) const {
+  CallSiteScope site(loc);
+  Tensor y = x;
+  for (const Step& step : steps_) y = step(y);
+  return y;
+}
+
 Tensor activate(Activation activation, const Tensor& x) {
   switch (activation) {
     case Activation::Relu:

@@ -4,8 +4,11 @@
 
 #include <string>
 
+#include <functional>
+
 #include "dsl/functional.h"
 #include "dsl/module.h"
+#include "dsl/vision.h"
 
 namespace mixtape {
 
@@ -61,6 +64,137 @@ class Dropout : public Module {
 
  private:
   Generator* gen_;
+};
+
+/// Batch normalization over channel 1, as torch.nn.BatchNorm1d/2d with their names (weight,
+/// bias parameters; running_mean, running_var, num_batches_tracked buffers, so that a torchvision
+/// state_dict loads). Training normalizes with the batch's statistics and updates the buffers
+/// inside the step's graph; eval uses the running statistics. momentum nullopt is the cumulative
+/// average. The buffers stay f32 under every policy.
+class BatchNorm : public Module {
+ public:
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  Tensor weight, bias;                                    // undefined without affine
+  Tensor running_mean, running_var, num_batches_tracked;  // undefined without tracking
+  double eps;
+  std::optional<double> momentum;
+
+ protected:
+  BatchNorm(const char* kind, int64_t num_features, double eps, std::optional<double> momentum,
+            bool affine, bool track_running_stats);
+
+ private:
+  virtual void check_rank(const Tensor& x) const = 0;
+  const char* kind_;
+};
+
+/// Over [N, C] or [N, C, L].
+class BatchNorm1d : public BatchNorm {
+ public:
+  explicit BatchNorm1d(int64_t num_features, double eps = 1e-5,
+                       std::optional<double> momentum = 0.1, bool affine = true,
+                       bool track_running_stats = true);
+
+ private:
+  void check_rank(const Tensor& x) const override;
+};
+
+/// Over [N, C, H, W].
+class BatchNorm2d : public BatchNorm {
+ public:
+  explicit BatchNorm2d(int64_t num_features, double eps = 1e-5,
+                       std::optional<double> momentum = 0.1, bool affine = true,
+                       bool track_running_stats = true);
+
+ private:
+  void check_rank(const Tensor& x) const override;
+};
+
+class GroupNorm : public Module {
+ public:
+  GroupNorm(int64_t num_groups, int64_t num_channels, double eps = 1e-5, bool affine = true);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  Tensor weight, bias;
+  int64_t num_groups;
+  double eps;
+};
+
+class MaxPool2d : public Module {
+ public:
+  explicit MaxPool2d(Size2 kernel, std::optional<Size2> stride = std::nullopt, Size2 padding = 0,
+                     Size2 dilation = 1, bool ceil_mode = false);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  Size2 kernel;
+  std::optional<Size2> stride;
+  Size2 padding, dilation;
+  bool ceil_mode;
+};
+
+class AvgPool2d : public Module {
+ public:
+  explicit AvgPool2d(Size2 kernel, std::optional<Size2> stride = std::nullopt, Size2 padding = 0,
+                     bool ceil_mode = false, bool count_include_pad = true);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  Size2 kernel;
+  std::optional<Size2> stride;
+  Size2 padding;
+  bool ceil_mode, count_include_pad;
+};
+
+class AdaptiveAvgPool2d : public Module {
+ public:
+  explicit AdaptiveAvgPool2d(Size2 output_size);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  Size2 output_size;
+};
+
+/// Zeroes whole channels when training (torch.nn.Dropout2d).
+class Dropout2d : public Module {
+ public:
+  explicit Dropout2d(double p = 0.5, Generator* gen = nullptr);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  double p;
+
+ private:
+  Generator* gen_;
+};
+
+/// Flattens axes start_dim..end_dim into one (torch.nn.Flatten: from axis 1 by default).
+class Flatten : public Module {
+ public:
+  explicit Flatten(int64_t start_dim = 1, int64_t end_dim = -1);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  int64_t start_dim, end_dim;
+};
+
+/// Modules (and parameterless steps such as relu) applied in order, as torch.nn.Sequential.
+/// Each entry takes the next index, "0", "1", ..., as its name, so the parameters of a module
+/// at index 3 are "3.weight" whether or not earlier entries have any (torchvision's layout).
+class Sequential : public Module {
+ public:
+  using Step = std::function<Tensor(const Tensor&)>;
+  Sequential() = default;
+  /// Makes and owns an M (anything with operator()(const Tensor&)) at the next index.
+  template <typename M, typename... Args>
+  M& emplace_back(Args&&... args) {
+    return push_back(std::make_unique<M>(std::forward<Args>(args)...));
+  }
+  template <typename M>
+  M& push_back(std::unique_ptr<M> module) {
+    M& m = *module;
+    register_module(std::to_string(steps_.size()), m);
+    steps_.push_back([&m](const Tensor& x) { return m(x); });
+    owned_.push_back(std::move(module));
+    return m;
+  }
+  /// A step without parameters (an activation): takes an index but registers nothing.
+  Sequential& append(Step step);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  size_t size() const { return steps_.size(); }
+
+ private:
+  std::vector<Step> steps_;
+  std::vector<std::unique_ptr<Module>> owned_;
 };
 
 enum class Activation { Relu, Gelu, GeluTanh, Silu, Tanh };

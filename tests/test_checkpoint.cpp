@@ -145,6 +145,27 @@ Training transformer_run(uint64_t seed) {
   return run;
 }
 
+// A batch-normed MLP: its running statistics and batch count are buffers the checkpoint carries.
+Training batch_norm_run(uint64_t seed) {
+  auto gen = std::make_shared<mt::Generator>(seed);
+  auto net = std::make_unique<mt::Sequential>();
+  net->emplace_back<mt::Linear>(4, 6, true, gen.get());
+  net->emplace_back<mt::BatchNorm1d>(6);
+  net->append([](const mt::Tensor& x) { return mt::relu(x); });
+  net->emplace_back<mt::Linear>(6, 3, true, gen.get());
+  mt::Sequential* model = net.get();
+  Training run;
+  run.opt = std::make_unique<mt::AdamW>(net->parameters(), mt::AdamOptions{.lr = 0.05});
+  run.model = std::move(net);
+  run.loss = [model](int i) {
+    mt::Generator data(3000 + static_cast<uint64_t>(i));
+    mt::Tensor x = mt::randn({5, 4}, mt::f32, &data) + 0.5;
+    std::vector<int64_t> labels{i % 3, (i + 1) % 3, 2, 0, 1};
+    return mt::cross_entropy((*model)(x), mt::tensor(labels, {5}));
+  };
+  return run;
+}
+
 void check_resume(const std::function<Training(uint64_t)>& make, const std::string& file) {
   Training original = make(1);
   original.train(0, 3);
@@ -183,6 +204,18 @@ TEST_F(Checkpoint, MlpResumesBitIdentically) { check_resume(mlp_run, path("mlp.s
 
 TEST_F(Checkpoint, TransformerBlockResumesBitIdentically) {
   check_resume(transformer_run, path("block.safetensors"));
+}
+
+TEST_F(Checkpoint, BatchNormBuffersResumeBitIdentically) {
+  // The running statistics are saved and restored with the parameters (check_resume compares
+  // the whole state_dict), and they are not parameters: no optimizer state is kept for them.
+  Training run = batch_norm_run(1);
+  std::vector<std::string> buffers;
+  for (const auto& [name, t] : run.model->named_buffers()) buffers.push_back(name);
+  EXPECT_EQ(buffers,
+            (std::vector<std::string>{"1.running_mean", "1.running_var", "1.num_batches_tracked"}));
+  EXPECT_EQ(run.model->parameters().size(), 6u);
+  check_resume(batch_norm_run, path("batch_norm.safetensors"));
 }
 
 TEST_F(Checkpoint, OptimizerStateIsSavedUnderParameterPaths) {

@@ -621,6 +621,62 @@ TEST(Compile, BuffersAssignedInsideTheStepReplayLikeOptimizerState) {
   }
 }
 
+// A BatchNorm2d updates its running statistics and batch count inside the step's graph: each
+// replay updates them exactly as tracing the loop every step does.
+TEST(Compile, BatchNormRunningStatisticsUpdateOnEveryReplay) {
+  struct Run {
+    mt::Generator gen{23};
+    mt::Sequential net;
+    mt::BatchNorm2d* bn;
+    std::unique_ptr<mt::SGD> opt;
+    Run() {
+      bn = &net.emplace_back<mt::BatchNorm2d>(3);
+      net.append([](const mt::Tensor& x) { return mt::relu(x); });
+      net.emplace_back<mt::MaxPool2d>(2);
+      net.emplace_back<mt::Flatten>();
+      net.emplace_back<mt::Linear>(12, 2, true, &gen);
+      opt =
+          std::make_unique<mt::SGD>(net.parameters(), mt::SGDOptions{.lr = 0.05, .momentum = 0.9});
+    }
+    mt::Tensor step(const mt::Tensor& x, const mt::Tensor& y) {
+      opt->zero_grad();
+      mt::Tensor loss = mt::mse_loss(net(x), y);
+      loss.backward();
+      opt->step();
+      return loss;
+    }
+  };
+  Run plain_run, compiled_run;
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& y) { return compiled_run.step(x, y); });
+  mt::Generator data(4);
+  mt::Tensor target = mt::randn({6, 2}, mt::f32, &data);
+  std::vector<uint32_t> plain, compiled;
+  std::vector<std::vector<uint32_t>> plain_means;
+  for (int i = 0; i < 10; ++i) {
+    mt::Tensor x = mt::randn({6, 3, 4, 4}, mt::f32, &data) * (1.0 + 0.2 * i) + 0.1 * i;
+    mt::eval({x});
+    plain.push_back(bits(plain_run.step(x, target))[0]);
+    compiled.push_back(bits(step(x, target))[0]);
+    // The statistics move every step (the batches differ), in both runs alike.
+    EXPECT_EQ(bits(plain_run.bn->running_mean), bits(compiled_run.bn->running_mean)) << i;
+    EXPECT_EQ(bits(plain_run.bn->running_var), bits(compiled_run.bn->running_var)) << i;
+    plain_means.push_back(bits(plain_run.bn->running_mean));
+  }
+  EXPECT_EQ(plain, compiled);
+  EXPECT_NE(plain_means[8], plain_means[9]);
+  for (const auto& [name, value] : plain_run.net.state_dict()) {
+    mt::Tensor other;
+    for (const auto& [n, v] : compiled_run.net.state_dict())
+      if (n == name) other = v;
+    EXPECT_EQ(bits(value), bits(other)) << name;
+  }
+  EXPECT_EQ(compiled_run.bn->num_batches_tracked.item(), 10);
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 7) << step.stats().reason;
+  }
+}
+
 // A result fed back as the next call's argument (a recurrent state) is an argument like any
 // other; an exception inside the function reaches the caller and leaves it usable.
 TEST(Compile, ResultsFedBackAsArgumentsAndErrorsPassThrough) {

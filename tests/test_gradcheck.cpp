@@ -702,6 +702,41 @@ const std::vector<Sample>& composite_samples() {
     add_c("pad_replicate", {{{2, 3, 4}}}, [](const Tensors& x) {
       return mt::pad(x[0], {2, 1, 0, 3}, mt::PadMode::Replicate);
     });
+    // Vision (dsl/vision.h). Grid inputs keep max_pool2d's windows free of ties.
+    add_c("max_pool2d_pad_ceil", {{{1, 2, 5, 5}, Dist::Grid}},
+          [](const Tensors& x) { return mt::max_pool2d(x[0], 3, 2, 1, 1, true); });
+    add_c("max_pool2d_dilated_rect", {{{1, 1, 5, 6}, Dist::Grid}}, [](const Tensors& x) {
+      return mt::max_pool2d(x[0], {2, 3}, {{1, 2}}, {1, 0}, 2);
+    });
+    add_c("avg_pool2d_pad_ceil_exclude_pad", {{{1, 2, 5, 6}}},
+          [](const Tensors& x) { return mt::avg_pool2d(x[0], 3, 2, 1, true, false); });
+    add_c("adaptive_avg_pool2d", {{{1, 2, 5, 7}}}, [](const Tensors& x) {
+      return mt::adaptive_avg_pool2d(x[0], {3, 2});
+    });
+    add_c("batch_norm_training", {{{3, 2, 2, 2}}, {{2}}, {{2}}}, [](const Tensors& x) {
+      // Fresh running buffers per call: training assigns them.
+      return mt::batch_norm(x[0], mt::zeros({2}, mt::f64), mt::ones({2}, mt::f64), x[1], x[2], true,
+                            0.1, 1e-3);
+    });
+    add_c("batch_norm_eval", {{{3, 2, 4}}, {{2}}, {{2}}}, [](const Tensors& x) {
+      mt::Tensor mean = mt::tensor(std::vector<double>{0.3, -0.2}, {2});
+      mt::Tensor var = mt::tensor(std::vector<double>{0.5, 2.0}, {2});
+      return mt::batch_norm(x[0], mean, var, x[1], x[2], false);
+    });
+    add_c("group_norm", {{{2, 4, 3}}, {{4}}, {{4}}},
+          [](const Tensors& x) { return mt::group_norm(x[0], 2, x[1], x[2], 1e-3); });
+    add_c("instance_norm", {{{2, 3, 4}}}, [](const Tensors& x) { return mt::instance_norm(x[0]); });
+    add_c("interpolate_bilinear", {{{1, 2, 3, 4}}}, [](const Tensors& x) {
+      return mt::interpolate(x[0], {.size = {5, 7}, .mode = mt::InterpolateMode::Bilinear});
+    });
+    add_c("interpolate_bilinear_align_corners", {{{1, 1, 3, 3}}}, [](const Tensors& x) {
+      return mt::interpolate(
+          x[0],
+          {.scale_factor = {1.5}, .mode = mt::InterpolateMode::Bilinear, .align_corners = true});
+    });
+    add_c("interpolate_nearest", {{{1, 2, 3, 4}}}, [](const Tensors& x) {
+      return mt::interpolate(x[0], {.size = {5, 3}});
+    });
     add_c("split_weighted", {{{2, 5}}}, [](const Tensors& x) {
       std::vector<mt::Tensor> parts = mt::split(x[0], 2, 1);
       return mt::concat({parts[2] * 3.0, parts[0], parts[1] * parts[1]}, 1);

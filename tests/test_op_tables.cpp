@@ -225,6 +225,7 @@ TEST(CompositeTable, EveryCompositeNamesItsNodes) {
   mt::Tensor x = mt::randn({2, 3, 4}), w = mt::randn({5, 4}), b = mt::randn({5});
   mt::Tensor norm_weight = mt::ones({4}), norm_bias = mt::zeros({4});
   mt::Tensor labels = mt::zeros({2, 3}, mt::i64);
+  mt::Tensor image = mt::randn({2, 3, 4, 4});
   mt::Generator gen(1);
   const std::map<std::string, std::function<mt::Tensor()>> builders = {
       {"softmax", [&] { return mt::softmax(x); }},
@@ -275,6 +276,19 @@ TEST(CompositeTable, EveryCompositeNamesItsNodes) {
       {"causal_mask", [&] { return mt::causal_mask(3); }},
       {"scaled_dot_product_attention",
        [&] { return mt::scaled_dot_product_attention(x, x, x, true); }},
+      {"batch_norm", [&] { return mt::batch_norm(image, {}, {}, {}, {}, true); }},
+      {"group_norm", [&] { return mt::group_norm(image, 1); }},
+      {"instance_norm", [&] { return mt::instance_norm(image); }},
+      {"max_pool2d", [&] { return mt::max_pool2d(image, 2); }},
+      {"avg_pool2d", [&] { return mt::avg_pool2d(image, 2); }},
+      {"adaptive_avg_pool2d",
+       [&] {
+         return mt::adaptive_avg_pool2d(image, {2, 1});
+       }},
+      {"interpolate",
+       [&] {
+         return mt::interpolate(image, {.size = {5, 6}});
+       }},
   };
   EXPECT_EQ(mt::composite::names().size(), builders.size());
   for (const char* name : mt::composite::names()) {

@@ -239,8 +239,47 @@ def run_op(d, m, _):
     (y * d['w']).sum().backward()
     return {'y': y, 'grad.x': x.grad, **{'grad.' + k: t.grad for k, t in extra.items()}}
 
+def run_vision(d, m, _):
+    x = d['x'].clone().requires_grad_(True)
+    extra = {k: d[k].clone().requires_grad_(True) for k in ('weight', 'bias') if k in d}
+    stats = {k: d[k].clone() for k in ('running_mean', 'running_var') if k in d}
+    ints = lambda k: [int(v) for v in m[k].split(',')]
+    flag = lambda k: m.get(k) == '1'
+    op, ac = m['op'], flag('autocast')
+    # Under autocast the op reads a bf16 matmul output in both libraries.
+    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=ac):
+        h = x @ d['p'] if ac else x
+        if op == 'max_pool2d_relu':
+            y = F.max_pool2d(F.relu(h), int(m['k']), int(m['s']), int(m['pad']),
+                             ceil_mode=flag('ceil'))
+        elif op == 'avg_pool2d':
+            y = F.avg_pool2d(h, int(m['k']), int(m['s']), int(m['pad']), ceil_mode=flag('ceil'),
+                             count_include_pad=flag('include_pad'))
+        elif op == 'adaptive_avg_pool2d':
+            y = F.adaptive_avg_pool2d(h, ints('size'))
+        # mixtape computes the norms in f32 under every policy (its Fp32 category): so does this
+        # side, from the same bf16 input.
+        elif op == 'batch_norm':
+            y = F.batch_norm(h.float(), stats.get('running_mean'), stats.get('running_var'),
+                             extra.get('weight'), extra.get('bias'), training=flag('training'),
+                             momentum=float(m['momentum']), eps=float(m['eps']))
+        elif op == 'group_norm':
+            y = F.group_norm(h.float(), int(m['groups']), extra.get('weight'), extra.get('bias'),
+                             float(m['eps']))
+        elif op == 'interpolate':
+            y = F.interpolate(h, size=ints('size'), mode=m['mode'],
+                              align_corners=flag('align_corners') if m['mode'] == 'bilinear' else None)
+        elif op == 'pad':
+            y = F.pad(h, ints('pads'), mode=m['mode'])
+        else:
+            raise ValueError('unknown vision op ' + op)
+        (y.float() * d['w']).sum().backward()
+    return {'y': y.float(), 'grad.x': x.grad, **{'grad.' + k: t.grad for k, t in extra.items()},
+            **stats}
+
 HANDLERS = {'mlp': run_mlp, 'block': run_block, 'optim': run_optim, 'clip': run_clip,
-            'cross_entropy': run_cross_entropy, 'op': run_op}
+            'cross_entropy': run_cross_entropy, 'op': run_op,
+            'vision': run_vision}
 
 folder = sys.argv[1]
 cases = sorted(f[:-len('.in.safetensors')] for f in os.listdir(folder)
@@ -510,6 +549,130 @@ mt::Shape op_output_shape(const OpCase& c) {
   return shape;
 }
 
+// A vision op (dsl/vision.h) in f32, and under bf16 autocast on a bf16 matmul's output
+// (h = x @ p in both libraries; torch's CPU autocast lists leave pooling and interpolation in the
+// input's type as mixtape's Follow does).
+struct VisionCase {
+  std::string name, op;
+  mt::Shape shape;
+  std::map<std::string, std::string> options;
+  bool weight = false, bias = false, running = false;
+  bool autocast = false;
+};
+std::vector<VisionCase> vision_cases() {
+  std::vector<VisionCase> base{
+      {"max_pool2d_relu_k3s2p1",
+       "max_pool2d_relu",
+       {2, 3, 7, 6},
+       {{"k", "3"}, {"s", "2"}, {"pad", "1"}, {"ceil", "0"}}},
+      {"max_pool2d_relu_k2_ceil",
+       "max_pool2d_relu",
+       {2, 3, 7, 7},
+       {{"k", "2"}, {"s", "2"}, {"pad", "0"}, {"ceil", "1"}}},
+      {"avg_pool2d_ceil_exclude_pad",
+       "avg_pool2d",
+       {2, 3, 7, 6},
+       {{"k", "3"}, {"s", "2"}, {"pad", "1"}, {"ceil", "1"}, {"include_pad", "0"}}},
+      {"avg_pool2d_include_pad",
+       "avg_pool2d",
+       {2, 3, 7, 6},
+       {{"k", "3"}, {"s", "2"}, {"pad", "1"}, {"ceil", "0"}, {"include_pad", "1"}}},
+      {"adaptive_avg_pool2d_3x4", "adaptive_avg_pool2d", {2, 3, 7, 6}, {{"size", "3,4"}}},
+      {"adaptive_avg_pool2d_1x1", "adaptive_avg_pool2d", {2, 3, 7, 6}, {{"size", "1,1"}}},
+      {"batch_norm_train_2d",
+       "batch_norm",
+       {4, 3, 5, 6},
+       {{"training", "1"}, {"momentum", "0.1"}, {"eps", "1e-05"}},
+       true,
+       true,
+       true},
+      {"batch_norm_train_1d",
+       "batch_norm",
+       {8, 6},
+       {{"training", "1"}, {"momentum", "0.3"}, {"eps", "0.001"}},
+       true,
+       true,
+       true},
+      {"batch_norm_eval",
+       "batch_norm",
+       {4, 3, 5, 6},
+       {{"training", "0"}, {"momentum", "0.1"}, {"eps", "1e-05"}},
+       true,
+       true,
+       true},
+      {"group_norm", "group_norm", {2, 6, 4, 5}, {{"groups", "3"}, {"eps", "1e-05"}}, true, true},
+      {"interpolate_nearest", "interpolate", {2, 3, 5, 6}, {{"size", "9,11"}, {"mode", "nearest"}}},
+      {"interpolate_bilinear",
+       "interpolate",
+       {2, 3, 5, 6},
+       {{"size", "9,11"}, {"mode", "bilinear"}, {"align_corners", "0"}}},
+      {"interpolate_bilinear_corners_down",
+       "interpolate",
+       {2, 3, 5, 6},
+       {{"size", "4,3"}, {"mode", "bilinear"}, {"align_corners", "1"}}},
+      {"pad_reflect", "pad", {2, 3, 5, 6}, {{"pads", "2,1,1,3"}, {"mode", "reflect"}}},
+      {"pad_replicate", "pad", {2, 3, 5, 6}, {{"pads", "1,2,3,0"}, {"mode", "replicate"}}},
+  };
+  std::vector<VisionCase> cases;
+  for (const VisionCase& c : base) {
+    cases.push_back(c);
+    VisionCase half = c;
+    half.name += "_bf16";
+    half.autocast = true;
+    cases.push_back(half);
+  }
+  return cases;
+}
+
+std::vector<int64_t> int_list(const std::string& text) {
+  std::vector<int64_t> out;
+  std::stringstream list(text);
+  for (std::string item; std::getline(list, item, ',');) out.push_back(std::stoll(item));
+  return out;
+}
+
+mt::Tensor apply_vision(const VisionCase& c, const mt::Tensor& h, const mt::Tensor& weight,
+                        const mt::Tensor& bias, const mt::Tensor& running_mean,
+                        const mt::Tensor& running_var) {
+  auto number = [&](const char* key) { return std::stod(c.options.at(key)); };
+  auto integer = [&](const char* key) { return std::stoll(c.options.at(key)); };
+  auto flag = [&](const char* key) { return c.options.count(key) && c.options.at(key) == "1"; };
+  if (c.op == "max_pool2d_relu")
+    return mt::max_pool2d(mt::relu(h), integer("k"), integer("s"), integer("pad"), 1, flag("ceil"));
+  if (c.op == "avg_pool2d")
+    return mt::avg_pool2d(h, integer("k"), integer("s"), integer("pad"), flag("ceil"),
+                          flag("include_pad"));
+  if (c.op == "adaptive_avg_pool2d") {
+    std::vector<int64_t> size = int_list(c.options.at("size"));
+    return mt::adaptive_avg_pool2d(h, {size[0], size[1]});
+  }
+  if (c.op == "batch_norm")
+    return mt::batch_norm(h, running_mean, running_var, weight, bias, flag("training"),
+                          number("momentum"), number("eps"));
+  if (c.op == "group_norm")
+    return mt::group_norm(h, integer("groups"), weight, bias, number("eps"));
+  if (c.op == "interpolate")
+    return mt::interpolate(
+        h, {.size = int_list(c.options.at("size")),
+            .mode = c.options.at("mode") == "bilinear" ? mt::InterpolateMode::Bilinear
+                                                       : mt::InterpolateMode::Nearest,
+            .align_corners = flag("align_corners")});
+  if (c.op == "pad")
+    return mt::pad(
+        h, int_list(c.options.at("pads")),
+        c.options.at("mode") == "reflect" ? mt::PadMode::Reflect : mt::PadMode::Replicate);
+  throw std::runtime_error("unknown vision op " + c.op);
+}
+
+// The case's forward: under autocast on x @ p, a bf16 matmul output.
+mt::Tensor vision_forward(const VisionCase& c, const mt::Tensor& x, const mt::Tensor& p,
+                          const mt::Tensor& weight, const mt::Tensor& bias,
+                          const mt::Tensor& running_mean, const mt::Tensor& running_var) {
+  if (!c.autocast) return apply_vision(c, x, weight, bias, running_mean, running_var);
+  mt::autocast guard(mt::bf16);
+  return apply_vision(c, mt::matmul(x, p), weight, bias, running_mean, running_var);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Writing inputs.
 
@@ -629,6 +792,30 @@ void write_inputs(const fs::path& dir) {
     mt::Metadata meta{{"kind", "op"}, {"op", c.op}};
     for (const auto& [key, value] : c.options) meta.emplace_back(key, value);
     write_case(dir, "op_" + c.name, meta, data);
+  }
+  for (const VisionCase& c : vision_cases()) {
+    // Shifted down for the max pools, so that after the ReLU many windows are all zeros (ties).
+    mt::Tensor x = rng.normal(c.shape, 1.5) - (c.op == "max_pool2d_relu" ? 1.0 : 0.0);
+    const int64_t channels = c.shape[1], width = c.shape.back();
+    mt::NamedTensors data{{"x", x}, {"p", rng.normal({width, width}, 0.4)}};
+    if (c.weight) data.emplace_back("weight", rng.normal({channels}, 0.5) + 1.0);
+    if (c.bias) data.emplace_back("bias", rng.normal({channels}, 0.5));
+    if (c.running) {
+      data.emplace_back("running_mean", rng.normal({channels}, 0.5));
+      data.emplace_back("running_var", mt::abs(rng.normal({channels}, 0.5)) + 0.5);
+    }
+    mt::Tensor no;
+    mt::Shape out;
+    {
+      mt::NoGradGuard no_grad;
+      mt::Tensor rm = c.running ? mt::zeros({channels}) : no;
+      mt::Tensor rv = c.running ? mt::ones({channels}) : no;
+      out = vision_forward(c, x, data[1].second, no, no, rm, rv).shape();
+    }
+    data.emplace_back("w", rng.normal(out));
+    mt::Metadata meta{{"kind", "vision"}, {"op", c.op}, {"autocast", c.autocast ? "1" : "0"}};
+    for (const auto& [key, value] : c.options) meta.emplace_back(key, value);
+    write_case(dir, "vision_" + c.name, meta, data);
   }
 }
 
@@ -973,6 +1160,41 @@ TEST_F(TorchParity, CompositeOpsMatchTorch) {
     cmp.check("grad x", x.grad(), c.ref("grad.x"));
     if (op.weight) cmp.check("grad weight", weight.grad(), c.ref("grad.weight"));
     if (op.bias) cmp.check("grad bias", bias.grad(), c.ref("grad.bias"));
+  }
+}
+
+// Vision ops against torch.nn.functional, forward and backward (and the running statistics a
+// training batch_norm leaves): f32 to 1e-5, under bf16 autocast to the bf16 tolerance.
+TEST_F(TorchParity, VisionOpsMatchTorch) {
+  constexpr double kBf16Tolerance = 2e-2;  // test_precision's, for one bf16 rounding
+  for (const VisionCase& vc : vision_cases()) {
+    std::string id = "vision_" + vc.name;
+    SCOPED_TRACE(id);
+    Case c = open_case(id);
+    mt::Tensor x = c.input("x"), weight, bias, running_mean, running_var;
+    x.requires_grad_();
+    if (vc.weight) (weight = c.input("weight")).requires_grad_();
+    if (vc.bias) (bias = c.input("bias")).requires_grad_();
+    if (vc.running) {
+      running_mean = c.input("running_mean") * 1.0;  // copies: the op assigns them
+      running_var = c.input("running_var") * 1.0;
+      mt::eval({running_mean, running_var});
+    }
+    mt::Tensor y = vision_forward(vc, x, c.input("p"), weight, bias, running_mean, running_var);
+    {
+      mt::autocast guard(vc.autocast ? mt::autocast_policy(mt::bf16) : mt::fp32_policy());
+      mt::sum(mt::cast(y, mt::f32) * c.input("w")).backward();
+    }
+    const double tolerance = vc.autocast ? kBf16Tolerance : kGradTolerance;
+    Comparison cmp(id);
+    cmp.check("value", mt::cast(y, mt::f32), c.ref("y"), tolerance);
+    cmp.check("grad x", x.grad(), c.ref("grad.x"), tolerance);
+    if (vc.weight) cmp.check("grad weight", weight.grad(), c.ref("grad.weight"), tolerance);
+    if (vc.bias) cmp.check("grad bias", bias.grad(), c.ref("grad.bias"), tolerance);
+    if (vc.running) {
+      cmp.check("running_mean", running_mean, c.ref("running_mean"), tolerance);
+      cmp.check("running_var", running_var, c.ref("running_var"), tolerance);
+    }
   }
 }
 

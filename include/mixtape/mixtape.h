@@ -15,6 +15,7 @@
 #include "dsl/ops.h"
 #include "dsl/optim.h"
 #include "dsl/tensor.h"
+#include "dsl/vision.h"
 #include "jit/aot_export.h"
 #include "precision_policy/grad_health.h"
 #include "precision_policy/grad_scaler.h"

@@ -1,0 +1,452 @@
+// dsl/vision.cpp -- pooling, batch/group/instance norm, interpolate and dropout2d as composites
+// over strided slices, pointwise ops and reductions, so that they fuse into the kernels around
+// them and get gradients and precision from the primitives.
+#include "dsl/vision.h"
+
+#include <cmath>
+#include <limits>
+
+#include "dsl/composites.h"
+
+namespace mixtape {
+namespace {
+
+void require_float(const Tensor& t, const char* op, const char* role, const Loc& loc) {
+  if (!t.defined()) op_fail(op, loc, "the {} is an undefined tensor", role);
+  if (!is_floating(t.dtype()))
+    op_fail(op, loc, "the {} must be floating-point, got {}", role, name(t.dtype()));
+}
+
+int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
+
+// One spatial axis of a pooling window: sizes as given and the output size they make.
+struct PoolAxis {
+  int64_t in, kernel, stride, pad, dilation, out;
+  // The padded extent the windows read: left pad, then the input, then `right` more (negative
+  // where the last windows end before the input does).
+  int64_t right() const { return (out - 1) * stride + dilation * (kernel - 1) + 1 - in - pad; }
+};
+
+// PyTorch's pooling_output_shape, with its checks reported as `op`'s.
+PoolAxis pool_axis(const char* op, const Loc& loc, const Shape& shape, const char* axis, int64_t in,
+                   int64_t kernel, int64_t stride, int64_t pad, int64_t dilation, bool ceil_mode,
+                   bool half_dilated_kernel) {
+  if (kernel <= 0 || stride <= 0 || dilation <= 0)
+    op_fail(op, loc, "kernel {}, stride {} and dilation {} of the {} axis must be positive", kernel,
+            stride, dilation, axis);
+  if (pad < 0) op_fail(op, loc, "padding {} of the {} axis is negative", pad, axis);
+  const int64_t effective = half_dilated_kernel ? (kernel - 1) * dilation + 1 : kernel;
+  if (pad > effective / 2)
+    op_fail(op, loc, "padding {} of the {} axis is more than half the kernel {}", pad, axis,
+            effective);
+  const int64_t span = in + 2 * pad - dilation * (kernel - 1) - 1;
+  if (span < 0)
+    op_fail(op, loc,
+            "the kernel {} (dilation {}) is larger than the {} axis of input {} padded "
+            "by {}",
+            kernel, dilation, axis, to_string(shape), pad);
+  int64_t out = floor_div(span + (ceil_mode ? stride - 1 : 0), stride) + 1;
+  // A last window that would start in the right padding is dropped.
+  if (ceil_mode && (out - 1) * stride >= in + pad) --out;
+  return {in, kernel, stride, pad, dilation, out};
+}
+
+struct Pool {
+  PoolAxis h, w;
+};
+
+// The NCHW input's window geometry; a CHW input is checked as such.
+Pool pool_geometry(const char* op, const Loc& loc, const Tensor& x, Size2 kernel,
+                   std::optional<Size2> stride, Size2 padding, Size2 dilation, bool ceil_mode,
+                   bool half_dilated_kernel) {
+  require_float(x, op, "input", loc);
+  if (x.dim() != 3 && x.dim() != 4)
+    op_fail(op, loc, "needs an NCHW or CHW input, got {}", to_string(x.shape()));
+  Size2 s = stride.value_or(kernel);
+  return {pool_axis(op, loc, x.shape(), "height", x.size(-2), kernel.h, s.h, padding.h, dilation.h,
+                    ceil_mode, half_dilated_kernel),
+          pool_axis(op, loc, x.shape(), "width", x.size(-1), kernel.w, s.w, padding.w, dilation.w,
+                    ceil_mode, half_dilated_kernel)};
+}
+
+// x padded with `value` to the extent the windows read (cropped where they read less).
+Tensor pad_for_windows(const Tensor& x, const Pool& p, double value) {
+  if (p.h.pad == 0 && p.w.pad == 0 && p.h.right() == 0 && p.w.right() == 0) return x;
+  return pad(x, {p.w.pad, p.w.right(), p.h.pad, p.h.right()}, PadMode::Constant, value);
+}
+
+// The inverse of pad_for_windows for a gradient: drops the padding, zero where it cropped.
+Tensor unpad_windows(const Tensor& g, const Pool& p) {
+  if (p.h.pad == 0 && p.w.pad == 0 && p.h.right() == 0 && p.w.right() == 0) return g;
+  return pad(g, {-p.w.pad, -p.w.right(), -p.h.pad, -p.h.right()});
+}
+
+// The (i, j)-th element of every window of the padded input: a strided view [..., oh, ow].
+struct WindowElement {
+  std::vector<int64_t> starts, steps;
+  Shape shape;
+};
+WindowElement window_element(const Tensor& padded, const Pool& p, int64_t i, int64_t j) {
+  const auto lead = static_cast<size_t>(padded.dim() - 2);
+  WindowElement e{std::vector<int64_t>(lead, 0), std::vector<int64_t>(lead, 1),
+                  Shape(padded.shape().begin(), padded.shape().end() - 2)};
+  e.starts.insert(e.starts.end(), {i * p.h.dilation, j * p.w.dilation});
+  e.steps.insert(e.steps.end(), {p.h.stride, p.w.stride});
+  e.shape.insert(e.shape.end(), {p.h.out, p.w.out});
+  return e;
+}
+Tensor window_slice(const Tensor& padded, const WindowElement& e) {
+  return slice(padded, e.starts, e.steps, e.shape);
+}
+
+// The windows' maxima, folded over the window's elements in row-major order.
+Tensor max_windows(const Tensor& x, const Pool& p) {
+  Tensor padded = pad_for_windows(x, p, -std::numeric_limits<double>::infinity());
+  Tensor y;
+  for (int64_t i = 0; i < p.h.kernel; ++i)
+    for (int64_t j = 0; j < p.w.kernel; ++j) {
+      Tensor element = window_slice(padded, window_element(padded, p, i, j));
+      y = y.defined() ? maximum(y, element) : element;
+    }
+  return y;
+}
+
+// max_pool2d's gradient: each window's gradient goes to its first maximum (a NaN counts as the
+// maximum it made), as PyTorch's index-based backward does; Maximum's vjp would split ties.
+Tensor max_windows_backward(const Tensor& x, const Pool& p, const Tensor& y, const Tensor& g) {
+  Tensor padded = pad_for_windows(x, p, -std::numeric_limits<double>::infinity());
+  Tensor taken, grad;
+  const Tensor zero = zeros_like(g);
+  for (int64_t i = 0; i < p.h.kernel; ++i)
+    for (int64_t j = 0; j < p.w.kernel; ++j) {
+      WindowElement e = window_element(padded, p, i, j);
+      Tensor element = window_slice(padded, e);
+      Tensor hit = logical_or(eq(element, y), isnan(element));
+      Tensor take = taken.defined() ? logical_and(hit, logical_not(taken)) : hit;
+      taken = taken.defined() ? logical_or(taken, hit) : hit;
+      Tensor part = unslice(where(take, g, zero), e.starts, e.steps, padded.shape());
+      grad = grad.defined() ? grad + part : part;
+    }
+  return unpad_windows(grad, p);
+}
+
+// Runs an NCHW op on a CHW input as a batch of one.
+template <typename F>
+Tensor batched(const Tensor& x, F&& f) {
+  if (x.dim() == 4) return f(x);
+  return squeeze(f(unsqueeze(x, 0)), 0);
+}
+
+}  // namespace
+
+Tensor max_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Size2 padding,
+                  Size2 dilation, bool ceil_mode, const Loc& loc) {
+  CallSiteScope site(loc, composite::max_pool2d);
+  const Pool p =
+      pool_geometry("max_pool2d", loc, x, kernel, stride, padding, dilation, ceil_mode, true);
+  auto forward = [p](const std::vector<Tensor>& in) { return max_windows(in[0], p); };
+  if (!grad_enabled() || !x.requires_grad()) return forward({x});
+  return custom_op(
+      {x}, forward,
+      [p](const std::vector<Tensor>& in, const Tensor& y, const Tensor& g) {
+        return std::vector<Tensor>{max_windows_backward(in[0], p, y, g)};
+      },
+      loc);
+}
+
+Tensor avg_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Size2 padding,
+                  bool ceil_mode, bool count_include_pad, const Loc& loc) {
+  CallSiteScope site(loc, composite::avg_pool2d);
+  const Pool p = pool_geometry("avg_pool2d", loc, x, kernel, stride, padding, 1, ceil_mode, false);
+  Tensor padded = pad_for_windows(x, p, 0.0);
+  Tensor total;
+  for (int64_t i = 0; i < p.h.kernel; ++i)
+    for (int64_t j = 0; j < p.w.kernel; ++j) {
+      Tensor element = window_slice(padded, window_element(padded, p, i, j));
+      total = total.defined() ? total + element : element;
+    }
+  // PyTorch's divisor per window: the part inside the padded input (ceil_mode windows can reach
+  // past it), or only the part inside the input without count_include_pad.
+  auto covered = [count_include_pad](const PoolAxis& a, int64_t o) {
+    int64_t start = o * a.stride - a.pad;
+    int64_t end = std::min(start + a.kernel, a.in + a.pad);
+    if (!count_include_pad) return std::min(end, a.in) - std::max<int64_t>(start, 0);
+    return end - start;
+  };
+  std::vector<double> divisors;
+  divisors.reserve(static_cast<size_t>(p.h.out * p.w.out));
+  for (int64_t oh = 0; oh < p.h.out; ++oh)
+    for (int64_t ow = 0; ow < p.w.out; ++ow)
+      divisors.push_back(static_cast<double>(covered(p.h, oh) * covered(p.w, ow)));
+  if (std::all_of(divisors.begin(), divisors.end(), [&](double d) { return d == divisors[0]; }))
+    return total / divisors[0];
+  return total / tensor(divisors, {p.h.out, p.w.out}, x.dtype());
+}
+
+namespace {
+// The mean over each output's window [floor(i in / out), ceil((i + 1) in / out)) of one axis.
+Tensor adaptive_mean(const Tensor& x, int64_t axis, int64_t out) {
+  const int64_t in = x.size(axis);
+  if (in == out) return x;
+  if (in % out == 0) {  // equal windows: one reduction
+    Shape split = x.shape();
+    split[static_cast<size_t>(axis)] = out;
+    split.insert(split.begin() + axis + 1, in / out);
+    return mean(reshape(x, split), {axis + 1});
+  }
+  std::vector<Tensor> parts;
+  for (int64_t i = 0; i < out; ++i) {
+    const int64_t start = i * in / out, end = ((i + 1) * in + out - 1) / out;
+    parts.push_back(mean(slice(x, axis, start, end), {axis}, true));
+  }
+  return concat(parts, axis);
+}
+}  // namespace
+
+Tensor adaptive_avg_pool2d(const Tensor& x, Size2 output_size, const Loc& loc) {
+  CallSiteScope site(loc, composite::adaptive_avg_pool2d);
+  require_float(x, "adaptive_avg_pool2d", "input", loc);
+  if (x.dim() != 3 && x.dim() != 4)
+    op_fail("adaptive_avg_pool2d", loc, "needs an NCHW or CHW input, got {}", to_string(x.shape()));
+  if (output_size.h <= 0 || output_size.w <= 0)
+    op_fail("adaptive_avg_pool2d", loc, "output size ({}, {}) must be positive", output_size.h,
+            output_size.w);
+  if (x.size(-2) == 0 || x.size(-1) == 0)
+    op_fail("adaptive_avg_pool2d", loc, "input {} has an empty spatial axis", to_string(x.shape()));
+  return adaptive_mean(adaptive_mean(x, x.dim() - 2, output_size.h), x.dim() - 1, output_size.w);
+}
+
+namespace {
+
+// The type the norms compute their statistics in: f32, or f64 for an f64 input.
+DType statistics_type(const Tensor& x) { return x.dtype() == f64 ? f64 : f32; }
+
+// [C] as [1, C, 1, ...] of x's rank, in `dtype`.
+Tensor per_channel(const Tensor& v, const Tensor& x, DType dtype) {
+  Shape shape(static_cast<size_t>(x.dim()), 1);
+  shape[1] = x.size(1);
+  return reshape(cast(v, dtype), shape);
+}
+
+void check_channel_vector(const Tensor& v, const Tensor& x, const char* op, const char* role,
+                          const Loc& loc) {
+  if (!v.defined()) return;
+  if (!is_floating(v.dtype()))
+    op_fail(op, loc, "the {} must be floating-point, got {}", role, name(v.dtype()));
+  if (v.shape() != Shape{x.size(1)})
+    op_fail(op, loc, "{} shape {} should be [{}] for input {}", role, to_string(v.shape()),
+            x.size(1), to_string(x.shape()));
+}
+
+Tensor affine(Tensor y, const Tensor& x, const Tensor& weight, const Tensor& bias) {
+  if (weight.defined()) y = y * per_channel(weight, x, y.dtype());
+  if (bias.defined()) y = y + per_channel(bias, x, y.dtype());
+  return cast(y, x.dtype());
+}
+
+}  // namespace
+
+namespace detail {
+
+Tensor batch_norm_tracked(const Tensor& x, const Tensor& running_mean, const Tensor& running_var,
+                          const Tensor& num_batches_tracked, const Tensor& weight,
+                          const Tensor& bias, bool training, std::optional<double> momentum,
+                          double eps, const Loc& loc) {
+  CallSiteScope site(loc, composite::batch_norm);
+  const char* op = "batch_norm";
+  require_float(x, op, "input", loc);
+  if (x.dim() < 2) op_fail(op, loc, "needs an [N, C, ...] input, got {}", to_string(x.shape()));
+  check_channel_vector(running_mean, x, op, "running_mean", loc);
+  check_channel_vector(running_var, x, op, "running_var", loc);
+  check_channel_vector(weight, x, op, "weight", loc);
+  check_channel_vector(bias, x, op, "bias", loc);
+  if (running_mean.defined() != running_var.defined())
+    op_fail(op, loc, "running_mean and running_var must both be given or both be undefined");
+  if (!training && !running_mean.defined())
+    op_fail(op, loc, "eval mode needs running_mean and running_var");
+  if (momentum && !(*momentum >= 0 && *momentum <= 1))
+    op_fail(op, loc, "momentum must be in [0, 1], got {}", *momentum);
+  if (training && running_mean.defined() && !momentum && !num_batches_tracked.defined())
+    op_fail(op, loc, "a cumulative average (momentum None) needs num_batches_tracked");
+  const DType type = statistics_type(x);
+  Tensor xs = cast(x, type);
+  std::vector<int64_t> axes{0};
+  for (int64_t d = 2; d < x.dim(); ++d) axes.push_back(d);
+  Tensor mu, var;
+  if (training) {
+    const int64_t n = x.numel() / std::max<int64_t>(x.size(1), 1);
+    if (n <= 1)
+      op_fail(op, loc, "training needs more than one value per channel, got input {}",
+              to_string(x.shape()));
+    mu = mean(xs, axes, true);
+    var = mean(square(xs - mu), axes, true);
+    if (running_mean.defined()) {
+      std::vector<Tensor> updates;
+      Tensor count;
+      if (num_batches_tracked.defined()) count = num_batches_tracked + 1;
+      auto step = [&](const Tensor& running, const Tensor& batch, double scale) {
+        Tensor value = cast(reshape(batch.detach(), {x.size(1)}), running.dtype());
+        if (momentum) return running * (1.0 - *momentum) + value * (*momentum * scale);
+        Tensor factor = 1.0 / cast(count, running.dtype());  // the cumulative average
+        return running * (1.0 - factor) + value * factor * scale;
+      };
+      updates.push_back(step(running_mean, mu, 1.0));
+      // The unbiased variance, as PyTorch keeps.
+      updates.push_back(step(running_var, var, static_cast<double>(n) / (n - 1)));
+      if (count.defined()) updates.push_back(count);
+      eval(updates);  // one program for the whole update
+      Tensor(running_mean).assign(updates[0]);
+      Tensor(running_var).assign(updates[1]);
+      if (count.defined()) Tensor(num_batches_tracked).assign(updates[2]);
+    }
+  } else {
+    mu = per_channel(running_mean, x, type);
+    var = per_channel(running_var, x, type);
+  }
+  return affine((xs - mu) * rsqrt(var + eps), x, weight, bias);
+}
+
+}  // namespace detail
+
+Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var,
+                  const Tensor& weight, const Tensor& bias, bool training, double momentum,
+                  double eps, const Loc& loc) {
+  return detail::batch_norm_tracked(x, running_mean, running_var, Tensor(), weight, bias, training,
+                                    momentum, eps, loc);
+}
+
+Tensor group_norm(const Tensor& x, int64_t groups, const Tensor& weight, const Tensor& bias,
+                  double eps, const Loc& loc) {
+  CallSiteScope site(loc, composite::group_norm);
+  const char* op = "group_norm";
+  require_float(x, op, "input", loc);
+  if (x.dim() < 2) op_fail(op, loc, "needs an [N, C, ...] input, got {}", to_string(x.shape()));
+  if (groups <= 0 || x.size(1) % groups != 0)
+    op_fail(op, loc, "{} groups do not divide the {} channels of input {}", groups, x.size(1),
+            to_string(x.shape()));
+  check_channel_vector(weight, x, op, "weight", loc);
+  check_channel_vector(bias, x, op, "bias", loc);
+  Tensor grouped = reshape(cast(x, statistics_type(x)), {x.size(0), groups, -1});
+  Tensor centered = grouped - mean(grouped, {-1}, true);
+  Tensor y = centered * rsqrt(mean(square(centered), {-1}, true) + eps);
+  return affine(reshape(y, x.shape()), x, weight, bias);
+}
+
+Tensor instance_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                     const Loc& loc) {
+  CallSiteScope site(loc, composite::instance_norm);
+  require_float(x, "instance_norm", "input", loc);
+  if (x.dim() < 3)
+    op_fail("instance_norm", loc, "needs an [N, C, spatial...] input, got {}",
+            to_string(x.shape()));
+  return group_norm(x, x.size(1), weight, bias, eps, loc);
+}
+
+namespace {
+
+// PyTorch's compute_scales_value: the source step per output step, in float as PyTorch has it.
+float source_scale(const std::vector<double>& factors, size_t axis, int64_t in, int64_t out) {
+  if (!factors.empty() && factors[axis] > 0) return static_cast<float>(1.0 / factors[axis]);
+  return static_cast<float>(in) / static_cast<float>(out);
+}
+
+Tensor index_tensor(const std::vector<int64_t>& indices) {
+  return tensor(indices, {static_cast<int64_t>(indices.size())});
+}
+
+// Nearest: output o reads input min(floor(o scale), in - 1), PyTorch's nearest_idx.
+Tensor nearest_axis(const Tensor& x, int64_t axis, int64_t out, float scale) {
+  const int64_t in = x.size(axis);
+  if (in == out) return x;
+  std::vector<int64_t> source(static_cast<size_t>(out));
+  for (int64_t o = 0; o < out; ++o)
+    source[static_cast<size_t>(o)] =
+        std::min(static_cast<int64_t>(std::floor(static_cast<float>(o) * scale)), in - 1);
+  return index_select(x, index_tensor(source), axis);
+}
+
+// Linear along one axis: x[i0] l0 + x[i1] l1 with PyTorch's area_pixel_compute_source_index.
+Tensor linear_axis(const Tensor& x, int64_t axis, int64_t out, float scale, bool align_corners) {
+  const int64_t in = x.size(axis);
+  std::vector<int64_t> lo(static_cast<size_t>(out)), hi(static_cast<size_t>(out));
+  std::vector<double> w_lo(static_cast<size_t>(out)), w_hi(static_cast<size_t>(out));
+  const float step =
+      align_corners ? (out > 1 ? static_cast<float>(in - 1) / static_cast<float>(out - 1) : 0.f)
+                    : scale;
+  for (int64_t o = 0; o < out; ++o) {
+    const auto k = static_cast<size_t>(o);
+    float source = align_corners ? step * static_cast<float>(o)
+                                 : std::max(step * (static_cast<float>(o) + 0.5f) - 0.5f, 0.f);
+    lo[k] = std::min(static_cast<int64_t>(source), in - 1);
+    hi[k] = std::min(lo[k] + 1, in - 1);
+    const float lambda = std::min(std::max(source - static_cast<float>(lo[k]), 0.f), 1.f);
+    w_hi[k] = lambda;
+    w_lo[k] = 1.f - lambda;
+  }
+  Shape weight_shape(static_cast<size_t>(x.dim() - axis), 1);
+  weight_shape[0] = out;
+  Tensor a = index_select(x, index_tensor(lo), axis) * tensor(w_lo, weight_shape, x.dtype());
+  Tensor b = index_select(x, index_tensor(hi), axis) * tensor(w_hi, weight_shape, x.dtype());
+  return a + b;
+}
+
+}  // namespace
+
+Tensor interpolate(const Tensor& x, const InterpolateOptions& options, const Loc& loc) {
+  CallSiteScope site(loc, composite::interpolate);
+  const char* op = "interpolate";
+  require_float(x, op, "input", loc);
+  const bool bilinear = options.mode == InterpolateMode::Bilinear;
+  if (bilinear ? x.dim() != 4 : (x.dim() != 3 && x.dim() != 4))
+    op_fail(op, loc, "{} needs an {} input, got {}", bilinear ? "bilinear" : "nearest",
+            bilinear ? "[N, C, H, W]" : "[N, C, L] or [N, C, H, W]", to_string(x.shape()));
+  const auto spatial = static_cast<size_t>(x.dim() - 2);
+  if (options.size.empty() == options.scale_factor.empty())
+    op_fail(op, loc, "needs either size or scale_factor, not {}",
+            options.size.empty() ? "neither" : "both");
+  std::vector<double> factors = options.scale_factor;
+  if (factors.size() == 1) factors.resize(spatial, factors[0]);
+  std::vector<int64_t> sizes = options.size;
+  if (sizes.size() == 1) sizes.resize(spatial, sizes[0]);
+  if (!factors.empty() && factors.size() != spatial)
+    op_fail(op, loc, "needs 1 or {} scale factors for input {}, got {}", spatial,
+            to_string(x.shape()), factors.size());
+  if (!sizes.empty() && sizes.size() != spatial)
+    op_fail(op, loc, "needs 1 or {} sizes for input {}, got {}", spatial, to_string(x.shape()),
+            sizes.size());
+  if (sizes.empty())
+    for (size_t a = 0; a < spatial; ++a) {
+      if (!(factors[a] > 0)) op_fail(op, loc, "scale factors must be positive, got {}", factors[a]);
+      sizes.push_back(static_cast<int64_t>(
+          std::floor(static_cast<double>(x.size(static_cast<int64_t>(a) + 2)) * factors[a])));
+    }
+  for (int64_t s : sizes)
+    if (s <= 0) op_fail(op, loc, "output sizes must be positive, got {}", s);
+  if (options.align_corners && !bilinear)
+    op_fail(op, loc, "align_corners applies to bilinear mode only");
+  Tensor y = x;
+  for (size_t a = 0; a < spatial; ++a) {
+    const int64_t axis = static_cast<int64_t>(a) + 2;
+    const float scale = source_scale(factors, a, x.size(axis), sizes[a]);
+    y = bilinear ? linear_axis(y, axis, sizes[a], scale, options.align_corners)
+                 : nearest_axis(y, axis, sizes[a], scale);
+  }
+  return y;
+}
+
+Tensor dropout2d(const Tensor& x, double p, bool training, Generator* gen, const Loc& loc) {
+  CallSiteScope site(loc, composite::dropout);
+  require_float(x, "dropout2d", "input", loc);
+  if (x.dim() < 2)
+    op_fail("dropout2d", loc, "needs an [N, C, ...] input, got {}", to_string(x.shape()));
+  if (!(p >= 0 && p <= 1)) op_fail("dropout2d", loc, "p must be in [0, 1], got {}", p);
+  if (!training || p == 0) return x;
+  if (p == 1) return x * 0.0;
+  Shape mask_shape(static_cast<size_t>(x.dim()), 1);
+  mask_shape[0] = x.size(0);
+  mask_shape[1] = x.size(1);
+  Tensor keep = rand(mask_shape, f32, gen) >= p;
+  return where(keep, x * (1.0 / (1.0 - p)), zeros_like(x));
+}
+
+}  // namespace mixtape

@@ -1,0 +1,413 @@
+// tests/test_vision_ops.cpp -- pooling, batch/group/instance norm, interpolate, dropout2d and the
+// vision modules against host loops written from PyTorch's definitions; their errors.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "mixtape/mixtape.h"
+#include "test_util.h"
+
+namespace mt = mixtape;
+
+namespace {
+
+std::vector<float> values(const mt::Tensor& t) { return t.to(mt::f32).to_vector<float>(); }
+
+void expect_near(const std::vector<float>& actual, const std::vector<double>& expected,
+                 double tolerance = 1e-5) {
+  ASSERT_EQ(actual.size(), expected.size());
+  for (size_t i = 0; i < actual.size(); ++i)
+    EXPECT_NEAR(actual[i], expected[i], tolerance * (1 + std::abs(expected[i]))) << "at " << i;
+}
+
+// A host NCHW image with the pooling loops written out from PyTorch's CPU kernels.
+struct Image {
+  int64_t n, c, h, w;
+  std::vector<float> data;
+  float at(int64_t b, int64_t ch, int64_t y, int64_t x) const {
+    return data[static_cast<size_t>(((b * c + ch) * h + y) * w + x)];
+  }
+};
+
+Image image_of(const mt::Tensor& t) {
+  return {t.size(0), t.size(1), t.size(2), t.size(3), values(t)};
+}
+
+int64_t out_size(int64_t in, int64_t k, int64_t s, int64_t p, int64_t d, bool ceil_mode) {
+  int64_t span = in + 2 * p - d * (k - 1) - 1 + (ceil_mode ? s - 1 : 0);
+  int64_t out = span / s + 1;
+  if (ceil_mode && (out - 1) * s >= in + p) --out;
+  return out;
+}
+
+struct PoolArgs {
+  int64_t k, s, p, d;
+  bool ceil_mode, count_include_pad;
+};
+
+std::vector<double> host_max_pool(const Image& im, const PoolArgs& a) {
+  int64_t oh = out_size(im.h, a.k, a.s, a.p, a.d, a.ceil_mode);
+  int64_t ow = out_size(im.w, a.k, a.s, a.p, a.d, a.ceil_mode);
+  std::vector<double> out;
+  for (int64_t b = 0; b < im.n; ++b)
+    for (int64_t ch = 0; ch < im.c; ++ch)
+      for (int64_t y = 0; y < oh; ++y)
+        for (int64_t x = 0; x < ow; ++x) {
+          double best = -INFINITY;
+          for (int64_t i = 0; i < a.k; ++i)
+            for (int64_t j = 0; j < a.k; ++j) {
+              int64_t yy = y * a.s - a.p + i * a.d, xx = x * a.s - a.p + j * a.d;
+              if (yy < 0 || yy >= im.h || xx < 0 || xx >= im.w) continue;
+              best = std::max<double>(best, im.at(b, ch, yy, xx));
+            }
+          out.push_back(best);
+        }
+  return out;
+}
+
+std::vector<double> host_avg_pool(const Image& im, const PoolArgs& a) {
+  int64_t oh = out_size(im.h, a.k, a.s, a.p, 1, a.ceil_mode);
+  int64_t ow = out_size(im.w, a.k, a.s, a.p, 1, a.ceil_mode);
+  std::vector<double> out;
+  for (int64_t b = 0; b < im.n; ++b)
+    for (int64_t ch = 0; ch < im.c; ++ch)
+      for (int64_t y = 0; y < oh; ++y)
+        for (int64_t x = 0; x < ow; ++x) {
+          int64_t y0 = y * a.s - a.p, x0 = x * a.s - a.p;
+          int64_t y1 = std::min(y0 + a.k, im.h + a.p), x1 = std::min(x0 + a.k, im.w + a.p);
+          int64_t pool = (y1 - y0) * (x1 - x0);
+          y0 = std::max<int64_t>(y0, 0), x0 = std::max<int64_t>(x0, 0);
+          y1 = std::min(y1, im.h), x1 = std::min(x1, im.w);
+          double total = 0;
+          for (int64_t yy = y0; yy < y1; ++yy)
+            for (int64_t xx = x0; xx < x1; ++xx) total += im.at(b, ch, yy, xx);
+          out.push_back(total /
+                        static_cast<double>(a.count_include_pad ? pool : (y1 - y0) * (x1 - x0)));
+        }
+  return out;
+}
+
+TEST(MaxPool2d, MatchesTheHostLoopWithPaddingDilationAndCeilMode) {
+  mt::Generator gen(1);
+  mt::Tensor x = mt::randn({2, 3, 9, 8}, mt::f32, &gen);
+  Image im = image_of(x);
+  for (PoolArgs a : {PoolArgs{2, 2, 0, 1, false, true}, PoolArgs{3, 2, 1, 1, false, true},
+                     PoolArgs{3, 2, 1, 1, true, true}, PoolArgs{2, 1, 1, 2, false, true},
+                     PoolArgs{3, 3, 0, 1, true, true}}) {
+    SCOPED_TRACE(testing::Message() << "k" << a.k << " s" << a.s << " p" << a.p << " d" << a.d
+                                    << " ceil " << a.ceil_mode);
+    mt::Tensor y = mt::max_pool2d(x, a.k, a.s, a.p, a.d, a.ceil_mode);
+    EXPECT_EQ(y.shape(), (mt::Shape{2, 3, out_size(9, a.k, a.s, a.p, a.d, a.ceil_mode),
+                                    out_size(8, a.k, a.s, a.p, a.d, a.ceil_mode)}));
+    expect_near(values(y), host_max_pool(im, a), 0);
+  }
+  // Ceil mode keeps a last window that starts inside the input: 9 -> 5 rather than 4.
+  EXPECT_EQ(mt::max_pool2d(x, 2, 2, 0, 1, true).shape(), (mt::Shape{2, 3, 5, 4}));
+  // A rectangular kernel and the CHW form.
+  mt::Tensor chw = mt::max_pool2d(mt::slice(x, 0, 0, 1).reshape({3, 9, 8}), {3, 2}, {{2, 1}});
+  EXPECT_EQ(chw.shape(), (mt::Shape{3, 4, 7}));
+}
+
+TEST(MaxPool2d, TiesSendTheGradientToTheFirstMaximumOfEachWindow) {
+  // After a ReLU whole windows are zero: each window's gradient goes to one element (its first,
+  // in row-major window order), as PyTorch's, not split four ways as Maximum's vjp would.
+  mt::Tensor x = mt::tensor(std::vector<float>{-1, -2, 3, 3,  //
+                                               -3, -4, 1, 3,  //
+                                               5, 5, 0, 0,    //
+                                               5, 5, -1, 0},
+                            {1, 1, 4, 4});
+  x.requires_grad_();
+  mt::Tensor y = mt::max_pool2d(mt::relu(x), 2);
+  expect_near(values(y), {0, 3, 5, 0}, 0);
+  mt::sum(y * mt::tensor(std::vector<float>{1, 2, 3, 4}, {1, 1, 2, 2})).backward();
+  // relu's own gradient is zero at x <= 0, so the first window's pick (x = -1) passes nothing;
+  // the windows of 3s and 5s and the one of 0s after relu each pick their first element.
+  expect_near(values(x.grad()),
+              {0, 0, 2, 0,  //
+               0, 0, 0, 0,  //
+               3, 0, 0, 0,  //
+               0, 0, 0, 0},
+              0);
+  // Overlapping windows (stride 1) each count once at their own first maximum.
+  mt::Tensor z = mt::zeros({1, 1, 3, 3});
+  z.requires_grad_();
+  mt::sum(mt::max_pool2d(z, 2, 1)).backward();
+  expect_near(values(z.grad()), {1, 1, 0, 1, 1, 0, 0, 0, 0}, 0);
+}
+
+TEST(AvgPool2d, MatchesTheHostLoopWithPaddingCountIncludePadAndCeilMode) {
+  mt::Generator gen(2);
+  mt::Tensor x = mt::randn({2, 2, 7, 6}, mt::f32, &gen);
+  Image im = image_of(x);
+  for (PoolArgs a : {PoolArgs{2, 2, 0, 1, false, true}, PoolArgs{3, 2, 1, 1, false, true},
+                     PoolArgs{3, 2, 1, 1, false, false}, PoolArgs{3, 2, 1, 1, true, true},
+                     PoolArgs{3, 2, 1, 1, true, false}, PoolArgs{2, 3, 1, 1, true, false}}) {
+    SCOPED_TRACE(testing::Message() << "k" << a.k << " s" << a.s << " p" << a.p << " ceil "
+                                    << a.ceil_mode << " include pad " << a.count_include_pad);
+    mt::Tensor y = mt::avg_pool2d(x, a.k, a.s, a.p, a.ceil_mode, a.count_include_pad);
+    expect_near(values(y), host_avg_pool(im, a));
+  }
+}
+
+TEST(AdaptiveAvgPool2d, AveragesPyTorchsWindowsForDivisibleAndOtherSizes) {
+  mt::Generator gen(3);
+  mt::Tensor x = mt::randn({2, 3, 7, 6}, mt::f32, &gen);
+  Image im = image_of(x);
+  for (auto [oh, ow] : {std::pair<int64_t, int64_t>{3, 4}, {1, 1}, {7, 3}, {5, 6}}) {
+    SCOPED_TRACE(testing::Message() << oh << "x" << ow);
+    std::vector<double> expected;
+    for (int64_t b = 0; b < 2; ++b)
+      for (int64_t ch = 0; ch < 3; ++ch)
+        for (int64_t i = 0; i < oh; ++i)
+          for (int64_t j = 0; j < ow; ++j) {
+            int64_t y0 = i * 7 / oh, y1 = ((i + 1) * 7 + oh - 1) / oh;
+            int64_t x0 = j * 6 / ow, x1 = ((j + 1) * 6 + ow - 1) / ow;
+            double total = 0;
+            for (int64_t y = y0; y < y1; ++y)
+              for (int64_t xx = x0; xx < x1; ++xx) total += im.at(b, ch, y, xx);
+            expected.push_back(total / static_cast<double>((y1 - y0) * (x1 - x0)));
+          }
+    mt::Tensor y = mt::adaptive_avg_pool2d(x, {oh, ow});
+    EXPECT_EQ(y.shape(), (mt::Shape{2, 3, oh, ow}));
+    expect_near(values(y), expected);
+  }
+}
+
+TEST(BatchNorm, TrainingNormalizesWithBatchStatisticsAndUpdatesTheRunningOnes) {
+  mt::Generator gen(4);
+  mt::Tensor x = mt::randn({4, 3, 2, 5}, mt::f32, &gen) * 2.0 + 1.0;
+  mt::eval({x});
+  std::vector<float> xv = values(x);
+  mt::Tensor rm = mt::tensor(std::vector<float>{0.5f, -1, 2}, {3});
+  mt::Tensor rv = mt::tensor(std::vector<float>{1, 2, 0.5f}, {3});
+  mt::Tensor w = mt::tensor(std::vector<float>{1.5f, -0.5f, 2}, {3});
+  mt::Tensor b = mt::tensor(std::vector<float>{0.1f, 0.2f, -0.3f}, {3});
+  mt::Tensor y = mt::batch_norm(x, rm, rv, w, b, true, 0.2, 1e-3);
+  const double n = 40;
+  std::vector<double> mean(3, 0), var(3, 0);
+  auto channel = [](size_t i) { return (i / 10) % 3; };
+  for (size_t i = 0; i < xv.size(); ++i) mean[channel(i)] += xv[i] / n;
+  for (size_t i = 0; i < xv.size(); ++i)
+    var[channel(i)] += (xv[i] - mean[channel(i)]) * (xv[i] - mean[channel(i)]) / n;
+  std::vector<double> expected, wv{1.5, -0.5, 2}, bv{0.1, 0.2, -0.3};
+  for (size_t i = 0; i < xv.size(); ++i) {
+    size_t c = channel(i);
+    expected.push_back((xv[i] - mean[c]) / std::sqrt(var[c] + 1e-3) * wv[c] + bv[c]);
+  }
+  expect_near(values(y), expected, 1e-5);
+  // The running statistics were assigned: 0.8 old + 0.2 batch, the variance unbiased.
+  std::vector<double> rm_old{0.5, -1, 2}, rv_old{1, 2, 0.5}, rm_new, rv_new;
+  for (size_t c = 0; c < 3; ++c) {
+    rm_new.push_back(0.8 * rm_old[c] + 0.2 * mean[c]);
+    rv_new.push_back(0.8 * rv_old[c] + 0.2 * var[c] * n / (n - 1));
+  }
+  expect_near(values(rm), rm_new);
+  expect_near(values(rv), rv_new);
+  // Eval mode reads them.
+  mt::Tensor e = mt::batch_norm(x, rm, rv, w, b, false, 0.2, 1e-3);
+  std::vector<double> expected_eval;
+  for (size_t i = 0; i < xv.size(); ++i) {
+    size_t c = channel(i);
+    expected_eval.push_back((xv[i] - rm_new[c]) / std::sqrt(rv_new[c] + 1e-3) * wv[c] + bv[c]);
+  }
+  expect_near(values(e), expected_eval);
+  expect_near(values(rm), rm_new);  // eval leaves them alone
+}
+
+TEST(BatchNorm, ModuleKeepsF32BuffersOutsideItsParametersAndCountsBatches) {
+  mt::BatchNorm2d bn(3);
+  std::vector<std::string> params, buffers;
+  for (const auto& [name, t] : bn.named_parameters()) params.push_back(name);
+  for (const auto& [name, t] : bn.named_buffers()) buffers.push_back(name);
+  EXPECT_EQ(params, (std::vector<std::string>{"weight", "bias"}));
+  EXPECT_EQ(buffers,
+            (std::vector<std::string>{"running_mean", "running_var", "num_batches_tracked"}));
+  EXPECT_EQ(bn.parameters().size(), 2u);
+  mt::Generator gen(5);
+  for (int i = 0; i < 3; ++i) {
+    mt::autocast guard(mt::bf16);
+    mt::Tensor x = mt::randn({4, 3, 3, 3}, mt::f32, &gen);
+    mt::sum(bn(x)).backward();
+  }
+  EXPECT_EQ(bn.num_batches_tracked.item(), 3);
+  EXPECT_EQ(bn.running_mean.node()->storage, mt::f32);
+  EXPECT_EQ(bn.running_var.node()->storage, mt::f32);
+  EXPECT_FALSE(bn.running_mean.requires_grad());
+  // Eval mode: the output no longer depends on the batch's statistics.
+  bn.eval();
+  mt::Tensor one = mt::ones({1, 3, 1, 1});
+  std::vector<float> alone = values(bn(one));
+  std::vector<float> with_others = values(mt::slice(bn(mt::concat({one, one * 5.0})), 0, 0, 1));
+  EXPECT_EQ(alone, with_others);
+  EXPECT_EQ(bn.num_batches_tracked.item(), 3);
+}
+
+TEST(BatchNorm, MomentumNoneIsTheCumulativeAverage) {
+  mt::BatchNorm1d bn(2, 1e-5, std::nullopt);
+  std::vector<double> sums(2, 0);
+  mt::Generator gen(6);
+  for (int i = 0; i < 4; ++i) {
+    mt::Tensor x = mt::randn({5, 2}, mt::f32, &gen) + static_cast<double>(i);
+    std::vector<float> xv = values(x);
+    for (size_t k = 0; k < xv.size(); ++k) sums[k % 2] += xv[k] / 5.0;
+    bn(x);
+  }
+  expect_near(values(bn.running_mean), {sums[0] / 4, sums[1] / 4});
+}
+
+TEST(GroupNorm, NormalizesEachGroupOfChannels) {
+  mt::Generator gen(7);
+  mt::Tensor x = mt::randn({2, 4, 3}, mt::f32, &gen) * 3.0;
+  std::vector<float> xv = values(x);
+  mt::Tensor w = mt::tensor(std::vector<float>{1, 2, 3, 4}, {4});
+  mt::Tensor b = mt::tensor(std::vector<float>{0, 1, 0, -1}, {4});
+  // Two groups of 2 channels x 3 positions: 6 values each, contiguous.
+  std::vector<double> expected;
+  for (size_t g = 0; g < 4; ++g) {
+    double mean = 0, var = 0;
+    for (size_t k = 0; k < 6; ++k) mean += xv[g * 6 + k] / 6;
+    for (size_t k = 0; k < 6; ++k) var += (xv[g * 6 + k] - mean) * (xv[g * 6 + k] - mean) / 6;
+    for (size_t k = 0; k < 6; ++k) {
+      size_t c = (g % 2) * 2 + k / 3;
+      expected.push_back((xv[g * 6 + k] - mean) / std::sqrt(var + 1e-5) * (c + 1.0) +
+                         std::vector<double>{0, 1, 0, -1}[c]);
+    }
+  }
+  expect_near(values(mt::group_norm(x, 2, w, b)), expected);
+  mt::GroupNorm module(2, 4);
+  expect_near(values(module(x)), [&] {
+    std::vector<double> plain;
+    for (float v : values(mt::group_norm(x, 2))) plain.push_back(v);
+    return plain;
+  }());
+  // instance_norm is one channel per group.
+  EXPECT_EQ(values(mt::instance_norm(x)), values(mt::group_norm(x, 4)));
+}
+
+TEST(Interpolate, NearestAndBilinearUsePyTorchsSourceIndices) {
+  mt::Tensor x = mt::tensor(std::vector<float>{1, 2, 3, 4, 5, 6}, {1, 1, 2, 3});
+  // Nearest, 2x3 -> 3x5: rows floor(o 2/3) = 0,0,1; columns floor(o 3/5) = 0,0,1,1,2.
+  expect_near(values(mt::interpolate(x, {.size = {3, 5}})),
+              {1, 1, 2, 2, 3, 1, 1, 2, 2, 3, 4, 4, 5, 5, 6}, 0);
+  // Bilinear with align_corners: the corners stay, the middle averages.
+  expect_near(
+      values(mt::interpolate(
+          x, {.size = {3, 3}, .mode = mt::InterpolateMode::Bilinear, .align_corners = true})),
+      {1, 2, 3, 2.5, 3.5, 4.5, 4, 5, 6});
+  // Without: 2x upscaling of a row [1, 2, 3] gives 1, 1.25, 1.75, 2.25, 2.75, 3.
+  mt::Tensor row = mt::tensor(std::vector<float>{1, 2, 3}, {1, 1, 1, 3});
+  expect_near(
+      values(mt::interpolate(row, {.scale_factor = {1, 2}, .mode = mt::InterpolateMode::Bilinear})),
+      {1, 1.25, 1.75, 2.25, 2.75, 3});
+  // Nearest on [N, C, L].
+  expect_near(values(mt::interpolate(mt::tensor(std::vector<float>{1, 2}, {1, 1, 2}),
+                                     {.scale_factor = {2}})),
+              {1, 1, 2, 2}, 0);
+}
+
+TEST(Dropout2d, ZeroesWholeChannels) {
+  mt::Generator gen(8);
+  mt::Tensor x = mt::ones({4, 8, 3, 3});
+  std::vector<float> y = values(mt::dropout2d(x, 0.5, true, &gen));
+  int dropped = 0;
+  for (size_t ch = 0; ch < 32; ++ch) {
+    std::vector<float> plane(y.begin() + static_cast<std::ptrdiff_t>(ch * 9),
+                             y.begin() + static_cast<std::ptrdiff_t>(ch * 9 + 9));
+    EXPECT_TRUE(std::all_of(plane.begin(), plane.end(), [&](float v) { return v == plane[0]; }));
+    EXPECT_TRUE(plane[0] == 0.0f || plane[0] == 2.0f);
+    dropped += plane[0] == 0.0f;
+  }
+  EXPECT_GT(dropped, 4);
+  EXPECT_LT(dropped, 28);
+  mt::Dropout2d module(0.5, &gen);
+  module.eval();
+  EXPECT_EQ(values(module(x)), values(x));
+}
+
+TEST(Sequential, ChainsItsStepsAndNamesThemByIndex) {
+  mt::Generator gen(9);
+  mt::Sequential net;
+  net.emplace_back<mt::BatchNorm2d>(2);
+  net.append([](const mt::Tensor& x) { return mt::relu(x); });
+  net.emplace_back<mt::MaxPool2d>(2);
+  net.emplace_back<mt::Flatten>();
+  net.emplace_back<mt::Linear>(8, 3, true, &gen);
+  EXPECT_EQ(net.size(), 5u);
+  std::vector<std::string> names;
+  for (const auto& [name, t] : net.state_dict()) names.push_back(name);
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"0.weight", "0.bias", "4.weight", "4.bias", "0.running_mean",
+                                      "0.running_var", "0.num_batches_tracked"}));
+  mt::Tensor x = mt::randn({3, 2, 4, 4}, mt::f32, &gen);
+  mt::Tensor y = net(x);
+  EXPECT_EQ(y.shape(), (mt::Shape{3, 3}));
+  // The same steps written out (eval mode, so that the batch norm reads its running statistics).
+  net.eval();
+  mt::NamedTensors state = net.state_dict();
+  mt::Tensor h =
+      mt::flatten(mt::max_pool2d(mt::relu(mt::batch_norm(x, state[4].second, state[5].second,
+                                                         state[0].second, state[1].second, false)),
+                                 2),
+                  1);
+  EXPECT_EQ(values(net(x)), values(mt::linear(h, state[2].second, state[3].second)));
+}
+
+TEST(VisionPrecision, NormsRunInF32AndPoolingFollowsItsInputUnderAutocast) {
+  mt::Generator gen(10);
+  mt::Tensor x = mt::randn({4, 4, 6, 6}, mt::f32, &gen);
+  mt::Tensor p = mt::randn({6, 6}, mt::f32, &gen);
+  mt::autocast guard(mt::bf16);
+  mt::Tensor h = mt::matmul(x, p);  // bf16
+  mt::Tensor pooled = mt::max_pool2d(h, 2) + mt::avg_pool2d(h, 2) +
+                      mt::adaptive_avg_pool2d(mt::interpolate(h, {.size = {3, 3}}), {3, 3});
+  mt::Tensor normed =
+      mt::batch_norm(h, {}, {}, {}, {}, true) + mt::group_norm(h, 2) + mt::instance_norm(h);
+  std::map<std::string, int> f32_rows;
+  for (const mt::PrecisionRow& row : mt::precision_report({pooled, normed}).rows) {
+    for (const char* norm : {"batch_norm", "group_norm", "instance_norm"})
+      if (row.rule.find(std::string("inside ") + norm) != std::string::npos) {
+        EXPECT_EQ(row.storage, mt::f32) << row.op << ": " << row.rule;
+        ++f32_rows[norm];
+      }
+    // (A scalar operand is broadcast in its own type; the op reading it follows the bf16 input.)
+    if (row.shape == mt::Shape{4, 4, 3, 3} && !row.backward && row.op != "slice" &&
+        row.op != "broadcast_to") {
+      EXPECT_EQ(row.storage, mt::bf16) << row.op << ": " << row.rule;
+    }
+  }
+  for (const char* norm : {"batch_norm", "group_norm", "instance_norm"})
+    EXPECT_GT(f32_rows[norm], 2) << norm << " is not named in the precision report";
+  EXPECT_EQ(pooled.node()->storage, mt::bf16);
+}
+
+TEST(VisionErrors, BadArgumentsNameTheOpAndTheShapes) {
+  mt::Tensor x = mt::zeros({2, 4, 5, 5});
+  EXPECT_MT_ERROR(mt::max_pool2d(x, 3, 1, -1), "max_pool2d", "padding -1", "negative");
+  EXPECT_MT_ERROR(mt::avg_pool2d(x, 3, 1, 2), "avg_pool2d", "more than half the kernel");
+  EXPECT_MT_ERROR(mt::max_pool2d(x, 7), "max_pool2d", "larger than", "[2, 4, 5, 5]");
+  EXPECT_MT_ERROR(mt::max_pool2d(x, 3, 1, 0, 3), "max_pool2d", "dilation 3", "larger than");
+  EXPECT_MT_ERROR(mt::max_pool2d(mt::zeros({4, 5}), 2), "max_pool2d", "NCHW", "[4, 5]");
+  EXPECT_MT_ERROR(mt::avg_pool2d(x, 0), "avg_pool2d", "positive");
+  EXPECT_MT_ERROR(mt::adaptive_avg_pool2d(x, {0, 2}), "adaptive_avg_pool2d", "positive");
+  EXPECT_MT_ERROR(mt::group_norm(x, 3), "group_norm", "3 groups", "4 channels", "[2, 4, 5, 5]");
+  EXPECT_MT_ERROR(mt::batch_norm(x, mt::zeros({3}), mt::ones({3}), {}, {}, true), "batch_norm",
+                  "running_mean shape [3]", "[4]");
+  EXPECT_MT_ERROR(mt::batch_norm(mt::zeros({1, 4}), {}, {}, {}, {}, true), "batch_norm",
+                  "more than one value per channel");
+  EXPECT_MT_ERROR(mt::batch_norm(x, {}, {}, {}, {}, false), "batch_norm", "eval mode");
+  mt::BatchNorm2d bn(4);
+  EXPECT_MT_ERROR(bn(mt::zeros({2, 4, 5})), "BatchNorm2d", "[2, 4, 5]");
+  EXPECT_MT_ERROR(mt::GroupNorm(3, 4), "GroupNorm", "3 groups");
+  EXPECT_MT_ERROR(mt::interpolate(x, {}), "interpolate", "size or scale_factor");
+  EXPECT_MT_ERROR(
+      mt::interpolate(mt::zeros({2, 3, 4}), {.size = {8}, .mode = mt::InterpolateMode::Bilinear}),
+      "interpolate", "bilinear", "[2, 3, 4]");
+  EXPECT_MT_ERROR(mt::dropout2d(x, 1.5), "dropout2d", "p must be");
+}
+
+}  // namespace
