@@ -8,14 +8,6 @@
 
 namespace mixtape {
 
-/// One size per spatial dim of a 2-d window (height, width), or one for both: `.stride = 2`,
-/// `.padding = {1, 0}`.
-struct Size2 {
-  int64_t h = 0, w = 0;
-  Size2(int64_t both) : h(both), w(both) {}  // NOLINT: implicit, as PyTorch takes an int
-  Size2(int64_t h, int64_t w) : h(h), w(w) {}
-};
-
 struct Conv2dOptions {
   Size2 stride = 1, padding = 0, dilation = 1;
   int64_t groups = 1;

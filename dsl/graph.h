@@ -179,8 +179,15 @@ bool on_each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values = 
 /// 0 when nothing is pending. Provided by the runtime layer, like evaluate().
 int64_t planned_peak_bytes(const std::vector<NodePtr>& outputs);
 
-/// Computes `value` for every node in `outputs` (and what they need). Provided by the runtime
-/// layer, which owns the executors; the DSL only asks.
+/// Computes `value` for every node in `outputs` (and what they need), and the values of the
+/// assignments Tensor::assign_later left pending. Provided by the runtime layer, which owns the
+/// executors; the DSL only asks.
 void evaluate(const std::vector<NodePtr>& outputs);
+
+/// The values of the pending Tensor::assign_later calls of this thread, which every evaluation
+/// computes too; settle_deferred_assignments() then makes each assigned tensor a leaf holding
+/// its value (as assign() does) and drops the settled ones from the list.
+std::vector<NodePtr> deferred_assignment_values();
+void settle_deferred_assignments();
 
 }  // namespace mixtape

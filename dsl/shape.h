@@ -25,4 +25,13 @@ std::string to_string(const Shape& shape);
 /// numpy broadcasting of two shapes; nullopt when they are incompatible.
 std::optional<Shape> broadcast_shapes(const Shape& a, const Shape& b);
 
+/// A (height, width) pair of a 2-d window (kernel, stride, padding, ...) that also takes one
+/// number for both, as PyTorch's `int or tuple`: `.stride = 2`, `.padding = {1, 0}`.
+struct Size2 {
+  int64_t h = 0, w = 0;
+  Size2(int64_t both) : h(both), w(both) {}  // NOLINT: implicit, as PyTorch's int argument
+  Size2(int64_t h, int64_t w) : h(h), w(w) {}
+  bool operator==(const Size2&) const = default;
+};
+
 }  // namespace mixtape

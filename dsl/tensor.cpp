@@ -112,23 +112,78 @@ Tensor Tensor::detach(const Loc& loc) const {
   return stop_gradient(*this, loc);
 }
 
-void Tensor::assign(const Tensor& value, const Loc& loc) {
-  const NodePtr& current = node();
-  if (!value.defined()) op_fail("assign", loc, "the value is an undefined tensor");
+namespace {
+
+void check_assignable(const NodePtr& current, const Tensor& value, const char* op, const Loc& loc) {
+  if (!value.defined()) op_fail(op, loc, "the value is an undefined tensor");
   if (value.shape() != current->shape || value.dtype() != current->dtype)
-    op_fail("assign", loc, "value {} {} does not match tensor {} {}", to_string(value.shape()),
+    op_fail(op, loc, "value {} {} does not match tensor {} {}", to_string(value.shape()),
             name(value.dtype()), to_string(current->shape), name(current->dtype));
-  evaluate({value.node()});
+}
+
+// Makes `impl` a leaf holding `value`'s (evaluated) data: state, as the optimizers keep it.
+void become_leaf(const std::shared_ptr<TensorImpl>& impl, const NodePtr& value, const Loc& loc) {
+  const NodePtr current = impl->node;
   auto leaf = make_node(OpCode::Constant, current->dtype, current->shape, {}, {}, loc);
-  leaf->value = value.node()->value;
+  leaf->value = value->value;
   leaf->storage = leaf->compute = leaf->value->dtype;
   leaf->precision_assigned = true;
   leaf->module_path = current->module_path;
   if (current->requires_grad) {
     leaf->requires_grad = true;
-    leaf->grad_owner = impl_;
+    leaf->grad_owner = impl;
   }
-  impl_->node = std::move(leaf);
+  impl->node = std::move(leaf);
+}
+
+struct DeferredAssignment {
+  std::weak_ptr<TensorImpl> impl;
+  NodePtr value;
+  Loc loc;
+};
+std::vector<DeferredAssignment>& deferred_assignments() {
+  thread_local std::vector<DeferredAssignment> list;
+  return list;
+}
+
+}  // namespace
+
+void Tensor::assign(const Tensor& value, const Loc& loc) {
+  const NodePtr& current = node();
+  check_assignable(current, value, "assign", loc);
+  evaluate({value.node()});
+  become_leaf(impl_, value.node(), loc);
+}
+
+void Tensor::assign_later(const Tensor& value, const Loc& loc) {
+  const NodePtr& current = node();
+  check_assignable(current, value, "assign_later", loc);
+  if (current->requires_grad)
+    op_fail("assign_later", loc, "a tensor that requires grad is assigned with assign()");
+  if (value.node()->evaluated()) return assign(value, loc);
+  impl_->node = value.node();
+  deferred_assignments().push_back({impl_, value.node(), loc});
+}
+
+std::vector<NodePtr> deferred_assignment_values() {
+  std::vector<NodePtr> values;
+  for (const DeferredAssignment& d : deferred_assignments()) values.push_back(d.value);
+  return values;
+}
+
+void settle_deferred_assignments() {
+  std::vector<DeferredAssignment>& list = deferred_assignments();
+  std::vector<DeferredAssignment> waiting;
+  for (DeferredAssignment& d : list) {
+    std::shared_ptr<TensorImpl> impl = d.impl.lock();
+    if (!d.value->evaluated()) {
+      waiting.push_back(std::move(d));
+      continue;
+    }
+    // A tensor dropped since, or assigned again (its node is no longer this value), is left.
+    if (impl && impl->node == d.value) become_leaf(impl, d.value, d.loc);
+  }
+  list = std::move(waiting);
 }
 
 Tensor Tensor::to(DType dtype, const Loc& loc) const { return cast(*this, dtype, loc); }

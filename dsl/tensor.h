@@ -67,6 +67,12 @@ class Tensor {
   /// Evaluates `value` and makes this handle (and every copy of it) a leaf holding that data.
   /// Shape and dtype must match. Keeps requires_grad and the accumulated gradient.
   void assign(const Tensor& value, const Loc& loc = Loc::current());
+  /// The same, with the evaluation left to the next one anything asks for, which computes
+  /// `value` along with what it was asked for: a module's state update made during the forward
+  /// pass (batch norm's running statistics) joins the training step's program instead of
+  /// running one of its own. Until then this handle reads as `value` (reading it evaluates).
+  /// Not for tensors that require grad.
+  void assign_later(const Tensor& value, const Loc& loc = Loc::current());
 
   // ---- method spellings of common ops (see ops.h) ----
   Tensor to(DType dtype, const Loc& loc = Loc::current()) const;

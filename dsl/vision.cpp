@@ -294,10 +294,10 @@ Tensor batch_norm_tracked(const Tensor& x, const Tensor& running_mean, const Ten
       // The unbiased variance, as PyTorch keeps.
       updates.push_back(step(running_var, var, static_cast<double>(n) / (n - 1)));
       if (count.defined()) updates.push_back(count);
-      eval(updates);  // one program for the whole update
-      Tensor(running_mean).assign(updates[0]);
-      Tensor(running_var).assign(updates[1]);
-      if (count.defined()) Tensor(num_batches_tracked).assign(updates[2]);
+      // Computed by the step's next evaluation (its backward pass or optimizer), in its program.
+      Tensor(running_mean).assign_later(updates[0]);
+      Tensor(running_var).assign_later(updates[1]);
+      if (count.defined()) Tensor(num_batches_tracked).assign_later(updates[2]);
     }
   } else {
     mu = per_channel(running_mean, x, type);

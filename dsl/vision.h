@@ -8,14 +8,6 @@
 
 namespace mixtape {
 
-/// A (height, width) pair that also takes one number for both, as PyTorch's `int or tuple`.
-struct Size2 {
-  int64_t h = 0, w = 0;
-  Size2(int64_t both) : h(both), w(both) {}  // NOLINT: implicit, as PyTorch's int argument
-  Size2(int64_t h, int64_t w) : h(h), w(w) {}
-  bool operator==(const Size2&) const = default;
-};
-
 /// Pooling over the last two axes of an NCHW (or CHW) input, as torch.nn.functional's.
 /// The result's shape per axis is floor((in + 2 pad - dilation (k - 1) - 1) / stride) + 1, or the
 /// ceiling with ceil_mode (where a last window starting in the right padding is dropped).
@@ -36,11 +28,11 @@ Tensor adaptive_avg_pool2d(const Tensor& x, Size2 output_size, const Loc& loc = 
 
 /// torch.nn.functional.batch_norm over [N, C, ...] (statistics per channel C, over every other
 /// axis). Training uses the batch's statistics (the biased variance to normalize) and, where the
-/// running buffers are defined, updates them in place with Tensor::assign as
-/// running = (1 - momentum) running + momentum batch (the unbiased variance for running_var), so
-/// that mt::compile replays the update. Eval uses the running statistics. The statistics are
-/// computed in f32 whatever the input's type and policy (f64 stays f64), the result has x's
-/// type. weight and bias ([C]) may be undefined.
+/// running buffers are defined, updates them with Tensor::assign_later (in the step's next
+/// evaluation) as running = (1 - momentum) running + momentum batch (the unbiased variance for
+/// running_var), so that mt::compile replays the update. Eval uses the running statistics. The
+/// statistics are computed in f32 whatever the input's type and policy (f64 stays f64), the result
+/// has x's type. weight and bias ([C]) may be undefined.
 Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var,
                   const Tensor& weight, const Tensor& bias, bool training, double momentum = 0.1,
                   double eps = 1e-5, const Loc& loc = Loc::current());

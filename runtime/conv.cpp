@@ -14,6 +14,7 @@
 #include "dsl/log.h"
 #include "runtime/half_convert.h"
 #include "runtime/scratch_buffer.h"
+#include "runtime/single_threaded.h"
 
 // Choices:
 // - Formats are left to oneDNN (format_tag::any): its direct convolutions run on blocked layouts
@@ -29,6 +30,11 @@
 // - Padding on the right equals the padding on the left, as PyTorch passes it: oneDNN then checks
 //   that the output size is the floor of (padded - extent) / stride + 1, which the shapes have.
 // - The algorithm is convolution_direct: Winograd would change the numerics.
+// - Problems below kSingleThreadMaxFlops run on the calling thread alone, as gemm.cpp's small
+//   products do: digits_cnn's 64x16x8x8 3x3 convolution took 170 us on one thread and 6 ms on a
+//   team of two sharing a core with a compiler. The choice depends on the problem only, and the
+//   primitive is made under it too (oneDNN plans its work split when it makes one), so a shape
+//   always runs the same kernel and gives the same bits.
 
 namespace mixtape {
 namespace {
@@ -36,6 +42,8 @@ namespace {
 using OnednnType = dnnl::memory::data_type;
 using Tag = dnnl::memory::format_tag;
 using Dims = dnnl::memory::dims;
+
+constexpr double kSingleThreadMaxFlops = double{1 << 24};
 
 struct ConvKey {
   OpCode op;
@@ -112,6 +120,13 @@ ConvKey key_of(const ConvDesc& d) {
           {w.dil[0], w.dil[1]},
           w.groups,
           onednn_operand(d.operand)};
+}
+
+bool runs_on_team(const ConvKey& k) {
+  const double flops = 2.0 * static_cast<double>(k.n) * static_cast<double>(k.o) *
+                       static_cast<double>(k.oh * k.ow) * static_cast<double>(k.c / k.groups) *
+                       static_cast<double>(k.kh * k.kw);
+  return flops >= kSingleThreadMaxFlops;
 }
 
 std::shared_ptr<const CachedConv> create(const ConvKey& k) {
@@ -197,6 +212,7 @@ std::shared_ptr<const CachedConv> cached(const ConvDesc& d) {
   // Made outside the lock (oneDNN JIT-compiles its kernels); a racing thread's copy is dropped.
   std::shared_ptr<const CachedConv> made;
   try {
+    SingleThreaded single_threaded(!runs_on_team(key));
     made = create(key);
   } catch (const dnnl::error& e) {
     fail("{}: oneDNN has no primitive for it: {}", describe(d), e.what());
@@ -242,6 +258,7 @@ void conv(const ConvDesc& d, const void* a, const void* b, void* out) {
   thread_local dnnl::stream stream(engine);
   ThreadScratch& scratch = thread_scratch();
   const OnednnType t = onednn_operand(d.operand);
+  SingleThreaded single_threaded(!runs_on_team(key_of(d)));
   try {
     // Inputs: widened if f16, then reordered into the primitive's layout if it differs.
     auto input = [&](const Argument& arg, const void* data, ScratchBuffer& widened,

@@ -9,7 +9,22 @@
 
 namespace mixtape {
 
-void evaluate(const std::vector<NodePtr>& outputs) {
+namespace {
+void run(const std::vector<NodePtr>& outputs);
+}  // namespace
+
+void evaluate(const std::vector<NodePtr>& requested) {
+  std::vector<NodePtr> deferred = deferred_assignment_values();
+  if (deferred.empty()) return run(requested);
+  std::vector<NodePtr> outputs = requested;
+  outputs.insert(outputs.end(), deferred.begin(), deferred.end());
+  run(outputs);
+  settle_deferred_assignments();
+}
+
+namespace {
+
+void run(const std::vector<NodePtr>& outputs) {
   std::vector<Node*> pending = pending_nodes(outputs);
   if (pending.empty()) return;
   assign_precision(pending);
@@ -33,5 +48,7 @@ void evaluate(const std::vector<NodePtr>& outputs) {
   for (Node* node : pending)
     if (!node->requires_grad && node->evaluated()) node->inputs.clear();
 }
+
+}  // namespace
 
 }  // namespace mixtape

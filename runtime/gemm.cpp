@@ -20,6 +20,7 @@
 #include "dsl/log.h"
 #include "runtime/half_convert.h"
 #include "runtime/scratch_buffer.h"
+#include "runtime/single_threaded.h"
 
 // Findings about oneDNN 2.6 (Debian 2.6.3) on an Intel CPU with AVX512-BF16 and AVX512-FP16 but no
 // AMX that shape the choices below:
@@ -251,23 +252,6 @@ void log_choice(const GemmDesc& d, Kernel&& kernel) {
   }
   log_line("profile", "{}", line);
 }
-
-// Limits the calling thread's OpenMP team to one thread while it lives. oneDNN reads the limit
-// when it creates a primitive and runs a one-thread primitive without a parallel region.
-class SingleThreaded {
- public:
-  explicit SingleThreaded(bool active) : saved_(active ? omp_get_max_threads() : 0) {
-    if (active) omp_set_num_threads(1);
-  }
-  SingleThreaded(const SingleThreaded&) = delete;
-  SingleThreaded& operator=(const SingleThreaded&) = delete;
-  ~SingleThreaded() {
-    if (saved_ > 0) omp_set_num_threads(saved_);
-  }
-
- private:
-  int saved_;
-};
 
 // A primitive's arguments for the calling thread, made once: each call only points them at its
 // buffers. Making dnnl::memory objects and their map on every call was about a fifth of a small

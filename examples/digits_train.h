@@ -1,0 +1,336 @@
+// examples/digits_train.h -- the digits examples' shared trainer: flags, the train/test split,
+// the training loop (mt::compile by default), export, evaluation and the JSON line. Each example
+// (digits_mlp.cpp, digits_cnn.cpp) only brings its model.
+#pragma once
+
+#include <mixtape/mixtape.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <string>
+
+namespace digits {
+
+namespace mt = mixtape;
+
+struct Options {
+  std::string example;  // digits_mlp or digits_cnn: names the binary, its JSON line and exports
+  // digits_mlp's defaults reach >= 95% on the last 360 digits (other writers than the training
+  // rows): label smoothing and input noise are what close the gap to 1-nearest-neighbour
+  // (95.6%). digits_cnn's reach >= 97%, with random shifts of a pixel and a cosine schedule.
+  int64_t steps = 3000;
+  int64_t batch = 64;
+  double lr = -1;  // per-optimizer default below
+  std::string optimizer = "sgd";
+  double label_smoothing = 0.2;
+  double noise = 0.2;
+  int64_t shift = 0;  // random translations of up to this many pixels
+  bool cosine = false;
+  std::string policy = "fp32";
+  std::string loss_scale = "none";  // none | static:N | dynamic
+  uint64_t seed = 0;
+  bool shuffle = true;
+  std::string load, save;
+  std::string export_dir;  // --export: the trained model as C libraries (examples/deploy/)
+  bool json_only = false;
+  bool compile = true;  // the step through mt::compile (traced twice, then replayed)
+};
+
+constexpr const char* kUsage =
+    "usage: %s [--steps N] [--batch N] [--lr X] [--optimizer sgd|adamw] [--seed N]\n"
+    "    [--no-shuffle] [--load FILE] [--save FILE] [--export DIR] [--json] [--no-compile]\n"
+    "    [--label-smoothing X] [--noise STDDEV] [--shift PIXELS] [--[no-]cosine]\n"
+    "    [--policy fp32|autocast-f16|autocast-bf16|pure-f16|pure-bf16]\n"
+    "    [--loss-scale none|static:N|dynamic]\n";
+
+inline std::string& example_name() {
+  static std::string name;
+  return name;
+}
+
+[[noreturn]] inline void usage(const std::string& problem) {
+  std::fprintf(stderr, "%s: %s (see --help)\n", example_name().c_str(), problem.c_str());
+  std::exit(2);
+}
+
+/// What an example changes of the flags' defaults.
+struct Defaults {
+  int64_t steps = 3000;
+  int64_t shift = 0;
+  double sgd_lr = 0.05;
+  bool cosine = false;
+};
+
+inline Options parse(const std::string& example, const Defaults& defaults, int argc, char** argv) {
+  example_name() = example;
+  Options o;
+  o.example = example;
+  o.steps = defaults.steps;
+  o.shift = defaults.shift;
+  o.cosine = defaults.cosine;
+  for (int i = 1; i < argc; ++i) {
+    std::string flag = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) usage("missing value for " + flag);
+      return argv[++i];
+    };
+    auto number = [&](const std::string& text) {
+      char* end = nullptr;
+      double v = std::strtod(text.c_str(), &end);
+      if (text.empty() || *end != '\0') usage("not a number for " + flag + ": " + text);
+      return v;
+    };
+    if (flag == "--steps")
+      o.steps = static_cast<int64_t>(number(value()));
+    else if (flag == "--batch")
+      o.batch = static_cast<int64_t>(number(value()));
+    else if (flag == "--lr")
+      o.lr = number(value());
+    else if (flag == "--optimizer")
+      o.optimizer = value();
+    else if (flag == "--seed")
+      o.seed = static_cast<uint64_t>(number(value()));
+    else if (flag == "--no-shuffle")
+      o.shuffle = false;
+    else if (flag == "--label-smoothing")
+      o.label_smoothing = number(value());
+    else if (flag == "--noise")
+      o.noise = number(value());
+    else if (flag == "--shift")
+      o.shift = static_cast<int64_t>(number(value()));
+    else if (flag == "--cosine")
+      o.cosine = true;
+    else if (flag == "--no-cosine")
+      o.cosine = false;
+    else if (flag == "--policy")
+      o.policy = value();
+    else if (flag == "--loss-scale")
+      o.loss_scale = value();
+    else if (flag == "--load")
+      o.load = value();
+    else if (flag == "--save")
+      o.save = value();
+    else if (flag == "--export")
+      o.export_dir = value();
+    else if (flag == "--no-compile")
+      o.compile = false;
+    else if (flag == "--compile")
+      o.compile = true;
+    else if (flag == "--json")
+      o.json_only = true;
+    else if (flag == "--help" || flag == "-h")
+      std::printf(kUsage, example.c_str()), std::exit(0);
+    else
+      usage("unknown flag " + flag);
+  }
+  if (o.steps < 1) usage("--steps must be at least 1");
+  if (o.batch < 1 || o.batch > 1437) usage("--batch must be in [1, 1437]");
+  if (o.optimizer != "sgd" && o.optimizer != "adamw") usage("--optimizer must be sgd or adamw");
+  if (o.label_smoothing < 0 || o.label_smoothing > 1) usage("--label-smoothing must be in [0, 1]");
+  if (o.noise < 0) usage("--noise must be >= 0");
+  if (o.shift < 0 || o.shift > 3) usage("--shift must be in [0, 3]");
+  if (o.loss_scale != "none" && o.loss_scale != "dynamic" && !o.loss_scale.starts_with("static:"))
+    usage("--loss-scale must be none, static:N or dynamic");
+  if (o.lr < 0) o.lr = o.optimizer == "sgd" ? defaults.sgd_lr : 2e-3;
+  return o;
+}
+
+inline mt::TensorDataset split(const mt::Digits& digits, int64_t begin, int64_t end) {
+  std::vector<float> pixels(digits.pixels.begin() + begin * 64, digits.pixels.begin() + end * 64);
+  for (float& p : pixels) p /= 16.0f;
+  std::vector<int64_t> labels(digits.labels.begin() + begin, digits.labels.begin() + end);
+  return mt::TensorDataset(std::move(pixels), {64}, std::move(labels));
+}
+
+// Each 8x8 image moved by up to `shift` pixels along each axis, zeros coming in: the writers of
+// the test rows place their digits differently from those of the training rows.
+inline mt::Tensor shifted(const mt::Tensor& pixels, int64_t shift, std::mt19937_64& rng) {
+  std::vector<float> in = pixels.to_vector<float>(), out(in.size(), 0.0f);
+  std::uniform_int_distribution<int64_t> offset(-shift, shift);
+  for (size_t image = 0; image < in.size() / 64; ++image) {
+    const int64_t dy = offset(rng), dx = offset(rng);
+    for (int64_t y = 0; y < 8; ++y)
+      for (int64_t x = 0; x < 8; ++x) {
+        const int64_t from_y = y - dy, from_x = x - dx;
+        if (from_y >= 0 && from_y < 8 && from_x >= 0 && from_x < 8)
+          out[image * 64 + static_cast<size_t>(y * 8 + x)] =
+              in[image * 64 + static_cast<size_t>(from_y * 8 + from_x)];
+      }
+  }
+  return mt::tensor(out, pixels.shape());
+}
+
+inline void progress(const Options& o, bool terminal, int64_t step, double loss, double rate) {
+  if (o.json_only) return;
+  if (terminal) {
+    int width = 30, done = static_cast<int>(width * step / o.steps);
+    std::printf("\r[%-*s] step %lld/%lld  loss %.4f  %.0f steps/s", width,
+                std::string(done, '#').c_str(), static_cast<long long>(step),
+                static_cast<long long>(o.steps), loss, rate);
+    if (step == o.steps) std::printf("\n");
+    std::fflush(stdout);
+  } else {
+    std::printf("step %lld loss %.4f steps/s %.1f\n", static_cast<long long>(step), loss, rate);
+  }
+}
+
+/// Trains `net` (digit logits [batch, 10] from pixels [batch, 64]) on the first 1437 digits and
+/// tests it on the last 360, as the flags say; prints progress and one JSON line.
+template <typename Model>
+int run(const Options& o, Model& net) {
+  mt::PolicyPtr policy = mt::policy_by_name(o.policy);
+  mt::GradScalerOptions scaling{.enabled = o.loss_scale != "none",
+                                .dynamic = o.loss_scale == "dynamic"};
+  if (o.loss_scale.starts_with("static:")) {
+    std::string factor = o.loss_scale.substr(7);
+    char* end = nullptr;
+    scaling.init_scale = std::strtod(factor.c_str(), &end);
+    if (factor.empty() || *end != '\0' || !(scaling.init_scale > 0))
+      usage("--loss-scale static:N needs a positive number, got '" + factor + "'");
+  }
+  mt::GradScaler scaler(scaling);
+  mt::Digits digits = mt::load_digits(mt::default_data_dir() + "/digits.csv.gz");
+  if (digits.count() != 1797) mt::fail("digits: expected 1797 rows, found {}", digits.count());
+  mt::TensorDataset train = split(digits, 0, 1437), test = split(digits, 1437, 1797);
+
+  if (!o.load.empty()) mt::load_checkpoint(o.load, net);
+  std::unique_ptr<mt::Optimizer> optimizer;
+  if (o.optimizer == "sgd")
+    optimizer =
+        std::make_unique<mt::SGD>(net.parameters(), mt::SGDOptions{.lr = o.lr, .momentum = 0.9});
+  else
+    optimizer = std::make_unique<mt::AdamW>(net.parameters(),
+                                            mt::AdamOptions{.lr = o.lr, .weight_decay = 0.01});
+
+  mt::DataLoader loader(train, o.batch, o.shuffle, o.seed);
+  mt::Generator noise_generator(o.seed ^ 0x6e6f697365ULL);
+  std::mt19937_64 shift_generator(o.seed ^ 0x7368696674ULL);
+  mt::CosineWithWarmup cosine(o.lr, 0, o.steps);
+  mt::CrossEntropyOptions loss_options{.label_smoothing = o.label_smoothing};
+  bool terminal = isatty(STDOUT_FILENO) != 0;
+  int64_t report_every = std::max<int64_t>(1, o.steps / (terminal ? 100 : 10));
+  // One training step; the loop feeds it noisy batches, and --export writes it as
+  // <example>_train (the noise, the learning-rate schedule and the data stay outside).
+  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    optimizer->zero_grad();
+    mt::Tensor loss;
+    {
+      mt::autocast guard(policy);
+      loss = mt::cross_entropy(net(x), y, loss_options);
+    }
+    scaler.scale(loss).backward();
+    scaler.step(*optimizer);
+    scaler.update();
+    return loss;
+  };
+  // The loop as users write it, replayed: mt::compile traces the step twice, then runs its
+  // programs without tracing (--no-compile traces every step; the results are the same bits).
+  auto compiled_step = mt::compile(train_step);
+  double loss_value = 0;
+  auto start = std::chrono::steady_clock::now();
+  for (int64_t step = 1; step <= o.steps; ++step) {
+    mt::Batch batch = loader.next();
+    if (o.cosine) optimizer->set_lr(cosine.lr(step - 1));
+    mt::Tensor inputs =
+        o.shift > 0 ? shifted(batch.inputs, o.shift, shift_generator) : batch.inputs;
+    if (o.noise > 0)
+      inputs = inputs + mt::randn(inputs.shape(), mt::f32, &noise_generator, 0, o.noise);
+    mt::Tensor loss =
+        o.compile ? compiled_step(inputs, batch.targets) : train_step(inputs, batch.targets);
+    if (step % report_every == 0 || step == o.steps) {
+      loss_value = loss.item();
+      double seconds =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      progress(o, terminal, step, loss_value, static_cast<double>(step) / seconds);
+    }
+  }
+  double train_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  // The step is exported while the model still trains; the export puts the state back.
+  if (!o.export_dir.empty()) {
+    mt::aot::Options step_options{.name = o.example + "_train",
+                                  .module = &net,
+                                  .optimizer = optimizer.get(),
+                                  .scaler = &scaler,
+                                  .devices = mt::aot::exportable_devices()};
+    mt::aot::export_step(
+        [&](const mt::Tensor& x, const mt::Tensor& y) { return train_step(x, y).reshape({1}); },
+        {mt::aot::input("x", {o.batch, 64}, mt::f32), mt::aot::input("y", {o.batch}, mt::i64)},
+        {"loss"}, o.export_dir, step_options);
+  }
+
+  net.eval();
+  auto classify = [&](const mt::Tensor& x) {
+    mt::autocast guard(policy);
+    return mt::cast(net(x), mt::f32);
+  };
+  std::vector<int64_t> all(static_cast<size_t>(test.size()));
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int64_t>(i);
+  mt::Batch test_batch = test.get_batch(all);
+  std::vector<int64_t> predicted;
+  {
+    mt::NoGradGuard no_grad;
+    mt::Tensor logits = classify(test_batch.inputs);
+    predicted = mt::argmax(logits, -1).to_vector<int64_t>();
+  }
+  std::vector<int64_t> labels = test_batch.targets.to_vector<int64_t>();
+  int64_t correct = 0;
+  for (size_t i = 0; i < labels.size(); ++i) correct += predicted[i] == labels[i];
+  double accuracy = static_cast<double>(correct) / static_cast<double>(labels.size());
+
+  if (!o.save.empty()) mt::save_checkpoint(o.save, net, optimizer.get());
+  if (!o.export_dir.empty()) {
+    mt::aot::Options options{.name = o.example,
+                             .dynamic_batch = {.max = 1024},
+                             .module = &net,
+                             .devices = mt::aot::exportable_devices()};
+    mt::aot::export_function(classify, {mt::aot::input("x", {1024, 64}, mt::f32)}, {"logits"},
+                             o.export_dir, options);
+    std::printf(
+        "exported to %s: %s (logits f32 [batch, 10] from x f32 [batch, 64], batch 1..1024, "
+        "policy %s) and %s_train (one training step, batch %lld); see examples/deploy/\n",
+        o.export_dir.c_str(), o.example.c_str(), o.policy.c_str(), o.example.c_str(),
+        static_cast<long long>(o.batch));
+  }
+  if (!o.json_only)
+    std::printf("test accuracy %.2f%% (%lld/%zu), %lld steps in %.1f s\n", accuracy * 100,
+                static_cast<long long>(correct), labels.size(), static_cast<long long>(o.steps),
+                train_seconds);
+  mt::json::Object line{{"example", o.example},
+                        {"test_accuracy", accuracy},
+                        {"final_loss", loss_value},
+                        {"steps", o.steps},
+                        {"train_seconds", train_seconds},
+                        {"optimizer", o.optimizer},
+                        {"batch", o.batch},
+                        {"policy", o.policy},
+                        {"loss_scale", o.loss_scale},
+                        {"final_scale", scaler.get_scale()},
+                        {"skipped_steps", scaler.skipped_steps()},
+                        {"step", o.compile ? "compiled" : "traced"},
+                        {"replayed_steps", compiled_step.stats().replays}};
+  std::printf("%s\n", mt::json::dump(line).c_str());
+  return 0;
+}
+
+/// main() of a digits example: parses the flags and trains a fresh Model.
+template <typename Model>
+int main_of(const char* example, const Defaults& defaults, int argc, char** argv) {
+  Options options = parse(example, defaults, argc, argv);
+  try {
+    mt::manual_seed(options.seed);  // the model's initial weights come from it
+    Model net;
+    return run(options, net);
+  } catch (const mt::Error& e) {
+    std::fprintf(stderr, "%s: error: %s\n", example, e.what());
+    return 1;
+  }
+}
+
+}  // namespace digits
