@@ -441,6 +441,45 @@ TEST(Assign, KeepsRequiresGradAndUpdatesEveryCopy) {
   expect_near_all(values(c_copy), {1, 1});
 }
 
+// assign_later leaves the value to the next evaluation, whatever it was asked for: batch norm's
+// running statistics join the training step's program that way.
+TEST(AssignLater, TheNextEvaluationComputesAndSettlesIt) {
+  mt::Tensor state = mt::zeros({2}, mt::f64);
+  mt::eval({state});
+  mt::Tensor copy = state;
+  mt::Tensor other = mt::ones({3}, mt::f64) * 2.0;
+  state.assign_later(state + mt::tensor(std::vector<double>{1, 2}, {2}));
+  EXPECT_FALSE(copy.is_leaf()) << "pending: the handle reads as the value's node";
+  mt::reset_execution_stats();
+  mt::eval({other});  // an unrelated evaluation computes it too, in the same program
+  if (mt::current_device() != mt::Device::reference)  // which counts no evaluations
+    EXPECT_EQ(mt::execution_stats().evaluations, 1);
+  EXPECT_TRUE(copy.is_leaf());
+  EXPECT_TRUE(copy.node()->inputs.empty());
+  expect_near_all(values(copy), {1, 2});
+  // Assigned twice before any evaluation: the second value wins and reads the first.
+  state.assign_later(state * 10.0);
+  state.assign_later(state + 1.0);
+  expect_near_all(values(state), {11, 21});  // reading it evaluates
+  EXPECT_TRUE(state.is_leaf());
+  // A tensor dropped before the evaluation is no trouble.
+  {
+    mt::Tensor temporary = mt::zeros({2}, mt::f64);
+    mt::eval({temporary});
+    temporary.assign_later(temporary + 1.0);
+  }
+  mt::eval({other * 3.0});
+}
+
+TEST(AssignLater, RefusesWhatAssignRefusesAndTensorsThatRequireGrad) {
+  mt::Tensor p = leaf({1, 2}, {2});
+  EXPECT_MT_ERROR(p.assign_later(p * 2.0), "assign_later", "requires grad");
+  mt::Tensor c = mt::zeros({2}, mt::f64);
+  EXPECT_MT_ERROR(c.assign_later(mt::ones({3}, mt::f64)), "assign_later", "[3]", "[2]");
+  EXPECT_MT_ERROR(c.assign_later(mt::Tensor()), "assign_later", "undefined");
+  expect_near_all(values(c), {0, 0});
+}
+
 TEST(Assign, WrongShapeOrDtypeThrowsAndChangesNothing) {
   mt::Tensor p = leaf({1, 2}, {2});
   const mt::Node* before = p.node().get();
