@@ -452,8 +452,9 @@ TEST(AssignLater, TheNextEvaluationComputesAndSettlesIt) {
   EXPECT_FALSE(copy.is_leaf()) << "pending: the handle reads as the value's node";
   mt::reset_execution_stats();
   mt::eval({other});  // an unrelated evaluation computes it too, in the same program
-  if (mt::current_device() != mt::Device::reference)  // which counts no evaluations
+  if (mt::current_device() != mt::Device::reference) {  // which counts no evaluations
     EXPECT_EQ(mt::execution_stats().evaluations, 1);
+  }
   EXPECT_TRUE(copy.is_leaf());
   EXPECT_TRUE(copy.node()->inputs.empty());
   expect_near_all(values(copy), {1, 2});
