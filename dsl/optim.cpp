@@ -67,14 +67,46 @@ template <typename Make>
 Tensor Optimizer::shared(uint64_t what, bool number, DType dtype, const Shape& shape, Make make) {
   uint64_t h = what * 0x9E3779B97F4A7C15ull ^ (uint64_t{number} << 8 | static_cast<uint8_t>(dtype));
   for (int64_t d : shape) h = (h ^ static_cast<uint64_t>(d)) * 0x9E3779B97F4A7C15ull ^ (h >> 29);
-  auto [it, made] = shared_.try_emplace(h);
-  Shared& entry = it->second;
-  if (!made && entry.what == what && entry.number == number && entry.dtype == dtype &&
-      entry.shape == shape)
-    return entry.value;
-  // New, or a different one under the same hash (which then takes the place).
-  entry = {what, number, dtype, shape, make()};
+  auto find_slot = [&] {
+    size_t mask = shared_slots_.size() - 1, slot = h & mask;
+    for (; shared_slots_[slot] >= 0; slot = (slot + 1) & mask) {
+      const Shared& e = shared_[static_cast<size_t>(shared_slots_[slot])];
+      if (e.hash == h && e.what == what && e.number == number && e.dtype == dtype &&
+          e.shape == shape)
+        break;
+    }
+    return slot;
+  };
+  if (shared_slots_.empty()) shared_slots_.assign(64, -1);
+  size_t slot = find_slot();
+  if (shared_slots_[slot] >= 0) return shared_[static_cast<size_t>(shared_slots_[slot])].value;
+  Tensor value = make();
+  if (2 * (shared_count_ + 1) > shared_slots_.size()) {  // kept at most half full
+    shared_slots_.assign(2 * shared_slots_.size(), -1);
+    size_t mask = shared_slots_.size() - 1;
+    for (size_t i = 0; i < shared_count_; ++i) {
+      size_t s = shared_[i].hash & mask;
+      while (shared_slots_[s] >= 0) s = (s + 1) & mask;
+      shared_slots_[s] = static_cast<int32_t>(i);
+    }
+  }
+  slot = find_slot();
+  if (shared_count_ == shared_.size()) shared_.emplace_back();
+  Shared& entry = shared_[shared_count_];
+  entry.hash = h;
+  entry.what = what;
+  entry.number = number;
+  entry.dtype = dtype;
+  entry.shape.assign(shape.begin(), shape.end());
+  entry.value = std::move(value);
+  shared_slots_[slot] = static_cast<int32_t>(shared_count_++);
   return entry.value;
+}
+
+void Optimizer::drop_shared() {
+  for (size_t i = 0; i < shared_count_; ++i) shared_[i].value = Tensor();
+  shared_count_ = 0;
+  std::fill(shared_slots_.begin(), shared_slots_.end(), -1);
 }
 
 Tensor Optimizer::step_constant(double value, const Tensor& like) {
@@ -119,9 +151,9 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
     // The shared nodes live for this build only, also when it throws: an entry is keyed by its
     // scalar's address, which a later step's scalar may reuse.
     struct DropShared {
-      std::unordered_map<uint64_t, Shared>& shared;
-      ~DropShared() { shared.clear(); }
-    } drop_shared{shared_};
+      Optimizer& optimizer;
+      ~DropShared() { optimizer.drop_shared(); }
+    } drop_shared{*this};
     skip_ = Tensor();
     if (skip.defined()) {
       if (skip.numel() != 1)

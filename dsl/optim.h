@@ -3,7 +3,6 @@
 #pragma once
 
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "dsl/module.h"
@@ -88,8 +87,11 @@ class Optimizer {
 
  private:
   // The nodes step_constant() and step_scalar() share within a step, by what they hold (a
-  // number's bits or a scalar's node), dtype and shape; dropped when the step ends.
+  // number's bits or a scalar's node), dtype and shape; dropped when the step ends. A table of
+  // its own, kept from step to step with its entries' shapes, so that a step allocates nothing
+  // for it once the first one has run.
   struct Shared {
+    uint64_t hash = 0;
     uint64_t what = 0;
     bool number = false;
     DType dtype = f32;
@@ -98,7 +100,10 @@ class Optimizer {
   };
   template <typename Make>
   Tensor shared(uint64_t what, bool number, DType dtype, const Shape& shape, Make make);
-  std::unordered_map<uint64_t, Shared> shared_;
+  void drop_shared();
+  std::vector<Shared> shared_;  // this step's entries first, then spares from earlier steps
+  size_t shared_count_ = 0;
+  std::vector<int32_t> shared_slots_;  // open addressing into shared_, -1 where empty
   double lr_ = 0;
   Tensor lr_value_;
   std::vector<Tensor> params_;
