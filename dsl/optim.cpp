@@ -109,22 +109,24 @@ void Optimizer::drop_shared() {
   std::fill(shared_slots_.begin(), shared_slots_.end(), -1);
 }
 
-Tensor Optimizer::step_constant(double value, const Tensor& like) {
+Tensor Optimizer::step_constant(double value, const Tensor& like, const Loc& loc) {
   // The dtype a number takes beside `like` in an operator (dsl/ops.cpp, scalar_like).
   DType dtype = like.dtype();
   if (!is_floating(dtype)) dtype = f32;
   return shared(std::bit_cast<uint64_t>(value), true, dtype, like.shape(),
-                [&] { return full(like.shape(), value, dtype); });
+                [&] { return full(like.shape(), value, dtype, loc); });
 }
 
-Tensor Optimizer::step_scalar(const Tensor& scalar, DType dtype, const Shape& shape) {
+Tensor Optimizer::step_scalar(const Tensor& scalar, DType dtype, const Shape& shape,
+                              const Loc& loc) {
   // Broadcast for each parameter: a broadcast read by the kernels of several parameters would
   // make their kernels differ, and multi-tensor steps merge only kernels of one form. The cast
   // of a value this step computes is shared (it joins the kernel that computes the value); that
   // of a stored value (the learning rate) would be a kernel of its own, so each makes its own.
-  if (scalar.node()->evaluated()) return broadcast_to(cast(scalar, dtype), shape);
+  if (scalar.node()->evaluated()) return broadcast_to(cast(scalar, dtype, loc), shape, loc);
   uint64_t what = reinterpret_cast<uintptr_t>(scalar.node().get());
-  return broadcast_to(shared(what, false, dtype, {}, [&] { return cast(scalar, dtype); }), shape);
+  return broadcast_to(shared(what, false, dtype, {}, [&] { return cast(scalar, dtype, loc); }),
+                      shape, loc);
 }
 
 void Optimizer::step() { step_unless(Tensor(), {}); }

@@ -79,11 +79,12 @@ class Optimizer {
   /// make of the number), one node per step for all parameters of that shape and dtype. The
   /// traced loop builds every step's update anew, and a node per parameter and constant was
   /// most of its graph.
-  Tensor step_constant(double value, const Tensor& like);
+  Tensor step_constant(double value, const Tensor& like, const Loc& loc = Loc::current());
   /// Inside update(): a 0-d value (the learning rate, or one begin_step() made) cast to `dtype`
   /// and broadcast to `shape`; the cast of a value begin_step() made is shared by all parameters
   /// of that dtype.
-  Tensor step_scalar(const Tensor& scalar, DType dtype, const Shape& shape);
+  Tensor step_scalar(const Tensor& scalar, DType dtype, const Shape& shape,
+                     const Loc& loc = Loc::current());
 
  private:
   // The nodes step_constant() and step_scalar() share within a step, by what they hold (a
