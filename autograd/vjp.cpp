@@ -83,7 +83,8 @@ Grads vjp_Cumsum(const Node& n, const Tensor& g) {
 // dividing by x, as PyTorch's cumprod_backward, so that zeros get their true gradient: before
 // the first zero of a line it is the running sum of g y from the end over x; at the first zero,
 // the running sum over the outputs from there on of g times the products with that zero taken
-// as 1; after it, zero (every product holds the first zero). Differentiable again.
+// as 1; after it, zero (every product holds the first zero). Differentiable again, exactly away
+// from zeros (at a zero, the dropped terms' derivatives in x are not 0 though their values are).
 Grads vjp_Cumprod(const Node& n, const Tensor& g) {
   Tensor x = in(n, 0), y = out(n);
   const int64_t axis = n.attrs.axis;

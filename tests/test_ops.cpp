@@ -1021,6 +1021,61 @@ void add_indexing_cases(Oracle& o, Data& d, mt::DType dt) {
         "F.one_hot(a, 4).to(" + torch_dtype(dt) + ")");
 }
 
+// Scans, sorting and selection (dsl/ops.h, dsl/selection.h), with the special values each
+// must order or propagate as PyTorch does.
+void add_scan_and_sort_cases(Oracle& o, Data& d, mt::DType dt) {
+  const std::string t(mt::name(dt));
+  mt::Tensor x = d.randn({3, 4, 5}, dt);
+  o.add("cumsum/dim1/" + t, {x}, mt::cumsum(x, 1), "torch.cumsum(a, 1)");
+  o.add("cumsum/last/" + t, {x}, mt::cumsum(x, -1), "torch.cumsum(a, -1)");
+  mt::Tensor special = make({1, kNan, 2, 3, kInf, -kInf, 1, 2, 0.5, -0.5, 0.25, 4}, {3, 4}, dt);
+  o.add("cumsum/specials/" + t, {special}, mt::cumsum(special, 1), "torch.cumsum(a, 1)");
+  mt::Tensor zeros = make({0.5, 0, 2, 3, 1.5, -2, 0, 0, 0.75, 2, -1, 1.25}, {3, 4}, dt);
+  o.add("cumprod/zeros/" + t, {zeros}, mt::cumprod(zeros, 1), "torch.cumprod(a, 1)");
+  o.add("cumprod/dim0/" + t, {x}, mt::cumprod(x, 0), "torch.cumprod(a, 0)");
+  mt::Tensor lx = d.randn({3, 4, 5}, dt, 10.0);
+  o.add("logcumsumexp/" + t, {lx}, mt::logcumsumexp(lx, 2), "torch.logcumsumexp(a, 2)");
+  mt::Tensor linf = make({-kInf, -kInf, 1, -kInf, kInf, 2, kInf, 1, 3, kNan, 1, 800}, {3, 4}, dt);
+  o.add("logcumsumexp/infinities/" + t, {linf}, mt::logcumsumexp(linf, 1),
+        "torch.logcumsumexp(a, 1)");
+  o.add("prod/dim1/" + t, {x}, mt::prod(x, 1), "a.prod(1)");
+  o.add("prod/keepdim_zeros/" + t, {zeros}, mt::prod(zeros, -1, true), "a.prod(-1, keepdim=True)");
+  o.add("prod/all/" + t, {zeros}, mt::prod(zeros * 0.5 + 1.0), "(a * 0.5 + 1).prod()");
+  // Ties (kept in order), NaN (above +inf), -0 and +0 (equal).
+  mt::Tensor ties =
+      make({3, 1, kNan, 1, -0.0, 0.0, kInf, 2, 2, -kInf, 0.0, 7, kNan, 2, 2, 1}, {2, 8}, dt);
+  o.add("argsort/ties/" + t, {ties}, mt::argsort(ties, 1), "torch.sort(a, stable=True, dim=1)[1]");
+  o.add("argsort/descending/" + t, {ties}, mt::argsort(ties, -1, true),
+        "torch.sort(a, stable=True, dim=-1, descending=True)[1]");
+  o.add("sort/values/" + t, {ties}, mt::sort(ties, 1).values, "torch.sort(a, 1)[0]");
+  o.add("sort/descending_dim0/" + t, {x}, mt::sort(x, 0, true).values,
+        "torch.sort(a, 0, descending=True)[0]");
+  mt::Tensor distinct = make({0.5, kNan, -1, 3, 2.5, -4, 9, 1.5, 0.25, -2, 6, 4}, {3, 4}, dt);
+  o.add("topk/values/" + t, {x}, mt::topk(x, 3, 1).values, "torch.topk(a, 3, 1)[0]");
+  o.add("topk/indices_nan/" + t, {distinct}, mt::topk(distinct, 2).indices, "torch.topk(a, 2)[1]");
+  o.add("topk/smallest_dim0/" + t, {distinct}, mt::topk(distinct, 2, 0, false).indices,
+        "torch.topk(a, 2, 0, largest=False)[1]");
+  o.add("topk/smallest_values/" + t, {x}, mt::topk(x, 2, -1, false).values,
+        "torch.topk(a, 2, -1, largest=False)[0]");
+  mt::Tensor base = d.randn({3, 4}, dt), src = d.randn({3, 3}, dt);
+  mt::Tensor at = ints({0, 3, 2, 1, 1, 0}, {3, 2});
+  o.add("scatter/" + t, {base, at, src}, mt::scatter(base, 1, at, src), "a.scatter(1, b, c)");
+  o.add("scatter/value/" + t, {base, at}, mt::scatter(base, 1, at, 2.5), "a.scatter(1, b, 2.5)");
+  mt::Tensor rows = ints({2, 0, 1, 1, 2, 0}, {2, 3}, mt::i32);
+  o.add("scatter/dim0/" + t, {base, rows, src}, mt::scatter(base, 0, rows, src),
+        "a.scatter(0, b.long(), c)");
+  mt::Tensor taken = ints({4, 0, 0, 2, 1, 1}, {1, 2, 3});
+  mt::Tensor cube = d.randn({3, 1, 5}, dt);
+  o.add("take_along_dim/" + t, {cube, taken}, mt::take_along_dim(cube, taken, 2),
+        "torch.take_along_dim(a, b, 2)");
+  o.add("take_along_dim/flat/" + t, {cube, taken}, mt::take_along_dim(cube, taken),
+        "torch.take_along_dim(a, b)");
+  mt::Tensor mask = mt::tensor(std::vector<int64_t>{1, 0, 0, 1, 1}, {1, 5}, mt::boolean);
+  o.add("masked_select/" + t, {cube, mask}, mt::masked_select(cube, mask),
+        "torch.masked_select(a, b)");
+  o.add("nonzero/" + t, {zeros}, mt::nonzero(zeros), "torch.nonzero(a)");
+}
+
 void add_composite_cases(Oracle& o, Data& d, mt::DType dt) {
   const std::string t(mt::name(dt));
   mt::Tensor x = d.randn({3, 5}, dt, 2.0);
@@ -1188,6 +1243,12 @@ void add_integer_cases(Oracle& o, Data& d) {
     o.add("int/max/" + t, {a}, mt::max(a, {1}), "a.amax(1)");
     o.add("int/argmax/" + t, {a}, mt::argmax(a, 0), "a.argmax(0)");
     o.add("int/argmin/" + t, {a}, mt::argmin(a, 1), "a.argmin(1)");
+    o.add("int/cumsum/" + t, {a}, mt::cumsum(a, 0), "torch.cumsum(a, 0)");
+    o.add("int/cumprod/" + t, {b}, mt::cumprod(b, 0), "torch.cumprod(a, 0)");
+    o.add("int/prod/" + t, {a}, mt::prod(a, 1), "a.prod(1)");
+    o.add("int/sort/" + t, {a}, mt::sort(a, 1, true).values,
+          "torch.sort(a, 1, descending=True)[0]");
+    o.add("int/argsort/" + t, {a}, mt::argsort(a, 0), "torch.sort(a, stable=True, dim=0)[1]");
     o.add("int/where/" + t, {a, b}, mt::where(mt::gt(a, b), a, b), "torch.where(a > b, a, b)");
     o.add("int/concat/" + t, {a, b}, mt::concat({a, mt::unsqueeze(b, 0)}, 0),
           "torch.cat([a, b.unsqueeze(0)], 0)");
@@ -1203,6 +1264,8 @@ void add_integer_cases(Oracle& o, Data& d) {
   mt::Tensor flags = mt::tensor(std::vector<int64_t>{1, 0, 1, 1}, {4}, mt::boolean);
   o.add("bool/sum", {flags}, mt::sum(flags), "a.sum()");
   o.add("bool/cast_f32", {flags}, mt::cast(flags, mt::f32), "a.float()");
+  o.add("bool/cumsum", {flags}, mt::cumsum(flags, 0), "torch.cumsum(a, 0)");
+  o.add("bool/nonzero", {flags}, mt::nonzero(flags), "torch.nonzero(a)");
   o.add("causal_mask", {}, mt::causal_mask(5), "torch.ones(5, 5, dtype=torch.bool).tril()");
   o.add("arange/i64", {}, mt::arange(7), "torch.arange(7)");
 }
@@ -1265,6 +1328,7 @@ TEST(TorchOracle, EveryOpMatchesPyTorch) {
     add_conv_cases(oracle, data, dt);
     add_movement_cases(oracle, data, dt);
     add_indexing_cases(oracle, data, dt);
+    add_scan_and_sort_cases(oracle, data, dt);
     add_composite_cases(oracle, data, dt);
   }
   add_integer_cases(oracle, data);
