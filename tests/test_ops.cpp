@@ -316,6 +316,86 @@ TEST(RandomComposites, BernoulliAndRandint) {
   EXPECT_THROW(mt::repeat(mt::zeros({2, 3}), {2}), mt::Error);
 }
 
+// multinomial and randperm: seeded, reproducible draws with the right support and frequencies.
+TEST(RandomComposites, MultinomialAndRandperm) {
+  mt::Generator gen(5);
+  // Unnormalized weights; category 1 has none.
+  mt::Tensor w = make({0.2, 0.0, 1.2, 0.6}, {4});
+  std::vector<int64_t> draws = int_values(mt::multinomial(w, 20000, true, &gen));
+  std::vector<int> counts(4, 0);
+  for (int64_t v : draws) {
+    ASSERT_GE(v, 0);
+    ASSERT_LT(v, 4);
+    ++counts[v];
+  }
+  EXPECT_EQ(counts[1], 0);
+  EXPECT_NEAR(counts[0] / 20000.0, 0.1, 0.01);
+  EXPECT_NEAR(counts[2] / 20000.0, 0.6, 0.015);
+  EXPECT_NEAR(counts[3] / 20000.0, 0.3, 0.015);
+  // Without replacement: each row a set of distinct categories, zero weights only when forced,
+  // and the first draw distributed as the weights.
+  mt::Tensor rows = mt::broadcast_to(make({1.0, 0.0, 6.0, 3.0}, {1, 4}), {5000, 4});
+  std::vector<int64_t> picks = int_values(mt::multinomial(rows, 3, false, &gen));
+  std::vector<int> first(4, 0);
+  for (size_t r = 0; r < 5000; ++r) {
+    std::set<int64_t> seen(picks.begin() + 3 * r, picks.begin() + 3 * r + 3);
+    EXPECT_EQ(seen.size(), 3u);
+    EXPECT_FALSE(seen.count(1)) << "row " << r;
+    ++first[picks[3 * r]];
+  }
+  EXPECT_NEAR(first[2] / 5000.0, 0.6, 0.03);
+  EXPECT_NEAR(first[0] / 5000.0, 0.1, 0.02);
+  std::vector<int64_t> all =
+      int_values(mt::multinomial(make({1.0, 0.0, 2.0}, {3}), 3, false, &gen));
+  EXPECT_EQ(all.back(), 1) << "the zero-weight category comes last";
+  mt::Generator a(9), b(9), c(10);
+  EXPECT_EQ(int_values(mt::multinomial(w, 50, true, &a)),
+            int_values(mt::multinomial(w, 50, true, &b)));
+  std::vector<int64_t> perm = int_values(mt::randperm(50, &c));
+  std::vector<int64_t> sorted = perm;
+  std::sort(sorted.begin(), sorted.end());
+  for (int64_t i = 0; i < 50; ++i) EXPECT_EQ(sorted[i], i);
+  EXPECT_NE(perm, sorted);
+  EXPECT_EQ(int_values(mt::randperm(50, &a)), int_values(mt::randperm(50, &b)));
+  EXPECT_NE(int_values(mt::randperm(50, &a)), perm);
+  EXPECT_EQ(mt::randperm(0).numel(), 0);
+  EXPECT_EQ(mt::randperm(4, &a, mt::i32).dtype(), mt::i32);
+}
+
+// Gradients at zeros, which finite differences see only as a smooth polynomial: PyTorch's values.
+TEST(ScanGradients, ProductsAtZerosTakeTheOtherFactors) {
+  mt::Tensor x = make({2, 0, 3, 0, 5}, {5});
+  x.requires_grad_();
+  // d/dx sum(cumprod(x)): 1 + x1 (1 + ...) = 1 at 0; at the first zero 2 + 2*3 = 8; after, 0.
+  expect_same(values(mt::grad({mt::sum(mt::cumprod(x, 0))}, {x})[0]), {1, 8, 0, 0, 0});
+  mt::Tensor one_zero = make({2, 0, 3, 4}, {2, 2});
+  one_zero.requires_grad_();
+  expect_same(values(mt::grad({mt::sum(mt::prod(one_zero, 1))}, {one_zero})[0]), {0, 2, 4, 3});
+  expect_same(values(mt::grad({mt::prod(one_zero)}, {one_zero})[0]), {0, 24, 0, 0});
+  mt::Tensor two_zeros = make({0, 3, 0}, {3});
+  two_zeros.requires_grad_();
+  expect_same(values(mt::grad({mt::prod(two_zeros)}, {two_zeros})[0]), {0, 0, 0});
+  // A reversed scan underlies each gradient; the reverse scans' own values:
+  expect_same(values(mt::cumulative(mt::OpCode::Cumsum, make({1, 2, 3}, {3}), 0, true)), {6, 5, 3});
+  expect_same(values(mt::cumulative(mt::OpCode::Cumprod, make({1, 2, 3}, {3}), 0, true)),
+              {6, 6, 3});
+}
+
+// Of repeated positions scatter keeps the last write (PyTorch's CPU order), and the gradient of
+// base is zero wherever something was written.
+TEST(Scatter, RepeatedPositionsKeepTheLastWrite) {
+  mt::Tensor base = make({1, 2, 3, 4}, {4});
+  base.requires_grad_();
+  mt::Tensor src = make({10, 20, 30}, {3});
+  mt::Tensor y = mt::scatter(base, 0, ints({2, 0, 2}, {3}), src);
+  expect_same(values(y), {20, 2, 30, 4});
+  expect_same(values(mt::grad({mt::sum(y * make({1, 2, 3, 4}, {4}))}, {base})[0]), {0, 2, 0, 4});
+  // topk keeps the first of equal elements first, and sort is stable.
+  mt::Tensor tied = make({1, 3, 3, 2, 3}, {5});
+  EXPECT_EQ(int_values(mt::topk(tied, 2).indices), (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(int_values(mt::sort(tied, 0, true).indices), (std::vector<int64_t>{1, 2, 4, 3, 0}));
+}
+
 // Padding's errors: the shapes pad refuses, as PyTorch does, with a reason.
 TEST(Pad, RefusesWhatItCannotPad) {
   mt::Tensor x = mt::zeros({2, 3});
