@@ -635,6 +635,9 @@ std::vector<Case> nn_cases() {
   mt::Tensor bad_ids = mt::tensor(i64s({1, 9}), {2});
   return {
       CASE("init", mt::init::fans({3}), "rank >= 2", "[3]"),
+      OP_CASE("normal_", mt::init::normal_(f, 0.0, -1.0), "-1", "[2, 3]"),
+      OP_CASE("normal_", mt::init::normal_(i), "floating-point", "i64"),
+      OP_CASE("uniform_", mt::init::uniform_(f, 1.0, 0.5), "1", "0.5", "[2, 3]"),
       CASE("init", mt::init::xavier_uniform({3}), "[3]"),
       CASE("init", mt::init::xavier_normal({}), "[]"),
       CASE("init", mt::init::kaiming_uniform({5}), "[5]"),

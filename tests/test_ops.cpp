@@ -362,6 +362,26 @@ TEST(RandomComposites, MultinomialAndRandperm) {
   EXPECT_EQ(mt::randperm(4, &a, mt::i32).dtype(), mt::i32);
 }
 
+// torch.nn.init.normal_ / uniform_: in place for every holder, keeping requires_grad.
+TEST(RandomComposites, InPlaceInitializers) {
+  mt::Generator gen(3);
+  mt::Linear layer(100, 200, true, &gen);
+  mt::Tensor holder = layer.weight;
+  mt::init::normal_(layer.weight, 0.5, 2.0, &gen);
+  std::vector<double> w = values(holder);
+  double mean = 0, var = 0;
+  for (double v : w) mean += v / w.size();
+  for (double v : w) var += (v - mean) * (v - mean) / w.size();
+  EXPECT_NEAR(mean, 0.5, 0.05);
+  EXPECT_NEAR(std::sqrt(var), 2.0, 0.05);
+  EXPECT_TRUE(holder.requires_grad());
+  mt::init::uniform_(layer.bias, -3.0, -2.0, &gen);
+  for (double v : values(layer.bias)) {
+    EXPECT_GE(v, -3.0);
+    EXPECT_LT(v, -2.0);
+  }
+}
+
 // Gradients at zeros, which finite differences see only as a smooth polynomial: PyTorch's values.
 TEST(ScanGradients, ProductsAtZerosTakeTheOtherFactors) {
   mt::Tensor x = make({2, 0, 3, 0, 5}, {5});
