@@ -981,8 +981,7 @@ std::vector<Sample> second_order_samples() {
   add_s("sdpa_causal", {{{1, 3, 2}}, {{1, 3, 2}}, {{1, 3, 2}}},
         [](const Tensors& x) { return mt::scaled_dot_product_attention(x[0], x[1], x[2], true); });
   // Away from zeros: at a zero, cumprod's gradient is exact but its own derivative is not.
-  add_s("cumprod", {{{2, 4}}},
-        [](const Tensors& x) { return mt::cumprod(x[0], 1); });
+  add_s("cumprod", {{{2, 4}}}, [](const Tensors& x) { return mt::cumprod(x[0], 1); });
   add_s("logcumsumexp", {{{2, 3}}}, [](const Tensors& x) { return mt::logcumsumexp(x[0], 1); });
   add_s("sort_values", {{{2, 3}, Dist::Grid}},
         [](const Tensors& x) { return mt::square(mt::sort(x[0], 1).values); });
