@@ -2,6 +2,8 @@
 #include "codegen/lower.h"
 
 #include <algorithm>
+#include <array>
+#include <memory>
 #include <optional>
 #include <unordered_map>
 #include <unordered_set>
@@ -31,9 +33,13 @@ Type compute_type(DType dtype) {
 
 // The value `fill` takes once stored as `dtype`, as a double.
 double stored_constant(double fill, DType dtype) {
-  Storage one(dtype, 1);
-  store_element(one, 0, fill);
-  return load_element<double>(one, 0);
+  // One element of each dtype, kept per thread: every kernel launch of the traced loop rounds
+  // each fill it reads, and a Storage made for each was a heap block taken and given back.
+  thread_local std::array<std::unique_ptr<Storage>, 8> ones;
+  std::unique_ptr<Storage>& one = ones.at(static_cast<size_t>(dtype));
+  if (!one) one = std::make_unique<Storage>(dtype, 1);
+  store_element(*one, 0, fill);
+  return load_element<double>(*one, 0);
 }
 
 class Lowerer {
@@ -455,16 +461,11 @@ class Lowerer {
 LoweredKernel lower(const FusionGroup& group) { return Lowerer(group).run(); }
 
 double fill_value(const Node& node) {
-  // Rounded to each storage type on the way up, as the reference executor would.
-  std::vector<const Node*> chain = {&node};
-  while (chain.back()->op != OpCode::Full) {
-    if (chain.back()->inputs.empty()) fail("lowering: {} is not a fill", op_name(chain.back()->op));
-    chain.push_back(chain.back()->inputs[0].get());
-  }
-  double value = chain.back()->attrs.value;
-  for (auto it = chain.rbegin(); it != chain.rend(); ++it)
-    value = stored_constant(value, (*it)->storage);
-  return value;
+  // Rounded to each storage type on the way up, as the reference executor would. Recursive, not
+  // a list of the chain: every kernel launch of the traced loop asks this of each fill it reads.
+  if (node.op == OpCode::Full) return stored_constant(node.attrs.value, node.storage);
+  if (node.inputs.empty()) fail("lowering: {} is not a fill", op_name(node.op));
+  return stored_constant(fill_value(*node.inputs[0]), node.storage);
 }
 
 }  // namespace mixtape

@@ -44,13 +44,27 @@ std::string window_text(const ConvWindow& w) {
                      w.stride[1], w.pad[0], w.pad[1], w.dil[0], w.dil[1], w.groups);
 }
 
+// Window sizes up to 2^31: with dims below 2^60 (make_node's bound) every size computed from
+// them below fits in 64 bits.
+constexpr int64_t kMaxWindow = int64_t{1} << 31;
+
 void check_window(const char* op, const ConvWindow& w, const Loc& loc) {
   for (int d = 0; d < 2; ++d) {
     if (w.stride[d] < 1) op_fail(op, loc, "stride must be positive: {}", window_text(w));
     if (w.dil[d] < 1) op_fail(op, loc, "dilation must be positive: {}", window_text(w));
     if (w.pad[d] < 0) op_fail(op, loc, "padding must not be negative: {}", window_text(w));
+    if (w.stride[d] > kMaxWindow || w.dil[d] > kMaxWindow || w.pad[d] > kMaxWindow)
+      op_fail(op, loc, "window sizes above 2^31: {}", window_text(w));
   }
   if (w.groups < 1) op_fail(op, loc, "groups must be positive: {}", window_text(w));
+}
+
+// A kernel's dilated extent, dil (k - 1) + 1, where k may be near 2^60: an mt::Error past 2^62.
+int64_t dilated_extent(const char* op, int64_t dil, int64_t k, const Loc& loc) {
+  const __int128 extent = static_cast<__int128>(dil) * (k - 1) + 1;
+  if (extent > (__int128{1} << 62))
+    op_fail(op, loc, "a kernel of {} dilated by {} spans more than 2^62 elements", k, dil);
+  return static_cast<int64_t>(extent);
 }
 
 // The output shape of x [N, C, H, W] * w [O, C / groups, KH, KW], after checking that they fit.
@@ -69,8 +83,10 @@ Shape conv_output_shape(const char* op, const Shape& x, const Shape& w, const Co
             to_string(w), w[1] * win.groups, w[1], win.groups, to_string(x), x[1]);
   Shape out{x[0], w[0], 0, 0};
   for (int d = 0; d < 2; ++d) {
-    int64_t padded = x[2 + d] + 2 * win.pad[d], extent = win.dil[d] * (w[2 + d] - 1) + 1;
-    if (w[2 + d] < 1 || padded < extent)
+    if (w[2 + d] < 1) op_fail(op, loc, "kernel {} has an empty spatial dimension", to_string(w));
+    int64_t padded = x[2 + d] + 2 * win.pad[d];
+    int64_t extent = dilated_extent(op, win.dil[d], w[2 + d], loc);
+    if (padded < extent)
       op_fail(op, loc, "kernel {} (dilated {}) is larger than the padded input {} ({} with {})",
               to_string(w), extent, padded, to_string(x), window_text(win));
     out[2 + d] = (padded - extent) / win.stride[d] + 1;
@@ -203,7 +219,11 @@ Tensor conv_transpose2d(const Tensor& x, const Tensor& weight, const Tensor& bia
   if (x.size(1) % options.groups != 0)
     op_fail(op, loc, "groups {} must divide the input's {} channels", options.groups, x.size(1));
   const int64_t output_padding[2] = {options.output_padding.h, options.output_padding.w};
-  Shape out{x.size(0), weight.size(1) * options.groups, 0, 0};
+  const __int128 channels = static_cast<__int128>(weight.size(1)) * options.groups;
+  if (channels > (__int128{1} << 60))
+    op_fail(op, loc, "{} groups of {} output channels are more than 2^60", options.groups,
+            weight.size(1));
+  Shape out{x.size(0), static_cast<int64_t>(channels), 0, 0};
   for (int d = 0; d < 2; ++d) {
     // Fewer extra rows than a stride, so that the output is an input size of the convolution
     // this one is the gradient of. (PyTorch also takes fewer than a dilation step, which no
@@ -211,8 +231,15 @@ Tensor conv_transpose2d(const Tensor& x, const Tensor& weight, const Tensor& bia
     if (output_padding[d] < 0 || output_padding[d] >= window.stride[d])
       op_fail(op, loc, "output_padding ({}, {}) must be smaller than the stride ({}, {})",
               output_padding[0], output_padding[1], window.stride[0], window.stride[1]);
-    out[2 + d] = (x.size(2 + d) - 1) * window.stride[d] - 2 * window.pad[d] +
-                 window.dil[d] * (weight.size(2 + d) - 1) + output_padding[d] + 1;
+    if (weight.size(2 + d) < 1)
+      op_fail(op, loc, "weight {} has an empty spatial dimension", to_string(weight.shape()));
+    const __int128 size =
+        static_cast<__int128>(x.size(2 + d) - 1) * window.stride[d] - 2 * window.pad[d] +
+        dilated_extent(op, window.dil[d], weight.size(2 + d), loc) + output_padding[d];
+    if (size > (__int128{1} << 60))
+      op_fail(op, loc, "the output would have more than 2^60 rows: input {}, weight {}, {}",
+              to_string(x.shape()), to_string(weight.shape()), window_text(window));
+    out[2 + d] = static_cast<int64_t>(size);
     if (out[2 + d] < 1)
       op_fail(op, loc, "the output would be empty: input {}, weight {}, {}", to_string(x.shape()),
               to_string(weight.shape()), window_text(window));

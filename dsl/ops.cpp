@@ -84,11 +84,14 @@ Tensor unary(OpCode op, Domain domain, const Tensor& x, const Loc& loc) {
   return Tensor(make_node(op, x.dtype(), node->shape, node_list(node), {}, loc));
 }
 
+// A number operand as a fill of the other operand's shape: one node, where a 0-d fill would need
+// a broadcast as well (the traced loop builds a few of these per parameter every step). Either
+// way it is a constant that kernels compute in place.
 Tensor scalar_like(const Operand& s, const Tensor& other, const Loc& loc) {
   DType t = other.dtype();
   if (!is_floating(t) && !s.scalar_is_integral) t = f32;
   if (t == boolean) t = i64;
-  return scalar(s.scalar, t, loc);
+  return full(other.shape(), s.scalar, t, loc);
 }
 
 template <typename Builder>

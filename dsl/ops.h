@@ -19,8 +19,12 @@ namespace mixtape {
 
 /// An operand of an overloaded operator: a tensor or a scalar, with the caller's source line.
 /// Scalars take the tensor operand's dtype (or f32 when a float scalar meets an integer tensor).
+/// An Operand refers to its tensor, as a parameter does: it lives only for the operator's call,
+/// within the expression that holds the tensor (a copy was two atomic count updates per operand,
+/// and the traced loop applies operators by the hundred every step).
 struct Operand {
-  Tensor tensor;
+  inline static const Tensor none{};  // the tensor of a scalar operand: undefined
+  const Tensor& tensor;
   double scalar = 0;
   bool scalar_is_integral = false;
   bool is_tensor = false;  // so that an undefined tensor is an error rather than the scalar 0
@@ -29,7 +33,10 @@ struct Operand {
       : tensor(t), is_tensor(true), loc(loc) {}
   template <typename S>
   requires std::is_arithmetic_v<S> Operand(S s, const Loc& loc = Loc::current())
-      : scalar(static_cast<double>(s)), scalar_is_integral(std::is_integral_v<S>), loc(loc) {}
+      : tensor(none),
+        scalar(static_cast<double>(s)),
+        scalar_is_integral(std::is_integral_v<S>),
+        loc(loc) {}
 };
 Tensor operator+(const Operand& a, const Operand& b);
 Tensor operator-(const Operand& a, const Operand& b);

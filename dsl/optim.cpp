@@ -2,6 +2,7 @@
 #include "dsl/optim.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <numbers>
 
@@ -62,6 +63,72 @@ void Optimizer::set_lr(double lr) {
   rate.host_written();
 }
 
+template <typename Make>
+Tensor Optimizer::shared(uint64_t what, bool number, DType dtype, const Shape& shape, Make make) {
+  uint64_t h = what * 0x9E3779B97F4A7C15ull ^ (uint64_t{number} << 8 | static_cast<uint8_t>(dtype));
+  for (int64_t d : shape) h = (h ^ static_cast<uint64_t>(d)) * 0x9E3779B97F4A7C15ull ^ (h >> 29);
+  auto find_slot = [&] {
+    size_t mask = shared_slots_.size() - 1, slot = h & mask;
+    for (; shared_slots_[slot] >= 0; slot = (slot + 1) & mask) {
+      const Shared& e = shared_[static_cast<size_t>(shared_slots_[slot])];
+      if (e.hash == h && e.what == what && e.number == number && e.dtype == dtype &&
+          e.shape == shape)
+        break;
+    }
+    return slot;
+  };
+  if (shared_slots_.empty()) shared_slots_.assign(64, -1);
+  size_t slot = find_slot();
+  if (shared_slots_[slot] >= 0) return shared_[static_cast<size_t>(shared_slots_[slot])].value;
+  Tensor value = make();
+  if (2 * (shared_count_ + 1) > shared_slots_.size()) {  // kept at most half full
+    shared_slots_.assign(2 * shared_slots_.size(), -1);
+    size_t mask = shared_slots_.size() - 1;
+    for (size_t i = 0; i < shared_count_; ++i) {
+      size_t s = shared_[i].hash & mask;
+      while (shared_slots_[s] >= 0) s = (s + 1) & mask;
+      shared_slots_[s] = static_cast<int32_t>(i);
+    }
+  }
+  slot = find_slot();
+  if (shared_count_ == shared_.size()) shared_.emplace_back();
+  Shared& entry = shared_[shared_count_];
+  entry.hash = h;
+  entry.what = what;
+  entry.number = number;
+  entry.dtype = dtype;
+  entry.shape.assign(shape.begin(), shape.end());
+  entry.value = std::move(value);
+  shared_slots_[slot] = static_cast<int32_t>(shared_count_++);
+  return entry.value;
+}
+
+void Optimizer::drop_shared() {
+  for (size_t i = 0; i < shared_count_; ++i) shared_[i].value = Tensor();
+  shared_count_ = 0;
+  std::fill(shared_slots_.begin(), shared_slots_.end(), -1);
+}
+
+Tensor Optimizer::step_constant(double value, const Tensor& like, const Loc& loc) {
+  // The dtype a number takes beside `like` in an operator (dsl/ops.cpp, scalar_like).
+  DType dtype = like.dtype();
+  if (!is_floating(dtype)) dtype = f32;
+  return shared(std::bit_cast<uint64_t>(value), true, dtype, like.shape(),
+                [&] { return full(like.shape(), value, dtype, loc); });
+}
+
+Tensor Optimizer::step_scalar(const Tensor& scalar, DType dtype, const Shape& shape,
+                              const Loc& loc) {
+  // Broadcast for each parameter: a broadcast read by the kernels of several parameters would
+  // make their kernels differ, and multi-tensor steps merge only kernels of one form. The cast
+  // of a value this step computes is shared (it joins the kernel that computes the value); that
+  // of a stored value (the learning rate) would be a kernel of its own, so each makes its own.
+  if (scalar.node()->evaluated()) return broadcast_to(cast(scalar, dtype, loc), shape, loc);
+  uint64_t what = reinterpret_cast<uintptr_t>(scalar.node().get());
+  return broadcast_to(shared(what, false, dtype, {}, [&] { return cast(scalar, dtype, loc); }),
+                      shape, loc);
+}
+
 void Optimizer::step() { step_unless(Tensor(), {}); }
 
 void Optimizer::step_unless(const Tensor& skip) {
@@ -83,6 +150,12 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
   Tensor new_step;
   {
     NoGradGuard no_grad;
+    // The shared nodes live for this build only, also when it throws: an entry is keyed by its
+    // scalar's address, which a later step's scalar may reuse.
+    struct DropShared {
+      Optimizer& optimizer;
+      ~DropShared() { optimizer.drop_shared(); }
+    } drop_shared{*this};
     skip_ = Tensor();
     if (skip.defined()) {
       if (skip.numel() != 1)
@@ -209,7 +282,7 @@ SGD::SGD(std::vector<Tensor> params, SGDOptions options)
 
 Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   Tensor g = grad;
-  if (options.weight_decay != 0) g = g + param * options.weight_decay;
+  if (options.weight_decay != 0) g = g + param * step_constant(options.weight_decay, param);
   if (options.momentum != 0) {
     Tensor* previous = find_state(state, "momentum_buffer");
     // Without dampening the gradient's factor is 1, and g * 1 is g, bit for bit (no contraction
@@ -217,9 +290,9 @@ Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state)
     // took each step are left out. Under a precision policy the product may be rounded to a
     // narrower storage, so there it stays.
     bool undamped = options.dampening == 0 && !current_policy();
-    Tensor buffer =
-        previous ? *previous * options.momentum + (undamped ? g : g * (1.0 - options.dampening))
-                 : g;
+    Tensor buffer = previous ? *previous * step_constant(options.momentum, *previous) +
+                                   (undamped ? g : g * step_constant(1.0 - options.dampening, g))
+                             : g;
     // The first update copies the gradient. A skipped first step leaves a zero buffer, which
     // with dampening would not update like that, so a flag records whether one really happened.
     const char* started = "~momentum_started";
@@ -230,9 +303,9 @@ Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state)
     else if (flag)
       std::erase_if(state, [&](const auto& entry) { return entry.first == started; });
     set_state(state, "momentum_buffer", buffer);
-    g = options.nesterov ? g + buffer * options.momentum : buffer;
+    g = options.nesterov ? g + buffer * step_constant(options.momentum, buffer) : buffer;
   }
-  return param - g * cast(lr_value(), g.dtype());
+  return param - g * step_scalar(lr_value(), g.dtype(), g.shape());
 }
 
 namespace {
@@ -267,25 +340,31 @@ void Adam::begin_step() {
   Tensor bias2 = 1.0 - pow(full({}, options.beta2, f64), t);
   inv_sqrt_bias2_ = 1.0 / sqrt(bias2);
   step_size_ = lr_value() / bias1;
+  if (decoupled_ && options.weight_decay != 0) decay_ = 1.0 - lr_value() * options.weight_decay;
 }
 
 Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   Tensor p = param, g = grad;
   if (options.weight_decay != 0) {
     if (decoupled_)
-      p = p * cast(1.0 - lr_value() * options.weight_decay, p.dtype());
+      p = p * step_scalar(decay_, p.dtype(), p.shape());
     else
-      g = g + p * options.weight_decay;
+      g = g + p * step_constant(options.weight_decay, p);
   }
   Tensor* m_prev = find_state(state, "exp_avg");
   Tensor* v_prev = find_state(state, "exp_avg_sq");
-  Tensor m = m_prev ? *m_prev * options.beta1 + g * (1 - options.beta1) : g * (1 - options.beta1);
-  Tensor v = v_prev ? *v_prev * options.beta2 + square(g) * (1 - options.beta2)
-                    : square(g) * (1 - options.beta2);
+  Tensor m_new = g * step_constant(1 - options.beta1, g);
+  Tensor m = m_prev ? *m_prev * step_constant(options.beta1, *m_prev) + m_new : m_new;
+  Tensor g2 = square(g);
+  Tensor v_new = g2 * step_constant(1 - options.beta2, g2);
+  Tensor v = v_prev ? *v_prev * step_constant(options.beta2, *v_prev) + v_new : v_new;
   set_state(state, "exp_avg", m);
   set_state(state, "exp_avg_sq", v);
-  Tensor denom = sqrt(v) * cast(inv_sqrt_bias2_, v.dtype()) + options.eps;
-  return p - m / denom * cast(step_size_, m.dtype());
+  Tensor root = sqrt(v);
+  Tensor scaled = root * step_scalar(inv_sqrt_bias2_, v.dtype(), root.shape());
+  Tensor denom = scaled + step_constant(options.eps, scaled);
+  Tensor ratio = m / denom;
+  return p - ratio * step_scalar(step_size_, m.dtype(), ratio.shape());
 }
 
 std::string Adam::impossible_state(const std::string& name, const Storage& values) const {
@@ -307,25 +386,26 @@ RMSprop::RMSprop(std::vector<Tensor> params, RMSpropOptions options)
 
 Tensor RMSprop::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   Tensor g = grad;
-  if (options.weight_decay != 0) g = g + param * options.weight_decay;
+  if (options.weight_decay != 0) g = g + param * step_constant(options.weight_decay, param);
   // The running means start at zero, as torch's.
   auto running = [&](const char* name, const Tensor& x) {
     Tensor* previous = find_state(state, name);
-    Tensor mean =
-        previous ? *previous * options.alpha + x * (1 - options.alpha) : x * (1 - options.alpha);
+    Tensor x_part = x * step_constant(1 - options.alpha, x);
+    Tensor mean = previous ? *previous * step_constant(options.alpha, *previous) + x_part : x_part;
     set_state(state, name, mean);
     return mean;
   };
   Tensor square_avg = running("square_avg", square(g));
-  Tensor avg = options.centered ? sqrt(square_avg - square(running("grad_avg", g))) + options.eps
-                                : sqrt(square_avg) + options.eps;
+  Tensor root =
+      options.centered ? sqrt(square_avg - square(running("grad_avg", g))) : sqrt(square_avg);
+  Tensor avg = root + step_constant(options.eps, root);
   Tensor step = g / avg;
   if (options.momentum > 0) {
     Tensor* previous = find_state(state, "momentum_buffer");
-    step = previous ? *previous * options.momentum + step : step;
+    step = previous ? *previous * step_constant(options.momentum, *previous) + step : step;
     set_state(state, "momentum_buffer", step);
   }
-  return param - step * cast(lr_value(), step.dtype());
+  return param - step * step_scalar(lr_value(), step.dtype(), step.shape());
 }
 
 std::string RMSprop::impossible_state(const std::string& name, const Storage& values) const {
@@ -343,11 +423,15 @@ Adagrad::Adagrad(std::vector<Tensor> params, AdagradOptions options)
 
 Tensor Adagrad::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   Tensor g = grad;
-  if (options.weight_decay != 0) g = g + param * options.weight_decay;
+  if (options.weight_decay != 0) g = g + param * step_constant(options.weight_decay, param);
   Tensor* previous = find_state(state, "sum");
-  Tensor sum = previous ? *previous + square(g) : square(g) + options.initial_accumulator_value;
+  Tensor g2 = square(g);
+  Tensor sum =
+      previous ? *previous + g2 : g2 + step_constant(options.initial_accumulator_value, g2);
   set_state(state, "sum", sum);
-  return param - g / (sqrt(sum) + options.eps) * cast(step_lr_, g.dtype());
+  Tensor root = sqrt(sum);
+  Tensor ratio = g / (root + step_constant(options.eps, root));
+  return param - ratio * step_scalar(step_lr_, g.dtype(), ratio.shape());
 }
 
 void Adagrad::begin_step() {

@@ -75,8 +75,36 @@ class Optimizer {
   const Tensor& skip_flag() const { return skip_; }
   /// The learning rate as a 0-d f64 leaf, for update(): its storage holds the current lr().
   const Tensor& lr_value() const { return lr_value_; }
+  /// Inside update(): `value` as a fill of `like`'s shape and dtype (what `like * value` would
+  /// make of the number), one node per step for all parameters of that shape and dtype. The
+  /// traced loop builds every step's update anew, and a node per parameter and constant was
+  /// most of its graph.
+  Tensor step_constant(double value, const Tensor& like, const Loc& loc = Loc::current());
+  /// Inside update(): a 0-d value (the learning rate, or one begin_step() made) cast to `dtype`
+  /// and broadcast to `shape`; the cast of a value begin_step() made is shared by all parameters
+  /// of that dtype.
+  Tensor step_scalar(const Tensor& scalar, DType dtype, const Shape& shape,
+                     const Loc& loc = Loc::current());
 
  private:
+  // The nodes step_constant() and step_scalar() share within a step, by what they hold (a
+  // number's bits or a scalar's node), dtype and shape; dropped when the step ends. A table of
+  // its own, kept from step to step with its entries' shapes, so that a step allocates nothing
+  // for it once the first one has run.
+  struct Shared {
+    uint64_t hash = 0;
+    uint64_t what = 0;
+    bool number = false;
+    DType dtype = f32;
+    Shape shape;
+    Tensor value;
+  };
+  template <typename Make>
+  Tensor shared(uint64_t what, bool number, DType dtype, const Shape& shape, Make make);
+  void drop_shared();
+  std::vector<Shared> shared_;  // this step's entries first, then spares from earlier steps
+  size_t shared_count_ = 0;
+  std::vector<int32_t> shared_slots_;  // open addressing into shared_, -1 where empty
   double lr_ = 0;
   Tensor lr_value_;
   std::vector<Tensor> params_;
@@ -127,6 +155,7 @@ class Adam : public Optimizer {
  private:
   bool decoupled_;
   Tensor inv_sqrt_bias2_, step_size_;  // this step's bias corrections, 0-d f64 graph values
+  Tensor decay_;                       // AdamW's 1 - lr * weight_decay, 0-d f64
 };
 
 /// AdamW (decoupled weight decay, default 0.01), as torch.optim.AdamW.

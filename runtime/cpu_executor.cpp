@@ -248,9 +248,18 @@ void run_matmul(Node& node) {
   s.bytes_written += bytes_of(*out);
 }
 
+// Steps without a kernel: convolutions through oneDNN, the rest by the reference loops.
+void run_host_step(Node& node) {
+  if (op_info(node.op).kind == OpKind::Conv) return run_conv_on_host(node);
+  node.value = reference_compute(node);
+  ++stats().host_ops;
+}
+
+}  // namespace
+
 // A convolution primitive through oneDNN; other dtypes and accumulators (f64, a 16-bit
 // accumulator a custom policy asks for) take the reference loops.
-void run_conv(Node& node) {
+void run_conv_on_host(Node& node) {
   ConvDesc desc;
   desc.op = node.op;
   desc.geometry = ConvGeometry::of(node);
@@ -271,15 +280,6 @@ void run_conv(Node& node) {
   s.bytes_read += bytes_of(*a) + bytes_of(*b);
   s.bytes_written += bytes_of(*out);
 }
-
-// Steps without a kernel: convolutions through oneDNN, the rest by the reference loops.
-void run_host_step(Node& node) {
-  if (op_info(node.op).kind == OpKind::Conv) return run_conv(node);
-  node.value = reference_compute(node);
-  ++stats().host_ops;
-}
-
-}  // namespace
 
 Signature sign_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required,
                    const FusionOptions& options) {

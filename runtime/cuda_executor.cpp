@@ -1,6 +1,8 @@
 // runtime/cuda_executor.cpp -- runs fusion groups on an NVIDIA GPU: NVRTC kernels, cuBLASLt
 // matmuls, host ops; values stay in device memory until the host reads them.
 #include "runtime/cuda_executor.h"
+
+#include "runtime/cpu_executor.h"
 #include "runtime/cuda_fixed_kernels.h"
 #include "runtime/cuda_values.h"
 
@@ -233,8 +235,11 @@ void run_on_host(Node& node) {
 }
 
 // Steps without a generated kernel: the data movement ops on the GPU where it has kernels for
-// them, the rest (random numbers, gathers along an index tensor, ...) on the host.
+// them, the rest (random numbers, gathers along an index tensor, ...) on the host. Convolutions
+// take oneDNN on the host, with their operands downloaded and the result uploaded where a kernel
+// reads it: correct, and far faster than the reference loops, but no GPU convolution yet.
 void run_other(Node& node) {
+  if (op_info(node.op).kind == OpKind::Conv) return run_conv_on_host(node);
   if (!run_fixed_kernel(node)) run_on_host(node);
 }
 

@@ -166,6 +166,15 @@ TEST(Conv, BadArgumentsNameTheOpAndShapes) {
       "output_padding (2, 2)", "smaller than the stride");
   EXPECT_MT_ERROR(mt::conv_transpose2d(x, mt::zeros({5, 3, 3, 3})), "conv_transpose2d",
                   "[5, 3, 3, 3]");
+  // Sizes whose products would overflow 64 bits are refused, not wrapped.
+  const int64_t huge = int64_t{1} << 40;
+  EXPECT_MT_ERROR(mt::conv2d(x, w, {}, {.padding = huge, .groups = 2}), "window sizes above 2^31");
+  EXPECT_MT_ERROR(
+      mt::conv2d(x, mt::zeros({6, 2, huge, 1}), {}, {.dilation = {1 << 30, 1}, .groups = 2}),
+      "spans more than 2^62");
+  EXPECT_MT_ERROR(mt::conv_transpose2d(mt::zeros({1, 4, huge, 1}), mt::zeros({4, 3, 3, 3}), {},
+                                       {.stride = {1 << 30, 1}}),
+                  "more than 2^60 rows");
   EXPECT_MT_ERROR(mt::Conv2d(6, 4, 3, {.groups = 4}), "Conv2d", "groups 4");
   EXPECT_MT_ERROR(mt::Conv2d(6, 4, {0, 3}), "Conv2d", "kernel sizes must be positive");
 }

@@ -1,9 +1,12 @@
 // tests/test_graph_internals.cpp -- the traced path's containers: a node's inline inputs, ordering
-// by id, the per-thread node pool, and which pending values a signature stores.
+// by id, the per-thread node pool, which pending values a signature stores, and how few nodes
+// number operands and optimizer steps make.
 #include <gtest/gtest.h>
 #include <mixtape/mixtape.h>
 
 #include <algorithm>
+#include <bit>
+#include <map>
 #include <numeric>
 #include <random>
 #include <thread>
@@ -11,6 +14,7 @@
 #include "dsl/graph.h"
 #include "dsl/node_inputs.h"
 #include "dsl/pool_allocator.h"
+#include "runtime/program.h"
 
 namespace mt = mixtape;
 
@@ -130,6 +134,95 @@ TEST(Signature, StoresPendingValuesSomeoneStillHolds) {
   EXPECT_EQ(out.item(), 15.0);
   EXPECT_TRUE(held.node()->evaluated());
   EXPECT_EQ(held.to_vector<float>(), (std::vector<float>{2, 4, 6}));
+}
+
+// Counts the nodes made on this thread while it is installed, by op.
+class NodeCounter : public mt::TraceObserver {
+ public:
+  NodeCounter() : previous_(mt::exchange_trace_observer(this)) {}
+  ~NodeCounter() override { mt::exchange_trace_observer(previous_); }
+  void node_made(const mt::NodePtr& node) override { ++made[node->op]; }
+  void side_effect(const char*) override {}
+  void each_call(std::shared_ptr<mt::StepHook>, std::vector<mt::NodePtr>) override {}
+  int count(mt::OpCode op) const {
+    auto found = made.find(op);
+    return found == made.end() ? 0 : found->second;
+  }
+  std::map<mt::OpCode, int> made;
+
+ private:
+  mt::TraceObserver* previous_;
+};
+
+TEST(TracedGraph, ANumberOperandIsOneFillOfTheOtherOperandsShape) {
+  mt::Tensor x = mt::tensor(std::vector<float>{1, 2, 3, 4, 5, 6}, {2, 3});
+  mt::Tensor y;
+  {
+    NodeCounter counter;
+    y = 1.5 - x * 0.5;
+    EXPECT_EQ(counter.count(mt::OpCode::Full), 2);
+    EXPECT_EQ(counter.count(mt::OpCode::BroadcastTo), 0);  // it was a 0-d fill and a broadcast
+  }
+  std::vector<mt::Node*> pending = mt::pending_nodes({y.node()});
+  EXPECT_EQ(pending.size(), 4u);
+  for (mt::Node* node : pending)
+    if (node->op == mt::OpCode::Full) {
+      EXPECT_EQ(node->shape, (mt::Shape{2, 3}));
+    }
+  EXPECT_EQ(y.to_vector<float>(), (std::vector<float>{1, 0.5, 0, -0.5, -1, -1.5}));
+}
+
+// An Adam step over parameters of one shape: each constant is made once for them all, each
+// bias correction cast once, and every parameter ends bit-identical to an Adam of its own.
+TEST(TracedGraph, OptimizerStepsShareConstantsAcrossParametersOfOneShape) {
+  constexpr int kParams = 4;
+  auto make = [](int i) {
+    std::vector<float> values(6);
+    for (int k = 0; k < 6; ++k) values[k] = 0.25f * static_cast<float>(i + 1) - 0.1f * k;
+    return mt::tensor(values, {2, 3}).requires_grad_();
+  };
+  auto set_grads = [](std::vector<mt::Tensor>& params, int step) {
+    for (size_t i = 0; i < params.size(); ++i) {
+      mt::Tensor p = params[i];
+      p.set_grad((p * p) * (0.5 + 0.125 * static_cast<double>(i + step)));
+    }
+  };
+  std::vector<mt::Tensor> together, alone;
+  for (int i = 0; i < kParams; ++i) {
+    together.push_back(make(i));
+    alone.push_back(make(i));
+  }
+  mt::AdamW shared(together, {.lr = 0.01, .weight_decay = 0.1});
+  std::vector<std::unique_ptr<mt::AdamW>> own;
+  for (const mt::Tensor& p : alone)
+    own.push_back(std::make_unique<mt::AdamW>(std::vector<mt::Tensor>{p},
+                                              mt::AdamOptions{.lr = 0.01, .weight_decay = 0.1}));
+  for (int step = 0; step < 3; ++step) {
+    set_grads(together, step);
+    {
+      std::vector<mt::Tensor> grads;  // evaluated first: the count is the step's alone
+      for (const mt::Tensor& p : together) grads.push_back(p.grad());
+      mt::eval(grads);
+      NodeCounter counter;
+      shared.step();
+      // Eight 0-d fills for the step's scalars (the count's increment, the bias corrections,
+      // the decay) and five of the parameters' shape (eps, the betas and their complements),
+      // made once for all four parameters; the three scalars are cast once, not per parameter.
+      EXPECT_LE(counter.count(mt::OpCode::Full), 8 + 5) << "step " << step;
+      EXPECT_EQ(counter.count(mt::OpCode::Cast), 3) << "step " << step;
+    }
+    for (int i = 0; i < kParams; ++i) {
+      std::vector<mt::Tensor> one = {alone[i]};
+      set_grads(one, step + i);  // the same gradient as parameter i above
+      own[i]->step();
+    }
+  }
+  for (int i = 0; i < kParams; ++i) {
+    std::vector<float> a = together[i].to_vector<float>(), b = alone[i].to_vector<float>();
+    for (size_t k = 0; k < a.size(); ++k)
+      EXPECT_EQ(std::bit_cast<uint32_t>(a[k]), std::bit_cast<uint32_t>(b[k]))
+          << "parameter " << i << " element " << k;
+  }
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include "dsl/ops.h"
 #include "dsl/optim.h"
 #include "dsl/selection.h"
+#include "dsl/sequence_layers.h"
 #include "dsl/tensor.h"
 #include "dsl/vision.h"
 #include "jit/aot_export.h"
