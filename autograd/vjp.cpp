@@ -2,6 +2,7 @@
 #include "autograd/vjp.h"
 
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <string_view>
 
@@ -77,6 +78,65 @@ Grads vjp_Max(const Node& n, const Tensor& g) {
   Tensor share = broadcast_to(reshape(g, kept) / count, x.shape());
   return {where(is_max, share, zeros_like(share))};
 }
+
+// ---- scans (attrs: axis, reverse) ----
+// A running sum's gradient is the running sum of g from the other end.
+Grads vjp_Cumsum(const Node& n, const Tensor& g) {
+  return {cumulative(OpCode::Cumsum, g, n.attrs.axis, !n.attrs.reverse)};
+}
+
+// d out[j] / d x[k] = prod of x[i], i <= j, i != k (in the scan's direction). Written without
+// dividing by x, as PyTorch's cumprod_backward, so that zeros get their true gradient: before
+// the first zero of a line it is the running sum of g y from the end over x; at the first zero,
+// the running sum over the outputs from there on of g times the products with that zero taken
+// as 1; after it, zero (every product holds the first zero). Differentiable again, exactly away
+// from zeros (at a zero, the dropped terms' derivatives in x are not 0 though their values are).
+Grads vjp_Cumprod(const Node& n, const Tensor& g) {
+  Tensor x = in(n, 0), y = out(n);
+  const int64_t axis = n.attrs.axis;
+  const bool reverse = n.attrs.reverse;
+  Tensor zero = zeros_like(x), one = ones_like(x);
+  Tensor zeros_so_far = cumulative(OpCode::Cumsum, cast(eq(x, zero), x.dtype()), axis, reverse);
+  Tensor before = eq(zeros_so_far, zero);
+  Tensor first = eq(where(eq(x, zero), zeros_so_far, zero), one);
+  Tensor before_grad = cumulative(OpCode::Cumsum, where(before, g * y, zero), axis, !reverse) /
+                       where(before, x, one);
+  Tensor y_without_first = cumulative(OpCode::Cumprod, where(first, one, x), axis, reverse);
+  Tensor first_grad =
+      cumulative(OpCode::Cumsum, where(before, zero, g * y_without_first), axis, !reverse);
+  return {where(before, before_grad, where(first, first_grad, zero))};
+}
+
+// The most negative finite value of a floating dtype: log|g| where g has the other sign, so that
+// log|g| - y stays finite (not -inf - -inf) where y is -inf.
+double lowest_finite(DType t) {
+  switch (t) {
+    case DType::f64:
+      return std::numeric_limits<double>::lowest();
+    case DType::f16:
+      return -65504.0;
+    case DType::bf16:
+      return -3.3895313892515355e38;
+    default:
+      return std::numeric_limits<float>::lowest();
+  }
+}
+
+// sum over j >= k of g[j] exp(x[k] - y[j]), with g split by sign so that each part is a
+// logcumsumexp from the other end of log|g| - y: PyTorch's logcumsumexp_backward.
+Grads vjp_Logcumsumexp(const Node& n, const Tensor& g) {
+  Tensor x = in(n, 0), y = out(n);
+  const int64_t axis = n.attrs.axis;
+  const bool reverse = n.attrs.reverse;
+  Tensor log_abs = log(abs(g)), lowest = full_like(g, lowest_finite(g.dtype()));
+  Tensor zero = zeros_like(g);
+  auto part = [&](const Tensor& log_g) {
+    return exp(cumulative(OpCode::Logcumsumexp, log_g - y, axis, !reverse) + x);
+  };
+  return {part(where(g > zero, log_abs, lowest)) - part(where(g < zero, log_abs, lowest))};
+}
+
+Grads vjp_Argsort(const Node&, const Tensor&) { return {Tensor()}; }
 
 Grads vjp_MatMul(const Node& n, const Tensor& g) {
   Tensor a = in(n, 0), b = in(n, 1);
@@ -158,6 +218,14 @@ Grads vjp_Gather(const Node& n, const Tensor& g) {
 
 Grads vjp_ScatterAdd(const Node& n, const Tensor& g) {
   return {g, Tensor(), gather(g, in(n, 1), n.attrs.axis)};
+}
+
+// The written positions take nothing from base; each source element gets the gradient at the
+// position it was written to, as PyTorch's (a repeated position gives every writer its gradient).
+Grads vjp_Scatter(const Node& n, const Tensor& g) {
+  Tensor index = in(n, 1);
+  return {scatter(g, n.attrs.axis, index, zeros_like(in(n, 2))), Tensor(),
+          gather(g, index, n.attrs.axis)};
 }
 
 Grads vjp_Custom(const Node& n, const Tensor& g) {

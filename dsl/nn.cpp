@@ -15,6 +15,29 @@ Tensor uniform(Shape shape, double low, double high, Generator* gen, DType dtype
   return rand(std::move(shape), dtype, gen, low, high);
 }
 
+namespace {
+void check_fill(const Tensor& t, const char* op, bool bad_range, double a, double b,
+                const Loc& loc) {
+  if (!t.defined()) op_fail(op, loc, "the tensor is undefined");
+  if (!is_floating(t.dtype()))
+    op_fail(op, loc, "the tensor must be floating-point, got {}", name(t.dtype()));
+  if (bad_range)
+    op_fail(op, loc, "bad parameters {} and {} for shape {}", a, b, to_string(t.shape()));
+}
+}  // namespace
+
+Tensor& normal_(Tensor& t, double mean, double std, Generator* gen, const Loc& loc) {
+  check_fill(t, "normal_", !(std >= 0), mean, std, loc);
+  t.assign(normal(t.shape(), mean, std, gen, t.dtype()), loc);
+  return t;
+}
+
+Tensor& uniform_(Tensor& t, double a, double b, Generator* gen, const Loc& loc) {
+  check_fill(t, "uniform_", !(a <= b), a, b, loc);
+  t.assign(uniform(t.shape(), a, b, gen, t.dtype()), loc);
+  return t;
+}
+
 std::pair<int64_t, int64_t> fans(const Shape& shape) {
   if (shape.size() < 2)
     fail("init: fan in/out needs a weight of rank >= 2, got {}", to_string(shape));

@@ -16,6 +16,13 @@ namespace init {
 /// Fresh values of the given shape; each draws from `gen` (the default generator if null).
 Tensor normal(Shape shape, double mean, double stddev, Generator* gen = nullptr, DType dtype = f32);
 Tensor uniform(Shape shape, double low, double high, Generator* gen = nullptr, DType dtype = f32);
+/// torch.nn.init.normal_ / uniform_: fill an existing floating tensor (every holder of it sees
+/// the new values; its requires_grad is kept) with N(mean, std^2) or U[a, b) draws.
+/// std < 0 or a > b is an error naming the function.
+Tensor& normal_(Tensor& t, double mean = 0, double std = 1, Generator* gen = nullptr,
+                const Loc& loc = Loc::current());
+Tensor& uniform_(Tensor& t, double a = 0, double b = 1, Generator* gen = nullptr,
+                 const Loc& loc = Loc::current());
 /// fan_in / fan_out of a [out, in, ...] weight shape.
 std::pair<int64_t, int64_t> fans(const Shape& shape);
 Tensor xavier_uniform(Shape shape, double gain = 1.0, Generator* gen = nullptr);

@@ -29,6 +29,8 @@ enum class OpKind : uint8_t {
   Pointwise,
   Reduce,     // a reduction kernels fuse: sum, max
   ArgReduce,  // one they do not: argmax
+  Scan,       // a running reduction along one axis (cumsum): a host step
+  Sort,       // an order along one axis (argsort): a host step
   MatMul,
   Conv,  // a convolution or one of its gradients: a library call, as MatMul
   View,  // an affine index map kernels read through: reshape, permute, broadcast_to, slice

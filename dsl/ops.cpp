@@ -649,6 +649,89 @@ Tensor scatter_add(const Tensor& base, const Tensor& index, const Tensor& source
                           std::move(attrs), loc));
 }
 
+Tensor scatter(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src,
+               const Loc& loc) {
+  CallSiteScope site(loc);
+  input(x, "scatter", loc);
+  const NodePtr& idx = input(index, "scatter", loc, "index");
+  input(src, "scatter", loc, "source");
+  check_index_dtype("scatter", index, loc);
+  const Shape& bs = x.shape();
+  if (bs.empty()) op_fail("scatter", loc, "cannot index a 0-d tensor");
+  int64_t a = axis_or_fail(dim, bs.size(), "scatter", loc);
+  check_gather_index("scatter", bs, idx->shape, a, loc);
+  // As PyTorch's: the source may be larger than the index; the part the index covers is written.
+  bool covers = src.dim() == static_cast<int64_t>(idx->shape.size());
+  for (size_t d = 0; covers && d < idx->shape.size(); ++d) covers = src.shape()[d] >= idx->shape[d];
+  if (!covers)
+    op_fail("scatter", loc, "source shape {} must have the rank of index shape {} and hold it",
+            to_string(src.shape()), to_string(idx->shape));
+  Tensor source = src;
+  if (!same_shape(src.shape(), idx->shape))
+    source = slice(src, std::vector<int64_t>(idx->shape.size(), 0),
+                   std::vector<int64_t>(idx->shape.size(), 1), idx->shape, loc);
+  DType t = x.dtype();
+  Attrs attrs;
+  attrs.axis = a;
+  return Tensor(make_node(OpCode::Scatter, t, bs,
+                          node_list(x.node(), idx, conform(source, t, idx->shape, loc)),
+                          std::move(attrs), loc));
+}
+
+Tensor scatter(const Tensor& x, int64_t dim, const Tensor& index, double value, const Loc& loc) {
+  CallSiteScope site(loc);
+  input(x, "scatter", loc);
+  input(index, "scatter", loc, "index");
+  return scatter(x, dim, index, full(index.shape(), value, x.dtype(), loc), loc);
+}
+
+Tensor cumulative(OpCode op, const Tensor& x, int64_t axis, bool reverse, const Loc& loc) {
+  const char* opname = op_name(op);
+  const NodePtr& node = input(x, opname, loc);
+  if (node->shape.empty()) {  // a 0-d tensor is a line of one element, as in PyTorch
+    CallSiteScope site(loc);
+    axis_or_fail(axis, 1, opname, loc);
+    return reshape(cumulative(op, reshape(x, {1}, loc), 0, reverse, loc), {}, loc);
+  }
+  int64_t a = axis_or_fail(axis, node->shape.size(), opname, loc);
+  DType t = x.dtype();
+  if (op == OpCode::Logcumsumexp)
+    check_domain(opname, Domain::Float, t, loc);
+  else if (!is_floating(t))
+    t = i64;  // as torch: integer and bool scans give int64
+  Attrs attrs;
+  attrs.axis = a;
+  attrs.reverse = reverse;
+  return Tensor(make_node(op, t, node->shape, node_list(conform(x, t, node->shape, loc)),
+                          std::move(attrs), loc));
+}
+
+Tensor cumsum(const Tensor& x, int64_t dim, const Loc& loc) {
+  return cumulative(OpCode::Cumsum, x, dim, false, loc);
+}
+Tensor cumprod(const Tensor& x, int64_t dim, const Loc& loc) {
+  return cumulative(OpCode::Cumprod, x, dim, false, loc);
+}
+Tensor logcumsumexp(const Tensor& x, int64_t dim, const Loc& loc) {
+  return cumulative(OpCode::Logcumsumexp, x, dim, false, loc);
+}
+
+Tensor argsort(const Tensor& x, int64_t dim, bool descending, bool /*stable*/, const Loc& loc) {
+  // Every sort is stable: one of the orders an unstable sort may give, and the same on every
+  // back end.
+  const NodePtr& node = input(x, "argsort", loc);
+  if (node->shape.empty()) {
+    CallSiteScope site(loc);
+    axis_or_fail(dim, 1, "argsort", loc);
+    return reshape(argsort(reshape(x, {1}, loc), 0, descending, true, loc), {}, loc);
+  }
+  Attrs attrs;
+  attrs.axis = axis_or_fail(dim, node->shape.size(), "argsort", loc);
+  attrs.reverse = descending;
+  return Tensor(
+      make_node(OpCode::Argsort, i64, node->shape, node_list(node), std::move(attrs), loc));
+}
+
 Tensor embedding(const Tensor& weight, const Tensor& ids, const Loc& loc) {
   input(weight, "embedding", loc, "weight");
   if (weight.dim() != 2)

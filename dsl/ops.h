@@ -68,6 +68,17 @@ Tensor min(const Tensor& x, std::vector<int64_t> axes = {}, bool keepdim = false
 /// Index (i64) of the first largest element along `axis`; without an axis, of the flattened x.
 Tensor argmax(const Tensor& x, std::optional<int64_t> axis = std::nullopt, bool keepdim = false,
               const Loc& loc = Loc::current());
+/// Running sum, product and log-sum-exp along dim, as torch.cumsum, cumprod and logcumsumexp
+/// (integer and bool inputs give i64 for the first two; logcumsumexp takes floats only and
+/// handles infinities as torch: -inf elements add nothing). cumprod's gradient is exact at zeros.
+Tensor cumsum(const Tensor& x, int64_t dim, const Loc& loc = Loc::current());
+Tensor cumprod(const Tensor& x, int64_t dim, const Loc& loc = Loc::current());
+Tensor logcumsumexp(const Tensor& x, int64_t dim, const Loc& loc = Loc::current());
+/// The i64 indices that sort x along dim, as torch.argsort: NaN above +inf (last ascending,
+/// first descending). Every sort here is stable, so `stable` changes nothing: equal elements
+/// keep their order, a valid answer for stable=false too.
+Tensor argsort(const Tensor& x, int64_t dim = -1, bool descending = false, bool stable = false,
+               const Loc& loc = Loc::current());
 /// Population variance (divides by n), the form layer_norm uses.
 Tensor var(const Tensor& x, std::vector<int64_t> axes = {}, bool keepdim = false,
            const Loc& loc = Loc::current());
@@ -112,6 +123,14 @@ Tensor gather(const Tensor& x, const Tensor& index, int64_t axis, const Loc& loc
 /// base plus source scattered to the positions index names along axis (repeats accumulate).
 Tensor scatter_add(const Tensor& base, const Tensor& index, const Tensor& source, int64_t axis,
                    const Loc& loc = Loc::current());
+/// torch.scatter: x with src's elements written at the positions index (x's rank, fitting x
+/// outside dim) names along dim; src may be larger than index (the part index covers is read)
+/// and is cast to x's dtype. Of repeated positions the last in index order is kept (PyTorch
+/// leaves that unspecified). The value form writes one scalar.
+Tensor scatter(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src,
+               const Loc& loc = Loc::current());
+Tensor scatter(const Tensor& x, int64_t dim, const Tensor& index, double value,
+               const Loc& loc = Loc::current());
 /// weight[ids]: [num, dim] table, integer ids of any shape -> ids.shape + [dim].
 Tensor embedding(const Tensor& weight, const Tensor& ids, const Loc& loc = Loc::current());
 /// [..., num_classes] of dtype with 1 at each id; ids outside [0, num_classes) give all zeros.
@@ -124,6 +143,11 @@ Tensor one_hot(const Tensor& ids, int64_t num_classes, DType dtype = f32,
 Tensor custom_op(const std::vector<Tensor>& inputs,
                  const std::function<Tensor(const std::vector<Tensor>&)>& forward, CustomVjp vjp,
                  const Loc& loc = Loc::current());
+
+/// The scan `op` (Cumsum, Cumprod or Logcumsumexp) along axis, from the last element when
+/// reverse: what the scans' vjp rules use (their gradients run the other way).
+Tensor cumulative(OpCode op, const Tensor& x, int64_t axis, bool reverse,
+                  const Loc& loc = Loc::current());
 
 /// Used by ops.def vjp rules: the second derivatives of gelu, the tanh-form gelu and silu (the
 /// gradients of gelu_backward, gelu_tanh_backward and silu_backward with respect to x).

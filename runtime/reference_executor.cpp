@@ -2,10 +2,13 @@
 // against.
 #include "runtime/reference_executor.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 
 #include "dsl/conv.h"
@@ -406,6 +409,95 @@ StoragePtr ref_Argmax(const Node& node) {
   return out;
 }
 
+// ---- scans and sorting: one loop per line along the node's axis ----
+// The lines along `axis` of a tensor of `shape`: line (o, i) holds elements
+// (o * dim + k) * inner + i for k in [0, dim).
+struct Lines {
+  int64_t outer = 1, dim = 1, inner = 1;
+  Lines(const Shape& shape, int64_t axis) : dim(shape[axis]) {
+    for (int64_t d = 0; d < axis; ++d) outer *= shape[d];
+    for (size_t d = axis + 1; d < shape.size(); ++d) inner *= shape[d];
+  }
+  // Calls visit(at) with the flat position of each line's k-th element as a function of k.
+  template <typename F>
+  void for_each(F visit) const {
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t i = 0; i < inner; ++i)
+        visit([o, i, this](int64_t k) { return (o * dim + k) * inner + i; });
+  }
+};
+
+// log(exp(a) + exp(b)) without overflow, as PyTorch's _log_add_exp_helper: equal infinities give
+// themselves (not inf - inf), and a NaN anywhere gives NaN.
+double log_add_exp(double a, double b) {
+  if (std::isnan(a) || std::isnan(b)) return std::numeric_limits<double>::quiet_NaN();
+  double lo = std::min(a, b), hi = std::max(a, b);
+  if (lo == hi && !std::isfinite(lo)) return a;
+  return hi + std::log1p(std::exp(lo - hi));
+}
+
+// A scan: out[k] = step(out[k - 1], in[k]) from `init`, in the node's direction, kept in the
+// accumulation type (f64, or rounded to a half accumulator) and rounded to the storage type
+// at each output.
+template <typename T, typename Step>
+StoragePtr scan(const Node& node, T init, Step step) {
+  StoragePtr out = new_storage(node);
+  Lines lines(node.shape, node.attrs.axis);
+  std::vector<T> in = load_all<T>(value_of(node, 0));
+  const bool reverse = node.attrs.reverse;
+  Accumulator accumulator{node.accum};
+  lines.for_each([&](auto at) {
+    T acc = init;
+    for (int64_t j = 0; j < lines.dim; ++j) {
+      int64_t k = at(reverse ? lines.dim - 1 - j : j);
+      acc = step(acc, in[k]);
+      if constexpr (std::is_floating_point_v<T>)
+        if (accumulator.rounds()) acc = accumulator.add(acc, T(0));
+      store_element(*out, k, acc);
+    }
+  });
+  return out;
+}
+
+StoragePtr ref_Cumsum(const Node& node) {
+  if (!is_floating(node.dtype)) return scan<int64_t>(node, 0, std::plus<>());
+  return scan<double>(node, 0.0, std::plus<>());
+}
+
+StoragePtr ref_Cumprod(const Node& node) {
+  if (!is_floating(node.dtype)) return scan<int64_t>(node, 1, std::multiplies<>());
+  return scan<double>(node, 1.0, std::multiplies<>());
+}
+
+StoragePtr ref_Logcumsumexp(const Node& node) {
+  return scan<double>(node, -std::numeric_limits<double>::infinity(), log_add_exp);
+}
+
+// A stable sort of each line's positions: ascending puts NaN last, descending first, as
+// torch.sort; equal elements (-0 and +0 among them) keep their order either way.
+StoragePtr ref_Argsort(const Node& node) {
+  StoragePtr out = new_storage(node);
+  Lines lines(node.shape, node.attrs.axis);
+  const bool descending = node.attrs.reverse;
+  with_compute_type(node.inputs[0]->dtype, [&](auto zero) {
+    using T = decltype(zero);
+    std::vector<T> in = load_all<T>(value_of(node, 0));
+    std::vector<int64_t> order(static_cast<size_t>(lines.dim));
+    std::vector<T> line(static_cast<size_t>(lines.dim));
+    lines.for_each([&](auto at) {
+      for (int64_t k = 0; k < lines.dim; ++k) line[k] = in[at(k)];
+      std::iota(order.begin(), order.end(), int64_t{0});
+      std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+        T x = line[a], y = line[b];
+        if (descending) return is_nan(x) ? !is_nan(y) : !is_nan(y) && x > y;
+        return !is_nan(x) && (is_nan(y) || x < y);
+      });
+      for (int64_t k = 0; k < lines.dim; ++k) out->as<int64_t>()[at(k)] = order[k];
+    });
+  });
+  return out;
+}
+
 // ---- matmul ----
 // Row-major [batch, rows, cols] copy of one operand in f64, transposed if asked.
 // Operands are rounded to the compute type first: an f16 matmul sees f16 inputs, as tensor cores
@@ -616,6 +708,21 @@ StoragePtr ref_ScatterAdd(const Node& node) {
   for_each_gathered(node, node.shape, node.inputs[1]->shape, index, node.attrs.axis,
                     [&](int64_t i, int64_t offset) { acc[offset] += source[i]; });
   for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, acc[i]);
+  return out;
+}
+
+StoragePtr ref_Scatter(const Node& node) {
+  std::vector<int64_t> index = load_all<int64_t>(value_of(node, 1));
+  size_t bytes = size_of(node.storage);
+  StoragePtr base = input_as_storage(node, 0), source = input_as_storage(node, 2);
+  StoragePtr out = new_storage(node);
+  std::memcpy(out->host_data(), base->host_data(), static_cast<size_t>(out->size_bytes()));
+  // In index order, so that of repeated positions the last write stays (PyTorch's CPU order).
+  for_each_gathered(node, node.shape, node.inputs[1]->shape, index, node.attrs.axis,
+                    [&](int64_t i, int64_t offset) {
+                      std::memcpy(out->host_data() + offset * bytes,
+                                  source->host_data() + i * bytes, bytes);
+                    });
   return out;
 }
 

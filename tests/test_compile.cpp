@@ -12,6 +12,7 @@
 #include "dsl/nn.h"
 #include "dsl/ops.h"
 #include "dsl/optim.h"
+#include "dsl/selection.h"
 #include "dsl/tensor.h"
 #include "precision_policy/grad_scaler.h"
 #include "precision_policy/policy.h"
@@ -298,6 +299,44 @@ TEST(Compile, LossScalerRecordsOutliveReplaysAndTheirScaler) {
   run->scaler = mt::GradScaler(mt::GradScalerOptions{.init_scale = 0x1p12, .growth_interval = 4});
   step(run->x, clean);
   EXPECT_EQ(copy.skip_history(), skips);
+}
+
+// Scans, sorts and scatter are host steps of the program: replays run them as tracing does, and
+// masked_select's host read keeps the function traced every call.
+TEST(Compile, ScansSortsAndScatterReplayBitForBit) {
+  auto loss_of = [](MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
+    run.opt.zero_grad();
+    mt::Tensor h = run.model(x);
+    mt::Tensor top = mt::topk(h, 2).values;
+    mt::Tensor order = mt::slice(mt::argsort(h, 1, true), 1, 0, 2);
+    mt::Tensor z = mt::cumsum(h, 1) * 0.1 + mt::scatter(h, 1, order, top * 2.0) +
+                   mt::logcumsumexp(h, 1) * 0.1 + mt::cumprod(h, 0) * 0.01;
+    mt::Tensor loss = mt::mse_loss(z, y);
+    loss.backward();
+    run.opt.step();
+    return loss;
+  };
+  MlpRun plain_run, compiled_run;
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& y) { return loss_of(compiled_run, x, y); });
+  std::vector<uint32_t> plain, compiled;
+  for (int i = 0; i < 6; ++i) {
+    plain.push_back(bits(loss_of(plain_run, plain_run.batch(i), plain_run.y))[0]);
+    compiled.push_back(bits(step(compiled_run.batch(i), compiled_run.y))[0]);
+  }
+  EXPECT_EQ(plain, compiled);
+  EXPECT_EQ(bits(plain_run.model.parameters()[0]), bits(compiled_run.model.parameters()[0]));
+  if (replays_here()) {
+    EXPECT_GT(step.stats().replays, 0) << step.stats().reason;
+  }
+
+  MlpRun selecting;
+  auto select_step = mt::compile([&](const mt::Tensor& x, const mt::Tensor& y) {
+    (void)mt::masked_select(x, x > 0.0);
+    return selecting.step(x, y);
+  });
+  for (int i = 0; i < 3; ++i) select_step(selecting.batch(i), selecting.y);
+  EXPECT_EQ(select_step.stats().replays, 0);
 }
 
 // A function whose trace would not replay faithfully keeps working, traced every call.

@@ -409,6 +409,60 @@ TEST(Errors, FailedEvaluationCanBeRetriedAndLeavesOtherValuesIntact) {
             good.to_vector<float>()[2]);
 }
 
+// ---- scans and argsort (dsl/ops.h), dsl/selection.h ----
+std::vector<Case> selection_cases() {
+  Inputs in;
+  mt::Tensor f = in.f, f4 = in.f4, i = in.i, b = in.b, u = in.u, idx = in.idx, fidx = in.fidx;
+  mt::Tensor col_index = mt::tensor(i64s({0, 3}), {2, 1});
+  mt::Tensor col_ok = mt::tensor(i64s({0, 2}), {2, 1});
+  mt::Tensor cube = mt::randn({2, 2, 2});
+  return {
+      OP_CASE("cumsum", mt::cumsum(f, 2), "axis 2", "rank 2"),
+      OP_CASE("cumsum", mt::cumsum(u, 0), "undefined"),
+      OP_CASE("cumprod", mt::cumprod(f, -3), "axis -3", "rank 2"),
+      OP_CASE("logcumsumexp", mt::logcumsumexp(i, 0), "floating-point", "i64"),
+      OP_CASE("logcumsumexp", mt::logcumsumexp(f, 5), "axis 5"),
+      OP_CASE("argsort", mt::argsort(f, 2), "axis 2", "rank 2"),
+      OP_CASE("argsort", mt::argsort(u), "undefined"),
+      OP_CASE("scatter", mt::scatter(f, 1, fidx, f), "integer", "f32"),
+      OP_CASE("scatter", mt::scatter(f, 2, col_ok, f), "axis 2"),
+      OP_CASE("scatter", mt::scatter(f, 1, idx, f4), "[2]", "rank", "[2, 3]"),
+      OP_CASE("scatter", mt::scatter(f, 1, col_ok, mt::ones({1, 1})), "source shape [1, 1]",
+              "index shape [2, 1]"),
+      OP_CASE("scatter", mt::scatter(f, 1, col_ok, u), "source", "undefined"),
+      OP_CASE("scatter", mt::scatter(f, 1, col_index, 1.0).to_vector<float>(), "index 3",
+              "axis 1 of size 3"),
+      OP_CASE("prod", mt::prod(f, 2), "dim 2", "[2, 3]"),
+      OP_CASE("prod", mt::prod(u), "undefined"),
+      OP_CASE("sort", mt::sort(f, -3).values, "dim -3", "[2, 3]"),
+      OP_CASE("topk", mt::topk(f, 4).values, "k 4", "size 3", "[2, 3]"),
+      OP_CASE("topk", mt::topk(f, 3, 0).values, "k 3", "size 2", "dim 0"),
+      OP_CASE("topk", mt::topk(f, -1).values, "k -1"),
+      OP_CASE("topk", mt::topk(f, 1, 2).values, "dim 2", "[2, 3]"),
+      OP_CASE("take_along_dim", mt::take_along_dim(f, idx, 1), "same number of dims", "[2, 3]",
+              "[2]"),
+      OP_CASE("take_along_dim", mt::take_along_dim(f, fidx), "integer", "f32"),
+      OP_CASE("take_along_dim", mt::take_along_dim(f, mt::zeros({3, 2}, mt::i64), 1),
+              "cannot be broadcast", "[2, 3]", "[3, 2]"),
+      OP_CASE("take_along_dim", mt::take_along_dim(f, col_ok, 2), "dim 2"),
+      OP_CASE("masked_select", mt::masked_select(f, f), "bool", "f32"),
+      OP_CASE("masked_select", mt::masked_select(f, mt::ones({4}, mt::boolean)),
+              "cannot be broadcast", "[2, 3]", "[4]"),
+      OP_CASE("masked_select", mt::masked_select(f, u), "mask", "undefined"),
+      OP_CASE("nonzero", mt::nonzero(u), "undefined"),
+      OP_CASE("multinomial", mt::multinomial(f4, 5), "5 samples", "4 categories", "[4]"),
+      OP_CASE("multinomial", mt::multinomial(i, 1), "floating-point", "i64"),
+      OP_CASE("multinomial", mt::multinomial(f4, 0, true), "num_samples", "0"),
+      OP_CASE("multinomial", mt::multinomial(cube, 1), "1-d or 2-d", "[2, 2, 2]"),
+      OP_CASE("multinomial", mt::multinomial(mt::zeros({2, 0}), 1), "at least one category"),
+      OP_CASE("randperm", mt::randperm(-1), "non-negative", "-1"),
+      OP_CASE("randperm", mt::randperm(3, nullptr, mt::f32), "integer type", "f32"),
+      OP_CASE("argsort", mt::argsort(b, 3), "axis 3"),
+  };
+}
+
+TEST(Errors, Selection) { run(selection_cases()); }
+
 // ---- dsl/functional.h ----
 std::vector<Case> functional_cases() {
   Inputs in;
@@ -581,6 +635,9 @@ std::vector<Case> nn_cases() {
   mt::Tensor bad_ids = mt::tensor(i64s({1, 9}), {2});
   return {
       CASE("init", mt::init::fans({3}), "rank >= 2", "[3]"),
+      OP_CASE("normal_", mt::init::normal_(f, 0.0, -1.0), "-1", "[2, 3]"),
+      OP_CASE("normal_", mt::init::normal_(i), "floating-point", "i64"),
+      OP_CASE("uniform_", mt::init::uniform_(f, 1.0, 0.5), "1", "0.5", "[2, 3]"),
       CASE("init", mt::init::xavier_uniform({3}), "[3]"),
       CASE("init", mt::init::xavier_normal({}), "[]"),
       CASE("init", mt::init::kaiming_uniform({5}), "[5]"),
@@ -803,8 +860,8 @@ TEST_F(ErrorsWithFiles, Data) {
 // ---- coverage: every primitive op of the table has rows ----
 TEST(Errors, EveryPrimitiveOpHasRows) {
   std::set<std::string> covered;
-  for (auto* table : {&generated_pointwise_cases, &tensor_cases, &ops_cases, &functional_cases,
-                      &nn_cases, &grad_cases})
+  for (auto* table : {&generated_pointwise_cases, &tensor_cases, &ops_cases, &selection_cases,
+                      &functional_cases, &nn_cases, &grad_cases})
     for (const Case& c : (*table)()) covered.insert(c.op);
   for (int k = 0; k < mt::op_count(); ++k) {
     auto op = static_cast<mt::OpCode>(k);

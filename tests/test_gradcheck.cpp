@@ -37,6 +37,7 @@ enum class Dist {
   GridShifted,   // the Grid lattice moved by 0.125: at least 0.085 from any Grid value
   Dyadic,        // multiples of 2^-8 in [-2, 2]: exact in f16 and f32, and so are x +- 2^-8
   Inside,        // U[-0.8, 0.8): inside asin's and acos's domain, clear of its ends
+  SomeZeros,     // N(0, 1) with every third element exactly 0: products' gradients at zeros
 };
 
 struct Input {
@@ -86,6 +87,11 @@ std::vector<double> draw(Dist dist, int64_t n, mt::Generator& gen) {
       double shift = dist == Dist::GridShifted ? 0.125 : 0.0;
       for (int64_t r = 0; r < n; ++r)
         v[rank[r]] = 0.25 * static_cast<double>(r - n / 2) + jitter[rank[r]] + shift;
+      return v;
+    }
+    case Dist::SomeZeros: {
+      std::vector<double> v = mt::randn({n}, mt::f64, &gen).to_vector<double>();
+      for (size_t i = 0; i < v.size(); i += 3) v[i] = 0;
       return v;
     }
     case Dist::Dyadic: {
@@ -388,6 +394,25 @@ void add_reductions(Table& t) {
       [](const Tensors& x) { return mt::max(x[0]); });
 }
 
+// Scans along an axis. The vjps run the scans the other way, so these check reverse scans too.
+void add_scans(Table& t) {
+  add(t, OpCode::Cumsum, "cumsum [3,4] dim 1", {{{3, 4}}},
+      [](const Tensors& x) { return mt::cumsum(x[0], 1); });
+  add(t, OpCode::Cumsum, "cumsum [2,3,2] dim -3", {{{2, 3, 2}}},
+      [](const Tensors& x) { return mt::cumsum(x[0], -3); });
+  add(t, OpCode::Cumprod, "cumprod [3,4] dim 1", {{{3, 4}}},
+      [](const Tensors& x) { return mt::cumprod(x[0], 1); });
+  // Rows with two zeros, one zero and none: the gradient at and after a zero.
+  add(t, OpCode::Cumprod, "cumprod [3,5] dim 1 with zeros", {{{3, 5}, Dist::SomeZeros}},
+      [](const Tensors& x) { return mt::cumprod(x[0], 1); });
+  add(t, OpCode::Cumprod, "cumprod [6,2] dim 0 with zeros", {{{6, 2}, Dist::SomeZeros}},
+      [](const Tensors& x) { return mt::cumprod(x[0], 0); });
+  add(t, OpCode::Logcumsumexp, "logcumsumexp [3,4] dim 1", {{{3, 4}}},
+      [](const Tensors& x) { return mt::logcumsumexp(x[0] * 3.0, 1); });
+  add(t, OpCode::Logcumsumexp, "logcumsumexp [4,3] dim 0", {{{4, 3}}},
+      [](const Tensors& x) { return mt::logcumsumexp(x[0], 0); });
+}
+
 void add_matmul(Table& t) {
   struct Case {
     std::string label;
@@ -543,6 +568,17 @@ void add_indexing(Table& t) {
       [](const Tensors& x) {
         return mt::scatter_add(x[0], ids({3, 0, 1, 3, 3, 2}, {2, 3}), x[1], 0);
       });
+
+  // Positions written once each: where one is written twice, the overwritten source's
+  // derivative is 0 but PyTorch's gradient (and this one) gives it the position's.
+  add(t, OpCode::Scatter, "scatter [3,4] dim 1 from [3,2]", {{{3, 4}}, {{3, 2}}},
+      [](const Tensors& x) {
+        return mt::scatter(x[0], 1, ids({0, 3, 2, 1, 1, 0}, {3, 2}), x[1]);
+      });
+  add(t, OpCode::Scatter, "scatter [4,3] dim 0 from a larger [3,3] source", {{{4, 3}}, {{3, 3}}},
+      [](const Tensors& x) {
+        return mt::scatter(x[0], 0, ids({3, 0, 1, 1, 2, 0}, {2, 3}, mt::i32), x[1]);
+      });
 }
 
 mt::Tensor custom_mul_sin(const Tensors& x) {
@@ -573,6 +609,7 @@ const Table& op_samples() {
     add_pointwise(t);
     add_cast(t);
     add_reductions(t);
+    add_scans(t);
     add_matmul(t);
     add_conv(t);
     add_data_movement(t);
@@ -608,6 +645,7 @@ const std::map<OpCode, Builder>& no_grad_probes() {
   p[OpCode::Name] = [](const Tensors& x) { return mt::fname(x[0], x[0] * 0.5); };
 #include "dsl/ops.def"
     p[OpCode::Argmax] = [](const Tensors& x) { return mt::argmax(x[0], 1); };
+    p[OpCode::Argsort] = [](const Tensors& x) { return mt::argsort(x[0], 1, true); };
     p[OpCode::Sign] = [](const Tensors& x) { return mt::sign(x[0]); };
     p[OpCode::Detach] = [](const Tensors& x) { return x[0].detach(); };
     return p;
@@ -788,6 +826,23 @@ const std::vector<Sample>& composite_samples() {
       mt::Generator gen(1234);
       return mt::dropout(x[0], 0.3, true, &gen);
     });
+    // dsl/selection.h. Grid inputs keep sorts free of ties.
+    add_c("prod_dim1_keepdim", {{{3, 4}}},
+          [](const Tensors& x) { return mt::prod(x[0], 1, true); });
+    add_c("prod_with_zeros", {{{3, 4}, Dist::SomeZeros}},  // rows with two zeros, one, one
+          [](const Tensors& x) { return mt::prod(x[0], -1); });
+    add_c("prod_all", {{{2, 3}}}, [](const Tensors& x) { return mt::prod(x[0]); });
+    add_c("sort_descending_values", {{{3, 4}, Dist::Grid}},
+          [](const Tensors& x) { return mt::sort(x[0], 1, true).values; });
+    add_c("topk_smallest_dim0", {{{5, 3}, Dist::Grid}},
+          [](const Tensors& x) { return mt::topk(x[0], 2, 0, false).values; });
+    add_c("take_along_dim_broadcast", {{{3, 1, 4}}}, [](const Tensors& x) {
+      return mt::take_along_dim(x[0], ids({3, 0, 0, 2, 1, 1}, {1, 2, 3}), 2);
+    });
+    add_c("masked_select_broadcast_mask", {{{2, 3}}}, [](const Tensors& x) {
+      mt::Tensor mask = mt::tensor(std::vector<int64_t>{1, 0, 1}, {3}, mt::boolean);
+      return mt::masked_select(x[0], mask);
+    });
     add_c("min_axis1", {{{3, 4}, Dist::Grid}}, [](const Tensors& x) { return mt::min(x[0], {1}); });
     add_c("min_all", {{{3, 4}, Dist::Grid}}, [](const Tensors& x) { return mt::min(x[0]); });
     add_c("var_axis0_keepdim", {{{3, 4}}},
@@ -872,11 +927,11 @@ TEST(GradCheckCoverage, EveryOpHasASampleOrProvablyNoGradient) {
   }
   EXPECT_EQ(missing, 0);
   for (const auto& [op, samples] : table) EXPECT_LT(static_cast<int>(op), mt::op_count());
-  // The leaves, comparisons, argmax, sign and detach are exactly the no-gradient ops.
+  // The leaves, comparisons, argmax, argsort, sign and detach are exactly the no-gradient ops.
   std::vector<OpCode> expected = {
       OpCode::Constant, OpCode::Full,   OpCode::Arange, OpCode::RandUniform, OpCode::RandNormal,
       OpCode::Eq,       OpCode::Ne,     OpCode::Lt,     OpCode::Le,          OpCode::Gt,
-      OpCode::Ge,       OpCode::Argmax, OpCode::Sign,   OpCode::Detach};
+      OpCode::Ge,       OpCode::Argmax, OpCode::Sign,   OpCode::Detach,      OpCode::Argsort};
   EXPECT_EQ(probes.size(), expected.size());
   for (OpCode op : expected) EXPECT_TRUE(probes.count(op)) << mt::op_name(op);
 }
@@ -925,6 +980,11 @@ std::vector<Sample> second_order_samples() {
   });
   add_s("sdpa_causal", {{{1, 3, 2}}, {{1, 3, 2}}, {{1, 3, 2}}},
         [](const Tensors& x) { return mt::scaled_dot_product_attention(x[0], x[1], x[2], true); });
+  // Away from zeros: at a zero, cumprod's gradient is exact but its own derivative is not.
+  add_s("cumprod", {{{2, 4}}}, [](const Tensors& x) { return mt::cumprod(x[0], 1); });
+  add_s("logcumsumexp", {{{2, 3}}}, [](const Tensors& x) { return mt::logcumsumexp(x[0], 1); });
+  add_s("sort_values", {{{2, 3}, Dist::Grid}},
+        [](const Tensors& x) { return mt::square(mt::sort(x[0], 1).values); });
   add_s("custom_op", {{{2, 3}}, {{2, 3}}}, custom_mul_sin);
   return c;
 }

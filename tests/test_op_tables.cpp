@@ -251,6 +251,7 @@ TEST(CompositeTable, EveryCompositeNamesItsNodes) {
       {"smooth_l1_loss", [&] { return mt::smooth_l1_loss(x, x * 2.0); }},
       {"huber_loss", [&] { return mt::huber_loss(x, x * 2.0); }},
       {"kl_div", [&] { return mt::kl_div(mt::log_softmax(x), mt::softmax(x * 2.0)); }},
+      {"prod", [&] { return mt::prod(x, 1); }},
       {"softplus", [&] { return mt::softplus(x); }},
       {"leaky_relu", [&] { return mt::leaky_relu(x); }},
       {"elu", [&] { return mt::elu(x); }},

@@ -316,6 +316,106 @@ TEST(RandomComposites, BernoulliAndRandint) {
   EXPECT_THROW(mt::repeat(mt::zeros({2, 3}), {2}), mt::Error);
 }
 
+// multinomial and randperm: seeded, reproducible draws with the right support and frequencies.
+TEST(RandomComposites, MultinomialAndRandperm) {
+  mt::Generator gen(5);
+  // Unnormalized weights; category 1 has none.
+  mt::Tensor w = make({0.2, 0.0, 1.2, 0.6}, {4});
+  std::vector<int64_t> draws = int_values(mt::multinomial(w, 20000, true, &gen));
+  std::vector<int> counts(4, 0);
+  for (int64_t v : draws) {
+    ASSERT_GE(v, 0);
+    ASSERT_LT(v, 4);
+    ++counts[v];
+  }
+  EXPECT_EQ(counts[1], 0);
+  EXPECT_NEAR(counts[0] / 20000.0, 0.1, 0.01);
+  EXPECT_NEAR(counts[2] / 20000.0, 0.6, 0.015);
+  EXPECT_NEAR(counts[3] / 20000.0, 0.3, 0.015);
+  // Without replacement: each row a set of distinct categories, zero weights only when forced,
+  // and the first draw distributed as the weights.
+  mt::Tensor rows = mt::broadcast_to(make({1.0, 0.0, 6.0, 3.0}, {1, 4}), {5000, 4});
+  std::vector<int64_t> picks = int_values(mt::multinomial(rows, 3, false, &gen));
+  std::vector<int> first(4, 0);
+  for (size_t r = 0; r < 5000; ++r) {
+    std::set<int64_t> seen(picks.begin() + 3 * r, picks.begin() + 3 * r + 3);
+    EXPECT_EQ(seen.size(), 3u);
+    EXPECT_FALSE(seen.count(1)) << "row " << r;
+    ++first[picks[3 * r]];
+  }
+  EXPECT_NEAR(first[2] / 5000.0, 0.6, 0.03);
+  EXPECT_NEAR(first[0] / 5000.0, 0.1, 0.02);
+  std::vector<int64_t> all =
+      int_values(mt::multinomial(make({1.0, 0.0, 2.0}, {3}), 3, false, &gen));
+  EXPECT_EQ(all.back(), 1) << "the zero-weight category comes last";
+  mt::Generator a(9), b(9), c(10);
+  EXPECT_EQ(int_values(mt::multinomial(w, 50, true, &a)),
+            int_values(mt::multinomial(w, 50, true, &b)));
+  std::vector<int64_t> perm = int_values(mt::randperm(50, &c));
+  std::vector<int64_t> sorted = perm;
+  std::sort(sorted.begin(), sorted.end());
+  for (int64_t i = 0; i < 50; ++i) EXPECT_EQ(sorted[i], i);
+  EXPECT_NE(perm, sorted);
+  EXPECT_EQ(int_values(mt::randperm(50, &a)), int_values(mt::randperm(50, &b)));
+  EXPECT_NE(int_values(mt::randperm(50, &a)), perm);
+  EXPECT_EQ(mt::randperm(0).numel(), 0);
+  EXPECT_EQ(mt::randperm(4, &a, mt::i32).dtype(), mt::i32);
+}
+
+// torch.nn.init.normal_ / uniform_: in place for every holder, keeping requires_grad.
+TEST(RandomComposites, InPlaceInitializers) {
+  mt::Generator gen(3);
+  mt::Linear layer(100, 200, true, &gen);
+  mt::Tensor holder = layer.weight;
+  mt::init::normal_(layer.weight, 0.5, 2.0, &gen);
+  std::vector<double> w = values(holder);
+  double mean = 0, var = 0;
+  for (double v : w) mean += v / w.size();
+  for (double v : w) var += (v - mean) * (v - mean) / w.size();
+  EXPECT_NEAR(mean, 0.5, 0.05);
+  EXPECT_NEAR(std::sqrt(var), 2.0, 0.05);
+  EXPECT_TRUE(holder.requires_grad());
+  mt::init::uniform_(layer.bias, -3.0, -2.0, &gen);
+  for (double v : values(layer.bias)) {
+    EXPECT_GE(v, -3.0);
+    EXPECT_LT(v, -2.0);
+  }
+}
+
+// Gradients at zeros, which finite differences see only as a smooth polynomial: PyTorch's values.
+TEST(ScanGradients, ProductsAtZerosTakeTheOtherFactors) {
+  mt::Tensor x = make({2, 0, 3, 0, 5}, {5});
+  x.requires_grad_();
+  // d/dx sum(cumprod(x)): 1 + x1 (1 + ...) = 1 at 0; at the first zero 2 + 2*3 = 8; after, 0.
+  expect_same(values(mt::grad({mt::sum(mt::cumprod(x, 0))}, {x})[0]), {1, 8, 0, 0, 0});
+  mt::Tensor one_zero = make({2, 0, 3, 4}, {2, 2});
+  one_zero.requires_grad_();
+  expect_same(values(mt::grad({mt::sum(mt::prod(one_zero, 1))}, {one_zero})[0]), {0, 2, 4, 3});
+  expect_same(values(mt::grad({mt::prod(one_zero)}, {one_zero})[0]), {0, 24, 0, 0});
+  mt::Tensor two_zeros = make({0, 3, 0}, {3});
+  two_zeros.requires_grad_();
+  expect_same(values(mt::grad({mt::prod(two_zeros)}, {two_zeros})[0]), {0, 0, 0});
+  // A reversed scan underlies each gradient; the reverse scans' own values:
+  expect_same(values(mt::cumulative(mt::OpCode::Cumsum, make({1, 2, 3}, {3}), 0, true)), {6, 5, 3});
+  expect_same(values(mt::cumulative(mt::OpCode::Cumprod, make({1, 2, 3}, {3}), 0, true)),
+              {6, 6, 3});
+}
+
+// Of repeated positions scatter keeps the last write (PyTorch's CPU order), and the gradient of
+// base is zero wherever something was written.
+TEST(Scatter, RepeatedPositionsKeepTheLastWrite) {
+  mt::Tensor base = make({1, 2, 3, 4}, {4});
+  base.requires_grad_();
+  mt::Tensor src = make({10, 20, 30}, {3});
+  mt::Tensor y = mt::scatter(base, 0, ints({2, 0, 2}, {3}), src);
+  expect_same(values(y), {20, 2, 30, 4});
+  expect_same(values(mt::grad({mt::sum(y * make({1, 2, 3, 4}, {4}))}, {base})[0]), {0, 2, 0, 4});
+  // topk keeps the first of equal elements first, and sort is stable.
+  mt::Tensor tied = make({1, 3, 3, 2, 3}, {5});
+  EXPECT_EQ(int_values(mt::topk(tied, 2).indices), (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(int_values(mt::sort(tied, 0, true).indices), (std::vector<int64_t>{1, 2, 4, 3, 0}));
+}
+
 // Padding's errors: the shapes pad refuses, as PyTorch does, with a reason.
 TEST(Pad, RefusesWhatItCannotPad) {
   mt::Tensor x = mt::zeros({2, 3});
@@ -1021,6 +1121,61 @@ void add_indexing_cases(Oracle& o, Data& d, mt::DType dt) {
         "F.one_hot(a, 4).to(" + torch_dtype(dt) + ")");
 }
 
+// Scans, sorting and selection (dsl/ops.h, dsl/selection.h), with the special values each
+// must order or propagate as PyTorch does.
+void add_scan_and_sort_cases(Oracle& o, Data& d, mt::DType dt) {
+  const std::string t(mt::name(dt));
+  mt::Tensor x = d.randn({3, 4, 5}, dt);
+  o.add("cumsum/dim1/" + t, {x}, mt::cumsum(x, 1), "torch.cumsum(a, 1)");
+  o.add("cumsum/last/" + t, {x}, mt::cumsum(x, -1), "torch.cumsum(a, -1)");
+  mt::Tensor special = make({1, kNan, 2, 3, kInf, -kInf, 1, 2, 0.5, -0.5, 0.25, 4}, {3, 4}, dt);
+  o.add("cumsum/specials/" + t, {special}, mt::cumsum(special, 1), "torch.cumsum(a, 1)");
+  mt::Tensor zeros = make({0.5, 0, 2, 3, 1.5, -2, 0, 0, 0.75, 2, -1, 1.25}, {3, 4}, dt);
+  o.add("cumprod/zeros/" + t, {zeros}, mt::cumprod(zeros, 1), "torch.cumprod(a, 1)");
+  o.add("cumprod/dim0/" + t, {x}, mt::cumprod(x, 0), "torch.cumprod(a, 0)");
+  mt::Tensor lx = d.randn({3, 4, 5}, dt, 10.0);
+  o.add("logcumsumexp/" + t, {lx}, mt::logcumsumexp(lx, 2), "torch.logcumsumexp(a, 2)");
+  mt::Tensor linf = make({-kInf, -kInf, 1, -kInf, kInf, 2, kInf, 1, 3, kNan, 1, 800}, {3, 4}, dt);
+  o.add("logcumsumexp/infinities/" + t, {linf}, mt::logcumsumexp(linf, 1),
+        "torch.logcumsumexp(a, 1)");
+  o.add("prod/dim1/" + t, {x}, mt::prod(x, 1), "a.prod(1)");
+  o.add("prod/keepdim_zeros/" + t, {zeros}, mt::prod(zeros, -1, true), "a.prod(-1, keepdim=True)");
+  o.add("prod/all/" + t, {zeros}, mt::prod(zeros * 0.5 + 1.0), "(a * 0.5 + 1).prod()");
+  // Ties (kept in order), NaN (above +inf), -0 and +0 (equal).
+  mt::Tensor ties =
+      make({3, 1, kNan, 1, -0.0, 0.0, kInf, 2, 2, -kInf, 0.0, 7, kNan, 2, 2, 1}, {2, 8}, dt);
+  o.add("argsort/ties/" + t, {ties}, mt::argsort(ties, 1), "torch.sort(a, stable=True, dim=1)[1]");
+  o.add("argsort/descending/" + t, {ties}, mt::argsort(ties, -1, true),
+        "torch.sort(a, stable=True, dim=-1, descending=True)[1]");
+  o.add("sort/values/" + t, {ties}, mt::sort(ties, 1).values, "torch.sort(a, 1)[0]");
+  o.add("sort/descending_dim0/" + t, {x}, mt::sort(x, 0, true).values,
+        "torch.sort(a, 0, descending=True)[0]");
+  mt::Tensor distinct = make({0.5, kNan, -1, 3, 2.5, -4, 9, 1.5, 0.25, -2, 6, 4}, {3, 4}, dt);
+  o.add("topk/values/" + t, {x}, mt::topk(x, 3, 1).values, "torch.topk(a, 3, 1)[0]");
+  o.add("topk/indices_nan/" + t, {distinct}, mt::topk(distinct, 2).indices, "torch.topk(a, 2)[1]");
+  o.add("topk/smallest_dim0/" + t, {distinct}, mt::topk(distinct, 2, 0, false).indices,
+        "torch.topk(a, 2, 0, largest=False)[1]");
+  o.add("topk/smallest_values/" + t, {x}, mt::topk(x, 2, -1, false).values,
+        "torch.topk(a, 2, -1, largest=False)[0]");
+  mt::Tensor base = d.randn({3, 4}, dt), src = d.randn({3, 3}, dt);
+  mt::Tensor at = ints({0, 3, 2, 1, 1, 0}, {3, 2});
+  o.add("scatter/" + t, {base, at, src}, mt::scatter(base, 1, at, src), "a.scatter(1, b, c)");
+  o.add("scatter/value/" + t, {base, at}, mt::scatter(base, 1, at, 2.5), "a.scatter(1, b, 2.5)");
+  mt::Tensor rows = ints({2, 0, 1, 1, 2, 0}, {2, 3}, mt::i32);
+  o.add("scatter/dim0/" + t, {base, rows, src}, mt::scatter(base, 0, rows, src),
+        "a.scatter(0, b.long(), c)");
+  mt::Tensor taken = ints({4, 0, 0, 2, 1, 1}, {1, 2, 3});
+  mt::Tensor cube = d.randn({3, 1, 5}, dt);
+  o.add("take_along_dim/" + t, {cube, taken}, mt::take_along_dim(cube, taken, 2),
+        "torch.take_along_dim(a, b, 2)");
+  o.add("take_along_dim/flat/" + t, {cube, taken}, mt::take_along_dim(cube, taken),
+        "torch.take_along_dim(a, b)");
+  mt::Tensor mask = mt::tensor(std::vector<int64_t>{1, 0, 0, 1, 1}, {1, 5}, mt::boolean);
+  o.add("masked_select/" + t, {cube, mask}, mt::masked_select(cube, mask),
+        "torch.masked_select(a, b)");
+  o.add("nonzero/" + t, {zeros}, mt::nonzero(zeros), "torch.nonzero(a)");
+}
+
 void add_composite_cases(Oracle& o, Data& d, mt::DType dt) {
   const std::string t(mt::name(dt));
   mt::Tensor x = d.randn({3, 5}, dt, 2.0);
@@ -1188,6 +1343,12 @@ void add_integer_cases(Oracle& o, Data& d) {
     o.add("int/max/" + t, {a}, mt::max(a, {1}), "a.amax(1)");
     o.add("int/argmax/" + t, {a}, mt::argmax(a, 0), "a.argmax(0)");
     o.add("int/argmin/" + t, {a}, mt::argmin(a, 1), "a.argmin(1)");
+    o.add("int/cumsum/" + t, {a}, mt::cumsum(a, 0), "torch.cumsum(a, 0)");
+    o.add("int/cumprod/" + t, {b}, mt::cumprod(b, 0), "torch.cumprod(a, 0)");
+    o.add("int/prod/" + t, {a}, mt::prod(a, 1), "a.prod(1)");
+    o.add("int/sort/" + t, {a}, mt::sort(a, 1, true).values,
+          "torch.sort(a, 1, descending=True)[0]");
+    o.add("int/argsort/" + t, {a}, mt::argsort(a, 0), "torch.sort(a, stable=True, dim=0)[1]");
     o.add("int/where/" + t, {a, b}, mt::where(mt::gt(a, b), a, b), "torch.where(a > b, a, b)");
     o.add("int/concat/" + t, {a, b}, mt::concat({a, mt::unsqueeze(b, 0)}, 0),
           "torch.cat([a, b.unsqueeze(0)], 0)");
@@ -1203,6 +1364,8 @@ void add_integer_cases(Oracle& o, Data& d) {
   mt::Tensor flags = mt::tensor(std::vector<int64_t>{1, 0, 1, 1}, {4}, mt::boolean);
   o.add("bool/sum", {flags}, mt::sum(flags), "a.sum()");
   o.add("bool/cast_f32", {flags}, mt::cast(flags, mt::f32), "a.float()");
+  o.add("bool/cumsum", {flags}, mt::cumsum(flags, 0), "torch.cumsum(a, 0)");
+  o.add("bool/nonzero", {flags}, mt::nonzero(flags), "torch.nonzero(a)");
   o.add("causal_mask", {}, mt::causal_mask(5), "torch.ones(5, 5, dtype=torch.bool).tril()");
   o.add("arange/i64", {}, mt::arange(7), "torch.arange(7)");
 }
@@ -1265,6 +1428,7 @@ TEST(TorchOracle, EveryOpMatchesPyTorch) {
     add_conv_cases(oracle, data, dt);
     add_movement_cases(oracle, data, dt);
     add_indexing_cases(oracle, data, dt);
+    add_scan_and_sort_cases(oracle, data, dt);
     add_composite_cases(oracle, data, dt);
   }
   add_integer_cases(oracle, data);

@@ -167,6 +167,14 @@ TEST(BuiltinPolicies, DecideEachCategoryAsDocumented) {
     }
     // fp32-accum: stored in f32, reading the input as it is stored.
     EXPECT_EQ(decision_of(mt::sum(m)), (Decision{f32, H, f32}));
+    // The scans too (autocast's fp32 list on CUDA has cumsum and cumprod; its CPU kernels
+    // accumulate in f32): what they run along is read as stored.
+    EXPECT_EQ(decision_of(mt::cumsum(m, 1)), (Decision{f32, H, f32}));
+    EXPECT_EQ(decision_of(mt::cumprod(m, 0)), (Decision{f32, H, f32}));
+    EXPECT_EQ(decision_of(mt::logcumsumexp(m, 1)), (Decision{f32, H, f32}));
+    // A sort's values follow their input, as torch.sort and topk keep the input's type.
+    EXPECT_EQ(decision_of(mt::sort(m, 1).values), half);
+    EXPECT_EQ(decision_of(mt::topk(m, 1, 0).values), half);
     // promote: the widest input, except that pure runs everything in the half type.
     EXPECT_EQ(decision_of(m + x), pure ? half : full);
     EXPECT_EQ(decision_of(m + m2), half);
@@ -198,8 +206,8 @@ TEST(BuiltinPolicies, DecideEachCategoryAsDocumented) {
     EXPECT_EQ(decision_of(mt::exp(x64)), (Decision{mt::f64, mt::f64, mt::f64}));
     EXPECT_EQ(decision_of(mt::matmul(x64, mt::transpose(x64))),
               (Decision{mt::f64, mt::f64, mt::f64}));
-    // Every node softmax, layer_norm and cross_entropy make runs in f32 (fp32 lists), even on a
-    // half input.
+    // Every node softmax, layer_norm, cross_entropy and prod make runs in f32 (fp32 lists), even
+    // on a half input.
     mt::Tensor targets = mt::tensor(std::vector<int64_t>{1, 0}, {2});
     for (auto [name, call] : std::vector<std::pair<const char*, std::function<mt::Tensor()>>>{
              {"softmax", [&] { return mt::softmax(m, -1); }},
@@ -209,7 +217,8 @@ TEST(BuiltinPolicies, DecideEachCategoryAsDocumented) {
                 return mt::layer_norm(m, values({1.5f, 0.5f}, {2}), mt::Tensor());
               }},
              {"cross_entropy", [&] { return mt::cross_entropy(m, targets); }},
-             {"mse_loss", [&] { return mt::mse_loss(m, m2); }}}) {
+             {"mse_loss", [&] { return mt::mse_loss(m, m2); }},
+             {"prod", [&] { return mt::prod(m, 1); }}}) {
       mt::Tensor y;
       IdRange range = made_by([&] { y = call(); });
       int checked = 0;

@@ -21,6 +21,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <random>
 #include <set>
 #include <sstream>
@@ -381,9 +382,33 @@ def run_vision(d, m, _):
     return {'y': y.float(), 'grad.x': x.grad, **{'grad.' + k: t.grad for k, t in extra.items()},
             **stats}
 
+def run_scan(d, m, _):
+    x = d['x'].clone().requires_grad_(True)
+    op, dim, ac = m['op'], int(m['dim']), m.get('autocast') == '1'
+    # Under autocast the op reads a bf16 matmul output in both libraries: torch's CPU autocast
+    # runs prod in f32 and the rest in bf16 (accumulating in f32); mixtape stores the scans in f32.
+    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=ac):
+        h = x @ d['p'] if ac else x
+        if op == 'cumsum':
+            y = torch.cumsum(h, dim)
+        elif op == 'cumprod':
+            y = torch.cumprod(h, dim)
+        elif op == 'logcumsumexp':
+            y = torch.logcumsumexp(h.float() if ac else h, dim)
+        elif op == 'prod':
+            y = torch.prod(h, dim)
+        elif op == 'sort':
+            y = torch.sort(h, dim, descending=True)[0]
+        elif op == 'topk':
+            y = torch.topk(h, 3, dim)[0]
+        else:
+            raise ValueError('unknown scan op ' + op)
+        (y.float() * d['w']).sum().backward()
+    return {'y': y.float(), 'grad.x': x.grad}
+
 HANDLERS = {'mlp': run_mlp, 'block': run_block, 'optim': run_optim, 'clip': run_clip,
             'cross_entropy': run_cross_entropy, 'op': run_op,
-            'vision': run_vision, 'resnet': run_resnet, 'seq': run_seq}
+            'vision': run_vision, 'resnet': run_resnet, 'seq': run_seq, 'scan': run_scan}
 
 folder = sys.argv[1]
 cases = sorted(f[:-len('.in.safetensors')] for f in os.listdir(folder)
@@ -777,6 +802,39 @@ mt::Tensor vision_forward(const VisionCase& c, const mt::Tensor& x, const mt::Te
   return apply_vision(c, mt::matmul(x, p), weight, bias, running_mean, running_var);
 }
 
+// Scans, prod and sorting (dsl/ops.h, dsl/selection.h) along one dim, forward and backward, in
+// f32 and under bf16 autocast on a bf16 matmul's output (h = x @ p in both libraries).
+struct ScanCase {
+  std::string op;
+  int64_t dim;
+  bool autocast = false;
+  std::string name() const {
+    return fmt::format("scan_{}_dim{}{}{}", op, dim < 0 ? "m" : "", dim < 0 ? -dim : dim,
+                       autocast ? "_bf16" : "");
+  }
+};
+std::vector<ScanCase> scan_cases() {
+  std::vector<ScanCase> cases;
+  for (const char* op : {"cumsum", "cumprod", "logcumsumexp", "prod", "sort", "topk"})
+    for (int64_t dim : {int64_t{1}, int64_t{-1}})
+      for (bool autocast : {false, true}) cases.push_back({op, dim, autocast});
+  return cases;
+}
+const mt::Shape kScanShape{3, 5, 6};
+
+mt::Tensor scan_forward(const ScanCase& c, const mt::Tensor& x, const mt::Tensor& p) {
+  std::optional<mt::autocast> guard;
+  if (c.autocast) guard.emplace(mt::bf16);
+  mt::Tensor h = c.autocast ? mt::matmul(x, p) : x;
+  if (c.op == "cumsum") return mt::cumsum(h, c.dim);
+  if (c.op == "cumprod") return mt::cumprod(h, c.dim);
+  if (c.op == "logcumsumexp") return mt::logcumsumexp(h, c.dim);
+  if (c.op == "prod") return mt::prod(h, c.dim);
+  if (c.op == "sort") return mt::sort(h, c.dim, true).values;
+  if (c.op == "topk") return mt::topk(h, 3, c.dim).values;
+  throw std::runtime_error("unknown scan op " + c.op);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Writing inputs.
 
@@ -1015,6 +1073,21 @@ void write_inputs(const fs::path& dir) {
         dir, fmt::format("resnet_{}", policy),
         {{"kind", "resnet"}, {"policy", policy}, {"seed", "7"}, {"classes", "10"}, {"lr", "0.1"}},
         {{"x", rng.normal({8, 3, 32, 32})}, {"y", rng.classes({8}, 10)}});
+  // After the cases above, so that their inputs stay those they were tuned with.
+  for (const ScanCase& c : scan_cases()) {
+    mt::Tensor x = rng.normal(kScanShape, 1.0), p = rng.normal({6, 6}, 0.4);
+    mt::Shape out;
+    {
+      mt::NoGradGuard no_grad;
+      out = scan_forward(c, x, p).shape();
+    }
+    write_case(dir, c.name(),
+               {{"kind", "scan"},
+                {"op", c.op},
+                {"dim", std::to_string(c.dim)},
+                {"autocast", c.autocast ? "1" : "0"}},
+               {{"x", x}, {"p", p}, {"w", rng.normal(out)}});
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1393,6 +1466,29 @@ TEST_F(TorchParity, VisionOpsMatchTorch) {
       cmp.check("running_mean", running_mean, c.ref("running_mean"), tolerance);
       cmp.check("running_var", running_var, c.ref("running_var"), tolerance);
     }
+  }
+}
+
+TEST_F(TorchParity, ScansAndSortsMatchTorch) {
+  constexpr double kBf16Tolerance = 2e-2;  // as the vision ops'
+  for (const ScanCase& sc : scan_cases()) {
+    SCOPED_TRACE(sc.name());
+    Case c = open_case(sc.name());
+    mt::Tensor x = c.input("x");
+    x.requires_grad_();
+    mt::Tensor y = mt::cast(scan_forward(sc, x, c.input("p")), mt::f32);
+    {
+      mt::autocast guard(sc.autocast ? mt::autocast_policy(mt::bf16) : mt::fp32_policy());
+      mt::sum(y * c.input("w")).backward();
+    }
+    const double tolerance = sc.autocast ? kBf16Tolerance : kGradTolerance;
+    Comparison cmp(sc.name());
+    cmp.check("value", y, c.ref("y"), tolerance);
+    // Under autocast the two libraries' bf16 matmuls round a few near-ties differently, and a
+    // sort sends the gradients of two swapped elements to each other's places: a sort's
+    // gradient is compared in f32 only.
+    const bool sorts = sc.op == "sort" || sc.op == "topk";
+    if (!(sorts && sc.autocast)) cmp.check("grad x", x.grad(), c.ref("grad.x"), tolerance);
   }
 }
 

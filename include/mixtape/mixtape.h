@@ -14,6 +14,7 @@
 #include "dsl/nn.h"
 #include "dsl/ops.h"
 #include "dsl/optim.h"
+#include "dsl/selection.h"
 #include "dsl/sequence_layers.h"
 #include "dsl/tensor.h"
 #include "dsl/vision.h"
