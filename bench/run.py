@@ -333,6 +333,7 @@ def resnet18_conv_totals(workloads):
     for dtype in ("f32", "bf16"):
         for system in ("mixtape", "torch", "jax"):
             flops = seconds = 0.0
+            peak_gflops = None
             complete = True
             for index, (shape, count) in enumerate(convs):
                 for conv_pass in common.CONV_PASSES:
@@ -343,13 +344,16 @@ def resnet18_conv_totals(workloads):
                     if not rate:
                         complete = False
                         continue
+                    peak_gflops = peak_gflops or entry.get(f"{system}_peak_gflops")
                     work = count * common.conv_flops(shape)
                     flops += work
                     seconds += work / (rate * 1e9)
             if complete and seconds:
+                rate = flops / seconds / 1e9
                 totals.setdefault(dtype, {})[system] = {
                     "gflop": round(flops / 1e9, 3), "ms": round(seconds * 1e3, 2),
-                    "gflops": flops / seconds / 1e9}
+                    "gflops": rate, "peak_gflops": peak_gflops,
+                    "fraction_of_peak": ratio(rate, peak_gflops)}
     return totals
 
 
