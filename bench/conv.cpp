@@ -25,24 +25,40 @@ constexpr const char* kUsage =
     "             conv_<f32|bf16>_<fwd|dgrad|wgrad>_n<N>_c<C>_h<H>_o<O>_k<K>_s<S>: x [N, C, H, H]\n"
     "             * w [O, C, K, K], stride S, padding K / 2, through runtime/conv.h; fwd is the\n"
     "             convolution, dgrad its input gradient, wgrad its weight gradient, each with\n"
-    "             its result in the operands' dtype, as a training step under autocast runs them\n"
+    "             its result in the operands' dtype, as a training step under autocast runs them;\n"
+    "             a suffix :native or :widened picks the bf16 kernel (default: automatic)\n"
     "  GFLOP/s count 2 N O OH OW C K K flops per pass (an im2col GEMM's, padded taps included).\n";
 
 struct ConvWorkload {
   std::string dtype, pass;
   int64_t n = 0, c = 0, h = 0, o = 0, k = 0, s = 0;
+  mt::Bf16Kernel bf16_kernel = mt::Bf16Kernel::automatic;
 };
 
 bool parse_conv(const std::string& name, ConvWorkload& w) {
+  std::string shape = name;
+  const size_t colon = name.find(':');
+  mt::Bf16Kernel kernel = mt::Bf16Kernel::automatic;
+  if (colon != std::string::npos) {
+    const std::string suffix = name.substr(colon + 1);
+    if (suffix == "native")
+      kernel = mt::Bf16Kernel::native;
+    else if (suffix == "widened")
+      kernel = mt::Bf16Kernel::widened;
+    else
+      return false;
+    shape = name.substr(0, colon);
+  }
   char dtype[8] = {}, pass[8] = {};
   long long n = 0, c = 0, h = 0, o = 0, k = 0, s = 0;
   int consumed = 0;
-  if (std::sscanf(name.c_str(), "conv_%4[a-z0-9]_%5[a-z]_n%lld_c%lld_h%lld_o%lld_k%lld_s%lld%n",
+  if (std::sscanf(shape.c_str(), "conv_%4[a-z0-9]_%5[a-z]_n%lld_c%lld_h%lld_o%lld_k%lld_s%lld%n",
                   dtype, pass, &n, &c, &h, &o, &k, &s, &consumed) != 8 ||
-      static_cast<size_t>(consumed) != name.size())
+      static_cast<size_t>(consumed) != shape.size())
     return false;
-  w = {dtype, pass, n, c, h, o, k, s};
-  return (w.dtype == "f32" || w.dtype == "bf16") &&
+  w = {dtype, pass, n, c, h, o, k, s, kernel};
+  return (kernel == mt::Bf16Kernel::automatic || w.dtype == "bf16") &&
+         (w.dtype == "f32" || w.dtype == "bf16") &&
          (w.pass == "fwd" || w.pass == "dgrad" || w.pass == "wgrad") && n > 0 && c > 0 && h > 0 &&
          o > 0 && k > 0 && s > 0 && h + 2 * (k / 2) >= k;
 }
@@ -90,6 +106,7 @@ mt::json::Object conv_record(const std::string& name, const ConvWorkload& w, ben
   desc.geometry.window.pad[0] = desc.geometry.window.pad[1] = pad;
   const bool bf16 = w.dtype == "bf16";
   desc.operand = desc.out = bf16 ? mt::bf16 : mt::f32;
+  desc.bf16_kernel = w.bf16_kernel;
   const int64_t x_count = w.n * w.c * w.h * w.h, w_count = w.o * w.c * w.k * w.k,
                 y_count = w.n * w.o * out_size * out_size;
   // The primitive's operands: fwd (x, w) -> y, dgrad (dy, w) -> dx, wgrad (x, dy) -> dw.

@@ -8,6 +8,7 @@
 
 #include "dsl/conv.h"
 #include "dsl/dtype.h"
+#include "runtime/gemm.h"
 
 namespace mixtape {
 
@@ -18,6 +19,9 @@ struct ConvDesc {
   ConvGeometry geometry{};
   DType operand = f32;  // both inputs: f32, bf16 or f16
   DType out = f32;      // the result: f32, bf16 or f16, rounded once from the f32 sum
+  // bf16 operands: oneDNN's bf16 kernel (native) or widened exactly to f32 (runtime/gemm.h's
+  // Bf16Kernel); automatic picks by shape (conv.cpp).
+  Bf16Kernel bf16_kernel = Bf16Kernel::automatic;
 };
 
 /// False for dtypes oneDNN cannot take (f64, integers) and empty problems; the caller then uses
