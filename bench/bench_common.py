@@ -182,16 +182,20 @@ def measure(step, sync, warmup, windows, window_seconds, budget_seconds):
     planned = windows
     if estimate * per_window * windows > budget_seconds:
         windows = max(1, int(budget_seconds // (estimate * per_window)))
-    rates = []
+    rates, cpu_per_step = [], []
     for _ in range(windows):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for _ in range(per_window):
             step()
         sync()
         rates.append(per_window / (time.perf_counter() - start))
+        cpu_per_step.append((time.process_time() - cpu_start) / per_window)
     result = {
         "steps_per_s": statistics.median(rates),
         "window_steps_per_s": [round(r, 3) for r in rates],
+        # CPU time of the whole process (every thread) per step, as timing.h's: at one thread
+        # it moves far less with other processes' load than steps/s does.
+        "cpu_us_per_step": round(statistics.median(cpu_per_step) * 1e6, 1),
         "steps_per_window": per_window,
         "windows": windows,
         "warmup_steps": len(warm_times),

@@ -222,6 +222,14 @@ def summarize_training(name, precision, runs, errors):
         "jax_steps_per_s": rate("jax"),
         "jax_jit_compile_s": jax_best["jit_compile_s"] if jax_best else None,
     }
+    # CPU time per step of each system's fastest run: on a loaded machine at one thread, a
+    # steadier comparison than steps/s (a ratio above 1: mixtape uses less CPU per step).
+    cpu = lambda label: (best(runs, label) or {}).get("cpu_us_per_step")
+    for label in ("mixtape", "mixtape_step", "mixtape_eager", "torch", "jax"):
+        entry[f"{label}_cpu_us_per_step"] = cpu(label)
+    for mode, key in (("", "mixtape"), ("step_", "mixtape_step")):
+        for peer in ("torch", "jax"):
+            entry[f"{mode}cpu_ratio_vs_{peer}"] = ratio(cpu(peer), cpu(key))
     for mode, key in (("", "mixtape"), ("eager_", "mixtape_eager"),
                       ("reference_", "mixtape_reference"), ("step_", "mixtape_step")):
         entry[f"{mode}ratio_vs_torch"] = ratio(rate(key), torch_rate)

@@ -86,6 +86,22 @@ def main():
               f"{cell(e['mixtape_reference_steps_per_s'])} | {torch} | {jax} | "
               f"{cell(e['ratio_vs_torch'])} | {cell(e['ratio_vs_jax'])} | "
               f"{cell(e.get('step_ratio_vs_torch'))} | {cell(e.get('step_ratio_vs_jax'))} |")
+    timed = [(k, e) for k, e in doc["workloads"].items()
+             if "precision" in e and e.get("mixtape_cpu_us_per_step")]
+    if timed:
+        print("\nCPU time per step, ms (every thread of the process; at one thread the figure "
+              "that moves least with other processes' load), and the peers' CPU time over "
+              "mixtape's:\n")
+        print("| workload | mixtape compiled | mt::compile step | mixtape eager | torch | jax "
+              "| torch / compiled | jax / compiled | torch / mt::compile | jax / mt::compile |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+        ms = lambda us: cell(us / 1e3) if us else "–"
+        for key, e in timed:
+            print(f"| {key} | {ms(e['mixtape_cpu_us_per_step'])} | "
+                  f"{ms(e['mixtape_step_cpu_us_per_step'])} | {ms(e['mixtape_eager_cpu_us_per_step'])} | "
+                  f"{ms(e['torch_cpu_us_per_step'])} | {ms(e['jax_cpu_us_per_step'])} | "
+                  f"{cell(e['cpu_ratio_vs_torch'])} | {cell(e['cpu_ratio_vs_jax'])} | "
+                  f"{cell(e['step_cpu_ratio_vs_torch'])} | {cell(e['step_cpu_ratio_vs_jax'])} |")
     gemms = [e for e in doc["workloads"].values() if "size" in e]
     convs = [e for e in doc["workloads"].values() if "pass" in e]
     if gemms or convs:
