@@ -28,7 +28,10 @@
 //   rounding of the f32 sum.
 // - f16 operands are widened to f32, exactly (oneDNN 2.6 has no f16 convolution on the CPU). bf16
 //   operands go to oneDNN's bf16 kernels (AVX512-BF16 dot products or AMX tiles), which accumulate
-//   in f32 and flush subnormal operands, as its bf16 matmul.
+//   in f32 and flush subnormal operands, as its bf16 matmul; or, at the shapes where those lose
+//   to the f32 kernels (kWidenBf16*), are widened to f32 as f16 is (Bf16Kernel, as gemm.h's).
+// - Weight gradients with few output positions per image are an im2col and one mt::gemm instead
+//   of oneDNN's direct kernel (kGemmWeightGradMaxPositions).
 // - Padding on the right equals the padding on the left, as PyTorch passes it: oneDNN then checks
 //   that the output size is the floor of (padded - extent) / stride + 1, which the shapes have.
 // - The algorithm is convolution_direct: Winograd would change the numerics.
