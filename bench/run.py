@@ -5,7 +5,7 @@ back end, then the PyTorch and JAX peers on the same workloads, and prints one J
 with steps/s, GFLOP/s and ratios (mixtape / peer: above 1 means mixtape is faster). Progress and
 a summary table go to stderr; the JSON goes to stdout (and to --out).
 
-  python3 bench/run.py --quick                 # about two minutes on 2 cores
+  python3 bench/run.py --quick                 # about six minutes on 2 cores (vision: four)
   python3 bench/run.py                         # every size, longer windows
   python3 bench/run.py --only mlp,gemm --build-dir /tmp/build
 
@@ -474,7 +474,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[1:]))
-    parser.add_argument("--quick", action="store_true", help="fewer sizes, short windows (~2 min)")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes, short windows (~6 min)")
     parser.add_argument("--only", default=",".join(g for g in GROUPS if g != "conv"),
                         help="groups (mlp,digits,gpt,gemm,jit,vision,conv; vision includes "
                              "conv) or workload names; default all")
