@@ -30,6 +30,78 @@ DIGITS_LOOPS = {"digits_mlp": DIGITS, "digits_demo": DIGITS_DEMO}
 # gradient norm clipped at 1. One optimizer (decay on every parameter) in every system.
 GPT = dict(layers=4, heads=4, width=128, context=64, batch=12, lr=1e-3, beta1=0.9, beta2=0.99,
            eps=1e-8, weight_decay=0.1, clip=1.0)
+# Vision. resnet18: torchvision's ResNet-18 (examples/resnet_model.h) with 10 classes on one
+# synthetic batch made once (inputs N(0, 1) [64, 3, 32, 32], labels uniform in 0..9), batch norm
+# in training mode, cross-entropy, SGD momentum 0.9.
+RESNET18 = dict(batch=64, channels=3, size=32, classes=10, lr=0.01, momentum=0.9)
+# digits_cnn: examples/digits_cnn.cpp's model and defaults: batch 64 from a shuffled loader,
+# shifts of up to `shift` pixels and N(0, noise) input noise outside the step, SGD 0.1 momentum 0.9
+# on a cosine schedule over `steps` (repeating here), label smoothing 0.2.
+DIGITS_CNN = dict(batch=64, lr=0.1, momentum=0.9, label_smoothing=0.2, noise=0.2, shift=1,
+                  steps=2500, train_rows=1437)
+BN_EPS, BN_MOMENTUM = 1e-5, 0.1  # PyTorch's BatchNorm2d defaults, as mixtape's
+VISION_WORKLOADS = ("resnet18", "digits_cnn")
+
+
+def resnet18_blocks():
+    """(in, out, stride) of ResNet-18's eight BasicBlocks, in order."""
+    blocks, width = [], 64
+    for stage in range(4):
+        out = 64 << stage
+        blocks += [(width, out, 1 if stage == 0 else 2), (out, out, 1)]
+        width = out
+    return blocks
+
+
+def resnet18_convs(batch=64, size=32):
+    """ResNet-18's distinct convolutions at `size`x`size` inputs: a list of
+    ((n, c, h, o, k, s), count) in network order, padding k // 2 (7x7 pad 3, 3x3 pad 1, 1x1 pad 0).
+    `count` is how many of the step's convolutions have that shape."""
+    shapes = {}
+    add = lambda shape: shapes.__setitem__(shape, shapes.get(shape, 0) + 1)
+    h = size
+    add((batch, 3, h, 64, 7, 2))
+    h = (h + 6 - 7) // 2 + 1  # stem
+    h = (h + 2 - 3) // 2 + 1  # max pool
+    for c, o, s in resnet18_blocks():
+        add((batch, c, h, o, 3, s))
+        if s != 1 or c != o:
+            add((batch, c, h, o, 1, s))
+        h = (h + 2 - 3) // s + 1
+        add((batch, o, h, o, 3, 1))
+    return list(shapes.items())
+
+
+CONV_PASSES = ("fwd", "dgrad", "wgrad")
+
+
+def conv_shape(name):
+    """(dtype, pass, (n, c, h, o, k, s)) of a "conv_<f32|bf16>_<fwd|dgrad|wgrad>_n<N>_c<C>_h<H>_o<O>
+    _k<K>_s<S>" workload: x [N, C, H, H] * w [O, C, K, K], stride S, padding K // 2; or None."""
+    match = re.fullmatch(r"conv_(f32|bf16)_(fwd|dgrad|wgrad)_n(\d+)_c(\d+)_h(\d+)_o(\d+)_k(\d+)"
+                         r"_s(\d+)", name)
+    if not match:
+        return None
+    return match.group(1), match.group(2), tuple(int(match.group(i)) for i in range(3, 9))
+
+
+def conv_name(dtype, conv_pass, shape):
+    n, c, h, o, k, s = shape
+    return f"conv_{dtype}_{conv_pass}_n{n}_c{c}_h{h}_o{o}_k{k}_s{s}"
+
+
+def conv_out_size(shape):
+    n, c, h, o, k, s = shape
+    return (h + 2 * (k // 2) - k) // s + 1
+
+
+def conv_flops(shape):
+    """GEMM-equivalent flops of one pass (each pass has the same): 2 N O OH OW C K K, every tap
+    of the window counted, padding included, as an im2col GEMM does."""
+    n, c, h, o, k, s = shape
+    return 2.0 * n * o * conv_out_size(shape) ** 2 * c * k * k
+
+
 SEED = 0
 
 
@@ -57,7 +129,8 @@ def gemm_shape(name):
 
 def known_workload(name):
     return (mlp_shape(name) is not None or gemm_shape(name) is not None
-            or name in ("digits_mlp", "digits_demo", "char_gpt"))
+            or conv_shape(name) is not None
+            or name in ("digits_mlp", "digits_demo", "char_gpt") + VISION_WORKLOADS)
 
 
 # ---- data ----
@@ -109,16 +182,20 @@ def measure(step, sync, warmup, windows, window_seconds, budget_seconds):
     planned = windows
     if estimate * per_window * windows > budget_seconds:
         windows = max(1, int(budget_seconds // (estimate * per_window)))
-    rates = []
+    rates, cpu_per_step = [], []
     for _ in range(windows):
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         for _ in range(per_window):
             step()
         sync()
         rates.append(per_window / (time.perf_counter() - start))
+        cpu_per_step.append((time.process_time() - cpu_start) / per_window)
     result = {
         "steps_per_s": statistics.median(rates),
         "window_steps_per_s": [round(r, 3) for r in rates],
+        # CPU time of the whole process (every thread) per step, as timing.h's: at one thread
+        # it moves far less with other processes' load than steps/s does.
+        "cpu_us_per_step": round(statistics.median(cpu_per_step) * 1e6, 1),
         "steps_per_window": per_window,
         "windows": windows,
         "warmup_steps": len(warm_times),

@@ -256,6 +256,230 @@ def gpt_runner(precision):
     return Runner(compiled, state, starts), seconds
 
 
+def conv2d(x, w, stride, precision):
+    """F.conv2d without bias, NCHW / OIHW, padding K // 2; bf16 operands and result in bf16
+    (XLA accumulates in f32), as autocast's conv2d."""
+    k = w.shape[-1]
+    if precision == "bf16":
+        x, w = x.astype(BF16), w.astype(BF16)
+    return jax.lax.conv_general_dilated(x, w, (stride, stride), [(k // 2, k // 2)] * 2,
+                                        dimension_numbers=("NCHW", "OIHW", "NCHW"))
+
+
+def batch_norm(x, bn, stats):
+    """BatchNorm2d in training mode: batch statistics in f32 (biased variance normalizes, the
+    unbiased one goes into the running variance, as PyTorch), the result in x's dtype. Returns
+    (y, new running statistics)."""
+    scale, shift = bn
+    mean_run, var_run = stats
+    xf = x.astype(jnp.float32)
+    mean = jnp.mean(xf, axis=(0, 2, 3))
+    var = jnp.mean(jnp.square(xf - mean[None, :, None, None]), axis=(0, 2, 3))
+    inv = jax.lax.rsqrt(var + common.BN_EPS) * scale
+    y = (xf - mean[None, :, None, None]) * inv[None, :, None, None] + shift[None, :, None, None]
+    count = x.size // x.shape[1]
+    m = common.BN_MOMENTUM
+    new_stats = ((1 - m) * mean_run + m * jax.lax.stop_gradient(mean),
+                 (1 - m) * var_run + m * jax.lax.stop_gradient(var) * count / (count - 1))
+    return y.astype(x.dtype), new_stats
+
+
+def init_conv(key, inp, out, k):
+    """Kaiming normal (fan_out, ReLU), torchvision's ResNet initialization."""
+    return jax.random.normal(key, (out, inp, k, k), jnp.float32) * math.sqrt(2.0 / (out * k * k))
+
+
+def init_bn(channels):
+    # A fresh array per member: donated state may not hold one buffer twice.
+    return ((jnp.ones((channels,), jnp.float32), jnp.zeros((channels,), jnp.float32)),
+            (jnp.zeros((channels,), jnp.float32), jnp.ones((channels,), jnp.float32)))
+
+
+def init_block(key, inp, out, stride):
+    """(params, running statistics) of a BasicBlock."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    (bn1, s1), (bn2, s2) = init_bn(out), init_bn(out)
+    params = {"conv1": init_conv(k1, inp, out, 3), "bn1": bn1,
+              "conv2": init_conv(k2, out, out, 3), "bn2": bn2}
+    stats = {"bn1": s1, "bn2": s2}
+    if stride != 1 or inp != out:
+        bn, s = init_bn(out)
+        params["downsample"] = {"conv": init_conv(k3, inp, out, 1), "bn": bn}
+        stats["downsample"] = s
+    return params, stats
+
+
+def block_forward(p, stats, x, stride, precision):
+    new = {}
+    if "downsample" in p:
+        identity, new["downsample"] = batch_norm(
+            conv2d(x, p["downsample"]["conv"], stride, precision), p["downsample"]["bn"],
+            stats["downsample"])
+    else:
+        identity = x
+    y, new["bn1"] = batch_norm(conv2d(x, p["conv1"], stride, precision), p["bn1"], stats["bn1"])
+    y = jax.nn.relu(y)
+    y, new["bn2"] = batch_norm(conv2d(y, p["conv2"], 1, precision), p["bn2"], stats["bn2"])
+    return jax.nn.relu(y + identity.astype(y.dtype)), new
+
+
+def init_resnet18(key, classes):
+    keys = jax.random.split(key, 10)
+    bn, s = init_bn(64)
+    params = {"conv1": init_conv(keys[0], 3, 64, 7), "bn1": bn, "blocks": []}
+    stats = {"bn1": s, "blocks": []}
+    for i, (inp, out, stride) in enumerate(common.resnet18_blocks()):
+        p, s = init_block(keys[1 + i], inp, out, stride)
+        params["blocks"].append(p)
+        stats["blocks"].append(s)
+    params["fc"] = init_dense(keys[9], 512, classes)
+    return params, stats
+
+
+def resnet18_forward(params, stats, x, precision):
+    """(logits, new running statistics) of torchvision's ResNet-18."""
+    new = {"blocks": []}
+    y, new["bn1"] = batch_norm(conv2d(x, params["conv1"], 2, precision), params["bn1"],
+                               stats["bn1"])
+    y = jax.nn.relu(y)
+    y = jax.lax.reduce_window(y, -jnp.inf, jax.lax.max, (1, 1, 3, 3),
+                              (1, 1, 2, 2), ((0, 0), (0, 0), (1, 1), (1, 1)))
+    for p, s, (_, _, stride) in zip(params["blocks"], stats["blocks"], common.resnet18_blocks()):
+        y, block_stats = block_forward(p, s, y, stride, precision)
+        new["blocks"].append(block_stats)
+    pooled = jnp.mean(y.astype(jnp.float32), axis=(2, 3)).astype(y.dtype)
+    return dense(pooled, params["fc"], precision).astype(jnp.float32), new
+
+
+def sgd_momentum(params, grads, buffers, lr, momentum):
+    """torch.optim.SGD with momentum: buf = momentum * buf + g (buf starts as g), p -= lr * buf."""
+    buffers = jax.tree_util.tree_map(lambda b, g: momentum * b + g, buffers, grads)
+    params = jax.tree_util.tree_map(lambda p, b: p - lr * b, params, buffers)
+    return params, buffers
+
+
+def resnet18_runner(precision):
+    cfg = common.RESNET18
+    kp, kx, ky = jax.random.split(jax.random.PRNGKey(common.SEED), 3)
+    params, stats = init_resnet18(kp, cfg["classes"])
+    x = jax.random.normal(kx, (cfg["batch"], cfg["channels"], cfg["size"], cfg["size"]),
+                          jnp.float32)
+    y = jax.random.randint(ky, (cfg["batch"],), 0, cfg["classes"])
+
+    def step(state, x, y):
+        params, buffers, stats = state
+
+        def loss_fn(p):
+            logits, new_stats = resnet18_forward(p, stats, x, precision)
+            return cross_entropy(logits, y), new_stats
+
+        grads, new_stats = jax.grad(loss_fn, has_aux=True)(params)
+        params, buffers = sgd_momentum(params, grads, buffers, cfg["lr"], cfg["momentum"])
+        return params, buffers, new_stats
+
+    state = (params, jax.tree_util.tree_map(jnp.zeros_like, params), stats)
+    compiled, seconds = compiled_step(step, (state, x, y))
+    return Runner(compiled, state, lambda: (x, y)), seconds
+
+
+def init_digits_cnn(key):
+    k1, k2, k3, k4 = jax.random.split(key, 4)
+    bn, s = init_bn(16)
+    b1, s1 = init_block(k2, 16, 16, 1)
+    b2, s2 = init_block(k3, 16, 32, 2)
+    params = {"conv1": init_conv(k1, 1, 16, 3), "bn1": bn, "layer1": b1, "layer2": b2,
+              "fc": init_dense(k4, 32, 10)}
+    return params, {"bn1": s, "layer1": s1, "layer2": s2}
+
+
+def digits_cnn_forward(params, stats, pixels, precision):
+    new = {}
+    x = pixels.reshape(-1, 1, 8, 8)
+    y, new["bn1"] = batch_norm(conv2d(x, params["conv1"], 1, precision), params["bn1"],
+                               stats["bn1"])
+    y, new["layer1"] = block_forward(params["layer1"], stats["layer1"], jax.nn.relu(y), 1,
+                                     precision)
+    y, new["layer2"] = block_forward(params["layer2"], stats["layer2"], y, 2, precision)
+    pooled = jnp.mean(y.astype(jnp.float32), axis=(2, 3)).astype(y.dtype)
+    return dense(pooled, params["fc"], precision).astype(jnp.float32), new
+
+
+def digits_cnn_runner(precision):
+    cfg = common.DIGITS_CNN
+    pixels, labels = common.load_digits()
+    rows, batch, shift = cfg["train_rows"], cfg["batch"], cfg["shift"]
+    features = jnp.asarray(np.array(pixels[:rows], np.float32).reshape(rows, 8, 8))
+    classes = jnp.asarray(np.array(labels[:rows], np.int32))
+    params, stats = init_digits_cnn(jax.random.PRNGKey(common.SEED))
+    pixel = jnp.arange(8)
+    images = jnp.arange(batch)[:, None, None]
+
+    def step(state, index, lr):
+        params, buffers, stats, key = state
+        key, shift_key, noise_key = jax.random.split(key, 3)
+        # examples/digits_train.h's shifted: out[y][x] = in[y - dy][x - dx], zeros coming in.
+        padded = jnp.pad(features[index], ((0, 0), (shift, shift), (shift, shift)))
+        dy, dx = jax.random.randint(shift_key, (2, batch), -shift, shift + 1)
+        x = padded[images, (shift - dy)[:, None, None] + pixel[None, :, None],
+                   (shift - dx)[:, None, None] + pixel[None, None, :]].reshape(batch, 64)
+        x = x + cfg["noise"] * jax.random.normal(noise_key, (batch, 64))
+
+        def loss_fn(p):
+            logits, new_stats = digits_cnn_forward(p, stats, x, precision)
+            return cross_entropy(logits, classes[index], cfg["label_smoothing"]), new_stats
+
+        grads, new_stats = jax.grad(loss_fn, has_aux=True)(params)
+        params, buffers = sgd_momentum(params, grads, buffers, lr, cfg["momentum"])
+        return params, buffers, new_stats, key
+
+    rng = np.random.default_rng(common.SEED)
+    per_epoch = rows // batch  # shuffled, drop_last
+    loader = {"order": None, "next": per_epoch, "step": 0}
+
+    def next_inputs():
+        if loader["next"] == per_epoch:
+            loader["order"], loader["next"] = rng.permutation(rows).astype(np.int32), 0
+        index = loader["order"][loader["next"] * batch:(loader["next"] + 1) * batch]
+        loader["next"] += 1
+        # mt::CosineWithWarmup without warm-up, set outside the step as the example does.
+        t = loader["step"] % cfg["steps"]
+        loader["step"] += 1
+        return index, np.float32(0.5 * cfg["lr"] * (1 + math.cos(math.pi * t / cfg["steps"])))
+
+    state = (params, jax.tree_util.tree_map(jnp.zeros_like, params), stats,
+             jax.random.PRNGKey(common.SEED + 1))
+    compiled, seconds = compiled_step(step, (state, np.zeros(batch, np.int32), np.float32(0)))
+    return Runner(compiled, state, next_inputs), seconds
+
+
+def conv_runner(dtype, conv_pass, shape):
+    """One convolution pass under jax.jit: lax.conv_general_dilated, or its input or weight
+    gradient through jax.vjp (the transposed convolutions XLA emits for the backward pass)."""
+    n, c, h, o, k, s = shape
+    oh = common.conv_out_size(shape)
+    kx, kw, ky = jax.random.split(jax.random.PRNGKey(common.SEED), 3)
+    jdtype = jnp.float32 if dtype == "f32" else BF16
+    x = jax.random.normal(kx, (n, c, h, h), jnp.float32).astype(jdtype)
+    w = jax.random.normal(kw, (o, c, k, k), jnp.float32).astype(jdtype)
+    dy = jax.random.normal(ky, (n, o, oh, oh), jnp.float32).astype(jdtype)
+    conv = lambda x, w: conv2d(x, w, s, "f32")
+    if conv_pass == "fwd":
+        fn, args = conv, (x, w)
+    elif conv_pass == "dgrad":
+        fn, args = lambda w, dy: jax.vjp(lambda x: conv(x, w), x)[1](dy)[0], (w, dy)
+    else:
+        fn, args = lambda x, dy: jax.vjp(lambda w: conv(x, w), w)[1](dy)[0], (x, dy)
+    start = time.perf_counter()
+    compiled = jax.jit(fn).lower(*args).compile()
+    seconds = time.perf_counter() - start
+    holder = {"out": None}
+
+    def step():
+        holder["out"] = compiled(*args)
+
+    return step, lambda: jax.block_until_ready(holder["out"]), seconds
+
+
 def gemm_runner(dtype, shape):
     m, n, k = shape
     ka, kb = jax.random.split(jax.random.PRNGKey(common.SEED))
@@ -280,12 +504,18 @@ def main():
     for name in common.split_list(args.workloads):
         if not common.known_workload(name):
             sys.exit(f"peer_jax: unknown workload {name}")
-        gemm = common.gemm_shape(name)
-        for precision in [None] if gemm else common.split_list(args.precisions):
+        gemm, conv = common.gemm_shape(name), common.conv_shape(name)
+        for precision in [None] if gemm or conv else common.split_list(args.precisions):
             if gemm:
                 step, sync, compile_seconds = gemm_runner(*gemm)
+            elif conv:
+                step, sync, compile_seconds = conv_runner(*conv)
             else:
-                if common.mlp_shape(name):
+                if name == "resnet18":
+                    runner, compile_seconds = resnet18_runner(precision)
+                elif name == "digits_cnn":
+                    runner, compile_seconds = digits_cnn_runner(precision)
+                elif common.mlp_shape(name):
                     runner, compile_seconds = mlp_runner(*common.mlp_shape(name), precision)
                 elif name in common.DIGITS_LOOPS:
                     runner, compile_seconds = digits_runner(name, precision)
@@ -299,6 +529,9 @@ def main():
             if gemm:
                 record["dtype"] = gemm[0]
                 record["gflops"] = result["steps_per_s"] * common.gemm_flops(gemm[1]) / 1e9
+            elif conv:
+                record["dtype"], record["pass"] = conv[0], conv[1]
+                record["gflops"] = result["steps_per_s"] * common.conv_flops(conv[2]) / 1e9
             else:
                 record["precision"] = precision
                 record["parameters"] = runner.parameters

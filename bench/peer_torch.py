@@ -166,6 +166,143 @@ def gpt_step(precision):
     return step, count(model)
 
 
+class BasicBlock(nn.Module):
+    """torchvision's BasicBlock (examples/resnet_model.h): conv3x3-bn-relu-conv3x3-bn plus the
+    identity or a strided 1x1 conv-bn, then relu."""
+
+    def __init__(self, inp, out, stride):
+        super().__init__()
+        self.conv1 = nn.Conv2d(inp, out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(out)
+        self.conv2 = nn.Conv2d(out, out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(out)
+        self.downsample = None
+        if stride != 1 or inp != out:
+            self.downsample = nn.Sequential(nn.Conv2d(inp, out, 1, stride, bias=False),
+                                            nn.BatchNorm2d(out))
+
+    def forward(self, x):
+        identity = x if self.downsample is None else self.downsample(x)
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(self.bn2(self.conv2(y)) + identity)
+
+
+class ResNet18(nn.Module):
+    """torchvision.models.resnet18 written out (torchvision is not installed): 7x7 stride-2 stem,
+    3x3 stride-2 max pooling, four stages of two BasicBlocks, global average pooling, linear."""
+
+    def __init__(self, classes):
+        super().__init__()
+        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
+        self.bn1 = nn.BatchNorm2d(64)
+        blocks = [BasicBlock(*b) for b in common.resnet18_blocks()]
+        self.layer1, self.layer2, self.layer3, self.layer4 = (
+            nn.Sequential(*blocks[i:i + 2]) for i in range(0, 8, 2))
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+
+
+class DigitsCnn(nn.Module):
+    """examples/digits_model.h's DigitsCnn: conv-bn-relu stem (16 channels) on the 8x8 digit, a
+    BasicBlock, a strided one to 32 channels, global average pooling, linear to 10."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.layer1 = BasicBlock(16, 16, 1)
+        self.layer2 = BasicBlock(16, 32, 2)
+        self.fc = nn.Linear(32, 10)
+
+    def forward(self, pixels):
+        x = F.relu(self.bn1(self.conv1(pixels.reshape(-1, 1, 8, 8))))
+        return self.fc(self.layer2(self.layer1(x)).mean((2, 3)))
+
+
+def resnet18_step(precision):
+    cfg = common.RESNET18
+    torch.manual_seed(common.SEED)
+    model = ResNet18(cfg["classes"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
+    inputs = torch.randn(cfg["batch"], cfg["channels"], cfg["size"], cfg["size"])
+    targets = torch.randint(0, cfg["classes"], (cfg["batch"],))
+
+    def step():
+        optimizer.zero_grad()
+        with autocast(precision):
+            loss = F.cross_entropy(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+
+    return step, count(model)
+
+
+def cosine_lr(peak, step, total):
+    """mt::CosineWithWarmup without warm-up: peak * (1 + cos(pi * step / total)) / 2."""
+    return 0.5 * peak * (1 + math.cos(math.pi * step / total))
+
+
+def digits_cnn_step(precision):
+    cfg = common.DIGITS_CNN
+    torch.manual_seed(common.SEED)
+    pixels, labels = common.load_digits()
+    rows, batch, shift = cfg["train_rows"], cfg["batch"], cfg["shift"]
+    features = torch.tensor(pixels[:rows], dtype=torch.float32).view(rows, 8, 8)
+    classes = torch.tensor(labels[:rows], dtype=torch.int64)
+    model = DigitsCnn()
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
+    generator = torch.Generator().manual_seed(common.SEED)
+    per_epoch = rows // batch  # shuffled, drop_last
+    state = {"order": None, "next": per_epoch, "step": 0}
+    pixel = torch.arange(8)
+    images = torch.arange(batch)[:, None, None]
+
+    def step():
+        if state["next"] == per_epoch:
+            state["order"], state["next"] = torch.randperm(rows, generator=generator), 0
+        index = state["order"][state["next"] * batch:(state["next"] + 1) * batch]
+        state["next"] += 1
+        # Each image moved by up to `shift` pixels along each axis, zeros coming in
+        # (examples/digits_train.h's shifted): out[y][x] = in[y - dy][x - dx].
+        padded = F.pad(features[index], (shift, shift, shift, shift))
+        dy, dx = torch.randint(-shift, shift + 1, (2, batch), generator=generator)
+        x = padded[images, (shift - dy)[:, None, None] + pixel[None, :, None],
+                   (shift - dx)[:, None, None] + pixel[None, None, :]].reshape(batch, 64)
+        x = x + torch.randn(x.shape, generator=generator) * cfg["noise"]
+        for group in optimizer.param_groups:
+            group["lr"] = cosine_lr(cfg["lr"], state["step"] % cfg["steps"], cfg["steps"])
+        state["step"] += 1
+        optimizer.zero_grad()
+        with autocast(precision):
+            loss = F.cross_entropy(model(x), classes[index], label_smoothing=cfg["label_smoothing"])
+        loss.backward()
+        optimizer.step()
+
+    return step, count(model)
+
+
+def conv_step(dtype, conv_pass, shape):
+    """One convolution pass at `shape` as PyTorch runs it: F.conv2d, or its input or weight
+    gradient through aten::convolution_backward (what autograd calls), NCHW tensors."""
+    n, c, h, o, k, s = shape
+    oh = common.conv_out_size(shape)
+    torch.manual_seed(common.SEED)
+    torch_dtype = torch.float32 if dtype == "f32" else torch.bfloat16
+    x = torch.randn(n, c, h, h).to(torch_dtype)
+    w = torch.randn(o, c, k, k).to(torch_dtype)
+    dy = torch.randn(n, o, oh, oh).to(torch_dtype)
+    stride, padding = [s, s], [k // 2, k // 2]
+    if conv_pass == "fwd":
+        return lambda: F.conv2d(x, w, None, stride, padding)
+    mask = [conv_pass == "dgrad", conv_pass == "wgrad", False]
+    return lambda: torch.ops.aten.convolution_backward(dy, x, w, None, stride, padding, [1, 1],
+                                                       False, [0, 0], 1, mask)
+
+
 def gemm_step(dtype, shape):
     m, n, k = shape
     torch.manual_seed(common.SEED)
@@ -196,13 +333,19 @@ def main():
     for name in common.split_list(args.workloads):
         if not common.known_workload(name):
             sys.exit(f"peer_torch: unknown workload {name}")
-        gemm = common.gemm_shape(name)
-        for precision in [None] if gemm else common.split_list(args.precisions):
+        gemm, conv = common.gemm_shape(name), common.conv_shape(name)
+        for precision in [None] if gemm or conv else common.split_list(args.precisions):
             for threads in [int(t) for t in common.split_list(args.threads)]:
                 torch.set_num_threads(threads)
                 parameters = None
                 if gemm:
                     step = gemm_step(*gemm)
+                elif conv:
+                    step = conv_step(*conv)
+                elif name == "resnet18":
+                    step, parameters = resnet18_step(precision)
+                elif name == "digits_cnn":
+                    step, parameters = digits_cnn_step(precision)
                 elif common.mlp_shape(name):
                     step, parameters = mlp_step(*common.mlp_shape(name), precision)
                 elif name in common.DIGITS_LOOPS:
@@ -216,6 +359,9 @@ def main():
                 if gemm:
                     record["dtype"] = gemm[0]
                     record["gflops"] = result["steps_per_s"] * common.gemm_flops(gemm[1]) / 1e9
+                elif conv:
+                    record["dtype"], record["pass"] = conv[0], conv[1]
+                    record["gflops"] = result["steps_per_s"] * common.conv_flops(conv[2]) / 1e9
                 else:
                     record["precision"] = precision
                     record["parameters"] = parameters

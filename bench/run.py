@@ -5,7 +5,7 @@ back end, then the PyTorch and JAX peers on the same workloads, and prints one J
 with steps/s, GFLOP/s and ratios (mixtape / peer: above 1 means mixtape is faster). Progress and
 a summary table go to stderr; the JSON goes to stdout (and to --out).
 
-  python3 bench/run.py --quick                 # about two minutes on 2 cores
+  python3 bench/run.py --quick                 # about six minutes on 2 cores (vision: four)
   python3 bench/run.py                         # every size, longer windows
   python3 bench/run.py --only mlp,gemm --build-dir /tmp/build
 
@@ -62,7 +62,15 @@ PLANS = {
                  child_timeout=1800),
 }
 
-GROUPS = ("mlp", "digits", "gpt", "gemm", "jit")
+GROUPS = ("mlp", "digits", "gpt", "gemm", "jit", "vision", "conv")
+# "vision": resnet18 and digits_cnn training steps plus "conv", the three convolution passes at
+# every distinct shape of ResNet-18's step (3x32x32 inputs, batch 64), f32 and bf16.
+VISION_TRAINING = ["resnet18", "digits_cnn"]
+
+
+def resnet18_conv_workloads():
+    return [common.conv_name(dtype, conv_pass, shape) for dtype in ("f32", "bf16")
+            for shape, _ in common.resnet18_convs() for conv_pass in common.CONV_PASSES]
 START = time.perf_counter()
 
 
@@ -109,8 +117,8 @@ def run_child(label, command, env, timeout):
 
 
 def select_workloads(plan, only):
-    """Training workload names and gemm workload names for the --only selection."""
-    training, gemm = [], []
+    """Training, gemm and convolution workload names for the --only selection."""
+    training, gemm, conv = [], [], []
     for item in only:
         if item == "mlp":
             training += plan["mlp"]
@@ -122,15 +130,21 @@ def select_workloads(plan, only):
             gemm += [f"gemm_{dtype}_{n}" for dtype in ("f32", "bf16") for n in plan["gemm_sizes"]]
         elif item == "jit":
             pass  # measured apart: measure_jit
+        elif item in ("vision", "conv"):
+            training += VISION_TRAINING if item == "vision" else []
+            conv += resnet18_conv_workloads()
         elif common.gemm_shape(item):
             gemm.append(item)
+        elif common.conv_shape(item):
+            conv.append(item)
         elif common.known_workload(item):
             training.append(item)
         else:
             sys.exit(f"run.py: --only takes {', '.join(GROUPS)} or workload names "
-                     f"(mlp_w64_b256, digits_mlp, char_gpt, gemm_f32_1024), not '{item}'")
+                     f"(mlp_w64_b256, digits_mlp, char_gpt, resnet18, gemm_f32_1024, "
+                     f"conv_f32_fwd_n64_c64_h8_o64_k3_s1), not '{item}'")
     unique = lambda names: list(dict.fromkeys(names))
-    return unique(training), unique(gemm)
+    return unique(training), unique(gemm), unique(conv)
 
 
 def base_env():
@@ -208,6 +222,14 @@ def summarize_training(name, precision, runs, errors):
         "jax_steps_per_s": rate("jax"),
         "jax_jit_compile_s": jax_best["jit_compile_s"] if jax_best else None,
     }
+    # CPU time per step of each system's fastest run: on a loaded machine at one thread, a
+    # steadier comparison than steps/s (a ratio above 1: mixtape uses less CPU per step).
+    cpu = lambda label: (best(runs, label) or {}).get("cpu_us_per_step")
+    for label in ("mixtape", "mixtape_step", "mixtape_eager", "torch", "jax"):
+        entry[f"{label}_cpu_us_per_step"] = cpu(label)
+    for mode, key in (("", "mixtape"), ("step_", "mixtape_step")):
+        for peer in ("torch", "jax"):
+            entry[f"{mode}cpu_ratio_vs_{peer}"] = ratio(cpu(peer), cpu(key))
     for mode, key in (("", "mixtape"), ("eager_", "mixtape_eager"),
                       ("reference_", "mixtape_reference"), ("step_", "mixtape_step")):
         entry[f"{mode}ratio_vs_torch"] = ratio(rate(key), torch_rate)
@@ -262,6 +284,87 @@ def summarize_gemm(name, runs, errors, peak):
     return entry
 
 
+def peak_at(peak, dtype, threads):
+    """The FMA peak (bench/peak.h's record) a run at `threads` threads is held to: the machine's
+    on all cores, else one core's times the threads; bf16 the best of f32, AVX512-BF16 and AMX."""
+    if not peak:
+        return None
+    cores = peak["threads"][-1]
+    if not threads or threads >= cores:
+        f32 = peak["machine_f32_gflops"]
+        return max(f32, peak["machine_bf16_gflops"]) if dtype == "bf16" else f32
+    one_core = [peak["f32_gflops"][0]]
+    if dtype == "bf16":
+        one_core += [peak["bf16_gflops"][0]] + peak.get("amx_bf16_gflops", [])[:1]
+    return threads * max(one_core)
+
+
+def summarize_conv(name, runs, errors, peak, jax_threads):
+    dtype, conv_pass, shape = common.conv_shape(name)
+    mixtape_best, torch_best, jax_best = best(runs, "mixtape"), best(runs, "torch"), best(runs, "jax")
+    gflops = lambda record: record["gflops"] if record else None
+    entry = {
+        "workload": name, "dtype": dtype, "pass": conv_pass,
+        "shape": dict(zip(("n", "c", "h", "o", "k", "stride"), shape),
+                      padding=shape[4] // 2, out=common.conv_out_size(shape)),
+        "gemm_equivalent_flops": common.conv_flops(shape),
+        "mixtape_kernel": mixtape_best.get("kernel") if mixtape_best else None,
+        "mixtape_gflops": gflops(mixtape_best),
+        "mixtape_threads": mixtape_best.get("threads", "default") if mixtape_best else None,
+        "torch_gflops": gflops(torch_best),
+        "torch_threads": torch_best["threads"] if torch_best else None,
+        "jax_gflops": gflops(jax_best),
+    }
+    # Each system against the peak at the threads it ran on (mixtape's record has its own).
+    peaks = {"mixtape": mixtape_best.get("peak_gflops") if mixtape_best else None,
+             "torch": peak_at(peak, dtype, entry["torch_threads"]),
+             "jax": peak_at(peak, dtype, jax_threads)}
+    for system in ("mixtape", "torch", "jax"):
+        entry[f"{system}_peak_gflops"] = peaks[system]
+        entry[f"{system}_fraction_of_peak"] = ratio(entry[f"{system}_gflops"], peaks[system])
+    if mixtape_best:
+        entry["mixtape_fraction_of_f32_fma_peak"] = mixtape_best.get("fraction_of_f32_fma_peak")
+    entry["ratio_vs_torch"] = ratio(entry["mixtape_gflops"], entry["torch_gflops"])
+    entry["ratio_vs_jax"] = ratio(entry["mixtape_gflops"], entry["jax_gflops"])
+    if errors:
+        entry["errors"] = errors
+    entry["runs"] = runs
+    return entry
+
+
+def resnet18_conv_totals(workloads):
+    """ResNet-18's training step's convolutions as a whole, per dtype and system: every
+    convolution of the step (each shape times its count) forward, input gradient (not the stem's:
+    the images need none) and weight gradient, GEMM-equivalent flops over the summed time."""
+    totals = {}
+    convs = common.resnet18_convs()
+    for dtype in ("f32", "bf16"):
+        for system in ("mixtape", "torch", "jax"):
+            flops = seconds = 0.0
+            peak_gflops = None
+            complete = True
+            for index, (shape, count) in enumerate(convs):
+                for conv_pass in common.CONV_PASSES:
+                    if index == 0 and conv_pass == "dgrad":
+                        continue
+                    entry = workloads.get(common.conv_name(dtype, conv_pass, shape))
+                    rate = entry and entry.get(f"{system}_gflops")
+                    if not rate:
+                        complete = False
+                        continue
+                    peak_gflops = peak_gflops or entry.get(f"{system}_peak_gflops")
+                    work = count * common.conv_flops(shape)
+                    flops += work
+                    seconds += work / (rate * 1e9)
+            if complete and seconds:
+                rate = flops / seconds / 1e9
+                totals.setdefault(dtype, {})[system] = {
+                    "gflop": round(flops / 1e9, 3), "ms": round(seconds * 1e3, 2),
+                    "gflops": rate, "peak_gflops": peak_gflops,
+                    "fraction_of_peak": ratio(rate, peak_gflops)}
+    return totals
+
+
 def fmt(value, digits=1):
     if value is None:
         return "-"
@@ -282,6 +385,13 @@ def print_table(document):
                          fmt(e["mixtape_reference_steps_per_s"]), torch_cell,
                          fmt(e["jax_steps_per_s"]), fmt(e["ratio_vs_torch"], 2),
                          fmt(e["ratio_vs_jax"], 2), fmt(e["step_ratio_vs_jax"], 2)))
+        elif "pass" in e:
+            torch_cell = (f"{fmt(e['torch_gflops'])}({e['torch_threads']})"
+                          if e["torch_gflops"] else "-")
+            rows.append((key[5:] + " GFLOP/s", fmt(e["mixtape_gflops"]),
+                         fmt(e["mixtape_fraction_of_peak"], 2), "", "", torch_cell,
+                         fmt(e["jax_gflops"]), fmt(e["ratio_vs_torch"], 2),
+                         fmt(e["ratio_vs_jax"], 2), ""))
         else:
             torch_cell = (f"{fmt(e['torch_gflops'])}({e['torch_threads']})"
                           if e["torch_gflops"] else "-")
@@ -293,9 +403,13 @@ def print_table(document):
     for row in rows:
         print("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in
                         enumerate(zip(row, widths))), file=sys.stderr)
-    print("(steps/s unless marked; mixtape: the step traced every call, compile: mt::compile; "
-          "x = mixtape / peer, above 1 is faster)",
-          file=sys.stderr)
+    print("(steps/s unless marked; mixtape: the step traced every call, compile: mt::compile "
+          "(for convolutions: the fraction of the FMA peak); x = mixtape / peer, above 1 is "
+          "faster)", file=sys.stderr)
+    for dtype, systems in document.get("resnet18_convs", {}).items():
+        cells = ", ".join(f"{system} {t['gflops']:.1f} GFLOP/s ({t['ms']:.1f} ms)"
+                          for system, t in systems.items())
+        print(f"ResNet-18 step's convolutions, {dtype}: {cells}", file=sys.stderr)
 
 
 def machine_info():
@@ -360,9 +474,10 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog="\n".join(__doc__.splitlines()[1:]))
-    parser.add_argument("--quick", action="store_true", help="fewer sizes, short windows (~2 min)")
-    parser.add_argument("--only", default=",".join(GROUPS),
-                        help="groups (mlp,digits,gpt,gemm) or workload names; default all")
+    parser.add_argument("--quick", action="store_true", help="fewer sizes, short windows (~6 min)")
+    parser.add_argument("--only", default=",".join(g for g in GROUPS if g != "conv"),
+                        help="groups (mlp,digits,gpt,gemm,jit,vision,conv; vision includes "
+                             "conv) or workload names; default all")
     parser.add_argument("--precisions", default="fp32,bf16")
     parser.add_argument("--build-dir", default=os.path.join(REPO_DIR, "build"),
                         help="where bench_training and bench_gemm are (default: build/)")
@@ -374,6 +489,9 @@ def main():
     parser.add_argument("--jax-python", default=None,
                         help="python with JAX (default: bench/.venv/bin/python, else this one)")
     parser.add_argument("--torch-threads", default="1,2", help="torch runs each; the best counts")
+    parser.add_argument("--jax-threads", default="",
+                        help="1: JAX with XLA's multi-threaded Eigen kernels off "
+                             "(--xla_cpu_multi_thread_eigen=false); default: all cores")
     parser.add_argument("--mixtape-threads", default="",
                         help="OMP_NUM_THREADS values to run mixtape at, the best counts (e.g. "
                              "1,2); default: the library's own (all cores)")
@@ -381,7 +499,7 @@ def main():
     args = parser.parse_args()
 
     plan = PLANS["quick" if args.quick else "full"]
-    training, gemm = select_workloads(plan, common.split_list(args.only))
+    training, gemm, conv = select_workloads(plan, common.split_list(args.only))
     precisions = common.split_list(args.precisions)
     modes = common.split_list(args.modes)
     peers = common.split_list(args.peers)
@@ -404,8 +522,10 @@ def main():
     # ---- mixtape ----
     training_binary = os.path.join(args.build_dir, "bench_training")
     gemm_binary = os.path.join(args.build_dir, "bench_gemm")
+    conv_binary = os.path.join(args.build_dir, "bench_conv")
     timing = plan["timing"]
-    for binary, needed in ((training_binary, training), (gemm_binary, gemm)):
+    for binary, needed in ((training_binary, training), (gemm_binary, gemm),
+                           (conv_binary, conv)):
         if needed and not os.access(binary, os.X_OK):
             notes.append(f"mixtape skipped for {', '.join(needed)}: {binary} is not built "
                          f"(cmake --build {args.build_dir} --target "
@@ -452,15 +572,26 @@ def main():
             add("mixtape", tag([r for r in found if r["workload"] != "fma_peak"], threads), error,
                 gemm)
 
+    if conv and os.access(conv_binary, os.X_OK):
+        for threads in thread_settings:
+            found, error = run_child(
+                "mixtape conv" + (f" OMP_NUM_THREADS={threads}" if threads else ""),
+                [conv_binary, "--workloads", ",".join(["fma_peak"] + conv)] + timing_flags(timing),
+                mixtape_env("compiled", threads), plan["child_timeout"])
+            peak = peak or next((r for r in found if r["workload"] == "fma_peak"), None)
+            add("mixtape", tag([r for r in found if r["workload"] != "fma_peak"], threads), error,
+                conv)
+
     # ---- (d) JIT cost: digits_mlp with an empty kernel cache (cold), then the filled one (warm)
     jit = None
     if "jit" in common.split_list(args.only) and os.access(training_binary, os.X_OK):
         jit = measure_jit(training_binary, timing, plan["child_timeout"], mixtape_env, notes)
 
     # ---- peers ----
-    peer_flags = ["--workloads", ",".join(training + gemm), "--precisions", ",".join(precisions)]
+    peer_workloads = training + gemm + conv
+    peer_flags = ["--workloads", ",".join(peer_workloads), "--precisions", ",".join(precisions)]
     peer_flags += timing_flags(timing)
-    if "torch" in peers and training + gemm:
+    if "torch" in peers and peer_workloads:
         if shutil.which(args.torch_python) or os.path.exists(args.torch_python):
             env = torch_env(notes)
             for threads in common.split_list(args.torch_threads):
@@ -471,18 +602,26 @@ def main():
                     f"torch threads={threads}",
                     [args.torch_python, os.path.join(BENCH_DIR, "peer_torch.py")] + peer_flags
                     + ["--threads", threads], dict(env), plan["child_timeout"])
-                add("torch", found, error, training + gemm)
+                add("torch", found, error, peer_workloads)
                 note = f"torch used {found[0].get('blas')} for f32 matmuls" if found else None
                 if note and found[0].get("blas") != "openblas" and note not in notes:
                     notes.append(note)
         else:
             notes.append(f"torch skipped: {args.torch_python} not found")
-    if "jax" in peers and training + gemm:
+    jax_threads = int(args.jax_threads) if args.jax_threads else None
+    if "jax" in peers and peer_workloads:
         python = jax_python(args.jax_python, notes)
         if python:
+            env = base_env()
+            if jax_threads == 1:
+                env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                                    " --xla_cpu_multi_thread_eigen=false").strip()
+                env["OMP_NUM_THREADS"] = "1"
+            elif jax_threads:
+                sys.exit("run.py: --jax-threads takes 1 (or nothing: all cores)")
             found, error = run_child("jax", [python, os.path.join(BENCH_DIR, "peer_jax.py")]
-                                     + peer_flags, base_env(), plan["child_timeout"])
-            add("jax", found, error, training + gemm)
+                                     + peer_flags, env, plan["child_timeout"])
+            add("jax", found, error, peer_workloads)
 
     # ---- one document ----
     workloads = {}
@@ -500,6 +639,12 @@ def main():
             if r["workload"] == name:
                 runs.setdefault(label, []).append(r)
         workloads[name] = summarize_gemm(name, runs, errors.get(name, {}), peak)
+    for name in conv:
+        runs = {}
+        for label, r in records:
+            if r["workload"] == name:
+                runs.setdefault(label, []).append(r)
+        workloads[name] = summarize_conv(name, runs, errors.get(name, {}), peak, jax_threads)
     machine["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
     for key, entry in workloads.items():
         if entry.get("parameter_counts_differ"):
@@ -516,6 +661,7 @@ def main():
         "peak": peak,
         "jit": jit,
         "workloads": workloads,
+        "resnet18_convs": resnet18_conv_totals(workloads) if conv else {},
         "seconds": round(time.perf_counter() - START, 1),
     }
     text = json.dumps(document, indent=1)

@@ -1,16 +1,21 @@
-// bench/training.cpp -- bench_training: mixtape training steps/s for the MLP, digits and char-GPT
-// workloads, one JSON line per workload and precision (run.py compares them with the peers).
+// bench/training.cpp -- bench_training: mixtape training steps/s for the MLP, digits, char-GPT
+// and vision (ResNet-18, digits CNN) workloads, one JSON line per workload and precision (run.py
+// compares them with the peers).
 #include <mixtape/mixtape.h>
 
 #include <cstdio>
 #include <functional>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
 #include "bench/gpt_step.h"
 #include "bench/timing.h"
 #include "examples/char_gpt_model.h"
+#include "examples/digits_model.h"
+#include "examples/digits_train.h"
+#include "examples/resnet_model.h"
 
 namespace mt = mixtape;
 
@@ -22,7 +27,9 @@ constexpr const char* kUsage =
     "  workloads: mlp_w<W>_b<B> (32 -> W x4 hidden -> 16, ReLU, MSE, Adam 1e-3), digits_mlp\n"
     "             (examples/digits_mlp's model and loop), digits_demo (the README's demo: the\n"
     "             same at batch 256 with AdamW), char_gpt (CharGpt 4x4x128, context 64,\n"
-    "             batch 12, AdamW, clipping at 1)\n"
+    "             batch 12, AdamW, clipping at 1), resnet18 (examples/resnet_model.h, 10\n"
+    "             classes, synthetic [64, 3, 32, 32] batch, SGD momentum 0.9), digits_cnn\n"
+    "             (examples/digits_cnn's model and step)\n"
     "  --step compiled runs each step through mt::compile (traced once, then replayed); traced\n"
     "  (the default) builds the graph every step, as the plain training loop does.\n"
     "  The back end is chosen by the environment: MIXTAPE_DEVICE=cpu|reference, MIXTAPE_EAGER=1.\n";
@@ -141,6 +148,102 @@ Workload gpt_workload(const mt::PolicyPtr& policy, bool compiled) {
                         {"parameters", parameter_count(*state->model)}});
 }
 
+/// ResNet18 (examples/resnet_model.h, torchvision's layout) with 10 classes on one synthetic
+/// batch made once: inputs N(0, 1) [64, 3, 32, 32] and uniform labels in 0..9; cross-entropy, SGD
+/// lr 0.01 momentum 0.9. Batch norm in training mode: its running statistics are updated in the
+/// step, as in the peers.
+Workload resnet18_workload(const mt::PolicyPtr& policy, bool compiled) {
+  constexpr int64_t kBatch = 64, kClasses = 10, kSize = 32;
+  struct State {
+    mt::Generator gen{kSeed};
+    std::unique_ptr<ResNet18> model;
+    std::unique_ptr<mt::SGD> optimizer;
+    mt::Tensor inputs, targets;
+  };
+  auto state = std::make_shared<State>();
+  state->model = std::make_unique<ResNet18>(kClasses, &state->gen);
+  state->optimizer = std::make_unique<mt::SGD>(state->model->parameters(),
+                                               mt::SGDOptions{.lr = 0.01, .momentum = 0.9});
+  std::mt19937_64 rng(kSeed);
+  state->inputs = bench::random_normal({kBatch, 3, kSize, kSize}, rng);
+  std::uniform_int_distribution<int64_t> label(0, kClasses - 1);
+  std::vector<int64_t> labels(kBatch);
+  for (int64_t& l : labels) l = label(rng);
+  state->targets = mt::tensor(labels, {kBatch});
+  auto train = [state, policy](const mt::Tensor& inputs, const mt::Tensor& targets) {
+    state->optimizer->zero_grad();
+    mt::Tensor loss;
+    {
+      mt::autocast guard(policy);
+      loss = mt::cross_entropy((*state->model)(inputs), targets);
+    }
+    loss.backward();
+    state->optimizer->step();
+    return loss;
+  };
+  auto next_batch = [state] { return std::pair(state->inputs, state->targets); };
+  return make_workload(train, next_batch, compiled,
+                       {{"batch", kBatch},
+                        {"image", mt::json::Array{3, kSize, kSize}},
+                        {"classes", kClasses},
+                        {"optimizer", "sgd"},
+                        {"parameters", parameter_count(*state->model)}});
+}
+
+/// examples/digits_cnn.cpp's model (DigitsCnn) and loop with its defaults
+/// (examples/digits_train.h): batch 64 from a shuffled loader over the first 1437 digits, shifts of
+/// up to a pixel and N(0, 0.2) noise drawn outside the step, SGD lr 0.1 momentum 0.9 on a cosine
+/// schedule over 2500 steps (set outside the step; it repeats every 2500 steps here), cross-entropy
+/// with label smoothing 0.2, and the example's GradScaler (disabled: the example's --loss-scale
+/// none).
+Workload digits_cnn_workload(const mt::PolicyPtr& policy, bool compiled) {
+  constexpr int64_t kBatch = 64, kSteps = 2500;
+  constexpr double kLr = 0.1;
+  struct State {
+    mt::Generator noise{kSeed ^ 0x6e6f697365ULL};
+    std::mt19937_64 shift{kSeed ^ 0x7368696674ULL};
+    std::unique_ptr<DigitsCnn> net;
+    std::unique_ptr<mt::SGD> optimizer;
+    mt::GradScaler scaler{mt::GradScalerOptions{.enabled = false}};
+    mt::CosineWithWarmup cosine{kLr, 0, kSteps};
+    int64_t step = 0;
+    std::unique_ptr<mt::TensorDataset> train;
+    std::unique_ptr<mt::DataLoader> loader;
+  };
+  auto state = std::make_shared<State>();
+  mt::Digits digits = mt::load_digits(mt::default_data_dir() + "/digits.csv.gz");
+  if (digits.count() != 1797) mt::fail("digits: expected 1797 rows, found {}", digits.count());
+  state->train = std::make_unique<mt::TensorDataset>(digits::split(digits, 0, 1437));
+  state->loader = std::make_unique<mt::DataLoader>(*state->train, kBatch, true, kSeed);
+  mt::manual_seed(kSeed);  // DigitsCnn's initial weights come from it, as in the example
+  state->net = std::make_unique<DigitsCnn>();
+  state->optimizer = std::make_unique<mt::SGD>(state->net->parameters(),
+                                               mt::SGDOptions{.lr = kLr, .momentum = 0.9});
+  auto train = [state, policy](const mt::Tensor& x, const mt::Tensor& y) {
+    state->optimizer->zero_grad();
+    mt::Tensor loss;
+    {
+      mt::autocast guard(policy);
+      loss =
+          mt::cross_entropy((*state->net)(x), y, mt::CrossEntropyOptions{.label_smoothing = 0.2});
+    }
+    state->scaler.scale(loss).backward();
+    state->scaler.step(*state->optimizer);
+    state->scaler.update();
+    return loss;
+  };
+  auto next_batch = [state] {
+    mt::Batch batch = state->loader->next();
+    state->optimizer->set_lr(state->cosine.lr(state->step++ % kSteps));
+    mt::Tensor inputs = digits::shifted(batch.inputs, 1, state->shift);
+    inputs = inputs + mt::randn(inputs.shape(), mt::f32, &state->noise, 0, 0.2);
+    return std::pair(inputs, batch.targets);
+  };
+  return make_workload(
+      train, next_batch, compiled,
+      {{"batch", kBatch}, {"optimizer", "sgd"}, {"parameters", parameter_count(*state->net)}});
+}
+
 Workload workload_by_name(const std::string& name, const mt::PolicyPtr& policy, bool compiled) {
   long long width = 0, batch = 0;
   int consumed = 0;
@@ -151,8 +254,11 @@ Workload workload_by_name(const std::string& name, const mt::PolicyPtr& policy, 
   if (name == "digits_demo")
     return digits_workload(policy, compiled, {.batch = 256, .adamw = true});
   if (name == "char_gpt") return gpt_workload(policy, compiled);
+  if (name == "resnet18") return resnet18_workload(policy, compiled);
+  if (name == "digits_cnn") return digits_cnn_workload(policy, compiled);
   mt::fail(
-      "bench_training: unknown workload '{}' (mlp_w<W>_b<B>, digits_mlp, digits_demo, char_gpt)",
+      "bench_training: unknown workload '{}' (mlp_w<W>_b<B>, digits_mlp, digits_demo, char_gpt, "
+      "resnet18, digits_cnn)",
       name);
 }
 

@@ -6,12 +6,14 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <unordered_map>
 
 #include <oneapi/dnnl/dnnl.hpp>
 
 #include "dsl/error.h"
 #include "dsl/log.h"
+#include "runtime/gemm.h"
 #include "runtime/half_convert.h"
 #include "runtime/scratch_buffer.h"
 #include "runtime/single_threaded.h"
@@ -26,7 +28,10 @@
 //   rounding of the f32 sum.
 // - f16 operands are widened to f32, exactly (oneDNN 2.6 has no f16 convolution on the CPU). bf16
 //   operands go to oneDNN's bf16 kernels (AVX512-BF16 dot products or AMX tiles), which accumulate
-//   in f32 and flush subnormal operands, as its bf16 matmul.
+//   in f32 and flush subnormal operands, as its bf16 matmul; or, at the shapes where those lose
+//   to the f32 kernels (kWidenBf16*), are widened to f32 as f16 is (Bf16Kernel, as gemm.h's).
+// - Weight gradients with few output positions per image are an im2col and one mt::gemm instead
+//   of oneDNN's direct kernel (kGemmWeightGradMaxPositions).
 // - Padding on the right equals the padding on the left, as PyTorch passes it: oneDNN then checks
 //   that the output size is the floor of (padded - extent) / stride + 1, which the shapes have.
 // - The algorithm is convolution_direct: Winograd would change the numerics.
@@ -44,6 +49,21 @@ using Tag = dnnl::memory::format_tag;
 using Dims = dnnl::memory::dims;
 
 constexpr double kSingleThreadMaxFlops = double{1 << 24};
+
+// Bf16Kernel::automatic widens bf16 operands to f32 where oneDNN 2.6's AMX kernels lose to its
+// f32 ones (bench_conv at ResNet-18's shapes, one thread): the forward pass and input gradient at
+// one output position per image (ResNet-18's last stage at 32x32 inputs: 4-7x faster widened),
+// and the weight gradient at this few input channels (the stem's, c = 3: 2x).
+constexpr int64_t kWidenBf16MaxPositions = 1;
+constexpr int64_t kWidenBf16WeightGradMaxChannels = 4;
+
+// Weight gradients at this many output positions per image or fewer run as one GEMM over the
+// gathered input windows (im2col) instead of oneDNN's direct kernel, which at such shapes spends
+// its time on the filter's many outputs with a reduction of only n * oh * ow terms each:
+// ResNet-18's last stage (512 channels, 1x1 outputs) took 12 ms in f32 and 24 ms in bf16 per call,
+// 15-17% of its training step; the GEMM [o, n oh ow] x [n oh ow, c kh kw] takes about a tenth of
+// that.
+constexpr int64_t kGemmWeightGradMaxPositions = 4;
 
 struct ConvKey {
   OpCode op;
@@ -71,6 +91,7 @@ struct Backend {
   dnnl::engine engine{dnnl::engine::kind::cpu, 0};
   std::mutex mutex;  // guards cache
   std::map<ConvKey, std::shared_ptr<const CachedConv>> cache;
+  std::set<ConvKey> logged_gemms;  // problems run as a GEMM whose choice has been logged
 };
 
 // Never destroyed: oneDNN's own globals may be gone by the time static destructors run.
@@ -81,6 +102,7 @@ Backend& backend() {
 
 struct ThreadScratch {
   ScratchBuffer widened_a, widened_b, reordered_a, reordered_b, result, plain_result, onednn;
+  ScratchBuffer gathered_dy, columns;  // a weight gradient run as a GEMM
 };
 ThreadScratch& thread_scratch() {
   thread_local ThreadScratch scratch;
@@ -98,8 +120,84 @@ std::string describe(const ConvDesc& d) {
       name(d.out));
 }
 
-OnednnType onednn_operand(DType operand) {
-  return operand == bf16 ? OnednnType::bf16 : OnednnType::f32;
+// Whether bf16 operands are widened to f32 (the products are exact in f32, so only the order of
+// the f32 sums and the flushing of subnormals differ from the native kernel). See kWidenBf16.
+bool widens_bf16(const ConvDesc& d) {
+  if (d.operand != bf16) return false;
+  switch (d.bf16_kernel) {
+    case Bf16Kernel::native:
+      return false;
+    case Bf16Kernel::widened:
+      return true;
+    case Bf16Kernel::automatic:
+      break;
+  }
+  const ConvGeometry& g = d.geometry;
+  return d.op == OpCode::Conv2dWeightGrad ? g.c / g.window.groups <= kWidenBf16WeightGradMaxChannels
+                                          : g.oh * g.ow <= kWidenBf16MaxPositions;
+}
+
+// Whether a weight gradient runs as im2col and one GEMM (see kGemmWeightGradMaxPositions).
+bool weight_grad_as_gemm(const ConvDesc& d) {
+  const ConvGeometry& g = d.geometry;
+  return d.op == OpCode::Conv2dWeightGrad && g.window.groups == 1 &&
+         g.oh * g.ow <= kGemmWeightGradMaxPositions;
+}
+
+// dw [o, c kh kw] = dy' [o, n oh ow] x columns [n oh ow, c kh kw], where dy' is dy [n, o, oh ow]
+// with its first two axes swapped and a row of columns holds the input values one output
+// position's window covers (zero where it covers padding). T is the operands' storage type.
+template <typename T>
+void gather_weight_grad(const ConvGeometry& g, const T* x, const T* dy, T* dy_t, T* columns) {
+  const ConvWindow& w = g.window;
+  const int64_t positions = g.oh * g.ow, taps = g.kh * g.kw, row = g.c * taps;
+  for (int64_t n = 0; n < g.n; ++n)
+    for (int64_t o = 0; o < g.o; ++o)
+      std::copy_n(dy + (n * g.o + o) * positions, positions, dy_t + (o * g.n + n) * positions);
+  for (int64_t n = 0; n < g.n; ++n)
+    for (int64_t oy = 0; oy < g.oh; ++oy)
+      for (int64_t ox = 0; ox < g.ow; ++ox) {
+        T* out = columns + ((n * g.oh + oy) * g.ow + ox) * row;
+        for (int64_t c = 0; c < g.c; ++c) {
+          const T* plane = x + (n * g.c + c) * g.h * g.w;
+          for (int64_t ky = 0; ky < g.kh; ++ky) {
+            const int64_t iy = oy * w.stride[0] - w.pad[0] + ky * w.dil[0];
+            for (int64_t kx = 0; kx < g.kw; ++kx) {
+              const int64_t ix = ox * w.stride[1] - w.pad[1] + kx * w.dil[1];
+              const bool inside = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
+              *out++ = inside ? plane[iy * g.w + ix] : T{};
+            }
+          }
+        }
+      }
+}
+
+GemmDesc weight_grad_gemm_desc(const ConvDesc& d) {
+  const ConvGeometry& g = d.geometry;
+  return GemmDesc{.m = g.o,
+                  .n = g.c * g.kh * g.kw,
+                  .k = g.n * g.oh * g.ow,
+                  .operand = d.operand,
+                  .out = d.out,
+                  .bf16_kernel = d.bf16_kernel};
+}
+
+// The weight gradient as a GEMM: the operands gathered in their own type (16-bit ones stay 16-bit,
+// and the GEMM multiplies them as runtime/gemm.h does), the result rounded once to d.out.
+template <typename T>
+void weight_grad_gemm(const ConvDesc& d, const void* x, const void* dy, void* out) {
+  const GemmDesc desc = weight_grad_gemm_desc(d);
+  ThreadScratch& scratch = thread_scratch();
+  T* dy_t = scratch.gathered_dy.get<T>(desc.m * desc.k);
+  T* columns = scratch.columns.get<T>(desc.k * desc.n);
+  gather_weight_grad(d.geometry, static_cast<const T*>(x), static_cast<const T*>(dy), dy_t,
+                     columns);
+  gemm(desc, dy_t, columns, out);
+}
+
+// The type oneDNN computes in: bf16, or f32 for f32, f16 and widened bf16 operands.
+OnednnType onednn_operand(const ConvDesc& d) {
+  return d.operand == bf16 && !widens_bf16(d) ? OnednnType::bf16 : OnednnType::f32;
 }
 
 ConvKey key_of(const ConvDesc& d) {
@@ -119,7 +217,7 @@ ConvKey key_of(const ConvDesc& d) {
           {w.pad[0], w.pad[1]},
           {w.dil[0], w.dil[1]},
           w.groups,
-          onednn_operand(d.operand)};
+          onednn_operand(d)};
 }
 
 bool runs_on_team(const ConvKey& k) {
@@ -220,16 +318,31 @@ std::shared_ptr<const CachedConv> cached(const ConvDesc& d) {
   std::lock_guard lock(state.mutex);
   auto [it, added] = state.cache.emplace(key, std::move(made));
   if (added && log_enabled("profile"))
-    log_line("profile", "{}: oneDNN {}", describe(d), it->second->implementation);
+    log_line("profile", "{}: {}oneDNN {}", describe(d),
+             widens_bf16(d) ? "bf16 widened to f32, " : "", it->second->implementation);
   return it->second;
 }
 
-// An input in the operand type oneDNN gets: itself, or f16 widened to f32.
+// An input in the operand type oneDNN gets: itself, or f16 or bf16 widened to f32.
 const void* as_operand(const ConvDesc& d, const void* data, int64_t count, ScratchBuffer& scratch) {
-  if (d.operand != f16) return data;
+  if (d.operand == f32 || onednn_operand(d) != OnednnType::f32) return data;
   float* widened = scratch.get<float>(count);
-  widen_f16(static_cast<const uint16_t*>(data), widened, count);
+  if (d.operand == f16)
+    widen_f16(static_cast<const uint16_t*>(data), widened, count);
+  else
+    widen_bf16(static_cast<const uint16_t*>(data), widened, count);
   return widened;
+}
+
+// MIXTAPE_LOG=profile: the GEMM a weight gradient runs as, once per problem (the GEMM logs its
+// own kernel).
+void log_gemm_choice(const ConvDesc& d) {
+  static const bool enabled = log_enabled("profile");
+  if (!enabled) return;
+  Backend& state = backend();
+  std::lock_guard lock(state.mutex);
+  if (state.logged_gemms.insert(key_of(d)).second)
+    log_line("profile", "{}: im2col and a GEMM", describe(d));
 }
 
 int64_t count_of(const dnnl::memory::desc& desc, OnednnType type) {
@@ -246,18 +359,25 @@ bool conv_supported(const ConvDesc& d) {
 
 std::string conv_kernel(const ConvDesc& d) {
   if (!conv_supported(d)) fail("{}: not a problem oneDNN can run", describe(d));
-  return cached(d)->implementation;
+  if (weight_grad_as_gemm(d)) return "im2col, " + gemm_kernel(weight_grad_gemm_desc(d));
+  const std::string& implementation = cached(d)->implementation;
+  return widens_bf16(d) ? "bf16 widened to f32, " + implementation : implementation;
 }
 
 void conv(const ConvDesc& d, const void* a, const void* b, void* out) {
   if (!conv_supported(d)) fail("{}: not a problem oneDNN can run", describe(d));
   if (a == nullptr || b == nullptr || out == nullptr) fail("{}: a null pointer", describe(d));
+  if (weight_grad_as_gemm(d)) {
+    log_gemm_choice(d);
+    return d.operand == f32 ? weight_grad_gemm<float>(d, a, b, out)
+                            : weight_grad_gemm<uint16_t>(d, a, b, out);
+  }
   const std::shared_ptr<const CachedConv> conv = cached(d);
   const dnnl::engine& engine = backend().engine;
   // One stream per thread: oneDNN does not promise that a stream may be used concurrently.
   thread_local dnnl::stream stream(engine);
   ThreadScratch& scratch = thread_scratch();
-  const OnednnType t = onednn_operand(d.operand);
+  const OnednnType t = onednn_operand(d);
   SingleThreaded single_threaded(!runs_on_team(key_of(d)));
   try {
     // Inputs: widened if f16, then reordered into the primitive's layout if it differs.

@@ -36,6 +36,15 @@ const std::vector<Case>& cases() {
        {1, 6, 11, 9},
        {4, 3, 3, 2},
        {.stride = {2, 1}, .padding = {1, 2}, .dilation = {2, 1}, .groups = 2}},
+      // Few output positions (ResNet-18's last stages at 32x32 inputs): the weight gradient runs
+      // as im2col and a GEMM, and bf16's forward and input gradient widened to f32 at 1x1.
+      {"3x3 pad 1 on 1x1", {3, 16, 1, 1}, {24, 16, 3, 3}, {.padding = 1}},
+      {"3x3 stride 2 pad 1 to 2x2", {3, 8, 4, 4}, {16, 8, 3, 3}, {.stride = 2, .padding = 1}},
+      {"1x1 stride 2 to 2x1, asymmetric", {2, 8, 4, 2}, {16, 8, 1, 1}, {.stride = 2}},
+      {"asymmetric, dilated, to 2x1",
+       {2, 4, 3, 3},
+       {6, 4, 3, 2},
+       {.stride = {2, 1}, .padding = {1, 0}, .dilation = {1, 2}}},
   };
   return all;
 }
