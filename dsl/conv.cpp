@@ -22,6 +22,11 @@ ConvWindow ConvWindow::from(const Ints& attr) {
     w.dil[d] = attr[4 + d];
   }
   w.groups = attr[6];
+  // A window read back from an artifact's plan is checked as the builders check one.
+  for (int d = 0; d < 2; ++d)
+    if (w.stride[d] < 1 || w.dil[d] < 1 || w.pad[d] < 0)
+      fail("a convolution's window has a stride, dilation or padding out of range");
+  if (w.groups < 1) fail("a convolution's window has {} groups", w.groups);
   return w;
 }
 
@@ -57,6 +62,7 @@ void check_window(const char* op, const ConvWindow& w, const Loc& loc) {
       op_fail(op, loc, "window sizes above 2^31: {}", window_text(w));
   }
   if (w.groups < 1) op_fail(op, loc, "groups must be positive: {}", window_text(w));
+  if (w.groups > kMaxWindow) op_fail(op, loc, "window sizes above 2^31: {}", window_text(w));
 }
 
 // A kernel's dilated extent, dil (k - 1) + 1, where k may be near 2^60: an mt::Error past 2^62.
@@ -207,6 +213,8 @@ Tensor conv_transpose2d(const Tensor& x, const Tensor& weight, const Tensor& bia
   if (x.dim() == 3)
     return squeeze(conv_transpose2d(unsqueeze(x, 0, loc), weight, bias, options, loc), 0, loc);
   if (x.dim() != 4) op_fail(op, loc, "input must be [N, C, H, W], got {}", to_string(x.shape()));
+  if (x.size(2) < 1 || x.size(3) < 1)
+    op_fail(op, loc, "input {} has an empty spatial dimension", to_string(x.shape()));
   if (weight.dim() != 4 || weight.size(0) != x.size(1))
     op_fail(op, loc, "weight {} must be [in_channels {}, out_channels / groups, KH, KW]",
             to_string(weight.shape()), x.size(1));

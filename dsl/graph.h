@@ -189,5 +189,8 @@ void evaluate(const std::vector<NodePtr>& outputs);
 /// its value (as assign() does) and drops the settled ones from the list.
 std::vector<NodePtr> deferred_assignment_values();
 void settle_deferred_assignments();
+/// Drops every pending assignment from the list (after an evaluation that included them failed):
+/// each tensor keeps its unevaluated value.
+void forget_deferred_assignments();
 
 }  // namespace mixtape

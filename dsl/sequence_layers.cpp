@@ -132,7 +132,9 @@ MultiheadAttention::Result MultiheadAttention::operator()(
   if (additive.defined()) scores = scores + additive;
   Tensor weights = allowed.defined() ? masked_softmax(scores, broadcast_to(allowed, {N, H, L, S}))
                                      : softmax(scores);
-  Tensor attended = matmul(mixtape::dropout(weights, dropout, is_training(), gen_), v);
+  // As PyTorch: the weights returned are the ones the values are averaged with, after dropout.
+  weights = mixtape::dropout(weights, dropout, is_training(), gen_);
+  Tensor attended = matmul(weights, v);
   Tensor merged = reshape(permute(attended, {2, 0, 1, 3}), {L, N, embed_dim});  // [L, N, E]
   Result result;
   result.output = out_proj(merged);

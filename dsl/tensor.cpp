@@ -161,8 +161,10 @@ void Tensor::assign_later(const Tensor& value, const Loc& loc) {
   if (current->requires_grad)
     op_fail("assign_later", loc, "a tensor that requires grad is assigned with assign()");
   if (value.node()->evaluated()) return assign(value, loc);
-  impl_->node = value.node();
-  deferred_assignments().push_back({impl_, value.node(), loc});
+  // State, as assign() makes it: no gradient flows through it into what computed the value.
+  NodePtr state = value.requires_grad() ? value.detach(loc).node() : value.node();
+  impl_->node = state;
+  deferred_assignments().push_back({impl_, std::move(state), loc});
 }
 
 std::vector<NodePtr> deferred_assignment_values() {
@@ -170,6 +172,8 @@ std::vector<NodePtr> deferred_assignment_values() {
   for (const DeferredAssignment& d : deferred_assignments()) values.push_back(d.value);
   return values;
 }
+
+void forget_deferred_assignments() { deferred_assignments().clear(); }
 
 void settle_deferred_assignments() {
   std::vector<DeferredAssignment>& list = deferred_assignments();

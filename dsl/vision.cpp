@@ -354,14 +354,17 @@ Tensor index_tensor(const std::vector<int64_t>& indices) {
   return tensor(indices, {static_cast<int64_t>(indices.size())});
 }
 
-// Nearest: output o reads input min(floor(o scale), in - 1), PyTorch's nearest_idx.
+// Nearest: output o reads input min(floor(o scale), in - 1), PyTorch's nearest_idx, with its two
+// shortcuts whatever the scale: the same size copies, twice the size reads o / 2.
 Tensor nearest_axis(const Tensor& x, int64_t axis, int64_t out, float scale) {
   const int64_t in = x.size(axis);
   if (in == out) return x;
   std::vector<int64_t> source(static_cast<size_t>(out));
   for (int64_t o = 0; o < out; ++o)
     source[static_cast<size_t>(o)] =
-        std::min(static_cast<int64_t>(std::floor(static_cast<float>(o) * scale)), in - 1);
+        out == 2 * in
+            ? o >> 1
+            : std::min(static_cast<int64_t>(std::floor(static_cast<float>(o) * scale)), in - 1);
   return index_select(x, index_tensor(source), axis);
 }
 
@@ -424,6 +427,11 @@ Tensor interpolate(const Tensor& x, const InterpolateOptions& options, const Loc
     if (s <= 0) op_fail(op, loc, "output sizes must be positive, got {}", s);
   if (options.align_corners && !bilinear)
     op_fail(op, loc, "align_corners applies to bilinear mode only");
+  // PyTorch's bilinear kernel copies an input whose every spatial size stays (whatever the
+  // scale factor says).
+  bool same = true;
+  for (size_t a = 0; a < spatial; ++a) same &= sizes[a] == x.size(static_cast<int64_t>(a) + 2);
+  if (bilinear && same) return x;
   Tensor y = x;
   for (size_t a = 0; a < spatial; ++a) {
     const int64_t axis = static_cast<int64_t>(a) + 2;

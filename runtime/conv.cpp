@@ -354,7 +354,8 @@ int64_t count_of(const dnnl::memory::desc& desc, OnednnType type) {
 bool conv_supported(const ConvDesc& d) {
   auto ok = [](DType t) { return t == f32 || t == bf16 || t == f16; };
   const ConvGeometry& g = d.geometry;
-  return ok(d.operand) && ok(d.out) && g.n > 0 && g.c > 0 && g.o > 0 && g.oh > 0 && g.ow > 0;
+  return ok(d.operand) && ok(d.out) && g.n > 0 && g.c > 0 && g.o > 0 && g.h > 0 && g.w > 0 &&
+         g.oh > 0 && g.ow > 0;
 }
 
 std::string conv_kernel(const ConvDesc& d) {

@@ -197,11 +197,12 @@ std::vector<NarrowedCopy>& narrowed_copies() {
   return copies;
 }
 
-// An input's value in `dtype` (the matmul's compute type): itself, or converted.
-std::shared_ptr<Storage> as_dtype(const Node& input, DType dtype) {
+// An input's value in `dtype` (the matmul's compute type): itself, or converted. A leaf's copy
+// is kept for the run when `cache` (only inside replay_cpu, which drops them at its end).
+std::shared_ptr<Storage> as_dtype(const Node& input, DType dtype, bool cache = true) {
   const std::shared_ptr<Storage>& value = input.value;
   if (value->dtype == dtype) return value;
-  const bool leaf = op_info(input.op).kind == OpKind::Leaf;
+  const bool leaf = cache && op_info(input.op).kind == OpKind::Leaf;
   std::vector<NarrowedCopy>& copies = narrowed_copies();
   if (leaf)
     for (const NarrowedCopy& c : copies)
@@ -248,18 +249,11 @@ void run_matmul(Node& node) {
   s.bytes_written += bytes_of(*out);
 }
 
-// Steps without a kernel: convolutions through oneDNN, the rest by the reference loops.
-void run_host_step(Node& node) {
-  if (op_info(node.op).kind == OpKind::Conv) return run_conv_on_host(node);
-  node.value = reference_compute(node);
-  ++stats().host_ops;
-}
-
-}  // namespace
-
 // A convolution primitive through oneDNN; other dtypes and accumulators (f64, a 16-bit
 // accumulator a custom policy asks for) take the reference loops.
-void run_conv_on_host(Node& node) {
+// `cache`: whether leaves' narrowed copies may be kept (replay_cpu drops them at its end; the
+// CUDA back end, which calls run_conv_on_host outside it, must not keep any).
+void run_conv(Node& node, bool cache) {
   ConvDesc desc;
   desc.op = node.op;
   desc.geometry = ConvGeometry::of(node);
@@ -270,8 +264,8 @@ void run_conv_on_host(Node& node) {
     ++stats().host_ops;
     return;
   }
-  auto a = as_dtype(*node.inputs[0], desc.operand);
-  auto b = as_dtype(*node.inputs[1], desc.operand);
+  auto a = as_dtype(*node.inputs[0], desc.operand, cache);
+  auto b = as_dtype(*node.inputs[1], desc.operand, cache);
   auto out = allocate(node);
   conv(desc, a->host_data(), b->host_data(), out->host_data());
   node.value = out;
@@ -280,6 +274,17 @@ void run_conv_on_host(Node& node) {
   s.bytes_read += bytes_of(*a) + bytes_of(*b);
   s.bytes_written += bytes_of(*out);
 }
+
+// Steps without a kernel: convolutions through oneDNN, the rest by the reference loops.
+void run_host_step(Node& node) {
+  if (op_info(node.op).kind == OpKind::Conv) return run_conv(node, true);
+  node.value = reference_compute(node);
+  ++stats().host_ops;
+}
+
+}  // namespace
+
+void run_conv_on_host(Node& node) { run_conv(node, false); }
 
 Signature sign_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required,
                    const FusionOptions& options) {

@@ -1,4 +1,6 @@
 // runtime/eval.cpp -- mt::evaluate: runs every unevaluated node an output needs, in tape order.
+#include <algorithm>
+
 #include "dsl/graph.h"
 #include "precision_policy/assign.h"
 #include "runtime/compile.h"
@@ -17,8 +19,16 @@ void evaluate(const std::vector<NodePtr>& requested) {
   std::vector<NodePtr> deferred = deferred_assignment_values();
   if (deferred.empty()) return run(requested);
   std::vector<NodePtr> outputs = requested;
-  outputs.insert(outputs.end(), deferred.begin(), deferred.end());
-  run(outputs);
+  for (const NodePtr& value : deferred)  // once each: a value asked for twice is stored once
+    if (std::find(outputs.begin(), outputs.end(), value) == outputs.end()) outputs.push_back(value);
+  try {
+    run(outputs);
+  } catch (...) {
+    // A value that cannot be computed must not fail every later evaluation: its tensor keeps
+    // it, and reading that tensor reports the error again.
+    forget_deferred_assignments();
+    throw;
+  }
   settle_deferred_assignments();
 }
 
@@ -36,7 +46,9 @@ void run(const std::vector<NodePtr>& outputs) {
   } else {
     std::vector<Node*> required;
     for (const NodePtr& output : outputs)
-      if (output && !output->evaluated()) required.push_back(output.get());
+      if (output && !output->evaluated() &&
+          std::find(required.begin(), required.end(), output.get()) == required.end())
+        required.push_back(output.get());
     ExecutedProgram executed =
         device == Device::cuda ? execute_cuda(pending, required) : execute_cpu(pending, required);
     // A traced step keeps its graph whole until the trace is done with it.

@@ -472,6 +472,33 @@ TEST(AssignLater, TheNextEvaluationComputesAndSettlesIt) {
   mt::eval({other * 3.0});
 }
 
+// A value that cannot be computed fails its evaluation, and only that one: later evaluations of
+// other values go on, while reading the tensor reports the error again.
+TEST(AssignLater, AValueThatFailsDoesNotFailLaterEvaluations) {
+  mt::Tensor source = mt::tensor(std::vector<double>{1, 2, 3}, {3});
+  mt::Tensor buffer = mt::zeros({2}, mt::f64);
+  mt::eval({buffer});
+  buffer.assign_later(mt::index_select(source, mt::tensor(std::vector<int64_t>{0, 7}, {2}), 0));
+  EXPECT_MT_ERROR(mt::eval({source * 2.0}), "index 7");
+  expect_near_all(values(source * 3.0), {3, 6, 9});
+  EXPECT_MT_ERROR(buffer.to_vector<double>(), "index 7");
+}
+
+// State assigned from a value that requires grad is state, as assign() makes it: no gradient
+// flows through it, before or after it settles.
+TEST(AssignLater, AValueThatRequiresGradIsAssignedDetached) {
+  mt::Tensor w = leaf({1, 2}, {2});
+  mt::Tensor b = mt::zeros({2}, mt::f64);
+  mt::eval({b});
+  b.assign_later(w * 2.0);
+  EXPECT_FALSE(b.requires_grad());
+  mt::sum(b * w).backward();
+  expect_near_all(values(w.grad()), {2, 4});  // d(sum(b w))/dw = b, b a constant
+  EXPECT_TRUE(b.is_leaf());
+  EXPECT_FALSE(b.requires_grad());
+  EXPECT_FALSE(b.grad().defined());
+}
+
 TEST(AssignLater, RefusesWhatAssignRefusesAndTensorsThatRequireGrad) {
   mt::Tensor p = leaf({1, 2}, {2});
   EXPECT_MT_ERROR(p.assign_later(p * 2.0), "assign_later", "requires grad");

@@ -602,6 +602,25 @@ TEST(Compile, StateAssignedInsideTheFunctionIsCarried) {
   }
 }
 
+// A step that leaves an assign_later pending when it returns (batch norm in a forward-only step,
+// or a model run again after opt.step()): the end of the trace computes it once, and replays
+// carry it as state.
+TEST(Compile, AnAssignmentLeftPendingAtTheEndOfTheStepReplays) {
+  mt::Tensor state = mt::zeros({2});
+  auto step = mt::compile([&](const mt::Tensor& x) {
+    state.assign_later(state + x);
+    return x * 2.0;
+  });
+  for (int i = 1; i <= 6; ++i) {
+    mt::Tensor y = step(mt::ones({2}));
+    EXPECT_EQ(y.to_vector<float>(), (std::vector<float>{2, 2}));
+    EXPECT_EQ(state.to_vector<float>(), (std::vector<float>(2, static_cast<float>(i)))) << i;
+  }
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 3) << step.stats().reason;
+  }
+}
+
 // A module whose buffers hold running statistics, written with assign() inside the step: an
 // average, a counter, and a view of a value the step also stores (a keepdim mean reshaped).
 struct RunningStats : mt::Module {

@@ -11,6 +11,8 @@
 #include <vector>
 
 #include "mixtape/mixtape.h"
+#include "dsl/convert.h"
+#include "runtime/cpu_executor.h"
 #include "test_util.h"
 
 namespace mt = mixtape;
@@ -214,6 +216,39 @@ TEST(Conv, CompiledStepReplaysTheTracedOne) {
     return losses;
   };
   EXPECT_EQ(train(false), train(true));
+}
+
+// An empty input with padding is all padding: zeros, on every back end.
+TEST(Conv, AnEmptyPaddedInputGivesZeros) {
+  for (mt::Device device : {mt::Device::reference, mt::Device::cpu}) {
+    mt::set_device(device);
+    mt::Tensor y = mt::conv2d(mt::ones({1, 1, 0, 2}), mt::ones({1, 1, 1, 1}), {}, {.padding = 1});
+    EXPECT_EQ(y.shape(), (mt::Shape{1, 1, 2, 4}));
+    EXPECT_EQ(y.to_vector<float>(), std::vector<float>(8, 0.0f)) << mt::device_name(device);
+  }
+  mt::set_device(mt::Device::cpu);
+  EXPECT_MT_ERROR(mt::conv_transpose2d(mt::ones({1, 1, 0, 2}), mt::ones({1, 1, 1, 1})),
+                  "conv_transpose2d", "empty spatial dimension");
+}
+
+// The CUDA back end runs convolutions through run_conv_on_host outside any CPU program run: a
+// weight's half copy must follow the weight when mt::compile updates it in place, not be the
+// first one made.
+TEST(Conv, OnTheHostOutsideAProgramRunNoStaleHalfCopyIsKept) {
+  mt::set_device(mt::Device::cpu);
+  mt::Tensor x = mt::ones({1, 1, 2, 2}), w = mt::ones({1, 1, 1, 1});
+  mt::eval({x, w});
+  mt::Tensor y = mt::conv2d(x, w);
+  mt::Node& node = *y.node();
+  node.compute = mt::f16;  // as autocast-f16 would give it
+  node.storage = mt::f32;
+  mt::run_conv_on_host(node);
+  EXPECT_EQ(mt::load_element<float>(*node.value, 0), 1.0f);
+  auto five = std::make_shared<mt::Storage>(mt::f32, 1);
+  mt::store_element(*five, 0, 5.0);
+  w.node()->value->swap_value(*five);  // what a replay does to state
+  mt::run_conv_on_host(node);
+  EXPECT_EQ(mt::load_element<float>(*node.value, 0), 5.0f);
 }
 
 }  // namespace

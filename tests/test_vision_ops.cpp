@@ -410,4 +410,16 @@ TEST(VisionErrors, BadArgumentsNameTheOpAndTheShapes) {
   EXPECT_MT_ERROR(mt::dropout2d(x, 1.5), "dropout2d", "p must be");
 }
 
+// PyTorch's interpolate shortcuts, whatever the scale factor: nearest reads o / 2 where the
+// output is twice the input, bilinear copies an input whose sizes all stay.
+TEST(VisionInterpolate, FollowsPyTorchsShortcuts) {
+  mt::Tensor row = mt::reshape(mt::tensor(std::vector<float>{10, 20, 30}, {3}), {1, 1, 3});
+  mt::Tensor near = mt::interpolate(row, {.scale_factor = {2.2}});
+  EXPECT_EQ(near.to_vector<float>(), (std::vector<float>{10, 10, 20, 20, 30, 30}));
+  mt::Tensor image = mt::reshape(mt::arange(0.0, 25.0, 1.0, mt::f32), {1, 1, 5, 5});
+  mt::Tensor same =
+      mt::interpolate(image, {.scale_factor = {1.1}, .mode = mt::InterpolateMode::Bilinear});
+  EXPECT_EQ(same.to_vector<float>(), image.to_vector<float>());
+}
+
 }  // namespace
