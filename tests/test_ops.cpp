@@ -1379,3 +1379,23 @@ TEST(Ops, FloatTanhIsWithinSevenUlpOfTheTrueValue) {
   EXPECT_TRUE(std::signbit(mixtape::math::tanh(-0.0f)));
   EXPECT_TRUE(std::isnan(mixtape::math::tanh(std::nanf(""))));
 }
+
+// Under autocast einsum runs as linear does (LowOk): its matmul on bf16 operands with f32
+// accumulation, so it gives matmul's bits under the same policy, not the f32 product.
+TEST(Ops, EinsumUnderAutocastIsTheHalfTypeMatmul) {
+  mt::Generator gen(3);
+  mt::Tensor a = mt::randn({4, 6, 8}, mt::f32, &gen), b = mt::randn({8, 5}, mt::f32, &gen);
+  mt::Tensor plain = mt::einsum("bij,jk->bik", {a, b});
+  mt::Tensor via_einsum, via_matmul;
+  {
+    mt::autocast guard(mt::bf16);
+    via_einsum = mt::einsum("bij,jk->bik", {a, b});
+    via_matmul = mt::matmul(a, b);
+  }
+  EXPECT_EQ(via_einsum.dtype(), via_matmul.dtype());
+  std::vector<float> e = via_einsum.to(mt::f32).to_vector<float>();
+  std::vector<float> m = via_matmul.to(mt::f32).to_vector<float>();
+  std::vector<float> f = plain.to_vector<float>();
+  EXPECT_EQ(e, m);
+  EXPECT_NE(e, f);
+}
