@@ -51,6 +51,12 @@ Optimizer::Optimizer(std::vector<Tensor> params, const char* kind)
 Optimizer::~Optimizer() { note_optimizer_parameters(params_, false); }
 
 void Optimizer::set_lr(double lr) {
+  if (own_rate_) fail("{}: set_lr: {}", kind_, own_rate_);
+  if (schedule_)
+    fail(
+        "{}: set_lr({}) while a schedule is attached, which sets every step's rate; detach it "
+        "first (set_schedule(nullptr))",
+        kind_, lr);
   if (!(lr >= 0) || !std::isfinite(lr))
     fail("{}: learning rate must be finite and >= 0, got {}", kind_, lr);
   note_side_effect("sets the learning rate (call set_lr outside the compiled function)");
@@ -61,6 +67,21 @@ void Optimizer::set_lr(double lr) {
   Storage& rate = *lr_value_.node()->value;
   rate.as<double>()[0] = lr;
   rate.host_written();
+}
+
+void Optimizer::set_schedule(std::shared_ptr<const LRSchedule> schedule) {
+  if (own_rate_) fail("{}: set_schedule: {}", kind_, own_rate_);
+  note_side_effect(
+      "sets a learning-rate schedule (call set_schedule outside the compiled function)");
+  schedule_ = std::move(schedule);
+  // A compiled step holds the old schedule's code: a new step-count buffer makes it trace again.
+  set_steps_taken(steps_taken());
+}
+
+Tensor Optimizer::current_lr() const {
+  if (own_rate_) fail("{}: current_lr: {}", kind_, own_rate_);
+  NoGradGuard no_grad;
+  return schedule_ ? schedule_->graph_lr(step_) : lr_value_;
 }
 
 template <typename Make>
@@ -154,7 +175,10 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
     // scalar's address, which a later step's scalar may reuse.
     struct DropShared {
       Optimizer& optimizer;
-      ~DropShared() { optimizer.drop_shared(); }
+      ~DropShared() {
+        optimizer.drop_shared();
+        optimizer.scheduled_lr_ = Tensor();
+      }
     } drop_shared{*this};
     skip_ = Tensor();
     if (skip.defined()) {
@@ -165,6 +189,7 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
       skip_ = flag.dtype() == boolean ? flag : ne(flag, zeros({}, flag.dtype()));
     }
     next_step_ = step_ + 1.0;
+    if (schedule_) scheduled_lr_ = schedule_->graph_lr(step_);
     begin_step();
     for (size_t i = 0; i < params_.size(); ++i) {
       Tensor g = params_[i].grad();
@@ -186,7 +211,7 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
       updated.push_back(i);
     }
     if (!updated.empty()) new_step = skip_.defined() ? where(skip_, step_, next_step_) : next_step_;
-    next_step_ = skip_ = Tensor();
+    next_step_ = skip_ = scheduled_lr_ = Tensor();
   }
   if (updated.empty()) {
     if (!also.empty()) eval(also);
@@ -234,10 +259,11 @@ void Optimizer::check_state(size_t param_index, const NamedTensors& state, bool 
   if (param_index >= params_.size())
     fail("{}: parameter index {} out of range ({} parameters)", kind_, param_index, params_.size());
   for (const auto& [name, value] : state) {
-    if (!value.defined() || value.shape() != params_[param_index].shape())
+    Shape expected = state_shape(name, params_[param_index].shape());
+    if (!value.defined() || value.shape() != expected)
       fail("{}: state '{}{}' for parameter {} has shape {}, expected {}", kind_, prefix, name,
            param_index, value.defined() ? to_string(value.shape()) : "undefined",
-           to_string(params_[param_index].shape()));
+           to_string(expected));
     if (!is_floating(value.dtype()))
       fail("{}: state '{}{}' for parameter {} is {}, not a floating-point tensor", kind_, prefix,
            name, param_index, mixtape::name(value.dtype()));
@@ -258,6 +284,8 @@ void Optimizer::check_state(size_t param_index, const NamedTensors& state, bool 
 }
 
 std::string Optimizer::impossible_state(const std::string&, const Storage&) const { return ""; }
+
+Shape Optimizer::state_shape(const std::string&, const Shape& param) const { return param; }
 
 void Optimizer::load_state(size_t param_index, const NamedTensors& state, bool allow_nonfinite) {
   check_state(param_index, state, allow_nonfinite);
@@ -445,6 +473,136 @@ std::string Adagrad::impossible_state(const std::string& name, const Storage& va
   return negative_element(values, "a running sum of squared gradients");
 }
 
+Lion::Lion(std::vector<Tensor> params, LionOptions options)
+    : Optimizer(std::move(params), "Lion"), options(options) {
+  set_lr(options.lr);
+  if (!(options.beta1 >= 0 && options.beta1 <= 1 && options.beta2 >= 0 && options.beta2 <= 1))
+    fail("Lion: betas must be in [0, 1], got ({}, {})", options.beta1, options.beta2);
+  if (!(options.weight_decay >= 0)) fail("Lion: weight_decay must be >= 0");
+}
+
+void Lion::begin_step() {
+  if (options.weight_decay != 0) decay_ = 1.0 - lr_value() * options.weight_decay;
+}
+
+Tensor Lion::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
+  Tensor p = param;
+  if (options.weight_decay != 0) p = p * step_scalar(decay_, p.dtype(), p.shape());
+  // Absent momentum is zero (lion-pytorch starts it at zeros): 0 * beta + x is x, bit for bit.
+  Tensor* m_prev = find_state(state, "exp_avg");
+  auto mix = [&](double beta) {
+    Tensor part = grad * step_constant(1 - beta, grad);
+    return m_prev ? *m_prev * step_constant(beta, *m_prev) + part : part;
+  };
+  Tensor direction = sign(mix(options.beta1));
+  set_state(state, "exp_avg", mix(options.beta2));
+  return p - direction * step_scalar(lr_value(), direction.dtype(), direction.shape());
+}
+
+Adafactor::Adafactor(std::vector<Tensor> params, AdafactorOptions options)
+    : Optimizer(std::move(params), "Adafactor"), options(options) {
+  if (options.relative_step && options.lr)
+    fail("Adafactor: lr = {} with relative_step, which computes the rate: pass one or the other",
+         *options.lr);
+  if (options.warmup_init && !options.relative_step)
+    fail("Adafactor: warmup_init requires relative_step");
+  if (!options.relative_step && !options.lr)
+    fail("Adafactor: without relative_step an lr is required");
+  if (!(options.eps1 >= 0) || !(options.eps2 >= 0) || !(options.clip_threshold > 0) ||
+      !(options.weight_decay >= 0))
+    fail("Adafactor: eps ({}, {}) and weight_decay must be >= 0, clip_threshold > 0", options.eps1,
+         options.eps2);
+  if (!(options.decay_rate <= 0))
+    fail("Adafactor: decay_rate must be <= 0, got {}", options.decay_rate);
+  if (options.beta1 && !(*options.beta1 >= 0 && *options.beta1 < 1))
+    fail("Adafactor: beta1 must be in [0, 1), got {}", *options.beta1);
+  if (options.relative_step)
+    own_rate_ =
+        "relative_step computes the rate from the step count (construct Adafactor with "
+        "relative_step = false and an lr to set one)";
+  else
+    set_lr(*options.lr);
+}
+
+namespace {
+// Adafactor's factored statistics: the squared gradient's mean over the last axis and over the
+// one before it.
+bool factored(const Shape& shape) { return shape.size() >= 2; }
+Shape row_shape(const Shape& shape) { return Shape(shape.begin(), shape.end() - 1); }
+Shape col_shape(const Shape& shape) {
+  Shape out(shape.begin(), shape.end() - 2);
+  out.push_back(shape.back());
+  return out;
+}
+// Root mean square of all elements, as transformers' _rms: norm / sqrt(numel).
+Tensor rms(const Tensor& x) {
+  return sqrt(sum(square(x))) / std::sqrt(static_cast<double>(x.numel()));
+}
+}  // namespace
+
+Shape Adafactor::state_shape(const std::string& name, const Shape& param) const {
+  if (factored(param) && name == "exp_avg_sq_row") return row_shape(param);
+  if (factored(param) && name == "exp_avg_sq_col") return col_shape(param);
+  return param;
+}
+
+void Adafactor::begin_step() {
+  // transformers computes these in Python doubles from the step count.
+  const Tensor& t = step_number();
+  beta2t_ = 1.0 - pow(t, options.decay_rate);
+  rest_ = 1.0 - beta2t_;
+  if (options.relative_step) {
+    Tensor least = options.warmup_init ? t * 1e-6 : full({}, 1e-2, f64);
+    rate_ = minimum(least, 1.0 / sqrt(t));
+  } else {
+    rate_ = lr_value();
+  }
+}
+
+Tensor Adafactor::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
+  Tensor p = param.dtype() == f32 ? param : cast(param, f32);
+  Tensor g = grad.dtype() == f32 ? grad : cast(grad, f32);
+  // The rate is a 0-d f32 value per parameter: transformers multiplies the parameter's RMS (an
+  // f32 tensor) by the relative step.
+  Tensor lr = step_scalar(rate_, f32, {});
+  if (options.scale_parameter) lr = maximum(rms(p), full({}, options.eps2, f32)) * lr;
+  auto running = [&](const char* name, const Tensor& x) {
+    Tensor* previous = find_state(state, name);
+    Tensor part = x * step_scalar(rest_, f32, x.shape());
+    Tensor mean = previous ? *previous * step_scalar(beta2t_, f32, x.shape()) + part : part;
+    set_state(state, name, mean);
+    return mean;
+  };
+  Tensor squared = square(g) + step_constant(options.eps1, g);
+  Tensor u;
+  if (factored(p.shape())) {
+    Tensor row = running("exp_avg_sq_row", mean(squared, {-1}));
+    Tensor col = running("exp_avg_sq_col", mean(squared, {-2}));
+    Tensor row_factor = unsqueeze(rsqrt(row / mean(row, {-1}, true)), -1);
+    Tensor col_factor = unsqueeze(rsqrt(col), -2);
+    u = row_factor * col_factor * g;
+  } else {
+    u = rsqrt(running("exp_avg_sq", squared)) * g;
+  }
+  u = u / maximum(rms(u) / options.clip_threshold, full({}, 1.0, f32));
+  u = u * lr;
+  if (options.beta1) {
+    double beta1 = *options.beta1;
+    Tensor* previous = find_state(state, "exp_avg");
+    Tensor part = u * step_constant(1 - beta1, u);
+    u = previous ? *previous * step_constant(beta1, *previous) + part : part;
+    set_state(state, "exp_avg", u);
+  }
+  if (options.weight_decay != 0) p = p + p * (lr * -options.weight_decay);
+  Tensor next = p - u;
+  return next.dtype() == param.dtype() ? next : cast(next, param.dtype());
+}
+
+std::string Adafactor::impossible_state(const std::string& name, const Storage& values) const {
+  if (name != "exp_avg_sq" && name != "exp_avg_sq_row" && name != "exp_avg_sq_col") return "";
+  return negative_element(values, "a running mean of squared gradients");
+}
+
 Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
   if (!(max_norm > 0)) fail("clip_grad_norm: max_norm must be > 0, got {}", max_norm);
   NoGradGuard no_grad;
@@ -465,22 +623,6 @@ Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
     handle.set_grad(g * cast(coefficient, g.dtype()));
   }
   return norm;
-}
-
-CosineWithWarmup::CosineWithWarmup(double peak_lr, int64_t warmup_steps, int64_t total_steps,
-                                   double min_lr)
-    : peak_(peak_lr), min_(min_lr), warmup_(warmup_steps), total_(total_steps) {
-  if (warmup_steps < 0 || total_steps <= 0 || warmup_steps > total_steps)
-    fail("CosineWithWarmup: need 0 <= warmup_steps ({}) <= total_steps ({}) and total > 0",
-         warmup_steps, total_steps);
-  if (!(peak_lr >= 0) || !(min_lr >= 0)) fail("CosineWithWarmup: learning rates must be >= 0");
-}
-
-double CosineWithWarmup::lr(int64_t step) const {
-  if (step < warmup_) return peak_ * static_cast<double>(step + 1) / static_cast<double>(warmup_);
-  if (step >= total_) return min_;
-  double progress = static_cast<double>(step - warmup_) / static_cast<double>(total_ - warmup_);
-  return min_ + 0.5 * (peak_ - min_) * (1 + std::cos(std::numbers::pi * progress));
 }
 
 }  // namespace mixtape

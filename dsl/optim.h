@@ -1,10 +1,13 @@
-// dsl/optim.h -- optimizers (SGD, Adam, AdamW) as DSL code over persistent fp32 state, gradient
-// clipping and learning-rate schedules.
+// dsl/optim.h -- optimizers (SGD, Adam, AdamW, RMSprop, Adagrad, Lion, Adafactor) as DSL code
+// over persistent fp32 state, and gradient clipping. Schedules: dsl/lr_schedule.h.
 #pragma once
 
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "dsl/lr_schedule.h"
 #include "dsl/module.h"
 
 namespace mixtape {
@@ -31,17 +34,29 @@ class Optimizer {
   /// The same, also evaluating `also` in that program (GradScaler's pending scale update).
   void step_unless(const Tensor& skip, const std::vector<Tensor>& also);
   void zero_grad();
+  /// The rate set_lr() set last (with a schedule attached, current_lr() is the one in use).
   double lr() const { return lr_; }
   /// Takes effect at the next step. The rate is a graph input (lr_value()), written in place,
-  /// so a step compiled by mt::compile follows a schedule set outside it.
+  /// so a step compiled by mt::compile follows a schedule set outside it (set_lr(s.lr(step))
+  /// between calls). Called inside a compiled function, it keeps that function traced on every
+  /// call. An mt::Error while a schedule is attached: the schedule would override it.
   void set_lr(double lr);
+  /// Attaches a schedule computed inside every step's graph: update number t (0-based, the step
+  /// count before it) uses schedule->graph_lr(t), a graph value that follows the optimizer's
+  /// step count, so mt::compile replays advance it, and a checkpoint, which restores the count,
+  /// resumes it. A skipped step (step_unless) does not advance it. nullptr detaches it; the rate
+  /// is then set_lr()'s again. Call it outside a compiled function: a compiled one traces again.
+  void set_schedule(std::shared_ptr<const LRSchedule> schedule);
+  const std::shared_ptr<const LRSchedule>& schedule() const { return schedule_; }
+  /// The rate the next step uses, a 0-d f64 graph value (item() reads it: a host sync).
+  Tensor current_lr() const;
   /// Updates taken so far, skipped ones not counted. The count lives in the graph (so that a
   /// predicated step can follow it without a host read): this call evaluates and reads it, a
   /// host sync.
   int64_t steps_taken() const;
   /// The same count as a 0-d f64 graph value, persistent between steps.
   const Tensor& step_count() const { return step_; }
-  /// "SGD", "Adam", "AdamW": checkpoints record it so state is not loaded into another kind.
+  /// "SGD", "Adam", "AdamW", ...: checkpoints record it so state is not loaded into another kind.
   const char* kind() const { return kind_; }
   const std::vector<Tensor>& params() const { return params_; }
 
@@ -54,6 +69,9 @@ class Optimizer {
   /// `prefix + name` (a checkpoint passes "optimizer.<parameter path>.").
   void check_state(size_t param_index, const NamedTensors& state, bool allow_nonfinite = false,
                    const std::string& prefix = "") const;
+  /// The shape state entry `name` has for a parameter of shape `param`: the parameter's, except
+  /// for factored state (Adafactor's row and column statistics).
+  virtual Shape state_shape(const std::string& name, const Shape& param) const;
   /// Restores state saved by state(), after check_state().
   void load_state(size_t param_index, const NamedTensors& state, bool allow_nonfinite = false);
   void set_steps_taken(int64_t steps);
@@ -73,8 +91,12 @@ class Optimizer {
   const Tensor& step_number() const { return next_step_; }
   /// Inside update(): the bool skip flag of a predicated step; undefined for a plain step().
   const Tensor& skip_flag() const { return skip_; }
-  /// The learning rate as a 0-d f64 leaf, for update(): its storage holds the current lr().
-  const Tensor& lr_value() const { return lr_value_; }
+  /// The learning rate as a 0-d f64 value, for begin_step() and update(): a leaf whose storage
+  /// holds lr(), or, with a schedule attached, the schedule's graph value for this step.
+  const Tensor& lr_value() const { return scheduled_lr_.defined() ? scheduled_lr_ : lr_value_; }
+  /// Set by an optimizer that computes its own rate (Adafactor's relative_step): set_lr(),
+  /// set_schedule() and current_lr() are then an mt::Error saying this.
+  const char* own_rate_ = nullptr;
   /// Inside update(): `value` as a fill of `like`'s shape and dtype (what `like * value` would
   /// make of the number), one node per step for all parameters of that shape and dtype. The
   /// traced loop builds every step's update anew, and a node per parameter and constant was
@@ -111,6 +133,8 @@ class Optimizer {
   std::vector<NamedTensors> state_;
   Tensor step_;  // 0-d f64: updates taken, skipped ones not counted
   Tensor next_step_, skip_;
+  std::shared_ptr<const LRSchedule> schedule_;
+  Tensor scheduled_lr_;  // inside a step with a schedule: its rate
   const char* kind_;
 };
 
@@ -208,37 +232,67 @@ class Adagrad : public Optimizer {
   Tensor step_lr_;  // this step's decayed learning rate, a 0-d f64 graph value
 };
 
+struct LionOptions {
+  double lr = 1e-4;
+  double beta1 = 0.9;   // mixes the gradient into the update's sign
+  double beta2 = 0.99;  // the momentum's decay
+  double weight_decay = 0;
+};
+
+/// Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), as lucidrains'
+/// lion-pytorch: p *= 1 - lr * weight_decay (decoupled); p -= lr * sign(beta1 m + (1 - beta1) g);
+/// m = beta2 m + (1 - beta2) g. State "exp_avg" (m).
+class Lion : public Optimizer {
+ public:
+  Lion(std::vector<Tensor> params, LionOptions options = {});
+  LionOptions options;
+
+ protected:
+  void begin_step() override;
+  Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
+
+ private:
+  Tensor decay_;  // 1 - lr * weight_decay, a 0-d f64 graph value
+};
+
+/// Hugging Face transformers' Adafactor defaults (transformers.optimization.Adafactor): no lr,
+/// the relative step min(1e-2, 1/sqrt(t)) scaled by the parameter's RMS instead.
+struct AdafactorOptions {
+  std::optional<double> lr = std::nullopt;     // required (and only allowed) without relative_step
+  double eps1 = 1e-30;                         // added to the squared gradient
+  double eps2 = 1e-3;                          // the least parameter scale
+  double clip_threshold = 1.0;                 // the update's RMS is clipped to it
+  double decay_rate = -0.8;                    // the second moment's decay is 1 - t^decay_rate
+  std::optional<double> beta1 = std::nullopt;  // a first moment, when given
+  double weight_decay = 0;
+  bool scale_parameter = true;  // the rate times max(eps2, RMS(parameter))
+  bool relative_step = true;    // the rate min(1e-2, 1/sqrt(t)) (warmup_init: min(1e-6 t, ...))
+  bool warmup_init = false;
+};
+
+/// Adafactor (Shazeer and Stern 2018), as transformers.optimization.Adafactor: parameters of
+/// two or more dimensions keep the second moment factored, as the running means of the squared
+/// gradient over their last axis ("exp_avg_sq_row", shape [..., rows]) and over the one before
+/// it ("exp_avg_sq_col", [..., cols]); others keep it whole ("exp_avg_sq"); "exp_avg" with
+/// beta1. Computed in f32 for any parameter dtype. (torch.optim.Adafactor of PyTorch 2.5 is a
+/// variant with other defaults and no relative step; this follows transformers.)
+class Adafactor : public Optimizer {
+ public:
+  Adafactor(std::vector<Tensor> params, AdafactorOptions options = {});
+  AdafactorOptions options;
+  Shape state_shape(const std::string& name, const Shape& param) const override;
+
+ protected:
+  void begin_step() override;
+  Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
+  std::string impossible_state(const std::string& name, const Storage& values) const override;
+
+ private:
+  Tensor beta2t_, rest_, rate_;  // this step's decay, 1 - decay and relative rate (0-d f64)
+};
+
 /// Scales all gradients so that their global L2 norm is at most max_norm; returns the norm
 /// before clipping (a graph value: reading it is the only host sync).
 Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm);
-
-/// Learning rate as a function of the step (0-based).
-class LRSchedule {
- public:
-  virtual ~LRSchedule() = default;
-  virtual double lr(int64_t step) const = 0;
-};
-
-class ConstantLR : public LRSchedule {
- public:
-  explicit ConstantLR(double lr) : lr_(lr) {
-    if (!(lr >= 0)) fail("ConstantLR: the learning rate must be >= 0, got {}", lr);
-  }
-  double lr(int64_t) const override { return lr_; }
-
- private:
-  double lr_;
-};
-
-/// Linear warmup from 0 to peak over warmup_steps, then cosine decay to min_lr at total_steps.
-class CosineWithWarmup : public LRSchedule {
- public:
-  CosineWithWarmup(double peak_lr, int64_t warmup_steps, int64_t total_steps, double min_lr = 0);
-  double lr(int64_t step) const override;
-
- private:
-  double peak_, min_;
-  int64_t warmup_, total_;
-};
 
 }  // namespace mixtape

@@ -45,11 +45,12 @@ struct CompileStats {
 ///
 /// As with jax.jit, the function must be a pure step: what it reads besides its arguments and
 /// the state that earlier calls wrote is frozen at the trace. A trace that reads values on the
-/// host (item(), to_vector()) or sets a learning rate cannot be replayed; such a function still
-/// works, traced on every call (stats().reason says why). Changing state from outside between
-/// calls is fine when it writes in place (set_lr, writing a storage); replacing it (assign,
-/// load_state, a new optimizer, reseeding a generator) is detected and makes the next calls
-/// trace again. Not thread-safe.
+/// host (item(), to_vector()) or sets a learning rate or schedule cannot be replayed; such a
+/// function still works, traced on every call (stats().reason says why). Changing state from
+/// outside between calls is fine when it writes in place (set_lr, writing a storage); replacing
+/// it (assign, load_state, a new optimizer, set_schedule, reseeding a generator) is detected and
+/// makes the next calls trace again. A schedule attached with Optimizer::set_schedule is graph
+/// code over the step count, so replays advance it with no call between them. Not thread-safe.
 class StepReplayer {
  public:
   using Function = std::function<std::vector<Tensor>(const std::vector<Tensor>&)>;

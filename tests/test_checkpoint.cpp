@@ -14,6 +14,7 @@
 #include <functional>
 #include <iterator>
 #include <limits>
+#include <map>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -100,7 +101,7 @@ class Checkpoint : public ::testing::Test {
 // A model with its optimizer and fixed batches; `loss(i)` is the loss on batch i.
 struct Training {
   std::unique_ptr<mt::Module> model;
-  std::unique_ptr<mt::AdamW> opt;
+  std::unique_ptr<mt::Optimizer> opt;
   std::function<mt::Tensor(int)> loss;
   void train(int from, int to) {
     for (int i = from; i < to; ++i) {
@@ -201,6 +202,60 @@ void check_resume(const std::function<Training(uint64_t)>& make, const std::stri
 }
 
 TEST_F(Checkpoint, MlpResumesBitIdentically) { check_resume(mlp_run, path("mlp.safetensors")); }
+
+// The MLP under another optimizer, with a schedule that follows the restored step count.
+std::function<Training(uint64_t)> mlp_run_with(
+    std::function<std::unique_ptr<mt::Optimizer>(std::vector<mt::Tensor>)> make) {
+  return [make](uint64_t seed) {
+    Training run = mlp_run(seed);
+    run.opt = make(run.model->parameters());
+    return run;
+  };
+}
+
+// Lion's momentum, and Adafactor's factored statistics (row and column means, not of the
+// weight's shape) and its first moment, resume bit for bit, with a schedule attached to Lion.
+TEST_F(Checkpoint, LionAndAdafactorResumeBitIdentically) {
+  check_resume(mlp_run_with([](std::vector<mt::Tensor> p) {
+                 auto opt =
+                     std::make_unique<mt::Lion>(std::move(p), mt::LionOptions{.weight_decay = 0.1});
+                 opt->set_schedule(std::make_shared<mt::ExponentialLR>(0.01, 0.7));
+                 return opt;
+               }),
+               path("lion.safetensors"));
+  check_resume(mlp_run_with([](std::vector<mt::Tensor> p) {
+                 return std::make_unique<mt::Adafactor>(std::move(p),
+                                                        mt::AdafactorOptions{.beta1 = 0.9});
+               }),
+               path("adafactor.safetensors"));
+  Training run = mlp_run_with(
+      [](std::vector<mt::Tensor> p) { return std::make_unique<mt::Adafactor>(std::move(p)); })(1);
+  run.train(0, 1);
+  mt::save_checkpoint(path("a.safetensors"), *run.model, run.opt.get());
+  mt::Metadata meta;
+  std::map<std::string, mt::Shape> shapes;
+  for (const auto& [name, tensor] : mt::load_tensors(path("a.safetensors"), &meta))
+    if (name.starts_with("optimizer.")) shapes[name] = tensor.shape();
+  // fc1.weight is [8, 4]: rows keep 8 means, columns 4; the biases keep the whole square.
+  std::map<std::string, mt::Shape> expected{
+      {"optimizer.fc1.weight.exp_avg_sq_row", {8}}, {"optimizer.fc1.weight.exp_avg_sq_col", {4}},
+      {"optimizer.fc1.bias.exp_avg_sq", {8}},       {"optimizer.fc2.weight.exp_avg_sq_row", {3}},
+      {"optimizer.fc2.weight.exp_avg_sq_col", {8}}, {"optimizer.fc2.bias.exp_avg_sq", {3}}};
+  EXPECT_EQ(shapes, expected);
+  // The factored shapes are checked on load, and so are the signs.
+  mt::NamedTensors state = run.opt->state(0);
+  for (auto& [name, value] : state)
+    if (name == "exp_avg_sq_col") value = mt::full({8}, 1.0);
+  EXPECT_MT_ERROR(run.opt->load_state(0, state), "Adafactor", "'exp_avg_sq_col'", "[8]", "[4]");
+  for (auto& [name, value] : state)
+    if (name == "exp_avg_sq_col") value = mt::full({4}, -1.0);
+  EXPECT_MT_ERROR(run.opt->load_state(0, state), "Adafactor", "'exp_avg_sq_col'", "-1");
+  // A checkpoint of one kind does not load into the other.
+  Training lion = mlp_run_with(
+      [](std::vector<mt::Tensor> p) { return std::make_unique<mt::Lion>(std::move(p)); })(1);
+  EXPECT_MT_ERROR(mt::load_checkpoint(path("a.safetensors"), *lion.model, lion.opt.get()),
+                  "Adafactor", "Lion");
+}
 
 TEST_F(Checkpoint, TransformerBlockResumesBitIdentically) {
   check_resume(transformer_run, path("block.safetensors"));

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <functional>
+#include <memory>
 
 #include "dsl/error.h"
 #include "dsl/functional.h"
@@ -820,6 +821,127 @@ TEST(Compile, AStepWithParametersUsedSeveralTimesIsTracedTheSameEveryCall) {
       ASSERT_EQ(step.stats().replays, calls - 3) << "run " << run;
     }
   }
+}
+
+// ---- learning-rate schedules as graph values, and the optimizers whose state is not all of
+// the parameter's shape ----
+
+// An MLP whose optimizer is made by `make` (so that every kind can be compared).
+struct ScheduledRun {
+  mt::Generator gen{5};
+  mt::MLP model{{6, 16, 3}, mt::Activation::Tanh, &gen};
+  std::unique_ptr<mt::Optimizer> opt;
+  mt::Tensor x = mt::randn({32, 6}, mt::f32, &gen);
+  mt::Tensor y = mt::randn({32, 3}, mt::f32, &gen);
+
+  explicit ScheduledRun(
+      const std::function<std::unique_ptr<mt::Optimizer>(std::vector<mt::Tensor>)>& make)
+      : opt(make(model.parameters())) {}
+  mt::Tensor step(const mt::Tensor& input) {
+    opt->zero_grad();
+    mt::Tensor loss = mt::mse_loss(model(input), y);
+    loss.backward();
+    opt->step();
+    return loss;
+  }
+  mt::Tensor batch(int i) const { return x * (1.0 + 0.02 * i); }
+};
+
+std::shared_ptr<const mt::LRSchedule> warmup_then_steps() {
+  return std::make_shared<mt::SequentialLR>(
+      std::vector<std::shared_ptr<const mt::LRSchedule>>{
+          std::make_shared<mt::LinearLR>(2e-2, 0.2, 1.0, 3),
+          std::make_shared<mt::StepLR>(2e-2, 2, 0.5)},
+      std::vector<int64_t>{3});
+}
+
+// Nothing is set between calls: the rate is computed inside the step from the optimizer's step
+// count, so replays advance it, bit for bit as tracing every step does; Lion and Adafactor (its
+// factored row and column state) replay the same way, with and without a schedule.
+TEST(Compile, SchedulesAndTheNewOptimizersReplayBitForBit) {
+  using Make = std::function<std::unique_ptr<mt::Optimizer>(std::vector<mt::Tensor>)>;
+  const std::pair<const char*, Make> kinds[] = {
+      {"AdamW + schedule",
+       [](std::vector<mt::Tensor> p) {
+         auto opt = std::make_unique<mt::AdamW>(std::move(p));
+         opt->set_schedule(warmup_then_steps());
+         return opt;
+       }},
+      {"Lion + schedule",
+       [](std::vector<mt::Tensor> p) {
+         auto opt = std::make_unique<mt::Lion>(std::move(p), mt::LionOptions{.weight_decay = 0.1});
+         opt->set_schedule(warmup_then_steps());
+         return opt;
+       }},
+      {"Adafactor relative_step",
+       [](std::vector<mt::Tensor> p) {
+         return std::make_unique<mt::Adafactor>(std::move(p), mt::AdafactorOptions{.beta1 = 0.9});
+       }},
+      {"Adafactor + schedule",
+       [](std::vector<mt::Tensor> p) {
+         auto opt = std::make_unique<mt::Adafactor>(
+             std::move(p), mt::AdafactorOptions{.lr = 1e-2, .relative_step = false});
+         opt->set_schedule(std::make_shared<mt::OneCycleLR>(0.05, 10));
+         return opt;
+       }},
+  };
+  const int steps = 10;
+  for (const auto& [name, make] : kinds) {
+    SCOPED_TRACE(name);
+    ScheduledRun plain_run(make), compiled_run(make);
+    auto step = mt::compile([&](const mt::Tensor& x) { return compiled_run.step(x); });
+    Snapshot plain, compiled;
+    for (int i = 0; i < steps; ++i) {
+      plain.losses.push_back(bits(plain_run.step(plain_run.batch(i)))[0]);
+      compiled.losses.push_back(bits(step(compiled_run.batch(i)))[0]);
+    }
+    snapshot_model(plain, plain_run.model, *plain_run.opt);
+    snapshot_model(compiled, compiled_run.model, *compiled_run.opt);
+    EXPECT_EQ(plain, compiled);
+    EXPECT_EQ(compiled.steps, steps);
+    if (compiled_run.opt->schedule()) {
+      // The rate moved with the replays.
+      EXPECT_EQ(compiled_run.opt->current_lr().item(), compiled_run.opt->schedule()->lr(steps));
+    }
+    if (replays_here()) {
+      EXPECT_EQ(step.stats().plans, 1) << step.stats().reason;
+      EXPECT_GE(step.stats().replays, steps - 3) << step.stats().reason;
+    }
+  }
+}
+
+// A schedule attached or replaced between calls is followed (the step traces again), and set_lr
+// is refused while one is attached: the schedule would override it.
+TEST(Compile, AScheduleChangedOutsideTheStepIsFollowed) {
+  auto make = [](std::vector<mt::Tensor> p) -> std::unique_ptr<mt::Optimizer> {
+    return std::make_unique<mt::SGD>(std::move(p), mt::SGDOptions{.lr = 0.05, .momentum = 0.9});
+  };
+  ScheduledRun plain_run(make), compiled_run(make);
+  auto step = mt::compile([&](const mt::Tensor& x) { return compiled_run.step(x); });
+  std::vector<uint32_t> plain, compiled;
+  for (int i = 0; i < 12; ++i) {
+    if (i == 4 || i == 8) {
+      std::shared_ptr<const mt::LRSchedule> schedule =
+          i == 4 ? warmup_then_steps() : std::make_shared<mt::ExponentialLR>(0.05, 0.7);
+      plain_run.opt->set_schedule(schedule);
+      compiled_run.opt->set_schedule(schedule);
+    }
+    plain.push_back(bits(plain_run.step(plain_run.batch(i)))[0]);
+    compiled.push_back(bits(step(compiled_run.batch(i)))[0]);
+  }
+  EXPECT_EQ(plain, compiled);
+  Snapshot a, b;
+  snapshot_model(a, plain_run.model, *plain_run.opt);
+  snapshot_model(b, compiled_run.model, *compiled_run.opt);
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(compiled_run.opt->current_lr().item(), 0.05 * std::pow(0.7, 12));
+  if (replays_here()) {
+    EXPECT_EQ(step.stats().plans, 3) << step.stats().reason;
+  }
+  EXPECT_THROW(compiled_run.opt->set_lr(0.1), mt::Error);
+  compiled_run.opt->set_schedule(nullptr);
+  compiled_run.opt->set_lr(0.1);
+  EXPECT_EQ(compiled_run.opt->current_lr().item(), 0.1);
 }
 
 }  // namespace

@@ -689,6 +689,8 @@ std::vector<Case> optim_cases() {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const double inf = std::numeric_limits<double>::infinity();
   mt::NamedTensors bad_state{{"momentum_buffer", mt::zeros({3})}};
+  auto scheduled = std::make_shared<mt::SGD>(std::vector<mt::Tensor>{p}, mt::SGDOptions{});
+  scheduled->set_schedule(std::make_shared<mt::ExponentialLR>(0.1, 0.9));
   return {
       CASE("SGD", mt::SGD({}, {}), "empty parameter list"),
       CASE("SGD", mt::SGD({mt::Tensor()}, {}), "parameter 0 is undefined"),
@@ -725,8 +727,58 @@ std::vector<Case> optim_cases() {
       CASE("CosineWithWarmup", mt::CosineWithWarmup(1e-3, 1, 5, nan), "learning rates"),
       CASE("ConstantLR", mt::ConstantLR(-0.5), "-0.5"),
       CASE("ConstantLR", mt::ConstantLR(nan), "nan"),
+      CASE("StepLR", mt::StepLR(0.1, 0), "step_size", "0"),
+      CASE("StepLR", mt::StepLR(-0.1, 2), "base_lr", "-0.1"),
+      CASE("MultiStepLR", mt::MultiStepLR(0.1, {3, -1}), "milestones", "-1"),
+      CASE("ExponentialLR", mt::ExponentialLR(0.1, nan), "gamma", "nan"),
+      CASE("LinearLR", mt::LinearLR(0.1, 0.0), "start_factor (0)"),
+      CASE("LinearLR", mt::LinearLR(0.1, 0.5, 1.0, 0), "total_iters", "0"),
+      CASE("OneCycleLR", mt::OneCycleLR(0.1, 0), "total_steps", "0"),
+      CASE("OneCycleLR", mt::OneCycleLR(0.1, 10, {.pct_start = 1.5}), "pct_start", "1.5"),
+      CASE("OneCycleLR", mt::OneCycleLR(0.1, 10, {.pct_start = 0.1}), "no length"),
+      CASE("SequentialLR", mt::SequentialLR({}, {}), "no schedules"),
+      CASE("SequentialLR", mt::SequentialLR({std::make_shared<mt::ConstantLR>(0.1)}, {3}),
+           "1 schedules need 0 milestones, got 1"),
+      CASE("SequentialLR",
+           mt::SequentialLR(
+               {std::make_shared<mt::ConstantLR>(0.1), std::make_shared<mt::ConstantLR>(0.2),
+                std::make_shared<mt::ConstantLR>(0.3)},
+               {4, 4}),
+           "increasing", "4 at index 1"),
+      CASE("Lion", mt::Lion({p}, {.beta1 = 1.5}), "betas", "1.5"),
+      CASE("Lion", mt::Lion({p}, {.lr = -1}), "learning rate", "-1"),
+      CASE("Adafactor", mt::Adafactor({p}, {.lr = 0.1}), "relative_step", "0.1"),
+      CASE("Adafactor", mt::Adafactor({p}, {.relative_step = false}), "an lr is required"),
+      CASE("Adafactor", mt::Adafactor({p}, {.decay_rate = 0.5}), "decay_rate", "0.5"),
+      CASE("Adafactor", mt::Adafactor({p}).set_lr(0.1), "relative_step computes the rate"),
+      CASE("Adafactor", mt::Adafactor({p}).current_lr(), "relative_step computes the rate"),
+      CASE("SGD", scheduled->set_lr(0.5), "set_lr(0.5)", "schedule is attached"),
   };
 }
+
+std::vector<Case> einsum_cases() {
+  mt::Tensor a = mt::randn({2, 3}), b = mt::randn({3, 4}), c = mt::randn({5});
+  mt::Tensor d = mt::randn({3, 4}, mt::f64), u;
+  return {
+      OP_CASE("einsum", mt::einsum("ij,jk", {a}), "'ij,jk'", "2 operand terms but got 1 operand"),
+      OP_CASE("einsum", mt::einsum("ij,jk->ik", {a, c}), "'ij,jk->ik'", "operand 1", "[5]"),
+      OP_CASE("einsum", mt::einsum("ij,jk,kl->il", {a, b, a}), "'ij,jk,kl->il'",
+              "'k' is 4 in operand 1 but 2 in operand 2"),
+      OP_CASE("einsum", mt::einsum("ij,jk->ik", {a, a}), "'j' is 3 in operand 0 but 2",
+              "[2, 3], [2, 3]"),
+      OP_CASE("einsum", mt::einsum("i1,jk", {a, b}), "'i1,jk'", "letters", "'1'"),
+      OP_CASE("einsum", mt::einsum("i.j", {a}), "'i.j'", "'...'"),
+      OP_CASE("einsum", mt::einsum("ij->ii", {a}), "'ij->ii'", "'i' twice"),
+      OP_CASE("einsum", mt::einsum("ij->iz", {a}), "'ij->iz'", "'z' is in no operand"),
+      OP_CASE("einsum", mt::einsum("ij-ji", {a}), "'ij-ji'", "'->'"),
+      OP_CASE("einsum", mt::einsum("ii", {a}), "'ii'", "repeats 'i'", "2 and 3"),
+      OP_CASE("einsum", mt::einsum("ij,jk", {a, d}), "'ij,jk'", "operand 1 is f64"),
+      OP_CASE("einsum", mt::einsum("ij,jk", {a, u}), "'ij,jk'", "operand 1 is undefined"),
+      OP_CASE("einsum", mt::einsum("...ij,jk", {c, b}), "'...ij,jk'", "operand 0", "[5]"),
+  };
+}
+
+TEST(Errors, Einsum) { run(einsum_cases()); }
 
 TEST(Errors, Optim) { run(optim_cases()); }
 

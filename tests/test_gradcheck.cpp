@@ -674,6 +674,19 @@ const std::vector<Sample>& composite_samples() {
                 {.stride = 2, .padding = {1, 0}, .output_padding = {1, 0}, .groups = 2});
           });
     add_c("softmax_axis0", {{{3, 4}}}, [](const Tensors& x) { return mt::softmax(x[0], 0); });
+    // einsum's lowerings: a batched matmul with a broadcast "...", a broadcast product, a
+    // diagonal, and a chain of three operands with a batch label shared by all.
+    add_c("einsum_ellipsis_matmul", {{{2, 1, 3, 4}}, {{3, 4, 2}}}, [](const Tensors& x) {
+      return mt::einsum("...ij,...jk->...ik", {x[0], x[1]});
+    });
+    add_c("einsum_outer_transposed", {{{3}}, {{2, 4}}}, [](const Tensors& x) {
+      return mt::einsum("i,jk->kij", {x[0], x[1]});
+    });
+    add_c("einsum_diagonal", {{{3, 3, 2}}},
+          [](const Tensors& x) { return mt::einsum("iij->ji", {x[0]}); });
+    add_c("einsum_three_operands", {{{2, 3}}, {{2, 3, 4}}, {{2, 4}}}, [](const Tensors& x) {
+      return mt::einsum("bi,bij,bj->b", {x[0], x[1], x[2]});
+    });
     add_c("masked_softmax_broadcast_mask", {{{2, 3, 4}}}, [](const Tensors& x) {
       mt::Tensor mask =
           mt::tensor(std::vector<int64_t>{1, 0, 1, 1, 0, 1, 1, 0, 1, 1, 1, 0}, {3, 4}, mt::boolean);

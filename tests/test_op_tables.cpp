@@ -290,6 +290,10 @@ TEST(CompositeTable, EveryCompositeNamesItsNodes) {
        [&] {
          return mt::interpolate(image, {.size = {5, 6}});
        }},
+      {"einsum",
+       [&] {
+         return mt::einsum("bij,kj->bik", {x, w});
+       }},
   };
   EXPECT_EQ(mt::composite::names().size(), builders.size());
   for (const char* name : mt::composite::names()) {

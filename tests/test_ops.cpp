@@ -1176,6 +1176,48 @@ void add_scan_and_sort_cases(Oracle& o, Data& d, mt::DType dt) {
   o.add("nonzero/" + t, {zeros}, mt::nonzero(zeros), "torch.nonzero(a)");
 }
 
+// einsum against torch.einsum: matmul-shaped, batched, transposed, outer, reductions, a
+// diagonal, implicit outputs, "..." (broadcast from size 1 too) and chains of three operands.
+void add_einsum_cases(Oracle& o, Data& d, mt::DType dt) {
+  const std::string t(mt::name(dt));
+  double tol = dt == mt::f32 ? 1e-5 : 1e-12;
+  struct Case {
+    std::string name, equation;
+    std::vector<mt::Shape> shapes;
+  };
+  const std::vector<Case> cases = {
+      {"matmul", "ij,jk->ik", {{3, 4}, {4, 5}}},
+      {"bmm", "bij,bjk->bik", {{2, 3, 4}, {2, 4, 5}}},
+      {"transposed_out", "ij,kj->ki", {{3, 4}, {5, 4}}},
+      {"outer", "i,j->ij", {{3}, {4}}},
+      {"dot", "i,i->", {{5}, {5}}},
+      {"hadamard", "ij,ij->ij", {{3, 4}, {3, 4}}},
+      {"permute", "ijk->kij", {{2, 3, 4}}},
+      {"sum_axis", "ijk->ik", {{2, 3, 4}}},
+      {"trace", "ii", {{4, 4}}},
+      {"diagonal_batch", "iij->ji", {{3, 3, 2}}},
+      {"implicit", "jb,ia", {{3, 2}, {4, 5}}},
+      {"implicit_upper", "bA,Ab", {{2, 3}, {3, 2}}},
+      {"ellipsis_batch", "...ij,...jk->...ik", {{2, 1, 3, 4}, {3, 4, 2}}},
+      {"ellipsis_summed", "...ij->ij", {{2, 3, 4}}},
+      {"attention", "bhqd,bhkd->bhqk", {{2, 2, 3, 4}, {2, 2, 5, 4}}},
+      {"three_chain", "ij,jk,kl->il", {{3, 4}, {4, 5}, {5, 2}}},
+      {"three_shared_batch", "bi,bij,bj->b", {{2, 3}, {2, 3, 4}, {2, 4}}},
+      {"bilinear", "bn,anm,bm->ba", {{2, 3}, {5, 3, 4}, {2, 4}}},
+      {"spaces", "i j , j k -> k i", {{3, 4}, {4, 2}}},
+  };
+  for (const Case& c : cases) {
+    Tensors inputs;
+    std::string args;
+    for (size_t i = 0; i < c.shapes.size(); ++i) {
+      inputs.push_back(d.randn(c.shapes[i], dt));
+      args += fmt::format(", {}", "abc"[i]);
+    }
+    o.add("einsum/" + c.name + "/" + t, inputs, mt::einsum(c.equation, inputs),
+          fmt::format("torch.einsum('{}'{})", c.equation, args), tol, tol);
+  }
+}
+
 void add_composite_cases(Oracle& o, Data& d, mt::DType dt) {
   const std::string t(mt::name(dt));
   mt::Tensor x = d.randn({3, 5}, dt, 2.0);
@@ -1430,6 +1472,7 @@ TEST(TorchOracle, EveryOpMatchesPyTorch) {
     add_indexing_cases(oracle, data, dt);
     add_scan_and_sort_cases(oracle, data, dt);
     add_composite_cases(oracle, data, dt);
+    add_einsum_cases(oracle, data, dt);
   }
   add_integer_cases(oracle, data);
   add_cast_and_half_cases(oracle, data);
@@ -1499,4 +1542,24 @@ TEST(Ops, FloatTanhIsWithinSevenUlpOfTheTrueValue) {
   EXPECT_EQ(mixtape::math::tanh(20.0f), 1.0f);
   EXPECT_TRUE(std::signbit(mixtape::math::tanh(-0.0f)));
   EXPECT_TRUE(std::isnan(mixtape::math::tanh(std::nanf(""))));
+}
+
+// Under autocast einsum runs as linear does (LowOk): its matmul on bf16 operands with f32
+// accumulation, so it gives matmul's bits under the same policy, not the f32 product.
+TEST(Ops, EinsumUnderAutocastIsTheHalfTypeMatmul) {
+  mt::Generator gen(3);
+  mt::Tensor a = mt::randn({4, 6, 8}, mt::f32, &gen), b = mt::randn({8, 5}, mt::f32, &gen);
+  mt::Tensor plain = mt::einsum("bij,jk->bik", {a, b});
+  mt::Tensor via_einsum, via_matmul;
+  {
+    mt::autocast guard(mt::bf16);
+    via_einsum = mt::einsum("bij,jk->bik", {a, b});
+    via_matmul = mt::matmul(a, b);
+  }
+  EXPECT_EQ(via_einsum.dtype(), via_matmul.dtype());
+  std::vector<float> e = via_einsum.to(mt::f32).to_vector<float>();
+  std::vector<float> m = via_matmul.to(mt::f32).to_vector<float>();
+  std::vector<float> f = plain.to_vector<float>();
+  EXPECT_EQ(e, m);
+  EXPECT_NE(e, f);
 }

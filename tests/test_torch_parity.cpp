@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -262,8 +263,115 @@ def run_block(d, m, params):
     loss.backward()
     return {'loss': loss, 'output': out, 'grad.input': x.grad, **grads(model)}
 
+# Neither is in torch 1.13: lucidrains' lion-pytorch and transformers' Adafactor, as written
+# there (Adafactor without the half-precision copies: every case is f32).
+class Lion(torch.optim.Optimizer):
+    def __init__(self, params, lr, betas, weight_decay):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group['params']:
+                if p.grad is None:
+                    continue
+                grad, lr, wd, state = p.grad, group['lr'], group['weight_decay'], self.state[p]
+                beta1, beta2 = group['betas']
+                if len(state) == 0:
+                    state['exp_avg'] = torch.zeros_like(p)
+                exp_avg = state['exp_avg']
+                p.data.mul_(1 - lr * wd)
+                update = exp_avg.clone().mul_(beta1).add(grad, alpha=1 - beta1).sign_()
+                p.add_(update, alpha=-lr)
+                exp_avg.mul_(beta2).add_(grad, alpha=1 - beta2)
+
+class Adafactor(torch.optim.Optimizer):
+    def __init__(self, params, lr=None, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8,
+                 beta1=None, weight_decay=0.0, scale_parameter=True, relative_step=True,
+                 warmup_init=False):
+        super().__init__(params, dict(lr=lr, eps=eps, clip_threshold=clip_threshold,
+                                      decay_rate=decay_rate, beta1=beta1,
+                                      weight_decay=weight_decay, scale_parameter=scale_parameter,
+                                      relative_step=relative_step, warmup_init=warmup_init))
+    @staticmethod
+    def _get_lr(param_group, param_state):
+        rel_step_sz = param_group['lr']
+        if param_group['relative_step']:
+            min_step = 1e-6 * param_state['step'] if param_group['warmup_init'] else 1e-2
+            rel_step_sz = min(min_step, 1.0 / math.sqrt(param_state['step']))
+        param_scale = 1.0
+        if param_group['scale_parameter']:
+            param_scale = max(param_group['eps'][1], param_state['RMS'])
+        return param_scale * rel_step_sz
+    @staticmethod
+    def _rms(tensor):
+        return tensor.norm(2) / (tensor.numel() ** 0.5)
+    @staticmethod
+    def _approx_sq_grad(exp_avg_sq_row, exp_avg_sq_col):
+        r_factor = (exp_avg_sq_row / exp_avg_sq_row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
+        c_factor = exp_avg_sq_col.unsqueeze(-2).rsqrt()
+        return torch.mul(r_factor, c_factor)
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            for p in group['params']:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                state = self.state[p]
+                grad_shape = grad.shape
+                factored = len(grad_shape) >= 2
+                use_first_moment = group['beta1'] is not None
+                if len(state) == 0:
+                    state['step'] = 0
+                    if use_first_moment:
+                        state['exp_avg'] = torch.zeros_like(grad)
+                    if factored:
+                        state['exp_avg_sq_row'] = torch.zeros(grad_shape[:-1]).to(grad)
+                        state['exp_avg_sq_col'] = torch.zeros(grad_shape[:-2] + grad_shape[-1:]).to(grad)
+                    else:
+                        state['exp_avg_sq'] = torch.zeros_like(grad)
+                    state['RMS'] = 0
+                p_data_fp32 = p
+                state['step'] += 1
+                state['RMS'] = self._rms(p_data_fp32)
+                lr = self._get_lr(group, state)
+                beta2t = 1.0 - math.pow(state['step'], group['decay_rate'])
+                update = (grad**2) + group['eps'][0]
+                if factored:
+                    exp_avg_sq_row = state['exp_avg_sq_row']
+                    exp_avg_sq_col = state['exp_avg_sq_col']
+                    exp_avg_sq_row.mul_(beta2t).add_(update.mean(dim=-1), alpha=(1.0 - beta2t))
+                    exp_avg_sq_col.mul_(beta2t).add_(update.mean(dim=-2), alpha=(1.0 - beta2t))
+                    update = self._approx_sq_grad(exp_avg_sq_row, exp_avg_sq_col)
+                    update.mul_(grad)
+                else:
+                    exp_avg_sq = state['exp_avg_sq']
+                    exp_avg_sq.mul_(beta2t).add_(update, alpha=(1.0 - beta2t))
+                    update = exp_avg_sq.rsqrt().mul_(grad)
+                update.div_((self._rms(update) / group['clip_threshold']).clamp_(min=1.0))
+                update.mul_(lr)
+                if use_first_moment:
+                    exp_avg = state['exp_avg']
+                    exp_avg.mul_(group['beta1']).add_(update, alpha=(1 - group['beta1']))
+                    update = exp_avg
+                if group['weight_decay'] != 0:
+                    p_data_fp32.add_(p_data_fp32, alpha=(-group['weight_decay'] * lr))
+                p_data_fp32.add_(-update)
+
 def make_optimizer(m, params):
     f = lambda k: float(m[k])
+    if m['optimizer'] == 'lion':
+        return Lion(params, lr=f('lr'), betas=(f('beta1'), f('beta2')),
+                    weight_decay=f('weight_decay'))
+    if m['optimizer'] == 'adafactor':
+        opt = lambda k: None if m[k] == 'none' else float(m[k])
+        return Adafactor(params, lr=None if m['relative_step'] == '1' else f('lr'),
+                         clip_threshold=f('clip_threshold'),
+                         decay_rate=f('decay_rate'), beta1=opt('af_beta1'),
+                         weight_decay=f('weight_decay'),
+                         scale_parameter=m['scale_parameter'] == '1',
+                         relative_step=m['relative_step'] == '1',
+                         warmup_init=m['warmup_init'] == '1')
     if m['optimizer'] == 'sgd':
         return torch.optim.SGD(params, lr=f('lr'), momentum=f('momentum'),
                                dampening=f('dampening'), weight_decay=f('weight_decay'),
@@ -295,6 +403,37 @@ def run_optim(d, m, params):
         for n, p in model.named_parameters():
             out['step%d.%s' % (step, n)] = p.detach().clone()
     return out
+
+def make_schedule(opt, spec):
+    S = torch.optim.lr_scheduler
+    kind = spec['type']
+    if kind == 'step':
+        return S.StepLR(opt, spec['step_size'], spec['gamma'])
+    if kind == 'multistep':
+        return S.MultiStepLR(opt, spec['milestones'], spec['gamma'])
+    if kind == 'exponential':
+        return S.ExponentialLR(opt, spec['gamma'])
+    if kind == 'linear':
+        return S.LinearLR(opt, **spec.get('args', {}))
+    if kind == 'onecycle':
+        return S.OneCycleLR(opt, **spec['args'])
+    if kind == 'sequential':
+        return S.SequentialLR(opt, [make_schedule(opt, s) for s in spec['schedules']],
+                              spec['milestones'])
+    raise ValueError('unknown schedule ' + kind)
+
+# The rate each optimizer step uses: the one the scheduler set after as many scheduler.step()s.
+def run_schedule(d, m, _):
+    p = torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([p], lr=float(m['base_lr']))
+    sched = make_schedule(opt, json.loads(m['spec']))
+    lrs = []
+    for step in range(int(m['steps'])):
+        lrs.append(opt.param_groups[0]['lr'])
+        opt.step()
+        if step + 1 < int(m['steps']):  # OneCycleLR refuses steps past total_steps
+            sched.step()
+    return {'lr': torch.tensor(lrs, dtype=torch.float64)}
 
 def run_clip(d, m, params):
     model = MLP(sizes(m), m['activation'])
@@ -407,6 +546,7 @@ def run_scan(d, m, _):
     return {'y': y.float(), 'grad.x': x.grad}
 
 HANDLERS = {'mlp': run_mlp, 'block': run_block, 'optim': run_optim, 'clip': run_clip,
+            'schedule': run_schedule,
             'cross_entropy': run_cross_entropy, 'op': run_op,
             'vision': run_vision, 'resnet': run_resnet, 'seq': run_seq, 'scan': run_scan}
 
@@ -494,6 +634,10 @@ struct OptConfig {
   double alpha = 0.99;  // RMSprop
   bool centered = false;
   double lr_decay = 0, initial_accumulator_value = 0;  // Adagrad
+  // Adafactor (lr 0: relative_step's rate)
+  std::optional<double> af_beta1 = std::nullopt;
+  bool relative_step = true, scale_parameter = true, warmup_init = false;
+  double clip_threshold = 1.0, decay_rate = -0.8;
 };
 const OptConfig kOptConfigs[] = {
     {.name = "sgd", .type = "sgd", .lr = 0.1},
@@ -534,6 +678,27 @@ const OptConfig kOptConfigs[] = {
      .eps = 1e-10,
      .lr_decay = 0.1,
      .initial_accumulator_value = 0.2},
+    {.name = "lion", .type = "lion", .lr = 0.01, .beta2 = 0.99},
+    {.name = "lion_weight_decay",
+     .type = "lion",
+     .lr = 0.02,
+     .weight_decay = 0.5,
+     .beta1 = 0.8,
+     .beta2 = 0.95},
+    // transformers' defaults: relative step scaled by the parameter's RMS, no first moment.
+    {.name = "adafactor", .type = "adafactor", .lr = 0},
+    {.name = "adafactor_beta1_weight_decay",
+     .type = "adafactor",
+     .lr = 0,
+     .weight_decay = 0.1,
+     .af_beta1 = 0.9,
+     .decay_rate = -0.5},
+    {.name = "adafactor_lr_clipped",
+     .type = "adafactor",
+     .lr = 0.05,
+     .relative_step = false,
+     .scale_parameter = false,
+     .clip_threshold = 0.5},
 };
 
 std::unique_ptr<mt::Optimizer> make_optimizer(const OptConfig& c, std::vector<mt::Tensor> params) {
@@ -560,10 +725,98 @@ std::unique_ptr<mt::Optimizer> make_optimizer(const OptConfig& c, std::vector<mt
                            .weight_decay = c.weight_decay,
                            .initial_accumulator_value = c.initial_accumulator_value,
                            .eps = c.eps});
+  if (std::string(c.type) == "lion")
+    return std::make_unique<mt::Lion>(
+        std::move(params),
+        mt::LionOptions{
+            .lr = c.lr, .beta1 = c.beta1, .beta2 = c.beta2, .weight_decay = c.weight_decay});
+  if (std::string(c.type) == "adafactor")
+    return std::make_unique<mt::Adafactor>(
+        std::move(params),
+        mt::AdafactorOptions{.lr = c.relative_step ? std::nullopt : std::optional<double>(c.lr),
+                             .clip_threshold = c.clip_threshold,
+                             .decay_rate = c.decay_rate,
+                             .beta1 = c.af_beta1,
+                             .weight_decay = c.weight_decay,
+                             .scale_parameter = c.scale_parameter,
+                             .relative_step = c.relative_step,
+                             .warmup_init = c.warmup_init});
   mt::AdamOptions options{
       .lr = c.lr, .beta1 = c.beta1, .beta2 = c.beta2, .eps = c.eps, .weight_decay = c.weight_decay};
   if (std::string(c.type) == "adam") return std::make_unique<mt::Adam>(std::move(params), options);
   return std::make_unique<mt::AdamW>(std::move(params), options);
+}
+
+// Learning-rate schedules: torch.optim.lr_scheduler built from `spec` (JSON) on an SGD with
+// lr kScheduleBase, against mt's schedule of the same rule, step by step.
+constexpr double kScheduleBase = 0.1;
+struct ScheduleCase {
+  std::string name, spec;
+  int steps;
+  std::function<std::shared_ptr<const mt::LRSchedule>()> make;
+};
+const std::vector<ScheduleCase>& schedule_cases() {
+  using std::make_shared;
+  static const std::vector<ScheduleCase> cases = {
+      {"step", R"({"type": "step", "step_size": 3, "gamma": 0.5})", 12,
+       [] { return make_shared<mt::StepLR>(kScheduleBase, 3, 0.5); }},
+      {"multistep", R"({"type": "multistep", "milestones": [2, 5, 5, 9], "gamma": 0.3})", 12,
+       [] {
+         return make_shared<mt::MultiStepLR>(kScheduleBase, std::vector<int64_t>{2, 5, 5, 9}, 0.3);
+       }},
+      {"exponential", R"({"type": "exponential", "gamma": 0.9})", 12,
+       [] { return make_shared<mt::ExponentialLR>(kScheduleBase, 0.9); }},
+      {"linear_defaults", R"({"type": "linear"})", 8,
+       [] { return make_shared<mt::LinearLR>(kScheduleBase); }},
+      {"linear_warmup",
+       R"({"type": "linear", "args": {"start_factor": 0.25, "end_factor": 1.0, "total_iters": 4}})",
+       8, [] { return make_shared<mt::LinearLR>(kScheduleBase, 0.25, 1.0, 4); }},
+      {"linear_decay",
+       R"({"type": "linear", "args": {"start_factor": 1.0, "end_factor": 0.1, "total_iters": 6}})",
+       10, [] { return make_shared<mt::LinearLR>(kScheduleBase, 1.0, 0.1, 6); }},
+      // Every step OneCycleLR allows: indices 0 to total_steps.
+      {"onecycle_defaults", R"({"type": "onecycle", "args": {"max_lr": 0.5, "total_steps": 20}})",
+       21, [] { return make_shared<mt::OneCycleLR>(0.5, 20); }},
+      {"onecycle_linear_three_phase",
+       R"({"type": "onecycle", "args": {"max_lr": 0.5, "total_steps": 17, "pct_start": 0.25,
+           "anneal_strategy": "linear", "div_factor": 10.0, "final_div_factor": 100.0,
+           "three_phase": true}})",
+       18,
+       [] {
+         return make_shared<mt::OneCycleLR>(0.5, 17,
+                                            mt::OneCycleOptions{.pct_start = 0.25,
+                                                                .cos = false,
+                                                                .div_factor = 10,
+                                                                .final_div_factor = 100,
+                                                                .three_phase = true});
+       }},
+      {"sequential_warmup_exponential_step",
+       R"({"type": "sequential", "milestones": [3, 7], "schedules": [
+           {"type": "linear", "args": {"start_factor": 0.1, "end_factor": 1.0, "total_iters": 3}},
+           {"type": "exponential", "gamma": 0.8}, {"type": "step", "step_size": 2, "gamma": 0.5}]})",
+       14,
+       [] {
+         return make_shared<mt::SequentialLR>(
+             std::vector<std::shared_ptr<const mt::LRSchedule>>{
+                 make_shared<mt::LinearLR>(kScheduleBase, 0.1, 1.0, 3),
+                 make_shared<mt::ExponentialLR>(kScheduleBase, 0.8),
+                 make_shared<mt::StepLR>(kScheduleBase, 2, 0.5)},
+             std::vector<int64_t>{3, 7});
+       }},
+      {"sequential_multistep_linear",
+       R"({"type": "sequential", "milestones": [5], "schedules": [
+           {"type": "multistep", "milestones": [1, 3], "gamma": 0.5},
+           {"type": "linear", "args": {"start_factor": 0.5, "total_iters": 2}}]})",
+       9,
+       [] {
+         return make_shared<mt::SequentialLR>(
+             std::vector<std::shared_ptr<const mt::LRSchedule>>{
+                 make_shared<mt::MultiStepLR>(kScheduleBase, std::vector<int64_t>{1, 3}, 0.5),
+                 make_shared<mt::LinearLR>(kScheduleBase, 0.5, 1.0, 2)},
+             std::vector<int64_t>{5});
+       }},
+  };
+  return cases;
 }
 
 constexpr double kClipNorms[] = {0.3, 100.0};  // one that clips, one that does not
@@ -983,9 +1236,22 @@ void write_inputs(const fs::path& dir) {
                 {"alpha", fmt::format("{}", c.alpha)},
                 {"centered", c.centered ? "1" : "0"},
                 {"lr_decay", fmt::format("{}", c.lr_decay)},
-                {"initial_accumulator_value", fmt::format("{}", c.initial_accumulator_value)}},
+                {"initial_accumulator_value", fmt::format("{}", c.initial_accumulator_value)},
+                {"af_beta1", c.af_beta1 ? fmt::format("{}", *c.af_beta1) : "none"},
+                {"relative_step", c.relative_step ? "1" : "0"},
+                {"scale_parameter", c.scale_parameter ? "1" : "0"},
+                {"warmup_init", c.warmup_init ? "1" : "0"},
+                {"clip_threshold", fmt::format("{}", c.clip_threshold)},
+                {"decay_rate", fmt::format("{}", c.decay_rate)}},
                {{"x", opt_x}, {"y", opt_y}}, &model);
   }
+  for (const ScheduleCase& c : schedule_cases())
+    write_case(dir, "schedule_" + c.name,
+               {{"kind", "schedule"},
+                {"spec", c.spec},
+                {"steps", std::to_string(c.steps)},
+                {"base_lr", fmt::format("{}", kScheduleBase)}},
+               {{"unused", mt::zeros({1})}});
   ++seed;
   for (double max_norm : kClipNorms) {
     mt::Generator gen(seed++);
@@ -1358,6 +1624,33 @@ TEST_F(TorchParity, ClipGradNormMatchesTorch) {
   }
 }
 
+// warmup_init's rate, 1e-6 t times the parameter's RMS, moves too little for the trajectories
+// above: worked by hand instead. A first step on a vector makes the update sign(g) (the second
+// moment is g^2 + 1e-30 and the RMS clip leaves it), so each element moves by the rate.
+TEST(Adafactor, WarmupInitRateIsTheStepTimesTheParameterRms) {
+  // One large element sets the RMS; the small ones show their moves to f32's precision.
+  std::vector<float> start{1000, 0.001f, -0.002f, 0.003f};
+  mt::Tensor p = mt::tensor(start, {4});
+  p.requires_grad_();
+  mt::Adafactor opt({p}, {.warmup_init = true});
+  double squares = 0;
+  for (float v : start) squares += double(v) * v;
+  double rms = std::sqrt(squares / 4.0);
+  for (int t = 1; t <= 2; ++t) {
+    std::vector<float> before = p.to_vector<float>();
+    opt.zero_grad();
+    mt::sum(p * mt::tensor(std::vector<float>{1, -2, 0.5f, 3}, {4})).backward();
+    opt.step();
+    std::vector<float> after = p.to_vector<float>();
+    if (t == 1)
+      for (size_t i = 1; i < 4; ++i)
+        EXPECT_NEAR(std::abs(before[i] - after[i]), 1e-6 * rms, 1e-6 * rms * 1e-5) << i;
+    else  // the rate doubles with t (the RMS barely moved); the update is near sign(g) again
+      EXPECT_NEAR(std::abs(before[1] - after[1]), 2e-6 * rms, 2e-6 * rms * 0.2);
+  }
+  EXPECT_THROW(mt::Adafactor({p}, {.relative_step = false, .warmup_init = true}), mt::Error);
+}
+
 // Hand-worked: warmup (step+1)/warmup * peak, then min + (peak-min)/2 * (1 + cos(pi * progress)).
 TEST(Schedules, CosineWithWarmupMatchesHandComputedValues) {
   mt::CosineWithWarmup schedule(1e-3, 4, 10, 1e-4);
@@ -1379,6 +1672,42 @@ TEST(Schedules, CosineWithWarmupMatchesHandComputedValues) {
   EXPECT_NEAR(no_warmup.lr(2), 0.5, 1e-15);
   EXPECT_NEAR(no_warmup.lr(3), 0.14644660940672627, 1e-15);
   EXPECT_EQ(no_warmup.lr(4), 0.0);
+}
+
+// Each schedule's rates against torch.optim.lr_scheduler's, step by step (PyTorch steps its
+// rates multiplicatively, so they differ from the closed forms by rounding only), in both forms:
+// the host lr(step) and the graph value an attached schedule gives each step, which also moves
+// an f64 parameter with gradient one by exactly that rate.
+TEST_F(TorchParity, SchedulesMatchTorchLrScheduler) {
+  for (const ScheduleCase& sc : schedule_cases()) {
+    std::string id = "schedule_" + sc.name;
+    SCOPED_TRACE(id);
+    Case c = open_case(id);
+    std::vector<double> torch_lr = c.ref("lr").to_vector<double>();
+    ASSERT_EQ(torch_lr.size(), static_cast<size_t>(sc.steps));
+    std::shared_ptr<const mt::LRSchedule> schedule = sc.make();
+    mt::Tensor p = mt::zeros({2}, mt::f64);
+    p.requires_grad_();
+    mt::SGD opt({p}, {.lr = 123.0});  // the schedule replaces this rate
+    opt.set_schedule(schedule);
+    std::set<double> distinct;
+    for (int step = 0; step < sc.steps; ++step) {
+      double expected = torch_lr[static_cast<size_t>(step)];
+      distinct.insert(expected);
+      double tolerance = 1e-13 * std::abs(expected);
+      EXPECT_NEAR(schedule->lr(step), expected, tolerance) << "host, step " << step;
+      double graph = opt.current_lr().item();
+      EXPECT_NEAR(graph, expected, tolerance) << "graph, step " << step;
+      std::vector<double> before = p.to_vector<double>();
+      opt.zero_grad();
+      mt::sum(p).backward();
+      opt.step();
+      double moved = before[0] - p.to_vector<double>()[0];
+      EXPECT_NEAR(moved, graph, 1e-12 * std::abs(graph) + 1e-14 * std::abs(before[0]))
+          << "update, step " << step;
+    }
+    EXPECT_GE(distinct.size(), 3u) << "a schedule that hardly changes proves little";
+  }
 }
 
 // ---------------------------------------------------------------------------------------------
