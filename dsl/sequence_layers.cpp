@@ -185,47 +185,36 @@ Tensor caller_state(const Tensor& state, bool unbatched) {
   return unbatched ? squeeze(state, 1) : state;
 }
 
-// Registers one layer's weights and biases under PyTorch's names.
-template <typename Register>
-void make_layer(Register&& add, int64_t layer, int64_t in, int64_t hidden, int64_t gates, bool bias,
-                Generator* gen, std::vector<Tensor>& w_ih, std::vector<Tensor>& w_hh,
-                std::vector<Tensor>& b_ih, std::vector<Tensor>& b_hh) {
-  const double bound = 1.0 / std::sqrt(static_cast<double>(hidden));
-  const std::string l = "_l" + std::to_string(layer);
-  w_ih.push_back(add("weight_ih" + l, init::uniform({gates * hidden, in}, -bound, bound, gen)));
-  w_hh.push_back(add("weight_hh" + l, init::uniform({gates * hidden, hidden}, -bound, bound, gen)));
-  b_ih.push_back(bias ? add("bias_ih" + l, init::uniform({gates * hidden}, -bound, bound, gen))
-                      : Tensor());
-  b_hh.push_back(bias ? add("bias_hh" + l, init::uniform({gates * hidden}, -bound, bound, gen))
-                      : Tensor());
-}
-
-void check_sizes(const char* op, int64_t input_size, int64_t hidden_size, int64_t num_layers,
-                 double dropout) {
-  if (input_size <= 0 || hidden_size <= 0 || num_layers <= 0)
-    fail("{}: sizes must be positive, got input {} hidden {} layers {}", op, input_size,
-         hidden_size, num_layers);
-  if (dropout < 0 || dropout > 1) fail("{}: dropout {} not in [0, 1]", op, dropout);
-}
-
 }  // namespace
 
-LSTM::LSTM(int64_t input_size, int64_t hidden_size, int64_t num_layers, bool bias, bool batch_first,
-           double dropout, Generator* gen)
+Recurrent::Recurrent(const char* kind, int64_t gates, int64_t input_size, int64_t hidden_size,
+                     int64_t num_layers, bool bias, bool batch_first, double dropout,
+                     Generator* gen)
     : input_size(input_size),
       hidden_size(hidden_size),
       num_layers(num_layers),
       batch_first(batch_first),
       dropout(dropout),
       gen_(gen) {
-  check_sizes("LSTM", input_size, hidden_size, num_layers, dropout);
-  auto add = [this](const std::string& name, Tensor value) {
-    return register_parameter(name, std::move(value));
-  };
-  for (int64_t l = 0; l < num_layers; ++l)
-    make_layer(add, l, l == 0 ? input_size : hidden_size, hidden_size, 4, bias, gen, weight_ih,
-               weight_hh, bias_ih, bias_hh);
+  if (input_size <= 0 || hidden_size <= 0 || num_layers <= 0)
+    fail("{}: sizes must be positive, got input {} hidden {} layers {}", kind, input_size,
+         hidden_size, num_layers);
+  if (dropout < 0 || dropout > 1) fail("{}: dropout {} not in [0, 1]", kind, dropout);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(hidden_size));
+  auto uniform = [&](Shape shape) { return init::uniform(std::move(shape), -bound, bound, gen); };
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const std::string suffix = "_l" + std::to_string(l);
+    const int64_t in = l == 0 ? input_size : hidden_size, rows = gates * hidden_size;
+    weight_ih.push_back(register_parameter("weight_ih" + suffix, uniform({rows, in})));
+    weight_hh.push_back(register_parameter("weight_hh" + suffix, uniform({rows, hidden_size})));
+    bias_ih.push_back(bias ? register_parameter("bias_ih" + suffix, uniform({rows})) : Tensor());
+    bias_hh.push_back(bias ? register_parameter("bias_hh" + suffix, uniform({rows})) : Tensor());
+  }
 }
+
+LSTM::LSTM(int64_t input_size, int64_t hidden_size, int64_t num_layers, bool bias, bool batch_first,
+           double dropout, Generator* gen)
+    : Recurrent("LSTM", 4, input_size, hidden_size, num_layers, bias, batch_first, dropout, gen) {}
 
 LSTM::Result LSTM::operator()(const Tensor& x, const Tensor& h0, const Tensor& c0,
                               const Loc& loc) const {
@@ -262,20 +251,7 @@ LSTM::Result LSTM::operator()(const Tensor& x, const Tensor& h0, const Tensor& c
 
 GRU::GRU(int64_t input_size, int64_t hidden_size, int64_t num_layers, bool bias, bool batch_first,
          double dropout, Generator* gen)
-    : input_size(input_size),
-      hidden_size(hidden_size),
-      num_layers(num_layers),
-      batch_first(batch_first),
-      dropout(dropout),
-      gen_(gen) {
-  check_sizes("GRU", input_size, hidden_size, num_layers, dropout);
-  auto add = [this](const std::string& name, Tensor value) {
-    return register_parameter(name, std::move(value));
-  };
-  for (int64_t l = 0; l < num_layers; ++l)
-    make_layer(add, l, l == 0 ? input_size : hidden_size, hidden_size, 3, bias, gen, weight_ih,
-               weight_hh, bias_ih, bias_hh);
-}
+    : Recurrent("GRU", 3, input_size, hidden_size, num_layers, bias, batch_first, dropout, gen) {}
 
 GRU::Result GRU::operator()(const Tensor& x, const Tensor& h0, const Loc& loc) const {
   CallSiteScope site(loc);

@@ -50,12 +50,25 @@ class MultiheadAttention : public Module {
   Generator* gen_;
 };
 
-/// torch.nn.LSTM and torch.nn.GRU (unidirectional): weight_ih_l{k} [G H, in], weight_hh_l{k}
-/// [G H, H], bias_ih_l{k}, bias_hh_l{k} with G = 4 gates (i, f, g, o) or 3 (r, z, n), all
-/// U(-1/sqrt(H), 1/sqrt(H)); dropout between layers when training. Input [T, N, in] ([N, T, in]
-/// batch first, or [T, in] unbatched); returns the last layer's outputs at every step and each
-/// layer's last state [layers, N, H] (LSTM: h and c).
-class LSTM : public Module {
+/// What torch.nn.LSTM and torch.nn.GRU (unidirectional) share: weight_ih_l{k} [G H, in],
+/// weight_hh_l{k} [G H, H], bias_ih_l{k}, bias_hh_l{k} with G = 4 gates (i, f, g, o) or 3 (r, z,
+/// n), all U(-1/sqrt(H), 1/sqrt(H)); dropout between layers when training. Input [T, N, in]
+/// ([N, T, in] batch first, or [T, in] unbatched); each returns the last layer's outputs at
+/// every step and each layer's last state [layers, N, H] (LSTM: h and c).
+class Recurrent : public Module {
+ public:
+  int64_t input_size, hidden_size, num_layers;
+  bool batch_first;
+  double dropout;
+  std::vector<Tensor> weight_ih, weight_hh, bias_ih, bias_hh;  // per layer
+
+ protected:
+  Recurrent(const char* kind, int64_t gates, int64_t input_size, int64_t hidden_size,
+            int64_t num_layers, bool bias, bool batch_first, double dropout, Generator* gen);
+  Generator* gen_;
+};
+
+class LSTM : public Recurrent {
  public:
   LSTM(int64_t input_size, int64_t hidden_size, int64_t num_layers = 1, bool bias = true,
        bool batch_first = false, double dropout = 0.0, Generator* gen = nullptr);
@@ -64,16 +77,9 @@ class LSTM : public Module {
   };
   Result operator()(const Tensor& x, const Tensor& h0 = Tensor(), const Tensor& c0 = Tensor(),
                     const Loc& loc = Loc::current()) const;
-  int64_t input_size, hidden_size, num_layers;
-  bool batch_first;
-  double dropout;
-  std::vector<Tensor> weight_ih, weight_hh, bias_ih, bias_hh;  // per layer
-
- private:
-  Generator* gen_;
 };
 
-class GRU : public Module {
+class GRU : public Recurrent {
  public:
   GRU(int64_t input_size, int64_t hidden_size, int64_t num_layers = 1, bool bias = true,
       bool batch_first = false, double dropout = 0.0, Generator* gen = nullptr);
@@ -82,13 +88,6 @@ class GRU : public Module {
   };
   Result operator()(const Tensor& x, const Tensor& h0 = Tensor(),
                     const Loc& loc = Loc::current()) const;
-  int64_t input_size, hidden_size, num_layers;
-  bool batch_first;
-  double dropout;
-  std::vector<Tensor> weight_ih, weight_hh, bias_ih, bias_hh;  // per layer
-
- private:
-  Generator* gen_;
 };
 
 }  // namespace mixtape
