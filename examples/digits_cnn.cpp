@@ -6,5 +6,5 @@
 int main(int argc, char** argv) {
   // >= 97% test accuracy in fp32, autocast-bf16 and autocast-f16 with dynamic scaling.
   return digits::main_of<DigitsCnn>(
-      "digits_cnn", {.steps = 2500, .shift = 1, .sgd_lr = 0.1, .cosine = true}, argc, argv);
+      "digits_cnn", {.steps = 3000, .shift = 1, .sgd_lr = 0.1, .cosine = true}, argc, argv);
 }
