@@ -175,11 +175,7 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
     op_fail("conv2d", loc, "the input or the weight is an undefined tensor");
   if (x.dim() == 3)
     return squeeze(conv2d(unsqueeze(x, 0, loc), weight, bias, options, loc), 0, loc);
-  ConvWindow window;
-  window.stride[0] = options.stride.h, window.stride[1] = options.stride.w;
-  window.pad[0] = options.padding.h, window.pad[1] = options.padding.w;
-  window.dil[0] = options.dilation.h, window.dil[1] = options.dilation.w;
-  window.groups = options.groups;
+  const ConvWindow window = ConvWindow::of(options);
   return add_bias("conv2d", forward("conv2d", x, weight, window, loc), bias, loc);
 }
 
@@ -218,11 +214,7 @@ Tensor conv_transpose2d(const Tensor& x, const Tensor& weight, const Tensor& bia
   if (weight.dim() != 4 || weight.size(0) != x.size(1))
     op_fail(op, loc, "weight {} must be [in_channels {}, out_channels / groups, KH, KW]",
             to_string(weight.shape()), x.size(1));
-  ConvWindow window;
-  window.stride[0] = options.stride.h, window.stride[1] = options.stride.w;
-  window.pad[0] = options.padding.h, window.pad[1] = options.padding.w;
-  window.dil[0] = options.dilation.h, window.dil[1] = options.dilation.w;
-  window.groups = options.groups;
+  const ConvWindow window = ConvWindow::of(options);
   check_window(op, window, loc);
   if (x.size(1) % options.groups != 0)
     op_fail(op, loc, "groups {} must divide the input's {} channels", options.groups, x.size(1));

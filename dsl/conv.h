@@ -41,6 +41,16 @@ struct ConvWindow {
   int64_t stride[2] = {1, 1}, pad[2] = {0, 0}, dil[2] = {1, 1}, groups = 1;
   Ints attr() const;
   static ConvWindow from(const Ints& attr);
+  /// The window of conv2d's (or conv_transpose2d's) options.
+  template <typename Options>
+  static ConvWindow of(const Options& o) {
+    ConvWindow w;
+    w.stride[0] = o.stride.h, w.stride[1] = o.stride.w;
+    w.pad[0] = o.padding.h, w.pad[1] = o.padding.w;
+    w.dil[0] = o.dilation.h, w.dil[1] = o.dilation.w;
+    w.groups = o.groups;
+    return w;
+  }
 };
 
 /// The sizes of one 2-d convolution x [n, c, h, w] * w [o, c / groups, kh, kw] -> [n, o, oh, ow],

@@ -10,8 +10,8 @@
 #include <string>
 #include <vector>
 
-#include "mixtape/mixtape.h"
 #include "dsl/convert.h"
+#include "mixtape/mixtape.h"
 #include "runtime/cpu_executor.h"
 #include "test_util.h"
 
@@ -51,15 +51,6 @@ const std::vector<Case>& cases() {
   return all;
 }
 
-mt::ConvWindow window_of(const mt::Conv2dOptions& o) {
-  mt::ConvWindow w;
-  w.stride[0] = o.stride.h, w.stride[1] = o.stride.w;
-  w.pad[0] = o.padding.h, w.pad[1] = o.padding.w;
-  w.dil[0] = o.dilation.h, w.dil[1] = o.dilation.w;
-  w.groups = o.groups;
-  return w;
-}
-
 // The three primitives of one case on the current device, from inputs cast to `dtype`.
 std::vector<std::vector<float>> run_case(const Case& c, mt::DType dtype) {
   mt::Generator gen(7);
@@ -67,7 +58,7 @@ std::vector<std::vector<float>> run_case(const Case& c, mt::DType dtype) {
   mt::Tensor w = mt::cast(mt::randn(c.w, mt::f32, &gen), dtype);
   mt::Tensor y = mt::conv2d(x, w, {}, c.options);
   mt::Tensor gy = mt::cast(mt::randn(y.shape(), mt::f32, &gen), dtype);
-  const mt::ConvWindow window = window_of(c.options);
+  const mt::ConvWindow window = mt::ConvWindow::of(c.options);
   std::vector<mt::Tensor> results = {y, mt::conv2d_input_grad(gy, w, c.x, window),
                                      mt::conv2d_weight_grad(x, gy, c.w, window)};
   for (const mt::Tensor& r : results) EXPECT_EQ(r.dtype(), dtype);

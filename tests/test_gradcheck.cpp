@@ -457,11 +457,7 @@ void add_conv(Table& t) {
       {"depthwise", {2, 3, 4, 4}, {3, 1, 3, 3}, {.padding = 1, .groups = 3}},
   };
   for (const Case& c : cases) {
-    mt::ConvWindow window;
-    window.stride[0] = c.options.stride.h, window.stride[1] = c.options.stride.w;
-    window.pad[0] = c.options.padding.h, window.pad[1] = c.options.padding.w;
-    window.dil[0] = c.options.dilation.h, window.dil[1] = c.options.dilation.w;
-    window.groups = c.options.groups;
+    const mt::ConvWindow window = mt::ConvWindow::of(c.options);
     mt::Shape y = mt::conv2d(mt::zeros(c.x), mt::zeros(c.w), {}, c.options).shape();
     add(t, OpCode::Conv2d, "conv2d " + c.label, {{c.x}, {c.w}},
         [c](const Tensors& x) { return mt::conv2d(x[0], x[1], {}, c.options); });

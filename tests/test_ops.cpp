@@ -1037,11 +1037,7 @@ void add_conv_cases(Oracle& o, Data& d, mt::DType dt) {
   };
   for (const Case& c : cases) {
     const mt::Conv2dOptions& p = c.options;
-    mt::ConvWindow window;
-    window.stride[0] = p.stride.h, window.stride[1] = p.stride.w;
-    window.pad[0] = p.padding.h, window.pad[1] = p.padding.w;
-    window.dil[0] = p.dilation.h, window.dil[1] = p.dilation.w;
-    window.groups = p.groups;
+    const mt::ConvWindow window = mt::ConvWindow::of(p);
     const std::string args =
         fmt::format("stride=({}, {}), padding=({}, {}), dilation=({}, {}), groups={}", p.stride.h,
                     p.stride.w, p.padding.h, p.padding.w, p.dilation.h, p.dilation.w, p.groups);
