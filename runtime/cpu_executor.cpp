@@ -250,10 +250,9 @@ void run_matmul(Node& node) {
 }
 
 // A convolution primitive through oneDNN; other dtypes and accumulators (f64, a 16-bit
-// accumulator a custom policy asks for) take the reference loops.
-// `cache`: whether leaves' narrowed copies may be kept (replay_cpu drops them at its end; the
-// CUDA back end, which calls run_conv_on_host outside it, must not keep any).
-void run_conv(Node& node, bool cache) {
+// accumulator a custom policy asks for) take the reference loops. Leaves' narrowed copies are
+// kept for the step (replay_cpu drops them at its end).
+void run_conv(Node& node) {
   ConvDesc desc;
   desc.op = node.op;
   desc.geometry = ConvGeometry::of(node);
@@ -264,8 +263,8 @@ void run_conv(Node& node, bool cache) {
     ++stats().host_ops;
     return;
   }
-  auto a = as_dtype(*node.inputs[0], desc.operand, cache);
-  auto b = as_dtype(*node.inputs[1], desc.operand, cache);
+  auto a = as_dtype(*node.inputs[0], desc.operand, true);
+  auto b = as_dtype(*node.inputs[1], desc.operand, true);
   auto out = allocate(node);
   conv(desc, a->host_data(), b->host_data(), out->host_data());
   node.value = out;
@@ -277,14 +276,12 @@ void run_conv(Node& node, bool cache) {
 
 // Steps without a kernel: convolutions through oneDNN, the rest by the reference loops.
 void run_host_step(Node& node) {
-  if (op_info(node.op).kind == OpKind::Conv) return run_conv(node, true);
+  if (op_info(node.op).kind == OpKind::Conv) return run_conv(node);
   node.value = reference_compute(node);
   ++stats().host_ops;
 }
 
 }  // namespace
-
-void run_conv_on_host(Node& node) { run_conv(node, false); }
 
 Signature sign_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required,
                    const FusionOptions& options) {

@@ -24,11 +24,6 @@ Signature sign_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& 
 /// (sig.externals) hold the values to use, the pending nodes' values are recomputed.
 void replay_cpu(const ExecutedProgram& executed, const std::vector<Node*>& pending);
 
-/// Computes a convolution node (dsl/ops.def's Conv kind) on the host through oneDNN, from its
-/// inputs' host values, or by the reference loops where oneDNN cannot (f64, a 16-bit
-/// accumulator); also how the CUDA back end runs them.
-void run_conv_on_host(Node& node);
-
 /// Called with each kernel the CPU back end is about to run, its inputs already evaluated
 /// (kernel.nodes[i]->value for input params): for tools and tests that look at the generated
 /// code, such as the NVRTC tests that compile every kernel of a model for the GPU. An empty

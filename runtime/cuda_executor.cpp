@@ -234,12 +234,10 @@ void run_on_host(Node& node) {
   ++stats().host_ops;
 }
 
-// Steps without a generated kernel: the data movement ops on the GPU where it has kernels for
-// them, the rest (random numbers, gathers along an index tensor, ...) on the host. Convolutions
-// take oneDNN on the host, with their operands downloaded and the result uploaded where a kernel
-// reads it: correct, and far faster than the reference loops, but no GPU convolution yet.
+// Steps without a generated kernel: the data movement ops, random fills and convolutions on the
+// GPU where it has fixed kernels for them, the rest (gathers along an index tensor, ...) on the
+// host.
 void run_other(Node& node) {
-  if (op_info(node.op).kind == OpKind::Conv) return run_conv_on_host(node);
   if (!run_fixed_kernel(node)) run_on_host(node);
 }
 

@@ -12,6 +12,7 @@
 
 #include "codegen/emit_cuda.h"
 #include "codegen/nvrtc.h"
+#include "dsl/conv.h"
 #include "dsl/error.h"
 #include "runtime/cuda_allocator.h"
 #include "runtime/cuda_values.h"
@@ -131,6 +132,118 @@ extern "C" __global__ void mt_index_add(const void* base, int base_dtype, const 
     for (long long q = offsets[r]; q < offsets[r + 1]; ++q)
       acc = __dadd_rn(acc, mt_load_as_double(source, source_dtype, (o * count + order[q]) * inner + i));
     mt_store_double(out, out_dtype, e, acc);
+  }
+}
+
+// ---- convolutions (dsl/conv.h's three primitives), the reference's sums: operands rounded to the
+// compute type, exact products summed in f64 (rounded through a half accumulator where the node
+// accumulates in one) in the reference's order, one thread per result element, so every element
+// has the reference's bits whatever the schedule. Direct loops: correct everywhere, far from a
+// tensor-core convolution's speed.
+struct mt_conv {
+  long long n, c, h, w, o, kh, kw, oh, ow;
+  long long stride[2], pad[2], dil[2], groups;
+  int a_dtype, b_dtype, out_dtype, compute, accum, unused;
+};
+static __device__ __forceinline__ double mt_round_through(double v, int dtype) {
+  unsigned long long slot = 0;
+  mt_store_double(&slot, dtype, 0, v);
+  return mt_load_as_double(&slot, dtype, 0);
+}
+static __device__ __forceinline__ double mt_conv_operand(const void* p, int dtype, int compute,
+                                                         long long i) {
+  const double v = mt_load_as_double(p, dtype, i);
+  return compute == dtype || compute == MT_F64 ? v : mt_round_through(v, compute);
+}
+static __device__ __forceinline__ double mt_conv_add(const mt_conv& g, double sum, double a,
+                                                     double b) {
+  const double s = __dadd_rn(sum, __dmul_rn(a, b));
+  return g.accum == MT_F16 || g.accum == MT_BF16 ? mt_round_through(s, g.accum) : s;
+}
+#define MT_CONV_ELEMENTS(COUNT)                                                             \
+  for (long long e = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; e < (COUNT); \
+       e += static_cast<long long>(gridDim.x) * blockDim.x)
+// y[n, o, oy, ox] = sum over (ic, ky, kx) of x * w.
+extern "C" __global__ void mt_conv2d(const void* x, const void* w, void* y, const mt_conv g) {
+  const long long cg = g.c / g.groups, og = g.o / g.groups;
+  MT_CONV_ELEMENTS(g.n * g.o * g.oh * g.ow) {
+    const long long ox = e % g.ow, oy = e / g.ow % g.oh, o = e / g.ow / g.oh % g.o,
+                    n = e / g.ow / g.oh / g.o, first = o / og * cg;
+    double acc = 0;
+    for (long long ic = 0; ic < cg; ++ic)
+      for (long long ky = 0; ky < g.kh; ++ky) {
+        const long long iy = oy * g.stride[0] - g.pad[0] + ky * g.dil[0];
+        if (iy < 0 || iy >= g.h) continue;
+        for (long long kx = 0; kx < g.kw; ++kx) {
+          const long long ix = ox * g.stride[1] - g.pad[1] + kx * g.dil[1];
+          if (ix < 0 || ix >= g.w) continue;
+          acc = mt_conv_add(
+              g, acc,
+              mt_conv_operand(x, g.a_dtype, g.compute, ((n * g.c + first + ic) * g.h + iy) * g.w + ix),
+              mt_conv_operand(w, g.b_dtype, g.compute, ((o * cg + ic) * g.kh + ky) * g.kw + kx));
+        }
+      }
+    mt_store_double(y, g.out_dtype, e, acc);
+  }
+}
+// The first output position at or after `low` (in input coordinates) along one axis: outputs p
+// whose window reaches input i through a tap k = (i + pad - p stride) / dil with 0 <= k < size.
+static __device__ __forceinline__ long long mt_first_output(long long i, long long pad,
+                                                            long long stride, long long dil,
+                                                            long long size) {
+  const long long reach = i + pad - (size - 1) * dil;  // p stride >= reach
+  return reach <= 0 ? 0 : (reach + stride - 1) / stride;
+}
+// gx[n, c, iy, ix] = sum over (o, oy, ox) whose window holds (iy, ix) of gy * w, in that order.
+extern "C" __global__ void mt_conv2d_input_grad(const void* gy, const void* w, void* gx,
+                                                const mt_conv g) {
+  const long long cg = g.c / g.groups, og = g.o / g.groups;
+  MT_CONV_ELEMENTS(g.n * g.c * g.h * g.w) {
+    const long long ix = e % g.w, iy = e / g.w % g.h, c = e / g.w / g.h % g.c,
+                    n = e / g.w / g.h / g.c, ic = c % cg, first = c / cg * og;
+    const long long oy0 = mt_first_output(iy, g.pad[0], g.stride[0], g.dil[0], g.kh);
+    const long long ox0 = mt_first_output(ix, g.pad[1], g.stride[1], g.dil[1], g.kw);
+    double acc = 0;
+    for (long long o = first; o < first + og; ++o)
+      for (long long oy = oy0; oy < g.oh && oy * g.stride[0] <= iy + g.pad[0]; ++oy) {
+        const long long dy = iy + g.pad[0] - oy * g.stride[0];
+        if (dy % g.dil[0] != 0) continue;
+        const long long ky = dy / g.dil[0];
+        for (long long ox = ox0; ox < g.ow && ox * g.stride[1] <= ix + g.pad[1]; ++ox) {
+          const long long dx = ix + g.pad[1] - ox * g.stride[1];
+          if (dx % g.dil[1] != 0) continue;
+          const long long kx = dx / g.dil[1];
+          acc = mt_conv_add(
+              g, acc,
+              mt_conv_operand(gy, g.a_dtype, g.compute, ((n * g.o + o) * g.oh + oy) * g.ow + ox),
+              mt_conv_operand(w, g.b_dtype, g.compute, ((o * cg + ic) * g.kh + ky) * g.kw + kx));
+        }
+      }
+    mt_store_double(gx, g.out_dtype, e, acc);
+  }
+}
+// gw[o, ic, ky, kx] = sum over (n, oy, ox) of x * gy, in that order.
+extern "C" __global__ void mt_conv2d_weight_grad(const void* x, const void* gy, void* gw,
+                                                 const mt_conv g) {
+  const long long cg = g.c / g.groups, og = g.o / g.groups;
+  MT_CONV_ELEMENTS(g.o * cg * g.kh * g.kw) {
+    const long long kx = e % g.kw, ky = e / g.kw % g.kh, ic = e / g.kw / g.kh % cg,
+                    o = e / g.kw / g.kh / cg, c = o / og * cg + ic;
+    double acc = 0;
+    for (long long n = 0; n < g.n; ++n)
+      for (long long oy = 0; oy < g.oh; ++oy) {
+        const long long iy = oy * g.stride[0] - g.pad[0] + ky * g.dil[0];
+        if (iy < 0 || iy >= g.h) continue;
+        for (long long ox = 0; ox < g.ow; ++ox) {
+          const long long ix = ox * g.stride[1] - g.pad[1] + kx * g.dil[1];
+          if (ix < 0 || ix >= g.w) continue;
+          acc = mt_conv_add(
+              g, acc,
+              mt_conv_operand(x, g.a_dtype, g.compute, ((n * g.c + c) * g.h + iy) * g.w + ix),
+              mt_conv_operand(gy, g.b_dtype, g.compute, ((n * g.o + o) * g.oh + oy) * g.ow + ox));
+        }
+      }
+    mt_store_double(gw, g.out_dtype, e, acc);
   }
 }
 
@@ -291,7 +404,14 @@ bool is_float_dtype(DType t) { return t == f32 || t == f64 || is_half(t); }
 // The compiled module's functions, compiled (or taken from the kernel cache) on first use.
 struct FixedKernels {
   cuda::CUfunction copy_box[4] = {}, index_select[4] = {}, index_add = nullptr,
-                   random_fill = nullptr, convert = nullptr;
+                   random_fill = nullptr, convert = nullptr, conv[3] = {};
+};
+
+// The convolution kernels' geometry argument, word for word (mt_conv in the source).
+struct ConvArgs {
+  int64_t n, c, h, w, o, kh, kw, oh, ow;
+  int64_t stride[2], pad[2], dil[2], groups;
+  int32_t a_dtype, b_dtype, out_dtype, compute, accum, unused;
 };
 
 std::atomic<cuda::CUmodule> prebuilt_module{nullptr};
@@ -315,6 +435,9 @@ const FixedKernels& fixed_kernels() {
     loaded.index_add = cuda::get_function(module, "mt_index_add");
     loaded.random_fill = cuda::get_function(module, "mt_random_fill");
     loaded.convert = cuda::get_function(module, "mt_convert");
+    loaded.conv[0] = cuda::get_function(module, "mt_conv2d");
+    loaded.conv[1] = cuda::get_function(module, "mt_conv2d_input_grad");
+    loaded.conv[2] = cuda::get_function(module, "mt_conv2d_weight_grad");
   });
   return loaded;
 }
@@ -463,6 +586,47 @@ bool run_random_fill(Node& node) {
   return true;
 }
 
+bool is_float_operand(DType t) { return t == f32 || t == f64 || is_half(t); }
+
+// Conv2d, Conv2dInputGrad and Conv2dWeightGrad: one thread per result element, the reference's
+// bits (see mt_conv in the source).
+bool run_conv(Node& node) {
+  Storage &a = *node.inputs[0]->value, &b = *node.inputs[1]->value;
+  if (!is_float_operand(a.dtype) || !is_float_operand(b.dtype) || !is_float_operand(node.storage) ||
+      !is_float_operand(node.compute))
+    return false;
+  const ConvGeometry g = ConvGeometry::of(node);
+  ConvArgs args{g.n,
+                g.c,
+                g.h,
+                g.w,
+                g.o,
+                g.kh,
+                g.kw,
+                g.oh,
+                g.ow,
+                {g.window.stride[0], g.window.stride[1]},
+                {g.window.pad[0], g.window.pad[1]},
+                {g.window.dil[0], g.window.dil[1]},
+                g.window.groups,
+                static_cast<int32_t>(a.dtype),
+                static_cast<int32_t>(b.dtype),
+                static_cast<int32_t>(node.storage),
+                static_cast<int32_t>(node.compute),
+                static_cast<int32_t>(node.accum),
+                0};
+  auto out = device_value(node.storage, node.numel());
+  if (node.numel() > 0) {
+    cuda::CUdeviceptr a_ptr = device_address(a), b_ptr = device_address(b),
+                      out_ptr = device_address(*out);
+    void* params[] = {&a_ptr, &b_ptr, &out_ptr, &args};
+    const int which = node.op == OpCode::Conv2d ? 0 : node.op == OpCode::Conv2dInputGrad ? 1 : 2;
+    launch(fixed_kernels().conv[which], node.numel(), params);
+  }
+  node.value = std::move(out);
+  return true;
+}
+
 }  // namespace
 
 void use_prebuilt_fixed_kernels(cuda::CUmodule module) {
@@ -484,8 +648,10 @@ std::shared_ptr<Storage> convert_on_device(Storage& value, DType dtype) {
 
 std::string cuda_fixed_kernels_source() {
   return std::string(cuda_prelude()) +
-         fmt::format("#define MT_F32 {}\n#define MT_F64 {}\n#define MT_F16 {}\n",
-                     static_cast<int>(f32), static_cast<int>(f64), static_cast<int>(f16)) +
+         fmt::format(
+             "#define MT_F32 {}\n#define MT_F64 {}\n#define MT_F16 {}\n#define MT_BF16 {}\n",
+             static_cast<int>(f32), static_cast<int>(f64), static_cast<int>(f16),
+             static_cast<int>(bf16)) +
          kernels;
 }
 
@@ -502,6 +668,10 @@ bool run_fixed_kernel(Node& node) {
     case OpCode::RandUniform:
     case OpCode::RandNormal:
       return run_random_fill(node);
+    case OpCode::Conv2d:
+    case OpCode::Conv2dInputGrad:
+    case OpCode::Conv2dWeightGrad:
+      return run_conv(node);
     default:
       return false;
   }

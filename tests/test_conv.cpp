@@ -222,24 +222,4 @@ TEST(Conv, AnEmptyPaddedInputGivesZeros) {
                   "conv_transpose2d", "empty spatial dimension");
 }
 
-// The CUDA back end runs convolutions through run_conv_on_host outside any CPU program run: a
-// weight's half copy must follow the weight when mt::compile updates it in place, not be the
-// first one made.
-TEST(Conv, OnTheHostOutsideAProgramRunNoStaleHalfCopyIsKept) {
-  mt::set_device(mt::Device::cpu);
-  mt::Tensor x = mt::ones({1, 1, 2, 2}), w = mt::ones({1, 1, 1, 1});
-  mt::eval({x, w});
-  mt::Tensor y = mt::conv2d(x, w);
-  mt::Node& node = *y.node();
-  node.compute = mt::f16;  // as autocast-f16 would give it
-  node.storage = mt::f32;
-  mt::run_conv_on_host(node);
-  EXPECT_EQ(mt::load_element<float>(*node.value, 0), 1.0f);
-  auto five = std::make_shared<mt::Storage>(mt::f32, 1);
-  mt::store_element(*five, 0, 5.0);
-  w.node()->value->swap_value(*five);  // what a replay does to state
-  mt::run_conv_on_host(node);
-  EXPECT_EQ(mt::load_element<float>(*node.value, 0), 5.0f);
-}
-
 }  // namespace

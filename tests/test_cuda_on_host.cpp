@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -27,6 +28,7 @@
 #include <fmt/format.h>
 
 #include "codegen/emit_cuda.h"
+#include "dsl/conv.h"
 #include "dsl/convert.h"
 #include "dsl/functional.h"
 #include "dsl/graph.h"
@@ -698,6 +700,86 @@ TEST(CudaOnHost, FixedKernelsStoreTheReferencesBits) {
         got, std::vector<char>(reinterpret_cast<const char*>(want.host_data()),
                                reinterpret_cast<const char*>(want.host_data()) + want.size_bytes()))
         << names[o];
+  }
+  fs::remove_all(dir);
+}
+
+// The three convolution kernels on windows with strides, padding, dilation and groups, in f32,
+// f16 and bf16 and under autocast (f32 operands rounded to bf16 by the kernel): the reference's
+// bytes.
+TEST(CudaOnHost, ConvolutionKernelsStoreTheReferencesBits) {
+  mt::Device previous = mt::current_device();
+  mt::set_device(mt::Device::reference);
+  mt::ConvWindow window;
+  window.stride[0] = 2, window.pad[0] = 1, window.pad[1] = 2, window.dil[1] = 2, window.groups = 2;
+  const mt::Shape x_shape = {2, 4, 7, 6}, w_shape = {6, 2, 3, 3}, y_shape = {2, 6, 4, 6};
+  // Each convolution with its operands (the graph drops a node's inputs once it has a value).
+  std::vector<std::array<mt::Tensor, 3>> convs;
+  auto add = [&](mt::Tensor a, mt::Tensor b, auto make) { convs.push_back({a, b, make(a, b)}); };
+  add(values(x_shape, mt::f32, 1), values(w_shape, mt::f32, 2),
+      [&](auto& x, auto& w) { return mt::conv2d_forward(x, w, window); });
+  add(values(y_shape, mt::bf16, 3), values(w_shape, mt::bf16, 4),
+      [&](auto& gy, auto& w) { return mt::conv2d_input_grad(gy, w, x_shape, window); });
+  add(values(x_shape, mt::f16, 5), values(y_shape, mt::f16, 6),
+      [&](auto& x, auto& gy) { return mt::conv2d_weight_grad(x, gy, w_shape, window); });
+  {
+    mt::autocast guard(mt::bf16);
+    add(values({3, 3, 5, 5}, mt::f32, 7), values({5, 3, 2, 2}, mt::f32, 8),
+        [&](auto& x, auto& w) { return mt::conv2d(x, w); });
+  }
+  std::vector<mt::Tensor> outs;
+  std::vector<mt::ConvGeometry> geometry;
+  std::vector<mt::OpCode> ops;
+  for (auto& conv : convs) {
+    ops.push_back(conv[2].node()->op);
+    ASSERT_EQ(mt::op_info(conv[2].node()->op).kind, mt::OpKind::Conv);
+    ASSERT_EQ(conv[2].node()->inputs[0].get(), conv[0].node().get());
+    geometry.push_back(mt::ConvGeometry::of(*conv[2].node()));
+    outs.push_back(conv[2]);
+  }
+  mt::eval(outs);
+  mt::set_device(previous);
+  // The autocast convolution reads f32 values and computes in bf16: the kernel rounds them.
+  EXPECT_EQ(outs[3].node()->compute, mt::bf16);
+
+  fs::path dir = fs::temp_directory_path() / fmt::format("mixtape_cuda_conv_{}", ::getpid());
+  fs::create_directories(dir);
+  std::string main_text = "int main() {\n";
+  const char* kernels[] = {"mt_conv2d", "mt_conv2d_input_grad", "mt_conv2d_weight_grad"};
+  for (size_t o = 0; o < outs.size(); ++o) {
+    const mt::Node& node = *outs[o].node();
+    const mt::Storage &a = *convs[o][0].node()->value, &b = *convs[o][1].node()->value;
+    const mt::ConvGeometry& g = geometry[o];
+    const mt::ConvWindow& w = g.window;
+    main_text += fmt::format("  std::vector<char> a{0} = {1}, b{0} = {2}, out{0}({3});\n", o,
+                             bytes_literal(a), bytes_literal(b), node.value->size_bytes());
+    main_text += grid_call(
+        node.numel(),
+        fmt::format("{}(a{}.data(), b{}.data(), out{}.data(), mt_conv{{{}, {}, {}, {}, {}, {}, {}, "
+                    "{}, {}, {{{}, {}}}, {{{}, {}}}, {{{}, {}}}, {}, {}, {}, {}, {}, {}, 0}})",
+                    kernels[ops[o] == mt::OpCode::Conv2d            ? 0
+                            : ops[o] == mt::OpCode::Conv2dInputGrad ? 1
+                                                                    : 2],
+                    o, o, o, g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.oh, g.ow, w.stride[0],
+                    w.stride[1], w.pad[0], w.pad[1], w.dil[0], w.dil[1], w.groups,
+                    static_cast<int>(a.dtype), static_cast<int>(b.dtype),
+                    static_cast<int>(node.storage), static_cast<int>(node.compute),
+                    static_cast<int>(node.accum)));
+    main_text += fmt::format("  mt_write(\"{}\", out{});\n",
+                             (dir / fmt::format("conv{}.out", o)).string(), o);
+  }
+  main_text += "}\n";
+  std::string source = mt::cuda_fixed_kernels_source();
+  source = host_prelude() + source.substr(std::string(mt::cuda_prelude()).size());
+  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + source + main_text, "conv kernels"));
+  for (size_t o = 0; o < outs.size(); ++o) {
+    std::ifstream in(dir / fmt::format("conv{}.out", o), std::ios::binary);
+    std::vector<char> got((std::istreambuf_iterator<char>(in)), {});
+    const mt::Storage& want = *outs[o].node()->value;
+    EXPECT_EQ(
+        got, std::vector<char>(reinterpret_cast<const char*>(want.host_data()),
+                               reinterpret_cast<const char*>(want.host_data()) + want.size_bytes()))
+        << "convolution " << o;
   }
   fs::remove_all(dir);
 }

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "codegen/nvrtc.h"
+#include "dsl/conv.h"
 #include "dsl/functional.h"
 #include "dsl/graph.h"
 #include "dsl/nn.h"
@@ -684,6 +685,52 @@ TEST(GpuMovement, ConcatUnsliceIndexSelectAndIndexAddMatchTheCpuOnTheDevice) {
     if (!dry_run()) {
       EXPECT_EQ(stats.host_ops, 0) << mt::name(dtype);
       EXPECT_EQ(stats.bytes_downloaded, 0) << mt::name(dtype);
+    }
+  }
+}
+
+// Convolutions on the device (runtime/cuda_fixed_kernels.cpp's direct kernels): a forward pass
+// with groups, stride and padding, and both gradients, in f32, bf16 and f16, have the reference
+// executor's bits, with nothing run on the host. The dry run compares the CPU back end (oneDNN,
+// its own order of sums) within rounding.
+TEST(GpuConvolution, ForwardAndBothGradientsHaveTheReferencesBitsOnTheDevice) {
+  SKIP_WITHOUT_CUDA();
+  for (mt::DType dtype : {mt::f32, mt::bf16, mt::f16}) {
+    auto run = [&](mt::Device device, mt::ExecutionStats* stats) {
+      DeviceScope scope;
+      mt::set_device(device);
+      mt::Generator gen(53);
+      mt::Tensor x = mt::randn({4, 6, 11, 9}, dtype, &gen).requires_grad_();
+      mt::Tensor w = mt::randn({8, 3, 3, 3}, dtype, &gen).requires_grad_();
+      mt::Tensor gy = mt::randn({4, 8, 6, 5}, dtype, &gen);
+      mt::eval({x, w, gy});
+      mt::reset_execution_stats();
+      mt::Tensor y = mt::conv2d(x, w, mt::Tensor(), {.stride = 2, .padding = 1, .groups = 2});
+      (y * gy).sum().backward();
+      std::vector<mt::Tensor> outs = {y, x.grad(), w.grad()};
+      mt::eval(outs);
+      if (stats) *stats = mt::execution_stats();
+      std::vector<std::vector<double>> values;
+      for (const mt::Tensor& t : outs) values.push_back(t.to_vector<double>());
+      return values;
+    };
+    mt::ExecutionStats stats;
+    auto expected = run(mt::Device::reference, nullptr);
+    auto actual = run(tested(), &stats);
+    ASSERT_EQ(actual.size(), expected.size());
+    const double tolerance = dtype == mt::f32 ? 1e-5 : 1e-2;
+    for (size_t o = 0; o < expected.size(); ++o) {
+      ASSERT_EQ(actual[o].size(), expected[o].size());
+      if (!dry_run()) {
+        EXPECT_EQ(actual[o], expected[o]) << mt::name(dtype) << " output " << o;
+        continue;
+      }
+      for (size_t i = 0; i < expected[o].size(); ++i)
+        ASSERT_NEAR(actual[o][i], expected[o][i], tolerance * (1 + std::fabs(expected[o][i])))
+            << mt::name(dtype) << " output " << o << " element " << i;
+    }
+    if (!dry_run()) {
+      EXPECT_EQ(stats.host_ops, 0) << mt::name(dtype);
     }
   }
 }
