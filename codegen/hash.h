@@ -1,4 +1,5 @@
-// codegen/hash.h -- a stable 128-bit non-cryptographic hash for cache keys (one-shot, incremental).
+// codegen/hash.h -- a stable 128-bit non-cryptographic hash (XXH3-128) for cache keys, with
+// framing.
 #pragma once
 
 #include <array>
@@ -10,11 +11,13 @@
 #include <string>
 #include <string_view>
 #include <type_traits>
+#include <vector>
 
 namespace mixtape {
 
-/// A 128-bit digest. Names files in the on-disk kernel cache, so its value for a given input is
-/// part of the cache's on-disk format: it must never change between builds or machines.
+/// A 128-bit digest: XXH3-128 of the bytes fed (xxHash's specified, stable output). Names files in
+/// the on-disk kernel cache, so its value for a given input is part of the cache's on-disk format:
+/// it must never change between builds or machines.
 struct Hash128 {
   uint64_t lo = 0;
   uint64_t hi = 0;
@@ -25,15 +28,14 @@ struct Hash128 {
   friend bool operator==(const Hash128&, const Hash128&) = default;
 };
 
-/// Accumulates input piece by piece. Raw bytes fed through update_bytes() hash exactly like the
-/// same bytes given to hash_bytes() in one piece, however they are split. The typed update()
-/// overloads frame each value with a type tag (and strings with their length), so sequences of
-/// fields cannot run into each other: ("ab", "c") and ("a", "bc") hash differently. Not resistant
-/// to deliberate collisions; do not use it where an attacker chooses the input.
+/// Accumulates input piece by piece (the keys hashed are kernel texts of a few kilobytes, so the
+/// bytes are kept and hashed at once by finish()). Raw bytes fed through update_bytes() hash
+/// exactly like the same bytes given to hash_bytes() in one piece, however they are split. The
+/// typed update() overloads frame each value with a type tag (and strings with their length), so
+/// sequences of fields cannot run into each other: ("ab", "c") and ("a", "bc") hash differently.
+/// Not resistant to deliberate collisions; do not use it where an attacker chooses the input.
 class Hasher {
  public:
-  Hasher();
-
   /// Raw bytes, without framing.
   Hasher& update_bytes(std::span<const std::byte> bytes);
 
@@ -64,13 +66,8 @@ class Hasher {
 
  private:
   Hasher& update_integer(uint64_t value);
-  void absorb_word(uint64_t word);
 
-  uint64_t lane_a_;
-  uint64_t lane_b_;
-  uint64_t total_bytes_ = 0;
-  std::array<std::byte, 8> pending_{};  // the bytes of a word not yet complete
-  size_t pending_count_ = 0;
+  std::vector<std::byte> bytes_;
 };
 
 Hash128 hash_bytes(std::span<const std::byte> bytes);

@@ -16,6 +16,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "codegen/hash.h"
 #include "mixtape/mixtape.h"
 
 namespace mt = mixtape;
@@ -56,10 +57,8 @@ struct Sample {
   Dist weights = Dist::Normal;  // of the fixed random weighting that reduces y to a scalar
 };
 
-uint64_t seed_of(const std::string& label) {  // FNV-1a: stable across runs and platforms
-  uint64_t h = 1469598103934665603ull;
-  for (char c : label) h = (h ^ static_cast<unsigned char>(c)) * 1099511628211ull;
-  return h;
+uint64_t seed_of(const std::string& label) {  // stable across runs and platforms
+  return mt::hash_string(label).lo;
 }
 
 std::vector<double> draw(Dist dist, int64_t n, mt::Generator& gen) {
