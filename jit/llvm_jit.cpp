@@ -480,33 +480,29 @@ double LlvmJit::compile_missing(const std::vector<KernelSource>& kernels,
   std::vector<size_t> order = missing;
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return kernels[a].ir.size() > kernels[b].ir.size(); });
-  std::atomic<size_t> next{0};
   std::mutex error_mutex;
   std::optional<Error> error;
   // The primer, when asked for, comes last: a thread with no kernel left runs it, so that with
-  // fewer kernels than cores it costs no wall time.
+  // fewer kernels than cores it costs no wall time. The team is sized by the cores, not by the
+  // user's omp_set_num_threads (a training loop pinned to one thread still compiles on all).
   const size_t jobs = order.size() + (prime ? 1 : 0);
-  auto work = [&] {
-    for (size_t k; (k = next.fetch_add(1)) < jobs;) {
-      if (k == order.size()) {
-        prime_tier_up();
-        continue;
-      }
-      size_t i = order[k];
-      try {
-        compiled[i] = compile_object(kernels[i].name, kernels[i].ir, cpu,
-                                     fast ? Output::fast_object : Output::optimized_object);
-      } catch (const Error& e) {
-        std::lock_guard<std::mutex> lock(error_mutex);
-        if (!error) error = e;
-      }
+  const int threads =
+      static_cast<int>(std::min<size_t>(jobs, std::max(1u, std::thread::hardware_concurrency())));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (size_t k = 0; k < jobs; ++k) {
+    if (k == order.size()) {
+      prime_tier_up();
+      continue;
     }
-  };
-  size_t threads = std::min<size_t>(jobs, std::max(1u, std::thread::hardware_concurrency()));
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (std::thread& thread : pool) thread.join();
+    size_t i = order[k];
+    try {
+      compiled[i] = compile_object(kernels[i].name, kernels[i].ir, cpu,
+                                   fast ? Output::fast_object : Output::optimized_object);
+    } catch (const Error& e) {
+      std::lock_guard<std::mutex> lock(error_mutex);
+      if (!error) error = e;
+    }
+  }
   if (error) throw *error;
   return seconds_since(start);
 }

@@ -7,7 +7,6 @@
 #include "runtime/cuda_values.h"
 
 #include <algorithm>
-#include <atomic>
 #include <chrono>
 #include <mutex>
 #include <thread>
@@ -122,27 +121,23 @@ void compile_pending() {
   // of its module load: the "a cached kernel loads in under 1 ms".
   std::unique_ptr<bool[]> cached(new bool[todo.size()]());
   std::vector<double> fetch_seconds(todo.size(), 0.0);
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i = next++; i < todo.size(); i = next++) {
-      try {
-        const kir::Kernel& kernel = *todo[i]->kernel;
-        if (log_enabled("kernels")) log_line("kernels", "{}", kir::to_string(kernel));
-        std::string source = emit_cuda(kernel);
-        auto start = std::chrono::steady_clock::now();
-        images[i] = compile_cuda(source, arch, kernel.name + ".cu", &cached[i]);
-        fetch_seconds[i] =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      } catch (const std::exception& e) {
-        errors[i] = e.what();
-      }
+  // NVRTC compiles one kernel per thread, on every core whatever the user's OpenMP setting.
+  const int threads = static_cast<int>(
+      std::min<size_t>(todo.size(), std::max(1u, std::thread::hardware_concurrency())));
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (size_t i = 0; i < todo.size(); ++i) {
+    try {
+      const kir::Kernel& kernel = *todo[i]->kernel;
+      if (log_enabled("kernels")) log_line("kernels", "{}", kir::to_string(kernel));
+      std::string source = emit_cuda(kernel);
+      auto start = std::chrono::steady_clock::now();
+      images[i] = compile_cuda(source, arch, kernel.name + ".cu", &cached[i]);
+      fetch_seconds[i] =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    } catch (const std::exception& e) {
+      errors[i] = e.what();
     }
-  };
-  size_t threads = std::min<size_t>(todo.size(), std::max(1u, std::thread::hardware_concurrency()));
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (std::thread& thread : pool) thread.join();
+  }
   std::vector<LoadedKernel*> batch = std::move(todo);
   todo.clear();  // a kernel that fails stays unloaded: run_kernel reports it
   for (size_t i = 0; i < batch.size(); ++i)
