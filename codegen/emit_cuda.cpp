@@ -145,17 +145,17 @@ constexpr int64_t multi_tensor_chunk_points = 32768;
 constexpr int64_t column_min_rows = 1024;
 
 // How a kernel is spread over the GPU.
-enum class Shape : uint8_t {
-  pointwise,      // grid-stride loop over all points, one point per thread at a time
-  block_reduce,   // one block per outer point (or per chunk of one: Plan::chunks); the block's
-                  // threads share its inner points
+enum class Mapping : uint8_t {
+  pointwise,     // grid-stride loop over all points, one point per thread at a time
+  block_reduce,  // one block per outer point (or per chunk of one: LaunchPlan::chunks); the block's
+                 // threads share its inner points
   thread_reduce,  // one thread per outer point; the inner loop runs sequentially, as on the CPU
   column_tiles    // a column reduction (kir::Kernel::column_reduction): a block per 32 columns
                   // (or per chunk of their rows), a lane per column, the warps sharing the rows
 };
 
-struct Plan {
-  Shape shape = Shape::pointwise;
+struct LaunchPlan {
+  Mapping mapping = Mapping::pointwise;
   int64_t outer = 1, inner = 1;  // reductions: points outside and inside; pointwise: all in outer
   uint32_t block = warp_size;
   uint32_t grid = 1;
@@ -219,11 +219,11 @@ int vector_width(const kir::Kernel& k) {
   return product(k.dims, 0, k.dims.size()) >= 4 * width ? width : 1;  // tiny: not worth it
 }
 
-Plan plan(const kir::Kernel& k) {
-  Plan p;
+LaunchPlan plan(const kir::Kernel& k) {
+  LaunchPlan p;
   size_t rank = k.dims.size();
   if (k.multi_tensor) {  // the grid depends on the segments: cuda_multi_tensor_launch
-    p.shape = k.is_reduction() ? Shape::block_reduce : Shape::pointwise;
+    p.mapping = k.is_reduction() ? Mapping::block_reduce : Mapping::pointwise;
     p.block = max_block;
     return p;
   }
@@ -242,7 +242,7 @@ Plan plan(const kir::Kernel& k) {
   // A 16-bit accumulator rounds every partial sum: only the CPU's sequential order gives the
   // CPU's result. Short inner loops are not worth a block either.
   if (half_accumulator || p.inner < static_cast<int64_t>(warp_size)) {
-    p.shape = Shape::thread_reduce;
+    p.mapping = Mapping::thread_reduce;
     p.block = round_up_to_warps(p.outer);
     p.grid = clamp_grid((p.outer + p.block - 1) / p.block, max_pointwise_grid);
     return p;
@@ -256,7 +256,7 @@ Plan plan(const kir::Kernel& k) {
         std::min((p.inner + column_min_rows - 1) / column_min_rows, split_target_blocks / p.tiles),
         1, max_reduction_grid);
     if (p.tiles * p.chunks <= max_reduction_grid) {
-      p.shape = Shape::column_tiles;
+      p.mapping = Mapping::column_tiles;
       p.chunk_points = (p.inner + p.chunks - 1) / p.chunks;
       p.block = max_block;
       p.grid = static_cast<uint32_t>(p.tiles * p.chunks);
@@ -264,7 +264,7 @@ Plan plan(const kir::Kernel& k) {
     }
     p.chunks = 1;  // too many tiles for one grid: a block per outer point
   }
-  p.shape = Shape::block_reduce;
+  p.mapping = Mapping::block_reduce;
   uint32_t block = warp_size;
   while (block < max_block && block < p.inner) block *= 2;
   p.block = block;
@@ -284,11 +284,12 @@ Plan plan(const kir::Kernel& k) {
 bool is_float(Type type) { return type == Type::f32 || type == Type::f64; }
 
 // Max reductions of floats that a block's threads split carry the index of the value they keep.
-bool carries_index(const kir::Reduction& red, const Plan& p) {
-  return p.shape == Shape::block_reduce && red.kind == kir::ReduceKind::Max && is_float(red.type);
+bool carries_index(const kir::Reduction& red, const LaunchPlan& p) {
+  return p.mapping == Mapping::block_reduce && red.kind == kir::ReduceKind::Max &&
+         is_float(red.type);
 }
 
-Workspace workspace(const kir::Kernel& k, const Plan& p) {
+Workspace workspace(const kir::Kernel& k, const LaunchPlan& p) {
   Workspace w;
   for (const kir::Reduction& red : k.reductions) {
     w.partial.push_back(w.arrays++);
@@ -297,11 +298,11 @@ Workspace workspace(const kir::Kernel& k, const Plan& p) {
   return w;
 }
 
-// The workspace bytes of a kernel split Plan::chunks ways (0 when it is not): column tiles keep
-// a word per column of each block, and count arrivals per tile.
-int64_t split_workspace_bytes(const kir::Kernel& k, const Plan& p) {
+// The workspace bytes of a kernel split LaunchPlan::chunks ways (0 when it is not): column tiles
+// keep a word per column of each block, and count arrivals per tile.
+int64_t split_workspace_bytes(const kir::Kernel& k, const LaunchPlan& p) {
   if (k.multi_tensor || p.chunks < 2) return 0;
-  if (p.shape == Shape::column_tiles)
+  if (p.mapping == Mapping::column_tiles)
     return workspace(k, p).bytes(p.tiles * p.chunks * warp_size, p.tiles);
   return workspace(k, p).bytes(p.outer * p.chunks, p.outer);
 }
@@ -399,17 +400,17 @@ class Emitter {
     }
     header();
     indent_ = 1;
-    switch (plan_.shape) {
-      case Shape::pointwise:
+    switch (plan_.mapping) {
+      case Mapping::pointwise:
         pointwise();
         break;
-      case Shape::block_reduce:
+      case Mapping::block_reduce:
         block_reduce();
         break;
-      case Shape::thread_reduce:
+      case Mapping::thread_reduce:
         thread_reduce();
         break;
-      case Shape::column_tiles:
+      case Mapping::column_tiles:
         column_tiles();
         break;
     }
@@ -450,10 +451,10 @@ class Emitter {
   void header() {
     std::string per = plan_.chunks > 1 ? fmt::format("{} blocks per", plan_.chunks) : "a block per";
     std::string shape =
-        plan_.shape == Shape::pointwise      ? "pointwise"
-        : plan_.shape == Shape::column_tiles ? "column reduction, " + per + " 32 columns"
-        : plan_.shape == Shape::block_reduce ? "reduction, " + per + " outer point"
-                                             : "reduction, a thread per outer point";
+        plan_.mapping == Mapping::pointwise      ? "pointwise"
+        : plan_.mapping == Mapping::column_tiles ? "column reduction, " + per + " 32 columns"
+        : plan_.mapping == Mapping::block_reduce ? "reduction, " + per + " outer point"
+                                                 : "reduction, a thread per outer point";
     std::string dims;
     for (size_t d = 0; d < k_.dims.size(); ++d)
       dims += fmt::format("{}{}", d ? ", " : "", k_.dims[d]);
@@ -967,7 +968,8 @@ class Emitter {
     close();
   }
 
-  // Plan::chunks blocks per outer point, each over its chunk of the inner points (fold_chunks).
+  // LaunchPlan::chunks blocks per outer point, each over its chunk of the inner points
+  // (fold_chunks).
   void split_reduce() {
     int split = k_.reduce_from, rank = static_cast<int>(k_.dims.size());
     uint32_t warps = plan_.block / warp_size;
@@ -1160,7 +1162,7 @@ class Emitter {
   }
 
   const kir::Kernel& k_;
-  Plan plan_;
+  LaunchPlan plan_;
   std::string out_;
   std::vector<std::string> names_;
   std::vector<bool> used_;
@@ -1177,7 +1179,7 @@ const char* cuda_prelude() { return prelude; }
 const char* cuda_element_type(DType dtype) { return element_type(dtype); }
 
 CudaLaunch cuda_launch_shape(const kir::Kernel& kernel) {
-  Plan p = plan(kernel);
+  LaunchPlan p = plan(kernel);
   return CudaLaunch{p.grid, p.block, 0, static_cast<uint64_t>(split_workspace_bytes(kernel, p))};
 }
 

@@ -144,7 +144,6 @@ ModulePathScope::ModulePathScope(const std::string& path) : previous_(module_pat
   module_path = path;
 }
 ModulePathScope::~ModulePathScope() { module_path = previous_; }
-const std::string& current_module_path() { return module_path; }
 
 CallSiteScope::CallSiteScope(const Loc& loc, const char* name)
     : owns_site_(call_site == nullptr), owns_composite_(name && composite == nullptr) {

@@ -67,7 +67,6 @@ class ModulePathScope {
  private:
   std::string previous_;
 };
-const std::string& current_module_path();
 
 /// Makes nodes built inside library code (composites, modules) report the user's call site:
 /// the outermost scope wins.

@@ -189,10 +189,4 @@ HostMemoryStats host_memory_stats() {
   return stats;
 }
 
-void host_memory_trim() {
-  Cache& c = cache();
-  std::lock_guard<std::mutex> lock(c.mutex);
-  free_cached(c);
-}
-
 }  // namespace mixtape

@@ -39,8 +39,6 @@ struct HostMemoryStats {
   int64_t misses = 0;        // allocations that went to the OS
 };
 HostMemoryStats host_memory_stats();
-/// Gives every cached block back to the OS.
-void host_memory_trim();
 
 /// A std::allocator for Storage bytes over host_allocate. Elements made without a value are left
 /// uninitialized (default-initialized), so a buffer a kernel is about to overwrite costs no

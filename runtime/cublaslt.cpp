@@ -199,17 +199,17 @@ uint32_t alignment(const void* ptr, int64_t stride_elements, size_t element_byte
   return static_cast<uint32_t>(bits & (~bits + 1));
 }
 
-struct PlanKey {
+struct MatmulPlanKey {
   int64_t batch, m, n, k, stride_a, stride_b, stride_c;
   bool transpose_a, transpose_b, tf32;
   DType input, output;
   Epilogue epilogue;
   uint32_t align_a, align_b, align_c, align_bias, align_aux;
-  auto operator<=>(const PlanKey&) const = default;
+  auto operator<=>(const MatmulPlanKey&) const = default;
 };
 
 // One problem's descriptors and the heuristic's algorithm; pointers are set per call.
-struct Plan {
+struct MatmulPlan {
   OpDesc desc = nullptr;
   Layout a = nullptr, b = nullptr, c = nullptr;  // cuBLASLt's A, B and C=D
   HeuristicResult result{};
@@ -217,14 +217,14 @@ struct Plan {
 
 constexpr size_t kWorkspaceBytes = size_t{32} << 20;
 
-struct PlanCache {
+struct MatmulPlanCache {
   std::mutex mutex;
-  std::map<PlanKey, std::unique_ptr<Plan>> plans;
+  std::map<MatmulPlanKey, std::unique_ptr<MatmulPlan>> plans;
   DeviceBuffer workspace;
 };
 
-PlanCache& plan_cache() {
-  static PlanCache* cache = new PlanCache;  // descriptors live as long as the process
+MatmulPlanCache& plan_cache() {
+  static MatmulPlanCache* cache = new MatmulPlanCache;  // descriptors live as long as the process
   return *cache;
 }
 
@@ -259,9 +259,10 @@ Layout make_layout(DType type, int64_t rows, int64_t cols, int64_t ld, int64_t b
 // Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T, and a row-major matrix is its
 // transpose in column-major: so cuBLASLt's A is our B, its B is our A, with the same transpose
 // flags, and its D is n x m with leading dimension n.
-std::unique_ptr<Plan> build_plan(const MatmulDesc& d, const PlanKey& key, const MatmulArgs& args) {
+std::unique_ptr<MatmulPlan> build_plan(const MatmulDesc& d, const MatmulPlanKey& key,
+                                       const MatmulArgs& args) {
   const LtApi& api = lt();
-  auto plan = std::make_unique<Plan>();
+  auto plan = std::make_unique<MatmulPlan>();
   int compute = d.input == f32 && d.allow_tf32 ? lt_abi::kComputeF32FastTf32 : lt_abi::kComputeF32;
   lt_check(api.cublasLtMatmulDescCreate(&plan->desc, compute, lt_abi::kDataF32),
            "cublasLtMatmulDescCreate");
@@ -380,34 +381,34 @@ void matmul(const MatmulDesc& d, const MatmulArgs& args) {
   if (d.m == 0 || d.n == 0) return;
   const LtApi& api = lt();
   const size_t in_bytes = size_of(d.input), out_bytes = size_of(d.output);
-  PlanKey key{d.batch,
-              d.m,
-              d.n,
-              d.k,
-              d.stride_a < 0 ? d.m * d.k : d.stride_a,
-              d.stride_b < 0 ? d.k * d.n : d.stride_b,
-              d.stride_c < 0 ? d.m * d.n : d.stride_c,
-              d.transpose_a,
-              d.transpose_b,
-              d.allow_tf32,
-              d.input,
-              d.output,
-              d.epilogue,
-              0,
-              0,
-              0,
-              0,
-              0};
+  MatmulPlanKey key{d.batch,
+                    d.m,
+                    d.n,
+                    d.k,
+                    d.stride_a < 0 ? d.m * d.k : d.stride_a,
+                    d.stride_b < 0 ? d.k * d.n : d.stride_b,
+                    d.stride_c < 0 ? d.m * d.n : d.stride_c,
+                    d.transpose_a,
+                    d.transpose_b,
+                    d.allow_tf32,
+                    d.input,
+                    d.output,
+                    d.epilogue,
+                    0,
+                    0,
+                    0,
+                    0,
+                    0};
   key.align_a = alignment(args.a, key.stride_a, in_bytes, d.batch);
   key.align_b = alignment(args.b, key.stride_b, in_bytes, d.batch);
   key.align_c = alignment(args.c, key.stride_c, out_bytes, d.batch);
   key.align_bias = uses_bias(d.epilogue) ? alignment(args.bias, 0, 0, 1) : 0;
   key.align_aux = uses_aux(d.epilogue) ? alignment(args.aux, 0, 0, 1) : 0;
 
-  PlanCache& cache = plan_cache();
+  MatmulPlanCache& cache = plan_cache();
   std::lock_guard lock(cache.mutex);
   if (cache.workspace.size() == 0) cache.workspace = DeviceBuffer(kWorkspaceBytes);
-  std::unique_ptr<Plan>& plan = cache.plans[key];
+  std::unique_ptr<MatmulPlan>& plan = cache.plans[key];
   if (!plan) {
     try {
       plan = build_plan(d, key, args);

@@ -69,7 +69,6 @@ void initialize(DriverState& state) {
   MIXTAPE_BIND(cuDevicePrimaryCtxRetain);
   MIXTAPE_BIND(cuCtxSetCurrent);
   MIXTAPE_BIND(cuModuleLoadData);
-  MIXTAPE_BIND(cuModuleUnload);
   MIXTAPE_BIND(cuModuleGetFunction);
   MIXTAPE_BIND(cuLaunchKernel);
   MIXTAPE_BIND(cuMemAlloc_v2);
@@ -235,8 +234,6 @@ CUmodule load_module(std::span<const char> image) {
   check(driver().cuModuleLoadData(&module, image.data()), "cuModuleLoadData");
   return module;
 }
-
-void unload_module(CUmodule module) { check(driver().cuModuleUnload(module), "cuModuleUnload"); }
 
 CUfunction get_function(CUmodule module, const std::string& name) {
   CUfunction function = nullptr;

@@ -49,7 +49,6 @@ struct DriverApi {
   CUresult (*cuDevicePrimaryCtxRetain)(CUcontext* context, CUdevice device);
   CUresult (*cuCtxSetCurrent)(CUcontext context);
   CUresult (*cuModuleLoadData)(CUmodule* module, const void* image);
-  CUresult (*cuModuleUnload)(CUmodule module);
   CUresult (*cuModuleGetFunction)(CUfunction* function, CUmodule module, const char* name);
   CUresult (*cuLaunchKernel)(CUfunction f, unsigned grid_x, unsigned grid_y, unsigned grid_z,
                              unsigned block_x, unsigned block_y, unsigned block_z,
@@ -142,7 +141,6 @@ struct Dim3 {
 
 /// Loads a CUBIN or PTX image (PTX must be NUL-terminated) into the context.
 CUmodule load_module(std::span<const char> image);
-void unload_module(CUmodule module);
 /// The kernel `name` of `module`; throws mt::Error naming it when it is missing.
 CUfunction get_function(CUmodule module, const std::string& name);
 /// Queues `function` on the compute stream; `args` points to one pointer per kernel parameter.
