@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -24,7 +25,7 @@ constexpr const char* kUsage =
     "  workloads: fma_peak (f32 FMA, bf16 dot-product and AMX peaks, 1 and all threads),\n"
     "             gemm_<f32|bf16>_<N> (N^3 product through runtime/gemm.h, f32 result),\n"
     "             gemm_<f32|bf16>_<M>x<N>x<K> (an M x K by K x N product); a suffix\n"
-    "             :native or :widened picks the bf16 kernel (default: automatic)\n";
+    "             :native, :widened or :own picks the bf16 kernel (default: automatic)\n";
 
 /// A gemm workload's name parsed: gemm_<dtype>_<N> or gemm_<dtype>_<M>x<N>x<K>, and :kernel.
 struct GemmWorkload {
@@ -42,6 +43,8 @@ bool parse_gemm(const std::string& name, GemmWorkload& w) {
       w.kernel = mt::Bf16Kernel::native;
     else if (kernel == "widened")
       w.kernel = mt::Bf16Kernel::widened;
+    else if (kernel == "own")
+      w.kernel = mt::Bf16Kernel::own;
     else
       return false;
     shape = name.substr(0, colon);
@@ -61,6 +64,14 @@ bool parse_gemm(const std::string& name, GemmWorkload& w) {
   w.dtype = dtype, w.m = m, w.n = n, w.k = k;
   return (w.dtype == "f32" || w.dtype == "bf16") && m > 0 && n > 0 && k > 0 &&
          (w.kernel == mt::Bf16Kernel::automatic || w.dtype == "bf16");
+}
+
+/// Threads the library's parallel regions use: OMP_NUM_THREADS where set (run.py sets it per
+/// child), else all of the machine's.
+int threads_in_use() {
+  const char* env = std::getenv("OMP_NUM_THREADS");
+  const int threads = env ? std::atoi(env) : 0;
+  return threads > 0 ? std::min(threads, bench::all_threads()) : bench::all_threads();
 }
 
 mt::json::Object gemm_record(const std::string& name, const GemmWorkload& w, Peaks& peaks,
@@ -105,6 +116,14 @@ mt::json::Object gemm_record(const std::string& name, const GemmWorkload& w, Pea
                           {"peak_gflops", peak}};
   if (w.m == w.n && w.n == w.k) record.emplace_back("size", w.m);
   if (peak > 0) record.emplace_back("fraction_of_peak", gflops / peak);
+  // The same against the peak of the threads the library uses (OMP_NUM_THREADS), as
+  // bench_conv holds its products: one thread's product is held to one core's peak.
+  const int threads = threads_in_use();
+  double peak_here = peaks.gflops("f32", 1) * threads;
+  if (dtype == "bf16") peak_here = std::max(peak_here, peaks.gflops("bf16", 1) * threads);
+  if (threads >= bench::all_threads()) peak_here = peak;
+  record.emplace_back("library_threads", threads);
+  if (peak_here > 0) record.emplace_back("fraction_of_peak_at_threads", gflops / peak_here);
   bench::append(record, result);
   return record;
 }
@@ -124,7 +143,7 @@ int main(int argc, char** argv) {
       } else {
         mt::fail(
             "bench_gemm: unknown workload '{}' (fma_peak, gemm_<f32|bf16>_<N>, "
-            "gemm_<f32|bf16>_<M>x<N>x<K>, with :native or :widened for bf16)",
+            "gemm_<f32|bf16>_<M>x<N>x<K>, with :native, :widened or :own for bf16)",
             name);
       }
     }

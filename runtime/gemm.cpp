@@ -18,6 +18,7 @@
 #include "dsl/error.h"
 #include "dsl/half.h"
 #include "dsl/log.h"
+#include "runtime/gemm_bf16.h"
 #include "runtime/half_convert.h"
 #include "runtime/scratch_buffer.h"
 #include "runtime/single_threaded.h"
@@ -31,9 +32,15 @@
 // - Its bf16 destination rounds to nearest even like dsl/half.h for normal values, but the bf16
 //   kernel (VDPBF16PS) treats subnormal operands and products as zero. Rounding here keeps one
 //   code path for both half types and keeps f32 subnormal sums of the f32 kernel exact.
-// - The bf16 kernel runs at about half the f32 kernel's speed (no AMX; VDPBF16PS does as many
-//   multiply-adds per cycle as two FMAs), so for large enough matrices widening bf16 operands to
-//   f32 is faster despite the conversion pass; Bf16Kernel::automatic picks by shape.
+// - How fast its bf16 kernel is depends on the CPU, not on oneDNN. On that Intel CPU VDPBF16PS
+//   runs at half the f32 FMA rate in flops, so for large enough matrices widening bf16 operands to
+//   f32 is faster despite the conversion pass. On an AMD EPYC (Zen 4) it runs at twice the FMA
+//   rate, and the same bf16 matmul reached 0.71-0.95 of one core's bf16 peak where the widened one
+//   reached 0.34-0.46. So Bf16Kernel::automatic measures the two rates once (gemm_bf16.h) and
+//   keeps bf16 operands bf16 where dot products are the faster; only then does it pick by shape.
+// - Around a small product (256x64x64: about 4 us at the bf16 peak of one Zen 4 core) oneDNN
+//   spends a good part of its time outside its kernel; mixtape's own VDPBF16PS tile
+//   (gemm_bf16.h), which packs B and runs, takes those on CPUs where bf16 dot products are fast.
 // - On a CPU with AMX (Sapphire Rapids and later, with Linux granting the tile state, which oneDNN
 //   asks for) the same bf16 matmul runs on AMX tiles (its implementation "brg:avx512_core_amx..."),
 //   4 to 8 times faster than the f32 kernel at every shape measured, from 256x64x64 to 2048^3
@@ -66,6 +73,11 @@ constexpr double kWidenBf16MinFlopsPerElement = 96.0;
 // (about 200 GFLOP/s a core) and 2^24 on AMX tiles (about 1,000 at these sizes). With 2^24 for
 // both, the demo's 256x128x128 f32 products ran on one thread: 10% fewer steps/s.
 constexpr double kSingleThreadMaxFlops = double{1 << 22};
+
+// Bf16Kernel::automatic runs products of at most this many flops (all batches) on the own kernel,
+// where bf16 dot products are fast: below kSingleThreadMaxFlops, so oneDNN would run them on one
+// thread too, and where the own kernel was measured ahead of oneDNN's (bench/README.md).
+constexpr double kOwnBf16MaxFlops = double{1 << 21};
 constexpr double kAmxSingleThreadMaxFlops = double{1 << 24};
 
 // Per thread, so that concurrent calls never share a buffer and need no lock.
@@ -183,6 +195,7 @@ PrimitiveKey primitive_key(const GemmDesc& d, OnednnType operand,
 // choice depends only on the description and the machine, so a shape always runs the same kernel
 // and gives the same bits.
 struct Choice {
+  bool own = false;  // gemm_bf16_own, no primitive
   bool widen = false;
   bool bf16_result = false;  // oneDNN writes the bf16 result itself: there is no epilogue pass
   std::shared_ptr<const CachedPrimitive> primitive;
@@ -200,12 +213,35 @@ std::optional<Choice> amx_choice(const GemmDesc& d) {
   if (d.out == bf16 && !d.relu && !d.has_bias) {
     std::shared_ptr<const CachedPrimitive> direct =
         cached_primitive(primitive_key(d, OnednnType::bf16, OnednnType::bf16));
-    if (direct->amx) return Choice{false, true, std::move(direct)};
+    if (direct->amx) return Choice{false, false, true, std::move(direct)};
   }
   std::shared_ptr<const CachedPrimitive> native =
       cached_primitive(primitive_key(d, OnednnType::bf16));
-  if (native->amx) return Choice{false, false, std::move(native)};
+  if (native->amx) return Choice{false, false, false, std::move(native)};
   return std::nullopt;
+}
+
+double flops_of(const GemmDesc& d) {
+  return 2.0 * static_cast<double>(d.batch) * static_cast<double>(d.m) * static_cast<double>(d.n) *
+         static_cast<double>(d.k);
+}
+
+// Whether VDPBF16PS outruns f32 FMAs on this CPU (measured once; logged under MIXTAPE_LOG=profile
+// with the measured ratio). The ratio is about 2 or about 0.5 on the CPUs measured, far from 1,
+// so the answer does not flip between runs of one machine.
+bool bf16_dots_are_faster() {
+  static const bool faster = [] {
+    const double ratio = bf16_dot_speed_over_f32();
+    const bool result = ratio >= 1.0;
+    log_line("profile",
+             "bf16 dot products (VDPBF16PS) run at {:.2f} times the f32 FMA rate here: automatic "
+             "bf16 products {}",
+             ratio,
+             result ? "stay bf16 (own kernel up to 2^21 flops, else oneDNN bf16)"
+                    : "are widened to f32 or not by shape");
+    return result;
+  }();
+  return faster;
 }
 
 Choice choose(const GemmDesc& d) {
@@ -218,9 +254,21 @@ Choice choose(const GemmDesc& d) {
       case Bf16Kernel::widened:
         widen = true;
         break;
+      case Bf16Kernel::own:
+        if (!gemm_bf16_own_available())
+          fail(
+              "{}: the own bf16 kernel needs AVX512F, AVX512BW and AVX512-BF16, which this CPU "
+              "lacks",
+              describe(d));
+        return Choice{true, false, false, nullptr};
       case Bf16Kernel::automatic: {
         if (onednn_may_use_amx())
           if (std::optional<Choice> amx = amx_choice(d)) return std::move(*amx);
+        if (bf16_dots_are_faster()) {
+          if (flops_of(d) <= kOwnBf16MaxFlops) return Choice{true, false, false, nullptr};
+          widen = false;
+          break;
+        }
         const double m = static_cast<double>(d.m), n = static_cast<double>(d.n);
         widen = 2.0 * m * n / (m + n) >= kWidenBf16MinFlopsPerElement;
         break;
@@ -228,10 +276,11 @@ Choice choose(const GemmDesc& d) {
     }
   }
   const OnednnType type = d.operand == bf16 && !widen ? OnednnType::bf16 : OnednnType::f32;
-  return {widen, false, cached_primitive(primitive_key(d, type))};
+  return {false, widen, false, cached_primitive(primitive_key(d, type))};
 }
 
 std::string describe(const Choice& choice, const GemmDesc& d) {
+  if (choice.own) return "mixtape's own bf16 kernel (6x64 VDPBF16PS tile, one thread)";
   if (choice.widen)
     return fmt::format("{} widened to f32, oneDNN f32 {}", name(d.operand),
                        choice.primitive->implementation);
@@ -284,9 +333,7 @@ BoundArguments& bound_arguments(const CachedPrimitive& primitive, bool has_bias)
 
 // Whether oneDNN runs the product on the OpenMP team (else on the calling thread alone).
 bool runs_on_team(const GemmDesc& d, const CachedPrimitive& primitive) {
-  const double flops = 2.0 * static_cast<double>(d.batch) * static_cast<double>(d.m) *
-                       static_cast<double>(d.n) * static_cast<double>(d.k);
-  return flops >= (primitive.amx ? kAmxSingleThreadMaxFlops : kSingleThreadMaxFlops);
+  return flops_of(d) >= (primitive.amx ? kAmxSingleThreadMaxFlops : kSingleThreadMaxFlops);
 }
 
 void run_onednn(const GemmDesc& d, const CachedPrimitive& primitive, bool team, const void* a,
@@ -432,6 +479,14 @@ void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void
     fail("{}: oneDNN failed: {}", describe(d), error.what());
   }
   log_choice(d, [&] { return describe(choice, d); });
+  if (choice.own) {
+    float* result = f32_result();
+    gemm_bf16_own(d.batch, d.m, d.n, d.k, d.transpose_a, d.transpose_b,
+                  static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b), bias_f32,
+                  result);
+    finish(d, false, result, out, result_count);
+    return;
+  }
   const void* a_operand = a;
   const void* b_operand = b;
   if (choice.widen) {
@@ -487,6 +542,7 @@ void gemm_release_scratch() {
   for (ScratchBuffer* buffer :
        {&scratch.a, &scratch.b, &scratch.bias, &scratch.result, &scratch.onednn, &scratch.partials})
     buffer->release();
+  gemm_bf16_own_release_scratch();
 }
 
 }  // namespace mixtape

@@ -1,0 +1,281 @@
+// runtime/gemm_bf16.cpp -- a 6x64 VDPBF16PS register tile over B packed in pairs of k, for the
+// small bf16 products where oneDNN 2.6 spends more time around its kernel than in it.
+#include "runtime/gemm_bf16.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include <immintrin.h>
+
+#include "runtime/scratch_buffer.h"
+
+// Every function that uses AVX-512 carries a target attribute instead of the file being compiled
+// with -mavx512*: inline functions of the standard headers compiled here could otherwise be the
+// copy the linker keeps for the whole program and crash a CPU without AVX-512. Such functions are
+// only reached after gemm_bf16_own_available() said yes.
+#define MIXTAPE_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+namespace mixtape {
+namespace {
+
+// The register tile: kRows rows of A times 64 columns of B (4 vectors of 16 f32), 24 of the 32
+// vector registers as accumulators, 4 for B and 1 for a broadcast A pair. VDPBF16PS has a
+// latency of about 6 cycles and 2 issue ports on Zen 4, so 24 independent chains keep both busy.
+constexpr int kRows = 6;
+constexpr int kVectors = 4;
+constexpr int64_t kPanel = 16 * kVectors;  // columns of a packed B panel
+
+struct Scratch {
+  ScratchBuffer a, b;
+};
+
+Scratch& scratch() {
+  thread_local Scratch buffers;
+  return buffers;
+}
+
+uint32_t load_pair(const uint16_t* at) {
+  uint32_t word;
+  std::memcpy(&word, at, sizeof word);
+  return word;
+}
+
+// One rows x (16 * vectors) block of the result: `a` points at its first row (lda pairs of bf16
+// per row, read as unaligned 32-bit words), `panel` at its packed B panel ([pairs][64] words, each
+// a pair of bf16 from rows 2p and 2p+1 of one column). The last vector stores only `last_lanes`
+// lanes.
+template <int rows, int vectors>
+MIXTAPE_AVX512_BF16 void tile(const uint16_t* a, int64_t lda, const uint32_t* panel, int64_t pairs,
+                              const float* bias, float* out, int64_t ldo, int last_lanes) {
+  __m512 acc[rows][vectors];
+  for (int r = 0; r < rows; ++r)
+    for (int v = 0; v < vectors; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh bv[vectors];
+    for (int v = 0; v < vectors; ++v)
+      bv[v] = (__m512bh)_mm512_loadu_si512(panel + p * kPanel + 16 * v);
+    for (int r = 0; r < rows; ++r) {
+      const __m512bh av =
+          (__m512bh)_mm512_set1_epi32(static_cast<int>(load_pair(a + 2 * (r * lda + p))));
+      for (int v = 0; v < vectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
+    }
+  }
+  const __mmask16 last = static_cast<__mmask16>((1u << last_lanes) - 1u);
+  for (int v = 0; v < vectors; ++v) {
+    const __mmask16 mask = v == vectors - 1 ? last : static_cast<__mmask16>(0xFFFF);
+    const __m512 add =
+        bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + 16 * v) : _mm512_setzero_ps();
+    for (int r = 0; r < rows; ++r) {
+      const __m512 value = bias != nullptr ? _mm512_add_ps(acc[r][v], add) : acc[r][v];
+      _mm512_mask_storeu_ps(out + r * ldo + 16 * v, mask, value);
+    }
+  }
+}
+
+using TileFunction = void (*)(const uint16_t*, int64_t, const uint32_t*, int64_t, const float*,
+                              float*, int64_t, int);
+
+template <int rows>
+constexpr TileFunction tile_for_vectors(int vectors) {
+  switch (vectors) {
+    case 1:
+      return tile<rows, 1>;
+    case 2:
+      return tile<rows, 2>;
+    case 3:
+      return tile<rows, 3>;
+    default:
+      return tile<rows, 4>;
+  }
+}
+
+TileFunction tile_for(int rows, int vectors) {
+  switch (rows) {
+    case 1:
+      return tile_for_vectors<1>(vectors);
+    case 2:
+      return tile_for_vectors<2>(vectors);
+    case 3:
+      return tile_for_vectors<3>(vectors);
+    case 4:
+      return tile_for_vectors<4>(vectors);
+    case 5:
+      return tile_for_vectors<5>(vectors);
+    default:
+      return tile_for_vectors<6>(vectors);
+  }
+}
+
+// B [k, n] row-major into panels of 64 columns, [panel][pair][64] words, zero past k and n. Rows
+// 2p and 2p+1 are interleaved 32 columns at a time by VPERMT2W.
+MIXTAPE_AVX512_BF16 void pack_b_rows(const uint16_t* b, int64_t k, int64_t n, uint32_t* packed) {
+  const int64_t pairs = (k + 1) / 2;
+  alignas(64) static constexpr uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                    37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                    11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i low = _mm512_load_si512(kLow);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
+    uint32_t* panel = packed + (j0 / kPanel) * pairs * kPanel;
+    for (int64_t half = 0; half < kPanel; half += 32) {
+      const int64_t columns = std::clamp<int64_t>(n - j0 - half, 0, 32);
+      const __mmask32 mask = columns == 32 ? ~__mmask32{0} : (__mmask32{1} << columns) - 1;
+      for (int64_t p = 0; p < pairs; ++p) {
+        const uint16_t* row = b + 2 * p * n + j0 + half;
+        const __m512i even = _mm512_maskz_loadu_epi16(mask, row);
+        const __m512i odd =
+            2 * p + 1 < k ? _mm512_maskz_loadu_epi16(mask, row + n) : _mm512_setzero_si512();
+        _mm512_storeu_si512(panel + p * kPanel + half, _mm512_permutex2var_epi16(even, low, odd));
+        _mm512_storeu_si512(panel + p * kPanel + half + 16,
+                            _mm512_permutex2var_epi16(even, high, odd));
+      }
+    }
+  }
+}
+
+// B stored transposed, [n, k]: a column's pair is one 32-bit word of its row.
+void pack_b_columns(const uint16_t* b, int64_t k, int64_t n, uint32_t* packed) {
+  const int64_t pairs = (k + 1) / 2, full = k / 2;
+  for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
+    uint32_t* panel = packed + (j0 / kPanel) * pairs * kPanel;
+    const int64_t columns = std::min(kPanel, n - j0);
+    for (int64_t p = 0; p < pairs; ++p) {
+      uint32_t* words = panel + p * kPanel;
+      for (int64_t j = 0; j < columns; ++j) {
+        const uint16_t* column = b + (j0 + j) * k;
+        words[j] = p < full ? load_pair(column + 2 * p) : column[2 * p];
+      }
+      std::fill(words + columns, words + kPanel, 0u);
+    }
+  }
+}
+
+// A as rows of kp bf16 (kp = k rounded up to even, the pad a zero): a row's pair p is word p.
+void pack_a(const uint16_t* a, int64_t m, int64_t k, bool transposed, uint16_t* packed) {
+  const int64_t kp = (k + 1) / 2 * 2;
+  for (int64_t i = 0; i < m; ++i) {
+    uint16_t* row = packed + i * kp;
+    for (int64_t p = 0; p < k; ++p) row[p] = transposed ? a[p * m + i] : a[i * k + p];
+    if (kp > k) row[k] = 0;
+  }
+}
+
+}  // namespace
+
+bool gemm_bf16_own_available() {
+#if defined(__x86_64__)
+  static const bool available = __builtin_cpu_supports("avx512f") &&
+                                __builtin_cpu_supports("avx512bw") &&
+                                __builtin_cpu_supports("avx512bf16");
+  return available;
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+constexpr int kChains = 12;  // independent accumulators: enough to fill every port on both kinds
+
+// noipa: else GCC finds the bursts free of side effects and moves them out of the timed span.
+__attribute__((noipa)) MIXTAPE_AVX512_BF16 float fma_burst(int64_t iterations) {
+  __m512 acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+  const __m512 x = _mm512_set1_ps(0.999f), y = _mm512_set1_ps(1e-3f);
+  for (int64_t it = 0; it < iterations; ++it) {
+#pragma GCC unroll 16  // the accumulators must stay in registers
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_fmadd_ps(acc[i], x, y);
+  }
+  __m512 sum = acc[0];
+  for (int i = 1; i < kChains; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);
+  return lanes[0];  // keeps the work alive
+}
+
+__attribute__((noipa)) MIXTAPE_AVX512_BF16 float dot_burst(int64_t iterations) {
+  __m512 acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+  const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3A83);  // 1e-3: sums stay small
+  const __m512bh y = (__m512bh)_mm512_set1_epi16(0x3F80);  // 1
+  for (int64_t it = 0; it < iterations; ++it) {
+#pragma GCC unroll 16  // the accumulators must stay in registers
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, y);
+  }
+  __m512 sum = acc[0];
+  for (int i = 1; i < kChains; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);
+  return lanes[0];  // keeps the work alive
+}
+
+double seconds_of(float (*burst)(int64_t), int64_t iterations, volatile float& sink) {
+  const auto start = std::chrono::steady_clock::now();
+  sink = sink + burst(iterations);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+double bf16_dot_speed_over_f32() {
+  static const double ratio = [] {
+    if (!gemm_bf16_own_available()) return 0.0;
+    // About 0.1 ms a burst at 3 GHz; best of 15 of each kind, interleaved, so that another
+    // process's time slice or a clock change slows only some bursts of both kinds. An FMA does
+    // 32 flops per vector, a VDPBF16PS 64.
+    constexpr int64_t kIterations = 1 << 12;
+    volatile float sink = 0;
+    double fma = 1e30, dot = 1e30;
+    seconds_of(fma_burst, kIterations, sink);  // warm up the vector units
+    for (int burst = 0; burst < 15; ++burst) {
+      fma = std::min(fma, seconds_of(fma_burst, kIterations, sink));
+      dot = std::min(dot, seconds_of(dot_burst, kIterations, sink));
+    }
+    return (64.0 / dot) / (32.0 / fma);
+  }();
+  return ratio;
+}
+
+void gemm_bf16_own(int64_t batch, int64_t m, int64_t n, int64_t k, bool transpose_a,
+                   bool transpose_b, const uint16_t* a, const uint16_t* b, const float* bias,
+                   float* out) {
+  const int64_t pairs = (k + 1) / 2, panels = (n + kPanel - 1) / kPanel;
+  Scratch& buffers = scratch();
+  uint32_t* packed_b = buffers.b.get<uint32_t>(panels * pairs * kPanel);
+  const bool direct_a = !transpose_a && k % 2 == 0;  // rows already are whole pairs
+  uint16_t* packed_a = direct_a ? nullptr : buffers.a.get<uint16_t>(m * pairs * 2);
+  for (int64_t bi = 0; bi < batch; ++bi) {
+    const uint16_t* a_batch = a + bi * m * k;
+    const uint16_t* b_batch = b + bi * k * n;
+    float* out_batch = out + bi * m * n;
+    if (transpose_b)
+      pack_b_columns(b_batch, k, n, packed_b);
+    else
+      pack_b_rows(b_batch, k, n, packed_b);
+    const uint16_t* rows = a_batch;
+    if (!direct_a) {
+      pack_a(a_batch, m, k, transpose_a, packed_a);
+      rows = packed_a;
+    }
+    for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
+      const int64_t columns = std::min(kPanel, n - j0);
+      const int vectors = static_cast<int>((columns + 15) / 16);
+      const int last_lanes = static_cast<int>(columns - 16 * (vectors - 1));
+      const uint32_t* panel = packed_b + (j0 / kPanel) * pairs * kPanel;
+      const float* bias_panel = bias != nullptr ? bias + j0 : nullptr;
+      for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+        const int rows_here = static_cast<int>(std::min<int64_t>(kRows, m - i0));
+        tile_for(rows_here, vectors)(rows + i0 * 2 * pairs, pairs, panel, pairs, bias_panel,
+                                     out_batch + i0 * n + j0, n, last_lanes);
+      }
+    }
+  }
+}
+
+void gemm_bf16_own_release_scratch() {
+  scratch().a.release();
+  scratch().b.release();
+}
+
+}  // namespace mixtape
