@@ -25,6 +25,9 @@ namespace {
 constexpr int kRows = 6;
 constexpr int kVectors = 4;
 constexpr int64_t kPanel = 16 * kVectors;  // columns of a packed B panel
+// Pairs of k per block: 64 pairs of a panel are 16 KiB, half of Zen 4's 32 KiB L1. Unblocked, a
+// k = 256 panel (32 KiB) filled L1 and 256x64x256 ran at 0.62 of the peak against 0.90 at k = 128.
+constexpr int64_t kBlockPairs = 64;
 
 struct Scratch {
   ScratchBuffer a, b;
@@ -47,10 +50,15 @@ uint32_t load_pair(const uint16_t* at) {
 // lanes.
 template <int rows, int vectors>
 MIXTAPE_AVX512_BF16 void tile(const uint16_t* a, int64_t lda, const uint32_t* panel, int64_t pairs,
-                              const float* bias, float* out, int64_t ldo, int last_lanes) {
+                              const float* bias, float* out, int64_t ldo, int last_lanes,
+                              bool resume) {
+  const __mmask16 last = static_cast<__mmask16>((1u << last_lanes) - 1u);
   __m512 acc[rows][vectors];
   for (int r = 0; r < rows; ++r)
-    for (int v = 0; v < vectors; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < vectors; ++v)
+      acc[r][v] =
+          resume ? _mm512_maskz_loadu_ps(v == vectors - 1 ? last : 0xFFFF, out + r * ldo + 16 * v)
+                 : _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh bv[vectors];
     for (int v = 0; v < vectors; ++v)
@@ -61,7 +69,6 @@ MIXTAPE_AVX512_BF16 void tile(const uint16_t* a, int64_t lda, const uint32_t* pa
       for (int v = 0; v < vectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
     }
   }
-  const __mmask16 last = static_cast<__mmask16>((1u << last_lanes) - 1u);
   for (int v = 0; v < vectors; ++v) {
     const __mmask16 mask = v == vectors - 1 ? last : static_cast<__mmask16>(0xFFFF);
     const __m512 add =
@@ -74,7 +81,7 @@ MIXTAPE_AVX512_BF16 void tile(const uint16_t* a, int64_t lda, const uint32_t* pa
 }
 
 using TileFunction = void (*)(const uint16_t*, int64_t, const uint32_t*, int64_t, const float*,
-                              float*, int64_t, int);
+                              float*, int64_t, int, bool);
 
 template <int rows>
 constexpr TileFunction tile_for_vectors(int vectors) {
@@ -263,11 +270,18 @@ void gemm_bf16_own(int64_t batch, int64_t m, int64_t n, int64_t k, bool transpos
       const int vectors = static_cast<int>((columns + 15) / 16);
       const int last_lanes = static_cast<int>(columns - 16 * (vectors - 1));
       const uint32_t* panel = packed_b + (j0 / kPanel) * pairs * kPanel;
-      const float* bias_panel = bias != nullptr ? bias + j0 : nullptr;
-      for (int64_t i0 = 0; i0 < m; i0 += kRows) {
-        const int rows_here = static_cast<int>(std::min<int64_t>(kRows, m - i0));
-        tile_for(rows_here, vectors)(rows + i0 * 2 * pairs, pairs, panel, pairs, bias_panel,
-                                     out_batch + i0 * n + j0, n, last_lanes);
+      // k in blocks whose slice of the panel fits in L1 beside A's rows; a later block resumes
+      // from the f32 sums stored by the one before, so the sums and their order are unchanged.
+      for (int64_t p0 = 0; p0 < pairs; p0 += kBlockPairs) {
+        const int64_t block = std::min(kBlockPairs, pairs - p0);
+        const bool resume = p0 > 0, last_block = p0 + block == pairs;
+        const float* bias_panel = bias != nullptr && last_block ? bias + j0 : nullptr;
+        for (int64_t i0 = 0; i0 < m; i0 += kRows) {
+          const int rows_here = static_cast<int>(std::min<int64_t>(kRows, m - i0));
+          tile_for(rows_here, vectors)(rows + i0 * 2 * pairs + 2 * p0, pairs, panel + p0 * kPanel,
+                                       block, bias_panel, out_batch + i0 * n + j0, n, last_lanes,
+                                       resume);
+        }
       }
     }
   }

@@ -691,13 +691,15 @@ std::vector<uint16_t> awkward_bf16(std::mt19937& rng, int64_t count) {
 }
 
 // The own kernel's f32 results equal the scalar model's bit for bit (NaN for NaN), at every
-// shape: row tails of the 6-row tile, column tails of the 64-column panel, odd k, transposes,
+// shape: row tails of the 6-row tile, column tails of the 64-column panel, odd k, k over one
+// block of 128 (resumed from stored sums), transposes,
 // batches, a bias, and operands at an odd element offset (rows not 4-byte aligned).
 TEST(Gemm, OwnBf16KernelMatchesAScalarModelOfVdpbf16psBitForBit) {
   if (!mt::gemm_bf16_own_available()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
   std::mt19937 rng(2026);
-  const int64_t shapes[][3] = {{1, 1, 1},   {6, 64, 2},   {7, 65, 3},   {13, 130, 67},
-                               {5, 17, 64}, {12, 128, 1}, {2, 200, 33}, {37, 48, 130}};
+  const int64_t shapes[][3] = {{1, 1, 1},     {6, 64, 2},    {7, 65, 3},
+                               {13, 130, 67}, {5, 17, 64},   {12, 128, 1},
+                               {2, 200, 33},  {37, 48, 130}, {9, 70, 300}};
   int checked = 0;
   for (const auto& shape : shapes)
     for (int transposes = 0; transposes < 4; ++transposes)
@@ -728,7 +730,7 @@ TEST(Gemm, OwnBf16KernelMatchesAScalarModelOfVdpbf16psBitForBit) {
             }
             ++checked;
           }
-  EXPECT_EQ(checked, 8 * 4 * 2 * 2 * 2);
+  EXPECT_EQ(checked, 9 * 4 * 2 * 2 * 2);
 }
 
 // The model is no tautology: it flushes what an f32 loop keeps and orders each pair odd first,
