@@ -74,9 +74,15 @@ constexpr double kWidenBf16MinFlopsPerElement = 96.0;
 // both, the demo's 256x128x128 f32 products ran on one thread: 10% fewer steps/s.
 constexpr double kSingleThreadMaxFlops = double{1 << 22};
 
-// Bf16Kernel::automatic runs products of at most this many flops (all batches) on the own kernel,
-// where bf16 dot products are fast: below kSingleThreadMaxFlops, so oneDNN would run them on one
-// thread too, and where the own kernel was measured ahead of oneDNN's (bench/README.md).
+// Bf16Kernel::automatic runs products of at most this many flops (all batches), at most
+// kOwnBf16MaxRows rows and at least kOwnBf16MinColumns columns on the own kernel, where bf16 dot
+// products are fast: below kSingleThreadMaxFlops, so oneDNN would run them on one thread too. CPU
+// time per product, one thread, as a fraction of the bf16 peak (545 GFLOP/s), own vs oneDNN, on
+// the AMD EPYC of bench/README.md: 16x64x64 0.80 vs 0.40, 32x128x64 0.74 vs 0.64, 64x64x64 0.80
+// vs 0.72, 64x64x128 0.84 vs 0.79; but 256x64x64 0.81 vs 0.87 and 256x10x64 0.33 vs 0.40 (one
+// vector of columns leaves the 6x1 tile 6 accumulators, too few to hide VDPBF16PS's latency).
+constexpr int64_t kOwnBf16MaxRows = 128;
+constexpr int64_t kOwnBf16MinColumns = 32;
 constexpr double kOwnBf16MaxFlops = double{1 << 21};
 constexpr double kAmxSingleThreadMaxFlops = double{1 << 24};
 
@@ -233,12 +239,14 @@ bool bf16_dots_are_faster() {
   static const bool faster = [] {
     const double ratio = bf16_dot_speed_over_f32();
     const bool result = ratio >= 1.0;
-    log_line("profile",
-             "bf16 dot products (VDPBF16PS) run at {:.2f} times the f32 FMA rate here: automatic "
-             "bf16 products {}",
-             ratio,
-             result ? "stay bf16 (own kernel up to 2^21 flops, else oneDNN bf16)"
-                    : "are widened to f32 or not by shape");
+    log_line(
+        "profile",
+        "bf16 dot products (VDPBF16PS) run at {:.2f} times the f32 FMA rate here: automatic "
+        "bf16 products {}",
+        ratio,
+        result
+            ? "stay bf16 (own kernel up to 2^21 flops, 128 rows, from 32 columns; else oneDNN bf16)"
+            : "are widened to f32 or not by shape");
     return result;
   }();
   return faster;
@@ -265,7 +273,9 @@ Choice choose(const GemmDesc& d) {
         if (onednn_may_use_amx())
           if (std::optional<Choice> amx = amx_choice(d)) return std::move(*amx);
         if (bf16_dots_are_faster()) {
-          if (flops_of(d) <= kOwnBf16MaxFlops) return Choice{true, false, false, nullptr};
+          if (flops_of(d) <= kOwnBf16MaxFlops && d.m <= kOwnBf16MaxRows &&
+              d.n >= kOwnBf16MinColumns)
+            return Choice{true, false, false, nullptr};
           widen = false;
           break;
         }

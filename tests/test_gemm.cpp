@@ -319,7 +319,8 @@ TEST(Gemm, AutomaticBf16KernelIsAmxWhereOneDnnHasIt) {
     if (native_kernel.find("amx") != std::string::npos)
       EXPECT_EQ(automatic_kernel, native_kernel) << label(d);
     else if (mt::bf16_dot_speed_over_f32() >= 1.0)  // bf16 stays bf16: own when small
-      EXPECT_EQ(automatic_kernel, flops <= 0x1p21 ? mt::gemm_kernel(own) : native_kernel)
+      EXPECT_EQ(automatic_kernel,
+                flops <= 0x1p21 && d.m <= 128 && d.n >= 32 ? mt::gemm_kernel(own) : native_kernel)
           << label(d);
     else
       EXPECT_TRUE(automatic_kernel == native_kernel || automatic_kernel == mt::gemm_kernel(widened))
@@ -761,7 +762,7 @@ TEST(Gemm, OwnBf16KernelFlushesSubnormalsAndSumsPairsOddFirst) {
 }
 
 // Where bf16 dot products outrun f32 FMAs (measured), automatic bf16 products stay bf16: the own
-// kernel up to 2^21 flops, oneDNN's bf16 kernel above; a k split's parts are never the own kernel.
+// kernel up to 2^21 flops, 128 rows and from 32 columns, oneDNN's bf16 kernel otherwise.
 TEST(Gemm, AutomaticBf16KernelFollowsTheMeasuredDotProductSpeed) {
   const double ratio = mt::bf16_dot_speed_over_f32();
   std::cout << "[ info ] VDPBF16PS runs at " << ratio << " times the f32 FMA rate here\n";
@@ -787,7 +788,8 @@ TEST(Gemm, AutomaticBf16KernelFollowsTheMeasuredDotProductSpeed) {
       continue;
     }
     const double flops = 2.0 * static_cast<double>(d.m * d.n * d.k);
-    EXPECT_EQ(kernel, flops <= 0x1p21 ? mt::gemm_kernel(own) : mt::gemm_kernel(native)) << label(d);
+    const bool small = flops <= 0x1p21 && d.m <= 128 && d.n >= 32;
+    EXPECT_EQ(kernel, small ? mt::gemm_kernel(own) : mt::gemm_kernel(native)) << label(d);
   }
 }
 
