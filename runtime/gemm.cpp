@@ -81,6 +81,8 @@ constexpr double kSingleThreadMaxFlops = double{1 << 22};
 // the AMD EPYC of bench/README.md: 16x64x64 0.80 vs 0.40, 32x128x64 0.74 vs 0.64, 64x64x64 0.80
 // vs 0.72, 64x64x128 0.84 vs 0.79; but 256x64x64 0.81 vs 0.87 and 256x10x64 0.33 vs 0.40 (one
 // vector of columns leaves the 6x1 tile 6 accumulators, too few to hide VDPBF16PS's latency).
+// Only untransposed operands: the own kernel packs a transposed A or B with scalar loops, and
+// lost there (64x64x256 with a transposed: 0.43 vs 0.74; 64x64x128, b transposed: 0.62 vs 0.80).
 constexpr int64_t kOwnBf16MaxRows = 128;
 constexpr int64_t kOwnBf16MinColumns = 32;
 constexpr double kOwnBf16MaxFlops = double{1 << 21};
@@ -239,14 +241,14 @@ bool bf16_dots_are_faster() {
   static const bool faster = [] {
     const double ratio = bf16_dot_speed_over_f32();
     const bool result = ratio >= 1.0;
-    log_line(
-        "profile",
-        "bf16 dot products (VDPBF16PS) run at {:.2f} times the f32 FMA rate here: automatic "
-        "bf16 products {}",
-        ratio,
-        result
-            ? "stay bf16 (own kernel up to 2^21 flops, 128 rows, from 32 columns; else oneDNN bf16)"
-            : "are widened to f32 or not by shape");
+    log_line("profile",
+             "bf16 dot products (VDPBF16PS) run at {:.2f} times the f32 FMA rate here: automatic "
+             "bf16 products {}",
+             ratio,
+             result ? "stay bf16 (own kernel up to 2^21 flops, 128 rows, from 32 columns, "
+                      "untransposed; else "
+                      "oneDNN bf16)"
+                    : "are widened to f32 or not by shape");
     return result;
   }();
   return faster;
@@ -274,7 +276,7 @@ Choice choose(const GemmDesc& d) {
           if (std::optional<Choice> amx = amx_choice(d)) return std::move(*amx);
         if (bf16_dots_are_faster()) {
           if (flops_of(d) <= kOwnBf16MaxFlops && d.m <= kOwnBf16MaxRows &&
-              d.n >= kOwnBf16MinColumns)
+              d.n >= kOwnBf16MinColumns && !d.transpose_a && !d.transpose_b)
             return Choice{true, false, false, nullptr};
           widen = false;
           break;

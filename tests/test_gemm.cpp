@@ -762,7 +762,8 @@ TEST(Gemm, OwnBf16KernelFlushesSubnormalsAndSumsPairsOddFirst) {
 }
 
 // Where bf16 dot products outrun f32 FMAs (measured), automatic bf16 products stay bf16: the own
-// kernel up to 2^21 flops, 128 rows and from 32 columns, oneDNN's bf16 kernel otherwise.
+// kernel up to 2^21 flops, 128 rows and from 32 columns with neither operand transposed, oneDNN's
+// bf16 kernel otherwise.
 TEST(Gemm, AutomaticBf16KernelFollowsTheMeasuredDotProductSpeed) {
   const double ratio = mt::bf16_dot_speed_over_f32();
   std::cout << "[ info ] VDPBF16PS runs at " << ratio << " times the f32 FMA rate here\n";
