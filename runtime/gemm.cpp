@@ -241,14 +241,14 @@ bool bf16_dots_are_faster() {
   static const bool faster = [] {
     const double ratio = bf16_dot_speed_over_f32();
     const bool result = ratio >= 1.0;
-    log_line("profile",
-             "bf16 dot products (VDPBF16PS) run at {:.2f} times the f32 FMA rate here: automatic "
-             "bf16 products {}",
-             ratio,
-             result ? "stay bf16 (own kernel up to 2^21 flops, 128 rows, from 32 columns, "
-                      "untransposed; else "
-                      "oneDNN bf16)"
-                    : "are widened to f32 or not by shape");
+    if (log_enabled("profile"))
+      log_line("profile",
+               "bf16 dot products (VDPBF16PS) run at {:.2f} times the f32 FMA rate here: automatic "
+               "bf16 products {}",
+               ratio,
+               result ? "stay bf16 (own kernel up to 2^21 flops, 128 rows, from 32 columns, "
+                        "untransposed; else oneDNN bf16)"
+                      : "are widened to f32 or not by shape");
     return result;
   }();
   return faster;
