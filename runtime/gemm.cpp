@@ -81,8 +81,9 @@ constexpr double kSingleThreadMaxFlops = double{1 << 22};
 // the AMD EPYC of bench/README.md: 16x64x64 0.80 vs 0.40, 32x128x64 0.74 vs 0.64, 64x64x64 0.80
 // vs 0.72, 64x64x128 0.84 vs 0.79; but 256x64x64 0.81 vs 0.87 and 256x10x64 0.33 vs 0.40 (one
 // vector of columns leaves the 6x1 tile 6 accumulators, too few to hide VDPBF16PS's latency).
-// Only untransposed operands: the own kernel packs a transposed A or B with scalar loops, and
-// lost there (64x64x256 with a transposed: 0.43 vs 0.74; 64x64x128, b transposed: 0.62 vs 0.80).
+// Only an untransposed B: the own kernel gathers a transposed one's pairs, and lost there
+// (64x64x128: 0.64-0.69 vs 0.80, 128x64x64: 0.69-0.71 vs 0.80-0.84). A transposed A is packed
+// like B and keeps level (64x64x256 0.75-0.79 vs 0.74-0.77, 32x64x256 0.66-0.69 vs 0.64-0.66).
 constexpr int64_t kOwnBf16MaxRows = 128;
 constexpr int64_t kOwnBf16MinColumns = 32;
 constexpr double kOwnBf16MaxFlops = double{1 << 21};
@@ -247,7 +248,7 @@ bool bf16_dots_are_faster() {
                "bf16 products {}",
                ratio,
                result ? "stay bf16 (own kernel up to 2^21 flops, 128 rows, from 32 columns, "
-                        "untransposed; else oneDNN bf16)"
+                        "b untransposed; else oneDNN bf16)"
                       : "are widened to f32 or not by shape");
     return result;
   }();
@@ -276,7 +277,7 @@ Choice choose(const GemmDesc& d) {
           if (std::optional<Choice> amx = amx_choice(d)) return std::move(*amx);
         if (bf16_dots_are_faster()) {
           if (flops_of(d) <= kOwnBf16MaxFlops && d.m <= kOwnBf16MaxRows &&
-              d.n >= kOwnBf16MinColumns && !d.transpose_a && !d.transpose_b)
+              d.n >= kOwnBf16MinColumns && !d.transpose_b)
             return Choice{true, false, false, nullptr};
           widen = false;
           break;

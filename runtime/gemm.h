@@ -16,13 +16,13 @@ namespace mixtape {
 enum class Bf16Kernel : uint8_t {
   automatic,  // by machine, then by shape (gemm.cpp): AMX where oneDNN runs it; where bf16 dot
               // products outrun f32 FMAs (measured once, bf16_dot_speed_over_f32 in gemm_bf16.h)
-              // own for small products (2^21 flops, m <= 128, n >= 32, neither operand transposed),
+              // own for small products (2^21 flops, m <= 128, n >= 32, b not transposed),
               // native otherwise; elsewhere widened when there are enough flops per converted
               // element. Fixed per shape and machine; MIXTAPE_LOG=profile logs the choice.
-  native,   // oneDNN's bf16 matmul (AMX tiles or AVX512-BF16 dot products)
-  widened,  // operands widened exactly to f32, then oneDNN's f32 matmul
-  own,      // mixtape's VDPBF16PS kernel, one thread (gemm_bf16.h gives its exact result); an
-            // mt::Error on a CPU without AVX512-BF16
+  native,     // oneDNN's bf16 matmul (AMX tiles or AVX512-BF16 dot products)
+  widened,    // operands widened exactly to f32, then oneDNN's f32 matmul
+  own,        // mixtape's VDPBF16PS kernel, one thread (gemm_bf16.h gives its exact result); an
+              // mt::Error on a CPU without AVX512-BF16
 };
 
 struct GemmDesc {

@@ -44,14 +44,14 @@ uint32_t load_pair(const uint16_t* at) {
   return word;
 }
 
-// One rows x (16 * vectors) block of the result: `a` points at its first row (lda pairs of bf16
-// per row, read as unaligned 32-bit words), `panel` at its packed B panel ([pairs][64] words, each
-// a pair of bf16 from rows 2p and 2p+1 of one column). The last vector stores only `last_lanes`
-// lanes.
+// One rows x (16 * vectors) block of the result: row r's pair p of A is the (unaligned) 32-bit
+// word at a + 2 * (r * row_words + p * pair_words); `panel` points at the packed B panel
+// ([pairs][64] words, each a pair of bf16 from rows 2p and 2p+1 of one column). The last vector
+// stores only `last_lanes` lanes; `resume` starts from the sums already in `out`.
 template <int rows, int vectors>
-MIXTAPE_AVX512_BF16 void tile(const uint16_t* a, int64_t lda, const uint32_t* panel, int64_t pairs,
-                              const float* bias, float* out, int64_t ldo, int last_lanes,
-                              bool resume) {
+MIXTAPE_AVX512_BF16 void tile(const uint16_t* a, int64_t row_words, int64_t pair_words,
+                              const uint32_t* panel, int64_t pairs, const float* bias, float* out,
+                              int64_t ldo, int last_lanes, bool resume) {
   const __mmask16 last = static_cast<__mmask16>((1u << last_lanes) - 1u);
   __m512 acc[rows][vectors];
   for (int r = 0; r < rows; ++r)
@@ -64,8 +64,8 @@ MIXTAPE_AVX512_BF16 void tile(const uint16_t* a, int64_t lda, const uint32_t* pa
     for (int v = 0; v < vectors; ++v)
       bv[v] = (__m512bh)_mm512_loadu_si512(panel + p * kPanel + 16 * v);
     for (int r = 0; r < rows; ++r) {
-      const __m512bh av =
-          (__m512bh)_mm512_set1_epi32(static_cast<int>(load_pair(a + 2 * (r * lda + p))));
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(
+          static_cast<int>(load_pair(a + 2 * (r * row_words + p * pair_words))));
       for (int v = 0; v < vectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
     }
   }
@@ -80,8 +80,8 @@ MIXTAPE_AVX512_BF16 void tile(const uint16_t* a, int64_t lda, const uint32_t* pa
   }
 }
 
-using TileFunction = void (*)(const uint16_t*, int64_t, const uint32_t*, int64_t, const float*,
-                              float*, int64_t, int, bool);
+using TileFunction = void (*)(const uint16_t*, int64_t, int64_t, const uint32_t*, int64_t,
+                              const float*, float*, int64_t, int, bool);
 
 template <int rows>
 constexpr TileFunction tile_for_vectors(int vectors) {
@@ -141,30 +141,37 @@ MIXTAPE_AVX512_BF16 void pack_b_rows(const uint16_t* b, int64_t k, int64_t n, ui
   }
 }
 
-// B stored transposed, [n, k]: a column's pair is one 32-bit word of its row.
-void pack_b_columns(const uint16_t* b, int64_t k, int64_t n, uint32_t* packed) {
+// B stored transposed, [n, k]: a column's pair is one 32-bit word of its row, gathered 16
+// columns at a time (scalar copies cost more than the product at 64x64x128). An odd k's last
+// pair holds the row's last element and a zero, read alone: the next element is another row's.
+MIXTAPE_AVX512_BF16 void pack_b_columns(const uint16_t* b, int64_t k, int64_t n, uint32_t* packed) {
   const int64_t pairs = (k + 1) / 2, full = k / 2;
+  const __m512i row_bytes =
+      _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                         _mm512_set1_epi32(static_cast<int>(2 * k)));
   for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
     uint32_t* panel = packed + (j0 / kPanel) * pairs * kPanel;
-    const int64_t columns = std::min(kPanel, n - j0);
-    for (int64_t p = 0; p < pairs; ++p) {
-      uint32_t* words = panel + p * kPanel;
-      for (int64_t j = 0; j < columns; ++j) {
-        const uint16_t* column = b + (j0 + j) * k;
-        words[j] = p < full ? load_pair(column + 2 * p) : column[2 * p];
+    for (int64_t c = 0; c < kPanel; c += 16) {
+      const int64_t lanes = std::clamp<int64_t>(n - j0 - c, 0, 16);
+      const __mmask16 mask = static_cast<__mmask16>((1u << lanes) - 1u);
+      const char* base = reinterpret_cast<const char*>(b + (j0 + c) * k);
+      for (int64_t p = 0; p < full; ++p)
+        _mm512_storeu_si512(
+            panel + p * kPanel + c,
+            _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, row_bytes, base + 4 * p, 1));
+      if (pairs > full) {
+        uint32_t* words = panel + full * kPanel + c;
+        for (int64_t j = 0; j < 16; ++j) words[j] = j < lanes ? b[(j0 + c + j) * k + k - 1] : 0u;
       }
-      std::fill(words + columns, words + kPanel, 0u);
     }
   }
 }
 
-// A as rows of kp bf16 (kp = k rounded up to even, the pad a zero): a row's pair p is word p.
-void pack_a(const uint16_t* a, int64_t m, int64_t k, bool transposed, uint16_t* packed) {
-  const int64_t kp = (k + 1) / 2 * 2;
+// A [m, k] with an odd k as rows of k + 1 bf16, the pad a zero: a row's pair p is word p.
+void pack_a_rows(const uint16_t* a, int64_t m, int64_t k, uint16_t* packed) {
   for (int64_t i = 0; i < m; ++i) {
-    uint16_t* row = packed + i * kp;
-    for (int64_t p = 0; p < k; ++p) row[p] = transposed ? a[p * m + i] : a[i * k + p];
-    if (kp > k) row[k] = 0;
+    std::copy(a + i * k, a + (i + 1) * k, packed + i * (k + 1));
+    packed[i * (k + 1) + k] = 0;
   }
 }
 
@@ -250,8 +257,16 @@ void gemm_bf16_own(int64_t batch, int64_t m, int64_t n, int64_t k, bool transpos
   const int64_t pairs = (k + 1) / 2, panels = (n + kPanel - 1) / kPanel;
   Scratch& buffers = scratch();
   uint32_t* packed_b = buffers.b.get<uint32_t>(panels * pairs * kPanel);
-  const bool direct_a = !transpose_a && k % 2 == 0;  // rows already are whole pairs
-  uint16_t* packed_a = direct_a ? nullptr : buffers.a.get<uint16_t>(m * pairs * 2);
+  // A's pairs: read in place (untransposed, even k: rows already are whole pairs), rows padded
+  // (odd k), or, transposed, packed like B: panels of 64 rows, [pair][64] words, where a row
+  // block must not cross a panel.
+  const int64_t a_panels = (m + kPanel - 1) / kPanel;
+  uint16_t* packed_a = nullptr;
+  if (transpose_a)
+    packed_a = reinterpret_cast<uint16_t*>(buffers.a.get<uint32_t>(a_panels * pairs * kPanel));
+  else if (k % 2 != 0)
+    packed_a = buffers.a.get<uint16_t>(m * pairs * 2);
+  const int64_t row_words = transpose_a ? 1 : pairs, pair_words = transpose_a ? kPanel : 1;
   for (int64_t bi = 0; bi < batch; ++bi) {
     const uint16_t* a_batch = a + bi * m * k;
     const uint16_t* b_batch = b + bi * k * n;
@@ -261,10 +276,15 @@ void gemm_bf16_own(int64_t batch, int64_t m, int64_t n, int64_t k, bool transpos
     else
       pack_b_rows(b_batch, k, n, packed_b);
     const uint16_t* rows = a_batch;
-    if (!direct_a) {
-      pack_a(a_batch, m, k, transpose_a, packed_a);
-      rows = packed_a;
-    }
+    if (transpose_a)
+      pack_b_rows(a_batch, k, m, reinterpret_cast<uint32_t*>(packed_a));
+    else if (k % 2 != 0)
+      pack_a_rows(a_batch, m, k, packed_a);
+    if (packed_a != nullptr) rows = packed_a;
+    // The first word of row i's pairs, in bf16 elements from `rows`.
+    auto row_start = [&](int64_t i) {
+      return transpose_a ? 2 * ((i / kPanel) * pairs * kPanel + i % kPanel) : 2 * i * pairs;
+    };
     for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
       const int64_t columns = std::min(kPanel, n - j0);
       const int vectors = static_cast<int>((columns + 15) / 16);
@@ -276,11 +296,14 @@ void gemm_bf16_own(int64_t batch, int64_t m, int64_t n, int64_t k, bool transpos
         const int64_t block = std::min(kBlockPairs, pairs - p0);
         const bool resume = p0 > 0, last_block = p0 + block == pairs;
         const float* bias_panel = bias != nullptr && last_block ? bias + j0 : nullptr;
-        for (int64_t i0 = 0; i0 < m; i0 += kRows) {
-          const int rows_here = static_cast<int>(std::min<int64_t>(kRows, m - i0));
-          tile_for(rows_here, vectors)(rows + i0 * 2 * pairs + 2 * p0, pairs, panel + p0 * kPanel,
-                                       block, bias_panel, out_batch + i0 * n + j0, n, last_lanes,
-                                       resume);
+        for (int64_t i0 = 0; i0 < m;) {
+          int64_t rows_here = std::min<int64_t>(kRows, m - i0);
+          if (transpose_a) rows_here = std::min(rows_here, kPanel - i0 % kPanel);
+          tile_for(static_cast<int>(rows_here), vectors)(rows + row_start(i0) + 2 * p0 * pair_words,
+                                                         row_words, pair_words, panel + p0 * kPanel,
+                                                         block, bias_panel, out_batch + i0 * n + j0,
+                                                         n, last_lanes, resume);
+          i0 += rows_here;
         }
       }
     }

@@ -693,14 +693,15 @@ std::vector<uint16_t> awkward_bf16(std::mt19937& rng, int64_t count) {
 
 // The own kernel's f32 results equal the scalar model's bit for bit (NaN for NaN), at every
 // shape: row tails of the 6-row tile, column tails of the 64-column panel, odd k, k over one
-// block of 128 (resumed from stored sums), transposes,
+// block of 128 (resumed from stored sums), a transposed A over 64 rows (two packed panels),
+// transposes,
 // batches, a bias, and operands at an odd element offset (rows not 4-byte aligned).
 TEST(Gemm, OwnBf16KernelMatchesAScalarModelOfVdpbf16psBitForBit) {
   if (!mt::gemm_bf16_own_available()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
   std::mt19937 rng(2026);
-  const int64_t shapes[][3] = {{1, 1, 1},     {6, 64, 2},    {7, 65, 3},
-                               {13, 130, 67}, {5, 17, 64},   {12, 128, 1},
-                               {2, 200, 33},  {37, 48, 130}, {9, 70, 300}};
+  const int64_t shapes[][3] = {{1, 1, 1},    {6, 64, 2},   {7, 65, 3},   {13, 130, 67},
+                               {5, 17, 64},  {12, 128, 1}, {2, 200, 33}, {37, 48, 130},
+                               {9, 70, 300}, {70, 40, 45}};
   int checked = 0;
   for (const auto& shape : shapes)
     for (int transposes = 0; transposes < 4; ++transposes)
@@ -731,7 +732,7 @@ TEST(Gemm, OwnBf16KernelMatchesAScalarModelOfVdpbf16psBitForBit) {
             }
             ++checked;
           }
-  EXPECT_EQ(checked, 9 * 4 * 2 * 2 * 2);
+  EXPECT_EQ(checked, 10 * 4 * 2 * 2 * 2);
 }
 
 // The model is no tautology: it flushes what an f32 loop keeps and orders each pair odd first,
@@ -762,8 +763,8 @@ TEST(Gemm, OwnBf16KernelFlushesSubnormalsAndSumsPairsOddFirst) {
 }
 
 // Where bf16 dot products outrun f32 FMAs (measured), automatic bf16 products stay bf16: the own
-// kernel up to 2^21 flops, 128 rows and from 32 columns with neither operand transposed, oneDNN's
-// bf16 kernel otherwise.
+// kernel up to 2^21 flops, 128 rows and from 32 columns with b not transposed, oneDNN's bf16
+// kernel otherwise.
 TEST(Gemm, AutomaticBf16KernelFollowsTheMeasuredDotProductSpeed) {
   const double ratio = mt::bf16_dot_speed_over_f32();
   std::cout << "[ info ] VDPBF16PS runs at " << ratio << " times the f32 FMA rate here\n";
@@ -776,6 +777,7 @@ TEST(Gemm, AutomaticBf16KernelFollowsTheMeasuredDotProductSpeed) {
   for (const auto& shape : {std::array<int64_t, 3>{256, 64, 64},
                             {64, 64, 128},
                             {1, 1024, 512},
+                            {64, 10, 64},
                             {256, 256, 64},
                             {1024, 1024, 1024}}) {
     mt::GemmDesc d;
@@ -791,6 +793,11 @@ TEST(Gemm, AutomaticBf16KernelFollowsTheMeasuredDotProductSpeed) {
     const double flops = 2.0 * static_cast<double>(d.m * d.n * d.k);
     const bool small = flops <= 0x1p21 && d.m <= 128 && d.n >= 32;
     EXPECT_EQ(kernel, small ? mt::gemm_kernel(own) : mt::gemm_kernel(native)) << label(d);
+    for (mt::GemmDesc* transposed : {&d, &own, &native}) transposed->transpose_a = true;
+    EXPECT_EQ(mt::gemm_kernel(d), small ? mt::gemm_kernel(own) : mt::gemm_kernel(native))
+        << label(d);
+    for (mt::GemmDesc* transposed : {&d, &own, &native}) transposed->transpose_b = true;
+    EXPECT_EQ(mt::gemm_kernel(d), mt::gemm_kernel(native)) << label(d);
   }
 }
 
