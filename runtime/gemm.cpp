@@ -271,6 +271,8 @@ Choice choose(const GemmDesc& d) {
               "{}: the own bf16 kernel needs AVX512F, AVX512BW and AVX512-BF16, which this CPU "
               "lacks",
               describe(d));
+        if (d.transpose_b && d.k >= (int64_t{1} << 26))  // gemm_bf16.h: 32-bit gather offsets
+          fail("{}: the own bf16 kernel takes a transposed b with k below 2^26", describe(d));
         return Choice{true, false, false, nullptr};
       case Bf16Kernel::automatic: {
         if (onednn_may_use_amx())

@@ -524,6 +524,15 @@ TEST(Gemm, UnsupportedDescriptionsAreReportedWithShapesAndDtypes) {
   biased.has_bias = true;
   EXPECT_MT_ERROR(mt::gemm(biased, dummy, dummy, dummy), "null bias");
   EXPECT_MT_ERROR(mt::gemm(d, nullptr, dummy, dummy), "null operand");
+  mt::GemmDesc own = d;  // the own kernel: a CPU with AVX512-BF16, a transposed b's k below 2^26
+  own.operand = mt::bf16, own.bf16_kernel = mt::Bf16Kernel::own;
+  own.transpose_b = true, own.k = int64_t{1} << 26;
+  EXPECT_MT_ERROR(mt::gemm_kernel(own), "own bf16 kernel", "k 67108864");
+  own.k = 5;
+  if (mt::gemm_bf16_own_available())
+    EXPECT_NE(mt::gemm_kernel(own).find("own"), std::string::npos);
+  else
+    EXPECT_MT_ERROR(mt::gemm_kernel(own), "own bf16 kernel", "lacks");
 }
 
 // The reference's relu, as the matmul epilogue applies it before rounding: x for x > 0 and for
