@@ -74,18 +74,22 @@ constexpr double kWidenBf16MinFlopsPerElement = 96.0;
 // both, the demo's 256x128x128 f32 products ran on one thread: 10% fewer steps/s.
 constexpr double kSingleThreadMaxFlops = double{1 << 22};
 
-// Bf16Kernel::automatic runs products of at most this many flops (all batches), at most
-// kOwnBf16MaxRows rows and at least kOwnBf16MinColumns columns on the own kernel, where bf16 dot
-// products are fast: below kSingleThreadMaxFlops, so oneDNN would run them on one thread too. CPU
-// time per product, one thread, as a fraction of the bf16 peak (545 GFLOP/s), own vs oneDNN, on
-// the AMD EPYC of bench/README.md: 16x64x64 0.80 vs 0.40, 32x128x64 0.74 vs 0.64, 64x64x64 0.80
-// vs 0.72, 64x64x128 0.84 vs 0.79; but 256x64x64 0.81 vs 0.87 and 256x10x64 0.33 vs 0.40 (one
-// vector of columns leaves the 6x1 tile 6 accumulators, too few to hide VDPBF16PS's latency).
-// Only an untransposed B: the own kernel gathers a transposed one's pairs, and lost there
-// (64x64x128: 0.64-0.69 vs 0.80, 128x64x64: 0.69-0.71 vs 0.80-0.84). A transposed A is packed
-// like B and keeps level (64x64x256 0.75-0.79 vs 0.74-0.77, 32x64x256 0.66-0.69 vs 0.64-0.66).
-constexpr int64_t kOwnBf16MaxRows = 128;
+// Bf16Kernel::automatic runs products of at most this many flops (all batches) with an
+// untransposed b and at least 64 columns, or at least 32 columns and at most 128 rows, on the
+// own kernel, where bf16 dot products are fast: below kSingleThreadMaxFlops, so oneDNN would run
+// them on one thread too. CPU time per product, one thread, as a fraction of the bf16 peak (545
+// GFLOP/s), own vs oneDNN, on the AMD EPYC of bench/README.md (load 2-4, 2-3 runs):
+// - ahead: 16x64x64 0.80 vs 0.40, 32x32x64 0.6-0.8 vs 0.40, 64x64x128 0.92-0.96 vs 0.77-0.84,
+//   128x64x128 0.94-0.99 vs 0.87-0.89, 256x64x64 0.94-0.96 vs 0.87-0.92, 512x64x32 0.92-0.94 vs
+//   0.86-0.89, 1024x32x32 0.80-0.87 vs 0.69-0.73; a transposed (packed like b): 64x64x256
+//   0.79-0.82 vs 0.74, 256x64x64 0.84-0.89 vs 0.77-0.82;
+// - behind: 32 columns from 256 rows (512x32x64 0.80-0.82 vs 0.84-0.89, 256x32x128 0.84-0.89 vs
+//   0.87-0.92: 8 accumulators a row); 256x10x64 0.35 vs 0.40 (one vector of columns leaves 6
+//   accumulators, too few to hide VDPBF16PS's latency); b transposed, whose pairs the own kernel
+//   gathers (64x64x128 0.69-0.71 vs 0.80-0.84, 256x64x64 0.87-0.89 vs 0.94).
+constexpr int64_t kOwnBf16WideColumns = 64;
 constexpr int64_t kOwnBf16MinColumns = 32;
+constexpr int64_t kOwnBf16MaxRowsWhenNarrow = 128;
 constexpr double kOwnBf16MaxFlops = double{1 << 21};
 constexpr double kAmxSingleThreadMaxFlops = double{1 << 24};
 
@@ -247,8 +251,8 @@ bool bf16_dots_are_faster() {
                "bf16 dot products (VDPBF16PS) run at {:.2f} times the f32 FMA rate here: automatic "
                "bf16 products {}",
                ratio,
-               result ? "stay bf16 (own kernel up to 2^21 flops, 128 rows, from 32 columns, "
-                        "b untransposed; else oneDNN bf16)"
+               result ? "stay bf16 (own kernel up to 2^21 flops, b untransposed, from 64 "
+                        "columns or from 32 up to 128 rows; else oneDNN bf16)"
                       : "are widened to f32 or not by shape");
     return result;
   }();
@@ -278,8 +282,9 @@ Choice choose(const GemmDesc& d) {
         if (onednn_may_use_amx())
           if (std::optional<Choice> amx = amx_choice(d)) return std::move(*amx);
         if (bf16_dots_are_faster()) {
-          if (flops_of(d) <= kOwnBf16MaxFlops && d.m <= kOwnBf16MaxRows &&
-              d.n >= kOwnBf16MinColumns && !d.transpose_b)
+          const bool columns_fit = d.n >= kOwnBf16WideColumns ||
+                                   (d.n >= kOwnBf16MinColumns && d.m <= kOwnBf16MaxRowsWhenNarrow);
+          if (flops_of(d) <= kOwnBf16MaxFlops && columns_fit && !d.transpose_b)
             return Choice{true, false, false, nullptr};
           widen = false;
           break;

@@ -52,31 +52,40 @@ template <int rows, int vectors>
 MIXTAPE_AVX512_BF16 void tile(const uint16_t* a, int64_t row_words, int64_t pair_words,
                               const uint32_t* panel, int64_t pairs, const float* bias, float* out,
                               int64_t ldo, int last_lanes, bool resume) {
+  // Every loop over rows and vectors is unrolled, so that the accumulators stay in registers
+  // (without the pragmas GCC kept them on the stack around the stores, about a tenth of a
+  // 256x64x64 product's time).
   const __mmask16 last = static_cast<__mmask16>((1u << last_lanes) - 1u);
   __m512 acc[rows][vectors];
+#pragma GCC unroll 8
   for (int r = 0; r < rows; ++r)
+#pragma GCC unroll 4
     for (int v = 0; v < vectors; ++v)
       acc[r][v] =
           resume ? _mm512_maskz_loadu_ps(v == vectors - 1 ? last : 0xFFFF, out + r * ldo + 16 * v)
                  : _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh bv[vectors];
+#pragma GCC unroll 4
     for (int v = 0; v < vectors; ++v)
       bv[v] = (__m512bh)_mm512_loadu_si512(panel + p * kPanel + 16 * v);
+#pragma GCC unroll 8
     for (int r = 0; r < rows; ++r) {
       const __m512bh av = (__m512bh)_mm512_set1_epi32(
           static_cast<int>(load_pair(a + 2 * (r * row_words + p * pair_words))));
+#pragma GCC unroll 4
       for (int v = 0; v < vectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
     }
   }
+#pragma GCC unroll 4
   for (int v = 0; v < vectors; ++v) {
     const __mmask16 mask = v == vectors - 1 ? last : static_cast<__mmask16>(0xFFFF);
     const __m512 add =
         bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + 16 * v) : _mm512_setzero_ps();
-    for (int r = 0; r < rows; ++r) {
-      const __m512 value = bias != nullptr ? _mm512_add_ps(acc[r][v], add) : acc[r][v];
-      _mm512_mask_storeu_ps(out + r * ldo + 16 * v, mask, value);
-    }
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r)
+      _mm512_mask_storeu_ps(out + r * ldo + 16 * v, mask,
+                            bias != nullptr ? _mm512_add_ps(acc[r][v], add) : acc[r][v]);
   }
 }
 

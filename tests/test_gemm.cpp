@@ -319,8 +319,9 @@ TEST(Gemm, AutomaticBf16KernelIsAmxWhereOneDnnHasIt) {
     if (native_kernel.find("amx") != std::string::npos)
       EXPECT_EQ(automatic_kernel, native_kernel) << label(d);
     else if (mt::bf16_dot_speed_over_f32() >= 1.0)  // bf16 stays bf16: own when small
-      EXPECT_EQ(automatic_kernel,
-                flops <= 0x1p21 && d.m <= 128 && d.n >= 32 ? mt::gemm_kernel(own) : native_kernel)
+      EXPECT_EQ(automatic_kernel, flops <= 0x1p21 && (d.n >= 64 || (d.n >= 32 && d.m <= 128))
+                                      ? mt::gemm_kernel(own)
+                                      : native_kernel)
           << label(d);
     else
       EXPECT_TRUE(automatic_kernel == native_kernel || automatic_kernel == mt::gemm_kernel(widened))
@@ -772,8 +773,8 @@ TEST(Gemm, OwnBf16KernelFlushesSubnormalsAndSumsPairsOddFirst) {
 }
 
 // Where bf16 dot products outrun f32 FMAs (measured), automatic bf16 products stay bf16: the own
-// kernel up to 2^21 flops, 128 rows and from 32 columns with b not transposed, oneDNN's bf16
-// kernel otherwise.
+// kernel up to 2^21 flops with b not transposed and 64 columns, or 32 columns and at most 128
+// rows; oneDNN's bf16 kernel otherwise.
 TEST(Gemm, AutomaticBf16KernelFollowsTheMeasuredDotProductSpeed) {
   const double ratio = mt::bf16_dot_speed_over_f32();
   std::cout << "[ info ] VDPBF16PS runs at " << ratio << " times the f32 FMA rate here\n";
@@ -787,6 +788,8 @@ TEST(Gemm, AutomaticBf16KernelFollowsTheMeasuredDotProductSpeed) {
                             {64, 64, 128},
                             {1, 1024, 512},
                             {64, 10, 64},
+                            {512, 32, 64},
+                            {64, 32, 64},
                             {256, 256, 64},
                             {1024, 1024, 1024}}) {
     mt::GemmDesc d;
@@ -800,7 +803,7 @@ TEST(Gemm, AutomaticBf16KernelFollowsTheMeasuredDotProductSpeed) {
       continue;
     }
     const double flops = 2.0 * static_cast<double>(d.m * d.n * d.k);
-    const bool small = flops <= 0x1p21 && d.m <= 128 && d.n >= 32;
+    const bool small = flops <= 0x1p21 && (d.n >= 64 || (d.n >= 32 && d.m <= 128));
     EXPECT_EQ(kernel, small ? mt::gemm_kernel(own) : mt::gemm_kernel(native)) << label(d);
     for (mt::GemmDesc* transposed : {&d, &own, &native}) transposed->transpose_a = true;
     EXPECT_EQ(mt::gemm_kernel(d), small ? mt::gemm_kernel(own) : mt::gemm_kernel(native))
