@@ -74,19 +74,20 @@ constexpr double kWidenBf16MinFlopsPerElement = 96.0;
 // both, the demo's 256x128x128 f32 products ran on one thread: 10% fewer steps/s.
 constexpr double kSingleThreadMaxFlops = double{1 << 22};
 
-// Bf16Kernel::automatic runs products of at most this many flops (all batches) with an
-// untransposed b and at least 64 columns, or at least 32 columns and at most 128 rows, on the
-// own kernel, where bf16 dot products are fast: below kSingleThreadMaxFlops, so oneDNN would run
-// them on one thread too. CPU time per product, one thread, as a fraction of the bf16 peak (545
-// GFLOP/s), own vs oneDNN, on the AMD EPYC of bench/README.md (load 2-4, 2-3 runs):
+// Bf16Kernel::automatic runs products of at most this many flops (all batches) with at least 64
+// columns, or at least 32 columns and at most 128 rows, on the own kernel, where bf16 dot products
+// are fast: below kSingleThreadMaxFlops, so oneDNN would run them on one thread too. CPU time per
+// product, one thread, as a fraction of the bf16 peak (545 GFLOP/s), own vs oneDNN, on the AMD
+// EPYC of bench/README.md (load 2-4, 2-3 runs):
 // - ahead: 16x64x64 0.80 vs 0.40, 32x32x64 0.6-0.8 vs 0.40, 64x64x128 0.92-0.96 vs 0.77-0.84,
 //   128x64x128 0.94-0.99 vs 0.87-0.89, 256x64x64 0.94-0.96 vs 0.87-0.92, 512x64x32 0.92-0.94 vs
 //   0.86-0.89, 1024x32x32 0.80-0.87 vs 0.69-0.73; a transposed (packed like b): 64x64x256
-//   0.79-0.82 vs 0.74, 256x64x64 0.84-0.89 vs 0.77-0.82;
-// - behind: 32 columns from 256 rows (512x32x64 0.80-0.82 vs 0.84-0.89, 256x32x128 0.84-0.89 vs
-//   0.87-0.92: 8 accumulators a row); 256x10x64 0.35 vs 0.40 (one vector of columns leaves 6
-//   accumulators, too few to hide VDPBF16PS's latency); b transposed, whose pairs the own kernel
-//   gathers (64x64x128 0.69-0.71 vs 0.80-0.84, 256x64x64 0.87-0.89 vs 0.94).
+//   0.79-0.82 vs 0.74, 256x64x64 0.84-0.89 vs 0.77-0.82; b transposed (a 16x16 word transpose):
+//   64x64x128 0.87-0.92 vs 0.80-0.84, 128x64x64 0.92-0.96 vs 0.80-0.84, 256x64x64 0.94-0.96 vs
+//   0.89-0.94, 32x64x64 0.80 vs 0.53, 256x32x64 0.84-0.87 vs 0.80;
+// - behind: 32 columns from 256 rows, b untransposed (512x32x64 0.80-0.82 vs 0.84-0.89,
+//   256x32x128 0.84-0.89 vs 0.87-0.92: 8 accumulators a row); 256x10x64 0.35 vs 0.40 (one vector
+//   of columns leaves 6 accumulators, too few to hide VDPBF16PS's latency).
 constexpr int64_t kOwnBf16WideColumns = 64;
 constexpr int64_t kOwnBf16MinColumns = 32;
 constexpr int64_t kOwnBf16MaxRowsWhenNarrow = 128;
@@ -251,8 +252,8 @@ bool bf16_dots_are_faster() {
                "bf16 dot products (VDPBF16PS) run at {:.2f} times the f32 FMA rate here: automatic "
                "bf16 products {}",
                ratio,
-               result ? "stay bf16 (own kernel up to 2^21 flops, b untransposed, from 64 "
-                        "columns or from 32 up to 128 rows; else oneDNN bf16)"
+               result ? "stay bf16 (own kernel up to 2^21 flops from 64 columns, or from 32 "
+                        "up to 128 rows; else oneDNN bf16)"
                       : "are widened to f32 or not by shape");
     return result;
   }();
@@ -275,8 +276,6 @@ Choice choose(const GemmDesc& d) {
               "{}: the own bf16 kernel needs AVX512F, AVX512BW and AVX512-BF16, which this CPU "
               "lacks",
               describe(d));
-        if (d.transpose_b && d.k >= (int64_t{1} << 26))  // gemm_bf16.h: 32-bit gather offsets
-          fail("{}: the own bf16 kernel takes a transposed b with k below 2^26", describe(d));
         return Choice{true, false, false, nullptr};
       case Bf16Kernel::automatic: {
         if (onednn_may_use_amx())
@@ -284,7 +283,7 @@ Choice choose(const GemmDesc& d) {
         if (bf16_dots_are_faster()) {
           const bool columns_fit = d.n >= kOwnBf16WideColumns ||
                                    (d.n >= kOwnBf16MinColumns && d.m <= kOwnBf16MaxRowsWhenNarrow);
-          if (flops_of(d) <= kOwnBf16MaxFlops && columns_fit && !d.transpose_b)
+          if (flops_of(d) <= kOwnBf16MaxFlops && columns_fit)
             return Choice{true, false, false, nullptr};
           widen = false;
           break;

@@ -15,7 +15,7 @@ bool gemm_bf16_own_available();
 double bf16_dot_speed_over_f32();
 
 /// out[b] = a[b] @ b[b] (+ bias) for every batch index, bf16 operands, f32 result, on the calling
-/// thread; with transpose_b, k must be below 2^26 (its rows are gathered by 32-bit offsets). a is
+/// thread. a is
 /// [batch, m, k] row-major, or [batch, k, m] when transpose_a; b is [batch, k, n], or [batch, n, k]
 /// when transpose_b; bias (f32, n values, or null) is added to every row.
 ///
