@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -24,27 +25,37 @@ constexpr const char* kUsage =
     "  workloads: fma_peak (f32 FMA, bf16 dot-product and AMX peaks, 1 and all threads),\n"
     "             gemm_<f32|bf16>_<N> (N^3 product through runtime/gemm.h, f32 result),\n"
     "             gemm_<f32|bf16>_<M>x<N>x<K> (an M x K by K x N product); a suffix\n"
-    "             :native or :widened picks the bf16 kernel (default: automatic)\n";
+    "             :native, :widened or :own picks the bf16 kernel (default: automatic),\n"
+    "             :ta and :tb store a or b transposed\n";
 
 /// A gemm workload's name parsed: gemm_<dtype>_<N> or gemm_<dtype>_<M>x<N>x<K>, and :kernel.
 struct GemmWorkload {
   std::string dtype;
   int64_t m = 0, n = 0, k = 0;
   mt::Bf16Kernel kernel = mt::Bf16Kernel::automatic;
+  bool transpose_a = false, transpose_b = false;  // the operands stored transposed
 };
 
 bool parse_gemm(const std::string& name, GemmWorkload& w) {
-  std::string shape = name;
   const size_t colon = name.find(':');
-  if (colon != std::string::npos) {
-    const std::string kernel = name.substr(colon + 1);
-    if (kernel == "native")
+  const std::string shape = name.substr(0, colon);
+  // Suffixes after ':': the bf16 kernel (native, widened, own) and the transposes (ta, tb).
+  for (size_t at = colon; at != std::string::npos;) {
+    const size_t next = name.find(':', at + 1);
+    const std::string part = name.substr(at + 1, next == std::string::npos ? next : next - at - 1);
+    if (part == "native")
       w.kernel = mt::Bf16Kernel::native;
-    else if (kernel == "widened")
+    else if (part == "widened")
       w.kernel = mt::Bf16Kernel::widened;
+    else if (part == "own")
+      w.kernel = mt::Bf16Kernel::own;
+    else if (part == "ta")
+      w.transpose_a = true;
+    else if (part == "tb")
+      w.transpose_b = true;
     else
       return false;
-    shape = name.substr(0, colon);
+    at = next;
   }
   char dtype[8] = {};
   long long m = 0, n = 0, k = 0;
@@ -63,6 +74,14 @@ bool parse_gemm(const std::string& name, GemmWorkload& w) {
          (w.kernel == mt::Bf16Kernel::automatic || w.dtype == "bf16");
 }
 
+/// Threads the library's parallel regions use: OMP_NUM_THREADS where set (run.py sets it per
+/// child), else all of the machine's.
+int threads_in_use() {
+  const char* env = std::getenv("OMP_NUM_THREADS");
+  const int threads = env ? std::atoi(env) : 0;
+  return threads > 0 ? std::min(threads, bench::all_threads()) : bench::all_threads();
+}
+
 mt::json::Object gemm_record(const std::string& name, const GemmWorkload& w, Peaks& peaks,
                              const bench::TimingOptions& timing) {
   std::mt19937_64 rng(0);
@@ -73,7 +92,12 @@ mt::json::Object gemm_record(const std::string& name, const GemmWorkload& w, Pea
   for (float& v : a) v = normal(rng);
   for (float& v : b) v = normal(rng);
   std::vector<uint16_t> a16, b16;
-  mt::GemmDesc desc{.m = w.m, .n = w.n, .k = w.k, .bf16_kernel = w.kernel};
+  mt::GemmDesc desc{.m = w.m,
+                    .n = w.n,
+                    .k = w.k,
+                    .transpose_a = w.transpose_a,
+                    .transpose_b = w.transpose_b,
+                    .bf16_kernel = w.kernel};
   const void* a_data = a.data();
   const void* b_data = b.data();
   if (dtype == "bf16") {
@@ -105,6 +129,14 @@ mt::json::Object gemm_record(const std::string& name, const GemmWorkload& w, Pea
                           {"peak_gflops", peak}};
   if (w.m == w.n && w.n == w.k) record.emplace_back("size", w.m);
   if (peak > 0) record.emplace_back("fraction_of_peak", gflops / peak);
+  // The same against the peak of the threads the library uses (OMP_NUM_THREADS), as
+  // bench_conv holds its products: one thread's product is held to one core's peak.
+  const int threads = threads_in_use();
+  double peak_here = peaks.gflops("f32", 1) * threads;
+  if (dtype == "bf16") peak_here = std::max(peak_here, peaks.gflops("bf16", 1) * threads);
+  if (threads >= bench::all_threads()) peak_here = peak;
+  record.emplace_back("library_threads", threads);
+  if (peak_here > 0) record.emplace_back("fraction_of_peak_at_threads", gflops / peak_here);
   bench::append(record, result);
   return record;
 }
@@ -124,7 +156,7 @@ int main(int argc, char** argv) {
       } else {
         mt::fail(
             "bench_gemm: unknown workload '{}' (fma_peak, gemm_<f32|bf16>_<N>, "
-            "gemm_<f32|bf16>_<M>x<N>x<K>, with :native or :widened for bf16)",
+            "gemm_<f32|bf16>_<M>x<N>x<K>, with :native, :widened or :own for bf16, :ta, :tb)",
             name);
       }
     }

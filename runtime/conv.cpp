@@ -125,6 +125,7 @@ std::string describe(const ConvDesc& d) {
 bool widens_bf16(const ConvDesc& d) {
   if (d.operand != bf16) return false;
   switch (d.bf16_kernel) {
+    case Bf16Kernel::own:  // gemm's own kernel has no convolution: oneDNN's bf16 one, as native
     case Bf16Kernel::native:
       return false;
     case Bf16Kernel::widened:

@@ -18,6 +18,7 @@
 #include "dsl/error.h"
 #include "dsl/half.h"
 #include "dsl/log.h"
+#include "runtime/gemm_bf16.h"
 #include "runtime/half_convert.h"
 #include "runtime/scratch_buffer.h"
 #include "runtime/single_threaded.h"
@@ -31,9 +32,15 @@
 // - Its bf16 destination rounds to nearest even like dsl/half.h for normal values, but the bf16
 //   kernel (VDPBF16PS) treats subnormal operands and products as zero. Rounding here keeps one
 //   code path for both half types and keeps f32 subnormal sums of the f32 kernel exact.
-// - The bf16 kernel runs at about half the f32 kernel's speed (no AMX; VDPBF16PS does as many
-//   multiply-adds per cycle as two FMAs), so for large enough matrices widening bf16 operands to
-//   f32 is faster despite the conversion pass; Bf16Kernel::automatic picks by shape.
+// - How fast its bf16 kernel is depends on the CPU, not on oneDNN. On that Intel CPU VDPBF16PS
+//   runs at half the f32 FMA rate in flops, so for large enough matrices widening bf16 operands to
+//   f32 is faster despite the conversion pass. On an AMD EPYC (Zen 4) it runs at twice the FMA
+//   rate, and the same bf16 matmul reached 0.71-0.95 of one core's bf16 peak where the widened one
+//   reached 0.34-0.46. So Bf16Kernel::automatic measures the two rates once (gemm_bf16.h) and
+//   keeps bf16 operands bf16 where dot products are the faster; only then does it pick by shape.
+// - Around a small product (256x64x64: about 4 us at the bf16 peak of one Zen 4 core) oneDNN
+//   spends a good part of its time outside its kernel; mixtape's own VDPBF16PS tile
+//   (gemm_bf16.h), which packs B and runs, takes those on CPUs where bf16 dot products are fast.
 // - On a CPU with AMX (Sapphire Rapids and later, with Linux granting the tile state, which oneDNN
 //   asks for) the same bf16 matmul runs on AMX tiles (its implementation "brg:avx512_core_amx..."),
 //   4 to 8 times faster than the f32 kernel at every shape measured, from 256x64x64 to 2048^3
@@ -66,6 +73,25 @@ constexpr double kWidenBf16MinFlopsPerElement = 96.0;
 // (about 200 GFLOP/s a core) and 2^24 on AMX tiles (about 1,000 at these sizes). With 2^24 for
 // both, the demo's 256x128x128 f32 products ran on one thread: 10% fewer steps/s.
 constexpr double kSingleThreadMaxFlops = double{1 << 22};
+
+// Bf16Kernel::automatic runs products of at most this many flops (all batches) with at least 64
+// columns, or at least 32 columns and at most 128 rows, on the own kernel, where bf16 dot products
+// are fast: below kSingleThreadMaxFlops, so oneDNN would run them on one thread too. CPU time per
+// product, one thread, as a fraction of the bf16 peak (545 GFLOP/s), own vs oneDNN, on the AMD
+// EPYC of bench/README.md (load 2-4, 2-3 runs):
+// - ahead: 16x64x64 0.80 vs 0.40, 32x32x64 0.6-0.8 vs 0.40, 64x64x128 0.92-0.96 vs 0.77-0.84,
+//   128x64x128 0.94-0.99 vs 0.87-0.89, 256x64x64 0.94-0.96 vs 0.87-0.92, 512x64x32 0.92-0.94 vs
+//   0.86-0.89, 1024x32x32 0.80-0.87 vs 0.69-0.73; a transposed (packed like b): 64x64x256
+//   0.79-0.82 vs 0.74, 256x64x64 0.84-0.89 vs 0.77-0.82; b transposed (a 16x16 word transpose):
+//   64x64x128 0.87-0.92 vs 0.80-0.84, 128x64x64 0.92-0.96 vs 0.80-0.84, 256x64x64 0.94-0.96 vs
+//   0.89-0.94, 32x64x64 0.80 vs 0.53, 256x32x64 0.84-0.87 vs 0.80;
+// - behind: 32 columns from 256 rows, b untransposed (512x32x64 0.80-0.82 vs 0.84-0.89,
+//   256x32x128 0.84-0.89 vs 0.87-0.92: 8 accumulators a row); 256x10x64 0.35 vs 0.40 (one vector
+//   of columns leaves 6 accumulators, too few to hide VDPBF16PS's latency).
+constexpr int64_t kOwnBf16WideColumns = 64;
+constexpr int64_t kOwnBf16MinColumns = 32;
+constexpr int64_t kOwnBf16MaxRowsWhenNarrow = 128;
+constexpr double kOwnBf16MaxFlops = double{1 << 21};
 constexpr double kAmxSingleThreadMaxFlops = double{1 << 24};
 
 // Per thread, so that concurrent calls never share a buffer and need no lock.
@@ -183,6 +209,7 @@ PrimitiveKey primitive_key(const GemmDesc& d, OnednnType operand,
 // choice depends only on the description and the machine, so a shape always runs the same kernel
 // and gives the same bits.
 struct Choice {
+  bool own = false;  // gemm_bf16_own, no primitive
   bool widen = false;
   bool bf16_result = false;  // oneDNN writes the bf16 result itself: there is no epilogue pass
   std::shared_ptr<const CachedPrimitive> primitive;
@@ -200,12 +227,37 @@ std::optional<Choice> amx_choice(const GemmDesc& d) {
   if (d.out == bf16 && !d.relu && !d.has_bias) {
     std::shared_ptr<const CachedPrimitive> direct =
         cached_primitive(primitive_key(d, OnednnType::bf16, OnednnType::bf16));
-    if (direct->amx) return Choice{false, true, std::move(direct)};
+    if (direct->amx) return Choice{false, false, true, std::move(direct)};
   }
   std::shared_ptr<const CachedPrimitive> native =
       cached_primitive(primitive_key(d, OnednnType::bf16));
-  if (native->amx) return Choice{false, false, std::move(native)};
+  if (native->amx) return Choice{false, false, false, std::move(native)};
   return std::nullopt;
+}
+
+double flops_of(const GemmDesc& d) {
+  return 2.0 * static_cast<double>(d.batch) * static_cast<double>(d.m) * static_cast<double>(d.n) *
+         static_cast<double>(d.k);
+}
+
+// Whether VDPBF16PS outruns f32 FMAs on this CPU (measured once; logged under MIXTAPE_LOG=profile
+// with the measured ratio). The ratio is about 2 or about 0.5 on the CPUs measured, far from 1,
+// so the answer does not flip between runs of one machine.
+bool bf16_dots_are_faster() {
+  static const bool faster = [] {
+    const double ratio = bf16_dot_speed_over_f32();
+    const bool result = ratio >= 1.0;
+    if (log_enabled("profile"))
+      log_line("profile",
+               "bf16 dot products (VDPBF16PS) run at {:.2f} times the f32 FMA rate here: automatic "
+               "bf16 products {}",
+               ratio,
+               result ? "stay bf16 (own kernel up to 2^21 flops from 64 columns, or from 32 "
+                        "up to 128 rows; else oneDNN bf16)"
+                      : "are widened to f32 or not by shape");
+    return result;
+  }();
+  return faster;
 }
 
 Choice choose(const GemmDesc& d) {
@@ -218,9 +270,24 @@ Choice choose(const GemmDesc& d) {
       case Bf16Kernel::widened:
         widen = true;
         break;
+      case Bf16Kernel::own:
+        if (!gemm_bf16_own_available())
+          fail(
+              "{}: the own bf16 kernel needs AVX512F, AVX512BW and AVX512-BF16, which this CPU "
+              "lacks",
+              describe(d));
+        return Choice{true, false, false, nullptr};
       case Bf16Kernel::automatic: {
         if (onednn_may_use_amx())
           if (std::optional<Choice> amx = amx_choice(d)) return std::move(*amx);
+        if (bf16_dots_are_faster()) {
+          const bool columns_fit = d.n >= kOwnBf16WideColumns ||
+                                   (d.n >= kOwnBf16MinColumns && d.m <= kOwnBf16MaxRowsWhenNarrow);
+          if (flops_of(d) <= kOwnBf16MaxFlops && columns_fit)
+            return Choice{true, false, false, nullptr};
+          widen = false;
+          break;
+        }
         const double m = static_cast<double>(d.m), n = static_cast<double>(d.n);
         widen = 2.0 * m * n / (m + n) >= kWidenBf16MinFlopsPerElement;
         break;
@@ -228,10 +295,11 @@ Choice choose(const GemmDesc& d) {
     }
   }
   const OnednnType type = d.operand == bf16 && !widen ? OnednnType::bf16 : OnednnType::f32;
-  return {widen, false, cached_primitive(primitive_key(d, type))};
+  return {false, widen, false, cached_primitive(primitive_key(d, type))};
 }
 
 std::string describe(const Choice& choice, const GemmDesc& d) {
+  if (choice.own) return "mixtape's own bf16 kernel (6x64 VDPBF16PS tile, one thread)";
   if (choice.widen)
     return fmt::format("{} widened to f32, oneDNN f32 {}", name(d.operand),
                        choice.primitive->implementation);
@@ -284,9 +352,7 @@ BoundArguments& bound_arguments(const CachedPrimitive& primitive, bool has_bias)
 
 // Whether oneDNN runs the product on the OpenMP team (else on the calling thread alone).
 bool runs_on_team(const GemmDesc& d, const CachedPrimitive& primitive) {
-  const double flops = 2.0 * static_cast<double>(d.batch) * static_cast<double>(d.m) *
-                       static_cast<double>(d.n) * static_cast<double>(d.k);
-  return flops >= (primitive.amx ? kAmxSingleThreadMaxFlops : kSingleThreadMaxFlops);
+  return flops_of(d) >= (primitive.amx ? kAmxSingleThreadMaxFlops : kSingleThreadMaxFlops);
 }
 
 void run_onednn(const GemmDesc& d, const CachedPrimitive& primitive, bool team, const void* a,
@@ -432,6 +498,14 @@ void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void
     fail("{}: oneDNN failed: {}", describe(d), error.what());
   }
   log_choice(d, [&] { return describe(choice, d); });
+  if (choice.own) {
+    float* result = f32_result();
+    gemm_bf16_own(d.batch, d.m, d.n, d.k, d.transpose_a, d.transpose_b,
+                  static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b), bias_f32,
+                  result);
+    finish(d, false, result, out, result_count);
+    return;
+  }
   const void* a_operand = a;
   const void* b_operand = b;
   if (choice.widen) {
@@ -487,6 +561,7 @@ void gemm_release_scratch() {
   for (ScratchBuffer* buffer :
        {&scratch.a, &scratch.b, &scratch.bias, &scratch.result, &scratch.onednn, &scratch.partials})
     buffer->release();
+  gemm_bf16_own_release_scratch();
 }
 
 }  // namespace mixtape

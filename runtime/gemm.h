@@ -9,15 +9,20 @@
 
 namespace mixtape {
 
-/// How bf16 operands are multiplied. Both accumulate in f32 and give the same results for values
-/// in the normal range; they differ in speed, and in subnormals (below 2^-126): the native
-/// kernel's VDPBF16PS or AMX TDPBF16PS flushes subnormal operands and products to zero, the
-/// widened one keeps them.
+/// How bf16 operands are multiplied. All accumulate in f32 and give the same results for values
+/// in the normal range up to f32 rounding (each in its own summation order); they differ in speed,
+/// and in subnormals (below 2^-126): the native and own kernels' VDPBF16PS or AMX TDPBF16PS treat
+/// subnormal operands as zero and flush subnormal sums, the widened one keeps them.
 enum class Bf16Kernel : uint8_t {
-  automatic,  // native where oneDNN runs it on AMX; elsewhere by shape: widened when there are
-              // enough flops per converted element (gemm.cpp). Fixed per shape and machine.
+  automatic,  // by machine, then by shape (gemm.cpp): AMX where oneDNN runs it; where bf16 dot
+              // products outrun f32 FMAs (measured once, bf16_dot_speed_over_f32 in gemm_bf16.h)
+              // own for small products (2^21 flops, n >= 64 or n >= 32 with m <= 128), native
+              // otherwise; elsewhere widened when there are enough flops per
+              // converted element. Fixed per shape and machine; MIXTAPE_LOG=profile logs it.
   native,     // oneDNN's bf16 matmul (AMX tiles or AVX512-BF16 dot products)
   widened,    // operands widened exactly to f32, then oneDNN's f32 matmul
+  own,        // mixtape's VDPBF16PS kernel, one thread (gemm_bf16.h gives its exact result); an
+              // mt::Error on a CPU without AVX512-BF16
 };
 
 struct GemmDesc {
@@ -60,8 +65,8 @@ std::string gemm_kernel(const GemmDesc& desc);
 size_t gemm_primitive_cache_size();
 /// Drops every cached primitive (they are rebuilt on demand).
 void gemm_clear_primitive_cache();
-/// Frees the calling thread's scratch buffers (widened operands, f32 results, oneDNN scratchpad),
-/// which otherwise stay at their largest size for reuse by the next call.
+/// Frees the calling thread's scratch buffers (widened and packed operands, f32 results, oneDNN
+/// scratchpad), which otherwise stay at their largest size for reuse by the next call.
 void gemm_release_scratch();
 
 }  // namespace mixtape

@@ -1,4 +1,5 @@
-// tests/test_gemm.cpp -- the oneDNN matmul back end against a naive f64 matmul of the same values.
+// tests/test_gemm.cpp -- the matmul back end (oneDNN and the own bf16 kernel) against a naive f64
+// matmul of the same values, and the own kernel bit for bit against a scalar model of VDPBF16PS.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 
 #include "dsl/half.h"
 #include "runtime/gemm.h"
+#include "runtime/gemm_bf16.h"
 #include "runtime/half_convert.h"
 #include "test_util.h"
 
@@ -152,6 +154,7 @@ std::string label(const mt::GemmDesc& d) {
   const char* kernel = d.operand != mt::bf16                      ? ""
                        : d.bf16_kernel == mt::Bf16Kernel::native  ? " native"
                        : d.bf16_kernel == mt::Bf16Kernel::widened ? " widened"
+                       : d.bf16_kernel == mt::Bf16Kernel::own     ? " own"
                                                                   : " automatic";
   return fmt::format("batch {} m {} n {} k {} ta {} tb {} operand {}{} out {} bias {} relu {}",
                      d.batch, d.m, d.n, d.k, d.transpose_a, d.transpose_b, mt::name(d.operand),
@@ -203,13 +206,21 @@ struct Operand {
   mt::Bf16Kernel kernel;
 };
 
+// Every operand type and bf16 kernel this CPU runs: f32, f16, bf16 native and widened, and bf16
+// on the own kernel where the CPU has AVX512-BF16.
+std::vector<Operand> all_operands() {
+  std::vector<Operand> operands = {{mt::f32, mt::Bf16Kernel::automatic},
+                                   {mt::f16, mt::Bf16Kernel::automatic},
+                                   {mt::bf16, mt::Bf16Kernel::native},
+                                   {mt::bf16, mt::Bf16Kernel::widened}};
+  if (mt::gemm_bf16_own_available()) operands.push_back({mt::bf16, mt::Bf16Kernel::own});
+  return operands;
+}
+
 TEST(Gemm, MatchesF64ReferenceForAllDtypesTransposesShapesAndEpilogues) {
   const int64_t shapes[][3] = {{1, 1, 1},   {7, 33, 130}, {130, 7, 33}, {33, 130, 7}, {1, 130, 33},
                                {130, 1, 7}, {7, 7, 0},    {0, 7, 7},    {7, 0, 7}};
-  const Operand operands[] = {{mt::f32, mt::Bf16Kernel::automatic},
-                              {mt::f16, mt::Bf16Kernel::automatic},
-                              {mt::bf16, mt::Bf16Kernel::native},
-                              {mt::bf16, mt::Bf16Kernel::widened}};
+  const std::vector<Operand> operands = all_operands();
   const mt::DType floats[] = {mt::f32, mt::bf16, mt::f16};
   std::mt19937 rng(20240611);
   int checked = 0;
@@ -234,16 +245,13 @@ TEST(Gemm, MatchesF64ReferenceForAllDtypesTransposesShapesAndEpilogues) {
               ASSERT_TRUE(check_problem(d, rng));
               ++checked;
             }
-  EXPECT_EQ(checked, 4 * 3 * 4 * 2 * 4 * 9);
+  EXPECT_EQ(checked, static_cast<int>(operands.size()) * 3 * 4 * 2 * 4 * 9);
 }
 
 // Large enough for oneDNN's multithreaded kernels (small ones run on the calling thread alone).
 TEST(Gemm, MultithreadedProblemsMatchF64Reference) {
   std::mt19937 rng(11);
-  const Operand operands[] = {{mt::f32, mt::Bf16Kernel::automatic},
-                              {mt::f16, mt::Bf16Kernel::automatic},
-                              {mt::bf16, mt::Bf16Kernel::native},
-                              {mt::bf16, mt::Bf16Kernel::widened}};
+  const std::vector<Operand> operands = all_operands();
   for (const Operand& operand : operands)
     for (int transposes = 0; transposes < 4; ++transposes) {
       mt::GemmDesc d;
@@ -305,8 +313,16 @@ TEST(Gemm, AutomaticBf16KernelIsAmxWhereOneDnnHasIt) {
                       native_kernel = mt::gemm_kernel(native);
     EXPECT_EQ(mt::gemm_kernel(d), automatic_kernel) << label(d);
     EXPECT_NE(mt::gemm_kernel(widened).find("widened to f32"), std::string::npos) << label(d);
+    mt::GemmDesc own = d;
+    own.bf16_kernel = mt::Bf16Kernel::own;
+    const double flops = 2.0 * static_cast<double>(d.m * d.n * d.k);
     if (native_kernel.find("amx") != std::string::npos)
       EXPECT_EQ(automatic_kernel, native_kernel) << label(d);
+    else if (mt::bf16_dot_speed_over_f32() >= 1.0)  // bf16 stays bf16: own when small
+      EXPECT_EQ(automatic_kernel, flops <= 0x1p21 && (d.n >= 64 || (d.n >= 32 && d.m <= 128))
+                                      ? mt::gemm_kernel(own)
+                                      : native_kernel)
+          << label(d);
     else
       EXPECT_TRUE(automatic_kernel == native_kernel || automatic_kernel == mt::gemm_kernel(widened))
           << label(d) << ": " << automatic_kernel;
@@ -412,9 +428,7 @@ TEST(Gemm, ZeroSignsAndReluMatchTheReference) {
   const float nan = std::numeric_limits<float>::quiet_NaN();
   // a = [1; 0] (m = 2, k = 1), b = [-2, 0, nan, 3, -0]: row 1 is all products of +-0.
   const std::vector<float> a_values = {1.0f, 0.0f}, b_values = {-2.0f, 0.0f, nan, 3.0f, -0.0f};
-  for (const Operand& operand :
-       {Operand{mt::f32, mt::Bf16Kernel::automatic}, Operand{mt::f16, mt::Bf16Kernel::automatic},
-        Operand{mt::bf16, mt::Bf16Kernel::native}, Operand{mt::bf16, mt::Bf16Kernel::widened}})
+  for (const Operand& operand : all_operands())
     for (mt::DType out : {mt::f32, mt::bf16, mt::f16})
       for (bool relu : {false, true}) {
         mt::GemmDesc d;
@@ -511,6 +525,12 @@ TEST(Gemm, UnsupportedDescriptionsAreReportedWithShapesAndDtypes) {
   biased.has_bias = true;
   EXPECT_MT_ERROR(mt::gemm(biased, dummy, dummy, dummy), "null bias");
   EXPECT_MT_ERROR(mt::gemm(d, nullptr, dummy, dummy), "null operand");
+  mt::GemmDesc own = d;  // the own kernel needs a CPU with AVX512-BF16
+  own.operand = mt::bf16, own.bf16_kernel = mt::Bf16Kernel::own;
+  if (mt::gemm_bf16_own_available())
+    EXPECT_NE(mt::gemm_kernel(own).find("own"), std::string::npos);
+  else
+    EXPECT_MT_ERROR(mt::gemm_kernel(own), "own bf16 kernel", "lacks");
 }
 
 // The reference's relu, as the matmul epilogue applies it before rounding: x for x > 0 and for
@@ -601,6 +621,194 @@ TEST(Gemm, ConcurrentCallsGiveCorrectResults) {
     });
   for (std::thread& thread : threads) thread.join();
   EXPECT_EQ(failures.load(), 0);
+}
+
+// A scalar model of VDPBF16PS, written from its definition (Intel SDM): a subnormal bf16 operand
+// counts as a zero of its sign (DAZ); each of the two multiply-adds of a pair, the odd element's
+// first, is rounded once to nearest even in f32 (the product of two bf16 values is exact, so f64
+// holds it and the sum rounds as f32 would round the exact value, see below); an f32 subnormal
+// sum becomes a zero of its sign (FTZ).
+float daz(uint16_t bits) {
+  const float x = mt::bf16_bits_to_f32(bits);
+  return (bits & 0x7F80u) == 0 ? std::copysign(0.0f, x) : x;
+}
+
+float ftz(float x) { return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.0f, x) : x; }
+
+// acc + x * y rounded once. x * y has 16 significant bits and is exact in f64; acc + x * y is
+// exact in f64 too unless their exponents are more than 29 bits apart, and then the smaller is
+// below half an f32 ulp of the larger and not at a tie, so f64's rounding then f32's gives the
+// f32 rounding of the exact sum.
+float multiply_add(float acc, uint16_t x, uint16_t y) {
+  const double product = static_cast<double>(daz(x)) * static_cast<double>(daz(y));
+  return ftz(static_cast<float>(static_cast<double>(acc) + product));
+}
+
+// gemm_bf16.h's definition: k padded with a zero to even, pairs in order from +0, bias added last.
+std::vector<float> model_gemm(const mt::GemmDesc& d, const std::vector<uint16_t>& a,
+                              const std::vector<uint16_t>& b, const std::vector<float>* bias) {
+  std::vector<float> out(static_cast<size_t>(d.batch * d.m * d.n));
+  const int64_t kp = (d.k + 1) / 2 * 2;
+  for (int64_t bi = 0; bi < d.batch; ++bi)
+    for (int64_t i = 0; i < d.m; ++i)
+      for (int64_t j = 0; j < d.n; ++j) {
+        auto a_at = [&](int64_t p) -> uint16_t {
+          if (p >= d.k) return 0;
+          return a[bi * d.m * d.k + (d.transpose_a ? p * d.m + i : i * d.k + p)];
+        };
+        auto b_at = [&](int64_t p) -> uint16_t {
+          if (p >= d.k) return 0;
+          return b[bi * d.k * d.n + (d.transpose_b ? j * d.k + p : p * d.n + j)];
+        };
+        float acc = 0.0f;
+        for (int64_t p = 0; p < kp; p += 2) {
+          acc = multiply_add(acc, a_at(p + 1), b_at(p + 1));
+          acc = multiply_add(acc, a_at(p), b_at(p));
+        }
+        out[(bi * d.m + i) * d.n + j] = bias != nullptr ? acc + (*bias)[j] : acc;
+      }
+  return out;
+}
+
+// bf16 bit patterns that reach every case of the definition: ordinary values over a wide range of
+// exponents (products that overflow, and products and sums that fall below 2^-126), subnormals,
+// signed zeros, infinities and NaNs.
+std::vector<uint16_t> awkward_bf16(std::mt19937& rng, int64_t count) {
+  std::uniform_int_distribution<int> kind(0, 99), exponent(1, 254), mantissa(0, 127), sign(0, 1);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<uint16_t> bits(static_cast<size_t>(count));
+  for (uint16_t& x : bits) {
+    const int k = kind(rng);
+    const uint16_t s = static_cast<uint16_t>(sign(rng) << 15);
+    if (k < 60)
+      x = mt::f32_to_bf16_bits(normal(rng));
+    else if (k < 80)  // any normal exponent
+      x = static_cast<uint16_t>(s | exponent(rng) << 7 | mantissa(rng));
+    else if (k < 86)  // subnormal
+      x = static_cast<uint16_t>(s | std::max(1, mantissa(rng)));
+    else if (k < 92)  // small normals: their products are f32 subnormals
+      x = static_cast<uint16_t>(s | (1 + mantissa(rng) % 40) << 7 | mantissa(rng));
+    else if (k < 96)
+      x = s;  // +-0
+    else if (k < 98)
+      x = static_cast<uint16_t>(s | 0x7F80u);  // +-inf
+    else
+      x = static_cast<uint16_t>(s | 0x7FC0u | mantissa(rng) % 64);  // NaN
+  }
+  return bits;
+}
+
+// The own kernel's f32 results equal the scalar model's bit for bit (NaN for NaN), at every
+// shape: row tails of the 6-row tile, column tails of the 64-column panel, odd k, k over one
+// block of 128 (resumed from stored sums), a transposed A over 64 rows (two packed panels),
+// transposes,
+// batches, a bias, and operands at an odd element offset (rows not 4-byte aligned).
+TEST(Gemm, OwnBf16KernelMatchesAScalarModelOfVdpbf16psBitForBit) {
+  if (!mt::gemm_bf16_own_available()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  std::mt19937 rng(2026);
+  const int64_t shapes[][3] = {{1, 1, 1},    {6, 64, 2},   {7, 65, 3},   {13, 130, 67},
+                               {5, 17, 64},  {12, 128, 1}, {2, 200, 33}, {37, 48, 130},
+                               {9, 70, 300}, {70, 40, 45}};
+  int checked = 0;
+  for (const auto& shape : shapes)
+    for (int transposes = 0; transposes < 4; ++transposes)
+      for (int64_t batch : {1, 2})
+        for (bool has_bias : {false, true})
+          for (int64_t offset : {0, 1}) {
+            mt::GemmDesc d;
+            d.batch = batch, d.m = shape[0], d.n = shape[1], d.k = shape[2];
+            d.transpose_a = transposes & 1, d.transpose_b = transposes & 2;
+            d.operand = mt::bf16, d.bf16_kernel = mt::Bf16Kernel::own;
+            d.has_bias = has_bias;
+            const int64_t a_count = batch * d.m * d.k, b_count = batch * d.k * d.n;
+            std::vector<uint16_t> a = awkward_bf16(rng, a_count + offset);
+            std::vector<uint16_t> b = awkward_bf16(rng, b_count + offset);
+            std::vector<float> bias = uniform(rng, d.n);
+            std::vector<float> got(static_cast<size_t>(batch * d.m * d.n), -1.0f);
+            mt::gemm(d, a.data() + offset, b.data() + offset, got.data(),
+                     has_bias ? bias.data() : nullptr);
+            a.erase(a.begin(), a.begin() + offset);
+            b.erase(b.begin(), b.begin() + offset);
+            const std::vector<float> want = model_gemm(d, a, b, has_bias ? &bias : nullptr);
+            for (size_t i = 0; i < want.size(); ++i) {
+              const bool same = std::isnan(want[i]) ? std::isnan(got[i])
+                                                    : std::bit_cast<uint32_t>(got[i]) ==
+                                                          std::bit_cast<uint32_t>(want[i]);
+              ASSERT_TRUE(same) << label(d) << " offset " << offset << ": element " << i << " is "
+                                << got[i] << ", the model gives " << want[i];
+            }
+            ++checked;
+          }
+  EXPECT_EQ(checked, 10 * 4 * 2 * 2 * 2);
+}
+
+// The model is no tautology: it flushes what an f32 loop keeps and orders each pair odd first,
+// so the own kernel's bits differ from plain f32 sums on inputs built for that.
+TEST(Gemm, OwnBf16KernelFlushesSubnormalsAndSumsPairsOddFirst) {
+  if (!mt::gemm_bf16_own_available()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  // A 1 x k row times a k x 1 column.
+  auto run = [](const std::vector<float>& a, const std::vector<float>& b) {
+    mt::GemmDesc d;
+    d.m = 1, d.n = 1, d.k = static_cast<int64_t>(a.size());
+    d.operand = mt::bf16, d.bf16_kernel = mt::Bf16Kernel::own;
+    std::vector<uint16_t> a16, b16;
+    for (float x : a) a16.push_back(mt::f32_to_bf16_bits(x));
+    for (float x : b) b16.push_back(mt::f32_to_bf16_bits(x));
+    float out = -1.0f;
+    mt::gemm(d, a16.data(), b16.data(), &out);
+    return out;
+  };
+  EXPECT_EQ(run({0x1p-70f, 0.0f}, {0x1p-70f, 0.0f}), 0.0f);           // product 2^-140: flushed
+  EXPECT_EQ(run({0x1p-127f, 0.0f}, {2.0f, 0.0f}), 0.0f);              // subnormal operand: a zero
+  EXPECT_TRUE(std::isnan(run({0x1p-127f, 0.0f}, {INFINITY, 0.0f})));  // so 0 * inf
+  EXPECT_EQ(run({0x1p-63f, 0.0f}, {0x1p-63f, 0.0f}), 0x1p-126f);      // the least normal: kept
+  // Pairs (0, 1) then (-1, 2^-24) times ones: the odd element's product first gives 1, then
+  // 1 + 2^-24 = 1 (a tie, to even), then + -1 = 0; the even one first, or one rounding of the
+  // three-term sum, would give 2^-24.
+  EXPECT_EQ(run({0.0f, 1.0f, -1.0f, 0x1p-24f}, {1.0f, 1.0f, 1.0f, 1.0f}), 0.0f);
+  EXPECT_EQ(run({0.0f, 1.0f, 0x1p-24f, -1.0f}, {1.0f, 1.0f, 1.0f, 1.0f}), 0x1p-24f);
+}
+
+// Where bf16 dot products outrun f32 FMAs (measured), automatic bf16 products stay bf16: the own
+// kernel up to 2^21 flops with 64 columns, or 32 columns and at most 128 rows, whatever the
+// transposes; oneDNN's bf16 kernel otherwise.
+TEST(Gemm, AutomaticBf16KernelFollowsTheMeasuredDotProductSpeed) {
+  const double ratio = mt::bf16_dot_speed_over_f32();
+  std::cout << "[ info ] VDPBF16PS runs at " << ratio << " times the f32 FMA rate here\n";
+  if (!mt::gemm_bf16_own_available()) {
+    EXPECT_EQ(ratio, 0.0);
+    GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  }
+  EXPECT_GT(ratio, 0.2);
+  EXPECT_LT(ratio, 5.0);
+  for (const auto& shape : {std::array<int64_t, 3>{256, 64, 64},
+                            {64, 64, 128},
+                            {1, 1024, 512},
+                            {64, 10, 64},
+                            {512, 32, 64},
+                            {64, 32, 64},
+                            {256, 256, 64},
+                            {1024, 1024, 1024}}) {
+    mt::GemmDesc d;
+    d.m = shape[0], d.n = shape[1], d.k = shape[2], d.operand = mt::bf16;
+    mt::GemmDesc own = d, native = d;
+    own.bf16_kernel = mt::Bf16Kernel::own;
+    native.bf16_kernel = mt::Bf16Kernel::native;
+    const std::string kernel = mt::gemm_kernel(d);
+    if (kernel.find("amx") != std::string::npos || ratio < 1.0) {
+      EXPECT_NE(kernel, mt::gemm_kernel(own)) << label(d);
+      continue;
+    }
+    const double flops = 2.0 * static_cast<double>(d.m * d.n * d.k);
+    const bool small = flops <= 0x1p21 && (d.n >= 64 || (d.n >= 32 && d.m <= 128));
+    EXPECT_EQ(kernel, small ? mt::gemm_kernel(own) : mt::gemm_kernel(native)) << label(d);
+    for (mt::GemmDesc* transposed : {&d, &own, &native}) transposed->transpose_a = true;
+    EXPECT_EQ(mt::gemm_kernel(d), small ? mt::gemm_kernel(own) : mt::gemm_kernel(native))
+        << label(d);
+    for (mt::GemmDesc* transposed : {&d, &own, &native}) transposed->transpose_b = true;
+    EXPECT_EQ(mt::gemm_kernel(d), small ? mt::gemm_kernel(own) : mt::gemm_kernel(native))
+        << label(d);
+  }
 }
 
 // Informational: throughput of a 1024^3 product (not asserted; the machine is shared). A few
