@@ -29,6 +29,7 @@
 
 #include "codegen/emit_cuda.h"
 #include "dsl/conv.h"
+#include "dsl/vision.h"
 #include "dsl/convert.h"
 #include "dsl/functional.h"
 #include "dsl/graph.h"
