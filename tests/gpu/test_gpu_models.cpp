@@ -746,7 +746,9 @@ TEST(GpuMaxPool, ForwardAndGradientHaveTheReferencesBitsOnTheDevice) {
       DeviceScope scope;
       mt::set_device(device);
       mt::Generator gen(59);
-      mt::Tensor x = mt::round(mt::randn({4, 6, 17, 15}, dtype, &gen) * 2.0).requires_grad_();
+      const mt::Shape shape = {4, 6, 17, 15};
+      std::vector<double> tied = mt::round(mt::randn(shape, dtype, &gen) * 2.0).to_vector<double>();
+      mt::Tensor x = mt::tensor(tied, shape, dtype).requires_grad_();
       mt::eval({x});
       mt::Tensor y = mt::max_pool2d(x, 3, 2, 1);
       mt::Tensor z = mt::max_pool2d(x, {2, 3}, {{1, 2}}, 1, {2, 1}, true);
