@@ -214,10 +214,12 @@ void backward_plane(const Plan& p, const std::vector<float>& padded,
 }  // namespace
 
 bool max_pool_cpu_supported(const Node& node) {
+  // Inputs and result may differ in type (a policy may store the result narrower): each is
+  // widened to f32 or rounded once from it, as the reference loads and stores.
   auto fits = [](DType t) { return t == f32 || t == bf16 || t == f16; };
   if (!fits(node.storage)) return false;
   for (const NodePtr& input : node.inputs)
-    if (!input->value || input->value->dtype != node.storage) return false;
+    if (!input->value || !fits(input->value->dtype)) return false;
   // Picks are 32-bit positions in the padded plane, mapped to 32-bit input positions.
   const Plan p = plan_of(node);
   return p.rows * p.row_size() < (int64_t{1} << 31) && p.g.h * p.g.w < (int64_t{1} << 31);

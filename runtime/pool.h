@@ -7,8 +7,8 @@
 
 namespace mixtape {
 
-/// True when max_pool_cpu computes `node` (f32, bf16 or f16 values, inputs of the node's type);
-/// otherwise the reference loops do.
+/// True when max_pool_cpu computes `node` (f32, bf16 or f16 inputs and result); otherwise the
+/// reference loops do.
 bool max_pool_cpu_supported(const Node& node);
 
 /// Computes a MaxPool2d or MaxPool2dGrad node from its inputs' values into `out` (the node's

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -191,21 +192,37 @@ bool same_value(double a, double b) { return (std::isnan(a) && std::isnan(b)) ||
 
 struct PoolRun {
   std::vector<double> y, gx;
-  mt::OpCode y_op, gx_op;
+  mt::OpCode y_op;
+  int64_t host_ops;  // steps the reference loops ran
 };
 
 // max_pool2d and its gradient (gy * y summed, so x.grad is max_pool2d_grad(x, gy)) on `device`.
 PoolRun run_pool(const PoolCase& c, mt::DType dtype, const std::vector<float>& x_values,
-                 const std::vector<float>& gy_values, mt::Device device) {
+                 const std::vector<float>& gy_values, mt::Device device,
+                 std::optional<mt::DType> autocast = std::nullopt) {
   mt::Device previous = mt::current_device();
   mt::set_device(device);
+  std::optional<mt::autocast> guard;
+  if (autocast) guard.emplace(*autocast);
+  mt::reset_execution_stats();
   mt::Tensor x = mt::tensor(std::vector<double>(x_values.begin(), x_values.end()), c.x, dtype)
                      .requires_grad_();
   mt::Tensor y = mt::max_pool2d(x, c.k, c.s, c.p, c.d, c.ceil_mode);
   mt::Tensor gy =
       mt::tensor(std::vector<double>(gy_values.begin(), gy_values.end()), y.shape(), dtype);
-  mt::sum(y * gy).backward();
-  PoolRun run{y.to_vector<double>(), x.grad().to_vector<double>(), y.node()->op, {}};
+  if (autocast) {
+    // Through a 1x1 identity convolution, as ResNet's stem pooling feeds one: its gradient
+    // arrives in the low type (exactly gy, rounded), the pooled values are f32.
+    const int64_t ch = c.x[1];
+    std::vector<double> eye(static_cast<size_t>(ch * ch), 0.0);
+    for (int64_t i = 0; i < ch; ++i) eye[static_cast<size_t>(i * ch + i)] = 1.0;
+    mt::sum(mt::conv2d(y, mt::tensor(eye, {ch, ch, 1, 1}, mt::f32)) * gy).backward();
+  } else {
+    mt::sum(y * gy).backward();
+  }
+  mt::eval({y, x.grad()});
+  PoolRun run{y.to_vector<double>(), x.grad().to_vector<double>(), y.node()->op,
+              mt::execution_stats().host_ops};
   mt::set_device(previous);
   return run;
 }
@@ -222,7 +239,17 @@ TEST(MaxPool2dPrimitive, CpuLoopsStoreTheReferencesBits) {
         std::vector<float> gy = mt::randn(y_shape, mt::f32, &gen).to_vector<float>();
         PoolRun want = run_pool(c, dtype, x, gy, mt::Device::reference);
         PoolRun got = run_pool(c, dtype, x, gy, mt::Device::cpu);
+        // Under autocast the step's types mix (f32 values, bf16 gradients): the same bits.
+        PoolRun want_autocast = run_pool(c, dtype, x, gy, mt::Device::reference, mt::bf16);
+        PoolRun got_autocast = run_pool(c, dtype, x, gy, mt::Device::cpu, mt::bf16);
+        ASSERT_EQ(got_autocast.gx.size(), want_autocast.gx.size());
+        for (size_t i = 0; i < want_autocast.gx.size(); ++i)
+          ASSERT_TRUE(same_value(got_autocast.gx[i], want_autocast.gx[i]))
+              << "autocast gx[" << i << "] " << got_autocast.gx[i] << " vs " << want_autocast.gx[i];
         EXPECT_EQ(got.y_op, mt::OpCode::MaxPool2d);
+        // The CPU's loops ran both primitives, under autocast's mixed types too.
+        EXPECT_EQ(got.host_ops, 0);
+        EXPECT_EQ(got_autocast.host_ops, 0);
         ASSERT_EQ(got.y.size(), want.y.size());
         ASSERT_EQ(got.gx.size(), want.gx.size());
         for (size_t i = 0; i < want.y.size(); ++i)
