@@ -367,13 +367,16 @@ Tensor batch_norm_tracked(const Tensor& x, const Tensor& running_mean, const Ten
     if (n <= 1)
       op_fail(op, loc, "training needs more than one value per channel, got input {}",
               to_string(x.shape()));
-    // The mean per channel over [N, C, rest] as the sum of each contiguous (sample, channel)
-    // plane first, then over the samples: row reductions that vectorize, where one reduction
-    // over axes (0, 2, ...) reads the input with a stride per channel.
-    Shape stats_shape(static_cast<size_t>(x.dim()), 1);
+    // Training normalizes x viewed as [N, C, rest]: the mean per channel is the sum of each
+    // contiguous (sample, channel) plane first, then over the samples (row reductions that
+    // vectorize, where one reduction over axes (0, 2, ...) reads the input with a stride per
+    // channel), and the backward pass's reductions of the broadcast statistics see the same
+    // three axes.
+    if (x.dim() > 3) xs = reshape(xs, {x.size(0), x.size(1), n / x.size(0)});
+    Shape stats_shape(static_cast<size_t>(xs.dim()), 1);
     stats_shape[1] = x.size(1);
     auto channel_mean = [&](const Tensor& t) {
-      Tensor planes = x.dim() > 2 ? sum(reshape(t, {x.size(0), x.size(1), n / x.size(0)}), {2}) : t;
+      Tensor planes = t.dim() > 2 ? sum(t, {2}) : t;
       return reshape(sum(planes, {0}) / static_cast<double>(n), stats_shape);
     };
     mu = channel_mean(xs);
@@ -401,7 +404,8 @@ Tensor batch_norm_tracked(const Tensor& x, const Tensor& running_mean, const Ten
     mu = per_channel(running_mean, x, type);
     var = per_channel(running_var, x, type);
   }
-  return affine((xs - mu) * rsqrt(var + eps), x, weight, bias);
+  Tensor y = affine((xs - mu) * rsqrt(var + eps), xs, weight, bias);
+  return cast(reshape(y, x.shape()), x.dtype());
 }
 
 }  // namespace detail
