@@ -45,36 +45,6 @@ inline void pick_row_loop(float* __restrict best, int32_t* __restrict pick,
   }
 }
 
-struct RowLoops {
-  void (*max_row)(float*, const float*, int64_t);
-  void (*pick_row)(float*, int32_t*, const float*, int32_t, int64_t);
-};
-constexpr RowLoops baseline_rows{
-    [](float* best, const float* tap, int64_t n) { max_row_loop(best, tap, n); },
-    [](float* best, int32_t* pick, const float* tap, int32_t first, int64_t n) {
-      pick_row_loop(best, pick, tap, first, n);
-    }};
-#if defined(__x86_64__)
-// The library's baseline is SSE2; AVX-512 runs these loops on 16 lanes.
-[[gnu::target("arch=x86-64-v4")]] void max_row_v4(float* best, const float* tap, int64_t n) {
-  max_row_loop(best, tap, n);
-}
-[[gnu::target("arch=x86-64-v4")]] void pick_row_v4(float* best, int32_t* pick, const float* tap,
-                                                   int32_t first, int64_t n) {
-  pick_row_loop(best, pick, tap, first, n);
-}
-constexpr RowLoops v4_rows{max_row_v4, pick_row_v4};
-#endif
-
-const RowLoops& row_loops() {
-#if defined(__x86_64__)
-  static const bool v4 =
-      missing_cpu_features({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}).empty();
-  if (v4) return v4_rows;
-#endif
-  return baseline_rows;
-}
-
 // ---- planes ----
 struct Plan {
   PoolGeometry g;
@@ -148,22 +118,70 @@ void pad_plane(const Plan& p, const Storage& x, int64_t plane, std::vector<float
 }
 
 // Where the tap (ky, kx) of output row oy's first window is, in the phase layout.
-int64_t tap_at(const Plan& p, int64_t oy, int64_t ky, int64_t kx) {
+inline int64_t tap_at(const Plan& p, int64_t oy, int64_t ky, int64_t kx) {
   const PoolWindow& w = p.g.window;
   return p.at(oy * w.stride[0] + ky * w.dil[0], kx * w.dil[1]);
 }
 
-void forward_plane(const Plan& p, const std::vector<float>& padded, float* y) {
+// Every window's maximum of a padded plane: y [oh, ow].
+inline void plane_max(const Plan& p, const float* padded, float* y) {
   const PoolGeometry& g = p.g;
   const PoolWindow& w = g.window;
-  const RowLoops& loops = row_loops();
   for (int64_t oy = 0; oy < g.oh; ++oy) {
     float* best = y + oy * g.ow;
     std::fill(best, best + g.ow, kNegInf);
     for (int64_t ky = 0; ky < w.kernel[0]; ++ky)
       for (int64_t kx = 0; kx < w.kernel[1]; ++kx)
-        loops.max_row(best, padded.data() + tap_at(p, oy, ky, kx), g.ow);
+        max_row_loop(best, padded + tap_at(p, oy, ky, kx), g.ow);
   }
+}
+
+// Every window's pick of a padded plane (a position in it, -1 where no tap beat -inf): best and
+// pick [oh, ow].
+inline void plane_picks(const Plan& p, const float* padded, float* best, int32_t* pick) {
+  const PoolGeometry& g = p.g;
+  const PoolWindow& w = g.window;
+  std::fill(best, best + g.oh * g.ow, kNegInf);
+  std::fill(pick, pick + g.oh * g.ow, -1);
+  for (int64_t oy = 0; oy < g.oh; ++oy)
+    for (int64_t ky = 0; ky < w.kernel[0]; ++ky)
+      for (int64_t kx = 0; kx < w.kernel[1]; ++kx) {
+        const int64_t first = tap_at(p, oy, ky, kx);
+        pick_row_loop(best + oy * g.ow, pick + oy * g.ow, padded + first,
+                      static_cast<int32_t>(first), g.ow);
+      }
+}
+
+// The plane loops for the CPU's instruction set, chosen once per call: planes are small (ResNet's
+// stem pools 8x8 outputs), so dispatching per row would cost as much as the row.
+struct PlaneLoops {
+  void (*max)(const Plan&, const float*, float*);
+  void (*picks)(const Plan&, const float*, float*, int32_t*);
+};
+constexpr PlaneLoops baseline_planes{
+    [](const Plan& p, const float* padded, float* y) { plane_max(p, padded, y); },
+    [](const Plan& p, const float* padded, float* best, int32_t* pick) {
+      plane_picks(p, padded, best, pick);
+    }};
+#if defined(__x86_64__)
+// The library's baseline is SSE2; AVX-512 runs the row loops on 16 lanes.
+[[gnu::target("arch=x86-64-v4")]] void plane_max_v4(const Plan& p, const float* padded, float* y) {
+  plane_max(p, padded, y);
+}
+[[gnu::target("arch=x86-64-v4")]] void plane_picks_v4(const Plan& p, const float* padded,
+                                                      float* best, int32_t* pick) {
+  plane_picks(p, padded, best, pick);
+}
+constexpr PlaneLoops v4_planes{plane_max_v4, plane_picks_v4};
+#endif
+
+const PlaneLoops& plane_loops() {
+#if defined(__x86_64__)
+  static const bool v4 =
+      missing_cpu_features({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}).empty();
+  if (v4) return v4_planes;
+#endif
+  return baseline_planes;
 }
 
 // The first tap of window (oy, ox) inside the input, as (row, column) of the padded plane; false
@@ -188,27 +206,18 @@ void backward_plane(const Plan& p, const std::vector<float>& padded,
                     std::vector<float>& best, std::vector<int32_t>& pick) {
   const PoolGeometry& g = p.g;
   const PoolWindow& w = g.window;
-  const RowLoops& loops = row_loops();
-  best.resize(static_cast<size_t>(g.ow));
-  pick.resize(static_cast<size_t>(g.ow));
-  for (int64_t oy = 0; oy < g.oh; ++oy) {
-    std::fill(best.begin(), best.end(), kNegInf);
-    std::fill(pick.begin(), pick.end(), -1);
-    for (int64_t ky = 0; ky < w.kernel[0]; ++ky)
-      for (int64_t kx = 0; kx < w.kernel[1]; ++kx) {
-        const int64_t first = tap_at(p, oy, ky, kx);
-        loops.pick_row(best.data(), pick.data(), padded.data() + first, static_cast<int32_t>(first),
-                       g.ow);
-      }
+  best.resize(static_cast<size_t>(g.oh * g.ow));
+  pick.resize(static_cast<size_t>(g.oh * g.ow));
+  plane_loops().picks(p, padded.data(), best.data(), pick.data());
+  for (int64_t oy = 0; oy < g.oh; ++oy)
     for (int64_t ox = 0; ox < g.ow; ++ox) {
-      const int32_t at = pick[static_cast<size_t>(ox)];
+      const int32_t at = pick[static_cast<size_t>(oy * g.ow + ox)];
       int64_t r, c;
       if (at >= 0)
         gx[input_of[static_cast<size_t>(at)]] += gy[oy * g.ow + ox];
       else if (first_inside(p, oy, ox, r, c))
         gx[(r - w.pad[0]) * g.w + (c - w.pad[1])] += gy[oy * g.ow + ox];
     }
-  }
 }
 
 }  // namespace
@@ -251,7 +260,7 @@ void max_pool_cpu(const Node& node, Storage& out) {
       pad_plane(p, x, plane, padded, row);
       if (!backward) {
         y.resize(static_cast<size_t>(out_plane));
-        forward_plane(p, padded, y.data());
+        plane_loops().max(p, padded.data(), y.data());
         narrow_row(y.data(), out, plane * out_plane, out_plane);
         continue;
       }
