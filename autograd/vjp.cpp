@@ -8,6 +8,7 @@
 
 #include "dsl/conv.h"
 #include "dsl/ops.h"
+#include "dsl/vision.h"
 
 namespace mixtape {
 namespace {
@@ -165,6 +166,19 @@ Grads vjp_Conv2dWeightGrad(const Node& n, const Tensor& g) {
   ConvWindow window = ConvWindow::from(n.attrs.window);
   return {wanted(n, 0) ? conv2d_input_grad(gy, g, x.shape(), window) : Tensor(),
           wanted(n, 1) ? conv2d_forward(x, g, window) : Tensor()};
+}
+
+// max_pool2d_grad is linear in gy (a scatter to the windows' picks): its adjoint gathers the
+// picks; in x it is piecewise constant (zero almost everywhere, as PyTorch has it).
+Grads vjp_MaxPool2d(const Node& n, const Tensor& g) {
+  return {max_pool2d_grad(in(n, 0), g, PoolWindow::from(n.attrs.window))};
+}
+Grads vjp_MaxPool2dGrad(const Node& n, const Tensor& g) {
+  Tensor x = in(n, 0), gy = in(n, 1);
+  return {wanted(n, 0) ? zeros_like(x) : Tensor(),
+          wanted(n, 1) ? detail::max_pool2d_pick(x, g, PoolWindow::from(n.attrs.window),
+                                                 {gy.size(2), gy.size(3)})
+                       : Tensor()};
 }
 
 Grads vjp_Reshape(const Node& n, const Tensor& g) { return {reshape(g, n.inputs[0]->shape)}; }

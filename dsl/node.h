@@ -33,6 +33,7 @@ enum class OpKind : uint8_t {
   Sort,       // an order along one axis (argsort): a host step
   MatMul,
   Conv,  // a convolution or one of its gradients: a library call, as MatMul
+  Pool,  // max pooling or its gradient: a loop of runtime/pool.h, a fixed kernel on CUDA
   View,  // an affine index map kernels read through: reshape, permute, broadcast_to, slice
   Copy,  // data movement that is not one: unslice, concat
   Gather,

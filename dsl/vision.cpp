@@ -1,12 +1,15 @@
-// dsl/vision.cpp -- pooling, batch/group/instance norm, interpolate and dropout2d as composites
-// over strided slices, pointwise ops and reductions, so that they fuse into the kernels around
-// them and get gradients and precision from the primitives.
+// dsl/vision.cpp -- max pooling over its two primitives (MaxPool2d, MaxPool2dGrad); avg pooling,
+// batch/group/instance norm, interpolate and dropout2d as composites over strided slices,
+// pointwise ops and reductions, so that they fuse into the kernels around them and get gradients
+// and precision from the primitives.
 #include "dsl/vision.h"
 
 #include <cmath>
 #include <limits>
 
 #include "dsl/composites.h"
+#include "dsl/error.h"
+#include "dsl/graph.h"
 
 namespace mixtape {
 namespace {
@@ -75,12 +78,6 @@ Tensor pad_for_windows(const Tensor& x, const Pool& p, double value) {
   return pad(x, {p.w.pad, p.w.right(), p.h.pad, p.h.right()}, PadMode::Constant, value);
 }
 
-// The inverse of pad_for_windows for a gradient: drops the padding, zero where it cropped.
-Tensor unpad_windows(const Tensor& g, const Pool& p) {
-  if (p.h.pad == 0 && p.w.pad == 0 && p.h.right() == 0 && p.w.right() == 0) return g;
-  return pad(g, {-p.w.pad, -p.w.right(), -p.h.pad, -p.h.right()});
-}
-
 // The (i, j)-th element of every window of the padded input: a strided view [..., oh, ow].
 struct WindowElement {
   std::vector<int64_t> starts, steps;
@@ -99,36 +96,135 @@ Tensor window_slice(const Tensor& padded, const WindowElement& e) {
   return slice(padded, e.starts, e.steps, e.shape);
 }
 
-// The windows' maxima, folded over the window's elements in row-major order.
-Tensor max_windows(const Tensor& x, const Pool& p) {
-  Tensor padded = pad_for_windows(x, p, -std::numeric_limits<double>::infinity());
-  Tensor y;
-  for (int64_t i = 0; i < p.h.kernel; ++i)
-    for (int64_t j = 0; j < p.w.kernel; ++j) {
-      Tensor element = window_slice(padded, window_element(padded, p, i, j));
-      y = y.defined() ? maximum(y, element) : element;
-    }
-  return y;
+// The window of one of max_pool2d's geometries.
+PoolWindow window_of(const Pool& p) {
+  PoolWindow w;
+  const PoolAxis* axes[2] = {&p.h, &p.w};
+  for (int d = 0; d < 2; ++d) {
+    w.kernel[d] = axes[d]->kernel;
+    w.stride[d] = axes[d]->stride;
+    w.pad[d] = axes[d]->pad;
+    w.dil[d] = axes[d]->dilation;
+  }
+  return w;
 }
 
-// max_pool2d's gradient: each window's gradient goes to its first maximum (a NaN counts as the
-// maximum it made), as PyTorch's index-based backward does; Maximum's vjp would split ties.
-Tensor max_windows_backward(const Tensor& x, const Pool& p, const Tensor& y, const Tensor& g) {
-  Tensor padded = pad_for_windows(x, p, -std::numeric_limits<double>::infinity());
-  Tensor taken, grad;
-  const Tensor zero = zeros_like(g);
+// The geometry of `window` over x's spatial axes with `output`'s sizes, checked as the builders
+// check one: `output` must be what floor or ceil mode makes of the input.
+Pool checked_pool(const char* op, const Loc& loc, const Shape& x, const PoolWindow& w,
+                  Size2 output) {
+  Pool p;
+  PoolAxis* axes[2] = {&p.h, &p.w};
+  const int64_t outs[2] = {output.h, output.w};
+  const char* names[2] = {"height", "width"};
+  for (int d = 0; d < 2; ++d) {
+    const int64_t in = x[2 + static_cast<size_t>(d)];
+    PoolAxis floor_axis = pool_axis(op, loc, x, names[d], in, w.kernel[d], w.stride[d], w.pad[d],
+                                    w.dil[d], false, true);
+    PoolAxis ceil_axis = pool_axis(op, loc, x, names[d], in, w.kernel[d], w.stride[d], w.pad[d],
+                                   w.dil[d], true, true);
+    if (outs[d] != floor_axis.out && outs[d] != ceil_axis.out)
+      op_fail(op, loc, "an output {} of {} is not what the window makes of input {} ({} or {})",
+              names[d], outs[d], to_string(x), floor_axis.out, ceil_axis.out);
+    *axes[d] = floor_axis;
+    axes[d]->out = outs[d];
+  }
+  return p;
+}
+
+void require_nchw(const char* op, const Loc& loc, const Tensor& t, const char* role) {
+  require_float(t, op, role, loc);
+  if (t.dim() != 4) op_fail(op, loc, "the {} must be NCHW, got {}", role, to_string(t.shape()));
+}
+
+// Each window's pick of x (the primitives' rule: the last NaN, else the first maximum) as a mask
+// per window element, applied to g's (x's shape) elements: the sum over the window elements of
+// g where that element is the window's pick. -inf padding is never the pick where the window
+// has a finite value.
+Tensor pick_windows(const Tensor& x, const Tensor& g, const Pool& p) {
+  const double inf = std::numeric_limits<double>::infinity();
+  Tensor padded = pad_for_windows(x, p, -inf), padded_g = pad_for_windows(g, p, 0.0);
+  Tensor y, taken_value;  // the maximum so far and g at its pick
   for (int64_t i = 0; i < p.h.kernel; ++i)
     for (int64_t j = 0; j < p.w.kernel; ++j) {
       WindowElement e = window_element(padded, p, i, j);
-      Tensor element = window_slice(padded, e);
-      Tensor hit = logical_or(eq(element, y), isnan(element));
-      Tensor take = taken.defined() ? logical_and(hit, logical_not(taken)) : hit;
-      taken = taken.defined() ? logical_or(taken, hit) : hit;
-      Tensor part = unslice(where(take, g, zero), e.starts, e.steps, padded.shape());
-      grad = grad.defined() ? grad + part : part;
+      Tensor element = window_slice(padded, e), value = window_slice(padded_g, e);
+      if (!y.defined()) {
+        y = element;
+        taken_value = value;
+        continue;
+      }
+      Tensor take = logical_or(element > y, isnan(element));
+      y = where(take, element, y);
+      taken_value = where(take, value, taken_value);
     }
-  return unpad_windows(grad, p);
+  return taken_value;
 }
+
+}  // namespace
+
+Ints PoolWindow::attr() const {
+  return {kernel[0], kernel[1], stride[0], stride[1], pad[0], pad[1], dil[0], dil[1]};
+}
+
+PoolWindow PoolWindow::from(const Ints& attr) {
+  if (attr.size() != 8) fail("a pooling window has 8 entries, got {}", attr.size());
+  PoolWindow w;
+  for (int d = 0; d < 2; ++d) {
+    w.kernel[d] = attr[static_cast<size_t>(d)];
+    w.stride[d] = attr[static_cast<size_t>(2 + d)];
+    w.pad[d] = attr[static_cast<size_t>(4 + d)];
+    w.dil[d] = attr[static_cast<size_t>(6 + d)];
+    // A window read back from an artifact's plan is checked as the builders check one.
+    if (w.kernel[d] < 1 || w.stride[d] < 1 || w.dil[d] < 1 || w.pad[d] < 0)
+      fail("a pooling window has a kernel, stride, dilation or padding out of range");
+  }
+  return w;
+}
+
+PoolGeometry PoolGeometry::of(const Node& node) {
+  const Shape& x = node.inputs[0]->shape;
+  const Shape& y = node.op == OpCode::MaxPool2dGrad ? node.inputs[1]->shape : node.shape;
+  return {x[0], x[1], x[2], x[3], y[2], y[3], PoolWindow::from(node.attrs.window)};
+}
+
+Tensor max_pool2d_forward(const Tensor& x, const PoolWindow& window, Size2 output, const Loc& loc) {
+  const char* op = op_name(OpCode::MaxPool2d);
+  require_nchw(op, loc, x, "input");
+  checked_pool(op, loc, x.shape(), window, output);
+  Attrs attrs;
+  attrs.window = window.attr();
+  return Tensor(make_node(OpCode::MaxPool2d, x.dtype(), {x.size(0), x.size(1), output.h, output.w},
+                          {x.node()}, std::move(attrs), loc));
+}
+
+Tensor max_pool2d_grad(const Tensor& x, const Tensor& grad_out, const PoolWindow& window,
+                       const Loc& loc) {
+  const char* op = op_name(OpCode::MaxPool2dGrad);
+  require_nchw(op, loc, x, "input");
+  require_nchw(op, loc, grad_out, "output gradient");
+  if (grad_out.size(0) != x.size(0) || grad_out.size(1) != x.size(1))
+    op_fail(op, loc, "the output gradient {} and the input {} differ in N or C",
+            to_string(grad_out.shape()), to_string(x.shape()));
+  checked_pool(op, loc, x.shape(), window, {grad_out.size(2), grad_out.size(3)});
+  const DType t = promote(x.dtype(), grad_out.dtype());
+  Attrs attrs;
+  attrs.window = window.attr();
+  NodeInputs inputs;
+  inputs.emplace_back(cast(x, t, loc).node());
+  inputs.emplace_back(cast(grad_out, t, loc).node());
+  return Tensor(
+      make_node(OpCode::MaxPool2dGrad, t, x.shape(), std::move(inputs), std::move(attrs), loc));
+}
+
+namespace detail {
+Tensor max_pool2d_pick(const Tensor& x, const Tensor& g, const PoolWindow& window, Size2 output) {
+  const Pool p = checked_pool("max_pool2d_grad", Loc::current(), x.shape(), window, output);
+  return pick_windows(x, g, p);
+}
+}  // namespace detail
+
+namespace {
 
 // Runs an NCHW op on a CHW input as a batch of one.
 template <typename F>
@@ -144,14 +240,9 @@ Tensor max_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Si
   CallSiteScope site(loc, composite::max_pool2d);
   const Pool p =
       pool_geometry("max_pool2d", loc, x, kernel, stride, padding, dilation, ceil_mode, true);
-  auto forward = [p](const std::vector<Tensor>& in) { return max_windows(in[0], p); };
-  if (!grad_enabled() || !x.requires_grad()) return forward({x});
-  return custom_op(
-      {x}, forward,
-      [p](const std::vector<Tensor>& in, const Tensor& y, const Tensor& g) {
-        return std::vector<Tensor>{max_windows_backward(in[0], p, y, g)};
-      },
-      loc);
+  return batched(x, [&](const Tensor& nchw) {
+    return max_pool2d_forward(nchw, window_of(p), {p.h.out, p.w.out}, loc);
+  });
 }
 
 Tensor avg_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Size2 padding,
@@ -270,16 +361,26 @@ Tensor batch_norm_tracked(const Tensor& x, const Tensor& running_mean, const Ten
     op_fail(op, loc, "a cumulative average (momentum None) needs num_batches_tracked");
   const DType type = statistics_type(x);
   Tensor xs = cast(x, type);
-  std::vector<int64_t> axes{0};
-  for (int64_t d = 2; d < x.dim(); ++d) axes.push_back(d);
   Tensor mu, var;
   if (training) {
     const int64_t n = x.numel() / std::max<int64_t>(x.size(1), 1);
     if (n <= 1)
       op_fail(op, loc, "training needs more than one value per channel, got input {}",
               to_string(x.shape()));
-    mu = mean(xs, axes, true);
-    var = mean(square(xs - mu), axes, true);
+    // Training normalizes x viewed as [N, C, rest]: the mean per channel is the sum of each
+    // contiguous (sample, channel) plane first, then over the samples (row reductions that
+    // vectorize, where one reduction over axes (0, 2, ...) reads the input with a stride per
+    // channel), and the backward pass's reductions of the broadcast statistics see the same
+    // three axes.
+    if (x.dim() > 3) xs = reshape(xs, {x.size(0), x.size(1), n / x.size(0)});
+    Shape stats_shape(static_cast<size_t>(xs.dim()), 1);
+    stats_shape[1] = x.size(1);
+    auto channel_mean = [&](const Tensor& t) {
+      Tensor planes = t.dim() > 2 ? sum(t, {2}) : t;
+      return reshape(sum(planes, {0}) / static_cast<double>(n), stats_shape);
+    };
+    mu = channel_mean(xs);
+    var = channel_mean(square(xs - mu));
     if (running_mean.defined()) {
       std::vector<Tensor> updates;
       Tensor count;
@@ -303,7 +404,8 @@ Tensor batch_norm_tracked(const Tensor& x, const Tensor& running_mean, const Ten
     mu = per_channel(running_mean, x, type);
     var = per_channel(running_var, x, type);
   }
-  return affine((xs - mu) * rsqrt(var + eps), x, weight, bias);
+  Tensor y = affine((xs - mu) * rsqrt(var + eps), xs, weight, bias);
+  return cast(reshape(y, x.shape()), x.dtype());
 }
 
 }  // namespace detail

@@ -1,5 +1,6 @@
-// dsl/vision.h -- image ops written as DSL composites: pooling, batch/group/instance norm,
-// interpolate and channel dropout, with torch.nn.functional's names, defaults and semantics.
+// dsl/vision.h -- image ops: max pooling (two primitives) and, as DSL composites, average
+// pooling, batch/group/instance norm, interpolate and channel dropout, with
+// torch.nn.functional's names, defaults and semantics.
 #pragma once
 
 #include <optional>
@@ -12,11 +13,42 @@ namespace mixtape {
 /// The result's shape per axis is floor((in + 2 pad - dilation (k - 1) - 1) / stride) + 1, or the
 /// ceiling with ceil_mode (where a last window starting in the right padding is dropped).
 /// `stride` defaults to the kernel. The padding may be at most half the (dilated) kernel.
-/// max_pool2d pads with -inf; its gradient goes to the first maximum of each window in row-major
-/// window order (PyTorch's), not shared among ties.
+/// max_pool2d is the MaxPool2d primitive below: its gradient goes to the first maximum of each
+/// window in row-major window order (PyTorch's), not shared among ties, and a NaN propagates.
 Tensor max_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride = std::nullopt,
                   Size2 padding = 0, Size2 dilation = 1, bool ceil_mode = false,
                   const Loc& loc = Loc::current());
+/// The max-pooling primitives' window (dsl/attrs.def's `window` attribute of MaxPool2d and
+/// MaxPool2dGrad): per spatial axis the kernel, stride, padding and dilation.
+struct PoolWindow {
+  int64_t kernel[2] = {1, 1}, stride[2] = {1, 1}, pad[2] = {0, 0}, dil[2] = {1, 1};
+  Ints attr() const;
+  static PoolWindow from(const Ints& attr);
+};
+/// The sizes of one max pooling x [n, c, h, w] -> y [n, c, oh, ow], read from a MaxPool2d (x ->
+/// y) or MaxPool2dGrad ((x, gy) -> gx) node.
+struct PoolGeometry {
+  int64_t n, c, h, w, oh, ow;
+  PoolWindow window;
+  static PoolGeometry of(const Node& node);
+};
+/// The primitives max_pool2d is made of (x NCHW; `output` the spatial size, which ceil_mode
+/// decides). Each window's maximum is PyTorch's: scanned in row-major window order over the taps
+/// inside the input, a tap taken when greater than the maximum so far or NaN (so a NaN
+/// propagates, the last NaN of a window being its pick); a window of only -inf picks its first
+/// tap inside the input. max_pool2d_grad(x, gy) adds each gy to x's position of its window's pick,
+/// summed per position in output order in f32 (f64 for f64) and rounded once: x's shape.
+Tensor max_pool2d_forward(const Tensor& x, const PoolWindow& window, Size2 output,
+                          const Loc& loc = Loc::current());
+Tensor max_pool2d_grad(const Tensor& x, const Tensor& grad_out, const PoolWindow& window,
+                       const Loc& loc = Loc::current());
+namespace detail {
+/// The gradient of max_pool2d_grad with respect to gy: each window's value of `g` (x's shape) at
+/// the window's pick, a composite of strided slices. (Ties as the primitives; a window of only
+/// -inf or NaN may pick differently, where no gradient is meaningful.)
+Tensor max_pool2d_pick(const Tensor& x, const Tensor& g, const PoolWindow& window, Size2 output);
+}  // namespace detail
+
 /// The mean of each window; with count_include_pad the padding's zeros count in the divisor,
 /// without it only the input's elements do (a window cut by ceil_mode counts only what it covers,
 /// as PyTorch's).

@@ -20,6 +20,7 @@
 #include "runtime/cpu_kernels.h"
 #include "runtime/gemm.h"
 #include "runtime/half_convert.h"
+#include "runtime/pool.h"
 #include "runtime/program.h"
 #include "runtime/reference_executor.h"
 
@@ -274,9 +275,28 @@ void run_conv(Node& node) {
   s.bytes_written += bytes_of(*out);
 }
 
-// Steps without a kernel: convolutions through oneDNN, the rest by the reference loops.
+// Max pooling and its gradient by runtime/pool.h's loops; other dtypes by the reference's.
+void run_pool(Node& node) {
+  if (!max_pool_cpu_supported(node)) {
+    node.value = reference_compute(node);
+    ++stats().host_ops;
+    return;
+  }
+  auto out = allocate(node);
+  max_pool_cpu(node, *out);
+  node.value = out;
+  ExecutionStats& s = stats();
+  ++s.kernels;
+  ++s.kernel_nodes;
+  for (const NodePtr& input : node.inputs) s.bytes_read += bytes_of(*input->value);
+  s.bytes_written += bytes_of(*out);
+}
+
+// Steps without a generated kernel: convolutions through oneDNN, max pooling by its loops, the
+// rest by the reference loops.
 void run_host_step(Node& node) {
   if (op_info(node.op).kind == OpKind::Conv) return run_conv(node);
+  if (op_info(node.op).kind == OpKind::Pool) return run_pool(node);
   node.value = reference_compute(node);
   ++stats().host_ops;
 }

@@ -14,6 +14,7 @@
 #include "codegen/nvrtc.h"
 #include "dsl/conv.h"
 #include "dsl/error.h"
+#include "dsl/vision.h"
 #include "runtime/cuda_allocator.h"
 #include "runtime/cuda_values.h"
 #include "runtime/device.h"
@@ -353,6 +354,75 @@ static __device__ __forceinline__ void mt_random_block(unsigned long long counte
   }
 }
 
+// ---- max pooling (dsl/vision.h's two primitives), the reference's bits: each window's pick is
+// the reference's (over the taps inside the input in row-major window order: the first, then any
+// greater or NaN); the gradient gathers, per input element, the gradients of the windows that
+// pick it in output order, summed in f32 (f64 when wide) as the reference sums them.
+struct mt_pool {
+  long long n, c, h, w, oh, ow;
+  long long kernel[2], stride[2], pad[2], dil[2];
+  int x_dtype, g_dtype, out_dtype, wide;
+};
+// The x index window (plane, oy, ox) picks, or -1 where it has no tap inside the input.
+static __device__ __forceinline__ long long mt_pool_pick(const void* x, const mt_pool& g,
+                                                         long long plane, long long oy,
+                                                         long long ox) {
+  long long pick = -1;
+  double best = 0;
+  for (long long ky = 0; ky < g.kernel[0]; ++ky) {
+    const long long iy = oy * g.stride[0] - g.pad[0] + ky * g.dil[0];
+    if (iy < 0 || iy >= g.h) continue;
+    for (long long kx = 0; kx < g.kernel[1]; ++kx) {
+      const long long ix = ox * g.stride[1] - g.pad[1] + kx * g.dil[1];
+      if (ix < 0 || ix >= g.w) continue;
+      const long long at = (plane * g.h + iy) * g.w + ix;
+      const double v = mt_load_as_double(x, g.x_dtype, at);
+      if (pick < 0 || v > best || v != v) {
+        pick = at;
+        best = v;
+      }
+    }
+  }
+  return pick;
+}
+extern "C" __global__ void mt_max_pool2d(const void* x, void* y, const mt_pool g) {
+  MT_CONV_ELEMENTS(g.n * g.c * g.oh * g.ow) {
+    const long long ox = e % g.ow, oy = e / g.ow % g.oh, plane = e / g.ow / g.oh;
+    const long long pick = mt_pool_pick(x, g, plane, oy, ox);
+    mt_store_double(y, g.out_dtype, e,
+                    pick < 0 ? __longlong_as_double(static_cast<long long>(0xFFF0000000000000ULL))
+                             : mt_load_as_double(x, g.x_dtype, pick));
+  }
+}
+static __device__ __forceinline__ long long mt_pool_last(long long outputs, long long at,
+                                                         long long stride) {
+  const long long last = at / stride;
+  return last < outputs - 1 ? last : outputs - 1;
+}
+extern "C" __global__ void mt_max_pool2d_grad(const void* x, const void* gy, void* gx,
+                                              const mt_pool g) {
+  MT_CONV_ELEMENTS(g.n * g.c * g.h * g.w) {
+    const long long ix = e % g.w, iy = e / g.w % g.h, plane = e / g.w / g.h;
+    double acc = 0;
+    // The last windows that can reach (iy, ix): those starting at or before it.
+    const long long oy_end = mt_pool_last(g.oh, iy + g.pad[0], g.stride[0]);
+    const long long ox_end = mt_pool_last(g.ow, ix + g.pad[1], g.stride[1]);
+    for (long long oy = mt_first_output(iy, g.pad[0], g.stride[0], g.dil[0], g.kernel[0]);
+         oy <= oy_end; ++oy) {
+      if ((iy + g.pad[0] - oy * g.stride[0]) % g.dil[0] != 0) continue;
+      for (long long ox = mt_first_output(ix, g.pad[1], g.stride[1], g.dil[1], g.kernel[1]);
+           ox <= ox_end; ++ox) {
+        if ((ix + g.pad[1] - ox * g.stride[1]) % g.dil[1] != 0) continue;
+        if (mt_pool_pick(x, g, plane, oy, ox) != e) continue;
+        const double v = mt_load_as_double(gy, g.g_dtype, (plane * g.oh + oy) * g.ow + ox);
+        acc = g.wide ? __dadd_rn(acc, v)
+                     : static_cast<double>(__fadd_rn(static_cast<float>(acc), static_cast<float>(v)));
+      }
+    }
+    mt_store_double(gx, g.out_dtype, e, acc);
+  }
+}
+
 // out[i] = in[i] converted between f32, f16 and bf16, rounded to nearest even as emitted stores
 // round (a Load, then RoundTo for a 16-bit result).
 extern "C" __global__ void mt_convert(const void* __restrict__ in, int in_dtype,
@@ -404,7 +474,14 @@ bool is_float_dtype(DType t) { return t == f32 || t == f64 || is_half(t); }
 // The compiled module's functions, compiled (or taken from the kernel cache) on first use.
 struct FixedKernels {
   cuda::CUfunction copy_box[4] = {}, index_select[4] = {}, index_add = nullptr,
-                   random_fill = nullptr, convert = nullptr, conv[3] = {};
+                   random_fill = nullptr, convert = nullptr, conv[3] = {}, pool[2] = {};
+};
+
+// The max-pooling kernels' geometry argument, word for word (mt_pool in the source).
+struct PoolArgs {
+  int64_t n, c, h, w, oh, ow;
+  int64_t kernel[2], stride[2], pad[2], dil[2];
+  int32_t x_dtype, g_dtype, out_dtype, wide;
 };
 
 // The convolution kernels' geometry argument, word for word (mt_conv in the source).
@@ -438,6 +515,8 @@ const FixedKernels& fixed_kernels() {
     loaded.conv[0] = cuda::get_function(module, "mt_conv2d");
     loaded.conv[1] = cuda::get_function(module, "mt_conv2d_input_grad");
     loaded.conv[2] = cuda::get_function(module, "mt_conv2d_weight_grad");
+    loaded.pool[0] = cuda::get_function(module, "mt_max_pool2d");
+    loaded.pool[1] = cuda::get_function(module, "mt_max_pool2d_grad");
   });
   return loaded;
 }
@@ -627,6 +706,47 @@ bool run_conv(Node& node) {
   return true;
 }
 
+// MaxPool2d and MaxPool2dGrad: one thread per result element, the reference's bits (see
+// mt_pool in the source).
+bool run_pool(Node& node) {
+  Storage& x = *node.inputs[0]->value;
+  const bool backward = node.op == OpCode::MaxPool2dGrad;
+  Storage* gy = backward ? node.inputs[1]->value.get() : nullptr;
+  if (!is_float_operand(x.dtype) || !is_float_operand(node.storage) ||
+      (gy && !is_float_operand(gy->dtype)))
+    return false;
+  const PoolGeometry g = PoolGeometry::of(node);
+  const PoolWindow& w = g.window;
+  PoolArgs args{g.n,
+                g.c,
+                g.h,
+                g.w,
+                g.oh,
+                g.ow,
+                {w.kernel[0], w.kernel[1]},
+                {w.stride[0], w.stride[1]},
+                {w.pad[0], w.pad[1]},
+                {w.dil[0], w.dil[1]},
+                static_cast<int32_t>(x.dtype),
+                static_cast<int32_t>(gy ? gy->dtype : x.dtype),
+                static_cast<int32_t>(node.storage),
+                node.storage == f64 || (gy && gy->dtype == f64)};
+  auto out = device_value(node.storage, node.numel());
+  if (node.numel() > 0) {
+    cuda::CUdeviceptr x_ptr = device_address(x), out_ptr = device_address(*out);
+    if (backward) {
+      cuda::CUdeviceptr gy_ptr = device_address(*gy);
+      void* params[] = {&x_ptr, &gy_ptr, &out_ptr, &args};
+      launch(fixed_kernels().pool[1], node.numel(), params);
+    } else {
+      void* params[] = {&x_ptr, &out_ptr, &args};
+      launch(fixed_kernels().pool[0], node.numel(), params);
+    }
+  }
+  node.value = std::move(out);
+  return true;
+}
+
 }  // namespace
 
 void use_prebuilt_fixed_kernels(cuda::CUmodule module) {
@@ -672,6 +792,9 @@ bool run_fixed_kernel(Node& node) {
     case OpCode::Conv2dInputGrad:
     case OpCode::Conv2dWeightGrad:
       return run_conv(node);
+    case OpCode::MaxPool2d:
+    case OpCode::MaxPool2dGrad:
+      return run_pool(node);
     default:
       return false;
   }

@@ -11,7 +11,8 @@ namespace mixtape {
 
 /// The CUDA C++ of the fixed kernels (the emitted kernels' prelude first): box copies for
 /// 1/2/4/8-byte elements, row gathers, row sums in the reference's order and rounding, direct
-/// 2-d convolutions (forward and both gradients) with the reference's sums, the
+/// 2-d convolutions (forward and both gradients) with the reference's sums, max pooling and its
+/// gradient with the reference's picks and sums, the
 /// f32/f16/bf16 rand and randn streams of runtime/random_fill.h, and conversions between f32, f16
 /// and bf16 (convert_on_device).
 std::string cuda_fixed_kernels_source();
@@ -22,7 +23,8 @@ std::string cuda_fixed_kernels_source();
 void use_prebuilt_fixed_kernels(cuda::CUmodule module);
 
 /// Runs `node` on the GPU when it is a Concat, Unslice, IndexSelect, IndexAdd, RandUniform,
-/// RandNormal or one of the three convolution primitives of dtypes these kernels cover, its inputs'
+/// RandNormal, one of the three convolution primitives or MaxPool2d / MaxPool2dGrad of dtypes these
+/// kernels cover, its inputs'
 /// values there or uploaded. False, with nothing done, otherwise (the executor then runs it on the
 /// host). The results are the bits the reference computes. Indices are checked on the host first,
 /// as the reference checks them: an index computed on the device is downloaded for that.

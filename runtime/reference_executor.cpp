@@ -17,6 +17,7 @@
 #include "dsl/ops.h"
 #include "dsl/random.h"
 #include "dsl/scalar_math.h"
+#include "dsl/vision.h"
 #include "runtime/random_fill.h"
 
 namespace mixtape {
@@ -604,6 +605,61 @@ StoragePtr conv_reference(const Node& node) {
 StoragePtr ref_Conv2d(const Node& node) { return conv_reference(node); }
 StoragePtr ref_Conv2dInputGrad(const Node& node) { return conv_reference(node); }
 StoragePtr ref_Conv2dWeightGrad(const Node& node) { return conv_reference(node); }
+
+// ---- max pooling ----
+// Each window's pick, PyTorch's rule: over the taps inside the input in row-major window order,
+// the first tap, then any tap greater than the maximum so far or NaN. Calls f(x index, y index)
+// per output element that has a tap (every window of a valid geometry has one).
+template <typename F>
+void for_each_pick(const PoolGeometry& g, const Storage& x, F f) {
+  const PoolWindow& w = g.window;
+  for (int64_t plane = 0; plane < g.n * g.c; ++plane)
+    for (int64_t oy = 0; oy < g.oh; ++oy)
+      for (int64_t ox = 0; ox < g.ow; ++ox) {
+        int64_t pick = -1;
+        double best = 0;
+        for (int64_t ky = 0; ky < w.kernel[0]; ++ky) {
+          const int64_t iy = oy * w.stride[0] - w.pad[0] + ky * w.dil[0];
+          if (iy < 0 || iy >= g.h) continue;
+          for (int64_t kx = 0; kx < w.kernel[1]; ++kx) {
+            const int64_t ix = ox * w.stride[1] - w.pad[1] + kx * w.dil[1];
+            if (ix < 0 || ix >= g.w) continue;
+            const int64_t at = (plane * g.h + iy) * g.w + ix;
+            const double v = load_element<double>(x, at);
+            if (pick < 0 || v > best || std::isnan(v)) pick = at, best = v;
+          }
+        }
+        if (pick >= 0) f(pick, (plane * g.oh + oy) * g.ow + ox);
+      }
+}
+
+StoragePtr ref_MaxPool2d(const Node& node) {
+  const PoolGeometry g = PoolGeometry::of(node);
+  const Storage& x = value_of(node, 0);
+  StoragePtr out = new_storage(node);
+  for (int64_t i = 0; i < out->count; ++i)
+    store_element(*out, i, -std::numeric_limits<double>::infinity());
+  for_each_pick(
+      g, x, [&](int64_t at, int64_t y) { store_element(*out, y, load_element<double>(x, at)); });
+  return out;
+}
+
+// The gradients each position receives are summed in output order in f32 (f64 for f64 values),
+// rounded once to the result's type: the order and rounding every back end follows.
+StoragePtr ref_MaxPool2dGrad(const Node& node) {
+  const PoolGeometry g = PoolGeometry::of(node);
+  const Storage &x = value_of(node, 0), &gy = value_of(node, 1);
+  const bool wide = node.storage == f64 || gy.dtype == f64;
+  std::vector<double> acc(static_cast<size_t>(node.numel()), 0.0);
+  for_each_pick(g, x, [&](int64_t at, int64_t y) {
+    const double sum = acc[static_cast<size_t>(at)] + load_element<double>(gy, y);
+    acc[static_cast<size_t>(at)] = wide ? sum : static_cast<float>(sum);
+  });
+  StoragePtr out = new_storage(node);
+  for (size_t i = 0; i < acc.size(); ++i)
+    store_element(*out, static_cast<int64_t>(i), wide ? acc[i] : static_cast<float>(acc[i]));
+  return out;
+}
 
 // ---- indexing ----
 int64_t checked_index(const Node& node, int64_t index, int64_t dim, int64_t axis) {

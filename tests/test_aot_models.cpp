@@ -1,7 +1,8 @@
 // tests/test_aot_models.cpp -- models export bit for bit: the char GPT of
-// examples/char_gpt_model.h, a TransformerBlock and a small convolution net, as functions at batch 1, 7 and the max (rank-3
-// shapes, attention masks, embedding gathers under a dynamic batch) and as training steps against
-// mt::compile, in fp32, autocast bf16 and autocast f16 with dynamic loss scaling.
+// examples/char_gpt_model.h, a TransformerBlock and a small convolution net, as functions at batch
+// 1, 7 and the max (rank-3 shapes, attention masks, embedding gathers under a dynamic batch) and as
+// training steps against mt::compile, in fp32, autocast bf16 and autocast f16 with dynamic loss
+// scaling.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -24,8 +25,9 @@ GptConfig small_gpt() {
   return {.vocab = kVocab, .layers = 2, .heads = kHeads, .width = kWidth, .context = kTime};
 }
 
-// Convolutions of each kind, so that an artifact runs all three primitives forward and backward:
-// [batch, 3, 8, 8] to itself through a strided convolution and a transposed one.
+// Convolutions of each kind and max pooling, so that an artifact runs all three convolution
+// primitives and both pooling ones forward and backward: [batch, 3, 8, 8] to itself through a
+// strided convolution and a transposed one.
 constexpr int64_t kImage = 8;
 struct SmallCnn : mt::Module {
   mt::Conv2d in, down;
@@ -38,7 +40,11 @@ struct SmallCnn : mt::Module {
     register_module("down", down);
     register_module("up", up);
   }
-  mt::Tensor operator()(const mt::Tensor& x) const { return up(mt::relu(down(mt::relu(in(x))))); }
+  // Max pooling (3x3, stride 1, padding 1: the size stays) between them runs both pooling
+  // primitives too.
+  mt::Tensor operator()(const mt::Tensor& x) const {
+    return up(mt::max_pool2d(mt::relu(down(mt::relu(in(x)))), 3, 1, 1));
+  }
 };
 
 // One of the models under test, with what it takes and how it is trained.

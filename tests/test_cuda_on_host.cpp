@@ -35,6 +35,7 @@
 #include "dsl/ops.h"
 #include "dsl/optim.h"
 #include "dsl/tensor.h"
+#include "dsl/vision.h"
 #include "precision_policy/policy.h"
 #include "runtime/cpu_executor.h"
 #include "runtime/cuda_fixed_kernels.h"
@@ -780,6 +781,91 @@ TEST(CudaOnHost, ConvolutionKernelsStoreTheReferencesBits) {
         got, std::vector<char>(reinterpret_cast<const char*>(want.host_data()),
                                reinterpret_cast<const char*>(want.host_data()) + want.size_bytes()))
         << "convolution " << o;
+  }
+  fs::remove_all(dir);
+}
+
+// The two max-pooling kernels on windows with strides, padding, dilation and ceil mode, on values
+// with ties (rounded to integers), -inf and NaN, in f32, bf16, f16 and f64: the reference's bytes
+// (picks, and the gradient's sums in its order and rounding).
+TEST(CudaOnHost, MaxPoolKernelsStoreTheReferencesBits) {
+  mt::Device previous = mt::current_device();
+  mt::set_device(mt::Device::reference);
+  struct Pool {
+    mt::Tensor x, gy, out;
+  };
+  std::vector<Pool> pools;
+  auto tied = [](mt::Shape shape, mt::DType dtype, uint64_t seed) {
+    mt::Tensor t = mt::cast(mt::round(values(shape, mt::f32, seed) * 0.5), dtype);
+    mt::eval({t});
+    return t;
+  };
+  // x with -inf in a whole plane and NaNs (two in one window), then max_pool2d and its gradient.
+  auto add = [&](mt::Shape shape, mt::DType dtype, uint64_t seed, mt::Size2 k, mt::Size2 s,
+                 mt::Size2 p, mt::Size2 d, bool ceil_mode) {
+    std::vector<double> v = tied(shape, mt::f64, seed).to_vector<double>();
+    const size_t plane = static_cast<size_t>(shape[2] * shape[3]);
+    std::fill(v.end() - static_cast<std::ptrdiff_t>(plane), v.end(), -INFINITY);
+    if (dtype == mt::f32 || dtype == mt::f64) v[1] = v[2] = v[v.size() / 2] = NAN;
+    mt::Tensor x = mt::tensor(v, shape, dtype);
+    mt::Tensor y = mt::max_pool2d(x, k, s, p, d, ceil_mode);
+    mt::eval({y});
+    mt::Tensor gy = values(y.shape(), dtype, seed + 1);
+    pools.push_back({x, mt::Tensor(), y});
+    pools.push_back(
+        {x, gy, mt::max_pool2d_grad(x, gy, mt::PoolWindow::from(y.node()->attrs.window))});
+  };
+  add({2, 3, 11, 10}, mt::f32, 1, 3, 2, 1, 1, false);
+  add({1, 2, 6, 7}, mt::bf16, 2, 2, 1, 0, 1, false);
+  add({2, 2, 9, 8}, mt::f16, 3, {2, 3}, {1, 2}, 1, {2, 1}, true);
+  add({1, 3, 8, 7}, mt::f64, 4, 3, 3, 1, 1, true);
+  std::vector<mt::Tensor> outs;
+  for (const Pool& p : pools) outs.push_back(p.out);
+  mt::eval(outs);
+  mt::set_device(previous);
+
+  fs::path dir = fs::temp_directory_path() / fmt::format("mixtape_cuda_pool_{}", ::getpid());
+  fs::create_directories(dir);
+  std::string main_text = "int main() {\n";
+  for (size_t o = 0; o < pools.size(); ++o) {
+    const mt::Node& node = *pools[o].out.node();
+    const bool backward = node.op == mt::OpCode::MaxPool2dGrad;
+    ASSERT_EQ(mt::op_info(node.op).kind, mt::OpKind::Pool);
+    ASSERT_EQ(backward, o % 2 == 1);
+    const mt::Storage& x = *pools[o].x.node()->value;
+    const mt::PoolGeometry g = mt::PoolGeometry::of(node);
+    const mt::PoolWindow& w = g.window;
+    const mt::DType g_dtype = backward ? pools[o].gy.node()->value->dtype : x.dtype;
+    const std::string args = fmt::format(
+        "mt_pool{{{}, {}, {}, {}, {}, {}, {{{}, {}}}, {{{}, {}}}, {{{}, {}}}, {{{}, {}}}, {}, {}, "
+        "{}, {}}}",
+        g.n, g.c, g.h, g.w, g.oh, g.ow, w.kernel[0], w.kernel[1], w.stride[0], w.stride[1],
+        w.pad[0], w.pad[1], w.dil[0], w.dil[1], static_cast<int>(x.dtype),
+        static_cast<int>(g_dtype), static_cast<int>(node.storage),
+        node.storage == mt::f64 || g_dtype == mt::f64 ? 1 : 0);
+    main_text += fmt::format(
+        "  std::vector<char> x{0} = {1}, gy{0} = {2}, out{0}({3});\n", o, bytes_literal(x),
+        backward ? bytes_literal(*pools[o].gy.node()->value) : "{}", node.value->size_bytes());
+    main_text += grid_call(
+        node.numel(),
+        backward ? fmt::format("mt_max_pool2d_grad(x{0}.data(), gy{0}.data(), out{0}.data(), {1})",
+                               o, args)
+                 : fmt::format("mt_max_pool2d(x{0}.data(), out{0}.data(), {1})", o, args));
+    main_text += fmt::format("  mt_write(\"{}\", out{});\n",
+                             (dir / fmt::format("pool{}.out", o)).string(), o);
+  }
+  main_text += "}\n";
+  std::string source = mt::cuda_fixed_kernels_source();
+  source = host_prelude() + source.substr(std::string(mt::cuda_prelude()).size());
+  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + source + main_text, "pool kernels"));
+  for (size_t o = 0; o < pools.size(); ++o) {
+    std::ifstream in(dir / fmt::format("pool{}.out", o), std::ios::binary);
+    std::vector<char> got((std::istreambuf_iterator<char>(in)), {});
+    const mt::Storage& want = *pools[o].out.node()->value;
+    EXPECT_EQ(
+        got, std::vector<char>(reinterpret_cast<const char*>(want.host_data()),
+                               reinterpret_cast<const char*>(want.host_data()) + want.size_bytes()))
+        << "pooling " << o;
   }
   fs::remove_all(dir);
 }

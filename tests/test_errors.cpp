@@ -247,6 +247,8 @@ std::vector<Case> ops_cases() {
   mt::Tensor img = mt::zeros({1, 3, 4, 4}), ker = mt::zeros({2, 3, 3, 3});
   mt::ConvWindow pad_neg, groups2;
   pad_neg.pad[1] = -1;
+  mt::PoolWindow pool2;
+  pool2.kernel[0] = pool2.kernel[1] = 2;
   groups2.groups = 2;
   mt::Tensor bad_rows = mt::tensor(i64s({0, 5}), {2});
   mt::Tensor negative_rows = mt::tensor(i64s({-1}), {1});
@@ -317,6 +319,11 @@ std::vector<Case> ops_cases() {
       OP_CASE("conv_transpose2d",
               mt::conv_transpose2d(img, mt::zeros({3, 2, 3, 3}), {}, {.output_padding = 1}),
               "output_padding (1, 1)", "smaller than the stride (1, 1)"),
+      OP_CASE("max_pool2d_forward", mt::max_pool2d_forward(img, pool2, {5, 3}),
+              "output height of 5", "[1, 3, 4, 4] (3 or 3)"),
+      OP_CASE("max_pool2d_forward", mt::max_pool2d_forward(f, pool2, {1, 2}), "NCHW", "[2, 3]"),
+      OP_CASE("max_pool2d_grad", mt::max_pool2d_grad(img, mt::zeros({1, 2, 3, 3}), pool2),
+              "[1, 2, 3, 3]", "differ in N or C"),
       OP_CASE("reshape", mt::reshape(f, {4, 2}), "[2, 3] (6 elements)", "[4, 2] (8 elements)"),
       OP_CASE("reshape", mt::reshape(f, {-1, -1}), "only one dimension may be -1"),
       OP_CASE("reshape", mt::reshape(f, {-2, 3}), "invalid dimension -2"),

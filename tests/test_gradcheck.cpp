@@ -467,6 +467,34 @@ void add_conv(Table& t) {
   }
 }
 
+// Both max-pooling primitives on Grid inputs (no ties), with padding, dilation and ceil mode;
+// max_pool2d_grad is linear in gy and constant in x away from ties.
+void add_max_pool(Table& t) {
+  mt::PoolWindow padded_ceil, dilated;
+  padded_ceil.kernel[0] = padded_ceil.kernel[1] = 3;
+  padded_ceil.stride[0] = padded_ceil.stride[1] = 2;
+  padded_ceil.pad[0] = padded_ceil.pad[1] = 1;
+  dilated.kernel[0] = 2, dilated.kernel[1] = 3, dilated.stride[1] = 2, dilated.pad[0] = 1;
+  dilated.dil[0] = dilated.dil[1] = 2;
+  struct Case {
+    std::string label;
+    mt::Shape x;
+    mt::PoolWindow window;
+    mt::Size2 out;
+  };
+  // 6 -> ceil((6 + 2 - 2 - 1) / 2) + 1 = 4 in ceil mode (3 in floor mode); the dilated
+  // window: 6 -> 6, 7 -> 2.
+  const std::vector<Case> cases = {{"k3 s2 p1 ceil", {1, 2, 6, 6}, padded_ceil, {4, 4}},
+                                   {"k(2,3) s(1,2) p(1,0) d2", {2, 1, 6, 7}, dilated, {6, 2}}};
+  for (const Case& c : cases) {
+    add(t, OpCode::MaxPool2d, "max_pool2d_forward " + c.label, {{c.x, Dist::Grid}},
+        [c](const Tensors& x) { return mt::max_pool2d_forward(x[0], c.window, c.out); });
+    mt::Shape y = {c.x[0], c.x[1], c.out.h, c.out.w};
+    add(t, OpCode::MaxPool2dGrad, "max_pool2d_grad " + c.label, {{c.x, Dist::Grid}, {y}},
+        [c](const Tensors& x) { return mt::max_pool2d_grad(x[0], x[1], c.window); });
+  }
+}
+
 void add_data_movement(Table& t) {
   add(t, OpCode::Reshape, "reshape [2,3,4] -> [6,4]", {{{2, 3, 4}}}, [](const Tensors& x) {
     return mt::reshape(x[0], {6, 4});
@@ -607,6 +635,7 @@ const Table& op_samples() {
     add_scans(t);
     add_matmul(t);
     add_conv(t);
+    add_max_pool(t);
     add_data_movement(t);
     add_indexing(t);
     add_custom(t);

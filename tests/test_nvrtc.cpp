@@ -655,9 +655,9 @@ TEST(Golden, AllGoldenKernelsCompileInOneProgram) {
 // their PTX assembles: every entry the executor looks up is there.
 TEST(Nvrtc, FixedKernelsCompile) {
   SKIP_WITHOUT_NVRTC();
-  std::vector<std::string> names = {"mt_index_add",         "mt_random_fill",
-                                    "mt_convert",           "mt_conv2d",
-                                    "mt_conv2d_input_grad", "mt_conv2d_weight_grad"};
+  std::vector<std::string> names = {
+      "mt_index_add",         "mt_random_fill",        "mt_convert",    "mt_conv2d",
+      "mt_conv2d_input_grad", "mt_conv2d_weight_grad", "mt_max_pool2d", "mt_max_pool2d_grad"};
   for (int bytes : {1, 2, 4, 8}) {
     names.push_back(fmt::format("mt_copy_box_{}", bytes));
     names.push_back(fmt::format("mt_index_select_{}", bytes));

@@ -1055,6 +1055,19 @@ void add_conv_cases(Oracle& o, Data& d, mt::DType dt) {
           fmt::format("torch.nn.grad.conv2d_weight(a, ({}), b, {})", join_dims(c.w), args), rtol,
           atol);
   }
+  // Max pooling's two primitives: PyTorch's forward and its autograd gradient.
+  mt::Tensor xp = d.randn({2, 3, 9, 8}, dt);
+  mt::PoolWindow pool;
+  pool.kernel[0] = 3, pool.kernel[1] = 2, pool.stride[0] = pool.stride[1] = 2, pool.pad[0] = 1;
+  pool.dil[1] = 2;
+  const std::string pool_args = "(3, 2), (2, 2), (1, 0), (1, 2), True";
+  mt::Tensor yp = mt::max_pool2d_forward(xp, pool, {5, 4});  // ceil mode: 9 -> 5, 8 -> 4
+  o.add("max_pool2d_forward/" + t, {xp}, yp, "F.max_pool2d(a, " + pool_args + ")", rtol, atol);
+  mt::Tensor gyp = d.randn(yp.shape(), dt);
+  o.add("max_pool2d_grad/" + t, {xp, gyp}, mt::max_pool2d_grad(xp, gyp, pool),
+        "(lambda x: torch.autograd.grad(F.max_pool2d(x, " + pool_args +
+            "), x, b)[0])(a.clone().requires_grad_())",
+        rtol, atol);
   mt::Tensor x1 = d.randn({2, 4, 11}, dt), w1 = d.randn({6, 2, 3}, dt), b1 = d.randn({6}, dt);
   o.add("conv1d/" + t, {x1, w1, b1},
         mt::conv1d(x1, w1, b1, {.stride = 2, .padding = 1, .dilation = 2, .groups = 2}),

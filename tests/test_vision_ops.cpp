@@ -2,12 +2,20 @@
 // vision modules against host loops written from PyTorch's definitions; their errors.
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "mixtape/mixtape.h"
 #include "test_util.h"
@@ -138,6 +146,221 @@ TEST(MaxPool2d, TiesSendTheGradientToTheFirstMaximumOfEachWindow) {
   z.requires_grad_();
   mt::sum(mt::max_pool2d(z, 2, 1)).backward();
   expect_near(values(z.grad()), {1, 1, 0, 1, 1, 0, 0, 0, 0}, 0);
+}
+
+// ---- the MaxPool2d and MaxPool2dGrad primitives ----
+
+struct PoolCase {
+  std::string label;
+  mt::Shape x;
+  mt::Size2 k, s, p, d;
+  bool ceil_mode;
+};
+
+// ResNet's stem pooling, overlapping windows, a dilated rectangle in ceil mode, a window past the
+// right edge, a row window, and one large enough for the CPU loops' threads.
+std::vector<PoolCase> pool_cases() {
+  return {{"k3 s2 p1", {2, 3, 11, 10}, 3, 2, 1, 1, false},
+          {"k2 s1", {1, 2, 6, 7}, 2, 1, 0, 1, false},
+          {"k(2,3) s(1,2) p1 d(2,1) ceil", {2, 3, 9, 8}, {2, 3}, {1, 2}, 1, {2, 1}, true},
+          {"k3 s3 p1 ceil", {1, 4, 8, 7}, 3, 3, 1, 1, true},
+          {"k(1,4) s(1,4)", {2, 2, 3, 9}, {1, 4}, {1, 4}, 0, 1, false},
+          {"k3 s2 p1 threaded", {4, 16, 32, 32}, 3, 2, 1, 1, false}};
+}
+
+// Values on 7 levels (ties in most windows) with, when `specials`, NaNs (two in one window),
+// -inf, and a whole plane of -inf (windows whose pick is their first tap inside the input).
+std::vector<float> tie_heavy(const mt::Shape& shape, uint32_t seed, bool specials) {
+  std::vector<float> v(static_cast<size_t>(mt::numel(shape)));
+  uint32_t state = seed;
+  for (float& e : v) {
+    state = state * 1664525u + 1013904223u;
+    e = static_cast<float>(static_cast<int>(state >> 29) - 3);
+  }
+  if (specials) {
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    const float inf = std::numeric_limits<float>::infinity();
+    v[1] = nan, v[3] = nan, v[9] = -inf, v[10] = -inf, v[v.size() / 2] = nan;
+    const size_t plane = static_cast<size_t>(shape[2] * shape[3]);
+    std::fill(v.end() - static_cast<std::ptrdiff_t>(plane), v.end(), -inf);
+  }
+  return v;
+}
+
+// Equal bits, or both NaN (payloads are not specified).
+bool same_value(double a, double b) { return (std::isnan(a) && std::isnan(b)) || a == b; }
+
+struct PoolRun {
+  std::vector<double> y, gx;
+  mt::OpCode y_op;
+  int64_t host_ops;  // steps the reference loops ran
+};
+
+// max_pool2d and its gradient (gy * y summed, so x.grad is max_pool2d_grad(x, gy)) on `device`.
+PoolRun run_pool(const PoolCase& c, mt::DType dtype, const std::vector<float>& x_values,
+                 const std::vector<float>& gy_values, mt::Device device,
+                 std::optional<mt::DType> autocast = std::nullopt) {
+  mt::Device previous = mt::current_device();
+  mt::set_device(device);
+  std::optional<mt::autocast> guard;
+  if (autocast) guard.emplace(*autocast);
+  mt::reset_execution_stats();
+  mt::Tensor x = mt::tensor(std::vector<double>(x_values.begin(), x_values.end()), c.x, dtype)
+                     .requires_grad_();
+  mt::Tensor y = mt::max_pool2d(x, c.k, c.s, c.p, c.d, c.ceil_mode);
+  mt::Tensor gy =
+      mt::tensor(std::vector<double>(gy_values.begin(), gy_values.end()), y.shape(), dtype);
+  if (autocast) {
+    // Through a 1x1 identity convolution, as ResNet's stem pooling feeds one: its gradient
+    // arrives in the low type (exactly gy, rounded), the pooled values are f32.
+    const int64_t ch = c.x[1];
+    std::vector<double> eye(static_cast<size_t>(ch * ch), 0.0);
+    for (int64_t i = 0; i < ch; ++i) eye[static_cast<size_t>(i * ch + i)] = 1.0;
+    mt::sum(mt::conv2d(y, mt::tensor(eye, {ch, ch, 1, 1}, mt::f32)) * gy).backward();
+  } else {
+    mt::sum(y * gy).backward();
+  }
+  mt::eval({y, x.grad()});
+  PoolRun run{y.to_vector<double>(), x.grad().to_vector<double>(), y.node()->op,
+              mt::execution_stats().host_ops};
+  mt::set_device(previous);
+  return run;
+}
+
+TEST(MaxPool2dPrimitive, CpuLoopsStoreTheReferencesBits) {
+  for (mt::DType dtype : {mt::f32, mt::bf16, mt::f16})
+    for (const PoolCase& c : pool_cases())
+      for (bool specials : {false, true}) {
+        SCOPED_TRACE(testing::Message() << c.label << " " << mt::name(dtype)
+                                        << (specials ? " with NaN and -inf" : ""));
+        std::vector<float> x = tie_heavy(c.x, 7, specials);
+        mt::Shape y_shape = mt::max_pool2d(mt::zeros(c.x), c.k, c.s, c.p, c.d, c.ceil_mode).shape();
+        mt::Generator gen(11);
+        std::vector<float> gy = mt::randn(y_shape, mt::f32, &gen).to_vector<float>();
+        PoolRun want = run_pool(c, dtype, x, gy, mt::Device::reference);
+        PoolRun got = run_pool(c, dtype, x, gy, mt::Device::cpu);
+        // Under autocast the step's types mix (f32 values, bf16 gradients): the same bits.
+        PoolRun want_autocast = run_pool(c, dtype, x, gy, mt::Device::reference, mt::bf16);
+        PoolRun got_autocast = run_pool(c, dtype, x, gy, mt::Device::cpu, mt::bf16);
+        ASSERT_EQ(got_autocast.gx.size(), want_autocast.gx.size());
+        for (size_t i = 0; i < want_autocast.gx.size(); ++i)
+          ASSERT_TRUE(same_value(got_autocast.gx[i], want_autocast.gx[i]))
+              << "autocast gx[" << i << "] " << got_autocast.gx[i] << " vs " << want_autocast.gx[i];
+        EXPECT_EQ(got.y_op, mt::OpCode::MaxPool2d);
+        // The CPU's loops ran both primitives, under autocast's mixed types too.
+        EXPECT_EQ(got.host_ops, 0);
+        EXPECT_EQ(got_autocast.host_ops, 0);
+        ASSERT_EQ(got.y.size(), want.y.size());
+        ASSERT_EQ(got.gx.size(), want.gx.size());
+        for (size_t i = 0; i < want.y.size(); ++i)
+          ASSERT_TRUE(same_value(got.y[i], want.y[i]))
+              << "y[" << i << "] " << got.y[i] << " vs " << want.y[i];
+        for (size_t i = 0; i < want.gx.size(); ++i)
+          ASSERT_TRUE(same_value(got.gx[i], want.gx[i]))
+              << "gx[" << i << "] " << got.gx[i] << " vs " << want.gx[i];
+      }
+}
+
+// The gradient node is the MaxPool2dGrad primitive, and its own gradient (double backward) in gy
+// gathers at each window's pick.
+TEST(MaxPool2dPrimitive, DoubleBackwardGathersAtThePicks) {
+  mt::Tensor x = mt::tensor(std::vector<float>{1, 5, 2, 0,  //
+                                               3, 4, 9, 9,  //
+                                               0, 0, 7, 1,  //
+                                               0, 6, 2, 8},
+                            {1, 1, 4, 4});
+  x.requires_grad_();
+  mt::Tensor gy = mt::tensor(std::vector<float>{1, 2, 3, 4}, {1, 1, 2, 2}).requires_grad_();
+  mt::Tensor gx = mt::grad({mt::sum(mt::max_pool2d(x, 2) * gy)}, {x}, {}, true)[0];
+  EXPECT_EQ(gx.node()->op, mt::OpCode::MaxPool2dGrad);
+  expect_near(values(gx), {0, 1, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 3, 0, 4}, 0);
+  mt::Tensor weights = mt::reshape(mt::arange(0.0, 16.0, 1.0, mt::f32), {1, 1, 4, 4});
+  mt::Tensor ggy = mt::grad({mt::sum(gx * weights)}, {gy})[0];
+  expect_near(values(ggy), {1, 6, 13, 15}, 0);
+}
+
+// PyTorch (Debian's python3-torch) on the same inputs: ties, NaN (the last NaN of a window takes
+// the gradient), -inf windows (the first tap inside the input does), in f32 and bf16 (f16 max
+// pooling is not in PyTorch's CPU build). Integer gradients make every sum exact, so both agree
+// to the bit whatever their order.
+TEST(MaxPool2dPrimitive, MatchesPyTorchOnTiesNanAndInfinities) {
+  if (std::system("/usr/bin/python3 -c 'import torch, numpy' >/dev/null 2>&1") != 0)
+    GTEST_SKIP() << "/usr/bin/python3 cannot import torch and numpy";
+  namespace fs = std::filesystem;
+  fs::path dir = fs::temp_directory_path() / fmt::format("mixtape_max_pool_{}", ::getpid());
+  fs::create_directories(dir);
+  auto write = [&](const std::string& name, const std::vector<float>& v) {
+    std::ofstream(dir / name, std::ios::binary)
+        .write(reinterpret_cast<const char*>(v.data()),
+               static_cast<std::streamsize>(v.size() * sizeof(float)));
+  };
+  struct Expected {
+    std::string name;
+    PoolRun run;
+  };
+  std::vector<Expected> runs;
+  std::string cases = "[";
+  for (mt::DType dtype : {mt::f32, mt::bf16})
+    for (const PoolCase& c : pool_cases()) {
+      const std::string name = fmt::format("case{}", runs.size());
+      std::vector<float> x = tie_heavy(c.x, 3, true);
+      mt::Shape y_shape = mt::max_pool2d(mt::zeros(c.x), c.k, c.s, c.p, c.d, c.ceil_mode).shape();
+      std::vector<float> gy = tie_heavy(y_shape, 5, false);
+      write(name + ".x", x);
+      write(name + ".gy", gy);
+      runs.push_back({name, run_pool(c, dtype, x, gy, mt::current_device())});
+      cases += fmt::format(
+          "{}{{\"name\": \"{}\", \"dtype\": \"{}\", \"x\": [{}, {}, {}, {}], \"y\": [{}, {}, {}, "
+          "{}], \"k\": [{}, {}], \"s\": [{}, {}], \"p\": [{}, {}], \"d\": [{}, {}], \"ceil\": {}}}",
+          runs.size() > 1 ? ", " : "", name, dtype == mt::f32 ? "float32" : "bfloat16", c.x[0],
+          c.x[1], c.x[2], c.x[3], y_shape[0], y_shape[1], y_shape[2], y_shape[3], c.k.h, c.k.w,
+          c.s.h, c.s.w, c.p.h, c.p.w, c.d.h, c.d.w, c.ceil_mode ? "true" : "false");
+    }
+  std::ofstream(dir / "cases.json") << cases << "]";
+  std::ofstream(dir / "pool.py") << R"PY(
+import json, sys
+import numpy as np
+import torch
+import torch.nn.functional as F
+d = sys.argv[1]
+for c in json.load(open(d + '/cases.json')):
+    dt = getattr(torch, c['dtype'])
+    x = torch.from_numpy(np.fromfile(d + '/' + c['name'] + '.x', dtype=np.float32).reshape(c['x']))
+    gy = torch.from_numpy(np.fromfile(d + '/' + c['name'] + '.gy', dtype=np.float32).reshape(c['y']))
+    x = x.to(dt).requires_grad_()
+    y = F.max_pool2d(x, c['k'], c['s'], c['p'], c['d'], c['ceil'])
+    assert list(y.shape) == c['y'], (c['name'], y.shape)
+    y.backward(gy.to(dt))
+    y.detach().float().numpy().tofile(d + '/' + c['name'] + '.ty')
+    x.grad.float().numpy().tofile(d + '/' + c['name'] + '.tgx')
+)PY";
+  const std::string command =
+      fmt::format("/usr/bin/python3 {} {} > {} 2>&1", (dir / "pool.py").string(), dir.string(),
+                  (dir / "log.txt").string());
+  const int status = std::system(command.c_str());
+  std::ifstream log_file(dir / "log.txt");
+  std::string log((std::istreambuf_iterator<char>(log_file)), {});
+  ASSERT_EQ(status, 0) << log;
+  auto read = [&](const std::string& name) {
+    std::ifstream in(dir / name, std::ios::binary);
+    std::vector<char> bytes((std::istreambuf_iterator<char>(in)), {});
+    std::vector<float> v(bytes.size() / sizeof(float));
+    std::memcpy(v.data(), bytes.data(), v.size() * sizeof(float));
+    return v;
+  };
+  for (const Expected& e : runs) {
+    SCOPED_TRACE(e.name);
+    std::vector<float> ty = read(e.name + ".ty"), tgx = read(e.name + ".tgx");
+    ASSERT_EQ(ty.size(), e.run.y.size());
+    ASSERT_EQ(tgx.size(), e.run.gx.size());
+    for (size_t i = 0; i < ty.size(); ++i)
+      ASSERT_TRUE(same_value(e.run.y[i], ty[i]))
+          << "y[" << i << "] " << e.run.y[i] << " vs " << ty[i];
+    for (size_t i = 0; i < tgx.size(); ++i)
+      ASSERT_TRUE(same_value(e.run.gx[i], tgx[i]))
+          << "gx[" << i << "] " << e.run.gx[i] << " vs " << tgx[i];
+  }
+  fs::remove_all(dir);
 }
 
 TEST(AvgPool2d, MatchesTheHostLoopWithPaddingCountIncludePadAndCeilMode) {

@@ -735,6 +735,44 @@ TEST(GpuConvolution, ForwardAndBothGradientsHaveTheReferencesBitsOnTheDevice) {
   }
 }
 
+// Max pooling on the device (runtime/cuda_fixed_kernels.cpp's mt_max_pool2d and
+// mt_max_pool2d_grad): ResNet's stem pooling and a dilated ceil-mode window over values with ties,
+// forward and gradient, in f32, bf16 and f16, have the reference executor's bits with nothing run
+// on the host. The dry run checks the CPU back end's loops, which store the same bits.
+TEST(GpuMaxPool, ForwardAndGradientHaveTheReferencesBitsOnTheDevice) {
+  SKIP_WITHOUT_CUDA();
+  for (mt::DType dtype : {mt::f32, mt::bf16, mt::f16}) {
+    auto run = [&](mt::Device device, mt::ExecutionStats* stats) {
+      DeviceScope scope;
+      mt::set_device(device);
+      mt::Generator gen(59);
+      const mt::Shape shape = {4, 6, 17, 15};
+      std::vector<double> tied = mt::round(mt::randn(shape, dtype, &gen) * 2.0).to_vector<double>();
+      mt::Tensor x = mt::tensor(tied, shape, dtype).requires_grad_();
+      mt::eval({x});
+      mt::Tensor y = mt::max_pool2d(x, 3, 2, 1);
+      mt::Tensor z = mt::max_pool2d(x, {2, 3}, {{1, 2}}, 1, {2, 1}, true);
+      mt::Tensor gy = mt::randn(y.shape(), dtype, &gen), gz = mt::randn(z.shape(), dtype, &gen);
+      mt::eval({gy, gz});
+      mt::reset_execution_stats();
+      (mt::sum(y * gy) + mt::sum(z * gz)).backward();
+      std::vector<mt::Tensor> outs = {y, z, x.grad()};
+      mt::eval(outs);
+      if (stats) *stats = mt::execution_stats();
+      std::vector<std::vector<double>> values;
+      for (const mt::Tensor& t : outs) values.push_back(t.to_vector<double>());
+      return values;
+    };
+    mt::ExecutionStats stats;
+    auto expected = run(mt::Device::reference, nullptr);
+    auto actual = run(tested(), &stats);
+    ASSERT_EQ(actual.size(), expected.size());
+    for (size_t o = 0; o < expected.size(); ++o)
+      EXPECT_EQ(actual[o], expected[o]) << mt::name(dtype) << " output " << o;
+    EXPECT_EQ(stats.host_ops, 0) << mt::name(dtype);
+  }
+}
+
 // rand and randn drawn on the device: the CPU's streams bit for bit, in every 32-bit-or-less
 // float dtype, for a size that ends inside a Philox block.
 TEST(GpuRandom, DeviceStreamsAreTheCpusBits) {
