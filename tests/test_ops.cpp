@@ -272,6 +272,47 @@ TEST(BceWithLogits, ConfidentLogitsHaveFiniteGradients) {
   }
 }
 
+// The losses' class and element weights and reductions refuse what PyTorch refuses.
+TEST(LossOptions, BadWeightsAndReductionsAreErrors) {
+  mt::Tensor lp = mt::log_softmax(mt::zeros({4, 5})), y = ints({1, 0, 4, 2}, {4});
+  EXPECT_THROW(mt::nll_loss(lp, y, {.weight = mt::ones({4})}), mt::Error);           // not [C]
+  EXPECT_THROW(mt::nll_loss(lp, y, {.weight = mt::ones({5}, mt::i64)}), mt::Error);  // integer
+  EXPECT_THROW(mt::cross_entropy(lp, y, {.weight = mt::ones({1, 5})}), mt::Error);
+  EXPECT_THROW(mt::cross_entropy(lp, y, {.weight = mt::ones({5}, mt::boolean)}), mt::Error);
+  EXPECT_THROW(mt::cross_entropy(lp, y, {.reduction = mt::Reduction::BatchMean}), mt::Error);
+  EXPECT_THROW(mt::nll_loss(lp, y, mt::Reduction::BatchMean), mt::Error);
+  mt::Tensor p = mt::full({4, 5}, 0.5);
+  EXPECT_THROW(mt::binary_cross_entropy(p, p, {.weight = mt::ones({4})}), mt::Error);
+  EXPECT_THROW(mt::binary_cross_entropy(p, p, {.weight = mt::ones({5}, mt::i32)}), mt::Error);
+  EXPECT_THROW(mt::binary_cross_entropy_with_logits(p, p, {.weight = mt::ones({3, 5})}), mt::Error);
+  EXPECT_THROW(mt::binary_cross_entropy_with_logits(p, p, {.pos_weight = mt::ones({4})}),
+               mt::Error);
+  EXPECT_THROW(mt::mse_loss(p, p, mt::Reduction::BatchMean), mt::Error);
+  EXPECT_THROW(mt::l1_loss(p, p, mt::Reduction::BatchMean), mt::Error);
+  // The weights that fit give PyTorch's means: all weight on class 1 gives its own -log p.
+  mt::Tensor only1 = mt::tensor(std::vector<float>{0, 1, 0, 0, 0}, {5});
+  EXPECT_NEAR(mt::nll_loss(lp, y, {.weight = only1}).item(), std::log(5.0), 1e-6);
+  EXPECT_NEAR(mt::kl_div(lp, mt::full({4, 5}, 0.2), mt::Reduction::BatchMean).item(), 0.0, 1e-6);
+}
+
+// where with numbers takes PyTorch's result type: the tensor's, unless the number is of a higher
+// kind; two numbers give f32 or i64.
+TEST(WhereNumbers, PromotesAsPyTorch) {
+  mt::Tensor c = mt::tensor(std::vector<int64_t>{1, 0, 1}, {3}, mt::boolean);
+  mt::Tensor i = ints({4, 5, 6}, {3}),
+             b = mt::tensor(std::vector<int64_t>{0, 1, 0}, {3}, mt::boolean);
+  EXPECT_EQ(mt::where(c, i, 2).dtype(), mt::i64);
+  EXPECT_EQ(mt::where(c, i, 2.5).dtype(), mt::f32);
+  EXPECT_EQ(mt::where(c, 2.5, i).to_vector<double>(), (std::vector<double>{2.5, 5, 2.5}));
+  EXPECT_EQ(mt::where(c, b, 3).dtype(), mt::i64);
+  EXPECT_EQ(mt::where(c, b, true).dtype(), mt::boolean);
+  EXPECT_EQ(mt::where(c, mt::zeros({3}, mt::f64), 1).dtype(), mt::f64);
+  EXPECT_EQ(mt::where(c, 1.0, 0.0).to_vector<float>(), (std::vector<float>{1, 0, 1}));
+  EXPECT_EQ(mt::where(c, 1, 0).dtype(), mt::i64);
+  EXPECT_THROW(mt::where(i, i, 1.0), mt::Error);  // the condition must be bool
+  EXPECT_THROW(mt::where(mt::Tensor(), 1.0, i), mt::Error);
+}
+
 // masked_softmax: a row that is all masked gives NaN forward (0/0) but a zero gradient, as
 // where() followed by softmax gave; a mask that does not broadcast to the input is refused.
 TEST(MaskedSoftmax, AllMaskedRowsGetZeroGradients) {
@@ -1326,6 +1367,25 @@ void add_composite_cases(Oracle& o, Data& d, mt::DType dt) {
         "F.kl_div(a, b, reduction='sum')");
   o.add("kl_div/log_target/" + t, {kq}, mt::kl_div(kq, kq * 0.5, mt::Reduction::None, true),
         "F.kl_div(a, a * 0.5, reduction='none', log_target=True)");
+  // Class and element weights (fixed values, so that the draws of the cases below stay theirs).
+  mt::Tensor cw = make({0.5, 2.0, 1.0, 0.25, 3.0}, {5}, dt);
+  o.add("nll_loss/weight_mean/" + t, {lp, nt, cw}, mt::nll_loss(lp, nt, {.weight = cw}),
+        "F.nll_loss(a, b, weight=c)");
+  mt::Tensor nt1 = ints({1, 3, 4, 1}, {4});
+  o.add("nll_loss/weight_sum_ignore1/" + t, {lp, nt1, cw},
+        mt::nll_loss(lp, nt1, {.weight = cw, .ignore_index = 1, .reduction = mt::Reduction::Sum}),
+        "F.nll_loss(a, b, weight=c, ignore_index=1, reduction='sum')");
+  o.add("cross_entropy/weight_smoothing/" + t, {lp, nt, cw},
+        mt::cross_entropy(lp, nt, {.label_smoothing = 0.3, .weight = cw}),
+        "F.cross_entropy(a, b, weight=c, label_smoothing=0.3)");
+  mt::Tensor bw = make({1.0, 0.0, 2.0}, {3}, dt);
+  o.add("binary_cross_entropy/weight/" + t, {pr, py, bw},
+        mt::binary_cross_entropy(pr, py, {.weight = bw}), "F.binary_cross_entropy(a, b, weight=c)");
+  o.add("kl_div/batchmean/" + t, {kq, kp}, mt::kl_div(kq, kp, mt::Reduction::BatchMean),
+        "F.kl_div(a, b, reduction='batchmean')");
+  mt::Tensor wc = mt::tensor(std::vector<int64_t>{1, 0}, {2, 1}, mt::boolean);
+  o.add("where/tensor_number/" + t, {wc, pr}, mt::where(wc, pr, -2.5), "torch.where(a, b, -2.5)");
+  o.add("where/number_tensor/" + t, {wc, pr}, mt::where(wc, 7, pr), "torch.where(a, 7, b)");
   mt::Tensor sq = d.randn({2, 3, 4}, dt);
   o.add("flip/" + t, {sq}, mt::flip(sq, {0, 2}), "torch.flip(a, (0, 2))");
   o.add("roll/" + t, {sq}, mt::roll(sq, {1, -5}, {1, 2}), "torch.roll(a, (1, -5), (1, 2))");

@@ -545,10 +545,26 @@ def run_scan(d, m, _):
         (y.float() * d['w']).sum().backward()
     return {'y': y.float(), 'grad.x': x.grad}
 
+# A functional expression over the inputs a, b, c, ... (those named in 'grads' require a
+# gradient); under autocast the first input enters as a @ p, a bf16 matmul output, in both.
+def run_expr(d, m, _):
+    names = m['names'].split(',')
+    wants = set(m['grads'].split(',')) if m['grads'] else set()
+    leaves = {n: d[n].clone().requires_grad_(n in wants) for n in names}
+    ac = m.get('autocast') == '1'
+    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=ac):
+        env = dict(leaves)
+        if ac:
+            env['a'] = env['a'] @ d['p']
+        y = eval(m['expr'], dict(torch=torch, F=F, **env))
+        (y.float() * d['w']).sum().backward()
+    return {'y': y.float(), **{'grad.' + n: leaves[n].grad for n in wants}}
+
 HANDLERS = {'mlp': run_mlp, 'block': run_block, 'optim': run_optim, 'clip': run_clip,
             'schedule': run_schedule,
             'cross_entropy': run_cross_entropy, 'op': run_op,
-            'vision': run_vision, 'resnet': run_resnet, 'seq': run_seq, 'scan': run_scan}
+            'vision': run_vision, 'resnet': run_resnet, 'seq': run_seq, 'scan': run_scan,
+            'expr': run_expr}
 
 folder = sys.argv[1]
 cases = sorted(f[:-len('.in.safetensors')] for f in os.listdir(folder)
@@ -854,6 +870,8 @@ const char* reduction_name(mt::Reduction r) {
       return "sum";
     case mt::Reduction::None:
       return "none";
+    case mt::Reduction::BatchMean:
+      return "batchmean";
   }
   return "?";
 }
@@ -1086,6 +1104,182 @@ mt::Tensor scan_forward(const ScanCase& c, const mt::Tensor& x, const mt::Tensor
   if (c.op == "sort") return mt::sort(h, c.dim, true).values;
   if (c.op == "topk") return mt::topk(h, 3, c.dim).values;
   throw std::runtime_error("unknown scan op " + c.op);
+}
+
+// Functional cases as a torch expression over the inputs a, b, c, ... and mixtape's code for it:
+// the class and element weights of the losses, kl_div's batchmean, where with numbers. Each in
+// f32 and, where `autocast`, also under bf16 autocast with a = a @ p (a bf16 matmul output).
+struct ExprCase {
+  std::string name, expr;
+  std::vector<mt::Tensor> inputs;  // a, b, c, ...
+  std::string grads;               // the inputs torch takes gradients of, as "a" or "a,c"
+  std::function<mt::Tensor(const std::vector<mt::Tensor>&)> build;
+  bool autocast = false;
+};
+constexpr int64_t kExprRows = 6, kExprClasses = 5;
+
+std::vector<ExprCase> expr_cases() {
+  using R = mt::Reduction;
+  using In = std::vector<mt::Tensor>;
+  HostRandom rng(777);
+  std::vector<ExprCase> cases;
+  auto add = [&](ExprCase c, bool with_autocast) {
+    cases.push_back(c);
+    if (!with_autocast) return;
+    c.name += "_bf16";
+    c.autocast = true;
+    cases.push_back(std::move(c));
+  };
+  const mt::Shape rc{kExprRows, kExprClasses};
+  mt::Tensor scores = rng.normal(rc, 1.5), classes = rng.classes({kExprRows}, kExprClasses);
+  mt::Tensor weight = mt::abs(rng.normal({kExprClasses}, 1.0)) + 0.1;
+  mt::Tensor ignored = with_ints(classes, {{1, -100}, {4, -100}});
+  mt::Tensor ignored2 = with_ints(classes, {{0, 2}, {3, 2}});
+  for (auto [reduction, rname] : {std::pair{R::Mean, "mean"}, {R::Sum, "sum"}, {R::None, "none"}}) {
+    const std::string r = fmt::format("reduction='{}'", rname);
+    add({fmt::format("nll_weight_{}", rname),
+         fmt::format("F.nll_loss(a, b, weight=c, {})", r),
+         {scores, ignored, weight},
+         "a",
+         [reduction](const In& x) {
+           return mt::nll_loss(x[0], x[1],
+                               mt::NllLossOptions{.weight = x[2], .reduction = reduction});
+         }},
+        false);
+    for (double ls : {0.0, 0.15})
+      add({fmt::format("ce_weight_{}_ls{}", rname, ls == 0 ? "0" : "015"),
+           fmt::format("F.cross_entropy(a, b, weight=c, label_smoothing={}, {})", ls, r),
+           {scores, ignored, weight},
+           "a",
+           [reduction, ls](const In& x) {
+             return mt::cross_entropy(
+                 x[0], x[1], {.reduction = reduction, .label_smoothing = ls, .weight = x[2]});
+           }},
+          reduction != R::Sum);
+  }
+  // Under autocast on log-probabilities: the mean of arbitrary scores cancels, and one bf16 ulp
+  // where the two libraries' matmuls round a tie differently would be percents of it.
+  add({"nll_weight_log_softmax",
+       "F.nll_loss(F.log_softmax(a, -1), b, weight=c)",
+       {scores, ignored, weight},
+       "a",
+       [](const In& x) {
+         return mt::nll_loss(mt::log_softmax(x[0]), x[1], mt::NllLossOptions{.weight = x[2]});
+       }},
+      true);
+  add({"nll_weight_ignore_index_2",
+       "F.nll_loss(a, b, weight=c, ignore_index=2)",
+       {scores, ignored2, weight},
+       "a",
+       [](const In& x) {
+         return mt::nll_loss(x[0], x[1], mt::NllLossOptions{.weight = x[2], .ignore_index = 2});
+       }},
+      false);
+  add({"ce_weight_ignore_index_2_ls02",
+       "F.cross_entropy(a, b, weight=c, ignore_index=2, label_smoothing=0.2)",
+       {scores, ignored2, weight},
+       "a",
+       [](const In& x) {
+         return mt::cross_entropy(x[0], x[1],
+                                  {.ignore_index = 2, .label_smoothing = 0.2, .weight = x[2]});
+       }},
+      false);
+  // Classes last in mixtape, second in torch.
+  mt::Tensor scores3 = rng.normal({2, 3, kExprClasses}, 1.5);
+  mt::Tensor classes3 = with_ints(rng.classes({2, 3}, kExprClasses), {{2, -100}});
+  add({"ce_weight_3d_ls01",
+       "F.cross_entropy(a.permute(0, 2, 1), b, weight=c, label_smoothing=0.1)",
+       {scores3, classes3, weight},
+       "a",
+       [](const In& x) {
+         return mt::cross_entropy(x[0], x[1], {.label_smoothing = 0.1, .weight = x[2]});
+       }},
+      false);
+  add({"nll_weight_3d_none",
+       "F.nll_loss(a.permute(0, 2, 1), b, weight=c, reduction='none')",
+       {scores3, classes3, weight},
+       "a",
+       [](const In& x) {
+         return mt::nll_loss(x[0], x[1], mt::NllLossOptions{.weight = x[2], .reduction = R::None});
+       }},
+      false);
+  mt::Tensor probs = mt::sigmoid(rng.normal(rc, 1.5)), truth = mt::sigmoid(rng.normal(rc, 2.0));
+  mt::Tensor element = mt::abs(rng.normal(rc, 1.0)),
+             per_class = mt::abs(rng.normal({kExprClasses}));
+  add({"bce_weight_mean",
+       "F.binary_cross_entropy(a, b, weight=c)",
+       {probs, truth, element},
+       "a,b",
+       [](const In& x) { return mt::binary_cross_entropy(x[0], x[1], {.weight = x[2]}); }},
+      false);
+  add({"bce_class_weight_none",
+       "F.binary_cross_entropy(a, b, weight=c, reduction='none')",
+       {probs, truth, per_class},
+       "a,b",
+       [](const In& x) {
+         return mt::binary_cross_entropy(x[0], x[1], {.weight = x[2], .reduction = R::None});
+       }},
+      false);
+  mt::Tensor logits = rng.normal(rc, 3.0);
+  add({"bce_logits_weight_pos_weight",
+       "F.binary_cross_entropy_with_logits(a, b, weight=c, pos_weight=d)",
+       {logits, truth, per_class, mt::abs(rng.normal({kExprClasses})) + 0.5},
+       "a,b",
+       [](const In& x) {
+         return mt::binary_cross_entropy_with_logits(x[0], x[1],
+                                                     {.weight = x[2], .pos_weight = x[3]});
+       }},
+      true);
+  add({"bce_logits_weight_sum",
+       "F.binary_cross_entropy_with_logits(a, b, weight=c, reduction='sum')",
+       {logits, truth, element},
+       "a,b",
+       [](const In& x) {
+         return mt::binary_cross_entropy_with_logits(x[0], x[1],
+                                                     {.reduction = R::Sum, .weight = x[2]});
+       }},
+      false);
+  mt::Tensor logq = mt::log_softmax(rng.normal(rc)), target_p = mt::softmax(rng.normal(rc));
+  add({"kl_div_batchmean",
+       "F.kl_div(a, b, reduction='batchmean')",
+       {logq, target_p},
+       "a,b",
+       [](const In& x) { return mt::kl_div(x[0], x[1], R::BatchMean); }},
+      true);
+  add({"kl_div_batchmean_log_target",
+       "F.kl_div(a, b, reduction='batchmean', log_target=True)",
+       {logq, mt::log_softmax(rng.normal(rc))},
+       "a,b",
+       [](const In& x) { return mt::kl_div(x[0], x[1], R::BatchMean, true); }},
+      // Not under autocast: its small sum cancels, so one bf16 ulp where the two libraries'
+      // matmuls round a tie differently is a few percent of it.
+      false);
+  std::vector<bool> pick(static_cast<size_t>(kExprRows * kExprClasses));
+  for (size_t i = 0; i < pick.size(); ++i) pick[i] = (i * 7) % 3 == 0;
+  mt::Tensor cond = mt::tensor(pick, rc);
+  add({"where_tensor_number",
+       "torch.where(b, a, -0.75)",
+       {rng.normal(rc), cond},
+       "a",
+       [](const In& x) { return mt::where(x[1], x[0], -0.75); }},
+      true);
+  add({"where_number_tensor",
+       "torch.where(b, 2.5, a)",
+       {rng.normal(rc), cond},
+       "a",
+       [](const In& x) { return mt::where(x[1], 2.5, x[0]); }},
+      true);
+  return cases;
+}
+
+// The case's value, under bf16 autocast on a = a @ p when the case asks for it.
+mt::Tensor expr_forward(const ExprCase& c, std::vector<mt::Tensor> inputs, const mt::Tensor& p) {
+  std::optional<mt::autocast> guard;
+  if (c.autocast) {
+    guard.emplace(mt::bf16);
+    inputs[0] = mt::matmul(inputs[0], p);
+  }
+  return c.build(inputs);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1353,6 +1547,32 @@ void write_inputs(const fs::path& dir) {
                 {"dim", std::to_string(c.dim)},
                 {"autocast", c.autocast ? "1" : "0"}},
                {{"x", x}, {"p", p}, {"w", rng.normal(out)}});
+  }
+  HostRandom expr_rng(4242);
+  for (const ExprCase& c : expr_cases()) {
+    mt::NamedTensors data;
+    std::string names;
+    for (size_t i = 0; i < c.inputs.size(); ++i) {
+      const std::string n(1, static_cast<char>('a' + i));
+      data.emplace_back(n, c.inputs[i]);
+      names += (i ? "," : "") + n;
+    }
+    const int64_t width = c.inputs[0].size(-1);
+    mt::Tensor p = expr_rng.normal({width, width}, 0.5);
+    mt::Shape out;
+    {
+      mt::NoGradGuard no_grad;
+      out = expr_forward(c, c.inputs, p).shape();
+    }
+    data.emplace_back("p", p);
+    data.emplace_back("w", expr_rng.normal(out));
+    write_case(dir, "expr_" + c.name,
+               {{"kind", "expr"},
+                {"expr", c.expr},
+                {"names", names},
+                {"grads", c.grads},
+                {"autocast", c.autocast ? "1" : "0"}},
+               data);
   }
 }
 
@@ -1889,6 +2109,34 @@ TEST_F(TorchParity, ResNet18StepMatchesTorch) {
       std::printf("[  torch   ] bf16 updates against the f32 step: mixtape %.3f, torch %.3f\n",
                   ours, theirs);
       EXPECT_LE(ours, 1.5 * theirs) << "mixtape's bf16 step strays further from f32 than torch's";
+    }
+  }
+}
+
+// The losses' class and element weights, kl_div's batchmean and where with numbers against
+// torch.nn.functional, value and gradients: f32 to 1e-5, under bf16 autocast to the bf16
+// tolerance.
+TEST_F(TorchParity, FunctionalOptionsMatchTorch) {
+  constexpr double kBf16Tolerance = 2e-2;  // test_precision's, for one bf16 rounding
+  for (const ExprCase& ec : expr_cases()) {
+    const std::string id = "expr_" + ec.name;
+    SCOPED_TRACE(id);
+    Case c = open_case(id);
+    std::vector<mt::Tensor> inputs;
+    for (size_t i = 0; i < ec.inputs.size(); ++i) {
+      const std::string n(1, static_cast<char>('a' + i));
+      inputs.push_back(c.input(n));
+      if (ec.grads.find(n) != std::string::npos) inputs.back().requires_grad_();
+    }
+    mt::Tensor y = expr_forward(ec, inputs, c.input("p"));
+    mt::sum(mt::cast(y, mt::f32) * c.input("w")).backward();
+    const double tolerance = ec.autocast ? kBf16Tolerance : kGradTolerance;
+    Comparison cmp(id);
+    cmp.check("value", mt::cast(y, mt::f32), c.ref("y"), tolerance);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const std::string n(1, static_cast<char>('a' + i));
+      if (ec.grads.find(n) != std::string::npos)
+        cmp.check("grad " + n, inputs[i].grad(), c.ref("grad." + n), tolerance);
     }
   }
 }
