@@ -295,6 +295,28 @@ TEST(LossOptions, BadWeightsAndReductionsAreErrors) {
   EXPECT_NEAR(mt::kl_div(lp, mt::full({4, 5}, 0.2), mt::Reduction::BatchMean).item(), 0.0, 1e-6);
 }
 
+// OneCycleLR's cycle_momentum: asked for explicitly, an optimizer without a momentum or beta1
+// refuses the schedule (as PyTorch's OneCycleLR raises); by default such an optimizer keeps the
+// schedule for its rate alone. The momentum falls while the rate rises and returns with it.
+TEST(OneCycleMomentum, CyclesAgainstTheRateAndIsRefusedWithoutAMomentum) {
+  mt::Tensor p = mt::zeros({2});
+  p.requires_grad_();
+  mt::Adagrad adagrad({p});
+  EXPECT_THROW(adagrad.set_schedule(std::make_shared<mt::OneCycleLR>(
+                   0.1, 10, mt::OneCycleOptions{.cycle_momentum = true})),
+               mt::Error);
+  adagrad.set_schedule(std::make_shared<mt::OneCycleLR>(0.1, 10));
+  EXPECT_FALSE(adagrad.current_momentum().defined());
+  EXPECT_THROW(mt::OneCycleLR(0.1, 10, {.base_momentum = 0.9, .max_momentum = 0.8}), mt::Error);
+  EXPECT_THROW(mt::OneCycleLR(0.1, 10, {.max_momentum = 1.0}), mt::Error);
+  mt::OneCycleLR schedule(0.1, 10);
+  EXPECT_DOUBLE_EQ(*schedule.momentum(0), 0.95);
+  EXPECT_DOUBLE_EQ(*schedule.momentum(2), 0.85);  // the rate's peak, pct_start * 10 - 1
+  EXPECT_DOUBLE_EQ(*schedule.momentum(9), 0.95);
+  EXPECT_FALSE(mt::OneCycleLR(0.1, 10, {.cycle_momentum = false}).momentum(3).has_value());
+  EXPECT_FALSE(mt::StepLR(0.1, 2).momentum(3).has_value());
+}
+
 // where with numbers takes PyTorch's result type: the tensor's, unless the number is of a higher
 // kind; two numbers give f32 or i64.
 TEST(WhereNumbers, PromotesAsPyTorch) {

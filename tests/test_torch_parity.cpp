@@ -393,12 +393,17 @@ def run_optim(d, m, params):
     model = MLP(sizes(m), m['activation'])
     model.load_state_dict(params, strict=True)
     opt = make_optimizer(m, model.parameters())
+    # OneCycleLR with PyTorch's defaults (cycle_momentum: the momentum or beta1 cycles too).
+    sched = (torch.optim.lr_scheduler.OneCycleLR(opt, float(m['lr']), int(m['onecycle']))
+             if int(m.get('onecycle', '0')) else None)
     out = {}
     for step in range(int(m['steps'])):
         opt.zero_grad()
         loss = F.cross_entropy(model(d['x']), d['y'])
         loss.backward()
         opt.step()
+        if sched:
+            sched.step()
         out['loss%d' % step] = loss.detach().clone()
         for n, p in model.named_parameters():
             out['step%d.%s' % (step, n)] = p.detach().clone()
@@ -427,13 +432,15 @@ def run_schedule(d, m, _):
     p = torch.zeros(1, requires_grad=True)
     opt = torch.optim.SGD([p], lr=float(m['base_lr']))
     sched = make_schedule(opt, json.loads(m['spec']))
-    lrs = []
+    lrs, momenta = [], []
     for step in range(int(m['steps'])):
         lrs.append(opt.param_groups[0]['lr'])
+        momenta.append(opt.param_groups[0]['momentum'])
         opt.step()
         if step + 1 < int(m['steps']):  # OneCycleLR refuses steps past total_steps
             sched.step()
-    return {'lr': torch.tensor(lrs, dtype=torch.float64)}
+    return {'lr': torch.tensor(lrs, dtype=torch.float64),
+            'momentum': torch.tensor(momenta, dtype=torch.float64)}
 
 def run_clip(d, m, params):
     model = MLP(sizes(m), m['activation'])
@@ -654,6 +661,7 @@ struct OptConfig {
   std::optional<double> af_beta1 = std::nullopt;
   bool relative_step = true, scale_parameter = true, warmup_init = false;
   double clip_threshold = 1.0, decay_rate = -0.8;
+  int64_t onecycle = 0;  // > 0: OneCycleLR(lr, onecycle) with PyTorch's defaults, momentum cycled
 };
 const OptConfig kOptConfigs[] = {
     {.name = "sgd", .type = "sgd", .lr = 0.1},
@@ -715,6 +723,19 @@ const OptConfig kOptConfigs[] = {
      .relative_step = false,
      .scale_parameter = false,
      .clip_threshold = 0.5},
+    // OneCycleLR's cycle_momentum: SGD's momentum (kept even from a momentum option of 0, as
+    // torch's SGD reads the group's), RMSprop's, and the beta1 of Adam, AdamW and Lion.
+    {.name = "sgd_onecycle", .type = "sgd", .lr = 0.2, .onecycle = 8},
+    {.name = "sgd_nesterov_onecycle",
+     .type = "sgd",
+     .lr = 0.1,
+     .momentum = 0.9,
+     .nesterov = true,
+     .onecycle = 6},
+    {.name = "rmsprop_onecycle", .type = "rmsprop", .lr = 0.01, .onecycle = 8},
+    {.name = "adam_onecycle", .type = "adam", .lr = 0.02, .onecycle = 8},
+    {.name = "adamw_onecycle", .type = "adamw", .lr = 0.02, .weight_decay = 0.1, .onecycle = 6},
+    {.name = "lion_onecycle", .type = "lion", .lr = 0.02, .beta2 = 0.99, .onecycle = 8},
 };
 
 std::unique_ptr<mt::Optimizer> make_optimizer(const OptConfig& c, std::vector<mt::Tensor> params) {
@@ -805,6 +826,24 @@ const std::vector<ScheduleCase>& schedule_cases() {
                                                                 .div_factor = 10,
                                                                 .final_div_factor = 100,
                                                                 .three_phase = true});
+       }},
+      {"onecycle_momentum_bounds_linear_three_phase",
+       R"({"type": "onecycle", "args": {"max_lr": 0.5, "total_steps": 15, "pct_start": 0.3,
+           "anneal_strategy": "linear", "three_phase": true, "base_momentum": 0.5,
+           "max_momentum": 0.8}})",
+       16,
+       [] {
+         return make_shared<mt::OneCycleLR>(
+             0.5, 15,
+             mt::OneCycleOptions{
+                 .cos = false, .three_phase = true, .base_momentum = 0.5, .max_momentum = 0.8});
+       }},
+      {"onecycle_no_momentum",
+       R"({"type": "onecycle", "args": {"max_lr": 0.3, "total_steps": 10,
+           "cycle_momentum": false}})",
+       11,
+       [] {
+         return make_shared<mt::OneCycleLR>(0.3, 10, mt::OneCycleOptions{.cycle_momentum = false});
        }},
       {"sequential_warmup_exponential_step",
        R"({"type": "sequential", "milestones": [3, 7], "schedules": [
@@ -1436,7 +1475,8 @@ void write_inputs(const fs::path& dir) {
                 {"scale_parameter", c.scale_parameter ? "1" : "0"},
                 {"warmup_init", c.warmup_init ? "1" : "0"},
                 {"clip_threshold", fmt::format("{}", c.clip_threshold)},
-                {"decay_rate", fmt::format("{}", c.decay_rate)}},
+                {"decay_rate", fmt::format("{}", c.decay_rate)},
+                {"onecycle", std::to_string(c.onecycle)}},
                {{"x", opt_x}, {"y", opt_y}}, &model);
   }
   for (const ScheduleCase& c : schedule_cases())
@@ -1796,6 +1836,10 @@ TEST_F(TorchParity, OptimizerTrajectoriesMatchTorchOptim) {
     mt::MLP model(kOptSizes, mt::Activation::Tanh);
     Case c = open_case(id, &model);
     std::unique_ptr<mt::Optimizer> opt = make_optimizer(config, model.parameters());
+    if (config.onecycle) {
+      opt->set_schedule(std::make_shared<mt::OneCycleLR>(config.lr, config.onecycle));
+      EXPECT_TRUE(opt->current_momentum().defined()) << "OneCycleLR cycles the momentum";
+    }
     Comparison cmp(id);
     std::map<std::string, std::vector<float>> initial;
     for (const auto& [name, p] : model.named_parameters()) initial[name] = p.to_vector<float>();
@@ -1908,9 +1952,11 @@ TEST_F(TorchParity, SchedulesMatchTorchLrScheduler) {
     std::shared_ptr<const mt::LRSchedule> schedule = sc.make();
     mt::Tensor p = mt::zeros({2}, mt::f64);
     p.requires_grad_();
+    std::vector<double> torch_momentum = c.ref("momentum").to_vector<double>();
     mt::SGD opt({p}, {.lr = 123.0});  // the schedule replaces this rate
     opt.set_schedule(schedule);
     std::set<double> distinct;
+    double buffer = 0;  // SGD's momentum buffer for a gradient of ones, when the momentum cycles
     for (int step = 0; step < sc.steps; ++step) {
       double expected = torch_lr[static_cast<size_t>(step)];
       distinct.insert(expected);
@@ -1918,12 +1964,23 @@ TEST_F(TorchParity, SchedulesMatchTorchLrScheduler) {
       EXPECT_NEAR(schedule->lr(step), expected, tolerance) << "host, step " << step;
       double graph = opt.current_lr().item();
       EXPECT_NEAR(graph, expected, tolerance) << "graph, step " << step;
+      // The momentum torch's OneCycleLR writes into the group (0, SGD's own, when it does not).
+      const double momentum = torch_momentum[static_cast<size_t>(step)];
+      std::optional<double> host = schedule->momentum(step);
+      mt::Tensor cycled = opt.current_momentum();
+      EXPECT_EQ(host.has_value(), cycled.defined());
+      EXPECT_NEAR(host.value_or(0.0), momentum, 1e-13) << "host momentum, step " << step;
+      if (cycled.defined()) {
+        EXPECT_NEAR(cycled.item(), momentum, 1e-13) << "graph momentum, step " << step;
+      }
+      buffer = cycled.defined() && step > 0 ? buffer * cycled.item() + 1.0 : 1.0;
       std::vector<double> before = p.to_vector<double>();
       opt.zero_grad();
       mt::sum(p).backward();
       opt.step();
       double moved = before[0] - p.to_vector<double>()[0];
-      EXPECT_NEAR(moved, graph, 1e-12 * std::abs(graph) + 1e-14 * std::abs(before[0]))
+      EXPECT_NEAR(moved, graph * buffer,
+                  1e-12 * std::abs(graph * buffer) + 1e-14 * std::abs(before[0]))
           << "update, step " << step;
     }
     EXPECT_GE(distinct.size(), 3u) << "a schedule that hardly changes proves little";
