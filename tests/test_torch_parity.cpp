@@ -216,6 +216,10 @@ def run_seq(d, m, params):
         mod = (nn.LSTM if layer == 'lstm' else nn.GRU)(
             int(m['input']), int(m['hidden']), int(m['layers']), batch_first=flag('batch_first'))
     mod.load_state_dict(params, strict=True)
+    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=flag('autocast')):
+        return seq_forward_backward(mod, layer, d, flag)
+
+def seq_forward_backward(mod, layer, d, flag):
     out = {}
     if layer == 'mha':
         names = ['query'] if flag('self') else ['query', 'key', 'value']
@@ -224,16 +228,19 @@ def run_seq(d, m, params):
         k, v = (q, q) if flag('self') else (ins['key'], ins['value'])
         y, w = mod(q, k, v, key_padding_mask=d.get('key_padding_mask'),
                    attn_mask=d.get('attn_mask'), need_weights=True)
+        y, w = y.float(), w.float()
         ((y * d['w']).sum() + (w * d['ww']).sum()).backward()
         out.update({'output': y, 'weights': w})
     else:
         ins = {'x': d['x'].clone().requires_grad_(True)}
         if layer == 'lstm':
             y, (h, c) = mod(ins['x'], (d['h0'], d['c0'])) if 'h0' in d else mod(ins['x'])
+            y, h, c = y.float(), h.float(), c.float()
             ((y * d['w']).sum() + (h * d['wh']).sum() + (c * d['wc']).sum()).backward()
             out.update({'output': y, 'h_n': h, 'c_n': c})
         else:
             y, h = mod(ins['x'], d['h0']) if 'h0' in d else mod(ins['x'])
+            y, h = y.float(), h.float()
             ((y * d['w']).sum() + (h * d['wh']).sum()).backward()
             out.update({'output': y, 'h_n': h})
     out.update({'dinput.' + n: t.grad for n, t in ins.items()})
@@ -563,7 +570,7 @@ def run_expr(d, m, _):
         env = dict(leaves)
         if ac:
             env['a'] = env['a'] @ d['p']
-        y = eval(m['expr'], dict(torch=torch, F=F, **env))
+        y = eval(m['expr'], dict(torch=torch, F=F, math=math, **env))
         (y.float() * d['w']).sum().backward()
     return {'y': y.float(), **{'grad.' + n: leaves[n].grad for n in wants}}
 
@@ -1308,6 +1315,25 @@ std::vector<ExprCase> expr_cases() {
        "a",
        [](const In& x) { return mt::where(x[1], 2.5, x[0]); }},
       true);
+  // scaled_dot_product_attention with a float mask and with a bool mask (every query keeps a
+  // key), written out for torch 1.13, which has no F.scaled_dot_product_attention.
+  mt::Tensor q = rng.normal({2, 2, 4, 6}), k = rng.normal({2, 2, 5, 6}),
+             v = rng.normal({2, 2, 5, 3});
+  const std::string attention = "(a @ b.transpose(-1, -2)) / math.sqrt(a.shape[-1])";
+  add({"sdpa_float_mask",
+       fmt::format("torch.softmax({} + d, -1) @ c", attention),
+       {q, k, v, rng.normal({4, 5})},
+       "a,b,c",
+       [](const In& x) { return mt::scaled_dot_product_attention(x[0], x[1], x[2], x[3]); }},
+      true);
+  std::vector<bool> keep(2 * 4 * 5);
+  for (size_t i = 0; i < keep.size(); ++i) keep[i] = i % 5 == 0 || (i * 3) % 4 != 1;
+  add({"sdpa_bool_mask",
+       fmt::format("torch.softmax(({}).masked_fill(~d, float('-inf')), -1) @ c", attention),
+       {q, k, v, mt::tensor(keep, {2, 1, 4, 5})},
+       "a,b,c",
+       [](const In& x) { return mt::scaled_dot_product_attention(x[0], x[1], x[2], x[3]); }},
+      true);
   return cases;
 }
 
@@ -1348,6 +1374,7 @@ struct SequenceCase {
   bool masks = false;    // mha: bool key padding and attention masks; else a float mask
   bool initial = false;  // lstm/gru: h0 (and c0) given
   int64_t layers = 1;
+  bool autocast = false;  // forward and backward under bf16 autocast in both libraries
 };
 const std::vector<SequenceCase>& sequence_cases() {
   static const std::vector<SequenceCase> cases = {
@@ -1356,6 +1383,12 @@ const std::vector<SequenceCase>& sequence_cases() {
       {"lstm_two_layers_initial", "lstm", false, false, false, true, 2},
       {"lstm_batch_first", "lstm", true},
       {"gru_two_layers_batch_first_initial", "gru", true, false, false, true, 2},
+      // Under bf16 autocast: torch's CPU autocast runs the projections and the gate matmuls
+      // (linear, matmul, bmm) in bf16, as mixtape's linear and matmul are under its policy.
+      {"mha_masks_bf16", "mha", false, false, true, false, 1, true},
+      {"mha_self_batch_first_float_mask_bf16", "mha", true, true, false, false, 1, true},
+      {"lstm_two_layers_initial_bf16", "lstm", false, false, false, true, 2, true},
+      {"gru_two_layers_batch_first_initial_bf16", "gru", true, false, false, true, 2, true},
   };
   return cases;
 }
@@ -1377,16 +1410,20 @@ mt::Shape batched(bool batch_first, int64_t time, int64_t features) {
   return batch_first ? mt::Shape{kSeqBatch, time, features} : mt::Shape{time, kSeqBatch, features};
 }
 
-void write_sequence_cases(const fs::path& dir, HostRandom& rng) {
-  uint64_t seed = 100;
+// The f32 cases or the autocast ones (written last, from their own draws, so that the cases
+// written after the f32 ones keep their inputs).
+void write_sequence_cases(const fs::path& dir, HostRandom& rng, bool autocast) {
+  uint64_t seed = autocast ? 200 : 100;
   for (const SequenceCase& c : sequence_cases()) {
+    if (c.autocast != autocast) continue;
     mt::Generator gen(seed++);
     std::unique_ptr<mt::Module> layer = sequence_layer(c, &gen);
     mt::NamedTensors data;
     mt::Metadata meta{{"kind", "seq"},
                       {"layer", c.layer},
                       {"batch_first", c.batch_first ? "1" : "0"},
-                      {"self", c.self ? "1" : "0"}};
+                      {"self", c.self ? "1" : "0"},
+                      {"autocast", c.autocast ? "1" : "0"}};
     if (c.layer == "mha") {
       meta.emplace_back("embed", std::to_string(kSeqEmbed));
       meta.emplace_back("heads", std::to_string(kSeqHeads));
@@ -1567,7 +1604,7 @@ void write_inputs(const fs::path& dir) {
     for (const auto& [key, value] : c.options) meta.emplace_back(key, value);
     write_case(dir, "vision_" + c.name, meta, data);
   }
-  write_sequence_cases(dir, rng);
+  write_sequence_cases(dir, rng, false);
   for (const char* policy : {"fp32", "autocast-bf16"})
     write_case(
         dir, fmt::format("resnet_{}", policy),
@@ -1588,6 +1625,8 @@ void write_inputs(const fs::path& dir) {
                 {"autocast", c.autocast ? "1" : "0"}},
                {{"x", x}, {"p", p}, {"w", rng.normal(out)}});
   }
+  HostRandom seq_rng(31337);
+  write_sequence_cases(dir, seq_rng, true);
   HostRandom expr_rng(4242);
   for (const ExprCase& c : expr_cases()) {
     mt::NamedTensors data;
@@ -1717,14 +1756,14 @@ class Comparison {
   }
 
   // Every parameter's gradient by name, and no parameter that torch knows and mixtape does not.
-  void check_grads(const mt::Module& model, const Case& c) {
+  void check_grads(const mt::Module& model, const Case& c, double tolerance = kGradTolerance) {
     std::set<std::string> torch_names;
     for (const auto& [name, value] : c.torch)
       if (name.starts_with("grad.") && name != "grad.input") torch_names.insert(name.substr(5));
     std::set<std::string> names;
     for (const auto& [name, p] : model.named_parameters()) {
       names.insert(name);
-      check("grad " + name, p.grad(), c.ref("grad." + name));
+      check("grad " + name, p.grad(), c.ref("grad." + name), tolerance);
     }
     EXPECT_EQ(names, torch_names) << id_;
   }
@@ -2186,7 +2225,10 @@ TEST_F(TorchParity, FunctionalOptionsMatchTorch) {
       if (ec.grads.find(n) != std::string::npos) inputs.back().requires_grad_();
     }
     mt::Tensor y = expr_forward(ec, inputs, c.input("p"));
-    mt::sum(mt::cast(y, mt::f32) * c.input("w")).backward();
+    {
+      mt::autocast guard(ec.autocast ? mt::autocast_policy(mt::bf16) : mt::fp32_policy());
+      mt::sum(mt::cast(y, mt::f32) * c.input("w")).backward();
+    }
     const double tolerance = ec.autocast ? kBf16Tolerance : kGradTolerance;
     Comparison cmp(id);
     cmp.check("value", mt::cast(y, mt::f32), c.ref("y"), tolerance);
@@ -2208,6 +2250,10 @@ TEST_F(TorchParity, SequenceLayersMatchTorch) {
     std::unique_ptr<mt::Module> layer = sequence_layer(sc, nullptr);
     Case c = open_case(id, layer.get());
     Comparison cmp(id);
+    constexpr double kBf16Tolerance = 2e-2;  // test_precision's, for one bf16 rounding
+    const double tolerance = sc.autocast ? kBf16Tolerance : kGradTolerance;
+    mt::autocast guard(sc.autocast ? mt::autocast_policy(mt::bf16) : mt::fp32_policy());
+    auto f32 = [](const mt::Tensor& t) { return mt::cast(t, mt::f32); };
     std::vector<std::pair<std::string, mt::Tensor>> inputs;
     auto input = [&](const std::string& name) {
       mt::Tensor t = c.input(name);
@@ -2222,33 +2268,35 @@ TEST_F(TorchParity, SequenceLayersMatchTorch) {
       mt::Tensor k = sc.self ? q : input("key"), v = sc.self ? q : input("value");
       mt::Tensor padding = sc.masks ? c.input("key_padding_mask") : mt::Tensor();
       auto result = mha(q, k, v, padding, true, c.input("attn_mask"));
-      loss = mt::sum(result.output * c.input("w")) + mt::sum(result.weights * c.input("ww"));
+      loss =
+          mt::sum(f32(result.output) * c.input("w")) + mt::sum(f32(result.weights) * c.input("ww"));
       loss.backward();
-      cmp.check("output", result.output, c.ref("output"));
-      cmp.check("weights", result.weights, c.ref("weights"));
+      cmp.check("output", f32(result.output), c.ref("output"), tolerance);
+      cmp.check("weights", f32(result.weights), c.ref("weights"), tolerance);
     } else {
       mt::Tensor x = input("x");
       mt::Tensor h0 = sc.initial ? c.input("h0") : mt::Tensor();
       if (sc.layer == "lstm") {
         mt::Tensor c0 = sc.initial ? c.input("c0") : mt::Tensor();
         auto result = static_cast<mt::LSTM&>(*layer)(x, h0, c0);
-        loss = mt::sum(result.output * c.input("w")) + mt::sum(result.h_n * c.input("wh")) +
-               mt::sum(result.c_n * c.input("wc"));
+        loss = mt::sum(f32(result.output) * c.input("w")) +
+               mt::sum(f32(result.h_n) * c.input("wh")) + mt::sum(f32(result.c_n) * c.input("wc"));
         loss.backward();
-        cmp.check("output", result.output, c.ref("output"));
-        cmp.check("h_n", result.h_n, c.ref("h_n"));
-        cmp.check("c_n", result.c_n, c.ref("c_n"));
+        cmp.check("output", f32(result.output), c.ref("output"), tolerance);
+        cmp.check("h_n", f32(result.h_n), c.ref("h_n"), tolerance);
+        cmp.check("c_n", f32(result.c_n), c.ref("c_n"), tolerance);
       } else {
         auto result = static_cast<mt::GRU&>(*layer)(x, h0);
-        loss = mt::sum(result.output * c.input("w")) + mt::sum(result.h_n * c.input("wh"));
+        loss =
+            mt::sum(f32(result.output) * c.input("w")) + mt::sum(f32(result.h_n) * c.input("wh"));
         loss.backward();
-        cmp.check("output", result.output, c.ref("output"));
-        cmp.check("h_n", result.h_n, c.ref("h_n"));
+        cmp.check("output", f32(result.output), c.ref("output"), tolerance);
+        cmp.check("h_n", f32(result.h_n), c.ref("h_n"), tolerance);
       }
     }
     for (const auto& [name, t] : inputs)
-      cmp.check("grad " + name, t.grad(), c.ref("dinput." + name));
-    cmp.check_grads(*layer, c);
+      cmp.check("grad " + name, t.grad(), c.ref("dinput." + name), tolerance);
+    cmp.check_grads(*layer, c, tolerance);
   }
 }
 
