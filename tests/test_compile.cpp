@@ -960,6 +960,28 @@ TEST(Compile, OneCycleMomentumReplaysBitForBit) {
   }
 }
 
+// multinomial checks its weights inside the graph: a replay of a compiled sampler refuses a
+// negative or NaN weight or an all-zero row with an mt::Error, as eager evaluation does, and
+// draws as tracing does while they are fine.
+TEST(Compile, MultinomialChecksItsWeightsInReplays) {
+  mt::Generator gen_compiled(3), gen_plain(3);
+  auto sample = [](const mt::Tensor& w, mt::Generator* gen) {
+    return mt::multinomial(w * 1.0, 4, true, gen);
+  };
+  auto step = mt::compile([&](const mt::Tensor& w) { return sample(w, &gen_compiled); });
+  mt::Tensor good = mt::tensor(std::vector<float>{0.5, 1.0, 0.0, 2.0, 0.25, 0.25}, {2, 3});
+  for (int i = 0; i < 5; ++i)
+    EXPECT_EQ(step(good).to_vector<int64_t>(), sample(good, &gen_plain).to_vector<int64_t>());
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 2) << step.stats().reason;
+  }
+  const float nan = std::nanf("");
+  for (const std::vector<float>& bad : {std::vector<float>{0.5, -1.0, 0.0, 2.0, 0.25, 0.25},
+                                        std::vector<float>{0.5, 1.0, 0.0, nan, 0.25, 0.25},
+                                        std::vector<float>{0.5, 1.0, 0.0, 0.0, 0.0, 0.0}})
+    EXPECT_THROW(step(mt::tensor(bad, {2, 3})).to_vector<int64_t>(), mt::Error);
+}
+
 // A schedule attached or replaced between calls is followed (the step traces again), and set_lr
 // is refused while one is attached: the schedule would override it.
 TEST(Compile, AScheduleChangedOutsideTheStepIsFollowed) {

@@ -423,6 +423,25 @@ TEST(RandomComposites, MultinomialAndRandperm) {
   EXPECT_NE(int_values(mt::randperm(50, &a)), perm);
   EXPECT_EQ(mt::randperm(0).numel(), 0);
   EXPECT_EQ(mt::randperm(4, &a, mt::i32).dtype(), mt::i32);
+  // Weights torch.multinomial refuses give an mt::Error when the draws are evaluated: a
+  // negative, infinite or NaN weight, or a row without a positive weight, in any one row.
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::nan("");
+  for (double bad : {-0.5, inf, nan})
+    for (bool replacement : {false, true}) {
+      mt::Tensor weights = make({1.0, 2.0, 3.0, 0.5, bad, 1.0}, {2, 3});
+      EXPECT_THROW(mt::multinomial(weights, 2, replacement, &a).to_vector<int64_t>(), mt::Error)
+          << bad << " replacement " << replacement;
+    }
+  for (bool replacement : {false, true})
+    EXPECT_THROW(mt::multinomial(make({1.0, 2.0, 0.0, 0.0}, {2, 2}), 1, replacement, &a)
+                     .to_vector<int64_t>(),
+                 mt::Error);
+  try {
+    mt::multinomial(make({0.0, 0.0}, {2}), 1, true, &a).to_vector<int64_t>();
+    ADD_FAILURE() << "no error for a row without a positive weight";
+  } catch (const mt::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("multinomial"), std::string::npos) << e.what();
+  }
 }
 
 // torch.nn.init.normal_ / uniform_: in place for every holder, keeping requires_grad.
