@@ -85,8 +85,16 @@ Tensor reduce(const Tensor& loss, Reduction reduction) {
       return sum(loss);
     case Reduction::Mean:
       return mean(loss);
+    case Reduction::BatchMean:  // kl_div's: the sum over the batch size (all of a 0-d input)
+      return loss.dim() == 0 ? sum(loss) : sum(loss) * (1.0 / static_cast<double>(loss.size(0)));
   }
   return loss;
+}
+
+// PyTorch accepts 'batchmean' from kl_div alone.
+void check_reduction(Reduction reduction, const char* op, const Loc& loc) {
+  if (reduction == Reduction::BatchMean)
+    op_fail(op, loc, "reduction BatchMean is kl_div's alone; use Mean, Sum or None");
 }
 
 int64_t axis_index(const Tensor& x, int64_t axis, const char* op, const Loc& loc) {
@@ -213,10 +221,24 @@ void check_targets(const Tensor& scores, const Tensor& targets, const char* op, 
             to_string(scores.shape()), to_string(expected), to_string(targets.shape()));
 }
 
-// The negative log-likelihood of each row of `logp` [..., C] at its target (0 at ignore_index),
-// with the mask of the rows that count: cross_entropy's and nll_loss's.
-std::pair<Tensor, Tensor> target_nll(const Tensor& logp, const Tensor& targets,
-                                     int64_t ignore_index) {
+// A class weight [C] of floating type for scores [..., C], in the scores' type.
+Tensor class_weight(const Tensor& weight, const Tensor& scores, const char* op, const Loc& loc) {
+  if (!weight.defined()) return weight;
+  if (!is_floating(weight.dtype()))
+    op_fail(op, loc, "the class weight must be floating-point, got {}", name(weight.dtype()));
+  if (weight.shape() != Shape{scores.size(-1)})
+    op_fail(op, loc, "the class weight {} should be [{}], one per class of {}",
+            to_string(weight.shape()), scores.size(-1), to_string(scores.shape()));
+  return cast(weight, scores.dtype());
+}
+
+// Each target's negative log-likelihood (times its class weight, if any) with the rows that
+// count and their weights (1 without a class weight): cross_entropy's and nll_loss's.
+struct TargetNll {
+  Tensor loss, valid, weight;
+};
+TargetNll target_nll(const Tensor& logp, const Tensor& targets, int64_t ignore_index,
+                     const Tensor& class_weight) {
   Tensor valid = ne(targets, scalar(static_cast<double>(ignore_index), targets.dtype()));
   Tensor safe_targets = where(valid, targets, zeros_like(targets));
   // The target's log-probability as a masked sum over the classes, not a gather: it joins the
@@ -228,14 +250,19 @@ std::pair<Tensor, Tensor> target_nll(const Tensor& logp, const Tensor& targets,
   const Tensor& classes = class_indices(logp.size(-1), targets.dtype());
   Tensor hit = eq(classes, unsqueeze(index_select(classes, safe_targets, 0), -1));
   Tensor picked = sum(where(hit, logp, zeros_like(logp)), {-1});
-  return {-picked, valid};
+  if (!class_weight.defined()) return {-picked, valid, Tensor()};
+  // The target's weight by the same masked sum: exact, one term is w[y].
+  Tensor w = sum(where(hit, broadcast_to(class_weight, logp.shape()), zeros_like(logp)), {-1});
+  return {-picked * w, valid, where(valid, w, zeros_like(w))};
 }
 
-// Mean over the rows that count, as PyTorch's ignore_index.
-Tensor reduce_valid(const Tensor& loss, const Tensor& valid, Reduction reduction) {
-  Tensor kept = where(valid, loss, zeros_like(loss));
+// Mean over the rows that count (weighted by their class weights, when given), as PyTorch's
+// ignore_index and weight.
+Tensor reduce_valid(const Tensor& loss, const TargetNll& nll, Reduction reduction) {
+  Tensor kept = where(nll.valid, loss, zeros_like(loss));
   if (reduction != Reduction::Mean) return reduce(kept, reduction);
-  return sum(kept) / sum(cast(valid, loss.dtype()));
+  Tensor total = nll.weight.defined() ? sum(nll.weight) : sum(cast(nll.valid, loss.dtype()));
+  return sum(kept) / total;
 }
 
 }  // namespace
@@ -244,24 +271,39 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOp
                      const Loc& loc) {
   CallSiteScope site(loc, composite::cross_entropy);
   require_float(logits, "cross_entropy", "logits", loc);
+  check_reduction(options.reduction, "cross_entropy", loc);
   if (options.label_smoothing < 0 || options.label_smoothing > 1)
     op_fail("cross_entropy", loc, "label_smoothing must be in [0, 1], got {}",
             options.label_smoothing);
   check_targets(logits, targets, "cross_entropy", loc);
+  Tensor weight = class_weight(options.weight, logits, "cross_entropy", loc);
   Tensor logp = log_softmax(logits, -1);
-  auto [loss, valid] = target_nll(logp, targets, options.ignore_index);
-  if (options.label_smoothing > 0)
-    loss = loss * (1.0 - options.label_smoothing) - mean(logp, {-1}) * options.label_smoothing;
-  return reduce_valid(loss, valid, options.reduction);
+  TargetNll nll = target_nll(logp, targets, options.ignore_index, weight);
+  Tensor loss = nll.loss;
+  if (options.label_smoothing > 0) {
+    // PyTorch's: (1 - eps) nll + eps / C sum_c w_c (-log p_c), both over the same denominator.
+    const double eps = options.label_smoothing;
+    Tensor smooth = weight.defined() ? -mean(logp * weight, {-1}) : -mean(logp, {-1});
+    loss = loss * (1.0 - eps) + smooth * eps;
+  }
+  return reduce_valid(loss, nll, options.reduction);
 }
 
 Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, Reduction reduction,
                 int64_t ignore_index, const Loc& loc) {
+  return nll_loss(log_probs, targets,
+                  NllLossOptions{.ignore_index = ignore_index, .reduction = reduction}, loc);
+}
+
+Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, const NllLossOptions& options,
+                const Loc& loc) {
   CallSiteScope site(loc, composite::nll_loss);
   require_float(log_probs, "nll_loss", "log_probs", loc);
+  check_reduction(options.reduction, "nll_loss", loc);
   check_targets(log_probs, targets, "nll_loss", loc);
-  auto [loss, valid] = target_nll(log_probs, targets, ignore_index);
-  return reduce_valid(loss, valid, reduction);
+  Tensor weight = class_weight(options.weight, log_probs, "nll_loss", loc);
+  TargetNll nll = target_nll(log_probs, targets, options.ignore_index, weight);
+  return reduce_valid(nll.loss, nll, options.reduction);
 }
 
 namespace {
@@ -272,21 +314,44 @@ void same_shapes(const Tensor& a, const Tensor& b, const char* op, const Loc& lo
     op_fail(op, loc, "input {} and target {} must have the same shape", to_string(a.shape()),
             to_string(b.shape()));
 }
+
+// An element weight (binary_cross_entropy's, bce_with_logits' weight and pos_weight): floating,
+// broadcast to the input's shape as PyTorch requires, in the input's type.
+Tensor element_weight(const Tensor& weight, const Tensor& input, const char* op, const char* role,
+                      const Loc& loc) {
+  if (!weight.defined()) return weight;
+  if (!is_floating(weight.dtype()))
+    op_fail(op, loc, "the {} must be floating-point, got {}", role, name(weight.dtype()));
+  if (broadcast_shapes(weight.shape(), input.shape()) != std::optional<Shape>(input.shape()))
+    op_fail(op, loc, "the {} {} does not broadcast to the input {}", role,
+            to_string(weight.shape()), to_string(input.shape()));
+  return cast(weight, input.dtype());
+}
 }  // namespace
 
 Tensor binary_cross_entropy(const Tensor& probs, const Tensor& targets, Reduction reduction,
                             const Loc& loc) {
+  return binary_cross_entropy(probs, targets, BceOptions{.reduction = reduction}, loc);
+}
+
+Tensor binary_cross_entropy(const Tensor& probs, const Tensor& targets, const BceOptions& options,
+                            const Loc& loc) {
+  constexpr const char* op = "binary_cross_entropy";
   CallSiteScope site(loc, composite::binary_cross_entropy);
-  same_shapes(probs, targets, "binary_cross_entropy", loc);
+  same_shapes(probs, targets, op, loc);
+  check_reduction(options.reduction, op, loc);
+  Tensor weight = element_weight(options.weight, probs, op, "weight", loc);
   // PyTorch clamps each log at -100, so that a probability of 0 or 1 gives a finite loss.
   Tensor log_p = maximum(log(probs), full_like(probs, -100.0));
   Tensor log_q = maximum(log(1.0 - probs), full_like(probs, -100.0));
-  return reduce(-(targets * log_p + (1.0 - targets) * log_q), reduction);
+  Tensor loss = -(targets * log_p + (1.0 - targets) * log_q);
+  return reduce(weight.defined() ? loss * weight : loss, options.reduction);
 }
 
 Tensor l1_loss(const Tensor& input, const Tensor& target, Reduction reduction, const Loc& loc) {
   CallSiteScope site(loc, composite::l1_loss);
   same_shapes(input, target, "l1_loss", loc);
+  check_reduction(reduction, "l1_loss", loc);
   return reduce(abs(input - target), reduction);
 }
 
@@ -294,6 +359,7 @@ Tensor smooth_l1_loss(const Tensor& input, const Tensor& target, Reduction reduc
                       const Loc& loc) {
   CallSiteScope site(loc, composite::smooth_l1_loss);
   same_shapes(input, target, "smooth_l1_loss", loc);
+  check_reduction(reduction, "smooth_l1_loss", loc);
   if (!(beta >= 0)) op_fail("smooth_l1_loss", loc, "beta must be non-negative, got {}", beta);
   Tensor d = abs(input - target);
   if (beta == 0) return reduce(d, reduction);
@@ -304,6 +370,7 @@ Tensor huber_loss(const Tensor& input, const Tensor& target, Reduction reduction
                   const Loc& loc) {
   CallSiteScope site(loc, composite::huber_loss);
   same_shapes(input, target, "huber_loss", loc);
+  check_reduction(reduction, "huber_loss", loc);
   if (!(delta > 0)) op_fail("huber_loss", loc, "delta must be positive, got {}", delta);
   Tensor d = abs(input - target);
   return reduce(where(d < delta, d * d * 0.5, (d - 0.5 * delta) * delta), reduction);
@@ -313,7 +380,8 @@ Tensor kl_div(const Tensor& input, const Tensor& target, Reduction reduction, bo
               const Loc& loc) {
   CallSiteScope site(loc, composite::kl_div);
   same_shapes(input, target, "kl_div", loc);
-  // target (log target - input), with 0 log 0 = 0 as PyTorch's xlogy.
+  // target (log target - input), with 0 log 0 = 0 as PyTorch's xlogy; BatchMean divides the
+  // sum by the batch size (dim 0), the true KL divergence per sample that PyTorch recommends.
   Tensor pointwise = log_target ? exp(target) * (target - input)
                                 : where(eq(target, zeros_like(target)), zeros_like(target),
                                         target * (log(target) - input));
@@ -325,6 +393,7 @@ Tensor mse_loss(const Tensor& prediction, const Tensor& target, Reduction reduct
   CallSiteScope site(loc, composite::mse_loss);
   require_float(prediction, "mse_loss", "prediction", loc);
   require(target, "mse_loss", "target", loc);
+  check_reduction(reduction, "mse_loss", loc);
   if (prediction.shape() != target.shape())
     op_fail("mse_loss", loc, "prediction {} and target {} must have the same shape",
             to_string(prediction.shape()), to_string(target.shape()));
@@ -342,16 +411,18 @@ Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targ
             to_string(targets.shape()));
   // -log(sigmoid(x)) = log1p(exp(-|x|)) + max(-x, 0), which overflows for neither sign and keeps
   // the digits of a confident prediction's small loss, as PyTorch's.
+  check_reduction(options.reduction, op, loc);
+  Tensor weight = element_weight(options.weight, logits, op, "weight", loc);
+  Tensor pos_weight = element_weight(options.pos_weight, logits, op, "pos_weight", loc);
   Tensor neg_log_sigmoid = log1p(exp(-abs(logits))) + relu(-logits);
   Tensor loss;
-  if (options.pos_weight.defined()) {
-    require_float(options.pos_weight, op, "pos_weight", loc);
-    Tensor log_weight = 1.0 + (options.pos_weight - 1.0) * targets;
+  if (pos_weight.defined()) {
+    Tensor log_weight = 1.0 + (pos_weight - 1.0) * targets;
     loss = (1.0 - targets) * logits + log_weight * neg_log_sigmoid;
   } else {
     loss = (1.0 - targets) * logits + neg_log_sigmoid;
   }
-  return reduce(loss, options.reduction);
+  return reduce(weight.defined() ? loss * weight : loss, options.reduction);
 }
 
 Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> max,
@@ -365,6 +436,32 @@ Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> m
   if (max) y = where(y > *max, full_like(y, *max), y);
   return y;
 }
+
+namespace detail {
+
+Tensor where_number(const Tensor& cond, const Tensor& tensor, double number, bool integral,
+                    bool boolean_number, bool number_first, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(cond, "where", "condition", loc);
+  require(tensor, "where", number_first ? "second value" : "first value", loc);
+  // PyTorch's promotion of a number with a tensor: the tensor's type unless the number is of a
+  // higher kind (float over integer and bool, integer over bool), then the default of that kind.
+  DType t = tensor.dtype();
+  if (!is_floating(t) && !integral) t = f32;
+  if (t == boolean && !boolean_number) t = i64;
+  Tensor value = cast(tensor, t);
+  Tensor fill = full(tensor.shape(), number, t);
+  return number_first ? where(cond, fill, value, loc) : where(cond, value, fill, loc);
+}
+
+Tensor where_numbers(const Tensor& cond, double a, double b, bool integral, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(cond, "where", "condition", loc);
+  const DType t = integral ? i64 : f32;
+  return where(cond, full(cond.shape(), a, t), full(cond.shape(), b, t), loc);
+}
+
+}  // namespace detail
 
 Tensor masked_fill(const Tensor& x, const Tensor& mask, double value, const Loc& loc) {
   CallSiteScope site(loc, composite::masked_fill);

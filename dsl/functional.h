@@ -3,6 +3,7 @@
 #pragma once
 
 #include <optional>
+#include <type_traits>
 
 #include "dsl/ops.h"
 
@@ -27,15 +28,20 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps = 1e-6,
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
               const Loc& loc = Loc::current());
 
-enum class Reduction { Mean, Sum, None };
+/// PyTorch's reduction strings. BatchMean ('batchmean': the sum over the size of the first
+/// dim) is kl_div's alone; the other losses refuse it with an mt::Error, as PyTorch does.
+enum class Reduction { Mean, Sum, None, BatchMean };
 
 struct CrossEntropyOptions {
   Reduction reduction = Reduction::Mean;
   int64_t ignore_index = -100;
   double label_smoothing = 0.0;
+  Tensor weight = Tensor();  // optional: one floating-point weight per class, [C]
 };
 /// logits [..., C] against integer class targets [...]. Mean is over the targets that are not
-/// ignore_index, as in PyTorch.
+/// ignore_index, as in PyTorch; with a class weight it is PyTorch's weighted mean,
+/// sum(w[y] l) / sum(w[y]), and label smoothing's term weighs each class's -log p by its weight
+/// (normalized by the same sum(w[y]), as PyTorch's).
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOptions options = {},
                      const Loc& loc = Loc::current());
 Tensor mse_loss(const Tensor& prediction, const Tensor& target,
@@ -47,8 +53,24 @@ Tensor mse_loss(const Tensor& prediction, const Tensor& target,
 Tensor nll_loss(const Tensor& log_probs, const Tensor& targets,
                 Reduction reduction = Reduction::Mean, int64_t ignore_index = -100,
                 const Loc& loc = Loc::current());
+struct NllLossOptions {
+  Tensor weight = Tensor();  // optional: one floating-point weight per class, [C]
+  int64_t ignore_index = -100;
+  Reduction reduction = Reduction::Mean;
+};
+/// F.nll_loss(input, target, weight, ignore_index=, reduction=): -w[y] log_probs[y] per target,
+/// the mean being sum(w[y] l) / sum(w[y]) over the targets that are not ignore_index.
+Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, const NllLossOptions& options,
+                const Loc& loc = Loc::current());
 Tensor binary_cross_entropy(const Tensor& probs, const Tensor& targets,
                             Reduction reduction = Reduction::Mean, const Loc& loc = Loc::current());
+struct BceOptions {
+  Tensor weight =
+      Tensor();  // optional: broadcast to the input's shape, multiplies each element's loss
+  Reduction reduction = Reduction::Mean;
+};
+Tensor binary_cross_entropy(const Tensor& probs, const Tensor& targets, const BceOptions& options,
+                            const Loc& loc = Loc::current());
 Tensor l1_loss(const Tensor& input, const Tensor& target, Reduction reduction = Reduction::Mean,
                const Loc& loc = Loc::current());
 Tensor smooth_l1_loss(const Tensor& input, const Tensor& target,
@@ -61,11 +83,14 @@ Tensor kl_div(const Tensor& input, const Tensor& target, Reduction reduction = R
 
 struct BceWithLogitsOptions {
   Reduction reduction = Reduction::Mean;
-  Tensor pos_weight;  // optional: the weight of the positive term, broadcast over the classes
+  Tensor weight =
+      Tensor();  // optional: broadcast to the logits' shape, multiplies each element's loss
+  Tensor pos_weight =
+      Tensor();  // optional: the weight of the positive term, broadcast over the classes
 };
 /// Binary cross-entropy of sigmoid(logits) against targets in [0, 1], as PyTorch's
 /// binary_cross_entropy_with_logits: max(x, 0) - x y + log(1 + exp(-|x|)), which neither
-/// overflows nor loses the small probabilities, with pos_weight as PyTorch's.
+/// overflows nor loses the small probabilities, with weight and pos_weight as PyTorch's.
 Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targets,
                                         BceWithLogitsOptions options = {},
                                         const Loc& loc = Loc::current());
@@ -74,6 +99,32 @@ Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targ
 /// and the gradient passes where min <= x <= max.
 Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> max,
              const Loc& loc = Loc::current());
+/// torch.where with a number for either value or both: the number takes the tensor's type as
+/// PyTorch's promotion gives it (a float number with an integer tensor gives f32, an integer
+/// one with a bool tensor i64); two numbers give f32, or i64 when both are integers.
+namespace detail {
+Tensor where_number(const Tensor& cond, const Tensor& tensor, double number, bool integral,
+                    bool boolean_number, bool number_first, const Loc& loc);
+Tensor where_numbers(const Tensor& cond, double a, double b, bool integral, const Loc& loc);
+}  // namespace detail
+template <typename S>
+requires std::is_arithmetic_v<S> Tensor where(const Tensor& cond, S a, const Tensor& b,
+                                              const Loc& loc = Loc::current()) {
+  return detail::where_number(cond, b, static_cast<double>(a), std::is_integral_v<S>,
+                              std::is_same_v<S, bool>, true, loc);
+}
+template <typename S>
+requires std::is_arithmetic_v<S> Tensor where(const Tensor& cond, const Tensor& a, S b,
+                                              const Loc& loc = Loc::current()) {
+  return detail::where_number(cond, a, static_cast<double>(b), std::is_integral_v<S>,
+                              std::is_same_v<S, bool>, false, loc);
+}
+template <typename S, typename T>
+requires std::is_arithmetic_v<S> && std::is_arithmetic_v<T> Tensor
+where(const Tensor& cond, S a, T b, const Loc& loc = Loc::current()) {
+  return detail::where_numbers(cond, static_cast<double>(a), static_cast<double>(b),
+                               std::is_integral_v<S> && std::is_integral_v<T>, loc);
+}
 /// value where mask (bool, broadcast to x) is true, else x: torch's masked_fill.
 Tensor masked_fill(const Tensor& x, const Tensor& mask, double value,
                    const Loc& loc = Loc::current());

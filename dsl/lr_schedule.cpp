@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <numbers>
+#include <type_traits>
 
 #include "dsl/error.h"
 #include "dsl/ops.h"
@@ -123,7 +124,10 @@ Tensor LinearLR::graph_lr(const Tensor& step) const {
 }
 
 OneCycleLR::OneCycleLR(double max_lr, int64_t total_steps, OneCycleOptions options)
-    : total_(total_steps), cos_(options.cos) {
+    : total_(total_steps),
+      cos_(options.cos),
+      cycle_(options.cycle_momentum.value_or(true)),
+      required_(options.cycle_momentum.value_or(false)) {
   check_rate("OneCycleLR", "max_lr", max_lr);
   if (total_steps <= 0) fail("OneCycleLR: total_steps must be > 0, got {}", total_steps);
   if (!(options.pct_start >= 0 && options.pct_start <= 1))
@@ -131,14 +135,19 @@ OneCycleLR::OneCycleLR(double max_lr, int64_t total_steps, OneCycleOptions optio
   if (!(options.div_factor > 0) || !(options.final_div_factor > 0))
     fail("OneCycleLR: div_factor ({}) and final_div_factor ({}) must be > 0", options.div_factor,
          options.final_div_factor);
+  if (cycle_ && !(options.base_momentum >= 0 && options.base_momentum <= options.max_momentum &&
+                  options.max_momentum < 1))
+    fail("OneCycleLR: needs 0 <= base_momentum <= max_momentum < 1, got {} and {}",
+         options.base_momentum, options.max_momentum);
   double initial = max_lr / options.div_factor, min = initial / options.final_div_factor;
   double total = static_cast<double>(total_steps), rise = options.pct_start * total - 1;
+  const double low = options.base_momentum, high = options.max_momentum;
   if (options.three_phase)
-    phases_ = {{rise, initial, max_lr},
-               {2 * options.pct_start * total - 2, max_lr, initial},
-               {total - 1, initial, min}};
+    phases_ = {{rise, initial, max_lr, high, low},
+               {2 * options.pct_start * total - 2, max_lr, initial, low, high},
+               {total - 1, initial, min, high, high}};
   else
-    phases_ = {{rise, initial, max_lr}, {total - 1, max_lr, min}};
+    phases_ = {{rise, initial, max_lr, high, low}, {total - 1, max_lr, min, low, high}};
   // A phase of length zero that some step reaches divides by zero (PyTorch raises there):
   // the first when pct_start * total_steps is 1, the last when it ends where the one before does.
   if (rise == 0 || phases_.back().end_step == phases_[phases_.size() - 2].end_step)
@@ -146,39 +155,68 @@ OneCycleLR::OneCycleLR(double max_lr, int64_t total_steps, OneCycleOptions optio
          options.pct_start, total_steps);
 }
 
-double OneCycleLR::lr(int64_t step) const {
-  auto s = static_cast<double>(std::min(step, total_));
-  double start = 0;
-  for (size_t i = 0; i < phases_.size(); ++i) {
-    const Phase& phase = phases_[i];
-    if (s <= phase.end_step || i + 1 == phases_.size()) {
-      double pct = (s - start) / (phase.end_step - start);
-      if (cos_)
-        return phase.end_lr +
-               (phase.start_lr - phase.end_lr) / 2.0 * (std::cos(std::numbers::pi * pct) + 1);
-      return (phase.end_lr - phase.start_lr) * pct + phase.start_lr;
+// The value `anneal(phase, pct)` of the phase the step is in, for a double step on the host and
+// for a graph value (where every phase is computed and the step's is selected).
+template <typename Value, typename Anneal>
+Value OneCycleLR::at(const Value& step, Anneal anneal) const {
+  if constexpr (std::is_same_v<Value, double>) {
+    double s = std::min(step, static_cast<double>(total_)), start = 0;
+    for (size_t i = 0; i < phases_.size(); ++i) {
+      const Phase& phase = phases_[i];
+      if (s <= phase.end_step || i + 1 == phases_.size())
+        return anneal(phase, (s - start) / (phase.end_step - start));
+      start = phase.end_step;
     }
-    start = phase.end_step;
+    return 0;  // not reached: the last phase takes every step
+  } else {
+    Tensor s = minimum(step, number(static_cast<double>(total_)));
+    std::vector<Tensor> values;
+    double start = 0;
+    for (const Phase& phase : phases_) {
+      values.push_back(anneal(phase, (s - start) / (phase.end_step - start)));
+      start = phase.end_step;
+    }
+    // The first phase whose end the step has not passed (the last takes the rest).
+    Tensor value = values.back();
+    for (size_t i = phases_.size() - 1; i-- > 0;)
+      value = where(s <= phases_[i].end_step, values[i], value);
+    return value;
   }
-  return 0;  // not reached: the last phase takes every step
+}
+
+namespace {
+// PyTorch's _annealing_cos and _annealing_linear, for doubles and graph values alike.
+template <typename Value>
+Value anneal(bool cos_shape, double from, double to, const Value& pct) {
+  using std::cos;
+  if (cos_shape) return to + (from - to) / 2.0 * (cos(pct * std::numbers::pi) + 1.0);
+  return (to - from) * pct + from;
+}
+}  // namespace
+
+double OneCycleLR::lr(int64_t step) const {
+  return at(static_cast<double>(step),
+            [&](const Phase& p, double pct) { return anneal(cos_, p.start_lr, p.end_lr, pct); });
 }
 
 Tensor OneCycleLR::graph_lr(const Tensor& step) const {
-  Tensor s = minimum(step, number(static_cast<double>(total_)));
-  std::vector<Tensor> rates;
-  double start = 0;
-  for (const Phase& phase : phases_) {
-    Tensor pct = (s - start) / (phase.end_step - start);
-    rates.push_back(cos_ ? phase.end_lr + (phase.start_lr - phase.end_lr) / 2.0 *
-                                              (cos(pct * std::numbers::pi) + 1.0)
-                         : (phase.end_lr - phase.start_lr) * pct + phase.start_lr);
-    start = phase.end_step;
-  }
-  // The first phase whose end the step has not passed (the last takes the rest).
-  Tensor rate = rates.back();
-  for (size_t i = phases_.size() - 1; i-- > 0;)
-    rate = where(s <= phases_[i].end_step, rates[i], rate);
-  return rate;
+  return at(step, [&](const Phase& p, const Tensor& pct) {
+    return anneal(cos_, p.start_lr, p.end_lr, pct);
+  });
+}
+
+std::optional<double> OneCycleLR::momentum(int64_t step) const {
+  if (!cycle_) return std::nullopt;
+  return at(static_cast<double>(step), [&](const Phase& p, double pct) {
+    return anneal(cos_, p.start_momentum, p.end_momentum, pct);
+  });
+}
+
+Tensor OneCycleLR::graph_momentum(const Tensor& step) const {
+  if (!cycle_) return Tensor();
+  return at(step, [&](const Phase& p, const Tensor& pct) {
+    return anneal(cos_, p.start_momentum, p.end_momentum, pct);
+  });
 }
 
 SequentialLR::SequentialLR(std::vector<std::shared_ptr<const LRSchedule>> schedules,

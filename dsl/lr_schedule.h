@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include "dsl/tensor.h"
@@ -23,6 +24,14 @@ class LRSchedule {
   virtual double lr(int64_t step) const = 0;
   /// `step`: a 0-d f64 graph value holding a whole number >= 0. Returns a 0-d f64 graph value.
   virtual Tensor graph_lr(const Tensor& step) const = 0;
+  /// A schedule that also cycles the momentum (OneCycleLR's cycle_momentum) gives it here, in
+  /// the same two forms: SGD's and RMSprop's momentum, Adam's, AdamW's and Lion's beta1. Others
+  /// give nothing (an undefined tensor), and the optimizer keeps its own.
+  virtual std::optional<double> momentum(int64_t /*step*/) const { return std::nullopt; }
+  virtual Tensor graph_momentum(const Tensor& /*step*/) const { return Tensor(); }
+  /// Whether an optimizer without a momentum or beta1 (Adagrad, Adafactor) must refuse this
+  /// schedule, as PyTorch's OneCycleLR refuses one when cycle_momentum is asked for.
+  virtual bool requires_momentum() const { return false; }
 };
 
 /// The same rate at every step.
@@ -104,26 +113,38 @@ struct OneCycleOptions {
   double div_factor = 25;         // initial_lr = max_lr / div_factor
   double final_div_factor = 1e4;  // min_lr = initial_lr / final_div_factor
   bool three_phase = false;
+  /// PyTorch's cycle_momentum: the momentum (beta1) moves against the rate, from max_momentum
+  /// down to base_momentum while the rate rises and back while it falls (three_phase: it stays
+  /// at max_momentum in the last phase). Unset is PyTorch's default, true, except that an
+  /// optimizer without a momentum (Adagrad, Adafactor) keeps the schedule for its rate alone
+  /// where PyTorch raises; true asks for it and such an optimizer refuses the schedule.
+  std::optional<bool> cycle_momentum = std::nullopt;
+  double base_momentum = 0.85;
+  double max_momentum = 0.95;
 };
 
 /// OneCycleLR's learning rate, PyTorch's defaults: from max_lr / div_factor up to max_lr over
 /// pct_start of total_steps, then down to the minimum (three_phase: back to the initial rate
 /// first). Past total_steps the rate stays where step total_steps put it (PyTorch raises there).
-/// PyTorch's cycle_momentum (moving SGD's momentum or Adam's beta1 against the rate) is not done:
-/// the optimizer's momentum stays as constructed.
+/// With cycle_momentum (the default) the optimizer's momentum or beta1 follows the schedule too.
 class OneCycleLR : public LRSchedule {
  public:
   OneCycleLR(double max_lr, int64_t total_steps, OneCycleOptions options = {});
   double lr(int64_t step) const override;
   Tensor graph_lr(const Tensor& step) const override;
+  std::optional<double> momentum(int64_t step) const override;
+  Tensor graph_momentum(const Tensor& step) const override;
+  bool requires_momentum() const override { return required_; }
 
  private:
   struct Phase {
-    double end_step, start_lr, end_lr;
+    double end_step, start_lr, end_lr, start_momentum, end_momentum;
   };
+  template <typename Value, typename Anneal>
+  Value at(const Value& step, Anneal anneal) const;
   std::vector<Phase> phases_;
   int64_t total_;
-  bool cos_;
+  bool cos_, cycle_, required_;
 };
 
 /// SequentialLR: schedules[0] until milestones[0], then schedules[1] counted from 0 at that

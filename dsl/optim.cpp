@@ -73,6 +73,9 @@ void Optimizer::set_schedule(std::shared_ptr<const LRSchedule> schedule) {
   if (own_rate_) fail("{}: set_schedule: {}", kind_, own_rate_);
   note_side_effect(
       "sets a learning-rate schedule (call set_schedule outside the compiled function)");
+  if (schedule && schedule->requires_momentum() && !has_momentum())
+    fail("{}: the schedule cycles the momentum (cycle_momentum), and {} has no momentum or beta1",
+         kind_, kind_);
   schedule_ = std::move(schedule);
   // A compiled step holds the old schedule's code: a new step-count buffer makes it trace again.
   set_steps_taken(steps_taken());
@@ -82,6 +85,11 @@ Tensor Optimizer::current_lr() const {
   if (own_rate_) fail("{}: current_lr: {}", kind_, own_rate_);
   NoGradGuard no_grad;
   return schedule_ ? schedule_->graph_lr(step_) : lr_value_;
+}
+
+Tensor Optimizer::current_momentum() const {
+  NoGradGuard no_grad;
+  return schedule_ && has_momentum() ? schedule_->graph_momentum(step_) : Tensor();
 }
 
 template <typename Make>
@@ -177,7 +185,7 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
       Optimizer& optimizer;
       ~DropShared() {
         optimizer.drop_shared();
-        optimizer.scheduled_lr_ = Tensor();
+        optimizer.scheduled_lr_ = optimizer.scheduled_momentum_ = Tensor();
       }
     } drop_shared{*this};
     skip_ = Tensor();
@@ -190,6 +198,7 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
     }
     next_step_ = step_ + 1.0;
     if (schedule_) scheduled_lr_ = schedule_->graph_lr(step_);
+    if (schedule_ && has_momentum()) scheduled_momentum_ = schedule_->graph_momentum(step_);
     begin_step();
     for (size_t i = 0; i < params_.size(); ++i) {
       Tensor g = params_[i].grad();
@@ -211,7 +220,7 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
       updated.push_back(i);
     }
     if (!updated.empty()) new_step = skip_.defined() ? where(skip_, step_, next_step_) : next_step_;
-    next_step_ = skip_ = scheduled_lr_ = Tensor();
+    next_step_ = skip_ = scheduled_lr_ = scheduled_momentum_ = Tensor();
   }
   if (updated.empty()) {
     if (!also.empty()) eval(also);
@@ -311,14 +320,21 @@ SGD::SGD(std::vector<Tensor> params, SGDOptions options)
 Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   Tensor g = grad;
   if (options.weight_decay != 0) g = g + param * step_constant(options.weight_decay, param);
-  if (options.momentum != 0) {
+  // A cycled momentum (a schedule's graph value) replaces the option, as PyTorch's OneCycleLR
+  // writes the group's momentum: then the buffer is kept even for a momentum option of 0.
+  const Tensor& cycled = momentum_value();
+  if (options.momentum != 0 || cycled.defined()) {
+    auto times_momentum = [&](const Tensor& x) {
+      return x * (cycled.defined() ? step_scalar(cycled, x.dtype(), x.shape())
+                                   : step_constant(options.momentum, x));
+    };
     Tensor* previous = find_state(state, "momentum_buffer");
     // Without dampening the gradient's factor is 1, and g * 1 is g, bit for bit (no contraction
     // into a fused multiply-add, and flushed denormals flush either way), so the three nodes it
     // took each step are left out. Under a precision policy the product may be rounded to a
     // narrower storage, so there it stays.
     bool undamped = options.dampening == 0 && !current_policy();
-    Tensor buffer = previous ? *previous * step_constant(options.momentum, *previous) +
+    Tensor buffer = previous ? times_momentum(*previous) +
                                    (undamped ? g : g * step_constant(1.0 - options.dampening, g))
                              : g;
     // The first update copies the gradient. A skipped first step leaves a zero buffer, which
@@ -331,7 +347,7 @@ Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state)
     else if (flag)
       std::erase_if(state, [&](const auto& entry) { return entry.first == started; });
     set_state(state, "momentum_buffer", buffer);
-    g = options.nesterov ? g + buffer * step_constant(options.momentum, buffer) : buffer;
+    g = options.nesterov ? g + times_momentum(buffer) : buffer;
   }
   return param - g * step_scalar(lr_value(), g.dtype(), g.shape());
 }
@@ -364,7 +380,10 @@ void Adam::begin_step() {
   // it), in f64 and in the same arrangement as torch.optim.Adam, rounded to the state's dtype
   // where they meet it, so results agree closely.
   const Tensor& t = step_number();
-  Tensor bias1 = 1.0 - pow(full({}, options.beta1, f64), t);
+  // A cycled beta1 enters the bias correction as this step's beta1, as in torch.optim.Adam.
+  beta1_ = momentum_value();
+  rest1_ = beta1_.defined() ? 1.0 - beta1_ : Tensor();
+  Tensor bias1 = 1.0 - pow(beta1_.defined() ? beta1_ : full({}, options.beta1, f64), t);
   Tensor bias2 = 1.0 - pow(full({}, options.beta2, f64), t);
   inv_sqrt_bias2_ = 1.0 / sqrt(bias2);
   step_size_ = lr_value() / bias1;
@@ -381,8 +400,11 @@ Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state
   }
   Tensor* m_prev = find_state(state, "exp_avg");
   Tensor* v_prev = find_state(state, "exp_avg_sq");
-  Tensor m_new = g * step_constant(1 - options.beta1, g);
-  Tensor m = m_prev ? *m_prev * step_constant(options.beta1, *m_prev) + m_new : m_new;
+  auto factor = [&](const Tensor& cycled, double fixed, const Tensor& x) {
+    return cycled.defined() ? step_scalar(cycled, x.dtype(), x.shape()) : step_constant(fixed, x);
+  };
+  Tensor m_new = g * factor(rest1_, 1 - options.beta1, g);
+  Tensor m = m_prev ? *m_prev * factor(beta1_, options.beta1, *m_prev) + m_new : m_new;
   Tensor g2 = square(g);
   Tensor v_new = g2 * step_constant(1 - options.beta2, g2);
   Tensor v = v_prev ? *v_prev * step_constant(options.beta2, *v_prev) + v_new : v_new;
@@ -428,9 +450,13 @@ Tensor RMSprop::update(const Tensor& param, const Tensor& grad, NamedTensors& st
       options.centered ? sqrt(square_avg - square(running("grad_avg", g))) : sqrt(square_avg);
   Tensor avg = root + step_constant(options.eps, root);
   Tensor step = g / avg;
-  if (options.momentum > 0) {
+  const Tensor& cycled = momentum_value();
+  if (options.momentum > 0 || cycled.defined()) {
     Tensor* previous = find_state(state, "momentum_buffer");
-    step = previous ? *previous * step_constant(options.momentum, *previous) + step : step;
+    Tensor momentum = !previous          ? Tensor()
+                      : cycled.defined() ? step_scalar(cycled, previous->dtype(), previous->shape())
+                                         : step_constant(options.momentum, *previous);
+    step = previous ? *previous * momentum + step : step;
     set_state(state, "momentum_buffer", step);
   }
   return param - step * step_scalar(lr_value(), step.dtype(), step.shape());
@@ -483,6 +509,8 @@ Lion::Lion(std::vector<Tensor> params, LionOptions options)
 
 void Lion::begin_step() {
   if (options.weight_decay != 0) decay_ = 1.0 - lr_value() * options.weight_decay;
+  beta1_ = momentum_value();  // a cycled beta1, as lion-pytorch reads the group's betas
+  rest1_ = beta1_.defined() ? 1.0 - beta1_ : Tensor();
 }
 
 Tensor Lion::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
@@ -494,7 +522,14 @@ Tensor Lion::update(const Tensor& param, const Tensor& grad, NamedTensors& state
     Tensor part = grad * step_constant(1 - beta, grad);
     return m_prev ? *m_prev * step_constant(beta, *m_prev) + part : part;
   };
-  Tensor direction = sign(mix(options.beta1));
+  Tensor direction;
+  if (beta1_.defined()) {
+    Tensor part = grad * step_scalar(rest1_, grad.dtype(), grad.shape());
+    direction = sign(m_prev ? *m_prev * step_scalar(beta1_, m_prev->dtype(), m_prev->shape()) + part
+                            : part);
+  } else {
+    direction = sign(mix(options.beta1));
+  }
   set_state(state, "exp_avg", mix(options.beta2));
   return p - direction * step_scalar(lr_value(), direction.dtype(), direction.shape());
 }

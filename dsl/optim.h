@@ -50,6 +50,12 @@ class Optimizer {
   const std::shared_ptr<const LRSchedule>& schedule() const { return schedule_; }
   /// The rate the next step uses, a 0-d f64 graph value (item() reads it: a host sync).
   Tensor current_lr() const;
+  /// The momentum (SGD, RMSprop) or beta1 (Adam, AdamW, Lion) the next step uses when the
+  /// attached schedule cycles it (OneCycleLR's cycle_momentum), a 0-d f64 graph value; undefined
+  /// when the optimizer's own option is in use.
+  Tensor current_momentum() const;
+  /// Whether the rule has a momentum or beta1 that a schedule may cycle.
+  virtual bool has_momentum() const { return false; }
   /// Updates taken so far, skipped ones not counted. The count lives in the graph (so that a
   /// predicated step can follow it without a host read): this call evaluates and reads it, a
   /// host sync.
@@ -94,6 +100,9 @@ class Optimizer {
   /// The learning rate as a 0-d f64 value, for begin_step() and update(): a leaf whose storage
   /// holds lr(), or, with a schedule attached, the schedule's graph value for this step.
   const Tensor& lr_value() const { return scheduled_lr_.defined() ? scheduled_lr_ : lr_value_; }
+  /// For begin_step() and update() of a rule with has_momentum(): the schedule's momentum for
+  /// this step, a 0-d f64 value, or undefined when the rule's own option holds.
+  const Tensor& momentum_value() const { return scheduled_momentum_; }
   /// Set by an optimizer that computes its own rate (Adafactor's relative_step): set_lr(),
   /// set_schedule() and current_lr() are then an mt::Error saying this.
   const char* own_rate_ = nullptr;
@@ -134,7 +143,8 @@ class Optimizer {
   Tensor step_;  // 0-d f64: updates taken, skipped ones not counted
   Tensor next_step_, skip_;
   std::shared_ptr<const LRSchedule> schedule_;
-  Tensor scheduled_lr_;  // inside a step with a schedule: its rate
+  Tensor scheduled_lr_;        // inside a step with a schedule: its rate
+  Tensor scheduled_momentum_;  // and its momentum, when it cycles one
   const char* kind_;
 };
 
@@ -151,6 +161,7 @@ class SGD : public Optimizer {
  public:
   SGD(std::vector<Tensor> params, SGDOptions options);
   SGDOptions options;
+  bool has_momentum() const override { return true; }
 
  protected:
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
@@ -169,6 +180,7 @@ class Adam : public Optimizer {
  public:
   Adam(std::vector<Tensor> params, AdamOptions options);
   AdamOptions options;
+  bool has_momentum() const override { return true; }
 
  protected:
   Adam(std::vector<Tensor> params, AdamOptions options, const char* kind, bool decoupled);
@@ -179,6 +191,7 @@ class Adam : public Optimizer {
  private:
   bool decoupled_;
   Tensor inv_sqrt_bias2_, step_size_;  // this step's bias corrections, 0-d f64 graph values
+  Tensor beta1_, rest1_;               // a cycled beta1 and 1 - beta1, 0-d f64
   Tensor decay_;                       // AdamW's 1 - lr * weight_decay, 0-d f64
 };
 
@@ -202,6 +215,7 @@ class RMSprop : public Optimizer {
  public:
   RMSprop(std::vector<Tensor> params, RMSpropOptions options = {});
   RMSpropOptions options;
+  bool has_momentum() const override { return true; }
 
  protected:
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
@@ -246,13 +260,15 @@ class Lion : public Optimizer {
  public:
   Lion(std::vector<Tensor> params, LionOptions options = {});
   LionOptions options;
+  bool has_momentum() const override { return true; }
 
  protected:
   void begin_step() override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
 
  private:
-  Tensor decay_;  // 1 - lr * weight_decay, a 0-d f64 graph value
+  Tensor decay_;          // 1 - lr * weight_decay, a 0-d f64 graph value
+  Tensor beta1_, rest1_;  // a cycled beta1 and 1 - beta1, 0-d f64
 };
 
 /// Hugging Face transformers' Adafactor defaults (transformers.optimization.Adafactor): no lr,

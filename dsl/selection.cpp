@@ -2,6 +2,8 @@
 // randperm as DSL code over the scan, sort and gather primitives (dsl/ops.h).
 #include "dsl/selection.h"
 
+#include <limits>
+
 #include "dsl/composites.h"
 
 namespace mixtape {
@@ -131,9 +133,29 @@ Tensor nonzero(const Tensor& x, const Loc& loc) {
   return tensor(positions, {count, rank});
 }
 
+namespace {
+
+// torch.multinomial's checks of the weights, as graph code so that they hold in compiled
+// replays too and cost no host read: a row code (0 fine; 1 a negative, infinite or NaN weight;
+// 2 no positive weight) negated as an index into a one-element table, which evaluation refuses with
+// an mt::Error when it is not 0. The returned zeros ([..., 1] i64) are added to the draws, so the
+// check runs with them.
+Tensor weight_check(const Tensor& p) {
+  const double inf = std::numeric_limits<double>::infinity();
+  Tensor good = where(p < 0.0, zeros(p.shape(), boolean), p < inf);  // NaN is not below inf
+  Tensor bad = sum(cast(good, i64), {-1}, true) < p.size(-1);
+  Tensor positive = sum(cast(p > 0.0, i64), {-1}, true);
+  Tensor code = where(positive < 1, full_like(positive, 2), zeros_like(positive));
+  code = where(bad, full_like(positive, 1), code);
+  Tensor guard = index_select(zeros({1}, i64), reshape(-code, {-1}), 0);
+  return reshape(guard, code.shape());
+}
+
+}  // namespace
+
 Tensor multinomial(const Tensor& probs, int64_t num_samples, bool replacement, Generator* gen,
                    const Loc& loc) {
-  CallSiteScope site(loc);
+  CallSiteScope site(loc, composite::multinomial);
   require(probs, "multinomial", "probabilities", loc);
   if (!is_floating(probs.dtype()))
     op_fail("multinomial", loc, "the probabilities must be floating-point, got {}",
@@ -151,6 +173,7 @@ Tensor multinomial(const Tensor& probs, int64_t num_samples, bool replacement, G
             "cannot draw {} samples without replacement from {} categories (shape {})", num_samples,
             n, to_string(probs.shape()));
   Tensor p = cast(probs, f64).detach();
+  Tensor checked = weight_check(p);
   Shape drawn = probs.shape();
   drawn.back() = num_samples;
   if (replacement) {
@@ -160,11 +183,11 @@ Tensor multinomial(const Tensor& probs, int64_t num_samples, bool replacement, G
     Tensor total = slice(cdf, -1, n - 1, n);
     Tensor u = rand(drawn, f64, gen) * total;
     Tensor below = cast(unsqueeze(cdf, -2) <= unsqueeze(u, -1), i64);
-    return minimum(sum(below, {-1}), scalar(static_cast<double>(n - 1), i64));
+    return minimum(sum(below, {-1}), scalar(static_cast<double>(n - 1), i64)) + checked;
   }
   // -log(1 - u) with u in [0, 1) is an Exp(1) draw, finite and positive.
   Tensor exponential = -log1p(-rand(probs.shape(), f64, gen));
-  return topk(p / exponential, num_samples, -1).indices;
+  return topk(p / exponential, num_samples, -1).indices + checked;
 }
 
 Tensor randperm(int64_t n, Generator* gen, DType dtype, const Loc& loc) {

@@ -50,7 +50,11 @@ Tensor nonzero(const Tensor& x, const Loc& loc = Loc::current());
 /// that need not sum to 1), as torch.multinomial. With replacement: inverse-CDF draws, compared
 /// against every category at once ([rows, num_samples, n] bools). Without: PyTorch's own
 /// method, the num_samples largest of probs / Exp(1) draws, so zero weights come last. The
-/// weights are not read on the host, so rows without enough positive weights are not reported.
+/// weights are checked as torch's are, in the graph (no host read, and compiled replays check
+/// too): evaluating the draws is an mt::Error naming multinomial and the caller's line when a
+/// row holds a negative, infinite or NaN weight (reported as index -1) or no positive weight
+/// (-2). As torch's CPU kernel, draws without replacement past a row's positive weights take its
+/// zero-weight categories last.
 Tensor multinomial(const Tensor& probs, int64_t num_samples, bool replacement = false,
                    Generator* gen = nullptr, const Loc& loc = Loc::current());
 /// A random permutation of 0 .. n-1 (i64), as torch.randperm: the order of n uniform draws.

@@ -910,6 +910,78 @@ TEST(Compile, SchedulesAndTheNewOptimizersReplayBitForBit) {
   }
 }
 
+// OneCycleLR's cycle_momentum is graph code too: replays move SGD's momentum and Adam's and
+// Lion's beta1 with the step count, bit for bit as tracing every step does, and the momentum
+// reached is the schedule's closed form at that step.
+TEST(Compile, OneCycleMomentumReplaysBitForBit) {
+  using Make = std::function<std::unique_ptr<mt::Optimizer>(std::vector<mt::Tensor>)>;
+  const std::pair<const char*, Make> kinds[] = {
+      {"SGD",
+       [](std::vector<mt::Tensor> p) {
+         auto opt = std::make_unique<mt::SGD>(std::move(p), mt::SGDOptions{.lr = 0.05});
+         opt->set_schedule(std::make_shared<mt::OneCycleLR>(0.05, 10));
+         return opt;
+       }},
+      {"AdamW",
+       [](std::vector<mt::Tensor> p) {
+         auto opt = std::make_unique<mt::AdamW>(std::move(p));
+         opt->set_schedule(
+             std::make_shared<mt::OneCycleLR>(1e-2, 10, mt::OneCycleOptions{.base_momentum = 0.6}));
+         return opt;
+       }},
+      {"Lion",
+       [](std::vector<mt::Tensor> p) {
+         auto opt = std::make_unique<mt::Lion>(std::move(p));
+         opt->set_schedule(std::make_shared<mt::OneCycleLR>(1e-3, 10));
+         return opt;
+       }},
+  };
+  const int steps = 8;
+  for (const auto& [name, make] : kinds) {
+    SCOPED_TRACE(name);
+    ScheduledRun plain_run(make), compiled_run(make);
+    auto step = mt::compile([&](const mt::Tensor& x) { return compiled_run.step(x); });
+    Snapshot plain, compiled;
+    for (int i = 0; i < steps; ++i) {
+      plain.losses.push_back(bits(plain_run.step(plain_run.batch(i)))[0]);
+      compiled.losses.push_back(bits(step(compiled_run.batch(i)))[0]);
+    }
+    snapshot_model(plain, plain_run.model, *plain_run.opt);
+    snapshot_model(compiled, compiled_run.model, *compiled_run.opt);
+    EXPECT_EQ(plain, compiled);
+    mt::Tensor momentum = compiled_run.opt->current_momentum();
+    ASSERT_TRUE(momentum.defined());
+    EXPECT_EQ(momentum.item(), *compiled_run.opt->schedule()->momentum(steps));
+    EXPECT_NE(momentum.item(), *compiled_run.opt->schedule()->momentum(0)) << "it moved";
+    if (replays_here()) {
+      EXPECT_EQ(step.stats().plans, 1) << step.stats().reason;
+      EXPECT_GE(step.stats().replays, steps - 3) << step.stats().reason;
+    }
+  }
+}
+
+// multinomial checks its weights inside the graph: a replay of a compiled sampler refuses a
+// negative or NaN weight or an all-zero row with an mt::Error, as eager evaluation does, and
+// draws as tracing does while they are fine.
+TEST(Compile, MultinomialChecksItsWeightsInReplays) {
+  mt::Generator gen_compiled(3), gen_plain(3);
+  auto sample = [](const mt::Tensor& w, mt::Generator* gen) {
+    return mt::multinomial(w * 1.0, 4, true, gen);
+  };
+  auto step = mt::compile([&](const mt::Tensor& w) { return sample(w, &gen_compiled); });
+  mt::Tensor good = mt::tensor(std::vector<float>{0.5, 1.0, 0.0, 2.0, 0.25, 0.25}, {2, 3});
+  for (int i = 0; i < 5; ++i)
+    EXPECT_EQ(step(good).to_vector<int64_t>(), sample(good, &gen_plain).to_vector<int64_t>());
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 2) << step.stats().reason;
+  }
+  const float nan = std::nanf("");
+  for (const std::vector<float>& bad : {std::vector<float>{0.5, -1.0, 0.0, 2.0, 0.25, 0.25},
+                                        std::vector<float>{0.5, 1.0, 0.0, nan, 0.25, 0.25},
+                                        std::vector<float>{0.5, 1.0, 0.0, 0.0, 0.0, 0.0}})
+    EXPECT_THROW(step(mt::tensor(bad, {2, 3})).to_vector<int64_t>(), mt::Error);
+}
+
 // A schedule attached or replaced between calls is followed (the step traces again), and set_lr
 // is refused while one is attached: the schedule would override it.
 TEST(Compile, AScheduleChangedOutsideTheStepIsFollowed) {

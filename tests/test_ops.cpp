@@ -272,6 +272,69 @@ TEST(BceWithLogits, ConfidentLogitsHaveFiniteGradients) {
   }
 }
 
+// The losses' class and element weights and reductions refuse what PyTorch refuses.
+TEST(LossOptions, BadWeightsAndReductionsAreErrors) {
+  mt::Tensor lp = mt::log_softmax(mt::zeros({4, 5})), y = ints({1, 0, 4, 2}, {4});
+  EXPECT_THROW(mt::nll_loss(lp, y, {.weight = mt::ones({4})}), mt::Error);           // not [C]
+  EXPECT_THROW(mt::nll_loss(lp, y, {.weight = mt::ones({5}, mt::i64)}), mt::Error);  // integer
+  EXPECT_THROW(mt::cross_entropy(lp, y, {.weight = mt::ones({1, 5})}), mt::Error);
+  EXPECT_THROW(mt::cross_entropy(lp, y, {.weight = mt::ones({5}, mt::boolean)}), mt::Error);
+  EXPECT_THROW(mt::cross_entropy(lp, y, {.reduction = mt::Reduction::BatchMean}), mt::Error);
+  EXPECT_THROW(mt::nll_loss(lp, y, mt::Reduction::BatchMean), mt::Error);
+  mt::Tensor p = mt::full({4, 5}, 0.5);
+  EXPECT_THROW(mt::binary_cross_entropy(p, p, {.weight = mt::ones({4})}), mt::Error);
+  EXPECT_THROW(mt::binary_cross_entropy(p, p, {.weight = mt::ones({5}, mt::i32)}), mt::Error);
+  EXPECT_THROW(mt::binary_cross_entropy_with_logits(p, p, {.weight = mt::ones({3, 5})}), mt::Error);
+  EXPECT_THROW(mt::binary_cross_entropy_with_logits(p, p, {.pos_weight = mt::ones({4})}),
+               mt::Error);
+  EXPECT_THROW(mt::mse_loss(p, p, mt::Reduction::BatchMean), mt::Error);
+  EXPECT_THROW(mt::l1_loss(p, p, mt::Reduction::BatchMean), mt::Error);
+  // The weights that fit give PyTorch's means: all weight on class 1 gives its own -log p.
+  mt::Tensor only1 = mt::tensor(std::vector<float>{0, 1, 0, 0, 0}, {5});
+  EXPECT_NEAR(mt::nll_loss(lp, y, {.weight = only1}).item(), std::log(5.0), 1e-6);
+  EXPECT_NEAR(mt::kl_div(lp, mt::full({4, 5}, 0.2), mt::Reduction::BatchMean).item(), 0.0, 1e-6);
+}
+
+// OneCycleLR's cycle_momentum: asked for explicitly, an optimizer without a momentum or beta1
+// refuses the schedule (as PyTorch's OneCycleLR raises); by default such an optimizer keeps the
+// schedule for its rate alone. The momentum falls while the rate rises and returns with it.
+TEST(OneCycleMomentum, CyclesAgainstTheRateAndIsRefusedWithoutAMomentum) {
+  mt::Tensor p = mt::zeros({2});
+  p.requires_grad_();
+  mt::Adagrad adagrad({p});
+  EXPECT_THROW(adagrad.set_schedule(std::make_shared<mt::OneCycleLR>(
+                   0.1, 10, mt::OneCycleOptions{.cycle_momentum = true})),
+               mt::Error);
+  adagrad.set_schedule(std::make_shared<mt::OneCycleLR>(0.1, 10));
+  EXPECT_FALSE(adagrad.current_momentum().defined());
+  EXPECT_THROW(mt::OneCycleLR(0.1, 10, {.base_momentum = 0.9, .max_momentum = 0.8}), mt::Error);
+  EXPECT_THROW(mt::OneCycleLR(0.1, 10, {.max_momentum = 1.0}), mt::Error);
+  mt::OneCycleLR schedule(0.1, 10);
+  EXPECT_DOUBLE_EQ(*schedule.momentum(0), 0.95);
+  EXPECT_DOUBLE_EQ(*schedule.momentum(2), 0.85);  // the rate's peak, pct_start * 10 - 1
+  EXPECT_DOUBLE_EQ(*schedule.momentum(9), 0.95);
+  EXPECT_FALSE(mt::OneCycleLR(0.1, 10, {.cycle_momentum = false}).momentum(3).has_value());
+  EXPECT_FALSE(mt::StepLR(0.1, 2).momentum(3).has_value());
+}
+
+// where with numbers takes PyTorch's result type: the tensor's, unless the number is of a higher
+// kind; two numbers give f32 or i64.
+TEST(WhereNumbers, PromotesAsPyTorch) {
+  mt::Tensor c = mt::tensor(std::vector<int64_t>{1, 0, 1}, {3}, mt::boolean);
+  mt::Tensor i = ints({4, 5, 6}, {3}),
+             b = mt::tensor(std::vector<int64_t>{0, 1, 0}, {3}, mt::boolean);
+  EXPECT_EQ(mt::where(c, i, 2).dtype(), mt::i64);
+  EXPECT_EQ(mt::where(c, i, 2.5).dtype(), mt::f32);
+  EXPECT_EQ(mt::where(c, 2.5, i).to_vector<double>(), (std::vector<double>{2.5, 5, 2.5}));
+  EXPECT_EQ(mt::where(c, b, 3).dtype(), mt::i64);
+  EXPECT_EQ(mt::where(c, b, true).dtype(), mt::boolean);
+  EXPECT_EQ(mt::where(c, mt::zeros({3}, mt::f64), 1).dtype(), mt::f64);
+  EXPECT_EQ(mt::where(c, 1.0, 0.0).to_vector<float>(), (std::vector<float>{1, 0, 1}));
+  EXPECT_EQ(mt::where(c, 1, 0).dtype(), mt::i64);
+  EXPECT_THROW(mt::where(i, i, 1.0), mt::Error);  // the condition must be bool
+  EXPECT_THROW(mt::where(mt::Tensor(), 1.0, i), mt::Error);
+}
+
 // masked_softmax: a row that is all masked gives NaN forward (0/0) but a zero gradient, as
 // where() followed by softmax gave; a mask that does not broadcast to the input is refused.
 TEST(MaskedSoftmax, AllMaskedRowsGetZeroGradients) {
@@ -360,6 +423,25 @@ TEST(RandomComposites, MultinomialAndRandperm) {
   EXPECT_NE(int_values(mt::randperm(50, &a)), perm);
   EXPECT_EQ(mt::randperm(0).numel(), 0);
   EXPECT_EQ(mt::randperm(4, &a, mt::i32).dtype(), mt::i32);
+  // Weights torch.multinomial refuses give an mt::Error when the draws are evaluated: a
+  // negative, infinite or NaN weight, or a row without a positive weight, in any one row.
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::nan("");
+  for (double bad : {-0.5, inf, nan})
+    for (bool replacement : {false, true}) {
+      mt::Tensor weights = make({1.0, 2.0, 3.0, 0.5, bad, 1.0}, {2, 3});
+      EXPECT_THROW(mt::multinomial(weights, 2, replacement, &a).to_vector<int64_t>(), mt::Error)
+          << bad << " replacement " << replacement;
+    }
+  for (bool replacement : {false, true})
+    EXPECT_THROW(mt::multinomial(make({1.0, 2.0, 0.0, 0.0}, {2, 2}), 1, replacement, &a)
+                     .to_vector<int64_t>(),
+                 mt::Error);
+  try {
+    mt::multinomial(make({0.0, 0.0}, {2}), 1, true, &a).to_vector<int64_t>();
+    ADD_FAILURE() << "no error for a row without a positive weight";
+  } catch (const mt::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("multinomial"), std::string::npos) << e.what();
+  }
 }
 
 // torch.nn.init.normal_ / uniform_: in place for every holder, keeping requires_grad.
@@ -1339,6 +1421,25 @@ void add_composite_cases(Oracle& o, Data& d, mt::DType dt) {
         "F.kl_div(a, b, reduction='sum')");
   o.add("kl_div/log_target/" + t, {kq}, mt::kl_div(kq, kq * 0.5, mt::Reduction::None, true),
         "F.kl_div(a, a * 0.5, reduction='none', log_target=True)");
+  // Class and element weights (fixed values, so that the draws of the cases below stay theirs).
+  mt::Tensor cw = make({0.5, 2.0, 1.0, 0.25, 3.0}, {5}, dt);
+  o.add("nll_loss/weight_mean/" + t, {lp, nt, cw}, mt::nll_loss(lp, nt, {.weight = cw}),
+        "F.nll_loss(a, b, weight=c)");
+  mt::Tensor nt1 = ints({1, 3, 4, 1}, {4});
+  o.add("nll_loss/weight_sum_ignore1/" + t, {lp, nt1, cw},
+        mt::nll_loss(lp, nt1, {.weight = cw, .ignore_index = 1, .reduction = mt::Reduction::Sum}),
+        "F.nll_loss(a, b, weight=c, ignore_index=1, reduction='sum')");
+  o.add("cross_entropy/weight_smoothing/" + t, {lp, nt, cw},
+        mt::cross_entropy(lp, nt, {.label_smoothing = 0.3, .weight = cw}),
+        "F.cross_entropy(a, b, weight=c, label_smoothing=0.3)");
+  mt::Tensor bw = make({1.0, 0.0, 2.0}, {3}, dt);
+  o.add("binary_cross_entropy/weight/" + t, {pr, py, bw},
+        mt::binary_cross_entropy(pr, py, {.weight = bw}), "F.binary_cross_entropy(a, b, weight=c)");
+  o.add("kl_div/batchmean/" + t, {kq, kp}, mt::kl_div(kq, kp, mt::Reduction::BatchMean),
+        "F.kl_div(a, b, reduction='batchmean')");
+  mt::Tensor wc = mt::tensor(std::vector<int64_t>{1, 0}, {2, 1}, mt::boolean);
+  o.add("where/tensor_number/" + t, {wc, pr}, mt::where(wc, pr, -2.5), "torch.where(a, b, -2.5)");
+  o.add("where/number_tensor/" + t, {wc, pr}, mt::where(wc, 7, pr), "torch.where(a, 7, b)");
   mt::Tensor sq = d.randn({2, 3, 4}, dt);
   o.add("flip/" + t, {sq}, mt::flip(sq, {0, 2}), "torch.flip(a, (0, 2))");
   o.add("roll/" + t, {sq}, mt::roll(sq, {1, -5}, {1, 2}), "torch.roll(a, (1, -5), (1, 2))");

@@ -216,6 +216,10 @@ def run_seq(d, m, params):
         mod = (nn.LSTM if layer == 'lstm' else nn.GRU)(
             int(m['input']), int(m['hidden']), int(m['layers']), batch_first=flag('batch_first'))
     mod.load_state_dict(params, strict=True)
+    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=flag('autocast')):
+        return seq_forward_backward(mod, layer, d, flag)
+
+def seq_forward_backward(mod, layer, d, flag):
     out = {}
     if layer == 'mha':
         names = ['query'] if flag('self') else ['query', 'key', 'value']
@@ -224,16 +228,19 @@ def run_seq(d, m, params):
         k, v = (q, q) if flag('self') else (ins['key'], ins['value'])
         y, w = mod(q, k, v, key_padding_mask=d.get('key_padding_mask'),
                    attn_mask=d.get('attn_mask'), need_weights=True)
+        y, w = y.float(), w.float()
         ((y * d['w']).sum() + (w * d['ww']).sum()).backward()
         out.update({'output': y, 'weights': w})
     else:
         ins = {'x': d['x'].clone().requires_grad_(True)}
         if layer == 'lstm':
             y, (h, c) = mod(ins['x'], (d['h0'], d['c0'])) if 'h0' in d else mod(ins['x'])
+            y, h, c = y.float(), h.float(), c.float()
             ((y * d['w']).sum() + (h * d['wh']).sum() + (c * d['wc']).sum()).backward()
             out.update({'output': y, 'h_n': h, 'c_n': c})
         else:
             y, h = mod(ins['x'], d['h0']) if 'h0' in d else mod(ins['x'])
+            y, h = y.float(), h.float()
             ((y * d['w']).sum() + (h * d['wh']).sum()).backward()
             out.update({'output': y, 'h_n': h})
     out.update({'dinput.' + n: t.grad for n, t in ins.items()})
@@ -393,12 +400,17 @@ def run_optim(d, m, params):
     model = MLP(sizes(m), m['activation'])
     model.load_state_dict(params, strict=True)
     opt = make_optimizer(m, model.parameters())
+    # OneCycleLR with PyTorch's defaults (cycle_momentum: the momentum or beta1 cycles too).
+    sched = (torch.optim.lr_scheduler.OneCycleLR(opt, float(m['lr']), int(m['onecycle']))
+             if int(m.get('onecycle', '0')) else None)
     out = {}
     for step in range(int(m['steps'])):
         opt.zero_grad()
         loss = F.cross_entropy(model(d['x']), d['y'])
         loss.backward()
         opt.step()
+        if sched:
+            sched.step()
         out['loss%d' % step] = loss.detach().clone()
         for n, p in model.named_parameters():
             out['step%d.%s' % (step, n)] = p.detach().clone()
@@ -427,13 +439,15 @@ def run_schedule(d, m, _):
     p = torch.zeros(1, requires_grad=True)
     opt = torch.optim.SGD([p], lr=float(m['base_lr']))
     sched = make_schedule(opt, json.loads(m['spec']))
-    lrs = []
+    lrs, momenta = [], []
     for step in range(int(m['steps'])):
         lrs.append(opt.param_groups[0]['lr'])
+        momenta.append(opt.param_groups[0]['momentum'])
         opt.step()
         if step + 1 < int(m['steps']):  # OneCycleLR refuses steps past total_steps
             sched.step()
-    return {'lr': torch.tensor(lrs, dtype=torch.float64)}
+    return {'lr': torch.tensor(lrs, dtype=torch.float64),
+            'momentum': torch.tensor(momenta, dtype=torch.float64)}
 
 def run_clip(d, m, params):
     model = MLP(sizes(m), m['activation'])
@@ -545,10 +559,26 @@ def run_scan(d, m, _):
         (y.float() * d['w']).sum().backward()
     return {'y': y.float(), 'grad.x': x.grad}
 
+# A functional expression over the inputs a, b, c, ... (those named in 'grads' require a
+# gradient); under autocast the first input enters as a @ p, a bf16 matmul output, in both.
+def run_expr(d, m, _):
+    names = m['names'].split(',')
+    wants = set(m['grads'].split(',')) if m['grads'] else set()
+    leaves = {n: d[n].clone().requires_grad_(n in wants) for n in names}
+    ac = m.get('autocast') == '1'
+    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=ac):
+        env = dict(leaves)
+        if ac:
+            env['a'] = env['a'] @ d['p']
+        y = eval(m['expr'], dict(torch=torch, F=F, math=math, **env))
+        (y.float() * d['w']).sum().backward()
+    return {'y': y.float(), **{'grad.' + n: leaves[n].grad for n in wants}}
+
 HANDLERS = {'mlp': run_mlp, 'block': run_block, 'optim': run_optim, 'clip': run_clip,
             'schedule': run_schedule,
             'cross_entropy': run_cross_entropy, 'op': run_op,
-            'vision': run_vision, 'resnet': run_resnet, 'seq': run_seq, 'scan': run_scan}
+            'vision': run_vision, 'resnet': run_resnet, 'seq': run_seq, 'scan': run_scan,
+            'expr': run_expr}
 
 folder = sys.argv[1]
 cases = sorted(f[:-len('.in.safetensors')] for f in os.listdir(folder)
@@ -638,6 +668,7 @@ struct OptConfig {
   std::optional<double> af_beta1 = std::nullopt;
   bool relative_step = true, scale_parameter = true, warmup_init = false;
   double clip_threshold = 1.0, decay_rate = -0.8;
+  int64_t onecycle = 0;  // > 0: OneCycleLR(lr, onecycle) with PyTorch's defaults, momentum cycled
 };
 const OptConfig kOptConfigs[] = {
     {.name = "sgd", .type = "sgd", .lr = 0.1},
@@ -699,6 +730,19 @@ const OptConfig kOptConfigs[] = {
      .relative_step = false,
      .scale_parameter = false,
      .clip_threshold = 0.5},
+    // OneCycleLR's cycle_momentum: SGD's momentum (kept even from a momentum option of 0, as
+    // torch's SGD reads the group's), RMSprop's, and the beta1 of Adam, AdamW and Lion.
+    {.name = "sgd_onecycle", .type = "sgd", .lr = 0.2, .onecycle = 8},
+    {.name = "sgd_nesterov_onecycle",
+     .type = "sgd",
+     .lr = 0.1,
+     .momentum = 0.9,
+     .nesterov = true,
+     .onecycle = 6},
+    {.name = "rmsprop_onecycle", .type = "rmsprop", .lr = 0.01, .onecycle = 8},
+    {.name = "adam_onecycle", .type = "adam", .lr = 0.02, .onecycle = 8},
+    {.name = "adamw_onecycle", .type = "adamw", .lr = 0.02, .weight_decay = 0.1, .onecycle = 6},
+    {.name = "lion_onecycle", .type = "lion", .lr = 0.02, .beta2 = 0.99, .onecycle = 8},
 };
 
 std::unique_ptr<mt::Optimizer> make_optimizer(const OptConfig& c, std::vector<mt::Tensor> params) {
@@ -790,6 +834,24 @@ const std::vector<ScheduleCase>& schedule_cases() {
                                                                 .final_div_factor = 100,
                                                                 .three_phase = true});
        }},
+      {"onecycle_momentum_bounds_linear_three_phase",
+       R"({"type": "onecycle", "args": {"max_lr": 0.5, "total_steps": 15, "pct_start": 0.3,
+           "anneal_strategy": "linear", "three_phase": true, "base_momentum": 0.5,
+           "max_momentum": 0.8}})",
+       16,
+       [] {
+         return make_shared<mt::OneCycleLR>(
+             0.5, 15,
+             mt::OneCycleOptions{
+                 .cos = false, .three_phase = true, .base_momentum = 0.5, .max_momentum = 0.8});
+       }},
+      {"onecycle_no_momentum",
+       R"({"type": "onecycle", "args": {"max_lr": 0.3, "total_steps": 10,
+           "cycle_momentum": false}})",
+       11,
+       [] {
+         return make_shared<mt::OneCycleLR>(0.3, 10, mt::OneCycleOptions{.cycle_momentum = false});
+       }},
       {"sequential_warmup_exponential_step",
        R"({"type": "sequential", "milestones": [3, 7], "schedules": [
            {"type": "linear", "args": {"start_factor": 0.1, "end_factor": 1.0, "total_iters": 3}},
@@ -854,6 +916,8 @@ const char* reduction_name(mt::Reduction r) {
       return "sum";
     case mt::Reduction::None:
       return "none";
+    case mt::Reduction::BatchMean:
+      return "batchmean";
   }
   return "?";
 }
@@ -1088,6 +1152,201 @@ mt::Tensor scan_forward(const ScanCase& c, const mt::Tensor& x, const mt::Tensor
   throw std::runtime_error("unknown scan op " + c.op);
 }
 
+// Functional cases as a torch expression over the inputs a, b, c, ... and mixtape's code for it:
+// the class and element weights of the losses, kl_div's batchmean, where with numbers. Each in
+// f32 and, where `autocast`, also under bf16 autocast with a = a @ p (a bf16 matmul output).
+struct ExprCase {
+  std::string name, expr;
+  std::vector<mt::Tensor> inputs;  // a, b, c, ...
+  std::string grads;               // the inputs torch takes gradients of, as "a" or "a,c"
+  std::function<mt::Tensor(const std::vector<mt::Tensor>&)> build;
+  bool autocast = false;
+};
+constexpr int64_t kExprRows = 6, kExprClasses = 5;
+
+std::vector<ExprCase> expr_cases() {
+  using R = mt::Reduction;
+  using In = std::vector<mt::Tensor>;
+  HostRandom rng(777);
+  std::vector<ExprCase> cases;
+  auto add = [&](ExprCase c, bool with_autocast) {
+    cases.push_back(c);
+    if (!with_autocast) return;
+    c.name += "_bf16";
+    c.autocast = true;
+    cases.push_back(std::move(c));
+  };
+  const mt::Shape rc{kExprRows, kExprClasses};
+  mt::Tensor scores = rng.normal(rc, 1.5), classes = rng.classes({kExprRows}, kExprClasses);
+  mt::Tensor weight = mt::abs(rng.normal({kExprClasses}, 1.0)) + 0.1;
+  mt::Tensor ignored = with_ints(classes, {{1, -100}, {4, -100}});
+  mt::Tensor ignored2 = with_ints(classes, {{0, 2}, {3, 2}});
+  for (auto [reduction, rname] : {std::pair{R::Mean, "mean"}, {R::Sum, "sum"}, {R::None, "none"}}) {
+    const std::string r = fmt::format("reduction='{}'", rname);
+    add({fmt::format("nll_weight_{}", rname),
+         fmt::format("F.nll_loss(a, b, weight=c, {})", r),
+         {scores, ignored, weight},
+         "a",
+         [reduction](const In& x) {
+           return mt::nll_loss(x[0], x[1],
+                               mt::NllLossOptions{.weight = x[2], .reduction = reduction});
+         }},
+        false);
+    for (double ls : {0.0, 0.15})
+      add({fmt::format("ce_weight_{}_ls{}", rname, ls == 0 ? "0" : "015"),
+           fmt::format("F.cross_entropy(a, b, weight=c, label_smoothing={}, {})", ls, r),
+           {scores, ignored, weight},
+           "a",
+           [reduction, ls](const In& x) {
+             return mt::cross_entropy(
+                 x[0], x[1], {.reduction = reduction, .label_smoothing = ls, .weight = x[2]});
+           }},
+          reduction != R::Sum);
+  }
+  // Under autocast on log-probabilities: the mean of arbitrary scores cancels, and one bf16 ulp
+  // where the two libraries' matmuls round a tie differently would be percents of it.
+  add({"nll_weight_log_softmax",
+       "F.nll_loss(F.log_softmax(a, -1), b, weight=c)",
+       {scores, ignored, weight},
+       "a",
+       [](const In& x) {
+         return mt::nll_loss(mt::log_softmax(x[0]), x[1], mt::NllLossOptions{.weight = x[2]});
+       }},
+      true);
+  add({"nll_weight_ignore_index_2",
+       "F.nll_loss(a, b, weight=c, ignore_index=2)",
+       {scores, ignored2, weight},
+       "a",
+       [](const In& x) {
+         return mt::nll_loss(x[0], x[1], mt::NllLossOptions{.weight = x[2], .ignore_index = 2});
+       }},
+      false);
+  add({"ce_weight_ignore_index_2_ls02",
+       "F.cross_entropy(a, b, weight=c, ignore_index=2, label_smoothing=0.2)",
+       {scores, ignored2, weight},
+       "a",
+       [](const In& x) {
+         return mt::cross_entropy(x[0], x[1],
+                                  {.ignore_index = 2, .label_smoothing = 0.2, .weight = x[2]});
+       }},
+      false);
+  // Classes last in mixtape, second in torch.
+  mt::Tensor scores3 = rng.normal({2, 3, kExprClasses}, 1.5);
+  mt::Tensor classes3 = with_ints(rng.classes({2, 3}, kExprClasses), {{2, -100}});
+  add({"ce_weight_3d_ls01",
+       "F.cross_entropy(a.permute(0, 2, 1), b, weight=c, label_smoothing=0.1)",
+       {scores3, classes3, weight},
+       "a",
+       [](const In& x) {
+         return mt::cross_entropy(x[0], x[1], {.label_smoothing = 0.1, .weight = x[2]});
+       }},
+      false);
+  add({"nll_weight_3d_none",
+       "F.nll_loss(a.permute(0, 2, 1), b, weight=c, reduction='none')",
+       {scores3, classes3, weight},
+       "a",
+       [](const In& x) {
+         return mt::nll_loss(x[0], x[1], mt::NllLossOptions{.weight = x[2], .reduction = R::None});
+       }},
+      false);
+  mt::Tensor probs = mt::sigmoid(rng.normal(rc, 1.5)), truth = mt::sigmoid(rng.normal(rc, 2.0));
+  mt::Tensor element = mt::abs(rng.normal(rc, 1.0)),
+             per_class = mt::abs(rng.normal({kExprClasses}));
+  add({"bce_weight_mean",
+       "F.binary_cross_entropy(a, b, weight=c)",
+       {probs, truth, element},
+       "a,b",
+       [](const In& x) { return mt::binary_cross_entropy(x[0], x[1], {.weight = x[2]}); }},
+      false);
+  add({"bce_class_weight_none",
+       "F.binary_cross_entropy(a, b, weight=c, reduction='none')",
+       {probs, truth, per_class},
+       "a,b",
+       [](const In& x) {
+         return mt::binary_cross_entropy(x[0], x[1], {.weight = x[2], .reduction = R::None});
+       }},
+      false);
+  mt::Tensor logits = rng.normal(rc, 3.0);
+  add({"bce_logits_weight_pos_weight",
+       "F.binary_cross_entropy_with_logits(a, b, weight=c, pos_weight=d)",
+       {logits, truth, per_class, mt::abs(rng.normal({kExprClasses})) + 0.5},
+       "a,b",
+       [](const In& x) {
+         return mt::binary_cross_entropy_with_logits(x[0], x[1],
+                                                     {.weight = x[2], .pos_weight = x[3]});
+       }},
+      true);
+  add({"bce_logits_weight_sum",
+       "F.binary_cross_entropy_with_logits(a, b, weight=c, reduction='sum')",
+       {logits, truth, element},
+       "a,b",
+       [](const In& x) {
+         return mt::binary_cross_entropy_with_logits(x[0], x[1],
+                                                     {.reduction = R::Sum, .weight = x[2]});
+       }},
+      false);
+  mt::Tensor logq = mt::log_softmax(rng.normal(rc)), target_p = mt::softmax(rng.normal(rc));
+  add({"kl_div_batchmean",
+       "F.kl_div(a, b, reduction='batchmean')",
+       {logq, target_p},
+       "a,b",
+       [](const In& x) { return mt::kl_div(x[0], x[1], R::BatchMean); }},
+      true);
+  add({"kl_div_batchmean_log_target",
+       "F.kl_div(a, b, reduction='batchmean', log_target=True)",
+       {logq, mt::log_softmax(rng.normal(rc))},
+       "a,b",
+       [](const In& x) { return mt::kl_div(x[0], x[1], R::BatchMean, true); }},
+      // Not under autocast: its small sum cancels, so one bf16 ulp where the two libraries'
+      // matmuls round a tie differently is a few percent of it.
+      false);
+  std::vector<bool> pick(static_cast<size_t>(kExprRows * kExprClasses));
+  for (size_t i = 0; i < pick.size(); ++i) pick[i] = (i * 7) % 3 == 0;
+  mt::Tensor cond = mt::tensor(pick, rc);
+  add({"where_tensor_number",
+       "torch.where(b, a, -0.75)",
+       {rng.normal(rc), cond},
+       "a",
+       [](const In& x) { return mt::where(x[1], x[0], -0.75); }},
+      true);
+  add({"where_number_tensor",
+       "torch.where(b, 2.5, a)",
+       {rng.normal(rc), cond},
+       "a",
+       [](const In& x) { return mt::where(x[1], 2.5, x[0]); }},
+      true);
+  // scaled_dot_product_attention with a float mask and with a bool mask (every query keeps a
+  // key), written out for torch 1.13, which has no F.scaled_dot_product_attention.
+  mt::Tensor q = rng.normal({2, 2, 4, 6}), k = rng.normal({2, 2, 5, 6}),
+             v = rng.normal({2, 2, 5, 3});
+  const std::string attention = "(a @ b.transpose(-1, -2)) / math.sqrt(a.shape[-1])";
+  add({"sdpa_float_mask",
+       fmt::format("torch.softmax({} + d, -1) @ c", attention),
+       {q, k, v, rng.normal({4, 5})},
+       "a,b,c",
+       [](const In& x) { return mt::scaled_dot_product_attention(x[0], x[1], x[2], x[3]); }},
+      true);
+  std::vector<bool> keep(2 * 4 * 5);
+  for (size_t i = 0; i < keep.size(); ++i) keep[i] = i % 5 == 0 || (i * 3) % 4 != 1;
+  add({"sdpa_bool_mask",
+       fmt::format("torch.softmax(({}).masked_fill(~d, float('-inf')), -1) @ c", attention),
+       {q, k, v, mt::tensor(keep, {2, 1, 4, 5})},
+       "a,b,c",
+       [](const In& x) { return mt::scaled_dot_product_attention(x[0], x[1], x[2], x[3]); }},
+      true);
+  return cases;
+}
+
+// The case's value, under bf16 autocast on a = a @ p when the case asks for it.
+mt::Tensor expr_forward(const ExprCase& c, std::vector<mt::Tensor> inputs, const mt::Tensor& p) {
+  std::optional<mt::autocast> guard;
+  if (c.autocast) {
+    guard.emplace(mt::bf16);
+    inputs[0] = mt::matmul(inputs[0], p);
+  }
+  return c.build(inputs);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Writing inputs.
 
@@ -1115,6 +1374,7 @@ struct SequenceCase {
   bool masks = false;    // mha: bool key padding and attention masks; else a float mask
   bool initial = false;  // lstm/gru: h0 (and c0) given
   int64_t layers = 1;
+  bool autocast = false;  // forward and backward under bf16 autocast in both libraries
 };
 const std::vector<SequenceCase>& sequence_cases() {
   static const std::vector<SequenceCase> cases = {
@@ -1123,6 +1383,12 @@ const std::vector<SequenceCase>& sequence_cases() {
       {"lstm_two_layers_initial", "lstm", false, false, false, true, 2},
       {"lstm_batch_first", "lstm", true},
       {"gru_two_layers_batch_first_initial", "gru", true, false, false, true, 2},
+      // Under bf16 autocast: torch's CPU autocast runs the projections and the gate matmuls
+      // (linear, matmul, bmm) in bf16, as mixtape's linear and matmul are under its policy.
+      {"mha_masks_bf16", "mha", false, false, true, false, 1, true},
+      {"mha_self_batch_first_float_mask_bf16", "mha", true, true, false, false, 1, true},
+      {"lstm_two_layers_initial_bf16", "lstm", false, false, false, true, 2, true},
+      {"gru_two_layers_batch_first_initial_bf16", "gru", true, false, false, true, 2, true},
   };
   return cases;
 }
@@ -1144,16 +1410,20 @@ mt::Shape batched(bool batch_first, int64_t time, int64_t features) {
   return batch_first ? mt::Shape{kSeqBatch, time, features} : mt::Shape{time, kSeqBatch, features};
 }
 
-void write_sequence_cases(const fs::path& dir, HostRandom& rng) {
-  uint64_t seed = 100;
+// The f32 cases or the autocast ones (written last, from their own draws, so that the cases
+// written after the f32 ones keep their inputs).
+void write_sequence_cases(const fs::path& dir, HostRandom& rng, bool autocast) {
+  uint64_t seed = autocast ? 200 : 100;
   for (const SequenceCase& c : sequence_cases()) {
+    if (c.autocast != autocast) continue;
     mt::Generator gen(seed++);
     std::unique_ptr<mt::Module> layer = sequence_layer(c, &gen);
     mt::NamedTensors data;
     mt::Metadata meta{{"kind", "seq"},
                       {"layer", c.layer},
                       {"batch_first", c.batch_first ? "1" : "0"},
-                      {"self", c.self ? "1" : "0"}};
+                      {"self", c.self ? "1" : "0"},
+                      {"autocast", c.autocast ? "1" : "0"}};
     if (c.layer == "mha") {
       meta.emplace_back("embed", std::to_string(kSeqEmbed));
       meta.emplace_back("heads", std::to_string(kSeqHeads));
@@ -1242,7 +1512,8 @@ void write_inputs(const fs::path& dir) {
                 {"scale_parameter", c.scale_parameter ? "1" : "0"},
                 {"warmup_init", c.warmup_init ? "1" : "0"},
                 {"clip_threshold", fmt::format("{}", c.clip_threshold)},
-                {"decay_rate", fmt::format("{}", c.decay_rate)}},
+                {"decay_rate", fmt::format("{}", c.decay_rate)},
+                {"onecycle", std::to_string(c.onecycle)}},
                {{"x", opt_x}, {"y", opt_y}}, &model);
   }
   for (const ScheduleCase& c : schedule_cases())
@@ -1333,7 +1604,7 @@ void write_inputs(const fs::path& dir) {
     for (const auto& [key, value] : c.options) meta.emplace_back(key, value);
     write_case(dir, "vision_" + c.name, meta, data);
   }
-  write_sequence_cases(dir, rng);
+  write_sequence_cases(dir, rng, false);
   for (const char* policy : {"fp32", "autocast-bf16"})
     write_case(
         dir, fmt::format("resnet_{}", policy),
@@ -1353,6 +1624,34 @@ void write_inputs(const fs::path& dir) {
                 {"dim", std::to_string(c.dim)},
                 {"autocast", c.autocast ? "1" : "0"}},
                {{"x", x}, {"p", p}, {"w", rng.normal(out)}});
+  }
+  HostRandom seq_rng(31337);
+  write_sequence_cases(dir, seq_rng, true);
+  HostRandom expr_rng(4242);
+  for (const ExprCase& c : expr_cases()) {
+    mt::NamedTensors data;
+    std::string names;
+    for (size_t i = 0; i < c.inputs.size(); ++i) {
+      const std::string n(1, static_cast<char>('a' + i));
+      data.emplace_back(n, c.inputs[i]);
+      names += (i ? "," : "") + n;
+    }
+    const int64_t width = c.inputs[0].size(-1);
+    mt::Tensor p = expr_rng.normal({width, width}, 0.5);
+    mt::Shape out;
+    {
+      mt::NoGradGuard no_grad;
+      out = expr_forward(c, c.inputs, p).shape();
+    }
+    data.emplace_back("p", p);
+    data.emplace_back("w", expr_rng.normal(out));
+    write_case(dir, "expr_" + c.name,
+               {{"kind", "expr"},
+                {"expr", c.expr},
+                {"names", names},
+                {"grads", c.grads},
+                {"autocast", c.autocast ? "1" : "0"}},
+               data);
   }
 }
 
@@ -1457,14 +1756,14 @@ class Comparison {
   }
 
   // Every parameter's gradient by name, and no parameter that torch knows and mixtape does not.
-  void check_grads(const mt::Module& model, const Case& c) {
+  void check_grads(const mt::Module& model, const Case& c, double tolerance = kGradTolerance) {
     std::set<std::string> torch_names;
     for (const auto& [name, value] : c.torch)
       if (name.starts_with("grad.") && name != "grad.input") torch_names.insert(name.substr(5));
     std::set<std::string> names;
     for (const auto& [name, p] : model.named_parameters()) {
       names.insert(name);
-      check("grad " + name, p.grad(), c.ref("grad." + name));
+      check("grad " + name, p.grad(), c.ref("grad." + name), tolerance);
     }
     EXPECT_EQ(names, torch_names) << id_;
   }
@@ -1576,6 +1875,10 @@ TEST_F(TorchParity, OptimizerTrajectoriesMatchTorchOptim) {
     mt::MLP model(kOptSizes, mt::Activation::Tanh);
     Case c = open_case(id, &model);
     std::unique_ptr<mt::Optimizer> opt = make_optimizer(config, model.parameters());
+    if (config.onecycle) {
+      opt->set_schedule(std::make_shared<mt::OneCycleLR>(config.lr, config.onecycle));
+      EXPECT_TRUE(opt->current_momentum().defined()) << "OneCycleLR cycles the momentum";
+    }
     Comparison cmp(id);
     std::map<std::string, std::vector<float>> initial;
     for (const auto& [name, p] : model.named_parameters()) initial[name] = p.to_vector<float>();
@@ -1688,9 +1991,11 @@ TEST_F(TorchParity, SchedulesMatchTorchLrScheduler) {
     std::shared_ptr<const mt::LRSchedule> schedule = sc.make();
     mt::Tensor p = mt::zeros({2}, mt::f64);
     p.requires_grad_();
+    std::vector<double> torch_momentum = c.ref("momentum").to_vector<double>();
     mt::SGD opt({p}, {.lr = 123.0});  // the schedule replaces this rate
     opt.set_schedule(schedule);
     std::set<double> distinct;
+    double buffer = 0;  // SGD's momentum buffer for a gradient of ones, when the momentum cycles
     for (int step = 0; step < sc.steps; ++step) {
       double expected = torch_lr[static_cast<size_t>(step)];
       distinct.insert(expected);
@@ -1698,12 +2003,23 @@ TEST_F(TorchParity, SchedulesMatchTorchLrScheduler) {
       EXPECT_NEAR(schedule->lr(step), expected, tolerance) << "host, step " << step;
       double graph = opt.current_lr().item();
       EXPECT_NEAR(graph, expected, tolerance) << "graph, step " << step;
+      // The momentum torch's OneCycleLR writes into the group (0, SGD's own, when it does not).
+      const double momentum = torch_momentum[static_cast<size_t>(step)];
+      std::optional<double> host = schedule->momentum(step);
+      mt::Tensor cycled = opt.current_momentum();
+      EXPECT_EQ(host.has_value(), cycled.defined());
+      EXPECT_NEAR(host.value_or(0.0), momentum, 1e-13) << "host momentum, step " << step;
+      if (cycled.defined()) {
+        EXPECT_NEAR(cycled.item(), momentum, 1e-13) << "graph momentum, step " << step;
+      }
+      buffer = cycled.defined() && step > 0 ? buffer * cycled.item() + 1.0 : 1.0;
       std::vector<double> before = p.to_vector<double>();
       opt.zero_grad();
       mt::sum(p).backward();
       opt.step();
       double moved = before[0] - p.to_vector<double>()[0];
-      EXPECT_NEAR(moved, graph, 1e-12 * std::abs(graph) + 1e-14 * std::abs(before[0]))
+      EXPECT_NEAR(moved, graph * buffer,
+                  1e-12 * std::abs(graph * buffer) + 1e-14 * std::abs(before[0]))
           << "update, step " << step;
     }
     EXPECT_GE(distinct.size(), 3u) << "a schedule that hardly changes proves little";
@@ -1893,6 +2209,37 @@ TEST_F(TorchParity, ResNet18StepMatchesTorch) {
   }
 }
 
+// The losses' class and element weights, kl_div's batchmean and where with numbers against
+// torch.nn.functional, value and gradients: f32 to 1e-5, under bf16 autocast to the bf16
+// tolerance.
+TEST_F(TorchParity, FunctionalOptionsMatchTorch) {
+  constexpr double kBf16Tolerance = 2e-2;  // test_precision's, for one bf16 rounding
+  for (const ExprCase& ec : expr_cases()) {
+    const std::string id = "expr_" + ec.name;
+    SCOPED_TRACE(id);
+    Case c = open_case(id);
+    std::vector<mt::Tensor> inputs;
+    for (size_t i = 0; i < ec.inputs.size(); ++i) {
+      const std::string n(1, static_cast<char>('a' + i));
+      inputs.push_back(c.input(n));
+      if (ec.grads.find(n) != std::string::npos) inputs.back().requires_grad_();
+    }
+    mt::Tensor y = expr_forward(ec, inputs, c.input("p"));
+    {
+      mt::autocast guard(ec.autocast ? mt::autocast_policy(mt::bf16) : mt::fp32_policy());
+      mt::sum(mt::cast(y, mt::f32) * c.input("w")).backward();
+    }
+    const double tolerance = ec.autocast ? kBf16Tolerance : kGradTolerance;
+    Comparison cmp(id);
+    cmp.check("value", mt::cast(y, mt::f32), c.ref("y"), tolerance);
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const std::string n(1, static_cast<char>('a' + i));
+      if (ec.grads.find(n) != std::string::npos)
+        cmp.check("grad " + n, inputs[i].grad(), c.ref("grad." + n), tolerance);
+    }
+  }
+}
+
 // MultiheadAttention (masks of both kinds, batch first, self-attention), LSTM and GRU (two
 // layers, initial states, batch first) load torch.nn's parameters by its names and match its
 // outputs, attention weights, final states and every gradient.
@@ -1903,6 +2250,10 @@ TEST_F(TorchParity, SequenceLayersMatchTorch) {
     std::unique_ptr<mt::Module> layer = sequence_layer(sc, nullptr);
     Case c = open_case(id, layer.get());
     Comparison cmp(id);
+    constexpr double kBf16Tolerance = 2e-2;  // test_precision's, for one bf16 rounding
+    const double tolerance = sc.autocast ? kBf16Tolerance : kGradTolerance;
+    mt::autocast guard(sc.autocast ? mt::autocast_policy(mt::bf16) : mt::fp32_policy());
+    auto f32 = [](const mt::Tensor& t) { return mt::cast(t, mt::f32); };
     std::vector<std::pair<std::string, mt::Tensor>> inputs;
     auto input = [&](const std::string& name) {
       mt::Tensor t = c.input(name);
@@ -1917,33 +2268,35 @@ TEST_F(TorchParity, SequenceLayersMatchTorch) {
       mt::Tensor k = sc.self ? q : input("key"), v = sc.self ? q : input("value");
       mt::Tensor padding = sc.masks ? c.input("key_padding_mask") : mt::Tensor();
       auto result = mha(q, k, v, padding, true, c.input("attn_mask"));
-      loss = mt::sum(result.output * c.input("w")) + mt::sum(result.weights * c.input("ww"));
+      loss =
+          mt::sum(f32(result.output) * c.input("w")) + mt::sum(f32(result.weights) * c.input("ww"));
       loss.backward();
-      cmp.check("output", result.output, c.ref("output"));
-      cmp.check("weights", result.weights, c.ref("weights"));
+      cmp.check("output", f32(result.output), c.ref("output"), tolerance);
+      cmp.check("weights", f32(result.weights), c.ref("weights"), tolerance);
     } else {
       mt::Tensor x = input("x");
       mt::Tensor h0 = sc.initial ? c.input("h0") : mt::Tensor();
       if (sc.layer == "lstm") {
         mt::Tensor c0 = sc.initial ? c.input("c0") : mt::Tensor();
         auto result = static_cast<mt::LSTM&>(*layer)(x, h0, c0);
-        loss = mt::sum(result.output * c.input("w")) + mt::sum(result.h_n * c.input("wh")) +
-               mt::sum(result.c_n * c.input("wc"));
+        loss = mt::sum(f32(result.output) * c.input("w")) +
+               mt::sum(f32(result.h_n) * c.input("wh")) + mt::sum(f32(result.c_n) * c.input("wc"));
         loss.backward();
-        cmp.check("output", result.output, c.ref("output"));
-        cmp.check("h_n", result.h_n, c.ref("h_n"));
-        cmp.check("c_n", result.c_n, c.ref("c_n"));
+        cmp.check("output", f32(result.output), c.ref("output"), tolerance);
+        cmp.check("h_n", f32(result.h_n), c.ref("h_n"), tolerance);
+        cmp.check("c_n", f32(result.c_n), c.ref("c_n"), tolerance);
       } else {
         auto result = static_cast<mt::GRU&>(*layer)(x, h0);
-        loss = mt::sum(result.output * c.input("w")) + mt::sum(result.h_n * c.input("wh"));
+        loss =
+            mt::sum(f32(result.output) * c.input("w")) + mt::sum(f32(result.h_n) * c.input("wh"));
         loss.backward();
-        cmp.check("output", result.output, c.ref("output"));
-        cmp.check("h_n", result.h_n, c.ref("h_n"));
+        cmp.check("output", f32(result.output), c.ref("output"), tolerance);
+        cmp.check("h_n", f32(result.h_n), c.ref("h_n"), tolerance);
       }
     }
     for (const auto& [name, t] : inputs)
-      cmp.check("grad " + name, t.grad(), c.ref("dinput." + name));
-    cmp.check_grads(*layer, c);
+      cmp.check("grad " + name, t.grad(), c.ref("dinput." + name), tolerance);
+    cmp.check_grads(*layer, c, tolerance);
   }
 }
 
