@@ -176,7 +176,8 @@ void SummaryWriter::set_step(int64_t step) {
 int64_t SummaryWriter::step() const { return state_->step; }
 
 void SummaryWriter::log_scaler(const GradScaler& scaler, const std::string& prefix) {
-  add_scalar(prefix + "loss_scale", scaler.scale_tensor());
+  // A disabled scaler keeps its initial scale but scales by 1, as get_scale() says.
+  add_scalar(prefix + "loss_scale", scaler.is_enabled() ? scaler.scale_tensor() : scalar(1.0));
   add_scalar(prefix + "skipped", scaler.found_inf());
 }
 

@@ -61,9 +61,9 @@ class SummaryWriter {
   void set_step(int64_t step);
   int64_t step() const;
 
-  /// "loss_scale": the scale this step used, and "skipped": 1 if its gradients held inf/NaN
-  /// and the step was skipped. Graph values (no sync); call after scaler.step(opt) and before
-  /// scaler.update().
+  /// "loss_scale": the scale this step used (1 for a disabled scaler), and "skipped": 1 if its
+  /// gradients held inf/NaN and the step was skipped. Graph values (no sync); call after
+  /// scaler.step(opt) and before scaler.update().
   void log_scaler(const GradScaler& scaler, const std::string& prefix = "");
   /// "lr" (or prefix + "lr"): the rate the optimizer's next step uses, its schedule's included.
   /// A graph value. An mt::Error for an optimizer that computes its own rate (Adafactor's

@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 # tests/tensorboard_roundtrip.py -- reads a mixtape SummaryWriter folder with TensorBoard's own
-# EventAccumulator and checks every scalar (tag, step, f32 bits) against a list of expectations.
+# EventAccumulator and checks every scalar (tag, step, f32 bits) against a list of expectations;
+# tools/plot_run.py's own small reader must read the same scalars.
 # Usage: tensorboard_roundtrip.py LOGDIR EXPECTED (lines "tag step f32-bits")
+import os
 import struct
 import sys
 
@@ -26,13 +28,21 @@ def main():
         print("missing:", sorted(set(expected) - set(got)))
         print("unexpected:", sorted(set(got) - set(expected)))
         return 1
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tools"))
+    import plot_run
+    own = []
+    for tag, points in plot_run.load_run(logdir).items():
+        own += [(tag, step, struct.unpack("<I", struct.pack("<f", v))[0]) for step, v in points]
+    if sorted(own) != sorted(expected):
+        print("plot_run's reader disagrees:", sorted(set(own) ^ set(expected)))
+        return 1
     histograms = acc.Histograms("weights")
     h = histograms[0].histogram_value
     if (len(histograms), histograms[0].step, h.num, h.sum, h.min, h.max, sum(h.bucket)) != (
             1, 5, 4.0, 2.0, -1.0, 2.0, 4.0):
         print("histogram:", histograms)
         return 1
-    print(f"tensorboard read {len(got)} scalars and the histogram back exactly")
+    print(f"tensorboard (and plot_run.py) read {len(got)} scalars and the histogram back exactly")
     return 0
 
 

@@ -1,9 +1,35 @@
 #!/usr/bin/env bash
 # tests/examples/loss_scaling_demo_test.sh -- the loss-scaling experiment shows what it claims:
 # fp16 without scaling loses at least half of the gradient values and its loss stays behind
-# fp32's; fp16 with dynamic scaling and bf16 end within 2% (relative) of fp32's loss.
+# fp32's; fp16 with dynamic scaling and bf16 end within 2% (relative) of fp32's loss. The run
+# also writes --logdir event files, which must not change the numbers, and tools/plot_run.py
+# draws them into a PNG.
 set -euo pipefail
-line=$("$1" 300 | tail -n 1)
+logdir=$(mktemp -d)
+trap 'rm -rf "$logdir"' EXIT
+line=$("$1" 300 --logdir "$logdir/runs" | tail -n 1)
+plain=$("$1" 300 | tail -n 1)
+if [[ "$line" != "$plain" ]]; then
+  echo "FAIL: --logdir changed the results: $line vs $plain" >&2
+  exit 1
+fi
+echo "ok: --logdir leaves the results unchanged"
+for run in fp32 fp16 fp16_dynamic_scaling bf16; do
+  if ! ls "$logdir/runs/$run"/events.out.tfevents.* > /dev/null 2>&1; then
+    echo "FAIL: no event file for run $run" >&2
+    exit 1
+  fi
+done
+# Debian's interpreter, where python3-matplotlib (tools/install_deps.sh --test) is installed.
+python=/usr/bin/python3
+[[ -x $python ]] || python=python3
+"$python" "$(dirname "$0")/../../tools/plot_run.py" "$logdir/runs" -o "$logdir/plot.png"
+size=$(stat -c %s "$logdir/plot.png")
+if ((size < 20000)); then
+  echo "FAIL: plot_run.py wrote only $size bytes" >&2
+  exit 1
+fi
+echo "ok: plot_run.py drew the four runs ($size bytes)"
 python3 - "$line" <<'PY'
 import json, sys
 runs = {r["run"]: r for r in json.loads(sys.argv[1])["runs"]}
