@@ -128,6 +128,11 @@ SummaryWriter::SummaryWriter(const std::string& dir, SummaryWriterOptions option
   // The first event names the format version, as every TensorFlow writer's does.
   state_->buffer = tfevents::frame_record(tfevents::encode_event(start, 0, "brain.Event:2", {}));
   flush();
+  // The new name is durable once its folder is synced too.
+  int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  bool synced = dir_fd >= 0 && ::fsync(dir_fd) == 0;
+  if (dir_fd >= 0) ::close(dir_fd);
+  if (!synced) fail("SummaryWriter: cannot sync the folder '{}': {}", dir, std::strerror(errno));
 }
 
 SummaryWriter::~SummaryWriter() {

@@ -333,7 +333,10 @@ TEST(SummaryWriter, CompiledStepValuesAreCapturedEveryCall) {
       losses.push_back(out[0].item());
       norms.push_back(out[1].item());
     }
-    EXPECT_GT(step_fn.stats().replays, 0) << step_fn.stats().reason;
+    // The reference executor traces every call; elsewhere the values come from replays.
+    if (mt::current_device() != mt::Device::reference) {
+      EXPECT_GT(step_fn.stats().replays, 0) << step_fn.stats().reason;
+    }
   }
   std::map<std::string, std::vector<std::pair<int64_t, float>>> by_tag;
   for (const auto& [tag, step, value] : scalars_of(path)) by_tag[tag].emplace_back(step, value);
