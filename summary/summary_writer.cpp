@@ -25,6 +25,7 @@ namespace {
 // a TensorBoard watching the run sees them; TensorBoard's own writer flushes every 120 s.
 constexpr double kWriteIntervalSeconds = 5;
 constexpr size_t kWriteBufferBytes = 1 << 16;
+constexpr size_t kMaxPending = 1 << 14;
 
 double now_seconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
@@ -56,10 +57,12 @@ struct SummaryWriter::State {
     if (fd >= 0) ::close(fd);
   }
 
+  // Taken out of the buffer first: after a failed write its events are lost, never written twice.
   void write_buffer() {
-    if (!buffer.empty()) write_all(fd, buffer.data(), buffer.size(), "summary event file " + path);
+    std::string out = std::move(buffer);
     buffer.clear();
     last_write = now_seconds();
+    if (!out.empty()) write_all(fd, out.data(), out.size(), "summary event file " + path);
   }
 
   void append(int64_t event_step, const std::vector<tfevents::Value>& values) {
@@ -87,8 +90,11 @@ struct SummaryWriter::State {
     write_buffer();
   }
 
+  // Also when many values wait (many tags, or steps set backwards), to bound what is kept.
   void maybe_fetch() {
-    if (!pending.empty() && step - pending.front().step >= options.fetch_every) fetch();
+    if (!pending.empty() &&
+        (step - pending.front().step >= options.fetch_every || pending.size() >= kMaxPending))
+      fetch();
   }
 
   // Inside a step compiled by mt::compile: the value of every call, at the writer's step then.
