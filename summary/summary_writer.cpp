@@ -165,7 +165,11 @@ void SummaryWriter::add_scalar(const std::string& tag, const Tensor& value) {
   scalar_value = cast(scalar_value, value.dtype() == f64 ? f32 : f64);
   if (on_each_call(std::make_shared<State::CaptureEachCall>(state_, tag), {scalar_value.node()}))
     return;
-  state_->pending.push_back({tag, state_->step, scalar_value});
+  // Outside a compiled step: computed by the next evaluation of anything (the next training
+  // step's program), which then keeps only the value, not the graph that made it.
+  Tensor holder = zeros({}, scalar_value.dtype());
+  holder.assign_later(scalar_value);
+  state_->pending.push_back({tag, state_->step, holder});
   state_->maybe_fetch();
 }
 
