@@ -79,7 +79,7 @@ RunResult train(const Setup& setup, const std::string& name, const std::string& 
   RunResult result{.name = name};
   std::unique_ptr<mt::SummaryWriter> writer =
       examples::open_logdir(setup.logdir.empty() ? "" : setup.logdir + "/" + folder);
-  examples::ProgressLine progress(setup.steps, false);
+  examples::ProgressLine progress(setup.steps, false, name);
   double loss_sum = 0;
   for (int64_t step = 1; step <= setup.steps; ++step) {
     if (writer) writer->set_step(step);

@@ -19,8 +19,11 @@ namespace examples {
 /// example prints only its JSON line.
 class ProgressLine {
  public:
-  ProgressLine(int64_t total_steps, bool json_only)
-      : total_(total_steps), on_(!json_only && isatty(STDOUT_FILENO) != 0) {}
+  /// `label` (e.g. the run's name) starts the line.
+  ProgressLine(int64_t total_steps, bool json_only, std::string label = "")
+      : total_(total_steps),
+        on_(!json_only && isatty(STDOUT_FILENO) != 0),
+        label_(label.empty() ? "" : label + ": ") {}
   ~ProgressLine() { finish(); }
   ProgressLine(const ProgressLine&) = delete;
   ProgressLine& operator=(const ProgressLine&) = delete;
@@ -37,8 +40,8 @@ class ProgressLine {
     double seconds = std::chrono::duration<double>(last_ - start_).count();
     double rate = seconds > 0 ? static_cast<double>(step) / seconds : 0;
     double eta = rate > 0 ? static_cast<double>(total_ - step) / rate : 0;
-    std::string line = fmt::format("step {}/{}  loss {:.4f}  {:.1f} steps/s  ETA {}", step, total_,
-                                   loss, rate, clock_time(eta));
+    std::string line = fmt::format("{}step {}/{}  loss {:.4f}  {:.1f} steps/s  ETA {}", label_,
+                                   step, total_, loss, rate, clock_time(eta));
     if (scale > 0) line += fmt::format("  scale {:g}", scale);
     // Padding clears what a longer previous line left.
     std::printf("\r%-*s", static_cast<int>(std::max(line.size(), width_)), line.c_str());
@@ -61,6 +64,7 @@ class ProgressLine {
   }
   int64_t total_;
   bool on_;
+  std::string label_;
   bool drawn_ = false;
   size_t width_ = 0;
   Clock::time_point start_ = Clock::now(), last_{};

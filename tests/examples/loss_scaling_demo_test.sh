@@ -30,6 +30,20 @@ if ((size < 20000)); then
   exit 1
 fi
 echo "ok: plot_run.py drew the four runs ($size bytes)"
+# The progress line: off when stdout is not a terminal, redrawn with \r on one (script(1) gives
+# the run a pseudo-terminal).
+if "$1" 20 | grep -q $'\r'; then
+  echo "FAIL: a progress line was drawn into a pipe" >&2
+  exit 1
+fi
+if command -v script > /dev/null; then
+  drawn=$(script -qec "$1 20" /dev/null)
+  if ! grep -q $'\rfp32: step 20/20  loss [0-9.]*  [0-9.]* steps/s  ETA 0:00  scale 1' <<< "$drawn"; then
+    echo "FAIL: no progress line on a terminal: $drawn" >&2
+    exit 1
+  fi
+  echo "ok: the progress line is drawn on a terminal only"
+fi
 python3 - "$line" <<'PY'
 import json, sys
 runs = {r["run"]: r for r in json.loads(sys.argv[1])["runs"]}
