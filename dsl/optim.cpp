@@ -638,8 +638,7 @@ std::string Adafactor::impossible_state(const std::string& name, const Storage& 
   return negative_element(values, "a running mean of squared gradients");
 }
 
-Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
-  if (!(max_norm > 0)) fail("clip_grad_norm: max_norm must be > 0, got {}", max_norm);
+Tensor grad_norm(const std::vector<Tensor>& params) {
   NoGradGuard no_grad;
   Tensor total;
   for (const Tensor& p : params) {
@@ -648,8 +647,16 @@ Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
     Tensor squares = sum(square(cast(g, f32)));
     total = total.defined() ? total + squares : squares;
   }
-  if (!total.defined()) return scalar(0.0);
-  Tensor norm = sqrt(total);
+  return total.defined() ? sqrt(total) : scalar(0.0);
+}
+
+Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
+  if (!(max_norm > 0)) fail("clip_grad_norm: max_norm must be > 0, got {}", max_norm);
+  NoGradGuard no_grad;
+  bool any_grad = false;
+  for (const Tensor& p : params) any_grad = any_grad || p.grad().defined();
+  if (!any_grad) return scalar(0.0);
+  Tensor norm = grad_norm(params);
   Tensor coefficient = minimum(max_norm / (norm + 1e-6), scalar(1.0));
   for (const Tensor& p : params) {
     Tensor g = p.grad();

@@ -307,6 +307,10 @@ class Adafactor : public Optimizer {
   Tensor beta2t_, rest_, rate_;  // this step's decay, 1 - decay and relative rate (0-d f64)
 };
 
+/// The global L2 norm of the gradients of `params` (each squared in f32 and summed), a 0-d f32
+/// graph value: what clip_grad_norm clips by. 0 when none has a gradient.
+Tensor grad_norm(const std::vector<Tensor>& params);
+
 /// Scales all gradients so that their global L2 norm is at most max_norm; returns the norm
 /// before clipping (a graph value: reading it is the only host sync).
 Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm);

@@ -14,6 +14,7 @@
 
 #include "char_gpt_model.h"
 #include "jit/aot_export.h"
+#include "progress_line.h"
 #include "runtime/atomic_file.h"
 
 namespace {
@@ -42,6 +43,7 @@ struct Options {
   bool json_only = false;
   bool compile = true;     // the training step through mt::compile (traced twice, then replayed)
   std::string export_dir;  // --export: the trained model as a C library (examples/deploy/)
+  std::string logdir;      // --logdir: TensorBoard event files of the run
 };
 
 // What --export writes: the artifact char_gpt (logits f32 [batch, context, vocab] for tokens i64
@@ -56,6 +58,7 @@ constexpr const char* kUsage =
     "                [--eval-every N] [--eval-batches N] [--sample N] [--temperature X (0: "
     "greedy)]\n"
     "                [--prompt TEXT] [--seed N] [--json] [--no-compile] [--export DIR]\n"
+    "                [--logdir DIR]\n"
     "                [--policy fp32|autocast-f16|autocast-bf16|pure-f16|pure-bf16]\n"
     "                [--loss-scale none|static:N|dynamic]\n";
 
@@ -133,6 +136,8 @@ Options parse(int argc, char** argv) {
       o.export_dir = value();
     else if (flag == "--json")
       o.json_only = true;
+    else if (flag == "--logdir")
+      o.logdir = value();
     else if (flag == "--help" || flag == "-h")
       std::printf("%s", kUsage), std::exit(0);
     else
@@ -298,6 +303,10 @@ int run(const Options& o) {
 
   using Clock = std::chrono::steady_clock;
   double train_seconds = 0, train_loss = 0, val_loss = 0, last_batch_loss = 0;
+  examples::ProgressLine progress(o.steps, o.json_only);
+  std::unique_ptr<mt::SummaryWriter> writer = examples::open_logdir(o.logdir);
+  // gradient_health reads every gradient on the host: a few dozen times a run.
+  int64_t health_every = std::max<int64_t>(1, o.steps / 30);
   // One training step as a function of the batch, so that mt::compile replays it (unless
   // --no-compile); the learning rate is set outside it (set_lr writes a graph input in place).
   auto train_step = [&](const mt::Tensor& inputs, const mt::Tensor& targets) {
@@ -309,13 +318,24 @@ int run(const Options& o) {
       loss = model.loss(inputs, targets);
     }
     scaler.scale(loss).backward();
+    mt::Tensor norm;
     if (o.clip > 0) {
       scaler.unscale_(decay_optimizer);
       scaler.unscale_(plain_optimizer);
-      mt::clip_grad_norm(model.parameters(), o.clip);
+      norm = mt::clip_grad_norm(model.parameters(), o.clip);
     }
     scaler.step(decay_optimizer);
     scaler.step(plain_optimizer);
+    if (writer) {  // graph values, read every 100 steps: no host sync in the step
+      writer->add_scalar("loss", loss);
+      writer->log_scaler(scaler);
+      writer->log_learning_rate(decay_optimizer);
+      // The norm before clipping, as clipping saw it (clip_grad_norm's own value).
+      if (norm.defined())
+        writer->add_scalar("grad_norm", norm);
+      else
+        writer->log_grad_norm(model.parameters());
+    }
     scaler.update();
     return loss;
   };
@@ -326,14 +346,23 @@ int run(const Options& o) {
     double lr = schedule->lr(step - 1);
     decay_optimizer.set_lr(lr);
     plain_optimizer.set_lr(lr);
+    if (writer) writer->set_step(step);
     mt::Tensor loss = o.compile ? compiled_step(batch.inputs, batch.targets)
                                 : train_step(batch.inputs, batch.targets);
+    if (writer) writer->log_gradient_health(model, health_every);
     bool report = step % o.eval_every == 0 || step == o.steps;
     if (report) last_batch_loss = loss.item();
     train_seconds += std::chrono::duration<double>(Clock::now() - start).count();
+    if (progress.due(step))
+      progress.update(step, loss.item(), scaler.is_enabled() ? scaler.get_scale() : 0);
     if (!report) continue;
+    progress.finish();
     train_loss = estimate_loss(model, train, o.eval_batches, o.batch, eval_seed, policy);
     val_loss = estimate_loss(model, validation, o.eval_batches, o.batch, eval_seed, policy);
+    if (writer) {
+      writer->add_scalar("eval/train_loss", train_loss, step);
+      writer->add_scalar("eval/val_loss", val_loss, step);
+    }
     double tokens_per_s =
         static_cast<double>(step * o.batch * config.context) / std::max(train_seconds, 1e-9);
     if (!o.json_only) {
@@ -346,6 +375,7 @@ int run(const Options& o) {
   }
   double tokens_per_s =
       static_cast<double>(o.steps * o.batch * config.context) / std::max(train_seconds, 1e-9);
+  if (writer) writer->flush();
 
   model.eval();
   mt::Generator sample_generator(o.seed ^ 0x73616d706c65ULL);

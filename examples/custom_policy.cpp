@@ -1,14 +1,16 @@
 // examples/custom_policy.cpp -- extending mixtape with a precision policy of one's own: the first
 // and last layer and every softmax in f32, everything else in bf16, on a small attention model
-// trained on the UCI digits. Prints the precision report's f32 rows and a JSON line.
+// trained on the UCI digits. Prints the precision report's f32 rows, its per-module summary and a
+// JSON line; --logdir DIR writes the run's TensorBoard event files.
 #include <mixtape/mixtape.h>
 
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <set>
 #include <string>
+
+#include "progress_line.h"
 
 namespace mt = mixtape;
 
@@ -74,7 +76,7 @@ std::string storage_of(const mt::PrecisionReport& report, const std::string& mod
   return types.size() == 1 ? *types.begin() : "mixed";
 }
 
-int run(int64_t steps) {
+int run(int64_t steps, const std::string& logdir) {
   mt::manual_seed(0);
   mt::Digits digits = mt::load_digits(mt::default_data_dir() + "/digits.csv.gz");
   mt::TensorDataset train = split(digits, 0, 1437), test = split(digits, 1437, digits.count());
@@ -85,7 +87,9 @@ int run(int64_t steps) {
 
   double first_loss = 0, final_loss = 0;
   mt::PrecisionReport report;
+  std::unique_ptr<mt::SummaryWriter> writer = examples::open_logdir(logdir);
   for (int64_t step = 1; step <= steps; ++step) {
+    if (writer) writer->set_step(step);
     mt::Batch batch = loader.next();
     optimizer.zero_grad();
     mt::Tensor logits;
@@ -103,23 +107,27 @@ int run(int64_t steps) {
       report = mt::precision_report(outputs);
     }
     optimizer.step();
+    if (writer) {
+      writer->add_scalar("loss", loss);
+      writer->log_grad_norm(net.parameters());
+      writer->log_learning_rate(optimizer);
+      writer->log_gradient_health(net, 10);
+    }
     final_loss = loss.item();
     if (step == 1) first_loss = final_loss;
     if (step % 20 == 0 || step == steps)
       std::printf("step %lld loss %.4f\n", static_cast<long long>(step), final_loss);
   }
 
-  // The excerpt: the forward nodes that the policy put in f32, and a count of the rest.
+  // The excerpt: the forward nodes that the policy put in f32; then the tally of every node.
   mt::PrecisionReport excerpt;
-  std::map<std::string, int> counts;
   for (const mt::PrecisionRow& row : report.rows) {
-    ++counts[fmt::format("{} {}", row.backward ? "backward" : "forward", mt::name(row.storage))];
     bool f32_rule = row.rule.starts_with("custom: first") || row.rule.starts_with("custom: soft");
     if (!row.backward && f32_rule) excerpt.rows.push_back(row);
   }
   std::printf("\nprecision report, forward nodes the policy keeps in f32:\n%s",
               excerpt.table().c_str());
-  for (const auto& [what, count] : counts) std::printf("  %4d %s nodes\n", count, what.c_str());
+  std::printf("\nper module and (storage, compute) pair:\n%s", report.summary().c_str());
 
   net.eval();
   mt::NoGradGuard no_grad;
@@ -159,11 +167,14 @@ int run(int64_t steps) {
 
 int main(int argc, char** argv) {
   int64_t steps = 200;
+  std::string logdir;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--steps") == 0 && i + 1 < argc) {
       steps = std::atoll(argv[++i]);
+    } else if (std::strcmp(argv[i], "--logdir") == 0 && i + 1 < argc) {
+      logdir = argv[++i];
     } else {
-      std::fprintf(stderr, "usage: custom_policy [--steps N]\n");
+      std::fprintf(stderr, "usage: custom_policy [--steps N] [--logdir DIR]\n");
       return 2;
     }
   }
@@ -172,7 +183,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    return run(steps);
+    return run(steps, logdir);
   } catch (const mt::Error& e) {
     std::fprintf(stderr, "custom_policy: error: %s\n", e.what());
     return 1;

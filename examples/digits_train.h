@@ -14,6 +14,8 @@
 #include <random>
 #include <string>
 
+#include "progress_line.h"
+
 namespace digits {
 
 namespace mt = mixtape;
@@ -39,11 +41,13 @@ struct Options {
   std::string export_dir;  // --export: the trained model as C libraries (examples/deploy/)
   bool json_only = false;
   bool compile = true;  // the step through mt::compile (traced twice, then replayed)
+  std::string logdir;   // --logdir: TensorBoard event files of the run
 };
 
 constexpr const char* kUsage =
     "usage: %s [--steps N] [--batch N] [--lr X] [--optimizer sgd|adamw] [--seed N]\n"
     "    [--no-shuffle] [--load FILE] [--save FILE] [--export DIR] [--json] [--no-compile]\n"
+    "    [--logdir DIR]\n"
     "    [--label-smoothing X] [--noise STDDEV] [--shift PIXELS] [--[no-]cosine]\n"
     "    [--policy fp32|autocast-f16|autocast-bf16|pure-f16|pure-bf16]\n"
     "    [--loss-scale none|static:N|dynamic]\n";
@@ -123,6 +127,8 @@ inline Options parse(const std::string& example, const Defaults& defaults, int a
       o.compile = true;
     else if (flag == "--json")
       o.json_only = true;
+    else if (flag == "--logdir")
+      o.logdir = value();
     else if (flag == "--help" || flag == "-h")
       std::printf(kUsage, example.c_str()), std::exit(0);
     else
@@ -165,18 +171,11 @@ inline mt::Tensor shifted(const mt::Tensor& pixels, int64_t shift, std::mt19937_
   return mt::tensor(out, pixels.shape());
 }
 
-inline void progress(const Options& o, bool terminal, int64_t step, double loss, double rate) {
-  if (o.json_only) return;
-  if (terminal) {
-    int width = 30, done = static_cast<int>(width * step / o.steps);
-    std::printf("\r[%-*s] step %lld/%lld  loss %.4f  %.0f steps/s", width,
-                std::string(done, '#').c_str(), static_cast<long long>(step),
-                static_cast<long long>(o.steps), loss, rate);
-    if (step == o.steps) std::printf("\n");
-    std::fflush(stdout);
-  } else {
+// Where stdout is not a terminal (a log file), a plain line now and then instead of the
+// progress line.
+inline void log_line(const Options& o, int64_t step, double loss, double rate) {
+  if (!o.json_only)
     std::printf("step %lld loss %.4f steps/s %.1f\n", static_cast<long long>(step), loss, rate);
-  }
 }
 
 /// Trains `net` (digit logits [batch, 10] from pixels [batch, 64]) on the first 1437 digits and
@@ -213,7 +212,12 @@ int run(const Options& o, Model& net) {
   mt::CosineWithWarmup cosine(o.lr, 0, o.steps);
   mt::CrossEntropyOptions loss_options{.label_smoothing = o.label_smoothing};
   bool terminal = isatty(STDOUT_FILENO) != 0;
-  int64_t report_every = std::max<int64_t>(1, o.steps / (terminal ? 100 : 10));
+  int64_t report_every = std::max<int64_t>(1, o.steps / 10);
+  examples::ProgressLine progress(o.steps, o.json_only);
+  std::unique_ptr<mt::SummaryWriter> writer = examples::open_logdir(o.logdir);
+  bool log_in_step = writer != nullptr;  // not in the exported step
+  // gradient_health reads every gradient on the host: a few dozen times a run.
+  int64_t health_every = std::max<int64_t>(1, o.steps / 30);
   // One training step; the loop feeds it noisy batches, and --export writes it as
   // <example>_train (the noise, the learning-rate schedule and the data stay outside).
   auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
@@ -225,6 +229,12 @@ int run(const Options& o, Model& net) {
     }
     scaler.scale(loss).backward();
     scaler.step(*optimizer);
+    if (log_in_step) {  // graph values, read every 100 steps: no host sync in the step
+      writer->add_scalar("loss", loss);
+      writer->log_scaler(scaler);
+      writer->log_learning_rate(*optimizer);
+      writer->log_grad_norm(net.parameters());
+    }
     scaler.update();
     return loss;
   };
@@ -240,15 +250,22 @@ int run(const Options& o, Model& net) {
         o.shift > 0 ? shifted(batch.inputs, o.shift, shift_generator) : batch.inputs;
     if (o.noise > 0)
       inputs = inputs + mt::randn(inputs.shape(), mt::f32, &noise_generator, 0, o.noise);
+    if (writer) writer->set_step(step);
     mt::Tensor loss =
         o.compile ? compiled_step(inputs, batch.targets) : train_step(inputs, batch.targets);
-    if (step % report_every == 0 || step == o.steps) {
-      loss_value = loss.item();
+    if (writer) writer->log_gradient_health(net, health_every);
+    if (step == o.steps) loss_value = loss.item();
+    if (progress.due(step)) {
+      progress.update(step, loss.item(), scaler.is_enabled() ? scaler.get_scale() : 0);
+    } else if (!terminal && (step % report_every == 0 || step == o.steps)) {
       double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      progress(o, terminal, step, loss_value, static_cast<double>(step) / seconds);
+      log_line(o, step, loss.item(), static_cast<double>(step) / seconds);
     }
   }
+  progress.finish();
+  log_in_step = false;
+  if (writer) writer->flush();
   double train_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 

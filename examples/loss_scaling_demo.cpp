@@ -6,17 +6,28 @@
 // start from the same weights and see the same batches: fp32; autocast-f16 without scaling (the
 // gradients underflow to zero and the model stops learning); autocast-f16 with dynamic loss
 // scaling (it learns like fp32); autocast-bf16 without scaling (bf16 has fp32's range).
+// --logdir DIR writes each run's TensorBoard event files into DIR/<run> (tools/plot_run.py DIR/*
+// draws them: loss, loss scale with skipped steps, gradient underflow).
 #include <mixtape/mixtape.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <memory>
 #include <string>
+
+#include "progress_line.h"
 
 namespace mt = mixtape;
 
 namespace {
 
 constexpr double kLossWeight = 1.0 / 1048576;  // 2^-20, exact in every float type
+
+// --growth-interval: the dynamic scaler doubles its scale after that many finite steps; a short
+// one (20 over 600 steps) shows it growing until gradients overflow, skipping and backing off.
+constexpr const char* kUsage =
+    "usage: loss_scaling_demo [STEPS (default 300)] [--logdir DIR] [--growth-interval N]\n";
 
 struct Net : mt::Module {
   mt::Linear fc1{64, 128}, fc2{128, 128}, fc3{128, 10};
@@ -40,6 +51,8 @@ struct Setup {
   mt::TensorDataset train;
   int64_t steps;
   mt::NamedTensors initial;
+  std::string logdir;  // empty: no event files
+  int64_t growth_interval;
 };
 
 // Counts gradient values that are zero in this run although the fp32 run's are not.
@@ -55,16 +68,21 @@ double lost_fraction(const std::vector<std::vector<float>>& grads,
   return total ? static_cast<double>(lost) / static_cast<double>(total) : 0;
 }
 
-RunResult train(const Setup& setup, const std::string& name, const mt::PolicyPtr& policy,
-                bool scaling, std::vector<std::vector<float>>* first_grads) {
+RunResult train(const Setup& setup, const std::string& name, const std::string& folder,
+                const mt::PolicyPtr& policy, bool scaling,
+                std::vector<std::vector<float>>* first_grads) {
   Net net;
   net.load_state_dict(setup.initial);
   mt::SGD optimizer(net.parameters(), {.lr = 0.05 / kLossWeight, .momentum = 0.9});
-  mt::GradScaler scaler({.enabled = scaling});
+  mt::GradScaler scaler({.growth_interval = setup.growth_interval, .enabled = scaling});
   mt::DataLoader loader(setup.train, 64, true, /*seed=*/1);
   RunResult result{.name = name};
+  std::unique_ptr<mt::SummaryWriter> writer =
+      examples::open_logdir(setup.logdir.empty() ? "" : setup.logdir + "/" + folder);
+  examples::ProgressLine progress(setup.steps, false, name);
   double loss_sum = 0;
   for (int64_t step = 1; step <= setup.steps; ++step) {
+    if (writer) writer->set_step(step);
     mt::Batch batch = loader.next();
     optimizer.zero_grad();
     mt::Tensor loss;
@@ -85,9 +103,18 @@ RunResult train(const Setup& setup, const std::string& name, const mt::PolicyPtr
       }
     }
     scaler.step(optimizer);
+    if (writer) {
+      writer->add_scalar("loss", loss);
+      writer->log_scaler(scaler);
+      // Every 5th step: the share of weight-gradient values that are exactly zero (underflowed
+      // in the 16-bit backward, besides ReLU's zeros) and what f16 would flush at scale 1.
+      writer->log_gradient_health(net, 5);
+    }
     scaler.update();
     if (step > setup.steps - 20) loss_sum += loss.item();
+    if (progress.due(step)) progress.update(step, loss.item(), scaler.get_scale());
   }
+  progress.finish();
   result.final_loss = loss_sum / 20;
   result.skipped_steps = scaler.skipped_steps();
   result.final_scale = scaler.get_scale();
@@ -98,11 +125,30 @@ RunResult train(const Setup& setup, const std::string& name, const mt::PolicyPtr
 
 int main(int argc, char** argv) {
   try {
-    int64_t steps = argc > 1 ? std::atoll(argv[1]) : 300;
-    if (steps < 20) {
+    int64_t steps = 300;
+    std::string logdir;
+    int64_t growth_interval = 2000;  // PyTorch's default
+    bool bad = false;
+    for (int i = 1; i < argc; ++i) {
+      if (std::strcmp(argv[i], "--logdir") == 0 && i + 1 < argc) {
+        logdir = argv[++i];
+      } else if (std::strcmp(argv[i], "--growth-interval") == 0 && i + 1 < argc) {
+        growth_interval = std::atoll(argv[++i]);
+        if (growth_interval < 1) bad = true;
+      } else if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
+        std::printf(kUsage);
+        return 0;
+      } else {
+        char* end = nullptr;
+        steps = std::strtoll(argv[i], &end, 10);
+        if (*argv[i] == '\0' || *end != '\0') bad = true;
+      }
+    }
+    if (bad || steps < 20) {
       std::fprintf(stderr,
-                   "loss_scaling_demo: steps must be at least 20 (usage: "
-                   "loss_scaling_demo [STEPS])\n");
+                   "loss_scaling_demo: steps must be a number of at least 20 and the growth "
+                   "interval at least 1\n%s",
+                   kUsage);
       return 2;
     }
     mt::Digits digits = mt::load_digits(mt::default_data_dir() + "/digits.csv.gz");
@@ -112,15 +158,17 @@ int main(int argc, char** argv) {
     mt::manual_seed(0);
     Net initial_net;
     Setup setup{mt::TensorDataset(std::move(pixels), {64}, std::move(labels)), steps,
-                initial_net.state_dict()};
+                initial_net.state_dict(), logdir, growth_interval};
 
     std::vector<std::vector<float>> g32, g16, g16s, gbf;
     std::vector<RunResult> runs;
-    runs.push_back(train(setup, "fp32", mt::fp32_policy(), false, &g32));
-    runs.push_back(train(setup, "fp16 (no scaling)", mt::autocast_policy(mt::f16), false, &g16));
+    runs.push_back(train(setup, "fp32", "fp32", mt::fp32_policy(), false, &g32));
     runs.push_back(
-        train(setup, "fp16 + dynamic scaling", mt::autocast_policy(mt::f16), true, &g16s));
-    runs.push_back(train(setup, "bf16 (no scaling)", mt::autocast_policy(mt::bf16), false, &gbf));
+        train(setup, "fp16 (no scaling)", "fp16", mt::autocast_policy(mt::f16), false, &g16));
+    runs.push_back(train(setup, "fp16 + dynamic scaling", "fp16_dynamic_scaling",
+                         mt::autocast_policy(mt::f16), true, &g16s));
+    runs.push_back(
+        train(setup, "bf16 (no scaling)", "bf16", mt::autocast_policy(mt::bf16), false, &gbf));
     runs[0].underflow_fraction = lost_fraction(g32, g32);
     runs[1].underflow_fraction = lost_fraction(g16, g32);
     runs[2].underflow_fraction = lost_fraction(g16s, g32);

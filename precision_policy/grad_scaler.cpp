@@ -86,6 +86,12 @@ Tensor GradScaler::combined_found_inf() const {
   return combined;
 }
 
+Tensor GradScaler::found_inf() const {
+  Tensor combined = combined_found_inf();
+  NoGradGuard no_grad;
+  return combined.defined() ? cast(ne(combined, zeros({}, f32)), f32) : zeros({}, f32);
+}
+
 Tensor GradScaler::scale(const Tensor& loss) {
   if (!loss.defined()) fail("GradScaler.scale: the loss is an undefined tensor");
   if (!options_.enabled) return loss;

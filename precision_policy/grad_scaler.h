@@ -83,6 +83,10 @@ class GradScaler {
   /// Whether each update() saw inf/NaN gradients (its steps were skipped), oldest first.
   std::vector<bool> skip_history() const;
 
+  /// 1 if a gradient of an optimizer stepped since the last update() held inf/NaN (its step is
+  /// skipped), else 0: a 0-d f32 graph value, for logging without a sync (SummaryWriter). 0
+  /// when nothing was stepped (or the scaler is disabled).
+  Tensor found_inf() const;
   /// The scale and growth tracker as graph values (0-d f32, 0-d i32).
   const Tensor& scale_tensor() const { return scale_; }
   const Tensor& growth_tracker_tensor() const { return tracker_; }

@@ -1,6 +1,9 @@
 // precision_policy/report.cpp -- collects the graph's precision decisions as a table and as JSON.
 #include "precision_policy/report.h"
 
+#include <algorithm>
+#include <unordered_map>
+
 #include "dsl/json.h"
 #include "precision_policy/assign.h"
 
@@ -31,6 +34,44 @@ std::string PrecisionReport::table() const {
                        r.module_path.empty() ? "-" : r.module_path, to_string(r.shape),
                        name(r.storage), name(r.compute), name(r.accum), r.backward ? "bwd" : "fwd",
                        r.rule);
+  return out;
+}
+
+std::string PrecisionReport::summary() const {
+  struct Tally {
+    std::string module;
+    DType storage, compute;
+    int64_t forward = 0, backward = 0;
+  };
+  std::vector<Tally> all;
+  auto count = [](std::vector<Tally>& tallies, const std::string& module, const PrecisionRow& r) {
+    auto it = std::find_if(tallies.begin(), tallies.end(), [&](const Tally& t) {
+      return t.module == module && t.storage == r.storage && t.compute == r.compute;
+    });
+    if (it == tallies.end()) it = tallies.insert(tallies.end(), {module, r.storage, r.compute});
+    ++(r.backward ? it->backward : it->forward);
+  };
+  // Grouped by module in order of first appearance, so a module's pairs sit together.
+  std::unordered_map<std::string, size_t> module_index;
+  std::vector<std::vector<Tally>> by_module;
+  for (const PrecisionRow& r : rows) {
+    std::string module = r.module_path.empty() ? "-" : r.module_path;
+    auto [it, added] = module_index.try_emplace(module, by_module.size());
+    if (added) by_module.emplace_back();
+    count(by_module[it->second], module, r);
+    count(all, "(all)", r);
+  }
+  std::vector<Tally> per_module;
+  for (const std::vector<Tally>& tallies : by_module)
+    per_module.insert(per_module.end(), tallies.begin(), tallies.end());
+  per_module.insert(per_module.end(), all.begin(), all.end());
+  size_t width = 6;
+  for (const Tally& t : per_module) width = std::max(width, t.module.size());
+  std::string out = fmt::format("{:<{}}  {:<7} {:<7} {:>8} {:>8}\n", "module", width, "storage",
+                                "compute", "forward", "backward");
+  for (const Tally& t : per_module)
+    out += fmt::format("{:<{}}  {:<7} {:<7} {:>8} {:>8}\n", t.module, width, name(t.storage),
+                       name(t.compute), t.forward, t.backward);
   return out;
 }
 

@@ -22,6 +22,10 @@ struct PrecisionReport {
   std::vector<PrecisionRow> rows;  // in tape order
   /// A fixed-width table, one node a line.
   std::string table() const;
+  /// A tally: one line per module (in order of first appearance; "-" for nodes outside any)
+  /// and per (storage, compute) pair, with its forward and backward node counts, then the same
+  /// over all modules as "(all)".
+  std::string summary() const;
   /// {"nodes":[{"id":..,"op":..,"module":..,"shape":[..],"traced":..,"storage":..,...}]}
   std::string json() const;
 };

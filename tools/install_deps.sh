@@ -3,15 +3,17 @@
 # Usage: tools/install_deps.sh [--test]   (--test adds what the test suite needs: GoogleTest,
 # PyTorch and numpy for the oracle tests, Python's xxhash to check checkpoint checksums, clang
 # 16's libFuzzer for tests/fuzz: clang 14 cannot compile GCC 12's <source_location>, pkg-config
-# for the deploy test's C builds). gcc and binutils: an AOT export compiles and links the
+# for the deploy test's C builds, python3-venv for the venv tools/tensorboard_venv.sh fills with
+# PyPI's tensorboard, python3-matplotlib for tools/plot_run.py). libisal-dev: CRC32C for the
+# TensorBoard event files. gcc and binutils: an AOT export compiles and links the
 # artifact's libraries with cc, ld, objcopy, ar and nm.
 # Safe to run again: installs nothing when all is there.
 set -euo pipefail
 packages=(g++ gcc binutils cmake make libfmt-dev zlib1g-dev libssl-dev llvm-16-dev libdnnl-dev
-  libxxhash-dev libjemalloc-dev)
+  libxxhash-dev libjemalloc-dev libisal-dev)
 if [[ "${1:-}" == "--test" ]]; then
   packages+=(libgtest-dev libgmock-dev python3 python3-torch python3-numpy python3-xxhash
-    clang-16 libclang-rt-16-dev pkgconf)
+    clang-16 libclang-rt-16-dev pkgconf python3-venv python3-matplotlib)
 fi
 missing=()
 for p in "${packages[@]}"; do

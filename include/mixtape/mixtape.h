@@ -30,3 +30,4 @@
 #include "runtime/compile.h"
 #include "runtime/cuda_driver.h"
 #include "runtime/device.h"
+#include "summary/summary_writer.h"
