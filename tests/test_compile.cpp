@@ -847,6 +847,30 @@ struct ScheduledRun {
   mt::Tensor batch(int i) const { return x * (1.0 + 0.02 * i); }
 };
 
+using MakeOptimizer = std::function<std::unique_ptr<mt::Optimizer>(std::vector<mt::Tensor>)>;
+
+// Runs `steps` steps traced and under mt::compile, expects the same bits in both and one plan
+// replayed, and hands the compiled run to `check`.
+void expect_replays_match_tracing(const MakeOptimizer& make, int steps,
+                                  const std::function<void(ScheduledRun&)>& check) {
+  ScheduledRun plain_run(make), compiled_run(make);
+  auto step = mt::compile([&](const mt::Tensor& x) { return compiled_run.step(x); });
+  Snapshot plain, compiled;
+  for (int i = 0; i < steps; ++i) {
+    plain.losses.push_back(bits(plain_run.step(plain_run.batch(i)))[0]);
+    compiled.losses.push_back(bits(step(compiled_run.batch(i)))[0]);
+  }
+  snapshot_model(plain, plain_run.model, *plain_run.opt);
+  snapshot_model(compiled, compiled_run.model, *compiled_run.opt);
+  EXPECT_EQ(plain, compiled);
+  EXPECT_EQ(compiled.steps, steps);
+  check(compiled_run);
+  if (replays_here()) {
+    EXPECT_EQ(step.stats().plans, 1) << step.stats().reason;
+    EXPECT_GE(step.stats().replays, steps - 3) << step.stats().reason;
+  }
+}
+
 std::shared_ptr<const mt::LRSchedule> warmup_then_steps() {
   return std::make_shared<mt::SequentialLR>(
       std::vector<std::shared_ptr<const mt::LRSchedule>>{
@@ -859,8 +883,7 @@ std::shared_ptr<const mt::LRSchedule> warmup_then_steps() {
 // count, so replays advance it, bit for bit as tracing every step does; Lion and Adafactor (its
 // factored row and column state) replay the same way, with and without a schedule.
 TEST(Compile, SchedulesAndTheNewOptimizersReplayBitForBit) {
-  using Make = std::function<std::unique_ptr<mt::Optimizer>(std::vector<mt::Tensor>)>;
-  const std::pair<const char*, Make> kinds[] = {
+  const std::pair<const char*, MakeOptimizer> kinds[] = {
       {"AdamW + schedule",
        [](std::vector<mt::Tensor> p) {
          auto opt = std::make_unique<mt::AdamW>(std::move(p));
@@ -888,25 +911,12 @@ TEST(Compile, SchedulesAndTheNewOptimizersReplayBitForBit) {
   const int steps = 10;
   for (const auto& [name, make] : kinds) {
     SCOPED_TRACE(name);
-    ScheduledRun plain_run(make), compiled_run(make);
-    auto step = mt::compile([&](const mt::Tensor& x) { return compiled_run.step(x); });
-    Snapshot plain, compiled;
-    for (int i = 0; i < steps; ++i) {
-      plain.losses.push_back(bits(plain_run.step(plain_run.batch(i)))[0]);
-      compiled.losses.push_back(bits(step(compiled_run.batch(i)))[0]);
-    }
-    snapshot_model(plain, plain_run.model, *plain_run.opt);
-    snapshot_model(compiled, compiled_run.model, *compiled_run.opt);
-    EXPECT_EQ(plain, compiled);
-    EXPECT_EQ(compiled.steps, steps);
-    if (compiled_run.opt->schedule()) {
+    expect_replays_match_tracing(make, steps, [&](ScheduledRun& run) {
       // The rate moved with the replays.
-      EXPECT_EQ(compiled_run.opt->current_lr().item(), compiled_run.opt->schedule()->lr(steps));
-    }
-    if (replays_here()) {
-      EXPECT_EQ(step.stats().plans, 1) << step.stats().reason;
-      EXPECT_GE(step.stats().replays, steps - 3) << step.stats().reason;
-    }
+      if (run.opt->schedule()) {
+        EXPECT_EQ(run.opt->current_lr().item(), run.opt->schedule()->lr(steps));
+      }
+    });
   }
 }
 
@@ -914,8 +924,7 @@ TEST(Compile, SchedulesAndTheNewOptimizersReplayBitForBit) {
 // Lion's beta1 with the step count, bit for bit as tracing every step does, and the momentum
 // reached is the schedule's closed form at that step.
 TEST(Compile, OneCycleMomentumReplaysBitForBit) {
-  using Make = std::function<std::unique_ptr<mt::Optimizer>(std::vector<mt::Tensor>)>;
-  const std::pair<const char*, Make> kinds[] = {
+  const std::pair<const char*, MakeOptimizer> kinds[] = {
       {"SGD",
        [](std::vector<mt::Tensor> p) {
          auto opt = std::make_unique<mt::SGD>(std::move(p), mt::SGDOptions{.lr = 0.05});
@@ -939,24 +948,12 @@ TEST(Compile, OneCycleMomentumReplaysBitForBit) {
   const int steps = 8;
   for (const auto& [name, make] : kinds) {
     SCOPED_TRACE(name);
-    ScheduledRun plain_run(make), compiled_run(make);
-    auto step = mt::compile([&](const mt::Tensor& x) { return compiled_run.step(x); });
-    Snapshot plain, compiled;
-    for (int i = 0; i < steps; ++i) {
-      plain.losses.push_back(bits(plain_run.step(plain_run.batch(i)))[0]);
-      compiled.losses.push_back(bits(step(compiled_run.batch(i)))[0]);
-    }
-    snapshot_model(plain, plain_run.model, *plain_run.opt);
-    snapshot_model(compiled, compiled_run.model, *compiled_run.opt);
-    EXPECT_EQ(plain, compiled);
-    mt::Tensor momentum = compiled_run.opt->current_momentum();
-    ASSERT_TRUE(momentum.defined());
-    EXPECT_EQ(momentum.item(), *compiled_run.opt->schedule()->momentum(steps));
-    EXPECT_NE(momentum.item(), *compiled_run.opt->schedule()->momentum(0)) << "it moved";
-    if (replays_here()) {
-      EXPECT_EQ(step.stats().plans, 1) << step.stats().reason;
-      EXPECT_GE(step.stats().replays, steps - 3) << step.stats().reason;
-    }
+    expect_replays_match_tracing(make, steps, [&](ScheduledRun& run) {
+      mt::Tensor momentum = run.opt->current_momentum();
+      ASSERT_TRUE(momentum.defined());
+      EXPECT_EQ(momentum.item(), *run.opt->schedule()->momentum(steps));
+      EXPECT_NE(momentum.item(), *run.opt->schedule()->momentum(0)) << "it moved";
+    });
   }
 }
 
