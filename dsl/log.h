@@ -2,14 +2,20 @@
 #pragma once
 
 #include <cstdio>
+#include <string>
 #include <string_view>
+#include <vector>
 
 #include <fmt/format.h>
 
 namespace mixtape {
 
-/// Whether MIXTAPE_LOG names `topic` (read once per process).
+/// Whether MIXTAPE_LOG names `topic` (read once per process; a word that names no topic is
+/// warned about on stderr, with the valid ones).
 bool log_enabled(std::string_view topic);
+
+/// The comma-separated words of a MIXTAPE_LOG setting that name no topic.
+std::vector<std::string> unknown_log_topics(std::string_view setting);
 
 template <typename... Args>
 void log_line(std::string_view topic, fmt::format_string<Args...> format, Args&&... args) {

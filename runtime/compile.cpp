@@ -419,7 +419,11 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
                entry.plan->evals.size());
   } else {
     stats.reason = why;
-    if (log) log_line("compile", "traced: {}", why);
+    // Before the first plan, calls that differ are the normal warm-up (optimizer state, the
+    // loss scaler and caches are made on the first steps), not a failure to replay.
+    if (log)
+      log_line("compile", "{}: {}",
+               stats.plans == 0 && stats.traces <= 3 ? "warming up, traced" : "traced", why);
     entry.previous = std::move(trace);
   }
   return results;

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include <mixtape/mixtape.h>
+#include "dsl/log.h"
 
 namespace mt = mixtape;
 namespace fs = std::filesystem;
@@ -931,3 +932,14 @@ TEST(Errors, EveryPrimitiveOpHasRows) {
 }
 
 }  // namespace
+
+// MIXTAPE_LOG: a word that names no topic is reported (a typo would otherwise log nothing,
+// silently), and library code cannot log under a topic the list does not hold.
+TEST(Log, WordsThatNameNoTopicAreFoundAndUnlistedTopicsRefused) {
+  EXPECT_EQ(mt::unknown_log_topics("jit,,profil,all,Compile,"),
+            (std::vector<std::string>{"profil", "Compile"}));
+  EXPECT_TRUE(mt::unknown_log_topics("").empty());
+  EXPECT_TRUE(mt::unknown_log_topics("compile,fusion,jit,kernels,llvm,nvrtc,profile").empty());
+  EXPECT_THROW(mt::log_enabled("no-such-topic"), mt::Error);
+  EXPECT_NO_THROW(mt::log_enabled("profile"));
+}
