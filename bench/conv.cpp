@@ -11,8 +11,8 @@
 
 #include "bench/peak.h"
 #include "bench/timing.h"
-#include "runtime/conv.h"
-#include "runtime/half_convert.h"
+#include "mixtape/runtime/conv.h"
+#include "mixtape/runtime/half_convert.h"
 
 namespace mt = mixtape;
 

@@ -22,8 +22,8 @@
 #include "bench/gpt_step.h"
 #include "examples/char_gpt_model.h"
 #include "examples/digits_model.h"
-#include "jit/aot_export.h"
-#include "jit/run_program.h"
+#include "mixtape/jit/aot_export.h"
+#include "mixtape/jit/run_program.h"
 #include "timing.h"
 
 namespace fs = std::filesystem;

@@ -10,8 +10,8 @@
 
 #include "bench/peak.h"
 #include "bench/timing.h"
-#include "runtime/gemm.h"
-#include "runtime/half_convert.h"
+#include "mixtape/runtime/gemm.h"
+#include "mixtape/runtime/half_convert.h"
 
 namespace mt = mixtape;
 

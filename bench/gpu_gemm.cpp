@@ -8,11 +8,11 @@
 
 #include <fmt/format.h>
 
-#include "dsl/dtype.h"
-#include "dsl/half.h"
-#include "runtime/cublaslt.h"
-#include "runtime/cuda_allocator.h"
-#include "runtime/cuda_driver.h"
+#include "mixtape/dsl/dtype.h"
+#include "mixtape/dsl/half.h"
+#include "mixtape/runtime/cublaslt.h"
+#include "mixtape/runtime/cuda_allocator.h"
+#include "mixtape/runtime/cuda_driver.h"
 
 namespace mt = mixtape;
 namespace cu = mixtape::cuda;

@@ -18,7 +18,7 @@
 #include <vector>
 
 #include "bench/timing.h"
-#include "runtime/cpu_features.h"
+#include "mixtape/runtime/cpu_features.h"
 
 namespace bench {
 // Enough independent accumulators to cover the FMA latency (4 cycles) on two FMA ports with

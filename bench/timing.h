@@ -17,7 +17,7 @@
 #include <utility>
 #include <vector>
 
-#include "runtime/device.h"
+#include "mixtape/runtime/device.h"
 
 namespace bench {
 

@@ -13,9 +13,9 @@
 #include <vector>
 
 #include "char_gpt_model.h"
-#include "jit/aot_export.h"
+#include "mixtape/jit/aot_export.h"
+#include "mixtape/runtime/atomic_file.h"
 #include "progress_line.h"
-#include "runtime/atomic_file.h"
 
 namespace {
 

@@ -16,10 +16,10 @@
 #include <mixtape/mixtape.h>
 
 #include "examples/digits_model.h"
-#include "jit/aot_export.h"
-#include "jit/llvm_jit.h"
-#include "runtime/aot_runtime.h"
-#include "runtime/cpu_features.h"
+#include "mixtape/jit/aot_export.h"
+#include "mixtape/jit/llvm_jit.h"
+#include "mixtape/runtime/aot_runtime.h"
+#include "mixtape/runtime/cpu_features.h"
 
 namespace mixtape::aot_test {
 

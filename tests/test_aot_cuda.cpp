@@ -8,12 +8,12 @@
 #include <filesystem>
 #include <fstream>
 
-#include "codegen/nvrtc.h"
-#include "dsl/json.h"
 #include "examples/digits_model.h"
-#include "jit/aot_cuda.h"
-#include "runtime/aot_cuda_image.h"
-#include "runtime/cuda_driver.h"
+#include "mixtape/codegen/nvrtc.h"
+#include "mixtape/dsl/json.h"
+#include "mixtape/jit/aot_cuda.h"
+#include "mixtape/runtime/aot_cuda_image.h"
+#include "mixtape/runtime/cuda_driver.h"
 #include "tests/aot_test_util.h"
 
 namespace mt = mixtape;

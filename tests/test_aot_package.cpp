@@ -11,18 +11,18 @@
 #include <set>
 #include <sstream>
 
-#include "codegen/emit_llvm.h"
-#include "codegen/fusion.h"
-#include "codegen/lower.h"
-#include "dsl/graph.h"
-#include "dsl/ops.h"
-#include "dsl/tensor.h"
 #include "examples/digits_model.h"
-#include "jit/aot_export.h"
-#include "jit/aot_package.h"
-#include "jit/aot_package_files.h"
-#include "jit/llvm_jit.h"
-#include "jit/run_program.h"
+#include "mixtape/codegen/emit_llvm.h"
+#include "mixtape/codegen/fusion.h"
+#include "mixtape/codegen/lower.h"
+#include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/tensor.h"
+#include "mixtape/jit/aot_export.h"
+#include "mixtape/jit/aot_package.h"
+#include "mixtape/jit/aot_package_files.h"
+#include "mixtape/jit/llvm_jit.h"
+#include "mixtape/jit/run_program.h"
 #include "test_util.h"
 
 namespace mt = mixtape;
@@ -210,7 +210,7 @@ TEST(AotPackageFiles, GlueHandsTheRuntimeTheKernelTableAndBuffers) {
   TempDir dir("mixtape-aot-glue-");
   write(dir.path / "digits_train.h", mt::aot::package_header(spec));
   write(dir.path / "glue.c", mt::aot::package_glue(spec));
-  fs::copy_file(fs::path(MIXTAPE_SOURCE_DIR) / "runtime/aot_runtime.h",
+  fs::copy_file(fs::path(MIXTAPE_SOURCE_DIR) / "mixtape/runtime/aot_runtime.h",
                 dir.path / "mixtape_aot_runtime.h");
   write(dir.path / "fake.c", R"C(
 #include <stdint.h>

@@ -12,10 +12,10 @@
 #include <stdlib.h>
 
 #include "aot_test_util.h"
-#include "dsl/json.h"
 #include "examples/digits_model.h"
-#include "runtime/file_digest.h"
-#include "runtime/safetensors.h"
+#include "mixtape/dsl/json.h"
+#include "mixtape/runtime/file_digest.h"
+#include "mixtape/runtime/safetensors.h"
 
 namespace mt = mixtape;
 namespace fs = std::filesystem;

@@ -8,17 +8,17 @@
 #include <functional>
 #include <memory>
 
-#include "dsl/error.h"
-#include "dsl/functional.h"
-#include "dsl/nn.h"
-#include "dsl/ops.h"
-#include "dsl/optim.h"
-#include "dsl/selection.h"
-#include "dsl/tensor.h"
-#include "precision_policy/grad_scaler.h"
-#include "precision_policy/policy.h"
-#include "runtime/compile.h"
-#include "runtime/device.h"
+#include "mixtape/dsl/error.h"
+#include "mixtape/dsl/functional.h"
+#include "mixtape/dsl/nn.h"
+#include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/optim.h"
+#include "mixtape/dsl/selection.h"
+#include "mixtape/dsl/tensor.h"
+#include "mixtape/precision_policy/grad_scaler.h"
+#include "mixtape/precision_policy/policy.h"
+#include "mixtape/runtime/compile.h"
+#include "mixtape/runtime/device.h"
 
 namespace mt = mixtape;
 

@@ -16,22 +16,22 @@
 #define MIXTAPE_TEST_HAS_OMP 1
 #endif
 
-#include "codegen/emit_llvm.h"
-#include "codegen/fusion.h"
-#include "codegen/kernel_ir.h"
-#include "codegen/lower.h"
-#include "dsl/functional.h"
-#include "dsl/graph.h"
-#include "dsl/nn.h"
-#include "dsl/ops.h"
-#include "dsl/optim.h"
-#include "dsl/tensor.h"
-#include "precision_policy/grad_scaler.h"
-#include "precision_policy/policy.h"
-#include "runtime/cpu_executor.h"
-#include "runtime/cuda_executor.h"
-#include "runtime/device.h"
-#include "runtime/program.h"
+#include "mixtape/codegen/emit_llvm.h"
+#include "mixtape/codegen/fusion.h"
+#include "mixtape/codegen/kernel_ir.h"
+#include "mixtape/codegen/lower.h"
+#include "mixtape/dsl/functional.h"
+#include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/nn.h"
+#include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/optim.h"
+#include "mixtape/dsl/tensor.h"
+#include "mixtape/precision_policy/grad_scaler.h"
+#include "mixtape/precision_policy/policy.h"
+#include "mixtape/runtime/cpu_executor.h"
+#include "mixtape/runtime/cuda_executor.h"
+#include "mixtape/runtime/device.h"
+#include "mixtape/runtime/program.h"
 #include "test_util.h"
 
 namespace mt = mixtape;
@@ -137,7 +137,7 @@ TEST_P(EveryPointwiseOp, MatchesTheReferenceBitForBit) {
 #define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
   {#fname, [&] { return mt::fname(x, std::string(#fname) == "pow" ? positive : y); }},
 #define MT_COMPARE(Name, fname, REF) {#fname, [&] { return mt::fname(x, y); }},
-#include "dsl/ops.def"
+#include "mixtape/dsl/ops.def"
       {"chain", [&] { return mt::tanh(x * 0.5 + mt::sigmoid(y)) - mt::relu(x) / positive; }},
       {"where", [&] { return mt::where(x > y, mt::exp(x), y * 2.0); }},
       {"cast", [&] { return mt::cast(mt::cast(x, mt::f64) * 3.0, dtype); }},

@@ -10,9 +10,9 @@
 #include <string>
 #include <vector>
 
-#include "dsl/convert.h"
+#include "mixtape/dsl/convert.h"
 #include "mixtape/mixtape.h"
-#include "runtime/cpu_executor.h"
+#include "mixtape/runtime/cpu_executor.h"
 #include "test_util.h"
 
 namespace mt = mixtape;

@@ -7,7 +7,7 @@
 #include <sstream>
 #include <string>
 
-#include "runtime/cpu_features.h"
+#include "mixtape/runtime/cpu_features.h"
 
 namespace mt = mixtape;
 

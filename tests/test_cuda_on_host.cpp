@@ -27,23 +27,23 @@
 
 #include <fmt/format.h>
 
-#include "codegen/emit_cuda.h"
-#include "dsl/conv.h"
-#include "dsl/convert.h"
-#include "dsl/functional.h"
-#include "dsl/graph.h"
-#include "dsl/ops.h"
-#include "dsl/optim.h"
-#include "dsl/tensor.h"
-#include "dsl/vision.h"
-#include "precision_policy/policy.h"
-#include "runtime/cpu_executor.h"
-#include "runtime/cuda_fixed_kernels.h"
-#include "runtime/device.h"
-#include "runtime/movement_plan.h"
-#include "runtime/program.h"
-#include "runtime/random_fill.h"
-#include "runtime/reference_executor.h"
+#include "mixtape/codegen/emit_cuda.h"
+#include "mixtape/dsl/conv.h"
+#include "mixtape/dsl/convert.h"
+#include "mixtape/dsl/functional.h"
+#include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/optim.h"
+#include "mixtape/dsl/tensor.h"
+#include "mixtape/dsl/vision.h"
+#include "mixtape/precision_policy/policy.h"
+#include "mixtape/runtime/cpu_executor.h"
+#include "mixtape/runtime/cuda_fixed_kernels.h"
+#include "mixtape/runtime/device.h"
+#include "mixtape/runtime/movement_plan.h"
+#include "mixtape/runtime/program.h"
+#include "mixtape/runtime/random_fill.h"
+#include "mixtape/runtime/reference_executor.h"
 
 namespace mt = mixtape;
 namespace kir = mixtape::kir;
@@ -65,7 +65,7 @@ constexpr const char* shim = R"(#include <barrier>
 #include <iterator>
 #include <string>
 #include <vector>
-#include "dsl/half.h"
+#include "mixtape/dsl/half.h"
 #define __device__
 #define __global__
 #define __forceinline__ inline

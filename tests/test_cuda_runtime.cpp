@@ -13,9 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "runtime/cublaslt.h"
-#include "runtime/cuda_allocator.h"
-#include "runtime/cuda_driver.h"
+#include "mixtape/runtime/cublaslt.h"
+#include "mixtape/runtime/cuda_allocator.h"
+#include "mixtape/runtime/cuda_driver.h"
 #include "tests/test_util.h"
 
 #if defined(MIXTAPE_HAVE_CUDA_HEADERS)

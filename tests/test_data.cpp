@@ -1,5 +1,5 @@
 // tests/test_data.cpp -- data files, the digits parser, CharVocab, datasets and the DataLoader.
-#include "dsl/data.h"
+#include "mixtape/dsl/data.h"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
@@ -16,7 +16,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "dsl/error.h"
+#include "mixtape/dsl/error.h"
 
 namespace mixtape {
 namespace {

@@ -17,7 +17,7 @@
 #include <vector>
 
 #include <mixtape/mixtape.h>
-#include "dsl/log.h"
+#include "mixtape/dsl/log.h"
 
 namespace mt = mixtape;
 namespace fs = std::filesystem;
@@ -108,7 +108,7 @@ std::vector<Unary> unary_ops() {
                  [](const mt::Tensor& x, const mt::Loc& loc) { return mt::fname(x, loc); }});
 #define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1)
 #define MT_COMPARE(Name, fname, REF)
-#include "dsl/ops.def"
+#include "mixtape/dsl/ops.def"
   return ops;
 }
 
@@ -126,7 +126,7 @@ std::vector<Binary> binary_ops() {
                  [](const mt::Tensor& a, const mt::Tensor& b, const mt::Loc& loc) { \
                    return mt::fname(a, b, loc);                                     \
                  }});
-#include "dsl/ops.def"
+#include "mixtape/dsl/ops.def"
   return ops;
 }
 

@@ -16,10 +16,10 @@
 #include <thread>
 #include <vector>
 
-#include "dsl/half.h"
-#include "runtime/gemm.h"
-#include "runtime/gemm_bf16.h"
-#include "runtime/half_convert.h"
+#include "mixtape/dsl/half.h"
+#include "mixtape/runtime/gemm.h"
+#include "mixtape/runtime/gemm_bf16.h"
+#include "mixtape/runtime/half_convert.h"
 #include "test_util.h"
 
 namespace mt = mixtape;

@@ -16,7 +16,7 @@
 #include <unordered_set>
 #include <vector>
 
-#include "codegen/hash.h"
+#include "mixtape/codegen/hash.h"
 #include "mixtape/mixtape.h"
 
 namespace mt = mixtape;
@@ -302,7 +302,7 @@ void add_pointwise(Table& t) {
 #define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
   binary[OpCode::Name] = [](const Tensors& x) { return mt::fname(x[0], x[1]); };
 #define MT_COMPARE(Name, fname, REF)
-#include "dsl/ops.def"
+#include "mixtape/dsl/ops.def"
   for (auto& [op, build] : unary) {
     if (op == OpCode::Sign || op == OpCode::Detach) continue;  // no gradient: probed below
     for (const mt::Shape& shape : unary_shapes)
@@ -667,7 +667,7 @@ const std::map<OpCode, Builder>& no_grad_probes() {
 #define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1)
 #define MT_COMPARE(Name, fname, REF) \
   p[OpCode::Name] = [](const Tensors& x) { return mt::fname(x[0], x[0] * 0.5); };
-#include "dsl/ops.def"
+#include "mixtape/dsl/ops.def"
     p[OpCode::Argmax] = [](const Tensors& x) { return mt::argmax(x[0], 1); };
     p[OpCode::Argsort] = [](const Tensors& x) { return mt::argsort(x[0], 1, true); };
     p[OpCode::Sign] = [](const Tensors& x) { return mt::sign(x[0]); };

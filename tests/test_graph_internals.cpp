@@ -11,10 +11,10 @@
 #include <random>
 #include <thread>
 
-#include "dsl/graph.h"
-#include "dsl/node_inputs.h"
-#include "dsl/pool_allocator.h"
-#include "runtime/program.h"
+#include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/node_inputs.h"
+#include "mixtape/dsl/pool_allocator.h"
+#include "mixtape/runtime/program.h"
 
 namespace mt = mixtape;
 

@@ -1,5 +1,5 @@
 // tests/test_half.cpp -- proves dsl/half.h against F16C hardware and double-arithmetic references.
-#include "dsl/half.h"
+#include "mixtape/dsl/half.h"
 
 #include <gtest/gtest.h>
 

@@ -29,8 +29,8 @@
 #include <unordered_set>
 #include <vector>
 
-#include "codegen/hash.h"
-#include "codegen/kernel_cache.h"
+#include "mixtape/codegen/hash.h"
+#include "mixtape/codegen/kernel_cache.h"
 
 namespace mt = mixtape;
 namespace fs = std::filesystem;

@@ -6,14 +6,14 @@
 #include <cstring>
 #include <vector>
 
-#include "dsl/convert.h"
-#include "dsl/graph.h"
-#include "dsl/ops.h"
-#include "dsl/random.h"
-#include "dsl/tensor.h"
-#include "runtime/device.h"
-#include "runtime/movement_plan.h"
-#include "runtime/reference_executor.h"
+#include "mixtape/dsl/convert.h"
+#include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/random.h"
+#include "mixtape/dsl/tensor.h"
+#include "mixtape/runtime/device.h"
+#include "mixtape/runtime/movement_plan.h"
+#include "mixtape/runtime/reference_executor.h"
 #include "tests/test_util.h"
 
 namespace mt = mixtape;

@@ -18,17 +18,17 @@
 #include <thread>
 #include <vector>
 
-#include "codegen/emit_cuda.h"
-#include "codegen/hash.h"
-#include "codegen/kernel_cache.h"
-#include "codegen/nvrtc.h"
 #include "examples/char_gpt_model.h"
 #include "examples/digits_model.h"
-#include "precision_policy/policy.h"
-#include "runtime/cpu_executor.h"
-#include "runtime/cuda_fixed_kernels.h"
-#include "runtime/device.h"
-#include "runtime/program.h"
+#include "mixtape/codegen/emit_cuda.h"
+#include "mixtape/codegen/hash.h"
+#include "mixtape/codegen/kernel_cache.h"
+#include "mixtape/codegen/nvrtc.h"
+#include "mixtape/precision_policy/policy.h"
+#include "mixtape/runtime/cpu_executor.h"
+#include "mixtape/runtime/cuda_fixed_kernels.h"
+#include "mixtape/runtime/device.h"
+#include "mixtape/runtime/program.h"
 #include "test_util.h"
 
 // Our hand-written NVRTC declarations (codegen/nvrtc.cpp) against the toolkit's header.

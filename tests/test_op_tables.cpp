@@ -10,14 +10,14 @@
 #include <string>
 #include <vector>
 
-#include "codegen/emit_cuda.h"
-#include "codegen/emit_llvm.h"
-#include "codegen/kernel_ir.h"
-#include "codegen/nvrtc.h"
-#include "dsl/composites.h"
-#include "dsl/graph.h"
-#include "runtime/cpu_kernels.h"
-#include "runtime/program.h"
+#include "mixtape/codegen/emit_cuda.h"
+#include "mixtape/codegen/emit_llvm.h"
+#include "mixtape/codegen/kernel_ir.h"
+#include "mixtape/codegen/nvrtc.h"
+#include "mixtape/dsl/composites.h"
+#include "mixtape/dsl/graph.h"
+#include "mixtape/runtime/cpu_kernels.h"
+#include "mixtape/runtime/program.h"
 
 #include <mixtape/mixtape.h>
 
@@ -393,7 +393,7 @@ TEST(AttrTable, TheSignatureHoldsExactlyTheStructuralAttributes) {
         << #field << " of " << op_name(op) << " " << name(dtype);   \
     ++attributes;                                                   \
   }
-#include "dsl/attrs.def"
+#include "mixtape/dsl/attrs.def"
   }
   EXPECT_GE(attributes, 3 * 11);  // the 11 attributes of the table when this was written
   // The table's one value-dependent row: a float Full's fill value is a launch-time argument.

@@ -19,9 +19,9 @@
 #include <unordered_set>
 #include <vector>
 
-#include "dsl/half.h"
-#include "dsl/random.h"
-#include "dsl/scalar_math.h"
+#include "mixtape/dsl/half.h"
+#include "mixtape/dsl/random.h"
+#include "mixtape/dsl/scalar_math.h"
 #include "mixtape/mixtape.h"
 
 namespace mt = mixtape;
@@ -998,7 +998,7 @@ void add_pointwise_cases(Oracle& o, Data& d, mt::DType dt) {
   binary[#fname] = [](const mt::Tensor& a, const mt::Tensor& b) { return mt::fname(a, b); };
 #define MT_COMPARE(Name, fname, REF) \
   binary[#fname] = [](const mt::Tensor& a, const mt::Tensor& b) { return mt::fname(a, b); };
-#include "dsl/ops.def"
+#include "mixtape/dsl/ops.def"
 
   // Random values around the interesting range plus the IEEE special values.
   Doubles specials = {kNan, kInf, -kInf, 0.0, -0.0, 0.5, -0.5};

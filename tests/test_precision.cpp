@@ -25,7 +25,7 @@
 
 #include <mixtape/mixtape.h>
 
-#include "dsl/json.h"
+#include "mixtape/dsl/json.h"
 #include "test_util.h"
 
 namespace mt = mixtape;

@@ -10,14 +10,14 @@
 #include <memory>
 #include <vector>
 
-#include "codegen/lru_cache.h"
-#include "dsl/ops.h"
-#include "dsl/tensor.h"
-#include "jit/llvm_jit.h"
-#include "precision_policy/assign.h"
-#include "runtime/cpu_executor.h"
-#include "runtime/device.h"
-#include "runtime/program.h"
+#include "mixtape/codegen/lru_cache.h"
+#include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/tensor.h"
+#include "mixtape/jit/llvm_jit.h"
+#include "mixtape/precision_policy/assign.h"
+#include "mixtape/runtime/cpu_executor.h"
+#include "mixtape/runtime/device.h"
+#include "mixtape/runtime/program.h"
 #include "test_util.h"
 
 namespace mt = mixtape;

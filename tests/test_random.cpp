@@ -15,10 +15,10 @@
 #define MIXTAPE_TEST_HAS_OMP 1
 #endif
 
-#include "dsl/half.h"
-#include "dsl/random.h"
+#include "mixtape/dsl/half.h"
+#include "mixtape/dsl/random.h"
 #include "mixtape/mixtape.h"
-#include "runtime/random_fill.h"
+#include "mixtape/runtime/random_fill.h"
 
 namespace mt = mixtape;
 

@@ -9,8 +9,8 @@
 
 #include <mixtape/mixtape.h>
 
-#include "dsl/byte_count.h"
-#include "dsl/host_memory.h"
+#include "mixtape/dsl/byte_count.h"
+#include "mixtape/dsl/host_memory.h"
 #include "tests/test_util.h"
 
 namespace mt = mixtape;

@@ -23,9 +23,9 @@
 #include <sstream>
 #include <thread>
 
-#include "dsl/error.h"
-#include "dsl/json.h"
-#include "runtime/safetensors.h"
+#include "mixtape/dsl/error.h"
+#include "mixtape/dsl/json.h"
+#include "mixtape/runtime/safetensors.h"
 
 #include "tests/test_util.h"
 

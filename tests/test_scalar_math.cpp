@@ -9,10 +9,10 @@
 #include <limits>
 #include <vector>
 
-#include "dsl/ops.h"
-#include "dsl/scalar_math.h"
-#include "dsl/tensor.h"
-#include "runtime/device.h"
+#include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/scalar_math.h"
+#include "mixtape/dsl/tensor.h"
+#include "mixtape/runtime/device.h"
 
 namespace mt = mixtape;
 

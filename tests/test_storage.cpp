@@ -9,11 +9,11 @@
 #include <string>
 #include <vector>
 
-#include "dsl/graph.h"
-#include "dsl/ops.h"
-#include "dsl/tensor.h"
-#include "runtime/checkpoint.h"
-#include "runtime/device.h"
+#include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/tensor.h"
+#include "mixtape/runtime/checkpoint.h"
+#include "mixtape/runtime/device.h"
 #include "test_util.h"
 
 namespace mt = mixtape;

@@ -19,7 +19,7 @@
 
 #include <mixtape/mixtape.h>
 
-#include "summary/tfevents.h"
+#include "mixtape/summary/tfevents.h"
 
 namespace mt = mixtape;
 namespace tfe = mixtape::tfevents;

@@ -21,13 +21,13 @@
 
 #include <fmt/format.h>
 
-#include "codegen/kernel_cache.h"
-#include "dsl/functional.h"
-#include "dsl/ops.h"
-#include "dsl/tensor.h"
-#include "jit/background_worker.h"
-#include "jit/llvm_jit.h"
-#include "runtime/device.h"
+#include "mixtape/codegen/kernel_cache.h"
+#include "mixtape/dsl/functional.h"
+#include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/tensor.h"
+#include "mixtape/jit/background_worker.h"
+#include "mixtape/jit/llvm_jit.h"
+#include "mixtape/runtime/device.h"
 #include "test_util.h"
 
 namespace mt = mixtape;

@@ -33,7 +33,7 @@
 #include <mixtape/mixtape.h>
 
 #include "examples/resnet_model.h"
-#include "runtime/checkpoint.h"
+#include "mixtape/runtime/checkpoint.h"
 
 namespace mt = mixtape;
 

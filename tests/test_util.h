@@ -10,7 +10,7 @@
 #include <string>
 #include <vector>
 
-#include "dsl/error.h"
+#include "mixtape/dsl/error.h"
 
 /// Expects `statement` to throw mt::Error whose message contains every given fragment.
 #define EXPECT_MT_ERROR(statement, ...)                                         \

@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "dsl/error.h"
-#include "runtime/safetensors.h"
+#include "mixtape/dsl/error.h"
+#include "mixtape/runtime/safetensors.h"
 
 namespace st = mixtape::safetensors;
 using mixtape::DType;

@@ -12,9 +12,9 @@ cxx=${MIXTAPE_FUZZ_CXX:-clang++-16}
 mkdir -p "$work"
 "$cxx" -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all \
   -fno-omit-frame-pointer -I"$src" \
-  "$src/tests/fuzz/fuzz_safetensors.cpp" "$src/runtime/safetensors.cpp" \
-  "$src/runtime/atomic_file.cpp" "$src/dsl/json.cpp" "$src/dsl/dtype.cpp" "$src/dsl/host_memory.cpp" \
-  "$src/dsl/byte_count.cpp" \
+  "$src/tests/fuzz/fuzz_safetensors.cpp" "$src/mixtape/runtime/safetensors.cpp" \
+  "$src/mixtape/runtime/atomic_file.cpp" "$src/mixtape/dsl/json.cpp" "$src/mixtape/dsl/dtype.cpp" "$src/mixtape/dsl/host_memory.cpp" \
+  "$src/mixtape/dsl/byte_count.cpp" \
   -lfmt -o "$work/fuzz_safetensors"
 rm -rf "$work/seeds" "$work/corpus"
 mkdir -p "$work/seeds" "$work/corpus"

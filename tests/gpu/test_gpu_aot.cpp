@@ -7,12 +7,12 @@
 #include <cstring>
 #include <filesystem>
 
-#include "codegen/nvrtc.h"
-#include "dsl/convert.h"
 #include "examples/digits_model.h"
-#include "runtime/cuda_allocator.h"
-#include "runtime/cuda_executor.h"
-#include "runtime/cuda_values.h"
+#include "mixtape/codegen/nvrtc.h"
+#include "mixtape/dsl/convert.h"
+#include "mixtape/runtime/cuda_allocator.h"
+#include "mixtape/runtime/cuda_executor.h"
+#include "mixtape/runtime/cuda_values.h"
 #include "tests/aot_test_util.h"
 
 namespace mt = mixtape;

@@ -18,20 +18,20 @@
 #include <string>
 #include <vector>
 
-#include "codegen/nvrtc.h"
-#include "dsl/conv.h"
-#include "dsl/functional.h"
-#include "dsl/graph.h"
-#include "dsl/nn.h"
-#include "dsl/ops.h"
-#include "dsl/optim.h"
-#include "dsl/tensor.h"
 #include "examples/char_gpt_model.h"
 #include "examples/digits_model.h"
-#include "precision_policy/grad_scaler.h"
-#include "precision_policy/policy.h"
-#include "runtime/cuda_executor.h"
-#include "runtime/device.h"
+#include "mixtape/codegen/nvrtc.h"
+#include "mixtape/dsl/conv.h"
+#include "mixtape/dsl/functional.h"
+#include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/nn.h"
+#include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/optim.h"
+#include "mixtape/dsl/tensor.h"
+#include "mixtape/precision_policy/grad_scaler.h"
+#include "mixtape/precision_policy/policy.h"
+#include "mixtape/runtime/cuda_executor.h"
+#include "mixtape/runtime/device.h"
 #include "tests/test_util.h"
 
 namespace mt = mixtape;
@@ -146,7 +146,7 @@ TEST_P(GpuEveryPointwiseOp, MatchesTheCpu) {
 #define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
   {#fname, [&] { return mt::fname(x, std::string(#fname) == "pow" ? positive : y); }},
 #define MT_COMPARE(Name, fname, REF) {#fname, [&] { return mt::fname(x, y); }},
-#include "dsl/ops.def"
+#include "mixtape/dsl/ops.def"
       {"chain", [&] { return mt::tanh(x * 0.5 + mt::sigmoid(y)) - mt::relu(x) / positive; }},
       {"where", [&] { return mt::where(x > y, mt::exp(x), y * 2.0); }},
       {"cast", [&] { return mt::cast(mt::cast(x, mt::f64) * 3.0, dtype); }},

@@ -9,11 +9,11 @@
 #include <string>
 #include <vector>
 
-#include "dsl/dtype.h"
-#include "dsl/half.h"
-#include "runtime/cublaslt.h"
-#include "runtime/cuda_allocator.h"
-#include "runtime/cuda_driver.h"
+#include "mixtape/dsl/dtype.h"
+#include "mixtape/dsl/half.h"
+#include "mixtape/runtime/cublaslt.h"
+#include "mixtape/runtime/cuda_allocator.h"
+#include "mixtape/runtime/cuda_driver.h"
 #include "tests/test_util.h"
 
 namespace mt = mixtape;

@@ -1,0 +1,801 @@
+// mixtape/codegen/emit_llvm.cpp -- kernel IR -> LLVM 16 IR text (opaque pointers) for the ORC JIT.
+#include "mixtape/codegen/emit_llvm.h"
+
+#include <bit>
+#include <cmath>
+#include <set>
+
+#include <fmt/format.h>
+
+#include "mixtape/dsl/error.h"
+
+namespace mixtape {
+namespace {
+
+using kir::Affine;
+using kir::Op;
+using kir::Type;
+using kir::Value;
+
+const char* llvm_type(Type type) {
+  switch (type) {
+    case Type::f32:
+      return "float";
+    case Type::f64:
+      return "double";
+    case Type::i64:
+      return "i64";
+    case Type::i1:
+      return "i1";
+  }
+  return "";
+}
+
+bool is_float(Type type) { return type == Type::f32 || type == Type::f64; }
+
+std::string constant(Type type, double imm) {
+  switch (type) {
+    case Type::f32:  // LLVM spells float constants as the double of the same value, in hex
+      return fmt::format("0x{:016X}",
+                         std::bit_cast<uint64_t>(static_cast<double>(static_cast<float>(imm))));
+    case Type::f64:
+      return fmt::format("0x{:016X}", std::bit_cast<uint64_t>(imm));
+    case Type::i64:
+      return fmt::format("{}", static_cast<int64_t>(imm));
+    case Type::i1:
+      return imm != 0 ? "true" : "false";
+  }
+  return "";
+}
+
+class Emitter {
+ public:
+  explicit Emitter(const kir::Kernel& kernel) : k_(kernel) {}
+
+  std::string run() {
+    emit_function();
+    std::string function = std::move(out_);
+    std::string text = fmt::format("; mixtape kernel {}\n", k_.name);
+    for (const std::string& decl : declarations_) text += decl + "\n";
+    return text + function;
+  }
+
+ private:
+  template <typename... Args>
+  void line(fmt::format_string<Args...> format, Args&&... args) {
+    out_ += "  ";
+    out_ += fmt::format(format, std::forward<Args>(args)...);
+    out_ += "\n";
+  }
+  void label(const std::string& name) { out_ += name + ":\n"; }
+  std::string tmp() { return fmt::format("%t{}", next_tmp_++); }
+
+  void emit_function() {
+    if (k_.multi_tensor) {
+      emit_multi_tensor();
+      return;
+    }
+    out_ += fmt::format(
+        "define void @{}(ptr noalias nocapture readonly %params, i64 %begin, i64 %end) #0 {{\n",
+        k_.name);
+    label("entry");
+    for (size_t p = 0; p < k_.params.size(); ++p) {
+      line("%pp{} = getelementptr inbounds ptr, ptr %params, i64 {}", p, p);
+      line("%p{} = load ptr, ptr %pp{}, !noalias !0", p, p);
+    }
+    // Scalar slots: a double array behind the last pointer, read once.
+    if (k_.scalars > 0) {
+      line("%sp = getelementptr inbounds ptr, ptr %params, i64 {}", k_.params.size());
+      line("%sa = load ptr, ptr %sp, !noalias !0");
+      for (int32_t s = 0; s < k_.scalars; ++s) {
+        line("%sg{} = getelementptr inbounds double, ptr %sa, i64 {}", s, s);
+        line("%s{} = load double, ptr %sg{}, !noalias !0", s, s);
+      }
+    }
+    int rank = static_cast<int>(k_.dims.size());
+    bool column = k_.column_reduction();
+    int column_dim = k_.reduce_from - 1;
+    for (int d = 0; d < rank; ++d) {
+      line("%i{}.addr = alloca i64", d);
+      var_.push_back(fmt::format("%i{}", d));
+    }
+    line("%o.addr = alloca i64");
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      const char* t = acc_type(k_.reductions[r]);
+      if (column)
+        line("%acc{}.addr = alloca {}, i64 {}", r, t, k_.dims[column_dim]);
+      else
+        line("%acc{}.addr = alloca {}", r, t);
+      acc_ptr_.push_back(fmt::format("%acc{}.addr", r));
+      acc_value_.push_back(fmt::format("%acc{}", r));
+    }
+    // The executor hands out ranges of the parallel dims flattened: decompose per point. A
+    // column split's range is of columns: the body runs once, its column loops over the range.
+    split_columns_ = k_.column_split();
+    int parallel = split_columns_ ? 0 : k_.parallel_dims();
+    line("store i64 %begin, ptr %o.addr");
+    line("br label %outer.head");
+    label("outer.head");
+    line("%o = load i64, ptr %o.addr");
+    line("%outer.more = icmp slt i64 %o, %end");
+    line("br i1 %outer.more, label %outer.body, label %exit");
+    label("outer.body");
+    std::string rest = "%o";
+    for (int d = parallel - 1; d >= 0; --d) {
+      if (d == 0) {
+        line("%i0 = add i64 {}, 0", rest);
+      } else {
+        line("%i{} = urem i64 {}, {}", d, rest, k_.dims[d]);
+        line("%q{} = udiv i64 {}, {}", d, rest, k_.dims[d]);
+        rest = fmt::format("%q{}", d);
+      }
+    }
+    if (column) {
+      // One accumulator per column: initialize them, add the reduced dims' terms with the
+      // column loop innermost (once per pass), then run the epilogue per column.
+      column_loop(column_dim, [&] {
+        point_accumulators(column_dim);
+        initialize_accumulators();
+      });
+      for (int pass = 0; pass < k_.pass_count(); ++pass) {
+        std::string prefix = pass == 0 ? "v" : fmt::format("v{}.", pass);
+        inner_loops(parallel + 1, rank, pass, [&] {
+          column_loop(column_dim, [&] {
+            point_accumulators(column_dim);
+            for (size_t r = 0; r < k_.reductions.size(); ++r)
+              if (k_.reductions[r].pass < pass)  // final: read by this pass
+                acc_value_[r] = load_final(r);
+            values(k_.pass_body(pass), prefix.c_str());
+            stores(k_.pass_stores(pass));
+            accumulate(pass);
+          });
+        });
+      }
+      column_loop(column_dim, [&] {
+        point_accumulators(column_dim);
+        for (size_t r = 0; r < k_.reductions.size(); ++r) acc_value_[r] = load_final(r);
+        values(k_.epilogue, "e");
+        stores(k_.epilogue_stores);
+      });
+    } else if (k_.is_reduction()) {
+      // One sweep over the inner dims per pass; a pass's reductions are final when it ends, and
+      // later passes and the epilogue read them.
+      initialize_accumulators();
+      for (int pass = 0; pass < k_.pass_count(); ++pass) {
+        std::string prefix = pass == 0 ? "v" : fmt::format("v{}.", pass);
+        inner_loops(parallel, rank, pass, [&] {
+          values(k_.pass_body(pass), prefix.c_str());
+          stores(k_.pass_stores(pass));
+          accumulate(pass);
+        });
+        for (size_t r = 0; r < k_.reductions.size(); ++r)
+          if (k_.reductions[r].pass == pass) acc_value_[r] = load_final(r);
+      }
+      values(k_.epilogue, "e");
+      stores(k_.epilogue_stores);
+    } else {
+      inner_loops(parallel, rank, 0, [&] {
+        values(k_.body, "v");
+        stores(k_.stores);
+      });
+    }
+    line("%o.next = add nsw i64 {}, 1", split_columns_ ? "%end" : "%o");
+    line("store i64 %o.next, ptr %o.addr");
+    line("br label %outer.head");
+    finish_function();
+  }
+
+  // kir::Kernel::multi_tensor's ABI: for each segment that meets [begin, end), load its
+  // pointers and scalars, then run the pointwise loop over its part of the range, a loop of the
+  // same shape as a rank-1 kernel's so that it vectorizes the same way. A reduction's range is
+  // of segments: each is swept whole, then its epilogue stores the segment's result.
+  void emit_multi_tensor() {
+    const bool reduce = k_.is_reduction();
+    if (k_.dims.size() != 1 || (reduce && (k_.reduce_from != 0 || k_.pass_count() != 1)))
+      fail("llvm emitter: multi-tensor kernel {} is neither rank-1 pointwise nor a whole reduction",
+           k_.name);
+    size_t stride = k_.params.size() + (k_.scalars > 0 ? 1 : 0);
+    out_ += fmt::format(
+        "define void @{}(ptr noalias nocapture readonly %params, i64 %begin, i64 %end) #0 {{\n",
+        k_.name);
+    label("entry");
+    line("%info = load ptr, ptr %params, !noalias !0");
+    line("%segments = load i64, ptr %info, !noalias !0");
+    line("%seg.addr = alloca i64");
+    line("%o.addr = alloca i64");
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      line("%acc{}.addr = alloca {}", r, acc_type(k_.reductions[r]));
+      acc_ptr_.push_back(fmt::format("%acc{}.addr", r));
+      acc_value_.push_back(fmt::format("%acc{}", r));
+    }
+    line("store i64 {}, ptr %seg.addr", reduce ? "%begin" : "0");
+    line("br label %seg.head");
+    label("seg.head");
+    line("%seg = load i64, ptr %seg.addr");
+    line("%seg.more = icmp slt i64 %seg, {}", reduce ? "%end" : "%segments");
+    line("br i1 %seg.more, label %seg.check, label %exit");
+    label("seg.check");
+    line("%seg.1 = add nsw i64 %seg, 1");
+    line("%seg.2 = add nsw i64 %seg, 2");
+    line("%start.g = getelementptr inbounds i64, ptr %info, i64 %seg.1");
+    line("%start = load i64, ptr %start.g, !noalias !0");
+    line("%stop.g = getelementptr inbounds i64, ptr %info, i64 %seg.2");
+    line("%stop = load i64, ptr %stop.g, !noalias !0");
+    if (reduce) {
+      line("br label %seg.body");
+    } else {
+      line("%seg.past = icmp sge i64 %start, %end");
+      line("br i1 %seg.past, label %exit, label %seg.body");
+    }
+    label("seg.body");
+    if (reduce) {
+      line("%lo.rel = add i64 0, 0");
+      line("%hi.rel = sub nsw i64 %stop, %start");
+    } else {
+      line("%lo.c = icmp sgt i64 %begin, %start");
+      line("%lo = select i1 %lo.c, i64 %begin, i64 %start");
+      line("%hi.c = icmp slt i64 %end, %stop");
+      line("%hi = select i1 %hi.c, i64 %end, i64 %stop");
+      line("%lo.rel = sub nsw i64 %lo, %start");
+      line("%hi.rel = sub nsw i64 %hi, %start");
+    }
+    line("%seg.base0 = mul nsw i64 %seg, {}", stride);
+    line("%seg.base = add nsw i64 %seg.base0, 1");
+    for (size_t p = 0; p < k_.params.size(); ++p) {
+      line("%pi{} = add nsw i64 %seg.base, {}", p, p);
+      line("%pp{} = getelementptr inbounds ptr, ptr %params, i64 %pi{}", p, p);
+      line("%p{} = load ptr, ptr %pp{}, !noalias !0", p, p);
+    }
+    if (k_.scalars > 0) {
+      line("%si = add nsw i64 %seg.base, {}", k_.params.size());
+      line("%sp = getelementptr inbounds ptr, ptr %params, i64 %si");
+      line("%sa = load ptr, ptr %sp, !noalias !0");
+      for (int32_t slot = 0; slot < k_.scalars; ++slot) {
+        line("%sg{} = getelementptr inbounds double, ptr %sa, i64 {}", slot, slot);
+        line("%s{} = load double, ptr %sg{}, !noalias !0", slot, slot);
+      }
+    }
+    var_ = {"%i0"};
+    initialize_accumulators();
+    line("store i64 %lo.rel, ptr %o.addr");
+    line("br label %outer.head");
+    label("outer.head");
+    line("%o = load i64, ptr %o.addr");
+    line("%outer.more = icmp slt i64 %o, %hi.rel");
+    line("br i1 %outer.more, label %outer.body, label %seg.next");
+    label("outer.body");
+    line("%i0 = add i64 %o, 0");
+    values(k_.body, "v");
+    stores(k_.stores);
+    accumulate(0);
+    line("%o.next = add nsw i64 %o, 1");
+    line("store i64 %o.next, ptr %o.addr");
+    line("br label %outer.head");
+    label("seg.next");
+    if (reduce) {
+      for (size_t r = 0; r < k_.reductions.size(); ++r) acc_value_[r] = load_final(r);
+      values(k_.epilogue, "e");
+      stores(k_.epilogue_stores);
+    }
+    line("store i64 %seg.1, ptr %seg.addr");
+    line("br label %seg.head");
+    finish_function();
+  }
+
+  // Every parameter is a buffer of its own (the executor allocates each output afresh; inputs
+  // are only read), so each gets an alias scope: the vectorizer then needs no runtime overlap
+  // checks, which it cannot combine with a masked tail.
+  std::string alias_tags(int param) const {
+    int n = static_cast<int>(k_.params.size());
+    return fmt::format(", !alias.scope !{}, !noalias !{}", 2 + n + param, 2 + 2 * n + param);
+  }
+
+  // The exit block, the end of the function and the attributes and metadata it names.
+  void finish_function() {
+    label("exit");
+    line("ret void");
+    out_ += "}\n\n";
+    out_ +=
+        "attributes #0 = { nounwind \"prefer-vector-width\"=\"512\" "
+        "\"min-legal-vector-width\"=\"0\" }\n";
+    out_ += "!0 = !{}\n";
+    // !1 the domain, !(2 + p) param p's scope, then the scope lists alias_tags names.
+    int n = static_cast<int>(k_.params.size());
+    out_ += "!1 = distinct !{!1, !\"mixtape params\"}\n";
+    for (int p = 0; p < n; ++p) out_ += fmt::format("!{} = distinct !{{!{}, !1}}\n", 2 + p, 2 + p);
+    for (int p = 0; p < n; ++p) out_ += fmt::format("!{} = !{{!{}}}\n", 2 + n + p, 2 + p);
+    for (int p = 0; p < n; ++p) {
+      std::string others;
+      for (int q = 0; q < n; ++q)
+        if (q != p) others += fmt::format("{}!{}", others.empty() ? "" : ", ", 2 + q);
+      out_ += fmt::format("!{} = !{{{}}}\n", 2 + 2 * n + p, others);
+    }
+  }
+
+  void initialize_accumulators() {
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      const kir::Reduction& red = k_.reductions[r];
+      std::string init_text;
+      if (red.kind == kir::ReduceKind::Sum)
+        init_text = constant(red.type, 0.0);
+      else if (red.type == Type::f32)
+        init_text = "-2139095041";  // the order key of -inf
+      else if (red.type == Type::f64)
+        init_text = "-9218868437227405313";
+      else
+        init_text = "-9223372036854775808";
+      line("store {} {}, ptr {}", acc_type(red), init_text, acc_ptr_[r]);
+    }
+  }
+
+  // What a reduction's accumulator holds: float maxima are kept as order keys.
+  static const char* acc_type(const kir::Reduction& red) {
+    if (red.kind == kir::ReduceKind::Max && is_float(red.type))
+      return red.type == Type::f32 ? "i32" : "i64";
+    return llvm_type(red.type);
+  }
+
+  // The float's bits with all but the sign flipped when it is negative, so that signed integer
+  // order is ref_Max's order (-0 below +0), and every NaN the largest key.
+  std::string order_key(Type type, const std::string& x) {
+    const bool f32 = type == Type::f32;
+    const char* it = f32 ? "i32" : "i64";
+    std::string bits = tmp(), sign = tmp(), mask = tmp(), key = tmp(), nan = tmp(), out = tmp();
+    line("{} = bitcast {} {} to {}", bits, llvm_type(type), x, it);
+    line("{} = ashr {} {}, {}", sign, it, bits, f32 ? 31 : 63);
+    line("{} = lshr {} {}, 1", mask, it, sign);
+    line("{} = xor {} {}, {}", key, it, bits, mask);
+    line("{} = fcmp uno {} {}, {}", nan, llvm_type(type), x, x);
+    line("{} = select i1 {}, {} {}, {} {}", out, nan, it,
+         f32 ? "2147483647" : "9223372036854775807", it, key);
+    return out;
+  }
+
+  // Reduction r's final value, as a register of its type: a float max's key decoded (the key
+  // map is its own inverse), the largest key being the quiet NaN.
+  std::string load_final(size_t r) {
+    const kir::Reduction& red = k_.reductions[r];
+    std::string acc = tmp();
+    line("{} = load {}, ptr {}", acc, acc_type(red), acc_ptr_[r]);
+    if (red.kind != kir::ReduceKind::Max || !is_float(red.type)) return acc;
+    const bool f32 = red.type == Type::f32;
+    const char* it = f32 ? "i32" : "i64";
+    const char* t = llvm_type(red.type);
+    std::string sign = tmp(), mask = tmp(), bits = tmp(), value = tmp(), nan = tmp(), out = tmp();
+    line("{} = ashr {} {}, {}", sign, it, acc, f32 ? 31 : 63);
+    line("{} = lshr {} {}, 1", mask, it, sign);
+    line("{} = xor {} {}, {}", bits, it, acc, mask);
+    line("{} = bitcast {} {} to {}", value, it, bits, t);
+    line("{} = icmp eq {} {}, {}", nan, it, acc, f32 ? "2147483647" : "9223372036854775807");
+    line("{} = select i1 {}, {} {}, {} {}", out, nan, t, "0x7FF8000000000000", t, value);
+    return out;
+  }
+
+  // Column reductions: the accumulators of the current point of dim d.
+  void point_accumulators(int d) {
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      acc_ptr_[r] = tmp();
+      line("{} = getelementptr inbounds {}, ptr %acc{}.addr, i64 {}", acc_ptr_[r],
+           acc_type(k_.reductions[r]), r, var_[d]);
+    }
+  }
+
+  // One loop over dim d around `body`, with its own labels and loop variable (a column
+  // reduction loops over its column dim three times).
+  template <typename F>
+  void column_loop(int d, F body) {
+    int n = loop_count_++;
+    std::string var = fmt::format("%c{}.i", n);
+    const bool split = split_columns_ && d == 0;
+    line("store i64 {}, ptr %i{}.addr", split ? "%begin" : "0", d);
+    line("br label %c{}.head", n);
+    label(fmt::format("c{}.head", n));
+    line("{} = load i64, ptr %i{}.addr", var, d);
+    line("%c{}.more = icmp slt i64 {}, {}", n, var,
+         split ? std::string("%end") : std::to_string(k_.dims[d]));
+    line("br i1 %c{}.more, label %c{}.body, label %c{}.exit", n, n, n);
+    label(fmt::format("c{}.body", n));
+    var_[d] = var;
+    body();
+    line("%c{}.next = add nsw i64 {}, 1", n, var);
+    line("store i64 %c{}.next, ptr %i{}.addr", n, d);
+    line("br label %c{}.head", n);
+    label(fmt::format("c{}.exit", n));
+  }
+
+  // Loops dims [from, to) around `body`, innermost last. Each pass of a multi-pass reduction
+  // has its own labels and loop variables.
+  template <typename F>
+  void inner_loops(int from, int to, int pass, F body) {
+    if (from >= to) {
+      body();
+      return;
+    }
+    int d = from;
+    std::string l = pass == 0 ? fmt::format("l{}", d) : fmt::format("l{}.{}", d, pass);
+    std::string i = pass == 0 ? fmt::format("%i{}", d) : fmt::format("%i{}.{}", d, pass);
+    var_[d] = i;
+    line("store i64 0, ptr %i{}.addr", d);
+    line("br label %{}.head", l);
+    label(fmt::format("{}.head", l));
+    line("{} = load i64, ptr %i{}.addr", i, d);
+    line("%{}.more = icmp slt i64 {}, {}", l, i, k_.dims[d]);
+    line("br i1 %{}.more, label %{}.body, label %{}.exit", l, l, l);
+    label(fmt::format("{}.body", l));
+    inner_loops(from + 1, to, pass, body);
+    line("{}.next = add nsw i64 {}, 1", i, i);
+    line("store i64 {}.next, ptr %i{}.addr", i, d);
+    line("br label %{}.head", l);
+    label(fmt::format("{}.exit", l));
+  }
+
+  std::string offset(const Affine& map) {
+    std::string sum = fmt::format("{}", map.base);
+    for (size_t d = 0; d < map.coeff.size(); ++d) {
+      if (map.coeff[d] == 0) continue;
+      std::string term = tmp();
+      line("{} = mul nsw i64 {}, {}", term, var_[d], map.coeff[d]);
+      std::string next = tmp();
+      line("{} = add nsw i64 {}, {}", next, sum, term);
+      sum = next;
+    }
+    return sum;
+  }
+
+  void declare(const std::string& decl) { declarations_.insert(decl); }
+
+  std::string call(const char* name, Type type, const std::string& args) {
+    std::string fn = type == Type::f32 ? fmt::format("{}f", name) : name;
+    const char* t = llvm_type(type);
+    std::string params = args.find(',') != std::string::npos ? fmt::format("{}, {}", t, t) : t;
+    // Pure functions to the optimizer (errno, which they may set, is never read): a call whose
+    // argument does not change in a loop (the log of a row's sum) is hoisted out of it.
+    declare(fmt::format("declare {} @{}({}) nounwind willreturn memory(none)", t, fn, params));
+    return fmt::format("call {} @{}({})", t, fn, args);
+  }
+
+  // f32 `x` rounded to bf16 (as integer operations, DESIGN.md decision 8) and widened back.
+  std::string round_bf16(const std::string& x) {
+    std::string bits = tmp(), mag = tmp(), nan = tmp(), lsb = tmp(), lsb1 = tmp(), bias = tmp(),
+                sum = tmp(), rounded = tmp(), hi = tmp(), quiet = tmp(), pick = tmp(), out = tmp(),
+                result = tmp();
+    line("{} = bitcast float {} to i32", bits, x);
+    line("{} = and i32 {}, 2147483647", mag, bits);
+    line("{} = icmp ugt i32 {}, 2139095040", nan, mag);
+    line("{} = lshr i32 {}, 16", lsb, bits);
+    line("{} = and i32 {}, 1", lsb1, lsb);
+    line("{} = add i32 {}, 32767", bias, lsb1);
+    line("{} = add i32 {}, {}", sum, bits, bias);
+    line("{} = and i32 {}, -65536", rounded, sum);
+    line("{} = and i32 {}, -65536", hi, bits);
+    line("{} = or i32 {}, 4194304", quiet, hi);
+    line("{} = select i1 {}, i32 {}, i32 {}", pick, nan, quiet, rounded);
+    line("{} = add i32 {}, 0", out, pick);
+    line("{} = bitcast i32 {} to float", result, out);
+    return result;
+  }
+
+  // f64 `x` to f32 with round-to-odd, so that one more rounding to a 16-bit type is exact.
+  std::string round_to_odd(const std::string& x) {
+    std::string f = tmp(), back = tmp(), exact = tmp(), bits = tmp(), abs_back = tmp(),
+                abs_x = tmp(), bigger = tmp(), down = tmp(), toward = tmp(), odd = tmp(),
+                odd_f = tmp(), result = tmp();
+    declare("declare double @llvm.fabs.f64(double)");
+    line("{} = fptrunc double {} to float", f, x);
+    line("{} = fpext float {} to double", back, f);
+    line("{} = fcmp ueq double {}, {}", exact, back, x);
+    line("{} = bitcast float {} to i32", bits, f);
+    line("{} = call double @llvm.fabs.f64(double {})", abs_back, back);
+    line("{} = call double @llvm.fabs.f64(double {})", abs_x, x);
+    line("{} = fcmp ogt double {}, {}", bigger, abs_back, abs_x);
+    line("{} = sub i32 {}, 1", down, bits);
+    line("{} = select i1 {}, i32 {}, i32 {}", toward, bigger, down, bits);
+    line("{} = or i32 {}, 1", odd, toward);
+    line("{} = bitcast i32 {} to float", odd_f, odd);
+    line("{} = select i1 {}, float {}, float {}", result, exact, f, odd_f);
+    return result;
+  }
+
+  std::string round_to(const Value& v, const std::string& a, Type from) {
+    if (v.dtype == DType::i32) {
+      std::string narrow = tmp(), wide = tmp();
+      line("{} = trunc i64 {} to i32", narrow, a);
+      line("{} = sext i32 {} to i64", wide, narrow);
+      return wide;
+    }
+    std::string x = from == Type::f64 ? round_to_odd(a) : a;
+    if (v.dtype == DType::bf16) return round_bf16(x);
+    std::string h = tmp(), back = tmp();
+    line("{} = fptrunc float {} to half", h, x);
+    line("{} = fpext half {} to float", back, h);
+    return back;
+  }
+
+  std::string convert(const std::string& a, Type from, Type to) {
+    std::string r = tmp();
+    const char* f = llvm_type(from);
+    const char* t = llvm_type(to);
+    if (from == to) return a;
+    if (from == Type::f32 && to == Type::f64)
+      line("{} = fpext float {} to double", r, a);
+    else if (from == Type::f64 && to == Type::f32)
+      line("{} = fptrunc double {} to float", r, a);
+    else if (is_float(from) && to == Type::i64)
+      line("{} = fptosi {} {} to i64", r, f, a);
+    else if (is_float(from) && to == Type::i1)
+      line("{} = fcmp une {} {}, 0.0", r, f, a);
+    else if (from == Type::i64 && is_float(to))
+      line("{} = sitofp i64 {} to {}", r, a, t);
+    else if (from == Type::i64 && to == Type::i1)
+      line("{} = icmp ne i64 {}, 0", r, a);
+    else if (from == Type::i1 && to == Type::i64)
+      line("{} = zext i1 {} to i64", r, a);
+    else if (from == Type::i1 && is_float(to))
+      line("{} = uitofp i1 {} to {}", r, a, t);
+    else
+      fail("llvm emitter: no conversion from {} to {}", f, t);
+    return r;
+  }
+
+  std::string load(const Value& v) {
+    DType dtype = k_.params[v.param].dtype;
+    std::string off = offset(v.map);
+    std::string ptr = tmp(), raw = tmp();
+    auto gep = [&](const char* elt) {
+      line("{} = getelementptr inbounds {}, ptr %p{}, i64 {}", ptr, elt, v.param, off);
+    };
+    switch (dtype) {
+      case DType::f32:
+        gep("float");
+        line("{} = load float, ptr {}{}", raw, ptr, alias_tags(v.param));
+        return raw;
+      case DType::f64:
+        gep("double");
+        line("{} = load double, ptr {}{}", raw, ptr, alias_tags(v.param));
+        return raw;
+      case DType::f16: {
+        gep("half");
+        line("{} = load half, ptr {}{}", raw, ptr, alias_tags(v.param));
+        std::string r = tmp();
+        line("{} = fpext half {} to float", r, raw);
+        return r;
+      }
+      case DType::bf16: {
+        gep("i16");
+        line("{} = load i16, ptr {}{}", raw, ptr, alias_tags(v.param));
+        std::string wide = tmp(), shifted = tmp(), r = tmp();
+        line("{} = zext i16 {} to i32", wide, raw);
+        line("{} = shl i32 {}, 16", shifted, wide);
+        line("{} = bitcast i32 {} to float", r, shifted);
+        return r;
+      }
+      case DType::i32: {
+        gep("i32");
+        line("{} = load i32, ptr {}{}", raw, ptr, alias_tags(v.param));
+        std::string r = tmp();
+        line("{} = sext i32 {} to i64", r, raw);
+        return r;
+      }
+      case DType::i64:
+        gep("i64");
+        line("{} = load i64, ptr {}{}", raw, ptr, alias_tags(v.param));
+        return raw;
+      case DType::boolean: {
+        gep("i8");
+        line("{} = load i8, ptr {}{}", raw, ptr, alias_tags(v.param));
+        std::string r = tmp();
+        line("{} = icmp ne i8 {}, 0", r, raw);
+        return r;
+      }
+    }
+    return raw;
+  }
+
+  void store(DType dtype, int param, const Affine& map, const std::string& value) {
+    std::string off = offset(map);
+    std::string ptr = tmp();
+    auto gep = [&](const char* elt) {
+      line("{} = getelementptr inbounds {}, ptr %p{}, i64 {}", ptr, elt, param, off);
+    };
+    switch (dtype) {
+      case DType::f32:
+        gep("float");
+        line("store float {}, ptr {}{}", value, ptr, alias_tags(param));
+        return;
+      case DType::f64:
+        gep("double");
+        line("store double {}, ptr {}{}", value, ptr, alias_tags(param));
+        return;
+      case DType::f16: {  // the value is already rounded: the truncation is exact
+        std::string h = tmp();
+        line("{} = fptrunc float {} to half", h, value);
+        gep("half");
+        line("store half {}, ptr {}{}", h, ptr, alias_tags(param));
+        return;
+      }
+      case DType::bf16: {
+        std::string bits = tmp(), hi = tmp(), h = tmp();
+        line("{} = bitcast float {} to i32", bits, value);
+        line("{} = lshr i32 {}, 16", hi, bits);
+        line("{} = trunc i32 {} to i16", h, hi);
+        gep("i16");
+        line("store i16 {}, ptr {}{}", h, ptr, alias_tags(param));
+        return;
+      }
+      case DType::i32: {
+        std::string n = tmp();
+        line("{} = trunc i64 {} to i32", n, value);
+        gep("i32");
+        line("store i32 {}, ptr {}{}", n, ptr, alias_tags(param));
+        return;
+      }
+      case DType::i64:
+        gep("i64");
+        line("store i64 {}, ptr {}{}", value, ptr, alias_tags(param));
+        return;
+      case DType::boolean: {
+        std::string b = tmp();
+        line("{} = zext i1 {} to i8", b, value);
+        gep("i8");
+        line("store i8 {}, ptr {}{}", b, ptr, alias_tags(param));
+        return;
+      }
+    }
+  }
+
+  void values(const std::vector<Value>& list, const char* prefix) {
+    names_.assign(list.size(), "");
+    for (size_t i = 0; i < list.size(); ++i) names_[i] = value(list[i], prefix, i, list);
+  }
+
+  std::string value(const Value& v, const char* prefix, size_t index,
+                    const std::vector<Value>& list) {
+    std::string r = fmt::format("%{}{}", prefix, index);
+    const char* t = llvm_type(v.type);
+    auto operand = [&](int32_t id) { return names_[id]; };
+    auto operand_type = [&](int32_t id) { return list[id].type; };
+    bool f = v.a >= 0 && is_float(operand_type(v.a));
+    const kir::OpTraits& op = kir::traits(v.op);
+    switch (op.form) {
+      case kir::OpForm::Arith:
+        if (!*(f ? op.llvm_float : op.llvm_int)) break;
+        line("{} = {} {} {}, {}", r, f ? op.llvm_float : op.llvm_int, t, operand(v.a),
+             operand(v.b));
+        return r;
+      case kir::OpForm::Compare: {
+        Type ot = operand_type(v.a);
+        line("{} = {} {} {} {}, {}", r, is_float(ot) ? "fcmp" : "icmp",
+             is_float(ot) ? op.llvm_float : op.llvm_int, llvm_type(ot), operand(v.a), operand(v.b));
+        return r;
+      }
+      case kir::OpForm::Libm: {
+        const kir::LibmTraits& fn = kir::traits(static_cast<kir::Libm>(v.param));
+        std::string args = fmt::format("{} {}", t, operand(v.a));
+        if (fn.arity == 2) args += fmt::format(", {} {}", t, operand(v.b));
+        line("{} = {}", r, call(fn.name, v.type, args));
+        return r;
+      }
+      case kir::OpForm::Special:
+        break;
+    }
+    switch (v.op) {
+      case Op::Const:
+        return constant(v.type, v.imm);
+      case Op::Load:
+        return load(v);
+      case Op::Accumulated:
+        return acc_value_[v.param];
+      case Op::Scalar:
+        // Lowering passes only float fills, exactly representable in their register type.
+        if (v.type == Type::f64) return fmt::format("%s{}", v.param);
+        line("{} = fptrunc double %s{} to float", r, v.param);
+        return r;
+      case Op::Neg:
+        if (f)
+          line("{} = fneg {} {}", r, t, operand(v.a));
+        else
+          line("{} = sub i64 0, {}", r, operand(v.a));
+        return r;
+      case Op::Or:
+        line("{} = or i1 {}, {}", r, operand(v.a), operand(v.b));
+        return r;
+      case Op::Select:
+        line("{} = select i1 {}, {} {}, {} {}", r, operand(v.a), t, operand(v.b), t, operand(v.c));
+        return r;
+      case Op::IsNan:
+        line("{} = fcmp uno {} {}, {}", r, llvm_type(operand_type(v.a)), operand(v.a),
+             operand(v.a));
+        return r;
+      case Op::Sqrt:
+        declare(
+            fmt::format("declare {} @llvm.sqrt.{}({})", t, v.type == Type::f32 ? "f32" : "f64", t));
+        line("{} = call {} @llvm.sqrt.{}({} {})", r, t, v.type == Type::f32 ? "f32" : "f64", t,
+             operand(v.a));
+        return r;
+      case Op::Ldexp: {
+        // math::ldexp: two exact power-of-two factors built from exponent bits, so that a
+        // result that overflows or is subnormal rounds once, at the second product.
+        const bool f32 = v.type == Type::f32;
+        const char* it = f32 ? "i32" : "i64";
+        std::string k = tmp(), half = tmp(), rest = tmp(), product = tmp();
+        line("{} = fptosi {} {} to {}", k, t, operand(v.b), it);
+        line("{} = ashr {} {}, 1", half, it, k);
+        line("{} = sub {} {}, {}", rest, it, k, half);
+        std::string scaled = operand(v.a);
+        for (const std::string& e : {half, rest}) {
+          std::string biased = tmp(), bits = tmp(), factor = tmp(), next = tmp();
+          line("{} = add {} {}, {}", biased, it, e, f32 ? 127 : 1023);
+          line("{} = shl {} {}, {}", bits, it, biased, f32 ? 23 : 52);
+          line("{} = bitcast {} {} to {}", factor, it, bits, t);
+          line("{} = fmul {} {}, {}", next, t, scaled, factor);
+          scaled = next;
+        }
+        return scaled;
+      }
+      case Op::Convert:
+        return convert(operand(v.a), operand_type(v.a), v.type);
+      case Op::RoundTo:
+        return round_to(v, operand(v.a), operand_type(v.a));
+      default:  // Arith, Compare and Libm ops: above
+        break;
+    }
+    fail("llvm emitter: {} of {} is not supported", kir::op_name(v.op), t);
+  }
+
+  void stores(const std::vector<kir::Store>& list_stores) {
+    for (const kir::Store& s : list_stores)
+      store(k_.params[s.param].dtype, s.param, s.map, names_[s.value]);
+  }
+
+  // Adds this point's terms to the reductions of `pass`.
+  void accumulate(int pass) {
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      const kir::Reduction& red = k_.reductions[r];
+      if (red.pass != pass) continue;
+      const char* t = acc_type(red);
+      std::string acc = tmp(), next = tmp();
+      std::string x = names_[red.value];
+      line("{} = load {}, ptr {}", acc, t, acc_ptr_[r]);
+      if (red.kind == kir::ReduceKind::Sum) {
+        if (!is_float(red.type)) {
+          line("{} = add i64 {}, {}", next, acc, x);
+        } else if (is_half(red.round_to)) {
+          std::string sum = tmp();
+          line("{} = fadd {} {}, {}", sum, t, acc, x);
+          Value round{Op::RoundTo, red.type};
+          round.dtype = red.round_to;
+          next = round_to(round, sum, red.type);
+        } else {
+          // Reassociation lets the vectorizer split the sum into lanes, as every fast
+          // reduction does; results differ from a sequential sum within rounding.
+          line("{} = fadd reassoc {} {}, {}", next, t, acc, x);
+        }
+      } else {
+        // Floats compare by order key (the total order of reference_executor.cpp's ref_Max):
+        // a signed integer max, which vectorizes where a NaN-propagating float max does not.
+        std::string key = is_float(red.type) ? order_key(red.type, x) : x;
+        std::string gt = tmp();
+        line("{} = icmp sgt {} {}, {}", gt, t, key, acc);
+        line("{} = select i1 {}, {} {}, {} {}", next, gt, t, key, t, acc);
+      }
+      line("store {} {}, ptr {}", t, next, acc_ptr_[r]);
+    }
+  }
+
+  const kir::Kernel& k_;
+  std::string out_;
+  std::set<std::string> declarations_;
+  std::vector<std::string> names_;
+  int next_tmp_ = 0;
+  int loop_count_ = 0;
+  std::vector<std::string> var_;        // the SSA name of each dim's loop variable where used
+  bool split_columns_ = false;          // kir::Kernel::column_split
+  std::vector<std::string> acc_ptr_;    // where each reduction's accumulator is
+  std::vector<std::string> acc_value_;  // its final value, in the epilogue
+};
+
+}  // namespace
+
+std::string emit_llvm(const kir::Kernel& kernel) { return Emitter(kernel).run(); }
+
+}  // namespace mixtape

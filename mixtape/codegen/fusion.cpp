@@ -1,0 +1,542 @@
+// mixtape/codegen/fusion.cpp -- greedy producer-into-consumer fusion with access maps (DESIGN.md
+// decision 7).
+#include "mixtape/codegen/fusion.h"
+
+#include <algorithm>
+#include <numeric>
+#include <unordered_set>
+
+#include <fmt/ranges.h>
+
+#include "mixtape/dsl/error.h"
+#include "mixtape/dsl/log.h"
+#include "mixtape/dsl/shape.h"
+
+namespace mixtape {
+namespace {
+
+using kir::Affine;
+
+// The ops' kinds are in dsl/ops.def: views are affine index maps, reductions the ones kernels
+// fuse (sum and max).
+bool is_view(OpCode op) { return op_info(op).kind == OpKind::View; }
+
+Affine unit(size_t rank, int var) {
+  Affine a;
+  a.coeff.assign(rank, 0);
+  if (var >= 0) a.coeff[var] = 1;
+  return a;
+}
+
+bool is_reduction(const Node& node) { return op_info(node.op).kind == OpKind::Reduce; }
+
+bool reduced_axis(const Node& reduction, size_t d) {
+  const std::vector<int64_t>& axes = reduction.attrs.axes;
+  return std::find(axes.begin(), axes.end(), static_cast<int64_t>(d)) != axes.end();
+}
+
+// Reductions that loop over the same nest: the same input shape and the same reduced axes (the
+// nest keeps the axes in input order, whatever order they were named in).
+bool same_loop_nest(const Node& a, const Node& b) {
+  const Shape& in = a.inputs[0]->shape;
+  if (in != b.inputs[0]->shape) return false;
+  for (size_t d = 0; d < in.size(); ++d)
+    if (reduced_axis(a, d) != reduced_axis(b, d)) return false;
+  return true;
+}
+
+Affine scaled_sum(const std::vector<Affine>& coords, const std::vector<int64_t>& strides) {
+  Affine sum;
+  sum.coeff.assign(coords.empty() ? 0 : coords[0].coeff.size(), 0);
+  for (size_t j = 0; j < coords.size(); ++j) {
+    sum.base += coords[j].base * strides[j];
+    for (size_t d = 0; d < sum.coeff.size(); ++d) sum.coeff[d] += coords[j].coeff[d] * strides[j];
+  }
+  return sum;
+}
+
+}  // namespace
+
+bool transfer_access(const Node& node, size_t k, const Access& access, size_t rank, Access& out,
+                     std::string& why) {
+  const Shape& in_shape = node.inputs[k]->shape;
+  out = Access{};
+  switch (op_info(node.op).kind) {
+    case OpKind::Pointwise:
+      if (in_shape != node.shape) {
+        why = "pointwise inputs of different shapes";
+        return false;
+      }
+      out = access;
+      return true;
+    case OpKind::View:
+      break;
+    default:
+      why = "not a kernel op";
+      return false;
+  }
+  if (node.op == OpCode::Reshape) {
+    out.flat = true;
+    out.coords = {access.flat ? access.coords[0]
+                              : scaled_sum(access.coords, strides_of(node.shape))};
+    return true;
+  }
+  if (access.flat) {
+    // Below a reshape only contiguous element-for-element reads are affine.
+    if (numel(in_shape) == node.numel() && node.op == OpCode::BroadcastTo) {
+      out = access;
+      return true;
+    }
+    why = fmt::format("{} below a reshape", op_name(node.op));
+    return false;
+  }
+  out.coords.resize(in_shape.size());
+  if (node.op == OpCode::Permute) {
+    for (size_t j = 0; j < node.attrs.axes.size(); ++j)
+      out.coords[node.attrs.axes[j]] = access.coords[j];
+  } else if (node.op == OpCode::BroadcastTo) {
+    size_t lead = node.shape.size() - in_shape.size();
+    for (size_t d = 0; d < in_shape.size(); ++d)
+      out.coords[d] = in_shape[d] == 1 ? unit(rank, -1) : access.coords[lead + d];
+  } else {  // Slice
+    for (size_t d = 0; d < in_shape.size(); ++d) {
+      Affine a = access.coords[d];
+      a.base = a.base * node.attrs.steps[d] + node.attrs.starts[d];
+      for (int64_t& c : a.coeff) c *= node.attrs.steps[d];
+      out.coords[d] = a;
+    }
+  }
+  return true;
+}
+
+namespace {
+
+// Each coordinate is one distinct loop variable of dims[0, loop_dims) over exactly that extent:
+// every element once per point of those dims.
+bool bijective(const Access& access, const Shape& shape, const std::vector<int64_t>& dims,
+               size_t loop_dims) {
+  if (access.flat) return false;
+  std::vector<bool> used(dims.size(), false);
+  int64_t covered = 1;
+  for (size_t j = 0; j < shape.size(); ++j) {
+    const Affine& a = access.coords[j];
+    if (a.base != 0) return false;
+    int var = -1;
+    for (size_t d = 0; d < a.coeff.size(); ++d) {
+      if (a.coeff[d] == 0) continue;
+      if (a.coeff[d] != 1 || var >= 0 || used[d] || d >= loop_dims || dims[d] != shape[j])
+        return false;
+      var = static_cast<int>(d);
+    }
+    if (var < 0 && shape[j] != 1) return false;
+    if (var >= 0) used[var] = true;
+    covered *= shape[j];
+  }
+  int64_t total = std::accumulate(dims.begin(), dims.begin() + static_cast<ptrdiff_t>(loop_dims),
+                                  int64_t{1}, std::multiplies<>());
+  return covered == total;
+}
+
+// The row-major element offset an access reads of a value of `shape`.
+Affine element_offset(const Access& access, const Shape& shape) {
+  if (access.flat) return access.coords[0];
+  return scaled_sum(access.coords, strides_of(shape));
+}
+
+// Whether two accesses read the same element at every point (a reshape's flat access and the
+// coordinates it came from, say).
+bool same_elements(const Access& a, const Access& b, const Shape& shape) {
+  if (a == b) return true;
+  Affine x = element_offset(a, shape), y = element_offset(b, shape);
+  x.coeff.resize(std::max(x.coeff.size(), y.coeff.size()), 0);
+  y.coeff.resize(x.coeff.size(), 0);
+  return x == y;
+}
+
+bool varies_along(const Access& access, int from) {
+  for (const Affine& a : access.coords)
+    for (size_t d = static_cast<size_t>(from); d < a.coeff.size(); ++d)
+      if (a.coeff[d] != 0) return true;
+  return false;
+}
+
+class Fuser {
+ public:
+  Fuser(const std::vector<Node*>& pending, const std::vector<Node*>& required,
+        const FusionOptions& options)
+      : pending_(pending), options_(options), log_(log_enabled("fusion")) {
+    for (Node* node : pending) in_pending_.insert(node);
+    for (Node* node : required) required_.insert(node);
+    for (Node* node : pending)
+      for (const NodePtr& input : node->inputs)
+        if (in_pending_.count(input.get())) users_[input.get()].push_back(node);
+  }
+
+  std::vector<FusionGroup> run() {
+    for (auto it = pending_.rbegin(); it != pending_.rend(); ++it) place(*it);
+    std::vector<FusionGroup> out;
+    for (FusionGroup& group : groups_) {
+      if (group.members.empty()) continue;
+      std::sort(group.members.begin(), group.members.end(),
+                [](Node* a, Node* b) { return a->id < b->id; });
+      std::sort(group.outputs.begin(), group.outputs.end(),
+                [](Node* a, Node* b) { return a->id < b->id; });
+      if (is_alias(group)) group.kind = FusionGroup::Kind::Alias;
+      out.push_back(std::move(group));
+    }
+    // A group's inputs are stored by groups whose newest member is older than any reader (see
+    // place()), so ordering by the newest member is a valid execution order.
+    std::sort(out.begin(), out.end(), [](const FusionGroup& a, const FusionGroup& b) {
+      return a.members.back()->id < b.members.back()->id;
+    });
+    if (log_)
+      for (const FusionGroup& group : out) log_group(group);
+    return out;
+  }
+
+ private:
+  void place(Node* node) {
+    const std::vector<Node*>& users = users_[node];
+    bool required = required_.count(node) > 0;
+    if (!kernel_op(*node)) {
+      new_group(node,
+                node->op == OpCode::MatMul ? FusionGroup::Kind::MatMul : FusionGroup::Kind::Host);
+      return;
+    }
+    if (!required && is_constant_fill(*node) &&
+        std::all_of(users.begin(), users.end(), [&](Node* u) {
+          return inlined_.count(u) || groups_[group_of_.at(u)].kind == FusionGroup::Kind::Kernel;
+        })) {
+      inlined_.insert(node);  // recomputed as a constant inside every reader
+      return;
+    }
+    if (options_.fuse && !users.empty()) {
+      // Candidate groups, earliest root first: a reader outside the chosen group must come
+      // after that group's root, or the groups could depend on each other.
+      std::vector<size_t> candidates;
+      for (Node* user : users) {
+        if (inlined_.count(user)) continue;
+        size_t g = group_of_.at(user);
+        if (groups_[g].kind == FusionGroup::Kind::Kernel &&
+            std::find(candidates.begin(), candidates.end(), g) == candidates.end())
+          candidates.push_back(g);
+      }
+      std::sort(candidates.begin(), candidates.end(),
+                [&](size_t a, size_t b) { return root_id(a) < root_id(b); });
+      for (size_t g : candidates) {
+        bool stored = required;
+        bool ordered = true;
+        for (Node* user : users) {
+          if (inlined_.count(user) || group_of_.at(user) == g) continue;
+          stored = true;
+          if (user->id <= root_id(g)) ordered = false;
+        }
+        if (!ordered) {
+          reject(node, g, "read by another kernel that runs before this one");
+          continue;
+        }
+        if (try_join(node, g, stored)) return;
+      }
+    }
+    new_group(node, FusionGroup::Kind::Kernel);
+  }
+
+  uint64_t root_id(size_t g) const { return groups_[g].members.front()->id; }
+
+  // A kernel that would only copy a stored value into a new shape (a reshape read by a matmul):
+  // row-major storage is the same bytes in any shape, so the reshape shares its input's buffer.
+  static bool is_alias(const FusionGroup& group) {
+    if (group.kind != FusionGroup::Kind::Kernel || group.members.size() != 1) return false;
+    const Node& node = *group.members[0];
+    if (node.op != OpCode::Reshape) return false;
+    const Node& input = *node.inputs[0];
+    if (is_constant_fill(input)) return false;
+    DType stored = input.value ? input.value->dtype : input.storage;
+    return stored == node.storage;
+  }
+
+  void new_group(Node* node, FusionGroup::Kind kind) {
+    FusionGroup group;
+    group.kind = kind;
+    group.members = {node};
+    group.outputs = {node};
+    if (kind == FusionGroup::Kind::Kernel) {
+      if (is_reduction(*node)) group.reductions = {node};
+      std::string why;
+      if (!plan_access(group, why))
+        fail("fusion: cannot lower a single {} node: {}", op_name(node->op), why);
+    }
+    group_of_[node] = groups_.size();
+    groups_.push_back(std::move(group));
+  }
+
+  bool try_join(Node* node, size_t g, bool stored) {
+    FusionGroup trial = groups_[g];
+    trial.members.push_back(node);
+    if (stored) trial.outputs.push_back(node);
+    std::string why;
+    if (is_reduction(*node) && !trial.reductions.empty() && !options_.multi_pass) {
+      why = "the kernel already has a reduction";
+    } else if (is_reduction(*node) && !trial.reductions.empty() &&
+               !same_loop_nest(*node, *trial.reductions.front())) {
+      why = fmt::format(
+          "the kernel's reduction runs over other axes or another shape ({} over {} of {}, "
+          "this one over {} of {})",
+          op_name(trial.reductions.front()->op),
+          fmt::join(trial.reductions.front()->attrs.axes, ","),
+          to_string(trial.reductions.front()->inputs[0]->shape), fmt::join(node->attrs.axes, ","),
+          to_string(node->inputs[0]->shape));
+    } else if (static_cast<int>(trial.members.size()) > options_.max_members) {
+      why = "the kernel is at its size limit";
+    } else {
+      if (is_reduction(*node)) {
+        trial.reductions.push_back(node);
+        std::sort(trial.reductions.begin(), trial.reductions.end(),
+                  [](Node* a, Node* b) { return a->id < b->id; });
+      }
+      if (plan_access(trial, why) && count_params(trial) > options_.max_params)
+        why = "too many kernel parameters";
+    }
+    if (!why.empty()) {
+      reject(node, g, why);
+      return false;
+    }
+    groups_[g] = std::move(trial);
+    group_of_[node] = g;
+    return true;
+  }
+
+  int count_params(const FusionGroup& group) const {
+    std::unordered_set<Node*> members(group.members.begin(), group.members.end());
+    std::unordered_set<Node*> loads;
+    for (Node* m : group.members)
+      for (const NodePtr& input : m->inputs)
+        if (!members.count(input.get()) && !is_constant_fill(*input)) loads.insert(input.get());
+    return static_cast<int>(loads.size() + group.outputs.size());
+  }
+
+  // Builds the loop nest and every member's accesses from the stored outputs down; false (with
+  // the reason) when some member cannot be reached by an affine access or stored exactly once.
+  bool plan_access(FusionGroup& group, std::string& why) const {
+    group.access.clear();
+    std::unordered_set<Node*> members(group.members.begin(), group.members.end());
+    Node* root = *std::max_element(group.members.begin(), group.members.end(),
+                                   [](Node* a, Node* b) { return a->id < b->id; });
+    Node* reduction = group.reductions.empty() ? nullptr : group.reductions.front();
+    // Loop nest and the identity access of an output of the (epilogue) domain.
+    Shape domain = reduction ? reduction->shape : root->shape;
+    std::vector<int> domain_var(domain.size(), -1);  // loop var of each domain coordinate
+    std::vector<int> input_var;                      // reduction: loop var of each input axis
+    group.dims.clear();
+    group.reduce_from = -1;
+    if (reduction) {
+      const Shape& in = reduction->inputs[0]->shape;
+      input_var.assign(in.size(), -1);
+      for (size_t d = 0; d < in.size(); ++d)
+        if (!reduced_axis(*reduction, d)) {
+          input_var[d] = static_cast<int>(group.dims.size());
+          group.dims.push_back(in[d]);
+        }
+      group.reduce_from = static_cast<int>(group.dims.size());
+      for (size_t d = 0; d < in.size(); ++d)
+        if (reduced_axis(*reduction, d)) {
+          input_var[d] = static_cast<int>(group.dims.size());
+          group.dims.push_back(in[d]);
+        }
+      if (group.reduce_from == 0) {  // a full reduction: one outer point
+        group.dims.insert(group.dims.begin(), 1);
+        group.reduce_from = 1;
+        for (int& v : input_var) ++v;
+      }
+      size_t j = 0;  // domain coordinate -> loop var
+      for (size_t d = 0; d < in.size(); ++d) {
+        if (reduced_axis(*reduction, d) && !reduction->attrs.keepdim) continue;
+        domain_var[j++] = reduced_axis(*reduction, d) ? -1 : input_var[d];
+      }
+    } else {
+      group.dims = domain;
+      for (size_t d = 0; d < domain.size(); ++d) domain_var[d] = static_cast<int>(d);
+      if (group.dims.empty()) group.dims = {1};
+    }
+    size_t rank = group.dims.size();
+    Access identity;
+    for (int v : domain_var) identity.coords.push_back(unit(rank, v));
+    Access input_identity;
+    for (int v : input_var) input_identity.coords.push_back(unit(rank, v));
+    // Where each reduction's result is read: every reduction shares the nest, but may keep the
+    // reduced axes as size-1 dims or drop them.
+    auto result_identity = [&](bool keepdim) {
+      Access access;
+      for (size_t d = 0; d < input_var.size(); ++d) {
+        if (!reduced_axis(*reduction, d))
+          access.coords.push_back(unit(rank, input_var[d]));
+        else if (keepdim)
+          access.coords.push_back(unit(rank, -1));
+      }
+      return access;
+    };
+    auto is_member_reduction = [&](Node* node) {
+      return std::find(group.reductions.begin(), group.reductions.end(), node) !=
+             group.reductions.end();
+    };
+
+    std::vector<Node*> order(group.members.begin(), group.members.end());
+    std::sort(order.begin(), order.end(), [](Node* a, Node* b) { return a->id > b->id; });
+    // The outer domain as the reductions give it, with the reduced axes kept or dropped.
+    auto outer_shape = [&](bool keepdim) {
+      Shape shape;
+      for (size_t d = 0; d < input_var.size(); ++d)
+        if (!reduced_axis(*reduction, d))
+          shape.push_back(reduction->inputs[0]->shape[d]);
+        else if (keepdim)
+          shape.push_back(1);
+      return shape;
+    };
+    for (Node* output : group.outputs) {
+      if (is_member_reduction(output)) {
+        group.access[output].push_back(result_identity(output->attrs.keepdim));
+      } else if (output->shape == domain) {
+        group.access[output].push_back(identity);
+      } else if (reduction && output->shape == reduction->inputs[0]->shape) {
+        group.access[output].push_back(input_identity);
+      } else if (reduction && output->shape == outer_shape(true)) {
+        group.access[output].push_back(result_identity(true));
+      } else if (reduction && output->shape == outer_shape(false)) {
+        group.access[output].push_back(result_identity(false));
+      } else {
+        why = "stored values of different shapes";
+        return false;
+      }
+    }
+    for (Node* node : order) {
+      std::vector<Access>& accesses = group.access[node];
+      if (accesses.empty()) {
+        why = fmt::format("{} has no reader in the kernel", op_name(node->op));
+        return false;
+      }
+      if (is_member_reduction(node)) {
+        if (!std::all_of(accesses.begin(), accesses.end(), [&](const Access& access) {
+              return same_elements(access, result_identity(node->attrs.keepdim), node->shape);
+            })) {
+          why = "the reduction's result is read at other points than its own";
+          return false;
+        }
+        push_access(group, node->inputs[0].get(), input_identity, members);
+        continue;
+      }
+      for (size_t k = 0; k < node->inputs.size(); ++k) {
+        Node* input = node->inputs[k].get();
+        if (!members.count(input) && (!is_view(node->op) || is_constant_fill(*input))) continue;
+        for (const Access& access : accesses) {
+          Access out;
+          if (!transfer_access(*node, k, access, rank, out, why)) return false;
+          push_access(group, input, out, members);
+        }
+      }
+    }
+    if (reduction && !options_.multi_pass && !epilogue_stays_outside(group, members, why))
+      return false;
+    for (Node* output : group.outputs) {
+      const std::vector<Access>& accesses = group.access[output];
+      if (is_member_reduction(output)) continue;
+      // A stored value that does not vary along the reduced axes is stored once per outer
+      // point, after the reductions.
+      size_t loop_dims = reduction && !varies_along(accesses[0], group.reduce_from)
+                             ? static_cast<size_t>(group.reduce_from)
+                             : group.dims.size();
+      bool once = std::all_of(accesses.begin(), accesses.end(), [&](const Access& access) {
+        return same_elements(access, accesses[0], output->shape);
+      });
+      if (!once || !bijective(accesses[0], output->shape, group.dims, loop_dims)) {
+        why = fmt::format("stored {} is not read exactly once per element", op_name(output->op));
+        return false;
+      }
+    }
+    return true;
+  }
+
+  // Single-pass kernels: members after the reduction run once per outer point, so they may not
+  // vary along the reduced axes (that needs a second pass over them).
+  static bool epilogue_stays_outside(const FusionGroup& group,
+                                     const std::unordered_set<Node*>& members, std::string& why) {
+    std::unordered_set<Node*> prologue;
+    std::vector<Node*> stack = {group.reductions.front()->inputs[0].get()};
+    while (!stack.empty()) {
+      Node* node = stack.back();
+      stack.pop_back();
+      if (!members.count(node) || !prologue.insert(node).second) continue;
+      for (const NodePtr& input : node->inputs) stack.push_back(input.get());
+    }
+    for (Node* member : group.members) {
+      if (member == group.reductions.front() || prologue.count(member)) continue;
+      for (const Access& access : group.access.at(member))
+        if (varies_along(access, group.reduce_from)) {
+          why = "a value after the reduction varies along the reduced axes";
+          return false;
+        }
+    }
+    return true;
+  }
+
+  static void push_access(FusionGroup& group, Node* node, const Access& access,
+                          const std::unordered_set<Node*>& members) {
+    if (!members.count(node)) return;
+    // Lowering traces each access on its own, so accesses that read the same elements in
+    // another form (flat or coordinates) are kept apart.
+    std::vector<Access>& list = group.access[node];
+    if (std::find(list.begin(), list.end(), access) == list.end()) list.push_back(access);
+  }
+
+  void reject(Node* node, size_t g, const std::string& why) {
+    if (log_)
+      log_line("fusion", "not merging {} #{} into the kernel of {} #{}: {}", op_name(node->op),
+               node->id, op_name(groups_[g].members.front()->op), root_id(g), why);
+  }
+
+  void log_group(const FusionGroup& group) const {
+    std::string names;
+    for (Node* m : group.members) names += fmt::format(" {}#{}", op_name(m->op), m->id);
+    const char* kind = group.kind == FusionGroup::Kind::Kernel   ? "kernel"
+                       : group.kind == FusionGroup::Kind::MatMul ? "matmul"
+                       : group.kind == FusionGroup::Kind::Alias  ? "alias"
+                                                                 : "host";
+    log_line("fusion", "{} [{} nodes, {} stored]:{}", kind, group.members.size(),
+             group.outputs.size(), names);
+  }
+
+  const std::vector<Node*>& pending_;
+  FusionOptions options_;
+  bool log_;
+  std::unordered_set<Node*> in_pending_, required_, inlined_;
+  std::unordered_map<Node*, std::vector<Node*>> users_;
+  std::unordered_map<Node*, size_t> group_of_;
+  std::vector<FusionGroup> groups_;
+};
+
+}  // namespace
+
+bool is_constant_fill(const Node& node) {
+  if (node.evaluated()) return false;
+  if (node.op == OpCode::Full) return true;
+  return is_view(node.op) && is_constant_fill(*node.inputs[0]);
+}
+
+bool kernel_op(const Node& node) {
+  switch (op_info(node.op).kind) {
+    case OpKind::Pointwise:
+    case OpKind::View:
+    case OpKind::Reduce:
+      return true;
+    case OpKind::Leaf:
+      return node.op == OpCode::Full;  // the one leaf a kernel computes: a constant
+    default:
+      return false;
+  }
+}
+
+std::vector<FusionGroup> fuse(const std::vector<Node*>& pending, const std::vector<Node*>& required,
+                              const FusionOptions& options) {
+  return Fuser(pending, required, options).run();
+}
+
+}  // namespace mixtape

@@ -1,0 +1,69 @@
+// mixtape/codegen/fusion.h -- partitions the nodes of one evaluation into kernels, library calls
+// and host ops.
+#pragma once
+
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "mixtape/codegen/kernel_ir.h"
+#include "mixtape/dsl/node.h"
+
+namespace mixtape {
+
+/// Where a member of a kernel group is evaluated: an affine function of the loop variables per
+/// coordinate of the node's shape, or (below a reshape) one affine function giving the flat
+/// row-major element index.
+struct Access {
+  bool flat = false;
+  std::vector<kir::Affine> coords;
+  bool operator==(const Access&) const = default;
+};
+
+struct FusionGroup {
+  // Alias: a reshape of a value another group stores, sharing its buffer (no copy).
+  enum class Kind { Kernel, MatMul, Host, Alias };
+  Kind kind = Kind::Host;
+  std::vector<Node*> members;  // tape order
+  std::vector<Node*> outputs;  // members whose values are stored
+  // Kernel groups: the loop nest, and where each member is evaluated (a member read through two
+  // different views is evaluated twice).
+  // Reductions all share the loop nest (same input shape, same reduced axes); a reduction whose
+  // body reads another's result runs in a later pass over the inner dims (kir::Kernel).
+  std::vector<int64_t> dims;
+  int reduce_from = -1;
+  std::vector<Node*> reductions;  // tape order
+  std::unordered_map<Node*, std::vector<Access>> access;
+};
+
+struct FusionOptions {
+  bool fuse = true;  // false: eager mode, one kernel per op
+  // false: at most one reduction per kernel, and nothing after it that varies along the reduced
+  // axes (single-pass kernels only).
+  bool multi_pass = true;
+  int max_members = 96;
+  int max_params = 48;
+  // Run structurally identical, independent flat pointwise kernels (the per-parameter optimizer
+  // updates, the unscale and inf checks) as one multi-tensor step (kir::Kernel::multi_tensor).
+  // build_program forms them, after fusion and lowering.
+  bool multi_tensor = false;
+};
+
+/// Groups `pending` (unevaluated nodes in tape order) so that every node in `required` is stored.
+/// Groups come back in an order in which each one's inputs are ready. With MIXTAPE_LOG=fusion
+/// each group and each rejected merge is logged with its reason.
+std::vector<FusionGroup> fuse(const std::vector<Node*>& pending, const std::vector<Node*>& required,
+                              const FusionOptions& options);
+
+/// The access of input `k` of `node` when `node` is evaluated at `access` in a loop nest of
+/// `rank` dims; false, with the reason, when it is not affine.
+bool transfer_access(const Node& node, size_t k, const Access& access, size_t rank, Access& out,
+                     std::string& why);
+
+/// A value that every kernel can recompute for free: an unevaluated fill, or a view of one.
+bool is_constant_fill(const Node& node);
+
+/// Whether a node can run inside a generated kernel (pointwise ops, views, Sum/Max, Full).
+bool kernel_op(const Node& node);
+
+}  // namespace mixtape

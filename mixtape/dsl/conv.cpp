@@ -1,0 +1,250 @@
+// mixtape/dsl/conv.cpp -- conv1d, conv2d and conv_transpose2d over the three convolution
+// primitives, and the shape checks they share.
+#include "mixtape/dsl/conv.h"
+
+#include "mixtape/dsl/composites.h"
+#include "mixtape/dsl/error.h"
+#include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/ops.h"
+
+namespace mixtape {
+
+Ints ConvWindow::attr() const {
+  return {stride[0], stride[1], pad[0], pad[1], dil[0], dil[1], groups};
+}
+
+ConvWindow ConvWindow::from(const Ints& attr) {
+  if (attr.size() != 7) fail("a convolution's window has 7 entries, got {}", attr.size());
+  ConvWindow w;
+  for (int d = 0; d < 2; ++d) {
+    w.stride[d] = attr[d];
+    w.pad[d] = attr[2 + d];
+    w.dil[d] = attr[4 + d];
+  }
+  w.groups = attr[6];
+  // A window read back from an artifact's plan is checked as the builders check one.
+  for (int d = 0; d < 2; ++d)
+    if (w.stride[d] < 1 || w.dil[d] < 1 || w.pad[d] < 0)
+      fail("a convolution's window has a stride, dilation or padding out of range");
+  if (w.groups < 1) fail("a convolution's window has {} groups", w.groups);
+  return w;
+}
+
+ConvGeometry ConvGeometry::of(const Node& node) {
+  // Conv2d: (x, w) -> y; Conv2dInputGrad: (gy, w) -> x; Conv2dWeightGrad: (x, gy) -> w.
+  const Shape* x = &node.inputs[0]->shape;
+  const Shape* w = &node.inputs[1]->shape;
+  const Shape* y = &node.shape;
+  if (node.op == OpCode::Conv2dInputGrad) std::swap(x, y);
+  if (node.op == OpCode::Conv2dWeightGrad) std::swap(w, y);
+  ConvGeometry g{(*x)[0], (*x)[1], (*x)[2], (*x)[3], (*w)[0],
+                 (*w)[2], (*w)[3], (*y)[2], (*y)[3], ConvWindow::from(node.attrs.window)};
+  return g;
+}
+
+namespace {
+
+std::string window_text(const ConvWindow& w) {
+  return fmt::format("stride ({}, {}), padding ({}, {}), dilation ({}, {}), groups {}", w.stride[0],
+                     w.stride[1], w.pad[0], w.pad[1], w.dil[0], w.dil[1], w.groups);
+}
+
+// Window sizes up to 2^31: with dims below 2^60 (make_node's bound) every size computed from
+// them below fits in 64 bits.
+constexpr int64_t kMaxWindow = int64_t{1} << 31;
+
+void check_window(const char* op, const ConvWindow& w, const Loc& loc) {
+  for (int d = 0; d < 2; ++d) {
+    if (w.stride[d] < 1) op_fail(op, loc, "stride must be positive: {}", window_text(w));
+    if (w.dil[d] < 1) op_fail(op, loc, "dilation must be positive: {}", window_text(w));
+    if (w.pad[d] < 0) op_fail(op, loc, "padding must not be negative: {}", window_text(w));
+    if (w.stride[d] > kMaxWindow || w.dil[d] > kMaxWindow || w.pad[d] > kMaxWindow)
+      op_fail(op, loc, "window sizes above 2^31: {}", window_text(w));
+  }
+  if (w.groups < 1) op_fail(op, loc, "groups must be positive: {}", window_text(w));
+  if (w.groups > kMaxWindow) op_fail(op, loc, "window sizes above 2^31: {}", window_text(w));
+}
+
+// A kernel's dilated extent, dil (k - 1) + 1, where k may be near 2^60: an mt::Error past 2^62.
+int64_t dilated_extent(const char* op, int64_t dil, int64_t k, const Loc& loc) {
+  const __int128 extent = static_cast<__int128>(dil) * (k - 1) + 1;
+  if (extent > (__int128{1} << 62))
+    op_fail(op, loc, "a kernel of {} dilated by {} spans more than 2^62 elements", k, dil);
+  return static_cast<int64_t>(extent);
+}
+
+// The output shape of x [N, C, H, W] * w [O, C / groups, KH, KW], after checking that they fit.
+Shape conv_output_shape(const char* op, const Shape& x, const Shape& w, const ConvWindow& win,
+                        const Loc& loc) {
+  check_window(op, win, loc);
+  if (x.size() != 4) op_fail(op, loc, "input must be [N, C, H, W], got {}", to_string(x));
+  if (w.size() != 4)
+    op_fail(op, loc, "weight must be [out_channels, in_channels / groups, KH, KW], got {}",
+            to_string(w));
+  if (x[1] % win.groups != 0 || w[0] % win.groups != 0)
+    op_fail(op, loc, "groups {} must divide the input's {} and the output's {} channels",
+            win.groups, x[1], w[0]);
+  if (w[1] * win.groups != x[1])
+    op_fail(op, loc, "weight {} expects {} input channels ({} per group of {}), input {} has {}",
+            to_string(w), w[1] * win.groups, w[1], win.groups, to_string(x), x[1]);
+  Shape out{x[0], w[0], 0, 0};
+  for (int d = 0; d < 2; ++d) {
+    if (w[2 + d] < 1) op_fail(op, loc, "kernel {} has an empty spatial dimension", to_string(w));
+    int64_t padded = x[2 + d] + 2 * win.pad[d];
+    int64_t extent = dilated_extent(op, win.dil[d], w[2 + d], loc);
+    if (padded < extent)
+      op_fail(op, loc, "kernel {} (dilated {}) is larger than the padded input {} ({} with {})",
+              to_string(w), extent, padded, to_string(x), window_text(win));
+    out[2 + d] = (padded - extent) / win.stride[d] + 1;
+  }
+  return out;
+}
+
+DType operand_type(const char* op, const Tensor& a, const Tensor& b, const Loc& loc) {
+  if (!a.defined() || !b.defined()) op_fail(op, loc, "an operand is an undefined tensor");
+  DType t = promote(a.dtype(), b.dtype());
+  if (!is_floating(t)) op_fail(op, loc, "expects floating-point tensors, got {}", name(t));
+  return t;
+}
+
+Tensor conv_node(OpCode op, const Tensor& a, const Tensor& b, DType t, Shape shape,
+                 const ConvWindow& window, const Loc& loc) {
+  NodeInputs inputs;
+  inputs.reserve(2);
+  inputs.emplace_back(cast(a, t, loc).node());
+  inputs.emplace_back(cast(b, t, loc).node());
+  Attrs attrs;
+  attrs.window = window.attr();
+  return Tensor(make_node(op, t, std::move(shape), std::move(inputs), std::move(attrs), loc));
+}
+
+void check_same(const char* op, const Shape& expected, const Tensor& given, const char* what,
+                const Loc& loc) {
+  if (given.shape() != expected)
+    op_fail(op, loc, "{} is {}, the convolution's is {}", what, to_string(given.shape()),
+            to_string(expected));
+}
+
+// Adds a [channels] bias to y [N, channels, ...].
+Tensor add_bias(const char* op, Tensor y, const Tensor& bias, const Loc& loc) {
+  if (!bias.defined()) return y;
+  if (bias.shape() != Shape{y.size(1)})
+    op_fail(op, loc, "bias shape {} should be [{}]", to_string(bias.shape()), y.size(1));
+  Shape at(y.dim(), 1);
+  at[1] = y.size(1);
+  return y + reshape(bias, at, loc);
+}
+
+// The forward primitive, its errors naming `op`: what the user called.
+Tensor forward(const char* op, const Tensor& x, const Tensor& weight, const ConvWindow& window,
+               const Loc& loc) {
+  DType t = operand_type(op, x, weight, loc);
+  Shape out = conv_output_shape(op, x.shape(), weight.shape(), window, loc);
+  return conv_node(OpCode::Conv2d, x, weight, t, std::move(out), window, loc);
+}
+
+}  // namespace
+
+Tensor conv2d_forward(const Tensor& x, const Tensor& weight, const ConvWindow& window,
+                      const Loc& loc) {
+  return forward(op_name(OpCode::Conv2d), x, weight, window, loc);
+}
+
+Tensor conv2d_input_grad(const Tensor& grad_out, const Tensor& weight, const Shape& input_shape,
+                         const ConvWindow& window, const Loc& loc) {
+  const char* op = op_name(OpCode::Conv2dInputGrad);
+  DType t = operand_type(op, grad_out, weight, loc);
+  check_same(op, conv_output_shape(op, input_shape, weight.shape(), window, loc), grad_out,
+             "the output gradient", loc);
+  return conv_node(OpCode::Conv2dInputGrad, grad_out, weight, t, input_shape, window, loc);
+}
+
+Tensor conv2d_weight_grad(const Tensor& x, const Tensor& grad_out, const Shape& weight_shape,
+                          const ConvWindow& window, const Loc& loc) {
+  const char* op = op_name(OpCode::Conv2dWeightGrad);
+  DType t = operand_type(op, x, grad_out, loc);
+  check_same(op, conv_output_shape(op, x.shape(), weight_shape, window, loc), grad_out,
+             "the output gradient", loc);
+  return conv_node(OpCode::Conv2dWeightGrad, x, grad_out, t, weight_shape, window, loc);
+}
+
+Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
+              const Conv2dOptions& options, const Loc& loc) {
+  CallSiteScope site(loc, composite::conv2d);
+  if (!x.defined() || !weight.defined())
+    op_fail("conv2d", loc, "the input or the weight is an undefined tensor");
+  if (x.dim() == 3)
+    return squeeze(conv2d(unsqueeze(x, 0, loc), weight, bias, options, loc), 0, loc);
+  const ConvWindow window = ConvWindow::of(options);
+  return add_bias("conv2d", forward("conv2d", x, weight, window, loc), bias, loc);
+}
+
+Tensor conv1d(const Tensor& x, const Tensor& weight, const Tensor& bias,
+              const Conv1dOptions& options, const Loc& loc) {
+  CallSiteScope site(loc, composite::conv1d);
+  if (!x.defined() || !weight.defined())
+    op_fail("conv1d", loc, "the input or the weight is an undefined tensor");
+  if (x.dim() == 2)
+    return squeeze(conv1d(unsqueeze(x, 0, loc), weight, bias, options, loc), 0, loc);
+  if (x.dim() != 3) op_fail("conv1d", loc, "input must be [N, C, L], got {}", to_string(x.shape()));
+  if (weight.dim() != 3)
+    op_fail("conv1d", loc, "weight must be [out_channels, in_channels / groups, K], got {}",
+            to_string(weight.shape()));
+  // A 2-d convolution over a height of one.
+  ConvWindow window;
+  window.stride[1] = options.stride;
+  window.pad[1] = options.padding;
+  window.dil[1] = options.dilation;
+  window.groups = options.groups;
+  Tensor y = forward("conv1d", unsqueeze(x, 2, loc), unsqueeze(weight, 2, loc), window, loc);
+  return add_bias("conv1d", squeeze(y, 2, loc), bias, loc);
+}
+
+Tensor conv_transpose2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                        const ConvTranspose2dOptions& options, const Loc& loc) {
+  CallSiteScope site(loc, composite::conv_transpose2d);
+  const char* op = "conv_transpose2d";
+  if (!x.defined() || !weight.defined())
+    op_fail(op, loc, "the input or the weight is an undefined tensor");
+  if (x.dim() == 3)
+    return squeeze(conv_transpose2d(unsqueeze(x, 0, loc), weight, bias, options, loc), 0, loc);
+  if (x.dim() != 4) op_fail(op, loc, "input must be [N, C, H, W], got {}", to_string(x.shape()));
+  if (x.size(2) < 1 || x.size(3) < 1)
+    op_fail(op, loc, "input {} has an empty spatial dimension", to_string(x.shape()));
+  if (weight.dim() != 4 || weight.size(0) != x.size(1))
+    op_fail(op, loc, "weight {} must be [in_channels {}, out_channels / groups, KH, KW]",
+            to_string(weight.shape()), x.size(1));
+  const ConvWindow window = ConvWindow::of(options);
+  check_window(op, window, loc);
+  if (x.size(1) % options.groups != 0)
+    op_fail(op, loc, "groups {} must divide the input's {} channels", options.groups, x.size(1));
+  const int64_t output_padding[2] = {options.output_padding.h, options.output_padding.w};
+  const __int128 channels = static_cast<__int128>(weight.size(1)) * options.groups;
+  if (channels > (__int128{1} << 60))
+    op_fail(op, loc, "{} groups of {} output channels are more than 2^60", options.groups,
+            weight.size(1));
+  Shape out{x.size(0), static_cast<int64_t>(channels), 0, 0};
+  for (int d = 0; d < 2; ++d) {
+    // Fewer extra rows than a stride, so that the output is an input size of the convolution
+    // this one is the gradient of. (PyTorch also takes fewer than a dilation step, which no
+    // forward convolution has.)
+    if (output_padding[d] < 0 || output_padding[d] >= window.stride[d])
+      op_fail(op, loc, "output_padding ({}, {}) must be smaller than the stride ({}, {})",
+              output_padding[0], output_padding[1], window.stride[0], window.stride[1]);
+    if (weight.size(2 + d) < 1)
+      op_fail(op, loc, "weight {} has an empty spatial dimension", to_string(weight.shape()));
+    const __int128 size =
+        static_cast<__int128>(x.size(2 + d) - 1) * window.stride[d] - 2 * window.pad[d] +
+        dilated_extent(op, window.dil[d], weight.size(2 + d), loc) + output_padding[d];
+    if (size > (__int128{1} << 60))
+      op_fail(op, loc, "the output would have more than 2^60 rows: input {}, weight {}, {}",
+              to_string(x.shape()), to_string(weight.shape()), window_text(window));
+    out[2 + d] = static_cast<int64_t>(size);
+    if (out[2 + d] < 1)
+      op_fail(op, loc, "the output would be empty: input {}, weight {}, {}", to_string(x.shape()),
+              to_string(weight.shape()), window_text(window));
+  }
+  return add_bias(op, conv2d_input_grad(x, weight, out, window, loc), bias, loc);
+}
+
+}  // namespace mixtape

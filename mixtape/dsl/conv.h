@@ -1,0 +1,74 @@
+// mixtape/dsl/conv.h -- convolutions as PyTorch has them (conv1d, conv2d, conv_transpose2d) and the
+// geometry their three primitives share.
+#pragma once
+
+#include <cstdint>
+
+#include "mixtape/dsl/tensor.h"
+
+namespace mixtape {
+
+struct Conv2dOptions {
+  Size2 stride = 1, padding = 0, dilation = 1;
+  int64_t groups = 1;
+};
+struct Conv1dOptions {
+  int64_t stride = 1, padding = 0, dilation = 1, groups = 1;
+};
+struct ConvTranspose2dOptions {
+  Size2 stride = 1, padding = 0, output_padding = 0;
+  int64_t groups = 1;
+  Size2 dilation = 1;
+};
+
+/// torch.nn.functional.conv2d: x [N, C, H, W] (or [C, H, W]), weight [O, C / groups, KH, KW],
+/// bias [O] or undefined -> [N, O, OH, OW] with OH = (H + 2 pad - dil (KH - 1) - 1) / stride + 1.
+/// A low-precision op with f32 accumulation under autocast, as matmul.
+Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
+              const Conv2dOptions& options = {}, const Loc& loc = Loc::current());
+/// torch.nn.functional.conv1d: x [N, C, L] (or [C, L]), weight [O, C / groups, K].
+Tensor conv1d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
+              const Conv1dOptions& options = {}, const Loc& loc = Loc::current());
+/// torch.nn.functional.conv_transpose2d: x [N, Cin, H, W], weight [Cin, Cout / groups, KH, KW]
+/// -> [N, Cout, (H - 1) stride - 2 pad + dil (KH - 1) + output_padding + 1, ...]: the gradient
+/// of conv2d with respect to its input.
+Tensor conv_transpose2d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
+                        const ConvTranspose2dOptions& options = {},
+                        const Loc& loc = Loc::current());
+
+/// The primitives' window attribute (dsl/attrs.def): strides, paddings, dilations, groups.
+struct ConvWindow {
+  int64_t stride[2] = {1, 1}, pad[2] = {0, 0}, dil[2] = {1, 1}, groups = 1;
+  Ints attr() const;
+  static ConvWindow from(const Ints& attr);
+  /// The window of conv2d's (or conv_transpose2d's) options.
+  template <typename Options>
+  static ConvWindow of(const Options& o) {
+    ConvWindow w;
+    w.stride[0] = o.stride.h, w.stride[1] = o.stride.w;
+    w.pad[0] = o.padding.h, w.pad[1] = o.padding.w;
+    w.dil[0] = o.dilation.h, w.dil[1] = o.dilation.w;
+    w.groups = o.groups;
+    return w;
+  }
+};
+
+/// The sizes of one 2-d convolution x [n, c, h, w] * w [o, c / groups, kh, kw] -> [n, o, oh, ow],
+/// read from a node of any of the three primitives.
+struct ConvGeometry {
+  int64_t n, c, h, w, o, kh, kw, oh, ow;
+  ConvWindow window;
+  static ConvGeometry of(const Node& node);
+};
+
+/// The primitives, made by the functions above and by each other's vjps. conv2d_input_grad(gy,
+/// w) has the shape of the convolution's input, `input_shape` (several input sizes give one
+/// output size); conv2d_weight_grad(x, gy) has the weight's.
+Tensor conv2d_forward(const Tensor& x, const Tensor& weight, const ConvWindow& window,
+                      const Loc& loc = Loc::current());
+Tensor conv2d_input_grad(const Tensor& grad_out, const Tensor& weight, const Shape& input_shape,
+                         const ConvWindow& window, const Loc& loc = Loc::current());
+Tensor conv2d_weight_grad(const Tensor& x, const Tensor& grad_out, const Shape& weight_shape,
+                          const ConvWindow& window, const Loc& loc = Loc::current());
+
+}  // namespace mixtape

@@ -1,0 +1,82 @@
+// mixtape/dsl/conv_layers.cpp -- Conv1d, Conv2d and ConvTranspose2d.
+#include "mixtape/dsl/conv_layers.h"
+
+#include <cmath>
+
+#include "mixtape/dsl/error.h"
+#include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/nn.h"
+
+namespace mixtape {
+namespace {
+
+// Checks a layer's sizes; returns the bound of its U(-bound, bound) initialization, 1/sqrt(fan_in),
+// which PyTorch's kaiming_uniform_(a=sqrt(5)) and its bias rule both give.
+double init_bound(const char* kind, int64_t in_channels, int64_t out_channels, int64_t groups,
+                  const Shape& weight_shape) {
+  if (in_channels <= 0 || out_channels <= 0 || groups <= 0)
+    fail("{}: channels and groups must be positive, got in={} out={} groups={}", kind, in_channels,
+         out_channels, groups);
+  if (in_channels % groups != 0 || out_channels % groups != 0)
+    fail("{}: groups {} must divide the input's {} and the output's {} channels", kind, groups,
+         in_channels, out_channels);
+  int64_t fan_in = 1;
+  for (size_t d = 1; d < weight_shape.size(); ++d) {
+    if (weight_shape[d] <= 0)
+      fail("{}: kernel sizes must be positive, weight {}", kind, to_string(weight_shape));
+    fan_in *= weight_shape[d];
+  }
+  return 1.0 / std::sqrt(static_cast<double>(fan_in));
+}
+
+}  // namespace
+
+Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, Size2 kernel_size,
+               const Conv2dOptions& options, bool with_bias, Generator* gen)
+    : options(options) {
+  Shape shape{out_channels, in_channels / std::max<int64_t>(1, options.groups), kernel_size.h,
+              kernel_size.w};
+  double bound = init_bound("Conv2d", in_channels, out_channels, options.groups, shape);
+  weight = register_parameter("weight", init::uniform(shape, -bound, bound, gen));
+  if (with_bias)
+    bias = register_parameter("bias", init::uniform({out_channels}, -bound, bound, gen));
+}
+
+Tensor Conv2d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  return conv2d(x, weight, bias, options, loc);
+}
+
+Conv1d::Conv1d(int64_t in_channels, int64_t out_channels, int64_t kernel_size,
+               const Conv1dOptions& options, bool with_bias, Generator* gen)
+    : options(options) {
+  Shape shape{out_channels, in_channels / std::max<int64_t>(1, options.groups), kernel_size};
+  double bound = init_bound("Conv1d", in_channels, out_channels, options.groups, shape);
+  weight = register_parameter("weight", init::uniform(shape, -bound, bound, gen));
+  if (with_bias)
+    bias = register_parameter("bias", init::uniform({out_channels}, -bound, bound, gen));
+}
+
+Tensor Conv1d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  return conv1d(x, weight, bias, options, loc);
+}
+
+ConvTranspose2d::ConvTranspose2d(int64_t in_channels, int64_t out_channels, Size2 kernel_size,
+                                 const ConvTranspose2dOptions& options, bool with_bias,
+                                 Generator* gen)
+    : options(options) {
+  Shape shape{in_channels, out_channels / std::max<int64_t>(1, options.groups), kernel_size.h,
+              kernel_size.w};
+  double bound = init_bound("ConvTranspose2d", in_channels, out_channels, options.groups, shape);
+  weight = register_parameter("weight", init::uniform(shape, -bound, bound, gen));
+  if (with_bias)
+    bias = register_parameter("bias", init::uniform({out_channels}, -bound, bound, gen));
+}
+
+Tensor ConvTranspose2d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  return conv_transpose2d(x, weight, bias, options, loc);
+}
+
+}  // namespace mixtape

@@ -1,0 +1,430 @@
+// mixtape/dsl/data.cpp -- file reading, the digits CSV parser, CharVocab, datasets and the
+// DataLoader.
+#include "mixtape/dsl/data.h"
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <charconv>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <utility>
+
+#include "mixtape/dsl/error.h"
+
+namespace mixtape {
+
+// ---- files ----
+
+std::string read_file(const std::string& path) {
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(path.c_str(), "rb"),
+                                                       &std::fclose);
+  if (!file) fail("cannot open {}: {}", path, std::strerror(errno));
+  std::string data;
+  char buffer[1 << 16];
+  size_t got;
+  while ((got = std::fread(buffer, 1, sizeof buffer, file.get())) > 0) data.append(buffer, got);
+  // fopen succeeds on a directory on Linux; the failure only shows up when reading.
+  if (std::ferror(file.get())) fail("cannot read {}: {}", path, std::strerror(errno));
+  return data;
+}
+
+std::string read_gzip_file(const std::string& path) {
+  errno = 0;
+  gzFile file = gzopen(path.c_str(), "rb");
+  if (file == nullptr) {
+    fail("cannot open {}: {}", path, errno != 0 ? std::strerror(errno) : "out of memory");
+  }
+  gzbuffer(file, 1 << 17);
+  std::string data;
+  char buffer[1 << 16];
+  int got;
+  while ((got = gzread(file, buffer, sizeof buffer)) > 0) data.append(buffer, got);
+  // A truncated stream is not a read error to gzread (it returns what it could inflate and then
+  // 0), so the error state has to be checked even after a clean-looking end of file.
+  int code = Z_OK;
+  const char* message = gzerror(file, &code);
+  std::string detail = message != nullptr ? message : "";
+  // zlib prefixes its messages with the path, which our message already names.
+  if (detail.starts_with(path + ": ")) detail.erase(0, path.size() + 2);
+  int closed = gzclose(file);
+  if (got < 0 || code != Z_OK) fail("cannot read gzip file {}: {}", path, detail);
+  if (closed != Z_OK) fail("cannot read gzip file {}: truncated or corrupt", path);
+  return data;
+}
+
+std::string default_data_dir() {
+  const char* env = std::getenv("MIXTAPE_DATA_DIR");
+  if (env != nullptr && *env != '\0') return env;
+#ifdef MIXTAPE_SOURCE_DATA_DIR
+  return MIXTAPE_SOURCE_DATA_DIR;
+#else
+  return "examples/data";
+#endif
+}
+
+// ---- digits ----
+
+namespace {
+
+constexpr int64_t kDigitPixels = 64;
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r')) {
+    s.remove_suffix(1);
+  }
+  return s;
+}
+
+// from_chars rather than strtod/stoi: locale independent, no exceptions, and it reports how much
+// of the field it consumed, so "3x" is rejected instead of read as 3.
+template <typename T>
+bool parse_number(std::string_view text, T& value) {
+  if (text.empty()) return false;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  return ec == std::errc() && end == text.data() + text.size();
+}
+
+}  // namespace
+
+Digits load_digits(const std::string& path) {
+  std::string text = read_gzip_file(path);
+  Digits digits;
+  std::string_view rest = text;
+  int64_t line_number = 0;
+  std::vector<std::string_view> fields;
+  while (!rest.empty()) {
+    ++line_number;
+    size_t newline = rest.find('\n');
+    std::string_view line = rest.substr(0, newline);
+    rest = newline == std::string_view::npos ? std::string_view() : rest.substr(newline + 1);
+
+    fields.clear();
+    for (size_t start = 0;;) {
+      size_t comma = line.find(',', start);
+      fields.push_back(trim(line.substr(start, comma - start)));
+      if (comma == std::string_view::npos) break;
+      start = comma + 1;
+    }
+    if (static_cast<int64_t>(fields.size()) != kDigitPixels + 1) {
+      fail("{}:{}: expected {} comma-separated fields (64 pixels and a label), found {}", path,
+           line_number, kDigitPixels + 1, line.empty() ? 0 : fields.size());
+    }
+    for (int64_t i = 0; i < kDigitPixels; ++i) {
+      double value;
+      if (!parse_number(fields[i], value)) {
+        fail("{}:{}: pixel {}: '{}' is not a number", path, line_number, i, fields[i]);
+      }
+      if (!(value >= 0 && value <= 16)) {
+        fail("{}:{}: pixel {}: {} is outside 0..16", path, line_number, i, fields[i]);
+      }
+      digits.pixels.push_back(static_cast<float>(value));
+    }
+    int64_t label;
+    if (!parse_number(fields[kDigitPixels], label)) {
+      fail("{}:{}: label '{}' is not an integer", path, line_number, fields[kDigitPixels]);
+    }
+    if (label < 0 || label > 9) {
+      fail("{}:{}: label {} is outside 0..9", path, line_number, label);
+    }
+    digits.labels.push_back(label);
+  }
+  if (digits.labels.empty()) fail("{}: no digits in the file", path);
+  return digits;
+}
+
+// ---- CharVocab ----
+
+namespace {
+
+// Bytes as they would be written in a C string, so that control characters and stray UTF-8
+// bytes in an error message are visible.
+std::string describe_byte(char c) {
+  auto byte = static_cast<unsigned char>(c);
+  if (byte == '\n') return "'\\n'";
+  if (byte == '\t') return "'\\t'";
+  if (byte == '\r') return "'\\r'";
+  if (byte >= 0x20 && byte < 0x7f) return fmt::format("'{}'", c);
+  return fmt::format("'\\x{:02x}'", byte);
+}
+
+}  // namespace
+
+CharVocab::CharVocab(std::string_view text) {
+  if (text.empty()) fail("CharVocab: the text is empty, so there is no vocabulary");
+  bool present[256] = {};
+  for (char c : text) present[static_cast<unsigned char>(c)] = true;
+  std::fill(std::begin(ids_), std::end(ids_), int16_t{-1});
+  for (int byte = 0; byte < 256; ++byte) {
+    if (!present[byte]) continue;
+    ids_[byte] = static_cast<int16_t>(chars_.size());
+    chars_.push_back(static_cast<char>(byte));
+  }
+}
+
+std::vector<int64_t> CharVocab::encode(std::string_view text) const {
+  std::vector<int64_t> ids(text.size());
+  for (size_t i = 0; i < text.size(); ++i) {
+    int16_t id = ids_[static_cast<unsigned char>(text[i])];
+    if (id < 0) {
+      fail("CharVocab::encode: character {} at position {} is not in the vocabulary",
+           describe_byte(text[i]), i);
+    }
+    ids[i] = id;
+  }
+  return ids;
+}
+
+std::string CharVocab::decode(const std::vector<int64_t>& ids) const {
+  std::string text(ids.size(), '\0');
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (ids[i] < 0 || ids[i] >= size()) {
+      fail("CharVocab::decode: id {} at position {} is outside [0, {})", ids[i], i, size());
+    }
+    text[i] = chars_[static_cast<size_t>(ids[i])];
+  }
+  return text;
+}
+
+// ---- datasets ----
+
+Dataset::~Dataset() = default;
+
+namespace {
+
+int64_t example_numel(const Shape& shape, const char* what) {
+  int64_t n = 1;
+  for (int64_t d : shape) {
+    if (d < 1) fail("TensorDataset: {} shape {} has a dimension below 1", what, to_string(shape));
+    n *= d;
+  }
+  return n;
+}
+
+Shape batch_shape(int64_t batch, const Shape& example) {
+  Shape shape{batch};
+  shape.insert(shape.end(), example.begin(), example.end());
+  return shape;
+}
+
+void check_index(const char* dataset, int64_t index, int64_t size) {
+  if (index < 0 || index >= size) {
+    fail("{}::get_batch: index {} is outside [0, {})", dataset, index, size);
+  }
+}
+
+}  // namespace
+
+TensorDataset::TensorDataset(std::vector<float> features, Shape feature_shape,
+                             std::vector<int64_t> targets, Shape target_shape)
+    : features_(std::move(features)),
+      feature_shape_(std::move(feature_shape)),
+      targets_(std::move(targets)),
+      target_shape_(std::move(target_shape)),
+      feature_numel_(example_numel(feature_shape_, "feature")),
+      target_numel_(example_numel(target_shape_, "target")) {
+  auto n_features = static_cast<int64_t>(features_.size());
+  auto n_targets = static_cast<int64_t>(targets_.size());
+  if (n_features == 0 || n_features % feature_numel_ != 0) {
+    fail(
+        "TensorDataset: {} feature values are not a whole, non-zero number of examples of "
+        "shape {}",
+        n_features, to_string(feature_shape_));
+  }
+  count_ = n_features / feature_numel_;
+  if (n_targets != count_ * target_numel_) {
+    fail(
+        "TensorDataset: {} examples of features need {} target values of shape {} each, "
+        "got {}",
+        count_, count_ * target_numel_, to_string(target_shape_), n_targets);
+  }
+}
+
+Batch TensorDataset::get_batch(std::span<const int64_t> indices) const {
+  auto batch = static_cast<int64_t>(indices.size());
+  std::vector<float> inputs(static_cast<size_t>(batch * feature_numel_));
+  std::vector<int64_t> targets(static_cast<size_t>(batch * target_numel_));
+  for (int64_t b = 0; b < batch; ++b) {
+    int64_t i = indices[b];
+    check_index("TensorDataset", i, count_);
+    std::copy_n(features_.begin() + i * feature_numel_, feature_numel_,
+                inputs.begin() + b * feature_numel_);
+    std::copy_n(targets_.begin() + i * target_numel_, target_numel_,
+                targets.begin() + b * target_numel_);
+  }
+  return {tensor(inputs, batch_shape(batch, feature_shape_), f32),
+          tensor(targets, batch_shape(batch, target_shape_), i64)};
+}
+
+TextWindows::TextWindows(std::vector<int64_t> tokens, int64_t context)
+    : tokens_(std::move(tokens)), context_(context) {
+  if (context_ < 1) fail("TextWindows: context length {} must be at least 1", context_);
+  if (static_cast<int64_t>(tokens_.size()) <= context_) {
+    fail("TextWindows: {} tokens make no window of context {} plus a next token", tokens_.size(),
+         context_);
+  }
+}
+
+int64_t TextWindows::size() const { return static_cast<int64_t>(tokens_.size()) - context_; }
+
+Batch TextWindows::get_batch(std::span<const int64_t> indices) const {
+  auto batch = static_cast<int64_t>(indices.size());
+  std::vector<int64_t> inputs(static_cast<size_t>(batch * context_));
+  std::vector<int64_t> targets(inputs.size());
+  for (int64_t b = 0; b < batch; ++b) {
+    int64_t i = indices[b];
+    check_index("TextWindows", i, size());
+    std::copy_n(tokens_.begin() + i, context_, inputs.begin() + b * context_);
+    std::copy_n(tokens_.begin() + i + 1, context_, targets.begin() + b * context_);
+  }
+  return {tensor(inputs, {batch, context_}, i64), tensor(targets, {batch, context_}, i64)};
+}
+
+// ---- DataLoader ----
+
+namespace {
+
+// splitmix64 (Steele, Lea and Flood): tiny, fully specified, and good enough to drive a shuffle.
+// std::mt19937 would be reproducible too, but std::uniform_int_distribution is not specified
+// bit for bit, so orders would differ between standard libraries.
+class SplitMix64 {
+ public:
+  explicit SplitMix64(uint64_t state) : state_(state) {}
+  uint64_t next() {
+    uint64_t z = (state_ += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  // Uniform in [0, bound) without modulo bias: draws below 2^64 mod bound are rejected so that
+  // every residue is hit by the same number of accepted values.
+  uint64_t below(uint64_t bound) {
+    uint64_t threshold = (0 - bound) % bound;
+    for (;;) {
+      uint64_t r = next();
+      if (r >= threshold) return r % bound;
+    }
+  }
+
+ private:
+  uint64_t state_;
+};
+
+}  // namespace
+
+DataLoader::DataLoader(const Dataset& data, int64_t batch_size, bool shuffle, uint64_t seed,
+                       bool drop_last)
+    : data_(&data), batch_size_(batch_size), shuffle_(shuffle), seed_(seed), drop_last_(drop_last) {
+  int64_t n = data.size();
+  if (n < 1) fail("DataLoader: the dataset is empty");
+  if (batch_size < 1) fail("DataLoader: batch_size {} must be at least 1", batch_size);
+  if (drop_last && batch_size > n) {
+    fail(
+        "DataLoader: batch_size {} exceeds the dataset's {} examples, so with drop_last no "
+        "batch is ever complete",
+        batch_size, n);
+  }
+  start_epoch();
+}
+
+int64_t DataLoader::batches_per_epoch() const {
+  int64_t n = data_->size();
+  return drop_last_ ? n / batch_size_ : (n + batch_size_ - 1) / batch_size_;
+}
+
+void DataLoader::start_epoch() {
+  int64_t n = data_->size();
+  order_.resize(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) order_[i] = i;
+  if (!shuffle_) return;
+  // Each epoch's permutation starts from the identity with its own stream, so it depends only on
+  // (seed, epoch): a run resumed at epoch e sees exactly what the original run saw.
+  SplitMix64 mix(seed_);
+  uint64_t stream = mix.next() ^ SplitMix64(static_cast<uint64_t>(epoch_)).next();
+  SplitMix64 rng(stream);
+  for (int64_t i = n - 1; i > 0; --i) {
+    auto j = static_cast<int64_t>(rng.below(static_cast<uint64_t>(i) + 1));
+    std::swap(order_[i], order_[j]);
+  }
+}
+
+Batch DataLoader::next() {
+  int64_t n = static_cast<int64_t>(order_.size());
+  int64_t start = batch_ * batch_size_;
+  int64_t stop = std::min(start + batch_size_, n);
+  std::span<const int64_t> indices(order_.data() + start, static_cast<size_t>(stop - start));
+  Batch batch = data_->get_batch(indices);
+  // Roll over eagerly so epoch() already names the epoch of the next batch, which is what a
+  // training loop logging "epoch N" right after the last batch of an epoch expects.
+  if (++batch_ == batches_per_epoch()) {
+    ++epoch_;
+    batch_ = 0;
+    start_epoch();
+  }
+  return batch;
+}
+
+DataLoader::State DataLoader::state() const {
+  return {.epoch = epoch_,
+          .position = batch_,
+          .order = order_,
+          .batch_size = batch_size_,
+          .shuffle = shuffle_,
+          .seed = seed_,
+          .drop_last = drop_last_};
+}
+
+void DataLoader::check_state(const State& state) const {
+  auto differs = [](const char* what, auto saved, auto own) {
+    fail("DataLoader::load_state: the state is of a loader with {} {}, this one has {}", what,
+         saved, own);
+  };
+  if (state.batch_size != batch_size_) differs("batch_size", state.batch_size, batch_size_);
+  if (state.shuffle != shuffle_) differs("shuffle", state.shuffle, shuffle_);
+  if (state.seed != seed_) differs("seed", state.seed, seed_);
+  if (state.drop_last != drop_last_) differs("drop_last", state.drop_last, drop_last_);
+  int64_t n = data_->size();
+  if (static_cast<int64_t>(state.order.size()) != n)
+    fail("DataLoader::load_state: the state's order has {} entries, the dataset has {} examples",
+         state.order.size(), n);
+  std::vector<bool> seen(static_cast<size_t>(n));
+  for (size_t i = 0; i < state.order.size(); ++i) {
+    int64_t index = state.order[i];
+    if (index < 0 || index >= n || seen[static_cast<size_t>(index)])
+      fail("DataLoader::load_state: the order is not a permutation of [0, {}): entry {} is {}{}", n,
+           i, index, index >= 0 && index < n ? ", which comes twice" : "");
+    seen[static_cast<size_t>(index)] = true;
+  }
+  if (state.epoch < 0) fail("DataLoader::load_state: epoch {} is negative", state.epoch);
+  if (state.position < 0 || state.position >= batches_per_epoch())
+    fail("DataLoader::load_state: position {} is outside the epoch's {} batches", state.position,
+         batches_per_epoch());
+}
+
+void DataLoader::load_state(const State& state) {
+  check_state(state);
+  epoch_ = state.epoch;
+  batch_ = state.position;
+  order_ = state.order;
+}
+
+DataLoader::Iterator::Iterator(DataLoader* loader)
+    : loader_(loader), epoch_(loader->epoch()), batch_(loader->next()) {}
+
+DataLoader::Iterator& DataLoader::Iterator::operator++() {
+  if (loader_ == nullptr) return *this;
+  if (loader_->epoch() != epoch_) {
+    // The batch just consumed was the epoch's last: next() has already moved on.
+    loader_ = nullptr;
+    batch_ = Batch();
+  } else {
+    batch_ = loader_->next();
+  }
+  return *this;
+}
+
+}  // namespace mixtape

@@ -1,0 +1,215 @@
+// mixtape/dsl/data.h -- data files, the bundled example data sets, character vocabularies and
+// loaders.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <iterator>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "mixtape/dsl/shape.h"
+#include "mixtape/dsl/tensor.h"
+
+namespace mixtape {
+
+// ---- files ----
+
+/// The whole file as bytes; mt::Error naming the path when it cannot be opened or read.
+std::string read_file(const std::string& path);
+/// The decompressed contents of a gzip file. Files that are not gzip are returned as they are, so
+/// callers need not care whether a data set was shipped compressed. mt::Error naming the path for
+/// a missing or unreadable file and for a corrupt or truncated gzip stream.
+std::string read_gzip_file(const std::string& path);
+
+/// The directory the examples and tests read their data from: $MIXTAPE_DATA_DIR when set and not
+/// empty, else the source tree's examples/data as recorded by the build, else "examples/data".
+std::string default_data_dir();
+
+// ---- the digits data set (examples/data/digits.csv.gz) ----
+
+/// UCI optdigits as shipped by scikit-learn: 8x8 images of handwritten digits.
+struct Digits {
+  std::vector<float> pixels;    // [count(), 64], row-major, the raw 0..16 values
+  std::vector<int64_t> labels;  // [count()], 0..9
+  int64_t count() const { return static_cast<int64_t>(labels.size()); }
+};
+
+/// Parses the digits CSV (gzip or plain): per line 64 pixel values in 0..16 then an integer label
+/// in 0..9, comma separated. Malformed input throws mt::Error as "path:line: what is wrong".
+Digits load_digits(const std::string& path);
+
+// ---- characters as tokens ----
+
+/// Byte-level vocabulary for character language models: the distinct bytes of a text, sorted, so
+/// the ids do not depend on the order in which characters first appear.
+class CharVocab {
+ public:
+  /// mt::Error for an empty text (a model needs at least one token).
+  explicit CharVocab(std::string_view text);
+
+  int64_t size() const { return static_cast<int64_t>(chars_.size()); }
+  /// The vocabulary's bytes in id order.
+  const std::string& chars() const { return chars_; }
+  /// mt::Error naming the character and its position for a byte not in the vocabulary.
+  std::vector<int64_t> encode(std::string_view text) const;
+  /// mt::Error naming the id and its position for an id outside [0, size()).
+  std::string decode(const std::vector<int64_t>& ids) const;
+
+ private:
+  std::string chars_;
+  int16_t ids_[256];  // byte -> id, -1 when absent
+};
+
+// ---- datasets and loaders (in the manner of torch.utils.data) ----
+
+struct Batch {
+  Tensor inputs;
+  Tensor targets;
+};
+
+/// A finite, indexable set of examples that can gather any subset of them into one batch.
+class Dataset {
+ public:
+  virtual ~Dataset();
+  virtual int64_t size() const = 0;
+  /// The examples at `indices`, stacked along a new leading axis of length indices.size().
+  virtual Batch get_batch(std::span<const int64_t> indices) const = 0;
+};
+
+/// Examples held in host memory: float features of a fixed per-example shape and int64 targets of
+/// a fixed per-example shape ({} for one class label per example). Batches are f32 inputs
+/// [B, feature_shape...] and i64 targets [B, target_shape...].
+class TensorDataset : public Dataset {
+ public:
+  /// mt::Error unless both vectors hold the same whole, non-zero number of examples.
+  TensorDataset(std::vector<float> features, Shape feature_shape, std::vector<int64_t> targets,
+                Shape target_shape = {});
+
+  int64_t size() const override { return count_; }
+  Batch get_batch(std::span<const int64_t> indices) const override;
+
+  const Shape& feature_shape() const { return feature_shape_; }
+  const Shape& target_shape() const { return target_shape_; }
+
+ private:
+  std::vector<float> features_;
+  Shape feature_shape_;
+  std::vector<int64_t> targets_;
+  Shape target_shape_;
+  int64_t feature_numel_ = 0;
+  int64_t target_numel_ = 0;
+  int64_t count_ = 0;
+};
+
+/// Next-token windows over a token stream: example i is (tokens[i, i+T), tokens[i+1, i+T+1)), so
+/// batches are i64 inputs and targets of shape [B, T].
+class TextWindows : public Dataset {
+ public:
+  /// mt::Error unless context >= 1 and there is at least one full window (size > context).
+  TextWindows(std::vector<int64_t> tokens, int64_t context);
+
+  int64_t size() const override;
+  Batch get_batch(std::span<const int64_t> indices) const override;
+
+  int64_t context() const { return context_; }
+
+ private:
+  std::vector<int64_t> tokens_;
+  int64_t context_;
+};
+
+/// Batches from a dataset, epoch after epoch. Each epoch visits every example at most once, in
+/// order or, with `shuffle`, in a permutation that depends only on (seed, epoch), so a run can be
+/// reproduced (and resumed) exactly, on any platform and standard library. With `drop_last` the
+/// size() % batch_size examples that do not fill a batch are skipped in that epoch; without it
+/// the last batch of each epoch is shorter.
+///
+/// The loader refers to `data`, which must outlive it.
+class DataLoader {
+ public:
+  /// One pass over the rest of the current epoch (a whole epoch when started at its beginning):
+  /// an input iterator that advances the loader itself, as next() does.
+  class Iterator {
+   public:
+    using iterator_concept = std::input_iterator_tag;
+    using iterator_category = std::input_iterator_tag;
+    using value_type = Batch;
+    using difference_type = std::ptrdiff_t;
+    using reference = const Batch&;
+    using pointer = const Batch*;
+
+    Iterator() = default;
+    const Batch& operator*() const { return batch_; }
+    const Batch* operator->() const { return &batch_; }
+    Iterator& operator++();
+    void operator++(int) { ++*this; }
+    friend bool operator==(const Iterator& it, std::default_sentinel_t) {
+      return it.loader_ == nullptr;
+    }
+
+   private:
+    friend class DataLoader;
+    explicit Iterator(DataLoader* loader);
+
+    DataLoader* loader_ = nullptr;  // null once the epoch is exhausted
+    int64_t epoch_ = 0;
+    Batch batch_;
+  };
+
+  /// mt::Error for an empty dataset, batch_size < 1, or batch_size > data.size() with drop_last
+  /// (no batch could ever be made).
+  DataLoader(const Dataset& data, int64_t batch_size, bool shuffle, uint64_t seed,
+             bool drop_last = true);
+  // A loader keeps a reference to its dataset, so a temporary one would dangle.
+  DataLoader(const Dataset&& data, int64_t batch_size, bool shuffle, uint64_t seed,
+             bool drop_last = true) = delete;
+
+  int64_t batches_per_epoch() const;
+  /// The next batch, moving on to the next epoch (and its permutation) after the last one.
+  Batch next();
+  /// Epochs completed so far, which is also the epoch the next batch comes from.
+  int64_t epoch() const { return epoch_; }
+
+  Iterator begin() { return Iterator(this); }
+  std::default_sentinel_t end() const { return {}; }
+
+  const Dataset& dataset() const { return *data_; }
+  int64_t batch_size() const { return batch_size_; }
+
+  /// Where a loader stands, for checkpoints, plus the settings that decide how it goes on.
+  struct State {
+    int64_t epoch = 0;           // epoch() when it was taken
+    int64_t position = 0;        // index within the epoch of the next batch
+    std::vector<int64_t> order;  // the epoch's example order, a permutation of the dataset
+    int64_t batch_size = 0;
+    bool shuffle = false;
+    uint64_t seed = 0;
+    bool drop_last = true;
+  };
+  State state() const;
+  /// mt::Error, changing nothing, unless `state` could have been taken from a loader like this
+  /// one: the same batch size, shuffle, seed and drop_last (else later epochs would differ), an
+  /// order that is a permutation of [0, dataset size), 0 <= position < batches_per_epoch() and
+  /// epoch >= 0.
+  void check_state(const State& state) const;
+  /// Restores a state after check_state(): next() then returns exactly the batches the loader
+  /// it was taken from would have returned, mid-epoch included.
+  void load_state(const State& state);
+
+ private:
+  void start_epoch();
+
+  const Dataset* data_;
+  int64_t batch_size_;
+  bool shuffle_;
+  uint64_t seed_;
+  bool drop_last_;
+  int64_t epoch_ = 0;
+  int64_t batch_ = 0;           // index within the epoch of the next batch
+  std::vector<int64_t> order_;  // the current epoch's example order
+};
+
+}  // namespace mixtape

@@ -1,0 +1,873 @@
+// mixtape/dsl/functional.cpp -- composites over primitives: they get gradients, precision and
+// fusion free.
+#include "mixtape/dsl/functional.h"
+
+#include <cmath>
+#include <limits>
+#include <map>
+#include <mutex>
+#include <numeric>
+
+#include "mixtape/dsl/composites.h"
+
+namespace mixtape {
+namespace {
+
+// 0, 1, ..., n - 1 as a constant, made once per size and type and kept: every step's one-hot
+// compare reads the same buffer, so it is neither recomputed nor copied to a device again.
+// (Never freed: it outlives the host block cache its storage came from.)
+const Tensor& class_indices(int64_t n, DType dtype) {
+  static std::mutex mutex;
+  static auto* cache = new std::map<std::pair<int64_t, DType>, Tensor>();
+  std::lock_guard<std::mutex> lock(mutex);
+  Tensor& indices = (*cache)[{n, dtype}];
+  if (!indices.defined()) {
+    std::vector<int64_t> values(static_cast<size_t>(n));
+    std::iota(values.begin(), values.end(), int64_t{0});
+    indices = tensor(values, {n}, dtype);
+  }
+  return indices;
+}
+
+void require(const Tensor& t, const char* op, const char* role, const Loc& loc) {
+  if (!t.defined()) op_fail(op, loc, "the {} is an undefined tensor", role);
+}
+
+void require_float(const Tensor& t, const char* op, const char* role, const Loc& loc) {
+  require(t, op, role, loc);
+  if (!is_floating(t.dtype()))
+    op_fail(op, loc, "the {} must be floating-point, got {}", role, name(t.dtype()));
+}
+
+// Checked here so that a bad axis is reported as the caller's op, not as the max inside it.
+void check_axes(const Tensor& x, const std::vector<int64_t>& axes, const char* op, const Loc& loc) {
+  for (int64_t axis : axes)
+    if (axis < -x.dim() || axis >= x.dim())
+      op_fail(op, loc, "axis {} is out of range for shape {}", axis, to_string(x.shape()));
+}
+
+// The per-row shift that keeps exp() from overflowing; constant for gradients, and 0 for rows
+// that are entirely -inf so that they give -inf / NaN as the math says rather than NaN early.
+Tensor stable_shift(const Tensor& x, const std::vector<int64_t>& axes, const Loc& loc) {
+  Tensor m = max(x, axes, true, loc).detach();
+  return where(abs(m) < std::numeric_limits<double>::infinity(), m, zeros_like(m), loc);
+}
+
+// Softmax and log_softmax take PyTorch's gradients, which read only the output: softmax's
+// y (g - sum(g y)) and log_softmax's g - exp(y) sum(g). The composites' own gradients would keep
+// exp(x - max) and the broadcast row sums for the backward pass, and take more passes over them.
+// Without a gradient to take they are the composites alone. A mask is applied inside (-inf where
+// it is false), so that the masked scores are not kept either; masked places get a zero
+// gradient, as where()'s would give them.
+Tensor softmax_of(const Tensor& x, const Tensor& mask, int64_t axis, const Loc& loc) {
+  auto forward = [&](const std::vector<Tensor>& in) {
+    Tensor scores = in[0];
+    if (mask.defined())
+      scores = where(mask, scores, full_like(scores, -std::numeric_limits<double>::infinity()));
+    Tensor e = exp(scores - stable_shift(scores, {axis}, loc));
+    return e / sum(e, {axis}, true);
+  };
+  if (!grad_enabled() || !x.requires_grad()) return forward({x});
+  return custom_op(
+      {x}, forward,
+      [axis, mask](const std::vector<Tensor>&, const Tensor& y, const Tensor& g) {
+        Tensor dx = y * (g - sum(g * y, {axis}, true));
+        // Masked places get a zero gradient even in a row that is all masked (whose y is NaN).
+        return std::vector<Tensor>{mask.defined() ? where(mask, dx, zeros_like(dx)) : dx};
+      },
+      loc);
+}
+
+Tensor reduce(const Tensor& loss, Reduction reduction) {
+  switch (reduction) {
+    case Reduction::None:
+      return loss;
+    case Reduction::Sum:
+      return sum(loss);
+    case Reduction::Mean:
+      return mean(loss);
+    case Reduction::BatchMean:  // kl_div's: the sum over the batch size (all of a 0-d input)
+      return loss.dim() == 0 ? sum(loss) : sum(loss) * (1.0 / static_cast<double>(loss.size(0)));
+  }
+  return loss;
+}
+
+// PyTorch accepts 'batchmean' from kl_div alone.
+void check_reduction(Reduction reduction, const char* op, const Loc& loc) {
+  if (reduction == Reduction::BatchMean)
+    op_fail(op, loc, "reduction BatchMean is kl_div's alone; use Mean, Sum or None");
+}
+
+int64_t axis_index(const Tensor& x, int64_t axis, const char* op, const Loc& loc) {
+  check_axes(x, {axis}, op, loc);
+  return axis < 0 ? axis + x.dim() : axis;
+}
+
+}  // namespace
+
+Tensor softmax(const Tensor& x, int64_t axis, const Loc& loc) {
+  CallSiteScope site(loc, composite::softmax);
+  require_float(x, "softmax", "input", loc);
+  check_axes(x, {axis}, "softmax", loc);
+  return softmax_of(x, Tensor(), axis, loc);
+}
+
+Tensor masked_softmax(const Tensor& x, const Tensor& mask, int64_t axis, const Loc& loc) {
+  CallSiteScope site(loc, composite::softmax);
+  require_float(x, "masked_softmax", "input", loc);
+  check_axes(x, {axis}, "masked_softmax", loc);
+  if (!mask.defined() || mask.dtype() != boolean)
+    op_fail("masked_softmax", loc, "the mask must be a bool tensor, got {}",
+            mask.defined() ? name(mask.dtype()) : "an undefined tensor");
+  if (broadcast_shapes(mask.shape(), x.shape()) != std::optional<Shape>(x.shape()))
+    op_fail("masked_softmax", loc, "the mask {} does not broadcast to the input {}",
+            to_string(mask.shape()), to_string(x.shape()));
+  return softmax_of(x, mask, axis, loc);
+}
+
+Tensor log_softmax(const Tensor& x, int64_t axis, const Loc& loc) {
+  CallSiteScope site(loc, composite::log_softmax);
+  require_float(x, "log_softmax", "input", loc);
+  check_axes(x, {axis}, "log_softmax", loc);
+  auto forward = [axis, &loc](const std::vector<Tensor>& in) {
+    Tensor shifted = in[0] - stable_shift(in[0], {axis}, loc);
+    return shifted - log(sum(exp(shifted), {axis}, true));
+  };
+  if (!grad_enabled() || !x.requires_grad()) return forward({x});
+  return custom_op(
+      {x}, forward,
+      [axis](const std::vector<Tensor>&, const Tensor& y, const Tensor& g) {
+        return std::vector<Tensor>{g - exp(y) * sum(g, {axis}, true)};
+      },
+      loc);
+}
+
+Tensor logsumexp(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
+  CallSiteScope site(loc, composite::logsumexp);
+  require_float(x, "logsumexp", "input", loc);
+  check_axes(x, axes, "logsumexp", loc);
+  Tensor m = stable_shift(x, axes, loc);
+  Tensor result = log(sum(exp(x - m), axes, true)) + m;
+  if (keepdim) return result;
+  Shape shape;
+  std::vector<int64_t> reduced = axes;
+  for (int64_t& a : reduced) a = a < 0 ? a + x.dim() : a;
+  for (int64_t d = 0; d < x.dim(); ++d)
+    if (std::find(reduced.begin(), reduced.end(), d) == reduced.end()) shape.push_back(x.size(d));
+  return reshape(result, shape);
+}
+
+Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                  int64_t normalized_dims, const Loc& loc) {
+  CallSiteScope site(loc, composite::layer_norm);
+  require_float(x, "layer_norm", "input", loc);
+  if (normalized_dims < 1 || normalized_dims > x.dim())
+    op_fail("layer_norm", loc, "cannot normalize the last {} axes of {}", normalized_dims,
+            to_string(x.shape()));
+  Shape normalized(x.shape().end() - normalized_dims, x.shape().end());
+  for (const Tensor* p : {&weight, &bias})
+    if (p->defined() && p->shape() != normalized)
+      op_fail("layer_norm", loc, "weight/bias shape {} should be {}", to_string(p->shape()),
+              to_string(normalized));
+  std::vector<int64_t> axes;
+  for (int64_t d = x.dim() - normalized_dims; d < x.dim(); ++d) axes.push_back(d);
+  Tensor centered = x - mean(x, axes, true);
+  Tensor y = centered * rsqrt(mean(square(centered), axes, true) + eps);
+  if (weight.defined()) y = y * weight;
+  if (bias.defined()) y = y + bias;
+  return y;
+}
+
+Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, const Loc& loc) {
+  CallSiteScope site(loc, composite::rms_norm);
+  require_float(x, "rms_norm", "input", loc);
+  if (x.dim() == 0) op_fail("rms_norm", loc, "needs at least one axis");
+  if (weight.defined() && weight.shape() != Shape{x.size(-1)})
+    op_fail("rms_norm", loc, "weight shape {} should be [{}]", to_string(weight.shape()),
+            x.size(-1));
+  Tensor y = x * rsqrt(mean(square(x), {-1}, true) + eps);
+  return weight.defined() ? y * weight : y;
+}
+
+Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Loc& loc) {
+  CallSiteScope site(loc, composite::linear);
+  require(x, "linear", "input", loc);
+  require(weight, "linear", "weight", loc);
+  if (weight.dim() != 2)
+    op_fail("linear", loc, "weight must be [out, in], got {}", to_string(weight.shape()));
+  if (x.dim() == 0 || x.size(-1) != weight.size(1))
+    op_fail("linear", loc, "input {} does not end in the weight's in-features {} (weight {})",
+            to_string(x.shape()), weight.size(1), to_string(weight.shape()));
+  Tensor y = matmul(x, weight, false, true);
+  if (bias.defined()) {
+    if (bias.shape() != Shape{weight.size(0)})
+      op_fail("linear", loc, "bias shape {} should be [{}]", to_string(bias.shape()),
+              weight.size(0));
+    y = y + bias;
+  }
+  return y;
+}
+
+namespace {
+
+// Integer class targets of the scores' shape [..., C] without its last axis.
+void check_targets(const Tensor& scores, const Tensor& targets, const char* op, const Loc& loc) {
+  require(targets, op, "targets", loc);
+  if (!is_integer(targets.dtype()))
+    op_fail(op, loc, "targets must be integer class indices, got {}", name(targets.dtype()));
+  Shape expected(scores.shape().begin(), scores.shape().end() - (scores.dim() > 0 ? 1 : 0));
+  if (scores.dim() == 0 || targets.shape() != expected)
+    op_fail(op, loc, "{} {} need targets of shape {}, got {}",
+            std::string_view(op) == "cross_entropy" ? "logits" : "inputs",
+            to_string(scores.shape()), to_string(expected), to_string(targets.shape()));
+}
+
+// A class weight [C] of floating type for scores [..., C], in the scores' type.
+Tensor class_weight(const Tensor& weight, const Tensor& scores, const char* op, const Loc& loc) {
+  if (!weight.defined()) return weight;
+  if (!is_floating(weight.dtype()))
+    op_fail(op, loc, "the class weight must be floating-point, got {}", name(weight.dtype()));
+  if (weight.shape() != Shape{scores.size(-1)})
+    op_fail(op, loc, "the class weight {} should be [{}], one per class of {}",
+            to_string(weight.shape()), scores.size(-1), to_string(scores.shape()));
+  return cast(weight, scores.dtype());
+}
+
+// Each target's negative log-likelihood (times its class weight, if any) with the rows that
+// count and their weights (1 without a class weight): cross_entropy's and nll_loss's.
+struct TargetNll {
+  Tensor loss, valid, weight;
+};
+TargetNll target_nll(const Tensor& logp, const Tensor& targets, int64_t ignore_index,
+                     const Tensor& class_weight) {
+  Tensor valid = ne(targets, scalar(static_cast<double>(ignore_index), targets.dtype()));
+  Tensor safe_targets = where(valid, targets, zeros_like(targets));
+  // The target's log-probability as a masked sum over the classes, not a gather: it joins the
+  // log_softmax kernel, and its gradient is pointwise where a gather's is a scatter into a
+  // [rows, classes] zero tensor (for a 50k vocabulary, most of a step). Exact: one term is
+  // the value, the others are +0.
+  // Picking each target out of the class list is the identity on valid ids, and the check
+  // (at evaluation) that none is out of range; it reads only the targets.
+  const Tensor& classes = class_indices(logp.size(-1), targets.dtype());
+  Tensor hit = eq(classes, unsqueeze(index_select(classes, safe_targets, 0), -1));
+  Tensor picked = sum(where(hit, logp, zeros_like(logp)), {-1});
+  if (!class_weight.defined()) return {-picked, valid, Tensor()};
+  // The target's weight by the same masked sum: exact, one term is w[y].
+  Tensor w = sum(where(hit, broadcast_to(class_weight, logp.shape()), zeros_like(logp)), {-1});
+  return {-picked * w, valid, where(valid, w, zeros_like(w))};
+}
+
+// Mean over the rows that count (weighted by their class weights, when given), as PyTorch's
+// ignore_index and weight.
+Tensor reduce_valid(const Tensor& loss, const TargetNll& nll, Reduction reduction) {
+  Tensor kept = where(nll.valid, loss, zeros_like(loss));
+  if (reduction != Reduction::Mean) return reduce(kept, reduction);
+  Tensor total = nll.weight.defined() ? sum(nll.weight) : sum(cast(nll.valid, loss.dtype()));
+  return sum(kept) / total;
+}
+
+}  // namespace
+
+Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOptions options,
+                     const Loc& loc) {
+  CallSiteScope site(loc, composite::cross_entropy);
+  require_float(logits, "cross_entropy", "logits", loc);
+  check_reduction(options.reduction, "cross_entropy", loc);
+  if (options.label_smoothing < 0 || options.label_smoothing > 1)
+    op_fail("cross_entropy", loc, "label_smoothing must be in [0, 1], got {}",
+            options.label_smoothing);
+  check_targets(logits, targets, "cross_entropy", loc);
+  Tensor weight = class_weight(options.weight, logits, "cross_entropy", loc);
+  Tensor logp = log_softmax(logits, -1);
+  TargetNll nll = target_nll(logp, targets, options.ignore_index, weight);
+  Tensor loss = nll.loss;
+  if (options.label_smoothing > 0) {
+    // PyTorch's: (1 - eps) nll + eps / C sum_c w_c (-log p_c), both over the same denominator.
+    const double eps = options.label_smoothing;
+    Tensor smooth = weight.defined() ? -mean(logp * weight, {-1}) : -mean(logp, {-1});
+    loss = loss * (1.0 - eps) + smooth * eps;
+  }
+  return reduce_valid(loss, nll, options.reduction);
+}
+
+Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, Reduction reduction,
+                int64_t ignore_index, const Loc& loc) {
+  return nll_loss(log_probs, targets,
+                  NllLossOptions{.ignore_index = ignore_index, .reduction = reduction}, loc);
+}
+
+Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, const NllLossOptions& options,
+                const Loc& loc) {
+  CallSiteScope site(loc, composite::nll_loss);
+  require_float(log_probs, "nll_loss", "log_probs", loc);
+  check_reduction(options.reduction, "nll_loss", loc);
+  check_targets(log_probs, targets, "nll_loss", loc);
+  Tensor weight = class_weight(options.weight, log_probs, "nll_loss", loc);
+  TargetNll nll = target_nll(log_probs, targets, options.ignore_index, weight);
+  return reduce_valid(nll.loss, nll, options.reduction);
+}
+
+namespace {
+void same_shapes(const Tensor& a, const Tensor& b, const char* op, const Loc& loc) {
+  require_float(a, op, "input", loc);
+  require_float(b, op, "target", loc);
+  if (a.shape() != b.shape())
+    op_fail(op, loc, "input {} and target {} must have the same shape", to_string(a.shape()),
+            to_string(b.shape()));
+}
+
+// An element weight (binary_cross_entropy's, bce_with_logits' weight and pos_weight): floating,
+// broadcast to the input's shape as PyTorch requires, in the input's type.
+Tensor element_weight(const Tensor& weight, const Tensor& input, const char* op, const char* role,
+                      const Loc& loc) {
+  if (!weight.defined()) return weight;
+  if (!is_floating(weight.dtype()))
+    op_fail(op, loc, "the {} must be floating-point, got {}", role, name(weight.dtype()));
+  if (broadcast_shapes(weight.shape(), input.shape()) != std::optional<Shape>(input.shape()))
+    op_fail(op, loc, "the {} {} does not broadcast to the input {}", role,
+            to_string(weight.shape()), to_string(input.shape()));
+  return cast(weight, input.dtype());
+}
+}  // namespace
+
+Tensor binary_cross_entropy(const Tensor& probs, const Tensor& targets, Reduction reduction,
+                            const Loc& loc) {
+  return binary_cross_entropy(probs, targets, BceOptions{.reduction = reduction}, loc);
+}
+
+Tensor binary_cross_entropy(const Tensor& probs, const Tensor& targets, const BceOptions& options,
+                            const Loc& loc) {
+  constexpr const char* op = "binary_cross_entropy";
+  CallSiteScope site(loc, composite::binary_cross_entropy);
+  same_shapes(probs, targets, op, loc);
+  check_reduction(options.reduction, op, loc);
+  Tensor weight = element_weight(options.weight, probs, op, "weight", loc);
+  // PyTorch clamps each log at -100, so that a probability of 0 or 1 gives a finite loss.
+  Tensor log_p = maximum(log(probs), full_like(probs, -100.0));
+  Tensor log_q = maximum(log(1.0 - probs), full_like(probs, -100.0));
+  Tensor loss = -(targets * log_p + (1.0 - targets) * log_q);
+  return reduce(weight.defined() ? loss * weight : loss, options.reduction);
+}
+
+Tensor l1_loss(const Tensor& input, const Tensor& target, Reduction reduction, const Loc& loc) {
+  CallSiteScope site(loc, composite::l1_loss);
+  same_shapes(input, target, "l1_loss", loc);
+  check_reduction(reduction, "l1_loss", loc);
+  return reduce(abs(input - target), reduction);
+}
+
+Tensor smooth_l1_loss(const Tensor& input, const Tensor& target, Reduction reduction, double beta,
+                      const Loc& loc) {
+  CallSiteScope site(loc, composite::smooth_l1_loss);
+  same_shapes(input, target, "smooth_l1_loss", loc);
+  check_reduction(reduction, "smooth_l1_loss", loc);
+  if (!(beta >= 0)) op_fail("smooth_l1_loss", loc, "beta must be non-negative, got {}", beta);
+  Tensor d = abs(input - target);
+  if (beta == 0) return reduce(d, reduction);
+  return reduce(where(d < beta, d * d * (0.5 / beta), d - 0.5 * beta), reduction);
+}
+
+Tensor huber_loss(const Tensor& input, const Tensor& target, Reduction reduction, double delta,
+                  const Loc& loc) {
+  CallSiteScope site(loc, composite::huber_loss);
+  same_shapes(input, target, "huber_loss", loc);
+  check_reduction(reduction, "huber_loss", loc);
+  if (!(delta > 0)) op_fail("huber_loss", loc, "delta must be positive, got {}", delta);
+  Tensor d = abs(input - target);
+  return reduce(where(d < delta, d * d * 0.5, (d - 0.5 * delta) * delta), reduction);
+}
+
+Tensor kl_div(const Tensor& input, const Tensor& target, Reduction reduction, bool log_target,
+              const Loc& loc) {
+  CallSiteScope site(loc, composite::kl_div);
+  same_shapes(input, target, "kl_div", loc);
+  // target (log target - input), with 0 log 0 = 0 as PyTorch's xlogy; BatchMean divides the
+  // sum by the batch size (dim 0), the true KL divergence per sample that PyTorch recommends.
+  Tensor pointwise = log_target ? exp(target) * (target - input)
+                                : where(eq(target, zeros_like(target)), zeros_like(target),
+                                        target * (log(target) - input));
+  return reduce(pointwise, reduction);
+}
+
+Tensor mse_loss(const Tensor& prediction, const Tensor& target, Reduction reduction,
+                const Loc& loc) {
+  CallSiteScope site(loc, composite::mse_loss);
+  require_float(prediction, "mse_loss", "prediction", loc);
+  require(target, "mse_loss", "target", loc);
+  check_reduction(reduction, "mse_loss", loc);
+  if (prediction.shape() != target.shape())
+    op_fail("mse_loss", loc, "prediction {} and target {} must have the same shape",
+            to_string(prediction.shape()), to_string(target.shape()));
+  return reduce(square(prediction - target), reduction);
+}
+
+Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targets,
+                                        BceWithLogitsOptions options, const Loc& loc) {
+  constexpr const char* op = "binary_cross_entropy_with_logits";
+  CallSiteScope site(loc, composite::binary_cross_entropy_with_logits);
+  require_float(logits, op, "logits", loc);
+  require_float(targets, op, "targets", loc);
+  if (logits.shape() != targets.shape())
+    op_fail(op, loc, "logits {} and targets {} must have the same shape", to_string(logits.shape()),
+            to_string(targets.shape()));
+  // -log(sigmoid(x)) = log1p(exp(-|x|)) + max(-x, 0), which overflows for neither sign and keeps
+  // the digits of a confident prediction's small loss, as PyTorch's.
+  check_reduction(options.reduction, op, loc);
+  Tensor weight = element_weight(options.weight, logits, op, "weight", loc);
+  Tensor pos_weight = element_weight(options.pos_weight, logits, op, "pos_weight", loc);
+  Tensor neg_log_sigmoid = log1p(exp(-abs(logits))) + relu(-logits);
+  Tensor loss;
+  if (pos_weight.defined()) {
+    Tensor log_weight = 1.0 + (pos_weight - 1.0) * targets;
+    loss = (1.0 - targets) * logits + log_weight * neg_log_sigmoid;
+  } else {
+    loss = (1.0 - targets) * logits + neg_log_sigmoid;
+  }
+  return reduce(weight.defined() ? loss * weight : loss, options.reduction);
+}
+
+Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> max,
+             const Loc& loc) {
+  CallSiteScope site(loc, composite::clamp);
+  require(x, "clamp", "input", loc);
+  if (!min && !max) op_fail("clamp", loc, "needs a min or a max");
+  // Comparisons are false for NaN, so NaN passes both selections unchanged.
+  Tensor y = x;
+  if (min) y = where(y < *min, full_like(y, *min), y);
+  if (max) y = where(y > *max, full_like(y, *max), y);
+  return y;
+}
+
+namespace detail {
+
+Tensor where_number(const Tensor& cond, const Tensor& tensor, double number, bool integral,
+                    bool boolean_number, bool number_first, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(cond, "where", "condition", loc);
+  require(tensor, "where", number_first ? "second value" : "first value", loc);
+  // PyTorch's promotion of a number with a tensor: the tensor's type unless the number is of a
+  // higher kind (float over integer and bool, integer over bool), then the default of that kind.
+  DType t = tensor.dtype();
+  if (!is_floating(t) && !integral) t = f32;
+  if (t == boolean && !boolean_number) t = i64;
+  Tensor value = cast(tensor, t);
+  Tensor fill = full(tensor.shape(), number, t);
+  return number_first ? where(cond, fill, value, loc) : where(cond, value, fill, loc);
+}
+
+Tensor where_numbers(const Tensor& cond, double a, double b, bool integral, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(cond, "where", "condition", loc);
+  const DType t = integral ? i64 : f32;
+  return where(cond, full(cond.shape(), a, t), full(cond.shape(), b, t), loc);
+}
+
+}  // namespace detail
+
+Tensor masked_fill(const Tensor& x, const Tensor& mask, double value, const Loc& loc) {
+  CallSiteScope site(loc, composite::masked_fill);
+  require(x, "masked_fill", "input", loc);
+  if (!mask.defined() || mask.dtype() != boolean)
+    op_fail("masked_fill", loc, "the mask must be a bool tensor, got {}",
+            mask.defined() ? name(mask.dtype()) : "an undefined tensor");
+  return where(mask, full_like(x, value), x);
+}
+
+Tensor remainder(const Tensor& a, const Tensor& b, const Loc& loc) {
+  CallSiteScope site(loc, composite::remainder);
+  require_float(a, "remainder", "dividend", loc);
+  require_float(b, "remainder", "divisor", loc);
+  // fmod has the dividend's sign; a non-zero result of the other sign than b moves by b.
+  Tensor r = fmod(a, b);
+  Tensor other_sign = logical_and(ne(r, zeros_like(r)), ne(r < 0.0, b < 0.0));
+  return where(other_sign, r + b, r);
+}
+
+Tensor isnan(const Tensor& x, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "isnan", "input", loc);
+  if (!is_floating(x.dtype())) return zeros(x.shape(), boolean);
+  return ne(x, x);
+}
+
+Tensor isinf(const Tensor& x, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "isinf", "input", loc);
+  if (!is_floating(x.dtype())) return zeros(x.shape(), boolean);
+  return eq(abs(x), full_like(x, std::numeric_limits<double>::infinity()));
+}
+
+Tensor isfinite(const Tensor& x, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "isfinite", "input", loc);
+  if (!is_floating(x.dtype())) return ones(x.shape(), boolean);
+  return abs(x) < std::numeric_limits<double>::infinity();  // false for NaN
+}
+
+namespace {
+Tensor truth(const Tensor& x) { return x.dtype() == boolean ? x : ne(x, zeros_like(x)); }
+}  // namespace
+
+Tensor logical_not(const Tensor& x, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "logical_not", "input", loc);
+  return eq(truth(x), zeros_like(truth(x)));
+}
+
+Tensor logical_and(const Tensor& a, const Tensor& b, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(a, "logical_and", "input", loc);
+  require(b, "logical_and", "other", loc);
+  Tensor x = truth(a), y = truth(b);
+  return where(x, y, zeros_like(y));
+}
+
+Tensor logical_or(const Tensor& a, const Tensor& b, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(a, "logical_or", "input", loc);
+  require(b, "logical_or", "other", loc);
+  Tensor x = truth(a), y = truth(b);
+  return where(x, ones_like(y), y);
+}
+
+Tensor logical_xor(const Tensor& a, const Tensor& b, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(a, "logical_xor", "input", loc);
+  require(b, "logical_xor", "other", loc);
+  return ne(truth(a), truth(b));
+}
+
+Tensor flip(const Tensor& x, const std::vector<int64_t>& axes, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "flip", "input", loc);
+  check_axes(x, axes, "flip", loc);
+  Tensor y = x;
+  for (int64_t axis : axes) {
+    const int64_t n = y.size(axis);
+    if (n > 1) y = index_select(y, arange(static_cast<double>(n - 1), -1.0, -1.0), axis);
+  }
+  return y;
+}
+
+Tensor roll(const Tensor& x, const std::vector<int64_t>& shifts, const std::vector<int64_t>& axes,
+            const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "roll", "input", loc);
+  if (shifts.size() != axes.size())
+    op_fail("roll", loc, "needs one shift per axis, got {} shifts for {} axes", shifts.size(),
+            axes.size());
+  check_axes(x, axes, "roll", loc);
+  Tensor y = x;
+  for (size_t i = 0; i < axes.size(); ++i) {
+    const int64_t n = y.size(axes[i]);
+    if (n == 0) continue;
+    const int64_t shift = ((shifts[i] % n) + n) % n;  // element j moves to (j + shift) mod n
+    if (shift == 0) continue;
+    y = concat({slice(y, axes[i], n - shift, n), slice(y, axes[i], 0, n - shift)}, axes[i]);
+  }
+  return y;
+}
+
+namespace {
+// Whether element (row, col) of the last two axes is on or below the `diagonal`-th diagonal.
+Tensor lower_triangle(const Tensor& x, int64_t diagonal) {
+  Tensor rows = unsqueeze(arange(x.size(-2)), 1), cols = unsqueeze(arange(x.size(-1)), 0);
+  return cols - rows <= static_cast<double>(diagonal);
+}
+}  // namespace
+
+Tensor tril(const Tensor& x, int64_t diagonal, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "tril", "input", loc);
+  if (x.dim() < 2) op_fail("tril", loc, "needs at least 2 dims, got {}", to_string(x.shape()));
+  return where(lower_triangle(x, diagonal), x, zeros_like(x));
+}
+
+Tensor triu(const Tensor& x, int64_t diagonal, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "triu", "input", loc);
+  if (x.dim() < 2) op_fail("triu", loc, "needs at least 2 dims, got {}", to_string(x.shape()));
+  return where(lower_triangle(x, diagonal - 1), zeros_like(x), x);
+}
+
+Tensor repeat(const Tensor& x, const std::vector<int64_t>& repeats, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "repeat", "input", loc);
+  if (repeats.size() < static_cast<size_t>(x.dim()))
+    op_fail("repeat", loc, "needs a repeat count for each of the {} dims, got {}", x.dim(),
+            repeats.size());
+  for (int64_t r : repeats)
+    if (r < 0) op_fail("repeat", loc, "repeat counts must be non-negative, got {}", r);
+  // x as [1, s0, 1, s1, ...] broadcast to [r0, s0, r1, s1, ...], then merged pairwise.
+  Shape padded(repeats.size() - static_cast<size_t>(x.dim()), 1);
+  padded.insert(padded.end(), x.shape().begin(), x.shape().end());
+  Shape spread, broadcast, result;
+  for (size_t d = 0; d < repeats.size(); ++d) {
+    spread.insert(spread.end(), {1, padded[d]});
+    broadcast.insert(broadcast.end(), {repeats[d], padded[d]});
+    result.push_back(repeats[d] * padded[d]);
+  }
+  return reshape(broadcast_to(reshape(x, spread), broadcast), result);
+}
+
+Tensor tile(const Tensor& x, const std::vector<int64_t>& reps, const Loc& loc) {
+  CallSiteScope site(loc);
+  // torch.tile: fewer counts than dims are padded with leading 1s.
+  std::vector<int64_t> repeats(
+      static_cast<size_t>(std::max<int64_t>(0, x.dim() - static_cast<int64_t>(reps.size()))), 1);
+  repeats.insert(repeats.end(), reps.begin(), reps.end());
+  return repeat(x, repeats, loc);
+}
+
+Tensor std_dev(const Tensor& x, std::vector<int64_t> axes, bool keepdim, double correction,
+               const Loc& loc) {
+  CallSiteScope site(loc);
+  require_float(x, "std", "input", loc);
+  check_axes(x, axes, "std", loc);
+  int64_t n = 1;
+  if (axes.empty())
+    n = x.numel();
+  else
+    for (int64_t axis : axes) n *= x.size(axis);
+  // Bessel's correction as PyTorch's: var * n / (n - correction); n <= correction gives inf/NaN.
+  return sqrt(var(x, axes, keepdim) * (static_cast<double>(n) / (n - correction)));
+}
+
+Tensor norm(const Tensor& x, double p, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
+  CallSiteScope site(loc);
+  require_float(x, "norm", "input", loc);
+  check_axes(x, axes, "norm", loc);
+  if (p == 1) return sum(abs(x), axes, keepdim);
+  if (p == 2) return sqrt(sum(x * x, axes, keepdim));
+  if (std::isinf(p) && p > 0) return max(abs(x), axes, keepdim);
+  op_fail("norm", loc, "p must be 1, 2 or inf, got {}", p);
+}
+
+Tensor argmin(const Tensor& x, std::optional<int64_t> axis, bool keepdim, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "argmin", "input", loc);
+  // The first smallest is the first largest of an order-reversing map: -x for floats (NaN stays
+  // NaN and wins, as torch.argmin), ~x = -x - 1 for integers (which does not overflow).
+  Tensor reversed = is_floating(x.dtype()) ? -x : -x - 1;
+  return argmax(reversed, axis, keepdim, loc);
+}
+
+Tensor any(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "any", "input", loc);
+  check_axes(x, axes, "any", loc);
+  return sum(cast(truth(x), i64), axes, keepdim) > 0.0;
+}
+
+Tensor all(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "all", "input", loc);
+  return logical_not(any(logical_not(x), std::move(axes), keepdim, loc));
+}
+
+Tensor bernoulli(const Tensor& p, Generator* gen, const Loc& loc) {
+  CallSiteScope site(loc);
+  require_float(p, "bernoulli", "probabilities", loc);
+  return cast(rand(p.shape(), f32, gen) < cast(p, f32), p.dtype());
+}
+
+Tensor randint(int64_t low, int64_t high, Shape shape, Generator* gen, const Loc& loc) {
+  CallSiteScope site(loc);
+  if (high <= low) op_fail("randint", loc, "needs low < high, got [{}, {})", low, high);
+  // floor(u (high - low)) with u in [0, 1) drawn in f64 stays below high - low.
+  Tensor u = rand(std::move(shape), f64, gen);
+  return cast(floor(u * static_cast<double>(high - low)), i64) +
+         scalar(static_cast<double>(low), i64);
+}
+
+Tensor softplus(const Tensor& x, double beta, double threshold, const Loc& loc) {
+  CallSiteScope site(loc, composite::softplus);
+  require_float(x, "softplus", "input", loc);
+  if (!(beta > 0)) op_fail("softplus", loc, "beta must be positive, got {}", beta);
+  // Linear above the threshold, as PyTorch's, where log1p(exp(beta x)) / beta rounds to x.
+  Tensor scaled = x * beta;
+  return where(scaled > threshold, x, log1p(exp(scaled)) * (1.0 / beta));
+}
+
+Tensor leaky_relu(const Tensor& x, double negative_slope, const Loc& loc) {
+  CallSiteScope site(loc, composite::leaky_relu);
+  require_float(x, "leaky_relu", "input", loc);
+  return where(x > 0.0, x, x * negative_slope);
+}
+
+Tensor elu(const Tensor& x, double alpha, const Loc& loc) {
+  CallSiteScope site(loc, composite::elu);
+  require_float(x, "elu", "input", loc);
+  return where(x > 0.0, x, expm1(x) * alpha);
+}
+
+Tensor selu(const Tensor& x, const Loc& loc) {
+  CallSiteScope site(loc, composite::selu);
+  require_float(x, "selu", "input", loc);
+  // The constants of Klambauer et al. (2017), as PyTorch has them.
+  constexpr double alpha = 1.6732632423543772848170429916717;
+  constexpr double scale = 1.0507009873554804934193349852946;
+  return where(x > 0.0, x * scale, expm1(x) * (alpha * scale));
+}
+
+Tensor mish(const Tensor& x, const Loc& loc) {
+  CallSiteScope site(loc, composite::mish);
+  require_float(x, "mish", "input", loc);
+  return x * tanh(softplus(x));
+}
+
+Tensor hardsigmoid(const Tensor& x, const Loc& loc) {
+  CallSiteScope site(loc, composite::hardsigmoid);
+  require_float(x, "hardsigmoid", "input", loc);
+  // relu6(x + 3) / 6, whose gradient is 1/6 strictly inside (-3, 3), as PyTorch's.
+  return where(x <= -3.0, zeros_like(x), where(x >= 3.0, ones_like(x), x * (1.0 / 6.0) + 0.5));
+}
+
+Tensor hardswish(const Tensor& x, const Loc& loc) {
+  CallSiteScope site(loc, composite::hardswish);
+  require_float(x, "hardswish", "input", loc);
+  return where(x <= -3.0, zeros_like(x), where(x > 3.0, x, x * (x + 3.0) * (1.0 / 6.0)));
+}
+
+Tensor lerp(const Tensor& start, const Tensor& end, const Tensor& weight, const Loc& loc) {
+  CallSiteScope site(loc, composite::lerp);
+  require_float(start, "lerp", "start", loc);
+  require_float(end, "lerp", "end", loc);
+  require_float(weight, "lerp", "weight", loc);
+  // PyTorch's two forms: from start below a weight of 0.5, from end above (exact at both ends).
+  Tensor diff = end - start;
+  return where(abs(weight) < 0.5, start + weight * diff, end - diff * (1.0 - weight));
+}
+
+Tensor pad(const Tensor& x, const std::vector<int64_t>& pads, PadMode mode, double value,
+           const Loc& loc) {
+  CallSiteScope site(loc, composite::pad);
+  require(x, "pad", "input", loc);
+  if (pads.size() % 2 != 0 || pads.size() / 2 > static_cast<size_t>(x.dim()))
+    op_fail("pad", loc, "needs (before, after) pairs for at most {} axes, got {} values", x.dim(),
+            pads.size());
+  Tensor y = x;
+  for (size_t pair = 0; pair < pads.size() / 2; ++pair) {
+    const int64_t axis = x.dim() - 1 - static_cast<int64_t>(pair);
+    int64_t before = pads[2 * pair], after = pads[2 * pair + 1];
+    const int64_t size = y.size(axis);
+    if (mode != PadMode::Constant && (before < 0 || after < 0))
+      op_fail("pad", loc, "negative padding ({}, {}) of axis {} needs constant mode", before, after,
+              axis);
+    if (mode == PadMode::Reflect && (before >= size || after >= size))
+      op_fail("pad", loc, "reflect padding ({}, {}) of axis {} must be below its size {}", before,
+              after, axis, size);
+    if (mode == PadMode::Replicate && size == 0 && (before > 0 || after > 0))
+      op_fail("pad", loc, "cannot replicate the edge of axis {}, which is empty", axis);
+    if (before < 0 || after < 0) {  // negative constant pads crop
+      const int64_t start = std::max<int64_t>(-before, 0);
+      const int64_t stop = size - std::max<int64_t>(-after, 0);
+      if (stop < start)
+        op_fail("pad", loc, "padding ({}, {}) crops more than axis {} has ({})", before, after,
+                axis, size);
+      y = slice(y, axis, start, stop);
+      before = std::max<int64_t>(before, 0);
+      after = std::max<int64_t>(after, 0);
+    }
+    const int64_t n = y.size(axis);
+    auto block = [&](int64_t count, bool at_start) {
+      Shape shape = y.shape();
+      shape[axis] = count;
+      if (mode == PadMode::Constant) return full(shape, value, y.dtype());
+      if (mode == PadMode::Replicate)
+        return broadcast_to(slice(y, axis, at_start ? 0 : n - 1, at_start ? 1 : n), shape);
+      // Reflect: the mirror image without the edge, x[count] ... x[1] before, x[n-2] ... after.
+      std::vector<Tensor> rows;
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t at = at_start ? count - i : n - 2 - i;
+        rows.push_back(slice(y, axis, at, at + 1));
+      }
+      return concat(rows, axis);
+    };
+    std::vector<Tensor> parts;
+    if (before > 0) parts.push_back(block(before, true));
+    parts.push_back(y);
+    if (after > 0) parts.push_back(block(after, false));
+    if (parts.size() > 1) y = concat(parts, axis);
+  }
+  return y;
+}
+
+std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, int64_t axis,
+                          const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "split", "input", loc);
+  const int64_t a = axis_index(x, axis, "split", loc);
+  int64_t total = 0;
+  for (int64_t size : sizes) {
+    if (size < 0) op_fail("split", loc, "sizes must be non-negative, got {}", size);
+    total += size;
+  }
+  if (total != x.size(a))
+    op_fail("split", loc, "sizes add up to {}, but axis {} has {}", total, axis, x.size(a));
+  std::vector<Tensor> pieces;
+  int64_t start = 0;
+  for (int64_t size : sizes) {
+    pieces.push_back(slice(x, a, start, start + size));
+    start += size;
+  }
+  return pieces;
+}
+
+std::vector<Tensor> split(const Tensor& x, int64_t size, int64_t axis, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "split", "input", loc);
+  const int64_t a = axis_index(x, axis, "split", loc);
+  if (size <= 0) op_fail("split", loc, "the piece size must be positive, got {}", size);
+  std::vector<int64_t> sizes;
+  for (int64_t start = 0; start < x.size(a); start += size)
+    sizes.push_back(std::min(size, x.size(a) - start));
+  if (sizes.empty()) sizes.push_back(0);  // torch.split of an empty axis gives one empty piece
+  return split(x, sizes, a, loc);
+}
+
+std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t axis, const Loc& loc) {
+  CallSiteScope site(loc);
+  require(x, "chunk", "input", loc);
+  const int64_t a = axis_index(x, axis, "chunk", loc);
+  if (chunks <= 0) op_fail("chunk", loc, "the number of chunks must be positive, got {}", chunks);
+  // torch.chunk: pieces of ceil(size / chunks), so there may be fewer than `chunks`.
+  const int64_t size = std::max<int64_t>((x.size(a) + chunks - 1) / chunks, 1);
+  return split(x, size, a, loc);
+}
+
+Tensor dropout(const Tensor& x, double p, bool training, Generator* gen, const Loc& loc) {
+  CallSiteScope site(loc, composite::dropout);
+  require_float(x, "dropout", "input", loc);
+  if (!(p >= 0 && p <= 1)) op_fail("dropout", loc, "p must be in [0, 1], got {}", p);
+  if (!training || p == 0) return x;
+  if (p == 1) return x * 0.0;
+  Tensor keep = rand(x.shape(), f32, gen) >= p;
+  return where(keep, x * (1.0 / (1.0 - p)), zeros_like(x));
+}
+
+Tensor causal_mask(int64_t size, const Loc& loc) {
+  CallSiteScope site(loc, composite::causal_mask);
+  if (size < 0) op_fail("causal_mask", loc, "size must be non-negative, got {}", size);
+  Tensor positions = arange(size);
+  return ge(unsqueeze(positions, 1), unsqueeze(positions, 0));
+}
+
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
+                                    const Loc& loc) {
+  CallSiteScope site(loc, composite::scaled_dot_product_attention);
+  require_float(q, "scaled_dot_product_attention", "query", loc);
+  require_float(k, "scaled_dot_product_attention", "key", loc);
+  require_float(v, "scaled_dot_product_attention", "value", loc);
+  if (q.dim() < 2 || k.dim() < 2 || v.dim() < 2 || q.size(-1) != k.size(-1) ||
+      k.size(-2) != v.size(-2))
+    op_fail("scaled_dot_product_attention", loc, "shapes q {} k {} v {} do not fit",
+            to_string(q.shape()), to_string(k.shape()), to_string(v.shape()));
+  Tensor scores = matmul(q, k, false, true) * (1.0 / std::sqrt(static_cast<double>(q.size(-1))));
+  if (!causal) return matmul(softmax(scores, -1), v);
+  if (q.size(-2) != k.size(-2))
+    op_fail("scaled_dot_product_attention", loc, "a causal mask needs as many queries as keys");
+  return matmul(masked_softmax(scores, causal_mask(q.size(-2)), -1), v);
+}
+
+}  // namespace mixtape

@@ -1,0 +1,187 @@
+// mixtape/dsl/graph.cpp -- node creation and the thread-local scopes that annotate new nodes.
+#include "mixtape/dsl/graph.h"
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <string_view>
+#include <unordered_set>
+#include <utility>
+
+#include "mixtape/dsl/pool_allocator.h"
+
+namespace mixtape {
+namespace {
+
+constexpr OpInfo kOpInfo[] = {
+#define MT_OP(Name, fname, kind, arity, category) \
+  {#fname, OpKind::kind, arity, Category::category, true},
+#define MT_UNARY(Name, fname, category, domain, REF, VJP) \
+  {#fname, OpKind::Pointwise, 1, Category::category, std::string_view(#VJP) != "NoGradient"},
+#define MT_COMPARE(Name, fname, REF) {#fname, OpKind::Pointwise, 2, Category::Follow, false},
+#include "mixtape/dsl/ops.def"
+};
+
+// Node ids come in blocks, one per thread at a time, so that making a node needs no atomic
+// increment of a shared counter. A node's id exceeds its inputs' (make_node takes a fresh block
+// when an input made on another thread has a later one), so ids stay a topological order.
+constexpr uint64_t kIdBlock = uint64_t{1} << 16;
+std::atomic<uint64_t> next_id_block{1};
+thread_local uint64_t next_node_id = 0, id_block_end = 0;
+
+uint64_t new_node_id(uint64_t after) {
+  if (next_node_id == id_block_end || after >= next_node_id) [[unlikely]] {
+    next_node_id = next_id_block.fetch_add(kIdBlock, std::memory_order_relaxed);
+    id_block_end = next_node_id + kIdBlock;
+  }
+  return next_node_id++;
+}
+thread_local bool grad_mode = true;
+thread_local std::string module_path;
+thread_local const Loc* call_site = nullptr;
+thread_local const char* composite = nullptr;
+thread_local const Node* differentiating = nullptr;
+thread_local std::shared_ptr<const Policy> policy;
+thread_local TraceObserver* tracer = nullptr;
+
+// Ops whose result is never differentiable, whatever their inputs (dsl/ops.def).
+bool blocks_gradient(OpCode op) { return !kOpInfo[static_cast<size_t>(op)].differentiable; }
+
+}  // namespace
+
+const OpInfo& op_info(OpCode op) { return kOpInfo[static_cast<size_t>(op)]; }
+int op_count() { return static_cast<int>(std::size(kOpInfo)); }
+
+NodePtr make_node(OpCode op, DType dtype, Shape shape, NodeInputs inputs, Attrs attrs,
+                  const Loc& loc) {
+  // Every size computed later (buffers, strides, kernel loops) is exact once these hold. Up to
+  // four dimensions below 2^14 each hold fewer than 2^56 elements, well within the limit: most
+  // nodes need no more than that look.
+  bool small = shape.size() <= 4;
+  for (int64_t d : shape) small &= static_cast<uint64_t>(d) < (uint64_t{1} << 14);
+  if (!small) check_shape_size(op_name(op), shape, dtype, loc);
+  bool any_input_requires_grad = false;
+  uint64_t latest_input = 0;
+  for (const NodePtr& input : inputs) {
+    any_input_requires_grad |= input->requires_grad;
+    latest_input = std::max(latest_input, input->id);
+  }
+  auto node = std::allocate_shared<Node>(PoolAllocator<Node>(), op, dtype, std::move(shape),
+                                         std::move(inputs), std::move(attrs), module_path);
+  node->id = new_node_id(latest_input);
+  node->requires_grad =
+      grad_mode && any_input_requires_grad && is_floating(dtype) && !blocks_gradient(op);
+  node->location = user_call_site(loc);
+  if (differentiating) {
+    node->policy = differentiating->policy;
+    node->composite = differentiating->composite;
+    node->backward = true;
+    node->forward_op = differentiating->op;
+  } else {
+    node->policy = policy;
+    node->composite = composite;
+  }
+  if (tracer) [[unlikely]]
+    tracer->node_made(node);
+  return node;
+}
+
+void check_shape_size(const char* op, const Shape& shape, DType dtype, const Loc& loc) {
+  std::optional<int64_t> count = checked_numel(shape);
+  if (!count)
+    op_fail(op, loc, "shape {} has a negative dimension or more elements than a 64-bit count holds",
+            to_string(shape));
+  // Element sizes are powers of two: a shift, not a division, on a path every node takes.
+  if (*count > max_tensor_bytes >> std::countr_zero(size_of(dtype)))
+    op_fail(op, loc,
+            "a {} tensor of shape {} would span {} elements of {} bytes, more than the 2^60 bytes "
+            "one tensor may take",
+            name(dtype), to_string(shape), *count, size_of(dtype));
+}
+
+std::shared_ptr<Storage> allocate_value(const Node& node, DType dtype, int64_t count,
+                                        bool uninitialized) {
+  try {
+    return uninitialized ? std::make_shared<Storage>(dtype, count, Storage::Uninitialized{})
+                         : std::make_shared<Storage>(dtype, count);
+  } catch (const Error& e) {
+    std::string where = short_location(node.location);
+    if (!node.module_path.empty())
+      where = fmt::format("module '{}', at {}", node.module_path, where);
+    fail("{}: cannot hold its {} value of shape {}: {} [{}]", op_name(node.op), name(dtype),
+         to_string(node.shape), e.what(), where);
+  }
+}
+
+TraceObserver* trace_observer() { return tracer; }
+TraceObserver* exchange_trace_observer(TraceObserver* observer) {
+  return std::exchange(tracer, observer);
+}
+void note_side_effect(const char* what) {
+  if (tracer) tracer->side_effect(what);
+}
+bool on_each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values) {
+  if (!tracer) return false;
+  tracer->each_call(std::move(hook), std::move(values));
+  return true;
+}
+
+void op_error(const char* op, const Loc& loc, const std::string& detail) {
+  const Loc& site = user_call_site(loc);
+  std::string where = short_location(site);
+  if (!module_path.empty())
+    throw Error(fmt::format("{}: {} [module '{}', at {}]", op, detail, module_path, where));
+  throw Error(fmt::format("{}: {} [at {}]", op, detail, where));
+}
+
+bool grad_enabled() { return grad_mode; }
+
+NoGradGuard::NoGradGuard() : NoGradGuard(false) {}
+NoGradGuard::NoGradGuard(bool enabled) : previous_(grad_mode) { grad_mode = enabled; }
+NoGradGuard::~NoGradGuard() { grad_mode = previous_; }
+
+ModulePathScope::ModulePathScope(const std::string& path) : previous_(module_path) {
+  module_path = path;
+}
+ModulePathScope::~ModulePathScope() { module_path = previous_; }
+
+CallSiteScope::CallSiteScope(const Loc& loc, const char* name)
+    : owns_site_(call_site == nullptr), owns_composite_(name && composite == nullptr) {
+  if (owns_site_) call_site = &loc;
+  if (owns_composite_) composite = name;
+}
+CallSiteScope::~CallSiteScope() {
+  if (owns_site_) call_site = nullptr;
+  if (owns_composite_) composite = nullptr;
+}
+const Loc& user_call_site(const Loc& loc) { return call_site ? *call_site : loc; }
+
+std::vector<Node*> nodes_in_tape_order(const std::vector<NodePtr>& roots) {
+  std::vector<Node*> nodes;
+  std::unordered_set<Node*> seen;
+  std::vector<Node*> stack;
+  for (const NodePtr& root : roots) stack.push_back(root.get());
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    if (!seen.insert(node).second) continue;
+    nodes.push_back(node);
+    for (const NodePtr& input : node->inputs) stack.push_back(input.get());
+  }
+  std::sort(nodes.begin(), nodes.end(), [](Node* a, Node* b) { return a->id < b->id; });
+  return nodes;
+}
+
+const std::shared_ptr<const Policy>& current_policy() { return policy; }
+std::shared_ptr<const Policy> exchange_current_policy(std::shared_ptr<const Policy> next) {
+  std::swap(policy, next);
+  return next;
+}
+
+BackwardScope::BackwardScope(const Node& forward)
+    : previous_(differentiating), path_(forward.module_path), site_(forward.location) {
+  differentiating = &forward;
+}
+BackwardScope::~BackwardScope() { differentiating = previous_; }
+
+}  // namespace mixtape

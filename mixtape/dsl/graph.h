@@ -1,0 +1,196 @@
+// mixtape/dsl/graph.h -- making nodes: ids, grad mode, module-path and call-site scopes, the eval
+// hook.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <source_location>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mixtape/dsl/error.h"
+#include "mixtape/dsl/node.h"
+
+namespace mixtape {
+
+using Loc = std::source_location;
+
+/// Creates a node; fills id, requires_grad, module path and call site. Shapes and dtypes must
+/// already be checked by the caller (the op builders); this checks only that the element count
+/// and byte size are representable (mt::Error naming the op and the shape).
+NodePtr make_node(OpCode op, DType dtype, Shape shape, NodeInputs inputs, Attrs attrs,
+                  const Loc& loc);
+
+/// mt::Error "op: ..." unless every dimension of `shape` is >= 0 and its element count and byte
+/// size in `dtype` are representable (at most 2^60 bytes): make_node checks every node so, and
+/// builders that take a shape from the user call it first to report the user's op.
+void check_shape_size(const char* op, const Shape& shape, DType dtype, const Loc& loc);
+
+/// A host buffer of `count` elements of `dtype` for the value of `node` (zeros, or uninitialized
+/// for a value about to be written whole). A failed allocation, or one past the memory limit,
+/// is an mt::Error naming the node's op, shape and call site and the bytes asked for.
+std::shared_ptr<Storage> allocate_value(const Node& node, DType dtype, int64_t count,
+                                        bool uninitialized);
+
+/// Throws mt::Error "op: detail [module 'path', at file:line]" with the user's call site.
+[[noreturn]] void op_error(const char* op, const Loc& loc, const std::string& detail);
+
+template <typename... Args>
+[[noreturn]] void op_fail(const char* op, const Loc& loc, fmt::format_string<Args...> format,
+                          Args&&... args) {
+  op_error(op, loc, fmt::format(format, std::forward<Args>(args)...));
+}
+
+bool grad_enabled();
+
+/// Disables gradient recording for nodes made while it lives (like torch.no_grad()).
+class NoGradGuard {
+ public:
+  NoGradGuard();
+  explicit NoGradGuard(bool enabled);  // sets grad mode to `enabled`
+  ~NoGradGuard();
+  NoGradGuard(const NoGradGuard&) = delete;
+  NoGradGuard& operator=(const NoGradGuard&) = delete;
+
+ private:
+  bool previous_;
+};
+
+/// Module path recorded on the nodes made while it lives ("blocks.0.attn").
+class ModulePathScope {
+ public:
+  explicit ModulePathScope(const std::string& path);
+  ~ModulePathScope();
+  ModulePathScope(const ModulePathScope&) = delete;
+  ModulePathScope& operator=(const ModulePathScope&) = delete;
+
+ private:
+  std::string previous_;
+};
+
+/// Makes nodes built inside library code (composites, modules) report the user's call site:
+/// the outermost scope wins.
+/// A composite op (softmax, cross_entropy, ...) also names itself, so that precision policies
+/// can treat every node it makes as part of it.
+class CallSiteScope {
+ public:
+  explicit CallSiteScope(const Loc& loc, const char* composite = nullptr);
+  ~CallSiteScope();
+  CallSiteScope(const CallSiteScope&) = delete;
+  CallSiteScope& operator=(const CallSiteScope&) = delete;
+
+ private:
+  bool owns_site_;
+  bool owns_composite_;
+};
+/// The call site to report for an op invoked at `loc`.
+const Loc& user_call_site(const Loc& loc);
+
+/// The precision policy recorded on nodes made now (null: none, nodes keep their traced dtypes).
+const std::shared_ptr<const Policy>& current_policy();
+/// Sets it, returning the previous one; mt::autocast is the scoped way to use this.
+std::shared_ptr<const Policy> exchange_current_policy(std::shared_ptr<const Policy> policy);
+
+/// Nodes made while it lives differentiate `forward`: they take its policy, composite and
+/// module path, so backward runs at the precision of the forward node (DESIGN.md decision 4).
+class BackwardScope {
+ public:
+  explicit BackwardScope(const Node& forward);
+  ~BackwardScope();
+  BackwardScope(const BackwardScope&) = delete;
+  BackwardScope& operator=(const BackwardScope&) = delete;
+
+ private:
+  const Node* previous_;
+  ModulePathScope path_;
+  CallSiteScope site_;
+};
+
+/// Sorts (id, item) pairs by id, ascending. The nodes a step makes have nearly consecutive ids
+/// (they are made one after another), so where the ids span little more than their count they
+/// are placed by id in one pass, with no comparisons: the traced loop sorts its pending nodes
+/// and its tape every step.
+template <typename T>
+void sort_by_id(std::vector<std::pair<uint64_t, T>>& items) {
+  auto by_id = [](const auto& a, const auto& b) { return a.first < b.first; };
+  size_t n = items.size();
+  if (n < 32) return std::sort(items.begin(), items.end(), by_id);
+  auto [lo, hi] = std::minmax_element(items.begin(), items.end(), by_id);
+  uint64_t first = lo->first, range = hi->first - lo->first + 1;
+  if (range > 4 * n || n > UINT32_MAX - 1) return std::sort(items.begin(), items.end(), by_id);
+  thread_local std::vector<uint32_t> slots;  // 1 + the item's index, by id - first
+  slots.assign(range, 0);
+  for (size_t i = 0; i < n; ++i) {
+    uint32_t& slot = slots[items[i].first - first];
+    if (slot != 0) return std::sort(items.begin(), items.end(), by_id);  // a repeated id
+    slot = static_cast<uint32_t>(i + 1);
+  }
+  thread_local std::vector<std::pair<uint64_t, T>> sorted;
+  sorted.clear();
+  sorted.reserve(n);
+  for (uint32_t slot : slots)
+    if (slot != 0) sorted.push_back(items[slot - 1]);
+  items.swap(sorted);
+}
+
+/// Every node the roots depend on (as far as the graph is still recorded), in tape order:
+/// inputs are made before their readers, so creation order is a topological order.
+std::vector<Node*> nodes_in_tape_order(const std::vector<NodePtr>& roots);
+
+/// Host work that a replay of a compiled step would skip but that every call of the step needs:
+/// a loss scaler's statistics, a generator's check that nobody reseeded it. Registered while the
+/// step is traced (on_each_call); mt::compile runs it after that trace and around every replay.
+class StepHook {
+ public:
+  virtual ~StepHook() = default;
+  /// Before each replay: why replaying would no longer do what tracing the step would (state
+  /// the trace read was changed outside it), or null. A reason makes the next call trace again.
+  virtual const char* stale() const { return nullptr; }
+  /// After the trace and after each replay, with copies of the values passed to on_each_call as
+  /// that call computed them: buffers of their own, which later replays do not overwrite.
+  virtual void ran(const std::vector<std::shared_ptr<Storage>>& values) = 0;
+};
+
+/// What mt::compile (runtime/compile.h) is told while it traces a function: every node made,
+/// every effect that a replay of the recorded programs would not repeat (a value read on the
+/// host, a changed setting), which makes the trace unfit to replay, and the host work a replay
+/// must still do. One per thread; null when nothing is being traced.
+class TraceObserver {
+ public:
+  virtual ~TraceObserver() = default;
+  virtual void node_made(const NodePtr& node) = 0;
+  virtual void side_effect(const char* what) = 0;
+  virtual void each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values) = 0;
+};
+TraceObserver* trace_observer();
+/// Installs `observer` for this thread, returning the previous one.
+TraceObserver* exchange_trace_observer(TraceObserver* observer);
+/// Tells the observer, if any, about an effect a replay would skip.
+void note_side_effect(const char* what);
+/// Hands `hook` to the step being traced, to run on every call of it (StepHook), with `values`
+/// (evaluated by the end of the trace). False, doing nothing, when nothing is being traced: the
+/// caller then does the work itself.
+bool on_each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values = {});
+
+/// The most bytes of stored values that the compiled program evaluating `outputs` would keep
+/// alive at once under its memory plan (the peak_bytes execution_stats() reports once it runs;
+/// inputs and persistent values not included). Plans without running or compiling anything;
+/// 0 when nothing is pending. Provided by the runtime layer, like evaluate().
+int64_t planned_peak_bytes(const std::vector<NodePtr>& outputs);
+
+/// Computes `value` for every node in `outputs` (and what they need), and the values of the
+/// assignments Tensor::assign_later left pending. Provided by the runtime layer, which owns the
+/// executors; the DSL only asks.
+void evaluate(const std::vector<NodePtr>& outputs);
+
+/// The values of the pending Tensor::assign_later calls of this thread, which every evaluation
+/// computes too; settle_deferred_assignments() then makes each assigned tensor a leaf holding
+/// its value (as assign() does) and drops the settled ones from the list.
+std::vector<NodePtr> deferred_assignment_values();
+void settle_deferred_assignments();
+/// Drops every pending assignment from the list (after an evaluation that included them failed):
+/// each tensor keeps its unevaluated value.
+void forget_deferred_assignments();
+
+}  // namespace mixtape

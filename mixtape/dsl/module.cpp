@@ -1,0 +1,150 @@
+// mixtape/dsl/module.cpp -- module registration, recursive parameter listing and state dicts.
+#include "mixtape/dsl/module.h"
+
+#include <algorithm>
+#include <set>
+
+#include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/orphan_parameters.h"
+
+namespace mixtape {
+
+void Module::check_new_name(const std::string& name) const {
+  if (name.empty() || name.find('.') != std::string::npos)
+    fail("Module: invalid name '{}' (must be non-empty and contain no '.')", name);
+  auto taken = [&](const auto& list) {
+    for (const auto& entry : list)
+      if (entry.first == name) return true;
+    return false;
+  };
+  if (taken(children_) || taken(parameters_) || taken(buffers_))
+    fail("Module '{}': the name '{}' is already registered", path(), name);
+}
+
+void Module::add_child(const std::string& name, Module& child) {
+  check_new_name(name);
+  if (&child == this) fail("Module '{}': cannot register a module as its own child", path());
+  if (child.parent_) fail("Module: '{}' is already registered as '{}'", name, child.path());
+  child.parent_ = this;
+  child.name_ = name;
+  children_.emplace_back(name, &child);
+}
+
+Tensor Module::register_parameter(const std::string& name, Tensor value, bool requires_grad) {
+  check_new_name(name);
+  if (!value.defined()) fail("Module '{}': parameter '{}' is undefined", path(), name);
+  if (requires_grad && !is_floating(value.dtype()))
+    fail("Module '{}': parameter '{}' is {}, but only floating-point tensors can require grad",
+         path(), name, mixtape::name(value.dtype()));
+  if (!value.is_leaf()) {  // e.g. an initializer's randn * std: keep the values, not the graph
+    mixtape::eval({value});
+    value = from_storage(value.node()->value, value.shape());
+  }
+  if (requires_grad) {
+    value.requires_grad_(true);
+    note_module_parameter(value, name);
+  }
+  parameters_.emplace_back(name, value);
+  return value;
+}
+
+Tensor Module::register_buffer(const std::string& name, Tensor value) {
+  check_new_name(name);
+  if (!value.defined()) fail("Module '{}': buffer '{}' is undefined", path(), name);
+  buffers_.emplace_back(name, value);
+  return value;
+}
+
+void Module::collect(const std::string& prefix, bool buffers, NamedTensors& out) const {
+  for (const auto& [name, tensor] : buffers ? buffers_ : parameters_)
+    out.emplace_back(prefix + name, tensor);
+  for (const auto& [name, child] : children_) child->collect(prefix + name + ".", buffers, out);
+}
+
+std::vector<Tensor> Module::parameters() const {
+  std::vector<Tensor> out;
+  for (auto& [name, tensor] : named_parameters())
+    if (std::none_of(out.begin(), out.end(), [&](const Tensor& t) { return t.same(tensor); }))
+      out.push_back(tensor);
+  return out;
+}
+
+NamedTensors Module::named_parameters() const {
+  NamedTensors out;
+  collect("", false, out);
+  return out;
+}
+
+NamedTensors Module::named_buffers() const {
+  NamedTensors out;
+  collect("", true, out);
+  return out;
+}
+
+NamedTensors Module::state_dict() const {
+  NamedTensors out = named_parameters();
+  for (auto& entry : named_buffers()) out.push_back(entry);
+  return out;
+}
+
+void Module::load_state_dict(const NamedTensors& state, bool strict) {
+  NamedTensors own = state_dict();
+  std::vector<std::pair<Tensor, Tensor>> assignments;
+  std::vector<std::string> missing, unexpected, mismatched;
+  std::set<std::string> given;
+  for (const auto& [name, value] : state) given.insert(name);
+  for (const auto& [name, target] : own) {
+    auto found = std::find_if(state.begin(), state.end(), [&](auto& e) { return e.first == name; });
+    if (found == state.end()) {
+      missing.push_back(name);
+      continue;
+    }
+    const Tensor& value = found->second;
+    bool convertible =
+        value.defined() && (value.dtype() == target.dtype() ||
+                            (is_floating(value.dtype()) && is_floating(target.dtype())));
+    if (!convertible || value.shape() != target.shape()) {
+      mismatched.push_back(fmt::format("{} (expected {} {}, got {} {})", name,
+                                       to_string(target.shape()), mixtape::name(target.dtype()),
+                                       value.defined() ? to_string(value.shape()) : "undefined",
+                                       value.defined() ? mixtape::name(value.dtype()) : ""));
+      continue;
+    }
+    assignments.emplace_back(target, value);
+  }
+  for (const auto& [name, value] : state) {
+    bool known = std::any_of(own.begin(), own.end(), [&](auto& e) { return e.first == name; });
+    if (!known) unexpected.push_back(name);
+  }
+  if (!mismatched.empty())
+    fail("load_state_dict: shape or dtype mismatch for {}", fmt::join(mismatched, "; "));
+  if (strict && (!missing.empty() || !unexpected.empty()))
+    fail("load_state_dict: missing keys [{}], unexpected keys [{}]", fmt::join(missing, ", "),
+         fmt::join(unexpected, ", "));
+  for (auto& [target, value] : assignments) {
+    Tensor t = target;
+    t.assign(cast(value, target.dtype()));
+  }
+}
+
+void Module::train(bool training) {
+  training_ = training;
+  for (auto& [name, child] : children_) child->train(training);
+}
+
+void Module::zero_grad() {
+  for (Tensor& p : parameters()) p.zero_grad();
+}
+
+std::string Module::path() const {
+  if (!parent_) return "";
+  std::string parent_path = parent_->path();
+  return parent_path.empty() ? name_ : parent_path + "." + name_;
+}
+
+std::string Module::child_path(const std::string& name) const {
+  std::string own = path();
+  return own.empty() ? name : own + "." + name;
+}
+
+}  // namespace mixtape

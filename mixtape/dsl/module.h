@@ -1,0 +1,94 @@
+// mixtape/dsl/module.h -- mt::Module: named parameters, buffers and submodules, train/eval mode.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mixtape/dsl/tensor.h"
+
+namespace mixtape {
+
+using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
+
+/// Base class of models. Modules are registered by reference and must stay where they are, so
+/// they can be neither copied nor moved; use ModuleList for a variable number of children.
+class Module {
+ public:
+  Module() = default;
+  virtual ~Module() = default;
+  Module(const Module&) = delete;
+  Module& operator=(const Module&) = delete;
+
+  /// Every parameter of this module and its descendants, in registration order. A tensor
+  /// registered under several names (a tied weight) is listed once, at its first name, as in
+  /// PyTorch's Module.parameters(): an optimizer refuses a tensor listed twice, and
+  /// clip_grad_norm would count its gradient twice.
+  std::vector<Tensor> parameters() const;
+  /// ("fc1.weight", tensor) pairs, names relative to this module; a tied weight under each of
+  /// its names (a checkpoint stores every name).
+  NamedTensors named_parameters() const;
+  NamedTensors named_buffers() const;
+  /// Parameters then buffers, by name.
+  NamedTensors state_dict() const;
+  /// Assigns each entry to the parameter or buffer of that name (shape and dtype must match;
+  /// values are converted from other float dtypes). With strict, missing or unexpected names
+  /// are an mt::Error that lists them; nothing is changed unless everything fits.
+  void load_state_dict(const NamedTensors& state, bool strict = true);
+
+  void train(bool training = true);
+  void eval() { train(false); }
+  bool is_training() const { return training_; }
+  void zero_grad();
+
+  /// The dotted path from the root module ("blocks.0.attn"); "" for a root.
+  std::string path() const;
+  /// The path of a child or parameter name under this module.
+  std::string child_path(const std::string& name) const;
+
+ protected:
+  /// Registers `child` under `name`; returns it.
+  template <typename M>
+  M& register_module(const std::string& name, M& child) {
+    add_child(name, child);
+    return child;
+  }
+  /// Registers a parameter (requires grad) and returns the handle to keep as a member.
+  Tensor register_parameter(const std::string& name, Tensor value, bool requires_grad = true);
+  Tensor register_buffer(const std::string& name, Tensor value);
+
+ private:
+  void add_child(const std::string& name, Module& child);
+  void check_new_name(const std::string& name) const;
+  void collect(const std::string& prefix, bool buffers, NamedTensors& out) const;
+
+  Module* parent_ = nullptr;
+  std::string name_;
+  std::vector<std::pair<std::string, Module*>> children_;
+  NamedTensors parameters_;
+  NamedTensors buffers_;
+  bool training_ = true;
+};
+
+/// An indexable list of owned submodules, registered as "0", "1", ...
+template <typename M>
+class ModuleList : public Module {
+ public:
+  template <typename... Args>
+  M& emplace_back(Args&&... args) {
+    items_.push_back(std::make_unique<M>(std::forward<Args>(args)...));
+    return register_module(std::to_string(items_.size() - 1), *items_.back());
+  }
+  size_t size() const { return items_.size(); }
+  M& operator[](size_t i) { return *items_.at(i); }
+  const M& operator[](size_t i) const { return *items_.at(i); }
+  auto begin() { return items_.begin(); }
+  auto end() { return items_.end(); }
+
+ private:
+  std::vector<std::unique_ptr<M>> items_;
+};
+
+}  // namespace mixtape

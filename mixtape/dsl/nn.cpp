@@ -1,0 +1,335 @@
+// mixtape/dsl/nn.cpp -- built-in layers and initializers.
+#include "mixtape/dsl/nn.h"
+
+#include <cmath>
+
+namespace mixtape {
+
+namespace init {
+
+Tensor normal(Shape shape, double mean, double stddev, Generator* gen, DType dtype) {
+  return randn(std::move(shape), dtype, gen, mean, stddev);
+}
+
+Tensor uniform(Shape shape, double low, double high, Generator* gen, DType dtype) {
+  return rand(std::move(shape), dtype, gen, low, high);
+}
+
+namespace {
+void check_fill(const Tensor& t, const char* op, bool bad_range, double a, double b,
+                const Loc& loc) {
+  if (!t.defined()) op_fail(op, loc, "the tensor is undefined");
+  if (!is_floating(t.dtype()))
+    op_fail(op, loc, "the tensor must be floating-point, got {}", name(t.dtype()));
+  if (bad_range)
+    op_fail(op, loc, "bad parameters {} and {} for shape {}", a, b, to_string(t.shape()));
+}
+}  // namespace
+
+Tensor& normal_(Tensor& t, double mean, double std, Generator* gen, const Loc& loc) {
+  check_fill(t, "normal_", !(std >= 0), mean, std, loc);
+  t.assign(normal(t.shape(), mean, std, gen, t.dtype()), loc);
+  return t;
+}
+
+Tensor& uniform_(Tensor& t, double a, double b, Generator* gen, const Loc& loc) {
+  check_fill(t, "uniform_", !(a <= b), a, b, loc);
+  t.assign(uniform(t.shape(), a, b, gen, t.dtype()), loc);
+  return t;
+}
+
+std::pair<int64_t, int64_t> fans(const Shape& shape) {
+  if (shape.size() < 2)
+    fail("init: fan in/out needs a weight of rank >= 2, got {}", to_string(shape));
+  int64_t receptive = 1;
+  for (size_t d = 2; d < shape.size(); ++d) receptive *= shape[d];
+  return {shape[1] * receptive, shape[0] * receptive};
+}
+
+Tensor xavier_uniform(Shape shape, double gain, Generator* gen) {
+  auto [fan_in, fan_out] = fans(shape);
+  double bound = gain * std::sqrt(6.0 / static_cast<double>(fan_in + fan_out));
+  return uniform(std::move(shape), -bound, bound, gen);
+}
+
+Tensor xavier_normal(Shape shape, double gain, Generator* gen) {
+  auto [fan_in, fan_out] = fans(shape);
+  return normal(std::move(shape), 0, gain * std::sqrt(2.0 / static_cast<double>(fan_in + fan_out)),
+                gen);
+}
+
+Tensor kaiming_uniform(Shape shape, double gain, Generator* gen) {
+  double bound = gain * std::sqrt(3.0 / static_cast<double>(fans(shape).first));
+  return uniform(std::move(shape), -bound, bound, gen);
+}
+
+Tensor kaiming_normal(Shape shape, double gain, Generator* gen) {
+  double stddev = gain / std::sqrt(static_cast<double>(fans(shape).first));
+  return normal(std::move(shape), 0, stddev, gen);
+}
+
+}  // namespace init
+
+Linear::Linear(int64_t in_features, int64_t out_features, bool with_bias, Generator* gen) {
+  if (in_features <= 0 || out_features <= 0)
+    fail("Linear: features must be positive, got in={} out={}", in_features, out_features);
+  double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
+  weight =
+      register_parameter("weight", init::uniform({out_features, in_features}, -bound, bound, gen));
+  if (with_bias)
+    bias = register_parameter("bias", init::uniform({out_features}, -bound, bound, gen));
+}
+
+Tensor Linear::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  return linear(x, weight, bias, loc);
+}
+
+Embedding::Embedding(int64_t num_embeddings, int64_t dim, Generator* gen) {
+  if (num_embeddings <= 0 || dim <= 0)
+    fail("Embedding: sizes must be positive, got {} x {}", num_embeddings, dim);
+  weight = register_parameter("weight", init::normal({num_embeddings, dim}, 0, 1, gen));
+}
+
+Tensor Embedding::operator()(const Tensor& ids, const Loc& loc) const {
+  ModulePathScope scope(path());
+  return embedding(weight, ids, loc);
+}
+
+LayerNorm::LayerNorm(int64_t dim, double eps) : eps(eps) {
+  if (dim <= 0) fail("LayerNorm: dim must be positive, got {}", dim);
+  weight = register_parameter("weight", ones({dim}));
+  bias = register_parameter("bias", zeros({dim}));
+}
+
+Tensor LayerNorm::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  return layer_norm(x, weight, bias, eps, 1, loc);
+}
+
+RMSNorm::RMSNorm(int64_t dim, double eps) : eps(eps) {
+  if (dim <= 0) fail("RMSNorm: dim must be positive, got {}", dim);
+  weight = register_parameter("weight", ones({dim}));
+}
+
+Tensor RMSNorm::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  return rms_norm(x, weight, eps, loc);
+}
+
+Dropout::Dropout(double p, Generator* gen) : p(p), gen_(gen) {
+  if (!(p >= 0 && p <= 1)) fail("Dropout: p must be in [0, 1], got {}", p);
+}
+
+Tensor Dropout::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  return dropout(x, p, is_training(), gen_, loc);
+}
+
+BatchNorm::BatchNorm(const char* kind, int64_t num_features, double eps,
+                     std::optional<double> momentum, bool affine, bool track_running_stats)
+    : eps(eps), momentum(momentum), kind_(kind) {
+  if (num_features <= 0) fail("{}: num_features must be positive, got {}", kind, num_features);
+  if (momentum && !(*momentum >= 0 && *momentum <= 1))
+    fail("{}: momentum must be in [0, 1], got {}", kind, *momentum);
+  if (affine) {
+    weight = register_parameter("weight", ones({num_features}));
+    bias = register_parameter("bias", zeros({num_features}));
+  }
+  if (track_running_stats) {
+    running_mean = register_buffer("running_mean", zeros({num_features}));
+    running_var = register_buffer("running_var", ones({num_features}));
+    num_batches_tracked = register_buffer("num_batches_tracked", zeros({}, i64));
+  }
+}
+
+Tensor BatchNorm::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  if (!x.defined()) fail("{} '{}': the input is an undefined tensor", kind_, path());
+  check_rank(x);
+  // Without running statistics the batch's are used in eval mode too, as PyTorch's.
+  const bool use_batch = is_training() || !running_mean.defined();
+  return detail::batch_norm_tracked(x, running_mean, running_var, num_batches_tracked, weight, bias,
+                                    use_batch, momentum, eps, loc);
+}
+
+BatchNorm1d::BatchNorm1d(int64_t num_features, double eps, std::optional<double> momentum,
+                         bool affine, bool track_running_stats)
+    : BatchNorm("BatchNorm1d", num_features, eps, momentum, affine, track_running_stats) {}
+
+void BatchNorm1d::check_rank(const Tensor& x) const {
+  if (x.dim() != 2 && x.dim() != 3)
+    fail("BatchNorm1d '{}': needs an [N, C] or [N, C, L] input, got {}", path(),
+         to_string(x.shape()));
+}
+
+BatchNorm2d::BatchNorm2d(int64_t num_features, double eps, std::optional<double> momentum,
+                         bool affine, bool track_running_stats)
+    : BatchNorm("BatchNorm2d", num_features, eps, momentum, affine, track_running_stats) {}
+
+void BatchNorm2d::check_rank(const Tensor& x) const {
+  if (x.dim() != 4)
+    fail("BatchNorm2d '{}': needs an [N, C, H, W] input, got {}", path(), to_string(x.shape()));
+}
+
+GroupNorm::GroupNorm(int64_t num_groups, int64_t num_channels, double eps, bool affine)
+    : num_groups(num_groups), eps(eps) {
+  if (num_groups <= 0 || num_channels <= 0 || num_channels % num_groups != 0)
+    fail("GroupNorm: {} groups do not divide {} channels", num_groups, num_channels);
+  if (affine) {
+    weight = register_parameter("weight", ones({num_channels}));
+    bias = register_parameter("bias", zeros({num_channels}));
+  }
+}
+
+Tensor GroupNorm::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  return group_norm(x, num_groups, weight, bias, eps, loc);
+}
+
+MaxPool2d::MaxPool2d(Size2 kernel, std::optional<Size2> stride, Size2 padding, Size2 dilation,
+                     bool ceil_mode)
+    : kernel(kernel), stride(stride), padding(padding), dilation(dilation), ceil_mode(ceil_mode) {}
+
+Tensor MaxPool2d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  return max_pool2d(x, kernel, stride, padding, dilation, ceil_mode, loc);
+}
+
+AvgPool2d::AvgPool2d(Size2 kernel, std::optional<Size2> stride, Size2 padding, bool ceil_mode,
+                     bool count_include_pad)
+    : kernel(kernel),
+      stride(stride),
+      padding(padding),
+      ceil_mode(ceil_mode),
+      count_include_pad(count_include_pad) {}
+
+Tensor AvgPool2d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  return avg_pool2d(x, kernel, stride, padding, ceil_mode, count_include_pad, loc);
+}
+
+AdaptiveAvgPool2d::AdaptiveAvgPool2d(Size2 output_size) : output_size(output_size) {}
+
+Tensor AdaptiveAvgPool2d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  return adaptive_avg_pool2d(x, output_size, loc);
+}
+
+Dropout2d::Dropout2d(double p, Generator* gen) : p(p), gen_(gen) {
+  if (!(p >= 0 && p <= 1)) fail("Dropout2d: p must be in [0, 1], got {}", p);
+}
+
+Tensor Dropout2d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope(path());
+  return dropout2d(x, p, is_training(), gen_, loc);
+}
+
+Flatten::Flatten(int64_t start_dim, int64_t end_dim) : start_dim(start_dim), end_dim(end_dim) {}
+
+Tensor Flatten::operator()(const Tensor& x, const Loc& loc) const {
+  return flatten(x, start_dim, end_dim, loc);
+}
+
+Sequential& Sequential::append(Step step) {
+  if (!step) fail("Sequential '{}': an empty step at index {}", path(), steps_.size());
+  steps_.push_back(std::move(step));
+  return *this;
+}
+
+Tensor Sequential::operator()(const Tensor& x, const Loc& loc) const {
+  CallSiteScope site(loc);
+  Tensor y = x;
+  for (const Step& step : steps_) y = step(y);
+  return y;
+}
+
+Tensor activate(Activation activation, const Tensor& x) {
+  switch (activation) {
+    case Activation::Relu:
+      return relu(x);
+    case Activation::Gelu:
+      return gelu(x);
+    case Activation::GeluTanh:
+      return gelu_tanh(x);
+    case Activation::Silu:
+      return silu(x);
+    case Activation::Tanh:
+      return tanh(x);
+  }
+  return x;
+}
+
+MLP::MLP(std::vector<int64_t> sizes, Activation activation, Generator* gen)
+    : activation(activation) {
+  if (sizes.size() < 2) fail("MLP: needs at least an input and an output size");
+  for (size_t i = 0; i + 1 < sizes.size(); ++i) {
+    layers.push_back(std::make_unique<Linear>(sizes[i], sizes[i + 1], true, gen));
+    register_module("fc" + std::to_string(i + 1), *layers.back());
+  }
+}
+
+Tensor MLP::operator()(const Tensor& x, const Loc& loc) const {
+  CallSiteScope site(loc);
+  Tensor h = x;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    h = (*layers[i])(h);
+    if (i + 1 < layers.size()) {
+      ModulePathScope scope(path());
+      h = activate(activation, h);
+    }
+  }
+  return h;
+}
+
+CausalSelfAttention::CausalSelfAttention(int64_t dim, int64_t heads, double dropout, Generator* gen)
+    : qkv(dim, 3 * dim, true, gen),
+      proj(dim, dim, true, gen),
+      heads(heads),
+      attn_dropout(dropout, gen) {
+  if (heads <= 0 || dim % heads != 0)
+    fail("CausalSelfAttention: dim {} is not divisible by {} heads", dim, heads);
+  register_module("qkv", qkv);
+  register_module("proj", proj);
+  register_module("attn_dropout", attn_dropout);
+}
+
+Tensor CausalSelfAttention::operator()(const Tensor& x, const Loc& loc) const {
+  CallSiteScope site(loc);
+  ModulePathScope scope(path());
+  if (!x.defined() || x.dim() != 3 || x.size(2) * 3 != qkv.weight.size(0))
+    op_fail("CausalSelfAttention", loc, "expects [batch, time, {}], got {}", qkv.weight.size(1),
+            x.defined() ? to_string(x.shape()) : "undefined");
+  int64_t batch = x.size(0), time = x.size(1), dim = x.size(2), head_dim = dim / heads;
+  Tensor projected = qkv(x);  // [B, T, 3C]
+  auto split_heads = [&](int64_t part) {
+    Tensor t = slice(projected, 2, part * dim, (part + 1) * dim);
+    return permute(reshape(t, {batch, time, heads, head_dim}), {0, 2, 1, 3});  // [B, H, T, D]
+  };
+  Tensor q = split_heads(0), k = split_heads(1), v = split_heads(2);
+  Tensor scores = matmul(q, k, false, true) * (1.0 / std::sqrt(static_cast<double>(head_dim)));
+  Tensor attention = attn_dropout(masked_softmax(scores, causal_mask(time), -1));
+  Tensor merged = reshape(permute(matmul(attention, v), {0, 2, 1, 3}), {batch, time, dim});
+  return proj(merged);
+}
+
+TransformerBlock::TransformerBlock(int64_t dim, int64_t heads, double dropout, Generator* gen)
+    : ln1(dim),
+      attn(dim, heads, dropout, gen),
+      ln2(dim),
+      mlp({dim, 4 * dim, dim}, Activation::GeluTanh, gen),
+      resid_dropout(dropout, gen) {
+  register_module("ln1", ln1);
+  register_module("attn", attn);
+  register_module("ln2", ln2);
+  register_module("mlp", mlp);
+  register_module("resid_dropout", resid_dropout);
+}
+
+Tensor TransformerBlock::operator()(const Tensor& x, const Loc& loc) const {
+  CallSiteScope site(loc);
+  Tensor h = x + resid_dropout(attn(ln1(x)));
+  return h + resid_dropout(mlp(ln2(h)));
+}
+
+}  // namespace mixtape

@@ -1,0 +1,225 @@
+// mixtape/dsl/node.h -- graph nodes: op codes and per-op facts generated from ops.def, attributes,
+// storage.
+#pragma once
+
+#include <atomic>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <source_location>
+#include <string>
+#include <vector>
+
+#include "mixtape/dsl/dtype.h"
+#include "mixtape/dsl/host_memory.h"
+#include "mixtape/dsl/node_inputs.h"
+#include "mixtape/dsl/shape.h"
+
+namespace mixtape {
+
+enum class OpCode : uint16_t {
+#define MT_OP(Name, fname, kind, arity, category) Name,
+#include "mixtape/dsl/ops.def"
+};
+
+/// What an op is to fusion and the graph walkers (dsl/ops.def says which kind each op is).
+enum class OpKind : uint8_t {
+  Leaf,
+  Pointwise,
+  Reduce,     // a reduction kernels fuse: sum, max
+  ArgReduce,  // one they do not: argmax
+  Scan,       // a running reduction along one axis (cumsum): a host step
+  Sort,       // an order along one axis (argsort): a host step
+  MatMul,
+  Conv,  // a convolution or one of its gradients: a library call, as MatMul
+  Pool,  // max pooling or its gradient: a loop of runtime/pool.h, a fixed kernel on CUDA
+  View,  // an affine index map kernels read through: reshape, permute, broadcast_to, slice
+  Copy,  // data movement that is not one: unslice, concat
+  Gather,
+  Opaque
+};
+
+/// Precision categories (DESIGN.md decision 4); the policy pass maps them to dtypes.
+enum class Category : uint8_t { LowOk, Fp32, Fp32Accum, Promote, Follow };
+
+struct OpInfo {
+  const char* name;  // the user-facing function name, used in errors and reports
+  OpKind kind;
+  int arity;  // -1: variadic
+  Category category;
+  bool differentiable;  // false: the result never requires grad (detach, sign, comparisons)
+};
+
+const OpInfo& op_info(OpCode op);
+inline const char* op_name(OpCode op) { return op_info(op).name; }
+int op_count();
+
+struct DeviceCopy;  // a value's copy in device memory, defined by the device back end
+
+/// A flat buffer of elements of one dtype, row-major and contiguous. A value computed on a GPU
+/// lives there (`device`) and has no host copy until something on the host reads it: every host
+/// read goes through host_data() / as<T>(), which fetches it (synchronizing with the device)
+/// the first time. Values made on the host keep `device` empty until a device back end uploads
+/// them, once, and keeps the copy here.
+struct Storage {
+  DType dtype;
+  int64_t count;
+  // The host copy: valid unless host_stale; empty until first read for device-only values.
+  // Read it through host_data() (or as<T>()), never directly.
+  std::vector<std::byte, HostAllocator<std::byte>> bytes;
+  std::shared_ptr<DeviceCopy> device;  // opaque to dsl; runtime/cuda_executor.cpp defines it
+  std::atomic<bool> host_stale{false};
+
+  /// Zeros (every dtype's zero is all-zero bits).
+  Storage(DType dtype, int64_t count)
+      : dtype(dtype),
+        count(count),
+        bytes(static_cast<size_t>(count) * size_of(dtype), std::byte{0}) {}
+  /// Uninitialized bytes, for a value about to be written whole (a kernel's output).
+  struct Uninitialized {};
+  Storage(DType dtype, int64_t count, Uninitialized)
+      : dtype(dtype), count(count), bytes(static_cast<size_t>(count) * size_of(dtype)) {}
+  /// A value that exists only on the device; the host bytes are allocated on first read.
+  Storage(DType dtype, int64_t count, std::shared_ptr<DeviceCopy> device_copy)
+      : dtype(dtype), count(count), device(std::move(device_copy)), host_stale(true) {}
+  Storage(const Storage&) = delete;
+  Storage& operator=(const Storage&) = delete;
+
+  /// The host bytes, fetched from the device first if they are stale.
+  std::byte* host_data() {
+    if (host_stale.load(std::memory_order_acquire)) [[unlikely]]
+      fetch_host();
+    return bytes.data();
+  }
+  const std::byte* host_data() const { return const_cast<Storage*>(this)->host_data(); }
+  template <typename T>
+  T* as() {
+    return reinterpret_cast<T*>(host_data());
+  }
+  template <typename T>
+  const T* as() const {
+    return reinterpret_cast<const T*>(host_data());
+  }
+  /// Call after writing the host bytes in place: a device copy would no longer match.
+  void host_written() { device.reset(); }
+  int64_t size_bytes() const { return count * static_cast<int64_t>(size_of(dtype)); }
+  /// Exchanges the values (host bytes and device copy) of two storages of one dtype and size,
+  /// so that every holder of this one sees `other`'s value: how mt::compile updates state in
+  /// place.
+  void swap_value(Storage& other) {
+    bytes.swap(other.bytes);
+    device.swap(other.device);
+    bool stale = host_stale.load();
+    host_stale.store(other.host_stale.load());
+    other.host_stale.store(stale);
+  }
+
+  /// How a device back end copies a stale value to the host: fills `bytes` (sized by then) and
+  /// clears host_stale. Registered by the back end before it makes its first device value.
+  using HostFetch = void (*)(Storage& storage);
+  static void set_host_fetch(HostFetch fetch);
+
+ private:
+  void fetch_host();  // dsl/tensor.cpp
+};
+
+class Policy;  // precision_policy/policy.h
+struct TensorImpl;
+class Tensor;
+
+/// The vjp of a user-defined op: (inputs, output, incoming gradient) -> one gradient per input.
+using CustomVjp = std::function<std::vector<Tensor>(const std::vector<Tensor>& inputs,
+                                                    const Tensor& output, const Tensor& grad)>;
+
+using Ints = std::vector<int64_t>;
+
+/// Per-op parameters, one field per line of dsl/attrs.def; each op reads only the fields its line
+/// there names.
+struct Attrs {
+#define MT_ATTR(type, name, default_value, hashed, ops) type name = default_value;
+#include "mixtape/dsl/attrs.def"
+  std::shared_ptr<CustomVjp> vjp;  // Custom
+};
+
+/// Whether two values of an attribute are the same, doubles by their bits (-0 is not 0, a NaN
+/// is itself): what the program signature and an exported plan compare with the default.
+template <typename T>
+bool same_attr(const T& a, const T& b) {
+  if constexpr (std::is_floating_point_v<T>)
+    return std::bit_cast<uint64_t>(a) == std::bit_cast<uint64_t>(b);
+  else
+    return a == b;
+}
+
+/// One value of the lazy graph. Nodes are immutable once made, except that evaluation fills
+/// `value` and may drop `inputs` of nodes no gradient will ever flow through.
+///
+/// The fields every pass reads (graph walks, the precision pass, signing a graph, running it)
+/// come first and fit in the first two cache lines: the traced loop builds and walks a few
+/// hundred nodes every step, and where they sat among the fields only reports read, each node
+/// cost several cache misses per pass. Dr.Jit's compact Variable is the model.
+struct Node : std::enable_shared_from_this<Node> {
+  // Not `= default`: make_shared value-initializes, which zero-fills a class whose default
+  // constructor is implicit before running it, and every field has an initializer anyway.
+  Node() {}
+  /// A node of `op` with the traced types and the parts make_node hands over, moved in as the
+  /// node is built rather than assigned after (the traced loop makes hundreds every step).
+  Node(OpCode op, DType dtype, Shape&& shape, NodeInputs&& inputs, Attrs&& attrs,
+       const std::string& module_path)
+      : op(op),
+        dtype(dtype),
+        storage(dtype),
+        compute(dtype),
+        accum(dtype == f64 ? f64 : f32),
+        shape(std::move(shape)),
+        inputs(std::move(inputs)),
+        attrs(std::move(attrs)),
+        module_path(module_path) {}
+
+  OpCode op = OpCode::Constant;
+  DType dtype = f32;
+
+  // ---- precision (DESIGN.md decision 4): `dtype` is what tracing typed; the policy pass fills
+  // these before the node runs. Until then they equal the traced types.
+  DType storage = f32;  // what the value is stored as (rounded RNE to it)
+  DType compute = f32;  // what float data inputs are rounded to before the op
+  DType accum = f32;    // what reductions and matmuls accumulate in
+  bool precision_assigned = false;
+
+  bool requires_grad = false;
+  bool backward_done = false;  // a backward() without retain_graph went through this node
+  bool backward = false;       // made by autograd for the forward node below
+  OpCode forward_op = OpCode::Constant;
+
+  // Scratch of the evaluation that computes this node: its ref in the signature sign() made for
+  // it (runtime/program.h): its index in the pending list while it is pending, the negative ref
+  // of an external input once evaluated. Only trusted where that list says the same.
+  int32_t sign_slot = -1;
+  // Scratch of a backward pass through it (autograd/backward.cpp): the slot of its gradient's
+  // terms, valid while grad_walk is that pass's number. Marks instead of maps keyed by address:
+  // the traced loop runs a backward pass every step.
+  int32_t grad_slot = -1;
+  uint64_t grad_walk = 0;
+  uint64_t pending_walk = 0;  // the last pending_nodes() walk that reached it
+  uint64_t id = 0;            // creation order: the tape order that backward walks in reverse
+
+  std::shared_ptr<Storage> value;  // set once evaluated (always set for Constant)
+  Shape shape;
+  NodeInputs inputs;
+  Attrs attrs;
+
+  // ---- where it was made, and what reports and errors read
+  std::shared_ptr<const Policy> policy;  // the autocast policy active when the node was made
+  const char* composite = nullptr;       // the outermost composite (softmax, ...) that made it
+  std::source_location location;
+  std::string module_path;
+  std::shared_ptr<const std::string> precision_rule;  // why the policy chose these (reports)
+  std::weak_ptr<TensorImpl> grad_owner;  // the leaf tensor whose .grad() receives gradients
+
+  bool evaluated() const { return value != nullptr; }
+  int64_t numel() const { return mixtape::numel(shape); }
+};
+
+}  // namespace mixtape

@@ -1,0 +1,159 @@
+// mixtape/dsl/ops.h -- the functional API over primitive ops: builders that check shapes and
+// dtypes.
+#pragma once
+
+#include <concepts>
+#include <vector>
+
+#include "mixtape/dsl/tensor.h"
+
+namespace mixtape {
+
+// ---- pointwise ops generated from ops.def: mt::exp(x), mt::add(a, b), mt::lt(a, b), ... ----
+#define MT_UNARY(Name, fname, category, domain, REF, VJP) \
+  Tensor fname(const Tensor& x, const Loc& loc = Loc::current());
+#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
+  Tensor fname(const Tensor& a, const Tensor& b, const Loc& loc = Loc::current());
+#define MT_COMPARE(Name, fname, REF) \
+  Tensor fname(const Tensor& a, const Tensor& b, const Loc& loc = Loc::current());
+#include "mixtape/dsl/ops.def"
+
+/// An operand of an overloaded operator: a tensor or a scalar, with the caller's source line.
+/// Scalars take the tensor operand's dtype (or f32 when a float scalar meets an integer tensor).
+/// An Operand refers to its tensor, as a parameter does: it lives only for the operator's call,
+/// within the expression that holds the tensor (a copy was two atomic count updates per operand,
+/// and the traced loop applies operators by the hundred every step).
+struct Operand {
+  inline static const Tensor none{};  // the tensor of a scalar operand: undefined
+  const Tensor& tensor;
+  double scalar = 0;
+  bool scalar_is_integral = false;
+  bool is_tensor = false;  // so that an undefined tensor is an error rather than the scalar 0
+  Loc loc;
+  Operand(const Tensor& t, const Loc& loc = Loc::current())
+      : tensor(t), is_tensor(true), loc(loc) {}
+  template <typename S>
+  requires std::is_arithmetic_v<S> Operand(S s, const Loc& loc = Loc::current())
+      : tensor(none),
+        scalar(static_cast<double>(s)),
+        scalar_is_integral(std::is_integral_v<S>),
+        loc(loc) {}
+};
+Tensor operator+(const Operand& a, const Operand& b);
+Tensor operator-(const Operand& a, const Operand& b);
+Tensor operator*(const Operand& a, const Operand& b);
+Tensor operator/(const Operand& a, const Operand& b);
+Tensor operator<(const Operand& a, const Operand& b);
+Tensor operator<=(const Operand& a, const Operand& b);
+Tensor operator>(const Operand& a, const Operand& b);
+Tensor operator>=(const Operand& a, const Operand& b);
+// An Operand, not a Tensor, so that the node records the caller's line (operators cannot take
+// a defaulted location argument).
+Tensor operator-(const Operand& x);
+Tensor pow(const Tensor& x, double exponent, const Loc& loc = Loc::current());
+
+/// cond ? a : b elementwise, with broadcasting; cond must be bool.
+Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b, const Loc& loc = Loc::current());
+Tensor cast(const Tensor& x, DType dtype, const Loc& loc = Loc::current());
+
+// ---- reductions; empty axes = all axes ----
+Tensor sum(const Tensor& x, std::vector<int64_t> axes = {}, bool keepdim = false,
+           const Loc& loc = Loc::current());
+Tensor mean(const Tensor& x, std::vector<int64_t> axes = {}, bool keepdim = false,
+            const Loc& loc = Loc::current());
+/// Largest element (like torch.amax): ties share the gradient evenly. NaN wins.
+Tensor max(const Tensor& x, std::vector<int64_t> axes = {}, bool keepdim = false,
+           const Loc& loc = Loc::current());
+Tensor min(const Tensor& x, std::vector<int64_t> axes = {}, bool keepdim = false,
+           const Loc& loc = Loc::current());
+/// Index (i64) of the first largest element along `axis`; without an axis, of the flattened x.
+Tensor argmax(const Tensor& x, std::optional<int64_t> axis = std::nullopt, bool keepdim = false,
+              const Loc& loc = Loc::current());
+/// Running sum, product and log-sum-exp along dim, as torch.cumsum, cumprod and logcumsumexp
+/// (integer and bool inputs give i64 for the first two; logcumsumexp takes floats only and
+/// handles infinities as torch: -inf elements add nothing). cumprod's gradient is exact at zeros.
+Tensor cumsum(const Tensor& x, int64_t dim, const Loc& loc = Loc::current());
+Tensor cumprod(const Tensor& x, int64_t dim, const Loc& loc = Loc::current());
+Tensor logcumsumexp(const Tensor& x, int64_t dim, const Loc& loc = Loc::current());
+/// The i64 indices that sort x along dim, as torch.argsort: NaN above +inf (last ascending,
+/// first descending). Every sort here is stable, so `stable` changes nothing: equal elements
+/// keep their order, a valid answer for stable=false too.
+Tensor argsort(const Tensor& x, int64_t dim = -1, bool descending = false, bool stable = false,
+               const Loc& loc = Loc::current());
+/// Population variance (divides by n), the form layer_norm uses.
+Tensor var(const Tensor& x, std::vector<int64_t> axes = {}, bool keepdim = false,
+           const Loc& loc = Loc::current());
+
+// ---- matmul: [..., m, k] x [..., k, n] with numpy batch broadcasting; 1-d operands as numpy ----
+Tensor matmul(const Tensor& a, const Tensor& b, bool transpose_a = false, bool transpose_b = false,
+              const Loc& loc = Loc::current());
+
+// ---- shape and data movement ----
+/// One dimension may be -1 (inferred).
+Tensor reshape(const Tensor& x, Shape shape, const Loc& loc = Loc::current());
+Tensor permute(const Tensor& x, std::vector<int64_t> perm, const Loc& loc = Loc::current());
+Tensor transpose(const Tensor& x, int64_t a = -2, int64_t b = -1, const Loc& loc = Loc::current());
+Tensor broadcast_to(const Tensor& x, Shape shape, const Loc& loc = Loc::current());
+Tensor unsqueeze(const Tensor& x, int64_t axis, const Loc& loc = Loc::current());
+Tensor squeeze(const Tensor& x, int64_t axis, const Loc& loc = Loc::current());
+Tensor flatten(const Tensor& x, int64_t start_axis = 0, int64_t end_axis = -1,
+               const Loc& loc = Loc::current());
+/// x[start:stop:step] along one axis; negative start/stop count from the end and are clamped
+/// like Python slices. step must be positive.
+Tensor slice(const Tensor& x, int64_t axis, int64_t start, int64_t stop, int64_t step = 1,
+             const Loc& loc = Loc::current());
+/// Strided slice over every axis at once: starts, steps per axis; the result has `shape`.
+Tensor slice(const Tensor& x, std::vector<int64_t> starts, std::vector<int64_t> steps, Shape shape,
+             const Loc& loc = Loc::current());
+/// The adjoint of slice: x placed at starts/steps inside zeros of `full_shape`.
+Tensor unslice(const Tensor& x, std::vector<int64_t> starts, std::vector<int64_t> steps,
+               Shape full_shape, const Loc& loc = Loc::current());
+Tensor concat(const std::vector<Tensor>& xs, int64_t axis = 0, const Loc& loc = Loc::current());
+Tensor stack(const std::vector<Tensor>& xs, int64_t axis = 0, const Loc& loc = Loc::current());
+
+// ---- indexing ----
+/// Rows of x along `axis` picked by integer `index` of any shape:
+/// result shape x.shape[:axis] + index.shape + x.shape[axis+1:].
+Tensor index_select(const Tensor& x, const Tensor& index, int64_t axis = 0,
+                    const Loc& loc = Loc::current());
+/// base with `source` added at the rows `index` names along `axis` (repeats accumulate).
+Tensor index_add(const Tensor& base, const Tensor& index, const Tensor& source, int64_t axis = 0,
+                 const Loc& loc = Loc::current());
+/// torch.gather / numpy take_along_axis: index has x's rank; result has index's shape.
+Tensor gather(const Tensor& x, const Tensor& index, int64_t axis, const Loc& loc = Loc::current());
+/// base plus source scattered to the positions index names along axis (repeats accumulate).
+Tensor scatter_add(const Tensor& base, const Tensor& index, const Tensor& source, int64_t axis,
+                   const Loc& loc = Loc::current());
+/// torch.scatter: x with src's elements written at the positions index (x's rank, fitting x
+/// outside dim) names along dim; src may be larger than index (the part index covers is read)
+/// and is cast to x's dtype. Of repeated positions the last in index order is kept (PyTorch
+/// leaves that unspecified). The value form writes one scalar.
+Tensor scatter(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src,
+               const Loc& loc = Loc::current());
+Tensor scatter(const Tensor& x, int64_t dim, const Tensor& index, double value,
+               const Loc& loc = Loc::current());
+/// weight[ids]: [num, dim] table, integer ids of any shape -> ids.shape + [dim].
+Tensor embedding(const Tensor& weight, const Tensor& ids, const Loc& loc = Loc::current());
+/// [..., num_classes] of dtype with 1 at each id; ids outside [0, num_classes) give all zeros.
+Tensor one_hot(const Tensor& ids, int64_t num_classes, DType dtype = f32,
+               const Loc& loc = Loc::current());
+
+// ---- user-defined ops ----
+/// An op whose forward is `forward(inputs)` (traced without gradient) and whose gradient is
+/// `vjp(inputs, output, grad)`, returning one gradient (or an undefined Tensor) per input.
+Tensor custom_op(const std::vector<Tensor>& inputs,
+                 const std::function<Tensor(const std::vector<Tensor>&)>& forward, CustomVjp vjp,
+                 const Loc& loc = Loc::current());
+
+/// The scan `op` (Cumsum, Cumprod or Logcumsumexp) along axis, from the last element when
+/// reverse: what the scans' vjp rules use (their gradients run the other way).
+Tensor cumulative(OpCode op, const Tensor& x, int64_t axis, bool reverse,
+                  const Loc& loc = Loc::current());
+
+/// Used by ops.def vjp rules: the second derivatives of gelu, the tanh-form gelu and silu (the
+/// gradients of gelu_backward, gelu_tanh_backward and silu_backward with respect to x).
+Tensor gelu_second_derivative(const Tensor& x);
+Tensor gelu_tanh_second_derivative(const Tensor& x);
+Tensor silu_second_derivative(const Tensor& x);
+
+}  // namespace mixtape

@@ -1,0 +1,670 @@
+// mixtape/dsl/optim.cpp -- optimizer updates written as graph code; one evaluation per step.
+#include "mixtape/dsl/optim.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <numbers>
+
+#include "mixtape/dsl/convert.h"
+#include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/orphan_parameters.h"
+
+namespace mixtape {
+namespace {
+
+Tensor* find_state(NamedTensors& state, const std::string& name) {
+  for (auto& [key, value] : state)
+    if (key == name) return &value;
+  return nullptr;
+}
+
+void set_state(NamedTensors& state, const std::string& name, Tensor value) {
+  if (Tensor* slot = find_state(state, name))
+    *slot = std::move(value);
+  else
+    state.emplace_back(name, std::move(value));
+}
+
+}  // namespace
+
+Optimizer::Optimizer(std::vector<Tensor> params, const char* kind)
+    : params_(std::move(params)), state_(params_.size()), kind_(kind) {
+  if (params_.empty()) fail("{}: got an empty parameter list", kind_);
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (!params_[i].defined()) fail("{}: parameter {} is undefined", kind_, i);
+    if (!params_[i].requires_grad()) fail("{}: parameter {} does not require grad", kind_, i);
+    // Updated twice from the same value, the second assign would win and the step be taken
+    // once, but the tensor would have two sets of state, saved under one checkpoint name.
+    // (PyTorch warns of duplicates in a group and refuses a tensor in two groups.)
+    for (size_t j = 0; j < i; ++j)
+      if (params_[i].same(params_[j]))
+        fail(
+            "{}: parameter {} is parameter {} again (a weight tied under two names?); list each "
+            "tensor once, as Module::parameters() does",
+            kind_, i, j);
+  }
+  set_steps_taken(0);
+  note_optimizer_parameters(params_, true);
+}
+
+Optimizer::~Optimizer() { note_optimizer_parameters(params_, false); }
+
+void Optimizer::set_lr(double lr) {
+  if (own_rate_) fail("{}: set_lr: {}", kind_, own_rate_);
+  if (schedule_)
+    fail(
+        "{}: set_lr({}) while a schedule is attached, which sets every step's rate; detach it "
+        "first (set_schedule(nullptr))",
+        kind_, lr);
+  if (!(lr >= 0) || !std::isfinite(lr))
+    fail("{}: learning rate must be finite and >= 0, got {}", kind_, lr);
+  note_side_effect("sets the learning rate (call set_lr outside the compiled function)");
+  lr_ = lr;
+  if (!lr_value_.defined()) {
+    lr_value_ = from_storage(std::make_shared<Storage>(f64, 1), {});
+  }
+  Storage& rate = *lr_value_.node()->value;
+  rate.as<double>()[0] = lr;
+  rate.host_written();
+}
+
+void Optimizer::set_schedule(std::shared_ptr<const LRSchedule> schedule) {
+  if (own_rate_) fail("{}: set_schedule: {}", kind_, own_rate_);
+  note_side_effect(
+      "sets a learning-rate schedule (call set_schedule outside the compiled function)");
+  if (schedule && schedule->requires_momentum() && !has_momentum())
+    fail("{}: the schedule cycles the momentum (cycle_momentum), and {} has no momentum or beta1",
+         kind_, kind_);
+  schedule_ = std::move(schedule);
+  // A compiled step holds the old schedule's code: a new step-count buffer makes it trace again.
+  set_steps_taken(steps_taken());
+}
+
+Tensor Optimizer::current_lr() const {
+  if (own_rate_) fail("{}: current_lr: {}", kind_, own_rate_);
+  NoGradGuard no_grad;
+  return schedule_ ? schedule_->graph_lr(step_) : lr_value_;
+}
+
+Tensor Optimizer::current_momentum() const {
+  NoGradGuard no_grad;
+  return schedule_ && has_momentum() ? schedule_->graph_momentum(step_) : Tensor();
+}
+
+template <typename Make>
+Tensor Optimizer::shared(uint64_t what, bool number, DType dtype, const Shape& shape, Make make) {
+  uint64_t h = what * 0x9E3779B97F4A7C15ull ^ (uint64_t{number} << 8 | static_cast<uint8_t>(dtype));
+  for (int64_t d : shape) h = (h ^ static_cast<uint64_t>(d)) * 0x9E3779B97F4A7C15ull ^ (h >> 29);
+  auto find_slot = [&] {
+    size_t mask = shared_slots_.size() - 1, slot = h & mask;
+    for (; shared_slots_[slot] >= 0; slot = (slot + 1) & mask) {
+      const Shared& e = shared_[static_cast<size_t>(shared_slots_[slot])];
+      if (e.hash == h && e.what == what && e.number == number && e.dtype == dtype &&
+          e.shape == shape)
+        break;
+    }
+    return slot;
+  };
+  if (shared_slots_.empty()) shared_slots_.assign(64, -1);
+  size_t slot = find_slot();
+  if (shared_slots_[slot] >= 0) return shared_[static_cast<size_t>(shared_slots_[slot])].value;
+  Tensor value = make();
+  if (2 * (shared_count_ + 1) > shared_slots_.size()) {  // kept at most half full
+    shared_slots_.assign(2 * shared_slots_.size(), -1);
+    size_t mask = shared_slots_.size() - 1;
+    for (size_t i = 0; i < shared_count_; ++i) {
+      size_t s = shared_[i].hash & mask;
+      while (shared_slots_[s] >= 0) s = (s + 1) & mask;
+      shared_slots_[s] = static_cast<int32_t>(i);
+    }
+  }
+  slot = find_slot();
+  if (shared_count_ == shared_.size()) shared_.emplace_back();
+  Shared& entry = shared_[shared_count_];
+  entry.hash = h;
+  entry.what = what;
+  entry.number = number;
+  entry.dtype = dtype;
+  entry.shape.assign(shape.begin(), shape.end());
+  entry.value = std::move(value);
+  shared_slots_[slot] = static_cast<int32_t>(shared_count_++);
+  return entry.value;
+}
+
+void Optimizer::drop_shared() {
+  for (size_t i = 0; i < shared_count_; ++i) shared_[i].value = Tensor();
+  shared_count_ = 0;
+  std::fill(shared_slots_.begin(), shared_slots_.end(), -1);
+}
+
+Tensor Optimizer::step_constant(double value, const Tensor& like, const Loc& loc) {
+  // The dtype a number takes beside `like` in an operator (dsl/ops.cpp, scalar_like).
+  DType dtype = like.dtype();
+  if (!is_floating(dtype)) dtype = f32;
+  return shared(std::bit_cast<uint64_t>(value), true, dtype, like.shape(),
+                [&] { return full(like.shape(), value, dtype, loc); });
+}
+
+Tensor Optimizer::step_scalar(const Tensor& scalar, DType dtype, const Shape& shape,
+                              const Loc& loc) {
+  // Broadcast for each parameter: a broadcast read by the kernels of several parameters would
+  // make their kernels differ, and multi-tensor steps merge only kernels of one form. The cast
+  // of a value this step computes is shared (it joins the kernel that computes the value); that
+  // of a stored value (the learning rate) would be a kernel of its own, so each makes its own.
+  if (scalar.node()->evaluated()) return broadcast_to(cast(scalar, dtype, loc), shape, loc);
+  uint64_t what = reinterpret_cast<uintptr_t>(scalar.node().get());
+  return broadcast_to(shared(what, false, dtype, {}, [&] { return cast(scalar, dtype, loc); }),
+                      shape, loc);
+}
+
+void Optimizer::step() { step_unless(Tensor(), {}); }
+
+void Optimizer::step_unless(const Tensor& skip) {
+  if (!skip.defined()) fail("{}: step_unless got an undefined skip flag", kind_);
+  step_unless(skip, {});
+}
+
+void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also) {
+  warn_about_orphan_parameters();
+  for (size_t i = 0; i < also.size(); ++i)
+    if (!also[i].defined()) fail("{}: step_unless: extra output {} is undefined", kind_, i);
+  // Sized once: the traced loop runs this every step.
+  std::vector<size_t> updated;
+  std::vector<Tensor> new_params;
+  std::vector<NamedTensors> new_state;
+  updated.reserve(params_.size());
+  new_params.reserve(params_.size());
+  new_state.reserve(params_.size());
+  Tensor new_step;
+  {
+    NoGradGuard no_grad;
+    // The shared nodes live for this build only, also when it throws: an entry is keyed by its
+    // scalar's address, which a later step's scalar may reuse.
+    struct DropShared {
+      Optimizer& optimizer;
+      ~DropShared() {
+        optimizer.drop_shared();
+        optimizer.scheduled_lr_ = optimizer.scheduled_momentum_ = Tensor();
+      }
+    } drop_shared{*this};
+    skip_ = Tensor();
+    if (skip.defined()) {
+      if (skip.numel() != 1)
+        fail("{}: the skip flag must have one element, got shape {}", kind_,
+             to_string(skip.shape()));
+      Tensor flag = reshape(skip, {});
+      skip_ = flag.dtype() == boolean ? flag : ne(flag, zeros({}, flag.dtype()));
+    }
+    next_step_ = step_ + 1.0;
+    if (schedule_) scheduled_lr_ = schedule_->graph_lr(step_);
+    if (schedule_ && has_momentum()) scheduled_momentum_ = schedule_->graph_momentum(step_);
+    begin_step();
+    for (size_t i = 0; i < params_.size(); ++i) {
+      Tensor g = params_[i].grad();
+      if (!g.defined()) continue;
+      NamedTensors state = state_[i];
+      Tensor p(params_[i].node());
+      Tensor next = update(p, g.dtype() == p.dtype() ? g : cast(g, p.dtype()), state);
+      if (skip_.defined()) {
+        // State that did not exist yet is kept at zero by a skipped step: for every built-in
+        // rule zero state updates exactly like absent state, or the rule keeps a '~' flag.
+        next = where(skip_, p, next);
+        for (auto& [name, value] : state) {
+          Tensor* old = find_state(state_[i], name);
+          value = where(skip_, old ? *old : zeros_like(value), value);
+        }
+      }
+      new_params.push_back(next);
+      new_state.push_back(std::move(state));
+      updated.push_back(i);
+    }
+    if (!updated.empty()) new_step = skip_.defined() ? where(skip_, step_, next_step_) : next_step_;
+    next_step_ = skip_ = scheduled_lr_ = scheduled_momentum_ = Tensor();
+  }
+  if (updated.empty()) {
+    if (!also.empty()) eval(also);
+    return;
+  }
+  std::vector<Tensor> outputs;
+  size_t output_count = new_params.size() + 1 + also.size();
+  for (const NamedTensors& state : new_state) output_count += state.size();
+  outputs.reserve(output_count);
+  outputs.insert(outputs.end(), new_params.begin(), new_params.end());
+  for (const NamedTensors& state : new_state)
+    for (const auto& [name, value] : state) outputs.push_back(value);
+  outputs.push_back(new_step);
+  outputs.insert(outputs.end(), also.begin(), also.end());
+  eval(outputs);  // the whole update as one program
+  for (size_t k = 0; k < updated.size(); ++k) {
+    size_t i = updated[k];
+    params_[i].assign(new_params[k]);
+    NamedTensors persistent;
+    persistent.reserve(new_state[k].size());
+    for (auto& [name, value] : new_state[k])
+      persistent.emplace_back(name, from_storage(value.node()->value, value.shape()));
+    state_[i] = std::move(persistent);
+  }
+  step_ = from_storage(new_step.node()->value, {});
+}
+
+int64_t Optimizer::steps_taken() const { return static_cast<int64_t>(step_.item()); }
+
+void Optimizer::zero_grad() {
+  for (Tensor& p : params_) p.zero_grad();
+}
+
+NamedTensors Optimizer::state(size_t param_index) const {
+  if (param_index >= params_.size())
+    fail("{}: parameter index {} out of range ({} parameters)", kind_, param_index, params_.size());
+  NamedTensors visible;
+  for (const auto& entry : state_[param_index])
+    if (entry.first.empty() || entry.first[0] != '~') visible.push_back(entry);
+  return visible;
+}
+
+void Optimizer::check_state(size_t param_index, const NamedTensors& state, bool allow_nonfinite,
+                            const std::string& prefix) const {
+  if (param_index >= params_.size())
+    fail("{}: parameter index {} out of range ({} parameters)", kind_, param_index, params_.size());
+  for (const auto& [name, value] : state) {
+    Shape expected = state_shape(name, params_[param_index].shape());
+    if (!value.defined() || value.shape() != expected)
+      fail("{}: state '{}{}' for parameter {} has shape {}, expected {}", kind_, prefix, name,
+           param_index, value.defined() ? to_string(value.shape()) : "undefined",
+           to_string(expected));
+    if (!is_floating(value.dtype()))
+      fail("{}: state '{}{}' for parameter {} is {}, not a floating-point tensor", kind_, prefix,
+           name, param_index, mixtape::name(value.dtype()));
+  }
+  for (const auto& [name, value] : state) {
+    eval({value});
+    const Storage& values = *value.node()->value;
+    int64_t bad = allow_nonfinite ? -1 : first_nonfinite(values);
+    if (bad >= 0)
+      fail(
+          "{}: state '{}{}' for parameter {} holds {} at element {} (pass allow_nonfinite to "
+          "load non-finite values)",
+          kind_, prefix, name, param_index, load_element<double>(values, bad), bad);
+    std::string problem = impossible_state(name, values);
+    if (!problem.empty())
+      fail("{}: state '{}{}' for parameter {} {}", kind_, prefix, name, param_index, problem);
+  }
+}
+
+std::string Optimizer::impossible_state(const std::string&, const Storage&) const { return ""; }
+
+Shape Optimizer::state_shape(const std::string&, const Shape& param) const { return param; }
+
+void Optimizer::load_state(size_t param_index, const NamedTensors& state, bool allow_nonfinite) {
+  check_state(param_index, state, allow_nonfinite);
+  NamedTensors converted;
+  for (const auto& [name, value] : state) converted.emplace_back(name, cast(value, f32).detach());
+  state_[param_index] = converted;
+}
+
+void Optimizer::set_steps_taken(int64_t steps) {
+  if (steps < 0) fail("{}: step count must be non-negative, got {}", kind_, steps);
+  step_ = full({}, static_cast<double>(steps), f64);
+}
+
+SGD::SGD(std::vector<Tensor> params, SGDOptions options)
+    : Optimizer(std::move(params), "SGD"), options(options) {
+  set_lr(options.lr);
+  if (options.momentum < 0 || options.weight_decay < 0 || options.dampening < 0)
+    fail("SGD: momentum, dampening and weight_decay must be >= 0");
+  if (options.nesterov && (options.momentum <= 0 || options.dampening != 0))
+    fail("SGD: Nesterov momentum requires a momentum > 0 and zero dampening");
+}
+
+Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
+  Tensor g = grad;
+  if (options.weight_decay != 0) g = g + param * step_constant(options.weight_decay, param);
+  // A cycled momentum (a schedule's graph value) replaces the option, as PyTorch's OneCycleLR
+  // writes the group's momentum: then the buffer is kept even for a momentum option of 0.
+  const Tensor& cycled = momentum_value();
+  if (options.momentum != 0 || cycled.defined()) {
+    auto times_momentum = [&](const Tensor& x) {
+      return x * (cycled.defined() ? step_scalar(cycled, x.dtype(), x.shape())
+                                   : step_constant(options.momentum, x));
+    };
+    Tensor* previous = find_state(state, "momentum_buffer");
+    // Without dampening the gradient's factor is 1, and g * 1 is g, bit for bit (no contraction
+    // into a fused multiply-add, and flushed denormals flush either way), so the three nodes it
+    // took each step are left out. Under a precision policy the product may be rounded to a
+    // narrower storage, so there it stays.
+    bool undamped = options.dampening == 0 && !current_policy();
+    Tensor buffer = previous ? times_momentum(*previous) +
+                                   (undamped ? g : g * step_constant(1.0 - options.dampening, g))
+                             : g;
+    // The first update copies the gradient. A skipped first step leaves a zero buffer, which
+    // with dampening would not update like that, so a flag records whether one really happened.
+    const char* started = "~momentum_started";
+    Tensor* flag = find_state(state, started);
+    if (flag) buffer = where(*flag, buffer, g);
+    if (skip_flag().defined() && (flag || (!previous && options.dampening != 0)))
+      set_state(state, started, ones({}, boolean));  // stays false while steps are skipped
+    else if (flag)
+      std::erase_if(state, [&](const auto& entry) { return entry.first == started; });
+    set_state(state, "momentum_buffer", buffer);
+    g = options.nesterov ? g + times_momentum(buffer) : buffer;
+  }
+  return param - g * step_scalar(lr_value(), g.dtype(), g.shape());
+}
+
+namespace {
+// A running sum or mean of squares, never below zero: a negative element is a corrupt state.
+// -0.0 compares equal to zero and NaN compares false: only real negatives are caught here.
+std::string negative_element(const Storage& values, const char* what) {
+  for (int64_t i = 0; i < values.count; ++i)
+    if (double v = load_element<double>(values, i); v < 0)
+      return fmt::format("holds {} at element {}: it is {}, never below zero", v, i, what);
+  return "";
+}
+}  // namespace
+
+Adam::Adam(std::vector<Tensor> params, AdamOptions options)
+    : Adam(std::move(params), options, "Adam", false) {}
+
+Adam::Adam(std::vector<Tensor> params, AdamOptions options, const char* kind, bool decoupled)
+    : Optimizer(std::move(params), kind), options(options), decoupled_(decoupled) {
+  set_lr(options.lr);
+  if (!(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1))
+    fail("{}: betas must be in [0, 1), got ({}, {})", kind, options.beta1, options.beta2);
+  if (!(options.eps > 0) || options.weight_decay < 0)
+    fail("{}: eps must be > 0 and weight_decay >= 0", kind);
+}
+
+void Adam::begin_step() {
+  // The bias corrections follow the step count in the graph (a skipped step does not advance
+  // it), in f64 and in the same arrangement as torch.optim.Adam, rounded to the state's dtype
+  // where they meet it, so results agree closely.
+  const Tensor& t = step_number();
+  // A cycled beta1 enters the bias correction as this step's beta1, as in torch.optim.Adam.
+  beta1_ = momentum_value();
+  rest1_ = beta1_.defined() ? 1.0 - beta1_ : Tensor();
+  Tensor bias1 = 1.0 - pow(beta1_.defined() ? beta1_ : full({}, options.beta1, f64), t);
+  Tensor bias2 = 1.0 - pow(full({}, options.beta2, f64), t);
+  inv_sqrt_bias2_ = 1.0 / sqrt(bias2);
+  step_size_ = lr_value() / bias1;
+  if (decoupled_ && options.weight_decay != 0) decay_ = 1.0 - lr_value() * options.weight_decay;
+}
+
+Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
+  Tensor p = param, g = grad;
+  if (options.weight_decay != 0) {
+    if (decoupled_)
+      p = p * step_scalar(decay_, p.dtype(), p.shape());
+    else
+      g = g + p * step_constant(options.weight_decay, p);
+  }
+  Tensor* m_prev = find_state(state, "exp_avg");
+  Tensor* v_prev = find_state(state, "exp_avg_sq");
+  auto factor = [&](const Tensor& cycled, double fixed, const Tensor& x) {
+    return cycled.defined() ? step_scalar(cycled, x.dtype(), x.shape()) : step_constant(fixed, x);
+  };
+  Tensor m_new = g * factor(rest1_, 1 - options.beta1, g);
+  Tensor m = m_prev ? *m_prev * factor(beta1_, options.beta1, *m_prev) + m_new : m_new;
+  Tensor g2 = square(g);
+  Tensor v_new = g2 * step_constant(1 - options.beta2, g2);
+  Tensor v = v_prev ? *v_prev * step_constant(options.beta2, *v_prev) + v_new : v_new;
+  set_state(state, "exp_avg", m);
+  set_state(state, "exp_avg_sq", v);
+  Tensor root = sqrt(v);
+  Tensor scaled = root * step_scalar(inv_sqrt_bias2_, v.dtype(), root.shape());
+  Tensor denom = scaled + step_constant(options.eps, scaled);
+  Tensor ratio = m / denom;
+  return p - ratio * step_scalar(step_size_, m.dtype(), ratio.shape());
+}
+
+std::string Adam::impossible_state(const std::string& name, const Storage& values) const {
+  if (name != "exp_avg_sq") return "";
+  return negative_element(values, "a running mean of squared gradients");
+}
+
+AdamW::AdamW(std::vector<Tensor> params, AdamOptions options)
+    : Adam(std::move(params), options, "AdamW", true) {}
+
+RMSprop::RMSprop(std::vector<Tensor> params, RMSpropOptions options)
+    : Optimizer(std::move(params), "RMSprop"), options(options) {
+  set_lr(options.lr);
+  if (!(options.alpha >= 0 && options.alpha < 1))
+    fail("RMSprop: alpha must be in [0, 1), got {}", options.alpha);
+  if (!(options.eps > 0) || options.weight_decay < 0 || options.momentum < 0)
+    fail("RMSprop: eps must be > 0, weight_decay and momentum >= 0");
+}
+
+Tensor RMSprop::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
+  Tensor g = grad;
+  if (options.weight_decay != 0) g = g + param * step_constant(options.weight_decay, param);
+  // The running means start at zero, as torch's.
+  auto running = [&](const char* name, const Tensor& x) {
+    Tensor* previous = find_state(state, name);
+    Tensor x_part = x * step_constant(1 - options.alpha, x);
+    Tensor mean = previous ? *previous * step_constant(options.alpha, *previous) + x_part : x_part;
+    set_state(state, name, mean);
+    return mean;
+  };
+  Tensor square_avg = running("square_avg", square(g));
+  Tensor root =
+      options.centered ? sqrt(square_avg - square(running("grad_avg", g))) : sqrt(square_avg);
+  Tensor avg = root + step_constant(options.eps, root);
+  Tensor step = g / avg;
+  const Tensor& cycled = momentum_value();
+  if (options.momentum > 0 || cycled.defined()) {
+    Tensor* previous = find_state(state, "momentum_buffer");
+    Tensor momentum = !previous          ? Tensor()
+                      : cycled.defined() ? step_scalar(cycled, previous->dtype(), previous->shape())
+                                         : step_constant(options.momentum, *previous);
+    step = previous ? *previous * momentum + step : step;
+    set_state(state, "momentum_buffer", step);
+  }
+  return param - step * step_scalar(lr_value(), step.dtype(), step.shape());
+}
+
+std::string RMSprop::impossible_state(const std::string& name, const Storage& values) const {
+  if (name != "square_avg") return "";
+  return negative_element(values, "a running mean of squared gradients");
+}
+
+Adagrad::Adagrad(std::vector<Tensor> params, AdagradOptions options)
+    : Optimizer(std::move(params), "Adagrad"), options(options) {
+  set_lr(options.lr);
+  if (!(options.eps > 0) || options.weight_decay < 0 || options.lr_decay < 0 ||
+      options.initial_accumulator_value < 0)
+    fail("Adagrad: eps must be > 0, and lr_decay, weight_decay and initial_accumulator_value >= 0");
+}
+
+Tensor Adagrad::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
+  Tensor g = grad;
+  if (options.weight_decay != 0) g = g + param * step_constant(options.weight_decay, param);
+  Tensor* previous = find_state(state, "sum");
+  Tensor g2 = square(g);
+  Tensor sum =
+      previous ? *previous + g2 : g2 + step_constant(options.initial_accumulator_value, g2);
+  set_state(state, "sum", sum);
+  Tensor root = sqrt(sum);
+  Tensor ratio = g / (root + step_constant(options.eps, root));
+  return param - ratio * step_scalar(step_lr_, g.dtype(), ratio.shape());
+}
+
+void Adagrad::begin_step() {
+  // Once per step for all parameters: the learning rate follows the step count in the graph, in
+  // f64 as torch's.
+  step_lr_ = lr_value() / ((step_number() - 1.0) * options.lr_decay + 1.0);
+}
+
+std::string Adagrad::impossible_state(const std::string& name, const Storage& values) const {
+  if (name != "sum") return "";
+  return negative_element(values, "a running sum of squared gradients");
+}
+
+Lion::Lion(std::vector<Tensor> params, LionOptions options)
+    : Optimizer(std::move(params), "Lion"), options(options) {
+  set_lr(options.lr);
+  if (!(options.beta1 >= 0 && options.beta1 <= 1 && options.beta2 >= 0 && options.beta2 <= 1))
+    fail("Lion: betas must be in [0, 1], got ({}, {})", options.beta1, options.beta2);
+  if (!(options.weight_decay >= 0)) fail("Lion: weight_decay must be >= 0");
+}
+
+void Lion::begin_step() {
+  if (options.weight_decay != 0) decay_ = 1.0 - lr_value() * options.weight_decay;
+  beta1_ = momentum_value();  // a cycled beta1, as lion-pytorch reads the group's betas
+  rest1_ = beta1_.defined() ? 1.0 - beta1_ : Tensor();
+}
+
+Tensor Lion::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
+  Tensor p = param;
+  if (options.weight_decay != 0) p = p * step_scalar(decay_, p.dtype(), p.shape());
+  // Absent momentum is zero (lion-pytorch starts it at zeros): 0 * beta + x is x, bit for bit.
+  Tensor* m_prev = find_state(state, "exp_avg");
+  auto mix = [&](double beta) {
+    Tensor part = grad * step_constant(1 - beta, grad);
+    return m_prev ? *m_prev * step_constant(beta, *m_prev) + part : part;
+  };
+  Tensor direction;
+  if (beta1_.defined()) {
+    Tensor part = grad * step_scalar(rest1_, grad.dtype(), grad.shape());
+    direction = sign(m_prev ? *m_prev * step_scalar(beta1_, m_prev->dtype(), m_prev->shape()) + part
+                            : part);
+  } else {
+    direction = sign(mix(options.beta1));
+  }
+  set_state(state, "exp_avg", mix(options.beta2));
+  return p - direction * step_scalar(lr_value(), direction.dtype(), direction.shape());
+}
+
+Adafactor::Adafactor(std::vector<Tensor> params, AdafactorOptions options)
+    : Optimizer(std::move(params), "Adafactor"), options(options) {
+  if (options.relative_step && options.lr)
+    fail("Adafactor: lr = {} with relative_step, which computes the rate: pass one or the other",
+         *options.lr);
+  if (options.warmup_init && !options.relative_step)
+    fail("Adafactor: warmup_init requires relative_step");
+  if (!options.relative_step && !options.lr)
+    fail("Adafactor: without relative_step an lr is required");
+  if (!(options.eps1 >= 0) || !(options.eps2 >= 0) || !(options.clip_threshold > 0) ||
+      !(options.weight_decay >= 0))
+    fail("Adafactor: eps ({}, {}) and weight_decay must be >= 0, clip_threshold > 0", options.eps1,
+         options.eps2);
+  if (!(options.decay_rate <= 0))
+    fail("Adafactor: decay_rate must be <= 0, got {}", options.decay_rate);
+  if (options.beta1 && !(*options.beta1 >= 0 && *options.beta1 < 1))
+    fail("Adafactor: beta1 must be in [0, 1), got {}", *options.beta1);
+  if (options.relative_step)
+    own_rate_ =
+        "relative_step computes the rate from the step count (construct Adafactor with "
+        "relative_step = false and an lr to set one)";
+  else
+    set_lr(*options.lr);
+}
+
+namespace {
+// Adafactor's factored statistics: the squared gradient's mean over the last axis and over the
+// one before it.
+bool factored(const Shape& shape) { return shape.size() >= 2; }
+Shape row_shape(const Shape& shape) { return Shape(shape.begin(), shape.end() - 1); }
+Shape col_shape(const Shape& shape) {
+  Shape out(shape.begin(), shape.end() - 2);
+  out.push_back(shape.back());
+  return out;
+}
+// Root mean square of all elements, as transformers' _rms: norm / sqrt(numel).
+Tensor rms(const Tensor& x) {
+  return sqrt(sum(square(x))) / std::sqrt(static_cast<double>(x.numel()));
+}
+}  // namespace
+
+Shape Adafactor::state_shape(const std::string& name, const Shape& param) const {
+  if (factored(param) && name == "exp_avg_sq_row") return row_shape(param);
+  if (factored(param) && name == "exp_avg_sq_col") return col_shape(param);
+  return param;
+}
+
+void Adafactor::begin_step() {
+  // transformers computes these in Python doubles from the step count.
+  const Tensor& t = step_number();
+  beta2t_ = 1.0 - pow(t, options.decay_rate);
+  rest_ = 1.0 - beta2t_;
+  if (options.relative_step) {
+    Tensor least = options.warmup_init ? t * 1e-6 : full({}, 1e-2, f64);
+    rate_ = minimum(least, 1.0 / sqrt(t));
+  } else {
+    rate_ = lr_value();
+  }
+}
+
+Tensor Adafactor::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
+  Tensor p = param.dtype() == f32 ? param : cast(param, f32);
+  Tensor g = grad.dtype() == f32 ? grad : cast(grad, f32);
+  // The rate is a 0-d f32 value per parameter: transformers multiplies the parameter's RMS (an
+  // f32 tensor) by the relative step.
+  Tensor lr = step_scalar(rate_, f32, {});
+  if (options.scale_parameter) lr = maximum(rms(p), full({}, options.eps2, f32)) * lr;
+  auto running = [&](const char* name, const Tensor& x) {
+    Tensor* previous = find_state(state, name);
+    Tensor part = x * step_scalar(rest_, f32, x.shape());
+    Tensor mean = previous ? *previous * step_scalar(beta2t_, f32, x.shape()) + part : part;
+    set_state(state, name, mean);
+    return mean;
+  };
+  Tensor squared = square(g) + step_constant(options.eps1, g);
+  Tensor u;
+  if (factored(p.shape())) {
+    Tensor row = running("exp_avg_sq_row", mean(squared, {-1}));
+    Tensor col = running("exp_avg_sq_col", mean(squared, {-2}));
+    Tensor row_factor = unsqueeze(rsqrt(row / mean(row, {-1}, true)), -1);
+    Tensor col_factor = unsqueeze(rsqrt(col), -2);
+    u = row_factor * col_factor * g;
+  } else {
+    u = rsqrt(running("exp_avg_sq", squared)) * g;
+  }
+  u = u / maximum(rms(u) / options.clip_threshold, full({}, 1.0, f32));
+  u = u * lr;
+  if (options.beta1) {
+    double beta1 = *options.beta1;
+    Tensor* previous = find_state(state, "exp_avg");
+    Tensor part = u * step_constant(1 - beta1, u);
+    u = previous ? *previous * step_constant(beta1, *previous) + part : part;
+    set_state(state, "exp_avg", u);
+  }
+  if (options.weight_decay != 0) p = p + p * (lr * -options.weight_decay);
+  Tensor next = p - u;
+  return next.dtype() == param.dtype() ? next : cast(next, param.dtype());
+}
+
+std::string Adafactor::impossible_state(const std::string& name, const Storage& values) const {
+  if (name != "exp_avg_sq" && name != "exp_avg_sq_row" && name != "exp_avg_sq_col") return "";
+  return negative_element(values, "a running mean of squared gradients");
+}
+
+Tensor grad_norm(const std::vector<Tensor>& params) {
+  NoGradGuard no_grad;
+  Tensor total;
+  for (const Tensor& p : params) {
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    Tensor squares = sum(square(cast(g, f32)));
+    total = total.defined() ? total + squares : squares;
+  }
+  return total.defined() ? sqrt(total) : scalar(0.0);
+}
+
+Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
+  if (!(max_norm > 0)) fail("clip_grad_norm: max_norm must be > 0, got {}", max_norm);
+  NoGradGuard no_grad;
+  bool any_grad = false;
+  for (const Tensor& p : params) any_grad = any_grad || p.grad().defined();
+  if (!any_grad) return scalar(0.0);
+  Tensor norm = grad_norm(params);
+  Tensor coefficient = minimum(max_norm / (norm + 1e-6), scalar(1.0));
+  for (const Tensor& p : params) {
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    Tensor handle = p;
+    handle.set_grad(g * cast(coefficient, g.dtype()));
+  }
+  return norm;
+}
+
+}  // namespace mixtape

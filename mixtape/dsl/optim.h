@@ -1,0 +1,318 @@
+// mixtape/dsl/optim.h -- optimizers (SGD, Adam, AdamW, RMSprop, Adagrad, Lion, Adafactor) as DSL
+// code over persistent fp32 state, and gradient clipping. Schedules: dsl/lr_schedule.h.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mixtape/dsl/lr_schedule.h"
+#include "mixtape/dsl/module.h"
+
+namespace mixtape {
+
+/// Base of all optimizers: holds the parameters and their per-parameter state tensors. Each
+/// tensor may be listed once (mt::Error otherwise); Module::parameters() lists a tied weight once.
+/// step() builds every update as graph code and evaluates them together as one program.
+class Optimizer {
+ public:
+  explicit Optimizer(std::vector<Tensor> params, const char* kind);
+  virtual ~Optimizer();
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  /// Updates every parameter that has a gradient.
+  void step();
+  /// step() predicated on a graph value: `skip` is a single-element bool (or numeric, non-zero
+  /// meaning skip) tensor that is evaluated in the same program as the update, never read on the
+  /// host. Every new parameter, state tensor and the step count is where(skip, old, new), so a
+  /// skipped step leaves all of them bit-identical. (State a parameter has not had yet is created
+  /// as zeros by a skipped step; the next real step still acts as a first step.) GradScaler uses
+  /// this to skip non-finite steps.
+  void step_unless(const Tensor& skip);
+  /// The same, also evaluating `also` in that program (GradScaler's pending scale update).
+  void step_unless(const Tensor& skip, const std::vector<Tensor>& also);
+  void zero_grad();
+  /// The rate set_lr() set last (with a schedule attached, current_lr() is the one in use).
+  double lr() const { return lr_; }
+  /// Takes effect at the next step. The rate is a graph input (lr_value()), written in place,
+  /// so a step compiled by mt::compile follows a schedule set outside it (set_lr(s.lr(step))
+  /// between calls). Called inside a compiled function, it keeps that function traced on every
+  /// call. An mt::Error while a schedule is attached: the schedule would override it.
+  void set_lr(double lr);
+  /// Attaches a schedule computed inside every step's graph: update number t (0-based, the step
+  /// count before it) uses schedule->graph_lr(t), a graph value that follows the optimizer's
+  /// step count, so mt::compile replays advance it, and a checkpoint, which restores the count,
+  /// resumes it. A skipped step (step_unless) does not advance it. nullptr detaches it; the rate
+  /// is then set_lr()'s again. Call it outside a compiled function: a compiled one traces again.
+  void set_schedule(std::shared_ptr<const LRSchedule> schedule);
+  const std::shared_ptr<const LRSchedule>& schedule() const { return schedule_; }
+  /// The rate the next step uses, a 0-d f64 graph value (item() reads it: a host sync).
+  Tensor current_lr() const;
+  /// The momentum (SGD, RMSprop) or beta1 (Adam, AdamW, Lion) the next step uses when the
+  /// attached schedule cycles it (OneCycleLR's cycle_momentum), a 0-d f64 graph value; undefined
+  /// when the optimizer's own option is in use.
+  Tensor current_momentum() const;
+  /// Whether the rule has a momentum or beta1 that a schedule may cycle.
+  virtual bool has_momentum() const { return false; }
+  /// Updates taken so far, skipped ones not counted. The count lives in the graph (so that a
+  /// predicated step can follow it without a host read): this call evaluates and reads it, a
+  /// host sync.
+  int64_t steps_taken() const;
+  /// The same count as a 0-d f64 graph value, persistent between steps.
+  const Tensor& step_count() const { return step_; }
+  /// "SGD", "Adam", "AdamW", ...: checkpoints record it so state is not loaded into another kind.
+  const char* kind() const { return kind_; }
+  const std::vector<Tensor>& params() const { return params_; }
+
+  /// Per-parameter state ("exp_avg", "exp_avg_sq", "momentum_buffer"), for checkpoints.
+  NamedTensors state(size_t param_index) const;
+  /// mt::Error, changing nothing, unless `state` could be this optimizer's state for parameter
+  /// `param_index`: every entry defined, floating point and of the parameter's shape, with values
+  /// the update rule can produce (Adam's exp_avg_sq is a mean of squares, so no element is below
+  /// zero), and, unless allow_nonfinite, no NaN or infinity. Messages name an entry as
+  /// `prefix + name` (a checkpoint passes "optimizer.<parameter path>.").
+  void check_state(size_t param_index, const NamedTensors& state, bool allow_nonfinite = false,
+                   const std::string& prefix = "") const;
+  /// The shape state entry `name` has for a parameter of shape `param`: the parameter's, except
+  /// for factored state (Adafactor's row and column statistics).
+  virtual Shape state_shape(const std::string& name, const Shape& param) const;
+  /// Restores state saved by state(), after check_state().
+  void load_state(size_t param_index, const NamedTensors& state, bool allow_nonfinite = false);
+  void set_steps_taken(int64_t steps);
+
+ protected:
+  /// Called once per step before the update() calls, when step_number() is set.
+  virtual void begin_step() {}
+  /// The updated parameter for `param` with gradient `grad`; writes new state into `state`.
+  /// State entries whose names start with '~' are private to the optimizer: state() leaves
+  /// them out and load_state() drops them.
+  virtual Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) = 0;
+  /// Why `values` (host values of a state entry `name`, as check_state() found them) cannot be
+  /// state this rule produced, or "" when they can. Non-finite values are checked before.
+  virtual std::string impossible_state(const std::string& name, const Storage& values) const;
+  /// Inside begin_step()/update(): the 1-based number of the update being built, a 0-d f64
+  /// graph value (the persistent count plus one).
+  const Tensor& step_number() const { return next_step_; }
+  /// Inside update(): the bool skip flag of a predicated step; undefined for a plain step().
+  const Tensor& skip_flag() const { return skip_; }
+  /// The learning rate as a 0-d f64 value, for begin_step() and update(): a leaf whose storage
+  /// holds lr(), or, with a schedule attached, the schedule's graph value for this step.
+  const Tensor& lr_value() const { return scheduled_lr_.defined() ? scheduled_lr_ : lr_value_; }
+  /// For begin_step() and update() of a rule with has_momentum(): the schedule's momentum for
+  /// this step, a 0-d f64 value, or undefined when the rule's own option holds.
+  const Tensor& momentum_value() const { return scheduled_momentum_; }
+  /// Set by an optimizer that computes its own rate (Adafactor's relative_step): set_lr(),
+  /// set_schedule() and current_lr() are then an mt::Error saying this.
+  const char* own_rate_ = nullptr;
+  /// Inside update(): `value` as a fill of `like`'s shape and dtype (what `like * value` would
+  /// make of the number), one node per step for all parameters of that shape and dtype. The
+  /// traced loop builds every step's update anew, and a node per parameter and constant was
+  /// most of its graph.
+  Tensor step_constant(double value, const Tensor& like, const Loc& loc = Loc::current());
+  /// Inside update(): a 0-d value (the learning rate, or one begin_step() made) cast to `dtype`
+  /// and broadcast to `shape`; the cast of a value begin_step() made is shared by all parameters
+  /// of that dtype.
+  Tensor step_scalar(const Tensor& scalar, DType dtype, const Shape& shape,
+                     const Loc& loc = Loc::current());
+
+ private:
+  // The nodes step_constant() and step_scalar() share within a step, by what they hold (a
+  // number's bits or a scalar's node), dtype and shape; dropped when the step ends. A table of
+  // its own, kept from step to step with its entries' shapes, so that a step allocates nothing
+  // for it once the first one has run.
+  struct Shared {
+    uint64_t hash = 0;
+    uint64_t what = 0;
+    bool number = false;
+    DType dtype = f32;
+    Shape shape;
+    Tensor value;
+  };
+  template <typename Make>
+  Tensor shared(uint64_t what, bool number, DType dtype, const Shape& shape, Make make);
+  void drop_shared();
+  std::vector<Shared> shared_;  // this step's entries first, then spares from earlier steps
+  size_t shared_count_ = 0;
+  std::vector<int32_t> shared_slots_;  // open addressing into shared_, -1 where empty
+  double lr_ = 0;
+  Tensor lr_value_;
+  std::vector<Tensor> params_;
+  std::vector<NamedTensors> state_;
+  Tensor step_;  // 0-d f64: updates taken, skipped ones not counted
+  Tensor next_step_, skip_;
+  std::shared_ptr<const LRSchedule> schedule_;
+  Tensor scheduled_lr_;        // inside a step with a schedule: its rate
+  Tensor scheduled_momentum_;  // and its momentum, when it cycles one
+  const char* kind_;
+};
+
+struct SGDOptions {
+  double lr = 0.01;
+  double momentum = 0;
+  double dampening = 0;
+  double weight_decay = 0;
+  bool nesterov = false;
+};
+
+/// Stochastic gradient descent with PyTorch's momentum, Nesterov and L2 weight-decay rules.
+class SGD : public Optimizer {
+ public:
+  SGD(std::vector<Tensor> params, SGDOptions options);
+  SGDOptions options;
+  bool has_momentum() const override { return true; }
+
+ protected:
+  Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
+};
+
+struct AdamOptions {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0;
+};
+
+/// Adam (L2 weight decay added to the gradient), as torch.optim.Adam.
+class Adam : public Optimizer {
+ public:
+  Adam(std::vector<Tensor> params, AdamOptions options);
+  AdamOptions options;
+  bool has_momentum() const override { return true; }
+
+ protected:
+  Adam(std::vector<Tensor> params, AdamOptions options, const char* kind, bool decoupled);
+  void begin_step() override;
+  Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
+  std::string impossible_state(const std::string& name, const Storage& values) const override;
+
+ private:
+  bool decoupled_;
+  Tensor inv_sqrt_bias2_, step_size_;  // this step's bias corrections, 0-d f64 graph values
+  Tensor beta1_, rest1_;               // a cycled beta1 and 1 - beta1, 0-d f64
+  Tensor decay_;                       // AdamW's 1 - lr * weight_decay, 0-d f64
+};
+
+/// AdamW (decoupled weight decay, default 0.01), as torch.optim.AdamW.
+class AdamW : public Adam {
+ public:
+  AdamW(std::vector<Tensor> params, AdamOptions options = {.weight_decay = 0.01});
+};
+
+struct RMSpropOptions {
+  double lr = 0.01;
+  double alpha = 0.99;  // the running mean of squared gradients' decay
+  double eps = 1e-8;
+  double weight_decay = 0;
+  double momentum = 0;
+  bool centered = false;  // divide by the gradients' running variance, not their mean square
+};
+
+/// RMSprop, as torch.optim.RMSprop (eps added after the square root; L2 weight decay).
+class RMSprop : public Optimizer {
+ public:
+  RMSprop(std::vector<Tensor> params, RMSpropOptions options = {});
+  RMSpropOptions options;
+  bool has_momentum() const override { return true; }
+
+ protected:
+  Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
+  std::string impossible_state(const std::string& name, const Storage& values) const override;
+};
+
+struct AdagradOptions {
+  double lr = 0.01;
+  double lr_decay = 0;
+  double weight_decay = 0;
+  double initial_accumulator_value = 0;
+  double eps = 1e-10;
+};
+
+/// Adagrad, as torch.optim.Adagrad: the learning rate divided by 1 + (step - 1) lr_decay and
+/// by the square root of each element's running sum of squared gradients.
+class Adagrad : public Optimizer {
+ public:
+  Adagrad(std::vector<Tensor> params, AdagradOptions options = {});
+  AdagradOptions options;
+
+ protected:
+  void begin_step() override;
+  Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
+  std::string impossible_state(const std::string& name, const Storage& values) const override;
+
+ private:
+  Tensor step_lr_;  // this step's decayed learning rate, a 0-d f64 graph value
+};
+
+struct LionOptions {
+  double lr = 1e-4;
+  double beta1 = 0.9;   // mixes the gradient into the update's sign
+  double beta2 = 0.99;  // the momentum's decay
+  double weight_decay = 0;
+};
+
+/// Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), as lucidrains'
+/// lion-pytorch: p *= 1 - lr * weight_decay (decoupled); p -= lr * sign(beta1 m + (1 - beta1) g);
+/// m = beta2 m + (1 - beta2) g. State "exp_avg" (m).
+class Lion : public Optimizer {
+ public:
+  Lion(std::vector<Tensor> params, LionOptions options = {});
+  LionOptions options;
+  bool has_momentum() const override { return true; }
+
+ protected:
+  void begin_step() override;
+  Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
+
+ private:
+  Tensor decay_;          // 1 - lr * weight_decay, a 0-d f64 graph value
+  Tensor beta1_, rest1_;  // a cycled beta1 and 1 - beta1, 0-d f64
+};
+
+/// Hugging Face transformers' Adafactor defaults (transformers.optimization.Adafactor): no lr,
+/// the relative step min(1e-2, 1/sqrt(t)) scaled by the parameter's RMS instead.
+struct AdafactorOptions {
+  std::optional<double> lr = std::nullopt;     // required (and only allowed) without relative_step
+  double eps1 = 1e-30;                         // added to the squared gradient
+  double eps2 = 1e-3;                          // the least parameter scale
+  double clip_threshold = 1.0;                 // the update's RMS is clipped to it
+  double decay_rate = -0.8;                    // the second moment's decay is 1 - t^decay_rate
+  std::optional<double> beta1 = std::nullopt;  // a first moment, when given
+  double weight_decay = 0;
+  bool scale_parameter = true;  // the rate times max(eps2, RMS(parameter))
+  bool relative_step = true;    // the rate min(1e-2, 1/sqrt(t)) (warmup_init: min(1e-6 t, ...))
+  bool warmup_init = false;
+};
+
+/// Adafactor (Shazeer and Stern 2018), as transformers.optimization.Adafactor: parameters of
+/// two or more dimensions keep the second moment factored, as the running means of the squared
+/// gradient over their last axis ("exp_avg_sq_row", shape [..., rows]) and over the one before
+/// it ("exp_avg_sq_col", [..., cols]); others keep it whole ("exp_avg_sq"); "exp_avg" with
+/// beta1. Computed in f32 for any parameter dtype. (torch.optim.Adafactor of PyTorch 2.5 is a
+/// variant with other defaults and no relative step; this follows transformers.)
+class Adafactor : public Optimizer {
+ public:
+  Adafactor(std::vector<Tensor> params, AdafactorOptions options = {});
+  AdafactorOptions options;
+  Shape state_shape(const std::string& name, const Shape& param) const override;
+
+ protected:
+  void begin_step() override;
+  Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
+  std::string impossible_state(const std::string& name, const Storage& values) const override;
+
+ private:
+  Tensor beta2t_, rest_, rate_;  // this step's decay, 1 - decay and relative rate (0-d f64)
+};
+
+/// The global L2 norm of the gradients of `params` (each squared in f32 and summed), a 0-d f32
+/// graph value: what clip_grad_norm clips by. 0 when none has a gradient.
+Tensor grad_norm(const std::vector<Tensor>& params);
+
+/// Scales all gradients so that their global L2 norm is at most max_norm; returns the norm
+/// before clipping (a graph value: reading it is the only host sync).
+Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm);
+
+}  // namespace mixtape

@@ -1,0 +1,109 @@
+// mixtape/dsl/vision.h -- image ops: max pooling (two primitives) and, as DSL composites, average
+// pooling, batch/group/instance norm, interpolate and channel dropout, with
+// torch.nn.functional's names, defaults and semantics.
+#pragma once
+
+#include <optional>
+
+#include "mixtape/dsl/functional.h"
+
+namespace mixtape {
+
+/// Pooling over the last two axes of an NCHW (or CHW) input, as torch.nn.functional's.
+/// The result's shape per axis is floor((in + 2 pad - dilation (k - 1) - 1) / stride) + 1, or the
+/// ceiling with ceil_mode (where a last window starting in the right padding is dropped).
+/// `stride` defaults to the kernel. The padding may be at most half the (dilated) kernel.
+/// max_pool2d is the MaxPool2d primitive below: its gradient goes to the first maximum of each
+/// window in row-major window order (PyTorch's), not shared among ties, and a NaN propagates.
+Tensor max_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride = std::nullopt,
+                  Size2 padding = 0, Size2 dilation = 1, bool ceil_mode = false,
+                  const Loc& loc = Loc::current());
+/// The max-pooling primitives' window (dsl/attrs.def's `window` attribute of MaxPool2d and
+/// MaxPool2dGrad): per spatial axis the kernel, stride, padding and dilation.
+struct PoolWindow {
+  int64_t kernel[2] = {1, 1}, stride[2] = {1, 1}, pad[2] = {0, 0}, dil[2] = {1, 1};
+  Ints attr() const;
+  static PoolWindow from(const Ints& attr);
+};
+/// The sizes of one max pooling x [n, c, h, w] -> y [n, c, oh, ow], read from a MaxPool2d (x ->
+/// y) or MaxPool2dGrad ((x, gy) -> gx) node.
+struct PoolGeometry {
+  int64_t n, c, h, w, oh, ow;
+  PoolWindow window;
+  static PoolGeometry of(const Node& node);
+};
+/// The primitives max_pool2d is made of (x NCHW; `output` the spatial size, which ceil_mode
+/// decides). Each window's maximum is PyTorch's: scanned in row-major window order over the taps
+/// inside the input, a tap taken when greater than the maximum so far or NaN (so a NaN
+/// propagates, the last NaN of a window being its pick); a window of only -inf picks its first
+/// tap inside the input. max_pool2d_grad(x, gy) adds each gy to x's position of its window's pick,
+/// summed per position in output order in f32 (f64 for f64) and rounded once: x's shape.
+Tensor max_pool2d_forward(const Tensor& x, const PoolWindow& window, Size2 output,
+                          const Loc& loc = Loc::current());
+Tensor max_pool2d_grad(const Tensor& x, const Tensor& grad_out, const PoolWindow& window,
+                       const Loc& loc = Loc::current());
+namespace detail {
+/// The gradient of max_pool2d_grad with respect to gy: each window's value of `g` (x's shape) at
+/// the window's pick, a composite of strided slices. (Ties as the primitives; a window of only
+/// -inf or NaN may pick differently, where no gradient is meaningful.)
+Tensor max_pool2d_pick(const Tensor& x, const Tensor& g, const PoolWindow& window, Size2 output);
+}  // namespace detail
+
+/// The mean of each window; with count_include_pad the padding's zeros count in the divisor,
+/// without it only the input's elements do (a window cut by ceil_mode counts only what it covers,
+/// as PyTorch's).
+Tensor avg_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride = std::nullopt,
+                  Size2 padding = 0, bool ceil_mode = false, bool count_include_pad = true,
+                  const Loc& loc = Loc::current());
+/// The mean over windows [floor(i H / out), ceil((i + 1) H / out)) along each axis, PyTorch's.
+Tensor adaptive_avg_pool2d(const Tensor& x, Size2 output_size, const Loc& loc = Loc::current());
+
+/// torch.nn.functional.batch_norm over [N, C, ...] (statistics per channel C, over every other
+/// axis). Training uses the batch's statistics (the biased variance to normalize) and, where the
+/// running buffers are defined, updates them with Tensor::assign_later (in the step's next
+/// evaluation) as running = (1 - momentum) running + momentum batch (the unbiased variance for
+/// running_var), so that mt::compile replays the update. Eval uses the running statistics. The
+/// statistics are computed in f32 whatever the input's type and policy (f64 stays f64), the result
+/// has x's type. weight and bias ([C]) may be undefined.
+Tensor batch_norm(const Tensor& x, const Tensor& running_mean, const Tensor& running_var,
+                  const Tensor& weight, const Tensor& bias, bool training, double momentum = 0.1,
+                  double eps = 1e-5, const Loc& loc = Loc::current());
+namespace detail {
+/// batch_norm as the BatchNorm modules run it: also counts the batch in `num_batches_tracked`
+/// (i64 0-d, may be undefined) in the same evaluation as the running statistics, and momentum
+/// nullopt is the cumulative average (factor 1 / num_batches_tracked, a graph value).
+Tensor batch_norm_tracked(const Tensor& x, const Tensor& running_mean, const Tensor& running_var,
+                          const Tensor& num_batches_tracked, const Tensor& weight,
+                          const Tensor& bias, bool training, std::optional<double> momentum,
+                          double eps, const Loc& loc);
+}  // namespace detail
+/// Normalizes each of `groups` groups of channels of [N, C, ...] over its channels and the other
+/// axes, then applies the per-channel weight and bias ([C], optional); statistics in f32.
+Tensor group_norm(const Tensor& x, int64_t groups, const Tensor& weight = Tensor(),
+                  const Tensor& bias = Tensor(), double eps = 1e-5,
+                  const Loc& loc = Loc::current());
+/// Each (sample, channel) normalized over its spatial axes (torch's instance_norm without running
+/// statistics, the default of its modules): group_norm with one channel per group.
+Tensor instance_norm(const Tensor& x, const Tensor& weight = Tensor(),
+                     const Tensor& bias = Tensor(), double eps = 1e-5,
+                     const Loc& loc = Loc::current());
+
+enum class InterpolateMode { Nearest, Bilinear };
+struct InterpolateOptions {
+  std::vector<int64_t> size{};         // the output's spatial sizes, or
+  std::vector<double> scale_factor{};  // a factor per spatial axis (one for all)
+  InterpolateMode mode = InterpolateMode::Nearest;
+  bool align_corners = false;  // bilinear only: the corner pixels' centers map onto each other
+};
+/// torch.nn.functional.interpolate of [N, C, ...spatial] (nearest: 1 or 2 spatial axes; bilinear:
+/// 2), with PyTorch's source-index formulas (a given scale_factor is used for the mapping, as
+/// PyTorch does without recompute_scale_factor).
+Tensor interpolate(const Tensor& x, const InterpolateOptions& options,
+                   const Loc& loc = Loc::current());
+
+/// Zeroes whole channels of [N, C, ...] with probability p and scales the rest by 1/(1-p) when
+/// training, as torch's dropout2d.
+Tensor dropout2d(const Tensor& x, double p, bool training = true, Generator* gen = nullptr,
+                 const Loc& loc = Loc::current());
+
+}  // namespace mixtape

@@ -1,0 +1,218 @@
+// mixtape/precision_policy/assign.cpp -- the precision pass: asks each node's policy and records
+// its answer.
+#include "mixtape/precision_policy/assign.h"
+
+#include <algorithm>
+#include <array>
+#include <optional>
+#include <string_view>
+#include <unordered_map>
+
+#include "mixtape/dsl/error.h"
+#include "mixtape/precision_policy/policy.h"
+
+namespace mixtape {
+namespace {
+
+// A scalar constant, possibly broadcast or reshaped: like a Python number in PyTorch, it does
+// not widen the type of the op it meets.
+bool is_scalar_constant(const Node& node) {
+  if (node.op == OpCode::Full) return true;
+  if ((node.op == OpCode::BroadcastTo || node.op == OpCode::Reshape) && !node.inputs.empty())
+    return is_scalar_constant(*node.inputs[0]);
+  return false;
+}
+
+using Rule = std::shared_ptr<const std::string>;
+
+void keep_traced(Node& node, const Rule& rule) {
+  node.storage = node.compute = node.dtype;
+  node.accum = node.dtype == f64 ? f64 : f32;
+  node.precision_rule = rule;
+}
+
+Rule shared_rule(const char* text) { return std::make_shared<const std::string>(text); }
+
+struct Decision {
+  DType storage, compute, accum;
+  Rule rule;
+};
+
+// Answers of pure policies by their query (policy id, op, types, inputs, module path,
+// composite, pass): a traced step asks the same few hundred questions every step. The fixed
+// part of a query packs into a few words; a node with more floating inputs than they hold is
+// asked directly. Per thread, so no lock; dropped whole when it grows past any real model's
+// count of distinct queries.
+struct QueryWords {
+  uint64_t policy = 0;
+  const char* composite = nullptr;  // string literals of dsl/functional.cpp: one address per name
+  uint64_t inputs = 0;  // per floating input, 4 bits: its storage and whether it is a scalar
+  uint64_t node = 0;    // op, forward op, dtype, pass and the count of floating inputs
+  bool operator==(const QueryWords&) const = default;
+};
+struct QueryView {
+  QueryWords words;
+  std::string_view module_path;
+};
+struct QueryKey {
+  QueryWords words;
+  std::string module_path;
+};
+struct QueryHash {
+  using is_transparent = void;
+  size_t operator()(const QueryView& q) const {
+    uint64_t h = std::hash<std::string_view>{}(q.module_path);
+    for (uint64_t w : {q.words.policy, reinterpret_cast<uint64_t>(q.words.composite),
+                       q.words.inputs, q.words.node})
+      h = (h ^ w) * 0x9E3779B97F4A7C15ull ^ (h >> 29);
+    return static_cast<size_t>(h);
+  }
+  size_t operator()(const QueryKey& q) const { return (*this)(QueryView{q.words, q.module_path}); }
+};
+struct QueryEqual {
+  using is_transparent = void;
+  static QueryView view(const QueryKey& q) { return {q.words, q.module_path}; }
+  static const QueryView& view(const QueryView& q) { return q; }
+  template <typename A, typename B>
+  bool operator()(const A& a, const B& b) const {
+    const QueryView &x = view(a), &y = view(b);
+    return x.words == y.words && x.module_path == y.module_path;
+  }
+};
+thread_local std::unordered_map<QueryKey, Decision, QueryHash, QueryEqual> answers;
+constexpr size_t kMaxAnswers = 1 << 14;
+constexpr size_t kMaxKeyedInputs = 16;
+
+// The query_of(node) a pure policy's answer is cached under, made without building the query
+// (a cached answer needs none); nullopt for a node with too many floating inputs to pack.
+std::optional<QueryView> query_key(const Policy& policy, const Node& node) {
+  QueryView key{{policy.id(), node.composite, 0, 0}, node.module_path};
+  uint64_t floating = 0;
+  for (const NodePtr& input : node.inputs) {
+    if (!is_floating(input->dtype)) continue;
+    if (floating == kMaxKeyedInputs) return std::nullopt;
+    uint64_t bits = static_cast<uint64_t>(input->storage) << 1 | is_scalar_constant(*input);
+    key.words.inputs |= bits << (4 * floating++);
+  }
+  key.words.node = static_cast<uint64_t>(node.op) | static_cast<uint64_t>(node.forward_op) << 16 |
+                   uint64_t{static_cast<uint8_t>(node.dtype)} << 32 |
+                   uint64_t{node.backward} << 40 | floating << 48;
+  return key;
+}
+
+// What the policy is asked about `node`: its op, types, floating inputs and where it was made.
+PrecisionQuery query_of(const Node& node) {
+  PrecisionQuery query{node.op,
+                       op_info(node.op).category,
+                       node.dtype,
+                       {},
+                       {},
+                       node.module_path,
+                       node.composite,
+                       node.backward,
+                       node.forward_op};
+  for (const NodePtr& input : node.inputs)
+    if (is_floating(input->dtype)) {
+      query.input_storage.push_back(input->storage);
+      query.input_is_scalar.push_back(is_scalar_constant(*input));
+    }
+  return query;
+}
+
+Decision decide(const Policy& policy, const PrecisionQuery& query) {
+  Precision decided = policy.decide(query);
+  for (DType t : {decided.storage, decided.compute, decided.accum})
+    if (!is_floating(t))
+      fail("policy '{}' gave the floating-point node {} a non-float precision {}", policy.name(),
+           op_name(query.op), name(t));
+  return {decided.storage, decided.compute, decided.accum,
+          std::make_shared<const std::string>(std::move(decided.rule))};
+}
+
+// The answers the last pass over a graph of each size took, in the order it asked: the traced
+// loop passes over the same graph every step, so the answer at the same position is almost
+// always the one wanted, and comparing its key costs less than hashing the query and walking a
+// bucket. A few sizes are kept (a training step evaluates a graph or two); a miss asks the map.
+using Answer = std::pair<const QueryKey, Decision>;
+struct Trail {
+  size_t graph_size = 0;
+  std::vector<const Answer*> answers;  // by position among the keyed questions; null: none
+};
+thread_local std::array<Trail, 4> trails;
+thread_local size_t next_trail = 0;
+
+Trail& trail_for(size_t graph_size) {
+  for (Trail& trail : trails)
+    if (trail.graph_size == graph_size) return trail;
+  Trail& trail = trails[next_trail++ % trails.size()];
+  trail.graph_size = graph_size;
+  trail.answers.clear();
+  return trail;
+}
+
+// The cached answer to `key`, asked as the `position`-th keyed question of a pass over `trail`.
+const Answer& answer(Trail& trail, size_t position, const QueryView& key, const Policy& policy,
+                     const Node& node) {
+  if (position < trail.answers.size()) {
+    const Answer* expected = trail.answers[position];
+    if (expected && QueryEqual{}(expected->first, key)) return *expected;
+  }
+  auto found = answers.find(key);
+  if (found == answers.end()) {
+    if (answers.size() >= kMaxAnswers) {
+      answers.clear();
+      for (Trail& t : trails) std::fill(t.answers.begin(), t.answers.end(), nullptr);
+    }
+    found = answers
+                .emplace(QueryKey{key.words, std::string(key.module_path)},
+                         decide(policy, query_of(node)))
+                .first;
+  }
+  if (position >= trail.answers.size()) trail.answers.resize(position + 1, nullptr);
+  trail.answers[position] = &*found;
+  return *found;
+}
+}  // namespace
+
+void assign_precision(const std::vector<Node*>& order) {
+  static const Rule not_float = shared_rule("not a floating-point value"),
+                    f64_kept = shared_rule("f64 is never lowered"),
+                    no_policy = shared_rule("no policy: as traced"),
+                    leaf_data = shared_rule("leaf data keeps its dtype");
+  Trail& trail = trail_for(order.size());
+  size_t position = 0;
+  for (Node* node : order) {
+    if (node->precision_assigned) continue;
+    node->precision_assigned = true;
+    if (!is_floating(node->dtype)) {
+      keep_traced(*node, not_float);
+    } else if (node->dtype == f64) {
+      keep_traced(*node, f64_kept);
+    } else if (!node->policy) {
+      keep_traced(*node, no_policy);
+    } else if (node->op == OpCode::Constant) {
+      // Data already exists; its storage is what it holds.
+      keep_traced(*node, leaf_data);
+      node->storage = node->compute = node->value ? node->value->dtype : node->dtype;
+    } else {
+      const Policy& policy = *node->policy;
+      std::optional<QueryView> key;
+      if (policy.pure()) key = query_key(policy, *node);
+      if (key) {
+        const Decision& decided = answer(trail, position++, *key, policy, *node).second;
+        node->storage = decided.storage;
+        node->compute = decided.compute;
+        node->accum = decided.accum;
+        node->precision_rule = decided.rule;
+      } else {
+        Decision decided = decide(policy, query_of(*node));
+        node->storage = decided.storage;
+        node->compute = decided.compute;
+        node->accum = decided.accum;
+        node->precision_rule = std::move(decided.rule);
+      }
+    }
+  }
+}
+
+}  // namespace mixtape

@@ -1,0 +1,207 @@
+// mixtape/precision_policy/policy.cpp -- the built-in policies and the override mechanism.
+#include "mixtape/precision_policy/policy.h"
+
+#include <atomic>
+
+#include "mixtape/dsl/composites.h"
+#include "mixtape/dsl/error.h"
+
+namespace mixtape {
+namespace {
+
+DType widest_input(const PrecisionQuery& q) {
+  std::optional<DType> widest;
+  for (size_t i = 0; i < q.input_storage.size(); ++i)
+    if (!q.input_is_scalar[i])
+      widest = widest ? promote(*widest, q.input_storage[i]) : q.input_storage[i];
+  return widest.value_or(q.traced);
+}
+
+std::string subject(const PrecisionQuery& q) {
+  std::string op = op_name(q.op);
+  if (q.backward) op = fmt::format("{} (gradient of {})", op, op_name(q.forward_op));
+  return op;
+}
+
+// The category-driven rules shared by autocast and pure policies.
+class CategoryPolicy : public Policy {
+ public:
+  CategoryPolicy(std::string name, DType half, bool pure)
+      : Policy(std::move(name)), half_(half), pure_(pure) {}
+
+  bool pure() const override { return true; }
+  Precision decide(const PrecisionQuery& q) const override {
+    const std::string& who = name();
+    if (q.op == OpCode::Cast && !q.backward)
+      return {q.traced, q.traced, f32, fmt::format("{}: explicit cast keeps its dtype", who)};
+    if (op_info(q.op).kind == OpKind::Leaf)
+      return {q.traced, q.traced, f32, fmt::format("{}: leaf keeps its traced dtype", who)};
+    // Composites autocast runs as a whole (dsl/composites.def): PyTorch's fp32 list (softmax,
+    // norms, every loss) in f32, and linear in the half type.
+    const Category whole = composite::category(q.composite);
+    if (whole == Category::Fp32)
+      return {f32, f32, f32, fmt::format("{}: inside {}, which runs in f32", who, q.composite)};
+    if (whole == Category::LowOk)
+      return {half_, half_, f32,
+              fmt::format("{}: inside {}, which runs in {} with f32 accumulation", who, q.composite,
+                          name_of(half_))};
+    Category category = q.backward ? op_info(q.forward_op).category : q.category;
+    const char* why = q.backward ? " (the precision of the forward op)" : "";
+    DType widest = widest_input(q);
+    switch (category) {
+      case Category::LowOk:
+        return {half_, half_, f32,
+                fmt::format("{}: {} is low-precision safe: {} inputs, f32 accumulation{}", who,
+                            subject(q), name_of(half_), why)};
+      case Category::Fp32:
+        return {f32, f32, f32, fmt::format("{}: {} needs f32{}", who, subject(q), why)};
+      case Category::Fp32Accum:
+        return {f32, widest, f32,
+                fmt::format("{}: {} accumulates and stores in f32{}", who, subject(q), why)};
+      case Category::Promote:
+      case Category::Follow:
+        if (pure_)
+          return {half_, half_, f32,
+                  fmt::format("{}: {} runs in {}{}", who, subject(q), name_of(half_), why)};
+        return {widest, widest, f32,
+                fmt::format("{}: {} takes its widest input type {}{}", who, subject(q),
+                            name_of(widest), why)};
+    }
+    return {q.traced, q.traced, f32, who};
+  }
+
+ private:
+  static std::string name_of(DType t) { return std::string(mixtape::name(t)); }
+  DType half_;
+  bool pure_;
+};
+
+class Fp32Policy : public Policy {
+ public:
+  Fp32Policy() : Policy("fp32") {}
+  bool pure() const override { return true; }
+  Precision decide(const PrecisionQuery& q) const override {
+    return {q.traced, q.traced, q.traced == f64 ? f64 : f32, "fp32: as traced"};
+  }
+};
+
+DType check_half(DType half, const char* what) {
+  if (!is_half(half))
+    fail("{}: the low-precision type must be f16 or bf16, got {}", what, name(half));
+  return half;
+}
+
+bool glob_match(const char* glob, const char* path) {
+  // Components are separated by '.'; '*' matches within one component, '**' across them.
+  if (*glob == '\0') return *path == '\0' || *path == '.';
+  if (glob[0] == '*' && glob[1] == '*') {
+    // "**." also stands for no components at all: "**.qkv" matches a top-level "qkv".
+    if (glob[2] == '.' && glob_match(glob + 3, path)) return true;
+    for (const char* p = path;; ++p) {
+      if (glob_match(glob + 2, p)) return true;
+      if (*p == '\0') return false;
+    }
+  }
+  if (*glob == '*') {
+    for (const char* p = path;; ++p) {
+      if (glob_match(glob + 1, p)) return true;
+      if (*p == '\0' || *p == '.') return false;
+    }
+  }
+  return *path != '\0' && *glob == *path && glob_match(glob + 1, path + 1);
+}
+
+}  // namespace
+
+PolicyPtr fp32_policy() {
+  static PolicyPtr policy = std::make_shared<Fp32Policy>();
+  return policy;
+}
+
+PolicyPtr autocast_policy(DType half) {
+  check_half(half, "autocast_policy");
+  return std::make_shared<CategoryPolicy>(fmt::format("autocast-{}", name(half)), half, false);
+}
+
+PolicyPtr pure_policy(DType half) {
+  check_half(half, "pure_policy");
+  return std::make_shared<CategoryPolicy>(fmt::format("pure-{}", name(half)), half, true);
+}
+
+PolicyPtr policy_by_name(const std::string& text) {
+  if (text == "fp32") return fp32_policy();
+  if (text == "autocast-f16") return autocast_policy(f16);
+  if (text == "autocast-bf16") return autocast_policy(bf16);
+  if (text == "pure-f16") return pure_policy(f16);
+  if (text == "pure-bf16") return pure_policy(bf16);
+  fail("unknown policy '{}' (expected fp32, autocast-f16, autocast-bf16, pure-f16, pure-bf16)",
+       text);
+}
+
+bool module_path_matches(const std::string& glob, const std::string& path) {
+  return !glob.empty() && glob_match(glob.c_str(), path.c_str());
+}
+
+Policy::Policy(std::string name) : name_(std::move(name)) {
+  static std::atomic<uint64_t> made{0};
+  id_ = ++made;
+}
+
+OverridePolicy::OverridePolicy(PolicyPtr base)
+    : Policy(base ? base->name() + "+overrides" : ""), base_(std::move(base)) {
+  if (!base_) fail("OverridePolicy: the base policy is null");
+  pure_ = base_->pure();
+}
+
+OverridePolicy& OverridePolicy::module(const std::string& glob, PolicyPtr policy) {
+  if (glob.empty() || !policy) fail("OverridePolicy::module: needs a pattern and a policy");
+  return add(
+      fmt::format("module '{}' -> {}", glob, policy->name()),
+      [glob, policy](const PrecisionQuery& q) -> std::optional<Precision> {
+        if (!module_path_matches(glob, q.module_path)) return std::nullopt;
+        return policy->decide(q);
+      },
+      policy->pure());
+}
+
+OverridePolicy& OverridePolicy::op(OpCode op, PolicyPtr policy) {
+  if (!policy) fail("OverridePolicy::op: the policy is null");
+  return add(
+      fmt::format("op {} -> {}", op_name(op), policy->name()),
+      [op, policy](const PrecisionQuery& q) -> std::optional<Precision> {
+        if (q.op != op && !(q.backward && q.forward_op == op)) return std::nullopt;
+        return policy->decide(q);
+      },
+      policy->pure());
+}
+
+OverridePolicy& OverridePolicy::rule(std::string description, Rule rule) {
+  return add(std::move(description), std::move(rule), false);
+}
+
+OverridePolicy& OverridePolicy::add(std::string description, Rule rule, bool pure) {
+  if (!rule) fail("OverridePolicy::rule: the rule '{}' is empty", description);
+  rules_.emplace_back(std::move(description), std::move(rule));
+  pure_ = pure_ && pure;
+  return *this;
+}
+
+Precision OverridePolicy::decide(const PrecisionQuery& q) const {
+  for (const auto& [description, rule] : rules_)
+    if (std::optional<Precision> decided = rule(q)) {
+      decided->rule = fmt::format("override {}: {}", description, decided->rule);
+      return *decided;
+    }
+  return base_->decide(q);
+}
+
+autocast::autocast(DType half) : autocast(autocast_policy(half)) {}
+autocast::autocast(PolicyPtr policy) {
+  if (!policy) fail("autocast: the policy is null (use autocast(false) to disable)");
+  previous_ = exchange_current_policy(std::move(policy));
+}
+autocast::autocast(bool enabled)
+    : previous_(exchange_current_policy(enabled ? current_policy() : nullptr)) {}
+autocast::~autocast() { exchange_current_policy(std::move(previous_)); }
+
+}  // namespace mixtape

@@ -1,0 +1,113 @@
+// mixtape/precision_policy/policy.h -- precision policies: the Policy interface, built-ins,
+// overrides and the mt::autocast scope.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/node.h"
+
+namespace mixtape {
+
+/// What a policy sees of one floating-point node when it decides its precision.
+struct PrecisionQuery {
+  OpCode op;
+  Category category;                  // op_info(op).category
+  DType traced;                       // the dtype tracing gave the node
+  std::vector<DType> input_storage;   // storage of its floating data inputs, already decided
+  std::vector<bool> input_is_scalar;  // inputs that are broadcast scalar constants (weak types)
+  const std::string& module_path;
+  const char* composite;  // the outermost composite op that made the node (softmax...), or null
+  bool backward;          // made by autograd ...
+  OpCode forward_op;      // ... to differentiate a node of this op
+};
+
+/// A node's precision: storage of its value, the type its float inputs are rounded to, the type
+/// its reductions/matmuls accumulate in, and the rule that decided it (shown in reports).
+struct Precision {
+  DType storage;
+  DType compute;
+  DType accum;
+  std::string rule;
+};
+
+/// Decides each node's precision. Users extend mixtape by implementing decide().
+class Policy {
+ public:
+  explicit Policy(std::string name);
+  virtual ~Policy() = default;
+  virtual Precision decide(const PrecisionQuery& node) const = 0;
+  /// True when decide() depends on its query alone (no state, no side effects): the precision
+  /// pass then asks once per distinct query and reuses the answer, so that the loop traced every
+  /// step does not format every node's rule again. mixtape's policies are; a user's may say so.
+  virtual bool pure() const { return false; }
+  const std::string& name() const { return name_; }
+  /// Unique to this object for the process's life (caches key on it, not on an address).
+  uint64_t id() const { return id_; }
+
+ private:
+  std::string name_;
+  uint64_t id_;
+};
+
+using PolicyPtr = std::shared_ptr<const Policy>;
+
+/// Every node as traced (f32 for a float model).
+PolicyPtr fp32_policy();
+/// PyTorch-style autocast: matmuls in `half` with f32 accumulation; exp/log/pow/tanh/erf/rsqrt,
+/// softmax, norms and losses in f32; reductions accumulate in f32 and give f32; other ops take
+/// the widest type of their inputs. Parameters stay f32 and are rounded to half where used.
+PolicyPtr autocast_policy(DType half);
+/// O2-style: `half` everywhere except fp32-compute ops, reductions, norms, softmax and losses;
+/// parameters stay f32 masters and are rounded to half where used.
+PolicyPtr pure_policy(DType half);
+/// "fp32", "autocast-f16", "autocast-bf16", "pure-f16", "pure-bf16"; mt::Error otherwise.
+PolicyPtr policy_by_name(const std::string& name);
+
+/// A base policy with overrides, tried in the order added; the first that matches decides.
+class OverridePolicy : public Policy {
+ public:
+  using Rule = std::function<std::optional<Precision>(const PrecisionQuery&)>;
+  explicit OverridePolicy(PolicyPtr base);
+  /// Nodes made inside modules whose path matches `glob` use `policy`. `*` matches one path
+  /// component, `**` any number; a pattern matches a module and everything inside it.
+  OverridePolicy& module(const std::string& glob, PolicyPtr policy);
+  /// Nodes of `op` (or gradient nodes of it) use `policy`.
+  OverridePolicy& op(OpCode op, PolicyPtr policy);
+  /// Any callable; returning nullopt passes the node on.
+  OverridePolicy& rule(std::string description, Rule rule);
+  Precision decide(const PrecisionQuery& node) const override;
+  /// Pure when its base and every module()/op() policy are and no rule() was added.
+  bool pure() const override { return pure_; }
+
+ private:
+  OverridePolicy& add(std::string description, Rule rule, bool pure);
+  PolicyPtr base_;
+  std::vector<std::pair<std::string, Rule>> rules_;
+  bool pure_;
+};
+
+/// True when `path` is a module matched by `glob` or inside one ("blocks.*.attn" matches
+/// "blocks.3.attn" and "blocks.3.attn.qkv").
+bool module_path_matches(const std::string& glob, const std::string& path);
+
+/// Scoped policy for the nodes made while it lives (DESIGN.md: `mt::autocast guard(mt::f16)`).
+/// Scopes nest; autocast(false) turns mixed precision off inside an autocast region.
+class autocast {
+ public:
+  explicit autocast(DType half);
+  explicit autocast(PolicyPtr policy);
+  explicit autocast(bool enabled);
+  ~autocast();
+  autocast(const autocast&) = delete;
+  autocast& operator=(const autocast&) = delete;
+
+ private:
+  PolicyPtr previous_;
+};
+
+}  // namespace mixtape

@@ -1,0 +1,97 @@
+// mixtape/precision_policy/report.cpp -- collects the graph's precision decisions as a table and as
+// JSON.
+#include "mixtape/precision_policy/report.h"
+
+#include <algorithm>
+#include <unordered_map>
+
+#include "mixtape/dsl/json.h"
+#include "mixtape/precision_policy/assign.h"
+
+namespace mixtape {
+
+PrecisionReport precision_report(const std::vector<Tensor>& outputs) {
+  std::vector<NodePtr> roots;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (!outputs[i].defined()) fail("precision_report: output {} is undefined", i);
+    roots.push_back(outputs[i].node());
+  }
+  std::vector<Node*> nodes = nodes_in_tape_order(roots);
+  assign_precision(nodes);
+  PrecisionReport report;
+  for (Node* n : nodes)
+    report.rows.push_back({n->id, op_name(n->op), n->module_path, n->shape, n->dtype, n->storage,
+                           n->compute, n->accum, n->backward,
+                           n->precision_rule ? *n->precision_rule : std::string()});
+  return report;
+}
+
+std::string PrecisionReport::table() const {
+  std::string out =
+      fmt::format("{:>6}  {:<14} {:<22} {:<16} {:<7} {:<7} {:<7} {:<5}  {}\n", "id", "op", "module",
+                  "shape", "storage", "compute", "accum", "pass", "rule");
+  for (const PrecisionRow& r : rows)
+    out += fmt::format("{:>6}  {:<14} {:<22} {:<16} {:<7} {:<7} {:<7} {:<5}  {}\n", r.id, r.op,
+                       r.module_path.empty() ? "-" : r.module_path, to_string(r.shape),
+                       name(r.storage), name(r.compute), name(r.accum), r.backward ? "bwd" : "fwd",
+                       r.rule);
+  return out;
+}
+
+std::string PrecisionReport::summary() const {
+  struct Tally {
+    std::string module;
+    DType storage, compute;
+    int64_t forward = 0, backward = 0;
+  };
+  std::vector<Tally> all;
+  auto count = [](std::vector<Tally>& tallies, const std::string& module, const PrecisionRow& r) {
+    auto it = std::find_if(tallies.begin(), tallies.end(), [&](const Tally& t) {
+      return t.module == module && t.storage == r.storage && t.compute == r.compute;
+    });
+    if (it == tallies.end()) it = tallies.insert(tallies.end(), {module, r.storage, r.compute});
+    ++(r.backward ? it->backward : it->forward);
+  };
+  // Grouped by module in order of first appearance, so a module's pairs sit together.
+  std::unordered_map<std::string, size_t> module_index;
+  std::vector<std::vector<Tally>> by_module;
+  for (const PrecisionRow& r : rows) {
+    std::string module = r.module_path.empty() ? "-" : r.module_path;
+    auto [it, added] = module_index.try_emplace(module, by_module.size());
+    if (added) by_module.emplace_back();
+    count(by_module[it->second], module, r);
+    count(all, "(all)", r);
+  }
+  std::vector<Tally> per_module;
+  for (const std::vector<Tally>& tallies : by_module)
+    per_module.insert(per_module.end(), tallies.begin(), tallies.end());
+  per_module.insert(per_module.end(), all.begin(), all.end());
+  size_t width = 6;
+  for (const Tally& t : per_module) width = std::max(width, t.module.size());
+  std::string out = fmt::format("{:<{}}  {:<7} {:<7} {:>8} {:>8}\n", "module", width, "storage",
+                                "compute", "forward", "backward");
+  for (const Tally& t : per_module)
+    out += fmt::format("{:<{}}  {:<7} {:<7} {:>8} {:>8}\n", t.module, width, name(t.storage),
+                       name(t.compute), t.forward, t.backward);
+  return out;
+}
+
+std::string PrecisionReport::json() const {
+  json::Array nodes;
+  for (const PrecisionRow& r : rows) {
+    json::Array shape(r.shape.begin(), r.shape.end());
+    nodes.push_back(json::Object{{"id", r.id},
+                                 {"op", r.op},
+                                 {"module", r.module_path},
+                                 {"shape", std::move(shape)},
+                                 {"traced", name(r.traced)},
+                                 {"storage", name(r.storage)},
+                                 {"compute", name(r.compute)},
+                                 {"accum", name(r.accum)},
+                                 {"pass", r.backward ? "backward" : "forward"},
+                                 {"rule", r.rule}});
+  }
+  return json::dump(json::Object{{"nodes", std::move(nodes)}});
+}
+
+}  // namespace mixtape

@@ -1,0 +1,396 @@
+// mixtape/runtime/aot_plan.cpp -- writes a replay plan as JSON and rebuilds it, at any allowed
+// batch size.
+#include "mixtape/runtime/aot_plan.h"
+
+#include <algorithm>
+#include <bit>
+#include <unordered_map>
+
+#include "mixtape/codegen/hash.h"
+#include "mixtape/dsl/error.h"
+#include "mixtape/dsl/graph.h"
+#include "mixtape/runtime/cpu_executor.h"
+
+namespace mixtape::aot {
+namespace {
+
+using json::Array;
+using json::Object;
+using json::Value;
+
+// Doubles travel as their bits: fill values may be infinite or NaN, which JSON cannot hold.
+Value double_bits(double d) { return std::bit_cast<int64_t>(d); }
+double from_bits(const Value& v) { return std::bit_cast<double>(v.as_int()); }
+
+Value int_array(const std::vector<int64_t>& values) {
+  Array a;
+  for (int64_t v : values) a.emplace_back(v);
+  return a;
+}
+std::vector<int64_t> ints(const Value& v) {
+  std::vector<int64_t> out;
+  for (const Value& e : v.as_array()) out.push_back(e.as_int());
+  return out;
+}
+
+const std::unordered_map<std::string, OpCode>& ops_by_name() {
+  static const std::unordered_map<std::string, OpCode> ops = [] {
+    std::unordered_map<std::string, OpCode> m;
+    for (int i = 0; i < op_count(); ++i) m.emplace(op_name(static_cast<OpCode>(i)), OpCode(i));
+    return m;
+  }();
+  return ops;
+}
+
+// A dim at the traced batches: an integer when it does not change, else [base, per_batch].
+Value dim_value(const std::vector<TracedPlan>& traced, const std::vector<int64_t>& at,
+                const Node& node) {
+  bool same = std::all_of(at.begin(), at.end(), [&](int64_t d) { return d == at[0]; });
+  if (same) return at[0];
+  int64_t db = traced[1].batch - traced[0].batch, dd = at[1] - at[0];
+  int64_t per_batch = db != 0 ? dd / db : 0;
+  int64_t base = at[0] - per_batch * traced[0].batch;
+  for (size_t t = 0; t < traced.size(); ++t)
+    if (dd % db != 0 || base + per_batch * traced[t].batch != at[t])
+      fail(
+          "a dynamic batch needs every shape to grow linearly with the batch: {} is {} at batch "
+          "{} and {} at batch {}",
+          describe(node), to_string(node.shape), traced[0].batch, at[t], traced[t].batch);
+  if (base < 0 || per_batch < 0)
+    fail("a dynamic batch needs shapes that grow with the batch: {}", describe(node));
+  return Array{base, per_batch};
+}
+
+int64_t dim_at(const Value& v, int64_t batch) {
+  if (v.is_integer()) return v.as_int();
+  return v.at(0).as_int() + v.at(1).as_int() * batch;
+}
+
+// Attribute values in the plan, by their type in dsl/attrs.def. Doubles travel as their bits;
+// 64-bit seeds as decimal strings, which every JSON reader keeps exact.
+Value attr_value(const Ints& list) { return int_array(list); }
+Value attr_value(bool b) { return b; }
+Value attr_value(int64_t i) { return i; }
+Value attr_value(double d) { return double_bits(d); }
+Value attr_value(uint64_t u) { return std::to_string(u); }
+void read_attr(const Value& v, Ints& list) { list = ints(v); }
+void read_attr(const Value& v, bool& b) { b = v.as_bool(); }
+void read_attr(const Value& v, int64_t& i) { i = v.as_int(); }
+void read_attr(const Value& v, double& d) { d = from_bits(v); }
+void read_attr(const Value& v, uint64_t& u) { u = std::stoull(v.as_string()); }
+
+// Every attribute of dsl/attrs.def that differs from its default (launch-time ones included: the
+// plan replays them). A custom op's vjp (C++ code, which no file can carry) is left out: a plan
+// replays a traced step, whose backward pass the vjp already wrote as nodes, and the custom node
+// itself is its forward value.
+Value attrs_value(const Node& node) {
+  const Attrs& a = node.attrs;
+  static const Attrs defaults;
+  Object o;
+#define MT_ATTR(type, name, default_value, hashed, ops) \
+  if (!same_attr(a.name, defaults.name)) o.emplace_back(#name, attr_value(a.name));
+#include "mixtape/dsl/attrs.def"
+  return o;
+}
+
+Attrs attrs_from(const Value& v) {
+  Attrs a;
+#define MT_ATTR(type, name, default_value, hashed, ops) \
+  if (auto* x = v.find(#name)) read_attr(*x, a.name);
+#include "mixtape/dsl/attrs.def"
+  return a;
+}
+
+// The nodes of evaluation `e` in the order the document numbers them: the externals (leaves)
+// first, then the pending nodes in tape order.
+std::vector<Node*> numbered_nodes(const PlannedEvaluation& planned) {
+  std::vector<Node*> nodes(planned.eval.executed.sig.externals);
+  nodes.insert(nodes.end(), planned.eval.pending_raw.begin(), planned.eval.pending_raw.end());
+  return nodes;
+}
+
+}  // namespace
+
+bool serves_smaller_dim0(const kir::Kernel& kernel) {
+  return !kernel.multi_tensor && !kernel.dims.empty() && kernel.reduce_from != 0;
+}
+
+std::string kernel_key(const kir::Kernel& kernel) {
+  if (!serves_smaller_dim0(kernel)) return kernel.name;
+  kir::Kernel general = kernel;
+  general.name.clear();
+  general.dims[0] = 0;
+  return "mt_" + hash_string(kir::to_string(general)).hex();
+}
+
+Value plan_to_json(const std::vector<TracedPlan>& traced,
+                   std::vector<std::pair<StoragePtr, PlanBuffer>>& buffers) {
+  const Plan& plan = *traced[0].plan;
+  for (const TracedPlan& t : traced)
+    if (t.plan->evals.size() != plan.evals.size() || t.plan->results != plan.results)
+      fail("the step makes different evaluations at batch {} and batch {}", traced[0].batch,
+           t.batch);
+  auto buffer_index = [&](const StoragePtr& storage) -> int64_t {
+    for (size_t k = 0; k < buffers.size(); ++k)
+      if (buffers[k].first == storage) return static_cast<int64_t>(k);
+    buffers.push_back({storage, PlanBuffer{"", storage->dtype, {storage->count}}});
+    return static_cast<int64_t>(buffers.size() - 1);
+  };
+  Array evaluations;
+  for (size_t e = 0; e < plan.evals.size(); ++e) {
+    const PlannedEvaluation& planned = plan.evals[e];
+    if (planned.eval.device != Device::cpu) fail("an artifact's plan runs on the cpu device");
+    std::vector<std::vector<Node*>> nodes_at;
+    for (const TracedPlan& t : traced) {
+      nodes_at.push_back(numbered_nodes(t.plan->evals[e]));
+      if (nodes_at.back().size() != nodes_at[0].size() ||
+          t.plan->evals[e].eval.executed.sig.externals.size() !=
+              planned.eval.executed.sig.externals.size())
+        fail(
+            "evaluation {} has different graphs at batch {} and batch {}: what it computes "
+            "depends on the batch size (a mean over the batch?), so it cannot take a dynamic "
+            "batch; export it at a fixed batch",
+            e, traced[0].batch, t.batch);
+    }
+    const std::vector<Node*>& nodes = nodes_at[0];
+    // Each trace's nodes by number, so that the traces can be compared edge by edge.
+    std::vector<std::unordered_map<const Node*, int64_t>> index_at(traced.size());
+    for (size_t t = 0; t < traced.size(); ++t)
+      for (size_t i = 0; i < nodes_at[t].size(); ++i)
+        index_at[t].emplace(nodes_at[t][i], static_cast<int64_t>(i));
+    const std::unordered_map<const Node*, int64_t>& index = index_at[0];
+    auto same_structure = [&](size_t t, size_t i) {
+      const Node &node = *nodes[i], &other = *nodes_at[t][i];
+      if (other.op != node.op || other.shape.size() != node.shape.size() ||
+          other.storage != node.storage || other.compute != node.compute ||
+          other.accum != node.accum || other.inputs.size() != node.inputs.size() ||
+          attrs_value(other) != attrs_value(node))
+        return false;
+      for (size_t k = 0; k < node.inputs.size(); ++k) {
+        auto a = index.find(node.inputs[k].get());
+        auto b = index_at[t].find(other.inputs[k].get());
+        if (a == index.end() || b == index_at[t].end() || a->second != b->second) return false;
+      }
+      if (i < planned.inputs.size()) {
+        const Binding &x = planned.inputs[i], &y = t == 0 ? x : traced[t].plan->evals[e].inputs[i];
+        // State and constants are the same buffers in every trace; a value an earlier
+        // evaluation of the same call stored is each trace's own.
+        if (x.arg != y.arg || x.at_call_start != y.at_call_start ||
+            (x.first_value && x.object != y.object))
+          return false;
+      }
+      return true;
+    };
+    size_t leaves = planned.eval.executed.sig.externals.size();
+    Array node_values;
+    for (size_t i = 0; i < nodes.size(); ++i) {
+      const Node& node = *nodes[i];
+      Object o;
+      o.emplace_back("op", op_name(node.op));
+      o.emplace_back("dtype", std::string(name(node.dtype)));
+      o.emplace_back("storage", std::string(name(node.storage)));
+      o.emplace_back("compute", std::string(name(node.compute)));
+      o.emplace_back("accum", std::string(name(node.accum)));
+      for (size_t t = 1; t < traced.size(); ++t)
+        if (!same_structure(t, i))
+          fail(
+              "{} differs between batch {} and batch {} by more than its shape: what it computes "
+              "depends on the batch size (a mean over the batch?), so it cannot take a dynamic "
+              "batch; export it at a fixed batch",
+              describe(node), traced[0].batch, traced[t].batch);
+      Array shape;
+      for (size_t d = 0; d < node.shape.size(); ++d) {
+        std::vector<int64_t> at;
+        for (size_t t = 0; t < traced.size(); ++t) at.push_back(nodes_at[t][i]->shape[d]);
+        shape.push_back(dim_value(traced, at, node));
+      }
+      o.emplace_back("shape", std::move(shape));
+      if (i < leaves) {
+        const Binding& binding = planned.inputs[i];
+        if (binding.arg >= 0)
+          o.emplace_back("arg", binding.arg);
+        else
+          o.emplace_back("buffer", buffer_index(binding.object));
+        if (binding.at_call_start) o.emplace_back("at_call_start", true);
+      } else {
+        Array inputs;
+        for (const NodePtr& input : node.inputs) {
+          auto found = index.find(input.get());
+          if (found == index.end()) fail("{} reads a value outside its evaluation", describe(node));
+          inputs.emplace_back(found->second);
+        }
+        o.emplace_back("inputs", std::move(inputs));
+        Object attrs = attrs_value(node).as_object();
+        if (!attrs.empty()) o.emplace_back("attrs", std::move(attrs));
+        if (node.requires_grad) o.emplace_back("requires_grad", true);
+      }
+      if (!node.module_path.empty()) o.emplace_back("module", node.module_path);
+      node_values.push_back(std::move(o));
+    }
+    Array stored;
+    const Signature& sig = planned.eval.executed.sig;
+    for (size_t j = 0; j < sig.stored.size(); ++j) {
+      Object s;
+      s.emplace_back("node", index.at(sig.stored[j]));
+      if (planned.result_slot[j] >= 0)
+        s.emplace_back("result", planned.result_slot[j]);
+      else if (planned.shares_with[j] >= 0)
+        s.emplace_back("shares_with", planned.shares_with[j]);
+      else
+        s.emplace_back("buffer", buffer_index(planned.eval.outputs[j]));
+      stored.push_back(std::move(s));
+    }
+    evaluations.push_back(Object{{"leaves", static_cast<int64_t>(leaves)},
+                                 {"nodes", std::move(node_values)},
+                                 {"stored", std::move(stored)}});
+  }
+  Array results;
+  for (const auto& [e, j] : plan.results) results.push_back(Array{e, j});
+  return Object{{"format", kPlanFormat},
+                {"multi_tensor", fusion_options(Device::cpu).multi_tensor},
+                {"results", std::move(results)},
+                {"evaluations", std::move(evaluations)}};
+}
+
+std::unique_ptr<Plan> plan_from_json(const Value& doc, int64_t batch,
+                                     const std::vector<StoragePtr>& buffers,
+                                     const KernelLoader& load, Device device) {
+  if (doc.at("format").as_string() != kPlanFormat)
+    fail("the plan's format is {}, this runtime reads {}", doc.at("format").as_string(),
+         kPlanFormat);
+  FusionOptions options = fusion_options(Device::cpu);
+  options.fuse = true;
+  options.multi_tensor = doc.at("multi_tensor").as_bool();
+  auto plan = std::make_unique<Plan>();
+  for (const Value& r : doc.at("results").as_array())
+    plan->results.emplace_back(static_cast<int>(r.at(0).as_int()),
+                               static_cast<int>(r.at(1).as_int()));
+  auto buffer = [&](const Value& v) -> const StoragePtr& {
+    int64_t k = v.as_int();
+    if (k < 0 || k >= static_cast<int64_t>(buffers.size()))
+      fail("the plan names buffer {} of {}", k, buffers.size());
+    return buffers[k];
+  };
+  const auto& ops = ops_by_name();
+  for (const Value& ev : doc.at("evaluations").as_array()) {
+    PlannedEvaluation planned;
+    Evaluation& e = planned.eval;
+    const Array& node_values = ev.at("nodes").as_array();
+    int64_t leaves = ev.at("leaves").as_int();
+    if (leaves < 0 || leaves > static_cast<int64_t>(node_values.size()))
+      fail("an evaluation of the plan has {} leaves of {} nodes", leaves, node_values.size());
+    std::vector<NodePtr> nodes;
+    std::unordered_map<const Node*, Binding> binding_of;
+    for (const Value& v : node_values) {
+      auto op = ops.find(v.at("op").as_string());
+      if (op == ops.end()) fail("the plan names an unknown op '{}'", v.at("op").as_string());
+      Shape shape;
+      for (const Value& d : v.at("shape").as_array()) shape.push_back(dim_at(d, batch));
+      bool leaf = static_cast<int64_t>(nodes.size()) < leaves;
+      std::vector<NodePtr> inputs;
+      Attrs attrs;
+      if (!leaf) {
+        for (const Value& i : v.at("inputs").as_array()) {
+          int64_t k = i.as_int();
+          if (k < 0 || k >= static_cast<int64_t>(nodes.size()))
+            fail("{} in the plan reads node {}, not one before it", op->first, k);
+          inputs.push_back(nodes[k]);
+        }
+        int arity = op_info(op->second).arity;
+        if (arity >= 0 && static_cast<int>(inputs.size()) != arity)
+          fail("{} in the plan has {} inputs, not {}", op->first, inputs.size(), arity);
+        if (const Value* a = v.find("attrs")) attrs = attrs_from(*a);
+      }
+      // A leaf keeps its op (it is a value an earlier evaluation or the user made), without
+      // the inputs that made it.
+      NodePtr node = make_node(op->second, parse_dtype(v.at("dtype").as_string()), std::move(shape),
+                               std::move(inputs), std::move(attrs), Loc::current());
+      node->storage = parse_dtype(v.at("storage").as_string());
+      node->compute = parse_dtype(v.at("compute").as_string());
+      node->accum = parse_dtype(v.at("accum").as_string());
+      node->precision_assigned = true;
+      node->requires_grad = v.find("requires_grad") != nullptr;
+      if (const Value* m = v.find("module")) node->module_path = m->as_string();
+      if (leaf) {
+        Binding binding;
+        if (const Value* arg = v.find("arg")) {
+          binding.arg = static_cast<int>(arg->as_int());
+          // Signing reads an external's value (its dtype); each replay binds the argument's.
+          node->value = std::make_shared<Storage>(node->storage, node->numel());
+        } else {
+          binding.object = buffer(v.at("buffer"));
+          if (binding.object->count != node->numel() || binding.object->dtype != node->storage)
+            fail("buffer {} of the plan holds {} {} values, its node is {}",
+                 v.at("buffer").as_int(), binding.object->count, name(binding.object->dtype),
+                 describe(*node));
+          node->value = binding.object;
+          binding.at_call_start = v.find("at_call_start") != nullptr;
+        }
+        binding_of.emplace(node.get(), binding);
+      }
+      nodes.push_back(std::move(node));
+    }
+    std::vector<Node*> required;
+    std::vector<NodePtr> held;  // the stored nodes, which keep every pending node alive
+    const Array& stored = ev.at("stored").as_array();
+    for (const Value& st : stored) {
+      int64_t k = st.at("node").as_int();
+      if (k < leaves || k >= static_cast<int64_t>(nodes.size()))
+        fail("the plan stores node {}, which its evaluation does not compute", k);
+      required.push_back(nodes[k].get());
+      held.push_back(nodes[k]);
+    }
+    // sign() stores the pending nodes that something besides their readers holds: only the
+    // stored ones may be held while it looks. A node nothing stored needs is not part of it.
+    std::vector<std::weak_ptr<Node>> computed(nodes.begin() + leaves, nodes.end());
+    std::vector<NodePtr> leaf_nodes(nodes.begin(), nodes.begin() + leaves);
+    nodes.clear();
+    for (const std::weak_ptr<Node>& node : computed)
+      if (!node.expired()) e.pending_raw.push_back(node.lock().get());
+    e.device = device;
+    e.executed.sig = sign_cpu(e.pending_raw, required, options);
+    for (Node* node : e.pending_raw) e.pending.push_back(node->shared_from_this());
+    const Signature& sig = e.executed.sig;
+    if (sig.stored != required)
+      fail("the plan's stored values do not match its graph ({} stored, {} asked for)",
+           sig.stored.size(), required.size());
+    e.executed.program = std::make_shared<const Program>(
+        build_program(e.pending_raw, options, e.executed.sig, load));
+    for (Node* external : sig.externals) {
+      auto found = binding_of.find(external);
+      if (found == binding_of.end())
+        fail("the plan's graph reads {} from outside its evaluation", describe(*external));
+      planned.inputs.push_back(found->second);
+    }
+    if (planned.inputs.size() != binding_of.size())
+      fail("the plan's evaluation has {} leaves, its graph reads {}", binding_of.size(),
+           planned.inputs.size());
+    for (size_t j = 0; j < stored.size(); ++j) {
+      const Value& s = stored[j];
+      int result = -1, shares = -1;
+      StoragePtr output;
+      if (const Value* r = s.find("result")) {
+        result = static_cast<int>(r->as_int());
+      } else if (const Value* w = s.find("shares_with")) {
+        shares = static_cast<int>(w->as_int());
+        if (shares < 0 || static_cast<size_t>(shares) >= j)
+          fail("stored value {} of the plan shares an unknown buffer", j);
+        output = e.outputs[shares];
+      } else {
+        output = buffer(s.at("buffer"));
+      }
+      planned.result_slot.push_back(result);
+      planned.shares_with.push_back(shares);
+      e.outputs.push_back(std::move(output));
+    }
+    planned.leaves = std::move(leaf_nodes);
+    plan->evals.push_back(std::move(planned));
+  }
+  for (const auto& [e, j] : plan->results)
+    if (e < 0 || e >= static_cast<int>(plan->evals.size()) || j < 0 ||
+        j >= static_cast<int>(plan->evals[e].result_slot.size()))
+      fail("the plan returns stored value {} of evaluation {}, which does not exist", j, e);
+  return plan;
+}
+
+}  // namespace mixtape::aot

@@ -1,0 +1,317 @@
+// mixtape/runtime/checkpoint.cpp -- maps modules, optimizers, scalers, generators and data loaders
+// onto safetensors entries, and checks what a load would restore before it changes anything.
+#include "mixtape/runtime/checkpoint.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cstring>
+#include <set>
+#include <string_view>
+
+#include "mixtape/dsl/convert.h"
+#include "mixtape/precision_policy/grad_scaler.h"
+#include "mixtape/runtime/safetensors.h"
+
+namespace mixtape {
+namespace {
+
+constexpr const char* kOptimizerPrefix = "optimizer.";
+constexpr const char* kScalerPrefix = "scaler.";
+constexpr const char* kGeneratorPrefix = "generator.";
+
+// The scaler's state tensors; its other entries (hyperparameters) travel as metadata.
+bool is_scaler_tensor(const std::string& name) {
+  return name == "scaler.scale" || name == "scaler.growth_tracker";
+}
+
+// The scaler state a file holds: its two tensors plus the "scaler." metadata as 0-d f64 values.
+NamedTensors scaler_state(const std::string& path, const NamedTensors& entries,
+                          const Metadata& metadata) {
+  NamedTensors state;
+  for (const auto& [key, value] : entries)
+    if (is_scaler_tensor(key)) state.emplace_back(key.substr(std::strlen(kScalerPrefix)), value);
+  for (const auto& [key, text] : metadata) {
+    if (key.rfind(kScalerPrefix, 0) != 0) continue;
+    double value = 0;
+    auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (text.empty() || ec != std::errc() || end != text.data() + text.size())
+      fail("load_checkpoint {}: metadata '{}' = '{}' is not a number", path, key, text);
+    state.emplace_back(key.substr(std::strlen(kScalerPrefix)), full({}, value, f64));
+  }
+  return state;
+}
+
+// The module path of each optimizer parameter, found by handle identity.
+std::vector<std::string> optimizer_param_names(const Module& module, const Optimizer& optimizer,
+                                               const std::string& path) {
+  NamedTensors named = module.named_parameters();
+  std::vector<std::string> names;
+  for (const Tensor& p : optimizer.params()) {
+    auto found =
+        std::find_if(named.begin(), named.end(), [&](auto& e) { return e.second.same(p); });
+    if (found == named.end())
+      fail("checkpoint {}: the optimizer holds a parameter that is not part of the module", path);
+    names.push_back(found->first);
+  }
+  return names;
+}
+
+std::string metadata_value(const Metadata& metadata, const std::string& key) {
+  for (const auto& [k, v] : metadata)
+    if (k == key) return v;
+  return "";
+}
+
+bool has_metadata(const Metadata& metadata, const std::string& key) {
+  return std::any_of(metadata.begin(), metadata.end(), [&](auto& e) { return e.first == key; });
+}
+
+// A whole decimal integer from the metadata; an absent or malformed value names the key.
+template <typename T>
+T metadata_integer(const std::string& path, const Metadata& metadata, const std::string& key) {
+  if (!has_metadata(metadata, key)) fail("load_checkpoint {}: the file has no '{}'", path, key);
+  std::string text = metadata_value(metadata, key);
+  T value{};
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (text.empty() || ec != std::errc() || end != text.data() + text.size())
+    fail("load_checkpoint {}: metadata '{}' = '{}' is not an integer in range", path, key, text);
+  return value;
+}
+
+bool metadata_bool(const std::string& path, const Metadata& metadata, const std::string& key) {
+  std::string text = metadata_value(metadata, key);
+  if (text != "true" && text != "false")
+    fail("load_checkpoint {}: metadata '{}' = '{}' is not true or false", path, key, text);
+  return text == "true";
+}
+
+std::string loader_key(size_t index, const char* field) {
+  return fmt::format("loader.{}.{}", index, field);
+}
+
+// "loader.<digits>.order": only that exact form is the loaders', so a submodule called "loader"
+// keeps its tensors.
+bool is_loader_tensor(const std::string& name) {
+  constexpr std::string_view prefix = "loader.", suffix = ".order";
+  if (!name.starts_with(prefix) || !name.ends_with(suffix)) return false;
+  std::string_view index(name.data() + prefix.size(), name.size() - prefix.size() - suffix.size());
+  return !index.empty() &&
+         std::all_of(index.begin(), index.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+const Tensor* find_entry(const NamedTensors& entries, const std::string& name) {
+  for (const auto& [key, value] : entries)
+    if (key == name) return &value;
+  return nullptr;
+}
+
+void check_options(const std::string& path, const CheckpointOptions& options) {
+  std::set<std::string> names;
+  for (const auto& [name, generator] : options.generators) {
+    if (name.empty()) fail("checkpoint {}: a generator has an empty name", path);
+    if (!generator) fail("checkpoint {}: generator '{}' is null", path, name);
+    if (!names.insert(name).second)
+      fail("checkpoint {}: two generators are called '{}'", path, name);
+  }
+  for (size_t i = 0; i < options.loaders.size(); ++i)
+    if (!options.loaders[i]) fail("checkpoint {}: loader {} is null", path, i);
+}
+
+// The saved state of loader `index`, checked against `loader` (which is not changed).
+DataLoader::State loader_state(const std::string& path, const NamedTensors& entries,
+                               const Metadata& metadata, size_t index, const DataLoader& loader) {
+  std::string order_name = loader_key(index, "order");
+  const Tensor* order = find_entry(entries, order_name);
+  if (!order) fail("load_checkpoint {}: the file holds no state for loader {}", path, index);
+  if (order->dtype() != i64 || order->dim() != 1)
+    fail("load_checkpoint {}: '{}' is {} {}, expected a 1-d i64 tensor", path, order_name,
+         name(order->dtype()), to_string(order->shape()));
+  DataLoader::State state{
+      .epoch = metadata_integer<int64_t>(path, metadata, loader_key(index, "epoch")),
+      .position = metadata_integer<int64_t>(path, metadata, loader_key(index, "position")),
+      .order = order->to_vector<int64_t>(),
+      .batch_size = metadata_integer<int64_t>(path, metadata, loader_key(index, "batch_size")),
+      .shuffle = metadata_bool(path, metadata, loader_key(index, "shuffle")),
+      .seed = metadata_integer<uint64_t>(path, metadata, loader_key(index, "seed")),
+      .drop_last = metadata_bool(path, metadata, loader_key(index, "drop_last"))};
+  try {
+    loader.check_state(state);
+  } catch (const Error& e) {
+    fail("load_checkpoint {}: loader {}: {}", path, index, e.what());
+  }
+  return state;
+}
+
+}  // namespace
+
+void save_tensors(const std::string& path, const NamedTensors& tensors, const Metadata& metadata) {
+  std::vector<Tensor> all;
+  for (const auto& [name, tensor] : tensors) {
+    if (!tensor.defined()) fail("save_tensors {}: tensor '{}' is undefined", path, name);
+    all.push_back(tensor);
+  }
+  eval(all);
+  safetensors::File file;
+  for (const auto& [name, tensor] : tensors) {
+    const Storage& storage = *tensor.node()->value;
+    safetensors::TensorData data;
+    data.name = name;
+    data.dtype = tensor.dtype();
+    data.shape = tensor.shape();
+    const std::byte* host = storage.host_data();
+    data.bytes.assign(host, host + storage.size_bytes());
+    file.tensors.push_back(std::move(data));
+  }
+  file.metadata = metadata;
+  safetensors::write(path, file);
+}
+
+NamedTensors load_tensors(const std::string& path, Metadata* metadata) {
+  safetensors::File file = safetensors::read(path);
+  NamedTensors out;
+  for (safetensors::TensorData& data : file.tensors) {
+    auto storage =
+        std::make_shared<Storage>(data.dtype, numel(data.shape), Storage::Uninitialized{});
+    storage->bytes.assign(data.bytes.begin(), data.bytes.end());
+    out.emplace_back(data.name, from_storage(std::move(storage), data.shape));
+  }
+  if (metadata) *metadata = std::move(file.metadata);
+  return out;
+}
+
+void save_checkpoint(const std::string& path, const Module& module, const Optimizer* optimizer,
+                     const Metadata& metadata, const GradScaler* scaler,
+                     const CheckpointOptions& options) {
+  check_options(path, options);
+  NamedTensors tensors = module.state_dict();
+  Metadata meta = metadata;
+  meta.emplace_back("format", "mixtape-checkpoint-1");
+  if (optimizer) {
+    std::vector<std::string> names = optimizer_param_names(module, *optimizer, path);
+    for (size_t i = 0; i < names.size(); ++i)
+      for (const auto& [state_name, value] : optimizer->state(i))
+        tensors.emplace_back(kOptimizerPrefix + names[i] + "." + state_name, value);
+    meta.emplace_back("optimizer.steps", std::to_string(optimizer->steps_taken()));
+    meta.emplace_back("optimizer.kind", optimizer->kind());
+  }
+  if (scaler)
+    for (const auto& [name, value] : scaler->state_dict()) {
+      std::string key = kScalerPrefix + name;
+      if (is_scaler_tensor(key))
+        tensors.emplace_back(key, value);
+      else
+        meta.emplace_back(key, fmt::format("{}", value.item()));  // shortest exact text
+    }
+  for (const auto& [name, generator] : options.generators) {
+    meta.emplace_back(kGeneratorPrefix + name + ".seed", std::to_string(generator->seed()));
+    meta.emplace_back(kGeneratorPrefix + name + ".offset", std::to_string(generator->offset()));
+  }
+  for (size_t i = 0; i < options.loaders.size(); ++i) {
+    DataLoader::State state = options.loaders[i]->state();
+    auto size = static_cast<int64_t>(state.order.size());
+    tensors.emplace_back(loader_key(i, "order"), tensor(state.order, {size}, i64));
+    meta.emplace_back(loader_key(i, "epoch"), std::to_string(state.epoch));
+    meta.emplace_back(loader_key(i, "position"), std::to_string(state.position));
+    meta.emplace_back(loader_key(i, "batch_size"), std::to_string(state.batch_size));
+    meta.emplace_back(loader_key(i, "shuffle"), state.shuffle ? "true" : "false");
+    meta.emplace_back(loader_key(i, "seed"), std::to_string(state.seed));
+    meta.emplace_back(loader_key(i, "drop_last"), state.drop_last ? "true" : "false");
+  }
+  save_tensors(path, tensors, meta);
+}
+
+void load_checkpoint(const std::string& path, Module& module, Optimizer* optimizer,
+                     Metadata* metadata, GradScaler* scaler, const CheckpointOptions& options) {
+  check_options(path, options);
+  Metadata meta;
+  NamedTensors all = load_tensors(path, &meta);
+  NamedTensors model, optimizer_entries;
+  for (auto& entry : all)
+    if (!is_scaler_tensor(entry.first) && !is_loader_tensor(entry.first))
+      (entry.first.rfind(kOptimizerPrefix, 0) == 0 ? optimizer_entries : model).push_back(entry);
+
+  // Everything is read and checked first; nothing changes until all of it has passed.
+  NamedTensors scaler_entries;
+  if (scaler && scaler->is_enabled()) {
+    scaler_entries = scaler_state(path, all, meta);
+    if (scaler_entries.empty()) fail("load_checkpoint {}: the file holds no scaler state", path);
+    try {  // validated on a copy
+      GradScaler(scaler->options()).load_state_dict(scaler_entries);
+    } catch (const Error& e) {
+      fail("load_checkpoint {}: {}", path, e.what());
+    }
+  }
+  std::vector<NamedTensors> states;
+  int64_t steps = 0;
+  if (optimizer) {
+    std::vector<std::string> names = optimizer_param_names(module, *optimizer, path);
+    std::string kind = metadata_value(meta, "optimizer.kind");
+    if (!kind.empty() && kind != optimizer->kind())
+      fail("load_checkpoint {}: the file holds {} state, the optimizer is {}", path, kind,
+           optimizer->kind());
+    std::string steps_text = metadata_value(meta, "optimizer.steps");
+    auto [end, ec] =
+        std::from_chars(steps_text.data(), steps_text.data() + steps_text.size(), steps);
+    if (steps_text.empty() || ec != std::errc() || end != steps_text.data() + steps_text.size() ||
+        steps < 0)
+      fail("load_checkpoint {}: no valid optimizer step count in the metadata", path);
+    for (size_t i = 0; i < names.size(); ++i) {
+      std::string prefix = kOptimizerPrefix + names[i] + ".";
+      NamedTensors state;
+      for (const auto& [key, value] : optimizer_entries)
+        if (key.rfind(prefix, 0) == 0 && key.find('.', prefix.size()) == std::string::npos)
+          state.emplace_back(key.substr(prefix.size()), value);
+      try {
+        optimizer->check_state(i, state, options.allow_nonfinite, prefix);
+      } catch (const Error& e) {
+        fail("load_checkpoint {}: {}", path, e.what());
+      }
+      states.push_back(std::move(state));
+    }
+  }
+  if (!options.allow_nonfinite) {
+    // Only the module's own entries: others are reported as unexpected by load_state_dict.
+    NamedTensors own = module.state_dict();
+    for (const auto& [name, value] : model) {
+      if (!find_entry(own, name)) continue;
+      const Storage& values = *value.node()->value;
+      int64_t bad = first_nonfinite(values);
+      if (bad >= 0)
+        fail(
+            "load_checkpoint {}: '{}' holds {} at element {} (pass allow_nonfinite to load "
+            "non-finite values)",
+            path, name, load_element<double>(values, bad), bad);
+    }
+  }
+  std::vector<std::pair<uint64_t, uint64_t>> generator_states;
+  for (const auto& [name, generator] : options.generators) {
+    std::string seed_key = kGeneratorPrefix + name + ".seed";
+    if (!has_metadata(meta, seed_key))
+      fail("load_checkpoint {}: the file holds no state for generator '{}'", path, name);
+    generator_states.emplace_back(
+        metadata_integer<uint64_t>(path, meta, seed_key),
+        metadata_integer<uint64_t>(path, meta, kGeneratorPrefix + name + ".offset"));
+  }
+  std::vector<DataLoader::State> loader_states;
+  for (size_t i = 0; i < options.loaders.size(); ++i)
+    loader_states.push_back(loader_state(path, all, meta, i, *options.loaders[i]));
+
+  try {
+    module.load_state_dict(model, true);  // checks names, shapes and dtypes before it assigns
+  } catch (const Error& e) {
+    fail("load_checkpoint {}: {}", path, e.what());
+  }
+  if (optimizer) {
+    for (size_t i = 0; i < states.size(); ++i)
+      optimizer->load_state(i, states[i], options.allow_nonfinite);
+    optimizer->set_steps_taken(steps);
+  }
+  if (!scaler_entries.empty()) scaler->load_state_dict(scaler_entries);
+  for (size_t i = 0; i < generator_states.size(); ++i)
+    options.generators[i].second->set_state(generator_states[i].first, generator_states[i].second);
+  for (size_t i = 0; i < loader_states.size(); ++i)
+    options.loaders[i]->load_state(loader_states[i]);
+  if (metadata) *metadata = std::move(meta);
+}
+
+}  // namespace mixtape

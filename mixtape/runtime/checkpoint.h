@@ -1,0 +1,64 @@
+// mixtape/runtime/checkpoint.h -- tensors, modules, optimizer and scaler state, generators and data
+// loaders to and from safetensors files.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mixtape/dsl/data.h"
+#include "mixtape/dsl/module.h"
+#include "mixtape/dsl/optim.h"
+
+namespace mixtape {
+
+class GradScaler;
+
+using Metadata = std::vector<std::pair<std::string, std::string>>;
+
+/// Writes named tensors (evaluated first) to a safetensors file, atomically.
+void save_tensors(const std::string& path, const NamedTensors& tensors,
+                  const Metadata& metadata = {});
+/// Reads every tensor of a safetensors file; the file is validated completely first.
+NamedTensors load_tensors(const std::string& path, Metadata* metadata = nullptr);
+
+/// What a checkpoint carries besides the module, optimizer and scaler, so that a run resumed
+/// from it goes on exactly as the saved one would have (the same dropout masks, noise and
+/// batches); and how strictly a load checks values. Pass the same options to save and load:
+///   mt::CheckpointOptions extras{.generators = {{"default", &mt::default_generator()}},
+///                                .loaders = {&loader}};
+///   mt::save_checkpoint(path, model, &opt, {}, nullptr, extras);
+struct CheckpointOptions {
+  /// Random streams by name (not empty, unique): each one's (seed, offset) is saved as metadata
+  /// "generator.<name>.seed" and "generator.<name>.offset", and restored with set_state().
+  std::vector<std::pair<std::string, Generator*>> generators{};
+  /// Data loaders by their index in this list: the current epoch's order as the i64 tensor
+  /// "loader.<i>.order", and epoch, position, batch_size, shuffle, seed and drop_last as metadata
+  /// "loader.<i>.<field>". A load checks them with DataLoader::check_state().
+  std::vector<DataLoader*> loaders{};
+  /// Load only: accept NaN and infinite values in the module's tensors and the optimizer state
+  /// (to look into a run that diverged). By default they are an mt::Error naming the tensor.
+  bool allow_nonfinite = false;
+};
+
+/// Saves a module's parameters and buffers by module path ("fc1.weight") and, if given, the
+/// optimizer's state as "optimizer.<param path>.<state>" plus its step count and kind in the
+/// metadata, an enabled scaler's state as tensors "scaler.scale" and "scaler.growth_tracker"
+/// plus its hyperparameters as metadata "scaler.<name>", and the generators and loaders of
+/// `options`. Metadata keys "format" and those starting with "optimizer.", "scaler.",
+/// "generator." and "loader." are reserved for the checkpoint's own entries.
+void save_checkpoint(const std::string& path, const Module& module,
+                     const Optimizer* optimizer = nullptr, const Metadata& metadata = {},
+                     const GradScaler* scaler = nullptr, const CheckpointOptions& options = {});
+/// Restores what save_checkpoint wrote. Everything is checked before anything is changed, and a
+/// problem is an mt::Error that names the file and the entry: every name, shape and dtype; values
+/// that cannot be right (a negative Adam exp_avg_sq, a scaler state GradScaler rejects, a loader
+/// order that is not a permutation of its dataset); and NaN or infinity in the module's tensors
+/// or the optimizer state unless options.allow_nonfinite. An enabled scaler requires scaler state
+/// in the file, a disabled one is left alone; every generator and loader of `options` requires
+/// its state in the file, and state in the file that nothing asks for is ignored.
+void load_checkpoint(const std::string& path, Module& module, Optimizer* optimizer = nullptr,
+                     Metadata* metadata = nullptr, GradScaler* scaler = nullptr,
+                     const CheckpointOptions& options = {});
+
+}  // namespace mixtape

@@ -1,0 +1,480 @@
+// mixtape/runtime/compile.cpp -- mt::compile: records the evaluations of a traced step, plans how a
+// replay binds their inputs and outputs, and replays them.
+#include "mixtape/runtime/compile.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+#include <set>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "mixtape/dsl/log.h"
+#include "mixtape/runtime/cpu_executor.h"
+#include "mixtape/runtime/cuda_executor.h"
+#include "mixtape/runtime/cuda_values.h"
+#include "mixtape/runtime/step_plan.h"
+
+namespace mixtape {
+namespace {
+
+constexpr std::pair<int, int> kUndefined{-1, -1};
+
+struct Trace {
+  std::vector<StoragePtr> args;
+  std::vector<Evaluation> evals;
+  std::vector<std::pair<int, int>> results;  // (evaluation, stored index) of each result
+  std::vector<Hook> hooks;
+  std::string unfit;  // why no trace of this call can be replayed
+};
+
+// Gives back what evaluate() would have dropped at once had no trace kept the graph.
+void release(Trace& trace) {
+  for (Evaluation& e : trace.evals) release_graph(e.pending_raw);
+}
+
+class Recorder final : public TraceObserver {
+ public:
+  void node_made(const NodePtr& node) override { made.push_back(node); }
+  void side_effect(const char* what) override {
+    if (trace.unfit.empty()) trace.unfit = what;
+  }
+  void each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values) override {
+    if (!hook) fail("compile: on_each_call got no hook");
+    for (const NodePtr& node : values)
+      if (!node) fail("compile: on_each_call got an undefined value");
+    trace.hooks.push_back({std::move(hook), std::move(values)});
+  }
+  std::vector<std::weak_ptr<Node>> made;
+  Trace trace;
+};
+
+thread_local Recorder* recorder = nullptr;
+
+// Nodes the function made that are still pending and that something outside the trace holds
+// (its results, a loss scaler's next scale): evaluated at the end of the trace, so that
+// everything a call hands to the next one or to the user is a stored buffer.
+std::vector<Tensor> leftovers(const Recorder& rec) {
+  std::vector<NodePtr> alive;
+  for (const std::weak_ptr<Node>& weak : rec.made)
+    if (NodePtr node = weak.lock()) alive.push_back(std::move(node));
+  std::unordered_map<const Node*, long> readers;
+  for (const NodePtr& node : alive)
+    for (const NodePtr& input : node->inputs) ++readers[input.get()];
+  std::unordered_set<const Node*> ran;
+  for (const Evaluation& e : rec.trace.evals)
+    ran.insert(e.pending_raw.begin(), e.pending_raw.end());
+  std::vector<Tensor> out;
+  for (const NodePtr& node : alive) {
+    auto found = readers.find(node.get());
+    long inside = found == readers.end() ? 0 : found->second;
+    if (!node->evaluated() && !ran.count(node.get()) && node.use_count() - 1 > inside)
+      out.emplace_back(node);
+  }
+  // What host work is handed must be stored, even a value an evaluation kept in registers.
+  std::unordered_set<const Node*> taken;
+  for (const Tensor& t : out) taken.insert(t.node().get());
+  for (const Hook& h : rec.trace.hooks)
+    for (const NodePtr& node : h.values)
+      if (!node->evaluated() && taken.insert(node.get()).second) out.emplace_back(node);
+  return out;
+}
+
+StoragePtr value_of(const Tensor& t) { return t.defined() ? t.node()->value : nullptr; }
+
+Trace trace_call(const std::vector<Tensor>& args, const StepReplayer::Function& fn,
+                 std::vector<Tensor>& results) {
+  Recorder rec;
+  for (const Tensor& a : args) rec.trace.args.push_back(value_of(a));
+  struct Install {
+    explicit Install(Recorder* r) : previous(exchange_trace_observer(r)) { recorder = r; }
+    ~Install() {
+      exchange_trace_observer(previous);
+      recorder = nullptr;
+    }
+    TraceObserver* previous;
+  };
+  {
+    Install install(&rec);
+    try {
+      results = fn(args);
+      eval(leftovers(rec));  // the results among them, in one evaluation
+    } catch (...) {
+      release(rec.trace);
+      throw;
+    }
+  }
+  Trace& trace = rec.trace;
+  try {
+    run_hooks(trace.hooks);
+  } catch (...) {
+    release(trace);
+    throw;
+  }
+  for (size_t i = 0; i < results.size(); ++i) {
+    std::pair<int, int> at = kUndefined;
+    if (results[i].defined()) {
+      Node* node = results[i].node().get();
+      for (size_t e = 0; e < trace.evals.size() && at == kUndefined; ++e) {
+        const std::vector<Node*>& stored = trace.evals[e].executed.sig.stored;
+        for (size_t j = 0; j < stored.size(); ++j)
+          if (stored[j] == node) at = {static_cast<int>(e), static_cast<int>(j)};
+      }
+      if (at == kUndefined && trace.unfit.empty())
+        trace.unfit = "returns a value it did not compute (an argument, or a value made before it)";
+    }
+    trace.results.push_back(at);
+  }
+  return std::move(rec.trace);
+}
+
+// The replay plan for calls like `b`, whose previous call was `a`; empty with the reason when
+// the two do not show how to bind every input.
+std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
+  if (a.evals.size() != b.evals.size()) {
+    why =
+        fmt::format("consecutive calls made {} and {} evaluations", a.evals.size(), b.evals.size());
+    return nullptr;
+  }
+  if (a.results != b.results) {
+    why = "consecutive calls returned values from different places";
+    return nullptr;
+  }
+  if (a.hooks.size() != b.hooks.size()) {
+    why = fmt::format("consecutive calls registered {} and {} pieces of host work", a.hooks.size(),
+                      b.hooks.size());
+    return nullptr;
+  }
+  for (size_t e = 0; e < b.evals.size(); ++e) {
+    if (!(a.evals[e].executed.sig.hash == b.evals[e].executed.sig.hash) ||
+        a.evals[e].device != b.evals[e].device) {
+      why = fmt::format("evaluation {} had a different graph in consecutive calls", e);
+      return nullptr;
+    }
+    if (a.evals[e].fills != b.evals[e].fills) {
+      why = fmt::format(
+          "evaluation {} used different constants in consecutive calls (a C++ value that "
+          "changes between calls, such as a learning rate computed inside the function)",
+          e);
+      return nullptr;
+    }
+  }
+  using Place = std::pair<int, int>;
+  // A buffer stored twice by one evaluation is a value and its view; by two, it cannot be.
+  auto index_outputs = [&](const Trace& t, std::unordered_map<const Storage*, Place>& at) {
+    for (size_t e = 0; e < t.evals.size(); ++e)
+      for (size_t j = 0; j < t.evals[e].outputs.size(); ++j) {
+        auto [it, added] = at.emplace(t.evals[e].outputs[j].get(), Place(e, j));
+        if (!added && it->second.first != static_cast<int>(e)) return false;
+      }
+    return true;
+  };
+  std::unordered_map<const Storage*, Place> out_a, out_b;
+  if (!index_outputs(a, out_a) || !index_outputs(b, out_b)) {
+    why = "two values the step stores share one buffer";
+    return nullptr;
+  }
+  std::unordered_map<const Storage*, int> arg_of;
+  for (size_t i = 0; i < b.args.size(); ++i)
+    if (b.args[i]) arg_of.emplace(b.args[i].get(), static_cast<int>(i));
+  std::set<Place> results(b.results.begin(), b.results.end());
+
+  auto plan = std::make_unique<Plan>();
+  plan->results = b.results;
+  for (size_t e = 0; e < b.evals.size(); ++e) {
+    const Evaluation& eb = b.evals[e];
+    const Evaluation& ea = a.evals[e];
+    std::vector<Binding> inputs;
+    for (size_t x = 0; x < eb.inputs.size(); ++x) {
+      const Storage* now = eb.inputs[x].get();
+      const Storage* before = ea.inputs[x].get();
+      const Node& external = *eb.executed.sig.externals[x];
+      Binding binding;
+      Place source{-1, -1};
+      bool same_call = false;
+      if (auto arg = arg_of.find(now); arg != arg_of.end()) {
+        if (before != a.args[arg->second].get()) {
+          why = fmt::format("evaluation {} reads argument {} in one call but not the other", e,
+                            arg->second);
+          return nullptr;
+        }
+        binding.arg = arg->second;
+      } else if (auto own = out_b.find(now); own != out_b.end()) {
+        // Stored earlier in the same call.
+        same_call = true;
+        source = own->second;
+        if (source.first >= static_cast<int>(e) ||
+            a.evals[source.first].outputs[source.second].get() != before) {
+          why = fmt::format("evaluation {} reads {} from different places in consecutive calls", e,
+                            describe(external));
+          return nullptr;
+        }
+      } else if (auto carried = out_a.find(now); carried != out_a.end()) {
+        // Stored by the previous call. When an earlier evaluation of this call replaces it
+        // first, the replay hands this one the value it replaced.
+        source = carried->second;
+        binding.at_call_start = source.first < static_cast<int>(e);
+      } else if (now == before) {
+        binding.object = eb.inputs[x];  // the same buffer in both calls: a constant
+      } else {
+        why = fmt::format(
+            "evaluation {} reads a new {} on every call that is not an argument (a tensor made "
+            "from host data inside the function?)",
+            e, describe(external));
+        return nullptr;
+      }
+      if (source.first >= 0) {
+        if (results.count(source)) {
+          why = "a value the function returns is also state the next call reads (return a copy)";
+          return nullptr;
+        }
+        binding.object = b.evals[source.first].outputs[source.second];
+      }
+      // State the previous call left (or a constant): what the earlier call read is the value
+      // before it. A value stored earlier in the same call is no state.
+      if (binding.arg < 0 && !same_call) binding.first_value = ea.inputs[x];
+      inputs.push_back(std::move(binding));
+    }
+    for (const StoragePtr& output : eb.outputs)
+      if (std::find(eb.inputs.begin(), eb.inputs.end(), output) != eb.inputs.end()) {
+        why = "a stored value shares its buffer with an input of its evaluation";
+        return nullptr;
+      }
+    PlannedEvaluation planned;
+    planned.inputs = std::move(inputs);
+    planned.shares_with.assign(eb.outputs.size(), -1);
+    for (size_t j = 0; j < eb.outputs.size(); ++j) {
+      int first = out_b.at(eb.outputs[j].get()).second;
+      if (first == static_cast<int>(j)) continue;
+      // A returned value must be a buffer of its own (a replay hands out fresh ones), and so
+      // must the view: then both are the same fresh buffer, as in the trace.
+      if (results.count(Place(e, j)) != results.count(Place(e, first))) {
+        why =
+            "a value the function returns shares its buffer with state the step keeps (return "
+            "a copy)";
+        return nullptr;
+      }
+      planned.shares_with[j] = first;
+    }
+    plan->evals.push_back(std::move(planned));
+  }
+  // Host work reads its values from the stored buffers that replays update in place; a returned
+  // value is a fresh buffer on each replay instead.
+  std::unordered_set<const Node*> returned;
+  for (const Place& r : b.results)
+    if (r != kUndefined) returned.insert(b.evals[r.first].executed.sig.stored[r.second]);
+  for (const Hook& h : b.hooks)
+    for (const NodePtr& node : h.values)
+      if (returned.count(node.get())) {
+        why = "a value the function returns is also handed to host work that runs every call";
+        return nullptr;
+      }
+
+  // The plan takes the second trace's graph. Its external inputs become private leaves, so that
+  // binding a replay's inputs never touches a node the user may still hold.
+  for (size_t e = 0; e < b.evals.size(); ++e) {
+    PlannedEvaluation& planned = plan->evals[e];
+    planned.eval = std::move(b.evals[e]);
+    Signature& sig = planned.eval.executed.sig;
+    std::unordered_map<const Node*, NodePtr> private_leaf;
+    for (size_t x = 0; x < sig.externals.size(); ++x) {
+      Node* external = sig.externals[x];
+      auto leaf = std::make_shared<Node>(*external);
+      leaf->inputs.clear();
+      leaf->value = planned.inputs[x].object;
+      private_leaf.emplace(external, leaf);
+      sig.externals[x] = leaf.get();  // Signature::ref() maps the leaf from here on
+      planned.leaves.push_back(std::move(leaf));
+    }
+    for (Node* node : planned.eval.pending_raw)
+      for (NodePtr& input : node->inputs)
+        if (auto found = private_leaf.find(input.get()); found != private_leaf.end())
+          input = found->second;
+    planned.result_slot.assign(sig.stored.size(), -1);
+    for (size_t r = 0; r < plan->results.size(); ++r)
+      if (plan->results[r].first == static_cast<int>(e))
+        planned.result_slot[plan->results[r].second] = static_cast<int>(r);
+  }
+  b.evals.clear();
+  plan->hooks = std::move(b.hooks);
+  return plan;
+}
+
+// Called once the previous trace is gone, so that the counts are those of the steady state.
+void watch(Plan& plan) {
+  std::unordered_set<const Storage*> seen;
+  auto add = [&](const StoragePtr& object) {
+    if (object && seen.insert(object.get()).second) plan.watched.emplace_back(object, 0);
+  };
+  for (const PlannedEvaluation& planned : plan.evals) {
+    for (const Binding& binding : planned.inputs) add(binding.object);
+    for (size_t j = 0; j < planned.eval.outputs.size(); ++j)
+      if (planned.result_slot[j] < 0) add(planned.eval.outputs[j]);
+  }
+  for (auto& [object, count] : plan.watched) count = object.use_count();
+}
+
+const char* replaced_state(const Plan& plan) {
+  for (const auto& [object, count] : plan.watched)
+    if (object.use_count() < count)
+      return "a buffer the step reads or updates was replaced or dropped outside it since the "
+             "last call (assign, load_state, zero_grad outside the function)";
+  for (const Hook& h : plan.hooks)
+    if (const char* why = h.hook->stale()) return why;
+  return nullptr;
+}
+
+struct Entry {
+  std::unique_ptr<Trace> previous;
+  std::unique_ptr<Plan> plan;
+};
+
+std::string signature_key(const std::vector<Tensor>& args) {
+  std::string key =
+      fmt::format("{}{}", device_name(current_device()), eager_mode() ? "/eager" : "");
+  for (const Tensor& a : args) {
+    if (!a.defined()) {
+      key += "|-";
+      continue;
+    }
+    key += fmt::format("|{}{}", name(a.node()->value->dtype), to_string(a.shape()));
+  }
+  return key;
+}
+
+}  // namespace
+
+struct StepReplayer::State {
+  std::map<std::string, Entry> entries;
+  CompileStats stats;
+};
+
+StepReplayer::StepReplayer() : state_(std::make_unique<State>()) {}
+StepReplayer::~StepReplayer() {
+  if (state_) reset();
+}
+StepReplayer::StepReplayer(StepReplayer&&) noexcept = default;
+StepReplayer& StepReplayer::operator=(StepReplayer&&) noexcept = default;
+
+const CompileStats& StepReplayer::stats() const { return state_->stats; }
+
+void StepReplayer::reset() {
+  for (auto& [key, entry] : state_->entries) {
+    if (entry.previous) release(*entry.previous);
+    if (entry.plan) release(*entry.plan);
+  }
+  state_->entries.clear();
+}
+
+std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Function& fn) {
+  // Inside another compiled function's trace, this one is simply part of that trace.
+  if (trace_observer()) return fn(args);
+  CompileStats& stats = state_->stats;
+  ++stats.calls;
+  std::vector<Tensor> defined;
+  for (const Tensor& a : args)
+    if (a.defined()) defined.push_back(a);
+  eval(defined);
+  Entry& entry = state_->entries[signature_key(args)];
+  const bool log = log_enabled("compile");
+  if (entry.plan) {
+    if (const char* replaced = replaced_state(*entry.plan)) {
+      stats.reason = replaced;
+      if (log) log_line("compile", "dropping the replay plan: {}", replaced);
+      release(*entry.plan);
+      entry.plan.reset();
+    } else {
+      std::vector<Tensor> results;
+      try {
+        results = replay(*entry.plan, args);
+      } catch (...) {
+        entry.plan.reset();  // its state may be half updated; the caller sees the error
+        throw;
+      }
+      ++stats.replays;
+      stats.reason.clear();
+      return results;
+    }
+  }
+
+  std::vector<Tensor> results;
+  auto trace = std::make_unique<Trace>(trace_call(args, fn, results));
+  ++stats.traces;
+  std::string why;
+  if (!trace->unfit.empty()) {
+    why = fmt::format("the function {}; it is traced on every call", trace->unfit);
+  } else if (entry.previous && entry.previous->unfit.empty()) {
+    entry.plan = make_plan(*entry.previous, *trace, why);
+  } else {
+    why = "waiting for a second trace to compare with";
+  }
+  if (entry.previous) release(*entry.previous);
+  entry.previous.reset();
+  if (entry.plan) {
+    watch(*entry.plan);
+    ++stats.plans;
+    stats.reason.clear();
+    if (log)
+      log_line("compile", "replaying from now on ({} evaluations per call)",
+               entry.plan->evals.size());
+  } else {
+    stats.reason = why;
+    // Before the first plan, calls that differ are the normal warm-up (optimizer state, the
+    // loss scaler and caches are made on the first steps), not a failure to replay.
+    if (log)
+      log_line("compile", "{}: {}",
+               stats.plans == 0 && stats.traces <= 3 ? "warming up, traced" : "traced", why);
+    entry.previous = std::move(trace);
+  }
+  return results;
+}
+
+std::unique_ptr<Plan> plan_step(const std::vector<Tensor>& args, const StepReplayer::Function& fn) {
+  if (trace_observer()) fail("a step cannot be planned inside another traced function");
+  std::vector<Tensor> defined;
+  for (const Tensor& a : args)
+    if (a.defined()) defined.push_back(a);
+  eval(defined);
+  std::vector<Tensor> results;
+  // As in StepReplayer::call: a first call that differs from the next (an optimizer creating
+  // its state) is followed by one more.
+  Trace previous = trace_call(args, fn, results);
+  std::string why;
+  for (int call = 2; call <= 3; ++call) {
+    if (!previous.unfit.empty()) {
+      release(previous);
+      fail("the function {}, so it cannot be replayed", previous.unfit);
+    }
+    Trace next = trace_call(args, fn, results);
+    std::unique_ptr<Plan> plan;
+    if (next.unfit.empty()) plan = make_plan(previous, next, why);
+    release(previous);
+    if (plan) return plan;
+    previous = std::move(next);
+  }
+  release(previous);
+  fail("the function cannot be replayed: {}", why);
+}
+
+bool tracing_step() { return recorder != nullptr; }
+
+bool record_evaluation(const std::vector<Node*>& pending, ExecutedProgram&& executed,
+                       Device device) {
+  if (!recorder) return false;
+  Evaluation e;
+  e.pending_raw = pending;
+  e.pending.reserve(pending.size());
+  for (Node* node : pending) {
+    e.pending.push_back(node->shared_from_this());
+    if (node->op == OpCode::Full && is_floating(node->storage))
+      e.fills.push_back(node->attrs.value);
+  }
+  for (Node* external : executed.sig.externals) e.inputs.push_back(external->value);
+  for (Node* stored : executed.sig.stored) e.outputs.push_back(stored->value);
+  e.executed = std::move(executed);
+  e.device = device;
+  recorder->trace.evals.push_back(std::move(e));
+  return true;
+}
+
+}  // namespace mixtape

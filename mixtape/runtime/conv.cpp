@@ -1,0 +1,429 @@
+// mixtape/runtime/conv.cpp -- the CPU convolution back end: oneDNN convolution primitives, cached
+// per problem, with the reorders between our plain layouts and the blocked ones oneDNN picks.
+#include "mixtape/runtime/conv.h"
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <unordered_map>
+
+#include <oneapi/dnnl/dnnl.hpp>
+
+#include "mixtape/dsl/error.h"
+#include "mixtape/dsl/log.h"
+#include "mixtape/runtime/gemm.h"
+#include "mixtape/runtime/half_convert.h"
+#include "mixtape/runtime/scratch_buffer.h"
+#include "mixtape/runtime/single_threaded.h"
+
+// Choices:
+// - Formats are left to oneDNN (format_tag::any): its direct convolutions run on blocked layouts
+//   (nChw16c, OIhw16i16o), several times faster than on plain NCHW. Operands are reordered into
+//   them and the result out of them on every call; the reorders are a few memory passes next to
+//   a convolution's k-fold reuse of each element.
+// - The result is always f32, rounded here to a half output with dsl/half.h's rounding, as gemm.cpp
+//   does: one rounding path for both half types, and the same bits as the reference's one
+//   rounding of the f32 sum.
+// - f16 operands are widened to f32, exactly (oneDNN 2.6 has no f16 convolution on the CPU). bf16
+//   operands go to oneDNN's bf16 kernels (AVX512-BF16 dot products or AMX tiles), which accumulate
+//   in f32 and flush subnormal operands, as its bf16 matmul; or, at the shapes where those lose
+//   to the f32 kernels (kWidenBf16*), are widened to f32 as f16 is (Bf16Kernel, as gemm.h's).
+// - Weight gradients with few output positions per image are an im2col and one mt::gemm instead
+//   of oneDNN's direct kernel (kGemmWeightGradMaxPositions).
+// - Padding on the right equals the padding on the left, as PyTorch passes it: oneDNN then checks
+//   that the output size is the floor of (padded - extent) / stride + 1, which the shapes have.
+// - The algorithm is convolution_direct: Winograd would change the numerics.
+// - Problems below kSingleThreadMaxFlops run on the calling thread alone, as gemm.cpp's small
+//   products do: digits_cnn's 64x16x8x8 3x3 convolution took 170 us on one thread and 6 ms on a
+//   team of two sharing a core with a compiler. The choice depends on the problem only, and the
+//   primitive is made under it too (oneDNN plans its work split when it makes one), so a shape
+//   always runs the same kernel and gives the same bits.
+
+namespace mixtape {
+namespace {
+
+using OnednnType = dnnl::memory::data_type;
+using Tag = dnnl::memory::format_tag;
+using Dims = dnnl::memory::dims;
+
+constexpr double kSingleThreadMaxFlops = double{1 << 24};
+
+// Bf16Kernel::automatic widens bf16 operands to f32 where oneDNN 2.6's AMX kernels lose to its
+// f32 ones (bench_conv at ResNet-18's shapes, one thread): the forward pass and input gradient at
+// one output position per image (ResNet-18's last stage at 32x32 inputs: 4-7x faster widened),
+// and the weight gradient at this few input channels (the stem's, c = 3: 2x).
+constexpr int64_t kWidenBf16MaxPositions = 1;
+constexpr int64_t kWidenBf16WeightGradMaxChannels = 4;
+
+// Weight gradients at this many output positions per image or fewer run as one GEMM over the
+// gathered input windows (im2col) instead of oneDNN's direct kernel, which at such shapes spends
+// its time on the filter's many outputs with a reduction of only n * oh * ow terms each:
+// ResNet-18's last stage (512 channels, 1x1 outputs) took 12 ms in f32 and 24 ms in bf16 per call,
+// 15-17% of its training step; the GEMM [o, n oh ow] x [n oh ow, c kh kw] takes about a tenth of
+// that.
+constexpr int64_t kGemmWeightGradMaxPositions = 4;
+
+struct ConvKey {
+  OpCode op;
+  int64_t n, c, h, w, o, kh, kw, oh, ow;
+  int64_t stride[2], pad[2], dil[2], groups;
+  OnednnType operand;
+  auto operator<=>(const ConvKey&) const = default;
+};
+
+// One argument as we hold it (plain layout) and as the primitive takes it.
+struct Argument {
+  int role = 0;  // DNNL_ARG_*
+  dnnl::memory::desc plain, primitive;
+  std::optional<dnnl::reorder> reorder;  // plain -> primitive for inputs, back for the result
+};
+
+struct CachedConv {
+  dnnl::primitive primitive;
+  Argument a, b, out;
+  dnnl::memory::desc scratchpad;
+  std::string implementation;
+};
+
+struct Backend {
+  dnnl::engine engine{dnnl::engine::kind::cpu, 0};
+  std::mutex mutex;  // guards cache
+  std::map<ConvKey, std::shared_ptr<const CachedConv>> cache;
+  std::set<ConvKey> logged_gemms;  // problems run as a GEMM whose choice has been logged
+};
+
+// Never destroyed: oneDNN's own globals may be gone by the time static destructors run.
+Backend& backend() {
+  static Backend* const instance = new Backend;
+  return *instance;
+}
+
+struct ThreadScratch {
+  ScratchBuffer widened_a, widened_b, reordered_a, reordered_b, result, plain_result, onednn;
+  ScratchBuffer gathered_dy, columns;  // a weight gradient run as a GEMM
+};
+ThreadScratch& thread_scratch() {
+  thread_local ThreadScratch scratch;
+  return scratch;
+}
+
+std::string describe(const ConvDesc& d) {
+  const ConvGeometry& g = d.geometry;
+  const ConvWindow& w = g.window;
+  return fmt::format(
+      "{}(x [{}, {}, {}, {}], w [{}, {}, {}, {}], y [{}, {}, {}, {}], stride ({}, {}), padding "
+      "({}, {}), dilation ({}, {}), groups {}, operands {}, result {})",
+      op_name(d.op), g.n, g.c, g.h, g.w, g.o, g.c / w.groups, g.kh, g.kw, g.n, g.o, g.oh, g.ow,
+      w.stride[0], w.stride[1], w.pad[0], w.pad[1], w.dil[0], w.dil[1], w.groups, name(d.operand),
+      name(d.out));
+}
+
+// Whether bf16 operands are widened to f32 (the products are exact in f32, so only the order of
+// the f32 sums and the flushing of subnormals differ from the native kernel). See kWidenBf16.
+bool widens_bf16(const ConvDesc& d) {
+  if (d.operand != bf16) return false;
+  switch (d.bf16_kernel) {
+    case Bf16Kernel::own:  // gemm's own kernel has no convolution: oneDNN's bf16 one, as native
+    case Bf16Kernel::native:
+      return false;
+    case Bf16Kernel::widened:
+      return true;
+    case Bf16Kernel::automatic:
+      break;
+  }
+  const ConvGeometry& g = d.geometry;
+  return d.op == OpCode::Conv2dWeightGrad ? g.c / g.window.groups <= kWidenBf16WeightGradMaxChannels
+                                          : g.oh * g.ow <= kWidenBf16MaxPositions;
+}
+
+// Whether a weight gradient runs as im2col and one GEMM (see kGemmWeightGradMaxPositions).
+bool weight_grad_as_gemm(const ConvDesc& d) {
+  const ConvGeometry& g = d.geometry;
+  return d.op == OpCode::Conv2dWeightGrad && g.window.groups == 1 &&
+         g.oh * g.ow <= kGemmWeightGradMaxPositions;
+}
+
+// dw [o, c kh kw] = dy' [o, n oh ow] x columns [n oh ow, c kh kw], where dy' is dy [n, o, oh ow]
+// with its first two axes swapped and a row of columns holds the input values one output
+// position's window covers (zero where it covers padding). T is the operands' storage type.
+template <typename T>
+void gather_weight_grad(const ConvGeometry& g, const T* x, const T* dy, T* dy_t, T* columns) {
+  const ConvWindow& w = g.window;
+  const int64_t positions = g.oh * g.ow, taps = g.kh * g.kw, row = g.c * taps;
+  for (int64_t n = 0; n < g.n; ++n)
+    for (int64_t o = 0; o < g.o; ++o)
+      std::copy_n(dy + (n * g.o + o) * positions, positions, dy_t + (o * g.n + n) * positions);
+  for (int64_t n = 0; n < g.n; ++n)
+    for (int64_t oy = 0; oy < g.oh; ++oy)
+      for (int64_t ox = 0; ox < g.ow; ++ox) {
+        T* out = columns + ((n * g.oh + oy) * g.ow + ox) * row;
+        for (int64_t c = 0; c < g.c; ++c) {
+          const T* plane = x + (n * g.c + c) * g.h * g.w;
+          for (int64_t ky = 0; ky < g.kh; ++ky) {
+            const int64_t iy = oy * w.stride[0] - w.pad[0] + ky * w.dil[0];
+            for (int64_t kx = 0; kx < g.kw; ++kx) {
+              const int64_t ix = ox * w.stride[1] - w.pad[1] + kx * w.dil[1];
+              const bool inside = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
+              *out++ = inside ? plane[iy * g.w + ix] : T{};
+            }
+          }
+        }
+      }
+}
+
+GemmDesc weight_grad_gemm_desc(const ConvDesc& d) {
+  const ConvGeometry& g = d.geometry;
+  return GemmDesc{.m = g.o,
+                  .n = g.c * g.kh * g.kw,
+                  .k = g.n * g.oh * g.ow,
+                  .operand = d.operand,
+                  .out = d.out,
+                  .bf16_kernel = d.bf16_kernel};
+}
+
+// The weight gradient as a GEMM: the operands gathered in their own type (16-bit ones stay 16-bit,
+// and the GEMM multiplies them as runtime/gemm.h does), the result rounded once to d.out.
+template <typename T>
+void weight_grad_gemm(const ConvDesc& d, const void* x, const void* dy, void* out) {
+  const GemmDesc desc = weight_grad_gemm_desc(d);
+  ThreadScratch& scratch = thread_scratch();
+  T* dy_t = scratch.gathered_dy.get<T>(desc.m * desc.k);
+  T* columns = scratch.columns.get<T>(desc.k * desc.n);
+  gather_weight_grad(d.geometry, static_cast<const T*>(x), static_cast<const T*>(dy), dy_t,
+                     columns);
+  gemm(desc, dy_t, columns, out);
+}
+
+// The type oneDNN computes in: bf16, or f32 for f32, f16 and widened bf16 operands.
+OnednnType onednn_operand(const ConvDesc& d) {
+  return d.operand == bf16 && !widens_bf16(d) ? OnednnType::bf16 : OnednnType::f32;
+}
+
+ConvKey key_of(const ConvDesc& d) {
+  const ConvGeometry& g = d.geometry;
+  const ConvWindow& w = g.window;
+  return {d.op,
+          g.n,
+          g.c,
+          g.h,
+          g.w,
+          g.o,
+          g.kh,
+          g.kw,
+          g.oh,
+          g.ow,
+          {w.stride[0], w.stride[1]},
+          {w.pad[0], w.pad[1]},
+          {w.dil[0], w.dil[1]},
+          w.groups,
+          onednn_operand(d)};
+}
+
+bool runs_on_team(const ConvKey& k) {
+  const double flops = 2.0 * static_cast<double>(k.n) * static_cast<double>(k.o) *
+                       static_cast<double>(k.oh * k.ow) * static_cast<double>(k.c / k.groups) *
+                       static_cast<double>(k.kh * k.kw);
+  return flops >= kSingleThreadMaxFlops;
+}
+
+std::shared_ptr<const CachedConv> create(const ConvKey& k) {
+  const dnnl::engine& engine = backend().engine;
+  const OnednnType t = k.operand, f32 = OnednnType::f32;
+  const Dims x_dims{k.n, k.c, k.h, k.w}, y_dims{k.n, k.o, k.oh, k.ow};
+  const Dims w_dims = k.groups == 1 ? Dims{k.o, k.c, k.kh, k.kw}
+                                    : Dims{k.groups, k.o / k.groups, k.c / k.groups, k.kh, k.kw};
+  const Tag w_tag = k.groups == 1 ? Tag::oihw : Tag::goihw;
+  // oneDNN counts dilation from 0 (a dense kernel has dilation 0).
+  const Dims strides{k.stride[0], k.stride[1]}, dilates{k.dil[0] - 1, k.dil[1] - 1},
+      padding{k.pad[0], k.pad[1]};
+  auto any = [](const Dims& dims, OnednnType type) {
+    return dnnl::memory::desc(dims, type, Tag::any);
+  };
+  dnnl::primitive_attr attr;
+  attr.set_scratchpad_mode(dnnl::scratchpad_mode::user);
+  // The forward primitive's descriptor: the forward pass itself, and the hint both backward
+  // passes need for their layouts.
+  dnnl::convolution_forward::primitive_desc forward(
+      dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training,
+                                      dnnl::algorithm::convolution_direct, any(x_dims, t),
+                                      any(w_dims, t), any(y_dims, k.op == OpCode::Conv2d ? f32 : t),
+                                      strides, dilates, padding, padding),
+      attr, engine);
+  auto made = std::make_shared<CachedConv>();
+  auto argument = [&](int role, const Dims& dims, Tag tag, OnednnType type,
+                      const dnnl::memory::desc& chosen, bool result) {
+    Argument arg;
+    arg.role = role;
+    arg.plain = dnnl::memory::desc(dims, type, tag);
+    arg.primitive = chosen;
+    if (arg.plain != arg.primitive)
+      arg.reorder = result ? dnnl::reorder(dnnl::reorder::primitive_desc(engine, arg.primitive,
+                                                                         engine, arg.plain))
+                           : dnnl::reorder(dnnl::reorder::primitive_desc(engine, arg.plain, engine,
+                                                                         arg.primitive));
+    return arg;
+  };
+  dnnl::primitive_desc_base pd = forward;
+  if (k.op == OpCode::Conv2d) {
+    made->primitive = dnnl::convolution_forward(forward);
+    made->a = argument(DNNL_ARG_SRC, x_dims, Tag::nchw, t, forward.src_desc(), false);
+    made->b = argument(DNNL_ARG_WEIGHTS, w_dims, w_tag, t, forward.weights_desc(), false);
+    made->out = argument(DNNL_ARG_DST, y_dims, Tag::nchw, f32, forward.dst_desc(), true);
+  } else if (k.op == OpCode::Conv2dInputGrad) {
+    dnnl::convolution_backward_data::primitive_desc data(
+        dnnl::convolution_backward_data::desc(dnnl::algorithm::convolution_direct, any(x_dims, f32),
+                                              any(w_dims, t), any(y_dims, t), strides, dilates,
+                                              padding, padding),
+        attr, engine, forward);
+    pd = data;
+    made->primitive = dnnl::convolution_backward_data(data);
+    made->a = argument(DNNL_ARG_DIFF_DST, y_dims, Tag::nchw, t, data.diff_dst_desc(), false);
+    made->b = argument(DNNL_ARG_WEIGHTS, w_dims, w_tag, t, data.weights_desc(), false);
+    made->out = argument(DNNL_ARG_DIFF_SRC, x_dims, Tag::nchw, f32, data.diff_src_desc(), true);
+  } else {
+    dnnl::convolution_backward_weights::primitive_desc weights(
+        dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct,
+                                                 any(x_dims, t), any(w_dims, f32), any(y_dims, t),
+                                                 strides, dilates, padding, padding),
+        attr, engine, forward);
+    pd = weights;
+    made->primitive = dnnl::convolution_backward_weights(weights);
+    made->a = argument(DNNL_ARG_SRC, x_dims, Tag::nchw, t, weights.src_desc(), false);
+    made->b = argument(DNNL_ARG_DIFF_DST, y_dims, Tag::nchw, t, weights.diff_dst_desc(), false);
+    made->out =
+        argument(DNNL_ARG_DIFF_WEIGHTS, w_dims, w_tag, f32, weights.diff_weights_desc(), true);
+  }
+  made->scratchpad = pd.scratchpad_desc();
+  made->implementation = pd.impl_info_str();
+  return made;
+}
+
+std::shared_ptr<const CachedConv> cached(const ConvDesc& d) {
+  Backend& state = backend();
+  const ConvKey key = key_of(d);
+  {
+    std::lock_guard lock(state.mutex);
+    auto found = state.cache.find(key);
+    if (found != state.cache.end()) return found->second;
+  }
+  // Made outside the lock (oneDNN JIT-compiles its kernels); a racing thread's copy is dropped.
+  std::shared_ptr<const CachedConv> made;
+  try {
+    SingleThreaded single_threaded(!runs_on_team(key));
+    made = create(key);
+  } catch (const dnnl::error& e) {
+    fail("{}: oneDNN has no primitive for it: {}", describe(d), e.what());
+  }
+  std::lock_guard lock(state.mutex);
+  auto [it, added] = state.cache.emplace(key, std::move(made));
+  if (added && log_enabled("profile"))
+    log_line("profile", "{}: {}oneDNN {}", describe(d),
+             widens_bf16(d) ? "bf16 widened to f32, " : "", it->second->implementation);
+  return it->second;
+}
+
+// An input in the operand type oneDNN gets: itself, or f16 or bf16 widened to f32.
+const void* as_operand(const ConvDesc& d, const void* data, int64_t count, ScratchBuffer& scratch) {
+  if (d.operand == f32 || onednn_operand(d) != OnednnType::f32) return data;
+  float* widened = scratch.get<float>(count);
+  if (d.operand == f16)
+    widen_f16(static_cast<const uint16_t*>(data), widened, count);
+  else
+    widen_bf16(static_cast<const uint16_t*>(data), widened, count);
+  return widened;
+}
+
+// MIXTAPE_LOG=profile: the GEMM a weight gradient runs as, once per problem (the GEMM logs its
+// own kernel).
+void log_gemm_choice(const ConvDesc& d) {
+  static const bool enabled = log_enabled("profile");
+  if (!enabled) return;
+  Backend& state = backend();
+  std::lock_guard lock(state.mutex);
+  if (state.logged_gemms.insert(key_of(d)).second)
+    log_line("profile", "{}: im2col and a GEMM", describe(d));
+}
+
+int64_t count_of(const dnnl::memory::desc& desc, OnednnType type) {
+  return static_cast<int64_t>(desc.get_size()) / (type == OnednnType::bf16 ? 2 : 4);
+}
+
+}  // namespace
+
+bool conv_supported(const ConvDesc& d) {
+  auto ok = [](DType t) { return t == f32 || t == bf16 || t == f16; };
+  const ConvGeometry& g = d.geometry;
+  return ok(d.operand) && ok(d.out) && g.n > 0 && g.c > 0 && g.o > 0 && g.h > 0 && g.w > 0 &&
+         g.oh > 0 && g.ow > 0;
+}
+
+std::string conv_kernel(const ConvDesc& d) {
+  if (!conv_supported(d)) fail("{}: not a problem oneDNN can run", describe(d));
+  if (weight_grad_as_gemm(d)) return "im2col, " + gemm_kernel(weight_grad_gemm_desc(d));
+  const std::string& implementation = cached(d)->implementation;
+  return widens_bf16(d) ? "bf16 widened to f32, " + implementation : implementation;
+}
+
+void conv(const ConvDesc& d, const void* a, const void* b, void* out) {
+  if (!conv_supported(d)) fail("{}: not a problem oneDNN can run", describe(d));
+  if (a == nullptr || b == nullptr || out == nullptr) fail("{}: a null pointer", describe(d));
+  if (weight_grad_as_gemm(d)) {
+    log_gemm_choice(d);
+    return d.operand == f32 ? weight_grad_gemm<float>(d, a, b, out)
+                            : weight_grad_gemm<uint16_t>(d, a, b, out);
+  }
+  const std::shared_ptr<const CachedConv> conv = cached(d);
+  const dnnl::engine& engine = backend().engine;
+  // One stream per thread: oneDNN does not promise that a stream may be used concurrently.
+  thread_local dnnl::stream stream(engine);
+  ThreadScratch& scratch = thread_scratch();
+  const OnednnType t = onednn_operand(d);
+  SingleThreaded single_threaded(!runs_on_team(key_of(d)));
+  try {
+    // Inputs: widened if f16, then reordered into the primitive's layout if it differs.
+    auto input = [&](const Argument& arg, const void* data, ScratchBuffer& widened,
+                     ScratchBuffer& reordered) {
+      const void* plain = as_operand(d, data, count_of(arg.plain, t), widened);
+      dnnl::memory source(arg.plain, engine, const_cast<void*>(plain));
+      if (!arg.reorder) return source;
+      dnnl::memory target(arg.primitive, engine,
+                          reordered.get<std::byte>(static_cast<int64_t>(arg.primitive.get_size())));
+      arg.reorder->execute(stream, source, target);
+      return target;
+    };
+    std::unordered_map<int, dnnl::memory> args;
+    args.emplace(conv->a.role, input(conv->a, a, scratch.widened_a, scratch.reordered_a));
+    args.emplace(conv->b.role, input(conv->b, b, scratch.widened_b, scratch.reordered_b));
+    // The f32 result: straight into `out` when it is f32 and plain, else through scratch.
+    const Argument& res = conv->out;
+    const int64_t count = count_of(res.plain, OnednnType::f32);
+    float* plain_result =
+        d.out == f32 ? static_cast<float*>(out) : scratch.plain_result.get<float>(count);
+    dnnl::memory plain(res.plain, engine, plain_result);
+    dnnl::memory result =
+        res.reorder
+            ? dnnl::memory(
+                  res.primitive, engine,
+                  scratch.result.get<std::byte>(static_cast<int64_t>(res.primitive.get_size())))
+            : plain;
+    args.emplace(res.role, result);
+    if (conv->scratchpad.get_size() > 0)
+      args.emplace(DNNL_ARG_SCRATCHPAD,
+                   dnnl::memory(conv->scratchpad, engine,
+                                scratch.onednn.get<std::byte>(
+                                    static_cast<int64_t>(conv->scratchpad.get_size()))));
+    conv->primitive.execute(stream, args);
+    if (res.reorder) res.reorder->execute(stream, result, plain);
+    stream.wait();
+    if (d.out == bf16)
+      narrow_to_bf16(plain_result, static_cast<uint16_t*>(out), count);
+    else if (d.out == f16)
+      narrow_to_f16(plain_result, static_cast<uint16_t*>(out), count);
+  } catch (const dnnl::error& e) {
+    fail("{}: oneDNN failed: {}", describe(d), e.what());
+  }
+}
+
+}  // namespace mixtape

@@ -1,0 +1,344 @@
+// mixtape/runtime/cpu_executor.cpp -- runs fusion groups on the CPU: JIT'd kernels, oneDNN matmuls,
+// host ops.
+#include "mixtape/runtime/cpu_executor.h"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
+#include <unordered_set>
+
+#include "mixtape/codegen/fusion.h"
+#include "mixtape/codegen/hash.h"
+#include "mixtape/codegen/lower.h"
+#include "mixtape/dsl/convert.h"
+#include "mixtape/dsl/error.h"
+#include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/log.h"
+#include "mixtape/runtime/conv.h"
+#include "mixtape/runtime/cpu_kernels.h"
+#include "mixtape/runtime/gemm.h"
+#include "mixtape/runtime/half_convert.h"
+#include "mixtape/runtime/pool.h"
+#include "mixtape/runtime/program.h"
+#include "mixtape/runtime/reference_executor.h"
+
+namespace mixtape {
+namespace {
+
+// Below this many elements per launch (tens of microseconds of work), threads cost more than
+// they save, above all on a loaded machine.
+constexpr int64_t parallel_threshold = 1 << 17;
+
+ExecutionStats& stats() { return execution_counters(); }
+
+std::shared_ptr<Storage> allocate(const Node& node) {
+  return allocate_value(node, node.storage, node.numel(), true);
+}
+
+int64_t bytes_of(const Storage& s) { return s.size_bytes(); }
+
+// A kernel's entry point: null from the program build until compile_pending() has loaded it
+// together with the rest of the program's new kernels. Owned by the steps that run it (and,
+// until then, by the list of kernels to compile), so that its code is freed with the last program
+// that uses it.
+using KernelCell = CompiledKernel;
+
+std::mutex cells_mutex;
+// By name, for programs that share a kernel; an entry expires with its cell.
+std::unordered_map<std::string, std::weak_ptr<KernelCell>>& kernel_cells() {
+  static std::unordered_map<std::string, std::weak_ptr<KernelCell>> cells;
+  return cells;
+}
+std::vector<std::pair<std::shared_ptr<KernelCell>, kir::Kernel>>& unloaded() {
+  static std::vector<std::pair<std::shared_ptr<KernelCell>, kir::Kernel>> kernels;
+  return kernels;
+}
+
+CpuKernelCompiler*& installed_compiler() {
+  static CpuKernelCompiler* compiler = nullptr;
+  return compiler;
+}
+
+// Forgets the expired entries once they are as many as the live ones (so the sweep's cost is
+// shared by as many registrations as it frees).
+void forget_expired_cells() {
+  auto& cells = kernel_cells();
+  static size_t sweep_at = 64;
+  if (cells.size() < sweep_at) return;
+  std::erase_if(cells, [](const auto& entry) { return entry.second.expired(); });
+  sweep_at = std::max<size_t>(64, 2 * cells.size());
+}
+
+// The program builder's kernel loader: leaves a kernel new to this process for
+// compile_pending(), so that a new program's kernels compile in parallel.
+KernelRef register_kernel(const kir::Kernel& kernel) {
+  std::lock_guard<std::mutex> lock(cells_mutex);
+  std::shared_ptr<KernelCell> cell = kernel_cells()[kernel.name].lock();
+  if (!cell) {
+    forget_expired_cells();
+    cell = std::make_shared<KernelCell>();
+    kernel_cells()[kernel.name] = cell;
+    if (log_enabled("kernels")) log_line("kernels", "{}", kir::to_string(kernel));
+    unloaded().push_back({cell, kernel});
+  }
+  return {reinterpret_cast<uintptr_t>(cell.get()), cell};
+}
+
+void compile_pending() {
+  std::lock_guard<std::mutex> lock(cells_mutex);
+  // Taken off the queue first: a batch that fails to compile leaves its cells without code
+  // (run_kernel then says so) instead of failing every later compile with it.
+  auto todo = std::move(unloaded());
+  unloaded().clear();
+  if (todo.empty()) return;
+  CpuKernelCompiler* compiler = cpu_kernel_compiler();
+  if (!compiler)
+    fail(
+        "the CPU back end has no kernel compiler: this program links only mixtape_runtime, which "
+        "runs exported artifacts; link the mixtape library to compile graphs ({} new kernels, "
+        "the first {})",
+        todo.size(), todo[0].second.name);
+  std::vector<const kir::Kernel*> kernels;
+  for (auto& [cell, kernel] : todo) kernels.push_back(&kernel);
+  std::vector<CompiledKernel> compiled = compiler->compile(kernels);
+  for (size_t i = 0; i < todo.size(); ++i) *todo[i].first = std::move(compiled[i]);
+}
+
+ProgramCache& cpu_programs() {
+  static ProgramCache programs;
+  return programs;
+}
+
+KernelObserver& observer() {
+  static KernelObserver o;
+  return o;
+}
+
+void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signature& sig) {
+  const kir::Kernel& kernel = *step.kernel;
+  KernelFunction function = reinterpret_cast<const KernelCell*>(step.compiled)->current();
+  if (!function) fail("CPU kernel {} failed to compile earlier", kernel.name);
+  size_t count = step.params.size();
+  // Reused from launch to launch: a replayed step launches dozens of small kernels, and these
+  // allocations were a visible share of them.
+  thread_local std::vector<Node*> nodes;
+  thread_local std::vector<void*> params;
+  thread_local std::vector<std::shared_ptr<Storage>> outputs;
+  thread_local std::vector<double> scalars;
+  nodes.assign(count, nullptr);
+  params.clear();
+  outputs.assign(count, nullptr);
+  scalars.clear();
+  ExecutionStats& s = stats();
+  for (NodeRef ref : step.scalar_nodes) scalars.push_back(fill_value(*sig.resolve(ref, pending)));
+  // A multi-tensor kernel takes its segment table first, then each segment's pointers and
+  // scalars (kir::Kernel::multi_tensor); an ordinary one is a single segment without the table.
+  if (kernel.multi_tensor) params.push_back(const_cast<int64_t*>(step.segment_table.data()));
+  size_t per_segment = kernel.params.size();
+  for (size_t i = 0; i < count; ++i) {
+    Node* node = nodes[i] = sig.resolve(step.params[i], pending);
+    if (step.param_is_output(i)) {
+      outputs[i] = allocate(*node);
+      params.push_back(outputs[i]->host_data());
+      s.bytes_written += bytes_of(*outputs[i]);
+    } else {
+      params.push_back(node->value->host_data());
+      s.bytes_read += bytes_of(*node->value);
+    }
+    if (kernel.scalars > 0 && (i + 1) % per_segment == 0)
+      params.push_back(scalars.data() + (i / per_segment) * kernel.scalars);
+  }
+  if (observer()) {
+    LoweredKernel lowered{kernel, nodes, scalars, {}};
+    for (NodeRef ref : step.scalar_nodes) lowered.scalar_nodes.push_back(sig.resolve(ref, pending));
+    observer()(lowered);
+  }
+  int64_t extent = step.parallel_extent;
+  int threads = step.points >= parallel_threshold ? omp_get_max_threads() : 1;
+  // The scratch vectors are this thread's: the team gets their data by pointer.
+  void** args = params.data();
+  if (threads <= 1 || extent < 2) {
+    function(args, 0, extent);
+  } else {
+#pragma omp parallel num_threads(threads)
+    {
+      apply_flush_denormal();
+      int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+      if (kernel.multi_tensor && kernel.is_reduction()) {
+        // Whole segments, a thread taking those that start in its share of the elements.
+        const int64_t* starts = step.segment_table.data() + 1;
+        int64_t total = starts[extent];
+        auto first_from = [&](int64_t share) {
+          return std::lower_bound(starts, starts + extent, total * share / n) - starts;
+        };
+        function(args, first_from(t), t + 1 == n ? extent : first_from(t + 1));
+      } else {
+        function(args, extent * t / n, extent * (t + 1) / n);
+      }
+    }
+  }
+  for (size_t i = 0; i < count; ++i)
+    if (outputs[i]) nodes[i]->value = std::move(outputs[i]);
+  ++s.kernels;
+  s.kernel_nodes += step.members;
+}
+
+// The 16-bit copies of f32 leaves (weights, a batch of inputs) that half matmuls read during one
+// program run, kept until it ends: a leaf read by several (the forward product and the weight
+// gradient's) is rounded once, the "cast once" of memory_report. Leaves live through the run
+// anyway; a value the run computes is rounded per reader instead, so that its copy does not
+// outlive it. Holding the source keeps its address from being reused while the entry lives.
+struct NarrowedCopy {
+  std::shared_ptr<Storage> source, copy;
+};
+std::vector<NarrowedCopy>& narrowed_copies() {
+  thread_local std::vector<NarrowedCopy> copies;
+  return copies;
+}
+
+// An input's value in `dtype` (the matmul's compute type): itself, or converted. A leaf's copy
+// is kept for the run when `cache` (only inside replay_cpu, which drops them at its end).
+std::shared_ptr<Storage> as_dtype(const Node& input, DType dtype, bool cache = true) {
+  const std::shared_ptr<Storage>& value = input.value;
+  if (value->dtype == dtype) return value;
+  const bool leaf = cache && op_info(input.op).kind == OpKind::Leaf;
+  std::vector<NarrowedCopy>& copies = narrowed_copies();
+  if (leaf)
+    for (const NarrowedCopy& c : copies)
+      if (c.source == value && c.copy->dtype == dtype) return c.copy;
+  auto out = std::make_shared<Storage>(dtype, value->count, Storage::Uninitialized{});
+  if (leaf) copies.push_back({value, out});
+  if (value->dtype == f32 && dtype == bf16)
+    narrow_to_bf16(value->as<float>(), out->as<uint16_t>(), value->count);
+  else if (value->dtype == f32 && dtype == f16)
+    narrow_to_f16(value->as<float>(), out->as<uint16_t>(), value->count);
+  else
+    for (int64_t i = 0; i < value->count; ++i)
+      store_element(*out, i, load_element<double>(*value, i));
+  return out;
+}
+
+void run_matmul(Node& node) {
+  const Shape& a_shape = node.inputs[0]->shape;
+  size_t rank = node.shape.size();
+  GemmDesc desc;
+  desc.m = node.shape[rank - 2];
+  desc.n = node.shape[rank - 1];
+  desc.k = node.attrs.transpose_a ? a_shape[rank - 2] : a_shape[rank - 1];
+  desc.batch = desc.m * desc.n == 0 ? 0 : node.numel() / (desc.m * desc.n);
+  desc.transpose_a = node.attrs.transpose_a;
+  desc.transpose_b = node.attrs.transpose_b;
+  desc.operand = node.compute;
+  desc.out = node.storage;
+  // A 16-bit accumulator (asked for by a custom policy) is not what oneDNN does: the reference
+  // loops honour it.
+  if (!gemm_supported(desc) || is_half(node.accum)) {
+    node.value = reference_compute(node);
+    ++stats().host_ops;
+    return;
+  }
+  auto a = as_dtype(*node.inputs[0], desc.operand);
+  auto b = as_dtype(*node.inputs[1], desc.operand);
+  auto out = allocate(node);
+  if (desc.batch > 0) gemm(desc, a->host_data(), b->host_data(), out->host_data());
+  node.value = out;
+  ExecutionStats& s = stats();
+  ++s.gemms;
+  s.bytes_read += bytes_of(*a) + bytes_of(*b);
+  s.bytes_written += bytes_of(*out);
+}
+
+// A convolution primitive through oneDNN; other dtypes and accumulators (f64, a 16-bit
+// accumulator a custom policy asks for) take the reference loops. Leaves' narrowed copies are
+// kept for the step (replay_cpu drops them at its end).
+void run_conv(Node& node) {
+  ConvDesc desc;
+  desc.op = node.op;
+  desc.geometry = ConvGeometry::of(node);
+  desc.operand = node.compute;
+  desc.out = node.storage;
+  if (!conv_supported(desc) || is_half(node.accum)) {
+    node.value = reference_compute(node);
+    ++stats().host_ops;
+    return;
+  }
+  auto a = as_dtype(*node.inputs[0], desc.operand, true);
+  auto b = as_dtype(*node.inputs[1], desc.operand, true);
+  auto out = allocate(node);
+  conv(desc, a->host_data(), b->host_data(), out->host_data());
+  node.value = out;
+  ExecutionStats& s = stats();
+  ++s.convolutions;
+  s.bytes_read += bytes_of(*a) + bytes_of(*b);
+  s.bytes_written += bytes_of(*out);
+}
+
+// Max pooling and its gradient by runtime/pool.h's loops; other dtypes by the reference's.
+void run_pool(Node& node) {
+  if (!max_pool_cpu_supported(node)) {
+    node.value = reference_compute(node);
+    ++stats().host_ops;
+    return;
+  }
+  auto out = allocate(node);
+  max_pool_cpu(node, *out);
+  node.value = out;
+  ExecutionStats& s = stats();
+  ++s.kernels;
+  ++s.kernel_nodes;
+  for (const NodePtr& input : node.inputs) s.bytes_read += bytes_of(*input->value);
+  s.bytes_written += bytes_of(*out);
+}
+
+// Steps without a generated kernel: convolutions through oneDNN, max pooling by its loops, the
+// rest by the reference loops.
+void run_host_step(Node& node) {
+  if (op_info(node.op).kind == OpKind::Conv) return run_conv(node);
+  if (op_info(node.op).kind == OpKind::Pool) return run_pool(node);
+  node.value = reference_compute(node);
+  ++stats().host_ops;
+}
+
+}  // namespace
+
+Signature sign_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required,
+                   const FusionOptions& options) {
+  // Programs with and without multi-tensor steps differ for the same graph.
+  return sign(
+      pending, required, options.fuse,
+      options.multi_tensor ? "mixtape-cpu-program-1/multi-tensor" : "mixtape-cpu-program-1");
+}
+
+ExecutedProgram execute_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required) {
+  FusionOptions options = fusion_options(Device::cpu);
+  ExecutedProgram executed;
+  executed.sig = sign_cpu(pending, required, options);
+  executed.program = cpu_programs().get(pending, options, executed.sig, register_kernel);
+  compile_pending();
+  replay_cpu(executed, pending);
+  return executed;
+}
+
+void replay_cpu(const ExecutedProgram& executed, const std::vector<Node*>& pending) {
+  struct DropCopies {  // also when a step throws
+    ~DropCopies() { narrowed_copies().clear(); }
+  } drop_copies;
+  narrowed_copies().clear();
+  run_program(*executed.program, pending, executed.sig, {run_kernel, run_matmul, run_host_step});
+}
+
+void set_kernel_observer(KernelObserver o) { observer() = std::move(o); }
+
+CpuKernelCompiler* cpu_kernel_compiler() { return installed_compiler(); }
+void set_cpu_kernel_compiler(CpuKernelCompiler* compiler) { installed_compiler() = compiler; }
+
+KernelRef ready_cpu_kernel(CompiledKernel kernel) {
+  auto cell = std::make_shared<KernelCell>(std::move(kernel));
+  return {reinterpret_cast<uintptr_t>(cell.get()), cell};
+}
+
+ProgramCache::Stats cpu_program_cache_stats() { return cpu_programs().stats(); }
+
+}  // namespace mixtape

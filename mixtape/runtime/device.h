@@ -1,0 +1,81 @@
+// mixtape/runtime/device.h -- choosing where graphs run (MIXTAPE_DEVICE, MIXTAPE_EAGER) and
+// execution stats.
+#pragma once
+
+#include <cstdint>
+
+namespace mixtape {
+
+enum class Device : uint8_t {
+  reference,  // the per-op oracle (runtime/reference_executor.cpp)
+  cpu,        // fused kernels compiled by LLVM, matmuls by oneDNN
+  cuda,       // NVIDIA GPUs: NVRTC kernels, cuBLASLt matmuls (runtime/cuda_executor.h)
+};
+
+/// The device evaluation uses. Starts as MIXTAPE_DEVICE (cpu | reference | cuda | auto; default
+/// and auto: cuda when the CUDA back end can run here, else cpu, saying why on stderr once when
+/// an NVIDIA driver is present but fails); an unknown value is an mt::Error at the first
+/// evaluation. cuda (here or in set_device) is an mt::Error with the reason when CUDA cannot run.
+Device current_device();
+void set_device(Device device);
+const char* device_name(Device device);
+
+/// Eager mode: one kernel per op, no fusion (MIXTAPE_EAGER=1 or eager_scope), for debugging and
+/// as the unfused baseline of benchmarks.
+bool eager_mode();
+void set_eager_mode(bool eager);
+/// Flush-to-zero on the CPU, as torch.set_flush_denormal: subnormal results of float arithmetic
+/// become zero and subnormal inputs count as zero (x86 MXCSR's FTZ and DAZ), in kernels, matmuls
+/// and host ops alike. Off by default (IEEE). Worth it where values decay through the subnormals
+/// (Adam's moments of parameters whose gradients are zero): each such operation costs x86 a
+/// microcode assist. MIXTAPE_FLUSH_DENORMAL=1 turns it on at start. Returns false, changing
+/// nothing, where the CPU has no such mode.
+bool set_flush_denormal(bool on);
+bool flush_denormal();
+/// Sets the calling thread's float mode to the setting above; the back ends call it on each
+/// thread that runs a step (cheap when nothing changes).
+void apply_flush_denormal();
+/// TF32 tensor cores for f32 matmuls on the cuda device, as torch.backends.cuda.matmul.allow_tf32
+/// (torch.set_float32_matmul_precision("high")): operands rounded to TF32's 10-bit mantissa, f32
+/// accumulation (CUBLAS_COMPUTE_32F_FAST_TF32), several times the f32 rate at about 1e-3
+/// relative error. Off by default, so f32 matmuls are IEEE f32 products; MIXTAPE_ALLOW_TF32=1
+/// turns it on at start. Read at every matmul launch, so it applies to programs built before
+/// (and to mt::compile replays). Half-precision matmuls and the CPU back ends are unaffected.
+void set_allow_tf32(bool allow);
+bool allow_tf32();
+
+class eager_scope {
+ public:
+  explicit eager_scope(bool eager = true);
+  ~eager_scope();
+  eager_scope(const eager_scope&) = delete;
+  eager_scope& operator=(const eager_scope&) = delete;
+
+ private:
+  bool previous_;
+};
+
+/// Counters of the compiled back end since the process started (or the last reset).
+struct ExecutionStats {
+  int64_t evaluations = 0;      // calls that ran something
+  int64_t programs_built = 0;   // evaluations of a new graph structure: fused and lowered
+  int64_t programs_reused = 0;  // evaluations that replayed a program built before
+  int64_t kernels = 0;          // generated kernels launched
+  int64_t kernel_nodes = 0;     // graph nodes computed inside them
+  int64_t gemms = 0;            // library matmuls
+  int64_t convolutions = 0;     // library convolutions (and their gradients)
+  int64_t host_ops = 0;         // ops run by the reference loops (gathers, random, ...)
+  int64_t bytes_read = 0;       // by kernels and matmuls, from their parameters
+  int64_t bytes_written = 0;
+  int64_t peak_bytes = 0;         // most bytes of one evaluation's stored values alive at once
+  int64_t bytes_uploaded = 0;     // cuda: host values copied to the device (constants, batches)
+  int64_t bytes_downloaded = 0;   // cuda: device values copied to the host (reads, host ops)
+  int64_t kernels_compiled = 0;   // LLVM and NVRTC compilations (disk-cache misses)
+  int64_t kernels_from_disk = 0;  // LLVM objects and CUDA images taken from the kernel cache
+  double compile_seconds = 0;
+  double load_seconds = 0;  // their fetch and load (for CUDA: to a function ready to launch)
+};
+ExecutionStats execution_stats();
+void reset_execution_stats();
+
+}  // namespace mixtape

@@ -1,0 +1,67 @@
+// mixtape/runtime/eval.cpp -- mt::evaluate: runs every unevaluated node an output needs, in tape
+// order.
+#include <algorithm>
+
+#include "mixtape/dsl/graph.h"
+#include "mixtape/precision_policy/assign.h"
+#include "mixtape/runtime/compile.h"
+#include "mixtape/runtime/cpu_executor.h"
+#include "mixtape/runtime/cuda_executor.h"
+#include "mixtape/runtime/device.h"
+#include "mixtape/runtime/reference_executor.h"
+
+namespace mixtape {
+
+namespace {
+void run(const std::vector<NodePtr>& outputs);
+}  // namespace
+
+void evaluate(const std::vector<NodePtr>& requested) {
+  std::vector<NodePtr> deferred = deferred_assignment_values();
+  if (deferred.empty()) return run(requested);
+  std::vector<NodePtr> outputs = requested;
+  for (const NodePtr& value : deferred)  // once each: a value asked for twice is stored once
+    if (std::find(outputs.begin(), outputs.end(), value) == outputs.end()) outputs.push_back(value);
+  try {
+    run(outputs);
+  } catch (...) {
+    // A value that cannot be computed must not fail every later evaluation: its tensor keeps
+    // it, and reading that tensor reports the error again.
+    forget_deferred_assignments();
+    throw;
+  }
+  settle_deferred_assignments();
+}
+
+namespace {
+
+void run(const std::vector<NodePtr>& outputs) {
+  std::vector<Node*> pending = pending_nodes(outputs);
+  if (pending.empty()) return;
+  assign_precision(pending);
+  Device device = current_device();
+  if (device == Device::reference) {
+    if (tracing_step())
+      note_side_effect("runs on the reference executor, which has no programs to replay");
+    for (Node* node : pending) node->value = reference_compute(*node);
+  } else {
+    std::vector<Node*> required;
+    for (const NodePtr& output : outputs)
+      if (output && !output->evaluated() &&
+          std::find(required.begin(), required.end(), output.get()) == required.end())
+        required.push_back(output.get());
+    ExecutedProgram executed =
+        device == Device::cuda ? execute_cuda(pending, required) : execute_cpu(pending, required);
+    // A traced step keeps its graph whole until the trace is done with it.
+    if (record_evaluation(pending, std::move(executed), device)) return;
+  }
+  // No gradient will ever flow through these, so their producers are no longer needed: this is
+  // what keeps step-to-step chains (optimizer updates) from growing. Nodes a fused kernel
+  // computed only in registers keep their inputs, to be recomputed if something asks later.
+  for (Node* node : pending)
+    if (!node->requires_grad && node->evaluated()) node->inputs.clear();
+}
+
+}  // namespace
+
+}  // namespace mixtape

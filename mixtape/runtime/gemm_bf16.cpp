@@ -1,0 +1,356 @@
+// mixtape/runtime/gemm_bf16.cpp -- a 6x64 VDPBF16PS register tile over B packed in pairs of k, for
+// the small bf16 products where it was measured ahead of oneDNN 2.6 (gemm.cpp's rule).
+#include "mixtape/runtime/gemm_bf16.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include <immintrin.h>
+
+#include "mixtape/runtime/scratch_buffer.h"
+
+// Every function that uses AVX-512 carries a target attribute instead of the file being compiled
+// with -mavx512*: inline functions of the standard headers compiled here could otherwise be the
+// copy the linker keeps for the whole program and crash a CPU without AVX-512. Such functions are
+// only reached after gemm_bf16_own_available() said yes.
+#define MIXTAPE_AVX512_BF16 __attribute__((target("avx512f,avx512bw,avx512bf16")))
+
+namespace mixtape {
+namespace {
+
+// The register tile: kRows rows of A times 64 columns of B (4 vectors of 16 f32), 24 of the 32
+// vector registers as accumulators, 4 for B and 1 for a broadcast A pair: 24 independent chains
+// hide VDPBF16PS's latency (with 6, a 16-column tile, it ran at 0.35 of the peak).
+constexpr int kRows = 6;
+constexpr int kVectors = 4;
+constexpr int64_t kPanel = 16 * kVectors;  // columns of a packed B panel
+// Pairs of k per block: 64 pairs of a panel are 16 KiB, half of Zen 4's 32 KiB L1. Unblocked, a
+// k = 256 panel (32 KiB) filled L1 and 256x64x256 ran at 0.62 of the peak against 0.90 at k = 128.
+constexpr int64_t kBlockPairs = 64;
+
+struct Scratch {
+  ScratchBuffer a, b;
+};
+
+Scratch& scratch() {
+  thread_local Scratch buffers;
+  return buffers;
+}
+
+uint32_t load_pair(const uint16_t* at) {
+  uint32_t word;
+  std::memcpy(&word, at, sizeof word);
+  return word;
+}
+
+// One rows x (16 * vectors) block of the result: row r's pair p of A is the (unaligned) 32-bit
+// word at a + 2 * (r * row_words + p * pair_words); `panel` points at the packed B panel
+// ([pairs][64] words, each a pair of bf16 from rows 2p and 2p+1 of one column). The last vector
+// stores only `last_lanes` lanes; `resume` starts from the sums already in `out`.
+template <int rows, int vectors>
+MIXTAPE_AVX512_BF16 void tile(const uint16_t* a, int64_t row_words, int64_t pair_words,
+                              const uint32_t* panel, int64_t pairs, const float* bias, float* out,
+                              int64_t ldo, int last_lanes, bool resume) {
+  // Every loop over rows and vectors is unrolled, so that the accumulators stay in registers
+  // (without the pragmas GCC kept them on the stack around the stores, about a tenth of a
+  // 256x64x64 product's time).
+  const __mmask16 last = static_cast<__mmask16>((1u << last_lanes) - 1u);
+  __m512 acc[rows][vectors];
+#pragma GCC unroll 8
+  for (int r = 0; r < rows; ++r)
+#pragma GCC unroll 4
+    for (int v = 0; v < vectors; ++v)
+      acc[r][v] =
+          resume ? _mm512_maskz_loadu_ps(v == vectors - 1 ? last : 0xFFFF, out + r * ldo + 16 * v)
+                 : _mm512_setzero_ps();
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh bv[vectors];
+#pragma GCC unroll 4
+    for (int v = 0; v < vectors; ++v)
+      bv[v] = (__m512bh)_mm512_loadu_si512(panel + p * kPanel + 16 * v);
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r) {
+      const __m512bh av = (__m512bh)_mm512_set1_epi32(
+          static_cast<int>(load_pair(a + 2 * (r * row_words + p * pair_words))));
+#pragma GCC unroll 4
+      for (int v = 0; v < vectors; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], av, bv[v]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < vectors; ++v) {
+    const __mmask16 mask = v == vectors - 1 ? last : static_cast<__mmask16>(0xFFFF);
+    const __m512 add =
+        bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + 16 * v) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < rows; ++r)
+      _mm512_mask_storeu_ps(out + r * ldo + 16 * v, mask,
+                            bias != nullptr ? _mm512_add_ps(acc[r][v], add) : acc[r][v]);
+  }
+}
+
+using TileFunction = void (*)(const uint16_t*, int64_t, int64_t, const uint32_t*, int64_t,
+                              const float*, float*, int64_t, int, bool);
+
+template <int rows>
+constexpr TileFunction tile_for_vectors(int vectors) {
+  switch (vectors) {
+    case 1:
+      return tile<rows, 1>;
+    case 2:
+      return tile<rows, 2>;
+    case 3:
+      return tile<rows, 3>;
+    default:
+      return tile<rows, 4>;
+  }
+}
+
+TileFunction tile_for(int rows, int vectors) {
+  switch (rows) {
+    case 1:
+      return tile_for_vectors<1>(vectors);
+    case 2:
+      return tile_for_vectors<2>(vectors);
+    case 3:
+      return tile_for_vectors<3>(vectors);
+    case 4:
+      return tile_for_vectors<4>(vectors);
+    case 5:
+      return tile_for_vectors<5>(vectors);
+    default:
+      return tile_for_vectors<6>(vectors);
+  }
+}
+
+// B [k, n] row-major into panels of 64 columns, [panel][pair][64] words, zero past k and n. Rows
+// 2p and 2p+1 are interleaved 32 columns at a time by VPERMT2W.
+MIXTAPE_AVX512_BF16 void pack_b_rows(const uint16_t* b, int64_t k, int64_t n, uint32_t* packed) {
+  const int64_t pairs = (k + 1) / 2;
+  alignas(64) static constexpr uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                    37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                    11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i low = _mm512_load_si512(kLow);
+  const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+  for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
+    uint32_t* panel = packed + (j0 / kPanel) * pairs * kPanel;
+    for (int64_t half = 0; half < kPanel; half += 32) {
+      const int64_t columns = std::clamp<int64_t>(n - j0 - half, 0, 32);
+      const __mmask32 mask = columns == 32 ? ~__mmask32{0} : (__mmask32{1} << columns) - 1;
+      for (int64_t p = 0; p < pairs; ++p) {
+        const uint16_t* row = b + 2 * p * n + j0 + half;
+        const __m512i even = _mm512_maskz_loadu_epi16(mask, row);
+        const __m512i odd =
+            2 * p + 1 < k ? _mm512_maskz_loadu_epi16(mask, row + n) : _mm512_setzero_si512();
+        _mm512_storeu_si512(panel + p * kPanel + half, _mm512_permutex2var_epi16(even, low, odd));
+        _mm512_storeu_si512(panel + p * kPanel + half + 16,
+                            _mm512_permutex2var_epi16(even, high, odd));
+      }
+    }
+  }
+}
+
+// Transposes a 16x16 matrix of 32-bit words held as 16 rows. The zero-masked forms with every
+// lane selected: GCC 12's plain forms pass an undefined vector and -Werror=maybe-uninitialized
+// rejects them.
+constexpr __mmask16 kAll16 = 0xFFFF;
+constexpr __mmask8 kAll8 = 0xFF;
+MIXTAPE_AVX512_BF16 void transpose_16x16(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {  // pairs of rows interleaved by words
+    t[2 * i] = _mm512_maskz_unpacklo_epi32(kAll16, r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_maskz_unpackhi_epi32(kAll16, r[2 * i], r[2 * i + 1]);
+  }
+  // u[4i + x], 128-bit lane l: rows 4i..4i+3 of column 4l + x.
+  for (int i = 0; i < 4; ++i) {
+    u[4 * i] = _mm512_maskz_unpacklo_epi64(kAll8, t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = _mm512_maskz_unpackhi_epi64(kAll8, t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = _mm512_maskz_unpacklo_epi64(kAll8, t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = _mm512_maskz_unpackhi_epi64(kAll8, t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int x = 0; x < 4; ++x) {  // column 4l + x gathers lane l of u[x], u[4+x], u[8+x], u[12+x]
+    const __m512i v0 = _mm512_maskz_shuffle_i32x4(kAll16, u[x], u[4 + x], 0x88);
+    const __m512i v1 = _mm512_maskz_shuffle_i32x4(kAll16, u[x], u[4 + x], 0xDD);
+    const __m512i w0 = _mm512_maskz_shuffle_i32x4(kAll16, u[8 + x], u[12 + x], 0x88);
+    const __m512i w1 = _mm512_maskz_shuffle_i32x4(kAll16, u[8 + x], u[12 + x], 0xDD);
+    r[x] = _mm512_maskz_shuffle_i32x4(kAll16, v0, w0, 0x88);
+    r[8 + x] = _mm512_maskz_shuffle_i32x4(kAll16, v0, w0, 0xDD);
+    r[4 + x] = _mm512_maskz_shuffle_i32x4(kAll16, v1, w1, 0x88);
+    r[12 + x] = _mm512_maskz_shuffle_i32x4(kAll16, v1, w1, 0xDD);
+  }
+}
+
+// B stored transposed, [n, k]: a column's pair is one 32-bit word of its row, so 16 columns by
+// 16 pairs are a 16x16 word transpose (gathers ran at 0.69 of the peak where oneDNN ran at 0.80,
+// 64x64x128). Masked loads stop at k: an odd k's last pair gets its zero pad, and no load reads
+// past a row (the next row's element, or the end of b).
+MIXTAPE_AVX512_BF16 void pack_b_columns(const uint16_t* b, int64_t k, int64_t n, uint32_t* packed) {
+  const int64_t pairs = (k + 1) / 2;
+  for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
+    uint32_t* panel = packed + (j0 / kPanel) * pairs * kPanel;
+    for (int64_t c = 0; c < kPanel; c += 16) {
+      const int64_t lanes = std::clamp<int64_t>(n - j0 - c, 0, 16);
+      for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
+        const int64_t elements = std::min<int64_t>(32, k - 2 * p0);
+        const __mmask32 mask = elements == 32 ? ~__mmask32{0} : (__mmask32{1} << elements) - 1;
+        __m512i r[16];
+        for (int64_t j = 0; j < 16; ++j)
+          r[j] = j < lanes ? _mm512_maskz_loadu_epi16(mask, b + (j0 + c + j) * k + 2 * p0)
+                           : _mm512_setzero_si512();
+        transpose_16x16(r);
+        const int64_t here = std::min<int64_t>(16, pairs - p0);
+        for (int64_t q = 0; q < here; ++q) _mm512_storeu_si512(panel + (p0 + q) * kPanel + c, r[q]);
+      }
+    }
+  }
+}
+
+// A [m, k] with an odd k as rows of k + 1 bf16, the pad a zero: a row's pair p is word p.
+void pack_a_rows(const uint16_t* a, int64_t m, int64_t k, uint16_t* packed) {
+  for (int64_t i = 0; i < m; ++i) {
+    std::copy(a + i * k, a + (i + 1) * k, packed + i * (k + 1));
+    packed[i * (k + 1) + k] = 0;
+  }
+}
+
+}  // namespace
+
+bool gemm_bf16_own_available() {
+#if defined(__x86_64__)
+  static const bool available = __builtin_cpu_supports("avx512f") &&
+                                __builtin_cpu_supports("avx512bw") &&
+                                __builtin_cpu_supports("avx512bf16");
+  return available;
+#else
+  return false;
+#endif
+}
+
+namespace {
+
+constexpr int kChains = 12;  // independent accumulators: enough to fill every port on both kinds
+
+// noipa: else GCC finds the bursts free of side effects and moves them out of the timed span.
+__attribute__((noipa)) MIXTAPE_AVX512_BF16 float fma_burst(int64_t iterations) {
+  __m512 acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+  const __m512 x = _mm512_set1_ps(0.999f), y = _mm512_set1_ps(1e-3f);
+  for (int64_t it = 0; it < iterations; ++it) {
+#pragma GCC unroll 16  // the accumulators must stay in registers
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_fmadd_ps(acc[i], x, y);
+  }
+  __m512 sum = acc[0];
+  for (int i = 1; i < kChains; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);
+  return lanes[0];  // keeps the work alive
+}
+
+__attribute__((noipa)) MIXTAPE_AVX512_BF16 float dot_burst(int64_t iterations) {
+  __m512 acc[kChains];
+  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
+  const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3A83);  // 1e-3: sums stay small
+  const __m512bh y = (__m512bh)_mm512_set1_epi16(0x3F80);  // 1
+  for (int64_t it = 0; it < iterations; ++it) {
+#pragma GCC unroll 16  // the accumulators must stay in registers
+    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, y);
+  }
+  __m512 sum = acc[0];
+  for (int i = 1; i < kChains; ++i) sum = _mm512_add_ps(sum, acc[i]);
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, sum);
+  return lanes[0];  // keeps the work alive
+}
+
+double seconds_of(float (*burst)(int64_t), int64_t iterations, volatile float& sink) {
+  const auto start = std::chrono::steady_clock::now();
+  sink = sink + burst(iterations);
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+double bf16_dot_speed_over_f32() {
+  static const double ratio = [] {
+    if (!gemm_bf16_own_available()) return 0.0;
+    // About 0.1 ms a burst at 3 GHz; best of 15 of each kind, interleaved, so that another
+    // process's time slice or a clock change slows only some bursts of both kinds. An FMA does
+    // 32 flops per vector, a VDPBF16PS 64.
+    constexpr int64_t kIterations = 1 << 12;
+    volatile float sink = 0;
+    double fma = 1e30, dot = 1e30;
+    seconds_of(fma_burst, kIterations, sink);  // warm up the vector units
+    for (int burst = 0; burst < 15; ++burst) {
+      fma = std::min(fma, seconds_of(fma_burst, kIterations, sink));
+      dot = std::min(dot, seconds_of(dot_burst, kIterations, sink));
+    }
+    return (64.0 / dot) / (32.0 / fma);
+  }();
+  return ratio;
+}
+
+void gemm_bf16_own(int64_t batch, int64_t m, int64_t n, int64_t k, bool transpose_a,
+                   bool transpose_b, const uint16_t* a, const uint16_t* b, const float* bias,
+                   float* out) {
+  const int64_t pairs = (k + 1) / 2, panels = (n + kPanel - 1) / kPanel;
+  Scratch& buffers = scratch();
+  uint32_t* packed_b = buffers.b.get<uint32_t>(panels * pairs * kPanel);
+  // A's pairs: read in place (untransposed, even k: rows already are whole pairs), rows padded
+  // (odd k), or, transposed, packed like B: panels of 64 rows, [pair][64] words, where a row
+  // block must not cross a panel.
+  const int64_t a_panels = (m + kPanel - 1) / kPanel;
+  uint16_t* packed_a = nullptr;
+  if (transpose_a)
+    packed_a = reinterpret_cast<uint16_t*>(buffers.a.get<uint32_t>(a_panels * pairs * kPanel));
+  else if (k % 2 != 0)
+    packed_a = buffers.a.get<uint16_t>(m * pairs * 2);
+  const int64_t row_words = transpose_a ? 1 : pairs, pair_words = transpose_a ? kPanel : 1;
+  for (int64_t bi = 0; bi < batch; ++bi) {
+    const uint16_t* a_batch = a + bi * m * k;
+    const uint16_t* b_batch = b + bi * k * n;
+    float* out_batch = out + bi * m * n;
+    if (transpose_b)
+      pack_b_columns(b_batch, k, n, packed_b);
+    else
+      pack_b_rows(b_batch, k, n, packed_b);
+    const uint16_t* rows = a_batch;
+    if (transpose_a)
+      pack_b_rows(a_batch, k, m, reinterpret_cast<uint32_t*>(packed_a));
+    else if (k % 2 != 0)
+      pack_a_rows(a_batch, m, k, packed_a);
+    if (packed_a != nullptr) rows = packed_a;
+    // The first word of row i's pairs, in bf16 elements from `rows`.
+    auto row_start = [&](int64_t i) {
+      return transpose_a ? 2 * ((i / kPanel) * pairs * kPanel + i % kPanel) : 2 * i * pairs;
+    };
+    for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
+      const int64_t columns = std::min(kPanel, n - j0);
+      const int vectors = static_cast<int>((columns + 15) / 16);
+      const int last_lanes = static_cast<int>(columns - 16 * (vectors - 1));
+      const uint32_t* panel = packed_b + (j0 / kPanel) * pairs * kPanel;
+      // k in blocks whose slice of the panel fits in L1 beside A's rows; a later block resumes
+      // from the f32 sums stored by the one before, so the sums and their order are unchanged.
+      for (int64_t p0 = 0; p0 < pairs; p0 += kBlockPairs) {
+        const int64_t block = std::min(kBlockPairs, pairs - p0);
+        const bool resume = p0 > 0, last_block = p0 + block == pairs;
+        const float* bias_panel = bias != nullptr && last_block ? bias + j0 : nullptr;
+        for (int64_t i0 = 0; i0 < m;) {
+          int64_t rows_here = std::min<int64_t>(kRows, m - i0);
+          if (transpose_a) rows_here = std::min(rows_here, kPanel - i0 % kPanel);
+          tile_for(static_cast<int>(rows_here), vectors)(rows + row_start(i0) + 2 * p0 * pair_words,
+                                                         row_words, pair_words, panel + p0 * kPanel,
+                                                         block, bias_panel, out_batch + i0 * n + j0,
+                                                         n, last_lanes, resume);
+          i0 += rows_here;
+        }
+      }
+    }
+  }
+}
+
+void gemm_bf16_own_release_scratch() {
+  scratch().a.release();
+  scratch().b.release();
+}
+
+}  // namespace mixtape

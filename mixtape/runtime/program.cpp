@@ -1,0 +1,652 @@
+// mixtape/runtime/program.cpp -- graph signatures, programs of fusion groups, their cache and
+// memory plan.
+#include "mixtape/runtime/program.h"
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <chrono>
+#include <cstdlib>
+#include <map>
+#include <type_traits>
+#include <unordered_set>
+
+#include "mixtape/codegen/kernel_ir.h"
+#include "mixtape/codegen/lower.h"
+#include "mixtape/codegen/nvrtc.h"
+#include "mixtape/dsl/error.h"
+#include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/log.h"
+#include "mixtape/precision_policy/assign.h"
+#include "mixtape/runtime/cpu_kernels.h"
+#include "mixtape/runtime/multi_tensor.h"
+
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+namespace mixtape {
+namespace {
+
+// The program cache lives in this process only, so its key needs no stable byte format: the
+// signature's words are gathered in a buffer and hashed at once by XXH3-128, which goes through
+// them several words at a time. (Hashing each word as it came, through a chain of multiplies
+// each waiting on the last, was most of signing's cost; the signature is taken on every
+// evaluation of the traced loop.)
+class WordHasher {
+ public:
+  WordHasher() : words_(buffer()) {
+    if (words_.size() < 1024) words_.resize(1024);
+    next_ = words_.data();
+    end_ = next_ + words_.size();
+  }
+  WordHasher(const WordHasher&) = delete;
+  WordHasher& operator=(const WordHasher&) = delete;
+
+  template <typename T>
+  requires std::is_arithmetic_v<T> || std::is_enum_v<T> WordHasher& update(T value) {
+    if (next_ == end_) [[unlikely]]
+      grow();
+    if constexpr (std::is_floating_point_v<T>)
+      *next_++ = std::bit_cast<uint64_t>(static_cast<double>(value));
+    else
+      *next_++ = static_cast<uint64_t>(value);
+    return *this;
+  }
+  WordHasher& update(std::string_view text) {
+    update(text.size());
+    for (char c : text) update(c);
+    return *this;
+  }
+  Hash128 finish() const {
+    XXH128_hash_t digest =
+        XXH3_128bits(words_.data(), static_cast<size_t>(next_ - words_.data()) * sizeof(uint64_t));
+    return {digest.low64, digest.high64};
+  }
+
+ private:
+  // One buffer per thread, reused (one hasher per thread at a time: signing does not nest).
+  static std::vector<uint64_t>& buffer() {
+    thread_local std::vector<uint64_t> words;
+    return words;
+  }
+  void grow() {
+    size_t used = words_.size();
+    words_.resize(used * 2);
+    next_ = words_.data() + used;
+    end_ = words_.data() + words_.size();
+  }
+  std::vector<uint64_t>& words_;
+  uint64_t* next_;
+  uint64_t* end_;
+};
+
+template <typename T>
+void update_all(WordHasher& h, const std::vector<T>& values) {
+  h.update(values.size());
+  for (const T& v : values) h.update(v);
+}
+
+// What fusion and lowering read of one node, packed into few words: the signature is taken on
+// every evaluation of the traced loop, and hashing a word per field was most of its cost. The
+// first word holds the op, the types and a bit per scalar attribute of dsl/attrs.def that differs
+// from its default; the counts of the shape, the inputs and the list attributes follow, then the
+// values announced. Equal hashes still mean equal fields, since every optional part is announced
+// before it is hashed. Launch-time attributes (hashed false in the table) are left out.
+struct NodeWords {
+  static constexpr int kFirstFlag = 48;
+  uint64_t word = 0;
+  int flag = kFirstFlag;
+  size_t counts[8] = {};
+  int count_n = 0;
+
+  void announce(bool hashed, const Ints& list) { counts[count_n++] = hashed ? list.size() : 0; }
+  template <typename T>
+  void announce(bool hashed, const T& value, const T& default_value) {
+    if (hashed && !same_attr(value, default_value)) word |= uint64_t{1} << flag;
+    ++flag;
+  }
+};
+constexpr int kListAttrs = 0
+#define MT_ATTR(type, name, default_value, hashed, ops) \
+  +int {                                                \
+    std::is_same_v<type, Ints>                          \
+  }
+#include "mixtape/dsl/attrs.def"
+    ;
+constexpr int kScalarAttrs = 0
+#define MT_ATTR(type, name, default_value, hashed, ops) \
+  +int {                                                \
+    !std::is_same_v<type, Ints>                         \
+  }
+#include "mixtape/dsl/attrs.def"
+    ;
+static_assert(2 + kListAttrs <= 8, "NodeWords::counts holds the shape's, the inputs' and a list's");
+static_assert(NodeWords::kFirstFlag + kScalarAttrs <= 63, "the first word has a bit per scalar");
+
+void announce_attr(NodeWords& w, bool hashed, const Ints& list, const Ints&) {
+  w.announce(hashed, list);
+}
+template <typename T>
+void announce_attr(NodeWords& w, bool hashed, const T& value, const T& default_value) {
+  w.announce(hashed, value, default_value);
+}
+void hash_attr(WordHasher& h, bool hashed, const Ints& list, const Ints&) {
+  if (hashed)
+    for (int64_t x : list) h.update(x);
+}
+void hash_attr(WordHasher&, bool, bool, bool) {}  // its flag bit is its value
+template <typename T>
+void hash_attr(WordHasher& h, bool hashed, const T& value, const T& default_value) {
+  if (hashed && !same_attr(value, default_value)) h.update(value);
+}
+
+void hash_node(WordHasher& h, const Node& node) {
+  const Attrs& a = node.attrs;
+  static const Attrs defaults;
+  NodeWords w;
+  w.word = static_cast<uint64_t>(node.op) | uint64_t{static_cast<uint8_t>(node.dtype)} << 16 |
+           uint64_t{static_cast<uint8_t>(node.storage)} << 24 |
+           uint64_t{static_cast<uint8_t>(node.compute)} << 32 |
+           uint64_t{static_cast<uint8_t>(node.accum)} << 40;
+  w.counts[w.count_n++] = node.shape.size();
+  w.counts[w.count_n++] = node.inputs.size();
+#define MT_ATTR(type, name, default_value, hashed, ops) \
+  announce_attr(w, hashed, a.name, defaults.name);
+#include "mixtape/dsl/attrs.def"
+  bool small = true;
+  for (int i = 0; i < w.count_n; ++i) small &= w.counts[i] < 0x1000;
+  h.update(w.word | uint64_t{small} << 63);
+  if (small) {
+    // Five counts of 12 bits to a word.
+    for (int i = 0; i < w.count_n; i += 5) {
+      uint64_t packed = 0;
+      for (int j = i; j < std::min(i + 5, w.count_n); ++j) packed = packed << 12 | w.counts[j];
+      h.update(packed);
+    }
+  } else {
+    for (int i = 0; i < w.count_n; ++i) h.update(w.counts[i]);
+  }
+  for (int64_t d : node.shape) h.update(d);
+#define MT_ATTR(type, name, default_value, hashed, ops) hash_attr(h, hashed, a.name, defaults.name);
+#include "mixtape/dsl/attrs.def"
+}
+
+int64_t stored_bytes(const Node* node) { return node->value ? node->value->size_bytes() : 0; }
+
+// The bytes of what step `step` stores, measured by `bytes_of` (run_program and the plan-only
+// peak count the same values).
+template <typename BytesOf>
+int64_t step_output_bytes(const Step& step, const std::vector<Node*>& pending, const Signature& sig,
+                          BytesOf bytes_of) {
+  if (step.kind != FusionGroup::Kind::Kernel) return bytes_of(sig.resolve(step.node, pending));
+  int64_t bytes = 0;
+  for (size_t p = 0; p < step.params.size(); ++p)
+    if (step.param_is_output(p)) bytes += bytes_of(sig.resolve(step.params[p], pending));
+  return bytes;
+}
+
+// What each step reads and stores, by reference, for the memory plan.
+void plan_memory(Program& program, const std::vector<Node*>& pending, const Signature& sig) {
+  std::unordered_map<NodeRef, size_t> last_use;
+  std::vector<NodeRef> stored_order;
+  std::vector<NodeRef> reads, writes;
+  for (size_t i = 0; i < program.steps.size(); ++i) {
+    step_io(program.steps[i], pending, sig, reads, writes);
+    for (NodeRef ref : reads)
+      if (ref >= 0) last_use[ref] = i;
+    for (NodeRef ref : writes) {
+      last_use.emplace(ref, i);
+      stored_order.push_back(ref);
+    }
+  }
+  std::unordered_set<Node*> keep(sig.stored.begin(), sig.stored.end());
+  program.release_after.assign(program.steps.size(), {});
+  for (NodeRef ref : stored_order)
+    if (!keep.count(pending[ref])) program.release_after[last_use.at(ref)].push_back(ref);
+}
+
+}  // namespace
+
+ExecutionStats& execution_counters() {
+  static ExecutionStats s;
+  return s;
+}
+
+namespace {
+// The compilers keep their own lifetime counters; a reset remembers them so that stats count
+// from it.
+struct CompilerBaseline {
+  CompilerStats jit;
+  NvrtcStats nvrtc;
+};
+CompilerStats cpu_compiler_stats() {
+  CpuKernelCompiler* compiler = cpu_kernel_compiler();
+  return compiler ? compiler->stats() : CompilerStats{};
+}
+CompilerBaseline& compiler_baseline() {
+  static CompilerBaseline baseline;
+  return baseline;
+}
+}  // namespace
+
+ExecutionStats execution_stats() {
+  ExecutionStats s = execution_counters();
+  CompilerStats jit = cpu_compiler_stats();
+  NvrtcStats nvrtc = nvrtc_stats();
+  const CompilerBaseline& base = compiler_baseline();
+  s.kernels_compiled = jit.compiled - base.jit.compiled + nvrtc.compiled - base.nvrtc.compiled;
+  // The counters hold the CUDA back end's cache loads; LLVM's come from its own counters.
+  s.kernels_from_disk += jit.disk_loaded - base.jit.disk_loaded;
+  s.compile_seconds = jit.compile_seconds - base.jit.compile_seconds + nvrtc.compile_seconds -
+                      base.nvrtc.compile_seconds;
+  s.load_seconds += jit.load_seconds - base.jit.load_seconds;
+  return s;
+}
+
+void reset_execution_stats() {
+  execution_counters() = ExecutionStats{};
+  compiler_baseline() = {cpu_compiler_stats(), nvrtc_stats()};
+}
+
+NodeRef Signature::ref(const Node* node, const std::vector<Node*>& pending) const {
+  int32_t slot = node->sign_slot;
+  if (slot >= 0 && static_cast<size_t>(slot) < pending.size() && pending[slot] == node) return slot;
+  size_t x = static_cast<size_t>(-static_cast<int64_t>(slot) - 1);
+  if (slot < 0 && x < externals.size() && externals[x] == node) return slot;
+  auto cached = [&]() -> NodeRef {
+    auto found = external_refs_.find(node);
+    return found != external_refs_.end() && externals[-found->second - 1] == node ? found->second
+                                                                                  : 0;
+  };
+  if (NodeRef x = cached()) return x;
+  // Built on first use, and again once the externals changed (mt::compile's plan replaces
+  // them by private leaves).
+  external_refs_.clear();
+  for (size_t x = 0; x < externals.size(); ++x)
+    external_refs_.emplace(externals[x], -static_cast<NodeRef>(x) - 1);
+  if (NodeRef x = cached()) return x;
+  fail("internal: {} is neither computed nor read by this evaluation", op_name(node->op));
+}
+
+Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& required, bool fuse,
+               std::string_view salt) {
+  Signature sig;
+  WordHasher h;
+  h.update(salt);
+  h.update(fuse);
+  h.update(pending.size());
+  // Every unevaluated input is pending (pending_nodes), every evaluated one external. A node
+  // keeps its ref in sign_slot (no map on the traced path): a pending node its index, an
+  // external its negative ref, trusted only where pending or externals says the same.
+  for (size_t i = 0; i < pending.size(); ++i) pending[i]->sign_slot = static_cast<int32_t>(i);
+  // Per pending node: its readers among the pending nodes, how many references hold it (read
+  // off a reader's input edge, a plain load, where weak_from_this() would take and drop a weak
+  // reference, two atomic operations per node), and whether the caller asked for it. Scratch
+  // kept per thread, so signing allocates nothing of its own.
+  struct Uses {
+    int64_t readers;
+    long holders;
+    bool asked;
+  };
+  thread_local std::vector<Uses> uses;
+  uses.assign(pending.size(), {0, 0, false});
+  for (Node* node : pending) {
+    hash_node(h, *node);
+    for (const NodePtr& input : node->inputs) {
+      if (!input->evaluated()) {
+        int32_t slot = input->sign_slot;
+        if (slot < 0 || static_cast<size_t>(slot) >= pending.size() || pending[slot] != input.get())
+          fail("internal: {} reads an unevaluated {} that is not pending", op_name(node->op),
+               op_name(input->op));
+        h.update(slot);
+        ++uses[slot].readers;
+        uses[slot].holders = input.use_count();
+        continue;
+      }
+      int32_t slot = input->sign_slot;
+      size_t x = static_cast<size_t>(-static_cast<int64_t>(slot) - 1);
+      if (slot < 0 && x < sig.externals.size() && sig.externals[x] == input.get()) {
+        h.update(slot);
+        continue;
+      }
+      input->sign_slot = -static_cast<NodeRef>(sig.externals.size()) - 1;
+      h.update(input->sign_slot);
+      sig.externals.push_back(input.get());
+      h.update(input->value->dtype);
+      update_all(h, input->shape);
+    }
+  }
+  sig.stored = required;
+  for (Node* node : required) uses[sig.ref(node, pending)].asked = true;
+  for (size_t i = 0; i < pending.size(); ++i) {
+    const Uses& u = uses[i];
+    if (u.asked) continue;
+    // A node no pending node reads has no edge to read its count from.
+    long holders = u.readers > 0 ? u.holders : pending[i]->weak_from_this().use_count();
+    if (holders > u.readers) sig.stored.push_back(pending[i]);
+  }
+  h.update(sig.stored.size());
+  for (Node* node : sig.stored) h.update(sig.ref(node, pending));
+  sig.hash = h.finish();
+  return sig;
+}
+
+namespace {
+
+Step kernel_step(LoweredKernel&& lowered, int64_t members, const std::vector<Node*>& pending,
+                 const Signature& sig, const KernelLoader& load) {
+  Step step;
+  step.kind = FusionGroup::Kind::Kernel;
+  KernelRef ref = load(lowered.kernel);
+  step.compiled = ref.address;
+  step.code = std::move(ref.owner);
+  for (Node* node : lowered.nodes) step.params.push_back(sig.ref(node, pending));
+  for (Node* node : lowered.scalar_nodes) step.scalar_nodes.push_back(sig.ref(node, pending));
+  step.parallel_extent = lowered.kernel.parallel_extent();
+  for (int64_t d : lowered.kernel.dims) step.points *= d;
+  step.kernel = std::make_shared<const kir::Kernel>(std::move(lowered.kernel));
+  step.members = members;
+  return step;
+}
+
+}  // namespace
+
+Program build_program(const std::vector<Node*>& pending, const FusionOptions& options,
+                      const Signature& sig, const KernelLoader& load) {
+  Program program;
+  std::vector<FusionGroup> groups = fuse(pending, sig.stored, options);
+  // Kernel steps get their params now (the sets need what each reads and stores) and their
+  // kernels once the sets are known.
+  std::vector<PendingKernel> lowered(groups.size());
+  std::vector<PendingKernel*> kernels(groups.size(), nullptr);
+  std::vector<Step> steps(groups.size());
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const FusionGroup& group = groups[i];
+    Step& step = steps[i];
+    step.kind = group.kind;
+    if (group.kind != FusionGroup::Kind::Kernel) {
+      step.node = sig.ref(group.members[0], pending);
+      continue;
+    }
+    PendingKernel& k = lowered[i];
+    kernels[i] = &k;
+    k.lowered = lower(group);
+    k.members = static_cast<int64_t>(group.members.size());
+    for (Node* node : k.lowered.nodes) step.params.push_back(sig.ref(node, pending));
+    step.kernel = std::make_shared<const kir::Kernel>(k.lowered.kernel);
+    if (options.multi_tensor) {
+      std::vector<bool> zero_rank;
+      for (Node* node : k.lowered.nodes) zero_rank.push_back(node->shape.empty());
+      k.flat = kir::multi_tensor_form(k.lowered.kernel, zero_rank);
+      if (k.flat) k.key = kir::to_string(*k.flat);
+    }
+  }
+  std::vector<std::vector<size_t>> order;
+  if (options.multi_tensor) {
+    order = multi_tensor_order(steps, kernels, pending, sig);
+  } else {
+    for (size_t i = 0; i < groups.size(); ++i) order.push_back({i});
+  }
+  for (const std::vector<size_t>& entry : order) {
+    size_t i = entry[0];
+    if (entry.size() > 1)
+      program.steps.push_back(multi_tensor_step(entry, kernels, pending, sig, load));
+    else if (kernels[i])
+      program.steps.push_back(
+          kernel_step(std::move(kernels[i]->lowered), kernels[i]->members, pending, sig, load));
+    else
+      program.steps.push_back(std::move(steps[i]));
+  }
+  plan_memory(program, pending, sig);
+  return program;
+}
+
+std::shared_ptr<const Program> ProgramCache::get(const std::vector<Node*>& pending,
+                                                 const FusionOptions& options, const Signature& sig,
+                                                 const KernelLoader& load) {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (const std::shared_ptr<const Program>* found = programs_.find(sig.hash)) {
+      ++execution_counters().programs_reused;
+      return *found;
+    }
+  }
+  auto program = std::make_shared<const Program>(build_program(pending, options, sig, load));
+  ++execution_counters().programs_built;
+  std::lock_guard<std::mutex> lock(mutex_);
+  programs_.put(sig.hash, program, approximate_bytes(*program));
+  return program;
+}
+
+ProgramCache::Stats ProgramCache::stats() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return {static_cast<int64_t>(programs_.size()), programs_.bytes(), programs_.evictions()};
+}
+
+namespace {
+template <typename T>
+int64_t vector_bytes(const std::vector<T>& values) {
+  return static_cast<int64_t>(values.capacity() * sizeof(T));
+}
+
+int64_t kernel_bytes(const kir::Kernel& k) {
+  int64_t bytes = sizeof(kir::Kernel) + static_cast<int64_t>(k.name.capacity()) +
+                  vector_bytes(k.params) + vector_bytes(k.dims) + vector_bytes(k.body) +
+                  vector_bytes(k.stores) + vector_bytes(k.reductions) + vector_bytes(k.epilogue) +
+                  vector_bytes(k.epilogue_stores);
+  for (const kir::Pass& pass : k.later_passes)
+    bytes += sizeof(pass) + vector_bytes(pass.body) + vector_bytes(pass.stores);
+  return bytes;
+}
+
+// A CPU kernel's object is a few KiB (more for multi-tensor steps), and the JIT keeps about as
+// much again in symbol tables and sections; CUDA images are of the same order. Counted once per
+// step: kernels shared between programs are counted in each, which errs towards a smaller cache.
+constexpr int64_t compiled_code_allowance = 8 << 10;
+}  // namespace
+
+int64_t approximate_bytes(const Program& program) {
+  int64_t bytes =
+      sizeof(Program) + vector_bytes(program.steps) + vector_bytes(program.release_after);
+  for (const Step& step : program.steps) {
+    bytes += vector_bytes(step.params) + vector_bytes(step.scalar_nodes) +
+             vector_bytes(step.segment_table);
+    if (step.kernel) bytes += kernel_bytes(*step.kernel) + compiled_code_allowance;
+  }
+  for (const std::vector<NodeRef>& released : program.release_after)
+    bytes += vector_bytes(released);
+  return bytes;
+}
+
+namespace {
+// MIXTAPE_LOG=profile: wall time per step, summed by what the step is, printed at exit with the
+// heaviest first, so a user can see where a training step's time goes. On a device that runs
+// steps asynchronously the wall time is the launch's, so a second table has the device's time.
+class StepProfile {
+ public:
+  static StepProfile* active() {
+    static StepProfile* profile = log_enabled("profile") ? new StepProfile : nullptr;
+    return profile;
+  }
+  void add(std::string label, double seconds, bool on_device = false) {
+    std::lock_guard lock(mutex_);
+    Entry& e = (on_device ? device_ : wall_)[std::move(label)];
+    e.seconds += seconds;
+    ++e.count;
+  }
+
+ private:
+  struct Entry {
+    double seconds = 0;
+    int64_t count = 0;
+  };
+  using Table = std::map<std::string, Entry>;
+  StepProfile() {
+    std::atexit([] { active()->print(); });
+  }
+  void print() {
+    std::lock_guard lock(mutex_);
+    if (!device_.empty()) log_line("profile", "wall time on the host (launches, for the device)");
+    print(wall_);
+    if (device_.empty()) return;
+    log_line("profile", "time on the device");
+    print(device_);
+  }
+  static void print(const Table& table) {
+    std::vector<std::pair<std::string, Entry>> rows(table.begin(), table.end());
+    std::sort(rows.begin(), rows.end(),
+              [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
+    double total = 0;
+    for (const auto& row : rows) total += row.second.seconds;
+    log_line("profile", "{:>10} {:>6} {:>10} {:>9}  step", "total ms", "share", "runs", "us/run");
+    for (const auto& [label, e] : rows)
+      log_line("profile", "{:>10.1f} {:>5.1f}% {:>10} {:>9.1f}  {}", e.seconds * 1e3,
+               100 * e.seconds / total, e.count, e.seconds * 1e6 / e.count, label);
+  }
+  std::mutex mutex_;
+  Table wall_, device_;
+};
+
+std::string step_label(const Step& step, const std::vector<Node*>& pending, const Signature& sig) {
+  if (step.kind == FusionGroup::Kind::Kernel) {
+    const kir::Kernel& k = *step.kernel;
+    std::string kind = k.multi_tensor     ? "multi-tensor x" + std::to_string(step.segments())
+                       : k.is_reduction() ? "reduction"
+                                          : "pointwise";
+    return fmt::format("kernel {} {} {} nodes {}", kind, to_string(k.dims), step.members, k.name);
+  }
+  const Node& node = *sig.resolve(step.node, pending);
+  std::string inputs;
+  for (const NodePtr& input : node.inputs)
+    inputs += fmt::format("{}{} ", name(input->storage), to_string(input->shape));
+  return fmt::format("{} {} {}-> {}{}", step.kind == FusionGroup::Kind::MatMul ? "matmul" : "host",
+                     op_name(node.op), inputs, name(node.storage), to_string(node.shape));
+}
+}  // namespace
+
+void run_program(const Program& program, const std::vector<Node*>& pending, const Signature& sig,
+                 const StepRunners& run) {
+  ++execution_counters().evaluations;
+  apply_flush_denormal();
+  StepProfile* profile = StepProfile::active();
+  const DeviceTimer* timer = profile ? run.timer : nullptr;
+  std::vector<std::string> timed;  // the label of each step the timer marked, in order
+  if (timer) timer->elapsed();     // drops the marks of an evaluation that threw midway
+  // Bytes of this evaluation's stored values alive at once, for peak_bytes.
+  int64_t live = 0, peak = 0;
+  for (size_t i = 0; i < program.steps.size(); ++i) {
+    const Step& step = program.steps[i];
+    auto start =
+        profile ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
+    bool marked = timer && step.kind != FusionGroup::Kind::Alias;
+    if (marked) timer->mark();
+    if (step.kind == FusionGroup::Kind::Alias) {
+      // Every back end stores values flat and row-major: a reshape shares its input's storage
+      // (counted again below, so peak_bytes errs high while both are alive).
+      Node* node = sig.resolve(step.node, pending);
+      node->value = node->inputs[0]->value;
+    } else if (step.kind == FusionGroup::Kind::Kernel) {
+      run.kernel(step, pending, sig);
+    } else {
+      Node& node = *sig.resolve(step.node, pending);
+      (step.kind == FusionGroup::Kind::MatMul ? run.matmul : run.host)(node);
+    }
+    if (marked) timer->mark();
+    if (profile && step.kind != FusionGroup::Kind::Alias) {
+      std::string label = step_label(step, pending, sig);
+      profile->add(label,
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      if (marked) timed.push_back(std::move(label));
+    }
+    live += step_output_bytes(step, pending, sig, stored_bytes);
+    peak = std::max(peak, live);
+    for (NodeRef ref : program.release_after[i]) {
+      Node* node = pending[ref];
+      live -= stored_bytes(node);
+      node->value.reset();
+    }
+  }
+  if (timer) {
+    std::vector<double> seconds = timer->elapsed();
+    for (size_t i = 0; i < timed.size() && i < seconds.size(); ++i)
+      profile->add(std::move(timed[i]), seconds[i], true);
+  }
+  ExecutionStats& s = execution_counters();
+  s.peak_bytes = std::max(s.peak_bytes, peak);
+}
+
+FusionOptions fusion_options(Device device) {
+  FusionOptions options;
+  options.fuse = !eager_mode();
+  options.multi_tensor = device != Device::reference && options.fuse && multi_tensor_steps();
+  return options;
+}
+
+namespace {
+std::atomic<bool>& multi_tensor_setting() {
+  // MIXTAPE_MULTI_TENSOR=0 turns them off, to compare.
+  static std::atomic<bool> enabled{[] {
+    const char* value = std::getenv("MIXTAPE_MULTI_TENSOR");
+    return !(value && std::string_view(value) == "0");
+  }()};
+  return enabled;
+}
+}  // namespace
+
+bool multi_tensor_steps() { return multi_tensor_setting().load(); }
+void set_multi_tensor_steps(bool enabled) { multi_tensor_setting().store(enabled); }
+
+std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs) {
+  // Each walk marks the unevaluated nodes it reaches with a number of its own, instead of
+  // keeping a set: the traced loop walks every step's graph.
+  static std::atomic<uint64_t> walks{0};
+  uint64_t walk = ++walks;
+  // Each node with its id, read while the walk has it at hand, so that ordering them takes no
+  // second trip to each node.
+  thread_local std::vector<std::pair<uint64_t, Node*>> found;
+  thread_local std::vector<Node*> stack;
+  found.clear();
+  stack.clear();
+  for (const NodePtr& output : outputs)
+    if (output && !output->evaluated()) stack.push_back(output.get());
+  while (!stack.empty()) {
+    Node* node = stack.back();
+    stack.pop_back();
+    if (node->pending_walk == walk) continue;
+    node->pending_walk = walk;
+    found.emplace_back(node->id, node);
+    for (const NodePtr& input : node->inputs)
+      if (!input->evaluated() && input->pending_walk != walk) stack.push_back(input.get());
+  }
+  // Inputs are always made before their users, so creation order is a topological order.
+  sort_by_id(found);
+  std::vector<Node*> pending;
+  pending.reserve(found.size());
+  for (const auto& [id, node] : found) pending.push_back(node);
+  return pending;
+}
+
+int64_t planned_peak_bytes(const std::vector<NodePtr>& outputs) {
+  std::vector<Node*> pending = pending_nodes(outputs);
+  if (pending.empty()) return 0;
+  assign_precision(pending);
+  std::vector<Node*> required;
+  for (const NodePtr& output : outputs)
+    if (output && !output->evaluated()) required.push_back(output.get());
+  FusionOptions options = fusion_options(current_device());
+  Signature sig = sign(pending, required, options.fuse, "mixtape-memory-plan");
+  Program program =
+      build_program(pending, options, sig, [](const kir::Kernel&) { return KernelRef{}; });
+  auto planned_bytes = [](const Node* node) {
+    return node->numel() * static_cast<int64_t>(size_of(node->storage));
+  };
+  int64_t live = 0, peak = 0;
+  for (size_t i = 0; i < program.steps.size(); ++i) {
+    live += step_output_bytes(program.steps[i], pending, sig, planned_bytes);
+    peak = std::max(peak, live);
+    for (NodeRef ref : program.release_after[i]) live -= planned_bytes(pending[ref]);
+  }
+  return peak;
+}
+
+}  // namespace mixtape

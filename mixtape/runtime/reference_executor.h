@@ -1,0 +1,21 @@
+// mixtape/runtime/reference_executor.h -- the oracle: one plain loop per primitive op.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "mixtape/dsl/node.h"
+
+namespace mixtape {
+
+/// Computes one node from its inputs' values (which must all be evaluated). Pointwise math runs
+/// in the compute type of the dtype (f32 for f32/f16/bf16, f64 for f64, int64 for integers);
+/// reductions and matmul accumulate in f64; results are rounded to the node's dtype.
+std::shared_ptr<Storage> reference_compute(const Node& node);
+
+/// IndexSelect's or IndexAdd's indices (input 1) read on the host, each checked against the
+/// size of the indexed axis: mixtape::Error naming the node for the first out of range.
+std::vector<int64_t> checked_indices(const Node& node);
+
+}  // namespace mixtape

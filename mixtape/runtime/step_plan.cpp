@@ -1,0 +1,120 @@
+// mixtape/runtime/step_plan.cpp -- replays a plan of evaluations, binding its inputs and updating
+// the buffers it keeps in place.
+#include "mixtape/runtime/step_plan.h"
+
+#include <cstring>
+
+#include "mixtape/runtime/cpu_executor.h"
+#include "mixtape/runtime/cuda_executor.h"
+#include "mixtape/runtime/cuda_values.h"
+
+namespace mixtape {
+
+std::string describe(const Node& node) {
+  return fmt::format("{} {} {}", op_name(node.op), to_string(node.shape), name(node.dtype));
+}
+
+namespace {
+// A buffer of its own holding `value`'s current contents, where the value lives: a device value
+// is copied on the device, queued behind what computes it, so the host does not wait.
+StoragePtr private_copy(Storage& value) {
+  if (value.device && value.host_stale.load(std::memory_order_acquire))
+    return copy_on_device(value);
+  auto copy = std::make_shared<Storage>(value.dtype, value.count, Storage::Uninitialized{});
+  if (value.size_bytes() > 0)
+    std::memcpy(copy->bytes.data(), value.host_data(), static_cast<size_t>(value.size_bytes()));
+  return copy;
+}
+
+// A leaf holding a replay's result, typed like the node that computed it in the trace.
+Tensor result_leaf(const Node& like, StoragePtr value) {
+  auto node = make_node(OpCode::Constant, like.dtype, like.shape, {}, {}, Loc::current());
+  node->storage = node->compute = value->dtype;
+  node->precision_assigned = true;
+  node->value = std::move(value);
+  return Tensor(std::move(node));
+}
+
+}  // namespace
+
+void run_hooks(const std::vector<Hook>& hooks) {
+  for (const Hook& h : hooks) {
+    std::vector<StoragePtr> copies;
+    for (const NodePtr& node : h.values) {
+      if (!node->value)
+        fail("compile: a value handed to host work ({}) has no value", describe(*node));
+      copies.push_back(private_copy(*node->value));
+    }
+    h.hook->ran(copies);
+  }
+}
+
+void release_graph(const std::vector<Node*>& pending) {
+  for (Node* node : pending)
+    if (!node->requires_grad && node->evaluated()) node->inputs.clear();
+}
+
+void release(Plan& plan) {
+  for (PlannedEvaluation& planned : plan.evals) release_graph(planned.eval.pending_raw);
+}
+
+std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
+  std::vector<Tensor> results(plan.results.size());
+  // The buffers a later evaluation reads as they were when the call began, and (once an
+  // evaluation replaced it) that value: swap_value leaves it in the fresh storage.
+  std::vector<std::pair<const Storage*, StoragePtr>> replaced;
+  for (const PlannedEvaluation& planned : plan.evals)
+    for (const Binding& binding : planned.inputs)
+      if (binding.at_call_start) replaced.emplace_back(binding.object.get(), nullptr);
+  auto call_start_value = [&](const StoragePtr& object) {
+    for (const auto& [buffer, value] : replaced)
+      if (buffer == object.get() && value) return value;
+    return object;
+  };
+  for (size_t index = 0; index < plan.evals.size(); ++index) {
+    PlannedEvaluation& planned = plan.evals[index];
+    Evaluation& e = planned.eval;
+    const Signature& sig = e.executed.sig;
+    for (size_t x = 0; x < planned.inputs.size(); ++x)
+      if (planned.inputs[x].arg >= 0)
+        sig.externals[x]->value = args[planned.inputs[x].arg].node()->value;
+      else if (planned.inputs[x].at_call_start)
+        sig.externals[x]->value = call_start_value(planned.inputs[x].object);
+    for (Node* node : e.pending_raw) node->value.reset();
+    if (e.device == Device::cuda)
+      replay_cuda(e.executed, e.pending_raw);
+    else
+      replay_cpu(e.executed, e.pending_raw);
+    std::vector<StoragePtr> fresh_of(sig.stored.size());
+    for (size_t j = 0; j < sig.stored.size(); ++j) {
+      Node* node = sig.stored[j];
+      StoragePtr fresh = std::move(node->value);
+      node->value = e.outputs[j];
+      if (!fresh) fail("compile: replay of evaluation left {} without a value", describe(*node));
+      if (int first = planned.shares_with[j]; first >= 0 && fresh != fresh_of[first])
+        fail("compile: replay gave {} a buffer of its own, where the trace had it share one",
+             describe(*node));
+      if (planned.result_slot[j] < 0 && planned.shares_with[j] < 0) {
+        e.outputs[j]->swap_value(*fresh);
+        for (auto& [buffer, value] : replaced)
+          if (buffer == e.outputs[j].get() && !value) value = fresh;  // now the old value
+      }
+      fresh_of[j] = std::move(fresh);
+    }
+    // Every result from here, a value returned twice included.
+    for (size_t r = 0; r < plan.results.size(); ++r)
+      if (plan.results[r].first == static_cast<int>(index)) {
+        size_t j = static_cast<size_t>(plan.results[r].second);
+        results[r] = result_leaf(*sig.stored[j], fresh_of[j]);
+      }
+    for (size_t x = 0; x < planned.inputs.size(); ++x)
+      if (planned.inputs[x].arg >= 0)
+        sig.externals[x]->value.reset();
+      else if (planned.inputs[x].at_call_start)
+        sig.externals[x]->value = planned.inputs[x].object;
+  }
+  run_hooks(plan.hooks);
+  return results;
+}
+
+}  // namespace mixtape

@@ -1,0 +1,84 @@
+// mixtape/runtime/step_plan.h -- a replay plan: the evaluations of a traced step with how each
+// binds its inputs and hands on its outputs; mt::compile makes them, AOT artifacts load them, both
+// replay.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/tensor.h"
+#include "mixtape/runtime/program.h"
+
+namespace mixtape {
+
+using StoragePtr = std::shared_ptr<Storage>;
+
+/// One evaluation a traced call made, with the identity of every buffer it read and stored.
+struct Evaluation {
+  std::vector<NodePtr> pending;
+  std::vector<Node*> pending_raw;
+  ExecutedProgram executed;
+  Device device = Device::cpu;
+  std::vector<double> fills;        // float fill values: signatures leave them out
+  std::vector<StoragePtr> inputs;   // the value of each sig.externals[x]
+  std::vector<StoragePtr> outputs;  // the value of each sig.stored[j] once it ran
+};
+
+/// "add [2, 3] f32": a node as errors name it.
+std::string describe(const Node& node);
+
+/// Host work the traced call registered (on_each_call), with the values it is handed.
+struct Hook {
+  std::shared_ptr<StepHook> hook;
+  std::vector<NodePtr> values;
+};
+
+/// Hands every hook private copies of its values as this call left them.
+void run_hooks(const std::vector<Hook>& hooks);
+
+/// Where a replay takes an external input of an evaluation from.
+struct Binding {
+  int arg = -1;       // >= 0: the call's argument
+  StoragePtr object;  // else this buffer, which the step keeps up to date in place
+  // The buffer's value when the earlier of the two traces the plan compares read it (the state
+  // before that call), which AOT export saves; null for arguments.
+  StoragePtr first_value;
+  // The evaluation reads the value `object` had when the call began, which an earlier
+  // evaluation of the call replaces (a returned loss evaluated after the optimizer's step reads
+  // the weights the step updated): the replay keeps what that evaluation replaced.
+  bool at_call_start = false;
+};
+
+struct PlannedEvaluation {
+  Evaluation eval;  // the second trace's, its external inputs replaced by private leaves
+  std::vector<NodePtr> leaves;
+  std::vector<Binding> inputs;   // per external
+  std::vector<int> result_slot;  // per stored node: an index into the results (one, if the
+                                 // value is returned more than once), or -1
+  // Per stored node: the first stored node of this evaluation whose buffer it shares (it is a
+  // view of that one, e.g. a reshape assigned to a buffer), or -1. Its value is updated once.
+  std::vector<int> shares_with;
+};
+
+struct Plan {
+  std::vector<PlannedEvaluation> evals;
+  std::vector<std::pair<int, int>> results;  // (evaluation, stored index) of each result
+  std::vector<Hook> hooks;
+  // Buffers the replay reads or updates in place, with their holder counts when planned: a
+  // lower count means something outside replaced or dropped one (assign, load_state,
+  // zero_grad outside the function), which the replay would not follow.
+  std::vector<std::pair<StoragePtr, long>> watched;
+};
+
+/// Gives back what evaluate() would have dropped at once had no trace or plan kept the graph.
+void release_graph(const std::vector<Node*>& pending);
+void release(Plan& plan);
+
+/// Runs the plan on `args` (bound as its Binding::arg say): updates the buffers it keeps in
+/// place and returns the results as fresh tensors, then runs its hooks.
+std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args);
+
+}  // namespace mixtape

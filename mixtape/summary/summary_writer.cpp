@@ -1,0 +1,237 @@
+// mixtape/summary/summary_writer.cpp -- the event file, the pending graph values and the logging
+// helpers.
+#include "mixtape/summary/summary_writer.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+
+#include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/ops.h"
+#include "mixtape/precision_policy/grad_health.h"
+#include "mixtape/precision_policy/grad_scaler.h"
+#include "mixtape/runtime/atomic_file.h"
+#include "mixtape/summary/tfevents.h"
+
+namespace mixtape {
+
+namespace {
+
+// Buffered events reach the file at least this often (and at every fetch and flush), so that
+// a TensorBoard watching the run sees them; TensorBoard's own writer flushes every 120 s.
+constexpr double kWriteIntervalSeconds = 5;
+constexpr size_t kWriteBufferBytes = 1 << 16;
+constexpr size_t kMaxPending = 1 << 14;
+
+double now_seconds() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+std::string host_name() {
+  char name[256] = {};
+  if (gethostname(name, sizeof name - 1) != 0) return "localhost";
+  return name;
+}
+
+}  // namespace
+
+struct SummaryWriter::State {
+  struct Pending {
+    std::string tag;
+    int64_t step;
+    Tensor value;
+  };
+  std::string path;
+  int fd = -1;
+  SummaryWriterOptions options;
+  int64_t step = 0;
+  std::vector<Pending> pending;
+  std::string buffer;  // framed events not yet written
+  double last_write = now_seconds();
+
+  ~State() {
+    if (fd >= 0) ::close(fd);
+  }
+
+  // Taken out of the buffer first: after a failed write its events are lost, never written twice.
+  void write_buffer() {
+    std::string out = std::move(buffer);
+    buffer.clear();
+    last_write = now_seconds();
+    if (!out.empty()) write_all(fd, out.data(), out.size(), "summary event file " + path);
+  }
+
+  void append(int64_t event_step, const std::vector<tfevents::Value>& values) {
+    buffer += tfevents::frame_record(tfevents::encode_event(now_seconds(), event_step, "", values));
+    if (buffer.size() >= kWriteBufferBytes || now_seconds() - last_write >= kWriteIntervalSeconds)
+      write_buffer();
+  }
+
+  // Reads every pending value with one evaluation and writes them, a step's values in one event.
+  void fetch() {
+    if (pending.empty()) return;
+    std::vector<Pending> batch = std::move(pending);
+    pending.clear();
+    std::vector<Tensor> values;
+    for (const Pending& p : batch) values.push_back(p.value);
+    eval(values);
+    std::vector<tfevents::Value> event;
+    for (size_t i = 0; i < batch.size(); ++i) {
+      event.push_back({batch[i].tag, static_cast<float>(batch[i].value.item()), std::nullopt});
+      if (i + 1 == batch.size() || batch[i + 1].step != batch[i].step) {
+        append(batch[i].step, event);
+        event.clear();
+      }
+    }
+    write_buffer();
+  }
+
+  // Also when many values wait (many tags, or steps set backwards), to bound what is kept.
+  void maybe_fetch() {
+    if (!pending.empty() &&
+        (step - pending.front().step >= options.fetch_every || pending.size() >= kMaxPending))
+      fetch();
+  }
+
+  // Inside a step compiled by mt::compile: the value of every call, at the writer's step then.
+  class CaptureEachCall final : public StepHook {
+   public:
+    CaptureEachCall(std::weak_ptr<State> state, std::string tag)
+        : state_(std::move(state)), tag_(std::move(tag)) {}
+    void ran(const std::vector<std::shared_ptr<Storage>>& values) override {
+      if (std::shared_ptr<State> state = state_.lock())
+        state->pending.push_back({tag_, state->step, from_storage(values.at(0), {})});
+    }
+
+   private:
+    std::weak_ptr<State> state_;
+    std::string tag_;
+  };
+};
+
+SummaryWriter::SummaryWriter(const std::string& dir, SummaryWriterOptions options)
+    : state_(std::make_shared<State>()) {
+  if (options.fetch_every < 1)
+    fail("SummaryWriter: fetch_every must be at least 1, got {}", options.fetch_every);
+  state_->options = options;
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec || !std::filesystem::is_directory(dir))
+    fail("SummaryWriter: cannot create the log folder '{}': {}", dir,
+         ec ? ec.message() : "it is not a folder");
+  // torch.utils.tensorboard's name: the time, host, pid and a per-process counter.
+  static std::atomic<int64_t> counter{0};
+  double start = now_seconds();
+  state_->path = fmt::format("{}/events.out.tfevents.{:010d}.{}.{}.{}", dir,
+                             static_cast<int64_t>(start), host_name(), ::getpid(), counter++);
+  state_->fd = ::open(state_->path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  if (state_->fd < 0)
+    fail("SummaryWriter: cannot create '{}': {}", state_->path, std::strerror(errno));
+  // The first event names the format version, as every TensorFlow writer's does.
+  state_->buffer = tfevents::frame_record(tfevents::encode_event(start, 0, "brain.Event:2", {}));
+  flush();
+  // The new name is durable once its folder is synced too.
+  int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  bool synced = dir_fd >= 0 && ::fsync(dir_fd) == 0;
+  if (dir_fd >= 0) ::close(dir_fd);
+  if (!synced) fail("SummaryWriter: cannot sync the folder '{}': {}", dir, std::strerror(errno));
+}
+
+SummaryWriter::~SummaryWriter() {
+  try {
+    flush();
+  } catch (...) {  // NOLINT(bugprone-empty-catch): a destructor must not throw; flush() reports
+  }
+}
+
+void SummaryWriter::add_scalar(const std::string& tag, double value, int64_t step) {
+  state_->append(step, {{tag, static_cast<float>(value), std::nullopt}});
+}
+
+void SummaryWriter::add_scalar(const std::string& tag, const Tensor& value) {
+  if (!value.defined()) fail("SummaryWriter.add_scalar('{}'): the value is undefined", tag);
+  if (value.numel() != 1)
+    fail("SummaryWriter.add_scalar('{}'): the value must have one element, got shape {}", tag,
+         to_string(value.shape()));
+  // A node of the writer's own, 0-d: mt::compile hands host work no value the step returns, and
+  // a captured copy is then simply a scalar. A change of dtype always makes a new node, and
+  // f64 (f32 for an f64 value) holds the value as exactly as the f32 written.
+  NoGradGuard no_grad;
+  Tensor scalar_value = value.shape().empty() ? value : reshape(value, {});
+  scalar_value = cast(scalar_value, value.dtype() == f64 ? f32 : f64);
+  if (on_each_call(std::make_shared<State::CaptureEachCall>(state_, tag), {scalar_value.node()}))
+    return;
+  // Outside a compiled step: computed by the next evaluation of anything (the next training
+  // step's program), which then keeps only the value, not the graph that made it.
+  Tensor holder = zeros({}, scalar_value.dtype());
+  holder.assign_later(scalar_value);
+  state_->pending.push_back({tag, state_->step, holder});
+  state_->maybe_fetch();
+}
+
+void SummaryWriter::add_histogram(const std::string& tag, const std::vector<double>& values,
+                                  int64_t step) {
+  state_->append(step, {{tag, std::nullopt, tfevents::make_histogram(values)}});
+}
+
+void SummaryWriter::add_histogram(const std::string& tag, const Tensor& values, int64_t step) {
+  if (!values.defined()) fail("SummaryWriter.add_histogram('{}'): the values are undefined", tag);
+  add_histogram(tag, cast(values, f64).to_vector<double>(), step);
+}
+
+void SummaryWriter::set_step(int64_t step) {
+  state_->step = step;
+  state_->maybe_fetch();
+}
+
+int64_t SummaryWriter::step() const { return state_->step; }
+
+void SummaryWriter::log_scaler(const GradScaler& scaler, const std::string& prefix) {
+  // A disabled scaler keeps its initial scale but scales by 1, as get_scale() says.
+  add_scalar(prefix + "loss_scale", scaler.is_enabled() ? scaler.scale_tensor() : scalar(1.0));
+  add_scalar(prefix + "skipped", scaler.found_inf());
+}
+
+void SummaryWriter::log_learning_rate(const Optimizer& optimizer, const std::string& prefix) {
+  add_scalar(prefix + "lr", optimizer.current_lr());
+}
+
+void SummaryWriter::log_grad_norm(const std::vector<Tensor>& params) {
+  add_scalar("grad_norm", grad_norm(params));
+}
+
+void SummaryWriter::log_gradient_health(const Module& model, int64_t every, double scale) {
+  if (every < 1) fail("SummaryWriter.log_gradient_health: every must be at least 1, got {}", every);
+  if (state_->step % every != 0) return;
+  GradientHealth health = gradient_health(model, scale);
+  std::vector<tfevents::Value> values;
+  auto add = [&](const GradientHealthRow& row) {
+    double zero = row.numel > 0 ? static_cast<double>(row.numel - row.nonzero - row.nonfinite) /
+                                      static_cast<double>(row.numel)
+                                : 0.0;
+    for (auto [name, value] :
+         {std::pair{"grad_amax/", row.amax}, std::pair{"grad_zero_fraction/", zero},
+          std::pair{"grad_f16_underflow/", row.f16_zero_fraction()},
+          std::pair{"grad_bf16_underflow/", row.bf16_zero_fraction()}})
+      values.push_back({name + row.name, static_cast<float>(value), std::nullopt});
+  };
+  for (const GradientHealthRow& row : health.rows) add(row);
+  add(health.total);
+  state_->append(state_->step, values);
+}
+
+void SummaryWriter::flush() {
+  state_->fetch();
+  state_->write_buffer();
+  if (::fsync(state_->fd) != 0)
+    fail("SummaryWriter: cannot sync '{}': {}", state_->path, std::strerror(errno));
+}
+
+const std::string& SummaryWriter::path() const { return state_->path; }
+
+}  // namespace mixtape

@@ -1,0 +1,93 @@
+// mixtape/summary/summary_writer.h -- mt::SummaryWriter: a training run's curves as TensorBoard
+// event files (loss, loss scale and skipped steps, learning rates, gradient norms and health).
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mixtape/dsl/module.h"
+#include "mixtape/dsl/optim.h"
+#include "mixtape/dsl/tensor.h"
+
+namespace mixtape {
+
+class GradScaler;
+
+struct SummaryWriterOptions {
+  /// Graph values (add_scalar of a Tensor) wait until they span this many steps, then are
+  /// read together: one evaluation and host read per fetch_every steps, not one per step.
+  int64_t fetch_every = 100;
+};
+
+/// Writes TensorBoard event files, as torch.utils.tensorboard.SummaryWriter does: a new file
+/// events.out.tfevents.<time>.<host>.<pid>.<n> in `dir` (created with its parents), which
+/// `tensorboard --logdir` and tools/plot_run.py read. Host values are written at once; graph
+/// values are kept, and read in batches every fetch_every steps, at flush() and at destruction.
+///
+/// Inside a step compiled by mt::compile, a graph value is captured on every call of the step
+/// (a copy, with no host sync) and logged at the writer's step() at that time: call set_step()
+/// before each call of the compiled step.
+///
+///   mt::SummaryWriter writer("runs/fp16");
+///   for (int64_t step = 1; step <= steps; ++step) {
+///     writer.set_step(step);
+///     mt::Tensor loss = train_step(x, y);     // compiled or not
+///     writer.add_scalar("loss", loss);        // read with the next batch, no sync now
+///   }
+///
+/// Every file write is checked (an mt::Error naming the file); flush() also fsyncs, so what
+/// was flushed survives a crash. Not thread-safe.
+class SummaryWriter {
+ public:
+  explicit SummaryWriter(const std::string& dir, SummaryWriterOptions options = {});
+  /// Fetches the pending values and flushes; errors there are swallowed (use flush() to see them).
+  ~SummaryWriter();
+  SummaryWriter(const SummaryWriter&) = delete;
+  SummaryWriter& operator=(const SummaryWriter&) = delete;
+
+  /// A host value, written now (as f32, TensorBoard's simple_value).
+  void add_scalar(const std::string& tag, double value, int64_t step);
+  /// A single-element graph value, logged at step(); read later in a batch (see above).
+  void add_scalar(const std::string& tag, const Tensor& value);
+  /// A histogram of the values (any shape) over TensorBoard's default buckets. Reads `values`
+  /// on the host now (a sync): for every N steps, not every step.
+  void add_histogram(const std::string& tag, const Tensor& values, int64_t step);
+  void add_histogram(const std::string& tag, const std::vector<double>& values, int64_t step);
+
+  /// The step graph values are logged at. Steps need not be consecutive.
+  void set_step(int64_t step);
+  int64_t step() const;
+
+  /// "loss_scale": the scale this step used (1 for a disabled scaler), and "skipped": 1 if its
+  /// gradients held inf/NaN and the step was skipped. Graph values (no sync); call after
+  /// scaler.step(opt) and before scaler.update().
+  void log_scaler(const GradScaler& scaler, const std::string& prefix = "");
+  /// "lr" (or prefix + "lr"): the rate the optimizer's next step uses, its schedule's included.
+  /// A graph value. An mt::Error for an optimizer that computes its own rate (Adafactor's
+  /// relative step), as current_lr() is.
+  void log_learning_rate(const Optimizer& optimizer, const std::string& prefix = "");
+  /// "grad_norm": the global L2 norm of the gradients of `params`, as clip_grad_norm computes
+  /// it (mt::grad_norm). A graph value.
+  void log_grad_norm(const std::vector<Tensor>& params);
+  /// gradient_health of the model's gradients when step() is a multiple of `every` (a host
+  /// sync then; nothing otherwise): per parameter "grad_amax/<name>",
+  /// "grad_zero_fraction/<name>" (values that are exactly zero), "grad_f16_underflow/<name>"
+  /// and "grad_bf16_underflow/<name>" (of the non-zero values, those that round to zero in
+  /// that type, at `scale`), and the same with "total" as the name. Call it outside a compiled
+  /// step (it reads values on the host), after backward.
+  void log_gradient_health(const Module& model, int64_t every, double scale = 1);
+
+  /// Reads every pending graph value, writes it, flushes and fsyncs the file.
+  void flush();
+  /// The event file's path.
+  const std::string& path() const;
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
+
+}  // namespace mixtape

@@ -1,0 +1,182 @@
+// mixtape/summary/tfevents.cpp -- the protobuf wire encoding of TensorBoard's Event and the record
+// frame.
+#include "mixtape/summary/tfevents.h"
+
+#include <isa-l/crc.h>
+
+#include <algorithm>
+#include <bit>
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "mixtape/dsl/error.h"
+
+namespace mixtape::tfevents {
+
+static_assert(std::endian::native == std::endian::little,
+              "the record frame and protobuf fixed fields are little-endian");
+
+uint32_t crc32c(const void* data, size_t size) {
+  // ISA-L's crc32_iscsi takes an int length and leaves out the initial and final inversion.
+  uint32_t crc = 0xffffffffu;
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  while (size > 0) {
+    int chunk = static_cast<int>(std::min<size_t>(size, 1u << 30));
+    crc = crc32_iscsi(const_cast<unsigned char*>(bytes), chunk, crc);
+    bytes += chunk;
+    size -= static_cast<size_t>(chunk);
+  }
+  return crc ^ 0xffffffffu;
+}
+
+uint32_t masked_crc32c(const void* data, size_t size) {
+  uint32_t crc = crc32c(data, size);
+  return ((crc >> 15) | (crc << 17)) + 0xa282ead8u;
+}
+
+namespace {
+
+template <typename T>
+void put_fixed(std::string& out, T value) {
+  char bytes[sizeof(T)];
+  std::memcpy(bytes, &value, sizeof(T));
+  out.append(bytes, sizeof(T));
+}
+
+// The protobuf wire format (protobuf.dev/programming-guides/encoding): tag = field << 3 | type.
+class ProtoWriter {
+ public:
+  void varint(uint64_t v) {
+    while (v >= 0x80) {
+      out_.push_back(static_cast<char>((v & 0x7f) | 0x80));
+      v >>= 7;
+    }
+    out_.push_back(static_cast<char>(v));
+  }
+  void key(int field, int wire_type) { varint(static_cast<uint64_t>(field) << 3 | wire_type); }
+  void int64_field(int field, int64_t v) {
+    key(field, 0);
+    varint(static_cast<uint64_t>(v));  // negative int64s take ten bytes, as protobuf's do
+  }
+  void double_field(int field, double v) {
+    key(field, 1);
+    put_fixed(out_, v);
+  }
+  void float_field(int field, float v) {
+    key(field, 5);
+    put_fixed(out_, v);
+  }
+  void bytes_field(int field, const std::string& v) {
+    key(field, 2);
+    varint(v.size());
+    out_ += v;
+  }
+  void packed_doubles(int field, const std::vector<double>& v) {
+    std::string body;
+    for (double d : v) put_fixed(body, d);
+    bytes_field(field, body);
+  }
+  std::string& str() { return out_; }
+
+ private:
+  std::string out_;
+};
+
+std::string encode_histogram(const Histogram& h) {
+  ProtoWriter w;
+  w.double_field(1, h.min);
+  w.double_field(2, h.max);
+  w.double_field(3, h.num);
+  w.double_field(4, h.sum);
+  w.double_field(5, h.sum_squares);
+  w.packed_doubles(6, h.bucket_limit);
+  w.packed_doubles(7, h.bucket);
+  return std::move(w.str());
+}
+
+std::string encode_value(const Value& v) {
+  ProtoWriter w;
+  w.bytes_field(1, v.tag);
+  if (v.simple_value) w.float_field(2, *v.simple_value);
+  if (v.histo) w.bytes_field(5, encode_histogram(*v.histo));  // Summary.Value.histo is field 5
+  return std::move(w.str());
+}
+
+// TensorFlow's default edges (tensorflow/core/lib/histogram/histogram.cc): 1e-12 * 1.1^k up to
+// 1e20, mirrored for negative values, with DBL_MAX closing both ends.
+const std::vector<double>& default_edges() {
+  static const std::vector<double> edges = [] {
+    std::vector<double> positive;
+    for (double v = 1e-12; v < 1e20; v *= 1.1) positive.push_back(v);
+    positive.push_back(DBL_MAX);
+    std::vector<double> all;
+    for (auto it = positive.rbegin(); it != positive.rend(); ++it) all.push_back(-*it);
+    all.push_back(0.0);
+    all.insert(all.end(), positive.begin(), positive.end());
+    return all;
+  }();
+  return edges;
+}
+
+}  // namespace
+
+std::string frame_record(const std::string& data) {
+  std::string out;
+  uint64_t length = data.size();
+  put_fixed(out, length);
+  put_fixed(out, masked_crc32c(&length, sizeof length));
+  out += data;
+  put_fixed(out, masked_crc32c(data.data(), data.size()));
+  return out;
+}
+
+Histogram make_histogram(const std::vector<double>& values) {
+  Histogram h;
+  const std::vector<double>& edges = default_edges();
+  std::vector<double> counts(edges.size(), 0.0);
+  h.min = std::numeric_limits<double>::infinity();
+  h.max = -h.min;
+  for (double v : values) {
+    if (!std::isfinite(v)) fail("add_histogram: the values hold a non-finite value ({})", v);
+    h.min = std::min(h.min, v);
+    h.max = std::max(h.max, v);
+    h.num += 1;
+    h.sum += v;
+    h.sum_squares += v * v;
+    // The bucket whose right edge is the first edge above v, as TensorFlow's Histogram::Add.
+    size_t b = static_cast<size_t>(std::upper_bound(edges.begin(), edges.end(), v) - edges.begin());
+    counts[std::min(b, edges.size() - 1)] += 1;
+  }
+  if (values.empty()) h.min = h.max = 0;
+  for (size_t i = 0; i < edges.size(); ++i) {
+    if (counts[i] == 0) continue;
+    // An empty bucket before a full one keeps its edge, so the full one's left edge is known.
+    if (i > 0 && (h.bucket.empty() || h.bucket_limit.back() != edges[i - 1]) &&
+        counts[i - 1] == 0) {
+      h.bucket_limit.push_back(edges[i - 1]);
+      h.bucket.push_back(0);
+    }
+    h.bucket_limit.push_back(edges[i]);
+    h.bucket.push_back(counts[i]);
+  }
+  return h;
+}
+
+std::string encode_event(double wall_time, int64_t step, const std::string& file_version,
+                         const std::vector<Value>& values) {
+  ProtoWriter w;
+  w.double_field(1, wall_time);
+  w.int64_field(2, step);
+  if (!file_version.empty()) {
+    w.bytes_field(3, file_version);
+  } else {
+    ProtoWriter summary;
+    for (const Value& v : values) summary.bytes_field(1, encode_value(v));
+    w.bytes_field(5, summary.str());
+  }
+  return std::move(w.str());
+}
+
+}  // namespace mixtape::tfevents

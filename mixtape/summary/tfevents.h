@@ -1,0 +1,45 @@
+// mixtape/summary/tfevents.h -- TensorBoard's event file format, encoded by hand: CRC32C-framed
+// records holding Event protobufs with scalar and histogram summaries.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace mixtape::tfevents {
+
+/// CRC32C (Castagnoli, iSCSI's CRC of RFC 3720), computed by ISA-L.
+uint32_t crc32c(const void* data, size_t size);
+/// TensorFlow's masked CRC (tensorflow/core/lib/hash/crc32c.h): rotate right by 15, add a
+/// constant, so that a CRC stored inside CRC'd data does not weaken the check.
+uint32_t masked_crc32c(const void* data, size_t size);
+
+/// One record of a TFRecord file: uint64 length (little-endian), masked CRC of those 8 bytes,
+/// the data, masked CRC of the data.
+std::string frame_record(const std::string& data);
+
+/// TensorFlow's HistogramProto (tensorflow/core/framework/summary.proto).
+struct Histogram {
+  double min = 0, max = 0, num = 0, sum = 0, sum_squares = 0;
+  std::vector<double> bucket_limit;  // the right edge of each bucket
+  std::vector<double> bucket;        // the count in each bucket
+};
+/// A histogram of `values` over TensorFlow's default buckets (edges +-1e-12 * 1.1^k and
+/// +-DBL_MAX), with only the non-empty buckets (and the edges before them) kept, as TensorBoard
+/// writes them. mt::Error for a non-finite value.
+Histogram make_histogram(const std::vector<double>& values);
+
+/// What one Summary.Value holds: a float scalar or a histogram.
+struct Value {
+  std::string tag;
+  std::optional<float> simple_value;
+  std::optional<Histogram> histo;
+};
+
+/// An Event protobuf: wall_time (1), step (2), and file_version (3) when given, else a Summary
+/// (5) with the values.
+std::string encode_event(double wall_time, int64_t step, const std::string& file_version,
+                         const std::vector<Value>& values);
+
+}  // namespace mixtape::tfevents
