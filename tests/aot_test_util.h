@@ -64,6 +64,26 @@ struct Table {
   }
 };
 
+// The digits MLP exported once (dynamic batch up to 16) into a temporary folder, with its kernel
+// table: what the suites of bad-input tests open, copy and edit. The folder goes with it.
+struct DigitsArtifact {
+  std::unique_ptr<DigitsMLP> net;
+  std::string dir;
+  std::unique_ptr<Table> table;
+  explicit DigitsArtifact(const std::string& what) : dir(temp_dir(what)) {
+    mt::manual_seed(1);
+    net = std::make_unique<DigitsMLP>();
+    mt::aot::Options o{.name = "digits", .dynamic_batch = {.max = 16}, .module = net.get()};
+    auto exported =
+        mt::aot::export_function([this](const mt::Tensor& x) { return (*net)(x); },
+                                 {mt::aot::input("x", {16, 64}, mt::f32)}, {"logits"}, dir, o);
+    table = std::make_unique<Table>(exported);
+  }
+  DigitsArtifact(const DigitsArtifact&) = delete;
+  DigitsArtifact& operator=(const DigitsArtifact&) = delete;
+  ~DigitsArtifact() { std::filesystem::remove_all(dir); }
+};
+
 struct Model {
   mixtape_aot_model* m = nullptr;
   Model(const std::string& dir, const std::string& name, const Table& table,

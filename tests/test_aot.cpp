@@ -130,31 +130,17 @@ INSTANTIATE_TEST_SUITE_P(Policies, AotStep, testing::Values("fp32", "bf16", "f16
 
 class AotErrors : public testing::Test {
  protected:
-  static void SetUpTestSuite() {
-    mt::manual_seed(1);
-    net_ = new DigitsMLP;
-    dir_ = new std::string(temp_dir("errors"));
-    mt::aot::Options o{.name = "digits", .dynamic_batch = {.max = 16}, .module = net_};
-    auto exported =
-        mt::aot::export_function([](const mt::Tensor& x) { return (*net_)(x); },
-                                 {mt::aot::input("x", {16, 64}, mt::f32)}, {"logits"}, *dir_, o);
-    table_ = new Table(exported);
-  }
-  static void TearDownTestSuite() {
-    fs::remove_all(*dir_);
-    delete table_;
-    delete dir_;
-    delete net_;
-  }
+  static void SetUpTestSuite() { art_ = new DigitsArtifact("errors"); }
+  static void TearDownTestSuite() { delete art_; }
   int open(const std::string& dir, const char* device, mixtape_aot_model** m) {
-    return mixtape_aot_open(dir.c_str(), "digits", table_->manifest_xxh3.c_str(), device,
-                            table_->bind(), 1, m);
+    return mixtape_aot_open(dir.c_str(), "digits", art_->table->manifest_xxh3.c_str(), device,
+                            art_->table->bind(), 1, m);
   }
   // A copy of the artifact whose file `file` is rewritten by `edit`.
   std::string edited(const std::string& file, const std::function<void(std::string&)>& edit) {
-    std::string copy = *dir_ + "_edited";
+    std::string copy = art_->dir + "_edited";
     fs::remove_all(copy);
-    fs::copy(*dir_, copy);
+    fs::copy(art_->dir, copy);
     std::ifstream in(copy + "/" + file, std::ios::binary);
     std::string text((std::istreambuf_iterator<char>(in)), {});
     in.close();
@@ -162,16 +148,12 @@ class AotErrors : public testing::Test {
     std::ofstream(copy + "/" + file, std::ios::binary) << text;
     return copy;
   }
-  static DigitsMLP* net_;
-  static std::string* dir_;
-  static Table* table_;
+  static DigitsArtifact* art_;
 };
-DigitsMLP* AotErrors::net_ = nullptr;
-std::string* AotErrors::dir_ = nullptr;
-Table* AotErrors::table_ = nullptr;
+DigitsArtifact* AotErrors::art_ = nullptr;
 
 TEST_F(AotErrors, BatchOutOfRange) {
-  Model model(*dir_, "digits", *table_);
+  Model model(art_->dir, "digits", *art_->table);
   std::vector<float> x(17 * 64), y(17 * 10);
   const void* in[] = {x.data()};
   void* out[] = {y.data()};
@@ -182,7 +164,7 @@ TEST_F(AotErrors, BatchOutOfRange) {
 }
 
 TEST_F(AotErrors, NullPointers) {
-  Model model(*dir_, "digits", *table_);
+  Model model(art_->dir, "digits", *art_->table);
   std::vector<float> x(64), y(10);
   const void* in[] = {x.data()};
   const void* null_in[] = {nullptr};
@@ -196,16 +178,17 @@ TEST_F(AotErrors, NullPointers) {
   mixtape_aot_model* m = nullptr;
   EXPECT_EQ(mixtape_aot_open(nullptr, "digits", "0", nullptr, nullptr, 0, &m),
             MIXTAPE_AOT_ERROR_ARGUMENT);
-  EXPECT_EQ(mixtape_aot_open(dir_->c_str(), "digits", "0", nullptr, nullptr, 0, nullptr),
+  EXPECT_EQ(mixtape_aot_open(art_->dir.c_str(), "digits", "0", nullptr, nullptr, 0, nullptr),
             MIXTAPE_AOT_ERROR_ARGUMENT);
-  EXPECT_EQ(mixtape_aot_open(dir_->c_str(), "digits", nullptr, nullptr, table_->bind(), 1, &m),
-            MIXTAPE_AOT_ERROR_ARGUMENT);
+  EXPECT_EQ(
+      mixtape_aot_open(art_->dir.c_str(), "digits", nullptr, nullptr, art_->table->bind(), 1, &m),
+      MIXTAPE_AOT_ERROR_ARGUMENT);
   mixtape_aot_close(nullptr);
 }
 
 TEST_F(AotErrors, MissingAndCorruptFiles) {
   mixtape_aot_model* m = nullptr;
-  EXPECT_EQ(open(*dir_ + "_nowhere", nullptr, &m), MIXTAPE_AOT_ERROR_FILE);
+  EXPECT_EQ(open(art_->dir + "_nowhere", nullptr, &m), MIXTAPE_AOT_ERROR_FILE);
   EXPECT_EQ(m, nullptr);
   EXPECT_NE(std::string(mixtape_aot_error(nullptr)).find("cannot open"), std::string::npos);
   // One changed byte of the weights: the manifest's checksum no longer matches.
@@ -234,22 +217,22 @@ TEST_F(AotErrors, ManifestFromAnotherVersion) {
 
 TEST_F(AotErrors, CudaAndUnknownDevices) {
   mixtape_aot_model* m = nullptr;
-  EXPECT_EQ(open(*dir_, "cuda", &m), MIXTAPE_AOT_ERROR_DEVICE);
+  EXPECT_EQ(open(art_->dir, "cuda", &m), MIXTAPE_AOT_ERROR_DEVICE);
   EXPECT_NE(std::string(mixtape_aot_error(nullptr)).find("exported for: cpu"), std::string::npos);
-  EXPECT_EQ(open(*dir_, "tpu", &m), MIXTAPE_AOT_ERROR_ARGUMENT);
+  EXPECT_EQ(open(art_->dir, "tpu", &m), MIXTAPE_AOT_ERROR_ARGUMENT);
   EXPECT_EQ(m, nullptr);
 }
 
 TEST_F(AotErrors, CpuWithoutTheKernelsFeatures) {
   mixtape_aot_model* m = nullptr;
-  table_->features.push_back("avx1024");
-  EXPECT_EQ(open(*dir_, nullptr, &m), MIXTAPE_AOT_ERROR_DEVICE);
+  art_->table->features.push_back("avx1024");
+  EXPECT_EQ(open(art_->dir, nullptr, &m), MIXTAPE_AOT_ERROR_DEVICE);
   EXPECT_NE(std::string(mixtape_aot_error(nullptr)).find("native needs avx1024"), std::string::npos)
       << mixtape_aot_error(nullptr);
-  EXPECT_EQ(open(*dir_, "cpu:x86-64", &m), MIXTAPE_AOT_ERROR_ARGUMENT);
+  EXPECT_EQ(open(art_->dir, "cpu:x86-64", &m), MIXTAPE_AOT_ERROR_ARGUMENT);
   EXPECT_NE(std::string(mixtape_aot_error(nullptr)).find("has: native"), std::string::npos);
-  table_->features.pop_back();
-  EXPECT_EQ(open(*dir_, "cpu:native", &m), 0) << mixtape_aot_error(nullptr);
+  art_->table->features.pop_back();
+  EXPECT_EQ(open(art_->dir, "cpu:native", &m), 0) << mixtape_aot_error(nullptr);
   mixtape_aot_close(m);
 }
 
@@ -294,8 +277,8 @@ TEST(AotExport, StepsTakeAFixedBatch) {
 }
 
 TEST_F(AotErrors, FunctionsHaveNoCheckpoints) {
-  Model model(*dir_, "digits", *table_);
-  EXPECT_EQ(mixtape_aot_save(model.m, (*dir_ + "/x.safetensors").c_str()),
+  Model model(art_->dir, "digits", *art_->table);
+  EXPECT_EQ(mixtape_aot_save(model.m, (art_->dir + "/x.safetensors").c_str()),
             MIXTAPE_AOT_ERROR_ARGUMENT);
 }
 

@@ -275,28 +275,14 @@ TEST(AotReviewOutputsCompile, CompiledFunctionReturningOneTensorTwice) {
 
 class AotReviewFiles : public testing::Test {
  protected:
-  static void SetUpTestSuite() {
-    mt::manual_seed(1);
-    net_ = new DigitsMLP;
-    dir_ = new std::string(temp_dir("review_files"));
-    mt::aot::Options o{.name = "digits", .dynamic_batch = {.max = 16}, .module = net_};
-    auto exported =
-        mt::aot::export_function([](const mt::Tensor& x) { return (*net_)(x); },
-                                 {mt::aot::input("x", {16, 64}, mt::f32)}, {"logits"}, *dir_, o);
-    table_ = new Table(exported);
-  }
-  static void TearDownTestSuite() {
-    fs::remove_all(*dir_);
-    delete table_;
-    delete dir_;
-    delete net_;
-  }
+  static void SetUpTestSuite() { art_ = new DigitsArtifact("review_files"); }
+  static void TearDownTestSuite() { delete art_; }
   // A copy of the artifact with `file` rewritten by `edit`; an edited plan gets a manifest whose
   // checksum matches it (the manifest itself carries no checksum, so anyone can).
   std::string edited(const std::string& file, const std::function<void(std::string&)>& edit) {
-    std::string copy = *dir_ + "_edited";
+    std::string copy = art_->dir + "_edited";
     fs::remove_all(copy);
-    fs::copy(*dir_, copy);
+    fs::copy(art_->dir, copy);
     std::string text = read(copy + "/" + file);
     edit(text);
     write(copy + "/" + file, text);
@@ -320,8 +306,8 @@ class AotReviewFiles : public testing::Test {
   // Opens `dir` and runs batch 16 on zeros: the first nonzero code, or 0.
   int open_and_run(const std::string& dir) {
     mixtape_aot_model* m = nullptr;
-    int code = mixtape_aot_open(dir.c_str(), "digits", table_->manifest_xxh3.c_str(), "cpu",
-                                &table_->variant, 1, &m);
+    int code = mixtape_aot_open(dir.c_str(), "digits", art_->table->manifest_xxh3.c_str(), "cpu",
+                                &art_->table->variant, 1, &m);
     if (code != 0) return code;
     std::vector<float> x(16 * 64), y(16 * 10);
     const void* in[] = {x.data()};
@@ -335,13 +321,9 @@ class AotReviewFiles : public testing::Test {
     ASSERT_NE(at, std::string::npos) << from;
     text.replace(at, from.size(), to);
   }
-  static DigitsMLP* net_;
-  static std::string* dir_;
-  static Table* table_;
+  static DigitsArtifact* art_;
 };
-DigitsMLP* AotReviewFiles::net_ = nullptr;
-std::string* AotReviewFiles::dir_ = nullptr;
-Table* AotReviewFiles::table_ = nullptr;
+DigitsArtifact* AotReviewFiles::art_ = nullptr;
 
 // Every edit of the manifest or of the plan (the manifest's checksum fixed to match) is refused
 // at open as a file the library was not built with: the library carries the manifest's digest

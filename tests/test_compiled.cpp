@@ -32,6 +32,7 @@
 #include "mixtape/runtime/cuda_executor.h"
 #include "mixtape/runtime/device.h"
 #include "mixtape/runtime/program.h"
+#include "pointwise_programs.h"
 #include "test_util.h"
 
 namespace mt = mixtape;
@@ -64,21 +65,6 @@ void expect_close_f32(const std::vector<std::byte>& reference,
   const float* c = reinterpret_cast<const float*>(compiled.data());
   for (size_t i = 0; i < reference.size() / 4; ++i)
     ASSERT_NEAR(r[i], c[i], tol * (1 + std::fabs(r[i]))) << i;
-}
-
-// Values that exercise rounding: wide magnitudes, both signs, zero, ties, inf and NaN.
-mt::Tensor interesting(mt::DType dtype, int64_t n, uint64_t seed) {
-  mt::Generator gen(seed);
-  mt::Tensor x = mt::randn({n}, mt::f32, &gen) * 3.0;
-  std::vector<float> v = x.to_vector<float>();
-  v[0] = 0.0f;
-  v[1] = -0.0f;
-  v[2] = INFINITY;
-  v[3] = NAN;
-  v[4] = 1.0f + 0x1p-11f;  // an f16 tie
-  v[5] = 70000.0f;         // overflows f16
-  v[6] = 1e-6f;            // an f16 subnormal
-  return mt::tensor(v, {n}, dtype);
 }
 
 bool same_bits_or_both_nan(const std::vector<std::byte>& a, const std::vector<std::byte>& b,
@@ -125,23 +111,9 @@ class EveryPointwiseOp : public ::testing::TestWithParam<mt::DType> {};
 // unary and binary op of the op table, in every float storage type.
 TEST_P(EveryPointwiseOp, MatchesTheReferenceBitForBit) {
   mt::DType dtype = GetParam();
-  const int64_t n = 257;
-  mt::Tensor x = interesting(dtype, n, 1);
-  mt::Tensor y = interesting(dtype, n, 2);
-  mt::Tensor positive = mt::abs(interesting(dtype, n, 3)) + 0.5;
-  mt::eval({x, y, positive});
-  std::vector<std::pair<const char*, std::function<mt::Tensor()>>> programs = {
-#define MT_OP(Name, fname, kind, arity, category)
-#define MT_UNARY(Name, fname, category, domain, REF, VJP) \
-  {#fname, [&] { return mt::fname(std::string(#fname) == "log" ? positive : x); }},
-#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
-  {#fname, [&] { return mt::fname(x, std::string(#fname) == "pow" ? positive : y); }},
-#define MT_COMPARE(Name, fname, REF) {#fname, [&] { return mt::fname(x, y); }},
-#include "mixtape/dsl/ops.def"
-      {"chain", [&] { return mt::tanh(x * 0.5 + mt::sigmoid(y)) - mt::relu(x) / positive; }},
-      {"where", [&] { return mt::where(x > y, mt::exp(x), y * 2.0); }},
-      {"cast", [&] { return mt::cast(mt::cast(x, mt::f64) * 3.0, dtype); }},
-  };
+  mt::test::PointwiseInputs inputs(dtype, 257);
+  mt::eval({inputs.x, inputs.y, inputs.positive});
+  std::vector<mt::test::NamedProgram> programs = mt::test::pointwise_programs(inputs, dtype);
   for (auto& [name, program] : programs) {
     auto [reference, compiled] = both(program);
     std::string where;

@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -32,6 +33,7 @@
 #include "mixtape/precision_policy/policy.h"
 #include "mixtape/runtime/cuda_executor.h"
 #include "mixtape/runtime/device.h"
+#include "tests/pointwise_programs.h"
 #include "tests/test_util.h"
 
 namespace mt = mixtape;
@@ -87,23 +89,6 @@ double relative_ulp(mt::DType dtype) {
   }
 }
 
-// Values that exercise rounding: wide magnitudes, both signs, zero, ties, inf and NaN.
-mt::Tensor interesting(mt::DType dtype, int64_t n, uint64_t seed) {
-  mt::Generator gen(seed);
-  DeviceScope scope;
-  mt::set_device(mt::Device::cpu);
-  mt::Tensor x = mt::randn({n}, mt::f32, &gen) * 3.0;
-  std::vector<float> v = x.to_vector<float>();
-  v[0] = 0.0f;
-  v[1] = -0.0f;
-  v[2] = INFINITY;
-  v[3] = NAN;
-  v[4] = 1.0f + 0x1p-11f;  // an f16 tie
-  v[5] = 70000.0f;         // overflows f16
-  v[6] = 1e-6f;            // an f16 subnormal
-  return mt::tensor(v, {n}, dtype);
-}
-
 // Where two results differ by more than `ulps` units of `dtype` (plus `absolute`), or "".
 std::string first_difference(const std::vector<double>& expected, const std::vector<double>& actual,
                              mt::DType dtype, double ulps, double absolute = 0) {
@@ -121,6 +106,25 @@ std::string first_difference(const std::vector<double>& expected, const std::vec
   return "";
 }
 
+// Evaluates `outs` and returns their values; `stats`, where given, gets what ran since the last
+// mt::reset_execution_stats().
+std::vector<std::vector<double>> values_of(const std::vector<mt::Tensor>& outs,
+                                           mt::ExecutionStats* stats) {
+  mt::eval(outs);
+  if (stats) *stats = mt::execution_stats();
+  std::vector<std::vector<double>> values;
+  for (const mt::Tensor& t : outs) values.push_back(t.to_vector<double>());
+  return values;
+}
+
+// The tested device's outputs have the baseline's bits, output by output.
+void expect_same_bits(const std::vector<std::vector<double>>& expected,
+                      const std::vector<std::vector<double>>& actual, mt::DType dtype) {
+  ASSERT_EQ(actual.size(), expected.size());
+  for (size_t o = 0; o < expected.size(); ++o)
+    EXPECT_EQ(actual[o], expected[o]) << mt::name(dtype) << " output " << o;
+}
+
 class GpuEveryPointwiseOp : public ::testing::TestWithParam<mt::DType> {};
 
 // Pointwise programs match the CPU bit for bit, except where CUDA's expf, tanhf, ... differ from
@@ -128,29 +132,17 @@ class GpuEveryPointwiseOp : public ::testing::TestWithParam<mt::DType> {};
 TEST_P(GpuEveryPointwiseOp, MatchesTheCpu) {
   SKIP_WITHOUT_CUDA();
   mt::DType dtype = GetParam();
-  const int64_t n = 1031;
-  mt::Tensor x = interesting(dtype, n, 1);
-  mt::Tensor y = interesting(dtype, n, 2);
-  mt::Tensor positive = mt::abs(interesting(dtype, n, 3)) + 0.5;
+  std::optional<mt::test::PointwiseInputs> inputs;
   {
     DeviceScope scope;
     mt::set_device(mt::Device::cpu);
-    mt::eval({x, y, positive});
+    inputs.emplace(dtype, 1031);
+    mt::eval({inputs->x, inputs->y, inputs->positive});
   }
   const std::set<std::string> libm = {"exp", "log", "tanh", "sigmoid", "gelu",  "gelu_tanh", "silu",
                                       "erf", "sin", "cos",  "pow",     "chain", "where"};
-  std::vector<std::pair<const char*, std::function<mt::Tensor()>>> programs = {
-#define MT_OP(Name, fname, kind, arity, category)
-#define MT_UNARY(Name, fname, category, domain, REF, VJP) \
-  {#fname, [&] { return mt::fname(std::string(#fname) == "log" ? positive : x); }},
-#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
-  {#fname, [&] { return mt::fname(x, std::string(#fname) == "pow" ? positive : y); }},
-#define MT_COMPARE(Name, fname, REF) {#fname, [&] { return mt::fname(x, y); }},
-#include "mixtape/dsl/ops.def"
-      {"chain", [&] { return mt::tanh(x * 0.5 + mt::sigmoid(y)) - mt::relu(x) / positive; }},
-      {"where", [&] { return mt::where(x > y, mt::exp(x), y * 2.0); }},
-      {"cast", [&] { return mt::cast(mt::cast(x, mt::f64) * 3.0, dtype); }},
-  };
+  std::vector<mt::test::NamedProgram> programs = mt::test::pointwise_programs(*inputs, dtype);
+
   // The reference executor is no bit-exact stand-in for libm differences: dry runs compare
   // everything with the libm tolerance.
   for (auto& [name, program] : programs) {
@@ -665,11 +657,7 @@ TEST(GpuMovement, ConcatUnsliceIndexSelectAndIndexAddMatchTheCpuOnTheDevice) {
       mt::Tensor rows = mt::index_select(table, index);                      // [40, 24]
       mt::Tensor summed = mt::index_add(mt::zeros({97, 24}, mt::f32), index, grad);  // repeats
       std::vector<mt::Tensor> outs = {joined, placed, rows, summed};
-      mt::eval(outs);
-      if (stats) *stats = mt::execution_stats();
-      std::vector<std::vector<double>> values;
-      for (const mt::Tensor& t : outs) values.push_back(t.to_vector<double>());
-      return values;
+      return values_of(outs, stats);
     };
     auto run = [&](mt::Device device, mt::ExecutionStats* stats) {
       DeviceScope scope;
@@ -679,9 +667,7 @@ TEST(GpuMovement, ConcatUnsliceIndexSelectAndIndexAddMatchTheCpuOnTheDevice) {
     mt::ExecutionStats stats;
     auto expected = run(baseline(), nullptr);
     auto actual = run(tested(), &stats);
-    ASSERT_EQ(actual.size(), expected.size());
-    for (size_t o = 0; o < expected.size(); ++o)
-      EXPECT_EQ(actual[o], expected[o]) << mt::name(dtype) << " output " << o;
+    expect_same_bits(expected, actual, dtype);
     if (!dry_run()) {
       EXPECT_EQ(stats.host_ops, 0) << mt::name(dtype);
       EXPECT_EQ(stats.bytes_downloaded, 0) << mt::name(dtype);
@@ -708,11 +694,7 @@ TEST(GpuConvolution, ForwardAndBothGradientsHaveTheReferencesBitsOnTheDevice) {
       mt::Tensor y = mt::conv2d(x, w, mt::Tensor(), {.stride = 2, .padding = 1, .groups = 2});
       (y * gy).sum().backward();
       std::vector<mt::Tensor> outs = {y, x.grad(), w.grad()};
-      mt::eval(outs);
-      if (stats) *stats = mt::execution_stats();
-      std::vector<std::vector<double>> values;
-      for (const mt::Tensor& t : outs) values.push_back(t.to_vector<double>());
-      return values;
+      return values_of(outs, stats);
     };
     mt::ExecutionStats stats;
     auto expected = run(mt::Device::reference, nullptr);
@@ -757,18 +739,12 @@ TEST(GpuMaxPool, ForwardAndGradientHaveTheReferencesBitsOnTheDevice) {
       mt::reset_execution_stats();
       (mt::sum(y * gy) + mt::sum(z * gz)).backward();
       std::vector<mt::Tensor> outs = {y, z, x.grad()};
-      mt::eval(outs);
-      if (stats) *stats = mt::execution_stats();
-      std::vector<std::vector<double>> values;
-      for (const mt::Tensor& t : outs) values.push_back(t.to_vector<double>());
-      return values;
+      return values_of(outs, stats);
     };
     mt::ExecutionStats stats;
     auto expected = run(mt::Device::reference, nullptr);
     auto actual = run(tested(), &stats);
-    ASSERT_EQ(actual.size(), expected.size());
-    for (size_t o = 0; o < expected.size(); ++o)
-      EXPECT_EQ(actual[o], expected[o]) << mt::name(dtype) << " output " << o;
+    expect_same_bits(expected, actual, dtype);
     EXPECT_EQ(stats.host_ops, 0) << mt::name(dtype);
   }
 }

@@ -1,0 +1,61 @@
+// tests/pointwise_programs.h -- every pointwise op of the op table as a one-op program over inputs
+// that exercise rounding: what each back end is checked against the reference with, op by op.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/tensor.h"
+
+namespace mixtape::test {
+
+// Values that exercise rounding: wide magnitudes, both signs, zero, ties, inf and NaN. Drawn on
+// the current device.
+inline Tensor interesting(DType dtype, int64_t n, uint64_t seed) {
+  Generator gen(seed);
+  Tensor x = randn({n}, f32, &gen) * 3.0;
+  std::vector<float> v = x.to_vector<float>();
+  v[0] = 0.0f;
+  v[1] = -0.0f;
+  v[2] = INFINITY;
+  v[3] = NAN;
+  v[4] = 1.0f + 0x1p-11f;  // an f16 tie
+  v[5] = 70000.0f;         // overflows f16
+  v[6] = 1e-6f;            // an f16 subnormal
+  return tensor(v, {n}, dtype);
+}
+
+// The operands of the programs: log and pow's exponent read `positive`.
+struct PointwiseInputs {
+  Tensor x, y, positive;
+  PointwiseInputs(DType dtype, int64_t n)
+      : x(interesting(dtype, n, 1)),
+        y(interesting(dtype, n, 2)),
+        positive(abs(interesting(dtype, n, 3)) + 0.5) {}
+};
+
+using NamedProgram = std::pair<const char*, std::function<Tensor()>>;
+
+// One program per unary, binary and comparison op of dsl/ops.def, plus a chain of them, a where
+// and a round trip through f64. The programs read `in`, which must outlive them.
+inline std::vector<NamedProgram> pointwise_programs(const PointwiseInputs& in, DType dtype) {
+  return {
+#define MT_OP(Name, fname, kind, arity, category)
+#define MT_UNARY(Name, fname, category, domain, REF, VJP) \
+  {#fname, [&in] { return fname(std::string(#fname) == "log" ? in.positive : in.x); }},
+#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
+  {#fname, [&in] { return fname(in.x, std::string(#fname) == "pow" ? in.positive : in.y); }},
+#define MT_COMPARE(Name, fname, REF) {#fname, [&in] { return fname(in.x, in.y); }},
+#include "mixtape/dsl/ops.def"
+      {"chain", [&in] { return tanh(in.x * 0.5 + sigmoid(in.y)) - relu(in.x) / in.positive; }},
+      {"where", [&in] { return where(in.x > in.y, exp(in.x), in.y * 2.0); }},
+      {"cast", [&in, dtype] { return cast(cast(in.x, f64) * 3.0, dtype); }},
+  };
+}
+
+}  // namespace mixtape::test
