@@ -308,19 +308,7 @@ int64_t split_workspace_bytes(const kir::Kernel& k, const LaunchPlan& p) {
   return workspace(k, p).bytes(p.outer * p.chunks, p.outer);
 }
 
-const char* cuda_type(Type type) {
-  switch (type) {
-    case Type::f32:
-      return "float";
-    case Type::f64:
-      return "double";
-    case Type::i64:
-      return "long long";
-    case Type::i1:
-      return "bool";
-  }
-  return "";
-}
+const char* cuda_type(Type type) { return traits(type).cuda; }
 
 // The element type of a parameter buffer (see emit_cuda.h for the ABI).
 const char* element_type(DType dtype) {

@@ -17,19 +17,7 @@ using kir::Op;
 using kir::Type;
 using kir::Value;
 
-const char* llvm_type(Type type) {
-  switch (type) {
-    case Type::f32:
-      return "float";
-    case Type::f64:
-      return "double";
-    case Type::i64:
-      return "i64";
-    case Type::i1:
-      return "i1";
-  }
-  return "";
-}
+const char* llvm_type(Type type) { return traits(type).llvm; }
 
 bool is_float(Type type) { return type == Type::f32 || type == Type::f64; }
 

@@ -54,6 +54,14 @@ constexpr LibmTraits kLibm[] = {
 };
 }  // namespace
 
+// In the order of enum class Type.
+constexpr TypeTraits kTypes[] = {{"f32", "float", "float"},
+                                 {"f64", "double", "double"},
+                                 {"i64", "i64", "long long"},
+                                 {"i1", "i1", "bool"}};
+static_assert(std::size(kTypes) == static_cast<size_t>(Type::i1) + 1);
+
+const TypeTraits& traits(Type type) { return kTypes[static_cast<size_t>(type)]; }
 const OpTraits& traits(Op op) { return kTraits[static_cast<size_t>(op)]; }
 const LibmTraits& traits(Libm fn) { return kLibm[static_cast<size_t>(fn)]; }
 int libm_count() { return static_cast<int>(std::size(kLibm)); }
@@ -61,11 +69,6 @@ int op_count() { return static_cast<int>(std::size(kTraits)); }
 const char* op_name(Op op) { return traits(op).name; }
 
 namespace {
-
-const char* type_name(Type type) {
-  static const char* names[] = {"f32", "f64", "i64", "i1"};
-  return names[static_cast<int>(type)];
-}
 
 std::string affine(const Affine& a) {
   std::string out = fmt::format("{}", a.base);
@@ -77,7 +80,7 @@ std::string affine(const Affine& a) {
 void list_values(std::string& out, const std::vector<Value>& values, const char* prefix) {
   for (size_t i = 0; i < values.size(); ++i) {
     const Value& v = values[i];
-    out += fmt::format("  {}{} = {}.{}", prefix, i, op_name(v.op), type_name(v.type));
+    out += fmt::format("  {}{} = {}.{}", prefix, i, op_name(v.op), traits(v.type).name);
     for (int32_t operand : {v.a, v.b, v.c})
       if (operand >= 0) out += fmt::format(" {}{}", prefix, operand);
     if (v.op == Op::Const) out += fmt::format(" {}", v.imm);
@@ -190,7 +193,7 @@ std::string to_string(const Kernel& kernel) {
       if (red.pass != pass) continue;
       out += fmt::format(
           "  r{} = {}.{} {}{}{}\n", r, red.kind == ReduceKind::Sum ? "sum" : "max",
-          type_name(red.type), prefix, red.value,
+          traits(red.type).name, prefix, red.value,
           is_half(red.round_to) ? fmt::format(" rounding to {}", name(red.round_to)) : "");
     }
   }

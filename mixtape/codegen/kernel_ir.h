@@ -14,6 +14,13 @@ namespace mixtape::kir {
 /// Register types: every float storage type computes in f32 registers except f64; integers in
 /// i64; bool in i1.
 enum class Type : uint8_t { f32, f64, i64, i1 };
+/// How a kir type is written: in dumps, in LLVM IR and in CUDA C++.
+struct TypeTraits {
+  const char* name;
+  const char* llvm;
+  const char* cuda;
+};
+const TypeTraits& traits(Type type);
 
 /// The kir ops, from the table in codegen/kir_ops.def (what each reads and means is there).
 enum class Op : uint8_t {

@@ -167,31 +167,25 @@ StoragePtr ref_Arange(const Node& node) {
 // runtime/random_fill.h's vectorized streams, which split large draws themselves.
 constexpr int64_t kParallelDraws = 2048;
 
-StoragePtr ref_RandUniform(const Node& node) {
+// A draw of `node`'s stream: `fill` for the dtypes random_fill.h vectorizes, `element` per
+// element otherwise.
+template <void (*fill)(Storage&, uint64_t, uint64_t),
+          double (*element)(uint64_t, uint64_t, uint64_t)>
+StoragePtr draw(const Node& node) {
   const uint64_t seed = node.attrs.seed, offset = draw_offset(node);
   if (has_random_fill(node.storage)) {
     auto out = allocate_value(node, node.storage, node.numel(), true);
-    fill_uniform(*out, seed, offset);
+    fill(*out, seed, offset);
     return out;
   }
   StoragePtr out = new_storage(node);
 #pragma omp parallel for if (out->count >= kParallelDraws)
-  for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, philox_uniform(seed, offset, i));
+  for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, element(seed, offset, i));
   return out;
 }
 
-StoragePtr ref_RandNormal(const Node& node) {
-  const uint64_t seed = node.attrs.seed, offset = draw_offset(node);
-  if (has_random_fill(node.storage)) {
-    auto out = allocate_value(node, node.storage, node.numel(), true);
-    fill_normal(*out, seed, offset);
-    return out;
-  }
-  StoragePtr out = new_storage(node);
-#pragma omp parallel for if (out->count >= kParallelDraws)
-  for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, philox_normal(seed, offset, i));
-  return out;
-}
+StoragePtr ref_RandUniform(const Node& node) { return draw<fill_uniform, philox_uniform>(node); }
+StoragePtr ref_RandNormal(const Node& node) { return draw<fill_normal, philox_normal>(node); }
 
 // ---- data movement: element copies by strided offsets ----
 // Copies each element of the output (of shape `shape`) from input offset
