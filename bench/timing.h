@@ -2,6 +2,7 @@
 // benchmark programs.
 #pragma once
 
+#include <mixtape/dsl/json.h>
 #include <mixtape/mixtape.h>
 
 #include <algorithm>
