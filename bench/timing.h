@@ -2,7 +2,6 @@
 // benchmark programs.
 #pragma once
 
-#include <mixtape/dsl/json.h>
 #include <mixtape/mixtape.h>
 
 #include <algorithm>
@@ -18,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "mixtape/dsl/json.h"
 #include "mixtape/runtime/device.h"
 
 namespace bench {
