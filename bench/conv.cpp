@@ -11,6 +11,7 @@
 
 #include "bench/peak.h"
 #include "bench/timing.h"
+#include "mixtape/dsl/error.h"
 #include "mixtape/runtime/conv.h"
 #include "mixtape/runtime/half_convert.h"
 

@@ -22,6 +22,7 @@
 #include "bench/gpt_step.h"
 #include "examples/char_gpt_model.h"
 #include "examples/digits_model.h"
+#include "mixtape/dsl/error.h"
 #include "mixtape/jit/aot_export.h"
 #include "mixtape/jit/run_program.h"
 #include "timing.h"

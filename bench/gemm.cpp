@@ -10,6 +10,7 @@
 
 #include "bench/peak.h"
 #include "bench/timing.h"
+#include "mixtape/dsl/error.h"
 #include "mixtape/runtime/gemm.h"
 #include "mixtape/runtime/half_convert.h"
 

@@ -14,6 +14,7 @@
 #include "bench/gpt_step.h"
 #include "bench/timing.h"
 #include "examples/char_gpt_model.h"
+#include "mixtape/dsl/error.h"
 #include "mixtape/runtime/cuda_executor.h"
 
 namespace mt = mixtape;

@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "mixtape/dsl/json.h"
 #include "mixtape/runtime/device.h"
 
 namespace bench {

@@ -1,6 +1,7 @@
 // bench/training.cpp -- bench_training: mixtape training steps/s for the MLP, digits, char-GPT
 // and vision (ResNet-18, digits CNN) workloads, one JSON line per workload and precision (run.py
 // compares them with the peers).
+#include <mixtape/dsl/error.h>
 #include <mixtape/mixtape.h>
 
 #include <cstdio>

@@ -1,6 +1,7 @@
 // examples/char_gpt.cpp -- a character-level GPT (nanoGPT's CPU configuration) trained on the
 // BSD fortunes: progress, a held-out validation loss, a generated sample and a JSON line; --export
 // writes the trained model as a C library that examples/deploy/sample_text.c samples from.
+#include <mixtape/dsl/json.h>
 #include <mixtape/mixtape.h>
 
 #include <algorithm>
@@ -11,6 +12,8 @@
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "char_gpt_model.h"
 #include "mixtape/jit/aot_export.h"

@@ -2,6 +2,7 @@
 // shared by examples/char_gpt.cpp and the benchmarks).
 #pragma once
 
+#include <mixtape/dsl/error.h>
 #include <mixtape/mixtape.h>
 
 #include <algorithm>

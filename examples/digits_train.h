@@ -3,6 +3,8 @@
 // (digits_mlp.cpp, digits_cnn.cpp) only brings its model.
 #pragma once
 
+#include <mixtape/dsl/error.h>
+#include <mixtape/dsl/json.h>
 #include <mixtape/mixtape.h>
 #include <unistd.h>
 

@@ -2,6 +2,7 @@
 // rewritten in place on a terminal, and their --logdir summary writer.
 #pragma once
 
+#include <fmt/format.h>
 #include <unistd.h>
 
 #include <chrono>

@@ -15,6 +15,8 @@
 
 #include <mixtape/mixtape.h>
 
+#include <fmt/format.h>
+
 #include "examples/digits_model.h"
 #include "mixtape/jit/aot_export.h"
 #include "mixtape/jit/llvm_jit.h"

@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include <fmt/format.h>
+
 #include "examples/digits_model.h"
 #include "mixtape/codegen/nvrtc.h"
 #include "mixtape/dsl/json.h"

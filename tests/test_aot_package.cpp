@@ -11,6 +11,8 @@
 #include <set>
 #include <sstream>
 
+#include <fmt/format.h>
+
 #include "examples/digits_model.h"
 #include "mixtape/codegen/emit_llvm.h"
 #include "mixtape/codegen/fusion.h"

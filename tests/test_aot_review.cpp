@@ -11,6 +11,8 @@
 
 #include <stdlib.h>
 
+#include <fmt/format.h>
+
 #include "aot_test_util.h"
 #include "examples/digits_model.h"
 #include "mixtape/dsl/json.h"

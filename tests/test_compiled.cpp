@@ -16,6 +16,8 @@
 #define MIXTAPE_TEST_HAS_OMP 1
 #endif
 
+#include <fmt/format.h>
+
 #include "mixtape/codegen/emit_llvm.h"
 #include "mixtape/codegen/fusion.h"
 #include "mixtape/codegen/kernel_ir.h"

@@ -16,6 +16,8 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "mixtape/dsl/half.h"
 #include "mixtape/runtime/gemm.h"
 #include "mixtape/runtime/gemm_bf16.h"

@@ -14,6 +14,7 @@
 
 #include <mixtape/mixtape.h>
 
+#include "mixtape/dsl/json.h"
 #include "tests/test_util.h"
 
 namespace mt = mixtape;

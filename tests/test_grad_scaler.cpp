@@ -17,6 +17,8 @@
 
 #include <mixtape/mixtape.h>
 
+#include <fmt/format.h>
+
 #include "tests/test_util.h"
 
 namespace mt = mixtape;

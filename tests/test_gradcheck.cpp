@@ -16,6 +16,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "mixtape/codegen/hash.h"
 #include "mixtape/mixtape.h"
 

@@ -14,6 +14,7 @@
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/node_inputs.h"
 #include "mixtape/dsl/pool_allocator.h"
+#include "mixtape/dsl/sort_by_id.h"
 #include "mixtape/runtime/program.h"
 
 namespace mt = mixtape;

@@ -9,6 +9,7 @@
 
 #include <mixtape/mixtape.h>
 
+#include "mixtape/dsl/json.h"
 #include "tests/test_util.h"
 
 namespace mt = mixtape;

@@ -18,6 +18,8 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "examples/char_gpt_model.h"
 #include "examples/digits_model.h"
 #include "mixtape/codegen/emit_cuda.h"

@@ -19,6 +19,8 @@
 #include <unordered_set>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "mixtape/dsl/half.h"
 #include "mixtape/dsl/random.h"
 #include "mixtape/dsl/scalar_math.h"

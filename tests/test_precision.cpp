@@ -25,6 +25,8 @@
 
 #include <mixtape/mixtape.h>
 
+#include <fmt/format.h>
+
 #include "mixtape/dsl/json.h"
 #include "test_util.h"
 

@@ -7,8 +7,10 @@
 
 #include "mixtape/autograd/grad.h"
 #include "mixtape/autograd/vjp.h"
+#include "mixtape/dsl/error.h"
 #include "mixtape/dsl/ops.h"
 #include "mixtape/dsl/orphan_parameters.h"
+#include "mixtape/dsl/sort_by_id.h"
 
 namespace mixtape {
 namespace {

@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "mixtape/dsl/conv.h"
+#include "mixtape/dsl/error.h"
 #include "mixtape/dsl/ops.h"
 #include "mixtape/dsl/vision.h"
 

@@ -8,6 +8,7 @@
 #include <utility>
 
 #include "mixtape/dsl/composites.h"
+#include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/ops.h"
 

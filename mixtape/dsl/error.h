@@ -1,19 +1,17 @@
-// mixtape/dsl/error.h -- mt::Error, the one exception type every mixtape failure is reported with.
+// mixtape/dsl/error.h -- mt::fail and op_fail: throw mt::Error (dsl/exception.h) with a message
+// formatted by fmt. Not in the umbrella header, so that a user's file that only calls the library
+// never parses fmt; the library's sources, and programs that want these, include it by name.
 #pragma once
-
-#include <source_location>
-#include <stdexcept>
-#include <string>
 
 #include <fmt/format.h>
 
-namespace mixtape {
+#include <source_location>
+#include <string>
+#include <utility>
 
-/// Thrown for every user-visible failure: bad shapes or dtypes, corrupt files, missing devices.
-class Error : public std::runtime_error {
- public:
-  explicit Error(const std::string& what) : std::runtime_error(what) {}
-};
+#include "mixtape/dsl/exception.h"
+
+namespace mixtape {
 
 /// Formats a message and throws mt::Error.
 template <typename... Args>
@@ -21,12 +19,14 @@ template <typename... Args>
   throw Error(fmt::format(format, std::forward<Args>(args)...));
 }
 
-/// "file.cpp:42" for a source location, without the directory part.
-inline std::string short_location(const std::source_location& loc) {
-  std::string file = loc.file_name();
-  auto slash = file.find_last_of('/');
-  if (slash != std::string::npos) file = file.substr(slash + 1);
-  return fmt::format("{}:{}", file, loc.line());
+/// Throws mt::Error "op: detail [module 'path', at file:line]" with the user's call site.
+[[noreturn]] void op_error(const char* op, const std::source_location& loc,
+                           const std::string& detail);
+
+template <typename... Args>
+[[noreturn]] void op_fail(const char* op, const std::source_location& loc,
+                          fmt::format_string<Args...> format, Args&&... args) {
+  op_error(op, loc, fmt::format(format, std::forward<Args>(args)...));
 }
 
 }  // namespace mixtape

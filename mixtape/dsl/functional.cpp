@@ -9,6 +9,7 @@
 #include <numeric>
 
 #include "mixtape/dsl/composites.h"
+#include "mixtape/dsl/error.h"
 
 namespace mixtape {
 namespace {

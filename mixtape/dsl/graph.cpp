@@ -8,6 +8,7 @@
 #include <unordered_set>
 #include <utility>
 
+#include "mixtape/dsl/error.h"
 #include "mixtape/dsl/pool_allocator.h"
 
 namespace mixtape {

@@ -2,14 +2,13 @@
 // hook.
 #pragma once
 
-#include <algorithm>
 #include <cstdint>
 #include <source_location>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "mixtape/dsl/error.h"
+#include "mixtape/dsl/exception.h"
 #include "mixtape/dsl/node.h"
 
 namespace mixtape {
@@ -32,15 +31,6 @@ void check_shape_size(const char* op, const Shape& shape, DType dtype, const Loc
 /// is an mt::Error naming the node's op, shape and call site and the bytes asked for.
 std::shared_ptr<Storage> allocate_value(const Node& node, DType dtype, int64_t count,
                                         bool uninitialized);
-
-/// Throws mt::Error "op: detail [module 'path', at file:line]" with the user's call site.
-[[noreturn]] void op_error(const char* op, const Loc& loc, const std::string& detail);
-
-template <typename... Args>
-[[noreturn]] void op_fail(const char* op, const Loc& loc, fmt::format_string<Args...> format,
-                          Args&&... args) {
-  op_error(op, loc, fmt::format(format, std::forward<Args>(args)...));
-}
 
 bool grad_enabled();
 
@@ -106,33 +96,6 @@ class BackwardScope {
   ModulePathScope path_;
   CallSiteScope site_;
 };
-
-/// Sorts (id, item) pairs by id, ascending. The nodes a step makes have nearly consecutive ids
-/// (they are made one after another), so where the ids span little more than their count they
-/// are placed by id in one pass, with no comparisons: the traced loop sorts its pending nodes
-/// and its tape every step.
-template <typename T>
-void sort_by_id(std::vector<std::pair<uint64_t, T>>& items) {
-  auto by_id = [](const auto& a, const auto& b) { return a.first < b.first; };
-  size_t n = items.size();
-  if (n < 32) return std::sort(items.begin(), items.end(), by_id);
-  auto [lo, hi] = std::minmax_element(items.begin(), items.end(), by_id);
-  uint64_t first = lo->first, range = hi->first - lo->first + 1;
-  if (range > 4 * n || n > UINT32_MAX - 1) return std::sort(items.begin(), items.end(), by_id);
-  thread_local std::vector<uint32_t> slots;  // 1 + the item's index, by id - first
-  slots.assign(range, 0);
-  for (size_t i = 0; i < n; ++i) {
-    uint32_t& slot = slots[items[i].first - first];
-    if (slot != 0) return std::sort(items.begin(), items.end(), by_id);  // a repeated id
-    slot = static_cast<uint32_t>(i + 1);
-  }
-  thread_local std::vector<std::pair<uint64_t, T>> sorted;
-  sorted.clear();
-  sorted.reserve(n);
-  for (uint32_t slot : slots)
-    if (slot != 0) sorted.push_back(items[slot - 1]);
-  items.swap(sorted);
-}
 
 /// Every node the roots depend on (as far as the graph is still recorded), in tape order:
 /// inputs are made before their readers, so creation order is a topological order.

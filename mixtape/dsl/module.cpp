@@ -4,10 +4,13 @@
 #include <algorithm>
 #include <set>
 
+#include "mixtape/dsl/error.h"
 #include "mixtape/dsl/ops.h"
 #include "mixtape/dsl/orphan_parameters.h"
 
 namespace mixtape {
+
+Module::~Module() = default;
 
 void Module::check_new_name(const std::string& name) const {
   if (name.empty() || name.find('.') != std::string::npos)

@@ -1,7 +1,6 @@
 // mixtape/dsl/module.h -- mt::Module: named parameters, buffers and submodules, train/eval mode.
 #pragma once
 
-#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -18,7 +17,7 @@ using NamedTensors = std::vector<std::pair<std::string, Tensor>>;
 class Module {
  public:
   Module() = default;
-  virtual ~Module() = default;
+  virtual ~Module();  // out of line: one vtable, in module.cpp
   Module(const Module&) = delete;
   Module& operator=(const Module&) = delete;
 

@@ -3,6 +3,8 @@
 
 #include <cmath>
 
+#include "mixtape/dsl/error.h"
+
 namespace mixtape {
 
 namespace init {
@@ -231,6 +233,8 @@ Tensor Flatten::operator()(const Tensor& x, const Loc& loc) const {
   return flatten(x, start_dim, end_dim, loc);
 }
 
+Sequential::~Sequential() = default;
+
 Sequential& Sequential::append(Step step) {
   if (!step) fail("Sequential '{}': an empty step at index {}", path(), steps_.size());
   steps_.push_back(std::move(step));
@@ -268,6 +272,8 @@ MLP::MLP(std::vector<int64_t> sizes, Activation activation, Generator* gen)
     register_module("fc" + std::to_string(i + 1), *layers.back());
   }
 }
+
+MLP::~MLP() = default;
 
 Tensor MLP::operator()(const Tensor& x, const Loc& loc) const {
   CallSiteScope site(loc);

@@ -181,6 +181,7 @@ class Sequential : public Module {
  public:
   using Step = std::function<Tensor(const Tensor&)>;
   Sequential() = default;
+  ~Sequential() override;  // out of line: its containers are destroyed in nn.cpp
   /// Makes and owns an M (anything with operator()(const Tensor&)) at the next index.
   template <typename M, typename... Args>
   M& emplace_back(Args&&... args) {
@@ -212,6 +213,7 @@ class MLP : public Module {
  public:
   explicit MLP(std::vector<int64_t> sizes, Activation activation = Activation::Relu,
                Generator* gen = nullptr);
+  ~MLP() override;  // out of line: its containers are destroyed in nn.cpp
   Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
   std::vector<std::unique_ptr<Linear>> layers;  // registered as fc1, fc2, ...
   Activation activation;

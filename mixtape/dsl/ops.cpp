@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <numeric>
 
+#include "mixtape/dsl/error.h"
+
 namespace mixtape {
 namespace {
 

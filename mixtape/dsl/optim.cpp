@@ -7,6 +7,7 @@
 #include <numbers>
 
 #include "mixtape/dsl/convert.h"
+#include "mixtape/dsl/error.h"
 #include "mixtape/dsl/ops.h"
 #include "mixtape/dsl/orphan_parameters.h"
 

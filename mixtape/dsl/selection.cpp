@@ -5,6 +5,7 @@
 #include <limits>
 
 #include "mixtape/dsl/composites.h"
+#include "mixtape/dsl/error.h"
 
 namespace mixtape {
 namespace {

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "mixtape/dsl/convert.h"
+#include "mixtape/dsl/error.h"
 #include "mixtape/dsl/ops.h"
 #include "mixtape/dsl/pool_allocator.h"
 

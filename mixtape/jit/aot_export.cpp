@@ -14,6 +14,7 @@
 
 #include "mixtape/codegen/emit_llvm.h"
 #include "mixtape/codegen/nvrtc.h"
+#include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/json.h"
 #include "mixtape/jit/aot_cuda.h"

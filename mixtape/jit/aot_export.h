@@ -116,7 +116,9 @@ Function untyped(F& fn, size_t arity) {
     (try_arity(std::integral_constant<size_t, N>{}), ...);
   }
   (std::make_index_sequence<9>{});
-  if (!out) fail("aot: the function does not take {} tensors, one per input", arity);
+  if (!out)
+    throw Error("aot: the function does not take " + std::to_string(arity) +
+                " tensors, one per input");
   return out;
 }
 }  // namespace detail

@@ -6,6 +6,7 @@
 #include <cmath>
 
 #include "mixtape/dsl/convert.h"
+#include "mixtape/dsl/error.h"
 #include "mixtape/dsl/half.h"
 #include "mixtape/dsl/json.h"
 

@@ -8,6 +8,7 @@
 #include <limits>
 #include <string>
 
+#include "mixtape/dsl/error.h"
 #include "mixtape/dsl/ops.h"
 
 namespace mixtape {
@@ -60,6 +61,15 @@ Tensor settled(const Tensor& t) {
 constexpr size_t kMaxPendingRecords = 1024;
 
 }  // namespace
+
+GradScaler::SharedStatistics::SharedStatistics() : data(std::make_shared<Statistics>()) {}
+GradScaler::SharedStatistics::SharedStatistics(const SharedStatistics& other)
+    : data(std::make_shared<Statistics>(*other.data)) {}
+GradScaler::SharedStatistics& GradScaler::SharedStatistics::operator=(
+    const SharedStatistics& other) {
+  data = std::make_shared<Statistics>(*other.data);
+  return *this;
+}
 
 GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
   check_options(options_, "GradScaler", true);

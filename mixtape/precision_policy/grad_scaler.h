@@ -126,15 +126,13 @@ class GradScaler {
   // Shared with the host work that a step compiled by mt::compile runs after each replay (see
   // record()), which holds it weakly: records of a scaler that is gone are dropped. A copy of
   // the scaler gets statistics of its own.
+  // Out of line, as is all that makes Statistics: a user's file that includes this header then
+  // instantiates none of its containers.
   struct SharedStatistics {
-    std::shared_ptr<Statistics> data = std::make_shared<Statistics>();
-    SharedStatistics() = default;
-    SharedStatistics(const SharedStatistics& other)
-        : data(std::make_shared<Statistics>(*other.data)) {}
-    SharedStatistics& operator=(const SharedStatistics& other) {
-      data = std::make_shared<Statistics>(*other.data);
-      return *this;
-    }
+    std::shared_ptr<Statistics> data;
+    SharedStatistics();
+    SharedStatistics(const SharedStatistics& other);
+    SharedStatistics& operator=(const SharedStatistics& other);
   };
 
   // Swaps evaluated scaler values for plain leaves, so the graph does not keep what made them.

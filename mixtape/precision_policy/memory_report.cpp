@@ -7,6 +7,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "mixtape/dsl/error.h"
 #include "mixtape/dsl/json.h"
 #include "mixtape/precision_policy/assign.h"
 #include "mixtape/precision_policy/policy.h"

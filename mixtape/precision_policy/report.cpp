@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <unordered_map>
 
+#include "mixtape/dsl/error.h"
 #include "mixtape/dsl/json.h"
 #include "mixtape/precision_policy/assign.h"
 

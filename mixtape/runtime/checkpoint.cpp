@@ -9,6 +9,7 @@
 #include <string_view>
 
 #include "mixtape/dsl/convert.h"
+#include "mixtape/dsl/error.h"
 #include "mixtape/precision_policy/grad_scaler.h"
 #include "mixtape/runtime/safetensors.h"
 

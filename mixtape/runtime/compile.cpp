@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "mixtape/dsl/error.h"
 #include "mixtape/dsl/log.h"
 #include "mixtape/runtime/cpu_executor.h"
 #include "mixtape/runtime/cuda_executor.h"

@@ -13,7 +13,6 @@
 
 #include "mixtape/dsl/tensor.h"
 #include "mixtape/runtime/device.h"
-#include "mixtape/runtime/program.h"
 
 namespace mixtape {
 
@@ -128,7 +127,8 @@ Compiled<F> compile(F fn) {
   return Compiled<F>(std::move(fn));
 }
 
-struct Plan;  // runtime/step_plan.h
+struct Plan;             // runtime/step_plan.h
+struct ExecutedProgram;  // runtime/program.h
 /// For AOT export: calls `fn` on `args`, tracing, as mt::compile's first calls do, until two
 /// consecutive calls show how to replay it (two calls, or three when the first differs, as an
 /// optimizer's first step does), and returns the replay plan; each state binding's first_value

@@ -17,6 +17,7 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/log.h"
+#include "mixtape/dsl/sort_by_id.h"
 #include "mixtape/precision_policy/assign.h"
 #include "mixtape/runtime/cpu_kernels.h"
 #include "mixtape/runtime/multi_tensor.h"

@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "mixtape/dsl/error.h"
 #include "mixtape/runtime/cpu_executor.h"
 #include "mixtape/runtime/cuda_executor.h"
 #include "mixtape/runtime/cuda_values.h"

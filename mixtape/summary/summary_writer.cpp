@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/ops.h"
 #include "mixtape/precision_policy/grad_health.h"

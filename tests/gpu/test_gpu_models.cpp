@@ -19,6 +19,8 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "examples/char_gpt_model.h"
 #include "examples/digits_model.h"
 #include "mixtape/codegen/nvrtc.h"

@@ -9,6 +9,8 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "mixtape/dsl/dtype.h"
 #include "mixtape/dsl/half.h"
 #include "mixtape/runtime/cublaslt.h"
