@@ -10,7 +10,6 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/functional.h"
 #include "mixtape/dsl/host_memory.h"
-#include "mixtape/dsl/json.h"
 #include "mixtape/dsl/lr_schedule.h"
 #include "mixtape/dsl/module.h"
 #include "mixtape/dsl/nn.h"
