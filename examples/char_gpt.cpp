@@ -52,7 +52,7 @@ Options parse(int argc, char** argv) {
   CLI::App app("A character-level GPT trained on tiny Shakespeare; samples text after training.",
                "char_gpt");
   auto positive = examples::at_least(1);
-  app.add_option("--steps", o.steps, "training steps")->check(positive)->capture_default_str();
+  examples::add_steps(app, o.steps);
   app.add_option("--batch", o.batch, "batch size")->check(positive)->capture_default_str();
   app.add_option("--layers", o.model.layers)->check(positive)->capture_default_str();
   app.add_option("--heads", o.model.heads)->check(positive)->capture_default_str();

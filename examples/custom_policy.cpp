@@ -174,9 +174,7 @@ int main(int argc, char** argv) {
       "A precision policy of one's own (first and last layer and softmax in f32, the "
       "rest in bf16) on a small attention model of the UCI digits.",
       "custom_policy");
-  app.add_option("--steps", steps, "training steps")
-      ->check(examples::at_least(1))
-      ->capture_default_str();
+  examples::add_steps(app, steps);
   examples::add_logdir(app, logdir);
   examples::parse(app, argc, argv);
   try {

@@ -55,9 +55,7 @@ inline Options parse(const std::string& example, const Defaults& defaults, int a
   o.cosine = defaults.cosine;
   CLI::App app("Trains a classifier of the UCI handwritten digits and tests it on the last 360.",
                example);
-  app.add_option("--steps", o.steps, "training steps")
-      ->check(examples::at_least(1))
-      ->capture_default_str();
+  examples::add_steps(app, o.steps);
   app.add_option("--batch", o.batch, "batch size")
       ->check(examples::in_range(1, 1437))
       ->capture_default_str();

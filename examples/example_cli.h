@@ -46,6 +46,11 @@ struct TrainingFlags {
   std::string logdir;   // TensorBoard event files of the run
 };
 
+/// --steps N, N >= 1.
+inline void add_steps(CLI::App& app, int64_t& steps) {
+  app.add_option("--steps", steps, "training steps")->check(at_least(1))->capture_default_str();
+}
+
 /// --logdir DIR.
 inline void add_logdir(CLI::App& app, std::string& logdir) {
   app.add_option("--logdir", logdir, "write the run's TensorBoard event files into DIR")
