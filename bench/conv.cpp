@@ -86,8 +86,8 @@ std::vector<float> random_values(int64_t count, std::mt19937_64& rng) {
   return values;
 }
 
-mt::json::Object conv_record(const std::string& name, const ConvWorkload& w, bench::Peaks& peaks,
-                             const bench::TimingOptions& timing) {
+mt::json::Value conv_record(const std::string& name, const ConvWorkload& w, bench::Peaks& peaks,
+                            const bench::TimingOptions& timing) {
   const int64_t pad = w.k / 2, out_size = (w.h + 2 * pad - w.k) / w.s + 1;
   mt::ConvDesc desc;
   desc.op = w.pass == "fwd"     ? mt::OpCode::Conv2d
@@ -133,8 +133,8 @@ mt::json::Object conv_record(const std::string& name, const ConvWorkload& w, ben
     out_data = out.data();
   }
   auto step = [&] { mt::conv(desc, a_data, b_data, out_data); };
-  mt::json::Object result = bench::measure(step, timing);
-  const double calls_per_s = mt::json::Value(result).at("steps_per_s").as_double();
+  mt::json::Value result = bench::measure(step, timing);
+  const double calls_per_s = result.at("steps_per_s").get<double>();
   const double flops = 2.0 * static_cast<double>(w.n * w.o * out_size * out_size * w.c * w.k * w.k);
   const double gflops = calls_per_s * flops / 1e9;
   const int threads = threads_in_use();
@@ -144,29 +144,29 @@ mt::json::Object conv_record(const std::string& name, const ConvWorkload& w, ben
   const double bf16_dot_peak = peak_at(peaks, "avx512bf16", threads);
   const double amx_peak = peaks.kernel("amx") ? peak_at(peaks, "amx", threads) : 0.0;
   const double peak = bf16 ? std::max({f32_peak, bf16_dot_peak, amx_peak}) : f32_peak;
-  mt::json::Object record{{"system", "mixtape"},
-                          {"workload", name},
-                          {"dtype", w.dtype},
-                          {"pass", w.pass},
-                          {"shape", mt::json::Object{{"n", w.n},
-                                                     {"c", w.c},
-                                                     {"h", w.h},
-                                                     {"o", w.o},
-                                                     {"k", w.k},
-                                                     {"stride", w.s},
-                                                     {"padding", pad},
-                                                     {"out", out_size}}},
-                          {"kernel", mt::conv_kernel(desc)},
-                          {"threads_in_use", threads},
-                          {"gflops", gflops},
-                          {"peak_gflops", peak},
-                          {"f32_fma_peak_gflops", f32_peak},
-                          {"avx512bf16_peak_gflops", bf16_dot_peak},
-                          {"amx_bf16_peak_gflops", amx_peak}};
-  if (peak > 0) record.emplace_back("fraction_of_peak", gflops / peak);
-  if (f32_peak > 0) record.emplace_back("fraction_of_f32_fma_peak", gflops / f32_peak);
+  mt::json::Value record{{"system", "mixtape"},
+                         {"workload", name},
+                         {"dtype", w.dtype},
+                         {"pass", w.pass},
+                         {"shape", mt::json::Value{{"n", w.n},
+                                                   {"c", w.c},
+                                                   {"h", w.h},
+                                                   {"o", w.o},
+                                                   {"k", w.k},
+                                                   {"stride", w.s},
+                                                   {"padding", pad},
+                                                   {"out", out_size}}},
+                         {"kernel", mt::conv_kernel(desc)},
+                         {"threads_in_use", threads},
+                         {"gflops", gflops},
+                         {"peak_gflops", peak},
+                         {"f32_fma_peak_gflops", f32_peak},
+                         {"avx512bf16_peak_gflops", bf16_dot_peak},
+                         {"amx_bf16_peak_gflops", amx_peak}};
+  if (peak > 0) record.emplace("fraction_of_peak", gflops / peak);
+  if (f32_peak > 0) record.emplace("fraction_of_f32_fma_peak", gflops / f32_peak);
   if (bf16 && bf16_dot_peak > 0)
-    record.emplace_back("fraction_of_avx512bf16_peak", gflops / bf16_dot_peak);
+    record.emplace("fraction_of_avx512bf16_peak", gflops / bf16_dot_peak);
   bench::append(record, result);
   return record;
 }

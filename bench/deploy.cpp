@@ -14,6 +14,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <string>
@@ -145,7 +146,7 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 // The C driver's rules, in C++: batch 1 timed call by call (median), batch max as the median of
 // windows whose length the warm-up calls set.
-json::Object time_calls(const std::function<void(int64_t)>& call, const Flags& flags) {
+json::Value time_calls(const std::function<void(int64_t)>& call, const Flags& flags) {
   for (int i = 0; i < 20; ++i) call(1);
   std::vector<double> times;
   auto began = std::chrono::steady_clock::now();
@@ -197,33 +198,33 @@ void jit_child(const Flags& flags) {
   auto t0 = std::chrono::steady_clock::now();
   run_forward(m, x1);
   double first = seconds_since(t0);
-  json::Object traced{{"system", "mixtape_jit"},
-                      {"model", m.name},
-                      {"mode", "traced"},
-                      {"threads", threads_setting()},
-                      {"backend", bench::backend()},
-                      {"build_model_ms", 1e3 * built},
-                      {"first_result_ms_cold_kernel_cache", 1e3 * first}};
+  json::Value traced{{"system", "mixtape_jit"},
+                     {"model", m.name},
+                     {"mode", "traced"},
+                     {"threads", threads_setting()},
+                     {"backend", bench::backend()},
+                     {"build_model_ms", 1e3 * built},
+                     {"first_result_ms_cold_kernel_cache", 1e3 * first}};
   bench::append(traced,
                 time_calls([&](int64_t batch) { run_forward(m, batch == 1 ? x1 : xmax); }, flags));
   auto compiled = mt::compile([&](const mt::Tensor& x) {
     mt::NoGradGuard no_grad;
     return m.forward(x);
   });
-  json::Object replayed{{"system", "mixtape_jit"},
-                        {"model", m.name},
-                        {"mode", "compiled"},
-                        {"threads", threads_setting()}};
+  json::Value replayed{{"system", "mixtape_jit"},
+                       {"model", m.name},
+                       {"mode", "compiled"},
+                       {"threads", threads_setting()}};
   bench::append(replayed, time_calls(
                               [&](int64_t batch) {
                                 mt::Tensor y = compiled(batch == 1 ? x1 : xmax);
                                 mt::eval({y});
                               },
                               flags));
-  replayed.emplace_back("replays", compiled.stats().replays);
+  replayed.emplace("replays", compiled.stats().replays);
   long rss = peak_rss_kb();
-  traced.emplace_back("peak_rss_kb", static_cast<int64_t>(rss));
-  replayed.emplace_back("peak_rss_kb", static_cast<int64_t>(rss));
+  traced.emplace("peak_rss_kb", static_cast<int64_t>(rss));
+  replayed.emplace("peak_rss_kb", static_cast<int64_t>(rss));
   bench::emit(traced);
   bench::emit(replayed);
 }
@@ -281,15 +282,14 @@ std::vector<char> read_bytes(const std::string& path) {
 }
 
 // The files of an exported artifact with their sizes, by name; `total` gets their sum.
-json::Object artifact_files(const std::string& artifact, int64_t& total) {
-  json::Object files;
+json::Value artifact_files(const std::string& artifact, int64_t& total) {
+  std::map<std::string, int64_t> sizes;
   for (const auto& entry : fs::directory_iterator(artifact)) {
     int64_t size = static_cast<int64_t>(entry.file_size());
-    files.emplace_back(entry.path().filename().string(), size);
+    sizes.emplace(entry.path().filename().string(), size);
     total += size;
   }
-  std::sort(files.begin(), files.end(), [](auto& a, auto& b) { return a.first < b.first; });
-  return files;
+  return sizes;
 }
 
 // Builds the C program `source` against the artifact `name` in `artifact` as a user would, its
@@ -334,7 +334,7 @@ void bench_model(const std::string& name, const Flags& flags, const std::string&
       options);
   double export_s = seconds_since(start);
   int64_t total = 0;
-  json::Object files = artifact_files(artifact, total);
+  json::Value files = artifact_files(artifact, total);
   int64_t parameters = 0;
   for (const mt::Tensor& p : m.module->parameters()) parameters += p.numel();
   bench::emit({{"system", "mixtape_artifact"},
@@ -397,8 +397,8 @@ void bench_model(const std::string& name, const Flags& flags, const std::string&
       std::string output = mt::run_tool(run_driver, {artifact, "cold"});
       process.push_back(1e3 * seconds_since(t0));
       json::Value record = child_record(output, "deploy_driver cold");
-      open_to_first.push_back(record.at("open_to_first_result_ms").as_double());
-      open.push_back(record.at("open_ms").as_double());
+      open_to_first.push_back(record.at("open_to_first_result_ms").get<double>());
+      open.push_back(record.at("open_ms").get<double>());
     }
     json::Value warm =
         child_record(mt::run_tool(run_driver, {artifact, "warm", std::to_string(flags.max_batch),
@@ -406,19 +406,19 @@ void bench_model(const std::string& name, const Flags& flags, const std::string&
                                                std::to_string(flags.window_seconds),
                                                std::to_string(flags.windows)}),
                      "deploy_driver warm");
-    json::Object record{{"system", "mixtape_artifact"},
-                        {"model", name},
-                        {"mode", "driver"},
-                        {"threads", threads},
-                        {"cold_runs", flags.cold_runs},
-                        {"open_to_first_result_ms", bench::median(open_to_first)},
-                        {"open_to_first_result_ms_min",
-                         *std::min_element(open_to_first.begin(), open_to_first.end())},
-                        {"open_ms", bench::median(open)},
-                        {"process_wall_ms", bench::median(process)}};
-    for (const auto& [key, value] : warm.as_object())
+    json::Value record{{"system", "mixtape_artifact"},
+                       {"model", name},
+                       {"mode", "driver"},
+                       {"threads", threads},
+                       {"cold_runs", flags.cold_runs},
+                       {"open_to_first_result_ms", bench::median(open_to_first)},
+                       {"open_to_first_result_ms_min",
+                        *std::min_element(open_to_first.begin(), open_to_first.end())},
+                       {"open_ms", bench::median(open)},
+                       {"process_wall_ms", bench::median(process)}};
+    for (const auto& [key, value] : warm.items())
       if (key != "system" && key != "mode" && key.rfind("open", 0) != 0 && key != "first_run_ms")
-        record.emplace_back(key, value);
+        record[key] = value;
     bench::emit(record);
 
     // The JIT program, with an empty kernel cache for its first result.
@@ -562,7 +562,7 @@ void step_child(const Flags& flags) {
   t->step(t->x, t->y);  // makes the optimizer's state, which the checkpoint then overwrites
   mt::load_checkpoint(flags.step_state, *t->module, t->optimizer.get(), nullptr, t->scaler.get());
   auto compiled = mt::compile(t->step);
-  json::Array check;
+  json::Value check = json::Value::array();
   auto start = std::chrono::steady_clock::now();
   for (int i = 0; i < kCheckSteps; ++i)
     check.push_back(int64_t{float_bits(compiled(t->x, t->y).to_vector<float>()[0])});
@@ -571,19 +571,19 @@ void step_child(const Flags& flags) {
                               .windows = flags.windows,
                               .window_seconds = flags.step_window_seconds,
                               .budget_seconds = 1e9};  // no cut: the C driver has none
-  json::Object record{{"system", "mixtape_jit"},  {"model", t->model},
-                      {"mode", "step_compiled"},  {"policy", t->policy},
-                      {"batch", t->batch},        {"threads", threads_setting()},
-                      {"check_loss_bits", check}, {"check_steps_s", check_s}};
+  json::Value record{{"system", "mixtape_jit"},  {"model", t->model},
+                     {"mode", "step_compiled"},  {"policy", t->policy},
+                     {"batch", t->batch},        {"threads", threads_setting()},
+                     {"check_loss_bits", check}, {"check_steps_s", check_s}};
   bench::append(record, bench::measure(
                             [&] {
                               mt::Tensor loss = compiled(t->x, t->y);
                               mt::eval({loss});
                             },
                             timing));
-  record.emplace_back("replays", compiled.stats().replays);
-  record.emplace_back("traces", compiled.stats().traces);
-  record.emplace_back("peak_rss_kb", static_cast<int64_t>(peak_rss_kb()));
+  record.emplace("replays", compiled.stats().replays);
+  record.emplace("traces", compiled.stats().traces);
+  record.emplace("peak_rss_kb", static_cast<int64_t>(peak_rss_kb()));
   bench::emit(record);
 }
 
@@ -604,7 +604,7 @@ void bench_step(const std::string& spec, const Flags& flags, const std::string& 
       mt::aot::export_step(t->step, {t->x_input, t->y_input}, {"loss"}, artifact, options);
   double export_s = seconds_since(start);
   int64_t total = 0;
-  json::Object files = artifact_files(artifact, total);
+  json::Value files = artifact_files(artifact, total);
   bench::emit({{"system", "mixtape_artifact"},
                {"model", t->model},
                {"mode", "step_export"},
@@ -635,24 +635,24 @@ void bench_step(const std::string& spec, const Flags& flags, const std::string& 
     for (int r = 0; r < flags.cold_runs; ++r) {
       json::Value cold =
           child_record(mt::run_tool(run_driver, {artifact, "cold"}), "deploy_step_driver cold");
-      open_to_first.push_back(cold.at("open_to_first_step_ms").as_double());
-      open.push_back(cold.at("open_ms").as_double());
+      open_to_first.push_back(cold.at("open_to_first_step_ms").get<double>());
+      open.push_back(cold.at("open_ms").get<double>());
     }
     json::Value warm = child_record(
         mt::run_tool(run_driver, {artifact, "warm", checks, warmup, window_s, windows}),
         "deploy_step_driver warm");
-    json::Object artifact_record{{"system", "mixtape_artifact"},
-                                 {"model", t->model},
-                                 {"mode", "step_driver"},
-                                 {"policy", t->policy},
-                                 {"threads", threads},
-                                 {"cold_runs", flags.cold_runs},
-                                 {"open_to_first_step_ms", bench::median(open_to_first)},
-                                 {"open_to_first_step_ms_min",
-                                  *std::min_element(open_to_first.begin(), open_to_first.end())},
-                                 {"open_ms", bench::median(open)}};
-    for (const auto& [key, value] : warm.as_object())
-      if (key != "system" && key != "mode") artifact_record.emplace_back(key, value);
+    json::Value artifact_record{{"system", "mixtape_artifact"},
+                                {"model", t->model},
+                                {"mode", "step_driver"},
+                                {"policy", t->policy},
+                                {"threads", threads},
+                                {"cold_runs", flags.cold_runs},
+                                {"open_to_first_step_ms", bench::median(open_to_first)},
+                                {"open_to_first_step_ms_min",
+                                 *std::min_element(open_to_first.begin(), open_to_first.end())},
+                                {"open_ms", bench::median(open)}};
+    for (const auto& [key, value] : warm.items())
+      if (key != "system" && key != "mode") artifact_record[key] = value;
     bench::emit(artifact_record);
 
     json::Value compiled = child_record(
@@ -661,7 +661,7 @@ void bench_step(const std::string& spec, const Flags& flags, const std::string& 
                       "--step-window-seconds", window_s, "--windows", windows}),
         "bench_deploy --step-child");
     std::printf("%s\n", json::dump(compiled).c_str());
-    double ratio = warm.at("steps_per_s").as_double() / compiled.at("steps_per_s").as_double();
+    double ratio = warm.at("steps_per_s").get<double>() / compiled.at("steps_per_s").get<double>();
     bench::emit({{"system", "mixtape_artifact"},
                  {"model", t->model},
                  {"mode", "step_vs_compile"},

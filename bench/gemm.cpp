@@ -83,8 +83,8 @@ int threads_in_use() {
   return threads > 0 ? std::min(threads, bench::all_threads()) : bench::all_threads();
 }
 
-mt::json::Object gemm_record(const std::string& name, const GemmWorkload& w, Peaks& peaks,
-                             const bench::TimingOptions& timing) {
+mt::json::Value gemm_record(const std::string& name, const GemmWorkload& w, Peaks& peaks,
+                            const bench::TimingOptions& timing) {
   std::mt19937_64 rng(0);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const std::string& dtype = w.dtype;
@@ -111,33 +111,33 @@ mt::json::Object gemm_record(const std::string& name, const GemmWorkload& w, Pea
     b_data = b16.data();
   }
   auto step = [&] { mt::gemm(desc, a_data, b_data, out.data()); };
-  mt::json::Object result = bench::measure(step, timing);
-  double calls_per_s = mt::json::Value(result).at("steps_per_s").as_double();
+  mt::json::Value result = bench::measure(step, timing);
+  double calls_per_s = result.at("steps_per_s").get<double>();
   double gflops = calls_per_s * 2.0 * static_cast<double>(w.m * w.n * w.k) / 1e9;
   // bf16 operands may be widened to f32 and run on the FMA units (runtime/gemm.h), so their
   // ceiling is the better of the f32 and bf16 peaks (AMX, where the machine has it).
   double peak = peaks.machine_gflops("f32");
   if (dtype == "bf16") peak = std::max(peak, peaks.machine_gflops("bf16"));
-  mt::json::Object record{{"system", "mixtape"},
-                          {"workload", name},
-                          {"dtype", dtype},
-                          {"m", w.m},
-                          {"n", w.n},
-                          {"k", w.k},
-                          {"kernel", mt::gemm_kernel(desc)},
-                          {"out_dtype", "f32"},
-                          {"gflops", gflops},
-                          {"peak_gflops", peak}};
-  if (w.m == w.n && w.n == w.k) record.emplace_back("size", w.m);
-  if (peak > 0) record.emplace_back("fraction_of_peak", gflops / peak);
+  mt::json::Value record{{"system", "mixtape"},
+                         {"workload", name},
+                         {"dtype", dtype},
+                         {"m", w.m},
+                         {"n", w.n},
+                         {"k", w.k},
+                         {"kernel", mt::gemm_kernel(desc)},
+                         {"out_dtype", "f32"},
+                         {"gflops", gflops},
+                         {"peak_gflops", peak}};
+  if (w.m == w.n && w.n == w.k) record.emplace("size", w.m);
+  if (peak > 0) record.emplace("fraction_of_peak", gflops / peak);
   // The same against the peak of the threads the library uses (OMP_NUM_THREADS), as
   // bench_conv holds its products: one thread's product is held to one core's peak.
   const int threads = threads_in_use();
   double peak_here = peaks.gflops("f32", 1) * threads;
   if (dtype == "bf16") peak_here = std::max(peak_here, peaks.gflops("bf16", 1) * threads);
   if (threads >= bench::all_threads()) peak_here = peak;
-  record.emplace_back("library_threads", threads);
-  if (peak_here > 0) record.emplace_back("fraction_of_peak_at_threads", gflops / peak_here);
+  record.emplace("library_threads", threads);
+  if (peak_here > 0) record.emplace("fraction_of_peak_at_threads", gflops / peak_here);
   bench::append(record, result);
   return record;
 }

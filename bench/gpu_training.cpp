@@ -171,18 +171,18 @@ int main(int argc, char** argv) {
         mt::PolicyPtr policy = mt::policy_by_name(precision == "bf16" ? "autocast-bf16" : "fp32");
         mt::reset_execution_stats();
         bench::Workload workload = workload_by_name(name, policy, line.step == "compiled");
-        mt::json::Object record =
-            bench::measure_workload(workload, name, precision, line, mt::cuda_synchronize);
-        record.insert(record.begin(), {"benchmark", "gpu_training"});
-        mt::json::Value view(record);
-        double steps_per_s = view.at("steps_per_s").as_double();
-        record.emplace_back("ms_per_step", 1e3 / steps_per_s);
-        if (const mt::json::Value* tokens = view.find("tokens_per_step")) {
-          double tokens_per_s = steps_per_s * static_cast<double>(tokens->as_int());
-          record.emplace_back("tokens_per_s", tokens_per_s);
-          record.emplace_back(
-              "model_tflops",
-              tokens_per_s * static_cast<double>(view.at("flops_per_token").as_int()) / 1e12);
+        mt::json::Value record = {{"benchmark", "gpu_training"}};
+        record.update(
+            bench::measure_workload(workload, name, precision, line, mt::cuda_synchronize));
+        double steps_per_s = record.at("steps_per_s").get<double>();
+        record.emplace("ms_per_step", 1e3 / steps_per_s);
+        if (const mt::json::Value* tokens = mt::json::find(record, "tokens_per_step")) {
+          double tokens_per_s = steps_per_s * static_cast<double>(tokens->get<int64_t>());
+          record.emplace("tokens_per_s", tokens_per_s);
+          record.emplace("model_tflops",
+                         tokens_per_s *
+                             static_cast<double>(record.at("flops_per_token").get<int64_t>()) /
+                             1e12);
         }
         bench::emit(record);
       }

@@ -227,8 +227,9 @@ inline std::string cpu_model() {
   return "";
 }
 
-inline mt::json::Object fma_peak_record(Peaks& peaks) {
-  mt::json::Array threads, f32, bf16, amx, features;
+inline mt::json::Value fma_peak_record(Peaks& peaks) {
+  mt::json::Value threads = mt::json::Value::array(), f32 = threads, bf16 = threads, amx = threads,
+                  features = threads;
   std::vector<int> counts{1};
   if (all_threads() > 1) counts.push_back(all_threads());
   for (int t : counts) {

@@ -54,10 +54,10 @@ inline double median(std::vector<double> values) {
 /// them): `wait` (optional) blocks until all queued work is done. It runs inside the clock after
 /// every warm-up step and at the end of every window, so the steps of a window overlap as they
 /// do in a training loop while every window still pays for all of its work.
-inline mt::json::Object measure_queued(const std::function<void()>& step,
-                                       const std::function<void()>& wait,
-                                       const TimingOptions& options,
-                                       const std::function<void()>& after_warmup = {}) {
+inline mt::json::Value measure_queued(const std::function<void()>& step,
+                                      const std::function<void()>& wait,
+                                      const TimingOptions& options,
+                                      const std::function<void()>& after_warmup = {}) {
   std::vector<double> warm_times;
   for (int i = 0; i < std::max(1, options.warmup); ++i) {
     auto start = std::chrono::steady_clock::now();
@@ -82,7 +82,7 @@ inline mt::json::Object measure_queued(const std::function<void()>& step,
         1, static_cast<int>(options.budget_seconds / (estimate * static_cast<double>(per_window))));
   if (after_warmup) after_warmup();
   std::vector<double> rates, cpu_per_step;
-  mt::json::Array window_rates;
+  mt::json::Value window_rates = mt::json::Value::array();
   for (int w = 0; w < windows; ++w) {
     auto start = std::chrono::steady_clock::now();
     double cpu_start = process_cpu_seconds();
@@ -93,14 +93,14 @@ inline mt::json::Object measure_queued(const std::function<void()>& step,
     rates.push_back(rate);
     window_rates.push_back(std::round(rate * 1000) / 1000);
   }
-  mt::json::Object result{{"steps_per_s", median(rates)},
-                          {"window_steps_per_s", window_rates},
-                          {"cpu_us_per_step", std::round(median(cpu_per_step) * 1e7) / 10},
-                          {"steps_per_window", per_window},
-                          {"windows", windows},
-                          {"warmup_steps", static_cast<int64_t>(warm_times.size())},
-                          {"first_step_s", warm_times[0]}};
-  if (windows < options.windows) result.emplace_back("windows_cut_by_budget", options.windows);
+  mt::json::Value result{{"steps_per_s", median(rates)},
+                         {"window_steps_per_s", window_rates},
+                         {"cpu_us_per_step", std::round(median(cpu_per_step) * 1e7) / 10},
+                         {"steps_per_window", per_window},
+                         {"windows", windows},
+                         {"warmup_steps", static_cast<int64_t>(warm_times.size())},
+                         {"first_step_s", warm_times[0]}};
+  if (windows < options.windows) result.emplace("windows_cut_by_budget", options.windows);
   return result;
 }
 
@@ -109,16 +109,14 @@ inline mt::json::Object measure_queued(const std::function<void()>& step,
 /// must return only when its work is done (a mixtape optimizer step evaluates before returning).
 /// The result holds steps_per_s (median window) and how it was measured.
 /// `after_warmup` (optional) runs between the warm-up and the first window, untimed.
-inline mt::json::Object measure(const std::function<void()>& step, const TimingOptions& options,
-                                const std::function<void()>& after_warmup = {}) {
+inline mt::json::Value measure(const std::function<void()>& step, const TimingOptions& options,
+                               const std::function<void()>& after_warmup = {}) {
   return measure_queued(step, {}, options, after_warmup);
 }
 
-inline void append(mt::json::Object& into, const mt::json::Object& from) {
-  into.insert(into.end(), from.begin(), from.end());
-}
+inline void append(mt::json::Value& into, const mt::json::Value& from) { into.update(from); }
 
-inline void emit(const mt::json::Object& record) {
+inline void emit(const mt::json::Value& record) {
   std::printf("%s\n", mt::json::dump(record).c_str());
   std::fflush(stdout);
 }
@@ -193,7 +191,7 @@ inline CommandLine parse_command_line(int argc, char** argv, const char* program
 
 /// The back-end selection this process was started with (run.py sets these per child) and what
 /// the library made of it, so each record says what it measured.
-inline mt::json::Object backend() {
+inline mt::json::Value backend() {
   auto get = [](const char* name) -> mt::json::Value {
     const char* value = std::getenv(name);
     return value ? mt::json::Value(value) : mt::json::Value(nullptr);
@@ -205,7 +203,7 @@ inline mt::json::Object backend() {
 }
 
 /// The compiled back end's counters as JSON; `per_step` divides the per-launch counts by `steps`.
-inline mt::json::Object stats_json(const mt::ExecutionStats& s, int64_t steps = 1) {
+inline mt::json::Value stats_json(const mt::ExecutionStats& s, int64_t steps = 1) {
   double n = static_cast<double>(std::max<int64_t>(1, steps));
   auto per = [&](int64_t count) { return static_cast<double>(count) / n; };
   return {{"evaluations", per(s.evaluations)},
@@ -228,14 +226,14 @@ inline constexpr uint64_t kSeed = 0;
 /// the step's loss (callers that time it drop the loss at once, as a training loop does).
 struct Workload {
   std::function<mt::Tensor()> step;
-  mt::json::Object facts;                           // shapes and settings reported with the result
+  mt::json::Value facts;                            // shapes and settings reported with the result
   std::function<mt::CompileStats()> compile_stats;  // set for --step compiled
 };
 
 /// A training step as a function of one batch (`train`), fed by `next_batch`: traced on every
 /// call, or through mt::compile as a user who wants to skip the tracing writes it.
 template <typename Train, typename NextBatch>
-Workload make_workload(Train train, NextBatch next_batch, bool compiled, mt::json::Object facts) {
+Workload make_workload(Train train, NextBatch next_batch, bool compiled, mt::json::Value facts) {
   if (!compiled)
     return {[train, next_batch]() mutable {
               auto [inputs, targets] = next_batch();
@@ -308,9 +306,9 @@ inline Workload mlp_workload(int64_t width, int64_t batch, const mt::PolicyPtr& 
 /// ran, the timing, the back end's counters for setup and warm-up and per timed step, mt::compile's
 /// counters under --step compiled, and the loss of one more (untimed) step after the windows.
 /// Call mt::reset_execution_stats() before making the workload so that its setup is counted.
-inline mt::json::Object measure_workload(Workload& workload, const std::string& name,
-                                         const std::string& precision, const CommandLine& line,
-                                         const std::function<void()>& wait = {}) {
+inline mt::json::Value measure_workload(Workload& workload, const std::string& name,
+                                        const std::string& precision, const CommandLine& line,
+                                        const std::function<void()>& wait = {}) {
   // Setup and warm-up (tracing, compiling, first runs) apart from the timed windows, whose
   // counters are reported per step.
   mt::ExecutionStats warmup_stats;
@@ -318,32 +316,32 @@ inline mt::json::Object measure_workload(Workload& workload, const std::string& 
     warmup_stats = mt::execution_stats();
     mt::reset_execution_stats();
   };
-  mt::json::Object result =
+  mt::json::Value result =
       measure_queued([&] { workload.step(); }, wait, line.timing, after_warmup);
   mt::ExecutionStats timed_stats = mt::execution_stats();
-  mt::json::Value timed(result);
-  int64_t timed_steps = timed.at("steps_per_window").as_int() * timed.at("windows").as_int();
-  mt::json::Object record{{"system", "mixtape"},
-                          {"workload", name},
-                          {"precision", precision},
-                          {"backend", backend()},
-                          {"step", line.step}};
+  int64_t timed_steps =
+      result.at("steps_per_window").get<int64_t>() * result.at("windows").get<int64_t>();
+  mt::json::Value record{{"system", "mixtape"},
+                         {"workload", name},
+                         {"precision", precision},
+                         {"backend", backend()},
+                         {"step", line.step}};
   append(record, workload.facts);
   append(record, result);
-  record.emplace_back("setup_and_warmup_stats", stats_json(warmup_stats));
-  record.emplace_back("per_step_stats", stats_json(timed_stats, timed_steps));
+  record.emplace("setup_and_warmup_stats", stats_json(warmup_stats));
+  record.emplace("per_step_stats", stats_json(timed_stats, timed_steps));
   if (workload.compile_stats) {
     mt::CompileStats c = workload.compile_stats();
-    record.emplace_back("compile", mt::json::Object{{"calls", c.calls},
-                                                    {"traces", c.traces},
-                                                    {"replays", c.replays},
-                                                    {"plans", c.plans},
-                                                    {"reason", c.reason}});
+    record.emplace("compile", mt::json::Value{{"calls", c.calls},
+                                              {"traces", c.traces},
+                                              {"replays", c.replays},
+                                              {"plans", c.plans},
+                                              {"reason", c.reason}});
   }
   // JSON has no NaN: a diverged run says so in text.
   double loss = workload.step().item();
-  record.emplace_back("final_loss", std::isfinite(loss) ? mt::json::Value(loss)
-                                                        : mt::json::Value(std::to_string(loss)));
+  record.emplace("final_loss", std::isfinite(loss) ? mt::json::Value(loss)
+                                                   : mt::json::Value(std::to_string(loss)));
   return record;
 }
 

@@ -185,7 +185,7 @@ Workload resnet18_workload(const mt::PolicyPtr& policy, bool compiled) {
   auto next_batch = [state] { return std::pair(state->inputs, state->targets); };
   return make_workload(train, next_batch, compiled,
                        {{"batch", kBatch},
-                        {"image", mt::json::Array{3, kSize, kSize}},
+                        {"image", mt::json::Value::array({3, kSize, kSize})},
                         {"classes", kClasses},
                         {"optimizer", "sgd"},
                         {"parameters", parameter_count(*state->model)}});

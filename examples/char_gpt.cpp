@@ -3,6 +3,7 @@
 // writes the trained model as a C library that examples/deploy/sample_text.c samples from.
 #include <mixtape/dsl/json.h>
 #include <mixtape/mixtape.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -16,13 +17,14 @@
 #include <fmt/format.h>
 
 #include "char_gpt_model.h"
+#include "example_cli.h"
 #include "mixtape/jit/aot_export.h"
 #include "mixtape/runtime/atomic_file.h"
 #include "progress_line.h"
 
 namespace {
 
-struct Options {
+struct Options : examples::TrainingFlags {
   // nanoGPT's shakespeare_char settings for a CPU (4 layers, 4 heads, width 128, context 64,
   // batch 12, AdamW at 1e-3 with beta2 0.99, weight decay 0.1, clipping at 1, warmup then cosine
   // decay to lr / 10). nanoGPT trains 2000 steps; the default here takes about 7 minutes of one
@@ -40,13 +42,7 @@ struct Options {
   int64_t sample = 200;
   double temperature = 0.8;
   std::string prompt = "\n";
-  std::string policy = "fp32";
-  std::string loss_scale = "none";  // none | static:N | dynamic
-  uint64_t seed = 0;
-  bool json_only = false;
-  bool compile = true;     // the training step through mt::compile (traced twice, then replayed)
   std::string export_dir;  // --export: the trained model as a C library (examples/deploy/)
-  std::string logdir;      // --logdir: TensorBoard event files of the run
 };
 
 // What --export writes: the artifact char_gpt (logits f32 [batch, context, vocab] for tokens i64
@@ -54,135 +50,58 @@ struct Options {
 constexpr int64_t kExportMaxBatch = 256;
 constexpr const char* kVocabFile = "char_gpt_vocab.txt";
 
-constexpr const char* kUsage =
-    "usage: char_gpt [--steps N] [--batch N] [--layers N] [--heads N] [--width N] [--context N]\n"
-    "                [--dropout P] [--lr X] [--weight-decay X] [--clip X (0: off)]\n"
-    "                [--schedule cosine|constant] [--warmup N]\n"
-    "                [--eval-every N] [--eval-batches N] [--sample N] [--temperature X (0: "
-    "greedy)]\n"
-    "                [--prompt TEXT] [--seed N] [--json] [--no-compile] [--export DIR]\n"
-    "                [--logdir DIR]\n"
-    "                [--policy fp32|autocast-f16|autocast-bf16|pure-f16|pure-bf16]\n"
-    "                [--loss-scale none|static:N|dynamic]\n";
-
-[[noreturn]] void usage(const std::string& problem) {
-  std::fprintf(stderr, "char_gpt: %s (see --help)\n", problem.c_str());
-  std::exit(2);
-}
-
 Options parse(int argc, char** argv) {
   Options o;
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage("missing value for " + flag);
-      return argv[++i];
-    };
-    auto number = [&]() {
-      std::string text = value();
-      char* end = nullptr;
-      double v = std::strtod(text.c_str(), &end);
-      if (text.empty() || *end != '\0' || !std::isfinite(v))
-        usage("not a number for " + flag + ": " + text);
-      return v;
-    };
-    auto integer = [&]() {
-      double v = number();
-      if (v != std::floor(v) || std::fabs(v) > 1e15) usage("not an integer for " + flag);
-      return static_cast<int64_t>(v);
-    };
-    if (flag == "--steps")
-      o.steps = integer();
-    else if (flag == "--batch")
-      o.batch = integer();
-    else if (flag == "--layers")
-      o.model.layers = integer();
-    else if (flag == "--heads")
-      o.model.heads = integer();
-    else if (flag == "--width")
-      o.model.width = integer();
-    else if (flag == "--context")
-      o.model.context = integer();
-    else if (flag == "--dropout")
-      o.model.dropout = number();
-    else if (flag == "--lr")
-      o.lr = number();
-    else if (flag == "--weight-decay")
-      o.weight_decay = number();
-    else if (flag == "--clip")
-      o.clip = number();
-    else if (flag == "--schedule")
-      o.schedule = value();
-    else if (flag == "--warmup")
-      o.warmup = integer();
-    else if (flag == "--eval-every")
-      o.eval_every = integer();
-    else if (flag == "--eval-batches")
-      o.eval_batches = integer();
-    else if (flag == "--sample")
-      o.sample = integer();
-    else if (flag == "--temperature")
-      o.temperature = number();
-    else if (flag == "--prompt")
-      o.prompt = value();
-    else if (flag == "--seed")
-      o.seed = static_cast<uint64_t>(integer());
-    else if (flag == "--policy")
-      o.policy = value();
-    else if (flag == "--loss-scale")
-      o.loss_scale = value();
-    else if (flag == "--compile")
-      o.compile = true;
-    else if (flag == "--no-compile")
-      o.compile = false;
-    else if (flag == "--export")
-      o.export_dir = value();
-    else if (flag == "--json")
-      o.json_only = true;
-    else if (flag == "--logdir")
-      o.logdir = value();
-    else if (flag == "--help" || flag == "-h")
-      std::printf("%s", kUsage), std::exit(0);
-    else
-      usage("unknown flag " + flag);
-  }
-  if (o.steps < 1) usage("--steps must be at least 1");
-  if (o.batch < 1) usage("--batch must be at least 1");
-  if (o.model.layers < 1) usage("--layers must be at least 1");
-  if (o.model.heads < 1) usage("--heads must be at least 1");
-  if (o.model.width < 1 || o.model.width % o.model.heads != 0)
-    usage("--width must be a positive multiple of --heads");
-  if (o.model.context < 1) usage("--context must be at least 1");
-  if (!(o.model.dropout >= 0 && o.model.dropout < 1)) usage("--dropout must be in [0, 1)");
-  if (!(o.lr > 0)) usage("--lr must be > 0");
-  if (o.weight_decay < 0) usage("--weight-decay must be >= 0");
-  if (o.clip < 0) usage("--clip must be >= 0");
-  if (o.schedule != "cosine" && o.schedule != "constant")
-    usage("--schedule must be cosine or constant");
+  CLI::App app("A character-level GPT trained on tiny Shakespeare; samples text after training.",
+               "char_gpt");
+  auto positive = examples::at_least(1);
+  examples::add_steps(app, o.steps);
+  app.add_option("--batch", o.batch, "batch size")->check(positive)->capture_default_str();
+  app.add_option("--layers", o.model.layers)->check(positive)->capture_default_str();
+  app.add_option("--heads", o.model.heads)->check(positive)->capture_default_str();
+  app.add_option("--width", o.model.width, "a multiple of --heads")
+      ->check(positive)
+      ->capture_default_str();
+  app.add_option("--context", o.model.context)->check(positive)->capture_default_str();
+  app.add_option("--dropout", o.model.dropout)
+      ->check(examples::number_that("in [0, 1)", [](double p) { return p >= 0 && p < 1; }))
+      ->capture_default_str();
+  app.add_option("--lr", o.lr)
+      ->check(examples::number_that("> 0", [](double v) { return v > 0; }))
+      ->capture_default_str();
+  app.add_option("--weight-decay", o.weight_decay)
+      ->check(examples::at_least(0))
+      ->capture_default_str();
+  app.add_option("--clip", o.clip, "gradient norm clipping (0: off)")
+      ->check(examples::at_least(0))
+      ->capture_default_str();
+  app.add_option("--schedule", o.schedule)
+      ->check(CLI::IsMember({"cosine", "constant"}))
+      ->capture_default_str();
+  app.add_option("--warmup", o.warmup, "warmup steps (default: min(100, steps / 10))")
+      ->check(examples::at_least(0));
+  app.add_option("--eval-every", o.eval_every, "steps between evaluations (default: steps / 10)")
+      ->check(positive);
+  app.add_option("--eval-batches", o.eval_batches)->check(positive)->capture_default_str();
+  app.add_option("--sample", o.sample, "characters to sample after training")
+      ->check(examples::at_least(0))
+      ->capture_default_str();
+  app.add_option("--temperature", o.temperature, "sampling temperature (0: greedy)")
+      ->check(examples::at_least(0))
+      ->capture_default_str();
+  app.add_option("--prompt", o.prompt, "text the sample starts from")
+      ->check(CLI::Validator(
+          [](std::string& text) { return text.empty() ? "must not be empty" : ""; }, ""));
+  app.add_option("--export", o.export_dir, "export the trained model as a C library into DIR")
+      ->type_name("DIR");
+  examples::add_training_flags(app, o);
+  examples::parse(app, argc, argv);
+  if (o.model.width % o.model.heads != 0)
+    examples::usage_error("char_gpt", "--width must be a positive multiple of --heads");
   if (o.warmup < 0) o.warmup = std::min<int64_t>(100, o.steps / 10);
-  if (o.warmup > o.steps) usage("--warmup must not exceed --steps");
+  if (o.warmup > o.steps) examples::usage_error("char_gpt", "--warmup must not exceed --steps");
   if (o.eval_every < 0) o.eval_every = std::max<int64_t>(1, o.steps / 10);
-  if (o.eval_every < 1) usage("--eval-every must be at least 1");
-  if (o.eval_batches < 1) usage("--eval-batches must be at least 1");
-  if (o.sample < 0) usage("--sample must be >= 0");
-  if (o.temperature < 0) usage("--temperature must be >= 0");
-  if (o.prompt.empty()) usage("--prompt must not be empty");
-  if (o.loss_scale != "none" && o.loss_scale != "dynamic" && !o.loss_scale.starts_with("static:"))
-    usage("--loss-scale must be none, static:N or dynamic");
   return o;
-}
-
-mt::GradScalerOptions scaler_options(const std::string& loss_scale) {
-  mt::GradScalerOptions scaling{.enabled = loss_scale != "none",
-                                .dynamic = loss_scale == "dynamic"};
-  if (loss_scale.starts_with("static:")) {
-    std::string factor = loss_scale.substr(7);
-    char* end = nullptr;
-    scaling.init_scale = std::strtod(factor.c_str(), &end);
-    if (factor.empty() || *end != '\0' || !(scaling.init_scale > 0))
-      usage("--loss-scale static:N needs a positive number, got '" + factor + "'");
-  }
-  return scaling;
 }
 
 /// Mean loss over the first `batches` batches of a fixed shuffle of `windows`, so every
@@ -263,7 +182,7 @@ std::string valid_utf8(const std::string& text) {
 
 int run(const Options& o) {
   mt::PolicyPtr policy = mt::policy_by_name(o.policy);
-  mt::GradScaler scaler(scaler_options(o.loss_scale));
+  mt::GradScaler scaler(examples::scaler_options(o.loss_scale));
   mt::manual_seed(o.seed);
 
   std::string text = mt::read_file(mt::default_data_dir() + "/fortunes.txt");
@@ -273,7 +192,8 @@ int run(const Options& o) {
   auto split_at = ids.begin() + static_cast<std::ptrdiff_t>(ids.size() * 9 / 10);
   mt::TextWindows train(std::vector<int64_t>(ids.begin(), split_at), o.model.context);
   mt::TextWindows validation(std::vector<int64_t>(split_at, ids.end()), o.model.context);
-  if (o.batch > train.size()) usage("--batch is larger than the number of training windows");
+  if (o.batch > train.size())
+    examples::usage_error("char_gpt", "--batch is larger than the number of training windows");
   std::vector<int64_t> prompt = vocab.encode(o.prompt);
 
   GptConfig config = o.model;
@@ -403,27 +323,27 @@ int run(const Options& o) {
           static_cast<long long>(kExportMaxBatch), o.policy.c_str(), kVocabFile);
   }
 
-  mt::json::Object line{{"example", "char_gpt"},
-                        {"policy", o.policy},
-                        {"steps", o.steps},
-                        {"train_loss", train_loss},
-                        {"val_loss", val_loss},
-                        {"tokens_per_s", tokens_per_s},
-                        {"sample", valid_utf8(sample)},
-                        {"loss_scale", o.loss_scale},
-                        {"batch", o.batch},
-                        {"layers", config.layers},
-                        {"heads", config.heads},
-                        {"width", config.width},
-                        {"context", config.context},
-                        {"vocab", config.vocab},
-                        {"parameters", parameter_count},
-                        {"train_seconds", train_seconds},
-                        {"final_scale", scaler.get_scale()},
-                        {"skipped_steps", scaler.skipped_steps()},
-                        {"step", o.compile ? "compiled" : "traced"},
-                        {"replayed_steps", compiled_step.stats().replays}};
-  std::printf("%s\n", mt::json::dump(line).c_str());
+  nlohmann::ordered_json line{{"example", "char_gpt"},
+                              {"policy", o.policy},
+                              {"steps", o.steps},
+                              {"train_loss", train_loss},
+                              {"val_loss", val_loss},
+                              {"tokens_per_s", tokens_per_s},
+                              {"sample", valid_utf8(sample)},
+                              {"loss_scale", o.loss_scale},
+                              {"batch", o.batch},
+                              {"layers", config.layers},
+                              {"heads", config.heads},
+                              {"width", config.width},
+                              {"context", config.context},
+                              {"vocab", config.vocab},
+                              {"parameters", parameter_count},
+                              {"train_seconds", train_seconds},
+                              {"final_scale", scaler.get_scale()},
+                              {"skipped_steps", scaler.skipped_steps()},
+                              {"step", o.compile ? "compiled" : "traced"},
+                              {"replayed_steps", compiled_step.stats().replays}};
+  std::printf("%s\n", line.dump().c_str());
   return 0;
 }
 

@@ -4,6 +4,7 @@
 // JSON line; --logdir DIR writes the run's TensorBoard event files.
 #include <mixtape/dsl/json.h>
 #include <mixtape/mixtape.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdio>
 #include <cstdlib>
@@ -11,6 +12,7 @@
 #include <set>
 #include <string>
 
+#include "example_cli.h"
 #include "progress_line.h"
 
 namespace mt = mixtape;
@@ -148,19 +150,19 @@ int run(int64_t steps, const std::string& logdir) {
   std::printf("test accuracy %.2f%% (%lld/%zu)\n", accuracy * 100, static_cast<long long>(correct),
               labels.size());
 
-  mt::json::Object storage{{"embed", storage_of(report, "embed", "matmul")},
-                           {"attn", storage_of(report, "attn.qkv", "matmul")},
-                           {"softmax", storage_of(report, "attn", "exp")},
-                           {"head", storage_of(report, "head", "matmul")}};
-  mt::json::Object line{{"example", "custom_policy"},
-                        {"policy", policy->name()},
-                        {"steps", steps},
-                        {"first_loss", first_loss},
-                        {"final_loss", final_loss},
-                        {"loss_decreased", final_loss < first_loss},
-                        {"test_accuracy", accuracy},
-                        {"storage", std::move(storage)}};
-  std::printf("%s\n", mt::json::dump(line).c_str());
+  nlohmann::ordered_json storage{{"embed", storage_of(report, "embed", "matmul")},
+                                 {"attn", storage_of(report, "attn.qkv", "matmul")},
+                                 {"softmax", storage_of(report, "attn", "exp")},
+                                 {"head", storage_of(report, "head", "matmul")}};
+  nlohmann::ordered_json line{{"example", "custom_policy"},
+                              {"policy", policy->name()},
+                              {"steps", steps},
+                              {"first_loss", first_loss},
+                              {"final_loss", final_loss},
+                              {"loss_decreased", final_loss < first_loss},
+                              {"test_accuracy", accuracy},
+                              {"storage", std::move(storage)}};
+  std::printf("%s\n", line.dump().c_str());
   return 0;
 }
 
@@ -169,20 +171,13 @@ int run(int64_t steps, const std::string& logdir) {
 int main(int argc, char** argv) {
   int64_t steps = 200;
   std::string logdir;
-  for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--steps") == 0 && i + 1 < argc) {
-      steps = std::atoll(argv[++i]);
-    } else if (std::strcmp(argv[i], "--logdir") == 0 && i + 1 < argc) {
-      logdir = argv[++i];
-    } else {
-      std::fprintf(stderr, "usage: custom_policy [--steps N] [--logdir DIR]\n");
-      return 2;
-    }
-  }
-  if (steps < 1) {
-    std::fprintf(stderr, "custom_policy: --steps must be at least 1\n");
-    return 2;
-  }
+  CLI::App app(
+      "A precision policy of one's own (first and last layer and softmax in f32, the "
+      "rest in bf16) on a small attention model of the UCI digits.",
+      "custom_policy");
+  examples::add_steps(app, steps);
+  examples::add_logdir(app, logdir);
+  examples::parse(app, argc, argv);
   try {
     return run(steps, logdir);
   } catch (const mt::Error& e) {

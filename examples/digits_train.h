@@ -7,22 +7,23 @@
 #include <mixtape/dsl/json.h>
 #include <mixtape/mixtape.h>
 #include <unistd.h>
+#include <nlohmann/json.hpp>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
 
+#include "example_cli.h"
 #include "progress_line.h"
 
 namespace digits {
 
 namespace mt = mixtape;
 
-struct Options {
+struct Options : examples::TrainingFlags {
   std::string example;  // digits_mlp or digits_cnn: names the binary, its JSON line and exports
   // digits_mlp's defaults reach >= 95% on the last 360 digits (other writers than the training
   // rows): label smoothing and input noise are what close the gap to 1-nearest-neighbour
@@ -35,34 +36,10 @@ struct Options {
   double noise = 0.2;
   int64_t shift = 0;  // random translations of up to this many pixels
   bool cosine = false;
-  std::string policy = "fp32";
-  std::string loss_scale = "none";  // none | static:N | dynamic
-  uint64_t seed = 0;
   bool shuffle = true;
   std::string load, save;
   std::string export_dir;  // --export: the trained model as C libraries (examples/deploy/)
-  bool json_only = false;
-  bool compile = true;  // the step through mt::compile (traced twice, then replayed)
-  std::string logdir;   // --logdir: TensorBoard event files of the run
 };
-
-constexpr const char* kUsage =
-    "usage: %s [--steps N] [--batch N] [--lr X] [--optimizer sgd|adamw] [--seed N]\n"
-    "    [--no-shuffle] [--load FILE] [--save FILE] [--export DIR] [--json] [--no-compile]\n"
-    "    [--logdir DIR]\n"
-    "    [--label-smoothing X] [--noise STDDEV] [--shift PIXELS] [--[no-]cosine]\n"
-    "    [--policy fp32|autocast-f16|autocast-bf16|pure-f16|pure-bf16]\n"
-    "    [--loss-scale none|static:N|dynamic]\n";
-
-inline std::string& example_name() {
-  static std::string name;
-  return name;
-}
-
-[[noreturn]] inline void usage(const std::string& problem) {
-  std::fprintf(stderr, "%s: %s (see --help)\n", example_name().c_str(), problem.c_str());
-  std::exit(2);
-}
 
 /// What an example changes of the flags' defaults.
 struct Defaults {
@@ -73,77 +50,40 @@ struct Defaults {
 };
 
 inline Options parse(const std::string& example, const Defaults& defaults, int argc, char** argv) {
-  example_name() = example;
   Options o;
   o.example = example;
   o.steps = defaults.steps;
   o.shift = defaults.shift;
   o.cosine = defaults.cosine;
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) usage("missing value for " + flag);
-      return argv[++i];
-    };
-    auto number = [&](const std::string& text) {
-      char* end = nullptr;
-      double v = std::strtod(text.c_str(), &end);
-      if (text.empty() || *end != '\0') usage("not a number for " + flag + ": " + text);
-      return v;
-    };
-    if (flag == "--steps")
-      o.steps = static_cast<int64_t>(number(value()));
-    else if (flag == "--batch")
-      o.batch = static_cast<int64_t>(number(value()));
-    else if (flag == "--lr")
-      o.lr = number(value());
-    else if (flag == "--optimizer")
-      o.optimizer = value();
-    else if (flag == "--seed")
-      o.seed = static_cast<uint64_t>(number(value()));
-    else if (flag == "--no-shuffle")
-      o.shuffle = false;
-    else if (flag == "--label-smoothing")
-      o.label_smoothing = number(value());
-    else if (flag == "--noise")
-      o.noise = number(value());
-    else if (flag == "--shift")
-      o.shift = static_cast<int64_t>(number(value()));
-    else if (flag == "--cosine")
-      o.cosine = true;
-    else if (flag == "--no-cosine")
-      o.cosine = false;
-    else if (flag == "--policy")
-      o.policy = value();
-    else if (flag == "--loss-scale")
-      o.loss_scale = value();
-    else if (flag == "--load")
-      o.load = value();
-    else if (flag == "--save")
-      o.save = value();
-    else if (flag == "--export")
-      o.export_dir = value();
-    else if (flag == "--no-compile")
-      o.compile = false;
-    else if (flag == "--compile")
-      o.compile = true;
-    else if (flag == "--json")
-      o.json_only = true;
-    else if (flag == "--logdir")
-      o.logdir = value();
-    else if (flag == "--help" || flag == "-h")
-      std::printf(kUsage, example.c_str()), std::exit(0);
-    else
-      usage("unknown flag " + flag);
-  }
-  if (o.steps < 1) usage("--steps must be at least 1");
-  if (o.batch < 1 || o.batch > 1437) usage("--batch must be in [1, 1437]");
-  if (o.optimizer != "sgd" && o.optimizer != "adamw") usage("--optimizer must be sgd or adamw");
-  if (o.label_smoothing < 0 || o.label_smoothing > 1) usage("--label-smoothing must be in [0, 1]");
-  if (o.noise < 0) usage("--noise must be >= 0");
-  if (o.shift < 0 || o.shift > 3) usage("--shift must be in [0, 3]");
-  if (o.loss_scale != "none" && o.loss_scale != "dynamic" && !o.loss_scale.starts_with("static:"))
-    usage("--loss-scale must be none, static:N or dynamic");
+  CLI::App app("Trains a classifier of the UCI handwritten digits and tests it on the last 360.",
+               example);
+  examples::add_steps(app, o.steps);
+  app.add_option("--batch", o.batch, "batch size")
+      ->check(examples::in_range(1, 1437))
+      ->capture_default_str();
+  app.add_option("--lr", o.lr, "learning rate (default: 2e-3 for adamw, per example for sgd)")
+      ->check(examples::at_least(0));
+  app.add_option("--optimizer", o.optimizer)
+      ->check(CLI::IsMember({"sgd", "adamw"}))
+      ->capture_default_str();
+  app.add_option("--label-smoothing", o.label_smoothing)
+      ->check(examples::in_range(0, 1))
+      ->capture_default_str();
+  app.add_option("--noise", o.noise, "stddev of the noise added to the inputs")
+      ->check(examples::at_least(0))
+      ->capture_default_str();
+  app.add_option("--shift", o.shift, "random shifts of up to this many pixels")
+      ->check(examples::in_range(0, 3))
+      ->capture_default_str();
+  app.add_flag("--cosine,!--no-cosine", o.cosine, "cosine learning-rate schedule");
+  app.add_flag("--shuffle,!--no-shuffle", o.shuffle, "shuffle the batches (default)");
+  app.add_option("--load", o.load, "start from this checkpoint")->type_name("FILE");
+  app.add_option("--save", o.save, "save the trained weights to this checkpoint")
+      ->type_name("FILE");
+  app.add_option("--export", o.export_dir, "export the trained model as C libraries into DIR")
+      ->type_name("DIR");
+  examples::add_training_flags(app, o);
+  examples::parse(app, argc, argv);
   if (o.lr < 0) o.lr = o.optimizer == "sgd" ? defaults.sgd_lr : 2e-3;
   return o;
 }
@@ -185,16 +125,7 @@ inline void log_line(const Options& o, int64_t step, double loss, double rate) {
 template <typename Model>
 int run(const Options& o, Model& net) {
   mt::PolicyPtr policy = mt::policy_by_name(o.policy);
-  mt::GradScalerOptions scaling{.enabled = o.loss_scale != "none",
-                                .dynamic = o.loss_scale == "dynamic"};
-  if (o.loss_scale.starts_with("static:")) {
-    std::string factor = o.loss_scale.substr(7);
-    char* end = nullptr;
-    scaling.init_scale = std::strtod(factor.c_str(), &end);
-    if (factor.empty() || *end != '\0' || !(scaling.init_scale > 0))
-      usage("--loss-scale static:N needs a positive number, got '" + factor + "'");
-  }
-  mt::GradScaler scaler(scaling);
+  mt::GradScaler scaler(examples::scaler_options(o.loss_scale));
   mt::Digits digits = mt::load_digits(mt::default_data_dir() + "/digits.csv.gz");
   if (digits.count() != 1797) mt::fail("digits: expected 1797 rows, found {}", digits.count());
   mt::TensorDataset train = split(digits, 0, 1437), test = split(digits, 1437, 1797);
@@ -321,20 +252,20 @@ int run(const Options& o, Model& net) {
     std::printf("test accuracy %.2f%% (%lld/%zu), %lld steps in %.1f s\n", accuracy * 100,
                 static_cast<long long>(correct), labels.size(), static_cast<long long>(o.steps),
                 train_seconds);
-  mt::json::Object line{{"example", o.example},
-                        {"test_accuracy", accuracy},
-                        {"final_loss", loss_value},
-                        {"steps", o.steps},
-                        {"train_seconds", train_seconds},
-                        {"optimizer", o.optimizer},
-                        {"batch", o.batch},
-                        {"policy", o.policy},
-                        {"loss_scale", o.loss_scale},
-                        {"final_scale", scaler.get_scale()},
-                        {"skipped_steps", scaler.skipped_steps()},
-                        {"step", o.compile ? "compiled" : "traced"},
-                        {"replayed_steps", compiled_step.stats().replays}};
-  std::printf("%s\n", mt::json::dump(line).c_str());
+  nlohmann::ordered_json line{{"example", o.example},
+                              {"test_accuracy", accuracy},
+                              {"final_loss", loss_value},
+                              {"steps", o.steps},
+                              {"train_seconds", train_seconds},
+                              {"optimizer", o.optimizer},
+                              {"batch", o.batch},
+                              {"policy", o.policy},
+                              {"loss_scale", o.loss_scale},
+                              {"final_scale", scaler.get_scale()},
+                              {"skipped_steps", scaler.skipped_steps()},
+                              {"step", o.compile ? "compiled" : "traced"},
+                              {"replayed_steps", compiled_step.stats().replays}};
+  std::printf("%s\n", line.dump().c_str());
   return 0;
 }
 

@@ -10,13 +10,14 @@
 // draws them: loss, loss scale with skipped steps, gradient underflow).
 #include <mixtape/dsl/json.h>
 #include <mixtape/mixtape.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 #include <string>
 
+#include "example_cli.h"
 #include "progress_line.h"
 
 namespace mt = mixtape;
@@ -24,11 +25,6 @@ namespace mt = mixtape;
 namespace {
 
 constexpr double kLossWeight = 1.0 / 1048576;  // 2^-20, exact in every float type
-
-// --growth-interval: the dynamic scaler doubles its scale after that many finite steps; a short
-// one (20 over 600 steps) shows it growing until gradients overflow, skipping and backing off.
-constexpr const char* kUsage =
-    "usage: loss_scaling_demo [STEPS (default 300)] [--logdir DIR] [--growth-interval N]\n";
 
 struct Net : mt::Module {
   mt::Linear fc1{64, 128}, fc2{128, 128}, fc3{128, 10};
@@ -129,29 +125,21 @@ int main(int argc, char** argv) {
     int64_t steps = 300;
     std::string logdir;
     int64_t growth_interval = 2000;  // PyTorch's default
-    bool bad = false;
-    for (int i = 1; i < argc; ++i) {
-      if (std::strcmp(argv[i], "--logdir") == 0 && i + 1 < argc) {
-        logdir = argv[++i];
-      } else if (std::strcmp(argv[i], "--growth-interval") == 0 && i + 1 < argc) {
-        growth_interval = std::atoll(argv[++i]);
-        if (growth_interval < 1) bad = true;
-      } else if (std::strcmp(argv[i], "--help") == 0 || std::strcmp(argv[i], "-h") == 0) {
-        std::printf(kUsage);
-        return 0;
-      } else {
-        char* end = nullptr;
-        steps = std::strtoll(argv[i], &end, 10);
-        if (*argv[i] == '\0' || *end != '\0') bad = true;
-      }
-    }
-    if (bad || steps < 20) {
-      std::fprintf(stderr,
-                   "loss_scaling_demo: steps must be a number of at least 20 and the growth "
-                   "interval at least 1\n%s",
-                   kUsage);
-      return 2;
-    }
+    CLI::App app(
+        "Why fp16 training needs loss scaling: four runs of a digits MLP whose loss is "
+        "weighted by 2^-20.",
+        "loss_scaling_demo");
+    app.add_option("steps", steps, "training steps of each run")
+        ->check(examples::at_least(20))
+        ->capture_default_str();
+    examples::add_logdir(app, logdir);
+    // The dynamic scaler doubles its scale after this many finite steps; a short interval (20
+    // over 600 steps) shows it growing until gradients overflow, skipping and backing off.
+    app.add_option("--growth-interval", growth_interval,
+                   "finite steps before the dynamic scaler doubles its scale")
+        ->check(examples::at_least(1))
+        ->capture_default_str();
+    examples::parse(app, argc, argv);
     mt::Digits digits = mt::load_digits(mt::default_data_dir() + "/digits.csv.gz");
     std::vector<float> pixels(digits.pixels.begin(), digits.pixels.begin() + 1437 * 64);
     for (float& p : pixels) p /= 16.0f;
@@ -177,20 +165,19 @@ int main(int argc, char** argv) {
 
     std::printf("%-24s %18s %16s %14s %12s\n", "run", "grads underflowed", "loss (last 20)",
                 "skipped steps", "final scale");
-    mt::json::Array json_runs;
+    nlohmann::ordered_json json_runs = nlohmann::ordered_json::array();
     for (const RunResult& r : runs) {
       std::printf("%-24s %17.1f%% %16.4f %14lld %12g\n", r.name.c_str(), r.underflow_fraction * 100,
                   r.final_loss, static_cast<long long>(r.skipped_steps), r.final_scale);
-      json_runs.push_back(mt::json::Object{{"run", r.name},
-                                           {"underflow_fraction", r.underflow_fraction},
-                                           {"final_loss", r.final_loss},
-                                           {"skipped_steps", r.skipped_steps},
-                                           {"final_scale", r.final_scale}});
+      json_runs.push_back({{"run", r.name},
+                           {"underflow_fraction", r.underflow_fraction},
+                           {"final_loss", r.final_loss},
+                           {"skipped_steps", r.skipped_steps},
+                           {"final_scale", r.final_scale}});
     }
-    std::printf("%s\n", mt::json::dump(mt::json::Object{{"example", "loss_scaling_demo"},
-                                                        {"steps", steps},
-                                                        {"runs", std::move(json_runs)}})
-                            .c_str());
+    nlohmann::ordered_json line{
+        {"example", "loss_scaling_demo"}, {"steps", steps}, {"runs", std::move(json_runs)}};
+    std::printf("%s\n", line.dump().c_str());
     return 0;
   } catch (const mt::Error& e) {
     std::fprintf(stderr, "loss_scaling_demo: error: %s\n", e.what());

@@ -118,8 +118,9 @@ class AotCuda : public testing::Test {
                                                                  const std::string& name) {
     std::vector<std::pair<std::string, std::string>> out;
     mt::json::Value doc = manifest(dir, name);
-    for (const auto& image : doc.at("cuda").at("images").as_array())
-      out.emplace_back(image.at("arch").as_string(), dir + "/" + image.at("file").as_string());
+    for (const auto& image : doc.at("cuda").at("images"))
+      out.emplace_back(image.at("arch").get<std::string>(),
+                       dir + "/" + image.at("file").get<std::string>());
     return out;
   }
   static DigitsMLP* net_;
@@ -139,10 +140,10 @@ mt::aot::Exported* AotCuda::step_ = nullptr;
 TEST_F(AotCuda, ManifestListsTheBatchesAndACubinPerArchAndPtx) {
   mt::json::Value m = manifest(*function_dir_, "digits");
   std::vector<std::string> devices;
-  for (const auto& d : m.at("devices").as_array()) devices.push_back(d.as_string());
+  for (const auto& d : m.at("devices")) devices.push_back(d.get<std::string>());
   EXPECT_EQ(devices, std::vector<std::string>({"cpu", "cuda"}));
   std::vector<int64_t> batches;
-  for (const auto& b : m.at("cuda").at("batches").as_array()) batches.push_back(b.as_int());
+  for (const auto& b : m.at("cuda").at("batches")) batches.push_back(b.get<int64_t>());
   EXPECT_EQ(batches, std::vector<int64_t>({1, 2, 4, 8, 16}));
   std::vector<std::string> archs;
   for (const auto& [arch, path] : images(*function_dir_, "digits")) {
@@ -150,7 +151,7 @@ TEST_F(AotCuda, ManifestListsTheBatchesAndACubinPerArchAndPtx) {
     EXPECT_TRUE(fs::exists(path)) << path;
     // Every file is checksummed: NAME_open refuses a changed one.
     std::string file = fs::path(path).filename().string();
-    EXPECT_EQ(m.at("files").at(file).at("bytes").as_int(),
+    EXPECT_EQ(m.at("files").at(file).at("bytes").get<int64_t>(),
               static_cast<int64_t>(fs::file_size(path)));
     EXPECT_NE(std::find(function_->files.begin(), function_->files.end(), file),
               function_->files.end());
@@ -165,7 +166,7 @@ TEST_F(AotCuda, EveryImageHoldsEveryKernel) {
     std::string name = dir == function_dir_ ? "digits" : "digits_train";
     std::vector<std::string> kernels;
     mt::json::Value doc = manifest(*dir, name);
-    for (const auto& k : doc.at("cuda").at("kernels").as_array()) kernels.push_back(k.as_string());
+    for (const auto& k : doc.at("cuda").at("kernels")) kernels.push_back(k.get<std::string>());
     ASSERT_GE(kernels.size(), 3u) << name;
     kernels.push_back("mt_convert");
     kernels.push_back("mt_copy_box_4");

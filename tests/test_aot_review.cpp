@@ -292,16 +292,8 @@ class AotReviewFiles : public testing::Test {
       mt::FileDigest digest = mt::digest_file(copy + "/digits.plan");
       std::string manifest = read(copy + "/digits.json");
       mt::json::Value doc = mt::json::parse(manifest);
-      mt::json::Object files;
-      for (auto [name, info] : doc.at("files").as_object()) {
-        if (name == "digits.plan")
-          info = mt::json::Object{{"bytes", digest.bytes}, {"xxh3_64", digest.xxh3_64}};
-        files.emplace_back(name, info);
-      }
-      mt::json::Object out;
-      for (const auto& [key, value] : doc.as_object())
-        out.emplace_back(key, key == "files" ? mt::json::Value(files) : value);
-      write(copy + "/digits.json", mt::json::dump(mt::json::Value(std::move(out))));
+      doc.at("files").at("digits.plan") = {{"bytes", digest.bytes}, {"xxh3_64", digest.xxh3_64}};
+      write(copy + "/digits.json", mt::json::dump(doc));
     }
     return copy;
   }

@@ -186,14 +186,14 @@ TEST(GradientHealth, ClassifiesEveryBoundaryByHand) {
   mt::json::Value json = mt::json::parse(health.json());
   EXPECT_EQ(json.at("tensors").size(), 4u);
   const mt::json::Value& first = json.at("tensors").at(0);
-  EXPECT_EQ(first.at("name").as_string(), "small");
-  EXPECT_EQ(first.at("dtype").as_string(), "f32");
-  EXPECT_EQ(first.at("f16").at("zero").as_int(), 4);
-  EXPECT_EQ(first.at("f16").at("subnormal").as_int(), 6);
-  EXPECT_DOUBLE_EQ(first.at("f16").at("zero_fraction").as_double(), 4.0 / 13.0);
-  EXPECT_TRUE(json.at("tensors").at(2).at("found_inf").as_bool());
-  EXPECT_EQ(json.at("total").at("bf16").at("overflow").as_int(), 3);
-  EXPECT_EQ(json.at("total").at("amax").as_double(), static_cast<double>(FLT_MAX));
+  EXPECT_EQ(first.at("name").get<std::string>(), "small");
+  EXPECT_EQ(first.at("dtype").get<std::string>(), "f32");
+  EXPECT_EQ(first.at("f16").at("zero").get<int64_t>(), 4);
+  EXPECT_EQ(first.at("f16").at("subnormal").get<int64_t>(), 6);
+  EXPECT_DOUBLE_EQ(first.at("f16").at("zero_fraction").get<double>(), 4.0 / 13.0);
+  EXPECT_TRUE(json.at("tensors").at(2).at("found_inf").get<bool>());
+  EXPECT_EQ(json.at("total").at("bf16").at("overflow").get<int64_t>(), 3);
+  EXPECT_EQ(json.at("total").at("amax").get<double>(), static_cast<double>(FLT_MAX));
   std::string table = health.table();
   for (const char* fragment : {"small", "tiny", "total", "found inf"})
     EXPECT_NE(table.find(fragment), std::string::npos) << fragment;

@@ -282,14 +282,14 @@ TEST(MemoryReport, MlpUnderThreePolicies) {
     EXPECT_LE(report.peak, report.persistent() + report.half_copies + all_values);
 
     mt::json::Value json = mt::json::parse(report.json());
-    EXPECT_EQ(json.at("policy").as_string(), c.policy->name());
-    EXPECT_EQ(json.at("master_weights").as_int(), report.master_weights);
-    EXPECT_EQ(json.at("half_copies").as_int(), report.half_copies);
-    EXPECT_EQ(json.at("gradients").as_int(), report.gradients);
-    EXPECT_EQ(json.at("optimizer_state").as_int(), report.optimizer_state);
-    EXPECT_EQ(json.at("saved_activations").as_int(), report.saved_activations);
-    EXPECT_EQ(json.at("peak").as_int(), report.peak);
-    EXPECT_EQ(json.at("peak_at").at("id").as_int(), static_cast<int64_t>(report.peak_node));
+    EXPECT_EQ(json.at("policy").get<std::string>(), c.policy->name());
+    EXPECT_EQ(json.at("master_weights").get<int64_t>(), report.master_weights);
+    EXPECT_EQ(json.at("half_copies").get<int64_t>(), report.half_copies);
+    EXPECT_EQ(json.at("gradients").get<int64_t>(), report.gradients);
+    EXPECT_EQ(json.at("optimizer_state").get<int64_t>(), report.optimizer_state);
+    EXPECT_EQ(json.at("saved_activations").get<int64_t>(), report.saved_activations);
+    EXPECT_EQ(json.at("peak").get<int64_t>(), report.peak);
+    EXPECT_EQ(json.at("peak_at").at("id").get<int64_t>(), static_cast<int64_t>(report.peak_node));
     EXPECT_EQ(json.at("parameters").size(), 4u);
     EXPECT_EQ(json.at("saved").size(), 4u);
     std::string table = report.table();

@@ -873,23 +873,23 @@ TEST(PrecisionReport, ListsEveryNodeWithModuleShapeDtypesAndRule) {
 
   // The JSON has the same rows.
   mt::json::Value json = mt::json::parse(report.json());
-  const mt::json::Array& rows = json.at("nodes").as_array();
+  const mt::json::Value& rows = json.at("nodes");
   ASSERT_EQ(rows.size(), report.rows.size());
   for (size_t i = 0; i < rows.size(); ++i) {
     const mt::PrecisionRow& row = report.rows[i];
     const mt::json::Value& j = rows[i];
-    EXPECT_EQ(static_cast<uint64_t>(j.at("id").as_int()), row.id);
-    EXPECT_EQ(j.at("op").as_string(), row.op);
-    EXPECT_EQ(j.at("module").as_string(), row.module_path);
+    EXPECT_EQ(static_cast<uint64_t>(j.at("id").get<int64_t>()), row.id);
+    EXPECT_EQ(j.at("op").get<std::string>(), row.op);
+    EXPECT_EQ(j.at("module").get<std::string>(), row.module_path);
     mt::Shape shape;
-    for (const mt::json::Value& d : j.at("shape").as_array()) shape.push_back(d.as_int());
+    for (const mt::json::Value& d : j.at("shape")) shape.push_back(d.get<int64_t>());
     EXPECT_EQ(shape, row.shape);
-    EXPECT_EQ(j.at("traced").as_string(), mt::name(row.traced));
-    EXPECT_EQ(j.at("storage").as_string(), mt::name(row.storage));
-    EXPECT_EQ(j.at("compute").as_string(), mt::name(row.compute));
-    EXPECT_EQ(j.at("accum").as_string(), mt::name(row.accum));
-    EXPECT_EQ(j.at("pass").as_string(), row.backward ? "backward" : "forward");
-    EXPECT_EQ(j.at("rule").as_string(), row.rule);
+    EXPECT_EQ(j.at("traced").get<std::string>(), mt::name(row.traced));
+    EXPECT_EQ(j.at("storage").get<std::string>(), mt::name(row.storage));
+    EXPECT_EQ(j.at("compute").get<std::string>(), mt::name(row.compute));
+    EXPECT_EQ(j.at("accum").get<std::string>(), mt::name(row.accum));
+    EXPECT_EQ(j.at("pass").get<std::string>(), row.backward ? "backward" : "forward");
+    EXPECT_EQ(j.at("rule").get<std::string>(), row.rule);
   }
   // The table: a header, then one line per node.
   std::string table = report.table();

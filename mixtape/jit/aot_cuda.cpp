@@ -37,7 +37,7 @@ std::string cuda_image_file(const std::string& name, const CudaImage& image) {
   return fmt::format("{}.{}.{}", name, image.arch, image.arch.starts_with("sm_") ? "cubin" : "ptx");
 }
 
-void check_padding_keeps_rows(const json::Value& plan_doc, const std::vector<StoragePtr>& buffers,
+void check_padding_keeps_rows(const PlanDocument& plan_doc, const std::vector<StoragePtr>& buffers,
                               const std::vector<std::pair<DType, Shape>>& inputs,
                               const std::vector<std::string>& outputs,
                               const std::vector<int64_t>& batches, const std::string& name) {
@@ -104,7 +104,7 @@ void check_padding_keeps_rows(const json::Value& plan_doc, const std::vector<Sto
   }
 }
 
-CudaKernels compile_cuda_kernels(const json::Value& plan_doc,
+CudaKernels compile_cuda_kernels(const PlanDocument& plan_doc,
                                  const std::vector<StoragePtr>& buffers,
                                  const std::vector<int64_t>& batches, const std::vector<int>& archs,
                                  const std::string& name) {

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "mixtape/dsl/json.h"
+#include "mixtape/runtime/aot_plan.h"
 #include "mixtape/runtime/step_plan.h"
 
 namespace mixtape::aot {
@@ -23,7 +23,7 @@ std::vector<int64_t> cuda_batches(int64_t batch, int64_t max);
 /// sees another (a matmul over the batch, which the kernel check does not catch, does). Replays
 /// the plan on the CPU at a batch that pads and at the batch it runs at, on the same rows, and
 /// compares the rows asked for. `inputs` are the dtypes and export-batch shapes of the inputs.
-void check_padding_keeps_rows(const json::Value& plan_doc, const std::vector<StoragePtr>& buffers,
+void check_padding_keeps_rows(const PlanDocument& plan_doc, const std::vector<StoragePtr>& buffers,
                               const std::vector<std::pair<DType, Shape>>& inputs,
                               const std::vector<std::string>& outputs,
                               const std::vector<int64_t>& batches, const std::string& name);
@@ -48,7 +48,7 @@ struct CudaKernels {
 /// NVRTC: one CUBIN per compute capability in `archs` (80: sm_80) and PTX for the lowest. An
 /// mt::Error when NVRTC is missing or does not support an arch, with NVRTC's log on a compile
 /// error.
-CudaKernels compile_cuda_kernels(const json::Value& plan_doc,
+CudaKernels compile_cuda_kernels(const PlanDocument& plan_doc,
                                  const std::vector<StoragePtr>& buffers,
                                  const std::vector<int64_t>& batches, const std::vector<int>& archs,
                                  const std::string& name);

@@ -34,8 +34,6 @@
 namespace mixtape::aot {
 namespace {
 
-using json::Array;
-using json::Object;
 using json::Value;
 
 struct Named {
@@ -109,13 +107,9 @@ std::set<const Storage*> drawn_offsets(const Plan& plan) {
 
 Value argument_list(const std::vector<std::string>& names, const std::vector<DType>& dtypes,
                     const std::vector<Shape>& shapes) {
-  Array out;
-  for (size_t i = 0; i < names.size(); ++i) {
-    Array shape;
-    for (int64_t d : shapes[i]) shape.emplace_back(d);
-    out.push_back(Object{
-        {"name", names[i]}, {"dtype", std::string(name(dtypes[i]))}, {"shape", std::move(shape)}});
-  }
+  Value out = Value::array();
+  for (size_t i = 0; i < names.size(); ++i)
+    out.push_back({{"name", names[i]}, {"dtype", name(dtypes[i])}, {"shape", shapes[i]}});
   return out;
 }
 
@@ -275,7 +269,7 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   // The state, named as a checkpoint names it; what the checkpoint does not name is a constant.
   Named named = checkpoint_names(o);
   std::vector<std::pair<StoragePtr, PlanBuffer>> buffers = named.buffers;
-  Value plan_doc = plan_to_json(traced, buffers);
+  PlanDocument plan_doc = plan_to_json(traced, buffers);
   std::map<const Storage*, StoragePtr> first_value;  // the state before the traces ran
   std::set<const Storage*> read;
   for (const PlannedEvaluation& planned : plan.evals)
@@ -289,7 +283,7 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   std::set<const Storage*> drawn = drawn_offsets(plan), offsets;
   for (const Named::Drawn& g : named.generators) offsets.insert(g.offset.get());
   size_t constants = 0;
-  Array buffer_list;
+  Value buffer_list = Value::array();
   safetensors::File weights;
   for (size_t k = 0; k < buffers.size(); ++k) {
     auto& [storage, info] = buffers[k];
@@ -317,17 +311,15 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
       data.bytes.assign(value.host_data(), value.host_data() + value.size_bytes());
       weights.tensors.push_back(std::move(data));
     }
-    Array shape;
-    for (int64_t d : info.shape) shape.emplace_back(d);
-    Object entry{{"name", info.name},
-                 {"dtype", std::string(name(info.dtype))},
-                 {"shape", std::move(shape)},
-                 {"saved", saved},
-                 {"checkpoint", checkpoint && step}};
+    Value entry = {{"name", info.name},
+                   {"dtype", name(info.dtype)},
+                   {"shape", info.shape},
+                   {"saved", saved},
+                   {"checkpoint", checkpoint && step}};
     // A tensor the checkpoint names twice (tied weights) is one buffer under both names.
     for (size_t first = 0; first < k; ++first)
       if (buffers[first].first == storage) {
-        entry.emplace_back("same_as", static_cast<int64_t>(first));
+        entry["same_as"] = static_cast<int64_t>(first);
         break;
       }
     buffer_list.push_back(std::move(entry));
@@ -339,7 +331,7 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
         std::to_string(static_cast<int64_t>(
             (first_value.count(named.steps.get()) ? first_value.at(named.steps.get()) : named.steps)
                 ->as<double>()[0])));
-  Array generator_list;
+  Value generator_list = Value::array();
   for (const Named::Drawn& g : named.generators) {
     const StoragePtr& offset =
         first_value.count(g.offset.get()) ? first_value.at(g.offset.get()) : g.offset;
@@ -351,8 +343,8 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
                           [&](const auto& b) { return b.first == g.offset; }) -
              buffers.begin();
     // The seed as text: JSON numbers here are int64.
-    generator_list.push_back(Object{
-        {"name", g.name}, {"seed", std::to_string(g.seed)}, {"buffer", static_cast<int64_t>(k)}});
+    generator_list.push_back(
+        {{"name", g.name}, {"seed", std::to_string(g.seed)}, {"buffer", static_cast<int64_t>(k)}});
   }
   // The step ran twice to be traced: its state goes back to where it was.
   for (const auto& [storage, before] : first_value) {
@@ -396,7 +388,7 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   }
   Exported exported;
   exported.dir = dir;
-  Array kernel_list;
+  Value kernel_list = Value::array();
   PackageSpec spec;
   spec.dir = dir;
   spec.name = o.name;
@@ -416,9 +408,9 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   for (const auto& [key, kernel] : by_key) {
     exported.kernels.push_back({kernel->name, key, emit_llvm(*kernel)});
     spec.kernels.push_back({kernel->name, key, exported.kernels.back().llvm_ir});
-    kernel_list.push_back(Object{{"symbol", kernel->name},
-                                 {"key", key},
-                                 {"dim0", kernel->dims.empty() ? int64_t{0} : kernel->dims[0]}});
+    kernel_list.push_back({{"symbol", kernel->name},
+                           {"key", key},
+                           {"dim0", kernel->dims.empty() ? int64_t{0} : kernel->dims[0]}});
   }
   std::vector<std::string> input_names, output_names = outputs;
   std::vector<DType> input_dtypes, output_dtypes;
@@ -452,7 +444,7 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   // files), so that moving them in is a rename.
   std::filesystem::create_directories(dir);
   auto path = [&](const std::string& file) { return dir + "/" + file; };
-  std::string plan_text = json::dump(plan_doc);
+  std::string plan_text = plan_doc.text();
   std::string staged = fmt::format("{}/.{}.safetensors.{}.staged", dir, o.name, getpid());
   struct Staged {
     std::string path;
@@ -460,62 +452,55 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
     std::error_code ignored;
   } staging{staged, {}};
   safetensors::write(staged, weights);
-  Object files;
-  files.emplace_back(o.name + ".plan", Object{{"bytes", static_cast<int64_t>(plan_text.size())},
-                                              {"xxh3_64", digest_bytes(plan_text).xxh3_64}});
+  auto digest_entry = [](int64_t bytes, std::string xxh3_64) -> Value {
+    return {{"bytes", bytes}, {"xxh3_64", std::move(xxh3_64)}};
+  };
+  Value files = Value::object();
+  files[o.name + ".plan"] =
+      digest_entry(static_cast<int64_t>(plan_text.size()), digest_bytes(plan_text).xxh3_64);
   FileDigest weights_digest = digest_file(staged);
-  files.emplace_back(o.name + ".safetensors",
-                     Object{{"bytes", weights_digest.bytes}, {"xxh3_64", weights_digest.xxh3_64}});
-  Object cuda_info;
+  files[o.name + ".safetensors"] = digest_entry(weights_digest.bytes, weights_digest.xxh3_64);
+  Value cuda_info;
   if (cuda) {
-    Array images;
+    Value images = Value::array();
     for (const CudaImage& image : cuda_kernels.images) {
       std::string file = cuda_image_file(o.name, image);
-      images.push_back(Object{{"arch", image.arch}, {"file", file}});
-      files.emplace_back(file, Object{{"bytes", static_cast<int64_t>(image.bytes.size())},
-                                      {"xxh3_64", digest_bytes(image.bytes).xxh3_64}});
+      images.push_back({{"arch", image.arch}, {"file", file}});
+      files[file] =
+          digest_entry(static_cast<int64_t>(image.bytes.size()), digest_bytes(image.bytes).xxh3_64);
     }
-    Array batches, functions;
-    for (int64_t b : gpu_batches) batches.emplace_back(b);
-    for (const std::string& f : cuda_kernels.functions) functions.emplace_back(f);
-    cuda_info = Object{{"nvrtc", nvrtc_version()},
-                       {"batches", std::move(batches)},
-                       {"images", std::move(images)},
-                       {"kernels", std::move(functions)}};
+    cuda_info = {{"nvrtc", nvrtc_version()},
+                 {"batches", gpu_batches},
+                 {"images", std::move(images)},
+                 {"kernels", cuda_kernels.functions}};
   }
-  Array variants;
-  for (const PackageVariant& variant : spec.variants) {
-    Array features;
-    for (const std::string& f : variant.features) features.emplace_back(f);
-    variants.push_back(Object{{"target", variant.target}, {"features", std::move(features)}});
-  }
-  Object precision_counts;
-  for (const auto& [types, count] : precision) precision_counts.emplace_back(types, count);
-  Array policy_names;
-  for (const std::string& p : policies) policy_names.emplace_back(p);
-  Object manifest{{"format", "mixtape-aot-1"},
-                  {"mixtape_version", MIXTAPE_VERSION},
-                  {"name", o.name},
-                  {"kind", step ? "step" : "function"},
-                  {"devices", cuda ? Array{"cpu", "cuda"} : Array{"cpu"}},
-                  {"cpu_variants", std::move(variants)},
-                  {"batch", Object{{"export", batch}, {"max", max}}},
-                  {"inputs", argument_list(input_names, input_dtypes, input_shapes)},
-                  {"outputs", argument_list(output_names, output_dtypes, output_shapes)},
-                  {"precision", Object{{"policies", std::move(policy_names)},
-                                       {"storage/compute", std::move(precision_counts)}}},
-                  {"buffers", std::move(buffer_list)},
-                  {"kernels", std::move(kernel_list)},
-                  {"files", std::move(files)}};
-  if (cuda) manifest.emplace_back("cuda", std::move(cuda_info));
+  Value variants = Value::array();
+  for (const PackageVariant& variant : spec.variants)
+    variants.push_back({{"target", variant.target}, {"features", variant.features}});
+  Value precision_counts = Value::object();
+  for (const auto& [types, count] : precision) precision_counts[types] = count;
+  Value manifest = {{"format", "mixtape-aot-1"},
+                    {"mixtape_version", MIXTAPE_VERSION},
+                    {"name", o.name},
+                    {"kind", step ? "step" : "function"},
+                    {"devices", cuda ? Value::array({"cpu", "cuda"}) : Value::array({"cpu"})},
+                    {"cpu_variants", std::move(variants)},
+                    {"batch", {{"export", batch}, {"max", max}}},
+                    {"inputs", argument_list(input_names, input_dtypes, input_shapes)},
+                    {"outputs", argument_list(output_names, output_dtypes, output_shapes)},
+                    {"precision", {{"policies", policies}, {"storage/compute", precision_counts}}},
+                    {"buffers", std::move(buffer_list)},
+                    {"kernels", std::move(kernel_list)},
+                    {"files", std::move(files)}};
+  if (cuda) manifest["cuda"] = std::move(cuda_info);
   if (step) {
-    Array metadata;
-    for (const auto& [k, v] : named.metadata) metadata.push_back(Array{k, v});
-    manifest.emplace_back("checkpoint", Object{{"metadata", std::move(metadata)},
-                                               {"steps_buffer", steps_buffer},
-                                               {"generators", std::move(generator_list)}});
+    Value metadata = Value::array();
+    for (const auto& [k, v] : named.metadata) metadata.push_back(Value::array({k, v}));
+    manifest["checkpoint"] = {{"metadata", std::move(metadata)},
+                              {"steps_buffer", steps_buffer},
+                              {"generators", std::move(generator_list)}};
   }
-  std::string manifest_text = json::dump(Value(std::move(manifest)));
+  std::string manifest_text = json::dump(manifest);
   // The library carries the manifest's digest, and the manifest the data files': the library
   // vouches for every file NAME_open reads.
   spec.manifest_xxh3 = exported.manifest_xxh3 = digest_bytes(manifest_text).xxh3_64;

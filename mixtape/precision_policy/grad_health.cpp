@@ -85,28 +85,27 @@ void accumulate(GradientHealthRow& total, const GradientHealthRow& row) {
 }
 
 json::Value loss_json(const HalfLoss& loss, const GradientHealthRow& row, bool f16_type) {
-  return json::Object{
-      {"zero", loss.zero},
-      {"zero_fraction", f16_type ? row.f16_zero_fraction() : row.bf16_zero_fraction()},
-      {"subnormal", loss.subnormal},
-      {"subnormal_fraction",
-       f16_type ? row.f16_subnormal_fraction() : row.bf16_subnormal_fraction()},
-      {"overflow", loss.overflow}};
+  return {{"zero", loss.zero},
+          {"zero_fraction", f16_type ? row.f16_zero_fraction() : row.bf16_zero_fraction()},
+          {"subnormal", loss.subnormal},
+          {"subnormal_fraction",
+           f16_type ? row.f16_subnormal_fraction() : row.bf16_subnormal_fraction()},
+          {"overflow", loss.overflow}};
 }
 
 json::Value row_json(const GradientHealthRow& row, bool with_shape) {
-  json::Object out{{"name", row.name}};
+  json::Value out = {{"name", row.name}};
   if (with_shape) {
-    out.emplace_back("shape", json::Array(row.shape.begin(), row.shape.end()));
-    out.emplace_back("dtype", name(row.dtype));
+    out["shape"] = row.shape;
+    out["dtype"] = name(row.dtype);
   }
-  out.emplace_back("numel", row.numel);
-  out.emplace_back("nonzero", row.nonzero);
-  out.emplace_back("nonfinite", row.nonfinite);
-  out.emplace_back("found_inf", row.found_inf());
-  out.emplace_back("amax", row.amax);
-  out.emplace_back("f16", loss_json(row.f16, row, true));
-  out.emplace_back("bf16", loss_json(row.bf16, row, false));
+  out["numel"] = row.numel;
+  out["nonzero"] = row.nonzero;
+  out["nonfinite"] = row.nonfinite;
+  out["found_inf"] = row.found_inf();
+  out["amax"] = row.amax;
+  out["f16"] = loss_json(row.f16, row, true);
+  out["bf16"] = loss_json(row.bf16, row, false);
   return out;
 }
 
@@ -165,10 +164,10 @@ std::string GradientHealth::table() const {
 }
 
 std::string GradientHealth::json() const {
-  json::Array tensors;
+  json::Value tensors = json::Value::array();
   for (const GradientHealthRow& row : rows) tensors.push_back(row_json(row, true));
-  return json::dump(json::Object{
-      {"scale", scale}, {"tensors", std::move(tensors)}, {"total", row_json(total, false)}});
+  return json::dump(
+      {{"scale", scale}, {"tensors", std::move(tensors)}, {"total", row_json(total, false)}});
 }
 
 }  // namespace mixtape

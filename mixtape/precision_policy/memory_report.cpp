@@ -298,44 +298,42 @@ std::string MemoryReport::table() const {
 }
 
 std::string MemoryReport::json() const {
-  json::Array params;
+  json::Value params = json::Value::array();
   for (const MemoryParamRow& p : parameters) {
-    json::Array halves;
+    json::Value halves = json::Value::array();
     for (DType t : p.half_copies) halves.push_back(name(t));
-    json::Object row{{"name", p.name},
-                     {"shape", json::Array(p.shape.begin(), p.shape.end())},
-                     {"master", name(p.master)},
-                     {"master_bytes", p.master_bytes},
-                     {"half_copies", std::move(halves)},
-                     {"half_copy_bytes", p.half_copy_bytes},
-                     {"grad", p.has_grad ? json::Value(name(p.grad)) : json::Value(nullptr)},
-                     {"grad_bytes", p.grad_bytes},
-                     {"state_bytes", p.state_bytes}};
-    params.push_back(std::move(row));
+    params.push_back({{"name", p.name},
+                      {"shape", p.shape},
+                      {"master", name(p.master)},
+                      {"master_bytes", p.master_bytes},
+                      {"half_copies", std::move(halves)},
+                      {"half_copy_bytes", p.half_copy_bytes},
+                      {"grad", p.has_grad ? json::Value(name(p.grad)) : json::Value(nullptr)},
+                      {"grad_bytes", p.grad_bytes},
+                      {"state_bytes", p.state_bytes}});
   }
-  json::Array saved_rows;
+  json::Value saved_rows = json::Value::array();
   for (const SavedActivationRow& s : saved)
-    saved_rows.push_back(json::Object{{"id", s.id},
-                                      {"op", s.op},
-                                      {"module", s.module_path},
-                                      {"shape", json::Array(s.shape.begin(), s.shape.end())},
-                                      {"storage", name(s.storage)},
-                                      {"bytes", s.bytes}});
-  return json::dump(json::Object{
-      {"policy", policy},
-      {"master_weights", master_weights},
-      {"half_copies", half_copies},
-      {"gradients", gradients},
-      {"optimizer_state", optimizer_state},
-      {"optimizer_state_estimated", optimizer_state_estimated},
-      {"saved_activations", saved_activations},
-      {"peak", peak},
-      {"compiled_peak", compiled_peak},
-      {"peak_at",
-       json::Object{
-           {"id", peak_node}, {"op", peak_op}, {"pass", peak_backward ? "backward" : "forward"}}},
-      {"parameters", std::move(params)},
-      {"saved", std::move(saved_rows)}});
+    saved_rows.push_back({{"id", s.id},
+                          {"op", s.op},
+                          {"module", s.module_path},
+                          {"shape", s.shape},
+                          {"storage", name(s.storage)},
+                          {"bytes", s.bytes}});
+  return json::dump(
+      {{"policy", policy},
+       {"master_weights", master_weights},
+       {"half_copies", half_copies},
+       {"gradients", gradients},
+       {"optimizer_state", optimizer_state},
+       {"optimizer_state_estimated", optimizer_state_estimated},
+       {"saved_activations", saved_activations},
+       {"peak", peak},
+       {"compiled_peak", compiled_peak},
+       {"peak_at",
+        {{"id", peak_node}, {"op", peak_op}, {"pass", peak_backward ? "backward" : "forward"}}},
+       {"parameters", std::move(params)},
+       {"saved", std::move(saved_rows)}});
 }
 
 std::string memory_comparison_table(const std::vector<MemoryReport>& reports) {

@@ -78,21 +78,19 @@ std::string PrecisionReport::summary() const {
 }
 
 std::string PrecisionReport::json() const {
-  json::Array nodes;
-  for (const PrecisionRow& r : rows) {
-    json::Array shape(r.shape.begin(), r.shape.end());
-    nodes.push_back(json::Object{{"id", r.id},
-                                 {"op", r.op},
-                                 {"module", r.module_path},
-                                 {"shape", std::move(shape)},
-                                 {"traced", name(r.traced)},
-                                 {"storage", name(r.storage)},
-                                 {"compute", name(r.compute)},
-                                 {"accum", name(r.accum)},
-                                 {"pass", r.backward ? "backward" : "forward"},
-                                 {"rule", r.rule}});
-  }
-  return json::dump(json::Object{{"nodes", std::move(nodes)}});
+  json::Value nodes = json::Value::array();
+  for (const PrecisionRow& r : rows)
+    nodes.push_back({{"id", r.id},
+                     {"op", r.op},
+                     {"module", r.module_path},
+                     {"shape", r.shape},
+                     {"traced", name(r.traced)},
+                     {"storage", name(r.storage)},
+                     {"compute", name(r.compute)},
+                     {"accum", name(r.accum)},
+                     {"pass", r.backward ? "backward" : "forward"},
+                     {"rule", r.rule}});
+  return json::dump({{"nodes", std::move(nodes)}});
 }
 
 }  // namespace mixtape

@@ -9,29 +9,17 @@
 #include "mixtape/codegen/hash.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/json.h"
 #include "mixtape/runtime/cpu_executor.h"
 
 namespace mixtape::aot {
 namespace {
 
-using json::Array;
-using json::Object;
 using json::Value;
 
 // Doubles travel as their bits: fill values may be infinite or NaN, which JSON cannot hold.
 Value double_bits(double d) { return std::bit_cast<int64_t>(d); }
-double from_bits(const Value& v) { return std::bit_cast<double>(v.as_int()); }
-
-Value int_array(const std::vector<int64_t>& values) {
-  Array a;
-  for (int64_t v : values) a.emplace_back(v);
-  return a;
-}
-std::vector<int64_t> ints(const Value& v) {
-  std::vector<int64_t> out;
-  for (const Value& e : v.as_array()) out.push_back(e.as_int());
-  return out;
-}
+double from_bits(const Value& v) { return std::bit_cast<double>(json::as_int(v)); }
 
 const std::unordered_map<std::string, OpCode>& ops_by_name() {
   static const std::unordered_map<std::string, OpCode> ops = [] {
@@ -58,26 +46,29 @@ Value dim_value(const std::vector<TracedPlan>& traced, const std::vector<int64_t
           describe(node), to_string(node.shape), traced[0].batch, at[t], traced[t].batch);
   if (base < 0 || per_batch < 0)
     fail("a dynamic batch needs shapes that grow with the batch: {}", describe(node));
-  return Array{base, per_batch};
+  return {base, per_batch};
 }
 
 int64_t dim_at(const Value& v, int64_t batch) {
-  if (v.is_integer()) return v.as_int();
-  return v.at(0).as_int() + v.at(1).as_int() * batch;
+  if (v.is_number()) return json::as_int(v);
+  return json::as_int(v.at(0)) + json::as_int(v.at(1)) * batch;
 }
 
 // Attribute values in the plan, by their type in dsl/attrs.def. Doubles travel as their bits;
 // 64-bit seeds as decimal strings, which every JSON reader keeps exact.
-Value attr_value(const Ints& list) { return int_array(list); }
+Value attr_value(const Ints& list) { return list; }
 Value attr_value(bool b) { return b; }
 Value attr_value(int64_t i) { return i; }
 Value attr_value(double d) { return double_bits(d); }
 Value attr_value(uint64_t u) { return std::to_string(u); }
-void read_attr(const Value& v, Ints& list) { list = ints(v); }
-void read_attr(const Value& v, bool& b) { b = v.as_bool(); }
-void read_attr(const Value& v, int64_t& i) { i = v.as_int(); }
+void read_attr(const Value& v, Ints& list) {
+  list.clear();
+  for (const Value& e : v.get_ref<const Value::array_t&>()) list.push_back(json::as_int(e));
+}
+void read_attr(const Value& v, bool& b) { b = v.get<bool>(); }
+void read_attr(const Value& v, int64_t& i) { i = json::as_int(v); }
 void read_attr(const Value& v, double& d) { d = from_bits(v); }
-void read_attr(const Value& v, uint64_t& u) { u = std::stoull(v.as_string()); }
+void read_attr(const Value& v, uint64_t& u) { u = std::stoull(v.get<std::string>()); }
 
 // Every attribute of dsl/attrs.def that differs from its default (launch-time ones included: the
 // plan replays them). A custom op's vjp (C++ code, which no file can carry) is left out: a plan
@@ -86,9 +77,9 @@ void read_attr(const Value& v, uint64_t& u) { u = std::stoull(v.as_string()); }
 Value attrs_value(const Node& node) {
   const Attrs& a = node.attrs;
   static const Attrs defaults;
-  Object o;
+  Value o = Value::object();
 #define MT_ATTR(type, name, default_value, hashed, ops) \
-  if (!same_attr(a.name, defaults.name)) o.emplace_back(#name, attr_value(a.name));
+  if (!same_attr(a.name, defaults.name)) o[#name] = attr_value(a.name);
 #include "mixtape/dsl/attrs.def"
   return o;
 }
@@ -96,7 +87,7 @@ Value attrs_value(const Node& node) {
 Attrs attrs_from(const Value& v) {
   Attrs a;
 #define MT_ATTR(type, name, default_value, hashed, ops) \
-  if (auto* x = v.find(#name)) read_attr(*x, a.name);
+  if (const Value* x = json::find(v, #name)) read_attr(*x, a.name);
 #include "mixtape/dsl/attrs.def"
   return a;
 }
@@ -123,8 +114,23 @@ std::string kernel_key(const kir::Kernel& kernel) {
   return "mt_" + hash_string(kir::to_string(general)).hex();
 }
 
-Value plan_to_json(const std::vector<TracedPlan>& traced,
-                   std::vector<std::pair<StoragePtr, PlanBuffer>>& buffers) {
+struct PlanDocument::Tree {
+  Value doc;
+};
+
+PlanDocument::PlanDocument(std::unique_ptr<const Tree> tree) : tree_(std::move(tree)) {}
+PlanDocument::PlanDocument(PlanDocument&&) noexcept = default;
+PlanDocument& PlanDocument::operator=(PlanDocument&&) noexcept = default;
+PlanDocument::~PlanDocument() = default;
+
+PlanDocument PlanDocument::parse(std::string_view text, size_t max_values) {
+  return PlanDocument(std::make_unique<const Tree>(Tree{json::parse(text, max_values)}));
+}
+
+std::string PlanDocument::text() const { return json::dump(tree_->doc); }
+
+PlanDocument plan_to_json(const std::vector<TracedPlan>& traced,
+                          std::vector<std::pair<StoragePtr, PlanBuffer>>& buffers) {
   const Plan& plan = *traced[0].plan;
   for (const TracedPlan& t : traced)
     if (t.plan->evals.size() != plan.evals.size() || t.plan->results != plan.results)
@@ -136,7 +142,7 @@ Value plan_to_json(const std::vector<TracedPlan>& traced,
     buffers.push_back({storage, PlanBuffer{"", storage->dtype, {storage->count}}});
     return static_cast<int64_t>(buffers.size() - 1);
   };
-  Array evaluations;
+  Value evaluations = Value::array();
   for (size_t e = 0; e < plan.evals.size(); ++e) {
     const PlannedEvaluation& planned = plan.evals[e];
     if (planned.eval.device != Device::cpu) fail("an artifact's plan runs on the cpu device");
@@ -182,15 +188,14 @@ Value plan_to_json(const std::vector<TracedPlan>& traced,
       return true;
     };
     size_t leaves = planned.eval.executed.sig.externals.size();
-    Array node_values;
+    Value node_values = Value::array();
     for (size_t i = 0; i < nodes.size(); ++i) {
       const Node& node = *nodes[i];
-      Object o;
-      o.emplace_back("op", op_name(node.op));
-      o.emplace_back("dtype", std::string(name(node.dtype)));
-      o.emplace_back("storage", std::string(name(node.storage)));
-      o.emplace_back("compute", std::string(name(node.compute)));
-      o.emplace_back("accum", std::string(name(node.accum)));
+      Value o = {{"op", op_name(node.op)},
+                 {"dtype", name(node.dtype)},
+                 {"storage", name(node.storage)},
+                 {"compute", name(node.compute)},
+                 {"accum", name(node.accum)}};
       for (size_t t = 1; t < traced.size(); ++t)
         if (!same_structure(t, i))
           fail(
@@ -198,100 +203,106 @@ Value plan_to_json(const std::vector<TracedPlan>& traced,
               "depends on the batch size (a mean over the batch?), so it cannot take a dynamic "
               "batch; export it at a fixed batch",
               describe(node), traced[0].batch, traced[t].batch);
-      Array shape;
+      Value shape = Value::array();
       for (size_t d = 0; d < node.shape.size(); ++d) {
         std::vector<int64_t> at;
         for (size_t t = 0; t < traced.size(); ++t) at.push_back(nodes_at[t][i]->shape[d]);
         shape.push_back(dim_value(traced, at, node));
       }
-      o.emplace_back("shape", std::move(shape));
+      o["shape"] = std::move(shape);
       if (i < leaves) {
         const Binding& binding = planned.inputs[i];
         if (binding.arg >= 0)
-          o.emplace_back("arg", binding.arg);
+          o["arg"] = binding.arg;
         else
-          o.emplace_back("buffer", buffer_index(binding.object));
-        if (binding.at_call_start) o.emplace_back("at_call_start", true);
+          o["buffer"] = buffer_index(binding.object);
+        if (binding.at_call_start) o["at_call_start"] = true;
       } else {
-        Array inputs;
+        Value inputs = Value::array();
         for (const NodePtr& input : node.inputs) {
           auto found = index.find(input.get());
           if (found == index.end()) fail("{} reads a value outside its evaluation", describe(node));
           inputs.emplace_back(found->second);
         }
-        o.emplace_back("inputs", std::move(inputs));
-        Object attrs = attrs_value(node).as_object();
-        if (!attrs.empty()) o.emplace_back("attrs", std::move(attrs));
-        if (node.requires_grad) o.emplace_back("requires_grad", true);
+        o["inputs"] = std::move(inputs);
+        Value attrs = attrs_value(node);
+        if (!attrs.empty()) o["attrs"] = std::move(attrs);
+        if (node.requires_grad) o["requires_grad"] = true;
       }
-      if (!node.module_path.empty()) o.emplace_back("module", node.module_path);
+      if (!node.module_path.empty()) o["module"] = node.module_path;
       node_values.push_back(std::move(o));
     }
-    Array stored;
+    Value stored = Value::array();
     const Signature& sig = planned.eval.executed.sig;
     for (size_t j = 0; j < sig.stored.size(); ++j) {
-      Object s;
-      s.emplace_back("node", index.at(sig.stored[j]));
+      Value s = {{"node", index.at(sig.stored[j])}};
       if (planned.result_slot[j] >= 0)
-        s.emplace_back("result", planned.result_slot[j]);
+        s["result"] = planned.result_slot[j];
       else if (planned.shares_with[j] >= 0)
-        s.emplace_back("shares_with", planned.shares_with[j]);
+        s["shares_with"] = planned.shares_with[j];
       else
-        s.emplace_back("buffer", buffer_index(planned.eval.outputs[j]));
+        s["buffer"] = buffer_index(planned.eval.outputs[j]);
       stored.push_back(std::move(s));
     }
-    evaluations.push_back(Object{{"leaves", static_cast<int64_t>(leaves)},
-                                 {"nodes", std::move(node_values)},
-                                 {"stored", std::move(stored)}});
+    evaluations.push_back({{"leaves", static_cast<int64_t>(leaves)},
+                           {"nodes", std::move(node_values)},
+                           {"stored", std::move(stored)}});
   }
-  Array results;
-  for (const auto& [e, j] : plan.results) results.push_back(Array{e, j});
-  return Object{{"format", kPlanFormat},
-                {"multi_tensor", fusion_options(Device::cpu).multi_tensor},
-                {"results", std::move(results)},
-                {"evaluations", std::move(evaluations)}};
+  Value results = Value::array();
+  for (const auto& [e, j] : plan.results) results.push_back({e, j});
+  Value doc = {{"format", kPlanFormat},
+               {"multi_tensor", fusion_options(Device::cpu).multi_tensor},
+               {"results", std::move(results)},
+               {"evaluations", std::move(evaluations)}};
+  return PlanDocument(
+      std::make_unique<const PlanDocument::Tree>(PlanDocument::Tree{std::move(doc)}));
 }
 
-std::unique_ptr<Plan> plan_from_json(const Value& doc, int64_t batch,
+// The accessors below throw nlohmann's exceptions for a document of the wrong shape; the
+// artifact runtime reports them as a malformed file.
+std::unique_ptr<Plan> plan_from_json(const PlanDocument& document, int64_t batch,
                                      const std::vector<StoragePtr>& buffers,
                                      const KernelLoader& load, Device device) {
-  if (doc.at("format").as_string() != kPlanFormat)
-    fail("the plan's format is {}, this runtime reads {}", doc.at("format").as_string(),
-         kPlanFormat);
+  const Value& doc = document.tree().doc;
+  const auto& format = doc.at("format").get_ref<const std::string&>();
+  if (format != kPlanFormat)
+    fail("the plan's format is {}, this runtime reads {}", format, kPlanFormat);
   FusionOptions options = fusion_options(Device::cpu);
   options.fuse = true;
-  options.multi_tensor = doc.at("multi_tensor").as_bool();
+  options.multi_tensor = doc.at("multi_tensor").get<bool>();
   auto plan = std::make_unique<Plan>();
-  for (const Value& r : doc.at("results").as_array())
-    plan->results.emplace_back(static_cast<int>(r.at(0).as_int()),
-                               static_cast<int>(r.at(1).as_int()));
+  for (const Value& r : doc.at("results").get_ref<const Value::array_t&>())
+    plan->results.emplace_back(static_cast<int>(json::as_int(r.at(0))),
+                               static_cast<int>(json::as_int(r.at(1))));
   auto buffer = [&](const Value& v) -> const StoragePtr& {
-    int64_t k = v.as_int();
+    int64_t k = json::as_int(v);
     if (k < 0 || k >= static_cast<int64_t>(buffers.size()))
       fail("the plan names buffer {} of {}", k, buffers.size());
     return buffers[k];
   };
   const auto& ops = ops_by_name();
-  for (const Value& ev : doc.at("evaluations").as_array()) {
+  for (const Value& ev : doc.at("evaluations").get_ref<const Value::array_t&>()) {
     PlannedEvaluation planned;
     Evaluation& e = planned.eval;
-    const Array& node_values = ev.at("nodes").as_array();
-    int64_t leaves = ev.at("leaves").as_int();
+    const auto& node_values = ev.at("nodes").get_ref<const Value::array_t&>();
+    int64_t leaves = json::as_int(ev.at("leaves"));
     if (leaves < 0 || leaves > static_cast<int64_t>(node_values.size()))
       fail("an evaluation of the plan has {} leaves of {} nodes", leaves, node_values.size());
     std::vector<NodePtr> nodes;
     std::unordered_map<const Node*, Binding> binding_of;
     for (const Value& v : node_values) {
-      auto op = ops.find(v.at("op").as_string());
-      if (op == ops.end()) fail("the plan names an unknown op '{}'", v.at("op").as_string());
+      const auto& op_text = v.at("op").get_ref<const std::string&>();
+      auto op = ops.find(op_text);
+      if (op == ops.end()) fail("the plan names an unknown op '{}'", op_text);
       Shape shape;
-      for (const Value& d : v.at("shape").as_array()) shape.push_back(dim_at(d, batch));
+      for (const Value& d : v.at("shape").get_ref<const Value::array_t&>())
+        shape.push_back(dim_at(d, batch));
       bool leaf = static_cast<int64_t>(nodes.size()) < leaves;
       std::vector<NodePtr> inputs;
       Attrs attrs;
       if (!leaf) {
-        for (const Value& i : v.at("inputs").as_array()) {
-          int64_t k = i.as_int();
+        for (const Value& i : v.at("inputs").get_ref<const Value::array_t&>()) {
+          int64_t k = json::as_int(i);
           if (k < 0 || k >= static_cast<int64_t>(nodes.size()))
             fail("{} in the plan reads node {}, not one before it", op->first, k);
           inputs.push_back(nodes[k]);
@@ -299,32 +310,33 @@ std::unique_ptr<Plan> plan_from_json(const Value& doc, int64_t batch,
         int arity = op_info(op->second).arity;
         if (arity >= 0 && static_cast<int>(inputs.size()) != arity)
           fail("{} in the plan has {} inputs, not {}", op->first, inputs.size(), arity);
-        if (const Value* a = v.find("attrs")) attrs = attrs_from(*a);
+        if (const Value* a = json::find(v, "attrs")) attrs = attrs_from(*a);
       }
       // A leaf keeps its op (it is a value an earlier evaluation or the user made), without
       // the inputs that made it.
-      NodePtr node = make_node(op->second, parse_dtype(v.at("dtype").as_string()), std::move(shape),
-                               std::move(inputs), std::move(attrs), Loc::current());
-      node->storage = parse_dtype(v.at("storage").as_string());
-      node->compute = parse_dtype(v.at("compute").as_string());
-      node->accum = parse_dtype(v.at("accum").as_string());
+      auto dtype = [&](const char* key) { return parse_dtype(v.at(key).get<std::string>()); };
+      NodePtr node = make_node(op->second, dtype("dtype"), std::move(shape), std::move(inputs),
+                               std::move(attrs), Loc::current());
+      node->storage = dtype("storage");
+      node->compute = dtype("compute");
+      node->accum = dtype("accum");
       node->precision_assigned = true;
-      node->requires_grad = v.find("requires_grad") != nullptr;
-      if (const Value* m = v.find("module")) node->module_path = m->as_string();
+      node->requires_grad = json::find(v, "requires_grad") != nullptr;
+      if (const Value* m = json::find(v, "module")) node->module_path = m->get<std::string>();
       if (leaf) {
         Binding binding;
-        if (const Value* arg = v.find("arg")) {
-          binding.arg = static_cast<int>(arg->as_int());
+        if (const Value* arg = json::find(v, "arg")) {
+          binding.arg = static_cast<int>(json::as_int(*arg));
           // Signing reads an external's value (its dtype); each replay binds the argument's.
           node->value = std::make_shared<Storage>(node->storage, node->numel());
         } else {
           binding.object = buffer(v.at("buffer"));
           if (binding.object->count != node->numel() || binding.object->dtype != node->storage)
             fail("buffer {} of the plan holds {} {} values, its node is {}",
-                 v.at("buffer").as_int(), binding.object->count, name(binding.object->dtype),
+                 json::as_int(v.at("buffer")), binding.object->count, name(binding.object->dtype),
                  describe(*node));
           node->value = binding.object;
-          binding.at_call_start = v.find("at_call_start") != nullptr;
+          binding.at_call_start = json::find(v, "at_call_start") != nullptr;
         }
         binding_of.emplace(node.get(), binding);
       }
@@ -332,9 +344,9 @@ std::unique_ptr<Plan> plan_from_json(const Value& doc, int64_t batch,
     }
     std::vector<Node*> required;
     std::vector<NodePtr> held;  // the stored nodes, which keep every pending node alive
-    const Array& stored = ev.at("stored").as_array();
+    const auto& stored = ev.at("stored").get_ref<const Value::array_t&>();
     for (const Value& st : stored) {
-      int64_t k = st.at("node").as_int();
+      int64_t k = json::as_int(st.at("node"));
       if (k < leaves || k >= static_cast<int64_t>(nodes.size()))
         fail("the plan stores node {}, which its evaluation does not compute", k);
       required.push_back(nodes[k].get());
@@ -369,10 +381,10 @@ std::unique_ptr<Plan> plan_from_json(const Value& doc, int64_t batch,
       const Value& s = stored[j];
       int result = -1, shares = -1;
       StoragePtr output;
-      if (const Value* r = s.find("result")) {
-        result = static_cast<int>(r->as_int());
-      } else if (const Value* w = s.find("shares_with")) {
-        shares = static_cast<int>(w->as_int());
+      if (const Value* r = json::find(s, "result")) {
+        result = static_cast<int>(json::as_int(*r));
+      } else if (const Value* w = json::find(s, "shares_with")) {
+        shares = static_cast<int>(json::as_int(*w));
         if (shares < 0 || static_cast<size_t>(shares) >= j)
           fail("stored value {} of the plan shares an unknown buffer", j);
         output = e.outputs[shares];

@@ -6,10 +6,10 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "mixtape/codegen/kernel_ir.h"
-#include "mixtape/dsl/json.h"
 #include "mixtape/runtime/program.h"
 #include "mixtape/runtime/step_plan.h"
 
@@ -41,6 +41,26 @@ struct TracedPlan {
   const Plan* plan = nullptr;
 };
 
+/// A parsed plan document. What it holds (nlohmann's JSON) stays in aot_plan.cpp, so that this
+/// header needs no JSON library.
+class PlanDocument {
+ public:
+  struct Tree;
+  explicit PlanDocument(std::unique_ptr<const Tree> tree);
+  PlanDocument(PlanDocument&&) noexcept;
+  PlanDocument& operator=(PlanDocument&&) noexcept;
+  ~PlanDocument();
+  /// Reads a document strictly (dsl/json.h: at most max_values values); mt::Error when it is
+  /// not JSON.
+  static PlanDocument parse(std::string_view text, size_t max_values);
+  /// The compact JSON text of the document.
+  std::string text() const;
+  const Tree& tree() const { return *tree_; }
+
+ private:
+  std::unique_ptr<const Tree> tree_;
+};
+
 /// The document for `traced` (the first is the export batch): every evaluation's nodes, with
 /// each dim that differs between the traces written as base + per_batch * batch; how each
 /// external input binds (a call argument or buffers[k]); which stored values are results and
@@ -48,14 +68,14 @@ struct TracedPlan {
 /// (the caller names them); `buffer_of` gives each buffer's index, -1 for one nothing names yet
 /// (added to `buffers` with an empty name). An mt::Error says why when the traces do not differ
 /// by the batch alone.
-json::Value plan_to_json(const std::vector<TracedPlan>& traced,
-                         std::vector<std::pair<StoragePtr, PlanBuffer>>& buffers);
+PlanDocument plan_to_json(const std::vector<TracedPlan>& traced,
+                          std::vector<std::pair<StoragePtr, PlanBuffer>>& buffers);
 
 /// The plan of `doc` at `batch`, its buffers bound to `buffers` (one per document buffer) and its
 /// programs built with `load` (kernels looked up, not compiled) to replay on `device` (cpu or
 /// cuda: the same programs, each back end's kernels). An mt::Error for a document that does not
 /// make a valid plan.
-std::unique_ptr<Plan> plan_from_json(const json::Value& doc, int64_t batch,
+std::unique_ptr<Plan> plan_from_json(const PlanDocument& doc, int64_t batch,
                                      const std::vector<StoragePtr>& buffers,
                                      const KernelLoader& load, Device device = Device::cpu);
 

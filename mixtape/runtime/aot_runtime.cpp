@@ -90,9 +90,10 @@ uint64_t parse_uint64(const std::string& text, const char* what) {
 
 std::vector<Argument> arguments(const Value& list) {
   std::vector<Argument> out;
-  for (const Value& v : list.as_array()) {
-    Argument a{v.at("name").as_string(), mt::parse_dtype(v.at("dtype").as_string()), {}};
-    for (const Value& d : v.at("shape").as_array()) a.shape.push_back(d.as_int());
+  for (const Value& v : list) {
+    Argument a{
+        v.at("name").get<std::string>(), mt::parse_dtype(v.at("dtype").get<std::string>()), {}};
+    for (const Value& d : v.at("shape")) a.shape.push_back(d.get<int64_t>());
     out.push_back(std::move(a));
   }
   return out;
@@ -106,7 +107,8 @@ struct mixtape_aot_model {
   mt::Device device = mt::Device::cpu;
   mt::cuda::CUmodule cuda_module = nullptr;  // cuda: the artifact's kernels, loaded
   std::vector<int64_t> cuda_batches;         // cuda: the batch sizes its kernels are for
-  Value manifest, plan_doc;
+  Value manifest;
+  std::optional<mt::aot::PlanDocument> plan_doc;
   bool step = false;
   int64_t export_batch = 0, max_batch = 0;  // max_batch 0: the batch is fixed
   std::vector<Argument> inputs, outputs;
@@ -156,7 +158,7 @@ struct mixtape_aot_model {
         plan_order.erase(plan_order.begin());
       }
       auto plan = mt::aot::plan_from_json(
-          plan_doc, batch, buffers, [&](const mt::kir::Kernel& k) { return find_kernel(k); },
+          *plan_doc, batch, buffers, [&](const mt::kir::Kernel& k) { return find_kernel(k); },
           device);
       found = plans.emplace(batch, std::move(plan)).first;
     } else {
@@ -189,10 +191,10 @@ namespace {
 void verify_files(mixtape_aot_model& m) {
   const Value& files = m.manifest.at("files");
   for (const std::string& needed : {m.name + ".plan", m.name + ".safetensors"})
-    if (!files.find(needed))
+    if (!mt::json::find(files, needed))
       raise(MIXTAPE_AOT_ERROR_FILE,
             fmt::format("{}: the manifest has no checksum for {}", m.name, needed));
-  for (const auto& [file, info] : files.as_object()) {
+  for (const auto& [file, info] : files.items()) {
     if (file.find('/') != std::string::npos || file == "..")
       raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: the manifest lists a file outside its "
                                                 "directory: {}",
@@ -203,13 +205,13 @@ void verify_files(mixtape_aot_model& m) {
     } catch (const mt::Error& e) {
       raise(MIXTAPE_AOT_ERROR_FILE, e.what());
     }
-    if (digest.bytes != info.at("bytes").as_int() ||
-        digest.xxh3_64 != info.at("xxh3_64").as_string())
+    if (digest.bytes != info.at("bytes").get<int64_t>() ||
+        digest.xxh3_64 != info.at("xxh3_64").get<std::string>())
       raise(MIXTAPE_AOT_ERROR_FILE,
             fmt::format("{}: {} is corrupt or was replaced: {} bytes with xxh3_64 {}, the "
                         "manifest recorded {} bytes with {}",
                         m.name, m.path(file), digest.bytes, digest.xxh3_64,
-                        info.at("bytes").as_int(), info.at("xxh3_64").as_string()));
+                        info.at("bytes").get<int64_t>(), info.at("xxh3_64").get<std::string>()));
   }
 }
 
@@ -221,13 +223,13 @@ void load_buffers(mixtape_aot_model& m) {
   } catch (const mt::Error& e) {
     raise(MIXTAPE_AOT_ERROR_FILE, e.what());
   }
-  for (const Value& b : m.manifest.at("buffers").as_array()) {
+  for (const Value& b : m.manifest.at("buffers")) {
     mt::aot::PlanBuffer info{
-        b.at("name").as_string(), mt::parse_dtype(b.at("dtype").as_string()), {}};
-    for (const Value& d : b.at("shape").as_array()) info.shape.push_back(d.as_int());
+        b.at("name").get<std::string>(), mt::parse_dtype(b.at("dtype").get<std::string>()), {}};
+    for (const Value& d : b.at("shape")) info.shape.push_back(d.get<int64_t>());
     mt::check_shape_size("artifact buffer", info.shape, info.dtype, mt::Loc::current());
     const mt::safetensors::TensorData* data = nullptr;
-    if (b.at("saved").as_bool()) {
+    if (b.at("saved").get<bool>()) {
       data = file.find(info.name);
       if (!data || data->dtype != info.dtype || data->shape != info.shape)
         raise(MIXTAPE_AOT_ERROR_FILE,
@@ -235,8 +237,9 @@ void load_buffers(mixtape_aot_model& m) {
                           mt::name(info.dtype), info.name, mt::to_string(info.shape)));
     }
     mt::StoragePtr storage;
-    if (const Value* same = b.find("same_as")) {  // a second name of one tensor (tied weights)
-      int64_t first = same->as_int();
+    if (const Value* same =
+            mt::json::find(b, "same_as")) {  // a second name of one tensor (tied weights)
+      int64_t first = same->get<int64_t>();
       if (first < 0 || first >= static_cast<int64_t>(m.buffers.size()) ||
           m.buffers[first]->dtype != info.dtype || m.buffers[first]->count != mt::numel(info.shape))
         raise(
@@ -247,7 +250,7 @@ void load_buffers(mixtape_aot_model& m) {
       storage = std::make_shared<mt::Storage>(info.dtype, mt::numel(info.shape));
       if (data) std::memcpy(storage->bytes.data(), data->bytes.data(), data->bytes.size());
     }
-    m.checkpointed.push_back(b.at("checkpoint").as_bool());
+    m.checkpointed.push_back(b.at("checkpoint").get<bool>());
     m.buffers.push_back(std::move(storage));
     m.buffer_info.push_back(std::move(info));
   }
@@ -301,8 +304,8 @@ std::string gpu_unusable_reason() {
 // The manifest's CUDA images by arch, in its order.
 std::vector<std::string> cuda_archs(const mixtape_aot_model& m) {
   std::vector<std::string> archs;
-  for (const Value& image : m.manifest.at("cuda").at("images").as_array())
-    archs.push_back(image.at("arch").as_string());
+  for (const Value& image : m.manifest.at("cuda").at("images"))
+    archs.push_back(image.at("arch").get<std::string>());
   return archs;
 }
 
@@ -319,7 +322,7 @@ int cuda_image(const mixtape_aot_model& m) {
 // keeps its modules.
 void open_cuda(mixtape_aot_model& m) {
   const Value& info = m.manifest.at("cuda");
-  for (const Value& b : info.at("batches").as_array()) m.cuda_batches.push_back(b.as_int());
+  for (const Value& b : info.at("batches")) m.cuda_batches.push_back(b.get<int64_t>());
   if (m.cuda_batches.empty() || !std::is_sorted(m.cuda_batches.begin(), m.cuda_batches.end()))
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: the manifest's cuda batches are not a sorted "
                                               "list",
@@ -333,14 +336,14 @@ void open_cuda(mixtape_aot_model& m) {
                       m.name, mt::cuda::device_name(), cc / 10, cc % 10,
                       fmt::join(cuda_archs(m), ", ")));
   }
-  const Value* chosen = &info.at("images").as_array().at(static_cast<size_t>(index));
-  const std::string& file = chosen->at("file").as_string();
-  if (!m.manifest.at("files").find(file))
+  const Value* chosen = &info.at("images").at(static_cast<size_t>(index));
+  const std::string& file = chosen->at("file").get<std::string>();
+  if (!mt::json::find(m.manifest.at("files"), file))
     raise(MIXTAPE_AOT_ERROR_FILE,
           fmt::format("{}: the manifest has no checksum for {}", m.name, file));
   std::string image = read_text(m.path(file), kMaxPlanBytes);
   std::string digest = mt::digest_bytes(image).xxh3_64;
-  if (digest != m.manifest.at("files").at(file).at("xxh3_64").as_string())
+  if (digest != m.manifest.at("files").at(file).at("xxh3_64").get<std::string>())
     raise(MIXTAPE_AOT_ERROR_FILE,
           fmt::format("{}: {} changed after it was checked", m.name, m.path(file)));
   static std::mutex mutex;
@@ -368,15 +371,16 @@ void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const ch
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: not a manifest: {}", manifest_path, e.what()));
   }
   const Value& manifest = m.manifest;
-  const Value* format = manifest.find("format");
-  const Value* version = manifest.find("mixtape_version");
-  if (!format || !format->is_string() || format->as_string() != kManifestFormat || !version ||
-      !version->is_string() || version->as_string() != MIXTAPE_RUNTIME_VERSION)
+  const Value* format = mt::json::find(manifest, "format");
+  const Value* version = mt::json::find(manifest, "mixtape_version");
+  if (!format || !format->is_string() || format->get<std::string>() != kManifestFormat ||
+      !version || !version->is_string() || version->get<std::string>() != MIXTAPE_RUNTIME_VERSION)
     raise(MIXTAPE_AOT_ERROR_VERSION,
           fmt::format("{}: written by mixtape {} (format {}); this runtime is mixtape {} and reads "
                       "format {}: export the model again with this version",
-                      manifest_path, version && version->is_string() ? version->as_string() : "?",
-                      format && format->is_string() ? format->as_string() : "?",
+                      manifest_path,
+                      version && version->is_string() ? version->get<std::string>() : "?",
+                      format && format->is_string() ? format->get<std::string>() : "?",
                       MIXTAPE_RUNTIME_VERSION, kManifestFormat));
   // After the version check, so that a manifest of another version says so.
   if (std::string digest = mt::digest_bytes(manifest_text).xxh3_64; digest != manifest_xxh3)
@@ -384,12 +388,12 @@ void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const ch
           fmt::format("{}: not the manifest this library was built with (xxh3_64 {}, the library "
                       "expects {}): the file was changed, or comes from another export of {}",
                       manifest_path, digest, manifest_xxh3, m.name));
-  if (manifest.at("name").as_string() != m.name)
+  if (manifest.at("name").get<std::string>() != m.name)
     raise(MIXTAPE_AOT_ERROR_FILE,
           fmt::format("{}: the manifest is artifact '{}', not '{}'", manifest_path,
-                      manifest.at("name").as_string(), m.name));
+                      manifest.at("name").get<std::string>(), m.name));
   std::vector<std::string> devices;
-  for (const Value& d : manifest.at("devices").as_array()) devices.push_back(d.as_string());
+  for (const Value& d : manifest.at("devices")) devices.push_back(d.get<std::string>());
   bool has_cuda = std::find(devices.begin(), devices.end(), "cuda") != devices.end();
   // NULL: the GPU where the artifact has kernels this GPU runs and the machine can run them.
   std::string wanted = device                                                            ? device
@@ -422,34 +426,34 @@ void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const ch
             fmt::format("{}: kernel {} of the {} table is NULL", m.name, i, variant->target));
     m.kernels[kernel.key] = {kernel.function, 0};
   }
-  for (const Value& k : manifest.at("kernels").as_array()) {
+  for (const Value& k : manifest.at("kernels")) {
     if (!variant) break;
-    auto found = m.kernels.find(k.at("key").as_string());
+    auto found = m.kernels.find(k.at("key").get<std::string>());
     if (found == m.kernels.end())
       raise(MIXTAPE_AOT_ERROR_FILE,
             fmt::format("{}: the manifest lists kernel {}, which the library does not hold (a "
                         "manifest from another export?)",
-                        m.name, k.at("key").as_string()));
-    found->second.dim0 = std::max(found->second.dim0, k.at("dim0").as_int());
+                        m.name, k.at("key").get<std::string>()));
+    found->second.dim0 = std::max(found->second.dim0, k.at("dim0").get<int64_t>());
   }
-  m.step = manifest.at("kind").as_string() == "step";
-  m.export_batch = manifest.at("batch").at("export").as_int();
-  m.max_batch = manifest.at("batch").at("max").as_int();
+  m.step = manifest.at("kind").get<std::string>() == "step";
+  m.export_batch = manifest.at("batch").at("export").get<int64_t>();
+  m.max_batch = manifest.at("batch").at("max").get<int64_t>();
   m.inputs = arguments(manifest.at("inputs"));
   m.outputs = arguments(manifest.at("outputs"));
   if (m.step) {
     const Value& checkpoint = manifest.at("checkpoint");
-    for (const Value& kv : checkpoint.at("metadata").as_array())
-      m.checkpoint_metadata.emplace_back(kv.at(0).as_string(), kv.at(1).as_string());
-    m.steps_buffer = checkpoint.at("steps_buffer").as_int();
-    for (const Value& g : checkpoint.at("generators").as_array())
-      m.generators.push_back({g.at("name").as_string(),
-                              parse_uint64(g.at("seed").as_string(), "generator seed"),
-                              g.at("buffer").as_int()});
+    for (const Value& kv : checkpoint.at("metadata"))
+      m.checkpoint_metadata.emplace_back(kv.at(0).get<std::string>(), kv.at(1).get<std::string>());
+    m.steps_buffer = checkpoint.at("steps_buffer").get<int64_t>();
+    for (const Value& g : checkpoint.at("generators"))
+      m.generators.push_back({g.at("name").get<std::string>(),
+                              parse_uint64(g.at("seed").get<std::string>(), "generator seed"),
+                              g.at("buffer").get<int64_t>()});
   }
   try {
-    m.plan_doc =
-        mt::json::parse(read_text(m.path(m.name + ".plan"), kMaxPlanBytes), kMaxJsonValues);
+    m.plan_doc = mt::aot::PlanDocument::parse(read_text(m.path(m.name + ".plan"), kMaxPlanBytes),
+                                              kMaxJsonValues);
   } catch (const mt::Error& e) {
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: {}", m.path(m.name + ".plan"), e.what()));
   }

@@ -557,12 +557,4 @@ void gemm_clear_primitive_cache() {
   state.cache.clear();
 }
 
-void gemm_release_scratch() {
-  ThreadScratch& scratch = thread_scratch();
-  for (ScratchBuffer* buffer :
-       {&scratch.a, &scratch.b, &scratch.bias, &scratch.result, &scratch.onednn, &scratch.partials})
-    buffer->release();
-  gemm_bf16_own_release_scratch();
-}
-
 }  // namespace mixtape

@@ -65,8 +65,5 @@ std::string gemm_kernel(const GemmDesc& desc);
 size_t gemm_primitive_cache_size();
 /// Drops every cached primitive (they are rebuilt on demand).
 void gemm_clear_primitive_cache();
-/// Frees the calling thread's scratch buffers (widened and packed operands, f32 results, oneDNN
-/// scratchpad), which otherwise stay at their largest size for reuse by the next call.
-void gemm_release_scratch();
 
 }  // namespace mixtape

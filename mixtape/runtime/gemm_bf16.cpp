@@ -348,9 +348,4 @@ void gemm_bf16_own(int64_t batch, int64_t m, int64_t n, int64_t k, bool transpos
   }
 }
 
-void gemm_bf16_own_release_scratch() {
-  scratch().a.release();
-  scratch().b.release();
-}
-
 }  // namespace mixtape

@@ -35,7 +35,4 @@ void gemm_bf16_own(int64_t batch, int64_t m, int64_t n, int64_t k, bool transpos
                    bool transpose_b, const uint16_t* a, const uint16_t* b, const float* bias,
                    float* out);
 
-/// Frees the calling thread's packing buffers.
-void gemm_bf16_own_release_scratch();
-
 }  // namespace mixtape

@@ -125,29 +125,31 @@ void validate(const File& file, std::string_view context) {
 /// bytes as 16 lowercase hex digits. Text in a metadata string keeps the file readable by every
 /// safetensors reader, which require metadata values to be strings.
 std::string encode_checksums(const File& file) {
-  json::Object sums;
+  json::Value sums = json::Value::object();
   for (const TensorData& tensor : file.tensors)
-    sums.emplace_back(tensor.name, fmt::format("{:016x}", checksum(tensor.bytes)));
+    json::append(sums, tensor.name, fmt::format("{:016x}", checksum(tensor.bytes)));
   return json::dump(sums);
 }
 
 /// The length field plus the space-padded JSON header; the data section follows it directly.
 std::string encode_header(const File& file, std::string_view context) {
   validate(file, context);
-  json::Object root;
+  // validate() has checked that the names and keys are distinct.
+  json::Value root = json::Value::object();
   if (!file.metadata.empty() || !file.tensors.empty()) {
-    json::Object metadata;
-    for (const auto& [key, value] : file.metadata) metadata.emplace_back(key, value);
-    if (!file.tensors.empty()) metadata.emplace_back(checksum_key, encode_checksums(file));
-    root.emplace_back(metadata_key, std::move(metadata));
+    json::Value metadata = json::Value::object();
+    for (const auto& [key, value] : file.metadata) json::append(metadata, key, value);
+    if (!file.tensors.empty())
+      json::append(metadata, std::string(checksum_key), encode_checksums(file));
+    json::append(root, std::string(metadata_key), std::move(metadata));
   }
   uint64_t offset = 0;
   for (const TensorData& tensor : file.tensors) {
-    json::Array shape(tensor.shape.begin(), tensor.shape.end());
     uint64_t end = offset + tensor.bytes.size();
-    root.emplace_back(tensor.name, json::Object{{"dtype", safetensors_name(tensor.dtype)},
-                                                {"shape", std::move(shape)},
-                                                {"data_offsets", json::Array{offset, end}}});
+    json::append(root, tensor.name,
+                 {{"dtype", safetensors_name(tensor.dtype)},
+                  {"shape", tensor.shape},
+                  {"data_offsets", {offset, end}}});
     offset = end;
   }
   std::string json_text;
@@ -209,16 +211,15 @@ void check_header_length(uint64_t header_length, uint64_t total_size, std::strin
 std::vector<std::pair<std::string, std::string>> read_metadata(const json::Value& value,
                                                                std::string_view origin) {
   if (!value.is_object())
-    fail("{}: '{}' must be an object, got {}", origin, metadata_key, json::kind_name(value.kind()));
+    fail("{}: '{}' must be an object, got {}", origin, metadata_key, value.type_name());
   if (value.size() > max_metadata_entries)
     fail("{}: {} metadata entries, more than the limit of {}", origin, value.size(),
          max_metadata_entries);
   std::vector<std::pair<std::string, std::string>> metadata;
-  for (const auto& [key, entry] : value.as_object()) {
+  for (const auto& [key, entry] : value.items()) {
     if (!entry.is_string())
-      fail("{}: metadata '{}' must be a string, got {}", origin, key,
-           json::kind_name(entry.kind()));
-    metadata.emplace_back(key, entry.as_string());
+      fail("{}: metadata '{}' must be a string, got {}", origin, key, entry.type_name());
+    metadata.emplace_back(key, entry.get<std::string>());
   }
   return metadata;
 }
@@ -227,9 +228,10 @@ std::vector<std::pair<std::string, std::string>> read_metadata(const json::Value
 std::optional<std::vector<int64_t>> read_naturals(const json::Value& value) {
   if (!value.is_array()) return std::nullopt;
   std::vector<int64_t> numbers;
-  for (const json::Value& element : value.as_array()) {
-    if (!element.is_integer() || element.as_int() < 0) return std::nullopt;
-    numbers.push_back(element.as_int());
+  for (const json::Value& element : value) {
+    // The strict reader keeps only int64 integers.
+    if (!element.is_number_integer() || element.get<int64_t>() < 0) return std::nullopt;
+    numbers.push_back(element.get<int64_t>());
   }
   return numbers;
 }
@@ -238,18 +240,19 @@ Entry read_entry(std::string name, const json::Value& value, uint64_t data_size,
                  std::string_view origin) {
   auto bad = [&](std::string_view what) { fail("{}: tensor '{}': {}", origin, name, what); };
   if (name.empty()) fail("{}: empty tensor name in header", origin);
-  if (!value.is_object()) bad(fmt::format("expected an object, got {}", kind_name(value.kind())));
-  for (const auto& [key, field] : value.as_object())
+  if (!value.is_object()) bad(fmt::format("expected an object, got {}", value.type_name()));
+  for (const auto& [key, field] : value.items())
     if (key != "dtype" && key != "shape" && key != "data_offsets")
       bad(fmt::format("unexpected field '{}'", key));
   for (std::string_view key : {"dtype", "shape", "data_offsets"})
-    if (!value.find(key)) bad(fmt::format("missing field '{}'", key));
+    if (!json::find(value, key)) bad(fmt::format("missing field '{}'", key));
 
   Entry entry;
   const json::Value& dtype = value.at("dtype");
   if (!dtype.is_string()) bad("'dtype' must be a string");
-  std::optional<DType> parsed_dtype = dtype_from_tag(dtype.as_string());
-  if (!parsed_dtype) bad(fmt::format("unknown dtype '{}'", dtype.as_string()));
+  const std::string& tag = dtype.get_ref<const std::string&>();
+  std::optional<DType> parsed_dtype = dtype_from_tag(tag);
+  if (!parsed_dtype) bad(fmt::format("unknown dtype '{}'", tag));
   entry.dtype = *parsed_dtype;
 
   std::optional<std::vector<int64_t>> shape = read_naturals(value.at("shape"));
@@ -271,7 +274,7 @@ Entry read_entry(std::string name, const json::Value& value, uint64_t data_size,
   if (!expected) bad(fmt::format("shape {} is too large", describe(entry.shape)));
   if (*expected != entry.end - entry.begin)
     bad(fmt::format("data_offsets span {} bytes but {} with shape {} needs {}",
-                    entry.end - entry.begin, dtype.as_string(), describe(entry.shape), *expected));
+                    entry.end - entry.begin, tag, describe(entry.shape), *expected));
   entry.name = std::move(name);
   return entry;
 }
@@ -316,9 +319,10 @@ std::vector<uint64_t> take_checksums(Layout& layout, std::string_view origin) {
   }
   if (!sums.is_object()) bad("must hold a JSON object");
   std::unordered_map<std::string_view, uint64_t> by_name;
-  for (const auto& [name, sum] : sums.as_object()) {
+  for (const auto& [name, sum] : sums.items()) {
     uint64_t value = 0;
-    std::string_view hex = sum.is_string() ? std::string_view(sum.as_string()) : "";
+    std::string_view hex =
+        sum.is_string() ? std::string_view(sum.get_ref<const std::string&>()) : "";
     auto [end, ec] = std::from_chars(hex.data(), hex.data() + hex.size(), value, 16);
     if (hex.size() != 16 || ec != std::errc() || end != hex.data() + hex.size())
       bad(fmt::format("gives tensor '{}' a checksum that is not 16 hex digits", name));
@@ -358,23 +362,22 @@ Layout read_header(std::string_view header, uint64_t data_size, std::string_view
   Layout layout;
   bool have_metadata = false, member_failed = false;
   try {
-    json::parse_members(
-        header, max_member_values, [&](std::string key, json::Value value, size_t /*key_offset*/) {
-          try {
-            if (key == metadata_key) {
-              if (have_metadata) fail("{}: duplicate key \"{}\" in the header", origin, key);
-              have_metadata = true;
-              layout.metadata = read_metadata(value, origin);
-            } else {
-              if (layout.entries.size() == max_tensors)
-                fail("{}: more than {} tensors, the limit", origin, max_tensors);
-              layout.entries.push_back(read_entry(std::move(key), value, data_size, origin));
-            }
-          } catch (const Error&) {
-            member_failed = true;
-            throw;
-          }
-        });
+    json::parse_members(header, max_member_values, [&](std::string key, json::Value value) {
+      try {
+        if (key == metadata_key) {
+          if (have_metadata) fail("{}: duplicate key \"{}\" in the header", origin, key);
+          have_metadata = true;
+          layout.metadata = read_metadata(value, origin);
+        } else {
+          if (layout.entries.size() == max_tensors)
+            fail("{}: more than {} tensors, the limit", origin, max_tensors);
+          layout.entries.push_back(read_entry(std::move(key), value, data_size, origin));
+        }
+      } catch (const Error&) {
+        member_failed = true;
+        throw;
+      }
+    });
   } catch (const Error& e) {
     if (member_failed) throw;
     fail("{}: header is not valid JSON (offsets count from the header start): {}", origin,

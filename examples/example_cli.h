@@ -1,0 +1,121 @@
+// examples/example_cli.h -- the examples' command lines (CLI11): the flags they share, defined
+// once, the checks on their values, and one way to fail (one line naming the flag, exit 2).
+#pragma once
+
+#include <mixtape/mixtape.h>
+#include <CLI/CLI.hpp>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+
+namespace examples {
+
+namespace mt = mixtape;
+
+/// A number for which `ok` holds; `rule` says which ("at least 1"), in --help and errors.
+inline CLI::Validator number_that(const std::string& rule, std::function<bool(double)> ok) {
+  return {[rule, ok](std::string& text) -> std::string {
+            double value = 0;
+            if (!CLI::detail::lexical_cast(text, value)) return "not a number: " + text;
+            return ok(value) ? "" : "must be " + rule + ", got " + text;
+          },
+          rule};
+}
+
+inline CLI::Validator at_least(double min) {
+  return number_that("at least " + CLI::detail::to_string(min),
+                     [min](double v) { return v >= min; });
+}
+
+inline CLI::Validator in_range(double min, double max) {
+  return number_that(
+      "in [" + CLI::detail::to_string(min) + ", " + CLI::detail::to_string(max) + "]",
+      [min, max](double v) { return v >= min && v <= max; });
+}
+
+/// The training settings the examples share.
+struct TrainingFlags {
+  std::string policy = "fp32";
+  std::string loss_scale = "none";  // none | static:N | dynamic
+  uint64_t seed = 0;
+  bool json_only = false;
+  bool compile = true;  // the step through mt::compile (traced twice, then replayed)
+  std::string logdir;   // TensorBoard event files of the run
+};
+
+/// --steps N, N >= 1.
+inline void add_steps(CLI::App& app, int64_t& steps) {
+  app.add_option("--steps", steps, "training steps")->check(at_least(1))->capture_default_str();
+}
+
+/// --logdir DIR.
+inline void add_logdir(CLI::App& app, std::string& logdir) {
+  app.add_option("--logdir", logdir, "write the run's TensorBoard event files into DIR")
+      ->type_name("DIR");
+}
+
+/// --policy, --loss-scale, --seed, --json, --[no-]compile and --logdir.
+inline void add_training_flags(CLI::App& app, TrainingFlags& f) {
+  app.add_option("--policy", f.policy, "precision policy")
+      ->type_name("fp32|autocast-f16|autocast-bf16|pure-f16|pure-bf16")
+      ->check(CLI::Validator(
+          [](std::string& name) -> std::string {
+            try {
+              mt::policy_by_name(name);
+              return "";
+            } catch (const mt::Error& e) {
+              return e.what();
+            }
+          },
+          ""))
+      ->capture_default_str();
+  app.add_option("--loss-scale", f.loss_scale, "loss scaling")
+      ->type_name("none|static:N|dynamic")
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            if (text == "none" || text == "dynamic") return "";
+            double factor = 0;
+            if (text.starts_with("static:") && CLI::detail::lexical_cast(text.substr(7), factor) &&
+                factor > 0)
+              return "";
+            return "must be none, static:N (N > 0) or dynamic, got '" + text + "'";
+          },
+          ""))
+      ->capture_default_str();
+  app.add_option("--seed", f.seed, "seed of the weights, batches and sampling")
+      ->capture_default_str();
+  app.add_flag("--json", f.json_only, "print only the JSON line of results");
+  app.add_flag("--compile,!--no-compile", f.compile,
+               "run the step through mt::compile (default) or trace it every step");
+  add_logdir(app, f.logdir);
+}
+
+/// The scaler `loss_scale` (checked by add_training_flags) asks for.
+inline mt::GradScalerOptions scaler_options(const std::string& loss_scale) {
+  mt::GradScalerOptions scaling{.enabled = loss_scale != "none",
+                                .dynamic = loss_scale == "dynamic"};
+  if (loss_scale.starts_with("static:")) scaling.init_scale = std::stod(loss_scale.substr(7));
+  return scaling;
+}
+
+/// A command-line mistake the flags' own checks cannot see: one line, exit status 2.
+[[noreturn]] inline void usage_error(const std::string& program, const std::string& problem) {
+  std::fprintf(stderr, "%s: %s (see --help)\n", program.c_str(), problem.c_str());
+  std::exit(2);
+}
+
+/// Parses argv: --help prints the flags and exits 0, a bad flag or value is usage_error.
+inline void parse(CLI::App& app, int argc, char** argv) {
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    std::exit(app.exit(e));
+  } catch (const CLI::ParseError& e) {
+    usage_error(app.get_name(), e.what());
+  }
+}
+
+}  // namespace examples
