@@ -3,7 +3,8 @@
 
 Every system times a workload the same way (mixtape_bench.cpp has the same loop in C++):
 warm-up steps (not timed into the result), then `windows` timed windows of K steps each, K
-chosen from the warm-up step time so that a window lasts about `window_seconds`; the reported
+chosen from the fastest warm-up step after the first so that a window lasts about
+`window_seconds`; the reported
 rate is the median of the per-window rates.
 """
 
@@ -177,7 +178,8 @@ def measure(step, sync, warmup, windows, window_seconds, budget_seconds):
         # the first have taken half the budget.
         if len(warm_times) >= 2 and sum(warm_times[1:]) > budget_seconds / 2:
             break
-    estimate = statistics.median(warm_times[1:]) if len(warm_times) > 1 else warm_times[0]
+    # The fastest warm-up step after the first, as bench/timing.h takes it.
+    estimate = min(warm_times[1:]) if len(warm_times) > 1 else warm_times[0]
     per_window = max(1, round(window_seconds / max(estimate, 1e-9)))
     planned = windows
     if estimate * per_window * windows > budget_seconds:

@@ -27,12 +27,12 @@ constexpr const char* kUsage =
     "             gemm_<f32|bf16>_<N> (N^3 product through runtime/gemm.h, f32 result),\n"
     "             gemm_<f32|bf16>_<M>x<N>x<K> (an M x K by K x N product); a suffix\n"
     "             :native, :widened or :own picks the bf16 kernel (default: automatic),\n"
-    "             :ta and :tb store a or b transposed\n";
+    "             :ta and :tb store a or b transposed, :b<B> makes it B products in one call\n";
 
 /// A gemm workload's name parsed: gemm_<dtype>_<N> or gemm_<dtype>_<M>x<N>x<K>, and :kernel.
 struct GemmWorkload {
   std::string dtype;
-  int64_t m = 0, n = 0, k = 0;
+  int64_t batch = 1, m = 0, n = 0, k = 0;
   mt::Bf16Kernel kernel = mt::Bf16Kernel::automatic;
   bool transpose_a = false, transpose_b = false;  // the operands stored transposed
 };
@@ -40,7 +40,8 @@ struct GemmWorkload {
 bool parse_gemm(const std::string& name, GemmWorkload& w) {
   const size_t colon = name.find(':');
   const std::string shape = name.substr(0, colon);
-  // Suffixes after ':': the bf16 kernel (native, widened, own) and the transposes (ta, tb).
+  // Suffixes after ':': the bf16 kernel (native, widened, own), the transposes (ta, tb) and the
+  // batch (b<B>).
   for (size_t at = colon; at != std::string::npos;) {
     const size_t next = name.find(':', at + 1);
     const std::string part = name.substr(at + 1, next == std::string::npos ? next : next - at - 1);
@@ -54,6 +55,9 @@ bool parse_gemm(const std::string& name, GemmWorkload& w) {
       w.transpose_a = true;
     else if (part == "tb")
       w.transpose_b = true;
+    else if (part.size() > 1 && part[0] == 'b' &&
+             part.find_first_not_of("0123456789", 1) == std::string::npos)
+      w.batch = std::atoll(part.c_str() + 1);
     else
       return false;
     at = next;
@@ -71,7 +75,7 @@ bool parse_gemm(const std::string& name, GemmWorkload& w) {
     return false;
   }
   w.dtype = dtype, w.m = m, w.n = n, w.k = k;
-  return (w.dtype == "f32" || w.dtype == "bf16") && m > 0 && n > 0 && k > 0 &&
+  return (w.dtype == "f32" || w.dtype == "bf16") && m > 0 && n > 0 && k > 0 && w.batch > 0 &&
          (w.kernel == mt::Bf16Kernel::automatic || w.dtype == "bf16");
 }
 
@@ -88,12 +92,14 @@ mt::json::Value gemm_record(const std::string& name, const GemmWorkload& w, Peak
   std::mt19937_64 rng(0);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const std::string& dtype = w.dtype;
-  std::vector<float> a(static_cast<size_t>(w.m * w.k)), b(static_cast<size_t>(w.k * w.n));
-  std::vector<float> out(static_cast<size_t>(w.m * w.n));
+  std::vector<float> a(static_cast<size_t>(w.batch * w.m * w.k));
+  std::vector<float> b(static_cast<size_t>(w.batch * w.k * w.n));
+  std::vector<float> out(static_cast<size_t>(w.batch * w.m * w.n));
   for (float& v : a) v = normal(rng);
   for (float& v : b) v = normal(rng);
   std::vector<uint16_t> a16, b16;
-  mt::GemmDesc desc{.m = w.m,
+  mt::GemmDesc desc{.batch = w.batch,
+                    .m = w.m,
                     .n = w.n,
                     .k = w.k,
                     .transpose_a = w.transpose_a,
@@ -113,7 +119,7 @@ mt::json::Value gemm_record(const std::string& name, const GemmWorkload& w, Peak
   auto step = [&] { mt::gemm(desc, a_data, b_data, out.data()); };
   mt::json::Value result = bench::measure(step, timing);
   double calls_per_s = result.at("steps_per_s").get<double>();
-  double gflops = calls_per_s * 2.0 * static_cast<double>(w.m * w.n * w.k) / 1e9;
+  double gflops = calls_per_s * 2.0 * static_cast<double>(w.batch * w.m * w.n * w.k) / 1e9;
   // bf16 operands may be widened to f32 and run on the FMA units (runtime/gemm.h), so their
   // ceiling is the better of the f32 and bf16 peaks (AMX, where the machine has it).
   double peak = peaks.machine_gflops("f32");
@@ -124,6 +130,7 @@ mt::json::Value gemm_record(const std::string& name, const GemmWorkload& w, Peak
                          {"m", w.m},
                          {"n", w.n},
                          {"k", w.k},
+                         {"batch", w.batch},
                          {"kernel", mt::gemm_kernel(desc)},
                          {"out_dtype", "f32"},
                          {"gflops", gflops},
@@ -157,7 +164,8 @@ int main(int argc, char** argv) {
       } else {
         mt::fail(
             "bench_gemm: unknown workload '{}' (fma_peak, gemm_<f32|bf16>_<N>, "
-            "gemm_<f32|bf16>_<M>x<N>x<K>, with :native, :widened or :own for bf16, :ta, :tb)",
+            "gemm_<f32|bf16>_<M>x<N>x<K>, with :native, :widened or :own for bf16, :ta, :tb, "
+            ":b<B>)",
             name);
       }
     }

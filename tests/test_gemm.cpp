@@ -744,6 +744,56 @@ TEST(Gemm, OwnBf16KernelMatchesAScalarModelOfVdpbf16psBitForBit) {
   EXPECT_EQ(checked, 10 * 4 * 2 * 2 * 2);
 }
 
+// The own kernel rounds a bf16 result and applies the relu in registers, on the team from 2^22
+// flops: the bits are the scalar model's f32 result put through the reference's relu and
+// dsl/half.h's rounding (subnormals kept; NaN for NaN, as the model's payloads are its own), as
+// the f32 result and a separate epilogue pass gave. Shapes: one k block, several (k 300: sums
+// staged in f32), 192-row work items with a row tail (m 389, on the team), transposed A in 64-row
+// panels.
+TEST(Gemm, OwnBf16KernelRoundsItsBf16ResultAndReluAsTheEpilogueDoes) {
+  if (!mt::gemm_bf16_own_available()) GTEST_SKIP() << "this CPU has no AVX512-BF16";
+  std::mt19937 rng(2027);
+  const int64_t shapes[][3] = {{7, 65, 3}, {13, 130, 67}, {9, 70, 300}, {389, 130, 64}, {2, 64, 1}};
+  auto relu = [](float x) { return x > 0 || std::isnan(x) ? x : 0.0f; };
+  int checked = 0;
+  for (const auto& shape : shapes)
+    for (int transposes = 0; transposes < 4; ++transposes)
+      for (bool has_bias : {false, true})
+        for (mt::DType out : {mt::f32, mt::bf16})
+          for (bool with_relu : {false, true}) {
+            mt::GemmDesc d;
+            d.m = shape[0], d.n = shape[1], d.k = shape[2];
+            d.transpose_a = transposes & 1, d.transpose_b = transposes & 2;
+            d.operand = mt::bf16, d.bf16_kernel = mt::Bf16Kernel::own;
+            d.has_bias = has_bias, d.out = out, d.relu = with_relu;
+            std::vector<uint16_t> a = awkward_bf16(rng, d.m * d.k);
+            std::vector<uint16_t> b = awkward_bf16(rng, d.k * d.n);
+            std::vector<float> bias = uniform(rng, d.n);
+            // Tiny biases make sums near zero, whose bf16 rounding of an f32 subnormal is kept.
+            if (has_bias) bias[1] = 0x1p-130f, bias[2] = -0x1p-140f;
+            std::vector<float> want = model_gemm(d, a, b, has_bias ? &bias : nullptr);
+            std::vector<float> got32(want.size(), -1.0f);
+            std::vector<uint16_t> got16(want.size(), 0xFFFF);
+            mt::gemm(d, a.data(), b.data(),
+                     out == mt::f32 ? static_cast<void*>(got32.data()) : got16.data(),
+                     has_bias ? bias.data() : nullptr);
+            for (size_t i = 0; i < want.size(); ++i) {
+              const float x = with_relu ? relu(want[i]) : want[i];
+              const bool same = out == mt::f32
+                                    ? (std::isnan(x) ? std::isnan(got32[i])
+                                                     : std::bit_cast<uint32_t>(got32[i]) ==
+                                                           std::bit_cast<uint32_t>(x))
+                                    : (std::isnan(x) ? std::isnan(mt::bf16_bits_to_f32(got16[i]))
+                                                     : got16[i] == mt::f32_to_bf16_bits(x));
+              ASSERT_TRUE(same) << label(d) << ": element " << i << " is "
+                                << (out == mt::f32 ? got32[i] : mt::bf16_bits_to_f32(got16[i]))
+                                << ", the model gives " << x;
+            }
+            ++checked;
+          }
+  EXPECT_EQ(checked, 5 * 4 * 2 * 2 * 2);
+}
+
 // The model is no tautology: it flushes what an f32 loop keeps and orders each pair odd first,
 // so the own kernel's bits differ from plain f32 sums on inputs built for that.
 TEST(Gemm, OwnBf16KernelFlushesSubnormalsAndSumsPairsOddFirst) {
@@ -772,8 +822,8 @@ TEST(Gemm, OwnBf16KernelFlushesSubnormalsAndSumsPairsOddFirst) {
 }
 
 // Where bf16 dot products outrun f32 FMAs (measured), automatic bf16 products stay bf16: the own
-// kernel up to 2^21 flops with 64 columns, or 32 columns and at most 128 rows, whatever the
-// transposes; oneDNN's bf16 kernel otherwise.
+// kernel up to 2^21 flops with 64 columns, or 32 columns and at most 128 rows, and from 64
+// columns with k up to 128, whatever the transposes; oneDNN's bf16 kernel otherwise.
 TEST(Gemm, AutomaticBf16KernelFollowsTheMeasuredDotProductSpeed) {
   const double ratio = mt::bf16_dot_speed_over_f32();
   std::cout << "[ info ] VDPBF16PS runs at " << ratio << " times the f32 FMA rate here\n";
@@ -790,6 +840,9 @@ TEST(Gemm, AutomaticBf16KernelFollowsTheMeasuredDotProductSpeed) {
                             {512, 32, 64},
                             {64, 32, 64},
                             {256, 256, 64},
+                            {4096, 64, 64},
+                            {4096, 16, 64},
+                            {768, 128, 512},
                             {1024, 1024, 1024}}) {
     mt::GemmDesc d;
     d.m = shape[0], d.n = shape[1], d.k = shape[2], d.operand = mt::bf16;
@@ -802,7 +855,8 @@ TEST(Gemm, AutomaticBf16KernelFollowsTheMeasuredDotProductSpeed) {
       continue;
     }
     const double flops = 2.0 * static_cast<double>(d.m * d.n * d.k);
-    const bool small = flops <= 0x1p21 && (d.n >= 64 || (d.n >= 32 && d.m <= 128));
+    const bool small =
+        (flops <= 0x1p21 && (d.n >= 64 || (d.n >= 32 && d.m <= 128))) || (d.n >= 64 && d.k <= 128);
     EXPECT_EQ(kernel, small ? mt::gemm_kernel(own) : mt::gemm_kernel(native)) << label(d);
     for (mt::GemmDesc* transposed : {&d, &own, &native}) transposed->transpose_a = true;
     EXPECT_EQ(mt::gemm_kernel(d), small ? mt::gemm_kernel(own) : mt::gemm_kernel(native))

@@ -89,6 +89,17 @@ constexpr double kSingleThreadMaxFlops = double{1 << 22};
 // - behind: 32 columns from 256 rows, b untransposed (512x32x64 0.80-0.82 vs 0.84-0.89,
 //   256x32x128 0.84-0.89 vs 0.87-0.92: 8 accumulators a row); 256x10x64 0.35 vs 0.40 (one vector
 //   of columns leaves 6 accumulators, too few to hide VDPBF16PS's latency).
+//
+// Larger products with at least 64 columns and k up to 128 (one k block of the own kernel, so its
+// bf16 result is rounded in registers and written once) run on it too, on the team: it reaches
+// oneDNN's rate there, and oneDNN's f32 result and the separate pass that rounds it to bf16 cost
+// about a tenth of mlp_w64_b4096's bf16 step. CPU time per product, one thread, own vs oneDNN
+// (f32 results, load 6-8): 4096x64x64 0.92 vs 0.90, b transposed 0.91 vs 0.91; 4096x64x16 0.77
+// vs 0.66; 4096x64x32 b transposed 0.88 vs 0.85; 768x512x128 0.96 vs 0.96, b transposed 0.94 vs
+// 0.96; 768x384x128 b transposed 0.95 vs 0.96; 768x128x128 0.94 vs 0.94, b transposed 0.93 vs
+// 0.90; 48 x 64x64x32 b transposed 0.78 vs 0.76. Behind at 16 columns (4096x16x64 b transposed
+// 0.59 vs 0.77), which stay with oneDNN.
+constexpr int64_t kOwnBf16MaxDepth = 128;
 constexpr int64_t kOwnBf16WideColumns = 64;
 constexpr int64_t kOwnBf16MinColumns = 32;
 constexpr int64_t kOwnBf16MaxRowsWhenNarrow = 128;
@@ -254,7 +265,7 @@ bool bf16_dots_are_faster() {
                "bf16 products {}",
                ratio,
                result ? "stay bf16 (own kernel up to 2^21 flops from 64 columns, or from 32 "
-                        "up to 128 rows; else oneDNN bf16)"
+                        "up to 128 rows, and from 64 columns with k up to 128; else oneDNN bf16)"
                       : "are widened to f32 or not by shape");
     return result;
   }();
@@ -284,7 +295,8 @@ Choice choose(const GemmDesc& d) {
         if (bf16_dots_are_faster()) {
           const bool columns_fit = d.n >= kOwnBf16WideColumns ||
                                    (d.n >= kOwnBf16MinColumns && d.m <= kOwnBf16MaxRowsWhenNarrow);
-          if (flops_of(d) <= kOwnBf16MaxFlops && columns_fit)
+          const bool shallow = d.n >= kOwnBf16WideColumns && d.k <= kOwnBf16MaxDepth;
+          if ((flops_of(d) <= kOwnBf16MaxFlops && columns_fit) || shallow)
             return Choice{true, false, false, nullptr};
           widen = false;
           break;
@@ -300,7 +312,10 @@ Choice choose(const GemmDesc& d) {
 }
 
 std::string describe(const Choice& choice, const GemmDesc& d) {
-  if (choice.own) return "mixtape's own bf16 kernel (6x64 VDPBF16PS tile, one thread)";
+  if (choice.own)
+    return flops_of(d) >= kSingleThreadMaxFlops
+               ? "mixtape's own bf16 kernel (6x64 VDPBF16PS tile, 64-row blocks on the team)"
+               : "mixtape's own bf16 kernel (6x64 VDPBF16PS tile, one thread)";
   if (choice.widen)
     return fmt::format("{} widened to f32, oneDNN f32 {}", name(d.operand),
                        choice.primitive->implementation);
@@ -500,11 +515,15 @@ void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void
   }
   log_choice(d, [&] { return describe(choice, d); });
   if (choice.own) {
-    float* result = f32_result();
+    // An f32 or bf16 result is written by the kernel itself, relu included; an f16 one goes
+    // through the f32 result and the epilogue.
+    const bool team = flops_of(d) >= kSingleThreadMaxFlops;
+    const bool direct = d.out == f32 || d.out == bf16;
+    void* result = direct ? out : f32_result();
     gemm_bf16_own(d.batch, d.m, d.n, d.k, d.transpose_a, d.transpose_b,
                   static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b), bias_f32,
-                  result);
-    finish(d, false, result, out, result_count);
+                  result, d.out == bf16, direct && d.relu, team);
+    if (!direct) finish(d, team, static_cast<float*>(result), out, result_count);
     return;
   }
   const void* a_operand = a;

@@ -16,13 +16,14 @@ namespace mixtape {
 enum class Bf16Kernel : uint8_t {
   automatic,  // by machine, then by shape (gemm.cpp): AMX where oneDNN runs it; where bf16 dot
               // products outrun f32 FMAs (measured once, bf16_dot_speed_over_f32 in gemm_bf16.h)
-              // own for small products (2^21 flops, n >= 64 or n >= 32 with m <= 128), native
-              // otherwise; elsewhere widened when there are enough flops per
+              // own for small products (2^21 flops, n >= 64 or n >= 32 with m <= 128) and for
+              // shallow ones (n >= 64, k <= 128), native otherwise; elsewhere widened when there
+              // are enough flops per
               // converted element. Fixed per shape and machine; MIXTAPE_LOG=profile logs it.
   native,     // oneDNN's bf16 matmul (AMX tiles or AVX512-BF16 dot products)
   widened,    // operands widened exactly to f32, then oneDNN's f32 matmul
-  own,        // mixtape's VDPBF16PS kernel, one thread (gemm_bf16.h gives its exact result); an
-              // mt::Error on a CPU without AVX512-BF16
+  own,        // mixtape's VDPBF16PS kernel, on the team from 2^22 flops (gemm_bf16.h gives its
+              // exact result); an mt::Error on a CPU without AVX512-BF16
 };
 
 struct GemmDesc {

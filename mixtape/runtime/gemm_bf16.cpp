@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include <immintrin.h>
+#include <omp.h>
 
 #include "mixtape/runtime/scratch_buffer.h"
 
@@ -30,7 +31,7 @@ constexpr int64_t kPanel = 16 * kVectors;  // columns of a packed B panel
 constexpr int64_t kBlockPairs = 64;
 
 struct Scratch {
-  ScratchBuffer a, b;
+  ScratchBuffer a, b, stage;
 };
 
 Scratch& scratch() {
@@ -44,26 +45,66 @@ uint32_t load_pair(const uint16_t* at) {
   return word;
 }
 
+// Where a tile's sums go, and where they resume from. A k block before the last stores its f32
+// sums (to `out`, or for a bf16 result to a staging buffer) and the next one resumes from them;
+// the last adds the bias, applies the relu and rounds to bf16 in registers, so the result is
+// written once (a separate epilogue pass over an f32 result was about a tenth of a step).
+struct TileOutput {
+  const float* resume = nullptr;  // the earlier blocks' sums, or null for the first block
+  int64_t resume_ld = 0;
+  void* out = nullptr;  // f32, or bf16 when `bf16`
+  int64_t ldo = 0;
+  const float* bias = nullptr;  // f32, added by the last block only
+  bool bf16 = false, relu = false;
+  int last_lanes = 16;  // lanes the last vector of columns stores
+};
+
+// The reference's relu (x for x > 0 and NaN, +0 otherwise, -0 included), then dsl/half.h's
+// f32_to_bf16_bits on 16 lanes: round to nearest even by an integer add, a NaN quieted with its
+// sign and top payload bits. VCVTNEPS2BF16 would flush subnormals, which that rounding keeps.
+MIXTAPE_AVX512_BF16 __m512 reference_relu(__m512 x) {
+  return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_setzero_ps(), _CMP_NLE_UQ), x);
+}
+MIXTAPE_AVX512_BF16 __m512i bf16_bits(__m512 x) {
+  const __m512i f = _mm512_castps_si512(x);
+  // The zero-masked shifts with every lane selected: GCC 12's plain forms pass an undefined vector
+  // and -Werror=maybe-uninitialized rejects them.
+  const __mmask16 all = 0xFFFF;
+  const __m512i high = _mm512_maskz_srli_epi32(all, f, 16);
+  const __m512i carry =
+      _mm512_add_epi32(_mm512_and_si512(high, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7FFF));
+  const __m512i rounded = _mm512_maskz_srli_epi32(all, _mm512_add_epi32(f, carry), 16);
+  const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(f, _mm512_set1_epi32(0x7FFFFFFF)),
+                                                _mm512_set1_epi32(0x7F800000));
+  return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x0040)));
+}
+
 // One rows x (16 * vectors) block of the result: row r's pair p of A is the (unaligned) 32-bit
 // word at a + 2 * (r * row_words + p * pair_words); `panel` points at the packed B panel
-// ([pairs][64] words, each a pair of bf16 from rows 2p and 2p+1 of one column). The last vector
-// stores only `last_lanes` lanes; `resume` starts from the sums already in `out`.
+// ([pairs][64] words, each a pair of bf16 from rows 2p and 2p+1 of one column).
 template <int rows, int vectors>
 MIXTAPE_AVX512_BF16 void tile(const uint16_t* a, int64_t row_words, int64_t pair_words,
-                              const uint32_t* panel, int64_t pairs, const float* bias, float* out,
-                              int64_t ldo, int last_lanes, bool resume) {
+                              const uint32_t* panel, int64_t pairs, const TileOutput& o) {
   // Every loop over rows and vectors is unrolled, so that the accumulators stay in registers
   // (without the pragmas GCC kept them on the stack around the stores, about a tenth of a
   // 256x64x64 product's time).
-  const __mmask16 last = static_cast<__mmask16>((1u << last_lanes) - 1u);
+  // The output's fields as locals: read through `o`, each would be read again after every store
+  // (a store might change them), about a tenth of a 4096x64x64 product's time.
+  const __mmask16 last = static_cast<__mmask16>((1u << o.last_lanes) - 1u);
+  const float* const resume = o.resume;
+  const float* const bias = o.bias;
+  const int64_t resume_ld = o.resume_ld, ldo = o.ldo;
+  const bool relu = o.relu, bf16 = o.bf16;
+  float* const out32 = static_cast<float*>(o.out);
+  uint16_t* const out16 = static_cast<uint16_t*>(o.out);
   __m512 acc[rows][vectors];
 #pragma GCC unroll 8
   for (int r = 0; r < rows; ++r)
 #pragma GCC unroll 4
     for (int v = 0; v < vectors; ++v)
-      acc[r][v] =
-          resume ? _mm512_maskz_loadu_ps(v == vectors - 1 ? last : 0xFFFF, out + r * ldo + 16 * v)
-                 : _mm512_setzero_ps();
+      acc[r][v] = resume != nullptr ? _mm512_maskz_loadu_ps(v == vectors - 1 ? last : 0xFFFF,
+                                                            resume + r * resume_ld + 16 * v)
+                                    : _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh bv[vectors];
 #pragma GCC unroll 4
@@ -83,14 +124,19 @@ MIXTAPE_AVX512_BF16 void tile(const uint16_t* a, int64_t row_words, int64_t pair
     const __m512 add =
         bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + 16 * v) : _mm512_setzero_ps();
 #pragma GCC unroll 8
-    for (int r = 0; r < rows; ++r)
-      _mm512_mask_storeu_ps(out + r * ldo + 16 * v, mask,
-                            bias != nullptr ? _mm512_add_ps(acc[r][v], add) : acc[r][v]);
+    for (int r = 0; r < rows; ++r) {
+      __m512 x = bias != nullptr ? _mm512_add_ps(acc[r][v], add) : acc[r][v];
+      if (relu) x = reference_relu(x);
+      if (bf16)
+        _mm512_mask_cvtepi32_storeu_epi16(out16 + r * ldo + 16 * v, mask, bf16_bits(x));
+      else
+        _mm512_mask_storeu_ps(out32 + r * ldo + 16 * v, mask, x);
+    }
   }
 }
 
 using TileFunction = void (*)(const uint16_t*, int64_t, int64_t, const uint32_t*, int64_t,
-                              const float*, float*, int64_t, int, bool);
+                              const TileOutput&);
 
 template <int rows>
 constexpr TileFunction tile_for_vectors(int vectors) {
@@ -123,9 +169,10 @@ TileFunction tile_for(int rows, int vectors) {
   }
 }
 
-// B [k, n] row-major into panels of 64 columns, [panel][pair][64] words, zero past k and n. Rows
-// 2p and 2p+1 are interleaved 32 columns at a time by VPERMT2W.
-MIXTAPE_AVX512_BF16 void pack_b_rows(const uint16_t* b, int64_t k, int64_t n, uint32_t* packed) {
+// B [k, n] (rows `ld` apart) into panels of 64 columns, [panel][pair][64] words, zero past k and
+// n. Rows 2p and 2p+1 are interleaved 32 columns at a time by VPERMT2W.
+MIXTAPE_AVX512_BF16 void pack_b_rows(const uint16_t* b, int64_t k, int64_t n, int64_t ld,
+                                     uint32_t* packed) {
   const int64_t pairs = (k + 1) / 2;
   alignas(64) static constexpr uint16_t kLow[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
                                                     37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
@@ -138,10 +185,10 @@ MIXTAPE_AVX512_BF16 void pack_b_rows(const uint16_t* b, int64_t k, int64_t n, ui
       const int64_t columns = std::clamp<int64_t>(n - j0 - half, 0, 32);
       const __mmask32 mask = columns == 32 ? ~__mmask32{0} : (__mmask32{1} << columns) - 1;
       for (int64_t p = 0; p < pairs; ++p) {
-        const uint16_t* row = b + 2 * p * n + j0 + half;
+        const uint16_t* row = b + 2 * p * ld + j0 + half;
         const __m512i even = _mm512_maskz_loadu_epi16(mask, row);
         const __m512i odd =
-            2 * p + 1 < k ? _mm512_maskz_loadu_epi16(mask, row + n) : _mm512_setzero_si512();
+            2 * p + 1 < k ? _mm512_maskz_loadu_epi16(mask, row + ld) : _mm512_setzero_si512();
         _mm512_storeu_si512(panel + p * kPanel + half, _mm512_permutex2var_epi16(even, low, odd));
         _mm512_storeu_si512(panel + p * kPanel + half + 16,
                             _mm512_permutex2var_epi16(even, high, odd));
@@ -289,62 +336,120 @@ double bf16_dot_speed_over_f32() {
   return ratio;
 }
 
-void gemm_bf16_own(int64_t batch, int64_t m, int64_t n, int64_t k, bool transpose_a,
-                   bool transpose_b, const uint16_t* a, const uint16_t* b, const float* bias,
-                   float* out) {
-  const int64_t pairs = (k + 1) / 2, panels = (n + kPanel - 1) / kPanel;
+namespace {
+
+// Rows of A a work item takes: one packed panel of a transposed A, else 192 rows, a multiple of
+// the tile's 6 rows (items of 64 rows left a 4-row tile in each, 10% slower at 4096x64x64). Items
+// are shared out among the OpenMP team; every element's sum is the same whichever thread
+// computes it.
+constexpr int64_t kItemRows = 32 * kRows;
+
+struct Problem {
+  int64_t m, n, k, pairs, panels;
+  bool transpose_a, transpose_b;
+  const uint16_t* a;
+  const uint16_t* b;
+  const float* bias;
+  void* out;
+  bool bf16, relu;
+};
+
+// Rows [i_begin, i_end) of batch `bi`'s result, their A packed here where it must be. `packed_b`
+// holds this batch's B.
+MIXTAPE_AVX512_BF16 void run_rows(const Problem& q, int64_t bi, int64_t i_begin, int64_t i_end,
+                                  const uint32_t* packed_b) {
   Scratch& buffers = scratch();
-  uint32_t* packed_b = buffers.b.get<uint32_t>(panels * pairs * kPanel);
+  const int64_t rows = i_end - i_begin, pairs = q.pairs;
+  const uint16_t* a_batch = q.a + bi * q.m * q.k;
   // A's pairs: read in place (untransposed, even k: rows already are whole pairs), rows padded
-  // (odd k), or, transposed, packed like B: panels of 64 rows, [pair][64] words, where a row
-  // block must not cross a panel.
-  const int64_t a_panels = (m + kPanel - 1) / kPanel;
-  uint16_t* packed_a = nullptr;
-  if (transpose_a)
-    packed_a = reinterpret_cast<uint16_t*>(buffers.a.get<uint32_t>(a_panels * pairs * kPanel));
-  else if (k % 2 != 0)
-    packed_a = buffers.a.get<uint16_t>(m * pairs * 2);
-  const int64_t row_words = transpose_a ? 1 : pairs, pair_words = transpose_a ? kPanel : 1;
-  for (int64_t bi = 0; bi < batch; ++bi) {
-    const uint16_t* a_batch = a + bi * m * k;
-    const uint16_t* b_batch = b + bi * k * n;
-    float* out_batch = out + bi * m * n;
-    if (transpose_b)
-      pack_b_columns(b_batch, k, n, packed_b);
-    else
-      pack_b_rows(b_batch, k, n, packed_b);
-    const uint16_t* rows = a_batch;
-    if (transpose_a)
-      pack_b_rows(a_batch, k, m, reinterpret_cast<uint32_t*>(packed_a));
-    else if (k % 2 != 0)
-      pack_a_rows(a_batch, m, k, packed_a);
-    if (packed_a != nullptr) rows = packed_a;
-    // The first word of row i's pairs, in bf16 elements from `rows`.
-    auto row_start = [&](int64_t i) {
-      return transpose_a ? 2 * ((i / kPanel) * pairs * kPanel + i % kPanel) : 2 * i * pairs;
-    };
-    for (int64_t j0 = 0; j0 < n; j0 += kPanel) {
-      const int64_t columns = std::min(kPanel, n - j0);
-      const int vectors = static_cast<int>((columns + 15) / 16);
-      const int last_lanes = static_cast<int>(columns - 16 * (vectors - 1));
-      const uint32_t* panel = packed_b + (j0 / kPanel) * pairs * kPanel;
-      // k in blocks whose slice of the panel fits in L1 beside A's rows; a later block resumes
-      // from the f32 sums stored by the one before, so the sums and their order are unchanged.
-      for (int64_t p0 = 0; p0 < pairs; p0 += kBlockPairs) {
-        const int64_t block = std::min(kBlockPairs, pairs - p0);
-        const bool resume = p0 > 0, last_block = p0 + block == pairs;
-        const float* bias_panel = bias != nullptr && last_block ? bias + j0 : nullptr;
-        for (int64_t i0 = 0; i0 < m;) {
-          int64_t rows_here = std::min<int64_t>(kRows, m - i0);
-          if (transpose_a) rows_here = std::min(rows_here, kPanel - i0 % kPanel);
-          tile_for(static_cast<int>(rows_here), vectors)(rows + row_start(i0) + 2 * p0 * pair_words,
-                                                         row_words, pair_words, panel + p0 * kPanel,
-                                                         block, bias_panel, out_batch + i0 * n + j0,
-                                                         n, last_lanes, resume);
-          i0 += rows_here;
+  // (odd k), or, transposed, packed like B: one panel of these 64 rows, [pair][64] words.
+  const uint16_t* a_rows = a_batch + i_begin * q.k;
+  if (q.transpose_a) {
+    auto* packed = buffers.a.get<uint32_t>(pairs * kPanel);
+    pack_b_rows(a_batch + i_begin, q.k, rows, q.m, packed);
+    a_rows = reinterpret_cast<const uint16_t*>(packed);
+  } else if (q.k % 2 != 0) {
+    uint16_t* packed = buffers.a.get<uint16_t>(rows * pairs * 2);
+    pack_a_rows(a_rows, rows, q.k, packed);
+    a_rows = packed;
+  }
+  const int64_t row_words = q.transpose_a ? 1 : pairs, pair_words = q.transpose_a ? kPanel : 1;
+  const size_t out_size = q.bf16 ? sizeof(uint16_t) : sizeof(float);
+  // A bf16 result over more than one k block stages its f32 sums here, [rows][64].
+  float* stage = q.bf16 && pairs > kBlockPairs ? buffers.stage.get<float>(rows * kPanel) : nullptr;
+  for (int64_t j0 = 0; j0 < q.n; j0 += kPanel) {
+    const int64_t columns = std::min(kPanel, q.n - j0);
+    const int vectors = static_cast<int>((columns + 15) / 16);
+    const uint32_t* panel = packed_b + (j0 / kPanel) * pairs * kPanel;
+    auto* out = static_cast<char*>(q.out) + out_size * ((bi * q.m + i_begin) * q.n + j0);
+    // k in blocks whose slice of the panel fits in L1 beside A's rows; a later block resumes
+    // from the f32 sums stored by the one before, so the sums and their order are unchanged.
+    for (int64_t p0 = 0; p0 < pairs; p0 += kBlockPairs) {
+      const int64_t block = std::min(kBlockPairs, pairs - p0);
+      const bool first = p0 == 0, last = p0 + block == pairs;
+      for (int64_t i = 0; i < rows;) {
+        const int rows_here = static_cast<int>(std::min<int64_t>(kRows, rows - i));
+        TileOutput o;
+        o.last_lanes = static_cast<int>(columns - 16 * (vectors - 1));
+        if (!first && stage != nullptr) {
+          o.resume = stage + i * kPanel, o.resume_ld = kPanel;
+        } else if (!first) {  // an f32 result: the sums so far are in place
+          o.resume = reinterpret_cast<const float*>(out) + i * q.n, o.resume_ld = q.n;
         }
+        if (last) {
+          o.out = out + out_size * i * q.n, o.ldo = q.n;
+          o.bias = q.bias != nullptr ? q.bias + j0 : nullptr;
+          o.bf16 = q.bf16, o.relu = q.relu;
+        } else if (stage != nullptr) {
+          o.out = stage + i * kPanel, o.ldo = kPanel;
+        } else {
+          o.out = out + out_size * i * q.n, o.ldo = q.n;
+        }
+        tile_for(rows_here, vectors)(a_rows + 2 * (i * row_words + p0 * pair_words), row_words,
+                                     pair_words, panel + p0 * kPanel, block, o);
+        i += rows_here;
       }
     }
+  }
+}
+
+MIXTAPE_AVX512_BF16 void pack_b(const Problem& q, int64_t bi, uint32_t* packed) {
+  const uint16_t* b_batch = q.b + bi * q.k * q.n;
+  if (q.transpose_b)
+    pack_b_columns(b_batch, q.k, q.n, packed);
+  else
+    pack_b_rows(b_batch, q.k, q.n, q.n, packed);
+}
+
+}  // namespace
+
+void gemm_bf16_own(int64_t batch, int64_t m, int64_t n, int64_t k, bool transpose_a,
+                   bool transpose_b, const uint16_t* a, const uint16_t* b, const float* bias,
+                   void* out, bool bf16_out, bool relu, bool team) {
+  const int64_t pairs = (k + 1) / 2, panels = (n + kPanel - 1) / kPanel;
+  const Problem q{m, n, k,    pairs, panels,   transpose_a, transpose_b,
+                  a, b, bias, out,   bf16_out, relu};
+  const int64_t item_rows = transpose_a ? kPanel : kItemRows;
+  const int64_t items_per_batch = (m + item_rows - 1) / item_rows;
+  const int64_t items = batch * items_per_batch;
+  // Each thread packs B for the batches of its items (consecutive: a static schedule).
+  auto run_items = [&](int64_t begin, int64_t end) {
+    uint32_t* packed_b = scratch().b.get<uint32_t>(panels * pairs * kPanel);
+    int64_t packed_batch = -1;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t bi = item / items_per_batch, i0 = (item % items_per_batch) * item_rows;
+      if (bi != packed_batch) pack_b(q, bi, packed_b), packed_batch = bi;
+      run_rows(q, bi, i0, std::min(m, i0 + item_rows), packed_b);
+    }
+  };
+  if (!team || items < 2) {
+    run_items(0, items);
+    return;
+  }
+#pragma omp parallel
+  {
+    const int64_t t = omp_get_thread_num(), threads = omp_get_num_threads();
+    run_items(items * t / threads, items * (t + 1) / threads);
   }
 }
 

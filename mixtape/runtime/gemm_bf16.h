@@ -1,5 +1,6 @@
-// mixtape/runtime/gemm_bf16.h -- mixtape's own AVX512-BF16 matmul for small bf16 products, and the
-// measured speed of bf16 dot products against f32 FMAs that decides where bf16 stays bf16.
+// mixtape/runtime/gemm_bf16.h -- mixtape's own AVX512-BF16 matmul for small and shallow bf16
+// products, and the measured speed of bf16 dot products against f32 FMAs that decides where bf16
+// stays bf16.
 #pragma once
 
 #include <cstdint>
@@ -14,10 +15,14 @@ bool gemm_bf16_own_available();
 /// Zen 4, about 0.5 on Intel CPUs without AMX. 0 where the CPU lacks AVX512-BF16.
 double bf16_dot_speed_over_f32();
 
-/// out[b] = a[b] @ b[b] (+ bias) for every batch index, bf16 operands, f32 result, on the calling
-/// thread. a is
-/// [batch, m, k] row-major, or [batch, k, m] when transpose_a; b is [batch, k, n], or [batch, n, k]
-/// when transpose_b; bias (f32, n values, or null) is added to every row.
+/// out[b] = act(a[b] @ b[b] (+ bias)) for every batch index, bf16 operands. a is [batch, m, k]
+/// row-major, or [batch, k, m] when transpose_a; b is [batch, k, n], or [batch, n, k] when
+/// transpose_b; bias (f32, n values, or null) is added to every row. `out` is f32, or bf16 when
+/// bf16_out: the f32 result rounded as dsl/half.h's f32_to_bf16_bits rounds (nearest even, NaNs
+/// quieted), in registers, without an f32 pass through memory. With relu, act is the reference's
+/// relu (x for x > 0 and NaN, +0 otherwise), applied before the rounding. With team, blocks of 64
+/// rows (of every batch) are shared out among the OpenMP team; else all run on the calling thread.
+/// Either way every element is computed alike.
 ///
 /// The exact result, bit for bit, whatever the shape and the alignment (tests/test_gemm.cpp checks
 /// it against a scalar model): k is padded with one zero to an even length kp, and each element is
@@ -33,6 +38,6 @@ double bf16_dot_speed_over_f32();
 /// pair first); the reference executor's f64 sums differ by f32 rounding only.
 void gemm_bf16_own(int64_t batch, int64_t m, int64_t n, int64_t k, bool transpose_a,
                    bool transpose_b, const uint16_t* a, const uint16_t* b, const float* bias,
-                   float* out);
+                   void* out, bool bf16_out = false, bool relu = false, bool team = false);
 
 }  // namespace mixtape
