@@ -1,4 +1,4 @@
-// mixtape/jit/llvm_jit.cpp -- LLVM IR text -> host machine code: O3 pipeline, object emission
+// mixtape/jit/llvm_jit.cpp -- LLVM IR text -> host machine code: IR pipeline, object emission
 // (fast, then optimized in the background), ORC LLJIT.
 #include "mixtape/jit/llvm_jit.h"
 
@@ -44,8 +44,8 @@ namespace {
 
 // Bumped whenever emitted code for the same IR could change (pipeline, flags): part of the key.
 // 3: position-independent code, so that the AOT packager links cached objects into shared
-// libraries.
-constexpr int jit_version = 3;
+// libraries. 4: kernels with fast-math flags take the short pipeline in every tier.
+constexpr int jit_version = 4;
 
 std::string to_text(llvm::Error error) {
   std::string text;
@@ -74,18 +74,23 @@ bool tiered_from_environment() {
   return !(value && std::string_view(value) == "0");
 }
 
-// The fast tier's IR pipeline for a kernel without fast-math flags: promote the emitter's loop
-// counters to registers, simplify the index arithmetic, hoist what the loops do not change, and
-// vectorize -- what the pointwise and layout loops need to run at vector speed. About a third of
-// the -O3 pipeline's time. Without fast-math flags every pipeline keeps each operation's IEEE
-// result, so the code gives the bits the -O3 pipeline's does.
+// The short IR pipeline: promote the emitter's loop counters to registers, simplify the index
+// arithmetic, hoist what the loops do not change, delete the loops over dimensions of size 1 (so
+// that the loop around them is the innermost one, and vectorizes), and vectorize -- what the
+// pointwise, reduction and layout loops need to run at vector speed, in about a third of the -O3
+// pipeline's time (a quarter for reductions). It runs in both tiers of a kernel with fast-math
+// flags, and in the fast tier of one without; that one's tier-up runs the -O3 pipeline, which
+// keeps each operation's IEEE result as this one does, so the bits are the same. The optimized
+// code of a kernel with fast-math flags is this pipeline's IR at CodeGenOpt::Aggressive: as fast
+// as the -O3 pipeline's on the demo's and the benchmarks' kernels (bench/README.md, "The first
+// step"), where -O3 took three quarters of the fast tier's time.
 constexpr const char* short_pipeline =
-    "function(sroa,early-cse,instcombine,simplifycfg,loop-mssa(loop-rotate,licm),indvars,"
-    "loop-vectorize,instcombine,simplifycfg)";
+    "function(sroa,early-cse,instcombine,simplifycfg,loop-mssa(loop-rotate,licm),"
+    "loop(indvars,loop-deletion),simplifycfg,loop-vectorize,instcombine,simplifycfg)";
 
 // Whether an instruction of module carries a fast-math flag (the emitter's `fadd reassoc` sums):
 // the pipeline then picks the bits (the vectorizer splits such a sum into as many partial sums as
-// its cost model chooses), so both tiers must run the same one.
+// its cost model chooses), so both tiers must run the same one, with the same target machine.
 bool has_fast_math(const llvm::Module& module) {
   for (const llvm::Function& function : module)
     for (const llvm::Instruction& inst : llvm::instructions(function))
@@ -187,8 +192,8 @@ class MachinePool {
 }  // namespace
 
 // An optimizing compile to do in the background: the fast kernel, what makes its optimized
-// object (its -O3 IR as bitcode, or when the fast tier ran the short pipeline, its IR text to
-// compile afresh), and where that object is cached.
+// object (its optimized IR as bitcode, or when the fast tier ran the short pipeline on a kernel
+// without fast-math flags, its IR text to compile afresh at -O3), and where that object is cached.
 struct LlvmJit::TierUp {
   std::weak_ptr<const JitKernel> kernel;
   std::string name, key, bitcode, ir;
@@ -211,7 +216,7 @@ std::string fast_entry_key(const std::string& key) { return "fast tier\n" + key;
 constexpr char fast_entry_magic[4] = {'M', 'T', 'F', 'T'};
 
 // A fast-tier entry: the magic, the object's length (8 bytes, host order: the key names the
-// host), the object, then the -O3 IR as bitcode (none: the tier-up compiles the IR afresh).
+// host), the object, then the optimized IR as bitcode (none: the tier-up compiles the IR afresh).
 std::vector<std::byte> pack_fast_entry(const std::vector<std::byte>& object,
                                        const std::string& bitcode) {
   uint64_t size = object.size();
@@ -378,7 +383,8 @@ LlvmJit::Compiled LlvmJit::compile_object(const std::string& name, const std::st
     fail("LLVM JIT: kernel {} is invalid IR: {}", name, verify_os.str());
   auto start = std::chrono::steady_clock::now();
   Compiled compiled;
-  compiled.short_pipeline = fast && !has_fast_math(*module);
+  const bool fast_math = has_fast_math(*module);
+  compiled.short_pipeline = fast && !fast_math;
   if (compiled.short_pipeline) {
     // Its tier-up compiles the IR afresh, so no optimizing machine is needed here.
     auto quick = state_->machines.lease("fast " + cpu, [&] { return target_machine(cpu, true); });
@@ -392,11 +398,12 @@ LlvmJit::Compiled LlvmJit::compile_object(const std::string& name, const std::st
     return compiled;
   }
   // The IR pipeline runs with the optimizing tier's machine whatever the tier, so that both emit
-  // the same optimized IR.
+  // the same optimized IR: the short one for a kernel with fast-math flags (short_pipeline says
+  // why), else -O3.
   auto optimizing = state_->machines.lease("opt " + cpu, [&] { return target_machine(cpu); });
   module->setDataLayout(optimizing->createDataLayout());
   module->setTargetTriple(optimizing->getTargetTriple().str());
-  run_pipeline(*module, *optimizing, false);
+  run_pipeline(*module, *optimizing, fast_math);
   compiled.pipeline_seconds = seconds_since(start);
   if (output == Output::optimized_object) {
     compiled.object = emit_object(*module, *optimizing);
@@ -454,7 +461,7 @@ std::vector<std::string> LlvmJit::cpu_features(const std::string& cpu,
 
 namespace {
 
-// The optimized object of a fast kernel: its bitcode (the -O3 IR) emitted with
+// The optimized object of a fast kernel: its bitcode (the optimized IR) emitted with
 // CodeGenOpt::Aggressive.
 std::vector<std::byte> emit_optimized(const std::string& name, const std::string& bitcode,
                                       llvm::TargetMachine& machine) {
@@ -703,10 +710,8 @@ void LlvmJit::run_tier_up(TierUp& job) {
 
 namespace {
 
-// The kernel prime_tier_up() tiers up: a `fadd reassoc` sum, which the -O3 pipeline vectorizes.
-constexpr const char* primer_name = "mt_tier_up_primer";
 constexpr const char* primer_ir = R"(; mixtape: the tier-up primer
-define void @mt_tier_up_primer(ptr noalias nocapture readonly %params, i64 %begin, i64 %end) {
+define void @{0}(ptr noalias nocapture readonly %params, i64 %begin, i64 %end) {{
 entry:
   %in = load ptr, ptr %params
   %pout = getelementptr inbounds ptr, ptr %params, i64 1
@@ -718,7 +723,7 @@ loop:
   %acc = phi float [ 0.0, %entry ], [ %acc.next, %loop ]
   %at = getelementptr inbounds float, ptr %in, i64 %i
   %x = load float, ptr %at
-  %acc.next = fadd reassoc float %acc, %x
+  %acc.next = fadd {1}float %acc, %x
   %i.next = add nsw i64 %i, 1
   %more = icmp slt i64 %i.next, %end
   br i1 %more, label %loop, label %exit
@@ -726,28 +731,42 @@ exit:
   %sum = phi float [ 0.0, %entry ], [ %acc.next, %loop ]
   store float %sum, ptr %out
   ret void
-}
+}}
 )";
+
+// The kernels prime_tier_up() tiers up: a sum, with fast-math flags (`fadd reassoc`, tiered up
+// from bitcode) or without (tiered up afresh, through the -O3 pipeline).
+struct Primer {
+  std::string name, ir;
+};
+Primer primer(bool fast_math) {
+  std::string name = fast_math ? "mt_tier_up_primer" : "mt_tier_up_primer_ieee";
+  return {name, fmt::format(primer_ir, name, fast_math ? "reassoc " : "")};
+}
 
 }  // namespace
 
 void LlvmJit::prime_tier_up() {
   std::lock_guard<std::mutex> lock(state_->prime_mutex);
   if (state_->worker_primed) return;
-  // Both kinds of tier-up in one: the primer's IR parsed, through the -O3 pipeline and out as
-  // bitcode, then read back and emitted at CodeGenOpt::Aggressive, and cached (the rest of what
-  // compiling IR afresh does, the foreground has done).
+  // Both kinds of tier-up: a primer's IR through the short pipeline and out as bitcode, then read
+  // back and emitted at CodeGenOpt::Aggressive, and cached; and another's compiled afresh, through
+  // the -O3 pipeline, which no foreground compile runs.
   auto start = std::chrono::steady_clock::now();
   try {
+    Primer from_bitcode = primer(true), afresh = primer(false);
     TierUp job;
-    job.name = primer_name;
-    job.key = cache_key(primer_ir, "");
-    job.bitcode = compile_object(primer_name, primer_ir, "", Output::optimized_bitcode).bitcode;
-    double pipeline_seconds = seconds_since(start);
+    job.name = from_bitcode.name;
+    job.key = cache_key(from_bitcode.ir, "");
+    job.bitcode = compile_object(job.name, from_bitcode.ir, "", Output::optimized_bitcode).bitcode;
     run_tier_up(job);
+    TierUp second;
+    second.name = afresh.name;
+    second.key = cache_key(afresh.ir, "");
+    second.ir = afresh.ir;
+    run_tier_up(second);
     if (log_enabled("jit"))
-      log_line("jit", "primed the tier-ups in {:.1f} ms (IR pipeline {:.1f} ms)",
-               seconds_since(start) * 1e3, pipeline_seconds * 1e3);
+      log_line("jit", "primed the tier-ups in {:.1f} ms", seconds_since(start) * 1e3);
   } catch (const std::exception& e) {
     if (log_enabled("jit")) log_line("jit", "the tier-up primer failed: {}", e.what());
   }

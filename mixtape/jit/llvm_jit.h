@@ -35,7 +35,7 @@ class JitKernel {
   /// (runtime/cpu_kernels.h): the swap to the optimized code is one atomic store there. The fast
   /// tier's code stays mapped as long as the kernel, so a call that read it still runs.
   const std::atomic<KernelFunction>& entry() const { return entry_; }
-  /// Whether function() is the optimized code (-O3 IR, CodeGenOpt::Aggressive), which it stays.
+  /// Whether function() is the optimized code (CodeGenOpt::Aggressive), which it stays.
   bool optimized() const;
   /// The fast tier's code, mapped as long as the kernel; null when it was loaded optimized.
   KernelFunction fast_function() const;
@@ -54,7 +54,7 @@ class LlvmJit {
   ~LlvmJit();
 
   /// The function `name` defined by `ir`: from this process's loaded kernels, else from the
-  /// kernel cache (memory or disk), else compiled at -O3 for the host CPU (tiered: see
+  /// kernel cache (memory or disk), else compiled optimized for the host CPU (tiered: see
   /// set_tiered) and cached.
   std::shared_ptr<const JitKernel> load(const std::string& name, const std::string& ir);
 
@@ -66,13 +66,13 @@ class LlvmJit {
   };
   std::vector<std::shared_ptr<const JitKernel>> load_all(const std::vector<KernelSource>& kernels);
 
-  /// The relocatable object file of each kernel (its function `name`, position-independent, at
-  /// -O3), as load_all() would load it once optimized: from the kernel cache (after waiting for
-  /// the tier-ups under way), else compiled (misses in parallel) and cached. The AOT packager links
-  /// these into an artifact, so kernels the training run compiled are not compiled again. `cpu`
-  /// empty: for the host CPU, with all its features; else for that LLVM CPU name ("x86-64-v3",
-  /// "x86-64", "znver3") and only the features it implies (an mt::Error for a name LLVM does not
-  /// know).
+  /// The relocatable object file of each kernel (its function `name`, position-independent,
+  /// optimized), as load_all() would load it once optimized: from the kernel cache (after waiting
+  /// for the tier-ups under way), else compiled (misses in parallel) and cached. The AOT packager
+  /// links these into an artifact, so kernels the training run compiled are not compiled again.
+  /// `cpu` empty: for the host CPU, with all its features; else for that LLVM CPU name
+  /// ("x86-64-v3", "x86-64", "znver3") and only the features it implies (an mt::Error for a name
+  /// LLVM does not know).
   std::vector<std::vector<std::byte>> objects(const std::vector<KernelSource>& kernels,
                                               const std::string& cpu = "");
   /// Whether LLVM knows the CPU name.
@@ -88,17 +88,18 @@ class LlvmJit {
   /// Tiered compilation, on unless $MIXTAPE_JIT_TIERED is 0. A kernel that load_all() finds
   /// neither loaded nor cached is compiled so that both tiers give the same bits:
   /// - tiered: to machine code with LLVM's fast instruction selection and register allocation
-  ///   (CodeGenOpt::None), which runs at once. A kernel with fast-math flags (the emitter's
-  ///   `fadd reassoc` sums, whose bits the vectorizer's choices decide) goes through the -O3 IR
-  ///   pipeline first, and a background thread then emits the same optimized IR with
-  ///   CodeGenOpt::Aggressive. A kernel without them, whose every operation keeps its IEEE result
-  ///   under any pipeline, goes through a short one (about a third of the time: SROA,
-  ///   simplification, LICM, the loop vectorizer), and the background thread compiles its IR
-  ///   afresh at -O3. Either way the background thread makes the object an untiered compile
-  ///   makes, byte for byte, stores it in the kernel cache and swaps it in. Only optimized
-  ///   objects are cached under a kernel's key, so a later process and the AOT packager get
-  ///   those.
-  /// - untiered: -O3 and CodeGenOpt::Aggressive at once, as the background thread would.
+  ///   (CodeGenOpt::None), which runs at once, after a short IR pipeline (SROA, simplification,
+  ///   LICM, loop deletion, the loop vectorizer). A kernel with fast-math flags (the emitter's
+  ///   `fadd reassoc` sums, whose bits the vectorizer's choices decide) runs it with the optimizing
+  ///   tier's target machine, and its IR is kept as bitcode: a background thread then emits that
+  ///   same IR with CodeGenOpt::Aggressive (the short pipeline is its optimizing one too: as fast
+  ///   as -O3 there, in a quarter of the time). A kernel without them, whose every operation keeps
+  ///   its IEEE result under any pipeline, is compiled afresh by the background thread, through the
+  ///   -O3 pipeline. Either way the background thread makes the object an untiered compile makes,
+  ///   byte for byte, stores it in the kernel cache and swaps it in. Only optimized objects are
+  ///   cached under a kernel's key, so a later process and the AOT packager get those.
+  /// - untiered: the optimizing pipeline and CodeGenOpt::Aggressive at once, as the background
+  ///   thread would.
   /// The background threads (jit/background_worker.h) run a tier-up on idle CPU time, or at
   /// normal priority once it has waited 2 s, and start nothing while foreground compiles run.
   /// Exit waits for the tier-ups under way and drops the others, each leaving a fast-tier entry
@@ -130,9 +131,9 @@ class LlvmJit {
  private:
   LlvmJit();
   // What compile_object() makes: the object, and for the fast tier the optimized IR as bitcode
-  // unless it ran the short pipeline (the object then defines `name` + fast_suffix, so that the
-  // optimized object's `name` can be loaded beside it); the time its IR pipeline and its code
-  // generation took.
+  // unless it is a kernel without fast-math flags (the object then defines `name` + fast_suffix, so
+  // that the optimized object's `name` can be loaded beside it); the time its IR pipeline and its
+  // code generation took.
   struct Compiled {
     std::vector<std::byte> object;
     std::string bitcode;
