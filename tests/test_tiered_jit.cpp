@@ -157,6 +157,7 @@ TEST_F(TieredJit, FastCodeRunsFirstThenTheOptimizedCodeWithTheSameBits) {
   mt::LlvmJit::Stats loaded = jit().stats();
   EXPECT_EQ(loaded.compiled - before.compiled, 1);
   EXPECT_EQ(loaded.fast_compiled - before.fast_compiled, 1);
+  EXPECT_GT(loaded.compile_cpu_seconds, before.compile_cpu_seconds);
   mt::KernelFunction fast = kernel->fast_function();
   ASSERT_NE(fast, nullptr) << "a kernel compiled cold with tiering on starts with fast code";
 
@@ -164,6 +165,7 @@ TEST_F(TieredJit, FastCodeRunsFirstThenTheOptimizedCodeWithTheSameBits) {
   mt::LlvmJit::Stats after = jit().stats();
   EXPECT_EQ(after.tiered_up - loaded.tiered_up, 1);
   EXPECT_GT(after.tier_up_seconds, loaded.tier_up_seconds);
+  EXPECT_GT(after.tier_up_cpu_seconds, loaded.tier_up_cpu_seconds);
   EXPECT_TRUE(kernel->optimized());
   mt::KernelFunction optimized = kernel->function();
   ASSERT_NE(optimized, fast) << "the optimized code was not swapped in";

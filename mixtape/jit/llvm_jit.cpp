@@ -28,6 +28,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -56,6 +57,14 @@ std::string to_text(llvm::Error error) {
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The calling thread's CPU time: on a loaded machine a compile's wall time counts the other
+// processes' turns too.
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
 }
 
 template <typename T>
@@ -489,6 +498,7 @@ double LlvmJit::compile_missing(const std::vector<KernelSource>& kernels,
                    [&](size_t a, size_t b) { return kernels[a].ir.size() > kernels[b].ir.size(); });
   std::mutex error_mutex;
   std::optional<Error> error;
+  double cpu_seconds = 0;  // guarded by error_mutex
   // The primer, when asked for, comes last: a thread with no kernel left runs it, so that with
   // fewer kernels than cores it costs no wall time. The team is sized by the cores, not by the
   // user's omp_set_num_threads (a training loop pinned to one thread still compiles on all).
@@ -502,6 +512,7 @@ double LlvmJit::compile_missing(const std::vector<KernelSource>& kernels,
       continue;
     }
     size_t i = order[k];
+    double cpu_start = thread_cpu_seconds();
     try {
       compiled[i] = compile_object(kernels[i].name, kernels[i].ir, cpu,
                                    fast ? Output::fast_object : Output::optimized_object);
@@ -509,6 +520,12 @@ double LlvmJit::compile_missing(const std::vector<KernelSource>& kernels,
       std::lock_guard<std::mutex> lock(error_mutex);
       if (!error) error = e;
     }
+    std::lock_guard<std::mutex> lock(error_mutex);
+    cpu_seconds += thread_cpu_seconds() - cpu_start;
+  }
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->stats.compile_cpu_seconds += cpu_seconds;
   }
   if (error) throw *error;
   return seconds_since(start);
@@ -678,6 +695,7 @@ void LlvmJit::run_tier_up(TierUp& job) {
   // What fails leaves the kernel on its fast code, which gives the same bits; MIXTAPE_LOG=jit
   // says why. Nothing escapes: a job runs on the worker.
   auto start = std::chrono::steady_clock::now();
+  double cpu_start = thread_cpu_seconds();
   try {
     std::vector<std::byte> object;
     if (!job.ir.empty()) {
@@ -691,6 +709,7 @@ void LlvmJit::run_tier_up(TierUp& job) {
     std::shared_ptr<const JitKernel> kernel = job.kernel.lock();
     std::lock_guard<std::mutex> lock(state->mutex);
     state->stats.tier_up_seconds += seconds_since(start);
+    state->stats.tier_up_cpu_seconds += thread_cpu_seconds() - cpu_start;
     if (!kernel) return;  // gone meanwhile; its object is cached for the next one
     auto [tracker, function] = add_object(*state->jit, object, job.name, job.name);
     JitKernel::Private& p = *kernel->p_;
@@ -758,7 +777,12 @@ void LlvmJit::prime_tier_up() {
     TierUp job;
     job.name = from_bitcode.name;
     job.key = cache_key(from_bitcode.ir, "");
+    double cpu_start = thread_cpu_seconds();
     job.bitcode = compile_object(job.name, from_bitcode.ir, "", Output::optimized_bitcode).bitcode;
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->stats.tier_up_cpu_seconds += thread_cpu_seconds() - cpu_start;
+    }
     run_tier_up(job);
     TierUp second;
     second.name = afresh.name;

@@ -113,15 +113,17 @@ class LlvmJit {
   void wait_for_tier_up();
 
   struct Stats {
-    int64_t compiled = 0;          // IR compiled to machine code in the foreground
-    int64_t fast_compiled = 0;     // of those, to fast code, optimized later in the background
-    int64_t short_compiled = 0;    // of those, through the short IR pipeline (see set_tiered)
-    int64_t tiered_up = 0;         // kernels whose optimized code was swapped in
-    int64_t disk_loaded = 0;       // objects taken from the kernel cache
-    int64_t fast_disk_loaded = 0;  // of those, fast-tier entries (see set_tiered)
-    int64_t memory_hits = 0;       // already loaded in this process
-    double compile_seconds = 0;    // wall time waited for compilation (parallel: the longest)
-    double tier_up_seconds = 0;    // background thread's time on tier-ups
+    int64_t compiled = 0;            // IR compiled to machine code in the foreground
+    int64_t fast_compiled = 0;       // of those, to fast code, optimized later in the background
+    int64_t short_compiled = 0;      // of those, through the short IR pipeline (see set_tiered)
+    int64_t tiered_up = 0;           // kernels whose optimized code was swapped in
+    int64_t disk_loaded = 0;         // objects taken from the kernel cache
+    int64_t fast_disk_loaded = 0;    // of those, fast-tier entries (see set_tiered)
+    int64_t memory_hits = 0;         // already loaded in this process
+    double compile_seconds = 0;      // wall time waited for compilation (parallel: the longest)
+    double compile_cpu_seconds = 0;  // CPU time of those compiles, every thread's together
+    double tier_up_seconds = 0;      // background thread's time on tier-ups
+    double tier_up_cpu_seconds = 0;  // CPU time of the tier-ups (the primer's included)
     double load_seconds = 0;
     int64_t resident = 0;        // kernels loaded now (some owner still holds them)
     int64_t resident_bytes = 0;  // their object files' bytes (fast and optimized)
