@@ -268,9 +268,9 @@ attributes #0 = {{ nounwind "prefer-vector-width"="512" "min-legal-vector-width"
   return {name, ir};
 }
 
-// Without fast-math flags a kernel's fast tier takes the short pipeline, and still gives the
-// optimized code's bits; its tier-up compiles the IR afresh into the object an untiered compile
-// makes.
+// Without fast-math flags a kernel's fast tier runs the IR pipeline with its own target machine,
+// and still gives the optimized code's bits; its tier-up compiles the IR afresh into the object an
+// untiered compile makes.
 TEST_F(TieredJit, AKernelWithoutFastMathTakesTheShortPipelineWithTheSameBits) {
   mt::LlvmJit::KernelSource source = pointwise_kernel(unique_tag());
   mt::LlvmJit::Stats before = jit().stats();
@@ -339,7 +339,7 @@ TEST_F(TieredJit, AGraphGivesTheSameBitsBeforeAndAfterTierUp) {
   EXPECT_EQ(std::memcmp(fast.data(), optimized.data(), fast.size() * sizeof(float)), 0);
 }
 
-// A [rows, cols, 1] tensor, whose kernels loop over a dimension of size 1: the short pipeline
+// A [rows, cols, 1] tensor, whose kernels loop over a dimension of size 1: the IR pipeline
 // deletes such a loop, so that the loop around it vectorizes. The pointwise result and the sums
 // of both tiers have the same bits, and the pointwise one is the reference executor's.
 std::vector<std::vector<float>> size_one_results(int64_t rows, int64_t cols) {
@@ -517,9 +517,8 @@ TEST_F(TieredJit, ANewProcessLoadsTheOptimizedObjectFromDisk) {
             0);
 }
 
-// The tagged kernels of the exit test: a `fadd reassoc` sum (its fast tier runs the -O3 pipeline,
-// its tier-up reads the bitcode) and a pointwise kernel (the short pipeline, its tier-up compiles
-// the IR afresh).
+// The tagged kernels of the exit test: a `fadd reassoc` sum (its tier-up reads the bitcode) and a
+// pointwise kernel (its tier-up compiles the IR afresh).
 std::vector<mt::LlvmJit::KernelSource> exit_test_kernels() {
   std::string tag = ::getenv("MIXTAPE_TIERED_TEST_TAG");
   return {row_sum_kernel(tag), pointwise_kernel(tag)};

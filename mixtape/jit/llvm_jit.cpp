@@ -45,7 +45,7 @@ namespace {
 
 // Bumped whenever emitted code for the same IR could change (pipeline, flags): part of the key.
 // 3: position-independent code, so that the AOT packager links cached objects into shared
-// libraries. 4: kernels with fast-math flags take the short pipeline in every tier.
+// libraries. 4: one short IR pipeline (ir_pipeline) in both tiers, for every kernel.
 constexpr int jit_version = 4;
 
 std::string to_text(llvm::Error error) {
@@ -83,17 +83,14 @@ bool tiered_from_environment() {
   return !(value && std::string_view(value) == "0");
 }
 
-// The short IR pipeline: promote the emitter's loop counters to registers, simplify the index
-// arithmetic, hoist what the loops do not change, delete the loops over dimensions of size 1 (so
-// that the loop around them is the innermost one, and vectorizes), and vectorize -- what the
-// pointwise, reduction and layout loops need to run at vector speed, in about a third of the -O3
-// pipeline's time (a quarter for reductions). It runs in both tiers of a kernel with fast-math
-// flags, and in the fast tier of one without; that one's tier-up runs the -O3 pipeline, which
-// keeps each operation's IEEE result as this one does, so the bits are the same. The optimized
-// code of a kernel with fast-math flags is this pipeline's IR at CodeGenOpt::Aggressive: as fast
-// as the -O3 pipeline's on the demo's and the benchmarks' kernels (bench/README.md, "The first
-// step"), where -O3 took three quarters of the fast tier's time.
-constexpr const char* short_pipeline =
+// The IR pipeline of both tiers: promote the emitter's loop counters to registers, simplify the
+// index arithmetic, hoist what the loops do not change, delete the loops over dimensions of size 1
+// (so that the loop around them is the innermost one, and vectorizes), and vectorize -- what the
+// pointwise, reduction and layout loops need to run at vector speed. It takes a third of the -O3
+// pipeline's time (a quarter on reductions, where -O3 was three quarters of the fast tier's time),
+// and its code at CodeGenOpt::Aggressive ran as fast as -O3's on the 245 kernels of the demo and
+// the benchmarks (bench/README.md, "The first step").
+constexpr const char* ir_pipeline =
     "function(sroa,early-cse,instcombine,simplifycfg,loop-mssa(loop-rotate,licm),"
     "loop(indvars,loop-deletion),simplifycfg,loop-vectorize,instcombine,simplifycfg)";
 
@@ -108,29 +105,21 @@ bool has_fast_math(const llvm::Module& module) {
   return false;
 }
 
-// Runs the -O3 pipeline, or short_pipeline when short_one, on module, for machine's target.
-void run_pipeline(llvm::Module& module, llvm::TargetMachine& machine, bool short_one) {
+// Runs ir_pipeline on module, for machine's target.
+void run_pipeline(llvm::Module& module, llvm::TargetMachine& machine) {
   llvm::LoopAnalysisManager loops;
   llvm::FunctionAnalysisManager functions;
   llvm::CGSCCAnalysisManager cgscc;
   llvm::ModuleAnalysisManager modules;
-  // No loop unrolling beyond the vectorizer's interleaving (which keeps several accumulators):
-  // it cut compile time by about a third without slowing the benchmark's kernels.
-  llvm::PipelineTuningOptions tuning;
-  tuning.LoopUnrolling = false;
-  llvm::PassBuilder passes(&machine, tuning);
+  llvm::PassBuilder passes(&machine);
   passes.registerModuleAnalyses(modules);
   passes.registerCGSCCAnalyses(cgscc);
   passes.registerFunctionAnalyses(functions);
   passes.registerLoopAnalyses(loops);
   passes.crossRegisterProxies(loops, functions, cgscc, modules);
-  if (!short_one) {
-    passes.buildPerModuleDefaultPipeline(llvm::OptimizationLevel::O3).run(module, modules);
-    return;
-  }
   llvm::ModulePassManager pipeline;
-  if (llvm::Error e = passes.parsePassPipeline(pipeline, short_pipeline))
-    fail("LLVM JIT: the fast tier's pipeline does not parse: {}", to_text(std::move(e)));
+  if (llvm::Error e = passes.parsePassPipeline(pipeline, ir_pipeline))
+    fail("LLVM JIT: the IR pipeline does not parse: {}", to_text(std::move(e)));
   pipeline.run(module, modules);
 }
 
@@ -201,8 +190,8 @@ class MachinePool {
 }  // namespace
 
 // An optimizing compile to do in the background: the fast kernel, what makes its optimized
-// object (its optimized IR as bitcode, or when the fast tier ran the short pipeline on a kernel
-// without fast-math flags, its IR text to compile afresh at -O3), and where that object is cached.
+// object (its optimized IR as bitcode, or for a kernel without fast-math flags, its IR text to
+// compile afresh), and where that object is cached.
 struct LlvmJit::TierUp {
   std::weak_ptr<const JitKernel> kernel;
   std::string name, key, bitcode, ir;
@@ -392,14 +381,15 @@ LlvmJit::Compiled LlvmJit::compile_object(const std::string& name, const std::st
     fail("LLVM JIT: kernel {} is invalid IR: {}", name, verify_os.str());
   auto start = std::chrono::steady_clock::now();
   Compiled compiled;
-  const bool fast_math = has_fast_math(*module);
-  compiled.short_pipeline = fast && !fast_math;
+  // Without fast-math flags every operation keeps its IEEE result whatever the target machine's
+  // cost model makes of the loops, so the fast tier runs the pipeline with its own machine and the
+  // tier-up compiles the IR afresh.
+  compiled.short_pipeline = fast && !has_fast_math(*module);
   if (compiled.short_pipeline) {
-    // Its tier-up compiles the IR afresh, so no optimizing machine is needed here.
     auto quick = state_->machines.lease("fast " + cpu, [&] { return target_machine(cpu, true); });
     module->setDataLayout(quick->createDataLayout());
     module->setTargetTriple(quick->getTargetTriple().str());
-    run_pipeline(*module, *quick, true);
+    run_pipeline(*module, *quick);
     compiled.pipeline_seconds = seconds_since(start);
     rename_fast(*module, name);
     compiled.object = emit_object(*module, *quick);
@@ -407,12 +397,11 @@ LlvmJit::Compiled LlvmJit::compile_object(const std::string& name, const std::st
     return compiled;
   }
   // The IR pipeline runs with the optimizing tier's machine whatever the tier, so that both emit
-  // the same optimized IR: the short one for a kernel with fast-math flags (short_pipeline says
-  // why), else -O3.
+  // the same optimized IR (kept as bitcode for the tier-up).
   auto optimizing = state_->machines.lease("opt " + cpu, [&] { return target_machine(cpu); });
   module->setDataLayout(optimizing->createDataLayout());
   module->setTargetTriple(optimizing->getTargetTriple().str());
-  run_pipeline(*module, *optimizing, fast_math);
+  run_pipeline(*module, *optimizing);
   compiled.pipeline_seconds = seconds_since(start);
   if (output == Output::optimized_object) {
     compiled.object = emit_object(*module, *optimizing);
@@ -669,7 +658,7 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
       if (log_enabled("jit") && was_compiled)
         log_line("jit", "compiled{} {}: IR pipeline {:.2f} ms, code {:.2f} ms",
                  !is_fast                     ? ""
-                 : compiled[i].short_pipeline ? " (fast tier, short pipeline)"
+                 : compiled[i].short_pipeline ? " (fast tier, without fast-math flags)"
                                               : " (fast tier)",
                  name, compiled[i].pipeline_seconds * 1e3, compiled[i].codegen_seconds * 1e3);
     }
@@ -729,8 +718,10 @@ void LlvmJit::run_tier_up(TierUp& job) {
 
 namespace {
 
+// The kernel prime_tier_up() tiers up: a `fadd reassoc` sum, which the IR pipeline vectorizes.
+constexpr const char* primer_name = "mt_tier_up_primer";
 constexpr const char* primer_ir = R"(; mixtape: the tier-up primer
-define void @{0}(ptr noalias nocapture readonly %params, i64 %begin, i64 %end) {{
+define void @mt_tier_up_primer(ptr noalias nocapture readonly %params, i64 %begin, i64 %end) {
 entry:
   %in = load ptr, ptr %params
   %pout = getelementptr inbounds ptr, ptr %params, i64 1
@@ -742,7 +733,7 @@ loop:
   %acc = phi float [ 0.0, %entry ], [ %acc.next, %loop ]
   %at = getelementptr inbounds float, ptr %in, i64 %i
   %x = load float, ptr %at
-  %acc.next = fadd {1}float %acc, %x
+  %acc.next = fadd reassoc float %acc, %x
   %i.next = add nsw i64 %i, 1
   %more = icmp slt i64 %i.next, %end
   br i1 %more, label %loop, label %exit
@@ -750,47 +741,33 @@ exit:
   %sum = phi float [ 0.0, %entry ], [ %acc.next, %loop ]
   store float %sum, ptr %out
   ret void
-}}
-)";
-
-// The kernels prime_tier_up() tiers up: a sum, with fast-math flags (`fadd reassoc`, tiered up
-// from bitcode) or without (tiered up afresh, through the -O3 pipeline).
-struct Primer {
-  std::string name, ir;
-};
-Primer primer(bool fast_math) {
-  std::string name = fast_math ? "mt_tier_up_primer" : "mt_tier_up_primer_ieee";
-  return {name, fmt::format(primer_ir, name, fast_math ? "reassoc " : "")};
 }
+)";
 
 }  // namespace
 
 void LlvmJit::prime_tier_up() {
   std::lock_guard<std::mutex> lock(state_->prime_mutex);
   if (state_->worker_primed) return;
-  // Both kinds of tier-up: a primer's IR through the short pipeline and out as bitcode, then read
-  // back and emitted at CodeGenOpt::Aggressive, and cached; and another's compiled afresh, through
-  // the -O3 pipeline, which no foreground compile runs.
+  // Both kinds of tier-up in one: the primer's IR parsed, through the IR pipeline and out as
+  // bitcode, then read back and emitted at CodeGenOpt::Aggressive, and cached (the rest of what
+  // compiling IR afresh does, the foreground has done).
   auto start = std::chrono::steady_clock::now();
   try {
-    Primer from_bitcode = primer(true), afresh = primer(false);
     TierUp job;
-    job.name = from_bitcode.name;
-    job.key = cache_key(from_bitcode.ir, "");
+    job.name = primer_name;
+    job.key = cache_key(primer_ir, "");
     double cpu_start = thread_cpu_seconds();
-    job.bitcode = compile_object(job.name, from_bitcode.ir, "", Output::optimized_bitcode).bitcode;
+    job.bitcode = compile_object(primer_name, primer_ir, "", Output::optimized_bitcode).bitcode;
+    double pipeline_seconds = seconds_since(start);
     {
       std::lock_guard<std::mutex> lock(state_->mutex);
       state_->stats.tier_up_cpu_seconds += thread_cpu_seconds() - cpu_start;
     }
     run_tier_up(job);
-    TierUp second;
-    second.name = afresh.name;
-    second.key = cache_key(afresh.ir, "");
-    second.ir = afresh.ir;
-    run_tier_up(second);
     if (log_enabled("jit"))
-      log_line("jit", "primed the tier-ups in {:.1f} ms", seconds_since(start) * 1e3);
+      log_line("jit", "primed the tier-ups in {:.1f} ms (IR pipeline {:.1f} ms)",
+               seconds_since(start) * 1e3, pipeline_seconds * 1e3);
   } catch (const std::exception& e) {
     if (log_enabled("jit")) log_line("jit", "the tier-up primer failed: {}", e.what());
   }

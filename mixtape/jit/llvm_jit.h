@@ -85,21 +85,21 @@ class LlvmJit {
   /// LLVM version, host CPU name and features: what makes an object valid for this machine.
   std::string target() const;
 
-  /// Tiered compilation, on unless $MIXTAPE_JIT_TIERED is 0. A kernel that load_all() finds
-  /// neither loaded nor cached is compiled so that both tiers give the same bits:
+  /// Tiered compilation, on unless $MIXTAPE_JIT_TIERED is 0. Both tiers run one short IR pipeline
+  /// (SROA, simplification, LICM, loop deletion, the loop vectorizer: a third of -O3's time, and
+  /// code as fast on the benchmarks' kernels). A kernel that load_all() finds neither loaded nor
+  /// cached is compiled so that both tiers give the same bits:
   /// - tiered: to machine code with LLVM's fast instruction selection and register allocation
-  ///   (CodeGenOpt::None), which runs at once, after a short IR pipeline (SROA, simplification,
-  ///   LICM, loop deletion, the loop vectorizer). A kernel with fast-math flags (the emitter's
-  ///   `fadd reassoc` sums, whose bits the vectorizer's choices decide) runs it with the optimizing
-  ///   tier's target machine, and its IR is kept as bitcode: a background thread then emits that
-  ///   same IR with CodeGenOpt::Aggressive (the short pipeline is its optimizing one too: as fast
-  ///   as -O3 there, in a quarter of the time). A kernel without them, whose every operation keeps
-  ///   its IEEE result under any pipeline, is compiled afresh by the background thread, through the
-  ///   -O3 pipeline. Either way the background thread makes the object an untiered compile makes,
-  ///   byte for byte, stores it in the kernel cache and swaps it in. Only optimized objects are
-  ///   cached under a kernel's key, so a later process and the AOT packager get those.
-  /// - untiered: the optimizing pipeline and CodeGenOpt::Aggressive at once, as the background
-  ///   thread would.
+  ///   (CodeGenOpt::None), which runs at once. A kernel with fast-math flags (the emitter's
+  ///   `fadd reassoc` sums, whose bits the vectorizer's choices decide) runs the pipeline with the
+  ///   optimizing tier's target machine and keeps the optimized IR as bitcode, which a background
+  ///   thread then emits with CodeGenOpt::Aggressive. A kernel without them, whose every operation
+  ///   keeps its IEEE result under any pipeline, runs it with the fast tier's machine, and the
+  ///   background thread compiles its IR afresh. Either way the background thread makes the object
+  ///   an untiered compile makes, byte for byte, stores it in the kernel cache and swaps it in.
+  ///   Only optimized objects are cached under a kernel's key, so a later process and the AOT
+  ///   packager get those.
+  /// - untiered: the pipeline and CodeGenOpt::Aggressive at once, as the background thread would.
   /// The background threads (jit/background_worker.h) run a tier-up on idle CPU time, or at
   /// normal priority once it has waited 2 s, and start nothing while foreground compiles run.
   /// Exit waits for the tier-ups under way and drops the others, each leaving a fast-tier entry
@@ -115,7 +115,7 @@ class LlvmJit {
   struct Stats {
     int64_t compiled = 0;            // IR compiled to machine code in the foreground
     int64_t fast_compiled = 0;       // of those, to fast code, optimized later in the background
-    int64_t short_compiled = 0;      // of those, through the short IR pipeline (see set_tiered)
+    int64_t short_compiled = 0;      // of those, without fast-math flags (see set_tiered)
     int64_t tiered_up = 0;           // kernels whose optimized code was swapped in
     int64_t disk_loaded = 0;         // objects taken from the kernel cache
     int64_t fast_disk_loaded = 0;    // of those, fast-tier entries (see set_tiered)
@@ -132,10 +132,10 @@ class LlvmJit {
 
  private:
   LlvmJit();
-  // What compile_object() makes: the object, and for the fast tier the optimized IR as bitcode
-  // unless it is a kernel without fast-math flags (the object then defines `name` + fast_suffix, so
-  // that the optimized object's `name` can be loaded beside it); the time its IR pipeline and its
-  // code generation took.
+  // What compile_object() makes: the object (for the fast tier defining `name` + fast_suffix, so
+  // that the optimized object's `name` can be loaded beside it), the optimized IR as bitcode for
+  // the fast tier of a kernel with fast-math flags (short_pipeline: one without, whose tier-up
+  // compiles the IR afresh), and the time its IR pipeline and its code generation took.
   struct Compiled {
     std::vector<std::byte> object;
     std::string bitcode;
@@ -163,7 +163,7 @@ class LlvmJit {
   // Compiles, swaps in and caches job's optimized object.
   void run_tier_up(TierUp& job);
   // The process's first call tiers up a small kernel of its own on the calling thread, so that
-  // the statics a tier-up makes (LLVM's readers, -O3 pipeline and optimizing code generator,
+  // the statics a tier-up makes (LLVM's readers, IR pipeline and optimizing code generator,
   // OpenSSL's MAC for the cache) exist before the worker starts; the others return once it is
   // done.
   void prime_tier_up();
