@@ -430,8 +430,10 @@ def machine_info():
 def measure_jit(binary, timing, timeout, mixtape_env, notes):
     """Compile and disk-load times of the demo's kernels (digits_demo, fp32, through mt::compile as
     `digits_mlp --batch 256 --optimizer adamw` runs) from an empty cache and from a filled one, its
-    first step's time, what the cold JIT costs against a 1000-step run (issue 20's targets), and
-    each process's wall time, start to exit (a cold one's includes whatever its exit waits for)."""
+    first step's time (wall, and CPU time of every thread), what the cold JIT costs against a
+    1000-step run (issue 20's targets; in wall time, and in CPU time, which a loaded machine does
+    not inflate), and each process's wall time, start to exit (a cold one's includes whatever its
+    exit waits for)."""
     import tempfile
     with tempfile.TemporaryDirectory(prefix="mixtape-jit-") as cache:
         env = mixtape_env("compiled", None)
@@ -447,6 +449,7 @@ def measure_jit(binary, timing, timeout, mixtape_env, notes):
                 notes.append(f"jit {phase} run failed: {error}")
                 return None
             stats = [r["setup_and_warmup_stats"] for r in found]
+            jit = [r.get("jit") or {} for r in found]
             compiled = sum(s["kernels_compiled"] for s in stats)
             loaded = sum(s["kernels_from_disk"] for s in stats)
             compile_s = sum(s["compile_seconds"] for s in stats)
@@ -457,16 +460,32 @@ def measure_jit(binary, timing, timeout, mixtape_env, notes):
                 "compile_seconds": round(compile_s, 4), "load_seconds": round(load_s, 4),
                 "ms_per_compiled_kernel": round(1e3 * compile_s / compiled, 2) if compiled else None,
                 "ms_per_loaded_kernel": round(1e3 * load_s / loaded, 3) if loaded else None,
+                "compile_cpu_seconds": round(sum(j.get("compile_cpu_seconds", 0) for j in jit), 4),
+                "tier_up_cpu_seconds": round(sum(j.get("tier_up_cpu_seconds", 0) for j in jit), 4),
                 "steps_per_s": round(steps_per_s, 1),
+                "cpu_us_per_step": max(r["cpu_us_per_step"] for r in found),
+                "setup_s": round(max(r.get("setup_s", 0) for r in found), 4),
                 "first_step_s": round(max(r["first_step_s"] for r in found), 4),
+                "first_step_cpu_s": round(max(r.get("first_step_cpu_s", 0) for r in found), 4),
                 "process_seconds": round(process_seconds, 3)}
         cold, warm = result["cold"], result["warm"]
         run_seconds = 1000 / cold["steps_per_s"]
         result["cold_jit_share_of_1000_steps"] = round(
             cold["compile_seconds"] / (cold["compile_seconds"] + run_seconds), 4)
+        # The same in CPU time, which a loaded machine does not inflate: the foreground compiles
+        # against 1000 steps' CPU time, and with the background tier-ups counted too.
+        run_cpu = 1000 * cold["cpu_us_per_step"] * 1e-6
+        if run_cpu > 0:
+            jit_cpu = cold["compile_cpu_seconds"]
+            result["cold_jit_cpu_share_of_1000_steps"] = round(jit_cpu / (jit_cpu + run_cpu), 4)
+            jit_cpu += cold["tier_up_cpu_seconds"]
+            result["cold_jit_and_tier_up_cpu_share_of_1000_steps"] = round(
+                jit_cpu / (jit_cpu + run_cpu), 4)
         result["warm_start_added_seconds"] = round(warm["compile_seconds"] + warm["load_seconds"], 4)
         result["targets"] = {"warm_start_added_seconds": "< 0.05",
-                             "cold_jit_share_of_1000_steps": "< 0.10", "cold first_step_s": "< 0.06"}
+                             "cold_jit_share_of_1000_steps": "< 0.10",
+                             "cold_jit_cpu_share_of_1000_steps": "< 0.10",
+                             "cold first_step_s": "< 0.06"}
         return result
 
 

@@ -4,6 +4,7 @@
 #include <mixtape/dsl/error.h>
 #include <mixtape/mixtape.h>
 
+#include <chrono>
 #include <cstdio>
 #include <functional>
 #include <memory>
@@ -17,6 +18,7 @@
 #include "examples/digits_model.h"
 #include "examples/digits_train.h"
 #include "examples/resnet_model.h"
+#include "mixtape/jit/llvm_jit.h"
 
 namespace mt = mixtape;
 
@@ -263,6 +265,18 @@ Workload workload_by_name(const std::string& name, const mt::PolicyPtr& policy, 
       name);
 }
 
+/// The LLVM JIT's work between two snapshots (the workload's whole run, the setup's and first
+/// steps' compiles with the tier-ups that follow): the cold JIT's CPU cost, which on a loaded
+/// machine its wall time overstates.
+mt::json::Value jit_json(const mt::LlvmJit::Stats& before, const mt::LlvmJit::Stats& after) {
+  return {{"kernels_compiled", after.compiled - before.compiled},
+          {"fast_compiled", after.fast_compiled - before.fast_compiled},
+          {"tiered_up", after.tiered_up - before.tiered_up},
+          {"compile_seconds", after.compile_seconds - before.compile_seconds},
+          {"compile_cpu_seconds", after.compile_cpu_seconds - before.compile_cpu_seconds},
+          {"tier_up_cpu_seconds", after.tier_up_cpu_seconds - before.tier_up_cpu_seconds}};
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -272,8 +286,16 @@ int main(int argc, char** argv) {
       for (const std::string& precision : line.precisions) {
         mt::PolicyPtr policy = mt::policy_by_name(precision == "bf16" ? "autocast-bf16" : "fp32");
         mt::reset_execution_stats();
+        const mt::LlvmJit::Stats jit_before = mt::LlvmJit::instance().stats();
+        auto setup_start = std::chrono::steady_clock::now();
+        double setup_cpu_start = bench::process_cpu_seconds();
         Workload workload = workload_by_name(name, policy, line.step == "compiled");
-        bench::emit(bench::measure_workload(workload, name, precision, line));
+        mt::json::Value setup{{"setup_s", bench::seconds_since(setup_start)},
+                              {"setup_cpu_s", bench::process_cpu_seconds() - setup_cpu_start}};
+        mt::json::Value record = bench::measure_workload(workload, name, precision, line);
+        bench::append(record, setup);
+        record.emplace("jit", jit_json(jit_before, mt::LlvmJit::instance().stats()));
+        bench::emit(record);
       }
     }
   } catch (const mt::Error& e) {

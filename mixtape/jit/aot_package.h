@@ -56,7 +56,7 @@ std::string variant_symbol(const PackageKernel& kernel, size_t v);
 /// Writes DIR/NAME.h, DIR/libNAME.a, DIR/libNAME.so, DIR/NAME.pc and DIR/NAMEConfig.cmake, each
 /// atomically (runtime/atomic_file.h), and returns their names relative to DIR, for the manifest.
 ///
-/// The kernels are compiled to object code for the host CPU at -O3 exactly as the JIT compiles
+/// The kernels are compiled to optimized object code for the host CPU exactly as the JIT compiles
 /// them (through the kernel cache, so kernels the training run compiled are not compiled again);
 /// the generated glue, NAME_glue.c, is compiled with $CC (default cc). The objects, the glue and
 /// the whole LLVM-free runtime archive (MIXTAPE_RUNTIME_ARCHIVE) are prelinked with `ld -r` into

@@ -1,4 +1,4 @@
-// mixtape/jit/llvm_jit.cpp -- LLVM IR text -> host machine code: O3 pipeline, object emission
+// mixtape/jit/llvm_jit.cpp -- LLVM IR text -> host machine code: IR pipeline, object emission
 // (fast, then optimized in the background), ORC LLJIT.
 #include "mixtape/jit/llvm_jit.h"
 
@@ -28,6 +28,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -44,8 +45,8 @@ namespace {
 
 // Bumped whenever emitted code for the same IR could change (pipeline, flags): part of the key.
 // 3: position-independent code, so that the AOT packager links cached objects into shared
-// libraries.
-constexpr int jit_version = 3;
+// libraries. 4: one short IR pipeline (ir_pipeline) in both tiers, for every kernel.
+constexpr int jit_version = 4;
 
 std::string to_text(llvm::Error error) {
   std::string text;
@@ -56,6 +57,14 @@ std::string to_text(llvm::Error error) {
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The calling thread's CPU time: on a loaded machine a compile's wall time counts the other
+// processes' turns too.
+double thread_cpu_seconds() {
+  timespec t{};
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) * 1e-9;
 }
 
 template <typename T>
@@ -74,18 +83,20 @@ bool tiered_from_environment() {
   return !(value && std::string_view(value) == "0");
 }
 
-// The fast tier's IR pipeline for a kernel without fast-math flags: promote the emitter's loop
-// counters to registers, simplify the index arithmetic, hoist what the loops do not change, and
-// vectorize -- what the pointwise and layout loops need to run at vector speed. About a third of
-// the -O3 pipeline's time. Without fast-math flags every pipeline keeps each operation's IEEE
-// result, so the code gives the bits the -O3 pipeline's does.
-constexpr const char* short_pipeline =
-    "function(sroa,early-cse,instcombine,simplifycfg,loop-mssa(loop-rotate,licm),indvars,"
-    "loop-vectorize,instcombine,simplifycfg)";
+// The IR pipeline of both tiers: promote the emitter's loop counters to registers, simplify the
+// index arithmetic, hoist what the loops do not change, delete the loops over dimensions of size 1
+// (so that the loop around them is the innermost one, and vectorizes), and vectorize -- what the
+// pointwise, reduction and layout loops need to run at vector speed. It takes a third of the -O3
+// pipeline's time (a quarter on reductions, where -O3 was three quarters of the fast tier's time),
+// and its code at CodeGenOpt::Aggressive ran as fast as -O3's on the 245 kernels of the demo and
+// the benchmarks (bench/README.md, "The first step").
+constexpr const char* ir_pipeline =
+    "function(sroa,early-cse,instcombine,simplifycfg,loop-mssa(loop-rotate,licm),"
+    "loop(indvars,loop-deletion),simplifycfg,loop-vectorize,instcombine,simplifycfg)";
 
 // Whether an instruction of module carries a fast-math flag (the emitter's `fadd reassoc` sums):
 // the pipeline then picks the bits (the vectorizer splits such a sum into as many partial sums as
-// its cost model chooses), so both tiers must run the same one.
+// its cost model chooses), so both tiers must run the same one, with the same target machine.
 bool has_fast_math(const llvm::Module& module) {
   for (const llvm::Function& function : module)
     for (const llvm::Instruction& inst : llvm::instructions(function))
@@ -94,29 +105,21 @@ bool has_fast_math(const llvm::Module& module) {
   return false;
 }
 
-// Runs the -O3 pipeline, or short_pipeline when short_one, on module, for machine's target.
-void run_pipeline(llvm::Module& module, llvm::TargetMachine& machine, bool short_one) {
+// Runs ir_pipeline on module, for machine's target.
+void run_pipeline(llvm::Module& module, llvm::TargetMachine& machine) {
   llvm::LoopAnalysisManager loops;
   llvm::FunctionAnalysisManager functions;
   llvm::CGSCCAnalysisManager cgscc;
   llvm::ModuleAnalysisManager modules;
-  // No loop unrolling beyond the vectorizer's interleaving (which keeps several accumulators):
-  // it cut compile time by about a third without slowing the benchmark's kernels.
-  llvm::PipelineTuningOptions tuning;
-  tuning.LoopUnrolling = false;
-  llvm::PassBuilder passes(&machine, tuning);
+  llvm::PassBuilder passes(&machine);
   passes.registerModuleAnalyses(modules);
   passes.registerCGSCCAnalyses(cgscc);
   passes.registerFunctionAnalyses(functions);
   passes.registerLoopAnalyses(loops);
   passes.crossRegisterProxies(loops, functions, cgscc, modules);
-  if (!short_one) {
-    passes.buildPerModuleDefaultPipeline(llvm::OptimizationLevel::O3).run(module, modules);
-    return;
-  }
   llvm::ModulePassManager pipeline;
-  if (llvm::Error e = passes.parsePassPipeline(pipeline, short_pipeline))
-    fail("LLVM JIT: the fast tier's pipeline does not parse: {}", to_text(std::move(e)));
+  if (llvm::Error e = passes.parsePassPipeline(pipeline, ir_pipeline))
+    fail("LLVM JIT: the IR pipeline does not parse: {}", to_text(std::move(e)));
   pipeline.run(module, modules);
 }
 
@@ -187,7 +190,7 @@ class MachinePool {
 }  // namespace
 
 // An optimizing compile to do in the background: the fast kernel, what makes its optimized
-// object (its -O3 IR as bitcode, or when the fast tier ran the short pipeline, its IR text to
+// object (its optimized IR as bitcode, or for a kernel without fast-math flags, its IR text to
 // compile afresh), and where that object is cached.
 struct LlvmJit::TierUp {
   std::weak_ptr<const JitKernel> kernel;
@@ -211,7 +214,7 @@ std::string fast_entry_key(const std::string& key) { return "fast tier\n" + key;
 constexpr char fast_entry_magic[4] = {'M', 'T', 'F', 'T'};
 
 // A fast-tier entry: the magic, the object's length (8 bytes, host order: the key names the
-// host), the object, then the -O3 IR as bitcode (none: the tier-up compiles the IR afresh).
+// host), the object, then the optimized IR as bitcode (none: the tier-up compiles the IR afresh).
 std::vector<std::byte> pack_fast_entry(const std::vector<std::byte>& object,
                                        const std::string& bitcode) {
   uint64_t size = object.size();
@@ -378,13 +381,15 @@ LlvmJit::Compiled LlvmJit::compile_object(const std::string& name, const std::st
     fail("LLVM JIT: kernel {} is invalid IR: {}", name, verify_os.str());
   auto start = std::chrono::steady_clock::now();
   Compiled compiled;
+  // Without fast-math flags every operation keeps its IEEE result whatever the target machine's
+  // cost model makes of the loops, so the fast tier runs the pipeline with its own machine and the
+  // tier-up compiles the IR afresh.
   compiled.short_pipeline = fast && !has_fast_math(*module);
   if (compiled.short_pipeline) {
-    // Its tier-up compiles the IR afresh, so no optimizing machine is needed here.
     auto quick = state_->machines.lease("fast " + cpu, [&] { return target_machine(cpu, true); });
     module->setDataLayout(quick->createDataLayout());
     module->setTargetTriple(quick->getTargetTriple().str());
-    run_pipeline(*module, *quick, true);
+    run_pipeline(*module, *quick);
     compiled.pipeline_seconds = seconds_since(start);
     rename_fast(*module, name);
     compiled.object = emit_object(*module, *quick);
@@ -392,11 +397,11 @@ LlvmJit::Compiled LlvmJit::compile_object(const std::string& name, const std::st
     return compiled;
   }
   // The IR pipeline runs with the optimizing tier's machine whatever the tier, so that both emit
-  // the same optimized IR.
+  // the same optimized IR (kept as bitcode for the tier-up).
   auto optimizing = state_->machines.lease("opt " + cpu, [&] { return target_machine(cpu); });
   module->setDataLayout(optimizing->createDataLayout());
   module->setTargetTriple(optimizing->getTargetTriple().str());
-  run_pipeline(*module, *optimizing, false);
+  run_pipeline(*module, *optimizing);
   compiled.pipeline_seconds = seconds_since(start);
   if (output == Output::optimized_object) {
     compiled.object = emit_object(*module, *optimizing);
@@ -454,7 +459,7 @@ std::vector<std::string> LlvmJit::cpu_features(const std::string& cpu,
 
 namespace {
 
-// The optimized object of a fast kernel: its bitcode (the -O3 IR) emitted with
+// The optimized object of a fast kernel: its bitcode (the optimized IR) emitted with
 // CodeGenOpt::Aggressive.
 std::vector<std::byte> emit_optimized(const std::string& name, const std::string& bitcode,
                                       llvm::TargetMachine& machine) {
@@ -482,6 +487,7 @@ double LlvmJit::compile_missing(const std::vector<KernelSource>& kernels,
                    [&](size_t a, size_t b) { return kernels[a].ir.size() > kernels[b].ir.size(); });
   std::mutex error_mutex;
   std::optional<Error> error;
+  double cpu_seconds = 0;  // guarded by error_mutex
   // The primer, when asked for, comes last: a thread with no kernel left runs it, so that with
   // fewer kernels than cores it costs no wall time. The team is sized by the cores, not by the
   // user's omp_set_num_threads (a training loop pinned to one thread still compiles on all).
@@ -495,6 +501,7 @@ double LlvmJit::compile_missing(const std::vector<KernelSource>& kernels,
       continue;
     }
     size_t i = order[k];
+    double cpu_start = thread_cpu_seconds();
     try {
       compiled[i] = compile_object(kernels[i].name, kernels[i].ir, cpu,
                                    fast ? Output::fast_object : Output::optimized_object);
@@ -502,6 +509,12 @@ double LlvmJit::compile_missing(const std::vector<KernelSource>& kernels,
       std::lock_guard<std::mutex> lock(error_mutex);
       if (!error) error = e;
     }
+    std::lock_guard<std::mutex> lock(error_mutex);
+    cpu_seconds += thread_cpu_seconds() - cpu_start;
+  }
+  {
+    std::lock_guard<std::mutex> lock(state_->mutex);
+    state_->stats.compile_cpu_seconds += cpu_seconds;
   }
   if (error) throw *error;
   return seconds_since(start);
@@ -645,7 +658,7 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
       if (log_enabled("jit") && was_compiled)
         log_line("jit", "compiled{} {}: IR pipeline {:.2f} ms, code {:.2f} ms",
                  !is_fast                     ? ""
-                 : compiled[i].short_pipeline ? " (fast tier, short pipeline)"
+                 : compiled[i].short_pipeline ? " (fast tier, without fast-math flags)"
                                               : " (fast tier)",
                  name, compiled[i].pipeline_seconds * 1e3, compiled[i].codegen_seconds * 1e3);
     }
@@ -671,6 +684,7 @@ void LlvmJit::run_tier_up(TierUp& job) {
   // What fails leaves the kernel on its fast code, which gives the same bits; MIXTAPE_LOG=jit
   // says why. Nothing escapes: a job runs on the worker.
   auto start = std::chrono::steady_clock::now();
+  double cpu_start = thread_cpu_seconds();
   try {
     std::vector<std::byte> object;
     if (!job.ir.empty()) {
@@ -684,6 +698,7 @@ void LlvmJit::run_tier_up(TierUp& job) {
     std::shared_ptr<const JitKernel> kernel = job.kernel.lock();
     std::lock_guard<std::mutex> lock(state->mutex);
     state->stats.tier_up_seconds += seconds_since(start);
+    state->stats.tier_up_cpu_seconds += thread_cpu_seconds() - cpu_start;
     if (!kernel) return;  // gone meanwhile; its object is cached for the next one
     auto [tracker, function] = add_object(*state->jit, object, job.name, job.name);
     JitKernel::Private& p = *kernel->p_;
@@ -703,7 +718,7 @@ void LlvmJit::run_tier_up(TierUp& job) {
 
 namespace {
 
-// The kernel prime_tier_up() tiers up: a `fadd reassoc` sum, which the -O3 pipeline vectorizes.
+// The kernel prime_tier_up() tiers up: a `fadd reassoc` sum, which the IR pipeline vectorizes.
 constexpr const char* primer_name = "mt_tier_up_primer";
 constexpr const char* primer_ir = R"(; mixtape: the tier-up primer
 define void @mt_tier_up_primer(ptr noalias nocapture readonly %params, i64 %begin, i64 %end) {
@@ -734,7 +749,7 @@ exit:
 void LlvmJit::prime_tier_up() {
   std::lock_guard<std::mutex> lock(state_->prime_mutex);
   if (state_->worker_primed) return;
-  // Both kinds of tier-up in one: the primer's IR parsed, through the -O3 pipeline and out as
+  // Both kinds of tier-up in one: the primer's IR parsed, through the IR pipeline and out as
   // bitcode, then read back and emitted at CodeGenOpt::Aggressive, and cached (the rest of what
   // compiling IR afresh does, the foreground has done).
   auto start = std::chrono::steady_clock::now();
@@ -742,8 +757,13 @@ void LlvmJit::prime_tier_up() {
     TierUp job;
     job.name = primer_name;
     job.key = cache_key(primer_ir, "");
+    double cpu_start = thread_cpu_seconds();
     job.bitcode = compile_object(primer_name, primer_ir, "", Output::optimized_bitcode).bitcode;
     double pipeline_seconds = seconds_since(start);
+    {
+      std::lock_guard<std::mutex> lock(state_->mutex);
+      state_->stats.tier_up_cpu_seconds += thread_cpu_seconds() - cpu_start;
+    }
     run_tier_up(job);
     if (log_enabled("jit"))
       log_line("jit", "primed the tier-ups in {:.1f} ms (IR pipeline {:.1f} ms)",

@@ -35,7 +35,7 @@ class JitKernel {
   /// (runtime/cpu_kernels.h): the swap to the optimized code is one atomic store there. The fast
   /// tier's code stays mapped as long as the kernel, so a call that read it still runs.
   const std::atomic<KernelFunction>& entry() const { return entry_; }
-  /// Whether function() is the optimized code (-O3 IR, CodeGenOpt::Aggressive), which it stays.
+  /// Whether function() is the optimized code (CodeGenOpt::Aggressive), which it stays.
   bool optimized() const;
   /// The fast tier's code, mapped as long as the kernel; null when it was loaded optimized.
   KernelFunction fast_function() const;
@@ -54,7 +54,7 @@ class LlvmJit {
   ~LlvmJit();
 
   /// The function `name` defined by `ir`: from this process's loaded kernels, else from the
-  /// kernel cache (memory or disk), else compiled at -O3 for the host CPU (tiered: see
+  /// kernel cache (memory or disk), else compiled optimized for the host CPU (tiered: see
   /// set_tiered) and cached.
   std::shared_ptr<const JitKernel> load(const std::string& name, const std::string& ir);
 
@@ -66,13 +66,13 @@ class LlvmJit {
   };
   std::vector<std::shared_ptr<const JitKernel>> load_all(const std::vector<KernelSource>& kernels);
 
-  /// The relocatable object file of each kernel (its function `name`, position-independent, at
-  /// -O3), as load_all() would load it once optimized: from the kernel cache (after waiting for
-  /// the tier-ups under way), else compiled (misses in parallel) and cached. The AOT packager links
-  /// these into an artifact, so kernels the training run compiled are not compiled again. `cpu`
-  /// empty: for the host CPU, with all its features; else for that LLVM CPU name ("x86-64-v3",
-  /// "x86-64", "znver3") and only the features it implies (an mt::Error for a name LLVM does not
-  /// know).
+  /// The relocatable object file of each kernel (its function `name`, position-independent,
+  /// optimized), as load_all() would load it once optimized: from the kernel cache (after waiting
+  /// for the tier-ups under way), else compiled (misses in parallel) and cached. The AOT packager
+  /// links these into an artifact, so kernels the training run compiled are not compiled again.
+  /// `cpu` empty: for the host CPU, with all its features; else for that LLVM CPU name
+  /// ("x86-64-v3", "x86-64", "znver3") and only the features it implies (an mt::Error for a name
+  /// LLVM does not know).
   std::vector<std::vector<std::byte>> objects(const std::vector<KernelSource>& kernels,
                                               const std::string& cpu = "");
   /// Whether LLVM knows the CPU name.
@@ -85,20 +85,21 @@ class LlvmJit {
   /// LLVM version, host CPU name and features: what makes an object valid for this machine.
   std::string target() const;
 
-  /// Tiered compilation, on unless $MIXTAPE_JIT_TIERED is 0. A kernel that load_all() finds
-  /// neither loaded nor cached is compiled so that both tiers give the same bits:
+  /// Tiered compilation, on unless $MIXTAPE_JIT_TIERED is 0. Both tiers run one short IR pipeline
+  /// (SROA, simplification, LICM, loop deletion, the loop vectorizer: a third of -O3's time, and
+  /// code as fast on the benchmarks' kernels). A kernel that load_all() finds neither loaded nor
+  /// cached is compiled so that both tiers give the same bits:
   /// - tiered: to machine code with LLVM's fast instruction selection and register allocation
   ///   (CodeGenOpt::None), which runs at once. A kernel with fast-math flags (the emitter's
-  ///   `fadd reassoc` sums, whose bits the vectorizer's choices decide) goes through the -O3 IR
-  ///   pipeline first, and a background thread then emits the same optimized IR with
-  ///   CodeGenOpt::Aggressive. A kernel without them, whose every operation keeps its IEEE result
-  ///   under any pipeline, goes through a short one (about a third of the time: SROA,
-  ///   simplification, LICM, the loop vectorizer), and the background thread compiles its IR
-  ///   afresh at -O3. Either way the background thread makes the object an untiered compile
-  ///   makes, byte for byte, stores it in the kernel cache and swaps it in. Only optimized
-  ///   objects are cached under a kernel's key, so a later process and the AOT packager get
-  ///   those.
-  /// - untiered: -O3 and CodeGenOpt::Aggressive at once, as the background thread would.
+  ///   `fadd reassoc` sums, whose bits the vectorizer's choices decide) runs the pipeline with the
+  ///   optimizing tier's target machine and keeps the optimized IR as bitcode, which a background
+  ///   thread then emits with CodeGenOpt::Aggressive. A kernel without them, whose every operation
+  ///   keeps its IEEE result under any pipeline, runs it with the fast tier's machine, and the
+  ///   background thread compiles its IR afresh. Either way the background thread makes the object
+  ///   an untiered compile makes, byte for byte, stores it in the kernel cache and swaps it in.
+  ///   Only optimized objects are cached under a kernel's key, so a later process and the AOT
+  ///   packager get those.
+  /// - untiered: the pipeline and CodeGenOpt::Aggressive at once, as the background thread would.
   /// The background threads (jit/background_worker.h) run a tier-up on idle CPU time, or at
   /// normal priority once it has waited 2 s, and start nothing while foreground compiles run.
   /// Exit waits for the tier-ups under way and drops the others, each leaving a fast-tier entry
@@ -112,15 +113,17 @@ class LlvmJit {
   void wait_for_tier_up();
 
   struct Stats {
-    int64_t compiled = 0;          // IR compiled to machine code in the foreground
-    int64_t fast_compiled = 0;     // of those, to fast code, optimized later in the background
-    int64_t short_compiled = 0;    // of those, through the short IR pipeline (see set_tiered)
-    int64_t tiered_up = 0;         // kernels whose optimized code was swapped in
-    int64_t disk_loaded = 0;       // objects taken from the kernel cache
-    int64_t fast_disk_loaded = 0;  // of those, fast-tier entries (see set_tiered)
-    int64_t memory_hits = 0;       // already loaded in this process
-    double compile_seconds = 0;    // wall time waited for compilation (parallel: the longest)
-    double tier_up_seconds = 0;    // background thread's time on tier-ups
+    int64_t compiled = 0;            // IR compiled to machine code in the foreground
+    int64_t fast_compiled = 0;       // of those, to fast code, optimized later in the background
+    int64_t short_compiled = 0;      // of those, without fast-math flags (see set_tiered)
+    int64_t tiered_up = 0;           // kernels whose optimized code was swapped in
+    int64_t disk_loaded = 0;         // objects taken from the kernel cache
+    int64_t fast_disk_loaded = 0;    // of those, fast-tier entries (see set_tiered)
+    int64_t memory_hits = 0;         // already loaded in this process
+    double compile_seconds = 0;      // wall time waited for compilation (parallel: the longest)
+    double compile_cpu_seconds = 0;  // CPU time of those compiles, every thread's together
+    double tier_up_seconds = 0;      // background thread's time on tier-ups
+    double tier_up_cpu_seconds = 0;  // CPU time of the tier-ups (the primer's included)
     double load_seconds = 0;
     int64_t resident = 0;        // kernels loaded now (some owner still holds them)
     int64_t resident_bytes = 0;  // their object files' bytes (fast and optimized)
@@ -129,10 +132,10 @@ class LlvmJit {
 
  private:
   LlvmJit();
-  // What compile_object() makes: the object, and for the fast tier the optimized IR as bitcode
-  // unless it ran the short pipeline (the object then defines `name` + fast_suffix, so that the
-  // optimized object's `name` can be loaded beside it); the time its IR pipeline and its code
-  // generation took.
+  // What compile_object() makes: the object (for the fast tier defining `name` + fast_suffix, so
+  // that the optimized object's `name` can be loaded beside it), the optimized IR as bitcode for
+  // the fast tier of a kernel with fast-math flags (short_pipeline: one without, whose tier-up
+  // compiles the IR afresh), and the time its IR pipeline and its code generation took.
   struct Compiled {
     std::vector<std::byte> object;
     std::string bitcode;
@@ -160,7 +163,7 @@ class LlvmJit {
   // Compiles, swaps in and caches job's optimized object.
   void run_tier_up(TierUp& job);
   // The process's first call tiers up a small kernel of its own on the calling thread, so that
-  // the statics a tier-up makes (LLVM's readers, -O3 pipeline and optimizing code generator,
+  // the statics a tier-up makes (LLVM's readers, IR pipeline and optimizing code generator,
   // OpenSSL's MAC for the cache) exist before the worker starts; the others return once it is
   // done.
   void prime_tier_up();
