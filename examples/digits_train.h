@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 
@@ -42,12 +43,14 @@ struct Options {
   bool json_only = false;
   bool compile = true;  // the step through mt::compile (traced twice, then replayed)
   std::string logdir;   // --logdir: TensorBoard event files of the run
+  // --distributed: data parallel over the processes mpirun started (--batch per process).
+  bool distributed = false;
 };
 
 constexpr const char* kUsage =
     "usage: %s [--steps N] [--batch N] [--lr X] [--optimizer sgd|adamw] [--seed N]\n"
     "    [--no-shuffle] [--load FILE] [--save FILE] [--export DIR] [--json] [--no-compile]\n"
-    "    [--logdir DIR]\n"
+    "    [--logdir DIR] [--distributed]\n"
     "    [--label-smoothing X] [--noise STDDEV] [--shift PIXELS] [--[no-]cosine]\n"
     "    [--policy fp32|autocast-f16|autocast-bf16|pure-f16|pure-bf16]\n"
     "    [--loss-scale none|static:N|dynamic]\n";
@@ -129,12 +132,16 @@ inline Options parse(const std::string& example, const Defaults& defaults, int a
       o.json_only = true;
     else if (flag == "--logdir")
       o.logdir = value();
+    else if (flag == "--distributed")
+      o.distributed = true;
     else if (flag == "--help" || flag == "-h")
       std::printf(kUsage, example.c_str()), std::exit(0);
     else
       usage("unknown flag " + flag);
   }
   if (o.steps < 1) usage("--steps must be at least 1");
+  if (o.distributed && (!o.export_dir.empty() || !o.logdir.empty()))
+    usage("--distributed trains without --export and --logdir (not yet)");
   if (o.batch < 1 || o.batch > 1437) usage("--batch must be in [1, 1437]");
   if (o.optimizer != "sgd" && o.optimizer != "adamw") usage("--optimizer must be sgd or adamw");
   if (o.label_smoothing < 0 || o.label_smoothing > 1) usage("--label-smoothing must be in [0, 1]");
@@ -198,6 +205,16 @@ int run(const Options& o, Model& net) {
   mt::TensorDataset train = split(digits, 0, 1437), test = split(digits, 1437, 1797);
 
   if (!o.load.empty()) mt::load_checkpoint(o.load, net);
+  // --distributed: every process trains on its share of each batch, gradients averaged; rank 0
+  // alone prints and saves.
+  std::optional<mt::dist::DataParallel> data_parallel;
+  if (o.distributed) {
+    mt::dist::World world = mt::dist::init();
+    if (world.size == 1) std::fprintf(stderr, "--distributed: %s\n", world.single_reason.c_str());
+    if (world.rank != 0 && !std::freopen("/dev/null", "w", stdout))
+      mt::fail("cannot silence rank {}'s output", world.rank);
+    data_parallel.emplace(net);
+  }
   std::unique_ptr<mt::Optimizer> optimizer;
   if (o.optimizer == "sgd")
     optimizer =
@@ -206,7 +223,7 @@ int run(const Options& o, Model& net) {
     optimizer = std::make_unique<mt::AdamW>(net.parameters(),
                                             mt::AdamOptions{.lr = o.lr, .weight_decay = 0.01});
 
-  mt::DataLoader loader(train, o.batch, o.shuffle, o.seed);
+  mt::DataLoader loader(train, o.batch, o.shuffle, o.seed, mt::dist::shard());
   mt::Generator noise_generator(o.seed ^ 0x6e6f697365ULL);
   std::mt19937_64 shift_generator(o.seed ^ 0x7368696674ULL);
   mt::CosineWithWarmup cosine(o.lr, 0, o.steps);
@@ -301,7 +318,7 @@ int run(const Options& o, Model& net) {
   for (size_t i = 0; i < labels.size(); ++i) correct += predicted[i] == labels[i];
   double accuracy = static_cast<double>(correct) / static_cast<double>(labels.size());
 
-  if (!o.save.empty()) mt::save_checkpoint(o.save, net, optimizer.get());
+  if (!o.save.empty() && mt::dist::rank() == 0) mt::save_checkpoint(o.save, net, optimizer.get());
   if (!o.export_dir.empty()) {
     mt::aot::Options options{.name = o.example,
                              .dynamic_batch = {.max = 1024},
@@ -332,6 +349,7 @@ int run(const Options& o, Model& net) {
                         {"skipped_steps", scaler.skipped_steps()},
                         {"step", o.compile ? "compiled" : "traced"},
                         {"replayed_steps", compiled_step.stats().replays}};
+  if (o.distributed) line.emplace_back("world_size", static_cast<int64_t>(mt::dist::world_size()));
   std::printf("%s\n", mt::json::dump(line).c_str());
   return 0;
 }
