@@ -202,7 +202,9 @@ TEST_F(DataParallel, CompiledStepsReplayTheReduction) {
   Result traced = train({});
   Result compiled = train({.compiled = true, .check_each_step = true});
   EXPECT_EQ(traced.params, compiled.params);
-  EXPECT_GE(compiled.replays, kSteps - 3) << "the steps after the first traces are replays";
+  if (mt::current_device() != mt::Device::reference) {  // which has no programs to replay
+    EXPECT_GE(compiled.replays, kSteps - 3) << "the steps after the first traces are replays";
+  }
 }
 
 TEST_F(DataParallel, RankZerosValuesAreTakenAndMismatchedModelsRefused) {
