@@ -71,7 +71,7 @@ void expect_same_on_every_rank(const mt::Module& m, const std::string& when) {
         << "rank " << q << "'s parameters differ from rank 0's " << when;
 }
 
-enum class Precision { fp32, bf16 };
+enum class Precision { fp32, bf16, f16 };
 
 struct Options {
   bool parallel = true;
@@ -114,7 +114,8 @@ Result train(const Options& o) {
     mt::Tensor loss;
     {
       std::optional<mt::autocast> guard;
-      if (o.precision == Precision::bf16) guard.emplace(mt::bf16);
+      if (o.precision != Precision::fp32)
+        guard.emplace(o.precision == Precision::bf16 ? mt::bf16 : mt::f16);
       loss = mt::cross_entropy(net(x), y);
     }
     scaler.scale(loss).backward();
@@ -179,14 +180,19 @@ TEST_F(DataParallel, TwoRanksAtBatchBEqualOneProcessAt2B) {
   EXPECT_EQ(parallel.scales, alone.scales);
 }
 
-TEST_F(DataParallel, UnderAutocastBf16TooAndRunsRepeatBitForBit) {
-  Result first = train({.precision = Precision::bf16, .check_each_step = true, .adam = false});
-  Result again = train({.precision = Precision::bf16, .adam = false});
-  EXPECT_EQ(first.params, again.params);
-  Result alone = train({.parallel = false, .precision = Precision::bf16, .adam = false});
-  // Under autocast the weight gradients are bf16 products, rounded on each rank before the
-  // reduction and once over the whole batch alone: the runs agree to bf16's precision.
-  expect_close(first.params, alone.params, 1e-2);
+TEST_F(DataParallel, UnderAutocastTooAndRunsRepeatBitForBit) {
+  for (Precision half : {Precision::bf16, Precision::f16}) {
+    SCOPED_TRACE(half == Precision::bf16 ? "autocast-bf16" : "autocast-f16");
+    Result first = train({.precision = half, .check_each_step = true, .adam = false});
+    Result again = train({.precision = half, .adam = false});
+    EXPECT_EQ(first.params, again.params);
+    Result alone = train({.parallel = false, .precision = half, .adam = false});
+    // Under autocast the weight gradients are half products, rounded on each rank before the
+    // reduction and once over the whole batch alone: the runs agree to the half type's
+    // precision, and the dynamic scale follows the same course.
+    expect_close(first.params, alone.params, half == Precision::bf16 ? 1e-2 : 2e-3);
+    EXPECT_EQ(first.scales, alone.scales);
+  }
 }
 
 TEST_F(DataParallel, OneRanksInfSkipsTheStepOnEveryRank) {
