@@ -26,6 +26,10 @@ struct World {
 /// build without MPI, the run is one process and the result says why. Call it before any
 /// training step; later calls return the first one's result. MPI is finalized at exit.
 World init();
+/// How long a collective waits for the other processes (default 300 s, as the 5 min):
+/// a process that died or hangs makes the others fail with an mt::Error after it instead of
+/// waiting forever. (mpirun itself ends the whole job when a process dies.)
+void set_timeout(double seconds);
 /// This process's rank and the number of processes (0 and 1 before init()).
 int rank();
 int world_size();

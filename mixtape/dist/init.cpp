@@ -1,9 +1,12 @@
 // mixtape/dist/init.cpp -- dist::init: MPI's process group (when this build has MPI and mpirun
 // started the process), or one process and the reason why.
+#include <atomic>
+#include <chrono>
 #include <climits>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "mixtape/dist/dist.h"
@@ -17,7 +20,13 @@
 namespace mixtape::dist {
 namespace {
 
+std::atomic<double> timeout_seconds{300};
+
 #ifdef MIXTAPE_HAVE_MPI
+
+// Set when a collective timed out: its request is still posted, so this process makes no MPI
+// call again (not even MPI_Finalize, which would wait for the processes that stopped).
+std::atomic<bool> broken{false};
 
 // MPI counts and displacements are ints: larger transfers are refused, not truncated.
 int as_count(int64_t bytes, const char* call) {
@@ -43,6 +52,37 @@ void check(int code, const char* call) {
   fail("dist: {} failed: {}", call, std::string(text, static_cast<size_t>(length)));
 }
 
+// Waits for a nonblocking collective, polling, for at most the timeout: a process that died or
+// hangs makes the others fail with an mt::Error instead of waiting forever.
+void wait(MPI_Request& request, const char* call) {
+  const double limit = timeout_seconds.load();
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t polls = 0;; ++polls) {
+    int done = 0;
+    check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), call);
+    if (done) return;
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (waited > limit) {
+      broken = true;
+      fail(
+          "dist: {} waited {} s (dist::set_timeout) for the other processes: one of them has "
+          "stopped or hangs. This process can run no more collectives and should exit",
+          call, limit);
+    }
+    // Spin briefly (a collective usually completes in microseconds), then leave the core to
+    // the others: with more processes than cores, a spinning wait slows the one it waits for.
+    if (polls < 1000)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+void check_not_broken() {
+  if (broken) fail("dist: an earlier collective timed out, so no other can run in this process");
+}
+
 class MpiGroup : public ProcessGroup {
  public:
   MpiGroup() {
@@ -60,20 +100,30 @@ class MpiGroup : public ProcessGroup {
     const char* call = "MPI_Alltoallv";
     std::vector<int> sc = as_counts(send_count, call), sa = as_counts(send_at, call),
                      rc = as_counts(recv_count, call), ra = as_counts(recv_at, call);
-    check(MPI_Alltoallv(send, sc.data(), sa.data(), MPI_BYTE, recv, rc.data(), ra.data(), MPI_BYTE,
-                        comm_),
+    check_not_broken();
+    MPI_Request request;
+    check(MPI_Ialltoallv(send, sc.data(), sa.data(), MPI_BYTE, recv, rc.data(), ra.data(), MPI_BYTE,
+                         comm_, &request),
           call);
+    wait(request, call);
   }
   void all_gather(const std::byte* send, int64_t count, std::byte* recv,
                   std::span<const int64_t> counts, std::span<const int64_t> at) override {
     const char* call = "MPI_Allgatherv";
     std::vector<int> c = as_counts(counts, call), a = as_counts(at, call);
-    check(MPI_Allgatherv(send, as_count(count, call), MPI_BYTE, recv, c.data(), a.data(), MPI_BYTE,
-                         comm_),
+    check_not_broken();
+    MPI_Request request;
+    check(MPI_Iallgatherv(send, as_count(count, call), MPI_BYTE, recv, c.data(), a.data(), MPI_BYTE,
+                          comm_, &request),
           call);
+    wait(request, call);
   }
   void broadcast(std::byte* data, int64_t count, int root) override {
-    check(MPI_Bcast(data, as_count(count, "MPI_Bcast"), MPI_BYTE, root, comm_), "MPI_Bcast");
+    const char* call = "MPI_Bcast";
+    check_not_broken();
+    MPI_Request request;
+    check(MPI_Ibcast(data, as_count(count, call), MPI_BYTE, root, comm_, &request), call);
+    wait(request, call);
   }
 
  private:
@@ -103,7 +153,7 @@ World join_mpi() {
     std::atexit([] {
       int finalized = 0;
       MPI_Finalized(&finalized);
-      if (!finalized) MPI_Finalize();
+      if (!finalized && !broken) MPI_Finalize();
     });
     if (provided < MPI_THREAD_SERIALIZED)
       fail("dist::init: this MPI gives thread level {}, mixtape needs MPI_THREAD_SERIALIZED ({})",
@@ -137,6 +187,11 @@ World world;
 World init() {
   std::call_once(joined, [] { world = join_mpi(); });
   return world;
+}
+
+void set_timeout(double seconds) {
+  if (!(seconds > 0)) fail("dist::set_timeout: {} s is not a positive time", seconds);
+  timeout_seconds = seconds;
 }
 
 int rank() { return process_rank(); }
