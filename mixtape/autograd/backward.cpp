@@ -14,13 +14,7 @@
 namespace mixtape {
 namespace {
 
-// Each backward pass marks the nodes it walks with a number of its own (Node::grad_walk) and
-// finds a node's gradient terms through Node::grad_slot, instead of keeping maps keyed by address:
-// the traced loop runs a backward pass every step. A pass started inside another (a custom
-// vjp that calls grad()) puts back the marks of the nodes it walked when it ends, so the outer
-// pass finds its own again.
-std::atomic<uint64_t> grad_walks{0};
-
+// The hooks add_gradient_hook installed (dist::DataParallel's), run by every backward().
 struct GradientHooks {
   std::mutex mutex;
   std::vector<std::pair<int64_t, std::shared_ptr<const GradientHook>>> hooks;
@@ -31,6 +25,14 @@ GradientHooks& gradient_hooks() {
   static GradientHooks* hooks = new GradientHooks;  // never destroyed: used until exit
   return *hooks;
 }
+
+// Each backward pass marks the nodes it walks with a number of its own (Node::grad_walk) and
+// finds a node's gradient terms through Node::grad_slot, instead of keeping maps keyed by address:
+// the traced loop runs a backward pass every step. A pass started inside another (a custom
+// vjp that calls grad()) puts back the marks of the nodes it walked when it ends, so the outer
+// pass finds its own again.
+std::atomic<uint64_t> grad_walks{0};
+
 thread_local int passes_running = 0;
 
 class WalkMarks {
