@@ -224,8 +224,10 @@ int run(const Options& o, Model& net) {
                                             mt::AdamOptions{.lr = o.lr, .weight_decay = 0.01});
 
   mt::DataLoader loader(train, o.batch, o.shuffle, o.seed, mt::dist::shard());
-  mt::Generator noise_generator(o.seed ^ 0x6e6f697365ULL);
-  std::mt19937_64 shift_generator(o.seed ^ 0x7368696674ULL);
+  // Each process its own augmentation (rank 0's is the single process's).
+  const uint64_t rank_salt = static_cast<uint64_t>(mt::dist::rank()) << 48;
+  mt::Generator noise_generator(o.seed ^ 0x6e6f697365ULL ^ rank_salt);
+  std::mt19937_64 shift_generator(o.seed ^ 0x7368696674ULL ^ rank_salt);
   mt::CosineWithWarmup cosine(o.lr, 0, o.steps);
   mt::CrossEntropyOptions loss_options{.label_smoothing = o.label_smoothing};
   bool terminal = isatty(STDOUT_FILENO) != 0;
