@@ -82,6 +82,7 @@ struct Options {
   // Adam's steps divide by the gradients' own size, so that it magnifies rounding differences
   // in gradients near zero far beyond f32's 1e-7: the comparisons with one process use SGD.
   bool adam = true;
+  mt::dist::DataParallelOptions data_parallel = {};
 };
 
 struct Result {
@@ -89,6 +90,7 @@ struct Result {
   std::vector<double> scales;
   std::vector<bool> skipped;
   int64_t replays = 0;
+  int64_t buckets = 0;
 };
 
 // kSteps of AdamW with dynamic loss scaling and clipping (at a norm the gradients exceed, so
@@ -98,7 +100,7 @@ Result train(const Options& o) {
   mt::manual_seed(7);
   DigitsMLP net;
   std::optional<mt::dist::DataParallel> ddp;
-  if (o.parallel) ddp.emplace(net);
+  if (o.parallel) ddp.emplace(net, o.data_parallel);
   std::unique_ptr<mt::Optimizer> optimizer;
   if (o.adam)
     optimizer = std::make_unique<mt::AdamW>(net.parameters(), mt::AdamOptions{.lr = 1e-3});
@@ -150,6 +152,7 @@ Result train(const Options& o) {
   r.scales = scaler.scale_history();
   r.skipped = scaler.skip_history();
   r.replays = compiled.stats().replays;
+  r.buckets = ddp ? ddp->last_buckets() : 0;
   return r;
 }
 
@@ -211,6 +214,21 @@ TEST_F(DataParallel, CompiledStepsReplayTheReduction) {
   if (mt::current_device() != mt::Device::reference) {  // which has no programs to replay
     EXPECT_GE(compiled.replays, kSteps - 3) << "the steps after the first traces are replays";
   }
+}
+
+TEST_F(DataParallel, BucketsAndBf16Reductions) {
+  Result one = train({.adam = false});
+  EXPECT_EQ(one.buckets, 1) << "the MLP's 104 KB of f32 gradients fit one 25 MB bucket";
+  // Sums are per element in rank order, so cutting the gradients into buckets changes no bit.
+  Result many =
+      train({.check_each_step = true, .adam = false, .data_parallel = {.bucket_bytes = 4096}});
+  EXPECT_GE(many.buckets, 3);
+  EXPECT_EQ(many.params, one.params);
+  // Reduced in bf16 (half the bytes moved), the average is rounded to bf16's precision.
+  Result bf16 =
+      train({.check_each_step = true, .adam = false, .data_parallel = {.reduce_dtype = mt::bf16}});
+  EXPECT_NE(bf16.params, one.params);
+  expect_close(bf16.params, one.params, 2e-2);
 }
 
 TEST_F(DataParallel, RankZerosValuesAreTakenAndMismatchedModelsRefused) {
