@@ -1,6 +1,6 @@
 # cmake/mixtapeDeps.cmake -- finds the CPU back end's libraries (LLVM 16, oneDNN, OpenMP, and
-# jemalloc for training programs) as imported targets; used by the build and by an installed
-# mixtape's package config.
+# jemalloc and MPI for training programs) as imported targets; used by the build and by an
+# installed mixtape's package config.
 # LLVM's and oneDNN's own CMake packages drag in C checks, FFI and OpenCL that mixtape never
 # uses, so the shared libraries and headers are found directly.
 find_library(MIXTAPE_LLVM_LIBRARY NAMES LLVM-16 HINTS /usr/lib/llvm-16/lib REQUIRED)
@@ -22,4 +22,12 @@ if(MIXTAPE_JEMALLOC_LIBRARY AND NOT TARGET mixtape_deps::jemalloc)
   add_library(mixtape_deps::jemalloc SHARED IMPORTED)
   set_target_properties(mixtape_deps::jemalloc PROPERTIES
     IMPORTED_LOCATION ${MIXTAPE_JEMALLOC_LIBRARY})
+endif()
+# MPI (Open MPI's libopenmpi-dev) for dist/'s data-parallel training; optional: a build without
+# it trains in one process. -DMIXTAPE_MPI=OFF leaves it out where it is installed.
+option(MIXTAPE_MPI "Data-parallel training over MPI (dist/)" ON)
+if(MIXTAPE_MPI)
+  # The C API from C++ (the project enables no C): MPI-2's C++ bindings are left out.
+  set(MPI_CXX_SKIP_MPICXX ON)
+  find_package(MPI QUIET COMPONENTS CXX)
 endif()

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 
@@ -39,6 +40,8 @@ struct Options : examples::TrainingFlags {
   bool shuffle = true;
   std::string load, save;
   std::string export_dir;  // --export: the trained model as C libraries (examples/deploy/)
+  // --distributed: data parallel over the processes mpirun started (--batch per process).
+  bool distributed = false;
 };
 
 /// What an example changes of the flags' defaults.
@@ -82,8 +85,12 @@ inline Options parse(const std::string& example, const Defaults& defaults, int a
       ->type_name("FILE");
   app.add_option("--export", o.export_dir, "export the trained model as C libraries into DIR")
       ->type_name("DIR");
+  app.add_flag("--distributed", o.distributed,
+               "data parallel over the processes mpirun started (--batch per process)");
   examples::add_training_flags(app, o);
   examples::parse(app, argc, argv);
+  if (o.distributed && (!o.export_dir.empty() || !o.logdir.empty()))
+    examples::usage_error(example, "--distributed trains without --export and --logdir (not yet)");
   if (o.lr < 0) o.lr = o.optimizer == "sgd" ? defaults.sgd_lr : 2e-3;
   return o;
 }
@@ -131,6 +138,16 @@ int run(const Options& o, Model& net) {
   mt::TensorDataset train = split(digits, 0, 1437), test = split(digits, 1437, 1797);
 
   if (!o.load.empty()) mt::load_checkpoint(o.load, net);
+  // --distributed: every process trains on its share of each batch, gradients averaged; rank 0
+  // alone prints and saves.
+  std::optional<mt::dist::DataParallel> data_parallel;
+  if (o.distributed) {
+    mt::dist::World world = mt::dist::init();
+    if (world.size == 1) std::fprintf(stderr, "--distributed: %s\n", world.single_reason.c_str());
+    if (world.rank != 0 && !std::freopen("/dev/null", "w", stdout))
+      mt::fail("cannot silence rank {}'s output", world.rank);
+    data_parallel.emplace(net);
+  }
   std::unique_ptr<mt::Optimizer> optimizer;
   if (o.optimizer == "sgd")
     optimizer =
@@ -139,9 +156,11 @@ int run(const Options& o, Model& net) {
     optimizer = std::make_unique<mt::AdamW>(net.parameters(),
                                             mt::AdamOptions{.lr = o.lr, .weight_decay = 0.01});
 
-  mt::DataLoader loader(train, o.batch, o.shuffle, o.seed);
-  mt::Generator noise_generator(o.seed ^ 0x6e6f697365ULL);
-  std::mt19937_64 shift_generator(o.seed ^ 0x7368696674ULL);
+  mt::DataLoader loader(train, o.batch, o.shuffle, o.seed, mt::dist::shard());
+  // Each process its own augmentation (rank 0's is the single process's).
+  const uint64_t rank_salt = static_cast<uint64_t>(mt::dist::rank()) << 48;
+  mt::Generator noise_generator(o.seed ^ 0x6e6f697365ULL ^ rank_salt);
+  std::mt19937_64 shift_generator(o.seed ^ 0x7368696674ULL ^ rank_salt);
   mt::CosineWithWarmup cosine(o.lr, 0, o.steps);
   mt::CrossEntropyOptions loss_options{.label_smoothing = o.label_smoothing};
   bool terminal = isatty(STDOUT_FILENO) != 0;
@@ -234,7 +253,7 @@ int run(const Options& o, Model& net) {
   for (size_t i = 0; i < labels.size(); ++i) correct += predicted[i] == labels[i];
   double accuracy = static_cast<double>(correct) / static_cast<double>(labels.size());
 
-  if (!o.save.empty()) mt::save_checkpoint(o.save, net, optimizer.get());
+  if (!o.save.empty() && mt::dist::rank() == 0) mt::save_checkpoint(o.save, net, optimizer.get());
   if (!o.export_dir.empty()) {
     mt::aot::Options options{.name = o.example,
                              .dynamic_batch = {.max = 1024},
@@ -265,6 +284,7 @@ int run(const Options& o, Model& net) {
                               {"skipped_steps", scaler.skipped_steps()},
                               {"step", o.compile ? "compiled" : "traced"},
                               {"replayed_steps", compiled_step.stats().replays}};
+  if (o.distributed) line["world_size"] = static_cast<int64_t>(mt::dist::world_size());
   std::printf("%s\n", line.dump().c_str());
   return 0;
 }

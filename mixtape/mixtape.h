@@ -2,6 +2,7 @@
 #pragma once
 
 #include "mixtape/autograd/grad.h"
+#include "mixtape/dist/dist.h"
 #include "mixtape/dsl/conv.h"
 #include "mixtape/dsl/conv_layers.h"
 #include "mixtape/dsl/data.h"

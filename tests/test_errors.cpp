@@ -432,6 +432,8 @@ std::vector<Case> selection_cases() {
       OP_CASE("logcumsumexp", mt::logcumsumexp(f, 5), "axis 5"),
       OP_CASE("argsort", mt::argsort(f, 2), "axis 2", "rank 2"),
       OP_CASE("argsort", mt::argsort(u), "undefined"),
+      OP_CASE("all_reduce", mt::all_reduce(u), "undefined"),
+      OP_CASE("all_reduce", mt::all_reduce(b), "bool"),
       OP_CASE("scatter", mt::scatter(f, 1, fidx, f), "integer", "f32"),
       OP_CASE("scatter", mt::scatter(f, 2, col_ok, f), "axis 2"),
       OP_CASE("scatter", mt::scatter(f, 1, idx, f4), "[2]", "rank", "[2, 3]"),

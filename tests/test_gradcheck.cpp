@@ -628,6 +628,12 @@ void add_custom(Table& t) {
   });
 }
 
+// With one process an all_reduce is its input, and so is its gradient's (tests/mpi check two).
+void add_collectives(Table& t) {
+  add(t, OpCode::AllReduce, "all_reduce over one process", {{{3, 4}}},
+      [](const Tensors& x) { return mt::all_reduce(x[0]) * x[0]; });
+}
+
 const Table& op_samples() {
   static const Table table = [] {
     Table t;
@@ -641,6 +647,7 @@ const Table& op_samples() {
     add_data_movement(t);
     add_indexing(t);
     add_custom(t);
+    add_collectives(t);
     return t;
   }();
   return table;

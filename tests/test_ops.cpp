@@ -1238,6 +1238,8 @@ void add_scan_and_sort_cases(Oracle& o, Data& d, mt::DType dt) {
   mt::Tensor ties =
       make({3, 1, kNan, 1, -0.0, 0.0, kInf, 2, 2, -kInf, 0.0, 7, kNan, 2, 2, 1}, {2, 8}, dt);
   o.add("argsort/ties/" + t, {ties}, mt::argsort(ties, 1), "torch.sort(a, stable=True, dim=1)[1]");
+  // A world of one process (tests/mpi has two): torch.distributed.all_reduce leaves it as is.
+  o.add("all_reduce/one_process/" + t, {ties}, mt::all_reduce(ties), "a.clone()");
   o.add("argsort/descending/" + t, {ties}, mt::argsort(ties, -1, true),
         "torch.sort(a, stable=True, dim=-1, descending=True)[1]");
   o.add("sort/values/" + t, {ties}, mt::sort(ties, 1).values, "torch.sort(a, 1)[0]");

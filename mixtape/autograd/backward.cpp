@@ -2,6 +2,7 @@
 // the graph.
 #include <algorithm>
 #include <atomic>
+#include <mutex>
 #include <optional>
 #include <unordered_map>
 
@@ -15,12 +16,25 @@
 namespace mixtape {
 namespace {
 
+// The hooks add_gradient_hook installed (dist::DataParallel's), run by every backward().
+struct GradientHooks {
+  std::mutex mutex;
+  std::vector<std::pair<int64_t, std::shared_ptr<const GradientHook>>> hooks;
+  int64_t next_id = 1;
+  std::atomic<size_t> count{0};  // read unlocked by every backward()
+};
+GradientHooks& gradient_hooks() {
+  static GradientHooks* hooks = new GradientHooks;  // never destroyed: used until exit
+  return *hooks;
+}
+
 // Each backward pass marks the nodes it walks with a number of its own (Node::grad_walk) and
 // finds a node's gradient terms through Node::grad_slot, instead of keeping maps keyed by address:
 // the traced loop runs a backward pass every step. A pass started inside another (a custom
 // vjp that calls grad()) puts back the marks of the nodes it walked when it ends, so the outer
 // pass finds its own again.
 std::atomic<uint64_t> grad_walks{0};
+
 thread_local int passes_running = 0;
 
 class WalkMarks {
@@ -266,13 +280,42 @@ void Tensor::backward(const Tensor& grad, bool retain_graph, const Loc& loc) con
   }
   if (!retain_graph)
     for (Node* node : walked) node->backward_done = true;
+  LeafGradients leaves;
   for (auto& [node, g] : grads) {
     if (op_info(node->op).kind != OpKind::Leaf) continue;
     std::shared_ptr<TensorImpl> owner = node->grad_owner.lock();
     if (!owner || owner->node.get() != node) continue;
+    leaves.emplace_back(std::move(owner), std::move(g));
+  }
+  GradientHooks& hooks = gradient_hooks();
+  if (hooks.count.load(std::memory_order_acquire) > 0) {
+    std::vector<std::shared_ptr<const GradientHook>> now;
+    {
+      std::lock_guard<std::mutex> lock(hooks.mutex);
+      for (const auto& hook : hooks.hooks) now.push_back(hook.second);
+    }
+    for (const auto& hook : now) (*hook)(leaves);
+  }
+  for (auto& [owner, g] : leaves) {
     owner->grad = owner->grad ? (Tensor(owner->grad) + g).node() : g.node();
     note_gradient(owner);
   }
+}
+
+int64_t add_gradient_hook(GradientHook hook) {
+  GradientHooks& hooks = gradient_hooks();
+  std::lock_guard<std::mutex> lock(hooks.mutex);
+  const int64_t id = hooks.next_id++;
+  hooks.hooks.emplace_back(id, std::make_shared<const GradientHook>(std::move(hook)));
+  hooks.count.store(hooks.hooks.size(), std::memory_order_release);
+  return id;
+}
+
+void remove_gradient_hook(int64_t id) {
+  GradientHooks& hooks = gradient_hooks();
+  std::lock_guard<std::mutex> lock(hooks.mutex);
+  std::erase_if(hooks.hooks, [id](const auto& hook) { return hook.first == id; });
+  hooks.count.store(hooks.hooks.size(), std::memory_order_release);
 }
 
 std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<Tensor>& inputs,

@@ -1,6 +1,9 @@
 // mixtape/autograd/grad.h -- functional gradients (mt::grad) and the tape walk behind backward().
 #pragma once
 
+#include <cstdint>
+#include <functional>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -22,5 +25,15 @@ std::vector<Tensor> grad(const std::vector<Tensor>& outputs, const std::vector<T
 std::vector<std::pair<const Node*, Tensor>> backpropagate(const std::vector<NodePtr>& roots,
                                                           const std::vector<Tensor>& seeds,
                                                           bool create_graph);
+
+/// The gradients one backward() is about to accumulate into leaves, with each leaf's shared
+/// state, in the order its walk reached them (the same order for the same graph).
+using LeafGradients = std::vector<std::pair<std::shared_ptr<TensorImpl>, Tensor>>;
+/// Sees, and may replace, the gradients of every backward() before they are accumulated
+/// (dist::DataParallel averages them over the processes of the run). Hooks run in the order
+/// they were added; add returns the id that removes one.
+using GradientHook = std::function<void(LeafGradients& gradients)>;
+int64_t add_gradient_hook(GradientHook hook);
+void remove_gradient_hook(int64_t id);
 
 }  // namespace mixtape

@@ -141,6 +141,10 @@ Grads vjp_Logcumsumexp(const Node& n, const Tensor& g) {
 
 Grads vjp_Argsort(const Node&, const Tensor&) { return {Tensor()}; }
 
+// Every process's output is the sum of every process's input, so each input's gradient is the
+// sum of every output's.
+Grads vjp_AllReduce(const Node&, const Tensor& g) { return {all_reduce(g)}; }
+
 Grads vjp_MatMul(const Node& n, const Tensor& g) {
   Tensor a = in(n, 0), b = in(n, 1);
   bool ta = n.attrs.transpose_a, tb = n.attrs.transpose_b;

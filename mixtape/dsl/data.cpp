@@ -318,21 +318,37 @@ class SplitMix64 {
 
 DataLoader::DataLoader(const Dataset& data, int64_t batch_size, bool shuffle, uint64_t seed,
                        bool drop_last)
-    : data_(&data), batch_size_(batch_size), shuffle_(shuffle), seed_(seed), drop_last_(drop_last) {
+    : DataLoader(data, batch_size, shuffle, seed, Shard{}, drop_last) {}
+
+DataLoader::DataLoader(const Dataset& data, int64_t batch_size, bool shuffle, uint64_t seed,
+                       Shard shard, bool drop_last)
+    : data_(&data),
+      batch_size_(batch_size),
+      shuffle_(shuffle),
+      seed_(seed),
+      drop_last_(drop_last),
+      shard_(shard) {
   int64_t n = data.size();
   if (n < 1) fail("DataLoader: the dataset is empty");
   if (batch_size < 1) fail("DataLoader: batch_size {} must be at least 1", batch_size);
-  if (drop_last && batch_size > n) {
+  if (shard.count < 1 || shard.index < 0 || shard.index >= shard.count)
+    fail("DataLoader: shard {} of {} does not exist (0 <= index < count)", shard.index,
+         shard.count);
+  if (n < shard.count)
+    fail("DataLoader: the dataset's {} examples leave shard {} of {} none", n, shard.index,
+         shard.count);
+  if (drop_last && batch_size > n / shard.count) {
     fail(
-        "DataLoader: batch_size {} exceeds the dataset's {} examples, so with drop_last no "
-        "batch is ever complete",
-        batch_size, n);
+        "DataLoader: batch_size {} exceeds the {} examples{}, so with drop_last no batch is ever "
+        "complete",
+        batch_size, n / shard.count,
+        shard.count > 1 ? fmt::format(" of each of {} shards", shard.count) : " of the dataset");
   }
   start_epoch();
 }
 
 int64_t DataLoader::batches_per_epoch() const {
-  int64_t n = data_->size();
+  int64_t n = data_->size() / shard_.count;
   return drop_last_ ? n / batch_size_ : (n + batch_size_ - 1) / batch_size_;
 }
 
@@ -353,11 +369,18 @@ void DataLoader::start_epoch() {
 }
 
 Batch DataLoader::next() {
-  int64_t n = static_cast<int64_t>(order_.size());
+  int64_t n = static_cast<int64_t>(order_.size()) / shard_.count;
   int64_t start = batch_ * batch_size_;
   int64_t stop = std::min(start + batch_size_, n);
-  std::span<const int64_t> indices(order_.data() + start, static_cast<size_t>(stop - start));
-  Batch batch = data_->get_batch(indices);
+  Batch batch;
+  if (shard_.count == 1) {
+    batch = data_->get_batch({order_.data() + start, static_cast<size_t>(stop - start)});
+  } else {
+    std::vector<int64_t> share;
+    share.reserve(static_cast<size_t>(stop - start));
+    for (int64_t k = start; k < stop; ++k) share.push_back(order_[k * shard_.count + shard_.index]);
+    batch = data_->get_batch(share);
+  }
   // Roll over eagerly so epoch() already names the epoch of the next batch, which is what a
   // training loop logging "epoch N" right after the last batch of an epoch expects.
   if (++batch_ == batches_per_epoch()) {

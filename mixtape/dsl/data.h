@@ -121,6 +121,17 @@ class TextWindows : public Dataset {
   int64_t context_;
 };
 
+/// A process's share of every epoch in data-parallel training: process `index` of `count` takes
+/// the examples at positions index, index + count, index + 2 count, ... of the epoch's order, as
+/// PyTorch's DistributedSampler does; the last size() % count of the order are left out, so that
+/// every process has as many batches. With one seed on every process, the shares of one step
+/// are the batch one process would take at count times the batch size. dist::shard() is this
+/// process's.
+struct Shard {
+  int64_t index = 0;
+  int64_t count = 1;
+};
+
 /// Batches from a dataset, epoch after epoch. Each epoch visits every example at most once, in
 /// order or, with `shuffle`, in a permutation that depends only on (seed, epoch), so a run can be
 /// reproduced (and resumed) exactly, on any platform and standard library. With `drop_last` the
@@ -166,6 +177,12 @@ class DataLoader {
   // A loader keeps a reference to its dataset, so a temporary one would dangle.
   DataLoader(const Dataset&& data, int64_t batch_size, bool shuffle, uint64_t seed,
              bool drop_last = true) = delete;
+  /// Batches of `shard`'s share of each epoch only; mt::Error unless 0 <= index < count and the
+  /// share holds at least one example (one batch with drop_last).
+  DataLoader(const Dataset& data, int64_t batch_size, bool shuffle, uint64_t seed, Shard shard,
+             bool drop_last = true);
+  DataLoader(const Dataset&& data, int64_t batch_size, bool shuffle, uint64_t seed, Shard shard,
+             bool drop_last = true) = delete;
 
   int64_t batches_per_epoch() const;
   /// The next batch, moving on to the next epoch (and its permutation) after the last one.
@@ -178,6 +195,7 @@ class DataLoader {
 
   const Dataset& dataset() const { return *data_; }
   int64_t batch_size() const { return batch_size_; }
+  const Shard& shard() const { return shard_; }
 
   /// Where a loader stands, for checkpoints, plus the settings that decide how it goes on.
   struct State {
@@ -207,6 +225,7 @@ class DataLoader {
   bool shuffle_;
   uint64_t seed_;
   bool drop_last_;
+  Shard shard_;
   int64_t epoch_ = 0;
   int64_t batch_ = 0;           // index within the epoch of the next batch
   std::vector<int64_t> order_;  // the current epoch's example order

@@ -38,6 +38,10 @@ enum class OpKind : uint8_t {
   View,  // an affine index map kernels read through: reshape, permute, broadcast_to, slice
   Copy,  // data movement that is not one: unslice, concat
   Gather,
+  // A collective (all_reduce): a host step on every back end that every process of the run
+  // joins (dsl/process_group.h); its value is never released for recomputation, since a
+  // recomputation on one process would be a collective the others never join.
+  Collective,
   Opaque
 };
 

@@ -735,6 +735,13 @@ Tensor argsort(const Tensor& x, int64_t dim, bool descending, bool /*stable*/, c
       make_node(OpCode::Argsort, i64, node->shape, node_list(node), std::move(attrs), loc));
 }
 
+Tensor all_reduce(const Tensor& x, const Loc& loc) {
+  const NodePtr& node = input(x, "all_reduce", loc);
+  if (node->dtype == boolean)
+    op_fail("all_reduce", loc, "a bool tensor has no sum; cast it to a number type first");
+  return Tensor(make_node(OpCode::AllReduce, node->dtype, node->shape, node_list(node), {}, loc));
+}
+
 Tensor embedding(const Tensor& weight, const Tensor& ids, const Loc& loc) {
   input(weight, "embedding", loc, "weight");
   if (weight.dim() != 2)

@@ -145,6 +145,11 @@ Tensor custom_op(const std::vector<Tensor>& inputs,
                  const std::function<Tensor(const std::vector<Tensor>&)>& forward, CustomVjp vjp,
                  const Loc& loc = Loc::current());
 
+/// The sum of x over every process of the run (dsl/process_group.h), the same bits on each:
+/// added in rank order, in f32 for half types; x's value with one process. Every process must
+/// evaluate the same all_reduce nodes in the same order (dist::DataParallel makes them).
+Tensor all_reduce(const Tensor& x, const Loc& loc = Loc::current());
+
 /// The scan `op` (Cumsum, Cumprod or Logcumsumexp) along axis, from the last element when
 /// reverse: what the scans' vjp rules use (their gradients run the other way).
 Tensor cumulative(OpCode op, const Tensor& x, int64_t axis, bool reverse,

@@ -10,6 +10,7 @@
 
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/process_group.h"
 
 namespace mixtape {
 namespace {
@@ -149,6 +150,10 @@ void GradScaler::unscale_(Optimizer& optimizer) {
     Tensor handle = p;
     handle.set_grad(unscaled);
   }
+  // Over several processes the flag is reduced in the graph, so that every process skips the
+  // same steps and keeps the same scale, even where only one saw a non-finite gradient: a NaN
+  // on any process makes the sum NaN on all (an OR, as PyTorch's max-reduce of found_inf).
+  if (nan_if_bad.defined() && process_count() > 1) nan_if_bad = all_reduce(nan_if_bad);
   state.found_inf = nan_if_bad.defined() ? cast(ne(nan_if_bad, nan_if_bad), f32) : Tensor();
   state.stage = Stage::Unscaled;
 }

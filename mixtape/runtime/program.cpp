@@ -202,8 +202,11 @@ void plan_memory(Program& program, const std::vector<Node*>& pending, const Sign
   }
   std::unordered_set<Node*> keep(sig.stored.begin(), sig.stored.end());
   program.release_after.assign(program.steps.size(), {});
+  // A collective's value stays: recomputing it for a later evaluation on one process would be a
+  // collective the other processes never join.
   for (NodeRef ref : stored_order)
-    if (!keep.count(pending[ref])) program.release_after[last_use.at(ref)].push_back(ref);
+    if (!keep.count(pending[ref]) && op_info(pending[ref]->op).kind != OpKind::Collective)
+      program.release_after[last_use.at(ref)].push_back(ref);
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include "mixtape/dsl/random.h"
 #include "mixtape/dsl/scalar_math.h"
 #include "mixtape/dsl/vision.h"
+#include "mixtape/runtime/all_reduce.h"
 #include "mixtape/runtime/random_fill.h"
 
 namespace mixtape {
@@ -777,6 +778,8 @@ StoragePtr ref_Scatter(const Node& node) {
 }
 
 StoragePtr ref_Custom(const Node& node) { return input_as_storage(node, 0); }
+
+StoragePtr ref_AllReduce(const Node& node) { return all_reduce_value(node); }
 
 }  // namespace
 

@@ -1,0 +1,191 @@
+// mixtape/dist/data_parallel.cpp -- dist::DataParallel: one model on every process (checked and
+// broadcast from rank 0), gradients averaged in the step's graph by bucketed all_reduce nodes.
+#include <algorithm>
+#include <cstring>
+#include <sstream>
+
+#include "mixtape/dist/dist.h"
+#include "mixtape/dsl/error.h"
+#include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/process_group.h"
+
+namespace mixtape::dist {
+namespace {
+
+// One line per parameter and buffer: what every process must agree on.
+std::vector<std::string> describe(const NamedTensors& state) {
+  std::vector<std::string> lines;
+  for (const auto& [name, t] : state)
+    lines.push_back(fmt::format("{} {} {}", name, to_string(t.shape()), mixtape::name(t.dtype())));
+  return lines;
+}
+
+std::string join(const std::vector<std::string>& lines) {
+  std::string text;
+  for (const std::string& line : lines) text += line + "\n";
+  return text;
+}
+
+std::vector<std::string> split(std::string_view text) {
+  std::vector<std::string> lines;
+  for (size_t at = 0; at < text.size();) {
+    size_t end = text.find('\n', at);
+    lines.emplace_back(text.substr(at, end - at));
+    at = end + 1;
+  }
+  return lines;
+}
+
+// Every process's text, on every process.
+std::vector<std::string> gather_text(ProcessGroup& group, const std::string& mine) {
+  const int n = group.size();
+  std::vector<int64_t> lengths(n), one(n, sizeof(int64_t)), at(n);
+  for (int q = 0; q < n; ++q) at[q] = q * static_cast<int64_t>(sizeof(int64_t));
+  const int64_t length = static_cast<int64_t>(mine.size());
+  group.all_gather(reinterpret_cast<const std::byte*>(&length), sizeof(int64_t),
+                   reinterpret_cast<std::byte*>(lengths.data()), one, at);
+  std::vector<int64_t> offsets(n);
+  int64_t total = 0;
+  for (int q = 0; q < n; ++q) {
+    offsets[q] = total;
+    total += lengths[q];
+  }
+  std::string all(static_cast<size_t>(total), '\0');
+  group.all_gather(reinterpret_cast<const std::byte*>(mine.data()), length,
+                   reinterpret_cast<std::byte*>(all.data()), lengths, offsets);
+  std::vector<std::string> texts;
+  for (int q = 0; q < n; ++q) texts.push_back(all.substr(offsets[q], lengths[q]));
+  return texts;
+}
+
+// The same error on every process, naming the first process and entry that differ from rank 0.
+void check_same_model(ProcessGroup& group, const NamedTensors& state) {
+  std::vector<std::string> texts = gather_text(group, join(describe(state)));
+  const std::vector<std::string> first = split(texts[0]);
+  for (size_t q = 1; q < texts.size(); ++q) {
+    if (texts[q] == texts[0]) continue;
+    const std::vector<std::string> other = split(texts[q]);
+    size_t i = 0;
+    while (i < first.size() && i < other.size() && first[i] == other[i]) ++i;
+    std::string theirs = i < other.size() ? other[i] : "nothing more";
+    std::string ours = i < first.size() ? first[i] : "nothing more";
+    fail(
+        "dist::DataParallel: the models differ across processes: process {} has {} where "
+        "process 0 has {} (entry {} of the parameters and buffers: name, shape, dtype)",
+        q, theirs, ours, i);
+  }
+}
+
+// Rank 0's values of every parameter and buffer, on every process: one broadcast of all bytes.
+void take_rank0_values(ProcessGroup& group, const NamedTensors& state) {
+  std::vector<Tensor> values;
+  for (const auto& entry : state) values.push_back(entry.second);
+  eval(values);
+  int64_t total = 0;
+  for (const Tensor& t : values) total += t.node()->value->size_bytes();
+  std::vector<std::byte> bytes(static_cast<size_t>(total));
+  int64_t at = 0;
+  if (group.rank() == 0)
+    for (const Tensor& t : values) {
+      const Storage& value = *t.node()->value;
+      std::memcpy(bytes.data() + at, value.host_data(), static_cast<size_t>(value.size_bytes()));
+      at += value.size_bytes();
+    }
+  group.broadcast(bytes.data(), total, 0);
+  if (group.rank() == 0) return;
+  at = 0;
+  for (Tensor& t : values) {
+    auto storage = std::make_shared<Storage>(t.dtype(), t.numel(), Storage::Uninitialized{});
+    std::memcpy(storage->host_data(), bytes.data() + at,
+                static_cast<size_t>(storage->size_bytes()));
+    at += storage->size_bytes();
+    t.assign(from_storage(std::move(storage), t.shape()));
+  }
+}
+
+// Nodes made by the reduction keep the types the gradients have (or reduce_dtype), whatever
+// policy the caller's backward() runs under.
+class NoPolicy {
+ public:
+  NoPolicy() : saved_(exchange_current_policy(nullptr)) {}
+  ~NoPolicy() { exchange_current_policy(std::move(saved_)); }
+  NoPolicy(const NoPolicy&) = delete;
+  NoPolicy& operator=(const NoPolicy&) = delete;
+
+ private:
+  std::shared_ptr<const Policy> saved_;
+};
+
+}  // namespace
+
+DataParallel::DataParallel(Module& module, DataParallelOptions options)
+    : module_(&module), options_(options) {
+  if (options_.bucket_bytes < 1)
+    fail("dist::DataParallel: bucket_bytes {} must be positive", options_.bucket_bytes);
+  if (options_.reduce_dtype && !is_floating(*options_.reduce_dtype))
+    fail("dist::DataParallel: reduce_dtype must be a floating type, got {}",
+         mixtape::name(*options_.reduce_dtype));
+  for (const Tensor& p : module.parameters())
+    if (auto impl = p.node()->grad_owner.lock()) params_.push_back(impl.get());
+  std::sort(params_.begin(), params_.end());
+  if (ProcessGroup* group = process_group(); group && group->size() > 1) {
+    NamedTensors state = module.state_dict();
+    check_same_model(*group, state);
+    take_rank0_values(*group, state);
+  }
+  hook_ = add_gradient_hook([this](LeafGradients& gradients) { average(gradients); });
+}
+
+DataParallel::~DataParallel() { remove_gradient_hook(hook_); }
+
+void DataParallel::average(LeafGradients& gradients) {
+  const int processes = process_count();
+  if (processes == 1) return;
+  // The module's gradients, in the walk's order (the same on every process for the same graph),
+  // grouped by the type they are reduced in, then cut into buckets of about bucket_bytes.
+  std::vector<std::vector<size_t>> by_type;
+  std::vector<DType> types;
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    if (!std::binary_search(params_.begin(), params_.end(), gradients[i].first.get())) continue;
+    DType t = options_.reduce_dtype.value_or(gradients[i].second.dtype());
+    auto found = std::find(types.begin(), types.end(), t);
+    if (found == types.end()) {
+      types.push_back(t);
+      by_type.emplace_back();
+      found = types.end() - 1;
+    }
+    by_type[found - types.begin()].push_back(i);
+  }
+  NoGradGuard no_grad;
+  NoPolicy no_policy;
+  last_buckets_ = 0;
+  for (size_t k = 0; k < types.size(); ++k) {
+    const std::vector<size_t>& members = by_type[k];
+    for (size_t first = 0; first < members.size();) {
+      std::vector<Tensor> flat;
+      int64_t bytes = 0;
+      size_t last = first;
+      while (last < members.size() && (last == first || bytes < options_.bucket_bytes)) {
+        const Tensor& g = gradients[members[last]].second;
+        flat.push_back(reshape(g.dtype() == types[k] ? g : cast(g, types[k]), {-1}));
+        bytes += g.numel() * static_cast<int64_t>(size_of(types[k]));
+        ++last;
+      }
+      Tensor sum = all_reduce(flat.size() == 1 ? flat[0] : concat(flat));
+      Tensor mean = sum / static_cast<double>(processes);
+      ++last_buckets_;
+      int64_t at = 0;
+      for (size_t m = first; m < last; ++m) {
+        Tensor& g = gradients[members[m]].second;
+        const int64_t n = g.numel();
+        Tensor part = reshape(slice(mean, 0, at, at + n), g.shape());
+        g = part.dtype() == g.dtype() ? part : cast(part, g.dtype());
+        at += n;
+      }
+      first = last;
+    }
+  }
+}
+
+}  // namespace mixtape::dist

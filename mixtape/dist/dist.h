@@ -1,0 +1,78 @@
+// mixtape/dist/dist.h -- data-parallel training over processes: dist::init (MPI, from mpirun's
+// environment), DataParallel (gradients averaged in the step's graph), shard() for loaders.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "mixtape/autograd/grad.h"
+#include "mixtape/dsl/data.h"
+#include "mixtape/dsl/module.h"
+
+namespace mixtape::dist {
+
+/// The processes of this run, as init() found them.
+struct World {
+  int rank = 0;
+  int size = 1;
+  /// Why the run is one process (empty when it spans several): no MPI in this build, no MPI
+  /// launcher in the environment, or a launcher that started one process.
+  std::string single_reason;
+};
+
+/// Joins the processes an MPI launcher (mpirun -np N) started, from its environment, and
+/// installs them as the process group every collective op uses; without a launcher, or in a
+/// build without MPI, the run is one process and the result says why. Call it before any
+/// training step; later calls return the first one's result. MPI is finalized at exit.
+World init();
+/// How long a collective waits for the other processes (default 300 s, as the 5 min):
+/// a process that died or hangs makes the others fail with an mt::Error after it instead of
+/// waiting forever. (mpirun itself ends the whole job when a process dies.)
+void set_timeout(double seconds);
+/// This process's rank and the number of processes (0 and 1 before init()).
+int rank();
+int world_size();
+/// This process's share of every epoch, for DataLoader (same seed on every process).
+Shard shard();
+
+struct DataParallelOptions {
+  /// Gradients are reduced in buckets of about this many bytes, as PyTorch DDP's 25 MB ones:
+  /// each bucket is one all_reduce node.
+  int64_t bucket_bytes = int64_t{25} << 20;
+  /// Reduce in this type (bf16 halves the bytes moved, as DDP's bf16 compression hook) and
+  /// cast back; unset: in the gradients' own type (the f32 master gradients by default).
+  std::optional<DType> reduce_dtype = std::nullopt;
+};
+
+/// PyTorch's DistributedDataParallel for `module`: at construction every process checks that
+/// the parameters and buffers (names, shapes, dtypes) agree with rank 0's (an mt::Error naming
+/// the first difference, on every process, otherwise) and takes rank 0's values; afterwards
+/// every backward() replaces the module's parameter gradients by their average over the
+/// processes: all_reduce nodes in the step's graph (sum in rank order, then / world_size), so
+/// GradScaler, clip_grad_norm and the optimizers see the global gradients, and mt::compile
+/// replays the reduction with the rest of the step. With one process it changes nothing.
+/// Keep it alive for as long as the module trains.
+class DataParallel {
+ public:
+  explicit DataParallel(Module& module, DataParallelOptions options = {});
+  ~DataParallel();
+  DataParallel(const DataParallel&) = delete;
+  DataParallel& operator=(const DataParallel&) = delete;
+
+  Module& module() const { return *module_; }
+  const DataParallelOptions& options() const { return options_; }
+  /// The all_reduce nodes (buckets) the last backward() made.
+  int64_t last_buckets() const { return last_buckets_; }
+
+ private:
+  void average(LeafGradients& gradients);
+
+  Module* module_;
+  DataParallelOptions options_;
+  std::vector<const TensorImpl*> params_;  // sorted, for lookups from the gradient hook
+  int64_t hook_ = 0;
+  int64_t last_buckets_ = 0;
+};
+
+}  // namespace mixtape::dist

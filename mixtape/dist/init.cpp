@@ -1,0 +1,201 @@
+// mixtape/dist/init.cpp -- dist::init: MPI's process group (when this build has MPI and mpirun
+// started the process), or one process and the reason why.
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "mixtape/dist/dist.h"
+#include "mixtape/dsl/error.h"
+#include "mixtape/dsl/process_group.h"
+
+#ifdef MIXTAPE_HAVE_MPI
+#include <mpi.h>
+#endif
+
+namespace mixtape::dist {
+namespace {
+
+std::atomic<double> timeout_seconds{300};
+
+#ifdef MIXTAPE_HAVE_MPI
+
+// Set when a collective timed out: its request is still posted, so this process makes no MPI
+// call again (not even MPI_Finalize, which would wait for the processes that stopped).
+std::atomic<bool> broken{false};
+
+// MPI counts and displacements are ints: larger transfers are refused, not truncated.
+int as_count(int64_t bytes, const char* call) {
+  if (bytes < 0 || bytes > INT_MAX)
+    fail("dist: {} of {} bytes exceeds MPI's int counts (at most {} bytes per process)", call,
+         bytes, INT_MAX);
+  return static_cast<int>(bytes);
+}
+
+std::vector<int> as_counts(std::span<const int64_t> bytes, const char* call) {
+  std::vector<int> out;
+  out.reserve(bytes.size());
+  for (int64_t b : bytes) out.push_back(as_count(b, call));
+  return out;
+}
+
+// Errors return (MPI_ERRORS_RETURN on our communicator) and become mt::Error naming the call.
+void check(int code, const char* call) {
+  if (code == MPI_SUCCESS) return;
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  fail("dist: {} failed: {}", call, std::string(text, static_cast<size_t>(length)));
+}
+
+// Waits for a nonblocking collective, polling, for at most the timeout: a process that died or
+// hangs makes the others fail with an mt::Error instead of waiting forever.
+void wait(MPI_Request& request, const char* call) {
+  const double limit = timeout_seconds.load();
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t polls = 0;; ++polls) {
+    int done = 0;
+    check(MPI_Test(&request, &done, MPI_STATUS_IGNORE), call);
+    if (done) return;
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (waited > limit) {
+      broken = true;
+      fail(
+          "dist: {} waited {} s (dist::set_timeout) for the other processes: one of them has "
+          "stopped or hangs. This process can run no more collectives and should exit",
+          call, limit);
+    }
+    // Spin briefly (a collective usually completes in microseconds), then leave the core to
+    // the others: with more processes than cores, a spinning wait slows the one it waits for.
+    if (polls < 1000)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+void check_not_broken() {
+  if (broken) fail("dist: an earlier collective timed out, so no other can run in this process");
+}
+
+class MpiGroup : public ProcessGroup {
+ public:
+  MpiGroup() {
+    check(MPI_Comm_dup(MPI_COMM_WORLD, &comm_), "MPI_Comm_dup");
+    check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
+    check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");
+    check(MPI_Comm_size(comm_, &size_), "MPI_Comm_size");
+  }
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  void all_to_all(const std::byte* send, std::span<const int64_t> send_count,
+                  std::span<const int64_t> send_at, std::byte* recv,
+                  std::span<const int64_t> recv_count, std::span<const int64_t> recv_at) override {
+    const char* call = "MPI_Alltoallv";
+    std::vector<int> sc = as_counts(send_count, call), sa = as_counts(send_at, call),
+                     rc = as_counts(recv_count, call), ra = as_counts(recv_at, call);
+    check_not_broken();
+    MPI_Request request;
+    check(MPI_Ialltoallv(send, sc.data(), sa.data(), MPI_BYTE, recv, rc.data(), ra.data(), MPI_BYTE,
+                         comm_, &request),
+          call);
+    wait(request, call);
+  }
+  void all_gather(const std::byte* send, int64_t count, std::byte* recv,
+                  std::span<const int64_t> counts, std::span<const int64_t> at) override {
+    const char* call = "MPI_Allgatherv";
+    std::vector<int> c = as_counts(counts, call), a = as_counts(at, call);
+    check_not_broken();
+    MPI_Request request;
+    check(MPI_Iallgatherv(send, as_count(count, call), MPI_BYTE, recv, c.data(), a.data(), MPI_BYTE,
+                          comm_, &request),
+          call);
+    wait(request, call);
+  }
+  void broadcast(std::byte* data, int64_t count, int root) override {
+    const char* call = "MPI_Bcast";
+    check_not_broken();
+    MPI_Request request;
+    check(MPI_Ibcast(data, as_count(count, call), MPI_BYTE, root, comm_, &request), call);
+    wait(request, call);
+  }
+
+ private:
+  MPI_Comm comm_ = MPI_COMM_NULL;
+  int rank_ = 0, size_ = 1;
+};
+
+// The variables that mpirun (Open MPI's, or a PMI/PMIx launcher such as MPICH's or Slurm's)
+// sets for the processes it starts.
+const char* launcher_variable() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"})
+    if (std::getenv(name)) return name;
+  return nullptr;
+}
+
+World join_mpi() {
+  if (!launcher_variable())
+    return {0, 1,
+            "not started by an MPI launcher (no OMPI_COMM_WORLD_SIZE, PMI_SIZE or PMIX_RANK in "
+            "the environment): run it with mpirun -np N to train on N processes"};
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) {
+    // Steps run their collectives from one thread at a time; SERIALIZED lets that be any thread.
+    int provided = 0;
+    check(MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided), "MPI_Init_thread");
+    std::atexit([] {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (!finalized && !broken) MPI_Finalize();
+    });
+    if (provided < MPI_THREAD_SERIALIZED)
+      fail("dist::init: this MPI gives thread level {}, mixtape needs MPI_THREAD_SERIALIZED ({})",
+           provided, static_cast<int>(MPI_THREAD_SERIALIZED));
+  }
+  auto group = std::make_shared<MpiGroup>();
+  World world{group->rank(), group->size(), ""};
+  if (world.size == 1) {
+    world.single_reason = "the MPI launcher started one process (mpirun -np 1)";
+    return world;
+  }
+  set_process_group(std::move(group));
+  return world;
+}
+
+#else
+
+World join_mpi() {
+  return {0, 1,
+          "this mixtape was built without MPI (install libopenmpi-dev and openmpi-bin, then "
+          "configure again with -DMIXTAPE_MPI=ON)"};
+}
+
+#endif
+
+std::once_flag joined;
+World world;
+
+}  // namespace
+
+World init() {
+  std::call_once(joined, [] { world = join_mpi(); });
+  return world;
+}
+
+void set_timeout(double seconds) {
+  if (!(seconds > 0)) fail("dist::set_timeout: {} s is not a positive time", seconds);
+  timeout_seconds = seconds;
+}
+
+int rank() { return process_rank(); }
+int world_size() { return process_count(); }
+Shard shard() { return {process_rank(), process_count()}; }
+
+}  // namespace mixtape::dist

@@ -1,0 +1,41 @@
+// mixtape/dsl/process_group.h -- the processes a data-parallel run spans, as the collective ops
+// (all_reduce) see them: an interface that dist/ implements with MPI; none installed is one
+// process.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+
+namespace mixtape {
+
+/// Moves bytes between the processes of a run. Every process must make the same calls in the
+/// same order (a collective): the programs of a data-parallel step are the same graph on each.
+class ProcessGroup {
+ public:
+  virtual ~ProcessGroup() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  /// Process r sends send[send_at[q], +send_count[q]) to q, which keeps it at
+  /// recv[recv_at[r], +recv_count[r]) (MPI_Alltoallv, in bytes).
+  virtual void all_to_all(const std::byte* send, std::span<const int64_t> send_count,
+                          std::span<const int64_t> send_at, std::byte* recv,
+                          std::span<const int64_t> recv_count,
+                          std::span<const int64_t> recv_at) = 0;
+  /// Each process's `count` bytes land at recv[at[r], +counts[r]) on every process
+  /// (MPI_Allgatherv).
+  virtual void all_gather(const std::byte* send, int64_t count, std::byte* recv,
+                          std::span<const int64_t> counts, std::span<const int64_t> at) = 0;
+  /// root's `count` bytes at `data` replace everyone's (MPI_Bcast).
+  virtual void broadcast(std::byte* data, int64_t count, int root) = 0;
+};
+
+/// The installed group (dist::init installs MPI's); null: one process.
+ProcessGroup* process_group();
+void set_process_group(std::shared_ptr<ProcessGroup> group);
+/// process_group()'s rank and size, 0 and 1 without one.
+int process_rank();
+int process_count();
+
+}  // namespace mixtape

@@ -1,0 +1,249 @@
+// tests/mpi/test_dist_mpi.cpp -- data-parallel training on two processes (ctest label mpi, run
+// by mpirun -np 2): the digits MLP on 2 ranks at batch B against 1 process at batch 2B, bit-equal
+// repeats, a non-finite gradient on one rank skipping the step on all, mt::compile replays, and
+// mismatched models refused on every rank.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "examples/digits_model.h"
+#include "mixtape/dist/dist.h"
+#include "mixtape/dsl/process_group.h"
+#include "tests/test_util.h"
+
+namespace mt = mixtape;
+
+namespace {
+
+constexpr int64_t kBatch = 32;  // per rank
+constexpr int kSteps = 20;
+
+int joined_world() {
+  mt::dist::World world = mt::dist::init();
+  return world.size;
+}
+
+const mt::TensorDataset& digits() {
+  static const mt::TensorDataset set = [] {
+    mt::Digits d = mt::load_digits(mt::default_data_dir() + "/digits.csv.gz");
+    for (float& p : d.pixels) p /= 16.0f;
+    return mt::TensorDataset(d.pixels, {64}, d.labels);
+  }();
+  return set;
+}
+
+std::vector<float> values_of(const mt::Module& m) {
+  std::vector<float> all;
+  for (const mt::Tensor& p : m.parameters()) {
+    std::vector<float> v = p.to_vector<float>();
+    all.insert(all.end(), v.begin(), v.end());
+  }
+  return all;
+}
+
+uint64_t hash_of(const std::vector<float>& v) {  // FNV-1a over the bits
+  uint64_t h = 1469598103934665603ull;
+  const auto* bytes = reinterpret_cast<const unsigned char*>(v.data());
+  for (size_t i = 0; i < v.size() * sizeof(float); ++i) h = (h ^ bytes[i]) * 1099511628211ull;
+  return h;
+}
+
+// Every rank's value, on every rank.
+std::vector<uint64_t> gather(uint64_t mine) {
+  mt::ProcessGroup* group = mt::process_group();
+  const int n = group->size();
+  std::vector<uint64_t> all(n);
+  std::vector<int64_t> counts(n, sizeof(uint64_t)), at(n);
+  for (int q = 0; q < n; ++q) at[q] = q * static_cast<int64_t>(sizeof(uint64_t));
+  group->all_gather(reinterpret_cast<const std::byte*>(&mine), sizeof(uint64_t),
+                    reinterpret_cast<std::byte*>(all.data()), counts, at);
+  return all;
+}
+
+void expect_same_on_every_rank(const mt::Module& m, const std::string& when) {
+  std::vector<uint64_t> hashes = gather(hash_of(values_of(m)));
+  for (size_t q = 1; q < hashes.size(); ++q)
+    EXPECT_EQ(hashes[q], hashes[0])
+        << "rank " << q << "'s parameters differ from rank 0's " << when;
+}
+
+enum class Precision { fp32, bf16, f16 };
+
+struct Options {
+  bool parallel = true;
+  Precision precision = Precision::fp32;
+  bool compiled = false;
+  int bad_step = -1;  // on rank 1, the gradients are made inf after the reduction at this step
+  bool check_each_step = false;
+  // Adam's steps divide by the gradients' own size, so that it magnifies rounding differences
+  // in gradients near zero far beyond f32's 1e-7: the comparisons with one process use SGD.
+  bool adam = true;
+  mt::dist::DataParallelOptions data_parallel = {};
+};
+
+struct Result {
+  std::vector<float> params;
+  std::vector<double> scales;
+  std::vector<bool> skipped;
+  int64_t replays = 0;
+  int64_t buckets = 0;
+};
+
+// kSteps of AdamW with dynamic loss scaling and clipping (at a norm the gradients exceed, so
+// that the clip is real): data parallel at kBatch per rank, or alone at world * kBatch.
+Result train(const Options& o) {
+  const int world = mt::dist::world_size();
+  mt::manual_seed(7);
+  DigitsMLP net;
+  std::optional<mt::dist::DataParallel> ddp;
+  if (o.parallel) ddp.emplace(net, o.data_parallel);
+  std::unique_ptr<mt::Optimizer> optimizer;
+  if (o.adam)
+    optimizer = std::make_unique<mt::AdamW>(net.parameters(), mt::AdamOptions{.lr = 1e-3});
+  else
+    optimizer =
+        std::make_unique<mt::SGD>(net.parameters(), mt::SGDOptions{.lr = 0.05, .momentum = 0.9});
+  mt::Optimizer& opt = *optimizer;
+  mt::GradScaler scaler({.init_scale = 1024.0, .growth_interval = 5});
+  mt::DataLoader loader(digits(), o.parallel ? kBatch : world * kBatch, true, 3,
+                        o.parallel ? mt::dist::shard() : mt::Shard{});
+  auto step = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    opt.zero_grad();
+    mt::Tensor loss;
+    {
+      std::optional<mt::autocast> guard;
+      if (o.precision != Precision::fp32)
+        guard.emplace(o.precision == Precision::bf16 ? mt::bf16 : mt::f16);
+      loss = mt::cross_entropy(net(x), y);
+    }
+    scaler.scale(loss).backward();
+    scaler.unscale_(opt);
+    mt::clip_grad_norm(net.parameters(), 0.05);
+    scaler.step(opt);
+    scaler.update();
+    return loss;
+  };
+  auto compiled = mt::compile(step);
+  Result r;
+  for (int s = 0; s < kSteps; ++s) {
+    mt::Batch b = loader.next();
+    if (s == o.bad_step && mt::dist::rank() == 1) {
+      // The test hook: this rank alone sees a non-finite gradient, after the reduction.
+      opt.zero_grad();
+      mt::Tensor loss = mt::cross_entropy(net(b.inputs), b.targets);
+      scaler.scale(loss).backward();
+      for (mt::Tensor p : net.parameters()) p.set_grad(p.grad() * INFINITY);
+      scaler.step(opt);
+      scaler.update();
+    } else if (s == o.bad_step) {
+      step(b.inputs, b.targets);
+    } else if (o.compiled) {
+      compiled(b.inputs, b.targets);
+    } else {
+      step(b.inputs, b.targets);
+    }
+    if (o.check_each_step) expect_same_on_every_rank(net, "after step " + std::to_string(s));
+  }
+  r.params = values_of(net);
+  r.scales = scaler.scale_history();
+  r.skipped = scaler.skip_history();
+  r.replays = compiled.stats().replays;
+  r.buckets = ddp ? ddp->last_buckets() : 0;
+  return r;
+}
+
+void expect_close(const std::vector<float>& a, const std::vector<float>& b, double rel) {
+  ASSERT_EQ(a.size(), b.size());
+  double worst = 0;
+  size_t at = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    double err = std::fabs(double(a[i]) - b[i]) / std::max(std::fabs(double(b[i])), 1e-2);
+    if (err > worst) worst = err, at = i;
+  }
+  EXPECT_LE(worst, rel) << "element " << at << ": " << a[at] << " vs " << b[at];
+  if (mt::dist::rank() == 0) std::printf("worst relative difference %.3g\n", worst);
+}
+
+class DataParallel : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (joined_world() != 2)
+      GTEST_SKIP() << "needs two processes (mpirun -np 2): " << mt::dist::init().single_reason;
+  }
+};
+
+TEST_F(DataParallel, TwoRanksAtBatchBEqualOneProcessAt2B) {
+  Result parallel = train({.adam = false});
+  Result alone = train({.parallel = false, .adam = false});
+  expect_close(parallel.params, alone.params, 1e-6);
+  EXPECT_EQ(parallel.scales, alone.scales);
+}
+
+TEST_F(DataParallel, UnderAutocastTooAndRunsRepeatBitForBit) {
+  for (Precision half : {Precision::bf16, Precision::f16}) {
+    SCOPED_TRACE(half == Precision::bf16 ? "autocast-bf16" : "autocast-f16");
+    Result first = train({.precision = half, .check_each_step = true, .adam = false});
+    Result again = train({.precision = half, .adam = false});
+    EXPECT_EQ(first.params, again.params);
+    Result alone = train({.parallel = false, .precision = half, .adam = false});
+    // Under autocast the weight gradients are half products, rounded on each rank before the
+    // reduction and once over the whole batch alone: the runs agree to the half type's
+    // precision, and the dynamic scale follows the same course.
+    expect_close(first.params, alone.params, half == Precision::bf16 ? 1e-2 : 2e-3);
+    EXPECT_EQ(first.scales, alone.scales);
+  }
+}
+
+TEST_F(DataParallel, OneRanksInfSkipsTheStepOnEveryRank) {
+  Result r = train({.bad_step = 7, .check_each_step = true});
+  ASSERT_EQ(r.skipped.size(), static_cast<size_t>(kSteps));
+  for (int s = 0; s < kSteps; ++s) EXPECT_EQ(r.skipped[s], s == 7) << "step " << s;
+  EXPECT_EQ(r.scales[7], r.scales[6] / 2) << "the scale backs off on every rank";
+  std::vector<uint64_t> scales = gather(std::bit_cast<uint64_t>(r.scales.back()));
+  EXPECT_EQ(scales[0], scales[1]);
+}
+
+TEST_F(DataParallel, CompiledStepsReplayTheReduction) {
+  Result traced = train({});
+  Result compiled = train({.compiled = true, .check_each_step = true});
+  EXPECT_EQ(traced.params, compiled.params);
+  if (mt::current_device() != mt::Device::reference) {  // which has no programs to replay
+    EXPECT_GE(compiled.replays, kSteps - 3) << "the steps after the first traces are replays";
+  }
+}
+
+TEST_F(DataParallel, BucketsAndBf16Reductions) {
+  Result one = train({.adam = false});
+  EXPECT_EQ(one.buckets, 1) << "the MLP's 104 KB of f32 gradients fit one 25 MB bucket";
+  // Sums are per element in rank order, so cutting the gradients into buckets changes no bit.
+  Result many =
+      train({.check_each_step = true, .adam = false, .data_parallel = {.bucket_bytes = 4096}});
+  EXPECT_GE(many.buckets, 3);
+  EXPECT_EQ(many.params, one.params);
+  // Reduced in bf16 (half the bytes moved), the average is rounded to bf16's precision.
+  Result bf16 =
+      train({.check_each_step = true, .adam = false, .data_parallel = {.reduce_dtype = mt::bf16}});
+  EXPECT_NE(bf16.params, one.params);
+  expect_close(bf16.params, one.params, 2e-2);
+}
+
+TEST_F(DataParallel, RankZerosValuesAreTakenAndMismatchedModelsRefused) {
+  mt::manual_seed(100 + mt::dist::rank());  // a different initialization on each rank
+  DigitsMLP net;
+  mt::dist::DataParallel ddp(net);
+  expect_same_on_every_rank(net, "after construction");
+
+  struct Odd : mt::Module {
+    mt::Linear fc;
+    explicit Odd(int64_t out) : fc(64, out) { register_module("fc", fc); }
+  };
+  Odd odd(mt::dist::rank() == 1 ? 12 : 10);
+  EXPECT_MT_ERROR(mt::dist::DataParallel{odd}, "process 1 has fc.weight [12, 64] f32",
+                  "process 0 has fc.weight [10, 64] f32");
+}
+
+}  // namespace

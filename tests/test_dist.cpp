@@ -1,0 +1,131 @@
+// tests/test_dist.cpp -- data parallelism in one process (tests/mpi run two): dist::init says why
+// the run is single, DataParallel then changes nothing, all_reduce is its input, and loader
+// shards split each global batch.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <vector>
+
+#include "mixtape/dist/dist.h"
+#include "mixtape/dsl/process_group.h"
+#include "tests/test_util.h"
+
+#include <mixtape/mixtape.h>
+
+namespace mt = mixtape;
+
+namespace {
+
+TEST(DistInit, WithoutALauncherTheRunIsOneProcessAndSaysWhy) {
+  ASSERT_EQ(std::getenv("OMPI_COMM_WORLD_SIZE"), nullptr) << "run this test without mpirun";
+  mt::dist::World world = mt::dist::init();
+  EXPECT_EQ(world.rank, 0);
+  EXPECT_EQ(world.size, 1);
+  EXPECT_TRUE(world.single_reason.find("mpirun") != std::string::npos ||
+              world.single_reason.find("without MPI") != std::string::npos)
+      << world.single_reason;
+  EXPECT_EQ(mt::dist::world_size(), 1);
+  EXPECT_EQ(mt::dist::rank(), 0);
+  EXPECT_EQ(mt::dist::shard().count, 1);
+  EXPECT_EQ(mt::process_group(), nullptr);
+}
+
+TEST(AllReduce, OfOneProcessIsItsInputInItsType) {
+  mt::Tensor x = mt::tensor(std::vector<float>{1.5f, -2, 3e-8f, 65504}, {2, 2});
+  for (mt::DType t : {mt::f32, mt::bf16, mt::f64, mt::i64}) {
+    mt::Tensor y = mt::all_reduce(mt::cast(x, t));
+    EXPECT_EQ(y.dtype(), t);
+    EXPECT_EQ(y.shape(), x.shape());
+    EXPECT_EQ(y.to_vector<double>(), mt::cast(x, t).to_vector<double>()) << mt::name(t);
+  }
+}
+
+struct Mlp : mt::Module {
+  mt::Linear fc1{4, 8}, fc2{8, 3};
+  Mlp() {
+    register_module("fc1", fc1);
+    register_module("fc2", fc2);
+  }
+  mt::Tensor operator()(const mt::Tensor& x) const { return fc2(mt::relu(fc1(x))); }
+};
+
+std::vector<float> train_three_steps(bool parallel) {
+  mt::manual_seed(5);
+  Mlp net;
+  std::optional<mt::dist::DataParallel> ddp;
+  if (parallel) ddp.emplace(net);
+  mt::SGD opt(net.parameters(), {.lr = 0.1, .momentum = 0.9});
+  mt::Tensor x = mt::randn({6, 4});
+  mt::Tensor y = mt::tensor(std::vector<int64_t>{0, 1, 2, 0, 1, 2}, {6});
+  for (int s = 0; s < 3; ++s) {
+    opt.zero_grad();
+    mt::cross_entropy(net(x), y).backward();
+    opt.step();
+  }
+  if (ddp) {
+    EXPECT_EQ(ddp->last_buckets(), 0) << "one process reduces nothing";
+  }
+  std::vector<float> all;
+  for (const mt::Tensor& p : net.parameters()) {
+    std::vector<float> v = p.to_vector<float>();
+    all.insert(all.end(), v.begin(), v.end());
+  }
+  return all;
+}
+
+TEST(DataParallel, OfOneProcessChangesNothing) {
+  mt::dist::init();
+  EXPECT_EQ(train_three_steps(true), train_three_steps(false));
+  Mlp net;
+  EXPECT_MT_ERROR(mt::dist::DataParallel(net, {.bucket_bytes = 0}), "bucket_bytes 0");
+  EXPECT_MT_ERROR(mt::dist::DataParallel(net, {.reduce_dtype = mt::i32}), "floating", "i32");
+}
+
+// Example i has feature i, so a batch's features name its examples.
+std::vector<int64_t> examples_of(const mt::Batch& b) {
+  std::vector<int64_t> ids;
+  for (float f : b.inputs.to_vector<float>()) ids.push_back(static_cast<int64_t>(f));
+  return ids;
+}
+
+TEST(DataLoaderShard, TheSharesOfAStepAreTheBatchOfOneProcessAtTheWorldsBatchSize) {
+  std::vector<float> features(11);
+  for (int i = 0; i < 11; ++i) features[i] = static_cast<float>(i);
+  mt::TensorDataset set(features, {1}, std::vector<int64_t>(11, 0));
+  mt::DataLoader whole(set, 4, true, 9);
+  mt::DataLoader first(set, 2, true, 9, mt::Shard{0, 2}), second(set, 2, true, 9, {1, 2});
+  ASSERT_EQ(whole.batches_per_epoch(), 2);
+  EXPECT_EQ(first.batches_per_epoch(), 2);  // 5 examples each, the 11th left out
+  for (int step = 0; step < 6; ++step) {    // three epochs
+    std::vector<int64_t> expected = examples_of(whole.next());
+    std::vector<int64_t> a = examples_of(first.next()), b = examples_of(second.next()), both = a;
+    both.insert(both.end(), b.begin(), b.end());
+    std::sort(expected.begin(), expected.end());
+    std::sort(both.begin(), both.end());
+    EXPECT_EQ(both, expected) << "step " << step;
+    for (int64_t id : a) EXPECT_EQ(std::count(b.begin(), b.end(), id), 0);
+  }
+  EXPECT_MT_ERROR(mt::DataLoader(set, 2, true, 9, mt::Shard{2, 2}), "shard 2 of 2 does not exist");
+  EXPECT_MT_ERROR(mt::DataLoader(set, 6, true, 9, mt::Shard{0, 2}), "batch_size 6 exceeds the 5",
+                  "each of 2 shards");
+  EXPECT_MT_ERROR(mt::DataLoader(set, 1, true, 9, mt::Shard{0, 12}), "11 examples",
+                  "shard 0 of 12");
+}
+
+TEST(GradientHook, SeesEveryLeafGradientOnceAndCanReplaceIt) {
+  mt::Tensor w = mt::ones({3}).requires_grad_(true);
+  int calls = 0;
+  int64_t id = mt::add_gradient_hook([&](mt::LeafGradients& grads) {
+    ++calls;
+    ASSERT_EQ(grads.size(), 1u);
+    grads[0].second = grads[0].second * 2.0;
+  });
+  mt::sum(w * 3.0).backward();
+  mt::remove_gradient_hook(id);
+  mt::sum(w * 3.0).backward();
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(w.grad().to_vector<float>(), (std::vector<float>{9, 9, 9}));
+}
+
+}  // namespace
