@@ -20,6 +20,7 @@
 #include "mixtape/runtime/cpu_kernels.h"
 #include "mixtape/runtime/gemm.h"
 #include "mixtape/runtime/half_convert.h"
+#include "mixtape/runtime/matmul_dims.h"
 #include "mixtape/runtime/pool.h"
 #include "mixtape/runtime/program.h"
 #include "mixtape/runtime/reference_executor.h"
@@ -221,13 +222,12 @@ std::shared_ptr<Storage> as_dtype(const Node& input, DType dtype, bool cache = t
 }
 
 void run_matmul(Node& node) {
-  const Shape& a_shape = node.inputs[0]->shape;
-  size_t rank = node.shape.size();
+  const MatmulDims dims = matmul_dims(node);
   GemmDesc desc;
-  desc.m = node.shape[rank - 2];
-  desc.n = node.shape[rank - 1];
-  desc.k = node.attrs.transpose_a ? a_shape[rank - 2] : a_shape[rank - 1];
-  desc.batch = desc.m * desc.n == 0 ? 0 : node.numel() / (desc.m * desc.n);
+  desc.m = dims.m;
+  desc.n = dims.n;
+  desc.k = dims.k;
+  desc.batch = dims.batch;
   desc.transpose_a = node.attrs.transpose_a;
   desc.transpose_b = node.attrs.transpose_b;
   desc.operand = node.compute;

@@ -21,6 +21,7 @@
 #include "mixtape/runtime/cuda_allocator.h"
 #include "mixtape/runtime/cuda_driver.h"
 #include "mixtape/runtime/device.h"
+#include "mixtape/runtime/matmul_dims.h"
 #include "mixtape/runtime/program.h"
 #include "mixtape/runtime/reference_executor.h"
 
@@ -239,13 +240,12 @@ void run_other(Node& node) {
 bool half_or_f32(DType t) { return t == f32 || is_half(t); }
 
 void run_matmul(Node& node) {
-  const Shape& a_shape = node.inputs[0]->shape;
-  size_t rank = node.shape.size();
+  const MatmulDims dims = matmul_dims(node);
   cuda::MatmulDesc desc;
-  desc.m = node.shape[rank - 2];
-  desc.n = node.shape[rank - 1];
-  desc.k = node.attrs.transpose_a ? a_shape[rank - 2] : a_shape[rank - 1];
-  desc.batch = desc.m * desc.n == 0 ? 0 : node.numel() / (desc.m * desc.n);
+  desc.m = dims.m;
+  desc.n = dims.n;
+  desc.k = dims.k;
+  desc.batch = dims.batch;
   desc.transpose_a = node.attrs.transpose_a;
   desc.transpose_b = node.attrs.transpose_b;
   desc.input = node.compute;

@@ -19,6 +19,7 @@
 #include "mixtape/dsl/scalar_math.h"
 #include "mixtape/dsl/vision.h"
 #include "mixtape/runtime/all_reduce.h"
+#include "mixtape/runtime/matmul_dims.h"
 #include "mixtape/runtime/random_fill.h"
 
 namespace mixtape {
@@ -519,11 +520,7 @@ std::vector<double> matrix_operand(const Storage& in, int64_t batch, int64_t row
 
 StoragePtr ref_MatMul(const Node& node) {
   StoragePtr out = new_storage(node);
-  const Shape& sa = node.inputs[0]->shape;
-  size_t rank = node.shape.size();
-  int64_t m = node.shape[rank - 2], n = node.shape[rank - 1];
-  int64_t k = node.attrs.transpose_a ? sa[rank - 2] : sa[rank - 1];
-  int64_t batch = numel(node.shape) / std::max<int64_t>(1, m * n);
+  const auto [m, n, k, batch] = matmul_dims(node);
   if (m * n == 0 || k == 0) return out;  // empty, or sums over nothing: zeros
   std::vector<double> a =
       matrix_operand(value_of(node, 0), batch, m, k, node.attrs.transpose_a, node.compute);

@@ -1,0 +1,28 @@
+// mixtape/runtime/matmul_dims.h -- a MatMul node's problem size, as every executor reads it.
+#pragma once
+
+#include <cstdint>
+
+#include "mixtape/dsl/node.h"
+
+namespace mixtape {
+
+/// [batch] x [m, k] x [k, n]: the output's last two dimensions, the inner size from the first
+/// operand (its second-to-last dimension when transposed), and the batch the broadcast output's
+/// leading dimensions make (0 for an empty output).
+struct MatmulDims {
+  int64_t m, n, k, batch;
+};
+
+inline MatmulDims matmul_dims(const Node& node) {
+  const Shape& a = node.inputs[0]->shape;
+  const size_t rank = node.shape.size();
+  MatmulDims d{};
+  d.m = node.shape[rank - 2];
+  d.n = node.shape[rank - 1];
+  d.k = node.attrs.transpose_a ? a[rank - 2] : a[rank - 1];
+  d.batch = d.m * d.n == 0 ? 0 : node.numel() / (d.m * d.n);
+  return d;
+}
+
+}  // namespace mixtape
