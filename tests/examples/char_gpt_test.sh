@@ -9,16 +9,7 @@ trap 'rm -rf "$work"' EXIT
 small="--steps 30 --layers 1 --width 32 --context 16 --batch 4 --lr 3e-3 --eval-batches 4"
 small="$small --sample 20 --json"
 
-field() {  # field NAME JSONLINE
-  python3 -c "import json,sys; print(json.loads(sys.argv[2])['$1'])" x "$2"
-}
-check() {  # check CONDITION MESSAGE
-  if ! python3 -c "import math, sys; sys.exit(0 if ($1) else 1)"; then
-    echo "FAIL: $2"
-    exit 1
-  fi
-  echo "ok: $2"
-}
+source "$(dirname "$0")/checks.sh"
 # A model that has learned nothing predicts uniformly: loss ln(vocab) (4.70 for the fortunes'
 # 110 bytes). 30 steps of this small model get 0.8 below that (to about 3.3).
 learned() {  # learned JSONLINE LABEL

@@ -12,16 +12,7 @@ sanitized="${2:-OFF}"  # MIXTAPE_SANITIZE: the sanitizer build checks one policy
 # run took 10 s on one thread and 550 s on two cores shared with a compiler).
 export OMP_NUM_THREADS=1
 
-field() {  # field NAME JSONLINE
-  python3 -c "import json,sys; print(json.loads(sys.argv[2])['$1'])" x "$2"
-}
-check() {  # check CONDITION MESSAGE
-  if ! python3 -c "import sys; sys.exit(0 if ($1) else 1)"; then
-    echo "FAIL: $2"
-    exit 1
-  fi
-  echo "ok: $2"
-}
+source "$(dirname "$0")/checks.sh"
 
 policies=("" "--policy autocast-bf16" "--policy autocast-f16 --loss-scale dynamic")
 if [[ "$sanitized" == ON || "$sanitized" == 1 ]]; then policies=("--policy autocast-bf16"); fi

@@ -7,21 +7,14 @@ set -euo pipefail
 bin="$1"
 mpirun=("$2" --allow-run-as-root --oversubscribe -np 2 -x OMP_NUM_THREADS=1)
 
-check() {  # check CONDITION MESSAGE
-  if ! python3 -c "import sys; sys.exit(0 if ($1) else 1)"; then
-    echo "FAIL: $2"
-    exit 1
-  fi
-  echo "ok: $2"
-}
+source "$(dirname "$0")/checks.sh"
 
 out=$("${mpirun[@]}" "$bin" --distributed --json --steps 400 --batch 32)
 echo "$out"
 check "$(grep -c '"example"' <<<"$out") == 1" "one JSON line, from rank 0 alone"
 line=$(grep '"example"' <<<"$out")
-field() { python3 -c "import json,sys; print(json.loads(sys.argv[2])['$1'])" x "$line"; }
-check "$(field world_size) == 2" "the JSON line says world_size 2"
-check "$(field test_accuracy) >= 0.85" "two processes at batch 32 learn (accuracy $(field test_accuracy))"
+check "$(field world_size "$line") == 2" "the JSON line says world_size 2"
+check "$(field test_accuracy "$line") >= 0.85" "two processes at batch 32 learn (accuracy $(field test_accuracy "$line"))"
 
 # Rank 1 is killed mid-run: the job must end, not hang (the limit leaves room on a slow machine).
 start=$(date +%s)

@@ -8,16 +8,7 @@ bin="$1"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
-field() {  # field NAME JSONLINE
-  python3 -c "import json,sys; print(json.loads(sys.argv[2])['$1'])" x "$2"
-}
-check() {  # check CONDITION MESSAGE
-  if ! python3 -c "import sys; sys.exit(0 if ($1) else 1)"; then
-    echo "FAIL: $2"
-    exit 1
-  fi
-  echo "ok: $2"
-}
+source "$(dirname "$0")/checks.sh"
 
 line=$("$bin" --json | tail -n 1)
 echo "$line"
