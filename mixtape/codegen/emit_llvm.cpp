@@ -3,6 +3,7 @@
 
 #include <bit>
 #include <cmath>
+#include <optional>
 #include <set>
 
 #include <fmt/format.h>
@@ -67,11 +68,38 @@ class Emitter {
         "define void @{}(ptr noalias nocapture readonly %params, i64 %begin, i64 %end) #0 {{\n",
         k_.name);
     label("entry");
+    load_params();
+    int rank = static_cast<int>(k_.dims.size());
+    bool column = k_.column_reduction();
+    int column_dim = k_.reduce_from - 1;
+    allocate_loop_state(rank, column, column_dim);
+    // The executor hands out ranges of the parallel dims flattened: decompose per point. A
+    // column split's range is of columns: the body runs once, its column loops over the range.
+    split_columns_ = k_.column_split();
+    int parallel = split_columns_ ? 0 : k_.parallel_dims();
+    outer_loop_head(parallel);
+    if (column)
+      column_reduction_body(parallel, rank, column_dim);
+    else if (k_.is_reduction())
+      reduction_body(parallel, rank);
+    else
+      inner_loops(parallel, rank, 0, [&] {
+        values(k_.body, "v");
+        stores(k_.stores);
+      });
+    line("%o.next = add nsw i64 {}, 1", split_columns_ ? "%end" : "%o");
+    line("store i64 %o.next, ptr %o.addr");
+    line("br label %outer.head");
+    finish_function();
+  }
+
+  // Loads the parameter pointers and the scalar slots (a double array behind the last pointer),
+  // once per call.
+  void load_params() {
     for (size_t p = 0; p < k_.params.size(); ++p) {
       line("%pp{} = getelementptr inbounds ptr, ptr %params, i64 {}", p, p);
       line("%p{} = load ptr, ptr %pp{}, !noalias !0", p, p);
     }
-    // Scalar slots: a double array behind the last pointer, read once.
     if (k_.scalars > 0) {
       line("%sp = getelementptr inbounds ptr, ptr %params, i64 {}", k_.params.size());
       line("%sa = load ptr, ptr %sp, !noalias !0");
@@ -80,9 +108,10 @@ class Emitter {
         line("%s{} = load double, ptr %sg{}, !noalias !0", s, s);
       }
     }
-    int rank = static_cast<int>(k_.dims.size());
-    bool column = k_.column_reduction();
-    int column_dim = k_.reduce_from - 1;
+  }
+
+  // The loop variables' and accumulators' slots (one accumulator per column when `column`).
+  void allocate_loop_state(int rank, bool column, int column_dim) {
     for (int d = 0; d < rank; ++d) {
       line("%i{}.addr = alloca i64", d);
       var_.push_back(fmt::format("%i{}", d));
@@ -97,10 +126,10 @@ class Emitter {
       acc_ptr_.push_back(fmt::format("%acc{}.addr", r));
       acc_value_.push_back(fmt::format("%acc{}", r));
     }
-    // The executor hands out ranges of the parallel dims flattened: decompose per point. A
-    // column split's range is of columns: the body runs once, its column loops over the range.
-    split_columns_ = k_.column_split();
-    int parallel = split_columns_ ? 0 : k_.parallel_dims();
+  }
+
+  // The loop over the call's range [begin, end), its point decomposed into the parallel dims.
+  void outer_loop_head(int parallel) {
     line("store i64 %begin, ptr %o.addr");
     line("br label %outer.head");
     label("outer.head");
@@ -118,59 +147,53 @@ class Emitter {
         rest = fmt::format("%q{}", d);
       }
     }
-    if (column) {
-      // One accumulator per column: initialize them, add the reduced dims' terms with the
-      // column loop innermost (once per pass), then run the epilogue per column.
-      column_loop(column_dim, [&] {
-        point_accumulators(column_dim);
-        initialize_accumulators();
-      });
-      for (int pass = 0; pass < k_.pass_count(); ++pass) {
-        std::string prefix = pass == 0 ? "v" : fmt::format("v{}.", pass);
-        inner_loops(parallel + 1, rank, pass, [&] {
-          column_loop(column_dim, [&] {
-            point_accumulators(column_dim);
-            for (size_t r = 0; r < k_.reductions.size(); ++r)
-              if (k_.reductions[r].pass < pass)  // final: read by this pass
-                acc_value_[r] = load_final(r);
-            values(k_.pass_body(pass), prefix.c_str());
-            stores(k_.pass_stores(pass));
-            accumulate(pass);
-          });
-        });
-      }
-      column_loop(column_dim, [&] {
-        point_accumulators(column_dim);
-        for (size_t r = 0; r < k_.reductions.size(); ++r) acc_value_[r] = load_final(r);
-        values(k_.epilogue, "e");
-        stores(k_.epilogue_stores);
-      });
-    } else if (k_.is_reduction()) {
-      // One sweep over the inner dims per pass; a pass's reductions are final when it ends, and
-      // later passes and the epilogue read them.
+  }
+
+  // One accumulator per column: initialize them, add the reduced dims' terms with the column
+  // loop innermost (once per pass), then run the epilogue per column.
+  void column_reduction_body(int parallel, int rank, int column_dim) {
+    column_loop(column_dim, [&] {
+      point_accumulators(column_dim);
       initialize_accumulators();
-      for (int pass = 0; pass < k_.pass_count(); ++pass) {
-        std::string prefix = pass == 0 ? "v" : fmt::format("v{}.", pass);
-        inner_loops(parallel, rank, pass, [&] {
+    });
+    for (int pass = 0; pass < k_.pass_count(); ++pass) {
+      std::string prefix = pass == 0 ? "v" : fmt::format("v{}.", pass);
+      inner_loops(parallel + 1, rank, pass, [&] {
+        column_loop(column_dim, [&] {
+          point_accumulators(column_dim);
+          for (size_t r = 0; r < k_.reductions.size(); ++r)
+            if (k_.reductions[r].pass < pass)  // final: read by this pass
+              acc_value_[r] = load_final(r);
           values(k_.pass_body(pass), prefix.c_str());
           stores(k_.pass_stores(pass));
           accumulate(pass);
         });
-        for (size_t r = 0; r < k_.reductions.size(); ++r)
-          if (k_.reductions[r].pass == pass) acc_value_[r] = load_final(r);
-      }
-      values(k_.epilogue, "e");
-      stores(k_.epilogue_stores);
-    } else {
-      inner_loops(parallel, rank, 0, [&] {
-        values(k_.body, "v");
-        stores(k_.stores);
       });
     }
-    line("%o.next = add nsw i64 {}, 1", split_columns_ ? "%end" : "%o");
-    line("store i64 %o.next, ptr %o.addr");
-    line("br label %outer.head");
-    finish_function();
+    column_loop(column_dim, [&] {
+      point_accumulators(column_dim);
+      for (size_t r = 0; r < k_.reductions.size(); ++r) acc_value_[r] = load_final(r);
+      values(k_.epilogue, "e");
+      stores(k_.epilogue_stores);
+    });
+  }
+
+  // One sweep over the inner dims per pass; a pass's reductions are final when it ends, and
+  // later passes and the epilogue read them.
+  void reduction_body(int parallel, int rank) {
+    initialize_accumulators();
+    for (int pass = 0; pass < k_.pass_count(); ++pass) {
+      std::string prefix = pass == 0 ? "v" : fmt::format("v{}.", pass);
+      inner_loops(parallel, rank, pass, [&] {
+        values(k_.pass_body(pass), prefix.c_str());
+        stores(k_.pass_stores(pass));
+        accumulate(pass);
+      });
+      for (size_t r = 0; r < k_.reductions.size(); ++r)
+        if (k_.reductions[r].pass == pass) acc_value_[r] = load_final(r);
+    }
+    values(k_.epilogue, "e");
+    stores(k_.epilogue_stores);
   }
 
   // kir::Kernel::multi_tensor's ABI: for each segment that meets [begin, end), load its
@@ -636,36 +659,51 @@ class Emitter {
     for (size_t i = 0; i < list.size(); ++i) names_[i] = value(list[i], prefix, i, list);
   }
 
+  // Emits one value of a body as %<prefix><index> (or returns the name it already has).
   std::string value(const Value& v, const char* prefix, size_t index,
                     const std::vector<Value>& list) {
     std::string r = fmt::format("%{}{}", prefix, index);
+    if (std::optional<std::string> done = table_value(v, r, list)) return *done;
+    return special_value(v, r, list);
+  }
+
+  // The Arith, Compare and Libm ops, spelled as the op table (kir_ops.def) gives them; nullopt
+  // for the others, and for an Arith op without an instruction for its operands' type.
+  std::optional<std::string> table_value(const Value& v, const std::string& r,
+                                         const std::vector<Value>& list) {
     const char* t = llvm_type(v.type);
-    auto operand = [&](int32_t id) { return names_[id]; };
-    auto operand_type = [&](int32_t id) { return list[id].type; };
-    bool f = v.a >= 0 && is_float(operand_type(v.a));
+    bool f = v.a >= 0 && is_float(list[v.a].type);
     const kir::OpTraits& op = kir::traits(v.op);
     switch (op.form) {
       case kir::OpForm::Arith:
         if (!*(f ? op.llvm_float : op.llvm_int)) break;
-        line("{} = {} {} {}, {}", r, f ? op.llvm_float : op.llvm_int, t, operand(v.a),
-             operand(v.b));
+        line("{} = {} {} {}, {}", r, f ? op.llvm_float : op.llvm_int, t, names_[v.a], names_[v.b]);
         return r;
       case kir::OpForm::Compare: {
-        Type ot = operand_type(v.a);
+        Type ot = list[v.a].type;
         line("{} = {} {} {} {}, {}", r, is_float(ot) ? "fcmp" : "icmp",
-             is_float(ot) ? op.llvm_float : op.llvm_int, llvm_type(ot), operand(v.a), operand(v.b));
+             is_float(ot) ? op.llvm_float : op.llvm_int, llvm_type(ot), names_[v.a], names_[v.b]);
         return r;
       }
       case kir::OpForm::Libm: {
         const kir::LibmTraits& fn = kir::traits(static_cast<kir::Libm>(v.param));
-        std::string args = fmt::format("{} {}", t, operand(v.a));
-        if (fn.arity == 2) args += fmt::format(", {} {}", t, operand(v.b));
+        std::string args = fmt::format("{} {}", t, names_[v.a]);
+        if (fn.arity == 2) args += fmt::format(", {} {}", t, names_[v.b]);
         line("{} = {}", r, call(fn.name, v.type, args));
         return r;
       }
       case kir::OpForm::Special:
         break;
     }
+    return std::nullopt;
+  }
+
+  // The ops with code of their own here.
+  std::string special_value(const Value& v, const std::string& r, const std::vector<Value>& list) {
+    const char* t = llvm_type(v.type);
+    auto operand = [&](int32_t id) { return names_[id]; };
+    auto operand_type = [&](int32_t id) { return list[id].type; };
+    bool f = v.a >= 0 && is_float(operand_type(v.a));
     switch (v.op) {
       case Op::Const:
         return constant(v.type, v.imm);
@@ -700,34 +738,38 @@ class Emitter {
         line("{} = call {} @llvm.sqrt.{}({} {})", r, t, v.type == Type::f32 ? "f32" : "f64", t,
              operand(v.a));
         return r;
-      case Op::Ldexp: {
-        // math::ldexp: two exact power-of-two factors built from exponent bits, so that a
-        // result that overflows or is subnormal rounds once, at the second product.
-        const bool f32 = v.type == Type::f32;
-        const char* it = f32 ? "i32" : "i64";
-        std::string k = tmp(), half = tmp(), rest = tmp(), product = tmp();
-        line("{} = fptosi {} {} to {}", k, t, operand(v.b), it);
-        line("{} = ashr {} {}, 1", half, it, k);
-        line("{} = sub {} {}, {}", rest, it, k, half);
-        std::string scaled = operand(v.a);
-        for (const std::string& e : {half, rest}) {
-          std::string biased = tmp(), bits = tmp(), factor = tmp(), next = tmp();
-          line("{} = add {} {}, {}", biased, it, e, f32 ? 127 : 1023);
-          line("{} = shl {} {}, {}", bits, it, biased, f32 ? 23 : 52);
-          line("{} = bitcast {} {} to {}", factor, it, bits, t);
-          line("{} = fmul {} {}, {}", next, t, scaled, factor);
-          scaled = next;
-        }
-        return scaled;
-      }
+      case Op::Ldexp:
+        return ldexp(v, operand(v.a), operand(v.b));
       case Op::Convert:
         return convert(operand(v.a), operand_type(v.a), v.type);
       case Op::RoundTo:
         return round_to(v, operand(v.a), operand_type(v.a));
-      default:  // Arith, Compare and Libm ops: above
+      default:  // Arith, Compare and Libm ops: table_value
         break;
     }
     fail("llvm emitter: {} of {} is not supported", kir::op_name(v.op), t);
+  }
+
+  // math::ldexp(x, e): two exact power-of-two factors built from exponent bits, so that a
+  // result that overflows or is subnormal rounds once, at the second product.
+  std::string ldexp(const Value& v, const std::string& x, const std::string& e) {
+    const char* t = llvm_type(v.type);
+    const bool f32 = v.type == Type::f32;
+    const char* it = f32 ? "i32" : "i64";
+    std::string k = tmp(), half = tmp(), rest = tmp(), product = tmp();
+    line("{} = fptosi {} {} to {}", k, t, e, it);
+    line("{} = ashr {} {}, 1", half, it, k);
+    line("{} = sub {} {}, {}", rest, it, k, half);
+    std::string scaled = x;
+    for (const std::string& part : {half, rest}) {
+      std::string biased = tmp(), bits = tmp(), factor = tmp(), next = tmp();
+      line("{} = add {} {}, {}", biased, it, part, f32 ? 127 : 1023);
+      line("{} = shl {} {}, {}", bits, it, biased, f32 ? 23 : 52);
+      line("{} = bitcast {} {} to {}", factor, it, bits, t);
+      line("{} = fmul {} {}, {}", next, t, scaled, factor);
+      scaled = next;
+    }
+    return scaled;
   }
 
   void stores(const std::vector<kir::Store>& list_stores) {

@@ -160,6 +160,90 @@ bool varies_along(const Access& access, int from) {
   return false;
 }
 
+// A kernel's loop nest (it sets the group's dims and reduce_from) and the accesses that read its
+// (epilogue) domain, the reduction's input and the reductions' results in it.
+struct LoopNest {
+  Node* reduction;
+  Shape domain;
+  std::vector<int> domain_var;  // loop var of each domain coordinate
+  std::vector<int> input_var;   // reduction: loop var of each input axis
+  size_t rank = 0;
+  Access identity;        // an output of the (epilogue) domain
+  Access input_identity;  // the reduction's input
+
+  explicit LoopNest(FusionGroup& group)
+      : reduction(group.reductions.empty() ? nullptr : group.reductions.front()) {
+    Node* root = *std::max_element(group.members.begin(), group.members.end(),
+                                   [](Node* a, Node* b) { return a->id < b->id; });
+    domain = reduction ? reduction->shape : root->shape;
+    domain_var.assign(domain.size(), -1);
+    group.dims.clear();
+    group.reduce_from = -1;
+    if (reduction)
+      reduction_dims(group);
+    else {
+      group.dims = domain;
+      for (size_t d = 0; d < domain.size(); ++d) domain_var[d] = static_cast<int>(d);
+      if (group.dims.empty()) group.dims = {1};
+    }
+    rank = group.dims.size();
+    for (int v : domain_var) identity.coords.push_back(unit(rank, v));
+    for (int v : input_var) input_identity.coords.push_back(unit(rank, v));
+  }
+
+  // Where each reduction's result is read: every reduction shares the nest, but may keep the
+  // reduced axes as size-1 dims or drop them.
+  Access result_identity(bool keepdim) const {
+    Access access;
+    for (size_t d = 0; d < input_var.size(); ++d) {
+      if (!reduced_axis(*reduction, d))
+        access.coords.push_back(unit(rank, input_var[d]));
+      else if (keepdim)
+        access.coords.push_back(unit(rank, -1));
+    }
+    return access;
+  }
+
+  // The outer domain as the reductions give it, with the reduced axes kept or dropped.
+  Shape outer_shape(bool keepdim) const {
+    Shape shape;
+    for (size_t d = 0; d < input_var.size(); ++d)
+      if (!reduced_axis(*reduction, d))
+        shape.push_back(reduction->inputs[0]->shape[d]);
+      else if (keepdim)
+        shape.push_back(1);
+    return shape;
+  }
+
+ private:
+  // A reduction's nest: the kept axes outside, the reduced ones inside (from reduce_from).
+  void reduction_dims(FusionGroup& group) {
+    const Shape& in = reduction->inputs[0]->shape;
+    input_var.assign(in.size(), -1);
+    for (size_t d = 0; d < in.size(); ++d)
+      if (!reduced_axis(*reduction, d)) {
+        input_var[d] = static_cast<int>(group.dims.size());
+        group.dims.push_back(in[d]);
+      }
+    group.reduce_from = static_cast<int>(group.dims.size());
+    for (size_t d = 0; d < in.size(); ++d)
+      if (reduced_axis(*reduction, d)) {
+        input_var[d] = static_cast<int>(group.dims.size());
+        group.dims.push_back(in[d]);
+      }
+    if (group.reduce_from == 0) {  // a full reduction: one outer point
+      group.dims.insert(group.dims.begin(), 1);
+      group.reduce_from = 1;
+      for (int& v : input_var) ++v;
+    }
+    size_t j = 0;  // domain coordinate -> loop var
+    for (size_t d = 0; d < in.size(); ++d) {
+      if (reduced_axis(*reduction, d) && !reduction->attrs.keepdim) continue;
+      domain_var[j++] = reduced_axis(*reduction, d) ? -1 : input_var[d];
+    }
+  }
+};
+
 class Fuser {
  public:
   Fuser(const std::vector<Node*>& pending, const std::vector<Node*>& required,
@@ -320,108 +404,60 @@ class Fuser {
   bool plan_access(FusionGroup& group, std::string& why) const {
     group.access.clear();
     std::unordered_set<Node*> members(group.members.begin(), group.members.end());
-    Node* root = *std::max_element(group.members.begin(), group.members.end(),
-                                   [](Node* a, Node* b) { return a->id < b->id; });
-    Node* reduction = group.reductions.empty() ? nullptr : group.reductions.front();
-    // Loop nest and the identity access of an output of the (epilogue) domain.
-    Shape domain = reduction ? reduction->shape : root->shape;
-    std::vector<int> domain_var(domain.size(), -1);  // loop var of each domain coordinate
-    std::vector<int> input_var;                      // reduction: loop var of each input axis
-    group.dims.clear();
-    group.reduce_from = -1;
-    if (reduction) {
-      const Shape& in = reduction->inputs[0]->shape;
-      input_var.assign(in.size(), -1);
-      for (size_t d = 0; d < in.size(); ++d)
-        if (!reduced_axis(*reduction, d)) {
-          input_var[d] = static_cast<int>(group.dims.size());
-          group.dims.push_back(in[d]);
-        }
-      group.reduce_from = static_cast<int>(group.dims.size());
-      for (size_t d = 0; d < in.size(); ++d)
-        if (reduced_axis(*reduction, d)) {
-          input_var[d] = static_cast<int>(group.dims.size());
-          group.dims.push_back(in[d]);
-        }
-      if (group.reduce_from == 0) {  // a full reduction: one outer point
-        group.dims.insert(group.dims.begin(), 1);
-        group.reduce_from = 1;
-        for (int& v : input_var) ++v;
-      }
-      size_t j = 0;  // domain coordinate -> loop var
-      for (size_t d = 0; d < in.size(); ++d) {
-        if (reduced_axis(*reduction, d) && !reduction->attrs.keepdim) continue;
-        domain_var[j++] = reduced_axis(*reduction, d) ? -1 : input_var[d];
-      }
-    } else {
-      group.dims = domain;
-      for (size_t d = 0; d < domain.size(); ++d) domain_var[d] = static_cast<int>(d);
-      if (group.dims.empty()) group.dims = {1};
-    }
-    size_t rank = group.dims.size();
-    Access identity;
-    for (int v : domain_var) identity.coords.push_back(unit(rank, v));
-    Access input_identity;
-    for (int v : input_var) input_identity.coords.push_back(unit(rank, v));
-    // Where each reduction's result is read: every reduction shares the nest, but may keep the
-    // reduced axes as size-1 dims or drop them.
-    auto result_identity = [&](bool keepdim) {
-      Access access;
-      for (size_t d = 0; d < input_var.size(); ++d) {
-        if (!reduced_axis(*reduction, d))
-          access.coords.push_back(unit(rank, input_var[d]));
-        else if (keepdim)
-          access.coords.push_back(unit(rank, -1));
-      }
-      return access;
-    };
-    auto is_member_reduction = [&](Node* node) {
-      return std::find(group.reductions.begin(), group.reductions.end(), node) !=
-             group.reductions.end();
-    };
+    const LoopNest nest(group);
+    if (!access_outputs(group, nest, why) || !propagate_access(group, nest, members, why))
+      return false;
+    if (nest.reduction && !options_.multi_pass && !epilogue_stays_outside(group, members, why))
+      return false;
+    return stored_once(group, nest.reduction, why);
+  }
 
-    std::vector<Node*> order(group.members.begin(), group.members.end());
-    std::sort(order.begin(), order.end(), [](Node* a, Node* b) { return a->id > b->id; });
-    // The outer domain as the reductions give it, with the reduced axes kept or dropped.
-    auto outer_shape = [&](bool keepdim) {
-      Shape shape;
-      for (size_t d = 0; d < input_var.size(); ++d)
-        if (!reduced_axis(*reduction, d))
-          shape.push_back(reduction->inputs[0]->shape[d]);
-        else if (keepdim)
-          shape.push_back(1);
-      return shape;
-    };
+  static bool is_member_reduction(const FusionGroup& group, Node* node) {
+    return std::find(group.reductions.begin(), group.reductions.end(), node) !=
+           group.reductions.end();
+  }
+
+  // Seeds the stored outputs' accesses: each is one of the nest's identities.
+  static bool access_outputs(FusionGroup& group, const LoopNest& nest, std::string& why) {
     for (Node* output : group.outputs) {
-      if (is_member_reduction(output)) {
-        group.access[output].push_back(result_identity(output->attrs.keepdim));
-      } else if (output->shape == domain) {
-        group.access[output].push_back(identity);
-      } else if (reduction && output->shape == reduction->inputs[0]->shape) {
-        group.access[output].push_back(input_identity);
-      } else if (reduction && output->shape == outer_shape(true)) {
-        group.access[output].push_back(result_identity(true));
-      } else if (reduction && output->shape == outer_shape(false)) {
-        group.access[output].push_back(result_identity(false));
+      if (is_member_reduction(group, output)) {
+        group.access[output].push_back(nest.result_identity(output->attrs.keepdim));
+      } else if (output->shape == nest.domain) {
+        group.access[output].push_back(nest.identity);
+      } else if (nest.reduction && output->shape == nest.reduction->inputs[0]->shape) {
+        group.access[output].push_back(nest.input_identity);
+      } else if (nest.reduction && output->shape == nest.outer_shape(true)) {
+        group.access[output].push_back(nest.result_identity(true));
+      } else if (nest.reduction && output->shape == nest.outer_shape(false)) {
+        group.access[output].push_back(nest.result_identity(false));
       } else {
         why = "stored values of different shapes";
         return false;
       }
     }
+    return true;
+  }
+
+  // Hands every member's accesses on to its inputs, newest member first, so that each member
+  // has all its readers' accesses before its own are passed on.
+  static bool propagate_access(FusionGroup& group, const LoopNest& nest,
+                               const std::unordered_set<Node*>& members, std::string& why) {
+    std::vector<Node*> order(group.members.begin(), group.members.end());
+    std::sort(order.begin(), order.end(), [](Node* a, Node* b) { return a->id > b->id; });
     for (Node* node : order) {
       std::vector<Access>& accesses = group.access[node];
       if (accesses.empty()) {
         why = fmt::format("{} has no reader in the kernel", op_name(node->op));
         return false;
       }
-      if (is_member_reduction(node)) {
+      if (is_member_reduction(group, node)) {
         if (!std::all_of(accesses.begin(), accesses.end(), [&](const Access& access) {
-              return same_elements(access, result_identity(node->attrs.keepdim), node->shape);
+              return same_elements(access, nest.result_identity(node->attrs.keepdim), node->shape);
             })) {
           why = "the reduction's result is read at other points than its own";
           return false;
         }
-        push_access(group, node->inputs[0].get(), input_identity, members);
+        push_access(group, node->inputs[0].get(), nest.input_identity, members);
         continue;
       }
       for (size_t k = 0; k < node->inputs.size(); ++k) {
@@ -429,16 +465,19 @@ class Fuser {
         if (!members.count(input) && (!is_view(node->op) || is_constant_fill(*input))) continue;
         for (const Access& access : accesses) {
           Access out;
-          if (!transfer_access(*node, k, access, rank, out, why)) return false;
+          if (!transfer_access(*node, k, access, nest.rank, out, why)) return false;
           push_access(group, input, out, members);
         }
       }
     }
-    if (reduction && !options_.multi_pass && !epilogue_stays_outside(group, members, why))
-      return false;
+    return true;
+  }
+
+  // Every stored value other than a reduction's result is written exactly once per element.
+  static bool stored_once(FusionGroup& group, const Node* reduction, std::string& why) {
     for (Node* output : group.outputs) {
       const std::vector<Access>& accesses = group.access[output];
-      if (is_member_reduction(output)) continue;
+      if (is_member_reduction(group, output)) continue;
       // A stored value that does not vary along the reduced axes is stored once per outer
       // point, after the reductions.
       size_t loop_dims = reduction && !varies_along(accesses[0], group.reduce_from)

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <map>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -73,112 +74,146 @@ std::string dtype_list(const std::vector<DType>& types) {
   return fmt::format("{}", fmt::join(names, ","));
 }
 
-}  // namespace
+// The parameters a report covers: the model's, then any the optimizer holds besides, with each
+// one's node mapped to its index.
+struct ParamSet {
+  NamedTensors params;
+  std::unordered_map<const Node*, size_t> index;
+};
 
-MemoryReport memory_report(const Module& model, const Optimizer* opt, const Tensor& loss) {
-  if (!loss.defined()) fail("memory_report: the loss is undefined");
-
-  // The parameters: the model's, then any the optimizer holds besides.
-  NamedTensors params = model.named_parameters();
-  std::unordered_map<const Node*, size_t> param_index;
-  for (size_t i = 0; i < params.size(); ++i) param_index.emplace(params[i].second.node().get(), i);
+ParamSet collect_params(const Module& model, const Optimizer* opt) {
+  ParamSet set{model.named_parameters(), {}};
+  NamedTensors& params = set.params;
+  for (size_t i = 0; i < params.size(); ++i) set.index.emplace(params[i].second.node().get(), i);
   if (opt)
     for (size_t i = 0; i < opt->params().size(); ++i) {
       const Tensor& p = opt->params()[i];
-      if (param_index.emplace(p.node().get(), params.size()).second)
+      if (set.index.emplace(p.node().get(), params.size()).second)
         params.emplace_back(fmt::format("optimizer.params[{}]", i), p);
     }
+  return set;
+}
 
-  std::vector<NodePtr> roots{loss.node()};
-  for (const auto& [name, p] : params)
-    if (p.grad().defined()) roots.push_back(p.grad().node());
-  std::vector<Node*> nodes = nodes_in_tape_order(roots);
-  assign_precision(nodes);
+// The step's typed graph: the loss and the gradients, their nodes in tape order (with the
+// precision pass run) and each node's position in that order.
+struct StepGraph {
+  std::vector<NodePtr> roots;
+  std::vector<Node*> nodes;
   std::unordered_map<const Node*, int64_t> position;
-  for (size_t k = 0; k < nodes.size(); ++k) position.emplace(nodes[k], static_cast<int64_t>(k));
-  const int64_t end = static_cast<int64_t>(nodes.size()) - 1;
+  int64_t end = 0;  // the position of the last node
   std::unordered_set<const Node*> outputs;
-  for (const NodePtr& root : roots) outputs.insert(root.get());
+};
 
-  MemoryReport report;
-  std::vector<Buffer> buffers;
-  std::vector<int64_t> param_buffer(params.size());
-  for (size_t i = 0; i < params.size(); ++i) {
-    const Node& node = *params[i].second.node();
-    MemoryParamRow row;
-    row.name = params[i].first;
-    row.shape = node.shape;
-    row.master = leaf_storage(node);
-    row.master_bytes = bytes_of(node.numel(), row.master);
-    report.master_weights += row.master_bytes;
-    report.parameters.push_back(std::move(row));
-    param_buffer[i] = static_cast<int64_t>(buffers.size());
-    buffers.push_back({Buffer::Kind::Param, report.parameters[i].master});
-    buffers.back().param = i;
+StepGraph typed_graph(const Tensor& loss, const NamedTensors& params) {
+  StepGraph graph;
+  graph.roots.push_back(loss.node());
+  for (const auto& [name, p] : params)
+    if (p.grad().defined()) graph.roots.push_back(p.grad().node());
+  graph.nodes = nodes_in_tape_order(graph.roots);
+  assign_precision(graph.nodes);
+  for (size_t k = 0; k < graph.nodes.size(); ++k)
+    graph.position.emplace(graph.nodes[k], static_cast<int64_t>(k));
+  graph.end = static_cast<int64_t>(graph.nodes.size()) - 1;
+  for (const NodePtr& root : graph.roots) graph.outputs.insert(root.get());
+  return graph;
+}
+
+// The liveness simulation: the buffers of one step and which of them each node's value lives in.
+class BufferMap {
+ public:
+  BufferMap(const ParamSet& params, const StepGraph& graph)
+      : params_(params), graph_(graph), buffer_of_(graph.nodes.size(), -1) {}
+
+  // Adds the parameters' rows to the report, each with the buffer its master lives in.
+  void add_params(MemoryReport& report) {
+    const NamedTensors& params = params_.params;
+    param_buffer_.resize(params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      const Node& node = *params[i].second.node();
+      MemoryParamRow row;
+      row.name = params[i].first;
+      row.shape = node.shape;
+      row.master = leaf_storage(node);
+      row.master_bytes = bytes_of(node.numel(), row.master);
+      report.master_weights += row.master_bytes;
+      report.parameters.push_back(std::move(row));
+      param_buffer_[i] = static_cast<int64_t>(buffers_.size());
+      buffers_.push_back({Buffer::Kind::Param, report.parameters[i].master});
+      buffers_.back().param = i;
+    }
   }
 
-  // ---- which buffer each node's value lives in ----
-  std::map<std::pair<size_t, DType>, int64_t> half_copy;  // (param, type) -> buffer
-  auto half_copy_of = [&](size_t param, DType type, int64_t k) {
-    auto [it, added] = half_copy.try_emplace({param, type}, static_cast<int64_t>(buffers.size()));
+  // Places every node in tape order, then keeps the step's outputs alive to the end.
+  void place_all() {
+    for (size_t k = 0; k < graph_.nodes.size(); ++k) place(k);
+    for (const Node* output : graph_.outputs) {
+      int64_t b = buffer_of_[graph_.position.at(output)];
+      if (b >= 0 && buffers_[b].kind != Buffer::Kind::Param) buffers_[b].last = graph_.end;
+    }
+  }
+
+  const std::vector<Buffer>& buffers() const { return buffers_; }
+  // (param, type) -> buffer of its half copy, in key order.
+  const std::map<std::pair<size_t, DType>, int64_t>& half_copies() const { return half_copy_; }
+
+ private:
+  // The buffer of a parameter's copy in `type`, made at position k on its first use.
+  int64_t half_copy_of(size_t param, DType type, int64_t k) {
+    auto [it, added] = half_copy_.try_emplace({param, type}, static_cast<int64_t>(buffers_.size()));
     if (added) {
       Buffer copy{Buffer::Kind::HalfCopy, type};
-      copy.bytes = bytes_of(params[param].second.numel(), type);
+      copy.bytes = bytes_of(params_.params[param].second.numel(), type);
       copy.first = copy.last = k;
       copy.param = param;
-      buffers.push_back(copy);
+      buffers_.push_back(copy);
     }
     return it->second;
-  };
-  auto read = [&](int64_t b, int64_t k, bool backward) {
-    Buffer& buffer = buffers[b];
+  }
+
+  void read(int64_t b, int64_t k, bool backward) {
+    Buffer& buffer = buffers_[b];
     buffer.last = std::max(buffer.last, k);
     (backward ? buffer.read_backward : buffer.read_forward) = true;
-  };
-  std::vector<int64_t> buffer_of(nodes.size(), -1);  // -1: takes no memory (a fill)
-  for (size_t k = 0; k < nodes.size(); ++k) {
-    const Node& node = *nodes[k];
+  }
+
+  // For a node that owns no memory, the buffer it lives in (-1: none, a fill or a view of one);
+  // nullopt when it needs a buffer of its own.
+  std::optional<int64_t> alias_of(const Node& node, int64_t pos) {
+    if (is_fill(node.op) && !graph_.outputs.count(&node)) return -1;
+    if (!is_alias_view(node.op) || node.inputs.size() != 1) return std::nullopt;
+    int64_t source = buffer_of_[graph_.position.at(node.inputs[0].get())];
+    if (source < 0 && !graph_.outputs.count(&node)) return -1;  // a view of a fill is still a fill
+    if (source >= 0 && buffers_[source].dtype == node.storage) return source;
+    if (source >= 0 && buffers_[source].kind == Buffer::Kind::Param && is_half(node.storage))
+      return half_copy_of(buffers_[source].param, node.storage, pos);  // the cast, then a view
+    return std::nullopt;
+  }
+
+  // Gives node k's value a buffer and records the reads of its inputs.
+  void place(size_t k) {
+    const Node& node = *graph_.nodes[k];
     const int64_t pos = static_cast<int64_t>(k);
-    if (auto found = param_index.find(&node); found != param_index.end()) {
-      buffer_of[k] = param_buffer[found->second];
-      continue;
+    if (auto found = params_.index.find(&node); found != params_.index.end()) {
+      buffer_of_[k] = param_buffer_[found->second];
+      return;
     }
-    int64_t b = -1;
-    bool own = true;
-    if (is_fill(node.op) && !outputs.count(&node)) {
-      own = false;
-    } else if (is_alias_view(node.op) && node.inputs.size() == 1) {
-      int64_t source = buffer_of[position.at(node.inputs[0].get())];
-      if (source < 0 && !outputs.count(&node)) {
-        own = false;  // a view of a fill is still a fill
-      } else if (source >= 0 && buffers[source].dtype == node.storage) {
-        b = source;
-        own = false;
-      } else if (source >= 0 && buffers[source].kind == Buffer::Kind::Param &&
-                 is_half(node.storage)) {
-        b = half_copy_of(buffers[source].param, node.storage, pos);  // the cast, then a view
-        own = false;
-      }
-    }
-    if (own) {
-      b = static_cast<int64_t>(buffers.size());
-      Buffer value{Buffer::Kind::Value, node.storage};
-      value.bytes = bytes_of(node.numel(), node.storage);
-      // Leaf data (a batch) counts from when it was made, which is before the nodes reading it.
-      value.first = value.last = pos;
-      value.owner = &node;
-      buffers.push_back(value);
-    }
-    buffer_of[k] = b;
-    if (!own) {
+    if (std::optional<int64_t> alias = alias_of(node, pos)) {
+      buffer_of_[k] = *alias;
       // A view reads its one input through the buffer it aliases.
-      if (b >= 0) read(b, pos, node.backward);
-      continue;
+      if (*alias >= 0) read(*alias, pos, node.backward);
+      return;
     }
+    buffer_of_[k] = static_cast<int64_t>(buffers_.size());
+    Buffer value{Buffer::Kind::Value, node.storage};
+    value.bytes = bytes_of(node.numel(), node.storage);
+    // Leaf data (a batch) counts from when it was made, which is before the nodes reading it.
+    value.first = value.last = pos;
+    value.owner = &node;
+    buffers_.push_back(value);
     for (const NodePtr& input : node.inputs) {
-      int64_t source = buffer_of[position.at(input.get())];
+      int64_t source = buffer_of_[graph_.position.at(input.get())];
       if (source < 0) continue;
-      const Buffer& src = buffers[source];
+      const Buffer& src = buffers_[source];
       // A 16-bit reader of an f32 master reads its half copy, made once per step and type.
       if (src.kind == Buffer::Kind::Param && is_floating(input->dtype) && is_half(node.compute) &&
           node.compute != src.dtype)
@@ -186,17 +221,25 @@ MemoryReport memory_report(const Module& model, const Optimizer* opt, const Tens
       read(source, pos, node.backward);
     }
   }
-  for (const Node* output : outputs) {
-    int64_t b = buffer_of[position.at(output)];
-    if (b >= 0 && buffers[b].kind != Buffer::Kind::Param) buffers[b].last = end;
-  }
 
-  // ---- the categories ----
-  for (const auto& [key, b] : half_copy) {
+  const ParamSet& params_;
+  const StepGraph& graph_;
+  std::vector<Buffer> buffers_;
+  std::vector<int64_t> param_buffer_;
+  std::map<std::pair<size_t, DType>, int64_t> half_copy_;
+  std::vector<int64_t> buffer_of_;  // -1: takes no memory (a fill)
+};
+
+// Counts the half copies per parameter and in total.
+void count_half_copies(MemoryReport& report, const BufferMap& map) {
+  for (const auto& [key, b] : map.half_copies()) {
     report.parameters[key.first].half_copies.push_back(key.second);
-    report.parameters[key.first].half_copy_bytes += buffers[b].bytes;
-    report.half_copies += buffers[b].bytes;
+    report.parameters[key.first].half_copy_bytes += map.buffers()[b].bytes;
+    report.half_copies += map.buffers()[b].bytes;
   }
+}
+
+void count_gradients(MemoryReport& report, const NamedTensors& params) {
   for (size_t i = 0; i < params.size(); ++i) {
     Tensor grad = params[i].second.grad();
     if (!grad.defined()) continue;
@@ -206,23 +249,28 @@ MemoryReport memory_report(const Module& model, const Optimizer* opt, const Tens
     row.grad_bytes = bytes_of(grad.numel(), row.grad);
     report.gradients += row.grad_bytes;
   }
-  if (opt) {
-    const int estimate = estimated_state_tensors(*opt);
-    for (size_t i = 0; i < opt->params().size(); ++i) {
-      const Tensor& p = opt->params()[i];
-      MemoryParamRow& row = report.parameters[param_index.at(p.node().get())];
-      NamedTensors state = opt->state(i);
-      int64_t bytes = 0;
-      for (const auto& [name, value] : state)
-        if (value.defined()) bytes += bytes_of(value.numel(), leaf_storage(*value.node()));
-      if (state.empty() && p.grad().defined() && estimate > 0) {
-        bytes = estimate * bytes_of(p.numel(), f32);
-        report.optimizer_state_estimated = true;
-      }
-      row.state_bytes += bytes;
-      report.optimizer_state += bytes;
+}
+
+// Counts the optimizer's state, estimating what its first step will create where none exists.
+void count_optimizer_state(MemoryReport& report, const Optimizer& opt, const ParamSet& params) {
+  const int estimate = estimated_state_tensors(opt);
+  for (size_t i = 0; i < opt.params().size(); ++i) {
+    const Tensor& p = opt.params()[i];
+    MemoryParamRow& row = report.parameters[params.index.at(p.node().get())];
+    NamedTensors state = opt.state(i);
+    int64_t bytes = 0;
+    for (const auto& [name, value] : state)
+      if (value.defined()) bytes += bytes_of(value.numel(), leaf_storage(*value.node()));
+    if (state.empty() && p.grad().defined() && estimate > 0) {
+      bytes = estimate * bytes_of(p.numel(), f32);
+      report.optimizer_state_estimated = true;
     }
+    row.state_bytes += bytes;
+    report.optimizer_state += bytes;
   }
+}
+
+void list_saved_activations(MemoryReport& report, const std::vector<Buffer>& buffers) {
   for (const Buffer& buffer : buffers) {
     // The backward pass's seed and other values only backward reads are not forward activations.
     if (buffer.kind != Buffer::Kind::Value || buffer.owner->backward || !buffer.read_backward ||
@@ -235,8 +283,11 @@ MemoryReport memory_report(const Module& model, const Optimizer* opt, const Tens
   }
   std::sort(report.saved.begin(), report.saved.end(),
             [](const SavedActivationRow& a, const SavedActivationRow& b) { return a.id < b.id; });
+}
 
-  // ---- the peak: live bytes while each node runs ----
+// The peak: the most live bytes while a node runs, on top of the persistent memory.
+void find_peak(MemoryReport& report, const std::vector<Buffer>& buffers,
+               const std::vector<Node*>& nodes) {
   std::vector<int64_t> delta(nodes.size() + 1, 0);
   for (const Buffer& buffer : buffers) {
     if (buffer.kind == Buffer::Kind::Param) continue;
@@ -254,15 +305,37 @@ MemoryReport memory_report(const Module& model, const Optimizer* opt, const Tens
       report.peak_backward = nodes[k]->backward;
     }
   }
+}
 
-  report.compiled_peak = planned_peak_bytes(roots);
-
+// The forward nodes' policy names in order of first use, ", "-joined; "none" without any.
+std::string policy_names(const std::vector<Node*>& nodes) {
   std::vector<std::string> policies;
   for (const Node* node : nodes)
     if (!node->backward && node->policy &&
         std::find(policies.begin(), policies.end(), node->policy->name()) == policies.end())
       policies.push_back(node->policy->name());
-  report.policy = policies.empty() ? "none" : fmt::format("{}", fmt::join(policies, ", "));
+  return policies.empty() ? "none" : fmt::format("{}", fmt::join(policies, ", "));
+}
+
+}  // namespace
+
+MemoryReport memory_report(const Module& model, const Optimizer* opt, const Tensor& loss) {
+  if (!loss.defined()) fail("memory_report: the loss is undefined");
+  const ParamSet params = collect_params(model, opt);
+  const StepGraph graph = typed_graph(loss, params.params);
+
+  MemoryReport report;
+  BufferMap map(params, graph);
+  map.add_params(report);
+  map.place_all();
+
+  count_half_copies(report, map);
+  count_gradients(report, params.params);
+  if (opt) count_optimizer_state(report, *opt, params);
+  list_saved_activations(report, map.buffers());
+  find_peak(report, map.buffers(), graph.nodes);
+  report.compiled_peak = planned_peak_bytes(graph.roots);
+  report.policy = policy_names(graph.nodes);
   return report;
 }
 

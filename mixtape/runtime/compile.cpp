@@ -129,138 +129,174 @@ Trace trace_call(const std::vector<Tensor>& args, const StepReplayer::Function& 
   return std::move(rec.trace);
 }
 
-// The replay plan for calls like `b`, whose previous call was `a`; empty with the reason when
-// the two do not show how to bind every input.
-std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
+// Whether two consecutive traces made the same evaluations of the same graphs with the same
+// constants, returned from the same places and registered as much host work; else why not.
+bool same_shape(const Trace& a, const Trace& b, std::string& why) {
   if (a.evals.size() != b.evals.size()) {
     why =
         fmt::format("consecutive calls made {} and {} evaluations", a.evals.size(), b.evals.size());
-    return nullptr;
+    return false;
   }
   if (a.results != b.results) {
     why = "consecutive calls returned values from different places";
-    return nullptr;
+    return false;
   }
   if (a.hooks.size() != b.hooks.size()) {
     why = fmt::format("consecutive calls registered {} and {} pieces of host work", a.hooks.size(),
                       b.hooks.size());
-    return nullptr;
+    return false;
   }
   for (size_t e = 0; e < b.evals.size(); ++e) {
     if (!(a.evals[e].executed.sig.hash == b.evals[e].executed.sig.hash) ||
         a.evals[e].device != b.evals[e].device) {
       why = fmt::format("evaluation {} had a different graph in consecutive calls", e);
-      return nullptr;
+      return false;
     }
     if (a.evals[e].fills != b.evals[e].fills) {
       why = fmt::format(
           "evaluation {} used different constants in consecutive calls (a C++ value that "
           "changes between calls, such as a learning rate computed inside the function)",
           e);
-      return nullptr;
+      return false;
     }
   }
-  using Place = std::pair<int, int>;
-  // A buffer stored twice by one evaluation is a value and its view; by two, it cannot be.
-  auto index_outputs = [&](const Trace& t, std::unordered_map<const Storage*, Place>& at) {
-    for (size_t e = 0; e < t.evals.size(); ++e)
-      for (size_t j = 0; j < t.evals[e].outputs.size(); ++j) {
-        auto [it, added] = at.emplace(t.evals[e].outputs[j].get(), Place(e, j));
-        if (!added && it->second.first != static_cast<int>(e)) return false;
-      }
-    return true;
-  };
-  std::unordered_map<const Storage*, Place> out_a, out_b;
-  if (!index_outputs(a, out_a) || !index_outputs(b, out_b)) {
-    why = "two values the step stores share one buffer";
-    return nullptr;
-  }
-  std::unordered_map<const Storage*, int> arg_of;
-  for (size_t i = 0; i < b.args.size(); ++i)
-    if (b.args[i]) arg_of.emplace(b.args[i].get(), static_cast<int>(i));
-  std::set<Place> results(b.results.begin(), b.results.end());
+  return true;
+}
 
-  auto plan = std::make_unique<Plan>();
-  plan->results = b.results;
-  for (size_t e = 0; e < b.evals.size(); ++e) {
-    const Evaluation& eb = b.evals[e];
-    const Evaluation& ea = a.evals[e];
-    std::vector<Binding> inputs;
+using Place = std::pair<int, int>;
+
+// Maps each buffer a trace stores to where it is first stored. A buffer stored twice by one
+// evaluation is a value and its view; by two, it cannot be (false).
+bool index_outputs(const Trace& t, std::unordered_map<const Storage*, Place>& at) {
+  for (size_t e = 0; e < t.evals.size(); ++e)
+    for (size_t j = 0; j < t.evals[e].outputs.size(); ++j) {
+      auto [it, added] = at.emplace(t.evals[e].outputs[j].get(), Place(e, j));
+      if (!added && it->second.first != static_cast<int>(e)) return false;
+    }
+  return true;
+}
+
+// Plans the evaluations of calls like `b` (previous call `a`): where each reads its inputs from
+// and which stored values share a buffer. Every method returns false with the reason in `why`
+// when the traces do not show it.
+class EvaluationPlanner {
+ public:
+  EvaluationPlanner(const Trace& a, const Trace& b, std::string& why) : a_(a), b_(b), why_(why) {}
+
+  // Indexes the two traces' buffers; false when one buffer holds two values.
+  bool index() {
+    if (!index_outputs(a_, out_a_) || !index_outputs(b_, out_b_)) {
+      why_ = "two values the step stores share one buffer";
+      return false;
+    }
+    for (size_t i = 0; i < b_.args.size(); ++i)
+      if (b_.args[i]) arg_of_.emplace(b_.args[i].get(), static_cast<int>(i));
+    results_.insert(b_.results.begin(), b_.results.end());
+    return true;
+  }
+
+  // Evaluation e's input bindings and buffer sharing (its graph is adopted later).
+  bool plan(size_t e, PlannedEvaluation& planned) {
+    const Evaluation& eb = b_.evals[e];
     for (size_t x = 0; x < eb.inputs.size(); ++x) {
-      const Storage* now = eb.inputs[x].get();
-      const Storage* before = ea.inputs[x].get();
-      const Node& external = *eb.executed.sig.externals[x];
       Binding binding;
-      Place source{-1, -1};
-      bool same_call = false;
-      if (auto arg = arg_of.find(now); arg != arg_of.end()) {
-        if (before != a.args[arg->second].get()) {
-          why = fmt::format("evaluation {} reads argument {} in one call but not the other", e,
-                            arg->second);
-          return nullptr;
-        }
-        binding.arg = arg->second;
-      } else if (auto own = out_b.find(now); own != out_b.end()) {
-        // Stored earlier in the same call.
-        same_call = true;
-        source = own->second;
-        if (source.first >= static_cast<int>(e) ||
-            a.evals[source.first].outputs[source.second].get() != before) {
-          why = fmt::format("evaluation {} reads {} from different places in consecutive calls", e,
-                            describe(external));
-          return nullptr;
-        }
-      } else if (auto carried = out_a.find(now); carried != out_a.end()) {
-        // Stored by the previous call. When an earlier evaluation of this call replaces it
-        // first, the replay hands this one the value it replaced.
-        source = carried->second;
-        binding.at_call_start = source.first < static_cast<int>(e);
-      } else if (now == before) {
-        binding.object = eb.inputs[x];  // the same buffer in both calls: a constant
-      } else {
-        why = fmt::format(
-            "evaluation {} reads a new {} on every call that is not an argument (a tensor made "
-            "from host data inside the function?)",
-            e, describe(external));
-        return nullptr;
-      }
-      if (source.first >= 0) {
-        if (results.count(source)) {
-          why = "a value the function returns is also state the next call reads (return a copy)";
-          return nullptr;
-        }
-        binding.object = b.evals[source.first].outputs[source.second];
-      }
-      // State the previous call left (or a constant): what the earlier call read is the value
-      // before it. A value stored earlier in the same call is no state.
-      if (binding.arg < 0 && !same_call) binding.first_value = ea.inputs[x];
-      inputs.push_back(std::move(binding));
+      if (!bind(e, x, binding)) return false;
+      planned.inputs.push_back(std::move(binding));
     }
     for (const StoragePtr& output : eb.outputs)
       if (std::find(eb.inputs.begin(), eb.inputs.end(), output) != eb.inputs.end()) {
-        why = "a stored value shares its buffer with an input of its evaluation";
-        return nullptr;
+        why_ = "a stored value shares its buffer with an input of its evaluation";
+        return false;
       }
-    PlannedEvaluation planned;
-    planned.inputs = std::move(inputs);
-    planned.shares_with.assign(eb.outputs.size(), -1);
+    return share(e, planned.shares_with);
+  }
+
+ private:
+  // Where input x of evaluation e comes from: an argument, a value stored earlier in the call or
+  // by the previous one, or a constant.
+  bool bind(size_t e, size_t x, Binding& binding) {
+    const Evaluation& eb = b_.evals[e];
+    const Evaluation& ea = a_.evals[e];
+    const Storage* now = eb.inputs[x].get();
+    const Storage* before = ea.inputs[x].get();
+    const Node& external = *eb.executed.sig.externals[x];
+    Place source{-1, -1};
+    bool same_call = false;
+    if (auto arg = arg_of_.find(now); arg != arg_of_.end()) {
+      if (before != a_.args[arg->second].get()) {
+        why_ = fmt::format("evaluation {} reads argument {} in one call but not the other", e,
+                           arg->second);
+        return false;
+      }
+      binding.arg = arg->second;
+    } else if (auto own = out_b_.find(now); own != out_b_.end()) {
+      // Stored earlier in the same call.
+      same_call = true;
+      source = own->second;
+      if (source.first >= static_cast<int>(e) ||
+          a_.evals[source.first].outputs[source.second].get() != before) {
+        why_ = fmt::format("evaluation {} reads {} from different places in consecutive calls", e,
+                           describe(external));
+        return false;
+      }
+    } else if (auto carried = out_a_.find(now); carried != out_a_.end()) {
+      // Stored by the previous call. When an earlier evaluation of this call replaces it
+      // first, the replay hands this one the value it replaced.
+      source = carried->second;
+      binding.at_call_start = source.first < static_cast<int>(e);
+    } else if (now == before) {
+      binding.object = eb.inputs[x];  // the same buffer in both calls: a constant
+    } else {
+      why_ = fmt::format(
+          "evaluation {} reads a new {} on every call that is not an argument (a tensor made "
+          "from host data inside the function?)",
+          e, describe(external));
+      return false;
+    }
+    if (source.first >= 0) {
+      if (results_.count(source)) {
+        why_ = "a value the function returns is also state the next call reads (return a copy)";
+        return false;
+      }
+      binding.object = b_.evals[source.first].outputs[source.second];
+    }
+    // State the previous call left (or a constant): what the earlier call read is the value
+    // before it. A value stored earlier in the same call is no state.
+    if (binding.arg < 0 && !same_call) binding.first_value = ea.inputs[x];
+    return true;
+  }
+
+  // Per stored value of evaluation e, the first one whose buffer it shares, or -1.
+  bool share(size_t e, std::vector<int>& shares_with) {
+    const Evaluation& eb = b_.evals[e];
+    shares_with.assign(eb.outputs.size(), -1);
     for (size_t j = 0; j < eb.outputs.size(); ++j) {
-      int first = out_b.at(eb.outputs[j].get()).second;
+      int first = out_b_.at(eb.outputs[j].get()).second;
       if (first == static_cast<int>(j)) continue;
       // A returned value must be a buffer of its own (a replay hands out fresh ones), and so
       // must the view: then both are the same fresh buffer, as in the trace.
-      if (results.count(Place(e, j)) != results.count(Place(e, first))) {
-        why =
+      if (results_.count(Place(e, j)) != results_.count(Place(e, first))) {
+        why_ =
             "a value the function returns shares its buffer with state the step keeps (return "
             "a copy)";
-        return nullptr;
+        return false;
       }
-      planned.shares_with[j] = first;
+      shares_with[j] = first;
     }
-    plan->evals.push_back(std::move(planned));
+    return true;
   }
-  // Host work reads its values from the stored buffers that replays update in place; a returned
-  // value is a fresh buffer on each replay instead.
+
+  const Trace& a_;
+  const Trace& b_;
+  std::string& why_;
+  std::unordered_map<const Storage*, Place> out_a_, out_b_;
+  std::unordered_map<const Storage*, int> arg_of_;
+  std::set<Place> results_;
+};
+
+// Host work reads its values from the stored buffers that replays update in place; a returned
+// value is a fresh buffer on each replay instead, so no hook may read one.
+bool hooks_read_no_result(const Trace& b, std::string& why) {
   std::unordered_set<const Node*> returned;
   for (const Place& r : b.results)
     if (r != kUndefined) returned.insert(b.evals[r.first].executed.sig.stored[r.second]);
@@ -268,34 +304,52 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
     for (const NodePtr& node : h.values)
       if (returned.count(node.get())) {
         why = "a value the function returns is also handed to host work that runs every call";
-        return nullptr;
+        return false;
       }
+  return true;
+}
 
-  // The plan takes the second trace's graph. Its external inputs become private leaves, so that
-  // binding a replay's inputs never touches a node the user may still hold.
-  for (size_t e = 0; e < b.evals.size(); ++e) {
-    PlannedEvaluation& planned = plan->evals[e];
-    planned.eval = std::move(b.evals[e]);
-    Signature& sig = planned.eval.executed.sig;
-    std::unordered_map<const Node*, NodePtr> private_leaf;
-    for (size_t x = 0; x < sig.externals.size(); ++x) {
-      Node* external = sig.externals[x];
-      auto leaf = std::make_shared<Node>(*external);
-      leaf->inputs.clear();
-      leaf->value = planned.inputs[x].object;
-      private_leaf.emplace(external, leaf);
-      sig.externals[x] = leaf.get();  // Signature::ref() maps the leaf from here on
-      planned.leaves.push_back(std::move(leaf));
-    }
-    for (Node* node : planned.eval.pending_raw)
-      for (NodePtr& input : node->inputs)
-        if (auto found = private_leaf.find(input.get()); found != private_leaf.end())
-          input = found->second;
-    planned.result_slot.assign(sig.stored.size(), -1);
-    for (size_t r = 0; r < plan->results.size(); ++r)
-      if (plan->results[r].first == static_cast<int>(e))
-        planned.result_slot[plan->results[r].second] = static_cast<int>(r);
+// Gives evaluation e of the plan the second trace's graph. Its external inputs become private
+// leaves, so that binding a replay's inputs never touches a node the user may still hold.
+void adopt_graph(Plan& plan, size_t e, Evaluation&& eval) {
+  PlannedEvaluation& planned = plan.evals[e];
+  planned.eval = std::move(eval);
+  Signature& sig = planned.eval.executed.sig;
+  std::unordered_map<const Node*, NodePtr> private_leaf;
+  for (size_t x = 0; x < sig.externals.size(); ++x) {
+    Node* external = sig.externals[x];
+    auto leaf = std::make_shared<Node>(*external);
+    leaf->inputs.clear();
+    leaf->value = planned.inputs[x].object;
+    private_leaf.emplace(external, leaf);
+    sig.externals[x] = leaf.get();  // Signature::ref() maps the leaf from here on
+    planned.leaves.push_back(std::move(leaf));
   }
+  for (Node* node : planned.eval.pending_raw)
+    for (NodePtr& input : node->inputs)
+      if (auto found = private_leaf.find(input.get()); found != private_leaf.end())
+        input = found->second;
+  planned.result_slot.assign(sig.stored.size(), -1);
+  for (size_t r = 0; r < plan.results.size(); ++r)
+    if (plan.results[r].first == static_cast<int>(e))
+      planned.result_slot[plan.results[r].second] = static_cast<int>(r);
+}
+
+// The replay plan for calls like `b`, whose previous call was `a`; empty with the reason when
+// the two do not show how to bind every input.
+std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
+  if (!same_shape(a, b, why)) return nullptr;
+  EvaluationPlanner planner(a, b, why);
+  if (!planner.index()) return nullptr;
+  auto plan = std::make_unique<Plan>();
+  plan->results = b.results;
+  for (size_t e = 0; e < b.evals.size(); ++e) {
+    PlannedEvaluation planned;
+    if (!planner.plan(e, planned)) return nullptr;
+    plan->evals.push_back(std::move(planned));
+  }
+  if (!hooks_read_no_result(b, why)) return nullptr;
+  for (size_t e = 0; e < b.evals.size(); ++e) adopt_graph(*plan, e, std::move(b.evals[e]));
   b.evals.clear();
   plan->hooks = std::move(b.hooks);
   return plan;
