@@ -579,27 +579,20 @@ def main():
                         + MODE_ARGS.get(mode, []),
                         mixtape_env(mode, threads), plan["child_timeout"])
                     add(label, tag(found, threads), error, [f"{name}/{p}" for p in precisions])
+    # GEMM and convolution binaries: each measures the machine's FMA peak beside its products.
+    # The peak does not depend on OMP_NUM_THREADS (it starts its own threads): keep one.
     peak = None
-    if gemm and os.access(gemm_binary, os.X_OK):
+    for what, binary, workloads in (("gemm", gemm_binary, gemm), ("conv", conv_binary, conv)):
+        if not workloads or not os.access(binary, os.X_OK):
+            continue
         for threads in thread_settings:
             found, error = run_child(
-                "mixtape gemm" + (f" OMP_NUM_THREADS={threads}" if threads else ""),
-                [gemm_binary, "--workloads", ",".join(["fma_peak"] + gemm)] + timing_flags(timing),
-                mixtape_env("compiled", threads), plan["child_timeout"])
-            # The peak does not depend on OMP_NUM_THREADS (it starts its own threads): keep one.
-            peak = peak or next((r for r in found if r["workload"] == "fma_peak"), None)
-            add("mixtape", tag([r for r in found if r["workload"] != "fma_peak"], threads), error,
-                gemm)
-
-    if conv and os.access(conv_binary, os.X_OK):
-        for threads in thread_settings:
-            found, error = run_child(
-                "mixtape conv" + (f" OMP_NUM_THREADS={threads}" if threads else ""),
-                [conv_binary, "--workloads", ",".join(["fma_peak"] + conv)] + timing_flags(timing),
+                f"mixtape {what}" + (f" OMP_NUM_THREADS={threads}" if threads else ""),
+                [binary, "--workloads", ",".join(["fma_peak"] + workloads)] + timing_flags(timing),
                 mixtape_env("compiled", threads), plan["child_timeout"])
             peak = peak or next((r for r in found if r["workload"] == "fma_peak"), None)
             add("mixtape", tag([r for r in found if r["workload"] != "fma_peak"], threads), error,
-                conv)
+                workloads)
 
     # ---- (d) JIT cost: digits_mlp with an empty kernel cache (cold), then the filled one (warm)
     jit = None
