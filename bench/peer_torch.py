@@ -38,6 +38,18 @@ def mlp(sizes):
     return nn.Sequential(*layers)
 
 
+def fixed_batch_step(model, optimizer, loss_fn, inputs, targets, precision):
+    """One training step on the same batch each call: the synthetic-data workloads."""
+    def step():
+        optimizer.zero_grad()
+        with autocast(precision):
+            loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        optimizer.step()
+
+    return step
+
+
 def mlp_step(width, batch, precision):
     torch.manual_seed(common.SEED)
     model = mlp(common.mlp_sizes(width))
@@ -45,14 +57,7 @@ def mlp_step(width, batch, precision):
     inputs = torch.randn(batch, common.MLP_IN)
     targets = torch.randn(batch, common.MLP_OUT)
 
-    def step():
-        optimizer.zero_grad()
-        with autocast(precision):
-            loss = F.mse_loss(model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-
-    return step, count(model)
+    return fixed_batch_step(model, optimizer, F.mse_loss, inputs, targets, precision), count(model)
 
 
 def digits_step(name, precision):
@@ -231,14 +236,7 @@ def resnet18_step(precision):
     inputs = torch.randn(cfg["batch"], cfg["channels"], cfg["size"], cfg["size"])
     targets = torch.randint(0, cfg["classes"], (cfg["batch"],))
 
-    def step():
-        optimizer.zero_grad()
-        with autocast(precision):
-            loss = F.cross_entropy(model(inputs), targets)
-        loss.backward()
-        optimizer.step()
-
-    return step, count(model)
+    return fixed_batch_step(model, optimizer, F.cross_entropy, inputs, targets, precision), count(model)
 
 
 def cosine_lr(peak, step, total):
