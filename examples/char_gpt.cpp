@@ -1,7 +1,6 @@
 // examples/char_gpt.cpp -- a character-level GPT (nanoGPT's CPU configuration) trained on the
 // BSD fortunes: progress, a held-out validation loss, a generated sample and a JSON line; --export
 // writes the trained model as a C library that examples/deploy/sample_text.c samples from.
-#include <mixtape/dsl/json.h>
 #include <mixtape/mixtape.h>
 #include <nlohmann/json.hpp>
 
@@ -11,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,7 +42,8 @@ struct Options : examples::TrainingFlags {
   int64_t sample = 200;
   double temperature = 0.8;
   std::string prompt = "\n";
-  std::string export_dir;  // --export: the trained model as a C library (examples/deploy/)
+  std::string export_dir;    // --export: the trained model as a C library (examples/deploy/)
+  bool distributed = false;  // --distributed: data parallel over mpirun's processes
 };
 
 // What --export writes: the artifact char_gpt (logits f32 [batch, context, vocab] for tokens i64
@@ -94,8 +95,10 @@ Options parse(int argc, char** argv) {
           [](std::string& text) { return text.empty() ? "must not be empty" : ""; }, ""));
   app.add_option("--export", o.export_dir, "export the trained model as a C library into DIR")
       ->type_name("DIR");
+  examples::add_distributed(app, o.distributed);
   examples::add_training_flags(app, o);
   examples::parse(app, argc, argv);
+  examples::check_distributed("char_gpt", o.distributed, o.export_dir, o.logdir);
   if (o.model.width % o.model.heads != 0)
     examples::usage_error("char_gpt", "--width must be a positive multiple of --heads");
   if (o.warmup < 0) o.warmup = std::min<int64_t>(100, o.steps / 10);
@@ -200,6 +203,13 @@ int run(const Options& o) {
   config.vocab = vocab.size();
   mt::Generator init_generator(o.seed);
   CharGpt model(config, &init_generator);
+  // --distributed: every process trains on its share of each batch (its own windows of the
+  // same shuffled order), gradients averaged; rank 0 alone prints.
+  std::optional<mt::dist::DataParallel> data_parallel;
+  if (o.distributed) {
+    examples::join_processes("char_gpt");
+    data_parallel.emplace(model);
+  }
   int64_t parameter_count = 0;
   for (const mt::Tensor& p : model.parameters()) parameter_count += p.numel();
 
@@ -211,7 +221,10 @@ int run(const Options& o) {
     schedule = std::make_unique<mt::CosineWithWarmup>(o.lr, o.warmup, o.steps, o.lr / 10);
   else
     schedule = std::make_unique<mt::ConstantLR>(o.lr);
-  mt::DataLoader loader(train, o.batch, true, o.seed);
+  mt::DataLoader loader(train, o.batch, true, o.seed, mt::dist::shard());
+  // The batch of all processes: what evaluation reads (so a run's losses do not depend on how
+  // many processes share it) and what tokens/s counts.
+  const int64_t global_batch = o.batch * mt::dist::world_size();
   uint64_t eval_seed = o.seed ^ 0x6576616cULL;
 
   if (!o.json_only)
@@ -280,14 +293,14 @@ int run(const Options& o) {
       progress.update(step, loss.item(), scaler.is_enabled() ? scaler.get_scale() : 0);
     if (!report) continue;
     progress.finish();
-    train_loss = estimate_loss(model, train, o.eval_batches, o.batch, eval_seed, policy);
-    val_loss = estimate_loss(model, validation, o.eval_batches, o.batch, eval_seed, policy);
+    train_loss = estimate_loss(model, train, o.eval_batches, global_batch, eval_seed, policy);
+    val_loss = estimate_loss(model, validation, o.eval_batches, global_batch, eval_seed, policy);
     if (writer) {
       writer->add_scalar("eval/train_loss", train_loss, step);
       writer->add_scalar("eval/val_loss", val_loss, step);
     }
     double tokens_per_s =
-        static_cast<double>(step * o.batch * config.context) / std::max(train_seconds, 1e-9);
+        static_cast<double>(step * global_batch * config.context) / std::max(train_seconds, 1e-9);
     if (!o.json_only) {
       std::printf(
           "step %lld/%lld  batch loss %.4f  train loss %.4f  val loss %.4f  %.0f tokens/s\n",
@@ -297,7 +310,7 @@ int run(const Options& o) {
     }
   }
   double tokens_per_s =
-      static_cast<double>(o.steps * o.batch * config.context) / std::max(train_seconds, 1e-9);
+      static_cast<double>(o.steps * global_batch * config.context) / std::max(train_seconds, 1e-9);
   if (writer) writer->flush();
 
   model.eval();
@@ -343,6 +356,7 @@ int run(const Options& o) {
                               {"skipped_steps", scaler.skipped_steps()},
                               {"step", o.compile ? "compiled" : "traced"},
                               {"replayed_steps", compiled_step.stats().replays}};
+  if (o.distributed) line["world_size"] = static_cast<int64_t>(mt::dist::world_size());
   std::printf("%s\n", line.dump().c_str());
   return 0;
 }

@@ -2,7 +2,6 @@
 // and last layer and every softmax in f32, everything else in bf16, on a small attention model
 // trained on the UCI digits. Prints the precision report's f32 rows, its per-module summary and a
 // JSON line; --logdir DIR writes the run's TensorBoard event files.
-#include <mixtape/dsl/json.h>
 #include <mixtape/mixtape.h>
 #include <nlohmann/json.hpp>
 

@@ -4,7 +4,6 @@
 #pragma once
 
 #include <mixtape/dsl/error.h>
-#include <mixtape/dsl/json.h>
 #include <mixtape/mixtape.h>
 #include <unistd.h>
 #include <nlohmann/json.hpp>
@@ -85,12 +84,10 @@ inline Options parse(const std::string& example, const Defaults& defaults, int a
       ->type_name("FILE");
   app.add_option("--export", o.export_dir, "export the trained model as C libraries into DIR")
       ->type_name("DIR");
-  app.add_flag("--distributed", o.distributed,
-               "data parallel over the processes mpirun started (--batch per process)");
+  examples::add_distributed(app, o.distributed);
   examples::add_training_flags(app, o);
   examples::parse(app, argc, argv);
-  if (o.distributed && (!o.export_dir.empty() || !o.logdir.empty()))
-    examples::usage_error(example, "--distributed trains without --export and --logdir (not yet)");
+  examples::check_distributed(example, o.distributed, o.export_dir, o.logdir);
   if (o.lr < 0) o.lr = o.optimizer == "sgd" ? defaults.sgd_lr : 2e-3;
   return o;
 }
@@ -142,10 +139,7 @@ int run(const Options& o, Model& net) {
   // alone prints and saves.
   std::optional<mt::dist::DataParallel> data_parallel;
   if (o.distributed) {
-    mt::dist::World world = mt::dist::init();
-    if (world.size == 1) std::fprintf(stderr, "--distributed: %s\n", world.single_reason.c_str());
-    if (world.rank != 0 && !std::freopen("/dev/null", "w", stdout))
-      mt::fail("cannot silence rank {}'s output", world.rank);
+    examples::join_processes(o.example);
     data_parallel.emplace(net);
   }
   std::unique_ptr<mt::Optimizer> optimizer;

@@ -107,6 +107,30 @@ inline mt::GradScalerOptions scaler_options(const std::string& loss_scale) {
   std::exit(2);
 }
 
+/// --distributed: data parallel over the processes mpirun started (--batch per process). Refused
+/// beside --export and --logdir, which one process would have to write alone (not yet).
+inline void add_distributed(CLI::App& app, bool& distributed) {
+  app.add_flag("--distributed", distributed,
+               "data parallel over the processes mpirun started (--batch per process)");
+}
+inline void check_distributed(const std::string& program, bool distributed,
+                              const std::string& export_dir, const std::string& logdir) {
+  if (distributed && (!export_dir.empty() || !logdir.empty()))
+    usage_error(program, "--distributed trains without --export and --logdir (not yet)");
+}
+
+/// What --distributed does first: joins mpirun's processes (saying on stderr why a run is a
+/// single process) and leaves standard output to rank 0, which alone prints.
+inline void join_processes(const std::string& program) {
+  mt::dist::World world = mt::dist::init();
+  if (world.size == 1)
+    std::fprintf(stderr, "%s --distributed: %s\n", program.c_str(), world.single_reason.c_str());
+  if (world.rank != 0 && !std::freopen("/dev/null", "w", stdout)) {
+    std::fprintf(stderr, "%s: cannot silence rank %d's output\n", program.c_str(), world.rank);
+    std::exit(1);
+  }
+}
+
 /// Parses argv: --help prints the flags and exits 0, a bad flag or value is usage_error.
 inline void parse(CLI::App& app, int argc, char** argv) {
   try {

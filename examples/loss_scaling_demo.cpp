@@ -8,7 +8,6 @@
 // scaling (it learns like fp32); autocast-bf16 without scaling (bf16 has fp32's range).
 // --logdir DIR writes each run's TensorBoard event files into DIR/<run> (tools/plot_run.py DIR/*
 // draws them: loss, loss scale with skipped steps, gradient underflow).
-#include <mixtape/dsl/json.h>
 #include <mixtape/mixtape.h>
 #include <nlohmann/json.hpp>
 

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# tests/examples/char_gpt_distributed_test.sh -- char_gpt --distributed on two processes under
+# mpirun: rank 0 alone prints one JSON line with "world_size": 2, and two processes at batch 6
+# train the model one process trains at batch 12 (each rank's windows are its share of the same
+# shuffled batch), so the evaluated losses agree to f32 reduction-order rounding.
+# Usage: char_gpt_distributed_test.sh CHAR_GPT MPIRUN
+set -euo pipefail
+bin="$1"
+mpirun=("$2" --allow-run-as-root --oversubscribe -np 2 -x OMP_NUM_THREADS=1)
+
+source "$(dirname "$0")/checks.sh"
+
+small=(--json --steps 20 --layers 1 --heads 2 --width 32 --context 16 --sample 10 --seed 3)
+out=$("${mpirun[@]}" "$bin" --distributed --batch 6 "${small[@]}")
+check "$(grep -c '"example"' <<<"$out") == 1" "one JSON line, from rank 0 alone"
+two=$(grep '"example"' <<<"$out")
+echo "$two"
+one=$(OMP_NUM_THREADS=1 "$bin" --batch 12 "${small[@]}" | tail -n 1)
+echo "$one"
+check "$(field world_size "$two") == 2" "the JSON line says world_size 2"
+for loss in train_loss val_loss; do
+  a=$(field $loss "$two") b=$(field $loss "$one")
+  check "abs($a - $b) <= 1e-4 * abs($b)" "$loss at 2 x 6 equals 1 x 12 ($a vs $b)"
+done
