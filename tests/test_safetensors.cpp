@@ -128,42 +128,15 @@ TEST(Json, DumpsCompactlyAndRoundTripsDoublesBitExactly) {
 
 // Malformed text is an mt::Error with a byte offset, never nlohmann's own exception.
 TEST(Json, RejectsMalformedInputWithOffset) {
-  for (const std::string& text :
-       std::vector<std::string>{"",
-                                "   ",
-                                "tru",
-                                "[1,]",
-                                "[1 2]",
-                                "{\"a\":1,}",
-                                "{\"a\" 1}",
-                                "{1:2}",
-                                "01",
-                                "1.",
-                                ".5",
-                                "+1",
-                                "-",
-                                "1e",
-                                "NaN",
-                                "-Infinity",
-                                "1e400",
-                                "-1e400",
-                                "1" + std::string(400, '0'),
-                                "\"abc",
-                                "\"\\x\"",
-                                "\"\\u12G4\"",
-                                "\"\\ud800\"",
-                                "\"\\ud800\\u0041\"",
-                                "\"\\udc00\"",
-                                "\"a\tb\"",
-                                std::string("\"a\0b\"", 5),
-                                "\"\xFF\"",
-                                "\"\xC0\xAF\"" /* overlong '/' */,
-                                "\"\xED\xA0\x80\"" /* encoded surrogate */,
-                                "\"\xF4\x90\x80\x80\"" /* > U+10FFFF */,
-                                "\"\xE2\x82\"" /* truncated */,
-                                "[1] x",
-                                "{} {}",
-                                "[true false]"}) {
+  for (const std::string& text : std::vector<std::string>{
+           "", "   ", "tru", "[1,]", "[1 2]", "{\"a\":1,}", "{\"a\" 1}", "{1:2}", "01", "1.", ".5",
+           "+1", "-", "1e", "NaN", "-Infinity", "1e400", "-1e400", "1" + std::string(400, '0'),
+           "\"abc", "\"\\x\"", "\"\\u12G4\"", "\"\\ud800\"", "\"\\ud800\\u0041\"", "\"\\udc00\"",
+           "\"a\tb\"", std::string("\"a\0b\"", 5), "\"\xFF\"", "\"\xC0\xAF\"" /* overlong '/' */,
+           "\"\xED\xA0\x80\"" /* encoded surrogate */, "\"\xF4\x90\x80\x80\"" /* > U+10FFFF */,
+           "\"\xE2\x82\"" /* truncated */, "[1] x", "{} {}", "[true false]",
+           // what follows a NUL must not be ignored
+           std::string("{\"a\":1}\0garbage{{{", 18), std::string("{}\0", 3)}) {
     SCOPED_TRACE(text);
     EXPECT_MT_ERROR(mt::json::parse(text), "json: ");
     EXPECT_MT_ERROR(mt::json::parse(text), " at byte ");

@@ -127,8 +127,7 @@ DataParallel::DataParallel(Module& module, DataParallelOptions options)
     fail("dist::DataParallel: reduce_dtype must be a floating type, got {}",
          mixtape::name(*options_.reduce_dtype));
   for (const Tensor& p : module.parameters())
-    if (auto impl = p.node()->grad_owner.lock()) params_.push_back(impl.get());
-  std::sort(params_.begin(), params_.end());
+    if (auto impl = p.node()->grad_owner.lock()) params_.push_back(impl);
   if (ProcessGroup* group = process_group(); group && group->size() > 1) {
     NamedTensors state = module.state_dict();
     check_same_model(*group, state);
@@ -142,24 +141,49 @@ DataParallel::~DataParallel() { remove_gradient_hook(hook_); }
 void DataParallel::average(LeafGradients& gradients) {
   const int processes = process_count();
   if (processes == 1) return;
-  // The module's gradients, in the walk's order (the same on every process for the same graph),
-  // grouped by the type they are reduced in, then cut into buckets of about bucket_bytes.
+  // Every parameter, in the module's order, whether or not this process's backward reached it
+  // (a branch taken on one process only, a layer used by some batches): one that was not
+  // contributes zeros and receives the others' average, as PyTorch's find_unused_parameters.
+  // Buckets made from the gradients a process happens to have would pair one process's layer
+  // with another's. A backward that reached none of the module's parameters reduces nothing.
+  std::vector<size_t> slot(params_.size(), SIZE_MAX);
+  bool any = false;
+  for (size_t i = 0; i < gradients.size(); ++i)
+    for (size_t p = 0; p < params_.size(); ++p)
+      if (params_[p].lock() == gradients[i].first) {
+        slot[p] = i;
+        any = true;
+        break;
+      }
+  if (!any) return;
+  NoGradGuard no_grad;
+  NoPolicy no_policy;
+  for (size_t p = 0; p < params_.size(); ++p) {
+    if (slot[p] != SIZE_MAX) continue;
+    std::shared_ptr<TensorImpl> owner = params_[p].lock();
+    if (!owner) continue;  // a parameter gone on every process alike (the module owns them)
+    const Node& leaf = *owner->node;
+    gradients.emplace_back(owner, zeros(leaf.shape, leaf.storage));
+    slot[p] = gradients.size() - 1;
+  }
+  // Grouped by the type they are reduced in (the parameter's own, an f32 master's by default,
+  // as PyTorch AMP's gradients are; reduce_dtype on request), then cut into buckets of about
+  // bucket_bytes.
   std::vector<std::vector<size_t>> by_type;
   std::vector<DType> types;
-  for (size_t i = 0; i < gradients.size(); ++i) {
-    if (!std::binary_search(params_.begin(), params_.end(), gradients[i].first.get())) continue;
-    DType t = options_.reduce_dtype.value_or(gradients[i].second.dtype());
+  for (size_t p = 0; p < params_.size(); ++p) {
+    if (slot[p] == SIZE_MAX) continue;
+    DType t = options_.reduce_dtype.value_or(params_[p].lock()->node->storage);
     auto found = std::find(types.begin(), types.end(), t);
     if (found == types.end()) {
       types.push_back(t);
       by_type.emplace_back();
       found = types.end() - 1;
     }
-    by_type[found - types.begin()].push_back(i);
+    by_type[found - types.begin()].push_back(slot[p]);
   }
-  NoGradGuard no_grad;
-  NoPolicy no_policy;
   last_buckets_ = 0;
+  std::vector<Tensor> averaged;
   for (size_t k = 0; k < types.size(); ++k) {
     const std::vector<size_t>& members = by_type[k];
     for (size_t first = 0; first < members.size();) {
@@ -174,6 +198,7 @@ void DataParallel::average(LeafGradients& gradients) {
       }
       Tensor sum = all_reduce(flat.size() == 1 ? flat[0] : concat(flat));
       Tensor mean = sum / static_cast<double>(processes);
+      averaged.push_back(mean);
       ++last_buckets_;
       int64_t at = 0;
       for (size_t m = first; m < last; ++m) {
@@ -186,6 +211,10 @@ void DataParallel::average(LeafGradients& gradients) {
       first = last;
     }
   }
+  // The collectives run now, together, in the order made here. Left lazy, each would run when
+  // something first read it, and a process that read one layer's gradient before another's
+  // (logging on rank 0) would pair its buckets with other buckets of the other processes.
+  eval(averaged);
 }
 
 }  // namespace mixtape::dist

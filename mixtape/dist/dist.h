@@ -41,7 +41,8 @@ struct DataParallelOptions {
   /// each bucket is one all_reduce node.
   int64_t bucket_bytes = int64_t{25} << 20;
   /// Reduce in this type (bf16 halves the bytes moved, as DDP's bf16 compression hook) and
-  /// cast back; unset: in the gradients' own type (the f32 master gradients by default).
+  /// cast back; unset: in each parameter's own type (f32 for f32 master weights, whatever
+  /// type autocast gave their gradients, as PyTorch AMP's gradients are f32).
   std::optional<DType> reduce_dtype = std::nullopt;
 };
 
@@ -70,7 +71,9 @@ class DataParallel {
 
   Module* module_;
   DataParallelOptions options_;
-  std::vector<const TensorImpl*> params_;  // sorted, for lookups from the gradient hook
+  // The module's parameters that take gradients, in the module's order (the same on every
+  // process): what every reduction covers, whichever of them this process's backward reached.
+  std::vector<std::weak_ptr<TensorImpl>> params_;
   int64_t hook_ = 0;
   int64_t last_buckets_ = 0;
 };

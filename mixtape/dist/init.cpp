@@ -86,6 +86,9 @@ void check_not_broken() {
 class MpiGroup : public ProcessGroup {
  public:
   MpiGroup() {
+    // Errors of requests on the duplicate can surface on MPI_COMM_WORLD (MPI_Test), whose
+    // default handler aborts the job: both return them, as mt::Error.
+    check(MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     check(MPI_Comm_dup(MPI_COMM_WORLD, &comm_), "MPI_Comm_dup");
     check(MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN), "MPI_Comm_set_errhandler");
     check(MPI_Comm_rank(comm_, &rank_), "MPI_Comm_rank");

@@ -150,6 +150,10 @@ class StrictBuilder {
 };
 
 void run(std::string_view text, StrictBuilder& builder) {
+  // nlohmann's lexer takes a NUL byte for the end of the input, so whatever followed one would
+  // be ignored. JSON holds no raw NUL, not even in strings.
+  if (size_t nul = text.find('\0'); nul != std::string_view::npos)
+    fail("json: a NUL byte at byte {}", nul);
   Value::sax_parse(text.data(), text.data() + text.size(), &builder);
 }
 
