@@ -12,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -351,13 +352,9 @@ int run(const Options& o) {
                               {"context", config.context},
                               {"vocab", config.vocab},
                               {"parameters", parameter_count},
-                              {"train_seconds", train_seconds},
-                              {"final_scale", scaler.get_scale()},
-                              {"skipped_steps", scaler.skipped_steps()},
-                              {"step", o.compile ? "compiled" : "traced"},
-                              {"replayed_steps", compiled_step.stats().replays}};
-  if (o.distributed) line["world_size"] = static_cast<int64_t>(mt::dist::world_size());
-  std::printf("%s\n", line.dump().c_str());
+                              {"train_seconds", train_seconds}};
+  examples::print_json_line(std::move(line), scaler, o.compile, compiled_step.stats(),
+                            o.distributed);
   return 0;
 }
 

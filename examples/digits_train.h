@@ -15,6 +15,7 @@
 #include <optional>
 #include <random>
 #include <string>
+#include <utility>
 
 #include "example_cli.h"
 #include "progress_line.h"
@@ -273,13 +274,9 @@ int run(const Options& o, Model& net) {
                               {"optimizer", o.optimizer},
                               {"batch", o.batch},
                               {"policy", o.policy},
-                              {"loss_scale", o.loss_scale},
-                              {"final_scale", scaler.get_scale()},
-                              {"skipped_steps", scaler.skipped_steps()},
-                              {"step", o.compile ? "compiled" : "traced"},
-                              {"replayed_steps", compiled_step.stats().replays}};
-  if (o.distributed) line["world_size"] = static_cast<int64_t>(mt::dist::world_size());
-  std::printf("%s\n", line.dump().c_str());
+                              {"loss_scale", o.loss_scale}};
+  examples::print_json_line(std::move(line), scaler, o.compile, compiled_step.stats(),
+                            o.distributed);
   return 0;
 }
 

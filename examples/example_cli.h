@@ -4,6 +4,7 @@
 
 #include <mixtape/mixtape.h>
 #include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <cstdio>
@@ -129,6 +130,20 @@ inline void join_processes(const std::string& program) {
     std::fprintf(stderr, "%s: cannot silence rank %d's output\n", program.c_str(), world.rank);
     std::exit(1);
   }
+}
+
+/// Ends a training example's JSON line with what they all report (the loss scaler, whether the
+/// step was compiled and how often it replayed, the processes of a --distributed run) and
+/// prints it.
+template <typename CompileStats>
+void print_json_line(nlohmann::ordered_json line, const mt::GradScaler& scaler, bool compiled,
+                     const CompileStats& stats, bool distributed) {
+  line["final_scale"] = scaler.get_scale();
+  line["skipped_steps"] = scaler.skipped_steps();
+  line["step"] = compiled ? "compiled" : "traced";
+  line["replayed_steps"] = stats.replays;
+  if (distributed) line["world_size"] = static_cast<int64_t>(mt::dist::world_size());
+  std::printf("%s\n", line.dump().c_str());
 }
 
 /// Parses argv: --help prints the flags and exits 0, a bad flag or value is usage_error.
