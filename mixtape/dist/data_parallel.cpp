@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 #include <sstream>
+#include <unordered_map>
 
 #include "mixtape/dist/dist.h"
 #include "mixtape/dsl/error.h"
@@ -146,24 +147,25 @@ void DataParallel::average(LeafGradients& gradients) {
   // contributes zeros and receives the others' average, as PyTorch's find_unused_parameters.
   // Buckets made from the gradients a process happens to have would pair one process's layer
   // with another's. A backward that reached none of the module's parameters reduces nothing.
+  std::vector<std::shared_ptr<TensorImpl>> owners(params_.size());
+  std::unordered_map<const TensorImpl*, size_t> param_of;
+  for (size_t p = 0; p < params_.size(); ++p)
+    if ((owners[p] = params_[p].lock())) param_of.emplace(owners[p].get(), p);
   std::vector<size_t> slot(params_.size(), SIZE_MAX);
   bool any = false;
   for (size_t i = 0; i < gradients.size(); ++i)
-    for (size_t p = 0; p < params_.size(); ++p)
-      if (params_[p].lock() == gradients[i].first) {
-        slot[p] = i;
-        any = true;
-        break;
-      }
+    if (auto found = param_of.find(gradients[i].first.get()); found != param_of.end()) {
+      slot[found->second] = i;
+      any = true;
+    }
   if (!any) return;
   NoGradGuard no_grad;
   NoPolicy no_policy;
   for (size_t p = 0; p < params_.size(); ++p) {
-    if (slot[p] != SIZE_MAX) continue;
-    std::shared_ptr<TensorImpl> owner = params_[p].lock();
-    if (!owner) continue;  // a parameter gone on every process alike (the module owns them)
-    const Node& leaf = *owner->node;
-    gradients.emplace_back(owner, zeros(leaf.shape, leaf.storage));
+    // A parameter gone is gone on every process alike (the module owns them).
+    if (slot[p] != SIZE_MAX || !owners[p]) continue;
+    const Node& leaf = *owners[p]->node;
+    gradients.emplace_back(owners[p], zeros(leaf.shape, leaf.storage));
     slot[p] = gradients.size() - 1;
   }
   // Grouped by the type they are reduced in (the parameter's own, an f32 master's by default,
@@ -173,7 +175,7 @@ void DataParallel::average(LeafGradients& gradients) {
   std::vector<DType> types;
   for (size_t p = 0; p < params_.size(); ++p) {
     if (slot[p] == SIZE_MAX) continue;
-    DType t = options_.reduce_dtype.value_or(params_[p].lock()->node->storage);
+    DType t = options_.reduce_dtype.value_or(owners[p]->node->storage);
     auto found = std::find(types.begin(), types.end(), t);
     if (found == types.end()) {
       types.push_back(t);

@@ -222,16 +222,15 @@ std::shared_ptr<Storage> as_dtype(const Node& input, DType dtype, bool cache = t
 }
 
 void run_matmul(Node& node) {
-  const MatmulDims dims = matmul_dims(node);
-  GemmDesc desc;
-  desc.m = dims.m;
-  desc.n = dims.n;
-  desc.k = dims.k;
-  desc.batch = dims.batch;
-  desc.transpose_a = node.attrs.transpose_a;
-  desc.transpose_b = node.attrs.transpose_b;
-  desc.operand = node.compute;
-  desc.out = node.storage;
+  const auto [m, n, k, batch] = matmul_dims(node);
+  GemmDesc desc{.batch = batch,
+                .m = m,
+                .n = n,
+                .k = k,
+                .transpose_a = node.attrs.transpose_a,
+                .transpose_b = node.attrs.transpose_b,
+                .operand = node.compute,
+                .out = node.storage};
   // A 16-bit accumulator (asked for by a custom policy) is not what oneDNN does: the reference
   // loops honour it.
   if (!gemm_supported(desc) || is_half(node.accum)) {

@@ -240,17 +240,16 @@ void run_other(Node& node) {
 bool half_or_f32(DType t) { return t == f32 || is_half(t); }
 
 void run_matmul(Node& node) {
-  const MatmulDims dims = matmul_dims(node);
-  cuda::MatmulDesc desc;
-  desc.m = dims.m;
-  desc.n = dims.n;
-  desc.k = dims.k;
-  desc.batch = dims.batch;
-  desc.transpose_a = node.attrs.transpose_a;
-  desc.transpose_b = node.attrs.transpose_b;
-  desc.input = node.compute;
-  desc.output = node.storage;
-  desc.allow_tf32 = node.compute == f32 && allow_tf32();
+  const auto [m, n, k, batch] = matmul_dims(node);
+  cuda::MatmulDesc desc{.batch = batch,
+                        .m = m,
+                        .n = n,
+                        .k = k,
+                        .transpose_a = node.attrs.transpose_a,
+                        .transpose_b = node.attrs.transpose_b,
+                        .input = node.compute,
+                        .output = node.storage,
+                        .allow_tf32 = node.compute == f32 && allow_tf32()};
   // cuBLASLt accumulates in f32: other accumulators (f64, 16-bit ones a custom policy asks for)
   // and integer or f64 operands take the reference loops. Results are f32 or the operands' type.
   bool supported = half_or_f32(node.compute) && half_or_f32(node.storage) && node.accum == f32 &&
