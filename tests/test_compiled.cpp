@@ -120,7 +120,8 @@ TEST_P(EveryPointwiseOp, MatchesTheReferenceBitForBit) {
     auto [reference, compiled] = both(program);
     std::string where;
     mt::Tensor probe = program();
-    EXPECT_TRUE(same_bits_or_both_nan(reference, compiled, probe.node()->storage, where))
+    EXPECT_TRUE(
+        same_bits_or_both_nan(reference, compiled, probe.node()->precision.storage_type, where))
         << name << " in " << mt::name(dtype) << ": " << where;
   }
 }

@@ -668,7 +668,7 @@ TEST(CudaOnHost, FixedKernelsStoreTheReferencesBits) {
       fmt::format("mt_index_add(base.data(), {}, grad.data(), {}, offsets.data(), order.data(), "
                   "summed.data(), {}, 66, 9, 11, 6)",
                   static_cast<int>(base.dtype), static_cast<int>(grad.node()->value->dtype),
-                  static_cast<int>(summed.node()->storage)));
+                  static_cast<int>(summed.node()->precision.storage_type)));
   // rand in bf16 and randn in f16, 1001 elements (a partial last block) whose Philox counters
   // cross 2^32: fill_* on the host.
   std::vector<std::unique_ptr<mt::Storage>> draws;
@@ -741,7 +741,7 @@ TEST(CudaOnHost, ConvolutionKernelsStoreTheReferencesBits) {
   mt::eval(outs);
   mt::set_device(previous);
   // The autocast convolution reads f32 values and computes in bf16: the kernel rounds them.
-  EXPECT_EQ(outs[3].node()->compute, mt::bf16);
+  EXPECT_EQ(outs[3].node()->precision.compute, mt::bf16);
 
   fs::path dir = fs::temp_directory_path() / fmt::format("mixtape_cuda_conv_{}", ::getpid());
   fs::create_directories(dir);
@@ -756,16 +756,16 @@ TEST(CudaOnHost, ConvolutionKernelsStoreTheReferencesBits) {
                              bytes_literal(a), bytes_literal(b), node.value->size_bytes());
     main_text += grid_call(
         node.numel(),
-        fmt::format("{}(a{}.data(), b{}.data(), out{}.data(), mt_conv{{{}, {}, {}, {}, {}, {}, {}, "
-                    "{}, {}, {{{}, {}}}, {{{}, {}}}, {{{}, {}}}, {}, {}, {}, {}, {}, {}, 0}})",
-                    kernels[ops[o] == mt::OpCode::Conv2d            ? 0
-                            : ops[o] == mt::OpCode::Conv2dInputGrad ? 1
-                                                                    : 2],
-                    o, o, o, g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.oh, g.ow, w.stride[0],
-                    w.stride[1], w.pad[0], w.pad[1], w.dil[0], w.dil[1], w.groups,
-                    static_cast<int>(a.dtype), static_cast<int>(b.dtype),
-                    static_cast<int>(node.storage), static_cast<int>(node.compute),
-                    static_cast<int>(node.accum)));
+        fmt::format(
+            "{}(a{}.data(), b{}.data(), out{}.data(), mt_conv{{{}, {}, {}, {}, {}, {}, {}, "
+            "{}, {}, {{{}, {}}}, {{{}, {}}}, {{{}, {}}}, {}, {}, {}, {}, {}, {}, 0}})",
+            kernels[ops[o] == mt::OpCode::Conv2d            ? 0
+                    : ops[o] == mt::OpCode::Conv2dInputGrad ? 1
+                                                            : 2],
+            o, o, o, g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.oh, g.ow, w.stride[0], w.stride[1],
+            w.pad[0], w.pad[1], w.dil[0], w.dil[1], w.groups, static_cast<int>(a.dtype),
+            static_cast<int>(b.dtype), static_cast<int>(node.precision.storage_type),
+            static_cast<int>(node.precision.compute), static_cast<int>(node.precision.accum)));
     main_text += fmt::format("  mt_write(\"{}\", out{});\n",
                              (dir / fmt::format("conv{}.out", o)).string(), o);
   }
@@ -841,8 +841,8 @@ TEST(CudaOnHost, MaxPoolKernelsStoreTheReferencesBits) {
         "{}, {}}}",
         g.n, g.c, g.h, g.w, g.oh, g.ow, w.kernel[0], w.kernel[1], w.stride[0], w.stride[1],
         w.pad[0], w.pad[1], w.dil[0], w.dil[1], static_cast<int>(x.dtype),
-        static_cast<int>(g_dtype), static_cast<int>(node.storage),
-        node.storage == mt::f64 || g_dtype == mt::f64 ? 1 : 0);
+        static_cast<int>(g_dtype), static_cast<int>(node.precision.storage_type),
+        node.precision.storage_type == mt::f64 || g_dtype == mt::f64 ? 1 : 0);
     main_text += fmt::format(
         "  std::vector<char> x{0} = {1}, gy{0} = {2}, out{0}({3});\n", o, bytes_literal(x),
         backward ? bytes_literal(*pools[o].gy.node()->value) : "{}", node.value->size_bytes());

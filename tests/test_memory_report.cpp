@@ -182,8 +182,9 @@ TEST(MemoryReport, HandWorkedHalfCopyAndPeakUnderAutocast) {
   }
   loss.backward();
   mt::MemoryReport report = mt::memory_report(model, nullptr, loss);
-  ASSERT_EQ(y.node()->storage, mt::f16) << "precondition: autocast keeps matmul results in f16";
-  ASSERT_EQ(loss.node()->storage, mt::f32) << "precondition: sums are stored in f32";
+  ASSERT_EQ(y.node()->precision.storage_type, mt::f16)
+      << "precondition: autocast keeps matmul results in f16";
+  ASSERT_EQ(loss.node()->precision.storage_type, mt::f32) << "precondition: sums are stored in f32";
   const int64_t dw = grad_bytes(model);
   EXPECT_EQ(report.policy, "autocast-f16");
   EXPECT_EQ(report.master_weights, 48);
@@ -226,9 +227,9 @@ TEST(MemoryReport, MlpUnderThreePolicies) {
     MlpStep s = mlp_step(net, c.policy);
     mt::MemoryReport report = mt::memory_report(net, &adam, s.loss);
     // The precision pass ran; these are what the hand count assumed of the policy.
-    ASSERT_EQ(s.h.node()->storage, c.half_storage);
-    ASSERT_EQ(s.r.node()->storage, c.half_storage);
-    ASSERT_EQ(s.d.node()->storage, c.diff_storage);
+    ASSERT_EQ(s.h.node()->precision.storage_type, c.half_storage);
+    ASSERT_EQ(s.r.node()->precision.storage_type, c.half_storage);
+    ASSERT_EQ(s.d.node()->precision.storage_type, c.diff_storage);
 
     EXPECT_EQ(report.policy, c.policy->name());
     EXPECT_EQ(report.master_weights, 152);

@@ -138,7 +138,7 @@ TEST_F(Reference, IndexAddPlanSumsInTheReferencesOrderBitForBit) {
     mt::IndexAddPlan plan = mt::index_add_plan(checked, dim);
     ASSERT_EQ(plan.offsets.size(), static_cast<size_t>(dim) + 1);
     ASSERT_EQ(plan.order.size(), c.index.size());
-    mt::Storage planned(node.storage, node.numel());
+    mt::Storage planned(node.precision.storage_type, node.numel());
     const mt::Storage& b = *base.node()->value;
     const mt::Storage& s = *source.node()->value;
     for (int64_t e = 0; e < node.numel(); ++e) {

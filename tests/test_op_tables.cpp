@@ -301,7 +301,7 @@ TEST(CompositeTable, EveryCompositeNamesItsNodes) {
     auto builder = builders.find(name);
     ASSERT_NE(builder, builders.end()) << name << " is in the table but not in this test";
     mt::Tensor y = builder->second();
-    EXPECT_EQ(y.node()->composite, name) << name << ": the result is named otherwise";
+    EXPECT_EQ(y.node()->origin.composite, name) << name << ": the result is named otherwise";
     const mt::Category category = mt::composite::category(name);
     EXPECT_TRUE(category == mt::Category::Fp32 || category == mt::Category::LowOk ||
                 category == mt::Category::Follow)

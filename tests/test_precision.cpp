@@ -843,12 +843,12 @@ TEST(PrecisionReport, ListsEveryNodeWithModuleShapeDtypesAndRule) {
     ASSERT_TRUE(by_id.count(row.id)) << row.id;
     const mt::Node& n = *by_id.at(row.id);
     EXPECT_EQ(row.op, mt::op_name(n.op));
-    EXPECT_EQ(row.module_path, n.module_path);
+    EXPECT_EQ(row.module_path, n.origin.module_path);
     EXPECT_EQ(row.shape, n.shape);
     EXPECT_EQ(row.traced, n.dtype);
-    EXPECT_EQ(row.storage, n.storage);
-    EXPECT_EQ(row.compute, n.compute);
-    EXPECT_EQ(row.accum, n.accum);
+    EXPECT_EQ(row.storage, n.precision.storage_type);
+    EXPECT_EQ(row.compute, n.precision.compute);
+    EXPECT_EQ(row.accum, n.precision.accum);
     EXPECT_EQ(row.backward, n.backward);
     EXPECT_FALSE(row.rule.empty()) << row.id << " " << row.op;
     modules.insert(row.module_path);

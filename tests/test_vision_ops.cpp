@@ -458,8 +458,8 @@ TEST(BatchNorm, ModuleKeepsF32BuffersOutsideItsParametersAndCountsBatches) {
     mt::sum(bn(x)).backward();
   }
   EXPECT_EQ(bn.num_batches_tracked.item(), 3);
-  EXPECT_EQ(bn.running_mean.node()->storage, mt::f32);
-  EXPECT_EQ(bn.running_var.node()->storage, mt::f32);
+  EXPECT_EQ(bn.running_mean.node()->precision.storage_type, mt::f32);
+  EXPECT_EQ(bn.running_var.node()->precision.storage_type, mt::f32);
   EXPECT_FALSE(bn.running_mean.requires_grad());
   // Eval mode: the output no longer depends on the batch's statistics.
   bn.eval();
@@ -605,7 +605,7 @@ TEST(VisionPrecision, NormsRunInF32AndPoolingFollowsItsInputUnderAutocast) {
   }
   for (const char* norm : {"batch_norm", "group_norm", "instance_norm"})
     EXPECT_GT(f32_rows[norm], 2) << norm << " is not named in the precision report";
-  EXPECT_EQ(pooled.node()->storage, mt::bf16);
+  EXPECT_EQ(pooled.node()->precision.storage_type, mt::bf16);
 }
 
 TEST(VisionErrors, BadArgumentsNameTheOpAndTheShapes) {

@@ -275,7 +275,7 @@ void Tensor::backward(const Tensor& grad, bool retain_graph, const Loc& loc) con
               "walked by an earlier backward(), and would add its gradients again); pass "
               "retain_graph = true to the earlier call to walk it twice, or build the graph "
               "again",
-              op_name(node->op), short_location(node->location));
+              op_name(node->op), short_location(node->origin.location));
     walked.push_back(const_cast<Node*>(node));
   }
   if (!retain_graph)

@@ -253,13 +253,14 @@ Grads vjp_Custom(const Node& n, const Tensor& g) {
   for (size_t i = 1; i < n.inputs.size(); ++i) inputs.push_back(in(n, i));
   Grads user = (*n.attrs.vjp)(inputs, out(n), g);
   if (user.size() != inputs.size())
-    op_fail("custom_op", n.location, "the vjp returned {} gradients for {} inputs", user.size(),
-            inputs.size());
+    op_fail("custom_op", n.origin.location, "the vjp returned {} gradients for {} inputs",
+            user.size(), inputs.size());
   Grads grads{Tensor()};
   for (size_t i = 0; i < user.size(); ++i) {
     if (user[i].defined() && user[i].shape() != inputs[i].shape())
-      op_fail("custom_op", n.location, "the vjp's gradient {} has shape {}, the input has {}", i,
-              to_string(user[i].shape()), to_string(inputs[i].shape()));
+      op_fail("custom_op", n.origin.location,
+              "the vjp's gradient {} has shape {}, the input has {}", i, to_string(user[i].shape()),
+              to_string(inputs[i].shape()));
     grads.push_back(user[i]);
   }
   return grads;

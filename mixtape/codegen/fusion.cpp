@@ -335,8 +335,8 @@ class Fuser {
     if (node.op != OpCode::Reshape) return false;
     const Node& input = *node.inputs[0];
     if (is_constant_fill(input)) return false;
-    DType stored = input.value ? input.value->dtype : input.storage;
-    return stored == node.storage;
+    DType stored = input.value ? input.value->dtype : input.precision.storage_type;
+    return stored == node.precision.storage_type;
   }
 
   void new_group(Node* node, FusionGroup::Kind kind) {

@@ -126,10 +126,12 @@ class Lowerer {
     kir::Reduction red;
     red.kind = r->op == OpCode::Sum ? kir::ReduceKind::Sum : kir::ReduceKind::Max;
     if (r->op == OpCode::Sum)
-      red.type = is_floating(r->dtype) ? (r->accum == f64 ? Type::f64 : Type::f32) : Type::i64;
+      red.type =
+          is_floating(r->dtype) ? (r->precision.accum == f64 ? Type::f64 : Type::f32) : Type::i64;
     else
       red.type = compute_type(r->dtype);
-    if (red.kind == kir::ReduceKind::Sum && is_half(r->accum)) red.round_to = r->accum;
+    if (red.kind == kir::ReduceKind::Sum && is_half(r->precision.accum))
+      red.round_to = r->precision.accum;
     red.value = convert(passes_[pass], value, red.type);
     red.pass = pass;
     reduction_index_[r] = static_cast<int32_t>(out_.kernel.reductions.size());
@@ -165,7 +167,7 @@ class Lowerer {
     for (size_t i = 0; i < out_.nodes.size(); ++i)
       if (out_.nodes[i] == node && out_.kernel.params[i].output) return static_cast<int32_t>(i);
     out_.nodes.push_back(node);
-    out_.kernel.params.push_back({node->storage, true});
+    out_.kernel.params.push_back({node->precision.storage_type, true});
     return static_cast<int32_t>(out_.kernel.params.size() - 1);
   }
 
@@ -180,7 +182,7 @@ class Lowerer {
   std::optional<int32_t> read_back(Node* node, const Access& access, Stage& stage) {
     Affine at = offset(access, node->shape);
     auto load_from = [&](Node* owner) {
-      kir::Value load{Op::Load, kir::register_type(owner->storage)};
+      kir::Value load{Op::Load, kir::register_type(owner->precision.storage_type)};
       load.param = output_param(owner);
       load.map = at;
       return ValueBuilder(*stage.values).add(load);
@@ -203,7 +205,8 @@ class Lowerer {
     // Worth a store and a load: an op whose own code (inputs aside) is long, as exp's is.
     constexpr size_t min_own_values = 8;
     auto cost = own_values_.find(node);
-    if (!is_floating(node->storage) || cost == own_values_.end() || cost->second < min_own_values)
+    if (!is_floating(node->precision.storage_type) || cost == own_values_.end() ||
+        cost->second < min_own_values)
       return std::nullopt;
     // The earlier pass that computed it at this point, and an output to keep it in.
     for (int p = 0; p < stage.pass; ++p) {
@@ -228,8 +231,8 @@ class Lowerer {
     for (Node* output : group_.outputs) {
       int pass = stored_pass(output);
       if (pass < from || output == node) continue;
-      bool exact =
-          output->storage == node->storage || (output->storage == f32 && is_half(node->storage));
+      bool exact = output->precision.storage_type == node->precision.storage_type ||
+                   (output->precision.storage_type == f32 && is_half(node->precision.storage_type));
       bool taken = std::any_of(kept_in_.begin(), kept_in_.end(),
                                [&](const auto& entry) { return entry.second.owner == output; });
       if (exact && !taken && at == offset(group_.access.at(output)[0], output->shape))
@@ -303,16 +306,19 @@ class Lowerer {
     // Pointwise inputs share the node's shape, so they are read at the node's own access.
     int32_t v = convert(stage, emit(node->inputs[k].get(), access, stage), t);
     DType stored = stored_dtype(node->inputs[k].get());
-    if (round_to_compute && t == Type::f32 && is_half(node->compute) && stored != node->compute) {
+    if (round_to_compute && t == Type::f32 && is_half(node->precision.compute) &&
+        stored != node->precision.compute) {
       kir::Value round{Op::RoundTo, Type::f32};
       round.a = v;
-      round.dtype = node->compute;
+      round.dtype = node->precision.compute;
       v = ValueBuilder(*stage.values).add(round);
     }
     return v;
   }
 
-  DType stored_dtype(Node* node) const { return node->value ? node->value->dtype : node->storage; }
+  DType stored_dtype(Node* node) const {
+    return node->value ? node->value->dtype : node->precision.storage_type;
+  }
 
   int32_t emit(Node* node, const Access& access, Stage& stage) {
     for (auto& [key, id] : stage.memo)
@@ -343,7 +349,7 @@ class Lowerer {
         fail("lowering: {} #{} is read before its pass ends", op_name(node->op), node->id);
       kir::Value acc{Op::Accumulated, out_.kernel.reductions[found->second].type};
       acc.param = found->second;
-      return to_storage(stage, b.add(acc), node->storage);
+      return to_storage(stage, b.add(acc), node->precision.storage_type);
     }
     if (node->op == OpCode::Full) return fill(b, node);
     if (op_info(node->op).kind == OpKind::View) {
@@ -356,7 +362,7 @@ class Lowerer {
         fail("lowering: {}", why);
       }
       int32_t v = emit(node->inputs[0].get(), in, stage);
-      return to_storage(stage, v, node->storage);
+      return to_storage(stage, v, node->precision.storage_type);
     }
     if (node->op == OpCode::Cast) {
       int32_t v = emit(node->inputs[0].get(), access, stage);
@@ -365,7 +371,7 @@ class Lowerer {
       // Through double (exact for every source) or int64, as ref_Cast does.
       if (floats && from != Type::f32) v = b.convert(v, Type::f64);
       if (!floats) v = b.convert(v, Type::i64);
-      return to_storage(stage, v, node->storage);
+      return to_storage(stage, v, node->precision.storage_type);
     }
     if (node->op == OpCode::Where) {
       Type t = compute_type(node->dtype);
@@ -373,7 +379,7 @@ class Lowerer {
       cond = b.convert(b.convert(cond, Type::i64), Type::i1);
       int32_t x = b.convert(emit(node->inputs[1].get(), access, stage), t);
       int32_t y = b.convert(emit(node->inputs[2].get(), access, stage), t);
-      return to_storage(stage, b.select(cond, x, y), node->storage);
+      return to_storage(stage, b.select(cond, x, y), node->precision.storage_type);
     }
     return pointwise(node, access, stage);
   }
@@ -382,8 +388,8 @@ class Lowerer {
   // to step (a learning rate, a bias correction) reuses the kernel. Integer and bool fills stay
   // constants: a double could not hold every int64, and they do not change between steps.
   int32_t fill(ValueBuilder& b, Node* node) {
-    kir::Type type = kir::register_type(node->storage);
-    if (!is_floating(node->storage)) return b.constant(type, fill_value(*node));
+    kir::Type type = kir::register_type(node->precision.storage_type);
+    if (!is_floating(node->precision.storage_type)) return b.constant(type, fill_value(*node));
     kir::Value scalar{Op::Scalar, type};
     scalar.param = out_.kernel.scalars++;
     out_.scalars.push_back(fill_value(*node));
@@ -437,7 +443,7 @@ class Lowerer {
     }
     context = saved;
     own_values_.emplace(node, stage.values->size() - own_start);
-    return to_storage(stage, result, node->storage);
+    return to_storage(stage, result, node->precision.storage_type);
   }
 
   const FusionGroup& group_;
@@ -464,9 +470,10 @@ LoweredKernel lower(const FusionGroup& group) { return Lowerer(group).run(); }
 double fill_value(const Node& node) {
   // Rounded to each storage type on the way up, as the reference executor would. Recursive, not
   // a list of the chain: every kernel launch of the traced loop asks this of each fill it reads.
-  if (node.op == OpCode::Full) return stored_constant(node.attrs.value, node.storage);
+  if (node.op == OpCode::Full)
+    return stored_constant(node.attrs.value, node.precision.storage_type);
   if (node.inputs.empty()) fail("lowering: {} is not a fill", op_name(node.op));
-  return stored_constant(fill_value(*node.inputs[0]), node.storage);
+  return stored_constant(fill_value(*node.inputs[0]), node.precision.storage_type);
 }
 
 }  // namespace mixtape

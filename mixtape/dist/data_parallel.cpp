@@ -165,7 +165,7 @@ void DataParallel::average(LeafGradients& gradients) {
     // A parameter gone is gone on every process alike (the module owns them).
     if (slot[p] != SIZE_MAX || !owners[p]) continue;
     const Node& leaf = *owners[p]->node;
-    gradients.emplace_back(owners[p], zeros(leaf.shape, leaf.storage));
+    gradients.emplace_back(owners[p], zeros(leaf.shape, leaf.precision.storage_type));
     slot[p] = gradients.size() - 1;
   }
   // Grouped by the type they are reduced in (the parameter's own, an f32 master's by default,
@@ -175,7 +175,7 @@ void DataParallel::average(LeafGradients& gradients) {
   std::vector<DType> types;
   for (size_t p = 0; p < params_.size(); ++p) {
     if (slot[p] == SIZE_MAX) continue;
-    DType t = options_.reduce_dtype.value_or(owners[p]->node->storage);
+    DType t = options_.reduce_dtype.value_or(owners[p]->node->precision.storage_type);
     auto found = std::find(types.begin(), types.end(), t);
     if (found == types.end()) {
       types.push_back(t);

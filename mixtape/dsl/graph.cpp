@@ -72,15 +72,15 @@ NodePtr make_node(OpCode op, DType dtype, Shape shape, NodeInputs inputs, Attrs 
   node->id = new_node_id(latest_input);
   node->requires_grad =
       grad_mode && any_input_requires_grad && is_floating(dtype) && !blocks_gradient(op);
-  node->location = user_call_site(loc);
+  node->origin.location = user_call_site(loc);
   if (differentiating) {
-    node->policy = differentiating->policy;
-    node->composite = differentiating->composite;
+    node->origin.policy = differentiating->origin.policy;
+    node->origin.composite = differentiating->origin.composite;
     node->backward = true;
     node->forward_op = differentiating->op;
   } else {
-    node->policy = policy;
-    node->composite = composite;
+    node->origin.policy = policy;
+    node->origin.composite = composite;
   }
   if (tracer) [[unlikely]]
     tracer->node_made(node);
@@ -106,9 +106,9 @@ std::shared_ptr<Storage> allocate_value(const Node& node, DType dtype, int64_t c
     return uninitialized ? std::make_shared<Storage>(dtype, count, Storage::Uninitialized{})
                          : std::make_shared<Storage>(dtype, count);
   } catch (const Error& e) {
-    std::string where = short_location(node.location);
-    if (!node.module_path.empty())
-      where = fmt::format("module '{}', at {}", node.module_path, where);
+    std::string where = short_location(node.origin.location);
+    if (!node.origin.module_path.empty())
+      where = fmt::format("module '{}', at {}", node.origin.module_path, where);
     fail("{}: cannot hold its {} value of shape {}: {} [{}]", op_name(node.op), name(dtype),
          to_string(node.shape), e.what(), where);
   }
@@ -180,7 +180,9 @@ std::shared_ptr<const Policy> exchange_current_policy(std::shared_ptr<const Poli
 }
 
 BackwardScope::BackwardScope(const Node& forward)
-    : previous_(differentiating), path_(forward.module_path), site_(forward.location) {
+    : previous_(differentiating),
+      path_(forward.origin.module_path),
+      site_(forward.origin.location) {
   differentiating = &forward;
 }
 BackwardScope::~BackwardScope() { differentiating = previous_; }

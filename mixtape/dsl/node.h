@@ -157,6 +157,32 @@ bool same_attr(const T& a, const T& b) {
     return a == b;
 }
 
+/// A node's precision (DESIGN.md decision 4), as the policy pass decided it before the node
+/// runs; until then every type equals the one tracing gave the node.
+struct NodePrecision {
+  DType storage_type = f32;  // what the value is stored as (rounded RNE to it)
+  DType compute = f32;       // what float data inputs are rounded to before the op
+  DType accum = f32;         // what reductions and matmuls accumulate in
+  bool assigned = false;     // the pass has decided (or an importer has set) the types above
+  std::shared_ptr<const std::string> rule;  // why the policy chose them (reports)
+
+  /// What a node traced as `dtype` has until the pass decides: f32 accumulation (f64 for f64).
+  static NodePrecision traced(DType dtype) {
+    NodePrecision precision;
+    precision.storage_type = precision.compute = dtype;
+    precision.accum = dtype == f64 ? f64 : f32;
+    return precision;
+  }
+};
+
+/// Where a node was made: what the policy pass matches on and what reports and errors name.
+struct NodeOrigin {
+  std::shared_ptr<const Policy> policy;  // the autocast policy active when the node was made
+  const char* composite = nullptr;       // the outermost composite (softmax, ...) that made it
+  std::source_location location;
+  std::string module_path;
+};
+
 /// One value of the lazy graph. Nodes are immutable once made, except that evaluation fills
 /// `value` and may drop `inputs` of nodes no gradient will ever flow through.
 ///
@@ -174,23 +200,18 @@ struct Node : std::enable_shared_from_this<Node> {
        const std::string& module_path)
       : op(op),
         dtype(dtype),
-        storage(dtype),
-        compute(dtype),
-        accum(dtype == f64 ? f64 : f32),
+        precision(NodePrecision::traced(dtype)),
         shape(std::move(shape)),
         inputs(std::move(inputs)),
-        attrs(std::move(attrs)),
-        module_path(module_path) {}
+        attrs(std::move(attrs)) {
+    origin.module_path = module_path;
+  }
 
   OpCode op = OpCode::Constant;
   DType dtype = f32;
 
-  // ---- precision (DESIGN.md decision 4): `dtype` is what tracing typed; the policy pass fills
-  // these before the node runs. Until then they equal the traced types.
-  DType storage = f32;  // what the value is stored as (rounded RNE to it)
-  DType compute = f32;  // what float data inputs are rounded to before the op
-  DType accum = f32;    // what reductions and matmuls accumulate in
-  bool precision_assigned = false;
+  // `dtype` is what tracing typed; the policy pass fills `precision` before the node runs.
+  NodePrecision precision;
 
   bool requires_grad = false;
   bool backward_done = false;  // a backward() without retain_graph went through this node
@@ -214,12 +235,7 @@ struct Node : std::enable_shared_from_this<Node> {
   NodeInputs inputs;
   Attrs attrs;
 
-  // ---- where it was made, and what reports and errors read
-  std::shared_ptr<const Policy> policy;  // the autocast policy active when the node was made
-  const char* composite = nullptr;       // the outermost composite (softmax, ...) that made it
-  std::source_location location;
-  std::string module_path;
-  std::shared_ptr<const std::string> precision_rule;  // why the policy chose these (reports)
+  NodeOrigin origin;
   std::weak_ptr<TensorImpl> grad_owner;  // the leaf tensor whose .grad() receives gradients
 
   bool evaluated() const { return value != nullptr; }

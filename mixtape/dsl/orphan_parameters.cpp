@@ -84,13 +84,14 @@ int warn_about_orphan_parameters() {
     r.warned.insert(impl.get());
     ++warned;
     const Node& node = *impl->node;
-    std::string module =
-        node.module_path.empty() ? "" : fmt::format(" in module '{}'", node.module_path);
+    std::string module = node.origin.module_path.empty()
+                             ? ""
+                             : fmt::format(" in module '{}'", node.origin.module_path);
     std::fprintf(stderr,
                  "mixtape: warning: parameter '%s' %s%s (made at %s) gets gradients, but no "
                  "optimizer updates it: is its module registered with register_module()?\n",
                  param->second.name.c_str(), to_string(node.shape).c_str(), module.c_str(),
-                 short_location(node.location).c_str());
+                 short_location(node.origin.location).c_str());
   }
   r.with_gradients.clear();
   r.recent.clear();

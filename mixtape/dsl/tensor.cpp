@@ -127,9 +127,9 @@ void become_leaf(const std::shared_ptr<TensorImpl>& impl, const NodePtr& value, 
   const NodePtr current = impl->node;
   auto leaf = make_node(OpCode::Constant, current->dtype, current->shape, {}, {}, loc);
   leaf->value = value->value;
-  leaf->storage = leaf->compute = leaf->value->dtype;
-  leaf->precision_assigned = true;
-  leaf->module_path = current->module_path;
+  leaf->precision.storage_type = leaf->precision.compute = leaf->value->dtype;
+  leaf->precision.assigned = true;
+  leaf->origin.module_path = current->origin.module_path;
   if (current->requires_grad) {
     leaf->requires_grad = true;
     leaf->grad_owner = impl;

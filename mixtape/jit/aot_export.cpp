@@ -369,8 +369,9 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
       }
       if (t.plan == &plan)
         for (Node* node : planned.eval.pending_raw) {
-          ++precision[fmt::format("{}/{}", name(node->storage), name(node->compute))];
-          if (node->policy) policies.insert(node->policy->name());
+          ++precision[fmt::format("{}/{}", name(node->precision.storage_type),
+                                  name(node->precision.compute))];
+          if (node->origin.policy) policies.insert(node->origin.policy->name());
         }
     }
   if (traced.size() > 1) check_kernels_serve(by_key, traced.back());

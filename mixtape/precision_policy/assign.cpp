@@ -26,9 +26,9 @@ bool is_scalar_constant(const Node& node) {
 using Rule = std::shared_ptr<const std::string>;
 
 void keep_traced(Node& node, const Rule& rule) {
-  node.storage = node.compute = node.dtype;
-  node.accum = node.dtype == f64 ? f64 : f32;
-  node.precision_rule = rule;
+  node.precision = NodePrecision::traced(node.dtype);
+  node.precision.assigned = true;
+  node.precision.rule = rule;
 }
 
 Rule shared_rule(const char* text) { return std::make_shared<const std::string>(text); }
@@ -86,12 +86,13 @@ constexpr size_t kMaxKeyedInputs = 16;
 // The query_of(node) a pure policy's answer is cached under, made without building the query
 // (a cached answer needs none); nullopt for a node with too many floating inputs to pack.
 std::optional<QueryView> query_key(const Policy& policy, const Node& node) {
-  QueryView key{{policy.id(), node.composite, 0, 0}, node.module_path};
+  QueryView key{{policy.id(), node.origin.composite, 0, 0}, node.origin.module_path};
   uint64_t floating = 0;
   for (const NodePtr& input : node.inputs) {
     if (!is_floating(input->dtype)) continue;
     if (floating == kMaxKeyedInputs) return std::nullopt;
-    uint64_t bits = static_cast<uint64_t>(input->storage) << 1 | is_scalar_constant(*input);
+    uint64_t bits =
+        static_cast<uint64_t>(input->precision.storage_type) << 1 | is_scalar_constant(*input);
     key.words.inputs |= bits << (4 * floating++);
   }
   key.words.node = static_cast<uint64_t>(node.op) | static_cast<uint64_t>(node.forward_op) << 16 |
@@ -107,13 +108,13 @@ PrecisionQuery query_of(const Node& node) {
                        node.dtype,
                        {},
                        {},
-                       node.module_path,
-                       node.composite,
+                       node.origin.module_path,
+                       node.origin.composite,
                        node.backward,
                        node.forward_op};
   for (const NodePtr& input : node.inputs)
     if (is_floating(input->dtype)) {
-      query.input_storage.push_back(input->storage);
+      query.input_storage.push_back(input->precision.storage_type);
       query.input_is_scalar.push_back(is_scalar_constant(*input));
     }
   return query;
@@ -182,34 +183,35 @@ void assign_precision(const std::vector<Node*>& order) {
   Trail& trail = trail_for(order.size());
   size_t position = 0;
   for (Node* node : order) {
-    if (node->precision_assigned) continue;
-    node->precision_assigned = true;
+    if (node->precision.assigned) continue;
+    node->precision.assigned = true;
     if (!is_floating(node->dtype)) {
       keep_traced(*node, not_float);
     } else if (node->dtype == f64) {
       keep_traced(*node, f64_kept);
-    } else if (!node->policy) {
+    } else if (!node->origin.policy) {
       keep_traced(*node, no_policy);
     } else if (node->op == OpCode::Constant) {
       // Data already exists; its storage is what it holds.
       keep_traced(*node, leaf_data);
-      node->storage = node->compute = node->value ? node->value->dtype : node->dtype;
+      node->precision.storage_type = node->precision.compute =
+          node->value ? node->value->dtype : node->dtype;
     } else {
-      const Policy& policy = *node->policy;
+      const Policy& policy = *node->origin.policy;
       std::optional<QueryView> key;
       if (policy.pure()) key = query_key(policy, *node);
       if (key) {
         const Decision& decided = answer(trail, position++, *key, policy, *node).second;
-        node->storage = decided.storage;
-        node->compute = decided.compute;
-        node->accum = decided.accum;
-        node->precision_rule = decided.rule;
+        node->precision.storage_type = decided.storage;
+        node->precision.compute = decided.compute;
+        node->precision.accum = decided.accum;
+        node->precision.rule = decided.rule;
       } else {
         Decision decided = decide(policy, query_of(*node));
-        node->storage = decided.storage;
-        node->compute = decided.compute;
-        node->accum = decided.accum;
-        node->precision_rule = std::move(decided.rule);
+        node->precision.storage_type = decided.storage;
+        node->precision.compute = decided.compute;
+        node->precision.accum = decided.accum;
+        node->precision.rule = std::move(decided.rule);
       }
     }
   }

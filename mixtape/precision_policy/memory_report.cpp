@@ -21,7 +21,7 @@ int64_t bytes_of(int64_t numel, DType dtype) {
 }
 
 DType leaf_storage(const Node& node) {
-  if (node.precision_assigned) return node.storage;
+  if (node.precision.assigned) return node.precision.storage_type;
   return node.value ? node.value->dtype : node.dtype;
 }
 
@@ -183,9 +183,11 @@ class BufferMap {
     if (!is_alias_view(node.op) || node.inputs.size() != 1) return std::nullopt;
     int64_t source = buffer_of_[graph_.position.at(node.inputs[0].get())];
     if (source < 0 && !graph_.outputs.count(&node)) return -1;  // a view of a fill is still a fill
-    if (source >= 0 && buffers_[source].dtype == node.storage) return source;
-    if (source >= 0 && buffers_[source].kind == Buffer::Kind::Param && is_half(node.storage))
-      return half_copy_of(buffers_[source].param, node.storage, pos);  // the cast, then a view
+    if (source >= 0 && buffers_[source].dtype == node.precision.storage_type) return source;
+    if (source >= 0 && buffers_[source].kind == Buffer::Kind::Param &&
+        is_half(node.precision.storage_type))
+      return half_copy_of(buffers_[source].param, node.precision.storage_type,
+                          pos);  // the cast, then a view
     return std::nullopt;
   }
 
@@ -204,8 +206,8 @@ class BufferMap {
       return;
     }
     buffer_of_[k] = static_cast<int64_t>(buffers_.size());
-    Buffer value{Buffer::Kind::Value, node.storage};
-    value.bytes = bytes_of(node.numel(), node.storage);
+    Buffer value{Buffer::Kind::Value, node.precision.storage_type};
+    value.bytes = bytes_of(node.numel(), node.precision.storage_type);
     // Leaf data (a batch) counts from when it was made, which is before the nodes reading it.
     value.first = value.last = pos;
     value.owner = &node;
@@ -215,9 +217,9 @@ class BufferMap {
       if (source < 0) continue;
       const Buffer& src = buffers_[source];
       // A 16-bit reader of an f32 master reads its half copy, made once per step and type.
-      if (src.kind == Buffer::Kind::Param && is_floating(input->dtype) && is_half(node.compute) &&
-          node.compute != src.dtype)
-        source = half_copy_of(src.param, node.compute, pos);
+      if (src.kind == Buffer::Kind::Param && is_floating(input->dtype) &&
+          is_half(node.precision.compute) && node.precision.compute != src.dtype)
+        source = half_copy_of(src.param, node.precision.compute, pos);
       read(source, pos, node.backward);
     }
   }
@@ -245,7 +247,7 @@ void count_gradients(MemoryReport& report, const NamedTensors& params) {
     if (!grad.defined()) continue;
     MemoryParamRow& row = report.parameters[i];
     row.has_grad = true;
-    row.grad = grad.node()->storage;
+    row.grad = grad.node()->precision.storage_type;
     row.grad_bytes = bytes_of(grad.numel(), row.grad);
     report.gradients += row.grad_bytes;
   }
@@ -277,8 +279,8 @@ void list_saved_activations(MemoryReport& report, const std::vector<Buffer>& buf
         !buffer.read_forward)
       continue;
     const Node& owner = *buffer.owner;
-    report.saved.push_back(
-        {owner.id, op_name(owner.op), owner.module_path, owner.shape, buffer.dtype, buffer.bytes});
+    report.saved.push_back({owner.id, op_name(owner.op), owner.origin.module_path, owner.shape,
+                            buffer.dtype, buffer.bytes});
     report.saved_activations += buffer.bytes;
   }
   std::sort(report.saved.begin(), report.saved.end(),
@@ -311,9 +313,9 @@ void find_peak(MemoryReport& report, const std::vector<Buffer>& buffers,
 std::string policy_names(const std::vector<Node*>& nodes) {
   std::vector<std::string> policies;
   for (const Node* node : nodes)
-    if (!node->backward && node->policy &&
-        std::find(policies.begin(), policies.end(), node->policy->name()) == policies.end())
-      policies.push_back(node->policy->name());
+    if (!node->backward && node->origin.policy &&
+        std::find(policies.begin(), policies.end(), node->origin.policy->name()) == policies.end())
+      policies.push_back(node->origin.policy->name());
   return policies.empty() ? "none" : fmt::format("{}", fmt::join(policies, ", "));
 }
 

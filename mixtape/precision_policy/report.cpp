@@ -21,9 +21,9 @@ PrecisionReport precision_report(const std::vector<Tensor>& outputs) {
   assign_precision(nodes);
   PrecisionReport report;
   for (Node* n : nodes)
-    report.rows.push_back({n->id, op_name(n->op), n->module_path, n->shape, n->dtype, n->storage,
-                           n->compute, n->accum, n->backward,
-                           n->precision_rule ? *n->precision_rule : std::string()});
+    report.rows.push_back({n->id, op_name(n->op), n->origin.module_path, n->shape, n->dtype,
+                           n->precision.storage_type, n->precision.compute, n->precision.accum,
+                           n->backward, n->precision.rule ? *n->precision.rule : std::string()});
   return report;
 }
 

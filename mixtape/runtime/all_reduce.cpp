@@ -58,11 +58,12 @@ std::shared_ptr<Storage> input_in(const Node& node, DType dtype) {
 }  // namespace
 
 std::shared_ptr<Storage> all_reduce_value(const Node& node) {
-  std::shared_ptr<Storage> in = input_in(node, node.storage);
+  std::shared_ptr<Storage> in = input_in(node, node.precision.storage_type);
   ProcessGroup* group = process_group();
   if (!group || group->size() == 1) return in;
   const int processes = group->size(), rank = group->rank();
-  const int64_t count = in->count, element = static_cast<int64_t>(size_of(node.storage));
+  const int64_t count = in->count,
+                element = static_cast<int64_t>(size_of(node.precision.storage_type));
   const std::vector<int64_t> bounds = chunk_bounds(count, processes);
   const int64_t width = bounds[rank + 1] - bounds[rank];
   std::vector<int64_t> send_count(processes), send_at(processes), recv_count(processes),
@@ -73,17 +74,17 @@ std::shared_ptr<Storage> all_reduce_value(const Node& node) {
     recv_count[q] = width * element;
     recv_at[q] = q * width * element;
   }
-  auto pieces = allocate_value(node, node.storage, width * processes, true);
+  auto pieces = allocate_value(node, node.precision.storage_type, width * processes, true);
   group->all_to_all(in->host_data(), send_count, send_at, pieces->host_data(), recv_count, recv_at);
-  auto mine = allocate_value(node, node.storage, width, true);
-  if (node.storage == f64 || node.accum == f64)
+  auto mine = allocate_value(node, node.precision.storage_type, width, true);
+  if (node.precision.storage_type == f64 || node.precision.accum == f64)
     sum_in_rank_order<double>(*pieces, processes, width, *mine);
-  else if (is_floating(node.storage))
+  else if (is_floating(node.precision.storage_type))
     sum_in_rank_order<float>(*pieces, processes, width, *mine);
   else
     sum_in_rank_order<int64_t>(*pieces, processes, width, *mine);
   pieces.reset();
-  auto out = allocate_value(node, node.storage, count, true);
+  auto out = allocate_value(node, node.precision.storage_type, count, true);
   group->all_gather(mine->host_data(), width * element, out->host_data(), send_count, send_at);
   return out;
 }

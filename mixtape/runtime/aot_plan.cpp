@@ -168,9 +168,10 @@ PlanDocument plan_to_json(const std::vector<TracedPlan>& traced,
     auto same_structure = [&](size_t t, size_t i) {
       const Node &node = *nodes[i], &other = *nodes_at[t][i];
       if (other.op != node.op || other.shape.size() != node.shape.size() ||
-          other.storage != node.storage || other.compute != node.compute ||
-          other.accum != node.accum || other.inputs.size() != node.inputs.size() ||
-          attrs_value(other) != attrs_value(node))
+          other.precision.storage_type != node.precision.storage_type ||
+          other.precision.compute != node.precision.compute ||
+          other.precision.accum != node.precision.accum ||
+          other.inputs.size() != node.inputs.size() || attrs_value(other) != attrs_value(node))
         return false;
       for (size_t k = 0; k < node.inputs.size(); ++k) {
         auto a = index.find(node.inputs[k].get());
@@ -193,9 +194,9 @@ PlanDocument plan_to_json(const std::vector<TracedPlan>& traced,
       const Node& node = *nodes[i];
       Value o = {{"op", op_name(node.op)},
                  {"dtype", name(node.dtype)},
-                 {"storage", name(node.storage)},
-                 {"compute", name(node.compute)},
-                 {"accum", name(node.accum)}};
+                 {"storage", name(node.precision.storage_type)},
+                 {"compute", name(node.precision.compute)},
+                 {"accum", name(node.precision.accum)}};
       for (size_t t = 1; t < traced.size(); ++t)
         if (!same_structure(t, i))
           fail(
@@ -229,7 +230,7 @@ PlanDocument plan_to_json(const std::vector<TracedPlan>& traced,
         if (!attrs.empty()) o["attrs"] = std::move(attrs);
         if (node.requires_grad) o["requires_grad"] = true;
       }
-      if (!node.module_path.empty()) o["module"] = node.module_path;
+      if (!node.origin.module_path.empty()) o["module"] = node.origin.module_path;
       node_values.push_back(std::move(o));
     }
     Value stored = Value::array();
@@ -317,21 +318,23 @@ std::unique_ptr<Plan> plan_from_json(const PlanDocument& document, int64_t batch
       auto dtype = [&](const char* key) { return parse_dtype(v.at(key).get<std::string>()); };
       NodePtr node = make_node(op->second, dtype("dtype"), std::move(shape), std::move(inputs),
                                std::move(attrs), Loc::current());
-      node->storage = dtype("storage");
-      node->compute = dtype("compute");
-      node->accum = dtype("accum");
-      node->precision_assigned = true;
+      node->precision.storage_type = dtype("storage");
+      node->precision.compute = dtype("compute");
+      node->precision.accum = dtype("accum");
+      node->precision.assigned = true;
       node->requires_grad = json::find(v, "requires_grad") != nullptr;
-      if (const Value* m = json::find(v, "module")) node->module_path = m->get<std::string>();
+      if (const Value* m = json::find(v, "module"))
+        node->origin.module_path = m->get<std::string>();
       if (leaf) {
         Binding binding;
         if (const Value* arg = json::find(v, "arg")) {
           binding.arg = static_cast<int>(json::as_int(*arg));
           // Signing reads an external's value (its dtype); each replay binds the argument's.
-          node->value = std::make_shared<Storage>(node->storage, node->numel());
+          node->value = std::make_shared<Storage>(node->precision.storage_type, node->numel());
         } else {
           binding.object = buffer(v.at("buffer"));
-          if (binding.object->count != node->numel() || binding.object->dtype != node->storage)
+          if (binding.object->count != node->numel() ||
+              binding.object->dtype != node->precision.storage_type)
             fail("buffer {} of the plan holds {} {} values, its node is {}",
                  json::as_int(v.at("buffer")), binding.object->count, name(binding.object->dtype),
                  describe(*node));

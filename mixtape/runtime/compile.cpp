@@ -521,7 +521,7 @@ bool record_evaluation(const std::vector<Node*>& pending, ExecutedProgram&& exec
   e.pending.reserve(pending.size());
   for (Node* node : pending) {
     e.pending.push_back(node->shared_from_this());
-    if (node->op == OpCode::Full && is_floating(node->storage))
+    if (node->op == OpCode::Full && is_floating(node->precision.storage_type))
       e.fills.push_back(node->attrs.value);
   }
   for (Node* external : executed.sig.externals) e.inputs.push_back(external->value);

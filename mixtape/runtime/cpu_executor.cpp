@@ -35,7 +35,7 @@ constexpr int64_t parallel_threshold = 1 << 17;
 ExecutionStats& stats() { return execution_counters(); }
 
 std::shared_ptr<Storage> allocate(const Node& node) {
-  return allocate_value(node, node.storage, node.numel(), true);
+  return allocate_value(node, node.precision.storage_type, node.numel(), true);
 }
 
 int64_t bytes_of(const Storage& s) { return s.size_bytes(); }
@@ -229,11 +229,11 @@ void run_matmul(Node& node) {
                 .k = k,
                 .transpose_a = node.attrs.transpose_a,
                 .transpose_b = node.attrs.transpose_b,
-                .operand = node.compute,
-                .out = node.storage};
+                .operand = node.precision.compute,
+                .out = node.precision.storage_type};
   // A 16-bit accumulator (asked for by a custom policy) is not what oneDNN does: the reference
   // loops honour it.
-  if (!gemm_supported(desc) || is_half(node.accum)) {
+  if (!gemm_supported(desc) || is_half(node.precision.accum)) {
     node.value = reference_compute(node);
     ++stats().host_ops;
     return;
@@ -256,9 +256,9 @@ void run_conv(Node& node) {
   ConvDesc desc;
   desc.op = node.op;
   desc.geometry = ConvGeometry::of(node);
-  desc.operand = node.compute;
-  desc.out = node.storage;
-  if (!conv_supported(desc) || is_half(node.accum)) {
+  desc.operand = node.precision.compute;
+  desc.out = node.precision.storage_type;
+  if (!conv_supported(desc) || is_half(node.precision.accum)) {
     node.value = reference_compute(node);
     ++stats().host_ops;
     return;

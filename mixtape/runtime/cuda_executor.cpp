@@ -197,7 +197,7 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
   for (size_t i = 0; i < count; ++i) {
     Node* node = sig.resolve(step.params[i], pending);
     if (step.param_is_output(i)) {
-      auto value = device_value(node->storage, node->numel());
+      auto value = device_value(node->precision.storage_type, node->numel());
       pointers[i] = value->device->buffer.address();
       s.bytes_written += value->size_bytes();
       outputs.push_back(node);
@@ -247,17 +247,19 @@ void run_matmul(Node& node) {
                         .k = k,
                         .transpose_a = node.attrs.transpose_a,
                         .transpose_b = node.attrs.transpose_b,
-                        .input = node.compute,
-                        .output = node.storage,
-                        .allow_tf32 = node.compute == f32 && allow_tf32()};
+                        .input = node.precision.compute,
+                        .output = node.precision.storage_type,
+                        .allow_tf32 = node.precision.compute == f32 && allow_tf32()};
   // cuBLASLt accumulates in f32: other accumulators (f64, 16-bit ones a custom policy asks for)
   // and integer or f64 operands take the reference loops. Results are f32 or the operands' type.
-  bool supported = half_or_f32(node.compute) && half_or_f32(node.storage) && node.accum == f32 &&
-                   (node.storage == f32 || node.storage == node.compute) &&
+  bool supported = half_or_f32(node.precision.compute) &&
+                   half_or_f32(node.precision.storage_type) && node.precision.accum == f32 &&
+                   (node.precision.storage_type == f32 ||
+                    node.precision.storage_type == node.precision.compute) &&
                    half_or_f32(node.inputs[0]->value->dtype) &&
                    half_or_f32(node.inputs[1]->value->dtype);
   if (!supported) return run_on_host(node);
-  auto out = device_value(node.storage, node.numel());
+  auto out = device_value(node.precision.storage_type, node.numel());
   ExecutionStats& s = stats();
   s.bytes_written += out->size_bytes();
   if (desc.batch > 0 && desc.k == 0) {

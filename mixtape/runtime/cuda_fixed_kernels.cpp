@@ -536,10 +536,10 @@ void launch(cuda::CUfunction function, int64_t elements, void** args) {
 // conversion the GPU does not do.
 std::shared_ptr<Storage> input_on_device(const Node& node, size_t i) {
   std::shared_ptr<Storage> value = node.inputs[i]->value;
-  if (value->dtype == node.storage) return value;
+  if (value->dtype == node.precision.storage_type) return value;
   bool convertible = (value->dtype == f32 || is_half(value->dtype)) &&
-                     (node.storage == f32 || is_half(node.storage));
-  return convertible ? convert_on_device(*value, node.storage) : nullptr;
+                     (node.precision.storage_type == f32 || is_half(node.precision.storage_type));
+  return convertible ? convert_on_device(*value, node.precision.storage_type) : nullptr;
 }
 
 void copy_box(const CopyBox& box, Storage& src, Storage& dst) {
@@ -577,7 +577,7 @@ bool run_concat(Node& node) {
     inputs.push_back(input_on_device(node, i));
     if (!inputs.back()) return false;
   }
-  auto out = device_value(node.storage, node.numel());
+  auto out = device_value(node.precision.storage_type, node.numel());
   for (size_t i = 0; i < boxes.size(); ++i) copy_box(boxes[i], *inputs[i], *out);
   node.value = std::move(out);
   return true;
@@ -588,7 +588,7 @@ bool run_unslice(Node& node) {
   if (box.shape.size() > max_box_rank) return false;
   std::shared_ptr<Storage> input = input_on_device(node, 0);
   if (!input) return false;
-  auto out = device_value(node.storage, node.numel());
+  auto out = device_value(node.precision.storage_type, node.numel());
   cuda::memset_async(device_address(*out), 0, static_cast<size_t>(out->size_bytes()));
   copy_box(box, *input, *out);
   node.value = std::move(out);
@@ -612,13 +612,13 @@ bool run_index_select(Node& node) {
   if (!input) return false;
   std::vector<int64_t> index = checked_indices(node);
   AxisSplit s = split_at(node.inputs[0]->shape, node.attrs.axis);
-  auto out = device_value(node.storage, node.numel());
+  auto out = device_value(node.precision.storage_type, node.numel());
   int64_t total = node.numel(), count = static_cast<int64_t>(index.size());
   if (total > 0) {
     cuda::DeviceBuffer rows = upload_int64(index);
     cuda::CUdeviceptr from = device_address(*input), at = rows.address(), to = device_address(*out);
     void* params[] = {&from, &at, &to, &total, &count, &s.dim, &s.inner};
-    launch(fixed_kernels().index_select[width_slot(node.storage)], total, params);
+    launch(fixed_kernels().index_select[width_slot(node.precision.storage_type)], total, params);
   }
   node.value = std::move(out);
   return true;
@@ -627,12 +627,13 @@ bool run_index_select(Node& node) {
 bool run_index_add(Node& node) {
   Storage& base = *node.inputs[0]->value;
   Storage& source = *node.inputs[2]->value;
-  if (!is_float_dtype(node.storage) || !is_float_dtype(base.dtype) || !is_float_dtype(source.dtype))
+  if (!is_float_dtype(node.precision.storage_type) || !is_float_dtype(base.dtype) ||
+      !is_float_dtype(source.dtype))
     return false;
   std::vector<int64_t> index = checked_indices(node);
   AxisSplit s = split_at(node.shape, node.attrs.axis);
   IndexAddPlan plan = index_add_plan(index, s.dim);
-  auto out = device_value(node.storage, node.numel());
+  auto out = device_value(node.precision.storage_type, node.numel());
   int64_t total = node.numel(), count = static_cast<int64_t>(index.size());
   if (total > 0) {
     cuda::DeviceBuffer offsets = upload_int64(plan.offsets), order = upload_int64(plan.order);
@@ -640,7 +641,7 @@ bool run_index_add(Node& node) {
                       offsets_ptr = offsets.address(), order_ptr = order.address(),
                       out_ptr = device_address(*out);
     int base_dtype = static_cast<int>(base.dtype), source_dtype = static_cast<int>(source.dtype),
-        out_dtype = static_cast<int>(node.storage);
+        out_dtype = static_cast<int>(node.precision.storage_type);
     void* params[] = {&base_ptr, &base_dtype, &source_ptr, &source_dtype, &offsets_ptr, &order_ptr,
                       &out_ptr,  &out_dtype,  &total,      &count,        &s.dim,       &s.inner};
     launch(fixed_kernels().index_add, total, params);
@@ -650,12 +651,13 @@ bool run_index_add(Node& node) {
 }
 
 bool run_random_fill(Node& node) {
-  if (!has_random_fill(node.storage)) return false;
-  auto out = device_value(node.storage, node.numel());
+  if (!has_random_fill(node.precision.storage_type)) return false;
+  auto out = device_value(node.precision.storage_type, node.numel());
   long long count = node.numel();
   if (count > 0) {
     cuda::CUdeviceptr to = device_address(*out);
-    int dtype = static_cast<int>(node.storage), normal = node.op == OpCode::RandNormal;
+    int dtype = static_cast<int>(node.precision.storage_type),
+        normal = node.op == OpCode::RandNormal;
     unsigned long long seed = node.attrs.seed;
     cuda::CUdeviceptr offset = device_address(*node.inputs.at(0)->value);
     void* params[] = {&to, &dtype, &normal, &count, &seed, &offset};
@@ -671,8 +673,8 @@ bool is_float_operand(DType t) { return t == f32 || t == f64 || is_half(t); }
 // bits (see mt_conv in the source).
 bool run_conv(Node& node) {
   Storage &a = *node.inputs[0]->value, &b = *node.inputs[1]->value;
-  if (!is_float_operand(a.dtype) || !is_float_operand(b.dtype) || !is_float_operand(node.storage) ||
-      !is_float_operand(node.compute))
+  if (!is_float_operand(a.dtype) || !is_float_operand(b.dtype) ||
+      !is_float_operand(node.precision.storage_type) || !is_float_operand(node.precision.compute))
     return false;
   const ConvGeometry g = ConvGeometry::of(node);
   ConvArgs args{g.n,
@@ -690,11 +692,11 @@ bool run_conv(Node& node) {
                 g.window.groups,
                 static_cast<int32_t>(a.dtype),
                 static_cast<int32_t>(b.dtype),
-                static_cast<int32_t>(node.storage),
-                static_cast<int32_t>(node.compute),
-                static_cast<int32_t>(node.accum),
+                static_cast<int32_t>(node.precision.storage_type),
+                static_cast<int32_t>(node.precision.compute),
+                static_cast<int32_t>(node.precision.accum),
                 0};
-  auto out = device_value(node.storage, node.numel());
+  auto out = device_value(node.precision.storage_type, node.numel());
   if (node.numel() > 0) {
     cuda::CUdeviceptr a_ptr = device_address(a), b_ptr = device_address(b),
                       out_ptr = device_address(*out);
@@ -712,7 +714,7 @@ bool run_pool(Node& node) {
   Storage& x = *node.inputs[0]->value;
   const bool backward = node.op == OpCode::MaxPool2dGrad;
   Storage* gy = backward ? node.inputs[1]->value.get() : nullptr;
-  if (!is_float_operand(x.dtype) || !is_float_operand(node.storage) ||
+  if (!is_float_operand(x.dtype) || !is_float_operand(node.precision.storage_type) ||
       (gy && !is_float_operand(gy->dtype)))
     return false;
   const PoolGeometry g = PoolGeometry::of(node);
@@ -729,9 +731,9 @@ bool run_pool(Node& node) {
                 {w.dil[0], w.dil[1]},
                 static_cast<int32_t>(x.dtype),
                 static_cast<int32_t>(gy ? gy->dtype : x.dtype),
-                static_cast<int32_t>(node.storage),
-                node.storage == f64 || (gy && gy->dtype == f64)};
-  auto out = device_value(node.storage, node.numel());
+                static_cast<int32_t>(node.precision.storage_type),
+                node.precision.storage_type == f64 || (gy && gy->dtype == f64)};
+  auto out = device_value(node.precision.storage_type, node.numel());
   if (node.numel() > 0) {
     cuda::CUdeviceptr x_ptr = device_address(x), out_ptr = device_address(*out);
     if (backward) {

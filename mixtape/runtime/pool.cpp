@@ -227,7 +227,7 @@ bool max_pool_cpu_supported(const Node& node) {
   // Inputs and result may differ in type (a policy may store the result narrower): each is
   // widened to f32 or rounded once from it, as the reference loads and stores.
   auto fits = [](DType t) { return t == f32 || t == bf16 || t == f16; };
-  if (!fits(node.storage)) return false;
+  if (!fits(node.precision.storage_type)) return false;
   for (const NodePtr& input : node.inputs)
     if (!input->value || !fits(input->value->dtype)) return false;
   // Picks are 32-bit positions in the padded plane, mapped to 32-bit input positions.

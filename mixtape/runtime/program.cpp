@@ -146,9 +146,9 @@ void hash_node(WordHasher& h, const Node& node) {
   static const Attrs defaults;
   NodeWords w;
   w.word = static_cast<uint64_t>(node.op) | uint64_t{static_cast<uint8_t>(node.dtype)} << 16 |
-           uint64_t{static_cast<uint8_t>(node.storage)} << 24 |
-           uint64_t{static_cast<uint8_t>(node.compute)} << 32 |
-           uint64_t{static_cast<uint8_t>(node.accum)} << 40;
+           uint64_t{static_cast<uint8_t>(node.precision.storage_type)} << 24 |
+           uint64_t{static_cast<uint8_t>(node.precision.compute)} << 32 |
+           uint64_t{static_cast<uint8_t>(node.precision.accum)} << 40;
   w.counts[w.count_n++] = node.shape.size();
   w.counts[w.count_n++] = node.inputs.size();
 #define MT_ATTR(type, name, default_value, hashed, ops) \
@@ -522,9 +522,10 @@ std::string step_label(const Step& step, const std::vector<Node*>& pending, cons
   const Node& node = *sig.resolve(step.node, pending);
   std::string inputs;
   for (const NodePtr& input : node.inputs)
-    inputs += fmt::format("{}{} ", name(input->storage), to_string(input->shape));
+    inputs += fmt::format("{}{} ", name(input->precision.storage_type), to_string(input->shape));
   return fmt::format("{} {} {}-> {}{}", step.kind == FusionGroup::Kind::MatMul ? "matmul" : "host",
-                     op_name(node.op), inputs, name(node.storage), to_string(node.shape));
+                     op_name(node.op), inputs, name(node.precision.storage_type),
+                     to_string(node.shape));
 }
 }  // namespace
 
@@ -642,7 +643,7 @@ int64_t planned_peak_bytes(const std::vector<NodePtr>& outputs) {
   Program program =
       build_program(pending, options, sig, [](const kir::Kernel&) { return KernelRef{}; });
   auto planned_bytes = [](const Node* node) {
-    return node->numel() * static_cast<int64_t>(size_of(node->storage));
+    return node->numel() * static_cast<int64_t>(size_of(node->precision.storage_type));
   };
   int64_t live = 0, peak = 0;
   for (size_t i = 0; i < program.steps.size(); ++i) {

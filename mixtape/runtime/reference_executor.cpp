@@ -33,10 +33,12 @@ template <typename... Args>
 [[noreturn]] void node_fail(const Node& node, fmt::format_string<Args...> format, Args&&... args) {
   std::string detail = fmt::format(format, std::forward<Args>(args)...);
   std::string what =
-      node.composite ? fmt::format("{}: {} (in its {})", node.composite, detail, op_name(node.op))
-                     : fmt::format("{}: {}", op_name(node.op), detail);
-  std::string where = short_location(node.location);
-  if (!node.module_path.empty()) fail("{} [module '{}', at {}]", what, node.module_path, where);
+      node.origin.composite
+          ? fmt::format("{}: {} (in its {})", node.origin.composite, detail, op_name(node.op))
+          : fmt::format("{}: {}", op_name(node.op), detail);
+  std::string where = short_location(node.origin.location);
+  if (!node.origin.module_path.empty())
+    fail("{} [module '{}', at {}]", what, node.origin.module_path, where);
   fail("{} [at {}]", what, where);
 }
 
@@ -57,16 +59,16 @@ uint64_t draw_offset(const Node& node) {
 }
 
 StoragePtr new_storage(const Node& node) {
-  return allocate_value(node, node.storage, node.numel(), false);
+  return allocate_value(node, node.precision.storage_type, node.numel(), false);
 }
 
 // Input i in the node's storage type, for ops that move elements as bytes. The precision pass
 // may store an input differently (an f32 parameter viewed inside an f16 region): convert it.
 StoragePtr input_as_storage(const Node& node, size_t i) {
   const StoragePtr& in = node.inputs[i]->value;
-  if (in->dtype == node.storage) return in;
-  auto out = std::make_shared<Storage>(node.storage, in->count);
-  if (is_floating(in->dtype) || is_floating(node.storage))
+  if (in->dtype == node.precision.storage_type) return in;
+  auto out = std::make_shared<Storage>(node.precision.storage_type, in->count);
+  if (is_floating(in->dtype) || is_floating(node.precision.storage_type))
     for (int64_t k = 0; k < in->count; ++k) store_element(*out, k, load_element<double>(*in, k));
   else
     for (int64_t k = 0; k < in->count; ++k) store_element(*out, k, load_element<int64_t>(*in, k));
@@ -90,8 +92,8 @@ template <typename T>
 std::vector<T> pointwise_input(const Node& node, size_t i) {
   std::vector<T> values = load_all<T>(value_of(node, i));
   if constexpr (std::is_floating_point_v<T>) {
-    if (is_half(node.compute) && value_of(node, i).dtype != node.compute) {
-      Storage rounded(node.compute, 1);
+    if (is_half(node.precision.compute) && value_of(node, i).dtype != node.precision.compute) {
+      Storage rounded(node.precision.compute, 1);
       for (T& v : values) {
         store_element(rounded, 0, v);
         v = load_element<T>(rounded, 0);
@@ -175,8 +177,8 @@ template <void (*fill)(Storage&, uint64_t, uint64_t),
           double (*element)(uint64_t, uint64_t, uint64_t)>
 StoragePtr draw(const Node& node) {
   const uint64_t seed = node.attrs.seed, offset = draw_offset(node);
-  if (has_random_fill(node.storage)) {
-    auto out = allocate_value(node, node.storage, node.numel(), true);
+  if (has_random_fill(node.precision.storage_type)) {
+    auto out = allocate_value(node, node.precision.storage_type, node.numel(), true);
     fill(*out, seed, offset);
     return out;
   }
@@ -195,7 +197,7 @@ StoragePtr ref_RandNormal(const Node& node) { return draw<fill_normal, philox_no
 StoragePtr strided_copy(const Node& node, const Storage& in, const std::vector<int64_t>& strides,
                         int64_t base) {
   StoragePtr out = new_storage(node);
-  size_t bytes = size_of(node.storage);
+  size_t bytes = size_of(node.precision.storage_type);
   const Shape& shape = node.shape;
   std::vector<int64_t> index(shape.size(), 0);
   int64_t offset = base;
@@ -242,7 +244,7 @@ StoragePtr ref_Unslice(const Node& node) {
   StoragePtr converted = input_as_storage(node, 0);
   const Storage& in = *converted;
   const Shape& window = node.inputs[0]->shape;
-  size_t bytes = size_of(node.storage);
+  size_t bytes = size_of(node.precision.storage_type);
   // unslice() returns a window as large as its tensor (every 0-d one) unchanged: rank >= 1 here.
   if (in.count == 0) return out;
   std::vector<int64_t> out_strides = strides_of(node.shape);
@@ -270,7 +272,7 @@ StoragePtr ref_Unslice(const Node& node) {
 
 StoragePtr ref_Concat(const Node& node) {
   StoragePtr out = new_storage(node);
-  size_t bytes = size_of(node.storage);
+  size_t bytes = size_of(node.precision.storage_type);
   int64_t axis = node.attrs.axis;
   int64_t outer = 1, inner = 1;
   for (int64_t d = 0; d < axis; ++d) outer *= node.shape[d];
@@ -337,7 +339,7 @@ StoragePtr ref_Sum(const Node& node) {
     std::vector<T> in = load_all<T>(value_of(node, 0));
     std::vector<T> acc(static_cast<size_t>(out->count), T(0));
     if constexpr (std::is_floating_point_v<T>) {
-      Accumulator accumulator{node.accum};
+      Accumulator accumulator{node.precision.accum};
       for (size_t i = 0; i < in.size(); ++i)
         acc[targets[i]] = accumulator.add(acc[targets[i]], in[i]);
     } else {
@@ -442,7 +444,7 @@ StoragePtr scan(const Node& node, T init, Step step) {
   Lines lines(node.shape, node.attrs.axis);
   std::vector<T> in = load_all<T>(value_of(node, 0));
   const bool reverse = node.attrs.reverse;
-  Accumulator accumulator{node.accum};
+  Accumulator accumulator{node.precision.accum};
   lines.for_each([&](auto at) {
     T acc = init;
     for (int64_t j = 0; j < lines.dim; ++j) {
@@ -522,12 +524,12 @@ StoragePtr ref_MatMul(const Node& node) {
   StoragePtr out = new_storage(node);
   const auto [m, n, k, batch] = matmul_dims(node);
   if (m * n == 0 || k == 0) return out;  // empty, or sums over nothing: zeros
-  std::vector<double> a =
-      matrix_operand(value_of(node, 0), batch, m, k, node.attrs.transpose_a, node.compute);
-  std::vector<double> b =
-      matrix_operand(value_of(node, 1), batch, k, n, node.attrs.transpose_b, node.compute);
+  std::vector<double> a = matrix_operand(value_of(node, 0), batch, m, k, node.attrs.transpose_a,
+                                         node.precision.compute);
+  std::vector<double> b = matrix_operand(value_of(node, 1), batch, k, n, node.attrs.transpose_b,
+                                         node.precision.compute);
   std::vector<double> row(static_cast<size_t>(n));
-  Accumulator accumulator{node.accum};
+  Accumulator accumulator{node.precision.accum};
   for (int64_t bi = 0; bi < batch; ++bi)
     for (int64_t i = 0; i < m; ++i) {
       std::fill(row.begin(), row.end(), 0.0);
@@ -578,10 +580,10 @@ void for_each_tap(const ConvGeometry& g, F f) {
 StoragePtr conv_reference(const Node& node) {
   const ConvGeometry g = ConvGeometry::of(node);
   const Storage &first = value_of(node, 0), &second = value_of(node, 1);
-  std::vector<double> a = matrix_operand(first, 1, first.count, 1, false, node.compute);
-  std::vector<double> b = matrix_operand(second, 1, second.count, 1, false, node.compute);
+  std::vector<double> a = matrix_operand(first, 1, first.count, 1, false, node.precision.compute);
+  std::vector<double> b = matrix_operand(second, 1, second.count, 1, false, node.precision.compute);
   std::vector<double> acc(static_cast<size_t>(node.numel()), 0.0);
-  Accumulator accumulator{node.accum};
+  Accumulator accumulator{node.precision.accum};
   auto add = [&](int64_t at, double term) { acc[at] = accumulator.add(acc[at], term); };
   if (node.op == OpCode::Conv2d)
     for_each_tap(g, [&](int64_t x, int64_t w, int64_t y) { add(y, a[x] * b[w]); });
@@ -641,7 +643,7 @@ StoragePtr ref_MaxPool2d(const Node& node) {
 StoragePtr ref_MaxPool2dGrad(const Node& node) {
   const PoolGeometry g = PoolGeometry::of(node);
   const Storage &x = value_of(node, 0), &gy = value_of(node, 1);
-  const bool wide = node.storage == f64 || gy.dtype == f64;
+  const bool wide = node.precision.storage_type == f64 || gy.dtype == f64;
   std::vector<double> acc(static_cast<size_t>(node.numel()), 0.0);
   for_each_pick(g, x, [&](int64_t at, int64_t y) {
     const double sum = acc[static_cast<size_t>(at)] + load_element<double>(gy, y);
@@ -674,7 +676,7 @@ StoragePtr ref_IndexSelect(const Node& node) {
   for (size_t d = axis + 1; d < shape.size(); ++d) inner *= shape[d];
   std::vector<int64_t> index = checked_indices(node);
   int64_t count = static_cast<int64_t>(index.size());
-  size_t bytes = size_of(node.storage);
+  size_t bytes = size_of(node.precision.storage_type);
   StoragePtr converted = input_as_storage(node, 0);
   const Storage& in = *converted;
   for (int64_t o = 0; o < outer; ++o)
@@ -737,7 +739,7 @@ void for_each_gathered(const Node& node, const Shape& data_shape, const Shape& i
 StoragePtr ref_Gather(const Node& node) {
   StoragePtr out = new_storage(node);
   std::vector<int64_t> index = load_all<int64_t>(value_of(node, 1));
-  size_t bytes = size_of(node.storage);
+  size_t bytes = size_of(node.precision.storage_type);
   StoragePtr converted = input_as_storage(node, 0);
   const Storage& in = *converted;
   for_each_gathered(node, node.inputs[0]->shape, node.shape, index, node.attrs.axis,
@@ -761,7 +763,7 @@ StoragePtr ref_ScatterAdd(const Node& node) {
 
 StoragePtr ref_Scatter(const Node& node) {
   std::vector<int64_t> index = load_all<int64_t>(value_of(node, 1));
-  size_t bytes = size_of(node.storage);
+  size_t bytes = size_of(node.precision.storage_type);
   StoragePtr base = input_as_storage(node, 0), source = input_as_storage(node, 2);
   StoragePtr out = new_storage(node);
   std::memcpy(out->host_data(), base->host_data(), static_cast<size_t>(out->size_bytes()));

@@ -30,8 +30,8 @@ StoragePtr private_copy(Storage& value) {
 // A leaf holding a replay's result, typed like the node that computed it in the trace.
 Tensor result_leaf(const Node& like, StoragePtr value) {
   auto node = make_node(OpCode::Constant, like.dtype, like.shape, {}, {}, Loc::current());
-  node->storage = node->compute = value->dtype;
-  node->precision_assigned = true;
+  node->precision.storage_type = node->precision.compute = value->dtype;
+  node->precision.assigned = true;
   node->value = std::move(value);
   return Tensor(std::move(node));
 }

@@ -73,7 +73,7 @@ std::vector<double> run_on(mt::Device device, const std::function<mt::Tensor()>&
   mt::set_device(device);
   mt::Tensor result = program();
   mt::eval({result});
-  if (dtype) *dtype = result.node()->storage;
+  if (dtype) *dtype = result.node()->precision.storage_type;
   return result.to_vector<double>();
 }
 
