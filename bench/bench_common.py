@@ -222,6 +222,50 @@ def peer_arguments(description):
     return parser
 
 
+def peer_cases(args, peer):
+    """The (workload, precision) pairs a peer runs: GEMMs and convolutions have no precision."""
+    for name in split_list(args.workloads):
+        if not known_workload(name):
+            sys.exit(f"{peer}: unknown workload {name}")
+        shaped = gemm_shape(name) or conv_shape(name)
+        for precision in [None] if shaped else split_list(args.precisions):
+            yield name, precision
+
+
+def make_workload(name, precision, makers):
+    """What the peer's maker for workload `name` returns: `makers` maps gemm, conv, resnet18,
+    digits_cnn, mlp, digits and gpt to the peer's functions."""
+    gemm, conv = gemm_shape(name), conv_shape(name)
+    if gemm:
+        return makers["gemm"](*gemm)
+    if conv:
+        return makers["conv"](*conv)
+    if name in ("resnet18", "digits_cnn"):
+        return makers[name](precision)
+    if mlp_shape(name):
+        return makers["mlp"](*mlp_shape(name), precision)
+    if name in DIGITS_LOOPS:
+        return makers["digits"](name, precision)
+    return makers["gpt"](precision)
+
+
+def emit_workload(record, name, precision, parameters, result):
+    """Completes a peer's record of one workload (GFLOP/s for GEMMs and convolutions) and
+    prints it."""
+    gemm, conv = gemm_shape(name), conv_shape(name)
+    if gemm:
+        record["dtype"] = gemm[0]
+        record["gflops"] = result["steps_per_s"] * gemm_flops(gemm[1]) / 1e9
+    elif conv:
+        record["dtype"], record["pass"] = conv[0], conv[1]
+        record["gflops"] = result["steps_per_s"] * conv_flops(conv[2]) / 1e9
+    else:
+        record["precision"] = precision
+        record["parameters"] = parameters
+    record.update(result)
+    emit(record)
+
+
 def split_list(text):
     return [item for item in text.split(",") if item]
 

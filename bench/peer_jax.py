@@ -501,42 +501,21 @@ def gemm_runner(dtype, shape):
 
 def main():
     args = common.peer_arguments(__doc__.splitlines()[0]).parse_args()
-    for name in common.split_list(args.workloads):
-        if not common.known_workload(name):
-            sys.exit(f"peer_jax: unknown workload {name}")
-        gemm, conv = common.gemm_shape(name), common.conv_shape(name)
-        for precision in [None] if gemm or conv else common.split_list(args.precisions):
-            if gemm:
-                step, sync, compile_seconds = gemm_runner(*gemm)
-            elif conv:
-                step, sync, compile_seconds = conv_runner(*conv)
-            else:
-                if name == "resnet18":
-                    runner, compile_seconds = resnet18_runner(precision)
-                elif name == "digits_cnn":
-                    runner, compile_seconds = digits_cnn_runner(precision)
-                elif common.mlp_shape(name):
-                    runner, compile_seconds = mlp_runner(*common.mlp_shape(name), precision)
-                elif name in common.DIGITS_LOOPS:
-                    runner, compile_seconds = digits_runner(name, precision)
-                else:
-                    runner, compile_seconds = gpt_runner(precision)
-                step, sync = runner.step, runner.sync
-            result = common.measure(step, sync, args.warmup, args.windows, args.window_seconds,
-                                    args.budget_seconds)
-            record = {"system": "jax", "workload": name, "version": jax.__version__,
-                      "jit_compile_s": compile_seconds}
-            if gemm:
-                record["dtype"] = gemm[0]
-                record["gflops"] = result["steps_per_s"] * common.gemm_flops(gemm[1]) / 1e9
-            elif conv:
-                record["dtype"], record["pass"] = conv[0], conv[1]
-                record["gflops"] = result["steps_per_s"] * common.conv_flops(conv[2]) / 1e9
-            else:
-                record["precision"] = precision
-                record["parameters"] = runner.parameters
-            record.update(result)
-            common.emit(record)
+    makers = {"gemm": gemm_runner, "conv": conv_runner, "resnet18": resnet18_runner,
+              "digits_cnn": digits_cnn_runner, "mlp": mlp_runner, "digits": digits_runner,
+              "gpt": gpt_runner}
+    for name, precision in common.peer_cases(args, "peer_jax"):
+        made = common.make_workload(name, precision, makers)
+        if len(made) == 3:  # a GEMM or convolution: (step, sync, compile seconds)
+            (step, sync, compile_seconds), parameters = made, None
+        else:  # a model: (runner, compile seconds)
+            runner, compile_seconds = made
+            step, sync, parameters = runner.step, runner.sync, runner.parameters
+        result = common.measure(step, sync, args.warmup, args.windows, args.window_seconds,
+                                args.budget_seconds)
+        record = {"system": "jax", "workload": name, "version": jax.__version__,
+                  "jit_compile_s": compile_seconds}
+        common.emit_workload(record, name, precision, parameters, result)
 
 
 if __name__ == "__main__":

@@ -328,43 +328,20 @@ def main():
     parser.add_argument("--threads", default="1,2", help="thread counts to run, e.g. 1,2")
     args = parser.parse_args()
     blas = blas_library()
-    for name in common.split_list(args.workloads):
-        if not common.known_workload(name):
-            sys.exit(f"peer_torch: unknown workload {name}")
-        gemm, conv = common.gemm_shape(name), common.conv_shape(name)
-        for precision in [None] if gemm or conv else common.split_list(args.precisions):
-            for threads in [int(t) for t in common.split_list(args.threads)]:
-                torch.set_num_threads(threads)
-                parameters = None
-                if gemm:
-                    step = gemm_step(*gemm)
-                elif conv:
-                    step = conv_step(*conv)
-                elif name == "resnet18":
-                    step, parameters = resnet18_step(precision)
-                elif name == "digits_cnn":
-                    step, parameters = digits_cnn_step(precision)
-                elif common.mlp_shape(name):
-                    step, parameters = mlp_step(*common.mlp_shape(name), precision)
-                elif name in common.DIGITS_LOOPS:
-                    step, parameters = digits_step(name, precision)
-                else:
-                    step, parameters = gpt_step(precision)
-                result = common.measure(step, lambda: None, args.warmup, args.windows,
-                                        args.window_seconds, args.budget_seconds)
-                record = {"system": "torch", "workload": name, "threads": threads,
-                          "version": torch.__version__, "blas": blas}
-                if gemm:
-                    record["dtype"] = gemm[0]
-                    record["gflops"] = result["steps_per_s"] * common.gemm_flops(gemm[1]) / 1e9
-                elif conv:
-                    record["dtype"], record["pass"] = conv[0], conv[1]
-                    record["gflops"] = result["steps_per_s"] * common.conv_flops(conv[2]) / 1e9
-                else:
-                    record["precision"] = precision
-                    record["parameters"] = parameters
-                record.update(result)
-                common.emit(record)
+    makers = {"gemm": gemm_step, "conv": conv_step, "resnet18": resnet18_step,
+              "digits_cnn": digits_cnn_step, "mlp": mlp_step, "digits": digits_step,
+              "gpt": gpt_step}
+    for name, precision in common.peer_cases(args, "peer_torch"):
+        for threads in [int(t) for t in common.split_list(args.threads)]:
+            torch.set_num_threads(threads)
+            made = common.make_workload(name, precision, makers)
+            # A GEMM or convolution is a step alone; a model, (step, parameter count).
+            step, parameters = made if isinstance(made, tuple) else (made, None)
+            result = common.measure(step, lambda: None, args.warmup, args.windows,
+                                    args.window_seconds, args.budget_seconds)
+            record = {"system": "torch", "workload": name, "threads": threads,
+                      "version": torch.__version__, "blas": blas}
+            common.emit_workload(record, name, precision, parameters, result)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@
 
 #include "mixtape/dsl/json.h"
 #include "test_util.h"
+#include "torch_side.h"
 
 namespace mt = mixtape;
 
@@ -965,149 +966,11 @@ TEST(PrecisionReport, NamesNestedModulesOfATransformerBlock) {
 // output and a looser one for gradients (a ReLU whose input is within an ulp of zero flips
 // where the two linear roundings disagree; mixtape's fp32 gradients are 0.2 away there).
 
-constexpr const char* kPython = "/usr/bin/python3";
-constexpr int kNoTorch = 77;
 constexpr double kBf16Tolerance = 2e-2;
 constexpr double kFp32Tolerance = 1e-5;  // both libraries in f32: summation order only
 constexpr double kAddmmGradTolerance = 5e-2;
 
-constexpr const char* kAutocastScript = R"PY(
-import json, math, os, struct, sys
-try:
-    import numpy as np
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-except ImportError as e:
-    print('cannot import torch and numpy (%s)' % e)
-    sys.exit(77)
-torch.set_num_threads(1)
-DTYPES = {'F32': np.float32, 'I64': np.int64}
-
-def load(path):
-    with open(path, 'rb') as f:
-        raw = f.read()
-    n = struct.unpack('<Q', raw[:8])[0]
-    header = json.loads(raw[8:8 + n])
-    header.pop('__metadata__', None)
-    out = {}
-    for name, info in header.items():
-        b, e = info['data_offsets']
-        arr = np.frombuffer(raw[8 + n + b:8 + n + e], dtype=DTYPES[info['dtype']])
-        out[name] = torch.from_numpy(arr.reshape(info['shape']).copy())
-    return out
-
-def save(path, tensors, meta):
-    header, blobs, offset = {'__metadata__': meta}, [], 0
-    for name, t in tensors.items():
-        b = t.detach().float().contiguous().numpy().tobytes()
-        header[name] = {'dtype': 'F32', 'shape': list(t.shape),
-                        'data_offsets': [offset, offset + len(b)]}
-        blobs.append(b)
-        offset += len(b)
-    text = json.dumps(header).encode()
-    with open(path, 'wb') as f:
-        f.write(struct.pack('<Q', len(text)) + text + b''.join(blobs))
-
-ADDMM = [True]
-
-def linear(module, x):
-    if ADDMM[0]:
-        return module(x)  # nn.Linear: one addmm, the bias joins the f32 accumulator
-    # What mixtape computes: the matmul's output is rounded, then the bias is added.
-    y = x @ module.weight.t()
-    return y + module.bias.to(y.dtype)
-
-class MLP(nn.Module):
-    def __init__(self, sizes, act):
-        super().__init__()
-        self.n = len(sizes) - 1
-        for i in range(self.n):
-            setattr(self, 'fc%d' % (i + 1), nn.Linear(sizes[i], sizes[i + 1]))
-        self.act = act
-    def forward(self, x):
-        for i in range(self.n):
-            x = linear(getattr(self, 'fc%d' % (i + 1)), x)
-            if i + 1 < self.n:
-                x = self.act(x)
-        return x
-
-class Attention(nn.Module):
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.qkv, self.proj, self.heads = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim), heads
-    def forward(self, x):
-        B, T, C = x.shape
-        H, D = self.heads, C // self.heads
-        q, k, v = linear(self.qkv, x).split(C, dim=-1)
-        q, k, v = [t.reshape(B, T, H, D).transpose(1, 2) for t in (q, k, v)]
-        # Multiplying by 1/sqrt(D), as mixtape writes it; dividing rounds differently in bf16.
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(D))
-        mask = torch.tril(torch.ones(T, T, dtype=torch.bool))
-        att = scores.masked_fill(~mask, float('-inf')).softmax(-1)
-        return linear(self.proj, (att @ v).transpose(1, 2).reshape(B, T, C))
-
-class Block(nn.Module):
-    def __init__(self, dim, heads):
-        super().__init__()
-        self.ln1, self.attn = nn.LayerNorm(dim, eps=1e-5), Attention(dim, heads)
-        self.ln2 = nn.LayerNorm(dim, eps=1e-5)
-        self.mlp = MLP([dim, 4 * dim, dim], lambda x: F.gelu(x, approximate='tanh'))
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-def step(model, d, kind, autocast):
-    model.zero_grad()
-    with torch.autocast('cpu', dtype=torch.bfloat16, enabled=autocast):
-        out = model(d['x'])
-        loss = F.cross_entropy(out, d['y']) if kind == 'mlp' else F.mse_loss(out, d['target'])
-    loss.backward()
-    return out, loss
-
-folder = sys.argv[1]
-for kind in ('mlp', 'block'):
-    d = load(os.path.join(folder, kind + '.in.safetensors'))
-    params = load(os.path.join(folder, kind + '.params.safetensors'))
-    model = MLP([16, 32, 32, 5], F.relu) if kind == 'mlp' else Block(32, 4)
-    model.load_state_dict(params, strict=True)
-    result, meta = {}, {}
-    for mode, autocast, addmm in (('bf16', True, False), ('bf16_addmm', True, True),
-                                  ('fp32', False, True)):
-        ADDMM[0] = addmm
-        out, loss = step(model, d, kind, autocast)
-        result[mode + '.loss'] = loss.reshape([])
-        result[mode + '.output'] = out
-        for name, p in model.named_parameters():
-            result[mode + '.grad.' + name] = p.grad.clone()
-        meta[mode + '.output_dtype'] = str(out.dtype)
-        meta[mode + '.loss_dtype'] = str(loss.dtype)
-        grad_dtypes = {str(p.grad.dtype) for p in model.parameters()}
-        meta[mode + '.grad_dtypes'] = ','.join(sorted(grad_dtypes))
-    save(os.path.join(folder, kind + '.out.safetensors'), result, meta)
-# What CPU autocast does to ops whose lists differ from CUDA's (printed for the test log).
-x32, w = torch.randn(4, 8), torch.randn(8, 8)
-with torch.autocast('cpu', dtype=torch.bfloat16):
-    xb = x32 @ w
-    probes = {'mm': xb, 'layer_norm(f32 in)': F.layer_norm(x32, (8,)),
-              'softmax(bf16 in)': xb.softmax(-1), 'gelu(bf16 in)': F.gelu(xb),
-              'sum(bf16 in)': xb.sum(),
-              'cross_entropy(bf16 in)': F.cross_entropy(xb, torch.zeros(4, dtype=torch.long))}
-print('torch %s CPU autocast bf16: %s' % (torch.__version__,
-      ', '.join('%s -> %s' % (k, str(v.dtype).replace('torch.', '')) for k, v in probes.items())))
-)PY";
-
 namespace fs = std::filesystem;
-
-struct TorchRun {
-  fs::path dir;
-  std::string skip, error, log;
-};
-
-TorchRun& torch_run() {
-  static TorchRun run;
-  return run;
-}
 
 const std::vector<int64_t> kMlpSizes = {16, 32, 32, 5};
 constexpr int64_t kBlockDim = 32, kBlockHeads = 4;
@@ -1145,54 +1008,12 @@ void write_inputs(const fs::path& dir) {
   }
 }
 
-std::string read_text(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
-}
-
-class TorchAutocast : public ::testing::Test {
- public:
-  static void SetUpTestSuite() {
-    TorchRun& run = torch_run();
-    if (::access(kPython, X_OK) != 0) {
-      run.skip = std::string(kPython) + " not found; PyTorch autocast parity not checked";
-      return;
-    }
-    run.dir = fs::temp_directory_path() / ("mixtape_autocast_parity_" + std::to_string(::getpid()));
-    fs::remove_all(run.dir);
-    fs::create_directories(run.dir);
-    try {
-      write_inputs(run.dir);
-      fs::path script = run.dir / "autocast.py", log = run.dir / "autocast.log";
-      std::ofstream(script) << kAutocastScript;
-      std::string command = "OMP_NUM_THREADS=1 " + std::string(kPython) + " '" + script.string() +
-                            "' '" + run.dir.string() + "' > '" + log.string() + "' 2>&1";
-      int status = std::system(command.c_str());
-      run.log = read_text(log);
-      while (!run.log.empty() && std::isspace(static_cast<unsigned char>(run.log.back())))
-        run.log.pop_back();
-      if (WIFEXITED(status) && WEXITSTATUS(status) == kNoTorch) {
-        run.skip = std::string(kPython) + ": " + run.log + "; PyTorch autocast parity not checked";
-        return;
-      }
-      if (status != 0) run.error = "the torch side failed:\n" + run.log;
-      std::printf("[  torch   ] %s\n", run.log.c_str());
-    } catch (const std::exception& e) {
-      run.error = std::string("writing the inputs failed: ") + e.what();
-    }
-  }
-  static void TearDownTestSuite() {
-    if (!torch_run().dir.empty()) fs::remove_all(torch_run().dir);
-  }
-
- protected:
-  void SetUp() override {
-    if (!torch_run().skip.empty()) GTEST_SKIP() << torch_run().skip;
-    ASSERT_TRUE(torch_run().error.empty()) << torch_run().error;
-  }
+// torch's side: tests/torch/autocast_side.py on the files write_inputs made.
+struct AutocastSide {
+  static constexpr const char* kScript = "autocast_side.py";
+  static void write_inputs(const fs::path& dir) { ::write_inputs(dir); }
 };
+class TorchAutocast : public torch_side::Suite<AutocastSide> {};
 
 using TensorMap = std::map<std::string, mt::Tensor>;
 
@@ -1202,7 +1023,7 @@ struct TorchResults {
 };
 
 TorchResults open_results(const std::string& kind) {
-  const fs::path& dir = torch_run().dir;
+  const fs::path& dir = TorchAutocast::state().dir;
   TorchResults r;
   for (auto& [name, t] : mt::load_tensors((dir / (kind + ".in.safetensors")).string()))
     r.inputs.emplace(name, t);
@@ -1301,7 +1122,7 @@ TEST_F(TorchAutocast, MlpStepMatchesTorchCpuAutocastBf16) {
     mt::Tensor out = model(torch.inputs.at("x"));
     return std::pair{out, mt::cross_entropy(out, torch.inputs.at("y"))};
   };
-  auto params = mt::load_tensors((torch_run().dir / "mlp.params.safetensors").string());
+  auto params = mt::load_tensors((TorchAutocast::state().dir / "mlp.params.safetensors").string());
   auto step = [&](const mt::PolicyPtr& policy) {
     mt::MLP model(kMlpSizes, mt::Activation::Relu);
     model.load_state_dict(params);
@@ -1323,7 +1144,8 @@ TEST_F(TorchAutocast, MlpStepMatchesTorchCpuAutocastBf16) {
 TEST_F(TorchAutocast, TransformerBlockStepMatchesTorchCpuAutocastBf16) {
   TorchResults torch = open_results("block");
   EXPECT_EQ(torch.meta.at("bf16.output_dtype"), "torch.float32") << "the residual stream";
-  auto params = mt::load_tensors((torch_run().dir / "block.params.safetensors").string());
+  auto params =
+      mt::load_tensors((TorchAutocast::state().dir / "block.params.safetensors").string());
   auto step = [&](const mt::PolicyPtr& policy) {
     mt::TransformerBlock block(kBlockDim, kBlockHeads, 0.0);
     block.load_state_dict(params);
