@@ -1563,8 +1563,20 @@ TEST_F(TorchParity, ResNet18StepMatchesTorch) {
     mt::Tensor loss = mt::cross_entropy(mt::cast(logits, mt::f32), c.input("y"));
     loss.backward();
     opt.step();
+    // PyTorch's CPU autocast on a CPU without AVX-512 strays from its own f32 step by more than
+    // one bf16 rounding (its updates' bf16 error is 0.95 there, 0.38 with AVX-512): there the
+    // forward's values (loss, running statistics) are held to its f32 step, at the same tolerance.
+    const double torch_loss = c.ref("loss").item(), torch_f32_loss = c.ref("f32.loss").item();
+    const bool torch_strays =
+        bf16 && std::abs(torch_loss - torch_f32_loss) > tolerance * std::abs(torch_f32_loss);
+    const std::string forward_ref = torch_strays ? "f32." : "after.";
+    if (torch_strays)
+      std::printf(
+          "[  torch   ] PyTorch's bf16 loss %.6g strays from its f32 loss %.6g here: the "
+          "forward's values are compared with its f32 step\n",
+          torch_loss, torch_f32_loss);
     Comparison cmp(id);
-    cmp.check("loss", mt::reshape(loss, {1}), c.ref("loss"), tolerance);
+    cmp.check("loss", mt::reshape(loss, {1}), c.ref(torch_strays ? "f32.loss" : "loss"), tolerance);
     int compared = 0;
     double ours2 = 0, theirs2 = 0, f32_2 = 0;  // squared norms of the bf16 errors, of the updates
     for (const auto& [name, after] : net.state_dict()) {
@@ -1574,7 +1586,7 @@ TEST_F(TorchParity, ResNet18StepMatchesTorch) {
       if (after.dtype() == mt::i64) {
         EXPECT_EQ(after.to_vector<int64_t>(), expected.to_vector<int64_t>()) << name;
       } else if (name.ends_with("running_mean") || name.ends_with("running_var")) {
-        cmp.check(name, after, expected, tolerance);
+        cmp.check(name, after, c.ref(forward_ref + name), tolerance);
       } else if (!bf16) {
         // Within 1e-4 element for element (measured: 2.3e-6 on the CPU back end, 2.1e-6 with
         // the reference executor's exact sums) and norm-wise.
