@@ -154,6 +154,8 @@ std::string describe(const GemmDesc& d) {
                                  d.m, d.n, d.k, name(d.operand), d.transpose_a ? " transposed" : "",
                                  name(d.operand), d.transpose_b ? " transposed" : "", name(d.out));
   if (d.has_bias) text += fmt::format(", bias {}", name(d.bias_type));
+  if (d.has_bias && d.product_type != f32)
+    text += fmt::format(" added after rounding to {}", name(d.product_type));
   if (d.relu) text += ", relu";
   return text + ")";
 }
@@ -247,6 +249,20 @@ std::optional<Choice> amx_choice(const GemmDesc& d) {
   return std::nullopt;
 }
 
+// Whether oneDNN has a bf16 matmul on this CPU: it needs AVX-512 (on a CPU with AVX2 alone,
+// an AMD EPYC of the Zen 2 or 3 kind, making one fails). Asked once, with a small product.
+bool onednn_has_bf16_matmul() {
+  static const bool has = [] {
+    try {
+      cached_primitive({1, 16, 16, 16, false, false, OnednnType::bf16, OnednnType::f32, false});
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return has;
+}
+
 double flops_of(const GemmDesc& d) {
   return 2.0 * static_cast<double>(d.batch) * static_cast<double>(d.m) * static_cast<double>(d.n) *
          static_cast<double>(d.k);
@@ -277,6 +293,9 @@ Choice choose(const GemmDesc& d) {
   if (d.operand == bf16) {
     switch (d.bf16_kernel) {
       case Bf16Kernel::native:
+        if (!onednn_has_bf16_matmul())
+          fail("{}: oneDNN has no bf16 matmul on this CPU (it needs AVX-512); widen instead",
+               describe(d));
         widen = false;
         break;
       case Bf16Kernel::widened:
@@ -290,6 +309,10 @@ Choice choose(const GemmDesc& d) {
               describe(d));
         return Choice{true, false, false, nullptr};
       case Bf16Kernel::automatic: {
+        if (!onednn_has_bf16_matmul()) {  // AVX2 alone: every bf16 product is widened
+          widen = true;
+          break;
+        }
         if (onednn_may_use_amx())
           if (std::optional<Choice> amx = amx_choice(d)) return std::move(*amx);
         if (bf16_dots_are_faster()) {
@@ -402,6 +425,45 @@ void fill_empty_product(const GemmDesc& d, const float* bias, float* result) {
       result[row * d.n + j] = bias != nullptr ? 0.0f + bias[j] : 0.0f;
 }
 
+// A bias added after the product is rounded (GemmDesc::product_type). oneDNN adds its bias to the
+// f32 accumulator, so such a bias is left to the epilogue, or to the own kernel, which rounds to
+// bf16 in registers.
+bool late_bias(const GemmDesc& d) { return d.has_bias && d.product_type != f32; }
+
+// The product alone, as an f32 result: what runs before a late bias.
+GemmDesc product_only(const GemmDesc& d) {
+  GemmDesc product = d;
+  product.out = f32;
+  product.has_bias = product.relu = false;
+  product.product_type = f32;
+  return product;
+}
+
+GemmDesc without_late_bias(const GemmDesc& d) { return late_bias(d) ? product_only(d) : d; }
+
+// An f32 value rounded to `type` (f32: itself), as dsl/half.h rounds.
+float round_to(DType type, float x) {
+  if (type == bf16) return bf16_bits_to_f32(f32_to_bf16_bits(x));
+  if (type == f16) return f16_bits_to_f32(f32_to_f16_bits(x));
+  return x;
+}
+
+// A product rounded to d.product_type before the bias is added (GemmDesc): oneDNN adds its bias
+// to the f32 accumulator, so this runs on its f32 result, in place, before finish() (which has
+// nothing left to do for an f32 result: its relu is applied here, in the same pass).
+void add_bias_after_rounding(const GemmDesc& d, const float* bias, float* result) {
+  const int64_t rows = d.batch * d.m;
+  const bool relu = d.relu && d.out == f32;
+#pragma omp parallel for schedule(static) if (rows * d.n >= (int64_t{1} << 17))
+  for (int64_t row = 0; row < rows; ++row) {
+    float* values = result + row * d.n;
+    for (int64_t j = 0; j < d.n; ++j) {
+      const float x = round_to(d.product_type, values[j]) + bias[j];
+      values[j] = relu && !(x > 0.0f || std::isnan(x)) ? 0.0f : x;
+    }
+  }
+}
+
 // The epilogue after oneDNN: relu, and the one rounding to a half output.
 // A product the team computed is finished by the team, each member converting the rows it wrote
 // (still in its cache): on one thread the other member's half crosses between cores, which
@@ -457,7 +519,8 @@ std::string describe_k_split(const GemmDesc& d, int64_t parts) {
 
 bool gemm_supported(const GemmDesc& d) {
   return d.batch >= 0 && d.m >= 0 && d.n >= 0 && d.k >= 0 && is_gemm_float(d.operand) &&
-         is_gemm_float(d.out) && (!d.has_bias || is_gemm_float(d.bias_type));
+         is_gemm_float(d.out) && (!d.has_bias || is_gemm_float(d.bias_type)) &&
+         is_gemm_float(d.product_type);
 }
 
 void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void* bias) {
@@ -502,28 +565,36 @@ void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void
     for (int64_t i = 0; i < count; ++i) {
       float sum = partials[i];
       for (int64_t p = 1; p < parts; ++p) sum += partials[p * count + i];
-      result[i] = bias_f32 != nullptr ? sum + bias_f32[i % d.n] : sum;
+      result[i] = bias_f32 != nullptr ? round_to(d.product_type, sum) + bias_f32[i % d.n] : sum;
     }
     finish(d, true, result, out, count);
     return;
   }
   Choice choice;
   try {
-    choice = choose(d);
+    choice = choose(without_late_bias(d));
   } catch (const dnnl::error& error) {
     fail("{}: oneDNN failed: {}", describe(d), error.what());
   }
   log_choice(d, [&] { return describe(choice, d); });
-  if (choice.own) {
-    // An f32 or bf16 result is written by the kernel itself, relu included; an f16 one goes
-    // through the f32 result and the epilogue.
+  if (choice.own && (!late_bias(d) || d.product_type == bf16)) {
+    // An f32 or bf16 result is written by the kernel itself, bias and relu included (the product
+    // rounded to bf16 first where asked); an f16 one goes through the f32 result and the epilogue.
     const bool team = flops_of(d) >= kSingleThreadMaxFlops;
     const bool direct = d.out == f32 || d.out == bf16;
     void* result = direct ? out : f32_result();
     gemm_bf16_own(d.batch, d.m, d.n, d.k, d.transpose_a, d.transpose_b,
                   static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b), bias_f32,
-                  result, d.out == bf16, direct && d.relu, team);
+                  result, d.out == bf16, direct && d.relu, team, late_bias(d));
     if (!direct) finish(d, team, static_cast<float*>(result), out, result_count);
+    return;
+  }
+  if (late_bias(d)) {
+    // The product alone as f32, then the bias after its rounding, then finish().
+    float* result = f32_result();
+    gemm(product_only(d), a, b, result);
+    add_bias_after_rounding(d, bias_f32, result);
+    if (d.out != f32) finish(d, flops_of(d) >= kSingleThreadMaxFlops, result, out, result_count);
     return;
   }
   const void* a_operand = a;
@@ -558,9 +629,17 @@ std::string gemm_kernel(const GemmDesc& d) {
   if (d.k == 0) return "no product (k = 0): the epilogue of zeros";
   try {
     if (const int64_t parts = k_split_parts(d); parts > 1) return describe_k_split(d, parts);
-    return describe(choose(d), d);
+    return describe(choose(without_late_bias(d)), d);
   } catch (const dnnl::error& error) {
     fail("{}: oneDNN failed: {}", describe(d), error.what());
+  }
+}
+
+bool gemm_bf16_native_available() {
+  try {
+    return onednn_has_bf16_matmul();
+  } catch (const dnnl::error& error) {
+    fail("oneDNN failed: {}", error.what());
   }
 }
 
