@@ -537,7 +537,10 @@ TEST(Gemm, PrimitivesAreCachedAndReused) {
   other.relu = true;  // applied after oneDNN: no new primitive
   mt::gemm(other, a.data(), b.data(), out.data());
   EXPECT_EQ(mt::gemm_primitive_cache_size(), 2u);
-  other.has_bias = true;
+  other.has_bias = true;  // with the relu, added in the relu's pass: no new primitive
+  mt::gemm(other, a.data(), b.data(), out.data(), b.data());
+  EXPECT_EQ(mt::gemm_primitive_cache_size(), 2u);
+  other.relu = false;  // oneDNN's bias
   mt::gemm(other, a.data(), b.data(), out.data(), b.data());
   EXPECT_EQ(mt::gemm_primitive_cache_size(), 3u);
   mt::gemm_clear_primitive_cache();

@@ -426,10 +426,11 @@ void fill_empty_product(const GemmDesc& d, const float* bias, float* result) {
       result[row * d.n + j] = bias != nullptr ? 0.0f + bias[j] : 0.0f;
 }
 
-// A bias added after the product is rounded (GemmDesc::product_type). oneDNN adds its bias to the
-// f32 accumulator, so such a bias is left to the epilogue, or to the own kernel, which rounds to
-// bf16 in registers.
-bool late_bias(const GemmDesc& d) { return d.has_bias && d.product_type != f32; }
+// A bias oneDNN does not add: one added after the product is rounded (GemmDesc::product_type;
+// oneDNN adds its bias to the f32 accumulator), and one followed by a relu, which oneDNN's bias
+// pass and our relu pass would each take a pass over the result for. The epilogue adds it (with
+// the relu, in one pass), or the own kernel does in registers.
+bool late_bias(const GemmDesc& d) { return d.has_bias && (d.product_type != f32 || d.relu); }
 
 // The product alone, as an f32 result: what runs before a late bias.
 GemmDesc product_only(const GemmDesc& d) {
@@ -455,17 +456,32 @@ float round_to(DType type, float x) {
 #define MIXTAPE_BIAS_CLONES
 #endif
 
-// Rows of a result whose product is rounded to `product_type` before the bias is added, and the
-// relu applied when asked; built for AVX-512, AVX2 and the baseline and chosen by the CPU (on an
-// AVX2 CPU the baseline's loop cost bf16 steps about a tenth more than the kernels it replaced).
+// Rows of a result whose product is rounded (by `round`) before the bias is added, and the relu
+// applied when asked: a plain loop the vectorizer takes.
+template <typename Round>
+[[gnu::always_inline]] inline void add_bias_rows(float* values, int64_t rows, int64_t n,
+                                                 const float* bias, bool relu, Round round) {
+  for (int64_t row = 0; row < rows; ++row, values += n)
+    for (int64_t j = 0; j < n; ++j) {
+      const float x = round(values[j]) + bias[j];
+      values[j] = relu && !(x > 0.0f || std::isnan(x)) ? 0.0f : x;
+    }
+}
+
+// The same, one loop per product type, built for AVX-512, AVX2 and the baseline and chosen by
+// the CPU (on an AVX2 CPU the baseline's loop cost bf16 steps about a tenth more than the kernels
+// it replaced).
 MIXTAPE_BIAS_CLONES void bias_after_rounding_rows(float* values, int64_t rows, int64_t n,
                                                   const float* bias, DType product_type,
                                                   bool relu) {
-  for (int64_t row = 0; row < rows; ++row, values += n)
-    for (int64_t j = 0; j < n; ++j) {
-      const float x = round_to(product_type, values[j]) + bias[j];
-      values[j] = relu && !(x > 0.0f || std::isnan(x)) ? 0.0f : x;
-    }
+  if (product_type == bf16)
+    add_bias_rows(values, rows, n, bias, relu,
+                  [](float x) { return bf16_bits_to_f32(f32_to_bf16_bits(x)); });
+  else if (product_type == f16)
+    add_bias_rows(values, rows, n, bias, relu,
+                  [](float x) { return f16_bits_to_f32(f32_to_f16_bits(x)); });
+  else
+    add_bias_rows(values, rows, n, bias, relu, [](float x) { return x; });
 }
 
 // A product rounded to d.product_type before the bias is added (GemmDesc): oneDNN adds its bias
@@ -599,7 +615,7 @@ void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void
     fail("{}: oneDNN failed: {}", describe(d), error.what());
   }
   log_choice(d, [&] { return describe(choice, d); });
-  if (choice.own && (!late_bias(d) || d.product_type == bf16)) {
+  if (choice.own && !(d.has_bias && d.product_type == f16)) {
     // An f32 or bf16 result is written by the kernel itself, bias and relu included (the product
     // rounded to bf16 first where asked); an f16 one goes through the f32 result and the epilogue.
     const bool team = flops_of(d) >= kSingleThreadMaxFlops;
@@ -607,7 +623,8 @@ void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void
     void* result = direct ? out : f32_result();
     gemm_bf16_own(d.batch, d.m, d.n, d.k, d.transpose_a, d.transpose_b,
                   static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b), bias_f32,
-                  result, d.out == bf16, direct && d.relu, team, late_bias(d));
+                  result, d.out == bf16, direct && d.relu, team,
+                  d.has_bias && d.product_type == bf16);
     if (!direct) finish(d, team, static_cast<float*>(result), out, result_count);
     return;
   }
