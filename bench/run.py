@@ -167,9 +167,20 @@ def jax_python(requested, notes):
     return None
 
 
+def openblas_coretype():
+    """SkylakeX's kernels where the CPU has AVX-512; they die of SIGILL on one without it (an AMD
+    EPYC of the Zen 2 or 3 kind), which gets Haswell's (AVX2 and FMA)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next((line for line in cpuinfo if line.startswith("flags")), "").split()
+    except OSError:
+        flags = []
+    return "SkylakeX" if "avx512f" in flags else "Haswell"
+
+
 def torch_env(notes):
     env = base_env()
-    env["OPENBLAS_CORETYPE"] = "SkylakeX"
+    env["OPENBLAS_CORETYPE"] = openblas_coretype()
     if os.path.exists(os.path.join(OPENBLAS_DIR, "libblas.so.3")):
         env["LD_LIBRARY_PATH"] = OPENBLAS_DIR + (
             ":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")

@@ -254,6 +254,7 @@ class Fuser {
     for (Node* node : pending)
       for (const NodePtr& input : node->inputs)
         if (in_pending_.count(input.get())) users_[input.get()].push_back(node);
+    if (options_.fuse && options_.matmul_epilogue) find_epilogues();
   }
 
   std::vector<FusionGroup> run() {
@@ -280,11 +281,14 @@ class Fuser {
 
  private:
   void place(Node* node) {
+    if (auto found = epilogue_of_.find(node); found != epilogue_of_.end())
+      return place_in_epilogue(node, epilogues_.at(found->second));
     const std::vector<Node*>& users = users_[node];
     bool required = required_.count(node) > 0;
     if (!kernel_op(*node)) {
       new_group(node,
                 node->op == OpCode::MatMul ? FusionGroup::Kind::MatMul : FusionGroup::Kind::Host);
+      if (node->op == OpCode::MatMul) groups_.back().matmul = node;
       return;
     }
     if (!required && is_constant_fill(*node) &&
@@ -326,6 +330,110 @@ class Fuser {
   }
 
   uint64_t root_id(size_t g) const { return groups_[g].members.front()->id; }
+
+  // A matmul with the readers its epilogue absorbs (FusionOptions::matmul_epilogue). They are
+  // found before placing: placing walks from the newest node, so the relu and the add are placed
+  // before the matmul whose group they join.
+  struct Epilogue {
+    Node* matmul = nullptr;
+    Node* output = nullptr;  // the last node of the chain, the one the group stores
+    Node* bias = nullptr;
+    bool relu = false;
+    DType product_type = f32, bias_type = f32;
+    std::vector<Node*> absorbed;  // the matmul's readers it takes in
+    size_t group = SIZE_MAX;      // the group, once its first member is placed
+  };
+
+  // The one node that reads `node`, where nothing else needs its value.
+  Node* sole_reader(Node* node) const {
+    if (required_.count(node)) return nullptr;
+    auto found = users_.find(node);
+    return found != users_.end() && found->second.size() == 1 ? found->second[0] : nullptr;
+  }
+
+  static DType stored_type(const Node& node) {
+    return node.value ? node.value->dtype : node.precision.storage_type;
+  }
+  static bool gemm_float(DType t) { return t == f32 || is_half(t); }
+
+  // Whether `add` is product + a row broadcast over the product's rows that the epilogue can add
+  // with the reference's roundings; then sets the bias and the type the product is rounded to
+  // first. The reference rounds the product to its storage type, then rounds both operands of a
+  // 16-bit add to its compute type (an f32 bias entering a bf16 add is used as bf16), adds in
+  // f32 and rounds to the add's storage type.
+  bool bias_add(Node* product, Node* add, Epilogue& e) const {
+    if (add->op != OpCode::Add || add->shape != product->shape) return false;
+    Node* row = add->inputs[add->inputs[0].get() == product ? 1 : 0].get();
+    if (row->op != OpCode::BroadcastTo || !in_pending_.count(row) || sole_reader(row) != add)
+      return false;
+    Node* bias = row->inputs[0].get();
+    const int64_t n = product->shape.back();
+    if (bias->shape.empty() || bias->shape.back() != n || numel(bias->shape) != n) return false;
+    // The broadcast stores the bias in its own type (an f32 parameter viewed in a bf16 region is
+    // rounded to bf16), and that is the type the epilogue reads it in.
+    const DType bias_type = row->precision.storage_type;
+    const DType product_type = product->precision.storage_type;
+    const DType compute = add->precision.compute;
+    if (!gemm_float(stored_type(*bias)) || !gemm_float(bias_type) ||
+        !gemm_float(add->precision.storage_type))
+      return false;
+    if (is_half(compute)) {
+      if ((product_type != f32 && product_type != compute) || bias_type != compute) return false;
+      e.product_type = compute;
+    } else {
+      if (compute != f32) return false;
+      e.product_type = product_type;
+    }
+    e.bias = bias;
+    e.bias_type = bias_type;
+    e.absorbed = {row, add};
+    return true;
+  }
+
+  // A relu of `value` that changes no type (so that it commutes with the rounding to it).
+  static bool exact_relu(const Node& value, const Node& relu) {
+    const DType type = value.precision.storage_type;
+    return relu.op == OpCode::Relu && relu.precision.storage_type == type &&
+           (!is_half(relu.precision.compute) || relu.precision.compute == type);
+  }
+
+  void find_epilogues() {
+    for (Node* node : pending_) {
+      const NodePrecision& p = node->precision;
+      if (node->op != OpCode::MatMul || !gemm_float(p.compute) || !gemm_float(p.storage_type) ||
+          is_half(p.accum))
+        continue;
+      Epilogue e;
+      e.matmul = e.output = node;
+      if (Node* add = sole_reader(node); add && bias_add(node, add, e)) e.output = add;
+      if (Node* relu = sole_reader(e.output); relu && exact_relu(*e.output, *relu)) {
+        e.relu = true;
+        e.absorbed.push_back(relu);
+        e.output = relu;
+      }
+      if (e.output == node) continue;
+      epilogue_of_[node] = epilogues_.size();
+      for (Node* reader : e.absorbed) epilogue_of_[reader] = epilogues_.size();
+      epilogues_.push_back(std::move(e));
+    }
+  }
+
+  void place_in_epilogue(Node* node, Epilogue& e) {
+    if (e.group == SIZE_MAX) {
+      FusionGroup group;
+      group.kind = FusionGroup::Kind::MatMul;
+      group.outputs = {e.output};
+      group.matmul = e.matmul;
+      group.bias = e.bias;
+      group.relu = e.relu;
+      group.product_type = e.product_type;
+      group.bias_type = e.bias_type;
+      e.group = groups_.size();
+      groups_.push_back(std::move(group));
+    }
+    groups_[e.group].members.push_back(node);
+    group_of_[node] = e.group;
+  }
 
   // A kernel that would only copy a stored value into a new shape (a reshape read by a matmul):
   // row-major storage is the same bytes in any shape, so the reshape shares its input's buffer.
@@ -539,8 +647,13 @@ class Fuser {
                        : group.kind == FusionGroup::Kind::MatMul ? "matmul"
                        : group.kind == FusionGroup::Kind::Alias  ? "alias"
                                                                  : "host";
-    log_line("fusion", "{} [{} nodes, {} stored]:{}", kind, group.members.size(),
-             group.outputs.size(), names);
+    std::string epilogue;
+    if (group.bias)
+      epilogue = fmt::format(", epilogue: bias {} added after rounding to {}",
+                             to_string(group.bias->shape), name(group.product_type));
+    if (group.relu) epilogue += group.bias ? ", relu" : ", epilogue: relu";
+    log_line("fusion", "{} [{} nodes, {} stored{}]:{}", kind, group.members.size(),
+             group.outputs.size(), epilogue, names);
   }
 
   const std::vector<Node*>& pending_;
@@ -550,6 +663,8 @@ class Fuser {
   std::unordered_map<Node*, std::vector<Node*>> users_;
   std::unordered_map<Node*, size_t> group_of_;
   std::vector<FusionGroup> groups_;
+  std::vector<Epilogue> epilogues_;
+  std::unordered_map<Node*, size_t> epilogue_of_;  // a matmul or a reader its epilogue absorbs
 };
 
 }  // namespace

@@ -34,6 +34,16 @@ struct FusionGroup {
   int reduce_from = -1;
   std::vector<Node*> reductions;  // tape order
   std::unordered_map<Node*, std::vector<Access>> access;
+  // MatMul groups whose product's readers fused into its epilogue (FusionOptions::matmul_epilogue):
+  // members are the matmul, then a bias add (the add and the broadcast of `bias`, one value per
+  // column) and a relu; only the last is stored. The epilogue keeps the unfused graph's roundings:
+  // the product is rounded to `product_type` (the matmul's storage type, or the add's 16-bit
+  // compute type) before the bias, read in `bias_type` (the broadcast's storage type, to which
+  // the bias is rounded first), is added in f32, and the sum to the add's storage type.
+  Node* matmul = nullptr;
+  Node* bias = nullptr;
+  bool relu = false;
+  DType product_type = f32, bias_type = f32;
 };
 
 struct FusionOptions {
@@ -47,6 +57,9 @@ struct FusionOptions {
   // updates, the unscale and inf checks) as one multi-tensor step (kir::Kernel::multi_tensor).
   // build_program forms them, after fusion and lowering.
   bool multi_tensor = false;
+  // A matmul's only reader, a bias add (a broadcast row) and then a relu, or a relu alone, runs
+  // in the matmul's epilogue instead of a kernel of its own (the CPU's gemm takes both).
+  bool matmul_epilogue = false;
 };
 
 /// Groups `pending` (unevaluated nodes in tape order) so that every node in `required` is stored.

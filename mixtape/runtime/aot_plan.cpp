@@ -253,6 +253,7 @@ PlanDocument plan_to_json(const std::vector<TracedPlan>& traced,
   for (const auto& [e, j] : plan.results) results.push_back({e, j});
   Value doc = {{"format", kPlanFormat},
                {"multi_tensor", fusion_options(Device::cpu).multi_tensor},
+               {"matmul_epilogue", fusion_options(Device::cpu).matmul_epilogue},
                {"results", std::move(results)},
                {"evaluations", std::move(evaluations)}};
   return PlanDocument(
@@ -271,6 +272,9 @@ std::unique_ptr<Plan> plan_from_json(const PlanDocument& document, int64_t batch
   FusionOptions options = fusion_options(Device::cpu);
   options.fuse = true;
   options.multi_tensor = doc.at("multi_tensor").get<bool>();
+  // The CPU's gemm runs the epilogue; plans written before it was fused say nothing.
+  options.matmul_epilogue = device == Device::cpu && doc.contains("matmul_epilogue") &&
+                            doc.at("matmul_epilogue").get<bool>();
   auto plan = std::make_unique<Plan>();
   for (const Value& r : doc.at("results").get_ref<const Value::array_t&>())
     plan->results.emplace_back(static_cast<int>(json::as_int(r.at(0))),

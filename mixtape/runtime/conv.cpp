@@ -133,6 +133,8 @@ bool widens_bf16(const ConvDesc& d) {
     case Bf16Kernel::automatic:
       break;
   }
+  // Without AVX-512 (an AVX2 EPYC) oneDNN 2.6 has no bf16 convolution, as it has no bf16 matmul.
+  if (!gemm_bf16_native_available()) return true;
   const ConvGeometry& g = d.geometry;
   return d.op == OpCode::Conv2dWeightGrad ? g.c / g.window.groups <= kWidenBf16WeightGradMaxChannels
                                           : g.oh * g.ow <= kWidenBf16MaxPositions;

@@ -221,7 +221,14 @@ std::shared_ptr<Storage> as_dtype(const Node& input, DType dtype, bool cache = t
   return out;
 }
 
-void run_matmul(Node& node) {
+// A matmul, with the bias add and relu fusion gave its epilogue (FusionGroup::matmul): the step
+// stores only its output node's value.
+void run_matmul(const Step& step, const std::vector<Node*>& pending, const Signature& sig) {
+  Node& node = *sig.resolve(step.node, pending);
+  Node& output = *sig.resolve(step.output, pending);
+  // The bias in the type the add reads it in (an f32 parameter's bf16 copy is made once a run).
+  std::shared_ptr<Storage> bias =
+      step.has_bias ? as_dtype(*sig.resolve(step.bias, pending), step.bias_type) : nullptr;
   const auto [m, n, k, batch] = matmul_dims(node);
   GemmDesc desc{.batch = batch,
                 .m = m,
@@ -230,22 +237,31 @@ void run_matmul(Node& node) {
                 .transpose_a = node.attrs.transpose_a,
                 .transpose_b = node.attrs.transpose_b,
                 .operand = node.precision.compute,
-                .out = node.precision.storage_type};
+                .out = output.precision.storage_type,
+                .has_bias = bias != nullptr,
+                .bias_type = bias ? bias->dtype : f32,
+                .relu = step.relu,
+                .product_type = step.product_type};
   // A 16-bit accumulator (asked for by a custom policy) is not what oneDNN does: the reference
-  // loops honour it.
+  // loops honour it. Fusion gives such products no epilogue.
   if (!gemm_supported(desc) || is_half(node.precision.accum)) {
+    if (&output != &node)
+      fail("internal: a {} matmul with a fused epilogue, which gemm does not run",
+           name(desc.operand));
     node.value = reference_compute(node);
     ++stats().host_ops;
     return;
   }
   auto a = as_dtype(*node.inputs[0], desc.operand);
   auto b = as_dtype(*node.inputs[1], desc.operand);
-  auto out = allocate(node);
-  if (desc.batch > 0) gemm(desc, a->host_data(), b->host_data(), out->host_data());
-  node.value = out;
+  auto out = allocate(output);
+  if (desc.batch > 0)
+    gemm(desc, a->host_data(), b->host_data(), out->host_data(),
+         bias ? bias->host_data() : nullptr);
+  output.value = out;
   ExecutionStats& s = stats();
   ++s.gemms;
-  s.bytes_read += bytes_of(*a) + bytes_of(*b);
+  s.bytes_read += bytes_of(*a) + bytes_of(*b) + (bias ? bytes_of(*bias) : 0);
   s.bytes_written += bytes_of(*out);
 }
 
@@ -304,10 +320,12 @@ void run_host_step(Node& node) {
 
 Signature sign_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required,
                    const FusionOptions& options) {
-  // Programs with and without multi-tensor steps differ for the same graph.
-  return sign(
-      pending, required, options.fuse,
-      options.multi_tensor ? "mixtape-cpu-program-1/multi-tensor" : "mixtape-cpu-program-1");
+  // Programs with and without multi-tensor steps or matmul epilogues differ for the same graph.
+  static constexpr std::string_view salts[2][2] = {
+      {"mixtape-cpu-program-1/no-epilogue", "mixtape-cpu-program-1/multi-tensor/no-epilogue"},
+      {"mixtape-cpu-program-1", "mixtape-cpu-program-1/multi-tensor"}};
+  return sign(pending, required, options.fuse,
+              salts[options.matmul_epilogue][options.multi_tensor]);
 }
 
 ExecutedProgram execute_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required) {

@@ -239,7 +239,10 @@ void run_other(Node& node) {
 
 bool half_or_f32(DType t) { return t == f32 || is_half(t); }
 
-void run_matmul(Node& node) {
+void run_matmul(const Step& step, const std::vector<Node*>& pending, const Signature& sig) {
+  // The CUDA back end fuses no epilogue into its products (FusionOptions::matmul_epilogue).
+  if (step.output != step.node) fail("internal: a CUDA matmul step with a fused epilogue");
+  Node& node = *sig.resolve(step.node, pending);
   const auto [m, n, k, batch] = matmul_dims(node);
   cuda::MatmulDesc desc{.batch = batch,
                         .m = m,

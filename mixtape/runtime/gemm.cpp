@@ -2,6 +2,7 @@
 // problem.
 #include "mixtape/runtime/gemm.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <map>
@@ -154,6 +155,8 @@ std::string describe(const GemmDesc& d) {
                                  d.m, d.n, d.k, name(d.operand), d.transpose_a ? " transposed" : "",
                                  name(d.operand), d.transpose_b ? " transposed" : "", name(d.out));
   if (d.has_bias) text += fmt::format(", bias {}", name(d.bias_type));
+  if (d.has_bias && d.product_type != f32)
+    text += fmt::format(" added after rounding to {}", name(d.product_type));
   if (d.relu) text += ", relu";
   return text + ")";
 }
@@ -247,6 +250,20 @@ std::optional<Choice> amx_choice(const GemmDesc& d) {
   return std::nullopt;
 }
 
+// Whether oneDNN has a bf16 matmul on this CPU: it needs AVX-512 (on a CPU with AVX2 alone,
+// an AMD EPYC of the Zen 2 or 3 kind, making one fails). Asked once, with a small product.
+bool onednn_has_bf16_matmul() {
+  static const bool has = [] {
+    try {
+      cached_primitive({1, 16, 16, 16, false, false, OnednnType::bf16, OnednnType::f32, false});
+      return true;
+    } catch (const dnnl::error&) {
+      return false;
+    }
+  }();
+  return has;
+}
+
 double flops_of(const GemmDesc& d) {
   return 2.0 * static_cast<double>(d.batch) * static_cast<double>(d.m) * static_cast<double>(d.n) *
          static_cast<double>(d.k);
@@ -277,6 +294,9 @@ Choice choose(const GemmDesc& d) {
   if (d.operand == bf16) {
     switch (d.bf16_kernel) {
       case Bf16Kernel::native:
+        if (!onednn_has_bf16_matmul())
+          fail("{}: oneDNN has no bf16 matmul on this CPU (it needs AVX-512); widen instead",
+               describe(d));
         widen = false;
         break;
       case Bf16Kernel::widened:
@@ -290,6 +310,10 @@ Choice choose(const GemmDesc& d) {
               describe(d));
         return Choice{true, false, false, nullptr};
       case Bf16Kernel::automatic: {
+        if (!onednn_has_bf16_matmul()) {  // AVX2 alone: every bf16 product is widened
+          widen = true;
+          break;
+        }
         if (onednn_may_use_amx())
           if (std::optional<Choice> amx = amx_choice(d)) return std::move(*amx);
         if (bf16_dots_are_faster()) {
@@ -402,6 +426,82 @@ void fill_empty_product(const GemmDesc& d, const float* bias, float* result) {
       result[row * d.n + j] = bias != nullptr ? 0.0f + bias[j] : 0.0f;
 }
 
+// A bias oneDNN does not add: one added after the product is rounded (GemmDesc::product_type;
+// oneDNN adds its bias to the f32 accumulator), and one followed by a relu, which oneDNN's bias
+// pass and our relu pass would each take a pass over the result for. The epilogue adds it (with
+// the relu, in one pass), or the own kernel does in registers.
+bool late_bias(const GemmDesc& d) { return d.has_bias && (d.product_type != f32 || d.relu); }
+
+// The product alone, as an f32 result: what runs before a late bias.
+GemmDesc product_only(const GemmDesc& d) {
+  GemmDesc product = d;
+  product.out = f32;
+  product.has_bias = product.relu = false;
+  product.product_type = f32;
+  return product;
+}
+
+GemmDesc without_late_bias(const GemmDesc& d) { return late_bias(d) ? product_only(d) : d; }
+
+// An f32 value rounded to `type` (f32: itself), as dsl/half.h rounds.
+float round_to(DType type, float x) {
+  if (type == bf16) return bf16_bits_to_f32(f32_to_bf16_bits(x));
+  if (type == f16) return f16_bits_to_f32(f32_to_f16_bits(x));
+  return x;
+}
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__clang__)
+#define MIXTAPE_BIAS_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#else
+#define MIXTAPE_BIAS_CLONES
+#endif
+
+// Rows of a result whose product is rounded (by `round`) before the bias is added, and the relu
+// applied when asked: a plain loop the vectorizer takes.
+template <typename Round>
+[[gnu::always_inline]] inline void add_bias_rows(float* values, int64_t rows, int64_t n,
+                                                 const float* bias, bool relu, Round round) {
+  for (int64_t row = 0; row < rows; ++row, values += n)
+    for (int64_t j = 0; j < n; ++j) {
+      const float x = round(values[j]) + bias[j];
+      values[j] = relu && !(x > 0.0f || std::isnan(x)) ? 0.0f : x;
+    }
+}
+
+// The same, one loop per product type, built for AVX-512, AVX2 and the baseline and chosen by
+// the CPU (on an AVX2 CPU the baseline's loop cost bf16 steps about a tenth more than the kernels
+// it replaced).
+MIXTAPE_BIAS_CLONES void bias_after_rounding_rows(float* values, int64_t rows, int64_t n,
+                                                  const float* bias, DType product_type,
+                                                  bool relu) {
+  if (product_type == bf16)
+    add_bias_rows(values, rows, n, bias, relu,
+                  [](float x) { return bf16_bits_to_f32(f32_to_bf16_bits(x)); });
+  else if (product_type == f16)
+    add_bias_rows(values, rows, n, bias, relu,
+                  [](float x) { return f16_bits_to_f32(f32_to_f16_bits(x)); });
+  else
+    add_bias_rows(values, rows, n, bias, relu, [](float x) { return x; });
+}
+
+// A product rounded to d.product_type before the bias is added (GemmDesc): oneDNN adds its bias
+// to the f32 accumulator, so this runs on its f32 result, in place, before finish() (which has
+// nothing left to do for an f32 result: its relu is applied here, in the same pass). Large
+// results are shared out among the team in blocks of rows.
+void add_bias_after_rounding(const GemmDesc& d, const float* bias, float* result) {
+  const int64_t rows = d.batch * d.m;
+  const bool relu = d.relu && d.out == f32;
+  constexpr int64_t kBlockRows = 64;
+  if (rows * d.n < (int64_t{1} << 17)) {
+    bias_after_rounding_rows(result, rows, d.n, bias, d.product_type, relu);
+    return;
+  }
+#pragma omp parallel for schedule(static)
+  for (int64_t row = 0; row < rows; row += kBlockRows)
+    bias_after_rounding_rows(result + row * d.n, std::min(kBlockRows, rows - row), d.n, bias,
+                             d.product_type, relu);
+}
+
 // The epilogue after oneDNN: relu, and the one rounding to a half output.
 // A product the team computed is finished by the team, each member converting the rows it wrote
 // (still in its cache): on one thread the other member's half crosses between cores, which
@@ -457,7 +557,8 @@ std::string describe_k_split(const GemmDesc& d, int64_t parts) {
 
 bool gemm_supported(const GemmDesc& d) {
   return d.batch >= 0 && d.m >= 0 && d.n >= 0 && d.k >= 0 && is_gemm_float(d.operand) &&
-         is_gemm_float(d.out) && (!d.has_bias || is_gemm_float(d.bias_type));
+         is_gemm_float(d.out) && (!d.has_bias || is_gemm_float(d.bias_type)) &&
+         is_gemm_float(d.product_type);
 }
 
 void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void* bias) {
@@ -502,28 +603,37 @@ void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void
     for (int64_t i = 0; i < count; ++i) {
       float sum = partials[i];
       for (int64_t p = 1; p < parts; ++p) sum += partials[p * count + i];
-      result[i] = bias_f32 != nullptr ? sum + bias_f32[i % d.n] : sum;
+      result[i] = bias_f32 != nullptr ? round_to(d.product_type, sum) + bias_f32[i % d.n] : sum;
     }
     finish(d, true, result, out, count);
     return;
   }
   Choice choice;
   try {
-    choice = choose(d);
+    choice = choose(without_late_bias(d));
   } catch (const dnnl::error& error) {
     fail("{}: oneDNN failed: {}", describe(d), error.what());
   }
   log_choice(d, [&] { return describe(choice, d); });
-  if (choice.own) {
-    // An f32 or bf16 result is written by the kernel itself, relu included; an f16 one goes
-    // through the f32 result and the epilogue.
+  if (choice.own && !(d.has_bias && d.product_type == f16)) {
+    // An f32 or bf16 result is written by the kernel itself, bias and relu included (the product
+    // rounded to bf16 first where asked); an f16 one goes through the f32 result and the epilogue.
     const bool team = flops_of(d) >= kSingleThreadMaxFlops;
     const bool direct = d.out == f32 || d.out == bf16;
     void* result = direct ? out : f32_result();
     gemm_bf16_own(d.batch, d.m, d.n, d.k, d.transpose_a, d.transpose_b,
                   static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b), bias_f32,
-                  result, d.out == bf16, direct && d.relu, team);
+                  result, d.out == bf16, direct && d.relu, team,
+                  d.has_bias && d.product_type == bf16);
     if (!direct) finish(d, team, static_cast<float*>(result), out, result_count);
+    return;
+  }
+  if (late_bias(d)) {
+    // The product alone as f32, then the bias after its rounding, then finish().
+    float* result = f32_result();
+    gemm(product_only(d), a, b, result);
+    add_bias_after_rounding(d, bias_f32, result);
+    if (d.out != f32) finish(d, flops_of(d) >= kSingleThreadMaxFlops, result, out, result_count);
     return;
   }
   const void* a_operand = a;
@@ -558,9 +668,17 @@ std::string gemm_kernel(const GemmDesc& d) {
   if (d.k == 0) return "no product (k = 0): the epilogue of zeros";
   try {
     if (const int64_t parts = k_split_parts(d); parts > 1) return describe_k_split(d, parts);
-    return describe(choose(d), d);
+    return describe(choose(without_late_bias(d)), d);
   } catch (const dnnl::error& error) {
     fail("{}: oneDNN failed: {}", describe(d), error.what());
+  }
+}
+
+bool gemm_bf16_native_available() {
+  try {
+    return onednn_has_bf16_matmul();
+  } catch (const dnnl::error& error) {
+    fail("oneDNN failed: {}", error.what());
   }
 }
 

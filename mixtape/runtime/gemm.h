@@ -20,7 +20,8 @@ enum class Bf16Kernel : uint8_t {
               // shallow ones (n >= 64, k <= 128), native otherwise; elsewhere widened when there
               // are enough flops per
               // converted element. Fixed per shape and machine; MIXTAPE_LOG=profile logs it.
-  native,     // oneDNN's bf16 matmul (AMX tiles or AVX512-BF16 dot products)
+  native,     // oneDNN's bf16 matmul (AMX tiles or AVX512-BF16 dot products); an mt::Error on a
+              // CPU without AVX-512, where oneDNN has none (automatic widens there)
   widened,    // operands widened exactly to f32, then oneDNN's f32 matmul
   own,        // mixtape's VDPBF16PS kernel, on the team from 2^22 flops (gemm_bf16.h gives its
               // exact result); an mt::Error on a CPU without AVX512-BF16
@@ -32,13 +33,15 @@ struct GemmDesc {
   bool transpose_b = false;  // b is [batch, k, n] row-major, or [batch, n, k] when transposed
   DType operand = f32;       // dtype of a and b: f32, bf16 or f16
   DType out = f32;           // dtype of the result [batch, m, n]: f32, bf16 or f16
-  // Optional epilogue: out = act(a@b + bias[n]); bias has dtype bias_type (f32, bf16 or f16).
-  // The bias add and the relu run in f32 on the f32 accumulator and the result is rounded to `out`
-  // once, so a half-typed result differs from an unfused matmul (rounded to `out`) followed by a
-  // separate add (rounded again) by that one extra rounding.
+  // Optional epilogue: out = act(round_p(a@b) + bias[n]); bias has dtype bias_type (f32, bf16 or
+  // f16). round_p rounds the f32 accumulator to product_type (nothing for f32); the bias add and
+  // the relu run in f32 and the result is rounded to `out` once. With product_type the matmul
+  // node's own storage type this is the unfused graph's sequence of roundings (the matmul's value
+  // rounded, then the add's), which a fused Linear keeps (codegen/fusion.h).
   bool has_bias = false;
   DType bias_type = f32;
-  bool relu = false;  // max(x, 0) with +0 for x <= 0 and NaN kept, as the reference's Relu
+  bool relu = false;         // max(x, 0) with +0 for x <= 0 and NaN kept, as the reference's Relu
+  DType product_type = f32;  // f32, bf16 or f16; read only with a bias
   Bf16Kernel bf16_kernel = Bf16Kernel::automatic;  // only read when operand is bf16
 };
 
@@ -60,6 +63,9 @@ void gemm(const GemmDesc& desc, const void* a, const void* b, void* out,
 /// text is logged under MIXTAPE_LOG=profile the first time each distinct product runs. Makes
 /// and caches the primitive; throws mt::Error as gemm does for an unsupported description.
 std::string gemm_kernel(const GemmDesc& desc);
+
+/// Whether Bf16Kernel::native runs on this CPU (oneDNN's bf16 matmul needs AVX-512).
+bool gemm_bf16_native_available();
 
 /// The number of oneDNN matmul primitives created and cached so far (one per distinct oneDNN
 /// problem: shapes, transposes, oneDNN operand type, bias); for tests and reports.

@@ -56,7 +56,8 @@ struct TileOutput {
   int64_t ldo = 0;
   const float* bias = nullptr;  // f32, added by the last block only
   bool bf16 = false, relu = false;
-  int last_lanes = 16;  // lanes the last vector of columns stores
+  bool round_product = false;  // the sums rounded to bf16 before the bias is added
+  int last_lanes = 16;         // lanes the last vector of columns stores
 };
 
 // The reference's relu (x for x > 0 and NaN, +0 otherwise, -0 included), then dsl/half.h's
@@ -79,6 +80,11 @@ MIXTAPE_AVX512_BF16 __m512i bf16_bits(__m512 x) {
   return _mm512_mask_mov_epi32(rounded, nan, _mm512_or_si512(high, _mm512_set1_epi32(0x0040)));
 }
 
+// x rounded to bf16 as bf16_bits rounds, as an f32 again.
+MIXTAPE_AVX512_BF16 __m512 bf16_value(__m512 x) {
+  return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(0xFFFF, bf16_bits(x), 16));
+}
+
 // One rows x (16 * vectors) block of the result: row r's pair p of A is the (unaligned) 32-bit
 // word at a + 2 * (r * row_words + p * pair_words); `panel` points at the packed B panel
 // ([pairs][64] words, each a pair of bf16 from rows 2p and 2p+1 of one column).
@@ -94,7 +100,7 @@ MIXTAPE_AVX512_BF16 void tile(const uint16_t* a, int64_t row_words, int64_t pair
   const float* const resume = o.resume;
   const float* const bias = o.bias;
   const int64_t resume_ld = o.resume_ld, ldo = o.ldo;
-  const bool relu = o.relu, bf16 = o.bf16;
+  const bool relu = o.relu, bf16 = o.bf16, round_product = o.round_product;
   float* const out32 = static_cast<float*>(o.out);
   uint16_t* const out16 = static_cast<uint16_t*>(o.out);
   __m512 acc[rows][vectors];
@@ -125,7 +131,8 @@ MIXTAPE_AVX512_BF16 void tile(const uint16_t* a, int64_t row_words, int64_t pair
         bias != nullptr ? _mm512_maskz_loadu_ps(mask, bias + 16 * v) : _mm512_setzero_ps();
 #pragma GCC unroll 8
     for (int r = 0; r < rows; ++r) {
-      __m512 x = bias != nullptr ? _mm512_add_ps(acc[r][v], add) : acc[r][v];
+      __m512 x = round_product ? bf16_value(acc[r][v]) : acc[r][v];
+      if (bias != nullptr) x = _mm512_add_ps(x, add);
       if (relu) x = reference_relu(x);
       if (bf16)
         _mm512_mask_cvtepi32_storeu_epi16(out16 + r * ldo + 16 * v, mask, bf16_bits(x));
@@ -351,7 +358,7 @@ struct Problem {
   const uint16_t* b;
   const float* bias;
   void* out;
-  bool bf16, relu;
+  bool bf16, relu, round_product;
 };
 
 // Rows [i_begin, i_end) of batch `bi`'s result, their A packed here where it must be. `packed_b`
@@ -399,7 +406,7 @@ MIXTAPE_AVX512_BF16 void run_rows(const Problem& q, int64_t bi, int64_t i_begin,
         if (last) {
           o.out = out + out_size * i * q.n, o.ldo = q.n;
           o.bias = q.bias != nullptr ? q.bias + j0 : nullptr;
-          o.bf16 = q.bf16, o.relu = q.relu;
+          o.bf16 = q.bf16, o.relu = q.relu, o.round_product = q.round_product;
         } else if (stage != nullptr) {
           o.out = stage + i * kPanel, o.ldo = kPanel;
         } else {
@@ -425,10 +432,10 @@ MIXTAPE_AVX512_BF16 void pack_b(const Problem& q, int64_t bi, uint32_t* packed) 
 
 void gemm_bf16_own(int64_t batch, int64_t m, int64_t n, int64_t k, bool transpose_a,
                    bool transpose_b, const uint16_t* a, const uint16_t* b, const float* bias,
-                   void* out, bool bf16_out, bool relu, bool team) {
+                   void* out, bool bf16_out, bool relu, bool team, bool round_product) {
   const int64_t pairs = (k + 1) / 2, panels = (n + kPanel - 1) / kPanel;
   const Problem q{m, n, k,    pairs, panels,   transpose_a, transpose_b,
-                  a, b, bias, out,   bf16_out, relu};
+                  a, b, bias, out,   bf16_out, relu,        round_product && bias != nullptr};
   const int64_t item_rows = transpose_a ? kPanel : kItemRows;
   const int64_t items_per_batch = (m + item_rows - 1) / item_rows;
   const int64_t items = batch * items_per_batch;

@@ -22,7 +22,8 @@ double bf16_dot_speed_over_f32();
 /// quieted), in registers, without an f32 pass through memory. With relu, act is the reference's
 /// relu (x for x > 0 and NaN, +0 otherwise), applied before the rounding. With team, blocks of 64
 /// rows (of every batch) are shared out among the OpenMP team; else all run on the calling thread.
-/// Either way every element is computed alike.
+/// Either way every element is computed alike. With round_product, acc is rounded to bf16 (as
+/// f32_to_bf16_bits rounds) before the bias is added: a fused Linear whose matmul is stored bf16.
 ///
 /// The exact result, bit for bit, whatever the shape and the alignment (tests/test_gemm.cpp checks
 /// it against a scalar model): k is padded with one zero to an even length kp, and each element is
@@ -31,6 +32,7 @@ double bf16_dot_speed_over_f32();
 ///     acc = ftz(round(acc + daz(a[2p+1]) * daz(b[2p+1])))
 ///     acc = ftz(round(acc + daz(a[2p]) * daz(b[2p])))
 ///   out = bias ? acc + bias[j] : acc                       (an ordinary f32 add)
+///         (acc rounded to bf16 first with round_product)
 /// which is VDPBF16PS's definition: daz turns a subnormal bf16 operand into a zero of its sign,
 /// each multiply-add is rounded once to nearest even in f32 (the product itself is exact, so a
 /// product below 2^-126 still counts), and ftz turns an f32 subnormal sum into a zero of its sign.
@@ -38,6 +40,7 @@ double bf16_dot_speed_over_f32();
 /// pair first); the reference executor's f64 sums differ by f32 rounding only.
 void gemm_bf16_own(int64_t batch, int64_t m, int64_t n, int64_t k, bool transpose_a,
                    bool transpose_b, const uint16_t* a, const uint16_t* b, const float* bias,
-                   void* out, bool bf16_out = false, bool relu = false, bool team = false);
+                   void* out, bool bf16_out = false, bool relu = false, bool team = false,
+                   bool round_product = false);
 
 }  // namespace mixtape

@@ -21,9 +21,10 @@ void step_io(const Step& step, const std::vector<Node*>& pending, const Signatur
     for (size_t p = 0; p < step.params.size(); ++p)
       (step.param_is_output(p) ? writes : reads).push_back(step.params[p]);
   } else {
-    for (const NodePtr& input : pending[step.node]->inputs)
+    for (const NodePtr& input : sig.resolve(step.node, pending)->inputs)
       reads.push_back(sig.ref(input.get(), pending));
-    writes.push_back(step.node);
+    if (step.has_bias) reads.push_back(step.bias);
+    writes.push_back(step.output);
   }
 }
 

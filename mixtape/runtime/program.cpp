@@ -179,7 +179,7 @@ int64_t stored_bytes(const Node* node) { return node->value ? node->value->size_
 template <typename BytesOf>
 int64_t step_output_bytes(const Step& step, const std::vector<Node*>& pending, const Signature& sig,
                           BytesOf bytes_of) {
-  if (step.kind != FusionGroup::Kind::Kernel) return bytes_of(sig.resolve(step.node, pending));
+  if (step.kind != FusionGroup::Kind::Kernel) return bytes_of(sig.resolve(step.output, pending));
   int64_t bytes = 0;
   for (size_t p = 0; p < step.params.size(); ++p)
     if (step.param_is_output(p)) bytes += bytes_of(sig.resolve(step.params[p], pending));
@@ -369,7 +369,13 @@ Program build_program(const std::vector<Node*>& pending, const FusionOptions& op
     Step& step = steps[i];
     step.kind = group.kind;
     if (group.kind != FusionGroup::Kind::Kernel) {
-      step.node = sig.ref(group.members[0], pending);
+      step.node = sig.ref(group.matmul ? group.matmul : group.members[0], pending);
+      step.output = sig.ref(group.outputs[0], pending);
+      step.has_bias = group.bias != nullptr;
+      if (step.has_bias) step.bias = sig.ref(group.bias, pending);
+      step.relu = group.relu;
+      step.product_type = group.product_type;
+      step.bias_type = group.bias_type;
       continue;
     }
     PendingKernel& k = lowered[i];
@@ -523,9 +529,14 @@ std::string step_label(const Step& step, const std::vector<Node*>& pending, cons
   std::string inputs;
   for (const NodePtr& input : node.inputs)
     inputs += fmt::format("{}{} ", name(input->precision.storage_type), to_string(input->shape));
-  return fmt::format("{} {} {}-> {}{}", step.kind == FusionGroup::Kind::MatMul ? "matmul" : "host",
-                     op_name(node.op), inputs, name(node.precision.storage_type),
-                     to_string(node.shape));
+  std::string epilogue;  // what the matmul's epilogue does
+  if (step.has_bias) epilogue += fmt::format("+ bias {} ", name(step.bias_type));
+  if (step.relu) epilogue += "+ relu ";
+  const Node& output = *sig.resolve(step.output, pending);
+  return fmt::format("{} {} {}{}-> {}{}",
+                     step.kind == FusionGroup::Kind::MatMul ? "matmul" : "host", op_name(node.op),
+                     inputs, epilogue, name(output.precision.storage_type),
+                     to_string(output.shape));
 }
 }  // namespace
 
@@ -552,9 +563,10 @@ void run_program(const Program& program, const std::vector<Node*>& pending, cons
       node->value = node->inputs[0]->value;
     } else if (step.kind == FusionGroup::Kind::Kernel) {
       run.kernel(step, pending, sig);
+    } else if (step.kind == FusionGroup::Kind::MatMul) {
+      run.matmul(step, pending, sig);
     } else {
-      Node& node = *sig.resolve(step.node, pending);
-      (step.kind == FusionGroup::Kind::MatMul ? run.matmul : run.host)(node);
+      run.host(*sig.resolve(step.node, pending));
     }
     if (marked) timer->mark();
     if (profile && step.kind != FusionGroup::Kind::Alias) {
@@ -584,22 +596,30 @@ FusionOptions fusion_options(Device device) {
   FusionOptions options;
   options.fuse = !eager_mode();
   options.multi_tensor = device != Device::reference && options.fuse && multi_tensor_steps();
+  options.matmul_epilogue = device == Device::cpu && options.fuse && matmul_epilogue_steps();
   return options;
 }
 
 namespace {
+// On unless the environment variable is "0" (to compare).
+bool on_unless_zero(const char* variable) {
+  const char* value = std::getenv(variable);
+  return !(value && std::string_view(value) == "0");
+}
 std::atomic<bool>& multi_tensor_setting() {
-  // MIXTAPE_MULTI_TENSOR=0 turns them off, to compare.
-  static std::atomic<bool> enabled{[] {
-    const char* value = std::getenv("MIXTAPE_MULTI_TENSOR");
-    return !(value && std::string_view(value) == "0");
-  }()};
+  static std::atomic<bool> enabled{on_unless_zero("MIXTAPE_MULTI_TENSOR")};
+  return enabled;
+}
+std::atomic<bool>& matmul_epilogue_setting() {
+  static std::atomic<bool> enabled{on_unless_zero("MIXTAPE_MATMUL_EPILOGUE")};
   return enabled;
 }
 }  // namespace
 
 bool multi_tensor_steps() { return multi_tensor_setting().load(); }
 void set_multi_tensor_steps(bool enabled) { multi_tensor_setting().store(enabled); }
+bool matmul_epilogue_steps() { return matmul_epilogue_setting().load(); }
+void set_matmul_epilogue_steps(bool enabled) { matmul_epilogue_setting().store(enabled); }
 
 std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs) {
   // Each walk marks the unevaluated nodes it reaches with a number of its own, instead of

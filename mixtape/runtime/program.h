@@ -58,6 +58,12 @@ FusionOptions fusion_options(Device device);
 bool multi_tensor_steps();
 void set_multi_tensor_steps(bool enabled);
 
+/// Whether the CPU back end runs a matmul's bias add and relu in its epilogue
+/// (FusionOptions::matmul_epilogue): on unless MIXTAPE_MATMUL_EPILOGUE=0, and settable for tests
+/// that compare both.
+bool matmul_epilogue_steps();
+void set_matmul_epilogue_steps(bool enabled);
+
 /// The unevaluated nodes that evaluating `outputs` computes, in tape order.
 std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs);
 
@@ -69,6 +75,14 @@ Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& requ
 struct Step {
   FusionGroup::Kind kind = FusionGroup::Kind::Host;
   NodeRef node = 0;  // MatMul, Host
+  // MatMul: the node the step stores (`node` itself, or the last of the readers fused into its
+  // epilogue, FusionGroup::matmul), the bias row the epilogue adds, and its relu.
+  NodeRef output = 0;
+  NodeRef bias = 0;
+  bool has_bias = false;
+  bool relu = false;
+  DType product_type = f32;  // what the product is rounded to before the bias is added
+  DType bias_type = f32;     // what the bias is rounded to first (FusionGroup::bias_type)
   // Kernel:
   std::shared_ptr<const kir::Kernel> kernel;
   uintptr_t compiled = 0;  // what the back end's kernel loader returned (KernelRef::address)
@@ -165,7 +179,7 @@ struct DeviceTimer {
 /// How a back end runs the steps that are its own (run_program shares Alias storage itself).
 struct StepRunners {
   void (*kernel)(const Step& step, const std::vector<Node*>& pending, const Signature& sig);
-  void (*matmul)(Node& node);
+  void (*matmul)(const Step& step, const std::vector<Node*>& pending, const Signature& sig);
   void (*host)(Node& node);  // ops without a kernel: gathers, random numbers, ...
   // Null where a step has finished when its runner returns (the CPU: its wall time is its time).
   const DeviceTimer* timer = nullptr;
