@@ -4,8 +4,10 @@
 // mismatched models refused on every rank, and batch norm's buffers kept at rank 0's.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -183,19 +185,28 @@ TEST_F(DataParallel, TwoRanksAtBatchBEqualOneProcessAt2B) {
   EXPECT_EQ(parallel.scales, alone.scales);
 }
 
-TEST_F(DataParallel, UnderAutocastTooAndRunsRepeatBitForBit) {
-  for (Precision half : {Precision::bf16, Precision::f16}) {
-    SCOPED_TRACE(half == Precision::bf16 ? "autocast-bf16" : "autocast-f16");
-    Result first = train({.precision = half, .check_each_step = true, .adam = false});
-    Result again = train({.precision = half, .adam = false});
-    EXPECT_EQ(first.params, again.params);
-    Result alone = train({.parallel = false, .precision = half, .adam = false});
-    // Under autocast the weight gradients are half products, rounded on each rank before the
-    // reduction and once over the whole batch alone: the runs agree to the half type's
-    // precision, and the dynamic scale follows the same course.
-    expect_close(first.params, alone.params, half == Precision::bf16 ? 1e-2 : 2e-3);
-    EXPECT_EQ(first.scales, alone.scales);
-  }
+// Under autocast the weight gradients are half products, rounded on each rank before the
+// reduction and once over the whole batch alone: the runs agree to the half type's precision,
+// and the dynamic scale (grown every 5 steps from 1024) follows the same course.
+void expect_half_runs_repeat_and_match_one_process(Precision half) {
+  Result first = train({.precision = half, .check_each_step = true, .adam = false});
+  Result again = train({.precision = half, .adam = false});
+  EXPECT_EQ(first.params, again.params);
+  Result alone = train({.parallel = false, .precision = half, .adam = false});
+  expect_close(first.params, alone.params, half == Precision::bf16 ? 1e-2 : 2e-3);
+  EXPECT_EQ(first.scales, alone.scales);
+  EXPECT_NE(std::adjacent_find(first.scales.begin(), first.scales.end(), std::not_equal_to<>()),
+            first.scales.end())
+      << "the scale never moved: dynamic scaling was not exercised";
+}
+
+// One test per half type, so that one type's failure leaves the other checked.
+TEST_F(DataParallel, UnderAutocastBf16TooAndRunsRepeatBitForBit) {
+  expect_half_runs_repeat_and_match_one_process(Precision::bf16);
+}
+
+TEST_F(DataParallel, UnderAutocastF16WithDynamicScalingTooAndRunsRepeatBitForBit) {
+  expect_half_runs_repeat_and_match_one_process(Precision::f16);
 }
 
 TEST_F(DataParallel, OneRanksInfSkipsTheStepOnEveryRank) {
