@@ -167,9 +167,23 @@ def jax_python(requested, notes):
     return None
 
 
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
 def torch_env(notes):
     env = base_env()
-    env["OPENBLAS_CORETYPE"] = "SkylakeX"
+    # OpenBLAS's SkylakeX kernels are AVX-512: on a CPU without it they die of SIGILL, and
+    # OpenBLAS's own choice is the right one.
+    if "avx512f" in cpu_flags():
+        env["OPENBLAS_CORETYPE"] = "SkylakeX"
     if os.path.exists(os.path.join(OPENBLAS_DIR, "libblas.so.3")):
         env["LD_LIBRARY_PATH"] = OPENBLAS_DIR + (
             ":" + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH") else "")
