@@ -9,7 +9,7 @@ twice the 1-process samples/s), what data parallelism adds to a step, and mixtap
 all_reduce against the rest of the step; progress and a table go to stderr.
 
   cmake --build build --target bench_training
-  chrt -f 50 python3 bench/scaling.py --out scaling.json    # about 3 minutes on 2 cores
+  chrt -f 50 python3 bench/scaling.py --out scaling.json    # about 2 minutes on 2 cores
 
 Each process has the per-process batch of the workload (digits 64, char GPT 12), so 2 processes
 train on twice the samples per step (weak scaling, as DDP is used). Each configuration's rate is
@@ -17,7 +17,6 @@ the best of --repeats rounds (load from other work only slows a run down).
 """
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -123,7 +122,7 @@ def main():
     parser.add_argument("--quick", action="store_true", help="shorter windows")
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--precisions", default="fp32")
-    parser.add_argument("--repeats", type=int, default=2, help="rounds; the best of them counts")
+    parser.add_argument("--repeats", type=int, default=3, help="rounds; the best of them counts")
     parser.add_argument("--step", default="traced", choices=("traced", "compiled"),
                         help="mixtape's loop: traced every step, or through mt::compile")
     parser.add_argument("--build-dir", default=os.path.join(driver.REPO_DIR, "build"))
@@ -177,11 +176,7 @@ def main():
                 "notes": notes, "errors": errors,
                 "workloads": {key: summarize(*key.split("/"), per) for key, per in runs.items()}}
     document["machine"]["load_average_1min_at_end"] = round(os.getloadavg()[0], 2)
-    text = json.dumps(document, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    driver.emit_document(document, args.out)
     print_table(document)
     return 1 if errors else 0
 
