@@ -70,11 +70,12 @@ void wait(MPI_Request& request, const char* call) {
           "stopped or hangs. This process can run no more collectives and should exit",
           call, limit);
     }
-    // Poll, yielding the core (with more processes than cores, a spinning wait slows the one it
-    // waits for), for as long as a large transfer takes: a nonblocking collective moves only
-    // while MPI_Test runs, so a sleep between polls stalls a transfer of megabytes (a 3.3 MB
-    // reduction took twice as long with sleeps after the first 1000 polls). Then sleep.
-    if (waited < 0.02)
+    // Poll, yielding the core, for about as long as a transfer of a few megabytes takes: a
+    // nonblocking collective moves only while MPI_Test runs, so sleeps between polls stall it
+    // (a 3.3 MB reduction took twice as long with sleeps after the first 1000 polls). Then
+    // sleep between polls: with more processes than cores, a longer spin takes the core from
+    // the process it waits for (20 ms of it made a loaded machine's reductions 4x slower).
+    if (waited < 0.002)
       std::this_thread::yield();
     else
       std::this_thread::sleep_for(std::chrono::microseconds(50));
