@@ -161,13 +161,14 @@ def load_fortunes():
 
 
 # ---- timing ----
-def measure(step, sync, warmup, windows, window_seconds, budget_seconds):
+def measure(step, sync, warmup, windows, window_seconds, budget_seconds, agree=lambda t: t):
     """Runs `step` warm-up then timed windows; returns the result fields of one workload.
 
     `sync` waits for all work issued so far (a no-op for synchronous systems). When the warm-up
     shows that the planned windows would exceed `budget_seconds`, fewer windows run (at least one
     step in one window) and the result says so; warm-up stops after two steps when the second
-    alone takes half the budget."""
+    alone takes half the budget. `agree` maps this process's timing to the one every process of
+    a data-parallel run uses (rank 0's), so that all of them run the same number of steps."""
     warm_times = []
     for _ in range(max(1, warmup)):
         start = time.perf_counter()
@@ -176,10 +177,10 @@ def measure(step, sync, warmup, windows, window_seconds, budget_seconds):
         warm_times.append(time.perf_counter() - start)
         # Slow steps: two warm-up steps (the first one compiles) are enough once the steps after
         # the first have taken half the budget.
-        if len(warm_times) >= 2 and sum(warm_times[1:]) > budget_seconds / 2:
+        if len(warm_times) >= 2 and agree(sum(warm_times[1:])) > budget_seconds / 2:
             break
     # The fastest warm-up step after the first, as bench/timing.h takes it.
-    estimate = min(warm_times[1:]) if len(warm_times) > 1 else warm_times[0]
+    estimate = agree(min(warm_times[1:]) if len(warm_times) > 1 else warm_times[0])
     per_window = max(1, round(window_seconds / max(estimate, 1e-9)))
     planned = windows
     if estimate * per_window * windows > budget_seconds:

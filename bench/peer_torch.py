@@ -60,7 +60,9 @@ def mlp_step(width, batch, precision):
     return fixed_batch_step(model, optimizer, F.mse_loss, inputs, targets, precision), count(model)
 
 
-def digits_step(name, precision):
+def digits_step(name, precision, wrap=None, rank=0):
+    """`wrap` (optional) wraps the model for the forward pass (DistributedDataParallel); `rank`
+    gives each process of a data-parallel run its own stream of batches."""
     cfg = common.DIGITS_LOOPS[name]
     torch.manual_seed(common.SEED)
     pixels, labels = common.load_digits()
@@ -73,7 +75,8 @@ def digits_step(name, precision):
                                       weight_decay=cfg["weight_decay"])
     else:
         optimizer = torch.optim.SGD(model.parameters(), lr=cfg["lr"], momentum=cfg["momentum"])
-    generator = torch.Generator().manual_seed(common.SEED)
+    forward = wrap(model) if wrap else model
+    generator = torch.Generator().manual_seed(common.SEED + rank)
     batch, per_epoch = cfg["batch"], rows // cfg["batch"]  # shuffled, drop_last
     state = {"order": None, "next": per_epoch}
 
@@ -86,7 +89,8 @@ def digits_step(name, precision):
         x = x + torch.randn(x.shape, generator=generator) * cfg["noise"]
         optimizer.zero_grad()
         with autocast(precision):
-            loss = F.cross_entropy(model(x), classes[index], label_smoothing=cfg["label_smoothing"])
+            loss = F.cross_entropy(forward(x), classes[index],
+                                   label_smoothing=cfg["label_smoothing"])
         loss.backward()
         optimizer.step()
 
@@ -143,7 +147,8 @@ class CharGpt(nn.Module):
         return self.head(self.ln_f(x))
 
 
-def gpt_step(precision):
+def gpt_step(precision, wrap=None, rank=0):
+    """`wrap` and `rank` as digits_step's."""
     cfg = common.GPT
     torch.manual_seed(common.SEED)
     tokens, vocab = common.load_fortunes()
@@ -152,7 +157,8 @@ def gpt_step(precision):
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg["lr"],
                                   betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["eps"],
                                   weight_decay=cfg["weight_decay"])
-    generator = torch.Generator().manual_seed(common.SEED)
+    forward = wrap(model) if wrap else model
+    generator = torch.Generator().manual_seed(common.SEED + rank)
     context, batch = cfg["context"], cfg["batch"]
     offsets = torch.arange(context)
 
@@ -162,7 +168,7 @@ def gpt_step(precision):
         x, y = data[windows], data[windows + 1]
         optimizer.zero_grad()
         with autocast(precision):
-            logits = model(x)
+            logits = forward(x)
             loss = F.cross_entropy(logits.view(-1, vocab), y.view(-1))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["clip"])

@@ -423,6 +423,15 @@ def print_table(document):
         print(f"ResNet-18 step's convolutions, {dtype}: {cells}", file=sys.stderr)
 
 
+def emit_document(document, out):
+    """The result document to stdout and, when given, to the file `out`."""
+    text = json.dumps(document, indent=1)
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+
+
 def machine_info():
     model = platform.processor()
     try:
@@ -687,11 +696,7 @@ def main():
         "resnet18_convs": resnet18_conv_totals(workloads) if conv else {},
         "seconds": round(time.perf_counter() - START, 1),
     }
-    text = json.dumps(document, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit_document(document, args.out)
     print_table(document)
     for note in notes:
         print("note: " + note, file=sys.stderr)

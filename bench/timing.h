@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "mixtape/dsl/json.h"
+#include "mixtape/runtime/all_reduce.h"
 #include "mixtape/runtime/device.h"
 
 namespace bench {
@@ -30,6 +31,9 @@ struct TimingOptions {
   int windows = 5;               // timed windows; the result is the median window rate
   double window_seconds = 1.0;   // steps per window are chosen to last about this long
   double budget_seconds = 60.0;  // fewer windows when the warm-up says they would take longer
+  /// Maps this process's warm-up time to the one every process of a data-parallel run goes by
+  /// (rank 0's), so that all of them run the same steps; unset: one process.
+  std::function<double(double)> agree;
 };
 
 inline double seconds_since(std::chrono::steady_clock::time_point start) {
@@ -71,6 +75,7 @@ inline mt::json::Value measure_queued(const std::function<void()>& step,
     // first have taken half the budget.
     double after_first = 0;
     for (size_t w = 1; w < warm_times.size(); ++w) after_first += warm_times[w];
+    if (options.agree) after_first = options.agree(after_first);
     if (warm_times.size() >= 2 && after_first > options.budget_seconds / 2) break;
   }
   // The fastest warm-up step after the first: mt::compile's second step still traces, and with
@@ -78,6 +83,7 @@ inline mt::json::Value measure_queued(const std::function<void()>& step,
   double estimate = warm_times.size() > 1
                         ? *std::min_element(warm_times.begin() + 1, warm_times.end())
                         : warm_times[0];
+  if (options.agree) estimate = options.agree(estimate);
   int64_t per_window =
       std::max<int64_t>(1, std::llround(options.window_seconds / std::max(estimate, 1e-9)));
   int windows = options.windows;
@@ -335,7 +341,15 @@ inline mt::json::Value measure_workload(Workload& workload, const std::string& n
   append(record, workload.facts);
   append(record, result);
   record.emplace("setup_and_warmup_stats", stats_json(warmup_stats));
-  record.emplace("per_step_stats", stats_json(timed_stats, timed_steps));
+  mt::json::Value per_step = stats_json(timed_stats, timed_steps);
+  const mt::CollectiveStats collectives = mt::collective_stats();
+  if (collectives.calls > 0) {  // data parallel: the all_reduce steps and their wall time
+    const double n = static_cast<double>(std::max<int64_t>(1, timed_steps));
+    per_step.update({{"collectives", static_cast<double>(collectives.calls) / n},
+                     {"collective_bytes", static_cast<double>(collectives.bytes) / n},
+                     {"collective_seconds", collectives.seconds / n}});
+  }
+  record.emplace("per_step_stats", std::move(per_step));
   if (workload.compile_stats) {
     mt::CompileStats c = workload.compile_stats();
     record.emplace("compile", mt::json::Value{{"calls", c.calls},

@@ -18,6 +18,7 @@
 #include "examples/digits_model.h"
 #include "examples/digits_train.h"
 #include "examples/resnet_model.h"
+#include "mixtape/dsl/process_group.h"
 #include "mixtape/jit/llvm_jit.h"
 
 namespace mt = mixtape;
@@ -35,6 +36,8 @@ constexpr const char* kUsage =
     "             (examples/digits_cnn's model and step)\n"
     "  --step compiled runs each step through mt::compile (traced once, then replayed); traced\n"
     "  (the default) builds the graph every step, as the plain training loop does.\n"
+    "  Under mpirun -np N, digits_mlp, digits_demo and char_gpt train data parallel\n"
+    "  (dist::DataParallel, each process its shard at the batch above); rank 0 prints.\n"
     "  The back end is chosen by the environment: MIXTAPE_DEVICE=cpu|reference, MIXTAPE_EAGER=1.\n";
 
 using bench::kSeed;
@@ -42,6 +45,41 @@ using bench::make_workload;
 using bench::mlp_workload;
 using bench::parameter_count;
 using bench::Workload;
+
+/// dist::DataParallel over `net` when mpirun started several processes (rank 0's weights, the
+/// gradients averaged in every step's graph); none in one process.
+std::unique_ptr<mt::dist::DataParallel> data_parallel(mt::Module& net) {
+  if (mt::dist::world_size() == 1) return nullptr;
+  return std::make_unique<mt::dist::DataParallel>(net);
+}
+
+/// Rank 0's `seconds` on every process, so that every process times the same steps.
+double rank0_seconds(double seconds) {
+  mt::process_group()->broadcast(reinterpret_cast<std::byte*>(&seconds), sizeof seconds, 0);
+  return seconds;
+}
+
+/// Each process's all_reduce wall time and CPU time per timed step (from `record`, this
+/// process's), on rank 0: the process that waits least in all_reduce shows what the transfer
+/// itself costs, the others add their wait for the slowest.
+mt::json::Value by_rank(const mt::json::Value& record) {
+  mt::ProcessGroup& group = *mt::process_group();
+  const int n = group.size();
+  const mt::json::Value& stats = record.at("per_step_stats");
+  double mine[2] = {stats.value("collective_seconds", 0.0),
+                    record.at("cpu_us_per_step").get<double>()};
+  std::vector<double> all(2 * static_cast<size_t>(n));
+  std::vector<int64_t> counts(n, sizeof mine), at(n);
+  for (int q = 0; q < n; ++q) at[q] = q * static_cast<int64_t>(sizeof mine);
+  group.all_gather(reinterpret_cast<const std::byte*>(mine), sizeof mine,
+                   reinterpret_cast<std::byte*>(all.data()), counts, at);
+  mt::json::Value ranks = mt::json::Value::array();
+  for (int q = 0; q < n; ++q)
+    ranks.push_back({{"rank", q},
+                     {"collective_seconds_per_step", all[2 * q]},
+                     {"cpu_us_per_step", all[2 * q + 1]}});
+  return ranks;
+}
 
 /// The digits loop's batch and optimizer: examples/digits_mlp.cpp's defaults (digits_mlp: SGD
 /// momentum 0.9 at 0.05, batch 64), or the README's demo (digits_demo: `--batch 256 --optimizer
@@ -69,6 +107,7 @@ Workload digits_workload(const mt::PolicyPtr& policy, bool compiled, DigitsLoop 
   struct State {
     mt::Generator gen{kSeed}, noise{kSeed ^ 0x6e6f697365ULL};
     std::unique_ptr<Net> net;
+    std::unique_ptr<mt::dist::DataParallel> data_parallel;  // under mpirun
     std::unique_ptr<mt::Optimizer> optimizer;
     std::unique_ptr<mt::TensorDataset> train;
     std::unique_ptr<mt::DataLoader> loader;
@@ -82,8 +121,10 @@ Workload digits_workload(const mt::PolicyPtr& policy, bool compiled, DigitsLoop 
   std::vector<int64_t> labels(digits.labels.begin(), digits.labels.begin() + kTrainRows);
   state->train =
       std::make_unique<mt::TensorDataset>(std::move(pixels), mt::Shape{64}, std::move(labels));
-  state->loader = std::make_unique<mt::DataLoader>(*state->train, loop.batch, true, kSeed);
+  state->loader =
+      std::make_unique<mt::DataLoader>(*state->train, loop.batch, true, kSeed, mt::dist::shard());
   state->net = std::make_unique<Net>(&state->gen);
+  state->data_parallel = data_parallel(*state->net);
   if (loop.adamw)
     state->optimizer = std::make_unique<mt::AdamW>(
         state->net->parameters(), mt::AdamOptions{.lr = 2e-3, .weight_decay = 0.01});
@@ -122,6 +163,7 @@ Workload gpt_workload(const mt::PolicyPtr& policy, bool compiled) {
   struct State {
     mt::Generator gen{kSeed};
     std::unique_ptr<CharGpt> model;
+    std::unique_ptr<mt::dist::DataParallel> data_parallel;  // under mpirun
     std::unique_ptr<mt::AdamW> optimizer;
     std::unique_ptr<mt::TextWindows> windows;
     std::unique_ptr<mt::DataLoader> loader;
@@ -132,8 +174,10 @@ Workload gpt_workload(const mt::PolicyPtr& policy, bool compiled) {
   GptConfig config{.vocab = vocab.size(), .layers = 4, .heads = 4, .width = 128, .context = 64};
   constexpr int64_t kBatch = 12;
   state->windows = std::make_unique<mt::TextWindows>(vocab.encode(text), config.context);
-  state->loader = std::make_unique<mt::DataLoader>(*state->windows, kBatch, true, kSeed);
+  state->loader =
+      std::make_unique<mt::DataLoader>(*state->windows, kBatch, true, kSeed, mt::dist::shard());
   state->model = std::make_unique<CharGpt>(config, &state->gen);
+  state->data_parallel = data_parallel(*state->model);
   state->optimizer = std::make_unique<mt::AdamW>(
       state->model->parameters(), mt::AdamOptions{.lr = 1e-3, .beta2 = 0.99, .weight_decay = 0.1});
   auto train = bench::gpt_train_step(state, policy);
@@ -282,6 +326,8 @@ mt::json::Value jit_json(const mt::LlvmJit::Stats& before, const mt::LlvmJit::St
 int main(int argc, char** argv) {
   bench::CommandLine line = bench::parse_command_line(argc, argv, "bench_training", kUsage);
   try {
+    const mt::dist::World world = mt::dist::init();
+    if (world.size > 1) line.timing.agree = rank0_seconds;
     for (const std::string& name : line.workloads) {
       for (const std::string& precision : line.precisions) {
         mt::PolicyPtr policy = mt::policy_by_name(precision == "bf16" ? "autocast-bf16" : "fp32");
@@ -295,7 +341,9 @@ int main(int argc, char** argv) {
         mt::json::Value record = bench::measure_workload(workload, name, precision, line);
         bench::append(record, setup);
         record.emplace("jit", jit_json(jit_before, mt::LlvmJit::instance().stats()));
-        bench::emit(record);
+        record.emplace("world_size", world.size);
+        if (world.size > 1) record.emplace("by_rank", by_rank(record));
+        if (world.rank == 0) bench::emit(record);
       }
     }
   } catch (const mt::Error& e) {

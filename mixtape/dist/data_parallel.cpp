@@ -139,6 +139,34 @@ DataParallel::DataParallel(Module& module, DataParallelOptions options)
 
 DataParallel::~DataParallel() { remove_gradient_hook(hook_); }
 
+void DataParallel::take_rank0_buffers(std::vector<Tensor>& collectives) {
+  // Grouped by type, in the module's order (the same on every process): one all_reduce each,
+  // to which the other processes add zeros, so that the sum is rank 0's value bit for bit (a
+  // -0 becomes +0): a broadcast from one more all_reduce, in the step's graph.
+  const bool root = process_rank() == 0;
+  NamedTensors buffers = module_->named_buffers();
+  std::vector<DType> types;
+  for (const auto& entry : buffers)
+    if (std::find(types.begin(), types.end(), entry.second.dtype()) == types.end())
+      types.push_back(entry.second.dtype());
+  for (DType type : types) {
+    std::vector<Tensor> flat;
+    for (const auto& [name, buffer] : buffers)
+      if (buffer.dtype() == type)
+        flat.push_back(root ? reshape(buffer, {-1}) : zeros({buffer.numel()}, type));
+    Tensor rank0 = all_reduce(flat.size() == 1 ? flat[0] : concat(flat));
+    collectives.push_back(rank0);
+    int64_t at = 0;
+    for (auto& [name, buffer] : buffers) {
+      if (buffer.dtype() != type) continue;
+      const int64_t n = buffer.numel();
+      // The value the next evaluation stores, as batch norm's own update of it.
+      buffer.assign_later(reshape(slice(rank0, 0, at, at + n), buffer.shape()));
+      at += n;
+    }
+  }
+}
+
 void DataParallel::average(LeafGradients& gradients) {
   const int processes = process_count();
   if (processes == 1) return;
@@ -213,6 +241,7 @@ void DataParallel::average(LeafGradients& gradients) {
       first = last;
     }
   }
+  take_rank0_buffers(averaged);
   // The collectives run now, together, in the order made here. Left lazy, each would run when
   // something first read it, and a process that read one layer's gradient before another's
   // (logging on rank 0) would pair its buckets with other buckets of the other processes.

@@ -52,8 +52,12 @@ struct DataParallelOptions {
 /// every backward() replaces the module's parameter gradients by their average over the
 /// processes: all_reduce nodes in the step's graph (sum in rank order, then / world_size), so
 /// GradScaler, clip_grad_norm and the optimizers see the global gradients, and mt::compile
-/// replays the reduction with the rest of the step. With one process it changes nothing.
-/// Keep it alive for as long as the module trains.
+/// replays the reduction with the rest of the step. The module's buffers (batch norm's running
+/// statistics) then take rank 0's values, in the same graph, as DDP's broadcast_buffers: each
+/// process updates its own from its batch, and every backward() replaces them by rank 0's, so
+/// they are the same bits on every process after each step and follow rank 0's batches (what
+/// DDP's broadcast before each forward gives). With one process it changes nothing. Keep it
+/// alive for as long as the module trains.
 class DataParallel {
  public:
   explicit DataParallel(Module& module, DataParallelOptions options = {});
@@ -68,6 +72,8 @@ class DataParallel {
 
  private:
   void average(LeafGradients& gradients);
+  // Sets every buffer to rank 0's value (all_reduce nodes, appended to `collectives`).
+  void take_rank0_buffers(std::vector<Tensor>& collectives);
 
   Module* module_;
   DataParallelOptions options_;

@@ -2,11 +2,23 @@
 // processes of the run, the same on every back end (a host step).
 #pragma once
 
+#include <cstdint>
 #include <memory>
 
 #include "mixtape/dsl/node.h"
 
 namespace mixtape {
+
+/// The collective steps this process ran since reset_execution_stats() (which clears these too):
+/// how many, the bytes of their inputs, and their wall time, waiting for the other processes
+/// included. What a data-parallel step spends in communication against its compute.
+struct CollectiveStats {
+  int64_t calls = 0;
+  int64_t bytes = 0;
+  double seconds = 0;
+};
+CollectiveStats collective_stats();
+void reset_collective_stats();
 
 /// The value of an all_reduce node (input 0 evaluated): each process sums one contiguous chunk
 /// of the elements over every process in rank order (accumulated in f32, f64 for f64, i64 for

@@ -19,6 +19,7 @@
 #include "mixtape/dsl/log.h"
 #include "mixtape/dsl/sort_by_id.h"
 #include "mixtape/precision_policy/assign.h"
+#include "mixtape/runtime/all_reduce.h"
 #include "mixtape/runtime/cpu_kernels.h"
 #include "mixtape/runtime/multi_tensor.h"
 
@@ -249,6 +250,7 @@ ExecutionStats execution_stats() {
 
 void reset_execution_stats() {
   execution_counters() = ExecutionStats{};
+  reset_collective_stats();
   compiler_baseline() = {cpu_compiler_stats(), nvrtc_stats()};
 }
 
@@ -506,12 +508,20 @@ class StepProfile {
     std::vector<std::pair<std::string, Entry>> rows(table.begin(), table.end());
     std::sort(rows.begin(), rows.end(),
               [](const auto& a, const auto& b) { return a.second.seconds > b.second.seconds; });
-    double total = 0;
-    for (const auto& row : rows) total += row.second.seconds;
+    double total = 0, collective = 0;
+    for (const auto& [label, e] : rows) {
+      total += e.seconds;
+      if (label.starts_with("collective ")) collective += e.seconds;
+    }
     log_line("profile", "{:>10} {:>6} {:>10} {:>9}  step", "total ms", "share", "runs", "us/run");
     for (const auto& [label, e] : rows)
       log_line("profile", "{:>10.1f} {:>5.1f}% {:>10} {:>9.1f}  {}", e.seconds * 1e3,
                100 * e.seconds / total, e.count, e.seconds * 1e6 / e.count, label);
+    // Data parallel: the collectives (communication, and waiting for the other processes)
+    // against the rest of the steps (compute).
+    if (collective > 0)
+      log_line("profile", "collectives {:.1f} ms ({:.1f}%), compute {:.1f} ms", collective * 1e3,
+               100 * collective / total, (total - collective) * 1e3);
   }
   std::mutex mutex_;
   Table wall_, device_;
@@ -533,10 +543,11 @@ std::string step_label(const Step& step, const std::vector<Node*>& pending, cons
   if (step.has_bias) epilogue += fmt::format("+ bias {} ", name(step.bias_type));
   if (step.relu) epilogue += "+ relu ";
   const Node& output = *sig.resolve(step.output, pending);
-  return fmt::format("{} {} {}{}-> {}{}",
-                     step.kind == FusionGroup::Kind::MatMul ? "matmul" : "host", op_name(node.op),
-                     inputs, epilogue, name(output.precision.storage_type),
-                     to_string(output.shape));
+  const char* kind = step.kind == FusionGroup::Kind::MatMul        ? "matmul"
+                     : op_info(node.op).kind == OpKind::Collective ? "collective"
+                                                                   : "host";
+  return fmt::format("{} {} {}{}-> {}{}", kind, op_name(node.op), inputs, epilogue,
+                     name(output.precision.storage_type), to_string(output.shape));
 }
 }  // namespace
 

@@ -1,11 +1,13 @@
 // tests/mpi/test_dist_mpi.cpp -- data-parallel training on two processes (ctest label mpi, run
 // by mpirun -np 2): the digits MLP on 2 ranks at batch B against 1 process at batch 2B, bit-equal
-// repeats, a non-finite gradient on one rank skipping the step on all, mt::compile replays, and
-// mismatched models refused on every rank.
+// repeats, a non-finite gradient on one rank skipping the step on all, mt::compile replays,
+// mismatched models refused on every rank, and batch norm's buffers kept at rank 0's.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <string>
 #include <vector>
@@ -183,19 +185,28 @@ TEST_F(DataParallel, TwoRanksAtBatchBEqualOneProcessAt2B) {
   EXPECT_EQ(parallel.scales, alone.scales);
 }
 
-TEST_F(DataParallel, UnderAutocastTooAndRunsRepeatBitForBit) {
-  for (Precision half : {Precision::bf16, Precision::f16}) {
-    SCOPED_TRACE(half == Precision::bf16 ? "autocast-bf16" : "autocast-f16");
-    Result first = train({.precision = half, .check_each_step = true, .adam = false});
-    Result again = train({.precision = half, .adam = false});
-    EXPECT_EQ(first.params, again.params);
-    Result alone = train({.parallel = false, .precision = half, .adam = false});
-    // Under autocast the weight gradients are half products, rounded on each rank before the
-    // reduction and once over the whole batch alone: the runs agree to the half type's
-    // precision, and the dynamic scale follows the same course.
-    expect_close(first.params, alone.params, half == Precision::bf16 ? 1e-2 : 2e-3);
-    EXPECT_EQ(first.scales, alone.scales);
-  }
+// Under autocast the weight gradients are half products, rounded on each rank before the
+// reduction and once over the whole batch alone: the runs agree to the half type's precision,
+// and the dynamic scale (grown every 5 steps from 1024) follows the same course.
+void expect_half_runs_repeat_and_match_one_process(Precision half) {
+  Result first = train({.precision = half, .check_each_step = true, .adam = false});
+  Result again = train({.precision = half, .adam = false});
+  EXPECT_EQ(first.params, again.params);
+  Result alone = train({.parallel = false, .precision = half, .adam = false});
+  expect_close(first.params, alone.params, half == Precision::bf16 ? 1e-2 : 2e-3);
+  EXPECT_EQ(first.scales, alone.scales);
+  EXPECT_NE(std::adjacent_find(first.scales.begin(), first.scales.end(), std::not_equal_to<>()),
+            first.scales.end())
+      << "the scale never moved: dynamic scaling was not exercised";
+}
+
+// One test per half type, so that one type's failure leaves the other checked.
+TEST_F(DataParallel, UnderAutocastBf16TooAndRunsRepeatBitForBit) {
+  expect_half_runs_repeat_and_match_one_process(Precision::bf16);
+}
+
+TEST_F(DataParallel, UnderAutocastF16WithDynamicScalingTooAndRunsRepeatBitForBit) {
+  expect_half_runs_repeat_and_match_one_process(Precision::f16);
 }
 
 TEST_F(DataParallel, OneRanksInfSkipsTheStepOnEveryRank) {
@@ -292,4 +303,104 @@ TEST_F(DataParallel, ALayerOnlySomeProcessesUsedGetsTheAverageEverywhere) {
   EXPECT_EQ(net.a.weight.grad().sum().item(), 8);
   EXPECT_EQ(net.b.weight.grad().sum().item(), 8);
   expect_same_on_every_rank(net, "after a backward that reached different layers");
+}
+
+// Batch norm first, where its statistics are of the data alone (so that their course has a host
+// reference), and after a trained layer.
+struct NormedMlp : mt::Module {
+  mt::BatchNorm1d input_norm{64};
+  mt::Linear fc1{64, 32};
+  mt::BatchNorm1d hidden_norm{32};
+  mt::Linear fc2{32, 10};
+  NormedMlp() {
+    register_module("input_norm", input_norm);
+    register_module("fc1", fc1);
+    register_module("hidden_norm", hidden_norm);
+    register_module("fc2", fc2);
+  }
+  mt::Tensor operator()(const mt::Tensor& x) const {
+    return fc2(mt::relu(hidden_norm(fc1(input_norm(x)))));
+  }
+};
+
+// Every parameter and buffer, as doubles (f32 and small counts exactly).
+std::vector<double> state_of(const mt::Module& m) {
+  std::vector<double> all;
+  for (const auto& [name, t] : m.state_dict()) {
+    std::vector<double> v = t.to_vector<double>();
+    all.insert(all.end(), v.begin(), v.end());
+  }
+  return all;
+}
+
+uint64_t hash_of(const std::vector<double>& v) {
+  std::vector<float> bits;
+  for (double d : v) bits.push_back(static_cast<float>(d));
+  return hash_of(bits);
+}
+
+struct NormedRun {
+  std::vector<double> state, running_mean, running_var;
+  int64_t batches_tracked = 0;
+  int64_t replays = 0;
+};
+
+// kSteps of SGD on the digits, kBatch per rank, checking after every step that every rank holds
+// the same parameters and buffers bit for bit.
+NormedRun train_normed(bool compiled) {
+  mt::manual_seed(11);
+  NormedMlp net;
+  mt::dist::DataParallel ddp(net);
+  mt::SGD opt(net.parameters(), {.lr = 0.05, .momentum = 0.9});
+  mt::DataLoader loader(digits(), kBatch, true, 5, mt::dist::shard());
+  auto step = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::cross_entropy(net(x), y);
+    loss.backward();
+    opt.step();
+    return loss;
+  };
+  auto compiled_step = mt::compile(step);
+  for (int s = 0; s < kSteps; ++s) {
+    mt::Batch b = loader.next();
+    compiled ? compiled_step(b.inputs, b.targets) : step(b.inputs, b.targets);
+    std::vector<uint64_t> hashes = gather(hash_of(state_of(net)));
+    EXPECT_EQ(hashes[1], hashes[0]) << "rank 1's parameters or buffers differ after step " << s;
+  }
+  return {state_of(net), net.input_norm.running_mean.to_vector<double>(),
+          net.input_norm.running_var.to_vector<double>(),
+          static_cast<int64_t>(net.input_norm.num_batches_tracked.item()),
+          compiled_step.stats().replays};
+}
+
+TEST_F(DataParallel, BuffersAreRankZerosAfterEveryStepAsDdpBroadcastsThem) {
+  NormedRun traced = train_normed(false);
+  // PyTorch DDP broadcasts rank 0's buffers before every forward, so their course is rank 0's
+  // alone: the input norm's statistics follow rank 0's batches (momentum 0.1, the unbiased
+  // variance), here in f64 on the host from the same loader's rank-0 shard.
+  mt::DataLoader rank0_batches(digits(), kBatch, true, 5, mt::Shard{0, 2});
+  std::vector<double> mean(64, 0.0), var(64, 1.0);
+  for (int s = 0; s < kSteps; ++s) {
+    std::vector<double> x = rank0_batches.next().inputs.to_vector<double>();
+    for (int64_t c = 0; c < 64; ++c) {
+      double m = 0, v = 0;
+      for (int64_t i = 0; i < kBatch; ++i) m += x[i * 64 + c];
+      m /= kBatch;
+      for (int64_t i = 0; i < kBatch; ++i) v += (x[i * 64 + c] - m) * (x[i * 64 + c] - m);
+      mean[c] = 0.9 * mean[c] + 0.1 * m;
+      var[c] = 0.9 * var[c] + 0.1 * v / (kBatch - 1);
+    }
+  }
+  double worst = 0;
+  for (int64_t c = 0; c < 64; ++c) {
+    worst = std::max(worst, std::fabs(traced.running_mean[c] - mean[c]) / std::max(mean[c], 1e-2));
+    worst = std::max(worst, std::fabs(traced.running_var[c] - var[c]) / std::max(var[c], 1e-2));
+  }
+  EXPECT_LE(worst, 1e-5) << "the running statistics are not rank 0's course";
+  EXPECT_EQ(traced.batches_tracked, kSteps);
+  NormedRun compiled = train_normed(true);
+  EXPECT_EQ(compiled.state, traced.state) << "mt::compile replays the buffers' broadcast";
+  if (mt::current_device() != mt::Device::reference) {
+    EXPECT_GE(compiled.replays, kSteps - 3);
+  }
 }
