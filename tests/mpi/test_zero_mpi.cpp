@@ -182,17 +182,15 @@ Outcome train(const Options& o) {
   return r;
 }
 
-void expect_close(const std::vector<float>& a, const std::vector<float>& b, double rel) {
-  ASSERT_EQ(a.size(), b.size());
+// The largest |a - b| / max(|b|, 0.01), which rank 0 prints.
+double worst_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
   double worst = 0;
-  size_t at = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    double err = std::fabs(double(a[i]) - b[i]) / std::max(std::fabs(double(b[i])), 1e-2);
-    if (err > worst) worst = err, at = i;
-  }
-  EXPECT_LE(worst, rel) << "element " << at << ": " << a[at] << " vs " << b[at];
-  if (mt::dist::rank() == 0)
-    std::printf("worst relative difference %.3g (%zu: %.9g %.9g)\n", worst, at, a[at], b[at]);
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    worst =
+        std::max(worst, std::fabs(double(a[i]) - b[i]) / std::max(std::fabs(double(b[i])), 1e-2));
+  if (mt::dist::rank() == 0) std::printf("worst relative difference %.3g\n", worst);
+  return worst;
 }
 
 std::vector<float> as_floats(const std::vector<double>& v) { return {v.begin(), v.end()}; }
@@ -217,11 +215,11 @@ void expect_zero_equals_data_parallel(bool bf16) {
     Outcome zero = train({.sgd = sgd, .bf16 = bf16, .max_norm = max_norm});
     Outcome plain =
         train({.kind = Kind::data_parallel, .sgd = sgd, .bf16 = bf16, .max_norm = max_norm});
-    expect_close(zero.params, plain.params, 1e-6);
-    expect_close(as_floats(zero.losses), as_floats(plain.losses), 1e-6);
-    // The global norm: each rank's shard's squares, all-reduced, against the whole gradient's
-    // (added in another order).
-    expect_close(as_floats(zero.norms), as_floats(plain.norms), 1e-6);
+    EXPECT_LE(worst_difference(zero.params, plain.params), 1e-6);
+    EXPECT_LE(worst_difference(as_floats(zero.losses), as_floats(plain.losses)), 1e-6);
+    // The global norm: each rank's shard's squares, all-reduced, against the whole gradient's:
+    // a few f32 roundings apart (added in another order).
+    EXPECT_LE(worst_difference(as_floats(zero.norms), as_floats(plain.norms)), 2e-6);
     if (sgd) {
       EXPECT_GT(*std::min_element(zero.norms.begin(), zero.norms.end()), max_norm);
     }
@@ -303,13 +301,13 @@ TEST_F(Zero, CheckpointsResumeAtTwoRanksAndAtOne) {
   // One process at both ranks' rows, with the plain AdamW, goes on along the same curve (to
   // the rounding of its other reduction order).
   Outcome one = train({.kind = Kind::alone, .first_step = 10, .load = path});
-  expect_close(as_floats(one.losses), as_floats(tail), 1e-4);
-  expect_close(one.params, uninterrupted.params, 1e-3);
+  EXPECT_LE(worst_difference(as_floats(one.losses), as_floats(tail)), 1e-5);
+  EXPECT_LE(worst_difference(one.params, uninterrupted.params), 1e-5);
   // And ZeRO takes the shards of a checkpoint that plain data parallel wrote.
   const std::string plain_path = testing::TempDir() + "plain_checkpoint.safetensors";
   train({.kind = Kind::data_parallel, .last_step = 10, .save_at = 10, .path = plain_path});
   Outcome from_plain = train({.first_step = 10, .load = plain_path});
-  expect_close(from_plain.params, uninterrupted.params, 1e-6);
+  EXPECT_LE(worst_difference(from_plain.params, uninterrupted.params), 1e-6);
 }
 
 TEST_F(Zero, AnotherModelsCheckpointIsAnErrorOnEveryRank) {
