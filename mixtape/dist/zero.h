@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -103,6 +104,9 @@ class ZeroOptimizer {
 /// checkpoints (dist::save_checkpoint, which gathers the shards) are the plain rule's.
 template <class Rule>
 class Zero : public Rule, public ZeroOptimizer {
+  // Adafactor's factored statistics and its RMS scaling need whole parameters, not slices.
+  static_assert(!std::is_base_of_v<Adafactor, Rule>, "ZeRO shards elementwise rules only");
+
  public:
   using Rule::Rule;
 
