@@ -2,7 +2,9 @@
 #pragma once
 
 #include "mixtape/autograd/grad.h"
+#include "mixtape/dist/checkpoint.h"
 #include "mixtape/dist/dist.h"
+#include "mixtape/dist/zero.h"
 #include "mixtape/dsl/conv.h"
 #include "mixtape/dsl/conv_layers.h"
 #include "mixtape/dsl/data.h"

@@ -7,7 +7,9 @@
 #include <cstdlib>
 #include <vector>
 
+#include "mixtape/dist/checkpoint.h"
 #include "mixtape/dist/dist.h"
+#include "mixtape/dist/zero.h"
 #include "mixtape/dsl/process_group.h"
 #include "tests/test_util.h"
 
@@ -50,12 +52,19 @@ struct Mlp : mt::Module {
   mt::Tensor operator()(const mt::Tensor& x) const { return fc2(mt::relu(fc1(x))); }
 };
 
-std::vector<float> train_three_steps(bool parallel) {
+std::vector<float> train_three_steps(bool parallel, bool zero = false) {
   mt::manual_seed(5);
   Mlp net;
   std::optional<mt::dist::DataParallel> ddp;
   if (parallel) ddp.emplace(net);
-  mt::SGD opt(net.parameters(), {.lr = 0.1, .momentum = 0.9});
+  std::unique_ptr<mt::Optimizer> optimizer;
+  if (zero)
+    optimizer = std::make_unique<mt::dist::ZeroSGD>(net.parameters(),
+                                                    mt::SGDOptions{.lr = 0.1, .momentum = 0.9});
+  else
+    optimizer =
+        std::make_unique<mt::SGD>(net.parameters(), mt::SGDOptions{.lr = 0.1, .momentum = 0.9});
+  mt::Optimizer& opt = *optimizer;
   mt::Tensor x = mt::randn({6, 4});
   mt::Tensor y = mt::tensor(std::vector<int64_t>{0, 1, 2, 0, 1, 2}, {6});
   for (int s = 0; s < 3; ++s) {
@@ -80,6 +89,48 @@ TEST(DataParallel, OfOneProcessChangesNothing) {
   Mlp net;
   EXPECT_MT_ERROR(mt::dist::DataParallel(net, {.bucket_bytes = 0}), "bucket_bytes 0");
   EXPECT_MT_ERROR(mt::dist::DataParallel(net, {.reduce_dtype = mt::i32}), "floating", "i32");
+}
+
+TEST(ReduceScatterAndAllGather, OfOneProcessAreTheirInput) {
+  mt::Tensor x = mt::tensor(std::vector<float>{1.5f, -2, 3e-8f, 65504}, {4});
+  EXPECT_EQ(mt::reduce_scatter(x).to_vector<float>(), x.to_vector<float>());
+  EXPECT_EQ(mt::all_gather(mt::cast(x, mt::bf16)).dtype(), mt::bf16);
+  EXPECT_EQ(mt::all_gather(x).to_vector<float>(), x.to_vector<float>());
+  EXPECT_MT_ERROR(mt::reduce_scatter(mt::reshape(x, {2, 2})), "1-D", "[2, 2]");
+  EXPECT_MT_ERROR(mt::all_gather(mt::reshape(x, {2, 2})), "1-D");
+  EXPECT_MT_ERROR(mt::reduce_scatter(mt::gt(x, x)), "bool");
+}
+
+TEST(Zero, OfOneProcessIsThePlainOptimizerAndItsCheckpointsArePlain) {
+  mt::dist::init();
+  EXPECT_EQ(train_three_steps(true, true), train_three_steps(false));
+  mt::manual_seed(5);
+  Mlp net;
+  mt::dist::ZeroAdamW zero(net.parameters(), {.lr = 0.01});
+  EXPECT_STREQ(zero.kind(), "AdamW");
+  EXPECT_EQ(zero.local_shape(0), net.fc1.weight.shape());
+  for (int s = 0; s < 2; ++s) {
+    zero.zero_grad();
+    mt::sum(mt::square(net(mt::ones({2, 4})))).backward();
+    zero.step();
+  }
+  const std::string path = testing::TempDir() + "zero_one_process.safetensors";
+  mt::dist::save_checkpoint(path, net, &zero);
+  mt::AdamW plain(net.parameters());
+  mt::load_checkpoint(path, net, &plain);
+  mt::dist::ZeroAdamW resumed(net.parameters());
+  mt::dist::load_checkpoint(path, net, &resumed);
+  EXPECT_EQ(plain.steps_taken(), 2);
+  EXPECT_EQ(resumed.steps_taken(), 2);
+  for (size_t i = 0; i < net.parameters().size(); ++i)
+    for (size_t k = 0; k < 2; ++k) {
+      std::vector<float> saved = zero.state(i)[k].second.to_vector<float>();
+      EXPECT_EQ(plain.state(i)[k].second.to_vector<float>(), saved);
+      EXPECT_EQ(resumed.state(i)[k].second.to_vector<float>(), saved);
+    }
+  mt::SGD other(net.parameters(), {.lr = 0.1});
+  EXPECT_MT_ERROR(mt::dist::load_checkpoint(path, net, &other), "AdamW state",
+                  "the optimizer is SGD");
 }
 
 // Example i has feature i, so a batch's features name its examples.

@@ -628,10 +628,14 @@ void add_custom(Table& t) {
   });
 }
 
-// With one process an all_reduce is its input, and so is its gradient's (tests/mpi check two).
+// With one process a collective is its input, and so is its gradient's (tests/mpi check two).
 void add_collectives(Table& t) {
   add(t, OpCode::AllReduce, "all_reduce over one process", {{{3, 4}}},
       [](const Tensors& x) { return mt::all_reduce(x[0]) * x[0]; });
+  add(t, OpCode::ReduceScatter, "reduce_scatter over one process", {{{6}}},
+      [](const Tensors& x) { return mt::reduce_scatter(x[0]) * x[0]; });
+  add(t, OpCode::AllGather, "all_gather over one process", {{{6}}},
+      [](const Tensors& x) { return mt::all_gather(x[0]) * x[0]; });
 }
 
 const Table& op_samples() {

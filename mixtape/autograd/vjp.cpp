@@ -144,6 +144,10 @@ Grads vjp_Argsort(const Node&, const Tensor&) { return {Tensor()}; }
 // Every process's output is the sum of every process's input, so each input's gradient is the
 // sum of every output's.
 Grads vjp_AllReduce(const Node&, const Tensor& g) { return {all_reduce(g)}; }
+// Process r's output is the sum of every input's chunk r, so every input's chunk r gets process
+// r's output gradient: the gradients gathered. And the other way round.
+Grads vjp_ReduceScatter(const Node&, const Tensor& g) { return {all_gather(g)}; }
+Grads vjp_AllGather(const Node&, const Tensor& g) { return {reduce_scatter(g)}; }
 
 Grads vjp_MatMul(const Node& n, const Tensor& g) {
   Tensor a = in(n, 0), b = in(n, 1);

@@ -177,8 +177,12 @@ void DataParallel::average(LeafGradients& gradients) {
   // with another's. A backward that reached none of the module's parameters reduces nothing.
   std::vector<std::shared_ptr<TensorImpl>> owners(params_.size());
   std::unordered_map<const TensorImpl*, size_t> param_of;
-  for (size_t p = 0; p < params_.size(); ++p)
-    if ((owners[p] = params_[p].lock())) param_of.emplace(owners[p].get(), p);
+  for (size_t p = 0; p < params_.size(); ++p) {
+    owners[p] = params_[p].lock();
+    // A ZeRO optimizer (dist/zero.h) reduce-scatters its parameters' gradients itself.
+    if (owners[p] && gradient_sharded(owners[p].get())) owners[p].reset();
+    if (owners[p]) param_of.emplace(owners[p].get(), p);
+  }
   std::vector<size_t> slot(params_.size(), SIZE_MAX);
   bool any = false;
   for (size_t i = 0; i < gradients.size(); ++i)

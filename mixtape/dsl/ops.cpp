@@ -6,6 +6,7 @@
 #include <numeric>
 
 #include "mixtape/dsl/error.h"
+#include "mixtape/dsl/process_group.h"
 
 namespace mixtape {
 namespace {
@@ -740,6 +741,31 @@ Tensor all_reduce(const Tensor& x, const Loc& loc) {
   if (node->dtype == boolean)
     op_fail("all_reduce", loc, "a bool tensor has no sum; cast it to a number type first");
   return Tensor(make_node(OpCode::AllReduce, node->dtype, node->shape, node_list(node), {}, loc));
+}
+
+Tensor reduce_scatter(const Tensor& x, const Loc& loc) {
+  const NodePtr& node = input(x, "reduce_scatter", loc);
+  if (node->dtype == boolean)
+    op_fail("reduce_scatter", loc, "a bool tensor has no sum; cast it to a number type first");
+  if (node->shape.size() != 1)
+    op_fail("reduce_scatter", loc, "x must be 1-D (flatten it first), got shape {}",
+            to_string(node->shape));
+  const int64_t processes = process_count();
+  if (node->shape[0] % processes != 0)
+    op_fail("reduce_scatter", loc,
+            "x's {} elements do not split evenly over {} processes (pad it to a multiple)",
+            node->shape[0], processes);
+  return Tensor(make_node(OpCode::ReduceScatter, node->dtype, {node->shape[0] / processes},
+                          node_list(node), {}, loc));
+}
+
+Tensor all_gather(const Tensor& x, const Loc& loc) {
+  const NodePtr& node = input(x, "all_gather", loc);
+  if (node->shape.size() != 1)
+    op_fail("all_gather", loc, "x must be 1-D (flatten it first), got shape {}",
+            to_string(node->shape));
+  return Tensor(make_node(OpCode::AllGather, node->dtype, {node->shape[0] * process_count()},
+                          node_list(node), {}, loc));
 }
 
 Tensor embedding(const Tensor& weight, const Tensor& ids, const Loc& loc) {

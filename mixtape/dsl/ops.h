@@ -149,6 +149,14 @@ Tensor custom_op(const std::vector<Tensor>& inputs,
 /// added in rank order, in f32 for half types; x's value with one process. Every process must
 /// evaluate the same all_reduce nodes in the same order (dist::DataParallel makes them).
 Tensor all_reduce(const Tensor& x, const Loc& loc = Loc::current());
+/// This process's share of the sum over every process of the 1-D x, whose length must be a
+/// multiple of the process count N: elements [r S, (r + 1) S) of the sum on process r, S being
+/// x's length / N, added in rank order as all_reduce adds them (DeepSpeed's reduce-scatter of
+/// flat, padded gradients). x's value with one process.
+Tensor reduce_scatter(const Tensor& x, const Loc& loc = Loc::current());
+/// The 1-D x of every process, concatenated in rank order (N times x's length), the same bits on
+/// every process; every process's x must have the same length. x's value with one process.
+Tensor all_gather(const Tensor& x, const Loc& loc = Loc::current());
 
 /// The scan `op` (Cumsum, Cumprod or Logcumsumexp) along axis, from the last element when
 /// reverse: what the scans' vjp rules use (their gradients run the other way).

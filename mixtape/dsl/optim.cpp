@@ -10,6 +10,7 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/ops.h"
 #include "mixtape/dsl/orphan_parameters.h"
+#include "mixtape/dsl/process_group.h"
 
 namespace mixtape {
 namespace {
@@ -205,8 +206,15 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
       Tensor g = params_[i].grad();
       if (!g.defined()) continue;
       NamedTensors state = state_[i];
-      Tensor p(params_[i].node());
-      Tensor next = update(p, g.dtype() == p.dtype() ? g : cast(g, p.dtype()), state);
+      Tensor p = local_part(i, Tensor(params_[i].node()));
+      if (!p.defined()) {  // a ZeRO shard of another process: assemble() gives its new value
+        updated.push_back(i);
+        new_params.emplace_back();
+        new_state.push_back(std::move(state));
+        continue;
+      }
+      Tensor local_grad = local_part(i, g.dtype() == p.dtype() ? g : cast(g, p.dtype()));
+      Tensor next = update(p, local_grad, state);
       if (skip_.defined()) {
         // State that did not exist yet is kept at zero by a skipped step: for every built-in
         // rule zero state updates exactly like absent state, or the rule keeps a '~' flag.
@@ -220,7 +228,10 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
       new_state.push_back(std::move(state));
       updated.push_back(i);
     }
-    if (!updated.empty()) new_step = skip_.defined() ? where(skip_, step_, next_step_) : next_step_;
+    if (!updated.empty()) {
+      assemble(updated, new_params);
+      new_step = skip_.defined() ? where(skip_, step_, next_step_) : next_step_;
+    }
     next_step_ = skip_ = scheduled_lr_ = scheduled_momentum_ = Tensor();
   }
   if (updated.empty()) {
@@ -269,7 +280,7 @@ void Optimizer::check_state(size_t param_index, const NamedTensors& state, bool 
   if (param_index >= params_.size())
     fail("{}: parameter index {} out of range ({} parameters)", kind_, param_index, params_.size());
   for (const auto& [name, value] : state) {
-    Shape expected = state_shape(name, params_[param_index].shape());
+    Shape expected = state_shape(name, local_shape(param_index));
     if (!value.defined() || value.shape() != expected)
       fail("{}: state '{}{}' for parameter {} has shape {}, expected {}", kind_, prefix, name,
            param_index, value.defined() ? to_string(value.shape()) : "undefined",
@@ -296,6 +307,12 @@ void Optimizer::check_state(size_t param_index, const NamedTensors& state, bool 
 std::string Optimizer::impossible_state(const std::string&, const Storage&) const { return ""; }
 
 Shape Optimizer::state_shape(const std::string&, const Shape& param) const { return param; }
+
+Shape Optimizer::local_shape(size_t param_index) const { return params_.at(param_index).shape(); }
+
+Tensor Optimizer::local_part(size_t, const Tensor& whole) const { return whole; }
+
+void Optimizer::assemble(const std::vector<size_t>&, std::vector<Tensor>&) {}
 
 void Optimizer::load_state(size_t param_index, const NamedTensors& state, bool allow_nonfinite) {
   check_state(param_index, state, allow_nonfinite);
@@ -641,12 +658,21 @@ std::string Adafactor::impossible_state(const std::string& name, const Storage& 
 
 Tensor grad_norm(const std::vector<Tensor>& params) {
   NoGradGuard no_grad;
-  Tensor total;
+  // Under ZeRO each process holds its shard of a gradient and zeros elsewhere: the squares of
+  // those are summed over the processes (one all_reduce), the others' are the same everywhere.
+  Tensor total, sharded;
+  const bool processes = process_count() > 1;
   for (const Tensor& p : params) {
     Tensor g = p.grad();
     if (!g.defined()) continue;
     Tensor squares = sum(square(cast(g, f32)));
-    total = total.defined() ? total + squares : squares;
+    Tensor& into =
+        processes && gradient_sharded(p.node()->grad_owner.lock().get()) ? sharded : total;
+    into = into.defined() ? into + squares : squares;
+  }
+  if (sharded.defined()) {
+    sharded = all_reduce(sharded);
+    total = total.defined() ? total + sharded : sharded;
   }
   return total.defined() ? sqrt(total) : scalar(0.0);
 }

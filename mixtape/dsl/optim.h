@@ -78,6 +78,10 @@ class Optimizer {
   /// The shape state entry `name` has for a parameter of shape `param`: the parameter's, except
   /// for factored state (Adafactor's row and column statistics).
   virtual Shape state_shape(const std::string& name, const Shape& param) const;
+  /// The shape of the part of parameter `param_index` that this optimizer updates and keeps
+  /// state for: the parameter's own, except under ZeRO (dist::Zero), where it is this process's
+  /// shard of it, flattened ({0} where it holds none).
+  virtual Shape local_shape(size_t param_index) const;
   /// Restores state saved by state(), after check_state().
   void load_state(size_t param_index, const NamedTensors& state, bool allow_nonfinite = false);
   void set_steps_taken(int64_t steps);
@@ -89,6 +93,15 @@ class Optimizer {
   /// State entries whose names start with '~' are private to the optimizer: state() leaves
   /// them out and load_state() drops them.
   virtual Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) = 0;
+  /// The part of `whole` (parameter `param_index` or its gradient) that update() sees: all of
+  /// it, except under ZeRO (dist::Zero), where it is this process's shard, flattened, or an
+  /// undefined Tensor where the process holds none of the parameter.
+  virtual Tensor local_part(size_t param_index, const Tensor& whole) const;
+  /// Makes the updated parameters' new values (new_params[k] for params()[updated[k]]) from
+  /// what update() returned for their local parts: nothing to do, except under ZeRO, where the
+  /// processes' shards are gathered (and entries left undefined, a parameter this process holds
+  /// none of, are filled in).
+  virtual void assemble(const std::vector<size_t>& updated, std::vector<Tensor>& new_params);
   /// Why `values` (host values of a state entry `name`, as check_state() found them) cannot be
   /// state this rule produced, or "" when they can. Non-finite values are checked before.
   virtual std::string impossible_state(const std::string& name, const Storage& values) const;

@@ -1,6 +1,9 @@
-// mixtape/dsl/process_group.cpp -- the installed process group (none: one process).
+// mixtape/dsl/process_group.cpp -- the installed process group (none: one process), and the
+// parameters whose gradients ZeRO shards.
 #include "mixtape/dsl/process_group.h"
 
+#include <mutex>
+#include <unordered_set>
 #include <utility>
 
 namespace mixtape {
@@ -12,7 +15,31 @@ std::shared_ptr<ProcessGroup>& installed() {
   return *group;
 }
 
+struct ShardedGradients {
+  std::mutex mutex;
+  std::unordered_set<const TensorImpl*> parameters;
+};
+ShardedGradients& sharded_gradients() {
+  static ShardedGradients* set = new ShardedGradients;  // never destroyed: used until exit
+  return *set;
+}
+
 }  // namespace
+
+void set_gradient_sharded(const TensorImpl* parameter, bool sharded) {
+  ShardedGradients& set = sharded_gradients();
+  std::lock_guard<std::mutex> lock(set.mutex);
+  if (sharded)
+    set.parameters.insert(parameter);
+  else
+    set.parameters.erase(parameter);
+}
+
+bool gradient_sharded(const TensorImpl* parameter) {
+  ShardedGradients& set = sharded_gradients();
+  std::lock_guard<std::mutex> lock(set.mutex);
+  return parameter && set.parameters.count(parameter) > 0;
+}
 
 ProcessGroup* process_group() { return installed().get(); }
 void set_process_group(std::shared_ptr<ProcessGroup> group) { installed() = std::move(group); }

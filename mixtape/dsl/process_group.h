@@ -38,4 +38,12 @@ void set_process_group(std::shared_ptr<ProcessGroup> group);
 int process_rank();
 int process_count();
 
+struct TensorImpl;
+/// Marks a parameter's gradient as sharded over the processes: each process holds its own
+/// elements of the reduced gradient and zeros elsewhere (dist::Zero leaves them so), so a norm
+/// over them (grad_norm) adds the processes' partial sums, and dist::DataParallel leaves their
+/// reduction to ZeRO. Unmarked when `sharded` is false.
+void set_gradient_sharded(const TensorImpl* parameter, bool sharded);
+bool gradient_sharded(const TensorImpl* parameter);
+
 }  // namespace mixtape

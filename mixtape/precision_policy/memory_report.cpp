@@ -263,8 +263,10 @@ void count_optimizer_state(MemoryReport& report, const Optimizer& opt, const Par
     int64_t bytes = 0;
     for (const auto& [name, value] : state)
       if (value.defined()) bytes += bytes_of(value.numel(), leaf_storage(*value.node()));
-    if (state.empty() && p.grad().defined() && estimate > 0) {
-      bytes = estimate * bytes_of(p.numel(), f32);
+    // Of a ZeRO shard (dist/zero.h), or of all of it; none where this process holds none.
+    const int64_t local = numel(opt.local_shape(i));
+    if (state.empty() && p.grad().defined() && estimate > 0 && local > 0) {
+      bytes = estimate * bytes_of(local, f32);
       report.optimizer_state_estimated = true;
     }
     row.state_bytes += bytes;

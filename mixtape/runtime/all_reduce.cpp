@@ -1,7 +1,8 @@
-// mixtape/runtime/all_reduce.cpp -- the all_reduce step: reduce-scatter by rank-ordered sums, then
-// all-gather, over the installed process group's byte transfers.
+// mixtape/runtime/all_reduce.cpp -- the collective steps: all_reduce (reduce-scatter by
+// rank-ordered sums, then all-gather), reduce_scatter and all_gather, over byte transfers.
 #include "mixtape/runtime/all_reduce.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <limits>
@@ -9,6 +10,7 @@
 #include <vector>
 
 #include "mixtape/dsl/convert.h"
+#include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/process_group.h"
 
@@ -51,10 +53,10 @@ std::vector<int64_t> chunk_bounds(int64_t count, int processes) {
 template <typename A>
 void sum_in_rank_order(const Storage& in, int processes, int64_t width, Storage& out) {
   if (in.dtype == f32 && std::is_same_v<A, float>) {  // the common case: f32 gradients
-    // Piece by piece, each added to every element's running sum: the same additions in the
-    // same order as element by element, in loops that vectorize.
     const float* x = in.as<float>();
     float* y = out.as<float>();
+    // Piece by piece, each added to every element's running sum: the same additions in the
+    // same order as element by element, in loops that vectorize.
     std::memcpy(y, x, static_cast<size_t>(width) * sizeof(float));
     for (int q = 1; q < processes; ++q) {
       const float* piece = x + q * width;
@@ -82,6 +84,45 @@ std::shared_ptr<Storage> input_in(const Node& node, DType dtype) {
   return out;
 }
 
+// Each process sums its chunk bounds[rank] .. bounds[rank + 1] of `in` over every process, in
+// rank order: the reduce-scatter half of every reduction. Returns the summed chunk.
+std::shared_ptr<Storage> sum_my_chunk(const Node& node, const Storage& in, ProcessGroup& group,
+                                      const std::vector<int64_t>& bounds) {
+  const int processes = group.size(), rank = group.rank();
+  const DType dtype = node.precision.storage_type;
+  const int64_t element = static_cast<int64_t>(size_of(dtype));
+  const int64_t width = bounds[rank + 1] - bounds[rank];
+  std::vector<int64_t> send_count(processes), send_at(processes), recv_count(processes),
+      recv_at(processes);
+  for (int q = 0; q < processes; ++q) {
+    send_count[q] = (bounds[q + 1] - bounds[q]) * element;
+    send_at[q] = bounds[q] * element;
+    recv_count[q] = width * element;
+    recv_at[q] = q * width * element;
+  }
+  auto pieces = allocate_value(node, dtype, width * processes, true);
+  group.all_to_all(in.host_data(), send_count, send_at, pieces->host_data(), recv_count, recv_at);
+  auto mine = allocate_value(node, dtype, width, true);
+  if (dtype == f64 || node.precision.accum == f64)
+    sum_in_rank_order<double>(*pieces, processes, width, *mine);
+  else if (is_floating(dtype))
+    sum_in_rank_order<float>(*pieces, processes, width, *mine);
+  else
+    sum_in_rank_order<int64_t>(*pieces, processes, width, *mine);
+  return mine;
+}
+
+// Every process's `in` (the same count on each), in rank order.
+std::shared_ptr<Storage> gather_equal(const Node& node, const Storage& in, ProcessGroup& group) {
+  const int processes = group.size();
+  const int64_t bytes = in.count * static_cast<int64_t>(size_of(in.dtype));
+  std::vector<int64_t> counts(processes, bytes), at(processes);
+  for (int q = 0; q < processes; ++q) at[q] = q * bytes;
+  auto out = allocate_value(node, in.dtype, in.count * processes, true);
+  group.all_gather(in.host_data(), bytes, out->host_data(), counts, at);
+  return out;
+}
+
 }  // namespace
 
 CollectiveStats collective_stats() {
@@ -99,32 +140,44 @@ std::shared_ptr<Storage> all_reduce_value(const Node& node) {
   ProcessGroup* group = process_group();
   if (!group || group->size() == 1) return in;
   CollectiveTimer timer(in->size_bytes());
-  const int processes = group->size(), rank = group->rank();
+  const int processes = group->size();
   const int64_t count = in->count,
                 element = static_cast<int64_t>(size_of(node.precision.storage_type));
   const std::vector<int64_t> bounds = chunk_bounds(count, processes);
-  const int64_t width = bounds[rank + 1] - bounds[rank];
-  std::vector<int64_t> send_count(processes), send_at(processes), recv_count(processes),
-      recv_at(processes);
+  std::shared_ptr<Storage> mine = sum_my_chunk(node, *in, *group, bounds);
+  std::vector<int64_t> counts(processes), at(processes);
   for (int q = 0; q < processes; ++q) {
-    send_count[q] = (bounds[q + 1] - bounds[q]) * element;
-    send_at[q] = bounds[q] * element;
-    recv_count[q] = width * element;
-    recv_at[q] = q * width * element;
+    counts[q] = (bounds[q + 1] - bounds[q]) * element;
+    at[q] = bounds[q] * element;
   }
-  auto pieces = allocate_value(node, node.precision.storage_type, width * processes, true);
-  group->all_to_all(in->host_data(), send_count, send_at, pieces->host_data(), recv_count, recv_at);
-  auto mine = allocate_value(node, node.precision.storage_type, width, true);
-  if (node.precision.storage_type == f64 || node.precision.accum == f64)
-    sum_in_rank_order<double>(*pieces, processes, width, *mine);
-  else if (is_floating(node.precision.storage_type))
-    sum_in_rank_order<float>(*pieces, processes, width, *mine);
-  else
-    sum_in_rank_order<int64_t>(*pieces, processes, width, *mine);
-  pieces.reset();
   auto out = allocate_value(node, node.precision.storage_type, count, true);
-  group->all_gather(mine->host_data(), width * element, out->host_data(), send_count, send_at);
+  group->all_gather(mine->host_data(), mine->count * element, out->host_data(), counts, at);
   return out;
+}
+
+std::shared_ptr<Storage> reduce_scatter_value(const Node& node) {
+  std::shared_ptr<Storage> in = input_in(node, node.precision.storage_type);
+  ProcessGroup* group = process_group();
+  if (!group || group->size() == 1) return in;
+  CollectiveTimer timer(in->size_bytes());
+  const int processes = group->size();
+  if (in->count != node.shape[0] * processes)
+    fail("reduce_scatter: built for {} elements per process over {} processes, run over {}",
+         node.shape[0], in->count / std::max(node.shape[0], int64_t{1}), processes);
+  std::vector<int64_t> bounds(static_cast<size_t>(processes) + 1);
+  for (int q = 0; q <= processes; ++q) bounds[q] = q * node.shape[0];
+  return sum_my_chunk(node, *in, *group, bounds);
+}
+
+std::shared_ptr<Storage> all_gather_value(const Node& node) {
+  std::shared_ptr<Storage> in = input_in(node, node.precision.storage_type);
+  ProcessGroup* group = process_group();
+  if (!group || group->size() == 1) return in;
+  CollectiveTimer timer(in->size_bytes());
+  if (in->count * group->size() != node.shape[0])
+    fail("all_gather: built for {} elements from {} processes, run over {}", node.shape[0],
+         node.shape[0] / std::max(in->count, int64_t{1}), group->size());
+  return gather_equal(node, *in, *group);
 }
 
 }  // namespace mixtape

@@ -1,5 +1,5 @@
-// mixtape/runtime/all_reduce.h -- the all_reduce op's step: a deterministic sum over the
-// processes of the run, the same on every back end (a host step).
+// mixtape/runtime/all_reduce.h -- the collective ops' steps (all_reduce, reduce_scatter,
+// all_gather): deterministic sums over the processes of the run, the same on every back end.
 #pragma once
 
 #include <cstdint>
@@ -25,5 +25,10 @@ void reset_collective_stats();
 /// integers; rounded once to the node's storage type), then every process gathers every chunk.
 /// So the bits are the same on every process and in every run of the same world size.
 std::shared_ptr<Storage> all_reduce_value(const Node& node);
+/// The value of a reduce_scatter node: this process's equal share of the sum, added as
+/// all_reduce adds (ZeRO-1's gradient reduction).
+std::shared_ptr<Storage> reduce_scatter_value(const Node& node);
+/// The value of an all_gather node: every process's input in rank order (bytes only).
+std::shared_ptr<Storage> all_gather_value(const Node& node);
 
 }  // namespace mixtape

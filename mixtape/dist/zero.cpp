@@ -1,0 +1,265 @@
+// mixtape/dist/zero.cpp -- ZeroShards: ZeRO-1's flat, padded shards of the parameters, the
+// gradient reduce-scatter (a gradient hook), the parameter all-gather and the state gathering.
+#include "mixtape/dist/zero.h"
+
+#include <algorithm>
+#include <string>
+#include <unordered_map>
+
+#include "mixtape/dsl/error.h"
+#include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/process_group.h"
+
+namespace mixtape::dist {
+namespace {
+
+// FNV-1a over 64-bit words: what every process must agree on, in 8 bytes.
+uint64_t mix(uint64_t h, uint64_t word) {
+  for (int b = 0; b < 8; ++b) h = (h ^ ((word >> (8 * b)) & 0xff)) * 1099511628211ull;
+  return h;
+}
+
+Tensor* find_entry(NamedTensors& state, const std::string& name) {
+  for (auto& [key, value] : state)
+    if (key == name) return &value;
+  return nullptr;
+}
+
+}  // namespace
+
+ZeroShards::ZeroShards(const std::vector<Tensor>& params) : params_(params) {
+  if (ProcessGroup* group = process_group()) {
+    processes_ = group->size();
+    rank_ = group->rank();
+  }
+  places_.resize(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const DType dtype = params_[i].dtype();
+    auto found = std::find_if(groups_.begin(), groups_.end(),
+                              [&](const Group& g) { return g.dtype == dtype; });
+    if (found == groups_.end()) {
+      groups_.push_back({dtype, {}, 0, 0, 0});
+      found = groups_.end() - 1;
+    }
+    places_[i] = {static_cast<size_t>(found - groups_.begin()), found->total,
+                  found->total + params_[i].numel()};
+    found->members.push_back(i);
+    found->total += params_[i].numel();
+  }
+  for (Group& g : groups_) {
+    g.padded = (g.total + processes_ - 1) / processes_ * processes_;
+    g.shard = g.padded / processes_;
+  }
+  owners_.resize(params_.size());
+  if (processes_ == 1) return;
+  check_same_layout();
+  for (size_t i = 0; i < params_.size(); ++i) {
+    owners_[i] = params_[i].node()->grad_owner.lock().get();
+    set_gradient_sharded(owners_[i], true);
+  }
+  hook_ = add_gradient_hook([this](LeafGradients& gradients) { reduce(gradients); });
+}
+
+ZeroShards::~ZeroShards() {
+  if (hook_ >= 0) remove_gradient_hook(hook_);
+  for (const TensorImpl* owner : owners_)
+    if (owner) set_gradient_sharded(owner, false);
+}
+
+// The shards pair elements by position, so every process must lay out the same parameters: the
+// same error on every process otherwise (each compares all processes' digests).
+void ZeroShards::check_same_layout() const {
+  uint64_t digest = 1469598103934665603ull;
+  for (const Tensor& p : params_) {
+    digest = mix(digest, static_cast<uint64_t>(p.dtype()));
+    digest = mix(digest, static_cast<uint64_t>(p.numel()));
+  }
+  ProcessGroup& group = *process_group();
+  std::vector<uint64_t> all(processes_);
+  std::vector<int64_t> counts(processes_, sizeof(uint64_t)), at(processes_);
+  for (int q = 0; q < processes_; ++q) at[q] = q * static_cast<int64_t>(sizeof(uint64_t));
+  group.all_gather(reinterpret_cast<const std::byte*>(&digest), sizeof(uint64_t),
+                   reinterpret_cast<std::byte*>(all.data()), counts, at);
+  for (int q = 1; q < processes_; ++q)
+    if (all[q] != all[0])
+      fail(
+          "dist::Zero: process {} passes other parameters (dtypes or sizes) than process 0, so "
+          "their shards would not line up; give every process the same model",
+          q);
+}
+
+std::pair<int64_t, int64_t> ZeroShards::held(size_t i) const {
+  const Place& place = places_.at(i);
+  if (processes_ == 1) return {0, place.end - place.begin};
+  const int64_t shard = groups_[place.group].shard;
+  const int64_t first = std::max(place.begin, rank_ * shard);
+  const int64_t last = std::min(place.end, (rank_ + 1) * shard);
+  if (first >= last) return {0, 0};
+  return {first - place.begin, last - place.begin};
+}
+
+Tensor ZeroShards::local_part(size_t i, const Tensor& whole) const {
+  if (processes_ == 1) return whole;
+  auto [first, last] = held(i);
+  if (first == last) return Tensor();
+  return slice(reshape(whole, {-1}), 0, first, last);
+}
+
+Shape ZeroShards::local_shape(size_t i) const {
+  if (processes_ == 1) return params_.at(i).shape();
+  auto [first, last] = held(i);
+  return {last - first};
+}
+
+template <typename Part>
+Tensor ZeroShards::shard_of(const Group& group, DType dtype, Part part) const {
+  std::vector<Tensor> pieces;
+  for (size_t i : group.members)
+    if (auto [first, last] = held(i); first != last) pieces.push_back(part(i));
+  const int64_t padding = std::min(group.padded, (rank_ + 1) * group.shard) -
+                          std::max(group.total, rank_ * group.shard);
+  if (padding > 0) pieces.push_back(zeros({padding}, dtype));
+  return pieces.size() == 1 ? pieces[0] : concat(pieces);
+}
+
+std::vector<Tensor> ZeroShards::unshard(const Group& group, const Tensor& shard) const {
+  Tensor all = all_gather(shard);
+  std::vector<Tensor> out;
+  for (size_t i : group.members) {
+    const Place& place = places_[i];
+    out.push_back(reshape(slice(all, 0, place.begin, place.end), params_[i].shape()));
+  }
+  return out;
+}
+
+void ZeroShards::assemble(const std::vector<size_t>& updated,
+                          std::vector<Tensor>& new_params) const {
+  if (processes_ == 1) return;
+  std::vector<int64_t> slot(params_.size(), -1);
+  for (size_t k = 0; k < updated.size(); ++k) slot[updated[k]] = static_cast<int64_t>(k);
+  for (const Group& group : groups_) {
+    // A parameter without a gradient keeps its values (every process leaves it alike: the
+    // gradient hook gives every parameter one whenever any process's backward reached any).
+    Tensor shard = shard_of(group, group.dtype, [&](size_t i) {
+      return slot[i] >= 0 ? new_params[slot[i]] : local_part(i, params_[i]);
+    });
+    std::vector<Tensor> values = unshard(group, shard);
+    for (size_t m = 0; m < group.members.size(); ++m)
+      if (int64_t k = slot[group.members[m]]; k >= 0) new_params[k] = values[m];
+  }
+}
+
+void ZeroShards::reduce(LeafGradients& gradients) const {
+  std::unordered_map<const TensorImpl*, size_t> index;
+  for (size_t i = 0; i < owners_.size(); ++i) index.emplace(owners_[i], i);
+  std::vector<size_t> slot(params_.size(), SIZE_MAX);
+  bool any = false;
+  for (size_t k = 0; k < gradients.size(); ++k)
+    if (auto found = index.find(gradients[k].first.get()); found != index.end()) {
+      slot[found->second] = k;
+      any = true;
+    }
+  // As dist::DataParallel: a backward that reached none of them reduces nothing; one that
+  // reached some gives the others zeros, so every process's flat buffers hold the same layout.
+  if (!any) return;
+  NoGradGuard no_grad;
+  std::vector<DType> grad_types(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (slot[i] == SIZE_MAX) {
+      gradients.emplace_back(params_[i].node()->grad_owner.lock(),
+                             zeros(params_[i].shape(), params_[i].dtype()));
+      slot[i] = gradients.size() - 1;
+    }
+    grad_types[i] = gradients[slot[i]].second.dtype();
+  }
+  std::vector<Tensor> means;
+  for (const Group& group : groups_) {
+    std::vector<Tensor> flat;
+    for (size_t i : group.members) {
+      const Tensor& g = gradients[slot[i]].second;
+      flat.push_back(reshape(g.dtype() == group.dtype ? g : cast(g, group.dtype), {-1}));
+    }
+    if (group.padded > group.total)
+      flat.push_back(zeros({group.padded - group.total}, group.dtype));
+    means.push_back(reduce_scatter(concat(flat)) / static_cast<double>(processes_));
+  }
+  // Now, together, in this order: left lazy, they would run when first read, in whatever order
+  // each process reads its gradients (see DataParallel).
+  eval(means);
+  for (size_t k = 0; k < groups_.size(); ++k) {
+    const Group& group = groups_[k];
+    const int64_t shard_begin = rank_ * group.shard;
+    for (size_t i : group.members) {
+      auto [first, last] = held(i);
+      const Place& place = places_[i];
+      Tensor mine;
+      if (first == last) {
+        mine = zeros(params_[i].shape(), group.dtype);
+      } else {
+        std::vector<Tensor> pieces;
+        if (first > 0) pieces.push_back(zeros({first}, group.dtype));
+        const int64_t at = place.begin + first - shard_begin;
+        pieces.push_back(slice(means[k], 0, at, at + last - first));
+        if (last < params_[i].numel())
+          pieces.push_back(zeros({params_[i].numel() - last}, group.dtype));
+        mine = reshape(pieces.size() == 1 ? pieces[0] : concat(pieces), params_[i].shape());
+      }
+      gradients[slot[i]].second = mine.dtype() == grad_types[i] ? mine : cast(mine, grad_types[i]);
+    }
+  }
+}
+
+void ZeroShards::gather_state(const Optimizer& zero, Optimizer& whole) const {
+  whole.set_steps_taken(zero.steps_taken());
+  if (processes_ == 1) {
+    for (size_t i = 0; i < params_.size(); ++i) whole.load_state(i, zero.state(i), true);
+    return;
+  }
+  std::vector<NamedTensors> full(params_.size());
+  std::vector<Tensor> pending;
+  for (const Group& group : groups_) {
+    // Rank 0 holds the group's first elements, so its first member's state names are the
+    // group's (the rule makes the same entries for every parameter it has stepped), sent to all.
+    std::string names;
+    if (rank_ == 0)
+      for (const auto& entry : zero.state(group.members[0])) names += entry.first + "\n";
+    int64_t length = static_cast<int64_t>(names.size());
+    process_group()->broadcast(reinterpret_cast<std::byte*>(&length), sizeof(length), 0);
+    names.resize(static_cast<size_t>(length));
+    process_group()->broadcast(reinterpret_cast<std::byte*>(names.data()), length, 0);
+    for (size_t at = 0; at < names.size();) {
+      const size_t end = names.find('\n', at);
+      const std::string name = names.substr(at, end - at);
+      at = end + 1;
+      Tensor shard = shard_of(group, f32, [&](size_t i) {
+        NamedTensors state = zero.state(i);
+        Tensor* value = find_entry(state, name);
+        // A shard this process has not stepped yet (impossible while every process steps
+        // alike) contributes zeros rather than leave the others waiting.
+        return value ? cast(*value, f32) : zeros(local_shape(i), f32);
+      });
+      std::vector<Tensor> values = unshard(group, shard);
+      for (size_t m = 0; m < group.members.size(); ++m) {
+        full[group.members[m]].emplace_back(name, values[m]);
+        pending.push_back(values[m]);
+      }
+    }
+  }
+  eval(pending);
+  for (size_t i = 0; i < params_.size(); ++i) whole.load_state(i, full[i], true);
+}
+
+void ZeroShards::take_state(const Optimizer& whole, Optimizer& zero) const {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    NamedTensors mine;
+    for (const auto& [name, value] : whole.state(i)) {
+      Tensor part = local_part(i, value);
+      if (part.defined()) mine.emplace_back(name, part);
+    }
+    zero.load_state(i, mine, true);
+  }
+  zero.set_steps_taken(whole.steps_taken());
+}
+
+}  // namespace mixtape::dist

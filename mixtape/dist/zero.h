@@ -1,0 +1,141 @@
+// mixtape/dist/zero.h -- ZeRO stage 1: optimizers whose state each process keeps (and updates)
+// for its 1/N shard of the parameters, gradients reduce-scattered and parameters all-gathered
+// in the step's graph.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "mixtape/autograd/grad.h"
+#include "mixtape/dsl/optim.h"
+
+namespace mixtape::dist {
+
+/// How ZeRO-1 cuts an optimizer's parameters into shards, as DeepSpeed's stage 1 does: the
+/// parameters of one dtype, in the optimizer's order, flattened into one buffer, padded at its
+/// end with zeros to a multiple of the process count N (DeepSpeed's
+/// flatten_dense_tensors_aligned pads its flat groups so), and cut into N equal shards; process
+/// r holds shard r, which may begin and end inside a parameter. With more than one process it
+/// also replaces every backward()'s gradients of these parameters (an autograd gradient hook):
+/// the flat gradients are reduce-scattered (summed in rank order, divided by N), and each
+/// parameter's gradient becomes its elements of this process's shard, zeros elsewhere (DeepSpeed
+/// frees the rest). Parameters are marked set_gradient_sharded, so grad_norm (clip_grad_norm)
+/// sums the processes' squares and dist::DataParallel leaves them to this reduction.
+/// With one process it changes nothing: the optimizer is the plain one.
+class ZeroShards {
+ public:
+  /// Every process must pass the same parameters (dtypes and sizes; an mt::Error on every
+  /// process otherwise), after dist::init().
+  explicit ZeroShards(const std::vector<Tensor>& params);
+  ~ZeroShards();
+  ZeroShards(const ZeroShards&) = delete;
+  ZeroShards& operator=(const ZeroShards&) = delete;
+
+  /// The parameters of one dtype, flattened: `members` are indices into the parameter list.
+  struct Group {
+    DType dtype = f32;
+    std::vector<size_t> members;
+    int64_t total = 0;   // their elements
+    int64_t padded = 0;  // total rounded up to a multiple of N
+    int64_t shard = 0;   // padded / N, the elements each process holds
+  };
+  int processes() const { return processes_; }
+  const std::vector<Group>& groups() const { return groups_; }
+  /// The elements [first, second) of parameter i (in its flat order) that this process holds;
+  /// first == second where it holds none of them. All of them with one process.
+  std::pair<int64_t, int64_t> held(size_t i) const;
+
+  /// Optimizer::local_part, local_shape and assemble for a ZeRO optimizer.
+  Tensor local_part(size_t i, const Tensor& whole) const;
+  Shape local_shape(size_t i) const;
+  void assemble(const std::vector<size_t>& updated, std::vector<Tensor>& new_params) const;
+  /// Into `whole`, a plain optimizer over the same parameters: every process's state shards,
+  /// gathered, and `zero`'s step count. Every process calls it (collectives).
+  void gather_state(const Optimizer& zero, Optimizer& whole) const;
+  /// Into `zero`: this process's shards of `whole`'s state, and its step count.
+  void take_state(const Optimizer& whole, Optimizer& zero) const;
+
+ private:
+  struct Place {
+    size_t group = 0;
+    int64_t begin = 0, end = 0;  // in the group's flat buffer
+  };
+  // This process's shard of `group`'s flat buffer in `dtype` from each member's part (part(i):
+  // the held elements of parameter i, 1-D) and zeros for the padding it holds.
+  template <typename Part>
+  Tensor shard_of(const Group& group, DType dtype, Part part) const;
+  // Every process's shard gathered, cut into the members' tensors (of their shapes).
+  std::vector<Tensor> unshard(const Group& group, const Tensor& shard) const;
+  void check_same_layout() const;
+  void reduce(LeafGradients& gradients) const;
+
+  std::vector<Tensor> params_;
+  std::vector<const TensorImpl*> owners_;
+  std::vector<Place> places_;
+  std::vector<Group> groups_;
+  int processes_ = 1, rank_ = 0;
+  int64_t hook_ = -1;
+};
+
+/// What dist::save_checkpoint and dist::load_checkpoint need of a ZeRO optimizer, whatever its
+/// rule.
+class ZeroOptimizer {
+ public:
+  virtual ~ZeroOptimizer() = default;
+  /// A plain optimizer of the same rule and options over the same parameters, without state.
+  virtual std::unique_ptr<Optimizer> plain() const = 0;
+  /// plain() with every process's state gathered: what a checkpoint holds. Every process calls
+  /// it.
+  virtual std::unique_ptr<Optimizer> gathered() const = 0;
+  /// Takes this process's shards of `whole`'s state (any world size's: see gathered()).
+  virtual void take_shards(const Optimizer& whole) = 0;
+  virtual const ZeroShards& shards() const = 0;
+};
+
+/// ZeRO stage 1 of the optimizer `Rule` (an elementwise rule: SGD, Adam, AdamW), with Rule's
+/// constructors and options: each process keeps the rule's f32 state for its 1/N shard only
+/// (ZeroShards) and updates only that shard of the parameters (f32 parameters are their own
+/// master weights: the shard is updated in place of a separate master copy); the updated shards
+/// are all-gathered into the parameters in the step's program. GradScaler, clip_grad_norm,
+/// schedules and mt::compile work as with the plain rule, whose kind() it keeps, so its
+/// checkpoints (dist::save_checkpoint, which gathers the shards) are the plain rule's.
+template <class Rule>
+class Zero : public Rule, public ZeroOptimizer {
+  // Adafactor's factored statistics and its RMS scaling need whole parameters, not slices.
+  static_assert(!std::is_base_of_v<Adafactor, Rule>, "ZeRO shards elementwise rules only");
+
+ public:
+  using Rule::Rule;
+
+  Shape local_shape(size_t i) const override { return shards_.local_shape(i); }
+  std::unique_ptr<Optimizer> plain() const override {
+    return std::make_unique<Rule>(this->params(), this->options);
+  }
+  std::unique_ptr<Optimizer> gathered() const override {
+    std::unique_ptr<Optimizer> whole = plain();
+    shards_.gather_state(*this, *whole);
+    return whole;
+  }
+  void take_shards(const Optimizer& whole) override { shards_.take_state(whole, *this); }
+  const ZeroShards& shards() const override { return shards_; }
+
+ protected:
+  Tensor local_part(size_t i, const Tensor& whole) const override {
+    return shards_.local_part(i, whole);
+  }
+  void assemble(const std::vector<size_t>& updated, std::vector<Tensor>& new_params) override {
+    shards_.assemble(updated, new_params);
+  }
+
+ private:
+  ZeroShards shards_{this->params()};
+};
+
+using ZeroAdamW = Zero<AdamW>;
+using ZeroAdam = Zero<Adam>;
+using ZeroSGD = Zero<SGD>;
+
+}  // namespace mixtape::dist

@@ -1,0 +1,344 @@
+// tests/mpi/test_zero_mpi.cpp -- ZeRO-1 on two processes (ctest label mpi): ZeroAdamW against
+// plain data parallel (fp32, autocast-bf16 with dynamic scaling, an inf on one rank only),
+// optimizer-state bytes per rank, checkpoints resumed at 2 ranks and at 1, another model's
+// checkpoint refused on every rank, and mt::compile replaying ZeRO steps.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mixtape/dist/checkpoint.h"
+#include "mixtape/dist/dist.h"
+#include "mixtape/dist/zero.h"
+#include "mixtape/dsl/process_group.h"
+#include "mixtape/mixtape.h"
+#include "tests/test_util.h"
+
+namespace mt = mixtape;
+
+namespace {
+
+constexpr int64_t kBatch = 32;  // per rank; one process alone takes both ranks' rows
+constexpr int64_t kFeatures = 64, kClasses = 4;
+constexpr int kSteps = 20;
+
+// 64 -> 32 -> 4 and a learned temperature: 2213 parameters, an odd count, so the flat buffer is
+// padded by one element, and rank 0's shard ends inside fc1.weight, so it holds none of the
+// other tensors.
+struct Net : mt::Module {
+  mt::Linear fc1{kFeatures, 32}, fc2{32, kClasses};
+  mt::Tensor temperature;
+  Net() {
+    register_module("fc1", fc1);
+    register_module("fc2", fc2);
+    temperature = register_parameter("temperature", mt::ones({1}));
+  }
+  mt::Tensor operator()(const mt::Tensor& x) const { return fc2(mt::gelu(fc1(x))) * temperature; }
+};
+
+// The global batch of every step, made once: inputs from a seeded normal, labels from a fixed
+// random linear teacher.
+struct Data {
+  std::vector<float> x;
+  std::vector<int64_t> y;
+};
+const Data& data() {
+  static const Data d = [] {
+    mt::Generator gen(11);
+    const int64_t rows = kSteps * 2 * kBatch;
+    mt::Tensor x = mt::randn({rows, kFeatures}, mt::f32, &gen);
+    mt::Tensor teacher = mt::randn({kFeatures, kClasses}, mt::f32, &gen);
+    return Data{x.to_vector<float>(), mt::argmax(mt::matmul(x, teacher), 1).to_vector<int64_t>()};
+  }();
+  return d;
+}
+
+// Rows [first, first + count) of the global batch of step s.
+std::pair<mt::Tensor, mt::Tensor> batch(int s, int64_t first, int64_t count) {
+  const int64_t at = s * 2 * kBatch + first;
+  const Data& d = data();
+  std::vector<float> x(d.x.begin() + at * kFeatures, d.x.begin() + (at + count) * kFeatures);
+  std::vector<int64_t> y(d.y.begin() + at, d.y.begin() + at + count);
+  return {mt::tensor(x, {count, kFeatures}), mt::tensor(y, {count}, mt::i64)};
+}
+
+std::vector<float> flat_parameters(const mt::Module& m) {
+  std::vector<mt::Tensor> flat;
+  for (const mt::Tensor& p : m.parameters()) flat.push_back(mt::reshape(p, {-1}));
+  return mt::concat(flat).to_vector<float>();
+}
+
+// Rank 0's values, on every rank.
+std::vector<float> rank0s(std::vector<float> values) {
+  mt::process_group()->broadcast(reinterpret_cast<std::byte*>(values.data()),
+                                 static_cast<int64_t>(values.size() * sizeof(float)), 0);
+  return values;
+}
+
+enum class Kind { data_parallel, zero, alone };
+
+struct Options {
+  Kind kind = Kind::zero;
+  bool sgd = false;  // SGD with momentum in place of AdamW
+  bool bf16 = false;
+  double max_norm = 0.05;  // the clipping norm: below the gradients' at every step
+  bool compiled = false;
+  int bad_step = -1;       // rank 1 alone multiplies its gradients by inf at this step
+  int first_step = 0;      // steps first_step .. last_step - 1 are run
+  int last_step = kSteps;  // where a checkpoint is saved (save_at) or loaded (load)
+  int save_at = -1;
+  std::string load = {};
+  std::string path = {};
+};
+
+struct Outcome {
+  std::vector<float> params;
+  std::vector<double> losses;  // the global batch's mean loss of each step run
+  std::vector<double> norms;   // clip_grad_norm's of each traced step
+  std::vector<double> scales;
+  std::vector<bool> skipped;
+  int64_t replays = 0;
+};
+
+// AdamW with weight decay (or SGD with momentum), dynamic loss scaling and clipping: ZeRO or
+// plain data parallel at kBatch rows per rank, or one process alone (on every rank alike)
+// at both ranks' rows.
+Outcome train(const Options& o) {
+  const bool alone = o.kind == Kind::alone;
+  mt::manual_seed(7);
+  Net net;
+  std::optional<mt::dist::DataParallel> ddp;
+  if (!alone) ddp.emplace(net);
+  const mt::AdamOptions adam{.lr = 1e-3, .weight_decay = 0.01};
+  const mt::SGDOptions sgd{.lr = 0.05, .momentum = 0.9};
+  std::unique_ptr<mt::Optimizer> optimizer;
+  if (o.kind == Kind::zero && o.sgd)
+    optimizer = std::make_unique<mt::dist::ZeroSGD>(net.parameters(), sgd);
+  else if (o.kind == Kind::zero)
+    optimizer = std::make_unique<mt::dist::ZeroAdamW>(net.parameters(), adam);
+  else if (o.sgd)
+    optimizer = std::make_unique<mt::SGD>(net.parameters(), sgd);
+  else
+    optimizer = std::make_unique<mt::AdamW>(net.parameters(), adam);
+  mt::Optimizer& opt = *optimizer;
+  mt::GradScaler scaler({.init_scale = 1024.0, .growth_interval = 4});
+  if (!o.load.empty()) {
+    if (alone)
+      mt::load_checkpoint(o.load, net, &opt, nullptr, &scaler);
+    else
+      mt::dist::load_checkpoint(o.load, net, &opt, nullptr, &scaler);
+  }
+  std::vector<mt::Tensor> losses, norms;
+  auto step = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    opt.zero_grad();
+    mt::Tensor loss;
+    {
+      std::optional<mt::autocast> guard;
+      if (o.bf16) guard.emplace(mt::bf16);
+      loss = mt::cross_entropy(net(x), y);
+    }
+    scaler.scale(loss).backward();
+    scaler.unscale_(opt);
+    mt::Tensor norm = mt::clip_grad_norm(net.parameters(), o.max_norm);
+    if (!o.compiled) norms.push_back(norm);
+    scaler.step(opt);
+    scaler.update();
+    return loss;
+  };
+  auto compiled = mt::compile(step);
+  Outcome r;
+  const int rank = mt::dist::rank();
+  for (int s = o.first_step; s < o.last_step; ++s) {
+    auto [x, y] = alone ? batch(s, 0, 2 * kBatch) : batch(s, rank * kBatch, kBatch);
+    if (s == o.bad_step && rank == 1) {  // the same calls as step(), which make collectives
+      opt.zero_grad();
+      scaler.scale(mt::cross_entropy(net(x), y)).backward();
+      for (mt::Tensor p : net.parameters()) p.set_grad(p.grad() * INFINITY);
+      scaler.unscale_(opt);
+      mt::clip_grad_norm(net.parameters(), o.max_norm);
+      scaler.step(opt);
+      scaler.update();
+      losses.push_back(mt::full({}, NAN));
+    } else {
+      losses.push_back(o.compiled && s != o.bad_step ? compiled(x, y) : step(x, y));
+    }
+    if (s + 1 == o.save_at) mt::dist::save_checkpoint(o.path, net, &opt, {}, &scaler);
+    EXPECT_EQ(flat_parameters(net), rank0s(flat_parameters(net)))
+        << "rank " << rank << "'s parameters differ from rank 0's after step " << s;
+  }
+  mt::Tensor mean = mt::stack(losses);
+  if (!alone) mean = mt::all_reduce(mean) / 2.0;
+  r.losses = mean.to_vector<double>();
+  if (!norms.empty()) r.norms = mt::stack(norms).to_vector<double>();
+  r.params = flat_parameters(net);
+  r.scales = scaler.scale_history();
+  r.skipped = scaler.skip_history();
+  r.replays = compiled.stats().replays;
+  return r;
+}
+
+// The largest |a - b| / max(|b|, 0.01), which rank 0 prints.
+double worst_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  EXPECT_EQ(a.size(), b.size());
+  double worst = 0;
+  for (size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+    worst =
+        std::max(worst, std::fabs(double(a[i]) - b[i]) / std::max(std::fabs(double(b[i])), 1e-2));
+  if (mt::dist::rank() == 0) std::printf("worst relative difference %.3g\n", worst);
+  return worst;
+}
+
+std::vector<float> as_floats(const std::vector<double>& v) { return {v.begin(), v.end()}; }
+
+class Zero : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (mt::dist::init().size != 2)
+      GTEST_SKIP() << "needs two processes (mpirun -np 2): " << mt::dist::init().single_reason;
+  }
+};
+
+// Twenty steps of ZeRO against plain data parallel, and ZeRO again. AdamW's steps divide by the
+// gradients' own size, which magnifies a change in the last bit of a gradient near zero: so
+// with AdamW the clipping norm is one the gradients never reach (the gradients are then the same
+// bits, per element summed in rank order, and so are the updates), and the global norm itself
+// is compared; SGD's steps are clipped at every step.
+void expect_zero_equals_data_parallel(bool bf16) {
+  for (bool sgd : {false, true}) {
+    SCOPED_TRACE(sgd ? "SGD, clipped" : "AdamW");
+    const double max_norm = sgd ? 0.05 : 1e3;
+    Outcome zero = train({.sgd = sgd, .bf16 = bf16, .max_norm = max_norm});
+    Outcome plain =
+        train({.kind = Kind::data_parallel, .sgd = sgd, .bf16 = bf16, .max_norm = max_norm});
+    EXPECT_LE(worst_difference(zero.params, plain.params), 1e-6);
+    EXPECT_LE(worst_difference(as_floats(zero.losses), as_floats(plain.losses)), 1e-6);
+    // The global norm: each rank's shard's squares, all-reduced, against the whole gradient's:
+    // a few f32 roundings apart (added in another order).
+    EXPECT_LE(worst_difference(as_floats(zero.norms), as_floats(plain.norms)), 2e-6);
+    if (sgd) {
+      EXPECT_GT(*std::min_element(zero.norms.begin(), zero.norms.end()), max_norm);
+    }
+    EXPECT_EQ(zero.scales, plain.scales);
+    Outcome again = train({.sgd = sgd, .bf16 = bf16, .max_norm = max_norm});
+    EXPECT_EQ(zero.params, again.params) << "runs repeat bit for bit";
+  }
+}
+
+TEST_F(Zero, EqualsPlainDataParallelInFp32) { expect_zero_equals_data_parallel(false); }
+
+TEST_F(Zero, EqualsPlainDataParallelUnderAutocastBf16WithDynamicScaling) {
+  expect_zero_equals_data_parallel(true);
+}
+
+TEST_F(Zero, OneRanksInfSkipsTheStepOnEveryRank) {
+  Outcome r = train({.bad_step = 5});
+  ASSERT_EQ(r.skipped.size(), static_cast<size_t>(kSteps));
+  for (int s = 0; s < kSteps; ++s) EXPECT_EQ(r.skipped[s], s == 5) << "step " << s;
+  EXPECT_EQ(r.scales[5], r.scales[4] / 2) << "the scale backs off on every rank";
+}
+
+TEST_F(Zero, CompiledStepsReplayTheShardedStep) {
+  Outcome traced = train({});
+  Outcome compiled = train({.compiled = true});
+  EXPECT_EQ(traced.params, compiled.params);
+  EXPECT_EQ(traced.losses, compiled.losses);
+  if (mt::current_device() != mt::Device::reference) {  // which has no programs to replay
+    EXPECT_GE(compiled.replays, kSteps - 3) << "the steps after the first traces are replays";
+  }
+}
+
+// The optimizer-state bytes memory_report counts on each rank, before the first step (the
+// estimate) and after it.
+std::pair<int64_t, int64_t> state_bytes(bool zero) {
+  mt::manual_seed(7);
+  Net net;
+  mt::dist::DataParallel ddp(net);
+  std::unique_ptr<mt::Optimizer> opt;
+  if (zero)
+    opt = std::make_unique<mt::dist::ZeroAdamW>(net.parameters());
+  else
+    opt = std::make_unique<mt::AdamW>(net.parameters());
+  std::pair<int64_t, int64_t> bytes;
+  for (int s = 0; s < 2; ++s) {
+    auto [x, y] = batch(s, mt::dist::rank() * kBatch, kBatch);
+    opt->zero_grad();
+    mt::Tensor loss = mt::cross_entropy(net(x), y);
+    loss.backward();
+    mt::MemoryReport report = mt::memory_report(net, opt.get(), loss);
+    EXPECT_EQ(report.optimizer_state_estimated, s == 0);
+    (s == 0 ? bytes.first : bytes.second) = report.optimizer_state;
+    opt->step();
+  }
+  return bytes;
+}
+
+TEST_F(Zero, EachRankKeepsHalfTheOptimizerState) {
+  auto [plain_estimate, plain] = state_bytes(false);
+  auto [zero_estimate, zero] = state_bytes(true);
+  EXPECT_EQ(plain, 2 * 4 * 2213) << "AdamW: two f32 tensors per parameter";
+  EXPECT_EQ(zero_estimate, zero);
+  // One rank holds one padding element, which has no state: the two shards add up to the whole.
+  mt::Tensor both = mt::all_reduce(mt::scalar(static_cast<double>(zero), mt::f64));
+  EXPECT_EQ(both.item(), static_cast<double>(plain));
+  EXPECT_LE(std::abs(zero - plain / 2), 2 * 4) << "half, give or take one padding element";
+  if (mt::dist::rank() == 0)
+    std::printf("optimizer state per rank: %ld of %ld bytes\n", zero, plain);
+}
+
+TEST_F(Zero, CheckpointsResumeAtTwoRanksAndAtOne) {
+  const std::string path = testing::TempDir() + "zero_checkpoint.safetensors";
+  Outcome uninterrupted = train({.save_at = 10, .path = path});
+  // The file is an ordinary checkpoint of the whole state, written by rank 0.
+  Outcome two = train({.first_step = 10, .load = path});
+  EXPECT_EQ(two.params, uninterrupted.params) << "the same world size resumes bit for bit";
+  std::vector<double> tail(uninterrupted.losses.begin() + 10, uninterrupted.losses.end());
+  EXPECT_EQ(two.losses, tail);
+  // One process at both ranks' rows, with the plain AdamW, goes on along the same curve (to
+  // the rounding of its other reduction order).
+  Outcome one = train({.kind = Kind::alone, .first_step = 10, .load = path});
+  EXPECT_LE(worst_difference(as_floats(one.losses), as_floats(tail)), 1e-5);
+  EXPECT_LE(worst_difference(one.params, uninterrupted.params), 1e-5);
+  // And ZeRO takes the shards of a checkpoint that plain data parallel wrote.
+  const std::string plain_path = testing::TempDir() + "plain_checkpoint.safetensors";
+  train({.kind = Kind::data_parallel, .last_step = 10, .save_at = 10, .path = plain_path});
+  Outcome from_plain = train({.first_step = 10, .load = plain_path});
+  EXPECT_LE(worst_difference(from_plain.params, uninterrupted.params), 1e-6);
+}
+
+TEST_F(Zero, AnotherModelsCheckpointIsAnErrorOnEveryRank) {
+  const std::string other_path = testing::TempDir() + "other_model.safetensors";
+  struct Other : mt::Module {
+    mt::Linear fc1{kFeatures, 8};
+    Other() { register_module("fc1", fc1); }
+  };
+  Other other;
+  mt::AdamW other_opt(other.parameters());
+  mt::dist::save_checkpoint(other_path, other, &other_opt);
+  mt::manual_seed(7);
+  Net net;
+  mt::dist::DataParallel ddp(net);
+  mt::dist::ZeroAdamW opt(net.parameters());
+  const std::string path = testing::TempDir() + "own_model.safetensors";
+  mt::dist::save_checkpoint(path, net, &opt);
+  const std::vector<float> before = flat_parameters(net);
+  EXPECT_MT_ERROR(mt::dist::load_checkpoint(other_path, net, &opt), "fc1.weight");
+  // A file that only rank 1 cannot read is an error on rank 0 too, naming the process.
+  const std::string mine = mt::dist::rank() == 1 ? path + ".missing" : path;
+  EXPECT_MT_ERROR(mt::dist::load_checkpoint(mine, net, &opt), ".missing");
+  try {
+    mt::dist::load_checkpoint(mine, net, &opt);
+  } catch (const mt::Error& e) {
+    if (mt::dist::rank() == 0) {
+      EXPECT_NE(std::string(e.what()).find("process 1"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(flat_parameters(net), before);
+  EXPECT_EQ(opt.steps_taken(), 0);
+}
+
+}  // namespace
