@@ -212,6 +212,16 @@ bool onednn_may_use_amx() {
   return amx;
 }
 
+// Whether oneDNN has a bf16 matmul on this machine: oneDNN 2.6 has none below AVX512-core (on an
+// AVX2-only CPU, such as some EPYC virtual machines, creating one fails), so there bf16 operands
+// are widened to f32 (exact: only the order of the f32 sums may differ from a bf16 kernel's).
+bool onednn_has_bf16_matmul() {
+  static const bool has = (static_cast<unsigned>(dnnl::get_effective_cpu_isa()) &
+                           static_cast<unsigned>(dnnl::cpu_isa::avx512_core)) ==
+                          static_cast<unsigned>(dnnl::cpu_isa::avx512_core);
+  return has;
+}
+
 PrimitiveKey primitive_key(const GemmDesc& d, OnednnType operand,
                            OnednnType result = OnednnType::f32) {
   return {d.batch, d.m, d.n, d.k, d.transpose_a, d.transpose_b, operand, result, d.has_bias};
@@ -302,7 +312,7 @@ Choice choose(const GemmDesc& d) {
           break;
         }
         const double m = static_cast<double>(d.m), n = static_cast<double>(d.n);
-        widen = 2.0 * m * n / (m + n) >= kWidenBf16MinFlopsPerElement;
+        widen = !onednn_has_bf16_matmul() || 2.0 * m * n / (m + n) >= kWidenBf16MinFlopsPerElement;
         break;
       }
     }
