@@ -79,8 +79,8 @@ struct ExecutionStats {
   // are in lookup_seconds; the programs' steps (kernels, matmuls) in run_seconds.
   double pending_seconds = 0;    // finding the unevaluated nodes the outputs need
   double precision_seconds = 0;  // the precision policy pass
-  double sign_seconds = 0;       // the graph's signature (cpu back end)
-  double lookup_seconds = 0;     // the program cache (cpu back end)
+  double sign_seconds = 0;       // the graph's signature (cpu back end; cuda's is in run)
+  double lookup_seconds = 0;     // the program cache (cpu back end; cuda's is in run)
   double run_seconds = 0;        // running the program, and what the evaluation does after it
 };
 ExecutionStats execution_stats();
