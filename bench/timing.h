@@ -17,6 +17,7 @@
 #include <utility>
 #include <vector>
 
+#include "mixtape/dsl/error.h"
 #include "mixtape/dsl/json.h"
 #include "mixtape/runtime/all_reduce.h"
 #include "mixtape/runtime/device.h"
@@ -275,6 +276,18 @@ inline mt::Tensor random_normal(mt::Shape shape, std::mt19937_64& rng) {
   std::vector<float> values(static_cast<size_t>(count));
   for (float& v : values) v = normal(rng);
   return mt::tensor(values, std::move(shape));
+}
+
+/// The digits examples' training rows (the first 1437 of digits.csv.gz, pixels scaled to [0, 1]),
+/// as examples/digits_train.h splits them.
+inline std::unique_ptr<mt::TensorDataset> digits_training_set() {
+  mt::Digits digits = mt::load_digits(mt::default_data_dir() + "/digits.csv.gz");
+  constexpr int64_t kTrainRows = 1437;
+  if (digits.count() < kTrainRows) mt::fail("digits: expected 1797 rows, found {}", digits.count());
+  std::vector<float> pixels(digits.pixels.begin(), digits.pixels.begin() + kTrainRows * 64);
+  for (float& p : pixels) p /= 16.0f;
+  std::vector<int64_t> labels(digits.labels.begin(), digits.labels.begin() + kTrainRows);
+  return std::make_unique<mt::TensorDataset>(std::move(pixels), mt::Shape{64}, std::move(labels));
 }
 
 /// The MLP workload (bench_training, bench_gpu_training): 32 -> width x4 hidden (ReLU) -> 16,

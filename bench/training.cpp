@@ -113,14 +113,7 @@ Workload digits_workload(const mt::PolicyPtr& policy, bool compiled, DigitsLoop 
     std::unique_ptr<mt::DataLoader> loader;
   };
   auto state = std::make_shared<State>();
-  mt::Digits digits = mt::load_digits(mt::default_data_dir() + "/digits.csv.gz");
-  constexpr int64_t kTrainRows = 1437;
-  if (digits.count() < kTrainRows) mt::fail("digits: expected 1797 rows, found {}", digits.count());
-  std::vector<float> pixels(digits.pixels.begin(), digits.pixels.begin() + kTrainRows * 64);
-  for (float& p : pixels) p /= 16.0f;
-  std::vector<int64_t> labels(digits.labels.begin(), digits.labels.begin() + kTrainRows);
-  state->train =
-      std::make_unique<mt::TensorDataset>(std::move(pixels), mt::Shape{64}, std::move(labels));
+  state->train = bench::digits_training_set();
   state->loader =
       std::make_unique<mt::DataLoader>(*state->train, loop.batch, true, kSeed, mt::dist::shard());
   state->net = std::make_unique<Net>(&state->gen);

@@ -74,6 +74,14 @@ struct ExecutionStats {
   int64_t kernels_from_disk = 0;  // LLVM objects and CUDA images taken from the kernel cache
   double compile_seconds = 0;
   double load_seconds = 0;  // their fetch and load (for CUDA: to a function ready to launch)
+  // Host wall time of evaluations by phase: what the traced loop pays each step beyond running
+  // the program (bench/trace_phases.cpp reports them per step). Building programs and compiling
+  // are in lookup_seconds; the programs' steps (kernels, matmuls) in run_seconds.
+  double pending_seconds = 0;    // finding the unevaluated nodes the outputs need
+  double precision_seconds = 0;  // the precision policy pass
+  double sign_seconds = 0;       // the graph's signature (cpu back end; cuda's is in run)
+  double lookup_seconds = 0;     // the program cache (cpu back end; cuda's is in run)
+  double run_seconds = 0;        // running the program, and what the evaluation does after it
 };
 ExecutionStats execution_stats();
 void reset_execution_stats();

@@ -8,6 +8,7 @@
 #include "mixtape/runtime/cpu_executor.h"
 #include "mixtape/runtime/cuda_executor.h"
 #include "mixtape/runtime/device.h"
+#include "mixtape/runtime/program.h"
 #include "mixtape/runtime/reference_executor.h"
 
 namespace mixtape {
@@ -36,9 +37,16 @@ void evaluate(const std::vector<NodePtr>& requested) {
 namespace {
 
 void run(const std::vector<NodePtr>& outputs) {
+  PhaseClock clock;
   std::vector<Node*> pending = pending_nodes(outputs);
   if (pending.empty()) return;
+  execution_counters().pending_seconds += clock.lap();
   assign_precision(pending);
+  execution_counters().precision_seconds += clock.lap();
+  struct CountRun {  // the rest, also when a step throws
+    PhaseClock& clock;
+    ~CountRun() { execution_counters().run_seconds += clock.lap(); }
+  } count_run{clock};
   Device device = current_device();
   if (device == Device::reference) {
     if (tracing_step())

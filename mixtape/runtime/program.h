@@ -2,6 +2,7 @@
 // fusion groups cached by signature, the memory plan, and the execution counters.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -21,6 +22,21 @@ namespace mixtape {
 
 /// The counters execution_stats() reports, updated by every back end.
 ExecutionStats& execution_counters();
+
+/// Seconds between laps, for the host phases of ExecutionStats (a steady clock read costs tens
+/// of nanoseconds: an evaluation reads it a few times).
+class PhaseClock {
+ public:
+  double lap() {
+    auto now = std::chrono::steady_clock::now();
+    double seconds = std::chrono::duration<double>(now - last_).count();
+    last_ = now;
+    return seconds;
+  }
+
+ private:
+  std::chrono::steady_clock::time_point last_ = std::chrono::steady_clock::now();
+};
 
 /// A node of one evaluation by position: pending[ref] for ref >= 0, else externals[-ref - 1]
 /// (evaluated inputs, numbered in the order the signature first meets them).
