@@ -570,7 +570,8 @@ void step_child(const Flags& flags) {
   bench::TimingOptions timing{.warmup = flags.step_warmup,
                               .windows = flags.windows,
                               .window_seconds = flags.step_window_seconds,
-                              .budget_seconds = 1e9};  // no cut: the C driver has none
+                              .budget_seconds = 1e9,  // no cut: the C driver has none
+                              .agree = {}};
   json::Value record{{"system", "mixtape_jit"},  {"model", t->model},
                      {"mode", "step_compiled"},  {"policy", t->policy},
                      {"batch", t->batch},        {"threads", threads_setting()},
