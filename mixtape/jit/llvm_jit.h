@@ -120,6 +120,7 @@ class LlvmJit {
     int64_t disk_loaded = 0;         // objects taken from the kernel cache
     int64_t fast_disk_loaded = 0;    // of those, fast-tier entries (see set_tiered)
     int64_t memory_hits = 0;         // already loaded in this process
+    int64_t same_code = 0;           // given a loaded kernel's code: the same IR but for the name
     double compile_seconds = 0;      // wall time waited for compilation (parallel: the longest)
     double compile_cpu_seconds = 0;  // CPU time of those compiles, every thread's together
     double tier_up_seconds = 0;      // background thread's time on tier-ups
