@@ -99,9 +99,10 @@ constexpr const char* ir_pipeline =
 // ir_pipeline without induction-variable simplification, its costliest pass after the vectorizer
 // (a fifth of the pipeline), for kernels without fast-math flags, whose bits no pipeline changes.
 // Loop deletion still finds the size-1 loops (SCEV reads their trip count off the rotated loop).
-// Its vector code was that of ir_pipeline on the 307 kernels of the demo, char_gpt, the MLPs,
-// digits_cnn and resnet18 but for 6 divisions by a broadcast scalar (batch norm's), vectorized
-// 8-wide without interleaving; the loops' exit tests differ in form (`icmp slt` for `icmp eq`).
+// Its vector code was that of ir_pipeline on the demo's 26 kernels and on the 307 of char_gpt,
+// the MLPs, digits_cnn, digits_mlp and resnet18 but for 6 divisions by a broadcast scalar (batch
+// norm's), vectorized 8-wide without interleaving; the loops' exit tests differ in form (`icmp
+// slt` for `icmp eq`).
 // Kernels with fast-math flags keep ir_pipeline: it decides how their sums are split, and so
 // their bits.
 constexpr const char* pointwise_pipeline =
