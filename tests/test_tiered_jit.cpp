@@ -271,6 +271,43 @@ attributes #0 = {{ nounwind "prefer-vector-width"="512" "min-legal-vector-width"
 // Without fast-math flags a kernel's fast tier runs the IR pipeline with its own target machine,
 // and still gives the optimized code's bits; its tier-up compiles the IR afresh into the object an
 // untiered compile makes.
+// Kernels whose IR differs only in the function's name (and in comments) share one compile and
+// one load, while their code lives; one that differs in anything else (here a constant) does not.
+TEST_F(TieredJit, KernelsOfTheSameCodeUnderOtherNamesShareOneCompile) {
+  std::string tag = unique_tag();
+  std::vector<mt::LlvmJit::KernelSource> kernels = {row_sum_kernel(tag + "_a", 96),
+                                                    row_sum_kernel(tag + "_b", 96),
+                                                    row_sum_kernel(tag + "_c", 95)};
+  mt::LlvmJit::Stats before = jit().stats();
+  std::vector<std::shared_ptr<const mt::JitKernel>> loaded = jit().load_all(kernels);
+  mt::LlvmJit::Stats after = jit().stats();
+  EXPECT_EQ(after.compiled - before.compiled, 2);
+  EXPECT_EQ(after.same_code - before.same_code, 1);
+  EXPECT_EQ(loaded[0], loaded[1]);
+  EXPECT_NE(loaded[0], loaded[2]);
+  std::vector<float> in = spread_values(4, 96);
+  std::vector<float> sums = run_row_sum(loaded[1]->function(), in, 4);
+  for (int r = 0; r < 4; ++r) {
+    float sequential = 0;
+    for (int j = 0; j < 96; ++j) sequential += in[static_cast<size_t>(r) * 96 + j];
+    EXPECT_NEAR(sums[r], sequential, 1e-3 * std::fabs(sequential) + 1e-6) << "row " << r;
+  }
+  // A later call finds the loaded code under its other name.
+  mt::LlvmJit::KernelSource later = row_sum_kernel(tag + "_d", 96);
+  EXPECT_EQ(jit().load(later.name, later.ir), loaded[0]);
+  EXPECT_EQ(jit().stats().compiled, after.compiled);
+  // Once its last owner lets go, the code is gone and a kernel of it is compiled again.
+  jit().wait_for_tier_up();
+  loaded.clear();
+  mt::LlvmJit::KernelSource again = row_sum_kernel(tag + "_e", 96);
+  std::shared_ptr<const mt::JitKernel> recompiled = jit().load(again.name, again.ir);
+  EXPECT_EQ(jit().stats().compiled, after.compiled + 1);
+  EXPECT_EQ(run_row_sum(
+                recompiled->fast_function() ? recompiled->fast_function() : recompiled->function(),
+                in, 4),
+            sums);
+}
+
 TEST_F(TieredJit, AKernelWithoutFastMathTakesTheShortPipelineWithTheSameBits) {
   mt::LlvmJit::KernelSource source = pointwise_kernel(unique_tag());
   mt::LlvmJit::Stats before = jit().stats();

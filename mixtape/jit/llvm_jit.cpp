@@ -35,6 +35,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "mixtape/codegen/hash.h"
 #include "mixtape/codegen/kernel_cache.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/log.h"
@@ -45,8 +46,9 @@ namespace {
 
 // Bumped whenever emitted code for the same IR could change (pipeline, flags): part of the key.
 // 3: position-independent code, so that the AOT packager links cached objects into shared
-// libraries. 4: one short IR pipeline (ir_pipeline) in both tiers, for every kernel.
-constexpr int jit_version = 4;
+// libraries. 4: one short IR pipeline (ir_pipeline) in both tiers, for every kernel. 5: kernels
+// without fast-math flags skip induction-variable simplification (pointwise_pipeline).
+constexpr int jit_version = 5;
 
 std::string to_text(llvm::Error error) {
   std::string text;
@@ -94,6 +96,19 @@ constexpr const char* ir_pipeline =
     "function(sroa,early-cse,instcombine,simplifycfg,loop-mssa(loop-rotate,licm),"
     "loop(indvars,loop-deletion),simplifycfg,loop-vectorize,instcombine,simplifycfg)";
 
+// ir_pipeline without induction-variable simplification, its costliest pass after the vectorizer
+// (a fifth of the pipeline), for kernels without fast-math flags, whose bits no pipeline changes.
+// Loop deletion still finds the size-1 loops (SCEV reads their trip count off the rotated loop).
+// Its vector code was that of ir_pipeline on the demo's 26 kernels and on the 307 of char_gpt,
+// the MLPs, digits_cnn, digits_mlp and resnet18 but for 6 divisions by a broadcast scalar (batch
+// norm's), vectorized 8-wide without interleaving; the loops' exit tests differ in form (`icmp
+// slt` for `icmp eq`).
+// Kernels with fast-math flags keep ir_pipeline: it decides how their sums are split, and so
+// their bits.
+constexpr const char* pointwise_pipeline =
+    "function(sroa,early-cse,instcombine,simplifycfg,loop-mssa(loop-rotate,licm),"
+    "loop(loop-deletion),simplifycfg,loop-vectorize,instcombine,simplifycfg)";
+
 // Whether an instruction of module carries a fast-math flag (the emitter's `fadd reassoc` sums):
 // the pipeline then picks the bits (the vectorizer splits such a sum into as many partial sums as
 // its cost model chooses), so both tiers must run the same one, with the same target machine.
@@ -105,8 +120,9 @@ bool has_fast_math(const llvm::Module& module) {
   return false;
 }
 
-// Runs ir_pipeline on module, for machine's target.
-void run_pipeline(llvm::Module& module, llvm::TargetMachine& machine) {
+// Runs ir_pipeline on module (pointwise_pipeline on one without fast-math flags), for machine's
+// target.
+void run_pipeline(llvm::Module& module, llvm::TargetMachine& machine, bool fast_math) {
   llvm::LoopAnalysisManager loops;
   llvm::FunctionAnalysisManager functions;
   llvm::CGSCCAnalysisManager cgscc;
@@ -118,7 +134,8 @@ void run_pipeline(llvm::Module& module, llvm::TargetMachine& machine) {
   passes.registerLoopAnalyses(loops);
   passes.crossRegisterProxies(loops, functions, cgscc, modules);
   llvm::ModulePassManager pipeline;
-  if (llvm::Error e = passes.parsePassPipeline(pipeline, ir_pipeline))
+  if (llvm::Error e =
+          passes.parsePassPipeline(pipeline, fast_math ? ir_pipeline : pointwise_pipeline))
     fail("LLVM JIT: the IR pipeline does not parse: {}", to_text(std::move(e)));
   pipeline.run(module, modules);
 }
@@ -244,6 +261,33 @@ bool unpack_fast_entry(const std::vector<std::byte>& entry, std::vector<std::byt
   return true;
 }
 
+// What a kernel's code depends on: its IR without comment lines and with its function's name
+// taken out, hashed. The emitter names a kernel by its whole listing, dims included, yet leaves out
+// of the IR what the code does not read (the rows of a row loop the executor splits, a
+// one-dimensional kernel's length): kernels of one shape of code under different names, such as
+// a model's initializers `x * a + b` at its parameters' shapes, then share one compile and one
+// load.
+std::string code_key(const std::string& name, const std::string& ir) {
+  std::string text;
+  text.reserve(ir.size());
+  const std::string call = "@" + name + "(";
+  for (size_t at = 0; at < ir.size();) {
+    size_t end = std::min(ir.find('\n', at), ir.size());
+    std::string_view line(ir.data() + at, end - at);
+    at = end + 1;
+    if (line.starts_with(';')) continue;
+    for (size_t from = 0;;) {
+      size_t found = line.find(call, from);
+      text.append(line.substr(from, found - from));
+      if (found == std::string_view::npos) break;
+      text += "@(";
+      from = found + call.size();
+    }
+    text += '\n';
+  }
+  return hash_string(text).hex();
+}
+
 }  // namespace
 
 struct LlvmJit::State {
@@ -265,6 +309,9 @@ struct LlvmJit::State {
   // An entry expires when its kernel's last owner lets go; the kernel's destructor then erases
   // it (under the mutex) as it removes the code.
   std::unordered_map<std::string, std::weak_ptr<const JitKernel>> loaded;
+  // The loaded kernels by code_key(): a kernel of the same code under another name gets theirs.
+  // An expired entry is replaced, or erased by its kernel's destructor.
+  std::unordered_map<std::string, std::weak_ptr<const JitKernel>> by_code;
   Stats stats;
 
   // The loaded kernel `name`, or null when there is none. A kernel whose last owner has just let
@@ -287,7 +334,7 @@ struct JitKernel::Private {
   // First, so destroyed last: the trackers' destructors still call into the JIT, which the last
   // kernel alive at exit keeps (after the LlvmJit instance is gone).
   std::shared_ptr<LlvmJit::State> state;
-  std::string name;
+  std::string name, code;                          // code: its code_key()
   llvm::orc::ResourceTrackerSP tracker;            // the code loaded first (fast or optimized)
   llvm::orc::ResourceTrackerSP optimized_tracker;  // the optimized code swapped in later
   bool optimized = false;                          // under the state's mutex
@@ -301,6 +348,9 @@ JitKernel::~JitKernel() {
   LlvmJit::State& state = *p_->state;
   std::lock_guard<std::mutex> lock(state.mutex);
   state.loaded.erase(p_->name);
+  auto same_code = state.by_code.find(p_->code);
+  if (same_code != state.by_code.end() && same_code->second.expired())
+    state.by_code.erase(same_code);
   // Removing code cannot fail in a way the caller could act on; the bytes are then leaked.
   for (llvm::orc::ResourceTrackerSP* tracker : {&p_->tracker, &p_->optimized_tracker})
     if (*tracker) {
@@ -384,12 +434,13 @@ LlvmJit::Compiled LlvmJit::compile_object(const std::string& name, const std::st
   // Without fast-math flags every operation keeps its IEEE result whatever the target machine's
   // cost model makes of the loops, so the fast tier runs the pipeline with its own machine and the
   // tier-up compiles the IR afresh.
-  compiled.short_pipeline = fast && !has_fast_math(*module);
+  const bool fast_math = has_fast_math(*module);
+  compiled.short_pipeline = fast && !fast_math;
   if (compiled.short_pipeline) {
     auto quick = state_->machines.lease("fast " + cpu, [&] { return target_machine(cpu, true); });
     module->setDataLayout(quick->createDataLayout());
     module->setTargetTriple(quick->getTargetTriple().str());
-    run_pipeline(*module, *quick);
+    run_pipeline(*module, *quick, false);
     compiled.pipeline_seconds = seconds_since(start);
     rename_fast(*module, name);
     compiled.object = emit_object(*module, *quick);
@@ -401,7 +452,7 @@ LlvmJit::Compiled LlvmJit::compile_object(const std::string& name, const std::st
   auto optimizing = state_->machines.lease("opt " + cpu, [&] { return target_machine(cpu); });
   module->setDataLayout(optimizing->createDataLayout());
   module->setTargetTriple(optimizing->getTargetTriple().str());
-  run_pipeline(*module, *optimizing);
+  run_pipeline(*module, *optimizing, fast_math);
   compiled.pipeline_seconds = seconds_since(start);
   if (output == Output::optimized_object) {
     compiled.object = emit_object(*module, *optimizing);
@@ -589,11 +640,27 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
   std::vector<TierUp> tier_ups;
   bool fast = tiered();
   auto start = std::chrono::steady_clock::now();
+  // A kernel whose code an earlier one of this call shares (code_key()) takes that one's.
+  constexpr size_t no_kernel = static_cast<size_t>(-1);
+  std::vector<size_t> same_code_as(kernels.size(), no_kernel);
+  std::unordered_map<std::string, size_t> first_with_code;
+  std::vector<std::string> codes;
+  for (const KernelSource& kernel : kernels) codes.push_back(code_key(kernel.name, kernel.ir));
   {
     std::unique_lock<std::mutex> lock(state_->mutex);
     for (size_t i = 0; i < kernels.size(); ++i) {
       if ((result[i] = state_->live(kernels[i].name, lock))) {
         ++state_->stats.memory_hits;
+        continue;
+      }
+      auto loaded = state_->by_code.find(codes[i]);
+      if (loaded != state_->by_code.end() && (result[i] = loaded->second.lock())) {
+        ++state_->stats.same_code;
+        continue;
+      }
+      auto [first, is_first] = first_with_code.emplace(codes[i], i);
+      if (!is_first) {
+        same_code_as[i] = first->second;
         continue;
       }
       keys[i] = cache_key(kernels[i].ir, "");
@@ -619,7 +686,7 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
   {
     std::unique_lock<std::mutex> lock(state_->mutex);
     for (size_t i = 0; i < kernels.size(); ++i) {
-      if (result[i]) continue;
+      if (result[i] || same_code_as[i] != no_kernel) continue;
       const std::string& name = kernels[i].name;
       if ((result[i] = state_->live(name, lock))) continue;  // a racing call loaded it meanwhile
       bool was_compiled = std::find(missing.begin(), missing.end(), i) != missing.end();
@@ -630,6 +697,7 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
       auto load_start = std::chrono::steady_clock::now();
       auto p = std::make_unique<JitKernel::Private>();
       p->name = name;
+      p->code = codes[i];
       p->state = state_;
       p->bytes = static_cast<int64_t>(compiled[i].object.size());
       p->optimized = !is_fast;
@@ -640,6 +708,7 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
       std::shared_ptr<JitKernel> kernel(new JitKernel(std::move(p)));
       kernel->entry_.store(function, std::memory_order_release);
       state_->loaded.emplace(name, kernel);
+      state_->by_code[codes[i]] = kernel;
       ++state_->stats.resident;
       state_->stats.resident_bytes += kernel->p_->bytes;
       if (is_fast)
@@ -662,6 +731,11 @@ std::vector<std::shared_ptr<const JitKernel>> LlvmJit::load_all(
                                               : " (fast tier)",
                  name, compiled[i].pipeline_seconds * 1e3, compiled[i].codegen_seconds * 1e3);
     }
+    for (size_t i = 0; i < kernels.size(); ++i)
+      if (same_code_as[i] != no_kernel) {
+        result[i] = result[same_code_as[i]];
+        ++state_->stats.same_code;
+      }
     state_->stats.compile_seconds += compile_seconds;
     state_->stats.load_seconds += load_seconds;
     if (log_enabled("jit") && !missing.empty())

@@ -55,11 +55,13 @@ class LlvmJit {
 
   /// The function `name` defined by `ir`: from this process's loaded kernels, else from the
   /// kernel cache (memory or disk), else compiled optimized for the host CPU (tiered: see
-  /// set_tiered) and cached.
+  /// set_tiered) and cached. A loaded kernel whose IR is `ir` but for the function's name (and
+  /// comments) lends its code instead (Stats::same_code): the emitter names kernels by listings
+  /// that include sizes the code does not read, so one model's kernels repeat under other names.
   std::shared_ptr<const JitKernel> load(const std::string& name, const std::string& ir);
 
   /// load() for many kernels at once: those neither loaded nor cached compile in parallel, on
-  /// every core.
+  /// every core, each code once.
   struct KernelSource {
     std::string name;
     std::string ir;
@@ -87,8 +89,9 @@ class LlvmJit {
 
   /// Tiered compilation, on unless $MIXTAPE_JIT_TIERED is 0. Both tiers run one short IR pipeline
   /// (SROA, simplification, LICM, loop deletion, the loop vectorizer: a third of -O3's time, and
-  /// code as fast on the benchmarks' kernels). A kernel that load_all() finds neither loaded nor
-  /// cached is compiled so that both tiers give the same bits:
+  /// code as fast on the benchmarks' kernels; kernels without fast-math flags skip
+  /// induction-variable simplification, a fifth of it). A kernel that load_all() finds neither
+  /// loaded nor cached is compiled so that both tiers give the same bits:
   /// - tiered: to machine code with LLVM's fast instruction selection and register allocation
   ///   (CodeGenOpt::None), which runs at once. A kernel with fast-math flags (the emitter's
   ///   `fadd reassoc` sums, whose bits the vectorizer's choices decide) runs the pipeline with the
@@ -120,6 +123,7 @@ class LlvmJit {
     int64_t disk_loaded = 0;         // objects taken from the kernel cache
     int64_t fast_disk_loaded = 0;    // of those, fast-tier entries (see set_tiered)
     int64_t memory_hits = 0;         // already loaded in this process
+    int64_t same_code = 0;           // given a loaded kernel's code: the same IR but for the name
     double compile_seconds = 0;      // wall time waited for compilation (parallel: the longest)
     double compile_cpu_seconds = 0;  // CPU time of those compiles, every thread's together
     double tier_up_seconds = 0;      // background thread's time on tier-ups
