@@ -1240,6 +1240,11 @@ void add_scan_and_sort_cases(Oracle& o, Data& d, mt::DType dt) {
   o.add("argsort/ties/" + t, {ties}, mt::argsort(ties, 1), "torch.sort(a, stable=True, dim=1)[1]");
   // A world of one process (tests/mpi has two): torch.distributed.all_reduce leaves it as is.
   o.add("all_reduce/one_process/" + t, {ties}, mt::all_reduce(ties), "a.clone()");
+  // torch.distributed.reduce_scatter_tensor and all_gather_into_tensor in a world of one.
+  o.add("reduce_scatter/one_process/" + t, {ties}, mt::reduce_scatter(mt::flatten(ties)),
+        "a.flatten().clone()");
+  o.add("all_gather/one_process/" + t, {ties}, mt::all_gather(mt::flatten(ties)),
+        "a.flatten().clone()");
   o.add("argsort/descending/" + t, {ties}, mt::argsort(ties, -1, true),
         "torch.sort(a, stable=True, dim=-1, descending=True)[1]");
   o.add("sort/values/" + t, {ties}, mt::sort(ties, 1).values, "torch.sort(a, 1)[0]");
