@@ -3,6 +3,7 @@
 // optimizer-state bytes per rank, checkpoints resumed at 2 ranks and at 1, another model's
 // checkpoint refused on every rank, and mt::compile replaying ZeRO steps.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
@@ -195,7 +196,17 @@ double worst_difference(const std::vector<float>& a, const std::vector<float>& b
 
 std::vector<float> as_floats(const std::vector<double>& v) { return {v.begin(), v.end()}; }
 
+std::vector<std::string>& job_files();
+
 class Zero : public ::testing::Test {
+ public:
+  // Rank 0 wrote the files; every rank has finished with them once the suite is over.
+  static void TearDownTestSuite() {
+    mt::all_reduce(mt::scalar(1.0, mt::f64)).item();  // both ranks are done reading
+    if (mt::dist::rank() == 0)
+      for (const std::string& file : job_files()) std::remove(file.c_str());
+  }
+
  protected:
   void SetUp() override {
     if (mt::dist::init().size != 2)
@@ -277,6 +288,20 @@ std::pair<int64_t, int64_t> state_bytes(bool zero) {
   return bytes;
 }
 
+// A file of this run's ranks alone: ctest runs this test and its reference-executor twin at the
+// same time, and a shared name let one run resume from the other's checkpoint. The ranks of one
+// mpirun on one host share their parent, the launcher.
+std::vector<std::string>& job_files() {
+  static std::vector<std::string> files;
+  return files;
+}
+
+std::string job_file(const std::string& name) {
+  job_files().push_back(testing::TempDir() + "mixtape_zero_" + std::to_string(::getppid()) + "_" +
+                        name);
+  return job_files().back();
+}
+
 TEST_F(Zero, EachRankKeepsHalfTheOptimizerState) {
   auto [plain_estimate, plain] = state_bytes(false);
   auto [zero_estimate, zero] = state_bytes(true);
@@ -291,7 +316,7 @@ TEST_F(Zero, EachRankKeepsHalfTheOptimizerState) {
 }
 
 TEST_F(Zero, CheckpointsResumeAtTwoRanksAndAtOne) {
-  const std::string path = testing::TempDir() + "zero_checkpoint.safetensors";
+  const std::string path = job_file("zero_checkpoint.safetensors");
   Outcome uninterrupted = train({.save_at = 10, .path = path});
   // The file is an ordinary checkpoint of the whole state, written by rank 0.
   Outcome two = train({.first_step = 10, .load = path});
@@ -304,14 +329,14 @@ TEST_F(Zero, CheckpointsResumeAtTwoRanksAndAtOne) {
   EXPECT_LE(worst_difference(as_floats(one.losses), as_floats(tail)), 1e-5);
   EXPECT_LE(worst_difference(one.params, uninterrupted.params), 1e-5);
   // And ZeRO takes the shards of a checkpoint that plain data parallel wrote.
-  const std::string plain_path = testing::TempDir() + "plain_checkpoint.safetensors";
+  const std::string plain_path = job_file("plain_checkpoint.safetensors");
   train({.kind = Kind::data_parallel, .last_step = 10, .save_at = 10, .path = plain_path});
   Outcome from_plain = train({.first_step = 10, .load = plain_path});
   EXPECT_LE(worst_difference(from_plain.params, uninterrupted.params), 1e-6);
 }
 
 TEST_F(Zero, AnotherModelsCheckpointIsAnErrorOnEveryRank) {
-  const std::string other_path = testing::TempDir() + "other_model.safetensors";
+  const std::string other_path = job_file("other_model.safetensors");
   struct Other : mt::Module {
     mt::Linear fc1{kFeatures, 8};
     Other() { register_module("fc1", fc1); }
@@ -323,7 +348,7 @@ TEST_F(Zero, AnotherModelsCheckpointIsAnErrorOnEveryRank) {
   Net net;
   mt::dist::DataParallel ddp(net);
   mt::dist::ZeroAdamW opt(net.parameters());
-  const std::string path = testing::TempDir() + "own_model.safetensors";
+  const std::string path = job_file("own_model.safetensors");
   mt::dist::save_checkpoint(path, net, &opt);
   const std::vector<float> before = flat_parameters(net);
   EXPECT_MT_ERROR(mt::dist::load_checkpoint(other_path, net, &opt), "fc1.weight");
