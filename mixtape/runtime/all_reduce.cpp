@@ -52,6 +52,7 @@ std::vector<int64_t> chunk_bounds(int64_t count, int processes) {
 // dtype. `in` holds the P pieces one after the other, `width` elements each.
 template <typename A>
 void sum_in_rank_order(const Storage& in, int processes, int64_t width, Storage& out) {
+  if (width == 0) return;  // this process's chunk is empty (fewer elements than processes)
   if (in.dtype == f32 && std::is_same_v<A, float>) {  // the common case: f32 gradients
     const float* x = in.as<float>();
     float* y = out.as<float>();
