@@ -241,7 +241,8 @@ struct TargetNll {
 };
 TargetNll target_nll(const Tensor& logp, const Tensor& targets, int64_t ignore_index,
                      const Tensor& class_weight) {
-  Tensor valid = ne(targets, scalar(static_cast<double>(ignore_index), targets.dtype()));
+  // A fill of the targets' shape: one node, where a 0-d scalar would need a broadcast too.
+  Tensor valid = ne(targets, full_like(targets, static_cast<double>(ignore_index)));
   Tensor safe_targets = where(valid, targets, zeros_like(targets));
   // The target's log-probability as a masked sum over the classes, not a gather: it joins the
   // log_softmax kernel, and its gradient is pointwise where a gather's is a scatter into a
