@@ -290,12 +290,13 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOp
     loss = nll.loss();
   } else {
     // PyTorch's: (1 - eps) nll + eps / C sum_c w_c (-log p_c), both over the same denominator.
-    // The minus signs go into the factors: (-a) b and a (-b) are the same number, and the two
-    // negations and their gradients' were four nodes of every traced step.
+    // The minus signs go into the factors: (-a) b and a (-b) are the same number, zeros' signs
+    // included (so -(1 - eps), which is -0 at eps = 1, not eps - 1), and the two negations and
+    // their gradients' were four nodes of every traced step.
     const double eps = options.label_smoothing;
     Tensor log_mean = weight.defined() ? mean(logp * weight, {-1}) : mean(logp, {-1});
     Tensor nll_part =
-        nll.picked.defined() ? nll.picked * (eps - 1.0) : nll.weighted_loss * (1.0 - eps);
+        nll.picked.defined() ? nll.picked * -(1.0 - eps) : nll.weighted_loss * (1.0 - eps);
     loss = nll_part + log_mean * -eps;
   }
   return reduce_valid(loss, nll, options.reduction);
