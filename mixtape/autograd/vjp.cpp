@@ -64,9 +64,17 @@ Grads vjp_Cast(const Node& n, const Tensor& g) {
 
 // g of a reduced shape, brought back to the shape of the reduction's input.
 Tensor unreduce(const Node& n, const Tensor& g) {
-  Shape kept = n.inputs[0]->shape;
+  const Shape& input_shape = n.inputs[0]->shape;
+  // Leading axes reduced away come back by broadcasting alone (it adds leading dimensions): no
+  // reshape node, as for a full reduction to a scalar. The index map is the same.
+  const size_t leading = input_shape.size() - g.shape().size();
+  bool only_leading = !n.attrs.keepdim && n.attrs.axes.size() == leading;
+  for (size_t i = 0; only_leading && i < n.attrs.axes.size(); ++i)
+    only_leading = n.attrs.axes[i] == static_cast<int64_t>(i);
+  if (only_leading) return broadcast_to(g, input_shape);
+  Shape kept = input_shape;
   for (int64_t axis : n.attrs.axes) kept[axis] = 1;
-  return broadcast_to(reshape(g, kept), n.inputs[0]->shape);
+  return broadcast_to(reshape(g, kept), input_shape);
 }
 
 Grads vjp_Sum(const Node& n, const Tensor& g) { return {unreduce(n, g)}; }

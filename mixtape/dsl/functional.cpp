@@ -50,7 +50,8 @@ void check_axes(const Tensor& x, const std::vector<int64_t>& axes, const char* o
 // The per-row shift that keeps exp() from overflowing; constant for gradients, and 0 for rows
 // that are entirely -inf so that they give -inf / NaN as the math says rather than NaN early.
 Tensor stable_shift(const Tensor& x, const std::vector<int64_t>& axes, const Loc& loc) {
-  Tensor m = max(x, axes, true, loc).detach();
+  Tensor m = max(x, axes, true, loc);
+  if (m.requires_grad()) m = m.detach();  // inside a custom op's forward it never does
   return where(abs(m) < std::numeric_limits<double>::infinity(), m, zeros_like(m), loc);
 }
 
@@ -237,11 +238,14 @@ Tensor class_weight(const Tensor& weight, const Tensor& scores, const char* op, 
 // Each target's negative log-likelihood (times its class weight, if any) with the rows that
 // count and their weights (1 without a class weight): cross_entropy's and nll_loss's.
 struct TargetNll {
-  Tensor loss, valid, weight;
+  Tensor weighted_loss, valid, weight;  // weighted_loss: with a class weight only
+  Tensor picked;  // without one: the target's log-probability, whose negation is the loss
+  Tensor loss() const { return weighted_loss.defined() ? weighted_loss : -picked; }
 };
 TargetNll target_nll(const Tensor& logp, const Tensor& targets, int64_t ignore_index,
                      const Tensor& class_weight) {
-  Tensor valid = ne(targets, scalar(static_cast<double>(ignore_index), targets.dtype()));
+  // A fill of the targets' shape: one node, where a 0-d scalar would need a broadcast too.
+  Tensor valid = ne(targets, full_like(targets, static_cast<double>(ignore_index)));
   Tensor safe_targets = where(valid, targets, zeros_like(targets));
   // The target's log-probability as a masked sum over the classes, not a gather: it joins the
   // log_softmax kernel, and its gradient is pointwise where a gather's is a scatter into a
@@ -252,10 +256,10 @@ TargetNll target_nll(const Tensor& logp, const Tensor& targets, int64_t ignore_i
   const Tensor& classes = class_indices(logp.size(-1), targets.dtype());
   Tensor hit = eq(classes, unsqueeze(index_select(classes, safe_targets, 0), -1));
   Tensor picked = sum(where(hit, logp, zeros_like(logp)), {-1});
-  if (!class_weight.defined()) return {-picked, valid, Tensor()};
+  if (!class_weight.defined()) return {Tensor(), valid, Tensor(), picked};
   // The target's weight by the same masked sum: exact, one term is w[y].
   Tensor w = sum(where(hit, broadcast_to(class_weight, logp.shape()), zeros_like(logp)), {-1});
-  return {-picked * w, valid, where(valid, w, zeros_like(w))};
+  return {-picked * w, valid, where(valid, w, zeros_like(w)), Tensor()};
 }
 
 // Mean over the rows that count (weighted by their class weights, when given), as PyTorch's
@@ -281,12 +285,19 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOp
   Tensor weight = class_weight(options.weight, logits, "cross_entropy", loc);
   Tensor logp = log_softmax(logits, -1);
   TargetNll nll = target_nll(logp, targets, options.ignore_index, weight);
-  Tensor loss = nll.loss;
-  if (options.label_smoothing > 0) {
+  Tensor loss;
+  if (options.label_smoothing == 0) {
+    loss = nll.loss();
+  } else {
     // PyTorch's: (1 - eps) nll + eps / C sum_c w_c (-log p_c), both over the same denominator.
+    // The minus signs go into the factors: (-a) b and a (-b) are the same number, zeros' signs
+    // included (so -(1 - eps), which is -0 at eps = 1, not eps - 1), and the two negations and
+    // their gradients' were four nodes of every traced step.
     const double eps = options.label_smoothing;
-    Tensor smooth = weight.defined() ? -mean(logp * weight, {-1}) : -mean(logp, {-1});
-    loss = loss * (1.0 - eps) + smooth * eps;
+    Tensor log_mean = weight.defined() ? mean(logp * weight, {-1}) : mean(logp, {-1});
+    Tensor nll_part =
+        nll.picked.defined() ? nll.picked * -(1.0 - eps) : nll.weighted_loss * (1.0 - eps);
+    loss = nll_part + log_mean * -eps;
   }
   return reduce_valid(loss, nll, options.reduction);
 }
@@ -305,7 +316,7 @@ Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, const NllLossOpt
   check_targets(log_probs, targets, "nll_loss", loc);
   Tensor weight = class_weight(options.weight, log_probs, "nll_loss", loc);
   TargetNll nll = target_nll(log_probs, targets, options.ignore_index, weight);
-  return reduce_valid(nll.loss, nll, options.reduction);
+  return reduce_valid(nll.loss(), nll, options.reduction);
 }
 
 namespace {

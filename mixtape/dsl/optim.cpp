@@ -5,6 +5,7 @@
 #include <bit>
 #include <cmath>
 #include <numbers>
+#include <string_view>
 
 #include "mixtape/dsl/convert.h"
 #include "mixtape/dsl/error.h"
@@ -15,17 +16,19 @@
 namespace mixtape {
 namespace {
 
-Tensor* find_state(NamedTensors& state, const std::string& name) {
+// By a view, not a std::string: names longer than the small-string buffer would allocate on each
+// of the traced loop's lookups.
+Tensor* find_state(NamedTensors& state, std::string_view name) {
   for (auto& [key, value] : state)
     if (key == name) return &value;
   return nullptr;
 }
 
-void set_state(NamedTensors& state, const std::string& name, Tensor value) {
+void set_state(NamedTensors& state, std::string_view name, Tensor value) {
   if (Tensor* slot = find_state(state, name))
     *slot = std::move(value);
   else
-    state.emplace_back(name, std::move(value));
+    state.emplace_back(std::string(name), std::move(value));
 }
 
 }  // namespace
@@ -65,10 +68,14 @@ void Optimizer::set_lr(double lr) {
   lr_ = lr;
   if (!lr_value_.defined()) {
     lr_value_ = from_storage(std::make_shared<Storage>(f64, 1), {});
+    lr_f32_ = from_storage(std::make_shared<Storage>(f32, 1), {});
   }
   Storage& rate = *lr_value_.node()->value;
   rate.as<double>()[0] = lr;
   rate.host_written();
+  Storage& rate_f32 = *lr_f32_.node()->value;
+  rate_f32.as<float>()[0] = static_cast<float>(lr);
+  rate_f32.host_written();
 }
 
 void Optimizer::set_schedule(std::shared_ptr<const LRSchedule> schedule) {
@@ -154,6 +161,8 @@ Tensor Optimizer::step_scalar(const Tensor& scalar, DType dtype, const Shape& sh
   // make their kernels differ, and multi-tensor steps merge only kernels of one form. The cast
   // of a value this step computes is shared (it joins the kernel that computes the value); that
   // of a stored value (the learning rate) would be a kernel of its own, so each makes its own.
+  if (dtype == f32 && lr_f32_.defined() && scalar.node() == lr_value_.node())
+    return broadcast_to(lr_f32_, shape, loc);
   if (scalar.node()->evaluated()) return broadcast_to(cast(scalar, dtype, loc), shape, loc);
   uint64_t what = reinterpret_cast<uintptr_t>(scalar.node().get());
   return broadcast_to(shared(what, false, dtype, {}, [&] { return cast(scalar, dtype, loc); }),

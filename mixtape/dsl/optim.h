@@ -151,6 +151,10 @@ class Optimizer {
   std::vector<int32_t> shared_slots_;  // open addressing into shared_, -1 where empty
   double lr_ = 0;
   Tensor lr_value_;
+  // The rate already in f32, a leaf set_lr() writes beside lr_value_: step_scalar() broadcasts it
+  // instead of casting the f64 rate for each parameter every step (a node per parameter less;
+  // the cast rounds to nearest even, as static_cast<float> does, so the values are the same).
+  Tensor lr_f32_;
   std::vector<Tensor> params_;
   std::vector<NamedTensors> state_;
   Tensor step_;  // 0-d f64: updates taken, skipped ones not counted
