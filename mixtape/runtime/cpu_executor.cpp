@@ -16,6 +16,7 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/log.h"
+#include "mixtape/runtime/attention.h"
 #include "mixtape/runtime/conv.h"
 #include "mixtape/runtime/cpu_kernels.h"
 #include "mixtape/runtime/gemm.h"
@@ -307,11 +308,30 @@ void run_pool(Node& node) {
   s.bytes_written += bytes_of(*out);
 }
 
-// Steps without a generated kernel: convolutions through oneDNN, max pooling by its loops, the
-// rest by the reference loops.
+// Fused attention and its gradient by runtime/attention.h's tiles; other dtypes by the
+// reference's loops.
+void run_attention(Node& node) {
+  if (!attention_cpu_supported(node)) {
+    node.value = reference_compute(node);
+    ++stats().host_ops;
+    return;
+  }
+  auto out = allocate(node);
+  attention_cpu(node, *out);
+  node.value = out;
+  ExecutionStats& s = stats();
+  ++s.kernels;
+  ++s.kernel_nodes;
+  for (const NodePtr& input : node.inputs) s.bytes_read += bytes_of(*input->value);
+  s.bytes_written += bytes_of(*out);
+}
+
+// Steps without a generated kernel: convolutions through oneDNN, max pooling and attention by
+// their loops, the rest by the reference loops.
 void run_host_step(Node& node) {
   if (op_info(node.op).kind == OpKind::Conv) return run_conv(node);
   if (op_info(node.op).kind == OpKind::Pool) return run_pool(node);
+  if (op_info(node.op).kind == OpKind::Attention) return run_attention(node);
   node.value = reference_compute(node);
   ++stats().host_ops;
 }
