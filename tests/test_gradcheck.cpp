@@ -1004,11 +1004,13 @@ TEST(GradCheckCoverage, EveryOpHasASampleOrProvablyNoGradient) {
   }
   EXPECT_EQ(missing, 0);
   for (const auto& [op, samples] : table) EXPECT_LT(static_cast<int>(op), mt::op_count());
-  // The leaves, comparisons, argmax, argsort, sign and detach are exactly the no-gradient ops.
+  // The leaves, comparisons, argmax, argsort, sign, detach and attention's fused gradient are
+  // exactly the no-gradient ops.
   std::vector<OpCode> expected = {
-      OpCode::Constant, OpCode::Full,   OpCode::Arange, OpCode::RandUniform, OpCode::RandNormal,
-      OpCode::Eq,       OpCode::Ne,     OpCode::Lt,     OpCode::Le,          OpCode::Gt,
-      OpCode::Ge,       OpCode::Argmax, OpCode::Sign,   OpCode::Detach,      OpCode::Argsort};
+      OpCode::Constant,   OpCode::Full,   OpCode::Arange,  OpCode::RandUniform,
+      OpCode::RandNormal, OpCode::Eq,     OpCode::Ne,      OpCode::Lt,
+      OpCode::Le,         OpCode::Gt,     OpCode::Ge,      OpCode::Argmax,
+      OpCode::Sign,       OpCode::Detach, OpCode::Argsort, OpCode::AttentionBackward};
   EXPECT_EQ(probes.size(), expected.size());
   for (OpCode op : expected) EXPECT_TRUE(probes.count(op)) << mt::op_name(op);
 }
