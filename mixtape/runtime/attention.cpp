@@ -39,7 +39,7 @@ bool half_or_f32(DType t) { return t == f32 || t == f16 || t == bf16; }
 // e^x in f32 from arithmetic and bit operations only, so that its loops vectorize (libm's expf
 // is a call per element): Cody-Waite reduction by ln 2 and Cephes' degree-6 polynomial, within
 // 2 ulp; 0 below -87.3 (every masked score is -inf).
-inline float exp_f32(float x) {
+[[gnu::always_inline]] inline float exp_f32(float x) {
   const float clamped = std::min(std::max(x, -87.3f), 88.7f);
   const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const float shifted = clamped * 1.44269504088896341f + magic;
@@ -59,11 +59,42 @@ inline float exp_f32(float x) {
 }
 inline double exp_f64(double x) { return std::exp(x); }
 template <typename T>
-inline T exp_t(T x) {
+[[gnu::always_inline]] inline T exp_t(T x) {
   if constexpr (sizeof(T) == 4)
     return exp_f32(x);
   else
     return exp_f64(x);
+}
+
+// A row's maximum and sum in 8 lanes, and its elements shifted and exponentiated in place:
+// without -ffast-math a compiler keeps a reduction in order (scalar), so the lanes are written out.
+constexpr int64_t kLanes = 8;
+template <typename T>
+[[gnu::always_inline]] inline T row_max(const T* __restrict x, int64_t n, T init) {
+  T lane[kLanes];
+  for (int64_t k = 0; k < kLanes; ++k) lane[k] = init;
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int64_t k = 0; k < kLanes; ++k) lane[k] = lane[k] < x[j + k] ? x[j + k] : lane[k];
+  for (; j < n; ++j) lane[0] = lane[0] < x[j] ? x[j] : lane[0];
+  T top = lane[0];
+  for (int64_t k = 1; k < kLanes; ++k) top = top < lane[k] ? lane[k] : top;
+  return top;
+}
+template <typename T>
+[[gnu::always_inline]] inline T row_sum(const T* __restrict x, int64_t n) {
+  T lane[kLanes] = {};
+  int64_t j = 0;
+  for (; j + kLanes <= n; j += kLanes)
+    for (int64_t k = 0; k < kLanes; ++k) lane[k] += x[j + k];
+  for (; j < n; ++j) lane[0] += x[j];
+  T total = 0;
+  for (int64_t k = 0; k < kLanes; ++k) total += lane[k];
+  return total;
+}
+template <typename T>
+[[gnu::always_inline]] inline void exp_shifted(T* __restrict x, int64_t n, T shift) {
+  for (int64_t j = 0; j < n; ++j) x[j] = exp_t<T>(x[j] - shift);
 }
 
 // Rows [at, at + count) of a value as T, rounded to the node's compute type first where that is a
@@ -113,38 +144,99 @@ struct Operands {
 // Per-thread tiles.
 template <typename T>
 struct Tiles {
-  std::vector<T> q, k, kt, v, vt, s, dp, acc, m, l, go, o, delta, lse, dq;
+  std::vector<T> q, k, kt, v, vt, s, dp, pt, acc, m, l, go, o, delta, lse, dq;
   void size(const Operands& a) {
     const auto& g = a.g;
     const size_t rows = kQueryTile, cols = static_cast<size_t>(a.key_tile);
     q.resize(rows * g.d), k.resize(cols * g.d), kt.resize(cols * g.d);
     v.resize(cols * g.dv), vt.resize(cols * g.dv), s.resize(rows * cols), dp.resize(rows * cols);
+    pt.resize(rows * cols);
     acc.resize(rows * g.dv), m.resize(rows), l.resize(rows), go.resize(rows * g.dv);
     o.resize(rows * g.dv), delta.resize(rows), lse.resize(rows), dq.resize(rows * g.d);
   }
 };
 
-// a [rows, depth] times bt [depth, ld] (the first cols columns) into c [rows, ld]: the inner loop
-// runs along c's row, so it vectorizes.
-template <typename T>
-[[gnu::always_inline]] inline void product(const T* __restrict a, const T* __restrict bt,
-                                           T* __restrict c, int64_t rows, int64_t cols,
-                                           int64_t depth, int64_t ld) {
-  for (int64_t r = 0; r < rows; ++r) {
-    T* __restrict cr = c + r * ld;
-    for (int64_t j = 0; j < cols; ++j) cr[j] = 0;
+// c [rows, cols] (+)= a [rows, depth] b [depth, cols], row-major with leading dims lda, ldb,
+// ldc. f32: blocks of 4 rows and 16 columns keep their sums in 8 registers of 8 floats (GCC's
+// vector types: AVX in the AVX2 build, SSE pairs in the baseline's) while the depth loop
+// broadcasts a's elements and streams b's rows; then 8-column strips, then scalar edges.
+// Always inlined, so no call passes a vector: GCC's note on the AVX calling convention is moot.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+using Vec8 = float __attribute__((vector_size(32)));
+[[gnu::always_inline]] inline Vec8 load8(const float* p) {
+  Vec8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+[[gnu::always_inline]] inline void store8(float* p, Vec8 v) { std::memcpy(p, &v, sizeof v); }
+
+template <bool Accumulate, typename T>
+[[gnu::always_inline]] inline void gemm(const T* __restrict a, int64_t lda, const T* __restrict b,
+                                        int64_t ldb, T* __restrict c, int64_t ldc, int64_t rows,
+                                        int64_t cols, int64_t depth) {
+  int64_t r = 0;
+  if constexpr (sizeof(T) == 4) {
+    constexpr int64_t kRows = 4;
+    for (; r + kRows <= rows; r += kRows) {
+      int64_t j = 0;
+      for (; j + 16 <= cols; j += 16) {
+        Vec8 sum[kRows][2];
+        for (int64_t i = 0; i < kRows; ++i)
+          for (int64_t h = 0; h < 2; ++h)
+            sum[i][h] = Accumulate ? load8(c + (r + i) * ldc + j + 8 * h) : Vec8{};
+        for (int64_t e = 0; e < depth; ++e) {
+          const Vec8 b0 = load8(b + e * ldb + j), b1 = load8(b + e * ldb + j + 8);
+          for (int64_t i = 0; i < kRows; ++i) {
+            const Vec8 x = Vec8{} + a[(r + i) * lda + e];
+            sum[i][0] += x * b0;
+            sum[i][1] += x * b1;
+          }
+        }
+        for (int64_t i = 0; i < kRows; ++i)
+          for (int64_t h = 0; h < 2; ++h) store8(c + (r + i) * ldc + j + 8 * h, sum[i][h]);
+      }
+      for (; j + 8 <= cols; j += 8) {
+        Vec8 sum[kRows];
+        for (int64_t i = 0; i < kRows; ++i)
+          sum[i] = Accumulate ? load8(c + (r + i) * ldc + j) : Vec8{};
+        for (int64_t e = 0; e < depth; ++e) {
+          const Vec8 b0 = load8(b + e * ldb + j);
+          for (int64_t i = 0; i < kRows; ++i) sum[i] += (Vec8{} + a[(r + i) * lda + e]) * b0;
+        }
+        for (int64_t i = 0; i < kRows; ++i) store8(c + (r + i) * ldc + j, sum[i]);
+      }
+      // The columns left over, row by row.
+      for (int64_t i = 0; i < kRows; ++i) {
+        T* __restrict cr = c + (r + i) * ldc;
+        if (!Accumulate)
+          for (int64_t k = j; k < cols; ++k) cr[k] = 0;
+        for (int64_t e = 0; e < depth; ++e) {
+          const T x = a[(r + i) * lda + e];
+          for (int64_t k = j; k < cols; ++k) cr[k] += x * b[e * ldb + k];
+        }
+      }
+    }
+  }
+  for (; r < rows; ++r) {
+    T* __restrict cr = c + r * ldc;
+    if (!Accumulate)
+      for (int64_t k = 0; k < cols; ++k) cr[k] = 0;
     for (int64_t e = 0; e < depth; ++e) {
-      const T x = a[r * depth + e];
-      const T* __restrict br = bt + e * ld;
-      for (int64_t j = 0; j < cols; ++j) cr[j] += x * br[j];
+      const T x = a[r * lda + e];
+      const T* __restrict br = b + e * ldb;
+      for (int64_t k = 0; k < cols; ++k) cr[k] += x * br[k];
     }
   }
 }
 
-// y[0, n) += x * a[0, n)
+#pragma GCC diagnostic pop
+
+// out [cols, rows] = in [rows, cols] (leading dim ld) transposed.
 template <typename T>
-[[gnu::always_inline]] inline void axpy(T* __restrict y, T x, const T* __restrict a, int64_t n) {
-  for (int64_t e = 0; e < n; ++e) y[e] += x * a[e];
+void transpose_tile(const T* in, int64_t ld, T* out, int64_t rows, int64_t cols) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t j = 0; j < cols; ++j) out[j * rows + r] = in[r * ld + j];
 }
 
 // Loads key rows [j0, j0 + cols) of batch b: K [cols, D] and K^T [D, ld].
@@ -162,7 +254,7 @@ template <typename T>
                                           int64_t rows, int64_t j0, int64_t cols) {
   const auto& g = a.g;
   const int64_t ld = a.key_tile;
-  product(t.q.data(), t.kt.data(), t.s.data(), rows, cols, g.d, ld);
+  gemm<false>(t.q.data(), g.d, t.kt.data(), ld, t.s.data(), ld, rows, cols, g.d);
   const T scale = static_cast<T>(g.scale), ninf = -std::numeric_limits<T>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
     T* __restrict sr = t.s.data() + r * ld;
@@ -211,7 +303,7 @@ template <typename T>
     for (int64_t r = 0; r < rows; ++r) {
       T* __restrict sr = t.s.data() + r * ld;
       T top = t.m[r];
-      for (int64_t j = 0; j < cols; ++j) top = std::max(top, sr[j]);
+      top = row_max(sr, cols, top);
       T* __restrict acc = t.acc.data() + r * g.dv;
       if (top == ninf) {  // nothing seen yet in this row: weights 0
         for (int64_t j = 0; j < cols; ++j) sr[j] = 0;
@@ -220,12 +312,11 @@ template <typename T>
       const T correction = exp_t<T>(t.m[r] - top);
       if (correction != T(1))
         for (int64_t e = 0; e < g.dv; ++e) acc[e] *= correction;
-      T total = 0;
-      for (int64_t j = 0; j < cols; ++j) total += sr[j] = exp_t<T>(sr[j] - top);
-      t.l[r] = t.l[r] * correction + total;
+      exp_shifted(sr, cols, top);
+      t.l[r] = t.l[r] * correction + row_sum(sr, cols);
       t.m[r] = top;
-      for (int64_t j = 0; j < cols; ++j) axpy(acc, sr[j], t.v.data() + j * g.dv, g.dv);
     }
+    gemm<true>(t.s.data(), ld, t.v.data(), g.dv, t.acc.data(), g.dv, rows, g.dv, cols);  // += P V
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* acc = t.acc.data() + r * g.dv;
@@ -263,13 +354,12 @@ template <typename T>
       load_keys(a, t, b, j0, cols);
       scores(a, t, b, i0, rows, j0, cols);
       for (int64_t r = 0; r < rows; ++r) {
-        const T* sr = t.s.data() + r * ld;
+        T* sr = t.s.data() + r * ld;
         T top = t.m[r];
-        for (int64_t j = 0; j < cols; ++j) top = std::max(top, sr[j]);
+        top = row_max(sr, cols, top);
         if (top == ninf) continue;
-        T total = 0;
-        for (int64_t j = 0; j < cols; ++j) total += exp_t<T>(sr[j] - top);
-        t.l[r] = t.l[r] * exp_t<T>(t.m[r] - top) + total;
+        exp_shifted(sr, cols, top);
+        t.l[r] = t.l[r] * exp_t<T>(t.m[r] - top) + row_sum(sr, cols);
         t.m[r] = top;
       }
     }
@@ -282,7 +372,7 @@ template <typename T>
       for (int64_t j = 0; j < cols; ++j)
         for (int64_t e = 0; e < g.dv; ++e) t.vt[e * ld + j] = t.v[j * g.dv + e];
       scores(a, t, b, i0, rows, j0, cols);
-      product(t.go.data(), t.vt.data(), t.dp.data(), rows, cols, g.dv, ld);  // dP = dO V^T
+      gemm<false>(t.go.data(), g.dv, t.vt.data(), ld, t.dp.data(), ld, rows, cols, g.dv);  // dO V^T
       for (int64_t r = 0; r < rows; ++r) {
         T* __restrict p = t.s.data() + r * ld;
         T* __restrict ds = t.dp.data() + r * ld;
@@ -291,19 +381,16 @@ template <typename T>
           for (int64_t j = 0; j < cols; ++j) p[j] = ds[j] = 0;
           continue;
         }
-        for (int64_t j = 0; j < cols; ++j) {
-          p[j] = exp_t<T>(p[j] - lse);
-          ds[j] = p[j] * (ds[j] - delta) * scale;
-        }
-        const T* go = t.go.data() + r * g.dv;
-        const T* q = t.q.data() + r * g.d;
-        T* dq = t.dq.data() + r * g.d;
-        for (int64_t j = 0; j < cols; ++j) {
-          axpy(dv.data() + (j0 + j) * g.dv, p[j], go, g.dv);
-          axpy(dq, ds[j], t.k.data() + j * g.d, g.d);
-          axpy(dk.data() + (j0 + j) * g.d, ds[j], q, g.d);
-        }
+        exp_shifted(p, cols, lse);
+        for (int64_t j = 0; j < cols; ++j) ds[j] = p[j] * (ds[j] - delta) * scale;
       }
+      // dV += P^T dO, dQ += dS K, dK += dS^T Q.
+      transpose_tile(t.s.data(), ld, t.pt.data(), rows, cols);
+      gemm<true>(t.pt.data(), rows, t.go.data(), g.dv, dv.data() + j0 * g.dv, g.dv, cols, g.dv,
+                 rows);
+      gemm<true>(t.dp.data(), ld, t.k.data(), g.d, t.dq.data(), g.d, rows, g.d, cols);
+      transpose_tile(t.dp.data(), ld, t.pt.data(), rows, cols);
+      gemm<true>(t.pt.data(), rows, t.q.data(), g.d, dk.data() + j0 * g.d, g.d, cols, g.d, rows);
     }
     store(t.dq.data(), out, b * per_batch + i0 * g.d, rows * g.d);
   }
@@ -311,9 +398,50 @@ template <typename T>
   store(dv.data(), out, b * per_batch + g.tq * g.d + g.tk * g.d, g.tk * g.dv);
 }
 
+// The per-task loops, compiled for the build's baseline and (f32) for AVX2 with FMA, chosen by
+// the CPU; the OpenMP regions call them per task (an outlined region would not inherit a target).
+template <typename T>
+struct Loops {
+  void (*forward)(const Operands&, Tiles<T>&, Storage&, int64_t b, int64_t i0);
+  void (*backward)(const Operands&, Tiles<T>&, std::vector<T>&, std::vector<T>&, Storage&,
+                   int64_t b);
+};
+template <typename T>
+void forward_plain(const Operands& a, Tiles<T>& t, Storage& out, int64_t b, int64_t i0) {
+  forward_task(a, t, out, b, i0);
+}
+template <typename T>
+void backward_plain(const Operands& a, Tiles<T>& t, std::vector<T>& dk, std::vector<T>& dv,
+                    Storage& out, int64_t b) {
+  backward_batch(a, t, dk, dv, out, b);
+}
+#if defined(__x86_64__)
+[[gnu::target("avx2,fma")]] void forward_avx2(const Operands& a, Tiles<float>& t, Storage& out,
+                                              int64_t b, int64_t i0) {
+  forward_task(a, t, out, b, i0);
+}
+[[gnu::target("avx2,fma")]] void backward_avx2(const Operands& a, Tiles<float>& t,
+                                               std::vector<float>& dk, std::vector<float>& dv,
+                                               Storage& out, int64_t b) {
+  backward_batch(a, t, dk, dv, out, b);
+}
+#endif
+
+template <typename T>
+Loops<T> loops() {
+#if defined(__x86_64__)
+  if constexpr (sizeof(T) == 4) {
+    static const bool avx2 = missing_cpu_features({"avx2", "fma"}).empty();
+    if (avx2) return {forward_avx2, backward_avx2};
+  }
+#endif
+  return {forward_plain<T>, backward_plain<T>};
+}
+
 template <typename T>
 void run_forward(const Operands& a, Storage& out) {
   const auto& g = a.g;
+  const Loops<T> run = loops<T>();
   const int64_t tiles = (g.tq + kQueryTile - 1) / kQueryTile, tasks = g.batch * tiles;
 #pragma omp parallel if (tasks > 1 && g.tq * g.tk * g.d >= (1 << 16))
   {
@@ -321,43 +449,22 @@ void run_forward(const Operands& a, Storage& out) {
     t.size(a);
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < tasks; ++task)
-      forward_task(a, t, out, task / tiles, (task % tiles) * kQueryTile);
+      run.forward(a, t, out, task / tiles, (task % tiles) * kQueryTile);
   }
 }
 
 template <typename T>
 void run_backward(const Operands& a, Storage& out) {
   const auto& g = a.g;
+  const Loops<T> run = loops<T>();
 #pragma omp parallel if (g.batch > 1 && g.tq * g.tk * g.d >= (1 << 16))
   {
     Tiles<T> t;
     t.size(a);
     std::vector<T> dk, dv;
 #pragma omp for schedule(dynamic)
-    for (int64_t b = 0; b < g.batch; ++b) backward_batch(a, t, dk, dv, out, b);
+    for (int64_t b = 0; b < g.batch; ++b) run.backward(a, t, dk, dv, out, b);
   }
-}
-
-// The f32 loops compiled for the build's baseline and for AVX2 with FMA, chosen by the CPU.
-using Runner = void (*)(const Operands&, Storage&);
-struct Runners {
-  Runner forward, backward;
-};
-#if defined(__x86_64__)
-[[gnu::target("avx2,fma")]] void forward_avx2(const Operands& a, Storage& out) {
-  run_forward<float>(a, out);
-}
-[[gnu::target("avx2,fma")]] void backward_avx2(const Operands& a, Storage& out) {
-  run_backward<float>(a, out);
-}
-#endif
-
-Runners float_runners() {
-#if defined(__x86_64__)
-  static const bool avx2 = missing_cpu_features({"avx2", "fma"}).empty();
-  if (avx2) return {forward_avx2, backward_avx2};
-#endif
-  return {run_forward<float>, run_backward<float>};
 }
 
 }  // namespace
@@ -388,12 +495,10 @@ void attention_cpu(const Node& node, Storage& out) {
   a.compute = node.precision.compute;
   const bool wide = a.compute == f64;
   a.key_tile = key_tile(a.g.d, a.g.dv, wide ? sizeof(double) : sizeof(float));
-  if (wide) {
+  if (wide)
     forward ? run_forward<double>(a, out) : run_backward<double>(a, out);
-    return;
-  }
-  const Runners run = float_runners();
-  forward ? run.forward(a, out) : run.backward(a, out);
+  else
+    forward ? run_forward<float>(a, out) : run_backward<float>(a, out);
 }
 
 }  // namespace mixtape
