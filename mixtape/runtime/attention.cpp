@@ -15,7 +15,7 @@
 #include "mixtape/dsl/convert.h"
 #include "mixtape/dsl/half.h"
 #include "mixtape/runtime/cpu_features.h"
-#include "mixtape/runtime/half_convert.h"
+#include "mixtape/runtime/storage_rows.h"
 
 namespace mixtape {
 namespace {
@@ -105,12 +105,7 @@ void load(const Storage& s, int64_t at, int64_t count, T* out, DType compute) {
   if constexpr (sizeof(T) == 8) {
     for (int64_t i = 0; i < count; ++i) out[i] = load_element<double>(s, at + i);
   } else {
-    if (s.dtype == f32)
-      std::memcpy(out, s.as<float>() + at, static_cast<size_t>(count) * sizeof(float));
-    else if (s.dtype == bf16)
-      widen_bf16(s.as<uint16_t>() + at, out, count);
-    else
-      widen_f16(s.as<uint16_t>() + at, out, count);
+    widen_row(s, at, out, count);
     if (s.dtype != compute && compute == f16)
       for (int64_t i = 0; i < count; ++i) out[i] = f16_bits_to_f32(f32_to_f16_bits(out[i]));
     else if (s.dtype != compute && compute == bf16)
@@ -124,12 +119,7 @@ void store(const T* in, Storage& s, int64_t at, int64_t count) {
   if constexpr (sizeof(T) == 8) {
     for (int64_t i = 0; i < count; ++i) store_element(s, at + i, in[i]);
   } else {
-    if (s.dtype == f32)
-      std::memcpy(s.as<float>() + at, in, static_cast<size_t>(count) * sizeof(float));
-    else if (s.dtype == bf16)
-      narrow_to_bf16(in, s.as<uint16_t>() + at, count);
-    else
-      narrow_to_f16(in, s.as<uint16_t>() + at, count);
+    narrow_row(in, s, at, count);
   }
 }
 

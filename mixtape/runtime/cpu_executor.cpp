@@ -291,33 +291,16 @@ void run_conv(Node& node) {
   s.bytes_written += bytes_of(*out);
 }
 
-// Max pooling and its gradient by runtime/pool.h's loops; other dtypes by the reference's.
-void run_pool(Node& node) {
-  if (!max_pool_cpu_supported(node)) {
+// A host step with CPU loops of its own (max pooling, attention) where they take its dtypes;
+// others by the reference's loops.
+void run_own_loops(Node& node, bool supported, void (*compute)(const Node&, Storage&)) {
+  if (!supported) {
     node.value = reference_compute(node);
     ++stats().host_ops;
     return;
   }
   auto out = allocate(node);
-  max_pool_cpu(node, *out);
-  node.value = out;
-  ExecutionStats& s = stats();
-  ++s.kernels;
-  ++s.kernel_nodes;
-  for (const NodePtr& input : node.inputs) s.bytes_read += bytes_of(*input->value);
-  s.bytes_written += bytes_of(*out);
-}
-
-// Fused attention and its gradient by runtime/attention.h's tiles; other dtypes by the
-// reference's loops.
-void run_attention(Node& node) {
-  if (!attention_cpu_supported(node)) {
-    node.value = reference_compute(node);
-    ++stats().host_ops;
-    return;
-  }
-  auto out = allocate(node);
-  attention_cpu(node, *out);
+  compute(node, *out);
   node.value = out;
   ExecutionStats& s = stats();
   ++s.kernels;
@@ -330,8 +313,10 @@ void run_attention(Node& node) {
 // their loops, the rest by the reference loops.
 void run_host_step(Node& node) {
   if (op_info(node.op).kind == OpKind::Conv) return run_conv(node);
-  if (op_info(node.op).kind == OpKind::Pool) return run_pool(node);
-  if (op_info(node.op).kind == OpKind::Attention) return run_attention(node);
+  if (op_info(node.op).kind == OpKind::Pool)
+    return run_own_loops(node, max_pool_cpu_supported(node), max_pool_cpu);
+  if (op_info(node.op).kind == OpKind::Attention)
+    return run_own_loops(node, attention_cpu_supported(node), attention_cpu);
   node.value = reference_compute(node);
   ++stats().host_ops;
 }
