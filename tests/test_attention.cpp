@@ -133,6 +133,8 @@ TEST(FusedAttention, HalfAutocastMatchesTheCompositeWithinAutocastTolerance) {
       const double tolerance = half == mt::bf16 ? 2e-2 : 5e-3;
       expect_close(fused, composite, tolerance);
       expect_close(fused, run(c, x, false, mt::f64), tolerance);
+      // Half leaves without a policy: stored, computed and returned in the half type.
+      expect_close(run(c, x, true, half), run(c, x, false, half), tolerance);
     }
 }
 
