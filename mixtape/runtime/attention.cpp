@@ -474,6 +474,9 @@ bool attention_cpu_supported(const Node& node) {
 }
 
 void attention_cpu(const Node& node, Storage& out) {
+  // A device value's host copy is fetched on first read: fetch every input here, once, rather
+  // than from the OpenMP team at once (a host step of the CUDA back end).
+  for (const NodePtr& input : node.inputs) input->value->host_data();
   Operands a;
   a.g = AttentionGeometry::of(node);
   a.q = node.inputs[0]->value.get();
