@@ -1,8 +1,8 @@
 // tests/test_aot_models.cpp -- models export bit for bit: the char GPT of
-// examples/char_gpt_model.h, a TransformerBlock and a small convolution net, as functions at batch
-// 1, 7 and the max (rank-3 shapes, attention masks, embedding gathers under a dynamic batch) and as
-// training steps against mt::compile, in fp32, autocast bf16 and autocast f16 with dynamic loss
-// scaling.
+// examples/char_gpt_model.h, a TransformerBlock, a small convolution net and fused attention, as
+// functions at batch 1, 7 and the max (rank-3 shapes, attention masks, embedding gathers under a
+// dynamic batch) and as training steps against mt::compile, in fp32, autocast bf16 and autocast
+// f16 with dynamic loss scaling.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -47,9 +47,28 @@ struct SmallCnn : mt::Module {
   }
 };
 
+// Fused attention between two projections, so that an artifact runs scaled_dot_product_attention's
+// one op and its gradient: [batch, T, C] to itself, two causal heads.
+struct SmallAttention : mt::Module {
+  mt::Linear qkv, out;
+  explicit SmallAttention(mt::Generator* gen)
+      : qkv(kWidth, 3 * kWidth, true, gen), out(kWidth, kWidth, true, gen) {
+    register_module("qkv", qkv);
+    register_module("out", out);
+  }
+  mt::Tensor operator()(const mt::Tensor& x) const {
+    const int64_t batch = x.size(0), head = kWidth / kHeads;
+    mt::Tensor heads =
+        mt::permute(mt::reshape(qkv(x), {batch, kTime, 3 * kHeads, head}), {0, 2, 1, 3});
+    auto part = [&](int64_t i) { return mt::slice(heads, 1, i * kHeads, (i + 1) * kHeads); };
+    mt::Tensor y = mt::scaled_dot_product_attention(part(0), part(1), part(2), true);
+    return out(mt::reshape(mt::permute(y, {0, 2, 1, 3}), {batch, kTime, kWidth}));
+  }
+};
+
 // One of the models under test, with what it takes and how it is trained.
 struct Subject {
-  std::string kind;  // "gpt", "block" or "cnn"
+  std::string kind;  // "gpt", "block", "cnn" or "attn"
   std::unique_ptr<mt::Module> module;
   std::function<mt::Tensor(const mt::Tensor&)> forward;  // logits (gpt) or activations (block)
 
@@ -63,6 +82,10 @@ struct Subject {
       auto cnn = std::make_unique<SmallCnn>(&gen);
       forward = [m = cnn.get()](const mt::Tensor& x) { return (*m)(x); };
       module = std::move(cnn);
+    } else if (kind == "attn") {
+      auto attn = std::make_unique<SmallAttention>(&gen);
+      forward = [m = attn.get()](const mt::Tensor& x) { return (*m)(x); };
+      module = std::move(attn);
     } else {
       auto block = std::make_unique<mt::TransformerBlock>(kWidth, kHeads, 0.0, &gen);
       forward = [m = block.get()](const mt::Tensor& x) { return (*m)(x); };
@@ -164,6 +187,10 @@ INSTANTIATE_TEST_SUITE_P(Models, AotModelFunction,
                          testing::Combine(testing::Values("gpt", "block", "cnn"),
                                           testing::Values("fp32", "bf16", "f16")),
                          case_name);
+// Fused attention under autocast (half operands, f32 tiles) only: CI time.
+INSTANTIATE_TEST_SUITE_P(Attention, AotModelFunction,
+                         testing::Combine(testing::Values("attn"), testing::Values("bf16")),
+                         case_name);
 
 // ---- the training step: N exported steps equal N steps of mt::compile ----
 
@@ -247,6 +274,10 @@ TEST_P(AotModelStep, EqualsCompile) {
 INSTANTIATE_TEST_SUITE_P(Models, AotModelStep,
                          testing::Combine(testing::Values("gpt", "block", "cnn"),
                                           testing::Values("fp32", "bf16", "f16")),
+                         case_name);
+// Fused attention under autocast (half operands, f32 tiles) only: CI time.
+INSTANTIATE_TEST_SUITE_P(Attention, AotModelStep,
+                         testing::Combine(testing::Values("attn"), testing::Values("bf16")),
                          case_name);
 
 }  // namespace

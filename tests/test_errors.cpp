@@ -251,6 +251,9 @@ std::vector<Case> ops_cases() {
   mt::PoolWindow pool2;
   pool2.kernel[0] = pool2.kernel[1] = 2;
   groups2.groups = 2;
+  mt::Tensor q234 = mt::zeros({2, 3, 4}), k254 = mt::zeros({2, 5, 4}), v253 = mt::zeros({2, 5, 3});
+  mt::Tensor o233 = mt::zeros({2, 3, 3}), none;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
   mt::Tensor bad_rows = mt::tensor(i64s({0, 5}), {2});
   mt::Tensor negative_rows = mt::tensor(i64s({-1}), {1});
   mt::Tensor col_index = mt::tensor(i64s({0, 3}), {2, 1});
@@ -325,6 +328,26 @@ std::vector<Case> ops_cases() {
       OP_CASE("max_pool2d_forward", mt::max_pool2d_forward(f, pool2, {1, 2}), "NCHW", "[2, 3]"),
       OP_CASE("max_pool2d_grad", mt::max_pool2d_grad(img, mt::zeros({1, 2, 3, 3}), pool2),
               "[1, 2, 3, 3]", "differ in N or C"),
+      OP_CASE("attention_forward", mt::attention_forward(f4, f4, f4, none, false, 1.0), "rank >= 2",
+              "f32 [4]"),
+      OP_CASE("attention_forward", mt::attention_forward(q234, v253, v253, none, false, 1.0),
+              "do not fit", "q [2, 3, 4] k [2, 5, 3]"),
+      OP_CASE("attention_forward", mt::attention_forward(q234, k254, v253, none, true, 1.0),
+              "causal", "q [2, 3, 4] k [2, 5, 4]"),
+      OP_CASE(
+          "attention_forward",
+          mt::attention_forward(q234, k254, v253, mt::zeros({2, 3, 4}, mt::boolean), false, 1.0),
+          "the mask [2, 3, 4]", "[2, 3, 5]"),
+      OP_CASE("attention_forward",
+              mt::attention_forward(q234, k254, v253, mt::zeros({1, 1, 5}, mt::i64), false, 1.0),
+              "bool or floating", "i64"),
+      OP_CASE("attention_forward", mt::attention_forward(q234, k254, v253, none, false, nan),
+              "scale", "not finite"),
+      OP_CASE("attention_backward",
+              mt::attention_backward(q234, k254, v253, o233, q234, none, false, 1.0), "[2, 3, 3]",
+              "f32 [2, 3, 4]"),
+      OP_CASE("attention_backward",
+              mt::attention_backward(q234, k254, v253, o233, none, none, false, 1.0), "undefined"),
       OP_CASE("reshape", mt::reshape(f, {4, 2}), "[2, 3] (6 elements)", "[4, 2] (8 elements)"),
       OP_CASE("reshape", mt::reshape(f, {-1, -1}), "only one dimension may be -1"),
       OP_CASE("reshape", mt::reshape(f, {-2, 3}), "invalid dimension -2"),

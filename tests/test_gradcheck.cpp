@@ -497,6 +497,29 @@ void add_max_pool(Table& t) {
   }
 }
 
+// Fused attention (f64: its kernel's f64 tiles): causal, a bool padding mask with a broadcast
+// batch dim, an additive mask, lengths that differ; attention_backward is declared without a
+// gradient (a probe below), and a graph-building backward takes the materialized gradient.
+void add_attention(Table& t) {
+  add(t, OpCode::Attention, "attention_forward causal", {{{2, 5, 3}}, {{2, 5, 3}}, {{2, 5, 2}}},
+      [](const Tensors& x) {
+        return mt::attention_forward(x[0], x[1], x[2], mt::Tensor(), true, 0.7);
+      });
+  add(t, OpCode::Attention, "attention_forward padding mask",
+      {{{2, 1, 3, 4}}, {{2, 1, 6, 4}}, {{2, 1, 6, 3}}}, [](const Tensors& x) {
+        mt::Tensor keep = mt::tensor(std::vector<int64_t>{1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0},
+                                     {2, 1, 1, 6}, mt::boolean);
+        return mt::attention_forward(x[0], x[1], x[2], keep, false, 0.5);
+      });
+  add(t, OpCode::Attention, "attention_forward additive mask",
+      {{{1, 4, 3}}, {{1, 4, 3}}, {{1, 4, 3}}}, [](const Tensors& x) {
+        mt::Tensor bias = mt::tensor(std::vector<double>{0.5, -1, 0, 2, -0.25, 1, 0.75, -2, 0, 0,
+                                                         0.5, 1, -1.5, 0.25, 0, -0.5},
+                                     {1, 4, 4}, mt::f64);
+        return mt::attention_forward(x[0], x[1], x[2], bias, true, 0.6);
+      });
+}
+
 void add_data_movement(Table& t) {
   add(t, OpCode::Reshape, "reshape [2,3,4] -> [6,4]", {{{2, 3, 4}}}, [](const Tensors& x) {
     return mt::reshape(x[0], {6, 4});
@@ -648,6 +671,7 @@ const Table& op_samples() {
     add_matmul(t);
     add_conv(t);
     add_max_pool(t);
+    add_attention(t);
     add_data_movement(t);
     add_indexing(t);
     add_custom(t);
@@ -681,6 +705,9 @@ const std::map<OpCode, Builder>& no_grad_probes() {
 #define MT_COMPARE(Name, fname, REF) \
   p[OpCode::Name] = [](const Tensors& x) { return mt::fname(x[0], x[0] * 0.5); };
 #include "mixtape/dsl/ops.def"
+    p[OpCode::AttentionBackward] = [](const Tensors& x) {
+      return mt::attention_backward(x[0], x[0], x[0], x[0], x[0], mt::Tensor(), true, 0.5);
+    };
     p[OpCode::Argmax] = [](const Tensors& x) { return mt::argmax(x[0], 1); };
     p[OpCode::Argsort] = [](const Tensors& x) { return mt::argsort(x[0], 1, true); };
     p[OpCode::Sign] = [](const Tensors& x) { return mt::sign(x[0]); };
@@ -977,11 +1004,13 @@ TEST(GradCheckCoverage, EveryOpHasASampleOrProvablyNoGradient) {
   }
   EXPECT_EQ(missing, 0);
   for (const auto& [op, samples] : table) EXPECT_LT(static_cast<int>(op), mt::op_count());
-  // The leaves, comparisons, argmax, argsort, sign and detach are exactly the no-gradient ops.
+  // The leaves, comparisons, argmax, argsort, sign, detach and attention's fused gradient are
+  // exactly the no-gradient ops.
   std::vector<OpCode> expected = {
-      OpCode::Constant, OpCode::Full,   OpCode::Arange, OpCode::RandUniform, OpCode::RandNormal,
-      OpCode::Eq,       OpCode::Ne,     OpCode::Lt,     OpCode::Le,          OpCode::Gt,
-      OpCode::Ge,       OpCode::Argmax, OpCode::Sign,   OpCode::Detach,      OpCode::Argsort};
+      OpCode::Constant,   OpCode::Full,   OpCode::Arange,  OpCode::RandUniform,
+      OpCode::RandNormal, OpCode::Eq,     OpCode::Ne,      OpCode::Lt,
+      OpCode::Le,         OpCode::Gt,     OpCode::Ge,      OpCode::Argmax,
+      OpCode::Sign,       OpCode::Detach, OpCode::Argsort, OpCode::AttentionBackward};
   EXPECT_EQ(probes.size(), expected.size());
   for (OpCode op : expected) EXPECT_TRUE(probes.count(op)) << mt::op_name(op);
 }

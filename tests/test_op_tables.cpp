@@ -339,13 +339,17 @@ TEST(OpTable, EveryOpHasItsFacts) {
   EXPECT_EQ(views, (std::set<OpCode>{OpCode::Reshape, OpCode::Permute, OpCode::BroadcastTo,
                                      OpCode::Slice}));
   EXPECT_EQ(reductions, (std::set<OpCode>{OpCode::Sum, OpCode::Max}));
-  EXPECT_EQ(no_gradient, (std::set<OpCode>{OpCode::Sign, OpCode::Detach, OpCode::Eq, OpCode::Ne,
-                                           OpCode::Lt, OpCode::Le, OpCode::Gt, OpCode::Ge}));
+  EXPECT_EQ(no_gradient,
+            (std::set<OpCode>{OpCode::Sign, OpCode::Detach, OpCode::Eq, OpCode::Ne, OpCode::Lt,
+                              OpCode::Le, OpCode::Gt, OpCode::Ge, OpCode::AttentionBackward}));
   // The table is what the graph reads: a result of such an op never requires grad.
   mt::Tensor x = mt::ones({3}).requires_grad_(true);
   EXPECT_FALSE(mt::sign(x).requires_grad());
   EXPECT_FALSE(x.detach().requires_grad());
   EXPECT_TRUE(mt::floor(x).requires_grad());
+  mt::Tensor q = mt::ones({2, 3}).requires_grad_(true);
+  EXPECT_FALSE(mt::attention_backward(q, q, q, q, q, mt::Tensor(), false, 1.0).requires_grad());
+  EXPECT_TRUE(mt::attention_forward(q, q, q, mt::Tensor(), false, 1.0).requires_grad());
 }
 
 }  // namespace

@@ -1357,6 +1357,21 @@ void add_composite_cases(Oracle& o, Data& d, mt::DType dt) {
   mt::Tensor q2 = d.randn({2, 2, 4}, dt), v2 = d.randn({2, 3, 5}, dt);
   o.add("sdpa/cross/" + t, {q2, k, v2}, mt::scaled_dot_product_attention(q2, k, v2),
         "sdpa(a, b, c, False)");
+  // The fused primitives themselves: a bool padding mask broadcast over queries, and the packed
+  // gradients of a causal attention against torch.autograd's.
+  mt::Tensor qa = d.randn({2, 5, 4}, dt), ka = d.randn({2, 6, 4}, dt), va = d.randn({2, 6, 3}, dt);
+  mt::Tensor keep =
+      mt::tensor(std::vector<int64_t>{1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0}, {2, 1, 6}, mt::boolean);
+  o.add("attention_forward/mask/" + t, {qa, ka, va, keep},
+        mt::attention_forward(qa, ka, va, keep, false, 0.3),
+        "torch.softmax((a @ b.transpose(-1, -2) * 0.3).masked_fill(~d, float('-inf')), -1) @ c");
+  mt::Tensor gq = d.randn({2, 5, 4}, dt), gout = d.randn({2, 5, 4}, dt);
+  mt::Tensor out = mt::attention_forward(gq, qa, qa, mt::Tensor(), true, 0.5);
+  o.add("attention_backward/causal/" + t, {gq, qa, qa, out, gout},
+        mt::attention_backward(gq, qa, qa, out, gout, mt::Tensor(), true, 0.5),
+        "(lambda q, k, v: torch.cat([t.flatten(-2) for t in torch.autograd.grad(sdpa(q, k, v, "
+        "True), (q, k, v), e)], -1))(a.clone().requires_grad_(), b.clone().requires_grad_(), "
+        "c.clone().requires_grad_())");
   mt::Tensor cx =
       make({-2.5, -1.0, 0.0, 0.5, 1.0, 3.0, kNan, kInf, -kInf, 0.75, -0.25, 2.0}, {3, 4}, dt);
   o.add("clamp/both/" + t, {cx}, mt::clamp(cx, -1.0, 1.0), "torch.clamp(a, -1, 1)");

@@ -2,11 +2,13 @@
 // written here.
 #include "mixtape/autograd/vjp.h"
 
+#include <array>
 #include <cmath>
 #include <limits>
 #include <numeric>
 #include <string_view>
 
+#include "mixtape/dsl/attention.h"
 #include "mixtape/dsl/conv.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/ops.h"
@@ -197,6 +199,34 @@ Grads vjp_MaxPool2dGrad(const Node& n, const Tensor& g) {
           wanted(n, 1) ? detail::max_pool2d_pick(x, g, PoolWindow::from(n.attrs.window),
                                                  {gy.size(2), gy.size(3)})
                        : Tensor()};
+}
+
+// Without a graph to build, the fused gradient (packed q, k, v gradients, cut apart here);
+// with one (create_graph), the materialized gradient, whose own gradient exists.
+Grads vjp_Attention(const Node& n, const Tensor& g) {
+  Tensor q = in(n, 0), k = in(n, 1), v = in(n, 2);
+  Tensor mask = n.inputs.size() > 3 ? in(n, 3) : Tensor();
+  std::array<Tensor, 3> grads;
+  if (grad_enabled()) {
+    grads = detail::attention_gradients(q, k, v, mask, n.attrs.causal, n.attrs.scale, g);
+  } else {
+    Tensor packed = attention_backward(q, k, v, out(n), g, mask, n.attrs.causal, n.attrs.scale);
+    const int64_t axis = packed.dim() - 1;
+    int64_t start = 0;
+    for (size_t i = 0; i < 3; ++i) {
+      const Shape& shape = n.inputs[i]->shape;
+      const int64_t size = shape[shape.size() - 2] * shape.back();
+      grads[i] = reshape(slice(packed, axis, start, start + size), shape);
+      start += size;
+    }
+  }
+  Grads result;
+  for (size_t i = 0; i < 3; ++i) result.push_back(wanted(n, i) ? grads[i] : Tensor());
+  if (mask.defined()) result.push_back(Tensor());  // a mask that takes a gradient is refused
+  return result;
+}
+Grads vjp_AttentionBackward(const Node& n, const Tensor&) {
+  return Grads(n.inputs.size());  // never called: the op table marks it without gradient
 }
 
 Grads vjp_Reshape(const Node& n, const Tensor& g) { return {reshape(g, n.inputs[0]->shape)}; }

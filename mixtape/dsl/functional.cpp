@@ -8,6 +8,7 @@
 #include <mutex>
 #include <numeric>
 
+#include "mixtape/dsl/attention.h"
 #include "mixtape/dsl/composites.h"
 #include "mixtape/dsl/error.h"
 
@@ -875,11 +876,9 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
       k.size(-2) != v.size(-2))
     op_fail("scaled_dot_product_attention", loc, "shapes q {} k {} v {} do not fit",
             to_string(q.shape()), to_string(k.shape()), to_string(v.shape()));
-  Tensor scores = matmul(q, k, false, true) * (1.0 / std::sqrt(static_cast<double>(q.size(-1))));
-  if (!causal) return matmul(softmax(scores, -1), v);
-  if (q.size(-2) != k.size(-2))
+  if (causal && q.size(-2) != k.size(-2))
     op_fail("scaled_dot_product_attention", loc, "a causal mask needs as many queries as keys");
-  return matmul(masked_softmax(scores, causal_mask(q.size(-2)), -1), v);
+  return detail::attention(q, k, v, Tensor(), causal, std::nullopt, true, loc);
 }
 
 }  // namespace mixtape

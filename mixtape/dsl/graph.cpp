@@ -17,6 +17,8 @@ namespace {
 constexpr OpInfo kOpInfo[] = {
 #define MT_OP(Name, fname, kind, arity, category) \
   {#fname, OpKind::kind, arity, Category::category, true},
+#define MT_OP_NO_GRADIENT(Name, fname, kind, arity, category) \
+  {#fname, OpKind::kind, arity, Category::category, false},
 #define MT_UNARY(Name, fname, category, domain, REF, VJP) \
   {#fname, OpKind::Pointwise, 1, Category::category, std::string_view(#VJP) != "NoGradient"},
 #define MT_COMPARE(Name, fname, REF) {#fname, OpKind::Pointwise, 2, Category::Follow, false},

@@ -33,10 +33,11 @@ enum class OpKind : uint8_t {
   Scan,       // a running reduction along one axis (cumsum): a host step
   Sort,       // an order along one axis (argsort): a host step
   MatMul,
-  Conv,  // a convolution or one of its gradients: a library call, as MatMul
-  Pool,  // max pooling or its gradient: a loop of runtime/pool.h, a fixed kernel on CUDA
-  View,  // an affine index map kernels read through: reshape, permute, broadcast_to, slice
-  Copy,  // data movement that is not one: unslice, concat
+  Conv,       // a convolution or one of its gradients: a library call, as MatMul
+  Pool,       // max pooling or its gradient: a loop of runtime/pool.h, a fixed kernel on CUDA
+  Attention,  // fused attention or its gradient: runtime/attention.h's tiles, a host step
+  View,       // an affine index map kernels read through: reshape, permute, broadcast_to, slice
+  Copy,       // data movement that is not one: unslice, concat
   Gather,
   // A collective (all_reduce): a host step on every back end that every process of the run
   // joins (dsl/process_group.h); its value is never released for recomputation, since a

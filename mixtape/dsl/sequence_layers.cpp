@@ -4,6 +4,7 @@
 #include <cmath>
 #include <string>
 
+#include "mixtape/dsl/attention.h"
 #include "mixtape/dsl/composites.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
@@ -21,31 +22,24 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   if (q.size(-1) != k.size(-1) || k.size(-2) != v.size(-2))
     op_fail(op, loc, "shapes q {} k {} v {} do not fit", to_string(q.shape()), to_string(k.shape()),
             to_string(v.shape()));
-  const double factor = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  Tensor scores = matmul(q, k, false, true) * factor;  // [..., L, S]
-  Tensor allowed;                                      // bool, true where a query may attend
+  const Shape scores = [&] {
+    Shape qb(q.shape().begin(), q.shape().end() - 2), kb(k.shape().begin(), k.shape().end() - 2);
+    Shape shape = broadcast_shapes(qb, kb).value_or(qb);
+    shape.push_back(q.size(-2));
+    shape.push_back(k.size(-2));
+    return shape;
+  }();
   if (attn_mask.defined()) {
-    if (!broadcast_shapes(attn_mask.shape(), scores.shape()))
+    if (!broadcast_shapes(attn_mask.shape(), scores))
       op_fail(op, loc, "the mask {} does not broadcast to the scores {}",
-              to_string(attn_mask.shape()), to_string(scores.shape()));
-    if (attn_mask.dtype() == boolean)
-      allowed = attn_mask;
-    else if (is_floating(attn_mask.dtype()))
-      scores = scores + attn_mask;
-    else
+              to_string(attn_mask.shape()), to_string(scores));
+    if (attn_mask.dtype() != boolean && !is_floating(attn_mask.dtype()))
       op_fail(op, loc, "the mask must be bool or floating, got {}", name(attn_mask.dtype()));
   }
-  if (causal) {
-    if (q.size(-2) != k.size(-2))
-      op_fail(op, loc, "a causal mask needs as many queries as keys: q {} k {}",
-              to_string(q.shape()), to_string(k.shape()));
-    Tensor lower = causal_mask(q.size(-2));
-    allowed = allowed.defined() ? logical_and(allowed, lower) : lower;
-  }
-  if (allowed.defined())
-    allowed = broadcast_to(allowed, broadcast_shapes(allowed.shape(), scores.shape()).value());
-  Tensor weights = allowed.defined() ? masked_softmax(scores, allowed) : softmax(scores);
-  return matmul(weights, v);
+  if (causal && q.size(-2) != k.size(-2))
+    op_fail(op, loc, "a causal mask needs as many queries as keys: q {} k {}", to_string(q.shape()),
+            to_string(k.shape()));
+  return detail::attention(q, k, v, attn_mask, causal, scale, true, loc);
 }
 
 // ---- MultiheadAttention ----

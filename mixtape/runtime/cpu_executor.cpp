@@ -16,6 +16,7 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/log.h"
+#include "mixtape/runtime/attention.h"
 #include "mixtape/runtime/conv.h"
 #include "mixtape/runtime/cpu_kernels.h"
 #include "mixtape/runtime/gemm.h"
@@ -290,15 +291,16 @@ void run_conv(Node& node) {
   s.bytes_written += bytes_of(*out);
 }
 
-// Max pooling and its gradient by runtime/pool.h's loops; other dtypes by the reference's.
-void run_pool(Node& node) {
-  if (!max_pool_cpu_supported(node)) {
+// A host step with CPU loops of its own (max pooling, attention) where they take its dtypes;
+// others by the reference's loops.
+void run_own_loops(Node& node, bool supported, void (*compute)(const Node&, Storage&)) {
+  if (!supported) {
     node.value = reference_compute(node);
     ++stats().host_ops;
     return;
   }
   auto out = allocate(node);
-  max_pool_cpu(node, *out);
+  compute(node, *out);
   node.value = out;
   ExecutionStats& s = stats();
   ++s.kernels;
@@ -307,11 +309,14 @@ void run_pool(Node& node) {
   s.bytes_written += bytes_of(*out);
 }
 
-// Steps without a generated kernel: convolutions through oneDNN, max pooling by its loops, the
-// rest by the reference loops.
+// Steps without a generated kernel: convolutions through oneDNN, max pooling and attention by
+// their loops, the rest by the reference loops.
 void run_host_step(Node& node) {
   if (op_info(node.op).kind == OpKind::Conv) return run_conv(node);
-  if (op_info(node.op).kind == OpKind::Pool) return run_pool(node);
+  if (op_info(node.op).kind == OpKind::Pool)
+    return run_own_loops(node, max_pool_cpu_supported(node), max_pool_cpu);
+  if (op_info(node.op).kind == OpKind::Attention)
+    return run_own_loops(node, attention_cpu_supported(node), attention_cpu);
   node.value = reference_compute(node);
   ++stats().host_ops;
 }

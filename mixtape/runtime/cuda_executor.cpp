@@ -16,7 +16,9 @@
 #include "mixtape/codegen/lower.h"
 #include "mixtape/codegen/nvrtc.h"
 #include "mixtape/dsl/error.h"
+#include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/log.h"
+#include "mixtape/runtime/attention.h"
 #include "mixtape/runtime/cublaslt.h"
 #include "mixtape/runtime/cuda_allocator.h"
 #include "mixtape/runtime/cuda_driver.h"
@@ -225,8 +227,16 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
   s.kernel_nodes += step.members;
 }
 
+// Host steps: the reference loops, except fused attention, which has no CUDA kernel yet and runs
+// runtime/attention.h's CPU tiles on the host copies of its inputs (linear memory, as on the CPU).
 void run_on_host(Node& node) {
-  node.value = reference_compute(node);
+  if (op_info(node.op).kind == OpKind::Attention && attention_cpu_supported(node)) {
+    auto out = allocate_value(node, node.precision.storage_type, node.numel(), true);
+    attention_cpu(node, *out);
+    node.value = std::move(out);
+  } else {
+    node.value = reference_compute(node);
+  }
   ++stats().host_ops;
 }
 

@@ -18,6 +18,7 @@
 #include "mixtape/dsl/vision.h"
 #include "mixtape/runtime/cpu_features.h"
 #include "mixtape/runtime/half_convert.h"
+#include "mixtape/runtime/storage_rows.h"
 
 namespace mixtape {
 namespace {
@@ -67,24 +68,6 @@ Plan plan_of(const Node& node) {
   p.phases = w.stride[1];
   p.phase_cols = (p.cols + p.phases - 1) / p.phases;
   return p;
-}
-
-void widen_row(const Storage& s, int64_t at, float* out, int64_t count) {
-  if (s.dtype == f32)
-    std::memcpy(out, s.as<float>() + at, static_cast<size_t>(count) * sizeof(float));
-  else if (s.dtype == bf16)
-    widen_bf16(s.as<uint16_t>() + at, out, count);
-  else
-    widen_f16(s.as<uint16_t>() + at, out, count);
-}
-
-void narrow_row(const float* in, Storage& s, int64_t at, int64_t count) {
-  if (s.dtype == f32)
-    std::memcpy(s.as<float>() + at, in, static_cast<size_t>(count) * sizeof(float));
-  else if (s.dtype == bf16)
-    narrow_to_bf16(in, s.as<uint16_t>() + at, count);
-  else
-    narrow_to_f16(in, s.as<uint16_t>() + at, count);
 }
 
 // Calls f(position in a padded row's phase layout, input column c) for the input's columns

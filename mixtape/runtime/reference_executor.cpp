@@ -11,6 +11,7 @@
 #include <numeric>
 #include <type_traits>
 
+#include "mixtape/dsl/attention.h"
 #include "mixtape/dsl/conv.h"
 #include "mixtape/dsl/convert.h"
 #include "mixtape/dsl/error.h"
@@ -652,6 +653,101 @@ StoragePtr ref_MaxPool2dGrad(const Node& node) {
   StoragePtr out = new_storage(node);
   for (size_t i = 0; i < acc.size(); ++i)
     store_element(*out, static_cast<int64_t>(i), wide ? acc[i] : static_cast<float>(acc[i]));
+  return out;
+}
+
+// ---- fused attention ----
+// Materialized, in f64 over inputs rounded to the compute type: every score of a row, then its
+// softmax (a masked key weighs 0; a row with no key left is zeros), rounded once at the output.
+struct AttentionRows {
+  AttentionGeometry g;
+  std::vector<double> q, k, v, mask;
+  AttentionRows(const Node& node, size_t mask_input) : g(AttentionGeometry::of(node)) {
+    auto operand = [&](size_t i) {
+      const Storage& in = value_of(node, i);
+      return matrix_operand(in, 1, 1, in.count, false, node.precision.compute);
+    };
+    q = operand(0), k = operand(1), v = operand(2);
+    if (g.has_mask) mask = load_all<double>(value_of(node, mask_input));
+  }
+  // Row i of batch b's weights.
+  std::vector<double> weights(int64_t b, int64_t i) const {
+    const double ninf = -std::numeric_limits<double>::infinity();
+    std::vector<double> p(static_cast<size_t>(g.tk), ninf);
+    double top = ninf;
+    for (int64_t j = 0; j < g.key_end(i); ++j) {
+      double s = 0;
+      for (int64_t c = 0; c < g.d; ++c)
+        s += q[(b * g.tq + i) * g.d + c] * k[(b * g.tk + j) * g.d + c];
+      s *= g.scale;
+      if (g.has_mask) {
+        const double m = mask[g.mask_offset(b, i) + j * g.mask_col_stride];
+        s = g.bool_mask ? (m != 0 ? s : ninf) : s + m;
+      }
+      p[j] = s;
+      top = std::max(top, s);
+    }
+    double total = 0;
+    for (double& x : p) total += x = top == ninf ? 0 : std::exp(x - top);
+    for (double& x : p) x = total > 0 ? x / total : 0;
+    return p;
+  }
+};
+
+StoragePtr ref_Attention(const Node& node) {
+  const AttentionRows r(node, 3);
+  const AttentionGeometry& g = r.g;
+  StoragePtr out = new_storage(node);
+  for (int64_t b = 0; b < g.batch; ++b)
+    for (int64_t i = 0; i < g.tq; ++i) {
+      std::vector<double> p = r.weights(b, i);
+      for (int64_t c = 0; c < g.dv; ++c) {
+        double acc = 0;
+        for (int64_t j = 0; j < g.tk; ++j) acc += p[j] * r.v[(b * g.tk + j) * g.dv + c];
+        store_element(*out, (b * g.tq + i) * g.dv + c, acc);
+      }
+    }
+  return out;
+}
+
+// dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)), dQ = scale dS K, dK = scale dS^T Q.
+StoragePtr ref_AttentionBackward(const Node& node) {
+  const AttentionRows r(node, 5);
+  const AttentionGeometry& g = r.g;
+  const Storage &o_in = value_of(node, 3), &go_in = value_of(node, 4);
+  const std::vector<double> o =
+      matrix_operand(o_in, 1, 1, o_in.count, false, node.precision.compute);
+  const std::vector<double> go =
+      matrix_operand(go_in, 1, 1, go_in.count, false, node.precision.compute);
+  const int64_t per_batch = g.tq * g.d + g.tk * (g.d + g.dv);
+  std::vector<double> acc(static_cast<size_t>(g.batch * per_batch), 0.0);
+  for (int64_t b = 0; b < g.batch; ++b) {
+    double* dq = &acc[b * per_batch];
+    double* dk = dq + g.tq * g.d;
+    double* dv = dk + g.tk * g.d;
+    for (int64_t i = 0; i < g.tq; ++i) {
+      std::vector<double> p = r.weights(b, i);
+      const double* go_row = &go[(b * g.tq + i) * g.dv];
+      double delta = 0;
+      for (int64_t c = 0; c < g.dv; ++c) delta += go_row[c] * o[(b * g.tq + i) * g.dv + c];
+      for (int64_t j = 0; j < g.tk; ++j) {
+        if (p[j] == 0) continue;
+        const double* v_row = &r.v[(b * g.tk + j) * g.dv];
+        double dp = 0;
+        for (int64_t c = 0; c < g.dv; ++c) {
+          dp += go_row[c] * v_row[c];
+          dv[j * g.dv + c] += p[j] * go_row[c];
+        }
+        const double ds = p[j] * (dp - delta) * g.scale;
+        for (int64_t c = 0; c < g.d; ++c) {
+          dq[i * g.d + c] += ds * r.k[(b * g.tk + j) * g.d + c];
+          dk[j * g.d + c] += ds * r.q[(b * g.tq + i) * g.d + c];
+        }
+      }
+    }
+  }
+  StoragePtr out = new_storage(node);
+  for (size_t i = 0; i < acc.size(); ++i) store_element(*out, static_cast<int64_t>(i), acc[i]);
   return out;
 }
 

@@ -751,6 +751,40 @@ TEST(GpuMaxPool, ForwardAndGradientHaveTheReferencesBitsOnTheDevice) {
   }
 }
 
+// Fused attention has no CUDA kernel: its two nodes (forward, and the packed gradients) are host
+// steps running the CPU back end's tiles on host copies of their inputs (runtime/cuda_executor's
+// run_on_host), so a CUDA step gives the CPU's bits, the rest of the step on the device. The dry
+// run compares the CPU's tiles with the reference's materialized loops, to rounding.
+TEST(GpuAttention, FusedForwardAndGradientsRunAsHostStepsWithTheCpusBits) {
+  SKIP_WITHOUT_CUDA();
+  for (mt::DType dtype : {mt::f32, mt::bf16}) {
+    auto run = [&](mt::Device device) {
+      DeviceScope scope;
+      mt::set_device(device);
+      mt::Generator gen(61);
+      const mt::Shape shape = {2, 3, 70, 32};
+      auto leaf = [&] {
+        return mt::tensor(mt::randn(shape, dtype, &gen).to_vector<double>(), shape, dtype)
+            .requires_grad_();
+      };
+      mt::Tensor q = leaf(), k = leaf(), v = leaf();
+      mt::Tensor g = mt::randn(shape, dtype, &gen);
+      mt::eval({q, k, v, g});
+      mt::Tensor y = mt::scaled_dot_product_attention(q, k, v, true);
+      EXPECT_EQ(y.node()->op, mt::OpCode::Attention);
+      mt::sum(y * g).backward();
+      std::vector<mt::Tensor> outs = {y, q.grad(), k.grad(), v.grad()};
+      return values_of(outs, nullptr);
+    };
+    auto expected = run(baseline()), actual = run(tested());
+    ASSERT_EQ(actual.size(), expected.size());
+    const double ulps = dry_run() ? 8 : 0, absolute = dry_run() ? 1e-3 : 0;
+    for (size_t o = 0; o < expected.size(); ++o)
+      EXPECT_EQ(first_difference(expected[o], actual[o], dtype, ulps, absolute), "")
+          << mt::name(dtype) << " output " << o;
+  }
+}
+
 // rand and randn drawn on the device: the CPU's streams bit for bit, in every 32-bit-or-less
 // float dtype, for a size that ends inside a Philox block.
 TEST(GpuRandom, DeviceStreamsAreTheCpusBits) {
