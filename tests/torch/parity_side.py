@@ -5,41 +5,7 @@ t0 = time.time()
 from torch_side import *  # exits 77 when torch does not import
 t_import = time.time() - t0
 
-# torchvision's ResNet-18 (torchvision is not installed): the same layout and state_dict names.
-class BasicBlock(nn.Module):
-    def __init__(self, cin, cout, stride):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.downsample = None
-        if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                            nn.BatchNorm2d(cout))
-    def forward(self, x):
-        identity = x if self.downsample is None else self.downsample(x)
-        y = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(y)) + identity)
-
-class ResNet18(nn.Module):
-    def __init__(self, classes):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
-        self.bn1 = nn.BatchNorm2d(64)
-        cin = 64
-        for s in range(4):
-            cout = 64 << s
-            setattr(self, 'layer%d' % (s + 1),
-                    nn.Sequential(BasicBlock(cin, cout, 1 if s == 0 else 2),
-                                  BasicBlock(cout, cout, 1)))
-            cin = cout
-        self.fc = nn.Linear(512, classes)
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
-        for s in range(4):
-            x = getattr(self, 'layer%d' % (s + 1))(x)
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+from torch_resnet import BasicBlock, ResNet18  # torchvision's layout and state_dict names
 
 def run_resnet(d, m, _):
     torch.manual_seed(int(m['seed']))
