@@ -406,6 +406,22 @@ std::vector<float> all_parameters(DigitsMLP& net) {
   return out;
 }
 
+// A training step of `net` under `opt` with the loss `loss_of(logits, labels)`, taken once on a
+// batch of 8 so that the optimizer holds state an export must leave as it was.
+template <typename Loss>
+auto sgd_step_taken_once(DigitsMLP& net, mt::SGD& opt, Loss loss_of) {
+  auto train_step = [&net, &opt, loss_of](const mt::Tensor& x, const mt::Tensor& y) {
+    opt.zero_grad();
+    mt::Tensor loss = loss_of(net(x), y);
+    loss.backward();
+    opt.step();
+    return loss;
+  };
+  mt::Generator g(9);
+  train_step(mt::randn({8, 64}, mt::f32, &g), mt::zeros({8}, mt::i64));
+  return train_step;
+}
+
 // export_step traces the step (two real training steps on zeros) before it checks the number of
 // outputs, the batch dependence and unnamed state (plan_to_json); it puts the state
 // back only after those passed. Such a failed export silently leaves the model trained two (or,
@@ -414,15 +430,9 @@ TEST(AotReviewState, FailedExportStepLeavesTheStateAsItWas) {
   mt::manual_seed(5);
   DigitsMLP net;
   mt::SGD opt(net.parameters(), {.lr = 0.5});
-  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
-    opt.zero_grad();
-    mt::Tensor loss = mt::cross_entropy(net(x), y);
-    loss.backward();
-    opt.step();
-    return loss;
-  };
-  mt::Generator g(9);
-  train_step(mt::randn({8, 64}, mt::f32, &g), mt::zeros({8}, mt::i64));
+  auto train_step = sgd_step_taken_once(
+      net, opt,
+      [](const mt::Tensor& logits, const mt::Tensor& y) { return mt::cross_entropy(logits, y); });
   std::vector<float> before = all_parameters(net);
   std::string dir = temp_dir("review_failed_step");
   mt::aot::Options o{.name = "train", .module = &net, .optimizer = &opt};
@@ -571,15 +581,10 @@ TEST(AotReviewState, DynamicBatchStepExportsOrRefusesCleanly) {
   mt::manual_seed(5);
   DigitsMLP net;
   mt::SGD opt(net.parameters(), {.lr = 0.5});
-  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
-    opt.zero_grad();
-    mt::Tensor loss = mt::sum(mt::cross_entropy(net(x), y, {.reduction = mt::Reduction::None}));
-    loss.backward();
-    opt.step();
-    return loss;
-  };
-  mt::Generator g(9);
-  train_step(mt::randn({8, 64}, mt::f32, &g), mt::zeros({8}, mt::i64));
+  auto train_step =
+      sgd_step_taken_once(net, opt, [](const mt::Tensor& logits, const mt::Tensor& y) {
+        return mt::sum(mt::cross_entropy(logits, y, {.reduction = mt::Reduction::None}));
+      });
   std::vector<float> before = all_parameters(net);
   std::string dir = temp_dir("review_dyn_step");
   mt::aot::Options o{
