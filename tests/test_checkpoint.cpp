@@ -112,38 +112,39 @@ struct Training {
   }
 };
 
+// `model` under AdamW with `options`, its loss on batch i `loss(i)`.
+Training adamw_run(std::unique_ptr<mt::Module> model, const mt::AdamOptions& options,
+                   std::function<mt::Tensor(int)> loss) {
+  Training run;
+  run.opt = std::make_unique<mt::AdamW>(model->parameters(), options);
+  run.model = std::move(model);
+  run.loss = std::move(loss);
+  return run;
+}
+
 Training mlp_run(uint64_t seed) {
   auto gen = std::make_shared<mt::Generator>(seed);
   auto mlp =
       std::make_unique<mt::MLP>(std::vector<int64_t>{4, 8, 3}, mt::Activation::Relu, gen.get());
   mt::MLP* net = mlp.get();
-  Training run;
-  run.opt = std::make_unique<mt::AdamW>(mlp->parameters(),
-                                        mt::AdamOptions{.lr = 0.05, .weight_decay = 0.1});
-  run.model = std::move(mlp);
-  run.loss = [net](int i) {
+  return adamw_run(std::move(mlp), {.lr = 0.05, .weight_decay = 0.1}, [net](int i) {
     mt::Generator data(1000 + static_cast<uint64_t>(i));  // batch i is the same in every run
     mt::Tensor x = mt::randn({5, 4}, mt::f32, &data);
     std::vector<int64_t> labels{i % 3, (i + 1) % 3, 2, 0, 1};
     return mt::cross_entropy((*net)(x), mt::tensor(labels, {5}));
-  };
-  return run;
+  });
 }
 
 Training transformer_run(uint64_t seed) {
   auto gen = std::make_shared<mt::Generator>(seed);
   auto block = std::make_unique<mt::TransformerBlock>(8, 2, 0.0, gen.get());
   mt::TransformerBlock* net = block.get();
-  Training run;
-  run.opt = std::make_unique<mt::AdamW>(block->parameters(), mt::AdamOptions{.lr = 0.01});
-  run.model = std::move(block);
-  run.loss = [net](int i) {
+  return adamw_run(std::move(block), {.lr = 0.01}, [net](int i) {
     mt::Generator data(2000 + static_cast<uint64_t>(i));
     mt::Tensor x = mt::randn({2, 3, 8}, mt::f32, &data);
     mt::Tensor target = mt::randn({2, 3, 8}, mt::f32, &data);
     return mt::mse_loss((*net)(x), target);
-  };
-  return run;
+  });
 }
 
 // A batch-normed MLP: its running statistics and batch count are buffers the checkpoint carries.
@@ -155,16 +156,12 @@ Training batch_norm_run(uint64_t seed) {
   net->append([](const mt::Tensor& x) { return mt::relu(x); });
   net->emplace_back<mt::Linear>(6, 3, true, gen.get());
   mt::Sequential* model = net.get();
-  Training run;
-  run.opt = std::make_unique<mt::AdamW>(net->parameters(), mt::AdamOptions{.lr = 0.05});
-  run.model = std::move(net);
-  run.loss = [model](int i) {
+  return adamw_run(std::move(net), {.lr = 0.05}, [model](int i) {
     mt::Generator data(3000 + static_cast<uint64_t>(i));
     mt::Tensor x = mt::randn({5, 4}, mt::f32, &data) + 0.5;
     std::vector<int64_t> labels{i % 3, (i + 1) % 3, 2, 0, 1};
     return mt::cross_entropy((*model)(x), mt::tensor(labels, {5}));
-  };
-  return run;
+  });
 }
 
 void check_resume(const std::function<Training(uint64_t)>& make, const std::string& file) {
