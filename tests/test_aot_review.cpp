@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <thread>
 
 #include <stdlib.h>
@@ -511,6 +512,8 @@ struct AdamStepArtifact {
   mt::Generator g{9};
   std::string dir;
   mt::aot::Exported exported;
+  std::optional<Table> table;  // the exported kernels, and the artifact opened with them
+  std::optional<Model> model;
   AdamStepArtifact(const std::string& what, double lr)
       : opt(net.parameters(), {.lr = lr}), dir(temp_dir(what)) {
     auto train_step = [this](const mt::Tensor& x, const mt::Tensor& y) {
@@ -525,8 +528,14 @@ struct AdamStepArtifact {
     exported = mt::aot::export_step(
         train_step, {mt::aot::input("x", {8, 64}, mt::f32), mt::aot::input("y", {8}, mt::i64)},
         {"loss"}, dir, o);
+    table.emplace(exported);
+    model.emplace(dir, "train", *table);
   }
-  ~AdamStepArtifact() { fs::remove_all(dir); }
+  ~AdamStepArtifact() {
+    model.reset();  // closed before its folder goes
+    table.reset();
+    fs::remove_all(dir);
+  }
 };
 
 // NAME_load read optimizer.steps with strtoll: "12abc" loaded as 12 and "abc" as 0 (resetting
@@ -534,12 +543,10 @@ struct AdamStepArtifact {
 TEST(AotReviewState, LoadRefusesAStepCountLoadCheckpointRefuses) {
   mt::manual_seed(5);
   AdamStepArtifact a("review_steps_text", 1e-3);
-  auto& [net, opt, g, dir, exported] = a;
-  Table table(exported);
-  Model model(dir, "train", table);
-  ASSERT_NE(model.m, nullptr);
+  auto& [net, opt, g, dir, exported, table, model] = a;
+  ASSERT_NE(model->m, nullptr);
   std::string path = dir + "/ck.safetensors";
-  ASSERT_EQ(mixtape_aot_save(model.m, path.c_str()), 0) << mixtape_aot_error(model.m);
+  ASSERT_EQ(mixtape_aot_save(model->m, path.c_str()), 0) << mixtape_aot_error(model->m);
   for (const char* text : {"12abc", "abc", "99999999999999999999999"}) {
     mt::safetensors::File file = mt::safetensors::read(path);
     for (auto& [key, value] : file.metadata)
@@ -547,7 +554,7 @@ TEST(AotReviewState, LoadRefusesAStepCountLoadCheckpointRefuses) {
     std::string bad = dir + "/bad.safetensors";
     mt::safetensors::write(bad, file);
     EXPECT_THROW(mt::load_checkpoint(bad, net, &opt), mt::Error) << text;
-    EXPECT_NE(mixtape_aot_load(model.m, bad.c_str()), 0) << "optimizer.steps = " << text;
+    EXPECT_NE(mixtape_aot_load(model->m, bad.c_str()), 0) << "optimizer.steps = " << text;
   }
 }
 
@@ -556,21 +563,19 @@ TEST(AotReviewState, LoadRefusesAStepCountLoadCheckpointRefuses) {
 TEST(AotReviewState, FailedStepLeavesTheStateAsItWas) {
   mt::manual_seed(5);
   AdamStepArtifact a("review_failed_run", 1e-2);
-  auto& [net, opt, g, dir, exported] = a;
-  Table table(exported);
-  Model model(dir, "train", table);
-  ASSERT_NE(model.m, nullptr);
+  auto& [net, opt, g, dir, exported, table, model] = a;
+  ASSERT_NE(model->m, nullptr);
   std::vector<float> x = mt::randn({8, 64}, mt::f32, &g).to_vector<float>();
   std::vector<int64_t> y(8, 3);
   float loss = 0;
   const void* in[] = {x.data(), y.data()};
   void* out[] = {&loss};
-  ASSERT_EQ(mixtape_aot_run(model.m, 8, in, out), 0) << mixtape_aot_error(model.m);
+  ASSERT_EQ(mixtape_aot_run(model->m, 8, in, out), 0) << mixtape_aot_error(model->m);
   std::string before = dir + "/before.safetensors", after = dir + "/after.safetensors";
-  ASSERT_EQ(mixtape_aot_save(model.m, before.c_str()), 0);
+  ASSERT_EQ(mixtape_aot_save(model->m, before.c_str()), 0);
   y[5] = 99;  // 10 classes
-  EXPECT_NE(mixtape_aot_run(model.m, 8, in, out), 0);
-  ASSERT_EQ(mixtape_aot_save(model.m, after.c_str()), 0);
+  EXPECT_NE(mixtape_aot_run(model->m, 8, in, out), 0);
+  ASSERT_EQ(mixtape_aot_save(model->m, after.c_str()), 0);
   expect_same_checkpoint(after, before);
 }
 
