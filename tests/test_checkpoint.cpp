@@ -270,12 +270,26 @@ TEST_F(Checkpoint, BatchNormBuffersResumeBitIdentically) {
   check_resume(batch_norm_run, path("batch_norm.safetensors"));
 }
 
-TEST_F(Checkpoint, OptimizerStateIsSavedUnderParameterPaths) {
-  Training run = mlp_run(1);
-  run.train(0, 2);
-  mt::save_checkpoint(path("c.safetensors"), *run.model, run.opt.get());
+// A run saved to `good` after two steps, that file's entries and metadata (to damage and save
+// again), and another run, one step in, to load the damaged files into.
+struct SavedRun {
+  Training source, target;
   mt::Metadata meta;
-  mt::NamedTensors entries = mt::load_tensors(path("c.safetensors"), &meta);
+  mt::NamedTensors entries;
+};
+SavedRun saved_run(const std::string& good) {
+  Training source = mlp_run(1);
+  source.train(0, 2);
+  mt::save_checkpoint(good, *source.model, source.opt.get());
+  mt::Metadata meta;
+  mt::NamedTensors entries = mt::load_tensors(good, &meta);
+  Training target = mlp_run(2);
+  target.train(0, 1);
+  return {std::move(source), std::move(target), std::move(meta), std::move(entries)};
+}
+
+TEST_F(Checkpoint, OptimizerStateIsSavedUnderParameterPaths) {
+  auto [run, target, meta, entries] = saved_run(path("c.safetensors"));
   std::vector<std::string> names;
   for (const auto& [name, tensor] : entries) names.push_back(name);
   std::vector<std::string> expected{"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
@@ -429,14 +443,7 @@ TEST_F(Checkpoint, MismatchedModelsAreRejectedWithoutChanges) {
 }
 
 TEST_F(Checkpoint, OptimizerMismatchesAreRejectedWithoutChanges) {
-  Training source = mlp_run(1);
-  source.train(0, 2);
-  mt::save_checkpoint(path("adamw.safetensors"), *source.model, source.opt.get());
-  mt::Metadata meta;
-  mt::NamedTensors entries = mt::load_tensors(path("adamw.safetensors"), &meta);
-
-  Training target = mlp_run(2);
-  target.train(0, 1);
+  auto [source, target, meta, entries] = saved_run(path("adamw.safetensors"));
   {
     SCOPED_TRACE("optimizer state of the wrong shape");
     mt::NamedTensors bad = entries;
@@ -714,24 +721,6 @@ void save_with(const std::string& file, mt::NamedTensors entries, const mt::Meta
     }
   ASSERT_TRUE(found) << name;
   mt::save_tensors(file, entries, meta);
-}
-
-// A run saved to `good` after two steps, that file's entries and metadata (to damage and save
-// again), and another run, one step in, to load the damaged files into.
-struct SavedRun {
-  Training source, target;
-  mt::Metadata meta;
-  mt::NamedTensors entries;
-};
-SavedRun saved_run(const std::string& good) {
-  Training source = mlp_run(1);
-  source.train(0, 2);
-  mt::save_checkpoint(good, *source.model, source.opt.get());
-  mt::Metadata meta;
-  mt::NamedTensors entries = mt::load_tensors(good, &meta);
-  Training target = mlp_run(2);
-  target.train(0, 1);
-  return {std::move(source), std::move(target), std::move(meta), std::move(entries)};
 }
 
 TEST_F(Checkpoint, NegativeExpAvgSqIsRejectedWithoutChanges) {
