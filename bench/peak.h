@@ -10,14 +10,17 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <fstream>
 #include <map>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
 #include <vector>
 
 #include "bench/timing.h"
+#include "mixtape/dsl/error.h"
 #include "mixtape/runtime/cpu_features.h"
 
 namespace bench {
@@ -258,6 +261,31 @@ inline mt::json::Value fma_peak_record(Peaks& peaks) {
       {"machine_f32_gflops", peaks.machine_gflops("f32")},
       {"machine_avx512bf16_gflops", peaks.machine_gflops("avx512bf16")},
       {"machine_bf16_gflops", peaks.machine_gflops("bf16")}};
+}
+
+/// The main() of a kernel bench (bench_gemm, bench_conv): each workload on the command line is
+/// "fma_peak" or one `record_of(name, peaks, timing)` measures; it returns nullopt for a name it
+/// does not know, an error that lists the names it does (`known`).
+template <typename RecordOf>
+int run_kernel_bench(int argc, char** argv, const char* program, const char* usage,
+                     const char* known, RecordOf record_of) {
+  CommandLine line = parse_command_line(argc, argv, program, usage);
+  try {
+    Peaks peaks;
+    for (const std::string& name : line.workloads) {
+      if (name == "fma_peak") {
+        emit(fma_peak_record(peaks));
+        continue;
+      }
+      std::optional<mt::json::Value> record = record_of(name, peaks, line.timing);
+      if (!record) mt::fail("{}: unknown workload '{}' (fma_peak, {})", program, name, known);
+      emit(*record);
+    }
+  } catch (const mt::Error& e) {
+    std::fprintf(stderr, "%s: error: %s\n", program, e.what());
+    return 1;
+  }
+  return 0;
 }
 
 }  // namespace bench
