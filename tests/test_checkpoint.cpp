@@ -83,20 +83,7 @@ uint64_t header_length(const Bytes& file) {
   return n;
 }
 
-class Checkpoint : public ::testing::Test {
- protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("mixtape_test_checkpoint_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-
-  fs::path dir_;
-};
+class Checkpoint : public TestWithFolder {};
 
 // A model with its optimizer and fixed batches; `loss(i)` is the loss on batch i.
 struct Training {
