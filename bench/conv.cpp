@@ -5,7 +5,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -175,13 +174,7 @@ mt::json::Value conv_record(const std::string& name, const ConvWorkload& w, benc
 }  // namespace
 
 int main(int argc, char** argv) {
-  return bench::run_kernel_bench(
+  return bench::run_kernel_bench<ConvWorkload>(
       argc, argv, "bench_conv", kUsage,
-      "conv_<f32|bf16>_<fwd|dgrad|wgrad>_n<N>_c<C>_h<H>_o<O>_k<K>_s<S>",
-      [](const std::string& name, bench::Peaks& peaks,
-         const bench::TimingOptions& timing) -> std::optional<mt::json::Value> {
-        ConvWorkload conv;
-        if (!parse_conv(name, conv)) return std::nullopt;
-        return conv_record(name, conv, peaks, timing);
-      });
+      "conv_<f32|bf16>_<fwd|dgrad|wgrad>_n<N>_c<C>_h<H>_o<O>_k<K>_s<S>", parse_conv, conv_record);
 }

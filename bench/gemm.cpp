@@ -4,7 +4,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
-#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -153,14 +152,9 @@ mt::json::Value gemm_record(const std::string& name, const GemmWorkload& w, Peak
 }  // namespace
 
 int main(int argc, char** argv) {
-  return bench::run_kernel_bench(
+  return bench::run_kernel_bench<GemmWorkload>(
       argc, argv, "bench_gemm", kUsage,
       "gemm_<f32|bf16>_<N>, gemm_<f32|bf16>_<M>x<N>x<K>, with :native, :widened or :own for bf16, "
       ":ta, :tb, :b<B>",
-      [](const std::string& name, bench::Peaks& peaks,
-         const bench::TimingOptions& timing) -> std::optional<mt::json::Value> {
-        GemmWorkload gemm;
-        if (!parse_gemm(name, gemm)) return std::nullopt;
-        return gemm_record(name, gemm, peaks, timing);
-      });
+      parse_gemm, gemm_record);
 }

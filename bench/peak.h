@@ -13,7 +13,6 @@
 #include <cstdio>
 #include <fstream>
 #include <map>
-#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -264,22 +263,23 @@ inline mt::json::Value fma_peak_record(Peaks& peaks) {
 }
 
 /// The main() of a kernel bench (bench_gemm, bench_conv): each workload on the command line is
-/// "fma_peak" or one `record_of(name, peaks, timing)` measures; it returns nullopt for a name it
-/// does not know, an error that lists the names it does (`known`).
-template <typename RecordOf>
+/// "fma_peak" or a name `parse(name, workload)` reads, measured by
+/// `record(name, workload, peaks, timing)`; another name is an error that lists those it knows
+/// (`known`).
+template <typename Workload, typename Parse, typename Record>
 int run_kernel_bench(int argc, char** argv, const char* program, const char* usage,
-                     const char* known, RecordOf record_of) {
+                     const char* known, Parse parse, Record record) {
   CommandLine line = parse_command_line(argc, argv, program, usage);
   try {
     Peaks peaks;
     for (const std::string& name : line.workloads) {
-      if (name == "fma_peak") {
+      Workload workload;
+      if (name == "fma_peak")
         emit(fma_peak_record(peaks));
-        continue;
-      }
-      std::optional<mt::json::Value> record = record_of(name, peaks, line.timing);
-      if (!record) mt::fail("{}: unknown workload '{}' (fma_peak, {})", program, name, known);
-      emit(*record);
+      else if (parse(name, workload))
+        emit(record(name, workload, peaks, line.timing));
+      else
+        mt::fail("{}: unknown workload '{}' (fma_peak, {})", program, name, known);
     }
   } catch (const mt::Error& e) {
     std::fprintf(stderr, "%s: error: %s\n", program, e.what());
