@@ -174,24 +174,7 @@ mt::json::Value conv_record(const std::string& name, const ConvWorkload& w, benc
 }  // namespace
 
 int main(int argc, char** argv) {
-  bench::CommandLine line = bench::parse_command_line(argc, argv, "bench_conv", kUsage);
-  try {
-    bench::Peaks peaks;
-    for (const std::string& name : line.workloads) {
-      ConvWorkload conv;
-      if (name == "fma_peak")
-        bench::emit(bench::fma_peak_record(peaks));
-      else if (parse_conv(name, conv))
-        bench::emit(conv_record(name, conv, peaks, line.timing));
-      else
-        mt::fail(
-            "bench_conv: unknown workload '{}' (fma_peak, "
-            "conv_<f32|bf16>_<fwd|dgrad|wgrad>_n<N>_c<C>_h<H>_o<O>_k<K>_s<S>)",
-            name);
-    }
-  } catch (const mt::Error& e) {
-    std::fprintf(stderr, "bench_conv: error: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  return bench::run_kernel_bench<ConvWorkload>(
+      argc, argv, "bench_conv", kUsage,
+      "conv_<f32|bf16>_<fwd|dgrad|wgrad>_n<N>_c<C>_h<H>_o<O>_k<K>_s<S>", parse_conv, conv_record);
 }

@@ -152,26 +152,9 @@ mt::json::Value gemm_record(const std::string& name, const GemmWorkload& w, Peak
 }  // namespace
 
 int main(int argc, char** argv) {
-  bench::CommandLine line = bench::parse_command_line(argc, argv, "bench_gemm", kUsage);
-  try {
-    Peaks peaks;
-    for (const std::string& name : line.workloads) {
-      GemmWorkload gemm;
-      if (name == "fma_peak") {
-        bench::emit(bench::fma_peak_record(peaks));
-      } else if (parse_gemm(name, gemm)) {
-        bench::emit(gemm_record(name, gemm, peaks, line.timing));
-      } else {
-        mt::fail(
-            "bench_gemm: unknown workload '{}' (fma_peak, gemm_<f32|bf16>_<N>, "
-            "gemm_<f32|bf16>_<M>x<N>x<K>, with :native, :widened or :own for bf16, :ta, :tb, "
-            ":b<B>)",
-            name);
-      }
-    }
-  } catch (const mt::Error& e) {
-    std::fprintf(stderr, "bench_gemm: error: %s\n", e.what());
-    return 1;
-  }
-  return 0;
+  return bench::run_kernel_bench<GemmWorkload>(
+      argc, argv, "bench_gemm", kUsage,
+      "gemm_<f32|bf16>_<N>, gemm_<f32|bf16>_<M>x<N>x<K>, with :native, :widened or :own for bf16, "
+      ":ta, :tb, :b<B>",
+      parse_gemm, gemm_record);
 }

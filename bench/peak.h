@@ -10,6 +10,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <fstream>
 #include <map>
 #include <string>
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "bench/timing.h"
+#include "mixtape/dsl/error.h"
 #include "mixtape/runtime/cpu_features.h"
 
 namespace bench {
@@ -258,6 +260,32 @@ inline mt::json::Value fma_peak_record(Peaks& peaks) {
       {"machine_f32_gflops", peaks.machine_gflops("f32")},
       {"machine_avx512bf16_gflops", peaks.machine_gflops("avx512bf16")},
       {"machine_bf16_gflops", peaks.machine_gflops("bf16")}};
+}
+
+/// The main() of a kernel bench (bench_gemm, bench_conv): each workload on the command line is
+/// "fma_peak" or a name `parse(name, workload)` reads, measured by
+/// `record(name, workload, peaks, timing)`; another name is an error that lists those it knows
+/// (`known`).
+template <typename Workload, typename Parse, typename Record>
+int run_kernel_bench(int argc, char** argv, const char* program, const char* usage,
+                     const char* known, Parse parse, Record record) {
+  CommandLine line = parse_command_line(argc, argv, program, usage);
+  try {
+    Peaks peaks;
+    for (const std::string& name : line.workloads) {
+      Workload workload;
+      if (name == "fma_peak")
+        emit(fma_peak_record(peaks));
+      else if (parse(name, workload))
+        emit(record(name, workload, peaks, line.timing));
+      else
+        mt::fail("{}: unknown workload '{}' (fma_peak, {})", program, name, known);
+    }
+  } catch (const mt::Error& e) {
+    std::fprintf(stderr, "%s: error: %s\n", program, e.what());
+    return 1;
+  }
+  return 0;
 }
 
 }  // namespace bench

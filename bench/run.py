@@ -260,6 +260,17 @@ def summarize_training(name, precision, runs, errors):
     return entry
 
 
+def with_gflops_ratios(entry, errors, runs):
+    """A GEMM or convolution entry finished: mixtape's GFLOP/s over each peer's, the errors and
+    the runs."""
+    entry["ratio_vs_torch"] = ratio(entry["mixtape_gflops"], entry["torch_gflops"])
+    entry["ratio_vs_jax"] = ratio(entry["mixtape_gflops"], entry["jax_gflops"])
+    if errors:
+        entry["errors"] = errors
+    entry["runs"] = runs
+    return entry
+
+
 def summarize_gemm(name, runs, errors, peak):
     dtype, shape = common.gemm_shape(name)
     torch_best = best(runs, "torch")
@@ -287,12 +298,7 @@ def summarize_gemm(name, runs, errors, peak):
     }
     for system in ("mixtape", "torch", "jax"):
         entry[f"{system}_fraction_of_peak"] = ratio(entry[f"{system}_gflops"], peak_value)
-    entry["ratio_vs_torch"] = ratio(entry["mixtape_gflops"], entry["torch_gflops"])
-    entry["ratio_vs_jax"] = ratio(entry["mixtape_gflops"], entry["jax_gflops"])
-    if errors:
-        entry["errors"] = errors
-    entry["runs"] = runs
-    return entry
+    return with_gflops_ratios(entry, errors, runs)
 
 
 def peak_at(peak, dtype, threads):
@@ -335,12 +341,7 @@ def summarize_conv(name, runs, errors, peak, jax_threads):
         entry[f"{system}_fraction_of_peak"] = ratio(entry[f"{system}_gflops"], peaks[system])
     if mixtape_best:
         entry["mixtape_fraction_of_f32_fma_peak"] = mixtape_best.get("fraction_of_f32_fma_peak")
-    entry["ratio_vs_torch"] = ratio(entry["mixtape_gflops"], entry["torch_gflops"])
-    entry["ratio_vs_jax"] = ratio(entry["mixtape_gflops"], entry["jax_gflops"])
-    if errors:
-        entry["errors"] = errors
-    entry["runs"] = runs
-    return entry
+    return with_gflops_ratios(entry, errors, runs)
 
 
 def resnet18_conv_totals(workloads):

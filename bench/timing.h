@@ -290,6 +290,23 @@ inline std::unique_ptr<mt::TensorDataset> digits_training_set() {
   return std::make_unique<mt::TensorDataset>(std::move(pixels), mt::Shape{64}, std::move(labels));
 }
 
+/// A workload's training step: the optimizer's gradients zeroed, the loss
+/// `loss_of(*state, inputs, targets)` under `policy`'s autocast, backward, the optimizer's step.
+template <typename State, typename LossOf>
+auto autocast_train_step(std::shared_ptr<State> state, mt::PolicyPtr policy, LossOf loss_of) {
+  return [state, policy, loss_of](const mt::Tensor& inputs, const mt::Tensor& targets) {
+    state->optimizer->zero_grad();
+    mt::Tensor loss;
+    {
+      mt::autocast guard(policy);
+      loss = loss_of(*state, inputs, targets);
+    }
+    loss.backward();
+    state->optimizer->step();
+    return loss;
+  };
+}
+
 /// The MLP workload (bench_training, bench_gpu_training): 32 -> width x4 hidden (ReLU) -> 16,
 /// MSE, Adam 1e-3, on one batch of random inputs and targets made once and reused every step.
 inline Workload mlp_workload(int64_t width, int64_t batch, const mt::PolicyPtr& policy,
@@ -308,17 +325,10 @@ inline Workload mlp_workload(int64_t width, int64_t batch, const mt::PolicyPtr& 
   std::mt19937_64 rng(kSeed);
   state->inputs = random_normal({batch, 32}, rng);
   state->targets = random_normal({batch, 16}, rng);
-  auto train = [state, policy](const mt::Tensor& inputs, const mt::Tensor& targets) {
-    state->optimizer->zero_grad();
-    mt::Tensor loss;
-    {
-      mt::autocast guard(policy);
-      loss = mt::mse_loss((*state->net)(inputs), targets);
-    }
-    loss.backward();
-    state->optimizer->step();
-    return loss;
-  };
+  auto train = autocast_train_step(
+      state, policy, [](auto& s, const mt::Tensor& inputs, const mt::Tensor& targets) {
+        return mt::mse_loss((*s.net)(inputs), targets);
+      });
   auto next_batch = [state] { return std::pair(state->inputs, state->targets); };
   return make_workload(train, next_batch, compiled,
                        {{"width", width},

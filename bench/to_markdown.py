@@ -14,6 +14,11 @@ def cell(value, digits=None):
     return f"{value:,.{digits}f}"
 
 
+def with_note(value, note):
+    """A figure and, in brackets, what it ran with (threads, compile time); "–" where none."""
+    return f"{cell(value)} ({note})" if value else "–"
+
+
 def device(entry):
     backend = entry.get("mixtape_backend")
     if not backend:
@@ -76,10 +81,8 @@ def main():
     for key, e in doc["workloads"].items():
         if "precision" not in e:
             continue
-        torch = (f"{cell(e['torch_steps_per_s'])} ({e['torch_threads']})"
-                 if e["torch_steps_per_s"] else "–")
-        jax = (f"{cell(e['jax_steps_per_s'])} ({cell(e['jax_jit_compile_s'], 1)})"
-               if e["jax_steps_per_s"] else "–")
+        torch = with_note(e["torch_steps_per_s"], e["torch_threads"])
+        jax = with_note(e["jax_steps_per_s"], cell(e.get("jax_jit_compile_s"), 1))
         print(f"| {key} | {cell(e['mixtape_steps_per_s'])}{device(e)} | "
               f"{cell(e.get('mixtape_step_steps_per_s'))} | "
               f"{cell(e['mixtape_eager_steps_per_s'])} | "
@@ -122,10 +125,8 @@ def main():
               "| fraction | jax | fraction | mixtape / torch |")
         print("|---|---:|---:|---:|---:|---:|---:|---:|")
         for e in gemms:
-            mixtape = (f"{cell(e['mixtape_gflops'])} ({e['mixtape_threads']})"
-                       if e["mixtape_gflops"] else "–")
-            torch = (f"{cell(e['torch_gflops'])} ({e['torch_threads']})"
-                     if e["torch_gflops"] else "–")
+            mixtape = with_note(e["mixtape_gflops"], e["mixtape_threads"])
+            torch = with_note(e["torch_gflops"], e["torch_threads"])
             print(f"| {e['dtype']} {e['size']} | {mixtape} | {cell(e['mixtape_fraction_of_peak'])} "
                   f"| {torch} | {cell(e['torch_fraction_of_peak'])} | {cell(e['jax_gflops'])} "
                   f"| {cell(e['jax_fraction_of_peak'])} | {cell(e['ratio_vs_torch'])} |")

@@ -124,18 +124,11 @@ Workload digits_workload(const mt::PolicyPtr& policy, bool compiled, DigitsLoop 
   else
     state->optimizer = std::make_unique<mt::SGD>(state->net->parameters(),
                                                  mt::SGDOptions{.lr = 0.05, .momentum = 0.9});
-  auto train = [state, policy](const mt::Tensor& inputs, const mt::Tensor& targets) {
-    state->optimizer->zero_grad();
-    mt::Tensor loss;
-    {
-      mt::autocast guard(policy);
-      loss = mt::cross_entropy((*state->net)(inputs), targets,
-                               mt::CrossEntropyOptions{.label_smoothing = 0.2});
-    }
-    loss.backward();
-    state->optimizer->step();
-    return loss;
-  };
+  auto train = bench::autocast_train_step(
+      state, policy, [](auto& s, const mt::Tensor& inputs, const mt::Tensor& targets) {
+        return mt::cross_entropy((*s.net)(inputs), targets,
+                                 mt::CrossEntropyOptions{.label_smoothing = 0.2});
+      });
   // The input noise is drawn outside the step, so that a compiled step replays.
   auto next_batch = [state] {
     mt::Batch batch = state->loader->next();
@@ -210,17 +203,10 @@ Workload resnet18_workload(const mt::PolicyPtr& policy, bool compiled) {
   std::vector<int64_t> labels(kBatch);
   for (int64_t& l : labels) l = label(rng);
   state->targets = mt::tensor(labels, {kBatch});
-  auto train = [state, policy](const mt::Tensor& inputs, const mt::Tensor& targets) {
-    state->optimizer->zero_grad();
-    mt::Tensor loss;
-    {
-      mt::autocast guard(policy);
-      loss = mt::cross_entropy((*state->model)(inputs), targets);
-    }
-    loss.backward();
-    state->optimizer->step();
-    return loss;
-  };
+  auto train = bench::autocast_train_step(
+      state, policy, [](auto& s, const mt::Tensor& inputs, const mt::Tensor& targets) {
+        return mt::cross_entropy((*s.model)(inputs), targets);
+      });
   auto next_batch = [state] { return std::pair(state->inputs, state->targets); };
   return make_workload(train, next_batch, compiled,
                        {{"batch", kBatch},

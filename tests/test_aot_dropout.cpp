@@ -174,13 +174,21 @@ INSTANTIATE_TEST_SUITE_P(Models, AotDropoutStep,
                            return std::get<0>(info.param) + "_" + std::get<1>(info.param);
                          });
 
+// A trainer's step exported into a fresh folder named for `name`, and opened from there.
+struct ExportedModel {
+  std::string dir;
+  Table table;
+  Model model;
+  ExportedModel(Trainer& trainer, const std::string& name)
+      : dir(temp_dir(name)), table(trainer.export_to(dir, name)), model(dir, name, table) {}
+};
+
 // Trained in C and saved, loaded into C++ (another model, its generator elsewhere in the stream),
 // both go on alike; saved from C++ and loaded into a fresh artifact, both go on alike again.
 TEST(AotDropout, CheckpointsContinueTheStreamBothWays) {
   Trainer exporter("mlp", "fp32", 5, kDropoutSeed);
-  std::string dir = temp_dir("dropout_resume");
-  Table table(exporter.export_to(dir, "dropout_resume"));
-  Model c_side(dir, "dropout_resume", table);
+  ExportedModel exported(exporter, "dropout_resume");
+  auto& [dir, table, c_side] = exported;
   ASSERT_NE(c_side.m, nullptr);
   std::mt19937_64 g(3);
   for (int s = 0; s < 3; ++s) {
@@ -211,9 +219,8 @@ TEST(AotDropout, CheckpointsContinueTheStreamBothWays) {
 // generator's state, is refused with a code and words, and the model is left as it was.
 TEST(AotDropout, LoadRefusesAnotherSeedOrNoGeneratorState) {
   Trainer t("mlp", "fp32", 5, kDropoutSeed);
-  std::string dir = temp_dir("dropout_seed");
-  Table table(t.export_to(dir, "dropout_seed"));
-  Model model(dir, "dropout_seed", table);
+  ExportedModel exported(t, "dropout_seed");
+  auto& [dir, table, model] = exported;
   ASSERT_NE(model.m, nullptr);
   std::string before = dir + "_before.safetensors", after = dir + "_after.safetensors";
   std::string other_seed = dir + "_other_seed.safetensors", none = dir + "_none.safetensors";

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <optional>
 #include <thread>
 
 #include <stdlib.h>
@@ -406,6 +407,22 @@ std::vector<float> all_parameters(DigitsMLP& net) {
   return out;
 }
 
+// A training step of `net` under `opt` with the loss `loss_of(logits, labels)`, taken once on a
+// batch of 8 so that the optimizer holds state an export must leave as it was.
+template <typename Loss>
+auto sgd_step_taken_once(DigitsMLP& net, mt::SGD& opt, Loss loss_of) {
+  auto train_step = [&net, &opt, loss_of](const mt::Tensor& x, const mt::Tensor& y) {
+    opt.zero_grad();
+    mt::Tensor loss = loss_of(net(x), y);
+    loss.backward();
+    opt.step();
+    return loss;
+  };
+  mt::Generator g(9);
+  train_step(mt::randn({8, 64}, mt::f32, &g), mt::zeros({8}, mt::i64));
+  return train_step;
+}
+
 // export_step traces the step (two real training steps on zeros) before it checks the number of
 // outputs, the batch dependence and unnamed state (plan_to_json); it puts the state
 // back only after those passed. Such a failed export silently leaves the model trained two (or,
@@ -414,15 +431,9 @@ TEST(AotReviewState, FailedExportStepLeavesTheStateAsItWas) {
   mt::manual_seed(5);
   DigitsMLP net;
   mt::SGD opt(net.parameters(), {.lr = 0.5});
-  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
-    opt.zero_grad();
-    mt::Tensor loss = mt::cross_entropy(net(x), y);
-    loss.backward();
-    opt.step();
-    return loss;
-  };
-  mt::Generator g(9);
-  train_step(mt::randn({8, 64}, mt::f32, &g), mt::zeros({8}, mt::i64));
+  auto train_step = sgd_step_taken_once(
+      net, opt,
+      [](const mt::Tensor& logits, const mt::Tensor& y) { return mt::cross_entropy(logits, y); });
   std::vector<float> before = all_parameters(net);
   std::string dir = temp_dir("review_failed_step");
   mt::aot::Options o{.name = "train", .module = &net, .optimizer = &opt};
@@ -501,6 +512,8 @@ struct AdamStepArtifact {
   mt::Generator g{9};
   std::string dir;
   mt::aot::Exported exported;
+  std::optional<Table> table;  // the exported kernels, and the artifact opened with them
+  std::optional<Model> model;
   AdamStepArtifact(const std::string& what, double lr)
       : opt(net.parameters(), {.lr = lr}), dir(temp_dir(what)) {
     auto train_step = [this](const mt::Tensor& x, const mt::Tensor& y) {
@@ -515,8 +528,14 @@ struct AdamStepArtifact {
     exported = mt::aot::export_step(
         train_step, {mt::aot::input("x", {8, 64}, mt::f32), mt::aot::input("y", {8}, mt::i64)},
         {"loss"}, dir, o);
+    table.emplace(exported);
+    model.emplace(dir, "train", *table);
   }
-  ~AdamStepArtifact() { fs::remove_all(dir); }
+  ~AdamStepArtifact() {
+    model.reset();  // closed before its folder goes
+    table.reset();
+    fs::remove_all(dir);
+  }
 };
 
 // NAME_load read optimizer.steps with strtoll: "12abc" loaded as 12 and "abc" as 0 (resetting
@@ -524,12 +543,10 @@ struct AdamStepArtifact {
 TEST(AotReviewState, LoadRefusesAStepCountLoadCheckpointRefuses) {
   mt::manual_seed(5);
   AdamStepArtifact a("review_steps_text", 1e-3);
-  auto& [net, opt, g, dir, exported] = a;
-  Table table(exported);
-  Model model(dir, "train", table);
-  ASSERT_NE(model.m, nullptr);
+  auto& [net, opt, g, dir, exported, table, model] = a;
+  ASSERT_NE(model->m, nullptr);
   std::string path = dir + "/ck.safetensors";
-  ASSERT_EQ(mixtape_aot_save(model.m, path.c_str()), 0) << mixtape_aot_error(model.m);
+  ASSERT_EQ(mixtape_aot_save(model->m, path.c_str()), 0) << mixtape_aot_error(model->m);
   for (const char* text : {"12abc", "abc", "99999999999999999999999"}) {
     mt::safetensors::File file = mt::safetensors::read(path);
     for (auto& [key, value] : file.metadata)
@@ -537,7 +554,7 @@ TEST(AotReviewState, LoadRefusesAStepCountLoadCheckpointRefuses) {
     std::string bad = dir + "/bad.safetensors";
     mt::safetensors::write(bad, file);
     EXPECT_THROW(mt::load_checkpoint(bad, net, &opt), mt::Error) << text;
-    EXPECT_NE(mixtape_aot_load(model.m, bad.c_str()), 0) << "optimizer.steps = " << text;
+    EXPECT_NE(mixtape_aot_load(model->m, bad.c_str()), 0) << "optimizer.steps = " << text;
   }
 }
 
@@ -546,21 +563,19 @@ TEST(AotReviewState, LoadRefusesAStepCountLoadCheckpointRefuses) {
 TEST(AotReviewState, FailedStepLeavesTheStateAsItWas) {
   mt::manual_seed(5);
   AdamStepArtifact a("review_failed_run", 1e-2);
-  auto& [net, opt, g, dir, exported] = a;
-  Table table(exported);
-  Model model(dir, "train", table);
-  ASSERT_NE(model.m, nullptr);
+  auto& [net, opt, g, dir, exported, table, model] = a;
+  ASSERT_NE(model->m, nullptr);
   std::vector<float> x = mt::randn({8, 64}, mt::f32, &g).to_vector<float>();
   std::vector<int64_t> y(8, 3);
   float loss = 0;
   const void* in[] = {x.data(), y.data()};
   void* out[] = {&loss};
-  ASSERT_EQ(mixtape_aot_run(model.m, 8, in, out), 0) << mixtape_aot_error(model.m);
+  ASSERT_EQ(mixtape_aot_run(model->m, 8, in, out), 0) << mixtape_aot_error(model->m);
   std::string before = dir + "/before.safetensors", after = dir + "/after.safetensors";
-  ASSERT_EQ(mixtape_aot_save(model.m, before.c_str()), 0);
+  ASSERT_EQ(mixtape_aot_save(model->m, before.c_str()), 0);
   y[5] = 99;  // 10 classes
-  EXPECT_NE(mixtape_aot_run(model.m, 8, in, out), 0);
-  ASSERT_EQ(mixtape_aot_save(model.m, after.c_str()), 0);
+  EXPECT_NE(mixtape_aot_run(model->m, 8, in, out), 0);
+  ASSERT_EQ(mixtape_aot_save(model->m, after.c_str()), 0);
   expect_same_checkpoint(after, before);
 }
 
@@ -571,15 +586,10 @@ TEST(AotReviewState, DynamicBatchStepExportsOrRefusesCleanly) {
   mt::manual_seed(5);
   DigitsMLP net;
   mt::SGD opt(net.parameters(), {.lr = 0.5});
-  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
-    opt.zero_grad();
-    mt::Tensor loss = mt::sum(mt::cross_entropy(net(x), y, {.reduction = mt::Reduction::None}));
-    loss.backward();
-    opt.step();
-    return loss;
-  };
-  mt::Generator g(9);
-  train_step(mt::randn({8, 64}, mt::f32, &g), mt::zeros({8}, mt::i64));
+  auto train_step =
+      sgd_step_taken_once(net, opt, [](const mt::Tensor& logits, const mt::Tensor& y) {
+        return mt::sum(mt::cross_entropy(logits, y, {.reduction = mt::Reduction::None}));
+      });
   std::vector<float> before = all_parameters(net);
   std::string dir = temp_dir("review_dyn_step");
   mt::aot::Options o{

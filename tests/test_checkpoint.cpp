@@ -83,20 +83,7 @@ uint64_t header_length(const Bytes& file) {
   return n;
 }
 
-class Checkpoint : public ::testing::Test {
- protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("mixtape_test_checkpoint_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-
-  fs::path dir_;
-};
+class Checkpoint : public TestWithFolder {};
 
 // A model with its optimizer and fixed batches; `loss(i)` is the loss on batch i.
 struct Training {
@@ -112,38 +99,39 @@ struct Training {
   }
 };
 
+// `model` under AdamW with `options`, its loss on batch i `loss(i)`.
+Training adamw_run(std::unique_ptr<mt::Module> model, const mt::AdamOptions& options,
+                   std::function<mt::Tensor(int)> loss) {
+  Training run;
+  run.opt = std::make_unique<mt::AdamW>(model->parameters(), options);
+  run.model = std::move(model);
+  run.loss = std::move(loss);
+  return run;
+}
+
 Training mlp_run(uint64_t seed) {
   auto gen = std::make_shared<mt::Generator>(seed);
   auto mlp =
       std::make_unique<mt::MLP>(std::vector<int64_t>{4, 8, 3}, mt::Activation::Relu, gen.get());
   mt::MLP* net = mlp.get();
-  Training run;
-  run.opt = std::make_unique<mt::AdamW>(mlp->parameters(),
-                                        mt::AdamOptions{.lr = 0.05, .weight_decay = 0.1});
-  run.model = std::move(mlp);
-  run.loss = [net](int i) {
+  return adamw_run(std::move(mlp), {.lr = 0.05, .weight_decay = 0.1}, [net](int i) {
     mt::Generator data(1000 + static_cast<uint64_t>(i));  // batch i is the same in every run
     mt::Tensor x = mt::randn({5, 4}, mt::f32, &data);
     std::vector<int64_t> labels{i % 3, (i + 1) % 3, 2, 0, 1};
     return mt::cross_entropy((*net)(x), mt::tensor(labels, {5}));
-  };
-  return run;
+  });
 }
 
 Training transformer_run(uint64_t seed) {
   auto gen = std::make_shared<mt::Generator>(seed);
   auto block = std::make_unique<mt::TransformerBlock>(8, 2, 0.0, gen.get());
   mt::TransformerBlock* net = block.get();
-  Training run;
-  run.opt = std::make_unique<mt::AdamW>(block->parameters(), mt::AdamOptions{.lr = 0.01});
-  run.model = std::move(block);
-  run.loss = [net](int i) {
+  return adamw_run(std::move(block), {.lr = 0.01}, [net](int i) {
     mt::Generator data(2000 + static_cast<uint64_t>(i));
     mt::Tensor x = mt::randn({2, 3, 8}, mt::f32, &data);
     mt::Tensor target = mt::randn({2, 3, 8}, mt::f32, &data);
     return mt::mse_loss((*net)(x), target);
-  };
-  return run;
+  });
 }
 
 // A batch-normed MLP: its running statistics and batch count are buffers the checkpoint carries.
@@ -155,16 +143,12 @@ Training batch_norm_run(uint64_t seed) {
   net->append([](const mt::Tensor& x) { return mt::relu(x); });
   net->emplace_back<mt::Linear>(6, 3, true, gen.get());
   mt::Sequential* model = net.get();
-  Training run;
-  run.opt = std::make_unique<mt::AdamW>(net->parameters(), mt::AdamOptions{.lr = 0.05});
-  run.model = std::move(net);
-  run.loss = [model](int i) {
+  return adamw_run(std::move(net), {.lr = 0.05}, [model](int i) {
     mt::Generator data(3000 + static_cast<uint64_t>(i));
     mt::Tensor x = mt::randn({5, 4}, mt::f32, &data) + 0.5;
     std::vector<int64_t> labels{i % 3, (i + 1) % 3, 2, 0, 1};
     return mt::cross_entropy((*model)(x), mt::tensor(labels, {5}));
-  };
-  return run;
+  });
 }
 
 void check_resume(const std::function<Training(uint64_t)>& make, const std::string& file) {
@@ -273,12 +257,26 @@ TEST_F(Checkpoint, BatchNormBuffersResumeBitIdentically) {
   check_resume(batch_norm_run, path("batch_norm.safetensors"));
 }
 
-TEST_F(Checkpoint, OptimizerStateIsSavedUnderParameterPaths) {
-  Training run = mlp_run(1);
-  run.train(0, 2);
-  mt::save_checkpoint(path("c.safetensors"), *run.model, run.opt.get());
+// A run saved to `good` after two steps, that file's entries and metadata (to damage and save
+// again), and another run, one step in, to load the damaged files into.
+struct SavedRun {
+  Training source, target;
   mt::Metadata meta;
-  mt::NamedTensors entries = mt::load_tensors(path("c.safetensors"), &meta);
+  mt::NamedTensors entries;
+};
+SavedRun saved_run(const std::string& good) {
+  Training source = mlp_run(1);
+  source.train(0, 2);
+  mt::save_checkpoint(good, *source.model, source.opt.get());
+  mt::Metadata meta;
+  mt::NamedTensors entries = mt::load_tensors(good, &meta);
+  Training target = mlp_run(2);
+  target.train(0, 1);
+  return {std::move(source), std::move(target), std::move(meta), std::move(entries)};
+}
+
+TEST_F(Checkpoint, OptimizerStateIsSavedUnderParameterPaths) {
+  auto [run, target, meta, entries] = saved_run(path("c.safetensors"));
   std::vector<std::string> names;
   for (const auto& [name, tensor] : entries) names.push_back(name);
   std::vector<std::string> expected{"fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"};
@@ -432,14 +430,7 @@ TEST_F(Checkpoint, MismatchedModelsAreRejectedWithoutChanges) {
 }
 
 TEST_F(Checkpoint, OptimizerMismatchesAreRejectedWithoutChanges) {
-  Training source = mlp_run(1);
-  source.train(0, 2);
-  mt::save_checkpoint(path("adamw.safetensors"), *source.model, source.opt.get());
-  mt::Metadata meta;
-  mt::NamedTensors entries = mt::load_tensors(path("adamw.safetensors"), &meta);
-
-  Training target = mlp_run(2);
-  target.train(0, 1);
+  auto [source, target, meta, entries] = saved_run(path("adamw.safetensors"));
   {
     SCOPED_TRACE("optimizer state of the wrong shape");
     mt::NamedTensors bad = entries;
@@ -717,24 +708,6 @@ void save_with(const std::string& file, mt::NamedTensors entries, const mt::Meta
     }
   ASSERT_TRUE(found) << name;
   mt::save_tensors(file, entries, meta);
-}
-
-// A run saved to `good` after two steps, that file's entries and metadata (to damage and save
-// again), and another run, one step in, to load the damaged files into.
-struct SavedRun {
-  Training source, target;
-  mt::Metadata meta;
-  mt::NamedTensors entries;
-};
-SavedRun saved_run(const std::string& good) {
-  Training source = mlp_run(1);
-  source.train(0, 2);
-  mt::save_checkpoint(good, *source.model, source.opt.get());
-  mt::Metadata meta;
-  mt::NamedTensors entries = mt::load_tensors(good, &meta);
-  Training target = mlp_run(2);
-  target.train(0, 1);
-  return {std::move(source), std::move(target), std::move(meta), std::move(entries)};
 }
 
 TEST_F(Checkpoint, NegativeExpAvgSqIsRejectedWithoutChanges) {

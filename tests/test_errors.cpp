@@ -18,6 +18,7 @@
 
 #include <mixtape/mixtape.h>
 #include "mixtape/dsl/log.h"
+#include "tests/test_util.h"
 
 namespace mt = mixtape;
 namespace fs = std::filesystem;
@@ -848,23 +849,12 @@ std::vector<Case> grad_cases() {
 TEST(Errors, Grad) { run(grad_cases()); }
 
 // ---- runtime/checkpoint.h and dsl/data.h: the rows need files ----
-class ErrorsWithFiles : public ::testing::Test {
+class ErrorsWithFiles : public TestWithFolder {
  protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("mixtape_test_errors_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
   std::string write(const std::string& name, const std::string& contents) const {
     std::ofstream(path(name), std::ios::binary) << contents;
     return path(name);
   }
-
-  fs::path dir_;
 };
 
 TEST_F(ErrorsWithFiles, Checkpoint) {

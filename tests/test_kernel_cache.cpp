@@ -685,6 +685,13 @@ std::string directory_with_entry(const TemporaryDirectory& base, const std::stri
   return dir;
 }
 
+// A cache folder holding the entry "planted", with its key file, in a temporary folder.
+struct PlantedCache {
+  TemporaryDirectory base;
+  std::string key_file = base.path() + "/cache.key";
+  std::string dir = directory_with_entry(base, key_file);
+};
+
 // Constructs a cache on dir, expecting the disk refused with exactly one warning containing
 // `reason`; then a load of "planted" must miss.
 void expect_refused(const std::string& dir, const std::string& key_file,
@@ -716,26 +723,23 @@ TEST(KernelCacheTrust, TheDirectoryAndItsNewParentsAreCreatedPrivate) {
 // The attack: a folder everybody may write (1777, like /tmp), an entry planted in it.
 TEST(KernelCacheTrust, AGroupOrWorldWritableDirectoryIsRefused) {
   for (fs::perms mode : {fs::perms(01777), fs::perms(0777), fs::perms(0770), fs::perms(0702)}) {
-    TemporaryDirectory base;
-    std::string key_file = base.path() + "/cache.key";
-    std::string dir = directory_with_entry(base, key_file);
+    PlantedCache planted;
+    auto& [base, key_file, dir] = planted;
     fs::permissions(dir, mode);
     expect_refused(dir, key_file, "is refused (writable by group or others");
   }
 }
 
 TEST(KernelCacheTrust, ADirectoryOwnedByAnotherUserIsRefused) {
-  TemporaryDirectory base;
-  std::string key_file = base.path() + "/cache.key";
-  std::string dir = directory_with_entry(base, key_file);
+  PlantedCache planted;
+  auto& [base, key_file, dir] = planted;
   if (!give_to_nobody(dir)) GTEST_SKIP() << "chown to uid 65534 needs root";
   expect_refused(dir, key_file, "is refused (owned by uid 65534");
 }
 
 TEST(KernelCacheTrust, ADirectoryReachedThroughASymlinkIsRefused) {
-  TemporaryDirectory base;
-  std::string key_file = base.path() + "/cache.key";
-  std::string dir = directory_with_entry(base, key_file);
+  PlantedCache planted;
+  auto& [base, key_file, dir] = planted;
   std::string link = base.path() + "/link";
   fs::create_directory_symlink(dir, link);
   expect_refused(link, key_file, "(it is a symbolic link)");
@@ -772,9 +776,8 @@ TEST(KernelCacheTrust, AForgedEntryIsRejectedRecompiledAndOverwritten) {
 }
 
 TEST(KernelCacheTrust, EntriesThatAreLinksOrNotOursAreRefused) {
-  TemporaryDirectory base;
-  std::string key_file = base.path() + "/cache.key";
-  std::string dir = directory_with_entry(base, key_file);
+  PlantedCache planted;
+  auto& [base, key_file, dir] = planted;
   mt::KernelCache cache(options_for(dir, key_file));
   std::string path = cache.entry_path("planted");
   std::string elsewhere = base.path() + "/valid-entry";
@@ -811,9 +814,8 @@ int wait_or_kill(pid_t child, int seconds) {
 }
 
 TEST(KernelCacheTrust, AFifoAtAnEntryPathDoesNotHang) {
-  TemporaryDirectory base;
-  std::string key_file = base.path() + "/cache.key";
-  std::string dir = directory_with_entry(base, key_file);
+  PlantedCache planted;
+  auto& [base, key_file, dir] = planted;
   mt::KernelCache probe(options_for(dir, key_file));
   std::string path = probe.entry_path("planted");
   fs::remove(path);
@@ -832,9 +834,8 @@ TEST(KernelCacheTrust, AFifoAtAnEntryPathDoesNotHang) {
 }
 
 TEST(KernelCacheTrust, AnOversizedSparseEntryIsRejectedWithoutReadingIt) {
-  TemporaryDirectory base;
-  std::string key_file = base.path() + "/cache.key";
-  std::string dir = directory_with_entry(base, key_file);
+  PlantedCache planted;
+  auto& [base, key_file, dir] = planted;
   mt::KernelCache probe(options_for(dir, key_file));
   std::string path = probe.entry_path("planted");
   auto make_sparse = [&] {  // 2 GiB, nearly all a hole: no disk used

@@ -100,20 +100,7 @@ struct GptRun {
   }
 };
 
-class Resume : public ::testing::Test {
- protected:
-  void SetUp() override {
-    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
-    dir_ = fs::temp_directory_path() /
-           ("mixtape_test_resume_" + std::to_string(::getpid()) + "_" + info->name());
-    fs::remove_all(dir_);
-    fs::create_directories(dir_);
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-  std::string path(const std::string& name) const { return (dir_ / name).string(); }
-
-  fs::path dir_;
-};
+class Resume : public TestWithFolder {};
 
 // The losses of every step and the final checkpoint's bytes of a run never stopped.
 struct Reference {

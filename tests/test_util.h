@@ -7,10 +7,29 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <filesystem>
 #include <string>
 #include <vector>
 
 #include "mixtape/dsl/error.h"
+
+/// A fixture whose every test has a fresh folder of its own, removed after it; path(name) names
+/// a file in it.
+class TestWithFolder : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    dir_ = std::filesystem::temp_directory_path() /
+           ("mixtape_test_" + std::string(info->test_suite_name()) + "_" +
+            std::to_string(::getpid()) + "_" + info->name());
+    std::filesystem::remove_all(dir_);
+    std::filesystem::create_directories(dir_);
+  }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+  std::string path(const std::string& name) const { return (dir_ / name).string(); }
+
+  std::filesystem::path dir_;
+};
 
 /// Expects `statement` to throw mt::Error whose message contains every given fragment.
 #define EXPECT_MT_ERROR(statement, ...)                                         \

@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "mixtape/dist/dist.h"
+#include "mixtape/dist/gradient_slots.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/ops.h"
@@ -183,14 +184,8 @@ void DataParallel::average(LeafGradients& gradients) {
     if (owners[p] && gradient_sharded(owners[p].get())) owners[p].reset();
     if (owners[p]) param_of.emplace(owners[p].get(), p);
   }
-  std::vector<size_t> slot(params_.size(), SIZE_MAX);
-  bool any = false;
-  for (size_t i = 0; i < gradients.size(); ++i)
-    if (auto found = param_of.find(gradients[i].first.get()); found != param_of.end()) {
-      slot[found->second] = i;
-      any = true;
-    }
-  if (!any) return;
+  std::vector<size_t> slot = gradient_slots(gradients, param_of, params_.size());
+  if (slot.empty()) return;
   NoGradGuard no_grad;
   NoPolicy no_policy;
   for (size_t p = 0; p < params_.size(); ++p) {

@@ -6,6 +6,7 @@
 #include <string>
 #include <unordered_map>
 
+#include "mixtape/dist/gradient_slots.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/ops.h"
@@ -153,16 +154,10 @@ void ZeroShards::assemble(const std::vector<size_t>& updated,
 void ZeroShards::reduce(LeafGradients& gradients) const {
   std::unordered_map<const TensorImpl*, size_t> index;
   for (size_t i = 0; i < owners_.size(); ++i) index.emplace(owners_[i], i);
-  std::vector<size_t> slot(params_.size(), SIZE_MAX);
-  bool any = false;
-  for (size_t k = 0; k < gradients.size(); ++k)
-    if (auto found = index.find(gradients[k].first.get()); found != index.end()) {
-      slot[found->second] = k;
-      any = true;
-    }
+  std::vector<size_t> slot = gradient_slots(gradients, index, params_.size());
   // As dist::DataParallel: a backward that reached none of them reduces nothing; one that
   // reached some gives the others zeros, so every process's flat buffers hold the same layout.
-  if (!any) return;
+  if (slot.empty()) return;
   NoGradGuard no_grad;
   std::vector<DType> grad_types(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {

@@ -569,45 +569,62 @@ Tensor stack(const std::vector<Tensor>& xs, int64_t axis, const Loc& loc) {
   return concat(expanded, a, loc);
 }
 
+namespace {
+// What the index ops check first: the inputs (`source` where the op has one), an integer index
+// and a data tensor of at least one dimension, the axis in range.
+struct IndexedInputs {
+  const NodePtr& node;
+  const NodePtr& index;
+  const Shape& shape;
+  int64_t axis;
+};
+IndexedInputs indexed_inputs(const char* op, const char* role, const Tensor& data,
+                             const Tensor& index, const Tensor* source, int64_t axis,
+                             const Loc& loc) {
+  const NodePtr& node = input(data, op, loc, role);
+  const NodePtr& idx = input(index, op, loc, "index");
+  if (source) input(*source, op, loc, "source");
+  check_index_dtype(op, index, loc);
+  if (node->shape.empty()) op_fail(op, loc, "cannot index a 0-d tensor");
+  return {node, idx, node->shape, axis_or_fail(axis, node->shape.size(), op, loc)};
+}
+
+// The shape of index_select's result: `data`'s with dimension `axis` replaced by `index`'s.
+Shape selected_shape(const Shape& data, const Shape& index, int64_t axis) {
+  Shape out(data.begin(), data.begin() + axis);
+  out.insert(out.end(), index.begin(), index.end());
+  out.insert(out.end(), data.begin() + axis + 1, data.end());
+  return out;
+}
+}  // namespace
+
 Tensor index_select(const Tensor& x, const Tensor& index, int64_t axis, const Loc& loc) {
-  const NodePtr& node = input(x, "index_select", loc);
-  const NodePtr& idx = input(index, "index_select", loc, "index");
-  check_index_dtype("index_select", index, loc);
-  if (node->shape.empty()) op_fail("index_select", loc, "cannot index a 0-d tensor");
-  int64_t a = axis_or_fail(axis, node->shape.size(), "index_select", loc);
-  Shape out(node->shape.begin(), node->shape.begin() + a);
-  out.insert(out.end(), idx->shape.begin(), idx->shape.end());
-  out.insert(out.end(), node->shape.begin() + a + 1, node->shape.end());
+  auto [node, idx, shape, a] =
+      indexed_inputs("index_select", "input", x, index, nullptr, axis, loc);
+  Shape out = selected_shape(shape, idx->shape, a);
   Attrs attrs;
   attrs.axis = a;
   return Tensor(make_node(OpCode::IndexSelect, node->dtype, std::move(out), node_list(node, idx),
                           std::move(attrs), loc));
 }
 
-Tensor index_add(const Tensor& base, const Tensor& index, const Tensor& source, int64_t axis,
-                 const Loc& loc) {
-  input(base, "index_add", loc, "base");
-  const NodePtr& idx = input(index, "index_add", loc, "index");
-  input(source, "index_add", loc, "source");
-  check_index_dtype("index_add", index, loc);
-  const Shape& bs = base.shape();
-  if (bs.empty()) op_fail("index_add", loc, "cannot index a 0-d tensor");
-  int64_t a = axis_or_fail(axis, bs.size(), "index_add", loc);
-  Shape expected(bs.begin(), bs.begin() + a);
-  expected.insert(expected.end(), idx->shape.begin(), idx->shape.end());
-  expected.insert(expected.end(), bs.begin() + a + 1, bs.end());
-  if (source.shape() != expected)
-    op_fail("index_add", loc, "source shape {} should be {} for base {} and index {}",
-            to_string(source.shape()), to_string(expected), to_string(bs), to_string(idx->shape));
+namespace {
+// index_add and scatter_add: `source` is added into a copy of `base` at the places `index`
+// names along `axis`. `expected_source` gives the shape the source must have (or fails).
+template <typename ExpectedSource>
+Tensor indexed_add(OpCode code, const char* op, const Tensor& base, const Tensor& index,
+                   const Tensor& source, int64_t axis, const Loc& loc,
+                   ExpectedSource expected_source) {
+  auto [node, idx, bs, a] = indexed_inputs(op, "base", base, index, &source, axis, loc);
+  Shape expected = expected_source(bs, idx->shape, a);
   DType t = promote(base.dtype(), source.dtype());
   Attrs attrs;
   attrs.axis = a;
-  return Tensor(make_node(OpCode::IndexAdd, t, bs,
+  return Tensor(make_node(code, t, bs,
                           {conform(base, t, bs, loc), idx, conform(source, t, expected, loc)},
                           std::move(attrs), loc));
 }
 
-namespace {
 void check_gather_index(const char* op, const Shape& data, const Shape& index, int64_t axis,
                         const Loc& loc) {
   bool ok = data.size() == index.size();
@@ -619,12 +636,21 @@ void check_gather_index(const char* op, const Shape& data, const Shape& index, i
 }
 }  // namespace
 
+Tensor index_add(const Tensor& base, const Tensor& index, const Tensor& source, int64_t axis,
+                 const Loc& loc) {
+  return indexed_add(
+      OpCode::IndexAdd, "index_add", base, index, source, axis, loc,
+      [&](const Shape& bs, const Shape& idx, int64_t a) {
+        Shape expected = selected_shape(bs, idx, a);
+        if (source.shape() != expected)
+          op_fail("index_add", loc, "source shape {} should be {} for base {} and index {}",
+                  to_string(source.shape()), to_string(expected), to_string(bs), to_string(idx));
+        return expected;
+      });
+}
+
 Tensor gather(const Tensor& x, const Tensor& index, int64_t axis, const Loc& loc) {
-  const NodePtr& node = input(x, "gather", loc);
-  const NodePtr& idx = input(index, "gather", loc, "index");
-  check_index_dtype("gather", index, loc);
-  if (node->shape.empty()) op_fail("gather", loc, "cannot index a 0-d tensor");
-  int64_t a = axis_or_fail(axis, node->shape.size(), "gather", loc);
+  auto [node, idx, shape, a] = indexed_inputs("gather", "input", x, index, nullptr, axis, loc);
   check_gather_index("gather", node->shape, idx->shape, a, loc);
   Attrs attrs;
   attrs.axis = a;
@@ -634,35 +660,20 @@ Tensor gather(const Tensor& x, const Tensor& index, int64_t axis, const Loc& loc
 
 Tensor scatter_add(const Tensor& base, const Tensor& index, const Tensor& source, int64_t axis,
                    const Loc& loc) {
-  input(base, "scatter_add", loc, "base");
-  const NodePtr& idx = input(index, "scatter_add", loc, "index");
-  input(source, "scatter_add", loc, "source");
-  check_index_dtype("scatter_add", index, loc);
-  const Shape& bs = base.shape();
-  if (bs.empty()) op_fail("scatter_add", loc, "cannot index a 0-d tensor");
-  int64_t a = axis_or_fail(axis, bs.size(), "scatter_add", loc);
-  check_gather_index("scatter_add", bs, idx->shape, a, loc);
-  if (source.shape() != idx->shape)
-    op_fail("scatter_add", loc, "source shape {} must equal index shape {}",
-            to_string(source.shape()), to_string(idx->shape));
-  DType t = promote(base.dtype(), source.dtype());
-  Attrs attrs;
-  attrs.axis = a;
-  return Tensor(make_node(OpCode::ScatterAdd, t, bs,
-                          {conform(base, t, bs, loc), idx, conform(source, t, idx->shape, loc)},
-                          std::move(attrs), loc));
+  return indexed_add(OpCode::ScatterAdd, "scatter_add", base, index, source, axis, loc,
+                     [&](const Shape& bs, const Shape& idx, int64_t a) {
+                       check_gather_index("scatter_add", bs, idx, a, loc);
+                       if (source.shape() != idx)
+                         op_fail("scatter_add", loc, "source shape {} must equal index shape {}",
+                                 to_string(source.shape()), to_string(idx));
+                       return idx;
+                     });
 }
 
 Tensor scatter(const Tensor& x, int64_t dim, const Tensor& index, const Tensor& src,
                const Loc& loc) {
   CallSiteScope site(loc);
-  input(x, "scatter", loc);
-  const NodePtr& idx = input(index, "scatter", loc, "index");
-  input(src, "scatter", loc, "source");
-  check_index_dtype("scatter", index, loc);
-  const Shape& bs = x.shape();
-  if (bs.empty()) op_fail("scatter", loc, "cannot index a 0-d tensor");
-  int64_t a = axis_or_fail(dim, bs.size(), "scatter", loc);
+  auto [node, idx, bs, a] = indexed_inputs("scatter", "input", x, index, &src, dim, loc);
   check_gather_index("scatter", bs, idx->shape, a, loc);
   // As PyTorch's: the source may be larger than the index; the part the index covers is written.
   bool covers = src.dim() == static_cast<int64_t>(idx->shape.size());

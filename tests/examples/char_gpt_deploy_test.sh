@@ -9,15 +9,8 @@ bin="$1" source="$2" sanitize="${3:-OFF}"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 cc="${CC:-cc}"
-cflags="-std=c11 -O2 -Wall -Wextra -Werror"
-# The sanitizer build's artifact carries an instrumented runtime (its .pc adds the sanitizer
-# link flags); the program is instrumented too, so ASan checks it as well.
-if [[ "$sanitize" == ON || "$sanitize" == 1 || "$sanitize" == TRUE ]]; then
-  cflags+=" -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
-fi
-
-fail() { echo "FAIL: $*"; exit 1; }
-ok() { echo "ok: $*"; }
+source "$(dirname "$0")/checks.sh"
+cflags=$(deploy_cflags "$sanitize" "-std=c11 -O2 -Wall -Wextra -Werror")
 
 # ---- train a small model, generate greedily, export ----
 prompt="The "

@@ -14,15 +14,8 @@ trap 'rm -rf "$work"' EXIT
 data="$source/examples/data/digits.csv.gz"
 deploy="$source/examples/deploy"
 cc="${CC:-cc}"
-cflags="-O2 -Wall -Wextra -Werror"
-# The sanitizer build's artifacts carry an instrumented runtime (their .pc and CMake files add
-# the sanitizer link flags); the C programs are instrumented too, so ASan checks them as well.
-if [[ "$sanitize" == ON || "$sanitize" == 1 || "$sanitize" == TRUE ]]; then
-  cflags+=" -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
-fi
-
-fail() { echo "FAIL: $*"; exit 1; }
-ok() { echo "ok: $*"; }
+source "$(dirname "$0")/checks.sh"
+cflags=$(deploy_cflags "$sanitize" "-O2 -Wall -Wextra -Werror")
 
 # ---- export ----
 "$bin" --steps 400 --seed 0 --export "$work/export" --json > "$work/export.txt"

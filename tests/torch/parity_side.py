@@ -5,41 +5,7 @@ t0 = time.time()
 from torch_side import *  # exits 77 when torch does not import
 t_import = time.time() - t0
 
-# torchvision's ResNet-18 (torchvision is not installed): the same layout and state_dict names.
-class BasicBlock(nn.Module):
-    def __init__(self, cin, cout, stride):
-        super().__init__()
-        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
-        self.bn1 = nn.BatchNorm2d(cout)
-        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
-        self.bn2 = nn.BatchNorm2d(cout)
-        self.downsample = None
-        if stride != 1 or cin != cout:
-            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
-                                            nn.BatchNorm2d(cout))
-    def forward(self, x):
-        identity = x if self.downsample is None else self.downsample(x)
-        y = F.relu(self.bn1(self.conv1(x)))
-        return F.relu(self.bn2(self.conv2(y)) + identity)
-
-class ResNet18(nn.Module):
-    def __init__(self, classes):
-        super().__init__()
-        self.conv1 = nn.Conv2d(3, 64, 7, 2, 3, bias=False)
-        self.bn1 = nn.BatchNorm2d(64)
-        cin = 64
-        for s in range(4):
-            cout = 64 << s
-            setattr(self, 'layer%d' % (s + 1),
-                    nn.Sequential(BasicBlock(cin, cout, 1 if s == 0 else 2),
-                                  BasicBlock(cout, cout, 1)))
-            cin = cout
-        self.fc = nn.Linear(512, classes)
-    def forward(self, x):
-        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 3, 2, 1)
-        for s in range(4):
-            x = getattr(self, 'layer%d' % (s + 1))(x)
-        return self.fc(torch.flatten(F.adaptive_avg_pool2d(x, 1), 1))
+from torch_resnet import BasicBlock, ResNet18  # torchvision's layout and state_dict names
 
 def run_resnet(d, m, _):
     torch.manual_seed(int(m['seed']))
@@ -139,27 +105,31 @@ def run_block(d, m, params):
     return {'loss': loss, 'output': out, 'grad.input': x.grad, **grads(model)}
 
 # Neither is in torch 1.13: lucidrains' lion-pytorch and transformers' Adafactor, as written
-# there (Adafactor without the half-precision copies: every case is f32).
-class Lion(torch.optim.Optimizer):
-    def __init__(self, params, lr, betas, weight_decay):
-        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+# there (Adafactor without the half-precision copies: every case is f32), their per-parameter
+# update under one step loop.
+class PerParameterOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
             for p in group['params']:
-                if p.grad is None:
-                    continue
-                grad, lr, wd, state = p.grad, group['lr'], group['weight_decay'], self.state[p]
-                beta1, beta2 = group['betas']
-                if len(state) == 0:
-                    state['exp_avg'] = torch.zeros_like(p)
-                exp_avg = state['exp_avg']
-                p.data.mul_(1 - lr * wd)
-                update = exp_avg.clone().mul_(beta1).add(grad, alpha=1 - beta1).sign_()
-                p.add_(update, alpha=-lr)
-                exp_avg.mul_(beta2).add_(grad, alpha=1 - beta2)
+                if p.grad is not None:
+                    self.update(group, p)
 
-class Adafactor(torch.optim.Optimizer):
+class Lion(PerParameterOptimizer):
+    def __init__(self, params, lr, betas, weight_decay):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+    def update(self, group, p):
+        grad, lr, wd, state = p.grad, group['lr'], group['weight_decay'], self.state[p]
+        beta1, beta2 = group['betas']
+        if len(state) == 0:
+            state['exp_avg'] = torch.zeros_like(p)
+        exp_avg = state['exp_avg']
+        p.data.mul_(1 - lr * wd)
+        update = exp_avg.clone().mul_(beta1).add(grad, alpha=1 - beta1).sign_()
+        p.add_(update, alpha=-lr)
+        exp_avg.mul_(beta2).add_(grad, alpha=1 - beta2)
+
+class Adafactor(PerParameterOptimizer):
     def __init__(self, params, lr=None, eps=(1e-30, 1e-3), clip_threshold=1.0, decay_rate=-0.8,
                  beta1=None, weight_decay=0.0, scale_parameter=True, relative_step=True,
                  warmup_init=False):
@@ -185,53 +155,48 @@ class Adafactor(torch.optim.Optimizer):
         r_factor = (exp_avg_sq_row / exp_avg_sq_row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
         c_factor = exp_avg_sq_col.unsqueeze(-2).rsqrt()
         return torch.mul(r_factor, c_factor)
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            for p in group['params']:
-                if p.grad is None:
-                    continue
-                grad = p.grad
-                state = self.state[p]
-                grad_shape = grad.shape
-                factored = len(grad_shape) >= 2
-                use_first_moment = group['beta1'] is not None
-                if len(state) == 0:
-                    state['step'] = 0
-                    if use_first_moment:
-                        state['exp_avg'] = torch.zeros_like(grad)
-                    if factored:
-                        state['exp_avg_sq_row'] = torch.zeros(grad_shape[:-1]).to(grad)
-                        state['exp_avg_sq_col'] = torch.zeros(grad_shape[:-2] + grad_shape[-1:]).to(grad)
-                    else:
-                        state['exp_avg_sq'] = torch.zeros_like(grad)
-                    state['RMS'] = 0
-                p_data_fp32 = p
-                state['step'] += 1
-                state['RMS'] = self._rms(p_data_fp32)
-                lr = self._get_lr(group, state)
-                beta2t = 1.0 - math.pow(state['step'], group['decay_rate'])
-                update = (grad**2) + group['eps'][0]
-                if factored:
-                    exp_avg_sq_row = state['exp_avg_sq_row']
-                    exp_avg_sq_col = state['exp_avg_sq_col']
-                    exp_avg_sq_row.mul_(beta2t).add_(update.mean(dim=-1), alpha=(1.0 - beta2t))
-                    exp_avg_sq_col.mul_(beta2t).add_(update.mean(dim=-2), alpha=(1.0 - beta2t))
-                    update = self._approx_sq_grad(exp_avg_sq_row, exp_avg_sq_col)
-                    update.mul_(grad)
-                else:
-                    exp_avg_sq = state['exp_avg_sq']
-                    exp_avg_sq.mul_(beta2t).add_(update, alpha=(1.0 - beta2t))
-                    update = exp_avg_sq.rsqrt().mul_(grad)
-                update.div_((self._rms(update) / group['clip_threshold']).clamp_(min=1.0))
-                update.mul_(lr)
-                if use_first_moment:
-                    exp_avg = state['exp_avg']
-                    exp_avg.mul_(group['beta1']).add_(update, alpha=(1 - group['beta1']))
-                    update = exp_avg
-                if group['weight_decay'] != 0:
-                    p_data_fp32.add_(p_data_fp32, alpha=(-group['weight_decay'] * lr))
-                p_data_fp32.add_(-update)
+    def update(self, group, p):
+        grad = p.grad
+        state = self.state[p]
+        grad_shape = grad.shape
+        factored = len(grad_shape) >= 2
+        use_first_moment = group['beta1'] is not None
+        if len(state) == 0:
+            state['step'] = 0
+            if use_first_moment:
+                state['exp_avg'] = torch.zeros_like(grad)
+            if factored:
+                state['exp_avg_sq_row'] = torch.zeros(grad_shape[:-1]).to(grad)
+                state['exp_avg_sq_col'] = torch.zeros(grad_shape[:-2] + grad_shape[-1:]).to(grad)
+            else:
+                state['exp_avg_sq'] = torch.zeros_like(grad)
+            state['RMS'] = 0
+        p_data_fp32 = p
+        state['step'] += 1
+        state['RMS'] = self._rms(p_data_fp32)
+        lr = self._get_lr(group, state)
+        beta2t = 1.0 - math.pow(state['step'], group['decay_rate'])
+        update = (grad**2) + group['eps'][0]
+        if factored:
+            exp_avg_sq_row = state['exp_avg_sq_row']
+            exp_avg_sq_col = state['exp_avg_sq_col']
+            exp_avg_sq_row.mul_(beta2t).add_(update.mean(dim=-1), alpha=(1.0 - beta2t))
+            exp_avg_sq_col.mul_(beta2t).add_(update.mean(dim=-2), alpha=(1.0 - beta2t))
+            update = self._approx_sq_grad(exp_avg_sq_row, exp_avg_sq_col)
+            update.mul_(grad)
+        else:
+            exp_avg_sq = state['exp_avg_sq']
+            exp_avg_sq.mul_(beta2t).add_(update, alpha=(1.0 - beta2t))
+            update = exp_avg_sq.rsqrt().mul_(grad)
+        update.div_((self._rms(update) / group['clip_threshold']).clamp_(min=1.0))
+        update.mul_(lr)
+        if use_first_moment:
+            exp_avg = state['exp_avg']
+            exp_avg.mul_(group['beta1']).add_(update, alpha=(1 - group['beta1']))
+            update = exp_avg
+        if group['weight_decay'] != 0:
+            p_data_fp32.add_(p_data_fp32, alpha=(-group['weight_decay'] * lr))
+        p_data_fp32.add_(-update)
 
 def make_optimizer(m, params):
     f = lambda k: float(m[k])
