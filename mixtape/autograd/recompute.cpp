@@ -1,6 +1,8 @@
 // mixtape/autograd/recompute.cpp -- cloning checkpointed forward subgraphs for the backward pass.
 #include "mixtape/autograd/recompute.h"
 
+#include <algorithm>
+#include <optional>
 #include <utility>
 
 #include "mixtape/dsl/activation_checkpointing.h"
