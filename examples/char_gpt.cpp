@@ -37,6 +37,7 @@ struct Options : examples::TrainingFlags {
   double weight_decay = 0.1;
   double clip = 1.0;
   std::string schedule = "cosine";  // or "constant"
+  bool checkpoint = false;          // --checkpoint: recompute each block's activations
   int64_t warmup = -1;              // default: min(100, steps / 10)
   int64_t eval_every = -1;          // default: steps / 10
   int64_t eval_batches = 10;
@@ -94,6 +95,9 @@ Options parse(int argc, char** argv) {
   app.add_option("--prompt", o.prompt, "text the sample starts from")
       ->check(CLI::Validator(
           [](std::string& text) { return text.empty() ? "must not be empty" : ""; }, ""));
+  app.add_flag("--checkpoint", o.checkpoint,
+               "activation checkpointing of every transformer block: backward recomputes their "
+               "activations instead of keeping them");
   app.add_option("--export", o.export_dir, "export the trained model as a C library into DIR")
       ->type_name("DIR");
   examples::add_distributed(app, o.distributed);
@@ -204,6 +208,7 @@ int run(const Options& o) {
   config.vocab = vocab.size();
   mt::Generator init_generator(o.seed);
   CharGpt model(config, &init_generator);
+  if (o.checkpoint) mt::checkpoint("blocks.*");
   // --distributed: every process trains on its share of each batch (its own windows of the
   // same shuffled order), gradients averaged; rank 0 alone prints.
   std::optional<mt::dist::DataParallel> data_parallel;
@@ -352,6 +357,7 @@ int run(const Options& o) {
                               {"context", config.context},
                               {"vocab", config.vocab},
                               {"parameters", parameter_count},
+                              {"checkpoint", o.checkpoint},
                               {"train_seconds", train_seconds}};
   examples::print_json_line(std::move(line), scaler, o.compile, compiled_step.stats(),
                             o.distributed);

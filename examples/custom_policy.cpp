@@ -160,7 +160,8 @@ int run(int64_t steps, const std::string& logdir) {
                               {"final_loss", final_loss},
                               {"loss_decreased", final_loss < first_loss},
                               {"test_accuracy", accuracy},
-                              {"storage", std::move(storage)}};
+                              {"storage", std::move(storage)},
+                              {"peak_bytes", mt::execution_stats().memory_peak_bytes}};
   std::printf("%s\n", line.dump().c_str());
   return 0;
 }

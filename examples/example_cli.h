@@ -142,6 +142,8 @@ void print_json_line(nlohmann::ordered_json line, const mt::GradScaler& scaler, 
   line["skipped_steps"] = scaler.skipped_steps();
   line["step"] = compiled ? "compiled" : "traced";
   line["replayed_steps"] = stats.replays;
+  // The process's measured memory high-water mark (host values and workspace, plus device).
+  line["peak_bytes"] = mt::execution_stats().memory_peak_bytes;
   if (distributed) line["world_size"] = static_cast<int64_t>(mt::dist::world_size());
   std::printf("%s\n", line.dump().c_str());
 }

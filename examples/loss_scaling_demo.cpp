@@ -174,8 +174,10 @@ int main(int argc, char** argv) {
                            {"skipped_steps", r.skipped_steps},
                            {"final_scale", r.final_scale}});
     }
-    nlohmann::ordered_json line{
-        {"example", "loss_scaling_demo"}, {"steps", steps}, {"runs", std::move(json_runs)}};
+    nlohmann::ordered_json line{{"example", "loss_scaling_demo"},
+                                {"steps", steps},
+                                {"runs", std::move(json_runs)},
+                                {"peak_bytes", mt::execution_stats().memory_peak_bytes}};
     std::printf("%s\n", line.dump().c_str());
     return 0;
   } catch (const mt::Error& e) {

@@ -5,6 +5,7 @@
 #include "mixtape/dist/checkpoint.h"
 #include "mixtape/dist/dist.h"
 #include "mixtape/dist/zero.h"
+#include "mixtape/dsl/activation_checkpointing.h"
 #include "mixtape/dsl/attention.h"
 #include "mixtape/dsl/conv.h"
 #include "mixtape/dsl/conv_layers.h"

@@ -7,7 +7,9 @@
 #include <unordered_map>
 
 #include "mixtape/autograd/grad.h"
+#include "mixtape/autograd/recompute.h"
 #include "mixtape/autograd/vjp.h"
+#include "mixtape/dsl/activation_checkpointing.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/ops.h"
 #include "mixtape/dsl/orphan_parameters.h"
@@ -213,6 +215,8 @@ std::vector<std::pair<const Node*, Tensor>> backpropagate(const std::vector<Node
   WalkMarks marks;
   std::vector<NodePtr> tape = tape_in_reverse(roots, marks);
   Terms grads(marks);
+  std::optional<Recomputation> recompute;
+  if (checkpoint_globs()) recompute.emplace();
   // Only nodes on the tape get a slot, so `of` never reallocates: the terms combine() returns
   // stay where they are while the vjp's contributions go into other slots.
   grads.of.reserve(tape.size());
@@ -224,7 +228,9 @@ std::vector<std::pair<const Node*, Tensor>> backpropagate(const std::vector<Node
     TermList* terms = grads.find(*node);
     if (!terms) continue;
     BackwardScope scope(*node);
-    std::vector<Tensor> input_grads = vjp(node, combine(*terms));
+    // The rule reads the node, or its recomputation where the node's module is checkpointed.
+    std::vector<Tensor> input_grads =
+        vjp(recompute ? recompute->for_vjp(node) : node, combine(*terms));
     for (size_t i = 0; i < input_grads.size() && i < node->inputs.size(); ++i)
       if (input_grads[i].defined() && node->inputs[i]->requires_grad)
         accumulate(grads, node->inputs[i], std::move(input_grads[i]));

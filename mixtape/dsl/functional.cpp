@@ -61,22 +61,28 @@ Tensor stable_shift(const Tensor& x, const std::vector<int64_t>& axes, const Loc
 // exp(x - max) and the broadcast row sums for the backward pass, and take more passes over them.
 // Without a gradient to take they are the composites alone. A mask is applied inside (-inf where
 // it is false), so that the masked scores are not kept either; masked places get a zero
-// gradient, as where()'s would give them.
+// gradient, as where()'s would give them. The mask is an input of the op rather than a value
+// the vjp captures, so that in a checkpointed module (autograd/recompute.h) the vjp reads the
+// recomputed mask, as it reads the recomputed output: the graph around the recomputation is then
+// the forward pass's, and so are its kernels and bits.
 Tensor softmax_of(const Tensor& x, const Tensor& mask, int64_t axis, const Loc& loc) {
   auto forward = [&](const std::vector<Tensor>& in) {
     Tensor scores = in[0];
-    if (mask.defined())
-      scores = where(mask, scores, full_like(scores, -std::numeric_limits<double>::infinity()));
+    if (in.size() > 1)
+      scores = where(in[1], scores, full_like(scores, -std::numeric_limits<double>::infinity()));
     Tensor e = exp(scores - stable_shift(scores, {axis}, loc));
     return e / sum(e, {axis}, true);
   };
-  if (!grad_enabled() || !x.requires_grad()) return forward({x});
+  std::vector<Tensor> inputs{x};
+  if (mask.defined()) inputs.push_back(mask);
+  if (!grad_enabled() || !x.requires_grad()) return forward(inputs);
   return custom_op(
-      {x}, forward,
-      [axis, mask](const std::vector<Tensor>&, const Tensor& y, const Tensor& g) {
+      inputs, forward,
+      [axis](const std::vector<Tensor>& in, const Tensor& y, const Tensor& g) {
         Tensor dx = y * (g - sum(g * y, {axis}, true));
+        if (in.size() == 1) return std::vector<Tensor>{dx};
         // Masked places get a zero gradient even in a row that is all masked (whose y is NaN).
-        return std::vector<Tensor>{mask.defined() ? where(mask, dx, zeros_like(dx)) : dx};
+        return std::vector<Tensor>{where(in[1], dx, zeros_like(dx)), Tensor()};
       },
       loc);
 }

@@ -42,6 +42,15 @@ struct Cache {
   HostMemoryStats stats;  // live_bytes is kept in `live` instead
   // Atomic: a fresh block is counted, and a released one uncounted, outside the lock.
   std::atomic<int64_t> live{0};
+  std::atomic<int64_t> peak{0};  // the most `live` has been since start or the last reset
+
+  // Counts `bytes` more as live and raises the high-water mark to the new total.
+  void add_live(int64_t bytes) {
+    const int64_t now = live.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+    int64_t seen = peak.load(std::memory_order_relaxed);
+    while (now > seen && !peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
+    }
+  }
 };
 
 Cache& cache() {
@@ -134,7 +143,7 @@ void* host_allocate(size_t bytes) {
       void* block = found->second.back();
       found->second.pop_back();
       c.stats.cached_bytes -= counted;
-      c.live += counted;
+      c.add_live(counted);
       ++c.stats.hits;
       return block;
     }
@@ -145,7 +154,7 @@ void* host_allocate(size_t bytes) {
     fail("out of memory: the system could not provide {} ({} bytes): it has {} of memory and swap",
          human_bytes(static_cast<double>(bytes)), bytes,
          human_bytes(static_cast<double>(machine_bytes())));
-  c.live += counted;
+  c.add_live(counted);
   void* block = std::aligned_alloc(alignment, size);
   if (!block) {
     // Freed blocks of other sizes may be what the OS lacks: give them back and try once more.
@@ -186,7 +195,13 @@ HostMemoryStats host_memory_stats() {
   std::lock_guard<std::mutex> lock(c.mutex);
   HostMemoryStats stats = c.stats;
   stats.live_bytes = c.live.load();
+  stats.peak_bytes = std::max(c.peak.load(), stats.live_bytes);
   return stats;
+}
+
+void reset_host_memory_peak() {
+  Cache& c = cache();
+  c.peak.store(c.live.load());
 }
 
 }  // namespace mixtape

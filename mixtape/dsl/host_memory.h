@@ -10,6 +10,10 @@
 
 namespace mixtape {
 
+/// Every value's bytes (parameters, gradients, optimizer state, activations, batches) and the
+/// library calls' workspace (runtime/scratch_buffer.h) come from here, so its high-water mark
+/// (HostMemoryStats::peak_bytes) is the host memory a training step needs.
+///
 /// A block of at least `bytes`, 64-byte aligned, from the cache of freed blocks of its size
 /// class when one is there. A training step frees and allocates the same sizes every step;
 /// handing them back to the OS would make every step fault its pages in and zero them again.
@@ -34,11 +38,14 @@ void check_memory_request(uint64_t bytes, const std::string& what);
 
 struct HostMemoryStats {
   int64_t live_bytes = 0;    // blocks handed out (by size class) and not yet released
+  int64_t peak_bytes = 0;    // the most live_bytes at once since start or reset_host_memory_peak()
   int64_t cached_bytes = 0;  // freed blocks kept for reuse
   int64_t hits = 0;          // allocations served from the cache
   int64_t misses = 0;        // allocations that went to the OS
 };
 HostMemoryStats host_memory_stats();
+/// Starts the high-water mark over at the bytes live now (reset_execution_stats() calls it).
+void reset_host_memory_peak();
 
 /// A std::allocator for Storage bytes over host_allocate. Elements made without a value are left
 /// uninitialized (default-initialized), so a buffer a kernel is about to overwrite costs no

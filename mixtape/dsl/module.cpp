@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <set>
 
+#include "mixtape/dsl/activation_checkpointing.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/ops.h"
 #include "mixtape/dsl/orphan_parameters.h"
@@ -11,6 +12,16 @@
 namespace mixtape {
 
 Module::~Module() = default;
+
+void Module::checkpoint(bool enabled) const {
+  const std::string glob = path();
+  if (glob.empty())
+    fail("Module::checkpoint: a root module has no path; checkpoint its children instead");
+  if (enabled)
+    mixtape::checkpoint(glob);
+  else
+    remove_checkpoint(glob);
+}
 
 void Module::check_new_name(const std::string& name) const {
   if (name.empty() || name.find('.') != std::string::npos)

@@ -42,6 +42,12 @@ class Module {
   bool is_training() const { return training_; }
   void zero_grad();
 
+  /// Activation checkpointing of this module and everything inside it (mt::checkpoint of its
+  /// path, dsl/activation_checkpointing.h): backward() recomputes its forward values from its
+  /// inputs instead of keeping them. The path is taken now, so register the module first; the
+  /// root module has none (checkpoint its children).
+  void checkpoint(bool enabled = true) const;
+
   /// The dotted path from the root module ("blocks.0.attn"); "" for a root.
   std::string path() const;
   /// The path of a child or parameter name under this module.

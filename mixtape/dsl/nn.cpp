@@ -334,6 +334,8 @@ TransformerBlock::TransformerBlock(int64_t dim, int64_t heads, double dropout, G
 
 Tensor TransformerBlock::operator()(const Tensor& x, const Loc& loc) const {
   CallSiteScope site(loc);
+  // The residual sums are the block's own nodes, so that checkpointing the block covers them.
+  ModulePathScope scope(path());
   Tensor h = x + resid_dropout(attn(ln1(x)));
   return h + resid_dropout(mlp(ln2(h)));
 }

@@ -217,6 +217,9 @@ struct Node : std::enable_shared_from_this<Node> {
   bool requires_grad = false;
   bool backward_done = false;  // a backward() without retain_graph went through this node
   bool backward = false;       // made by autograd for the forward node below
+  // A clone of a checkpointed forward node that a backward pass made to recompute it
+  // (autograd/recompute.h): a forward node in every respect but this, read only by the backward.
+  bool recomputed = false;
   OpCode forward_op = OpCode::Constant;
 
   // Scratch of the evaluation that computes this node: its ref in the signature sign() made for

@@ -16,6 +16,10 @@
 namespace mixtape {
 namespace {
 
+// Whether `node` runs in the backward pass: a gradient node, or a checkpointed module's
+// recomputation (autograd/recompute.h), which only the backward pass reads.
+bool in_backward(const Node& node) { return node.backward || node.recomputed; }
+
 int64_t bytes_of(int64_t numel, DType dtype) {
   return numel * static_cast<int64_t>(size_of(dtype));
 }
@@ -202,7 +206,7 @@ class BufferMap {
     if (std::optional<int64_t> alias = alias_of(node, pos)) {
       buffer_of_[k] = *alias;
       // A view reads its one input through the buffer it aliases.
-      if (*alias >= 0) read(*alias, pos, node.backward);
+      if (*alias >= 0) read(*alias, pos, in_backward(node));
       return;
     }
     buffer_of_[k] = static_cast<int64_t>(buffers_.size());
@@ -220,7 +224,7 @@ class BufferMap {
       if (src.kind == Buffer::Kind::Param && is_floating(input->dtype) &&
           is_half(node.precision.compute) && node.precision.compute != src.dtype)
         source = half_copy_of(src.param, node.precision.compute, pos);
-      read(source, pos, node.backward);
+      read(source, pos, in_backward(node));
     }
   }
 
@@ -276,10 +280,15 @@ void count_optimizer_state(MemoryReport& report, const Optimizer& opt, const Par
 
 void list_saved_activations(MemoryReport& report, const std::vector<Buffer>& buffers) {
   for (const Buffer& buffer : buffers) {
-    // The backward pass's seed and other values only backward reads are not forward activations.
-    if (buffer.kind != Buffer::Kind::Value || buffer.owner->backward || !buffer.read_backward ||
-        !buffer.read_forward)
+    if (buffer.kind != Buffer::Kind::Value) continue;
+    // A checkpointed module's recomputed values live only during the backward pass.
+    if (buffer.owner->recomputed) {
+      report.recomputed_activations += buffer.bytes;
+      ++report.recomputed_nodes;
       continue;
+    }
+    // The backward pass's seed and other values only backward reads are not forward activations.
+    if (buffer.owner->backward || !buffer.read_backward || !buffer.read_forward) continue;
     const Node& owner = *buffer.owner;
     report.saved.push_back({owner.id, op_name(owner.op), owner.origin.module_path, owner.shape,
                             buffer.dtype, buffer.bytes});
@@ -354,6 +363,9 @@ std::string MemoryReport::table() const {
   line("optimizer state", optimizer_state,
        optimizer_state_estimated ? "  (includes state the first step creates)" : "");
   line("saved activations", saved_activations);
+  if (recomputed_nodes > 0)
+    line("recomputed activations", recomputed_activations,
+         fmt::format("  ({} nodes of checkpointed modules, during backward)", recomputed_nodes));
   line("peak", peak,
        fmt::format("  at node {} ({}, {})", peak_node, peak_op, peak_backward ? "bwd" : "fwd"));
   line("compiled program peak", compiled_peak, "  (stored values under its memory plan)");
@@ -405,6 +417,8 @@ std::string MemoryReport::json() const {
        {"optimizer_state", optimizer_state},
        {"optimizer_state_estimated", optimizer_state_estimated},
        {"saved_activations", saved_activations},
+       {"recomputed_activations", recomputed_activations},
+       {"recomputed_nodes", recomputed_nodes},
        {"peak", peak},
        {"compiled_peak", compiled_peak},
        {"peak_at",

@@ -46,6 +46,10 @@ struct MemoryReport {
   /// from what the optimizer will create: SGD one f32 buffer with momentum, Adam/AdamW two.
   bool optimizer_state_estimated = false;
   int64_t saved_activations = 0;
+  /// Checkpointed modules (mt::checkpoint): the bytes of the forward values backward() recomputes
+  /// instead of keeping (each buffer once, alive only during the backward pass), and their nodes.
+  int64_t recomputed_activations = 0;
+  int64_t recomputed_nodes = 0;
   int64_t peak = 0;
   /// The compiled back end's own figure: the most bytes its memory plan for this graph keeps
   /// alive at once (stored values only; persistent memory and the inputs come on top). It is
@@ -62,7 +66,8 @@ struct MemoryReport {
   /// The totals, then one line per parameter and per saved activation.
   std::string table() const;
   /// {"policy":..,"master_weights":..,"half_copies":..,"gradients":..,"optimizer_state":..,
-  ///  "optimizer_state_estimated":..,"saved_activations":..,"peak":..,"compiled_peak":..,
+  ///  "optimizer_state_estimated":..,"saved_activations":..,"recomputed_activations":..,
+  ///  "recomputed_nodes":..,"peak":..,"compiled_peak":..,
   ///  "peak_at":{"id":..,"op":..,"pass":..},"parameters":[..],"saved":[..]}
   std::string json() const;
 };
@@ -85,7 +90,9 @@ struct MemoryReport {
 ///   persistent memory included.
 /// - Saved activations are the buffers of forward values that the forward pass reads and backward
 ///   nodes read too, each counted once: not parameters or their half copies, not the loss and not
-///   a gradient passed to backward().
+///   a gradient passed to backward(). Under activation checkpointing the backward nodes of a
+///   checkpointed module read its recomputation instead, which the backward pass makes: those
+///   values are recomputed_activations, and only the module's inputs stay saved.
 MemoryReport memory_report(const Module& model, const Optimizer* opt, const Tensor& loss);
 
 /// One line per report (e.g. the same step under several policies), side by side.

@@ -91,26 +91,6 @@ DType check_half(DType half, const char* what) {
   return half;
 }
 
-bool glob_match(const char* glob, const char* path) {
-  // Components are separated by '.'; '*' matches within one component, '**' across them.
-  if (*glob == '\0') return *path == '\0' || *path == '.';
-  if (glob[0] == '*' && glob[1] == '*') {
-    // "**." also stands for no components at all: "**.qkv" matches a top-level "qkv".
-    if (glob[2] == '.' && glob_match(glob + 3, path)) return true;
-    for (const char* p = path;; ++p) {
-      if (glob_match(glob + 2, p)) return true;
-      if (*p == '\0') return false;
-    }
-  }
-  if (*glob == '*') {
-    for (const char* p = path;; ++p) {
-      if (glob_match(glob + 1, p)) return true;
-      if (*p == '\0' || *p == '.') return false;
-    }
-  }
-  return *path != '\0' && *glob == *path && glob_match(glob + 1, path + 1);
-}
-
 }  // namespace
 
 PolicyPtr fp32_policy() {
@@ -136,10 +116,6 @@ PolicyPtr policy_by_name(const std::string& text) {
   if (text == "pure-bf16") return pure_policy(bf16);
   fail("unknown policy '{}' (expected fp32, autocast-f16, autocast-bf16, pure-f16, pure-bf16)",
        text);
-}
-
-bool module_path_matches(const std::string& glob, const std::string& path) {
-  return !glob.empty() && glob_match(glob.c_str(), path.c_str());
 }
 
 Policy::Policy(std::string name) : name_(std::move(name)) {

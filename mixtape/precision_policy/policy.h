@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/module_path.h"  // module_path_matches, which OverridePolicy::module uses
 #include "mixtape/dsl/node.h"
 
 namespace mixtape {
@@ -90,10 +91,6 @@ class OverridePolicy : public Policy {
   std::vector<std::pair<std::string, Rule>> rules_;
   bool pure_;
 };
-
-/// True when `path` is a module matched by `glob` or inside one ("blocks.*.attn" matches
-/// "blocks.3.attn" and "blocks.3.attn.qkv").
-bool module_path_matches(const std::string& glob, const std::string& path);
 
 /// Scoped policy for the nodes made while it lives (DESIGN.md: `mt::autocast guard(mt::f16)`).
 /// Scopes nest; autocast(false) turns mixed precision off inside an autocast region.

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 
 #include "mixtape/dsl/error.h"
@@ -144,12 +145,30 @@ class DeviceMemoryBackend : public MemoryBackend {
 
 }  // namespace
 
+namespace {
+// The device allocator once made: read by the memory statistics, which must not start CUDA.
+std::atomic<CachingAllocator*> made_device_allocator{nullptr};
+}  // namespace
+
 CachingAllocator& device_allocator() {
   require_available();
   // Never destroyed: buffers in static objects may be freed after main returns.
-  static CachingAllocator* allocator =
-      new CachingAllocator(std::make_unique<DeviceMemoryBackend>());
+  static CachingAllocator* allocator = [] {
+    auto* made = new CachingAllocator(std::make_unique<DeviceMemoryBackend>());
+    made_device_allocator.store(made, std::memory_order_release);
+    return made;
+  }();
   return *allocator;
+}
+
+AllocatorStats device_allocator_stats() {
+  CachingAllocator* allocator = made_device_allocator.load(std::memory_order_acquire);
+  return allocator ? allocator->stats() : AllocatorStats{};
+}
+
+void reset_device_allocator_peak() {
+  if (CachingAllocator* allocator = made_device_allocator.load(std::memory_order_acquire))
+    allocator->reset_peak_stats();
 }
 
 StreamId compute_stream_id() { return reinterpret_cast<StreamId>(compute_stream().handle()); }

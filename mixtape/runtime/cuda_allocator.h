@@ -95,6 +95,10 @@ class CachingAllocator {
 /// The process's device allocator over cuMemAlloc, for the compute stream. Throws like
 /// require_available() without CUDA.
 CachingAllocator& device_allocator();
+/// Its statistics, zeros while it has not been made; never starts CUDA (execution_stats() asks).
+AllocatorStats device_allocator_stats();
+/// Starts its high-water marks over, if it has been made.
+void reset_device_allocator_peak();
 StreamId compute_stream_id();
 
 /// Device memory owned by the device allocator, freed (back to its cache) on destruction.

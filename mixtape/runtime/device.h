@@ -67,7 +67,14 @@ struct ExecutionStats {
   int64_t host_ops = 0;         // ops run by the reference loops (gathers, random, ...)
   int64_t bytes_read = 0;       // by kernels and matmuls, from their parameters
   int64_t bytes_written = 0;
-  int64_t peak_bytes = 0;         // most bytes of one evaluation's stored values alive at once
+  int64_t peak_bytes = 0;  // most bytes of one evaluation's stored values alive at once
+  // The process's measured memory high-water marks since the last reset (or start): the host
+  // allocator's live bytes (dsl/host_memory.h: every value, so parameters, gradients, optimizer
+  // state, activations and batches, and the library calls' workspace) and the CUDA caching
+  // allocator's allocated bytes (0 without a GPU); memory_peak_bytes is their sum.
+  int64_t host_peak_bytes = 0;
+  int64_t device_peak_bytes = 0;
+  int64_t memory_peak_bytes = 0;
   int64_t bytes_uploaded = 0;     // cuda: host values copied to the device (constants, batches)
   int64_t bytes_downloaded = 0;   // cuda: device values copied to the host (reads, host ops)
   int64_t kernels_compiled = 0;   // LLVM and NVRTC compilations (disk-cache misses)

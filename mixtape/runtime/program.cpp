@@ -16,11 +16,13 @@
 #include "mixtape/codegen/nvrtc.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/host_memory.h"
 #include "mixtape/dsl/log.h"
 #include "mixtape/dsl/sort_by_id.h"
 #include "mixtape/precision_policy/assign.h"
 #include "mixtape/runtime/all_reduce.h"
 #include "mixtape/runtime/cpu_kernels.h"
+#include "mixtape/runtime/cuda_allocator.h"
 #include "mixtape/runtime/multi_tensor.h"
 
 #define XXH_INLINE_ALL
@@ -245,6 +247,9 @@ ExecutionStats execution_stats() {
   s.compile_seconds = jit.compile_seconds - base.jit.compile_seconds + nvrtc.compile_seconds -
                       base.nvrtc.compile_seconds;
   s.load_seconds += jit.load_seconds - base.jit.load_seconds;
+  s.host_peak_bytes = host_memory_stats().peak_bytes;
+  s.device_peak_bytes = static_cast<int64_t>(cuda::device_allocator_stats().peak_allocated);
+  s.memory_peak_bytes = s.host_peak_bytes + s.device_peak_bytes;
   return s;
 }
 
@@ -252,6 +257,8 @@ void reset_execution_stats() {
   execution_counters() = ExecutionStats{};
   reset_collective_stats();
   compiler_baseline() = {cpu_compiler_stats(), nvrtc_stats()};
+  reset_host_memory_peak();
+  cuda::reset_device_allocator_peak();
 }
 
 NodeRef Signature::ref(const Node* node, const std::vector<Node*>& pending) const {
@@ -386,7 +393,14 @@ Program build_program(const std::vector<Node*>& pending, const FusionOptions& op
     k.members = static_cast<int64_t>(group.members.size());
     for (Node* node : k.lowered.nodes) step.params.push_back(sig.ref(node, pending));
     step.kernel = std::make_shared<const kir::Kernel>(k.lowered.kernel);
-    if (options.multi_tensor) {
+    // A checkpointed module's recomputation (autograd/recompute.h) stays where the backward pass
+    // put it, before that module's gradients. Recomputations of different module instances are
+    // independent of one another, so kernels of one form would merge across them, and the
+    // merged step would pull every instance's recomputation to the first of them, keeping all
+    // their values alive at once.
+    const bool recomputes = std::any_of(group.members.begin(), group.members.end(),
+                                        [](const Node* node) { return node->recomputed; });
+    if (options.multi_tensor && !recomputes) {
       std::vector<bool> zero_rank;
       for (Node* node : k.lowered.nodes) zero_rank.push_back(node->shape.empty());
       k.flat = kir::multi_tensor_form(k.lowered.kernel, zero_rank);

@@ -1,10 +1,14 @@
 // mixtape/runtime/scratch_buffer.h -- a 64-byte aligned buffer that only grows: per-thread scratch
 // of the library calls (matmuls, convolutions), allocated once and reused by every later call.
+// It comes from the values' host allocator where that allows, so that the measured peak counts
+// the workspace too.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <new>
+
+#include "mixtape/dsl/host_memory.h"
 
 namespace mixtape {
 
@@ -20,13 +24,23 @@ class ScratchBuffer {
     const size_t bytes = static_cast<size_t>(count) * sizeof(T);
     if (bytes > capacity_) {
       release();
-      data_ = ::operator new (bytes, std::align_val_t{64});
+      // From the values' allocator, so that the measured peak counts the workspace. Past the
+      // memory limit that is an mt::Error, which must not leave the OpenMP regions that ask
+      // here: the workspace then comes from the system, uncounted, as it always did.
+      try {
+        data_ = host_allocate(bytes);
+        counted_ = true;
+      } catch (...) {
+        data_ = ::operator new (bytes, std::align_val_t{64});
+        counted_ = false;
+      }
       capacity_ = bytes;
     }
     return static_cast<T*>(data_);
   }
   void release() {
-    if (data_ != nullptr) ::operator delete (data_, std::align_val_t{64});
+    if (data_ != nullptr && counted_) host_release(data_, capacity_);
+    if (data_ != nullptr && !counted_) ::operator delete (data_, std::align_val_t{64});
     data_ = nullptr;
     capacity_ = 0;
   }
@@ -34,6 +48,7 @@ class ScratchBuffer {
  private:
   void* data_ = nullptr;
   size_t capacity_ = 0;
+  bool counted_ = false;  // data_ came from host_allocate
 };
 
 }  // namespace mixtape

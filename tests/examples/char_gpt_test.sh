@@ -45,6 +45,13 @@ dropped=$("$bin" $small --dropout 0.1 | tail -n 1)
 traced=$("$bin" $small --dropout 0.1 --no-compile | tail -n 1)
 check "$(python3 -c "$same" "$dropped" "$traced")" "--no-compile with dropout gives the same run"
 check "$(field replayed_steps "$dropped") >= 20" "the default loop with dropout replays the step"
+check "$(field peak_bytes "$dropped") > 0" "the measured memory peak is reported"
+# --checkpoint: every block's activations are recomputed; the replayed step is the traced one.
+kept=$("$bin" $small --dropout 0.1 --checkpoint | tail -n 1)
+traced=$("$bin" $small --dropout 0.1 --checkpoint --no-compile | tail -n 1)
+learned "$kept" "--checkpoint"
+check "$(python3 -c "$same" "$kept" "$traced")" "--checkpoint replays what tracing computes"
+check "$(field replayed_steps "$kept") >= 20" "the checkpointed step replays"
 other=$("$bin" $small --seed 1 | tail -n 1)
 check "$(field val_loss "$line") != $(field val_loss "$other")" "another seed gives another run"
 
