@@ -7,9 +7,10 @@
 set -euo pipefail
 logdir=$(mktemp -d)
 trap 'rm -rf "$logdir"' EXIT
-line=$("$1" 300 --logdir "$logdir/runs" | tail -n 1)
-plain=$("$1" 300 | tail -n 1)
-if [[ "$line" != "$plain" ]]; then
+# The measured memory peak ("peak_bytes") is left out: the writer's own buffers count in it.
+line=$("$1" 300 --logdir "$logdir/runs" | tail -n 1 | sed 's/,"peak_bytes":[0-9]*//')
+plain=$("$1" 300 | tail -n 1 | sed 's/,"peak_bytes":[0-9]*//')
+if [[ "$line" != "$plain" || "$line" != *'"runs":'* ]]; then
   echo "FAIL: --logdir changed the results: $line vs $plain" >&2
   exit 1
 fi
