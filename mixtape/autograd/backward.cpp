@@ -216,7 +216,7 @@ std::vector<std::pair<const Node*, Tensor>> backpropagate(const std::vector<Node
   std::vector<NodePtr> tape = tape_in_reverse(roots, marks);
   Terms grads(marks);
   std::optional<Recomputation> recompute;
-  if (checkpoint_globs()) recompute.emplace();
+  if (auto globs = checkpoint_globs()) recompute.emplace(std::move(globs));
   // Only nodes on the tape get a slot, so `of` never reallocates: the terms combine() returns
   // stay where they are while the vjp's contributions go into other slots.
   grads.of.reserve(tape.size());

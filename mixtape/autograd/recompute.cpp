@@ -5,13 +5,13 @@
 #include <optional>
 #include <utility>
 
-#include "mixtape/dsl/activation_checkpointing.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/module_path.h"
 
 namespace mixtape {
 
-Recomputation::Recomputation() : globs_(checkpoint_globs()) {}
+Recomputation::Recomputation(std::shared_ptr<const std::vector<std::string>> globs)
+    : globs_(std::move(globs)) {}
 
 const std::string& Recomputation::region_of(const Node& node) {
   auto [it, added] = region_by_path_.try_emplace(node.origin.module_path);
@@ -34,7 +34,7 @@ bool Recomputation::clonable(const Node& node, const std::string& region) {
 }
 
 NodePtr Recomputation::for_vjp(const NodePtr& node) {
-  if (!globs_ || node->evaluated()) return node;
+  if (node->evaluated()) return node;
   const std::string& region = region_of(*node);
   if (region.empty() || !clonable(*node, region)) return node;
   return clone_within(node, std::string(region));

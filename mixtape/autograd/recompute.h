@@ -26,8 +26,8 @@ namespace mixtape {
 /// recomputation of a module right before its backward, after the forward of everything.
 class Recomputation {
  public:
-  /// Reads the globs in force (checkpoint_globs()).
-  Recomputation();
+  /// For the globs in force (checkpoint_globs(), non-null).
+  explicit Recomputation(std::shared_ptr<const std::vector<std::string>> globs);
   Recomputation(const Recomputation&) = delete;
   Recomputation& operator=(const Recomputation&) = delete;
 

@@ -66,10 +66,6 @@ Attrs attention_attrs(bool causal, double scale) {
   return attrs;
 }
 
-NodePtr as_type(const Tensor& x, DType t, const Loc& loc) {
-  return (x.dtype() == t ? x : cast(x, t, loc)).node();
-}
-
 }  // namespace
 
 Tensor attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
@@ -77,7 +73,7 @@ Tensor attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, cons
   const char* op = op_name(OpCode::Attention);
   const DType t = checked_operands(op, loc, q, k, v, mask, causal, scale);
   NodeInputs inputs;
-  for (const Tensor* x : {&q, &k, &v}) inputs.emplace_back(as_type(*x, t, loc));
+  for (const Tensor* x : {&q, &k, &v}) inputs.emplace_back(cast(*x, t, loc).node());
   if (mask.defined()) inputs.emplace_back(mask.node());
   return Tensor(make_node(OpCode::Attention, t,
                           with_last_two(batch_of(q.shape()), q.size(-2), v.size(-1)),
@@ -96,7 +92,8 @@ Tensor attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, con
               to_string(out_shape), describe(*x));
   t = promote(t, promote(out.dtype(), grad_out.dtype()));
   NodeInputs inputs;
-  for (const Tensor* x : {&q, &k, &v, &out, &grad_out}) inputs.emplace_back(as_type(*x, t, loc));
+  for (const Tensor* x : {&q, &k, &v, &out, &grad_out})
+    inputs.emplace_back(cast(*x, t, loc).node());
   if (mask.defined()) inputs.emplace_back(mask.node());
   Shape packed = batch_of(q.shape());
   packed.push_back(q.size(-2) * q.size(-1) + k.size(-2) * (k.size(-1) + v.size(-1)));
@@ -196,7 +193,7 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
             to_string(k.shape()), to_string(v.shape()));
   const DType t = promote(promote(q.dtype(), k.dtype()), v.dtype());
   auto operand = [&](const Tensor& x) {
-    Tensor typed = x.dtype() == t ? x : cast(x, t, loc);
+    Tensor typed = cast(x, t, loc);  // x itself where it has the type
     Shape shape = with_last_two(*batch, x.size(-2), x.size(-1));
     return typed.shape() == shape ? typed : broadcast_to(typed, shape, loc);
   };
