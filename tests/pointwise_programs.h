@@ -2,6 +2,7 @@
 // that exercise rounding: what each back end is checked against the reference with, op by op.
 #pragma once
 
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <functional>
@@ -39,6 +40,16 @@ struct PointwiseInputs {
         positive(abs(interesting(dtype, n, 3)) + 0.5) {}
 };
 
+// A fused op's operands: x, y and positive in turn, so that each meets the special values and
+// adam_step's square root (its fourth) reads `positive`.
+template <size_t N>
+std::array<Tensor, N> fused_operands(const PointwiseInputs& in) {
+  std::array<Tensor, N> operands;
+  const Tensor* cycle[] = {&in.x, &in.y, &in.positive};
+  for (size_t k = 0; k < N; ++k) operands[k] = *cycle[k % 3];
+  return operands;
+}
+
 using NamedProgram = std::pair<const char*, std::function<Tensor()>>;
 
 // One program per unary, binary and comparison op of dsl/ops.def, plus a chain of them, a where
@@ -51,6 +62,8 @@ inline std::vector<NamedProgram> pointwise_programs(const PointwiseInputs& in, D
 #define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
   {#fname, [&in] { return fname(in.x, std::string(#fname) == "pow" ? in.positive : in.y); }},
 #define MT_COMPARE(Name, fname, REF) {#fname, [&in] { return fname(in.x, in.y); }},
+#define MT_FUSED(Name, fname, arity, REF) \
+  {#fname, [&in] { return fname(fused_operands<arity>(in)); }},
 #include "mixtape/dsl/ops.def"
       {"chain", [&in] { return tanh(in.x * 0.5 + sigmoid(in.y)) - relu(in.x) / in.positive; }},
       {"where", [&in] { return where(in.x > in.y, exp(in.x), in.y * 2.0); }},

@@ -160,6 +160,23 @@ std::vector<Case> generated_pointwise_cases() {
       add(op.name, [=] { fn(in.i, in.i, here); }, {"floating-point", "got i64"});
     if (op.domain == Domain::Numeric) add(op.name, [=] { fn(in.b, in.b, here); }, {"bool"});
   }
+  // The fused update arithmetic: an undefined last input, integers, shapes that do not broadcast.
+  auto all_but_last = [](const mt::Tensor& all, const mt::Tensor& last, auto operands) {
+    operands.fill(all);
+    operands.back() = last;
+    return operands;
+  };
+#define MT_OP(Name, fname, kind, arity, category)
+#define MT_FUSED(Name, fname, arity, REF)                                                          \
+  add(#fname, [=] { mt::fname(all_but_last(in.f, in.u, std::array<mt::Tensor, arity>()), here); }, \
+      {fmt::format("input {} is an undefined tensor", (arity)-1)});                                \
+  add(#fname, [=] { mt::fname(all_but_last(in.i, in.i, std::array<mt::Tensor, arity>()), here); }, \
+      {"floating-point", "got i64"});                                                              \
+  add(#fname,                                                                                      \
+      [=] { mt::fname(all_but_last(in.f, in.f4, std::array<mt::Tensor, arity>()), here); },        \
+      {"cannot be broadcast", "[2, 3]", "[4]"});                                                   \
+  EXPECT_NO_THROW(mt::fname(all_but_last(in.f, in.f, std::array<mt::Tensor, arity>()), here));
+#include "mixtape/dsl/ops.def"
   return cases;
 }
 

@@ -704,6 +704,12 @@ const std::map<OpCode, Builder>& no_grad_probes() {
 #define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1)
 #define MT_COMPARE(Name, fname, REF) \
   p[OpCode::Name] = [](const Tensors& x) { return mt::fname(x[0], x[0] * 0.5); };
+#define MT_FUSED(Name, fname, arity, REF)   \
+  p[OpCode::Name] = [](const Tensors& x) {  \
+    std::array<mt::Tensor, arity> operands; \
+    operands.fill(x[0]);                    \
+    return mt::fname(operands);             \
+  };
 #include "mixtape/dsl/ops.def"
     p[OpCode::AttentionBackward] = [](const Tensors& x) {
       return mt::attention_backward(x[0], x[0], x[0], x[0], x[0], mt::Tensor(), true, 0.5);
@@ -1004,13 +1010,18 @@ TEST(GradCheckCoverage, EveryOpHasASampleOrProvablyNoGradient) {
   }
   EXPECT_EQ(missing, 0);
   for (const auto& [op, samples] : table) EXPECT_LT(static_cast<int>(op), mt::op_count());
-  // The leaves, comparisons, argmax, argsort, sign, detach and attention's fused gradient are
-  // exactly the no-gradient ops.
-  std::vector<OpCode> expected = {
-      OpCode::Constant,   OpCode::Full,   OpCode::Arange,  OpCode::RandUniform,
-      OpCode::RandNormal, OpCode::Eq,     OpCode::Ne,      OpCode::Lt,
-      OpCode::Le,         OpCode::Gt,     OpCode::Ge,      OpCode::Argmax,
-      OpCode::Sign,       OpCode::Detach, OpCode::Argsort, OpCode::AttentionBackward};
+  // The leaves, comparisons, argmax, argsort, sign, detach, attention's fused gradient and the
+  // fused update arithmetic are exactly the no-gradient ops.
+  std::vector<OpCode> expected = {OpCode::Constant,   OpCode::Full,
+                                  OpCode::Arange,     OpCode::RandUniform,
+                                  OpCode::RandNormal, OpCode::Eq,
+                                  OpCode::Ne,         OpCode::Lt,
+                                  OpCode::Le,         OpCode::Gt,
+                                  OpCode::Ge,         OpCode::Argmax,
+                                  OpCode::Sign,       OpCode::Detach,
+                                  OpCode::Argsort,    OpCode::AttentionBackward,
+                                  OpCode::Lincomb,    OpCode::LincombSquare,
+                                  OpCode::AdamStep};
   EXPECT_EQ(probes.size(), expected.size());
   for (OpCode op : expected) EXPECT_TRUE(probes.count(op)) << mt::op_name(op);
 }

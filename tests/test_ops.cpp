@@ -620,6 +620,53 @@ TEST(HalfStorage, RoundsToNearestEvenAtEveryNodeOutput) {
             2048);
 }
 
+// The optimizers' fused arithmetic (ops.def, MT_FUSED) against the same expression of single
+// ops: bit for bit in f32, specials included; in bf16 one rounding of the f32 result.
+TEST(FusedUpdateArithmetic, StoresWhatItsSingleOpsStoreInF32AndRoundsOnceInHalf) {
+  mt::Generator gen(7);
+  auto draw = [&](bool positive) {
+    std::vector<float> v = (mt::randn({67}, mt::f32, &gen) * 3.0).to_vector<float>();
+    if (positive)
+      for (float& x : v) x = std::abs(x) + 0.25f;
+    else
+      v[0] = 0.0f, v[1] = -0.0f, v[2] = INFINITY, v[3] = NAN, v[4] = 1e-39f;  // a subnormal
+    return mt::tensor(v, {67});
+  };
+  std::array<mt::Tensor, 7> x = {draw(false), draw(false), draw(false), draw(true),
+                                 draw(false), draw(true),  draw(false)};
+  auto [a, b, c, d, e, f, g] = x;
+  auto same_bits = [](const mt::Tensor& fused, const mt::Tensor& single) {
+    ASSERT_EQ(fused.dtype(), single.dtype());
+    std::vector<double> u = fused.to_vector<double>(), w = single.to_vector<double>();
+    for (size_t i = 0; i < u.size(); ++i)
+      EXPECT_EQ(std::bit_cast<uint64_t>(u[i]), std::bit_cast<uint64_t>(w[i])) << i;
+  };
+  same_bits(mt::lincomb({a, b, c, d}), a * b + c * d);
+  same_bits(mt::lincomb_square({a, b, c, d}), a * b + c * c * d);
+  same_bits(mt::adam_step(x), a * b - c / (mt::sqrt(d) * e + f) * g);
+  // 0-d weights broadcast, as the single ops' operands do.
+  mt::Tensor w = mt::tensor(std::vector<float>{0.9f}, {});
+  same_bits(mt::lincomb({a, w, c, 1.0 - w}), a * w + c * (1.0 - w));
+
+  // bf16 inputs: the f32 expression of their values, rounded to bf16 once at the end.
+  std::array<mt::Tensor, 7> h;
+  for (size_t k = 0; k < 7; ++k) h[k] = mt::cast(x[k], mt::bf16);
+  auto f32 = [&](size_t k) { return mt::cast(h[k], mt::f32); };
+  mt::Tensor fused = mt::adam_step(h);
+  EXPECT_EQ(fused.dtype(), mt::bf16);
+  same_bits(
+      fused,
+      mt::cast(f32(0) * f32(1) - f32(2) / (mt::sqrt(f32(3)) * f32(4) + f32(5)) * f32(6), mt::bf16));
+  same_bits(mt::lincomb({h[0], h[1], h[2], h[3]}),
+            mt::cast(f32(0) * f32(1) + f32(2) * f32(3), mt::bf16));
+
+  EXPECT_THROW(mt::lincomb({a, b, c, mt::Tensor()}), mt::Error);
+  EXPECT_THROW(mt::lincomb({a, b, c, mt::ones({4})}), mt::Error);  // 67 and 4 do not broadcast
+  mt::Tensor n = mt::ones({67}, mt::i64);
+  EXPECT_THROW(mt::lincomb({n, n, n, n}), mt::Error);
+  EXPECT_FALSE(mt::lincomb({a.requires_grad_(true), b, c, d}).requires_grad());
+}
+
 TEST(CastRounding, DirectRoundToNearestEvenWithoutDoubleRounding) {
   // v sits just above the midpoint between 1 and the next f16, 1 + 2^-10. Rounded to f32 first,
   // it lands exactly on the midpoint, and the tie then goes to the even neighbour 1.0.
@@ -1038,6 +1085,17 @@ void add_pointwise_cases(Oracle& o, Data& d, mt::DType dt) {
   mt::Tensor a = d.randn({5}, dt), b = d.randn({3, 5}, dt);
   o.add("where/" + t, {cond, a, b}, mt::where(cond, a, b), "torch.where(a, b, c)");
   o.add("scalar_operators/" + t, {a}, (a * 3.0 - 1.5) / 2.0 + 1.0 / a, "(a * 3 - 1.5) / 2 + 1 / a");
+  // The fused update arithmetic, as torch.optim.Adam's single-tensor step writes it.
+  std::array<mt::Tensor, 7> u;
+  for (mt::Tensor& x : u) x = d.randn({3, 5}, dt);
+  u[3] = mt::abs(u[3]) + 0.1;   // a running mean of squares
+  u[5] = mt::abs(u[5]) * 1e-3;  // eps
+  o.add("lincomb/" + t, {u[0], u[1], u[2], u[3]}, mt::lincomb({u[0], u[1], u[2], u[3]}),
+        "a.mul(b).add(c.mul(d))");
+  o.add("lincomb_square/" + t, {u[0], u[1], u[2], u[3]},
+        mt::lincomb_square({u[0], u[1], u[2], u[3]}), "a.mul(b).addcmul(c, c * d)");
+  o.add("adam_step/" + t, {u[0], u[1], u[2], u[3], u[4], u[5], u[6]}, mt::adam_step(u),
+        "a.mul(b).sub(c.div(d.sqrt().mul(e).add(f)).mul(g))");
 }
 
 void add_reduction_cases(Oracle& o, Data& d, mt::DType dt) {

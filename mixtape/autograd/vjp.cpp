@@ -340,6 +340,9 @@ std::vector<Tensor> vjp(const NodePtr& node, const Tensor& g) {
 #define MT_COMPARE(Name, fname, REF) \
   case OpCode::Name:                 \
     return {Tensor(), Tensor()};
+#define MT_FUSED(Name, fname, arity, REF) \
+  case OpCode::Name:                      \
+    return std::vector<Tensor>(arity);
 // An op whose result never requires grad has no gradient to give.
 #define NoGradient Tensor()
 #include "mixtape/dsl/ops.def"

@@ -436,6 +436,17 @@ class Lowerer {
     result = Sym(REF).id;             \
     break;                            \
   }
+// The names past the op's arity are never read by its expression.
+#define MT_FUSED(Name, fname, arity, REF)                                       \
+  case OpCode::Name: {                                                          \
+    using T = Sym;                                                              \
+    auto at = [&](size_t k) { return k < (arity) ? input(k) : Sym(-1, t, 0); }; \
+    std::array<Sym, 7> in{at(0), at(1), at(2), at(3), at(4), at(5), at(6)};     \
+    [[maybe_unused]] auto& [a, b, c, d, e, f, g] = in;                          \
+    own_start = stage.values->size();                                           \
+    result = T(REF).id;                                                         \
+    break;                                                                      \
+  }
 #include "mixtape/dsl/ops.def"
       default:
         context = saved;

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 #include <numeric>
+#include <optional>
+#include <span>
 
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/process_group.h"
@@ -80,6 +82,30 @@ Tensor pointwise(OpCode op, Domain domain, bool to_bool, const Tensor& a, const 
   Shape shape = same_shape(a.shape(), b.shape()) ? a.shape() : broadcast_or_fail(a, b, opname, loc);
   NodeInputs inputs = node_list(conform(a, t, shape, loc), conform(b, t, shape, loc));
   return Tensor(make_node(op, to_bool ? boolean : t, std::move(shape), std::move(inputs), {}, loc));
+}
+
+// A fused pointwise op (MT_FUSED): its floating inputs promoted to one dtype and broadcast to
+// one shape.
+Tensor fused(OpCode op, std::span<const Tensor> inputs, const Loc& loc) {
+  const char* opname = op_name(op);
+  for (size_t i = 0; i < inputs.size(); ++i)
+    if (!inputs[i].defined()) op_fail(opname, loc, "input {} is an undefined tensor", i);
+  DType t = inputs[0].dtype();
+  std::optional<Shape> shape = inputs[0].shape();
+  for (const Tensor& x : inputs.subspan(1)) {
+    t = promote(t, x.dtype());
+    if (shape && !same_shape(*shape, x.shape())) shape = broadcast_shapes(*shape, x.shape());
+  }
+  check_domain(opname, Domain::Float, t, loc);
+  if (!shape) {
+    std::string shapes;
+    for (const Tensor& x : inputs) shapes += (shapes.empty() ? "" : ", ") + to_string(x.shape());
+    op_fail(opname, loc, "shapes cannot be broadcast together: {}", shapes);
+  }
+  NodeInputs list;
+  list.reserve(inputs.size());
+  for (const Tensor& x : inputs) list.emplace_back(conform(x, t, *shape, loc));
+  return Tensor(make_node(op, t, std::move(*shape), std::move(list), {}, loc));
 }
 
 Tensor unary(OpCode op, Domain domain, const Tensor& x, const Loc& loc) {
@@ -180,6 +206,10 @@ void check_index_dtype(const char* op, const Tensor& index, const Loc& loc) {
 #define MT_COMPARE(Name, fname, REF)                               \
   Tensor fname(const Tensor& a, const Tensor& b, const Loc& loc) { \
     return pointwise(OpCode::Name, Domain::Any, true, a, b, loc);  \
+  }
+#define MT_FUSED(Name, fname, arity, REF)                                 \
+  Tensor fname(const std::array<Tensor, arity>& inputs, const Loc& loc) { \
+    return fused(OpCode::Name, inputs, loc);                              \
   }
 #include "mixtape/dsl/ops.def"
 

@@ -2,6 +2,7 @@
 // dtypes.
 #pragma once
 
+#include <array>
 #include <concepts>
 #include <vector>
 
@@ -16,6 +17,9 @@ namespace mixtape {
   Tensor fname(const Tensor& a, const Tensor& b, const Loc& loc = Loc::current());
 #define MT_COMPARE(Name, fname, REF) \
   Tensor fname(const Tensor& a, const Tensor& b, const Loc& loc = Loc::current());
+// The fused update arithmetic takes its inputs in braces: mt::lincomb({x, wx, y, wy}).
+#define MT_FUSED(Name, fname, arity, REF) \
+  Tensor fname(const std::array<Tensor, arity>& inputs, const Loc& loc = Loc::current());
 #include "mixtape/dsl/ops.def"
 
 /// An operand of an overloaded operator: a tensor or a scalar, with the caller's source line.

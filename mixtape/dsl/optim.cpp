@@ -169,6 +169,11 @@ Tensor Optimizer::step_scalar(const Tensor& scalar, DType dtype, const Shape& sh
                       shape, loc);
 }
 
+Tensor Optimizer::with_l2_penalty(const Tensor& grad, const Tensor& param, double weight_decay) {
+  // grad * 1 is grad, bit for bit (and NaN stays NaN).
+  return lincomb({grad, step_constant(1, grad), param, step_constant(weight_decay, param)});
+}
+
 void Optimizer::step() { step_unless(Tensor(), {}); }
 
 void Optimizer::step_unless(const Tensor& skip) {
@@ -346,24 +351,26 @@ SGD::SGD(std::vector<Tensor> params, SGDOptions options)
 
 Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   Tensor g = grad;
-  if (options.weight_decay != 0) g = g + param * step_constant(options.weight_decay, param);
+  if (options.weight_decay != 0) g = with_l2_penalty(g, param, options.weight_decay);
   // A cycled momentum (a schedule's graph value) replaces the option, as PyTorch's OneCycleLR
   // writes the group's momentum: then the buffer is kept even for a momentum option of 0.
   const Tensor& cycled = momentum_value();
   if (options.momentum != 0 || cycled.defined()) {
-    auto times_momentum = [&](const Tensor& x) {
-      return x * (cycled.defined() ? step_scalar(cycled, x.dtype(), x.shape())
-                                   : step_constant(options.momentum, x));
+    auto momentum = [&](const Tensor& x) {
+      return cycled.defined() ? step_scalar(cycled, x.dtype(), x.shape())
+                              : step_constant(options.momentum, x);
     };
+    auto times_momentum = [&](const Tensor& x) { return x * momentum(x); };
     Tensor* previous = find_state(state, "momentum_buffer");
     // Without dampening the gradient's factor is 1, and g * 1 is g, bit for bit (no contraction
     // into a fused multiply-add, and flushed denormals flush either way), so the three nodes it
     // took each step are left out. Under a precision policy the product may be rounded to a
     // narrower storage, so there it stays.
     bool undamped = options.dampening == 0 && !current_policy();
-    Tensor buffer = previous ? times_momentum(*previous) +
-                                   (undamped ? g : g * step_constant(1.0 - options.dampening, g))
-                             : g;
+    Tensor buffer = !previous  ? g
+                    : undamped ? times_momentum(*previous) + g
+                               : lincomb({*previous, momentum(*previous), g,
+                                          step_constant(1.0 - options.dampening, g)});
     // The first update copies the gradient. A skipped first step leaves a zero buffer, which
     // with dampening would not update like that, so a flag records whether one really happened.
     const char* started = "~momentum_started";
@@ -418,30 +425,28 @@ void Adam::begin_step() {
 }
 
 Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
-  Tensor p = param, g = grad;
-  if (options.weight_decay != 0) {
-    if (decoupled_)
-      p = p * step_scalar(decay_, p.dtype(), p.shape());
-    else
-      g = g + p * step_constant(options.weight_decay, p);
-  }
+  // Fused arithmetic (dsl/ops.def): three nodes where single ops took fourteen, the same f32
+  // operations in the same order. A first step has no running averages to decay.
+  Tensor g = grad;
+  if (options.weight_decay != 0 && !decoupled_) g = with_l2_penalty(g, param, options.weight_decay);
   Tensor* m_prev = find_state(state, "exp_avg");
   Tensor* v_prev = find_state(state, "exp_avg_sq");
   auto factor = [&](const Tensor& cycled, double fixed, const Tensor& x) {
     return cycled.defined() ? step_scalar(cycled, x.dtype(), x.shape()) : step_constant(fixed, x);
   };
-  Tensor m_new = g * factor(rest1_, 1 - options.beta1, g);
-  Tensor m = m_prev ? *m_prev * factor(beta1_, options.beta1, *m_prev) + m_new : m_new;
-  Tensor g2 = square(g);
-  Tensor v_new = g2 * step_constant(1 - options.beta2, g2);
-  Tensor v = v_prev ? *v_prev * step_constant(options.beta2, *v_prev) + v_new : v_new;
+  Tensor rest1 = factor(rest1_, 1 - options.beta1, g);
+  Tensor m =
+      m_prev ? lincomb({*m_prev, factor(beta1_, options.beta1, *m_prev), g, rest1}) : g * rest1;
+  Tensor rest2 = step_constant(1 - options.beta2, g);
+  Tensor v = v_prev ? lincomb_square({*v_prev, step_constant(options.beta2, *v_prev), g, rest2})
+                    : square(g) * rest2;
   set_state(state, "exp_avg", m);
   set_state(state, "exp_avg_sq", v);
-  Tensor root = sqrt(v);
-  Tensor scaled = root * step_scalar(inv_sqrt_bias2_, v.dtype(), root.shape());
-  Tensor denom = scaled + step_constant(options.eps, scaled);
-  Tensor ratio = m / denom;
-  return p - ratio * step_scalar(step_size_, m.dtype(), ratio.shape());
+  bool decays = decoupled_ && options.weight_decay != 0;
+  return adam_step(
+      {param, decays ? step_scalar(decay_, param.dtype(), param.shape()) : step_constant(1, param),
+       m, v, step_scalar(inv_sqrt_bias2_, v.dtype(), v.shape()), step_constant(options.eps, v),
+       step_scalar(step_size_, m.dtype(), m.shape())});
 }
 
 std::string Adam::impossible_state(const std::string& name, const Storage& values) const {
@@ -463,18 +468,21 @@ RMSprop::RMSprop(std::vector<Tensor> params, RMSpropOptions options)
 
 Tensor RMSprop::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   Tensor g = grad;
-  if (options.weight_decay != 0) g = g + param * step_constant(options.weight_decay, param);
+  if (options.weight_decay != 0) g = with_l2_penalty(g, param, options.weight_decay);
   // The running means start at zero, as torch's.
-  auto running = [&](const char* name, const Tensor& x) {
+  auto running = [&](const char* name, bool squared) {
     Tensor* previous = find_state(state, name);
-    Tensor x_part = x * step_constant(1 - options.alpha, x);
-    Tensor mean = previous ? *previous * step_constant(options.alpha, *previous) + x_part : x_part;
+    Tensor rest = step_constant(1 - options.alpha, g);
+    Tensor mean =
+        !previous ? (squared ? square(g) : g) * rest
+        : squared ? lincomb_square({*previous, step_constant(options.alpha, *previous), g, rest})
+                  : lincomb({*previous, step_constant(options.alpha, *previous), g, rest});
     set_state(state, name, mean);
     return mean;
   };
-  Tensor square_avg = running("square_avg", square(g));
+  Tensor square_avg = running("square_avg", true);
   Tensor root =
-      options.centered ? sqrt(square_avg - square(running("grad_avg", g))) : sqrt(square_avg);
+      options.centered ? sqrt(square_avg - square(running("grad_avg", false))) : sqrt(square_avg);
   Tensor avg = root + step_constant(options.eps, root);
   Tensor step = g / avg;
   const Tensor& cycled = momentum_value();
@@ -504,7 +512,7 @@ Adagrad::Adagrad(std::vector<Tensor> params, AdagradOptions options)
 
 Tensor Adagrad::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   Tensor g = grad;
-  if (options.weight_decay != 0) g = g + param * step_constant(options.weight_decay, param);
+  if (options.weight_decay != 0) g = with_l2_penalty(g, param, options.weight_decay);
   Tensor* previous = find_state(state, "sum");
   Tensor g2 = square(g);
   Tensor sum =
@@ -545,19 +553,16 @@ Tensor Lion::update(const Tensor& param, const Tensor& grad, NamedTensors& state
   if (options.weight_decay != 0) p = p * step_scalar(decay_, p.dtype(), p.shape());
   // Absent momentum is zero (lion-pytorch starts it at zeros): 0 * beta + x is x, bit for bit.
   Tensor* m_prev = find_state(state, "exp_avg");
-  auto mix = [&](double beta) {
-    Tensor part = grad * step_constant(1 - beta, grad);
-    return m_prev ? *m_prev * step_constant(beta, *m_prev) + part : part;
+  auto mix = [&](const Tensor& beta, const Tensor& rest) {
+    return m_prev ? lincomb({*m_prev, beta, grad, rest}) : grad * rest;
   };
-  Tensor direction;
-  if (beta1_.defined()) {
-    Tensor part = grad * step_scalar(rest1_, grad.dtype(), grad.shape());
-    direction = sign(m_prev ? *m_prev * step_scalar(beta1_, m_prev->dtype(), m_prev->shape()) + part
-                            : part);
-  } else {
-    direction = sign(mix(options.beta1));
-  }
-  set_state(state, "exp_avg", mix(options.beta2));
+  auto fixed_mix = [&](double beta) {
+    return mix(m_prev ? step_constant(beta, *m_prev) : Tensor(), step_constant(1 - beta, grad));
+  };
+  Tensor direction = sign(beta1_.defined() ? mix(step_scalar(beta1_, grad.dtype(), grad.shape()),
+                                                 step_scalar(rest1_, grad.dtype(), grad.shape()))
+                                           : fixed_mix(options.beta1));
+  set_state(state, "exp_avg", fixed_mix(options.beta2));
   return p - direction * step_scalar(lr_value(), direction.dtype(), direction.shape());
 }
 

@@ -129,6 +129,9 @@ class Optimizer {
   /// of that dtype.
   Tensor step_scalar(const Tensor& scalar, DType dtype, const Shape& shape,
                      const Loc& loc = Loc::current());
+  /// Inside update(): grad + param * weight_decay (an L2 penalty, as torch's optimizers add it
+  /// without decoupling), one fused node.
+  Tensor with_l2_penalty(const Tensor& grad, const Tensor& param, double weight_decay);
 
  private:
   // The nodes step_constant() and step_scalar() share within a step, by what they hold (a

@@ -3,12 +3,14 @@
 #include "mixtape/runtime/reference_executor.h"
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
 #include <numeric>
+#include <tuple>
 #include <type_traits>
 
 #include "mixtape/dsl/attention.h"
@@ -123,6 +125,26 @@ StoragePtr map_binary(const Node& node, F f) {
     std::vector<T> a = pointwise_input<T>(node, 0);
     std::vector<T> b = pointwise_input<T>(node, 1);
     for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, f(a[i], b[i]));
+  });
+  return out;
+}
+
+// A fused pointwise op (MT_FUSED): f over its N inputs element by element, the parameters past
+// N given zeros (its expression does not name them).
+constexpr size_t kFusedMaxArity = 7;
+template <size_t N, typename F>
+StoragePtr map_fused(const Node& node, F f) {
+  static_assert(N <= kFusedMaxArity);
+  StoragePtr out = new_storage(node);
+  with_compute_type(node.inputs[0]->dtype, [&](auto zero) {
+    using T = decltype(zero);
+    std::array<std::vector<T>, N> in;
+    for (size_t k = 0; k < N; ++k) in[k] = pointwise_input<T>(node, k);
+    std::array<T, kFusedMaxArity> x{};
+    for (int64_t i = 0; i < out->count; ++i) {
+      for (size_t k = 0; k < N; ++k) x[k] = in[k][static_cast<size_t>(i)];
+      store_element(*out, i, std::apply(f, x));
+    }
   });
   return out;
 }
@@ -907,6 +929,14 @@ std::shared_ptr<Storage> reference_compute(const Node& node) {
 #define MT_COMPARE(Name, fname, REF) \
   case OpCode::Name:                 \
     return map_binary(node, [](auto a, auto b) { return REF; });
+#define MT_FUSED(Name, fname, arity, REF)                                                      \
+  case OpCode::Name:                                                                           \
+    return map_fused<arity>(node, [](auto a, [[maybe_unused]] auto b, [[maybe_unused]] auto c, \
+                                     [[maybe_unused]] auto d, [[maybe_unused]] auto e,         \
+                                     [[maybe_unused]] auto f, [[maybe_unused]] auto g) {       \
+      using T = decltype(a);                                                                   \
+      return T(REF);                                                                           \
+    });
 #include "mixtape/dsl/ops.def"
   }
   node_fail(node, "unknown op code {}", static_cast<int>(node.op));
