@@ -1012,16 +1012,13 @@ TEST(GradCheckCoverage, EveryOpHasASampleOrProvablyNoGradient) {
   for (const auto& [op, samples] : table) EXPECT_LT(static_cast<int>(op), mt::op_count());
   // The leaves, comparisons, argmax, argsort, sign, detach, attention's fused gradient and the
   // fused update arithmetic are exactly the no-gradient ops.
-  std::vector<OpCode> expected = {OpCode::Constant,   OpCode::Full,
-                                  OpCode::Arange,     OpCode::RandUniform,
-                                  OpCode::RandNormal, OpCode::Eq,
-                                  OpCode::Ne,         OpCode::Lt,
-                                  OpCode::Le,         OpCode::Gt,
-                                  OpCode::Ge,         OpCode::Argmax,
-                                  OpCode::Sign,       OpCode::Detach,
-                                  OpCode::Argsort,    OpCode::AttentionBackward,
-                                  OpCode::Lincomb,    OpCode::LincombSquare,
-                                  OpCode::AdamStep};
+  std::vector<OpCode> expected = {
+      OpCode::Constant,   OpCode::Full,   OpCode::Arange,  OpCode::RandUniform,
+      OpCode::RandNormal, OpCode::Eq,     OpCode::Ne,      OpCode::Lt,
+      OpCode::Le,         OpCode::Gt,     OpCode::Ge,      OpCode::Argmax,
+      OpCode::Sign,       OpCode::Detach, OpCode::Argsort, OpCode::AttentionBackward,
+      OpCode::MulAdd,     OpCode::SubMul, OpCode::Lincomb, OpCode::LincombSquare,
+      OpCode::AdamStep};
   EXPECT_EQ(probes.size(), expected.size());
   for (OpCode op : expected) EXPECT_TRUE(probes.count(op)) << mt::op_name(op);
 }

@@ -342,7 +342,8 @@ TEST(OpTable, EveryOpHasItsFacts) {
   EXPECT_EQ(no_gradient,
             (std::set<OpCode>{OpCode::Sign, OpCode::Detach, OpCode::Eq, OpCode::Ne, OpCode::Lt,
                               OpCode::Le, OpCode::Gt, OpCode::Ge, OpCode::AttentionBackward,
-                              OpCode::Lincomb, OpCode::LincombSquare, OpCode::AdamStep}));
+                              OpCode::MulAdd, OpCode::SubMul, OpCode::Lincomb,
+                              OpCode::LincombSquare, OpCode::AdamStep}));
   // The table is what the graph reads: a result of such an op never requires grad.
   mt::Tensor x = mt::ones({3}).requires_grad_(true);
   EXPECT_FALSE(mt::sign(x).requires_grad());

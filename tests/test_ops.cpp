@@ -641,6 +641,8 @@ TEST(FusedUpdateArithmetic, StoresWhatItsSingleOpsStoreInF32AndRoundsOnceInHalf)
     for (size_t i = 0; i < u.size(); ++i)
       EXPECT_EQ(std::bit_cast<uint64_t>(u[i]), std::bit_cast<uint64_t>(w[i])) << i;
   };
+  same_bits(mt::mul_add({a, b, c}), a * b + c);
+  same_bits(mt::sub_mul({a, b, c}), a - b * c);
   same_bits(mt::lincomb({a, b, c, d}), a * b + c * d);
   same_bits(mt::lincomb_square({a, b, c, d}), a * b + c * c * d);
   same_bits(mt::adam_step(x), a * b - c / (mt::sqrt(d) * e + f) * g);
@@ -1090,6 +1092,8 @@ void add_pointwise_cases(Oracle& o, Data& d, mt::DType dt) {
   for (mt::Tensor& x : u) x = d.randn({3, 5}, dt);
   u[3] = mt::abs(u[3]) + 0.1;   // a running mean of squares
   u[5] = mt::abs(u[5]) * 1e-3;  // eps
+  o.add("mul_add/" + t, {u[0], u[1], u[2]}, mt::mul_add({u[0], u[1], u[2]}), "a.mul(b).add(c)");
+  o.add("sub_mul/" + t, {u[0], u[1], u[2]}, mt::sub_mul({u[0], u[1], u[2]}), "a.sub(b.mul(c))");
   o.add("lincomb/" + t, {u[0], u[1], u[2], u[3]}, mt::lincomb({u[0], u[1], u[2], u[3]}),
         "a.mul(b).add(c.mul(d))");
   o.add("lincomb_square/" + t, {u[0], u[1], u[2], u[3]},

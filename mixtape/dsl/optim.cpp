@@ -360,17 +360,13 @@ Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state)
       return cycled.defined() ? step_scalar(cycled, x.dtype(), x.shape())
                               : step_constant(options.momentum, x);
     };
-    auto times_momentum = [&](const Tensor& x) { return x * momentum(x); };
     Tensor* previous = find_state(state, "momentum_buffer");
-    // Without dampening the gradient's factor is 1, and g * 1 is g, bit for bit (no contraction
-    // into a fused multiply-add, and flushed denormals flush either way), so the three nodes it
-    // took each step are left out. Under a precision policy the product may be rounded to a
-    // narrower storage, so there it stays.
-    bool undamped = options.dampening == 0 && !current_policy();
-    Tensor buffer = !previous  ? g
-                    : undamped ? times_momentum(*previous) + g
-                               : lincomb({*previous, momentum(*previous), g,
-                                          step_constant(1.0 - options.dampening, g)});
+    // Without dampening the gradient's factor is 1, which mul_add leaves out (g * 1 is g, bit for
+    // bit).
+    Tensor buffer = !previous                ? g
+                    : options.dampening == 0 ? mul_add({*previous, momentum(*previous), g})
+                                             : lincomb({*previous, momentum(*previous), g,
+                                                        step_constant(1.0 - options.dampening, g)});
     // The first update copies the gradient. A skipped first step leaves a zero buffer, which
     // with dampening would not update like that, so a flag records whether one really happened.
     const char* started = "~momentum_started";
@@ -381,9 +377,9 @@ Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state)
     else if (flag)
       std::erase_if(state, [&](const auto& entry) { return entry.first == started; });
     set_state(state, "momentum_buffer", buffer);
-    g = options.nesterov ? g + times_momentum(buffer) : buffer;
+    g = options.nesterov ? mul_add({buffer, momentum(buffer), g}) : buffer;
   }
-  return param - g * step_scalar(lr_value(), g.dtype(), g.shape());
+  return sub_mul({param, g, step_scalar(lr_value(), g.dtype(), g.shape())});
 }
 
 namespace {
@@ -491,10 +487,10 @@ Tensor RMSprop::update(const Tensor& param, const Tensor& grad, NamedTensors& st
     Tensor momentum = !previous          ? Tensor()
                       : cycled.defined() ? step_scalar(cycled, previous->dtype(), previous->shape())
                                          : step_constant(options.momentum, *previous);
-    step = previous ? *previous * momentum + step : step;
+    step = previous ? mul_add({*previous, momentum, step}) : step;
     set_state(state, "momentum_buffer", step);
   }
-  return param - step * step_scalar(lr_value(), step.dtype(), step.shape());
+  return sub_mul({param, step, step_scalar(lr_value(), step.dtype(), step.shape())});
 }
 
 std::string RMSprop::impossible_state(const std::string& name, const Storage& values) const {
@@ -520,7 +516,7 @@ Tensor Adagrad::update(const Tensor& param, const Tensor& grad, NamedTensors& st
   set_state(state, "sum", sum);
   Tensor root = sqrt(sum);
   Tensor ratio = g / (root + step_constant(options.eps, root));
-  return param - ratio * step_scalar(step_lr_, g.dtype(), ratio.shape());
+  return sub_mul({param, ratio, step_scalar(step_lr_, g.dtype(), ratio.shape())});
 }
 
 void Adagrad::begin_step() {
@@ -563,7 +559,7 @@ Tensor Lion::update(const Tensor& param, const Tensor& grad, NamedTensors& state
                                                  step_scalar(rest1_, grad.dtype(), grad.shape()))
                                            : fixed_mix(options.beta1));
   set_state(state, "exp_avg", fixed_mix(options.beta2));
-  return p - direction * step_scalar(lr_value(), direction.dtype(), direction.shape());
+  return sub_mul({p, direction, step_scalar(lr_value(), direction.dtype(), direction.shape())});
 }
 
 Adafactor::Adafactor(std::vector<Tensor> params, AdafactorOptions options)
