@@ -122,7 +122,7 @@ class NoPolicy {
 }  // namespace
 
 DataParallel::DataParallel(Module& module, DataParallelOptions options)
-    : module_(&module), options_(options) {
+    : module_(&module), options_(options), local_(std::make_unique<LocalGradients>()) {
   if (options_.bucket_bytes < 1)
     fail("dist::DataParallel: bucket_bytes {} must be positive", options_.bucket_bytes);
   if (options_.reduce_dtype && !is_floating(*options_.reduce_dtype))
@@ -139,6 +139,9 @@ DataParallel::DataParallel(Module& module, DataParallelOptions options)
 }
 
 DataParallel::~DataParallel() { remove_gradient_hook(hook_); }
+
+DataParallel::NoSync::NoSync() { hold_gradient_sync(); }
+DataParallel::NoSync::~NoSync() { release_gradient_sync(); }
 
 void DataParallel::take_rank0_buffers(std::vector<Tensor>& collectives) {
   // Grouped by type, in the module's order (the same on every process): one all_reduce each,
@@ -184,6 +187,8 @@ void DataParallel::average(LeafGradients& gradients) {
     if (owners[p] && gradient_sharded(owners[p].get())) owners[p].reset();
     if (owners[p]) param_of.emplace(owners[p].get(), p);
   }
+  if (local_->skip(!gradient_slots(gradients, param_of, params_.size()).empty())) return;
+  local_->fold(gradients, owners);
   std::vector<size_t> slot = gradient_slots(gradients, param_of, params_.size());
   if (slot.empty()) return;
   NoGradGuard no_grad;

@@ -1,13 +1,19 @@
 // mixtape/dist/gradient_slots.h -- which of a backward's leaf gradients belongs to which
-// parameter: shared by dist::DataParallel and dist::Zero, whose reductions walk the parameters.
+// parameter, and no_sync's local gradients: shared by dist::DataParallel and dist::Zero, whose
+// reductions walk the parameters.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <unordered_map>
 #include <vector>
 
 #include "mixtape/autograd/grad.h"
+#include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/process_group.h"
 
 namespace mixtape::dist {
 
@@ -27,5 +33,54 @@ inline std::vector<size_t> gradient_slots(
   if (!any) slot.clear();
   return slot;
 }
+
+/// no_sync's side of one reducer (dist::DataParallel, dist::ZeroShards): which backward()s leave
+/// the gradients local, and folding those into the next reduction.
+class LocalGradients {
+ public:
+  LocalGradients() = default;
+  ~LocalGradients() {
+    if (pending_) add_pending_local_gradients(-1);
+  }
+  LocalGradients(const LocalGradients&) = delete;
+  LocalGradients& operator=(const LocalGradients&) = delete;
+
+  /// Whether this backward leaves the gradients local (a no_sync hold is taken). If it reached
+  /// any of the reducer's parameters (`reached`), their .grad now hold local sums that the next
+  /// reducing backward must fold in.
+  bool skip(bool reached) {
+    if (!gradient_sync_held()) return false;
+    if (reached && !pending_) {
+      pending_ = true;
+      add_pending_local_gradients(1);
+    }
+    return true;
+  }
+
+  /// Before a reducing backward's reduction: each parameter's local sum (its .grad, which the
+  /// backward()s under no_sync accumulated) joins this backward's gradient and leaves .grad, so
+  /// that the reduced sum replaces it. The reduction covers every micro-step's gradients, as
+  /// PyTorch DDP's reduces the accumulated .grad.
+  void fold(LeafGradients& gradients, const std::vector<std::shared_ptr<TensorImpl>>& owners) {
+    if (!pending_) return;
+    pending_ = false;
+    add_pending_local_gradients(-1);
+    NoGradGuard no_grad;
+    for (const std::shared_ptr<TensorImpl>& owner : owners) {
+      if (!owner || !owner->grad) continue;
+      Tensor local(owner->grad);
+      owner->grad.reset();
+      auto found = std::find_if(gradients.begin(), gradients.end(),
+                                [&](const auto& entry) { return entry.first == owner; });
+      if (found != gradients.end())
+        found->second = local + found->second;
+      else
+        gradients.emplace_back(owner, local);
+    }
+  }
+
+ private:
+  bool pending_ = false;
+};
 
 }  // namespace mixtape::dist

@@ -46,4 +46,18 @@ struct TensorImpl;
 void set_gradient_sharded(const TensorImpl* parameter, bool sharded);
 bool gradient_sharded(const TensorImpl* parameter);
 
+/// dist::DataParallel::no_sync's state. While a hold is taken (holds nest), backward() leaves
+/// the gradients local: the data-parallel reductions (DataParallel's all_reduce, ZeRO's
+/// reduce_scatter) make no collective, and a reducer whose parameters took local gradients
+/// counts itself pending (add_pending_local_gradients) until the next reducing backward, which
+/// folds them into its reduction.
+void hold_gradient_sync();
+void release_gradient_sync();
+bool gradient_sync_held();
+void add_pending_local_gradients(int delta);
+/// "" for an ordinary step, "no_sync" while a hold is taken, "unsynced" for the step that folds
+/// the local gradients in: the variant of the graph a backward makes, which mt::compile keys its
+/// traces on, so that a replay never runs the graph of another variant.
+const char* gradient_sync_variant();
+
 }  // namespace mixtape
