@@ -57,6 +57,9 @@ const char* gradient_sync_variant() {
 
 ProcessGroup* process_group() { return installed().get(); }
 void set_process_group(std::shared_ptr<ProcessGroup> group) { installed() = std::move(group); }
+std::shared_ptr<ProcessGroup> exchange_process_group(std::shared_ptr<ProcessGroup> group) {
+  return std::exchange(installed(), std::move(group));
+}
 int process_rank() { return installed() ? installed()->rank() : 0; }
 int process_count() { return installed() ? installed()->size() : 1; }
 

@@ -34,6 +34,9 @@ class ProcessGroup {
 /// The installed group (dist::init installs MPI's); null: one process.
 ProcessGroup* process_group();
 void set_process_group(std::shared_ptr<ProcessGroup> group);
+/// set_process_group returning the group it replaces: a test runs one process's code (null)
+/// inside a run of several, then puts the group back.
+std::shared_ptr<ProcessGroup> exchange_process_group(std::shared_ptr<ProcessGroup> group);
 /// process_group()'s rank and size, 0 and 1 without one.
 int process_rank();
 int process_count();
