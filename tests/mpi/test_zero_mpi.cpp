@@ -21,6 +21,7 @@
 #include "mixtape/dist/zero.h"
 #include "mixtape/dsl/process_group.h"
 #include "mixtape/mixtape.h"
+#include "mixtape/runtime/all_reduce.h"
 #include "tests/test_util.h"
 
 namespace mt = mixtape;
@@ -280,6 +281,59 @@ TEST_F(Zero, CompiledStepsReplayTheShardedStep) {
   if (mt::current_device() != mt::Device::reference) {  // which has no programs to replay
     EXPECT_GE(compiled.replays, kSteps - 3) << "the steps after the first traces are replays";
   }
+}
+
+// Five steps of SGD with momentum, each of two micro-batches per rank (half a rank's rows each),
+// the first under no_sync; or one process alone at both ranks' rows in one backward. Counts
+// the collectives of the no_sync micro-steps.
+std::vector<float> accumulate(Kind kind, int64_t& no_sync_collectives) {
+  mt::manual_seed(7);
+  Net net;
+  const mt::SGDOptions sgd{.lr = 0.05, .momentum = 0.9};
+  std::optional<mt::dist::DataParallel> ddp;
+  std::unique_ptr<mt::Optimizer> opt;
+  if (kind == Kind::alone) {
+    opt = std::make_unique<mt::SGD>(net.parameters(), sgd);
+  } else {
+    ddp.emplace(net);
+    if (kind == Kind::zero)
+      opt = std::make_unique<mt::dist::ZeroSGD>(net.parameters(), sgd);
+    else
+      opt = std::make_unique<mt::SGD>(net.parameters(), sgd);
+  }
+  const int64_t half = kBatch / 2, first = mt::dist::rank() * kBatch;
+  for (int s = 0; s < 5; ++s) {
+    opt->zero_grad();
+    if (kind == Kind::alone) {
+      auto [x, y] = batch(s, 0, 2 * kBatch);
+      mt::cross_entropy(net(x), y).backward();
+    } else {
+      {
+        auto guard = ddp->no_sync();
+        auto [x, y] = batch(s, first, half);
+        mt::reset_collective_stats();
+        (mt::cross_entropy(net(x), y) / 2.0).backward();
+        std::vector<mt::Tensor> grads;
+        for (const mt::Tensor& p : net.parameters()) grads.push_back(p.grad());
+        mt::eval(grads);
+        no_sync_collectives += mt::collective_stats().calls;
+      }
+      auto [x, y] = batch(s, first + half, half);
+      (mt::cross_entropy(net(x), y) / 2.0).backward();
+    }
+    opt->step();
+  }
+  return flat_parameters(net);
+}
+
+TEST_F(Zero, NoSyncHoldsBackTheReduceScatterAndTheNextBackwardReducesTheSum) {
+  int64_t collectives = 0;
+  std::vector<float> zero = accumulate(Kind::zero, collectives);
+  std::vector<float> plain = accumulate(Kind::data_parallel, collectives);
+  EXPECT_EQ(collectives, 0) << "no collective in a no_sync micro-step";
+  std::vector<float> alone = accumulate(Kind::alone, collectives);
+  EXPECT_LE(worst_difference(zero, plain), 1e-6);
+  EXPECT_LE(worst_difference(zero, alone), 1e-6);
 }
 
 // The optimizer-state bytes memory_report counts on each rank, before the first step (the
