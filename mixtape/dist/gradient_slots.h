@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <unordered_map>
 #include <vector>
 
@@ -40,7 +41,8 @@ class LocalGradients {
  public:
   LocalGradients() = default;
   ~LocalGradients() {
-    if (pending_) add_pending_local_gradients(-1);
+    pending_->set(false);
+    pending_->alive = false;  // a compiled step that outlives the reducer changes nothing
   }
   LocalGradients(const LocalGradients&) = delete;
   LocalGradients& operator=(const LocalGradients&) = delete;
@@ -50,10 +52,8 @@ class LocalGradients {
   /// reducing backward must fold in.
   bool skip(bool reached) {
     if (!gradient_sync_held()) return false;
-    if (reached && !pending_) {
-      pending_ = true;
-      add_pending_local_gradients(1);
-    }
+    if (reached) pending_->set(true);
+    watch(reached ? std::optional<bool>(true) : std::nullopt);
     return true;
   }
 
@@ -62,9 +62,13 @@ class LocalGradients {
   /// that the reduced sum replaces it. The reduction covers every micro-step's gradients, as
   /// PyTorch DDP's reduces the accumulated .grad.
   void fold(LeafGradients& gradients, const std::vector<std::shared_ptr<TensorImpl>>& owners) {
-    if (!pending_) return;
-    pending_ = false;
-    add_pending_local_gradients(-1);
+    const bool folding = pending_->pending;
+    if (folding) {
+      pending_->set(false);
+      ++pending_->folds;
+    }
+    watch(folding ? std::optional<bool>(false) : std::nullopt);
+    if (!folding) return;
     NoGradGuard no_grad;
     for (const std::shared_ptr<TensorImpl>& owner : owners) {
       if (!owner || !owner->grad) continue;
@@ -80,7 +84,47 @@ class LocalGradients {
   }
 
  private:
-  bool pending_ = false;
+  // Whether local gradients wait, counted in add_pending_local_gradients (mt::compile's key),
+  // and how many reductions folded them in.
+  struct Pending {
+    bool pending = false;
+    bool alive = true;
+    int64_t folds = 0;
+    void set(bool value) {
+      if (!alive || pending == value) return;
+      pending = value;
+      add_pending_local_gradients(value ? 1 : -1);
+    }
+  };
+  // A compiled step's part in this: a replay runs no gradient hook, so it makes the change the
+  // traced call made (a replayed no_sync micro-step still leaves the next call the one that
+  // folds); and a reduction that folded local gradients outside the step since its last call
+  // replaced the .grad it reads, which the step's plan cannot see: it traces again.
+  class Replayed final : public StepHook {
+   public:
+    Replayed(std::shared_ptr<Pending> pending, std::optional<bool> value)
+        : pending_(std::move(pending)), value_(value), seen_(pending_->folds) {}
+    const char* stale() const override {
+      return pending_->folds != seen_
+                 ? "no_sync's local gradients were folded into a reduction outside the step since "
+                   "its last call"
+                 : nullptr;
+    }
+    void ran(const std::vector<std::shared_ptr<Storage>>&) override {
+      if (value_) pending_->set(*value_);
+      seen_ = pending_->folds;
+    }
+
+   private:
+    std::shared_ptr<Pending> pending_;
+    std::optional<bool> value_;
+    int64_t seen_;
+  };
+  void watch(std::optional<bool> value) {
+    on_each_call(std::make_shared<Replayed>(pending_, value));
+  }
+
+  std::shared_ptr<Pending> pending_ = std::make_shared<Pending>();
 };
 
 }  // namespace mixtape::dist
