@@ -3,6 +3,7 @@
 // layout), each process reading its own file at the same world size, all of them at another.
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <exception>
 #include <filesystem>
@@ -120,8 +121,8 @@ struct Index {
   std::map<std::string, Pieces> pieces;
 };
 
-// The index rank 0 writes, from what every process wrote (`written`: per process, its file's
-// bytes and its pieces, one "name begin end dims..." line each).
+// The index rank 0 writes, from what every process wrote (`written`: per process, JSON
+// {"bytes": its file's tensor bytes, "pieces": [[name, begin, end, shape], ...]}).
 json::Value make_index(const std::string& id, const Module& module, const Metadata& meta,
                        const std::vector<std::string>& whole_names, const std::vector<int>& owners,
                        const std::vector<std::string>& written) {
@@ -129,18 +130,13 @@ json::Value make_index(const std::string& id, const Module& module, const Metada
   json::Value pieces = json::Value::object();
   int64_t total = 0;
   for (int q = 0; q < processes; ++q) {
-    std::istringstream lines(written[q]);
-    int64_t bytes = 0;
-    lines >> bytes;
-    total += bytes;
-    std::string name;
-    int64_t begin = 0, end = 0, rank = 0;
-    while (lines >> name >> begin >> end >> rank) {
-      json::Value shape = json::Value::array();
-      for (int64_t d = 0, size = 0; d < rank && lines >> size; ++d) shape.push_back(size);
-      json::Value& entry = pieces[name];
-      if (entry.is_null()) entry = {{"shape", std::move(shape)}, {"files", json::Value::array()}};
-      entry["files"].push_back(json::Value::array({file_name(q, processes), begin, end}));
+    const json::Value mine = json::parse(written[q]);
+    total += json::as_int(mine.at("bytes"));
+    for (const json::Value& piece : mine.at("pieces")) {
+      json::Value& entry = pieces[piece.at(0).get<std::string>()];
+      if (entry.is_null()) entry = {{"shape", piece.at(3)}, {"files", json::Value::array()}};
+      entry["files"].push_back(
+          json::Value::array({file_name(q, processes), piece.at(1), piece.at(2)}));
     }
   }
   json::Value index = json::Value::object();
@@ -172,8 +168,11 @@ std::string text(const json::Value& value, std::string_view what, const std::str
 
 int file_index(const Index& index, const json::Value& name) {
   const std::string file = text(name, "a file name", index.path);
-  for (int q = 0; q < index.world_size; ++q)
-    if (file == file_name(q, index.world_size)) return q;
+  int rank = 0, processes = 0;
+  if (std::sscanf(file.c_str(), "checkpoint-%d-of-%d", &rank, &processes) == 2 &&
+      processes == index.world_size && rank >= 1 && rank <= processes &&
+      file == file_name(rank - 1, processes))
+    return rank - 1;
   fail("load_checkpoint_sharded {}: '{}' is none of the index's {} shard files", index.path, file,
        index.world_size);
 }
@@ -333,7 +332,7 @@ void save_checkpoint_sharded(const std::string& dir, const Module& module,
   NamedTensors mine;
   std::vector<std::string> whole_names;
   std::vector<int64_t> whole_bytes;
-  std::string written;
+  json::Value my_pieces = json::Value::array();
   int64_t my_bytes = 0;
   std::map<std::string, size_t> parameter_index;
   if (sharded_state) parameter_index = parameter_indices(module, *optimizer);
@@ -342,10 +341,7 @@ void save_checkpoint_sharded(const std::string& dir, const Module& module,
       // This process's elements [first, last) of the parameter's flattened state.
       const size_t i = parameter_index.at(parameter_of(name));
       auto [first, last] = zero->shards().held(i);
-      const Shape& shape = optimizer->params()[i].shape();
-      written += fmt::format("{} {} {} {}", name, first, last, shape.size());
-      for (int64_t size : shape) written += fmt::format(" {}", size);
-      written += "\n";
+      my_pieces.push_back(json::Value::array({name, first, last, optimizer->params()[i].shape()}));
       mine.emplace_back(name, value);
       my_bytes += bytes_of(value);
       continue;
@@ -362,7 +358,7 @@ void save_checkpoint_sharded(const std::string& dir, const Module& module,
     }
     ++at;
   }
-  written = fmt::format("{}\n", my_bytes) + written;
+  const std::string written = json::dump({{"bytes", my_bytes}, {"pieces", std::move(my_pieces)}});
   const std::string id = new_checkpoint_id();
   try {
     std::filesystem::create_directories(dir);
@@ -417,10 +413,13 @@ void load_checkpoint_sharded(const std::string& dir, Module& module, Optimizer* 
         const std::map<std::string, size_t> at = parameter_indices(module, *optimizer);
         for (const safetensors::TensorData& data : pieces)
           for (const auto& [file, begin, end] : index.pieces.at(data.name).parts)
-            if (file == rank && zero->shards().held(at.at(parameter_of(data.name))) !=
-                                    std::pair<int64_t, int64_t>(begin, end))
-              fail("load_checkpoint_sharded {}: '{}' is not sharded as this run shards it",
-                   index.path, data.name);
+            if (file == rank && (!at.count(parameter_of(data.name)) ||
+                                 zero->shards().held(at.at(parameter_of(data.name))) !=
+                                     std::pair<int64_t, int64_t>(begin, end)))
+              fail(
+                  "load_checkpoint_sharded {}: '{}' is not sharded as this run's optimizer "
+                  "shards it (another optimizer's parameters?)",
+                  index.path, data.name);
       }
       entries = tensors_of(std::move(pieces));
       const std::vector<std::byte> bytes = safetensors::serialize(whole);
