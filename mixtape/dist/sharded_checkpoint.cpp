@@ -184,7 +184,12 @@ Index read_index(const std::string& dir) {
   if (!in) fail("load_checkpoint_sharded: cannot open {}: {}", index.path, std::strerror(errno));
   std::stringstream contents;
   contents << in.rdbuf();
-  const json::Value doc = json::parse(contents.str());
+  json::Value doc;
+  try {
+    doc = json::parse(contents.str());
+  } catch (const Error& e) {
+    fail("load_checkpoint_sharded {}: {}", index.path, e.what());
+  }
   const json::Value& meta = member(doc, "metadata", index.path);
   if (text(member(meta, "format", index.path), "metadata.format", index.path) != kFormat)
     fail("load_checkpoint_sharded {}: not a {} index", index.path, kFormat);
