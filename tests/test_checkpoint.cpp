@@ -22,6 +22,8 @@
 
 #include <mixtape/mixtape.h>
 
+#include "mixtape/dist/checkpoint.h"
+
 #include "tests/test_util.h"
 
 namespace mt = mixtape;
@@ -151,10 +153,16 @@ Training batch_norm_run(uint64_t seed) {
   });
 }
 
-void check_resume(const std::function<Training(uint64_t)>& make, const std::string& file) {
+using Save = std::function<void(const std::string&, const mt::Module&, const mt::Optimizer*)>;
+using Load = std::function<void(const std::string&, mt::Module&, mt::Optimizer*)>;
+
+void check_resume(
+    const std::function<Training(uint64_t)>& make, const std::string& file,
+    const Save& save = [](auto& f, auto& m, auto* o) { mt::save_checkpoint(f, m, o); },
+    const Load& load = [](auto& f, auto& m, auto* o) { mt::load_checkpoint(f, m, o); }) {
   Training original = make(1);
   original.train(0, 3);
-  mt::save_checkpoint(file, *original.model, original.opt.get());
+  save(file, *original.model, original.opt.get());
   Snapshot saved = snapshot(*original.model, original.opt.get());
   Snapshot saved_model = snapshot(*original.model);
   ASSERT_EQ(saved.steps, 3);
@@ -164,7 +172,7 @@ void check_resume(const std::function<Training(uint64_t)>& make, const std::stri
   Training resumed = make(2);  // different initial values, and no optimizer state yet
   ASSERT_FALSE(snapshot(*resumed.model) == saved_model);
   EXPECT_EQ(resumed.opt->steps_taken(), 0);
-  mt::load_checkpoint(file, *resumed.model, resumed.opt.get());
+  load(file, *resumed.model, resumed.opt.get());
   Snapshot loaded = snapshot(*resumed.model, resumed.opt.get());
   ASSERT_EQ(loaded.entries.size(), saved.entries.size());
   for (size_t i = 0; i < saved.entries.size(); ++i) {
@@ -186,6 +194,26 @@ void check_resume(const std::function<Training(uint64_t)>& make, const std::stri
 }
 
 TEST_F(Checkpoint, MlpResumesBitIdentically) { check_resume(mlp_run, path("mlp.safetensors")); }
+
+// One process's sharded checkpoint (dist::save_checkpoint_sharded without mpirun): one shard file
+// and the index, resumed bit for bit; an index that is not JSON, or of no sharded checkpoint, is
+// an mt::Error naming it.
+TEST_F(Checkpoint, OneProcessShardedCheckpointResumesBitIdentically) {
+  const std::string dir = path("sharded");
+  check_resume(
+      batch_norm_run, dir,
+      [](auto& d, auto& m, auto* o) { mt::dist::save_checkpoint_sharded(d, m, o); },
+      [](auto& d, auto& m, auto* o) { mt::dist::load_checkpoint_sharded(d, m, o); });
+  EXPECT_TRUE(fs::exists(dir + "/checkpoint-00001-of-00001.safetensors"));
+  Training run = batch_norm_run(3);
+  const std::string index = dir + "/checkpoint.safetensors.index.json";
+  write_bytes(index, Bytes(3, std::byte{'{'}));
+  EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(dir, *run.model, run.opt.get()), index,
+                  "json: syntax error");
+  std::ofstream(index) << R"({"metadata": {"format": "mixtape-checkpoint-1"}})";
+  EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(dir, *run.model, run.opt.get()), index,
+                  "not a mixtape-sharded-checkpoint-1 index");
+}
 
 // The MLP under another optimizer, with a schedule that follows the restored step count.
 std::function<Training(uint64_t)> mlp_run_with(

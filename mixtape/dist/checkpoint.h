@@ -1,5 +1,6 @@
 // mixtape/dist/checkpoint.h -- checkpoints of a data-parallel run: rank 0 writes an ordinary
-// checkpoint (ZeRO shards gathered), which every process loads, at any world size.
+// checkpoint (ZeRO shards gathered), which every process loads, at any world size; or, for large
+// models, every process writes its own file plus rank 0 an index (sharded).
 #pragma once
 
 #include <string>
@@ -25,5 +26,33 @@ void save_checkpoint(const std::string& path, const Module& module,
 void load_checkpoint(const std::string& path, Module& module, Optimizer* optimizer = nullptr,
                      Metadata* metadata = nullptr, GradScaler* scaler = nullptr,
                      const CheckpointOptions& options = {});
+
+/// The sharded checkpoint, for models whose state is too large to gather on one process: called
+/// by every process with the same arguments, each writes its own safetensors file
+/// `dir`/checkpoint-0000<r+1>-of-0000<N>.safetensors (atomically, as mt::save_checkpoint does):
+/// a ZeRO optimizer's (dist::Zero) state shards as this process holds them, and an equal share by
+/// bytes of the replicated entries (parameters, buffers, a plain optimizer's state, the scaler
+/// and loader tensors), each whole in one file. Rank 0 then writes the index
+/// `dir`/checkpoint.safetensors.index.json, as Hugging Face's model.safetensors.index.json: its
+/// "weight_map" names the file of each whole entry, "pieces" the files and element ranges of each
+/// sharded optimizer state, and it holds the world size, the model's entries (name, shape,
+/// dtype), the checkpoint's metadata (optimizer kind and steps, scaler, generators, loaders,
+/// `metadata`) and an id that every shard file repeats. The index is written last, so a save
+/// interrupted before it leaves a directory whose index does not match its files. Returns on
+/// every process once all is written; an error on any is an mt::Error on every process.
+void save_checkpoint_sharded(const std::string& dir, const Module& module,
+                             const Optimizer* optimizer = nullptr, const Metadata& metadata = {},
+                             const GradScaler* scaler = nullptr,
+                             const CheckpointOptions& options = {});
+/// Loads what save_checkpoint_sharded wrote, on every process, with mt::load_checkpoint's checks.
+/// At the world size it was saved at, each process reads only its own file and the processes
+/// exchange the replicated entries; at any other (1 included), or into a plain optimizer from
+/// ZeRO shards, every process reads every file and reassembles the whole state, which a ZeRO
+/// optimizer then cuts into this run's shards. Another model (its entries are named in the
+/// error), an index and shard files of different saves, a missing or corrupt file: an mt::Error
+/// on every process, never a hang.
+void load_checkpoint_sharded(const std::string& dir, Module& module, Optimizer* optimizer = nullptr,
+                             Metadata* metadata = nullptr, GradScaler* scaler = nullptr,
+                             const CheckpointOptions& options = {});
 
 }  // namespace mixtape::dist

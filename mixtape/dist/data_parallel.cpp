@@ -6,6 +6,7 @@
 #include <unordered_map>
 
 #include "mixtape/dist/dist.h"
+#include "mixtape/dist/exchange.h"
 #include "mixtape/dist/gradient_slots.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
@@ -14,14 +15,6 @@
 
 namespace mixtape::dist {
 namespace {
-
-// One line per parameter and buffer: what every process must agree on.
-std::vector<std::string> describe(const NamedTensors& state) {
-  std::vector<std::string> lines;
-  for (const auto& [name, t] : state)
-    lines.push_back(fmt::format("{} {} {}", name, to_string(t.shape()), mixtape::name(t.dtype())));
-  return lines;
-}
 
 std::string join(const std::vector<std::string>& lines) {
   std::string text;
@@ -39,31 +32,9 @@ std::vector<std::string> split(std::string_view text) {
   return lines;
 }
 
-// Every process's text, on every process.
-std::vector<std::string> gather_text(ProcessGroup& group, const std::string& mine) {
-  const int n = group.size();
-  std::vector<int64_t> lengths(n), one(n, sizeof(int64_t)), at(n);
-  for (int q = 0; q < n; ++q) at[q] = q * static_cast<int64_t>(sizeof(int64_t));
-  const int64_t length = static_cast<int64_t>(mine.size());
-  group.all_gather(reinterpret_cast<const std::byte*>(&length), sizeof(int64_t),
-                   reinterpret_cast<std::byte*>(lengths.data()), one, at);
-  std::vector<int64_t> offsets(n);
-  int64_t total = 0;
-  for (int q = 0; q < n; ++q) {
-    offsets[q] = total;
-    total += lengths[q];
-  }
-  std::string all(static_cast<size_t>(total), '\0');
-  group.all_gather(reinterpret_cast<const std::byte*>(mine.data()), length,
-                   reinterpret_cast<std::byte*>(all.data()), lengths, offsets);
-  std::vector<std::string> texts;
-  for (int q = 0; q < n; ++q) texts.push_back(all.substr(offsets[q], lengths[q]));
-  return texts;
-}
-
 // The same error on every process, naming the first process and entry that differ from rank 0.
 void check_same_model(ProcessGroup& group, const NamedTensors& state) {
-  std::vector<std::string> texts = gather_text(group, join(describe(state)));
+  std::vector<std::string> texts = gather_text(group, join(describe_entries(state)));
   const std::vector<std::string> first = split(texts[0]);
   for (size_t q = 1; q < texts.size(); ++q) {
     if (texts[q] == texts[0]) continue;
@@ -122,7 +93,7 @@ class NoPolicy {
 }  // namespace
 
 DataParallel::DataParallel(Module& module, DataParallelOptions options)
-    : module_(&module), options_(options) {
+    : module_(&module), options_(options), local_(std::make_unique<LocalGradients>()) {
   if (options_.bucket_bytes < 1)
     fail("dist::DataParallel: bucket_bytes {} must be positive", options_.bucket_bytes);
   if (options_.reduce_dtype && !is_floating(*options_.reduce_dtype))
@@ -139,6 +110,9 @@ DataParallel::DataParallel(Module& module, DataParallelOptions options)
 }
 
 DataParallel::~DataParallel() { remove_gradient_hook(hook_); }
+
+DataParallel::NoSync::NoSync() { hold_gradient_sync(); }
+DataParallel::NoSync::~NoSync() { release_gradient_sync(); }
 
 void DataParallel::take_rank0_buffers(std::vector<Tensor>& collectives) {
   // Grouped by type, in the module's order (the same on every process): one all_reduce each,
@@ -184,6 +158,8 @@ void DataParallel::average(LeafGradients& gradients) {
     if (owners[p] && gradient_sharded(owners[p].get())) owners[p].reset();
     if (owners[p]) param_of.emplace(owners[p].get(), p);
   }
+  if (local_->skip(!gradient_slots(gradients, param_of, params_.size()).empty())) return;
+  local_->fold(gradients, owners);
   std::vector<size_t> slot = gradient_slots(gradients, param_of, params_.size());
   if (slot.empty()) return;
   NoGradGuard no_grad;

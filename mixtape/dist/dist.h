@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -11,6 +12,8 @@
 #include "mixtape/dsl/module.h"
 
 namespace mixtape::dist {
+
+class LocalGradients;
 
 /// The processes of this run, as init() found them.
 struct World {
@@ -70,6 +73,29 @@ class DataParallel {
   /// The all_reduce nodes (buckets) the last backward() made.
   int64_t last_buckets() const { return last_buckets_; }
 
+  /// PyTorch DDP's no_sync, for gradient accumulation: while the guard lives, backward() makes
+  /// no collective and accumulates each process's own gradients into .grad; the next backward
+  /// outside it reduces the accumulated sums with its own gradients (the micro-steps' sum,
+  /// averaged over the processes).
+  ///   for (int micro = 0; micro + 1 < k; ++micro) {
+  ///     auto guard = ddp.no_sync();
+  ///     (loss(micro) / k).backward();
+  ///   }
+  ///   (loss(k - 1) / k).backward();  // reduces
+  ///   opt.step();
+  /// The hold is the process's: it also suspends a ZeRO optimizer's reduce_scatter. mt::compile
+  /// keys its traces on it (dsl/process_group.h's gradient_sync_variant()), so a step compiled
+  /// under no_sync and the same step compiled outside it each replay their own graph; a guard
+  /// taken inside a compiled function is part of its trace.
+  class [[nodiscard]] NoSync {
+   public:
+    NoSync();
+    ~NoSync();
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+  };
+  NoSync no_sync() const { return NoSync(); }
+
  private:
   void average(LeafGradients& gradients);
   // Sets every buffer to rank 0's value (all_reduce nodes, appended to `collectives`).
@@ -82,6 +108,7 @@ class DataParallel {
   std::vector<std::weak_ptr<TensorImpl>> params_;
   int64_t hook_ = 0;
   int64_t last_buckets_ = 0;
+  std::unique_ptr<LocalGradients> local_;  // no_sync's pending local gradients
 };
 
 }  // namespace mixtape::dist

@@ -29,7 +29,8 @@ Tensor* find_entry(NamedTensors& state, const std::string& name) {
 
 }  // namespace
 
-ZeroShards::ZeroShards(const std::vector<Tensor>& params) : params_(params) {
+ZeroShards::ZeroShards(const std::vector<Tensor>& params)
+    : params_(params), local_(std::make_unique<LocalGradients>()) {
   if (ProcessGroup* group = process_group()) {
     processes_ = group->size();
     rank_ = group->rank();
@@ -154,6 +155,10 @@ void ZeroShards::assemble(const std::vector<size_t>& updated,
 void ZeroShards::reduce(LeafGradients& gradients) const {
   std::unordered_map<const TensorImpl*, size_t> index;
   for (size_t i = 0; i < owners_.size(); ++i) index.emplace(owners_[i], i);
+  if (local_->skip(!gradient_slots(gradients, index, params_.size()).empty())) return;
+  std::vector<std::shared_ptr<TensorImpl>> owners;
+  for (const Tensor& p : params_) owners.push_back(p.node()->grad_owner.lock());
+  local_->fold(gradients, owners);
   std::vector<size_t> slot = gradient_slots(gradients, index, params_.size());
   // As dist::DataParallel: a backward that reached none of them reduces nothing; one that
   // reached some gives the others zeros, so every process's flat buffers hold the same layout.

@@ -14,6 +14,8 @@
 
 namespace mixtape::dist {
 
+class LocalGradients;
+
 /// How ZeRO-1 cuts an optimizer's parameters into shards, as DeepSpeed's stage 1 does: the
 /// parameters of one dtype, in the optimizer's order, flattened into one buffer, padded at its
 /// end with zeros to a multiple of the process count N (DeepSpeed's
@@ -78,6 +80,7 @@ class ZeroShards {
   std::vector<Group> groups_;
   int processes_ = 1, rank_ = 0;
   int64_t hook_ = -1;
+  std::unique_ptr<LocalGradients> local_;  // no_sync's pending local gradients
 };
 
 /// What dist::save_checkpoint and dist::load_checkpoint need of a ZeRO optimizer, whatever its

@@ -1,5 +1,5 @@
 // mixtape/dsl/process_group.cpp -- the installed process group (none: one process), and the
-// parameters whose gradients ZeRO shards.
+// parameters whose gradients ZeRO shards, and no_sync's holds.
 #include "mixtape/dsl/process_group.h"
 
 #include <mutex>
@@ -24,6 +24,10 @@ ShardedGradients& sharded_gradients() {
   return *set;
 }
 
+// Steps are built, traced and run by one thread at a time, as the gradient hooks run.
+int sync_holds = 0;
+int pending_local_gradients = 0;
+
 }  // namespace
 
 void set_gradient_sharded(const TensorImpl* parameter, bool sharded) {
@@ -41,8 +45,21 @@ bool gradient_sharded(const TensorImpl* parameter) {
   return parameter && set.parameters.count(parameter) > 0;
 }
 
+void hold_gradient_sync() { ++sync_holds; }
+void release_gradient_sync() { --sync_holds; }
+bool gradient_sync_held() { return sync_holds > 0; }
+void add_pending_local_gradients(int delta) { pending_local_gradients += delta; }
+
+const char* gradient_sync_variant() {
+  if (sync_holds > 0) return "no_sync";
+  return pending_local_gradients > 0 ? "unsynced" : "";
+}
+
 ProcessGroup* process_group() { return installed().get(); }
 void set_process_group(std::shared_ptr<ProcessGroup> group) { installed() = std::move(group); }
+std::shared_ptr<ProcessGroup> exchange_process_group(std::shared_ptr<ProcessGroup> group) {
+  return std::exchange(installed(), std::move(group));
+}
 int process_rank() { return installed() ? installed()->rank() : 0; }
 int process_count() { return installed() ? installed()->size() : 1; }
 

@@ -34,6 +34,9 @@ class ProcessGroup {
 /// The installed group (dist::init installs MPI's); null: one process.
 ProcessGroup* process_group();
 void set_process_group(std::shared_ptr<ProcessGroup> group);
+/// set_process_group returning the group it replaces: a test runs one process's code (null)
+/// inside a run of several, then puts the group back.
+std::shared_ptr<ProcessGroup> exchange_process_group(std::shared_ptr<ProcessGroup> group);
 /// process_group()'s rank and size, 0 and 1 without one.
 int process_rank();
 int process_count();
@@ -45,5 +48,19 @@ struct TensorImpl;
 /// reduction to ZeRO. Unmarked when `sharded` is false.
 void set_gradient_sharded(const TensorImpl* parameter, bool sharded);
 bool gradient_sharded(const TensorImpl* parameter);
+
+/// dist::DataParallel::no_sync's state. While a hold is taken (holds nest), backward() leaves
+/// the gradients local: the data-parallel reductions (DataParallel's all_reduce, ZeRO's
+/// reduce_scatter) make no collective, and a reducer whose parameters took local gradients
+/// counts itself pending (add_pending_local_gradients) until the next reducing backward, which
+/// folds them into its reduction.
+void hold_gradient_sync();
+void release_gradient_sync();
+bool gradient_sync_held();
+void add_pending_local_gradients(int delta);
+/// "" for an ordinary step, "no_sync" while a hold is taken, "unsynced" for the step that folds
+/// the local gradients in: the variant of the graph a backward makes, which mt::compile keys its
+/// traces on, so that a replay never runs the graph of another variant.
+const char* gradient_sync_variant();
 
 }  // namespace mixtape

@@ -180,9 +180,11 @@ NamedTensors load_tensors(const std::string& path, Metadata* metadata) {
   return out;
 }
 
-void save_checkpoint(const std::string& path, const Module& module, const Optimizer* optimizer,
-                     const Metadata& metadata, const GradScaler* scaler,
-                     const CheckpointOptions& options) {
+std::pair<NamedTensors, Metadata> checkpoint_entries(const std::string& path, const Module& module,
+                                                     const Optimizer* optimizer,
+                                                     const Metadata& metadata,
+                                                     const GradScaler* scaler,
+                                                     const CheckpointOptions& options) {
   check_options(path, options);
   NamedTensors tensors = module.state_dict();
   Metadata meta = metadata;
@@ -218,6 +220,13 @@ void save_checkpoint(const std::string& path, const Module& module, const Optimi
     meta.emplace_back(loader_key(i, "seed"), std::to_string(state.seed));
     meta.emplace_back(loader_key(i, "drop_last"), state.drop_last ? "true" : "false");
   }
+  return {std::move(tensors), std::move(meta)};
+}
+
+void save_checkpoint(const std::string& path, const Module& module, const Optimizer* optimizer,
+                     const Metadata& metadata, const GradScaler* scaler,
+                     const CheckpointOptions& options) {
+  auto [tensors, meta] = checkpoint_entries(path, module, optimizer, metadata, scaler, options);
   save_tensors(path, tensors, meta);
 }
 
@@ -226,6 +235,13 @@ void load_checkpoint(const std::string& path, Module& module, Optimizer* optimiz
   check_options(path, options);
   Metadata meta;
   NamedTensors all = load_tensors(path, &meta);
+  restore_checkpoint(path, all, std::move(meta), module, optimizer, metadata, scaler, options);
+}
+
+void restore_checkpoint(const std::string& path, const NamedTensors& all, Metadata meta,
+                        Module& module, Optimizer* optimizer, Metadata* metadata,
+                        GradScaler* scaler, const CheckpointOptions& options) {
+  check_options(path, options);
   NamedTensors model, optimizer_entries;
   for (auto& entry : all)
     if (!is_scaler_tensor(entry.first) && !is_loader_tensor(entry.first))

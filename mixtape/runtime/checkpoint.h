@@ -61,4 +61,19 @@ void load_checkpoint(const std::string& path, Module& module, Optimizer* optimiz
                      Metadata* metadata = nullptr, GradScaler* scaler = nullptr,
                      const CheckpointOptions& options = {});
 
+/// What save_checkpoint writes to `path` (named in errors), as tensors and metadata in memory:
+/// for writers that place the entries themselves (dist::save_checkpoint_sharded).
+std::pair<NamedTensors, Metadata> checkpoint_entries(const std::string& path, const Module& module,
+                                                     const Optimizer* optimizer = nullptr,
+                                                     const Metadata& metadata = {},
+                                                     const GradScaler* scaler = nullptr,
+                                                     const CheckpointOptions& options = {});
+/// load_checkpoint from entries in memory (`origin` names them in errors), with its checks: an
+/// optimizer's state entries are checked against its local_shape()s, so a ZeRO optimizer takes
+/// its own shards' state.
+void restore_checkpoint(const std::string& origin, const NamedTensors& entries, Metadata metadata,
+                        Module& module, Optimizer* optimizer = nullptr,
+                        Metadata* metadata_out = nullptr, GradScaler* scaler = nullptr,
+                        const CheckpointOptions& options = {});
+
 }  // namespace mixtape

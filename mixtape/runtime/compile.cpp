@@ -11,6 +11,7 @@
 
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/log.h"
+#include "mixtape/dsl/process_group.h"
 #include "mixtape/runtime/cpu_executor.h"
 #include "mixtape/runtime/cuda_executor.h"
 #include "mixtape/runtime/cuda_values.h"
@@ -385,8 +386,11 @@ struct Entry {
 };
 
 std::string signature_key(const std::vector<Tensor>& args) {
-  std::string key =
-      fmt::format("{}{}", device_name(current_device()), eager_mode() ? "/eager" : "");
+  // A data-parallel backward makes another graph under no_sync, and another again when it
+  // folds no_sync's local gradients into its reduction: each variant has traces of its own.
+  const char* sync = gradient_sync_variant();
+  std::string key = fmt::format("{}{}{}{}", device_name(current_device()),
+                                eager_mode() ? "/eager" : "", *sync ? "/" : "", sync);
   for (const Tensor& a : args) {
     if (!a.defined()) {
       key += "|-";

@@ -1,7 +1,8 @@
 // tests/mpi/test_dist_mpi.cpp -- data-parallel training on two processes (ctest label mpi, run
 // by mpirun -np 2): the digits MLP on 2 ranks at batch B against 1 process at batch 2B, bit-equal
 // repeats, a non-finite gradient on one rank skipping the step on all, mt::compile replays,
-// mismatched models refused on every rank, and batch norm's buffers kept at rank 0's.
+// mismatched models refused on every rank, batch norm's buffers kept at rank 0's, and no_sync's
+// gradient accumulation.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include "examples/digits_model.h"
 #include "mixtape/dist/dist.h"
 #include "mixtape/dsl/process_group.h"
+#include "mixtape/runtime/all_reduce.h"
 #include "tests/test_util.h"
 
 namespace mt = mixtape;
@@ -255,6 +257,176 @@ TEST_F(DataParallel, RankZerosValuesAreTakenAndMismatchedModelsRefused) {
   Odd odd(mt::dist::rank() == 1 ? 12 : 10);
   EXPECT_MT_ERROR(mt::dist::DataParallel{odd}, "process 1 has fc.weight [12, 64] f32",
                   "process 0 has fc.weight [10, 64] f32");
+}
+
+constexpr int kMicro = 3;  // micro-batches per optimizer step, all but the last under no_sync
+constexpr int kAccumulatedSteps = 6;
+
+// Runs whatever the backward left pending for the gradients.
+void eval_gradients(const mt::Module& net) {
+  std::vector<mt::Tensor> grads;
+  for (const mt::Tensor& p : net.parameters()) grads.push_back(p.grad());
+  mt::eval(grads);
+}
+
+struct Accumulated {
+  std::vector<float> params;
+  std::vector<int64_t> collectives;  // per micro-step (traced runs), or per step (compiled)
+  int64_t replays = 0;
+};
+
+// kAccumulatedSteps of SGD with momentum: data parallel with kMicro micro-batches of kBatch per
+// rank (each loss / kMicro), or one process alone at the combined batch, world * kMicro * kBatch
+// (the same examples: the loader deals rank r every world-th one).
+Accumulated accumulate(bool parallel, bool compiled) {
+  const int world = mt::dist::world_size();
+  mt::manual_seed(7);
+  DigitsMLP net;
+  std::optional<mt::dist::DataParallel> ddp;
+  if (parallel) ddp.emplace(net);
+  mt::SGD opt(net.parameters(), {.lr = 0.05, .momentum = 0.9});
+  mt::DataLoader loader(digits(), parallel ? kBatch : world * kMicro * kBatch, true, 3,
+                        parallel ? mt::dist::shard() : mt::Shard{});
+  auto micro_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    (mt::cross_entropy(net(x), y) / static_cast<double>(kMicro)).backward();
+  };
+  // The recommended compiled form: the whole step, the guard taken inside it.
+  static_assert(kMicro == 3, "whole_step takes three micro-batches");
+  auto whole_step =
+      mt::compile([&](const mt::Tensor& x0, const mt::Tensor& y0, const mt::Tensor& x1,
+                      const mt::Tensor& y1, const mt::Tensor& x2, const mt::Tensor& y2) {
+        opt.zero_grad();
+        {
+          auto guard = ddp->no_sync();
+          micro_step(x0, y0);
+          micro_step(x1, y1);
+        }
+        micro_step(x2, y2);
+        opt.step();
+      });
+  Accumulated r;
+  for (int s = 0; s < kAccumulatedSteps; ++s) {
+    if (!parallel) {
+      mt::Batch b = loader.next();
+      opt.zero_grad();
+      mt::cross_entropy(net(b.inputs), b.targets).backward();
+      opt.step();
+      continue;
+    }
+    if (compiled) {
+      std::vector<mt::Tensor> batches;
+      for (int m = 0; m < kMicro; ++m) {
+        mt::Batch b = loader.next();
+        batches.push_back(b.inputs);
+        batches.push_back(b.targets);
+      }
+      mt::reset_collective_stats();
+      whole_step(batches[0], batches[1], batches[2], batches[3], batches[4], batches[5]);
+      r.collectives.push_back(mt::collective_stats().calls);
+      continue;
+    }
+    opt.zero_grad();
+    for (int m = 0; m < kMicro; ++m) {
+      mt::Batch b = loader.next();
+      mt::reset_collective_stats();
+      if (m + 1 < kMicro) {
+        auto guard = ddp->no_sync();
+        micro_step(b.inputs, b.targets);
+      } else {
+        micro_step(b.inputs, b.targets);
+      }
+      eval_gradients(net);
+      r.collectives.push_back(mt::collective_stats().calls);
+    }
+    opt.step();
+    expect_same_on_every_rank(net, "after accumulated step " + std::to_string(s));
+  }
+  r.params = values_of(net);
+  r.replays = whole_step.stats().replays;
+  return r;
+}
+
+TEST_F(DataParallel, NoSyncMicroStepsThenOneReductionEqualOneProcessAtTheCombinedBatch) {
+  Accumulated parallel = accumulate(true, false);
+  Accumulated alone = accumulate(false, false);
+  expect_close(parallel.params, alone.params, 1e-6);
+  ASSERT_EQ(parallel.collectives.size(), static_cast<size_t>(kAccumulatedSteps * kMicro));
+  for (size_t m = 0; m < parallel.collectives.size(); ++m) {
+    if ((m + 1) % kMicro != 0)
+      EXPECT_EQ(parallel.collectives[m], 0) << "micro-step " << m << " is under no_sync";
+    else
+      EXPECT_EQ(parallel.collectives[m], 1) << "micro-step " << m << " reduces: one bucket";
+  }
+  Accumulated compiled = accumulate(true, true);
+  EXPECT_EQ(compiled.params, parallel.params);
+  for (int64_t calls : compiled.collectives) EXPECT_EQ(calls, 1) << "one reduction per step";
+  if (mt::current_device() != mt::Device::reference) {
+    EXPECT_GE(compiled.replays, kAccumulatedSteps - 3);
+  }
+}
+
+struct VariantRun {
+  std::vector<int64_t> collectives;           // per call
+  std::vector<std::vector<float>> gradients;  // after each round's reducing call
+  int64_t replays = 0;
+};
+
+// Four reducing backward() calls, then three rounds of three under no_sync and one reducing,
+// of one function, called as it is or mt::compile'd.
+VariantRun run_variants(bool compiled) {
+  mt::manual_seed(3);
+  DigitsMLP net;
+  mt::dist::DataParallel ddp(net);
+  mt::DataLoader loader(digits(), kBatch, true, 4, mt::dist::shard());
+  auto backward = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    mt::cross_entropy(net(x), y).backward();
+  };
+  auto compiled_backward = mt::compile(backward);
+  VariantRun r;
+  auto call = [&](bool no_sync) {
+    mt::Batch b = loader.next();
+    mt::reset_collective_stats();
+    std::optional<mt::dist::DataParallel::NoSync> guard;
+    if (no_sync) guard.emplace();
+    compiled ? compiled_backward(b.inputs, b.targets) : backward(b.inputs, b.targets);
+    eval_gradients(net);
+    r.collectives.push_back(mt::collective_stats().calls);
+  };
+  for (int s = 0; s < 4; ++s) call(false);
+  for (int round = 0; round < 3; ++round) {
+    for (int s = 0; s < 3; ++s) call(true);
+    call(false);
+    r.gradients.emplace_back();
+    for (const mt::Tensor& p : net.parameters()) {
+      std::vector<float> g = p.grad().to_vector<float>();
+      r.gradients.back().insert(r.gradients.back().end(), g.begin(), g.end());
+    }
+  }
+  r.replays = compiled_backward.stats().replays;
+  return r;
+}
+
+// A step compiled outside no_sync has a plan that all-reduces; called under no_sync it must not
+// replay that plan, and the call after the guard must fold the local gradients in, also when
+// the no_sync calls before it were replays.
+TEST_F(DataParallel, ACompiledStepReplaysOnlyTheNoSyncVariantItWasTracedIn) {
+  VariantRun traced = run_variants(false);
+  VariantRun compiled = run_variants(true);
+  const std::vector<int64_t> expected = {1, 1, 1, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1};
+  EXPECT_EQ(traced.collectives, expected);
+  EXPECT_EQ(compiled.collectives, expected);
+  ASSERT_EQ(compiled.gradients.size(), traced.gradients.size());
+  for (size_t round = 0; round < traced.gradients.size(); ++round) {
+    EXPECT_EQ(compiled.gradients[round], traced.gradients[round]) << "round " << round;
+    std::vector<uint64_t> hashes = gather(hash_of(compiled.gradients[round]));
+    EXPECT_EQ(hashes[1], hashes[0])
+        << "round " << round << ": the local gradients were not reduced";
+  }
+  if (mt::current_device() != mt::Device::reference) {
+    // The fourth reducing call, and in each round the third no_sync one (the fold between
+    // rounds replaces the gradients that the no_sync plan reads, so it traces again).
+    EXPECT_GE(compiled.replays, 4) << "the reducing and the no_sync calls replay";
+  }
 }
 
 }  // namespace

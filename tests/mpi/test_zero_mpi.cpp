@@ -1,13 +1,16 @@
 // tests/mpi/test_zero_mpi.cpp -- ZeRO-1 on two processes (ctest label mpi): ZeroAdamW against
 // plain data parallel (fp32, autocast-bf16 with dynamic scaling, an inf on one rank only),
-// optimizer-state bytes per rank, checkpoints resumed at 2 ranks and at 1, another model's
-// checkpoint refused on every rank, and mt::compile replaying ZeRO steps.
+// optimizer-state bytes per rank, checkpoints (ordinary and sharded) resumed at 2 ranks and at 1,
+// another model's checkpoint or a corrupt shard refused on every rank, mt::compile replaying
+// ZeRO steps, and no_sync's gradient accumulation under ZeRO.
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <memory>
 #include <optional>
 #include <string>
@@ -18,6 +21,7 @@
 #include "mixtape/dist/zero.h"
 #include "mixtape/dsl/process_group.h"
 #include "mixtape/mixtape.h"
+#include "mixtape/runtime/all_reduce.h"
 #include "tests/test_util.h"
 
 namespace mt = mixtape;
@@ -95,6 +99,7 @@ struct Options {
   int save_at = -1;
   std::string load = {};
   std::string path = {};
+  bool sharded = false;  // save_checkpoint_sharded and load_checkpoint_sharded
 };
 
 struct Outcome {
@@ -128,7 +133,19 @@ Outcome train(const Options& o) {
     optimizer = std::make_unique<mt::AdamW>(net.parameters(), adam);
   mt::Optimizer& opt = *optimizer;
   mt::GradScaler scaler({.init_scale = 1024.0, .growth_interval = 4});
-  if (!o.load.empty()) {
+  if (!o.load.empty() && o.sharded && alone) {
+    // One process, as a run without mpirun is: no process group while it loads.
+    std::shared_ptr<mt::ProcessGroup> group = mt::exchange_process_group(nullptr);
+    try {
+      mt::dist::load_checkpoint_sharded(o.load, net, &opt, nullptr, &scaler);
+    } catch (...) {
+      mt::exchange_process_group(group);
+      throw;
+    }
+    mt::exchange_process_group(group);
+  } else if (!o.load.empty() && o.sharded) {
+    mt::dist::load_checkpoint_sharded(o.load, net, &opt, nullptr, &scaler);
+  } else if (!o.load.empty()) {
     if (alone)
       mt::load_checkpoint(o.load, net, &opt, nullptr, &scaler);
     else
@@ -168,7 +185,10 @@ Outcome train(const Options& o) {
     } else {
       losses.push_back(o.compiled && s != o.bad_step ? compiled(x, y) : step(x, y));
     }
-    if (s + 1 == o.save_at) mt::dist::save_checkpoint(o.path, net, &opt, {}, &scaler);
+    if (s + 1 == o.save_at && o.sharded)
+      mt::dist::save_checkpoint_sharded(o.path, net, &opt, {}, &scaler);
+    else if (s + 1 == o.save_at)
+      mt::dist::save_checkpoint(o.path, net, &opt, {}, &scaler);
     EXPECT_EQ(flat_parameters(net), rank0s(flat_parameters(net)))
         << "rank " << rank << "'s parameters differ from rank 0's after step " << s;
   }
@@ -204,7 +224,7 @@ class Zero : public ::testing::Test {
   static void TearDownTestSuite() {
     mt::all_reduce(mt::scalar(1.0, mt::f64)).item();  // both ranks are done reading
     if (mt::dist::rank() == 0)
-      for (const std::string& file : job_files()) std::remove(file.c_str());
+      for (const std::string& file : job_files()) std::filesystem::remove_all(file);
   }
 
  protected:
@@ -261,6 +281,59 @@ TEST_F(Zero, CompiledStepsReplayTheShardedStep) {
   if (mt::current_device() != mt::Device::reference) {  // which has no programs to replay
     EXPECT_GE(compiled.replays, kSteps - 3) << "the steps after the first traces are replays";
   }
+}
+
+// Five steps of SGD with momentum, each of two micro-batches per rank (half a rank's rows each),
+// the first under no_sync; or one process alone at both ranks' rows in one backward. Counts
+// the collectives of the no_sync micro-steps.
+std::vector<float> accumulate(Kind kind, int64_t& no_sync_collectives) {
+  mt::manual_seed(7);
+  Net net;
+  const mt::SGDOptions sgd{.lr = 0.05, .momentum = 0.9};
+  std::optional<mt::dist::DataParallel> ddp;
+  std::unique_ptr<mt::Optimizer> opt;
+  if (kind == Kind::alone) {
+    opt = std::make_unique<mt::SGD>(net.parameters(), sgd);
+  } else {
+    ddp.emplace(net);
+    if (kind == Kind::zero)
+      opt = std::make_unique<mt::dist::ZeroSGD>(net.parameters(), sgd);
+    else
+      opt = std::make_unique<mt::SGD>(net.parameters(), sgd);
+  }
+  const int64_t half = kBatch / 2, first = mt::dist::rank() * kBatch;
+  for (int s = 0; s < 5; ++s) {
+    opt->zero_grad();
+    if (kind == Kind::alone) {
+      auto [x, y] = batch(s, 0, 2 * kBatch);
+      mt::cross_entropy(net(x), y).backward();
+    } else {
+      {
+        auto guard = ddp->no_sync();
+        auto [x, y] = batch(s, first, half);
+        mt::reset_collective_stats();
+        (mt::cross_entropy(net(x), y) / 2.0).backward();
+        std::vector<mt::Tensor> grads;
+        for (const mt::Tensor& p : net.parameters()) grads.push_back(p.grad());
+        mt::eval(grads);
+        no_sync_collectives += mt::collective_stats().calls;
+      }
+      auto [x, y] = batch(s, first + half, half);
+      (mt::cross_entropy(net(x), y) / 2.0).backward();
+    }
+    opt->step();
+  }
+  return flat_parameters(net);
+}
+
+TEST_F(Zero, NoSyncHoldsBackTheReduceScatterAndTheNextBackwardReducesTheSum) {
+  int64_t collectives = 0;
+  std::vector<float> zero = accumulate(Kind::zero, collectives);
+  std::vector<float> plain = accumulate(Kind::data_parallel, collectives);
+  EXPECT_EQ(collectives, 0) << "no collective in a no_sync micro-step";
+  std::vector<float> alone = accumulate(Kind::alone, collectives);
+  EXPECT_LE(worst_difference(zero, plain), 1e-6);
+  EXPECT_LE(worst_difference(zero, alone), 1e-6);
 }
 
 // The optimizer-state bytes memory_report counts on each rank, before the first step (the
@@ -333,6 +406,109 @@ TEST_F(Zero, CheckpointsResumeAtTwoRanksAndAtOne) {
   train({.kind = Kind::data_parallel, .last_step = 10, .save_at = 10, .path = plain_path});
   Outcome from_plain = train({.first_step = 10, .load = plain_path});
   EXPECT_LE(worst_difference(from_plain.params, uninterrupted.params), 1e-6);
+}
+
+TEST_F(Zero, ShardedCheckpointsResumeAtTwoRanksBitForBitAndAtOne) {
+  const std::string dir = job_file("sharded_checkpoint");
+  Outcome uninterrupted = train({.save_at = 10, .path = dir, .sharded = true});
+  for (const char* file :
+       {"checkpoint.safetensors.index.json", "checkpoint-00001-of-00002.safetensors",
+        "checkpoint-00002-of-00002.safetensors"})
+    EXPECT_TRUE(std::filesystem::exists(dir + "/" + file)) << file;
+  Outcome two = train({.first_step = 10, .load = dir, .sharded = true});
+  EXPECT_EQ(two.params, uninterrupted.params) << "the same world size resumes bit for bit";
+  std::vector<double> tail(uninterrupted.losses.begin() + 10, uninterrupted.losses.end());
+  EXPECT_EQ(two.losses, tail);
+  // One process reads both files and the plain AdamW takes the reassembled state.
+  Outcome one = train({.kind = Kind::alone, .first_step = 10, .load = dir, .sharded = true});
+  EXPECT_LE(worst_difference(as_floats(one.losses), as_floats(tail)), 1e-5);
+  EXPECT_LE(worst_difference(one.params, uninterrupted.params), 1e-5);
+  // Plain data parallel at two ranks reassembles ZeRO's shards too; and ZeRO cuts the state
+  // that plain data parallel saved whole into its shards.
+  Outcome plain =
+      train({.kind = Kind::data_parallel, .first_step = 10, .load = dir, .sharded = true});
+  EXPECT_LE(worst_difference(plain.params, uninterrupted.params), 1e-6);
+  const std::string plain_dir = job_file("plain_sharded_checkpoint");
+  train({.kind = Kind::data_parallel,
+         .last_step = 10,
+         .save_at = 10,
+         .path = plain_dir,
+         .sharded = true});
+  Outcome from_plain = train({.first_step = 10, .load = plain_dir, .sharded = true});
+  EXPECT_LE(worst_difference(from_plain.params, uninterrupted.params), 1e-6);
+}
+
+// Both ranks wait here until both have arrived.
+void barrier() { mt::all_reduce(mt::scalar(1.0, mt::f64)).item(); }
+
+TEST_F(Zero, AnotherModelOrACorruptShardOrAnotherSavesIndexIsAnErrorOnEveryRank) {
+  const std::string dir = job_file("refused_sharded"), other_dir = job_file("other_sharded");
+  const int rank = mt::dist::rank();
+  mt::manual_seed(7);
+  Net net;
+  mt::dist::DataParallel ddp(net);
+  mt::dist::ZeroAdamW opt(net.parameters());
+  auto [x, y] = batch(0, rank * kBatch, kBatch);
+  mt::cross_entropy(net(x), y).backward();
+  opt.step();  // so that each rank's file holds its shards of the state
+  mt::dist::save_checkpoint_sharded(dir, net, &opt);
+  mt::dist::save_checkpoint_sharded(other_dir, net, &opt);
+  const std::vector<float> before = flat_parameters(net);
+
+  struct Other : mt::Module {
+    mt::Linear fc1{kFeatures, 8};
+    Other() { register_module("fc1", fc1); }
+  };
+  Other other;
+  mt::AdamW other_opt(other.parameters());
+  EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(dir, other, &other_opt), "another model",
+                  "the module has fc1.weight [8, 64] f32");
+
+  // The last byte of rank 1's file, a tensor's: its checksum fails. Rank 0 reads only its own
+  // file, and hears of rank 1's failure.
+  const std::string second = dir + "/checkpoint-00002-of-00002.safetensors";
+  barrier();
+  if (rank == 1) {
+    std::fstream file(second, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekg(-1, std::ios::end);
+    char last = 0;
+    file.get(last);
+    file.seekp(-1, std::ios::end);
+    file.put(static_cast<char>(last ^ 0x5a));
+  }
+  barrier();
+  EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(dir, net, &opt),
+                  "checkpoint-00002-of-00002.safetensors");
+  if (rank == 0) {
+    EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(dir, net, &opt), "process 1 failed");
+  } else {
+    EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(dir, net, &opt), "is corrupt");
+  }
+  // At one process every file is read, so the corrupt one fails there too.
+  {
+    std::shared_ptr<mt::ProcessGroup> group = mt::exchange_process_group(nullptr);
+    mt::AdamW alone(net.parameters());
+    EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(dir, net, &alone), "is corrupt");
+    mt::exchange_process_group(group);
+  }
+  barrier();
+  if (rank == 0) std::filesystem::remove(second);
+  barrier();
+  EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(dir, net, &opt),
+                  "checkpoint-00002-of-00002.safetensors");
+
+  // The other save's index over this one's files: the files are not of the save it describes.
+  if (rank == 0)
+    std::filesystem::copy_file(other_dir + "/checkpoint.safetensors.index.json",
+                               dir + "/checkpoint.safetensors.index.json",
+                               std::filesystem::copy_options::overwrite_existing);
+  barrier();
+  EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(dir, net, &opt), "checkpoint id");
+  EXPECT_EQ(flat_parameters(net), before);
+  EXPECT_EQ(opt.steps_taken(), 1);
+  // And the intact save loads.
+  mt::dist::load_checkpoint_sharded(other_dir, net, &opt);
+  EXPECT_EQ(flat_parameters(net), before);
 }
 
 TEST_F(Zero, AnotherModelsCheckpointIsAnErrorOnEveryRank) {
