@@ -127,6 +127,7 @@ void store(const T* in, Storage& s, int64_t at, int64_t count) {
 struct Operands {
   AttentionGeometry g;
   const Storage *q, *k, *v, *o = nullptr, *go = nullptr, *mask = nullptr;
+  DropoutDraw drop;  // where g.has_dropout
   DType compute;
   int64_t key_tile;
 };
@@ -134,7 +135,7 @@ struct Operands {
 // Per-thread tiles.
 template <typename T>
 struct Tiles {
-  std::vector<T> q, k, kt, v, vt, s, dp, pt, acc, m, l, go, o, delta, lse, dq;
+  std::vector<T> q, k, kt, v, vt, s, dp, pt, acc, m, l, go, o, delta, lse, dq, z;
   void size(const Operands& a) {
     const auto& g = a.g;
     const size_t rows = kQueryTile, cols = static_cast<size_t>(a.key_tile);
@@ -143,6 +144,7 @@ struct Tiles {
     pt.resize(rows * cols);
     acc.resize(rows * g.dv), m.resize(rows), l.resize(rows), go.resize(rows * g.dv);
     o.resize(rows * g.dv), delta.resize(rows), lse.resize(rows), dq.resize(rows * g.d);
+    z.resize(cols);
   }
 };
 
@@ -269,6 +271,13 @@ template <typename T>
   }
 }
 
+// Row i's dropout factors (1/(1-p) or 0) for keys [j0, j0 + cols) into t.z.
+template <typename T>
+[[gnu::always_inline]] inline void dropout_factors(const Operands& a, Tiles<T>& t, int64_t b,
+                                                   int64_t i, int64_t j0, int64_t cols) {
+  a.drop.scales(static_cast<uint64_t>((b * a.g.tq + i) * a.g.tk + j0), cols, t.z.data());
+}
+
 // The keys query rows [i0, i0 + rows) see: all, or up to the last row's position when causal.
 int64_t keys_seen(const AttentionGeometry& g, int64_t i0, int64_t rows) {
   return g.causal ? std::min(g.tk, i0 + rows) : g.tk;
@@ -305,6 +314,10 @@ template <typename T>
       exp_shifted(sr, cols, top);
       t.l[r] = t.l[r] * correction + row_sum(sr, cols);
       t.m[r] = top;
+      if (g.has_dropout) {  // the sum is over every weight, the values meet the kept ones
+        dropout_factors(a, t, b, i0 + r, j0, cols);
+        for (int64_t j = 0; j < cols; ++j) sr[j] *= t.z[j];
+      }
     }
     gemm<true>(t.s.data(), ld, t.v.data(), g.dv, t.acc.data(), g.dv, rows, g.dv, cols);  // += P V
   }
@@ -372,7 +385,17 @@ template <typename T>
           continue;
         }
         exp_shifted(p, cols, lse);
-        for (int64_t j = 0; j < cols; ++j) ds[j] = p[j] * (ds[j] - delta) * scale;
+        if (!g.has_dropout) {
+          for (int64_t j = 0; j < cols; ++j) ds[j] = p[j] * (ds[j] - delta) * scale;
+          continue;
+        }
+        // dS = P (Z dP - delta); dV then takes the kept weights P Z.
+        dropout_factors(a, t, b, i0 + r, j0, cols);
+        const T* __restrict z = t.z.data();
+        for (int64_t j = 0; j < cols; ++j) {
+          ds[j] = p[j] * (z[j] * ds[j] - delta) * scale;
+          p[j] *= z[j];
+        }
       }
       // dV += P^T dO, dQ += dS K, dK += dS^T Q.
       transpose_tile(t.s.data(), ld, t.pt.data(), rows, cols);
@@ -485,6 +508,7 @@ void attention_cpu(const Node& node, Storage& out) {
   const bool forward = node.op == OpCode::Attention;
   if (!forward) a.o = node.inputs[3]->value.get(), a.go = node.inputs[4]->value.get();
   if (a.g.has_mask) a.mask = node.inputs[forward ? 3 : 5]->value.get();
+  if (a.g.has_dropout) a.drop = DropoutDraw::of(node);
   a.compute = node.precision.compute;
   const bool wide = a.compute == f64;
   a.key_tile = key_tile(a.g.d, a.g.dv, wide ? sizeof(double) : sizeof(float));
