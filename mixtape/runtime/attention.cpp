@@ -162,6 +162,42 @@ using Vec8 = float __attribute__((vector_size(32)));
   return v;
 }
 [[gnu::always_inline]] inline void store8(float* p, Vec8 v) { std::memcpy(p, &v, sizeof v); }
+// exp_f32 on 8 lanes, operation for operation: the scalar loop does not vectorize, its clamps
+// becoming branches.
+using Vec8i = int32_t __attribute__((vector_size(32)));
+[[gnu::always_inline]] inline void exp8(Vec8& x) {
+  const Vec8 low = Vec8{} - 87.3f, high = Vec8{} + 88.7f;
+  Vec8 clamped = x < low ? low : x;
+  clamped = high < clamped ? high : clamped;
+  const Vec8 magic = Vec8{} + 12582912.0f;
+  const Vec8 shifted = clamped * 1.44269504088896341f + magic;
+  const Vec8 n = shifted - magic;
+  Vec8 r = clamped - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  Vec8 p = Vec8{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  Vec8i bits;
+  std::memcpy(&bits, &shifted, sizeof bits);
+  const Vec8i exponent = (bits - 0x4B400000 + 127) << 23;
+  Vec8 scale;
+  std::memcpy(&scale, &exponent, sizeof scale);
+  const Vec8 result = p * scale;
+  x = x < low ? Vec8{} : result;
+}
+[[gnu::always_inline]] inline void exp_shifted(float* __restrict x, int64_t n, float shift) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    Vec8 lanes = load8(x + j) - shift;
+    exp8(lanes);
+    store8(x + j, lanes);
+  }
+  for (; j < n; ++j) x[j] = exp_f32(x[j] - shift);
+}
 
 template <bool Accumulate, typename T>
 [[gnu::always_inline]] inline void gemm(const T* __restrict a, int64_t lda, const T* __restrict b,
@@ -319,7 +355,8 @@ template <typename T>
         for (int64_t j = 0; j < cols; ++j) sr[j] *= t.z[j];
       }
     }
-    gemm<true>(t.s.data(), ld, t.v.data(), g.dv, t.acc.data(), g.dv, rows, g.dv, cols);  // += P V
+    gemm<true>(t.s.data(), ld, t.v.data(), g.dv, t.acc.data(), g.dv, rows, g.dv,
+               cols);  // += P V
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* acc = t.acc.data() + r * g.dv;
@@ -375,7 +412,8 @@ template <typename T>
       for (int64_t j = 0; j < cols; ++j)
         for (int64_t e = 0; e < g.dv; ++e) t.vt[e * ld + j] = t.v[j * g.dv + e];
       scores(a, t, b, i0, rows, j0, cols);
-      gemm<false>(t.go.data(), g.dv, t.vt.data(), ld, t.dp.data(), ld, rows, cols, g.dv);  // dO V^T
+      gemm<false>(t.go.data(), g.dv, t.vt.data(), ld, t.dp.data(), ld, rows, cols,
+                  g.dv);  // dO V^T
       for (int64_t r = 0; r < rows; ++r) {
         T* __restrict p = t.s.data() + r * ld;
         T* __restrict ds = t.dp.data() + r * ld;
@@ -413,6 +451,10 @@ template <typename T>
 
 // The per-task loops, compiled for the build's baseline and (f32) for AVX2 with FMA, chosen by
 // the CPU; the OpenMP regions call them per task (an outlined region would not inherit a target).
+// The AVX2 loops contract a * b + c into FMAs (the build's -ffp-contract=off is for code whose
+// bits must match the JIT's; nothing else computes these tiles): the tile products run at twice
+// the rate, and the bits differ from the baseline loops' but not between runs, checkpointed
+// recomputations, compiled replays or artifacts on one CPU.
 template <typename T>
 struct Loops {
   void (*forward)(const Operands&, Tiles<T>&, Storage&, int64_t b, int64_t i0);
@@ -429,13 +471,13 @@ void backward_plain(const Operands& a, Tiles<T>& t, std::vector<T>& dk, std::vec
   backward_batch(a, t, dk, dv, out, b);
 }
 #if defined(__x86_64__)
-[[gnu::target("avx2,fma")]] void forward_avx2(const Operands& a, Tiles<float>& t, Storage& out,
-                                              int64_t b, int64_t i0) {
+[[gnu::target("avx2,fma"), gnu::optimize("fp-contract=fast")]] void forward_avx2(
+    const Operands& a, Tiles<float>& t, Storage& out, int64_t b, int64_t i0) {
   forward_task(a, t, out, b, i0);
 }
-[[gnu::target("avx2,fma")]] void backward_avx2(const Operands& a, Tiles<float>& t,
-                                               std::vector<float>& dk, std::vector<float>& dv,
-                                               Storage& out, int64_t b) {
+[[gnu::target("avx2,fma"), gnu::optimize("fp-contract=fast")]] void backward_avx2(
+    const Operands& a, Tiles<float>& t, std::vector<float>& dk, std::vector<float>& dv,
+    Storage& out, int64_t b) {
   backward_batch(a, t, dk, dv, out, b);
 }
 #endif
