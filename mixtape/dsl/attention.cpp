@@ -151,6 +151,7 @@ DropoutDraw DropoutDraw::of(const Node& node) {
   // rand's f32 elements are k 2^-24 (k < 2^24), compared with p as an f32 fill holds it.
   out.threshold =
       static_cast<uint32_t>(std::ceil(static_cast<double>(static_cast<float>(p)) * 0x1p24));
+  out.p = static_cast<float>(p);
   out.keep_scale = p < 1 ? 1.0 / (1.0 - p) : 0.0;
   return out;
 }

@@ -34,6 +34,7 @@ struct AttentionDropout {
 struct DropoutDraw {
   uint64_t seed = 0, offset = 0;
   uint32_t threshold = 0;  // kept where the top 24 bits of the word are >= this
+  float p = 0;             // the same test on rand's f32 element: kept where it is >= p
   double keep_scale = 1;   // 1/(1-p); 0 where p == 1
   /// The draw of a node whose offset input has its value.
   static DropoutDraw of(const Node& node);

@@ -15,6 +15,7 @@
 #include "mixtape/dsl/convert.h"
 #include "mixtape/dsl/half.h"
 #include "mixtape/runtime/cpu_features.h"
+#include "mixtape/runtime/random_fill.h"
 #include "mixtape/runtime/storage_rows.h"
 
 namespace mixtape {
@@ -136,6 +137,7 @@ struct Operands {
 template <typename T>
 struct Tiles {
   std::vector<T> q, k, kt, v, vt, s, dp, pt, acc, m, l, go, o, delta, lse, dq, z;
+  std::vector<float> u;  // a row's uniform draws for dropout, from its first Philox block on
   void size(const Operands& a) {
     const auto& g = a.g;
     const size_t rows = kQueryTile, cols = static_cast<size_t>(a.key_tile);
@@ -144,7 +146,7 @@ struct Tiles {
     pt.resize(rows * cols);
     acc.resize(rows * g.dv), m.resize(rows), l.resize(rows), go.resize(rows * g.dv);
     o.resize(rows * g.dv), delta.resize(rows), lse.resize(rows), dq.resize(rows * g.d);
-    z.resize(cols);
+    z.resize(cols), u.resize(cols + 8);
   }
 };
 
@@ -311,7 +313,16 @@ template <typename T>
 template <typename T>
 [[gnu::always_inline]] inline void dropout_factors(const Operands& a, Tiles<T>& t, int64_t b,
                                                    int64_t i, int64_t j0, int64_t cols) {
-  a.drop.scales(static_cast<uint64_t>((b * a.g.tq + i) * a.g.tk + j0), cols, t.z.data());
+  // The stream's vectorized fill from the block holding weight `first`: DropoutDraw::scales
+  // decisions (rand's f32 element against p), a block of four at a time.
+  const uint64_t first = static_cast<uint64_t>((b * a.g.tq + i) * a.g.tk + j0);
+  const int64_t lane = static_cast<int64_t>(first % 4), blocks = (lane + cols + 3) / 4;
+  uniform_blocks(t.u.data(), blocks, a.drop.seed, a.drop.offset + first / 4);
+  const float* __restrict u = t.u.data() + lane;
+  const float p = a.drop.p;
+  const T kept = static_cast<T>(a.drop.keep_scale);
+  T* __restrict z = t.z.data();
+  for (int64_t j = 0; j < cols; ++j) z[j] = u[j] >= p ? kept : T(0);
 }
 
 // The keys query rows [i0, i0 + rows) see: all, or up to the last row's position when causal.
