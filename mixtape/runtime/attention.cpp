@@ -39,21 +39,27 @@ bool half_or_f32(DType t) { return t == f32 || t == f16 || t == bf16; }
 
 // e^x in f32 from arithmetic and bit operations only, so that its loops vectorize (libm's expf
 // is a call per element): Cody-Waite reduction by ln 2 and Cephes' degree-6 polynomial, within
-// 2 ulp; 0 below -87.3 (every masked score is -inf).
-[[gnu::always_inline]] inline float exp_f32(float x) {
-  const float clamped = std::min(std::max(x, -87.3f), 88.7f);
+// 2 ulp; 0 below -87.3 (every masked score is -inf). exp_parts computes, on a float or on 8
+// lanes, p = e^r for the clamped x = n ln 2 + r, and `shifted`, whose low bits hold n.
+template <typename V>
+[[gnu::always_inline]] inline void exp_parts(const V& clamped, V& shifted, V& p) {
   const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float shifted = clamped * 1.44269504088896341f + magic;
-  const float n = shifted - magic;
-  float r = clamped - n * 0.693359375f;
+  shifted = clamped * 1.44269504088896341f + magic;
+  const V n = shifted - magic;
+  V r = clamped - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+  p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
+}
+[[gnu::always_inline]] inline float exp_f32(float x) {
+  const float clamped = std::min(std::max(x, -87.3f), 88.7f);
+  float shifted, p;
+  exp_parts(clamped, shifted, p);
   const int32_t exponent = (std::bit_cast<int32_t>(shifted) - 0x4B400000 + 127) << 23;
   const float result = p * std::bit_cast<float>(exponent);
   return x < -87.3f ? 0.0f : result;
@@ -171,18 +177,8 @@ using Vec8i = int32_t __attribute__((vector_size(32)));
   const Vec8 low = Vec8{} - 87.3f, high = Vec8{} + 88.7f;
   Vec8 clamped = x < low ? low : x;
   clamped = high < clamped ? high : clamped;
-  const Vec8 magic = Vec8{} + 12582912.0f;
-  const Vec8 shifted = clamped * 1.44269504088896341f + magic;
-  const Vec8 n = shifted - magic;
-  Vec8 r = clamped - n * 0.693359375f;
-  r = r - n * -2.12194440e-4f;
-  Vec8 p = Vec8{} + 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  Vec8 shifted, p;
+  exp_parts(clamped, shifted, p);
   Vec8i bits;
   std::memcpy(&bits, &shifted, sizeof bits);
   const Vec8i exponent = (bits - 0x4B400000 + 127) << 23;
