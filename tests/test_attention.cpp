@@ -197,6 +197,24 @@ TEST(FusedAttention, DropoutDrawsTheCompositesMask) {
   }
 }
 
+// Bad dropout settings are errors; p = 1 drops every weight (zeros, no draw), as dropout() does.
+TEST(FusedAttention, DropoutOutsideItsRangeIsAnErrorAndOneDropsEverything) {
+  mt::Generator gen(2);
+  mt::Tensor q = mt::randn({1, 2, 5, 4}, mt::f32, &gen);
+  for (double p : {-0.1, 1.5, std::nan("")})
+    EXPECT_THROW(mt::scaled_dot_product_attention(q, q, q, mt::Tensor(), true, std::nullopt, p),
+                 mt::Error)
+        << p;
+  mt::AttentionDropout no_offset;
+  no_offset.p = 0.5;
+  EXPECT_THROW(mt::attention_forward(q, q, q, mt::Tensor(), true, 0.5, no_offset), mt::Error);
+  const uint64_t before = gen.offset();
+  mt::Tensor out =
+      mt::scaled_dot_product_attention(q, q, q, mt::Tensor(), true, std::nullopt, 1.0, &gen);
+  for (double y : out.to_vector<double>()) EXPECT_EQ(y, 0.0);
+  EXPECT_EQ(gen.offset(), before);
+}
+
 // A backward pass that builds a graph takes the materialized gradient, which draws the forward
 // node's mask again from its seed and offset: the fused gradient's values.
 TEST(FusedAttention, TheMaterializedGradientDropsTheSameWeights) {
