@@ -1,5 +1,6 @@
 // tests/test_attention.cpp -- fused attention against the materialized composite (its oracle),
-// f64, autocast's half types, scores beyond f16's range, mt::compile, and memory linear in T.
+// f64, autocast's half types, scores beyond f16's range, dropout on the weights (the composite's
+// mask), mt::compile, CausalSelfAttention, and memory linear in T.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "examples/char_gpt_model.h"
 #include "mixtape/mixtape.h"
 
 namespace mt = mixtape;
@@ -375,6 +377,35 @@ TEST(FusedAttention, TheAttentionBlocksStoredPeakGrowsLinearlyInT) {
   EXPECT_LE(fused, 4.5);
   EXPECT_GE(composite, 12.0) << "the composite was meant to be O(T^2)";
   std::printf("stored peak, T = 2048 over T = 512: fused %.2f, composite %.2f\n", fused, composite);
+}
+
+// The same for a whole char GPT training step (one block, dropout 0.1, batch 1) at context 512
+// and 2048: embeddings, norms, MLP, head and loss are O(T), and so now is its attention.
+TEST(FusedAttention, TheCharGptsStoredPeakGrowsLinearlyInContext) {
+  if (mt::current_device() == mt::Device::reference)
+    GTEST_SKIP() << "the reference executor keeps no peak";
+  auto peak = [](int64_t context) {
+    mt::Generator gen(6);
+    CharGpt model(
+        {.vocab = 32, .layers = 1, .heads = 2, .width = 16, .context = context, .dropout = 0.1},
+        &gen);
+    mt::Tensor tokens = mt::randint(0, 32, {1, context}, &gen);
+    mt::Tensor targets = mt::randint(0, 32, {1, context}, &gen);
+    std::vector<mt::Tensor> values{tokens, targets};
+    for (const mt::Tensor& p : model.parameters()) values.push_back(p);
+    mt::eval(values);
+    mt::Tensor loss = model.loss(tokens, targets);
+    loss.backward();
+    values = {loss};
+    for (const mt::Tensor& p : model.parameters()) values.push_back(p.grad());
+    mt::reset_execution_stats();
+    mt::eval(values);
+    return static_cast<double>(mt::execution_stats().peak_bytes);
+  };
+  const double ratio = peak(2048) / peak(512);
+  EXPECT_GE(ratio, 3.5);
+  EXPECT_LE(ratio, 4.5);
+  std::printf("char GPT stored peak, context 2048 over 512: %.2f\n", ratio);
 }
 
 }  // namespace
