@@ -15,13 +15,15 @@ namespace {
 namespace mt = mixtape;
 
 constexpr const char* kUsage =
-    "usage: bench_attention [--batch B] [--heads H] [--t T] [--d D] [--window-seconds S]\n"
-    "                       [--no-peer]\n"
-    "  causal attention over q, k, v [B, H, T, D] (defaults 1 4 1024 64), the gradients of\n"
-    "  sum(out * w): mixtape fused and composite, f32 and autocast-bf16, then PyTorch's.\n";
+    "usage: bench_attention [--batch B] [--heads H] [--t T] [--d D] [--dropout P]\n"
+    "                       [--window-seconds S] [--no-peer]\n"
+    "  causal attention over q, k, v [B, H, T, D] (defaults 1 4 1024 64), its weights dropped\n"
+    "  with probability P (default 0), the gradients of sum(out * w): mixtape fused and\n"
+    "  composite, f32 and autocast-bf16, then PyTorch's.\n";
 
 struct Shape {
   int64_t batch = 1, heads = 4, t = 1024, d = 64;
+  double dropout = 0;
 };
 
 mt::json::Value run(const Shape& s, bool fused, std::optional<mt::DType> autocast,
@@ -41,7 +43,7 @@ mt::json::Value run(const Shape& s, bool fused, std::optional<mt::DType> autocas
       std::optional<mt::autocast> guard;
       if (autocast) guard.emplace(*autocast);
       out = mt::detail::attention(q, k, v, mt::Tensor(), true, std::nullopt, fused,
-                                  mt::Loc::current());
+                                  mt::Loc::current(), s.dropout, &gen);
     }
     mt::sum(mt::cast(out, mt::f32) * w).backward();
     mt::reset_execution_stats();
@@ -54,7 +56,8 @@ mt::json::Value run(const Shape& s, bool fused, std::optional<mt::DType> autocas
                          {"batch", s.batch},
                          {"heads", s.heads},
                          {"t", s.t},
-                         {"d", s.d}};
+                         {"d", s.d},
+                         {"dropout", s.dropout}};
   bench::append(record, bench::measure(step, timing));
   record.emplace("peak_stored_bytes", peak);
   return record;
@@ -86,6 +89,8 @@ int main(int argc, char** argv) {
       s.t = std::atoll(next());
     else if (arg == "--d")
       s.d = std::atoll(next());
+    else if (arg == "--dropout")
+      s.dropout = std::atof(next());
     else if (arg == "--window-seconds")
       timing.window_seconds = std::atof(next());
     else if (arg == "--no-peer")
@@ -95,7 +100,7 @@ int main(int argc, char** argv) {
       return 2;
     }
   }
-  if (s.batch <= 0 || s.heads <= 0 || s.t <= 0 || s.d <= 0) {
+  if (s.batch <= 0 || s.heads <= 0 || s.t <= 0 || s.d <= 0 || !(s.dropout >= 0 && s.dropout < 1)) {
     std::fputs(kUsage, stderr);
     return 2;
   }
@@ -110,6 +115,7 @@ int main(int argc, char** argv) {
   const std::string command = std::string("/usr/bin/python3 ") + MIXTAPE_BENCH_DIR +
                               "/peer_torch_attention.py " + std::to_string(s.batch) + " " +
                               std::to_string(s.heads) + " " + std::to_string(s.t) + " " +
-                              std::to_string(s.d) + " " + std::to_string(timing.window_seconds);
+                              std::to_string(s.d) + " " + std::to_string(timing.window_seconds) +
+                              " " + std::to_string(s.dropout);
   return std::system(command.c_str()) == 0 ? 0 : 1;
 }

@@ -1,13 +1,16 @@
 // tests/test_attention.cpp -- fused attention against the materialized composite (its oracle),
-// f64, autocast's half types, scores beyond f16's range, mt::compile, and memory linear in T.
+// f64, autocast's half types, scores beyond f16's range, dropout on the weights (the composite's
+// mask), mt::compile, CausalSelfAttention, and memory linear in T.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "examples/char_gpt_model.h"
 #include "mixtape/mixtape.h"
 
 namespace mt = mixtape;
@@ -46,12 +49,19 @@ Values values_for(const Case& c, uint64_t seed) {
 struct Result {
   mt::OpCode op;  // what made the output
   std::vector<double> out, gq, gk, gv;
+  uint64_t offset = 0;  // the dropout generator's after the call
+};
+
+// Dropout on the weights: the probability, and the seed of a fresh generator to draw from.
+struct Drop {
+  double p = 0;
+  uint64_t seed = 0;
 };
 
 // Attention and the gradients of sum(out * weight), fused or composite, with leaves stored as
 // `dtype` and an optional autocast policy around the call.
 Result run(const Case& c, const Values& x, bool fused, mt::DType dtype,
-           std::optional<mt::DType> autocast = std::nullopt) {
+           std::optional<mt::DType> autocast = std::nullopt, Drop drop = {}) {
   auto leaf = [&](const std::vector<double>& values, mt::Shape shape) {
     return mt::tensor(values, shape, dtype).requires_grad_();
   };
@@ -63,15 +73,21 @@ Result run(const Case& c, const Values& x, bool fused, mt::DType dtype,
   if (c.mask == Case::Padding) mask = mt::tensor(x.mask, {c.batch, 1, 1, c.tk}, mt::boolean);
   if (c.mask == Case::Additive) mask = mt::tensor(x.mask, {1, 1, c.tq, c.tk}, dtype);
   mt::Tensor out;
+  mt::Generator gen(drop.seed);
   {
     std::optional<mt::autocast> guard;
     if (autocast) guard.emplace(*autocast);
-    out = mt::detail::attention(q, k, v, mask, c.causal, std::nullopt, fused, mt::Loc::current());
+    out = mt::detail::attention(q, k, v, mask, c.causal, std::nullopt, fused, mt::Loc::current(),
+                                drop.p, &gen);
   }
   mt::sum(mt::cast(out, dtype) * weight).backward();
   mt::eval({out, q.grad(), k.grad(), v.grad()});
-  return {out.node()->op, out.to_vector<double>(), q.grad().to_vector<double>(),
-          k.grad().to_vector<double>(), v.grad().to_vector<double>()};
+  return {out.node()->op,
+          out.to_vector<double>(),
+          q.grad().to_vector<double>(),
+          k.grad().to_vector<double>(),
+          v.grad().to_vector<double>(),
+          gen.offset()};
 }
 
 // max |got - want| / (1 + max |want|): the error relative to the tensor's scale.
@@ -160,9 +176,77 @@ TEST(FusedAttention, ScoresBeyondF16RangeDoNotOverflowUnderAutocastF16) {
     EXPECT_TRUE(std::all_of(g->begin(), g->end(), [](double y) { return std::isfinite(y); }));
 }
 
-// A step with fused attention is an ordinary node to mt::compile: replays give the traced bits.
-TEST(FusedAttention, CompileReplaysAStepBitForBit) {
+// Dropout on the weights draws the mask dropout(softmax(...)) draws from the same generator state
+// (rand's f32 stream over the [B, H, Tq, Tk] weights, rows of 67 and 130 keys starting inside a
+// Philox block), so with one seed the fused op and the composite agree as they do without
+// dropout, and leave the generator at the same offset; its backward pass recomputes that mask.
+TEST(FusedAttention, DropoutDrawsTheCompositesMask) {
+  const Drop drop{0.25, 5};
+  for (const Case& c : {cases()[0], cases()[1], cases()[3]}) {
+    SCOPED_TRACE(c.label);
+    const Values x = values_for(c, 12);
+    Result fused = run(c, x, true, mt::f32, std::nullopt, drop);
+    Result composite = run(c, x, false, mt::f32, std::nullopt, drop);
+    EXPECT_EQ(fused.op, mt::OpCode::Attention);
+    EXPECT_EQ(fused.offset, composite.offset);
+    expect_close(fused, composite, 1e-5);
+    expect_close(fused, run(c, x, false, mt::f64, std::nullopt, drop), 1e-5);
+    expect_close(run(c, x, true, mt::f64, std::nullopt, drop),
+                 run(c, x, false, mt::f64, std::nullopt, drop), 1e-12);
+    // The masks are there: without dropout, or from another seed, the result moves.
+    EXPECT_GT(error(fused.out, run(c, x, true, mt::f32).out), 1e-2);
+    EXPECT_GT(error(fused.out, run(c, x, true, mt::f32, std::nullopt, {0.25, 6}).out), 1e-2);
+  }
+}
+
+// Bad dropout settings are errors; p = 1 drops every weight (zeros, no draw), as dropout() does.
+TEST(FusedAttention, DropoutOutsideItsRangeIsAnErrorAndOneDropsEverything) {
+  mt::Generator gen(2);
+  mt::Tensor q = mt::randn({1, 2, 5, 4}, mt::f32, &gen);
+  for (double p : {-0.1, 1.5, std::nan("")})
+    EXPECT_THROW(mt::scaled_dot_product_attention(q, q, q, mt::Tensor(), true, std::nullopt, p),
+                 mt::Error)
+        << p;
+  mt::AttentionDropout no_offset;
+  no_offset.p = 0.5;
+  EXPECT_THROW(mt::attention_forward(q, q, q, mt::Tensor(), true, 0.5, no_offset), mt::Error);
+  const uint64_t before = gen.offset();
+  mt::Tensor out =
+      mt::scaled_dot_product_attention(q, q, q, mt::Tensor(), true, std::nullopt, 1.0, &gen);
+  for (double y : out.to_vector<double>()) EXPECT_EQ(y, 0.0);
+  EXPECT_EQ(gen.offset(), before);
+}
+
+// A backward pass that builds a graph takes the materialized gradient, which draws the forward
+// node's mask again from its seed and offset: the fused gradient's values.
+TEST(FusedAttention, TheMaterializedGradientDropsTheSameWeights) {
+  const Case c = cases()[3];
+  const Values x = values_for(c, 13);
+  const Drop drop{0.3, 9};
+  const Result fused = run(c, x, true, mt::f32, std::nullopt, drop);
+  mt::Generator gen(drop.seed);
+  mt::Tensor q = mt::tensor(x.q, {c.batch, c.heads, c.tq, c.d}, mt::f32);
+  mt::Tensor k = mt::tensor(x.k, {c.batch, c.heads, c.tk, c.d}, mt::f32);
+  mt::Tensor v = mt::tensor(x.v, {c.batch, c.heads, c.tk, c.dv}, mt::f32);
+  mt::Tensor mask = mt::tensor(x.mask, {c.batch, 1, 1, c.tk}, mt::boolean);
+  mt::Tensor out = mt::detail::attention(q, k, v, mask, c.causal, std::nullopt, true,
+                                         mt::Loc::current(), drop.p, &gen);
+  ASSERT_EQ(out.node()->op, mt::OpCode::Attention);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(c.d));
+  auto grads = mt::detail::attention_gradients(
+      q, k, v, mask, c.causal, scale, mt::AttentionDropout::of(*out.node()),
+      mt::tensor(x.weight, {c.batch, c.heads, c.tq, c.dv}, mt::f32));
+  EXPECT_LE(error(out.to_vector<double>(), fused.out), 1e-6);
+  EXPECT_LE(error(grads[0].to_vector<double>(), fused.gq), 1e-5);
+  EXPECT_LE(error(grads[1].to_vector<double>(), fused.gk), 1e-5);
+  EXPECT_LE(error(grads[2].to_vector<double>(), fused.gv), 1e-5);
+}
+
+// Five SGD steps through fused attention (dropping weights with probability dropout_p), eager
+// and compiled, from one seed: the same losses.
+void compile_replays_a_step(double dropout_p) {
   struct Run {
+    double dropout_p;
     mt::Generator gen{3};
     mt::Linear proj{8, 24, true, &gen};
     mt::SGD opt{proj.parameters(), mt::SGDOptions{.lr = 0.05}};
@@ -171,14 +255,14 @@ TEST(FusedAttention, CompileReplaysAStepBitForBit) {
       opt.zero_grad();
       mt::Tensor qkv = mt::permute(mt::reshape(proj(input), {2, 9, 6, 4}), {0, 2, 1, 3});
       auto part = [&](int64_t i) { return mt::slice(qkv, 1, 2 * i, 2 * i + 2); };
-      mt::Tensor loss =
-          mt::mean(mt::square(mt::scaled_dot_product_attention(part(0), part(1), part(2), true)));
+      mt::Tensor loss = mt::mean(mt::square(mt::scaled_dot_product_attention(
+          part(0), part(1), part(2), mt::Tensor(), true, std::nullopt, dropout_p, &gen)));
       loss.backward();
       opt.step();
       return loss;
     }
   };
-  Run plain, compiled;
+  Run plain{dropout_p}, compiled{dropout_p};
   auto step = mt::compile([&](const mt::Tensor& input) { return compiled.step(input); });
   for (int i = 0; i < 5; ++i) {
     mt::Tensor input = plain.x * (1.0 + 0.1 * i);
@@ -186,6 +270,15 @@ TEST(FusedAttention, CompileReplaysAStepBitForBit) {
   }
   if (mt::current_device() != mt::Device::reference) {
     EXPECT_GT(step.stats().replays, 0);
+  }
+}
+
+// A step with fused attention is an ordinary node to mt::compile: replays give the traced bits,
+// with dropout too (the generator's offset is a value of the step, so each replay draws anew).
+TEST(FusedAttention, CompileReplaysAStepBitForBit) {
+  for (double p : {0.0, 0.3}) {
+    SCOPED_TRACE(p);
+    compile_replays_a_step(p);
   }
 }
 
@@ -205,6 +298,114 @@ TEST(FusedAttention, PeakStoredBytesGrowLinearlyInT) {
   EXPECT_LE(fused_ratio, 4.5);
   EXPECT_GE(fused_ratio, 3.5);
   EXPECT_GE(peak(2048, false) / peak(512, false), 10.0) << "the composite was meant to be O(T^2)";
+}
+
+// CausalSelfAttention as it was before the fused op, over the module's own layers: the
+// materialized scores, masked softmax and attn_dropout (the oracle the module is held to).
+mt::Tensor composite_block(const mt::CausalSelfAttention& attn, const mt::Tensor& x) {
+  const int64_t batch = x.size(0), time = x.size(1), dim = x.size(2), head_dim = dim / attn.heads;
+  mt::Tensor projected = attn.qkv(x);
+  auto split_heads = [&](int64_t part) {
+    mt::Tensor t = mt::slice(projected, 2, part * dim, (part + 1) * dim);
+    return mt::permute(mt::reshape(t, {batch, time, attn.heads, head_dim}), {0, 2, 1, 3});
+  };
+  mt::Tensor q = split_heads(0), k = split_heads(1), v = split_heads(2);
+  mt::Tensor scores =
+      mt::matmul(q, k, false, true) * (1.0 / std::sqrt(static_cast<double>(head_dim)));
+  mt::Tensor weights = attn.attn_dropout(mt::masked_softmax(scores, mt::causal_mask(time), -1));
+  return attn.proj(
+      mt::reshape(mt::permute(mt::matmul(weights, v), {0, 2, 1, 3}), {batch, time, dim}));
+}
+
+// One attention block's forward and backward pass: its output, its parameters' gradients and
+// the stored values' peak of the evaluation that computed them.
+struct BlockPass {
+  std::vector<std::vector<double>> values;  // the output, then the gradients
+  int64_t peak_bytes = 0;
+};
+
+BlockPass block_pass(int64_t batch, int64_t time, bool fused, bool training) {
+  mt::Generator gen(4);
+  mt::CausalSelfAttention attn(16, 2, 0.2, &gen);
+  attn.train(training);
+  mt::Tensor x = mt::randn({batch, time, 16}, mt::f32, &gen);
+  mt::Tensor weight = mt::randn({batch, time, 16}, mt::f32, &gen);
+  std::vector<mt::Tensor> values{x, weight};
+  for (const mt::Tensor& p : attn.parameters()) values.push_back(p);
+  mt::eval(values);  // the inputs, before the step is measured
+  mt::Tensor out = fused ? attn(x) : composite_block(attn, x);
+  mt::sum(out * weight).backward();
+  values = {out};
+  for (const mt::Tensor& p : attn.parameters()) values.push_back(p.grad());
+  mt::reset_execution_stats();
+  mt::eval(values);
+  BlockPass pass;
+  pass.peak_bytes = mt::execution_stats().peak_bytes;
+  for (const mt::Tensor& t : values) pass.values.push_back(t.to_vector<double>());
+  return pass;
+}
+
+// The char GPT's attention block runs one fused node, training (with its dropout, the mask
+// attn_dropout would draw) and in eval: its output and gradients are the composite's.
+TEST(FusedAttention, CausalSelfAttentionIsTheCompositeBlock) {
+  for (bool training : {true, false}) {
+    SCOPED_TRACE(training ? "training" : "eval");
+    const BlockPass fused = block_pass(2, 37, true, training);
+    const BlockPass composite = block_pass(2, 37, false, training);
+    ASSERT_EQ(fused.values.size(), composite.values.size());
+    for (size_t i = 0; i < fused.values.size(); ++i)
+      EXPECT_LE(error(fused.values[i], composite.values[i]), 1e-5) << "value " << i;
+  }
+  // Dropout is on when training: the two runs differ.
+  EXPECT_GT(
+      error(block_pass(2, 37, true, true).values[0], block_pass(2, 37, true, false).values[0]),
+      1e-3);
+}
+
+// The "no quadratic memory": a training step (forward, dropout, backward) of the char
+// GPT's attention block keeps O(T) stored bytes, 4x from T = 512 to 2048, where the composite
+// block's [T, T] weights grow 16x.
+TEST(FusedAttention, TheAttentionBlocksStoredPeakGrowsLinearlyInT) {
+  if (mt::current_device() == mt::Device::reference)
+    GTEST_SKIP() << "the reference executor keeps no peak";
+  auto ratio = [](bool fused) {
+    return static_cast<double>(block_pass(1, 2048, fused, true).peak_bytes) /
+           static_cast<double>(block_pass(1, 512, fused, true).peak_bytes);
+  };
+  const double fused = ratio(true), composite = ratio(false);
+  EXPECT_GE(fused, 3.5);
+  EXPECT_LE(fused, 4.5);
+  EXPECT_GE(composite, 12.0) << "the composite was meant to be O(T^2)";
+  std::printf("stored peak, T = 2048 over T = 512: fused %.2f, composite %.2f\n", fused, composite);
+}
+
+// The same for a whole char GPT training step (one block, dropout 0.1, batch 1) at context 512
+// and 2048: embeddings, norms, MLP, head and loss are O(T), and so now is its attention.
+TEST(FusedAttention, TheCharGptsStoredPeakGrowsLinearlyInContext) {
+  if (mt::current_device() == mt::Device::reference)
+    GTEST_SKIP() << "the reference executor keeps no peak";
+  auto peak = [](int64_t context) {
+    mt::Generator gen(6);
+    CharGpt model(
+        {.vocab = 32, .layers = 1, .heads = 2, .width = 16, .context = context, .dropout = 0.1},
+        &gen);
+    mt::Tensor tokens = mt::randint(0, 32, {1, context}, &gen);
+    mt::Tensor targets = mt::randint(0, 32, {1, context}, &gen);
+    std::vector<mt::Tensor> values{tokens, targets};
+    for (const mt::Tensor& p : model.parameters()) values.push_back(p);
+    mt::eval(values);
+    mt::Tensor loss = model.loss(tokens, targets);
+    loss.backward();
+    values = {loss};
+    for (const mt::Tensor& p : model.parameters()) values.push_back(p.grad());
+    mt::reset_execution_stats();
+    mt::eval(values);
+    return static_cast<double>(mt::execution_stats().peak_bytes);
+  };
+  const double ratio = peak(2048) / peak(512);
+  EXPECT_GE(ratio, 3.5);
+  EXPECT_LE(ratio, 4.5);
+  std::printf("char GPT stored peak, context 2048 over 512: %.2f\n", ratio);
 }
 
 }  // namespace

@@ -205,12 +205,14 @@ Grads vjp_MaxPool2dGrad(const Node& n, const Tensor& g) {
 // with one (create_graph), the materialized gradient, whose own gradient exists.
 Grads vjp_Attention(const Node& n, const Tensor& g) {
   Tensor q = in(n, 0), k = in(n, 1), v = in(n, 2);
-  Tensor mask = n.inputs.size() > 3 ? in(n, 3) : Tensor();
+  const AttentionDropout dropout = AttentionDropout::of(n);
+  Tensor mask = AttentionGeometry::of(n).has_mask ? in(n, 3) : Tensor();
   std::array<Tensor, 3> grads;
   if (grad_enabled()) {
-    grads = detail::attention_gradients(q, k, v, mask, n.attrs.causal, n.attrs.scale, g);
+    grads = detail::attention_gradients(q, k, v, mask, n.attrs.causal, n.attrs.scale, dropout, g);
   } else {
-    Tensor packed = attention_backward(q, k, v, out(n), g, mask, n.attrs.causal, n.attrs.scale);
+    Tensor packed =
+        attention_backward(q, k, v, out(n), g, mask, n.attrs.causal, n.attrs.scale, dropout);
     const int64_t axis = packed.dim() - 1;
     int64_t start = 0;
     for (size_t i = 0; i < 3; ++i) {
@@ -223,6 +225,7 @@ Grads vjp_Attention(const Node& n, const Tensor& g) {
   Grads result;
   for (size_t i = 0; i < 3; ++i) result.push_back(wanted(n, i) ? grads[i] : Tensor());
   if (mask.defined()) result.push_back(Tensor());  // a mask that takes a gradient is refused
+  if (dropout.p > 0) result.push_back(Tensor());   // the generator's offset
   return result;
 }
 Grads vjp_AttentionBackward(const Node& n, const Tensor&) {

@@ -3,9 +3,11 @@
 #include "mixtape/dsl/attention.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <string>
 
+#include "mixtape/dsl/convert.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/functional.h"
 #include "mixtape/dsl/graph.h"
@@ -59,32 +61,53 @@ DType checked_operands(const char* op, const Loc& loc, const Tensor& q, const Te
   return promote(promote(q.dtype(), k.dtype()), v.dtype());
 }
 
-Attrs attention_attrs(bool causal, double scale) {
+Attrs attention_attrs(bool causal, double scale, const AttentionDropout& dropout) {
   Attrs attrs;
   attrs.causal = causal;
   attrs.scale = scale;
+  attrs.dropout = dropout.p;
+  attrs.seed = dropout.seed;
   return attrs;
+}
+
+// p in [0, 1) with an offset where p > 0.
+void check_dropout(const char* op, const Loc& loc, const AttentionDropout& dropout) {
+  if (!(dropout.p >= 0 && dropout.p < 1))
+    op_fail(op, loc, "the dropout probability must be in [0, 1), got {}", dropout.p);
+  if (dropout.p > 0 &&
+      (!dropout.offset.defined() || dropout.offset.dtype() != i64 || dropout.offset.dim() != 0))
+    op_fail(op, loc, "dropout needs its generator's offset as a 0-d i64 tensor, got {}",
+            describe(dropout.offset));
+}
+
+// The inputs after q, k, v (and out, grad_out): the mask, then the dropout offset.
+void add_mask_and_offset(NodeInputs& inputs, const Tensor& mask, const AttentionDropout& dropout) {
+  if (mask.defined()) inputs.emplace_back(mask.node());
+  if (dropout.p > 0) inputs.emplace_back(dropout.offset.node());
 }
 
 }  // namespace
 
 Tensor attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
-                         bool causal, double scale, const Loc& loc) {
+                         bool causal, double scale, const AttentionDropout& dropout,
+                         const Loc& loc) {
   const char* op = op_name(OpCode::Attention);
   const DType t = checked_operands(op, loc, q, k, v, mask, causal, scale);
+  check_dropout(op, loc, dropout);
   NodeInputs inputs;
   for (const Tensor* x : {&q, &k, &v}) inputs.emplace_back(cast(*x, t, loc).node());
-  if (mask.defined()) inputs.emplace_back(mask.node());
+  add_mask_and_offset(inputs, mask, dropout);
   return Tensor(make_node(OpCode::Attention, t,
                           with_last_two(batch_of(q.shape()), q.size(-2), v.size(-1)),
-                          std::move(inputs), attention_attrs(causal, scale), loc));
+                          std::move(inputs), attention_attrs(causal, scale, dropout), loc));
 }
 
 Tensor attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                           const Tensor& grad_out, const Tensor& mask, bool causal, double scale,
-                          const Loc& loc) {
+                          const AttentionDropout& dropout, const Loc& loc) {
   const char* op = op_name(OpCode::AttentionBackward);
   DType t = checked_operands(op, loc, q, k, v, mask, causal, scale);
+  check_dropout(op, loc, dropout);
   const Shape out_shape = with_last_two(batch_of(q.shape()), q.size(-2), v.size(-1));
   for (const Tensor* x : {&out, &grad_out})
     if (!x->defined() || !is_floating(x->dtype()) || x->shape() != out_shape)
@@ -94,11 +117,43 @@ Tensor attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, con
   NodeInputs inputs;
   for (const Tensor* x : {&q, &k, &v, &out, &grad_out})
     inputs.emplace_back(cast(*x, t, loc).node());
-  if (mask.defined()) inputs.emplace_back(mask.node());
+  add_mask_and_offset(inputs, mask, dropout);
   Shape packed = batch_of(q.shape());
   packed.push_back(q.size(-2) * q.size(-1) + k.size(-2) * (k.size(-1) + v.size(-1)));
   return Tensor(make_node(OpCode::AttentionBackward, t, std::move(packed), std::move(inputs),
-                          attention_attrs(causal, scale), loc));
+                          attention_attrs(causal, scale, dropout), loc));
+}
+
+AttentionDropout AttentionDropout::draw(double p, Generator* gen, const Shape& weights) {
+  AttentionDropout out;
+  if (p == 0) return out;
+  Generator& g = gen ? *gen : default_generator();
+  out.p = p;
+  out.seed = g.seed();
+  out.offset = g.draw(static_cast<uint64_t>(numel(weights)));
+  return out;
+}
+
+AttentionDropout AttentionDropout::of(const Node& node) {
+  AttentionDropout out;
+  if (node.attrs.dropout == 0) return out;
+  out.p = node.attrs.dropout;
+  out.seed = node.attrs.seed;
+  out.offset = Tensor(node.inputs.back());
+  return out;
+}
+
+DropoutDraw DropoutDraw::of(const Node& node) {
+  DropoutDraw out;
+  const double p = node.attrs.dropout;
+  out.seed = node.attrs.seed;
+  out.offset = std::bit_cast<uint64_t>(load_element<int64_t>(*node.inputs.back()->value, 0));
+  // rand's f32 elements are k 2^-24 (k < 2^24), compared with p as an f32 fill holds it.
+  out.threshold =
+      static_cast<uint32_t>(std::ceil(static_cast<double>(static_cast<float>(p)) * 0x1p24));
+  out.p = static_cast<float>(p);
+  out.keep_scale = p < 1 ? 1.0 / (1.0 - p) : 0.0;
+  return out;
 }
 
 AttentionGeometry AttentionGeometry::of(const Node& node) {
@@ -114,7 +169,8 @@ AttentionGeometry AttentionGeometry::of(const Node& node) {
   g.causal = node.attrs.causal;
   g.scale = node.attrs.scale;
   const size_t mask_input = node.op == OpCode::Attention ? 3 : 5;
-  g.has_mask = node.inputs.size() > mask_input;
+  g.has_dropout = node.attrs.dropout > 0;
+  g.has_mask = node.inputs.size() > mask_input + (g.has_dropout ? 1 : 0);
   if (!g.has_mask) return g;
   const Node& mask = *node.inputs[mask_input];
   g.bool_mask = mask.dtype == boolean;
@@ -164,28 +220,46 @@ Tensor composite_weights(const Tensor& q, const Tensor& k, const Tensor& mask, b
 }  // namespace
 
 Tensor attention_composite(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask,
-                           bool causal, double scale) {
-  return matmul(composite_weights(q, k, mask, causal, scale), v);
+                           bool causal, double scale, double dropout_p, Generator* gen) {
+  return matmul(dropout(composite_weights(q, k, mask, causal, scale), dropout_p, true, gen), v);
 }
 
+// With Z the kept weights' factor (1/(1-p) or 0) and P' = P Z the weights the values meet:
+// dV = P'^T dO, dS = P (Z dO V^T - rowsum(P' dO V^T)), the second sum being rowsum(dO O).
 std::array<Tensor, 3> attention_gradients(const Tensor& q, const Tensor& k, const Tensor& v,
                                           const Tensor& mask, bool causal, double scale,
-                                          const Tensor& grad_out) {
+                                          const AttentionDropout& dropout, const Tensor& grad_out) {
   Tensor p = composite_weights(q, k, mask, causal, scale);
   Tensor dp = matmul(grad_out, v, false, true);
-  Tensor ds = p * (dp - sum(p * dp, {-1}, true));
+  Tensor kept_p = p, kept_dp = dp;
+  if (dropout.p > 0) {
+    // The forward pass's mask: rand's f32 stream at the node's seed and offset, as dropout().
+    Attrs attrs;
+    attrs.seed = dropout.seed;
+    Tensor u(make_node(OpCode::RandUniform, f32, p.shape(), {dropout.offset.node()}, attrs,
+                       Loc::current()));
+    Tensor keep = u >= dropout.p;
+    const double factor = 1.0 / (1.0 - dropout.p);
+    kept_p = where(keep, p * factor, zeros_like(p));
+    kept_dp = where(keep, dp * factor, zeros_like(dp));
+  }
+  Tensor ds = p * (kept_dp - sum(kept_p * dp, {-1}, true));
   return {matmul(ds, k) * scale, matmul(ds, q, true, false) * scale,
-          matmul(p, grad_out, true, false)};
+          matmul(kept_p, grad_out, true, false)};
 }
 
 Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& mask, bool causal,
-                 std::optional<double> scale, bool fused, const Loc& loc) {
+                 std::optional<double> scale, bool fused, const Loc& loc, double dropout_p,
+                 Generator* gen) {
   const char* op = "scaled_dot_product_attention";
+  if (!(dropout_p >= 0 && dropout_p <= 1))
+    op_fail(op, loc, "dropout_p must be in [0, 1], got {}", dropout_p);
   const double factor = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   const size_t rank = std::max(std::max(q.dim(), k.dim()), v.dim());
-  if (!fused ||
+  // dropout_p == 1 zeroes every weight without a draw, as dropout() does.
+  if (!fused || dropout_p == 1 ||
       (mask.defined() && (mask.requires_grad() || static_cast<size_t>(mask.dim()) > rank)))
-    return attention_composite(q, k, v, mask, causal, factor);
+    return attention_composite(q, k, v, mask, causal, factor, dropout_p, gen);
   auto batch = broadcast_shapes(batch_of(q.shape()), batch_of(k.shape()));
   if (batch) batch = broadcast_shapes(*batch, batch_of(v.shape()));
   if (!batch)
@@ -203,7 +277,10 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
     shape.insert(shape.end(), mask.shape().begin(), mask.shape().end());
     raised = reshape(mask, shape, loc);
   }
-  return attention_forward(operand(q), operand(k), operand(v), raised, causal, factor, loc);
+  const AttentionDropout dropout =
+      AttentionDropout::draw(dropout_p, gen, with_last_two(*batch, q.size(-2), k.size(-2)));
+  return attention_forward(operand(q), operand(k), operand(v), raised, causal, factor, dropout,
+                           loc);
 }
 
 }  // namespace detail

@@ -2,7 +2,9 @@
 #include "mixtape/dsl/nn.h"
 
 #include <cmath>
+#include <optional>
 
+#include "mixtape/dsl/attention.h"
 #include "mixtape/dsl/error.h"
 
 namespace mixtape {
@@ -313,9 +315,12 @@ Tensor CausalSelfAttention::operator()(const Tensor& x, const Loc& loc) const {
     return permute(reshape(t, {batch, time, heads, head_dim}), {0, 2, 1, 3});  // [B, H, T, D]
   };
   Tensor q = split_heads(0), k = split_heads(1), v = split_heads(2);
-  Tensor scores = matmul(q, k, false, true) * (1.0 / std::sqrt(static_cast<double>(head_dim)));
-  Tensor attention = attn_dropout(masked_softmax(scores, causal_mask(time), -1));
-  Tensor merged = reshape(permute(matmul(attention, v), {0, 2, 1, 3}), {batch, time, dim});
+  // One fused node (memory linear in T): attn_dropout's p and generator drop its weights, the
+  // mask drawn as attn_dropout(weights) would draw it.
+  const double p = attn_dropout.is_training() ? attn_dropout.p : 0.0;
+  Tensor attended = detail::attention(q, k, v, Tensor(), true, std::nullopt, true, loc, p,
+                                      attn_dropout.generator());
+  Tensor merged = reshape(permute(attended, {0, 2, 1, 3}), {batch, time, dim});
   return proj(merged);
 }
 

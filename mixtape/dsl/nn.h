@@ -67,6 +67,8 @@ class Dropout : public Module {
  public:
   explicit Dropout(double p = 0.5, Generator* gen = nullptr);
   Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  /// The generator masks are drawn from (null: the default generator).
+  Generator* generator() const { return gen_; }
   double p;
 
  private:
@@ -219,8 +221,9 @@ class MLP : public Module {
   Activation activation;
 };
 
-/// Multi-head causal self-attention over [batch, time, dim]: qkv projection, per-head scaled
-/// dot-product attention with a causal mask, output projection.
+/// Multi-head causal self-attention over [batch, time, dim]: qkv projection, per-head fused
+/// causal attention (dsl/attention.h: memory linear in time) whose weights attn_dropout drops
+/// when training, output projection.
 class CausalSelfAttention : public Module {
  public:
   CausalSelfAttention(int64_t dim, int64_t heads, double dropout = 0.0, Generator* gen = nullptr);

@@ -13,7 +13,8 @@ namespace mixtape {
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& attn_mask, bool causal,
-                                    std::optional<double> scale, const Loc& loc) {
+                                    std::optional<double> scale, double dropout_p, Generator* gen,
+                                    const Loc& loc) {
   CallSiteScope site(loc, composite::scaled_dot_product_attention);
   const char* op = "scaled_dot_product_attention";
   for (const Tensor* t : {&q, &k, &v})
@@ -39,7 +40,7 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
   if (causal && q.size(-2) != k.size(-2))
     op_fail(op, loc, "a causal mask needs as many queries as keys: q {} k {}", to_string(q.shape()),
             to_string(k.shape()));
-  return detail::attention(q, k, v, attn_mask, causal, scale, true, loc);
+  return detail::attention(q, k, v, attn_mask, causal, scale, true, loc, dropout_p, gen);
 }
 
 // ---- MultiheadAttention ----

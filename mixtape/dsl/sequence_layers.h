@@ -17,10 +17,13 @@ namespace mixtape {
 /// keys, [..., S, Ev] values: softmax(q k^T * scale + mask) v with scale 1/sqrt(E) by default.
 /// `attn_mask` broadcasts to [..., L, S]: bool (true where a query may attend) or a float added to
 /// the scores; `causal` masks keys after each query too. A query whose keys are all masked gets
-/// zeros and a zero gradient (PyTorch gives NaN there).
+/// zeros and a zero gradient (PyTorch gives NaN there). dropout_p drops weights after the
+/// softmax (PyTorch's dropout_p: the rest scaled by 1/(1-p)), drawn from `gen` (the default
+/// generator where null) as dropout(weights, dropout_p, true, gen) draws them; pass 0 in eval.
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     const Tensor& attn_mask, bool causal = false,
                                     std::optional<double> scale = std::nullopt,
+                                    double dropout_p = 0, Generator* gen = nullptr,
                                     const Loc& loc = Loc::current());
 
 /// torch.nn.MultiheadAttention: in_proj_weight [3E, E], in_proj_bias [3E], out_proj.weight [E, E],

@@ -95,12 +95,15 @@ std::set<const Storage*> drawn_offsets(const Plan& plan) {
   std::set<const Storage*> out;
   for (const PlannedEvaluation& planned : plan.evals) {
     const std::vector<Node*>& externals = planned.eval.executed.sig.externals;
-    for (const Node* node : planned.eval.pending_raw)
-      if ((node->op == OpCode::RandUniform || node->op == OpCode::RandNormal) &&
-          !node->inputs.empty())
+    for (const Node* node : planned.eval.pending_raw) {
+      // rand and randn read the offset as their one input, attention's dropout as its last.
+      const bool draws = ((node->op == OpCode::RandUniform || node->op == OpCode::RandNormal) ||
+                          (op_info(node->op).kind == OpKind::Attention && node->attrs.dropout > 0));
+      if (draws && !node->inputs.empty())
         for (size_t x = 0; x < externals.size(); ++x)
-          if (node->inputs[0].get() == externals[x] && planned.inputs[x].object)
+          if (node->inputs.back().get() == externals[x] && planned.inputs[x].object)
             out.insert(planned.inputs[x].object.get());
+    }
   }
   return out;
 }

@@ -15,6 +15,7 @@
 #include "mixtape/dsl/convert.h"
 #include "mixtape/dsl/half.h"
 #include "mixtape/runtime/cpu_features.h"
+#include "mixtape/runtime/random_fill.h"
 #include "mixtape/runtime/storage_rows.h"
 
 namespace mixtape {
@@ -38,21 +39,27 @@ bool half_or_f32(DType t) { return t == f32 || t == f16 || t == bf16; }
 
 // e^x in f32 from arithmetic and bit operations only, so that its loops vectorize (libm's expf
 // is a call per element): Cody-Waite reduction by ln 2 and Cephes' degree-6 polynomial, within
-// 2 ulp; 0 below -87.3 (every masked score is -inf).
-[[gnu::always_inline]] inline float exp_f32(float x) {
-  const float clamped = std::min(std::max(x, -87.3f), 88.7f);
+// 2 ulp; 0 below -87.3 (every masked score is -inf). exp_parts computes, on a float or on 8
+// lanes, p = e^r for the clamped x = n ln 2 + r, and `shifted`, whose low bits hold n.
+template <typename V>
+[[gnu::always_inline]] inline void exp_parts(const V& clamped, V& shifted, V& p) {
   const float magic = 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const float shifted = clamped * 1.44269504088896341f + magic;
-  const float n = shifted - magic;
-  float r = clamped - n * 0.693359375f;
+  shifted = clamped * 1.44269504088896341f + magic;
+  const V n = shifted - magic;
+  V r = clamped - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  float p = 1.9875691500e-4f;
+  p = V{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
+}
+[[gnu::always_inline]] inline float exp_f32(float x) {
+  const float clamped = std::min(std::max(x, -87.3f), 88.7f);
+  float shifted, p;
+  exp_parts(clamped, shifted, p);
   const int32_t exponent = (std::bit_cast<int32_t>(shifted) - 0x4B400000 + 127) << 23;
   const float result = p * std::bit_cast<float>(exponent);
   return x < -87.3f ? 0.0f : result;
@@ -127,6 +134,7 @@ void store(const T* in, Storage& s, int64_t at, int64_t count) {
 struct Operands {
   AttentionGeometry g;
   const Storage *q, *k, *v, *o = nullptr, *go = nullptr, *mask = nullptr;
+  DropoutDraw drop;  // where g.has_dropout
   DType compute;
   int64_t key_tile;
 };
@@ -134,7 +142,8 @@ struct Operands {
 // Per-thread tiles.
 template <typename T>
 struct Tiles {
-  std::vector<T> q, k, kt, v, vt, s, dp, pt, acc, m, l, go, o, delta, lse, dq;
+  std::vector<T> q, k, kt, v, vt, s, dp, pt, acc, m, l, go, o, delta, lse, dq, z;
+  std::vector<float> u;  // a row's uniform draws for dropout, from its first Philox block on
   void size(const Operands& a) {
     const auto& g = a.g;
     const size_t rows = kQueryTile, cols = static_cast<size_t>(a.key_tile);
@@ -143,6 +152,7 @@ struct Tiles {
     pt.resize(rows * cols);
     acc.resize(rows * g.dv), m.resize(rows), l.resize(rows), go.resize(rows * g.dv);
     o.resize(rows * g.dv), delta.resize(rows), lse.resize(rows), dq.resize(rows * g.d);
+    z.resize(cols), u.resize(cols + 8);
   }
 };
 
@@ -160,6 +170,32 @@ using Vec8 = float __attribute__((vector_size(32)));
   return v;
 }
 [[gnu::always_inline]] inline void store8(float* p, Vec8 v) { std::memcpy(p, &v, sizeof v); }
+// exp_f32 on 8 lanes, operation for operation: the scalar loop does not vectorize, its clamps
+// becoming branches.
+using Vec8i = int32_t __attribute__((vector_size(32)));
+[[gnu::always_inline]] inline void exp8(Vec8& x) {
+  const Vec8 low = Vec8{} - 87.3f, high = Vec8{} + 88.7f;
+  Vec8 clamped = x < low ? low : x;
+  clamped = high < clamped ? high : clamped;
+  Vec8 shifted, p;
+  exp_parts(clamped, shifted, p);
+  Vec8i bits;
+  std::memcpy(&bits, &shifted, sizeof bits);
+  const Vec8i exponent = (bits - 0x4B400000 + 127) << 23;
+  Vec8 scale;
+  std::memcpy(&scale, &exponent, sizeof scale);
+  const Vec8 result = p * scale;
+  x = x < low ? Vec8{} : result;
+}
+[[gnu::always_inline]] inline void exp_shifted(float* __restrict x, int64_t n, float shift) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    Vec8 lanes = load8(x + j) - shift;
+    exp8(lanes);
+    store8(x + j, lanes);
+  }
+  for (; j < n; ++j) x[j] = exp_f32(x[j] - shift);
+}
 
 template <bool Accumulate, typename T>
 [[gnu::always_inline]] inline void gemm(const T* __restrict a, int64_t lda, const T* __restrict b,
@@ -269,6 +305,22 @@ template <typename T>
   }
 }
 
+// Row i's dropout factors (1/(1-p) or 0) for keys [j0, j0 + cols) into t.z.
+template <typename T>
+[[gnu::always_inline]] inline void dropout_factors(const Operands& a, Tiles<T>& t, int64_t b,
+                                                   int64_t i, int64_t j0, int64_t cols) {
+  // The stream's vectorized fill from the block holding weight `first`: DropoutDraw::scales
+  // decisions (rand's f32 element against p), a block of four at a time.
+  const uint64_t first = static_cast<uint64_t>((b * a.g.tq + i) * a.g.tk + j0);
+  const int64_t lane = static_cast<int64_t>(first % 4), blocks = (lane + cols + 3) / 4;
+  uniform_blocks(t.u.data(), blocks, a.drop.seed, a.drop.offset + first / 4);
+  const float* __restrict u = t.u.data() + lane;
+  const float p = a.drop.p;
+  const T kept = static_cast<T>(a.drop.keep_scale);
+  T* __restrict z = t.z.data();
+  for (int64_t j = 0; j < cols; ++j) z[j] = u[j] >= p ? kept : T(0);
+}
+
 // The keys query rows [i0, i0 + rows) see: all, or up to the last row's position when causal.
 int64_t keys_seen(const AttentionGeometry& g, int64_t i0, int64_t rows) {
   return g.causal ? std::min(g.tk, i0 + rows) : g.tk;
@@ -305,8 +357,13 @@ template <typename T>
       exp_shifted(sr, cols, top);
       t.l[r] = t.l[r] * correction + row_sum(sr, cols);
       t.m[r] = top;
+      if (g.has_dropout) {  // the sum is over every weight, the values meet the kept ones
+        dropout_factors(a, t, b, i0 + r, j0, cols);
+        for (int64_t j = 0; j < cols; ++j) sr[j] *= t.z[j];
+      }
     }
-    gemm<true>(t.s.data(), ld, t.v.data(), g.dv, t.acc.data(), g.dv, rows, g.dv, cols);  // += P V
+    gemm<true>(t.s.data(), ld, t.v.data(), g.dv, t.acc.data(), g.dv, rows, g.dv,
+               cols);  // += P V
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* acc = t.acc.data() + r * g.dv;
@@ -362,7 +419,8 @@ template <typename T>
       for (int64_t j = 0; j < cols; ++j)
         for (int64_t e = 0; e < g.dv; ++e) t.vt[e * ld + j] = t.v[j * g.dv + e];
       scores(a, t, b, i0, rows, j0, cols);
-      gemm<false>(t.go.data(), g.dv, t.vt.data(), ld, t.dp.data(), ld, rows, cols, g.dv);  // dO V^T
+      gemm<false>(t.go.data(), g.dv, t.vt.data(), ld, t.dp.data(), ld, rows, cols,
+                  g.dv);  // dO V^T
       for (int64_t r = 0; r < rows; ++r) {
         T* __restrict p = t.s.data() + r * ld;
         T* __restrict ds = t.dp.data() + r * ld;
@@ -372,7 +430,17 @@ template <typename T>
           continue;
         }
         exp_shifted(p, cols, lse);
-        for (int64_t j = 0; j < cols; ++j) ds[j] = p[j] * (ds[j] - delta) * scale;
+        if (!g.has_dropout) {
+          for (int64_t j = 0; j < cols; ++j) ds[j] = p[j] * (ds[j] - delta) * scale;
+          continue;
+        }
+        // dS = P (Z dP - delta); dV then takes the kept weights P Z.
+        dropout_factors(a, t, b, i0 + r, j0, cols);
+        const T* __restrict z = t.z.data();
+        for (int64_t j = 0; j < cols; ++j) {
+          ds[j] = p[j] * (z[j] * ds[j] - delta) * scale;
+          p[j] *= z[j];
+        }
       }
       // dV += P^T dO, dQ += dS K, dK += dS^T Q.
       transpose_tile(t.s.data(), ld, t.pt.data(), rows, cols);
@@ -390,6 +458,10 @@ template <typename T>
 
 // The per-task loops, compiled for the build's baseline and (f32) for AVX2 with FMA, chosen by
 // the CPU; the OpenMP regions call them per task (an outlined region would not inherit a target).
+// The AVX2 loops contract a * b + c into FMAs (the build's -ffp-contract=off is for code whose
+// bits must match the JIT's; nothing else computes these tiles): the tile products run at twice
+// the rate, and the bits differ from the baseline loops' but not between runs, checkpointed
+// recomputations, compiled replays or artifacts on one CPU.
 template <typename T>
 struct Loops {
   void (*forward)(const Operands&, Tiles<T>&, Storage&, int64_t b, int64_t i0);
@@ -406,13 +478,13 @@ void backward_plain(const Operands& a, Tiles<T>& t, std::vector<T>& dk, std::vec
   backward_batch(a, t, dk, dv, out, b);
 }
 #if defined(__x86_64__)
-[[gnu::target("avx2,fma")]] void forward_avx2(const Operands& a, Tiles<float>& t, Storage& out,
-                                              int64_t b, int64_t i0) {
+[[gnu::target("avx2,fma"), gnu::optimize("fp-contract=fast")]] void forward_avx2(
+    const Operands& a, Tiles<float>& t, Storage& out, int64_t b, int64_t i0) {
   forward_task(a, t, out, b, i0);
 }
-[[gnu::target("avx2,fma")]] void backward_avx2(const Operands& a, Tiles<float>& t,
-                                               std::vector<float>& dk, std::vector<float>& dv,
-                                               Storage& out, int64_t b) {
+[[gnu::target("avx2,fma"), gnu::optimize("fp-contract=fast")]] void backward_avx2(
+    const Operands& a, Tiles<float>& t, std::vector<float>& dk, std::vector<float>& dv,
+    Storage& out, int64_t b) {
   backward_batch(a, t, dk, dv, out, b);
 }
 #endif
@@ -485,6 +557,7 @@ void attention_cpu(const Node& node, Storage& out) {
   const bool forward = node.op == OpCode::Attention;
   if (!forward) a.o = node.inputs[3]->value.get(), a.go = node.inputs[4]->value.get();
   if (a.g.has_mask) a.mask = node.inputs[forward ? 3 : 5]->value.get();
+  if (a.g.has_dropout) a.drop = DropoutDraw::of(node);
   a.compute = node.precision.compute;
   const bool wide = a.compute == f64;
   a.key_tile = key_tile(a.g.d, a.g.dv, wide ? sizeof(double) : sizeof(float));

@@ -245,6 +245,12 @@ void fill_normal(Storage& out, uint64_t seed, uint64_t offset) {
   fill(out, normal_chunk, /*below_one=*/false, seed, offset);
 }
 
+void uniform_blocks(float* out, int64_t blocks, uint64_t seed, uint64_t counter) {
+  for (int64_t done = 0; done < blocks; done += kChunkBlocks)
+    uniform_chunk(out + 4 * done, std::min(kChunkBlocks, blocks - done), seed,
+                  counter + static_cast<uint64_t>(done));
+}
+
 float random_fill_log(float x) { return log_poly(x); }
 
 void random_fill_sincos(uint32_t k, float& sin_out, float& cos_out) {

@@ -32,6 +32,11 @@ void fill_uniform(Storage& out, uint64_t seed, uint64_t offset);
 /// Writes elements [0, out.count) of the standard normal stream (seed, offset) into `out`.
 void fill_normal(Storage& out, uint64_t seed, uint64_t offset);
 
+/// The f32 uniform stream's blocks counter .. counter + blocks - 1 of `seed` (four elements each,
+/// as fill_uniform computes them) into out[0 .. 4 blocks): a stream's elements from any block on,
+/// for kernels that draw their own (fused attention's dropout).
+void uniform_blocks(float* out, int64_t blocks, uint64_t seed, uint64_t counter);
+
 /// ln x in f32 for positive normal x, within 1 ulp: the logarithm fill_normal uses.
 float random_fill_log(float x);
 /// sin and cos of 2 pi k 2^-24 for k < 2^24, within 1.25 ulp: the rotation fill_normal uses.

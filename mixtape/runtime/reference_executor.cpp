@@ -681,8 +681,10 @@ StoragePtr ref_MaxPool2dGrad(const Node& node) {
 // ---- fused attention ----
 // Materialized, in f64 over inputs rounded to the compute type: every score of a row, then its
 // softmax (a masked key weighs 0; a row with no key left is zeros), rounded once at the output.
+// Dropout multiplies each weight the values meet by its factor, 1/(1-p) or 0.
 struct AttentionRows {
   AttentionGeometry g;
+  DropoutDraw drop;
   std::vector<double> q, k, v, mask;
   AttentionRows(const Node& node, size_t mask_input) : g(AttentionGeometry::of(node)) {
     auto operand = [&](size_t i) {
@@ -691,6 +693,13 @@ struct AttentionRows {
     };
     q = operand(0), k = operand(1), v = operand(2);
     if (g.has_mask) mask = load_all<double>(value_of(node, mask_input));
+    if (g.has_dropout) drop = DropoutDraw::of(node);
+  }
+  // Row i of batch b's dropout factors (all 1 without dropout).
+  std::vector<double> kept(int64_t b, int64_t i) const {
+    std::vector<double> z(static_cast<size_t>(g.tk), 1.0);
+    if (g.has_dropout) drop.scales(static_cast<uint64_t>((b * g.tq + i) * g.tk), g.tk, z.data());
+    return z;
   }
   // Row i of batch b's weights.
   std::vector<double> weights(int64_t b, int64_t i) const {
@@ -723,16 +732,18 @@ StoragePtr ref_Attention(const Node& node) {
   for (int64_t b = 0; b < g.batch; ++b)
     for (int64_t i = 0; i < g.tq; ++i) {
       std::vector<double> p = r.weights(b, i);
+      const std::vector<double> z = r.kept(b, i);
       for (int64_t c = 0; c < g.dv; ++c) {
         double acc = 0;
-        for (int64_t j = 0; j < g.tk; ++j) acc += p[j] * r.v[(b * g.tk + j) * g.dv + c];
+        for (int64_t j = 0; j < g.tk; ++j) acc += p[j] * z[j] * r.v[(b * g.tk + j) * g.dv + c];
         store_element(*out, (b * g.tq + i) * g.dv + c, acc);
       }
     }
   return out;
 }
 
-// dV = P^T dO, dP = dO V^T, dS = P (dP - rowsum(dO O)), dQ = scale dS K, dK = scale dS^T Q.
+// dV = (P Z)^T dO, dP = Z dO V^T, dS = P (dP - rowsum(dO O)), dQ = scale dS K, dK = scale dS^T
+// Q, with Z the dropout factors.
 StoragePtr ref_AttentionBackward(const Node& node) {
   const AttentionRows r(node, 5);
   const AttentionGeometry& g = r.g;
@@ -749,6 +760,7 @@ StoragePtr ref_AttentionBackward(const Node& node) {
     double* dv = dk + g.tk * g.d;
     for (int64_t i = 0; i < g.tq; ++i) {
       std::vector<double> p = r.weights(b, i);
+      const std::vector<double> z = r.kept(b, i);
       const double* go_row = &go[(b * g.tq + i) * g.dv];
       double delta = 0;
       for (int64_t c = 0; c < g.dv; ++c) delta += go_row[c] * o[(b * g.tq + i) * g.dv + c];
@@ -758,9 +770,9 @@ StoragePtr ref_AttentionBackward(const Node& node) {
         double dp = 0;
         for (int64_t c = 0; c < g.dv; ++c) {
           dp += go_row[c] * v_row[c];
-          dv[j * g.dv + c] += p[j] * go_row[c];
+          dv[j * g.dv + c] += p[j] * z[j] * go_row[c];
         }
-        const double ds = p[j] * (dp - delta) * g.scale;
+        const double ds = p[j] * (z[j] * dp - delta) * g.scale;
         for (int64_t c = 0; c < g.d; ++c) {
           dq[i * g.d + c] += ds * r.k[(b * g.tk + j) * g.d + c];
           dk[j * g.d + c] += ds * r.q[(b * g.tq + i) * g.d + c];
