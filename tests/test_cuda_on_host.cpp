@@ -349,6 +349,23 @@ std::string first_difference(const std::vector<char>& got, const mt::Storage& wa
   return "";
 }
 
+// The fixed kernels' CUDA with the host prelude in place of the device one.
+std::string fixed_kernels_on_host() {
+  return host_prelude() +
+         mt::cuda_fixed_kernels_source().substr(std::string(mt::cuda_prelude()).size());
+}
+
+// What a host-run program wrote to `path`.
+std::vector<char> read_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<char>(std::istreambuf_iterator<char>(in), {});
+}
+
+std::vector<char> bytes_of(const mt::Storage& storage) {
+  const char* data = reinterpret_cast<const char*>(storage.host_data());
+  return std::vector<char>(data, data + storage.size_bytes());
+}
+
 // Builds `program` (host C++ holding CUDA kernels, with the shim) in `dir` and runs it.
 bool compile_and_run(const fs::path& dir, const std::string& program, const std::string& what) {
   std::ofstream(dir / "kernels.cpp") << program;
@@ -400,11 +417,8 @@ int64_t check_on_host(const std::vector<Launch>& launches, const std::string& wh
       if (!launch.kernel.params[i % per_segment].output) continue;
       const mt::Node& node = *launch.nodes[i];
       if (!node.value) continue;  // released after its last reader
-      std::ifstream in(dir / fmt::format("k{}_{}.out", k, i), std::ios::binary);
-      std::vector<char> got((std::istreambuf_iterator<char>(in)), {});
-      std::vector<char> want(
-          reinterpret_cast<const char*>(node.value->host_data()),
-          reinterpret_cast<const char*>(node.value->host_data()) + node.value->size_bytes());
+      std::vector<char> got = read_bytes(dir / fmt::format("k{}_{}.out", k, i));
+      std::vector<char> want = bytes_of(*node.value);
       std::string where = fmt::format("{}: kernel {} param {} (segment {})", what,
                                       launch.kernel.name, i % per_segment, i / per_segment);
       if (launch.kernel.is_reduction())  // CUDA sums in another order than the CPU
@@ -690,17 +704,11 @@ TEST(CudaOnHost, FixedKernelsStoreTheReferencesBits) {
   for (const std::string& name : names)
     main_text += fmt::format("  mt_write(\"{}\", {});\n", (dir / (name + ".out")).string(), name);
   main_text += "}\n";
-  std::string source = mt::cuda_fixed_kernels_source();
-  source = host_prelude() + source.substr(std::string(mt::cuda_prelude()).size());
-  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + source + main_text, "fixed kernels"));
+  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + fixed_kernels_on_host() + main_text,
+                              "fixed kernels"));
   for (size_t o = 0; o < names.size(); ++o) {
-    std::ifstream in(dir / (names[o] + ".out"), std::ios::binary);
-    std::vector<char> got((std::istreambuf_iterator<char>(in)), {});
     const mt::Storage& want = o < outs.size() ? *outs[o].node()->value : *draws[o - outs.size()];
-    EXPECT_EQ(
-        got, std::vector<char>(reinterpret_cast<const char*>(want.host_data()),
-                               reinterpret_cast<const char*>(want.host_data()) + want.size_bytes()))
-        << names[o];
+    EXPECT_EQ(read_bytes(dir / (names[o] + ".out")), bytes_of(want)) << names[o];
   }
   fs::remove_all(dir);
 }
@@ -770,16 +778,10 @@ TEST(CudaOnHost, ConvolutionKernelsStoreTheReferencesBits) {
                              (dir / fmt::format("conv{}.out", o)).string(), o);
   }
   main_text += "}\n";
-  std::string source = mt::cuda_fixed_kernels_source();
-  source = host_prelude() + source.substr(std::string(mt::cuda_prelude()).size());
-  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + source + main_text, "conv kernels"));
+  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + fixed_kernels_on_host() + main_text,
+                              "conv kernels"));
   for (size_t o = 0; o < outs.size(); ++o) {
-    std::ifstream in(dir / fmt::format("conv{}.out", o), std::ios::binary);
-    std::vector<char> got((std::istreambuf_iterator<char>(in)), {});
-    const mt::Storage& want = *outs[o].node()->value;
-    EXPECT_EQ(
-        got, std::vector<char>(reinterpret_cast<const char*>(want.host_data()),
-                               reinterpret_cast<const char*>(want.host_data()) + want.size_bytes()))
+    EXPECT_EQ(read_bytes(dir / fmt::format("conv{}.out", o)), bytes_of(*outs[o].node()->value))
         << "convolution " << o;
   }
   fs::remove_all(dir);
@@ -855,16 +857,10 @@ TEST(CudaOnHost, MaxPoolKernelsStoreTheReferencesBits) {
                              (dir / fmt::format("pool{}.out", o)).string(), o);
   }
   main_text += "}\n";
-  std::string source = mt::cuda_fixed_kernels_source();
-  source = host_prelude() + source.substr(std::string(mt::cuda_prelude()).size());
-  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + source + main_text, "pool kernels"));
+  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + fixed_kernels_on_host() + main_text,
+                              "pool kernels"));
   for (size_t o = 0; o < pools.size(); ++o) {
-    std::ifstream in(dir / fmt::format("pool{}.out", o), std::ios::binary);
-    std::vector<char> got((std::istreambuf_iterator<char>(in)), {});
-    const mt::Storage& want = *pools[o].out.node()->value;
-    EXPECT_EQ(
-        got, std::vector<char>(reinterpret_cast<const char*>(want.host_data()),
-                               reinterpret_cast<const char*>(want.host_data()) + want.size_bytes()))
+    EXPECT_EQ(read_bytes(dir / fmt::format("pool{}.out", o)), bytes_of(*pools[o].out.node()->value))
         << "pooling " << o;
   }
   fs::remove_all(dir);
