@@ -220,8 +220,9 @@ void expect_same_statistics(const ScalerStats& compiled, const ScalerStats& trac
   EXPECT_EQ(compiled.tracker, traced.tracker);
 }
 
-// Runs `steps` steps, poisoned where `poisoned(i)`, traced every call or compiled; returns the
-// scaler's statistics and the run's losses and weights.
+// Runs `steps` steps of the default ScaledRun, poisoned where `poisoned(i)` (the input times inf,
+// so every gradient is non-finite), traced every call or compiled; returns the scaler's
+// statistics and the run's losses and weights.
 std::pair<ScalerStats, Snapshot> scaled_run(int steps, const std::function<bool(int)>& poisoned,
                                             bool compiled, int64_t* replays = nullptr) {
   ScaledRun run;
