@@ -385,6 +385,24 @@ bool compile_and_run(const fs::path& dir, const std::string& program, const std:
   return status == 0;
 }
 
+// Runs `calls` (fixed-kernel calls that leave output o in the vector out<o>) as a host program in
+// a fresh folder named for `what`, and expects output o to hold `outs[o]`'s bytes.
+void expect_fixed_kernel_outputs(const std::string& calls, const std::vector<mt::Tensor>& outs,
+                                 const std::string& what) {
+  fs::path dir = fs::temp_directory_path() / fmt::format("mixtape_cuda_{}_{}", what, ::getpid());
+  fs::create_directories(dir);
+  std::string main_text = "int main() {\n" + calls;
+  for (size_t o = 0; o < outs.size(); ++o)
+    main_text +=
+        fmt::format("  mt_write(\"{}\", out{});\n", (dir / fmt::format("out{}", o)).string(), o);
+  main_text += "}\n";
+  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + fixed_kernels_on_host() + main_text, what));
+  for (size_t o = 0; o < outs.size(); ++o)
+    EXPECT_EQ(read_bytes(dir / fmt::format("out{}", o)), bytes_of(*outs[o].node()->value))
+        << what << " output " << o;
+  fs::remove_all(dir);
+}
+
 // Runs every observed launch's CUDA on the host and compares what each stored with the CPU
 // back end's value of that node; returns how many were compared.
 // Reductions may differ by `ulps` of the stored type (4: sums of a few hundred terms).
@@ -751,18 +769,16 @@ TEST(CudaOnHost, ConvolutionKernelsStoreTheReferencesBits) {
   // The autocast convolution reads f32 values and computes in bf16: the kernel rounds them.
   EXPECT_EQ(outs[3].node()->precision.compute, mt::bf16);
 
-  fs::path dir = fs::temp_directory_path() / fmt::format("mixtape_cuda_conv_{}", ::getpid());
-  fs::create_directories(dir);
-  std::string main_text = "int main() {\n";
+  std::string calls;
   const char* kernels[] = {"mt_conv2d", "mt_conv2d_input_grad", "mt_conv2d_weight_grad"};
   for (size_t o = 0; o < outs.size(); ++o) {
     const mt::Node& node = *outs[o].node();
     const mt::Storage &a = *convs[o][0].node()->value, &b = *convs[o][1].node()->value;
     const mt::ConvGeometry& g = geometry[o];
     const mt::ConvWindow& w = g.window;
-    main_text += fmt::format("  std::vector<char> a{0} = {1}, b{0} = {2}, out{0}({3});\n", o,
-                             bytes_literal(a), bytes_literal(b), node.value->size_bytes());
-    main_text += grid_call(
+    calls += fmt::format("  std::vector<char> a{0} = {1}, b{0} = {2}, out{0}({3});\n", o,
+                         bytes_literal(a), bytes_literal(b), node.value->size_bytes());
+    calls += grid_call(
         node.numel(),
         fmt::format(
             "{}(a{}.data(), b{}.data(), out{}.data(), mt_conv{{{}, {}, {}, {}, {}, {}, {}, "
@@ -774,17 +790,8 @@ TEST(CudaOnHost, ConvolutionKernelsStoreTheReferencesBits) {
             w.pad[0], w.pad[1], w.dil[0], w.dil[1], w.groups, static_cast<int>(a.dtype),
             static_cast<int>(b.dtype), static_cast<int>(node.precision.storage_type),
             static_cast<int>(node.precision.compute), static_cast<int>(node.precision.accum)));
-    main_text += fmt::format("  mt_write(\"{}\", out{});\n",
-                             (dir / fmt::format("conv{}.out", o)).string(), o);
   }
-  main_text += "}\n";
-  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + fixed_kernels_on_host() + main_text,
-                              "conv kernels"));
-  for (size_t o = 0; o < outs.size(); ++o) {
-    EXPECT_EQ(read_bytes(dir / fmt::format("conv{}.out", o)), bytes_of(*outs[o].node()->value))
-        << "convolution " << o;
-  }
-  fs::remove_all(dir);
+  expect_fixed_kernel_outputs(calls, outs, "conv");
 }
 
 // The two max-pooling kernels on windows with strides, padding, dilation and ceil mode, on values
@@ -826,9 +833,7 @@ TEST(CudaOnHost, MaxPoolKernelsStoreTheReferencesBits) {
   mt::eval(outs);
   mt::set_device(previous);
 
-  fs::path dir = fs::temp_directory_path() / fmt::format("mixtape_cuda_pool_{}", ::getpid());
-  fs::create_directories(dir);
-  std::string main_text = "int main() {\n";
+  std::string calls;
   for (size_t o = 0; o < pools.size(); ++o) {
     const mt::Node& node = *pools[o].out.node();
     const bool backward = node.op == mt::OpCode::MaxPool2dGrad;
@@ -845,25 +850,16 @@ TEST(CudaOnHost, MaxPoolKernelsStoreTheReferencesBits) {
         w.pad[0], w.pad[1], w.dil[0], w.dil[1], static_cast<int>(x.dtype),
         static_cast<int>(g_dtype), static_cast<int>(node.precision.storage_type),
         node.precision.storage_type == mt::f64 || g_dtype == mt::f64 ? 1 : 0);
-    main_text += fmt::format(
+    calls += fmt::format(
         "  std::vector<char> x{0} = {1}, gy{0} = {2}, out{0}({3});\n", o, bytes_literal(x),
         backward ? bytes_literal(*pools[o].gy.node()->value) : "{}", node.value->size_bytes());
-    main_text += grid_call(
+    calls += grid_call(
         node.numel(),
         backward ? fmt::format("mt_max_pool2d_grad(x{0}.data(), gy{0}.data(), out{0}.data(), {1})",
                                o, args)
                  : fmt::format("mt_max_pool2d(x{0}.data(), out{0}.data(), {1})", o, args));
-    main_text += fmt::format("  mt_write(\"{}\", out{});\n",
-                             (dir / fmt::format("pool{}.out", o)).string(), o);
   }
-  main_text += "}\n";
-  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + fixed_kernels_on_host() + main_text,
-                              "pool kernels"));
-  for (size_t o = 0; o < pools.size(); ++o) {
-    EXPECT_EQ(read_bytes(dir / fmt::format("pool{}.out", o)), bytes_of(*pools[o].out.node()->value))
-        << "pooling " << o;
-  }
-  fs::remove_all(dir);
+  expect_fixed_kernel_outputs(calls, outs, "pool");
 }
 
 }  // namespace
