@@ -92,21 +92,9 @@ struct DigitsLoop {
 /// examples/digits_mlp.cpp's model and training step (label smoothing 0.2, input noise 0.2,
 /// shuffled loader), with `loop`'s batch and optimizer.
 Workload digits_workload(const mt::PolicyPtr& policy, bool compiled, DigitsLoop loop) {
-  struct Net : mt::Module {
-    mt::Linear fc1, fc2, fc3;
-    explicit Net(mt::Generator* gen)
-        : fc1(64, 128, true, gen), fc2(128, 128, true, gen), fc3(128, 10, true, gen) {
-      register_module("fc1", fc1);
-      register_module("fc2", fc2);
-      register_module("fc3", fc3);
-    }
-    mt::Tensor operator()(const mt::Tensor& x) const {
-      return fc3(mt::relu(fc2(mt::relu(fc1(x)))));
-    }
-  };
   struct State {
     mt::Generator gen{kSeed}, noise{kSeed ^ 0x6e6f697365ULL};
-    std::unique_ptr<Net> net;
+    std::unique_ptr<mt::MLP> net;
     std::unique_ptr<mt::dist::DataParallel> data_parallel;  // under mpirun
     std::unique_ptr<mt::Optimizer> optimizer;
     std::unique_ptr<mt::TensorDataset> train;
@@ -116,7 +104,8 @@ Workload digits_workload(const mt::PolicyPtr& policy, bool compiled, DigitsLoop 
   state->train = bench::digits_training_set();
   state->loader =
       std::make_unique<mt::DataLoader>(*state->train, loop.batch, true, kSeed, mt::dist::shard());
-  state->net = std::make_unique<Net>(&state->gen);
+  state->net = std::make_unique<mt::MLP>(std::vector<int64_t>{64, 128, 128, 10},
+                                         mt::Activation::Relu, &state->gen);
   state->data_parallel = data_parallel(*state->net);
   if (loop.adamw)
     state->optimizer = std::make_unique<mt::AdamW>(

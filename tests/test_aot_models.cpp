@@ -134,6 +134,12 @@ std::string case_name(const testing::TestParamInfo<Case>& info) {
   return std::get<0>(info.param) + "_" + std::get<1>(info.param);
 }
 
+// The cases both suites run: every model under every policy, and fused attention under autocast
+// (half operands, f32 tiles) only, for CI time.
+const auto every_model_and_policy = testing::Combine(testing::Values("gpt", "block", "cnn"),
+                                                     testing::Values("fp32", "bf16", "f16"));
+const auto attention_cases = testing::Combine(testing::Values("attn"), testing::Values("bf16"));
+
 // ---- the inference function: equal to the JIT at batch 1, 7 and the max ----
 
 class AotModelFunction : public testing::TestWithParam<Case> {};
@@ -183,14 +189,8 @@ TEST_P(AotModelFunction, EqualsTheJitAtEveryBatch) {
   fs::remove_all(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, AotModelFunction,
-                         testing::Combine(testing::Values("gpt", "block", "cnn"),
-                                          testing::Values("fp32", "bf16", "f16")),
-                         case_name);
-// Fused attention under autocast (half operands, f32 tiles) only: CI time.
-INSTANTIATE_TEST_SUITE_P(Attention, AotModelFunction,
-                         testing::Combine(testing::Values("attn"), testing::Values("bf16")),
-                         case_name);
+INSTANTIATE_TEST_SUITE_P(Models, AotModelFunction, every_model_and_policy, case_name);
+INSTANTIATE_TEST_SUITE_P(Attention, AotModelFunction, attention_cases, case_name);
 
 // ---- the training step: N exported steps equal N steps of mt::compile ----
 
@@ -271,13 +271,7 @@ TEST_P(AotModelStep, EqualsCompile) {
   fs::remove_all(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, AotModelStep,
-                         testing::Combine(testing::Values("gpt", "block", "cnn"),
-                                          testing::Values("fp32", "bf16", "f16")),
-                         case_name);
-// Fused attention under autocast (half operands, f32 tiles) only: CI time.
-INSTANTIATE_TEST_SUITE_P(Attention, AotModelStep,
-                         testing::Combine(testing::Values("attn"), testing::Values("bf16")),
-                         case_name);
+INSTANTIATE_TEST_SUITE_P(Models, AotModelStep, every_model_and_policy, case_name);
+INSTANTIATE_TEST_SUITE_P(Attention, AotModelStep, attention_cases, case_name);
 
 }  // namespace

@@ -137,30 +137,39 @@ TEST(Compile, ResultsAreFreshTensorsEveryCall) {
   EXPECT_LT(first_values.back(), first_values.front());
 }
 
+// An MLP trained with Adam under f16 autocast and dynamic loss scaling, on fixed random data.
+struct ScaledRun {
+  explicit ScaledRun(uint64_t seed = 13, const std::vector<int64_t>& sizes = {8, 16, 4},
+                     int64_t batch_size = 16,
+                     mt::GradScalerOptions scaling = {.init_scale = 0x1p12, .growth_interval = 4})
+      : gen(seed),
+        model(sizes, mt::Activation::Relu, &gen),
+        scaler(scaling),
+        x(mt::randn({batch_size, sizes.front()}, mt::f32, &gen)),
+        y(mt::randn({batch_size, sizes.back()}, mt::f32, &gen)) {}
+  mt::Generator gen;
+  mt::MLP model;
+  mt::Adam opt{model.parameters(), mt::AdamOptions{.lr = 1e-3}};
+  mt::GradScaler scaler;
+  mt::Tensor x, y;
+  mt::Tensor step(const mt::Tensor& input, const mt::Tensor& target) {
+    opt.zero_grad();
+    mt::Tensor loss;
+    {
+      mt::autocast guard(mt::f16);
+      loss = mt::mse_loss(model(input), target);
+    }
+    scaler.scale(loss).backward();
+    scaler.step(opt);
+    scaler.update();
+    return loss;
+  }
+};
+
 // Dynamic loss scaling under f16 autocast: the first scale overflows, steps are skipped and the
 // scale halves inside the replayed program, then grows every 3 clean steps.
 TEST(Compile, LossScalingSkipsAndRescalesInsideReplays) {
-  struct Run {
-    mt::Generator gen{5};
-    mt::MLP model{{16, 64, 8}, mt::Activation::Relu, &gen};
-    mt::Adam opt{model.parameters(), mt::AdamOptions{.lr = 1e-3}};
-    mt::GradScaler scaler{mt::GradScalerOptions{.init_scale = 0x1p40, .growth_interval = 3}};
-    mt::Tensor x = mt::randn({32, 16}, mt::f32, &gen);
-    mt::Tensor y = mt::randn({32, 8}, mt::f32, &gen);
-    mt::Tensor step(const mt::Tensor& input, const mt::Tensor& target) {
-      opt.zero_grad();
-      mt::Tensor loss;
-      {
-        mt::autocast guard(mt::f16);
-        loss = mt::mse_loss(model(input), target);
-      }
-      scaler.scale(loss).backward();
-      scaler.step(opt);
-      scaler.update();
-      return loss;
-    }
-  };
-  auto run_all = [](Run& run, const std::function<mt::Tensor(mt::Tensor, mt::Tensor)>& step) {
+  auto run_all = [](ScaledRun& run, const std::function<mt::Tensor(mt::Tensor, mt::Tensor)>& step) {
     Snapshot s;
     for (int i = 0; i < 40; ++i) {
       s.losses.push_back(bits(step(run.x * (1.0 - 0.01 * i), run.y))[0]);
@@ -169,7 +178,8 @@ TEST(Compile, LossScalingSkipsAndRescalesInsideReplays) {
     snapshot_model(s, run.model, run.opt);
     return s;
   };
-  Run plain_run, compiled_run;
+  const mt::GradScalerOptions scaling{.init_scale = 0x1p40, .growth_interval = 3};
+  ScaledRun plain_run(5, {16, 64, 8}, 32, scaling), compiled_run(5, {16, 64, 8}, 32, scaling);
   Snapshot plain =
       run_all(plain_run, [&](mt::Tensor x, mt::Tensor y) { return plain_run.step(x, y); });
   auto step = mt::compile(
@@ -210,41 +220,19 @@ void expect_same_statistics(const ScalerStats& compiled, const ScalerStats& trac
   EXPECT_EQ(compiled.tracker, traced.tracker);
 }
 
-// A small f16 MLP under dynamic loss scaling whose step is poisoned (an inf in the input, so
-// every gradient is non-finite) when its `poison` argument is inf.
-struct ScaledRun {
-  mt::Generator gen{13};
-  mt::MLP model{{8, 16, 4}, mt::Activation::Relu, &gen};
-  mt::Adam opt{model.parameters(), mt::AdamOptions{.lr = 1e-3}};
-  mt::GradScaler scaler{mt::GradScalerOptions{.init_scale = 0x1p12, .growth_interval = 4}};
-  mt::Tensor x = mt::randn({16, 8}, mt::f32, &gen);
-  mt::Tensor y = mt::randn({16, 4}, mt::f32, &gen);
-  mt::Tensor step(const mt::Tensor& input, const mt::Tensor& poison) {
-    opt.zero_grad();
-    mt::Tensor loss;
-    {
-      mt::autocast guard(mt::f16);
-      loss = mt::mse_loss(model(input * poison), y);
-    }
-    scaler.scale(loss).backward();
-    scaler.step(opt);
-    scaler.update();
-    return loss;
-  }
-};
-
-// Runs `steps` steps, poisoned where `poisoned(i)`, traced every call or compiled; returns the
-// scaler's statistics and the run's losses and weights.
+// Runs `steps` steps of the default ScaledRun, poisoned where `poisoned(i)` (the input times inf,
+// so every gradient is non-finite), traced every call or compiled; returns the scaler's
+// statistics and the run's losses and weights.
 std::pair<ScalerStats, Snapshot> scaled_run(int steps, const std::function<bool(int)>& poisoned,
                                             bool compiled, int64_t* replays = nullptr) {
   ScaledRun run;
   auto compiled_step = mt::compile(
-      [&](const mt::Tensor& x, const mt::Tensor& poison) { return run.step(x, poison); });
+      [&](const mt::Tensor& x, const mt::Tensor& poison) { return run.step(x * poison, run.y); });
   Snapshot s;
   for (int i = 0; i < steps; ++i) {
     mt::Tensor x = run.x * (1.0 + 0.01 * (i % 7));
     mt::Tensor poison = mt::scalar(poisoned(i) ? INFINITY : 1.0);
-    s.losses.push_back(bits(compiled ? compiled_step(x, poison) : run.step(x, poison))[0]);
+    s.losses.push_back(bits(compiled ? compiled_step(x, poison) : run.step(x * poison, run.y))[0]);
   }
   snapshot_model(s, run.model, run.opt);
   if (replays) *replays = compiled_step.stats().replays;
@@ -285,7 +273,7 @@ TEST(Compile, LossScalerStatisticsSurviveALongPoisonedStretch) {
 TEST(Compile, LossScalerRecordsOutliveReplaysAndTheirScaler) {
   auto run = std::make_unique<ScaledRun>();
   auto step = mt::compile(
-      [&](const mt::Tensor& x, const mt::Tensor& poison) { return run->step(x, poison); });
+      [&](const mt::Tensor& x, const mt::Tensor& poison) { return run->step(x * poison, run->y); });
   mt::Tensor clean = mt::scalar(1.0), bad = mt::scalar(INFINITY);
   for (int i = 0; i < 6; ++i) step(run->x, i == 4 ? bad : clean);
   std::vector<bool> early = run->scaler.skip_history();

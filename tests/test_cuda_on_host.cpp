@@ -349,6 +349,23 @@ std::string first_difference(const std::vector<char>& got, const mt::Storage& wa
   return "";
 }
 
+// The fixed kernels' CUDA with the host prelude in place of the device one.
+std::string fixed_kernels_on_host() {
+  return host_prelude() +
+         mt::cuda_fixed_kernels_source().substr(std::string(mt::cuda_prelude()).size());
+}
+
+// What a host-run program wrote to `path`.
+std::vector<char> read_bytes(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<char>(std::istreambuf_iterator<char>(in), {});
+}
+
+std::vector<char> bytes_of(const mt::Storage& storage) {
+  const char* data = reinterpret_cast<const char*>(storage.host_data());
+  return std::vector<char>(data, data + storage.size_bytes());
+}
+
 // Builds `program` (host C++ holding CUDA kernels, with the shim) in `dir` and runs it.
 bool compile_and_run(const fs::path& dir, const std::string& program, const std::string& what) {
   std::ofstream(dir / "kernels.cpp") << program;
@@ -366,6 +383,24 @@ bool compile_and_run(const fs::path& dir, const std::string& program, const std:
   int status = std::system((dir / "kernels").string().c_str());
   EXPECT_EQ(status, 0) << what;
   return status == 0;
+}
+
+// Runs `calls` (fixed-kernel calls that leave output o in the vector out<o>) as a host program in
+// a fresh folder named for `what`, and expects output o to hold `outs[o]`'s bytes.
+void expect_fixed_kernel_outputs(const std::string& calls, const std::vector<mt::Tensor>& outs,
+                                 const std::string& what) {
+  fs::path dir = fs::temp_directory_path() / fmt::format("mixtape_cuda_{}_{}", what, ::getpid());
+  fs::create_directories(dir);
+  std::string main_text = "int main() {\n" + calls;
+  for (size_t o = 0; o < outs.size(); ++o)
+    main_text +=
+        fmt::format("  mt_write(\"{}\", out{});\n", (dir / fmt::format("out{}", o)).string(), o);
+  main_text += "}\n";
+  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + fixed_kernels_on_host() + main_text, what));
+  for (size_t o = 0; o < outs.size(); ++o)
+    EXPECT_EQ(read_bytes(dir / fmt::format("out{}", o)), bytes_of(*outs[o].node()->value))
+        << what << " output " << o;
+  fs::remove_all(dir);
 }
 
 // Runs every observed launch's CUDA on the host and compares what each stored with the CPU
@@ -400,11 +435,8 @@ int64_t check_on_host(const std::vector<Launch>& launches, const std::string& wh
       if (!launch.kernel.params[i % per_segment].output) continue;
       const mt::Node& node = *launch.nodes[i];
       if (!node.value) continue;  // released after its last reader
-      std::ifstream in(dir / fmt::format("k{}_{}.out", k, i), std::ios::binary);
-      std::vector<char> got((std::istreambuf_iterator<char>(in)), {});
-      std::vector<char> want(
-          reinterpret_cast<const char*>(node.value->host_data()),
-          reinterpret_cast<const char*>(node.value->host_data()) + node.value->size_bytes());
+      std::vector<char> got = read_bytes(dir / fmt::format("k{}_{}.out", k, i));
+      std::vector<char> want = bytes_of(*node.value);
       std::string where = fmt::format("{}: kernel {} param {} (segment {})", what,
                                       launch.kernel.name, i % per_segment, i / per_segment);
       if (launch.kernel.is_reduction())  // CUDA sums in another order than the CPU
@@ -690,17 +722,11 @@ TEST(CudaOnHost, FixedKernelsStoreTheReferencesBits) {
   for (const std::string& name : names)
     main_text += fmt::format("  mt_write(\"{}\", {});\n", (dir / (name + ".out")).string(), name);
   main_text += "}\n";
-  std::string source = mt::cuda_fixed_kernels_source();
-  source = host_prelude() + source.substr(std::string(mt::cuda_prelude()).size());
-  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + source + main_text, "fixed kernels"));
+  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + fixed_kernels_on_host() + main_text,
+                              "fixed kernels"));
   for (size_t o = 0; o < names.size(); ++o) {
-    std::ifstream in(dir / (names[o] + ".out"), std::ios::binary);
-    std::vector<char> got((std::istreambuf_iterator<char>(in)), {});
     const mt::Storage& want = o < outs.size() ? *outs[o].node()->value : *draws[o - outs.size()];
-    EXPECT_EQ(
-        got, std::vector<char>(reinterpret_cast<const char*>(want.host_data()),
-                               reinterpret_cast<const char*>(want.host_data()) + want.size_bytes()))
-        << names[o];
+    EXPECT_EQ(read_bytes(dir / (names[o] + ".out")), bytes_of(want)) << names[o];
   }
   fs::remove_all(dir);
 }
@@ -743,18 +769,16 @@ TEST(CudaOnHost, ConvolutionKernelsStoreTheReferencesBits) {
   // The autocast convolution reads f32 values and computes in bf16: the kernel rounds them.
   EXPECT_EQ(outs[3].node()->precision.compute, mt::bf16);
 
-  fs::path dir = fs::temp_directory_path() / fmt::format("mixtape_cuda_conv_{}", ::getpid());
-  fs::create_directories(dir);
-  std::string main_text = "int main() {\n";
+  std::string calls;
   const char* kernels[] = {"mt_conv2d", "mt_conv2d_input_grad", "mt_conv2d_weight_grad"};
   for (size_t o = 0; o < outs.size(); ++o) {
     const mt::Node& node = *outs[o].node();
     const mt::Storage &a = *convs[o][0].node()->value, &b = *convs[o][1].node()->value;
     const mt::ConvGeometry& g = geometry[o];
     const mt::ConvWindow& w = g.window;
-    main_text += fmt::format("  std::vector<char> a{0} = {1}, b{0} = {2}, out{0}({3});\n", o,
-                             bytes_literal(a), bytes_literal(b), node.value->size_bytes());
-    main_text += grid_call(
+    calls += fmt::format("  std::vector<char> a{0} = {1}, b{0} = {2}, out{0}({3});\n", o,
+                         bytes_literal(a), bytes_literal(b), node.value->size_bytes());
+    calls += grid_call(
         node.numel(),
         fmt::format(
             "{}(a{}.data(), b{}.data(), out{}.data(), mt_conv{{{}, {}, {}, {}, {}, {}, {}, "
@@ -766,23 +790,8 @@ TEST(CudaOnHost, ConvolutionKernelsStoreTheReferencesBits) {
             w.pad[0], w.pad[1], w.dil[0], w.dil[1], w.groups, static_cast<int>(a.dtype),
             static_cast<int>(b.dtype), static_cast<int>(node.precision.storage_type),
             static_cast<int>(node.precision.compute), static_cast<int>(node.precision.accum)));
-    main_text += fmt::format("  mt_write(\"{}\", out{});\n",
-                             (dir / fmt::format("conv{}.out", o)).string(), o);
   }
-  main_text += "}\n";
-  std::string source = mt::cuda_fixed_kernels_source();
-  source = host_prelude() + source.substr(std::string(mt::cuda_prelude()).size());
-  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + source + main_text, "conv kernels"));
-  for (size_t o = 0; o < outs.size(); ++o) {
-    std::ifstream in(dir / fmt::format("conv{}.out", o), std::ios::binary);
-    std::vector<char> got((std::istreambuf_iterator<char>(in)), {});
-    const mt::Storage& want = *outs[o].node()->value;
-    EXPECT_EQ(
-        got, std::vector<char>(reinterpret_cast<const char*>(want.host_data()),
-                               reinterpret_cast<const char*>(want.host_data()) + want.size_bytes()))
-        << "convolution " << o;
-  }
-  fs::remove_all(dir);
+  expect_fixed_kernel_outputs(calls, outs, "conv");
 }
 
 // The two max-pooling kernels on windows with strides, padding, dilation and ceil mode, on values
@@ -824,9 +833,7 @@ TEST(CudaOnHost, MaxPoolKernelsStoreTheReferencesBits) {
   mt::eval(outs);
   mt::set_device(previous);
 
-  fs::path dir = fs::temp_directory_path() / fmt::format("mixtape_cuda_pool_{}", ::getpid());
-  fs::create_directories(dir);
-  std::string main_text = "int main() {\n";
+  std::string calls;
   for (size_t o = 0; o < pools.size(); ++o) {
     const mt::Node& node = *pools[o].out.node();
     const bool backward = node.op == mt::OpCode::MaxPool2dGrad;
@@ -843,31 +850,16 @@ TEST(CudaOnHost, MaxPoolKernelsStoreTheReferencesBits) {
         w.pad[0], w.pad[1], w.dil[0], w.dil[1], static_cast<int>(x.dtype),
         static_cast<int>(g_dtype), static_cast<int>(node.precision.storage_type),
         node.precision.storage_type == mt::f64 || g_dtype == mt::f64 ? 1 : 0);
-    main_text += fmt::format(
+    calls += fmt::format(
         "  std::vector<char> x{0} = {1}, gy{0} = {2}, out{0}({3});\n", o, bytes_literal(x),
         backward ? bytes_literal(*pools[o].gy.node()->value) : "{}", node.value->size_bytes());
-    main_text += grid_call(
+    calls += grid_call(
         node.numel(),
         backward ? fmt::format("mt_max_pool2d_grad(x{0}.data(), gy{0}.data(), out{0}.data(), {1})",
                                o, args)
                  : fmt::format("mt_max_pool2d(x{0}.data(), out{0}.data(), {1})", o, args));
-    main_text += fmt::format("  mt_write(\"{}\", out{});\n",
-                             (dir / fmt::format("pool{}.out", o)).string(), o);
   }
-  main_text += "}\n";
-  std::string source = mt::cuda_fixed_kernels_source();
-  source = host_prelude() + source.substr(std::string(mt::cuda_prelude()).size());
-  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + source + main_text, "pool kernels"));
-  for (size_t o = 0; o < pools.size(); ++o) {
-    std::ifstream in(dir / fmt::format("pool{}.out", o), std::ios::binary);
-    std::vector<char> got((std::istreambuf_iterator<char>(in)), {});
-    const mt::Storage& want = *pools[o].out.node()->value;
-    EXPECT_EQ(
-        got, std::vector<char>(reinterpret_cast<const char*>(want.host_data()),
-                               reinterpret_cast<const char*>(want.host_data()) + want.size_bytes()))
-        << "pooling " << o;
-  }
-  fs::remove_all(dir);
+  expect_fixed_kernel_outputs(calls, outs, "pool");
 }
 
 }  // namespace

@@ -43,18 +43,9 @@ TEST(AllReduce, OfOneProcessIsItsInputInItsType) {
   }
 }
 
-struct Mlp : mt::Module {
-  mt::Linear fc1{4, 8}, fc2{8, 3};
-  Mlp() {
-    register_module("fc1", fc1);
-    register_module("fc2", fc2);
-  }
-  mt::Tensor operator()(const mt::Tensor& x) const { return fc2(mt::relu(fc1(x))); }
-};
-
 std::vector<float> train_three_steps(bool parallel, bool zero = false) {
   mt::manual_seed(5);
-  Mlp net;
+  mt::MLP net({4, 8, 3});
   std::optional<mt::dist::DataParallel> ddp;
   if (parallel) ddp.emplace(net);
   std::unique_ptr<mt::Optimizer> optimizer;
@@ -86,7 +77,7 @@ std::vector<float> train_three_steps(bool parallel, bool zero = false) {
 TEST(DataParallel, OfOneProcessChangesNothing) {
   mt::dist::init();
   EXPECT_EQ(train_three_steps(true), train_three_steps(false));
-  Mlp net;
+  mt::MLP net({4, 8, 3});
   EXPECT_MT_ERROR(mt::dist::DataParallel(net, {.bucket_bytes = 0}), "bucket_bytes 0");
   EXPECT_MT_ERROR(mt::dist::DataParallel(net, {.reduce_dtype = mt::i32}), "floating", "i32");
 }
@@ -105,10 +96,10 @@ TEST(Zero, OfOneProcessIsThePlainOptimizerAndItsCheckpointsArePlain) {
   mt::dist::init();
   EXPECT_EQ(train_three_steps(true, true), train_three_steps(false));
   mt::manual_seed(5);
-  Mlp net;
+  mt::MLP net({4, 8, 3});
   mt::dist::ZeroAdamW zero(net.parameters(), {.lr = 0.01});
   EXPECT_STREQ(zero.kind(), "AdamW");
-  EXPECT_EQ(zero.local_shape(0), net.fc1.weight.shape());
+  EXPECT_EQ(zero.local_shape(0), net.layers[0]->weight.shape());
   for (int s = 0; s < 2; ++s) {
     zero.zero_grad();
     mt::sum(mt::square(net(mt::ones({2, 4})))).backward();

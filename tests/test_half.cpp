@@ -244,16 +244,23 @@ TEST(HalfF16, NanPayloadIsKeptBitForBit) {
   }
 }
 
-TEST(HalfF16, RoundTripsEveryPattern) {
-  Mismatches bad("f16 -> f32 -> f16");
+// Every 16-bit pattern of `f` decoded to f32 and encoded back: a signalling NaN comes back
+// quieted; everything else comes back unchanged.
+void expect_every_pattern_round_trips(Format f, uint16_t (*encode)(float),
+                                      float (*decode)(uint16_t), const char* what) {
+  Mismatches bad(what);
+  const uint16_t mantissa = static_cast<uint16_t>((1u << f.mant_bits) - 1);
   for (uint32_t b = 0; b <= 0xFFFF; ++b) {
     const auto h = static_cast<uint16_t>(b);
-    const bool nan = (b & 0x7C00) == 0x7C00 && (b & 0x3FF) != 0;
-    // A signalling NaN comes back quieted; everything else comes back unchanged.
-    const uint16_t want = nan ? static_cast<uint16_t>(b | 0x0200) : h;
-    const uint16_t got = f32_to_f16_bits(f16_bits_to_f32(h));
+    const bool nan = (h & inf_bits(f)) == inf_bits(f) && (h & mantissa) != 0;
+    const uint16_t want = nan ? static_cast<uint16_t>(h | quiet_bit(f)) : h;
+    const uint16_t got = encode(decode(h));
     bad.check(got == want, b, got, want);
   }
+}
+
+TEST(HalfF16, RoundTripsEveryPattern) {
+  expect_every_pattern_round_trips(kF16, f32_to_f16_bits, f16_bits_to_f32, "f16 -> f32 -> f16");
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -268,14 +275,17 @@ void expect_f16_matches_f16c(const std::vector<float>& inputs, const char* what)
   }
 }
 
-void expect_f16_matches_reference(const std::vector<float>& inputs, const char* what) {
+// `encode` against the arithmetic reference for format `f` on each of `inputs`; a NaN need only
+// stay a quiet NaN of the same sign and top payload bits.
+void expect_encoding_matches_reference(Format f, uint16_t (*encode)(float),
+                                       const std::vector<float>& inputs, const char* what) {
   Mismatches bad(what);
   for (float x : inputs) {
-    const uint16_t got = f32_to_f16_bits(x);
+    const uint16_t got = encode(x);
     if (std::isnan(x)) {
-      bad.check(nan_converted_ok(x, got, kF16), bits_of(x), got, 0x7E00);
+      bad.check(nan_converted_ok(x, got, f), bits_of(x), got, inf_bits(f) | quiet_bit(f));
     } else {
-      const uint16_t want = ref_encode(x, kF16);
+      const uint16_t want = ref_encode(x, f);
       bad.check(got == want, bits_of(x), got, want);
     }
   }
@@ -287,7 +297,8 @@ TEST(HalfF16, HalfwayPointsRoundLikeF16C) {
 }
 
 TEST(HalfF16, HalfwayPointsRoundLikeArithmeticReference) {
-  expect_f16_matches_reference(halfway_points(kF16), "f16 halfway points vs reference");
+  expect_encoding_matches_reference(kF16, f32_to_f16_bits, halfway_points(kF16),
+                                    "f16 halfway points vs reference");
 }
 
 TEST(HalfF16, SpecialsConvertLikeF16C) {
@@ -296,12 +307,13 @@ TEST(HalfF16, SpecialsConvertLikeF16C) {
 }
 
 TEST(HalfF16, SpecialsConvertLikeArithmeticReference) {
-  expect_f16_matches_reference(special_floats(), "f16 specials vs reference");
+  expect_encoding_matches_reference(kF16, f32_to_f16_bits, special_floats(),
+                                    "f16 specials vs reference");
 }
 
 TEST(HalfF16, RandomPatternsRoundLikeF16CAndReference) {
   const std::vector<float> inputs = random_floats();
-  expect_f16_matches_reference(inputs, "f16 random vs reference");
+  expect_encoding_matches_reference(kF16, f32_to_f16_bits, inputs, "f16 random vs reference");
   if (have_f16c()) expect_f16_matches_f16c(inputs, "f16 random vs F16C");
 }
 
@@ -397,39 +409,23 @@ TEST(HalfBF16, AllPatternsDecodeExactly) {
 }
 
 TEST(HalfBF16, RoundTripsEveryPattern) {
-  Mismatches bad("bf16 -> f32 -> bf16");
-  for (uint32_t b = 0; b <= 0xFFFF; ++b) {
-    const auto h = static_cast<uint16_t>(b);
-    const bool nan = (b & 0x7F80) == 0x7F80 && (b & 0x7F) != 0;
-    const uint16_t want = nan ? static_cast<uint16_t>(b | 0x0040) : h;
-    const uint16_t got = f32_to_bf16_bits(bf16_bits_to_f32(h));
-    bad.check(got == want, b, got, want);
-  }
-}
-
-void expect_bf16_matches_reference(const std::vector<float>& inputs, const char* what) {
-  Mismatches bad(what);
-  for (float x : inputs) {
-    const uint16_t got = f32_to_bf16_bits(x);
-    if (std::isnan(x)) {
-      bad.check(nan_converted_ok(x, got, kBF16), bits_of(x), got, 0x7FC0);
-    } else {
-      const uint16_t want = ref_encode(x, kBF16);
-      bad.check(got == want, bits_of(x), got, want);
-    }
-  }
+  expect_every_pattern_round_trips(kBF16, f32_to_bf16_bits, bf16_bits_to_f32,
+                                   "bf16 -> f32 -> bf16");
 }
 
 TEST(HalfBF16, HalfwayPointsRoundLikeArithmeticReference) {
-  expect_bf16_matches_reference(halfway_points(kBF16), "bf16 halfway points vs reference");
+  expect_encoding_matches_reference(kBF16, f32_to_bf16_bits, halfway_points(kBF16),
+                                    "bf16 halfway points vs reference");
 }
 
 TEST(HalfBF16, SpecialsConvertLikeArithmeticReference) {
-  expect_bf16_matches_reference(special_floats(), "bf16 specials vs reference");
+  expect_encoding_matches_reference(kBF16, f32_to_bf16_bits, special_floats(),
+                                    "bf16 specials vs reference");
 }
 
 TEST(HalfBF16, RandomPatternsRoundLikeArithmeticReference) {
-  expect_bf16_matches_reference(random_floats(), "bf16 random vs reference");
+  expect_encoding_matches_reference(kBF16, f32_to_bf16_bits, random_floats(),
+                                    "bf16 random vs reference");
 }
 
 TEST(HalfBF16, HardCases) {

@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -214,22 +215,18 @@ TEST_F(Resume, GeneratorsAndLoadersRoundTrip) {
   mt::save_checkpoint(path("c.safetensors"), *run.model, run.opt.get(), {}, nullptr, extras);
   mt::Metadata meta;
   mt::NamedTensors entries = mt::load_tensors(path("c.safetensors"), &meta);
-  auto value = [&](const std::string& key) -> std::string {
-    for (const auto& [k, v] : meta)
-      if (k == key) return v;
-    return "<absent>";
-  };
-  EXPECT_EQ(value("generator.model.seed"), "7");
-  EXPECT_EQ(value("generator.model.offset"), std::to_string(run.model_generator.offset()));
-  EXPECT_EQ(value("generator.default.seed"), "11");
-  EXPECT_EQ(value("generator.unused.offset"), std::to_string(unused.offset()));
+  std::map<std::string, std::string> value(meta.begin(), meta.end());  // an absent key reads ""
+  EXPECT_EQ(value["generator.model.seed"], "7");
+  EXPECT_EQ(value["generator.model.offset"], std::to_string(run.model_generator.offset()));
+  EXPECT_EQ(value["generator.default.seed"], "11");
+  EXPECT_EQ(value["generator.unused.offset"], std::to_string(unused.offset()));
   EXPECT_NE(unused.offset(), 0u);
-  EXPECT_EQ(value("loader.0.epoch"), "0");
-  EXPECT_EQ(value("loader.0.position"), "3");
-  EXPECT_EQ(value("loader.0.batch_size"), "4");
-  EXPECT_EQ(value("loader.0.shuffle"), "true");
-  EXPECT_EQ(value("loader.0.seed"), "5");
-  EXPECT_EQ(value("loader.0.drop_last"), "true");
+  EXPECT_EQ(value["loader.0.epoch"], "0");
+  EXPECT_EQ(value["loader.0.position"], "3");
+  EXPECT_EQ(value["loader.0.batch_size"], "4");
+  EXPECT_EQ(value["loader.0.shuffle"], "true");
+  EXPECT_EQ(value["loader.0.seed"], "5");
+  EXPECT_EQ(value["loader.0.drop_last"], "true");
   const mt::Tensor* order = nullptr;
   for (const auto& [name, tensor] : entries)
     if (name == "loader.0.order") order = &tensor;
@@ -245,7 +242,7 @@ TEST_F(Resume, GeneratorsAndLoadersRoundTrip) {
   EXPECT_EQ(other.seed(), 3u);
   EXPECT_EQ(other.offset(), unused.offset());
   EXPECT_EQ(fresh.model_generator.offset(), run.model_generator.offset());
-  EXPECT_EQ(std::to_string(mt::default_generator().offset()), value("generator.default.offset"));
+  EXPECT_EQ(std::to_string(mt::default_generator().offset()), value["generator.default.offset"]);
   EXPECT_EQ(fresh.loader->state().position, 3);
   EXPECT_EQ(fresh.loader->state().order, run.loader->state().order);
   // State nobody asks for is ignored: the model alone loads from the same file.

@@ -290,20 +290,11 @@ TEST(SummaryWriter, GraphValuesWaitAndAreFetchedInBatches) {
   fs::remove_all(dir);
 }
 
-// A small model trained by a step compiled with mt::compile, logging through the writer.
-struct Tiny : mt::Module {
-  mt::Linear fc1{3, 4}, fc2{4, 2};
-  Tiny() {
-    register_module("fc1", fc1);
-    register_module("fc2", fc2);
-  }
-  mt::Tensor operator()(const mt::Tensor& x) const { return fc2(mt::relu(fc1(x))); }
-};
-
+// A small MLP trained by a step compiled with mt::compile, logging through the writer.
 TEST(SummaryWriter, CompiledStepValuesAreCapturedEveryCall) {
   fs::path dir = fresh_dir("compiled");
   mt::manual_seed(1);
-  Tiny net;
+  mt::MLP net({3, 4, 2});
   mt::SGD opt(net.parameters(), {.lr = 0.1});
   mt::GradScaler scaler({.init_scale = 1024});
   std::vector<double> losses, norms, scales;
@@ -359,7 +350,7 @@ TEST(SummaryWriter, CompiledStepValuesAreCapturedEveryCall) {
 TEST(SummaryWriter, LogsSkippedStepsAndGradientHealth) {
   fs::path dir = fresh_dir("skips");
   mt::manual_seed(2);
-  Tiny net;
+  mt::MLP net({3, 4, 2});
   mt::SGD opt(net.parameters(), {.lr = 0.1});
   mt::GradScaler scaler({.init_scale = 8});
   std::string path;
@@ -401,7 +392,7 @@ TEST(SummaryWriter, LogsSkippedStepsAndGradientHealth) {
 
 TEST(GradNorm, IsWhatClipGradNormClipsBy) {
   mt::manual_seed(3);
-  Tiny net;
+  mt::MLP net({3, 4, 2});
   mt::Tensor x = mt::tensor(std::vector<float>{0.5f, -1, 2}, {1, 3});
   mt::sum(net(x)).backward();
   double norm = mt::grad_norm(net.parameters()).item();
@@ -484,7 +475,7 @@ TEST(PrecisionSummary, TalliesModulesAndPairs) {
 
 TEST(PrecisionSummary, CountsEveryNodeOfARealReport) {
   mt::manual_seed(4);
-  Tiny net;
+  mt::MLP net({3, 4, 2});
   mt::Tensor loss;
   {
     mt::autocast guard(mt::bf16);

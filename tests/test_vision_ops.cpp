@@ -12,6 +12,7 @@
 #include <limits>
 #include <map>
 #include <optional>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -57,6 +58,12 @@ struct PoolArgs {
   int64_t k, s, p, d;
   bool ceil_mode, count_include_pad;
 };
+
+// Names a case in a failure's trace.
+std::ostream& operator<<(std::ostream& os, const PoolArgs& a) {
+  return os << "k" << a.k << " s" << a.s << " p" << a.p << " d" << a.d << " ceil " << a.ceil_mode
+            << " include pad " << a.count_include_pad;
+}
 
 std::vector<double> host_max_pool(const Image& im, const PoolArgs& a) {
   int64_t oh = out_size(im.h, a.k, a.s, a.p, a.d, a.ceil_mode);
@@ -107,8 +114,7 @@ TEST(MaxPool2d, MatchesTheHostLoopWithPaddingDilationAndCeilMode) {
   for (PoolArgs a : {PoolArgs{2, 2, 0, 1, false, true}, PoolArgs{3, 2, 1, 1, false, true},
                      PoolArgs{3, 2, 1, 1, true, true}, PoolArgs{2, 1, 1, 2, false, true},
                      PoolArgs{3, 3, 0, 1, true, true}}) {
-    SCOPED_TRACE(testing::Message() << "k" << a.k << " s" << a.s << " p" << a.p << " d" << a.d
-                                    << " ceil " << a.ceil_mode);
+    SCOPED_TRACE(testing::Message() << a);
     mt::Tensor y = mt::max_pool2d(x, a.k, a.s, a.p, a.d, a.ceil_mode);
     EXPECT_EQ(y.shape(), (mt::Shape{2, 3, out_size(9, a.k, a.s, a.p, a.d, a.ceil_mode),
                                     out_size(8, a.k, a.s, a.p, a.d, a.ceil_mode)}));
@@ -370,8 +376,7 @@ TEST(AvgPool2d, MatchesTheHostLoopWithPaddingCountIncludePadAndCeilMode) {
   for (PoolArgs a : {PoolArgs{2, 2, 0, 1, false, true}, PoolArgs{3, 2, 1, 1, false, true},
                      PoolArgs{3, 2, 1, 1, false, false}, PoolArgs{3, 2, 1, 1, true, true},
                      PoolArgs{3, 2, 1, 1, true, false}, PoolArgs{2, 3, 1, 1, true, false}}) {
-    SCOPED_TRACE(testing::Message() << "k" << a.k << " s" << a.s << " p" << a.p << " ceil "
-                                    << a.ceil_mode << " include pad " << a.count_include_pad);
+    SCOPED_TRACE(testing::Message() << a);
     mt::Tensor y = mt::avg_pool2d(x, a.k, a.s, a.p, a.ceil_mode, a.count_include_pad);
     expect_near(values(y), host_avg_pool(im, a));
   }
