@@ -17,9 +17,11 @@ from the first step's update on):
   from before the model is built, the only peak PyTorch offers on the CPU (no allocator
   high-water mark there); it also counts the allocator's caching, JIT code and libraries'
   buffers, so it is an upper bound of what the step needed.
-The largest batch within the budget is predicted from the two largest measured batches (the
-peak grows linearly in the batch once activations dominate): floor((budget - a) / b) for
-peak = a + b * batch. tokens/s are of the timed steps at the smallest batch, CPU time and wall.
+The largest batch within the budget is extrapolated from the two largest measured batches:
+floor((budget - a) / b) for peak = a + b * batch. It is a first guess to probe, not a measurement:
+at small batches the AdamW update's floor (weights, gradients, moments and their new values)
+can hide the activations' growth, and the guess then runs high (measure the guessed batch with
+bench_memory --batches N). tokens/s are of the timed steps at the smallest batch, CPU time and wall.
 """
 
 import argparse
@@ -184,7 +186,8 @@ def markdown(result):
     batches = result["batches"]
     head = (["context", "configuration", "system"] +
             [f"peak GiB (B={b})" for b in batches] + [f"RSS GiB (B={b})" for b in batches] +
-            ["tokens/CPU-s (B=1)", f"largest batch in {result['budget_gib']:g} GiB (peak; RSS)"])
+            ["tokens/CPU-s (B=1)",
+             f"batch in {result['budget_gib']:g} GiB, extrapolated (peak; RSS)"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in result["rows"]:
         peak = [gib(row["peak_bytes"].get(b)) for b in batches]
