@@ -6,6 +6,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
+#include <map>
 #include <memory>
 #include <random>
 #include <sstream>
@@ -137,29 +139,25 @@ int main(int argc, char** argv) {
   std::string policy_name = "fp32", attention = "fused", batch_list = "1,2";
   int64_t context = 1024, layers = 2, vocab = 8192, timed_steps = 1;
   bool checkpoint = false;
-  for (int i = 1; i < argc; ++i) {
-    std::string flag = argv[i];
-    if (i + 1 >= argc) usage();
-    std::string value = argv[++i];
-    if (flag == "--policy")
-      policy_name = value;
-    else if (flag == "--attention")
-      attention = value;
-    else if (flag == "--checkpoint")
-      checkpoint = value == "1";
-    else if (flag == "--context")
-      context = std::atoll(value.c_str());
-    else if (flag == "--layers")
-      layers = std::atoll(value.c_str());
-    else if (flag == "--vocab")
-      vocab = std::atoll(value.c_str());
-    else if (flag == "--batches")
-      batch_list = value;
-    else if (flag == "--timed-steps")
-      timed_steps = std::atoll(value.c_str());
-    else
-      usage();
+  auto integer = [](int64_t& target) {
+    return [&target](const std::string& v) { target = std::atoll(v.c_str()); };
+  };
+  auto text = [](std::string& target) { return [&target](const std::string& v) { target = v; }; };
+  const std::map<std::string, std::function<void(const std::string&)>> flags{
+      {"--policy", text(policy_name)},
+      {"--attention", text(attention)},
+      {"--checkpoint", [&](const std::string& v) { checkpoint = v == "1"; }},
+      {"--context", integer(context)},
+      {"--layers", integer(layers)},
+      {"--vocab", integer(vocab)},
+      {"--batches", text(batch_list)},
+      {"--timed-steps", integer(timed_steps)}};
+  for (int i = 1; i + 1 < argc; i += 2) {
+    auto flag = flags.find(argv[i]);
+    if (flag == flags.end()) usage();
+    flag->second(argv[i + 1]);
   }
+  if (argc % 2 == 0) usage();  // a flag without its value
   if (context < 1 || layers < 1 || vocab < 2 || timed_steps < 0 ||
       (attention != "fused" && attention != "composite"))
     usage();
