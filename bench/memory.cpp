@@ -1,0 +1,226 @@
+// bench/memory.cpp -- bench_memory: the measured peak memory and speed of one AdamW training step
+// of a GPT-2-small-shaped model under a precision policy, with or without checkpointing and with
+// composite or fused attention (bench/memory.py runs it against the PyTorch peer).
+#include <sys/resource.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <map>
+#include <memory>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench/gpt_step.h"
+#include "bench/timing.h"
+#include "mixtape/dsl/attention.h"
+#include "mixtape/dsl/error.h"
+
+namespace {
+
+namespace mt = mixtape;
+
+constexpr uint64_t kSeed = 1234;
+constexpr int64_t kHeads = 12, kWidth = 768;
+
+/// A pre-norm GPT-2 block built from mixtape's layers, as TransformerBlock (no dropout) but with
+/// the attention form chosen: the fused op (what CausalSelfAttention runs) or the materialized
+/// composite, so that the bench can show what fused attention saves.
+class Block : public mt::Module {
+ public:
+  Block(bool fused, mt::Generator* gen)
+      : fused_(fused),
+        ln1(kWidth),
+        qkv(kWidth, 3 * kWidth, true, gen),
+        proj(kWidth, kWidth, true, gen),
+        ln2(kWidth),
+        mlp({kWidth, 4 * kWidth, kWidth}, mt::Activation::GeluTanh, gen) {
+    register_module("ln1", ln1);
+    register_module("qkv", qkv);
+    register_module("proj", proj);
+    register_module("ln2", ln2);
+    register_module("mlp", mlp);
+  }
+
+  mt::Tensor operator()(const mt::Tensor& x) const {
+    mt::Tensor h = x + attend(ln1(x));
+    return h + mlp(ln2(h));
+  }
+
+ private:
+  mt::Tensor attend(const mt::Tensor& x) const {
+    int64_t batch = x.size(0), time = x.size(1), head_dim = kWidth / kHeads;
+    mt::Tensor projected = qkv(x);
+    auto split_heads = [&](int64_t part) {
+      mt::Tensor t = mt::slice(projected, 2, part * kWidth, (part + 1) * kWidth);
+      return mt::permute(mt::reshape(t, {batch, time, kHeads, head_dim}), {0, 2, 1, 3});
+    };
+    mt::Tensor q = split_heads(0), k = split_heads(1), v = split_heads(2);
+    mt::Tensor attended = mt::detail::attention(q, k, v, mt::Tensor(), true, std::nullopt, fused_,
+                                                mt::Loc::current());
+    return proj(mt::reshape(mt::permute(attended, {0, 2, 1, 3}), {batch, time, kWidth}));
+  }
+
+  bool fused_;
+
+ public:
+  mt::LayerNorm ln1;
+  mt::Linear qkv, proj;
+  mt::LayerNorm ln2;
+  mt::MLP mlp;
+};
+
+/// Token and position embeddings, `layers` blocks, a final LayerNorm and the vocabulary head.
+class Gpt : public mt::Module {
+ public:
+  Gpt(int64_t vocab, int64_t layers, int64_t context, bool fused, mt::Generator* gen)
+      : token_embedding(vocab, kWidth, gen),
+        position_embedding(context, kWidth, gen),
+        ln_f(kWidth),
+        head(kWidth, vocab, true, gen) {
+    register_module("token_embedding", token_embedding);
+    register_module("position_embedding", position_embedding);
+    for (int64_t i = 0; i < layers; ++i) blocks.emplace_back(fused, gen);
+    register_module("blocks", blocks);
+    register_module("ln_f", ln_f);
+    register_module("head", head);
+  }
+
+  mt::Tensor loss(const mt::Tensor& tokens, const mt::Tensor& targets) const {
+    mt::Tensor x = token_embedding(tokens) + position_embedding(mt::arange(tokens.size(1)));
+    for (size_t i = 0; i < blocks.size(); ++i) x = blocks[i](x);
+    return mt::cross_entropy(head(ln_f(x)), targets);
+  }
+
+  mt::Embedding token_embedding, position_embedding;
+  mt::ModuleList<Block> blocks;
+  mt::LayerNorm ln_f;
+  mt::Linear head;
+};
+
+struct State {
+  mt::Generator gen{kSeed};
+  std::unique_ptr<Gpt> model;
+  std::unique_ptr<mt::AdamW> optimizer;
+};
+
+/// The process's resident high-water mark in bytes (Linux reports KiB).
+int64_t max_rss_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return static_cast<int64_t>(usage.ru_maxrss) * 1024;
+}
+
+std::vector<int64_t> parse_batches(const std::string& list) {
+  std::vector<int64_t> batches;
+  std::stringstream stream(list);
+  for (std::string item; std::getline(stream, item, ',');) {
+    batches.push_back(std::atoll(item.c_str()));
+    if (batches.back() < 1) mt::fail("bench_memory: batch sizes must be >= 1, got '{}'", item);
+  }
+  if (batches.empty()) mt::fail("bench_memory: no batch sizes given");
+  return batches;
+}
+
+[[noreturn]] void usage() {
+  std::fprintf(stderr,
+               "usage: bench_memory [--policy fp32|autocast-bf16] [--attention fused|composite] "
+               "[--checkpoint 0|1] [--context N] [--layers N] [--vocab N] [--batches 1,2] "
+               "[--timed-steps N (at the first batch)]\n");
+  std::exit(2);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string policy_name = "fp32", attention = "fused", batch_list = "1,2";
+  int64_t context = 1024, layers = 2, vocab = 8192, timed_steps = 1;
+  bool checkpoint = false;
+  auto integer = [](int64_t& target) {
+    return [&target](const std::string& v) { target = std::atoll(v.c_str()); };
+  };
+  auto text = [](std::string& target) { return [&target](const std::string& v) { target = v; }; };
+  const std::map<std::string, std::function<void(const std::string&)>> flags{
+      {"--policy", text(policy_name)},
+      {"--attention", text(attention)},
+      {"--checkpoint", [&](const std::string& v) { checkpoint = v == "1"; }},
+      {"--context", integer(context)},
+      {"--layers", integer(layers)},
+      {"--vocab", integer(vocab)},
+      {"--batches", text(batch_list)},
+      {"--timed-steps", integer(timed_steps)}};
+  for (int i = 1; i + 1 < argc; i += 2) {
+    auto flag = flags.find(argv[i]);
+    if (flag == flags.end()) usage();
+    flag->second(argv[i + 1]);
+  }
+  if (argc % 2 == 0) usage();  // a flag without its value
+  if (context < 1 || layers < 1 || vocab < 2 || timed_steps < 0 ||
+      (attention != "fused" && attention != "composite"))
+    usage();
+  try {
+    std::vector<int64_t> batches = parse_batches(batch_list);
+    mt::PolicyPtr policy = mt::policy_by_name(policy_name);
+    const int64_t rss_before = max_rss_bytes();
+    auto state = std::make_shared<State>();
+    state->model = std::make_unique<Gpt>(vocab, layers, context, attention == "fused", &state->gen);
+    state->optimizer = std::make_unique<mt::AdamW>(
+        state->model->parameters(), mt::AdamOptions{.lr = 3e-4, .weight_decay = 0.1});
+    if (checkpoint) mt::checkpoint("blocks.*");
+    auto train = bench::gpt_train_step(state, policy);
+    std::mt19937_64 tokens_rng(kSeed);
+    std::uniform_int_distribution<int64_t> token(0, vocab - 1);
+    auto random_tokens = [&](int64_t batch) {
+      std::vector<int64_t> values(static_cast<size_t>(batch * context));
+      for (int64_t& v : values) v = token(tokens_rng);
+      return mt::tensor(values, {batch, context});
+    };
+    // Batches ascend, so the resident high-water mark read after each one is that batch's.
+    for (int64_t batch : batches) {
+      mt::Tensor inputs = random_tokens(batch), targets = random_tokens(batch);
+      mt::reset_execution_stats();
+      double loss = train(inputs, targets).item();  // builds this shape's programs
+      const mt::ExecutionStats first = mt::execution_stats();
+      // Timed steps at the first batch only: each step of this model costs seconds on a CPU.
+      const int64_t timed = batch == batches.front() ? timed_steps : 0;
+      std::vector<double> cpu_seconds, wall_seconds;
+      for (int64_t i = 0; i < timed; ++i) {
+        auto start = std::chrono::steady_clock::now();
+        double cpu_start = bench::process_cpu_seconds();
+        loss = train(inputs, targets).item();
+        cpu_seconds.push_back(bench::process_cpu_seconds() - cpu_start);
+        wall_seconds.push_back(bench::seconds_since(start));
+      }
+      const mt::ExecutionStats stats = mt::execution_stats();  // first and timed steps
+      mt::json::Value record{{"bench", "memory"},
+                             {"system", "mixtape"},
+                             {"policy", policy_name},
+                             {"attention", attention},
+                             {"checkpoint", checkpoint},
+                             {"context", context},
+                             {"layers", layers},
+                             {"vocab", vocab},
+                             {"batch", batch},
+                             {"loss", loss},
+                             {"peak_bytes", stats.memory_peak_bytes},
+                             {"first_step_peak_bytes", first.memory_peak_bytes},
+                             {"stored_peak_bytes", stats.peak_bytes},
+                             {"rss_growth_bytes", max_rss_bytes() - rss_before}};
+      if (timed > 0) {
+        double cpu = bench::median(cpu_seconds), wall = bench::median(wall_seconds);
+        record.emplace("cpu_s_per_step", cpu);
+        record.emplace("wall_s_per_step", wall);
+        record.emplace("tokens_per_cpu_s", static_cast<double>(batch * context) / cpu);
+        record.emplace("tokens_per_s", static_cast<double>(batch * context) / wall);
+      }
+      bench::emit(record);
+    }
+    return 0;
+  } catch (const mt::Error& e) {
+    std::fprintf(stderr, "bench_memory: %s\n", e.what());
+    return 1;
+  }
+}
