@@ -35,6 +35,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peer_torch_gpu import gpt2_model  # noqa: E402
 import run  # noqa: E402  (torch_env: OpenBLAS for Debian's torch, as the training bench)
 
 GIB = 1 << 30
@@ -66,51 +67,23 @@ def torch_peer(args):
     """One configuration of the PyTorch peer in this (fresh) process: JSON lines per batch."""
     rss_before = max_rss_bytes()
     import torch
-    import torch.nn as nn
     import torch.nn.functional as F
     import torch.utils.checkpoint
     torch.set_num_threads(args.threads)
     torch.manual_seed(1234)
 
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-            self.qkv, self.proj = nn.Linear(WIDTH, 3 * WIDTH), nn.Linear(WIDTH, WIDTH)
-            self.fc1, self.fc2 = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+    # GPT-2 small's block, as the GPU peer builds it (torch 1.13 has no
+    # F.scaled_dot_product_attention: the [T, T] scores are materialized).
+    model = gpt2_model(torch, args.layers, args.context, args.vocab, HEADS, WIDTH)
 
-        def attend(self, x):
-            # torch 1.13 has no F.scaled_dot_product_attention: the [T, T] scores are materialized.
-            b, t, c = x.shape
-            q, k, v = (p.view(b, t, HEADS, c // HEADS).transpose(1, 2)
-                       for p in self.qkv(x).split(c, dim=2))
-            s = (q @ k.transpose(-1, -2)) / math.sqrt(c // HEADS)
-            s = s.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
-            y = torch.softmax(s, -1) @ v
-            return self.proj(y.transpose(1, 2).reshape(b, t, c))
+    def loss_of(tokens, targets):
+        x = model.token_embedding(tokens) + model.position_embedding(torch.arange(tokens.shape[1]))
+        for block in model.blocks:
+            x = (torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+                 if args.checkpoint else block(x))
+        logits = model.head(model.ln_f(x))
+        return F.cross_entropy(logits.float().view(-1, args.vocab), targets.view(-1))
 
-        def forward(self, x):
-            h = x + self.attend(self.ln1(x))
-            return h + self.fc2(F.gelu(self.fc1(self.ln2(h)), approximate="tanh"))
-
-    class Gpt(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.token_embedding = nn.Embedding(args.vocab, WIDTH)
-            self.position_embedding = nn.Embedding(args.context, WIDTH)
-            self.blocks = nn.ModuleList(Block() for _ in range(args.layers))
-            self.ln_f, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, args.vocab)
-
-        def forward(self, tokens, targets):
-            x = self.token_embedding(tokens) + self.position_embedding(
-                torch.arange(tokens.shape[1]))
-            for block in self.blocks:
-                x = (torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
-                     if args.checkpoint else block(x))
-            logits = self.head(self.ln_f(x))
-            return F.cross_entropy(logits.float().view(-1, args.vocab), targets.view(-1))
-
-    model = Gpt()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1)
     cast = (torch.autocast("cpu", dtype=torch.bfloat16) if args.precision == "bf16"
             else contextlib.nullcontext())
@@ -118,7 +91,7 @@ def torch_peer(args):
     def step(inputs, targets):
         optimizer.zero_grad(set_to_none=True)
         with cast:
-            loss = model(inputs, targets)
+            loss = loss_of(inputs, targets)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
