@@ -440,6 +440,7 @@ class Lowerer {
 #define MT_FUSED(Name, fname, arity, REF)                                       \
   case OpCode::Name: {                                                          \
     using T = Sym;                                                              \
+    static_assert((arity) <= 7, "REF names its inputs a to g");                 \
     auto at = [&](size_t k) { return k < (arity) ? input(k) : Sym(-1, t, 0); }; \
     std::array<Sym, 7> in{at(0), at(1), at(2), at(3), at(4), at(5), at(6)};     \
     [[maybe_unused]] auto& [a, b, c, d, e, f, g] = in;                          \
