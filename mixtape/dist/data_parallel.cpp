@@ -158,9 +158,11 @@ void DataParallel::average(LeafGradients& gradients) {
     if (owners[p] && gradient_sharded(owners[p].get())) owners[p].reset();
     if (owners[p]) param_of.emplace(owners[p].get(), p);
   }
-  if (local_->skip(!gradient_slots(gradients, param_of, params_.size()).empty())) return;
-  local_->fold(gradients, owners);
   std::vector<size_t> slot = gradient_slots(gradients, param_of, params_.size());
+  if (local_->skip(!slot.empty())) return;
+  if (local_->fold(
+          gradients, [&]() -> const auto& { return owners; }))
+    slot = gradient_slots(gradients, param_of, params_.size());
   if (slot.empty()) return;
   NoGradGuard no_grad;
   NoPolicy no_policy;

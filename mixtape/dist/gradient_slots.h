@@ -60,17 +60,19 @@ class LocalGradients {
   /// Before a reducing backward's reduction: each parameter's local sum (its .grad, which the
   /// backward()s under no_sync accumulated) joins this backward's gradient and leaves .grad, so
   /// that the reduced sum replaces it. The reduction covers every micro-step's gradients, as
-  /// PyTorch DDP's reduces the accumulated .grad.
-  void fold(LeafGradients& gradients, const std::vector<std::shared_ptr<TensorImpl>>& owners) {
+  /// PyTorch DDP's reduces the accumulated .grad. `owners_of()` gives the parameters' gradient
+  /// owners, asked for only when there is something to fold. True when it folded.
+  template <typename Owners>
+  bool fold(LeafGradients& gradients, Owners owners_of) {
     const bool folding = pending_->pending;
     if (folding) {
       pending_->set(false);
       ++pending_->folds;
     }
     watch(folding ? std::optional<bool>(false) : std::nullopt);
-    if (!folding) return;
+    if (!folding) return false;
     NoGradGuard no_grad;
-    for (const std::shared_ptr<TensorImpl>& owner : owners) {
+    for (const std::shared_ptr<TensorImpl>& owner : owners_of()) {
       if (!owner || !owner->grad) continue;
       Tensor local(owner->grad);
       owner->grad.reset();
@@ -81,6 +83,7 @@ class LocalGradients {
       else
         gradients.emplace_back(owner, local);
     }
+    return true;
   }
 
  private:
@@ -120,8 +123,9 @@ class LocalGradients {
     std::optional<bool> value_;
     int64_t seen_;
   };
+  // Only while a step is traced: every reducing backward passes here.
   void watch(std::optional<bool> value) {
-    on_each_call(std::make_shared<Replayed>(pending_, value));
+    if (trace_observer()) on_each_call(std::make_shared<Replayed>(pending_, value));
   }
 
   std::shared_ptr<Pending> pending_ = std::make_shared<Pending>();

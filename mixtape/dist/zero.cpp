@@ -155,11 +155,14 @@ void ZeroShards::assemble(const std::vector<size_t>& updated,
 void ZeroShards::reduce(LeafGradients& gradients) const {
   std::unordered_map<const TensorImpl*, size_t> index;
   for (size_t i = 0; i < owners_.size(); ++i) index.emplace(owners_[i], i);
-  if (local_->skip(!gradient_slots(gradients, index, params_.size()).empty())) return;
-  std::vector<std::shared_ptr<TensorImpl>> owners;
-  for (const Tensor& p : params_) owners.push_back(p.node()->grad_owner.lock());
-  local_->fold(gradients, owners);
   std::vector<size_t> slot = gradient_slots(gradients, index, params_.size());
+  if (local_->skip(!slot.empty())) return;
+  auto owners_of = [&] {
+    std::vector<std::shared_ptr<TensorImpl>> owners;
+    for (const Tensor& p : params_) owners.push_back(p.node()->grad_owner.lock());
+    return owners;
+  };
+  if (local_->fold(gradients, owners_of)) slot = gradient_slots(gradients, index, params_.size());
   // As dist::DataParallel: a backward that reached none of them reduces nothing; one that
   // reached some gives the others zeros, so every process's flat buffers hold the same layout.
   if (slot.empty()) return;

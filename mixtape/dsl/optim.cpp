@@ -170,8 +170,8 @@ Tensor Optimizer::step_scalar(const Tensor& scalar, DType dtype, const Shape& sh
 }
 
 Tensor Optimizer::with_l2_penalty(const Tensor& grad, const Tensor& param, double weight_decay) {
-  // grad * 1 is grad, bit for bit (and NaN stays NaN).
-  return lincomb({grad, step_constant(1, grad), param, step_constant(weight_decay, param)});
+  // param * weight_decay + grad: the same sum as grad + param * weight_decay, bit for bit.
+  return mul_add({param, step_constant(weight_decay, param), grad});
 }
 
 void Optimizer::step() { step_unless(Tensor(), {}); }
@@ -555,9 +555,10 @@ Tensor Lion::update(const Tensor& param, const Tensor& grad, NamedTensors& state
   auto fixed_mix = [&](double beta) {
     return mix(m_prev ? step_constant(beta, *m_prev) : Tensor(), step_constant(1 - beta, grad));
   };
-  Tensor direction = sign(beta1_.defined() ? mix(step_scalar(beta1_, grad.dtype(), grad.shape()),
-                                                 step_scalar(rest1_, grad.dtype(), grad.shape()))
-                                           : fixed_mix(options.beta1));
+  Tensor direction = sign(
+      beta1_.defined() ? mix(m_prev ? step_scalar(beta1_, grad.dtype(), grad.shape()) : Tensor(),
+                             step_scalar(rest1_, grad.dtype(), grad.shape()))
+                       : fixed_mix(options.beta1));
   set_state(state, "exp_avg", fixed_mix(options.beta2));
   return sub_mul({p, direction, step_scalar(lr_value(), direction.dtype(), direction.shape())});
 }
