@@ -370,7 +370,7 @@ std::vector<char> bytes_of(const mt::Storage& storage) {
 bool compile_and_run(const fs::path& dir, const std::string& program, const std::string& what) {
   std::ofstream(dir / "kernels.cpp") << program;
   std::string command = fmt::format(
-      "c++ -std=c++20 -O1 -ffp-contract=off -w -I'{}' '{}' -o '{}' > '{}' 2>&1", MIXTAPE_SOURCE_DIR,
+      "c++ -std=c++20 -O0 -ffp-contract=off -w -I'{}' '{}' -o '{}' > '{}' 2>&1", MIXTAPE_SOURCE_DIR,
       (dir / "kernels.cpp").string(), (dir / "kernels").string(), (dir / "log.txt").string());
   if (std::system(command.c_str()) != 0) {
     std::ifstream log(dir / "log.txt");

@@ -12,6 +12,8 @@ if [[ "${MIXTAPE_SANITIZE:-0}" == 1 ]]; then
   # their file:line. The benchmarks measure speed, which an instrumented build cannot: not built.
   flags=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1 -DNDEBUG"
     -DMIXTAPE_SANITIZE=ON -DMIXTAPE_BUILD_BENCHMARKS=OFF)
+  # The kernels the plain suite compiled (LLVM and NVRTC, not instrumented) serve this one too.
+  if [[ -d build ]]; then flags+=("-DMIXTAPE_TEST_KERNEL_CACHE=$PWD/build/kernel-cache"); fi
   # allocator_may_return_null: a failed allocation is a null pointer, as from the OS, which
   # mixtape reports as an mt::Error (tests ask for terabytes on purpose).
   export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1:allocator_may_return_null=1

@@ -103,6 +103,11 @@ Backend& backend() {
 struct ThreadScratch {
   ScratchBuffer widened_a, widened_b, reordered_a, reordered_b, result, plain_result, onednn;
   ScratchBuffer gathered_dy, columns;  // a weight gradient run as a GEMM
+  void trim() {
+    for (ScratchBuffer* buffer : {&widened_a, &widened_b, &reordered_a, &reordered_b, &result,
+                                  &plain_result, &onednn, &gathered_dy, &columns})
+      buffer->trim(kScratchKeptBytes);
+  }
 };
 ThreadScratch& thread_scratch() {
   thread_local ThreadScratch scratch;
@@ -370,6 +375,9 @@ std::string conv_kernel(const ConvDesc& d) {
 
 void conv(const ConvDesc& d, const void* a, const void* b, void* out) {
   if (!conv_supported(d)) fail("{}: not a problem oneDNN can run", describe(d));
+  struct Trim {  // see ScratchBuffer::trim
+    ~Trim() { thread_scratch().trim(); }
+  } trim_on_return;
   if (a == nullptr || b == nullptr || out == nullptr) fail("{}: a null pointer", describe(d));
   if (weight_grad_as_gemm(d)) {
     log_gemm_choice(d);

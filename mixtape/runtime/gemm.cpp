@@ -110,6 +110,10 @@ constexpr double kAmxSingleThreadMaxFlops = double{1 << 24};
 // Per thread, so that concurrent calls never share a buffer and need no lock.
 struct ThreadScratch {
   ScratchBuffer a, b, bias, result, onednn, partials;
+  void trim() {
+    for (ScratchBuffer* buffer : {&a, &b, &bias, &result, &onednn, &partials})
+      buffer->trim(kScratchKeptBytes);
+  }
 };
 
 ThreadScratch& thread_scratch() {
@@ -561,7 +565,12 @@ bool gemm_supported(const GemmDesc& d) {
          is_gemm_float(d.product_type);
 }
 
-void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void* bias) {
+namespace {
+
+// gemm(), whose workspace stays with the calling thread until the outermost call returns (a
+// k-split or late-bias product runs this again on its caller's buffers).
+void gemm_keeping_scratch(const GemmDesc& d, const void* a, const void* b, void* out,
+                          const void* bias = nullptr) {
   if (!gemm_supported(d))
     fail(
         "{}: unsupported; gemm takes f32, bf16 or f16 operands, outputs and biases and "
@@ -596,7 +605,7 @@ void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void
     const GemmDesc part = k_split_part(d, parts);
     const int64_t count = d.m * d.n;
     float* partials = scratch.partials.get<float>(parts * count);
-    gemm(part, a, b, partials);
+    gemm_keeping_scratch(part, a, b, partials);
     log_choice(d, [&] { return describe_k_split(d, parts); });
     float* result = f32_result();
 #pragma omp parallel for schedule(static)
@@ -631,7 +640,7 @@ void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void
   if (late_bias(d)) {
     // The product alone as f32, then the bias after its rounding, then finish().
     float* result = f32_result();
-    gemm(product_only(d), a, b, result);
+    gemm_keeping_scratch(product_only(d), a, b, result);
     add_bias_after_rounding(d, bias_f32, result);
     if (d.out != f32) finish(d, flops_of(d) >= kSingleThreadMaxFlops, result, out, result_count);
     return;
@@ -659,6 +668,15 @@ void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void
     fail("{}: oneDNN failed: {}", describe(d), error.what());
   }
   if (!choice.bf16_result) finish(d, team, result, out, result_count);
+}
+
+}  // namespace
+
+void gemm(const GemmDesc& d, const void* a, const void* b, void* out, const void* bias) {
+  struct Trim {
+    ~Trim() { thread_scratch().trim(); }
+  } trim_on_return;
+  gemm_keeping_scratch(d, a, b, out, bias);
 }
 
 std::string gemm_kernel(const GemmDesc& d) {
