@@ -5,14 +5,12 @@
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <functional>
-#include <map>
 #include <memory>
 #include <random>
-#include <sstream>
 #include <string>
 #include <vector>
+
+#include <CLI/CLI.hpp>
 
 #include "bench/gpt_step.h"
 #include "bench/timing.h"
@@ -114,55 +112,26 @@ int64_t max_rss_bytes() {
   return static_cast<int64_t>(usage.ru_maxrss) * 1024;
 }
 
-std::vector<int64_t> parse_batches(const std::string& list) {
-  std::vector<int64_t> batches;
-  std::stringstream stream(list);
-  for (std::string item; std::getline(stream, item, ',');) {
-    batches.push_back(std::atoll(item.c_str()));
-    if (batches.back() < 1) mt::fail("bench_memory: batch sizes must be >= 1, got '{}'", item);
-  }
-  if (batches.empty()) mt::fail("bench_memory: no batch sizes given");
-  return batches;
-}
-
-[[noreturn]] void usage() {
-  std::fprintf(stderr,
-               "usage: bench_memory [--policy fp32|autocast-bf16] [--attention fused|composite] "
-               "[--checkpoint 0|1] [--context N] [--layers N] [--vocab N] [--batches 1,2] "
-               "[--timed-steps N (at the first batch)]\n");
-  std::exit(2);
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string policy_name = "fp32", attention = "fused", batch_list = "1,2";
+  std::string policy_name = "fp32", attention = "fused";
+  std::vector<int64_t> batches{1, 2};
   int64_t context = 1024, layers = 2, vocab = 8192, timed_steps = 1;
   bool checkpoint = false;
-  auto integer = [](int64_t& target) {
-    return [&target](const std::string& v) { target = std::atoll(v.c_str()); };
-  };
-  auto text = [](std::string& target) { return [&target](const std::string& v) { target = v; }; };
-  const std::map<std::string, std::function<void(const std::string&)>> flags{
-      {"--policy", text(policy_name)},
-      {"--attention", text(attention)},
-      {"--checkpoint", [&](const std::string& v) { checkpoint = v == "1"; }},
-      {"--context", integer(context)},
-      {"--layers", integer(layers)},
-      {"--vocab", integer(vocab)},
-      {"--batches", text(batch_list)},
-      {"--timed-steps", integer(timed_steps)}};
-  for (int i = 1; i + 1 < argc; i += 2) {
-    auto flag = flags.find(argv[i]);
-    if (flag == flags.end()) usage();
-    flag->second(argv[i + 1]);
-  }
-  if (argc % 2 == 0) usage();  // a flag without its value
-  if (context < 1 || layers < 1 || vocab < 2 || timed_steps < 0 ||
-      (attention != "fused" && attention != "composite"))
-    usage();
+  CLI::App app{"bench_memory: the measured peak memory and speed of a GPT-2-shaped training step"};
+  app.add_option("--policy", policy_name, "fp32 or autocast-bf16 (any policy by name)");
+  app.add_option("--attention", attention)->check(CLI::IsMember({"fused", "composite"}));
+  app.add_option("--checkpoint", checkpoint, "1: checkpoint every block");
+  app.add_option("--context", context)->check(CLI::PositiveNumber);
+  app.add_option("--layers", layers)->check(CLI::PositiveNumber);
+  app.add_option("--vocab", vocab)->check(CLI::Range(int64_t{2}, int64_t{1} << 40));
+  app.add_option("--batches", batches, "ascending, comma-separated")
+      ->delimiter(',')
+      ->check(CLI::PositiveNumber);
+  app.add_option("--timed-steps", timed_steps, "at the first batch")->check(CLI::NonNegativeNumber);
+  CLI11_PARSE(app, argc, argv);
   try {
-    std::vector<int64_t> batches = parse_batches(batch_list);
     mt::PolicyPtr policy = mt::policy_by_name(policy_name);
     const int64_t rss_before = max_rss_bytes();
     auto state = std::make_shared<State>();

@@ -106,7 +106,7 @@ struct ThreadScratch {
   void trim() {
     for (ScratchBuffer* buffer : {&widened_a, &widened_b, &reordered_a, &reordered_b, &result,
                                   &plain_result, &onednn, &gathered_dy, &columns})
-      buffer->trim(kScratchKeptBytes);
+      buffer->trim();
   }
 };
 ThreadScratch& thread_scratch() {

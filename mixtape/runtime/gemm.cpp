@@ -111,8 +111,7 @@ constexpr double kAmxSingleThreadMaxFlops = double{1 << 24};
 struct ThreadScratch {
   ScratchBuffer a, b, bias, result, onednn, partials;
   void trim() {
-    for (ScratchBuffer* buffer : {&a, &b, &bias, &result, &onednn, &partials})
-      buffer->trim(kScratchKeptBytes);
+    for (ScratchBuffer* buffer : {&a, &b, &bias, &result, &onednn, &partials}) buffer->trim();
   }
 };
 

@@ -46,7 +46,7 @@ class ScratchBuffer {
   /// live only while that call runs, instead of from the largest call on, where it added to every
   /// later peak (a GPT's widened bf16 logits products kept about 0.2 GiB that way). The values'
   /// allocator keeps the freed block, so the next call of that size gets it back unfaulted.
-  void trim(size_t keep_bytes) {
+  void trim(size_t keep_bytes = kScratchKeptBytes) {
     if (capacity_ > keep_bytes) release();
   }
   void release() {
