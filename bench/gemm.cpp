@@ -13,6 +13,7 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/runtime/gemm.h"
 #include "mixtape/runtime/half_convert.h"
+#include "mixtape/runtime/scratch_buffer.h"
 
 namespace mt = mixtape;
 
@@ -27,21 +28,23 @@ constexpr const char* kUsage =
     "             gemm_<f32|bf16>_<N> (N^3 product through runtime/gemm.h, f32 result),\n"
     "             gemm_<f32|bf16>_<M>x<N>x<K> (an M x K by K x N product); a suffix\n"
     "             :native, :widened or :own picks the bf16 kernel (default: automatic),\n"
-    "             :ta and :tb store a or b transposed, :b<B> makes it B products in one call\n";
+    "             :ta and :tb store a or b transposed, :b<B> makes it B products in one call,\n"
+    "             :dense or :padded how the f32 kernel reads its operands (default: automatic)\n";
 
 /// A gemm workload's name parsed: gemm_<dtype>_<N> or gemm_<dtype>_<M>x<N>x<K>, and :kernel.
 struct GemmWorkload {
   std::string dtype;
   int64_t batch = 1, m = 0, n = 0, k = 0;
   mt::Bf16Kernel kernel = mt::Bf16Kernel::automatic;
+  mt::OperandRows rows = mt::OperandRows::automatic;
   bool transpose_a = false, transpose_b = false;  // the operands stored transposed
 };
 
 bool parse_gemm(const std::string& name, GemmWorkload& w) {
   const size_t colon = name.find(':');
   const std::string shape = name.substr(0, colon);
-  // Suffixes after ':': the bf16 kernel (native, widened, own), the transposes (ta, tb) and the
-  // batch (b<B>).
+  // Suffixes after ':': the bf16 kernel (native, widened, own), the transposes (ta, tb), the
+  // batch (b<B>) and the f32 kernel's operand rows (dense, padded).
   for (size_t at = colon; at != std::string::npos;) {
     const size_t next = name.find(':', at + 1);
     const std::string part = name.substr(at + 1, next == std::string::npos ? next : next - at - 1);
@@ -51,6 +54,10 @@ bool parse_gemm(const std::string& name, GemmWorkload& w) {
       w.kernel = mt::Bf16Kernel::widened;
     else if (part == "own")
       w.kernel = mt::Bf16Kernel::own;
+    else if (part == "dense")
+      w.rows = mt::OperandRows::dense;
+    else if (part == "padded")
+      w.rows = mt::OperandRows::padded;
     else if (part == "ta")
       w.transpose_a = true;
     else if (part == "tb")
@@ -92,31 +99,35 @@ mt::json::Value gemm_record(const std::string& name, const GemmWorkload& w, Peak
   std::mt19937_64 rng(0);
   std::normal_distribution<float> normal(0.0f, 1.0f);
   const std::string& dtype = w.dtype;
-  std::vector<float> a(static_cast<size_t>(w.batch * w.m * w.k));
-  std::vector<float> b(static_cast<size_t>(w.batch * w.k * w.n));
-  std::vector<float> out(static_cast<size_t>(w.batch * w.m * w.n));
-  for (float& v : a) v = normal(rng);
-  for (float& v : b) v = normal(rng);
-  std::vector<uint16_t> a16, b16;
+  // 64-byte aligned blocks from the values' allocator, as a tensor's bytes are: a vector's
+  // alignment varies with its size, and oneDNN's speed varies with the alignment.
+  const int64_t a_count = w.batch * w.m * w.k, b_count = w.batch * w.k * w.n;
+  mt::ScratchBuffer a_block, b_block, out_block, a16_block, b16_block;
+  float* a = a_block.get<float>(a_count);
+  float* b = b_block.get<float>(b_count);
+  float* out = out_block.get<float>(w.batch * w.m * w.n);
+  std::generate_n(a, a_count, [&] { return normal(rng); });
+  std::generate_n(b, b_count, [&] { return normal(rng); });
   mt::GemmDesc desc{.batch = w.batch,
                     .m = w.m,
                     .n = w.n,
                     .k = w.k,
                     .transpose_a = w.transpose_a,
                     .transpose_b = w.transpose_b,
-                    .bf16_kernel = w.kernel};
-  const void* a_data = a.data();
-  const void* b_data = b.data();
+                    .bf16_kernel = w.kernel,
+                    .operand_rows = w.rows};
+  const void* a_data = a;
+  const void* b_data = b;
   if (dtype == "bf16") {
-    a16.resize(a.size());
-    b16.resize(b.size());
-    mt::narrow_to_bf16(a.data(), a16.data(), static_cast<int64_t>(a.size()));
-    mt::narrow_to_bf16(b.data(), b16.data(), static_cast<int64_t>(b.size()));
+    uint16_t* a16 = a16_block.get<uint16_t>(a_count);
+    uint16_t* b16 = b16_block.get<uint16_t>(b_count);
+    mt::narrow_to_bf16(a, a16, a_count);
+    mt::narrow_to_bf16(b, b16, b_count);
     desc.operand = mt::bf16;
-    a_data = a16.data();
-    b_data = b16.data();
+    a_data = a16;
+    b_data = b16;
   }
-  auto step = [&] { mt::gemm(desc, a_data, b_data, out.data()); };
+  auto step = [&] { mt::gemm(desc, a_data, b_data, out); };
   mt::json::Value result = bench::measure(step, timing);
   double calls_per_s = result.at("steps_per_s").get<double>();
   double gflops = calls_per_s * 2.0 * static_cast<double>(w.batch * w.m * w.n * w.k) / 1e9;

@@ -126,6 +126,7 @@ ThreadScratch& thread_scratch() {
 struct PrimitiveKey {
   int64_t batch, m, n, k;
   bool transpose_a, transpose_b;
+  int64_t a_row_stride, b_row_stride;  // elements between the stored rows of a and of b
   OnednnType operand;
   OnednnType result;
   bool has_bias;
@@ -166,21 +167,24 @@ std::string describe(const GemmDesc& d) {
 
 bool is_gemm_float(DType t) { return t == f32 || t == bf16 || t == f16; }
 
-// A dense row-major [batch,] rows x cols operand, or its transpose stored as cols x rows.
+// A row-major [batch,] rows x cols operand, or its transpose stored as cols x rows, with its
+// stored rows row_stride elements apart.
 dnnl::memory::desc matrix_desc(int64_t batch, int64_t rows, int64_t cols, bool transposed,
-                               OnednnType type) {
+                               OnednnType type, int64_t row_stride) {
   const dnnl::memory::dims inner =
-      transposed ? dnnl::memory::dims{1, rows} : dnnl::memory::dims{cols, 1};
+      transposed ? dnnl::memory::dims{1, row_stride} : dnnl::memory::dims{row_stride, 1};
   if (batch == 1) return dnnl::memory::desc({rows, cols}, type, inner);
-  return dnnl::memory::desc({batch, rows, cols}, type, {rows * cols, inner[0], inner[1]});
+  const int64_t stored_rows = transposed ? cols : rows;
+  return dnnl::memory::desc({batch, rows, cols}, type,
+                            {stored_rows * row_stride, inner[0], inner[1]});
 }
 
 std::shared_ptr<const CachedPrimitive> create_primitive(const PrimitiveKey& key) {
   const Backend& state = backend();
   auto made = std::make_shared<CachedPrimitive>();
-  made->a = matrix_desc(key.batch, key.m, key.k, key.transpose_a, key.operand);
-  made->b = matrix_desc(key.batch, key.k, key.n, key.transpose_b, key.operand);
-  made->result = matrix_desc(key.batch, key.m, key.n, false, key.result);
+  made->a = matrix_desc(key.batch, key.m, key.k, key.transpose_a, key.operand, key.a_row_stride);
+  made->b = matrix_desc(key.batch, key.k, key.n, key.transpose_b, key.operand, key.b_row_stride);
+  made->result = matrix_desc(key.batch, key.m, key.n, false, key.result, key.n);
   if (key.has_bias)  // one row, broadcast over rows and batches
     made->bias = key.batch == 1
                      ? dnnl::memory::desc({1, key.n}, OnednnType::f32, {key.n, 1})
@@ -218,9 +222,31 @@ bool onednn_may_use_amx() {
   return amx;
 }
 
+// The stored rows of a and b: [batch x rows, cols] (a transposed operand's rows are its columns).
+struct StoredRows {
+  int64_t rows, cols;
+};
+StoredRows stored_a(const GemmDesc& d) {
+  return d.transpose_a ? StoredRows{d.batch * d.k, d.m} : StoredRows{d.batch * d.m, d.k};
+}
+StoredRows stored_b(const GemmDesc& d) {
+  return d.transpose_b ? StoredRows{d.batch * d.n, d.k} : StoredRows{d.batch * d.k, d.n};
+}
+
 PrimitiveKey primitive_key(const GemmDesc& d, OnednnType operand,
-                           OnednnType result = OnednnType::f32) {
-  return {d.batch, d.m, d.n, d.k, d.transpose_a, d.transpose_b, operand, result, d.has_bias};
+                           OnednnType result = OnednnType::f32, int64_t a_row_stride = 0,
+                           int64_t b_row_stride = 0) {
+  return {d.batch,
+          d.m,
+          d.n,
+          d.k,
+          d.transpose_a,
+          d.transpose_b,
+          a_row_stride > 0 ? a_row_stride : stored_a(d).cols,
+          b_row_stride > 0 ? b_row_stride : stored_b(d).cols,
+          operand,
+          result,
+          d.has_bias};
 }
 
 // The kernel for a product: widened (f32 operands) or oneDNN's bf16 one, and its primitive. The
@@ -231,7 +257,48 @@ struct Choice {
   bool widen = false;
   bool bf16_result = false;  // oneDNN writes the bf16 result itself: there is no epilogue pass
   std::shared_ptr<const CachedPrimitive> primitive;
+  // Where set, the operand is copied for oneDNN's f32 kernel with its rows this many elements
+  // apart (operand_row_stride); 0: read as stored (or widened densely).
+  int64_t a_row_stride = 0, b_row_stride = 0;
 };
+
+// Whether oneDNN's f32 matmul is its AVX2 sgemm here (no AVX-512): see operand_row_stride.
+bool onednn_f32_is_avx2_sgemm() {
+  static const bool avx2 = [] {
+    const dnnl::cpu_isa isa = dnnl::get_effective_cpu_isa();
+    return isa == dnnl::cpu_isa::avx2 || isa == dnnl::cpu_isa::avx2_vnni;
+  }();
+  return avx2;
+}
+
+// oneDNN 2.6's AVX2 sgemm reads its operands in place, without packing them, when 1/m + 1/n >=
+// 0.0038 (m and n below about 526: gemm_driver.cpp's nocopy_checker_avx2, which unlike its
+// AVX-512 twin does not look at the leading dimensions). There, an operand stored k-major (a
+// transposed, or b as it is) is read a row per k step, and rows a multiple of 1 KiB apart fall
+// into a few of the L1 cache's sets and evict each other. Such an operand is copied with its rows
+// one cache line further apart: a pass over it, which a bf16 or f16 operand's widening makes
+// anyway. Measured through gemm() (bench_gemm :dense / :padded, AMD EPYC with AVX2, one thread,
+// best of 7 windows, GFLOP/s as stored vs padded): 512^3 63 vs 92, a transposed 60 vs 90;
+// 256x1024x256 47 vs 92; 1024x256x256 a transposed 41 vs 83; 64x512x512 60 vs 80; 256^3 a
+// transposed 72 vs 86. Operands stored m- or n-major (rows along k) gain nothing: 512^3 b
+// transposed 91 vs 88. The stride oneDNN's f32 kernel reads an operand's rows at: 0 (as stored)
+// or a padded one.
+int64_t operand_row_stride(const GemmDesc& d, int64_t cols, bool k_major) {
+  constexpr int64_t kCacheLineFloats = 16;
+  constexpr int64_t kAliasingRowFloats = 256;
+  switch (d.operand_rows) {
+    case OperandRows::dense:
+      return 0;
+    case OperandRows::padded:
+      return cols + kCacheLineFloats;
+    case OperandRows::automatic:
+      break;
+  }
+  const double m = static_cast<double>(d.m), n = static_cast<double>(d.n);
+  const bool read_in_place = 1.0 / m + 1.0 / n >= 0.0038;
+  const bool aliasing = k_major && cols % kAliasingRowFloats == 0;
+  return onednn_f32_is_avx2_sgemm() && read_in_place && aliasing ? cols + kCacheLineFloats : 0;
+}
 
 // An AMX product's bf16 result is rounded by oneDNN as it stores the tiles (VCVTNEPS2BF16), which
 // saves an f32 result's round trip through memory and a pass, about as long as the product itself
@@ -258,7 +325,8 @@ std::optional<Choice> amx_choice(const GemmDesc& d) {
 bool onednn_has_bf16_matmul() {
   static const bool has = [] {
     try {
-      cached_primitive({1, 16, 16, 16, false, false, OnednnType::bf16, OnednnType::f32, false});
+      cached_primitive(
+          {1, 16, 16, 16, false, false, 16, 16, OnednnType::bf16, OnednnType::f32, false});
       return true;
     } catch (const dnnl::error&) {
       return false;
@@ -334,8 +402,16 @@ Choice choose(const GemmDesc& d) {
       }
     }
   }
-  const OnednnType type = d.operand == bf16 && !widen ? OnednnType::bf16 : OnednnType::f32;
-  return {false, widen, false, cached_primitive(primitive_key(d, type))};
+  if (d.operand == bf16 && !widen)
+    return {false, false, false, cached_primitive(primitive_key(d, OnednnType::bf16))};
+  const int64_t a_stride = operand_row_stride(d, stored_a(d).cols, d.transpose_a);
+  const int64_t b_stride = operand_row_stride(d, stored_b(d).cols, !d.transpose_b);
+  return {false,
+          widen,
+          false,
+          cached_primitive(primitive_key(d, OnednnType::f32, OnednnType::f32, a_stride, b_stride)),
+          a_stride,
+          b_stride};
 }
 
 std::string describe(const Choice& choice, const GemmDesc& d) {
@@ -343,11 +419,42 @@ std::string describe(const Choice& choice, const GemmDesc& d) {
     return flops_of(d) >= kSingleThreadMaxFlops
                ? "mixtape's own bf16 kernel (6x64 VDPBF16PS tile, 64-row blocks on the team)"
                : "mixtape's own bf16 kernel (6x64 VDPBF16PS tile, one thread)";
+  std::string padded;
+  if (choice.a_row_stride > 0 || choice.b_row_stride > 0)
+    padded = fmt::format(", operands copied with rows {} and {} elements apart",
+                         choice.a_row_stride > 0 ? choice.a_row_stride : stored_a(d).cols,
+                         choice.b_row_stride > 0 ? choice.b_row_stride : stored_b(d).cols);
   if (choice.widen)
-    return fmt::format("{} widened to f32, oneDNN f32 {}", name(d.operand),
-                       choice.primitive->implementation);
-  return fmt::format("oneDNN {} {}{}", name(d.operand), choice.primitive->implementation,
-                     choice.bf16_result ? ", rounding the bf16 result itself" : "");
+    return fmt::format("{} widened to f32, oneDNN f32 {}{}", name(d.operand),
+                       choice.primitive->implementation, padded);
+  return fmt::format("oneDNN {} {}{}{}", name(d.operand), choice.primitive->implementation,
+                     choice.bf16_result ? ", rounding the bf16 result itself" : "", padded);
+}
+
+constexpr int64_t kParallelCopyMinimum = int64_t{1} << 18;  // half_convert.cpp's size
+
+// An operand as oneDNN's f32 kernel reads it: widened to f32 where it is bf16 or f16, and with its
+// rows row_stride elements apart where that is set (else dense), in `buffer`.
+const float* f32_operand(DType type, const void* stored, StoredRows shape, int64_t row_stride,
+                         ScratchBuffer& buffer) {
+  auto widen = type == f16 ? widen_f16 : widen_bf16;
+  if (row_stride == 0) {  // widened densely
+    float* widened = buffer.get<float>(shape.rows * shape.cols);
+    widen(static_cast<const uint16_t*>(stored), widened, shape.rows * shape.cols);
+    return widened;
+  }
+  float* copy = buffer.get<float>(shape.rows * row_stride);
+  // Shared out among the team from the size where the widening conversions are.
+  const bool parallel = shape.rows * shape.cols >= kParallelCopyMinimum;
+#pragma omp parallel for schedule(static) if (parallel)
+  for (int64_t row = 0; row < shape.rows; ++row) {
+    float* to = copy + row * row_stride;
+    if (type == f32)
+      std::copy_n(static_cast<const float*>(stored) + row * shape.cols, shape.cols, to);
+    else
+      widen(static_cast<const uint16_t*>(stored) + row * shape.cols, to, shape.cols);
+  }
+  return copy;
 }
 
 // MIXTAPE_LOG=profile: which kernel each distinct product runs, once per product.
@@ -646,18 +753,10 @@ void gemm_keeping_scratch(const GemmDesc& d, const void* a, const void* b, void*
   }
   const void* a_operand = a;
   const void* b_operand = b;
-  if (choice.widen) {
-    const int64_t a_count = d.batch * d.m * d.k, b_count = d.batch * d.k * d.n;
-    float* a_widened = scratch.a.get<float>(a_count);
-    float* b_widened = scratch.b.get<float>(b_count);
-    const uint16_t* a_bits = static_cast<const uint16_t*>(a);
-    const uint16_t* b_bits = static_cast<const uint16_t*>(b);
-    auto widen_operand = d.operand == f16 ? widen_f16 : widen_bf16;
-    widen_operand(a_bits, a_widened, a_count);
-    widen_operand(b_bits, b_widened, b_count);
-    a_operand = a_widened;
-    b_operand = b_widened;
-  }
+  if (choice.widen || choice.a_row_stride > 0)
+    a_operand = f32_operand(d.operand, a, stored_a(d), choice.a_row_stride, scratch.a);
+  if (choice.widen || choice.b_row_stride > 0)
+    b_operand = f32_operand(d.operand, b, stored_b(d), choice.b_row_stride, scratch.b);
   float* result = choice.bf16_result ? nullptr : f32_result();
   const bool team = runs_on_team(d, *choice.primitive);
   try {

@@ -27,6 +27,15 @@ enum class Bf16Kernel : uint8_t {
               // exact result); an mt::Error on a CPU without AVX512-BF16
 };
 
+/// How f32 (and widened) operands reach oneDNN's f32 kernel: as stored, or copied with their
+/// rows a cache line further apart. Both give the same bits (the copy changes no arithmetic);
+/// they differ in speed where oneDNN reads operands in place (gemm.cpp, operand_row_stride).
+enum class OperandRows : uint8_t {
+  automatic,  // padded where rows a multiple of 512 bytes apart would share cache sets
+  dense,      // as stored
+  padded,     // always copied with padded rows (for tests and benchmarks)
+};
+
 struct GemmDesc {
   int64_t batch = 1, m = 0, n = 0, k = 0;
   bool transpose_a = false;  // a is [batch, m, k] row-major, or [batch, k, m] when transposed
@@ -42,7 +51,8 @@ struct GemmDesc {
   DType bias_type = f32;
   bool relu = false;         // max(x, 0) with +0 for x <= 0 and NaN kept, as the reference's Relu
   DType product_type = f32;  // f32, bf16 or f16; read only with a bias
-  Bf16Kernel bf16_kernel = Bf16Kernel::automatic;  // only read when operand is bf16
+  Bf16Kernel bf16_kernel = Bf16Kernel::automatic;     // only read when operand is bf16
+  OperandRows operand_rows = OperandRows::automatic;  // only read for oneDNN's f32 kernel
 };
 
 /// False for operand, output or bias dtypes gemm cannot take (f64, integers, bool) and for
