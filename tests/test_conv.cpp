@@ -7,11 +7,13 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <map>
 #include <string>
 #include <vector>
 
 #include "mixtape/dsl/convert.h"
 #include "mixtape/mixtape.h"
+#include "mixtape/runtime/conv.h"
 #include "mixtape/runtime/cpu_executor.h"
 #include "test_util.h"
 
@@ -47,6 +49,20 @@ const std::vector<Case>& cases() {
        {2, 4, 3, 3},
        {6, 4, 3, 2},
        {.stride = {2, 1}, .padding = {1, 0}, .dilation = {1, 2}}},
+      // Outer taps that only ever cover padding, cut off (runtime/conv.cpp): to the centre tap
+      // (the 1x1 case above), to the lower right 2x2 taps, to the middle three rows of five with
+      // unequal padding left after the cut, and to one row of a dilated grouped window.
+      {"3x3 stride 2 pad 1 on 2x2 to 1x1",
+       {3, 8, 2, 2},
+       {16, 8, 3, 3},
+       {.stride = 2, .padding = 1}},
+      {"5x5 pad 2 on 2x3", {2, 4, 2, 3}, {6, 4, 5, 5}, {.padding = 2}},
+      {"grouped, dilated 3x3 on one row",
+       {2, 4, 1, 5},
+       {4, 2, 3, 3},
+       {.padding = {2, 1}, .dilation = {2, 1}, .groups = 2}},
+      // A 1x1 window on 1x1 images: one matrix product (as the 1x1 case above is once cut).
+      {"1x1 on 1x1", {5, 12, 1, 1}, {7, 12, 1, 1}, {}},
   };
   return all;
 }
@@ -104,6 +120,47 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, ConvOnCpu, ::testing::Values(mt::f32, mt::bf16,
                          [](const ::testing::TestParamInfo<mt::DType>& info) {
                            return std::string(mt::name(info.param));
                          });
+
+// The cases above whose outer taps never reach the input run on the kept taps alone, and the
+// others on the whole window; 1x1 windows on 1x1 images as one GEMM.
+TEST(Conv, TapsThatOnlyCoverPaddingAreCutOff) {
+  auto kernel = [](const Case& c, mt::OpCode op) {
+    mt::ConvDesc d;
+    d.op = op;
+    const mt::ConvWindow w = mt::ConvWindow::of(c.options);
+    auto out_size = [&](int axis, int64_t size, int64_t k) {
+      return (size + 2 * w.pad[axis] - (k - 1) * w.dil[axis] - 1) / w.stride[axis] + 1;
+    };
+    d.geometry = {c.x[0],
+                  c.x[1],
+                  c.x[2],
+                  c.x[3],
+                  c.w[0],
+                  c.w[2],
+                  c.w[3],
+                  out_size(0, c.x[2], c.w[2]),
+                  out_size(1, c.x[3], c.w[3]),
+                  w};
+    return mt::conv_kernel(d);
+  };
+  const std::map<std::string, std::string> cut = {
+      {"3x3 pad 1 on 1x1", "taps 1..1 of 3 x 1..1 of 3"},
+      {"3x3 stride 2 pad 1 on 2x2 to 1x1", "taps 1..2 of 3 x 1..2 of 3"},
+      {"5x5 pad 2 on 2x3", "taps 1..3 of 5 x 0..4 of 5"},
+      {"grouped, dilated 3x3 on one row", "taps 1..1 of 3 x 0..2 of 3"}};
+  for (const Case& c : cases())
+    for (mt::OpCode op :
+         {mt::OpCode::Conv2d, mt::OpCode::Conv2dInputGrad, mt::OpCode::Conv2dWeightGrad}) {
+      const std::string text = kernel(c, op);
+      const bool pointwise = c.label == "3x3 pad 1 on 1x1" || c.label == "1x1 on 1x1";
+      EXPECT_EQ(text.find("one GEMM, ") != std::string::npos, pointwise) << c.label << ": " << text;
+      const auto found = cut.find(c.label);
+      if (found == cut.end())
+        EXPECT_EQ(text.find("taps"), std::string::npos) << c.label << ": " << text;
+      else
+        EXPECT_EQ(text.rfind(found->second + ", ", 0), 0u) << c.label << ": " << text;
+    }
+}
 
 // Under autocast the convolution runs in the half type with f32 accumulation, as matmul does,
 // and its gradients flow back to the f32 weights.

@@ -2,6 +2,7 @@
 // per problem, with the reorders between our plain layouts and the blocked ones oneDNN picks.
 #include "mixtape/runtime/conv.h"
 
+#include <algorithm>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -68,7 +69,7 @@ constexpr int64_t kGemmWeightGradMaxPositions = 4;
 struct ConvKey {
   OpCode op;
   int64_t n, c, h, w, o, kh, kw, oh, ow;
-  int64_t stride[2], pad[2], dil[2], groups;
+  int64_t stride[2], pad[2], pad_end[2], dil[2], groups;
   OnednnType operand;
   auto operator<=>(const ConvKey&) const = default;
 };
@@ -102,10 +103,12 @@ Backend& backend() {
 
 struct ThreadScratch {
   ScratchBuffer widened_a, widened_b, reordered_a, reordered_b, result, plain_result, onednn;
-  ScratchBuffer gathered_dy, columns;  // a weight gradient run as a GEMM
+  ScratchBuffer gathered_dy, columns;             // a weight gradient run as a GEMM
+  ScratchBuffer cropped_weights, cropped_result;  // a problem with its outer taps cut off
   void trim() {
-    for (ScratchBuffer* buffer : {&widened_a, &widened_b, &reordered_a, &reordered_b, &result,
-                                  &plain_result, &onednn, &gathered_dy, &columns})
+    for (ScratchBuffer* buffer :
+         {&widened_a, &widened_b, &reordered_a, &reordered_b, &result, &plain_result, &onednn,
+          &gathered_dy, &columns, &cropped_weights, &cropped_result})
       buffer->trim();
   }
 };
@@ -114,14 +117,22 @@ ThreadScratch& thread_scratch() {
   return scratch;
 }
 
+// The padding after the input along axis 0 (rows) or 1 (columns).
+int64_t pad_end(const ConvDesc& d, int axis) {
+  return d.pad_end[axis] >= 0 ? d.pad_end[axis] : d.geometry.window.pad[axis];
+}
+
 std::string describe(const ConvDesc& d) {
   const ConvGeometry& g = d.geometry;
   const ConvWindow& w = g.window;
+  std::string padding = fmt::format("({}, {})", w.pad[0], w.pad[1]);
+  if (pad_end(d, 0) != w.pad[0] || pad_end(d, 1) != w.pad[1])
+    padding += fmt::format(" before, ({}, {}) after", pad_end(d, 0), pad_end(d, 1));
   return fmt::format(
       "{}(x [{}, {}, {}, {}], w [{}, {}, {}, {}], y [{}, {}, {}, {}], stride ({}, {}), padding "
-      "({}, {}), dilation ({}, {}), groups {}, operands {}, result {})",
+      "{}, dilation ({}, {}), groups {}, operands {}, result {})",
       op_name(d.op), g.n, g.c, g.h, g.w, g.o, g.c / w.groups, g.kh, g.kw, g.n, g.o, g.oh, g.ow,
-      w.stride[0], w.stride[1], w.pad[0], w.pad[1], w.dil[0], w.dil[1], w.groups, name(d.operand),
+      w.stride[0], w.stride[1], padding, w.dil[0], w.dil[1], w.groups, name(d.operand),
       name(d.out));
 }
 
@@ -223,6 +234,7 @@ ConvKey key_of(const ConvDesc& d) {
           g.ow,
           {w.stride[0], w.stride[1]},
           {w.pad[0], w.pad[1]},
+          {pad_end(d, 0), pad_end(d, 1)},
           {w.dil[0], w.dil[1]},
           w.groups,
           onednn_operand(d)};
@@ -244,7 +256,7 @@ std::shared_ptr<const CachedConv> create(const ConvKey& k) {
   const Tag w_tag = k.groups == 1 ? Tag::oihw : Tag::goihw;
   // oneDNN counts dilation from 0 (a dense kernel has dilation 0).
   const Dims strides{k.stride[0], k.stride[1]}, dilates{k.dil[0] - 1, k.dil[1] - 1},
-      padding{k.pad[0], k.pad[1]};
+      padding{k.pad[0], k.pad[1]}, padding_end{k.pad_end[0], k.pad_end[1]};
   auto any = [](const Dims& dims, OnednnType type) {
     return dnnl::memory::desc(dims, type, Tag::any);
   };
@@ -256,7 +268,7 @@ std::shared_ptr<const CachedConv> create(const ConvKey& k) {
       dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training,
                                       dnnl::algorithm::convolution_direct, any(x_dims, t),
                                       any(w_dims, t), any(y_dims, k.op == OpCode::Conv2d ? f32 : t),
-                                      strides, dilates, padding, padding),
+                                      strides, dilates, padding, padding_end),
       attr, engine);
   auto made = std::make_shared<CachedConv>();
   auto argument = [&](int role, const Dims& dims, Tag tag, OnednnType type,
@@ -282,7 +294,7 @@ std::shared_ptr<const CachedConv> create(const ConvKey& k) {
     dnnl::convolution_backward_data::primitive_desc data(
         dnnl::convolution_backward_data::desc(dnnl::algorithm::convolution_direct, any(x_dims, f32),
                                               any(w_dims, t), any(y_dims, t), strides, dilates,
-                                              padding, padding),
+                                              padding, padding_end),
         attr, engine, forward);
     pd = data;
     made->primitive = dnnl::convolution_backward_data(data);
@@ -293,7 +305,7 @@ std::shared_ptr<const CachedConv> create(const ConvKey& k) {
     dnnl::convolution_backward_weights::primitive_desc weights(
         dnnl::convolution_backward_weights::desc(dnnl::algorithm::convolution_direct,
                                                  any(x_dims, t), any(w_dims, f32), any(y_dims, t),
-                                                 strides, dilates, padding, padding),
+                                                 strides, dilates, padding, padding_end),
         attr, engine, forward);
     pd = weights;
     made->primitive = dnnl::convolution_backward_weights(weights);
@@ -344,17 +356,158 @@ const void* as_operand(const ConvDesc& d, const void* data, int64_t count, Scrat
 
 // MIXTAPE_LOG=profile: the GEMM a weight gradient runs as, once per problem (the GEMM logs its
 // own kernel).
-void log_gemm_choice(const ConvDesc& d) {
+void log_gemm_choice(const ConvDesc& d, const char* how) {
   static const bool enabled = log_enabled("profile");
   if (!enabled) return;
   Backend& state = backend();
   std::lock_guard lock(state.mutex);
-  if (state.logged_gemms.insert(key_of(d)).second)
-    log_line("profile", "{}: im2col and a GEMM", describe(d));
+  if (state.logged_gemms.insert(key_of(d)).second) log_line("profile", "{}: {}", describe(d), how);
 }
 
 int64_t count_of(const dnnl::memory::desc& desc, OnednnType type) {
   return static_cast<int64_t>(desc.get_size()) / (type == OnednnType::bf16 ? 2 : 4);
+}
+
+// The taps [begin, end) of one axis of the window that cover the input (not only padding) at some
+// output position: tap t reads index o * stride - pad + t * dilation at output position o.
+struct TapRange {
+  int64_t begin, end;
+};
+TapRange taps_reaching_input(int64_t size, int64_t out, int64_t kernel, int64_t stride, int64_t pad,
+                             int64_t dilation) {
+  TapRange range{kernel, 0};
+  for (int64_t t = 0; t < kernel; ++t)
+    for (int64_t o = 0; o < out; ++o)
+      if (const int64_t i = o * stride - pad + t * dilation; i >= 0 && i < size) {
+        range.begin = std::min(range.begin, t);
+        range.end = t + 1;
+        break;
+      }
+  return range;
+}
+
+// A problem with the outer taps that never reach the input cut off. At small images most of a
+// window lies in the padding at every output position (ResNet-18's last stages at 32x32 inputs:
+// 3x3 windows on 2x2 and 1x1 images), and oneDNN multiplies those zeros: at 1x1 only the centre
+// tap of nine touches data. Without them the problem is the same sums, less their zero terms, on
+// a smaller kernel with as much less padding before the input; the padding after it is what
+// keeps the output's size (0 where no output reads it, as oneDNN's floor of the size allows).
+struct Crop {
+  ConvDesc cropped;
+  TapRange rows, cols;
+};
+
+std::optional<Crop> crop_of(const ConvDesc& d) {
+  const ConvGeometry& g = d.geometry;
+  const ConvWindow& w = g.window;
+  const TapRange rows = taps_reaching_input(g.h, g.oh, g.kh, w.stride[0], w.pad[0], w.dil[0]);
+  const TapRange cols = taps_reaching_input(g.w, g.ow, g.kw, w.stride[1], w.pad[1], w.dil[1]);
+  const bool none_reach = rows.begin >= rows.end || cols.begin >= cols.end;
+  const bool all_reach = rows.end - rows.begin == g.kh && cols.end - cols.begin == g.kw;
+  if (none_reach || all_reach) return std::nullopt;
+  Crop crop{d, rows, cols};
+  ConvGeometry& c = crop.cropped.geometry;
+  c.kh = rows.end - rows.begin, c.kw = cols.end - cols.begin;
+  const TapRange ranges[2] = {rows, cols};
+  const int64_t sizes[2] = {g.h, g.w}, outs[2] = {g.oh, g.ow}, kernels[2] = {c.kh, c.kw};
+  for (int axis = 0; axis < 2; ++axis) {
+    const int64_t before = w.pad[axis] - ranges[axis].begin * w.dil[axis];
+    if (before < 0) return std::nullopt;  // the first tap that reaches is past the padding
+    const int64_t reach = (outs[axis] - 1) * w.stride[axis] + (kernels[axis] - 1) * w.dil[axis] + 1;
+    c.window.pad[axis] = before;
+    crop.cropped.pad_end[axis] = std::max<int64_t>(0, reach - sizes[axis] - before);
+  }
+  return crop;
+}
+
+std::string describe(const Crop& crop, const ConvGeometry& g) {
+  return fmt::format("taps {}..{} of {} x {}..{} of {}", crop.rows.begin, crop.rows.end - 1, g.kh,
+                     crop.cols.begin, crop.cols.end - 1, g.kw);
+}
+
+// Copies the kept taps of weights [o, c, kh, kw] (cut = true) into [o, c, kh', kw'], or back into
+// the full window with zeros elsewhere (cut = false). T: the elements' bits.
+template <typename T>
+void move_taps(const ConvGeometry& g, const Crop& crop, const T* from, T* to, bool cut) {
+  const int64_t planes = g.o * (g.c / g.window.groups);
+  const int64_t kh = crop.rows.end - crop.rows.begin, kw = crop.cols.end - crop.cols.begin;
+  if (!cut) std::fill_n(to, planes * g.kh * g.kw, T{0});
+  for (int64_t p = 0; p < planes; ++p)
+    for (int64_t y = 0; y < kh; ++y)
+      for (int64_t x = 0; x < kw; ++x) {
+        const int64_t full = (p * g.kh + crop.rows.begin + y) * g.kw + crop.cols.begin + x;
+        const int64_t kept = (p * kh + y) * kw + x;
+        if (cut)
+          to[kept] = from[full];
+        else
+          to[full] = from[kept];
+      }
+}
+
+void move_taps(const ConvGeometry& g, const Crop& crop, DType type, const void* from, void* to,
+               bool cut) {
+  if (type == f32)
+    move_taps(g, crop, static_cast<const uint32_t*>(from), static_cast<uint32_t*>(to), cut);
+  else
+    move_taps(g, crop, static_cast<const uint16_t*>(from), static_cast<uint16_t*>(to), cut);
+}
+
+int64_t element_bytes(DType type) { return type == f32 ? 4 : 2; }
+
+// A 1x1 window on 1x1 images, unpadded (what a 3x3 window on ResNet-18's last stage is once its
+// taps are cut): the convolution is a matrix product over the batch, y [n, o] = x [n, c] w [o,
+// c]^T, which runs without the layout reorders that are most of oneDNN's convolution time at this
+// size. The product for each primitive, or nothing for other problems.
+std::optional<GemmDesc> as_matrix_product(const ConvDesc& d) {
+  const ConvGeometry& g = d.geometry;
+  const ConvWindow& w = g.window;
+  const bool pointwise = w.groups == 1 && g.kh == 1 && g.kw == 1 && g.h == 1 && g.w == 1 &&
+                         g.oh == 1 && g.ow == 1 && w.pad[0] == 0 && w.pad[1] == 0;
+  if (!pointwise) return std::nullopt;
+  GemmDesc product{.operand = d.operand, .out = d.out, .bf16_kernel = d.bf16_kernel};
+  if (d.op == OpCode::Conv2d)  // a = x [n, c], b = w [o, c]
+    product.m = g.n, product.n = g.o, product.k = g.c, product.transpose_b = true;
+  else if (d.op == OpCode::Conv2dInputGrad)  // a = dy [n, o], b = w [o, c]
+    product.m = g.n, product.n = g.c, product.k = g.o;
+  else  // a = x [n, c], b = dy [n, o]: dw [o, c] = dy^T x
+    product.m = g.o, product.n = g.c, product.k = g.n, product.transpose_a = true;
+  return product;
+}
+
+void run_onednn(const ConvDesc& d, const void* a, const void* b, void* out);
+
+// conv() with its workspace kept until the outermost call returns (a cropped problem runs this
+// again on its caller's buffers).
+void conv_keeping_scratch(const ConvDesc& d, const void* a, const void* b, void* out) {
+  if (std::optional<Crop> crop = crop_of(d)) {
+    // The weights are b for the forward pass and the input gradient, the result for the weight
+    // gradient (whose cut-off taps are exact zeros: they multiply only padding).
+    const ConvGeometry& g = d.geometry;
+    ThreadScratch& scratch = thread_scratch();
+    const ConvGeometry& c = crop->cropped.geometry;
+    const int64_t kept = g.o * (g.c / g.window.groups) * c.kh * c.kw;
+    if (d.op == OpCode::Conv2dWeightGrad) {
+      void* cropped = scratch.cropped_result.get<std::byte>(kept * element_bytes(d.out));
+      conv_keeping_scratch(crop->cropped, a, b, cropped);
+      move_taps(g, *crop, d.out, cropped, out, false);
+    } else {
+      void* cropped = scratch.cropped_weights.get<std::byte>(kept * element_bytes(d.operand));
+      move_taps(g, *crop, d.operand, b, cropped, true);
+      conv_keeping_scratch(crop->cropped, a, cropped, out);
+    }
+    return;
+  }
+  if (std::optional<GemmDesc> product = as_matrix_product(d)) {
+    log_gemm_choice(d, "one GEMM");
+    if (d.op == OpCode::Conv2dWeightGrad) return gemm(*product, b, a, out);
+    return gemm(*product, a, b, out);
+  }
+  if (weight_grad_as_gemm(d)) {
+    log_gemm_choice(d, "im2col and a GEMM");
+    return d.operand == f32 ? weight_grad_gemm<float>(d, a, b, out)
+                            : weight_grad_gemm<uint16_t>(d, a, b, out);
+  }
+  run_onednn(d, a, b, out);
 }
 
 }  // namespace
@@ -368,6 +521,10 @@ bool conv_supported(const ConvDesc& d) {
 
 std::string conv_kernel(const ConvDesc& d) {
   if (!conv_supported(d)) fail("{}: not a problem oneDNN can run", describe(d));
+  if (std::optional<Crop> crop = crop_of(d))
+    return describe(*crop, d.geometry) + ", " + conv_kernel(crop->cropped);
+  if (std::optional<GemmDesc> product = as_matrix_product(d))
+    return "one GEMM, " + gemm_kernel(*product);
   if (weight_grad_as_gemm(d)) return "im2col, " + gemm_kernel(weight_grad_gemm_desc(d));
   const std::string& implementation = cached(d)->implementation;
   return widens_bf16(d) ? "bf16 widened to f32, " + implementation : implementation;
@@ -379,11 +536,13 @@ void conv(const ConvDesc& d, const void* a, const void* b, void* out) {
     ~Trim() { thread_scratch().trim(); }
   } trim_on_return;
   if (a == nullptr || b == nullptr || out == nullptr) fail("{}: a null pointer", describe(d));
-  if (weight_grad_as_gemm(d)) {
-    log_gemm_choice(d);
-    return d.operand == f32 ? weight_grad_gemm<float>(d, a, b, out)
-                            : weight_grad_gemm<uint16_t>(d, a, b, out);
-  }
+  conv_keeping_scratch(d, a, b, out);
+}
+
+namespace {
+
+// The problem on oneDNN's convolution primitive, reordering into and out of its layouts.
+void run_onednn(const ConvDesc& d, const void* a, const void* b, void* out) {
   const std::shared_ptr<const CachedConv> conv = cached(d);
   const dnnl::engine& engine = backend().engine;
   // One stream per thread: oneDNN does not promise that a stream may be used concurrently.
@@ -435,5 +594,7 @@ void conv(const ConvDesc& d, const void* a, const void* b, void* out) {
     fail("{}: oneDNN failed: {}", describe(d), e.what());
   }
 }
+
+}  // namespace
 
 }  // namespace mixtape

@@ -1,7 +1,7 @@
 // mixtape/runtime/conv.h -- CPU convolutions through oneDNN's convolution primitives (weight
-// gradients with few output positions as im2col and a GEMM): forward, input gradient and weight
-// gradient, f32 and bf16 operands (f16, and bf16 at some shapes, widened exactly to f32), f32
-// accumulation.
+// gradients with few output positions as im2col and a GEMM; taps that only ever cover padding cut
+// off): forward, input gradient and weight gradient, f32 and bf16 operands (f16, and bf16 at some
+// shapes, widened exactly to f32), f32 accumulation.
 #pragma once
 
 #include <cstdint>
@@ -23,6 +23,9 @@ struct ConvDesc {
   // bf16 operands: oneDNN's bf16 kernel (native) or widened exactly to f32 (runtime/gemm.h's
   // Bf16Kernel); automatic picks by shape (conv.cpp).
   Bf16Kernel bf16_kernel = Bf16Kernel::automatic;
+  // The padding at the bottom and right where it differs from geometry.window.pad's (the top and
+  // left): conv.cpp's problems with their outer taps cut off. -1: the same as the top and left.
+  int64_t pad_end[2] = {-1, -1};
 };
 
 /// False for dtypes oneDNN cannot take (f64, integers) and empty problems; the caller then uses
@@ -37,7 +40,9 @@ void conv(const ConvDesc& desc, const void* a, const void* b, void* out);
 
 /// Which kernel `conv(desc, ...)` runs, in oneDNN's names: "jit:avx512_core_amx_bf16", "bf16
 /// widened to f32, jit:avx512_core", or "im2col, oneDNN f32 brg:avx512_core" for a weight gradient
-/// run as a GEMM; also logged under MIXTAPE_LOG=profile the first time each distinct problem runs.
+/// run as a GEMM, after "taps 1..2 of 3 x 1..2 of 3, " where the outer taps that never reach the
+/// input are cut off; also logged under MIXTAPE_LOG=profile the first time each distinct problem
+/// runs.
 std::string conv_kernel(const ConvDesc& desc);
 
 }  // namespace mixtape
