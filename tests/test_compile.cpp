@@ -557,6 +557,40 @@ TEST(Compile, ReplacedParametersAreFollowed) {
   }
 }
 
+// The same with two argument signatures planned (full batches and a short last one): each plan
+// binds the parameters' buffers, so a replacement outside the step must be seen by both, whatever
+// the other plan holds of those buffers and whichever signature comes first after it.
+TEST(Compile, ReplacedParametersAreFollowedWithTwoShapesPlanned) {
+  MlpRun plain_run, compiled_run;
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& y) { return compiled_run.step(x, y); });
+  mt::Generator gen(5);
+  const mt::Tensor short_x = mt::randn({40, 8}, mt::f32, &gen);
+  const mt::Tensor short_y = mt::randn({40, 4}, mt::f32, &gen);
+  auto reload = [](MlpRun& run, double value) {
+    for (mt::Tensor w : run.model.parameters()) w.assign(mt::full(w.shape(), value, w.dtype()));
+  };
+  std::vector<uint32_t> plain, compiled;
+  for (int i = 0; i < 36; ++i) {
+    if (i == 16 || i == 27) {  // before a full batch, then before a short one
+      reload(plain_run, 0.01 * i);
+      reload(compiled_run, 0.01 * i);
+    }
+    const bool full = i % 9 < 5;  // runs of five full batches and four short ones
+    const mt::Tensor x = full ? plain_run.batch(i) : short_x, y = full ? plain_run.y : short_y;
+    plain.push_back(bits(plain_run.step(x, y))[0]);
+    compiled.push_back(bits(step(x, y))[0]);
+  }
+  EXPECT_EQ(plain, compiled);
+  Snapshot plain_state, compiled_state;
+  snapshot_model(plain_state, plain_run.model, plain_run.opt);
+  snapshot_model(compiled_state, compiled_run.model, compiled_run.opt);
+  EXPECT_TRUE(plain_state == compiled_state);
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 12) << step.stats().reason;
+  }
+}
+
 // Each argument signature gets its own trace and plan; a function may return several values.
 TEST(Compile, ShapesArePlannedSeparately) {
   auto stats_of = mt::compile([](const mt::Tensor& x) {

@@ -303,7 +303,9 @@ void Tensor::backward(const Tensor& grad, bool retain_graph, const Loc& loc) con
     for (const auto& hook : now) (*hook)(leaves);
   }
   for (auto& [owner, g] : leaves) {
-    owner->grad = owner->grad ? (Tensor(owner->grad) + g).node() : g.node();
+    NodePtr sum = owner->grad ? (Tensor(owner->grad) + g).node() : g.node();
+    moved_off(owner->grad.get(), sum.get());
+    owner->grad = std::move(sum);
     note_gradient(owner);
   }
 }

@@ -76,6 +76,11 @@ struct Storage {
   std::vector<std::byte, HostAllocator<std::byte>> bytes;
   std::shared_ptr<DeviceCopy> device;  // opaque to dsl; runtime/cuda_executor.cpp defines it
   std::atomic<bool> host_stale{false};
+  // How many times a tensor's value or gradient has moved off this buffer (moved_off below).
+  // mt::compile's replay plans carry state in buffers: one they carry that a tensor left
+  // (assign, load_state, set_grad, zero_grad, a gradient accumulated outside the step) makes
+  // them trace again, whatever else still holds the buffer (another plan, a detached copy).
+  std::atomic<uint32_t> moves_off{0};
 
   /// Zeros (every dtype's zero is all-zero bits).
   Storage(DType dtype, int64_t count)
@@ -245,5 +250,13 @@ struct Node : std::enable_shared_from_this<Node> {
   bool evaluated() const { return value != nullptr; }
   int64_t numel() const { return mixtape::numel(shape); }
 };
+
+/// Records that a tensor's value (or gradient) moves from node `from` to node `to` (null: none):
+/// the buffer `from` held, when `to` does not hold it too, counts one more move off (see
+/// Storage::moves_off).
+inline void moved_off(const Node* from, const Node* to) {
+  if (from != nullptr && from->value != nullptr && (to == nullptr || to->value != from->value))
+    from->value->moves_off.fetch_add(1, std::memory_order_relaxed);
+}
 
 }  // namespace mixtape

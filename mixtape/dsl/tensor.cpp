@@ -94,17 +94,20 @@ Tensor Tensor::grad() const {
 void Tensor::set_grad(const Tensor& grad) {
   node();
   if (!grad.defined()) {
-    impl_->grad = nullptr;
+    zero_grad();
     return;
   }
   if (grad.shape() != shape())
     fail("set_grad: gradient shape {} does not match tensor shape {}", to_string(grad.shape()),
          to_string(shape()));
-  impl_->grad = grad.dtype() == dtype() ? grad.node() : cast(grad, dtype()).node();
+  NodePtr next = grad.dtype() == dtype() ? grad.node() : cast(grad, dtype()).node();
+  moved_off(impl_->grad.get(), next.get());
+  impl_->grad = std::move(next);
 }
 
 void Tensor::zero_grad() {
   node();
+  moved_off(impl_->grad.get(), nullptr);
   impl_->grad = nullptr;
 }
 
@@ -134,6 +137,7 @@ void become_leaf(const std::shared_ptr<TensorImpl>& impl, const NodePtr& value, 
     leaf->requires_grad = true;
     leaf->grad_owner = impl;
   }
+  moved_off(current.get(), leaf.get());
   impl->node = std::move(leaf);
 }
 
@@ -164,6 +168,7 @@ void Tensor::assign_later(const Tensor& value, const Loc& loc) {
   if (value.node()->evaluated()) return assign(value, loc);
   // State, as assign() makes it: no gradient flows through it into what computed the value.
   NodePtr state = value.requires_grad() ? value.detach(loc).node() : value.node();
+  moved_off(current.get(), state.get());
   impl_->node = state;
   deferred_assignments().push_back({impl_, std::move(state), loc});
 }

@@ -360,19 +360,23 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
 void watch(Plan& plan) {
   std::unordered_set<const Storage*> seen;
   auto add = [&](const StoragePtr& object) {
-    if (object && seen.insert(object.get()).second) plan.watched.emplace_back(object, 0);
+    if (object && seen.insert(object.get()).second) plan.watched.push_back({object});
   };
   for (const PlannedEvaluation& planned : plan.evals) {
     for (const Binding& binding : planned.inputs) add(binding.object);
     for (size_t j = 0; j < planned.eval.outputs.size(); ++j)
       if (planned.result_slot[j] < 0) add(planned.eval.outputs[j]);
   }
-  for (auto& [object, count] : plan.watched) count = object.use_count();
+  for (Plan::Watched& w : plan.watched) {
+    w.holders = w.object.use_count();
+    w.moves_off = w.object->moves_off.load(std::memory_order_relaxed);
+  }
 }
 
 const char* replaced_state(const Plan& plan) {
-  for (const auto& [object, count] : plan.watched)
-    if (object.use_count() < count)
+  for (const Plan::Watched& w : plan.watched)
+    if (w.object.use_count() < w.holders ||
+        w.object->moves_off.load(std::memory_order_relaxed) != w.moves_off)
       return "a buffer the step reads or updates was replaced or dropped outside it since the "
              "last call (assign, load_state, zero_grad outside the function)";
   for (const Hook& h : plan.hooks)

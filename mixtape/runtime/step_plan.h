@@ -67,10 +67,17 @@ struct Plan {
   std::vector<PlannedEvaluation> evals;
   std::vector<std::pair<int, int>> results;  // (evaluation, stored index) of each result
   std::vector<Hook> hooks;
-  // Buffers the replay reads or updates in place, with their holder counts when planned: a
-  // lower count means something outside replaced or dropped one (assign, load_state,
-  // zero_grad outside the function), which the replay would not follow.
-  std::vector<std::pair<StoragePtr, long>> watched;
+  // Buffers the replay reads or updates in place, with their holder counts and moves off
+  // (Storage::moves_off) when planned: a lower count or another move means something outside
+  // replaced or dropped one (assign, load_state, zero_grad outside the function), which the
+  // replay would not follow. The count alone misses a drop when something else (another plan,
+  // a detached copy) took a reference since.
+  struct Watched {
+    StoragePtr object;
+    long holders = 0;
+    uint32_t moves_off = 0;
+  };
+  std::vector<Watched> watched;
 };
 
 /// Gives back what evaluate() would have dropped at once had no trace or plan kept the graph.
