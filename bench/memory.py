@@ -2,7 +2,7 @@
 # budget of one GPT-2-small-shaped training step, mixtape (bench_memory) against PyTorch eager.
 """Usage: /usr/bin/python3 bench/memory.py [--build-dir build] [--contexts 1024,2048]
                                           [--layers 2] [--vocab 8192] [--budget-gib 2]
-                                          [--markdown] [--out memory.json]
+                                          [--search] [--markdown] [--out memory.json]
 
 Builds nothing: build bench_memory first. Where --rows is given, each configuration's row is
 appended there as it completes; --table ROWS... prints the table of such files. The model is GPT-2 small's block (width 768, 12
@@ -21,7 +21,10 @@ The largest batch within the budget is extrapolated from the two largest measure
 floor((budget - a) / b) for peak = a + b * batch. It is a first guess to probe, not a measurement:
 at small batches the AdamW update's floor (weights, gradients, moments and their new values)
 can hide the activations' growth, and the guess then runs high (measure the guessed batch with
-bench_memory --batches N). tokens/s are of the timed steps at the smallest batch, CPU time and wall.
+bench_memory --batches N). With --search the largest batch is also measured: from that guess,
+one fresh process a batch, up while it fits and then by bisection (mixtape: peak_bytes; PyTorch:
+rss_growth_bytes), each probed batch's bytes kept in the row. tokens/s are of the timed steps at
+the smallest batch, CPU time and wall.
 """
 
 import argparse
@@ -137,6 +140,28 @@ def largest_batch(records, key, budget):
     return max(0, math.floor(b2 + (budget - p2) / slope))
 
 
+def measured_largest_batch(probe, guess, budget):
+    """The largest batch whose bytes, probe(batch), stay within the budget (0 where batch 1 does
+    not), and {batch: bytes} of the batches probed: from the guess up in steps of a quarter while
+    it fits, then bisecting between the largest batch that fit and the smallest that did not."""
+    probed = {}
+
+    def fits(batch):
+        if batch not in probed:
+            probed[batch] = probe(batch)
+        return probed[batch] <= budget
+
+    fit, too_large = 0, None
+    batch = max(1, guess or 1)
+    while too_large is None or too_large - fit > 1:
+        if fits(batch):
+            fit = batch
+        else:
+            too_large = batch
+        batch = fit + max(1, fit // 4) if too_large is None else (fit + too_large) // 2
+    return fit, probed
+
+
 def summarize(name, system, records, budget):
     first = records[0]
     row = {"config": name, "system": system, "context": first["context"],
@@ -160,7 +185,8 @@ def markdown(result):
     head = (["context", "configuration", "system"] +
             [f"peak GiB (B={b})" for b in batches] + [f"RSS GiB (B={b})" for b in batches] +
             ["tokens/CPU-s (B=1)",
-             f"batch in {result['budget_gib']:g} GiB, extrapolated (peak; RSS)"])
+             f"batch in {result['budget_gib']:g} GiB, extrapolated (peak; RSS)",
+             f"batch in {result['budget_gib']:g} GiB, measured (mixtape: peak; PyTorch: RSS)"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in result["rows"]:
         peak = [gib(row["peak_bytes"].get(b)) for b in batches]
@@ -168,9 +194,11 @@ def markdown(result):
         tokens = row["tokens_per_cpu_s"]
         largest = "; ".join("-" if row.get(key) is None else str(row[key])
                             for key in ("largest_batch_peak", "largest_batch_rss"))
+        measured = row.get("largest_batch_measured")
         lines.append("| " + " | ".join(
             [str(row["context"]), row["config"], row["system"]] + peak + rss +
-            ["-" if tokens is None else f"{tokens:.0f}", largest]) + " |")
+            ["-" if tokens is None else f"{tokens:.0f}", largest,
+             "-" if measured is None else str(measured)]) + " |")
     return "\n".join(lines)
 
 
@@ -199,6 +227,10 @@ def targets(result):
                 "ckpt_fused_peak": best["largest_batch_peak"],
                 "ckpt_fused_rss": best["largest_batch_rss"],
                 "torch_fp32_rss": torch_fp32["largest_batch_rss"]}
+            if "largest_batch_measured" in best and "largest_batch_measured" in torch_fp32:
+                target["largest_batch_measured"] = {
+                    "ckpt_fused_peak": best["largest_batch_measured"],
+                    "torch_fp32_rss": torch_fp32["largest_batch_measured"]}
         found.append(target)
     return found
 
@@ -232,6 +264,18 @@ def run_configs(args, budget):
             records = [record for batch in args.batches for record in run_lines(
                 command + ["--context", str(context), "--batches", str(batch), *common], env)]
             row = summarize(name, system, records, budget)
+            if args.search:
+                key = "peak_bytes" if system == "mixtape" else "rss_growth_bytes"
+                guess = row.get("largest_batch_peak") if system == "mixtape" else \
+                    row["largest_batch_rss"]
+
+                def probe(batch):
+                    [record] = run_lines(command + ["--context", str(context), "--batches",
+                                                    str(batch), *common], env)
+                    return record[key]
+
+                row["largest_batch_measured"], probes = measured_largest_batch(probe, guess, budget)
+                row["largest_batch_probes"] = {str(b): v for b, v in sorted(probes.items())}
             row["load_average"] = [load, os.getloadavg()[0]]
             row["notes"] = notes if system == "torch" else []
             rows.append(row)
@@ -251,6 +295,8 @@ def main():
     parser.add_argument("--batches", default="1,2")
     parser.add_argument("--timed-steps", type=int, default=1)
     parser.add_argument("--budget-gib", type=float, default=2.0)
+    parser.add_argument("--search", action="store_true",
+                        help="also measure the largest batch within the budget (a process a batch)")
     parser.add_argument("--threads", type=int, default=2, help="PyTorch's intra-op threads")
     parser.add_argument("--systems", default="mixtape,torch")
     parser.add_argument("--configs", help="comma-separated configuration names (default: all)")
