@@ -591,6 +591,66 @@ TEST(Compile, ReplacedParametersAreFollowedWithTwoShapesPlanned) {
   }
 }
 
+// Gradients zeroed outside the step (PyTorch's usual loop: zero_grad, then the step) are made
+// afresh by each backward: a replay only writes them, so the move off them does not stop replays.
+TEST(Compile, GradientsZeroedOutsideTheStepStillReplay) {
+  MlpRun plain_run, compiled_run;
+  auto body = [](MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
+    mt::Tensor loss = mt::mse_loss(run.model(x), y);
+    loss.backward();
+    run.opt.step();
+    return loss;
+  };
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& y) { return body(compiled_run, x, y); });
+  std::vector<uint32_t> plain, compiled;
+  for (int i = 0; i < 10; ++i) {
+    plain_run.opt.zero_grad();
+    compiled_run.opt.zero_grad();
+    plain.push_back(bits(body(plain_run, plain_run.batch(i), plain_run.y))[0]);
+    compiled.push_back(bits(step(compiled_run.batch(i), compiled_run.y))[0]);
+  }
+  EXPECT_EQ(plain, compiled);
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 7) << step.stats().reason;
+  }
+}
+
+// Optimizer state loaded from outside (a resumed checkpoint) is followed even while handles to
+// the old state, which share its buffers, are still held.
+TEST(Compile, LoadedOptimizerStateIsFollowedWhileOldHandlesAreHeld) {
+  MlpRun plain_run, compiled_run;
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& y) { return compiled_run.step(x, y); });
+  std::vector<mt::NamedTensors> held;
+  auto reload = [&](MlpRun& run) {
+    for (size_t p = 0; p < run.opt.params().size(); ++p) {
+      held.push_back(run.opt.state(p));
+      mt::NamedTensors fresh;
+      for (const auto& [name, value] : held.back())
+        fresh.emplace_back(name, mt::full(value.shape(), 0.001, value.dtype()));
+      run.opt.load_state(p, fresh);
+    }
+  };
+  std::vector<uint32_t> plain, compiled;
+  for (int i = 0; i < 12; ++i) {
+    if (i == 6) {
+      reload(plain_run);
+      reload(compiled_run);
+    }
+    plain.push_back(bits(plain_run.step(plain_run.batch(i), plain_run.y))[0]);
+    compiled.push_back(bits(step(compiled_run.batch(i), compiled_run.y))[0]);
+  }
+  EXPECT_EQ(plain, compiled);
+  Snapshot plain_state, compiled_state;
+  snapshot_model(plain_state, plain_run.model, plain_run.opt);
+  snapshot_model(compiled_state, compiled_run.model, compiled_run.opt);
+  EXPECT_TRUE(plain_state == compiled_state);
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 6) << step.stats().reason;
+  }
+}
+
 // Each argument signature gets its own trace and plan; a function may return several values.
 TEST(Compile, ShapesArePlannedSeparately) {
   auto stats_of = mt::compile([](const mt::Tensor& x) {

@@ -332,12 +332,22 @@ void Optimizer::load_state(size_t param_index, const NamedTensors& state, bool a
   check_state(param_index, state, allow_nonfinite);
   NamedTensors converted;
   for (const auto& [name, value] : state) converted.emplace_back(name, cast(value, f32).detach());
+  // The state handed out earlier (state(i)) keeps the old buffers: count the move off them, so
+  // that a replay plan carrying them sees it (Storage::moves_off).
+  for (const auto& [name, old] : state_[param_index]) {
+    auto next = std::find_if(converted.begin(), converted.end(),
+                             [&](const auto& entry) { return entry.first == name; });
+    if (old.defined())
+      moved_off(old.node().get(), next == converted.end() ? nullptr : next->second.node().get());
+  }
   state_[param_index] = converted;
 }
 
 void Optimizer::set_steps_taken(int64_t steps) {
   if (steps < 0) fail("{}: step count must be non-negative, got {}", kind_, steps);
-  step_ = full({}, static_cast<double>(steps), f64);
+  Tensor next = full({}, static_cast<double>(steps), f64);
+  if (step_.defined()) moved_off(step_.node().get(), next.node().get());
+  step_ = std::move(next);
 }
 
 SGD::SGD(std::vector<Tensor> params, SGDOptions options)

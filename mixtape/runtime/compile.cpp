@@ -357,15 +357,21 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
 }
 
 // Called once the previous trace is gone, so that the counts are those of the steady state.
+// Moves off count only for buffers a replay reads: one it only writes (gradients that the user
+// zeroes outside the step, so that backward makes them afresh) may be left by its tensor
+// without the replay reading anything stale.
 void watch(Plan& plan) {
-  std::unordered_set<const Storage*> seen;
-  auto add = [&](const StoragePtr& object) {
-    if (object && seen.insert(object.get()).second) plan.watched.push_back({object});
+  std::unordered_map<const Storage*, size_t> seen;
+  auto add = [&](const StoragePtr& object, bool read) {
+    if (!object) return;
+    auto [it, added] = seen.emplace(object.get(), plan.watched.size());
+    if (added) plan.watched.push_back({object});
+    plan.watched[it->second].read |= read;
   };
   for (const PlannedEvaluation& planned : plan.evals) {
-    for (const Binding& binding : planned.inputs) add(binding.object);
+    for (const Binding& binding : planned.inputs) add(binding.object, true);
     for (size_t j = 0; j < planned.eval.outputs.size(); ++j)
-      if (planned.result_slot[j] < 0) add(planned.eval.outputs[j]);
+      if (planned.result_slot[j] < 0) add(planned.eval.outputs[j], false);
   }
   for (Plan::Watched& w : plan.watched) {
     w.holders = w.object.use_count();
@@ -376,7 +382,7 @@ void watch(Plan& plan) {
 const char* replaced_state(const Plan& plan) {
   for (const Plan::Watched& w : plan.watched)
     if (w.object.use_count() < w.holders ||
-        w.object->moves_off.load(std::memory_order_relaxed) != w.moves_off)
+        (w.read && w.object->moves_off.load(std::memory_order_relaxed) != w.moves_off))
       return "a buffer the step reads or updates was replaced or dropped outside it since the "
              "last call (assign, load_state, zero_grad outside the function)";
   for (const Hook& h : plan.hooks)

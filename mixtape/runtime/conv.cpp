@@ -464,7 +464,9 @@ std::optional<GemmDesc> as_matrix_product(const ConvDesc& d) {
   const bool pointwise = w.groups == 1 && g.kh == 1 && g.kw == 1 && g.h == 1 && g.w == 1 &&
                          g.oh == 1 && g.ow == 1 && w.pad[0] == 0 && w.pad[1] == 0;
   if (!pointwise) return std::nullopt;
-  GemmDesc product{.operand = d.operand, .out = d.out, .bf16_kernel = d.bf16_kernel};
+  // Bf16Kernel::own names oneDNN's bf16 convolution here (widens_bf16), not gemm's own kernel.
+  const Bf16Kernel kernel = d.bf16_kernel == Bf16Kernel::own ? Bf16Kernel::native : d.bf16_kernel;
+  GemmDesc product{.operand = d.operand, .out = d.out, .bf16_kernel = kernel};
   if (d.op == OpCode::Conv2d)  // a = x [n, c], b = w [o, c]
     product.m = g.n, product.n = g.o, product.k = g.c, product.transpose_b = true;
   else if (d.op == OpCode::Conv2dInputGrad)  // a = dy [n, o], b = w [o, c]

@@ -281,11 +281,15 @@ bool onednn_f32_is_avx2_sgemm() {
 // best of 7 windows, GFLOP/s as stored vs padded): 512^3 63 vs 92, a transposed 60 vs 90;
 // 256x1024x256 47 vs 92; 1024x256x256 a transposed 41 vs 83; 64x512x512 60 vs 80; 256^3 a
 // transposed 72 vs 86. Operands stored m- or n-major (rows along k) gain nothing: 512^3 b
-// transposed 91 vs 88. The stride oneDNN's f32 kernel reads an operand's rows at: 0 (as stored)
-// or a padded one.
-int64_t operand_row_stride(const GemmDesc& d, int64_t cols, bool k_major) {
+// transposed 91 vs 88. An f32 operand's copy is one more pass over it against 2 x `reuse` flops
+// per element (reuse: the product's other side, n for a, m for b), so it is made only from 64
+// (64x512x512: 62 vs 82); a batch-1 product's whole time is one read of b. The stride oneDNN's
+// f32 kernel reads an operand's rows at: 0 (as stored) or a padded one.
+int64_t operand_row_stride(const GemmDesc& d, int64_t cols, bool k_major, int64_t reuse,
+                           bool widened) {
   constexpr int64_t kCacheLineFloats = 16;
   constexpr int64_t kAliasingRowFloats = 256;
+  constexpr int64_t kMinReuseForACopy = 64;
   switch (d.operand_rows) {
     case OperandRows::dense:
       return 0;
@@ -297,7 +301,10 @@ int64_t operand_row_stride(const GemmDesc& d, int64_t cols, bool k_major) {
   const double m = static_cast<double>(d.m), n = static_cast<double>(d.n);
   const bool read_in_place = 1.0 / m + 1.0 / n >= 0.0038;
   const bool aliasing = k_major && cols % kAliasingRowFloats == 0;
-  return onednn_f32_is_avx2_sgemm() && read_in_place && aliasing ? cols + kCacheLineFloats : 0;
+  const bool worth_a_copy = widened || reuse >= kMinReuseForACopy;
+  return onednn_f32_is_avx2_sgemm() && read_in_place && aliasing && worth_a_copy
+             ? cols + kCacheLineFloats
+             : 0;
 }
 
 // An AMX product's bf16 result is rounded by oneDNN as it stores the tiles (VCVTNEPS2BF16), which
@@ -404,8 +411,8 @@ Choice choose(const GemmDesc& d) {
   }
   if (d.operand == bf16 && !widen)
     return {false, false, false, cached_primitive(primitive_key(d, OnednnType::bf16))};
-  const int64_t a_stride = operand_row_stride(d, stored_a(d).cols, d.transpose_a);
-  const int64_t b_stride = operand_row_stride(d, stored_b(d).cols, !d.transpose_b);
+  const int64_t a_stride = operand_row_stride(d, stored_a(d).cols, d.transpose_a, d.n, widen);
+  const int64_t b_stride = operand_row_stride(d, stored_b(d).cols, !d.transpose_b, d.m, widen);
   return {false,
           widen,
           false,

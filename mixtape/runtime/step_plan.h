@@ -76,6 +76,7 @@ struct Plan {
     StoragePtr object;
     long holders = 0;
     uint32_t moves_off = 0;
+    bool read = false;  // a replay reads it (else only writes it): moves off count
   };
   std::vector<Watched> watched;
 };
