@@ -67,6 +67,31 @@ struct MlpRun {
   mt::Tensor batch(int i) const { return x * (1.0 + 0.01 * i); }
 };
 
+// Two runs' parameters, optimizer state and step counts are the same bits.
+void expect_same_state(const MlpRun& a, const MlpRun& b) {
+  Snapshot first, second;
+  snapshot_model(first, a.model, a.opt);
+  snapshot_model(second, b.model, b.opt);
+  EXPECT_TRUE(first == second);
+}
+
+// Twelve steps of two runs, one traced every step and one through the compiled `step`, with
+// `reload` applied to both before the seventh: the same losses, bit for bit.
+template <typename Step, typename Reload>
+void expect_same_losses_across_a_reload(MlpRun& plain_run, MlpRun& compiled_run, Step& step,
+                                        Reload&& reload) {
+  std::vector<uint32_t> plain, compiled;
+  for (int i = 0; i < 12; ++i) {
+    if (i == 6) {
+      reload(plain_run);
+      reload(compiled_run);
+    }
+    plain.push_back(bits(plain_run.step(plain_run.batch(i), plain_run.y))[0]);
+    compiled.push_back(bits(step(compiled_run.batch(i), compiled_run.y))[0]);
+  }
+  EXPECT_EQ(plain, compiled);
+}
+
 template <typename Step>
 Snapshot train_mlp(int steps, Step&& step_fn, MlpRun& run) {
   Snapshot s;
@@ -541,16 +566,7 @@ TEST(Compile, ReplacedParametersAreFollowed) {
     mt::Tensor w = run.model.parameters()[0];
     w.assign(mt::full(w.shape(), 0.05, w.dtype()));
   };
-  std::vector<uint32_t> plain, compiled;
-  for (int i = 0; i < 12; ++i) {
-    if (i == 6) {
-      reload(plain_run);
-      reload(compiled_run);
-    }
-    plain.push_back(bits(plain_run.step(plain_run.batch(i), plain_run.y))[0]);
-    compiled.push_back(bits(step(compiled_run.batch(i), compiled_run.y))[0]);
-  }
-  EXPECT_EQ(plain, compiled);
+  expect_same_losses_across_a_reload(plain_run, compiled_run, step, reload);
   if (replays_here()) {
     EXPECT_EQ(step.stats().plans, 2) << step.stats().reason;
     EXPECT_GE(step.stats().replays, 4);
@@ -582,10 +598,7 @@ TEST(Compile, ReplacedParametersAreFollowedWithTwoShapesPlanned) {
     compiled.push_back(bits(step(x, y))[0]);
   }
   EXPECT_EQ(plain, compiled);
-  Snapshot plain_state, compiled_state;
-  snapshot_model(plain_state, plain_run.model, plain_run.opt);
-  snapshot_model(compiled_state, compiled_run.model, compiled_run.opt);
-  EXPECT_TRUE(plain_state == compiled_state);
+  expect_same_state(plain_run, compiled_run);
   if (replays_here()) {
     EXPECT_GE(step.stats().replays, 12) << step.stats().reason;
   }
@@ -632,20 +645,8 @@ TEST(Compile, LoadedOptimizerStateIsFollowedWhileOldHandlesAreHeld) {
       run.opt.load_state(p, fresh);
     }
   };
-  std::vector<uint32_t> plain, compiled;
-  for (int i = 0; i < 12; ++i) {
-    if (i == 6) {
-      reload(plain_run);
-      reload(compiled_run);
-    }
-    plain.push_back(bits(plain_run.step(plain_run.batch(i), plain_run.y))[0]);
-    compiled.push_back(bits(step(compiled_run.batch(i), compiled_run.y))[0]);
-  }
-  EXPECT_EQ(plain, compiled);
-  Snapshot plain_state, compiled_state;
-  snapshot_model(plain_state, plain_run.model, plain_run.opt);
-  snapshot_model(compiled_state, compiled_run.model, compiled_run.opt);
-  EXPECT_TRUE(plain_state == compiled_state);
+  expect_same_losses_across_a_reload(plain_run, compiled_run, step, reload);
+  expect_same_state(plain_run, compiled_run);
   if (replays_here()) {
     EXPECT_GE(step.stats().replays, 6) << step.stats().reason;
   }
