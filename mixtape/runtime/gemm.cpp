@@ -282,14 +282,16 @@ bool onednn_f32_is_avx2_sgemm() {
 // 256x1024x256 47 vs 92; 1024x256x256 a transposed 41 vs 83; 64x512x512 60 vs 80; 256^3 a
 // transposed 72 vs 86. Operands stored m- or n-major (rows along k) gain nothing: 512^3 b
 // transposed 91 vs 88. An f32 operand's copy is one more pass over it against 2 x `reuse` flops
-// per element (reuse: the product's other side, n for a, m for b), so it is made only from 64
-// (64x512x512: 62 vs 82); a batch-1 product's whole time is one read of b. The stride oneDNN's
-// f32 kernel reads an operand's rows at: 0 (as stored) or a padded one.
+// per element (reuse: the product's other side, n for a, m for b), so it is made only from 16:
+// Mx512x512 as stored vs both operands padded, one thread, best of 3: M = 1 29.8 vs 11.1, 2 23.4
+// vs 19.3, 4 41.5 vs 36.2, 8 49.4 vs 51.7, 16 61.3 vs 66.5, 32 59.7 vs 75.7, 64 63.4 vs 85.2;
+// 16x1024x1024 44.8 vs 61.7 (a batch-1 product's whole time is one read of b). The stride
+// oneDNN's f32 kernel reads an operand's rows at: 0 (as stored) or a padded one.
 int64_t operand_row_stride(const GemmDesc& d, int64_t cols, bool k_major, int64_t reuse,
                            bool widened) {
   constexpr int64_t kCacheLineFloats = 16;
   constexpr int64_t kAliasingRowFloats = 256;
-  constexpr int64_t kMinReuseForACopy = 64;
+  constexpr int64_t kMinReuseForACopy = 16;
   switch (d.operand_rows) {
     case OperandRows::dense:
       return 0;
