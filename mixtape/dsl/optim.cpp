@@ -334,12 +334,8 @@ void Optimizer::load_state(size_t param_index, const NamedTensors& state, bool a
   for (const auto& [name, value] : state) converted.emplace_back(name, cast(value, f32).detach());
   // The state handed out earlier (state(i)) keeps the old buffers: count the move off them, so
   // that a replay plan carrying them sees it (Storage::moves_off).
-  for (const auto& [name, old] : state_[param_index]) {
-    auto next = std::find_if(converted.begin(), converted.end(),
-                             [&](const auto& entry) { return entry.first == name; });
-    if (old.defined())
-      moved_off(old.node().get(), next == converted.end() ? nullptr : next->second.node().get());
-  }
+  for (const auto& [name, old] : state_[param_index])
+    if (old.defined()) moved_off(old.node().get(), nullptr);
   state_[param_index] = converted;
 }
 

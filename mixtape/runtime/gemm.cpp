@@ -440,8 +440,6 @@ std::string describe(const Choice& choice, const GemmDesc& d) {
                      choice.bf16_result ? ", rounding the bf16 result itself" : "", padded);
 }
 
-constexpr int64_t kParallelCopyMinimum = int64_t{1} << 18;  // half_convert.cpp's size
-
 // An operand as oneDNN's f32 kernel reads it: widened to f32 where it is bf16 or f16, and with its
 // rows row_stride elements apart where that is set (else dense), in `buffer`.
 const float* f32_operand(DType type, const void* stored, StoredRows shape, int64_t row_stride,
@@ -454,7 +452,7 @@ const float* f32_operand(DType type, const void* stored, StoredRows shape, int64
   }
   float* copy = buffer.get<float>(shape.rows * row_stride);
   // Shared out among the team from the size where the widening conversions are.
-  const bool parallel = shape.rows * shape.cols >= kParallelCopyMinimum;
+  const bool parallel = shape.rows * shape.cols >= kParallelConversionMinimum;
 #pragma omp parallel for schedule(static) if (parallel)
   for (int64_t row = 0; row < shape.rows; ++row) {
     float* to = copy + row * row_stride;

@@ -15,12 +15,6 @@
 namespace mixtape {
 namespace {
 
-// Below this many elements a conversion runs on the calling thread: waking the OpenMP team costs
-// microseconds on an idle machine and milliseconds on a loaded one, where a spinning or
-// descheduled team member stalls the region. (AVX-512 loops convert about 16 elements a
-// nanosecond from cache; the baseline ones about 2.)
-constexpr int64_t kParallelConversionMinimum = int64_t{1} << 18;
-
 // f16 <-> f32 as bitwise selects between constant shifts, instead of dsl/half.h's branches,
 // countl_zero and variable shifts, so that the loops vectorize (with SSE2 already). Both are
 // bit-identical to dsl/half.h: widening checked for all 2^16 inputs by the tests, narrowing for all

@@ -6,6 +6,12 @@
 
 namespace mixtape {
 
+/// Below this many elements a conversion (or a copy like it) runs on the calling thread: waking
+/// the OpenMP team costs microseconds on an idle machine and milliseconds on a loaded one, where
+/// a spinning or descheduled team member stalls the region. (AVX-512 loops convert about 16
+/// elements a nanosecond from cache; the baseline ones about 2.)
+constexpr int64_t kParallelConversionMinimum = int64_t{1} << 18;
+
 /// Where a conversion runs. `automatic`: large counts on the OpenMP team, small ones on the
 /// calling thread. `team`: on the team whatever the count, for data the team has just written
 /// (a parallel matmul's result), whose shares already sit in each member's cache.
