@@ -604,8 +604,17 @@ TEST(Compile, ReplacedParametersAreFollowedWithTwoShapesPlanned) {
   }
 }
 
+// Every parameter's gradient, as bits (empty where it has none).
+std::vector<std::vector<uint32_t>> gradient_bits(const mt::Module& model) {
+  std::vector<std::vector<uint32_t>> out;
+  for (const mt::Tensor& p : model.parameters())
+    out.push_back(p.grad().defined() ? bits(p.grad()) : std::vector<uint32_t>{});
+  return out;
+}
+
 // Gradients zeroed outside the step (PyTorch's usual loop: zero_grad, then the step) are made
-// afresh by each backward: a replay only writes them, so the move off them does not stop replays.
+// afresh by each backward: a replay only writes them, so the move off them does not stop replays,
+// and it leaves them in each parameter's grad() as tracing does.
 TEST(Compile, GradientsZeroedOutsideTheStepStillReplay) {
   MlpRun plain_run, compiled_run;
   auto body = [](MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
@@ -622,10 +631,62 @@ TEST(Compile, GradientsZeroedOutsideTheStepStillReplay) {
     compiled_run.opt.zero_grad();
     plain.push_back(bits(body(plain_run, plain_run.batch(i), plain_run.y))[0]);
     compiled.push_back(bits(step(compiled_run.batch(i), compiled_run.y))[0]);
+    EXPECT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model))
+        << "step " << i;
   }
   EXPECT_EQ(plain, compiled);
   if (replays_here()) {
     EXPECT_GE(step.stats().replays, 7) << step.stats().reason;
+  }
+}
+
+// A gradient kept from an earlier step keeps its value: the next replay writes the new gradient
+// elsewhere than into the buffer the kept tensor reads.
+TEST(Compile, GradientsKeptFromAnEarlierStepAreNotOverwritten) {
+  MlpRun run;
+  auto step = mt::compile([&](const mt::Tensor& x, const mt::Tensor& y) {
+    mt::Tensor loss = mt::mse_loss(run.model(x), y);
+    loss.backward();
+    return loss;
+  });
+  std::vector<std::pair<mt::Tensor, std::vector<uint32_t>>> kept;
+  for (int i = 0; i < 8; ++i) {
+    run.opt.zero_grad();
+    step(run.batch(i), run.y);
+    const mt::Tensor g = run.model.parameters()[0].grad();
+    ASSERT_TRUE(g.defined()) << "step " << i;
+    if (i % 3 != 1) kept.emplace_back(g, bits(g));
+  }
+  for (const auto& [g, at_the_time] : kept) EXPECT_EQ(bits(g), at_the_time);
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 5) << step.stats().reason;
+  }
+}
+
+// Gradient accumulation decided outside the step: after calls whose gradients were zeroed first,
+// a call whose gradients were left adds to them, as tracing does, rather than replaying a plan
+// that makes them afresh.
+TEST(Compile, GradientsLeftFromTheLastCallAreAddedTo) {
+  MlpRun plain_run, compiled_run;
+  auto body = [](MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
+    mt::Tensor loss = mt::mse_loss(run.model(x), y);
+    loss.backward();
+    return loss;
+  };
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& y) { return body(compiled_run, x, y); });
+  for (int i = 0; i < 14; ++i) {
+    if (i < 6 || i % 3 == 0) {  // one micro-batch per step, then three
+      plain_run.opt.zero_grad();
+      compiled_run.opt.zero_grad();
+    }
+    EXPECT_EQ(bits(body(plain_run, plain_run.batch(i), plain_run.y)),
+              bits(step(compiled_run.batch(i), compiled_run.y)));
+    EXPECT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model))
+        << "step " << i;
+  }
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 3) << step.stats().reason;
   }
 }
 

@@ -303,6 +303,7 @@ void Tensor::backward(const Tensor& grad, bool retain_graph, const Loc& loc) con
     for (const auto& hook : now) (*hook)(leaves);
   }
   for (auto& [owner, g] : leaves) {
+    note_gradient_change(owner, true);
     NodePtr sum = owner->grad ? (Tensor(owner->grad) + g).node() : g.node();
     moved_off(owner->grad.get(), sum.get());
     owner->grad = std::move(sum);

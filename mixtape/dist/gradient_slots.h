@@ -74,6 +74,7 @@ class LocalGradients {
     NoGradGuard no_grad;
     for (const std::shared_ptr<TensorImpl>& owner : owners_of()) {
       if (!owner || !owner->grad) continue;
+      note_gradient_change(owner, true);
       Tensor local(owner->grad);
       owner->grad.reset();
       auto found = std::find_if(gradients.begin(), gradients.end(),

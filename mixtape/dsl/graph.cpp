@@ -123,6 +123,9 @@ TraceObserver* exchange_trace_observer(TraceObserver* observer) {
 void note_side_effect(const char* what) {
   if (tracer) tracer->side_effect(what);
 }
+void note_gradient_change(const std::shared_ptr<TensorImpl>& owner, bool reads_current) {
+  if (tracer) tracer->gradient_changing(owner, reads_current);
+}
 bool on_each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values) {
   if (!tracer) return false;
   tracer->each_call(std::move(hook), std::move(values));

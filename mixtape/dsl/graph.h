@@ -125,6 +125,8 @@ class TraceObserver {
   virtual void node_made(const NodePtr& node) = 0;
   virtual void side_effect(const char* what) = 0;
   virtual void each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values) = 0;
+  /// `owner`'s gradient is about to change: made from (`reads_current`) or without its value.
+  virtual void gradient_changing(const std::shared_ptr<TensorImpl>& owner, bool reads_current) = 0;
 };
 TraceObserver* trace_observer();
 /// Installs `observer` for this thread, returning the previous one.
@@ -135,6 +137,9 @@ void note_side_effect(const char* what);
 /// (evaluated by the end of the trace). False, doing nothing, when nothing is being traced: the
 /// caller then does the work itself.
 bool on_each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values = {});
+/// Tells the observer, if any, that `owner`'s gradient is about to change (zero_grad, set_grad,
+/// backward's accumulation): a replay leaves each gradient where the trace left it.
+void note_gradient_change(const std::shared_ptr<TensorImpl>& owner, bool reads_current);
 
 /// The most bytes of stored values that the compiled program evaluating `outputs` would keep
 /// alive at once under its memory plan (the peak_bytes execution_stats() reports once it runs;

@@ -101,12 +101,14 @@ void Tensor::set_grad(const Tensor& grad) {
     fail("set_grad: gradient shape {} does not match tensor shape {}", to_string(grad.shape()),
          to_string(shape()));
   NodePtr next = grad.dtype() == dtype() ? grad.node() : cast(grad, dtype()).node();
+  note_gradient_change(impl_, false);
   moved_off(impl_->grad.get(), next.get());
   impl_->grad = std::move(next);
 }
 
 void Tensor::zero_grad() {
   node();
+  note_gradient_change(impl_, false);
   moved_off(impl_->grad.get(), nullptr);
   impl_->grad = nullptr;
 }

@@ -27,7 +27,8 @@ struct Trace {
   std::vector<Evaluation> evals;
   std::vector<std::pair<int, int>> results;  // (evaluation, stored index) of each result
   std::vector<Hook> hooks;
-  std::string unfit;  // why no trace of this call can be replayed
+  std::vector<GradientSlot> gradients;  // each gradient the call changed, in order of change
+  std::string unfit;                    // why no trace of this call can be replayed
 };
 
 // Gives back what evaluate() would have dropped at once had no trace kept the graph.
@@ -47,7 +48,19 @@ class Recorder final : public TraceObserver {
       if (!node) fail("compile: on_each_call got an undefined value");
     trace.hooks.push_back({std::move(hook), std::move(values)});
   }
+  void gradient_changing(const std::shared_ptr<TensorImpl>& owner, bool reads_current) override {
+    if (std::find(gradient_owners.begin(), gradient_owners.end(), owner) != gradient_owners.end())
+      return;  // only the first change tells what the call needs of the gradient it found
+    gradient_owners.push_back(owner);
+    using Start = GradientSlot::Start;
+    GradientSlot& slot = trace.gradients.emplace_back();
+    slot.owner = owner;
+    slot.start = !reads_current ? Start::replaced
+                 : owner->grad  ? Start::added_to
+                                : Start::made_from_nothing;
+  }
   std::vector<std::weak_ptr<Node>> made;
+  std::vector<std::shared_ptr<TensorImpl>> gradient_owners;  // alive until the trace ends
   Trace trace;
 };
 
@@ -80,6 +93,17 @@ std::vector<Tensor> leftovers(const Recorder& rec) {
     for (const NodePtr& node : h.values)
       if (!node->evaluated() && taken.insert(node.get()).second) out.emplace_back(node);
   return out;
+}
+
+// (evaluation, stored index) of the first evaluation of the trace that stored `node`, else
+// kUndefined.
+std::pair<int, int> stored_place(const Trace& trace, const Node* node) {
+  for (size_t e = 0; e < trace.evals.size(); ++e) {
+    const std::vector<Node*>& stored = trace.evals[e].executed.sig.stored;
+    for (size_t j = 0; j < stored.size(); ++j)
+      if (stored[j] == node) return {static_cast<int>(e), static_cast<int>(j)};
+  }
+  return kUndefined;
 }
 
 StoragePtr value_of(const Tensor& t) { return t.defined() ? t.node()->value : nullptr; }
@@ -116,17 +140,18 @@ Trace trace_call(const std::vector<Tensor>& args, const StepReplayer::Function& 
   for (size_t i = 0; i < results.size(); ++i) {
     std::pair<int, int> at = kUndefined;
     if (results[i].defined()) {
-      Node* node = results[i].node().get();
-      for (size_t e = 0; e < trace.evals.size() && at == kUndefined; ++e) {
-        const std::vector<Node*>& stored = trace.evals[e].executed.sig.stored;
-        for (size_t j = 0; j < stored.size(); ++j)
-          if (stored[j] == node) at = {static_cast<int>(e), static_cast<int>(j)};
-      }
+      at = stored_place(trace, results[i].node().get());
       if (at == kUndefined && trace.unfit.empty())
         trace.unfit = "returns a value it did not compute (an argument, or a value made before it)";
     }
     trace.results.push_back(at);
   }
+  for (size_t g = 0; g < trace.gradients.size(); ++g)
+    if (const NodePtr& left = rec.gradient_owners[g]->grad) {
+      trace.gradients[g].at = stored_place(trace, left.get());
+      if (trace.gradients[g].at == kUndefined && trace.unfit.empty())
+        trace.unfit = "leaves a gradient it did not compute (set_grad with an argument?)";
+    }
   return std::move(rec.trace);
 }
 
@@ -350,28 +375,50 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
     plan->evals.push_back(std::move(planned));
   }
   if (!hooks_read_no_result(b, why)) return nullptr;
+  for (const GradientSlot& slot : b.gradients)
+    if (slot.at != kUndefined &&
+        std::find(b.results.begin(), b.results.end(), slot.at) != b.results.end()) {
+      why = "a value the function returns is also a parameter's gradient (return a copy)";
+      return nullptr;
+    }
   for (size_t e = 0; e < b.evals.size(); ++e) adopt_graph(*plan, e, std::move(b.evals[e]));
   b.evals.clear();
   plan->hooks = std::move(b.hooks);
+  plan->gradients = std::move(b.gradients);
   return plan;
 }
 
+// The trace left each gradient in a node of the plan's graph, which replays give new values: its
+// owner gets a leaf of its own on the same buffer, which hand_back can tell apart.
+void hand_over_gradients(Plan& plan) {
+  for (GradientSlot& slot : plan.gradients) {
+    std::shared_ptr<TensorImpl> owner = slot.owner.lock();
+    if (!owner || slot.at == kUndefined) continue;
+    const Node* stored = plan.evals[slot.at.first].eval.executed.sig.stored[slot.at.second];
+    if (owner->grad.get() != stored) continue;
+    owner->grad = leaf_like(*stored, stored->value).node();
+    slot.handed = owner->grad;
+  }
+}
+
 // Called once the previous trace is gone, so that the counts are those of the steady state.
-// Moves off count only for buffers a replay reads: one it only writes (gradients that the user
-// zeroes outside the step, so that backward makes them afresh) may be left by its tensor
-// without the replay reading anything stale.
+// A gradient the step replaces or makes from nothing (zeroed outside the step) is left out: the
+// replay hands it back to its owner, so a move off it (zero_grad) loses nothing.
 void watch(Plan& plan) {
-  std::unordered_map<const Storage*, size_t> seen;
-  auto add = [&](const StoragePtr& object, bool read) {
-    if (!object) return;
-    auto [it, added] = seen.emplace(object.get(), plan.watched.size());
-    if (added) plan.watched.push_back({object});
-    plan.watched[it->second].read |= read;
+  std::unordered_set<const Storage*> handed_back;
+  for (const GradientSlot& slot : plan.gradients)
+    if (slot.at != kUndefined && slot.start != GradientSlot::Start::added_to)
+      handed_back.insert(plan.evals[slot.at.first].eval.outputs[slot.at.second].get());
+  std::unordered_set<const Storage*> seen;
+  auto add = [&](const StoragePtr& object) {
+    if (object && seen.insert(object.get()).second) plan.watched.push_back({object});
   };
   for (const PlannedEvaluation& planned : plan.evals) {
-    for (const Binding& binding : planned.inputs) add(binding.object, true);
+    for (const Binding& binding : planned.inputs)
+      if (binding.first_value || !handed_back.count(binding.object.get())) add(binding.object);
     for (size_t j = 0; j < planned.eval.outputs.size(); ++j)
-      if (planned.result_slot[j] < 0) add(planned.eval.outputs[j], false);
+      if (planned.result_slot[j] < 0 && !handed_back.count(planned.eval.outputs[j].get()))
+        add(planned.eval.outputs[j]);
   }
   for (Plan::Watched& w : plan.watched) {
     w.holders = w.object.use_count();
@@ -382,9 +429,14 @@ void watch(Plan& plan) {
 const char* replaced_state(const Plan& plan) {
   for (const Plan::Watched& w : plan.watched)
     if (w.object.use_count() < w.holders ||
-        (w.read && w.object->moves_off.load(std::memory_order_relaxed) != w.moves_off))
+        w.object->moves_off.load(std::memory_order_relaxed) != w.moves_off)
       return "a buffer the step reads or updates was replaced or dropped outside it since the "
              "last call (assign, load_state, zero_grad outside the function)";
+  for (const GradientSlot& slot : plan.gradients)
+    if (std::shared_ptr<TensorImpl> owner = slot.owner.lock();
+        owner && owner->grad && slot.start == GradientSlot::Start::made_from_nothing)
+      return "a gradient the step makes afresh was left from the last call, for the step to add "
+             "to (gradient accumulation)";
   for (const Hook& h : plan.hooks)
     if (const char* why = h.hook->stale()) return why;
   return nullptr;
@@ -480,6 +532,7 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
   if (entry.previous) release(*entry.previous);
   entry.previous.reset();
   if (entry.plan) {
+    hand_over_gradients(*entry.plan);
     watch(*entry.plan);
     ++stats.plans;
     stats.reason.clear();

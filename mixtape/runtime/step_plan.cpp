@@ -27,16 +27,32 @@ StoragePtr private_copy(Storage& value) {
   return copy;
 }
 
-// A leaf holding a replay's result, typed like the node that computed it in the trace.
-Tensor result_leaf(const Node& like, StoragePtr value) {
+// Leaves gradient `slot`, stored as `node` in `buffer`, in its owner's grad() after a replay
+// wrote `buffer`; `before` holds what `buffer` held until then. A leaf the last replay left
+// there that something else still holds keeps that value rather than seeing the new one.
+void hand_back(GradientSlot& slot, const Node& node, const StoragePtr& buffer,
+               const StoragePtr& before) {
+  std::shared_ptr<TensorImpl> owner = slot.owner.lock();
+  if (NodePtr last = slot.handed.lock()) {
+    const long by_owner = owner && owner->grad == last ? 1 : 0;
+    if (last.use_count() - 1 - by_owner > 0) last->value = before;
+  }
+  if (!owner || (owner->grad && owner->grad->value == buffer)) return;
+  NodePtr leaf = leaf_like(node, buffer).node();
+  moved_off(owner->grad.get(), leaf.get());
+  owner->grad = leaf;
+  slot.handed = leaf;
+}
+
+}  // namespace
+
+Tensor leaf_like(const Node& like, StoragePtr value) {
   auto node = make_node(OpCode::Constant, like.dtype, like.shape, {}, {}, Loc::current());
   node->precision.storage_type = node->precision.compute = value->dtype;
   node->precision.assigned = true;
   node->value = std::move(value);
   return Tensor(std::move(node));
 }
-
-}  // namespace
 
 void run_hooks(const std::vector<Hook>& hooks) {
   for (const Hook& h : hooks) {
@@ -106,7 +122,13 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
     for (size_t r = 0; r < plan.results.size(); ++r)
       if (plan.results[r].first == static_cast<int>(index)) {
         size_t j = static_cast<size_t>(plan.results[r].second);
-        results[r] = result_leaf(*sig.stored[j], fresh_of[j]);
+        results[r] = leaf_like(*sig.stored[j], fresh_of[j]);
+      }
+    for (GradientSlot& slot : plan.gradients)
+      if (slot.at.first == static_cast<int>(index)) {
+        const size_t j = static_cast<size_t>(slot.at.second);
+        const int first = planned.shares_with[j];
+        hand_back(slot, *sig.stored[j], e.outputs[j], fresh_of[first >= 0 ? first : j]);
       }
     for (size_t x = 0; x < planned.inputs.size(); ++x)
       if (planned.inputs[x].arg >= 0)
@@ -114,6 +136,12 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
       else if (planned.inputs[x].at_call_start)
         sig.externals[x]->value = planned.inputs[x].object;
   }
+  for (GradientSlot& slot : plan.gradients)
+    if (std::shared_ptr<TensorImpl> owner = slot.owner.lock(); owner && slot.at.first < 0)
+      if (owner->grad) {  // the step leaves no gradient
+        moved_off(owner->grad.get(), nullptr);
+        owner->grad = nullptr;
+      }
   run_hooks(plan.hooks);
   return results;
 }

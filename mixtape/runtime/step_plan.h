@@ -36,6 +36,10 @@ struct Hook {
   std::vector<NodePtr> values;
 };
 
+/// A leaf holding `value` (a replay's result or gradient), typed like the node that computed it
+/// in the trace.
+Tensor leaf_like(const Node& like, StoragePtr value);
+
 /// Hands every hook private copies of its values as this call left them.
 void run_hooks(const std::vector<Hook>& hooks);
 
@@ -63,20 +67,37 @@ struct PlannedEvaluation {
   std::vector<int> shares_with;
 };
 
+/// A gradient the step leaves in a parameter's grad(): a replay leaves it there too.
+struct GradientSlot {
+  std::weak_ptr<TensorImpl> owner;
+  // What the step's first change to it did with the gradient it found.
+  enum class Start {
+    replaced,           // dropped it (zero_grad or set_grad inside the step)
+    made_from_nothing,  // found none (zero_grad before the call): a replay needs none either
+    added_to,           // added to it (accumulation): state the replay reads
+  } start = Start::replaced;
+  // Where the step leaves it: (evaluation, stored index), or (-1, -1) for no gradient.
+  std::pair<int, int> at{-1, -1};
+  // The leaf a replay last left in owner's grad(). While something else holds it, the next
+  // replay gives it the value it had instead of overwriting it.
+  std::weak_ptr<Node> handed;
+};
+
 struct Plan {
   std::vector<PlannedEvaluation> evals;
   std::vector<std::pair<int, int>> results;  // (evaluation, stored index) of each result
   std::vector<Hook> hooks;
+  std::vector<GradientSlot> gradients;
   // Buffers the replay reads or updates in place, with their holder counts and moves off
   // (Storage::moves_off) when planned: a lower count or another move means something outside
   // replaced or dropped one (assign, load_state, zero_grad outside the function), which the
   // replay would not follow. The count alone misses a drop when something else (another plan,
-  // a detached copy) took a reference since.
+  // a detached copy) took a reference since. Gradients the step replaces are not watched: the
+  // replay hands them back to their owners (GradientSlot).
   struct Watched {
     StoragePtr object;
     long holders = 0;
     uint32_t moves_off = 0;
-    bool read = false;  // a replay reads it (else only writes it): moves off count
   };
   std::vector<Watched> watched;
 };
@@ -86,7 +107,8 @@ void release_graph(const std::vector<Node*>& pending);
 void release(Plan& plan);
 
 /// Runs the plan on `args` (bound as its Binding::arg say): updates the buffers it keeps in
-/// place and returns the results as fresh tensors, then runs its hooks.
+/// place, leaves the gradients in their owners' grad(), and returns the results as fresh
+/// tensors, then runs its hooks.
 std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args);
 
 }  // namespace mixtape
