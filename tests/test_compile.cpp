@@ -7,6 +7,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <random>
 
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/functional.h"
@@ -687,6 +688,218 @@ TEST(Compile, GradientsLeftFromTheLastCallAreAddedTo) {
   }
   if (replays_here()) {
     EXPECT_GE(step.stats().replays, 3) << step.stats().reason;
+  }
+}
+
+// The forward and backward pass compiled, the optimizer's step outside it (torch.compile's usual
+// use: the model compiled, not the optimizer): each step outside gives the parameters new
+// buffers, which a replay reads through the parameters rather than from where they were.
+TEST(Compile, OptimizerOutsideTheStepStillReplays) {
+  MlpRun plain_run, compiled_run;
+  auto body = [](MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
+    mt::Tensor loss = mt::mse_loss(run.model(x), y);
+    loss.backward();
+    return loss;
+  };
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& y) { return body(compiled_run, x, y); });
+  for (int i = 0; i < 10; ++i) {
+    for (MlpRun* run : {&plain_run, &compiled_run}) run->opt.zero_grad();
+    EXPECT_EQ(bits(body(plain_run, plain_run.batch(i), plain_run.y)),
+              bits(step(compiled_run.batch(i), compiled_run.y)));
+    for (MlpRun* run : {&plain_run, &compiled_run}) run->opt.step();
+  }
+  expect_same_state(plain_run, compiled_run);
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 7) << step.stats().reason;
+  }
+}
+
+// A parameter frozen (requires_grad_(false)) or unfrozen between calls is followed, with the
+// optimizer inside the step and outside it.
+TEST(Compile, FrozenParametersAreFollowed) {
+  for (bool optimizer_inside : {true, false}) {
+    SCOPED_TRACE(optimizer_inside ? "optimizer inside" : "optimizer outside");
+    MlpRun plain_run, compiled_run;
+    auto body = [&](MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
+      run.opt.zero_grad();
+      mt::Tensor loss = mt::mse_loss(run.model(x), y);
+      loss.backward();
+      if (optimizer_inside) run.opt.step();
+      return loss;
+    };
+    auto step = mt::compile(
+        [&](const mt::Tensor& x, const mt::Tensor& y) { return body(compiled_run, x, y); });
+    for (int i = 0; i < 15; ++i) {
+      if (i == 5 || i == 10)
+        for (MlpRun* run : {&plain_run, &compiled_run})
+          run->model.parameters()[0].requires_grad_(i == 10);
+      EXPECT_EQ(bits(body(plain_run, plain_run.batch(i), plain_run.y)),
+                bits(step(compiled_run.batch(i), compiled_run.y)));
+      EXPECT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model));
+      if (!optimizer_inside)
+        for (MlpRun* run : {&plain_run, &compiled_run}) run->opt.step();
+    }
+    expect_same_state(plain_run, compiled_run);
+    if (replays_here()) {
+      EXPECT_GE(step.stats().replays, 6) << step.stats().reason;
+    }
+  }
+}
+
+// One step of MlpRun's with the batch as an input that requires grad (saliency maps,
+// adversarial examples): a fresh tensor every call, whose gradient the replay gives to the
+// call's own argument.
+TEST(Compile, GradientsOfArgumentsGoToEachCallsArgument) {
+  MlpRun plain_run, compiled_run;
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& y) { return compiled_run.step(x, y); });
+  auto input = [](const MlpRun& run, int i) {
+    return mt::tensor(run.batch(i).to_vector<float>(), {64, 8}).requires_grad_();
+  };
+  std::vector<std::pair<mt::Tensor, std::vector<uint32_t>>> kept;
+  for (int i = 0; i < 8; ++i) {
+    mt::Tensor plain_x = input(plain_run, i), compiled_x = input(compiled_run, i);
+    EXPECT_EQ(bits(plain_run.step(plain_x, plain_run.y)), bits(step(compiled_x, compiled_run.y)));
+    ASSERT_TRUE(compiled_x.grad().defined()) << "call " << i;
+    EXPECT_EQ(bits(plain_x.grad()), bits(compiled_x.grad())) << "call " << i;
+    kept.emplace_back(compiled_x.grad(), bits(compiled_x.grad()));
+  }
+  for (const auto& [g, at_the_time] : kept) EXPECT_EQ(bits(g), at_the_time);
+  // Inputs the caller keeps (a list of tensors requiring grad) replay as well.
+  std::vector<mt::Tensor> inputs;
+  for (int i = 0; i < 8; ++i) inputs.push_back(input(compiled_run, i));
+  const int64_t before = step.stats().replays;
+  for (const mt::Tensor& x : inputs) step(x, compiled_run.y);
+  if (replays_here()) {
+    EXPECT_GE(before, 5) << step.stats().reason;
+    EXPECT_GE(step.stats().replays - before, 7) << step.stats().reason;
+  }
+}
+
+// Two compiled functions over micro-batches with zero_grad outside: the second adds to the
+// gradients the first left. Both replay, and the gradients are tracing's.
+TEST(Compile, AStepAddingToAnotherStepsGradientsReplays) {
+  MlpRun plain_run, compiled_run;
+  auto micro = [](MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
+    mt::Tensor loss = mt::mse_loss(run.model(x), y);
+    loss.backward();
+    return loss;
+  };
+  auto first = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& y) { return micro(compiled_run, x, y); });
+  auto second = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& y) { return micro(compiled_run, x, y) * 2.0; });
+  for (int i = 0; i < 12; ++i) {
+    plain_run.opt.zero_grad();
+    compiled_run.opt.zero_grad();
+    const mt::Tensor a = plain_run.batch(2 * i), b = plain_run.batch(2 * i + 1);
+    EXPECT_EQ(bits(micro(plain_run, a, plain_run.y)), bits(first(a, compiled_run.y)));
+    EXPECT_EQ(bits(micro(plain_run, b, plain_run.y) * 2.0), bits(second(b, compiled_run.y)));
+    EXPECT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model)) << i;
+  }
+  if (replays_here()) {
+    EXPECT_GE(first.stats().replays, 9) << first.stats().reason;
+    EXPECT_GE(second.stats().replays, 9) << second.stats().reason;
+  }
+}
+
+// Gradients handed in as arguments (computed elsewhere) with set_grad, and a gradient returned
+// for logging: a replay leaves them where tracing does.
+TEST(Compile, GradientsSetFromArgumentsOrReturnedReplay) {
+  MlpRun plain_run, compiled_run;
+  auto apply = [](MlpRun& run, const mt::Tensor& g) {
+    mt::Tensor p = run.model.parameters()[0];
+    p.set_grad(g);
+    run.opt.step();
+    return p.grad() * 1.0;
+  };
+  auto step = mt::compile([&](const mt::Tensor& g) { return apply(compiled_run, g); });
+  mt::Generator gen(3);
+  const mt::Shape shape = plain_run.model.parameters()[0].shape();
+  for (int i = 0; i < 10; ++i) {
+    const mt::Tensor g = mt::randn(shape, mt::f32, &gen);
+    EXPECT_EQ(bits(apply(plain_run, g)), bits(step(g)));
+    EXPECT_EQ(compiled_run.model.parameters()[0].grad().node(), g.node()) << i;
+  }
+  expect_same_state(plain_run, compiled_run);
+
+  MlpRun logged_run;
+  auto logged = mt::compile([&](const mt::Tensor& x, const mt::Tensor& y) {
+    mt::Tensor loss = logged_run.step(x, y);
+    return std::vector<mt::Tensor>{loss, logged_run.model.parameters()[0].grad()};
+  });
+  for (int i = 0; i < 8; ++i) {
+    std::vector<mt::Tensor> out = logged(logged_run.batch(i), logged_run.y);
+    EXPECT_EQ(logged_run.model.parameters()[0].grad().node(), out[1].node()) << i;
+  }
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 7) << step.stats().reason;
+    EXPECT_GE(logged.stats().replays, 5) << logged.stats().reason;
+  }
+}
+
+// Random training loops: each scenario fixes what the step does (zero_grad inside it or not, the
+// optimizer's step inside it or outside), and before each call does at random what users do
+// outside a step: the optimizer's step, zero_grad or not (accumulation), weights or optimizer
+// state loaded, the learning rate set, a short batch, a gradient kept. The compiled step leaves
+// what tracing leaves, bit for bit, after every call, and a kept gradient keeps its value.
+TEST(Compile, RandomLoopsLeaveWhatTracingLeaves) {
+  int64_t replays = 0;
+  for (int scenario = 0; scenario < 8; ++scenario) {
+    SCOPED_TRACE(testing::Message() << "scenario " << scenario);
+    std::mt19937 rng(1000 + scenario);
+    auto chance = [&](int percent) { return static_cast<int>(rng() % 100) < percent; };
+    const bool zero_inside = scenario % 2 == 1, optimizer_inside = scenario % 4 < 2;
+    MlpRun plain_run, compiled_run;
+    auto body = [&](MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
+      if (zero_inside) run.opt.zero_grad();
+      mt::Tensor loss = mt::mse_loss(run.model(x), y);
+      loss.backward();
+      if (optimizer_inside) run.opt.step();
+      return loss;
+    };
+    auto step = mt::compile(
+        [&](const mt::Tensor& x, const mt::Tensor& y) { return body(compiled_run, x, y); });
+    mt::Generator gen(7);
+    const mt::Tensor short_x = mt::randn({40, 8}, mt::f32, &gen);
+    const mt::Tensor short_y = mt::randn({40, 4}, mt::f32, &gen);
+    std::vector<std::pair<mt::Tensor, std::vector<uint32_t>>> kept;
+    for (int i = 0; i < 24; ++i) {
+      SCOPED_TRACE(testing::Message() << "call " << i);
+      const bool outside_step = !optimizer_inside && i > 0 && chance(60);
+      const bool zero = chance(70), reload = chance(8), load_state = i > 2 && chance(8);
+      const bool new_rate = chance(15), short_batch = chance(25), keep = chance(30);
+      const double value = 0.001 * static_cast<double>(rng() % 50);
+      for (MlpRun* run : {&plain_run, &compiled_run}) {
+        if (outside_step) run->opt.step();
+        if (zero) run->opt.zero_grad();
+        if (reload)
+          for (mt::Tensor w : run->model.parameters()) w.assign(mt::full(w.shape(), value));
+        for (size_t p = 0; load_state && p < run->opt.params().size(); ++p) {
+          mt::NamedTensors fresh;
+          for (const auto& [name, old] : run->opt.state(p))
+            fresh.emplace_back(name, mt::full(old.shape(), value, old.dtype()));
+          run->opt.load_state(p, fresh);
+        }
+        if (new_rate) run->opt.set_lr(1e-3 + value);
+      }
+      const mt::Tensor& x = short_batch ? short_x : plain_run.batch(i);
+      const mt::Tensor& y = short_batch ? short_y : plain_run.y;
+      ASSERT_EQ(bits(body(plain_run, x, y)), bits(step(x, y)));
+      ASSERT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model));
+      Snapshot plain_state, compiled_state;
+      snapshot_model(plain_state, plain_run.model, plain_run.opt);
+      snapshot_model(compiled_state, compiled_run.model, compiled_run.opt);
+      ASSERT_TRUE(plain_state == compiled_state);
+      const mt::Tensor g = compiled_run.model.parameters()[0].grad();
+      if (keep && g.defined()) kept.emplace_back(g, bits(g));
+    }
+    for (const auto& [g, at_the_time] : kept) EXPECT_EQ(bits(g), at_the_time);
+    replays += step.stats().replays;
+  }
+  if (replays_here()) {
+    EXPECT_GE(replays, 40);
   }
 }
 

@@ -76,10 +76,11 @@ struct Storage {
   std::vector<std::byte, HostAllocator<std::byte>> bytes;
   std::shared_ptr<DeviceCopy> device;  // opaque to dsl; runtime/cuda_executor.cpp defines it
   std::atomic<bool> host_stale{false};
-  // How many times a tensor's value or gradient has moved off this buffer (moved_off below).
-  // mt::compile's replay plans carry state in buffers: one they carry that a tensor left
-  // (assign, load_state, set_grad, zero_grad, a gradient accumulated outside the step) makes
-  // them trace again, whatever else still holds the buffer (another plan, a detached copy).
+  // How many times a tensor's value or gradient has moved off this buffer (moved_off below),
+  // or its requires_grad flag changed. mt::compile's replay plans carry state in buffers: one
+  // they carry that a tensor left (assign, load_state, set_grad, zero_grad, a gradient
+  // accumulated outside the step) makes them trace again, whatever else still holds the buffer
+  // (another plan, a detached copy).
   std::atomic<uint32_t> moves_off{0};
 
   /// Zeros (every dtype's zero is all-zero bits).

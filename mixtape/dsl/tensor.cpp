@@ -79,6 +79,9 @@ Tensor& Tensor::requires_grad_(bool enabled) {
   if (enabled && !is_floating(n->dtype))
     fail("requires_grad_: only floating-point tensors can require gradients, got {}",
          name(n->dtype));
+  // A compiled step that read this value traces again: what it computes depends on the flag.
+  if (n->requires_grad != enabled && n->value)
+    n->value->moves_off.fetch_add(1, std::memory_order_relaxed);
   n->requires_grad = enabled;
   n->grad_owner = enabled ? std::weak_ptr<TensorImpl>(impl_) : std::weak_ptr<TensorImpl>();
   return *this;

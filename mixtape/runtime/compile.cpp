@@ -38,7 +38,10 @@ void release(Trace& trace) {
 
 class Recorder final : public TraceObserver {
  public:
-  void node_made(const NodePtr& node) override { made.push_back(node); }
+  void node_made(const NodePtr& node) override {
+    made.push_back(node);
+    made_here.insert(node.get());
+  }
   void side_effect(const char* what) override {
     if (trace.unfit.empty()) trace.unfit = what;
   }
@@ -49,9 +52,9 @@ class Recorder final : public TraceObserver {
     trace.hooks.push_back({std::move(hook), std::move(values)});
   }
   void gradient_changing(const std::shared_ptr<TensorImpl>& owner, bool reads_current) override {
-    if (std::find(gradient_owners.begin(), gradient_owners.end(), owner) != gradient_owners.end())
-      return;  // only the first change tells what the call needs of the gradient it found
-    gradient_owners.push_back(owner);
+    for (const GradientSlot& slot : trace.gradients)
+      if (!slot.owner.owner_before(owner) && !owner.owner_before(slot.owner))
+        return;  // only the first change tells what the call needs of the gradient it found
     using Start = GradientSlot::Start;
     GradientSlot& slot = trace.gradients.emplace_back();
     slot.owner = owner;
@@ -60,7 +63,8 @@ class Recorder final : public TraceObserver {
                                 : Start::made_from_nothing;
   }
   std::vector<std::weak_ptr<Node>> made;
-  std::vector<std::shared_ptr<TensorImpl>> gradient_owners;  // alive until the trace ends
+  std::unordered_set<const Node*> made_here;  // made's nodes: an address alive before the call
+                                              // is none of them
   Trace trace;
 };
 
@@ -146,12 +150,25 @@ Trace trace_call(const std::vector<Tensor>& args, const StepReplayer::Function& 
     }
     trace.results.push_back(at);
   }
-  for (size_t g = 0; g < trace.gradients.size(); ++g)
-    if (const NodePtr& left = rec.gradient_owners[g]->grad) {
-      trace.gradients[g].at = stored_place(trace, left.get());
-      if (trace.gradients[g].at == kUndefined && trace.unfit.empty())
-        trace.unfit = "leaves a gradient it did not compute (set_grad with an argument?)";
+  // Where each gradient whose tensor is still alive was left.
+  std::erase_if(trace.gradients, [](const GradientSlot& slot) { return slot.owner.expired(); });
+  for (GradientSlot& slot : trace.gradients) {
+    std::shared_ptr<TensorImpl> owner = slot.owner.lock();
+    for (size_t i = 0; i < args.size() && slot.owner_arg < 0; ++i)
+      if (args[i].defined() && args[i].node()->grad_owner.lock() == owner)
+        slot.owner_arg = static_cast<int>(i);
+    const NodePtr& left = owner->grad;
+    if (!left) continue;
+    slot.at = stored_place(trace, left.get());
+    for (size_t i = 0; i < args.size() && slot.at == kUndefined && slot.arg < 0; ++i)
+      if (args[i].defined() && args[i].node() == left) slot.arg = static_cast<int>(i);
+    if (slot.at == kUndefined && slot.arg < 0) {
+      if (!rec.made_here.count(left.get()))
+        slot.fixed = left;
+      else if (trace.unfit.empty())
+        trace.unfit = "leaves a gradient made from host data inside it";
     }
+  }
   return std::move(rec.trace);
 }
 
@@ -165,6 +182,10 @@ bool same_shape(const Trace& a, const Trace& b, std::string& why) {
   }
   if (a.results != b.results) {
     why = "consecutive calls returned values from different places";
+    return false;
+  }
+  if (a.gradients != b.gradients) {
+    why = "consecutive calls left gradients in different places or of different tensors";
     return false;
   }
   if (a.hooks.size() != b.hooks.size()) {
@@ -272,6 +293,10 @@ class EvaluationPlanner {
       binding.at_call_start = source.first < static_cast<int>(e);
     } else if (now == before) {
       binding.object = eb.inputs[x];  // the same buffer in both calls: a constant
+    } else if (std::shared_ptr<TensorImpl> owner = eb.parameters[x].lock();
+               owner && owner == ea.parameters[x].lock()) {
+      binding.parameter = owner;
+      binding.parameter_dtype = eb.inputs[x]->dtype;
     } else {
       why_ = fmt::format(
           "evaluation {} reads a new {} on every call that is not an argument (a tensor made "
@@ -375,12 +400,6 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
     plan->evals.push_back(std::move(planned));
   }
   if (!hooks_read_no_result(b, why)) return nullptr;
-  for (const GradientSlot& slot : b.gradients)
-    if (slot.at != kUndefined &&
-        std::find(b.results.begin(), b.results.end(), slot.at) != b.results.end()) {
-      why = "a value the function returns is also a parameter's gradient (return a copy)";
-      return nullptr;
-    }
   for (size_t e = 0; e < b.evals.size(); ++e) adopt_graph(*plan, e, std::move(b.evals[e]));
   b.evals.clear();
   plan->hooks = std::move(b.hooks);
@@ -389,11 +408,14 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
 }
 
 // The trace left each gradient in a node of the plan's graph, which replays give new values: its
-// owner gets a leaf of its own on the same buffer, which hand_back can tell apart.
+// owner gets a leaf of its own on the same buffer, which hand_back can tell apart. (A returned
+// gradient is a fresh value on every replay: it stays the returned tensor.)
 void hand_over_gradients(Plan& plan) {
   for (GradientSlot& slot : plan.gradients) {
     std::shared_ptr<TensorImpl> owner = slot.owner.lock();
-    if (!owner || slot.at == kUndefined) continue;
+    if (!owner || slot.at == kUndefined ||
+        plan.evals[slot.at.first].result_slot[slot.at.second] >= 0)
+      continue;
     const Node* stored = plan.evals[slot.at.first].eval.executed.sig.stored[slot.at.second];
     if (owner->grad.get() != stored) continue;
     owner->grad = leaf_like(*stored, stored->value).node();
@@ -402,12 +424,13 @@ void hand_over_gradients(Plan& plan) {
 }
 
 // Called once the previous trace is gone, so that the counts are those of the steady state.
-// A gradient the step replaces or makes from nothing (zeroed outside the step) is left out: the
-// replay hands it back to its owner, so a move off it (zero_grad) loses nothing.
+// The gradients the step leaves are left out: the replay hands each back to its owner, so a
+// move off one (zero_grad) loses nothing; where the next call reads one (accumulation), its
+// binding watches it.
 void watch(Plan& plan) {
   std::unordered_set<const Storage*> handed_back;
   for (const GradientSlot& slot : plan.gradients)
-    if (slot.at != kUndefined && slot.start != GradientSlot::Start::added_to)
+    if (slot.at != kUndefined)
       handed_back.insert(plan.evals[slot.at.first].eval.outputs[slot.at.second].get());
   std::unordered_set<const Storage*> seen;
   auto add = [&](const StoragePtr& object) {
@@ -426,14 +449,26 @@ void watch(Plan& plan) {
   }
 }
 
-const char* replaced_state(const Plan& plan) {
+const char* replaced_state(const Plan& plan, const std::vector<Tensor>& args) {
   for (const Plan::Watched& w : plan.watched)
     if (w.object.use_count() < w.holders ||
         w.object->moves_off.load(std::memory_order_relaxed) != w.moves_off)
       return "a buffer the step reads or updates was replaced or dropped outside it since the "
              "last call (assign, load_state, zero_grad outside the function)";
+  for (const PlannedEvaluation& planned : plan.evals)
+    for (size_t x = 0; x < planned.inputs.size(); ++x) {
+      if (!planned.inputs[x].through_parameter()) continue;
+      std::shared_ptr<TensorImpl> owner = planned.inputs[x].parameter.lock();
+      const Node* value = owner ? owner->node.get() : nullptr;
+      const Node& leaf = *planned.leaves[x];
+      if (!value || !value->evaluated() || value->shape != leaf.shape ||
+          value->value->dtype != planned.inputs[x].parameter_dtype ||
+          value->requires_grad != leaf.requires_grad)
+        return "a parameter the step reads was dropped, frozen or unfrozen, or given another "
+               "shape or dtype, or a value not yet computed, outside it since the last call";
+    }
   for (const GradientSlot& slot : plan.gradients)
-    if (std::shared_ptr<TensorImpl> owner = slot.owner.lock();
+    if (std::shared_ptr<TensorImpl> owner = owner_of(slot, args);
         owner && owner->grad && slot.start == GradientSlot::Start::made_from_nothing)
       return "a gradient the step makes afresh was left from the last call, for the step to add "
              "to (gradient accumulation)";
@@ -499,7 +534,7 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
   Entry& entry = state_->entries[signature_key(args)];
   const bool log = log_enabled("compile");
   if (entry.plan) {
-    if (const char* replaced = replaced_state(*entry.plan)) {
+    if (const char* replaced = replaced_state(*entry.plan, args)) {
       stats.reason = replaced;
       if (log) log_line("compile", "dropping the replay plan: {}", replaced);
       release(*entry.plan);
@@ -551,6 +586,15 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
   return results;
 }
 
+// Whether a replay reads a parameter through its tensor, which an artifact saved from the plan
+// would have no tensor for.
+static bool reads_replaced_parameters(const Plan& plan) {
+  for (const PlannedEvaluation& planned : plan.evals)
+    for (const Binding& binding : planned.inputs)
+      if (binding.through_parameter()) return true;
+  return false;
+}
+
 std::unique_ptr<Plan> plan_step(const std::vector<Tensor>& args, const StepReplayer::Function& fn) {
   if (trace_observer()) fail("a step cannot be planned inside another traced function");
   std::vector<Tensor> defined;
@@ -571,6 +615,13 @@ std::unique_ptr<Plan> plan_step(const std::vector<Tensor>& args, const StepRepla
     std::unique_ptr<Plan> plan;
     if (next.unfit.empty()) plan = make_plan(previous, next, why);
     release(previous);
+    if (plan && reads_replaced_parameters(*plan)) {
+      release(*plan);
+      release(next);
+      fail(
+          "the function reads parameters that change between its calls other than through "
+          "what it computes, so it cannot be replayed from a file");
+    }
     if (plan) return plan;
     previous = std::move(next);
   }
@@ -591,7 +642,14 @@ bool record_evaluation(const std::vector<Node*>& pending, ExecutedProgram&& exec
     if (node->op == OpCode::Full && is_floating(node->precision.storage_type))
       e.fills.push_back(node->attrs.value);
   }
-  for (Node* external : executed.sig.externals) e.inputs.push_back(external->value);
+  for (Node* external : executed.sig.externals) {
+    e.inputs.push_back(external->value);
+    std::shared_ptr<TensorImpl> owner = external->grad_owner.lock();
+    const bool before_the_call = !recorder->made_here.count(external);
+    e.parameters.push_back(owner && owner->node.get() == external && before_the_call
+                               ? owner
+                               : std::shared_ptr<TensorImpl>());
+  }
   for (Node* stored : executed.sig.stored) e.outputs.push_back(stored->value);
   e.executed = std::move(executed);
   e.device = device;

@@ -2,6 +2,7 @@
 // the buffers it keeps in place.
 #include "mixtape/runtime/step_plan.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "mixtape/dsl/error.h"
@@ -27,24 +28,49 @@ StoragePtr private_copy(Storage& value) {
   return copy;
 }
 
-// Leaves gradient `slot`, stored as `node` in `buffer`, in its owner's grad() after a replay
+// Makes `value` (null: none) `owner`'s gradient, as the traced step left it; the buffer the
+// old one held, where it moves off it, goes into `moved`.
+void set_gradient(TensorImpl* owner, NodePtr value, std::vector<const Storage*>& moved) {
+  if (!owner || owner->grad == value) return;
+  if (owner->grad && owner->grad->value && (!value || owner->grad->value != value->value))
+    moved.push_back(owner->grad->value.get());
+  moved_off(owner->grad.get(), value.get());
+  owner->grad = std::move(value);
+}
+
+// Leaves gradient `slot`, stored as `node` in `buffer`, in `owner`'s grad() after a replay
 // wrote `buffer`; `before` holds what `buffer` held until then. A leaf the last replay left
 // there that something else still holds keeps that value rather than seeing the new one.
-void hand_back(GradientSlot& slot, const Node& node, const StoragePtr& buffer,
-               const StoragePtr& before) {
-  std::shared_ptr<TensorImpl> owner = slot.owner.lock();
+void hand_back(GradientSlot& slot, TensorImpl* owner, const Node& node, const StoragePtr& buffer,
+               const StoragePtr& before, std::vector<const Storage*>& moved) {
   if (NodePtr last = slot.handed.lock()) {
     const long by_owner = owner && owner->grad == last ? 1 : 0;
-    if (last.use_count() - 1 - by_owner > 0) last->value = before;
+    if (last.use_count() - 1 - by_owner > 0) {
+      last->value = before;
+      slot.handed.reset();  // its own value from now on
+    }
   }
   if (!owner || (owner->grad && owner->grad->value == buffer)) return;
   NodePtr leaf = leaf_like(node, buffer).node();
-  moved_off(owner->grad.get(), leaf.get());
-  owner->grad = leaf;
   slot.handed = leaf;
+  set_gradient(owner, std::move(leaf), moved);
 }
 
 }  // namespace
+
+bool GradientSlot::operator==(const GradientSlot& other) const {
+  const bool same_owner =
+      owner_arg >= 0 ? owner_arg == other.owner_arg
+                     : !owner.owner_before(other.owner) && !other.owner.owner_before(owner);
+  return same_owner && start == other.start && at == other.at && arg == other.arg &&
+         fixed == other.fixed;
+}
+
+std::shared_ptr<TensorImpl> owner_of(const GradientSlot& slot, const std::vector<Tensor>& args) {
+  if (slot.owner_arg < 0) return slot.owner.lock();
+  const Tensor& arg = args[static_cast<size_t>(slot.owner_arg)];
+  return arg.defined() ? arg.node()->grad_owner.lock() : nullptr;
+}
 
 Tensor leaf_like(const Node& like, StoragePtr value) {
   auto node = make_node(OpCode::Constant, like.dtype, like.shape, {}, {}, Loc::current());
@@ -88,6 +114,7 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
       if (buffer == object.get() && value) return value;
     return object;
   };
+  std::vector<const Storage*> moved;  // buffers gradients moved off (set_gradient)
   for (size_t index = 0; index < plan.evals.size(); ++index) {
     PlannedEvaluation& planned = plan.evals[index];
     Evaluation& e = planned.eval;
@@ -95,6 +122,8 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
     for (size_t x = 0; x < planned.inputs.size(); ++x)
       if (planned.inputs[x].arg >= 0)
         sig.externals[x]->value = args[planned.inputs[x].arg].node()->value;
+      else if (planned.inputs[x].through_parameter())  // replaced_state checked it
+        sig.externals[x]->value = planned.inputs[x].parameter.lock()->node->value;
       else if (planned.inputs[x].at_call_start)
         sig.externals[x]->value = call_start_value(planned.inputs[x].object);
     for (Node* node : e.pending_raw) node->value.reset();
@@ -128,20 +157,27 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
       if (slot.at.first == static_cast<int>(index)) {
         const size_t j = static_cast<size_t>(slot.at.second);
         const int first = planned.shares_with[j];
-        hand_back(slot, *sig.stored[j], e.outputs[j], fresh_of[first >= 0 ? first : j]);
+        std::shared_ptr<TensorImpl> owner = owner_of(slot, args);
+        if (const int r = planned.result_slot[j]; r >= 0)  // as tracing: the returned tensor
+          set_gradient(owner.get(), results[static_cast<size_t>(r)].node(), moved);
+        else
+          hand_back(slot, owner.get(), *sig.stored[j], e.outputs[j],
+                    fresh_of[first >= 0 ? first : j], moved);
       }
     for (size_t x = 0; x < planned.inputs.size(); ++x)
-      if (planned.inputs[x].arg >= 0)
+      if (planned.inputs[x].arg >= 0 || planned.inputs[x].through_parameter())
         sig.externals[x]->value.reset();
       else if (planned.inputs[x].at_call_start)
         sig.externals[x]->value = planned.inputs[x].object;
   }
   for (GradientSlot& slot : plan.gradients)
-    if (std::shared_ptr<TensorImpl> owner = slot.owner.lock(); owner && slot.at.first < 0)
-      if (owner->grad) {  // the step leaves no gradient
-        moved_off(owner->grad.get(), nullptr);
-        owner->grad = nullptr;
-      }
+    if (slot.at.first < 0)
+      set_gradient(owner_of(slot, args).get(),
+                   slot.arg >= 0 ? args[static_cast<size_t>(slot.arg)].node() : slot.fixed, moved);
+  // The moves off the replay made are the trace's own, which its plan was made after.
+  for (Plan::Watched& w : plan.watched)
+    if (std::find(moved.begin(), moved.end(), w.object.get()) != moved.end())
+      w.moves_off = w.object->moves_off.load(std::memory_order_relaxed);
   run_hooks(plan.hooks);
   return results;
 }

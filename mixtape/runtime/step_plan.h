@@ -22,8 +22,11 @@ struct Evaluation {
   std::vector<Node*> pending_raw;
   ExecutedProgram executed;
   Device device = Device::cpu;
-  std::vector<double> fills;        // float fill values: signatures leave them out
-  std::vector<StoragePtr> inputs;   // the value of each sig.externals[x]
+  std::vector<double> fills;       // float fill values: signatures leave them out
+  std::vector<StoragePtr> inputs;  // the value of each sig.externals[x]
+  // Per external: the parameter whose value it is, where it is one that the parameter held
+  // before the call and still held when the evaluation ran; else empty.
+  std::vector<std::weak_ptr<TensorImpl>> parameters;
   std::vector<StoragePtr> outputs;  // the value of each sig.stored[j] once it ran
 };
 
@@ -47,6 +50,12 @@ void run_hooks(const std::vector<Hook>& hooks);
 struct Binding {
   int arg = -1;       // >= 0: the call's argument
   StoragePtr object;  // else this buffer, which the step keeps up to date in place
+  // Else this parameter's value when the call begins: one that something outside the step
+  // replaces between calls (an optimizer's step outside it), read through the parameter as
+  // tracing reads it. Its dtype is the trace's; a replay needs the same.
+  std::weak_ptr<TensorImpl> parameter;
+  DType parameter_dtype = DType::f32;
+  bool through_parameter() const { return arg < 0 && !object; }
   // The buffer's value when the earlier of the two traces the plan compares read it (the state
   // before that call), which AOT export saves; null for arguments.
   StoragePtr first_value;
@@ -69,15 +78,21 @@ struct PlannedEvaluation {
 
 /// A gradient the step leaves in a parameter's grad(): a replay leaves it there too.
 struct GradientSlot {
-  std::weak_ptr<TensorImpl> owner;
+  std::weak_ptr<TensorImpl> owner;  // whose gradient it is: a tensor the function reached
+  int owner_arg = -1;               // or, >= 0, the call's argument (an input requiring grad)
   // What the step's first change to it did with the gradient it found.
   enum class Start {
     replaced,           // dropped it (zero_grad or set_grad inside the step)
     made_from_nothing,  // found none (zero_grad before the call): a replay needs none either
     added_to,           // added to it (accumulation): state the replay reads
   } start = Start::replaced;
-  // Where the step leaves it: (evaluation, stored index), or (-1, -1) for no gradient.
+  // Where the step leaves it: (evaluation, stored index), which may be a result's; or the
+  // call's argument `arg` itself (set_grad(argument)); or `fixed`, a value made before the
+  // call; or none of them: no gradient.
   std::pair<int, int> at{-1, -1};
+  int arg = -1;
+  NodePtr fixed;
+  bool operator==(const GradientSlot& other) const;  // the same, but for `handed`
   // The leaf a replay last left in owner's grad(). While something else holds it, the next
   // replay gives it the value it had instead of overwriting it.
   std::weak_ptr<Node> handed;
@@ -105,6 +120,9 @@ struct Plan {
 /// Gives back what evaluate() would have dropped at once had no trace or plan kept the graph.
 void release_graph(const std::vector<Node*>& pending);
 void release(Plan& plan);
+
+/// The tensor whose gradient `slot` is, in a call on `args`; null where it is gone.
+std::shared_ptr<TensorImpl> owner_of(const GradientSlot& slot, const std::vector<Tensor>& args);
 
 /// Runs the plan on `args` (bound as its Binding::arg say): updates the buffers it keeps in
 /// place, leaves the gradients in their owners' grad(), and returns the results as fresh
