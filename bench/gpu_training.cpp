@@ -50,7 +50,8 @@ constexpr int kTokenBatches = 4;
 /// gradient clipping at 1. Model FLOPs per token as nanoGPT and PaLM count them: 6 per weight
 /// that multiplies (every parameter but the two embedding tables, whose lookups multiply nothing)
 /// plus 12 * layers * context * width for the attention scores and their weighted sums.
-bench::Workload gpt2_workload(const Gpt2Shape& shape, const mt::PolicyPtr& policy, bool compiled) {
+bench::Workload gpt2_workload(const Gpt2Shape& shape, const mt::PolicyPtr& policy,
+                              bench::StepMode mode) {
   struct State {
     mt::Generator gen{bench::kSeed};
     std::unique_ptr<CharGpt> model;
@@ -96,7 +97,7 @@ bench::Workload gpt2_workload(const Gpt2Shape& shape, const mt::PolicyPtr& polic
   int64_t flops_per_token =
       6 * (parameters - embedding_parameters) + 12 * config.layers * config.context * config.width;
   return bench::make_workload(
-      train, next_batch, compiled,
+      train, next_batch, mode,
       {{"batch", shape.batch},
        {"context", config.context},
        {"layers", config.layers},
@@ -140,14 +141,14 @@ bool parse_gpt2_name(const std::string& name, Gpt2Shape& shape) {
 }
 
 bench::Workload workload_by_name(const std::string& name, const mt::PolicyPtr& policy,
-                                 bool compiled) {
+                                 bench::StepMode mode) {
   long long width = 0, batch = 0;
   int consumed = 0;
   if (std::sscanf(name.c_str(), "mlp_w%lld_b%lld%n", &width, &batch, &consumed) == 2 &&
       static_cast<size_t>(consumed) == name.size() && width > 0 && batch > 0)
-    return bench::mlp_workload(width, batch, policy, compiled);
+    return bench::mlp_workload(width, batch, policy, mode);
   Gpt2Shape shape;
-  if (parse_gpt2_name(name, shape)) return gpt2_workload(shape, policy, compiled);
+  if (parse_gpt2_name(name, shape)) return gpt2_workload(shape, policy, mode);
   mt::fail(
       "bench_gpu_training: unknown workload '{}' (mlp_w<W>_b<B>, gpt2_small, gpt2_l<L>_t<T>_b<B>)",
       name);
@@ -170,7 +171,7 @@ int main(int argc, char** argv) {
       for (const std::string& precision : line.precisions) {
         mt::PolicyPtr policy = mt::policy_by_name(precision == "bf16" ? "autocast-bf16" : "fp32");
         mt::reset_execution_stats();
-        bench::Workload workload = workload_by_name(name, policy, line.step == "compiled");
+        bench::Workload workload = workload_by_name(name, policy, bench::step_mode(line.step));
         mt::json::Value record = {{"benchmark", "gpu_training"}};
         record.update(
             bench::measure_workload(workload, name, precision, line, mt::cuda_synchronize));

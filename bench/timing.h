@@ -152,7 +152,9 @@ struct CommandLine {
   std::vector<std::string> workloads;
   std::vector<std::string> precisions{"fp32", "bf16"};
   TimingOptions timing;
-  std::string step = "traced";  // bench_training: traced (every step) or compiled (mt::compile)
+  // bench_training: traced (every step), compiled (the whole step through mt::compile) or
+  // compiled-model (the forward and backward pass through it, the optimizer's update outside).
+  std::string step = "traced";
 };
 
 [[noreturn]] inline void usage_error(const char* program, const std::string& problem,
@@ -191,7 +193,8 @@ inline CommandLine parse_command_line(int argc, char** argv, const char* program
       line.timing.window_seconds = number();
     else if (flag == "--budget-seconds")
       line.timing.budget_seconds = number();
-    else if (flag == "--step" && (value == "traced" || value == "compiled"))
+    else if (flag == "--step" &&
+             (value == "traced" || value == "compiled" || value == "compiled-model"))
       line.step = value;
     else
       usage_error(program, "unknown flag " + flag, usage);
@@ -243,11 +246,49 @@ struct Workload {
   std::function<mt::CompileStats()> compile_stats;  // set for --step compiled
 };
 
+/// How a workload's steps run: traced on every call, or through mt::compile, the whole step or
+/// (as torch.compile users compile a model) its forward and backward pass only.
+enum class StepMode { traced, compiled, compiled_model };
+inline StepMode step_mode(const std::string& step) {
+  return step == "traced"     ? StepMode::traced
+         : step == "compiled" ? StepMode::compiled
+                              : StepMode::compiled_model;
+}
+
+/// A training step split where a user who compiles only the model splits it: the forward and
+/// backward pass, then the optimizer's update.
+struct SplitStep {
+  std::function<mt::Tensor(const mt::Tensor&, const mt::Tensor&)> forward_backward;
+  std::function<void()> update;
+  mt::Tensor operator()(const mt::Tensor& inputs, const mt::Tensor& targets) const {
+    mt::Tensor loss = forward_backward(inputs, targets);
+    update();
+    return loss;
+  }
+};
+
 /// A training step as a function of one batch (`train`), fed by `next_batch`: traced on every
 /// call, or through mt::compile as a user who wants to skip the tracing writes it.
 template <typename Train, typename NextBatch>
-Workload make_workload(Train train, NextBatch next_batch, bool compiled, mt::json::Value facts) {
-  if (!compiled)
+Workload make_workload(Train train, NextBatch next_batch, StepMode mode, mt::json::Value facts) {
+  if constexpr (std::is_same_v<Train, SplitStep>) {
+    if (mode == StepMode::compiled_model) {
+      auto step =
+          std::make_shared<mt::Compiled<decltype(train.forward_backward)>>(train.forward_backward);
+      return {[step, update = train.update, next_batch]() mutable {
+                auto [inputs, targets] = next_batch();
+                mt::Tensor loss = (*step)(inputs, targets);
+                update();
+                return loss;
+              },
+              std::move(facts), [step] { return step->stats(); }};
+    }
+  } else if (mode == StepMode::compiled_model) {
+    mt::fail(
+        "--step compiled-model: this workload's step is not split into the model's pass and "
+        "the optimizer's update");
+  }
+  if (mode == StepMode::traced)
     return {[train, next_batch]() mutable {
               auto [inputs, targets] = next_batch();
               return mt::Tensor(train(inputs, targets));
@@ -293,24 +334,24 @@ inline std::unique_ptr<mt::TensorDataset> digits_training_set() {
 /// A workload's training step: the optimizer's gradients zeroed, the loss
 /// `loss_of(*state, inputs, targets)` under `policy`'s autocast, backward, the optimizer's step.
 template <typename State, typename LossOf>
-auto autocast_train_step(std::shared_ptr<State> state, mt::PolicyPtr policy, LossOf loss_of) {
-  return [state, policy, loss_of](const mt::Tensor& inputs, const mt::Tensor& targets) {
-    state->optimizer->zero_grad();
-    mt::Tensor loss;
-    {
-      mt::autocast guard(policy);
-      loss = loss_of(*state, inputs, targets);
-    }
-    loss.backward();
-    state->optimizer->step();
-    return loss;
-  };
+SplitStep autocast_train_step(std::shared_ptr<State> state, mt::PolicyPtr policy, LossOf loss_of) {
+  return {[state, policy, loss_of](const mt::Tensor& inputs, const mt::Tensor& targets) {
+            state->optimizer->zero_grad();
+            mt::Tensor loss;
+            {
+              mt::autocast guard(policy);
+              loss = loss_of(*state, inputs, targets);
+            }
+            loss.backward();
+            return loss;
+          },
+          [state] { state->optimizer->step(); }};
 }
 
 /// The MLP workload (bench_training, bench_gpu_training): 32 -> width x4 hidden (ReLU) -> 16,
 /// MSE, Adam 1e-3, on one batch of random inputs and targets made once and reused every step.
 inline Workload mlp_workload(int64_t width, int64_t batch, const mt::PolicyPtr& policy,
-                             bool compiled) {
+                             StepMode mode) {
   struct State {
     mt::Generator gen{kSeed};
     std::unique_ptr<mt::MLP> net;
@@ -330,7 +371,7 @@ inline Workload mlp_workload(int64_t width, int64_t batch, const mt::PolicyPtr& 
         return mt::mse_loss((*s.net)(inputs), targets);
       });
   auto next_batch = [state] { return std::pair(state->inputs, state->targets); };
-  return make_workload(train, next_batch, compiled,
+  return make_workload(train, next_batch, mode,
                        {{"width", width},
                         {"batch", batch},
                         {"hidden_layers", 4},

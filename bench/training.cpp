@@ -27,7 +27,8 @@ namespace {
 
 constexpr const char* kUsage =
     "usage: bench_training --workloads LIST [--precisions fp32,bf16] [--warmup N] [--windows N]\n"
-    "                      [--window-seconds S] [--budget-seconds S] [--step traced|compiled]\n"
+    "                      [--window-seconds S] [--budget-seconds S]\n"
+    "                      [--step traced|compiled|compiled-model]\n"
     "  workloads: mlp_w<W>_b<B> (32 -> W x4 hidden -> 16, ReLU, MSE, Adam 1e-3), digits_mlp\n"
     "             (examples/digits_mlp's model and loop), digits_demo (the README's demo: the\n"
     "             same at batch 256 with AdamW), char_gpt (CharGpt 4x4x128, context 64,\n"
@@ -35,7 +36,9 @@ constexpr const char* kUsage =
     "             classes, synthetic [64, 3, 32, 32] batch, SGD momentum 0.9), digits_cnn\n"
     "             (examples/digits_cnn's model and step)\n"
     "  --step compiled runs each step through mt::compile (traced once, then replayed); traced\n"
-    "  (the default) builds the graph every step, as the plain training loop does.\n"
+    "  (the default) builds the graph every step, as the plain training loop does;\n"
+    "  compiled-model compiles the forward and backward pass and runs the optimizer's update\n"
+    "  outside (mlp_w<W>_b<B>, digits_mlp, digits_demo, resnet18), as torch.compile users do.\n"
     "  Under mpirun -np N, digits_mlp, digits_demo and char_gpt train data parallel\n"
     "  (dist::DataParallel, each process its shard at the batch above); rank 0 prints.\n"
     "  The back end is chosen by the environment: MIXTAPE_DEVICE=cpu|reference, MIXTAPE_EAGER=1.\n";
@@ -44,6 +47,7 @@ using bench::kSeed;
 using bench::make_workload;
 using bench::mlp_workload;
 using bench::parameter_count;
+using bench::StepMode;
 using bench::Workload;
 
 /// dist::DataParallel over `net` when mpirun started several processes (rank 0's weights, the
@@ -91,7 +95,7 @@ struct DigitsLoop {
 
 /// examples/digits_mlp.cpp's model and training step (label smoothing 0.2, input noise 0.2,
 /// shuffled loader), with `loop`'s batch and optimizer.
-Workload digits_workload(const mt::PolicyPtr& policy, bool compiled, DigitsLoop loop) {
+Workload digits_workload(const mt::PolicyPtr& policy, StepMode mode, DigitsLoop loop) {
   struct State {
     mt::Generator gen{kSeed}, noise{kSeed ^ 0x6e6f697365ULL};
     std::unique_ptr<mt::MLP> net;
@@ -124,7 +128,7 @@ Workload digits_workload(const mt::PolicyPtr& policy, bool compiled, DigitsLoop 
     mt::Tensor noise = mt::randn(batch.inputs.shape(), mt::f32, &state->noise, 0, 0.2);
     return std::pair(batch.inputs + noise, batch.targets);
   };
-  return make_workload(train, next_batch, compiled,
+  return make_workload(train, next_batch, mode,
                        {{"batch", loop.batch},
                         {"optimizer", loop.adamw ? "adamw" : "sgd"},
                         {"hidden", 128},
@@ -134,7 +138,7 @@ Workload digits_workload(const mt::PolicyPtr& policy, bool compiled, DigitsLoop 
 /// CharGpt (examples/char_gpt_model.h) on fortunes.txt with nanoGPT's CPU settings: 4 layers,
 /// 4 heads, width 128, context 64, batch 12, AdamW 1e-3 (beta2 0.99, weight decay 0.1) and
 /// gradient clipping at 1. One optimizer over all parameters: the peers do the same.
-Workload gpt_workload(const mt::PolicyPtr& policy, bool compiled) {
+Workload gpt_workload(const mt::PolicyPtr& policy, StepMode mode) {
   struct State {
     mt::Generator gen{kSeed};
     std::unique_ptr<CharGpt> model;
@@ -160,7 +164,7 @@ Workload gpt_workload(const mt::PolicyPtr& policy, bool compiled) {
     mt::Batch batch = state->loader->next();
     return std::pair(batch.inputs, batch.targets);
   };
-  return make_workload(train, next_batch, compiled,
+  return make_workload(train, next_batch, mode,
                        {{"batch", kBatch},
                         {"context", config.context},
                         {"layers", config.layers},
@@ -174,7 +178,7 @@ Workload gpt_workload(const mt::PolicyPtr& policy, bool compiled) {
 /// batch made once: inputs N(0, 1) [64, 3, 32, 32] and uniform labels in 0..9; cross-entropy, SGD
 /// lr 0.01 momentum 0.9. Batch norm in training mode: its running statistics are updated in the
 /// step, as in the peers.
-Workload resnet18_workload(const mt::PolicyPtr& policy, bool compiled) {
+Workload resnet18_workload(const mt::PolicyPtr& policy, StepMode mode) {
   constexpr int64_t kBatch = 64, kClasses = 10, kSize = 32;
   struct State {
     mt::Generator gen{kSeed};
@@ -197,7 +201,7 @@ Workload resnet18_workload(const mt::PolicyPtr& policy, bool compiled) {
         return mt::cross_entropy((*s.model)(inputs), targets);
       });
   auto next_batch = [state] { return std::pair(state->inputs, state->targets); };
-  return make_workload(train, next_batch, compiled,
+  return make_workload(train, next_batch, mode,
                        {{"batch", kBatch},
                         {"image", mt::json::Value::array({3, kSize, kSize})},
                         {"classes", kClasses},
@@ -211,7 +215,7 @@ Workload resnet18_workload(const mt::PolicyPtr& policy, bool compiled) {
 /// schedule over 2500 steps (set outside the step; it repeats every 2500 steps here), cross-entropy
 /// with label smoothing 0.2, and the example's GradScaler (disabled: the example's --loss-scale
 /// none).
-Workload digits_cnn_workload(const mt::PolicyPtr& policy, bool compiled) {
+Workload digits_cnn_workload(const mt::PolicyPtr& policy, StepMode mode) {
   constexpr int64_t kBatch = 64, kSteps = 2500;
   constexpr double kLr = 0.1;
   struct State {
@@ -255,22 +259,21 @@ Workload digits_cnn_workload(const mt::PolicyPtr& policy, bool compiled) {
     return std::pair(inputs, batch.targets);
   };
   return make_workload(
-      train, next_batch, compiled,
+      train, next_batch, mode,
       {{"batch", kBatch}, {"optimizer", "sgd"}, {"parameters", parameter_count(*state->net)}});
 }
 
-Workload workload_by_name(const std::string& name, const mt::PolicyPtr& policy, bool compiled) {
+Workload workload_by_name(const std::string& name, const mt::PolicyPtr& policy, StepMode mode) {
   long long width = 0, batch = 0;
   int consumed = 0;
   if (std::sscanf(name.c_str(), "mlp_w%lld_b%lld%n", &width, &batch, &consumed) == 2 &&
       static_cast<size_t>(consumed) == name.size() && width > 0 && batch > 0)
-    return mlp_workload(width, batch, policy, compiled);
-  if (name == "digits_mlp") return digits_workload(policy, compiled, {.batch = 64, .adamw = false});
-  if (name == "digits_demo")
-    return digits_workload(policy, compiled, {.batch = 256, .adamw = true});
-  if (name == "char_gpt") return gpt_workload(policy, compiled);
-  if (name == "resnet18") return resnet18_workload(policy, compiled);
-  if (name == "digits_cnn") return digits_cnn_workload(policy, compiled);
+    return mlp_workload(width, batch, policy, mode);
+  if (name == "digits_mlp") return digits_workload(policy, mode, {.batch = 64, .adamw = false});
+  if (name == "digits_demo") return digits_workload(policy, mode, {.batch = 256, .adamw = true});
+  if (name == "char_gpt") return gpt_workload(policy, mode);
+  if (name == "resnet18") return resnet18_workload(policy, mode);
+  if (name == "digits_cnn") return digits_cnn_workload(policy, mode);
   mt::fail(
       "bench_training: unknown workload '{}' (mlp_w<W>_b<B>, digits_mlp, digits_demo, char_gpt, "
       "resnet18, digits_cnn)",
@@ -303,7 +306,7 @@ int main(int argc, char** argv) {
         const mt::LlvmJit::Stats jit_before = mt::LlvmJit::instance().stats();
         auto setup_start = std::chrono::steady_clock::now();
         double setup_cpu_start = bench::process_cpu_seconds();
-        Workload workload = workload_by_name(name, policy, line.step == "compiled");
+        Workload workload = workload_by_name(name, policy, bench::step_mode(line.step));
         mt::json::Value setup{{"setup_s", bench::seconds_since(setup_start)},
                               {"setup_cpu_s", bench::process_cpu_seconds() - setup_cpu_start}};
         mt::json::Value record = bench::measure_workload(workload, name, precision, line);
