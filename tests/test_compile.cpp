@@ -839,6 +839,178 @@ TEST(Compile, GradientsSetFromArgumentsOrReturnedReplay) {
   }
 }
 
+// ---- cases found by review: each differed from tracing before its fix ----
+
+// The forward and backward of MlpRun with zero_grad inside; the optimizer is run outside.
+mt::Tensor fwd_bwd(MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
+  run.opt.zero_grad();
+  mt::Tensor loss = mt::mse_loss(run.model(x), y);
+  loss.backward();
+  return loss;
+}
+
+mt::Tensor copy_of(const mt::Tensor& t) { return mt::tensor(t.to_vector<float>(), t.shape()); }
+
+// set_grad with a tensor made before the call (traced every call: a replay cannot tell whether
+// the tensor changed). The user later assigns it a new value, which tracing takes as the gradient.
+TEST(Compile, GradientSetFromAValueMadeBeforeTheCallFollowsIt) {
+  MlpRun plain_run, compiled_run;
+  const mt::Shape shape = plain_run.model.parameters()[0].shape();
+  mt::Generator gen(5);
+  mt::Tensor plain_g = mt::randn(shape, mt::f32, &gen);
+  mt::Tensor compiled_g = copy_of(plain_g);
+  auto body = [](MlpRun& run, const mt::Tensor& g, const mt::Tensor& x, const mt::Tensor& y) {
+    mt::Tensor loss = fwd_bwd(run, x, y);
+    run.model.parameters()[0].set_grad(g);  // e.g. a synthetic / externally supplied gradient
+    return loss;
+  };
+  auto step = mt::compile([&](const mt::Tensor& x, const mt::Tensor& y) {
+    return body(compiled_run, compiled_g, x, y);
+  });
+  for (int i = 0; i < 10; ++i) {
+    SCOPED_TRACE(testing::Message() << "call " << i);
+    if (i == 5) {
+      mt::Tensor fresh = mt::randn(shape, mt::f32, &gen);
+      plain_g.assign(fresh);
+      compiled_g.assign(copy_of(fresh));
+    }
+    EXPECT_EQ(bits(body(plain_run, plain_g, plain_run.batch(i), plain_run.y)),
+              bits(step(compiled_run.batch(i), compiled_run.y)));
+    EXPECT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model));
+    for (MlpRun* run : {&plain_run, &compiled_run}) run->opt.step();
+  }
+  expect_same_state(plain_run, compiled_run);
+}
+
+// a probe that measures a second backward and then restores the gradients it found
+// (saved = p.grad(); ...; p.set_grad(saved)): the gradient left is the one at call start, made
+// before the call, so it becomes slot.fixed = that call's node. A later call restores the
+// gradient from the trace, not the one found.
+TEST(Compile, SavedAndRestoredGradientsAreTheCurrentOnes) {
+  MlpRun plain_run, compiled_run;
+  auto probe = [](MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
+    std::vector<mt::Tensor> saved;
+    for (const mt::Tensor& p : run.model.parameters()) saved.push_back(p.grad());
+    run.opt.zero_grad();
+    mt::mse_loss(run.model(x), y).backward();
+    mt::Tensor norm = mt::zeros({});
+    for (const mt::Tensor& p : run.model.parameters()) norm = norm + (p.grad() * p.grad()).sum();
+    std::vector<mt::Tensor> params = run.model.parameters();
+    for (size_t k = 0; k < params.size(); ++k) params[k].set_grad(saved[k]);
+    return norm;
+  };
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& y) { return probe(compiled_run, x, y); });
+  for (int i = 0; i < 6; ++i) {
+    SCOPED_TRACE(testing::Message() << "iteration " << i);
+    for (MlpRun* run : {&plain_run, &compiled_run}) {
+      run->opt.zero_grad();
+      mt::mse_loss(run->model(run->batch(i)), run->y).backward();  // the main gradients
+    }
+    for (int k = 0; k < 2; ++k) {
+      EXPECT_EQ(bits(probe(plain_run, plain_run.batch(10 + k), plain_run.y)),
+                bits(step(compiled_run.batch(10 + k), compiled_run.y)));
+      EXPECT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model)) << k;
+    }
+  }
+}
+
+// the same compiled step called first with plain batches, then with a batch that requires
+// grad (adversarial example): signature_key has no requires_grad, so the replay gives the
+// argument no gradient where tracing does.
+TEST(Compile, AnArgumentThatStartsRequiringGradGetsItsGradient) {
+  MlpRun plain_run, compiled_run;
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& y) { return compiled_run.step(x, y); });
+  for (int i = 0; i < 8; ++i) {
+    SCOPED_TRACE(testing::Message() << "call " << i);
+    const bool adversarial = i >= 5;
+    mt::Tensor xp = copy_of(plain_run.batch(i)), xc = copy_of(compiled_run.batch(i));
+    if (adversarial) {
+      xp.requires_grad_();
+      xc.requires_grad_();
+    }
+    EXPECT_EQ(bits(plain_run.step(xp, plain_run.y)), bits(step(xc, compiled_run.y)));
+    EXPECT_EQ(xp.grad().defined(), xc.grad().defined());
+    if (xp.grad().defined() && xc.grad().defined()) {
+      EXPECT_EQ(bits(xp.grad()), bits(xc.grad()));
+    }
+  }
+}
+
+// parameter binding + in-place state. The step keeps slow weights (Lookahead) it updates
+// with assign; the optimizer is outside. Every 4 calls the user resets the fast weights to the
+// slow ones with p.assign(slow): p now shares the buffer the replay overwrites in place, which a
+// Binding::parameter does not guard as at_call_start does for carried buffers.
+TEST(Compile, AParameterAssignedFromStateTheStepUpdatesInPlace) {
+  MlpRun plain_run, compiled_run;
+  auto make_slow = [](MlpRun& run) {
+    std::vector<mt::Tensor> slow;
+    for (const mt::Tensor& p : run.model.parameters()) slow.push_back(copy_of(p));
+    return slow;
+  };
+  std::vector<mt::Tensor> plain_slow = make_slow(plain_run),
+                          compiled_slow = make_slow(compiled_run);
+  auto body = [](MlpRun& run, std::vector<mt::Tensor>& slow, const mt::Tensor& x,
+                 const mt::Tensor& y) {
+    mt::Tensor loss = fwd_bwd(run, x, y);
+    std::vector<mt::Tensor> params = run.model.parameters();
+    for (size_t k = 0; k < params.size(); ++k)
+      slow[k].assign(slow[k] * 0.9 + params[k].detach() * 0.1 + 0.01);
+    return loss;
+  };
+  auto step = mt::compile([&](const mt::Tensor& x, const mt::Tensor& y) {
+    return body(compiled_run, compiled_slow, x, y);
+  });
+  for (int i = 0; i < 12; ++i) {
+    SCOPED_TRACE(testing::Message() << "call " << i);
+    if (i % 4 == 3) {
+      std::vector<mt::Tensor> pp = plain_run.model.parameters(),
+                              cp = compiled_run.model.parameters();
+      for (size_t k = 0; k < pp.size(); ++k) {
+        pp[k].assign(plain_slow[k]);
+        cp[k].assign(compiled_slow[k]);
+      }
+    }
+    EXPECT_EQ(bits(body(plain_run, plain_slow, plain_run.batch(i), plain_run.y)),
+              bits(step(compiled_run.batch(i), compiled_run.y)));
+    Snapshot a, b;
+    snapshot_model(a, plain_run.model, plain_run.opt);
+    snapshot_model(b, compiled_run.model, compiled_run.opt);
+    EXPECT_TRUE(a.params == b.params) << "parameters after the call";
+    for (MlpRun* run : {&plain_run, &compiled_run}) run->opt.step();
+  }
+  expect_same_state(plain_run, compiled_run);
+}
+
+// the same through SGD: an optimizer (outside the step) that starts after the plan, e.g. a
+// phase switch to SGD with momentum: its first momentum_buffer is the gradient itself.
+TEST(Compile, SgdMomentumStartedAfterThePlanKeepsItsBuffer) {
+  MlpRun plain_run, compiled_run;
+  mt::SGD plain_sgd(plain_run.model.parameters(), mt::SGDOptions{.lr = 1e-2, .momentum = 0.9});
+  mt::SGD compiled_sgd(compiled_run.model.parameters(),
+                       mt::SGDOptions{.lr = 1e-2, .momentum = 0.9});
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& y) { return fwd_bwd(compiled_run, x, y); });
+  for (int i = 0; i < 10; ++i) {
+    SCOPED_TRACE(testing::Message() << "call " << i);
+    EXPECT_EQ(bits(fwd_bwd(plain_run, plain_run.batch(i), plain_run.y)),
+              bits(step(compiled_run.batch(i), compiled_run.y)));
+    if (i < 5) {
+      plain_run.opt.step();
+      compiled_run.opt.step();
+    } else {
+      plain_sgd.step();
+      compiled_sgd.step();
+    }
+  }
+  std::vector<mt::Tensor> a = plain_run.model.parameters(), b = compiled_run.model.parameters();
+  for (size_t k = 0; k < a.size(); ++k) EXPECT_EQ(bits(a[k]), bits(b[k])) << "param " << k;
+  for (size_t k = 0; k < a.size(); ++k)
+    EXPECT_EQ(bits(plain_sgd.state(k)[0].second), bits(compiled_sgd.state(k)[0].second))
+        << "momentum " << k;
+}
+
 // Random training loops: each scenario fixes what the step does (zero_grad inside it or not, the
 // optimizer's step inside it or outside), and before each call does at random what users do
 // outside a step: the optimizer's step, zero_grad or not (accumulation), weights or optimizer

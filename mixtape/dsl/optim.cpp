@@ -368,8 +368,9 @@ Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state)
     };
     Tensor* previous = find_state(state, "momentum_buffer");
     // Without dampening the gradient's factor is 1, which mul_add leaves out (g * 1 is g, bit for
-    // bit).
-    Tensor buffer = !previous                ? g
+    // bit). The first buffer is a copy of the gradient, as torch.optim.SGD's clone: a compiled
+    // step that hands the gradient back in place must not write the state too.
+    Tensor buffer = !previous                ? g * step_constant(1, g)
                     : options.dampening == 0 ? mul_add({*previous, momentum(*previous), g})
                                              : lincomb({*previous, momentum(*previous), g,
                                                         step_constant(1.0 - options.dampening, g)});

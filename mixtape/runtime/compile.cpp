@@ -162,12 +162,10 @@ Trace trace_call(const std::vector<Tensor>& args, const StepReplayer::Function& 
     slot.at = stored_place(trace, left.get());
     for (size_t i = 0; i < args.size() && slot.at == kUndefined && slot.arg < 0; ++i)
       if (args[i].defined() && args[i].node() == left) slot.arg = static_cast<int>(i);
-    if (slot.at == kUndefined && slot.arg < 0) {
-      if (!rec.made_here.count(left.get()))
-        slot.fixed = left;
-      else if (trace.unfit.empty())
-        trace.unfit = "leaves a gradient made from host data inside it";
-    }
+    if (slot.at == kUndefined && slot.arg < 0 && trace.unfit.empty())
+      trace.unfit =
+          "leaves a gradient it did not compute (set_grad with a value made before the call, or "
+          "from host data)";
   }
   return std::move(rec.trace);
 }
@@ -313,7 +311,7 @@ class EvaluationPlanner {
     }
     // State the previous call left (or a constant): what the earlier call read is the value
     // before it. A value stored earlier in the same call is no state.
-    if (binding.arg < 0 && !same_call) binding.first_value = ea.inputs[x];
+    if (binding.object && !same_call) binding.first_value = ea.inputs[x];
     return true;
   }
 
@@ -372,6 +370,8 @@ void adopt_graph(Plan& plan, size_t e, Evaluation&& eval) {
     auto leaf = std::make_shared<Node>(*external);
     leaf->inputs.clear();
     leaf->value = planned.inputs[x].object;
+    // A parameter's value is read afresh each call: the plan keeps no old weights alive.
+    if (planned.inputs[x].through_parameter()) planned.eval.inputs[x].reset();
     private_leaf.emplace(external, leaf);
     sig.externals[x] = leaf.get();  // Signature::ref() maps the leaf from here on
     planned.leaves.push_back(std::move(leaf));
@@ -438,6 +438,12 @@ void watch(Plan& plan) {
   };
   for (const PlannedEvaluation& planned : plan.evals) {
     for (const Binding& binding : planned.inputs)
+      if (binding.object) plan.kept.insert(binding.object.get());
+    for (size_t j = 0; j < planned.eval.outputs.size(); ++j)
+      if (planned.result_slot[j] < 0) plan.kept.insert(planned.eval.outputs[j].get());
+  }
+  for (const PlannedEvaluation& planned : plan.evals) {
+    for (const Binding& binding : planned.inputs)
       if (binding.first_value || !handed_back.count(binding.object.get())) add(binding.object);
     for (size_t j = 0; j < planned.eval.outputs.size(); ++j)
       if (planned.result_slot[j] < 0 && !handed_back.count(planned.eval.outputs[j].get()))
@@ -466,6 +472,9 @@ const char* replaced_state(const Plan& plan, const std::vector<Tensor>& args) {
           value->requires_grad != leaf.requires_grad)
         return "a parameter the step reads was dropped, frozen or unfrozen, or given another "
                "shape or dtype, or a value not yet computed, outside it since the last call";
+      if (plan.kept.count(value->value.get()))
+        return "a parameter the step reads shares a buffer with state the step updates in place "
+               "(assigned from it outside the step)";
     }
   for (const GradientSlot& slot : plan.gradients)
     if (std::shared_ptr<TensorImpl> owner = owner_of(slot, args);
@@ -493,7 +502,9 @@ std::string signature_key(const std::vector<Tensor>& args) {
       key += "|-";
       continue;
     }
-    key += fmt::format("|{}{}", name(a.node()->value->dtype), to_string(a.shape()));
+    // An argument that requires grad gets a gradient, which makes another graph.
+    key += fmt::format("|{}{}{}", name(a.node()->value->dtype), to_string(a.shape()),
+                       a.requires_grad() ? "g" : "");
   }
   return key;
 }

@@ -62,8 +62,7 @@ bool GradientSlot::operator==(const GradientSlot& other) const {
   const bool same_owner =
       owner_arg >= 0 ? owner_arg == other.owner_arg
                      : !owner.owner_before(other.owner) && !other.owner.owner_before(owner);
-  return same_owner && start == other.start && at == other.at && arg == other.arg &&
-         fixed == other.fixed;
+  return same_owner && start == other.start && at == other.at && arg == other.arg;
 }
 
 std::shared_ptr<TensorImpl> owner_of(const GradientSlot& slot, const std::vector<Tensor>& args) {
@@ -173,7 +172,7 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
   for (GradientSlot& slot : plan.gradients)
     if (slot.at.first < 0)
       set_gradient(owner_of(slot, args).get(),
-                   slot.arg >= 0 ? args[static_cast<size_t>(slot.arg)].node() : slot.fixed, moved);
+                   slot.arg >= 0 ? args[static_cast<size_t>(slot.arg)].node() : nullptr, moved);
   // The moves off the replay made are the trace's own, which its plan was made after.
   for (Plan::Watched& w : plan.watched)
     if (std::find(moved.begin(), moved.end(), w.object.get()) != moved.end())

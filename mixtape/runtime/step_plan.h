@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -87,11 +88,9 @@ struct GradientSlot {
     added_to,           // added to it (accumulation): state the replay reads
   } start = Start::replaced;
   // Where the step leaves it: (evaluation, stored index), which may be a result's; or the
-  // call's argument `arg` itself (set_grad(argument)); or `fixed`, a value made before the
-  // call; or none of them: no gradient.
+  // call's argument `arg` itself (set_grad(argument)); or neither: no gradient.
   std::pair<int, int> at{-1, -1};
   int arg = -1;
-  NodePtr fixed;
   bool operator==(const GradientSlot& other) const;  // the same, but for `handed`
   // The leaf a replay last left in owner's grad(). While something else holds it, the next
   // replay gives it the value it had instead of overwriting it.
@@ -115,6 +114,7 @@ struct Plan {
     uint32_t moves_off = 0;
   };
   std::vector<Watched> watched;
+  std::unordered_set<const Storage*> kept;  // every buffer a replay reads or writes in place
 };
 
 /// Gives back what evaluate() would have dropped at once had no trace or plan kept the graph.
