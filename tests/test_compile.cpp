@@ -1011,6 +1011,45 @@ TEST(Compile, SgdMomentumStartedAfterThePlanKeepsItsBuffer) {
         << "momentum " << k;
 }
 
+// A copy of the weights taken with assign between calls (the best weights so far) keeps its
+// value while later replays update the weights in place.
+TEST(Compile, WeightsCopiedWithAssignKeepTheirValue) {
+  MlpRun run;
+  auto step = mt::compile([&](const mt::Tensor& x, const mt::Tensor& y) { return run.step(x, y); });
+  mt::Tensor best = mt::zeros(run.model.parameters()[0].shape());
+  std::vector<uint32_t> at_the_time;
+  for (int i = 0; i < 10; ++i) {
+    step(run.batch(i), run.y);
+    if (i == 5) {
+      best.assign(run.model.parameters()[0]);
+      at_the_time = bits(best);
+    }
+  }
+  EXPECT_EQ(bits(best), at_the_time);
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 6) << step.stats().reason;
+  }
+}
+
+// A gradient copied with assign (for a log of successive gradients) keeps its value: assign
+// copies a buffer that replays update in place rather than sharing it.
+TEST(Compile, AGradientCopiedWithAssignKeepsItsValue) {
+  MlpRun plain_run, compiled_run;
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& y) { return fwd_bwd(compiled_run, x, y); });
+  std::vector<std::pair<mt::Tensor, std::vector<uint32_t>>> kept;
+  for (int i = 0; i < 8; ++i) {
+    EXPECT_EQ(bits(fwd_bwd(plain_run, plain_run.batch(i), plain_run.y)),
+              bits(step(compiled_run.batch(i), compiled_run.y)));
+    mt::Tensor prev = mt::zeros(compiled_run.model.parameters()[0].shape());
+    prev.assign(compiled_run.model.parameters()[0].grad());  // e.g. for a gradient-cosine log
+    kept.emplace_back(prev, bits(prev));
+    for (MlpRun* run : {&plain_run, &compiled_run}) run->opt.step();
+  }
+  for (size_t i = 0; i < kept.size(); ++i)
+    EXPECT_EQ(bits(kept[i].first), kept[i].second) << "kept after call " << i;
+}
+
 // Random training loops: each scenario fixes what the step does (zero_grad inside it or not, the
 // optimizer's step inside it or outside), and before each call does at random what users do
 // outside a step: the optimizer's step, zero_grad or not (accumulation), weights or optimizer

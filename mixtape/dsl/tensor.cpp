@@ -4,9 +4,11 @@
 #include <atomic>
 #include <bit>
 #include <cmath>
+#include <cstring>
 
 #include "mixtape/dsl/convert.h"
 #include "mixtape/dsl/error.h"
+#include "mixtape/dsl/in_place.h"
 #include "mixtape/dsl/ops.h"
 #include "mixtape/dsl/pool_allocator.h"
 
@@ -130,11 +132,21 @@ void check_assignable(const NodePtr& current, const Tensor& value, const char* o
             name(value.dtype()), to_string(current->shape), name(current->dtype));
 }
 
-// Makes `impl` a leaf holding `value`'s (evaluated) data: state, as the optimizers keep it.
+// Makes `impl` a leaf holding `value`'s (evaluated) data: state, as the optimizers keep it. The
+// data is shared, but for a buffer a compiled step updates in place (a parameter, a gradient),
+// which is copied: the assigned tensor keeps the value (the best weights so far) as tracing
+// would keep it.
 void become_leaf(const std::shared_ptr<TensorImpl>& impl, const NodePtr& value, const Loc& loc) {
   const NodePtr current = impl->node;
   auto leaf = make_node(OpCode::Constant, current->dtype, current->shape, {}, {}, loc);
   leaf->value = value->value;
+  if (written_in_place(leaf->value.get())) {
+    const Storage& shared = *leaf->value;
+    auto copy = std::make_shared<Storage>(shared.dtype, shared.count, Storage::Uninitialized{});
+    if (shared.size_bytes() > 0)
+      std::memcpy(copy->bytes.data(), shared.host_data(), static_cast<size_t>(shared.size_bytes()));
+    leaf->value = std::move(copy);
+  }
   leaf->precision.storage_type = leaf->precision.compute = leaf->value->dtype;
   leaf->precision.assigned = true;
   leaf->origin.module_path = current->origin.module_path;

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/in_place.h"
 #include "mixtape/dsl/tensor.h"
 #include "mixtape/runtime/program.h"
 
@@ -77,6 +78,25 @@ struct PlannedEvaluation {
   std::vector<int> shares_with;
 };
 
+/// The buffers a plan reads or writes in place, counted for the process (dsl/in_place.h) while
+/// the plan holds them.
+class InPlaceBuffers {
+ public:
+  InPlaceBuffers() = default;
+  InPlaceBuffers(const InPlaceBuffers&) = delete;
+  InPlaceBuffers& operator=(const InPlaceBuffers&) = delete;
+  ~InPlaceBuffers() {
+    for (const Storage* buffer : buffers_) release_in_place(buffer);
+  }
+  void insert(const Storage* buffer) {
+    if (buffers_.insert(buffer).second) hold_in_place(buffer);
+  }
+  bool count(const Storage* buffer) const { return buffers_.count(buffer) > 0; }
+
+ private:
+  std::unordered_set<const Storage*> buffers_;
+};
+
 /// A gradient the step leaves in a parameter's grad(): a replay leaves it there too.
 struct GradientSlot {
   std::weak_ptr<TensorImpl> owner;  // whose gradient it is: a tensor the function reached
@@ -114,7 +134,7 @@ struct Plan {
     uint32_t moves_off = 0;
   };
   std::vector<Watched> watched;
-  std::unordered_set<const Storage*> kept;  // every buffer a replay reads or writes in place
+  InPlaceBuffers kept;  // every buffer a replay reads or writes in place
 };
 
 /// Gives back what evaluate() would have dropped at once had no trace or plan kept the graph.
