@@ -68,6 +68,20 @@ struct MlpRun {
   mt::Tensor batch(int i) const { return x * (1.0 + 0.01 * i); }
 };
 
+// MlpRun's loss and backward pass, without zero_grad or the optimizer's step: a step whose
+// loop does those outside it.
+mt::Tensor forward_backward(MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
+  mt::Tensor loss = mt::mse_loss(run.model(x), y);
+  loss.backward();
+  return loss;
+}
+
+// forward_backward through mt::compile.
+auto compile_forward_backward(MlpRun& run) {
+  return mt::compile(
+      [&run](const mt::Tensor& x, const mt::Tensor& y) { return forward_backward(run, x, y); });
+}
+
 // Two runs' parameters, optimizer state and step counts are the same bits.
 void expect_same_state(const MlpRun& a, const MlpRun& b) {
   Snapshot first, second;
@@ -669,19 +683,13 @@ TEST(Compile, GradientsKeptFromAnEarlierStepAreNotOverwritten) {
 // that makes them afresh.
 TEST(Compile, GradientsLeftFromTheLastCallAreAddedTo) {
   MlpRun plain_run, compiled_run;
-  auto body = [](MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
-    mt::Tensor loss = mt::mse_loss(run.model(x), y);
-    loss.backward();
-    return loss;
-  };
-  auto step = mt::compile(
-      [&](const mt::Tensor& x, const mt::Tensor& y) { return body(compiled_run, x, y); });
+  auto step = compile_forward_backward(compiled_run);
   for (int i = 0; i < 14; ++i) {
     if (i < 6 || i % 3 == 0) {  // one micro-batch per step, then three
       plain_run.opt.zero_grad();
       compiled_run.opt.zero_grad();
     }
-    EXPECT_EQ(bits(body(plain_run, plain_run.batch(i), plain_run.y)),
+    EXPECT_EQ(bits(forward_backward(plain_run, plain_run.batch(i), plain_run.y)),
               bits(step(compiled_run.batch(i), compiled_run.y)));
     EXPECT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model))
         << "step " << i;
@@ -696,16 +704,10 @@ TEST(Compile, GradientsLeftFromTheLastCallAreAddedTo) {
 // buffers, which a replay reads through the parameters rather than from where they were.
 TEST(Compile, OptimizerOutsideTheStepStillReplays) {
   MlpRun plain_run, compiled_run;
-  auto body = [](MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
-    mt::Tensor loss = mt::mse_loss(run.model(x), y);
-    loss.backward();
-    return loss;
-  };
-  auto step = mt::compile(
-      [&](const mt::Tensor& x, const mt::Tensor& y) { return body(compiled_run, x, y); });
+  auto step = compile_forward_backward(compiled_run);
   for (int i = 0; i < 10; ++i) {
     for (MlpRun* run : {&plain_run, &compiled_run}) run->opt.zero_grad();
-    EXPECT_EQ(bits(body(plain_run, plain_run.batch(i), plain_run.y)),
+    EXPECT_EQ(bits(forward_backward(plain_run, plain_run.batch(i), plain_run.y)),
               bits(step(compiled_run.batch(i), compiled_run.y)));
     for (MlpRun* run : {&plain_run, &compiled_run}) run->opt.step();
   }
@@ -781,11 +783,7 @@ TEST(Compile, GradientsOfArgumentsGoToEachCallsArgument) {
 // gradients the first left. Both replay, and the gradients are tracing's.
 TEST(Compile, AStepAddingToAnotherStepsGradientsReplays) {
   MlpRun plain_run, compiled_run;
-  auto micro = [](MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
-    mt::Tensor loss = mt::mse_loss(run.model(x), y);
-    loss.backward();
-    return loss;
-  };
+  auto micro = forward_backward;
   auto first = mt::compile(
       [&](const mt::Tensor& x, const mt::Tensor& y) { return micro(compiled_run, x, y); });
   auto second = mt::compile(
@@ -844,9 +842,7 @@ TEST(Compile, GradientsSetFromArgumentsOrReturnedReplay) {
 // The forward and backward of MlpRun with zero_grad inside; the optimizer is run outside.
 mt::Tensor fwd_bwd(MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
   run.opt.zero_grad();
-  mt::Tensor loss = mt::mse_loss(run.model(x), y);
-  loss.backward();
-  return loss;
+  return forward_backward(run, x, y);
 }
 
 mt::Tensor copy_of(const mt::Tensor& t) { return mt::tensor(t.to_vector<float>(), t.shape()); }
