@@ -12,9 +12,11 @@ struct Held {
   std::unordered_map<const Storage*, int> plans;  // buffer -> plans updating it
 };
 
+// Never destroyed: a plan kept in a static (a compiled step in a global) may release its buffers
+// during static destruction, after a function-local static here would be gone.
 Held& held() {
-  static Held instance;
-  return instance;
+  static Held* instance = new Held;
+  return *instance;
 }
 
 }  // namespace
