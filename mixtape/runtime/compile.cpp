@@ -436,12 +436,10 @@ void watch(Plan& plan) {
   auto add = [&](const StoragePtr& object) {
     if (object && seen.insert(object.get()).second) plan.watched.push_back({object});
   };
-  for (const PlannedEvaluation& planned : plan.evals) {
-    for (const Binding& binding : planned.inputs)
-      if (binding.object) plan.kept.insert(binding.object.get());
+  // Only what a replay writes (carried state is among it): a constant it reads stays shared.
+  for (const PlannedEvaluation& planned : plan.evals)
     for (size_t j = 0; j < planned.eval.outputs.size(); ++j)
       if (planned.result_slot[j] < 0) plan.kept.insert(planned.eval.outputs[j].get());
-  }
   for (const PlannedEvaluation& planned : plan.evals) {
     for (const Binding& binding : planned.inputs)
       if (binding.first_value || !handed_back.count(binding.object.get())) add(binding.object);

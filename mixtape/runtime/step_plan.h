@@ -78,7 +78,7 @@ struct PlannedEvaluation {
   std::vector<int> shares_with;
 };
 
-/// The buffers a plan reads or writes in place, counted for the process (dsl/in_place.h) while
+/// The buffers a plan updates in place, counted for the process (dsl/in_place.h) while
 /// the plan holds them.
 class InPlaceBuffers {
  public:
@@ -134,7 +134,7 @@ struct Plan {
     uint32_t moves_off = 0;
   };
   std::vector<Watched> watched;
-  InPlaceBuffers kept;  // every buffer a replay reads or writes in place
+  InPlaceBuffers kept;  // every buffer a replay updates in place
 };
 
 /// Gives back what evaluate() would have dropped at once had no trace or plan kept the graph.
