@@ -436,16 +436,15 @@ void watch(Plan& plan) {
   auto add = [&](const StoragePtr& object) {
     if (object && seen.insert(object.get()).second) plan.watched.push_back({object});
   };
-  // Only what a replay writes (carried state is among it): a constant it reads stays shared.
-  for (const PlannedEvaluation& planned : plan.evals)
-    for (size_t j = 0; j < planned.eval.outputs.size(); ++j)
-      if (planned.result_slot[j] < 0) plan.kept.insert(planned.eval.outputs[j].get());
   for (const PlannedEvaluation& planned : plan.evals) {
     for (const Binding& binding : planned.inputs)
       if (binding.first_value || !handed_back.count(binding.object.get())) add(binding.object);
-    for (size_t j = 0; j < planned.eval.outputs.size(); ++j)
-      if (planned.result_slot[j] < 0 && !handed_back.count(planned.eval.outputs[j].get()))
-        add(planned.eval.outputs[j]);
+    for (size_t j = 0; j < planned.eval.outputs.size(); ++j) {
+      if (planned.result_slot[j] >= 0) continue;
+      // Only what a replay writes (carried state is among it): a constant it reads stays shared.
+      plan.kept.insert(planned.eval.outputs[j].get());
+      if (!handed_back.count(planned.eval.outputs[j].get())) add(planned.eval.outputs[j]);
+    }
   }
   for (Plan::Watched& w : plan.watched) {
     w.holders = w.object.use_count();

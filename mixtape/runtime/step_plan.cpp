@@ -175,7 +175,7 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
                    slot.arg >= 0 ? args[static_cast<size_t>(slot.arg)].node() : nullptr, moved);
   // The moves off the replay made are the trace's own, which its plan was made after.
   for (Plan::Watched& w : plan.watched)
-    if (std::find(moved.begin(), moved.end(), w.object.get()) != moved.end())
+    if (!moved.empty() && std::find(moved.begin(), moved.end(), w.object.get()) != moved.end())
       w.moves_off = w.object->moves_off.load(std::memory_order_relaxed);
   run_hooks(plan.hooks);
   return results;
