@@ -1577,4 +1577,71 @@ TEST(Compile, AScheduleChangedOutsideTheStepIsFollowed) {
   EXPECT_EQ(compiled_run.opt->current_lr().item(), 0.1);
 }
 
+// Copies of the weights the step updates, taken with assign inside the step (the weights before
+// the update, kept for a later comparison): each call's copies hold what tracing gives them. A
+// replay hands an assigned tensor its value by writing that value's buffer again, which a weight
+// from before the call, or a view of one, is not: such a step traces every call.
+TEST(Compile, CopiesOfWeightsTakenInsideTheStepHoldWhatTracingGives) {
+  struct Copies {
+    mt::Tensor weight = mt::zeros({32, 8}), detached = mt::zeros({32}), flat = mt::zeros({32});
+  };
+  MlpRun plain_run, compiled_run;
+  Copies plain_copies, compiled_copies;
+  auto body = [](MlpRun& run, Copies& c, const mt::Tensor& x, const mt::Tensor& y) {
+    std::vector<mt::Tensor> params = run.model.parameters();
+    c.weight.assign(params[0]);
+    c.detached.assign(params[1].detach());
+    c.flat.assign(params[1].reshape({-1}));
+    return run.step(x, y);
+  };
+  auto step = mt::compile([&](const mt::Tensor& x, const mt::Tensor& y) {
+    return body(compiled_run, compiled_copies, x, y);
+  });
+  for (int i = 0; i < 6; ++i) {
+    SCOPED_TRACE(testing::Message() << "call " << i);
+    EXPECT_EQ(bits(body(plain_run, plain_copies, plain_run.batch(i), plain_run.y)),
+              bits(step(compiled_run.batch(i), compiled_run.y)));
+    EXPECT_EQ(bits(plain_copies.weight), bits(compiled_copies.weight));
+    EXPECT_EQ(bits(plain_copies.detached), bits(compiled_copies.detached));
+    EXPECT_EQ(bits(plain_copies.flat), bits(compiled_copies.flat));
+  }
+  if (replays_here()) {
+    EXPECT_EQ(step.stats().replays, 0);
+    EXPECT_NE(step.stats().reason.find("did not compute"), std::string::npos)
+        << step.stats().reason;
+  }
+}
+
+// Values the step computes and assigns (a statistic of the batch, the weights before the update
+// as the step's own copy, the last loss scaled) are written again by each replay, before the
+// optimizer's update or after it.
+TEST(Compile, ValuesComputedInsideTheStepAndAssignedReplay) {
+  struct Kept {
+    mt::Tensor gram = mt::zeros({8, 8}), weight = mt::zeros({32, 8}), last = mt::zeros({});
+  };
+  MlpRun plain_run, compiled_run;
+  Kept plain_kept, compiled_kept;
+  auto body = [](MlpRun& run, Kept& k, const mt::Tensor& x, const mt::Tensor& y) {
+    k.gram.assign(mt::matmul(x.transpose(0, 1), x));
+    k.weight.assign(run.model.parameters()[0] * 1.0);
+    mt::Tensor loss = run.step(x, y);
+    k.last.assign(loss * 2.0);
+    return loss;
+  };
+  auto step = mt::compile([&](const mt::Tensor& x, const mt::Tensor& y) {
+    return body(compiled_run, compiled_kept, x, y);
+  });
+  for (int i = 0; i < 8; ++i) {
+    SCOPED_TRACE(testing::Message() << "call " << i);
+    EXPECT_EQ(bits(body(plain_run, plain_kept, plain_run.batch(i), plain_run.y)),
+              bits(step(compiled_run.batch(i), compiled_run.y)));
+    EXPECT_EQ(bits(plain_kept.gram), bits(compiled_kept.gram));
+    EXPECT_EQ(bits(plain_kept.weight), bits(compiled_kept.weight));
+    EXPECT_EQ(bits(plain_kept.last), bits(compiled_kept.last));
+  }
+  if (replays_here()) {
+    EXPECT_GE(step.stats().replays, 5) << step.stats().reason;
+  }
+}
+
 }  // namespace

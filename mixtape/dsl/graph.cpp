@@ -126,6 +126,9 @@ void note_side_effect(const char* what) {
 void note_gradient_change(const std::shared_ptr<TensorImpl>& owner, bool reads_current) {
   if (tracer) tracer->gradient_changing(owner, reads_current);
 }
+void note_assignment(const NodePtr& value) {
+  if (tracer) tracer->assigning(value);
+}
 bool on_each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values) {
   if (!tracer) return false;
   tracer->each_call(std::move(hook), std::move(values));

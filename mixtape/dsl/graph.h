@@ -127,6 +127,8 @@ class TraceObserver {
   virtual void each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values) = 0;
   /// `owner`'s gradient is about to change: made from (`reads_current`) or without its value.
   virtual void gradient_changing(const std::shared_ptr<TensorImpl>& owner, bool reads_current) = 0;
+  /// A tensor is about to hold `value` (evaluated) as its own (assign).
+  virtual void assigning(const NodePtr& value) = 0;
 };
 TraceObserver* trace_observer();
 /// Installs `observer` for this thread, returning the previous one.
@@ -140,6 +142,9 @@ bool on_each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values = 
 /// Tells the observer, if any, that `owner`'s gradient is about to change (zero_grad, set_grad,
 /// backward's accumulation): a replay leaves each gradient where the trace left it.
 void note_gradient_change(const std::shared_ptr<TensorImpl>& owner, bool reads_current);
+/// Tells the observer, if any, that a tensor is about to hold `value` (assign): a replay repeats
+/// that only for a value the call computes.
+void note_assignment(const NodePtr& value);
 
 /// The most bytes of stored values that the compiled program evaluating `outputs` would keep
 /// alive at once under its memory plan (the peak_bytes execution_stats() reports once it runs;

@@ -138,6 +138,7 @@ void check_assignable(const NodePtr& current, const Tensor& value, const char* o
 // would keep it.
 void become_leaf(const std::shared_ptr<TensorImpl>& impl, const NodePtr& value, const Loc& loc) {
   const NodePtr current = impl->node;
+  if (value != current) note_assignment(value);
   auto leaf = make_node(OpCode::Constant, current->dtype, current->shape, {}, {}, loc);
   leaf->value = value->value;
   if (written_in_place(leaf->value.get())) {

@@ -62,7 +62,9 @@ class Recorder final : public TraceObserver {
                  : owner->grad  ? Start::added_to
                                 : Start::made_from_nothing;
   }
+  void assigning(const NodePtr& value) override { assigned.push_back(value); }
   std::vector<std::weak_ptr<Node>> made;
+  std::vector<NodePtr> assigned;              // each value a tensor took with assign, in order
   std::unordered_set<const Node*> made_here;  // made's nodes: an address alive before the call
                                               // is none of them
   Trace trace;
@@ -150,6 +152,14 @@ Trace trace_call(const std::vector<Tensor>& args, const StepReplayer::Function& 
     }
     trace.results.push_back(at);
   }
+  // A replay hands a tensor its new value by writing that value's buffer again: a value that no
+  // evaluation of the call stored (the weights before the optimizer's update, an argument, a view
+  // of either) would keep the trace's.
+  for (const NodePtr& value : rec.assigned)
+    if (stored_place(trace, value.get()) == kUndefined && trace.unfit.empty())
+      trace.unfit =
+          "assigns a tensor a value it did not compute (a weight, an argument or a view of one; "
+          "assign a copy, such as w * 1.0, to have replays repeat it)";
   // Where each gradient whose tensor is still alive was left.
   std::erase_if(trace.gradients, [](const GradientSlot& slot) { return slot.owner.expired(); });
   for (GradientSlot& slot : trace.gradients) {

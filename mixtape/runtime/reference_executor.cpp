@@ -106,41 +106,18 @@ std::vector<T> pointwise_input(const Node& node, size_t i) {
   return values;
 }
 
-template <typename F>
-StoragePtr map_unary(const Node& node, F f) {
-  StoragePtr out = new_storage(node);
-  with_compute_type(node.inputs[0]->dtype, [&](auto zero) {
-    using T = decltype(zero);
-    std::vector<T> a = pointwise_input<T>(node, 0);
-    for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, static_cast<T>(f(a[i])));
-  });
-  return out;
-}
-
-template <typename F>
-StoragePtr map_binary(const Node& node, F f) {
-  StoragePtr out = new_storage(node);
-  with_compute_type(node.inputs[0]->dtype, [&](auto zero) {
-    using T = decltype(zero);
-    std::vector<T> a = pointwise_input<T>(node, 0);
-    std::vector<T> b = pointwise_input<T>(node, 1);
-    for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, f(a[i], b[i]));
-  });
-  return out;
-}
-
-// A fused pointwise op (MT_FUSED): f over its N inputs element by element, the parameters past
-// N given zeros (its expression does not name them).
+// f over the node's first N inputs element by element, called with Arity arguments: those past N
+// are zeros (a fused op's expression, MT_FUSED, does not name them).
 constexpr size_t kFusedMaxArity = 7;
-template <size_t N, typename F>
-StoragePtr map_fused(const Node& node, F f) {
-  static_assert(N <= kFusedMaxArity);
+template <size_t N, size_t Arity = N, typename F>
+StoragePtr map_pointwise(const Node& node, F f) {
+  static_assert(N <= Arity);
   StoragePtr out = new_storage(node);
   with_compute_type(node.inputs[0]->dtype, [&](auto zero) {
     using T = decltype(zero);
     std::array<std::vector<T>, N> in;
     for (size_t k = 0; k < N; ++k) in[k] = pointwise_input<T>(node, k);
-    std::array<T, kFusedMaxArity> x{};
+    std::array<T, Arity> x{};
     for (int64_t i = 0; i < out->count; ++i) {
       for (size_t k = 0; k < N; ++k) x[k] = in[k][static_cast<size_t>(i)];
       store_element(*out, i, std::apply(f, x));
@@ -928,27 +905,28 @@ std::shared_ptr<Storage> reference_compute(const Node& node) {
     return ref_##Name(node);
 #define MT_UNARY(Name, fname, category, domain, REF, VJP) \
   case OpCode::Name:                                      \
-    return map_unary(node, [](auto a) {                   \
+    return map_pointwise<1>(node, [](auto a) {            \
       using T = decltype(a);                              \
       return static_cast<T>(REF);                         \
     });
 #define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
   case OpCode::Name:                                              \
-    return map_binary(node, [](auto a, auto b) {                  \
+    return map_pointwise<2>(node, [](auto a, auto b) {            \
       using T = decltype(a);                                      \
       return T(REF);                                              \
     });
 #define MT_COMPARE(Name, fname, REF) \
   case OpCode::Name:                 \
-    return map_binary(node, [](auto a, auto b) { return REF; });
-#define MT_FUSED(Name, fname, arity, REF)                                                      \
-  case OpCode::Name:                                                                           \
-    return map_fused<arity>(node, [](auto a, [[maybe_unused]] auto b, [[maybe_unused]] auto c, \
-                                     [[maybe_unused]] auto d, [[maybe_unused]] auto e,         \
-                                     [[maybe_unused]] auto f, [[maybe_unused]] auto g) {       \
-      using T = decltype(a);                                                                   \
-      return T(REF);                                                                           \
-    });
+    return map_pointwise<2>(node, [](auto a, auto b) { return REF; });
+#define MT_FUSED(Name, fname, arity, REF)                                                     \
+  case OpCode::Name:                                                                          \
+    return map_pointwise<arity, kFusedMaxArity>(                                              \
+        node,                                                                                 \
+        [](auto a, [[maybe_unused]] auto b, [[maybe_unused]] auto c, [[maybe_unused]] auto d, \
+           [[maybe_unused]] auto e, [[maybe_unused]] auto f, [[maybe_unused]] auto g) {       \
+          using T = decltype(a);                                                              \
+          return T(REF);                                                                      \
+        });
 #include "mixtape/dsl/ops.def"
   }
   node_fail(node, "unknown op code {}", static_cast<int>(node.op));

@@ -185,6 +185,10 @@ Outcome train(const Options& o) {
     } else {
       losses.push_back(o.compiled && s != o.bad_step ? compiled(x, y) : step(x, y));
     }
+    // Each loss now, as its step left it: a loss that tracing left unevaluated (the backward pass
+    // does not read it) would else be computed at the end, fused with the others in other
+    // kernels, whose sums may add in another order (an ulp apart on AVX-512).
+    mt::eval({losses.back()});
     if (s + 1 == o.save_at && o.sharded)
       mt::dist::save_checkpoint_sharded(o.path, net, &opt, {}, &scaler);
     else if (s + 1 == o.save_at)

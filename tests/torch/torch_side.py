@@ -14,9 +14,11 @@ torch.set_num_threads(1)
 
 DTYPES = {'F32': np.float32, 'F64': np.float64, 'I64': np.int64, 'I32': np.int32, 'BOOL': np.bool_}
 TAGS = {np.dtype(v): k for k, v in DTYPES.items()}
+TORCH_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16,
+                'BF16': torch.bfloat16, 'I64': torch.int64, 'I32': torch.int32, 'BOOL': torch.bool}
 
 def load(path):
-    """The tensors of a safetensors file, and its __metadata__."""
+    """The tensors of a safetensors file (16-bit floats included), and its __metadata__."""
     with open(path, 'rb') as f:
         raw = f.read()
     n = struct.unpack('<Q', raw[:8])[0]
@@ -25,8 +27,10 @@ def load(path):
     out = {}
     for name, info in header.items():
         b, e = info['data_offsets']
-        arr = np.frombuffer(raw[8 + n + b:8 + n + e], dtype=DTYPES[info['dtype']])
-        out[name] = torch.from_numpy(arr.reshape(info['shape']).copy())
+        dtype = TORCH_DTYPES[info['dtype']]
+        data = bytearray(raw[8 + n + b:8 + n + e])  # a copy the tensor may own and write
+        flat = torch.frombuffer(data, dtype=dtype) if data else torch.zeros(0, dtype=dtype)
+        out[name] = flat.reshape(info['shape'])
     return out, meta
 
 def save(path, tensors, meta=None):
