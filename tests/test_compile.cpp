@@ -1613,19 +1613,21 @@ TEST(Compile, CopiesOfWeightsTakenInsideTheStepHoldWhatTracingGives) {
 }
 
 // Values the step computes and assigns (a statistic of the batch, the weights before the update
-// as the step's own copy, the last loss scaled) are written again by each replay, before the
-// optimizer's update or after it.
+// as the step's own copy, a constant filled in, the loss detached) are written again by each
+// replay, before the optimizer's update or after it.
 TEST(Compile, ValuesComputedInsideTheStepAndAssignedReplay) {
   struct Kept {
     mt::Tensor gram = mt::zeros({8, 8}), weight = mt::zeros({32, 8}), last = mt::zeros({});
+    mt::Tensor filled = mt::zeros({4});
   };
   MlpRun plain_run, compiled_run;
   Kept plain_kept, compiled_kept;
   auto body = [](MlpRun& run, Kept& k, const mt::Tensor& x, const mt::Tensor& y) {
     k.gram.assign(mt::matmul(x.transpose(0, 1), x));
     k.weight.assign(run.model.parameters()[0] * 1.0);
+    k.filled.assign(mt::full({4}, 3.0));
     mt::Tensor loss = run.step(x, y);
-    k.last.assign(loss * 2.0);
+    k.last.assign(loss.detach());
     return loss;
   };
   auto step = mt::compile([&](const mt::Tensor& x, const mt::Tensor& y) {
@@ -1638,6 +1640,7 @@ TEST(Compile, ValuesComputedInsideTheStepAndAssignedReplay) {
     EXPECT_EQ(bits(plain_kept.gram), bits(compiled_kept.gram));
     EXPECT_EQ(bits(plain_kept.weight), bits(compiled_kept.weight));
     EXPECT_EQ(bits(plain_kept.last), bits(compiled_kept.last));
+    EXPECT_EQ(bits(plain_kept.filled), bits(compiled_kept.filled));
   }
   if (replays_here()) {
     EXPECT_GE(step.stats().replays, 5) << step.stats().reason;

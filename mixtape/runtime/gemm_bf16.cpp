@@ -284,30 +284,24 @@ namespace {
 
 constexpr int kChains = 12;  // independent accumulators: enough to fill every port on both kinds
 
-// noipa: else GCC finds the bursts free of side effects and moves them out of the timed span.
-__attribute__((noipa)) MIXTAPE_AVX512_BF16 float fma_burst(int64_t iterations) {
+// `iterations` rounds of kChains independent accumulations: FMAs of f32 vectors, or (kDot)
+// VDPBF16PS dot products of bf16 pairs. noipa: else GCC finds the bursts free of side effects
+// and moves them out of the timed span.
+template <bool kDot>
+__attribute__((noipa)) MIXTAPE_AVX512_BF16 float vector_burst(int64_t iterations) {
   __m512 acc[kChains];
   for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
   const __m512 x = _mm512_set1_ps(0.999f), y = _mm512_set1_ps(1e-3f);
+  const __m512bh x_pairs = (__m512bh)_mm512_set1_epi16(0x3A83);  // 1e-3: sums stay small
+  const __m512bh y_pairs = (__m512bh)_mm512_set1_epi16(0x3F80);  // 1
   for (int64_t it = 0; it < iterations; ++it) {
 #pragma GCC unroll 16  // the accumulators must stay in registers
-    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_fmadd_ps(acc[i], x, y);
-  }
-  __m512 sum = acc[0];
-  for (int i = 1; i < kChains; ++i) sum = _mm512_add_ps(sum, acc[i]);
-  alignas(64) float lanes[16];
-  _mm512_store_ps(lanes, sum);
-  return lanes[0];  // keeps the work alive
-}
-
-__attribute__((noipa)) MIXTAPE_AVX512_BF16 float dot_burst(int64_t iterations) {
-  __m512 acc[kChains];
-  for (int i = 0; i < kChains; ++i) acc[i] = _mm512_set1_ps(static_cast<float>(i));
-  const __m512bh x = (__m512bh)_mm512_set1_epi16(0x3A83);  // 1e-3: sums stay small
-  const __m512bh y = (__m512bh)_mm512_set1_epi16(0x3F80);  // 1
-  for (int64_t it = 0; it < iterations; ++it) {
-#pragma GCC unroll 16  // the accumulators must stay in registers
-    for (int i = 0; i < kChains; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], x, y);
+    for (int i = 0; i < kChains; ++i) {
+      if constexpr (kDot)
+        acc[i] = _mm512_dpbf16_ps(acc[i], x_pairs, y_pairs);
+      else
+        acc[i] = _mm512_fmadd_ps(acc[i], x, y);
+    }
   }
   __m512 sum = acc[0];
   for (int i = 1; i < kChains; ++i) sum = _mm512_add_ps(sum, acc[i]);
@@ -333,10 +327,10 @@ double bf16_dot_speed_over_f32() {
     constexpr int64_t kIterations = 1 << 12;
     volatile float sink = 0;
     double fma = 1e30, dot = 1e30;
-    seconds_of(fma_burst, kIterations, sink);  // warm up the vector units
+    seconds_of(vector_burst<false>, kIterations, sink);  // warm up the vector units
     for (int burst = 0; burst < 15; ++burst) {
-      fma = std::min(fma, seconds_of(fma_burst, kIterations, sink));
-      dot = std::min(dot, seconds_of(dot_burst, kIterations, sink));
+      fma = std::min(fma, seconds_of(vector_burst<false>, kIterations, sink));
+      dot = std::min(dot, seconds_of(vector_burst<true>, kIterations, sink));
     }
     return (64.0 / dot) / (32.0 / fma);
   }();
