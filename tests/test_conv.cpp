@@ -61,8 +61,11 @@ const std::vector<Case>& cases() {
        {2, 4, 1, 5},
        {4, 2, 3, 3},
        {.padding = {2, 1}, .dilation = {2, 1}, .groups = 2}},
-      // A 1x1 window on 1x1 images: one matrix product (as the 1x1 case above is once cut).
+      // A window on the whole unpadded image: one matrix product (as the 1x1 and 2x2 cases
+      // above are once cut); not when dilated or grouped.
       {"1x1 on 1x1", {5, 12, 1, 1}, {7, 12, 1, 1}, {}},
+      {"3x2 on 3x2", {4, 5, 3, 2}, {6, 5, 3, 2}, {.stride = 2}},
+      {"grouped 2x2 on 2x2", {3, 4, 2, 2}, {6, 2, 2, 2}, {.groups = 2}},
   };
   return all;
 }
@@ -122,7 +125,7 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, ConvOnCpu, ::testing::Values(mt::f32, mt::bf16,
                          });
 
 // The cases above whose outer taps never reach the input run on the kept taps alone, and the
-// others on the whole window; 1x1 windows on 1x1 images as one GEMM.
+// others on the whole window; windows on the whole unpadded image (once cut) as one GEMM.
 TEST(Conv, TapsThatOnlyCoverPaddingAreCutOff) {
   auto kernel = [](const Case& c, mt::OpCode op) {
     mt::ConvDesc d;
@@ -152,8 +155,11 @@ TEST(Conv, TapsThatOnlyCoverPaddingAreCutOff) {
     for (mt::OpCode op :
          {mt::OpCode::Conv2d, mt::OpCode::Conv2dInputGrad, mt::OpCode::Conv2dWeightGrad}) {
       const std::string text = kernel(c, op);
-      const bool pointwise = c.label == "3x3 pad 1 on 1x1" || c.label == "1x1 on 1x1";
-      EXPECT_EQ(text.find("one GEMM, ") != std::string::npos, pointwise) << c.label << ": " << text;
+      const bool whole_image = c.label == "3x3 pad 1 on 1x1" || c.label == "1x1 on 1x1" ||
+                               c.label == "3x3 stride 2 pad 1 on 2x2 to 1x1" ||
+                               c.label == "3x2 on 3x2";
+      EXPECT_EQ(text.find("one GEMM, ") != std::string::npos, whole_image)
+          << c.label << ": " << text;
       const auto found = cut.find(c.label);
       if (found == cut.end())
         EXPECT_EQ(text.find("taps"), std::string::npos) << c.label << ": " << text;

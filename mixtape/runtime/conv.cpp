@@ -454,25 +454,29 @@ void move_taps(const ConvGeometry& g, const Crop& crop, DType type, const void* 
 
 int64_t element_bytes(DType type) { return type == f32 ? 4 : 2; }
 
-// A 1x1 window on 1x1 images, unpadded (what a 3x3 window on ResNet-18's last stage is once its
-// taps are cut): the convolution is a matrix product over the batch, y [n, o] = x [n, c] w [o,
-// c]^T, which runs without the layout reorders that are most of oneDNN's convolution time at this
-// size. The product for each primitive, or nothing for other problems.
+// A window that covers the whole unpadded image, one output position (a 3x3 window on
+// ResNet-18's last stages once its taps are cut: 1x1 on 1x1 images, or 2x2 on 2x2 at stride 2):
+// the convolution is a matrix product over the batch, y [n, o] = x [n, k] w [o, k]^T with k = c *
+// kh * kw (x and w flatten in the same (c, ky, kx) order), which runs without the layout reorders
+// that are most of oneDNN's convolution time at this size. The product for each primitive, or
+// nothing for other problems.
 std::optional<GemmDesc> as_matrix_product(const ConvDesc& d) {
   const ConvGeometry& g = d.geometry;
   const ConvWindow& w = g.window;
-  const bool pointwise = w.groups == 1 && g.kh == 1 && g.kw == 1 && g.h == 1 && g.w == 1 &&
-                         g.oh == 1 && g.ow == 1 && w.pad[0] == 0 && w.pad[1] == 0;
-  if (!pointwise) return std::nullopt;
+  const bool whole_image = w.groups == 1 && g.kh == g.h && g.kw == g.w && g.oh == 1 && g.ow == 1 &&
+                           w.pad[0] == 0 && w.pad[1] == 0 && (g.kh == 1 || w.dil[0] == 1) &&
+                           (g.kw == 1 || w.dil[1] == 1);
+  if (!whole_image) return std::nullopt;
+  const int64_t k = g.c * g.kh * g.kw;
   // Bf16Kernel::own names oneDNN's bf16 convolution here (widens_bf16), not gemm's own kernel.
   const Bf16Kernel kernel = d.bf16_kernel == Bf16Kernel::own ? Bf16Kernel::native : d.bf16_kernel;
   GemmDesc product{.operand = d.operand, .out = d.out, .bf16_kernel = kernel};
-  if (d.op == OpCode::Conv2d)  // a = x [n, c], b = w [o, c]
-    product.m = g.n, product.n = g.o, product.k = g.c, product.transpose_b = true;
-  else if (d.op == OpCode::Conv2dInputGrad)  // a = dy [n, o], b = w [o, c]
-    product.m = g.n, product.n = g.c, product.k = g.o;
-  else  // a = x [n, c], b = dy [n, o]: dw [o, c] = dy^T x
-    product.m = g.o, product.n = g.c, product.k = g.n, product.transpose_a = true;
+  if (d.op == OpCode::Conv2d)  // a = x [n, k], b = w [o, k]
+    product.m = g.n, product.n = g.o, product.k = k, product.transpose_b = true;
+  else if (d.op == OpCode::Conv2dInputGrad)  // a = dy [n, o], b = w [o, k]
+    product.m = g.n, product.n = k, product.k = g.o;
+  else  // a = x [n, k], b = dy [n, o]: dw [o, k] = dy^T x
+    product.m = g.o, product.n = k, product.k = g.n, product.transpose_a = true;
   return product;
 }
 
