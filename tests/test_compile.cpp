@@ -1580,10 +1580,11 @@ TEST(Compile, AScheduleChangedOutsideTheStepIsFollowed) {
 // Copies of the weights the step updates, taken with assign inside the step (the weights before
 // the update, kept for a later comparison): each call's copies hold what tracing gives them. A
 // replay hands an assigned tensor its value by writing that value's buffer again, which a weight
-// from before the call, or a view of one, is not: such a step traces every call.
+// from before the call is not (nor a view of one, which shares the weight's buffer): such a step
+// traces every call.
 TEST(Compile, CopiesOfWeightsTakenInsideTheStepHoldWhatTracingGives) {
   struct Copies {
-    mt::Tensor weight = mt::zeros({32, 8}), detached = mt::zeros({32}), flat = mt::zeros({32});
+    mt::Tensor weight = mt::zeros({32, 8}), detached = mt::zeros({32}), flat = mt::zeros({256});
   };
   MlpRun plain_run, compiled_run;
   Copies plain_copies, compiled_copies;
@@ -1591,7 +1592,7 @@ TEST(Compile, CopiesOfWeightsTakenInsideTheStepHoldWhatTracingGives) {
     std::vector<mt::Tensor> params = run.model.parameters();
     c.weight.assign(params[0]);
     c.detached.assign(params[1].detach());
-    c.flat.assign(params[1].reshape({-1}));
+    c.flat.assign(params[0].reshape({-1}));
     return run.step(x, y);
   };
   auto step = mt::compile([&](const mt::Tensor& x, const mt::Tensor& y) {
@@ -1644,6 +1645,32 @@ TEST(Compile, ValuesComputedInsideTheStepAndAssignedReplay) {
   }
   if (replays_here()) {
     EXPECT_GE(step.stats().replays, 5) << step.stats().reason;
+  }
+}
+
+// A value the step both assigns and returns (the last loss kept in a member): a replay returns
+// each result in a buffer of its own, so the kept tensor would stay at the trace's value. Such a
+// step traces every call, and the kept loss follows each call's.
+TEST(Compile, AValueAssignedAndReturnedFollowsEachCall) {
+  MlpRun plain_run, compiled_run;
+  mt::Tensor plain_last = mt::zeros({}), compiled_last = mt::zeros({});
+  auto body = [](MlpRun& run, mt::Tensor& last, const mt::Tensor& x, const mt::Tensor& y) {
+    mt::Tensor loss = run.step(x, y);
+    last.assign(loss);
+    return loss;
+  };
+  auto step = mt::compile([&](const mt::Tensor& x, const mt::Tensor& y) {
+    return body(compiled_run, compiled_last, x, y);
+  });
+  for (int i = 0; i < 6; ++i) {
+    SCOPED_TRACE(testing::Message() << "call " << i);
+    EXPECT_EQ(bits(body(plain_run, plain_last, plain_run.batch(i), plain_run.y)),
+              bits(step(compiled_run.batch(i), compiled_run.y)));
+    EXPECT_EQ(bits(plain_last), bits(compiled_last));
+  }
+  if (replays_here()) {
+    EXPECT_EQ(step.stats().replays, 0);
+    EXPECT_NE(step.stats().reason.find("also returns"), std::string::npos) << step.stats().reason;
   }
 }
 

@@ -62,10 +62,11 @@ const std::vector<Case>& cases() {
        {4, 2, 3, 3},
        {.padding = {2, 1}, .dilation = {2, 1}, .groups = 2}},
       // A window on the whole unpadded image: one matrix product (as the 1x1 and 2x2 cases
-      // above are once cut); not when dilated or grouped.
+      // above are once cut), also dilated along a size-1 axis; not grouped.
       {"1x1 on 1x1", {5, 12, 1, 1}, {7, 12, 1, 1}, {}},
       {"3x2 on 3x2", {4, 5, 3, 2}, {6, 5, 3, 2}, {.stride = 2}},
       {"grouped 2x2 on 2x2", {3, 4, 2, 2}, {6, 2, 2, 2}, {.groups = 2}},
+      {"dilated 1x4 on 1x4", {2, 3, 1, 4}, {5, 3, 1, 4}, {.dilation = {3, 1}}},
   };
   return all;
 }
@@ -157,7 +158,7 @@ TEST(Conv, TapsThatOnlyCoverPaddingAreCutOff) {
       const std::string text = kernel(c, op);
       const bool whole_image = c.label == "3x3 pad 1 on 1x1" || c.label == "1x1 on 1x1" ||
                                c.label == "3x3 stride 2 pad 1 on 2x2 to 1x1" ||
-                               c.label == "3x2 on 3x2";
+                               c.label == "3x2 on 3x2" || c.label == "dilated 1x4 on 1x4";
       EXPECT_EQ(text.find("one GEMM, ") != std::string::npos, whole_image)
           << c.label << ": " << text;
       const auto found = cut.find(c.label);

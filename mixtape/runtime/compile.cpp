@@ -153,13 +153,21 @@ Trace trace_call(const std::vector<Tensor>& args, const StepReplayer::Function& 
     trace.results.push_back(at);
   }
   // A replay hands a tensor its new value by writing that value's buffer again: a value that no
-  // evaluation of the call stored (the weights before the optimizer's update, an argument, a view
-  // of either) would keep the trace's.
-  for (const NodePtr& value : rec.assigned)
-    if (stored_place(trace, value.get()) == kUndefined && trace.unfit.empty())
+  // evaluation of the call stored (the weights before the optimizer's update, an argument) would
+  // keep the trace's, and so would a returned one (a replay returns each result in a fresh
+  // buffer).
+  for (const NodePtr& value : rec.assigned) {
+    if (!trace.unfit.empty()) break;
+    const std::pair<int, int> at = stored_place(trace, value.get());
+    if (at == kUndefined)
       trace.unfit =
-          "assigns a tensor a value it did not compute (a weight, an argument or a view of one; "
-          "assign a copy, such as w * 1.0, to have replays repeat it)";
+          "assigns a tensor a value it did not compute (a weight or an argument; assign a copy, "
+          "such as w * 1.0, to have replays repeat it)";
+    else if (std::find(trace.results.begin(), trace.results.end(), at) != trace.results.end())
+      trace.unfit =
+          "assigns a tensor a value it also returns (assign or return a copy, such as loss * 1.0, "
+          "to have replays repeat it)";
+  }
   // Where each gradient whose tensor is still alive was left.
   std::erase_if(trace.gradients, [](const GradientSlot& slot) { return slot.owner.expired(); });
   for (GradientSlot& slot : trace.gradients) {
