@@ -27,6 +27,15 @@ namespace {
 
 bool replays_here() { return mt::current_device() != mt::Device::reference; }
 
+// At least `count` replays, where the back end replays at all (the reference executor has no
+// programs to replay); else the step's last reason to trace in the message.
+template <typename Step>
+testing::AssertionResult replayed_at_least(const Step& step, int64_t count) {
+  if (!replays_here() || step.stats().replays >= count) return testing::AssertionSuccess();
+  return testing::AssertionFailure()
+         << step.stats().replays << " replays, fewer than " << count << ": " << step.stats().reason;
+}
+
 std::vector<uint32_t> bits(const mt::Tensor& t) {
   std::vector<float> v = t.to(mt::f32).to_vector<float>();
   std::vector<uint32_t> out(v.size());
@@ -233,9 +242,7 @@ TEST(Compile, LossScalingSkipsAndRescalesInsideReplays) {
   for (size_t i = 1; i < plain.scales.size(); ++i) grew |= plain.scales[i] > plain.scales[i - 1];
   EXPECT_LT(plain.scales[10], 0x1p40);
   EXPECT_TRUE(grew);
-  if (replays_here()) {
-    EXPECT_GE(step.stats().replays, 30) << step.stats().reason;
-  }
+  EXPECT_TRUE(replayed_at_least(step, 30));
 }
 
 // Every statistic the loss scaler offers, read after a run.
@@ -439,9 +446,7 @@ TEST(Compile, DropoutReplaysWithFreshNumbersBitForBit) {
   EXPECT_EQ(compiled_run.noise.offset(), 12u * 16 * 8);
   // The same input every step: only fresh masks and noise make the losses differ.
   EXPECT_NE(compiled[10], compiled[11]);
-  if (replays_here()) {
-    EXPECT_GE(step.stats().replays, 9) << step.stats().reason;
-  }
+  EXPECT_TRUE(replayed_at_least(step, 9));
 }
 
 // Reseeding, restoring or drawing from a generator outside the step is followed: the replays
@@ -518,9 +523,7 @@ TEST(Compile, TransformerWithDropoutReplaysBitForBit) {
   EXPECT_EQ(plain, compiled);
   for (size_t i = 0; i < plain_run.opt->params().size(); ++i)
     EXPECT_EQ(bits(plain_run.opt->params()[i]), bits(compiled_run.opt->params()[i])) << i;
-  if (replays_here()) {
-    EXPECT_GE(step.stats().replays, 4) << step.stats().reason;
-  }
+  EXPECT_TRUE(replayed_at_least(step, 4));
 }
 
 // A returned loss that the backward pass does not need (the gradient of a mean needs no forward
@@ -551,9 +554,7 @@ TEST(Compile, ALossEvaluatedAfterTheStepReadsTheWeightsItWasComputedFrom) {
   EXPECT_EQ(plain, compiled);
   for (size_t i = 0; i < plain_run.opt.params().size(); ++i)
     EXPECT_EQ(bits(plain_run.opt.params()[i]), bits(compiled_run.opt.params()[i])) << i;
-  if (replays_here()) {
-    EXPECT_GE(step.stats().replays, 3) << step.stats().reason;
-  }
+  EXPECT_TRUE(replayed_at_least(step, 3));
 }
 
 // A tensor made from host data inside the function is a new input every call: no replay.
@@ -614,9 +615,7 @@ TEST(Compile, ReplacedParametersAreFollowedWithTwoShapesPlanned) {
   }
   EXPECT_EQ(plain, compiled);
   expect_same_state(plain_run, compiled_run);
-  if (replays_here()) {
-    EXPECT_GE(step.stats().replays, 12) << step.stats().reason;
-  }
+  EXPECT_TRUE(replayed_at_least(step, 12));
 }
 
 // Every parameter's gradient, as bits (empty where it has none).
@@ -650,9 +649,7 @@ TEST(Compile, GradientsZeroedOutsideTheStepStillReplay) {
         << "step " << i;
   }
   EXPECT_EQ(plain, compiled);
-  if (replays_here()) {
-    EXPECT_GE(step.stats().replays, 7) << step.stats().reason;
-  }
+  EXPECT_TRUE(replayed_at_least(step, 7));
 }
 
 // A gradient kept from an earlier step keeps its value: the next replay writes the new gradient
@@ -673,9 +670,7 @@ TEST(Compile, GradientsKeptFromAnEarlierStepAreNotOverwritten) {
     if (i % 3 != 1) kept.emplace_back(g, bits(g));
   }
   for (const auto& [g, at_the_time] : kept) EXPECT_EQ(bits(g), at_the_time);
-  if (replays_here()) {
-    EXPECT_GE(step.stats().replays, 5) << step.stats().reason;
-  }
+  EXPECT_TRUE(replayed_at_least(step, 5));
 }
 
 // Gradient accumulation decided outside the step: after calls whose gradients were zeroed first,
@@ -694,9 +689,7 @@ TEST(Compile, GradientsLeftFromTheLastCallAreAddedTo) {
     EXPECT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model))
         << "step " << i;
   }
-  if (replays_here()) {
-    EXPECT_GE(step.stats().replays, 3) << step.stats().reason;
-  }
+  EXPECT_TRUE(replayed_at_least(step, 3));
 }
 
 // The forward and backward pass compiled, the optimizer's step outside it (torch.compile's usual
@@ -712,9 +705,7 @@ TEST(Compile, OptimizerOutsideTheStepStillReplays) {
     for (MlpRun* run : {&plain_run, &compiled_run}) run->opt.step();
   }
   expect_same_state(plain_run, compiled_run);
-  if (replays_here()) {
-    EXPECT_GE(step.stats().replays, 7) << step.stats().reason;
-  }
+  EXPECT_TRUE(replayed_at_least(step, 7));
 }
 
 // A parameter frozen (requires_grad_(false)) or unfrozen between calls is followed, with the
@@ -743,9 +734,7 @@ TEST(Compile, FrozenParametersAreFollowed) {
         for (MlpRun* run : {&plain_run, &compiled_run}) run->opt.step();
     }
     expect_same_state(plain_run, compiled_run);
-    if (replays_here()) {
-      EXPECT_GE(step.stats().replays, 6) << step.stats().reason;
-    }
+    EXPECT_TRUE(replayed_at_least(step, 6));
   }
 }
 
@@ -1022,9 +1011,7 @@ TEST(Compile, WeightsCopiedWithAssignKeepTheirValue) {
     }
   }
   EXPECT_EQ(bits(best), at_the_time);
-  if (replays_here()) {
-    EXPECT_GE(step.stats().replays, 6) << step.stats().reason;
-  }
+  EXPECT_TRUE(replayed_at_least(step, 6));
 }
 
 // A gradient copied with assign (for a log of successive gradients) keeps its value: assign
@@ -1128,9 +1115,7 @@ TEST(Compile, LoadedOptimizerStateIsFollowedWhileOldHandlesAreHeld) {
   };
   expect_same_losses_across_a_reload(plain_run, compiled_run, step, reload);
   expect_same_state(plain_run, compiled_run);
-  if (replays_here()) {
-    EXPECT_GE(step.stats().replays, 6) << step.stats().reason;
-  }
+  EXPECT_TRUE(replayed_at_least(step, 6));
 }
 
 // Each argument signature gets its own trace and plan; a function may return several values.
@@ -1181,9 +1166,7 @@ TEST(Compile, AnAssignmentLeftPendingAtTheEndOfTheStepReplays) {
     EXPECT_EQ(y.to_vector<float>(), (std::vector<float>{2, 2}));
     EXPECT_EQ(state.to_vector<float>(), (std::vector<float>(2, static_cast<float>(i)))) << i;
   }
-  if (replays_here()) {
-    EXPECT_GE(step.stats().replays, 3) << step.stats().reason;
-  }
+  EXPECT_TRUE(replayed_at_least(step, 3));
 }
 
 // A module whose buffers hold running statistics, written with assign() inside the step: an
@@ -1239,9 +1222,7 @@ TEST(Compile, BuffersAssignedInsideTheStepReplayLikeOptimizerState) {
     EXPECT_EQ(bits(value), bits(other)) << name;
   }
   EXPECT_EQ(compiled_run.net.count.item(), 10);
-  if (replays_here()) {
-    EXPECT_GE(step.stats().replays, 7) << step.stats().reason;
-  }
+  EXPECT_TRUE(replayed_at_least(step, 7));
 }
 
 // A BatchNorm2d updates its running statistics and batch count inside the step's graph: each
@@ -1295,9 +1276,7 @@ TEST(Compile, BatchNormRunningStatisticsUpdateOnEveryReplay) {
     EXPECT_EQ(bits(value), bits(other)) << name;
   }
   EXPECT_EQ(compiled_run.bn->num_batches_tracked.item(), 10);
-  if (replays_here()) {
-    EXPECT_GE(step.stats().replays, 7) << step.stats().reason;
-  }
+  EXPECT_TRUE(replayed_at_least(step, 7));
 }
 
 // A result fed back as the next call's argument (a recurrent state) is an argument like any
@@ -1318,9 +1297,7 @@ TEST(Compile, ResultsFedBackAsArgumentsAndErrorsPassThrough) {
     replayed = cell(replayed);
     EXPECT_EQ(bits(traced), bits(replayed)) << i;
   }
-  if (replays_here()) {
-    EXPECT_GE(cell.stats().replays, 5) << cell.stats().reason;
-  }
+  EXPECT_TRUE(replayed_at_least(cell, 5));
   // A new shape traces; the error inside propagates and nothing is recorded.
   fail_now = true;
   EXPECT_THROW(cell(mt::zeros({3, 6})), mt::Error);
@@ -1533,9 +1510,7 @@ TEST(Compile, MultinomialChecksItsWeightsInReplays) {
   mt::Tensor good = mt::tensor(std::vector<float>{0.5, 1.0, 0.0, 2.0, 0.25, 0.25}, {2, 3});
   for (int i = 0; i < 5; ++i)
     EXPECT_EQ(step(good).to_vector<int64_t>(), sample(good, &gen_plain).to_vector<int64_t>());
-  if (replays_here()) {
-    EXPECT_GE(step.stats().replays, 2) << step.stats().reason;
-  }
+  EXPECT_TRUE(replayed_at_least(step, 2));
   const float nan = std::nanf("");
   for (const std::vector<float>& bad : {std::vector<float>{0.5, -1.0, 0.0, 2.0, 0.25, 0.25},
                                         std::vector<float>{0.5, 1.0, 0.0, nan, 0.25, 0.25},
@@ -1643,9 +1618,7 @@ TEST(Compile, ValuesComputedInsideTheStepAndAssignedReplay) {
     EXPECT_EQ(bits(plain_kept.last), bits(compiled_kept.last));
     EXPECT_EQ(bits(plain_kept.filled), bits(compiled_kept.filled));
   }
-  if (replays_here()) {
-    EXPECT_GE(step.stats().replays, 5) << step.stats().reason;
-  }
+  EXPECT_TRUE(replayed_at_least(step, 5));
 }
 
 // A value the step both assigns and returns (the last loss kept in a member): a replay returns
