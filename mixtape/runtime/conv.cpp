@@ -8,6 +8,7 @@
 #include <mutex>
 #include <optional>
 #include <set>
+#include <type_traits>
 #include <unordered_map>
 
 #include <oneapi/dnnl/dnnl.hpp>
@@ -425,23 +426,47 @@ std::string describe(const Crop& crop, const ConvGeometry& g) {
                      crop.cols.begin, crop.cols.end - 1, g.kw);
 }
 
+// Copies the kept taps of every plane of weights [planes, full_kh, full_kw], starting `offset`
+// elements into each plane, into [planes, kh, kw] (kCut), or back (!kCut). kh and kw are
+// std::integral_constant for the common kept sizes: with loops of one or two iterations the
+// per-element index arithmetic made the copy about 5x slower, several ms a ResNet-18 step.
+template <bool kCut, typename T, typename Size>
+void move_planes(int64_t planes, int64_t full_plane, int64_t full_kw, int64_t offset, Size kh,
+                 Size kw, const T* from, T* to) {
+  for (int64_t p = 0; p < planes; ++p) {
+    const int64_t full = p * full_plane + offset, kept = p * kh * kw;
+    for (int64_t y = 0; y < kh; ++y)
+      for (int64_t x = 0; x < kw; ++x) {
+        if constexpr (kCut)
+          to[kept + y * kw + x] = from[full + y * full_kw + x];
+        else
+          to[full + y * full_kw + x] = from[kept + y * kw + x];
+      }
+  }
+}
+
 // Copies the kept taps of weights [o, c, kh, kw] (cut = true) into [o, c, kh', kw'], or back into
 // the full window with zeros elsewhere (cut = false). T: the elements' bits.
 template <typename T>
 void move_taps(const ConvGeometry& g, const Crop& crop, const T* from, T* to, bool cut) {
   const int64_t planes = g.o * (g.c / g.window.groups);
   const int64_t kh = crop.rows.end - crop.rows.begin, kw = crop.cols.end - crop.cols.begin;
+  const int64_t offset = crop.rows.begin * g.kw + crop.cols.begin;
   if (!cut) std::fill_n(to, planes * g.kh * g.kw, T{0});
-  for (int64_t p = 0; p < planes; ++p)
-    for (int64_t y = 0; y < kh; ++y)
-      for (int64_t x = 0; x < kw; ++x) {
-        const int64_t full = (p * g.kh + crop.rows.begin + y) * g.kw + crop.cols.begin + x;
-        const int64_t kept = (p * kh + y) * kw + x;
-        if (cut)
-          to[kept] = from[full];
-        else
-          to[full] = from[kept];
-      }
+  auto move = [&](auto rows, auto cols) {
+    if (cut)
+      move_planes<true>(planes, g.kh * g.kw, g.kw, offset, rows, cols, from, to);
+    else
+      move_planes<false>(planes, g.kh * g.kw, g.kw, offset, rows, cols, from, to);
+  };
+  using One = std::integral_constant<int64_t, 1>;
+  using Two = std::integral_constant<int64_t, 2>;
+  if (kh == 1 && kw == 1)
+    move(One{}, One{});
+  else if (kh == 2 && kw == 2)
+    move(Two{}, Two{});
+  else
+    move(kh, kw);
 }
 
 void move_taps(const ConvGeometry& g, const Crop& crop, DType type, const void* from, void* to,
