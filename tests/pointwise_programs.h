@@ -2,15 +2,19 @@
 // that exercise rounding: what each back end is checked against the reference with, op by op.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
 #include <functional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
+#include "mixtape/codegen/scalar_trace.h"
 #include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/scalar_math.h"
 #include "mixtape/dsl/tensor.h"
 
 namespace mixtape::test {
@@ -69,6 +73,47 @@ inline std::vector<NamedProgram> pointwise_programs(const PointwiseInputs& in, D
       {"where", [&in] { return where(in.x > in.y, exp(in.x), in.y * 2.0); }},
       {"cast", [&in, dtype] { return cast(cast(in.x, f64) * 3.0, dtype); }},
   };
+}
+
+// Whether the op's reference expression, in the compute type of `dtype`, calls a C library
+// function that libraries round differently (dsl/libm.def's Faithful ones: glibc's and CUDA's
+// differ by an ulp or two). Traced as the kernels are (codegen/scalar_trace.h), so the answer
+// comes from the op table: a float `exp` is the library's in f64 only.
+inline bool calls_faithful_libm(std::string_view op, DType dtype) {
+  using kir::Sym;
+  std::vector<kir::Value> values;
+  kir::ValueBuilder builder(values);
+  kir::TraceContext& context = kir::trace_context();
+  kir::TraceContext saved = context;
+  kir::Type t = dtype == f64 ? kir::Type::f64 : kir::Type::f32;
+  context = {&builder, t};
+  auto input = [&] { return Sym(builder.constant(t, 0.5), t, 0); };
+#define MT_OP(Name, fname, kind, arity, category)
+#define MT_UNARY(Name, fname, category, domain, REF, VJP) \
+  if (op == #fname) {                                     \
+    using T = Sym;                                        \
+    Sym a = input();                                      \
+    static_cast<void>(static_cast<T>(REF));               \
+  }
+#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1) \
+  if (op == #fname) {                                             \
+    using T = Sym;                                                \
+    Sym a = input(), b = input();                                 \
+    static_cast<void>(T(REF));                                    \
+  }
+#define MT_FUSED(Name, fname, arity, REF)                                                 \
+  if (op == #fname) {                                                                     \
+    using T = Sym;                                                                        \
+    [[maybe_unused]] Sym a = input(), b = input(), c = input(), d = input(), e = input(), \
+                         f = input(), g = input();                                        \
+    static_cast<void>(T(REF));                                                            \
+  }
+#include "mixtape/dsl/ops.def"
+  context = saved;
+  return std::any_of(values.begin(), values.end(), [](const kir::Value& v) {
+    return v.op == kir::Op::Call &&
+           kir::traits(static_cast<kir::Libm>(v.param)).rounding == kir::LibmRounding::Faithful;
+  });
 }
 
 }  // namespace mixtape::test

@@ -1542,7 +1542,10 @@ TEST(Compile, AScheduleChangedOutsideTheStepIsFollowed) {
   snapshot_model(a, plain_run.model, *plain_run.opt);
   snapshot_model(b, compiled_run.model, *compiled_run.opt);
   EXPECT_EQ(a, b);
-  EXPECT_EQ(compiled_run.opt->current_lr().item(), 0.05 * std::pow(0.7, 12));
+  // The schedule's pow runs in the device's math library: the same bits as the traced run's,
+  // within an ulp of the host's.
+  EXPECT_EQ(compiled_run.opt->current_lr().item(), plain_run.opt->current_lr().item());
+  EXPECT_DOUBLE_EQ(compiled_run.opt->current_lr().item(), 0.05 * std::pow(0.7, 12));
   if (replays_here()) {
     EXPECT_EQ(step.stats().plans, 3) << step.stats().reason;
   }

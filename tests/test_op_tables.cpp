@@ -4,10 +4,15 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <bit>
+#include <cmath>
+#include <cstdint>
 #include <functional>
 #include <map>
 #include <set>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "mixtape/codegen/emit_cuda.h"
@@ -18,6 +23,7 @@
 #include "mixtape/dsl/graph.h"
 #include "mixtape/runtime/cpu_kernels.h"
 #include "mixtape/runtime/program.h"
+#include "tests/pointwise_programs.h"
 
 #include <mixtape/mixtape.h>
 
@@ -213,6 +219,60 @@ TEST(KirOpTable, BothEmittersWriteEveryOp) {
     for (const kir::Kernel* kernel : to_compile) program += mt::emit_cuda(*kernel);
     EXPECT_NO_THROW(mt::compile_cuda(program, "compute_80"));
   }
+}
+
+// f(a) or f(a, b) computed in float, and in double rounded to float.
+template <int Arity, typename F>
+std::pair<float, float> in_float_and_double(F f, double a, double b) {
+  if constexpr (Arity == 1)
+    return {f(static_cast<float>(a)), static_cast<float>(f(a))};
+  else
+    return {f(static_cast<float>(a), static_cast<float>(b)), static_cast<float>(f(a, b))};
+}
+
+// dsl/libm.def's Exact functions are exactly rounded: their float result is the double one
+// rounded to float (the double one is exact for these), which is what lets a back end use any
+// library's. Checked on values across the float range, halves and ties included.
+TEST(LibmTable, ExactFunctionsRoundOnce) {
+  mt::Generator gen(11);
+  std::vector<float> x = (mt::randn({4096}, mt::f32, &gen) * 1e3).to_vector<float>();
+  for (float v : {0.5f, -0.5f, 1.5f, 2.5f, -2.5f, 0x1p23f + 1, 1e30f, -0.0f}) x.push_back(v);
+  for (int fn = 0; fn < kir::libm_count(); ++fn) {
+    const kir::LibmTraits& t = kir::traits(static_cast<kir::Libm>(fn));
+    if (t.rounding != kir::LibmRounding::Exact) continue;
+    for (size_t i = 0; i + 1 < x.size(); ++i) {
+      double a = x[i], b = x[i + 1] == 0 ? 3.0 : x[i + 1];
+      float single = 0, wide = 0;
+      switch (static_cast<kir::Libm>(fn)) {
+#define MT_LIBM(Name, name, arity, f32, rounding)                                    \
+  case kir::Libm::Name:                                                              \
+    std::tie(single, wide) =                                                         \
+        in_float_and_double<arity>([](auto... v) { return std::name(v...); }, a, b); \
+    break;
+#include "mixtape/dsl/libm.def"
+      }
+      ASSERT_EQ(std::bit_cast<uint32_t>(single), std::bit_cast<uint32_t>(wide))
+          << t.name << "(" << a << ", " << b << ")";
+    }
+  }
+}
+
+// The GPU tests allow an ulp where an op calls a Faithful function; tracing its reference
+// expression finds the calls, in the compute type: float exp is our own arithmetic, double exp
+// the library's.
+TEST(LibmTable, TracingFindsTheFaithfulCallsOfAnOp) {
+  using mt::test::calls_faithful_libm;
+  for (const char* op : {"log1p", "expm1", "sinh", "atan2", "pow", "log"}) {
+    EXPECT_TRUE(calls_faithful_libm(op, mt::f32)) << op;
+    EXPECT_TRUE(calls_faithful_libm(op, mt::f64)) << op;
+  }
+  for (const char* op : {"exp", "tanh", "sigmoid", "gelu", "silu", "gelu_backward"}) {
+    EXPECT_FALSE(calls_faithful_libm(op, mt::f32)) << op;
+    EXPECT_FALSE(calls_faithful_libm(op, mt::bf16)) << op;
+    EXPECT_TRUE(calls_faithful_libm(op, mt::f64)) << op;
+  }
+  for (const char* op : {"add", "mul", "div", "relu", "floor", "round", "fmod", "abs", "sqrt"})
+    EXPECT_FALSE(calls_faithful_libm(op, mt::f64)) << op;
 }
 
 }  // namespace

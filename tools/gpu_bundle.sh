@@ -19,6 +19,8 @@ if ((${#binaries[@]} == 0)); then
   exit 1
 fi
 cp "${binaries[@]}" "$stage/bin/"
+# The runtime archive AOT exports link into every artifact (test_gpu_aot exports).
+[[ -f "$build/libmixtape_runtime.a" ]] && cp "$build/libmixtape_runtime.a" "$stage/lib/"
 # Every library the binaries load, except the C library's own, which the target's must provide.
 # The C++ runtime goes to lib/compat, used only where the target's is too old.
 for f in "${binaries[@]}"; do ldd "$f"; done | awk '/=> \//{print $3}' | sort -u |
@@ -29,5 +31,11 @@ for f in "${binaries[@]}"; do ldd "$f"; done | awk '/=> \//{print $3}' | sort -u
       *) cp -L "$lib" "$stage/lib/" ;;
     esac
   done
+# The linker names (libdnnl.so -> libdnnl.so.2) an AOT export's `cc -shared ... -ldnnl` looks for
+# there: run.sh puts lib on LIBRARY_PATH.
+for lib in "$stage"/lib/*.so.*; do
+  linker_name=${lib%%.so.*}.so
+  [[ -e "$linker_name" ]] || ln -s "$(basename "$lib")" "$linker_name"
+done
 tar -C "$stage" -cf - bin lib | xz -T"$(nproc)" -6 > "$out/bundle.tar.xz"
 echo "gpu_bundle: $(du -h "$out/bundle.tar.xz" | cut -f1) in $out/bundle.tar.xz (${#binaries[@]} binaries)"

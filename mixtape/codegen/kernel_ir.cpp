@@ -49,7 +49,7 @@ constexpr OpTraits kTraits[] = {
 #include "mixtape/codegen/kir_ops.def"
 };
 constexpr LibmTraits kLibm[] = {
-#define MT_LIBM(Name, name, arity, f32) {#name, arity},
+#define MT_LIBM(Name, name, arity, f32, rounding) {#name, arity, LibmRounding::rounding},
 #include "mixtape/dsl/libm.def"
 };
 }  // namespace

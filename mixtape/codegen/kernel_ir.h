@@ -30,12 +30,15 @@ enum class Op : uint8_t {
 
 /// The C library functions kernels call (dsl/libm.def): an Op::Call's `param`.
 enum class Libm : uint8_t {
-#define MT_LIBM(Name, name, arity, f32) Name,
+#define MT_LIBM(Name, name, arity, f32, rounding) Name,
 #include "mixtape/dsl/libm.def"
 };
+/// Whether every math library returns the same bits (dsl/libm.def).
+enum class LibmRounding : uint8_t { Exact, Faithful };
 struct LibmTraits {
   const char* name;  // the double function; the float one adds the suffix f
   int arity;
+  LibmRounding rounding;
 };
 const LibmTraits& traits(Libm fn);
 int libm_count();

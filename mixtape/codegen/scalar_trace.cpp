@@ -119,7 +119,7 @@ Sym sqrt(Sym a) { return kir::float_op(Op::Sqrt, a); }
 #define MT_LIBM_TRACE_Libm_2(Name, name) \
   Sym name(Sym a, Sym b) { return kir::libm_call(kir::Libm::Name, a, &b); }
 #define MT_LIBM_TRACE_Own_1(Name, name)
-#define MT_LIBM(Name, name, arity, f32) MT_LIBM_TRACE_##f32##_##arity(Name, name)
+#define MT_LIBM(Name, name, arity, f32, rounding) MT_LIBM_TRACE_##f32##_##arity(Name, name)
 #include "mixtape/dsl/libm.def"
 #undef MT_LIBM_TRACE_Libm_1
 #undef MT_LIBM_TRACE_Libm_2

@@ -102,7 +102,7 @@ Sym sqrt(Sym a);
 // dsl/libm.def's functions.
 #define MT_LIBM_DECLARE_1(name) Sym name(Sym a);
 #define MT_LIBM_DECLARE_2(name) Sym name(Sym a, Sym b);
-#define MT_LIBM(Name, name, arity, f32) MT_LIBM_DECLARE_##arity(name)
+#define MT_LIBM(Name, name, arity, f32, rounding) MT_LIBM_DECLARE_##arity(name)
 #include "mixtape/dsl/libm.def"
 #undef MT_LIBM_DECLARE_1
 #undef MT_LIBM_DECLARE_2

@@ -40,7 +40,7 @@ inline double sqrt(int64_t a) { return std::sqrt(static_cast<double>(a)); }
   inline double name(int64_t a, int64_t b) {                          \
     return std::name(static_cast<double>(a), static_cast<double>(b)); \
   }
-#define MT_LIBM(Name, name, arity, f32) \
+#define MT_LIBM(Name, name, arity, f32, rounding) \
   MT_LIBM_FLOAT_##f32##_##arity(name) MT_LIBM_DOUBLE_##arity(name)
 #include "mixtape/dsl/libm.def"
 #undef MT_LIBM_FLOAT_Libm_1

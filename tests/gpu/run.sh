@@ -7,7 +7,7 @@
 # device's time per step kind). Exits non-zero when a test or a mixtape benchmark fails. The
 # benchmarks keep the whole run within about 7.5 minutes after the build: each runs under a
 # timeout cut to what is left of that, and is skipped (said in the log) when less than 20 s are
-# left.
+# left (MIXTAPE_GPU_BUDGET_SECONDS sets the budget, the tests' time included; default 450).
 # usage: tests/gpu/run.sh OUTDIR        (MIXTAPE_GPU_BUNDLE=path/bundle.tar.xz: use prebuilt)
 set -uo pipefail
 out=${1:?usage: tests/gpu/run.sh OUTDIR}
@@ -23,6 +23,11 @@ if [[ -n "${MIXTAPE_GPU_BUNDLE:-}" ]]; then
   tar -C "$bundle" -xJf "$MIXTAPE_GPU_BUNDLE"
   bin="$bundle/bin"
   export LD_LIBRARY_PATH="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # AOT exports link the bundle's runtime archive (the build tree's path is not there) and its
+  # libraries (the target may lack oneDNN's and fmt's).
+  [[ -f "$bundle/lib/libmixtape_runtime.a" ]] &&
+    export MIXTAPE_RUNTIME_ARCHIVE="$bundle/lib/libmixtape_runtime.a"
+  export LIBRARY_PATH="$bundle/lib${LIBRARY_PATH:+:$LIBRARY_PATH}"
   # The target's C++ runtime is used unless it is older than the one the binaries were built with.
   if ! "$bin/test_gpu_runtime" --gtest_list_tests > /dev/null 2>&1; then
     export LD_LIBRARY_PATH="$bundle/lib/compat:$LD_LIBRARY_PATH"
@@ -52,7 +57,7 @@ for test in "$bin"/test_gpu_* "$bin"/test_nvrtc "$bin"/test_compile "$bin"/test_
   summary+=("{\"test\":\"$name\",\"exit\":$rc,\"milliseconds\":$milliseconds}")
 done
 # `timeout` for a benchmark: its own limit, cut to what is left of the budget (0: skip it).
-budget_seconds=450
+budget_seconds=${MIXTAPE_GPU_BUDGET_SECONDS:-450}
 limit() {
   local left=$((budget_seconds - SECONDS))
   ((left < 20)) && left=0

@@ -180,6 +180,7 @@ TEST(GpuAotConvert, FixedConvertKernelGivesTheCpusBits) {
     std::shared_ptr<mt::Storage> gpu = mt::convert_on_device(*in, c.to);
     mt::set_device(mt::Device::cpu);
     mt::Tensor cpu = mt::cast(mt::from_storage(in, {in->count}), c.to);
+    mt::eval({cpu});  // tensors are lazy: the node holds no value before
     const mt::Storage& want = *cpu.node()->value;
     for (int64_t i = 0; i < in->count; ++i) {
       double a = mt::load_element<double>(*gpu, i), b = mt::load_element<double>(want, i);
