@@ -28,6 +28,7 @@
 #include <fmt/format.h>
 
 #include "mixtape/codegen/emit_cuda.h"
+#include "mixtape/dsl/attention.h"
 #include "mixtape/dsl/conv.h"
 #include "mixtape/dsl/convert.h"
 #include "mixtape/dsl/functional.h"
@@ -38,6 +39,7 @@
 #include "mixtape/dsl/vision.h"
 #include "mixtape/precision_policy/policy.h"
 #include "mixtape/runtime/cpu_executor.h"
+#include "mixtape/runtime/cuda_attention.h"
 #include "mixtape/runtime/cuda_fixed_kernels.h"
 #include "mixtape/runtime/device.h"
 #include "mixtape/runtime/movement_plan.h"
@@ -860,6 +862,156 @@ TEST(CudaOnHost, MaxPoolKernelsStoreTheReferencesBits) {
                  : fmt::format("mt_max_pool2d(x{0}.data(), out{0}.data(), {1})", o, args));
   }
   expect_fixed_kernel_outputs(calls, outs, "pool");
+}
+
+// Fused attention's four kernels (runtime/cuda_attention.h) on the host against the reference's
+// materialized loops: f32 causal with d != dv and a length no tile divides; bf16 heads under a
+// broadcast bool mask with a row that sees no key; f16 with an additive f32 mask and dropout. The
+// kernels sum in f32 in their own order (and the reference in its), so the outputs agree to a few
+// units of the stored type's last place, relative to the output's largest element.
+TEST(CudaOnHost, AttentionKernelsMatchTheReference) {
+  mt::Device previous = mt::current_device();
+  mt::set_device(mt::Device::reference);
+  struct Case {
+    mt::Tensor q, k, v, mask, y, go, grads;
+    bool causal;
+    double scale;
+    mt::AttentionDropout dropout;
+    mt::AttentionGeometry g;  // read before evaluation drops the nodes' inputs
+    mt::DropoutDraw draw;
+  };
+  std::vector<Case> cases;
+  auto add = [&](mt::Shape batch, int64_t tq, int64_t tk, int64_t d, int64_t dv, mt::DType dtype,
+                 mt::Tensor mask, bool causal, double p, uint64_t seed) {
+    auto shaped = [&](int64_t rows, int64_t width, uint64_t s) {
+      mt::Shape shape = batch;
+      shape.push_back(rows);
+      shape.push_back(width);
+      return mt::cast(values(shape, mt::f32, s) * 0.3, dtype);
+    };
+    Case c{shaped(tq, d, seed),
+           shaped(tk, d, seed + 1),
+           shaped(tk, dv, seed + 2),
+           mask,
+           {},
+           shaped(tq, dv, seed + 3),
+           {},
+           causal,
+           1.0 / std::sqrt(static_cast<double>(d)),
+           {},
+           {},
+           {}};
+    mt::eval({c.q, c.k, c.v, c.go});  // the kernels read their values
+    if (mask.defined()) mt::eval({mask});
+    mt::Shape weights = batch;
+    weights.push_back(tq);
+    weights.push_back(tk);
+    mt::Generator gen(seed + 4);
+    if (p > 0) c.dropout = mt::AttentionDropout::draw(p, &gen, weights);
+    c.y = mt::attention_forward(c.q, c.k, c.v, mask, causal, c.scale, c.dropout);
+    c.grads = mt::attention_backward(c.q, c.k, c.v, c.y, c.go, mask, causal, c.scale, c.dropout);
+    c.g = mt::AttentionGeometry::of(*c.grads.node());
+    if (p > 0) {
+      mt::eval({c.dropout.offset});
+      c.draw = mt::DropoutDraw::of(*c.grads.node());
+    }
+    cases.push_back(c);
+  };
+  add({2}, 37, 37, 16, 24, mt::f32, mt::Tensor(), true, 0, 1);
+  std::vector<float> bits(19 * 45);  // row 3 sees no key
+  for (size_t i = 0; i < bits.size(); ++i) bits[i] = (i * 7 + i / 45) % 5 != 0 && i / 45 != 3;
+  add({1, 2}, 19, 45, 40, 40, mt::bf16, mt::tensor(bits, {1, 1, 19, 45}) > 0.5, false, 0, 10);
+  add({2}, 21, 21, 8, 8, mt::f16, values({1, 21, 21}, mt::f32, 20), false, 0.3, 30);
+  std::vector<mt::Tensor> outs;
+  for (const Case& c : cases) outs.insert(outs.end(), {c.y, c.grads});
+  mt::eval(outs);
+  mt::set_device(previous);
+
+  fs::path dir = fs::temp_directory_path() / fmt::format("mixtape_cuda_attention_{}", ::getpid());
+  fs::create_directories(dir);
+  std::string main_text = "int main() {\n";
+  for (size_t n = 0; n < cases.size(); ++n) {
+    const Case& c = cases[n];
+    const mt::Node &forward = *c.y.node(), &backward = *c.grads.node();
+    ASSERT_EQ(forward.op, mt::OpCode::Attention);
+    ASSERT_EQ(backward.op, mt::OpCode::AttentionBackward);
+    const mt::AttentionGeometry& g = c.g;
+    const mt::DropoutDraw& draw = c.draw;
+    const int dim = std::max(g.d, g.dv) <= 32 ? 32 : std::max(g.d, g.dv) <= 64 ? 64 : 128;
+    auto dtype_of = [](const mt::Tensor& t) { return static_cast<int>(t.node()->value->dtype); };
+    const mt::DType out_dtype = backward.precision.storage_type;
+    const std::string args = fmt::format(
+        "mt_attention{{{}, {}, {}, {}, {}, {}, {}, {}ull, {}ull, {:a}, {:a}, {}u, {}, {}, {}, {}, "
+        "{}, {}, {}, {}, {}, {}, {}}}",
+        g.batch, g.tq, g.tk, g.d, g.dv, g.mask_row_stride, g.mask_col_stride, draw.seed,
+        draw.offset, static_cast<float>(g.scale), static_cast<float>(draw.keep_scale),
+        draw.threshold, g.causal ? 1 : 0,
+        !g.has_mask   ? 0
+        : g.bool_mask ? 1
+                      : 2,
+        g.has_mask ? dtype_of(c.mask) : 0, g.has_dropout ? 1 : 0, dtype_of(c.q), dtype_of(c.k),
+        dtype_of(c.v), dtype_of(c.y), dtype_of(c.go), static_cast<int>(out_dtype),
+        static_cast<int>(backward.precision.compute));
+    std::vector<int64_t> offsets = g.mask_batch_offset;
+    if (offsets.empty()) offsets.push_back(0);
+    main_text += fmt::format(
+        "  {{\n  std::vector<char> q = {}, k = {}, v = {}, o = {}, go = {}, mask = {};\n"
+        "  std::vector<long long> mask_batch = {{{}}};\n"
+        "  std::vector<char> y({}), grads({});\n"
+        "  std::vector<float> stats({});\n",
+        bytes_literal(*c.q.node()->value), bytes_literal(*c.k.node()->value),
+        bytes_literal(*c.v.node()->value), bytes_literal(*c.y.node()->value),
+        bytes_literal(*c.go.node()->value),
+        g.has_mask ? bytes_literal(*c.mask.node()->value) : "{0}", fmt::join(offsets, ", "),
+        forward.value->size_bytes(), backward.value->size_bytes(), 2 * g.batch * g.tq);
+    auto blocks = [&](int64_t rows) { return g.batch * ((rows + 127) / 128); };
+    main_text += fmt::format(
+        "  mt_run_grid({}, 128, true, [&] {{ mt_attention_forward_{}(q.data(), k.data(), "
+        "v.data(), mask.data(), mask_batch.data(), y.data(), {}); }});\n",
+        blocks(g.tq), dim, args);
+    main_text += fmt::format(
+        "  mt_run_grid({}, 128, true, [&] {{ mt_attention_rows_{}(q.data(), k.data(), v.data(), "
+        "o.data(), go.data(), mask.data(), mask_batch.data(), stats.data(), grads.data(), {}); "
+        "}});\n",
+        blocks(g.tq), dim, args);
+    for (const char* kernel : {"keys", "values"})
+      main_text += fmt::format(
+          "  mt_run_grid({}, 128, true, [&] {{ mt_attention_{}_{}(q.data(), k.data(), v.data(), "
+          "go.data(), mask.data(), mask_batch.data(), stats.data(), grads.data(), {}); }});\n",
+          blocks(g.tk), kernel, dim, args);
+    main_text += fmt::format("  mt_write(\"{}\", y);\n  mt_write(\"{}\", grads);\n  }}\n",
+                             (dir / fmt::format("y{}", n)).string(),
+                             (dir / fmt::format("grads{}", n)).string());
+  }
+  main_text += "}\n";
+  // The dim-32 module's source (the fixed kernels', then attention's) with the host prelude, and
+  // the dim-64 kernels.
+  const std::string kernels =
+      host_prelude() +
+      mt::cuda_attention_source(32).substr(std::string(mt::cuda_prelude()).size()) +
+      "MT_ATTENTION_KERNELS(64)\n";
+  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + kernels + main_text, "attention"));
+  for (size_t n = 0; n < cases.size(); ++n)
+    for (const auto& [name, tensor] : {std::pair{"y", cases[n].y}, {"grads", cases[n].grads}}) {
+      const mt::Storage& want = *tensor.node()->value;
+      std::vector<char> got = read_bytes(dir / fmt::format("{}{}", name, n));
+      ASSERT_EQ(got.size(), static_cast<size_t>(want.size_bytes())) << name << n;
+      mt::Storage actual(want.dtype, want.count);
+      std::memcpy(actual.host_data(), got.data(), got.size());
+      double largest = 0;
+      for (int64_t i = 0; i < want.count; ++i)
+        largest = std::max(largest, std::fabs(mt::load_element<double>(want, i)));
+      const double unit = want.dtype == mt::f16    ? 0x1p-10
+                          : want.dtype == mt::bf16 ? 0x1p-7
+                                                   : 0x1p-20;
+      for (int64_t i = 0; i < want.count; ++i) {
+        const double a = mt::load_element<double>(actual, i), e = mt::load_element<double>(want, i);
+        ASSERT_LE(std::fabs(a - e), unit * (std::fabs(e) + 2 * largest))
+            << name << " of case " << n << ", element " << i << ": " << a << " on the host-run "
+            << "CUDA, " << e << " in the reference";
+      }
+    }
+  fs::remove_all(dir);
 }
 
 }  // namespace

@@ -28,6 +28,7 @@
 #include "mixtape/codegen/nvrtc.h"
 #include "mixtape/precision_policy/policy.h"
 #include "mixtape/runtime/cpu_executor.h"
+#include "mixtape/runtime/cuda_attention.h"
 #include "mixtape/runtime/cuda_fixed_kernels.h"
 #include "mixtape/runtime/device.h"
 #include "mixtape/runtime/program.h"
@@ -669,6 +670,23 @@ TEST(Nvrtc, FixedKernelsCompile) {
   for (const char* arch : {"compute_80", "sm_80", "sm_90"})
     EXPECT_EQ(compile_job("fixed", mt::cuda_fixed_kernels_source(), names, arch, ptxas), "")
         << arch;
+}
+
+// Fused attention's modules, one per head dim (runtime/cuda_attention.h), compile to PTX that
+// assembles (dim 128's only to PTX: its assembly alone takes longer than the rest of the suite).
+TEST(Nvrtc, AttentionKernelsCompile) {
+  SKIP_WITHOUT_NVRTC();
+  std::string ptxas = "/usr/local/cuda/bin/ptxas";
+  if (!std::filesystem::exists(ptxas)) ptxas.clear();
+  for (int dim : {32, 64, 128}) {
+    std::vector<std::string> names;
+    for (const char* kernel : {"forward", "rows", "keys", "values"})
+      names.push_back(fmt::format("mt_attention_{}_{}", kernel, dim));
+    EXPECT_EQ(compile_job("attention", mt::cuda_attention_source(dim), names, "compute_80",
+                          dim == 128 ? "" : ptxas),
+              "")
+        << dim;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(

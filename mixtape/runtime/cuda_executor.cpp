@@ -227,8 +227,9 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
   s.kernel_nodes += step.members;
 }
 
-// Host steps: the reference loops, except fused attention, which has no CUDA kernel yet and runs
-// runtime/attention.h's CPU tiles on the host copies of its inputs (linear memory, as on the CPU).
+// Host steps: the reference loops, except fused attention the device kernels do not cover (f64,
+// head dims above 128), which runs runtime/attention.h's CPU tiles on the host copies of its
+// inputs (linear memory, as on the CPU).
 void run_on_host(Node& node) {
   if (op_info(node.op).kind == OpKind::Attention && attention_cpu_supported(node)) {
     auto out = allocate_value(node, node.precision.storage_type, node.numel(), true);

@@ -16,6 +16,7 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/vision.h"
 #include "mixtape/runtime/cuda_allocator.h"
+#include "mixtape/runtime/cuda_attention.h"
 #include "mixtape/runtime/cuda_values.h"
 #include "mixtape/runtime/device.h"
 #include "mixtape/runtime/movement_plan.h"
@@ -797,6 +798,9 @@ bool run_fixed_kernel(Node& node) {
     case OpCode::MaxPool2d:
     case OpCode::MaxPool2dGrad:
       return run_pool(node);
+    case OpCode::Attention:
+    case OpCode::AttentionBackward:
+      return run_attention_kernels(node);
     default:
       return false;
   }

@@ -23,10 +23,11 @@ std::string cuda_fixed_kernels_source();
 void use_prebuilt_fixed_kernels(cuda::CUmodule module);
 
 /// Runs `node` on the GPU when it is a Concat, Unslice, IndexSelect, IndexAdd, RandUniform,
-/// RandNormal, one of the three convolution primitives or MaxPool2d / MaxPool2dGrad of dtypes these
-/// kernels cover, its inputs'
-/// values there or uploaded. False, with nothing done, otherwise (the executor then runs it on the
-/// host). The results are the bits the reference computes. Indices are checked on the host first,
+/// RandNormal, one of the three convolution primitives, MaxPool2d / MaxPool2dGrad, or Attention /
+/// AttentionBackward (runtime/cuda_attention.h) of dtypes these kernels cover, its inputs' values
+/// there or uploaded. False, with nothing done, otherwise (the executor then runs it on the
+/// host). The results are the bits the reference computes, but for attention's (f32 sums of
+/// their own order). Indices are checked on the host first,
 /// as the reference checks them: an index computed on the device is downloaded for that.
 bool run_fixed_kernel(Node& node);
 

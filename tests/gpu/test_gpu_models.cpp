@@ -31,6 +31,7 @@
 #include "mixtape/dsl/nn.h"
 #include "mixtape/dsl/ops.h"
 #include "mixtape/dsl/optim.h"
+#include "mixtape/dsl/sequence_layers.h"
 #include "mixtape/dsl/tensor.h"
 #include "mixtape/precision_policy/grad_scaler.h"
 #include "mixtape/precision_policy/policy.h"
@@ -761,38 +762,53 @@ TEST(GpuMaxPool, ForwardAndGradientHaveTheReferencesBitsOnTheDevice) {
   }
 }
 
-// Fused attention has no CUDA kernel: its two nodes (forward, and the packed gradients) are host
-// steps running the CPU back end's tiles on host copies of their inputs (runtime/cuda_executor's
-// run_on_host), so a CUDA step gives the CPU's bits, the rest of the step on the device. The dry
-// run compares the CPU's tiles with the reference's materialized loops, to rounding.
-TEST(GpuAttention, FusedForwardAndGradientsRunAsHostStepsWithTheCpusBits) {
+// Fused attention runs on the device (runtime/cuda_attention.h): forward and the packed
+// gradients, causal, and under a key-padding bool mask (a batch-dependent mask row) with dropout
+// drawn as the CPU draws it, in f32 and bf16, with no host step. The kernels sum in f32 in their
+// own order: the CPU's values to a few f32 ulps, or an ulp of bf16. The dry run compares the
+// CPU's tiles with the reference's materialized loops, to rounding.
+TEST(GpuAttention, FusedForwardAndGradientsRunOnTheDevice) {
   SKIP_WITHOUT_CUDA();
-  for (mt::DType dtype : {mt::f32, mt::bf16}) {
-    auto run = [&](mt::Device device) {
-      DeviceScope scope;
-      mt::set_device(device);
-      mt::Generator gen(61);
-      const mt::Shape shape = {2, 3, 70, 32};
-      auto leaf = [&] {
-        return mt::tensor(mt::randn(shape, dtype, &gen).to_vector<double>(), shape, dtype)
-            .requires_grad_();
+  for (bool masked : {false, true})
+    for (mt::DType dtype : {mt::f32, mt::bf16}) {
+      auto run = [&](mt::Device device, mt::ExecutionStats* stats) {
+        DeviceScope scope;
+        mt::set_device(device);
+        mt::Generator gen(61), drop(62);
+        const mt::Shape shape = {2, 3, 70, masked ? 64 : 32};
+        auto leaf = [&] {
+          return mt::tensor(mt::randn(shape, dtype, &gen).to_vector<double>(), shape, dtype)
+              .requires_grad_();
+        };
+        mt::Tensor q = leaf(), k = leaf(), v = leaf();
+        mt::Tensor g = mt::randn(shape, dtype, &gen);
+        // Batch 0 sees its first 50 keys, batch 1 all 70.
+        std::vector<float> keep(2 * 70);
+        for (int64_t i = 0; i < 140; ++i) keep[i] = i < 50 || i >= 70;
+        mt::Tensor mask = mt::tensor(keep, {2, 1, 1, 70}) > 0.5;
+        mt::eval({q, k, v, g, mask});
+        mt::reset_execution_stats();
+        mt::Tensor y = masked ? mt::scaled_dot_product_attention(q, k, v, mask, false, std::nullopt,
+                                                                 0.2, &drop)
+                              : mt::scaled_dot_product_attention(q, k, v, true);
+        EXPECT_EQ(y.node()->op, mt::OpCode::Attention);
+        mt::sum(y * g).backward();
+        std::vector<mt::Tensor> outs = {y, q.grad(), k.grad(), v.grad()};
+        return values_of(outs, stats);
       };
-      mt::Tensor q = leaf(), k = leaf(), v = leaf();
-      mt::Tensor g = mt::randn(shape, dtype, &gen);
-      mt::eval({q, k, v, g});
-      mt::Tensor y = mt::scaled_dot_product_attention(q, k, v, true);
-      EXPECT_EQ(y.node()->op, mt::OpCode::Attention);
-      mt::sum(y * g).backward();
-      std::vector<mt::Tensor> outs = {y, q.grad(), k.grad(), v.grad()};
-      return values_of(outs, nullptr);
-    };
-    auto expected = run(baseline()), actual = run(tested());
-    ASSERT_EQ(actual.size(), expected.size());
-    const double ulps = dry_run() ? 8 : 0, absolute = dry_run() ? 1e-3 : 0;
-    for (size_t o = 0; o < expected.size(); ++o)
-      EXPECT_EQ(first_difference(expected[o], actual[o], dtype, ulps, absolute), "")
-          << mt::name(dtype) << " output " << o;
-  }
+      mt::ExecutionStats stats;
+      auto expected = run(baseline(), nullptr), actual = run(tested(), &stats);
+      ASSERT_EQ(actual.size(), expected.size());
+      const bool half = dtype == mt::bf16;
+      const double ulps = dry_run() ? 8 : half ? 1.01 : 64;
+      const double absolute = dry_run() ? 1e-3 : half ? 0x1p-8 : 1e-5;
+      for (size_t o = 0; o < expected.size(); ++o)
+        EXPECT_EQ(first_difference(expected[o], actual[o], dtype, ulps, absolute), "")
+            << mt::name(dtype) << (masked ? " masked" : " causal") << " output " << o;
+      if (!dry_run()) {
+        EXPECT_EQ(stats.host_ops, 0) << mt::name(dtype);
+      }
+    }
 }
 
 // rand and randn drawn on the device: the CPU's streams bit for bit, in every 32-bit-or-less

@@ -1,0 +1,458 @@
+// mixtape/runtime/cuda_attention.cpp -- fused attention's CUDA kernels (part of the fixed kernels'
+// source) and their launches.
+#include "mixtape/runtime/cuda_attention.h"
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "mixtape/codegen/nvrtc.h"
+#include "mixtape/dsl/attention.h"
+#include "mixtape/runtime/cuda_allocator.h"
+#include "mixtape/runtime/cuda_fixed_kernels.h"
+#include "mixtape/runtime/cuda_values.h"
+#include "mixtape/runtime/device.h"
+#include "mixtape/runtime/program.h"
+
+namespace mixtape {
+namespace {
+
+// Rows (query or key) per block: one thread each.
+constexpr unsigned kRowsPerBlock = 128;
+static_assert(sizeof(int64_t) == sizeof(long long));
+
+// The kernels' geometry argument, word for word (mt_attention in the source).
+struct AttentionArgs {
+  int64_t batch, tq, tk, d, dv, mask_row_stride, mask_col_stride;
+  uint64_t seed, offset;
+  float scale, keep_scale;
+  uint32_t threshold;
+  int32_t causal, mask_kind, mask_dtype, dropout, q_dtype, k_dtype, v_dtype, o_dtype, go_dtype,
+      out_dtype, compute;
+};
+static_assert(sizeof(AttentionArgs) == 128, "mt_attention's layout");
+
+constexpr const char* source = R"(
+// ---- fused attention (runtime/cuda_attention.h). Tiles of 32 key (or query) rows are staged in
+// shared memory as f32, zero-padded to the head dim D; each thread keeps its own row in
+// registers and sums in order, so every element is one thread's sequence of f32 operations.
+struct mt_attention {
+  long long batch, tq, tk, d, dv, mask_row_stride, mask_col_stride;
+  unsigned long long seed, offset;
+  float scale, keep_scale;
+  unsigned threshold;
+  int causal, mask_kind, mask_dtype, dropout, q_dtype, k_dtype, v_dtype, o_dtype, go_dtype,
+      out_dtype, compute;
+};
+#define MT_ATT_TILE 32
+static __device__ __forceinline__ long long mt_att_min(long long a, long long b) {
+  return a < b ? a : b;
+}
+static __device__ __forceinline__ float mt_att_ninf() { return __int_as_float(0xff800000); }
+// An operand element as f32, rounded to the compute type where that is a 16-bit type the value
+// is not stored in (as the CPU tiles load it).
+static __device__ __forceinline__ float mt_att_load(const void* p, int dtype, int compute,
+                                                    long long i) {
+  const float v = static_cast<float>(mt_load_as_double(p, dtype, i));
+  if (dtype == compute) return v;
+  return compute == MT_F16 ? mt_round_f16(v) : compute == MT_BF16 ? mt_round_bf16(v) : v;
+}
+// The scaled score of query i and key j of batch b with the mask applied: -inf where masked.
+static __device__ __forceinline__ float mt_att_mask(const mt_attention& g, const void* mask,
+                                                    const long long* mask_batch, long long b,
+                                                    long long i, long long j, float scaled) {
+  if (g.mask_kind != 0) {
+    const long long at = mask_batch[b] + i * g.mask_row_stride + j * g.mask_col_stride;
+    if (g.mask_kind == 1) {
+      if (!static_cast<const unsigned char*>(mask)[at]) return mt_att_ninf();
+    } else {
+      scaled = __fadd_rn(scaled, static_cast<float>(mt_load_as_double(mask, g.mask_dtype, at)));
+    }
+  }
+  return g.causal && j > i ? mt_att_ninf() : scaled;
+}
+// Weight (b, i, j)'s dropout factor: DropoutDraw::scales' test on its Philox word.
+static __device__ __forceinline__ float mt_att_keep(const mt_attention& g, long long b,
+                                                    long long i, long long j) {
+  if (!g.dropout) return 1.0f;
+  const unsigned long long first = static_cast<unsigned long long>((b * g.tq + i) * g.tk + j);
+  unsigned w[4];
+  mt_philox(g.offset + first / 4, g.seed, w);
+  return (w[first % 4] >> 8) >= g.threshold ? g.keep_scale : 0.0f;
+}
+// Rows [first, first + MT_ATT_TILE) of a [rows, width] operand of batch b into tile (padded).
+template <int D>
+static __device__ __forceinline__ void mt_att_stage(float (*tile)[D], const void* p, int dtype,
+                                                    int compute, long long b, long long rows,
+                                                    long long width, long long first) {
+  for (int t = threadIdx.x; t < MT_ATT_TILE * D; t += blockDim.x) {
+    const int r = t / D, e = t % D;
+    const long long row = first + r;
+    tile[r][e] = row < rows && e < width
+                     ? mt_att_load(p, dtype, compute, (b * rows + row) * width + e)
+                     : 0.0f;
+  }
+}
+template <int D>
+static __device__ __forceinline__ float mt_att_dot(const float* a, const float* b) {
+  float sum = 0.0f;
+#pragma unroll
+  for (int e = 0; e < D; ++e) sum = fmaf(a[e], b[e], sum);
+  return sum;
+}
+// This thread's row of a [rows, width] operand of batch b (padded), zeros past the last row. The
+// dtype's branch is taken once per row, outside the unrolled loops.
+template <int D, typename T, typename Widen>
+static __device__ __forceinline__ void mt_att_row_of(float* out, const T* p, long long width,
+                                                     bool live, Widen widen) {
+#pragma unroll
+  for (int e = 0; e < D; ++e) out[e] = live && e < width ? widen(p[e]) : 0.0f;
+}
+template <int D>
+static __device__ __forceinline__ void mt_att_row(float* out, const void* p, int dtype, int compute,
+                                                  long long b, long long rows, long long width,
+                                                  long long row) {
+  const bool live = row < rows;
+  const long long at = live ? (b * rows + row) * width : 0;
+  const unsigned short* half = static_cast<const unsigned short*>(p) + at;
+  if (dtype == MT_F16)
+    mt_att_row_of<D>(out, half, width, live, [](unsigned short h) { return mt_f16_to_f32(h); });
+  else if (dtype == MT_BF16)
+    mt_att_row_of<D>(out, half, width, live, [](unsigned short h) { return mt_bf16_to_f32(h); });
+  else
+    mt_att_row_of<D>(out, static_cast<const float*>(p) + at, width, live, [](float f) { return f; });
+  if (dtype == compute || (compute != MT_F16 && compute != MT_BF16)) return;
+#pragma unroll
+  for (int e = 0; e < D; ++e) out[e] = compute == MT_F16 ? mt_round_f16(out[e]) : mt_round_bf16(out[e]);
+}
+// Stores row[e] * factor for e < width at p[at + e] in dtype, rounded to nearest even (as
+// mt_store_double stores a float's value).
+template <int D>
+static __device__ __forceinline__ void mt_att_store_row(void* p, int dtype, long long at,
+                                                        const float* row, float factor,
+                                                        long long width) {
+  if (dtype == MT_F32) {
+#pragma unroll
+    for (int e = 0; e < D; ++e)
+      if (e < width) static_cast<float*>(p)[at + e] = row[e] * factor;
+    return;
+  }
+  unsigned short* half = static_cast<unsigned short*>(p) + at;
+#pragma unroll
+  for (int e = 0; e < D; ++e)
+    if (e < width)
+      half[e] = dtype == MT_F16 ? mt_f32_to_f16(row[e] * factor)
+                                : mt_f32_to_bf16(mt_round_bf16(row[e] * factor));
+}
+
+// out[b, i] = sum_j softmax_j(s_ij) z_ij v_j, online over key tiles (the CPU tiles' recurrence).
+template <int D>
+static __device__ __forceinline__ void mt_attention_forward(
+    const void* q, const void* k, const void* v, const void* mask, const long long* mask_batch,
+    void* out, const mt_attention& g) {
+  __shared__ float keys[MT_ATT_TILE][D], values[MT_ATT_TILE][D];
+  const long long tiles = (g.tq + blockDim.x - 1) / blockDim.x;
+  const long long b = blockIdx.x / tiles, first = (blockIdx.x % tiles) * blockDim.x;
+  const long long i = first + threadIdx.x;
+  const bool active = i < g.tq;
+  float qi[D], acc[D];
+  mt_att_row<D>(qi, q, g.q_dtype, g.compute, b, g.tq, g.d, i);
+#pragma unroll
+  for (int e = 0; e < D; ++e) acc[e] = 0.0f;
+  float top = mt_att_ninf(), total = 0.0f;  // the running maximum and sum of exp(s - top)
+  const long long last = mt_att_min(g.tq, first + blockDim.x) - 1;
+  const long long end = g.causal ? mt_att_min(g.tk, last + 1) : g.tk;
+  for (long long j0 = 0; j0 < end; j0 += MT_ATT_TILE) {
+    __syncthreads();  // the last tile is read
+    mt_att_stage<D>(keys, k, g.k_dtype, g.compute, b, g.tk, g.d, j0);
+    mt_att_stage<D>(values, v, g.v_dtype, g.compute, b, g.tk, g.dv, j0);
+    __syncthreads();
+    if (!active) continue;
+    const int cols = static_cast<int>(mt_att_min(MT_ATT_TILE, end - j0));
+#pragma unroll 1
+    for (int r = 0; r < cols; ++r) {
+      const float s = mt_att_mask(g, mask, mask_batch, b, i, j0 + r,
+                                  __fmul_rn(mt_att_dot<D>(qi, keys[r]), g.scale));
+      if (s == mt_att_ninf()) continue;  // weight 0
+      if (s > top) {  // a new maximum: rescale what was summed
+        const float correction = expf(top - s);
+        total *= correction;
+#pragma unroll
+        for (int e = 0; e < D; ++e) acc[e] *= correction;
+        top = s;
+      }
+      float p = expf(s - top);
+      total += p;  // the sum is over every weight, the values meet the kept ones
+      p *= mt_att_keep(g, b, i, j0 + r);
+#pragma unroll
+      for (int e = 0; e < D; ++e) acc[e] = fmaf(p, values[r][e], acc[e]);
+    }
+  }
+  if (!active) return;
+  const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
+  mt_att_store_row<D>(out, g.out_dtype, (b * g.tq + i) * g.dv, acc, inverse, g.dv);
+}
+
+// Backward, per query row i: lse_i online over the keys, delta_i = dO_i . O_i (both into
+// stats[2 (b tq + i)]), then dQ_i = sum_j dS_ij k_j with dS = P (Z dP - delta) scale.
+template <int D>
+static __device__ __forceinline__ void mt_attention_rows(
+    const void* q, const void* k, const void* v, const void* o, const void* go, const void* mask,
+    const long long* mask_batch, float* stats, void* out, const mt_attention& g) {
+  __shared__ float keys[MT_ATT_TILE][D], values[MT_ATT_TILE][D];
+  const long long tiles = (g.tq + blockDim.x - 1) / blockDim.x;
+  const long long b = blockIdx.x / tiles, first = (blockIdx.x % tiles) * blockDim.x;
+  const long long i = first + threadIdx.x;
+  const bool active = i < g.tq;
+  float qi[D], gi[D], dq[D];
+  mt_att_row<D>(qi, q, g.q_dtype, g.compute, b, g.tq, g.d, i);
+  mt_att_row<D>(gi, go, g.go_dtype, g.compute, b, g.tq, g.dv, i);
+  mt_att_row<D>(dq, o, g.o_dtype, g.compute, b, g.tq, g.dv, i);  // O, until delta is taken
+  float delta = 0.0f;
+#pragma unroll
+  for (int e = 0; e < D; ++e) {
+    delta = fmaf(gi[e], dq[e], delta);
+    dq[e] = 0.0f;
+  }
+  const long long last = mt_att_min(g.tq, first + blockDim.x) - 1;
+  const long long end = g.causal ? mt_att_min(g.tk, last + 1) : g.tk;
+  float top = mt_att_ninf(), total = 0.0f;
+  for (long long j0 = 0; j0 < end; j0 += MT_ATT_TILE) {
+    __syncthreads();
+    mt_att_stage<D>(keys, k, g.k_dtype, g.compute, b, g.tk, g.d, j0);
+    __syncthreads();
+    if (!active) continue;
+    const int cols = static_cast<int>(mt_att_min(MT_ATT_TILE, end - j0));
+#pragma unroll 1
+    for (int r = 0; r < cols; ++r) {
+      const float s = mt_att_mask(g, mask, mask_batch, b, i, j0 + r,
+                                  __fmul_rn(mt_att_dot<D>(qi, keys[r]), g.scale));
+      if (s == mt_att_ninf()) continue;
+      if (s > top) {
+        total = total * expf(top - s) + 1.0f;
+        top = s;
+      } else {
+        total += expf(s - top);
+      }
+    }
+  }
+  const float lse = top == mt_att_ninf() ? top : top + logf(total);
+  for (long long j0 = 0; j0 < end; j0 += MT_ATT_TILE) {
+    __syncthreads();
+    mt_att_stage<D>(keys, k, g.k_dtype, g.compute, b, g.tk, g.d, j0);
+    mt_att_stage<D>(values, v, g.v_dtype, g.compute, b, g.tk, g.dv, j0);
+    __syncthreads();
+    if (!active || lse == mt_att_ninf()) continue;
+    const int cols = static_cast<int>(mt_att_min(MT_ATT_TILE, end - j0));
+#pragma unroll 1
+    for (int r = 0; r < cols; ++r) {
+      const float s = mt_att_mask(g, mask, mask_batch, b, i, j0 + r,
+                                  __fmul_rn(mt_att_dot<D>(qi, keys[r]), g.scale));
+      const float p = expf(s - lse);
+      const float dp = mt_att_dot<D>(gi, values[r]);
+      const float ds = p * (mt_att_keep(g, b, i, j0 + r) * dp - delta) * g.scale;
+#pragma unroll
+      for (int e = 0; e < D; ++e) dq[e] = fmaf(ds, keys[r][e], dq[e]);
+    }
+  }
+  if (!active) return;
+  stats[2 * (b * g.tq + i)] = lse;
+  stats[2 * (b * g.tq + i) + 1] = delta;
+  const long long per_batch = g.tq * g.d + g.tk * (g.d + g.dv);
+  mt_att_store_row<D>(out, g.out_dtype, b * per_batch + i * g.d, dq, 1.0f, g.d);
+}
+
+// Backward, per key row j, over the query tiles that see it: dV_j = sum_i P_ij Z_ij dO_i
+// (Values), or dK_j = sum_i dS_ij q_i.
+template <int D, bool Values>
+static __device__ __forceinline__ void mt_attention_keys(
+    const void* q, const void* k, const void* v, const void* go, const void* mask,
+    const long long* mask_batch, const float* stats, void* out, const mt_attention& g) {
+  __shared__ float queries[MT_ATT_TILE][D], grads[MT_ATT_TILE][D], rows[MT_ATT_TILE][2];
+  const long long tiles = (g.tk + blockDim.x - 1) / blockDim.x;
+  const long long b = blockIdx.x / tiles, first = (blockIdx.x % tiles) * blockDim.x;
+  const long long j = first + threadIdx.x;
+  const bool active = j < g.tk;
+  float kj[D], vj[D], acc[D];
+  mt_att_row<D>(kj, k, g.k_dtype, g.compute, b, g.tk, g.d, j);
+  if (!Values) mt_att_row<D>(vj, v, g.v_dtype, g.compute, b, g.tk, g.dv, j);
+#pragma unroll
+  for (int e = 0; e < D; ++e) acc[e] = 0.0f;
+  // A causal key is seen from its own position on: the block's first key bounds the queries.
+  const long long start = g.causal ? mt_att_min(first, g.tq) / MT_ATT_TILE * MT_ATT_TILE : 0;
+  for (long long i0 = start; i0 < g.tq; i0 += MT_ATT_TILE) {
+    __syncthreads();
+    mt_att_stage<D>(queries, q, g.q_dtype, g.compute, b, g.tq, g.d, i0);
+    mt_att_stage<D>(grads, go, g.go_dtype, g.compute, b, g.tq, g.dv, i0);
+    for (int t = threadIdx.x; t < 2 * MT_ATT_TILE; t += blockDim.x) {
+      const long long row = i0 + t / 2;
+      rows[t / 2][t % 2] = row < g.tq ? stats[2 * (b * g.tq + row) + t % 2] : 0.0f;
+    }
+    __syncthreads();
+    if (!active) continue;
+    const int count = static_cast<int>(mt_att_min(MT_ATT_TILE, g.tq - i0));
+#pragma unroll 1
+    for (int r = 0; r < count; ++r) {
+      const long long i = i0 + r;
+      const float lse = rows[r][0];
+      if (lse == mt_att_ninf()) continue;  // a row that sees no key: zero gradients
+      const float s = mt_att_mask(g, mask, mask_batch, b, i, j,
+                                  __fmul_rn(mt_att_dot<D>(queries[r], kj), g.scale));
+      const float p = expf(s - lse), z = mt_att_keep(g, b, i, j);
+      if (Values) {
+        const float weight = p * z;
+#pragma unroll
+        for (int e = 0; e < D; ++e) acc[e] = fmaf(weight, grads[r][e], acc[e]);
+      } else {
+        const float ds = p * (z * mt_att_dot<D>(grads[r], vj) - rows[r][1]) * g.scale;
+#pragma unroll
+        for (int e = 0; e < D; ++e) acc[e] = fmaf(ds, queries[r][e], acc[e]);
+      }
+    }
+  }
+  if (!active) return;
+  const long long per_batch = g.tq * g.d + g.tk * (g.d + g.dv);
+  const long long width = Values ? g.dv : g.d;
+  const long long at = b * per_batch + g.tq * g.d + (Values ? g.tk * g.d : 0) + j * width;
+  mt_att_store_row<D>(out, g.out_dtype, at, acc, 1.0f, width);
+}
+
+#define MT_ATTENTION_KERNELS(D)                                                                  \
+  extern "C" __global__ void mt_attention_forward_##D(                                          \
+      const void* q, const void* k, const void* v, const void* mask,                            \
+      const long long* mask_batch, void* out, const mt_attention g) {                           \
+    mt_attention_forward<D>(q, k, v, mask, mask_batch, out, g);                                 \
+  }                                                                                              \
+  extern "C" __global__ void mt_attention_rows_##D(                                             \
+      const void* q, const void* k, const void* v, const void* o, const void* go,               \
+      const void* mask, const long long* mask_batch, float* stats, void* out,                   \
+      const mt_attention g) {                                                                    \
+    mt_attention_rows<D>(q, k, v, o, go, mask, mask_batch, stats, out, g);                      \
+  }                                                                                              \
+  extern "C" __global__ void mt_attention_keys_##D(                                             \
+      const void* q, const void* k, const void* v, const void* go, const void* mask,            \
+      const long long* mask_batch, const float* stats, void* out, const mt_attention g) {       \
+    mt_attention_keys<D, false>(q, k, v, go, mask, mask_batch, stats, out, g);                  \
+  }                                                                                              \
+  extern "C" __global__ void mt_attention_values_##D(                                           \
+      const void* q, const void* k, const void* v, const void* go, const void* mask,            \
+      const long long* mask_batch, const float* stats, void* out, const mt_attention g) {       \
+    mt_attention_keys<D, true>(q, k, v, go, mask, mask_batch, stats, out, g);                   \
+  }
+)";
+
+bool f32_or_half(DType t) { return t == f32 || is_half(t); }
+
+// The padded head dim of the kernels that cover d and dv, or 0 where none does.
+int padded_dim(int64_t d, int64_t dv) {
+  const int64_t widest = std::max(d, dv);
+  for (int dim : {32, 64, 128})
+    if (widest <= dim) return dim;
+  return 0;
+}
+
+// The four kernels of one head dim.
+struct AttentionKernels {
+  cuda::CUfunction forward = nullptr, rows = nullptr, keys = nullptr, values = nullptr;
+};
+
+// The kernels for head dim `dim`, compiled by NVRTC (or taken from the kernel cache) the first
+// time a node needs them: one module per dim, so a process compiles only the dims it runs.
+const AttentionKernels& kernels_for(int dim) {
+  static std::mutex mutex;
+  static std::map<int, AttentionKernels> loaded;
+  std::lock_guard<std::mutex> lock(mutex);
+  if (auto at = loaded.find(dim); at != loaded.end()) return at->second;
+  std::string image =
+      compile_cuda(cuda_attention_source(dim), nvrtc_target(cuda::compute_capability()),
+                   fmt::format("mixtape_attention_{}.cu", dim));
+  cuda::CUmodule module = cuda::load_module(std::span<const char>(image.data(), image.size()));
+  auto function = [&](const char* kind) {
+    return cuda::get_function(module, fmt::format("mt_attention_{}_{}", kind, dim));
+  };
+  return loaded[dim] = {function("forward"), function("rows"), function("keys"),
+                        function("values")};
+}
+
+void launch_rows(cuda::CUfunction function, int64_t batch, int64_t rows, void** params) {
+  const int64_t blocks = batch * ((rows + kRowsPerBlock - 1) / kRowsPerBlock);
+  if (blocks == 0) return;
+  cuda::launch(function, {static_cast<unsigned>(blocks), 1, 1}, {kRowsPerBlock, 1, 1}, 0, params);
+  ++execution_counters().kernels;
+}
+
+}  // namespace
+
+std::string cuda_attention_source(int dim) {
+  return cuda_fixed_kernels_source() + source + fmt::format("MT_ATTENTION_KERNELS({})\n", dim);
+}
+
+const char* cuda_attention_source() { return source; }
+
+bool run_attention_kernels(Node& node) {
+  const bool forward = node.op == OpCode::Attention;
+  const size_t operands = forward ? 3 : 5;
+  const DType compute = node.precision.compute, storage = node.precision.storage_type;
+  if (!f32_or_half(compute) || !f32_or_half(storage)) return false;
+  for (size_t i = 0; i < operands; ++i)
+    if (!f32_or_half(node.inputs[i]->value->dtype)) return false;
+  const AttentionGeometry g = AttentionGeometry::of(node);
+  const int dim = padded_dim(g.d, g.dv);
+  if (dim == 0 || g.batch >= (int64_t{1} << 31) || !nvrtc_available()) return false;
+  const Storage* mask = g.has_mask ? node.inputs[operands]->value.get() : nullptr;
+  if (mask && !g.bool_mask && !f32_or_half(mask->dtype) && mask->dtype != f64) return false;
+
+  AttentionArgs args{};
+  args.batch = g.batch, args.tq = g.tq, args.tk = g.tk, args.d = g.d, args.dv = g.dv;
+  args.mask_row_stride = g.mask_row_stride, args.mask_col_stride = g.mask_col_stride;
+  args.scale = static_cast<float>(g.scale);
+  args.causal = g.causal;
+  args.mask_kind = !g.has_mask ? 0 : g.bool_mask ? 1 : 2;
+  args.mask_dtype = mask ? static_cast<int32_t>(mask->dtype) : 0;
+  if (g.has_dropout) {
+    const DropoutDraw draw = DropoutDraw::of(node);
+    args.dropout = 1, args.seed = draw.seed, args.offset = draw.offset;
+    args.threshold = draw.threshold, args.keep_scale = static_cast<float>(draw.keep_scale);
+  }
+  auto dtype_of = [&](size_t i) { return static_cast<int32_t>(node.inputs[i]->value->dtype); };
+  args.q_dtype = dtype_of(0), args.k_dtype = dtype_of(1), args.v_dtype = dtype_of(2);
+  if (!forward) args.o_dtype = dtype_of(3), args.go_dtype = dtype_of(4);
+  args.out_dtype = static_cast<int32_t>(storage);
+  args.compute = static_cast<int32_t>(compute);
+
+  const AttentionKernels& kernels = kernels_for(dim);
+  auto out = device_value(storage, node.numel());
+  if (node.numel() > 0) {
+    // Each batch index's first mask element (AttentionGeometry::mask_batch_offset).
+    std::vector<long long> offsets(g.mask_batch_offset.begin(), g.mask_batch_offset.end());
+    cuda::DeviceBuffer mask_batch(std::max<size_t>(offsets.size(), 1) * sizeof(long long));
+    if (!offsets.empty())
+      cuda::upload(mask_batch.address(), offsets.data(), offsets.size() * sizeof(long long));
+    auto address = [&](size_t i) { return device_address(*node.inputs[i]->value); };
+    cuda::CUdeviceptr q = address(0), k = address(1), v = address(2),
+                      m = mask ? address(operands) : 0, batch_offsets = mask_batch.address(),
+                      to = device_address(*out);
+    if (forward) {
+      void* params[] = {&q, &k, &v, &m, &batch_offsets, &to, &args};
+      launch_rows(kernels.forward, g.batch, g.tq, params);
+    } else {
+      cuda::CUdeviceptr o = address(3), go = address(4);
+      cuda::DeviceBuffer stats(std::max<int64_t>(2 * g.batch * g.tq, 1) * sizeof(float));
+      cuda::CUdeviceptr stats_at = stats.address();
+      void* rows[] = {&q, &k, &v, &o, &go, &m, &batch_offsets, &stats_at, &to, &args};
+      launch_rows(kernels.rows, g.batch, g.tq, rows);
+      void* keys[] = {&q, &k, &v, &go, &m, &batch_offsets, &stats_at, &to, &args};
+      launch_rows(kernels.keys, g.batch, g.tk, keys);
+      launch_rows(kernels.values, g.batch, g.tk, keys);
+    }
+  }
+  node.value = std::move(out);
+  return true;
+}
+
+}  // namespace mixtape

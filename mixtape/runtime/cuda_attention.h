@@ -1,0 +1,30 @@
+// mixtape/runtime/cuda_attention.h -- fused attention on the GPU: the Attention and
+// AttentionBackward primitives as fixed kernels with an online f32 softmax.
+#pragma once
+
+#include <string>
+
+#include "mixtape/dsl/node.h"
+
+namespace mixtape {
+
+/// The CUDA C++ of the kernels for head dim `dim` (32, 64 or 128; d and dv padded to it with
+/// zeros), after the fixed kernels' source, whose loads, stores and Philox they use:
+///   mt_attention_forward_DIM  one thread per query row, key and value tiles in shared memory,
+///                             an online softmax over them;
+///   mt_attention_rows_DIM     backward, one thread per query row: the row's log-sum-exp and
+///                             delta = dO . O (kept for the next two), and dQ;
+///   mt_attention_keys_DIM / mt_attention_values_DIM
+///                             backward, one thread per key row: dK, and dV, over query tiles.
+/// Every sum is one thread's, in key (or query) order: runs repeat bit for bit, with no atomics.
+/// One module per dim, compiled when a node first needs it (NVRTC takes seconds for each).
+std::string cuda_attention_source(int dim);
+
+/// Computes an Attention or AttentionBackward node on the GPU from its inputs' device values:
+/// operands rounded to the node's compute type as they load, arithmetic in f32 (as
+/// runtime/attention.h's CPU tiles; the bits differ from theirs by the order of the sums and the
+/// exp). False, with nothing done, for f64 or head dims above 128: the executor then runs the
+/// CPU tiles on the host copies; likewise without NVRTC.
+bool run_attention_kernels(Node& node);
+
+}  // namespace mixtape
