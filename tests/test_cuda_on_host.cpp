@@ -941,11 +941,11 @@ TEST(CudaOnHost, AttentionKernelsMatchTheReference) {
     auto dtype_of = [](const mt::Tensor& t) { return static_cast<int>(t.node()->value->dtype); };
     const mt::DType out_dtype = backward.precision.storage_type;
     const std::string args = fmt::format(
-        "mt_attention{{{}, {}, {}, {}, {}, {}, {}, {}ull, {}ull, {:a}, {:a}, {}u, {}, {}, {}, {}, "
-        "{}, {}, {}, {}, {}, {}, {}}}",
+        "mt_attention{{{}, {}, {}, {}, {}, {}, {}, {}ull, {:a}, {:a}, {}u, {}, {}, {}, {}, {}, "
+        "{}, {}, {}, {}, {}, {}}}",
         g.batch, g.tq, g.tk, g.d, g.dv, g.mask_row_stride, g.mask_col_stride, draw.seed,
-        draw.offset, static_cast<float>(g.scale), static_cast<float>(draw.keep_scale),
-        draw.threshold, g.causal ? 1 : 0,
+        static_cast<float>(g.scale), static_cast<float>(draw.keep_scale), draw.threshold,
+        g.causal ? 1 : 0,
         !g.has_mask   ? 0
         : g.bool_mask ? 1
                       : 2,
@@ -957,27 +957,30 @@ TEST(CudaOnHost, AttentionKernelsMatchTheReference) {
     main_text += fmt::format(
         "  {{\n  std::vector<char> q = {}, k = {}, v = {}, o = {}, go = {}, mask = {};\n"
         "  std::vector<long long> mask_batch = {{{}}};\n"
+        "  std::vector<unsigned long long> offset = {{{}ull}};\n"
         "  std::vector<char> y({}), grads({});\n"
         "  std::vector<float> stats({});\n",
         bytes_literal(*c.q.node()->value), bytes_literal(*c.k.node()->value),
         bytes_literal(*c.v.node()->value), bytes_literal(*c.y.node()->value),
         bytes_literal(*c.go.node()->value),
         g.has_mask ? bytes_literal(*c.mask.node()->value) : "{0}", fmt::join(offsets, ", "),
-        forward.value->size_bytes(), backward.value->size_bytes(), 2 * g.batch * g.tq);
+        draw.offset, forward.value->size_bytes(), backward.value->size_bytes(), 2 * g.batch * g.tq);
     auto blocks = [&](int64_t rows) { return g.batch * ((rows + 127) / 128); };
     main_text += fmt::format(
         "  mt_run_grid({}, 128, true, [&] {{ mt_attention_forward_{}(q.data(), k.data(), "
-        "v.data(), mask.data(), mask_batch.data(), y.data(), {}); }});\n",
+        "v.data(), mask.data(), mask_batch.data(), offset.data(), y.data(), {}); }});\n",
         blocks(g.tq), dim, args);
     main_text += fmt::format(
         "  mt_run_grid({}, 128, true, [&] {{ mt_attention_rows_{}(q.data(), k.data(), v.data(), "
-        "o.data(), go.data(), mask.data(), mask_batch.data(), stats.data(), grads.data(), {}); "
+        "o.data(), go.data(), mask.data(), mask_batch.data(), offset.data(), stats.data(), "
+        "grads.data(), {}); "
         "}});\n",
         blocks(g.tq), dim, args);
     for (const char* kernel : {"keys", "values"})
       main_text += fmt::format(
           "  mt_run_grid({}, 128, true, [&] {{ mt_attention_{}_{}(q.data(), k.data(), v.data(), "
-          "go.data(), mask.data(), mask_batch.data(), stats.data(), grads.data(), {}); }});\n",
+          "go.data(), mask.data(), mask_batch.data(), offset.data(), stats.data(), grads.data(), "
+          "{}); }});\n",
           blocks(g.tk), kernel, dim, args);
     main_text += fmt::format("  mt_write(\"{}\", y);\n  mt_write(\"{}\", grads);\n  }}\n",
                              (dir / fmt::format("y{}", n)).string(),

@@ -144,10 +144,15 @@ AttentionDropout AttentionDropout::of(const Node& node) {
 }
 
 DropoutDraw DropoutDraw::of(const Node& node) {
+  DropoutDraw out = decisions(node);
+  out.offset = std::bit_cast<uint64_t>(load_element<int64_t>(*node.inputs.back()->value, 0));
+  return out;
+}
+
+DropoutDraw DropoutDraw::decisions(const Node& node) {
   DropoutDraw out;
   const double p = node.attrs.dropout;
   out.seed = node.attrs.seed;
-  out.offset = std::bit_cast<uint64_t>(load_element<int64_t>(*node.inputs.back()->value, 0));
   // rand's f32 elements are k 2^-24 (k < 2^24), compared with p as an f32 fill holds it.
   out.threshold =
       static_cast<uint32_t>(std::ceil(static_cast<double>(static_cast<float>(p)) * 0x1p24));

@@ -38,6 +38,8 @@ struct DropoutDraw {
   double keep_scale = 1;   // 1/(1-p); 0 where p == 1
   /// The draw of a node whose offset input has its value.
   static DropoutDraw of(const Node& node);
+  /// The same without reading the offset (left 0), for kernels that read it on the device.
+  static DropoutDraw decisions(const Node& node);
   /// out[j] = keep_scale (as T) or 0 for weights first .. first + count - 1.
   template <typename T>
   void scales(uint64_t first, int64_t count, T* out) const {

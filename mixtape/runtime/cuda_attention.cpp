@@ -29,13 +29,13 @@ static_assert(sizeof(int64_t) == sizeof(long long));
 // The kernels' geometry argument, word for word (mt_attention in the source).
 struct AttentionArgs {
   int64_t batch, tq, tk, d, dv, mask_row_stride, mask_col_stride;
-  uint64_t seed, offset;
+  uint64_t seed;
   float scale, keep_scale;
   uint32_t threshold;
   int32_t causal, mask_kind, mask_dtype, dropout, q_dtype, k_dtype, v_dtype, o_dtype, go_dtype,
       out_dtype, compute;
 };
-static_assert(sizeof(AttentionArgs) == 128, "mt_attention's layout");
+static_assert(sizeof(AttentionArgs) == 120, "mt_attention's layout");
 
 constexpr const char* source = R"(
 // ---- fused attention (runtime/cuda_attention.h). Tiles of 32 key (or query) rows are staged in
@@ -43,7 +43,7 @@ constexpr const char* source = R"(
 // registers and sums in order, so every element is one thread's sequence of f32 operations.
 struct mt_attention {
   long long batch, tq, tk, d, dv, mask_row_stride, mask_col_stride;
-  unsigned long long seed, offset;
+  unsigned long long seed;
   float scale, keep_scale;
   unsigned threshold;
   int causal, mask_kind, mask_dtype, dropout, q_dtype, k_dtype, v_dtype, o_dtype, go_dtype,
@@ -76,13 +76,15 @@ static __device__ __forceinline__ float mt_att_mask(const mt_attention& g, const
   }
   return g.causal && j > i ? mt_att_ninf() : scaled;
 }
-// Weight (b, i, j)'s dropout factor: DropoutDraw::scales' test on its Philox word.
-static __device__ __forceinline__ float mt_att_keep(const mt_attention& g, long long b,
+// Weight (b, i, j)'s dropout factor: DropoutDraw::scales' test on its Philox word, the stream's
+// offset read on the device (the generator's, computed there), as mt_random_fill reads it.
+static __device__ __forceinline__ float mt_att_keep(const mt_attention& g,
+                                                    const unsigned long long* offset, long long b,
                                                     long long i, long long j) {
   if (!g.dropout) return 1.0f;
   const unsigned long long first = static_cast<unsigned long long>((b * g.tq + i) * g.tk + j);
   unsigned w[4];
-  mt_philox(g.offset + first / 4, g.seed, w);
+  mt_philox(*offset + first / 4, g.seed, w);
   return (w[first % 4] >> 8) >= g.threshold ? g.keep_scale : 0.0f;
 }
 // Rows [first, first + MT_ATT_TILE) of a [rows, width] operand of batch b into tile (padded).
@@ -154,7 +156,7 @@ static __device__ __forceinline__ void mt_att_store_row(void* p, int dtype, long
 template <int D>
 static __device__ __forceinline__ void mt_attention_forward(
     const void* q, const void* k, const void* v, const void* mask, const long long* mask_batch,
-    void* out, const mt_attention& g) {
+    const unsigned long long* offset, void* out, const mt_attention& g) {
   __shared__ float keys[MT_ATT_TILE][D], values[MT_ATT_TILE][D];
   const long long tiles = (g.tq + blockDim.x - 1) / blockDim.x;
   const long long b = blockIdx.x / tiles, first = (blockIdx.x % tiles) * blockDim.x;
@@ -188,7 +190,7 @@ static __device__ __forceinline__ void mt_attention_forward(
       }
       float p = expf(s - top);
       total += p;  // the sum is over every weight, the values meet the kept ones
-      p *= mt_att_keep(g, b, i, j0 + r);
+      p *= mt_att_keep(g, offset, b, i, j0 + r);
 #pragma unroll
       for (int e = 0; e < D; ++e) acc[e] = fmaf(p, values[r][e], acc[e]);
     }
@@ -203,7 +205,8 @@ static __device__ __forceinline__ void mt_attention_forward(
 template <int D>
 static __device__ __forceinline__ void mt_attention_rows(
     const void* q, const void* k, const void* v, const void* o, const void* go, const void* mask,
-    const long long* mask_batch, float* stats, void* out, const mt_attention& g) {
+    const long long* mask_batch, const unsigned long long* offset, float* stats, void* out,
+    const mt_attention& g) {
   __shared__ float keys[MT_ATT_TILE][D], values[MT_ATT_TILE][D];
   const long long tiles = (g.tq + blockDim.x - 1) / blockDim.x;
   const long long b = blockIdx.x / tiles, first = (blockIdx.x % tiles) * blockDim.x;
@@ -255,7 +258,7 @@ static __device__ __forceinline__ void mt_attention_rows(
                                   __fmul_rn(mt_att_dot<D>(qi, keys[r]), g.scale));
       const float p = expf(s - lse);
       const float dp = mt_att_dot<D>(gi, values[r]);
-      const float ds = p * (mt_att_keep(g, b, i, j0 + r) * dp - delta) * g.scale;
+      const float ds = p * (mt_att_keep(g, offset, b, i, j0 + r) * dp - delta) * g.scale;
 #pragma unroll
       for (int e = 0; e < D; ++e) dq[e] = fmaf(ds, keys[r][e], dq[e]);
     }
@@ -272,7 +275,8 @@ static __device__ __forceinline__ void mt_attention_rows(
 template <int D, bool Values>
 static __device__ __forceinline__ void mt_attention_keys(
     const void* q, const void* k, const void* v, const void* go, const void* mask,
-    const long long* mask_batch, const float* stats, void* out, const mt_attention& g) {
+    const long long* mask_batch, const unsigned long long* offset, const float* stats, void* out,
+    const mt_attention& g) {
   __shared__ float queries[MT_ATT_TILE][D], grads[MT_ATT_TILE][D], rows[MT_ATT_TILE][2];
   const long long tiles = (g.tk + blockDim.x - 1) / blockDim.x;
   const long long b = blockIdx.x / tiles, first = (blockIdx.x % tiles) * blockDim.x;
@@ -303,7 +307,7 @@ static __device__ __forceinline__ void mt_attention_keys(
       if (lse == mt_att_ninf()) continue;  // a row that sees no key: zero gradients
       const float s = mt_att_mask(g, mask, mask_batch, b, i, j,
                                   __fmul_rn(mt_att_dot<D>(queries[r], kj), g.scale));
-      const float p = expf(s - lse), z = mt_att_keep(g, b, i, j);
+      const float p = expf(s - lse), z = mt_att_keep(g, offset, b, i, j);
       if (Values) {
         const float weight = p * z;
 #pragma unroll
@@ -322,27 +326,30 @@ static __device__ __forceinline__ void mt_attention_keys(
   mt_att_store_row<D>(out, g.out_dtype, at, acc, 1.0f, width);
 }
 
-#define MT_ATTENTION_KERNELS(D)                                                                  \
-  extern "C" __global__ void mt_attention_forward_##D(                                          \
-      const void* q, const void* k, const void* v, const void* mask,                            \
-      const long long* mask_batch, void* out, const mt_attention g) {                           \
-    mt_attention_forward<D>(q, k, v, mask, mask_batch, out, g);                                 \
-  }                                                                                              \
-  extern "C" __global__ void mt_attention_rows_##D(                                             \
-      const void* q, const void* k, const void* v, const void* o, const void* go,               \
-      const void* mask, const long long* mask_batch, float* stats, void* out,                   \
-      const mt_attention g) {                                                                    \
-    mt_attention_rows<D>(q, k, v, o, go, mask, mask_batch, stats, out, g);                      \
-  }                                                                                              \
-  extern "C" __global__ void mt_attention_keys_##D(                                             \
-      const void* q, const void* k, const void* v, const void* go, const void* mask,            \
-      const long long* mask_batch, const float* stats, void* out, const mt_attention g) {       \
-    mt_attention_keys<D, false>(q, k, v, go, mask, mask_batch, stats, out, g);                  \
-  }                                                                                              \
-  extern "C" __global__ void mt_attention_values_##D(                                           \
-      const void* q, const void* k, const void* v, const void* go, const void* mask,            \
-      const long long* mask_batch, const float* stats, void* out, const mt_attention g) {       \
-    mt_attention_keys<D, true>(q, k, v, go, mask, mask_batch, stats, out, g);                   \
+#define MT_ATTENTION_KERNELS(D)                                                                 \
+  extern "C" __global__ void mt_attention_forward_##D(                                         \
+      const void* q, const void* k, const void* v, const void* mask,                           \
+      const long long* mask_batch, const unsigned long long* offset, void* out,                \
+      const mt_attention g) {                                                                   \
+    mt_attention_forward<D>(q, k, v, mask, mask_batch, offset, out, g);                        \
+  }                                                                                             \
+  extern "C" __global__ void mt_attention_rows_##D(                                            \
+      const void* q, const void* k, const void* v, const void* o, const void* go,              \
+      const void* mask, const long long* mask_batch, const unsigned long long* offset,         \
+      float* stats, void* out, const mt_attention g) {                                         \
+    mt_attention_rows<D>(q, k, v, o, go, mask, mask_batch, offset, stats, out, g);             \
+  }                                                                                             \
+  extern "C" __global__ void mt_attention_keys_##D(                                            \
+      const void* q, const void* k, const void* v, const void* go, const void* mask,           \
+      const long long* mask_batch, const unsigned long long* offset, const float* stats,       \
+      void* out, const mt_attention g) {                                                        \
+    mt_attention_keys<D, false>(q, k, v, go, mask, mask_batch, offset, stats, out, g);         \
+  }                                                                                             \
+  extern "C" __global__ void mt_attention_values_##D(                                          \
+      const void* q, const void* k, const void* v, const void* go, const void* mask,           \
+      const long long* mask_batch, const unsigned long long* offset, const float* stats,       \
+      void* out, const mt_attention g) {                                                        \
+    mt_attention_keys<D, true>(q, k, v, go, mask, mask_batch, offset, stats, out, g);          \
   }
 )";
 
@@ -403,7 +410,8 @@ bool run_attention_kernels(Node& node) {
     if (!f32_or_half(node.inputs[i]->value->dtype)) return false;
   const AttentionGeometry g = AttentionGeometry::of(node);
   const int dim = padded_dim(g.d, g.dv);
-  if (dim == 0 || g.batch >= (int64_t{1} << 31) || !nvrtc_available()) return false;
+  const int64_t tiles = (std::max(g.tq, g.tk) + kRowsPerBlock - 1) / kRowsPerBlock;
+  if (dim == 0 || g.batch * tiles >= (int64_t{1} << 31) || !nvrtc_available()) return false;
   const Storage* mask = g.has_mask ? node.inputs[operands]->value.get() : nullptr;
   if (mask && !g.bool_mask && !f32_or_half(mask->dtype) && mask->dtype != f64) return false;
 
@@ -414,9 +422,9 @@ bool run_attention_kernels(Node& node) {
   args.causal = g.causal;
   args.mask_kind = !g.has_mask ? 0 : g.bool_mask ? 1 : 2;
   args.mask_dtype = mask ? static_cast<int32_t>(mask->dtype) : 0;
-  if (g.has_dropout) {
-    const DropoutDraw draw = DropoutDraw::of(node);
-    args.dropout = 1, args.seed = draw.seed, args.offset = draw.offset;
+  if (g.has_dropout) {  // the offset stays on the device: the kernels read it there
+    const DropoutDraw draw = DropoutDraw::decisions(node);
+    args.dropout = 1, args.seed = draw.seed;
     args.threshold = draw.threshold, args.keep_scale = static_cast<float>(draw.keep_scale);
   }
   auto dtype_of = [&](size_t i) { return static_cast<int32_t>(node.inputs[i]->value->dtype); };
@@ -431,22 +439,26 @@ bool run_attention_kernels(Node& node) {
     // Each batch index's first mask element (AttentionGeometry::mask_batch_offset).
     std::vector<long long> offsets(g.mask_batch_offset.begin(), g.mask_batch_offset.end());
     cuda::DeviceBuffer mask_batch(std::max<size_t>(offsets.size(), 1) * sizeof(long long));
-    if (!offsets.empty())
+    if (!offsets.empty()) {
       cuda::upload(mask_batch.address(), offsets.data(), offsets.size() * sizeof(long long));
+      execution_counters().bytes_uploaded +=
+          static_cast<int64_t>(offsets.size() * sizeof(long long));
+    }
     auto address = [&](size_t i) { return device_address(*node.inputs[i]->value); };
     cuda::CUdeviceptr q = address(0), k = address(1), v = address(2),
                       m = mask ? address(operands) : 0, batch_offsets = mask_batch.address(),
+                      offset = g.has_dropout ? address(node.inputs.size() - 1) : 0,
                       to = device_address(*out);
     if (forward) {
-      void* params[] = {&q, &k, &v, &m, &batch_offsets, &to, &args};
+      void* params[] = {&q, &k, &v, &m, &batch_offsets, &offset, &to, &args};
       launch_rows(kernels.forward, g.batch, g.tq, params);
     } else {
       cuda::CUdeviceptr o = address(3), go = address(4);
       cuda::DeviceBuffer stats(std::max<int64_t>(2 * g.batch * g.tq, 1) * sizeof(float));
       cuda::CUdeviceptr stats_at = stats.address();
-      void* rows[] = {&q, &k, &v, &o, &go, &m, &batch_offsets, &stats_at, &to, &args};
+      void* rows[] = {&q, &k, &v, &o, &go, &m, &batch_offsets, &offset, &stats_at, &to, &args};
       launch_rows(kernels.rows, g.batch, g.tq, rows);
-      void* keys[] = {&q, &k, &v, &go, &m, &batch_offsets, &stats_at, &to, &args};
+      void* keys[] = {&q, &k, &v, &go, &m, &batch_offsets, &offset, &stats_at, &to, &args};
       launch_rows(kernels.keys, g.batch, g.tk, keys);
       launch_rows(kernels.values, g.batch, g.tk, keys);
     }
