@@ -107,6 +107,35 @@ static __device__ __forceinline__ float mt_att_dot(const float* a, const float* 
   for (int e = 0; e < D; ++e) sum = fmaf(a[e], b[e], sum);
   return sum;
 }
+// The scaled, masked score of query i (row qi) and key j (row kj) of batch b.
+template <int D>
+static __device__ __forceinline__ float mt_att_score(const mt_attention& g, const void* mask,
+                                                     const long long* mask_batch, long long b,
+                                                     long long i, long long j, const float* qi,
+                                                     const float* kj) {
+  return mt_att_mask(g, mask, mask_batch, b, i, j, __fmul_rn(mt_att_dot<D>(qi, kj), g.scale));
+}
+// This block's batch index and first row, and this thread's row, for blocks of blockDim.x rows
+// of `rows` per batch index.
+struct mt_att_rows {
+  long long b, first, row;
+  bool active;
+};
+static __device__ __forceinline__ mt_att_rows mt_att_rows_of(long long rows) {
+  const long long tiles = (rows + blockDim.x - 1) / blockDim.x;
+  mt_att_rows r;
+  r.b = blockIdx.x / tiles;
+  r.first = (blockIdx.x % tiles) * blockDim.x;
+  r.row = r.first + threadIdx.x;
+  r.active = r.row < rows;
+  return r;
+}
+// The keys a block of query rows from `first` sees: all, or up to its last row when causal.
+static __device__ __forceinline__ long long mt_att_keys_seen(const mt_attention& g,
+                                                             long long first) {
+  const long long last = mt_att_min(g.tq, first + blockDim.x) - 1;
+  return g.causal ? mt_att_min(g.tk, last + 1) : g.tk;
+}
 // This thread's row of a [rows, width] operand of batch b (padded), zeros past the last row. The
 // dtype's branch is taken once per row, outside the unrolled loops.
 template <int D, typename T, typename Widen>
@@ -152,49 +181,63 @@ static __device__ __forceinline__ void mt_att_store_row(void* p, int dtype, long
                                 : mt_f32_to_bf16(mt_round_bf16(row[e] * factor));
 }
 
-// out[b, i] = sum_j softmax_j(s_ij) z_ij v_j, online over key tiles (the CPU tiles' recurrence).
+// The online softmax of this thread's query row qi over the keys its block sees, tile by tile:
+// top and total end as the scores' maximum and the sum of exp(s - top), and with Values, acc as
+// sum_j exp(s_ij - top) z_ij v_j (the CPU tiles' recurrence). Every thread of the block calls it.
+template <int D, bool Values>
+static __device__ __forceinline__ void mt_att_softmax(
+    const mt_attention& g, const void* k, const void* v, const void* mask,
+    const long long* mask_batch, const unsigned long long* offset, const mt_att_rows& at,
+    float (*keys)[D], float (*values)[D], const float* qi, float* acc, float& top, float& total) {
+  top = mt_att_ninf(), total = 0.0f;
+  const long long end = mt_att_keys_seen(g, at.first);
+  for (long long j0 = 0; j0 < end; j0 += MT_ATT_TILE) {
+    __syncthreads();  // the last tile is read
+    mt_att_stage<D>(keys, k, g.k_dtype, g.compute, at.b, g.tk, g.d, j0);
+    if (Values) mt_att_stage<D>(values, v, g.v_dtype, g.compute, at.b, g.tk, g.dv, j0);
+    __syncthreads();
+    if (!at.active) continue;
+    const int cols = static_cast<int>(mt_att_min(MT_ATT_TILE, end - j0));
+#pragma unroll 1
+    for (int r = 0; r < cols; ++r) {
+      const float s = mt_att_score<D>(g, mask, mask_batch, at.b, at.row, j0 + r, qi, keys[r]);
+      if (s == mt_att_ninf()) continue;  // weight 0
+      if (s > top) {  // a new maximum: rescale what was summed
+        const float correction = expf(top - s);
+        total *= correction;
+        if (Values) {
+#pragma unroll
+          for (int e = 0; e < D; ++e) acc[e] *= correction;
+        }
+        top = s;
+      }
+      float p = expf(s - top);
+      total += p;  // the sum is over every weight, the values meet the kept ones
+      if (Values) {
+        p *= mt_att_keep(g, offset, at.b, at.row, j0 + r);
+#pragma unroll
+        for (int e = 0; e < D; ++e) acc[e] = fmaf(p, values[r][e], acc[e]);
+      }
+    }
+  }
+}
+
+// out[b, i] = sum_j softmax_j(s_ij) z_ij v_j.
 template <int D>
 static __device__ __forceinline__ void mt_attention_forward(
     const void* q, const void* k, const void* v, const void* mask, const long long* mask_batch,
     const unsigned long long* offset, void* out, const mt_attention& g) {
   __shared__ float keys[MT_ATT_TILE][D], values[MT_ATT_TILE][D];
-  const long long tiles = (g.tq + blockDim.x - 1) / blockDim.x;
-  const long long b = blockIdx.x / tiles, first = (blockIdx.x % tiles) * blockDim.x;
-  const long long i = first + threadIdx.x;
-  const bool active = i < g.tq;
+  const mt_att_rows at = mt_att_rows_of(g.tq);
+  const long long b = at.b, i = at.row;
+  const bool active = at.active;
   float qi[D], acc[D];
   mt_att_row<D>(qi, q, g.q_dtype, g.compute, b, g.tq, g.d, i);
 #pragma unroll
   for (int e = 0; e < D; ++e) acc[e] = 0.0f;
-  float top = mt_att_ninf(), total = 0.0f;  // the running maximum and sum of exp(s - top)
-  const long long last = mt_att_min(g.tq, first + blockDim.x) - 1;
-  const long long end = g.causal ? mt_att_min(g.tk, last + 1) : g.tk;
-  for (long long j0 = 0; j0 < end; j0 += MT_ATT_TILE) {
-    __syncthreads();  // the last tile is read
-    mt_att_stage<D>(keys, k, g.k_dtype, g.compute, b, g.tk, g.d, j0);
-    mt_att_stage<D>(values, v, g.v_dtype, g.compute, b, g.tk, g.dv, j0);
-    __syncthreads();
-    if (!active) continue;
-    const int cols = static_cast<int>(mt_att_min(MT_ATT_TILE, end - j0));
-#pragma unroll 1
-    for (int r = 0; r < cols; ++r) {
-      const float s = mt_att_mask(g, mask, mask_batch, b, i, j0 + r,
-                                  __fmul_rn(mt_att_dot<D>(qi, keys[r]), g.scale));
-      if (s == mt_att_ninf()) continue;  // weight 0
-      if (s > top) {  // a new maximum: rescale what was summed
-        const float correction = expf(top - s);
-        total *= correction;
-#pragma unroll
-        for (int e = 0; e < D; ++e) acc[e] *= correction;
-        top = s;
-      }
-      float p = expf(s - top);
-      total += p;  // the sum is over every weight, the values meet the kept ones
-      p *= mt_att_keep(g, offset, b, i, j0 + r);
-#pragma unroll
-      for (int e = 0; e < D; ++e) acc[e] = fmaf(p, values[r][e], acc[e]);
-    }
-  }
+  float top, total;
+  mt_att_softmax<D, true>(g, k, v, mask, mask_batch, offset, at, keys, values, qi, acc, top,
+                          total);
   if (!active) return;
   const float inverse = total > 0.0f ? 1.0f / total : 0.0f;
   mt_att_store_row<D>(out, g.out_dtype, (b * g.tq + i) * g.dv, acc, inverse, g.dv);
@@ -208,10 +251,9 @@ static __device__ __forceinline__ void mt_attention_rows(
     const long long* mask_batch, const unsigned long long* offset, float* stats, void* out,
     const mt_attention& g) {
   __shared__ float keys[MT_ATT_TILE][D], values[MT_ATT_TILE][D];
-  const long long tiles = (g.tq + blockDim.x - 1) / blockDim.x;
-  const long long b = blockIdx.x / tiles, first = (blockIdx.x % tiles) * blockDim.x;
-  const long long i = first + threadIdx.x;
-  const bool active = i < g.tq;
+  const mt_att_rows at = mt_att_rows_of(g.tq);
+  const long long b = at.b, i = at.row;
+  const bool active = at.active;
   float qi[D], gi[D], dq[D];
   mt_att_row<D>(qi, q, g.q_dtype, g.compute, b, g.tq, g.d, i);
   mt_att_row<D>(gi, go, g.go_dtype, g.compute, b, g.tq, g.dv, i);
@@ -222,28 +264,10 @@ static __device__ __forceinline__ void mt_attention_rows(
     delta = fmaf(gi[e], dq[e], delta);
     dq[e] = 0.0f;
   }
-  const long long last = mt_att_min(g.tq, first + blockDim.x) - 1;
-  const long long end = g.causal ? mt_att_min(g.tk, last + 1) : g.tk;
-  float top = mt_att_ninf(), total = 0.0f;
-  for (long long j0 = 0; j0 < end; j0 += MT_ATT_TILE) {
-    __syncthreads();
-    mt_att_stage<D>(keys, k, g.k_dtype, g.compute, b, g.tk, g.d, j0);
-    __syncthreads();
-    if (!active) continue;
-    const int cols = static_cast<int>(mt_att_min(MT_ATT_TILE, end - j0));
-#pragma unroll 1
-    for (int r = 0; r < cols; ++r) {
-      const float s = mt_att_mask(g, mask, mask_batch, b, i, j0 + r,
-                                  __fmul_rn(mt_att_dot<D>(qi, keys[r]), g.scale));
-      if (s == mt_att_ninf()) continue;
-      if (s > top) {
-        total = total * expf(top - s) + 1.0f;
-        top = s;
-      } else {
-        total += expf(s - top);
-      }
-    }
-  }
+  float top, total;
+  mt_att_softmax<D, false>(g, k, v, mask, mask_batch, offset, at, keys, values, qi, nullptr, top,
+                           total);
+  const long long end = mt_att_keys_seen(g, at.first);
   const float lse = top == mt_att_ninf() ? top : top + logf(total);
   for (long long j0 = 0; j0 < end; j0 += MT_ATT_TILE) {
     __syncthreads();
@@ -254,8 +278,7 @@ static __device__ __forceinline__ void mt_attention_rows(
     const int cols = static_cast<int>(mt_att_min(MT_ATT_TILE, end - j0));
 #pragma unroll 1
     for (int r = 0; r < cols; ++r) {
-      const float s = mt_att_mask(g, mask, mask_batch, b, i, j0 + r,
-                                  __fmul_rn(mt_att_dot<D>(qi, keys[r]), g.scale));
+      const float s = mt_att_score<D>(g, mask, mask_batch, b, i, j0 + r, qi, keys[r]);
       const float p = expf(s - lse);
       const float dp = mt_att_dot<D>(gi, values[r]);
       const float ds = p * (mt_att_keep(g, offset, b, i, j0 + r) * dp - delta) * g.scale;
@@ -278,17 +301,16 @@ static __device__ __forceinline__ void mt_attention_keys(
     const long long* mask_batch, const unsigned long long* offset, const float* stats, void* out,
     const mt_attention& g) {
   __shared__ float queries[MT_ATT_TILE][D], grads[MT_ATT_TILE][D], rows[MT_ATT_TILE][2];
-  const long long tiles = (g.tk + blockDim.x - 1) / blockDim.x;
-  const long long b = blockIdx.x / tiles, first = (blockIdx.x % tiles) * blockDim.x;
-  const long long j = first + threadIdx.x;
-  const bool active = j < g.tk;
+  const mt_att_rows at = mt_att_rows_of(g.tk);
+  const long long b = at.b, j = at.row;
+  const bool active = at.active;
   float kj[D], vj[D], acc[D];
   mt_att_row<D>(kj, k, g.k_dtype, g.compute, b, g.tk, g.d, j);
   if (!Values) mt_att_row<D>(vj, v, g.v_dtype, g.compute, b, g.tk, g.dv, j);
 #pragma unroll
   for (int e = 0; e < D; ++e) acc[e] = 0.0f;
   // A causal key is seen from its own position on: the block's first key bounds the queries.
-  const long long start = g.causal ? mt_att_min(first, g.tq) / MT_ATT_TILE * MT_ATT_TILE : 0;
+  const long long start = g.causal ? mt_att_min(at.first, g.tq) / MT_ATT_TILE * MT_ATT_TILE : 0;
   for (long long i0 = start; i0 < g.tq; i0 += MT_ATT_TILE) {
     __syncthreads();
     mt_att_stage<D>(queries, q, g.q_dtype, g.compute, b, g.tq, g.d, i0);
@@ -305,8 +327,7 @@ static __device__ __forceinline__ void mt_attention_keys(
       const long long i = i0 + r;
       const float lse = rows[r][0];
       if (lse == mt_att_ninf()) continue;  // a row that sees no key: zero gradients
-      const float s = mt_att_mask(g, mask, mask_batch, b, i, j,
-                                  __fmul_rn(mt_att_dot<D>(queries[r], kj), g.scale));
+      const float s = mt_att_score<D>(g, mask, mask_batch, b, i, j, queries[r], kj);
       const float p = expf(s - lse), z = mt_att_keep(g, offset, b, i, j);
       if (Values) {
         const float weight = p * z;
@@ -322,8 +343,8 @@ static __device__ __forceinline__ void mt_attention_keys(
   if (!active) return;
   const long long per_batch = g.tq * g.d + g.tk * (g.d + g.dv);
   const long long width = Values ? g.dv : g.d;
-  const long long at = b * per_batch + g.tq * g.d + (Values ? g.tk * g.d : 0) + j * width;
-  mt_att_store_row<D>(out, g.out_dtype, at, acc, 1.0f, width);
+  const long long to = b * per_batch + g.tq * g.d + (Values ? g.tk * g.d : 0) + j * width;
+  mt_att_store_row<D>(out, g.out_dtype, to, acc, 1.0f, width);
 }
 
 #define MT_ATTENTION_KERNELS(D)                                                                 \
