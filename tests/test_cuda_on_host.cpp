@@ -877,8 +877,10 @@ TEST(CudaOnHost, AttentionKernelsMatchTheReference) {
     bool causal;
     double scale;
     mt::AttentionDropout dropout;
-    mt::AttentionGeometry g;  // read before evaluation drops the nodes' inputs
-    mt::DropoutDraw draw;
+    // Read before evaluation drops the nodes' inputs: the launches' arguments, as the CUDA back
+    // end makes them, and the dropout stream's offset.
+    mt::AttentionLaunch forward_launch, backward_launch;
+    uint64_t offset;
   };
   std::vector<Case> cases;
   auto add = [&](mt::Shape batch, int64_t tq, int64_t tk, int64_t d, int64_t dv, mt::DType dtype,
@@ -900,7 +902,8 @@ TEST(CudaOnHost, AttentionKernelsMatchTheReference) {
            1.0 / std::sqrt(static_cast<double>(d)),
            {},
            {},
-           {}};
+           {},
+           0};
     mt::eval({c.q, c.k, c.v, c.go});  // the kernels read their values
     if (mask.defined()) mt::eval({mask});
     mt::Shape weights = batch;
@@ -909,11 +912,13 @@ TEST(CudaOnHost, AttentionKernelsMatchTheReference) {
     mt::Generator gen(seed + 4);
     if (p > 0) c.dropout = mt::AttentionDropout::draw(p, &gen, weights);
     c.y = mt::attention_forward(c.q, c.k, c.v, mask, causal, c.scale, c.dropout);
+    c.forward_launch = mt::attention_launch(*c.y.node()).value();
+    mt::eval({c.y});  // the backward node reads its dtype
     c.grads = mt::attention_backward(c.q, c.k, c.v, c.y, c.go, mask, causal, c.scale, c.dropout);
-    c.g = mt::AttentionGeometry::of(*c.grads.node());
+    c.backward_launch = mt::attention_launch(*c.grads.node()).value();
     if (p > 0) {
       mt::eval({c.dropout.offset});
-      c.draw = mt::DropoutDraw::of(*c.grads.node());
+      c.offset = mt::DropoutDraw::of(*c.grads.node()).offset;
     }
     cases.push_back(c);
   };
@@ -935,53 +940,51 @@ TEST(CudaOnHost, AttentionKernelsMatchTheReference) {
     const mt::Node &forward = *c.y.node(), &backward = *c.grads.node();
     ASSERT_EQ(forward.op, mt::OpCode::Attention);
     ASSERT_EQ(backward.op, mt::OpCode::AttentionBackward);
-    const mt::AttentionGeometry& g = c.g;
-    const mt::DropoutDraw& draw = c.draw;
-    const int dim = std::max(g.d, g.dv) <= 32 ? 32 : std::max(g.d, g.dv) <= 64 ? 64 : 128;
-    auto dtype_of = [](const mt::Tensor& t) { return static_cast<int>(t.node()->value->dtype); };
-    const mt::DType out_dtype = backward.precision.storage_type;
-    const std::string args = fmt::format(
-        "mt_attention{{{}, {}, {}, {}, {}, {}, {}, {}ull, {:a}, {:a}, {}u, {}, {}, {}, {}, {}, "
-        "{}, {}, {}, {}, {}, {}}}",
-        g.batch, g.tq, g.tk, g.d, g.dv, g.mask_row_stride, g.mask_col_stride, draw.seed,
-        static_cast<float>(g.scale), static_cast<float>(draw.keep_scale), draw.threshold,
-        g.causal ? 1 : 0,
-        !g.has_mask   ? 0
-        : g.bool_mask ? 1
-                      : 2,
-        g.has_mask ? dtype_of(c.mask) : 0, g.has_dropout ? 1 : 0, dtype_of(c.q), dtype_of(c.k),
-        dtype_of(c.v), dtype_of(c.y), dtype_of(c.go), static_cast<int>(out_dtype),
-        static_cast<int>(backward.precision.compute));
-    std::vector<int64_t> offsets = g.mask_batch_offset;
+    const mt::AttentionKernelArgs& g = c.backward_launch.args;
+    const int dim = c.backward_launch.dim;
+    EXPECT_EQ(c.forward_launch.dim, dim);
+    std::vector<long long> offsets = c.backward_launch.mask_batch;
     if (offsets.empty()) offsets.push_back(0);
+    // The arguments' bytes, copied into the kernels' mt_attention: its layout is checked too.
+    auto args_bytes = [](const mt::AttentionKernelArgs& args) {
+      std::string text = "{";
+      for (size_t i = 0; i < sizeof args; ++i)
+        text += fmt::format("{}{}", i ? "," : "", reinterpret_cast<const unsigned char*>(&args)[i]);
+      return text + "}";
+    };
     main_text += fmt::format(
         "  {{\n  std::vector<char> q = {}, k = {}, v = {}, o = {}, go = {}, mask = {};\n"
         "  std::vector<long long> mask_batch = {{{}}};\n"
         "  std::vector<unsigned long long> offset = {{{}ull}};\n"
         "  std::vector<char> y({}), grads({});\n"
-        "  std::vector<float> stats({});\n",
+        "  std::vector<float> stats({});\n"
+        "  static_assert(sizeof(mt_attention) == {});\n"
+        "  const unsigned char forward_bytes[] = {}, backward_bytes[] = {};\n"
+        "  mt_attention fa, ba;\n"
+        "  std::memcpy(&fa, forward_bytes, sizeof fa);\n"
+        "  std::memcpy(&ba, backward_bytes, sizeof ba);\n",
         bytes_literal(*c.q.node()->value), bytes_literal(*c.k.node()->value),
         bytes_literal(*c.v.node()->value), bytes_literal(*c.y.node()->value),
         bytes_literal(*c.go.node()->value),
-        g.has_mask ? bytes_literal(*c.mask.node()->value) : "{0}", fmt::join(offsets, ", "),
-        draw.offset, forward.value->size_bytes(), backward.value->size_bytes(), 2 * g.batch * g.tq);
+        g.mask_kind ? bytes_literal(*c.mask.node()->value) : "{0}", fmt::join(offsets, ", "),
+        c.offset, forward.value->size_bytes(), backward.value->size_bytes(), 2 * g.batch * g.tq,
+        sizeof(mt::AttentionKernelArgs), args_bytes(c.forward_launch.args), args_bytes(g));
     auto blocks = [&](int64_t rows) { return g.batch * ((rows + 127) / 128); };
     main_text += fmt::format(
         "  mt_run_grid({}, 128, true, [&] {{ mt_attention_forward_{}(q.data(), k.data(), "
-        "v.data(), mask.data(), mask_batch.data(), offset.data(), y.data(), {}); }});\n",
-        blocks(g.tq), dim, args);
+        "v.data(), mask.data(), mask_batch.data(), offset.data(), y.data(), fa); }});\n",
+        blocks(g.tq), dim);
     main_text += fmt::format(
         "  mt_run_grid({}, 128, true, [&] {{ mt_attention_rows_{}(q.data(), k.data(), v.data(), "
         "o.data(), go.data(), mask.data(), mask_batch.data(), offset.data(), stats.data(), "
-        "grads.data(), {}); "
-        "}});\n",
-        blocks(g.tq), dim, args);
+        "grads.data(), ba); }});\n",
+        blocks(g.tq), dim);
     for (const char* kernel : {"keys", "values"})
       main_text += fmt::format(
           "  mt_run_grid({}, 128, true, [&] {{ mt_attention_{}_{}(q.data(), k.data(), v.data(), "
           "go.data(), mask.data(), mask_batch.data(), offset.data(), stats.data(), grads.data(), "
-          "{}); }});\n",
-          blocks(g.tk), kernel, dim, args);
+          "ba); }});\n",
+          blocks(g.tk), kernel, dim);
     main_text += fmt::format("  mt_write(\"{}\", y);\n  mt_write(\"{}\", grads);\n  }}\n",
                              (dir / fmt::format("y{}", n)).string(),
                              (dir / fmt::format("grads{}", n)).string());

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -26,16 +27,7 @@ namespace {
 constexpr unsigned kRowsPerBlock = 128;
 static_assert(sizeof(int64_t) == sizeof(long long));
 
-// The kernels' geometry argument, word for word (mt_attention in the source).
-struct AttentionArgs {
-  int64_t batch, tq, tk, d, dv, mask_row_stride, mask_col_stride;
-  uint64_t seed;
-  float scale, keep_scale;
-  uint32_t threshold;
-  int32_t causal, mask_kind, mask_dtype, dropout, q_dtype, k_dtype, v_dtype, o_dtype, go_dtype,
-      out_dtype, compute;
-};
-static_assert(sizeof(AttentionArgs) == 120, "mt_attention's layout");
+static_assert(sizeof(AttentionKernelArgs) == 120, "mt_attention's layout");
 
 constexpr const char* source = R"(
 // ---- fused attention (runtime/cuda_attention.h). Tiles of 32 key (or query) rows are staged in
@@ -420,23 +412,22 @@ std::string cuda_attention_source(int dim) {
   return cuda_fixed_kernels_source() + source + fmt::format("MT_ATTENTION_KERNELS({})\n", dim);
 }
 
-const char* cuda_attention_source() { return source; }
-
-bool run_attention_kernels(Node& node) {
+std::optional<AttentionLaunch> attention_launch(const Node& node) {
   const bool forward = node.op == OpCode::Attention;
   const size_t operands = forward ? 3 : 5;
   const DType compute = node.precision.compute, storage = node.precision.storage_type;
-  if (!f32_or_half(compute) || !f32_or_half(storage)) return false;
+  if (!f32_or_half(compute) || !f32_or_half(storage)) return std::nullopt;
   for (size_t i = 0; i < operands; ++i)
-    if (!f32_or_half(node.inputs[i]->value->dtype)) return false;
+    if (!f32_or_half(node.inputs[i]->value->dtype)) return std::nullopt;
   const AttentionGeometry g = AttentionGeometry::of(node);
   const int dim = padded_dim(g.d, g.dv);
   const int64_t tiles = (std::max(g.tq, g.tk) + kRowsPerBlock - 1) / kRowsPerBlock;
-  if (dim == 0 || g.batch * tiles >= (int64_t{1} << 31) || !nvrtc_available()) return false;
+  if (dim == 0 || g.batch * tiles >= (int64_t{1} << 31)) return std::nullopt;
   const Storage* mask = g.has_mask ? node.inputs[operands]->value.get() : nullptr;
-  if (mask && !g.bool_mask && !f32_or_half(mask->dtype) && mask->dtype != f64) return false;
+  if (mask && !g.bool_mask && !f32_or_half(mask->dtype) && mask->dtype != f64) return std::nullopt;
 
-  AttentionArgs args{};
+  AttentionLaunch launch{{}, dim, {g.mask_batch_offset.begin(), g.mask_batch_offset.end()}};
+  AttentionKernelArgs& args = launch.args;
   args.batch = g.batch, args.tq = g.tq, args.tk = g.tk, args.d = g.d, args.dv = g.dv;
   args.mask_row_stride = g.mask_row_stride, args.mask_col_stride = g.mask_col_stride;
   args.scale = static_cast<float>(g.scale);
@@ -453,12 +444,19 @@ bool run_attention_kernels(Node& node) {
   if (!forward) args.o_dtype = dtype_of(3), args.go_dtype = dtype_of(4);
   args.out_dtype = static_cast<int32_t>(storage);
   args.compute = static_cast<int32_t>(compute);
+  return launch;
+}
 
-  const AttentionKernels& kernels = kernels_for(dim);
-  auto out = device_value(storage, node.numel());
+bool run_attention_kernels(Node& node) {
+  std::optional<AttentionLaunch> launch = attention_launch(node);
+  if (!launch || !nvrtc_available()) return false;
+  const bool forward = node.op == OpCode::Attention;
+  const size_t operands = forward ? 3 : 5;
+  AttentionKernelArgs& args = launch->args;
+  const AttentionKernels& kernels = kernels_for(launch->dim);
+  auto out = device_value(node.precision.storage_type, node.numel());
   if (node.numel() > 0) {
-    // Each batch index's first mask element (AttentionGeometry::mask_batch_offset).
-    std::vector<long long> offsets(g.mask_batch_offset.begin(), g.mask_batch_offset.end());
+    const std::vector<long long>& offsets = launch->mask_batch;
     cuda::DeviceBuffer mask_batch(std::max<size_t>(offsets.size(), 1) * sizeof(long long));
     if (!offsets.empty()) {
       cuda::upload(mask_batch.address(), offsets.data(), offsets.size() * sizeof(long long));
@@ -467,21 +465,22 @@ bool run_attention_kernels(Node& node) {
     }
     auto address = [&](size_t i) { return device_address(*node.inputs[i]->value); };
     cuda::CUdeviceptr q = address(0), k = address(1), v = address(2),
-                      m = mask ? address(operands) : 0, batch_offsets = mask_batch.address(),
-                      offset = g.has_dropout ? address(node.inputs.size() - 1) : 0,
+                      m = args.mask_kind != 0 ? address(operands) : 0,
+                      batch_offsets = mask_batch.address(),
+                      offset = args.dropout ? address(node.inputs.size() - 1) : 0,
                       to = device_address(*out);
     if (forward) {
       void* params[] = {&q, &k, &v, &m, &batch_offsets, &offset, &to, &args};
-      launch_rows(kernels.forward, g.batch, g.tq, params);
+      launch_rows(kernels.forward, args.batch, args.tq, params);
     } else {
       cuda::CUdeviceptr o = address(3), go = address(4);
-      cuda::DeviceBuffer stats(std::max<int64_t>(2 * g.batch * g.tq, 1) * sizeof(float));
+      cuda::DeviceBuffer stats(std::max<int64_t>(2 * args.batch * args.tq, 1) * sizeof(float));
       cuda::CUdeviceptr stats_at = stats.address();
       void* rows[] = {&q, &k, &v, &o, &go, &m, &batch_offsets, &offset, &stats_at, &to, &args};
-      launch_rows(kernels.rows, g.batch, g.tq, rows);
+      launch_rows(kernels.rows, args.batch, args.tq, rows);
       void* keys[] = {&q, &k, &v, &go, &m, &batch_offsets, &offset, &stats_at, &to, &args};
-      launch_rows(kernels.keys, g.batch, g.tk, keys);
-      launch_rows(kernels.values, g.batch, g.tk, keys);
+      launch_rows(kernels.keys, args.batch, args.tk, keys);
+      launch_rows(kernels.values, args.batch, args.tk, keys);
     }
   }
   node.value = std::move(out);

@@ -2,7 +2,10 @@
 // AttentionBackward primitives as fixed kernels with an online f32 softmax.
 #pragma once
 
+#include <cstdint>
+#include <optional>
 #include <string>
+#include <vector>
 
 #include "mixtape/dsl/node.h"
 
@@ -19,6 +22,28 @@ namespace mixtape {
 /// Every sum is one thread's, in key (or query) order: runs repeat bit for bit, with no atomics.
 /// One module per dim, compiled when a node first needs it (NVRTC takes seconds for each).
 std::string cuda_attention_source(int dim);
+
+/// What the kernels read about a node, word for word (mt_attention in the source): sizes, the
+/// mask's strides and kind (0 none, 1 bool, 2 additive of mask_dtype), dropout's seed and keep
+/// test (its offset is a kernel argument of its own, read on the device), the operands' dtypes
+/// and the node's storage and compute types.
+struct AttentionKernelArgs {
+  int64_t batch, tq, tk, d, dv, mask_row_stride, mask_col_stride;
+  uint64_t seed;
+  float scale, keep_scale;
+  uint32_t threshold;
+  int32_t causal, mask_kind, mask_dtype, dropout, q_dtype, k_dtype, v_dtype, o_dtype, go_dtype,
+      out_dtype, compute;
+};
+struct AttentionLaunch {
+  AttentionKernelArgs args;
+  int dim;                            // the kernels' padded head dim
+  std::vector<long long> mask_batch;  // each batch index's first mask element
+};
+/// A node's kernel argument and head dim, from its inputs' values (dtypes) and attrs; nullopt
+/// where the kernels do not cover it (f64, head dims above 128, an integer additive mask). The
+/// launches' and the host-run test's one source of the argument.
+std::optional<AttentionLaunch> attention_launch(const Node& node);
 
 /// Computes an Attention or AttentionBackward node on the GPU from its inputs' device values:
 /// operands rounded to the node's compute type as they load, arithmetic in f32 (as
