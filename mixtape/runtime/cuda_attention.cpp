@@ -1,5 +1,5 @@
-// mixtape/runtime/cuda_attention.cpp -- fused attention's CUDA kernels (part of the fixed kernels'
-// source) and their launches.
+// mixtape/runtime/cuda_attention.cpp -- fused attention's CUDA kernels (one NVRTC module per head
+// dim, on top of the fixed kernels' source) and their launches.
 #include "mixtape/runtime/cuda_attention.h"
 
 #include <algorithm>
