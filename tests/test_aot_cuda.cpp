@@ -13,6 +13,7 @@
 #include "examples/digits_model.h"
 #include "mixtape/codegen/nvrtc.h"
 #include "mixtape/dsl/json.h"
+#include "mixtape/dsl/sequence_layers.h"
 #include "mixtape/jit/aot_cuda.h"
 #include "mixtape/runtime/aot_cuda_image.h"
 #include "mixtape/runtime/cuda_driver.h"
@@ -283,6 +284,31 @@ using namespace mt::aot_test;
 // see one another through a matmul over the batch (no kernel names the batch outside dims[0],
 // so the cpu export takes it) would answer wrongly there: the cuda export refuses it; the cpu
 // export still runs it at every batch.
+// A function with fused attention carries the attention kernels of its head dim in every image
+// (runtime/cuda_attention.h), and no others, so that the target compiles nothing at run time.
+TEST(AotCudaAttention, ImagesCarryTheKernelsOfTheHeadDimsUsed) {
+  if (!mt::nvrtc_available()) GTEST_SKIP() << "NVRTC cannot be dlopened: no CUDA export here";
+  std::string dir = temp_dir("cuda_attention");
+  auto fn = [](const mt::Tensor& x) {
+    mt::Tensor q = mt::reshape(x, {1, 8, 16});
+    return mt::scaled_dot_product_attention(q, q * 0.5, q, true);
+  };
+  mt::aot::Options o{.name = "attention", .devices = {"cpu", "cuda"}};
+  mt::aot::export_function(fn, {mt::aot::input("x", {8, 16}, mt::f32)}, {"y"}, dir, o);
+  mt::json::Value doc = mt::json::parse(read_file(dir + "/attention.json"));
+  int images = 0;
+  for (const auto& image : doc.at("cuda").at("images")) {
+    std::string bytes = read_file(dir + "/" + image.at("file").get<std::string>());
+    for (const char* kind : {"forward", "rows", "keys", "values"})
+      EXPECT_NE(bytes.find(fmt::format("mt_attention_{}_32", kind)), std::string::npos)
+          << image.at("arch").get<std::string>() << " lacks the dim-32 " << kind << " kernel";
+    EXPECT_EQ(bytes.find("mt_attention_forward_64"), std::string::npos);
+    ++images;
+  }
+  EXPECT_EQ(images, 3);
+  fs::remove_all(dir);
+}
+
 TEST(AotCudaPadding, ACudaExportRefusesAFunctionWhoseRowsSeeOneAnother) {
   std::string dir = temp_dir("cuda_mixing");
   auto fn = [](const mt::Tensor& x) {

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <set>
 
 #include <fmt/format.h>
 
@@ -18,6 +19,7 @@
 #include "mixtape/jit/llvm_jit.h"
 #include "mixtape/runtime/aot_plan.h"
 #include "mixtape/runtime/cpu_kernels.h"
+#include "mixtape/runtime/cuda_attention.h"
 #include "mixtape/runtime/cuda_fixed_kernels.h"
 
 namespace mixtape::aot {
@@ -126,12 +128,19 @@ CudaKernels compile_cuda_kernels(const PlanDocument& plan_doc,
     kernels.try_emplace(kernel.name, kernel);
     return KernelRef{};
   };
+  // And the head dims of the fused attention nodes, whose kernels the module carries too, so that
+  // the target compiles nothing (runtime/cuda_attention.h).
+  std::set<int> attention_dims;
   for (int64_t batch : batches) {
     std::unique_ptr<Plan> plan = plan_from_json(plan_doc, batch, buffers, collect, Device::cuda);
+    for (const PlannedEvaluation& planned : plan->evals)
+      for (const NodePtr& node : planned.eval.pending)
+        if (int dim = attention_kernel_dim(*node)) attention_dims.insert(dim);
     release(*plan);
   }
   CudaKernels out;
   std::string source = cuda_fixed_kernels_source();
+  if (!attention_dims.empty()) source += cuda_attention_kernels(attention_dims);
   for (const auto& [function, kernel] : kernels) {
     out.functions.push_back(function);
     source += '\n';

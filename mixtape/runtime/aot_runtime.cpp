@@ -21,6 +21,7 @@
 #include "mixtape/runtime/cpu_features.h"
 #include "mixtape/runtime/cpu_kernels.h"
 #include "mixtape/runtime/cublaslt.h"
+#include "mixtape/runtime/cuda_attention.h"
 #include "mixtape/runtime/cuda_driver.h"
 #include "mixtape/runtime/cuda_executor.h"
 #include "mixtape/runtime/cuda_fixed_kernels.h"
@@ -359,6 +360,7 @@ void open_cuda(mixtape_aot_model& m) {
   }
   m.cuda_module = module;
   mt::use_prebuilt_fixed_kernels(module);
+  mt::use_prebuilt_attention_kernels(module);
 }
 
 void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const char* device,

@@ -3,9 +3,11 @@
 #include "mixtape/runtime/cuda_attention.h"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <span>
 #include <string>
 #include <vector>
@@ -14,6 +16,7 @@
 
 #include "mixtape/codegen/nvrtc.h"
 #include "mixtape/dsl/attention.h"
+#include "mixtape/dsl/error.h"
 #include "mixtape/runtime/cuda_allocator.h"
 #include "mixtape/runtime/cuda_fixed_kernels.h"
 #include "mixtape/runtime/cuda_values.h"
@@ -376,27 +379,40 @@ int padded_dim(int64_t d, int64_t dv) {
   return 0;
 }
 
+std::atomic<cuda::CUmodule> prebuilt_module{nullptr};
+
 // The four kernels of one head dim.
 struct AttentionKernels {
   cuda::CUfunction forward = nullptr, rows = nullptr, keys = nullptr, values = nullptr;
 };
 
-// The kernels for head dim `dim`, compiled by NVRTC (or taken from the kernel cache) the first
-// time a node needs them: one module per dim, so a process compiles only the dims it runs.
-const AttentionKernels& kernels_for(int dim) {
+// The kernels for head dim `dim`: an artifact's module's where it holds them, else compiled by
+// NVRTC (or taken from the kernel cache) the first time a node needs them, one module per dim,
+// so a process compiles only the dims it runs. Null where neither is possible.
+const AttentionKernels* kernels_for(int dim) {
   static std::mutex mutex;
   static std::map<int, AttentionKernels> loaded;
   std::lock_guard<std::mutex> lock(mutex);
-  if (auto at = loaded.find(dim); at != loaded.end()) return at->second;
+  if (auto at = loaded.find(dim); at != loaded.end()) return &at->second;
+  auto from = [&](cuda::CUmodule module) {
+    auto function = [&](const char* kind) {
+      return cuda::get_function(module, fmt::format("mt_attention_{}_{}", kind, dim));
+    };
+    return AttentionKernels{function("forward"), function("rows"), function("keys"),
+                            function("values")};
+  };
+  if (cuda::CUmodule module = prebuilt_module.load()) {
+    try {
+      return &(loaded[dim] = from(module));
+    } catch (const Error&) {  // the artifact's programs have no attention of this dim
+    }
+  }
+  if (!nvrtc_available()) return nullptr;
   std::string image =
       compile_cuda(cuda_attention_source(dim), nvrtc_target(cuda::compute_capability()),
                    fmt::format("mixtape_attention_{}.cu", dim));
-  cuda::CUmodule module = cuda::load_module(std::span<const char>(image.data(), image.size()));
-  auto function = [&](const char* kind) {
-    return cuda::get_function(module, fmt::format("mt_attention_{}_{}", kind, dim));
-  };
-  return loaded[dim] = {function("forward"), function("rows"), function("keys"),
-                        function("values")};
+  return &(loaded[dim] =
+               from(cuda::load_module(std::span<const char>(image.data(), image.size()))));
 }
 
 void launch_rows(cuda::CUfunction function, int64_t batch, int64_t rows, void** params) {
@@ -408,8 +424,24 @@ void launch_rows(cuda::CUfunction function, int64_t batch, int64_t rows, void** 
 
 }  // namespace
 
+std::string cuda_attention_kernels(const std::set<int>& dims) {
+  std::string out = source;
+  for (int dim : dims) out += fmt::format("MT_ATTENTION_KERNELS({})\n", dim);
+  return out;
+}
+
 std::string cuda_attention_source(int dim) {
-  return cuda_fixed_kernels_source() + source + fmt::format("MT_ATTENTION_KERNELS({})\n", dim);
+  return cuda_fixed_kernels_source() + cuda_attention_kernels({dim});
+}
+
+int attention_kernel_dim(const Node& node) {
+  if (op_info(node.op).kind != OpKind::Attention) return 0;
+  return padded_dim(node.inputs[0]->shape.back(), node.inputs[2]->shape.back());
+}
+
+void use_prebuilt_attention_kernels(cuda::CUmodule module) {
+  cuda::CUmodule none = nullptr;
+  prebuilt_module.compare_exchange_strong(none, module);
 }
 
 std::optional<AttentionLaunch> attention_launch(const Node& node) {
@@ -449,11 +481,12 @@ std::optional<AttentionLaunch> attention_launch(const Node& node) {
 
 bool run_attention_kernels(Node& node) {
   std::optional<AttentionLaunch> launch = attention_launch(node);
-  if (!launch || !nvrtc_available()) return false;
+  const AttentionKernels* found = launch ? kernels_for(launch->dim) : nullptr;
+  if (!found) return false;
+  const AttentionKernels& kernels = *found;
   const bool forward = node.op == OpCode::Attention;
   const size_t operands = forward ? 3 : 5;
   AttentionKernelArgs& args = launch->args;
-  const AttentionKernels& kernels = kernels_for(launch->dim);
   auto out = device_value(node.precision.storage_type, node.numel());
   if (node.numel() > 0) {
     const std::vector<long long>& offsets = launch->mask_batch;

@@ -4,10 +4,12 @@
 
 #include <cstdint>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "mixtape/dsl/node.h"
+#include "mixtape/runtime/cuda_driver.h"
 
 namespace mixtape {
 
@@ -22,6 +24,15 @@ namespace mixtape {
 /// Every sum is one thread's, in key (or query) order: runs repeat bit for bit, with no atomics.
 /// One module per dim, compiled when a node first needs it (NVRTC takes seconds for each).
 std::string cuda_attention_source(int dim);
+/// The kernels alone, for each of `dims`, to follow the fixed kernels' source (an AOT artifact's
+/// module holds them beside its programs' kernels).
+std::string cuda_attention_kernels(const std::set<int>& dims);
+/// The padded head dim an Attention or AttentionBackward node's kernels have (from its shapes),
+/// or 0: another op, or a head dim above 128.
+int attention_kernel_dim(const Node& node);
+/// The kernels come from `module` (an AOT artifact's) for the dims it holds, NVRTC compiling
+/// only the others: the first module given serves the process.
+void use_prebuilt_attention_kernels(cuda::CUmodule module);
 
 /// What the kernels read about a node, word for word (mt_attention in the source): sizes, the
 /// mask's strides and kind (0 none, 1 bool, 2 additive of mask_dtype), dropout's seed and keep
@@ -49,7 +60,7 @@ std::optional<AttentionLaunch> attention_launch(const Node& node);
 /// operands rounded to the node's compute type as they load, arithmetic in f32 (as
 /// runtime/attention.h's CPU tiles; the bits differ from theirs by the order of the sums and the
 /// exp). False, with nothing done, for f64 or head dims above 128: the executor then runs the
-/// CPU tiles on the host copies; likewise without NVRTC.
+/// CPU tiles on the host copies; likewise where NVRTC is missing and no artifact brought them.
 bool run_attention_kernels(Node& node);
 
 }  // namespace mixtape
