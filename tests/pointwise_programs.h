@@ -83,10 +83,12 @@ inline bool calls_faithful_libm(std::string_view op, DType dtype) {
   using kir::Sym;
   std::vector<kir::Value> values;
   kir::ValueBuilder builder(values);
-  kir::TraceContext& context = kir::trace_context();
-  kir::TraceContext saved = context;
   kir::Type t = dtype == f64 ? kir::Type::f64 : kir::Type::f32;
-  context = {&builder, t};
+  struct Scope {  // the trace context of the tracing, restored however it ends
+    kir::TraceContext saved = kir::trace_context();
+    ~Scope() { kir::trace_context() = saved; }
+  } scope;
+  kir::trace_context() = {&builder, t};
   auto input = [&] { return Sym(builder.constant(t, 0.5), t, 0); };
 #define MT_OP(Name, fname, kind, arity, category)
 #define MT_UNARY(Name, fname, category, domain, REF, VJP) \
@@ -109,7 +111,6 @@ inline bool calls_faithful_libm(std::string_view op, DType dtype) {
     static_cast<void>(T(REF));                                                            \
   }
 #include "mixtape/dsl/ops.def"
-  context = saved;
   return std::any_of(values.begin(), values.end(), [](const kir::Value& v) {
     return v.op == kir::Op::Call &&
            kir::traits(static_cast<kir::Libm>(v.param)).rounding == kir::LibmRounding::Faithful;
