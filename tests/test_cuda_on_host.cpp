@@ -617,13 +617,15 @@ TEST(CudaOnHost, MultiTensorUpdatesStoreTheCpusBits) {
 
 // ---- the fixed kernels (runtime/cuda_fixed_kernels.cpp) against the reference executor.
 
-// A byte buffer as a C++ initializer of the program (small test tensors).
-std::string bytes_literal(const mt::Storage& value) {
+// Bytes as a C++ initializer of the program (small test tensors, kernel arguments).
+std::string bytes_literal(const void* data, size_t size) {
   std::string text = "{";
-  for (int64_t i = 0; i < value.size_bytes(); ++i)
-    text += fmt::format("{}{}", i ? "," : "",
-                        static_cast<int>(static_cast<unsigned char>(value.host_data()[i])));
+  for (size_t i = 0; i < size; ++i)
+    text += fmt::format("{}{}", i ? "," : "", static_cast<const unsigned char*>(data)[i]);
   return text + "}";
+}
+std::string bytes_literal(const mt::Storage& value) {
+  return bytes_literal(value.host_data(), static_cast<size_t>(value.size_bytes()));
 }
 
 std::string grid_call(int64_t elements, const std::string& call) {
@@ -947,10 +949,7 @@ TEST(CudaOnHost, AttentionKernelsMatchTheReference) {
     if (offsets.empty()) offsets.push_back(0);
     // The arguments' bytes, copied into the kernels' mt_attention: its layout is checked too.
     auto args_bytes = [](const mt::AttentionKernelArgs& args) {
-      std::string text = "{";
-      for (size_t i = 0; i < sizeof args; ++i)
-        text += fmt::format("{}{}", i ? "," : "", reinterpret_cast<const unsigned char*>(&args)[i]);
-      return text + "}";
+      return bytes_literal(&args, sizeof args);
     };
     main_text += fmt::format(
         "  {{\n  std::vector<char> q = {}, k = {}, v = {}, o = {}, go = {}, mask = {};\n"
