@@ -226,6 +226,9 @@ struct Node : std::enable_shared_from_this<Node> {
   // A clone of a checkpointed forward node that a backward pass made to recompute it
   // (autograd/recompute.h): a forward node in every respect but this, read only by the backward.
   bool recomputed = false;
+  // An evaluation computed a new value into this node's buffer (dsl/reusable_buffers.h): its
+  // value is no longer its own, and an evaluation that reads it fails.
+  bool overwritten = false;
   OpCode forward_op = OpCode::Constant;
 
   // Scratch of the evaluation that computes this node: its ref in the signature sign() made for

@@ -12,6 +12,7 @@
 #include "mixtape/dsl/ops.h"
 #include "mixtape/dsl/orphan_parameters.h"
 #include "mixtape/dsl/process_group.h"
+#include "mixtape/dsl/reusable_buffers.h"
 
 namespace mixtape {
 namespace {
@@ -261,7 +262,24 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
     for (const auto& [name, value] : state) outputs.push_back(value);
   outputs.push_back(new_step);
   outputs.insert(outputs.end(), also.begin(), also.end());
-  eval(outputs);  // the whole update as one program
+  {
+    // The update may compute into the buffers of the values it replaces, as PyTorch's optimizers
+    // update in place, halving the bytes it touches and holds (dsl/reusable_buffers.h): each old
+    // parameter's node is held by its tensor, which assign() moves to the new value, and each
+    // old state entry's by the tensor in state_, which is replaced, unless a copy of it was
+    // handed out. Anything else holding one of them keeps its buffer out of reach.
+    std::vector<std::pair<const Node*, long>> replaced;
+    for (size_t k = 0; k < updated.size(); ++k) {
+      if (!new_params[k].defined()) continue;
+      const size_t i = updated[k];
+      replaced.emplace_back(params_[i].node().get(), 1);
+      for (const auto& [name, old] : state_[i])
+        if (old.use_count() == 1 && find_state(new_state[k], name))
+          replaced.emplace_back(old.node().get(), 1);
+    }
+    ReusableBuffers reusable(std::move(replaced));
+    eval(outputs);  // the whole update as one program
+  }
   for (size_t k = 0; k < updated.size(); ++k) {
     size_t i = updated[k];
     params_[i].assign(new_params[k]);

@@ -28,6 +28,9 @@ class Tensor {
   explicit Tensor(NodePtr node);
 
   bool defined() const { return impl_ != nullptr; }
+  /// How many Tensor objects are this one (copies share it, and see its assign()s); 0 when
+  /// undefined.
+  long use_count() const { return impl_.use_count(); }
   const NodePtr& node() const {
     if (!impl_) [[unlikely]]
       undefined();

@@ -16,6 +16,7 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/log.h"
+#include "mixtape/dsl/reusable_buffers.h"
 #include "mixtape/runtime/attention.h"
 #include "mixtape/runtime/conv.h"
 #include "mixtape/runtime/cpu_kernels.h"
@@ -37,6 +38,23 @@ ExecutionStats& stats() { return execution_counters(); }
 
 std::shared_ptr<Storage> allocate(const Node& node) {
   return allocate_value(node, node.precision.storage_type, node.numel(), true);
+}
+
+// Step::in_place: `input`'s buffer for `output`, taken when the caller lists `input`
+// (dsl/reusable_buffers.h) and nothing but the listed references and `edges` graph edges holds it,
+// nor anything but it its buffer; null otherwise. Never while mt::compile traces: its replays
+// bind the buffers the trace read.
+std::shared_ptr<Storage> reusable_buffer(Node& input, const Node& output, long edges) {
+  const long holders = reusable_holders(&input);
+  if (holders < 0 || input.overwritten || !input.value || trace_observer()) return nullptr;
+  const std::shared_ptr<Storage>& buffer = input.value;
+  if (buffer.use_count() != 1 || input.weak_from_this().use_count() != edges + holders ||
+      buffer->dtype != output.precision.storage_type || buffer->count != output.numel() ||
+      buffer->device)
+    return nullptr;
+  input.overwritten = true;
+  ++stats().outputs_in_place;
+  return buffer;
 }
 
 int64_t bytes_of(const Storage& s) { return s.size_bytes(); }
@@ -135,6 +153,11 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
   scalars.clear();
   ExecutionStats& s = stats();
   for (NodeRef ref : step.scalar_nodes) scalars.push_back(fill_value(*sig.resolve(ref, pending)));
+  if (!observer())
+    for (const Step::InPlace& c : step.in_place)
+      if (!outputs[c.output])
+        outputs[c.output] = reusable_buffer(*sig.resolve(step.params[c.input], pending),
+                                            *sig.resolve(step.params[c.output], pending), c.edges);
   // A multi-tensor kernel takes its segment table first, then each segment's pointers and
   // scalars (kir::Kernel::multi_tensor); an ordinary one is a single segment without the table.
   if (kernel.multi_tensor) params.push_back(const_cast<int64_t*>(step.segment_table.data()));
@@ -142,7 +165,7 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
   for (size_t i = 0; i < count; ++i) {
     Node* node = nodes[i] = sig.resolve(step.params[i], pending);
     if (step.param_is_output(i)) {
-      outputs[i] = allocate(*node);
+      if (!outputs[i]) outputs[i] = allocate(*node);
       params.push_back(outputs[i]->host_data());
       s.bytes_written += bytes_of(*outputs[i]);
     } else {

@@ -67,6 +67,9 @@ struct ExecutionStats {
   int64_t host_ops = 0;         // ops run by the reference loops (gathers, random, ...)
   int64_t bytes_read = 0;       // by kernels and matmuls, from their parameters
   int64_t bytes_written = 0;
+  // Kernel outputs computed into the buffer of an input that was no longer needed (an optimizer's
+  // update into the old parameter and state: dsl/reusable_buffers.h) rather than a fresh one.
+  int64_t outputs_in_place = 0;
   int64_t peak_bytes = 0;  // most bytes of one evaluation's stored values alive at once
   // The process's measured memory high-water marks since the last reset (or start): the host
   // allocator's live bytes (dsl/host_memory.h: every value, so parameters, gradients, optimizer

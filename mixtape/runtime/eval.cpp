@@ -38,6 +38,9 @@ namespace {
 
 void run(const std::vector<NodePtr>& outputs) {
   PhaseClock clock;
+  for (const NodePtr& output : outputs)
+    if (output->overwritten) [[unlikely]]
+      fail_overwritten(*output, nullptr);
   std::vector<Node*> pending = pending_nodes(outputs);
   if (pending.empty()) return;
   execution_counters().pending_seconds += clock.lap();

@@ -212,6 +212,83 @@ void plan_memory(Program& program, const std::vector<Node*>& pending, const Sign
       program.release_after[last_use.at(ref)].push_back(ref);
 }
 
+// Whether every load of param `input` in pointwise `kernel` and every store of param `output`
+// address the point being computed: the kernel reads an element of the input only where it
+// writes the same element of the output, so computing the output into the input's buffer gives
+// the same values. A multi-tensor kernel's maps index one segment (i0).
+bool same_element(const kir::Kernel& kernel, size_t input, size_t output) {
+  auto at_point = [&](const kir::Affine& map) {
+    if (kernel.multi_tensor) return map.base == 0 && map.coeff == std::vector<int64_t>{1};
+    return !kernel.dims.empty() && kir::is_identity_map(kernel, map);
+  };
+  bool loads = false, stores = false;
+  for (const kir::Value& v : kernel.body)
+    if (v.op == kir::Op::Load && static_cast<size_t>(v.param) == input) {
+      if (!at_point(v.map)) return false;
+      loads = true;
+    }
+  for (const kir::Store& store : kernel.stores)
+    if (static_cast<size_t>(store.param) == output) {
+      if (!at_point(store.map)) return false;
+      stores = true;
+    }
+  return loads && stores;
+}
+
+// Step::in_place for each kernel step of `program` (after plan_memory, whose releases it reads).
+void plan_in_place(Program& program, const std::vector<Node*>& pending, const Signature& sig) {
+  std::vector<long> edges(sig.externals.size(), 0);
+  for (Node* node : pending)
+    for (const NodePtr& input : node->inputs)
+      if (input->evaluated()) ++edges[static_cast<size_t>(-sig.ref(input.get(), pending) - 1)];
+  std::unordered_map<NodeRef, size_t> last_read;
+  std::unordered_set<NodeRef> released;
+  size_t last_host = 0;
+  bool any_host = false;
+  std::vector<NodeRef> reads, writes;
+  for (size_t i = 0; i < program.steps.size(); ++i) {
+    step_io(program.steps[i], pending, sig, reads, writes);
+    for (NodeRef ref : reads) last_read[ref] = i;
+    released.insert(program.release_after[i].begin(), program.release_after[i].end());
+    if (program.steps[i].kind == FusionGroup::Kind::Host) {
+      last_host = i;
+      any_host = true;
+    }
+  }
+  for (size_t i = 0; i < program.steps.size(); ++i) {
+    Step& step = program.steps[i];
+    // A host step after the kernel could fail (a collective's timeout) once the old value is
+    // gone, where the caller would still hold it.
+    if (step.kind != FusionGroup::Kind::Kernel || step.kernel->is_reduction() ||
+        (any_host && last_host > i))
+      continue;
+    const kir::Kernel& kernel = *step.kernel;
+    const size_t per_segment = kernel.params.size();
+    for (size_t at = 0; at < step.params.size(); at += per_segment)
+      for (size_t out = 0; out < per_segment; ++out) {
+        const NodeRef output = step.params[at + out];
+        if (!kernel.params[out].output || released.count(output)) continue;
+        // Every input that qualifies, in order: the run takes the first one its caller lists.
+        for (size_t in = 0; in < per_segment; ++in) {
+          const NodeRef input = step.params[at + in];
+          if (kernel.params[in].output || input >= 0 || last_read.at(input) != i ||
+              kernel.params[in].dtype != kernel.params[out].dtype)
+            continue;
+          // Every param of the step that is this input (the same node read through two views,
+          // or by two segments) must read it where the output is written.
+          bool safe = true;
+          for (size_t p = 0; p < step.params.size() && safe; ++p)
+            if (step.params[p] == input)
+              safe = p >= at && p < at + per_segment && same_element(kernel, p - at, out);
+          if (safe)
+            step.in_place.push_back({static_cast<uint32_t>(at + out),
+                                     static_cast<uint32_t>(at + in),
+                                     edges[static_cast<size_t>(-input - 1)]});
+        }
+      }
+  }
+}
+
 }  // namespace
 
 ExecutionStats& execution_counters() {
@@ -281,6 +358,17 @@ NodeRef Signature::ref(const Node* node, const std::vector<Node*>& pending) cons
   fail("internal: {} is neither computed nor read by this evaluation", op_name(node->op));
 }
 
+void fail_overwritten(const Node& value, const char* reader) {
+  fail(
+      "{} a {} {} value whose buffer an optimizer step has since updated in place (the step "
+      "computed the new parameter or state into the buffer of the old one, which it found no "
+      "tensor holding): {}evaluate it before the step, or keep a tensor of the old value "
+      "(x.detach()), which makes the step leave that buffer alone",
+      reader ? fmt::format("{} reads", reader) : "reading", name(value.dtype),
+      to_string(value.shape),
+      reader ? "this graph was built before the step and is evaluated after it; " : "");
+}
+
 Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& required, bool fuse,
                std::string_view salt) {
   Signature sig;
@@ -322,6 +410,8 @@ Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& requ
         h.update(slot);
         continue;
       }
+      if (input->overwritten) [[unlikely]]
+        fail_overwritten(*input, op_name(node->op));
       input->sign_slot = -static_cast<NodeRef>(sig.externals.size()) - 1;
       h.update(input->sign_slot);
       sig.externals.push_back(input.get());
@@ -424,6 +514,7 @@ Program build_program(const std::vector<Node*>& pending, const FusionOptions& op
       program.steps.push_back(std::move(steps[i]));
   }
   plan_memory(program, pending, sig);
+  plan_in_place(program, pending, sig);
   return program;
 }
 

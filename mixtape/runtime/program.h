@@ -83,6 +83,10 @@ void set_matmul_epilogue_steps(bool enabled);
 /// The unevaluated nodes that evaluating `outputs` computes, in tape order.
 std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs);
 
+/// The mt::Error for `reader` (an op's name; null: a read on the host) reading `value` after an
+/// evaluation computed into its buffer (Node::overwritten, dsl/reusable_buffers.h).
+[[noreturn]] void fail_overwritten(const Node& value, const char* reader);
+
 /// `salt` names the back end, so that its programs never answer another's signatures.
 Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& required, bool fuse,
                std::string_view salt);
@@ -115,6 +119,17 @@ struct Step {
   // A multi-tensor kernel (kernel->multi_tensor): S segments, params and scalar_nodes hold each
   // segment's in turn, and the table {S, start_0 = 0, ..., start_S} is the kernel's params[0].
   std::vector<int64_t> segment_table;
+  // Outputs the kernel may compute into the buffer of one of its inputs instead of a fresh one
+  // (dsl/reusable_buffers.h): an evaluated input that it reads element by element where it
+  // stores the output, with the output's type, that no later step reads, of a pointwise kernel
+  // that no host step follows. Each run decides whether it does: the input's node must be one
+  // the caller lists, with no holders but `edges` (the input edges of the evaluation's nodes
+  // that reach it) and the references the list names, and its buffer none but the node.
+  struct InPlace {
+    uint32_t output, input;  // indices into params
+    long edges;
+  };
+  std::vector<InPlace> in_place;
 
   int64_t segments() const { return segment_table.empty() ? 1 : segment_table[0]; }
   /// Whether params[i] is a value the kernel stores (params repeat per segment).

@@ -1,0 +1,181 @@
+// tests/test_in_place_update.cpp -- optimizer steps that compute the new parameters and state
+// into the old ones' buffers (dsl/reusable_buffers.h): the same bits as fresh buffers, old values
+// kept wherever something still holds them, and a clear error for a graph kept across the step.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "mixtape/dsl/host_memory.h"
+#include "mixtape/mixtape.h"
+#include "test_util.h"
+
+namespace mt = mixtape;
+
+namespace {
+
+// Shapes of a small conv net's and an MLP's parameters, and a scalar.
+const std::vector<mt::Shape> kShapes = {{16, 8, 3, 3}, {16}, {10, 64}, {10}, {}};
+
+std::vector<uint32_t> bits_of(const mt::Tensor& t) {
+  std::vector<float> values = t.to_vector<float>();
+  std::vector<uint32_t> bits(values.size());
+  std::memcpy(bits.data(), values.data(), values.size() * sizeof(float));
+  return bits;
+}
+
+// Parameters and a gradient per step made from one seed, so two sets are equal.
+struct Problem {
+  std::vector<mt::Tensor> params;
+  std::vector<std::vector<mt::Tensor>> grads;  // [step][param]
+  explicit Problem(int steps) {
+    mt::Generator gen(7);
+    for (const mt::Shape& shape : kShapes) {
+      params.push_back(mt::randn(shape, mt::f32, &gen).detach());
+      mt::eval({params.back()});
+      params.back() = mt::tensor(params.back().to_vector<float>(), shape);
+      params.back().requires_grad_();
+    }
+    for (int s = 0; s < steps; ++s) {
+      grads.emplace_back();
+      for (const mt::Shape& shape : kShapes)
+        grads.back().push_back(mt::randn(shape, mt::f32, &gen));
+      mt::eval(grads.back());
+    }
+  }
+};
+
+using MakeOptimizer = std::function<std::unique_ptr<mt::Optimizer>(std::vector<mt::Tensor>)>;
+
+const std::vector<std::pair<std::string, MakeOptimizer>>& optimizers() {
+  static const std::vector<std::pair<std::string, MakeOptimizer>> list = {
+      {"SGD momentum",
+       [](std::vector<mt::Tensor> p) {
+         return std::make_unique<mt::SGD>(std::move(p),
+                                          mt::SGDOptions{.lr = 0.05, .momentum = 0.9});
+       }},
+      {"AdamW",
+       [](std::vector<mt::Tensor> p) {
+         return std::make_unique<mt::AdamW>(std::move(p),
+                                            mt::AdamOptions{.lr = 1e-2, .weight_decay = 0.1});
+       }},
+  };
+  return list;
+}
+
+}  // namespace
+
+// One set steps freely; the other's parameters and state are held by tensors taken before each
+// step (of the parameter's node, and the state(i) tensors), which keeps the step out of their
+// buffers. Both give the same bits, the held tensors keep the old values, and the free set's
+// parameters stay in the buffers the set had.
+TEST(InPlaceUpdate, TheSameBitsAsFreshBuffersAndHeldValuesKeepTheirs) {
+  constexpr int kSteps = 4;
+  for (const auto& [name, make] : optimizers()) {
+    SCOPED_TRACE(name);
+    Problem free_set(kSteps), held_set(kSteps);
+    std::unique_ptr<mt::Optimizer> free_opt = make(free_set.params);
+    std::unique_ptr<mt::Optimizer> held_opt = make(held_set.params);
+    for (int step = 0; step < kSteps; ++step) {
+      for (size_t i = 0; i < kShapes.size(); ++i) {
+        free_set.params[i].set_grad(free_set.grads[step][i]);
+        held_set.params[i].set_grad(held_set.grads[step][i]);
+      }
+      std::vector<const mt::Storage*> before;  // every buffer the free set held
+      for (size_t i = 0; i < kShapes.size(); ++i) {
+        before.push_back(free_set.params[i].node()->value.get());
+        for (const auto& [entry, value] : free_opt->state(i))
+          before.push_back(value.node()->value.get());
+      }
+      mt::reset_execution_stats();
+      free_opt->step();
+      // Every parameter but the 0-d one (read through a constant map), and from the second step
+      // every state entry of those (the first step makes them).
+      const int64_t per_param = step == 0 ? 1 : (name == "AdamW" ? 3 : 2);
+      EXPECT_EQ(mt::execution_stats().outputs_in_place, per_param * 4);
+      // From the second step no new buffer: each parameter is in one the set held before.
+      for (size_t i = 0; i + 1 < kShapes.size() && step > 0; ++i)
+        EXPECT_NE(std::find(before.begin(), before.end(), free_set.params[i].node()->value.get()),
+                  before.end())
+            << "parameter " << i;
+
+      std::vector<mt::Tensor> old_params;
+      std::vector<mt::NamedTensors> old_state;
+      std::vector<std::vector<uint32_t>> old_bits;
+      for (size_t i = 0; i < kShapes.size(); ++i) {
+        old_params.emplace_back(held_set.params[i].node());
+        old_bits.push_back(bits_of(old_params.back()));
+        old_state.push_back(held_opt->state(i));
+      }
+      mt::reset_execution_stats();
+      held_opt->step();
+      EXPECT_EQ(mt::execution_stats().outputs_in_place, 0);
+      for (size_t i = 0; i < kShapes.size(); ++i) {
+        EXPECT_EQ(bits_of(old_params[i]), old_bits[i]) << "held parameter " << i;
+        EXPECT_EQ(bits_of(free_set.params[i]), bits_of(held_set.params[i])) << "parameter " << i;
+        mt::NamedTensors free_state = free_opt->state(i), held_state = held_opt->state(i);
+        ASSERT_EQ(free_state.size(), held_state.size());
+        for (size_t s = 0; s < free_state.size(); ++s)
+          EXPECT_EQ(bits_of(free_state[s].second), bits_of(held_state[s].second))
+              << "state " << free_state[s].first << " of parameter " << i;
+      }
+      // The state handed out before the step still reads as it was: the step left its buffers.
+      for (size_t i = 0; i < kShapes.size() && step > 0; ++i)
+        for (const auto& [entry, value] : old_state[i]) EXPECT_NO_THROW((void)bits_of(value));
+    }
+  }
+}
+
+// A graph kept across the step that reads an old parameter after it (a second gradient of one
+// loss, mt::grad with the graph kept): a clear error naming the in-place update, where computing
+// with the new value would be wrong. PyTorch refuses the same ("modified by an inplace
+// operation"). A tensor of the old value held across the step keeps the step out of its buffer.
+TEST(InPlaceUpdate, AGraphKeptAcrossTheStepIsAClearError) {
+  for (bool hold : {false, true}) {
+    SCOPED_TRACE(hold ? "old value held" : "nothing held");
+    mt::Tensor w = mt::tensor(std::vector<float>(64, 1.f), {8, 8});
+    w.requires_grad_();
+    mt::Tensor x = mt::tensor(std::vector<float>(40, 0.5f), {5, 8});
+    x.requires_grad_();
+    mt::SGD opt({w}, mt::SGDOptions{.lr = 0.05});
+    mt::Tensor loss = mt::sum(mt::square(mt::matmul(x, w)));
+    w.set_grad(mt::grad({loss}, {w})[0]);
+    mt::Tensor old = hold ? w.detach() : mt::Tensor();
+    mt::reset_execution_stats();
+    opt.step();
+    EXPECT_EQ(mt::execution_stats().outputs_in_place, hold ? 0 : 1);
+    if (hold) {
+      // d/dx sum((x w)^2) = 2 (x w) w^T with the old w (all ones): 2 * 4 * 8 = 64.
+      EXPECT_EQ(mt::grad({loss}, {x})[0].to_vector<float>(), std::vector<float>(40, 64.f));
+      EXPECT_EQ(old.to_vector<float>(), std::vector<float>(64, 1.f));
+    } else {
+      EXPECT_MT_ERROR((void)mt::grad({loss}, {x})[0].to_vector<float>(), "matmul reads",
+                      "updated in place", "x.detach()");
+    }
+    EXPECT_NO_THROW((void)w.to_vector<float>());  // the parameter reads as the step left it
+  }
+}
+
+// The update no longer holds a second copy of the parameters and state while it runs: an AdamW
+// step over 4 MiB of parameters raises the host allocator's peak by less than one copy of them
+// (fresh buffers took another 12 MiB: parameters and both moments).
+TEST(InPlaceUpdate, TheUpdateAllocatesNoSecondCopy) {
+  mt::Tensor w = mt::tensor(std::vector<float>(1 << 20, 0.f), {1024, 1024});
+  w.requires_grad_();
+  mt::AdamW opt({w}, mt::AdamOptions{.lr = 1e-3});
+  mt::Tensor g = mt::ones({1024, 1024});
+  mt::eval({g});
+  for (int step = 0; step < 3; ++step) {
+    w.set_grad(g);
+    mt::reset_host_memory_peak();
+    const int64_t live = mt::host_memory_stats().live_bytes;
+    opt.step();
+    if (step == 0) continue;  // the first step makes the state
+    EXPECT_LT(mt::host_memory_stats().peak_bytes - live, int64_t{4} << 20) << "step " << step;
+  }
+}
