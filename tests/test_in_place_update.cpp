@@ -179,3 +179,41 @@ TEST(InPlaceUpdate, TheUpdateAllocatesNoSecondCopy) {
     EXPECT_LT(mt::host_memory_stats().peak_bytes - live, int64_t{4} << 20) << "step " << step;
   }
 }
+
+// mt::compile's replays compute the update straight into the state buffers they would swap the
+// new values into, with the traced loop's bits.
+TEST(InPlaceUpdate, CompiledStepsUpdateTheirStateInPlace) {
+  for (const auto& [name, make] : optimizers()) {
+    SCOPED_TRACE(name);
+    mt::manual_seed(5);
+    mt::MLP traced_net({8, 32, 32, 4}, mt::Activation::Relu);
+    mt::manual_seed(5);
+    mt::MLP compiled_net({8, 32, 32, 4}, mt::Activation::Relu);
+    std::unique_ptr<mt::Optimizer> traced_opt = make(traced_net.parameters());
+    std::unique_ptr<mt::Optimizer> compiled_opt = make(compiled_net.parameters());
+    mt::Tensor x = mt::randn({16, 8}), y = mt::randn({16, 4});
+    auto train = [](mt::MLP& net, mt::Optimizer& opt, const mt::Tensor& x, const mt::Tensor& y) {
+      opt.zero_grad();
+      mt::Tensor loss = mt::mse_loss(net(x), y);
+      loss.backward();
+      opt.step();
+      return loss;
+    };
+    auto compiled_step = mt::compile([&](const mt::Tensor& x, const mt::Tensor& y) {
+      return train(compiled_net, *compiled_opt, x, y);
+    });
+    for (int step = 0; step < 6; ++step) {
+      const float traced_loss = static_cast<float>(train(traced_net, *traced_opt, x, y).item());
+      mt::reset_execution_stats();
+      const float compiled_loss = static_cast<float>(compiled_step(x, y).item());
+      if (step >= 3) {
+        EXPECT_GT(mt::execution_stats().outputs_in_place, 0) << "step " << step;
+      }
+      EXPECT_EQ(compiled_loss, traced_loss) << "step " << step;
+      std::vector<mt::Tensor> a = traced_net.parameters(), b = compiled_net.parameters();
+      for (size_t i = 0; i < a.size(); ++i)
+        EXPECT_EQ(bits_of(b[i]), bits_of(a[i])) << "parameter " << i << " after step " << step;
+    }
+    EXPECT_GE(compiled_step.stats().replays, 3);
+  }
+}

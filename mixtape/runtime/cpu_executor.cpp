@@ -40,6 +40,29 @@ std::shared_ptr<Storage> allocate(const Node& node) {
   return allocate_value(node, node.precision.storage_type, node.numel(), true);
 }
 
+// replay_cpu's in_place list while it runs.
+const std::vector<std::pair<const Node*, std::shared_ptr<Storage>>>*& replay_outputs() {
+  thread_local const std::vector<std::pair<const Node*, std::shared_ptr<Storage>>>* list = nullptr;
+  return list;
+}
+
+// Step::in_place in a replay: the buffer replay_cpu lists for param `c.output`, when param
+// `c.input` holds it and no other input of the step does (two nodes bound to one buffer).
+std::shared_ptr<Storage> replay_buffer(const Step& step, const Step::InPlace& c,
+                                       const std::vector<Node*>& pending, const Signature& sig) {
+  const Node* output = sig.resolve(step.params[c.output], pending);
+  for (const auto& [node, buffer] : *replay_outputs()) {
+    if (node != output) continue;
+    for (size_t p = 0; p < step.params.size(); ++p)
+      if (!step.param_is_output(p) && (sig.resolve(step.params[p], pending)->value == buffer) !=
+                                          (step.params[p] == step.params[c.input]))
+        return nullptr;
+    ++stats().outputs_in_place;
+    return buffer;
+  }
+  return nullptr;
+}
+
 // Step::in_place: `input`'s buffer for `output`, taken when the caller lists `input`
 // (dsl/reusable_buffers.h) and nothing but the listed references and `edges` graph edges holds it,
 // nor anything but it its buffer; null otherwise. Never while mt::compile traces: its replays
@@ -153,11 +176,14 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
   scalars.clear();
   ExecutionStats& s = stats();
   for (NodeRef ref : step.scalar_nodes) scalars.push_back(fill_value(*sig.resolve(ref, pending)));
-  if (!observer())
-    for (const Step::InPlace& c : step.in_place)
-      if (!outputs[c.output])
-        outputs[c.output] = reusable_buffer(*sig.resolve(step.params[c.input], pending),
-                                            *sig.resolve(step.params[c.output], pending), c.edges);
+  if (!step.in_place.empty() && !observer() && in_place_outputs())
+    for (const Step::InPlace& c : step.in_place) {
+      if (outputs[c.output]) continue;
+      outputs[c.output] =
+          replay_outputs() ? replay_buffer(step, c, pending, sig)
+                           : reusable_buffer(*sig.resolve(step.params[c.input], pending),
+                                             *sig.resolve(step.params[c.output], pending), c.edges);
+    }
   // A multi-tensor kernel takes its segment table first, then each segment's pointers and
   // scalars (kir::Kernel::multi_tensor); an ordinary one is a single segment without the table.
   if (kernel.multi_tensor) params.push_back(const_cast<int64_t*>(step.segment_table.data()));
@@ -374,10 +400,15 @@ ExecutedProgram execute_cpu(const std::vector<Node*>& pending, const std::vector
   return executed;
 }
 
-void replay_cpu(const ExecutedProgram& executed, const std::vector<Node*>& pending) {
+void replay_cpu(const ExecutedProgram& executed, const std::vector<Node*>& pending,
+                const std::vector<std::pair<const Node*, std::shared_ptr<Storage>>>& in_place) {
   struct DropCopies {  // also when a step throws
-    ~DropCopies() { narrowed_copies().clear(); }
+    ~DropCopies() {
+      narrowed_copies().clear();
+      replay_outputs() = nullptr;
+    }
   } drop_copies;
+  replay_outputs() = in_place.empty() ? nullptr : &in_place;
   narrowed_copies().clear();
   run_program(*executed.program, pending, executed.sig, {run_kernel, run_matmul, run_host_step});
 }

@@ -730,12 +730,18 @@ std::atomic<bool>& matmul_epilogue_setting() {
   static std::atomic<bool> enabled{on_unless_zero("MIXTAPE_MATMUL_EPILOGUE")};
   return enabled;
 }
+std::atomic<bool>& in_place_setting() {
+  static std::atomic<bool> enabled{on_unless_zero("MIXTAPE_IN_PLACE")};
+  return enabled;
+}
 }  // namespace
 
 bool multi_tensor_steps() { return multi_tensor_setting().load(); }
 void set_multi_tensor_steps(bool enabled) { multi_tensor_setting().store(enabled); }
 bool matmul_epilogue_steps() { return matmul_epilogue_setting().load(); }
 void set_matmul_epilogue_steps(bool enabled) { matmul_epilogue_setting().store(enabled); }
+bool in_place_outputs() { return in_place_setting().load(std::memory_order_relaxed); }
+void set_in_place_outputs(bool enabled) { in_place_setting().store(enabled); }
 
 std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs) {
   // Each walk marks the unevaluated nodes it reaches with a number of its own, instead of

@@ -80,6 +80,11 @@ void set_multi_tensor_steps(bool enabled);
 bool matmul_epilogue_steps();
 void set_matmul_epilogue_steps(bool enabled);
 
+/// Whether the CPU back end computes outputs into buffers their inputs give up (Step::in_place):
+/// on unless MIXTAPE_IN_PLACE=0, and settable for tests and benchmarks that compare both.
+bool in_place_outputs();
+void set_in_place_outputs(bool enabled);
+
 /// The unevaluated nodes that evaluating `outputs` computes, in tape order.
 std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs);
 

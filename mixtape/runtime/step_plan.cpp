@@ -56,6 +56,32 @@ void hand_back(GradientSlot& slot, TensorImpl* owner, const Node& node, const St
   set_gradient(owner, std::move(leaf), moved);
 }
 
+// The stored values of evaluation `index` that its kernels may compute straight into the state
+// buffer the replay would swap them into (replay_cpu's in_place): not a result, sharing no buffer,
+// not a gradient handed back, and not a buffer a later evaluation reads as it was when the call
+// began (the old value stays in the fresh buffer for those).
+std::vector<std::pair<const Node*, StoragePtr>> in_place_outputs(
+    const Plan& plan, size_t index,
+    const std::vector<std::pair<const Storage*, StoragePtr>>& replaced) {
+  const PlannedEvaluation& planned = plan.evals[index];
+  const Evaluation& e = planned.eval;
+  std::vector<std::pair<const Node*, StoragePtr>> list;
+  for (size_t j = 0; j < e.executed.sig.stored.size(); ++j) {
+    const auto at = std::pair(static_cast<int>(index), static_cast<int>(j));
+    const bool shared = planned.shares_with[j] >= 0 ||
+                        std::find(planned.shares_with.begin(), planned.shares_with.end(),
+                                  static_cast<int>(j)) != planned.shares_with.end();
+    const bool handed = std::any_of(plan.gradients.begin(), plan.gradients.end(),
+                                    [&](const GradientSlot& slot) { return slot.at == at; });
+    const bool read_as_before =
+        std::any_of(replaced.begin(), replaced.end(),
+                    [&](const auto& entry) { return entry.first == e.outputs[j].get(); });
+    if (planned.result_slot[j] < 0 && !shared && !handed && !read_as_before)
+      list.emplace_back(e.executed.sig.stored[j], e.outputs[j]);
+  }
+  return list;
+}
+
 }  // namespace
 
 bool GradientSlot::operator==(const GradientSlot& other) const {
@@ -129,7 +155,7 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
     if (e.device == Device::cuda)
       replay_cuda(e.executed, e.pending_raw);
     else
-      replay_cpu(e.executed, e.pending_raw);
+      replay_cpu(e.executed, e.pending_raw, in_place_outputs(plan, index, replaced));
     std::vector<StoragePtr> fresh_of(sig.stored.size());
     for (size_t j = 0; j < sig.stored.size(); ++j) {
       Node* node = sig.stored[j];
@@ -139,7 +165,7 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
       if (int first = planned.shares_with[j]; first >= 0 && fresh != fresh_of[first])
         fail("compile: replay gave {} a buffer of its own, where the trace had it share one",
              describe(*node));
-      if (planned.result_slot[j] < 0 && planned.shares_with[j] < 0) {
+      if (planned.result_slot[j] < 0 && planned.shares_with[j] < 0 && fresh != e.outputs[j]) {
         e.outputs[j]->swap_value(*fresh);
         for (auto& [buffer, value] : replaced)
           if (buffer == e.outputs[j].get() && !value) value = fresh;  // now the old value
