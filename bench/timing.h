@@ -229,6 +229,7 @@ inline mt::json::Value stats_json(const mt::ExecutionStats& s, int64_t steps = 1
           {"host_ops", per(s.host_ops)},
           {"bytes_read", per(s.bytes_read)},
           {"bytes_written", per(s.bytes_written)},
+          {"outputs_in_place", per(s.outputs_in_place)},
           {"kernels_compiled", s.kernels_compiled},
           {"kernels_from_disk", s.kernels_from_disk},
           {"compile_seconds", s.compile_seconds},

@@ -337,6 +337,47 @@ TEST(Compile, LossScalerRecordsOutliveReplaysAndTheirScaler) {
   EXPECT_EQ(copy.skip_history(), skips);
 }
 
+// PyTorch's AMP loop with the model compiled alone: the scaler's scale() inside the function,
+// its step() and update() outside. The scaler keeps its tensors and assigns them new values, so
+// the function reads the scale through its tensor and replays, with the traced loop's bits: a
+// skip (an overflow on one step) and the scale's backoff and growth included.
+TEST(Compile, ALossScalerOutsideACompiledModelReplays) {
+  ScaledRun plain_run, compiled_run;
+  auto forward_backward = [](ScaledRun& run, const mt::Tensor& x, const mt::Tensor& poison) {
+    run.opt.zero_grad();
+    mt::Tensor loss;
+    {
+      mt::autocast guard(mt::f16);
+      loss = mt::mse_loss(run.model(x * poison), run.y);
+    }
+    run.scaler.scale(loss).backward();
+    return loss;
+  };
+  auto model_step = mt::compile([&](const mt::Tensor& x, const mt::Tensor& poison) {
+    return forward_backward(compiled_run, x, poison);
+  });
+  mt::Tensor clean = mt::scalar(1.0), bad = mt::scalar(INFINITY);
+  std::vector<uint32_t> plain, compiled;
+  for (int i = 0; i < 12; ++i) {
+    const mt::Tensor& poison = i == 7 ? bad : clean;
+    plain.push_back(bits(forward_backward(plain_run, plain_run.x, poison))[0]);
+    plain_run.scaler.step(plain_run.opt);
+    plain_run.scaler.update();
+    compiled.push_back(bits(model_step(compiled_run.x, poison))[0]);
+    compiled_run.scaler.step(compiled_run.opt);
+    compiled_run.scaler.update();
+  }
+  EXPECT_EQ(plain, compiled);
+  const std::vector<mt::Tensor> a = plain_run.model.parameters(),
+                                b = compiled_run.model.parameters();
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(bits(a[i]), bits(b[i])) << "parameter " << i;
+  EXPECT_EQ(plain_run.scaler.scale_history(), compiled_run.scaler.scale_history());
+  const std::vector<bool> skips = compiled_run.scaler.skip_history();
+  EXPECT_EQ(plain_run.scaler.skip_history(), skips);
+  EXPECT_EQ(std::count(skips.begin(), skips.end(), true), 1);
+  EXPECT_TRUE(replayed_at_least(model_step, 8));
+}
+
 // Scans, sorts and scatter are host steps of the program: replays run them as tracing does, and
 // masked_select's host read keeps the function traced every call.
 TEST(Compile, ScansSortsAndScatterReplayBitForBit) {

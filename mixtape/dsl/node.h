@@ -249,7 +249,10 @@ struct Node : std::enable_shared_from_this<Node> {
   Attrs attrs;
 
   NodeOrigin origin;
-  std::weak_ptr<TensorImpl> grad_owner;  // the leaf tensor whose .grad() receives gradients
+  // The tensor this leaf is the value of (requires_grad_, assign): where backward() accumulates
+  // its gradient if it requires one, and what mt::compile reads a value assigned outside the
+  // step through.
+  std::weak_ptr<TensorImpl> grad_owner;
 
   bool evaluated() const { return value != nullptr; }
   int64_t numel() const { return mixtape::numel(shape); }

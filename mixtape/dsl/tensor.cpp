@@ -151,10 +151,10 @@ void become_leaf(const std::shared_ptr<TensorImpl>& impl, const NodePtr& value, 
   leaf->precision.storage_type = leaf->precision.compute = leaf->value->dtype;
   leaf->precision.assigned = true;
   leaf->origin.module_path = current->origin.module_path;
-  if (current->requires_grad) {
-    leaf->requires_grad = true;
-    leaf->grad_owner = impl;
-  }
+  leaf->requires_grad = current->requires_grad;
+  // Also for a tensor without gradients (a loss scale): mt::compile reads a value assigned
+  // outside the step through its tensor.
+  leaf->grad_owner = impl;
   moved_off(current.get(), leaf.get());
   impl->node = std::move(leaf);
 }

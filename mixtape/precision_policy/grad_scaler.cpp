@@ -53,12 +53,6 @@ void check_options(const GradScalerOptions& o, const char* who, bool check_init)
 }
 
 // A node whose value is computed (or a constant) no longer needs what made it.
-Tensor settled(const Tensor& t) {
-  const NodePtr& node = t.node();
-  if (!node->evaluated() || node->op == OpCode::Constant) return t;
-  return from_storage(node->value, node->shape);
-}
-
 constexpr size_t kMaxPendingRecords = 1024;
 
 }  // namespace
@@ -78,9 +72,21 @@ GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
   tracker_ = full({}, 0, i32);
 }
 
-void GradScaler::settle() {
-  scale_ = settled(scale_);
-  tracker_ = settled(tracker_);
+GradScaler::GradScaler(const GradScaler& other)
+    : options_(other.options_),
+      scale_(other.scale_.node()),
+      tracker_(other.tracker_.node()),
+      per_optimizer_(other.per_optimizer_),
+      stats_(other.stats_) {}
+
+GradScaler& GradScaler::operator=(const GradScaler& other) {
+  if (this == &other) return *this;
+  options_ = other.options_;
+  scale_ = Tensor(other.scale_.node());
+  tracker_ = Tensor(other.tracker_.node());
+  per_optimizer_ = other.per_optimizer_;
+  stats_ = other.stats_;
+  return *this;
 }
 
 GradScaler::PerOptimizer& GradScaler::state_of(const Optimizer& optimizer) {
@@ -108,7 +114,6 @@ Tensor GradScaler::scale(const Tensor& loss) {
   if (!options_.enabled) return loss;
   if (!is_floating(loss.dtype()))
     fail("GradScaler.scale: the loss must be floating-point, got {}", name(loss.dtype()));
-  settle();
   // A half loss is scaled in f32, so a large scale cannot overflow it before backward.
   DType t = loss.dtype() == f64 ? f64 : f32;
   return cast(loss, t) * cast(scale_, t);
@@ -123,7 +128,6 @@ void GradScaler::unscale_(Optimizer& optimizer) {
   if (state.stage == Stage::Stepped)
     fail("GradScaler.unscale_: called after step() for this {} optimizer; call update() first",
          optimizer.kind());
-  settle();
   NoGradGuard no_grad;
   auto inverse = [&] { return cast(reciprocal(cast(scale_, f64)), f32); };
   Tensor inv_scale = inverse();
@@ -188,7 +192,6 @@ void GradScaler::update() {
   // step() evaluates the previous update with its program; without a step in between, do it
   // here so that update chains cannot grow.
   if (!scale_.node()->evaluated() || !tracker_.node()->evaluated()) eval({scale_, tracker_});
-  settle();
   NoGradGuard no_grad;
   Tensor found = ne(combined, zeros({}, f32));
   if (options_.dynamic) {
@@ -206,8 +209,8 @@ void GradScaler::update() {
     // where its reciprocal overflows.
     scale = maximum(scale, full({}, options_.min_scale.value_or(kSafeMinScale), f32));
     if (options_.max_scale) scale = minimum(scale, full({}, *options_.max_scale, f32));
-    tracker_ = where(found, zero, where(grow, zero, successful));
-    scale_ = scale;
+    tracker_.assign_later(where(found, zero, where(grow, zero, successful)));
+    scale_.assign_later(scale);
   }
   record(found);
   per_optimizer_.clear();
@@ -223,7 +226,7 @@ void GradScaler::update(double new_scale) {
     fail("GradScaler.update: the new scale {} lies outside [min_scale, max_scale]", new_scale);
   Tensor combined = combined_found_inf();
   NoGradGuard no_grad;
-  scale_ = full({}, new_scale, f32);
+  scale_.assign(full({}, new_scale, f32));
   ++stats_.data->state_version;
   record(combined.defined() ? ne(combined, zeros({}, f32)) : zeros({}, boolean));
   per_optimizer_.clear();
@@ -268,7 +271,7 @@ void GradScaler::record(const Tensor& found) {
   if (on_each_call(std::make_shared<RecordEachCall>(std::move(add), std::move(replaced)),
                    {found.node(), scale_.node()}))
     return;
-  stats_.data->add({found, scale_});
+  stats_.data->add({found, Tensor(scale_.node())});  // this update's value, not later ones'
 }
 
 void GradScaler::Statistics::add(Record record) {
@@ -319,8 +322,8 @@ NamedTensors GradScaler::state_dict() const {
   if (!options_.enabled) return {};
   auto number = [](double value) { return full({}, value, f64); };
   NamedTensors state = {
-      {"scale", scale_},
-      {"growth_tracker", tracker_},
+      {"scale", Tensor(scale_.node())},  // the values now: the scaler's tensors change
+      {"growth_tracker", Tensor(tracker_.node())},
       {"growth_factor", number(options_.growth_factor)},
       {"backoff_factor", number(options_.backoff_factor)},
       {"growth_interval", number(static_cast<double>(options_.growth_interval))},
@@ -389,8 +392,8 @@ void GradScaler::load_state_dict(const NamedTensors& state) {
     fail("{}: growth_tracker must be an integer in [0, growth_interval = {}), got {}", who,
          next.growth_interval, tracker);
   options_ = next;
-  scale_ = full({}, scale, f32);
-  tracker_ = full({}, tracker, i32);
+  scale_.assign(full({}, scale, f32));
+  tracker_.assign(full({}, tracker, i32));
   ++stats_.data->state_version;
 }
 

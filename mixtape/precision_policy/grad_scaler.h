@@ -47,6 +47,9 @@ struct GradScalerOptions {
 class GradScaler {
  public:
   explicit GradScaler(GradScalerOptions options = {});
+  /// A copy with a scale and tracker of its own: updates of one do not reach the other.
+  GradScaler(const GradScaler& other);
+  GradScaler& operator=(const GradScaler& other);
 
   /// loss * scale, in f32 (or f64 for an f64 loss). A disabled scaler returns `loss` itself.
   Tensor scale(const Tensor& loss);
@@ -135,14 +138,15 @@ class GradScaler {
     SharedStatistics& operator=(const SharedStatistics& other);
   };
 
-  // Swaps evaluated scaler values for plain leaves, so the graph does not keep what made them.
-  void settle();
   PerOptimizer& state_of(const Optimizer& optimizer);
   // The OR of the recorded found-inf flags, as their f32 sum; undefined when none was recorded.
   Tensor combined_found_inf() const;
   void record(const Tensor& found);
 
   GradScalerOptions options_;
+  // Each keeps its tensor for good, a new value assigned to it (as PyTorch updates its scale in
+  // place): a step compiled without the scaler (mt::compile on the model alone) reads them
+  // through the tensors and replays.
   Tensor scale_, tracker_;
   // In first-use order, so that the graph an update builds does not depend on addresses.
   std::vector<std::pair<const Optimizer*, PerOptimizer>> per_optimizer_;
