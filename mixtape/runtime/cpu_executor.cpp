@@ -47,16 +47,17 @@ const std::vector<std::pair<const Node*, std::shared_ptr<Storage>>>*& replay_out
 }
 
 // Step::in_place in a replay: the buffer replay_cpu lists for param `c.output`, when param
-// `c.input` holds it and no other input of the step does (two nodes bound to one buffer).
+// `c.input` holds it and no other input of the evaluation does (two nodes bound to one buffer,
+// one of which a later step may read).
 std::shared_ptr<Storage> replay_buffer(const Step& step, const Step::InPlace& c,
                                        const std::vector<Node*>& pending, const Signature& sig) {
   const Node* output = sig.resolve(step.params[c.output], pending);
+  const Node* input = sig.resolve(step.params[c.input], pending);
   for (const auto& [node, buffer] : *replay_outputs()) {
     if (node != output) continue;
-    for (size_t p = 0; p < step.params.size(); ++p)
-      if (!step.param_is_output(p) && (sig.resolve(step.params[p], pending)->value == buffer) !=
-                                          (step.params[p] == step.params[c.input]))
-        return nullptr;
+    if (input->value != buffer) return nullptr;
+    for (const Node* external : sig.externals)
+      if (external != input && external->value == buffer) return nullptr;
     ++stats().outputs_in_place;
     return buffer;
   }

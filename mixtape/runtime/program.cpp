@@ -241,14 +241,25 @@ void plan_in_place(Program& program, const std::vector<Node*>& pending, const Si
   for (Node* node : pending)
     for (const NodePtr& input : node->inputs)
       if (input->evaluated()) ++edges[static_cast<size_t>(-sig.ref(input.get(), pending) - 1)];
+  // Each value's last reader, a reader of a reshape that shares an external's buffer (an Alias
+  // step) counting as one of the external's.
   std::unordered_map<NodeRef, size_t> last_read;
+  std::unordered_map<NodeRef, NodeRef> shares_buffer_of;  // alias -> the external it shares
   std::unordered_set<NodeRef> released;
   size_t last_host = 0;
   bool any_host = false;
   std::vector<NodeRef> reads, writes;
   for (size_t i = 0; i < program.steps.size(); ++i) {
     step_io(program.steps[i], pending, sig, reads, writes);
-    for (NodeRef ref : reads) last_read[ref] = i;
+    for (NodeRef ref : reads) {
+      auto alias = shares_buffer_of.find(ref);
+      last_read[alias != shares_buffer_of.end() ? alias->second : ref] = i;
+    }
+    if (program.steps[i].kind == FusionGroup::Kind::Alias && reads.size() == 1) {
+      auto alias = shares_buffer_of.find(reads[0]);
+      if (reads[0] < 0 || alias != shares_buffer_of.end())
+        shares_buffer_of[writes[0]] = reads[0] < 0 ? reads[0] : alias->second;
+    }
     released.insert(program.release_after[i].begin(), program.release_after[i].end());
     if (program.steps[i].kind == FusionGroup::Kind::Host) {
       last_host = i;
