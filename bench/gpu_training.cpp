@@ -169,7 +169,7 @@ int main(int argc, char** argv) {
     }
     for (const std::string& name : line.workloads) {
       for (const std::string& precision : line.precisions) {
-        mt::PolicyPtr policy = mt::policy_by_name(precision == "bf16" ? "autocast-bf16" : "fp32");
+        mt::PolicyPtr policy = bench::precision_policy(precision);
         mt::reset_execution_stats();
         bench::Workload workload = workload_by_name(name, policy, bench::step_mode(line.step));
         mt::json::Value record = {{"benchmark", "gpu_training"}};

@@ -201,8 +201,17 @@ inline CommandLine parse_command_line(int argc, char** argv, const char* program
   }
   if (line.workloads.empty()) usage_error(program, "--workloads is required", usage);
   for (const std::string& p : line.precisions)
-    if (p != "fp32" && p != "bf16") usage_error(program, "precisions are fp32 and bf16", usage);
+    if (p != "fp32" && p != "bf16" && p != "fp16")
+      usage_error(program, "precisions are fp32, bf16 and fp16", usage);
   return line;
+}
+
+/// The policy a precision names: fp32, autocast-bf16, or autocast-f16 (whose workloads scale
+/// their loss with a dynamic GradScaler, as PyTorch's AMP loop does).
+inline mt::PolicyPtr precision_policy(const std::string& precision) {
+  return mt::policy_by_name(precision == "bf16"   ? "autocast-bf16"
+                            : precision == "fp16" ? "autocast-f16"
+                                                  : "fp32");
 }
 
 /// The back-end selection this process was started with (run.py sets these per child) and what
@@ -334,19 +343,27 @@ inline std::unique_ptr<mt::TensorDataset> digits_training_set() {
 
 /// A workload's training step: the optimizer's gradients zeroed, the loss
 /// `loss_of(*state, inputs, targets)` under `policy`'s autocast, backward, the optimizer's step.
+/// Under autocast-f16 the loss is scaled by a dynamic GradScaler, whose step and update belong to
+/// the optimizer's part (outside the function with --step compiled-model, as PyTorch's AMP loop
+/// with a compiled model has them).
 template <typename State, typename LossOf>
 SplitStep autocast_train_step(std::shared_ptr<State> state, mt::PolicyPtr policy, LossOf loss_of) {
-  return {[state, policy, loss_of](const mt::Tensor& inputs, const mt::Tensor& targets) {
+  auto scaler = std::make_shared<mt::GradScaler>(
+      mt::GradScalerOptions{.enabled = policy->name() == "autocast-f16"});
+  return {[state, policy, loss_of, scaler](const mt::Tensor& inputs, const mt::Tensor& targets) {
             state->optimizer->zero_grad();
             mt::Tensor loss;
             {
               mt::autocast guard(policy);
               loss = loss_of(*state, inputs, targets);
             }
-            loss.backward();
+            scaler->scale(loss).backward();
             return loss;
           },
-          [state] { state->optimizer->step(); }};
+          [state, scaler] {
+            scaler->step(*state->optimizer);
+            scaler->update();
+          }};
 }
 
 /// The MLP workload (bench_training, bench_gpu_training): 32 -> width x4 hidden (ReLU) -> 16,

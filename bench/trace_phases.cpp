@@ -203,7 +203,7 @@ mt::json::Value best_us(const std::vector<Phases>& rounds, int steps) {
 
 mt::json::Value measure(const std::string& name, const std::string& precision, int steps,
                         int rounds) {
-  mt::PolicyPtr policy = mt::policy_by_name(precision == "bf16" ? "autocast-bf16" : "fp32");
+  mt::PolicyPtr policy = bench::precision_policy(precision);
   Setup traced = make_setup(name, policy);
   Setup compiled = make_setup(name, policy);
   std::function<mt::Tensor(mt::Tensor, mt::Tensor)> train = [&compiled](mt::Tensor x,

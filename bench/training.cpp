@@ -26,8 +26,8 @@ namespace mt = mixtape;
 namespace {
 
 constexpr const char* kUsage =
-    "usage: bench_training --workloads LIST [--precisions fp32,bf16] [--warmup N] [--windows N]\n"
-    "                      [--window-seconds S] [--budget-seconds S]\n"
+    "usage: bench_training --workloads LIST [--precisions fp32,bf16,fp16] [--warmup N]\n"
+    "                      [--windows N] [--window-seconds S] [--budget-seconds S]\n"
     "                      [--step traced|compiled|compiled-model]\n"
     "  workloads: mlp_w<W>_b<B> (32 -> W x4 hidden -> 16, ReLU, MSE, Adam 1e-3), digits_mlp\n"
     "             (examples/digits_mlp's model and loop), digits_demo (the README's demo: the\n"
@@ -41,6 +41,8 @@ constexpr const char* kUsage =
     "  outside (mlp_w<W>_b<B>, digits_mlp, digits_demo, resnet18), as torch.compile users do.\n"
     "  Under mpirun -np N, digits_mlp, digits_demo and char_gpt train data parallel\n"
     "  (dist::DataParallel, each process its shard at the batch above); rank 0 prints.\n"
+    "  Precisions: fp32, bf16 (autocast-bf16) and fp16 (autocast-f16 with a dynamic GradScaler\n"
+    "  in the mlp and digits workloads, stepped and updated with the optimizer).\n"
     "  The back end is chosen by the environment: MIXTAPE_DEVICE=cpu|reference, MIXTAPE_EAGER=1.\n";
 
 using bench::kSeed;
@@ -301,7 +303,7 @@ int main(int argc, char** argv) {
     if (world.size > 1) line.timing.agree = rank0_seconds;
     for (const std::string& name : line.workloads) {
       for (const std::string& precision : line.precisions) {
-        mt::PolicyPtr policy = mt::policy_by_name(precision == "bf16" ? "autocast-bf16" : "fp32");
+        mt::PolicyPtr policy = bench::precision_policy(precision);
         mt::reset_execution_stats();
         const mt::LlvmJit::Stats jit_before = mt::LlvmJit::instance().stats();
         auto setup_start = std::chrono::steady_clock::now();
