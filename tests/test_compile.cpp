@@ -337,6 +337,34 @@ TEST(Compile, LossScalerRecordsOutliveReplaysAndTheirScaler) {
   EXPECT_EQ(copy.skip_history(), skips);
 }
 
+// A copy of a scaler that a compiled step updates, and its state_dict, keep the values they had
+// when taken: the replays update the scaler's buffers in place.
+TEST(Compile, ACopyOfAReplayedScalerAndItsStateDictKeepTheirValues) {
+  mt::Tensor w = mt::tensor(std::vector<float>{1, 2, 3, 4}, {2, 2});
+  w.requires_grad_();
+  mt::SGD opt({w}, mt::SGDOptions{.lr = 0.01});
+  mt::GradScaler scaler(mt::GradScalerOptions{.init_scale = 8, .growth_interval = 1});
+  auto step = mt::compile([&](const mt::Tensor& x) {
+    opt.zero_grad();
+    scaler.scale(mt::sum(w * x)).backward();
+    scaler.step(opt);
+    scaler.update();
+    return mt::Tensor();
+  });
+  const mt::Tensor ones = mt::ones({2, 2});
+  for (int i = 0; i < 4; ++i) step(ones);
+  mt::GradScaler copy = scaler;
+  mt::NamedTensors state = scaler.state_dict();
+  const double before = scaler.get_scale();
+  step(ones);
+  step(ones);
+  EXPECT_EQ(scaler.get_scale(), before * 4);  // grows every step
+  EXPECT_EQ(copy.get_scale(), before);
+  EXPECT_EQ(state[0].first, "scale");
+  EXPECT_EQ(state[0].second.item(), before);
+  EXPECT_TRUE(replayed_at_least(step, 2));
+}
+
 // PyTorch's AMP loop with the model compiled alone: the scaler's scale() inside the function,
 // its step() and update() outside. The scaler keeps its tensors and assigns them new values, so
 // the function reads the scale through its tensor and replays, with the traced loop's bits: a

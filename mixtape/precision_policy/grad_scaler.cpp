@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
@@ -55,6 +56,17 @@ void check_options(const GradScalerOptions& o, const char* who, bool check_init)
 // A node whose value is computed (or a constant) no longer needs what made it.
 constexpr size_t kMaxPendingRecords = 1024;
 
+// A leaf holding a copy of `t`'s value now. A step compiled with the scaler inside updates the
+// scale's buffer in place on every replay, which a copy of the scaler or its state_dict must not
+// follow.
+Tensor value_now(const Tensor& t) {
+  eval({t});
+  const Storage& value = *t.node()->value;
+  auto copy = std::make_shared<Storage>(value.dtype, value.count, Storage::Uninitialized{});
+  std::memcpy(copy->bytes.data(), value.host_data(), static_cast<size_t>(value.size_bytes()));
+  return from_storage(std::move(copy), t.shape());
+}
+
 }  // namespace
 
 GradScaler::SharedStatistics::SharedStatistics() : data(std::make_shared<Statistics>()) {}
@@ -74,16 +86,16 @@ GradScaler::GradScaler(GradScalerOptions options) : options_(options) {
 
 GradScaler::GradScaler(const GradScaler& other)
     : options_(other.options_),
-      scale_(other.scale_.node()),
-      tracker_(other.tracker_.node()),
+      scale_(value_now(other.scale_)),
+      tracker_(value_now(other.tracker_)),
       per_optimizer_(other.per_optimizer_),
       stats_(other.stats_) {}
 
 GradScaler& GradScaler::operator=(const GradScaler& other) {
   if (this == &other) return *this;
   options_ = other.options_;
-  scale_ = Tensor(other.scale_.node());
-  tracker_ = Tensor(other.tracker_.node());
+  scale_ = value_now(other.scale_);
+  tracker_ = value_now(other.tracker_);
   per_optimizer_ = other.per_optimizer_;
   stats_ = other.stats_;
   return *this;
@@ -322,8 +334,8 @@ NamedTensors GradScaler::state_dict() const {
   if (!options_.enabled) return {};
   auto number = [](double value) { return full({}, value, f64); };
   NamedTensors state = {
-      {"scale", Tensor(scale_.node())},  // the values now: the scaler's tensors change
-      {"growth_tracker", Tensor(tracker_.node())},
+      {"scale", value_now(scale_)},  // the values now: the scaler's tensors change
+      {"growth_tracker", value_now(tracker_)},
       {"growth_factor", number(options_.growth_factor)},
       {"backoff_factor", number(options_.backoff_factor)},
       {"growth_interval", number(static_cast<double>(options_.growth_interval))},
