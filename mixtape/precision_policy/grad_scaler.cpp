@@ -334,8 +334,10 @@ NamedTensors GradScaler::state_dict() const {
   if (!options_.enabled) return {};
   auto number = [](double value) { return full({}, value, f64); };
   NamedTensors state = {
-      {"scale", value_now(scale_)},  // the values now: the scaler's tensors change
-      {"growth_tracker", value_now(tracker_)},
+      // The values' buffers, as Module::state_dict() hands out its parameters': what a
+      // checkpoint or an AOT export names the scaler's state by.
+      {"scale", Tensor(scale_.node())},
+      {"growth_tracker", Tensor(tracker_.node())},
       {"growth_factor", number(options_.growth_factor)},
       {"backoff_factor", number(options_.backoff_factor)},
       {"growth_interval", number(static_cast<double>(options_.growth_interval))},

@@ -40,6 +40,24 @@ std::shared_ptr<Storage> allocate(const Node& node) {
   return allocate_value(node, node.precision.storage_type, node.numel(), true);
 }
 
+// The 16-bit copies of f32 leaves (weights, a batch of inputs) that half matmuls read during one
+// program run, kept until it ends: a leaf read by several (the forward product and the weight
+// gradient's) is rounded once, the "cast once" of memory_report. Leaves live through the run
+// anyway; a value the run computes is rounded per reader instead, so that its copy does not
+// outlive it. Holding the source keeps its address from being reused while the entry lives.
+struct NarrowedCopy {
+  std::shared_ptr<Storage> source, copy;
+};
+std::vector<NarrowedCopy>& narrowed_copies() {
+  thread_local std::vector<NarrowedCopy> copies;
+  return copies;
+}
+
+// A buffer given to an output in place holds a new value: its 16-bit copies are no longer its.
+void forget_narrowed_copies(const std::shared_ptr<Storage>& buffer) {
+  std::erase_if(narrowed_copies(), [&](const NarrowedCopy& c) { return c.source == buffer; });
+}
+
 // replay_cpu's in_place list while it runs.
 const std::vector<std::pair<const Node*, std::shared_ptr<Storage>>>*& replay_outputs() {
   thread_local const std::vector<std::pair<const Node*, std::shared_ptr<Storage>>>* list = nullptr;
@@ -58,6 +76,7 @@ std::shared_ptr<Storage> replay_buffer(const Step& step, const Step::InPlace& c,
     if (input->value != buffer) return nullptr;
     for (const Node* external : sig.externals)
       if (external != input && external->value == buffer) return nullptr;
+    forget_narrowed_copies(buffer);
     ++stats().outputs_in_place;
     return buffer;
   }
@@ -72,10 +91,15 @@ std::shared_ptr<Storage> reusable_buffer(Node& input, const Node& output, long e
   const long holders = reusable_holders(&input);
   if (holders < 0 || input.overwritten || !input.value || trace_observer()) return nullptr;
   const std::shared_ptr<Storage>& buffer = input.value;
-  if (buffer.use_count() != 1 || input.weak_from_this().use_count() != edges + holders ||
+  // Besides its node, only this run's 16-bit copies of it (a weight a half matmul read) may hold
+  // the buffer.
+  long copies = 0;
+  for (const NarrowedCopy& c : narrowed_copies()) copies += c.source == buffer;
+  if (buffer.use_count() != 1 + copies || input.weak_from_this().use_count() != edges + holders ||
       buffer->dtype != output.precision.storage_type || buffer->count != output.numel() ||
       buffer->device)
     return nullptr;
+  forget_narrowed_copies(buffer);
   input.overwritten = true;
   ++stats().outputs_in_place;
   return buffer;
@@ -235,19 +259,6 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
     if (outputs[i]) nodes[i]->value = std::move(outputs[i]);
   ++s.kernels;
   s.kernel_nodes += step.members;
-}
-
-// The 16-bit copies of f32 leaves (weights, a batch of inputs) that half matmuls read during one
-// program run, kept until it ends: a leaf read by several (the forward product and the weight
-// gradient's) is rounded once, the "cast once" of memory_report. Leaves live through the run
-// anyway; a value the run computes is rounded per reader instead, so that its copy does not
-// outlive it. Holding the source keeps its address from being reused while the entry lives.
-struct NarrowedCopy {
-  std::shared_ptr<Storage> source, copy;
-};
-std::vector<NarrowedCopy>& narrowed_copies() {
-  thread_local std::vector<NarrowedCopy> copies;
-  return copies;
 }
 
 // An input's value in `dtype` (the matmul's compute type): itself, or converted. A leaf's copy

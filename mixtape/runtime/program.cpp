@@ -212,27 +212,34 @@ void plan_memory(Program& program, const std::vector<Node*>& pending, const Sign
       program.release_after[last_use.at(ref)].push_back(ref);
 }
 
-// Whether every load of param `input` in pointwise `kernel` and every store of param `output`
-// address the point being computed: the kernel reads an element of the input only where it
-// writes the same element of the output, so computing the output into the input's buffer gives
-// the same values. A multi-tensor kernel's maps index one segment (i0).
+// Whether `kernel` reads param `input` only where it writes the same element of param `output`:
+// every load of the input uses the map of the output's store, in the same place (the body of a
+// pointwise kernel, the epilogue of a reduction, which runs once per outer point). A store writes
+// each element at one point only, so each element of the input is read at that point alone, and
+// computing the output into the input's buffer gives the same values.
 bool same_element(const kir::Kernel& kernel, size_t input, size_t output) {
-  auto at_point = [&](const kir::Affine& map) {
-    if (kernel.multi_tensor) return map.base == 0 && map.coeff == std::vector<int64_t>{1};
-    return !kernel.dims.empty() && kir::is_identity_map(kernel, map);
+  const bool reduction = kernel.is_reduction();
+  const std::vector<kir::Store>& stores = reduction ? kernel.epilogue_stores : kernel.stores;
+  const kir::Affine* map = nullptr;
+  for (const kir::Store& store : stores)
+    if (static_cast<size_t>(store.param) == output) map = &store.map;
+  if (!map) return false;
+  auto reads_elsewhere = [&](const std::vector<kir::Value>& values) {
+    for (const kir::Value& v : values)
+      if (v.op == kir::Op::Load && static_cast<size_t>(v.param) == input) return true;
+    return false;
   };
-  bool loads = false, stores = false;
-  for (const kir::Value& v : kernel.body)
+  if (reduction) {
+    for (int pass = 0; pass < kernel.pass_count(); ++pass)
+      if (reads_elsewhere(kernel.pass_body(pass))) return false;
+  }
+  bool loads = false;
+  for (const kir::Value& v : reduction ? kernel.epilogue : kernel.body)
     if (v.op == kir::Op::Load && static_cast<size_t>(v.param) == input) {
-      if (!at_point(v.map)) return false;
+      if (!(v.map == *map)) return false;
       loads = true;
     }
-  for (const kir::Store& store : kernel.stores)
-    if (static_cast<size_t>(store.param) == output) {
-      if (!at_point(store.map)) return false;
-      stores = true;
-    }
-  return loads && stores;
+  return loads;
 }
 
 // Step::in_place for each kernel step of `program` (after plan_memory, whose releases it reads).
@@ -270,9 +277,7 @@ void plan_in_place(Program& program, const std::vector<Node*>& pending, const Si
     Step& step = program.steps[i];
     // A host step after the kernel could fail (a collective's timeout) once the old value is
     // gone, where the caller would still hold it.
-    if (step.kind != FusionGroup::Kind::Kernel || step.kernel->is_reduction() ||
-        (any_host && last_host > i))
-      continue;
+    if (step.kind != FusionGroup::Kind::Kernel || (any_host && last_host > i)) continue;
     const kir::Kernel& kernel = *step.kernel;
     const size_t per_segment = kernel.params.size();
     for (size_t at = 0; at < step.params.size(); at += per_segment)

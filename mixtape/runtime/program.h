@@ -125,11 +125,12 @@ struct Step {
   // segment's in turn, and the table {S, start_0 = 0, ..., start_S} is the kernel's params[0].
   std::vector<int64_t> segment_table;
   // Outputs the kernel may compute into the buffer of one of its inputs instead of a fresh one
-  // (dsl/reusable_buffers.h): an evaluated input that it reads element by element where it
-  // stores the output, with the output's type, that no later step reads, of a pointwise kernel
-  // that no host step follows. Each run decides whether it does: the input's node must be one
-  // the caller lists, with no holders but `edges` (the input edges of the evaluation's nodes
-  // that reach it) and the references the list names, and its buffer none but the node.
+  // (dsl/reusable_buffers.h): an evaluated input that it reads only where it stores the same
+  // element of the output (in a reduction, in the epilogue), with the output's type, that no
+  // later step reads, of a kernel that no host step follows. Each run decides whether it does: the
+  // input's node must be one the caller lists, with no holders but `edges` (the input edges of the
+  // evaluation's nodes that reach it) and the references the list names, and its buffer none but
+  // the node.
   struct InPlace {
     uint32_t output, input;  // indices into params
     long edges;
