@@ -99,10 +99,6 @@ template <typename T>
   for (int64_t k = 0; k < kLanes; ++k) total += lane[k];
   return total;
 }
-template <typename T>
-[[gnu::always_inline]] inline void exp_shifted(T* __restrict x, int64_t n, T shift) {
-  for (int64_t j = 0; j < n; ++j) x[j] = exp_t<T>(x[j] - shift);
-}
 
 // Rows [at, at + count) of a value as T, rounded to the node's compute type first where that is a
 // 16-bit type the value is not stored in (an f32 value read by an f16 node, as the reference).
@@ -157,80 +153,95 @@ struct Tiles {
 };
 
 // c [rows, cols] (+)= a [rows, depth] b [depth, cols], row-major with leading dims lda, ldb,
-// ldc. f32: blocks of 4 rows and 16 columns keep their sums in 8 registers of 8 floats (GCC's
-// vector types: AVX in the AVX2 build, SSE pairs in the baseline's) while the depth loop
-// broadcasts a's elements and streams b's rows; then 8-column strips, then scalar edges.
-// Always inlined, so no call passes a vector: GCC's note on the AVX calling convention is moot.
+// ldc. f32: blocks of 4 rows and 2W columns keep their sums in 8 registers of W floats (GCC's
+// vector types: W = 16 in the AVX-512 build, 8 in the AVX2 one, SSE pairs in the baseline's)
+// while the depth loop broadcasts a's elements and streams b's rows; then W-column strips, then
+// scalar edges. Each element's sum runs over the depth in order whatever W is, so both widths
+// give the same bits. Always inlined, so no call passes a vector: GCC's note on the AVX calling
+// convention is moot.
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wpsabi"
-using Vec8 = float __attribute__((vector_size(32)));
-[[gnu::always_inline]] inline Vec8 load8(const float* p) {
-  Vec8 v;
+template <int W>
+struct Lanes {
+  typedef float F __attribute__((vector_size(4 * W)));
+  typedef int32_t I __attribute__((vector_size(4 * W)));
+};
+template <int W>
+[[gnu::always_inline]] inline typename Lanes<W>::F load_lanes(const float* p) {
+  typename Lanes<W>::F v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
-[[gnu::always_inline]] inline void store8(float* p, Vec8 v) { std::memcpy(p, &v, sizeof v); }
-// exp_f32 on 8 lanes, operation for operation: the scalar loop does not vectorize, its clamps
-// becoming branches.
-using Vec8i = int32_t __attribute__((vector_size(32)));
-[[gnu::always_inline]] inline void exp8(Vec8& x) {
-  const Vec8 low = Vec8{} - 87.3f, high = Vec8{} + 88.7f;
-  Vec8 clamped = x < low ? low : x;
-  clamped = high < clamped ? high : clamped;
-  Vec8 shifted, p;
-  exp_parts(clamped, shifted, p);
-  Vec8i bits;
-  std::memcpy(&bits, &shifted, sizeof bits);
-  const Vec8i exponent = (bits - 0x4B400000 + 127) << 23;
-  Vec8 scale;
-  std::memcpy(&scale, &exponent, sizeof scale);
-  const Vec8 result = p * scale;
-  x = x < low ? Vec8{} : result;
+template <int W>
+[[gnu::always_inline]] inline void store_lanes(float* p, typename Lanes<W>::F v) {
+  std::memcpy(p, &v, sizeof v);
 }
-[[gnu::always_inline]] inline void exp_shifted(float* __restrict x, int64_t n, float shift) {
+// exp_f32 on W lanes, operation for operation: the scalar loop does not vectorize, its clamps
+// becoming branches.
+template <int W>
+[[gnu::always_inline]] inline void exp_lanes(typename Lanes<W>::F& x) {
+  using F = typename Lanes<W>::F;
+  const F low = F{} - 87.3f, high = F{} + 88.7f;
+  F clamped = x < low ? low : x;
+  clamped = high < clamped ? high : clamped;
+  F shifted, p;
+  exp_parts(clamped, shifted, p);
+  typename Lanes<W>::I bits;
+  std::memcpy(&bits, &shifted, sizeof bits);
+  const typename Lanes<W>::I exponent = (bits - 0x4B400000 + 127) << 23;
+  F scale;
+  std::memcpy(&scale, &exponent, sizeof scale);
+  const F result = p * scale;
+  x = x < low ? F{} : result;
+}
+// x[j] = e^(x[j] - shift) in place.
+template <int W, typename T>
+[[gnu::always_inline]] inline void exp_shifted(T* __restrict x, int64_t n, T shift) {
   int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    Vec8 lanes = load8(x + j) - shift;
-    exp8(lanes);
-    store8(x + j, lanes);
-  }
-  for (; j < n; ++j) x[j] = exp_f32(x[j] - shift);
+  if constexpr (sizeof(T) == 4)
+    for (; j + W <= n; j += W) {
+      typename Lanes<W>::F lanes = load_lanes<W>(x + j) - shift;
+      exp_lanes<W>(lanes);
+      store_lanes<W>(x + j, lanes);
+    }
+  for (; j < n; ++j) x[j] = exp_t<T>(x[j] - shift);
 }
 
-template <bool Accumulate, typename T>
+template <bool Accumulate, int W, typename T>
 [[gnu::always_inline]] inline void gemm(const T* __restrict a, int64_t lda, const T* __restrict b,
                                         int64_t ldb, T* __restrict c, int64_t ldc, int64_t rows,
                                         int64_t cols, int64_t depth) {
   int64_t r = 0;
   if constexpr (sizeof(T) == 4) {
+    using F = typename Lanes<W>::F;
     constexpr int64_t kRows = 4;
     for (; r + kRows <= rows; r += kRows) {
       int64_t j = 0;
-      for (; j + 16 <= cols; j += 16) {
-        Vec8 sum[kRows][2];
+      for (; j + 2 * W <= cols; j += 2 * W) {
+        F sum[kRows][2];
         for (int64_t i = 0; i < kRows; ++i)
           for (int64_t h = 0; h < 2; ++h)
-            sum[i][h] = Accumulate ? load8(c + (r + i) * ldc + j + 8 * h) : Vec8{};
+            sum[i][h] = Accumulate ? load_lanes<W>(c + (r + i) * ldc + j + W * h) : F{};
         for (int64_t e = 0; e < depth; ++e) {
-          const Vec8 b0 = load8(b + e * ldb + j), b1 = load8(b + e * ldb + j + 8);
+          const F b0 = load_lanes<W>(b + e * ldb + j), b1 = load_lanes<W>(b + e * ldb + j + W);
           for (int64_t i = 0; i < kRows; ++i) {
-            const Vec8 x = Vec8{} + a[(r + i) * lda + e];
+            const F x = F{} + a[(r + i) * lda + e];
             sum[i][0] += x * b0;
             sum[i][1] += x * b1;
           }
         }
         for (int64_t i = 0; i < kRows; ++i)
-          for (int64_t h = 0; h < 2; ++h) store8(c + (r + i) * ldc + j + 8 * h, sum[i][h]);
+          for (int64_t h = 0; h < 2; ++h) store_lanes<W>(c + (r + i) * ldc + j + W * h, sum[i][h]);
       }
-      for (; j + 8 <= cols; j += 8) {
-        Vec8 sum[kRows];
+      for (; j + W <= cols; j += W) {
+        F sum[kRows];
         for (int64_t i = 0; i < kRows; ++i)
-          sum[i] = Accumulate ? load8(c + (r + i) * ldc + j) : Vec8{};
+          sum[i] = Accumulate ? load_lanes<W>(c + (r + i) * ldc + j) : F{};
         for (int64_t e = 0; e < depth; ++e) {
-          const Vec8 b0 = load8(b + e * ldb + j);
-          for (int64_t i = 0; i < kRows; ++i) sum[i] += (Vec8{} + a[(r + i) * lda + e]) * b0;
+          const F b0 = load_lanes<W>(b + e * ldb + j);
+          for (int64_t i = 0; i < kRows; ++i) sum[i] += (F{} + a[(r + i) * lda + e]) * b0;
         }
-        for (int64_t i = 0; i < kRows; ++i) store8(c + (r + i) * ldc + j, sum[i]);
+        for (int64_t i = 0; i < kRows; ++i) store_lanes<W>(c + (r + i) * ldc + j, sum[i]);
       }
       // The columns left over, row by row.
       for (int64_t i = 0; i < kRows; ++i) {
@@ -275,12 +286,12 @@ void load_keys(const Operands& a, Tiles<T>& t, int64_t b, int64_t j0, int64_t co
 }
 
 // The scaled, masked scores of query rows [i0, i0 + rows) and keys [j0, j0 + cols) into t.s.
-template <typename T>
+template <int W, typename T>
 [[gnu::always_inline]] inline void scores(const Operands& a, Tiles<T>& t, int64_t b, int64_t i0,
                                           int64_t rows, int64_t j0, int64_t cols) {
   const auto& g = a.g;
   const int64_t ld = a.key_tile;
-  gemm<false>(t.q.data(), g.d, t.kt.data(), ld, t.s.data(), ld, rows, cols, g.d);
+  gemm<false, W>(t.q.data(), g.d, t.kt.data(), ld, t.s.data(), ld, rows, cols, g.d);
   const T scale = static_cast<T>(g.scale), ninf = -std::numeric_limits<T>::infinity();
   for (int64_t r = 0; r < rows; ++r) {
     T* __restrict sr = t.s.data() + r * ld;
@@ -326,7 +337,7 @@ int64_t keys_seen(const AttentionGeometry& g, int64_t i0, int64_t rows) {
   return g.causal ? std::min(g.tk, i0 + rows) : g.tk;
 }
 
-template <typename T>
+template <int W, typename T>
 [[gnu::always_inline]] inline void forward_task(const Operands& a, Tiles<T>& t, Storage& out,
                                                 int64_t b, int64_t i0) {
   const auto& g = a.g;
@@ -341,7 +352,7 @@ template <typename T>
     const int64_t cols = std::min(ld, end - j0);
     load_keys(a, t, b, j0, cols);
     load(*a.v, (b * g.tk + j0) * g.dv, cols * g.dv, t.v.data(), a.compute);
-    scores(a, t, b, i0, rows, j0, cols);
+    scores<W>(a, t, b, i0, rows, j0, cols);
     for (int64_t r = 0; r < rows; ++r) {
       T* __restrict sr = t.s.data() + r * ld;
       T top = t.m[r];
@@ -354,7 +365,7 @@ template <typename T>
       const T correction = exp_t<T>(t.m[r] - top);
       if (correction != T(1))
         for (int64_t e = 0; e < g.dv; ++e) acc[e] *= correction;
-      exp_shifted(sr, cols, top);
+      exp_shifted<W>(sr, cols, top);
       t.l[r] = t.l[r] * correction + row_sum(sr, cols);
       t.m[r] = top;
       if (g.has_dropout) {  // the sum is over every weight, the values meet the kept ones
@@ -362,8 +373,8 @@ template <typename T>
         for (int64_t j = 0; j < cols; ++j) sr[j] *= t.z[j];
       }
     }
-    gemm<true>(t.s.data(), ld, t.v.data(), g.dv, t.acc.data(), g.dv, rows, g.dv,
-               cols);  // += P V
+    gemm<true, W>(t.s.data(), ld, t.v.data(), g.dv, t.acc.data(), g.dv, rows, g.dv,
+                  cols);  // += P V
   }
   for (int64_t r = 0; r < rows; ++r) {
     T* acc = t.acc.data() + r * g.dv;
@@ -374,7 +385,7 @@ template <typename T>
 }
 
 // One (batch, head): dQ tile by tile, dK and dV accumulated over the query tiles.
-template <typename T>
+template <int W, typename T>
 [[gnu::always_inline]] inline void backward_batch(const Operands& a, Tiles<T>& t,
                                                   std::vector<T>& dk, std::vector<T>& dv,
                                                   Storage& out, int64_t b) {
@@ -399,13 +410,13 @@ template <typename T>
     for (int64_t j0 = 0; j0 < end; j0 += ld) {
       const int64_t cols = std::min(ld, end - j0);
       load_keys(a, t, b, j0, cols);
-      scores(a, t, b, i0, rows, j0, cols);
+      scores<W>(a, t, b, i0, rows, j0, cols);
       for (int64_t r = 0; r < rows; ++r) {
         T* sr = t.s.data() + r * ld;
         T top = t.m[r];
         top = row_max(sr, cols, top);
         if (top == ninf) continue;
-        exp_shifted(sr, cols, top);
+        exp_shifted<W>(sr, cols, top);
         t.l[r] = t.l[r] * exp_t<T>(t.m[r] - top) + row_sum(sr, cols);
         t.m[r] = top;
       }
@@ -418,9 +429,9 @@ template <typename T>
       load(*a.v, (b * g.tk + j0) * g.dv, cols * g.dv, t.v.data(), a.compute);
       for (int64_t j = 0; j < cols; ++j)
         for (int64_t e = 0; e < g.dv; ++e) t.vt[e * ld + j] = t.v[j * g.dv + e];
-      scores(a, t, b, i0, rows, j0, cols);
-      gemm<false>(t.go.data(), g.dv, t.vt.data(), ld, t.dp.data(), ld, rows, cols,
-                  g.dv);  // dO V^T
+      scores<W>(a, t, b, i0, rows, j0, cols);
+      gemm<false, W>(t.go.data(), g.dv, t.vt.data(), ld, t.dp.data(), ld, rows, cols,
+                     g.dv);  // dO V^T
       for (int64_t r = 0; r < rows; ++r) {
         T* __restrict p = t.s.data() + r * ld;
         T* __restrict ds = t.dp.data() + r * ld;
@@ -429,7 +440,7 @@ template <typename T>
           for (int64_t j = 0; j < cols; ++j) p[j] = ds[j] = 0;
           continue;
         }
-        exp_shifted(p, cols, lse);
+        exp_shifted<W>(p, cols, lse);
         if (!g.has_dropout) {
           for (int64_t j = 0; j < cols; ++j) ds[j] = p[j] * (ds[j] - delta) * scale;
           continue;
@@ -444,11 +455,11 @@ template <typename T>
       }
       // dV += P^T dO, dQ += dS K, dK += dS^T Q.
       transpose_tile(t.s.data(), ld, t.pt.data(), rows, cols);
-      gemm<true>(t.pt.data(), rows, t.go.data(), g.dv, dv.data() + j0 * g.dv, g.dv, cols, g.dv,
-                 rows);
-      gemm<true>(t.dp.data(), ld, t.k.data(), g.d, t.dq.data(), g.d, rows, g.d, cols);
+      gemm<true, W>(t.pt.data(), rows, t.go.data(), g.dv, dv.data() + j0 * g.dv, g.dv, cols, g.dv,
+                    rows);
+      gemm<true, W>(t.dp.data(), ld, t.k.data(), g.d, t.dq.data(), g.d, rows, g.d, cols);
       transpose_tile(t.dp.data(), ld, t.pt.data(), rows, cols);
-      gemm<true>(t.pt.data(), rows, t.q.data(), g.d, dk.data() + j0 * g.d, g.d, cols, g.d, rows);
+      gemm<true, W>(t.pt.data(), rows, t.q.data(), g.d, dk.data() + j0 * g.d, g.d, cols, g.d, rows);
     }
     store(t.dq.data(), out, b * per_batch + i0 * g.d, rows * g.d);
   }
@@ -456,12 +467,13 @@ template <typename T>
   store(dv.data(), out, b * per_batch + g.tq * g.d + g.tk * g.d, g.tk * g.dv);
 }
 
-// The per-task loops, compiled for the build's baseline and (f32) for AVX2 with FMA, chosen by
-// the CPU; the OpenMP regions call them per task (an outlined region would not inherit a target).
-// The AVX2 loops contract a * b + c into FMAs (the build's -ffp-contract=off is for code whose
-// bits must match the JIT's; nothing else computes these tiles): the tile products run at twice
-// the rate, and the bits differ from the baseline loops' but not between runs, checkpointed
-// recomputations, compiled replays or artifacts on one CPU.
+// The per-task loops, compiled for the build's baseline and (f32) for AVX2 with FMA and for
+// AVX-512, chosen by the CPU; the OpenMP regions call them per task (an outlined region would not
+// inherit a target). The AVX2 and AVX-512 loops contract a * b + c into FMAs (the build's
+// -ffp-contract=off is for code whose bits must match the JIT's; nothing else computes these
+// tiles): the tile products run at twice the rate, and the bits differ from the baseline loops'
+// but not between runs, checkpointed recomputations, compiled replays or artifacts on one CPU
+// (nor between the two widths: each sum keeps its order).
 template <typename T>
 struct Loops {
   void (*forward)(const Operands&, Tiles<T>&, Storage&, int64_t b, int64_t i0);
@@ -470,22 +482,31 @@ struct Loops {
 };
 template <typename T>
 void forward_plain(const Operands& a, Tiles<T>& t, Storage& out, int64_t b, int64_t i0) {
-  forward_task(a, t, out, b, i0);
+  forward_task<8>(a, t, out, b, i0);
 }
 template <typename T>
 void backward_plain(const Operands& a, Tiles<T>& t, std::vector<T>& dk, std::vector<T>& dv,
                     Storage& out, int64_t b) {
-  backward_batch(a, t, dk, dv, out, b);
+  backward_batch<8>(a, t, dk, dv, out, b);
 }
 #if defined(__x86_64__)
 [[gnu::target("avx2,fma"), gnu::optimize("fp-contract=fast")]] void forward_avx2(
     const Operands& a, Tiles<float>& t, Storage& out, int64_t b, int64_t i0) {
-  forward_task(a, t, out, b, i0);
+  forward_task<8>(a, t, out, b, i0);
 }
 [[gnu::target("avx2,fma"), gnu::optimize("fp-contract=fast")]] void backward_avx2(
     const Operands& a, Tiles<float>& t, std::vector<float>& dk, std::vector<float>& dv,
     Storage& out, int64_t b) {
-  backward_batch(a, t, dk, dv, out, b);
+  backward_batch<8>(a, t, dk, dv, out, b);
+}
+[[gnu::target("avx512f,avx2,fma"), gnu::optimize("fp-contract=fast")]] void forward_avx512(
+    const Operands& a, Tiles<float>& t, Storage& out, int64_t b, int64_t i0) {
+  forward_task<16>(a, t, out, b, i0);
+}
+[[gnu::target("avx512f,avx2,fma"), gnu::optimize("fp-contract=fast")]] void backward_avx512(
+    const Operands& a, Tiles<float>& t, std::vector<float>& dk, std::vector<float>& dv,
+    Storage& out, int64_t b) {
+  backward_batch<16>(a, t, dk, dv, out, b);
 }
 #endif
 
@@ -493,7 +514,9 @@ template <typename T>
 Loops<T> loops() {
 #if defined(__x86_64__)
   if constexpr (sizeof(T) == 4) {
+    static const bool avx512 = missing_cpu_features({"avx512f", "avx2", "fma"}).empty();
     static const bool avx2 = missing_cpu_features({"avx2", "fma"}).empty();
+    if (avx512) return {forward_avx512, backward_avx512};
     if (avx2) return {forward_avx2, backward_avx2};
   }
 #endif
