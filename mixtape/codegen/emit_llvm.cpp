@@ -321,6 +321,14 @@ class Emitter {
         if (q != p) others += fmt::format("{}!{}", others.empty() ? "" : ", ", 2 + q);
       out_ += fmt::format("!{} = !{{{}}}\n", 2 + 2 * n + p, others);
     }
+    if (column_loops_ > 0) {
+      const int hint = first_loop_metadata();
+      out_ += fmt::format("!{} = !{{!\"llvm.loop.interleave.count\", i32 1}}\n", hint);
+      out_ += fmt::format("!{} = !{{!\"llvm.loop.vectorize.width\", i32 16}}\n", hint + 1);
+      for (int l = 0; l < column_loops_; ++l)
+        out_ += fmt::format("!{} = distinct !{{!{}, !{}, !{}}}\n", hint + 2 + l, hint + 2 + l, hint,
+                            hint + 1);
+    }
   }
 
   void initialize_accumulators() {
@@ -410,9 +418,17 @@ class Emitter {
     body();
     line("%c{}.next = add nsw i64 {}, 1", n, var);
     line("store i64 %c{}.next, ptr %i{}.addr", n, d);
-    line("br label %c{}.head", n);
+    // Vectorized 16 wide, not interleaved: the loop runs once per reduced row over a thread's
+    // share of the columns (32 of 64 on two threads), which the vectorizer's cost model left
+    // scalar (its trip count unknown), 60 us of a 4096-row bias gradient. Its iterations are
+    // independent columns, so the bits stay.
+    line("br label %c{}.head, !llvm.loop !{}", n, column_loop_metadata());
     label(fmt::format("c{}.exit", n));
   }
+
+  // A distinct loop ID naming the column loops' hints (finish_function defines them).
+  int column_loop_metadata() { return first_loop_metadata() + 2 + column_loops_++; }
+  int first_loop_metadata() const { return 2 + 3 * static_cast<int>(k_.params.size()); }
 
   // Loops dims [from, to) around `body`, innermost last. Each pass of a multi-pass reduction
   // has its own labels and loop variables.
@@ -820,6 +836,7 @@ class Emitter {
   int loop_count_ = 0;
   std::vector<std::string> var_;        // the SSA name of each dim's loop variable where used
   bool split_columns_ = false;          // kir::Kernel::column_split
+  int column_loops_ = 0;                // column loops given a loop ID (column_loop_metadata)
   std::vector<std::string> acc_ptr_;    // where each reduction's accumulator is
   std::vector<std::string> acc_value_;  // its final value, in the epilogue
 };
