@@ -490,24 +490,20 @@ void backward_plain(const Operands& a, Tiles<T>& t, std::vector<T>& dk, std::vec
   backward_batch<8>(a, t, dk, dv, out, b);
 }
 #if defined(__x86_64__)
-[[gnu::target("avx2,fma"), gnu::optimize("fp-contract=fast")]] void forward_avx2(
-    const Operands& a, Tiles<float>& t, Storage& out, int64_t b, int64_t i0) {
-  forward_task<8>(a, t, out, b, i0);
-}
-[[gnu::target("avx2,fma"), gnu::optimize("fp-contract=fast")]] void backward_avx2(
-    const Operands& a, Tiles<float>& t, std::vector<float>& dk, std::vector<float>& dv,
-    Storage& out, int64_t b) {
-  backward_batch<8>(a, t, dk, dv, out, b);
-}
-[[gnu::target("avx512f,avx2,fma"), gnu::optimize("fp-contract=fast")]] void forward_avx512(
-    const Operands& a, Tiles<float>& t, Storage& out, int64_t b, int64_t i0) {
-  forward_task<16>(a, t, out, b, i0);
-}
-[[gnu::target("avx512f,avx2,fma"), gnu::optimize("fp-contract=fast")]] void backward_avx512(
-    const Operands& a, Tiles<float>& t, std::vector<float>& dk, std::vector<float>& dv,
-    Storage& out, int64_t b) {
-  backward_batch<16>(a, t, dk, dv, out, b);
-}
+// forward_<name> and backward_<name>: the loops W lanes wide, compiled for the `isa` target.
+#define MT_ATTENTION_LOOPS(name, isa, W)                                                  \
+  [[gnu::target(isa), gnu::optimize("fp-contract=fast")]] void forward_##name(            \
+      const Operands& a, Tiles<float>& t, Storage& out, int64_t b, int64_t i0) {          \
+    forward_task<W>(a, t, out, b, i0);                                                    \
+  }                                                                                       \
+  [[gnu::target(isa), gnu::optimize("fp-contract=fast")]] void backward_##name(           \
+      const Operands& a, Tiles<float>& t, std::vector<float>& dk, std::vector<float>& dv, \
+      Storage& out, int64_t b) {                                                          \
+    backward_batch<W>(a, t, dk, dv, out, b);                                              \
+  }
+MT_ATTENTION_LOOPS(avx2, "avx2,fma", 8)
+MT_ATTENTION_LOOPS(avx512, "avx512f,avx2,fma", 16)
+#undef MT_ATTENTION_LOOPS
 #endif
 
 template <typename T>
