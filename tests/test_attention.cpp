@@ -12,6 +12,8 @@
 
 #include "examples/char_gpt_model.h"
 #include "mixtape/mixtape.h"
+#include "mixtape/runtime/attention.h"
+#include "mixtape/runtime/cpu_features.h"
 
 namespace mt = mixtape;
 
@@ -127,6 +129,28 @@ TEST(FusedAttention, F32MatchesTheCompositeAndF64To1e5) {
     expect_close(fused, composite, 1e-5);
     expect_close(fused, run(c, x, false, mt::f64), 1e-5);
   }
+}
+
+// The AVX-512 loops (16 lanes) give the AVX2 loops' bits (8 lanes): each tile product sums over
+// the depth in the same order at either width. Head dims 24, 32, 64 and 128 take the 16- and
+// 32-column blocks, the 8-column strips and the scalar edges; f32 and autocast-bf16.
+TEST(FusedAttention, TheAvx512LoopsGiveTheAvx2LoopsBits) {
+  if (!mt::missing_cpu_features({"avx512f", "avx2", "fma"}).empty())
+    GTEST_SKIP() << "this CPU has no AVX-512";
+  for (const Case& c : cases())
+    for (std::optional<mt::DType> autocast :
+         {std::optional<mt::DType>(), std::optional(mt::bf16)}) {
+      SCOPED_TRACE(c.label + (autocast ? " bf16" : " f32"));
+      const Values x = values_for(c, 11);
+      Result wide = run(c, x, true, mt::f32, autocast);
+      mt::set_attention_avx512(false);
+      Result narrow = run(c, x, true, mt::f32, autocast);
+      mt::set_attention_avx512(true);
+      EXPECT_EQ(wide.out, narrow.out);
+      EXPECT_EQ(wide.gq, narrow.gq);
+      EXPECT_EQ(wide.gk, narrow.gk);
+      EXPECT_EQ(wide.gv, narrow.gv);
+    }
 }
 
 // The fused op's f64 tiles against the f64 composite, to rounding.

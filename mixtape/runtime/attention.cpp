@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -506,13 +507,18 @@ MT_ATTENTION_LOOPS(avx512, "avx512f,avx2,fma", 16)
 #undef MT_ATTENTION_LOOPS
 #endif
 
+std::atomic<bool>& avx512_setting() {
+  static std::atomic<bool> enabled{true};
+  return enabled;
+}
+
 template <typename T>
 Loops<T> loops() {
 #if defined(__x86_64__)
   if constexpr (sizeof(T) == 4) {
     static const bool avx512 = missing_cpu_features({"avx512f", "avx2", "fma"}).empty();
     static const bool avx2 = missing_cpu_features({"avx2", "fma"}).empty();
-    if (avx512) return {forward_avx512, backward_avx512};
+    if (avx512 && attention_avx512()) return {forward_avx512, backward_avx512};
     if (avx2) return {forward_avx2, backward_avx2};
   }
 #endif
@@ -549,6 +555,9 @@ void run_backward(const Operands& a, Storage& out) {
 }
 
 }  // namespace
+
+bool attention_avx512() { return avx512_setting().load(std::memory_order_relaxed); }
+void set_attention_avx512(bool enabled) { avx512_setting().store(enabled); }
 
 bool attention_cpu_supported(const Node& node) {
   const DType compute = node.precision.compute;

@@ -18,4 +18,9 @@ bool attention_cpu_supported(const Node& node);
 /// head) in f32. Threads: OpenMP over (batch, query tile) forward, over the batch backward.
 void attention_cpu(const Node& node, Storage& out);
 
+/// Whether attention_cpu's f32 loops run 16 lanes wide where the CPU has AVX-512 (else 8 with
+/// AVX2 and FMA): on, and settable for the test that compares the widths' bits.
+bool attention_avx512();
+void set_attention_avx512(bool enabled);
+
 }  // namespace mixtape
