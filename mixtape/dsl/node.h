@@ -136,6 +136,10 @@ struct Storage {
   void fetch_host();  // dsl/tensor.cpp
 };
 
+/// A buffer of its own holding `value`'s host bytes as they are now (fetched from the device
+/// first, where the host copy is stale): a snapshot that later writes of `value` do not reach.
+std::shared_ptr<Storage> host_copy(const Storage& value);
+
 class Policy;  // precision_policy/policy.h
 struct TensorImpl;
 class Tensor;

@@ -20,6 +20,13 @@ std::atomic<Storage::HostFetch> host_fetch{nullptr};
 
 void Storage::set_host_fetch(HostFetch fetch) { host_fetch.store(fetch); }
 
+std::shared_ptr<Storage> host_copy(const Storage& value) {
+  auto copy = std::make_shared<Storage>(value.dtype, value.count, Storage::Uninitialized{});
+  if (value.size_bytes() > 0)
+    std::memcpy(copy->bytes.data(), value.host_data(), static_cast<size_t>(value.size_bytes()));
+  return copy;
+}
+
 void Storage::fetch_host() {
   HostFetch fetch = host_fetch.load();
   if (!fetch) fail("a value lives on a device, but no device back end can fetch it");
@@ -141,13 +148,7 @@ void become_leaf(const std::shared_ptr<TensorImpl>& impl, const NodePtr& value, 
   if (value != current) note_assignment(value);
   auto leaf = make_node(OpCode::Constant, current->dtype, current->shape, {}, {}, loc);
   leaf->value = value->value;
-  if (written_in_place(leaf->value.get())) {
-    const Storage& shared = *leaf->value;
-    auto copy = std::make_shared<Storage>(shared.dtype, shared.count, Storage::Uninitialized{});
-    if (shared.size_bytes() > 0)
-      std::memcpy(copy->bytes.data(), shared.host_data(), static_cast<size_t>(shared.size_bytes()));
-    leaf->value = std::move(copy);
-  }
+  if (written_in_place(leaf->value.get())) leaf->value = host_copy(*leaf->value);
   leaf->precision.storage_type = leaf->precision.compute = leaf->value->dtype;
   leaf->precision.assigned = true;
   leaf->origin.module_path = current->origin.module_path;

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <map>
 #include <set>
 
@@ -58,12 +57,7 @@ void check_padding_keeps_rows(const PlanDocument& plan_doc, const std::vector<St
   // Each replay on copies of the buffers, so that nothing the artifact saves changes.
   auto run = [&](int64_t rows) {
     std::vector<StoragePtr> copies;
-    for (const StoragePtr& buffer : buffers) {
-      auto copy = std::make_shared<Storage>(buffer->dtype, buffer->count, Storage::Uninitialized{});
-      std::memcpy(copy->bytes.data(), buffer->host_data(),
-                  static_cast<size_t>(buffer->size_bytes()));
-      copies.push_back(std::move(copy));
-    }
+    for (const StoragePtr& buffer : buffers) copies.push_back(host_copy(*buffer));
     std::vector<Tensor> args;
     for (size_t i = 0; i < inputs.size(); ++i) {
       auto [dtype, shape] = inputs[i];

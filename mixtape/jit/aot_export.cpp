@@ -152,12 +152,8 @@ void check_kernels_serve(const std::map<std::string, const kir::Kernel*>& by_key
 // The named state's values by name, as they are now.
 std::vector<std::pair<std::string, StoragePtr>> snapshot(const Options& o) {
   std::vector<std::pair<std::string, StoragePtr>> values;
-  for (const auto& [storage, info] : checkpoint_names(o).buffers) {
-    auto copy = std::make_shared<Storage>(storage->dtype, storage->count, Storage::Uninitialized{});
-    std::memcpy(copy->bytes.data(), storage->host_data(),
-                static_cast<size_t>(storage->size_bytes()));
-    values.emplace_back(info.name, std::move(copy));
-  }
+  for (const auto& [storage, info] : checkpoint_names(o).buffers)
+    values.emplace_back(info.name, host_copy(*storage));
   return values;
 }
 

@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <functional>
 #include <limits>
 #include <string>
@@ -61,10 +60,7 @@ constexpr size_t kMaxPendingRecords = 1024;
 // follow.
 Tensor value_now(const Tensor& t) {
   eval({t});
-  const Storage& value = *t.node()->value;
-  auto copy = std::make_shared<Storage>(value.dtype, value.count, Storage::Uninitialized{});
-  std::memcpy(copy->bytes.data(), value.host_data(), static_cast<size_t>(value.size_bytes()));
-  return from_storage(std::move(copy), t.shape());
+  return from_storage(host_copy(*t.node()->value), t.shape());
 }
 
 }  // namespace

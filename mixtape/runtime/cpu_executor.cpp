@@ -71,16 +71,18 @@ std::shared_ptr<Storage> replay_buffer(const Step& step, const Step::InPlace& c,
                                        const std::vector<Node*>& pending, const Signature& sig) {
   const Node* output = sig.resolve(step.params[c.output], pending);
   const Node* input = sig.resolve(step.params[c.input], pending);
-  for (const auto& [node, buffer] : *replay_outputs()) {
-    if (node != output) continue;
-    if (input->value != buffer) return nullptr;
-    for (const Node* external : sig.externals)
-      if (external != input && external->value == buffer) return nullptr;
-    forget_narrowed_copies(buffer);
-    ++stats().outputs_in_place;
-    return buffer;
-  }
-  return nullptr;
+  const auto& list = *replay_outputs();  // sorted by node
+  auto found =
+      std::lower_bound(list.begin(), list.end(), output,
+                       [](const auto& entry, const Node* node) { return entry.first < node; });
+  if (found == list.end() || found->first != output) return nullptr;
+  const std::shared_ptr<Storage>& buffer = found->second;
+  if (input->value != buffer) return nullptr;
+  for (const Node* external : sig.externals)
+    if (external != input && external->value == buffer) return nullptr;
+  forget_narrowed_copies(buffer);
+  ++stats().outputs_in_place;
+  return buffer;
 }
 
 // Step::in_place: `input`'s buffer for `output`, taken when the caller lists `input`

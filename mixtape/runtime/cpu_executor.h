@@ -24,9 +24,9 @@ Signature sign_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& 
                    const FusionOptions& options);
 /// Runs `executed` again on `pending`, the nodes it was signed with: their inputs
 /// (sig.externals) hold the values to use, the pending nodes' values are recomputed.
-/// `in_place` lists stored nodes with the buffer each may be computed into (mt::compile's state,
-/// updated in place: runtime/step_plan.cpp): a kernel computes one there when its Step::in_place
-/// input holds that very buffer, which the kernel then reads only where it writes.
+/// `in_place` lists stored nodes, sorted, with the buffer each may be computed into (mt::compile's
+/// state, updated in place: runtime/step_plan.cpp): a kernel computes one there when its
+/// Step::in_place input holds that very buffer, which the kernel then reads only where it writes.
 void replay_cpu(const ExecutedProgram& executed, const std::vector<Node*>& pending,
                 const std::vector<std::pair<const Node*, std::shared_ptr<Storage>>>& in_place = {});
 

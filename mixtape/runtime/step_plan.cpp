@@ -3,7 +3,6 @@
 #include "mixtape/runtime/step_plan.h"
 
 #include <algorithm>
-#include <cstring>
 
 #include "mixtape/dsl/error.h"
 #include "mixtape/runtime/cpu_executor.h"
@@ -22,10 +21,7 @@ namespace {
 StoragePtr private_copy(Storage& value) {
   if (value.device && value.host_stale.load(std::memory_order_acquire))
     return copy_on_device(value);
-  auto copy = std::make_shared<Storage>(value.dtype, value.count, Storage::Uninitialized{});
-  if (value.size_bytes() > 0)
-    std::memcpy(copy->bytes.data(), value.host_data(), static_cast<size_t>(value.size_bytes()));
-  return copy;
+  return host_copy(value);
 }
 
 // Makes `value` (null: none) `owner`'s gradient, as the traced step left it; the buffer the
@@ -57,29 +53,30 @@ void hand_back(GradientSlot& slot, TensorImpl* owner, const Node& node, const St
 }
 
 // The stored values of evaluation `index` that its kernels may compute straight into the state
-// buffer the replay would swap them into (replay_cpu's in_place): not a result, sharing no buffer,
-// not a gradient handed back, and not a buffer a later evaluation reads as it was when the call
-// began (the old value stays in the fresh buffer for those).
-std::vector<std::pair<const Node*, StoragePtr>> in_place_outputs(
-    const Plan& plan, size_t index,
-    const std::vector<std::pair<const Storage*, StoragePtr>>& replaced) {
-  const PlannedEvaluation& planned = plan.evals[index];
+// buffer the replay would swap them into (replay_cpu's in_place), sorted by node: not a result,
+// sharing no buffer, not a gradient handed back, and not a buffer a later evaluation reads as it
+// was when the call began (the old value stays in the fresh buffer for those).
+const std::vector<std::pair<const Node*, StoragePtr>>& in_place_of(
+    Plan& plan, size_t index, const std::vector<std::pair<const Storage*, StoragePtr>>& replaced) {
+  PlannedEvaluation& planned = plan.evals[index];
+  if (planned.in_place) return *planned.in_place;
   const Evaluation& e = planned.eval;
+  std::vector<bool> shared(planned.shares_with.size(), false);
+  for (size_t j = 0; j < shared.size(); ++j)
+    if (const int first = planned.shares_with[j]; first >= 0) shared[j] = shared[first] = true;
   std::vector<std::pair<const Node*, StoragePtr>> list;
   for (size_t j = 0; j < e.executed.sig.stored.size(); ++j) {
     const auto at = std::pair(static_cast<int>(index), static_cast<int>(j));
-    const bool shared = planned.shares_with[j] >= 0 ||
-                        std::find(planned.shares_with.begin(), planned.shares_with.end(),
-                                  static_cast<int>(j)) != planned.shares_with.end();
     const bool handed = std::any_of(plan.gradients.begin(), plan.gradients.end(),
                                     [&](const GradientSlot& slot) { return slot.at == at; });
     const bool read_as_before =
         std::any_of(replaced.begin(), replaced.end(),
                     [&](const auto& entry) { return entry.first == e.outputs[j].get(); });
-    if (planned.result_slot[j] < 0 && !shared && !handed && !read_as_before)
+    if (planned.result_slot[j] < 0 && !shared[j] && !handed && !read_as_before)
       list.emplace_back(e.executed.sig.stored[j], e.outputs[j]);
   }
-  return list;
+  std::sort(list.begin(), list.end());
+  return *(planned.in_place = std::move(list));
 }
 
 }  // namespace
@@ -155,7 +152,7 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
     if (e.device == Device::cuda)
       replay_cuda(e.executed, e.pending_raw);
     else
-      replay_cpu(e.executed, e.pending_raw, in_place_outputs(plan, index, replaced));
+      replay_cpu(e.executed, e.pending_raw, in_place_of(plan, index, replaced));
     std::vector<StoragePtr> fresh_of(sig.stored.size());
     for (size_t j = 0; j < sig.stored.size(); ++j) {
       Node* node = sig.stored[j];

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <optional>
 #include <string>
 #include <unordered_set>
 #include <utility>
@@ -76,6 +77,9 @@ struct PlannedEvaluation {
   // Per stored node: the first stored node of this evaluation whose buffer it shares (it is a
   // view of that one, e.g. a reshape assigned to a buffer), or -1. Its value is updated once.
   std::vector<int> shares_with;
+  // The stored values a CPU replay computes straight into their state buffers, sorted by node
+  // (replay_cpu's in_place): they depend on the plan alone, so the first replay finds them.
+  std::optional<std::vector<std::pair<const Node*, StoragePtr>>> in_place;
 };
 
 /// The buffers a plan updates in place, counted for the process (dsl/in_place.h) while
