@@ -60,6 +60,26 @@ TEST(Backward, SameGraphTwiceAccumulatesTwiceWhenRetained) {
   EXPECT_MT_ERROR(loss.backward(), "backward", "second backward()");  // not retained the 2nd time
 }
 
+// A retained graph walked again after an optimizer step (which moves the parameter on to a new
+// value) still delivers the old graph's gradient to the parameter, as PyTorch accumulates into
+// the same parameter; a graph holding the old and the new value sums both.
+TEST(Backward, ARetainedGraphAfterAStepStillReachesTheParameter) {
+  mt::Tensor w = leaf({0.5, 2}, {2});
+  mt::Tensor loss = mt::sum(mt::exp(w));
+  loss.backward(mt::Tensor(), /*retain_graph=*/true);
+  mt::SGD opt({w}, {.lr = 0.25});
+  opt.step();
+  const std::vector<double> stepped = values(w);
+  expect_near_all(stepped, {0.5 - 0.25 * std::exp(0.5), 2 - 0.25 * std::exp(2.0)});
+  opt.zero_grad();
+  loss.backward(mt::Tensor(), /*retain_graph=*/true);  // d/dw sum(exp(w_old))
+  expect_near_all(values(w.grad()), {std::exp(0.5), std::exp(2.0)});
+  opt.zero_grad();
+  (loss + mt::sum(w * w)).backward();  // exp(w_old) + 2 w_new, one gradient
+  expect_near_all(values(w.grad()),
+                  {std::exp(0.5) + 2 * stepped[0], std::exp(2.0) + 2 * stepped[1]});
+}
+
 TEST(Backward, ExplicitGradientWeightsTheOutputs) {
   mt::Tensor x = leaf({1, 2, 3}, {3});
   mt::Tensor y = x * x;  // dy_i/dx_i = 2 x_i

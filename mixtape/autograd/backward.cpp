@@ -286,12 +286,21 @@ void Tensor::backward(const Tensor& grad, bool retain_graph, const Loc& loc) con
   }
   if (!retain_graph)
     for (Node* node : walked) node->backward_done = true;
+  // A leaf's gradient goes to its tensor, also where the tensor has moved on to another value
+  // since the graph was built (an optimizer step between two backward passes of a retained
+  // graph), as PyTorch accumulates into the parameter: the old value and the new one are one
+  // parameter. Both values in one graph give the tensor one summed gradient.
   LeafGradients leaves;
+  std::unordered_map<const TensorImpl*, size_t> slot;
   for (auto& [node, g] : grads) {
     if (op_info(node->op).kind != OpKind::Leaf) continue;
     std::shared_ptr<TensorImpl> owner = node->grad_owner.lock();
-    if (!owner || owner->node.get() != node) continue;
-    leaves.emplace_back(std::move(owner), std::move(g));
+    if (!owner || !owner->node->requires_grad) continue;
+    auto [it, first] = slot.emplace(owner.get(), leaves.size());
+    if (first)
+      leaves.emplace_back(std::move(owner), std::move(g));
+    else
+      leaves[it->second].second = leaves[it->second].second + g;
   }
   GradientHooks& hooks = gradient_hooks();
   if (hooks.count.load(std::memory_order_acquire) > 0) {
