@@ -4,7 +4,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -62,14 +61,6 @@ bool parse_conv(const std::string& name, ConvWorkload& w) {
          (w.dtype == "f32" || w.dtype == "bf16") &&
          (w.pass == "fwd" || w.pass == "dgrad" || w.pass == "wgrad") && n > 0 && c > 0 && h > 0 &&
          o > 0 && k > 0 && s > 0 && h + 2 * (k / 2) >= k;
-}
-
-/// Threads the library's parallel regions use: OMP_NUM_THREADS where set (run.py sets it per
-/// child), else all of the machine's.
-int threads_in_use() {
-  const char* env = std::getenv("OMP_NUM_THREADS");
-  int threads = env ? std::atoi(env) : 0;
-  return threads > 0 ? std::min(threads, bench::all_threads()) : bench::all_threads();
 }
 
 /// The peak of `kind` at `threads`: the machine's (bench_gemm's rule) on all threads, else one
@@ -137,7 +128,7 @@ mt::json::Value conv_record(const std::string& name, const ConvWorkload& w, benc
   const double calls_per_s = result.at("steps_per_s").get<double>();
   const double flops = 2.0 * static_cast<double>(w.n * w.o * out_size * out_size * w.c * w.k * w.k);
   const double gflops = calls_per_s * flops / 1e9;
-  const int threads = threads_in_use();
+  const int threads = bench::threads_in_use();
   // As bench_gemm: bf16 may run on the FMA units (widened), so its ceiling is the better of the
   // f32 and bf16 peaks (AMX's where the machine has it); the record also holds each peak alone.
   const double f32_peak = peak_at(peaks, "f32", threads);

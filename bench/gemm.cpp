@@ -86,14 +86,6 @@ bool parse_gemm(const std::string& name, GemmWorkload& w) {
          (w.kernel == mt::Bf16Kernel::automatic || w.dtype == "bf16");
 }
 
-/// Threads the library's parallel regions use: OMP_NUM_THREADS where set (run.py sets it per
-/// child), else all of the machine's.
-int threads_in_use() {
-  const char* env = std::getenv("OMP_NUM_THREADS");
-  const int threads = env ? std::atoi(env) : 0;
-  return threads > 0 ? std::min(threads, bench::all_threads()) : bench::all_threads();
-}
-
 mt::json::Value gemm_record(const std::string& name, const GemmWorkload& w, Peaks& peaks,
                             const bench::TimingOptions& timing) {
   std::mt19937_64 rng(0);
@@ -150,7 +142,7 @@ mt::json::Value gemm_record(const std::string& name, const GemmWorkload& w, Peak
   if (peak > 0) record.emplace("fraction_of_peak", gflops / peak);
   // The same against the peak of the threads the library uses (OMP_NUM_THREADS), as
   // bench_conv holds its products: one thread's product is held to one core's peak.
-  const int threads = threads_in_use();
+  const int threads = bench::threads_in_use();
   double peak_here = peaks.gflops("f32", 1) * threads;
   if (dtype == "bf16") peak_here = std::max(peak_here, peaks.gflops("bf16", 1) * threads);
   if (threads >= bench::all_threads()) peak_here = peak;

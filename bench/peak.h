@@ -1,5 +1,6 @@
 // bench/peak.h -- the machine's measured FMA, AVX512-BF16 and AMX peaks (intrinsic kernels at 1
-// and all threads) that bench_gemm and bench_conv hold their GFLOP/s to, and their JSON record.
+// and all threads) that bench_gemm and bench_conv hold their GFLOP/s to, the threads the library
+// runs on, and the peaks' JSON record.
 #pragma once
 
 #include <immintrin.h>
@@ -11,6 +12,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <map>
 #include <string>
@@ -178,6 +180,14 @@ inline double peak_gflops(const PeakKernel& kernel, int threads) {
 
 inline int all_threads() {
   return std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
+}
+
+/// Threads the library's parallel regions use: OMP_NUM_THREADS where set (run.py sets it per
+/// child), else all of the machine's.
+inline int threads_in_use() {
+  const char* env = std::getenv("OMP_NUM_THREADS");
+  const int threads = env ? std::atoi(env) : 0;
+  return threads > 0 ? std::min(threads, all_threads()) : all_threads();
 }
 
 /// Peak GFLOP/s by kind ("f32", "bf16") and thread count, measured on first use.

@@ -67,11 +67,14 @@ struct MlpRun {
   mt::Tensor x = mt::randn({64, 8}, mt::f32, &gen);
   mt::Tensor y = mt::randn({64, 4}, mt::f32, &gen);
 
-  mt::Tensor step(const mt::Tensor& input, const mt::Tensor& target) {
-    opt.zero_grad();
+  // One training step; the gradients' zeroing and the optimizer's step may be left to the caller
+  // (outside a compiled step).
+  mt::Tensor step(const mt::Tensor& input, const mt::Tensor& target, bool zero_inside = true,
+                  bool optimizer_inside = true) {
+    if (zero_inside) opt.zero_grad();
     mt::Tensor loss = mt::mse_loss(model(input), target);
     loss.backward();
-    opt.step();
+    if (optimizer_inside) opt.step();
     return loss;
   }
   mt::Tensor batch(int i) const { return x * (1.0 + 0.01 * i); }
@@ -497,17 +500,32 @@ struct DropoutRun {
   }
 };
 
-TEST(Compile, DropoutReplaysWithFreshNumbersBitForBit) {
-  DropoutRun plain_run, compiled_run;
-  auto step = mt::compile([&](const mt::Tensor& x) { return compiled_run.step(x); });
+// Steps `plain_run` eagerly and `compiled_run` through `step` (which traces it) side by side,
+// `steps` times, with `outside(i, run)` applied to both runs before step i; expects the same
+// losses, parameters and dropout stream position, and returns the compiled losses' first bits.
+template <typename Step>
+std::vector<uint32_t> expect_side_by_side(
+    DropoutRun& plain_run, DropoutRun& compiled_run, Step& step, int steps,
+    const std::function<void(int, DropoutRun&)>& outside = nullptr) {
   std::vector<uint32_t> plain, compiled;
-  for (int i = 0; i < 12; ++i) {
+  for (int i = 0; i < steps; ++i) {
+    if (outside) {
+      outside(i, plain_run);
+      outside(i, compiled_run);
+    }
     plain.push_back(bits(plain_run.step(plain_run.x))[0]);
     compiled.push_back(bits(step(compiled_run.x))[0]);
   }
   EXPECT_EQ(plain, compiled);
   EXPECT_EQ(plain_run.params(), compiled_run.params());
   EXPECT_EQ(plain_run.drop.offset(), compiled_run.drop.offset());
+  return compiled;
+}
+
+TEST(Compile, DropoutReplaysWithFreshNumbersBitForBit) {
+  DropoutRun plain_run, compiled_run;
+  auto step = mt::compile([&](const mt::Tensor& x) { return compiled_run.step(x); });
+  const std::vector<uint32_t> compiled = expect_side_by_side(plain_run, compiled_run, step, 12);
   EXPECT_EQ(plain_run.noise.offset(), compiled_run.noise.offset());
   EXPECT_EQ(compiled_run.noise.offset(), 12u * 16 * 8);
   // The same input every step: only fresh masks and noise make the losses differ.
@@ -526,19 +544,10 @@ TEST(Compile, GeneratorsChangedOutsideTheStepAreFollowed) {
       [](DropoutRun& run) { (void)mt::rand({3}, mt::f32, &run.noise).to_vector<float>(); },
       [](DropoutRun& run) { run.noise.advance(64); },
   };
-  std::vector<uint32_t> plain, compiled;
-  for (int i = 0; i < 28; ++i) {
-    if (i % 7 == 6) {
-      outside[i / 7](plain_run);
-      outside[i / 7](compiled_run);
-    }
-    plain.push_back(bits(plain_run.step(plain_run.x))[0]);
-    compiled.push_back(bits(step(compiled_run.x))[0]);
-  }
-  EXPECT_EQ(plain, compiled);
-  EXPECT_EQ(plain_run.params(), compiled_run.params());
+  expect_side_by_side(plain_run, compiled_run, step, 28, [&](int i, DropoutRun& run) {
+    if (i % 7 == 6) outside[i / 7](run);
+  });
   EXPECT_EQ(plain_run.drop.seed(), compiled_run.drop.seed());
-  EXPECT_EQ(plain_run.drop.offset(), compiled_run.drop.offset());
   if (replays_here()) {
     EXPECT_GE(step.stats().plans, 4) << step.stats().reason;
     EXPECT_GE(step.stats().replays, 8);
@@ -698,10 +707,7 @@ std::vector<std::vector<uint32_t>> gradient_bits(const mt::Module& model) {
 TEST(Compile, GradientsZeroedOutsideTheStepStillReplay) {
   MlpRun plain_run, compiled_run;
   auto body = [](MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
-    mt::Tensor loss = mt::mse_loss(run.model(x), y);
-    loss.backward();
-    run.opt.step();
-    return loss;
+    return run.step(x, y, /*zero_inside=*/false);
   };
   auto step = mt::compile(
       [&](const mt::Tensor& x, const mt::Tensor& y) { return body(compiled_run, x, y); });
@@ -781,11 +787,7 @@ TEST(Compile, FrozenParametersAreFollowed) {
     SCOPED_TRACE(optimizer_inside ? "optimizer inside" : "optimizer outside");
     MlpRun plain_run, compiled_run;
     auto body = [&](MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
-      run.opt.zero_grad();
-      mt::Tensor loss = mt::mse_loss(run.model(x), y);
-      loss.backward();
-      if (optimizer_inside) run.opt.step();
-      return loss;
+      return run.step(x, y, true, optimizer_inside);
     };
     auto step = mt::compile(
         [&](const mt::Tensor& x, const mt::Tensor& y) { return body(compiled_run, x, y); });
@@ -1113,11 +1115,7 @@ TEST(Compile, RandomLoopsLeaveWhatTracingLeaves) {
     const bool zero_inside = scenario % 2 == 1, optimizer_inside = scenario % 4 < 2;
     MlpRun plain_run, compiled_run;
     auto body = [&](MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
-      if (zero_inside) run.opt.zero_grad();
-      mt::Tensor loss = mt::mse_loss(run.model(x), y);
-      loss.backward();
-      if (optimizer_inside) run.opt.step();
-      return loss;
+      return run.step(x, y, zero_inside, optimizer_inside);
     };
     auto step = mt::compile(
         [&](const mt::Tensor& x, const mt::Tensor& y) { return body(compiled_run, x, y); });

@@ -23,6 +23,8 @@
 #include <sstream>
 #include <thread>
 
+#include <fmt/format.h>
+
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/json.h"
 #include "mixtape/runtime/safetensors.h"
@@ -359,6 +361,13 @@ TEST(Safetensors, ReaderValidatesEveryHeaderRule) {
     std::string fragment;
   };
   auto entry = [](std::string body) { return "{\"a\":{" + body + "}}"; };
+  // Two entries, "a" and `second` (a duplicate key where it is "a"), and an F32 entry's body.
+  auto two = [](std::string a, std::string second, std::string body) {
+    return "{\"a\":{" + a + "},\"" + second + "\":{" + body + "}}";
+  };
+  auto f32 = [](int size, int begin, int end) {
+    return fmt::format(R"("dtype":"F32","shape":[{}],"data_offsets":[{},{}])", size, begin, end);
+  };
   const std::vector<Case> cases = {
       {"not json", 8, "not a safetensors file: hand-edited.st (its header is not a JSON object)"},
       {"{not json", 8, "hand-edited.st: header is not valid JSON"},
@@ -399,25 +408,14 @@ TEST(Safetensors, ReaderValidatesEveryHeaderRule) {
        "too large"},
       {entry(R"("dtype":"I64","shape":[9223372036854775807,3],"data_offsets":[0,8])"), 8,
        "too large"},
-      {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-       R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
-       12, "tensors 'a' [0, 8) and 'b' [4, 12) overlap"},
-      {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-       R"("b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})",
-       8, "overlap"},
-      {R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
-       R"("b":{"dtype":"F32","shape":[0],"data_offsets":[4,4]}})",
-       8, "overlap"},
-      {R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
-       R"("b":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}})",
-       12, "bytes [4, 8) belong to no tensor"},
-      {R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8,
-       "bytes [0, 4) belong to no tensor"},
+      {two(f32(2, 0, 8), "b", f32(2, 4, 12)), 12, "tensors 'a' [0, 8) and 'b' [4, 12) overlap"},
+      {two(f32(2, 0, 8), "b", f32(2, 0, 8)), 8, "overlap"},
+      {two(f32(2, 0, 8), "b", f32(0, 4, 4)), 8, "overlap"},
+      {two(f32(1, 0, 4), "b", f32(1, 8, 12)), 12, "bytes [4, 8) belong to no tensor"},
+      {entry(f32(1, 4, 8)), 8, "bytes [0, 4) belong to no tensor"},
       {good, 12, "bytes [8, 12) belong to no tensor"},
       {"{}", 4, "bytes [0, 4) belong to no tensor"},
-      {R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
-       R"("a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
-       8, "duplicate key \"a\" in the header"},
+      {two(f32(1, 0, 4), "a", f32(1, 4, 8)), 8, "duplicate key \"a\" in the header"},
       {R"({"__metadata__":{},"__metadata__":{}})", 0, "duplicate key \"__metadata__\""},
       {R"({"":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8, "empty tensor name"},
       {R"({"__metadata__":{"k":1},"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})", 8,

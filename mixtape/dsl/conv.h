@@ -2,6 +2,7 @@
 // geometry their three primitives share.
 #pragma once
 
+#include <compare>
 #include <cstdint>
 
 #include "mixtape/dsl/tensor.h"
@@ -41,6 +42,7 @@ struct ConvWindow {
   int64_t stride[2] = {1, 1}, pad[2] = {0, 0}, dil[2] = {1, 1}, groups = 1;
   Ints attr() const;
   static ConvWindow from(const Ints& attr);
+  auto operator<=>(const ConvWindow&) const = default;
   /// The window of conv2d's (or conv_transpose2d's) options.
   template <typename Options>
   static ConvWindow of(const Options& o) {
@@ -59,6 +61,7 @@ struct ConvGeometry {
   int64_t n, c, h, w, o, kh, kw, oh, ow;
   ConvWindow window;
   static ConvGeometry of(const Node& node);
+  auto operator<=>(const ConvGeometry&) const = default;
 };
 
 /// The primitives, made by the functions above and by each other's vjps. conv2d_input_grad(gy,

@@ -71,31 +71,23 @@ inline constexpr float bf16_bits_to_f32(uint16_t bits) {
 
 /// Storage types with explicit conversion, so half values never silently mix with float math.
 /// They deliberately have no arithmetic or comparison operators: compute in float, store as half.
-struct f16_t {
+/// One template over the format's two conversions; f16_t and bf16_t below are its two types.
+template <uint16_t (*to_bits)(float), float (*to_f32)(uint16_t)>
+struct half_storage {
   uint16_t bits = 0;
 
-  f16_t() = default;
-  constexpr explicit f16_t(float x) : bits(f32_to_f16_bits(x)) {}
-  constexpr explicit operator float() const { return f16_bits_to_f32(bits); }
-  static constexpr f16_t from_bits(uint16_t b) {
-    f16_t h;
+  half_storage() = default;
+  constexpr explicit half_storage(float x) : bits(to_bits(x)) {}
+  constexpr explicit operator float() const { return to_f32(bits); }
+  static constexpr half_storage from_bits(uint16_t b) {
+    half_storage h;
     h.bits = b;
     return h;
   }
 };
 
-struct bf16_t {
-  uint16_t bits = 0;
-
-  bf16_t() = default;
-  constexpr explicit bf16_t(float x) : bits(f32_to_bf16_bits(x)) {}
-  constexpr explicit operator float() const { return bf16_bits_to_f32(bits); }
-  static constexpr bf16_t from_bits(uint16_t b) {
-    bf16_t h;
-    h.bits = b;
-    return h;
-  }
-};
+using f16_t = half_storage<f32_to_f16_bits, f16_bits_to_f32>;
+using bf16_t = half_storage<f32_to_bf16_bits, bf16_bits_to_f32>;
 
 // Tensors of these are read and written as raw 2-byte elements.
 static_assert(sizeof(f16_t) == 2 && alignof(f16_t) == 2);

@@ -69,8 +69,8 @@ constexpr int64_t kGemmWeightGradMaxPositions = 4;
 
 struct ConvKey {
   OpCode op;
-  int64_t n, c, h, w, o, kh, kw, oh, ow;
-  int64_t stride[2], pad[2], pad_end[2], dil[2], groups;
+  ConvGeometry geometry;
+  int64_t pad_end[2];
   OnednnType operand;
   auto operator<=>(const ConvKey&) const = default;
 };
@@ -221,43 +221,31 @@ OnednnType onednn_operand(const ConvDesc& d) {
 }
 
 ConvKey key_of(const ConvDesc& d) {
-  const ConvGeometry& g = d.geometry;
-  const ConvWindow& w = g.window;
-  return {d.op,
-          g.n,
-          g.c,
-          g.h,
-          g.w,
-          g.o,
-          g.kh,
-          g.kw,
-          g.oh,
-          g.ow,
-          {w.stride[0], w.stride[1]},
-          {w.pad[0], w.pad[1]},
-          {pad_end(d, 0), pad_end(d, 1)},
-          {w.dil[0], w.dil[1]},
-          w.groups,
-          onednn_operand(d)};
+  return {d.op, d.geometry, {pad_end(d, 0), pad_end(d, 1)}, onednn_operand(d)};
 }
 
-bool runs_on_team(const ConvKey& k) {
-  const double flops = 2.0 * static_cast<double>(k.n) * static_cast<double>(k.o) *
-                       static_cast<double>(k.oh * k.ow) * static_cast<double>(k.c / k.groups) *
-                       static_cast<double>(k.kh * k.kw);
+bool runs_on_team(const ConvKey& key) {
+  const ConvGeometry& g = key.geometry;
+  const double flops =
+      2.0 * static_cast<double>(g.n) * static_cast<double>(g.o) * static_cast<double>(g.oh * g.ow) *
+      static_cast<double>(g.c / g.window.groups) * static_cast<double>(g.kh * g.kw);
   return flops >= kSingleThreadMaxFlops;
 }
 
-std::shared_ptr<const CachedConv> create(const ConvKey& k) {
+std::shared_ptr<const CachedConv> create(const ConvKey& key) {
   const dnnl::engine& engine = backend().engine;
-  const OnednnType t = k.operand, f32 = OnednnType::f32;
-  const Dims x_dims{k.n, k.c, k.h, k.w}, y_dims{k.n, k.o, k.oh, k.ow};
-  const Dims w_dims = k.groups == 1 ? Dims{k.o, k.c, k.kh, k.kw}
-                                    : Dims{k.groups, k.o / k.groups, k.c / k.groups, k.kh, k.kw};
-  const Tag w_tag = k.groups == 1 ? Tag::oihw : Tag::goihw;
+  const ConvGeometry& g = key.geometry;
+  const ConvWindow& window = g.window;
+  const OnednnType t = key.operand, f32 = OnednnType::f32;
+  const Dims x_dims{g.n, g.c, g.h, g.w}, y_dims{g.n, g.o, g.oh, g.ow};
+  const Dims w_dims = window.groups == 1 ? Dims{g.o, g.c, g.kh, g.kw}
+                                         : Dims{window.groups, g.o / window.groups,
+                                                g.c / window.groups, g.kh, g.kw};
+  const Tag w_tag = window.groups == 1 ? Tag::oihw : Tag::goihw;
   // oneDNN counts dilation from 0 (a dense kernel has dilation 0).
-  const Dims strides{k.stride[0], k.stride[1]}, dilates{k.dil[0] - 1, k.dil[1] - 1},
-      padding{k.pad[0], k.pad[1]}, padding_end{k.pad_end[0], k.pad_end[1]};
+  const Dims strides{window.stride[0], window.stride[1]},
+      dilates{window.dil[0] - 1, window.dil[1] - 1}, padding{window.pad[0], window.pad[1]},
+      padding_end{key.pad_end[0], key.pad_end[1]};
   auto any = [](const Dims& dims, OnednnType type) {
     return dnnl::memory::desc(dims, type, Tag::any);
   };
@@ -266,10 +254,10 @@ std::shared_ptr<const CachedConv> create(const ConvKey& k) {
   // The forward primitive's descriptor: the forward pass itself, and the hint both backward
   // passes need for their layouts.
   dnnl::convolution_forward::primitive_desc forward(
-      dnnl::convolution_forward::desc(dnnl::prop_kind::forward_training,
-                                      dnnl::algorithm::convolution_direct, any(x_dims, t),
-                                      any(w_dims, t), any(y_dims, k.op == OpCode::Conv2d ? f32 : t),
-                                      strides, dilates, padding, padding_end),
+      dnnl::convolution_forward::desc(
+          dnnl::prop_kind::forward_training, dnnl::algorithm::convolution_direct, any(x_dims, t),
+          any(w_dims, t), any(y_dims, key.op == OpCode::Conv2d ? f32 : t), strides, dilates,
+          padding, padding_end),
       attr, engine);
   auto made = std::make_shared<CachedConv>();
   auto argument = [&](int role, const Dims& dims, Tag tag, OnednnType type,
@@ -286,12 +274,12 @@ std::shared_ptr<const CachedConv> create(const ConvKey& k) {
     return arg;
   };
   dnnl::primitive_desc_base pd = forward;
-  if (k.op == OpCode::Conv2d) {
+  if (key.op == OpCode::Conv2d) {
     made->primitive = dnnl::convolution_forward(forward);
     made->a = argument(DNNL_ARG_SRC, x_dims, Tag::nchw, t, forward.src_desc(), false);
     made->b = argument(DNNL_ARG_WEIGHTS, w_dims, w_tag, t, forward.weights_desc(), false);
     made->out = argument(DNNL_ARG_DST, y_dims, Tag::nchw, f32, forward.dst_desc(), true);
-  } else if (k.op == OpCode::Conv2dInputGrad) {
+  } else if (key.op == OpCode::Conv2dInputGrad) {
     dnnl::convolution_backward_data::primitive_desc data(
         dnnl::convolution_backward_data::desc(dnnl::algorithm::convolution_direct, any(x_dims, f32),
                                               any(w_dims, t), any(y_dims, t), strides, dilates,

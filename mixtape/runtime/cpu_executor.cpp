@@ -293,19 +293,10 @@ void run_matmul(const Step& step, const std::vector<Node*>& pending, const Signa
   // The bias in the type the add reads it in (an f32 parameter's bf16 copy is made once a run).
   std::shared_ptr<Storage> bias =
       step.has_bias ? as_dtype(*sig.resolve(step.bias, pending), step.bias_type) : nullptr;
-  const auto [m, n, k, batch] = matmul_dims(node);
-  GemmDesc desc{.batch = batch,
-                .m = m,
-                .n = n,
-                .k = k,
-                .transpose_a = node.attrs.transpose_a,
-                .transpose_b = node.attrs.transpose_b,
-                .operand = node.precision.compute,
-                .out = output.precision.storage_type,
-                .has_bias = bias != nullptr,
-                .bias_type = bias ? bias->dtype : f32,
-                .relu = step.relu,
-                .product_type = step.product_type};
+  GemmDesc desc = matmul_desc<GemmDesc>(node);
+  desc.operand = node.precision.compute, desc.out = output.precision.storage_type;
+  desc.has_bias = bias != nullptr, desc.bias_type = bias ? bias->dtype : f32;
+  desc.relu = step.relu, desc.product_type = step.product_type;
   // A 16-bit accumulator (asked for by a custom policy) is not what oneDNN does: the reference
   // loops honour it. Fusion gives such products no epilogue.
   if (!gemm_supported(desc) || is_half(node.precision.accum)) {

@@ -1,4 +1,5 @@
-// mixtape/runtime/matmul_dims.h -- a MatMul node's problem size, as every executor reads it.
+// mixtape/runtime/matmul_dims.h -- a MatMul node's problem size, as every executor reads it (and
+// puts it in its back end's descriptor).
 #pragma once
 
 #include <cstdint>
@@ -23,6 +24,17 @@ inline MatmulDims matmul_dims(const Node& node) {
   d.k = node.attrs.transpose_a ? a[rank - 2] : a[rank - 1];
   d.batch = d.m * d.n == 0 ? 0 : node.numel() / (d.m * d.n);
   return d;
+}
+
+/// A back end's matmul descriptor (GemmDesc, cuda::MatmulDesc: both name these fields alike) with
+/// the node's dims and transposes, and its other fields at their defaults.
+template <typename Desc>
+Desc matmul_desc(const Node& node) {
+  const MatmulDims d = matmul_dims(node);
+  Desc desc{};
+  desc.batch = d.batch, desc.m = d.m, desc.n = d.n, desc.k = d.k;
+  desc.transpose_a = node.attrs.transpose_a, desc.transpose_b = node.attrs.transpose_b;
+  return desc;
 }
 
 }  // namespace mixtape
