@@ -38,6 +38,7 @@
 #include "mixtape/dsl/tensor.h"
 #include "mixtape/dsl/vision.h"
 #include "mixtape/precision_policy/policy.h"
+#include "mixtape/runtime/all_reduce.h"
 #include "mixtape/runtime/cpu_executor.h"
 #include "mixtape/runtime/cuda_attention.h"
 #include "mixtape/runtime/cuda_fixed_kernels.h"
@@ -732,6 +733,67 @@ TEST(CudaOnHost, FixedKernelsStoreTheReferencesBits) {
     const mt::Storage& want = o < outs.size() ? *outs[o].node()->value : *draws[o - outs.size()];
     EXPECT_EQ(read_bytes(dir / (names[o] + ".out")), bytes_of(want)) << names[o];
   }
+  fs::remove_all(dir);
+}
+
+// The rank-order sum of the collectives on the GPU (mt_rank_order_sum,
+// runtime/cuda_collectives.cpp) stores the host path's bits (runtime/all_reduce.cpp), which every
+// process of a run adds alike: 3 pieces of 1001 elements (a partial last block), in every dtype and
+// accumulator, values of mixed magnitudes so that another order or accumulator would round
+// otherwise; and f32 against a plain left-to-right f32 loop.
+TEST(CudaOnHost, RankOrderSumStoresTheHostPathsBits) {
+  constexpr int processes = 3;
+  constexpr int64_t width = 1001;
+  struct Case {
+    mt::DType dtype, accum;
+  };
+  const Case cases[] = {{mt::f32, mt::f32}, {mt::bf16, mt::f32},   {mt::f16, mt::f32},
+                        {mt::f64, mt::f64}, {mt::f32, mt::f64},    {mt::i64, mt::i64},
+                        {mt::i32, mt::i64}, {mt::boolean, mt::i64}};
+  std::string calls;
+  std::vector<std::unique_ptr<mt::Storage>> wants;
+  std::vector<float> plain(width);
+  for (size_t c = 0; c < std::size(cases); ++c) {
+    const auto [dtype, accum] = cases[c];
+    mt::Tensor drawn = values({processes * width}, mt::f64, 20 + c);
+    std::vector<double> v = drawn.to_vector<double>();
+    for (size_t i = 0; i < v.size(); ++i)
+      v[i] *= i % 7 == 0 ? 1e6 : i % 5 == 0 ? 1e-4 : i % 11 == 0 ? 0 : 1;
+    mt::Storage pieces(dtype, processes * width);
+    for (int64_t i = 0; i < pieces.count; ++i)
+      if (mt::is_floating(dtype))
+        mt::store_element(pieces, i, v[i]);
+      else
+        mt::store_element(pieces, i, static_cast<int64_t>(v[i]));
+    wants.push_back(std::make_unique<mt::Storage>(dtype, width));
+    mt::add_pieces_on_host(pieces, processes, width, accum, *wants.back());
+    if (c == 0) {
+      for (int64_t i = 0; i < width; ++i) {
+        float acc = pieces.as<float>()[i];
+        for (int q = 1; q < processes; ++q) acc += pieces.as<float>()[q * width + i];
+        plain[i] = acc;
+      }
+      EXPECT_EQ(0, std::memcmp(plain.data(), wants.back()->host_data(), width * sizeof(float)));
+    }
+    calls += fmt::format("  std::vector<char> in{0} = {1}, out{0}({2});\n", c,
+                         bytes_literal(pieces), wants.back()->size_bytes());
+    calls += grid_call(
+        width, fmt::format("mt_rank_order_sum(in{0}.data(), out{0}.data(), {1}, "
+                           "{2}, {3}, {4})",
+                           c, static_cast<int>(dtype), static_cast<int>(accum), width, processes));
+  }
+  fs::path dir = fs::temp_directory_path() / fmt::format("mixtape_cuda_sum_{}", ::getpid());
+  fs::create_directories(dir);
+  std::string main_text = "int main() {\n" + calls;
+  for (size_t c = 0; c < wants.size(); ++c)
+    main_text +=
+        fmt::format("  mt_write(\"{}\", out{});\n", (dir / fmt::format("out{}", c)).string(), c);
+  main_text += "}\n";
+  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + fixed_kernels_on_host() + main_text,
+                              "rank-order sum"));
+  for (size_t c = 0; c < wants.size(); ++c)
+    EXPECT_EQ(read_bytes(dir / fmt::format("out{}", c)), bytes_of(*wants[c]))
+        << "dtype " << mt::name(cases[c].dtype) << ", accumulator " << mt::name(cases[c].accum);
   fs::remove_all(dir);
 }
 

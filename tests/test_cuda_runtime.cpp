@@ -16,6 +16,7 @@
 #include "mixtape/runtime/cublaslt.h"
 #include "mixtape/runtime/cuda_allocator.h"
 #include "mixtape/runtime/cuda_driver.h"
+#include "mixtape/runtime/nccl.h"
 #include "tests/test_util.h"
 
 #if defined(MIXTAPE_HAVE_CUDA_HEADERS)
@@ -23,6 +24,10 @@
 
 #include <cublasLt.h>
 #include <cuda.h>
+#if __has_include(<nccl.h>)
+#include <nccl.h>
+#define MIXTAPE_HAVE_NCCL_HEADER 1
+#endif
 #endif
 
 namespace mt = mixtape;
@@ -290,11 +295,10 @@ TEST(CudaFallbackChild, DISABLED_NoDriver) {
   EXPECT_TRUE(mapped_cuda_libraries().empty()) << mapped_cuda_libraries().front();
 }
 
-TEST(CudaFallback, ChildProcessWithoutDriverRunsCleanly) {
-  namespace fs = std::filesystem;
-  fs::path empty = fs::temp_directory_path() / ("mixtape_no_cuda_" + std::to_string(getpid()));
-  fs::create_directories(empty);
-  std::string driver = (empty / "libcuda.so.1").string();
+// Runs this binary's (disabled) test `filter` in a child process with `environment` set, and
+// expects it to pass alone.
+void expect_child_passes(const std::string& filter,
+                         const std::vector<std::pair<std::string, std::string>>& environment) {
   int out[2];
   ASSERT_EQ(pipe(out), 0);
   pid_t child = fork();
@@ -303,10 +307,10 @@ TEST(CudaFallback, ChildProcessWithoutDriverRunsCleanly) {
     dup2(out[1], STDOUT_FILENO);
     dup2(out[1], STDERR_FILENO);
     close(out[0]);
-    setenv("MIXTAPE_CUDA_DRIVER", driver.c_str(), 1);
-    setenv("LD_LIBRARY_PATH", empty.c_str(), 1);
-    execl("/proc/self/exe", "test_cuda_runtime", "--gtest_also_run_disabled_tests",
-          "--gtest_filter=CudaFallbackChild.DISABLED_NoDriver", static_cast<char*>(nullptr));
+    for (const auto& [name, value] : environment) setenv(name.c_str(), value.c_str(), 1);
+    const std::string flag = "--gtest_filter=" + filter;
+    execl("/proc/self/exe", "test_cuda_runtime", "--gtest_also_run_disabled_tests", flag.c_str(),
+          static_cast<char*>(nullptr));
     _exit(127);
   }
   close(out[1]);
@@ -316,10 +320,50 @@ TEST(CudaFallback, ChildProcessWithoutDriverRunsCleanly) {
   close(out[0]);
   int status = 0;
   ASSERT_EQ(waitpid(child, &status, 0), child);
-  fs::remove_all(empty);
   ASSERT_TRUE(WIFEXITED(status)) << "child died: " << output;
   EXPECT_EQ(WEXITSTATUS(status), 0) << output;
   EXPECT_NE(output.find("[  PASSED  ] 1 test"), std::string::npos) << output;
+}
+
+TEST(CudaFallback, ChildProcessWithoutDriverRunsCleanly) {
+  namespace fs = std::filesystem;
+  fs::path empty = fs::temp_directory_path() / ("mixtape_no_cuda_" + std::to_string(getpid()));
+  fs::create_directories(empty);
+  expect_child_passes("CudaFallbackChild.DISABLED_NoDriver",
+                      {{"MIXTAPE_CUDA_DRIVER", (empty / "libcuda.so.1").string()},
+                       {"LD_LIBRARY_PATH", empty.string()}});
+  fs::remove_all(empty);
+}
+
+// NCCL is loaded on demand, and a missing library is a reason, not a failure: the collectives
+// then run through MPI in host memory (runtime/cuda_collectives.h).
+TEST(NcclFallbackChild, DISABLED_NoLibrary) {
+  const std::string path = std::getenv("MIXTAPE_NCCL_LIBRARY");
+  EXPECT_EQ(mt::nccl::version(), 0);
+  const std::string reason = mt::nccl::load_library();
+  EXPECT_NE(reason.find("cannot load NCCL"), std::string::npos) << reason;
+  EXPECT_NE(reason.find(path), std::string::npos) << reason;
+  EXPECT_FALSE(mt::nccl::unavailable_reason().empty());
+  EXPECT_EQ(mt::nccl::communicator_size(), 0);
+  EXPECT_MT_ERROR(mt::nccl::unique_id(), "NCCL is not available");
+  EXPECT_MT_ERROR(mt::nccl::exchange({}, {}), "no communicator");
+}
+
+TEST(NcclFallback, AMissingLibraryIsAReason) {
+  expect_child_passes("NcclFallbackChild.DISABLED_NoLibrary",
+                      {{"MIXTAPE_NCCL_LIBRARY", "/nonexistent/libnccl.so.2"}});
+}
+
+// Where the toolkit's NCCL is installed (as on this project's build machines), it loads without
+// a GPU, with every symbol mixtape calls; without CUDA the reason to keep off it is CUDA's.
+TEST(Nccl, TheInstalledLibraryLoads) {
+  if (!mt::nccl::load_library().empty())
+    GTEST_SKIP() << "no NCCL here: " << mt::nccl::load_library();
+  EXPECT_GE(mt::nccl::version(), 20700);  // ncclSend/ncclRecv came in 2.7
+  if (!cu::available())
+    EXPECT_NE(mt::nccl::unavailable_reason().find("CUDA is not available"), std::string::npos);
+  else
+    EXPECT_EQ(mt::nccl::unavailable_reason(), "");
 }
 
 #if defined(MIXTAPE_HAVE_CUDA_HEADERS)
@@ -338,6 +382,14 @@ static_assert(cu::driver_abi::kEventDefault == CU_EVENT_DEFAULT);
 static_assert(cu::driver_abi::kEventDisableTiming == CU_EVENT_DISABLE_TIMING);
 static_assert(sizeof(cu::CUdeviceptr) == sizeof(::CUdeviceptr));
 static_assert(sizeof(cu::CUresult) == sizeof(::CUresult));
+
+#if defined(MIXTAPE_HAVE_NCCL_HEADER)
+static_assert(mt::nccl::abi::kSuccess == ncclSuccess);
+static_assert(mt::nccl::abi::kInProgress == ncclInProgress);
+static_assert(mt::nccl::abi::kInt8 == ncclInt8);
+static_assert(mt::nccl::abi::kUniqueIdBytes == NCCL_UNIQUE_ID_BYTES);
+static_assert(sizeof(mt::nccl::UniqueId) == sizeof(ncclUniqueId));
+#endif
 
 static_assert(cu::lt_abi::kStatusSuccess == CUBLAS_STATUS_SUCCESS);
 static_assert(cu::lt_abi::kStatusNotSupported == CUBLAS_STATUS_NOT_SUPPORTED);

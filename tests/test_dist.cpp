@@ -31,6 +31,7 @@ TEST(DistInit, WithoutALauncherTheRunIsOneProcessAndSaysWhy) {
   EXPECT_EQ(mt::dist::rank(), 0);
   EXPECT_EQ(mt::dist::shard().count, 1);
   EXPECT_EQ(mt::process_group(), nullptr);
+  EXPECT_EQ(world.nccl_reason, "one process");
 }
 
 TEST(AllReduce, OfOneProcessIsItsInputInItsType) {

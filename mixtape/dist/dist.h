@@ -22,6 +22,9 @@ struct World {
   /// Why the run is one process (empty when it spans several): no MPI in this build, no MPI
   /// launcher in the environment, or a launcher that started one process.
   std::string single_reason;
+  /// Why collectives on GPU values go through host memory and MPI instead of NCCL (empty when
+  /// NCCL carries them): one process, NCCL or CUDA missing on some process, or MIXTAPE_NCCL=0.
+  std::string nccl_reason;
 };
 
 /// Joins the processes an MPI launcher (mpirun -np N) started, from its environment, and

@@ -1,17 +1,22 @@
 // mixtape/dist/init.cpp -- dist::init: MPI's process group (when this build has MPI and mpirun
 // started the process), or one process and the reason why.
+#include <unistd.h>
+
 #include <atomic>
 #include <chrono>
 #include <climits>
 #include <cstdlib>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
 #include "mixtape/dist/dist.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/process_group.h"
+#include "mixtape/runtime/cuda_driver.h"
+#include "mixtape/runtime/nccl.h"
 
 #ifdef MIXTAPE_HAVE_MPI
 #include <mpi.h>
@@ -137,6 +142,47 @@ class MpiGroup : public ProcessGroup {
   int rank_ = 0, size_ = 1;
 };
 
+// Makes the NCCL communicator when every process can use NCCL (all or none: a process on MPI
+// and another on NCCL would wait for each other forever). Returns why not, empty when made.
+std::string join_nccl(ProcessGroup& group) {
+  const char* disabled = std::getenv("MIXTAPE_NCCL");
+  std::string reason =
+      disabled && std::string(disabled) == "0" ? "MIXTAPE_NCCL=0" : nccl::unavailable_reason();
+  // Each process's (host, device), device -1 where NCCL is out: NCCL needs a GPU per process.
+  struct Place {
+    uint64_t host = 0;
+    int64_t device = -1;
+  };
+  Place mine;
+  if (reason.empty()) {
+    char name[256] = {};
+    gethostname(name, sizeof(name) - 1);
+    mine = {std::hash<std::string>{}(name), cuda::device_ordinal()};
+  }
+  const int processes = group.size();
+  std::vector<Place> places(static_cast<size_t>(processes));
+  std::vector<int64_t> counts(processes, sizeof(Place)), at(processes);
+  for (int q = 0; q < processes; ++q) at[q] = q * static_cast<int64_t>(sizeof(Place));
+  group.all_gather(reinterpret_cast<const std::byte*>(&mine), sizeof(Place),
+                   reinterpret_cast<std::byte*>(places.data()), counts, at);
+  if (!reason.empty()) return reason;
+  for (int q = 0; q < processes; ++q) {
+    if (places[q].device < 0) return fmt::format("process {} cannot use NCCL", q);
+    for (int r = 0; r < q; ++r)
+      if (places[r].host == places[q].host && places[r].device == places[q].device)
+        return fmt::format(
+            "processes {} and {} share GPU {} of one host (NCCL needs a GPU per process; "
+            "MIXTAPE_CUDA_DEVICE picks one)",
+            r, q, places[q].device);
+  }
+  nccl::UniqueId id;
+  if (group.rank() == 0) id = nccl::unique_id();
+  group.broadcast(reinterpret_cast<std::byte*>(id.bytes.data()), nccl::abi::kUniqueIdBytes, 0);
+  nccl::set_timeout(timeout_seconds.load());
+  nccl::init_communicator(processes, group.rank(), id);
+  return {};
+}
+
 // The variables that mpirun (Open MPI's, or a PMI/PMIx launcher such as MPICH's or Slurm's)
 // sets for the processes it starts.
 const char* launcher_variable() {
@@ -149,7 +195,8 @@ World join_mpi() {
   if (!launcher_variable())
     return {0, 1,
             "not started by an MPI launcher (no OMPI_COMM_WORLD_SIZE, PMI_SIZE or PMIX_RANK in "
-            "the environment): run it with mpirun -np N to train on N processes"};
+            "the environment): run it with mpirun -np N to train on N processes",
+            "one process"};
   int initialized = 0;
   MPI_Initialized(&initialized);
   if (!initialized) {
@@ -166,11 +213,12 @@ World join_mpi() {
            provided, static_cast<int>(MPI_THREAD_SERIALIZED));
   }
   auto group = std::make_shared<MpiGroup>();
-  World world{group->rank(), group->size(), ""};
+  World world{group->rank(), group->size(), "", "one process"};
   if (world.size == 1) {
     world.single_reason = "the MPI launcher started one process (mpirun -np 1)";
     return world;
   }
+  world.nccl_reason = join_nccl(*group);
   set_process_group(std::move(group));
   return world;
 }
@@ -180,7 +228,8 @@ World join_mpi() {
 World join_mpi() {
   return {0, 1,
           "this mixtape was built without MPI (install libopenmpi-dev and openmpi-bin, then "
-          "configure again with -DMIXTAPE_MPI=ON)"};
+          "configure again with -DMIXTAPE_MPI=ON)",
+          "one process"};
 }
 
 #endif
@@ -198,6 +247,7 @@ World init() {
 void set_timeout(double seconds) {
   if (!(seconds > 0)) fail("dist::set_timeout: {} s is not a positive time", seconds);
   timeout_seconds = seconds;
+  nccl::set_timeout(seconds);
 }
 
 int rank() { return process_rank(); }

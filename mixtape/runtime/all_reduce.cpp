@@ -48,11 +48,18 @@ std::vector<int64_t> chunk_bounds(int64_t count, int processes) {
   return bounds;
 }
 
+// The accumulator of a node's sums: f64 for f64 values or accumulation, f32 for the other
+// floats, i64 for integers.
+DType accumulator(const Node& node) {
+  const DType dtype = node.precision.storage_type;
+  if (dtype == f64 || node.precision.accum == f64) return f64;
+  return is_floating(dtype) ? f32 : i64;
+}
+
 // out[i] = in[0][i] + in[1][i] + ... + in[P - 1][i], left to right in A, rounded once to out's
 // dtype. `in` holds the P pieces one after the other, `width` elements each.
 template <typename A>
-void sum_in_rank_order(const Storage& in, int processes, int64_t width, Storage& out) {
-  if (width == 0) return;  // this process's chunk is empty (fewer elements than processes)
+void add_pieces(const Storage& in, int processes, int64_t width, Storage& out) {
   if (in.dtype == f32 && std::is_same_v<A, float>) {  // the common case: f32 gradients
     const float* x = in.as<float>();
     float* y = out.as<float>();
@@ -72,8 +79,8 @@ void sum_in_rank_order(const Storage& in, int processes, int64_t width, Storage&
   }
 }
 
-// Node values in the storage type (the policy may store the input otherwise).
-std::shared_ptr<Storage> input_in(const Node& node, DType dtype) {
+// Input 0's host value in `dtype` (the policy may store it otherwise).
+std::shared_ptr<Storage> host_input(const Node& node, DType dtype) {
   const std::shared_ptr<Storage>& in = node.inputs[0]->value;
   if (in->dtype == dtype) return in;
   auto out = std::make_shared<Storage>(dtype, in->count, Storage::Uninitialized{});
@@ -85,11 +92,41 @@ std::shared_ptr<Storage> input_in(const Node& node, DType dtype) {
   return out;
 }
 
+// Host memory, moved by the installed ProcessGroup.
+class HostTransport : public CollectiveTransport {
+ public:
+  explicit HostTransport(ProcessGroup& group) : group_(group) {}
+  int rank() const override { return group_.rank(); }
+  int size() const override { return group_.size(); }
+  std::shared_ptr<Storage> input(const Node& node, DType dtype) override {
+    return host_input(node, dtype);
+  }
+  std::shared_ptr<Storage> allocate(const Node& node, DType dtype, int64_t count) override {
+    return allocate_value(node, dtype, count, true);
+  }
+  void all_to_all(Storage& send, std::span<const int64_t> send_count,
+                  std::span<const int64_t> send_at, Storage& recv,
+                  std::span<const int64_t> recv_count, std::span<const int64_t> recv_at) override {
+    group_.all_to_all(send.host_data(), send_count, send_at, recv.host_data(), recv_count, recv_at);
+  }
+  void all_gather(Storage& send, int64_t bytes, Storage& recv, std::span<const int64_t> counts,
+                  std::span<const int64_t> at) override {
+    group_.all_gather(send.host_data(), bytes, recv.host_data(), counts, at);
+  }
+  void sum_in_rank_order(Storage& pieces, int processes, int64_t width, DType accum,
+                         Storage& out) override {
+    add_pieces_on_host(pieces, processes, width, accum, out);
+  }
+
+ private:
+  ProcessGroup& group_;
+};
+
 // Each process sums its chunk bounds[rank] .. bounds[rank + 1] of `in` over every process, in
 // rank order: the reduce-scatter half of every reduction. Returns the summed chunk.
-std::shared_ptr<Storage> sum_my_chunk(const Node& node, const Storage& in, ProcessGroup& group,
+std::shared_ptr<Storage> sum_my_chunk(const Node& node, Storage& in, CollectiveTransport& transport,
                                       const std::vector<int64_t>& bounds) {
-  const int processes = group.size(), rank = group.rank();
+  const int processes = transport.size(), rank = transport.rank();
   const DType dtype = node.precision.storage_type;
   const int64_t element = static_cast<int64_t>(size_of(dtype));
   const int64_t width = bounds[rank + 1] - bounds[rank];
@@ -101,30 +138,25 @@ std::shared_ptr<Storage> sum_my_chunk(const Node& node, const Storage& in, Proce
     recv_count[q] = width * element;
     recv_at[q] = q * width * element;
   }
-  auto pieces = allocate_value(node, dtype, width * processes, true);
-  group.all_to_all(in.host_data(), send_count, send_at, pieces->host_data(), recv_count, recv_at);
-  auto mine = allocate_value(node, dtype, width, true);
-  if (dtype == f64 || node.precision.accum == f64)
-    sum_in_rank_order<double>(*pieces, processes, width, *mine);
-  else if (is_floating(dtype))
-    sum_in_rank_order<float>(*pieces, processes, width, *mine);
-  else
-    sum_in_rank_order<int64_t>(*pieces, processes, width, *mine);
+  auto pieces = transport.allocate(node, dtype, width * processes);
+  transport.all_to_all(in, send_count, send_at, *pieces, recv_count, recv_at);
+  auto mine = transport.allocate(node, dtype, width);
+  transport.sum_in_rank_order(*pieces, processes, width, accumulator(node), *mine);
   return mine;
 }
 
-// Every process's `in` (the same count on each), in rank order.
-std::shared_ptr<Storage> gather_equal(const Node& node, const Storage& in, ProcessGroup& group) {
-  const int processes = group.size();
-  const int64_t bytes = in.count * static_cast<int64_t>(size_of(in.dtype));
-  std::vector<int64_t> counts(processes, bytes), at(processes);
-  for (int q = 0; q < processes; ++q) at[q] = q * bytes;
-  auto out = allocate_value(node, in.dtype, in.count * processes, true);
-  group.all_gather(in.host_data(), bytes, out->host_data(), counts, at);
-  return out;
-}
-
 }  // namespace
+
+void add_pieces_on_host(const Storage& pieces, int processes, int64_t width, DType accum,
+                        Storage& out) {
+  if (width == 0) return;  // this process's chunk is empty (fewer elements than processes)
+  if (accum == f64)
+    add_pieces<double>(pieces, processes, width, out);
+  else if (accum == f32)
+    add_pieces<float>(pieces, processes, width, out);
+  else
+    add_pieces<int64_t>(pieces, processes, width, out);
+}
 
 CollectiveStats collective_stats() {
   std::lock_guard lock(stats_mutex);
@@ -136,49 +168,72 @@ void reset_collective_stats() {
   stats = {};
 }
 
-std::shared_ptr<Storage> all_reduce_value(const Node& node) {
-  std::shared_ptr<Storage> in = input_in(node, node.precision.storage_type);
-  ProcessGroup* group = process_group();
-  if (!group || group->size() == 1) return in;
+std::shared_ptr<Storage> all_reduce_value(const Node& node, CollectiveTransport& transport) {
+  std::shared_ptr<Storage> in = transport.input(node, node.precision.storage_type);
+  if (transport.size() == 1) return in;
   CollectiveTimer timer(in->size_bytes());
-  const int processes = group->size();
+  const int processes = transport.size();
   const int64_t count = in->count,
                 element = static_cast<int64_t>(size_of(node.precision.storage_type));
   const std::vector<int64_t> bounds = chunk_bounds(count, processes);
-  std::shared_ptr<Storage> mine = sum_my_chunk(node, *in, *group, bounds);
+  std::shared_ptr<Storage> mine = sum_my_chunk(node, *in, transport, bounds);
   std::vector<int64_t> counts(processes), at(processes);
   for (int q = 0; q < processes; ++q) {
     counts[q] = (bounds[q + 1] - bounds[q]) * element;
     at[q] = bounds[q] * element;
   }
-  auto out = allocate_value(node, node.precision.storage_type, count, true);
-  group->all_gather(mine->host_data(), mine->count * element, out->host_data(), counts, at);
+  auto out = transport.allocate(node, node.precision.storage_type, count);
+  transport.all_gather(*mine, mine->count * element, *out, counts, at);
   return out;
 }
 
-std::shared_ptr<Storage> reduce_scatter_value(const Node& node) {
-  std::shared_ptr<Storage> in = input_in(node, node.precision.storage_type);
-  ProcessGroup* group = process_group();
-  if (!group || group->size() == 1) return in;
+std::shared_ptr<Storage> reduce_scatter_value(const Node& node, CollectiveTransport& transport) {
+  std::shared_ptr<Storage> in = transport.input(node, node.precision.storage_type);
+  if (transport.size() == 1) return in;
   CollectiveTimer timer(in->size_bytes());
-  const int processes = group->size();
+  const int processes = transport.size();
   if (in->count != node.shape[0] * processes)
     fail("reduce_scatter: built for {} elements per process over {} processes, run over {}",
          node.shape[0], in->count / std::max(node.shape[0], int64_t{1}), processes);
   std::vector<int64_t> bounds(static_cast<size_t>(processes) + 1);
   for (int q = 0; q <= processes; ++q) bounds[q] = q * node.shape[0];
-  return sum_my_chunk(node, *in, *group, bounds);
+  return sum_my_chunk(node, *in, transport, bounds);
 }
 
-std::shared_ptr<Storage> all_gather_value(const Node& node) {
-  std::shared_ptr<Storage> in = input_in(node, node.precision.storage_type);
-  ProcessGroup* group = process_group();
-  if (!group || group->size() == 1) return in;
+std::shared_ptr<Storage> all_gather_value(const Node& node, CollectiveTransport& transport) {
+  std::shared_ptr<Storage> in = transport.input(node, node.precision.storage_type);
+  if (transport.size() == 1) return in;
   CollectiveTimer timer(in->size_bytes());
-  if (in->count * group->size() != node.shape[0])
+  const int processes = transport.size();
+  if (in->count * processes != node.shape[0])
     fail("all_gather: built for {} elements from {} processes, run over {}", node.shape[0],
-         node.shape[0] / std::max(in->count, int64_t{1}), group->size());
-  return gather_equal(node, *in, *group);
+         node.shape[0] / std::max(in->count, int64_t{1}), processes);
+  const int64_t bytes = in->size_bytes();
+  std::vector<int64_t> counts(processes, bytes), at(processes);
+  for (int q = 0; q < processes; ++q) at[q] = q * bytes;
+  auto out = transport.allocate(node, in->dtype, in->count * processes);
+  transport.all_gather(*in, bytes, *out, counts, at);
+  return out;
+}
+
+std::shared_ptr<Storage> collective_value(const Node& node, CollectiveTransport& transport) {
+  switch (node.op) {
+    case OpCode::AllReduce:
+      return all_reduce_value(node, transport);
+    case OpCode::ReduceScatter:
+      return reduce_scatter_value(node, transport);
+    case OpCode::AllGather:
+      return all_gather_value(node, transport);
+    default:
+      fail("internal: {} is not a collective op", op_name(node.op));
+  }
+}
+
+std::shared_ptr<Storage> collective_value(const Node& node) {
+  ProcessGroup* group = process_group();
+  if (!group) return host_input(node, node.precision.storage_type);
+  HostTransport transport(*group);
+  return collective_value(node, transport);
 }
 
 }  // namespace mixtape

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 
 #include "mixtape/dsl/node.h"
 
@@ -20,15 +21,50 @@ struct CollectiveStats {
 CollectiveStats collective_stats();
 void reset_collective_stats();
 
+/// Where a collective step's values live and how their bytes move between the processes: host
+/// memory through the installed ProcessGroup (MPI), or device memory through NCCL
+/// (runtime/cuda_collectives.cpp). Which process sums which elements, and in which order, is
+/// the same on both, so both give the same bits.
+class CollectiveTransport {
+ public:
+  virtual ~CollectiveTransport() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  /// The node's input 0 in `dtype` (the policy may store it otherwise).
+  virtual std::shared_ptr<Storage> input(const Node& node, DType dtype) = 0;
+  virtual std::shared_ptr<Storage> allocate(const Node& node, DType dtype, int64_t count) = 0;
+  /// ProcessGroup::all_to_all over the values' bytes (counts and offsets in bytes).
+  virtual void all_to_all(Storage& send, std::span<const int64_t> send_count,
+                          std::span<const int64_t> send_at, Storage& recv,
+                          std::span<const int64_t> recv_count,
+                          std::span<const int64_t> recv_at) = 0;
+  /// ProcessGroup::all_gather: each process's first `bytes` of `send` at recv[at[r]].
+  virtual void all_gather(Storage& send, int64_t bytes, Storage& recv,
+                          std::span<const int64_t> counts, std::span<const int64_t> at) = 0;
+  /// out[i] = pieces[i] + pieces[width + i] + ... + pieces[(processes - 1) width + i], added
+  /// left to right in `accum` (f32, f64 or i64), rounded once to out's dtype.
+  virtual void sum_in_rank_order(Storage& pieces, int processes, int64_t width, DType accum,
+                                 Storage& out) = 0;
+};
+
+/// CollectiveTransport::sum_in_rank_order in host memory: out[i] = pieces[i] + pieces[width + i]
+/// + ... over `processes` pieces of out's dtype, left to right in `accum`, rounded once.
+void add_pieces_on_host(const Storage& pieces, int processes, int64_t width, DType accum,
+                        Storage& out);
+
 /// The value of an all_reduce node (input 0 evaluated): each process sums one contiguous chunk
 /// of the elements over every process in rank order (accumulated in f32, f64 for f64, i64 for
 /// integers; rounded once to the node's storage type), then every process gathers every chunk.
 /// So the bits are the same on every process and in every run of the same world size.
-std::shared_ptr<Storage> all_reduce_value(const Node& node);
+std::shared_ptr<Storage> all_reduce_value(const Node& node, CollectiveTransport& transport);
 /// The value of a reduce_scatter node: this process's equal share of the sum, added as
 /// all_reduce adds (ZeRO-1's gradient reduction).
-std::shared_ptr<Storage> reduce_scatter_value(const Node& node);
+std::shared_ptr<Storage> reduce_scatter_value(const Node& node, CollectiveTransport& transport);
 /// The value of an all_gather node: every process's input in rank order (bytes only).
-std::shared_ptr<Storage> all_gather_value(const Node& node);
+std::shared_ptr<Storage> all_gather_value(const Node& node, CollectiveTransport& transport);
+/// A collective node's value (all_reduce, reduce_scatter or all_gather) through `transport`.
+std::shared_ptr<Storage> collective_value(const Node& node, CollectiveTransport& transport);
+/// The same through the installed ProcessGroup in host memory; one process: the input.
+std::shared_ptr<Storage> collective_value(const Node& node);
 
 }  // namespace mixtape

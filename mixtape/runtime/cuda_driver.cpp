@@ -1,5 +1,5 @@
-// mixtape/runtime/cuda_driver.cpp -- loads libcuda.so.1, sets up device 0, and wraps the driver
-// calls.
+// mixtape/runtime/cuda_driver.cpp -- loads libcuda.so.1, sets up the process's device, and wraps
+// the driver calls.
 #include "mixtape/runtime/cuda_driver.h"
 
 #include <dlfcn.h>
@@ -17,6 +17,7 @@ struct DriverState {
   DriverApi api{};
   bool ok = false;
   std::string reason;
+  int ordinal = 0;
   CUdevice device = 0;
   CUcontext context = nullptr;
   CUstream stream = nullptr;
@@ -43,6 +44,29 @@ bool bind(void* library, Fn*& slot, const char* symbol, std::string& reason) {
   if (slot == nullptr && reason.empty())
     reason = fmt::format("the CUDA driver library lacks {} (driver too old?)", symbol);
   return slot != nullptr;
+}
+
+// The device this process uses: MIXTAPE_CUDA_DEVICE, else the process's rank on its host as an
+// MPI launcher numbers them (one GPU per process, as NCCL needs), wrapped to the devices there.
+bool pick_device(int count, int& ordinal, std::string& why) {
+  if (const char* chosen = std::getenv("MIXTAPE_CUDA_DEVICE"); chosen && *chosen) {
+    char* end = nullptr;
+    const long value = std::strtol(chosen, &end, 10);
+    if (*end != '\0' || value < 0 || value >= count) {
+      why = fmt::format("MIXTAPE_CUDA_DEVICE={} is not a device number here (0 to {})", chosen,
+                        count - 1);
+      return false;
+    }
+    ordinal = static_cast<int>(value);
+    return true;
+  }
+  ordinal = 0;
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"})
+    if (const char* local = std::getenv(name); local && *local) {
+      ordinal = static_cast<int>(std::strtol(local, nullptr, 10) % count);
+      break;
+    }
+  return true;
 }
 
 // Fills `state`, stopping at the first failure with its reason; never throws.
@@ -111,7 +135,8 @@ void initialize(DriverState& state) {
     return;
   }
   if (!step(api.cuDriverGetVersion(&state.version), "cuDriverGetVersion")) return;
-  if (!step(api.cuDeviceGet(&state.device, 0), "cuDeviceGet")) return;
+  if (!pick_device(count, state.ordinal, why)) return;
+  if (!step(api.cuDeviceGet(&state.device, state.ordinal), "cuDeviceGet")) return;
   int major = 0, minor = 0;
   if (!step(api.cuDeviceGetAttribute(&major, driver_abi::kAttributeComputeCapabilityMajor,
                                      state.device),
@@ -178,6 +203,7 @@ void check(CUresult result, const char* call) {
 
 int compute_capability() { return require_available(), state().capability; }
 int multiprocessor_count() { return require_available(), state().multiprocessors; }
+int device_ordinal() { return require_available(), state().ordinal; }
 std::string device_name() { return require_available(), state().name; }
 int driver_version() { return require_available(), state().version; }
 

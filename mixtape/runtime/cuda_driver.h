@@ -76,10 +76,10 @@ struct DriverApi {
   CUresult (*cuGetErrorName)(CUresult error, const char** text);
 };
 
-/// True when libcuda.so.1 loads, cuInit succeeds and there is at least one device; device 0's
-/// primary context and the compute stream are then set up. Decided once per process; never
-/// throws. MIXTAPE_CUDA_DRIVER names another driver library to load (tests use it to simulate a
-/// machine without one).
+/// True when libcuda.so.1 loads, cuInit succeeds and there is at least one device; the
+/// process's device's (device_ordinal()) primary context and the compute stream are then set up.
+/// Decided once per process; never throws. MIXTAPE_CUDA_DRIVER names another driver library to load
+/// (tests use it to simulate a machine without one).
 bool available();
 /// One line saying why available() is false: the library that was missing or the call that
 /// failed. Empty when available.
@@ -87,7 +87,7 @@ std::string unavailable_reason();
 /// Throws mt::Error "CUDA is not available: <reason>" unless available().
 void require_available();
 
-/// The driver table, with device 0's primary context current on the calling thread. Throws like
+/// The driver table, with the device's primary context current on the calling thread. Throws like
 /// require_available().
 const DriverApi& driver();
 
@@ -97,6 +97,10 @@ void check(CUresult result, const char* call);
 
 int compute_capability();    // major * 10 + minor, e.g. 90 for an H100/H200
 int multiprocessor_count();  // SMs
+/// The device this process runs on: MIXTAPE_CUDA_DEVICE, else its rank on its host as the MPI
+/// launcher numbers them (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID or SLURM_LOCALID) modulo
+/// the devices there, else 0.
+int device_ordinal();
 std::string device_name();
 int driver_version();  // e.g. 13000
 struct MemoryInfo {

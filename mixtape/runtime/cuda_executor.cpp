@@ -3,6 +3,7 @@
 #include "mixtape/runtime/cuda_executor.h"
 
 #include "mixtape/runtime/cpu_executor.h"
+#include "mixtape/runtime/cuda_collectives.h"
 #include "mixtape/runtime/cuda_fixed_kernels.h"
 #include "mixtape/runtime/cuda_values.h"
 
@@ -242,10 +243,10 @@ void run_on_host(Node& node) {
 }
 
 // Steps without a generated kernel: the data movement ops, random fills and convolutions on the
-// GPU where it has fixed kernels for them, the rest (gathers along an index tensor, ...) on the
-// host.
+// GPU where it has fixed kernels for them, collectives through NCCL where the run has a
+// communicator, the rest (gathers along an index tensor, MPI's collectives, ...) on the host.
 void run_other(Node& node) {
-  if (!run_fixed_kernel(node)) run_on_host(node);
+  if (!run_fixed_kernel(node) && !run_collective_on_device(node)) run_on_host(node);
 }
 
 bool half_or_f32(DType t) { return t == f32 || is_half(t); }
@@ -254,16 +255,9 @@ void run_matmul(const Step& step, const std::vector<Node*>& pending, const Signa
   // The CUDA back end fuses no epilogue into its products (FusionOptions::matmul_epilogue).
   if (step.output != step.node) fail("internal: a CUDA matmul step with a fused epilogue");
   Node& node = *sig.resolve(step.node, pending);
-  const auto [m, n, k, batch] = matmul_dims(node);
-  cuda::MatmulDesc desc{.batch = batch,
-                        .m = m,
-                        .n = n,
-                        .k = k,
-                        .transpose_a = node.attrs.transpose_a,
-                        .transpose_b = node.attrs.transpose_b,
-                        .input = node.precision.compute,
-                        .output = node.precision.storage_type,
-                        .allow_tf32 = node.precision.compute == f32 && allow_tf32()};
+  cuda::MatmulDesc desc = matmul_desc<cuda::MatmulDesc>(node);
+  desc.input = node.precision.compute, desc.output = node.precision.storage_type;
+  desc.allow_tf32 = node.precision.compute == f32 && allow_tf32();
   // cuBLASLt accumulates in f32: other accumulators (f64, 16-bit ones a custom policy asks for)
   // and integer or f64 operands take the reference loops. Results are f32 or the operands' type.
   bool supported = half_or_f32(node.precision.compute) &&

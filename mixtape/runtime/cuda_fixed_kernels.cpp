@@ -5,8 +5,10 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <cstddef>
 #include <mutex>
 #include <span>
+#include <type_traits>
 
 #include <fmt/format.h>
 
@@ -134,6 +136,43 @@ extern "C" __global__ void mt_index_add(const void* base, int base_dtype, const 
     for (long long q = offsets[r]; q < offsets[r + 1]; ++q)
       acc = __dadd_rn(acc, mt_load_as_double(source, source_dtype, (o * count + order[q]) * inner + i));
     mt_store_double(out, out_dtype, e, acc);
+  }
+}
+
+// out[i] = pieces[i] + pieces[width + i] + ... over `processes` pieces, added left to right in
+// the accumulator (MT_F32: f32, MT_F64: f64, else 64-bit integers) and rounded once, as the host
+// path of the collectives adds (runtime/all_reduce.cpp): the rank-order sum of a data-parallel
+// reduction, the same bits on every back end.
+static __device__ __forceinline__ long long mt_load_integer(const void* p, int dtype, long long i) {
+  return dtype == MT_I64   ? static_cast<const long long*>(p)[i]
+         : dtype == MT_I32 ? static_cast<const int*>(p)[i]
+                           : static_cast<const unsigned char*>(p)[i];
+}
+extern "C" __global__ void mt_rank_order_sum(const void* pieces, void* out, int dtype, int accum,
+                                             long long width, int processes) {
+  const long long stride = static_cast<long long>(gridDim.x) * blockDim.x;
+  for (long long i = static_cast<long long>(blockIdx.x) * blockDim.x + threadIdx.x; i < width;
+       i += stride) {
+    if (accum == MT_F32) {
+      float acc = static_cast<float>(mt_load_as_double(pieces, dtype, i));
+      for (int q = 1; q < processes; ++q)
+        acc = __fadd_rn(acc, static_cast<float>(mt_load_as_double(pieces, dtype, q * width + i)));
+      mt_store_double(out, dtype, i, acc);  // exact in f64, so rounded once to dtype
+    } else if (accum == MT_F64) {
+      double acc = mt_load_as_double(pieces, dtype, i);
+      for (int q = 1; q < processes; ++q)
+        acc = __dadd_rn(acc, mt_load_as_double(pieces, dtype, q * width + i));
+      mt_store_double(out, dtype, i, acc);
+    } else {
+      long long acc = mt_load_integer(pieces, dtype, i);
+      for (int q = 1; q < processes; ++q) acc += mt_load_integer(pieces, dtype, q * width + i);
+      if (dtype == MT_I64)
+        static_cast<long long*>(out)[i] = acc;
+      else if (dtype == MT_I32)
+        static_cast<int*>(out)[i] = static_cast<int>(acc);
+      else
+        static_cast<unsigned char*>(out)[i] = acc != 0;
+    }
   }
 }
 
@@ -475,7 +514,8 @@ bool is_float_dtype(DType t) { return t == f32 || t == f64 || is_half(t); }
 // The compiled module's functions, compiled (or taken from the kernel cache) on first use.
 struct FixedKernels {
   cuda::CUfunction copy_box[4] = {}, index_select[4] = {}, index_add = nullptr,
-                   random_fill = nullptr, convert = nullptr, conv[3] = {}, pool[2] = {};
+                   random_fill = nullptr, convert = nullptr, conv[3] = {}, pool[2] = {},
+                   rank_order_sum = nullptr;
 };
 
 // The max-pooling kernels' geometry argument, word for word (mt_pool in the source).
@@ -485,12 +525,16 @@ struct PoolArgs {
   int32_t x_dtype, g_dtype, out_dtype, wide;
 };
 
-// The convolution kernels' geometry argument, word for word (mt_conv in the source).
+// The convolution kernels' geometry argument, word for word (mt_conv in the source): a
+// ConvGeometry is mt_conv's sixteen leading words (n ... ow, then the window's stride, pad, dil
+// and groups), so it is passed as it is.
 struct ConvArgs {
-  int64_t n, c, h, w, o, kh, kw, oh, ow;
-  int64_t stride[2], pad[2], dil[2], groups;
+  ConvGeometry geometry;
   int32_t a_dtype, b_dtype, out_dtype, compute, accum, unused;
 };
+static_assert(std::is_standard_layout_v<ConvArgs> && sizeof(ConvGeometry) == 16 * sizeof(int64_t) &&
+              offsetof(ConvArgs, a_dtype) == 16 * sizeof(int64_t) &&
+              sizeof(ConvArgs) == 16 * sizeof(int64_t) + 6 * sizeof(int32_t));
 
 std::atomic<cuda::CUmodule> prebuilt_module{nullptr};
 
@@ -518,6 +562,7 @@ const FixedKernels& fixed_kernels() {
     loaded.conv[2] = cuda::get_function(module, "mt_conv2d_weight_grad");
     loaded.pool[0] = cuda::get_function(module, "mt_max_pool2d");
     loaded.pool[1] = cuda::get_function(module, "mt_max_pool2d_grad");
+    loaded.rank_order_sum = cuda::get_function(module, "mt_rank_order_sum");
   });
   return loaded;
 }
@@ -677,20 +722,7 @@ bool run_conv(Node& node) {
   if (!is_float_operand(a.dtype) || !is_float_operand(b.dtype) ||
       !is_float_operand(node.precision.storage_type) || !is_float_operand(node.precision.compute))
     return false;
-  const ConvGeometry g = ConvGeometry::of(node);
-  ConvArgs args{g.n,
-                g.c,
-                g.h,
-                g.w,
-                g.o,
-                g.kh,
-                g.kw,
-                g.oh,
-                g.ow,
-                {g.window.stride[0], g.window.stride[1]},
-                {g.window.pad[0], g.window.pad[1]},
-                {g.window.dil[0], g.window.dil[1]},
-                g.window.groups,
+  ConvArgs args{ConvGeometry::of(node),
                 static_cast<int32_t>(a.dtype),
                 static_cast<int32_t>(b.dtype),
                 static_cast<int32_t>(node.precision.storage_type),
@@ -772,10 +804,20 @@ std::shared_ptr<Storage> convert_on_device(Storage& value, DType dtype) {
 std::string cuda_fixed_kernels_source() {
   return std::string(cuda_prelude()) +
          fmt::format(
-             "#define MT_F32 {}\n#define MT_F64 {}\n#define MT_F16 {}\n#define MT_BF16 {}\n",
+             "#define MT_F32 {}\n#define MT_F64 {}\n#define MT_F16 {}\n#define MT_BF16 {}\n"
+             "#define MT_I32 {}\n#define MT_I64 {}\n",
              static_cast<int>(f32), static_cast<int>(f64), static_cast<int>(f16),
-             static_cast<int>(bf16)) +
+             static_cast<int>(bf16), static_cast<int>(i32), static_cast<int>(i64)) +
          kernels;
+}
+
+void add_pieces_on_device(Storage& pieces, int processes, int64_t width, DType accum,
+                          Storage& out) {
+  cuda::CUdeviceptr from = device_address(pieces), to = device_address(out);
+  int dtype = static_cast<int>(out.dtype), accumulator = static_cast<int>(accum);
+  long long count = width;
+  void* params[] = {&from, &to, &dtype, &accumulator, &count, &processes};
+  launch(fixed_kernels().rank_order_sum, width, params);
 }
 
 bool run_fixed_kernel(Node& node) {

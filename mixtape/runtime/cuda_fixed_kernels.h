@@ -31,4 +31,9 @@ void use_prebuilt_fixed_kernels(cuda::CUmodule module);
 /// as the reference checks them: an index computed on the device is downloaded for that.
 bool run_fixed_kernel(Node& node);
 
+/// out[i] = pieces[i] + pieces[width + i] + ... over `processes` pieces of `width` elements of
+/// out's dtype, added left to right in `accum` (f32, f64, or i64 for integers) and rounded once:
+/// runtime/all_reduce.h's rank-order sum, with the host's bits, queued on the compute stream.
+void add_pieces_on_device(Storage& pieces, int processes, int64_t width, DType accum, Storage& out);
+
 }  // namespace mixtape

@@ -885,9 +885,9 @@ StoragePtr ref_Scatter(const Node& node) {
 
 StoragePtr ref_Custom(const Node& node) { return input_as_storage(node, 0); }
 
-StoragePtr ref_AllReduce(const Node& node) { return all_reduce_value(node); }
-StoragePtr ref_ReduceScatter(const Node& node) { return reduce_scatter_value(node); }
-StoragePtr ref_AllGather(const Node& node) { return all_gather_value(node); }
+StoragePtr ref_AllReduce(const Node& node) { return collective_value(node); }
+StoragePtr ref_ReduceScatter(const Node& node) { return collective_value(node); }
+StoragePtr ref_AllGather(const Node& node) { return collective_value(node); }
 
 }  // namespace
 

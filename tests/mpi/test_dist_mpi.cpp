@@ -17,6 +17,8 @@
 #include "mixtape/dist/dist.h"
 #include "mixtape/dsl/process_group.h"
 #include "mixtape/runtime/all_reduce.h"
+#include "mixtape/runtime/cuda_driver.h"
+#include "mixtape/runtime/nccl.h"
 #include "tests/test_util.h"
 
 namespace mt = mixtape;
@@ -179,6 +181,21 @@ class DataParallel : public ::testing::Test {
       GTEST_SKIP() << "needs two processes (mpirun -np 2): " << mt::dist::init().single_reason;
   }
 };
+
+// NCCL carries collectives only where every process has a GPU of its own; otherwise World says
+// why, and the collectives run through MPI (as every test here checks).
+TEST_F(DataParallel, InitSaysWhetherNcclCarriesTheCollectives) {
+  const mt::dist::World world = mt::dist::init();
+  if (!mt::cuda::available()) {
+    EXPECT_NE(world.nccl_reason.find("CUDA is not available"), std::string::npos)
+        << world.nccl_reason;
+    EXPECT_EQ(mt::nccl::communicator_size(), 0);
+  } else if (world.nccl_reason.empty()) {
+    EXPECT_EQ(mt::nccl::communicator_size(), 2);
+  } else {
+    EXPECT_EQ(mt::nccl::communicator_size(), 0);
+  }
+}
 
 TEST_F(DataParallel, TwoRanksAtBatchBEqualOneProcessAt2B) {
   Result parallel = train({.adam = false});
