@@ -389,6 +389,13 @@ static_assert(mt::nccl::abi::kInProgress == ncclInProgress);
 static_assert(mt::nccl::abi::kInt8 == ncclInt8);
 static_assert(mt::nccl::abi::kUniqueIdBytes == NCCL_UNIQUE_ID_BYTES);
 static_assert(sizeof(mt::nccl::UniqueId) == sizeof(ncclUniqueId));
+// mixtape's config is the leading fields of today's, as NCCL 2.14 defined them.
+static_assert(offsetof(mt::nccl::abi::Config, magic) == offsetof(ncclConfig_t, magic));
+static_assert(offsetof(mt::nccl::abi::Config, version) == offsetof(ncclConfig_t, version));
+static_assert(offsetof(mt::nccl::abi::Config, blocking) == offsetof(ncclConfig_t, blocking));
+static_assert(offsetof(mt::nccl::abi::Config, max_ctas) == offsetof(ncclConfig_t, maxCTAs));
+static_assert(offsetof(mt::nccl::abi::Config, net_name) == offsetof(ncclConfig_t, netName));
+static_assert(sizeof(mt::nccl::abi::Config) == offsetof(ncclConfig_t, splitShare));
 #endif
 
 static_assert(cu::lt_abi::kStatusSuccess == CUBLAS_STATUS_SUCCESS);

@@ -1,7 +1,7 @@
 // mixtape/dist/init.cpp -- dist::init: MPI's process group (when this build has MPI and mpirun
 // started the process), or one process and the reason why.
-#include <unistd.h>
-
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <climits>
@@ -16,6 +16,7 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/process_group.h"
 #include "mixtape/runtime/cuda_driver.h"
+#include "mixtape/runtime/device.h"
 #include "mixtape/runtime/nccl.h"
 
 #ifdef MIXTAPE_HAVE_MPI
@@ -142,45 +143,86 @@ class MpiGroup : public ProcessGroup {
   int rank_ = 0, size_ = 1;
 };
 
-// Makes the NCCL communicator when every process can use NCCL (all or none: a process on MPI
-// and another on NCCL would wait for each other forever). Returns why not, empty when made.
-std::string join_nccl(ProcessGroup& group) {
+// Why this process keeps its device collectives off NCCL, empty when it can use it.
+std::string nccl_reason_here(int processes) {
   const char* disabled = std::getenv("MIXTAPE_NCCL");
-  std::string reason =
-      disabled && std::string(disabled) == "0" ? "MIXTAPE_NCCL=0" : nccl::unavailable_reason();
-  // Each process's (host, device), device -1 where NCCL is out: NCCL needs a GPU per process.
-  struct Place {
-    uint64_t host = 0;
-    int64_t device = -1;
-  };
-  Place mine;
-  if (reason.empty()) {
-    char name[256] = {};
-    gethostname(name, sizeof(name) - 1);
-    mine = {std::hash<std::string>{}(name), cuda::device_ordinal()};
+  if (disabled && std::string(disabled) == "0") return "MIXTAPE_NCCL=0";
+  // NCCL allows 2048 operations in a group; an exchange posts two per process.
+  if (processes > 1024) return fmt::format("{} processes: NCCL groups hold 1024 peers", processes);
+  try {
+    // A run on the CPU (MIXTAPE_DEVICE=cpu on a machine with GPUs) keeps CUDA unopened.
+    if (current_device() != Device::cuda)
+      return fmt::format("the run's device is {} (MIXTAPE_DEVICE or set_device before init)",
+                         device_name(current_device()));
+  } catch (const Error& e) {
+    return e.what();
   }
+  return nccl::unavailable_reason();
+}
+
+// Whether every process's `ok` is true (an all-gather: every process learns the same).
+bool all_ok(ProcessGroup& group, bool ok) {
   const int processes = group.size();
-  std::vector<Place> places(static_cast<size_t>(processes));
-  std::vector<int64_t> counts(processes, sizeof(Place)), at(processes);
-  for (int q = 0; q < processes; ++q) at[q] = q * static_cast<int64_t>(sizeof(Place));
-  group.all_gather(reinterpret_cast<const std::byte*>(&mine), sizeof(Place),
-                   reinterpret_cast<std::byte*>(places.data()), counts, at);
+  std::vector<std::byte> each(static_cast<size_t>(processes));
+  const std::byte mine{static_cast<unsigned char>(ok)};
+  std::vector<int64_t> counts(processes, 1), at(processes);
+  for (int q = 0; q < processes; ++q) at[q] = q;
+  group.all_gather(&mine, 1, each.data(), counts, at);
+  return std::all_of(each.begin(), each.end(), [](std::byte b) { return b != std::byte{0}; });
+}
+
+// Makes the NCCL communicator when every process can use NCCL: all or none, agreed over MPI
+// before and after (a process on MPI and another on NCCL would wait for each other forever).
+// Returns why not, empty when made; never throws for NCCL's sake.
+std::string join_nccl(ProcessGroup& group) {
+  const int processes = group.size();
+  std::string reason = nccl_reason_here(processes);
+  // Each process's GPU by UUID (CUDA_VISIBLE_DEVICES may number one GPU differently in two
+  // processes, or two GPUs alike): NCCL needs a GPU per process. Zeros where NCCL is out.
+  std::array<char, 16> mine{};
+  if (reason.empty()) try {
+      mine = cuda::device_uuid();
+    } catch (const Error& e) {
+      reason = e.what();
+    }
+  std::vector<std::array<char, 16>> gpus(static_cast<size_t>(processes));
+  std::vector<int64_t> counts(processes, 16), at(processes);
+  for (int q = 0; q < processes; ++q) at[q] = 16 * q;
+  group.all_gather(reinterpret_cast<const std::byte*>(mine.data()), 16,
+                   reinterpret_cast<std::byte*>(gpus.data()), counts, at);
   if (!reason.empty()) return reason;
   for (int q = 0; q < processes; ++q) {
-    if (places[q].device < 0) return fmt::format("process {} cannot use NCCL", q);
+    if (gpus[q] == std::array<char, 16>{}) return fmt::format("process {} cannot use NCCL", q);
     for (int r = 0; r < q; ++r)
-      if (places[r].host == places[q].host && places[r].device == places[q].device)
+      if (gpus[r] == gpus[q])
         return fmt::format(
-            "processes {} and {} share GPU {} of one host (NCCL needs a GPU per process; "
-            "MIXTAPE_CUDA_DEVICE picks one)",
-            r, q, places[q].device);
+            "processes {} and {} share a GPU (NCCL needs a GPU per process; "
+            "MIXTAPE_CUDA_DEVICE or CUDA_VISIBLE_DEVICES picks one)",
+            r, q);
   }
-  nccl::UniqueId id;
-  if (group.rank() == 0) id = nccl::unique_id();
-  group.broadcast(reinterpret_cast<std::byte*>(id.bytes.data()), nccl::abi::kUniqueIdBytes, 0);
+  // Rank 0's id, and whether it made one, to every process.
+  struct {
+    nccl::UniqueId id;
+    int ok = 1;
+  } offer;
+  std::string failure;
+  if (group.rank() == 0) try {
+      offer.id = nccl::unique_id();
+    } catch (const Error& e) {
+      offer.ok = 0;
+      failure = e.what();
+    }
+  group.broadcast(reinterpret_cast<std::byte*>(&offer), sizeof(offer), 0);
+  if (!offer.ok) return failure.empty() ? "process 0 could not make an NCCL id" : failure;
   nccl::set_timeout(timeout_seconds.load());
-  nccl::init_communicator(processes, group.rank(), id);
-  return {};
+  try {
+    nccl::init_communicator(processes, group.rank(), offer.id);
+  } catch (const Error& e) {
+    failure = e.what();
+  }
+  if (all_ok(group, failure.empty())) return {};
+  nccl::leave_communicator();
+  return failure.empty() ? "another process could not join NCCL's communicator" : failure;
 }
 
 // The variables that mpirun (Open MPI's, or a PMI/PMIx launcher such as MPICH's or Slurm's)

@@ -91,6 +91,11 @@ void initialize(DriverState& state) {
   MIXTAPE_BIND(cuDeviceGet);
   MIXTAPE_BIND(cuDeviceGetAttribute);
   MIXTAPE_BIND(cuDeviceGetName);
+  // The _v2 symbol (CUDA 11.4) tells MIG instances apart; the older one names the whole GPU.
+  api.cuDeviceGetUuid =
+      reinterpret_cast<decltype(api.cuDeviceGetUuid)>(dlsym(library, "cuDeviceGetUuid_v2"));
+  if (api.cuDeviceGetUuid == nullptr)
+    bound = bind(library, api.cuDeviceGetUuid, "cuDeviceGetUuid", why) && bound;
   MIXTAPE_BIND(cuDevicePrimaryCtxRetain);
   MIXTAPE_BIND(cuCtxSetCurrent);
   MIXTAPE_BIND(cuModuleLoadData);
@@ -204,6 +209,12 @@ void check(CUresult result, const char* call) {
 int compute_capability() { return require_available(), state().capability; }
 int multiprocessor_count() { return require_available(), state().multiprocessors; }
 int device_ordinal() { return require_available(), state().ordinal; }
+
+std::array<char, 16> device_uuid() {
+  std::array<char, 16> uuid{};
+  check(driver().cuDeviceGetUuid(uuid.data(), state().device), "cuDeviceGetUuid");
+  return uuid;
+}
 std::string device_name() { return require_available(), state().name; }
 int driver_version() { return require_available(), state().version; }
 

@@ -2,6 +2,7 @@
 // launch.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -47,6 +48,7 @@ struct DriverApi {
   CUresult (*cuDeviceGet)(CUdevice* device, int ordinal);
   CUresult (*cuDeviceGetAttribute)(int* value, int attribute, CUdevice device);
   CUresult (*cuDeviceGetName)(char* name, int length, CUdevice device);
+  CUresult (*cuDeviceGetUuid)(char uuid[16], CUdevice device);  // cuDeviceGetUuid_v2 where there
   CUresult (*cuDevicePrimaryCtxRetain)(CUcontext* context, CUdevice device);
   CUresult (*cuCtxSetCurrent)(CUcontext context);
   CUresult (*cuModuleLoadData)(CUmodule* module, const void* image);
@@ -101,6 +103,8 @@ int multiprocessor_count();  // SMs
 /// launcher numbers them (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID or SLURM_LOCALID) modulo
 /// the devices there, else 0.
 int device_ordinal();
+/// The device's UUID, the same in every process whatever CUDA_VISIBLE_DEVICES numbers it.
+std::array<char, 16> device_uuid();
 std::string device_name();
 int driver_version();  // e.g. 13000
 struct MemoryInfo {

@@ -562,7 +562,10 @@ const FixedKernels& fixed_kernels() {
     loaded.conv[2] = cuda::get_function(module, "mt_conv2d_weight_grad");
     loaded.pool[0] = cuda::get_function(module, "mt_max_pool2d");
     loaded.pool[1] = cuda::get_function(module, "mt_max_pool2d_grad");
-    loaded.rank_order_sum = cuda::get_function(module, "mt_rank_order_sum");
+    try {  // an artifact exported before the collectives came to the GPU has no such kernel
+      loaded.rank_order_sum = cuda::get_function(module, "mt_rank_order_sum");
+    } catch (const Error&) {
+    }
   });
   return loaded;
 }
@@ -813,6 +816,10 @@ std::string cuda_fixed_kernels_source() {
 
 void add_pieces_on_device(Storage& pieces, int processes, int64_t width, DType accum,
                           Storage& out) {
+  if (!fixed_kernels().rank_order_sum)
+    fail(
+        "the fixed CUDA kernels in use (an exported artifact's) lack mt_rank_order_sum: export "
+        "it again with this mixtape to run collectives through NCCL");
   cuda::CUdeviceptr from = device_address(pieces), to = device_address(out);
   int dtype = static_cast<int>(out.dtype), accumulator = static_cast<int>(accum);
   long long count = width;

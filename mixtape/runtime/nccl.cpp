@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <cstdlib>
 #include <mutex>
 #include <string>
@@ -24,7 +25,8 @@ using Comm = CommOpaque*;
 struct Api {
   Result (*ncclGetVersion)(int* version);
   Result (*ncclGetUniqueId)(UniqueId* id);
-  Result (*ncclCommInitRank)(Comm* comm, int size, UniqueId id, int rank);
+  Result (*ncclCommInitRankConfig)(Comm* comm, int size, UniqueId id, int rank,
+                                   abi::Config* config);
   Result (*ncclCommAbort)(Comm comm);
   Result (*ncclCommGetAsyncError)(Comm comm, Result* error);
   const char* (*ncclGetErrorString)(Result result);
@@ -66,12 +68,12 @@ const Library& library() {
     auto bind = [&](auto& slot, const char* symbol) {
       slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(dlsym(handle, symbol));
       if (slot == nullptr && lib->reason.empty())
-        lib->reason = fmt::format("the NCCL library lacks {} (older than 2.7?)", symbol);
+        lib->reason = fmt::format("the NCCL library lacks {} (older than 2.14?)", symbol);
     };
 #define MIXTAPE_BIND(name) bind(lib->api.name, #name)
     MIXTAPE_BIND(ncclGetVersion);
     MIXTAPE_BIND(ncclGetUniqueId);
-    MIXTAPE_BIND(ncclCommInitRank);
+    MIXTAPE_BIND(ncclCommInitRankConfig);
     MIXTAPE_BIND(ncclCommAbort);
     MIXTAPE_BIND(ncclCommGetAsyncError);
     MIXTAPE_BIND(ncclGetErrorString);
@@ -103,15 +105,59 @@ std::mutex comm_mutex;
 Comm comm = nullptr;
 std::atomic<int> comm_size{0};
 std::atomic<double> timeout_seconds{300};
-// Set when a transfer failed or timed out: the communicator was aborted, and no transfer may use
-// it again (the other processes' halves of the group are gone).
+// Set when a call failed or timed out: the communicator was aborted, and nothing may use it
+// again (the other processes' halves of its work are gone). The size stays, so that collectives
+// keep coming here and fail, instead of going to MPI while the other processes use NCCL.
 std::atomic<bool> broken{false};
 
 [[noreturn]] void abort_and_fail(const std::string& why) {
   broken = true;
-  comm_size = 0;
   library().api.ncclCommAbort(comm);
   fail("dist: {}. This process can run no more collectives and should exit", why);
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// Waits, polling, for at most the timeout, until `done()` and NCCL's asynchronous state of the
+// communicator say the work has finished; `started()` says when the clock may start (the work
+// queued before it on the stream does not count). A failure or the timeout aborts the
+// communicator. `what` names the work in the error.
+template <typename Started, typename Done>
+void wait_for(const char* what, Started started, Done done) {
+  const Api& nccl = library().api;
+  const double limit = timeout_seconds.load();
+  auto start = std::chrono::steady_clock::now();
+  bool counting = false;
+  for (;;) {
+    Result state = abi::kSuccess;
+    bool finished = false;
+    try {
+      check(nccl.ncclCommGetAsyncError(comm, &state), "ncclCommGetAsyncError");
+      if (state != abi::kSuccess && state != abi::kInProgress)
+        abort_and_fail(fmt::format("{} failed: {}", what, nccl.ncclGetErrorString(state)));
+      finished = state == abi::kSuccess && done();
+      if (!counting && started()) {
+        counting = true;
+        start = std::chrono::steady_clock::now();
+      }
+    } catch (const Error& e) {
+      if (broken) throw;
+      abort_and_fail(fmt::format("{}: {}", what, e.what()));
+    }
+    if (finished) return;
+    const double waited = counting ? seconds_since(start) : 0;
+    if (waited > limit)
+      abort_and_fail(fmt::format(
+          "{} waited {} s (dist::set_timeout) for the other processes: one of them has stopped "
+          "or hangs",
+          what, limit));
+    if (waited < 0.002)
+      std::this_thread::yield();
+    else
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
 }
 
 }  // namespace
@@ -135,8 +181,25 @@ UniqueId unique_id() {
 void init_communicator(int size, int rank, const UniqueId& id) {
   std::lock_guard lock(comm_mutex);
   if (comm != nullptr) fail("nccl: this process has joined a communicator already");
-  check(api().ncclCommInitRank(&comm, size, id, rank), "ncclCommInitRank");
+  abi::Config config;
+  const Result result = api().ncclCommInitRankConfig(&comm, size, id, rank, &config);
+  if (result != abi::kSuccess && result != abi::kInProgress) {
+    broken = true;
+    if (comm != nullptr) library().api.ncclCommAbort(comm);
+    check(result, "ncclCommInitRankConfig");
+  }
+  // Non-blocking: the processes connect in the background, and a missing one is a timeout.
+  wait_for(
+      "NCCL's communicator setup", [] { return true; }, [] { return true; });
   comm_size = size;
+}
+
+void leave_communicator() {
+  std::lock_guard lock(comm_mutex);
+  if (comm != nullptr && library().reason.empty()) library().api.ncclCommAbort(comm);
+  comm = nullptr;
+  comm_size = 0;
+  broken = false;
 }
 
 int communicator_size() { return comm_size.load(); }
@@ -145,16 +208,21 @@ void set_timeout(double seconds) { timeout_seconds = seconds; }
 
 void exchange(std::span<const Transfer> sends, std::span<const Transfer> receives) {
   std::lock_guard lock(comm_mutex);
-  if (broken) fail("dist: an earlier NCCL transfer failed, so no other can run in this process");
+  if (broken) fail("dist: an earlier NCCL call failed, so no other can run in this process");
   if (comm == nullptr) fail("nccl: no communicator (dist::init makes it)");
   const Api& nccl = api();
   cuda::CUstream stream = cuda::compute_stream().handle();
+  // Events the driver may outlive: the clock starts when the work queued before the transfers
+  // has run, and stops when they have.
+  static cuda::Event* queued = new cuda::Event(false);
+  static cuda::Event* finished = new cuda::Event(false);
+  queued->record();
   check(nccl.ncclGroupStart(), "ncclGroupStart");
   // The group must end whatever fails inside it, or NCCL's thread-local group state stays open.
   Result first_error = abi::kSuccess;
   const char* failed_call = nullptr;
   auto note = [&](Result result, const char* call) {
-    if (result != abi::kSuccess && first_error == abi::kSuccess) {
+    if (result != abi::kSuccess && result != abi::kInProgress && first_error == abi::kSuccess) {
       first_error = result;
       failed_call = call;
     }
@@ -174,27 +242,13 @@ void exchange(std::span<const Transfer> sends, std::span<const Transfer> receive
     abort_and_fail(fmt::format("{} failed: {}", failed_call, nccl.ncclGetErrorString(first_error)));
   // Wait here, as the MPI path waits: a dead peer leaves the stream blocked in NCCL's kernel,
   // which only an abort frees, and a host that moved on would queue work behind it forever.
-  static cuda::Event* finished = new cuda::Event(false);  // the driver may go before statics
+  // ncclGroupEnd of a non-blocking communicator may return before the work is queued (its
+  // state then reads ncclInProgress), so the end event is recorded once the state is settled.
+  wait_for(
+      "an NCCL transfer", [&] { return queued->done(); }, [] { return true; });
   finished->record();
-  const double limit = timeout_seconds.load();
-  const auto start = std::chrono::steady_clock::now();
-  while (!finished->done()) {
-    Result async = abi::kSuccess;
-    check(nccl.ncclCommGetAsyncError(comm, &async), "ncclCommGetAsyncError");
-    if (async != abi::kSuccess && async != abi::kInProgress)
-      abort_and_fail(fmt::format("an NCCL transfer failed: {}", nccl.ncclGetErrorString(async)));
-    const double waited =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    if (waited > limit)
-      abort_and_fail(fmt::format(
-          "an NCCL transfer waited {} s (dist::set_timeout) for the other processes: one of them "
-          "has stopped or hangs",
-          limit));
-    if (waited < 0.002)
-      std::this_thread::yield();
-    else
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-  }
+  wait_for(
+      "an NCCL transfer", [&] { return queued->done(); }, [&] { return finished->done(); });
 }
 
 }  // namespace mixtape::nccl

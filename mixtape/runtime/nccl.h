@@ -3,6 +3,8 @@
 #pragma once
 
 #include <array>
+#include <climits>
+#include <cstddef>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -18,6 +20,17 @@ inline constexpr int kSuccess = 0;             // ncclSuccess
 inline constexpr int kInProgress = 7;          // ncclInProgress
 inline constexpr int kInt8 = 0;                // ncclInt8: transfers count bytes
 inline constexpr size_t kUniqueIdBytes = 128;  // NCCL_UNIQUE_ID_BYTES
+// ncclConfig_t as NCCL 2.14 laid it out, the first release with it: NCCL copies the first `size`
+// bytes of a caller's config over its defaults and reads the fields by the caller's version,
+// so later releases take it. Only `blocking` is set; the rest keep NCCL's "undefined".
+struct Config {
+  size_t size = sizeof(Config);
+  unsigned magic = 0xcafebeef;
+  unsigned version = 21400;  // NCCL_VERSION(2, 14, 0)
+  int blocking = 0;          // calls return at once; progress shows in ncclCommGetAsyncError
+  int cga_cluster_size = INT_MIN, min_ctas = INT_MIN, max_ctas = INT_MIN;
+  const char* net_name = nullptr;
+};
 }  // namespace abi
 
 /// ncclUniqueId: rank 0 makes it, every process gets it (dist::init broadcasts it through MPI).
@@ -37,9 +50,14 @@ int version();
 /// Rank 0's id for init_communicator.
 UniqueId unique_id();
 /// Joins the communicator of `size` processes (every process calls it with rank 0's id) on
-/// this process's CUDA device; the device collectives then use it (communicator_size()).
+/// this process's CUDA device, waiting for the others for at most the timeout (an mt::Error
+/// then, or when NCCL fails); the device collectives then use it (communicator_size()).
 void init_communicator(int size, int rank, const UniqueId& id);
-/// The communicator's process count, 0 before init_communicator or after a failed transfer.
+/// Aborts this process's communicator, if any, and forgets it: dist::init's way back to MPI
+/// when another process could not join.
+void leave_communicator();
+/// The communicator's process count, 0 without one. After a failed or timed-out call it stays,
+/// and every transfer fails: the other processes still send through NCCL.
 int communicator_size();
 /// How long a transfer waits for the other processes before it aborts the communicator and
 /// fails (dist::set_timeout sets it; 300 s by default).
