@@ -260,9 +260,14 @@ Tensor tensor(std::span<const T> values, Shape shape, std::optional<DType> dtype
   if (static_cast<int64_t>(values.size()) != numel(shape))
     op_fail("tensor", loc, "{} values do not fill shape {} ({} elements)", values.size(),
             to_string(shape), numel(shape));
-  auto storage = std::make_shared<Storage>(t, static_cast<int64_t>(values.size()));
-  for (size_t i = 0; i < values.size(); ++i)
-    store_element(*storage, static_cast<int64_t>(i), values[i]);
+  auto storage =
+      std::make_shared<Storage>(t, static_cast<int64_t>(values.size()), Storage::Uninitialized{});
+  if (t == dtype_of<T>()) {  // a training loop's batches: the bytes as they are
+    if (!values.empty()) std::memcpy(storage->host_data(), values.data(), values.size_bytes());
+  } else {
+    for (size_t i = 0; i < values.size(); ++i)
+      store_element(*storage, static_cast<int64_t>(i), values[i]);
+  }
   return from_storage(std::move(storage), std::move(shape), loc);
 }
 template Tensor tensor<float>(std::span<const float>, Shape, std::optional<DType>, const Loc&);
