@@ -427,9 +427,12 @@ inline mt::json::Value measure_workload(Workload& workload, const std::string& n
   const mt::CollectiveStats collectives = mt::collective_stats();
   if (collectives.calls > 0) {  // data parallel: the all_reduce steps and their wall time
     const double n = static_cast<double>(std::max<int64_t>(1, timed_steps));
-    per_step.update({{"collectives", static_cast<double>(collectives.calls) / n},
-                     {"collective_bytes", static_cast<double>(collectives.bytes) / n},
-                     {"collective_seconds", collectives.seconds / n}});
+    per_step.update(
+        {{"collectives", static_cast<double>(collectives.calls) / n},
+         {"collective_bytes", static_cast<double>(collectives.bytes) / n},
+         {"collective_seconds", collectives.seconds / n},
+         {"collective_waited_seconds", collectives.waited_seconds / n},
+         {"steps_beside_collectives", static_cast<double>(collectives.steps_beside) / n}});
   }
   record.emplace("per_step_stats", std::move(per_step));
   if (workload.compile_stats) {

@@ -192,12 +192,19 @@ void DataParallel::average(LeafGradients& gradients) {
   last_buckets_ = 0;
   std::vector<Tensor> averaged;
   for (size_t k = 0; k < types.size(); ++k) {
-    const std::vector<size_t>& members = by_type[k];
+    // The module's parameters backwards, as PyTorch DDP orders them: a backward pass reaches
+    // the last layers first, so the first bucket's gradients are final early, and its
+    // reduction can run beside the rest of the backward pass (runtime/program.h). The first
+    // bucket is small (DDP's 1 MB), so that it is ready soon.
+    std::vector<size_t> members(by_type[k].rbegin(), by_type[k].rend());
     for (size_t first = 0; first < members.size();) {
       std::vector<Tensor> flat;
       int64_t bytes = 0;
       size_t last = first;
-      while (last < members.size() && (last == first || bytes < options_.bucket_bytes)) {
+      const int64_t limit = first == 0
+                                ? std::min(options_.first_bucket_bytes, options_.bucket_bytes)
+                                : options_.bucket_bytes;
+      while (last < members.size() && (last == first || bytes < limit)) {
         const Tensor& g = gradients[members[last]].second;
         flat.push_back(reshape(g.dtype() == types[k] ? g : cast(g, types[k]), {-1}));
         bytes += g.numel() * static_cast<int64_t>(size_of(types[k]));

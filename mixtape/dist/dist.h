@@ -46,6 +46,9 @@ struct DataParallelOptions {
   /// Gradients are reduced in buckets of about this many bytes, as PyTorch DDP's 25 MB ones:
   /// each bucket is one all_reduce node.
   int64_t bucket_bytes = int64_t{25} << 20;
+  /// The first bucket's size (DDP's 1 MB): it holds the last layers' gradients, which the
+  /// backward pass finishes first, so that their reduction starts early.
+  int64_t first_bucket_bytes = int64_t{1} << 20;
   /// Reduce in this type (bf16 halves the bytes moved, as DDP's bf16 compression hook) and
   /// cast back; unset: in each parameter's own type (f32 for f32 master weights, whatever
   /// type autocast gave their gradients, as PyTorch AMP's gradients are f32).

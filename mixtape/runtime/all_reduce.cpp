@@ -4,9 +4,13 @@
 
 #include <algorithm>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <deque>
+#include <future>
 #include <limits>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "mixtape/dsl/convert.h"
@@ -79,9 +83,8 @@ void add_pieces(const Storage& in, int processes, int64_t width, Storage& out) {
   }
 }
 
-// Input 0's host value in `dtype` (the policy may store it otherwise).
-std::shared_ptr<Storage> host_input(const Node& node, DType dtype) {
-  const std::shared_ptr<Storage>& in = node.inputs[0]->value;
+// A host value in `dtype` (the policy may store a collective's input otherwise).
+std::shared_ptr<Storage> converted(const std::shared_ptr<Storage>& in, DType dtype) {
   if (in->dtype == dtype) return in;
   auto out = std::make_shared<Storage>(dtype, in->count, Storage::Uninitialized{});
   for (int64_t i = 0; i < in->count; ++i)
@@ -92,14 +95,15 @@ std::shared_ptr<Storage> host_input(const Node& node, DType dtype) {
   return out;
 }
 
-// Host memory, moved by the installed ProcessGroup.
+// Host memory, moved by the installed ProcessGroup; the input value as the caller took it.
 class HostTransport : public CollectiveTransport {
  public:
-  explicit HostTransport(ProcessGroup& group) : group_(group) {}
+  HostTransport(ProcessGroup& group, std::shared_ptr<Storage> input)
+      : group_(group), input_(std::move(input)) {}
   int rank() const override { return group_.rank(); }
   int size() const override { return group_.size(); }
-  std::shared_ptr<Storage> input(const Node& node, DType dtype) override {
-    return host_input(node, dtype);
+  std::shared_ptr<Storage> input(const Node&, DType dtype) override {
+    return converted(input_, dtype);
   }
   std::shared_ptr<Storage> allocate(const Node& node, DType dtype, int64_t count) override {
     return allocate_value(node, dtype, count, true);
@@ -120,6 +124,59 @@ class HostTransport : public CollectiveTransport {
 
  private:
   ProcessGroup& group_;
+  std::shared_ptr<Storage> input_;
+};
+
+std::shared_ptr<Storage> host_value(const Node& node, std::shared_ptr<Storage> input) {
+  ProcessGroup* group = process_group();
+  if (!group) return converted(input, node.precision.storage_type);
+  HostTransport transport(*group, std::move(input));
+  return collective_value(node, transport);
+}
+
+// The communication thread: collectives run one after another, in the order started, beside the
+// evaluating thread (MPI_THREAD_SERIALIZED: one thread in MPI at a time, and between the runs that
+// start them the evaluating thread makes its own calls only once they are done).
+class CollectiveThread {
+ public:
+  CollectiveThread() : thread_([this] { serve(); }) {}
+  ~CollectiveThread() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    ready_.notify_one();
+    thread_.join();
+  }
+  std::future<std::shared_ptr<Storage>> post(std::packaged_task<std::shared_ptr<Storage>()> job) {
+    auto value = job.get_future();
+    {
+      std::lock_guard lock(mutex_);
+      jobs_.push_back(std::move(job));
+    }
+    ready_.notify_one();
+    return value;
+  }
+
+ private:
+  void serve() {
+    for (;;) {
+      std::packaged_task<std::shared_ptr<Storage>()> job;
+      {
+        std::unique_lock lock(mutex_);
+        ready_.wait(lock, [this] { return stopping_ || !jobs_.empty(); });
+        if (jobs_.empty()) return;
+        job = std::move(jobs_.front());
+        jobs_.pop_front();
+      }
+      job();  // an error goes to the future
+    }
+  }
+  std::mutex mutex_;
+  std::condition_variable ready_;
+  std::deque<std::packaged_task<std::shared_ptr<Storage>()>> jobs_;
+  bool stopping_ = false;
+  std::thread thread_;  // last: started once the rest exists
 };
 
 // Each process sums its chunk bounds[rank] .. bounds[rank + 1] of `in` over every process, in
@@ -230,10 +287,23 @@ std::shared_ptr<Storage> collective_value(const Node& node, CollectiveTransport&
 }
 
 std::shared_ptr<Storage> collective_value(const Node& node) {
-  ProcessGroup* group = process_group();
-  if (!group) return host_input(node, node.precision.storage_type);
-  HostTransport transport(*group);
-  return collective_value(node, transport);
+  return host_value(node, node.inputs[0]->value);
+}
+
+std::future<std::shared_ptr<Storage>> start_collective(const Node& node) {
+  static CollectiveThread thread;
+  return thread.post(std::packaged_task<std::shared_ptr<Storage>()>(
+      [&node, input = node.inputs[0]->value] { return host_value(node, input); }));
+}
+
+void note_collective_wait(double seconds) {
+  std::lock_guard lock(stats_mutex);
+  stats.waited_seconds += seconds;
+}
+
+void note_steps_beside_collectives(int64_t steps) {
+  std::lock_guard lock(stats_mutex);
+  stats.steps_beside += steps;
 }
 
 }  // namespace mixtape

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <future>
 #include <memory>
 #include <span>
 
@@ -17,6 +18,10 @@ struct CollectiveStats {
   int64_t calls = 0;
   int64_t bytes = 0;
   double seconds = 0;
+  /// Of a run that overlaps them (runtime/program.h, overlap_collectives): the seconds the
+  /// evaluating thread waited for collectives, and the steps it ran while one was in flight.
+  double waited_seconds = 0;
+  int64_t steps_beside = 0;
 };
 CollectiveStats collective_stats();
 void reset_collective_stats();
@@ -66,5 +71,12 @@ std::shared_ptr<Storage> all_gather_value(const Node& node, CollectiveTransport&
 std::shared_ptr<Storage> collective_value(const Node& node, CollectiveTransport& transport);
 /// The same through the installed ProcessGroup in host memory; one process: the input.
 std::shared_ptr<Storage> collective_value(const Node& node);
+/// collective_value(node) on the communication thread (one per process, collectives in the order
+/// started), for a run that goes on meanwhile: the input's value is taken now, so the run may
+/// drop the input node's; the node's other fields must stay until the future is ready.
+std::future<std::shared_ptr<Storage>> start_collective(const Node& node);
+/// Counted by run_program for collective_stats().
+void note_collective_wait(double seconds);
+void note_steps_beside_collectives(int64_t steps);
 
 }  // namespace mixtape

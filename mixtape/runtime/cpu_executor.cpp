@@ -17,6 +17,7 @@
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/log.h"
 #include "mixtape/dsl/reusable_buffers.h"
+#include "mixtape/runtime/all_reduce.h"
 #include "mixtape/runtime/attention.h"
 #include "mixtape/runtime/conv.h"
 #include "mixtape/runtime/cpu_kernels.h"
@@ -415,7 +416,8 @@ void replay_cpu(const ExecutedProgram& executed, const std::vector<Node*>& pendi
   } drop_copies;
   replay_outputs() = in_place.empty() ? nullptr : &in_place;
   narrowed_copies().clear();
-  run_program(*executed.program, pending, executed.sig, {run_kernel, run_matmul, run_host_step});
+  run_program(*executed.program, pending, executed.sig,
+              {run_kernel, run_matmul, run_host_step, nullptr, start_collective});
 }
 
 void set_kernel_observer(KernelObserver o) { observer() = std::move(o); }

@@ -7,7 +7,11 @@
 #include <bit>
 #include <chrono>
 #include <cstdlib>
+#include <deque>
+#include <exception>
 #include <map>
+#include <string_view>
+#include <thread>
 #include <type_traits>
 #include <unordered_set>
 
@@ -18,6 +22,7 @@
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/host_memory.h"
 #include "mixtape/dsl/log.h"
+#include "mixtape/dsl/process_group.h"
 #include "mixtape/dsl/sort_by_id.h"
 #include "mixtape/precision_policy/assign.h"
 #include "mixtape/runtime/all_reduce.h"
@@ -26,6 +31,7 @@
 #include "mixtape/runtime/multi_tensor.h"
 
 #define XXH_INLINE_ALL
+#include <omp.h>
 #include <xxhash.h>
 
 namespace mixtape {
@@ -189,6 +195,49 @@ int64_t step_output_bytes(const Step& step, const std::vector<Node*>& pending, c
   return bytes;
 }
 
+bool is_collective_step(const Step& step, const std::vector<Node*>& pending, const Signature& sig) {
+  return step.kind == FusionGroup::Kind::Host &&
+         op_info(sig.resolve(step.node, pending)->op).kind == OpKind::Collective;
+}
+
+// Each collective step moves up to just after the step that stores the last of its inputs (and
+// after the collectives before it: every process runs them in one order), and each step notes the
+// last collective whose value it reads (Step::awaits): a run that starts collectives on another
+// thread (StepRunners::start_collective) goes on with the steps between, a data-parallel
+// bucket's reduction beside the rest of the backward pass.
+void hoist_collectives(Program& program, const std::vector<Node*>& pending, const Signature& sig) {
+  std::vector<Step> steps = std::move(program.steps);
+  program.steps.clear();
+  std::unordered_map<NodeRef, size_t> stored_at;  // in the new order
+  std::vector<NodeRef> reads, writes;
+  size_t after_collectives = 0;
+  for (Step& step : steps) {
+    step_io(step, pending, sig, reads, writes);
+    size_t at = program.steps.size();
+    if (is_collective_step(step, pending, sig)) {
+      at = after_collectives;
+      for (NodeRef ref : reads)
+        if (auto found = stored_at.find(ref); found != stored_at.end())
+          at = std::max(at, found->second + 1);
+      for (auto& entry : stored_at)
+        if (entry.second >= at) ++entry.second;
+      after_collectives = at + 1;
+    }
+    for (NodeRef ref : writes) stored_at[ref] = at;
+    program.steps.insert(program.steps.begin() + static_cast<std::ptrdiff_t>(at), std::move(step));
+  }
+  std::unordered_map<NodeRef, int32_t> collective_of;  // a collective's value -> its step
+  for (size_t i = 0; i < program.steps.size(); ++i) {
+    Step& step = program.steps[i];
+    step_io(step, pending, sig, reads, writes);
+    for (NodeRef ref : reads)
+      if (auto found = collective_of.find(ref); found != collective_of.end())
+        step.awaits = std::max(step.awaits, found->second);
+    if (is_collective_step(step, pending, sig))
+      for (NodeRef ref : writes) collective_of[ref] = static_cast<int32_t>(i);
+  }
+}
+
 // What each step reads and stores, by reference, for the memory plan.
 void plan_memory(Program& program, const std::vector<Node*>& pending, const Signature& sig) {
   std::unordered_map<NodeRef, size_t> last_use;
@@ -269,9 +318,17 @@ void plan_in_place(Program& program, const std::vector<Node*>& pending, const Si
     }
     released.insert(program.release_after[i].begin(), program.release_after[i].end());
     if (program.steps[i].kind == FusionGroup::Kind::Host) {
-      last_host = i;
+      last_host = std::max(last_host, i);
       any_host = true;
     }
+    // A collective started on another thread fails, if it does, where a step awaits it, or at
+    // the end of the run: no kernel before that computes in place.
+    if (program.steps[i].awaits >= 0) last_host = std::max(last_host, i);
+    if (is_collective_step(program.steps[i], pending, sig) &&
+        std::none_of(program.steps.begin() + static_cast<std::ptrdiff_t>(i) + 1,
+                     program.steps.end(),
+                     [&](const Step& later) { return later.awaits == static_cast<int32_t>(i); }))
+      last_host = program.steps.size();
   }
   for (size_t i = 0; i < program.steps.size(); ++i) {
     Step& step = program.steps[i];
@@ -529,6 +586,7 @@ Program build_program(const std::vector<Node*>& pending, const FusionOptions& op
     else
       program.steps.push_back(std::move(steps[i]));
   }
+  hoist_collectives(program, pending, sig);
   plan_memory(program, pending, sig);
   plan_in_place(program, pending, sig);
   return program;
@@ -672,6 +730,53 @@ std::string step_label(const Step& step, const std::vector<Node*>& pending, cons
 }
 }  // namespace
 
+namespace {
+
+// The collectives a run has started on another thread (StepRunners::start_collective) and not
+// yet waited for, in the order every process runs them.
+class CollectivesInFlight {
+ public:
+  ~CollectivesInFlight() {  // a step threw: the thread must be done with the nodes first
+    for (InFlight& c : in_flight_)
+      if (c.value.valid()) c.value.wait();
+  }
+  bool empty() const { return in_flight_.empty(); }
+  void start(size_t step, Node* node, std::future<std::shared_ptr<Storage>> value) {
+    in_flight_.push_back({step, node, std::move(value)});
+  }
+  // Waits for those started at or before `step` (all: SIZE_MAX) and gives each its value;
+  // returns their stored bytes. The first failure is thrown once all are done.
+  int64_t wait_through(size_t step) {
+    const auto start = std::chrono::steady_clock::now();
+    int64_t bytes = 0;
+    std::exception_ptr failure;
+    while (!in_flight_.empty() && in_flight_.front().step <= step) {
+      InFlight c = std::move(in_flight_.front());
+      in_flight_.pop_front();
+      try {
+        c.node->value = c.value.get();
+        bytes += stored_bytes(c.node);
+      } catch (...) {
+        if (!failure) failure = std::current_exception();
+      }
+    }
+    note_collective_wait(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    if (failure) std::rethrow_exception(failure);
+    return bytes;
+  }
+
+ private:
+  struct InFlight {
+    size_t step;
+    Node* node;
+    std::future<std::shared_ptr<Storage>> value;
+  };
+  std::deque<InFlight> in_flight_;
+};
+
+}  // namespace
+
 void run_program(const Program& program, const std::vector<Node*>& pending, const Signature& sig,
                  const StepRunners& run) {
   ++execution_counters().evaluations;
@@ -680,14 +785,21 @@ void run_program(const Program& program, const std::vector<Node*>& pending, cons
   const DeviceTimer* timer = profile ? run.timer : nullptr;
   std::vector<std::string> timed;  // the label of each step the timer marked, in order
   if (timer) timer->elapsed();     // drops the marks of an evaluation that threw midway
+  const bool overlap = run.start_collective && overlap_collectives() && process_count() > 1;
+  CollectivesInFlight in_flight;
+  int64_t steps_beside = 0;  // steps run while a collective was in flight
   // Bytes of this evaluation's stored values alive at once, for peak_bytes.
   int64_t live = 0, peak = 0;
   for (size_t i = 0; i < program.steps.size(); ++i) {
     const Step& step = program.steps[i];
+    if (step.awaits >= 0 && overlap)
+      live += in_flight.wait_through(static_cast<size_t>(step.awaits));
+    steps_beside += in_flight.empty() ? 0 : 1;
     auto start =
         profile ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
     bool marked = timer && step.kind != FusionGroup::Kind::Alias;
     if (marked) timer->mark();
+    bool started = false;
     if (step.kind == FusionGroup::Kind::Alias) {
       // Every back end stores values flat and row-major: a reshape shares its input's storage
       // (counted again below, so peak_bytes errs high while both are alive).
@@ -697,17 +809,23 @@ void run_program(const Program& program, const std::vector<Node*>& pending, cons
       run.kernel(step, pending, sig);
     } else if (step.kind == FusionGroup::Kind::MatMul) {
       run.matmul(step, pending, sig);
+    } else if (Node* node = sig.resolve(step.node, pending);
+               overlap && op_info(node->op).kind == OpKind::Collective) {
+      in_flight.start(i, node, run.start_collective(*node));
+      ++execution_counters().host_ops;  // as the back end counts the collective it runs itself
+      started = true;
     } else {
-      run.host(*sig.resolve(step.node, pending));
+      run.host(*node);
     }
     if (marked) timer->mark();
     if (profile && step.kind != FusionGroup::Kind::Alias) {
       std::string label = step_label(step, pending, sig);
+      if (started) label = "started: " + label;
       profile->add(label,
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
       if (marked) timed.push_back(std::move(label));
     }
-    live += step_output_bytes(step, pending, sig, stored_bytes);
+    if (!started) live += step_output_bytes(step, pending, sig, stored_bytes);
     peak = std::max(peak, live);
     for (NodeRef ref : program.release_after[i]) {
       Node* node = pending[ref];
@@ -715,6 +833,11 @@ void run_program(const Program& program, const std::vector<Node*>& pending, cons
       node->value.reset();
     }
   }
+  if (!in_flight.empty()) {
+    live += in_flight.wait_through(SIZE_MAX);
+    peak = std::max(peak, live);
+  }
+  if (steps_beside > 0) note_steps_beside_collectives(steps_beside);
   if (timer) {
     std::vector<double> seconds = timer->elapsed();
     for (size_t i = 0; i < timed.size() && i < seconds.size(); ++i)
@@ -750,6 +873,26 @@ std::atomic<bool>& in_place_setting() {
   static std::atomic<bool> enabled{on_unless_zero("MIXTAPE_IN_PLACE")};
   return enabled;
 }
+// Overlap needs a core for the communication thread: where this host's processes' OpenMP teams
+// take every core (2 processes of 1 thread on 2 cores), its polls and the hand-offs took 3-15%
+// of a step (char GPT, digits MLP) and hid nothing. MIXTAPE_OVERLAP_COLLECTIVES=1 or 0 decides.
+bool spare_core_for_collectives() {
+  const char* value = std::getenv("MIXTAPE_OVERLAP_COLLECTIVES");
+  if (value && *value) return std::string_view(value) != "0";
+  int local = 1;
+  for (const char* name :
+       {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE"})
+    if (const char* count = std::getenv(name); count && std::atoi(count) > 0) {
+      local = std::atoi(count);
+      break;
+    }
+  const int cores = static_cast<int>(std::thread::hardware_concurrency());
+  return cores > local * omp_get_max_threads();
+}
+std::atomic<bool>& overlap_setting() {
+  static std::atomic<bool> enabled{spare_core_for_collectives()};
+  return enabled;
+}
 }  // namespace
 
 bool multi_tensor_steps() { return multi_tensor_setting().load(); }
@@ -758,6 +901,8 @@ bool matmul_epilogue_steps() { return matmul_epilogue_setting().load(); }
 void set_matmul_epilogue_steps(bool enabled) { matmul_epilogue_setting().store(enabled); }
 bool in_place_outputs() { return in_place_setting().load(std::memory_order_relaxed); }
 void set_in_place_outputs(bool enabled) { in_place_setting().store(enabled); }
+bool overlap_collectives() { return overlap_setting().load(std::memory_order_relaxed); }
+void set_overlap_collectives(bool enabled) { overlap_setting().store(enabled); }
 
 std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs) {
   // Each walk marks the unevaluated nodes it reaches with a number of its own, instead of

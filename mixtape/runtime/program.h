@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <future>
 #include <memory>
 #include <mutex>
 #include <string_view>
@@ -84,6 +85,14 @@ void set_matmul_epilogue_steps(bool enabled);
 /// on unless MIXTAPE_IN_PLACE=0, and settable for tests and benchmarks that compare both.
 bool in_place_outputs();
 void set_in_place_outputs(bool enabled);
+/// Whether a back end that can (the CPU: StepRunners::start_collective) runs a program's
+/// collective steps on the communication thread beside the steps after them, each waited for
+/// before the first step that reads its value. By default where the host has a core beyond its
+/// processes' OpenMP threads (OMPI_COMM_WORLD_LOCAL_SIZE x omp_get_max_threads()), for the
+/// communication thread to run on; MIXTAPE_OVERLAP_COLLECTIVES=1 or 0 decides instead. The values
+/// are the same either way.
+bool overlap_collectives();
+void set_overlap_collectives(bool enabled);
 
 /// The unevaluated nodes that evaluating `outputs` computes, in tape order.
 std::vector<Node*> pending_nodes(const std::vector<NodePtr>& outputs);
@@ -136,6 +145,9 @@ struct Step {
     long edges;
   };
   std::vector<InPlace> in_place;
+  // The last collective step (an index into Program::steps) whose value this step reads, -1 for
+  // none: a collective started on the communication thread is waited for before it.
+  int32_t awaits = -1;
 
   int64_t segments() const { return segment_table.empty() ? 1 : segment_table[0]; }
   /// Whether params[i] is a value the kernel stores (params repeat per segment).
@@ -220,6 +232,9 @@ struct StepRunners {
   void (*host)(Node& node);  // ops without a kernel: gathers, random numbers, ...
   // Null where a step has finished when its runner returns (the CPU: its wall time is its time).
   const DeviceTimer* timer = nullptr;
+  // Where set, a collective step (all_reduce, ...) is started with it on another thread instead
+  // of run by `host`, and its value taken from the future when a later step needs it.
+  std::future<std::shared_ptr<Storage>> (*start_collective)(const Node& node) = nullptr;
 };
 
 /// Runs every step with `run`, drops values as the memory plan says, and records the peak of

@@ -21,6 +21,7 @@
 
 #include "mixtape/runtime/device.h"
 #include "mixtape/runtime/nccl.h"
+#include "mixtape/runtime/program.h"
 #include "tests/test_util.h"
 
 namespace mt = mixtape;
@@ -264,6 +265,30 @@ TEST_F(DataParallel, BucketsAndBf16Reductions) {
       train({.check_each_step = true, .adam = false, .data_parallel = {.reduce_dtype = mt::bf16}});
   EXPECT_NE(bf16.params, one.params);
   expect_close(bf16.params, one.params, 2e-2);
+}
+
+// Buckets in DDP's order (the last layers first) start on the communication thread as soon as
+// their gradients are final, and the backward pass goes on beside them: the same bits as run
+// one after another, traced and replayed.
+TEST_F(DataParallel, ReductionsRunBesideTheBackwardPassWithTheSameBits) {
+  const bool before = mt::overlap_collectives();
+  const mt::dist::DataParallelOptions buckets{.bucket_bytes = 4096, .first_bucket_bytes = 4096};
+  mt::set_overlap_collectives(false);
+  Result apart = train({.adam = false, .data_parallel = buckets});
+  Result apart_compiled = train({.compiled = true, .adam = false, .data_parallel = buckets});
+  mt::set_overlap_collectives(true);
+  mt::reset_collective_stats();
+  Result beside = train({.check_each_step = true, .adam = false, .data_parallel = buckets});
+  const mt::CollectiveStats stats = mt::collective_stats();
+  Result beside_compiled = train({.compiled = true, .adam = false, .data_parallel = buckets});
+  mt::set_overlap_collectives(before);
+  EXPECT_GE(beside.buckets, 3);
+  EXPECT_EQ(beside.params, apart.params);
+  EXPECT_EQ(beside_compiled.params, apart_compiled.params);
+  if (mt::current_device() == mt::Device::cpu) {  // the reference executor runs them in order
+    EXPECT_GT(stats.steps_beside, kSteps) << "steps ran while a bucket's reduction was in flight";
+    EXPECT_GE(beside_compiled.replays, kSteps - 3);
+  }
 }
 
 TEST_F(DataParallel, RankZerosValuesAreTakenAndMismatchedModelsRefused) {
