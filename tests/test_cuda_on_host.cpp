@@ -751,7 +751,7 @@ TEST(CudaOnHost, RankOrderSumStoresTheHostPathsBits) {
                         {mt::f64, mt::f64}, {mt::f32, mt::f64},    {mt::i64, mt::i64},
                         {mt::i32, mt::i64}, {mt::boolean, mt::i64}};
   std::string calls;
-  std::vector<std::unique_ptr<mt::Storage>> wants;
+  std::vector<mt::Tensor> wants;  // output c: case c
   std::vector<float> plain(width);
   for (size_t c = 0; c < std::size(cases); ++c) {
     const auto [dtype, accum] = cases[c];
@@ -765,36 +765,25 @@ TEST(CudaOnHost, RankOrderSumStoresTheHostPathsBits) {
         mt::store_element(pieces, i, v[i]);
       else
         mt::store_element(pieces, i, static_cast<int64_t>(v[i]));
-    wants.push_back(std::make_unique<mt::Storage>(dtype, width));
-    mt::add_pieces_on_host(pieces, processes, width, accum, *wants.back());
+    auto want = std::make_shared<mt::Storage>(dtype, width);
+    mt::add_pieces_on_host(pieces, processes, width, accum, *want);
     if (c == 0) {
       for (int64_t i = 0; i < width; ++i) {
         float acc = pieces.as<float>()[i];
         for (int q = 1; q < processes; ++q) acc += pieces.as<float>()[q * width + i];
         plain[i] = acc;
       }
-      EXPECT_EQ(0, std::memcmp(plain.data(), wants.back()->host_data(), width * sizeof(float)));
+      EXPECT_EQ(0, std::memcmp(plain.data(), want->host_data(), width * sizeof(float)));
     }
     calls += fmt::format("  std::vector<char> in{0} = {1}, out{0}({2});\n", c,
-                         bytes_literal(pieces), wants.back()->size_bytes());
+                         bytes_literal(pieces), want->size_bytes());
     calls += grid_call(
         width, fmt::format("mt_rank_order_sum(in{0}.data(), out{0}.data(), {1}, "
                            "{2}, {3}, {4})",
                            c, static_cast<int>(dtype), static_cast<int>(accum), width, processes));
+    wants.push_back(mt::from_storage(std::move(want), {width}));
   }
-  fs::path dir = fs::temp_directory_path() / fmt::format("mixtape_cuda_sum_{}", ::getpid());
-  fs::create_directories(dir);
-  std::string main_text = "int main() {\n" + calls;
-  for (size_t c = 0; c < wants.size(); ++c)
-    main_text +=
-        fmt::format("  mt_write(\"{}\", out{});\n", (dir / fmt::format("out{}", c)).string(), c);
-  main_text += "}\n";
-  ASSERT_TRUE(compile_and_run(dir, std::string(shim) + fixed_kernels_on_host() + main_text,
-                              "rank-order sum"));
-  for (size_t c = 0; c < wants.size(); ++c)
-    EXPECT_EQ(read_bytes(dir / fmt::format("out{}", c)), bytes_of(*wants[c]))
-        << "dtype " << mt::name(cases[c].dtype) << ", accumulator " << mt::name(cases[c].accum);
-  fs::remove_all(dir);
+  expect_fixed_kernel_outputs(calls, wants, "rank_order_sum");
 }
 
 // The three convolution kernels on windows with strides, padding, dilation and groups, in f32,
