@@ -18,6 +18,7 @@
 #include "mixtape/runtime/cuda_driver.h"
 #include "mixtape/runtime/device.h"
 #include "mixtape/runtime/nccl.h"
+#include "mixtape/runtime/program.h"
 
 #ifdef MIXTAPE_HAVE_MPI
 #include <mpi.h>
@@ -253,6 +254,12 @@ World join_mpi() {
     if (provided < MPI_THREAD_SERIALIZED)
       fail("dist::init: this MPI gives thread level {}, mixtape needs MPI_THREAD_SERIALIZED ({})",
            provided, static_cast<int>(MPI_THREAD_SERIALIZED));
+  } else {
+    // The caller initialized MPI: below SERIALIZED, only the thread that did may call it, so the
+    // collectives stay on the evaluating thread (no overlap with the backward pass).
+    int provided = 0;
+    check(MPI_Query_thread(&provided), "MPI_Query_thread");
+    if (provided < MPI_THREAD_SERIALIZED) set_overlap_collectives(false);
   }
   auto group = std::make_shared<MpiGroup>();
   World world{group->rank(), group->size(), "", "one process"};

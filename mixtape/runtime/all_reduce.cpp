@@ -17,6 +17,7 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/process_group.h"
+#include "mixtape/runtime/device.h"
 
 namespace mixtape {
 namespace {
@@ -292,8 +293,13 @@ std::shared_ptr<Storage> collective_value(const Node& node) {
 
 std::future<std::shared_ptr<Storage>> start_collective(const Node& node) {
   static CollectiveThread thread;
+  // The input moves into the work, so that its buffer goes when the sum is done, not when the
+  // run collects the value; the thread rounds subnormals as the evaluating thread does.
   return thread.post(std::packaged_task<std::shared_ptr<Storage>()>(
-      [&node, input = node.inputs[0]->value] { return host_value(node, input); }));
+      [&node, input = node.inputs[0]->value]() mutable {
+        apply_flush_denormal();
+        return host_value(node, std::move(input));
+      }));
 }
 
 void note_collective_wait(double seconds) {

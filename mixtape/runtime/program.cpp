@@ -2,6 +2,8 @@
 // memory plan.
 #include "mixtape/runtime/program.h"
 
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
 #include <bit>
@@ -200,33 +202,70 @@ bool is_collective_step(const Step& step, const std::vector<Node*>& pending, con
          op_info(sig.resolve(step.node, pending)->op).kind == OpKind::Collective;
 }
 
-// Each collective step moves up to just after the step that stores the last of its inputs (and
-// after the collectives before it: every process runs them in one order), and each step notes the
-// last collective whose value it reads (Step::awaits): a run that starts collectives on another
-// thread (StepRunners::start_collective) goes on with the steps between, a data-parallel
-// bucket's reduction beside the rest of the backward pass.
+// Each collective step, with the steps that exist only to feed it (a bucket's reshapes, casts and
+// concatenation, made after the whole backward pass), moves up to just after the steps that store
+// their inputs, keeping the collectives' own order (every process runs them in one order); each
+// step notes the last collective whose value it reads (Step::awaits). A run that starts
+// collectives on another thread (StepRunners::start_collective) then goes on with the steps
+// between: a data-parallel bucket's reduction beside the rest of the backward pass.
 void hoist_collectives(Program& program, const std::vector<Node*>& pending, const Signature& sig) {
-  std::vector<Step> steps = std::move(program.steps);
-  program.steps.clear();
-  std::unordered_map<NodeRef, size_t> stored_at;  // in the new order
-  std::vector<NodeRef> reads, writes;
-  size_t after_collectives = 0;
-  for (Step& step : steps) {
-    step_io(step, pending, sig, reads, writes);
-    size_t at = program.steps.size();
-    if (is_collective_step(step, pending, sig)) {
-      at = after_collectives;
+  const size_t n = program.steps.size();
+  std::vector<std::vector<size_t>> producers(n), consumers(n);
+  std::vector<bool> required(n, false);  // stores a value the caller asked for
+  std::unordered_set<Node*> stored(sig.stored.begin(), sig.stored.end());
+  {
+    std::unordered_map<NodeRef, size_t> stored_by;
+    std::vector<NodeRef> reads, writes;
+    for (size_t i = 0; i < n; ++i) {
+      step_io(program.steps[i], pending, sig, reads, writes);
       for (NodeRef ref : reads)
-        if (auto found = stored_at.find(ref); found != stored_at.end())
-          at = std::max(at, found->second + 1);
-      for (auto& entry : stored_at)
-        if (entry.second >= at) ++entry.second;
-      after_collectives = at + 1;
+        if (auto found = stored_by.find(ref); found != stored_by.end()) {
+          producers[i].push_back(found->second);
+          consumers[found->second].push_back(i);
+        }
+      for (NodeRef ref : writes) {
+        stored_by[ref] = i;
+        required[i] = required[i] || stored.count(pending[ref]) > 0;
+      }
     }
-    for (NodeRef ref : writes) stored_at[ref] = at;
-    program.steps.insert(program.steps.begin() + static_cast<std::ptrdiff_t>(at), std::move(step));
   }
+  // Where each step goes: (position, rank) sorted, the position an original index. A hoisted
+  // step takes its latest producer's position and a rank after it; the others keep their own.
+  std::vector<std::pair<double, size_t>> place(n);
+  for (size_t i = 0; i < n; ++i) place[i] = {static_cast<double>(i), 0};
+  std::vector<bool> hoisted(n, false);
+  double last_collective = -1;
+  size_t rank = 0;
+  for (size_t c = 0; c < n; ++c) {
+    if (!is_collective_step(program.steps[c], pending, sig)) continue;
+    // The steps whose every reader is in the cone (transitively), found from the collective up.
+    std::vector<bool> cone(n, false);
+    cone[c] = true;
+    for (size_t i = c; i-- > 0;) {
+      if (required[i] || consumers[i].empty() || hoisted[i]) continue;
+      cone[i] = std::all_of(consumers[i].begin(), consumers[i].end(),
+                            [&](size_t reader) { return cone[reader]; });
+    }
+    for (size_t i = 0; i <= c; ++i) {
+      if (!cone[i]) continue;
+      std::pair<double, size_t> at{-1, 0};
+      for (size_t p : producers[i]) at = std::max(at, place[p]);
+      if (i == c) at = std::max(at, std::pair<double, size_t>{last_collective, 0});
+      place[i] = {at.first, ++rank};
+      hoisted[i] = true;
+    }
+    last_collective = place[c].first;
+  }
+  std::vector<size_t> order(n);
+  for (size_t i = 0; i < n; ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return place[a] < place[b]; });
+  std::vector<Step> steps;
+  steps.reserve(n);
+  for (size_t i : order) steps.push_back(std::move(program.steps[i]));
+  program.steps = std::move(steps);
   std::unordered_map<NodeRef, int32_t> collective_of;  // a collective's value -> its step
+  std::vector<NodeRef> reads, writes;
   for (size_t i = 0; i < program.steps.size(); ++i) {
     Step& step = program.steps[i];
     step_io(step, pending, sig, reads, writes);
@@ -327,7 +366,9 @@ void plan_in_place(Program& program, const std::vector<Node*>& pending, const Si
     if (is_collective_step(program.steps[i], pending, sig) &&
         std::none_of(program.steps.begin() + static_cast<std::ptrdiff_t>(i) + 1,
                      program.steps.end(),
-                     [&](const Step& later) { return later.awaits == static_cast<int32_t>(i); }))
+                     [&](const Step& later) {  // a wait waits for every collective before
+                       return later.awaits >= static_cast<int32_t>(i);
+                     }))
       last_host = program.steps.size();
   }
   for (size_t i = 0; i < program.steps.size(); ++i) {
@@ -736,11 +777,26 @@ namespace {
 // yet waited for, in the order every process runs them.
 class CollectivesInFlight {
  public:
-  ~CollectivesInFlight() {  // a step threw: the thread must be done with the nodes first
-    for (InFlight& c : in_flight_)
-      if (c.value.valid()) c.value.wait();
+  // A step threw: the thread must be done with the nodes first, and a collective that finished
+  // keeps its value (recomputing it later on this process alone would be a collective the
+  // others never join).
+  ~CollectivesInFlight() {
+    for (InFlight& c : in_flight_) try {
+        c.node->value = c.value.get();
+      } catch (...) {
+      }
   }
   bool empty() const { return in_flight_.empty(); }
+  // Whether a collective started is still running (not merely not yet waited for).
+  bool running() const {
+    return !in_flight_.empty() &&
+           in_flight_.back().value.wait_for(std::chrono::seconds(0)) != std::future_status::ready;
+  }
+  // Room for one more first: once the job is posted, nothing may fail before it is listed.
+  void reserve() {
+    in_flight_.emplace_back();
+    in_flight_.pop_back();
+  }
   void start(size_t step, Node* node, std::future<std::shared_ptr<Storage>> value) {
     in_flight_.push_back({step, node, std::move(value)});
   }
@@ -787,14 +843,15 @@ void run_program(const Program& program, const std::vector<Node*>& pending, cons
   if (timer) timer->elapsed();     // drops the marks of an evaluation that threw midway
   const bool overlap = run.start_collective && overlap_collectives() && process_count() > 1;
   CollectivesInFlight in_flight;
-  int64_t steps_beside = 0;  // steps run while a collective was in flight
+  int64_t steps_beside = 0;  // compute steps started while a collective was running
   // Bytes of this evaluation's stored values alive at once, for peak_bytes.
   int64_t live = 0, peak = 0;
   for (size_t i = 0; i < program.steps.size(); ++i) {
     const Step& step = program.steps[i];
     if (step.awaits >= 0 && overlap)
       live += in_flight.wait_through(static_cast<size_t>(step.awaits));
-    steps_beside += in_flight.empty() ? 0 : 1;
+    if (step.kind == FusionGroup::Kind::Kernel || step.kind == FusionGroup::Kind::MatMul)
+      steps_beside += in_flight.running() ? 1 : 0;
     auto start =
         profile ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point();
     bool marked = timer && step.kind != FusionGroup::Kind::Alias;
@@ -811,6 +868,7 @@ void run_program(const Program& program, const std::vector<Node*>& pending, cons
       run.matmul(step, pending, sig);
     } else if (Node* node = sig.resolve(step.node, pending);
                overlap && op_info(node->op).kind == OpKind::Collective) {
+      in_flight.reserve();
       in_flight.start(i, node, run.start_collective(*node));
       ++execution_counters().host_ops;  // as the back end counts the collective it runs itself
       started = true;
@@ -886,8 +944,13 @@ bool spare_core_for_collectives() {
       local = std::atoi(count);
       break;
     }
-  const int cores = static_cast<int>(std::thread::hardware_concurrency());
-  return cores > local * omp_get_max_threads();
+  // The cores this process may run on (mpirun binds each process to its own by default)
+  // against its OpenMP team; without binding, the host's cores against all its processes' teams.
+  const int host = static_cast<int>(std::thread::hardware_concurrency());
+  cpu_set_t allowed;
+  const int cores =
+      sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed) : host;
+  return cores < host ? cores > omp_get_max_threads() : cores > local * omp_get_max_threads();
 }
 std::atomic<bool>& overlap_setting() {
   static std::atomic<bool> enabled{spare_core_for_collectives()};
