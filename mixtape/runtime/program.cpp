@@ -9,7 +9,6 @@
 #include <bit>
 #include <chrono>
 #include <cstdlib>
-#include <deque>
 #include <exception>
 #include <map>
 #include <string_view>
@@ -231,10 +230,10 @@ void hoist_collectives(Program& program, const std::vector<Node*>& pending, cons
   }
   // Where each step goes: (position, rank) sorted, the position an original index. A hoisted
   // step takes its latest producer's position and a rank after it; the others keep their own.
-  std::vector<std::pair<double, size_t>> place(n);
-  for (size_t i = 0; i < n; ++i) place[i] = {static_cast<double>(i), 0};
+  std::vector<std::pair<int64_t, size_t>> place(n);
+  for (size_t i = 0; i < n; ++i) place[i] = {static_cast<int64_t>(i), 0};
   std::vector<bool> hoisted(n, false);
-  double last_collective = -1;
+  int64_t last_collective = -1;
   size_t rank = 0;
   for (size_t c = 0; c < n; ++c) {
     if (!is_collective_step(program.steps[c], pending, sig)) continue;
@@ -248,9 +247,9 @@ void hoist_collectives(Program& program, const std::vector<Node*>& pending, cons
     }
     for (size_t i = 0; i <= c; ++i) {
       if (!cone[i]) continue;
-      std::pair<double, size_t> at{-1, 0};
+      std::pair<int64_t, size_t> at{-1, 0};  // inputs from outside the program: the front
       for (size_t p : producers[i]) at = std::max(at, place[p]);
-      if (i == c) at = std::max(at, std::pair<double, size_t>{last_collective, 0});
+      if (i == c) at = std::max(at, std::pair<int64_t, size_t>{last_collective, 0});
       place[i] = {at.first, ++rank};
       hoisted[i] = true;
     }
@@ -793,10 +792,7 @@ class CollectivesInFlight {
            in_flight_.back().value.wait_for(std::chrono::seconds(0)) != std::future_status::ready;
   }
   // Room for one more first: once the job is posted, nothing may fail before it is listed.
-  void reserve() {
-    in_flight_.emplace_back();
-    in_flight_.pop_back();
-  }
+  void reserve() { in_flight_.reserve(in_flight_.size() + 1); }
   void start(size_t step, Node* node, std::future<std::shared_ptr<Storage>> value) {
     in_flight_.push_back({step, node, std::move(value)});
   }
@@ -806,9 +802,9 @@ class CollectivesInFlight {
     const auto start = std::chrono::steady_clock::now();
     int64_t bytes = 0;
     std::exception_ptr failure;
-    while (!in_flight_.empty() && in_flight_.front().step <= step) {
-      InFlight c = std::move(in_flight_.front());
-      in_flight_.pop_front();
+    size_t done = 0;
+    for (; done < in_flight_.size() && in_flight_[done].step <= step; ++done) {
+      InFlight& c = in_flight_[done];
       try {
         c.node->value = c.value.get();
         bytes += stored_bytes(c.node);
@@ -816,6 +812,7 @@ class CollectivesInFlight {
         if (!failure) failure = std::current_exception();
       }
     }
+    in_flight_.erase(in_flight_.begin(), in_flight_.begin() + static_cast<std::ptrdiff_t>(done));
     note_collective_wait(
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     if (failure) std::rethrow_exception(failure);
@@ -828,7 +825,7 @@ class CollectivesInFlight {
     Node* node;
     std::future<std::shared_ptr<Storage>> value;
   };
-  std::deque<InFlight> in_flight_;
+  std::vector<InFlight> in_flight_;
 };
 
 }  // namespace
@@ -931,9 +928,10 @@ std::atomic<bool>& in_place_setting() {
   static std::atomic<bool> enabled{on_unless_zero("MIXTAPE_IN_PLACE")};
   return enabled;
 }
-// Overlap needs a core for the communication thread: where this host's processes' OpenMP teams
-// take every core (2 processes of 1 thread on 2 cores), its polls and the hand-offs took 3-15%
-// of a step (char GPT, digits MLP) and hid nothing. MIXTAPE_OVERLAP_COLLECTIVES=1 or 0 decides.
+// Overlap needs a core for the communication thread: where the processes' OpenMP teams take
+// every core (2 processes of 1 thread on 2 cores), its polls take the core the other process
+// computes on (the digits MLP ran 6% slower, the char GPT no faster). MIXTAPE_OVERLAP_COLLECTIVES=1
+// or 0 decides.
 bool spare_core_for_collectives() {
   const char* value = std::getenv("MIXTAPE_OVERLAP_COLLECTIVES");
   if (value && *value) return std::string_view(value) != "0";
