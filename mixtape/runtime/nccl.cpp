@@ -184,8 +184,8 @@ void init_communicator(int size, int rank, const UniqueId& id) {
   abi::Config config;
   const Result result = api().ncclCommInitRankConfig(&comm, size, id, rank, &config);
   if (result != abi::kSuccess && result != abi::kInProgress) {
-    broken = true;
     if (comm != nullptr) library().api.ncclCommAbort(comm);
+    comm = nullptr;
     check(result, "ncclCommInitRankConfig");
   }
   // Non-blocking: the processes connect in the background, and a missing one is a timeout.
@@ -196,7 +196,8 @@ void init_communicator(int size, int rank, const UniqueId& id) {
 
 void leave_communicator() {
   std::lock_guard lock(comm_mutex);
-  if (comm != nullptr && library().reason.empty()) library().api.ncclCommAbort(comm);
+  // A communicator a failure aborted already (broken) is not aborted twice.
+  if (comm != nullptr && !broken && library().reason.empty()) library().api.ncclCommAbort(comm);
   comm = nullptr;
   comm_size = 0;
   broken = false;
