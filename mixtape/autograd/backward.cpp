@@ -290,17 +290,22 @@ void Tensor::backward(const Tensor& grad, bool retain_graph, const Loc& loc) con
   // since the graph was built (an optimizer step between two backward passes of a retained
   // graph), as PyTorch accumulates into the parameter: the old value and the new one are one
   // parameter. Both values in one graph give the tensor one summed gradient.
+  // Only a tensor reached through an old value can appear twice, so the search for its entry
+  // runs from the first such leaf on: the usual backward (every leaf current) makes no search.
   LeafGradients leaves;
-  std::unordered_map<const TensorImpl*, size_t> slot;
+  bool old_value_seen = false;
   for (auto& [node, g] : grads) {
     if (op_info(node->op).kind != OpKind::Leaf) continue;
     std::shared_ptr<TensorImpl> owner = node->grad_owner.lock();
     if (!owner || !owner->node->requires_grad) continue;
-    auto [it, first] = slot.emplace(owner.get(), leaves.size());
-    if (first)
-      leaves.emplace_back(std::move(owner), std::move(g));
+    old_value_seen = old_value_seen || owner->node.get() != node;
+    auto same = old_value_seen ? std::find_if(leaves.begin(), leaves.end(),
+                                              [&](const auto& l) { return l.first == owner; })
+                               : leaves.end();
+    if (same != leaves.end())
+      same->second = same->second + g;
     else
-      leaves[it->second].second = leaves[it->second].second + g;
+      leaves.emplace_back(std::move(owner), std::move(g));
   }
   GradientHooks& hooks = gradient_hooks();
   if (hooks.count.load(std::memory_order_acquire) > 0) {

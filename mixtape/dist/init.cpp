@@ -1,6 +1,5 @@
 // mixtape/dist/init.cpp -- dist::init: MPI's process group (when this build has MPI and mpirun
 // started the process), or one process and the reason why.
-#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -13,6 +12,7 @@
 #include <vector>
 
 #include "mixtape/dist/dist.h"
+#include "mixtape/dist/exchange.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/process_group.h"
 #include "mixtape/runtime/cuda_driver.h"
@@ -161,15 +161,11 @@ std::string nccl_reason_here(int processes) {
   return nccl::unavailable_reason();
 }
 
-// Whether every process's `ok` is true (an all-gather: every process learns the same).
-bool all_ok(ProcessGroup& group, bool ok) {
-  const int processes = group.size();
-  std::vector<std::byte> each(static_cast<size_t>(processes));
-  const std::byte mine{static_cast<unsigned char>(ok)};
-  std::vector<int64_t> counts(processes, 1), at(processes);
-  for (int q = 0; q < processes; ++q) at[q] = q;
-  group.all_gather(&mine, 1, each.data(), counts, at);
-  return std::all_of(each.begin(), each.end(), [](std::byte b) { return b != std::byte{0}; });
+// "process q: its text" for the first process whose text is not empty; empty when none is.
+std::string first_said(const std::vector<std::string>& texts) {
+  for (size_t q = 0; q < texts.size(); ++q)
+    if (!texts[q].empty()) return fmt::format("process {}: {}", q, texts[q]);
+  return {};
 }
 
 // Makes the NCCL communicator when every process can use NCCL: all or none, agreed over MPI
@@ -178,29 +174,25 @@ bool all_ok(ProcessGroup& group, bool ok) {
 std::string join_nccl(ProcessGroup& group) {
   const int processes = group.size();
   std::string reason = nccl_reason_here(processes);
-  // Each process's GPU by UUID (CUDA_VISIBLE_DEVICES may number one GPU differently in two
-  // processes, or two GPUs alike): NCCL needs a GPU per process. Zeros where NCCL is out.
-  std::array<char, 16> mine{};
+  // The GPU by UUID: CUDA_VISIBLE_DEVICES may number one GPU differently in two processes, or
+  // two GPUs alike, and NCCL needs a GPU per process.
+  std::string gpu;
   if (reason.empty()) try {
-      mine = cuda::device_uuid();
+      const std::array<char, 16> uuid = cuda::device_uuid();
+      gpu.assign(uuid.begin(), uuid.end());
     } catch (const Error& e) {
       reason = e.what();
     }
-  std::vector<std::array<char, 16>> gpus(static_cast<size_t>(processes));
-  std::vector<int64_t> counts(processes, 16), at(processes);
-  for (int q = 0; q < processes; ++q) at[q] = 16 * q;
-  group.all_gather(reinterpret_cast<const std::byte*>(mine.data()), 16,
-                   reinterpret_cast<std::byte*>(gpus.data()), counts, at);
-  if (!reason.empty()) return reason;
-  for (int q = 0; q < processes; ++q) {
-    if (gpus[q] == std::array<char, 16>{}) return fmt::format("process {} cannot use NCCL", q);
+  if (std::string other = first_said(gather_text(group, reason)); !other.empty())
+    return reason.empty() ? other : reason;
+  const std::vector<std::string> gpus = gather_text(group, gpu);
+  for (int q = 0; q < processes; ++q)
     for (int r = 0; r < q; ++r)
       if (gpus[r] == gpus[q])
         return fmt::format(
             "processes {} and {} share a GPU (NCCL needs a GPU per process; "
             "MIXTAPE_CUDA_DEVICE or CUDA_VISIBLE_DEVICES picks one)",
             r, q);
-  }
   // Rank 0's id, and whether it made one, to every process.
   struct {
     nccl::UniqueId id;
@@ -221,9 +213,10 @@ std::string join_nccl(ProcessGroup& group) {
   } catch (const Error& e) {
     failure = e.what();
   }
-  if (all_ok(group, failure.empty())) return {};
+  const std::string other = first_said(gather_text(group, failure));
+  if (other.empty()) return {};
   nccl::leave_communicator();
-  return failure.empty() ? "another process could not join NCCL's communicator" : failure;
+  return failure.empty() ? other : failure;
 }
 
 // The variables that mpirun (Open MPI's, or a PMI/PMIx launcher such as MPICH's or Slurm's)

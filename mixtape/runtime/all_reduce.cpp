@@ -226,6 +226,8 @@ void reset_collective_stats() {
   stats = {};
 }
 
+namespace {
+
 std::shared_ptr<Storage> all_reduce_value(const Node& node, CollectiveTransport& transport) {
   std::shared_ptr<Storage> in = transport.input(node, node.precision.storage_type);
   if (transport.size() == 1) return in;
@@ -273,6 +275,8 @@ std::shared_ptr<Storage> all_gather_value(const Node& node, CollectiveTransport&
   transport.all_gather(*in, bytes, *out, counts, at);
   return out;
 }
+
+}  // namespace
 
 std::shared_ptr<Storage> collective_value(const Node& node, CollectiveTransport& transport) {
   switch (node.op) {

@@ -57,17 +57,14 @@ class CollectiveTransport {
 void add_pieces_on_host(const Storage& pieces, int processes, int64_t width, DType accum,
                         Storage& out);
 
-/// The value of an all_reduce node (input 0 evaluated): each process sums one contiguous chunk
-/// of the elements over every process in rank order (accumulated in f32, f64 for f64, i64 for
-/// integers; rounded once to the node's storage type), then every process gathers every chunk.
-/// So the bits are the same on every process and in every run of the same world size.
-std::shared_ptr<Storage> all_reduce_value(const Node& node, CollectiveTransport& transport);
-/// The value of a reduce_scatter node: this process's equal share of the sum, added as
-/// all_reduce adds (ZeRO-1's gradient reduction).
-std::shared_ptr<Storage> reduce_scatter_value(const Node& node, CollectiveTransport& transport);
-/// The value of an all_gather node: every process's input in rank order (bytes only).
-std::shared_ptr<Storage> all_gather_value(const Node& node, CollectiveTransport& transport);
-/// A collective node's value (all_reduce, reduce_scatter or all_gather) through `transport`.
+/// A collective node's value through `transport`:
+/// - all_reduce: each process sums one contiguous chunk of the elements over every process in
+///   rank order (accumulated in f32, f64 for f64, i64 for integers; rounded once to the node's
+///   storage type), then every process gathers every chunk, so the bits are the same on every
+///   process and in every run of the same world size;
+/// - reduce_scatter: this process's equal share of the sum, added as all_reduce adds (ZeRO-1's
+///   gradient reduction);
+/// - all_gather: every process's input in rank order (bytes only).
 std::shared_ptr<Storage> collective_value(const Node& node, CollectiveTransport& transport);
 /// The same through the installed ProcessGroup in host memory; one process: the input.
 std::shared_ptr<Storage> collective_value(const Node& node);

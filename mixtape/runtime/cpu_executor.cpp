@@ -65,6 +65,13 @@ const std::vector<std::pair<const Node*, std::shared_ptr<Storage>>>*& replay_out
   return list;
 }
 
+// The buffers two or more of a replay's inputs are bound to, sorted: found once per replay, not
+// per in-place output.
+std::vector<const Storage*>& replay_shared_buffers() {
+  thread_local std::vector<const Storage*> shared;
+  return shared;
+}
+
 // Step::in_place in a replay: the buffer replay_cpu lists for param `c.output`, when param
 // `c.input` holds it and no other input of the evaluation does (two nodes bound to one buffer,
 // one of which a later step may read).
@@ -79,8 +86,8 @@ std::shared_ptr<Storage> replay_buffer(const Step& step, const Step::InPlace& c,
   if (found == list.end() || found->first != output) return nullptr;
   const std::shared_ptr<Storage>& buffer = found->second;
   if (input->value != buffer) return nullptr;
-  for (const Node* external : sig.externals)
-    if (external != input && external->value == buffer) return nullptr;
+  const std::vector<const Storage*>& shared = replay_shared_buffers();  // `input` is an input
+  if (std::binary_search(shared.begin(), shared.end(), buffer.get())) return nullptr;
   forget_narrowed_copies(buffer);
   ++stats().outputs_in_place;
   return buffer;
@@ -415,6 +422,18 @@ void replay_cpu(const ExecutedProgram& executed, const std::vector<Node*>& pendi
     }
   } drop_copies;
   replay_outputs() = in_place.empty() ? nullptr : &in_place;
+  if (!in_place.empty()) {
+    thread_local std::vector<const Storage*> bound;
+    bound.clear();
+    for (const Node* external : executed.sig.externals)
+      if (external->value) bound.push_back(external->value.get());
+    std::sort(bound.begin(), bound.end());
+    std::vector<const Storage*>& shared = replay_shared_buffers();
+    shared.clear();
+    for (size_t i = 1; i < bound.size(); ++i)
+      if (bound[i] == bound[i - 1] && (shared.empty() || shared.back() != bound[i]))
+        shared.push_back(bound[i]);
+  }
   narrowed_copies().clear();
   run_program(*executed.program, pending, executed.sig,
               {run_kernel, run_matmul, run_host_step, nullptr, start_collective});

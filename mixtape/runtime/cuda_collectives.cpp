@@ -13,18 +13,13 @@
 namespace mixtape {
 namespace {
 
-bool half_or_f32(DType t) { return t == f32 || is_half(t); }
-
+// Device memory moved by NCCL; the input already in the node's storage dtype.
 class DeviceTransport : public CollectiveTransport {
  public:
+  explicit DeviceTransport(std::shared_ptr<Storage> input) : input_(std::move(input)) {}
   int rank() const override { return process_rank(); }
   int size() const override { return nccl::communicator_size(); }
-  std::shared_ptr<Storage> input(const Node& node, DType dtype) override {
-    const std::shared_ptr<Storage>& in = node.inputs[0]->value;
-    if (in->dtype != dtype) return convert_on_device(*in, dtype);
-    device_address(*in);  // uploaded once, where a host step computed it
-    return in;
-  }
+  std::shared_ptr<Storage> input(const Node&, DType) override { return input_; }
   std::shared_ptr<Storage> allocate(const Node&, DType dtype, int64_t count) override {
     return device_value(dtype, count);
   }
@@ -53,6 +48,9 @@ class DeviceTransport : public CollectiveTransport {
                          Storage& out) override {
     if (width > 0) add_pieces_on_device(pieces, processes, width, accum, out);
   }
+
+ private:
+  std::shared_ptr<Storage> input_;
 };
 
 }  // namespace
@@ -61,9 +59,9 @@ bool run_collective_on_device(Node& node) {
   if (op_info(node.op).kind != OpKind::Collective) return false;
   const int processes = nccl::communicator_size();
   if (processes < 2 || processes != process_count()) return false;
-  const DType from = node.inputs[0]->value->dtype, to = node.precision.storage_type;
-  if (from != to && !(half_or_f32(from) && half_or_f32(to))) return false;
-  DeviceTransport transport;
+  std::shared_ptr<Storage> input = input_on_device(node, 0);
+  if (!input) return false;
+  DeviceTransport transport(std::move(input));
   node.value = collective_value(node, transport);
   return true;
 }

@@ -581,8 +581,8 @@ void launch(cuda::CUfunction function, int64_t elements, void** args) {
   ++execution_counters().kernels;
 }
 
-// Input i's value on the device in the node's storage dtype, or null when that takes a
-// conversion the GPU does not do.
+}  // namespace
+
 std::shared_ptr<Storage> input_on_device(const Node& node, size_t i) {
   std::shared_ptr<Storage> value = node.inputs[i]->value;
   if (value->dtype == node.precision.storage_type) return value;
@@ -590,6 +590,8 @@ std::shared_ptr<Storage> input_on_device(const Node& node, size_t i) {
                      (node.precision.storage_type == f32 || is_half(node.precision.storage_type));
   return convertible ? convert_on_device(*value, node.precision.storage_type) : nullptr;
 }
+
+namespace {
 
 void copy_box(const CopyBox& box, Storage& src, Storage& dst) {
   if (box.count() == 0) return;

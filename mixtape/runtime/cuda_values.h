@@ -19,5 +19,8 @@ std::shared_ptr<Storage> copy_on_device(Storage& value);
 /// A GPU copy of `value` converted to `dtype` (both f32, f16 or bf16), rounded as the CPU
 /// back end's conversions round (RNE).
 std::shared_ptr<Storage> convert_on_device(Storage& value, DType dtype);
+/// Input i's value in the node's storage dtype, converted on the GPU where it must be, or null
+/// when that takes a conversion the GPU does not do (runtime/cuda_fixed_kernels.cpp defines it).
+std::shared_ptr<Storage> input_on_device(const Node& node, size_t i);
 
 }  // namespace mixtape

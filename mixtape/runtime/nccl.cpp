@@ -90,8 +90,9 @@ const Library& library() {
 }
 
 const Api& api() {
-  const std::string reason = unavailable_reason();
-  if (!reason.empty()) fail("NCCL is not available: {}", reason);
+  // Checked without building the reason's text: every transfer passes here.
+  if (!cuda::available() || !library().reason.empty())
+    fail("NCCL is not available: {}", unavailable_reason());
   cuda::driver();  // the device's context current on this thread: NCCL's runtime calls use it
   return library().api;
 }

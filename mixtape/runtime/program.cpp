@@ -235,8 +235,10 @@ void hoist_collectives(Program& program, const std::vector<Node*>& pending, cons
   std::vector<bool> hoisted(n, false);
   int64_t last_collective = -1;
   size_t rank = 0;
+  std::vector<bool> collective(n);
+  for (size_t i = 0; i < n; ++i) collective[i] = is_collective_step(program.steps[i], pending, sig);
   for (size_t c = 0; c < n; ++c) {
-    if (!is_collective_step(program.steps[c], pending, sig)) continue;
+    if (!collective[c]) continue;
     // The steps whose every reader is in the cone (transitively), found from the collective up.
     std::vector<bool> cone(n, false);
     cone[c] = true;
@@ -259,21 +261,15 @@ void hoist_collectives(Program& program, const std::vector<Node*>& pending, cons
   for (size_t i = 0; i < n; ++i) order[i] = i;
   std::stable_sort(order.begin(), order.end(),
                    [&](size_t a, size_t b) { return place[a] < place[b]; });
+  std::vector<int32_t> moved_to(n);
+  for (size_t at = 0; at < n; ++at) moved_to[order[at]] = static_cast<int32_t>(at);
+  for (size_t i = 0; i < n; ++i)
+    for (size_t p : producers[i])
+      if (collective[p]) program.steps[i].awaits = std::max(program.steps[i].awaits, moved_to[p]);
   std::vector<Step> steps;
   steps.reserve(n);
   for (size_t i : order) steps.push_back(std::move(program.steps[i]));
   program.steps = std::move(steps);
-  std::unordered_map<NodeRef, int32_t> collective_of;  // a collective's value -> its step
-  std::vector<NodeRef> reads, writes;
-  for (size_t i = 0; i < program.steps.size(); ++i) {
-    Step& step = program.steps[i];
-    step_io(step, pending, sig, reads, writes);
-    for (NodeRef ref : reads)
-      if (auto found = collective_of.find(ref); found != collective_of.end())
-        step.awaits = std::max(step.awaits, found->second);
-    if (is_collective_step(step, pending, sig))
-      for (NodeRef ref : writes) collective_of[ref] = static_cast<int32_t>(i);
-  }
 }
 
 // What each step reads and stores, by reference, for the memory plan.
@@ -813,8 +809,9 @@ class CollectivesInFlight {
       }
     }
     in_flight_.erase(in_flight_.begin(), in_flight_.begin() + static_cast<std::ptrdiff_t>(done));
-    note_collective_wait(
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+    if (done > 0)
+      note_collective_wait(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     if (failure) std::rethrow_exception(failure);
     return bytes;
   }
