@@ -95,8 +95,10 @@ TEST(InPlaceUpdate, TheSameBitsAsFreshBuffersAndHeldValuesKeepTheirs) {
       }
       mt::reset_execution_stats();
       free_opt->step();
-      // Every parameter, and from the second step every state entry (the first step makes them).
-      const int64_t per_param = step == 0 ? 1 : (name == "AdamW" ? 3 : 2);
+      // Every parameter and every state entry, but SGD's momentum buffer on the first step, which
+      // copies the gradient (torch's clone); AdamW's moments start as zeros it writes over.
+      const bool adam = name == "AdamW";
+      const int64_t per_param = adam ? 3 : (step == 0 ? 1 : 2);
       EXPECT_EQ(mt::execution_stats().outputs_in_place,
                 per_param * static_cast<int64_t>(kShapes.size()));
       // From the second step no new buffer: each parameter is in one the set held before.
@@ -117,7 +119,9 @@ TEST(InPlaceUpdate, TheSameBitsAsFreshBuffersAndHeldValuesKeepTheirs) {
       }
       mt::reset_execution_stats();
       held_opt->step();
-      EXPECT_EQ(mt::execution_stats().outputs_in_place, 0);
+      // Nothing held is written; on the first step AdamW's moments are zeros no one holds yet.
+      EXPECT_EQ(mt::execution_stats().outputs_in_place,
+                step == 0 && adam ? 2 * static_cast<int64_t>(kShapes.size()) : 0);
       for (size_t i = 0; i < kShapes.size(); ++i) {
         EXPECT_EQ(bits_of(old_params[i]), old_bits[i]) << "held parameter " << i;
         EXPECT_EQ(bits_of(free_set.params[i]), bits_of(held_set.params[i])) << "parameter " << i;
@@ -221,6 +225,65 @@ TEST(InPlaceUpdate, CompiledStepsUpdateTheirStateInPlace) {
         EXPECT_EQ(bits_of(b[i]), bits_of(a[i])) << "parameter " << i << " after step " << step;
     }
     EXPECT_GE(compiled_step.stats().replays, 3);
+  }
+}
+
+// Optimizers whose state starts at zero (torch's Adam, AdamW, RMSprop, Lion make it so on the
+// first step) start it as stored zeros, so the first step's update is the program of every later
+// step: the second step builds nothing (no kernel is compiled for the first step alone), and the
+// first step writes its state into those zeros in place, as later steps write theirs. The bits are
+// those of the same update on zeros made by hand (bits of a zero start: 0 * beta + x is x, -0
+// becomes +0).
+TEST(InPlaceUpdate, ZeroStartedStateMakesTheFirstStepTheProgramOfEveryStep) {
+  const std::vector<std::pair<std::string, MakeOptimizer>> kinds = {
+      {"Adam",
+       [](std::vector<mt::Tensor> p) {
+         return std::make_unique<mt::Adam>(std::move(p), mt::AdamOptions{.lr = 1e-2});
+       }},
+      {"AdamW", optimizers()[1].second},
+      {"RMSprop centered momentum",
+       [](std::vector<mt::Tensor> p) {
+         return std::make_unique<mt::RMSprop>(
+             std::move(p), mt::RMSpropOptions{.momentum = 0.9, .centered = true});
+       }},
+      {"Lion", [](std::vector<mt::Tensor> p) { return std::make_unique<mt::Lion>(std::move(p)); }},
+  };
+  const bool programs = mt::current_device() != mt::Device::reference;
+  for (const auto& [name, make] : kinds) {
+    SCOPED_TRACE(name);
+    Problem run(3), by_hand(3);
+    std::unique_ptr<mt::Optimizer> opt = make(run.params);
+    std::vector<int64_t> in_place;
+    for (int step = 0; step < 3; ++step) {
+      for (size_t i = 0; i < kShapes.size(); ++i) run.params[i].set_grad(run.grads[step][i]);
+      mt::reset_execution_stats();
+      opt->step();
+      const mt::ExecutionStats stats = mt::execution_stats();
+      if (programs && step > 0) {
+        EXPECT_EQ(stats.programs_built, 0) << "step " << step;
+        EXPECT_EQ(stats.kernels_compiled, 0) << "step " << step;
+      }
+      // The first step writes over its zeros what later steps write over their state.
+      in_place.push_back(stats.outputs_in_place);
+    }
+    EXPECT_EQ(in_place[0], in_place[1]);
+    EXPECT_EQ(in_place[1], in_place[2]);
+    // The same three steps from state loaded as zeros before the first.
+    std::unique_ptr<mt::Optimizer> loaded = make(by_hand.params);
+    for (size_t i = 0; i < kShapes.size(); ++i) {
+      mt::NamedTensors zeros;
+      for (const auto& [entry, value] : opt->state(i))
+        zeros.emplace_back(entry,
+                           mt::tensor(std::vector<float>(value.numel(), 0.0f), value.shape()));
+      loaded->load_state(i, zeros);
+    }
+    for (int step = 0; step < 3; ++step) {
+      for (size_t i = 0; i < kShapes.size(); ++i)
+        by_hand.params[i].set_grad(by_hand.grads[step][i]);
+      loaded->step();
+    }
+    for (size_t i = 0; i < kShapes.size(); ++i)
+      EXPECT_EQ(bits_of(run.params[i]), bits_of(by_hand.params[i])) << "parameter " << i;
   }
 }
 

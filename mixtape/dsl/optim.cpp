@@ -25,6 +25,13 @@ Tensor* find_state(NamedTensors& state, std::string_view name) {
   return nullptr;
 }
 
+// An entry start_state() added: there from the first update on.
+const Tensor& started_state(NamedTensors& state, std::string_view name) {
+  Tensor* entry = find_state(state, name);
+  if (!entry) fail("optimizer state '{}' was not started before the update", name);
+  return *entry;
+}
+
 void set_state(NamedTensors& state, std::string_view name, Tensor value) {
   if (Tensor* slot = find_state(state, name))
     *slot = std::move(value);
@@ -33,6 +40,15 @@ void set_state(NamedTensors& state, std::string_view name, Tensor value) {
 }
 
 }  // namespace
+
+void Optimizer::start_state(NamedTensors&, const Tensor&) const {}
+
+void Optimizer::add_zero_state(NamedTensors& state, std::string_view name, const Tensor& like) {
+  if (find_state(state, name)) return;
+  state.emplace_back(
+      std::string(name),
+      from_storage(std::make_shared<Storage>(like.dtype(), like.numel()), like.shape()));
+}
 
 Optimizer::Optimizer(std::vector<Tensor> params, const char* kind)
     : params_(std::move(params)), state_(params_.size()), kind_(kind) {
@@ -220,15 +236,16 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
     for (size_t i = 0; i < params_.size(); ++i) {
       Tensor g = params_[i].grad();
       if (!g.defined()) continue;
-      NamedTensors state = state_[i];
       Tensor p = local_part(i, Tensor(params_[i].node()));
       if (!p.defined()) {  // a ZeRO shard of another process: assemble() gives its new value
         updated.push_back(i);
         new_params.emplace_back();
-        new_state.push_back(std::move(state));
+        new_state.push_back(state_[i]);
         continue;
       }
       Tensor local_grad = local_part(i, g.dtype() == p.dtype() ? g : cast(g, p.dtype()));
+      start_state(state_[i], local_grad);
+      NamedTensors state = state_[i];
       Tensor next = update(p, local_grad, state);
       if (skip_.defined()) {
         // State that did not exist yet is kept at zero by a skipped step: for every built-in
@@ -359,7 +376,11 @@ void Optimizer::load_state(size_t param_index, const NamedTensors& state, bool a
 
 void Optimizer::set_steps_taken(int64_t steps) {
   if (steps < 0) fail("{}: step count must be non-negative, got {}", kind_, steps);
-  Tensor next = full({}, static_cast<double>(steps), f64);
+  // Stored, not a fill: the first step then reads the count as every later one does, so that it
+  // runs the same kernels.
+  auto count = std::make_shared<Storage>(f64, 1);
+  count->as<double>()[0] = static_cast<double>(steps);
+  Tensor next = from_storage(std::move(count), {});
   if (step_.defined()) moved_off(step_.node().get(), next.node().get());
   step_ = std::move(next);
 }
@@ -445,22 +466,25 @@ void Adam::begin_step() {
   if (decoupled_ && options.weight_decay != 0) decay_ = 1.0 - lr_value() * options.weight_decay;
 }
 
+void Adam::start_state(NamedTensors& state, const Tensor& grad) const {
+  add_zero_state(state, "exp_avg", grad);
+  add_zero_state(state, "exp_avg_sq", grad);
+}
+
 Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   // Fused arithmetic (dsl/ops.def): three nodes where single ops took fourteen, the same f32
-  // operations in the same order. A first step has no running averages to decay.
+  // operations in the same order. The running averages start at zero (start_state).
   Tensor g = grad;
   if (options.weight_decay != 0 && !decoupled_) g = with_l2_penalty(g, param, options.weight_decay);
-  Tensor* m_prev = find_state(state, "exp_avg");
-  Tensor* v_prev = find_state(state, "exp_avg_sq");
+  const Tensor& m_prev = started_state(state, "exp_avg");
+  const Tensor& v_prev = started_state(state, "exp_avg_sq");
   auto factor = [&](const Tensor& cycled, double fixed, const Tensor& x) {
     return cycled.defined() ? step_scalar(cycled, x.dtype(), x.shape()) : step_constant(fixed, x);
   };
   Tensor rest1 = factor(rest1_, 1 - options.beta1, g);
-  Tensor m =
-      m_prev ? lincomb({*m_prev, factor(beta1_, options.beta1, *m_prev), g, rest1}) : g * rest1;
+  Tensor m = lincomb({m_prev, factor(beta1_, options.beta1, m_prev), g, rest1});
   Tensor rest2 = step_constant(1 - options.beta2, g);
-  Tensor v = v_prev ? lincomb_square({*v_prev, step_constant(options.beta2, *v_prev), g, rest2})
-                    : square(g) * rest2;
+  Tensor v = lincomb_square({v_prev, step_constant(options.beta2, v_prev), g, rest2});
   set_state(state, "exp_avg", m);
   set_state(state, "exp_avg_sq", v);
   bool decays = decoupled_ && options.weight_decay != 0;
@@ -487,17 +511,24 @@ RMSprop::RMSprop(std::vector<Tensor> params, RMSpropOptions options)
     fail("RMSprop: eps must be > 0, weight_decay and momentum >= 0");
 }
 
+bool RMSprop::keeps_momentum() const { return options.momentum > 0 || momentum_value().defined(); }
+
+void RMSprop::start_state(NamedTensors& state, const Tensor& grad) const {
+  // The running means and the momentum buffer start at zero, as torch's.
+  add_zero_state(state, "square_avg", grad);
+  if (options.centered) add_zero_state(state, "grad_avg", grad);
+  if (keeps_momentum()) add_zero_state(state, "momentum_buffer", grad);
+}
+
 Tensor RMSprop::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   Tensor g = grad;
   if (options.weight_decay != 0) g = with_l2_penalty(g, param, options.weight_decay);
-  // The running means start at zero, as torch's.
   auto running = [&](const char* name, bool squared) {
-    Tensor* previous = find_state(state, name);
+    const Tensor& previous = started_state(state, name);
     Tensor rest = step_constant(1 - options.alpha, g);
-    Tensor mean =
-        !previous ? (squared ? square(g) : g) * rest
-        : squared ? lincomb_square({*previous, step_constant(options.alpha, *previous), g, rest})
-                  : lincomb({*previous, step_constant(options.alpha, *previous), g, rest});
+    Tensor mean = squared
+                      ? lincomb_square({previous, step_constant(options.alpha, previous), g, rest})
+                      : lincomb({previous, step_constant(options.alpha, previous), g, rest});
     set_state(state, name, mean);
     return mean;
   };
@@ -506,13 +537,12 @@ Tensor RMSprop::update(const Tensor& param, const Tensor& grad, NamedTensors& st
       options.centered ? sqrt(square_avg - square(running("grad_avg", false))) : sqrt(square_avg);
   Tensor avg = root + step_constant(options.eps, root);
   Tensor step = g / avg;
-  const Tensor& cycled = momentum_value();
-  if (options.momentum > 0 || cycled.defined()) {
-    Tensor* previous = find_state(state, "momentum_buffer");
-    Tensor momentum = !previous          ? Tensor()
-                      : cycled.defined() ? step_scalar(cycled, previous->dtype(), previous->shape())
-                                         : step_constant(options.momentum, *previous);
-    step = previous ? mul_add({*previous, momentum, step}) : step;
+  if (keeps_momentum()) {
+    const Tensor& previous = started_state(state, "momentum_buffer");
+    const Tensor& cycled = momentum_value();
+    Tensor momentum = cycled.defined() ? step_scalar(cycled, previous.dtype(), previous.shape())
+                                       : step_constant(options.momentum, previous);
+    step = mul_add({previous, momentum, step});
     set_state(state, "momentum_buffer", step);
   }
   return sub_mul({param, step, step_scalar(lr_value(), step.dtype(), step.shape())});
@@ -569,21 +599,23 @@ void Lion::begin_step() {
   rest1_ = beta1_.defined() ? 1.0 - beta1_ : Tensor();
 }
 
+void Lion::start_state(NamedTensors& state, const Tensor& grad) const {
+  add_zero_state(state, "exp_avg", grad);  // lion-pytorch starts the momentum at zeros
+}
+
 Tensor Lion::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   Tensor p = param;
   if (options.weight_decay != 0) p = p * step_scalar(decay_, p.dtype(), p.shape());
-  // Absent momentum is zero (lion-pytorch starts it at zeros): 0 * beta + x is x, bit for bit.
-  Tensor* m_prev = find_state(state, "exp_avg");
+  const Tensor& m_prev = started_state(state, "exp_avg");
   auto mix = [&](const Tensor& beta, const Tensor& rest) {
-    return m_prev ? lincomb({*m_prev, beta, grad, rest}) : grad * rest;
+    return lincomb({m_prev, beta, grad, rest});
   };
   auto fixed_mix = [&](double beta) {
-    return mix(m_prev ? step_constant(beta, *m_prev) : Tensor(), step_constant(1 - beta, grad));
+    return mix(step_constant(beta, m_prev), step_constant(1 - beta, grad));
   };
-  Tensor direction = sign(
-      beta1_.defined() ? mix(m_prev ? step_scalar(beta1_, grad.dtype(), grad.shape()) : Tensor(),
-                             step_scalar(rest1_, grad.dtype(), grad.shape()))
-                       : fixed_mix(options.beta1));
+  Tensor direction = sign(beta1_.defined() ? mix(step_scalar(beta1_, grad.dtype(), grad.shape()),
+                                                 step_scalar(rest1_, grad.dtype(), grad.shape()))
+                                           : fixed_mix(options.beta1));
   set_state(state, "exp_avg", fixed_mix(options.beta2));
   return sub_mul({p, direction, step_scalar(lr_value(), direction.dtype(), direction.shape())});
 }

@@ -5,6 +5,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "mixtape/dsl/lr_schedule.h"
@@ -89,6 +90,15 @@ class Optimizer {
  protected:
   /// Called once per step before the update() calls, when step_number() is set.
   virtual void begin_step() {}
+  /// Called before each update() with the parameter's persistent state and the gradient
+  /// update() will get: adds, with add_zero_state(), the entries that start at zero (torch
+  /// creates them as zeros at the first step) where they are missing. The first step then
+  /// builds the graph of every later one, so it runs the same kernels (none compiled for it
+  /// alone), and writes its new state into those buffers in place.
+  virtual void start_state(NamedTensors& state, const Tensor& grad) const;
+  /// Adds entry `name` to `state` as zeros of `like`'s shape and dtype (stored values, not a
+  /// fill the kernels would fold in), unless it is there.
+  static void add_zero_state(NamedTensors& state, std::string_view name, const Tensor& like);
   /// The updated parameter for `param` with gradient `grad`; writes new state into `state`.
   /// State entries whose names start with '~' are private to the optimizer: state() leaves
   /// them out and load_state() drops them.
@@ -205,6 +215,7 @@ class Adam : public Optimizer {
  protected:
   Adam(std::vector<Tensor> params, AdamOptions options, const char* kind, bool decoupled);
   void begin_step() override;
+  void start_state(NamedTensors& state, const Tensor& grad) const override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
   std::string impossible_state(const std::string& name, const Storage& values) const override;
 
@@ -238,8 +249,12 @@ class RMSprop : public Optimizer {
   bool has_momentum() const override { return true; }
 
  protected:
+  void start_state(NamedTensors& state, const Tensor& grad) const override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
   std::string impossible_state(const std::string& name, const Storage& values) const override;
+
+ private:
+  bool keeps_momentum() const;  // a momentum buffer: an option or a cycled momentum
 };
 
 struct AdagradOptions {
@@ -284,6 +299,7 @@ class Lion : public Optimizer {
 
  protected:
   void begin_step() override;
+  void start_state(NamedTensors& state, const Tensor& grad) const override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
 
  private:
