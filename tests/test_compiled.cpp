@@ -398,6 +398,43 @@ TEST(Compiled, APointwiseChainIsOneKernelAndTheSecondRunCompilesNothing) {
   mt::set_device(mt::Device::reference);
 }
 
+// Pointwise kernels walk a contiguous run as one dim (kir::collapse_dims): the same chain over
+// [128, 64], [8192] and [64, 2, 64] is one code, which the second and third shapes take from the
+// first's compile; a broadcast operand keeps its dim apart; the bits are the reference's.
+TEST(Compiled, PointwiseKernelsOfOneRunShareTheirCode) {
+  mt::set_device(mt::Device::cpu);
+  std::vector<std::vector<int64_t>> dims;
+  mt::set_kernel_observer([&](const mt::LoweredKernel& k) { dims.push_back(k.kernel.dims); });
+  std::vector<float> values(8192);
+  for (size_t i = 0; i < values.size(); ++i) values[i] = 0.001f * static_cast<float>(i) - 3.0f;
+  auto chain = [&](const mt::Shape& shape) {
+    mt::Tensor x = mt::tensor(values, shape);
+    return mt::tanh(x * 1.5 + 0.25);
+  };
+  mt::Tensor first = chain({128, 64});
+  mt::eval({first});
+  int64_t compiled_before = mt::execution_stats().kernels_compiled;
+  mt::Tensor flat = chain({8192});
+  mt::eval({flat});  // alone: evaluated together, the two would be one multi-tensor launch
+  mt::Tensor deeper = chain({64, 2, 64});
+  mt::eval({deeper});
+  EXPECT_EQ(mt::execution_stats().kernels_compiled, compiled_before)
+      << "one code for every shape of the run";
+  mt::Tensor bias = mt::tensor(std::vector<float>(64, 0.5f), {64});
+  mt::Tensor broadcast = mt::tensor(values, {128, 64}) * 2.0 + bias;
+  mt::eval({broadcast});
+  mt::set_kernel_observer({});
+  ASSERT_EQ(dims.size(), 4u);
+  EXPECT_EQ(dims[0], (std::vector<int64_t>{8192}));
+  EXPECT_EQ(dims[1], (std::vector<int64_t>{8192}));
+  EXPECT_EQ(dims[2], (std::vector<int64_t>{8192}));
+  EXPECT_EQ(dims[3], (std::vector<int64_t>{128, 64}));
+  std::vector<float> got = deeper.to_vector<float>(), wide = broadcast.to_vector<float>();
+  mt::set_device(mt::Device::reference);
+  EXPECT_EQ(got, chain({64, 2, 64}).to_vector<float>());
+  EXPECT_EQ(wide, (mt::tensor(values, {128, 64}) * 2.0 + bias).to_vector<float>());
+}
+
 // A training loop whose learning rate changes every step, as under a schedule: the rate and
 // Adam's bias corrections are launch-time scalars, so once the step's shape settles nothing is
 // fused, lowered or compiled again; and the results still follow the reference executor.

@@ -1,5 +1,8 @@
-// mixtape/codegen/kernel_ir.cpp -- register types and the readable listing of kernels.
+// mixtape/codegen/kernel_ir.cpp -- register types, kernel listings and loop-nest rewrites.
 #include "mixtape/codegen/kernel_ir.h"
+
+#include <algorithm>
+#include <cstddef>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -116,6 +119,33 @@ bool is_constant_map(const Kernel& kernel, const Affine& map) {
   for (size_t d = 0; d < map.coeff.size() && d < kernel.dims.size(); ++d)
     if (kernel.dims[d] > 1 && map.coeff[d] != 0) return false;
   return true;
+}
+
+void collapse_dims(Kernel& kernel) {
+  if (kernel.is_reduction() || kernel.multi_tensor || kernel.dims.size() < 2) return;
+  std::vector<Affine*> maps;
+  for (Value& v : kernel.body)
+    if (v.op == Op::Load) maps.push_back(&v.map);
+  for (Store& s : kernel.stores) maps.push_back(&s.map);
+  for (const Affine* map : maps)
+    if (map->coeff.size() != kernel.dims.size()) return;
+  auto drop = [&](size_t d) {
+    kernel.dims.erase(kernel.dims.begin() + static_cast<std::ptrdiff_t>(d));
+    for (Affine* map : maps) map->coeff.erase(map->coeff.begin() + static_cast<std::ptrdiff_t>(d));
+  };
+  // A dim of extent 1 adds nothing to any offset, whatever its coefficient.
+  for (size_t d = kernel.dims.size(); d-- > 0 && kernel.dims.size() > 1;)
+    if (kernel.dims[d] == 1) drop(d);
+  for (size_t d = kernel.dims.size() - 1; d-- > 0;) {
+    const int64_t inner = kernel.dims[d + 1];
+    bool one_run = std::all_of(maps.begin(), maps.end(), [&](const Affine* map) {
+      return map->coeff[d] == map->coeff[d + 1] * inner;
+    });
+    if (!one_run) continue;
+    kernel.dims[d] *= inner;
+    for (Affine* map : maps) map->coeff[d] = map->coeff[d + 1];
+    drop(d + 1);
+  }
 }
 
 std::optional<Kernel> multi_tensor_form(const Kernel& kernel, const std::vector<bool>& zero_rank) {

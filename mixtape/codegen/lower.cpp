@@ -80,6 +80,7 @@ class Lowerer {
       else
         k.later_passes[stage.pass - 1].stores.push_back(store);
     }
+    kir::collapse_dims(k);
     std::string listing = kir::to_string(k);
     k.name = "mt_" + hash_string(listing).hex();
     return std::move(out_);
