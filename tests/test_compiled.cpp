@@ -435,6 +435,52 @@ TEST(Compiled, PointwiseKernelsOfOneRunShareTheirCode) {
   EXPECT_EQ(wide, (mt::tensor(values, {128, 64}) * 2.0 + bias).to_vector<float>());
 }
 
+// One-element kernels (the optimizer's step count, bias corrections and learning-rate casts)
+// are one launch: Adam's scalar work is one kernel a step. Two of them that a group between
+// connects (the second reads a product the first feeds) stay two, and compute what the reference
+// does.
+TEST(Compiled, OneElementKernelsMergeUnlessAKernelBetweenConnectsThem) {
+  mt::set_device(mt::Device::cpu);
+  int single = 0, launches = 0;
+  mt::set_kernel_observer([&](const mt::LoweredKernel& k) {
+    ++launches;
+    int64_t n = 1;
+    for (int64_t d : k.kernel.dims) n *= d;
+    if (!k.kernel.multi_tensor && n == 1) ++single;
+  });
+  mt::manual_seed(3);
+  mt::MLP net({8, 16, 4}, mt::Activation::Relu);
+  mt::AdamW opt(net.parameters(), {.lr = 1e-2});
+  mt::Tensor x = mt::randn({32, 8}), y = mt::randn({32, 4});
+  mt::eval({x, y});
+  for (int step = 0; step < 2; ++step) {
+    opt.zero_grad();
+    mt::mse_loss(net(x), y).backward();
+    single = launches = 0;
+    opt.step();
+  }
+  EXPECT_EQ(single, 1) << "of " << launches << " launches";
+
+  mt::Tensor a = mt::tensor(std::vector<float>{1.5f}, {1, 1});
+  mt::Tensor w = mt::tensor(std::vector<float>{0.75f}, {1, 1});
+  auto program = [&] {
+    mt::Tensor twice = a * 2.0 + 1.0;                            // one element
+    mt::Tensor product = mt::matmul(twice, w);                   // a library call reading it
+    return std::vector<mt::Tensor>{twice, product * 0.5 - 3.0};  // one element reading that
+  };
+
+  single = 0;
+  std::vector<mt::Tensor> got = program();
+  mt::eval(got);
+  mt::set_kernel_observer({});
+  EXPECT_EQ(single, 2);
+  double twice = got[0].item(), last = got[1].item();
+  mt::set_device(mt::Device::reference);
+  std::vector<mt::Tensor> want = program();
+  EXPECT_EQ(twice, want[0].item());
+  EXPECT_EQ(last, want[1].item());
+}
+
 // A training loop whose learning rate changes every step, as under a schedule: the rate and
 // Adam's bias corrections are launch-time scalars, so once the step's shape settles nothing is
 // fused, lowered or compiled again; and the results still follow the reference executor.

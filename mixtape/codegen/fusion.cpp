@@ -274,6 +274,7 @@ class Fuser {
     std::sort(out.begin(), out.end(), [](const FusionGroup& a, const FusionGroup& b) {
       return a.members.back()->id < b.members.back()->id;
     });
+    if (options_.fuse) merge_single_element_kernels(out);
     if (log_)
       for (const FusionGroup& group : out) log_group(group);
     return out;
@@ -330,6 +331,75 @@ class Fuser {
   }
 
   uint64_t root_id(size_t g) const { return groups_[g].members.front()->id; }
+
+  // Kernels of a single element (an optimizer's step count and bias corrections, a learning
+  // rate's casts, a clipping coefficient) become one kernel where no group between two of them
+  // reads the first or is read by the second: each was a launch of its own on every step, and
+  // a compile of its own on the first. The merged kernel runs at the first one's place, where
+  // the second's inputs are ready (none comes from a group in between). Each value is computed
+  // by the same operations, so the bits are the same.
+  void merge_single_element_kernels(std::vector<FusionGroup>& groups) const {
+    auto single = [](const FusionGroup& g) {
+      return g.kind == FusionGroup::Kind::Kernel && g.reductions.empty() &&
+             std::all_of(g.members.begin(), g.members.end(),
+                         [](const Node* m) { return numel(m->shape) == 1; });
+    };
+    std::unordered_map<const Node*, size_t> made_by;
+    for (size_t g = 0; g < groups.size(); ++g)
+      for (const Node* m : groups[g].members) made_by[m] = g;
+    auto reads = [&](const FusionGroup& reader, size_t g) {
+      for (const Node* m : reader.members)
+        for (const NodePtr& input : m->inputs)
+          if (auto found = made_by.find(input.get()); found != made_by.end() && found->second == g)
+            return true;
+      return false;
+    };
+    constexpr size_t none = SIZE_MAX;
+    size_t into = none;
+    for (size_t c = 0; c < groups.size(); ++c) {
+      if (!single(groups[c])) continue;
+      bool apart = into != none;
+      for (size_t h = into + 1; apart && h < c; ++h)
+        apart = groups[h].members.empty() || (!reads(groups[h], into) && !reads(groups[c], h));
+      FusionGroup merged;
+      std::string why;
+      if (apart) {
+        merged = groups[into];
+        const FusionGroup& other = groups[c];
+        merged.members.insert(merged.members.end(), other.members.begin(), other.members.end());
+        merged.outputs.insert(merged.outputs.end(), other.outputs.begin(), other.outputs.end());
+        auto by_id = [](const Node* a, const Node* b) { return a->id < b->id; };
+        std::sort(merged.members.begin(), merged.members.end(), by_id);
+        std::sort(merged.outputs.begin(), merged.outputs.end(), by_id);
+        // A value stored only for the other kernel is now read inside this one.
+        std::unordered_set<const Node*> inside(merged.members.begin(), merged.members.end());
+        std::erase_if(merged.outputs, [&](Node* output) {
+          if (required_.count(output)) return false;
+          auto found = users_.find(output);
+          return found == users_.end() ||
+                 std::all_of(found->second.begin(), found->second.end(),
+                             [&](const Node* user) { return inside.count(user) > 0; });
+        });
+        if (static_cast<int>(merged.members.size()) > options_.max_members)
+          why = "the kernel is at its size limit";
+        else if (plan_access(merged, why) && count_params(merged) > options_.max_params)
+          why = "too many kernel parameters";
+      }
+      if (!apart || !why.empty()) {
+        if (apart && log_)
+          log_line("fusion", "not merging the one-element kernel of {} #{} into that of {} #{}: {}",
+                   op_name(groups[c].members.front()->op), groups[c].members.front()->id,
+                   op_name(groups[into].members.front()->op), groups[into].members.front()->id,
+                   why);
+        into = c;
+        continue;
+      }
+      for (const Node* m : groups[c].members) made_by[m] = into;
+      groups[into] = std::move(merged);
+      groups[c].members.clear();
+    }
+    std::erase_if(groups, [](const FusionGroup& g) { return g.members.empty(); });
+  }
 
   // A matmul with the readers its epilogue absorbs (FusionOptions::matmul_epilogue). They are
   // found before placing: placing walks from the newest node, so the relu and the add are placed
