@@ -437,6 +437,35 @@ TEST(Compiled, PointwiseKernelsOfOneRunShareTheirCode) {
   EXPECT_EQ(wide, (mt::tensor(values, {128, 64}) * 2.0 + bias).to_vector<float>());
 }
 
+// A reduction's outer dims and its reduced dims collapse apart: a sum over the two trailing dims
+// of [8, 64, 16] is one loop of 1024 per outer point, a whole-tensor mean of [4096, 16] one loop
+// of 65536 (it was a loop of 16 per row, its lanes summed each row), within the reference's
+// rounding.
+TEST(Compiled, ReductionsCollapseTheirOuterAndReducedDimsApart) {
+  mt::set_device(mt::Device::cpu);
+  std::vector<std::vector<int64_t>> dims;
+  std::vector<int> reduce_from;
+  mt::set_kernel_observer([&](const mt::LoweredKernel& k) {
+    dims.push_back(k.kernel.dims);
+    reduce_from.push_back(k.kernel.reduce_from);
+  });
+  mt::Generator gen(5);
+  mt::Tensor x = mt::randn({8, 64, 16}, mt::f32, &gen), y = mt::randn({4096, 16}, mt::f32, &gen);
+  mt::eval({x, y});
+  auto inner = [&] { return mt::sum(x * 2.0, {1, 2}); };
+  auto whole = [&] { return mt::mean(mt::square(y - 0.5)); };
+  auto [inner_reference, inner_compiled] = both(inner);
+  auto [whole_reference, whole_compiled] = both(whole);
+  mt::set_kernel_observer({});
+  ASSERT_EQ(dims.size(), 2u);
+  EXPECT_EQ(dims[0], (std::vector<int64_t>{8, 1024}));
+  EXPECT_EQ(reduce_from[0], 1);
+  EXPECT_EQ(dims[1], (std::vector<int64_t>{1, 65536}));
+  EXPECT_EQ(reduce_from[1], 1);
+  expect_close_f32(inner_reference, inner_compiled, 1e-5);
+  expect_close_f32(whole_reference, whole_compiled, 1e-5);
+}
+
 // One-element kernels (the optimizer's step count, bias corrections and learning-rate casts)
 // are one launch: Adam's scalar work is one kernel a step. Two of them that a group between
 // connects (the second reads a product the first feeds) stay two, and compute what the reference

@@ -122,21 +122,39 @@ bool is_constant_map(const Kernel& kernel, const Affine& map) {
 }
 
 void collapse_dims(Kernel& kernel) {
-  if (kernel.is_reduction() || kernel.multi_tensor || kernel.dims.size() < 2) return;
+  if (kernel.multi_tensor || kernel.dims.size() < 2) return;
   std::vector<Affine*> maps;
-  for (Value& v : kernel.body)
+  for (int pass = 0; pass < kernel.pass_count(); ++pass) {
+    for (Value& v : pass == 0 ? kernel.body : kernel.later_passes[pass - 1].body)
+      if (v.op == Op::Load) maps.push_back(&v.map);
+    for (Store& s : pass == 0 ? kernel.stores : kernel.later_passes[pass - 1].stores)
+      maps.push_back(&s.map);
+  }
+  for (Value& v : kernel.epilogue)
     if (v.op == Op::Load) maps.push_back(&v.map);
-  for (Store& s : kernel.stores) maps.push_back(&s.map);
+  for (Store& s : kernel.epilogue_stores) maps.push_back(&s.map);
+  // A 0-d value's map has no coefficients: the same element at every point, whatever the dims.
+  std::erase_if(maps, [](const Affine* map) { return map->coeff.empty(); });
   for (const Affine* map : maps)
     if (map->coeff.size() != kernel.dims.size()) return;
-  auto drop = [&](size_t d) {
-    kernel.dims.erase(kernel.dims.begin() + static_cast<std::ptrdiff_t>(d));
-    for (Affine* map : maps) map->coeff.erase(map->coeff.begin() + static_cast<std::ptrdiff_t>(d));
+  // The outer dims and the reduced ones are rewritten apart, each kept at one dim at least.
+  auto rank = [&] { return static_cast<int>(kernel.dims.size()); };
+  auto segment_end = [&](int d) {
+    return kernel.is_reduction() && d < kernel.reduce_from ? kernel.reduce_from : rank();
+  };
+  auto segment_start = [&](int d) {
+    return kernel.is_reduction() && d >= kernel.reduce_from ? kernel.reduce_from : 0;
+  };
+  auto drop = [&](int d) {
+    kernel.dims.erase(kernel.dims.begin() + d);
+    for (Affine* map : maps) map->coeff.erase(map->coeff.begin() + d);
+    if (kernel.is_reduction() && d < kernel.reduce_from) --kernel.reduce_from;
   };
   // A dim of extent 1 adds nothing to any offset, whatever its coefficient.
-  for (size_t d = kernel.dims.size(); d-- > 0 && kernel.dims.size() > 1;)
-    if (kernel.dims[d] == 1) drop(d);
-  for (size_t d = kernel.dims.size() - 1; d-- > 0;) {
+  for (int d = rank(); d-- > 0;)
+    if (kernel.dims[d] == 1 && segment_end(d) - segment_start(d) > 1) drop(d);
+  for (int d = rank() - 1; d-- > 0;) {
+    if (segment_end(d) != segment_end(d + 1)) continue;  // d is the last outer dim
     const int64_t inner = kernel.dims[d + 1];
     bool one_run = std::all_of(maps.begin(), maps.end(), [&](const Affine* map) {
       return map->coeff[d] == map->coeff[d + 1] * inner;

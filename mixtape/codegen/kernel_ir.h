@@ -178,14 +178,15 @@ struct Kernel {
 bool is_identity_map(const Kernel& kernel, const Affine& map);
 bool is_constant_map(const Kernel& kernel, const Affine& map);
 
-/// Rewrites a pointwise kernel's loop nest into the fewest dims that visit the same points in
-/// the same order: drops dims of extent 1 and merges each pair of adjacent dims that every map
-/// walks as one run (the outer dim's coefficient is the inner one's times its extent). Kernels
-/// that differ only in how a contiguous run is shaped ([128, 64], [8192]) then have the same
-/// code, which one compile serves (the executor passes the outer extent), and a short inner
-/// dim ([256, 10]) no longer caps the vectorized loop. Reductions are left as they are: their
-/// loop nest decides how their sums are split. Each point computes what it did, so the bits
-/// are the same.
+/// Rewrites a kernel's loop nest into the fewest dims that visit the same points in the same
+/// order: drops dims of extent 1 and merges each pair of adjacent dims that every map walks as
+/// one run (the outer dim's coefficient is the inner one's times its extent); a reduction's
+/// outer dims and reduced dims each apart. Kernels that differ only in how a contiguous run is
+/// shaped ([128, 64], [8192]) then have the same code, which one compile serves (the executor
+/// passes the outer extent), and a short inner dim ([256, 10], a loss's [4096, 16]) no longer
+/// caps the vectorized loop. Pointwise values and sequential sums keep their bits; a fast sum
+/// (fadd reassoc) over merged reduced dims is split into lanes along one loop instead of
+/// per row, which rounds differently within the usual tolerance.
 void collapse_dims(Kernel& kernel);
 
 /// The multi-tensor form of a pointwise kernel, or of a single-pass whole-tensor reduction
