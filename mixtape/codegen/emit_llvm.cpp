@@ -5,6 +5,7 @@
 #include <cmath>
 #include <optional>
 #include <set>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -126,7 +127,8 @@ class Emitter {
         line("%acc{}.addr = alloca {}", r, t);
       acc_ptr_.push_back(fmt::format("%acc{}.addr", r));
       acc_value_.push_back(fmt::format("%acc{}", r));
-      if (vector_columns_) line("%vacc{}.addr = alloca {}", r, vector_type(k_.reductions[r].type));
+      if (vector_columns_)
+        line("%vacc{}.addr = alloca <{} x {}>", r, column_lanes, llvm_type(k_.reductions[r].type));
     }
     if (vector_columns_) line("%vb.addr = alloca i64");
   }
@@ -245,22 +247,27 @@ class Emitter {
 
   int acc_bytes(size_t r) const { return k_.reductions[r].type == Type::f32 ? 4 : 8; }
 
-  std::string vector_type(Type type) const {
-    return fmt::format("<{} x {}>", column_lanes, llvm_type(type));
+  // How a register is spelled: the element, or a vector of lanes_ of them while the emitter
+  // writes column blocks (vector_column_blocks).
+  std::string lanes(const char* element) const {
+    return lanes_ == 1 ? std::string(element) : fmt::format("<{} x {}>", lanes_, element);
   }
-  static std::string vector_of(const char* element, const std::string& literal) {
+  std::string ty(Type type) const { return lanes(llvm_type(type)); }
+  // A constant in every lane.
+  std::string lit(const char* element, const std::string& value) const {
+    if (lanes_ == 1) return value;
     std::string text = "<";
-    for (int l = 0; l < column_lanes; ++l)
-      text += fmt::format("{}{} {}", l ? ", " : "", element, literal);
+    for (int l = 0; l < lanes_; ++l) text += fmt::format("{}{} {}", l ? ", " : "", element, value);
     return text + ">";
   }
+  std::string zero(const char* scalar) const { return lanes_ == 1 ? scalar : "zeroinitializer"; }
+
   // `scalar` (an SSA value of `element` type) in every lane.
   std::string broadcast(const char* element, const std::string& scalar) {
     std::string one = tmp(), all = tmp();
-    line("{} = insertelement <{} x {}> poison, {} {}, i64 0", one, column_lanes, element, element,
-         scalar);
-    line("{} = shufflevector <{} x {}> {}, <{} x {}> poison, <{} x i32> zeroinitializer", all,
-         column_lanes, element, one, column_lanes, element, column_lanes);
+    const std::string v = lanes(element);
+    line("{} = insertelement {} poison, {} {}, i64 0", one, v, element, scalar);
+    line("{} = shufflevector {} {}, {} poison, <{} x i32> zeroinitializer", all, v, one, v, lanes_);
     return all;
   }
 
@@ -278,32 +285,38 @@ class Emitter {
     line("%vb.fits = icmp sle i64 %vb.end, {}", last);
     line("br i1 %vb.fits, label %vb.body, label %vb.rest");
     label("vb.body");
-    for (size_t r = 0; r < k_.reductions.size(); ++r) {
-      std::string t = vector_type(k_.reductions[r].type), at = tmp(), init = tmp();
-      line("{} = getelementptr inbounds {}, ptr %acc{}.addr, i64 %vb", at,
-           llvm_type(k_.reductions[r].type), r);
-      // The accumulator array is aligned to its elements only.
-      line("{} = load {}, ptr {}, align {}", init, t, at, acc_bytes(r));
-      line("store {} {}, ptr %vacc{}.addr", t, init, r);
-    }
+    lanes_ = column_lanes;
+    vector_dim_ = column_dim;
+    auto block_accumulators = [&](bool load) {  // the accumulator array's lanes <-> registers
+      for (size_t r = 0; r < k_.reductions.size(); ++r) {
+        const kir::Reduction& red = k_.reductions[r];
+        std::string t = ty(red.type), at = tmp(), value = tmp();
+        line("{} = getelementptr inbounds {}, ptr %acc{}.addr, i64 %vb", at, llvm_type(red.type),
+             r);
+        // The accumulator array is aligned to its elements only.
+        if (load) {
+          line("{} = load {}, ptr {}, align {}", value, t, at, acc_bytes(r));
+          line("store {} {}, ptr %vacc{}.addr", t, value, r);
+        } else {
+          line("{} = load {}, ptr %vacc{}.addr", value, t, r);
+          line("store {} {}, ptr {}, align {}", t, value, at, acc_bytes(r));
+        }
+      }
+    };
+    block_accumulators(true);
     inner_loops(parallel + 1, rank, std::string(".v"), [&] {
       var_[column_dim] = "%vb";
-      vector_values(column_dim);
-      for (const kir::Store& st : k_.stores) vector_store(st);
+      values(k_.body, "w");
+      stores(k_.stores);
       for (size_t r = 0; r < k_.reductions.size(); ++r) {
-        std::string t = vector_type(k_.reductions[r].type), acc = tmp(), next = tmp();
+        std::string t = ty(k_.reductions[r].type), acc = tmp(), next = tmp();
         line("{} = load {}, ptr %vacc{}.addr", acc, t, r);
         line("{} = fadd {} {}, {}", next, t, acc, names_[k_.reductions[r].value]);
         line("store {} {}, ptr %vacc{}.addr", t, next, r);
       }
     });
-    for (size_t r = 0; r < k_.reductions.size(); ++r) {
-      std::string t = vector_type(k_.reductions[r].type), sum = tmp(), at = tmp();
-      line("{} = load {}, ptr %vacc{}.addr", sum, t, r);
-      line("{} = getelementptr inbounds {}, ptr %acc{}.addr, i64 %vb", at,
-           llvm_type(k_.reductions[r].type), r);
-      line("store {} {}, ptr {}, align {}", t, sum, at, acc_bytes(r));
-    }
+    block_accumulators(false);
+    lanes_ = 1;
     line("store i64 %vb.end, ptr %vb.addr");
     line("br label %vb.head");
     label("vb.rest");
@@ -313,219 +326,6 @@ class Emitter {
     column_passes(parallel, rank, column_dim, "%vb");
     line("br label %vb.done");
     label("vb.done");
-  }
-
-  void vector_values(int column_dim) {
-    const std::vector<Value>& list = k_.body;
-    names_.assign(list.size(), "");
-    for (size_t i = 0; i < list.size(); ++i)
-      names_[i] = vector_value(list[i], fmt::format("%w{}", i), list, column_dim);
-  }
-
-  std::string vector_value(const Value& v, const std::string& r, const std::vector<Value>& list,
-                           int column_dim) {
-    const std::string t = vector_type(v.type);
-    auto operand = [&](int32_t id) { return names_[id]; };
-    auto operand_type = [&](int32_t id) { return list[id].type; };
-    const bool f = v.a >= 0 && is_float(operand_type(v.a));
-    switch (v.op) {
-      case Op::Const:
-        return vector_of(llvm_type(v.type), constant(v.type, v.imm));
-      case Op::Scalar:
-        if (v.type == Type::f64) return broadcast("double", fmt::format("%s{}", v.param));
-        line("{}.s = fptrunc double %s{} to float", r, v.param);
-        return broadcast("float", r + ".s");
-      case Op::Load:
-        return vector_load(v, column_dim);
-      case Op::Neg:
-        if (f)
-          line("{} = fneg {} {}", r, t, operand(v.a));
-        else
-          line("{} = sub {} zeroinitializer, {}", r, t, operand(v.a));
-        return r;
-      case Op::Or:
-        line("{} = or {} {}, {}", r, t, operand(v.a), operand(v.b));
-        return r;
-      case Op::Select:
-        line("{} = select {} {}, {} {}, {} {}", r, vector_type(Type::i1), operand(v.a), t,
-             operand(v.b), t, operand(v.c));
-        return r;
-      case Op::IsNan:
-        line("{} = fcmp uno {} {}, {}", r, vector_type(operand_type(v.a)), operand(v.a),
-             operand(v.a));
-        return r;
-      case Op::Sqrt: {
-        std::string name =
-            fmt::format("llvm.sqrt.v{}{}", column_lanes, v.type == Type::f32 ? "f32" : "f64");
-        declare(fmt::format("declare {} @{}({})", t, name, t));
-        line("{} = call {} @{}({} {})", r, t, name, t, operand(v.a));
-        return r;
-      }
-      case Op::Convert:
-        return vector_convert(r, operand(v.a), operand_type(v.a), v.type);
-      case Op::RoundTo:
-        return vector_round(v, operand(v.a));
-      default: {
-        const kir::OpTraits& op = kir::traits(v.op);
-        if (op.form == kir::OpForm::Arith) {
-          line("{} = {} {} {}, {}", r, f ? op.llvm_float : op.llvm_int, t, operand(v.a),
-               operand(v.b));
-          return r;
-        }
-        Type ot = operand_type(v.a);
-        line("{} = {} {} {} {}, {}", r, is_float(ot) ? "fcmp" : "icmp",
-             is_float(ot) ? op.llvm_float : op.llvm_int, vector_type(ot), operand(v.a),
-             operand(v.b));
-        return r;
-      }
-    }
-  }
-
-  // Storage elements as LLVM spells them in memory, and their bytes (the loads' alignment).
-  static std::pair<const char*, int> memory_element(DType dtype) {
-    switch (dtype) {
-      case DType::f32:
-        return {"float", 4};
-      case DType::f64:
-        return {"double", 8};
-      case DType::f16:
-        return {"half", 2};
-      case DType::bf16:
-        return {"i16", 2};
-      case DType::i32:
-        return {"i32", 4};
-      case DType::i64:
-        return {"i64", 8};
-      case DType::boolean:
-        return {"i8", 1};
-    }
-    return {"i8", 1};
-  }
-
-  std::string vector_load(const Value& v, int column_dim) {
-    if (column_step(v.map, column_dim) == 0) {  // the same element in every column
-      const char* element = llvm_type(v.type);
-      return broadcast(element, load(v));
-    }
-    DType dtype = k_.params[v.param].dtype;
-    auto [element, bytes] = memory_element(dtype);
-    std::string off = offset(v.map), ptr = tmp(), raw = tmp();
-    std::string memory = fmt::format("<{} x {}>", column_lanes, element);
-    line("{} = getelementptr inbounds {}, ptr %p{}, i64 {}", ptr, element, v.param, off);
-    line("{} = load {}, ptr {}, align {}{}", raw, memory, ptr, bytes, alias_tags(v.param));
-    std::string r = tmp();
-    switch (dtype) {
-      case DType::f32:
-      case DType::f64:
-      case DType::i64:
-        return raw;
-      case DType::f16:
-        line("{} = fpext {} {} to {}", r, memory, raw, vector_type(Type::f32));
-        return r;
-      case DType::bf16: {
-        std::string wide = tmp(), shifted = tmp();
-        line("{} = zext {} {} to <{} x i32>", wide, memory, raw, column_lanes);
-        line("{} = shl <{} x i32> {}, {}", shifted, column_lanes, wide, vector_of("i32", "16"));
-        line("{} = bitcast <{} x i32> {} to {}", r, column_lanes, shifted, vector_type(Type::f32));
-        return r;
-      }
-      case DType::i32:
-        line("{} = sext {} {} to {}", r, memory, raw, vector_type(Type::i64));
-        return r;
-      case DType::boolean:
-        line("{} = icmp ne {} {}, zeroinitializer", r, memory, raw);
-        return r;
-    }
-    return raw;
-  }
-
-  void vector_store(const kir::Store& st) {
-    DType dtype = k_.params[st.param].dtype;
-    auto [element, bytes] = memory_element(dtype);
-    std::string value = names_[st.value], stored = value;
-    std::string memory = fmt::format("<{} x {}>", column_lanes, element);
-    switch (dtype) {
-      case DType::f32:
-      case DType::f64:
-      case DType::i64:
-        break;
-      case DType::f16:  // the value is already rounded: the truncation is exact
-        stored = tmp();
-        line("{} = fptrunc {} {} to {}", stored, vector_type(Type::f32), value, memory);
-        break;
-      case DType::bf16: {
-        std::string bits = tmp(), hi = tmp();
-        stored = tmp();
-        line("{} = bitcast {} {} to <{} x i32>", bits, vector_type(Type::f32), value, column_lanes);
-        line("{} = lshr <{} x i32> {}, {}", hi, column_lanes, bits, vector_of("i32", "16"));
-        line("{} = trunc <{} x i32> {} to {}", stored, column_lanes, hi, memory);
-        break;
-      }
-      case DType::i32:
-        stored = tmp();
-        line("{} = trunc {} {} to {}", stored, vector_type(Type::i64), value, memory);
-        break;
-      case DType::boolean:
-        stored = tmp();
-        line("{} = zext {} {} to {}", stored, vector_type(Type::i1), value, memory);
-        break;
-    }
-    std::string off = offset(st.map), ptr = tmp();
-    line("{} = getelementptr inbounds {}, ptr %p{}, i64 {}", ptr, element, st.param, off);
-    line("store {} {}, ptr {}, align {}{}", memory, stored, ptr, bytes, alias_tags(st.param));
-  }
-
-  std::string vector_convert(const std::string& r, const std::string& a, Type from, Type to) {
-    if (from == to) return a;
-    const std::string f = vector_type(from), t = vector_type(to);
-    if (from == Type::f32 && to == Type::f64)
-      line("{} = fpext {} {} to {}", r, f, a, t);
-    else if (from == Type::f64 && to == Type::f32)
-      line("{} = fptrunc {} {} to {}", r, f, a, t);
-    else if (is_float(from) && to == Type::i64)
-      line("{} = fptosi {} {} to {}", r, f, a, t);
-    else if (is_float(from) && to == Type::i1)
-      line("{} = fcmp une {} {}, zeroinitializer", r, f, a);
-    else if (from == Type::i64 && is_float(to))
-      line("{} = sitofp {} {} to {}", r, f, a, t);
-    else if (from == Type::i64 && to == Type::i1)
-      line("{} = icmp ne {} {}, zeroinitializer", r, f, a);
-    else if (from == Type::i1 && to == Type::i64)
-      line("{} = zext {} {} to {}", r, f, a, t);
-    else if (from == Type::i1 && is_float(to))
-      line("{} = uitofp {} {} to {}", r, f, a, t);
-    else
-      fail("llvm emitter: no conversion from {} to {}", f, t);
-    return r;
-  }
-
-  // round_to's f32 cases (bf16 in integer operations, f16 through half), lane by lane.
-  std::string vector_round(const Value& v, const std::string& x) {
-    const std::string ft = vector_type(Type::f32);
-    const std::string it = fmt::format("<{} x i32>", column_lanes);
-    if (v.dtype == DType::f16) {
-      std::string h = tmp(), back = tmp();
-      line("{} = fptrunc {} {} to <{} x half>", h, ft, x, column_lanes);
-      line("{} = fpext <{} x half> {} to {}", back, column_lanes, h, ft);
-      return back;
-    }
-    auto k = [&](const char* literal) { return vector_of("i32", literal); };
-    std::string bits = tmp(), mag = tmp(), nan = tmp(), lsb = tmp(), lsb1 = tmp(), bias = tmp(),
-                sum = tmp(), rounded = tmp(), hi = tmp(), quiet = tmp(), pick = tmp(),
-                result = tmp();
-    line("{} = bitcast {} {} to {}", bits, ft, x, it);
-    line("{} = and {} {}, {}", mag, it, bits, k("2147483647"));
-    line("{} = icmp ugt {} {}, {}", nan, it, mag, k("2139095040"));
-    line("{} = lshr {} {}, {}", lsb, it, bits, k("16"));
-    line("{} = and {} {}, {}", lsb1, it, lsb, k("1"));
-    line("{} = add {} {}, {}", bias, it, lsb1, k("32767"));
-    line("{} = add {} {}, {}", sum, it, bits, bias);
-    line("{} = and {} {}, {}", rounded, it, sum, k("-65536"));
-    line("{} = and {} {}, {}", hi, it, bits, k("-65536"));
-    line("{} = or {} {}, {}", quiet, it, hi, k("4194304"));
-    line("{} = select <{} x i1> {}, {} {}, {} {}", pick, column_lanes, nan, it, quiet, it, rounded);
-    line("{} = bitcast {} {} to {}", result, it, pick, ft);
-    return result;
   }
 
   // One sweep over the inner dims per pass; a pass's reductions are final when it ends, and
@@ -841,19 +641,21 @@ class Emitter {
     std::string bits = tmp(), mag = tmp(), nan = tmp(), lsb = tmp(), lsb1 = tmp(), bias = tmp(),
                 sum = tmp(), rounded = tmp(), hi = tmp(), quiet = tmp(), pick = tmp(), out = tmp(),
                 result = tmp();
-    line("{} = bitcast float {} to i32", bits, x);
-    line("{} = and i32 {}, 2147483647", mag, bits);
-    line("{} = icmp ugt i32 {}, 2139095040", nan, mag);
-    line("{} = lshr i32 {}, 16", lsb, bits);
-    line("{} = and i32 {}, 1", lsb1, lsb);
-    line("{} = add i32 {}, 32767", bias, lsb1);
-    line("{} = add i32 {}, {}", sum, bits, bias);
-    line("{} = and i32 {}, -65536", rounded, sum);
-    line("{} = and i32 {}, -65536", hi, bits);
-    line("{} = or i32 {}, 4194304", quiet, hi);
-    line("{} = select i1 {}, i32 {}, i32 {}", pick, nan, quiet, rounded);
-    line("{} = add i32 {}, 0", out, pick);
-    line("{} = bitcast i32 {} to float", result, out);
+    const std::string i32 = lanes("i32"), f32 = ty(Type::f32);
+    auto k = [&](const char* value) { return lit("i32", value); };
+    line("{} = bitcast {} {} to {}", bits, f32, x, i32);
+    line("{} = and {} {}, {}", mag, i32, bits, k("2147483647"));
+    line("{} = icmp ugt {} {}, {}", nan, i32, mag, k("2139095040"));
+    line("{} = lshr {} {}, {}", lsb, i32, bits, k("16"));
+    line("{} = and {} {}, {}", lsb1, i32, lsb, k("1"));
+    line("{} = add {} {}, {}", bias, i32, lsb1, k("32767"));
+    line("{} = add {} {}, {}", sum, i32, bits, bias);
+    line("{} = and {} {}, {}", rounded, i32, sum, k("-65536"));
+    line("{} = and {} {}, {}", hi, i32, bits, k("-65536"));
+    line("{} = or {} {}, {}", quiet, i32, hi, k("4194304"));
+    line("{} = select {} {}, {} {}, {} {}", pick, ty(Type::i1), nan, i32, quiet, i32, rounded);
+    line("{} = add {} {}, {}", out, i32, pick, k("0"));
+    line("{} = bitcast {} {} to {}", result, i32, out, f32);
     return result;
   }
 
@@ -881,148 +683,140 @@ class Emitter {
   std::string round_to(const Value& v, const std::string& a, Type from) {
     if (v.dtype == DType::i32) {
       std::string narrow = tmp(), wide = tmp();
-      line("{} = trunc i64 {} to i32", narrow, a);
-      line("{} = sext i32 {} to i64", wide, narrow);
+      line("{} = trunc {} {} to {}", narrow, ty(Type::i64), a, lanes("i32"));
+      line("{} = sext {} {} to {}", wide, lanes("i32"), narrow, ty(Type::i64));
       return wide;
     }
     std::string x = from == Type::f64 ? round_to_odd(a) : a;
     if (v.dtype == DType::bf16) return round_bf16(x);
     std::string h = tmp(), back = tmp();
-    line("{} = fptrunc float {} to half", h, x);
-    line("{} = fpext half {} to float", back, h);
+    line("{} = fptrunc {} {} to {}", h, ty(Type::f32), x, lanes("half"));
+    line("{} = fpext {} {} to {}", back, lanes("half"), h, ty(Type::f32));
     return back;
   }
 
   std::string convert(const std::string& a, Type from, Type to) {
     std::string r = tmp();
-    const char* f = llvm_type(from);
-    const char* t = llvm_type(to);
+    const std::string f = ty(from), t = ty(to);
     if (from == to) return a;
     if (from == Type::f32 && to == Type::f64)
-      line("{} = fpext float {} to double", r, a);
+      line("{} = fpext {} {} to {}", r, f, a, t);
     else if (from == Type::f64 && to == Type::f32)
-      line("{} = fptrunc double {} to float", r, a);
+      line("{} = fptrunc {} {} to {}", r, f, a, t);
     else if (is_float(from) && to == Type::i64)
-      line("{} = fptosi {} {} to i64", r, f, a);
+      line("{} = fptosi {} {} to {}", r, f, a, t);
     else if (is_float(from) && to == Type::i1)
-      line("{} = fcmp une {} {}, 0.0", r, f, a);
+      line("{} = fcmp une {} {}, {}", r, f, a, zero("0.0"));
     else if (from == Type::i64 && is_float(to))
-      line("{} = sitofp i64 {} to {}", r, a, t);
+      line("{} = sitofp {} {} to {}", r, f, a, t);
     else if (from == Type::i64 && to == Type::i1)
-      line("{} = icmp ne i64 {}, 0", r, a);
+      line("{} = icmp ne {} {}, {}", r, f, a, zero("0"));
     else if (from == Type::i1 && to == Type::i64)
-      line("{} = zext i1 {} to i64", r, a);
+      line("{} = zext {} {} to {}", r, f, a, t);
     else if (from == Type::i1 && is_float(to))
-      line("{} = uitofp i1 {} to {}", r, a, t);
+      line("{} = uitofp {} {} to {}", r, f, a, t);
     else
       fail("llvm emitter: no conversion from {} to {}", f, t);
     return r;
   }
 
-  std::string load(const Value& v) {
-    DType dtype = k_.params[v.param].dtype;
-    std::string off = offset(v.map);
-    std::string ptr = tmp(), raw = tmp();
-    auto gep = [&](const char* elt) {
-      line("{} = getelementptr inbounds {}, ptr %p{}, i64 {}", ptr, elt, v.param, off);
-    };
+  // The storage element as LLVM spells it in memory.
+  static const char* memory_element(DType dtype) {
     switch (dtype) {
       case DType::f32:
-        gep("float");
-        line("{} = load float, ptr {}{}", raw, ptr, alias_tags(v.param));
-        return raw;
+        return "float";
       case DType::f64:
-        gep("double");
-        line("{} = load double, ptr {}{}", raw, ptr, alias_tags(v.param));
-        return raw;
-      case DType::f16: {
-        gep("half");
-        line("{} = load half, ptr {}{}", raw, ptr, alias_tags(v.param));
-        std::string r = tmp();
-        line("{} = fpext half {} to float", r, raw);
-        return r;
-      }
-      case DType::bf16: {
-        gep("i16");
-        line("{} = load i16, ptr {}{}", raw, ptr, alias_tags(v.param));
-        std::string wide = tmp(), shifted = tmp(), r = tmp();
-        line("{} = zext i16 {} to i32", wide, raw);
-        line("{} = shl i32 {}, 16", shifted, wide);
-        line("{} = bitcast i32 {} to float", r, shifted);
-        return r;
-      }
-      case DType::i32: {
-        gep("i32");
-        line("{} = load i32, ptr {}{}", raw, ptr, alias_tags(v.param));
-        std::string r = tmp();
-        line("{} = sext i32 {} to i64", r, raw);
-        return r;
-      }
+        return "double";
+      case DType::f16:
+        return "half";
+      case DType::bf16:
+        return "i16";
+      case DType::i32:
+        return "i32";
       case DType::i64:
-        gep("i64");
-        line("{} = load i64, ptr {}{}", raw, ptr, alias_tags(v.param));
+        return "i64";
+      case DType::boolean:
+        return "i8";
+    }
+    return "i8";
+  }
+  // A vector access is aligned to its elements only.
+  std::string alignment(DType dtype) const {
+    return lanes_ == 1 ? std::string() : fmt::format(", align {}", size_of(dtype));
+  }
+
+  std::string load(const Value& v) {
+    if (lanes_ > 1 && (v.map.coeff.size() != k_.dims.size() || v.map.coeff[vector_dim_] == 0)) {
+      // The same element in every lane (column): loaded once, then broadcast.
+      int vector_lanes = std::exchange(lanes_, 1);
+      std::string scalar = load(v);
+      lanes_ = vector_lanes;
+      return broadcast(llvm_type(v.type), scalar);
+    }
+    DType dtype = k_.params[v.param].dtype;
+    const char* element = memory_element(dtype);
+    std::string off = offset(v.map), ptr = tmp(), raw = tmp(), r = tmp();
+    const std::string memory = lanes(element);
+    line("{} = getelementptr inbounds {}, ptr %p{}, i64 {}", ptr, element, v.param, off);
+    line("{} = load {}, ptr {}{}{}", raw, memory, ptr, alignment(dtype), alias_tags(v.param));
+    switch (dtype) {
+      case DType::f32:
+      case DType::f64:
+      case DType::i64:
         return raw;
-      case DType::boolean: {
-        gep("i8");
-        line("{} = load i8, ptr {}{}", raw, ptr, alias_tags(v.param));
-        std::string r = tmp();
-        line("{} = icmp ne i8 {}, 0", r, raw);
+      case DType::f16:
+        line("{} = fpext {} {} to {}", r, memory, raw, ty(Type::f32));
+        return r;
+      case DType::bf16: {
+        std::string wide = tmp(), shifted = tmp();
+        line("{} = zext {} {} to {}", wide, memory, raw, lanes("i32"));
+        line("{} = shl {} {}, {}", shifted, lanes("i32"), wide, lit("i32", "16"));
+        line("{} = bitcast {} {} to {}", r, lanes("i32"), shifted, ty(Type::f32));
         return r;
       }
+      case DType::i32:
+        line("{} = sext {} {} to {}", r, memory, raw, ty(Type::i64));
+        return r;
+      case DType::boolean:
+        line("{} = icmp ne {} {}, {}", r, memory, raw, zero("0"));
+        return r;
     }
     return raw;
   }
 
   void store(DType dtype, int param, const Affine& map, const std::string& value) {
-    std::string off = offset(map);
-    std::string ptr = tmp();
-    auto gep = [&](const char* elt) {
-      line("{} = getelementptr inbounds {}, ptr %p{}, i64 {}", ptr, elt, param, off);
-    };
+    const char* element = memory_element(dtype);
+    const std::string memory = lanes(element);
+    std::string stored = value;
     switch (dtype) {
       case DType::f32:
-        gep("float");
-        line("store float {}, ptr {}{}", value, ptr, alias_tags(param));
-        return;
       case DType::f64:
-        gep("double");
-        line("store double {}, ptr {}{}", value, ptr, alias_tags(param));
-        return;
-      case DType::f16: {  // the value is already rounded: the truncation is exact
-        std::string h = tmp();
-        line("{} = fptrunc float {} to half", h, value);
-        gep("half");
-        line("store half {}, ptr {}{}", h, ptr, alias_tags(param));
-        return;
-      }
-      case DType::bf16: {
-        std::string bits = tmp(), hi = tmp(), h = tmp();
-        line("{} = bitcast float {} to i32", bits, value);
-        line("{} = lshr i32 {}, 16", hi, bits);
-        line("{} = trunc i32 {} to i16", h, hi);
-        gep("i16");
-        line("store i16 {}, ptr {}{}", h, ptr, alias_tags(param));
-        return;
-      }
-      case DType::i32: {
-        std::string n = tmp();
-        line("{} = trunc i64 {} to i32", n, value);
-        gep("i32");
-        line("store i32 {}, ptr {}{}", n, ptr, alias_tags(param));
-        return;
-      }
       case DType::i64:
-        gep("i64");
-        line("store i64 {}, ptr {}{}", value, ptr, alias_tags(param));
-        return;
-      case DType::boolean: {
-        std::string b = tmp();
-        line("{} = zext i1 {} to i8", b, value);
-        gep("i8");
-        line("store i8 {}, ptr {}{}", b, ptr, alias_tags(param));
-        return;
+        break;
+      case DType::f16:  // the value is already rounded: the truncation is exact
+        stored = tmp();
+        line("{} = fptrunc {} {} to {}", stored, ty(Type::f32), value, memory);
+        break;
+      case DType::bf16: {
+        std::string bits = tmp(), hi = tmp();
+        stored = tmp();
+        line("{} = bitcast {} {} to {}", bits, ty(Type::f32), value, lanes("i32"));
+        line("{} = lshr {} {}, {}", hi, lanes("i32"), bits, lit("i32", "16"));
+        line("{} = trunc {} {} to {}", stored, lanes("i32"), hi, memory);
+        break;
       }
+      case DType::i32:
+        stored = tmp();
+        line("{} = trunc {} {} to {}", stored, ty(Type::i64), value, memory);
+        break;
+      case DType::boolean:
+        stored = tmp();
+        line("{} = zext {} {} to {}", stored, ty(Type::i1), value, memory);
+        break;
     }
+    std::string off = offset(map), ptr = tmp();
+    line("{} = getelementptr inbounds {}, ptr %p{}, i64 {}", ptr, element, param, off);
+    line("store {} {}, ptr {}{}{}", memory, stored, ptr, alignment(dtype), alias_tags(param));
   }
 
   void values(const std::vector<Value>& list, const char* prefix) {
@@ -1042,7 +836,7 @@ class Emitter {
   // for the others, and for an Arith op without an instruction for its operands' type.
   std::optional<std::string> table_value(const Value& v, const std::string& r,
                                          const std::vector<Value>& list) {
-    const char* t = llvm_type(v.type);
+    const std::string t = ty(v.type);
     bool f = v.a >= 0 && is_float(list[v.a].type);
     const kir::OpTraits& op = kir::traits(v.op);
     switch (op.form) {
@@ -1053,7 +847,7 @@ class Emitter {
       case kir::OpForm::Compare: {
         Type ot = list[v.a].type;
         line("{} = {} {} {} {}, {}", r, is_float(ot) ? "fcmp" : "icmp",
-             is_float(ot) ? op.llvm_float : op.llvm_int, llvm_type(ot), names_[v.a], names_[v.b]);
+             is_float(ot) ? op.llvm_float : op.llvm_int, ty(ot), names_[v.a], names_[v.b]);
         return r;
       }
       case kir::OpForm::Libm: {
@@ -1071,44 +865,50 @@ class Emitter {
 
   // The ops with code of their own here.
   std::string special_value(const Value& v, const std::string& r, const std::vector<Value>& list) {
-    const char* t = llvm_type(v.type);
+    const std::string t = ty(v.type);
     auto operand = [&](int32_t id) { return names_[id]; };
     auto operand_type = [&](int32_t id) { return list[id].type; };
     bool f = v.a >= 0 && is_float(operand_type(v.a));
     switch (v.op) {
       case Op::Const:
-        return constant(v.type, v.imm);
+        return lit(llvm_type(v.type), constant(v.type, v.imm));
       case Op::Load:
         return load(v);
       case Op::Accumulated:
         return acc_value_[v.param];
-      case Op::Scalar:
+      case Op::Scalar: {
         // Lowering passes only float fills, exactly representable in their register type.
-        if (v.type == Type::f64) return fmt::format("%s{}", v.param);
-        line("{} = fptrunc double %s{} to float", r, v.param);
-        return r;
+        std::string scalar = fmt::format("%s{}", v.param);
+        if (v.type == Type::f32) {
+          scalar = lanes_ == 1 ? r : r + ".s";
+          line("{} = fptrunc double %s{} to float", scalar, v.param);
+        }
+        return lanes_ == 1 ? scalar : broadcast(llvm_type(v.type), scalar);
+      }
       case Op::Neg:
         if (f)
           line("{} = fneg {} {}", r, t, operand(v.a));
         else
-          line("{} = sub i64 0, {}", r, operand(v.a));
+          line("{} = sub {} {}, {}", r, t, zero("0"), operand(v.a));
         return r;
       case Op::Or:
-        line("{} = or i1 {}, {}", r, operand(v.a), operand(v.b));
+        line("{} = or {} {}, {}", r, ty(Type::i1), operand(v.a), operand(v.b));
         return r;
       case Op::Select:
-        line("{} = select i1 {}, {} {}, {} {}", r, operand(v.a), t, operand(v.b), t, operand(v.c));
+        line("{} = select {} {}, {} {}, {} {}", r, ty(Type::i1), operand(v.a), t, operand(v.b), t,
+             operand(v.c));
         return r;
       case Op::IsNan:
-        line("{} = fcmp uno {} {}, {}", r, llvm_type(operand_type(v.a)), operand(v.a),
-             operand(v.a));
+        line("{} = fcmp uno {} {}, {}", r, ty(operand_type(v.a)), operand(v.a), operand(v.a));
         return r;
-      case Op::Sqrt:
-        declare(
-            fmt::format("declare {} @llvm.sqrt.{}({})", t, v.type == Type::f32 ? "f32" : "f64", t));
-        line("{} = call {} @llvm.sqrt.{}({} {})", r, t, v.type == Type::f32 ? "f32" : "f64", t,
-             operand(v.a));
+      case Op::Sqrt: {
+        std::string name =
+            fmt::format("llvm.sqrt.{}{}", lanes_ == 1 ? "" : fmt::format("v{}", lanes_),
+                        v.type == Type::f32 ? "f32" : "f64");
+        declare(fmt::format("declare {} @{}({})", t, name, t));
+        line("{} = call {} @{}({} {})", r, t, name, t, operand(v.a));
         return r;
+      }
       case Op::Ldexp:
         return ldexp(v, operand(v.a), operand(v.b));
       case Op::Convert:
@@ -1192,6 +992,8 @@ class Emitter {
   std::vector<std::string> var_;        // the SSA name of each dim's loop variable where used
   bool split_columns_ = false;          // kir::Kernel::column_split
   bool vector_columns_ = false;         // a column reduction with vector accumulators
+  int lanes_ = 1;                       // values' lanes: column_lanes in a column block
+  int vector_dim_ = -1;                 // the column dim a column block's lanes run along
   int column_loops_ = 0;                // column loops given a loop ID (column_loop_metadata)
   std::vector<std::string> acc_ptr_;    // where each reduction's accumulator is
   std::vector<std::string> acc_value_;  // its final value, in the epilogue
