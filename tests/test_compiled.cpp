@@ -452,18 +452,32 @@ TEST(Compiled, ReductionsCollapseTheirOuterAndReducedDimsApart) {
   mt::Generator gen(5);
   mt::Tensor x = mt::randn({8, 64, 16}, mt::f32, &gen), y = mt::randn({4096, 16}, mt::f32, &gen);
   mt::eval({x, y});
+  // A sum over the batch of [4, 160, 128] stays a column reduction over 128 columns: merged,
+  // its 20480 outer points would outgrow the column accumulators (kir::Kernel::max_columns).
+  mt::Tensor wide = mt::randn({4, 160, 128}, mt::f32, &gen);
+  mt::eval({wide});
   auto inner = [&] { return mt::sum(x * 2.0, {1, 2}); };
   auto whole = [&] { return mt::mean(mt::square(y - 0.5)); };
+  auto batch = [&] { return mt::sum(wide * 2.0, {0}); };
   auto [inner_reference, inner_compiled] = both(inner);
   auto [whole_reference, whole_compiled] = both(whole);
+  bool column = false;
+  mt::set_kernel_observer([&](const mt::LoweredKernel& k) {
+    dims.push_back(k.kernel.dims);
+    column = k.kernel.column_reduction();
+  });
+  auto [batch_reference, batch_compiled] = both(batch);
   mt::set_kernel_observer({});
-  ASSERT_EQ(dims.size(), 2u);
+  ASSERT_EQ(dims.size(), 3u);
   EXPECT_EQ(dims[0], (std::vector<int64_t>{8, 1024}));
   EXPECT_EQ(reduce_from[0], 1);
   EXPECT_EQ(dims[1], (std::vector<int64_t>{1, 65536}));
   EXPECT_EQ(reduce_from[1], 1);
+  EXPECT_EQ(dims[2], (std::vector<int64_t>{160, 128, 4}));
+  EXPECT_TRUE(column);
   expect_close_f32(inner_reference, inner_compiled, 1e-5);
   expect_close_f32(whole_reference, whole_compiled, 1e-5);
+  expect_close_f32(batch_reference, batch_compiled, 1e-5);
 }
 
 // One-element kernels (the optimizer's step count, bias corrections and learning-rate casts)

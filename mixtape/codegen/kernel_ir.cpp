@@ -27,8 +27,6 @@ Type register_type(DType dtype) {
 }
 
 bool Kernel::column_reduction() const {
-  // Accumulators live on the stack, one per point of the column dim.
-  constexpr int64_t max_columns = 16384;
   if (!is_reduction() || reduce_from < 1 || dims[reduce_from - 1] > max_columns) return false;
   size_t column = reduce_from - 1, last = dims.size() - 1;
   int unit_column = 0, unit_last = 0;
@@ -156,6 +154,11 @@ void collapse_dims(Kernel& kernel) {
   for (int d = rank() - 1; d-- > 0;) {
     if (segment_end(d) != segment_end(d + 1)) continue;  // d is the last outer dim
     const int64_t inner = kernel.dims[d + 1];
+    // A column reduction stays one: its column dim is the last outer one, which must not outgrow
+    // the accumulators' stack array.
+    if (d + 2 == kernel.reduce_from && kernel.dims[d] * inner > Kernel::max_columns &&
+        kernel.column_reduction())
+      continue;
     bool one_run = std::all_of(maps.begin(), maps.end(), [&](const Affine* map) {
       return map->coeff[d] == map->coeff[d + 1] * inner;
     });

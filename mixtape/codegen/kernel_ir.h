@@ -154,6 +154,8 @@ struct Kernel {
   /// accumulator per point of that dim and makes it the innermost loop, so that loads are
   /// contiguous and vectorize; each accumulator still adds its terms in the same order.
   bool column_reduction() const;
+  /// The most columns a column reduction keeps accumulators for (on the stack).
+  static constexpr int64_t max_columns = 16384;
   /// A column reduction whose column dim is dims[0] (a bias gradient: a sum over the rows of a
   /// matrix): no outer dims to split, so threads split the columns instead, each sweeping every
   /// row over its own range. Each column's terms are added in the same order either way.
