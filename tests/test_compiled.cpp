@@ -686,6 +686,27 @@ TEST(Compiled, ColumnSumsAreSequentialSumsPerColumnBitForBit) {
   mt::set_device(mt::Device::reference);
 }
 
+// A fast sum over rows of sixteen (a batch norm's statistics over [N, 4 * 4]) keeps sixteen
+// partial sums across all its rows, one per lane, and adds them in lane order at the end: the
+// emitter fixes the split, so the bits are those of that order, whatever the pipeline.
+TEST(Compiled, SumsOverRowsOfSixteenKeepOnePartialSumPerLane) {
+  mt::set_device(mt::Device::cpu);
+  mt::Generator gen(13);
+  mt::Tensor x = mt::randn({64, 32, 16}, mt::f32, &gen);
+  mt::eval({x});
+  std::vector<float> got = mt::sum(x * 1.5, {0, 2}).to_vector<float>();
+  std::vector<float> v = x.to_vector<float>();
+  for (int c = 0; c < 32; ++c) {
+    float lanes[16] = {};
+    for (int n = 0; n < 64; ++n)
+      for (int l = 0; l < 16; ++l) lanes[l] += v[(n * 32 + c) * 16 + l] * 1.5f;
+    float sum = 0;
+    for (float lane : lanes) sum += lane;
+    ASSERT_EQ(std::bit_cast<uint32_t>(sum), std::bit_cast<uint32_t>(got[c])) << "channel " << c;
+  }
+  mt::set_device(mt::Device::reference);
+}
+
 TEST(Compiled, FlushDenormalIsOptInAndReversible) {
   // 1e-20 * 1e-20 is subnormal in f32, and so is 2e-39 * 3: IEEE keeps both, flush-to-zero
   // (mt::set_flush_denormal, as torch.set_flush_denormal) gives 0 for a subnormal result and

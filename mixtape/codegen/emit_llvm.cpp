@@ -1,6 +1,7 @@
 // mixtape/codegen/emit_llvm.cpp -- kernel IR -> LLVM 16 IR text (opaque pointers) for the ORC JIT.
 #include "mixtape/codegen/emit_llvm.h"
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <optional>
@@ -73,7 +74,17 @@ class Emitter {
     int rank = static_cast<int>(k_.dims.size());
     bool column = k_.column_reduction();
     int column_dim = k_.reduce_from - 1;
-    vector_columns_ = column && vectorizable_columns(column_dim);
+    vector_columns_ = column && k_.dims[column_dim] >= column_lanes && lanes_fit(column_dim);
+    // A fast sum over rows of one vector (a batch norm's statistics over [N, 4 * 4]) ends each
+    // row's vector loop in a horizontal sum and an accumulator store: it keeps column_lanes
+    // partial sums in a register across all its rows instead, added lane by lane at the end.
+    // The split into lanes is the emitter's, so both tiers give the same bits. Longer rows keep
+    // the vectorizer's loop, whose interleaved partial sums run faster than one vector chain.
+    const int last = rank - 1;
+    vector_rows_ = !column && k_.is_reduction() && k_.reduce_from <= rank - 2 &&
+                   k_.dims[last] == column_lanes && lanes_fit(last) &&
+                   std::all_of(k_.reductions.begin(), k_.reductions.end(),
+                               [](const kir::Reduction& r) { return r.type == Type::f32; });
     allocate_loop_state(rank, column, column_dim);
     // The executor hands out ranges of the parallel dims flattened: decompose per point. A
     // column split's range is of columns: the body runs once, its column loops over the range.
@@ -127,10 +138,10 @@ class Emitter {
         line("%acc{}.addr = alloca {}", r, t);
       acc_ptr_.push_back(fmt::format("%acc{}.addr", r));
       acc_value_.push_back(fmt::format("%acc{}", r));
-      if (vector_columns_)
+      if (vector_columns_ || vector_rows_)
         line("%vacc{}.addr = alloca <{} x {}>", r, column_lanes, llvm_type(k_.reductions[r].type));
     }
-    if (vector_columns_) line("%vb.addr = alloca i64");
+    if (vector_columns_ || vector_rows_) line("%vb.addr = alloca i64");
   }
 
   // The loop over the call's range [begin, end), its point decomposed into the parallel dims.
@@ -206,8 +217,10 @@ class Emitter {
   // its rows in the same order as the column loop, so the bits are the same.
   static constexpr int column_lanes = 16;
 
-  bool vectorizable_columns(int column_dim) const {
-    if (k_.pass_count() != 1 || k_.dims[column_dim] < column_lanes) return false;
+  // Whether a single-pass fast or sequential f32/f64 sum's body runs lane by lane along `dim`:
+  // plain arithmetic, every load along it contiguous or constant, every store contiguous.
+  bool lanes_fit(int column_dim) const {
+    if (k_.pass_count() != 1) return false;
     for (const kir::Reduction& r : k_.reductions)
       if (r.kind != kir::ReduceKind::Sum || !is_float(r.type) || is_half(r.round_to)) return false;
     for (const Value& v : k_.body) {
@@ -332,6 +345,13 @@ class Emitter {
   // later passes and the epilogue read them.
   void reduction_body(int parallel, int rank) {
     initialize_accumulators();
+    if (vector_rows_) {
+      vector_row_blocks(parallel, rank);
+      for (size_t r = 0; r < k_.reductions.size(); ++r) acc_value_[r] = load_final(r);
+      values(k_.epilogue, "e");
+      stores(k_.epilogue_stores);
+      return;
+    }
     for (int pass = 0; pass < k_.pass_count(); ++pass) {
       std::string prefix = pass == 0 ? "v" : fmt::format("v{}.", pass);
       inner_loops(parallel, rank, pass, [&] {
@@ -344,6 +364,50 @@ class Emitter {
     }
     values(k_.epilogue, "e");
     stores(k_.epilogue_stores);
+  }
+
+  // vector_rows_: every reduced dim but the last looped as usual, the last column_lanes elements
+  // at a time, each lane a partial sum; then the lanes added in order onto the accumulator.
+  void vector_row_blocks(int parallel, int rank) {
+    const int last = rank - 1;
+    for (size_t r = 0; r < k_.reductions.size(); ++r)
+      line("store <{} x float> zeroinitializer, ptr %vacc{}.addr", column_lanes, r);
+    inner_loops(parallel, last, std::string(".v"), [&] {
+      line("store i64 0, ptr %vb.addr");
+      line("br label %vb.head");
+      label("vb.head");
+      line("%vb = load i64, ptr %vb.addr");
+      line("%vb.more = icmp slt i64 %vb, {}", k_.dims[last]);
+      line("br i1 %vb.more, label %vb.body, label %vb.done");
+      label("vb.body");
+      lanes_ = column_lanes;
+      vector_dim_ = last;
+      var_[last] = "%vb";
+      values(k_.body, "w");
+      stores(k_.stores);
+      for (size_t r = 0; r < k_.reductions.size(); ++r) {
+        std::string t = ty(Type::f32), acc = tmp(), next = tmp();
+        line("{} = load {}, ptr %vacc{}.addr", acc, t, r);
+        line("{} = fadd {} {}, {}", next, t, acc, names_[k_.reductions[r].value]);
+        line("store {} {}, ptr %vacc{}.addr", t, next, r);
+      }
+      lanes_ = 1;
+      line("%vb.next = add nsw i64 %vb, {}", column_lanes);
+      line("store i64 %vb.next, ptr %vb.addr");
+      line("br label %vb.head");
+      label("vb.done");
+    });
+    const std::string t = fmt::format("<{} x float>", column_lanes);
+    const std::string reduce = fmt::format("llvm.vector.reduce.fadd.v{}f32", column_lanes);
+    declare(fmt::format("declare float @{}(float, {})", reduce, t));
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      // Without reassociation the intrinsic adds the lanes in order, onto the accumulator.
+      std::string lanes_sum = tmp(), acc = tmp(), sum = tmp();
+      line("{} = load {}, ptr %vacc{}.addr", lanes_sum, t, r);
+      line("{} = load float, ptr {}", acc, acc_ptr_[r]);
+      line("{} = call float @{}(float {}, {} {})", sum, reduce, acc, t, lanes_sum);
+      line("store float {}, ptr {}", sum, acc_ptr_[r]);
+    }
   }
 
   // kir::Kernel::multi_tensor's ABI: for each segment that meets [begin, end), load its
@@ -992,6 +1056,7 @@ class Emitter {
   std::vector<std::string> var_;        // the SSA name of each dim's loop variable where used
   bool split_columns_ = false;          // kir::Kernel::column_split
   bool vector_columns_ = false;         // a column reduction with vector accumulators
+  bool vector_rows_ = false;            // a sum over short rows with vector partial sums
   int lanes_ = 1;                       // values' lanes: column_lanes in a column block
   int vector_dim_ = -1;                 // the column dim a column block's lanes run along
   int column_loops_ = 0;                // column loops given a loop ID (column_loop_metadata)
