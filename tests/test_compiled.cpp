@@ -686,23 +686,28 @@ TEST(Compiled, ColumnSumsAreSequentialSumsPerColumnBitForBit) {
   mt::set_device(mt::Device::reference);
 }
 
-// A fast sum over rows of sixteen (a batch norm's statistics over [N, 4 * 4]) keeps sixteen
-// partial sums across all its rows, one per lane, and adds them in lane order at the end: the
-// emitter fixes the split, so the bits are those of that order, whatever the pipeline.
-TEST(Compiled, SumsOverRowsOfSixteenKeepOnePartialSumPerLane) {
+// A fast sum over short rows (a batch norm's statistics over [N, 4 * 4] and [N, 8 * 8]) keeps a
+// vector of sixteen partial sums per sixteen elements of a row, across all its rows; at the end
+// the vectors are added in order and then their lanes: the emitter fixes the split, so the bits
+// are those of that order, whatever the pipeline.
+TEST(Compiled, SumsOverShortRowsKeepOnePartialSumPerLane) {
   mt::set_device(mt::Device::cpu);
   mt::Generator gen(13);
-  mt::Tensor x = mt::randn({64, 32, 16}, mt::f32, &gen);
-  mt::eval({x});
-  std::vector<float> got = mt::sum(x * 1.5, {0, 2}).to_vector<float>();
-  std::vector<float> v = x.to_vector<float>();
-  for (int c = 0; c < 32; ++c) {
-    float lanes[16] = {};
-    for (int n = 0; n < 64; ++n)
-      for (int l = 0; l < 16; ++l) lanes[l] += v[(n * 32 + c) * 16 + l] * 1.5f;
-    float sum = 0;
-    for (float lane : lanes) sum += lane;
-    ASSERT_EQ(std::bit_cast<uint32_t>(sum), std::bit_cast<uint32_t>(got[c])) << "channel " << c;
+  for (int64_t row : {16, 64}) {
+    SCOPED_TRACE(row);
+    mt::Tensor x = mt::randn({64, 32, row}, mt::f32, &gen);
+    mt::eval({x});
+    std::vector<float> got = mt::sum(x * 1.5, {0, 2}).to_vector<float>();
+    std::vector<float> v = x.to_vector<float>();
+    for (int64_t c = 0; c < 32; ++c) {
+      std::vector<float> lanes(static_cast<size_t>(row), 0.0f);  // block b's lane l at 16 b + l
+      for (int64_t n = 0; n < 64; ++n)
+        for (int64_t e = 0; e < row; ++e) lanes[e] += v[(n * 32 + c) * row + e] * 1.5f;
+      for (int64_t e = 16; e < row; ++e) lanes[e % 16] += lanes[e];  // blocks in order, per lane
+      float sum = 0;
+      for (int l = 0; l < 16; ++l) sum += lanes[l];
+      ASSERT_EQ(std::bit_cast<uint32_t>(sum), std::bit_cast<uint32_t>(got[c])) << "channel " << c;
+    }
   }
   mt::set_device(mt::Device::reference);
 }

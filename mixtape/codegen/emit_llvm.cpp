@@ -75,14 +75,15 @@ class Emitter {
     bool column = k_.column_reduction();
     int column_dim = k_.reduce_from - 1;
     vector_columns_ = column && k_.dims[column_dim] >= column_lanes && lanes_fit(column_dim);
-    // A fast sum over rows of one vector (a batch norm's statistics over [N, 4 * 4]) ends each
-    // row's vector loop in a horizontal sum and an accumulator store: it keeps column_lanes
-    // partial sums in a register across all its rows instead, added lane by lane at the end.
-    // The split into lanes is the emitter's, so both tiers give the same bits. Longer rows keep
-    // the vectorizer's loop, whose interleaved partial sums run faster than one vector chain.
+    // A fast sum over short rows (a batch norm's statistics over [N, 4 * 4] or [N, 8 * 8]) ends
+    // each row's vector loop in a horizontal sum and an accumulator store: it keeps a vector of
+    // column_lanes partial sums per column_lanes elements of a row instead (one to four,
+    // independent chains), across all its rows, added vector by vector and then lane by lane at
+    // the end. The split is the emitter's, so both tiers give the same bits.
     const int last = rank - 1;
     vector_rows_ = !column && k_.is_reduction() && k_.reduce_from <= rank - 2 &&
-                   k_.dims[last] == column_lanes && lanes_fit(last) &&
+                   k_.dims[last] % column_lanes == 0 && k_.dims[last] <= 4 * column_lanes &&
+                   lanes_fit(last) &&
                    std::all_of(k_.reductions.begin(), k_.reductions.end(),
                                [](const kir::Reduction& r) { return r.type == Type::f32; });
     allocate_loop_state(rank, column, column_dim);
@@ -138,10 +139,12 @@ class Emitter {
         line("%acc{}.addr = alloca {}", r, t);
       acc_ptr_.push_back(fmt::format("%acc{}.addr", r));
       acc_value_.push_back(fmt::format("%acc{}", r));
-      if (vector_columns_ || vector_rows_)
+      if (vector_columns_)
         line("%vacc{}.addr = alloca <{} x {}>", r, column_lanes, llvm_type(k_.reductions[r].type));
+      for (int b = 0; vector_rows_ && b < k_.dims[rank - 1] / column_lanes; ++b)
+        line("%vacc{}.{}.addr = alloca <{} x float>", r, b, column_lanes);
     }
-    if (vector_columns_ || vector_rows_) line("%vb.addr = alloca i64");
+    if (vector_columns_) line("%vb.addr = alloca i64");
   }
 
   // The loop over the call's range [begin, end), its point decomposed into the parallel dims.
@@ -370,40 +373,40 @@ class Emitter {
   // at a time, each lane a partial sum; then the lanes added in order onto the accumulator.
   void vector_row_blocks(int parallel, int rank) {
     const int last = rank - 1;
+    const int blocks = static_cast<int>(k_.dims[last] / column_lanes);
+    const std::string t = fmt::format("<{} x float>", column_lanes);
     for (size_t r = 0; r < k_.reductions.size(); ++r)
-      line("store <{} x float> zeroinitializer, ptr %vacc{}.addr", column_lanes, r);
+      for (int b = 0; b < blocks; ++b)
+        line("store {} zeroinitializer, ptr %vacc{}.{}.addr", t, r, b);
     inner_loops(parallel, last, std::string(".v"), [&] {
-      line("store i64 0, ptr %vb.addr");
-      line("br label %vb.head");
-      label("vb.head");
-      line("%vb = load i64, ptr %vb.addr");
-      line("%vb.more = icmp slt i64 %vb, {}", k_.dims[last]);
-      line("br i1 %vb.more, label %vb.body, label %vb.done");
-      label("vb.body");
       lanes_ = column_lanes;
       vector_dim_ = last;
-      var_[last] = "%vb";
-      values(k_.body, "w");
-      stores(k_.stores);
-      for (size_t r = 0; r < k_.reductions.size(); ++r) {
-        std::string t = ty(Type::f32), acc = tmp(), next = tmp();
-        line("{} = load {}, ptr %vacc{}.addr", acc, t, r);
-        line("{} = fadd {} {}, {}", next, t, acc, names_[k_.reductions[r].value]);
-        line("store {} {}, ptr %vacc{}.addr", t, next, r);
+      for (int b = 0; b < blocks; ++b) {
+        var_[last] = std::to_string(b * column_lanes);
+        values(k_.body, fmt::format("w{}.", b).c_str());
+        stores(k_.stores);
+        for (size_t r = 0; r < k_.reductions.size(); ++r) {
+          std::string acc = tmp(), next = tmp();
+          line("{} = load {}, ptr %vacc{}.{}.addr", acc, t, r, b);
+          line("{} = fadd {} {}, {}", next, t, acc, names_[k_.reductions[r].value]);
+          line("store {} {}, ptr %vacc{}.{}.addr", t, next, r, b);
+        }
       }
       lanes_ = 1;
-      line("%vb.next = add nsw i64 %vb, {}", column_lanes);
-      line("store i64 %vb.next, ptr %vb.addr");
-      line("br label %vb.head");
-      label("vb.done");
     });
-    const std::string t = fmt::format("<{} x float>", column_lanes);
     const std::string reduce = fmt::format("llvm.vector.reduce.fadd.v{}f32", column_lanes);
     declare(fmt::format("declare float @{}(float, {})", reduce, t));
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      std::string lanes_sum = tmp();
+      line("{} = load {}, ptr %vacc{}.0.addr", lanes_sum, t, r);
+      for (int b = 1; b < blocks; ++b) {
+        std::string part = tmp(), next = tmp();
+        line("{} = load {}, ptr %vacc{}.{}.addr", part, t, r, b);
+        line("{} = fadd {} {}, {}", next, t, lanes_sum, part);
+        lanes_sum = next;
+      }
       // Without reassociation the intrinsic adds the lanes in order, onto the accumulator.
-      std::string lanes_sum = tmp(), acc = tmp(), sum = tmp();
-      line("{} = load {}, ptr %vacc{}.addr", lanes_sum, t, r);
+      std::string acc = tmp(), sum = tmp();
       line("{} = load float, ptr {}", acc, acc_ptr_[r]);
       line("{} = call float @{}(float {}, {} {})", sum, reduce, acc, t, lanes_sum);
       line("store float {}, ptr {}", sum, acc_ptr_[r]);
