@@ -75,17 +75,7 @@ class Emitter {
     bool column = k_.column_reduction();
     int column_dim = k_.reduce_from - 1;
     vector_columns_ = column && k_.dims[column_dim] >= column_lanes && lanes_fit(column_dim);
-    // A fast sum over short rows (a batch norm's statistics over [N, 4 * 4] or [N, 8 * 8]) ends
-    // each row's vector loop in a horizontal sum and an accumulator store: it keeps a vector of
-    // column_lanes partial sums per column_lanes elements of a row instead (one to four,
-    // independent chains), across all its rows, added vector by vector and then lane by lane at
-    // the end. The split is the emitter's, so both tiers give the same bits.
-    const int last = rank - 1;
-    vector_rows_ = !column && k_.is_reduction() && k_.reduce_from <= rank - 2 &&
-                   k_.dims[last] % column_lanes == 0 && k_.dims[last] <= 4 * column_lanes &&
-                   lanes_fit(last) &&
-                   std::all_of(k_.reductions.begin(), k_.reductions.end(),
-                               [](const kir::Reduction& r) { return r.type == Type::f32; });
+    vector_rows_ = !column && vectorizable_rows(rank);
     allocate_loop_state(rank, column, column_dim);
     // The executor hands out ranges of the parallel dims flattened: decompose per point. A
     // column split's range is of columns: the body runs once, its column loops over the range.
@@ -222,14 +212,14 @@ class Emitter {
 
   // Whether a single-pass fast or sequential f32/f64 sum's body runs lane by lane along `dim`:
   // plain arithmetic, every load along it contiguous or constant, every store contiguous.
-  bool lanes_fit(int column_dim) const {
+  bool lanes_fit(int dim) const {
     if (k_.pass_count() != 1) return false;
     for (const kir::Reduction& r : k_.reductions)
       if (r.kind != kir::ReduceKind::Sum || !is_float(r.type) || is_half(r.round_to)) return false;
     for (const Value& v : k_.body) {
       switch (v.op) {
         case Op::Load:
-          if (column_step(v.map, column_dim) > 1) return false;
+          if (lane_step(v.map, dim) > 1) return false;
           break;
         case Op::RoundTo:
           if ((v.dtype != DType::bf16 && v.dtype != DType::f16) || k_.body[v.a].type != Type::f32)
@@ -251,14 +241,38 @@ class Emitter {
       }
     }
     for (const kir::Store& st : k_.stores)
-      if (column_step(st.map, column_dim) != 1) return false;
+      if (lane_step(st.map, dim) != 1) return false;
     return true;
   }
 
-  // How far a map moves per column (0 for a map without coefficients, a 0-d value's).
-  int64_t column_step(const Affine& map, int column_dim) const {
+  // A fast sum over short rows (a batch norm's statistics over [N, 4 * 4] or [N, 8 * 8]) ends
+  // each row's vector loop in a horizontal sum and an accumulator store: it keeps a vector of
+  // column_lanes partial sums per column_lanes elements of a row instead (one to four,
+  // independent chains), across all its rows, added vector by vector and then lane by lane at
+  // the end (vector_row_blocks). The split is the emitter's, so both tiers give the same bits.
+  bool vectorizable_rows(int rank) const {
+    const int last = rank - 1;
+    return k_.is_reduction() && k_.reduce_from <= rank - 2 && k_.dims[last] % column_lanes == 0 &&
+           k_.dims[last] <= 4 * column_lanes && lanes_fit(last) &&
+           std::all_of(k_.reductions.begin(), k_.reductions.end(),
+                       [](const kir::Reduction& r) { return r.type == Type::f32; });
+  }
+
+  // How far a map moves per step of `dim` (0 for a map without coefficients, a 0-d value's).
+  int64_t lane_step(const Affine& map, int dim) const {
     if (map.coeff.size() != k_.dims.size()) return 0;
-    return map.coeff[column_dim] < 0 ? column_lanes : map.coeff[column_dim];
+    return map.coeff[dim] < 0 ? column_lanes : map.coeff[dim];
+  }
+
+  // Adds this point's terms of every reduction to its vector of partial sums (the alloca
+  // %vacc<r><suffix>.addr).
+  void add_to_vector_sums(const std::string& suffix) {
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      std::string t = ty(k_.reductions[r].type), acc = tmp(), next = tmp();
+      line("{} = load {}, ptr %vacc{}{}.addr", acc, t, r, suffix);
+      line("{} = fadd {} {}, {}", next, t, acc, names_[k_.reductions[r].value]);
+      line("store {} {}, ptr %vacc{}{}.addr", t, next, r, suffix);
+    }
   }
 
   int acc_bytes(size_t r) const { return k_.reductions[r].type == Type::f32 ? 4 : 8; }
@@ -324,12 +338,7 @@ class Emitter {
       var_[column_dim] = "%vb";
       values(k_.body, "w");
       stores(k_.stores);
-      for (size_t r = 0; r < k_.reductions.size(); ++r) {
-        std::string t = ty(k_.reductions[r].type), acc = tmp(), next = tmp();
-        line("{} = load {}, ptr %vacc{}.addr", acc, t, r);
-        line("{} = fadd {} {}, {}", next, t, acc, names_[k_.reductions[r].value]);
-        line("store {} {}, ptr %vacc{}.addr", t, next, r);
-      }
+      add_to_vector_sums("");
     });
     block_accumulators(false);
     lanes_ = 1;
@@ -385,12 +394,7 @@ class Emitter {
         var_[last] = std::to_string(b * column_lanes);
         values(k_.body, fmt::format("w{}.", b).c_str());
         stores(k_.stores);
-        for (size_t r = 0; r < k_.reductions.size(); ++r) {
-          std::string acc = tmp(), next = tmp();
-          line("{} = load {}, ptr %vacc{}.{}.addr", acc, t, r, b);
-          line("{} = fadd {} {}, {}", next, t, acc, names_[k_.reductions[r].value]);
-          line("store {} {}, ptr %vacc{}.{}.addr", t, next, r, b);
-        }
+        add_to_vector_sums(fmt::format(".{}", b));
       }
       lanes_ = 1;
     });
