@@ -712,6 +712,80 @@ TEST(Compiled, SumsOverShortRowsKeepOnePartialSumPerLane) {
   mt::set_device(mt::Device::reference);
 }
 
+// A two-pass kernel over short rows (a batch norm's variance: the mean's sum, then the centred
+// squares' sum, which reads it) keeps the partial-sum lanes in both passes: each sum's bits are
+// that order, lanes added in order at the end.
+TEST(Compiled, TwoPassSumsOverShortRowsKeepTheirLanesInBothPasses) {
+  mt::set_device(mt::Device::cpu);
+  mt::Generator gen(17);
+  std::vector<int> passes;
+  mt::set_kernel_observer(
+      [&](const mt::LoweredKernel& k) { passes.push_back(k.kernel.pass_count()); });
+  auto lane_order_sum = [](const std::vector<float>& terms) {  // terms of one channel, in order
+    std::vector<float> lanes(16, 0.0f);
+    size_t row = terms.size() / 64;
+    std::vector<float> blocks(row, 0.0f);
+    for (size_t n = 0; n < 64; ++n)
+      for (size_t e = 0; e < row; ++e) blocks[e] += terms[n * row + e];
+    for (size_t e = 0; e < row; ++e) lanes[e % 16] += blocks[e];
+    float sum = 0;
+    for (float lane : lanes) sum += lane;
+    return sum;
+  };
+  for (int64_t row : {16, 32}) {
+    SCOPED_TRACE(row);
+    passes.clear();
+    mt::Tensor x = mt::randn({64, 8, row}, mt::f32, &gen);
+    mt::eval({x});
+    const double scale = 1.0 / static_cast<double>(64 * row);
+    mt::Tensor mean = mt::sum(x, {0, 2}, true) * scale;
+    mt::Tensor centred = x - mean;
+    std::vector<float> got = mt::sum(centred * centred, {0, 2}).to_vector<float>();
+    ASSERT_EQ(std::count(passes.begin(), passes.end(), 2), 1) << "one kernel of two passes";
+    std::vector<float> v = x.to_vector<float>();
+    for (int64_t c = 0; c < 8; ++c) {
+      std::vector<float> terms;
+      for (int64_t n = 0; n < 64; ++n)
+        for (int64_t e = 0; e < row; ++e) terms.push_back(v[(n * 8 + c) * row + e]);
+      const float m = lane_order_sum(terms) * static_cast<float>(scale);
+      for (float& t : terms) t = (t - m) * (t - m);
+      ASSERT_EQ(std::bit_cast<uint32_t>(lane_order_sum(terms)), std::bit_cast<uint32_t>(got[c]))
+          << "channel " << c;
+    }
+  }
+  mt::set_kernel_observer({});
+  mt::set_device(mt::Device::reference);
+}
+
+// A view below a reshape (a per-channel statistic broadcast over [N, C, H * W], read as
+// [N, C, H, W]) is read through its own map inside its reader's kernel: no kernel stores the
+// broadcast. Where the reshape's flat index does not split into the view's coordinates (a
+// transpose read back flat), the view is still stored first; both match the reference.
+TEST(Compiled, ViewsBelowAReshapeKeepTheirMaps) {
+  mt::set_device(mt::Device::cpu);
+  std::vector<size_t> stored_full;
+  mt::set_kernel_observer([&](const mt::LoweredKernel& k) {
+    if (!k.kernel.is_reduction()) stored_full.push_back(k.kernel.stores.size());
+  });
+  mt::Generator gen(23);
+  mt::Tensor x = mt::randn({4, 6, 3, 5}, mt::f32, &gen), s = mt::randn({6}, mt::f32, &gen);
+  mt::Tensor t = mt::randn({6, 10}, mt::f32, &gen);
+  mt::eval({x, s, t});
+  auto statistic = [&] {
+    mt::Tensor wide = mt::broadcast_to(mt::reshape(s, {1, 6, 1}), {4, 6, 15});
+    return x * mt::reshape(wide, {4, 6, 3, 5});
+  };
+  auto transposed = [&] { return mt::reshape(mt::permute(t, {1, 0}), {6, 10}) * 2.0; };
+  auto [statistic_reference, statistic_compiled] = both(statistic);
+  ASSERT_EQ(stored_full, (std::vector<size_t>{1})) << "one kernel, storing the product only";
+  stored_full.clear();
+  auto [transposed_reference, transposed_compiled] = both(transposed);
+  mt::set_kernel_observer({});
+  EXPECT_EQ(statistic_reference, statistic_compiled);
+  EXPECT_EQ(transposed_reference, transposed_compiled);
+  mt::set_device(mt::Device::reference);
+}
+
 TEST(Compiled, FlushDenormalIsOptInAndReversible) {
   // 1e-20 * 1e-20 is subnormal in f32, and so is 2e-39 * 3: IEEE keeps both, flush-to-zero
   // (mt::set_flush_denormal, as torch.set_flush_denormal) gives 0 for a subnormal result and

@@ -74,7 +74,8 @@ class Emitter {
     int rank = static_cast<int>(k_.dims.size());
     bool column = k_.column_reduction();
     int column_dim = k_.reduce_from - 1;
-    vector_columns_ = column && k_.dims[column_dim] >= column_lanes && lanes_fit(column_dim);
+    vector_columns_ = column && k_.pass_count() == 1 && k_.dims[column_dim] >= column_lanes &&
+                      lanes_fit(column_dim);
     vector_rows_ = !column && vectorizable_rows(rank);
     allocate_loop_state(rank, column, column_dim);
     // The executor hands out ranges of the parallel dims flattened: decompose per point. A
@@ -213,20 +214,26 @@ class Emitter {
   // Whether a single-pass fast or sequential f32/f64 sum's body runs lane by lane along `dim`:
   // plain arithmetic, every load along it contiguous or constant, every store contiguous.
   bool lanes_fit(int dim) const {
-    if (k_.pass_count() != 1) return false;
     for (const kir::Reduction& r : k_.reductions)
       if (r.kind != kir::ReduceKind::Sum || !is_float(r.type) || is_half(r.round_to)) return false;
-    for (const Value& v : k_.body) {
+    for (int pass = 0; pass < k_.pass_count(); ++pass)
+      if (!lanes_fit(dim, k_.pass_body(pass), k_.pass_stores(pass))) return false;
+    return true;
+  }
+  bool lanes_fit(int dim, const std::vector<Value>& body,
+                 const std::vector<kir::Store>& stores) const {
+    for (const Value& v : body) {
       switch (v.op) {
         case Op::Load:
           if (lane_step(v.map, dim) > 1) return false;
           break;
         case Op::RoundTo:
-          if ((v.dtype != DType::bf16 && v.dtype != DType::f16) || k_.body[v.a].type != Type::f32)
+          if ((v.dtype != DType::bf16 && v.dtype != DType::f16) || body[v.a].type != Type::f32)
             return false;
           break;
         case Op::Const:
         case Op::Scalar:
+        case Op::Accumulated:  // an earlier pass's result, the same in every lane
         case Op::Neg:
         case Op::Or:
         case Op::Select:
@@ -240,7 +247,7 @@ class Emitter {
         }
       }
     }
-    for (const kir::Store& st : k_.stores)
+    for (const kir::Store& st : stores)
       if (lane_step(st.map, dim) != 1) return false;
     return true;
   }
@@ -264,10 +271,11 @@ class Emitter {
     return map.coeff[dim] < 0 ? column_lanes : map.coeff[dim];
   }
 
-  // Adds this point's terms of every reduction to its vector of partial sums (the alloca
-  // %vacc<r><suffix>.addr).
-  void add_to_vector_sums(const std::string& suffix) {
+  // Adds this point's terms of every reduction of `pass` to its vector of partial sums (the
+  // alloca %vacc<r><suffix>.addr).
+  void add_to_vector_sums(const std::string& suffix, int pass = 0) {
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      if (k_.reductions[r].pass != pass) continue;
       std::string t = ty(k_.reductions[r].type), acc = tmp(), next = tmp();
       line("{} = load {}, ptr %vacc{}{}.addr", acc, t, r, suffix);
       line("{} = fadd {} {}, {}", next, t, acc, names_[k_.reductions[r].value]);
@@ -358,8 +366,7 @@ class Emitter {
   void reduction_body(int parallel, int rank) {
     initialize_accumulators();
     if (vector_rows_) {
-      vector_row_blocks(parallel, rank);
-      for (size_t r = 0; r < k_.reductions.size(); ++r) acc_value_[r] = load_final(r);
+      for (int pass = 0; pass < k_.pass_count(); ++pass) vector_row_blocks(parallel, rank, pass);
       values(k_.epilogue, "e");
       stores(k_.epilogue_stores);
       return;
@@ -378,29 +385,33 @@ class Emitter {
     stores(k_.epilogue_stores);
   }
 
-  // vector_rows_: every reduced dim but the last looped as usual, the last column_lanes elements
-  // at a time, each lane a partial sum; then the lanes added in order onto the accumulator.
-  void vector_row_blocks(int parallel, int rank) {
+  // vector_rows_, one pass of the kernel: every reduced dim but the last looped as usual, the
+  // last column_lanes elements at a time, each lane a partial sum of the pass's reductions; then
+  // the lanes added in order onto the accumulator, which later passes read.
+  void vector_row_blocks(int parallel, int rank, int pass) {
     const int last = rank - 1;
     const int blocks = static_cast<int>(k_.dims[last] / column_lanes);
     const std::string t = fmt::format("<{} x float>", column_lanes);
+    auto in_pass = [&](size_t r) { return k_.reductions[r].pass == pass; };
     for (size_t r = 0; r < k_.reductions.size(); ++r)
-      for (int b = 0; b < blocks; ++b)
+      for (int b = 0; b < blocks && in_pass(r); ++b)
         line("store {} zeroinitializer, ptr %vacc{}.{}.addr", t, r, b);
-    inner_loops(parallel, last, std::string(".v"), [&] {
+    const std::string pass_name = pass == 0 ? "" : fmt::format("p{}", pass);
+    inner_loops(parallel, last, ".v" + pass_name, [&] {
       lanes_ = column_lanes;
       vector_dim_ = last;
       for (int b = 0; b < blocks; ++b) {
         var_[last] = std::to_string(b * column_lanes);
-        values(k_.body, fmt::format("w{}.", b).c_str());
-        stores(k_.stores);
-        add_to_vector_sums(fmt::format(".{}", b));
+        values(k_.pass_body(pass), fmt::format("w{}{}.", b, pass_name).c_str());
+        stores(k_.pass_stores(pass));
+        add_to_vector_sums(fmt::format(".{}", b), pass);
       }
       lanes_ = 1;
     });
     const std::string reduce = fmt::format("llvm.vector.reduce.fadd.v{}f32", column_lanes);
     declare(fmt::format("declare float @{}(float, {})", reduce, t));
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      if (!in_pass(r)) continue;
       std::string lanes_sum = tmp();
       line("{} = load {}, ptr %vacc{}.0.addr", lanes_sum, t, r);
       for (int b = 1; b < blocks; ++b) {
@@ -414,6 +425,7 @@ class Emitter {
       line("{} = load float, ptr {}", acc, acc_ptr_[r]);
       line("{} = call float @{}(float {}, {} {})", sum, reduce, acc, t, lanes_sum);
       line("store float {}, ptr {}", sum, acc_ptr_[r]);
+      acc_value_[r] = load_final(r);
     }
   }
 
@@ -946,7 +958,8 @@ class Emitter {
       case Op::Load:
         return load(v);
       case Op::Accumulated:
-        return acc_value_[v.param];
+        return lanes_ == 1 ? acc_value_[v.param]
+                           : broadcast(llvm_type(v.type), acc_value_[v.param]);
       case Op::Scalar: {
         // Lowering passes only float fills, exactly representable in their register type.
         std::string scalar = fmt::format("%s{}", v.param);

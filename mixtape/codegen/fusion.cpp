@@ -55,10 +55,45 @@ Affine scaled_sum(const std::vector<Affine>& coords, const std::vector<int64_t>&
   return sum;
 }
 
+// The coordinates over `shape` of a flat row-major index that a nest over `dims` walks, where
+// no loop variable's steps carry from one coordinate into the next at any point of the nest (a
+// reshape of [64, 16, 64] read as [64, 16, 8, 8]: each variable stays inside one coordinate);
+// false otherwise. Views below a reshape (a batch norm's broadcast statistics reshaped back to the
+// image) then keep their own maps instead of being stored for the reshape's reader.
+bool unflatten(const Affine& flat, const Shape& shape, const std::vector<int64_t>& dims,
+               std::vector<Affine>& coords) {
+  const std::vector<int64_t> strides = strides_of(shape);
+  const int64_t count = numel(shape);
+  if (flat.base < 0 || flat.base >= count) return false;
+  coords.assign(shape.size(), unit(dims.size(), -1));
+  int64_t rest = flat.base;
+  for (size_t j = 0; j < shape.size(); ++j) {
+    coords[j].base = rest / strides[j];
+    rest %= strides[j];
+  }
+  for (size_t d = 0; d < flat.coeff.size(); ++d) {
+    const int64_t c = flat.coeff[d];
+    if (c == 0) continue;
+    if (c < 0 || c >= count) return false;
+    // The one coordinate whose digit c is: strides[j] <= c < strides[j] * shape[j].
+    size_t j = 0;
+    while (j < shape.size() && !(c >= strides[j] && c < strides[j] * shape[j])) ++j;
+    if (j == shape.size() || c % strides[j] != 0) return false;
+    coords[j].coeff[d] += c / strides[j];
+  }
+  for (size_t j = 0; j < shape.size(); ++j) {
+    int64_t last = coords[j].base;
+    for (size_t d = 0; d < dims.size(); ++d) last += coords[j].coeff[d] * (dims[d] - 1);
+    if (last >= shape[j]) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
-bool transfer_access(const Node& node, size_t k, const Access& access, size_t rank, Access& out,
-                     std::string& why) {
+bool transfer_access(const Node& node, size_t k, const Access& access,
+                     const std::vector<int64_t>& dims, Access& out, std::string& why) {
+  const size_t rank = dims.size();
   const Shape& in_shape = node.inputs[k]->shape;
   out = Access{};
   switch (op_info(node.op).kind) {
@@ -81,26 +116,32 @@ bool transfer_access(const Node& node, size_t k, const Access& access, size_t ra
                               : scaled_sum(access.coords, strides_of(node.shape))};
     return true;
   }
+  Access unflat;
+  const Access* at = &access;
   if (access.flat) {
-    // Below a reshape only contiguous element-for-element reads are affine.
+    // Below a reshape a view reads through its own map where the flat index splits into the
+    // view's coordinates; an element-for-element broadcast reads as the reshape does.
     if (numel(in_shape) == node.numel() && node.op == OpCode::BroadcastTo) {
       out = access;
       return true;
     }
-    why = fmt::format("{} below a reshape", op_name(node.op));
-    return false;
+    if (!unflatten(access.coords[0], node.shape, dims, unflat.coords)) {
+      why = fmt::format("{} below a reshape", op_name(node.op));
+      return false;
+    }
+    at = &unflat;
   }
   out.coords.resize(in_shape.size());
   if (node.op == OpCode::Permute) {
     for (size_t j = 0; j < node.attrs.axes.size(); ++j)
-      out.coords[node.attrs.axes[j]] = access.coords[j];
+      out.coords[node.attrs.axes[j]] = at->coords[j];
   } else if (node.op == OpCode::BroadcastTo) {
     size_t lead = node.shape.size() - in_shape.size();
     for (size_t d = 0; d < in_shape.size(); ++d)
-      out.coords[d] = in_shape[d] == 1 ? unit(rank, -1) : access.coords[lead + d];
+      out.coords[d] = in_shape[d] == 1 ? unit(rank, -1) : at->coords[lead + d];
   } else {  // Slice
     for (size_t d = 0; d < in_shape.size(); ++d) {
-      Affine a = access.coords[d];
+      Affine a = at->coords[d];
       a.base = a.base * node.attrs.steps[d] + node.attrs.starts[d];
       for (int64_t& c : a.coeff) c *= node.attrs.steps[d];
       out.coords[d] = a;
@@ -643,7 +684,7 @@ class Fuser {
         if (!members.count(input) && (!is_view(node->op) || is_constant_fill(*input))) continue;
         for (const Access& access : accesses) {
           Access out;
-          if (!transfer_access(*node, k, access, nest.rank, out, why)) return false;
+          if (!transfer_access(*node, k, access, group.dims, out, why)) return false;
           push_access(group, input, out, members);
         }
       }

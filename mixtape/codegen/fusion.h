@@ -68,10 +68,10 @@ struct FusionOptions {
 std::vector<FusionGroup> fuse(const std::vector<Node*>& pending, const std::vector<Node*>& required,
                               const FusionOptions& options);
 
-/// The access of input `k` of `node` when `node` is evaluated at `access` in a loop nest of
-/// `rank` dims; false, with the reason, when it is not affine.
-bool transfer_access(const Node& node, size_t k, const Access& access, size_t rank, Access& out,
-                     std::string& why);
+/// The access of input `k` of `node` when `node` is evaluated at `access` in a loop nest over
+/// `dims`; false, with the reason, when it is not affine.
+bool transfer_access(const Node& node, size_t k, const Access& access,
+                     const std::vector<int64_t>& dims, Access& out, std::string& why);
 
 /// A value that every kernel can recompute for free: an unevaluated fill, or a view of one.
 bool is_constant_fill(const Node& node);

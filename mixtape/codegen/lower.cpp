@@ -356,7 +356,7 @@ class Lowerer {
     if (op_info(node->op).kind == OpKind::View) {
       Access in;
       std::string why;
-      if (!transfer_access(*node, 0, access, group_.dims.size(), in, why)) {
+      if (!transfer_access(*node, 0, access, group_.dims, in, why)) {
         // A view of a fill is the same value at every point, whatever the access (fusion does
         // not trace accesses into fills).
         if (is_constant_fill(*node)) return fill(b, node);
