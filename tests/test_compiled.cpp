@@ -786,6 +786,31 @@ TEST(Compiled, ViewsBelowAReshapeKeepTheirMaps) {
   mt::set_device(mt::Device::reference);
 }
 
+// A view read by kernels on both sides of a host step (a statistic broadcast over the image,
+// read by the forward and the backward kernels) is copied into both: each reads the statistic
+// through the broadcast, and no kernel stores the broadcast whole.
+TEST(Compiled, AViewReadBySeveralKernelsIsCopiedIntoEach) {
+  mt::set_device(mt::Device::cpu);
+  size_t stores = 0, kernels = 0;
+  mt::set_kernel_observer([&](const mt::LoweredKernel& k) {
+    ++kernels;
+    stores += k.kernel.stores.size() + k.kernel.epilogue_stores.size();
+  });
+  mt::Generator gen(29);
+  mt::Tensor x = mt::randn({4, 6, 5}, mt::f32, &gen), s = mt::randn({6}, mt::f32, &gen);
+  mt::eval({x, s});
+  auto program = [&] {
+    mt::Tensor wide = mt::broadcast_to(mt::reshape(s, {1, 6, 1}), {4, 6, 5});
+    return mt::cumsum(x * wide, 2) * wide;
+  };
+  auto [reference, compiled] = both(program);
+  mt::set_kernel_observer({});
+  EXPECT_EQ(kernels, 2u);
+  EXPECT_EQ(stores, 2u) << "the two products only";
+  EXPECT_EQ(reference, compiled);
+  mt::set_device(mt::Device::reference);
+}
+
 TEST(Compiled, FlushDenormalIsOptInAndReversible) {
   // 1e-20 * 1e-20 is subnormal in f32, and so is 2e-39 * 3: IEEE keeps both, flush-to-zero
   // (mt::set_flush_denormal, as torch.set_flush_denormal) gives 0 for a subnormal result and

@@ -335,21 +335,26 @@ class Fuser {
     }
     if (!required && is_constant_fill(*node) &&
         std::all_of(users.begin(), users.end(), [&](Node* u) {
-          return inlined_.count(u) || groups_[group_of_.at(u)].kind == FusionGroup::Kind::Kernel;
+          if (inlined_.count(u)) return true;
+          std::vector<size_t> readers = groups_of(u);
+          return std::all_of(readers.begin(), readers.end(), [&](size_t g) {
+            return groups_[g].kind == FusionGroup::Kind::Kernel;
+          });
         })) {
       inlined_.insert(node);  // recomputed as a constant inside every reader
       return;
     }
     if (options_.fuse && !users.empty()) {
+      if (!required && copy_into_readers(node)) return;
       // Candidate groups, earliest root first: a reader outside the chosen group must come
       // after that group's root, or the groups could depend on each other.
       std::vector<size_t> candidates;
       for (Node* user : users) {
         if (inlined_.count(user)) continue;
-        size_t g = group_of_.at(user);
-        if (groups_[g].kind == FusionGroup::Kind::Kernel &&
-            std::find(candidates.begin(), candidates.end(), g) == candidates.end())
-          candidates.push_back(g);
+        for (size_t g : groups_of(user))
+          if (groups_[g].kind == FusionGroup::Kind::Kernel &&
+              std::find(candidates.begin(), candidates.end(), g) == candidates.end())
+            candidates.push_back(g);
       }
       std::sort(candidates.begin(), candidates.end(),
                 [&](size_t a, size_t b) { return root_id(a) < root_id(b); });
@@ -357,9 +362,15 @@ class Fuser {
         bool stored = required;
         bool ordered = true;
         for (Node* user : users) {
-          if (inlined_.count(user) || group_of_.at(user) == g) continue;
-          stored = true;
-          if (user->id <= root_id(g)) ordered = false;
+          if (inlined_.count(user)) continue;
+          // A copied view's reader is each group holding a copy: it runs after this one when
+          // its root is newer (groups run in the order of their roots).
+          const bool copied = copies_.count(user) > 0;
+          for (size_t h : groups_of(user)) {
+            if (h == g) continue;
+            stored = true;
+            if ((copied ? root_id(h) : user->id) <= root_id(g)) ordered = false;
+          }
         }
         if (!ordered) {
           reject(node, g, "read by another kernel that runs before this one");
@@ -372,6 +383,42 @@ class Fuser {
   }
 
   uint64_t root_id(size_t g) const { return groups_[g].members.front()->id; }
+
+  // The groups that read a placed node: its own, or each one holding a copy of it.
+  std::vector<size_t> groups_of(Node* node) const {
+    if (auto found = copies_.find(node); found != copies_.end()) return found->second;
+    return {group_of_.at(node)};
+  }
+
+  // A view read by kernels of several groups (a batch norm's statistics broadcast over the
+  // image, read by the forward and the backward kernels; a convolution's output reshaped for the
+  // statistics, read by the sums and by the normalization) is copied into each of them: every
+  // one reads the view's input through the view's map, and no kernel stores the view (which
+  // took a kernel, or an output, writing it whole). All or nothing: a reader that cannot take
+  // the copy keeps the view stored as before. One-element views are left to the one-element
+  // merge (merge_single_element_kernels), which finds a value's kernel by its members.
+  bool copy_into_readers(Node* node) {
+    if (!is_view(node->op) || numel(node->shape) == 1) return false;
+    std::vector<size_t> readers;
+    for (Node* user : users_[node]) {
+      if (inlined_.count(user)) continue;
+      for (size_t g : groups_of(user)) {
+        if (groups_[g].kind != FusionGroup::Kind::Kernel) return false;
+        if (std::find(readers.begin(), readers.end(), g) == readers.end()) readers.push_back(g);
+      }
+    }
+    if (readers.size() < 2) return false;
+    std::vector<FusionGroup> before;
+    for (size_t g : readers) before.push_back(groups_[g]);
+    for (size_t i = 0; i < readers.size(); ++i) {
+      if (try_join(node, readers[i], false)) continue;
+      for (size_t j = 0; j < i; ++j) groups_[readers[j]] = std::move(before[j]);
+      group_of_.erase(node);
+      return false;
+    }
+    copies_[node] = std::move(readers);
+    return true;
+  }
 
   // Kernels of a single element (an optimizer's step count and bias corrections, a learning
   // rate's casts, a clipping coefficient) become one kernel where no group between two of them
@@ -773,6 +820,7 @@ class Fuser {
   std::unordered_set<Node*> in_pending_, required_, inlined_;
   std::unordered_map<Node*, std::vector<Node*>> users_;
   std::unordered_map<Node*, size_t> group_of_;
+  std::unordered_map<Node*, std::vector<size_t>> copies_;  // copy_into_readers()
   std::vector<FusionGroup> groups_;
   std::vector<Epilogue> epilogues_;
   std::unordered_map<Node*, size_t> epilogue_of_;  // a matmul or a reader its epilogue absorbs
