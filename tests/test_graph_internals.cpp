@@ -228,4 +228,43 @@ TEST(TracedGraph, OptimizerStepsShareConstantsAcrossParametersOfOneShape) {
   }
 }
 
+// Parameters of different shapes share them too: the fused update ops read their 0-d factors at
+// every element, so an AdamW step makes three nodes per parameter (its two running averages and
+// its update) and broadcasts nothing, and the compiled update stores what the reference does.
+TEST(TracedGraph, AnAdamStepIsThreeNodesPerParameterWhateverItsShape) {
+  const std::vector<mt::Shape> shapes = {{3}, {2, 5}, {4, 1, 2}, {7}};
+  std::vector<float> after[2];
+  mt::Device devices[2] = {mt::Device::reference, mt::Device::cpu};
+  for (int d = 0; d < 2; ++d) {
+    mt::set_device(devices[d]);
+    mt::Generator gen(31);
+    std::vector<mt::Tensor> params;
+    for (const mt::Shape& shape : shapes)
+      params.push_back(mt::randn(shape, mt::f32, &gen).requires_grad_());
+    mt::AdamW opt(params, {.lr = 0.01, .weight_decay = 0.1});
+    for (int step = 0; step < 3; ++step) {
+      std::vector<mt::Tensor> grads;
+      for (mt::Tensor& p : params) {
+        p.set_grad(mt::randn(p.shape(), mt::f32, &gen));
+        grads.push_back(p.grad());
+      }
+      mt::eval(grads);
+      NodeCounter counter;
+      opt.step();
+      EXPECT_EQ(counter.count(mt::OpCode::BroadcastTo), 0) << "step " << step;
+      for (mt::OpCode op : {mt::OpCode::Lincomb, mt::OpCode::LincombSquare, mt::OpCode::AdamStep})
+        EXPECT_EQ(counter.count(op), 4) << mt::op_name(op) << ", step " << step;
+      // The step's scalars, shared by the four shapes as by the test above's one.
+      EXPECT_LE(counter.count(mt::OpCode::Full), 8 + 5) << "step " << step;
+      EXPECT_EQ(counter.count(mt::OpCode::Cast), 3) << "step " << step;
+    }
+    for (const mt::Tensor& p : params)
+      for (float v : p.to_vector<float>()) after[d].push_back(v);
+  }
+  mt::set_device(mt::Device::reference);
+  ASSERT_EQ(after[0].size(), after[1].size());
+  for (size_t i = 0; i < after[0].size(); ++i)
+    EXPECT_EQ(std::bit_cast<uint32_t>(after[0][i]), std::bit_cast<uint32_t>(after[1][i])) << i;
+}
+
 }  // namespace

@@ -98,6 +98,8 @@ bool transfer_access(const Node& node, size_t k, const Access& access,
   out = Access{};
   switch (op_info(node.op).kind) {
     case OpKind::Pointwise:
+      if (in_shape.empty() && !node.shape.empty())  // a fused op's 0-d operand: one element
+        return true;
       if (in_shape != node.shape) {
         why = "pointwise inputs of different shapes";
         return false;

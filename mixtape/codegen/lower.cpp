@@ -304,9 +304,12 @@ class Lowerer {
   // that is a 16-bit float the input is not stored as (reference_executor's pointwise_input).
   int32_t pointwise_input(Node* node, size_t k, const Access& access, Stage& stage, Type t,
                           bool round_to_compute) {
-    // Pointwise inputs share the node's shape, so they are read at the node's own access.
-    int32_t v = convert(stage, emit(node->inputs[k].get(), access, stage), t);
-    DType stored = stored_dtype(node->inputs[k].get());
+    // Pointwise inputs share the node's shape, so they are read at the node's own access; a fused
+    // op's 0-d operand is read at its one element.
+    Node* in = node->inputs[k].get();
+    const bool zero_d = in->shape.empty() && !node->shape.empty();
+    int32_t v = convert(stage, emit(in, zero_d ? Access{} : access, stage), t);
+    DType stored = stored_dtype(in);
     if (round_to_compute && t == Type::f32 && is_half(node->precision.compute) &&
         stored != node->precision.compute) {
       kir::Value round{Op::RoundTo, Type::f32};

@@ -85,26 +85,38 @@ Tensor pointwise(OpCode op, Domain domain, bool to_bool, const Tensor& a, const 
 }
 
 // A fused pointwise op (MT_FUSED): its floating inputs promoted to one dtype and broadcast to
-// one shape.
+// one shape. A 0-d input stays 0-d, read at every element (an optimizer's step size and betas):
+// a broadcast node per parameter and factor was most of the traced loop's update graph.
 Tensor fused(OpCode op, std::span<const Tensor> inputs, const Loc& loc) {
   const char* opname = op_name(op);
   for (size_t i = 0; i < inputs.size(); ++i)
     if (!inputs[i].defined()) op_fail(opname, loc, "input {} is an undefined tensor", i);
   DType t = inputs[0].dtype();
-  std::optional<Shape> shape = inputs[0].shape();
-  for (const Tensor& x : inputs.subspan(1)) {
+  // Operands of one shape, 0-d ones aside (an update's), need no broadcast: no shape is copied.
+  const Shape* one = nullptr;
+  bool same = true;
+  for (const Tensor& x : inputs) {
     t = promote(t, x.dtype());
-    if (shape && !same_shape(*shape, x.shape())) shape = broadcast_shapes(*shape, x.shape());
+    if (x.shape().empty()) continue;
+    if (!one)
+      one = &x.shape();
+    else if (!same_shape(*one, x.shape()))
+      same = false;
   }
   check_domain(opname, Domain::Float, t, loc);
+  std::optional<Shape> shape = one ? *one : Shape{};
+  for (size_t i = 0; !same && shape && i < inputs.size(); ++i)
+    shape = broadcast_shapes(*shape, inputs[i].shape());
   if (!shape) {
     std::string shapes;
     for (const Tensor& x : inputs) shapes += (shapes.empty() ? "" : ", ") + to_string(x.shape());
     op_fail(opname, loc, "shapes cannot be broadcast together: {}", shapes);
   }
+  static const Shape zero_d;
   NodeInputs list;
   list.reserve(inputs.size());
-  for (const Tensor& x : inputs) list.emplace_back(conform(x, t, *shape, loc));
+  for (const Tensor& x : inputs)
+    list.emplace_back(conform(x, t, x.shape().empty() ? zero_d : *shape, loc));
   return Tensor(make_node(op, t, std::move(*shape), std::move(list), {}, loc));
 }
 

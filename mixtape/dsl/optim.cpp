@@ -119,16 +119,14 @@ Tensor Optimizer::current_momentum() const {
 }
 
 template <typename Make>
-Tensor Optimizer::shared(uint64_t what, bool number, DType dtype, const Shape& shape, Make make) {
-  uint64_t h = what * 0x9E3779B97F4A7C15ull ^ (uint64_t{number} << 8 | static_cast<uint8_t>(dtype));
-  for (int64_t d : shape) h = (h ^ static_cast<uint64_t>(d)) * 0x9E3779B97F4A7C15ull ^ (h >> 29);
+Tensor Optimizer::shared(uint64_t what, bool number, DType dtype, Make make) {
+  const uint64_t h =
+      what * 0x9E3779B97F4A7C15ull ^ (uint64_t{number} << 8 | static_cast<uint8_t>(dtype));
   auto find_slot = [&] {
     size_t mask = shared_slots_.size() - 1, slot = h & mask;
     for (; shared_slots_[slot] >= 0; slot = (slot + 1) & mask) {
       const Shared& e = shared_[static_cast<size_t>(shared_slots_[slot])];
-      if (e.hash == h && e.what == what && e.number == number && e.dtype == dtype &&
-          e.shape == shape)
-        break;
+      if (e.hash == h && e.what == what && e.number == number && e.dtype == dtype) break;
     }
     return slot;
   };
@@ -152,7 +150,6 @@ Tensor Optimizer::shared(uint64_t what, bool number, DType dtype, const Shape& s
   entry.what = what;
   entry.number = number;
   entry.dtype = dtype;
-  entry.shape.assign(shape.begin(), shape.end());
   entry.value = std::move(value);
   shared_slots_[slot] = static_cast<int32_t>(shared_count_++);
   return entry.value;
@@ -168,22 +165,18 @@ Tensor Optimizer::step_constant(double value, const Tensor& like, const Loc& loc
   // The dtype a number takes beside `like` in an operator (dsl/ops.cpp, scalar_like).
   DType dtype = like.dtype();
   if (!is_floating(dtype)) dtype = f32;
-  return shared(std::bit_cast<uint64_t>(value), true, dtype, like.shape(),
-                [&] { return full(like.shape(), value, dtype, loc); });
+  return shared(std::bit_cast<uint64_t>(value), true, dtype,
+                [&] { return full({}, value, dtype, loc); });
 }
 
-Tensor Optimizer::step_scalar(const Tensor& scalar, DType dtype, const Shape& shape,
-                              const Loc& loc) {
-  // Broadcast for each parameter: a broadcast read by the kernels of several parameters would
-  // make their kernels differ, and multi-tensor steps merge only kernels of one form. The cast
-  // of a value this step computes is shared (it joins the kernel that computes the value); that
-  // of a stored value (the learning rate) would be a kernel of its own, so each makes its own.
-  if (dtype == f32 && lr_f32_.defined() && scalar.node() == lr_value_.node())
-    return broadcast_to(lr_f32_, shape, loc);
-  if (scalar.node()->evaluated()) return broadcast_to(cast(scalar, dtype, loc), shape, loc);
+Tensor Optimizer::step_scalar(const Tensor& scalar, DType dtype, const Loc& loc) {
+  // The cast of a value this step computes is shared (it joins the kernel that computes the
+  // value); that of a stored value (the learning rate) would be a kernel of its own, so each
+  // parameter makes its own, which joins its update's kernel.
+  if (dtype == f32 && lr_f32_.defined() && scalar.node() == lr_value_.node()) return lr_f32_;
+  if (scalar.node()->evaluated()) return cast(scalar, dtype, loc);
   uint64_t what = reinterpret_cast<uintptr_t>(scalar.node().get());
-  return broadcast_to(shared(what, false, dtype, {}, [&] { return cast(scalar, dtype, loc); }),
-                      shape, loc);
+  return shared(what, false, dtype, [&] { return cast(scalar, dtype, loc); });
 }
 
 Tensor Optimizer::with_l2_penalty(const Tensor& grad, const Tensor& param, double weight_decay) {
@@ -402,8 +395,7 @@ Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state)
   const Tensor& cycled = momentum_value();
   if (options.momentum != 0 || cycled.defined()) {
     auto momentum = [&](const Tensor& x) {
-      return cycled.defined() ? step_scalar(cycled, x.dtype(), x.shape())
-                              : step_constant(options.momentum, x);
+      return cycled.defined() ? step_scalar(cycled, x.dtype()) : step_constant(options.momentum, x);
     };
     Tensor* previous = find_state(state, "momentum_buffer");
     // Without dampening the gradient's factor is 1, which mul_add leaves out (g * 1 is g, bit for
@@ -425,7 +417,7 @@ Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state)
     set_state(state, "momentum_buffer", buffer);
     g = options.nesterov ? mul_add({buffer, momentum(buffer), g}) : buffer;
   }
-  return sub_mul({param, g, step_scalar(lr_value(), g.dtype(), g.shape())});
+  return sub_mul({param, g, step_scalar(lr_value(), g.dtype())});
 }
 
 namespace {
@@ -479,7 +471,7 @@ Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state
   const Tensor& m_prev = started_state(state, "exp_avg");
   const Tensor& v_prev = started_state(state, "exp_avg_sq");
   auto factor = [&](const Tensor& cycled, double fixed, const Tensor& x) {
-    return cycled.defined() ? step_scalar(cycled, x.dtype(), x.shape()) : step_constant(fixed, x);
+    return cycled.defined() ? step_scalar(cycled, x.dtype()) : step_constant(fixed, x);
   };
   Tensor rest1 = factor(rest1_, 1 - options.beta1, g);
   Tensor m = lincomb({m_prev, factor(beta1_, options.beta1, m_prev), g, rest1});
@@ -488,10 +480,9 @@ Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state
   set_state(state, "exp_avg", m);
   set_state(state, "exp_avg_sq", v);
   bool decays = decoupled_ && options.weight_decay != 0;
-  return adam_step(
-      {param, decays ? step_scalar(decay_, param.dtype(), param.shape()) : step_constant(1, param),
-       m, v, step_scalar(inv_sqrt_bias2_, v.dtype(), v.shape()), step_constant(options.eps, v),
-       step_scalar(step_size_, m.dtype(), m.shape())});
+  return adam_step({param, decays ? step_scalar(decay_, param.dtype()) : step_constant(1, param), m,
+                    v, step_scalar(inv_sqrt_bias2_, v.dtype()), step_constant(options.eps, v),
+                    step_scalar(step_size_, m.dtype())});
 }
 
 std::string Adam::impossible_state(const std::string& name, const Storage& values) const {
@@ -540,12 +531,12 @@ Tensor RMSprop::update(const Tensor& param, const Tensor& grad, NamedTensors& st
   if (keeps_momentum()) {
     const Tensor& previous = started_state(state, "momentum_buffer");
     const Tensor& cycled = momentum_value();
-    Tensor momentum = cycled.defined() ? step_scalar(cycled, previous.dtype(), previous.shape())
+    Tensor momentum = cycled.defined() ? step_scalar(cycled, previous.dtype())
                                        : step_constant(options.momentum, previous);
     step = mul_add({previous, momentum, step});
     set_state(state, "momentum_buffer", step);
   }
-  return sub_mul({param, step, step_scalar(lr_value(), step.dtype(), step.shape())});
+  return sub_mul({param, step, step_scalar(lr_value(), step.dtype())});
 }
 
 std::string RMSprop::impossible_state(const std::string& name, const Storage& values) const {
@@ -571,7 +562,7 @@ Tensor Adagrad::update(const Tensor& param, const Tensor& grad, NamedTensors& st
   set_state(state, "sum", sum);
   Tensor root = sqrt(sum);
   Tensor ratio = g / (root + step_constant(options.eps, root));
-  return sub_mul({param, ratio, step_scalar(step_lr_, g.dtype(), ratio.shape())});
+  return sub_mul({param, ratio, step_scalar(step_lr_, g.dtype())});
 }
 
 void Adagrad::begin_step() {
@@ -605,7 +596,7 @@ void Lion::start_state(NamedTensors& state, const Tensor& grad) const {
 
 Tensor Lion::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   Tensor p = param;
-  if (options.weight_decay != 0) p = p * step_scalar(decay_, p.dtype(), p.shape());
+  if (options.weight_decay != 0) p = p * step_scalar(decay_, p.dtype());
   const Tensor& m_prev = started_state(state, "exp_avg");
   auto mix = [&](const Tensor& beta, const Tensor& rest) {
     return lincomb({m_prev, beta, grad, rest});
@@ -613,11 +604,11 @@ Tensor Lion::update(const Tensor& param, const Tensor& grad, NamedTensors& state
   auto fixed_mix = [&](double beta) {
     return mix(step_constant(beta, m_prev), step_constant(1 - beta, grad));
   };
-  Tensor direction = sign(beta1_.defined() ? mix(step_scalar(beta1_, grad.dtype(), grad.shape()),
-                                                 step_scalar(rest1_, grad.dtype(), grad.shape()))
-                                           : fixed_mix(options.beta1));
+  Tensor direction = sign(
+      beta1_.defined() ? mix(step_scalar(beta1_, grad.dtype()), step_scalar(rest1_, grad.dtype()))
+                       : fixed_mix(options.beta1));
   set_state(state, "exp_avg", fixed_mix(options.beta2));
-  return sub_mul({p, direction, step_scalar(lr_value(), direction.dtype(), direction.shape())});
+  return sub_mul({p, direction, step_scalar(lr_value(), direction.dtype())});
 }
 
 Adafactor::Adafactor(std::vector<Tensor> params, AdafactorOptions options)
@@ -685,12 +676,12 @@ Tensor Adafactor::update(const Tensor& param, const Tensor& grad, NamedTensors& 
   Tensor g = grad.dtype() == f32 ? grad : cast(grad, f32);
   // The rate is a 0-d f32 value per parameter: transformers multiplies the parameter's RMS (an
   // f32 tensor) by the relative step.
-  Tensor lr = step_scalar(rate_, f32, {});
+  Tensor lr = step_scalar(rate_, f32);
   if (options.scale_parameter) lr = maximum(rms(p), full({}, options.eps2, f32)) * lr;
   auto running = [&](const char* name, const Tensor& x) {
     Tensor* previous = find_state(state, name);
-    Tensor part = x * step_scalar(rest_, f32, x.shape());
-    Tensor mean = previous ? *previous * step_scalar(beta2t_, f32, x.shape()) + part : part;
+    Tensor part = x * step_scalar(rest_, f32);
+    Tensor mean = previous ? *previous * step_scalar(beta2t_, f32) + part : part;
     set_state(state, name, mean);
     return mean;
   };

@@ -129,42 +129,40 @@ class Optimizer {
   /// Set by an optimizer that computes its own rate (Adafactor's relative_step): set_lr(),
   /// set_schedule() and current_lr() are then an mt::Error saying this.
   const char* own_rate_ = nullptr;
-  /// Inside update(): `value` as a fill of `like`'s shape and dtype (what `like * value` would
-  /// make of the number), one node per step for all parameters of that shape and dtype. The
-  /// traced loop builds every step's update anew, and a node per parameter and constant was
-  /// most of its graph.
+  /// Inside update(): `value` as a 0-d fill of `like`'s dtype (what `like * value` would make of
+  /// the number), one node per step for all parameters of that dtype. The fused update ops
+  /// (mt::lincomb, mt::adam_step, ...) read a 0-d operand at every element without a broadcast
+  /// node: the traced loop builds every step's update anew, and a node per parameter and
+  /// constant was most of its graph.
   Tensor step_constant(double value, const Tensor& like, const Loc& loc = Loc::current());
-  /// Inside update(): a 0-d value (the learning rate, or one begin_step() made) cast to `dtype`
-  /// and broadcast to `shape`; the cast of a value begin_step() made is shared by all parameters
+  /// Inside update(): a 0-d value (the learning rate, or one begin_step() made) cast to `dtype`,
+  /// 0-d as step_constant()'s; the cast of a value begin_step() made is shared by all parameters
   /// of that dtype.
-  Tensor step_scalar(const Tensor& scalar, DType dtype, const Shape& shape,
-                     const Loc& loc = Loc::current());
+  Tensor step_scalar(const Tensor& scalar, DType dtype, const Loc& loc = Loc::current());
   /// Inside update(): grad + param * weight_decay (an L2 penalty, as torch's optimizers add it
   /// without decoupling), one fused node.
   Tensor with_l2_penalty(const Tensor& grad, const Tensor& param, double weight_decay);
 
  private:
   // The nodes step_constant() and step_scalar() share within a step, by what they hold (a
-  // number's bits or a scalar's node), dtype and shape; dropped when the step ends. A table of
-  // its own, kept from step to step with its entries' shapes, so that a step allocates nothing
-  // for it once the first one has run.
+  // number's bits or a scalar's node) and dtype; dropped when the step ends. A table of its own,
+  // kept from step to step, so that a step allocates nothing for it once the first one has run.
   struct Shared {
     uint64_t hash = 0;
     uint64_t what = 0;
     bool number = false;
     DType dtype = f32;
-    Shape shape;
     Tensor value;
   };
   template <typename Make>
-  Tensor shared(uint64_t what, bool number, DType dtype, const Shape& shape, Make make);
+  Tensor shared(uint64_t what, bool number, DType dtype, Make make);
   void drop_shared();
   std::vector<Shared> shared_;  // this step's entries first, then spares from earlier steps
   size_t shared_count_ = 0;
   std::vector<int32_t> shared_slots_;  // open addressing into shared_, -1 where empty
   double lr_ = 0;
   Tensor lr_value_;
-  // The rate already in f32, a leaf set_lr() writes beside lr_value_: step_scalar() broadcasts it
+  // The rate already in f32, a leaf set_lr() writes beside lr_value_: step_scalar() returns it
   // instead of casting the f64 rate for each parameter every step (a node per parameter less;
   // the cast rounds to nearest even, as static_cast<float> does, so the values are the same).
   Tensor lr_f32_;

@@ -119,7 +119,8 @@ StoragePtr map_pointwise(const Node& node, F f) {
     for (size_t k = 0; k < N; ++k) in[k] = pointwise_input<T>(node, k);
     std::array<T, Arity> x{};
     for (int64_t i = 0; i < out->count; ++i) {
-      for (size_t k = 0; k < N; ++k) x[k] = in[k][static_cast<size_t>(i)];
+      // A fused op's 0-d operand is the same element at every point.
+      for (size_t k = 0; k < N; ++k) x[k] = in[k][in[k].size() == 1 ? 0 : static_cast<size_t>(i)];
       store_element(*out, i, std::apply(f, x));
     }
   });
