@@ -804,10 +804,20 @@ TEST(Compiled, AViewReadBySeveralKernelsIsCopiedIntoEach) {
     return mt::cumsum(x * wide, 2) * wide;
   };
   auto [reference, compiled] = both(program);
-  mt::set_kernel_observer({});
   EXPECT_EQ(kernels, 2u);
   EXPECT_EQ(stores, 2u) << "the two products only";
   EXPECT_EQ(reference, compiled);
+  // A view of a pointwise value of its size stays stored by its first reader, which computes
+  // the value too: copied, the value would need a kernel of its own.
+  kernels = stores = 0;
+  auto permuted = [&] {
+    mt::Tensor p = mt::permute(mt::exp(x), {2, 1, 0});
+    return mt::cumsum(p * 2.0, 0) + p;
+  };
+  auto [permuted_reference, permuted_compiled] = both(permuted);
+  mt::set_kernel_observer({});
+  EXPECT_EQ(kernels, 2u);
+  EXPECT_EQ(permuted_reference, permuted_compiled);
   mt::set_device(mt::Device::reference);
 }
 

@@ -397,10 +397,17 @@ class Fuser {
   // statistics, read by the sums and by the normalization) is copied into each of them: every
   // one reads the view's input through the view's map, and no kernel stores the view (which
   // took a kernel, or an output, writing it whole). All or nothing: a reader that cannot take
-  // the copy keeps the view stored as before. One-element views are left to the one-element
-  // merge (merge_single_element_kernels), which finds a value's kernel by its members.
+  // the copy keeps the view stored as before. Not a transpose of a pending pointwise value (a
+  // permute of exp(x)): that value, computed inside the transpose's first reader while the
+  // transpose is stored, would need a kernel of its own to be stored for the copies, and each
+  // copy would read it strided. One-element views are left to the one-element merge
+  // (merge_single_element_kernels), which finds a value's kernel by its members.
   bool copy_into_readers(Node* node) {
     if (!is_view(node->op) || numel(node->shape) == 1) return false;
+    Node* source = node->inputs[0].get();
+    if (node->op == OpCode::Permute && in_pending_.count(source) && kernel_op(*source) &&
+        !is_reduction(*source))
+      return false;
     std::vector<size_t> readers;
     for (Node* user : users_[node]) {
       if (inlined_.count(user)) continue;
