@@ -393,9 +393,11 @@ class Emitter {
     const int blocks = static_cast<int>(k_.dims[last] / column_lanes);
     const std::string t = fmt::format("<{} x float>", column_lanes);
     auto in_pass = [&](size_t r) { return k_.reductions[r].pass == pass; };
-    for (size_t r = 0; r < k_.reductions.size(); ++r)
-      for (int b = 0; b < blocks && in_pass(r); ++b)
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      if (!in_pass(r)) continue;
+      for (int b = 0; b < blocks; ++b)
         line("store {} zeroinitializer, ptr %vacc{}.{}.addr", t, r, b);
+    }
     const std::string pass_name = pass == 0 ? "" : fmt::format("p{}", pass);
     inner_loops(parallel, last, ".v" + pass_name, [&] {
       lanes_ = column_lanes;

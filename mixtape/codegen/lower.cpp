@@ -305,10 +305,12 @@ class Lowerer {
   int32_t pointwise_input(Node* node, size_t k, const Access& access, Stage& stage, Type t,
                           bool round_to_compute) {
     // Pointwise inputs share the node's shape, so they are read at the node's own access; a fused
-    // op's 0-d operand is read at its one element.
+    // op's 0-d operand is read at its one element (transfer_access, as fusion planned it).
     Node* in = node->inputs[k].get();
-    const bool zero_d = in->shape.empty() && !node->shape.empty();
-    int32_t v = convert(stage, emit(in, zero_d ? Access{} : access, stage), t);
+    Access at;
+    std::string why;
+    if (!transfer_access(*node, k, access, group_.dims, at, why)) fail("lowering: {}", why);
+    int32_t v = convert(stage, emit(in, at, stage), t);
     DType stored = stored_dtype(in);
     if (round_to_compute && t == Type::f32 && is_half(node->precision.compute) &&
         stored != node->precision.compute) {

@@ -120,45 +120,21 @@ Tensor Optimizer::current_momentum() const {
 
 template <typename Make>
 Tensor Optimizer::shared(uint64_t what, bool number, DType dtype, Make make) {
-  const uint64_t h =
-      what * 0x9E3779B97F4A7C15ull ^ (uint64_t{number} << 8 | static_cast<uint8_t>(dtype));
-  auto find_slot = [&] {
-    size_t mask = shared_slots_.size() - 1, slot = h & mask;
-    for (; shared_slots_[slot] >= 0; slot = (slot + 1) & mask) {
-      const Shared& e = shared_[static_cast<size_t>(shared_slots_[slot])];
-      if (e.hash == h && e.what == what && e.number == number && e.dtype == dtype) break;
-    }
-    return slot;
-  };
-  if (shared_slots_.empty()) shared_slots_.assign(64, -1);
-  size_t slot = find_slot();
-  if (shared_slots_[slot] >= 0) return shared_[static_cast<size_t>(shared_slots_[slot])].value;
-  Tensor value = make();
-  if (2 * (shared_count_ + 1) > shared_slots_.size()) {  // kept at most half full
-    shared_slots_.assign(2 * shared_slots_.size(), -1);
-    size_t mask = shared_slots_.size() - 1;
-    for (size_t i = 0; i < shared_count_; ++i) {
-      size_t s = shared_[i].hash & mask;
-      while (shared_slots_[s] >= 0) s = (s + 1) & mask;
-      shared_slots_[s] = static_cast<int32_t>(i);
-    }
+  // A handful a step, however many parameters (the rule's constants and begin_step()'s
+  // scalars, per dtype): a scan finds them.
+  for (size_t i = 0; i < shared_count_; ++i) {
+    const Shared& e = shared_[i];
+    if (e.what == what && e.number == number && e.dtype == dtype) return e.value;
   }
-  slot = find_slot();
+  Tensor value = make();
   if (shared_count_ == shared_.size()) shared_.emplace_back();
-  Shared& entry = shared_[shared_count_];
-  entry.hash = h;
-  entry.what = what;
-  entry.number = number;
-  entry.dtype = dtype;
-  entry.value = std::move(value);
-  shared_slots_[slot] = static_cast<int32_t>(shared_count_++);
-  return entry.value;
+  shared_[shared_count_] = {what, number, dtype, std::move(value)};
+  return shared_[shared_count_++].value;
 }
 
 void Optimizer::drop_shared() {
   for (size_t i = 0; i < shared_count_; ++i) shared_[i].value = Tensor();
   shared_count_ = 0;
-  std::fill(shared_slots_.begin(), shared_slots_.end(), -1);
 }
 
 Tensor Optimizer::step_constant(double value, const Tensor& like, const Loc& loc) {

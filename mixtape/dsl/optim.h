@@ -145,10 +145,9 @@ class Optimizer {
 
  private:
   // The nodes step_constant() and step_scalar() share within a step, by what they hold (a
-  // number's bits or a scalar's node) and dtype; dropped when the step ends. A table of its own,
-  // kept from step to step, so that a step allocates nothing for it once the first one has run.
+  // number's bits or a scalar's node) and dtype; dropped when the step ends. Kept from step to
+  // step, so that a step allocates nothing for it once the first one has run.
   struct Shared {
-    uint64_t hash = 0;
     uint64_t what = 0;
     bool number = false;
     DType dtype = f32;
@@ -159,7 +158,6 @@ class Optimizer {
   void drop_shared();
   std::vector<Shared> shared_;  // this step's entries first, then spares from earlier steps
   size_t shared_count_ = 0;
-  std::vector<int32_t> shared_slots_;  // open addressing into shared_, -1 where empty
   double lr_ = 0;
   Tensor lr_value_;
   // The rate already in f32, a leaf set_lr() writes beside lr_value_: step_scalar() returns it
