@@ -8,6 +8,7 @@
 #include <cmath>
 #include <functional>
 #include <map>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -49,6 +50,13 @@ const std::vector<Case>& cases() {
        {2, 4, 3, 3},
        {6, 4, 3, 2},
        {.stride = {2, 1}, .padding = {1, 0}, .dilation = {1, 2}}},
+      // 4x4 outputs: the weight gradient runs as im2col and a GEMM in bf16 only; the second
+      // has enough work (2^24 flops a pass) to gather its columns on the team.
+      {"3x3 stride 2 pad 1 to 4x4", {2, 8, 8, 8}, {16, 8, 3, 3}, {.stride = 2, .padding = 1}},
+      {"3x3 stride 2 pad 1 to 4x4, on the team",
+       {16, 64, 8, 8},
+       {64, 64, 3, 3},
+       {.stride = 2, .padding = 1}},
       // Outer taps that only ever cover padding, cut off (runtime/conv.cpp): to the centre tap
       // (the 1x1 case above), to the lower right 2x2 taps, to the middle three rows of five with
       // unequal padding left after the cut, and to one row of a dilated grouped window.
@@ -127,26 +135,36 @@ INSTANTIATE_TEST_SUITE_P(Dtypes, ConvOnCpu, ::testing::Values(mt::f32, mt::bf16,
 
 // The cases above whose outer taps never reach the input run on the kept taps alone, and the
 // others on the whole window; windows on the whole unpadded image (once cut) as one GEMM.
-TEST(Conv, TapsThatOnlyCoverPaddingAreCutOff) {
-  auto kernel = [](const Case& c, mt::OpCode op) {
-    mt::ConvDesc d;
-    d.op = op;
-    const mt::ConvWindow w = mt::ConvWindow::of(c.options);
-    auto out_size = [&](int axis, int64_t size, int64_t k) {
-      return (size + 2 * w.pad[axis] - (k - 1) * w.dil[axis] - 1) / w.stride[axis] + 1;
-    };
-    d.geometry = {c.x[0],
-                  c.x[1],
-                  c.x[2],
-                  c.x[3],
-                  c.w[0],
-                  c.w[2],
-                  c.w[3],
-                  out_size(0, c.x[2], c.w[2]),
-                  out_size(1, c.x[3], c.w[3]),
-                  w};
-    return mt::conv_kernel(d);
+// What runtime/conv.h runs for one primitive of a case with `operand` operands.
+std::string conv_kernel(const Case& c, mt::OpCode op, mt::DType operand = mt::f32) {
+  mt::ConvDesc d;
+  d.op = op;
+  d.operand = d.out = operand;
+  const mt::ConvWindow w = mt::ConvWindow::of(c.options);
+  auto out_size = [&](int axis, int64_t size, int64_t k) {
+    return (size + 2 * w.pad[axis] - (k - 1) * w.dil[axis] - 1) / w.stride[axis] + 1;
   };
+  d.geometry = {c.x[0],
+                c.x[1],
+                c.x[2],
+                c.x[3],
+                c.w[0],
+                c.w[2],
+                c.w[3],
+                out_size(0, c.x[2], c.w[2]),
+                out_size(1, c.x[3], c.w[3]),
+                w};
+  return mt::conv_kernel(d);
+}
+
+const Case& named_case(const std::string& label) {
+  for (const Case& c : cases())
+    if (c.label == label) return c;
+  throw std::runtime_error("no case " + label);
+}
+
+TEST(Conv, TapsThatOnlyCoverPaddingAreCutOff) {
+  auto kernel = [](const Case& c, mt::OpCode op) { return conv_kernel(c, op); };
   const std::map<std::string, std::string> cut = {
       {"3x3 pad 1 on 1x1", "taps 1..1 of 3 x 1..1 of 3"},
       {"3x3 stride 2 pad 1 on 2x2 to 1x1", "taps 1..2 of 3 x 1..2 of 3"},
@@ -167,6 +185,23 @@ TEST(Conv, TapsThatOnlyCoverPaddingAreCutOff) {
       else
         EXPECT_EQ(text.rfind(found->second + ", ", 0), 0u) << c.label << ": " << text;
     }
+}
+
+// The weight gradient at 4x4 outputs runs as im2col and one GEMM with bf16 operands, and on
+// oneDNN's direct kernel in f32 (runtime/conv.cpp, kGemmWeightGradMaxPositions); at 2x2 both
+// take the GEMM. OneDnnMatchesTheReferenceLoops checks their results.
+TEST(Conv, Bf16WeightGradientsAt4x4OutputsRunAsOneGemm) {
+  for (const char* label :
+       {"3x3 stride 2 pad 1 to 4x4", "3x3 stride 2 pad 1 to 4x4, on the team"}) {
+    const Case& c = named_case(label);
+    EXPECT_EQ(conv_kernel(c, mt::OpCode::Conv2dWeightGrad, mt::bf16).rfind("im2col, ", 0), 0u)
+        << label;
+    EXPECT_EQ(conv_kernel(c, mt::OpCode::Conv2dWeightGrad, mt::f32).find("im2col"),
+              std::string::npos)
+        << label;
+  }
+  const Case& small = named_case("3x3 stride 2 pad 1 to 2x2");
+  EXPECT_EQ(conv_kernel(small, mt::OpCode::Conv2dWeightGrad, mt::f32).rfind("im2col, ", 0), 0u);
 }
 
 // Under autocast the convolution runs in the half type with f32 accumulation, as matmul does,

@@ -10,6 +10,7 @@
 #include <set>
 #include <type_traits>
 #include <unordered_map>
+#include <vector>
 
 #include <oneapi/dnnl/dnnl.hpp>
 
@@ -64,8 +65,12 @@ constexpr int64_t kWidenBf16WeightGradMaxChannels = 4;
 // its time on the filter's many outputs with a reduction of only n * oh * ow terms each:
 // ResNet-18's last stage (512 channels, 1x1 outputs) took 12 ms in f32 and 24 ms in bf16 per call,
 // 15-17% of its training step; the GEMM [o, n oh ow] x [n oh ow, c kh kw] takes about a tenth of
-// that.
+// that. With bf16 operands the GEMM also wins at 4x4 outputs (bench_conv at ResNet-18's 8x8
+// inputs, stride 2, and 4x4 inputs, AMD EPYC Zen 5, two threads: 0.18 -> 0.45-0.51 of the bf16
+// peak for the 3x3 filter, 0.13 -> 0.35 for the 1x1 one, 0.2-0.45 -> 0.37-0.48 at 4x4 stride 1),
+// though not at 8x8 (0.48-0.51 direct, 0.34-0.37 as a GEMM); in f32 it does not at 4x4.
 constexpr int64_t kGemmWeightGradMaxPositions = 4;
+constexpr int64_t kGemmWeightGradMaxPositionsBf16 = 16;
 
 struct ConvKey {
   OpCode op;
@@ -161,35 +166,53 @@ bool widens_bf16(const ConvDesc& d) {
 bool weight_grad_as_gemm(const ConvDesc& d) {
   const ConvGeometry& g = d.geometry;
   return d.op == OpCode::Conv2dWeightGrad && g.window.groups == 1 &&
-         g.oh * g.ow <= kGemmWeightGradMaxPositions;
+         g.oh * g.ow <=
+             (d.operand == bf16 ? kGemmWeightGradMaxPositionsBf16 : kGemmWeightGradMaxPositions);
 }
 
 // dw [o, c kh kw] = dy' [o, n oh ow] x columns [n oh ow, c kh kw], where dy' is dy [n, o, oh ow]
 // with its first two axes swapped and a row of columns holds the input values one output
 // position's window covers (zero where it covers padding). T is the operands' storage type.
+// Rows are split over the team when `team`. A row is filled tap by tap: where a tap reads the
+// image at one position, it reads it for every channel at the same offset in the channel's plane,
+// so the tests of the padding are made once per position and tap, not per element (the gather was
+// two thirds of the weight gradient's time at ResNet-18's 2x2 stage, the GEMM the rest).
 template <typename T>
-void gather_weight_grad(const ConvGeometry& g, const T* x, const T* dy, T* dy_t, T* columns) {
+void gather_weight_grad(const ConvGeometry& g, const T* x, const T* dy, T* dy_t, T* columns,
+                        bool team) {
   const ConvWindow& w = g.window;
-  const int64_t positions = g.oh * g.ow, taps = g.kh * g.kw, row = g.c * taps;
-  for (int64_t n = 0; n < g.n; ++n)
-    for (int64_t o = 0; o < g.o; ++o)
+  const int64_t positions = g.oh * g.ow, taps = g.kh * g.kw, row = g.c * taps, plane = g.h * g.w;
+#pragma omp parallel for schedule(static) if (team)
+  for (int64_t o = 0; o < g.o; ++o)
+    for (int64_t n = 0; n < g.n; ++n)
       std::copy_n(dy + (n * g.o + o) * positions, positions, dy_t + (o * g.n + n) * positions);
-  for (int64_t n = 0; n < g.n; ++n)
-    for (int64_t oy = 0; oy < g.oh; ++oy)
-      for (int64_t ox = 0; ox < g.ow; ++ox) {
-        T* out = columns + ((n * g.oh + oy) * g.ow + ox) * row;
-        for (int64_t c = 0; c < g.c; ++c) {
-          const T* plane = x + (n * g.c + c) * g.h * g.w;
-          for (int64_t ky = 0; ky < g.kh; ++ky) {
-            const int64_t iy = oy * w.stride[0] - w.pad[0] + ky * w.dil[0];
-            for (int64_t kx = 0; kx < g.kw; ++kx) {
-              const int64_t ix = ox * w.stride[1] - w.pad[1] + kx * w.dil[1];
-              const bool inside = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
-              *out++ = inside ? plane[iy * g.w + ix] : T{};
-            }
-          }
+  // Per output position and tap, the offset the tap reads in a channel's plane; -1: padding.
+  std::vector<int64_t> offsets(static_cast<size_t>(positions * taps));
+  for (int64_t oy = 0; oy < g.oh; ++oy)
+    for (int64_t ox = 0; ox < g.ow; ++ox)
+      for (int64_t ky = 0; ky < g.kh; ++ky)
+        for (int64_t kx = 0; kx < g.kw; ++kx) {
+          const int64_t iy = oy * w.stride[0] - w.pad[0] + ky * w.dil[0];
+          const int64_t ix = ox * w.stride[1] - w.pad[1] + kx * w.dil[1];
+          const bool inside = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
+          offsets[static_cast<size_t>((oy * g.ow + ox) * taps + ky * g.kw + kx)] =
+              inside ? iy * g.w + ix : -1;
         }
+#pragma omp parallel for schedule(static) if (team)
+  for (int64_t r = 0; r < g.n * positions; ++r) {
+    const T* image = x + (r / positions) * g.c * plane;
+    const int64_t* tap_offsets = offsets.data() + (r % positions) * taps;
+    T* out = columns + r * row;
+    for (int64_t t = 0; t < taps; ++t) {
+      T* to = out + t;
+      if (tap_offsets[t] < 0) {
+        for (int64_t c = 0; c < g.c; ++c) to[c * taps] = T{};
+        continue;
       }
+      const T* from = image + tap_offsets[t];
+      for (int64_t c = 0; c < g.c; ++c) to[c * taps] = from[c * plane];
+    }
+  }
 }
 
 GemmDesc weight_grad_gemm_desc(const ConvDesc& d) {
@@ -200,19 +223,6 @@ GemmDesc weight_grad_gemm_desc(const ConvDesc& d) {
                   .operand = d.operand,
                   .out = d.out,
                   .bf16_kernel = d.bf16_kernel};
-}
-
-// The weight gradient as a GEMM: the operands gathered in their own type (16-bit ones stay 16-bit,
-// and the GEMM multiplies them as runtime/gemm.h does), the result rounded once to d.out.
-template <typename T>
-void weight_grad_gemm(const ConvDesc& d, const void* x, const void* dy, void* out) {
-  const GemmDesc desc = weight_grad_gemm_desc(d);
-  ThreadScratch& scratch = thread_scratch();
-  T* dy_t = scratch.gathered_dy.get<T>(desc.m * desc.k);
-  T* columns = scratch.columns.get<T>(desc.k * desc.n);
-  gather_weight_grad(d.geometry, static_cast<const T*>(x), static_cast<const T*>(dy), dy_t,
-                     columns);
-  gemm(desc, dy_t, columns, out);
 }
 
 // The type oneDNN computes in: bf16, or f32 for f32, f16 and widened bf16 operands.
@@ -230,6 +240,19 @@ bool runs_on_team(const ConvKey& key) {
       2.0 * static_cast<double>(g.n) * static_cast<double>(g.o) * static_cast<double>(g.oh * g.ow) *
       static_cast<double>(g.c / g.window.groups) * static_cast<double>(g.kh * g.kw);
   return flops >= kSingleThreadMaxFlops;
+}
+
+// The weight gradient as a GEMM: the operands gathered in their own type (16-bit ones stay 16-bit,
+// and the GEMM multiplies them as runtime/gemm.h does), the result rounded once to d.out.
+template <typename T>
+void weight_grad_gemm(const ConvDesc& d, const void* x, const void* dy, void* out) {
+  const GemmDesc desc = weight_grad_gemm_desc(d);
+  ThreadScratch& scratch = thread_scratch();
+  T* dy_t = scratch.gathered_dy.get<T>(desc.m * desc.k);
+  T* columns = scratch.columns.get<T>(desc.k * desc.n);
+  gather_weight_grad(d.geometry, static_cast<const T*>(x), static_cast<const T*>(dy), dy_t, columns,
+                     runs_on_team(key_of(d)));
+  gemm(desc, dy_t, columns, out);
 }
 
 std::shared_ptr<const CachedConv> create(const ConvKey& key) {
