@@ -751,8 +751,6 @@ bool LlvmJit::tiered() const { return state_->tiered.load(); }
 
 void LlvmJit::wait_for_tier_up() { state_->worker.drain(); }
 
-namespace {}  // namespace
-
 void LlvmJit::run_tier_up(TierUp& job) {
   State* state = state_.get();
   // What fails leaves the kernel on its fast code, which gives the same bits; MIXTAPE_LOG=jit
