@@ -57,6 +57,10 @@ const std::vector<Case>& cases() {
        {16, 64, 8, 8},
        {64, 64, 3, 3},
        {.stride = 2, .padding = 1}},
+      // 1x1 windows at a stride to one output position read one pixel of each image: the
+      // forward pass and the input gradient run as a GEMM over those pixels.
+      {"1x1 strides 2 and 3 to 1x1", {3, 5, 2, 3}, {6, 5, 1, 1}, {.stride = {2, 3}}},
+      {"1x1 stride 2 to 1x1, 2^24 flops", {64, 256, 2, 2}, {512, 256, 1, 1}, {.stride = 2}},
       // Outer taps that only ever cover padding, cut off (runtime/conv.cpp): to the centre tap
       // (the 1x1 case above), to the lower right 2x2 taps, to the middle three rows of five with
       // unequal padding left after the cut, and to one row of a dilated grouped window.
@@ -202,6 +206,22 @@ TEST(Conv, Bf16WeightGradientsAt4x4OutputsRunAsOneGemm) {
   }
   const Case& small = named_case("3x3 stride 2 pad 1 to 2x2");
   EXPECT_EQ(conv_kernel(small, mt::OpCode::Conv2dWeightGrad, mt::f32).rfind("im2col, ", 0), 0u);
+}
+
+// 1x1 windows without padding at a stride to one output position: the forward pass and the
+// input gradient run as a GEMM over the one pixel of each image they read, in every dtype; with
+// more outputs, or with padding, on oneDNN's kernel.
+TEST(Conv, OnePixelWindowsRunAsOneGemm) {
+  for (const char* label : {"1x1 strides 2 and 3 to 1x1", "1x1 stride 2 to 1x1, 2^24 flops"})
+    for (mt::DType t : {mt::f32, mt::bf16, mt::f16})
+      for (mt::OpCode op : {mt::OpCode::Conv2d, mt::OpCode::Conv2dInputGrad})
+        EXPECT_EQ(conv_kernel(named_case(label), op, t).rfind("the one pixel it reads, ", 0), 0u)
+            << label << " " << mt::name(t);
+  Case padded = named_case("1x1 strides 2 and 3 to 1x1");
+  padded.options.padding = 1;
+  for (const Case& c :
+       {padded, named_case("1x1 stride 2"), named_case("1x1 stride 2 to 2x1, asymmetric")})
+    EXPECT_EQ(conv_kernel(c, mt::OpCode::Conv2d).find("one pixel"), std::string::npos) << c.label;
 }
 
 // Under autocast the convolution runs in the half type with f32 accumulation, as matmul does,

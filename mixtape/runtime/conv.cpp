@@ -109,7 +109,7 @@ Backend& backend() {
 
 struct ThreadScratch {
   ScratchBuffer widened_a, widened_b, reordered_a, reordered_b, result, plain_result, onednn;
-  ScratchBuffer gathered_dy, columns;             // a weight gradient run as a GEMM
+  ScratchBuffer gathered_dy, columns;  // a weight gradient or a one-pixel window as a GEMM
   ScratchBuffer cropped_weights, cropped_result;  // a problem with its outer taps cut off
   void trim() {
     for (ScratchBuffer* buffer :
@@ -516,6 +516,59 @@ std::optional<GemmDesc> as_matrix_product(const ConvDesc& d) {
   return product;
 }
 
+// A 1x1 window without padding at a stride that leaves one output position (ResNet-18's last
+// shortcut at 32x32 inputs: 2x2 images to 1x1) reads one pixel of each image, the first: the
+// forward pass is the GEMM y [n, o] = x' [n, c] w [o, c]^T over those pixels, and the input
+// gradient dx' [n, c] = dy [n, o] w [o, c] put back on them (every other pixel's gradient is
+// zero). oneDNN's 1x1 kernel ran these at 0.1-0.2 of the peak, at 0.3-0.5 as GEMMs (bench_conv);
+// at 2x2 and more outputs it stays ahead of a gather, a GEMM and a transpose.
+std::optional<GemmDesc> one_pixel_product(const ConvDesc& d) {
+  const ConvGeometry& g = d.geometry;
+  const ConvWindow& w = g.window;
+  const bool one_pixel = (d.op == OpCode::Conv2d || d.op == OpCode::Conv2dInputGrad) &&
+                         w.groups == 1 && g.kh == 1 && g.kw == 1 && w.pad[0] == 0 &&
+                         w.pad[1] == 0 && g.oh == 1 && g.ow == 1 && g.h * g.w > 1;
+  if (!one_pixel) return std::nullopt;
+  const Bf16Kernel kernel = d.bf16_kernel == Bf16Kernel::own ? Bf16Kernel::native : d.bf16_kernel;
+  GemmDesc product{.m = g.n, .operand = d.operand, .out = d.out, .bf16_kernel = kernel};
+  if (d.op == OpCode::Conv2d)  // a = x' [n, c], b = w [o, c]
+    product.n = g.o, product.k = g.c, product.transpose_b = true;
+  else  // a = dy [n, o], b = w [o, c]
+    product.n = g.c, product.k = g.o;
+  return product;
+}
+
+// one_pixel_product's convolution; T and Out hold the operands' and the result's bits.
+template <typename T, typename Out>
+void one_pixel_conv(const ConvDesc& d, const GemmDesc& product, const T* a, const T* b, Out* out) {
+  const ConvGeometry& g = d.geometry;
+  const int64_t plane = g.h * g.w, pixels = g.n * g.c;
+  ThreadScratch& scratch = thread_scratch();
+  if (d.op == OpCode::Conv2d) {
+    T* first = scratch.columns.get<T>(pixels);
+    for (int64_t i = 0; i < pixels; ++i) first[i] = a[i * plane];
+    return gemm(product, first, b, out);
+  }
+  Out* result = scratch.columns.get<Out>(pixels);
+  gemm(product, a, b, result);
+  std::fill_n(out, pixels * plane, Out{});
+  for (int64_t i = 0; i < pixels; ++i) out[i * plane] = result[i];
+}
+
+void one_pixel_conv(const ConvDesc& d, const GemmDesc& product, const void* a, const void* b,
+                    void* out) {
+  auto run = [&](auto operand_bits, auto out_bits) {
+    using T = decltype(operand_bits);
+    using Out = decltype(out_bits);
+    one_pixel_conv(d, product, static_cast<const T*>(a), static_cast<const T*>(b),
+                   static_cast<Out*>(out));
+  };
+  if (d.operand == f32)
+    d.out == f32 ? run(uint32_t{}, uint32_t{}) : run(uint32_t{}, uint16_t{});
+  else
+    d.out == f32 ? run(uint16_t{}, uint32_t{}) : run(uint16_t{}, uint16_t{});
+}
+
 void run_onednn(const ConvDesc& d, const void* a, const void* b, void* out);
 
 // conv() with its workspace kept until the outermost call returns (a cropped problem runs this
@@ -544,6 +597,10 @@ void conv_keeping_scratch(const ConvDesc& d, const void* a, const void* b, void*
     if (d.op == OpCode::Conv2dWeightGrad) return gemm(*product, b, a, out);
     return gemm(*product, a, b, out);
   }
+  if (std::optional<GemmDesc> product = one_pixel_product(d)) {
+    log_gemm_choice(d, "the one pixel it reads, a GEMM");
+    return one_pixel_conv(d, *product, a, b, out);
+  }
   if (weight_grad_as_gemm(d)) {
     log_gemm_choice(d, "im2col and a GEMM");
     return d.operand == f32 ? weight_grad_gemm<float>(d, a, b, out)
@@ -567,6 +624,8 @@ std::string conv_kernel(const ConvDesc& d) {
     return describe(*crop, d.geometry) + ", " + conv_kernel(crop->cropped);
   if (std::optional<GemmDesc> product = as_matrix_product(d))
     return "one GEMM, " + gemm_kernel(*product);
+  if (std::optional<GemmDesc> product = one_pixel_product(d))
+    return "the one pixel it reads, " + gemm_kernel(*product);
   if (weight_grad_as_gemm(d)) return "im2col, " + gemm_kernel(weight_grad_gemm_desc(d));
   const std::string& implementation = cached(d)->implementation;
   return widens_bf16(d) ? "bf16 widened to f32, " + implementation : implementation;
