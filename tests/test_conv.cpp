@@ -208,6 +208,35 @@ TEST(Conv, Bf16WeightGradientsAt4x4OutputsRunAsOneGemm) {
   EXPECT_EQ(conv_kernel(small, mt::OpCode::Conv2dWeightGrad, mt::f32).rfind("im2col, ", 0), 0u);
 }
 
+// An infinite dy: the reference skips the taps that read padding, where the im2col GEMM would
+// multiply its gathered zeros by infinity; such a weight gradient runs on oneDNN's direct kernel,
+// which skips them too. Each element matches the reference's, infinities in place, no NaN.
+TEST(Conv, AnInfiniteGradientLeavesThePaddedTapsFinite) {
+  // Outputs 4x4 (the GEMM in bf16) and 2x2 (in both types).
+  for (int64_t stride : {1, 2})
+    for (mt::DType t : {mt::f32, mt::bf16}) {
+      const mt::ConvWindow window =
+          mt::ConvWindow::of(mt::Conv2dOptions{.stride = stride, .padding = 1});
+      const int64_t out = 4 / stride;
+      std::vector<float> ones(16, 1.0f), dy(static_cast<size_t>(out * out), 1.0f);
+      dy[0] = INFINITY;
+      auto weight_grad = [&](mt::Device device) {
+        mt::set_device(device);
+        mt::Tensor x = mt::cast(mt::tensor<float>(ones, {1, 1, 4, 4}), t);
+        mt::Tensor gy = mt::cast(mt::tensor<float>(dy, {1, 1, out, out}), t);
+        return mt::cast(mt::conv2d_weight_grad(x, gy, {1, 1, 3, 3}, window), mt::f32)
+            .to_vector<float>();
+      };
+      const std::vector<float> reference = weight_grad(mt::Device::reference);
+      const std::vector<float> cpu = weight_grad(mt::Device::cpu);
+      ASSERT_EQ(reference.size(), cpu.size());
+      for (size_t i = 0; i < reference.size(); ++i) {
+        EXPECT_FALSE(std::isnan(reference[i])) << i;
+        EXPECT_EQ(reference[i], cpu[i]) << mt::name(t) << " stride " << stride << " tap " << i;
+      }
+    }
+}
+
 // 1x1 windows without padding at a stride to one output position: the forward pass and the
 // input gradient run as a GEMM over the one pixel of each image they read, in every dtype; with
 // more outputs, or with padding, on oneDNN's kernel.

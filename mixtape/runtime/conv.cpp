@@ -215,6 +215,12 @@ void gather_weight_grad(const ConvGeometry& g, const T* x, const T* dy, T* dy_t,
   }
 }
 
+// The GEMM kernel a convolution run as a GEMM asks for: Bf16Kernel::own names oneDNN's bf16
+// convolution here (widens_bf16), not gemm's own kernel, so it asks for oneDNN's bf16 matmul.
+Bf16Kernel gemm_kernel_of(const ConvDesc& d) {
+  return d.bf16_kernel == Bf16Kernel::own ? Bf16Kernel::native : d.bf16_kernel;
+}
+
 GemmDesc weight_grad_gemm_desc(const ConvDesc& d) {
   const ConvGeometry& g = d.geometry;
   return GemmDesc{.m = g.o,
@@ -222,7 +228,23 @@ GemmDesc weight_grad_gemm_desc(const ConvDesc& d) {
                   .k = g.n * g.oh * g.ow,
                   .operand = d.operand,
                   .out = d.out,
-                  .bf16_kernel = d.bf16_kernel};
+                  .bf16_kernel = gemm_kernel_of(d)};
+}
+
+// Whether none of count values of type t is infinite or NaN. The im2col GEMM multiplies the zeros
+// it gathers for padding by dy, so an infinite dy would make NaN of the taps the reference (and
+// oneDNN's direct kernel) skip there: such a weight gradient goes to oneDNN.
+template <typename Bits>
+bool all_finite(const Bits* values, int64_t count, Bits exponent) {
+  bool finite = true;
+  for (int64_t i = 0; i < count; ++i) finite &= (values[i] & exponent) != exponent;
+  return finite;
+}
+bool all_finite(const void* values, int64_t count, DType t) {
+  if (t == f32)
+    return all_finite(static_cast<const uint32_t*>(values), count, uint32_t{0x7f800000});
+  const uint16_t exponent = t == bf16 ? 0x7f80 : 0x7c00;
+  return all_finite(static_cast<const uint16_t*>(values), count, exponent);
 }
 
 // The type oneDNN computes in: bf16, or f32 for f32, f16 and widened bf16 operands.
@@ -504,9 +526,7 @@ std::optional<GemmDesc> as_matrix_product(const ConvDesc& d) {
                            (g.kw == 1 || w.dil[1] == 1);
   if (!whole_image) return std::nullopt;
   const int64_t k = g.c * g.kh * g.kw;
-  // Bf16Kernel::own names oneDNN's bf16 convolution here (widens_bf16), not gemm's own kernel.
-  const Bf16Kernel kernel = d.bf16_kernel == Bf16Kernel::own ? Bf16Kernel::native : d.bf16_kernel;
-  GemmDesc product{.operand = d.operand, .out = d.out, .bf16_kernel = kernel};
+  GemmDesc product{.operand = d.operand, .out = d.out, .bf16_kernel = gemm_kernel_of(d)};
   if (d.op == OpCode::Conv2d)  // a = x [n, k], b = w [o, k]
     product.m = g.n, product.n = g.o, product.k = k, product.transpose_b = true;
   else if (d.op == OpCode::Conv2dInputGrad)  // a = dy [n, o], b = w [o, k]
@@ -529,8 +549,7 @@ std::optional<GemmDesc> one_pixel_product(const ConvDesc& d) {
                          w.groups == 1 && g.kh == 1 && g.kw == 1 && w.pad[0] == 0 &&
                          w.pad[1] == 0 && g.oh == 1 && g.ow == 1 && g.h * g.w > 1;
   if (!one_pixel) return std::nullopt;
-  const Bf16Kernel kernel = d.bf16_kernel == Bf16Kernel::own ? Bf16Kernel::native : d.bf16_kernel;
-  GemmDesc product{.m = g.n, .operand = d.operand, .out = d.out, .bf16_kernel = kernel};
+  GemmDesc product{.m = g.n, .operand = d.operand, .out = d.out, .bf16_kernel = gemm_kernel_of(d)};
   if (d.op == OpCode::Conv2d)  // a = x' [n, c], b = w [o, c]
     product.n = g.o, product.k = g.c, product.transpose_b = true;
   else  // a = dy [n, o], b = w [o, c]
@@ -601,7 +620,8 @@ void conv_keeping_scratch(const ConvDesc& d, const void* a, const void* b, void*
     log_gemm_choice(d, "the one pixel it reads, a GEMM");
     return one_pixel_conv(d, *product, a, b, out);
   }
-  if (weight_grad_as_gemm(d)) {
+  const ConvGeometry& g = d.geometry;
+  if (weight_grad_as_gemm(d) && all_finite(b, g.n * g.o * g.oh * g.ow, d.operand)) {
     log_gemm_choice(d, "im2col and a GEMM");
     return d.operand == f32 ? weight_grad_gemm<float>(d, a, b, out)
                             : weight_grad_gemm<uint16_t>(d, a, b, out);
