@@ -18,8 +18,8 @@
 #include "mixtape/dsl/log.h"
 #include "mixtape/runtime/gemm.h"
 #include "mixtape/runtime/half_convert.h"
+#include "mixtape/runtime/onednn_team.h"
 #include "mixtape/runtime/scratch_buffer.h"
-#include "mixtape/runtime/single_threaded.h"
 
 // Choices:
 // - Formats are left to oneDNN (format_tag::any): its direct convolutions run on blocked layouts
@@ -364,7 +364,7 @@ std::shared_ptr<const CachedConv> cached(const ConvDesc& d) {
   // Made outside the lock (oneDNN JIT-compiles its kernels); a racing thread's copy is dropped.
   std::shared_ptr<const CachedConv> made;
   try {
-    SingleThreaded single_threaded(!runs_on_team(key));
+    OnednnTeam threads(!runs_on_team(key));
     made = create(key);
   } catch (const dnnl::error& e) {
     fail("{}: oneDNN has no primitive for it: {}", describe(d), e.what());
@@ -670,7 +670,7 @@ void run_onednn(const ConvDesc& d, const void* a, const void* b, void* out) {
   thread_local dnnl::stream stream(engine);
   ThreadScratch& scratch = thread_scratch();
   const OnednnType t = onednn_operand(d);
-  SingleThreaded single_threaded(!runs_on_team(key_of(d)));
+  OnednnTeam threads(!runs_on_team(key_of(d)));
   try {
     // Inputs: widened if f16, then reordered into the primitive's layout if it differs.
     auto input = [&](const Argument& arg, const void* data, ScratchBuffer& widened,

@@ -22,8 +22,8 @@
 #include "mixtape/dsl/log.h"
 #include "mixtape/runtime/gemm_bf16.h"
 #include "mixtape/runtime/half_convert.h"
+#include "mixtape/runtime/onednn_team.h"
 #include "mixtape/runtime/scratch_buffer.h"
-#include "mixtape/runtime/single_threaded.h"
 
 // Findings about oneDNN 2.6 (Debian 2.6.3) on an Intel CPU with AVX512-BF16 and AVX512-FP16 but no
 // AMX that shape the choices below:
@@ -210,7 +210,12 @@ std::shared_ptr<const CachedPrimitive> cached_primitive(const PrimitiveKey& key)
     if (found != state.cache.end()) return found->second;
   }
   // Built outside the lock (JIT compilation takes a while); a racing thread's copy is dropped.
-  std::shared_ptr<const CachedPrimitive> made = create_primitive(key);
+  // Planned for the team run_onednn gives it (onednn_team.h).
+  std::shared_ptr<const CachedPrimitive> made;
+  {
+    OnednnTeam threads(false);
+    made = create_primitive(key);
+  }
   std::lock_guard lock(state.mutex);
   return state.cache.emplace(key, std::move(made)).first->second;
 }
@@ -514,7 +519,7 @@ bool runs_on_team(const GemmDesc& d, const CachedPrimitive& primitive) {
 
 void run_onednn(const GemmDesc& d, const CachedPrimitive& primitive, bool team, const void* a,
                 const void* b, const float* bias, void* result) {
-  SingleThreaded single_threaded(!team);
+  OnednnTeam threads(!team);
   // One stream per thread: oneDNN does not promise that a stream may be used concurrently.
   thread_local dnnl::stream stream(backend().engine);
   BoundArguments& bound = bound_arguments(primitive, d.has_bias);
