@@ -210,7 +210,8 @@ std::shared_ptr<const CachedPrimitive> cached_primitive(const PrimitiveKey& key)
     if (found != state.cache.end()) return found->second;
   }
   // Built outside the lock (JIT compilation takes a while); a racing thread's copy is dropped.
-  // Planned for the team run_onednn gives it (onednn_team.h).
+  // Made under the team settings it runs under (onednn_team.h): oneDNN may plan a primitive's
+  // work split when it makes it, as its convolutions do.
   std::shared_ptr<const CachedPrimitive> made;
   {
     OnednnTeam threads(false);
