@@ -168,7 +168,6 @@ const Case& named_case(const std::string& label) {
 }
 
 TEST(Conv, TapsThatOnlyCoverPaddingAreCutOff) {
-  auto kernel = [](const Case& c, mt::OpCode op) { return conv_kernel(c, op); };
   const std::map<std::string, std::string> cut = {
       {"3x3 pad 1 on 1x1", "taps 1..1 of 3 x 1..1 of 3"},
       {"3x3 stride 2 pad 1 on 2x2 to 1x1", "taps 1..2 of 3 x 1..2 of 3"},
@@ -177,7 +176,7 @@ TEST(Conv, TapsThatOnlyCoverPaddingAreCutOff) {
   for (const Case& c : cases())
     for (mt::OpCode op :
          {mt::OpCode::Conv2d, mt::OpCode::Conv2dInputGrad, mt::OpCode::Conv2dWeightGrad}) {
-      const std::string text = kernel(c, op);
+      const std::string text = conv_kernel(c, op);
       const bool whole_image = c.label == "3x3 pad 1 on 1x1" || c.label == "1x1 on 1x1" ||
                                c.label == "3x3 stride 2 pad 1 on 2x2 to 1x1" ||
                                c.label == "3x2 on 3x2" || c.label == "dilated 1x4 on 1x4";

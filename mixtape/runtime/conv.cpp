@@ -14,6 +14,7 @@
 
 #include <oneapi/dnnl/dnnl.hpp>
 
+#include "mixtape/dsl/convert.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/log.h"
 #include "mixtape/runtime/gemm.h"
@@ -229,22 +230,6 @@ GemmDesc weight_grad_gemm_desc(const ConvDesc& d) {
                   .operand = d.operand,
                   .out = d.out,
                   .bf16_kernel = gemm_kernel_of(d)};
-}
-
-// Whether none of count values of type t is infinite or NaN. The im2col GEMM multiplies the zeros
-// it gathers for padding by dy, so an infinite dy would make NaN of the taps the reference (and
-// oneDNN's direct kernel) skip there: such a weight gradient goes to oneDNN.
-template <typename Bits>
-bool all_finite(const Bits* values, int64_t count, Bits exponent) {
-  bool finite = true;
-  for (int64_t i = 0; i < count; ++i) finite &= (values[i] & exponent) != exponent;
-  return finite;
-}
-bool all_finite(const void* values, int64_t count, DType t) {
-  if (t == f32)
-    return all_finite(static_cast<const uint32_t*>(values), count, uint32_t{0x7f800000});
-  const uint16_t exponent = t == bf16 ? 0x7f80 : 0x7c00;
-  return all_finite(static_cast<const uint16_t*>(values), count, exponent);
 }
 
 // The type oneDNN computes in: bf16, or f32 for f32, f16 and widened bf16 operands.
@@ -621,6 +606,9 @@ void conv_keeping_scratch(const ConvDesc& d, const void* a, const void* b, void*
     log_gemm_choice(d, "the one pixel it reads, a GEMM");
     return one_pixel_conv(d, *product, a, b, out);
   }
+  // The im2col GEMM multiplies the zeros it gathers for padding by dy, so an infinite dy would make
+  // NaN of the taps the reference (and oneDNN's direct kernel) skip: such a gradient goes to
+  // oneDNN.
   const ConvGeometry& g = d.geometry;
   if (weight_grad_as_gemm(d) && all_finite(b, g.n * g.o * g.oh * g.ow, d.operand)) {
     log_gemm_choice(d, "im2col and a GEMM");
