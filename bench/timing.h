@@ -118,13 +118,13 @@ inline mt::json::Value measure_queued(const std::function<void()>& step,
 }
 
 /// Warm-up steps, then timed windows of K steps with K set from the warm-up step time (the same
-/// rules, budget cuts included, as bench_common.measure in the Python peers). `step`
-/// must return only when its work is done (a mixtape optimizer step evaluates before returning).
+/// rules, budget cuts included, as bench_common.measure in the Python peers). Work `step` leaves
+/// queued (mt::set_async_evaluation) is waited for with mt::synchronize.
 /// The result holds steps_per_s (median window) and how it was measured.
 /// `after_warmup` (optional) runs between the warm-up and the first window, untimed.
 inline mt::json::Value measure(const std::function<void()>& step, const TimingOptions& options,
                                const std::function<void()>& after_warmup = {}) {
-  return measure_queued(step, {}, options, after_warmup);
+  return measure_queued(step, mt::synchronize, options, after_warmup);
 }
 
 inline void append(mt::json::Value& into, const mt::json::Value& from) { into.update(from); }
@@ -232,6 +232,7 @@ inline mt::json::Value stats_json(const mt::ExecutionStats& s, int64_t steps = 1
   double n = static_cast<double>(std::max<int64_t>(1, steps));
   auto per = [&](int64_t count) { return static_cast<double>(count) / n; };
   return {{"evaluations", per(s.evaluations)},
+          {"evaluations_queued", per(s.evaluations_queued)},
           {"kernels", per(s.kernels)},
           {"kernel_nodes", per(s.kernel_nodes)},
           {"gemms", per(s.gemms)},
@@ -396,13 +397,14 @@ inline Workload mlp_workload(int64_t width, int64_t batch, const mt::PolicyPtr& 
                         {"parameters", parameter_count(*state->net)}});
 }
 
-/// Times `workload` (measure_queued with `wait`, which may be empty) and returns its record: what
-/// ran, the timing, the back end's counters for setup and warm-up and per timed step, mt::compile's
-/// counters under --step compiled, and the loss of one more (untimed) step after the windows.
-/// Call mt::reset_execution_stats() before making the workload so that its setup is counted.
+/// Times `workload` (measure_queued with `wait`: mt::synchronize by default) and returns its
+/// record: what ran, the timing, the back end's counters for setup and warm-up and per timed step,
+/// mt::compile's counters under --step compiled, and the loss of one more (untimed) step after the
+/// windows. Call mt::reset_execution_stats() before making the workload so that its setup is
+/// counted.
 inline mt::json::Value measure_workload(Workload& workload, const std::string& name,
                                         const std::string& precision, const CommandLine& line,
-                                        const std::function<void()>& wait = {}) {
+                                        const std::function<void()>& wait = mt::synchronize) {
   // Setup and warm-up (tracing, compiling, first runs) apart from the timed windows, whose
   // counters are reported per step.
   mt::ExecutionStats warmup_stats;
@@ -415,11 +417,9 @@ inline mt::json::Value measure_workload(Workload& workload, const std::string& n
   mt::ExecutionStats timed_stats = mt::execution_stats();
   int64_t timed_steps =
       result.at("steps_per_window").get<int64_t>() * result.at("windows").get<int64_t>();
-  mt::json::Value record{{"system", "mixtape"},
-                         {"workload", name},
-                         {"precision", precision},
-                         {"backend", backend()},
-                         {"step", line.step}};
+  mt::json::Value record{{"system", "mixtape"},    {"workload", name},
+                         {"precision", precision}, {"backend", backend()},
+                         {"step", line.step},      {"async", mt::async_evaluation()}};
   append(record, workload.facts);
   append(record, result);
   record.emplace("setup_and_warmup_stats", stats_json(warmup_stats));

@@ -31,7 +31,9 @@ constexpr const char* kUsage =
     "  Phases of a traced step: batch (the next inputs, outside the step), zero_grad, forward\n"
     "  (the model and loss under autocast), backward, optimizer (building the update graph),\n"
     "  pending, precision, sign, lookup, run (runtime/device.h's ExecutionStats), teardown\n"
-    "  (dropping the step's graph).\n";
+    "  (dropping the step's graph), and wait (for work still queued at the round's end, under\n"
+    "  MIXTAPE_ASYNC=1, where run is only the queuing and the other phases include waits for\n"
+    "  the stream).\n";
 
 using Clock = std::chrono::steady_clock;
 
@@ -157,6 +159,9 @@ Phases traced_round(Setup& setup, int steps) {
     inputs = targets = mt::Tensor();
     phases["teardown"] += since(last);
   }
+  Clock::time_point last = Clock::now();
+  mt::synchronize();
+  phases["wait"] = since(last);
   mt::ExecutionStats stats = mt::execution_stats();
   phases["pending"] = stats.pending_seconds;
   phases["precision"] = stats.precision_seconds;
@@ -181,6 +186,9 @@ Phases compiled_round(Setup& setup,
     step(inputs, targets);
     phases["step"] += since(last);
   }
+  Clock::time_point last = Clock::now();
+  mt::synchronize();
+  phases["step"] += since(last);
   return phases;
 }
 
@@ -230,7 +238,7 @@ mt::json::Value measure(const std::string& name, const std::string& precision, i
   mt::json::Value phases = best_us(traced_rounds, steps);
   double host_us = 0;  // what mt::compile skips: every phase but the batch and the run
   for (const auto& [phase, us] : phases.items())
-    if (phase != "batch" && phase != "run") host_us += us.get<double>();
+    if (phase != "batch" && phase != "run" && phase != "wait") host_us += us.get<double>();
   return {{"workload", name},
           {"precision", precision},
           {"steps_per_round", steps},
@@ -242,8 +250,9 @@ mt::json::Value measure(const std::string& name, const std::string& precision, i
           {"compiled_step_us", std::round(compiled_us * 10) / 10},
           {"traced_over_compiled", std::round(traced_us / compiled_us * 1000) / 1000},
           {"note",
-           "phases and host (their sum but batch and run): best round each; step totals: median "
-           "round, without the batch (outside the step in both)"}};
+           "phases and host (their sum but batch, run and wait): best round each; step totals: "
+           "median round, without the batch (outside the step in both)"},
+          {"async", mt::async_evaluation()}};
 }
 
 }  // namespace

@@ -156,6 +156,11 @@ int64_t planned_peak_bytes(const std::vector<NodePtr>& outputs);
 /// assignments Tensor::assign_later left pending. Provided by the runtime layer, which owns the
 /// executors; the DSL only asks.
 void evaluate(const std::vector<NodePtr>& outputs);
+/// evaluate() for a training step's update, whose values nothing reads at once
+/// (Optimizer::step): with async_evaluation() on (runtime/device.h), the CPU back end may queue
+/// its arithmetic and return. Elsewhere the same as evaluate(): an evaluation read at once
+/// (item(), to_vector(), mt::compile's arguments) would only wait for the stream.
+void evaluate_queued(const std::vector<NodePtr>& outputs);
 
 /// The values of the pending Tensor::assign_later calls of this thread, which every evaluation
 /// computes too; settle_deferred_assignments() then makes each assigned tensor a leaf holding

@@ -61,13 +61,20 @@ const OpInfo& op_info(OpCode op);
 inline const char* op_name(OpCode op) { return op_info(op).name; }
 int op_count();
 
+/// Waits until everything queued on the CPU stream has run (runtime/cpu_stream.h); then an
+/// mt::Error if some of it failed since the last call. Returns at once on the stream's thread.
+void finish_cpu_stream();
+/// Whether the calling thread is the CPU stream's worker.
+bool on_cpu_stream();
+
 struct DeviceCopy;  // a value's copy in device memory, defined by the device back end
 
 /// A flat buffer of elements of one dtype, row-major and contiguous. A value computed on a GPU
 /// lives there (`device`) and has no host copy until something on the host reads it: every host
 /// read goes through host_data() / as<T>(), which fetches it (synchronizing with the device)
 /// the first time. Values made on the host keep `device` empty until a device back end uploads
-/// them, once, and keeps the copy here.
+/// them, once, and keeps the copy here. A value that work queued on the CPU stream computes
+/// (async_evaluation()) is read only once that work has run.
 struct Storage {
   DType dtype;
   int64_t count;
@@ -82,6 +89,10 @@ struct Storage {
   // accumulated outside the step) makes them trace again, whatever else still holds the buffer
   // (another plan, a detached copy).
   std::atomic<uint32_t> moves_off{0};
+  // Pieces of work queued on the CPU stream (runtime/cpu_stream.h) that have not run yet and
+  // read or write this buffer, and those of them that write it: the host bytes are not this
+  // value's until the writers have run.
+  std::atomic<int32_t> queued_uses{0}, queued_writes{0};
 
   /// Zeros (every dtype's zero is all-zero bits).
   Storage(DType dtype, int64_t count)
@@ -98,13 +109,27 @@ struct Storage {
   Storage(const Storage&) = delete;
   Storage& operator=(const Storage&) = delete;
 
-  /// The host bytes, fetched from the device first if they are stale.
+  /// The host bytes, fetched from the device first if they are stale. Waits for the CPU stream
+  /// first where queued work writes them, or, as the caller may write through the pointer, reads
+  /// them.
   std::byte* host_data() {
-    if (host_stale.load(std::memory_order_acquire)) [[unlikely]]
-      fetch_host();
+    if (host_stale.load(std::memory_order_acquire) ||
+        queued_uses.load(std::memory_order_acquire) > 0) [[unlikely]]
+      settle_host();
     return bytes.data();
   }
-  const std::byte* host_data() const { return const_cast<Storage*>(this)->host_data(); }
+  /// The same for reading: waits only where queued work writes them.
+  const std::byte* host_data() const {
+    if (host_stale.load(std::memory_order_acquire) ||
+        queued_writes.load(std::memory_order_acquire) > 0) [[unlikely]]
+      const_cast<Storage*>(this)->settle_host();
+    return bytes.data();
+  }
+  /// Whether the host bytes hold the value now: not on a device only, nor queued to be written.
+  bool host_ready() const {
+    return !host_stale.load(std::memory_order_acquire) &&
+           queued_writes.load(std::memory_order_acquire) == 0;
+  }
   template <typename T>
   T* as() {
     return reinterpret_cast<T*>(host_data());
@@ -120,6 +145,10 @@ struct Storage {
   /// so that every holder of this one sees `other`'s value: how mt::compile updates state in
   /// place.
   void swap_value(Storage& other) {
+    // Queued work reads and writes the bytes by address.
+    if (queued_uses.load(std::memory_order_acquire) > 0 ||
+        other.queued_uses.load(std::memory_order_acquire) > 0)
+      finish_cpu_stream();
     bytes.swap(other.bytes);
     device.swap(other.device);
     bool stale = host_stale.load();
@@ -133,7 +162,7 @@ struct Storage {
   static void set_host_fetch(HostFetch fetch);
 
  private:
-  void fetch_host();  // dsl/tensor.cpp
+  void settle_host();  // dsl/tensor.cpp
 };
 
 /// A buffer of its own holding `value`'s host bytes as they are now (fetched from the device

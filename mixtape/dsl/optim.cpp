@@ -264,7 +264,11 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
           replaced.emplace_back(old.node().get(), 1);
     }
     ReusableBuffers reusable(std::move(replaced));
-    eval(outputs);  // the whole update as one program
+    // The whole update as one program, queued where the CPU back end runs asynchronously.
+    std::vector<NodePtr> nodes;
+    nodes.reserve(outputs.size());
+    for (const Tensor& t : outputs) nodes.push_back(t.node());
+    evaluate_queued(nodes);
   }
   for (size_t k = 0; k < updated.size(); ++k) {
     size_t i = updated[k];

@@ -27,7 +27,19 @@ std::shared_ptr<Storage> host_copy(const Storage& value) {
   return copy;
 }
 
-void Storage::fetch_host() {
+void Storage::settle_host() {
+  // The stream's worker reads what its earlier work wrote: that ran first.
+  if ((queued_uses.load(std::memory_order_acquire) > 0 ||
+       queued_writes.load(std::memory_order_acquire) > 0) &&
+      !on_cpu_stream()) {
+    finish_cpu_stream();  // reports a failure of queued work, once
+    // All queued work has run: a write still counted is one that failed.
+    if (queued_writes.load(std::memory_order_acquire) > 0)
+      fail(
+          "this value was never computed: the asynchronous CPU evaluation that was to compute "
+          "it failed, or read a value that failed");
+  }
+  if (!host_stale.load(std::memory_order_acquire)) return;
   HostFetch fetch = host_fetch.load();
   if (!fetch) fail("a value lives on a device, but no device back end can fetch it");
   fetch(*this);
@@ -439,7 +451,7 @@ Tensor Generator::draw(uint64_t count) {
   };
   Tensor first = state_->offset;
   const NodePtr& node = first.node();
-  if (!trace_observer() && node->evaluated() && !node->value->host_stale.load()) {
+  if (!trace_observer() && node->evaluated() && node->value->host_ready()) {
     // Outside a compiled step, with the offset at hand on the host, no graph code is needed.
     uint64_t at = std::bit_cast<uint64_t>(load_element<int64_t>(*node->value, 0));
     state_->offset = offset_value(at + count);

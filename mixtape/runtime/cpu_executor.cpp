@@ -16,11 +16,15 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/log.h"
+#include "mixtape/dsl/process_group.h"
 #include "mixtape/dsl/reusable_buffers.h"
 #include "mixtape/runtime/all_reduce.h"
 #include "mixtape/runtime/attention.h"
+#include "mixtape/runtime/compile.h"
 #include "mixtape/runtime/conv.h"
 #include "mixtape/runtime/cpu_kernels.h"
+#include "mixtape/runtime/cpu_stream.h"
+#include "mixtape/runtime/device.h"
 #include "mixtape/runtime/gemm.h"
 #include "mixtape/runtime/half_convert.h"
 #include "mixtape/runtime/matmul_dims.h"
@@ -105,7 +109,11 @@ std::shared_ptr<Storage> reusable_buffer(Node& input, const Node& output, long e
   // the buffer.
   long copies = 0;
   for (const NarrowedCopy& c : narrowed_copies()) copies += c.source == buffer;
-  if (buffer.use_count() != 1 + copies || input.weak_from_this().use_count() != edges + holders ||
+  // Work queued on the CPU stream that reads it runs before this output is written, whether the
+  // output is queued too or waits for the stream (host_data). (Its holds and queued_uses change
+  // together, on this thread: cpu_stream.cpp.)
+  if (buffer.use_count() - buffer->queued_uses.load(std::memory_order_acquire) != 1 + copies ||
+      input.weak_from_this().use_count() != edges + holders ||
       buffer->dtype != output.precision.storage_type || buffer->count != output.numel() ||
       buffer->device)
     return nullptr;
@@ -116,6 +124,123 @@ std::shared_ptr<Storage> reusable_buffer(Node& input, const Node& output, long e
 }
 
 int64_t bytes_of(const Storage& s) { return s.size_bytes(); }
+
+// A kernel launch: the parameter list, the range and how to split it across threads.
+struct KernelLaunch {
+  KernelFunction function = nullptr;
+  void** args = nullptr;
+  int64_t extent = 0;
+  int threads = 1;
+  // A multi-tensor reduction's segment starts (Step::segment_table past its count): each thread
+  // takes whole segments. Null for a plain split of the range.
+  const int64_t* segment_starts = nullptr;
+};
+
+void launch(const KernelLaunch& k) {
+  if (k.threads <= 1 || k.extent < 2) return k.function(k.args, 0, k.extent);
+#pragma omp parallel num_threads(k.threads)
+  {
+    apply_flush_denormal();
+    int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+    if (k.segment_starts) {
+      // Whole segments, a thread taking those that start in its share of the elements.
+      const int64_t* starts = k.segment_starts;
+      int64_t total = starts[k.extent];
+      auto first_from = [&](int64_t share) {
+        return std::lower_bound(starts, starts + k.extent, total * share / n) - starts;
+      };
+      k.function(k.args, first_from(t), t + 1 == n ? k.extent : first_from(t + 1));
+    } else {
+      k.function(k.args, k.extent * t / n, k.extent * (t + 1) / n);
+    }
+  }
+}
+
+void convert(const Storage& value, Storage& out);
+
+// The part of an evaluation queued on the CPU stream (async_evaluation()): kernel launches and
+// matmuls, bound to their buffers as replay_cpu went through the program, run in that order on
+// the stream's worker.
+class QueuedRun final : public StreamWork {
+ public:
+  // Raw pointers: the run holds each storage once (StreamWork::read/write), so that
+  // use_count() - queued_uses is what else holds it (reusable_buffer).
+  struct MatMul {
+    GemmDesc desc;
+    Storage *a = nullptr, *b = nullptr, *bias = nullptr, *out = nullptr;
+    bool a_leaf = false, b_leaf = false, bias_leaf = false;
+  };
+  struct Launch {
+    KernelLaunch kernel;
+    size_t first_arg = 0;
+    int64_t matmul = -1;  // an index into matmuls, or -1 for a kernel launch
+  };
+
+  explicit QueuedRun(std::shared_ptr<const Program> program) : program_(std::move(program)) {}
+  const std::shared_ptr<const Program>& program() const { return program_; }
+
+  std::vector<void*> args;
+  // Scalar slots: args[first] is to point at scalars[second] once scalars stops growing.
+  std::vector<std::pair<size_t, size_t>> scalar_args;
+  std::vector<double> scalars;
+  std::vector<Launch> launches;
+  std::vector<MatMul> matmuls;
+
+  void run() override {
+    for (auto [arg, scalar] : scalar_args) args[arg] = scalars.data() + scalar;
+    for (Launch& l : launches) {
+      if (l.matmul < 0) {
+        l.kernel.args = args.data() + l.first_arg;
+        launch(l.kernel);
+        continue;
+      }
+      const MatMul& m = matmuls[static_cast<size_t>(l.matmul)];
+      std::shared_ptr<Storage> scratch[3];
+      const Storage& a = in_dtype(*m.a, m.desc.operand, m.a_leaf, scratch[0]);
+      const Storage& b = in_dtype(*m.b, m.desc.operand, m.b_leaf, scratch[1]);
+      const Storage* bias =
+          m.bias ? &in_dtype(*m.bias, m.desc.bias_type, m.bias_leaf, scratch[2]) : nullptr;
+      gemm(m.desc, a.host_data(), b.host_data(), m.out->bytes.data(),
+           bias ? bias->host_data() : nullptr);
+    }
+    converted_.clear();
+  }
+
+ private:
+  // `value` in `dtype`: itself, or a copy, kept for the run where `leaf` (a weight read by the
+  // forward product and the weight gradient is rounded once), else in `scratch`. The run holds
+  // every source, so a raw pointer names it.
+  const Storage& in_dtype(const Storage& value, DType dtype, bool leaf,
+                          std::shared_ptr<Storage>& scratch) {
+    if (value.dtype == dtype) return value;
+    if (leaf)
+      for (const auto& [source, copy] : converted_)
+        if (source == &value && copy->dtype == dtype) return *copy;
+    scratch = std::make_shared<Storage>(dtype, value.count, Storage::Uninitialized{});
+    convert(value, *scratch);
+    if (leaf) converted_.emplace_back(&value, scratch);
+    return *scratch;
+  }
+
+  std::shared_ptr<const Program> program_;  // its kernels' code
+  std::vector<std::pair<const Storage*, std::shared_ptr<Storage>>> converted_;
+};
+
+// The evaluation replay_cpu is queuing on this thread, or null when it runs synchronously.
+std::unique_ptr<QueuedRun>& queued_run() {
+  thread_local std::unique_ptr<QueuedRun> run;
+  return run;
+}
+
+// Hands what the evaluation has queued so far to the stream, before a step that runs on this
+// thread (and waits for it where the step reads its values); later steps queue anew.
+void submit_queued() {
+  std::unique_ptr<QueuedRun>& run = queued_run();
+  if (!run || run->holds_nothing()) return;
+  std::unique_ptr<QueuedRun> full = std::move(run);
+  run = std::make_unique<QueuedRun>(full->program());
+  submit_to_cpu_stream(std::move(full));
+}
 
 // A kernel's entry point: null from the program build until compile_pending() has loaded it
 // together with the rest of the program's new kernels. Owned by the steps that run it (and,
@@ -221,49 +346,51 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
     }
   // A multi-tensor kernel takes its segment table first, then each segment's pointers and
   // scalars (kir::Kernel::multi_tensor); an ordinary one is a single segment without the table.
-  if (kernel.multi_tensor) params.push_back(const_cast<int64_t*>(step.segment_table.data()));
+  // Queued on the CPU stream, the parameters go into the queued run's list, their scalars'
+  // addresses set once its scalars stop growing.
+  QueuedRun* queued = queued_run().get();
+  std::vector<void*>& args = queued ? queued->args : params;
+  const size_t first_arg = args.size();
+  if (kernel.multi_tensor) args.push_back(const_cast<int64_t*>(step.segment_table.data()));
   size_t per_segment = kernel.params.size();
   for (size_t i = 0; i < count; ++i) {
     Node* node = nodes[i] = sig.resolve(step.params[i], pending);
     if (step.param_is_output(i)) {
       if (!outputs[i]) outputs[i] = allocate(*node);
-      params.push_back(outputs[i]->host_data());
+      args.push_back(queued ? queued->write(outputs[i]) : outputs[i]->host_data());
       s.bytes_written += bytes_of(*outputs[i]);
     } else {
-      params.push_back(node->value->host_data());
+      args.push_back(queued ? queued->read(node->value) : node->value->host_data());
       s.bytes_read += bytes_of(*node->value);
     }
-    if (kernel.scalars > 0 && (i + 1) % per_segment == 0)
-      params.push_back(scalars.data() + (i / per_segment) * kernel.scalars);
+    if (kernel.scalars > 0 && (i + 1) % per_segment == 0) {
+      const size_t first_scalar = (i / per_segment) * kernel.scalars;
+      if (!queued) {
+        args.push_back(scalars.data() + first_scalar);
+      } else {
+        queued->scalar_args.emplace_back(args.size(), queued->scalars.size() + first_scalar);
+        args.push_back(nullptr);
+      }
+    }
   }
   if (observer()) {
     LoweredKernel lowered{kernel, nodes, scalars, {}};
     for (NodeRef ref : step.scalar_nodes) lowered.scalar_nodes.push_back(sig.resolve(ref, pending));
     observer()(lowered);
   }
-  int64_t extent = step.parallel_extent;
-  int threads = step.points >= parallel_threshold ? omp_get_max_threads() : 1;
-  // The scratch vectors are this thread's: the team gets their data by pointer.
-  void** args = params.data();
-  if (threads <= 1 || extent < 2) {
-    function(args, 0, extent);
+  KernelLaunch k;
+  k.function = function;
+  k.extent = step.parallel_extent;
+  k.threads = step.points >= parallel_threshold ? omp_get_max_threads() : 1;
+  if (kernel.multi_tensor && kernel.is_reduction())
+    k.segment_starts = step.segment_table.data() + 1;
+  if (queued) {
+    queued->scalars.insert(queued->scalars.end(), scalars.begin(), scalars.end());
+    queued->launches.push_back({k, first_arg, -1});
   } else {
-#pragma omp parallel num_threads(threads)
-    {
-      apply_flush_denormal();
-      int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
-      if (kernel.multi_tensor && kernel.is_reduction()) {
-        // Whole segments, a thread taking those that start in its share of the elements.
-        const int64_t* starts = step.segment_table.data() + 1;
-        int64_t total = starts[extent];
-        auto first_from = [&](int64_t share) {
-          return std::lower_bound(starts, starts + extent, total * share / n) - starts;
-        };
-        function(args, first_from(t), t + 1 == n ? extent : first_from(t + 1));
-      } else {
-        function(args, extent * t / n, extent * (t + 1) / n);
-      }
-    }
+    // The scratch vectors are this thread's: the team gets their data by pointer.
+    k.args = params.data();
+    launch(k);
   }
   for (size_t i = 0; i < count; ++i)
     if (outputs[i]) nodes[i]->value = std::move(outputs[i]);
@@ -271,25 +398,31 @@ void run_kernel(const Step& step, const std::vector<Node*>& pending, const Signa
   s.kernel_nodes += step.members;
 }
 
+// `value`'s elements in `out`'s dtype (a matmul's compute type).
+void convert(const Storage& value, Storage& out) {
+  if (value.dtype == f32 && out.dtype == bf16)
+    narrow_to_bf16(value.as<float>(), out.as<uint16_t>(), value.count);
+  else if (value.dtype == f32 && out.dtype == f16)
+    narrow_to_f16(value.as<float>(), out.as<uint16_t>(), value.count);
+  else
+    for (int64_t i = 0; i < value.count; ++i) store_element(out, i, load_element<double>(value, i));
+}
+
+bool is_leaf(const Node& node) { return op_info(node.op).kind == OpKind::Leaf; }
+
 // An input's value in `dtype` (the matmul's compute type): itself, or converted. A leaf's copy
-// is kept for the run when `cache` (only inside replay_cpu, which drops them at its end).
-std::shared_ptr<Storage> as_dtype(const Node& input, DType dtype, bool cache = true) {
+// is kept for the run (replay_cpu drops them at its end).
+std::shared_ptr<Storage> as_dtype(const Node& input, DType dtype) {
   const std::shared_ptr<Storage>& value = input.value;
   if (value->dtype == dtype) return value;
-  const bool leaf = cache && op_info(input.op).kind == OpKind::Leaf;
+  const bool leaf = is_leaf(input);
   std::vector<NarrowedCopy>& copies = narrowed_copies();
   if (leaf)
     for (const NarrowedCopy& c : copies)
       if (c.source == value && c.copy->dtype == dtype) return c.copy;
   auto out = std::make_shared<Storage>(dtype, value->count, Storage::Uninitialized{});
   if (leaf) copies.push_back({value, out});
-  if (value->dtype == f32 && dtype == bf16)
-    narrow_to_bf16(value->as<float>(), out->as<uint16_t>(), value->count);
-  else if (value->dtype == f32 && dtype == f16)
-    narrow_to_f16(value->as<float>(), out->as<uint16_t>(), value->count);
-  else
-    for (int64_t i = 0; i < value->count; ++i)
-      store_element(*out, i, load_element<double>(*value, i));
+  convert(*value, *out);
   return out;
 }
 
@@ -298,12 +431,12 @@ std::shared_ptr<Storage> as_dtype(const Node& input, DType dtype, bool cache = t
 void run_matmul(const Step& step, const std::vector<Node*>& pending, const Signature& sig) {
   Node& node = *sig.resolve(step.node, pending);
   Node& output = *sig.resolve(step.output, pending);
-  // The bias in the type the add reads it in (an f32 parameter's bf16 copy is made once a run).
-  std::shared_ptr<Storage> bias =
-      step.has_bias ? as_dtype(*sig.resolve(step.bias, pending), step.bias_type) : nullptr;
+  // The bias, read in the type the add reads it in (an f32 parameter's bf16 copy is made once a
+  // run).
+  const Node* bias_node = step.has_bias ? sig.resolve(step.bias, pending) : nullptr;
   GemmDesc desc = matmul_desc<GemmDesc>(node);
   desc.operand = node.precision.compute, desc.out = output.precision.storage_type;
-  desc.has_bias = bias != nullptr, desc.bias_type = bias ? bias->dtype : f32;
+  desc.has_bias = bias_node != nullptr, desc.bias_type = bias_node ? step.bias_type : f32;
   desc.relu = step.relu, desc.product_type = step.product_type;
   // A 16-bit accumulator (asked for by a custom policy) is not what oneDNN does: the reference
   // loops honour it. Fusion gives such products no epilogue.
@@ -311,21 +444,38 @@ void run_matmul(const Step& step, const std::vector<Node*>& pending, const Signa
     if (&output != &node)
       fail("internal: a {} matmul with a fused epilogue, which gemm does not run",
            name(desc.operand));
+    submit_queued();
     node.value = reference_compute(node);
     ++stats().host_ops;
     return;
   }
-  auto a = as_dtype(*node.inputs[0], desc.operand);
-  auto b = as_dtype(*node.inputs[1], desc.operand);
+  const Node &a = *node.inputs[0], &b = *node.inputs[1];
   auto out = allocate(output);
-  if (desc.batch > 0)
-    gemm(desc, a->host_data(), b->host_data(), out->host_data(),
-         bias ? bias->host_data() : nullptr);
-  output.value = out;
   ExecutionStats& s = stats();
   ++s.gemms;
-  s.bytes_read += bytes_of(*a) + bytes_of(*b) + (bias ? bytes_of(*bias) : 0);
+  s.bytes_read +=
+      (a.value->count + b.value->count) * static_cast<int64_t>(size_of(desc.operand)) +
+      (bias_node ? bias_node->value->count * static_cast<int64_t>(size_of(step.bias_type)) : 0);
   s.bytes_written += bytes_of(*out);
+  output.value = out;
+  if (desc.batch == 0) return;
+  if (QueuedRun* queued = queued_run().get()) {
+    // Converted on the stream: the conversion reads the values.
+    QueuedRun::MatMul m{desc,      a.value.get(), b.value.get(), nullptr,
+                        out.get(), is_leaf(a),    is_leaf(b),    false};
+    queued->read(a.value), queued->read(b.value), queued->write(out);
+    if (bias_node) {
+      m.bias = bias_node->value.get(), m.bias_leaf = is_leaf(*bias_node);
+      queued->read(bias_node->value);
+    }
+    queued->launches.push_back({{}, 0, static_cast<int64_t>(queued->matmuls.size())});
+    queued->matmuls.push_back(m);
+    return;
+  }
+  std::shared_ptr<Storage> bias = bias_node ? as_dtype(*bias_node, step.bias_type) : nullptr;
+  auto a_value = as_dtype(a, desc.operand), b_value = as_dtype(b, desc.operand);
+  gemm(desc, a_value->host_data(), b_value->host_data(), out->host_data(),
+       bias ? bias->host_data() : nullptr);
 }
 
 // A convolution primitive through oneDNN; other dtypes and accumulators (f64, a 16-bit
@@ -342,8 +492,8 @@ void run_conv(Node& node) {
     ++stats().host_ops;
     return;
   }
-  auto a = as_dtype(*node.inputs[0], desc.operand, true);
-  auto b = as_dtype(*node.inputs[1], desc.operand, true);
+  auto a = as_dtype(*node.inputs[0], desc.operand);
+  auto b = as_dtype(*node.inputs[1], desc.operand);
   auto out = allocate(node);
   conv(desc, a->host_data(), b->host_data(), out->host_data());
   node.value = out;
@@ -374,6 +524,7 @@ void run_own_loops(Node& node, bool supported, void (*compute)(const Node&, Stor
 // Steps without a generated kernel: convolutions through oneDNN, max pooling and attention by
 // their loops, the rest by the reference loops.
 void run_host_step(Node& node) {
+  submit_queued();  // what it reads may be queued
   if (op_info(node.op).kind == OpKind::Conv) return run_conv(node);
   if (op_info(node.op).kind == OpKind::Pool)
     return run_own_loops(node, max_pool_cpu_supported(node), max_pool_cpu);
@@ -382,6 +533,46 @@ void run_host_step(Node& node) {
   node.value = reference_compute(node);
   ++stats().host_ops;
 }
+
+// Whether every step of `program` runs on one thread whatever the OpenMP team: its kernels and
+// products below their team thresholds, and no host step of those that split their work
+// (convolutions, pooling, attention, collectives). Only such a program is queued on the CPU
+// stream, whose worker runs it alone on its own core: an OpenMP team there would share a core
+// with the thread that traces on, and every region of it would wait for the descheduled member.
+bool runs_on_one_thread(const Program& program, const std::vector<Node*>& pending,
+                        const Signature& sig) {
+  for (const Step& step : program.steps) {
+    if (step.kind == FusionGroup::Kind::Kernel) {
+      if (step.points >= parallel_threshold) return false;
+    } else if (step.kind == FusionGroup::Kind::MatMul) {
+      if (!gemm_on_calling_thread(matmul_desc<GemmDesc>(*sig.resolve(step.node, pending))))
+        return false;
+    } else if (step.kind != FusionGroup::Kind::Alias) {
+      OpKind kind = op_info(sig.resolve(step.node, pending)->op).kind;
+      if (kind == OpKind::Conv || kind == OpKind::Pool || kind == OpKind::Attention ||
+          kind == OpKind::Collective)
+        return false;
+    }
+  }
+  return true;
+}
+
+// The calling thread's OpenMP team cut to itself while it lives: the host steps of a queued
+// evaluation run beside the stream's worker.
+class OneThreadTeam {
+ public:
+  OneThreadTeam() : threads_(omp_get_max_threads()) {
+    if (threads_ > 1) omp_set_num_threads(1);
+  }
+  ~OneThreadTeam() {
+    if (threads_ > 1) omp_set_num_threads(threads_);
+  }
+  OneThreadTeam(const OneThreadTeam&) = delete;
+  OneThreadTeam& operator=(const OneThreadTeam&) = delete;
+
+ private:
+  int threads_;
+};
 
 }  // namespace
 
@@ -399,16 +590,41 @@ ExecutedProgram execute_cpu(const std::vector<Node*>& pending, const std::vector
   FusionOptions options = fusion_options(Device::cpu);
   ExecutedProgram executed;
   PhaseClock clock;
+  ExecutionStats& counters = execution_counters();
   executed.sig = sign_cpu(pending, required, options);
   const double sign_seconds = clock.lap();
+  const int64_t built = counters.programs_built;
   executed.program = cpu_programs().get(pending, options, executed.sig, register_kernel);
   compile_pending();
+  const bool first_run = counters.programs_built != built;
   const double lookup_seconds = clock.lap();
   // The run phase (runtime/eval.cpp) counts from before the signature: take these out of it.
-  ExecutionStats& counters = execution_counters();
   counters.sign_seconds += sign_seconds;
   counters.lookup_seconds += lookup_seconds;
   counters.run_seconds -= sign_seconds + lookup_seconds;
+  // Queued on the CPU stream: an optimizer's step (evaluate_queued) of a small program
+  // (runs_on_one_thread) that ran before (its first run
+  // makes the statics its work uses, which the stream must outlive at exit), where nothing
+  // watches the steps run one by one (a kernel observer, the profile, mt::compile's trace) and
+  // no collective waits for other processes.
+  const bool queue = evaluation_may_queue() && async_evaluation() && !first_run && !observer() &&
+                     !log_enabled("profile") && !tracing_step() && process_count() <= 1 &&
+                     !on_cpu_stream() &&
+                     runs_on_one_thread(*executed.program, pending, executed.sig);
+  if (!queue) {
+    replay_cpu(executed, pending);
+    if (first_run && evaluation_may_queue() && async_evaluation()) keep_cpu_stream_ahead_of_exit();
+    return executed;
+  }
+  ++counters.evaluations_queued;
+  queued_run() = std::make_unique<QueuedRun>(executed.program);
+  struct Submit {  // also when binding a step throws: the steps bound before it still run
+    ~Submit() {
+      submit_queued();
+      queued_run().reset();
+    }
+  } submit;
+  OneThreadTeam one_thread;  // for its host steps (random draws split their work)
   replay_cpu(executed, pending);
   return executed;
 }

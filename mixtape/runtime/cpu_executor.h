@@ -19,6 +19,9 @@ namespace mixtape {
 /// a later evaluation that needs them recomputes them from their inputs.
 /// Returns the program it ran, which replay_cpu runs again on the same nodes (mt::compile).
 ExecutedProgram execute_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required);
+/// Whether the evaluation under way on this thread came through evaluate_queued() (dsl/graph.h):
+/// execute_cpu() may then queue it on the CPU stream.
+bool evaluation_may_queue();
 /// The signature execute_cpu() gives an evaluation built with `options`.
 Signature sign_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required,
                    const FusionOptions& options);

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "mixtape/dsl/error.h"
+#include "mixtape/runtime/cpu_stream.h"
 #include "mixtape/runtime/cuda_executor.h"
 
 namespace mixtape {
@@ -100,6 +101,13 @@ std::atomic<bool>& flush_setting() {
   static std::atomic<bool> on{env_flag("MIXTAPE_FLUSH_DENORMAL")};
   return on;
 }
+std::atomic<bool>& async_setting() {
+  static std::atomic<bool> on{[] {
+    const char* env = std::getenv("MIXTAPE_ASYNC");
+    return !env || std::string(env) != "0";  // on unless turned off
+  }()};
+  return on;
+}
 std::atomic<bool>& tf32_setting() {
   static std::atomic<bool> on{env_flag("MIXTAPE_ALLOW_TF32")};
   return on;
@@ -108,6 +116,18 @@ std::atomic<bool>& tf32_setting() {
 
 void set_allow_tf32(bool allow) { tf32_setting().store(allow, std::memory_order_relaxed); }
 bool allow_tf32() { return tf32_setting().load(std::memory_order_relaxed); }
+
+void set_async_evaluation(bool on) {
+  // What was queued finishes first: turning it off means nothing is left running.
+  if (!on) finish_cpu_stream();
+  async_setting().store(on, std::memory_order_relaxed);
+}
+bool async_evaluation() { return async_setting().load(std::memory_order_relaxed); }
+
+void synchronize() {
+  finish_cpu_stream();
+  cuda_synchronize();
+}
 
 bool flush_denormal() { return flush_setting().load(std::memory_order_relaxed); }
 
@@ -121,6 +141,7 @@ void apply_flush_denormal() {
 
 bool set_flush_denormal(bool on) {
 #if defined(__SSE__)
+  finish_cpu_stream();  // queued work keeps the mode it was queued under
   flush_setting().store(on);
   // Every thread of the OpenMP team (which oneDNN's matmuls use too) takes the mode now.
 #pragma omp parallel

@@ -24,6 +24,24 @@ const char* device_name(Device device);
 /// as the unfused baseline of benchmarks.
 bool eager_mode();
 void set_eager_mode(bool eager);
+/// Asynchronous optimizer steps on the CPU (on by default; MIXTAPE_ASYNC=0 at start turns it
+/// off). Optimizer::step's evaluation of a small program (every kernel and product below its
+/// threading threshold, no convolution, pooling or attention) that ran before queues its kernels
+/// and matmuls on a worker thread (the CPU stream, runtime/cpu_stream.h) and returns: the
+/// training loop traces the next step while they run, as with CUDA streams, JAX's asynchronous
+/// dispatch or MLX's async_eval. Results are bit-identical. Reading a value on the host (item(),
+/// to_vector(), a checkpoint) waits for the work that computes it, and writing a buffer that
+/// queued work reads (set_lr) waits for that work. Every other evaluation runs as before, and so
+/// do mt::compile's traces and replays, MIXTAPE_LOG=profile and several processes. The worker
+/// runs the queued work alone on one core: an OpenMP team of the caller's that spins between its
+/// regions (OMP_WAIT_POLICY=active) shares that core. An error in queued work (an internal
+/// failure: nothing a user's values can cause) is reported by the next read, or
+/// mt::synchronize(), and every value it left uncomputed is an mt::Error when read.
+void set_async_evaluation(bool on);
+bool async_evaluation();
+/// Waits until every evaluation queued so far, on the CPU stream and on the GPU, has finished;
+/// an mt::Error if one failed.
+void synchronize();
 /// Flush-to-zero on the CPU, as torch.set_flush_denormal: subnormal results of float arithmetic
 /// become zero and subnormal inputs count as zero (x86 MXCSR's FTZ and DAZ), in kernels, matmuls
 /// and host ops alike. Off by default (IEEE). Worth it where values decay through the subnormals
@@ -57,15 +75,16 @@ class eager_scope {
 
 /// Counters of the compiled back end since the process started (or the last reset).
 struct ExecutionStats {
-  int64_t evaluations = 0;      // calls that ran something
-  int64_t programs_built = 0;   // evaluations of a new graph structure: fused and lowered
-  int64_t programs_reused = 0;  // evaluations that replayed a program built before
-  int64_t kernels = 0;          // generated kernels launched
-  int64_t kernel_nodes = 0;     // graph nodes computed inside them
-  int64_t gemms = 0;            // library matmuls
-  int64_t convolutions = 0;     // library convolutions (and their gradients)
-  int64_t host_ops = 0;         // ops run by the reference loops (gathers, random, ...)
-  int64_t bytes_read = 0;       // by kernels and matmuls, from their parameters
+  int64_t evaluations = 0;         // calls that ran something
+  int64_t evaluations_queued = 0;  // of those, queued on the CPU stream (async_evaluation)
+  int64_t programs_built = 0;      // evaluations of a new graph structure: fused and lowered
+  int64_t programs_reused = 0;     // evaluations that replayed a program built before
+  int64_t kernels = 0;             // generated kernels launched
+  int64_t kernel_nodes = 0;        // graph nodes computed inside them
+  int64_t gemms = 0;               // library matmuls
+  int64_t convolutions = 0;        // library convolutions (and their gradients)
+  int64_t host_ops = 0;            // ops run by the reference loops (gathers, random, ...)
+  int64_t bytes_read = 0;          // by kernels and matmuls, from their parameters
   int64_t bytes_written = 0;
   // Kernel outputs computed into the buffer of an input that was no longer needed (an optimizer's
   // update into the old parameter and state: dsl/reusable_buffers.h) rather than a fresh one.
@@ -92,6 +111,7 @@ struct ExecutionStats {
   double sign_seconds = 0;       // the graph's signature (cpu back end; cuda's is in run)
   double lookup_seconds = 0;     // the program cache (cpu back end; cuda's is in run)
   double run_seconds = 0;        // running the program, and what the evaluation does after it
+                                 // (for a queued evaluation: binding it, and waiting to queue)
 };
 ExecutionStats execution_stats();
 void reset_execution_stats();

@@ -17,6 +17,21 @@ namespace {
 void run(const std::vector<NodePtr>& outputs);
 }  // namespace
 
+namespace {
+thread_local bool may_queue = false;
+}  // namespace
+
+bool evaluation_may_queue() { return may_queue; }
+
+void evaluate_queued(const std::vector<NodePtr>& outputs) {
+  struct Restore {
+    bool previous = may_queue;
+    ~Restore() { may_queue = previous; }
+  } restore;
+  may_queue = true;
+  evaluate(outputs);
+}
+
 void evaluate(const std::vector<NodePtr>& requested) {
   std::vector<NodePtr> deferred = deferred_assignment_values();
   if (deferred.empty()) return run(requested);

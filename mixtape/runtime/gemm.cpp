@@ -678,6 +678,9 @@ std::string describe_k_split(const GemmDesc& d, int64_t parts) {
 
 }  // namespace
 
+// The least of the kernels' team thresholds (AMX tiles start theirs higher).
+bool gemm_on_calling_thread(const GemmDesc& d) { return flops_of(d) < kSingleThreadMaxFlops; }
+
 bool gemm_supported(const GemmDesc& d) {
   return d.batch >= 0 && d.m >= 0 && d.n >= 0 && d.k >= 0 && is_gemm_float(d.operand) &&
          is_gemm_float(d.out) && (!d.has_bias || is_gemm_float(d.bias_type)) &&

@@ -1,0 +1,284 @@
+// mixtape/runtime/cpu_stream.cpp -- the CPU stream's worker thread, its queue, its failures, and
+// its exit and fork.
+#include "mixtape/runtime/cpu_stream.h"
+
+#include <omp.h>
+#include <pthread.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "mixtape/dsl/error.h"
+#include "mixtape/runtime/device.h"
+
+namespace mixtape {
+namespace {
+
+// Work queued ahead of the worker before submit() waits: one evaluation is usually one piece
+// (more where host steps split it), and running further ahead only holds more memory.
+constexpr int64_t kMaxQueued = 4;
+// How long the worker spins for new work, and a reader for finished work, before sleeping:
+// waking a sleeping thread costs several microseconds, a traced step's whole host side 15-30.
+// The worker spins less: the next work is usually queued before the last has run, and a
+// spinning worker takes a core from an OpenMP team the caller may start meanwhile.
+constexpr std::chrono::microseconds kWorkerSpin{50}, kReaderSpin{200};
+
+thread_local bool on_worker = false;
+
+// Added to Storage::queued_writes of what failed work was to write: the value stays counted as
+// queued (so that every host access asks the stream, and then fails) until work that does
+// compute it has run. Far above any number of writes queued at once.
+constexpr int32_t kNeverComputed = int32_t{1} << 24;
+
+// This work's write of `s` has finished: computed or not.
+void written(Storage& s, bool computed) {
+  const bool marked = s.queued_writes.fetch_sub(1, std::memory_order_acq_rel) - 1 >= kNeverComputed;
+  if (computed && marked) s.queued_writes.fetch_sub(kNeverComputed, std::memory_order_release);
+  if (!computed && !marked) s.queued_writes.fetch_add(kNeverComputed, std::memory_order_release);
+}
+
+void pause_briefly() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
+
+// Spins until `done()` or `spin` has passed; whether done() held.
+template <typename Done>
+bool spin_until(std::chrono::microseconds spin, Done done) {
+  auto give_up = std::chrono::steady_clock::now() + spin;
+  for (int i = 0;; ++i) {
+    if (done()) return true;
+    pause_briefly();
+    if (i % 64 == 63 && std::chrono::steady_clock::now() > give_up) return done();
+  }
+}
+
+}  // namespace
+
+class CpuStream {
+ public:
+  void submit(std::unique_ptr<StreamWork> work) {
+    // Without spinning: the work queued ahead keeps the worker busy while this thread wakes.
+    wait_for(submitted_.load(std::memory_order_relaxed) - kMaxQueued + 1, false);
+    collect();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (!worker_.joinable()) {
+      owner_ = ::getpid();
+      worker_ = std::thread([this] { loop(); });
+      std::atexit(stop_at_exit);
+    }
+    queue_.push_back(std::move(work));
+    submitted_.fetch_add(1, std::memory_order_release);
+    if (worker_waiting_) work_ready_.notify_one();
+  }
+
+  // Reports a failure once: the values it left uncomputed report it again when read.
+  void finish() {
+    wait_for(submitted_.load(std::memory_order_acquire), true);
+    collect();
+    std::string failure;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      failure.swap(failure_);
+    }
+    if (!failure.empty())
+      fail(
+          "an asynchronous CPU evaluation failed; what it was to compute, and what was computed "
+          "from that, is lost: {}",
+          failure);
+  }
+
+  // At exit: lets the queued work run, then joins the worker. Only in the process that started
+  // it: a child made by fork() has no such thread.
+  void stop() {
+    if (::getpid() != owner_ || !worker_.joinable()) return;
+    wait_for(submitted_.load(std::memory_order_acquire), false);
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      stopping_ = true;
+      work_ready_.notify_one();
+      if (!failure_.empty())
+        std::fprintf(stderr,
+                     "mixtape: an asynchronous CPU evaluation failed and nothing read it: %s\n",
+                     failure_.c_str());
+    }
+    worker_.join();
+    collect();
+  }
+
+  // Before fork(): nothing queued or held, so that the child (which has no worker) inherits
+  // only finished values.
+  void drain_for_fork() {
+    wait_for(submitted_.load(std::memory_order_acquire), false);
+    collect();
+  }
+
+  static void stop_at_exit();
+
+ private:
+  // Drops the work that has run, on a thread that queues work (see ~StreamWork).
+  void collect() {
+    std::vector<std::unique_ptr<StreamWork>> done;
+    std::lock_guard<std::mutex> lock(mutex_);
+    done.swap(retired_);
+  }
+
+  // Until at least `count` pieces of work have finished; spinning a while first where the
+  // caller waits to read a result.
+  void wait_for(int64_t count, bool spin) {
+    if (on_worker || completed_.load(std::memory_order_acquire) >= count) return;
+    if (spin && spin_until(kReaderSpin,
+                           [&] { return completed_.load(std::memory_order_acquire) >= count; }))
+      return;
+    waiters_.fetch_add(1);
+    {
+      std::unique_lock<std::mutex> lock(mutex_);
+      work_done_.wait(lock, [&] { return completed_.load(std::memory_order_acquire) >= count; });
+    }
+    waiters_.fetch_sub(1);
+  }
+
+  // The work queued is small (cpu_executor.cpp, runs_on_one_thread): no team of its own.
+  void loop() {
+    on_worker = true;
+    omp_set_num_threads(1);
+    for (;;) {
+      spin_until(kWorkerSpin, [&] {
+        return submitted_.load(std::memory_order_acquire) >
+               completed_.load(std::memory_order_relaxed);
+      });
+      std::unique_ptr<StreamWork> work;
+      {
+        std::unique_lock<std::mutex> lock(mutex_);
+        worker_waiting_ = true;
+        work_ready_.wait(lock, [&] { return !queue_.empty() || stopping_; });
+        worker_waiting_ = false;
+        if (queue_.empty()) return;
+        work = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      run(*work);
+      {
+        std::lock_guard<std::mutex> lock(mutex_);
+        retired_.push_back(std::move(work));
+      }
+      completed_.fetch_add(1);
+      if (waiters_.load() > 0) {
+        std::lock_guard<std::mutex> lock(mutex_);
+        work_done_.notify_all();
+      }
+    }
+  }
+
+  void run(StreamWork& work) {
+    try {
+      if (const char* missing = work.uncomputed_input()) fail("{}", missing);
+      apply_flush_denormal();
+      work.run();
+      work.computed_ = true;
+    } catch (const std::exception& e) {
+      note_failure(e.what());
+    } catch (...) {
+      note_failure("an unknown exception");
+    }
+    for (const auto& s : work.outputs_) written(*s, work.computed_);
+  }
+
+  void note_failure(const char* what) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (failure_.empty()) failure_ = what;
+  }
+
+  std::mutex mutex_;
+  std::condition_variable work_ready_, work_done_;
+  std::deque<std::unique_ptr<StreamWork>> queue_;
+  std::vector<std::unique_ptr<StreamWork>> retired_;  // run, to be dropped by collect()
+  std::atomic<int64_t> submitted_{0}, completed_{0};
+  std::atomic<int> waiters_{0};
+  bool worker_waiting_ = false, stopping_ = false;
+  std::string failure_;  // the first failure not yet reported, under mutex_
+  pid_t owner_ = 0;
+  std::thread worker_;
+};
+
+namespace {
+
+// Replaced, never destroyed: exit() stops it through stop_at_exit, and a child made by fork()
+// starts a stream of its own (its copy of the parent's holds a thread object without a thread).
+std::atomic<CpuStream*> the_stream{nullptr};
+
+void drain_before_fork() {
+  if (CpuStream* s = the_stream.load()) s->drain_for_fork();
+}
+void fresh_stream_in_child() {
+  if (the_stream.load()) the_stream.store(new CpuStream);
+}
+
+CpuStream& stream() {
+  static CpuStream* first = [] {
+    pthread_atfork(drain_before_fork, nullptr, fresh_stream_in_child);
+    auto* s = new CpuStream;
+    the_stream.store(s);
+    return s;
+  }();
+  (void)first;
+  return *the_stream.load();
+}
+
+}  // namespace
+
+void CpuStream::stop_at_exit() {
+  if (CpuStream* s = the_stream.load()) s->stop();
+}
+
+std::byte* StreamWork::read(const std::shared_ptr<Storage>& value) {
+  if (value->host_stale.load()) value->host_data();  // a device value
+  value->queued_uses.fetch_add(1, std::memory_order_relaxed);
+  inputs_.push_back(value);
+  return value->bytes.data();
+}
+
+std::byte* StreamWork::write(const std::shared_ptr<Storage>& value) {
+  value->queued_uses.fetch_add(1, std::memory_order_relaxed);
+  value->queued_writes.fetch_add(1, std::memory_order_relaxed);
+  outputs_.push_back(value);
+  return value->bytes.data();
+}
+
+// On the worker, when the work starts.
+const char* StreamWork::uncomputed_input() const {
+  for (const auto& s : inputs_)
+    if (s->queued_writes.load(std::memory_order_acquire) >= kNeverComputed)
+      return "it reads a value that earlier failed work did not compute";
+  return nullptr;
+}
+
+// On a thread that queues work (CpuStream::collect), never the worker: each storage's
+// use_count() and queued_uses then change together, as reusable_buffer (cpu_executor.cpp) reads
+// them. What work that never ran was to write stays counted as queued for writing, as a failed
+// work's does: reading it is an mt::Error (Storage::settle_host).
+StreamWork::~StreamWork() {
+  for (const auto& s : outputs_) s->queued_uses.fetch_sub(1, std::memory_order_release);
+  for (const auto& s : inputs_) s->queued_uses.fetch_sub(1, std::memory_order_release);
+}
+
+void submit_to_cpu_stream(std::unique_ptr<StreamWork> work) { stream().submit(std::move(work)); }
+
+void finish_cpu_stream() {
+  if (!on_worker) stream().finish();
+}
+
+bool on_cpu_stream() { return on_worker; }
+
+void keep_cpu_stream_ahead_of_exit() { std::atexit(CpuStream::stop_at_exit); }
+
+}  // namespace mixtape
