@@ -221,10 +221,12 @@ TEST(AsyncEvaluation, AFailureIsReportedOnceAndWhatItLeftIsNeverReadAsAValue) {
   mt::synchronize();  // reported once
   EXPECT_MT_ERROR(first_value(*failed), "never computed");
   EXPECT_MT_ERROR(first_value(*derived), "never computed");
+  EXPECT_MT_ERROR(failed->host_data(), "never computed");  // writing it too
   EXPECT_EQ(first_value(*unrelated), 3.0f);
-  // The stream goes on: new work over the failed value's buffer computes it.
+  // The stream goes on.
   mt::submit_to_cpu_stream(std::make_unique<Fill>(unrelated, 4.0f));
   EXPECT_EQ(first_value(*unrelated), 4.0f);
+  EXPECT_MT_ERROR(first_value(*failed), "never computed");
 }
 
 // A host write to a buffer that queued work reads waits for that work; a read of one that

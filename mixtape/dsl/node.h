@@ -145,10 +145,13 @@ struct Storage {
   /// so that every holder of this one sees `other`'s value: how mt::compile updates state in
   /// place.
   void swap_value(Storage& other) {
-    // Queued work reads and writes the bytes by address.
+    // Queued work reads and writes the bytes by address; a value it failed to compute stays
+    // marked on its storage (host_data() then fails), whose bytes this would hand on unmarked.
     if (queued_uses.load(std::memory_order_acquire) > 0 ||
-        other.queued_uses.load(std::memory_order_acquire) > 0)
-      finish_cpu_stream();
+        other.queued_uses.load(std::memory_order_acquire) > 0) {
+      settle_host();
+      other.settle_host();
+    }
     bytes.swap(other.bytes);
     device.swap(other.device);
     bool stale = host_stale.load();

@@ -551,6 +551,9 @@ void StepReplayer::reset() {
 std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Function& fn) {
   // Inside another compiled function's trace, this one is simply part of that trace.
   if (trace_observer()) return fn(args);
+  // Queued steps first (runtime/cpu_stream.h): they hold buffers the plan watches by their
+  // holders, and write state it reads.
+  finish_cpu_stream();
   CompileStats& stats = state_->stats;
   ++stats.calls;
   std::vector<Tensor> defined;
@@ -623,6 +626,7 @@ static bool reads_replaced_parameters(const Plan& plan) {
 
 std::unique_ptr<Plan> plan_step(const std::vector<Tensor>& args, const StepReplayer::Function& fn) {
   if (trace_observer()) fail("a step cannot be planned inside another traced function");
+  finish_cpu_stream();
   std::vector<Tensor> defined;
   for (const Tensor& a : args)
     if (a.defined()) defined.push_back(a);

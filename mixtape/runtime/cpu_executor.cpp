@@ -110,9 +110,12 @@ std::shared_ptr<Storage> reusable_buffer(Node& input, const Node& output, long e
   long copies = 0;
   for (const NarrowedCopy& c : narrowed_copies()) copies += c.source == buffer;
   // Work queued on the CPU stream that reads it runs before this output is written, whether the
-  // output is queued too or waits for the stream (host_data). (Its holds and queued_uses change
-  // together, on this thread: cpu_stream.cpp.)
-  if (buffer.use_count() - buffer->queued_uses.load(std::memory_order_acquire) != 1 + copies ||
+  // output is queued too or waits for the stream (host_data). Its holds go with queued_uses,
+  // the count dropped first (cpu_stream.cpp): read after the holders, through the fence, the
+  // count is never older than the holders, so `held` may err high (no reuse), never low.
+  const long held = buffer.use_count();
+  std::atomic_thread_fence(std::memory_order_acquire);
+  if (held - buffer->queued_uses.load(std::memory_order_relaxed) != 1 + copies ||
       input.weak_from_this().use_count() != edges + holders ||
       buffer->dtype != output.precision.storage_type || buffer->count != output.numel() ||
       buffer->device)
@@ -620,7 +623,12 @@ ExecutedProgram execute_cpu(const std::vector<Node*>& pending, const std::vector
   queued_run() = std::make_unique<QueuedRun>(executed.program);
   struct Submit {  // also when binding a step throws: the steps bound before it still run
     ~Submit() {
-      submit_queued();
+      try {
+        submit_queued();
+      } catch (...) {
+        // No worker could be started: the work is dropped, and what it was to write reads as
+        // never computed (an mt::Error), never as a value.
+      }
       queued_run().reset();
     }
   } submit;

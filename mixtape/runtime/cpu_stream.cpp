@@ -33,16 +33,20 @@ constexpr std::chrono::microseconds kWorkerSpin{50}, kReaderSpin{200};
 
 thread_local bool on_worker = false;
 
-// Added to Storage::queued_writes of what failed work was to write: the value stays counted as
-// queued (so that every host access asks the stream, and then fails) until work that does
-// compute it has run. Far above any number of writes queued at once.
+// Added to Storage::queued_writes and queued_uses of what failed work was to write, for good:
+// every host access to it asks the stream, and then fails (Storage::settle_host), and work that
+// reads it fails in turn. Far above any number of uses queued at once.
 constexpr int32_t kNeverComputed = int32_t{1} << 24;
 
-// This work's write of `s` has finished: computed or not.
+// This work's write of `s` has run, or failed: one atomic step, so that no reader sees the
+// count at zero in between.
 void written(Storage& s, bool computed) {
-  const bool marked = s.queued_writes.fetch_sub(1, std::memory_order_acq_rel) - 1 >= kNeverComputed;
-  if (computed && marked) s.queued_writes.fetch_sub(kNeverComputed, std::memory_order_release);
-  if (!computed && !marked) s.queued_writes.fetch_add(kNeverComputed, std::memory_order_release);
+  if (computed) {
+    s.queued_writes.fetch_sub(1, std::memory_order_release);
+    return;
+  }
+  s.queued_uses.fetch_add(kNeverComputed, std::memory_order_relaxed);
+  s.queued_writes.fetch_add(kNeverComputed - 1, std::memory_order_release);
 }
 
 void pause_briefly() {
@@ -70,6 +74,12 @@ class CpuStream {
     // Without spinning: the work queued ahead keeps the worker busy while this thread wakes.
     wait_for(submitted_.load(std::memory_order_relaxed) - kMaxQueued + 1, false);
     collect();
+    if (closed_.load()) {  // exiting (an evaluation in a static's destructor): run it here
+      on_worker = true;
+      run(*work);
+      on_worker = false;
+      return;
+    }
     std::lock_guard<std::mutex> lock(mutex_);
     if (!worker_.joinable()) {
       owner_ = ::getpid();
@@ -101,6 +111,7 @@ class CpuStream {
   // it: a child made by fork() has no such thread.
   void stop() {
     if (::getpid() != owner_ || !worker_.joinable()) return;
+    closed_.store(true);
     wait_for(submitted_.load(std::memory_order_acquire), false);
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -205,7 +216,8 @@ class CpuStream {
   std::atomic<int64_t> submitted_{0}, completed_{0};
   std::atomic<int> waiters_{0};
   bool worker_waiting_ = false, stopping_ = false;
-  std::string failure_;  // the first failure not yet reported, under mutex_
+  std::atomic<bool> closed_{false};  // stopped at exit: later work runs on its caller's thread
+  std::string failure_;              // the first failure not yet reported, under mutex_
   pid_t owner_ = 0;
   std::thread worker_;
 };

@@ -71,9 +71,6 @@ void gemm(const GemmDesc& desc, const void* a, const void* b, void* out,
 /// Whether `gemm(desc, ...)` runs on the calling thread alone, whatever its OpenMP team: products
 /// below about 20 us of one core's work, which threads would slow down.
 bool gemm_on_calling_thread(const GemmDesc& desc);
-/// Whether `gemm(desc, ...)` runs on the calling thread alone, whatever its OpenMP team: products
-/// below about 20 us of one core's work, which threads would slow down.
-bool gemm_on_calling_thread(const GemmDesc& desc);
 /// Which kernel `gemm(desc, ...)` runs, in words: "oneDNN bf16 brg:avx512_core_amx_bf16", or
 /// "bf16 widened to f32, oneDNN f32 brg:avx512_core" (oneDNN's implementation names). The same
 /// text is logged under MIXTAPE_LOG=profile the first time each distinct product runs. Makes
