@@ -229,6 +229,24 @@ TEST(AsyncEvaluation, AFailureIsReportedOnceAndWhatItLeftIsNeverReadAsAValue) {
   EXPECT_MT_ERROR(first_value(*failed), "never computed");
 }
 
+// Copies `in`'s first value into every element of `out`: over a large `out`, slowly enough for a
+// host access that does not wait to be caught.
+class Copy final : public mt::StreamWork {
+ public:
+  Copy(const std::shared_ptr<mt::Storage>& in, const std::shared_ptr<mt::Storage>& out)
+      : in_(reinterpret_cast<const float*>(read(in))),
+        out_(reinterpret_cast<float*>(write(out))),
+        count_(out->count) {}
+  void run() override {
+    for (int64_t i = 0; i < count_; ++i) out_[i] = in_[0];
+  }
+
+ private:
+  const float* in_;
+  float* out_;
+  int64_t count_;
+};
+
 // A host write to a buffer that queued work reads waits for that work; a read of one that
 // queued work writes waits too.
 TEST(AsyncEvaluation, HostAccessWaitsForTheWorkThatUsesTheBuffer) {
@@ -236,22 +254,6 @@ TEST(AsyncEvaluation, HostAccessWaitsForTheWorkThatUsesTheBuffer) {
   auto target = std::make_shared<mt::Storage>(mt::f32, 1 << 20);
   for (int round = 0; round < 20; ++round) {
     reinterpret_cast<float*>(source->host_data())[0] = static_cast<float>(round);
-    // Copies source's first value into every element of target, slowly enough to be caught.
-    class Copy final : public mt::StreamWork {
-     public:
-      Copy(const std::shared_ptr<mt::Storage>& in, const std::shared_ptr<mt::Storage>& out)
-          : in_(reinterpret_cast<const float*>(read(in))),
-            out_(reinterpret_cast<float*>(write(out))),
-            count_(out->count) {}
-      void run() override {
-        for (int64_t i = 0; i < count_; ++i) out_[i] = in_[0];
-      }
-
-     private:
-      const float* in_;
-      float* out_;
-      int64_t count_;
-    };
     mt::submit_to_cpu_stream(std::make_unique<Copy>(source, target));
     reinterpret_cast<float*>(source->host_data())[0] = -1.0f;  // waits for the copy
     const float* out = reinterpret_cast<const float*>(target->host_data());

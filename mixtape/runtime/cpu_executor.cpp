@@ -28,6 +28,7 @@
 #include "mixtape/runtime/gemm.h"
 #include "mixtape/runtime/half_convert.h"
 #include "mixtape/runtime/matmul_dims.h"
+#include "mixtape/runtime/onednn_team.h"
 #include "mixtape/runtime/pool.h"
 #include "mixtape/runtime/program.h"
 #include "mixtape/runtime/reference_executor.h"
@@ -560,23 +561,6 @@ bool runs_on_one_thread(const Program& program, const std::vector<Node*>& pendin
   return true;
 }
 
-// The calling thread's OpenMP team cut to itself while it lives: the host steps of a queued
-// evaluation run beside the stream's worker.
-class OneThreadTeam {
- public:
-  OneThreadTeam() : threads_(omp_get_max_threads()) {
-    if (threads_ > 1) omp_set_num_threads(1);
-  }
-  ~OneThreadTeam() {
-    if (threads_ > 1) omp_set_num_threads(threads_);
-  }
-  OneThreadTeam(const OneThreadTeam&) = delete;
-  OneThreadTeam& operator=(const OneThreadTeam&) = delete;
-
- private:
-  int threads_;
-};
-
 }  // namespace
 
 Signature sign_cpu(const std::vector<Node*>& pending, const std::vector<Node*>& required,
@@ -610,13 +594,13 @@ ExecutedProgram execute_cpu(const std::vector<Node*>& pending, const std::vector
   // makes the statics its work uses, which the stream must outlive at exit), where nothing
   // watches the steps run one by one (a kernel observer, the profile, mt::compile's trace) and
   // no collective waits for other processes.
-  const bool queue = evaluation_may_queue() && async_evaluation() && !first_run && !observer() &&
-                     !log_enabled("profile") && !tracing_step() && process_count() <= 1 &&
-                     !on_cpu_stream() &&
+  const bool may_queue = evaluation_may_queue() && async_evaluation();
+  const bool queue = may_queue && !first_run && !observer() && !log_enabled("profile") &&
+                     !tracing_step() && process_count() <= 1 && !on_cpu_stream() &&
                      runs_on_one_thread(*executed.program, pending, executed.sig);
   if (!queue) {
     replay_cpu(executed, pending);
-    if (first_run && evaluation_may_queue() && async_evaluation()) keep_cpu_stream_ahead_of_exit();
+    if (first_run && may_queue) keep_cpu_stream_ahead_of_exit();
     return executed;
   }
   ++counters.evaluations_queued;
@@ -632,7 +616,8 @@ ExecutedProgram execute_cpu(const std::vector<Node*>& pending, const std::vector
       queued_run().reset();
     }
   } submit;
-  OneThreadTeam one_thread;  // for its host steps (random draws split their work)
+  // Its host steps (random draws split their work) run beside the worker, without a team.
+  OnednnTeam one_thread(true);
   replay_cpu(executed, pending);
   return executed;
 }

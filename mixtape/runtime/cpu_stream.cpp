@@ -134,6 +134,10 @@ class CpuStream {
   }
 
   static void stop_at_exit();
+  bool started() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return worker_.joinable();
+  }
 
  private:
   // Drops the work that has run, on a thread that queues work (see ~StreamWork).
@@ -236,13 +240,12 @@ void fresh_stream_in_child() {
 }
 
 CpuStream& stream() {
-  static CpuStream* first = [] {
+  static const bool made = [] {
     pthread_atfork(drain_before_fork, nullptr, fresh_stream_in_child);
-    auto* s = new CpuStream;
-    the_stream.store(s);
-    return s;
+    the_stream.store(new CpuStream);
+    return true;
   }();
-  (void)first;
+  (void)made;
   return *the_stream.load();
 }
 
@@ -291,6 +294,11 @@ void finish_cpu_stream() {
 
 bool on_cpu_stream() { return on_worker; }
 
-void keep_cpu_stream_ahead_of_exit() { std::atexit(CpuStream::stop_at_exit); }
+// Before the worker starts there is nothing to do: starting it registers the handler, after
+// every static that exists by then.
+void keep_cpu_stream_ahead_of_exit() {
+  CpuStream* s = the_stream.load();
+  if (s && s->started()) std::atexit(CpuStream::stop_at_exit);
+}
 
 }  // namespace mixtape
