@@ -57,6 +57,13 @@ const std::vector<Case>& cases() {
        {16, 64, 8, 8},
        {64, 64, 3, 3},
        {.stride = 2, .padding = 1}},
+      // A weight gradient as a GEMM with 11 images (not a whole number of the 8 or 4 a
+      // transpose block takes) and 333 values an image (more than a 256-row strip, not a
+      // multiple of 8): every block and edge of the batch-last transposes (conv_columns.h).
+      {"3x3 stride 2 pad 1 on 3x3 to 2x2, 11 images",
+       {11, 37, 3, 3},
+       {10, 37, 3, 3},
+       {.stride = 2, .padding = 1}},
       // 1x1 windows at a stride to one output position read one pixel of each image: the
       // forward pass and the input gradient run as a GEMM over those pixels.
       {"1x1 strides 2 and 3 to 1x1", {3, 5, 2, 3}, {6, 5, 1, 1}, {.stride = {2, 3}}},

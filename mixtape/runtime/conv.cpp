@@ -17,6 +17,7 @@
 #include "mixtape/dsl/convert.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/log.h"
+#include "mixtape/runtime/conv_columns.h"
 #include "mixtape/runtime/gemm.h"
 #include "mixtape/runtime/half_convert.h"
 #include "mixtape/runtime/onednn_team.h"
@@ -69,7 +70,11 @@ constexpr int64_t kWidenBf16WeightGradMaxChannels = 4;
 // that. With bf16 operands the GEMM also wins at 4x4 outputs (bench_conv at ResNet-18's 8x8
 // inputs, stride 2, and 4x4 inputs, AMD EPYC Zen 5, two threads: 0.18 -> 0.45-0.51 of the bf16
 // peak for the 3x3 filter, 0.13 -> 0.35 for the 1x1 one, 0.2-0.45 -> 0.37-0.48 at 4x4 stride 1),
-// though not at 8x8 (0.48-0.51 direct, 0.34-0.37 as a GEMM); in f32 it does not at 4x4.
+// though not at 8x8 (0.48-0.51 direct, 0.34-0.37 as a GEMM); in f32 it does not at 4x4. With the
+// batch axis last in the gather (runtime/conv_columns.h; session 32, best of 4 runs, two threads):
+// 4x4 stride 1, 128 channels, 0.66-0.69 of the peak; 2x2, 256 channels, 0.73-0.75; 8x8, 64
+// channels, still behind (0.46 against 0.55 direct); f32 at 4x4 level with the direct kernel or
+// behind.
 constexpr int64_t kGemmWeightGradMaxPositions = 4;
 constexpr int64_t kGemmWeightGradMaxPositionsBf16 = 16;
 
@@ -110,12 +115,12 @@ Backend& backend() {
 
 struct ThreadScratch {
   ScratchBuffer widened_a, widened_b, reordered_a, reordered_b, result, plain_result, onednn;
-  ScratchBuffer gathered_dy, columns;  // a weight gradient or a one-pixel window as a GEMM
+  ScratchBuffer dy_t, x_t, columns;  // a weight gradient or a one-pixel window as a GEMM
   ScratchBuffer cropped_weights, cropped_result;  // a problem with its outer taps cut off
   void trim() {
     for (ScratchBuffer* buffer :
          {&widened_a, &widened_b, &reordered_a, &reordered_b, &result, &plain_result, &onednn,
-          &gathered_dy, &columns, &cropped_weights, &cropped_result})
+          &dy_t, &x_t, &columns, &cropped_weights, &cropped_result})
       buffer->trim();
   }
 };
@@ -171,62 +176,21 @@ bool weight_grad_as_gemm(const ConvDesc& d) {
              (d.operand == bf16 ? kGemmWeightGradMaxPositionsBf16 : kGemmWeightGradMaxPositions);
 }
 
-// dw [o, c kh kw] = dy' [o, n oh ow] x columns [n oh ow, c kh kw], where dy' is dy [n, o, oh ow]
-// with its first two axes swapped and a row of columns holds the input values one output
-// position's window covers (zero where it covers padding). T is the operands' storage type.
-// Rows are split over the team when `team`. A row is filled tap by tap: where a tap reads the
-// image at one position, it reads it for every channel at the same offset in the channel's plane,
-// so the tests of the padding are made once per position and tap, not per element (the gather was
-// two thirds of the weight gradient's time at ResNet-18's 2x2 stage, the GEMM the rest).
-template <typename T>
-void gather_weight_grad(const ConvGeometry& g, const T* x, const T* dy, T* dy_t, T* columns,
-                        bool team) {
-  const ConvWindow& w = g.window;
-  const int64_t positions = g.oh * g.ow, taps = g.kh * g.kw, row = g.c * taps, plane = g.h * g.w;
-#pragma omp parallel for schedule(static) if (team)
-  for (int64_t o = 0; o < g.o; ++o)
-    for (int64_t n = 0; n < g.n; ++n)
-      std::copy_n(dy + (n * g.o + o) * positions, positions, dy_t + (o * g.n + n) * positions);
-  // Per output position and tap, the offset the tap reads in a channel's plane; -1: padding.
-  std::vector<int64_t> offsets(static_cast<size_t>(positions * taps));
-  for (int64_t oy = 0; oy < g.oh; ++oy)
-    for (int64_t ox = 0; ox < g.ow; ++ox)
-      for (int64_t ky = 0; ky < g.kh; ++ky)
-        for (int64_t kx = 0; kx < g.kw; ++kx) {
-          const int64_t iy = oy * w.stride[0] - w.pad[0] + ky * w.dil[0];
-          const int64_t ix = ox * w.stride[1] - w.pad[1] + kx * w.dil[1];
-          const bool inside = iy >= 0 && iy < g.h && ix >= 0 && ix < g.w;
-          offsets[static_cast<size_t>((oy * g.ow + ox) * taps + ky * g.kw + kx)] =
-              inside ? iy * g.w + ix : -1;
-        }
-#pragma omp parallel for schedule(static) if (team)
-  for (int64_t r = 0; r < g.n * positions; ++r) {
-    const T* image = x + (r / positions) * g.c * plane;
-    const int64_t* tap_offsets = offsets.data() + (r % positions) * taps;
-    T* out = columns + r * row;
-    for (int64_t t = 0; t < taps; ++t) {
-      T* to = out + t;
-      if (tap_offsets[t] < 0) {
-        for (int64_t c = 0; c < g.c; ++c) to[c * taps] = T{};
-        continue;
-      }
-      const T* from = image + tap_offsets[t];
-      for (int64_t c = 0; c < g.c; ++c) to[c * taps] = from[c * plane];
-    }
-  }
-}
-
 // The GEMM kernel a convolution run as a GEMM asks for: Bf16Kernel::own names oneDNN's bf16
 // convolution here (widens_bf16), not gemm's own kernel, so it asks for oneDNN's bf16 matmul.
 Bf16Kernel gemm_kernel_of(const ConvDesc& d) {
   return d.bf16_kernel == Bf16Kernel::own ? Bf16Kernel::native : d.bf16_kernel;
 }
 
+// dw [o, c kh kw] = dy_t [o, oh ow n] x columns [c kh kw, oh ow n]^T, the batch axis last in both
+// (runtime/conv_columns.h). (dw^T = columns x dy_t^T, computed in f32 and transposed, measured
+// level with it where o is 64 and behind it elsewhere.)
 GemmDesc weight_grad_gemm_desc(const ConvDesc& d) {
   const ConvGeometry& g = d.geometry;
   return GemmDesc{.m = g.o,
                   .n = g.c * g.kh * g.kw,
                   .k = g.n * g.oh * g.ow,
+                  .transpose_b = true,
                   .operand = d.operand,
                   .out = d.out,
                   .bf16_kernel = gemm_kernel_of(d)};
@@ -253,12 +217,16 @@ bool runs_on_team(const ConvKey& key) {
 // and the GEMM multiplies them as runtime/gemm.h does), the result rounded once to d.out.
 template <typename T>
 void weight_grad_gemm(const ConvDesc& d, const void* x, const void* dy, void* out) {
+  const ConvGeometry& g = d.geometry;
   const GemmDesc desc = weight_grad_gemm_desc(d);
+  const bool team = runs_on_team(key_of(d));
   ThreadScratch& scratch = thread_scratch();
-  T* dy_t = scratch.gathered_dy.get<T>(desc.m * desc.k);
-  T* columns = scratch.columns.get<T>(desc.k * desc.n);
-  gather_weight_grad(d.geometry, static_cast<const T*>(x), static_cast<const T*>(dy), dy_t, columns,
-                     runs_on_team(key_of(d)));
+  T* dy_t = scratch.dy_t.get<T>(desc.m * desc.k);
+  T* x_t = scratch.x_t.get<T>(g.n * g.c * g.h * g.w);
+  T* columns = scratch.columns.get<T>(desc.n * desc.k);
+  batch_last(static_cast<const T*>(dy), g.n, g.o * g.oh * g.ow, dy_t, team);
+  batch_last(static_cast<const T*>(x), g.n, g.c * g.h * g.w, x_t, team);
+  gather_columns(g, x_t, columns, team);
   gemm(desc, dy_t, columns, out);
 }
 

@@ -96,4 +96,10 @@ std::vector<std::string> missing_cpu_features(const std::vector<std::string>& re
   return missing;
 }
 
+bool cpu_runs_x86_64_v4() {
+  static const bool runs =
+      missing_cpu_features({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}).empty();
+  return runs;
+}
+
 }  // namespace mixtape

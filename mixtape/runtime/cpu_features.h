@@ -24,4 +24,9 @@ std::vector<std::string> known_cpu_features();
 /// has it, and a kernel that uses it would crash.
 std::vector<std::string> missing_cpu_features(const std::vector<std::string>& required);
 
+/// Whether code compiled for x86-64-v4 (AVX-512 F, BW, CD, DQ and VL on 512-bit vectors) runs
+/// here, the OS saving the AVX-512 register state: the level the library's hand-vectorized loops
+/// are compiled for beside the baseline. Checked once.
+bool cpu_runs_x86_64_v4();
+
 }  // namespace mixtape

@@ -133,21 +133,13 @@ MIXTAPE_V4 void relu_v4(float* values, int64_t n) { relu_loop(values, n); }
 
 constexpr Loops v4_loops{widen_f16_v4,   widen_bf16_v4, narrow_f16_v4,
                          narrow_bf16_v4, relu_v4,       "x86-64-v4"};
-
-bool cpu_runs_v4() {
-  // x86-64-v4 is AVX-512 F, BW, CD, DQ and VL; cpu_features also checks that the operating
-  // system saves the AVX-512 register state.
-  static const bool runs =
-      missing_cpu_features({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}).empty();
-  return runs;
-}
 #endif
 
 std::atomic<bool> force_baseline{false};
 
 const Loops& loops() {
 #if defined(__x86_64__)
-  if (cpu_runs_v4() && !force_baseline.load(std::memory_order_relaxed)) return v4_loops;
+  if (cpu_runs_x86_64_v4() && !force_baseline.load(std::memory_order_relaxed)) return v4_loops;
 #endif
   return baseline_loops;
 }

@@ -161,9 +161,7 @@ constexpr PlaneLoops v4_planes{plane_max_v4, plane_picks_v4};
 
 const PlaneLoops& plane_loops() {
 #if defined(__x86_64__)
-  static const bool v4 =
-      missing_cpu_features({"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}).empty();
-  if (v4) return v4_planes;
+  if (cpu_runs_x86_64_v4()) return v4_planes;
 #endif
   return baseline_planes;
 }
