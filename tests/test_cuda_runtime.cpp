@@ -16,6 +16,7 @@
 #include "mixtape/runtime/cublaslt.h"
 #include "mixtape/runtime/cuda_allocator.h"
 #include "mixtape/runtime/cuda_driver.h"
+#include "mixtape/runtime/cudnn.h"
 #include "mixtape/runtime/nccl.h"
 #include "tests/test_util.h"
 
@@ -27,6 +28,10 @@
 #if __has_include(<nccl.h>)
 #include <nccl.h>
 #define MIXTAPE_HAVE_NCCL_HEADER 1
+#endif
+#if __has_include(<cudnn.h>)
+#include <cudnn.h>
+#define MIXTAPE_HAVE_CUDNN_HEADER 1
 #endif
 #endif
 
@@ -366,6 +371,58 @@ TEST(Nccl, TheInstalledLibraryLoads) {
     EXPECT_EQ(mt::nccl::unavailable_reason(), "");
 }
 
+// cuDNN is loaded on demand. Where the toolkit's is installed (as on this project's build
+// machines) the library loads without a GPU and reports its version; without CUDA the reason to
+// keep off it is CUDA's, and asking it for a convolution is an mt::Error naming that.
+TEST(Cudnn, TheInstalledLibraryLoads) {
+  const size_t version = cu::cudnn_library_version();
+  if (version == 0) GTEST_SKIP() << "no cuDNN here";
+  EXPECT_GE(version, 90000u);
+#if defined(MIXTAPE_HAVE_CUDNN_HEADER)
+  EXPECT_EQ(version / 10000, static_cast<size_t>(CUDNN_MAJOR));
+#endif
+  if (cu::available()) return;  // tests/gpu covers a machine with a GPU
+  EXPECT_FALSE(cu::cudnn_available());
+  EXPECT_NE(cu::cudnn_unavailable_reason().find("CUDA is not available"), std::string::npos);
+  cu::CudnnConvDesc desc;
+  desc.geometry = {1, 1, 3, 3, 1, 3, 3, 1, 1, {}};
+  EXPECT_MT_ERROR(cu::cudnn_conv_algorithm(desc), "cuDNN is not available");
+}
+
+// What cuDNN's int descriptors and its output-size rule can hold, decided without a GPU.
+TEST(Cudnn, SupportedProblems) {
+  cu::CudnnConvDesc d;
+  d.geometry = {2, 4, 9, 9, 6, 3, 3, 5, 5, {}};  // 3x3, stride 2, padding 1
+  d.geometry.window.stride[0] = d.geometry.window.stride[1] = 2;
+  d.geometry.window.pad[0] = d.geometry.window.pad[1] = 1;
+  for (mt::DType t : {mt::f32, mt::f16, mt::bf16}) {
+    d.dtype = t;
+    for (mt::OpCode op :
+         {mt::OpCode::Conv2d, mt::OpCode::Conv2dInputGrad, mt::OpCode::Conv2dWeightGrad}) {
+      d.op = op;
+      EXPECT_TRUE(cu::cudnn_conv_supported(d)) << mt::name(t);
+    }
+  }
+  cu::CudnnConvDesc other = d;
+  other.dtype = mt::f64;
+  EXPECT_FALSE(cu::cudnn_conv_supported(other));
+  other = d;
+  other.op = mt::OpCode::MaxPool2d;
+  EXPECT_FALSE(cu::cudnn_conv_supported(other));
+  other = d;
+  other.geometry.oh = 4;  // not the floor of (9 + 2 - 3) / 2 + 1
+  EXPECT_FALSE(cu::cudnn_conv_supported(other));
+  other = d;
+  other.geometry.window.groups = 4;  // divides the 4 input channels but not the 6 outputs
+  EXPECT_FALSE(cu::cudnn_conv_supported(other));
+  other = d;
+  other.geometry.n = int64_t{1} << 31;  // past an int
+  EXPECT_FALSE(cu::cudnn_conv_supported(other));
+  other = d;
+  other.geometry.n = int64_t{1} << 24;  // every size an int, x's 2^24 * 324 elements not
+  EXPECT_FALSE(cu::cudnn_conv_supported(other));
+}
+
 #if defined(MIXTAPE_HAVE_CUDA_HEADERS)
 // mixtape's declarations must match the toolkit's.
 static_assert(cu::driver_abi::kSuccess == CUDA_SUCCESS);
@@ -438,6 +495,43 @@ static_assert(cu::lt_abi::kHeuristicResultBytes == sizeof(cublasLtMatmulHeuristi
 static_assert(cu::lt_abi::kHeuristicStateOffset ==
               offsetof(cublasLtMatmulHeuristicResult_t, state));
 static_assert(sizeof(cublasLtMatmulAlgo_t) == 64);
+
+#if defined(MIXTAPE_HAVE_CUDNN_HEADER)
+static_assert(cu::cudnn_abi::kStatusSuccess == CUDNN_STATUS_SUCCESS);
+static_assert(cu::cudnn_abi::kDataFloat == CUDNN_DATA_FLOAT);
+static_assert(cu::cudnn_abi::kDataHalf == CUDNN_DATA_HALF);
+static_assert(cu::cudnn_abi::kDataBfloat16 == CUDNN_DATA_BFLOAT16);
+static_assert(cu::cudnn_abi::kTensorNchw == CUDNN_TENSOR_NCHW);
+static_assert(cu::cudnn_abi::kCrossCorrelation == CUDNN_CROSS_CORRELATION);
+static_assert(cu::cudnn_abi::kDefaultMath == CUDNN_DEFAULT_MATH);
+static_assert(cu::cudnn_abi::kTensorOpMath == CUDNN_TENSOR_OP_MATH);
+static_assert(cu::cudnn_abi::kFmaMath == CUDNN_FMA_MATH);
+static_assert(cu::cudnn_abi::kDeterministic == CUDNN_DETERMINISTIC);
+static_assert(cu::cudnn_abi::kFwdAlgoDirect == CUDNN_CONVOLUTION_FWD_ALGO_DIRECT);
+static_assert(CUDNN_CONVOLUTION_FWD_ALGO_FFT == cu::cudnn_abi::kFwdAlgoDirect + 1);
+static_assert(cu::cudnn_abi::kBwdDataAlgo1 == CUDNN_CONVOLUTION_BWD_DATA_ALGO_1);
+static_assert(CUDNN_CONVOLUTION_BWD_DATA_ALGO_FFT == cu::cudnn_abi::kBwdDataAlgo1 + 1);
+static_assert(cu::cudnn_abi::kBwdFilterAlgo3 == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_3);
+static_assert(cu::cudnn_abi::kBwdFilterAlgoFft == CUDNN_CONVOLUTION_BWD_FILTER_ALGO_FFT);
+static_assert(CUDNN_CONVOLUTION_BWD_FILTER_ALGO_WINOGRAD == cu::cudnn_abi::kBwdFilterAlgo3 + 1);
+// The algorithm-choice structures (deprecated in cuDNN 9, with the API they belong to).
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+template <typename Perf>
+constexpr bool laid_out_as_algo_perf() {
+  using P = cu::cudnn_abi::AlgoPerf;
+  return sizeof(Perf) == sizeof(P) && offsetof(Perf, algo) == offsetof(P, algo) &&
+         offsetof(Perf, status) == offsetof(P, status) &&
+         offsetof(Perf, time) == offsetof(P, time) &&
+         offsetof(Perf, memory) == offsetof(P, memory) &&
+         offsetof(Perf, determinism) == offsetof(P, determinism) &&
+         offsetof(Perf, mathType) == offsetof(P, math_type) && sizeof(cudnnStatus_t) == sizeof(int);
+}
+static_assert(laid_out_as_algo_perf<cudnnConvolutionFwdAlgoPerf_t>());
+static_assert(laid_out_as_algo_perf<cudnnConvolutionBwdDataAlgoPerf_t>());
+static_assert(laid_out_as_algo_perf<cudnnConvolutionBwdFilterAlgoPerf_t>());
+#pragma GCC diagnostic pop
+#endif
 #endif
 
 }  // namespace

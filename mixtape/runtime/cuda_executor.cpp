@@ -23,6 +23,7 @@
 #include "mixtape/runtime/cublaslt.h"
 #include "mixtape/runtime/cuda_allocator.h"
 #include "mixtape/runtime/cuda_driver.h"
+#include "mixtape/runtime/cudnn.h"
 #include "mixtape/runtime/device.h"
 #include "mixtape/runtime/matmul_dims.h"
 #include "mixtape/runtime/program.h"
@@ -242,14 +243,57 @@ void run_on_host(Node& node) {
   ++stats().host_ops;
 }
 
-// Steps without a generated kernel: the data movement ops, random fills and convolutions on the
-// GPU where it has fixed kernels for them, collectives through NCCL where the run has a
-// communicator, the rest (gathers along an index tensor, MPI's collectives, ...) on the host.
-void run_other(Node& node) {
-  if (!run_fixed_kernel(node) && !run_collective_on_device(node)) run_on_host(node);
+bool half_or_f32(DType t) { return t == f32 || is_half(t); }
+
+// A convolution primitive through cuDNN (runtime/cudnn.h), as the CPU back end runs them through
+// oneDNN: operands rounded to the compute type (f32, f16 or bf16), products summed in f32 and
+// rounded once to the storage type. cuDNN's result has its operands' type, so where the node
+// stores another the operands are widened to f32 (exactly) and the f32 result rounded. False,
+// with nothing done, for other dtypes and accumulators (f64, a half accumulator a custom policy
+// asks for), with cuDNN off or missing, or without a deterministic direct algorithm for the
+// problem: the fixed kernels' direct loops run those.
+bool run_cudnn_conv(Node& node) {
+  if (node.op != OpCode::Conv2d && node.op != OpCode::Conv2dInputGrad &&
+      node.op != OpCode::Conv2dWeightGrad)
+    return false;
+  const DType compute = node.precision.compute, storage = node.precision.storage_type;
+  if (!use_cudnn() || !half_or_f32(compute) || !half_or_f32(storage) ||
+      node.precision.accum != f32 || !half_or_f32(node.inputs[0]->value->dtype) ||
+      !half_or_f32(node.inputs[1]->value->dtype) || !cuda::cudnn_available())
+    return false;
+  const DType run = storage == compute ? compute : f32;
+  const cuda::CudnnConvDesc desc{node.op, ConvGeometry::of(node), run,
+                                 compute == f32 && allow_tf32()};
+  if (!cuda::cudnn_conv_supported(desc) || !cuda::cudnn_conv_algorithm(desc)) return false;
+  // Rounded to the compute type first, then (where it differs) widened to the type cuDNN runs.
+  auto operand = [&](size_t i) {
+    std::shared_ptr<Storage> v = node.inputs[i]->value;
+    if (v->dtype != compute) v = convert_on_device(*v, compute);
+    if (v->dtype != run) v = convert_on_device(*v, run);
+    return v;
+  };
+  std::shared_ptr<Storage> a_run = operand(0), b_run = operand(1);
+  auto out = device_value(run, node.numel());
+  if (node.numel() > 0)
+    cuda::cudnn_conv(desc, reinterpret_cast<const void*>(device_address(*a_run)),
+                     reinterpret_cast<const void*>(device_address(*b_run)),
+                     reinterpret_cast<void*>(device_address(*out)));
+  node.value = run == storage ? out : convert_on_device(*out, storage);
+  ExecutionStats& s = stats();
+  ++s.convolutions;
+  s.bytes_read += a_run->size_bytes() + b_run->size_bytes();
+  s.bytes_written += node.value->size_bytes();
+  return true;
 }
 
-bool half_or_f32(DType t) { return t == f32 || is_half(t); }
+// Steps without a generated kernel: convolutions through cuDNN, the data movement ops, random
+// fills and convolutions on the GPU where it has fixed kernels for them, collectives through NCCL
+// where the run has a communicator, the rest (gathers along an index tensor, MPI's collectives,
+// ...) on the host.
+void run_other(Node& node) {
+  if (!run_cudnn_conv(node) && !run_fixed_kernel(node) && !run_collective_on_device(node))
+    run_on_host(node);
+}
 
 void run_matmul(const Step& step, const std::vector<Node*>& pending, const Signature& sig) {
   // The CUDA back end fuses no epilogue into its products (FusionOptions::matmul_epilogue).

@@ -112,10 +112,19 @@ std::atomic<bool>& tf32_setting() {
   static std::atomic<bool> on{env_flag("MIXTAPE_ALLOW_TF32")};
   return on;
 }
+std::atomic<bool>& cudnn_setting() {
+  static std::atomic<bool> on{[] {
+    const char* env = std::getenv("MIXTAPE_CUDNN");
+    return !env || std::string(env) != "0";  // on unless turned off
+  }()};
+  return on;
+}
 }  // namespace
 
 void set_allow_tf32(bool allow) { tf32_setting().store(allow, std::memory_order_relaxed); }
 bool allow_tf32() { return tf32_setting().load(std::memory_order_relaxed); }
+void set_use_cudnn(bool use) { cudnn_setting().store(use, std::memory_order_relaxed); }
+bool use_cudnn() { return cudnn_setting().load(std::memory_order_relaxed); }
 
 void set_async_evaluation(bool on) {
   // What was queued finishes first: turning it off means nothing is left running.

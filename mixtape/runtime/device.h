@@ -59,8 +59,15 @@ void apply_flush_denormal();
 /// relative error. Off by default, so f32 matmuls are IEEE f32 products; MIXTAPE_ALLOW_TF32=1
 /// turns it on at start. Read at every matmul launch, so it applies to programs built before
 /// (and to mt::compile replays). Half-precision matmuls and the CPU back ends are unaffected.
+/// cuDNN's f32 convolutions follow it too (TF32 tensor-core kernels allowed, else FMA ones only).
 void set_allow_tf32(bool allow);
 bool allow_tf32();
+/// cuDNN for convolutions on the cuda device (runtime/cudnn.h), as torch.backends.cudnn.enabled:
+/// on by default, where libcudnn loads; MIXTAPE_CUDNN=0 turns it off at start. Off, or where cuDNN
+/// is missing or has no deterministic direct algorithm for a problem, the fixed kernels' direct
+/// loops run them with the reference's bits, far slower. Read at every convolution.
+void set_use_cudnn(bool use);
+bool use_cudnn();
 
 class eager_scope {
  public:

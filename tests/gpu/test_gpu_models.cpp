@@ -36,6 +36,7 @@
 #include "mixtape/precision_policy/grad_scaler.h"
 #include "mixtape/precision_policy/policy.h"
 #include "mixtape/runtime/cuda_executor.h"
+#include "mixtape/runtime/cudnn.h"
 #include "mixtape/runtime/device.h"
 #include "tests/pointwise_programs.h"
 #include "tests/test_util.h"
@@ -688,12 +689,23 @@ TEST(GpuMovement, ConcatUnsliceIndexSelectAndIndexAddMatchTheCpuOnTheDevice) {
   }
 }
 
-// Convolutions on the device (runtime/cuda_fixed_kernels.cpp's direct kernels): a forward pass
-// with groups, stride and padding, and both gradients, in f32, bf16 and f16, have the reference
-// executor's bits, with nothing run on the host. The dry run compares the CPU back end (oneDNN,
-// its own order of sums) within rounding.
+// Turns cuDNN off for the scope (the fixed kernels then run convolutions), then back as it was.
+class CudnnOff {
+ public:
+  CudnnOff() : previous_(mt::use_cudnn()) { mt::set_use_cudnn(false); }
+  ~CudnnOff() { mt::set_use_cudnn(previous_); }
+
+ private:
+  bool previous_;
+};
+
+// Convolutions on the device with cuDNN off (runtime/cuda_fixed_kernels.cpp's direct kernels): a
+// forward pass with groups, stride and padding, and both gradients, in f32, bf16 and f16, have
+// the reference executor's bits, with nothing run on the host. The dry run compares the CPU back
+// end (oneDNN, its own order of sums) within rounding.
 TEST(GpuConvolution, ForwardAndBothGradientsHaveTheReferencesBitsOnTheDevice) {
   SKIP_WITHOUT_CUDA();
+  CudnnOff fixed_kernels;
   for (mt::DType dtype : {mt::f32, mt::bf16, mt::f16}) {
     auto run = [&](mt::Device device, mt::ExecutionStats* stats) {
       DeviceScope scope;
@@ -726,6 +738,70 @@ TEST(GpuConvolution, ForwardAndBothGradientsHaveTheReferencesBitsOnTheDevice) {
     }
     if (!dry_run()) {
       EXPECT_EQ(stats.host_ops, 0) << mt::name(dtype);
+    }
+  }
+}
+
+// Convolutions through cuDNN (runtime/cudnn.h), the default where it loads: forward, input
+// gradient and weight gradient at a ResNet block's, its stem's and shortcut's geometries and at
+// depthwise, grouped, dilated and asymmetric ones, in f32 (FMA kernels, TF32 off), bf16 and f16,
+// agree with the CPU back end (oneDNN) up to f32 sums in another order and one rounding of the
+// result, relative to the largest magnitude. Every pass runs on cuDNN (three convolutions counted,
+// nothing on the host), and a second run stores the same bits (deterministic algorithms only).
+// The dry run checks the CPU back end against the reference loops.
+TEST(GpuConvolution, CudnnAgreesWithTheCpuAndRepeatsItsBits) {
+  SKIP_WITHOUT_CUDA();
+  if (!dry_run() && !mt::cuda::cudnn_available())
+    GTEST_SKIP() << "cuDNN unavailable: " << mt::cuda::cudnn_unavailable_reason();
+  struct Case {
+    const char* label;
+    mt::Shape x, w;
+    mt::Conv2dOptions options;
+  };
+  const Case cases[] = {
+      {"3x3 pad 1", {8, 16, 14, 14}, {32, 16, 3, 3}, {.padding = 1}},
+      {"7x7 stride 2 pad 3 (a stem)", {4, 3, 32, 32}, {16, 3, 7, 7}, {.stride = 2, .padding = 3}},
+      {"1x1 stride 2 (a shortcut)", {4, 32, 9, 9}, {16, 32, 1, 1}, {.stride = 2}},
+      {"depthwise 3x3", {2, 8, 10, 10}, {8, 1, 3, 3}, {.padding = 1, .groups = 8}},
+      {"grouped, dilated, asymmetric",
+       {2, 6, 11, 9},
+       {4, 3, 3, 2},
+       {.stride = {2, 1}, .padding = {1, 2}, .dilation = {2, 1}, .groups = 2}},
+  };
+  for (mt::DType dtype : {mt::f32, mt::bf16, mt::f16}) {
+    const double tol = dtype == mt::f32 ? 1e-5 : dtype == mt::bf16 ? 1.0 / 128 : 1.0 / 1024;
+    for (const Case& c : cases) {
+      const std::string what = fmt::format("{} {}", c.label, mt::name(dtype));
+      auto run = [&](mt::Device device, mt::ExecutionStats* stats) {
+        DeviceScope scope;
+        mt::set_device(device);
+        mt::Generator gen(59);
+        mt::Tensor x = mt::randn(c.x, dtype, &gen), w = mt::randn(c.w, dtype, &gen);
+        mt::Tensor y = mt::conv2d(x, w, mt::Tensor(), c.options);
+        mt::Tensor gy = mt::randn(y.shape(), dtype, &gen);
+        mt::eval({x, w, y, gy});
+        mt::reset_execution_stats();
+        const mt::ConvWindow window = mt::ConvWindow::of(c.options);
+        return values_of(
+            {mt::conv2d(x, w, mt::Tensor(), c.options), mt::conv2d_input_grad(gy, w, c.x, window),
+             mt::conv2d_weight_grad(x, gy, c.w, window)},
+            stats);
+      };
+      mt::ExecutionStats stats;
+      const auto expected = run(baseline(), nullptr);
+      const auto actual = run(tested(), &stats);
+      EXPECT_EQ(stats.convolutions, 3) << what;
+      EXPECT_EQ(stats.host_ops, 0) << what;
+      ASSERT_EQ(actual.size(), expected.size());
+      for (size_t o = 0; o < expected.size(); ++o) {
+        ASSERT_EQ(actual[o].size(), expected[o].size()) << what;
+        double scale = 0;
+        for (double v : expected[o]) scale = std::max(scale, std::fabs(v));
+        for (size_t i = 0; i < expected[o].size(); ++i)
+          ASSERT_NEAR(actual[o][i], expected[o][i], tol * scale)
+              << what << " output " << o << " element " << i;
+      }
+      expect_same_bits(actual, run(tested(), nullptr), dtype);
     }
   }
 }
