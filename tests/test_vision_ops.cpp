@@ -18,6 +18,7 @@
 
 #include <fmt/format.h>
 
+#include "examples/resnet_model.h"
 #include "mixtape/mixtape.h"
 #include "test_util.h"
 
@@ -583,6 +584,40 @@ TEST(Sequential, ChainsItsStepsAndNamesThemByIndex) {
                                  2),
                   1);
   EXPECT_EQ(values(net(x)), values(mt::linear(h, state[2].second, state[3].second)));
+}
+
+// examples/resnet_model.h's ResNets in torchvision's layout: the parameter counts torchvision
+// documents (11,689,512 and 25,557,032 at 1000 classes), its state_dict sizes (122 and 320 entries:
+// parameters, running statistics and batch counters) and names, and logits for a small batch.
+TEST(ResNetModels, HaveTorchvisionsParametersAndNames) {
+  auto parameters = [](const mt::Module& net) {
+    int64_t count = 0;
+    for (const mt::Tensor& p : net.parameters()) count += p.numel();
+    return count;
+  };
+  auto names = [](const mt::Module& net) {
+    std::vector<std::string> all;
+    for (const auto& [name, t] : net.state_dict()) all.push_back(name);
+    return all;
+  };
+  mt::Generator gen(12);
+  ResNet18 resnet18(1000, &gen);
+  EXPECT_EQ(parameters(resnet18), 11689512);
+  EXPECT_EQ(resnet18.state_dict().size(), 122u);
+  ResNet50 resnet50(1000, &gen);
+  EXPECT_EQ(parameters(resnet50), 25557032);
+  const std::vector<std::string> all = names(resnet50);
+  EXPECT_EQ(all.size(), 320u);
+  for (const char* name :
+       {"conv1.weight", "bn1.running_var", "layer1.0.conv3.weight", "layer1.0.bn3.bias",
+        "layer1.0.downsample.0.weight", "layer1.0.downsample.1.num_batches_tracked",
+        "layer2.3.conv2.weight", "layer3.5.bn2.running_mean", "layer4.0.downsample.0.weight",
+        "layer4.2.conv3.weight", "fc.weight", "fc.bias"})
+    EXPECT_NE(std::find(all.begin(), all.end(), name), all.end()) << name;
+  EXPECT_EQ(std::find(all.begin(), all.end(), "layer1.1.downsample.0.weight"), all.end());
+  mt::Tensor logits = resnet50(mt::randn({2, 3, 32, 32}, mt::f32, &gen));
+  EXPECT_EQ(logits.shape(), (mt::Shape{2, 1000}));
+  for (float v : logits.to_vector<float>()) EXPECT_TRUE(std::isfinite(v));
 }
 
 TEST(VisionPrecision, NormsRunInF32AndPoolingFollowsItsInputUnderAutocast) {
