@@ -1,6 +1,6 @@
 // bench/gpu_training.cpp -- bench_gpu_training: training steps/s on the GPU (MIXTAPE_DEVICE=cuda's
-// back end) for the MLP and a GPT-2-small-shaped model, traced or mt::compile'd, one JSON line
-// each.
+// back end) for the MLP, a GPT-2-small-shaped model and ResNet-50, traced or mt::compile'd, one
+// JSON line each.
 #include <mixtape/mixtape.h>
 
 #include <cstdio>
@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bench/gpt_step.h"
+#include "bench/resnet_step.h"
 #include "bench/timing.h"
 #include "examples/char_gpt_model.h"
 #include "mixtape/dsl/error.h"
@@ -29,7 +30,10 @@ constexpr const char* kUsage =
     "             B = 65536), gpt2_small (GPT-2 small: 12 layers, 12 heads, width 768, context\n"
     "             1024, vocab 50257, batch 8, random tokens, AdamW 3e-4 and clipping at 1);\n"
     "             gpt2_l<L>_t<T>_b<B> overrides layers, context and batch (each part optional,\n"
-    "             e.g. gpt2_l2_t64_b2)\n"
+    "             e.g. gpt2_l2_t64_b2); resnet50 (torchvision's ResNet-50, 1000 classes, batch\n"
+    "             128 of 3x224x224 images, one synthetic batch, cross-entropy, SGD 0.01 momentum\n"
+    "             0.9, batch norm in training mode); resnet50_b<B>_s<S> overrides batch and image\n"
+    "             size (each part optional)\n"
     "  --step compiled runs each step through mt::compile (traced twice, then replayed); traced\n"
     "  (the default) builds the graph every step, as the plain training loop does.\n"
     "  Steps are queued on the GPU; the clock of each window stops after the GPU has finished.\n"
@@ -140,6 +144,22 @@ bool parse_gpt2_name(const std::string& name, Gpt2Shape& shape) {
   return true;
 }
 
+/// resnet50, or resnet50 followed by any of _b<batch>, _s<image size> (once each, in that order).
+bool parse_resnet50_name(const std::string& name, int64_t& batch, int64_t& size) {
+  batch = 128, size = 224;
+  if (name.rfind("resnet50", 0) != 0) return false;
+  const std::string rest = name.substr(8);
+  long long value = 0;
+  int consumed = 0;
+  size_t at = 0;
+  if (std::sscanf(rest.c_str(), "_b%lld%n", &value, &consumed) == 1 && value > 0)
+    batch = value, at += static_cast<size_t>(consumed);
+  consumed = 0;
+  if (std::sscanf(rest.c_str() + at, "_s%lld%n", &value, &consumed) == 1 && value >= 32)
+    size = value, at += static_cast<size_t>(consumed);
+  return at == rest.size();
+}
+
 bench::Workload workload_by_name(const std::string& name, const mt::PolicyPtr& policy,
                                  bench::StepMode mode) {
   long long width = 0, batch = 0;
@@ -149,8 +169,12 @@ bench::Workload workload_by_name(const std::string& name, const mt::PolicyPtr& p
     return bench::mlp_workload(width, batch, policy, mode);
   Gpt2Shape shape;
   if (parse_gpt2_name(name, shape)) return gpt2_workload(shape, policy, mode);
+  int64_t images = 0, size = 0;
+  if (parse_resnet50_name(name, images, size))
+    return bench::resnet_workload<ResNet50>(images, 1000, size, policy, mode);
   mt::fail(
-      "bench_gpu_training: unknown workload '{}' (mlp_w<W>_b<B>, gpt2_small, gpt2_l<L>_t<T>_b<B>)",
+      "bench_gpu_training: unknown workload '{}' (mlp_w<W>_b<B>, gpt2_small, gpt2_l<L>_t<T>_b<B>, "
+      "resnet50, resnet50_b<B>_s<S>)",
       name);
 }
 
@@ -177,6 +201,8 @@ int main(int argc, char** argv) {
             bench::measure_workload(workload, name, precision, line, mt::cuda_synchronize));
         double steps_per_s = record.at("steps_per_s").get<double>();
         record.emplace("ms_per_step", 1e3 / steps_per_s);
+        if (const mt::json::Value* images = mt::json::find(record, "images_per_step"))
+          record.emplace("images_per_s", steps_per_s * static_cast<double>(images->get<int64_t>()));
         if (const mt::json::Value* tokens = mt::json::find(record, "tokens_per_step")) {
           double tokens_per_s = steps_per_s * static_cast<double>(tokens->get<int64_t>());
           record.emplace("tokens_per_s", tokens_per_s);

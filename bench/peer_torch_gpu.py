@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-# bench/peer_torch_gpu.py -- the peer of bench_gpu_training: the same MLP and GPT-2 steps in
-# PyTorch on the GPU, AMP (autocast bf16) and fp32, eager and under torch.compile; JSON lines.
+# bench/peer_torch_gpu.py -- the peer of bench_gpu_training: the same MLP, GPT-2 and ResNet-50
+# steps in PyTorch on the GPU, AMP (autocast bf16) and fp32, eager and under torch.compile; JSON
+# lines.
 """Runs where PyTorch with CUDA is installed (tests/gpu/run.sh calls it when `python3 -c
 "import torch"` works there). One JSON line per workload, precision and mode, printed as each
 finishes (a run cut short keeps what it measured); a failed configuration is a line with "error".
@@ -15,6 +16,11 @@ Workloads, as bench_gpu_training names them:
                   parameter (fused where this torch has it), gradient norm clipped at 1.
                   torch.compile compiles the model, as nanoGPT does. gpt2_l<L>_t<T>_b<B> overrides
                   layers, context and batch (each part optional).
+  resnet50        torchvision's ResNet-50 (written out here: Bottleneck v1.5, 1000 classes) in
+                  channels_last memory format, as NVIDIA's and PyTorch's AMP recipes train it,
+                  batch 128 of 3x224x224 N(0, 1) images and uniform labels made once on the
+                  device, cross-entropy, SGD lr 0.01 momentum 0.9, batch norm in training mode.
+                  resnet50_b<B>_s<S> overrides batch and image size (each part optional).
 Steps are queued and the clock stops after torch.cuda.synchronize(). --device cpu runs the same
 code on the CPU (a smoke test of this script)."""
 
@@ -33,10 +39,14 @@ FLOPS_FORMULA = ("flops_per_token = 6 * (parameters - embedding_parameters) + 12
 
 
 def parse_workload(name):
-    """("mlp", {width, batch}) or ("gpt2", {layers, context, batch}); ValueError otherwise."""
+    """("mlp", {width, batch}), ("gpt2", {layers, context, batch}) or ("resnet50", {batch,
+    size}); ValueError otherwise."""
     match = re.fullmatch(r"mlp_w(\d+)_b(\d+)", name)
     if match and int(match[1]) > 0 and int(match[2]) > 0:
         return "mlp", {"width": int(match[1]), "batch": int(match[2])}
+    match = re.fullmatch(r"resnet50(?:_b(\d+))?(?:_s(\d+))?", name)
+    if match and int(match[1] or 1) > 0 and int(match[2] or 224) >= 32:
+        return "resnet50", {"batch": int(match[1] or 128), "size": int(match[2] or 224)}
     shape = {"layers": 12, "context": 1024, "batch": 8}
     if name == "gpt2_small":
         return "gpt2", shape
@@ -46,7 +56,8 @@ def parse_workload(name):
     if match and len({p for p, _ in parts}) == len(parts) and all(int(v) > 0 for _, v in parts):
         shape.update({keys[p]: int(v) for p, v in parts})
         return "gpt2", shape
-    raise ValueError(f"unknown workload {name!r} (mlp_w<W>_b<B>, gpt2_small, gpt2_l<L>_t<T>_b<B>)")
+    raise ValueError(f"unknown workload {name!r} (mlp_w<W>_b<B>, gpt2_small, gpt2_l<L>_t<T>_b<B>, "
+                     "resnet50, resnet50_b<B>_s<S>)")
 
 
 def mlp_setup(torch, device, compiled, width, batch):
@@ -145,10 +156,53 @@ def gpt2_setup(torch, device, compiled, layers, context, batch):
     return model, optimizer, forward_loss, 1.0, facts
 
 
+def resnet50_model(torch, classes=1000):
+    nn = torch.nn
+
+    def conv_bn(cin, cout, kernel, stride=1):
+        return [nn.Conv2d(cin, cout, kernel, stride, kernel // 2, bias=False), nn.BatchNorm2d(cout)]
+
+    class Bottleneck(nn.Module):
+        def __init__(self, cin, planes, stride):
+            super().__init__()
+            self.body = nn.Sequential(*conv_bn(cin, planes, 1), nn.ReLU(inplace=True),
+                                      *conv_bn(planes, planes, 3, stride), nn.ReLU(inplace=True),
+                                      *conv_bn(planes, 4 * planes, 1))
+            self.downsample = (nn.Sequential(*conv_bn(cin, 4 * planes, 1, stride))
+                               if stride != 1 or cin != 4 * planes else nn.Identity())
+
+        def forward(self, x):
+            return torch.relu(self.body(x) + self.downsample(x))
+
+    layers, cin = [*conv_bn(3, 64, 7, 2), nn.ReLU(inplace=True), nn.MaxPool2d(3, 2, 1)], 64
+    for stage, blocks in enumerate((3, 4, 6, 3)):
+        for b in range(blocks):
+            layers.append(Bottleneck(cin, 64 << stage, 2 if stage > 0 and b == 0 else 1))
+            cin = 4 * (64 << stage)
+    layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, classes)]
+    return nn.Sequential(*layers)
+
+
+def resnet50_setup(torch, device, compiled, batch, size):
+    model = resnet50_model(torch).to(device).to(memory_format=torch.channels_last)
+    forward = torch.compile(model) if compiled else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(batch, 3, size, size, device=device).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 1000, (batch,), device=device)
+
+    def forward_loss():
+        return torch.nn.functional.cross_entropy(forward(x).float(), y)
+
+    facts = {"batch": batch, "image": [3, size, size], "classes": 1000, "optimizer": "sgd",
+             "memory_format": "channels_last", "images_per_step": batch,
+             "parameters": sum(p.numel() for p in model.parameters())}
+    return model, optimizer, forward_loss, None, facts
+
+
 def run(torch, device, name, precision, compiled, args):
     kind, shape = parse_workload(name)
     torch.manual_seed(0)
-    setup = mlp_setup if kind == "mlp" else gpt2_setup
+    setup = {"mlp": mlp_setup, "gpt2": gpt2_setup, "resnet50": resnet50_setup}[kind]
     model, optimizer, forward_loss, clip, facts = setup(torch, device, compiled, **shape)
 
     def step():
@@ -190,6 +244,8 @@ def run(torch, device, name, precision, compiled, args):
               "mode": "torch.compile" if compiled else "eager", "steps": steps,
               "steps_per_s": steps / seconds, "ms_per_step": 1e3 * seconds / steps,
               "first_step_s": first_step, "final_loss": loss.item()}
+    if "images_per_step" in facts:
+        result["images_per_s"] = result["steps_per_s"] * facts["images_per_step"]
     if "tokens_per_step" in facts:
         result["tokens_per_s"] = result["steps_per_s"] * facts["tokens_per_step"]
         result["model_tflops"] = result["tokens_per_s"] * facts["flops_per_token"] / 1e12

@@ -13,11 +13,11 @@
 #include <vector>
 
 #include "bench/gpt_step.h"
+#include "bench/resnet_step.h"
 #include "bench/timing.h"
 #include "examples/char_gpt_model.h"
 #include "examples/digits_model.h"
 #include "examples/digits_train.h"
-#include "examples/resnet_model.h"
 #include "mixtape/dsl/process_group.h"
 #include "mixtape/jit/llvm_jit.h"
 
@@ -176,41 +176,6 @@ Workload gpt_workload(const mt::PolicyPtr& policy, StepMode mode) {
                         {"parameters", parameter_count(*state->model)}});
 }
 
-/// ResNet18 (examples/resnet_model.h, torchvision's layout) with 10 classes on one synthetic
-/// batch made once: inputs N(0, 1) [64, 3, 32, 32] and uniform labels in 0..9; cross-entropy, SGD
-/// lr 0.01 momentum 0.9. Batch norm in training mode: its running statistics are updated in the
-/// step, as in the peers.
-Workload resnet18_workload(const mt::PolicyPtr& policy, StepMode mode) {
-  constexpr int64_t kBatch = 64, kClasses = 10, kSize = 32;
-  struct State {
-    mt::Generator gen{kSeed};
-    std::unique_ptr<ResNet18> model;
-    std::unique_ptr<mt::SGD> optimizer;
-    mt::Tensor inputs, targets;
-  };
-  auto state = std::make_shared<State>();
-  state->model = std::make_unique<ResNet18>(kClasses, &state->gen);
-  state->optimizer = std::make_unique<mt::SGD>(state->model->parameters(),
-                                               mt::SGDOptions{.lr = 0.01, .momentum = 0.9});
-  std::mt19937_64 rng(kSeed);
-  state->inputs = bench::random_normal({kBatch, 3, kSize, kSize}, rng);
-  std::uniform_int_distribution<int64_t> label(0, kClasses - 1);
-  std::vector<int64_t> labels(kBatch);
-  for (int64_t& l : labels) l = label(rng);
-  state->targets = mt::tensor(labels, {kBatch});
-  auto train = bench::autocast_train_step(
-      state, policy, [](auto& s, const mt::Tensor& inputs, const mt::Tensor& targets) {
-        return mt::cross_entropy((*s.model)(inputs), targets);
-      });
-  auto next_batch = [state] { return std::pair(state->inputs, state->targets); };
-  return make_workload(train, next_batch, mode,
-                       {{"batch", kBatch},
-                        {"image", mt::json::Value::array({3, kSize, kSize})},
-                        {"classes", kClasses},
-                        {"optimizer", "sgd"},
-                        {"parameters", parameter_count(*state->model)}});
-}
-
 /// examples/digits_cnn.cpp's model (DigitsCnn) and loop with its defaults
 /// (examples/digits_train.h): batch 64 from a shuffled loader over the first 1437 digits, shifts of
 /// up to a pixel and N(0, 0.2) noise drawn outside the step, SGD lr 0.1 momentum 0.9 on a cosine
@@ -274,7 +239,8 @@ Workload workload_by_name(const std::string& name, const mt::PolicyPtr& policy, 
   if (name == "digits_mlp") return digits_workload(policy, mode, {.batch = 64, .adamw = false});
   if (name == "digits_demo") return digits_workload(policy, mode, {.batch = 256, .adamw = true});
   if (name == "char_gpt") return gpt_workload(policy, mode);
-  if (name == "resnet18") return resnet18_workload(policy, mode);
+  if (name == "resnet18")  // 10 classes, batch 64 of 3x32x32 images
+    return bench::resnet_workload<ResNet18>(64, 10, 32, policy, mode);
   if (name == "digits_cnn") return digits_cnn_workload(policy, mode);
   mt::fail(
       "bench_training: unknown workload '{}' (mlp_w<W>_b<B>, digits_mlp, digits_demo, char_gpt, "

@@ -249,9 +249,9 @@ bool half_or_f32(DType t) { return t == f32 || is_half(t); }
 // oneDNN: operands rounded to the compute type (f32, f16 or bf16), products summed in f32 and
 // rounded once to the storage type. cuDNN's result has its operands' type, so where the node
 // stores another the operands are widened to f32 (exactly) and the f32 result rounded. False,
-// with nothing done, for other dtypes and accumulators (f64, a half accumulator a custom policy
-// asks for), with cuDNN off or missing, or without a deterministic direct algorithm for the
-// problem: the fixed kernels' direct loops run those.
+// with no value set, for other dtypes and accumulators (f64, a half accumulator a custom policy
+// asks for), with cuDNN off or missing, without a deterministic direct algorithm for the
+// problem, or where cuDNN fails to plan or run it: the fixed kernels' direct loops run those.
 bool run_cudnn_conv(Node& node) {
   if (node.op != OpCode::Conv2d && node.op != OpCode::Conv2dInputGrad &&
       node.op != OpCode::Conv2dWeightGrad)
@@ -264,26 +264,38 @@ bool run_cudnn_conv(Node& node) {
   const DType run = storage == compute ? compute : f32;
   const cuda::CudnnConvDesc desc{node.op, ConvGeometry::of(node), run,
                                  compute == f32 && allow_tf32()};
-  if (!cuda::cudnn_conv_supported(desc) || !cuda::cudnn_conv_algorithm(desc)) return false;
-  // Rounded to the compute type first, then (where it differs) widened to the type cuDNN runs.
-  auto operand = [&](size_t i) {
-    std::shared_ptr<Storage> v = node.inputs[i]->value;
-    if (v->dtype != compute) v = convert_on_device(*v, compute);
-    if (v->dtype != run) v = convert_on_device(*v, run);
-    return v;
-  };
-  std::shared_ptr<Storage> a_run = operand(0), b_run = operand(1);
-  auto out = device_value(run, node.numel());
-  if (node.numel() > 0)
-    cuda::cudnn_conv(desc, reinterpret_cast<const void*>(device_address(*a_run)),
-                     reinterpret_cast<const void*>(device_address(*b_run)),
-                     reinterpret_cast<void*>(device_address(*out)));
-  node.value = run == storage ? out : convert_on_device(*out, storage);
-  ExecutionStats& s = stats();
-  ++s.convolutions;
-  s.bytes_read += a_run->size_bytes() + b_run->size_bytes();
-  s.bytes_written += node.value->size_bytes();
-  return true;
+  if (!cuda::cudnn_conv_supported(desc)) return false;
+  try {
+    if (!cuda::cudnn_conv_algorithm(desc)) return false;
+    // Rounded to the compute type first, then (where it differs) widened to the type cuDNN runs.
+    auto operand = [&](size_t i) {
+      std::shared_ptr<Storage> v = node.inputs[i]->value;
+      if (v->dtype != compute) v = convert_on_device(*v, compute);
+      if (v->dtype != run) v = convert_on_device(*v, run);
+      return v;
+    };
+    std::shared_ptr<Storage> a = operand(0), b = operand(1);
+    auto out = device_value(run, node.numel());
+    if (node.numel() > 0 &&
+        !cuda::cudnn_conv(desc, reinterpret_cast<const void*>(device_address(*a)),
+                          reinterpret_cast<const void*>(device_address(*b)),
+                          reinterpret_cast<void*>(device_address(*out))))
+      return false;
+    node.value = run == storage ? out : convert_on_device(*out, storage);
+    ExecutionStats& s = stats();
+    ++s.convolutions;
+    s.bytes_read += a->size_bytes() + b->size_bytes();
+    s.bytes_written += node.value->size_bytes();
+    return true;
+  } catch (const Error& e) {
+    // cuDNN could not plan it (a sub-library missing, say): the direct loops run it, correctly.
+    static std::once_flag once;
+    std::call_once(once, [&] {
+      std::fprintf(stderr, "mixtape: cuDNN failed (%s); the direct loops run what it cannot\n",
+                   e.what());
+    });
+    return false;
+  }
 }
 
 // Steps without a generated kernel: convolutions through cuDNN, the data movement ops, random

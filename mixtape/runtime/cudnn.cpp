@@ -30,6 +30,7 @@ using cudnn_abi::AlgoPerf;
 struct CudnnApi {
   size_t (*cudnnGetVersion)();
   const char* (*cudnnGetErrorString)(Status status);
+  void (*cudnnGetLastErrorString)(char* message, size_t max_size);
   Status (*cudnnCreate)(Handle* handle);
   Status (*cudnnSetStream)(Handle handle, CUstream stream);
   Status (*cudnnCreateTensorDescriptor)(TensorDesc* desc);
@@ -104,6 +105,7 @@ void bind_library(Library& lib) {
 #define MIXTAPE_BIND(name) bind(api.name, #name)
   MIXTAPE_BIND(cudnnGetVersion);
   MIXTAPE_BIND(cudnnGetErrorString);
+  MIXTAPE_BIND(cudnnGetLastErrorString);
   MIXTAPE_BIND(cudnnCreate);
   MIXTAPE_BIND(cudnnSetStream);
   MIXTAPE_BIND(cudnnCreateTensorDescriptor);
@@ -165,7 +167,15 @@ const Context& context() {
                    s != cudnn_abi::kStatusSuccess) {
           c->reason = fmt::format("cudnnSetStream failed: {}", lib.api.cudnnGetErrorString(s));
         } else {
-          c->ok = true;
+          // cuDNN 9 loads its sub-libraries at their first call: a convolution descriptor needs
+          // libcudnn_cnn, whose absence would otherwise surface only at the first convolution.
+          ConvolutionDesc probe = nullptr;
+          s = lib.api.cudnnCreateConvolutionDescriptor(&probe);
+          if (s != cudnn_abi::kStatusSuccess)
+            c->reason = fmt::format("cudnnCreateConvolutionDescriptor failed: {}",
+                                    lib.api.cudnnGetErrorString(s));
+          else
+            lib.api.cudnnDestroyConvolutionDescriptor(probe), c->ok = true;
         }
       }
     } catch (const std::exception& e) {
@@ -186,9 +196,25 @@ std::string describe(const CudnnConvDesc& d) {
       w.stride[0], w.stride[1], w.pad[0], w.pad[1], w.dil[0], w.dil[1], w.groups, name(d.dtype));
 }
 
+// The status's name and cuDNN's account of the last failure, which says why.
+std::string error_text(Status status) {
+  const CudnnApi& api = library().api;
+  char why[512] = {};
+  api.cudnnGetLastErrorString(why, sizeof why);
+  return why[0] ? fmt::format("{} ({})", api.cudnnGetErrorString(status), why)
+                : std::string(api.cudnnGetErrorString(status));
+}
+
+// One line on stderr, the first time cuDNN fails at something it said it could do (the
+// fallback is correct, only slower; MIXTAPE_LOG=profile lists each problem's choice).
+void warn_once(const std::string& line) {
+  static std::once_flag once;
+  std::call_once(once, [&] { std::fprintf(stderr, "mixtape: %s\n", line.c_str()); });
+}
+
 void check(Status status, const char* call, const CudnnConvDesc& d) {
   if (status == cudnn_abi::kStatusSuccess) return;
-  fail("{} failed for {}: {}", call, describe(d), library().api.cudnnGetErrorString(status));
+  fail("{} failed for {}: {}", call, describe(d), error_text(status));
 }
 
 int cudnn_type(DType t) {
@@ -225,13 +251,19 @@ struct PlanKey {
   auto operator<=>(const PlanKey&) const = default;
 };
 
-// One problem's descriptors and algorithm (algo < 0: none that may be used).
+// An algorithm that may be used, as the heuristic reported it.
+struct Candidate {
+  int algo, math_type;
+  size_t workspace;
+};
+
+// One problem's descriptors and the algorithms that may run it, in the heuristic's order (its
+// expected speed): the first is tried first, the next where one fails (PyTorch's try_all).
 struct Plan {
   TensorDesc x = nullptr, y = nullptr;
   FilterDesc w = nullptr;
   ConvolutionDesc conv = nullptr;
-  int algo = -1, math_type = cudnn_abi::kDefaultMath;
-  size_t workspace = 0;
+  std::vector<Candidate> candidates;
   ~Plan() {
     const CudnnApi& api = library().api;
     if (x) api.cudnnDestroyTensorDescriptor(x);
@@ -290,22 +322,18 @@ std::unique_ptr<Plan> make_plan(const CudnnConvDesc& d) {
     check(api.cudnnGetConvolutionBackwardFilterAlgorithm_v7(
               h, plan->x, plan->y, plan->conv, plan->w, kRequested, &returned, results),
           "cudnnGetConvolutionBackwardFilterAlgorithm_v7", d);
-  // The heuristic's order is its expected speed: the first usable one.
   for (int r = 0; r < std::min(returned, kRequested); ++r) {
     const AlgoPerf& p = results[r];
-    if (p.status != cudnn_abi::kStatusSuccess || p.determinism != cudnn_abi::kDeterministic ||
-        !direct(d.op, p.algo) || p.memory > kMaxWorkspaceBytes ||
-        (fma_only && p.math_type != cudnn_abi::kFmaMath))
-      continue;
-    plan->algo = p.algo, plan->math_type = p.math_type, plan->workspace = p.memory;
-    check(api.cudnnSetConvolutionMathType(plan->conv, p.math_type), "cudnnSetConvolutionMathType",
-          d);
-    break;
+    if (p.status == cudnn_abi::kStatusSuccess && p.determinism == cudnn_abi::kDeterministic &&
+        direct(d.op, p.algo) && p.memory <= kMaxWorkspaceBytes &&
+        (!fma_only || p.math_type == cudnn_abi::kFmaMath))
+      plan->candidates.push_back({p.algo, p.math_type, p.memory});
   }
   if (log_enabled("profile"))
     log_line("profile", "{}: cuDNN {}", describe(d),
-             plan->algo < 0 ? "has no deterministic direct algorithm"
-                            : algorithm_name(d.op, plan->algo, plan->math_type));
+             plan->candidates.empty()
+                 ? std::string("has no deterministic direct algorithm")
+                 : algorithm_name(d.op, plan->candidates[0].algo, plan->candidates[0].math_type));
   return plan;
 }
 
@@ -319,22 +347,52 @@ PlanCache& plan_cache() {
   return *cache;
 }
 
-const Plan& plan_for(const CudnnConvDesc& d) {
+// The problem's plan, made on first use; `cache.mutex` held (it also serializes every use of
+// the one handle, which cuDNN allows one thread at a time).
+Plan& plan_for(const CudnnConvDesc& d, PlanCache& cache) {
   if (!cudnn_available()) fail("cuDNN is not available: {}", cudnn_unavailable_reason());
   if (!cudnn_conv_supported(d)) fail("{}: not a problem cuDNN takes", describe(d));
   driver();  // the context must be current on this thread too
-  PlanCache& cache = plan_cache();
-  std::lock_guard lock(cache.mutex);
-  std::unique_ptr<Plan>& plan = cache.plans[{d.op, d.geometry, d.dtype, d.allow_tf32}];
+  const PlanKey key{d.op, d.geometry, d.dtype, d.allow_tf32};
+  std::unique_ptr<Plan>& plan = cache.plans[key];
   if (!plan) {
     try {
       plan = make_plan(d);
     } catch (...) {
-      cache.plans.erase({d.op, d.geometry, d.dtype, d.allow_tf32});
+      cache.plans.erase(key);
       throw;
     }
   }
   return *plan;
+}
+
+// Queues candidate `c` of `plan`: nothing on success, else why it could not (a failed call, or
+// no device memory for its workspace, where another candidate may need less).
+std::optional<std::string> run_candidate(const CudnnConvDesc& d, const Plan& plan,
+                                         const Candidate& c, const void* a, const void* b,
+                                         void* out) {
+  const CudnnApi& api = library().api;
+  Handle h = context().handle;
+  Status status = api.cudnnSetConvolutionMathType(plan.conv, c.math_type);
+  if (status != cudnn_abi::kStatusSuccess) return error_text(status);
+  DeviceBuffer workspace;
+  try {
+    if (c.workspace > 0) workspace = DeviceBuffer(c.workspace);
+  } catch (const Error& e) {
+    return fmt::format("its {} bytes of workspace: {}", c.workspace, e.what());
+  }
+  const float alpha = 1, beta = 0;  // alpha and beta are floats for every dtype but f64
+  if (d.op == OpCode::Conv2d)
+    status = api.cudnnConvolutionForward(h, &alpha, plan.x, a, plan.w, b, plan.conv, c.algo,
+                                         workspace.data(), c.workspace, &beta, plan.y, out);
+  else if (d.op == OpCode::Conv2dInputGrad)
+    status = api.cudnnConvolutionBackwardData(h, &alpha, plan.w, b, plan.y, a, plan.conv, c.algo,
+                                              workspace.data(), c.workspace, &beta, plan.x, out);
+  else
+    status = api.cudnnConvolutionBackwardFilter(h, &alpha, plan.x, a, plan.y, b, plan.conv, c.algo,
+                                                workspace.data(), c.workspace, &beta, plan.w, out);
+  if (status != cudnn_abi::kStatusSuccess) return error_text(status);
+  return std::nullopt;
 }
 
 }  // namespace
@@ -358,7 +416,9 @@ bool cudnn_conv_supported(const CudnnConvDesc& d) {
   // the floor that PyTorch's (and ConvGeometry's) is.
   for (int64_t v : {g.n, g.c, g.h, g.w, g.o, g.kh, g.kw, g.oh, g.ow, w.groups})
     if (v <= 0 || v > INT_MAX) return false;
-  for (int64_t count : {g.n * g.c * g.h * g.w, g.n * g.o * g.oh * g.ow, g.o * g.c * g.kh * g.kw})
+  if (g.c % w.groups != 0 || g.o % w.groups != 0) return false;
+  for (int64_t count :
+       {g.n * g.c * g.h * g.w, g.n * g.o * g.oh * g.ow, g.o * (g.c / w.groups) * g.kh * g.kw})
     if (count > INT_MAX) return false;
   for (int axis = 0; axis < 2; ++axis) {
     const int64_t size = axis == 0 ? g.h : g.w, kernel = axis == 0 ? g.kh : g.kw;
@@ -366,37 +426,36 @@ bool cudnn_conv_supported(const CudnnConvDesc& d) {
     if (w.stride[axis] <= 0 || w.dil[axis] <= 0 || w.pad[axis] < 0 || w.pad[axis] > INT_MAX ||
         w.stride[axis] > INT_MAX || w.dil[axis] > INT_MAX)
       return false;
-    const int64_t extent = w.dil[axis] * (kernel - 1) + 1;
-    if ((size + 2 * w.pad[axis] - extent) / w.stride[axis] + 1 != out) return false;
+    const int64_t span = size + 2 * w.pad[axis] - (w.dil[axis] * (kernel - 1) + 1);
+    if (span < 0 || span / w.stride[axis] + 1 != out) return false;
   }
-  return g.c % w.groups == 0 && g.o % w.groups == 0;
+  return true;
 }
 
 std::optional<std::string> cudnn_conv_algorithm(const CudnnConvDesc& d) {
-  const Plan& plan = plan_for(d);
-  if (plan.algo < 0) return std::nullopt;
-  return algorithm_name(d.op, plan.algo, plan.math_type);
+  PlanCache& cache = plan_cache();
+  std::lock_guard lock(cache.mutex);
+  const Plan& plan = plan_for(d, cache);
+  if (plan.candidates.empty()) return std::nullopt;
+  return algorithm_name(d.op, plan.candidates[0].algo, plan.candidates[0].math_type);
 }
 
-void cudnn_conv(const CudnnConvDesc& d, const void* a, const void* b, void* out) {
-  const Plan& plan = plan_for(d);
-  if (plan.algo < 0) fail("{}: cuDNN has no deterministic direct algorithm for it", describe(d));
-  const CudnnApi& api = library().api;
-  Handle h = context().handle;
-  DeviceBuffer workspace = plan.workspace > 0 ? DeviceBuffer(plan.workspace) : DeviceBuffer();
-  const float alpha = 1, beta = 0;  // alpha and beta are floats for every dtype but f64
-  if (d.op == OpCode::Conv2d)
-    check(api.cudnnConvolutionForward(h, &alpha, plan.x, a, plan.w, b, plan.conv, plan.algo,
-                                      workspace.data(), plan.workspace, &beta, plan.y, out),
-          "cudnnConvolutionForward", d);
-  else if (d.op == OpCode::Conv2dInputGrad)
-    check(api.cudnnConvolutionBackwardData(h, &alpha, plan.w, b, plan.y, a, plan.conv, plan.algo,
-                                           workspace.data(), plan.workspace, &beta, plan.x, out),
-          "cudnnConvolutionBackwardData", d);
-  else
-    check(api.cudnnConvolutionBackwardFilter(h, &alpha, plan.x, a, plan.y, b, plan.conv, plan.algo,
-                                             workspace.data(), plan.workspace, &beta, plan.w, out),
-          "cudnnConvolutionBackwardFilter", d);
+bool cudnn_conv(const CudnnConvDesc& d, const void* a, const void* b, void* out) {
+  PlanCache& cache = plan_cache();
+  std::lock_guard lock(cache.mutex);
+  Plan& plan = plan_for(d, cache);
+  // A candidate that fails is dropped, so later calls start at one that ran.
+  while (!plan.candidates.empty()) {
+    const Candidate c = plan.candidates.front();
+    const std::optional<std::string> failure = run_candidate(d, plan, c, a, b, out);
+    if (!failure) return true;
+    warn_once(
+        fmt::format("cuDNN's {} failed for {}: {}; its next algorithm, or the direct loops, "
+                    "run it instead",
+                    algorithm_name(d.op, c.algo, c.math_type), describe(d), *failure));
+    plan.candidates.erase(plan.candidates.begin());
+  }
+  return false;
 }
 
 }  // namespace mixtape::cuda

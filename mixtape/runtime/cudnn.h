@@ -72,16 +72,19 @@ struct CudnnConvDesc {
 /// Whether cuDNN can take the problem at all: a dtype above, sizes that fit its int descriptors.
 bool cudnn_conv_supported(const CudnnConvDesc& desc);
 
-/// The algorithm cudnn_conv runs for the problem, as "fwd IMPLICIT_PRECOMP_GEMM, tensor ops":
-/// cuDNN's first heuristic choice that is deterministic and direct, within 1 GiB of workspace
-/// (planned once per problem and cached). Nothing when cuDNN offers no such algorithm. Throws
-/// mt::Error when cuDNN is unavailable, the problem unsupported or a call fails.
+/// The algorithm cudnn_conv runs first for the problem, as "fwd IMPLICIT_PRECOMP_GEMM, tensor
+/// ops": cuDNN's first heuristic choice that is deterministic and direct, within 1 GiB of
+/// workspace (planned once per problem and cached, with the other such choices behind it).
+/// Nothing when cuDNN offers no such algorithm. Throws mt::Error when cuDNN is unavailable, the
+/// problem unsupported or a call fails.
 std::optional<std::string> cudnn_conv_algorithm(const CudnnConvDesc& desc);
 
 /// Queues the convolution on the compute stream: a = x, b = w, out = y (Conv2d); a = dy, b = w,
 /// out = dx (Conv2dInputGrad); a = x, b = dy, out = dw (Conv2dWeightGrad); device addresses; the
-/// workspace from the device allocator. Throws mt::Error where cudnn_conv_algorithm gives nothing
-/// or a call fails.
-void cudnn_conv(const CudnnConvDesc& desc, const void* a, const void* b, void* out);
+/// workspace from the device allocator. Where an algorithm fails (or its workspace does not fit)
+/// the next is tried, as PyTorch does, and dropped from the plan (one line on stderr the first
+/// time). False, when none ran: the caller runs the problem another way. Throws mt::Error where
+/// cudnn_conv_algorithm does. Calls from several threads are serialized (one handle).
+bool cudnn_conv(const CudnnConvDesc& desc, const void* a, const void* b, void* out);
 
 }  // namespace mixtape::cuda

@@ -103,6 +103,10 @@ if [[ -x "$training" ]]; then
       --precisions bf16 --step compiled --warmup 3 --windows 1 --window-seconds 0.5 \
       > /dev/null 2> "$out/profile_mlp_w64_b65536_bf16.txt" || echo "profile run failed" | tee -a "$log"
   fi
+  # ResNet-50 (batch 128, 224x224) under autocast-bf16 through mt::compile: its convolutions on
+  # cuDNN (issue 15's GPU target: images/s against PyTorch AMP with channels_last, below).
+  run_bench 120 "$file" "$training" --workloads resnet50 --precisions bf16 --step compiled \
+    --warmup 3 --windows 2 --window-seconds 1 --budget-seconds 15 || status=1
   for precision in fp32 bf16; do
     run_bench 150 "$file" "$training" --workloads gpt2_small --precisions "$precision" \
       --step compiled --warmup 3 --windows 3 --window-seconds 1 --budget-seconds 15 || status=1
@@ -110,12 +114,15 @@ if [[ -x "$training" ]]; then
   cat "$file"
 fi
 # PyTorch on the same workloads, where torch has CUDA: AMP eager and torch.compile for the MLPs;
-# for GPT-2 small eager fp32 and bf16, and torch.compile bf16 (compiling takes about a minute).
+# ResNet-50 eager bf16 (channels_last); for GPT-2 small eager fp32 and bf16, and torch.compile
+# bf16 (compiling takes about a minute).
 if python3 -c "import torch" > /dev/null 2>&1; then
   file="$out/peer_torch_gpu.jsonl"
   : > "$file"
   run_bench 150 "$file" python3 bench/peer_torch_gpu.py --workloads mlp_w64_b65536,mlp_w128_b65536 \
     --seconds 1.5
+  run_bench 60 "$file" python3 bench/peer_torch_gpu.py --workloads resnet50 --modes eager \
+    --precisions bf16 --seconds 3
   run_bench 90 "$file" python3 bench/peer_torch_gpu.py --workloads gpt2_small --modes eager \
     --seconds 3
   run_bench 150 "$file" python3 bench/peer_torch_gpu.py --workloads gpt2_small --modes compile \

@@ -745,10 +745,11 @@ TEST(GpuConvolution, ForwardAndBothGradientsHaveTheReferencesBitsOnTheDevice) {
 // Convolutions through cuDNN (runtime/cudnn.h), the default where it loads: forward, input
 // gradient and weight gradient at a ResNet block's, its stem's and shortcut's geometries and at
 // depthwise, grouped, dilated and asymmetric ones, in f32 (FMA kernels, TF32 off), bf16 and f16,
-// agree with the CPU back end (oneDNN) up to f32 sums in another order and one rounding of the
-// result, relative to the largest magnitude. Every pass runs on cuDNN (three convolutions counted,
-// nothing on the host), and a second run stores the same bits (deterministic algorithms only).
-// The dry run checks the CPU back end against the reference loops.
+// agree with the CPU back end (oneDNN) up to f32 sums in another order and the result's
+// rounding, relative to the largest magnitude (two units in the last place of a half result: a
+// kernel that rounds a partial sum, as some of cuBLASLt's do, costs one more). Every pass runs on
+// cuDNN (three convolutions counted, nothing on the host), and a second run stores the same bits
+// (deterministic algorithms only). The dry run checks the CPU back end against the reference.
 TEST(GpuConvolution, CudnnAgreesWithTheCpuAndRepeatsItsBits) {
   SKIP_WITHOUT_CUDA();
   if (!dry_run() && !mt::cuda::cudnn_available())
@@ -769,7 +770,7 @@ TEST(GpuConvolution, CudnnAgreesWithTheCpuAndRepeatsItsBits) {
        {.stride = {2, 1}, .padding = {1, 2}, .dilation = {2, 1}, .groups = 2}},
   };
   for (mt::DType dtype : {mt::f32, mt::bf16, mt::f16}) {
-    const double tol = dtype == mt::f32 ? 1e-5 : dtype == mt::bf16 ? 1.0 / 128 : 1.0 / 1024;
+    const double tol = dtype == mt::f32 ? 1e-5 : dtype == mt::bf16 ? 1.0 / 64 : 1.0 / 512;
     for (const Case& c : cases) {
       const std::string what = fmt::format("{} {}", c.label, mt::name(dtype));
       auto run = [&](mt::Device device, mt::ExecutionStats* stats) {
@@ -790,7 +791,9 @@ TEST(GpuConvolution, CudnnAgreesWithTheCpuAndRepeatsItsBits) {
       mt::ExecutionStats stats;
       const auto expected = run(baseline(), nullptr);
       const auto actual = run(tested(), &stats);
-      EXPECT_EQ(stats.convolutions, 3) << what;
+      EXPECT_EQ(stats.convolutions, 3)
+          << what
+          << ": a pass went to the direct loops (MIXTAPE_LOG=profile shows cuDNN's choices)";
       EXPECT_EQ(stats.host_ops, 0) << what;
       ASSERT_EQ(actual.size(), expected.size());
       for (size_t o = 0; o < expected.size(); ++o) {
