@@ -1,8 +1,6 @@
 // mixtape/runtime/cublaslt.cpp -- loads cuBLASLt, plans row-major matmuls, caches heuristic plans.
 #include "mixtape/runtime/cublaslt.h"
 
-#include <dlfcn.h>
-
 #include <algorithm>
 #include <compare>
 #include <cstring>
@@ -13,6 +11,7 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/runtime/cuda_allocator.h"
 #include "mixtape/runtime/cuda_driver.h"
+#include "mixtape/runtime/shared_library.h"
 
 namespace mixtape::cuda {
 
@@ -69,28 +68,16 @@ void load(LtState& state) {
     state.reason = "CUDA is not available: " + unavailable_reason();
     return;
   }
-  void* library = nullptr;
-  std::string tried;
-  for (const char* path :
-       {"libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so",
-        "/usr/local/cuda/lib64/libcublasLt.so.13", "/usr/local/cuda/lib64/libcublasLt.so.12",
-        "/usr/local/cuda/lib64/libcublasLt.so"}) {
-    library = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (library != nullptr) break;
-    tried += tried.empty() ? path : std::string(", ") + path;
-  }
-  if (library == nullptr) {
-    state.reason = fmt::format("cannot load cuBLASLt (tried {})", tried);
-    return;
-  }
+  void* library = open_first_library(
+      {"libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so",
+       "/usr/local/cuda/lib64/libcublasLt.so.13", "/usr/local/cuda/lib64/libcublasLt.so.12",
+       "/usr/local/cuda/lib64/libcublasLt.so"},
+      "cuBLASLt", state.reason);
+  if (library == nullptr) return;
   LtApi& api = state.api;
   bool bound = true;
-  auto bind = [&](auto& slot, const char* symbol) {
-    slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(dlsym(library, symbol));
-    if (slot == nullptr && bound) state.reason = fmt::format("libcublasLt lacks {}", symbol);
-    bound = bound && slot != nullptr;
-  };
-#define MIXTAPE_BIND(name) bind(api.name, #name)
+#define MIXTAPE_BIND(name) \
+  bound = bind_symbol(library, api.name, #name, "libcublasLt", state.reason) && bound
   MIXTAPE_BIND(cublasLtCreate);
   MIXTAPE_BIND(cublasLtGetVersion);
   MIXTAPE_BIND(cublasLtGetStatusName);

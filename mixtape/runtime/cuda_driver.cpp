@@ -8,6 +8,7 @@
 #include <string_view>
 
 #include "mixtape/dsl/error.h"
+#include "mixtape/runtime/shared_library.h"
 
 namespace mixtape::cuda {
 
@@ -40,10 +41,8 @@ std::string describe(const DriverApi& api, CUresult result, std::string_view cal
 
 template <typename Fn>
 bool bind(void* library, Fn*& slot, const char* symbol, std::string& reason) {
-  slot = reinterpret_cast<Fn*>(dlsym(library, symbol));
-  if (slot == nullptr && reason.empty())
-    reason = fmt::format("the CUDA driver library lacks {} (driver too old?)", symbol);
-  return slot != nullptr;
+  return bind_symbol(library, slot, symbol, "the CUDA driver library", reason,
+                     " (driver too old?)");
 }
 
 // The device this process uses: MIXTAPE_CUDA_DEVICE, else the process's rank on its host as an

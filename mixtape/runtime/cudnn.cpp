@@ -2,8 +2,6 @@
 // direct algorithm per problem, cached) and queues them on the compute stream.
 #include "mixtape/runtime/cudnn.h"
 
-#include <dlfcn.h>
-
 #include <climits>
 #include <map>
 #include <memory>
@@ -15,6 +13,7 @@
 #include "mixtape/dsl/log.h"
 #include "mixtape/runtime/cuda_allocator.h"
 #include "mixtape/runtime/cuda_driver.h"
+#include "mixtape/runtime/shared_library.h"
 
 namespace mixtape::cuda {
 
@@ -83,26 +82,15 @@ struct Library {
 };
 
 void bind_library(Library& lib) {
-  void* library = nullptr;
-  std::string tried;
-  for (const char* path : {"libcudnn.so.9", "libcudnn.so", "/usr/local/cuda/lib64/libcudnn.so.9",
-                           "/usr/local/cuda/lib64/libcudnn.so"}) {
-    library = dlopen(path, RTLD_NOW | RTLD_LOCAL);
-    if (library != nullptr) break;
-    tried += tried.empty() ? path : std::string(", ") + path;
-  }
-  if (library == nullptr) {
-    lib.reason = fmt::format("cannot load cuDNN (tried {})", tried);
-    return;
-  }
+  void* library =
+      open_first_library({"libcudnn.so.9", "libcudnn.so", "/usr/local/cuda/lib64/libcudnn.so.9",
+                          "/usr/local/cuda/lib64/libcudnn.so"},
+                         "cuDNN", lib.reason);
+  if (library == nullptr) return;
   CudnnApi& api = lib.api;
   bool bound = true;
-  auto bind = [&](auto& slot, const char* symbol) {
-    slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(dlsym(library, symbol));
-    if (slot == nullptr && bound) lib.reason = fmt::format("libcudnn lacks {}", symbol);
-    bound = bound && slot != nullptr;
-  };
-#define MIXTAPE_BIND(name) bind(api.name, #name)
+#define MIXTAPE_BIND(name) \
+  bound = bind_symbol(library, api.name, #name, "libcudnn", lib.reason) && bound
   MIXTAPE_BIND(cudnnGetVersion);
   MIXTAPE_BIND(cudnnGetErrorString);
   MIXTAPE_BIND(cudnnGetLastErrorString);

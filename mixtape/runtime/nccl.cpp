@@ -2,8 +2,6 @@
 // sends and receives on the compute stream with a timeout.
 #include "mixtape/runtime/nccl.h"
 
-#include <dlfcn.h>
-
 #include <atomic>
 #include <chrono>
 #include <climits>
@@ -14,6 +12,7 @@
 #include <vector>
 
 #include "mixtape/dsl/error.h"
+#include "mixtape/runtime/shared_library.h"
 
 namespace mixtape::nccl {
 namespace {
@@ -49,28 +48,15 @@ const Library& library() {
   static const Library* loaded = [] {
     auto* lib = new Library;
     const char* override_path = std::getenv("MIXTAPE_NCCL_LIBRARY");
-    std::string tried;
-    void* handle = nullptr;
     auto candidates = override_path && *override_path
                           ? std::vector<std::string>{override_path}
                           : std::vector<std::string>{"libnccl.so.2", "libnccl.so",
                                                      "/usr/local/cuda/lib64/libnccl.so.2",
                                                      "/usr/local/cuda/lib/libnccl.so.2"};
-    for (const std::string& path : candidates) {
-      handle = dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL);
-      if (handle != nullptr) break;
-      tried += (tried.empty() ? "" : ", ") + path;
-    }
-    if (handle == nullptr) {
-      lib->reason = fmt::format("cannot load NCCL (tried {})", tried);
-      return lib;
-    }
-    auto bind = [&](auto& slot, const char* symbol) {
-      slot = reinterpret_cast<std::remove_reference_t<decltype(slot)>>(dlsym(handle, symbol));
-      if (slot == nullptr && lib->reason.empty())
-        lib->reason = fmt::format("the NCCL library lacks {} (older than 2.14?)", symbol);
-    };
-#define MIXTAPE_BIND(name) bind(lib->api.name, #name)
+    void* handle = open_first_library(candidates, "NCCL", lib->reason);
+    if (handle == nullptr) return lib;
+#define MIXTAPE_BIND(name) \
+  bind_symbol(handle, lib->api.name, #name, "the NCCL library", lib->reason, " (older than 2.14?)")
     MIXTAPE_BIND(ncclGetVersion);
     MIXTAPE_BIND(ncclGetUniqueId);
     MIXTAPE_BIND(ncclCommInitRankConfig);
