@@ -423,6 +423,51 @@ TEST(Cudnn, SupportedProblems) {
   EXPECT_FALSE(cu::cudnn_conv_supported(other));
 }
 
+// Which of cuDNN's heuristic results a convolution may run on, kept in the heuristic's order:
+// successes only, deterministic ones only (backward ALGO_0 and filter ALGO_3 use atomics), no FFT
+// or Winograd (other arithmetic than a direct convolution's), at most 1 GiB of workspace, and FMA
+// math where TF32 is not allowed.
+TEST(Cudnn, UsableAlgorithmsAreDeterministicDirectAndInOrder) {
+  namespace abi = cu::cudnn_abi;
+  constexpr int kOk = abi::kStatusSuccess, kDet = abi::kDeterministic, kNonDet = 0;
+  constexpr size_t kMiB = size_t{1} << 20;
+  auto perf = [](int algo, int status, size_t memory, int determinism, int math) {
+    return abi::AlgoPerf{algo, status, 0.1f, memory, determinism, math, {}};
+  };
+  auto algos = [](const std::vector<cu::CudnnAlgorithm>& usable) {
+    std::vector<int> out;
+    for (const cu::CudnnAlgorithm& a : usable) out.push_back(a.algo);
+    return out;
+  };
+  const std::vector<abi::AlgoPerf> forward = {
+      perf(6, kOk, kMiB, kDet, abi::kTensorOpMath),         // Winograd
+      perf(1, kOk, 8 * kMiB, kDet, abi::kTensorOpMath),     // IMPLICIT_PRECOMP_GEMM
+      perf(4, kOk, kMiB, kDet, abi::kTensorOpMath),         // FFT
+      perf(0, 3000, 0, kDet, abi::kTensorOpMath),           // NOT_SUPPORTED
+      perf(2, kOk, 2048 * kMiB, kDet, abi::kTensorOpMath),  // GEMM, 2 GiB of workspace
+      perf(0, kOk, 0, kDet, abi::kFmaMath),                 // IMPLICIT_GEMM
+      perf(3, kOk, 0, kNonDet, abi::kTensorOpMath)};        // DIRECT, said nondeterministic
+  EXPECT_EQ(algos(cu::cudnn_usable_algorithms(mt::OpCode::Conv2d, forward, false)),
+            (std::vector<int>{1, 0}));
+  EXPECT_EQ(algos(cu::cudnn_usable_algorithms(mt::OpCode::Conv2d, forward, true)),
+            (std::vector<int>{0}));
+  const std::vector<cu::CudnnAlgorithm> kept =
+      cu::cudnn_usable_algorithms(mt::OpCode::Conv2d, forward, false);
+  EXPECT_EQ(kept[0].workspace, 8 * kMiB);
+  EXPECT_EQ(kept[0].math_type, abi::kTensorOpMath);
+  const std::vector<abi::AlgoPerf> backward = {
+      perf(0, kOk, 0, kNonDet, abi::kTensorOpMath), perf(2, kOk, 0, kDet, abi::kTensorOpMath),
+      perf(3, kOk, 0, kDet, abi::kTensorOpMath), perf(1, kOk, 0, kDet, abi::kTensorOpMath),
+      perf(5, kOk, 0, kDet, abi::kTensorOpMath)};
+  // Data: ALGO_1 (2, 3 and 5 are FFT, FFT_TILING and WINOGRAD_NONFUSED). Filter: ALGO_3 where
+  // cuDNN reports it deterministic, then ALGO_1 (2 is FFT, 5 WINOGRAD_NONFUSED).
+  EXPECT_EQ(algos(cu::cudnn_usable_algorithms(mt::OpCode::Conv2dInputGrad, backward, false)),
+            (std::vector<int>{1}));
+  EXPECT_EQ(algos(cu::cudnn_usable_algorithms(mt::OpCode::Conv2dWeightGrad, backward, false)),
+            (std::vector<int>{3, 1}));
+  EXPECT_TRUE(cu::cudnn_usable_algorithms(mt::OpCode::Conv2d, {}, false).empty());
+}
+
 #if defined(MIXTAPE_HAVE_CUDA_HEADERS)
 // mixtape's declarations must match the toolkit's.
 static_assert(cu::driver_abi::kSuccess == CUDA_SUCCESS);

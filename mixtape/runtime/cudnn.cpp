@@ -239,19 +239,13 @@ struct PlanKey {
   auto operator<=>(const PlanKey&) const = default;
 };
 
-// An algorithm that may be used, as the heuristic reported it.
-struct Candidate {
-  int algo, math_type;
-  size_t workspace;
-};
-
 // One problem's descriptors and the algorithms that may run it, in the heuristic's order (its
 // expected speed): the first is tried first, the next where one fails (PyTorch's try_all).
 struct Plan {
   TensorDesc x = nullptr, y = nullptr;
   FilterDesc w = nullptr;
   ConvolutionDesc conv = nullptr;
-  std::vector<Candidate> candidates;
+  std::vector<CudnnAlgorithm> candidates;
   ~Plan() {
     const CudnnApi& api = library().api;
     if (x) api.cudnnDestroyTensorDescriptor(x);
@@ -310,13 +304,8 @@ std::unique_ptr<Plan> make_plan(const CudnnConvDesc& d) {
     check(api.cudnnGetConvolutionBackwardFilterAlgorithm_v7(
               h, plan->x, plan->y, plan->conv, plan->w, kRequested, &returned, results),
           "cudnnGetConvolutionBackwardFilterAlgorithm_v7", d);
-  for (int r = 0; r < std::min(returned, kRequested); ++r) {
-    const AlgoPerf& p = results[r];
-    if (p.status == cudnn_abi::kStatusSuccess && p.determinism == cudnn_abi::kDeterministic &&
-        direct(d.op, p.algo) && p.memory <= kMaxWorkspaceBytes &&
-        (!fma_only || p.math_type == cudnn_abi::kFmaMath))
-      plan->candidates.push_back({p.algo, p.math_type, p.memory});
-  }
+  plan->candidates =
+      cudnn_usable_algorithms(d.op, std::span(results, std::min(returned, kRequested)), fma_only);
   if (log_enabled("profile"))
     log_line("profile", "{}: cuDNN {}", describe(d),
              plan->candidates.empty()
@@ -357,7 +346,7 @@ Plan& plan_for(const CudnnConvDesc& d, PlanCache& cache) {
 // Queues candidate `c` of `plan`: nothing on success, else why it could not (a failed call, or
 // no device memory for its workspace, where another candidate may need less).
 std::optional<std::string> run_candidate(const CudnnConvDesc& d, const Plan& plan,
-                                         const Candidate& c, const void* a, const void* b,
+                                         const CudnnAlgorithm& c, const void* a, const void* b,
                                          void* out) {
   const CudnnApi& api = library().api;
   Handle h = context().handle;
@@ -384,6 +373,18 @@ std::optional<std::string> run_candidate(const CudnnConvDesc& d, const Plan& pla
 }
 
 }  // namespace
+
+std::vector<CudnnAlgorithm> cudnn_usable_algorithms(OpCode op,
+                                                    std::span<const cudnn_abi::AlgoPerf> results,
+                                                    bool fma_only) {
+  std::vector<CudnnAlgorithm> usable;
+  for (const AlgoPerf& p : results)
+    if (p.status == cudnn_abi::kStatusSuccess && p.determinism == cudnn_abi::kDeterministic &&
+        direct(op, p.algo) && p.memory <= kMaxWorkspaceBytes &&
+        (!fma_only || p.math_type == cudnn_abi::kFmaMath))
+      usable.push_back({p.algo, p.math_type, p.memory});
+  return usable;
+}
 
 size_t cudnn_library_version() {
   const Library& lib = library();
@@ -434,7 +435,7 @@ bool cudnn_conv(const CudnnConvDesc& d, const void* a, const void* b, void* out)
   Plan& plan = plan_for(d, cache);
   // A candidate that fails is dropped, so later calls start at one that ran.
   while (!plan.candidates.empty()) {
-    const Candidate c = plan.candidates.front();
+    const CudnnAlgorithm c = plan.candidates.front();
     const std::optional<std::string> failure = run_candidate(d, plan, c, a, b, out);
     if (!failure) return true;
     warn_once(

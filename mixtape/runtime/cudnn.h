@@ -5,7 +5,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "mixtape/dsl/conv.h"
 #include "mixtape/dsl/dtype.h"
@@ -68,6 +70,19 @@ struct CudnnConvDesc {
   DType dtype = f32;
   bool allow_tf32 = false;
 };
+
+/// An algorithm a convolution may run on, as cuDNN's heuristic reported it.
+struct CudnnAlgorithm {
+  int algo, math_type;
+  size_t workspace;  // bytes
+};
+
+/// Of the heuristic's `results` for primitive `op` (in its order), those cudnn_conv may use: a
+/// success, deterministic, computing a direct convolution's products (see cudnn_abi), within
+/// 1 GiB of workspace, and FMA math (no TF32) where `fma_only`.
+std::vector<CudnnAlgorithm> cudnn_usable_algorithms(OpCode op,
+                                                    std::span<const cudnn_abi::AlgoPerf> results,
+                                                    bool fma_only);
 
 /// Whether cuDNN can take the problem at all: a dtype above, sizes that fit its int descriptors.
 bool cudnn_conv_supported(const CudnnConvDesc& desc);
