@@ -413,14 +413,19 @@ std::string describe(const Crop& crop, const ConvGeometry& g) {
 }
 
 // Copies the kept taps of every plane of weights [planes, full_kh, full_kw], starting `offset`
-// elements into each plane, into [planes, kh, kw] (kCut), or back (!kCut). kh and kw are
-// std::integral_constant for the common kept sizes: with loops of one or two iterations the
-// per-element index arithmetic made the copy about 5x slower, several ms a ResNet-18 step.
-template <bool kCut, typename T, typename Size>
-void move_planes(int64_t planes, int64_t full_plane, int64_t full_kw, int64_t offset, Size kh,
+// elements into each plane, into [planes, kh, kw] (kCut), or back (!kCut) with zeros in the
+// other taps. kh and kw are std::integral_constant for the common kept sizes: with loops of one
+// or two iterations the per-element index arithmetic made the copy about 5x slower, several ms a
+// ResNet-18 step. Going back, each plane is zeroed just before its taps are written, so the
+// full weights (9.4 MB at 512x512x3x3 in f32) are written in one pass: zeroing them all first,
+// then writing the taps, made a second pass through memory (about half of the 1x1 stage's
+// weight gradient, whose product is a tenth of it).
+template <bool kCut, typename T, typename FullPlane, typename FullKw, typename Size>
+void move_planes(int64_t planes, FullPlane full_plane, FullKw full_kw, int64_t offset, Size kh,
                  Size kw, const T* from, T* to) {
   for (int64_t p = 0; p < planes; ++p) {
     const int64_t full = p * full_plane + offset, kept = p * kh * kw;
+    if constexpr (!kCut) std::fill_n(to + p * full_plane, full_plane, T{0});
     for (int64_t y = 0; y < kh; ++y)
       for (int64_t x = 0; x < kw; ++x) {
         if constexpr (kCut)
@@ -438,12 +443,19 @@ void move_taps(const ConvGeometry& g, const Crop& crop, const T* from, T* to, bo
   const int64_t planes = g.o * (g.c / g.window.groups);
   const int64_t kh = crop.rows.end - crop.rows.begin, kw = crop.cols.end - crop.cols.begin;
   const int64_t offset = crop.rows.begin * g.kw + crop.cols.begin;
-  if (!cut) std::fill_n(to, planes * g.kh * g.kw, T{0});
-  auto move = [&](auto rows, auto cols) {
+  // The full window's sizes as constants too where it is 3x3 (ResNet's), for the zeroing.
+  auto move_in = [&](auto full_plane, auto full_kw, auto rows, auto cols) {
     if (cut)
-      move_planes<true>(planes, g.kh * g.kw, g.kw, offset, rows, cols, from, to);
+      move_planes<true>(planes, full_plane, full_kw, offset, rows, cols, from, to);
     else
-      move_planes<false>(planes, g.kh * g.kw, g.kw, offset, rows, cols, from, to);
+      move_planes<false>(planes, full_plane, full_kw, offset, rows, cols, from, to);
+  };
+  auto move = [&](auto rows, auto cols) {
+    if (g.kh == 3 && g.kw == 3)
+      move_in(std::integral_constant<int64_t, 9>{}, std::integral_constant<int64_t, 3>{}, rows,
+              cols);
+    else
+      move_in(g.kh * g.kw, g.kw, rows, cols);
   };
   using One = std::integral_constant<int64_t, 1>;
   using Two = std::integral_constant<int64_t, 2>;
