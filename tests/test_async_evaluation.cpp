@@ -3,6 +3,7 @@
 // keep the right values, failures are reported and never read as values, and a child made by
 // fork() finds a working stream.
 #include <gtest/gtest.h>
+#include <omp.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -71,14 +72,15 @@ struct Options {
   bool read_every_step = false;  // a parameter read back after each step
   bool schedule = false;         // set_lr before each step
   bool lazy_probe = false;       // a value built from the parameters before each step, read after
+  int64_t batch = 16, width = 32;
 };
 
 Result train(bool async, const Options& o) {
   AsyncScope scope(async);
   mt::Generator gen(3);
-  mt::MLP net({8, 32, 32, 4}, mt::Activation::Relu, &gen);
+  mt::MLP net({8, o.width, o.width, 4}, mt::Activation::Relu, &gen);
   std::unique_ptr<mt::Optimizer> opt = make_optimizer(o.rule, net.parameters());
-  mt::Tensor x = mt::randn({16, 8}, mt::f32, &gen), y = mt::randn({16, 4}, mt::f32, &gen);
+  mt::Tensor x = mt::randn({o.batch, 8}, mt::f32, &gen), y = mt::randn({o.batch, 4}, mt::f32, &gen);
   Result result;
   std::vector<mt::Tensor> losses, probes;
   mt::reset_execution_stats();
@@ -117,6 +119,21 @@ TEST(AsyncEvaluation, QueuedStepsGiveTheBitsOfSynchronousOnes) {
       EXPECT_GE(queued.queued, o.steps - 1);  // every step but the first run of its program
       EXPECT_TRUE(queued == sync);
     }
+}
+
+// A product of 2^23 flops (256 x 128 x 128) runs on the OpenMP team, so with a team of two its
+// step is not queued; with a team of one it runs on one thread either way, and is queued, with
+// the bits of the synchronous steps.
+TEST(AsyncEvaluation, ATeamOfOneQueuesLargerProducts) {
+  const int threads = omp_get_max_threads();
+  const Options o{.rule = Rule::adam, .steps = 4, .batch = 256, .width = 128};
+  omp_set_num_threads(2);
+  EXPECT_EQ(train(true, o).queued, 0);
+  omp_set_num_threads(1);
+  const Result sync = train(false, o), queued = train(true, o);
+  omp_set_num_threads(threads);
+  EXPECT_GE(queued.queued, o.steps - 1);
+  EXPECT_TRUE(queued == sync);
 }
 
 TEST(AsyncEvaluation, ReadsBetweenStepsSeeEachStepsResult) {

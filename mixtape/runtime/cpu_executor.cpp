@@ -39,6 +39,10 @@ namespace {
 // Below this many elements per launch (tens of microseconds of work), threads cost more than
 // they save, above all on a loaded machine.
 constexpr int64_t parallel_threshold = 1 << 17;
+// The largest steps a queued evaluation may hold when the caller's OpenMP team is one thread
+// (runs_on_one_thread).
+constexpr int64_t kQueuedMaxPointsAlone = int64_t{1} << 20;
+constexpr double kQueuedMaxFlopsAlone = double{1 << 24};
 
 ExecutionStats& stats() { return execution_counters(); }
 
@@ -545,12 +549,19 @@ void run_host_step(Node& node) {
 // with the thread that traces on, and every region of it would wait for the descheduled member.
 bool runs_on_one_thread(const Program& program, const std::vector<Node*>& pending,
                         const Signature& sig) {
+  // With a team of one (OMP_NUM_THREADS=1) every step runs on one thread anyway, and what bounds
+  // the queue is a step's cost: digits_demo's batch-256 products (2^22-2^23 flops) ran 25% (fp32)
+  // and 35% (bf16) more traced steps a second queued at one thread, mlp_w64_b4096's (2^25 flops)
+  // 5-10% fewer, their time dwarfing the tracing it would hide.
+  const bool team_of_one = omp_get_max_threads() == 1;
   for (const Step& step : program.steps) {
     if (step.kind == FusionGroup::Kind::Kernel) {
-      if (step.points >= parallel_threshold) return false;
+      if (step.points >= (team_of_one ? kQueuedMaxPointsAlone : parallel_threshold)) return false;
     } else if (step.kind == FusionGroup::Kind::MatMul) {
-      if (!gemm_on_calling_thread(matmul_desc<GemmDesc>(*sig.resolve(step.node, pending))))
-        return false;
+      const GemmDesc desc = matmul_desc<GemmDesc>(*sig.resolve(step.node, pending));
+      const double flops = 2.0 * static_cast<double>(desc.batch) * static_cast<double>(desc.m) *
+                           static_cast<double>(desc.n) * static_cast<double>(desc.k);
+      if (team_of_one ? flops >= kQueuedMaxFlopsAlone : !gemm_on_calling_thread(desc)) return false;
     } else if (step.kind != FusionGroup::Kind::Alias) {
       OpKind kind = op_info(sig.resolve(step.node, pending)->op).kind;
       if (kind == OpKind::Conv || kind == OpKind::Pool || kind == OpKind::Attention ||
