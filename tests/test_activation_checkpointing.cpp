@@ -17,6 +17,7 @@
 
 #include "examples/char_gpt_model.h"
 #include "mixtape/dsl/module_path.h"
+#include "test_util.h"
 
 namespace mt = mixtape;
 
@@ -28,12 +29,6 @@ class Checkpointing : public ::testing::Test {
   void SetUp() override { mt::clear_checkpoints(); }
   void TearDown() override { mt::clear_checkpoints(); }
 };
-
-std::vector<uint32_t> bits(const mt::Tensor& t) {
-  std::vector<uint32_t> out;
-  for (float v : mt::cast(t, mt::f32).to_vector<float>()) out.push_back(std::bit_cast<uint32_t>(v));
-  return out;
-}
 
 // Tokens of a fixed pseudo-random sequence, [batch, time] below `vocab`.
 mt::Tensor tokens(int64_t batch, int64_t time, int64_t vocab, uint64_t salt) {
@@ -81,8 +76,8 @@ Pass backward_pass(const mt::Module& model, const mt::Tensor& loss) {
   mt::eval(values);
   Pass pass;
   pass.peak_bytes = mt::execution_stats().peak_bytes;
-  pass.loss = bits(loss);
-  for (size_t i = 1; i < values.size(); ++i) pass.grads.push_back(bits(values[i]));
+  pass.loss = f32_bits(loss);
+  for (size_t i = 1; i < values.size(); ++i) pass.grads.push_back(f32_bits(values[i]));
   return pass;
 }
 
@@ -252,10 +247,11 @@ TEST_F(Checkpointing, ACompiledStepReplaysWhatTracingComputes) {
   const int steps = 5;
   for (int i = 0; i < steps; ++i) {
     mt::Tensor x = tokens(4, 16, config.vocab, 10 + i), y = tokens(4, 16, config.vocab, 20 + i);
-    EXPECT_EQ(bits(traced.step(x, y)), bits(step(x, y))) << "step " << i;
+    EXPECT_EQ(f32_bits(traced.step(x, y)), f32_bits(step(x, y))) << "step " << i;
   }
   std::vector<mt::Tensor> a = traced.model.parameters(), b = compiled.model.parameters();
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(bits(a[i]), bits(b[i])) << "parameter " << i;
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_EQ(f32_bits(a[i]), f32_bits(b[i])) << "parameter " << i;
   if (mt::current_device() != mt::Device::reference) {
     EXPECT_GT(step.stats().replays, 0) << step.stats().reason;
   }

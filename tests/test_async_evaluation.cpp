@@ -22,13 +22,6 @@ namespace mt = mixtape;
 
 namespace {
 
-std::vector<uint32_t> bits_of(const mt::Tensor& t) {
-  std::vector<float> values = t.to(mt::f32).to_vector<float>();
-  std::vector<uint32_t> bits(values.size());
-  std::memcpy(bits.data(), values.data(), values.size() * sizeof(float));
-  return bits;
-}
-
 class AsyncScope {
  public:
   explicit AsyncScope(bool on) : previous_(mt::async_evaluation()) { mt::set_async_evaluation(on); }
@@ -97,14 +90,14 @@ Result train(bool async, const Options& o) {
     loss.backward();
     opt->step();
     losses.push_back(loss);
-    if (o.read_every_step) result.losses.push_back(bits_of(net.parameters()[0])[5]);
+    if (o.read_every_step) result.losses.push_back(f32_bits(net.parameters()[0])[5]);
   }
   result.queued = mt::execution_stats().evaluations_queued;
-  for (const mt::Tensor& loss : losses) result.losses.push_back(bits_of(loss)[0]);
-  for (const mt::Tensor& probe : probes) result.losses.push_back(bits_of(probe)[0]);
+  for (const mt::Tensor& loss : losses) result.losses.push_back(f32_bits(loss)[0]);
+  for (const mt::Tensor& probe : probes) result.losses.push_back(f32_bits(probe)[0]);
   for (size_t i = 0; i < net.parameters().size(); ++i) {
-    result.params.push_back(bits_of(net.parameters()[i]));
-    for (const auto& [name, value] : opt->state(i)) result.state.push_back(bits_of(value));
+    result.params.push_back(f32_bits(net.parameters()[i]));
+    for (const auto& [name, value] : opt->state(i)) result.state.push_back(f32_bits(value));
   }
   return result;
 }
@@ -184,7 +177,7 @@ TEST(AsyncEvaluation, AForkedChildTrainsOnAStreamOfItsOwn) {
     ::close(ends[0]);
     try {
       for (int i = 0; i < 3; ++i) step();
-      std::vector<uint32_t> bits = bits_of(net.parameters()[0]);
+      std::vector<uint32_t> bits = f32_bits(net.parameters()[0]);
       ssize_t size = static_cast<ssize_t>(bits.size() * sizeof(uint32_t));
       ::_exit(::write(ends[1], bits.data(), static_cast<size_t>(size)) == size ? 0 : 1);
     } catch (...) {
@@ -193,7 +186,7 @@ TEST(AsyncEvaluation, AForkedChildTrainsOnAStreamOfItsOwn) {
   }
   ::close(ends[1]);
   for (int i = 0; i < 3; ++i) step();
-  std::vector<uint32_t> expected = bits_of(net.parameters()[0]), got(expected.size());
+  std::vector<uint32_t> expected = f32_bits(net.parameters()[0]), got(expected.size());
   ssize_t size = static_cast<ssize_t>(got.size() * sizeof(uint32_t));
   EXPECT_EQ(::read(ends[0], got.data(), static_cast<size_t>(size)), size);
   ::close(ends[0]);

@@ -20,6 +20,7 @@
 #include "mixtape/precision_policy/policy.h"
 #include "mixtape/runtime/compile.h"
 #include "mixtape/runtime/device.h"
+#include "test_util.h"
 
 namespace mt = mixtape;
 
@@ -36,13 +37,6 @@ testing::AssertionResult replayed_at_least(const Step& step, int64_t count) {
          << step.stats().replays << " replays, fewer than " << count << ": " << step.stats().reason;
 }
 
-std::vector<uint32_t> bits(const mt::Tensor& t) {
-  std::vector<float> v = t.to(mt::f32).to_vector<float>();
-  std::vector<uint32_t> out(v.size());
-  std::memcpy(out.data(), v.data(), v.size() * sizeof(float));
-  return out;
-}
-
 // Everything a training run leaves behind, as bits.
 struct Snapshot {
   std::vector<uint32_t> losses;
@@ -53,9 +47,9 @@ struct Snapshot {
 };
 
 void snapshot_model(Snapshot& s, const mt::Module& model, const mt::Optimizer& opt) {
-  for (const mt::Tensor& p : model.parameters()) s.params.push_back(bits(p));
+  for (const mt::Tensor& p : model.parameters()) s.params.push_back(f32_bits(p));
   for (size_t i = 0; i < opt.params().size(); ++i)
-    for (const auto& [name, value] : opt.state(i)) s.state.push_back(bits(value));
+    for (const auto& [name, value] : opt.state(i)) s.state.push_back(f32_bits(value));
   s.steps = opt.steps_taken();
 }
 
@@ -113,8 +107,8 @@ void expect_same_losses_across_a_reload(MlpRun& plain_run, MlpRun& compiled_run,
       reload(plain_run);
       reload(compiled_run);
     }
-    plain.push_back(bits(plain_run.step(plain_run.batch(i), plain_run.y))[0]);
-    compiled.push_back(bits(step(compiled_run.batch(i), compiled_run.y))[0]);
+    plain.push_back(f32_bits(plain_run.step(plain_run.batch(i), plain_run.y))[0]);
+    compiled.push_back(f32_bits(step(compiled_run.batch(i), compiled_run.y))[0]);
   }
   EXPECT_EQ(plain, compiled);
 }
@@ -124,7 +118,7 @@ Snapshot train_mlp(int steps, Step&& step_fn, MlpRun& run) {
   Snapshot s;
   for (int i = 0; i < steps; ++i) {
     run.opt.set_lr(1e-2 / (1 + i));
-    s.losses.push_back(bits(step_fn(run.batch(i), run.y))[0]);
+    s.losses.push_back(f32_bits(step_fn(run.batch(i), run.y))[0]);
   }
   snapshot_model(s, run.model, run.opt);
   return s;
@@ -153,8 +147,8 @@ TEST(Compile, AReplayedStepMatchesTracingEveryStepBitForBit) {
     EXPECT_EQ(step.stats().replays, 0);
   }
   // Gradients are state too: p.grad() shows the last step's.
-  EXPECT_EQ(bits(plain_run.model.parameters()[0].grad()),
-            bits(compiled_run.model.parameters()[0].grad()));
+  EXPECT_EQ(f32_bits(plain_run.model.parameters()[0].grad()),
+            f32_bits(compiled_run.model.parameters()[0].grad()));
 }
 
 TEST(Compile, AReplayBuildsAndCompilesNothingAndRunsNoHostCode) {
@@ -224,7 +218,7 @@ TEST(Compile, LossScalingSkipsAndRescalesInsideReplays) {
   auto run_all = [](ScaledRun& run, const std::function<mt::Tensor(mt::Tensor, mt::Tensor)>& step) {
     Snapshot s;
     for (int i = 0; i < 40; ++i) {
-      s.losses.push_back(bits(step(run.x * (1.0 - 0.01 * i), run.y))[0]);
+      s.losses.push_back(f32_bits(step(run.x * (1.0 - 0.01 * i), run.y))[0]);
       s.scales.push_back(run.scaler.get_scale());
     }
     snapshot_model(s, run.model, run.opt);
@@ -282,7 +276,8 @@ std::pair<ScalerStats, Snapshot> scaled_run(int steps, const std::function<bool(
   for (int i = 0; i < steps; ++i) {
     mt::Tensor x = run.x * (1.0 + 0.01 * (i % 7));
     mt::Tensor poison = mt::scalar(poisoned(i) ? INFINITY : 1.0);
-    s.losses.push_back(bits(compiled ? compiled_step(x, poison) : run.step(x * poison, run.y))[0]);
+    s.losses.push_back(
+        f32_bits(compiled ? compiled_step(x, poison) : run.step(x * poison, run.y))[0]);
   }
   snapshot_model(s, run.model, run.opt);
   if (replays) *replays = compiled_step.stats().replays;
@@ -388,17 +383,18 @@ TEST(Compile, ALossScalerOutsideACompiledModelReplays) {
   std::vector<uint32_t> plain, compiled;
   for (int i = 0; i < 12; ++i) {
     const mt::Tensor& poison = i == 7 ? bad : clean;
-    plain.push_back(bits(forward_backward(plain_run, plain_run.x, poison))[0]);
+    plain.push_back(f32_bits(forward_backward(plain_run, plain_run.x, poison))[0]);
     plain_run.scaler.step(plain_run.opt);
     plain_run.scaler.update();
-    compiled.push_back(bits(model_step(compiled_run.x, poison))[0]);
+    compiled.push_back(f32_bits(model_step(compiled_run.x, poison))[0]);
     compiled_run.scaler.step(compiled_run.opt);
     compiled_run.scaler.update();
   }
   EXPECT_EQ(plain, compiled);
   const std::vector<mt::Tensor> a = plain_run.model.parameters(),
                                 b = compiled_run.model.parameters();
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(bits(a[i]), bits(b[i])) << "parameter " << i;
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_EQ(f32_bits(a[i]), f32_bits(b[i])) << "parameter " << i;
   EXPECT_EQ(plain_run.scaler.scale_history(), compiled_run.scaler.scale_history());
   const std::vector<bool> skips = compiled_run.scaler.skip_history();
   EXPECT_EQ(plain_run.scaler.skip_history(), skips);
@@ -426,11 +422,12 @@ TEST(Compile, ScansSortsAndScatterReplayBitForBit) {
       [&](const mt::Tensor& x, const mt::Tensor& y) { return loss_of(compiled_run, x, y); });
   std::vector<uint32_t> plain, compiled;
   for (int i = 0; i < 6; ++i) {
-    plain.push_back(bits(loss_of(plain_run, plain_run.batch(i), plain_run.y))[0]);
-    compiled.push_back(bits(step(compiled_run.batch(i), compiled_run.y))[0]);
+    plain.push_back(f32_bits(loss_of(plain_run, plain_run.batch(i), plain_run.y))[0]);
+    compiled.push_back(f32_bits(step(compiled_run.batch(i), compiled_run.y))[0]);
   }
   EXPECT_EQ(plain, compiled);
-  EXPECT_EQ(bits(plain_run.model.parameters()[0]), bits(compiled_run.model.parameters()[0]));
+  EXPECT_EQ(f32_bits(plain_run.model.parameters()[0]),
+            f32_bits(compiled_run.model.parameters()[0]));
   if (replays_here()) {
     EXPECT_GT(step.stats().replays, 0) << step.stats().reason;
   }
@@ -466,8 +463,8 @@ TEST(Compile, SideEffectsKeepTheFunctionTracedEveryCall) {
     });
     std::vector<uint32_t> plain_losses, compiled_losses;
     for (int i = 0; i < 5; ++i) {
-      plain_losses.push_back(bits(plain_step(plain_run.batch(i), plain_run.y))[0]);
-      compiled_losses.push_back(bits(step(compiled_run.batch(i), compiled_run.y))[0]);
+      plain_losses.push_back(f32_bits(plain_step(plain_run.batch(i), plain_run.y))[0]);
+      compiled_losses.push_back(f32_bits(step(compiled_run.batch(i), compiled_run.y))[0]);
     }
     EXPECT_EQ(plain_losses, compiled_losses) << c.reason;
     EXPECT_EQ(step.stats().replays, 0) << c.reason;
@@ -496,7 +493,7 @@ struct DropoutRun {
     return loss;
   }
   std::vector<std::vector<uint32_t>> params() const {
-    return {bits(fc1.weight), bits(fc1.bias), bits(fc2.weight), bits(fc2.bias)};
+    return {f32_bits(fc1.weight), f32_bits(fc1.bias), f32_bits(fc2.weight), f32_bits(fc2.bias)};
   }
 };
 
@@ -513,8 +510,8 @@ std::vector<uint32_t> expect_side_by_side(
       outside(i, plain_run);
       outside(i, compiled_run);
     }
-    plain.push_back(bits(plain_run.step(plain_run.x))[0]);
-    compiled.push_back(bits(step(compiled_run.x))[0]);
+    plain.push_back(f32_bits(plain_run.step(plain_run.x))[0]);
+    compiled.push_back(f32_bits(step(compiled_run.x))[0]);
   }
   EXPECT_EQ(plain, compiled);
   EXPECT_EQ(plain_run.params(), compiled_run.params());
@@ -592,12 +589,12 @@ TEST(Compile, TransformerWithDropoutReplaysBitForBit) {
       [&](const mt::Tensor& a, const mt::Tensor& b) { return compiled_run.step(a, b); });
   std::vector<uint32_t> plain, compiled;
   for (int i = 0; i < 8; ++i) {
-    plain.push_back(bits(plain_run.step(x, y))[0]);
-    compiled.push_back(bits(step(x, y))[0]);
+    plain.push_back(f32_bits(plain_run.step(x, y))[0]);
+    compiled.push_back(f32_bits(step(x, y))[0]);
   }
   EXPECT_EQ(plain, compiled);
   for (size_t i = 0; i < plain_run.opt->params().size(); ++i)
-    EXPECT_EQ(bits(plain_run.opt->params()[i]), bits(compiled_run.opt->params()[i])) << i;
+    EXPECT_EQ(f32_bits(plain_run.opt->params()[i]), f32_bits(compiled_run.opt->params()[i])) << i;
   EXPECT_TRUE(replayed_at_least(step, 4));
 }
 
@@ -623,12 +620,12 @@ TEST(Compile, ALossEvaluatedAfterTheStepReadsTheWeightsItWasComputedFrom) {
   auto step = mt::compile([&](const mt::Tensor& a) { return compiled_run.step(a); });
   std::vector<uint32_t> plain, compiled;
   for (int i = 0; i < 6; ++i) {
-    plain.push_back(bits(plain_run.step(x))[0]);
-    compiled.push_back(bits(step(x))[0]);
+    plain.push_back(f32_bits(plain_run.step(x))[0]);
+    compiled.push_back(f32_bits(step(x))[0]);
   }
   EXPECT_EQ(plain, compiled);
   for (size_t i = 0; i < plain_run.opt.params().size(); ++i)
-    EXPECT_EQ(bits(plain_run.opt.params()[i]), bits(compiled_run.opt.params()[i])) << i;
+    EXPECT_EQ(f32_bits(plain_run.opt.params()[i]), f32_bits(compiled_run.opt.params()[i])) << i;
   EXPECT_TRUE(replayed_at_least(step, 3));
 }
 
@@ -685,8 +682,8 @@ TEST(Compile, ReplacedParametersAreFollowedWithTwoShapesPlanned) {
     }
     const bool full = i % 9 < 5;  // runs of five full batches and four short ones
     const mt::Tensor x = full ? plain_run.batch(i) : short_x, y = full ? plain_run.y : short_y;
-    plain.push_back(bits(plain_run.step(x, y))[0]);
-    compiled.push_back(bits(step(x, y))[0]);
+    plain.push_back(f32_bits(plain_run.step(x, y))[0]);
+    compiled.push_back(f32_bits(step(x, y))[0]);
   }
   EXPECT_EQ(plain, compiled);
   expect_same_state(plain_run, compiled_run);
@@ -697,7 +694,7 @@ TEST(Compile, ReplacedParametersAreFollowedWithTwoShapesPlanned) {
 std::vector<std::vector<uint32_t>> gradient_bits(const mt::Module& model) {
   std::vector<std::vector<uint32_t>> out;
   for (const mt::Tensor& p : model.parameters())
-    out.push_back(p.grad().defined() ? bits(p.grad()) : std::vector<uint32_t>{});
+    out.push_back(p.grad().defined() ? f32_bits(p.grad()) : std::vector<uint32_t>{});
   return out;
 }
 
@@ -715,8 +712,8 @@ TEST(Compile, GradientsZeroedOutsideTheStepStillReplay) {
   for (int i = 0; i < 10; ++i) {
     plain_run.opt.zero_grad();
     compiled_run.opt.zero_grad();
-    plain.push_back(bits(body(plain_run, plain_run.batch(i), plain_run.y))[0]);
-    compiled.push_back(bits(step(compiled_run.batch(i), compiled_run.y))[0]);
+    plain.push_back(f32_bits(body(plain_run, plain_run.batch(i), plain_run.y))[0]);
+    compiled.push_back(f32_bits(step(compiled_run.batch(i), compiled_run.y))[0]);
     EXPECT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model))
         << "step " << i;
   }
@@ -739,9 +736,9 @@ TEST(Compile, GradientsKeptFromAnEarlierStepAreNotOverwritten) {
     step(run.batch(i), run.y);
     const mt::Tensor g = run.model.parameters()[0].grad();
     ASSERT_TRUE(g.defined()) << "step " << i;
-    if (i % 3 != 1) kept.emplace_back(g, bits(g));
+    if (i % 3 != 1) kept.emplace_back(g, f32_bits(g));
   }
-  for (const auto& [g, at_the_time] : kept) EXPECT_EQ(bits(g), at_the_time);
+  for (const auto& [g, at_the_time] : kept) EXPECT_EQ(f32_bits(g), at_the_time);
   EXPECT_TRUE(replayed_at_least(step, 5));
 }
 
@@ -756,8 +753,8 @@ TEST(Compile, GradientsLeftFromTheLastCallAreAddedTo) {
       plain_run.opt.zero_grad();
       compiled_run.opt.zero_grad();
     }
-    EXPECT_EQ(bits(forward_backward(plain_run, plain_run.batch(i), plain_run.y)),
-              bits(step(compiled_run.batch(i), compiled_run.y)));
+    EXPECT_EQ(f32_bits(forward_backward(plain_run, plain_run.batch(i), plain_run.y)),
+              f32_bits(step(compiled_run.batch(i), compiled_run.y)));
     EXPECT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model))
         << "step " << i;
   }
@@ -772,8 +769,8 @@ TEST(Compile, OptimizerOutsideTheStepStillReplays) {
   auto step = compile_forward_backward(compiled_run);
   for (int i = 0; i < 10; ++i) {
     for (MlpRun* run : {&plain_run, &compiled_run}) run->opt.zero_grad();
-    EXPECT_EQ(bits(forward_backward(plain_run, plain_run.batch(i), plain_run.y)),
-              bits(step(compiled_run.batch(i), compiled_run.y)));
+    EXPECT_EQ(f32_bits(forward_backward(plain_run, plain_run.batch(i), plain_run.y)),
+              f32_bits(step(compiled_run.batch(i), compiled_run.y)));
     for (MlpRun* run : {&plain_run, &compiled_run}) run->opt.step();
   }
   expect_same_state(plain_run, compiled_run);
@@ -795,8 +792,8 @@ TEST(Compile, FrozenParametersAreFollowed) {
       if (i == 5 || i == 10)
         for (MlpRun* run : {&plain_run, &compiled_run})
           run->model.parameters()[0].requires_grad_(i == 10);
-      EXPECT_EQ(bits(body(plain_run, plain_run.batch(i), plain_run.y)),
-                bits(step(compiled_run.batch(i), compiled_run.y)));
+      EXPECT_EQ(f32_bits(body(plain_run, plain_run.batch(i), plain_run.y)),
+                f32_bits(step(compiled_run.batch(i), compiled_run.y)));
       EXPECT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model));
       if (!optimizer_inside)
         for (MlpRun* run : {&plain_run, &compiled_run}) run->opt.step();
@@ -819,12 +816,13 @@ TEST(Compile, GradientsOfArgumentsGoToEachCallsArgument) {
   std::vector<std::pair<mt::Tensor, std::vector<uint32_t>>> kept;
   for (int i = 0; i < 8; ++i) {
     mt::Tensor plain_x = input(plain_run, i), compiled_x = input(compiled_run, i);
-    EXPECT_EQ(bits(plain_run.step(plain_x, plain_run.y)), bits(step(compiled_x, compiled_run.y)));
+    EXPECT_EQ(f32_bits(plain_run.step(plain_x, plain_run.y)),
+              f32_bits(step(compiled_x, compiled_run.y)));
     ASSERT_TRUE(compiled_x.grad().defined()) << "call " << i;
-    EXPECT_EQ(bits(plain_x.grad()), bits(compiled_x.grad())) << "call " << i;
-    kept.emplace_back(compiled_x.grad(), bits(compiled_x.grad()));
+    EXPECT_EQ(f32_bits(plain_x.grad()), f32_bits(compiled_x.grad())) << "call " << i;
+    kept.emplace_back(compiled_x.grad(), f32_bits(compiled_x.grad()));
   }
-  for (const auto& [g, at_the_time] : kept) EXPECT_EQ(bits(g), at_the_time);
+  for (const auto& [g, at_the_time] : kept) EXPECT_EQ(f32_bits(g), at_the_time);
   // Inputs the caller keeps (a list of tensors requiring grad) replay as well.
   std::vector<mt::Tensor> inputs;
   for (int i = 0; i < 8; ++i) inputs.push_back(input(compiled_run, i));
@@ -849,8 +847,9 @@ TEST(Compile, AStepAddingToAnotherStepsGradientsReplays) {
     plain_run.opt.zero_grad();
     compiled_run.opt.zero_grad();
     const mt::Tensor a = plain_run.batch(2 * i), b = plain_run.batch(2 * i + 1);
-    EXPECT_EQ(bits(micro(plain_run, a, plain_run.y)), bits(first(a, compiled_run.y)));
-    EXPECT_EQ(bits(micro(plain_run, b, plain_run.y) * 2.0), bits(second(b, compiled_run.y)));
+    EXPECT_EQ(f32_bits(micro(plain_run, a, plain_run.y)), f32_bits(first(a, compiled_run.y)));
+    EXPECT_EQ(f32_bits(micro(plain_run, b, plain_run.y) * 2.0),
+              f32_bits(second(b, compiled_run.y)));
     EXPECT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model)) << i;
   }
   if (replays_here()) {
@@ -874,7 +873,7 @@ TEST(Compile, GradientsSetFromArgumentsOrReturnedReplay) {
   const mt::Shape shape = plain_run.model.parameters()[0].shape();
   for (int i = 0; i < 10; ++i) {
     const mt::Tensor g = mt::randn(shape, mt::f32, &gen);
-    EXPECT_EQ(bits(apply(plain_run, g)), bits(step(g)));
+    EXPECT_EQ(f32_bits(apply(plain_run, g)), f32_bits(step(g)));
     EXPECT_EQ(compiled_run.model.parameters()[0].grad().node(), g.node()) << i;
   }
   expect_same_state(plain_run, compiled_run);
@@ -927,8 +926,8 @@ TEST(Compile, GradientSetFromAValueMadeBeforeTheCallFollowsIt) {
       plain_g.assign(fresh);
       compiled_g.assign(copy_of(fresh));
     }
-    EXPECT_EQ(bits(body(plain_run, plain_g, plain_run.batch(i), plain_run.y)),
-              bits(step(compiled_run.batch(i), compiled_run.y)));
+    EXPECT_EQ(f32_bits(body(plain_run, plain_g, plain_run.batch(i), plain_run.y)),
+              f32_bits(step(compiled_run.batch(i), compiled_run.y)));
     EXPECT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model));
     for (MlpRun* run : {&plain_run, &compiled_run}) run->opt.step();
   }
@@ -961,8 +960,8 @@ TEST(Compile, SavedAndRestoredGradientsAreTheCurrentOnes) {
       mt::mse_loss(run->model(run->batch(i)), run->y).backward();  // the main gradients
     }
     for (int k = 0; k < 2; ++k) {
-      EXPECT_EQ(bits(probe(plain_run, plain_run.batch(10 + k), plain_run.y)),
-                bits(step(compiled_run.batch(10 + k), compiled_run.y)));
+      EXPECT_EQ(f32_bits(probe(plain_run, plain_run.batch(10 + k), plain_run.y)),
+                f32_bits(step(compiled_run.batch(10 + k), compiled_run.y)));
       EXPECT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model)) << k;
     }
   }
@@ -983,10 +982,10 @@ TEST(Compile, AnArgumentThatStartsRequiringGradGetsItsGradient) {
       xp.requires_grad_();
       xc.requires_grad_();
     }
-    EXPECT_EQ(bits(plain_run.step(xp, plain_run.y)), bits(step(xc, compiled_run.y)));
+    EXPECT_EQ(f32_bits(plain_run.step(xp, plain_run.y)), f32_bits(step(xc, compiled_run.y)));
     EXPECT_EQ(xp.grad().defined(), xc.grad().defined());
     if (xp.grad().defined() && xc.grad().defined()) {
-      EXPECT_EQ(bits(xp.grad()), bits(xc.grad()));
+      EXPECT_EQ(f32_bits(xp.grad()), f32_bits(xc.grad()));
     }
   }
 }
@@ -1025,8 +1024,8 @@ TEST(Compile, AParameterAssignedFromStateTheStepUpdatesInPlace) {
         cp[k].assign(compiled_slow[k]);
       }
     }
-    EXPECT_EQ(bits(body(plain_run, plain_slow, plain_run.batch(i), plain_run.y)),
-              bits(step(compiled_run.batch(i), compiled_run.y)));
+    EXPECT_EQ(f32_bits(body(plain_run, plain_slow, plain_run.batch(i), plain_run.y)),
+              f32_bits(step(compiled_run.batch(i), compiled_run.y)));
     Snapshot a, b;
     snapshot_model(a, plain_run.model, plain_run.opt);
     snapshot_model(b, compiled_run.model, compiled_run.opt);
@@ -1047,8 +1046,8 @@ TEST(Compile, SgdMomentumStartedAfterThePlanKeepsItsBuffer) {
       [&](const mt::Tensor& x, const mt::Tensor& y) { return fwd_bwd(compiled_run, x, y); });
   for (int i = 0; i < 10; ++i) {
     SCOPED_TRACE(testing::Message() << "call " << i);
-    EXPECT_EQ(bits(fwd_bwd(plain_run, plain_run.batch(i), plain_run.y)),
-              bits(step(compiled_run.batch(i), compiled_run.y)));
+    EXPECT_EQ(f32_bits(fwd_bwd(plain_run, plain_run.batch(i), plain_run.y)),
+              f32_bits(step(compiled_run.batch(i), compiled_run.y)));
     if (i < 5) {
       plain_run.opt.step();
       compiled_run.opt.step();
@@ -1058,9 +1057,9 @@ TEST(Compile, SgdMomentumStartedAfterThePlanKeepsItsBuffer) {
     }
   }
   std::vector<mt::Tensor> a = plain_run.model.parameters(), b = compiled_run.model.parameters();
-  for (size_t k = 0; k < a.size(); ++k) EXPECT_EQ(bits(a[k]), bits(b[k])) << "param " << k;
+  for (size_t k = 0; k < a.size(); ++k) EXPECT_EQ(f32_bits(a[k]), f32_bits(b[k])) << "param " << k;
   for (size_t k = 0; k < a.size(); ++k)
-    EXPECT_EQ(bits(plain_sgd.state(k)[0].second), bits(compiled_sgd.state(k)[0].second))
+    EXPECT_EQ(f32_bits(plain_sgd.state(k)[0].second), f32_bits(compiled_sgd.state(k)[0].second))
         << "momentum " << k;
 }
 
@@ -1075,10 +1074,10 @@ TEST(Compile, WeightsCopiedWithAssignKeepTheirValue) {
     step(run.batch(i), run.y);
     if (i == 5) {
       best.assign(run.model.parameters()[0]);
-      at_the_time = bits(best);
+      at_the_time = f32_bits(best);
     }
   }
-  EXPECT_EQ(bits(best), at_the_time);
+  EXPECT_EQ(f32_bits(best), at_the_time);
   EXPECT_TRUE(replayed_at_least(step, 6));
 }
 
@@ -1090,15 +1089,15 @@ TEST(Compile, AGradientCopiedWithAssignKeepsItsValue) {
       [&](const mt::Tensor& x, const mt::Tensor& y) { return fwd_bwd(compiled_run, x, y); });
   std::vector<std::pair<mt::Tensor, std::vector<uint32_t>>> kept;
   for (int i = 0; i < 8; ++i) {
-    EXPECT_EQ(bits(fwd_bwd(plain_run, plain_run.batch(i), plain_run.y)),
-              bits(step(compiled_run.batch(i), compiled_run.y)));
+    EXPECT_EQ(f32_bits(fwd_bwd(plain_run, plain_run.batch(i), plain_run.y)),
+              f32_bits(step(compiled_run.batch(i), compiled_run.y)));
     mt::Tensor prev = mt::zeros(compiled_run.model.parameters()[0].shape());
     prev.assign(compiled_run.model.parameters()[0].grad());  // e.g. for a gradient-cosine log
-    kept.emplace_back(prev, bits(prev));
+    kept.emplace_back(prev, f32_bits(prev));
     for (MlpRun* run : {&plain_run, &compiled_run}) run->opt.step();
   }
   for (size_t i = 0; i < kept.size(); ++i)
-    EXPECT_EQ(bits(kept[i].first), kept[i].second) << "kept after call " << i;
+    EXPECT_EQ(f32_bits(kept[i].first), kept[i].second) << "kept after call " << i;
 }
 
 // Random training loops: each scenario fixes what the step does (zero_grad inside it or not, the
@@ -1144,16 +1143,16 @@ TEST(Compile, RandomLoopsLeaveWhatTracingLeaves) {
       }
       const mt::Tensor& x = short_batch ? short_x : plain_run.batch(i);
       const mt::Tensor& y = short_batch ? short_y : plain_run.y;
-      ASSERT_EQ(bits(body(plain_run, x, y)), bits(step(x, y)));
+      ASSERT_EQ(f32_bits(body(plain_run, x, y)), f32_bits(step(x, y)));
       ASSERT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model));
       Snapshot plain_state, compiled_state;
       snapshot_model(plain_state, plain_run.model, plain_run.opt);
       snapshot_model(compiled_state, compiled_run.model, compiled_run.opt);
       ASSERT_TRUE(plain_state == compiled_state);
       const mt::Tensor g = compiled_run.model.parameters()[0].grad();
-      if (keep && g.defined()) kept.emplace_back(g, bits(g));
+      if (keep && g.defined()) kept.emplace_back(g, f32_bits(g));
     }
-    for (const auto& [g, at_the_time] : kept) EXPECT_EQ(bits(g), at_the_time);
+    for (const auto& [g, at_the_time] : kept) EXPECT_EQ(f32_bits(g), at_the_time);
     replays += step.stats().replays;
   }
   if (replays_here()) {
@@ -1275,15 +1274,15 @@ TEST(Compile, BuffersAssignedInsideTheStepReplayLikeOptimizerState) {
   for (int i = 0; i < 10; ++i) {
     mt::Tensor x = mt::randn({8, 6}, mt::f32, &data) + 0.1 * i;
     mt::eval({x});
-    plain.push_back(bits(plain_run.step(x))[0]);
-    compiled.push_back(bits(step(x))[0]);
+    plain.push_back(f32_bits(plain_run.step(x))[0]);
+    compiled.push_back(f32_bits(step(x))[0]);
   }
   EXPECT_EQ(plain, compiled);
   for (const auto& [name, value] : plain_run.net.named_buffers()) {
     mt::Tensor other;
     for (const auto& [n, v] : compiled_run.net.named_buffers())
       if (n == name) other = v;
-    EXPECT_EQ(bits(value), bits(other)) << name;
+    EXPECT_EQ(f32_bits(value), f32_bits(other)) << name;
   }
   EXPECT_EQ(compiled_run.net.count.item(), 10);
   EXPECT_TRUE(replayed_at_least(step, 7));
@@ -1324,12 +1323,12 @@ TEST(Compile, BatchNormRunningStatisticsUpdateOnEveryReplay) {
   for (int i = 0; i < 10; ++i) {
     mt::Tensor x = mt::randn({6, 3, 4, 4}, mt::f32, &data) * (1.0 + 0.2 * i) + 0.1 * i;
     mt::eval({x});
-    plain.push_back(bits(plain_run.step(x, target))[0]);
-    compiled.push_back(bits(step(x, target))[0]);
+    plain.push_back(f32_bits(plain_run.step(x, target))[0]);
+    compiled.push_back(f32_bits(step(x, target))[0]);
     // The statistics move every step (the batches differ), in both runs alike.
-    EXPECT_EQ(bits(plain_run.bn->running_mean), bits(compiled_run.bn->running_mean)) << i;
-    EXPECT_EQ(bits(plain_run.bn->running_var), bits(compiled_run.bn->running_var)) << i;
-    plain_means.push_back(bits(plain_run.bn->running_mean));
+    EXPECT_EQ(f32_bits(plain_run.bn->running_mean), f32_bits(compiled_run.bn->running_mean)) << i;
+    EXPECT_EQ(f32_bits(plain_run.bn->running_var), f32_bits(compiled_run.bn->running_var)) << i;
+    plain_means.push_back(f32_bits(plain_run.bn->running_mean));
   }
   EXPECT_EQ(plain, compiled);
   EXPECT_NE(plain_means[8], plain_means[9]);
@@ -1337,7 +1336,7 @@ TEST(Compile, BatchNormRunningStatisticsUpdateOnEveryReplay) {
     mt::Tensor other;
     for (const auto& [n, v] : compiled_run.net.state_dict())
       if (n == name) other = v;
-    EXPECT_EQ(bits(value), bits(other)) << name;
+    EXPECT_EQ(f32_bits(value), f32_bits(other)) << name;
   }
   EXPECT_EQ(compiled_run.bn->num_batches_tracked.item(), 10);
   EXPECT_TRUE(replayed_at_least(step, 7));
@@ -1359,14 +1358,14 @@ TEST(Compile, ResultsFedBackAsArgumentsAndErrorsPassThrough) {
   for (int i = 0; i < 8; ++i) {
     traced = mt::tanh(mt::matmul(traced, w) + x);
     replayed = cell(replayed);
-    EXPECT_EQ(bits(traced), bits(replayed)) << i;
+    EXPECT_EQ(f32_bits(traced), f32_bits(replayed)) << i;
   }
   EXPECT_TRUE(replayed_at_least(cell, 5));
   // A new shape traces; the error inside propagates and nothing is recorded.
   fail_now = true;
   EXPECT_THROW(cell(mt::zeros({3, 6})), mt::Error);
   fail_now = false;
-  EXPECT_EQ(bits(cell(replayed)), bits(mt::tanh(mt::matmul(replayed, w) + x)));
+  EXPECT_EQ(f32_bits(cell(replayed)), f32_bits(mt::tanh(mt::matmul(replayed, w) + x)));
 }
 
 // Every parameter here gets its gradient from several uses (the model runs twice per backward
@@ -1414,12 +1413,12 @@ TEST(Compile, AStepWithParametersUsedSeveralTimesIsTracedTheSameEveryCall) {
     auto step = mt::compile([&](const mt::Tensor& a) { return compiled_run.step(a); });
     std::vector<uint32_t> plain, compiled;
     for (int i = 0; i < calls; ++i) {
-      plain.push_back(bits(plain_run.step(x))[0]);
-      compiled.push_back(bits(step(x))[0]);
+      plain.push_back(f32_bits(plain_run.step(x))[0]);
+      compiled.push_back(f32_bits(step(x))[0]);
     }
     ASSERT_EQ(plain, compiled) << "run " << run;
     for (size_t i = 0; i < plain_run.opt.params().size(); ++i)
-      ASSERT_EQ(bits(plain_run.opt.params()[i]), bits(compiled_run.opt.params()[i]))
+      ASSERT_EQ(f32_bits(plain_run.opt.params()[i]), f32_bits(compiled_run.opt.params()[i]))
           << "run " << run << ", parameter " << i;
     if (replays_here()) {
       ASSERT_EQ(step.stats().traces, 2) << "run " << run << ": " << step.stats().reason;
@@ -1462,8 +1461,8 @@ void expect_replays_match_tracing(const MakeOptimizer& make, int steps,
   auto step = mt::compile([&](const mt::Tensor& x) { return compiled_run.step(x); });
   Snapshot plain, compiled;
   for (int i = 0; i < steps; ++i) {
-    plain.losses.push_back(bits(plain_run.step(plain_run.batch(i)))[0]);
-    compiled.losses.push_back(bits(step(compiled_run.batch(i)))[0]);
+    plain.losses.push_back(f32_bits(plain_run.step(plain_run.batch(i)))[0]);
+    compiled.losses.push_back(f32_bits(step(compiled_run.batch(i)))[0]);
   }
   snapshot_model(plain, plain_run.model, *plain_run.opt);
   snapshot_model(compiled, compiled_run.model, *compiled_run.opt);
@@ -1598,8 +1597,8 @@ TEST(Compile, AScheduleChangedOutsideTheStepIsFollowed) {
       plain_run.opt->set_schedule(schedule);
       compiled_run.opt->set_schedule(schedule);
     }
-    plain.push_back(bits(plain_run.step(plain_run.batch(i)))[0]);
-    compiled.push_back(bits(step(compiled_run.batch(i)))[0]);
+    plain.push_back(f32_bits(plain_run.step(plain_run.batch(i)))[0]);
+    compiled.push_back(f32_bits(step(compiled_run.batch(i)))[0]);
   }
   EXPECT_EQ(plain, compiled);
   Snapshot a, b;
@@ -1631,11 +1630,11 @@ mt::CompileStats compare_assigning_step(Body body, Tensors tensors, int calls) {
   });
   for (int i = 0; i < calls; ++i) {
     SCOPED_TRACE(testing::Message() << "call " << i);
-    EXPECT_EQ(bits(body(plain_run, plain_kept, plain_run.batch(i), plain_run.y)),
-              bits(step(compiled_run.batch(i), compiled_run.y)));
+    EXPECT_EQ(f32_bits(body(plain_run, plain_kept, plain_run.batch(i), plain_run.y)),
+              f32_bits(step(compiled_run.batch(i), compiled_run.y)));
     const std::vector<mt::Tensor> plain = tensors(plain_kept), compiled = tensors(compiled_kept);
     for (size_t t = 0; t < plain.size(); ++t)
-      EXPECT_EQ(bits(plain[t]), bits(compiled[t])) << "kept tensor " << t;
+      EXPECT_EQ(f32_bits(plain[t]), f32_bits(compiled[t])) << "kept tensor " << t;
   }
   return step.stats();
 }

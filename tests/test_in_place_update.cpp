@@ -23,13 +23,6 @@ namespace {
 // Shapes of a small conv net's and an MLP's parameters, and a scalar.
 const std::vector<mt::Shape> kShapes = {{16, 8, 3, 3}, {16}, {10, 64}, {10}, {}};
 
-std::vector<uint32_t> bits_of(const mt::Tensor& t) {
-  std::vector<float> values = t.to_vector<float>();
-  std::vector<uint32_t> bits(values.size());
-  std::memcpy(bits.data(), values.data(), values.size() * sizeof(float));
-  return bits;
-}
-
 // Parameters and a gradient per step made from one seed, so two sets are equal.
 struct Problem {
   std::vector<mt::Tensor> params;
@@ -112,10 +105,10 @@ TEST(InPlaceUpdate, TheSameBitsAsFreshBuffersAndHeldValuesKeepTheirs) {
       std::vector<std::vector<uint32_t>> old_bits, old_state_bits;
       for (size_t i = 0; i < kShapes.size(); ++i) {
         old_params.emplace_back(held_set.params[i].node());
-        old_bits.push_back(bits_of(old_params.back()));
+        old_bits.push_back(f32_bits(old_params.back()));
         old_state.push_back(held_opt->state(i));
         for (const auto& [entry, value] : old_state.back())
-          old_state_bits.push_back(bits_of(value));
+          old_state_bits.push_back(f32_bits(value));
       }
       mt::reset_execution_stats();
       held_opt->step();
@@ -123,19 +116,19 @@ TEST(InPlaceUpdate, TheSameBitsAsFreshBuffersAndHeldValuesKeepTheirs) {
       EXPECT_EQ(mt::execution_stats().outputs_in_place,
                 step == 0 && adam ? 2 * static_cast<int64_t>(kShapes.size()) : 0);
       for (size_t i = 0; i < kShapes.size(); ++i) {
-        EXPECT_EQ(bits_of(old_params[i]), old_bits[i]) << "held parameter " << i;
-        EXPECT_EQ(bits_of(free_set.params[i]), bits_of(held_set.params[i])) << "parameter " << i;
+        EXPECT_EQ(f32_bits(old_params[i]), old_bits[i]) << "held parameter " << i;
+        EXPECT_EQ(f32_bits(free_set.params[i]), f32_bits(held_set.params[i])) << "parameter " << i;
         mt::NamedTensors free_state = free_opt->state(i), held_state = held_opt->state(i);
         ASSERT_EQ(free_state.size(), held_state.size());
         for (size_t s = 0; s < free_state.size(); ++s)
-          EXPECT_EQ(bits_of(free_state[s].second), bits_of(held_state[s].second))
+          EXPECT_EQ(f32_bits(free_state[s].second), f32_bits(held_state[s].second))
               << "state " << free_state[s].first << " of parameter " << i;
       }
       // The state handed out before the step still reads as it was: the step left its buffers.
       size_t entry_index = 0;
       for (size_t i = 0; i < kShapes.size(); ++i)
         for (const auto& [entry, value] : old_state[i])
-          EXPECT_EQ(bits_of(value), old_state_bits[entry_index++])
+          EXPECT_EQ(f32_bits(value), old_state_bits[entry_index++])
               << "held state " << entry << " of parameter " << i;
     }
   }
@@ -222,7 +215,7 @@ TEST(InPlaceUpdate, CompiledStepsUpdateTheirStateInPlace) {
       EXPECT_EQ(compiled_loss, traced_loss) << "step " << step;
       std::vector<mt::Tensor> a = traced_net.parameters(), b = compiled_net.parameters();
       for (size_t i = 0; i < a.size(); ++i)
-        EXPECT_EQ(bits_of(b[i]), bits_of(a[i])) << "parameter " << i << " after step " << step;
+        EXPECT_EQ(f32_bits(b[i]), f32_bits(a[i])) << "parameter " << i << " after step " << step;
     }
     EXPECT_GE(compiled_step.stats().replays, 3);
   }
@@ -283,7 +276,7 @@ TEST(InPlaceUpdate, ZeroStartedStateMakesTheFirstStepTheProgramOfEveryStep) {
       loaded->step();
     }
     for (size_t i = 0; i < kShapes.size(); ++i)
-      EXPECT_EQ(bits_of(run.params[i]), bits_of(by_hand.params[i])) << "parameter " << i;
+      EXPECT_EQ(f32_bits(run.params[i]), f32_bits(by_hand.params[i])) << "parameter " << i;
   }
 }
 
@@ -314,7 +307,7 @@ TEST(InPlaceUpdate, AutocastStepsUpdateTheirWeightsInPlace) {
                                                                     : 8)
           << "step " << step;
     }
-    for (const mt::Tensor& p : net.parameters()) results[run].push_back(bits_of(p));
+    for (const mt::Tensor& p : net.parameters()) results[run].push_back(f32_bits(p));
   }
   mt::set_in_place_outputs(true);
   EXPECT_EQ(results[0], results[1]);

@@ -6,12 +6,16 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <bit>
 #include <chrono>
+#include <cstdint>
 #include <filesystem>
 #include <string>
 #include <vector>
 
 #include "mixtape/dsl/error.h"
+#include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/tensor.h"
 
 /// A fixture whose every test has a fresh folder of its own, removed after it; path(name) names
 /// a file in it.
@@ -57,4 +61,13 @@ inline int wait_for_child(pid_t child, std::chrono::milliseconds limit) {
   ::kill(child, SIGKILL);
   ::waitpid(child, nullptr, 0);
   return -1;
+}
+
+/// A float tensor's values widened (exactly) to f32, as bit patterns: what tests that expect two
+/// runs to agree bit for bit compare.
+inline std::vector<uint32_t> f32_bits(const ::mixtape::Tensor& t) {
+  std::vector<uint32_t> bits;
+  for (float v : ::mixtape::cast(t, ::mixtape::f32).to_vector<float>())
+    bits.push_back(std::bit_cast<uint32_t>(v));
+  return bits;
 }

@@ -49,6 +49,16 @@ std::string window_text(const ConvWindow& w) {
                      w.stride[1], w.pad[0], w.pad[1], w.dil[0], w.dil[1], w.groups);
 }
 
+}  // namespace
+
+std::string ConvGeometry::describe(OpCode op) const {
+  return fmt::format("{}(x [{}, {}, {}, {}], w [{}, {}, {}, {}], y [{}, {}, {}, {}], {})",
+                     op_name(op), n, c, h, w, o, c / window.groups, kh, kw, n, o, oh, ow,
+                     window_text(window));
+}
+
+namespace {
+
 // Window sizes up to 2^31: with dims below 2^60 (make_node's bound) every size computed from
 // them below fits in 64 bits.
 constexpr int64_t kMaxWindow = int64_t{1} << 31;

@@ -4,6 +4,7 @@
 
 #include <compare>
 #include <cstdint>
+#include <string>
 
 #include "mixtape/dsl/tensor.h"
 
@@ -62,6 +63,9 @@ struct ConvGeometry {
   ConvWindow window;
   static ConvGeometry of(const Node& node);
   auto operator<=>(const ConvGeometry&) const = default;
+  /// "<op>(x [n, c, h, w], w [o, c / groups, kh, kw], y [n, o, oh, ow], stride (...), padding
+  /// (...), dilation (...), groups g)": one primitive's problem, for the back ends' messages.
+  std::string describe(OpCode op) const;
 };
 
 /// The primitives, made by the functions above and by each other's vjps. conv2d_input_grad(gy,

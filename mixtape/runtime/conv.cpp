@@ -135,17 +135,10 @@ int64_t pad_end(const ConvDesc& d, int axis) {
 }
 
 std::string describe(const ConvDesc& d) {
-  const ConvGeometry& g = d.geometry;
-  const ConvWindow& w = g.window;
-  std::string padding = fmt::format("({}, {})", w.pad[0], w.pad[1]);
-  if (pad_end(d, 0) != w.pad[0] || pad_end(d, 1) != w.pad[1])
-    padding += fmt::format(" before, ({}, {}) after", pad_end(d, 0), pad_end(d, 1));
-  return fmt::format(
-      "{}(x [{}, {}, {}, {}], w [{}, {}, {}, {}], y [{}, {}, {}, {}], stride ({}, {}), padding "
-      "{}, dilation ({}, {}), groups {}, operands {}, result {})",
-      op_name(d.op), g.n, g.c, g.h, g.w, g.o, g.c / w.groups, g.kh, g.kw, g.n, g.o, g.oh, g.ow,
-      w.stride[0], w.stride[1], padding, w.dil[0], w.dil[1], w.groups, name(d.operand),
-      name(d.out));
+  std::string text = d.geometry.describe(d.op);
+  if (pad_end(d, 0) != d.geometry.window.pad[0] || pad_end(d, 1) != d.geometry.window.pad[1])
+    text += fmt::format(", padding after ({}, {})", pad_end(d, 0), pad_end(d, 1));
+  return text + fmt::format(", operands {}, result {}", name(d.operand), name(d.out));
 }
 
 // Whether bf16 operands are widened to f32 (the products are exact in f32, so only the order of

@@ -175,13 +175,7 @@ const Context& context() {
 }
 
 std::string describe(const CudnnConvDesc& d) {
-  const ConvGeometry& g = d.geometry;
-  const ConvWindow& w = g.window;
-  return fmt::format(
-      "{}(x [{}, {}, {}, {}], w [{}, {}, {}, {}], y [{}, {}, {}, {}], stride ({}, {}), padding "
-      "({}, {}), dilation ({}, {}), groups {}, {})",
-      op_name(d.op), g.n, g.c, g.h, g.w, g.o, g.c / w.groups, g.kh, g.kw, g.n, g.o, g.oh, g.ow,
-      w.stride[0], w.stride[1], w.pad[0], w.pad[1], w.dil[0], w.dil[1], w.groups, name(d.dtype));
+  return fmt::format("{}, {}", d.geometry.describe(d.op), name(d.dtype));
 }
 
 // The status's name and cuDNN's account of the last failure, which says why.

@@ -23,6 +23,12 @@ bool env_flag(const char* name) {
   return env && std::string(env) != "" && std::string(env) != "0";
 }
 
+// A setting that is on unless the variable says 0.
+bool env_flag_unless_zero(const char* name) {
+  const char* env = std::getenv(name);
+  return !env || std::string(env) != "0";
+}
+
 std::optional<Device>& selected() {
   static std::optional<Device> device;
   return device;
@@ -102,10 +108,7 @@ std::atomic<bool>& flush_setting() {
   return on;
 }
 std::atomic<bool>& async_setting() {
-  static std::atomic<bool> on{[] {
-    const char* env = std::getenv("MIXTAPE_ASYNC");
-    return !env || std::string(env) != "0";  // on unless turned off
-  }()};
+  static std::atomic<bool> on{env_flag_unless_zero("MIXTAPE_ASYNC")};
   return on;
 }
 std::atomic<bool>& tf32_setting() {
@@ -113,10 +116,7 @@ std::atomic<bool>& tf32_setting() {
   return on;
 }
 std::atomic<bool>& cudnn_setting() {
-  static std::atomic<bool> on{[] {
-    const char* env = std::getenv("MIXTAPE_CUDNN");
-    return !env || std::string(env) != "0";  // on unless turned off
-  }()};
+  static std::atomic<bool> on{env_flag_unless_zero("MIXTAPE_CUDNN")};
   return on;
 }
 }  // namespace
