@@ -373,6 +373,18 @@ void add_cast(Table& t) {
     s->weights = Dist::Dyadic;
     t[OpCode::Cast].push_back(*s);
   }
+  // cast_like: x takes the gradient, `like` (only a type) none, which its zero differences say.
+  Sample like_f64{"cast_like f64 as f64", {{{2, 3}}, {{2, 3}}}, [](const Tensors& x) {
+                    return mt::cast_like(x[0], x[1]);
+                  }};
+  Sample like_f32{"cast_like f64 as f32, back to f64",
+                  {{{2, 3}, Dist::Dyadic}, {{2, 3}, Dist::Dyadic}},
+                  [](const Tensors& x) {
+                    return mt::cast(mt::cast_like(x[0], mt::cast(x[1], mt::f32)), mt::f64);
+                  }};
+  like_f32.eps = 0x1p-8;
+  like_f32.weights = Dist::Dyadic;
+  t[OpCode::CastLike] = {like_f64, like_f32};
 }
 
 void add_reductions(Table& t) {

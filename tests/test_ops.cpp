@@ -1539,6 +1539,9 @@ void add_cast_and_half_cases(Oracle& o, Data& d) {
   o.add("cast/f32_bool", {r}, mt::cast(r, mt::boolean), "a.bool()");
   mt::Tensor big = ints({16777217, -16777219, 3}, {3});
   o.add("cast/i64_f32", {big}, mt::cast(big, mt::f32), "a.float()");
+  mt::Tensor b16 = mt::cast(x32, mt::bf16);
+  o.add("cast_like/f32_bf16", {x32, b16}, mt::cast_like(x32, b16), "a.type_as(b)");
+  o.add("cast_like/f64_f16", {x64, h}, mt::cast_like(x64, h), "a.type_as(b)");
 
   // Half arithmetic: the op in f32 registers, one rounding at the node's output.
   for (mt::DType dt : {mt::f16, mt::bf16}) {

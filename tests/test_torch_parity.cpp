@@ -458,6 +458,9 @@ struct VisionCase {
   std::map<std::string, std::string> options;
   bool weight = false, bias = false, running = false;
   bool autocast = false;
+  // Inputs drawn from a stream of the case's own: a case added later leaves the inputs of the
+  // cases written after it as they were tuned.
+  bool own_stream = false;
 };
 std::vector<VisionCase> vision_cases() {
   std::vector<VisionCase> base{
@@ -501,6 +504,15 @@ std::vector<VisionCase> vision_cases() {
        true,
        true},
       {"group_norm", "group_norm", {2, 6, 4, 5}, {{"groups", "3"}, {"eps", "1e-05"}}, true, true},
+      {"instance_norm",
+       "instance_norm",
+       {2, 6, 4, 5},
+       {{"eps", "1e-05"}},
+       true,
+       true,
+       false,
+       false,
+       true},
       {"interpolate_nearest", "interpolate", {2, 3, 5, 6}, {{"size", "9,11"}, {"mode", "nearest"}}},
       {"interpolate_bilinear",
        "interpolate",
@@ -551,6 +563,7 @@ mt::Tensor apply_vision(const VisionCase& c, const mt::Tensor& h, const mt::Tens
                           number("momentum"), number("eps"));
   if (c.op == "group_norm")
     return mt::group_norm(h, integer("groups"), weight, bias, number("eps"));
+  if (c.op == "instance_norm") return mt::instance_norm(h, weight, bias, number("eps"));
   if (c.op == "interpolate")
     return mt::interpolate(
         h, {.size = int_list(c.options.at("size")),
@@ -1035,15 +1048,17 @@ void write_inputs(const fs::path& dir) {
     write_case(dir, "op_" + c.name, meta, data);
   }
   for (const VisionCase& c : vision_cases()) {
+    HostRandom own(std::hash<std::string>{}(c.name));  // both sides run in this process
+    HostRandom& source = c.own_stream ? own : rng;
     // Shifted down for the max pools, so that after the ReLU many windows are all zeros (ties).
-    mt::Tensor x = rng.normal(c.shape, 1.5) - (c.op == "max_pool2d_relu" ? 1.0 : 0.0);
+    mt::Tensor x = source.normal(c.shape, 1.5) - (c.op == "max_pool2d_relu" ? 1.0 : 0.0);
     const int64_t channels = c.shape[1], width = c.shape.back();
-    mt::NamedTensors data{{"x", x}, {"p", rng.normal({width, width}, 0.4)}};
-    if (c.weight) data.emplace_back("weight", rng.normal({channels}, 0.5) + 1.0);
-    if (c.bias) data.emplace_back("bias", rng.normal({channels}, 0.5));
+    mt::NamedTensors data{{"x", x}, {"p", source.normal({width, width}, 0.4)}};
+    if (c.weight) data.emplace_back("weight", source.normal({channels}, 0.5) + 1.0);
+    if (c.bias) data.emplace_back("bias", source.normal({channels}, 0.5));
     if (c.running) {
-      data.emplace_back("running_mean", rng.normal({channels}, 0.5));
-      data.emplace_back("running_var", mt::abs(rng.normal({channels}, 0.5)) + 0.5);
+      data.emplace_back("running_mean", source.normal({channels}, 0.5));
+      data.emplace_back("running_var", mt::abs(source.normal({channels}, 0.5)) + 0.5);
     }
     mt::Tensor no;
     mt::Shape out;
@@ -1053,7 +1068,7 @@ void write_inputs(const fs::path& dir) {
       mt::Tensor rv = c.running ? mt::ones({channels}) : no;
       out = vision_forward(c, x, data[1].second, no, no, rm, rv).shape();
     }
-    data.emplace_back("w", rng.normal(out));
+    data.emplace_back("w", source.normal(out));
     mt::Metadata meta{{"kind", "vision"}, {"op", c.op}, {"autocast", c.autocast ? "1" : "0"}};
     for (const auto& [key, value] : c.options) meta.emplace_back(key, value);
     write_case(dir, "vision_" + c.name, meta, data);
@@ -1475,7 +1490,10 @@ TEST_F(TorchParity, CompositeOpsMatchTorch) {
 // Vision ops against torch.nn.functional, forward and backward (and the running statistics a
 // training batch_norm leaves): f32 to 1e-5, under bf16 autocast to the bf16 tolerance.
 TEST_F(TorchParity, VisionOpsMatchTorch) {
-  constexpr double kBf16Tolerance = 2e-2;  // test_precision's, for one bf16 rounding
+  // test_precision's, for one bf16 rounding. The widest gap, batch_norm_train_2d_bf16's weight
+  // gradient (1.5e-2), is torch's: it rounds the incoming gradient to bf16, and its result is
+  // 2% from an f64 computation from the same bf16 input.
+  constexpr double kBf16Tolerance = 2e-2;
   for (const VisionCase& vc : vision_cases()) {
     std::string id = "vision_" + vc.name;
     SCOPED_TRACE(id);

@@ -648,6 +648,33 @@ TEST(VisionPrecision, NormsRunInF32AndPoolingFollowsItsInputUnderAutocast) {
   EXPECT_EQ(pooled.node()->precision.storage_type, mt::bf16);
 }
 
+// Batch and instance norm return their input's stored type, as PyTorch's autocast does (f32
+// statistics inside); group norm, on its f32 list, returns f32. Under fp32 all stay f32, and a
+// traced half input comes back in its own type.
+TEST(VisionPrecision, BatchAndInstanceNormReturnTheInputsType) {
+  mt::Generator gen(12);
+  mt::Tensor x = mt::randn({4, 4, 6, 6}, mt::f32, &gen);
+  mt::Tensor p = mt::randn({6, 6}, mt::f32, &gen);
+  auto stored = [&](const mt::PolicyPtr& policy) {
+    mt::autocast guard(policy);
+    mt::Tensor h = mt::matmul(x, p);
+    std::vector<mt::Tensor> out = {mt::batch_norm(h, {}, {}, {}, {}, true), mt::instance_norm(h),
+                                   mt::group_norm(h, 2)};
+    mt::precision_report(out);  // runs the pass
+    std::vector<mt::DType> types;
+    for (const mt::Tensor& t : out) types.push_back(t.node()->precision.storage_type);
+    return types;
+  };
+  EXPECT_EQ(stored(mt::autocast_policy(mt::bf16)),
+            (std::vector<mt::DType>{mt::bf16, mt::bf16, mt::f32}));
+  EXPECT_EQ(stored(mt::pure_policy(mt::f16)), (std::vector<mt::DType>{mt::f16, mt::f16, mt::f32}));
+  EXPECT_EQ(stored(mt::fp32_policy()), (std::vector<mt::DType>{mt::f32, mt::f32, mt::f32}));
+  mt::Tensor half = mt::cast(x, mt::bf16);
+  EXPECT_EQ(mt::batch_norm(half, {}, {}, {}, {}, true).dtype(), mt::bf16);
+  EXPECT_EQ(mt::instance_norm(half).dtype(), mt::bf16);
+  EXPECT_EQ(mt::group_norm(half, 2).dtype(), mt::bf16);
+}
+
 TEST(VisionErrors, BadArgumentsNameTheOpAndTheShapes) {
   mt::Tensor x = mt::zeros({2, 4, 5, 5});
   EXPECT_MT_ERROR(mt::max_pool2d(x, 3, 1, -1), "max_pool2d", "padding -1", "negative");

@@ -64,6 +64,11 @@ Grads vjp_Cast(const Node& n, const Tensor& g) {
   return {is_floating(from) ? cast(g, from) : Tensor()};
 }
 
+Grads vjp_CastLike(const Node& n, const Tensor& g) {
+  DType from = n.inputs[0]->dtype;
+  return {is_floating(from) && wanted(n, 0) ? cast(g, from) : Tensor(), Tensor()};
+}
+
 // g of a reduced shape, brought back to the shape of the reduction's input.
 Tensor unreduce(const Node& n, const Tensor& g) {
   const Shape& input_shape = n.inputs[0]->shape;

@@ -370,7 +370,7 @@ class Lowerer {
       int32_t v = emit(node->inputs[0].get(), in, stage);
       return to_storage(stage, v, node->precision.storage_type);
     }
-    if (node->op == OpCode::Cast) {
+    if (node->op == OpCode::Cast || node->op == OpCode::CastLike) {  // cast_like's 2nd: a type
       int32_t v = emit(node->inputs[0].get(), access, stage);
       Type from = b.type_of(v);
       bool floats = is_floating(stored_dtype(node->inputs[0].get())) || is_floating(node->dtype);

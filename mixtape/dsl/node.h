@@ -46,8 +46,9 @@ enum class OpKind : uint8_t {
   Opaque
 };
 
-/// Precision categories (DESIGN.md decision 4); the policy pass maps them to dtypes.
-enum class Category : uint8_t { LowOk, Fp32, Fp32Accum, Promote, Follow };
+/// Precision categories (DESIGN.md decision 4); the policy pass maps them to dtypes. Like: the
+/// type the op's last input is stored in (cast_like).
+enum class Category : uint8_t { LowOk, Fp32, Fp32Accum, Promote, Follow, Like };
 
 struct OpInfo {
   const char* name;  // the user-facing function name, used in errors and reports

@@ -268,6 +268,16 @@ Tensor cast(const Tensor& x, DType dtype, const Loc& loc) {
   return Tensor(make_node(OpCode::Cast, dtype, node->shape, node_list(node), {}, loc));
 }
 
+Tensor cast_like(const Tensor& x, const Tensor& like, const Loc& loc) {
+  const NodePtr& node = input(x, "cast_like", loc);
+  const NodePtr& type = input(like, "cast_like", loc, "like");
+  if (!same_shape(node->shape, type->shape))
+    op_fail("cast_like", loc, "x {} and like {} must have one shape", to_string(x.shape()),
+            to_string(like.shape()));
+  return Tensor(
+      make_node(OpCode::CastLike, like.dtype(), node->shape, node_list(node, type), {}, loc));
+}
+
 Tensor sum(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
   input(x, "sum", loc);
   DType t = is_floating(x.dtype()) ? x.dtype() : i64;

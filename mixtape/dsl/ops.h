@@ -59,6 +59,10 @@ Tensor pow(const Tensor& x, double exponent, const Loc& loc = Loc::current());
 /// cond ? a : b elementwise, with broadcasting; cond must be bool.
 Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b, const Loc& loc = Loc::current());
 Tensor cast(const Tensor& x, DType dtype, const Loc& loc = Loc::current());
+/// x in the type `like` (of x's shape) is stored in once the precision pass has run: its traced
+/// dtype as traced, its storage under a policy (PyTorch's x.type_as(like), where the type is known
+/// only after the pass). Only x takes a gradient.
+Tensor cast_like(const Tensor& x, const Tensor& like, const Loc& loc = Loc::current());
 
 // ---- reductions; empty axes = all axes ----
 Tensor sum(const Tensor& x, std::vector<int64_t> axes = {}, bool keepdim = false,

@@ -405,7 +405,9 @@ Tensor batch_norm_tracked(const Tensor& x, const Tensor& running_mean, const Ten
     var = per_channel(running_var, x, type);
   }
   Tensor y = affine((xs - mu) * rsqrt(var + eps), xs, weight, bias);
-  return cast(reshape(y, x.shape()), x.dtype());
+  // In the type x is stored in, as PyTorch's autocast returns batch norm's result (on the CPU and
+  // CUDA alike): the ReLU and residual add after it, and the next convolution's input, stay half.
+  return cast_like(reshape(y, x.shape()), x);
 }
 
 }  // namespace detail
@@ -441,7 +443,9 @@ Tensor instance_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, 
   if (x.dim() < 3)
     op_fail("instance_norm", loc, "needs an [N, C, spatial...] input, got {}",
             to_string(x.shape()));
-  return group_norm(x, x.size(1), weight, bias, eps, loc);
+  // In x's stored type, as batch norm (PyTorch's autocast lists neither; group norm is on its f32
+  // list).
+  return cast_like(group_norm(x, x.size(1), weight, bias, eps, loc), x);
 }
 
 namespace {

@@ -34,6 +34,12 @@ class CategoryPolicy : public Policy {
     const std::string& who = name();
     if (q.op == OpCode::Cast && !q.backward)
       return {q.traced, q.traced, f32, fmt::format("{}: explicit cast keeps its dtype", who)};
+    if (q.category == Category::Like && !q.backward) {
+      DType like = q.input_storage.empty() ? q.traced : q.input_storage.back();
+      return {
+          like, like, f32,
+          fmt::format("{}: {} stores as its last input: {}", who, op_name(q.op), name_of(like))};
+    }
     if (op_info(q.op).kind == OpKind::Leaf)
       return {q.traced, q.traced, f32, fmt::format("{}: leaf keeps its traced dtype", who)};
     // Composites autocast runs as a whole (dsl/composites.def): PyTorch's fp32 list (softmax,
@@ -60,6 +66,7 @@ class CategoryPolicy : public Policy {
                 fmt::format("{}: {} accumulates and stores in f32{}", who, subject(q), why)};
       case Category::Promote:
       case Category::Follow:
+      case Category::Like:  // the gradient of cast_like: as the gradient comes
         if (pure_)
           return {half_, half_, f32,
                   fmt::format("{}: {} runs in {}{}", who, subject(q), name_of(half_), why)};

@@ -151,6 +151,9 @@ StoragePtr ref_Cast(const Node& node) {
   return out;
 }
 
+// Input 1 gives only the type, which is the node's.
+StoragePtr ref_CastLike(const Node& node) { return ref_Cast(node); }
+
 // ---- leaves ----
 StoragePtr ref_Constant(const Node& node) { node_fail(node, "constant has no data"); }
 

@@ -348,12 +348,17 @@ def run_vision(d, m, _):
                              count_include_pad=flag('include_pad'))
         elif op == 'adaptive_avg_pool2d':
             y = F.adaptive_avg_pool2d(h, ints('size'))
-        # mixtape computes the norms in f32 under every policy (its Fp32 category): so does this
-        # side, from the same bf16 input.
+        # Batch and instance norm as torch's autocast runs them: f32 inside, the result in the
+        # input's type (bf16). Group norm is on torch's CUDA autocast f32 list, which mixtape
+        # follows on every back end (torch's CPU autocast fails on it: a bf16 input with f32
+        # weights), so this side computes it in f32 from the same bf16 input.
         elif op == 'batch_norm':
-            y = F.batch_norm(h.float(), stats.get('running_mean'), stats.get('running_var'),
+            y = F.batch_norm(h, stats.get('running_mean'), stats.get('running_var'),
                              extra.get('weight'), extra.get('bias'), training=flag('training'),
                              momentum=float(m['momentum']), eps=float(m['eps']))
+        elif op == 'instance_norm':
+            y = F.instance_norm(h, weight=extra.get('weight'), bias=extra.get('bias'),
+                                eps=float(m['eps']))
         elif op == 'group_norm':
             y = F.group_norm(h.float(), int(m['groups']), extra.get('weight'), extra.get('bias'),
                              float(m['eps']))
