@@ -8,6 +8,7 @@
 
 #include "mixtape/autograd/grad.h"
 #include "mixtape/autograd/recompute.h"
+#include "mixtape/autograd/saved_values.h"
 #include "mixtape/autograd/vjp.h"
 #include "mixtape/dsl/activation_checkpointing.h"
 #include "mixtape/dsl/error.h"
@@ -217,6 +218,8 @@ std::vector<std::pair<const Node*, Tensor>> backpropagate(const std::vector<Node
   Terms grads(marks);
   std::optional<Recomputation> recompute;
   if (auto globs = checkpoint_globs()) recompute.emplace(std::move(globs));
+  std::unique_ptr<SavedValues> saved = saved_values_for(roots, tape);
+  SavedValuesScope reading(saved.get());
   // Only nodes on the tape get a slot, so `of` never reallocates: the terms combine() returns
   // stay where they are while the vjp's contributions go into other slots.
   grads.of.reserve(tape.size());

@@ -8,6 +8,7 @@
 #include <numeric>
 #include <string_view>
 
+#include "mixtape/autograd/saved_values.h"
 #include "mixtape/dsl/attention.h"
 #include "mixtape/dsl/conv.h"
 #include "mixtape/dsl/error.h"
@@ -19,9 +20,11 @@ namespace {
 
 using Grads = std::vector<Tensor>;
 
-Tensor in(const Node& node, size_t i) { return Tensor(node.inputs[i]); }
+// The forward values a rule reads: through saved_value, which gives the narrower copy a policy
+// keeps for the backward pass where it keeps one.
+Tensor in(const Node& node, size_t i) { return Tensor(saved_value(node.inputs[i])); }
 Tensor out(const Node& node) {
-  return Tensor(std::const_pointer_cast<Node>(node.shared_from_this()));
+  return Tensor(saved_value(std::const_pointer_cast<Node>(node.shared_from_this())));
 }
 
 // Whether a gradient rule of ops.def (its text) reads the identifier `name`: handles to the
@@ -328,7 +331,7 @@ std::vector<Tensor> vjp(const NodePtr& node, const Tensor& g) {
   case OpCode::Name: {                                                   \
     constexpr bool read_x = reads(#VJP, "x"), read_y = reads(#VJP, "y"); \
     Tensor x = in_if(read_x, n, 0);                                      \
-    Tensor y = read_y ? Tensor(node) : Tensor();                         \
+    Tensor y = read_y ? out(n) : Tensor();                               \
     (void)x;                                                             \
     (void)y;                                                             \
     return {VJP};                                                        \
@@ -339,7 +342,7 @@ std::vector<Tensor> vjp(const NodePtr& node, const Tensor& g) {
     constexpr bool read_x1 = reads(#VJP0, "x1") || reads(#VJP1, "x1");                       \
     constexpr bool read_y = reads(#VJP0, "y") || reads(#VJP1, "y");                          \
     Tensor x0 = in_if(read_x0, n, 0), x1 = in_if(read_x1, n, 1);                             \
-    Tensor y = read_y ? Tensor(node) : Tensor();                                             \
+    Tensor y = read_y ? out(n) : Tensor();                                                   \
     (void)x0;                                                                                \
     (void)x1;                                                                                \
     (void)y;                                                                                 \

@@ -28,6 +28,8 @@ constexpr OpInfo kOpInfo[] = {
 // Node ids come in blocks, one per thread at a time, so that making a node needs no atomic
 // increment of a shared counter. A node's id exceeds its inputs' (make_node takes a fresh block
 // when an input made on another thread has a later one), so ids stay a topological order.
+// They are odd: the even id after a node's is its companion's (dsl/graph.h), which runs right
+// after it.
 constexpr uint64_t kIdBlock = uint64_t{1} << 16;
 std::atomic<uint64_t> next_id_block{1};
 thread_local uint64_t next_node_id = 0, id_block_end = 0;
@@ -37,7 +39,9 @@ uint64_t new_node_id(uint64_t after) {
     next_node_id = next_id_block.fetch_add(kIdBlock, std::memory_order_relaxed);
     id_block_end = next_node_id + kIdBlock;
   }
-  return next_node_id++;
+  uint64_t id = next_node_id;
+  next_node_id += 2;
+  return id;
 }
 thread_local bool grad_mode = true;
 thread_local std::string module_path;
@@ -87,6 +91,23 @@ NodePtr make_node(OpCode op, DType dtype, Shape shape, NodeInputs inputs, Attrs 
   if (tracer) [[unlikely]]
     tracer->node_made(node);
   return node;
+}
+
+NodePtr make_companion(const NodePtr& of, OpCode op, DType dtype, Attrs attrs) {
+  if (NodePtr made = of->companion.lock()) return made;
+  NodePtr node =
+      make_node(op, dtype, Shape(of->shape), NodeInputs{of}, std::move(attrs), of->origin.location);
+  node->id = of->id + 1;
+  node->requires_grad = false;
+  node->backward = false;
+  node->forward_op = OpCode::Constant;
+  node->origin = of->origin;
+  of->companion = node;
+  return node;
+}
+
+bool is_companion(const Node& node) {
+  return node.inputs.size() == 1 && node.inputs[0]->companion.lock().get() == &node;
 }
 
 void check_shape_size(const char* op, const Shape& shape, DType dtype, const Loc& loc) {

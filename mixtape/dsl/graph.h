@@ -26,6 +26,14 @@ NodePtr make_node(OpCode op, DType dtype, Shape shape, NodeInputs inputs, Attrs 
 /// builders that take a shape from the user call it first to report the user's op.
 void check_shape_size(const char* op, const Shape& shape, DType dtype, const Loc& loc);
 
+/// `of`'s companion: a node of `op` over `of` alone, of its shape and origin, whose id is the one
+/// after `of`'s, so that it runs right after `of` whenever it was made (precision-aware saving's
+/// rounded copy, made during the backward pass, runs in the forward pass, and the value can die
+/// with its last forward reader). One per node: a second call gives the first's while it lives.
+NodePtr make_companion(const NodePtr& of, OpCode op, DType dtype, Attrs attrs = {});
+/// Whether `node` is the companion of its one input.
+bool is_companion(const Node& node);
+
 /// A host buffer of `count` elements of `dtype` for the value of `node` (zeros, or uninitialized
 /// for a value about to be written whole). A failed allocation, or one past the memory limit,
 /// is an mt::Error naming the node's op, shape and call site and the bytes asked for.

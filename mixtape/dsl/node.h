@@ -290,6 +290,8 @@ struct Node : std::enable_shared_from_this<Node> {
   // its gradient if it requires one, and what mt::compile reads a value assigned outside the
   // step through.
   std::weak_ptr<TensorImpl> grad_owner;
+  // Its companion, once made (make_companion, dsl/graph.h): the node with the id after its own.
+  std::weak_ptr<Node> companion;
 
   bool evaluated() const { return value != nullptr; }
   int64_t numel() const { return mixtape::numel(shape); }

@@ -83,7 +83,7 @@ thread_local std::unordered_map<QueryKey, Decision, QueryHash, QueryEqual> answe
 constexpr size_t kMaxAnswers = 1 << 14;
 constexpr size_t kMaxKeyedInputs = 16;
 
-// The query_of(node) a pure policy's answer is cached under, made without building the query
+// The precision_query(node) a pure policy's answer is cached under, made without building the query
 // (a cached answer needs none); nullopt for a node with too many floating inputs to pack.
 std::optional<QueryView> query_key(const Policy& policy, const Node& node) {
   QueryView key{{policy.id(), node.origin.composite, 0, 0}, node.origin.module_path};
@@ -101,8 +101,9 @@ std::optional<QueryView> query_key(const Policy& policy, const Node& node) {
   return key;
 }
 
-// What the policy is asked about `node`: its op, types, floating inputs and where it was made.
-PrecisionQuery query_of(const Node& node) {
+}  // namespace
+
+PrecisionQuery precision_query(const Node& node) {
   PrecisionQuery query{node.op,
                        op_info(node.op).category,
                        node.dtype,
@@ -119,6 +120,8 @@ PrecisionQuery query_of(const Node& node) {
     }
   return query;
 }
+
+namespace {
 
 Decision decide(const Policy& policy, const PrecisionQuery& query) {
   Precision decided = policy.decide(query);
@@ -166,7 +169,7 @@ const Answer& answer(Trail& trail, size_t position, const QueryView& key, const 
     }
     found = answers
                 .emplace(QueryKey{key.words, std::string(key.module_path)},
-                         decide(policy, query_of(node)))
+                         decide(policy, precision_query(node)))
                 .first;
   }
   if (position >= trail.answers.size()) trail.answers.resize(position + 1, nullptr);
@@ -207,7 +210,7 @@ void assign_precision(const std::vector<Node*>& order) {
         node->precision.accum = decided.accum;
         node->precision.rule = decided.rule;
       } else {
-        Decision decided = decide(policy, query_of(*node));
+        Decision decided = decide(policy, precision_query(*node));
         node->precision.storage_type = decided.storage;
         node->precision.compute = decided.compute;
         node->precision.accum = decided.accum;

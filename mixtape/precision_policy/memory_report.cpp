@@ -287,8 +287,11 @@ void list_saved_activations(MemoryReport& report, const std::vector<Buffer>& buf
       ++report.recomputed_nodes;
       continue;
     }
-    // The backward pass's seed and other values only backward reads are not forward activations.
-    if (buffer.owner->backward || !buffer.read_backward || !buffer.read_forward) continue;
+    // The backward pass's seed and other values only backward reads are not forward activations,
+    // but for the copies a policy keeps of them for it (precision_policy/saved_copies.cpp).
+    if (buffer.owner->backward || !buffer.read_backward ||
+        !(buffer.read_forward || is_companion(*buffer.owner)))
+      continue;
     const Node& owner = *buffer.owner;
     report.saved.push_back({owner.id, op_name(owner.op), owner.origin.module_path, owner.shape,
                             buffer.dtype, buffer.bytes});

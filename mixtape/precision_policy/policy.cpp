@@ -169,6 +169,21 @@ OverridePolicy& OverridePolicy::add(std::string description, Rule rule, bool pur
   return *this;
 }
 
+OverridePolicy& OverridePolicy::save_activations(const std::string& glob, DType type) {
+  if (glob.empty()) fail("OverridePolicy::save_activations: needs a module pattern");
+  if (!is_floating(type))
+    fail("OverridePolicy::save_activations: '{}' would keep values as {}, not a floating type",
+         glob, mixtape::name(type));
+  saved_.emplace_back(glob, type);
+  return *this;
+}
+
+std::optional<DType> OverridePolicy::saved_type(const PrecisionQuery& q) const {
+  for (const auto& [glob, type] : saved_)
+    if (module_path_matches(glob, q.module_path)) return type;
+  return base_->saved_type(q);
+}
+
 Precision OverridePolicy::decide(const PrecisionQuery& q) const {
   for (const auto& [description, rule] : rules_)
     if (std::optional<Precision> decided = rule(q)) {

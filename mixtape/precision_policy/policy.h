@@ -46,6 +46,14 @@ class Policy {
   /// pass then asks once per distinct query and reuses the answer, so that the loop traced every
   /// step does not format every node's rule again. mixtape's policies are; a user's may say so.
   virtual bool pure() const { return false; }
+  /// Precision-aware saving: the type in which the backward pass keeps a value this policy typed
+  /// (the query is the value's own). Where it is narrower than the value's storage, the
+  /// gradient rules read a copy rounded to it, made in the forward pass, and the value itself
+  /// dies with its last forward reader: memory for one rounding, which precision_report names.
+  /// nullopt (the default) keeps the value as stored.
+  virtual std::optional<DType> saved_type(const PrecisionQuery&) const { return std::nullopt; }
+  /// Whether saved_type() may give a type: a backward pass asks it nothing when no policy may.
+  virtual bool saves_narrower() const { return false; }
   const std::string& name() const { return name_; }
   /// Unique to this object for the process's life (caches key on it, not on an address).
   uint64_t id() const { return id_; }
@@ -81,7 +89,13 @@ class OverridePolicy : public Policy {
   OverridePolicy& op(OpCode op, PolicyPtr policy);
   /// Any callable; returning nullopt passes the node on.
   OverridePolicy& rule(std::string description, Rule rule);
+  /// Values made inside modules whose path matches `glob` ("**" for all) are kept for the
+  /// backward pass in `type` where it is narrower than their storage (Policy::saved_type): e.g.
+  /// bf16 copies of a LayerNorm's f32 values. The first matching glob decides, then the base.
+  OverridePolicy& save_activations(const std::string& glob, DType type);
   Precision decide(const PrecisionQuery& node) const override;
+  std::optional<DType> saved_type(const PrecisionQuery& value) const override;
+  bool saves_narrower() const override { return !saved_.empty() || base_->saves_narrower(); }
   /// Pure when its base and every module()/op() policy are and no rule() was added.
   bool pure() const override { return pure_; }
 
@@ -89,6 +103,7 @@ class OverridePolicy : public Policy {
   OverridePolicy& add(std::string description, Rule rule, bool pure);
   PolicyPtr base_;
   std::vector<std::pair<std::string, Rule>> rules_;
+  std::vector<std::pair<std::string, DType>> saved_;  // save_activations(glob, type)
   bool pure_;
 };
 
