@@ -119,10 +119,15 @@ int main(int argc, char** argv) {
   std::vector<int64_t> batches{1, 2};
   int64_t context = 1024, layers = 2, vocab = 8192, timed_steps = 1;
   bool checkpoint = false;
+  std::string saved_as;
   CLI::App app{"bench_memory: the measured peak memory and speed of a GPT-2-shaped training step"};
   app.add_option("--policy", policy_name, "fp32 or autocast-bf16 (any policy by name)");
   app.add_option("--attention", attention)->check(CLI::IsMember({"fused", "composite"}));
   app.add_option("--checkpoint", checkpoint, "1: checkpoint every block");
+  app.add_option("--save-activations", saved_as,
+                 "bf16 or f16: every value the backward pass reads kept for it in that type "
+                 "where narrower (OverridePolicy::save_activations)")
+      ->check(CLI::IsMember({"bf16", "f16"}));
   app.add_option("--context", context)->check(CLI::PositiveNumber);
   app.add_option("--layers", layers)->check(CLI::PositiveNumber);
   app.add_option("--vocab", vocab)->check(CLI::Range(int64_t{2}, int64_t{1} << 40));
@@ -133,6 +138,11 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     mt::PolicyPtr policy = mt::policy_by_name(policy_name);
+    if (!saved_as.empty()) {
+      auto keeping = std::make_shared<mt::OverridePolicy>(policy);
+      keeping->save_activations("**", saved_as == "bf16" ? mt::bf16 : mt::f16);
+      policy = keeping;
+    }
     const int64_t rss_before = max_rss_bytes();
     auto state = std::make_shared<State>();
     state->model = std::make_unique<Gpt>(vocab, layers, context, attention == "fused", &state->gen);
@@ -169,6 +179,7 @@ int main(int argc, char** argv) {
                              {"policy", policy_name},
                              {"attention", attention},
                              {"checkpoint", checkpoint},
+                             {"save_activations", saved_as},
                              {"context", context},
                              {"layers", layers},
                              {"vocab", vocab},

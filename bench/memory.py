@@ -54,6 +54,8 @@ MIXTAPE_CONFIGS = [
                                                 "fused", "--checkpoint", "1"]),
     ("bf16 + fused attention", ["--policy", "autocast-bf16", "--attention", "fused",
                                 "--checkpoint", "0"]),
+    ("fp32 + bf16 saved copies", ["--policy", "fp32", "--attention", "composite",
+                                  "--checkpoint", "0", "--save-activations", "bf16"]),
 ]
 TORCH_CONFIGS = [
     ("fp32", ["--precision", "fp32", "--checkpoint", "0"]),

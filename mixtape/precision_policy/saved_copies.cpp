@@ -1,6 +1,7 @@
 // mixtape/precision_policy/saved_copies.cpp -- precision-aware saving: the rounded copies of
 // forward values that a policy keeps for the backward pass in a narrower type.
 #include <unordered_map>
+#include <unordered_set>
 
 #include "mixtape/autograd/saved_values.h"
 #include "mixtape/dsl/error.h"
@@ -11,22 +12,80 @@
 namespace mixtape {
 namespace {
 
+// A view in its source's type stores nothing of its own (one that converts is stored).
+bool index_map(const Node& node) {
+  return op_info(node.op).kind == OpKind::View &&
+         node.precision.storage_type == node.inputs[0]->precision.storage_type;
+}
+
+// Whether fused kernels compute the node: pointwise ops, views, reductions and fills.
+bool kernel_computed(const Node& node) {
+  switch (op_info(node.op).kind) {
+    case OpKind::Pointwise:
+    case OpKind::View:
+    case OpKind::Reduce:
+    case OpKind::Leaf:
+      return true;
+    default:
+      return false;
+  }
+}
+
+// The forward values that are stored whatever the backward pass reads: the results of the ops
+// that are no kernels' (products, convolutions, attention, host steps) and the values they read.
+// Any other value fused kernels may compute again where the backward pass reads it (a layer
+// norm's rows from its input), so a copy of it would add bytes rather than halve them.
+std::unordered_set<const Node*> stored_in_any_case(const std::vector<Node*>& graph) {
+  std::unordered_set<const Node*> stored;
+  for (const Node* node : graph) {
+    if (node->backward || kernel_computed(*node)) continue;
+    stored.insert(node);
+    for (const NodePtr& input : node->inputs) {
+      const Node* source = input.get();
+      while (index_map(*source)) source = source->inputs[0].get();
+      stored.insert(source);
+    }
+  }
+  return stored;
+}
+
 class NarrowedCopies : public SavedValues {
  public:
+  explicit NarrowedCopies(std::unordered_set<const Node*> stored) : stored_(std::move(stored)) {}
+
   NodePtr read(const NodePtr& value) override {
     auto [found, added] = copies_.try_emplace(value.get());
-    if (added) found->second = copy_of(value);
+    if (added) found->second = index_map(*value) ? view_of_copy(value) : copy_of(value);
     return found->second ? found->second : value;
   }
 
  private:
+  // A view is read as the same view of its source's copy, where the source has one (a copy of
+  // the view would store every element the view repeats).
+  NodePtr view_of_copy(const NodePtr& view) {
+    NodePtr source = read(view->inputs[0]);
+    if (source == view->inputs[0]) return nullptr;
+    NodeInputs inputs = view->inputs;
+    inputs[0] = std::move(source);
+    NodePtr copy = make_node(view->op, view->dtype, Shape(view->shape), std::move(inputs),
+                             Attrs(view->attrs), view->origin.location);
+    copy->requires_grad = false;
+    copy->backward = false;
+    copy->forward_op = OpCode::Constant;
+    copy->origin = view->origin;
+    copy->precision = view->precision;
+    copy->precision.storage_type = copy->precision.compute =
+        copy->inputs[0]->precision.storage_type;
+    return copy;
+  }
+
   // The copy the backward pass reads of `value`, or null where it reads the value: a gradient
-  // node, a recomputed or already computed value (its bytes exist already), a leaf, or a type
-  // not narrower than the value's storage.
-  static NodePtr copy_of(const NodePtr& value) {
+  // node, a recomputed or already computed value (its bytes exist already), a leaf, a value not
+  // stored in any case, or a type not narrower than the value's storage.
+  NodePtr copy_of(const NodePtr& value) const {
     const Node& x = *value;
     if (x.backward || x.recomputed || x.evaluated() || !is_floating(x.dtype) || !x.origin.policy ||
-        op_info(x.op).kind == OpKind::Leaf || !x.precision.assigned)
+        op_info(x.op).kind == OpKind::Leaf || !x.precision.assigned || !stored_.count(&x))
       return nullptr;
     const Policy& policy = *x.origin.policy;
     if (!policy.saves_narrower()) return nullptr;
@@ -45,6 +104,7 @@ class NarrowedCopies : public SavedValues {
     return copy;
   }
 
+  std::unordered_set<const Node*> stored_;
   std::unordered_map<const Node*, NodePtr> copies_;  // null: the value itself
 };
 
@@ -63,8 +123,9 @@ std::unique_ptr<SavedValues> saved_values_for(const std::vector<NodePtr>& roots,
   if (!any) return nullptr;
   // What is narrower depends on each value's storage, which the pass decides (as evaluation
   // would: a typed node keeps its types).
-  assign_precision(nodes_in_tape_order(roots));
-  return std::make_unique<NarrowedCopies>();
+  std::vector<Node*> graph = nodes_in_tape_order(roots);
+  assign_precision(graph);
+  return std::make_unique<NarrowedCopies>(stored_in_any_case(graph));
 }
 
 }  // namespace mixtape
