@@ -310,7 +310,8 @@ TEST(SavedCopies, TheGradientRulesReadTheRoundedCopies) {
       v[i] = static_cast<float>(low + static_cast<int64_t>(i) * step % period);
     return mt::tensor(v, {rows, cols});
   };
-  const mt::Tensor x = integers(4, 3, 1, 5, 9), a = integers(3, 5, 10, 7, 31);
+  const mt::Tensor x = mt::reshape(integers(4, 3, 1, 5, 9), {2, 2, 3});
+  const mt::Tensor a = integers(3, 5, 10, 7, 31);
   const mt::Tensor w = integers(4, 2, -3, 3, 7);
   auto gradient = [&](const mt::PolicyPtr& policy) {
     mt::Tensor b = integers(5, 2, -2, 3, 5);
@@ -318,14 +319,15 @@ TEST(SavedCopies, TheGradientRulesReadTheRoundedCopies) {
     mt::Tensor loss;
     {
       mt::autocast guard(policy);
-      loss = mt::sum(mt::matmul(mt::matmul(x, a), b) * w);
+      // The product reads h through a reshape: the same reshape of h's copy.
+      loss = mt::sum(mt::matmul(mt::reshape(mt::matmul(x, a), {4, 5}), b) * w);
     }
     loss.backward();
     return std::pair(f32_bits(loss), f32_bits(b.grad()));
   };
   auto [plain_loss, plain] = gradient(mt::fp32_policy());
   auto [kept_loss, kept] = gradient(keeping(mt::fp32_policy(), "**", mt::bf16));
-  mt::Tensor h_bf16 = mt::cast(mt::cast(mt::matmul(x, a), mt::bf16), mt::f32);
+  mt::Tensor h_bf16 = mt::reshape(mt::cast(mt::cast(mt::matmul(x, a), mt::bf16), mt::f32), {4, 5});
   EXPECT_EQ(kept, f32_bits(mt::matmul(mt::transpose(h_bf16), w)));
   EXPECT_EQ(kept_loss, plain_loss) << "the forward pass reads the f32 values";
   EXPECT_NE(kept, plain);
