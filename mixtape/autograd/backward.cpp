@@ -218,7 +218,8 @@ std::vector<std::pair<const Node*, Tensor>> backpropagate(const std::vector<Node
   Terms grads(marks);
   std::optional<Recomputation> recompute;
   if (auto globs = checkpoint_globs()) recompute.emplace(std::move(globs));
-  std::unique_ptr<SavedValues> saved = saved_values_for(roots, tape);
+  std::unique_ptr<SavedValues> saved =
+      saved_values_for(roots, tape, create_graph, recompute ? &*recompute : nullptr);
   SavedValuesScope reading(saved.get());
   // Only nodes on the tape get a slot, so `of` never reallocates: the terms combine() returns
   // stay where they are while the vjp's contributions go into other slots.

@@ -35,9 +35,10 @@ class Recomputation {
   /// unevaluated node of a checkpointed module, else `node`.
   NodePtr for_vjp(const NodePtr& node);
 
- private:
-  // The outermost checkpointed module `node` was made in ("blocks.3"), or "" for none.
+  /// The outermost checkpointed module `node` was made in ("blocks.3"), or "" for none.
   const std::string& region_of(const Node& node);
+
+ private:
   bool clonable(const Node& node, const std::string& region);
   NodePtr clone_within(const NodePtr& root, const std::string& region);
 

@@ -5,6 +5,7 @@
 #include <memory>
 #include <vector>
 
+#include "mixtape/autograd/recompute.h"
 #include "mixtape/dsl/node.h"
 
 namespace mixtape {
@@ -20,10 +21,13 @@ class SavedValues {
   virtual NodePtr read(const NodePtr& value) = 0;
 };
 
-/// For a backward walk from `roots` over `tape` (the nodes it differentiates): null where no
-/// policy of the tape keeps narrower copies, and then nothing is asked of any policy.
+/// For a backward walk from `roots` over `tape` (the nodes it differentiates), whose checkpointed
+/// modules `recompute` says (null: none): null where no policy of the tape keeps narrower copies
+/// and where the walk builds a graph of its own to differentiate again (`create_graph`: a copy
+/// takes no gradient); then nothing is asked of any policy.
 std::unique_ptr<SavedValues> saved_values_for(const std::vector<NodePtr>& roots,
-                                              const std::vector<NodePtr>& tape);
+                                              const std::vector<NodePtr>& tape, bool create_graph,
+                                              Recomputation* recompute);
 
 /// While it lives, the gradient rules on this thread read the forward values through `saved`
 /// (null: the values themselves).

@@ -319,7 +319,49 @@ Grads vjp_Custom(const Node& n, const Tensor& g) {
   return grads;
 }
 
+constexpr ValueReads read_if(bool reads) { return reads ? ValueReads::Other : ValueReads::None; }
+
+constexpr GradientReads reads_of_kind(OpKind kind) {
+  switch (kind) {
+    case OpKind::Leaf:
+    case OpKind::View:
+    case OpKind::Copy:
+    case OpKind::Gather:  // the indices, which are no floating values
+      return {ValueReads::None, ValueReads::None};
+    case OpKind::MatMul:
+    case OpKind::Conv:
+    case OpKind::Attention:
+      return {ValueReads::AsProduct, ValueReads::AsProduct};
+    default:
+      return {ValueReads::Other, ValueReads::Other};
+  }
+}
+
 }  // namespace
+
+GradientReads gradient_reads(OpCode op) {
+  switch (op) {
+#define MT_OP(Name, fname, kind, arity, category) \
+  case OpCode::Name:                              \
+    return reads_of_kind(OpKind::kind);
+#define MT_UNARY(Name, fname, category, domain, REF, VJP) \
+  case OpCode::Name:                                      \
+    return {read_if(reads(#VJP, "x")), read_if(reads(#VJP, "y"))};
+#define MT_BINARY(Name, fname, category, domain, REF, VJP0, VJP1)                     \
+  case OpCode::Name:                                                                  \
+    return {read_if(reads(#VJP0, "x0") || reads(#VJP0, "x1") || reads(#VJP1, "x0") || \
+                    reads(#VJP1, "x1")),                                              \
+            read_if(reads(#VJP0, "y") || reads(#VJP1, "y"))};
+#define MT_COMPARE(Name, fname, REF) \
+  case OpCode::Name:                 \
+    return {ValueReads::None, ValueReads::None};
+#define MT_FUSED(Name, fname, arity, REF) \
+  case OpCode::Name:                      \
+    return {ValueReads::None, ValueReads::None};
+#include "mixtape/dsl/ops.def"
+  }
+  fail("gradient_reads: unknown op code {}", static_cast<int>(op));
+}
 
 std::vector<Tensor> vjp(const NodePtr& node, const Tensor& g) {
   const Node& n = *node;

@@ -12,4 +12,17 @@ namespace mixtape {
 /// undefined where an input gets no gradient (indices, conditions).
 std::vector<Tensor> vjp(const NodePtr& node, const Tensor& g);
 
+/// How an op's gradient rule reads forward values: not at all (it moves, indexes or adds up the
+/// incoming gradient), as a product's operands (matmul, the convolutions, attention: rounding
+/// one changes the gradient as a lower-precision product would), or otherwise (a comparison, a
+/// cancellation, a formula: a rounded value could send the gradient elsewhere). From the op
+/// table: a pointwise op's rule text, the kind of any other op. Precision-aware saving
+/// (precision_policy/saved_copies.cpp) rounds only values that no rule reads otherwise.
+enum class ValueReads : uint8_t { None, AsProduct, Other };
+struct GradientReads {
+  ValueReads inputs;  // of the op's inputs
+  ValueReads output;  // of the op's own result
+};
+GradientReads gradient_reads(OpCode op);
+
 }  // namespace mixtape

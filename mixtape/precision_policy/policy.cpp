@@ -134,28 +134,40 @@ OverridePolicy::OverridePolicy(PolicyPtr base)
     : Policy(base ? base->name() + "+overrides" : ""), base_(std::move(base)) {
   if (!base_) fail("OverridePolicy: the base policy is null");
   pure_ = base_->pure();
+  saves_narrower_ = base_->saves_narrower();
 }
 
 OverridePolicy& OverridePolicy::module(const std::string& glob, PolicyPtr policy) {
   if (glob.empty() || !policy) fail("OverridePolicy::module: needs a pattern and a policy");
-  return add(
-      fmt::format("module '{}' -> {}", glob, policy->name()),
-      [glob, policy](const PrecisionQuery& q) -> std::optional<Precision> {
-        if (!module_path_matches(glob, q.module_path)) return std::nullopt;
-        return policy->decide(q);
-      },
-      policy->pure());
+  std::string description = fmt::format("module '{}' -> {}", glob, policy->name());
+  return delegate(
+      std::move(description),
+      [glob](const PrecisionQuery& q) { return module_path_matches(glob, q.module_path); },
+      std::move(policy));
 }
 
 OverridePolicy& OverridePolicy::op(OpCode op, PolicyPtr policy) {
   if (!policy) fail("OverridePolicy::op: the policy is null");
+  std::string description = fmt::format("op {} -> {}", op_name(op), policy->name());
+  return delegate(
+      std::move(description),
+      [op](const PrecisionQuery& q) { return q.op == op || (q.backward && q.forward_op == op); },
+      std::move(policy));
+}
+
+OverridePolicy& OverridePolicy::delegate(std::string description, Matcher decides,
+                                         PolicyPtr policy) {
+  saves_narrower_ = saves_narrower_ || policy->saves_narrower();
+  delegates_.emplace_back(decides, policy);
+  const bool pure = policy->pure();
   return add(
-      fmt::format("op {} -> {}", op_name(op), policy->name()),
-      [op, policy](const PrecisionQuery& q) -> std::optional<Precision> {
-        if (q.op != op && !(q.backward && q.forward_op == op)) return std::nullopt;
+      std::move(description),
+      [decides = std::move(decides),
+       policy = std::move(policy)](const PrecisionQuery& q) -> std::optional<Precision> {
+        if (!decides(q)) return std::nullopt;
         return policy->decide(q);
       },
-      policy->pure());
+      pure);
 }
 
 OverridePolicy& OverridePolicy::rule(std::string description, Rule rule) {
@@ -175,12 +187,15 @@ OverridePolicy& OverridePolicy::save_activations(const std::string& glob, DType 
     fail("OverridePolicy::save_activations: '{}' would keep values as {}, not a floating type",
          glob, mixtape::name(type));
   saved_.emplace_back(glob, type);
+  saves_narrower_ = true;
   return *this;
 }
 
 std::optional<DType> OverridePolicy::saved_type(const PrecisionQuery& q) const {
   for (const auto& [glob, type] : saved_)
     if (module_path_matches(glob, q.module_path)) return type;
+  for (const auto& [decides, policy] : delegates_)
+    if (decides(q)) return policy->saved_type(q);
   return base_->saved_type(q);
 }
 

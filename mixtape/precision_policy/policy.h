@@ -91,20 +91,27 @@ class OverridePolicy : public Policy {
   OverridePolicy& rule(std::string description, Rule rule);
   /// Values made inside modules whose path matches `glob` ("**" for all) are kept for the
   /// backward pass in `type` where it is narrower than their storage (Policy::saved_type): e.g.
-  /// bf16 copies of a LayerNorm's f32 values. The first matching glob decides, then the base.
+  /// bf16 copies of an f32 model's products. The first matching glob decides, then the policy
+  /// of the first module()/op() override that matches, then the base.
   OverridePolicy& save_activations(const std::string& glob, DType type);
   Precision decide(const PrecisionQuery& node) const override;
   std::optional<DType> saved_type(const PrecisionQuery& value) const override;
-  bool saves_narrower() const override { return !saved_.empty() || base_->saves_narrower(); }
+  bool saves_narrower() const override { return saves_narrower_; }
   /// Pure when its base and every module()/op() policy are and no rule() was added.
   bool pure() const override { return pure_; }
 
  private:
   OverridePolicy& add(std::string description, Rule rule, bool pure);
+  using Matcher = std::function<bool(const PrecisionQuery&)>;
+  // An override by `policy` of the nodes `decides` says: its decide() and its saved_type().
+  OverridePolicy& delegate(std::string description, Matcher decides, PolicyPtr policy);
   PolicyPtr base_;
   std::vector<std::pair<std::string, Rule>> rules_;
   std::vector<std::pair<std::string, DType>> saved_;  // save_activations(glob, type)
+  // The module() and op() overrides' policies, in order, with the nodes each decides.
+  std::vector<std::pair<Matcher, PolicyPtr>> delegates_;
   bool pure_;
+  bool saves_narrower_;
 };
 
 /// Scoped policy for the nodes made while it lives (DESIGN.md: `mt::autocast guard(mt::f16)`).

@@ -4,6 +4,7 @@
 #include <unordered_set>
 
 #include "mixtape/autograd/saved_values.h"
+#include "mixtape/autograd/vjp.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/precision_policy/assign.h"
@@ -12,10 +13,16 @@
 namespace mixtape {
 namespace {
 
-// A view in its source's type stores nothing of its own (one that converts is stored).
+// A view in its source's type stores nothing of its own (one that converts is stored). An
+// evaluated node may have let its inputs go: it is its own value.
 bool index_map(const Node& node) {
-  return op_info(node.op).kind == OpKind::View &&
+  return !node.evaluated() && op_info(node.op).kind == OpKind::View && !node.inputs.empty() &&
          node.precision.storage_type == node.inputs[0]->precision.storage_type;
+}
+
+const Node* source_of(const Node* node) {
+  while (index_map(*node)) node = node->inputs[0].get();
+  return node;
 }
 
 // Whether fused kernels compute the node: pointwise ops, views, reductions and fills.
@@ -31,31 +38,50 @@ bool kernel_computed(const Node& node) {
   }
 }
 
-// The forward values that are stored whatever the backward pass reads: the results of the ops
-// that are no kernels' (products, convolutions, attention, host steps) and the values they read.
-// Any other value fused kernels may compute again where the backward pass reads it (a layer
-// norm's rows from its input), so a copy of it would add bytes rather than halve them.
-std::unordered_set<const Node*> stored_in_any_case(const std::vector<Node*>& graph) {
-  std::unordered_set<const Node*> stored;
+// The forward values of `graph` a gradient rule may read as rounded copies:
+// - stored in any case: the results of ops that are no kernels' (products, convolutions,
+//   attention, host steps) and the values they read. Fused kernels may compute any other value
+//   again where the backward pass reads it (a layer norm's rows from its input), and a copy of
+//   it would add bytes rather than halve them;
+// - read by no rule otherwise than as a product's operand (gradient_reads): a max's rule
+//   compares its input with its result, and a rounded copy of one would send the gradient
+//   nowhere;
+// - no input of a checkpointed module, which its recomputation reads as it is anyway.
+std::unordered_set<const Node*> copyable(const std::vector<Node*>& graph,
+                                         Recomputation* recompute) {
+  std::unordered_set<const Node*> stored, excluded;
   for (const Node* node : graph) {
-    if (node->backward || kernel_computed(*node)) continue;
-    stored.insert(node);
+    if (node->backward || node->evaluated()) continue;
+    const GradientReads reads = gradient_reads(node->op);
+    const bool product_or_step = !kernel_computed(*node);
+    if (product_or_step) stored.insert(node);
+    if (reads.output == ValueReads::Other) excluded.insert(node);
+    const std::string* region = recompute ? &recompute->region_of(*node) : nullptr;
     for (const NodePtr& input : node->inputs) {
-      const Node* source = input.get();
-      while (index_map(*source)) source = source->inputs[0].get();
-      stored.insert(source);
+      const Node* source = source_of(input.get());
+      if (product_or_step) stored.insert(source);
+      if (reads.inputs == ValueReads::Other) excluded.insert(source);
+      if (region && !region->empty() && recompute->region_of(*source) != *region)
+        excluded.insert(source);
     }
   }
+  for (const Node* node : excluded) stored.erase(node);
   return stored;
 }
 
 class NarrowedCopies : public SavedValues {
  public:
-  explicit NarrowedCopies(std::unordered_set<const Node*> stored) : stored_(std::move(stored)) {}
+  explicit NarrowedCopies(std::unordered_set<const Node*> copyable)
+      : copyable_(std::move(copyable)) {}
 
   NodePtr read(const NodePtr& value) override {
-    auto [found, added] = copies_.try_emplace(value.get());
-    if (added) found->second = index_map(*value) ? view_of_copy(value) : copy_of(value);
+    if (value->evaluated()) return value;  // its bytes exist
+    auto found = copies_.find(value.get());
+    if (found == copies_.end()) {
+      // view_of_copy reads the view's source first, which may add to the map.
+      NodePtr copy = index_map(*value) ? view_of_copy(value) : copy_of(value);
+      found = copies_.emplace(value.get(), std::move(copy)).first;
+    }
     return found->second ? found->second : value;
   }
 
@@ -80,12 +106,12 @@ class NarrowedCopies : public SavedValues {
   }
 
   // The copy the backward pass reads of `value`, or null where it reads the value: a gradient
-  // node, a recomputed or already computed value (its bytes exist already), a leaf, a value not
-  // stored in any case, or a type not narrower than the value's storage.
+  // node, a recomputed value, a leaf, a value not copyable, or a type not narrower than the
+  // value's storage.
   NodePtr copy_of(const NodePtr& value) const {
     const Node& x = *value;
-    if (x.backward || x.recomputed || x.evaluated() || !is_floating(x.dtype) || !x.origin.policy ||
-        op_info(x.op).kind == OpKind::Leaf || !x.precision.assigned || !stored_.count(&x))
+    if (x.backward || x.recomputed || !is_floating(x.dtype) || !x.origin.policy ||
+        op_info(x.op).kind == OpKind::Leaf || !x.precision.assigned || !copyable_.count(&x))
       return nullptr;
     const Policy& policy = *x.origin.policy;
     if (!policy.saves_narrower()) return nullptr;
@@ -104,14 +130,16 @@ class NarrowedCopies : public SavedValues {
     return copy;
   }
 
-  std::unordered_set<const Node*> stored_;
+  std::unordered_set<const Node*> copyable_;
   std::unordered_map<const Node*, NodePtr> copies_;  // null: the value itself
 };
 
 }  // namespace
 
 std::unique_ptr<SavedValues> saved_values_for(const std::vector<NodePtr>& roots,
-                                              const std::vector<NodePtr>& tape) {
+                                              const std::vector<NodePtr>& tape, bool create_graph,
+                                              Recomputation* recompute) {
+  if (create_graph) return nullptr;
   const Policy* asked = nullptr;
   bool any = false;
   for (const NodePtr& node : tape) {
@@ -125,7 +153,7 @@ std::unique_ptr<SavedValues> saved_values_for(const std::vector<NodePtr>& roots,
   // would: a typed node keeps its types).
   std::vector<Node*> graph = nodes_in_tape_order(roots);
   assign_precision(graph);
-  return std::make_unique<NarrowedCopies>(stored_in_any_case(graph));
+  return std::make_unique<NarrowedCopies>(copyable(graph, recompute));
 }
 
 }  // namespace mixtape
