@@ -111,7 +111,7 @@ class OverridePolicy : public Policy {
   // The module() and op() overrides' policies, in order, with the nodes each decides.
   std::vector<std::pair<Matcher, PolicyPtr>> delegates_;
   bool pure_;
-  bool saves_narrower_;
+  bool saves_narrower_ = false;
 };
 
 /// Scoped policy for the nodes made while it lives (DESIGN.md: `mt::autocast guard(mt::f16)`).
