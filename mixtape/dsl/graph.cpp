@@ -98,12 +98,16 @@ NodePtr make_companion(const NodePtr& of, OpCode op, DType dtype, Attrs attrs) {
   NodePtr node =
       make_node(op, dtype, Shape(of->shape), NodeInputs{of}, std::move(attrs), of->origin.location);
   node->id = of->id + 1;
-  node->requires_grad = false;
-  node->backward = false;
-  node->forward_op = OpCode::Constant;
-  node->origin = of->origin;
+  make_forward(*node, of->origin);
   of->companion = node;
   return node;
+}
+
+void make_forward(Node& node, const NodeOrigin& origin) {
+  node.requires_grad = false;
+  node.backward = false;
+  node.forward_op = OpCode::Constant;
+  node.origin = origin;
 }
 
 bool is_companion(const Node& node) {

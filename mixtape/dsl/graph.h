@@ -31,6 +31,9 @@ void check_shape_size(const char* op, const Shape& shape, DType dtype, const Loc
 /// rounded copy, made during the backward pass, runs in the forward pass, and the value can die
 /// with its last forward reader). One per node: a second call gives the first's while it lives.
 NodePtr make_companion(const NodePtr& of, OpCode op, DType dtype, Attrs attrs = {});
+/// Makes `node`, made while a gradient rule ran, a forward value made at `origin`, which takes
+/// no gradient (a companion; a view of one).
+void make_forward(Node& node, const NodeOrigin& origin);
 /// Whether `node` is the companion of its one input.
 bool is_companion(const Node& node);
 

@@ -83,8 +83,8 @@ thread_local std::unordered_map<QueryKey, Decision, QueryHash, QueryEqual> answe
 constexpr size_t kMaxAnswers = 1 << 14;
 constexpr size_t kMaxKeyedInputs = 16;
 
-// The precision_query(node) a pure policy's answer is cached under, made without building the query
-// (a cached answer needs none); nullopt for a node with too many floating inputs to pack.
+// The precision_query(node) a pure policy's answer is cached under, made without building the
+// query (a cached answer needs none); nullopt for a node with too many floating inputs to pack.
 std::optional<QueryView> query_key(const Policy& policy, const Node& node) {
   QueryView key{{policy.id(), node.origin.composite, 0, 0}, node.origin.module_path};
   uint64_t floating = 0;

@@ -95,10 +95,7 @@ class NarrowedCopies : public SavedValues {
     inputs[0] = std::move(source);
     NodePtr copy = make_node(view->op, view->dtype, Shape(view->shape), std::move(inputs),
                              Attrs(view->attrs), view->origin.location);
-    copy->requires_grad = false;
-    copy->backward = false;
-    copy->forward_op = OpCode::Constant;
-    copy->origin = view->origin;
+    make_forward(*copy, view->origin);
     copy->precision = view->precision;
     copy->precision.storage_type = copy->precision.compute =
         copy->inputs[0]->precision.storage_type;
