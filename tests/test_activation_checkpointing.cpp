@@ -416,7 +416,7 @@ TEST(SavedCopies, Bf16CopiesOfAnF32MlpCutItsStoredPeak) {
       diff2 += (a - b) * (a - b);
       ref2 += a * a;
     }
-    const std::string& name = net.named_parameters()[i].first;
+    const std::string name = net.named_parameters()[i].first;
     EXPECT_LE(std::sqrt(diff2 / ref2), 1e-2) << name;
     // The weights of the products that read the GELUs' and the body's outputs read rounded
     // copies. Every other gradient is the plain pass's: the gradients flowing back read the
