@@ -221,6 +221,19 @@ TEST_F(Checkpointing, EveryBlockCheckpointedCutsTheStoredPeakOfTheCharGptBy60Per
   }
 }
 
+// After the same steps traced and through mt::compile: the same parameter bits, and the compiled
+// step replayed.
+template <typename CompiledStep>
+void expect_same_training(const mt::Module& traced, const mt::Module& compiled,
+                          const CompiledStep& step) {
+  std::vector<mt::Tensor> a = traced.parameters(), b = compiled.parameters();
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_EQ(f32_bits(a[i]), f32_bits(b[i])) << "parameter " << i;
+  if (mt::current_device() != mt::Device::reference) {
+    EXPECT_GT(step.stats().replays, 0) << step.stats().reason;
+  }
+}
+
 TEST_F(Checkpointing, ACompiledStepReplaysWhatTracingComputes) {
   GptConfig config = gpt_config();
   config.layers = 2;
@@ -249,12 +262,7 @@ TEST_F(Checkpointing, ACompiledStepReplaysWhatTracingComputes) {
     mt::Tensor x = tokens(4, 16, config.vocab, 10 + i), y = tokens(4, 16, config.vocab, 20 + i);
     EXPECT_EQ(f32_bits(traced.step(x, y)), f32_bits(step(x, y))) << "step " << i;
   }
-  std::vector<mt::Tensor> a = traced.model.parameters(), b = compiled.model.parameters();
-  for (size_t i = 0; i < a.size(); ++i)
-    EXPECT_EQ(f32_bits(a[i]), f32_bits(b[i])) << "parameter " << i;
-  if (mt::current_device() != mt::Device::reference) {
-    EXPECT_GT(step.stats().replays, 0) << step.stats().reason;
-  }
+  expect_same_training(traced.model, compiled.model, step);
 }
 
 TEST(MeasuredMemory, ThePeakCoversTheStoredValuesAndGrowsWithABigTensor) {
@@ -482,12 +490,7 @@ TEST(SavedCopies, ACompiledStepReplaysWhatTracingComputes) {
     mt::Tensor y = mt::tensor(ramp(64 * 4, 11 + i, 7), {64, 4});
     EXPECT_EQ(f32_bits(traced.step(x, y, policy)), f32_bits(step(x, y))) << "step " << i;
   }
-  std::vector<mt::Tensor> a = traced.net.parameters(), b = compiled.net.parameters();
-  for (size_t i = 0; i < a.size(); ++i)
-    EXPECT_EQ(f32_bits(a[i]), f32_bits(b[i])) << "parameter " << i;
-  if (mt::current_device() != mt::Device::reference) {
-    EXPECT_GT(step.stats().replays, 0) << step.stats().reason;
-  }
+  expect_same_training(traced.net, compiled.net, step);
 }
 
 // A checkpointed module's recomputation reads its inputs as they are: a copy of one would be
