@@ -144,22 +144,6 @@ bool parse_gpt2_name(const std::string& name, Gpt2Shape& shape) {
   return true;
 }
 
-/// resnet50, or resnet50 followed by any of _b<batch>, _s<image size> (once each, in that order).
-bool parse_resnet50_name(const std::string& name, int64_t& batch, int64_t& size) {
-  batch = 128, size = 224;
-  if (name.rfind("resnet50", 0) != 0) return false;
-  const std::string rest = name.substr(8);
-  long long value = 0;
-  int consumed = 0;
-  size_t at = 0;
-  if (std::sscanf(rest.c_str(), "_b%lld%n", &value, &consumed) == 1 && value > 0)
-    batch = value, at += static_cast<size_t>(consumed);
-  consumed = 0;
-  if (std::sscanf(rest.c_str() + at, "_s%lld%n", &value, &consumed) == 1 && value >= 32)
-    size = value, at += static_cast<size_t>(consumed);
-  return at == rest.size();
-}
-
 bench::Workload workload_by_name(const std::string& name, const mt::PolicyPtr& policy,
                                  bench::StepMode mode) {
   long long width = 0, batch = 0;
@@ -170,7 +154,7 @@ bench::Workload workload_by_name(const std::string& name, const mt::PolicyPtr& p
   Gpt2Shape shape;
   if (parse_gpt2_name(name, shape)) return gpt2_workload(shape, policy, mode);
   int64_t images = 0, size = 0;
-  if (parse_resnet50_name(name, images, size))
+  if (bench::parse_resnet_name(name, "resnet50", 128, 224, images, size))
     return bench::resnet_workload<ResNet50>(images, 1000, size, policy, mode);
   mt::fail(
       "bench_gpu_training: unknown workload '{}' (mlp_w<W>_b<B>, gpt2_small, gpt2_l<L>_t<T>_b<B>, "

@@ -5,6 +5,8 @@
 #include <mixtape/mixtape.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <string>
 #include <memory>
 #include <random>
 #include <utility>
@@ -14,6 +16,26 @@
 #include "examples/resnet_model.h"
 
 namespace bench {
+
+/// `base` ("resnet18"), or `base` followed by any of _b<batch>, _s<image size> (once each, in
+/// that order; images of 32 pixels or more): the workload's batch and image size, else the
+/// defaults given.
+inline bool parse_resnet_name(const std::string& name, const std::string& base,
+                              int64_t default_batch, int64_t default_size, int64_t& batch,
+                              int64_t& size) {
+  batch = default_batch, size = default_size;
+  if (name.rfind(base, 0) != 0) return false;
+  const std::string rest = name.substr(base.size());
+  long long value = 0;
+  int consumed = 0;
+  size_t at = 0;
+  if (std::sscanf(rest.c_str(), "_b%lld%n", &value, &consumed) == 1 && value > 0)
+    batch = value, at += static_cast<size_t>(consumed);
+  consumed = 0;
+  if (std::sscanf(rest.c_str() + at, "_s%lld%n", &value, &consumed) == 1 && value >= 32)
+    size = value, at += static_cast<size_t>(consumed);
+  return at == rest.size();
+}
 
 /// `Net` (examples/resnet_model.h, torchvision's layout) with `classes` outputs on one synthetic
 /// batch made once: inputs N(0, 1) [batch, 3, size, size] and uniform labels; cross-entropy, SGD

@@ -33,7 +33,8 @@ constexpr const char* kUsage =
     "             (examples/digits_mlp's model and loop), digits_demo (the README's demo: the\n"
     "             same at batch 256 with AdamW), char_gpt (CharGpt 4x4x128, context 64,\n"
     "             batch 12, AdamW, clipping at 1), resnet18 (examples/resnet_model.h, 10\n"
-    "             classes, synthetic [64, 3, 32, 32] batch, SGD momentum 0.9), digits_cnn\n"
+    "             classes, synthetic [64, 3, 32, 32] batch, SGD momentum 0.9;\n"
+    "             resnet18_b<B>_s<S> sets batch and image size), digits_cnn\n"
     "             (examples/digits_cnn's model and step)\n"
     "  --step compiled runs each step through mt::compile (traced once, then replayed); traced\n"
     "  (the default) builds the graph every step, as the plain training loop does;\n"
@@ -239,12 +240,13 @@ Workload workload_by_name(const std::string& name, const mt::PolicyPtr& policy, 
   if (name == "digits_mlp") return digits_workload(policy, mode, {.batch = 64, .adamw = false});
   if (name == "digits_demo") return digits_workload(policy, mode, {.batch = 256, .adamw = true});
   if (name == "char_gpt") return gpt_workload(policy, mode);
-  if (name == "resnet18")  // 10 classes, batch 64 of 3x32x32 images
-    return bench::resnet_workload<ResNet18>(64, 10, 32, policy, mode);
+  int64_t images = 0, size = 0;  // 10 classes, by default batch 64 of 3x32x32 images
+  if (bench::parse_resnet_name(name, "resnet18", 64, 32, images, size))
+    return bench::resnet_workload<ResNet18>(images, 10, size, policy, mode);
   if (name == "digits_cnn") return digits_cnn_workload(policy, mode);
   mt::fail(
       "bench_training: unknown workload '{}' (mlp_w<W>_b<B>, digits_mlp, digits_demo, char_gpt, "
-      "resnet18, digits_cnn)",
+      "resnet18, resnet18_b<B>_s<S>, digits_cnn)",
       name);
 }
 
