@@ -306,6 +306,12 @@ std::vector<float> ramp(size_t n, size_t step, size_t period) {
   return v;
 }
 
+// A batch of 512 inputs and targets for Net.
+std::pair<mt::Tensor, mt::Tensor> batch_of_512() {
+  return {mt::tensor(ramp(512 * 16, 37, 19), {512, 16}),
+          mt::tensor(ramp(512 * 4, 11, 7), {512, 4})};
+}
+
 // matmul's rule reads its inputs: h = x a, a product's result, is stored whatever the
 // backward pass reads, and with the values kept in bf16 the gradient of b in (h b) reads a copy
 // of h rounded to bf16, while the forward pass reads h. Every value is an integer and every sum
@@ -404,8 +410,7 @@ TEST(SavedCopies, ComparisonsDoubleBackwardAndNestedPolicies) {
 // memory_report counts the copies' bytes.
 TEST(SavedCopies, Bf16CopiesOfAnF32MlpCutItsStoredPeak) {
   Net net;
-  const mt::Tensor x = mt::tensor(ramp(512 * 16, 37, 19), {512, 16});
-  const mt::Tensor y = mt::tensor(ramp(512 * 4, 11, 7), {512, 4});
+  const auto [x, y] = batch_of_512();
   auto loss_under = [&](const mt::PolicyPtr& policy) {
     net.zero_grad();
     mt::autocast guard(policy);
@@ -499,8 +504,7 @@ TEST(SavedCopies, ACompiledStepReplaysWhatTracingComputes) {
 // it, are copied.
 TEST_F(Checkpointing, SavedCopiesLeaveACheckpointedModulesInputsAlone) {
   Net net;
-  const mt::Tensor x = mt::tensor(ramp(512 * 16, 37, 19), {512, 16});
-  const mt::Tensor y = mt::tensor(ramp(512 * 4, 11, 7), {512, 4});
+  const auto [x, y] = batch_of_512();
   auto step = [&](const mt::PolicyPtr& policy) {
     net.zero_grad();
     mt::Tensor loss;

@@ -9,6 +9,7 @@
 #include <fmt/ranges.h>
 
 #include "mixtape/dsl/error.h"
+#include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/log.h"
 #include "mixtape/dsl/shape.h"
 
@@ -841,19 +842,6 @@ bool is_constant_fill(const Node& node) {
   if (node.evaluated()) return false;
   if (node.op == OpCode::Full) return true;
   return is_view(node.op) && is_constant_fill(*node.inputs[0]);
-}
-
-bool kernel_op(const Node& node) {
-  switch (op_info(node.op).kind) {
-    case OpKind::Pointwise:
-    case OpKind::View:
-    case OpKind::Reduce:
-      return true;
-    case OpKind::Leaf:
-      return node.op == OpCode::Full;  // the one leaf a kernel computes: a constant
-    default:
-      return false;
-  }
 }
 
 std::vector<FusionGroup> fuse(const std::vector<Node*>& pending, const std::vector<Node*>& required,

@@ -76,7 +76,4 @@ bool transfer_access(const Node& node, size_t k, const Access& access,
 /// A value that every kernel can recompute for free: an unevaluated fill, or a view of one.
 bool is_constant_fill(const Node& node);
 
-/// Whether a node can run inside a generated kernel (pointwise ops, views, Sum/Max, Full).
-bool kernel_op(const Node& node);
-
 }  // namespace mixtape

@@ -93,6 +93,19 @@ NodePtr make_node(OpCode op, DType dtype, Shape shape, NodeInputs inputs, Attrs 
   return node;
 }
 
+bool kernel_op(const Node& node) {
+  switch (op_info(node.op).kind) {
+    case OpKind::Pointwise:
+    case OpKind::View:
+    case OpKind::Reduce:
+      return true;
+    case OpKind::Leaf:
+      return node.op == OpCode::Full;  // the one leaf a kernel computes: a constant
+    default:
+      return false;
+  }
+}
+
 NodePtr make_companion(const NodePtr& of, OpCode op, DType dtype, Attrs attrs) {
   if (NodePtr made = of->companion.lock()) return made;
   NodePtr node =

@@ -26,6 +26,10 @@ NodePtr make_node(OpCode op, DType dtype, Shape shape, NodeInputs inputs, Attrs 
 /// builders that take a shape from the user call it first to report the user's op.
 void check_shape_size(const char* op, const Shape& shape, DType dtype, const Loc& loc);
 
+/// Whether a node can run inside a generated kernel (pointwise ops, views, Sum/Max, Full): what
+/// fusion groups, and what the backward pass may compute again rather than read from memory.
+bool kernel_op(const Node& node);
+
 /// `of`'s companion: a node of `op` over `of` alone, of its shape and origin, whose id is the one
 /// after `of`'s, so that it runs right after `of` whenever it was made (precision-aware saving's
 /// rounded copy, made during the backward pass, runs in the forward pass, and the value can die

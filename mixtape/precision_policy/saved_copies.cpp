@@ -25,19 +25,6 @@ const Node* source_of(const Node* node) {
   return node;
 }
 
-// Whether fused kernels compute the node: pointwise ops, views, reductions and fills.
-bool kernel_computed(const Node& node) {
-  switch (op_info(node.op).kind) {
-    case OpKind::Pointwise:
-    case OpKind::View:
-    case OpKind::Reduce:
-    case OpKind::Leaf:
-      return true;
-    default:
-      return false;
-  }
-}
-
 // The forward values of `graph` a gradient rule may read as rounded copies:
 // - stored in any case: the results of ops that are no kernels' (products, convolutions,
 //   attention, host steps) and the values they read as they are (not through a view). Fused
@@ -54,7 +41,7 @@ std::unordered_set<const Node*> copyable(const std::vector<Node*>& graph,
   for (const Node* node : graph) {
     if (node->backward || node->evaluated()) continue;
     const GradientReads reads = gradient_reads(node->op);
-    const bool product_or_step = !kernel_computed(*node);
+    const bool product_or_step = !kernel_op(*node);
     if (product_or_step) stored.insert(node);
     if (reads.output == ValueReads::Other) excluded.insert(node);
     const std::string* region = recompute ? &recompute->region_of(*node) : nullptr;
