@@ -562,6 +562,9 @@ std::vector<Case> functional_cases() {
       OP_CASE("cross_entropy", mt::cross_entropy(f, idx, {.label_smoothing = 1.5}),
               "label_smoothing", "1.5"),
       OP_CASE("cross_entropy", mt::cross_entropy(f, u), "targets", "undefined"),
+      OP_CASE("cross_entropy",
+              mt::cross_entropy(f, idx, {.weight = mt::ones({3}).requires_grad_()}),
+              "class weight takes no gradient"),
       // A class id beyond the logits is caught where the loss picks it, at evaluation.
       OP_CASE("cross_entropy", mt::cross_entropy(f, bad_targets).item(), "index 7", "size 3",
               "in its index_select"),

@@ -167,6 +167,44 @@ TEST(MemoryReport, SoftmaxKeepsOnlyItsOutputForBackward) {
     EXPECT_EQ(row.bytes, row.storage == mt::boolean ? 24 : 96);
 }
 
+// A vocabulary head's loss, cross_entropy(x W^T, y) over [batch, time] tokens, keeps the logits
+// in their own type and one id per token for the backward pass, and computes the gradient from
+// them in one kernel: no [tokens, classes] value in f32 is kept (the log-probabilities, their
+// gradient) and no bool mask. Under autocast-bf16 that kernel also lays the gradient out for the
+// weight gradient's matmul in bf16, and the f32 gradient is never stored.
+TEST(MemoryReport, CrossEntropyKeepsTheLogitsNotTheLogProbabilities) {
+  constexpr int64_t kBatch = 4, kTime = 16, kClasses = 4096, kWidth = 16;
+  constexpr int64_t kTokens = kBatch * kTime;
+  for (const char* policy : {"fp32", "autocast-bf16"}) {
+    const int64_t logit_bytes = kTokens * kClasses * (std::string(policy) == "fp32" ? 4 : 2);
+    mt::Generator gen(8);
+    OneParam head({kClasses, kWidth});
+    mt::Tensor x = mt::randn({kBatch, kTime, kWidth}, mt::f32, &gen);
+    std::vector<int64_t> ids(kTokens);
+    for (int64_t r = 0; r < kTokens; ++r) ids[static_cast<size_t>(r)] = (r * 37) % kClasses;
+    mt::Tensor y = mt::tensor(ids, {kBatch, kTime});
+    mt::eval({x});
+    mt::Tensor loss;
+    {
+      mt::autocast guard(mt::policy_by_name(policy));
+      loss = mt::cross_entropy(mt::linear(x, head.w), y);
+    }
+    loss.backward();
+    mt::MemoryReport report = mt::memory_report(head, nullptr, loss);
+    // The logits, the class list the ids are checked against, per token its id, whether it
+    // counts and x, and the loss's denominator.
+    EXPECT_LE(report.saved_activations,
+              logit_bytes + kClasses * 8 + kTokens * (8 + 1 + kWidth * 4) + 4)
+        << report.table();
+    if (mt::current_device() == mt::Device::reference) continue;  // runs no program
+    mt::reset_execution_stats();
+    mt::eval({loss, head.w.grad()});
+    // At the peak: the logits and their gradient, both in the logits' type, and x.
+    EXPECT_LE(mt::execution_stats().peak_bytes, 2 * logit_bytes + kTokens * (16 + kWidth * 4))
+        << policy;
+  }
+}
+
 // loss = sum(x @ w^T) under autocast-f16, w [3, 4], x data [2, 4]. The matmul reads w's f16 copy
 // (24 B, alive only while the forward matmul runs: backward only needs x for dW).
 //   at the matmul: x 32 + copy 24 + y (f16 [2, 3]) 12 = 68 -> 48 + 68 = 116;

@@ -155,11 +155,34 @@ bool transfer_access(const Node& node, size_t k, const Access& access,
 
 namespace {
 
+// A flat (row-major element) index that the loops over the first `loop_dims` of `dims` walk
+// through every element of `shape` once: the loop variables it moves with, ordered by step,
+// step as the row-major strides of their extents (a reshape stored from its input's loop nest).
+bool flat_bijective(const Affine& flat, const Shape& shape, const std::vector<int64_t>& dims,
+                    size_t loop_dims) {
+  if (flat.base != 0) return false;
+  std::vector<std::pair<int64_t, int64_t>> steps;  // (step, extent) of each variable it moves with
+  for (size_t d = 0; d < flat.coeff.size(); ++d) {
+    if (flat.coeff[d] == 0) continue;
+    if (flat.coeff[d] < 0 || d >= loop_dims) return false;
+    steps.emplace_back(flat.coeff[d], dims[d]);
+  }
+  std::sort(steps.begin(), steps.end());
+  int64_t stride = 1;
+  for (auto [step, extent] : steps) {
+    if (step != stride) return false;
+    stride *= extent;
+  }
+  int64_t total = std::accumulate(dims.begin(), dims.begin() + static_cast<ptrdiff_t>(loop_dims),
+                                  int64_t{1}, std::multiplies<>());
+  return stride == numel(shape) && total == stride;
+}
+
 // Each coordinate is one distinct loop variable of dims[0, loop_dims) over exactly that extent:
 // every element once per point of those dims.
 bool bijective(const Access& access, const Shape& shape, const std::vector<int64_t>& dims,
                size_t loop_dims) {
-  if (access.flat) return false;
+  if (access.flat) return flat_bijective(access.coords[0], shape, dims, loop_dims);
   std::vector<bool> used(dims.size(), false);
   int64_t covered = 1;
   for (size_t j = 0; j < shape.size(); ++j) {
@@ -220,6 +243,12 @@ struct LoopNest {
     Node* root = *std::max_element(group.members.begin(), group.members.end(),
                                    [](Node* a, Node* b) { return a->id < b->id; });
     domain = reduction ? reduction->shape : root->shape;
+    // A kernel that ends in a reshape (laying a value out for a matmul) loops over the reshape's
+    // input and stores the reshape at the row-major index of each point (access_outputs): the
+    // members below it, broadcasts among them, keep their own maps instead of being reached
+    // through the reshape's flat index, which no broadcast below a reshape can be.
+    if (!reduction && root->op == OpCode::Reshape && !root->inputs[0]->shape.empty())
+      domain = root->inputs[0]->shape;
     domain_var.assign(domain.size(), -1);
     group.dims.clear();
     group.reduce_from = -1;
@@ -318,6 +347,7 @@ class Fuser {
     std::sort(out.begin(), out.end(), [](const FusionGroup& a, const FusionGroup& b) {
       return a.members.back()->id < b.members.back()->id;
     });
+    if (options_.fuse) merge_copies_into_producers(out);
     if (options_.fuse) merge_single_element_kernels(out);
     if (log_)
       for (const FusionGroup& group : out) log_group(group);
@@ -428,6 +458,52 @@ class Fuser {
     }
     copies_[node] = std::move(readers);
     return true;
+  }
+
+  // A kernel that only copies another kernel's stored value into a new shape and type (a
+  // gradient computed in f32 by an f32 composite, rounded to bf16 and laid out for the matmul
+  // that reads it) becomes one more stored value of the kernel that computes it: the value is
+  // then stored only in its 16-bit form where nothing else reads it (the cross-entropy's
+  // [rows, classes] gradient: 4 bytes an element less). The merged kernel keeps the producer's
+  // place, before the copy's readers; the copy's value is the same conversion of the same
+  // element, so the bits are the same.
+  void merge_copies_into_producers(std::vector<FusionGroup>& groups) const {
+    std::unordered_map<const Node*, size_t> stored_by;
+    for (size_t g = 0; g < groups.size(); ++g)
+      if (groups[g].kind == FusionGroup::Kind::Kernel)
+        for (const Node* output : groups[g].outputs) stored_by[output] = g;
+    for (FusionGroup& copy : groups) {
+      if (copy.kind != FusionGroup::Kind::Kernel || copy.members.size() != 1 ||
+          copy.members[0]->op != OpCode::Reshape)
+        continue;
+      Node* reshape = copy.members[0];
+      auto found = stored_by.find(reshape->inputs[0].get());
+      if (found == stored_by.end()) continue;
+      FusionGroup merged = groups[found->second];
+      merged.members.push_back(reshape);
+      merged.outputs.push_back(reshape);
+      std::sort(merged.members.begin(), merged.members.end(),
+                [](Node* a, Node* b) { return a->id < b->id; });
+      Node* source = reshape->inputs[0].get();
+      std::unordered_set<const Node*> inside(merged.members.begin(), merged.members.end());
+      const std::vector<Node*>& readers = users_.at(source);
+      if (!required_.count(source) &&
+          std::all_of(readers.begin(), readers.end(), [&](Node* r) { return inside.count(r); }))
+        std::erase(merged.outputs, source);
+      std::string why;
+      if (static_cast<int>(merged.members.size()) > options_.max_members ||
+          !plan_access(merged, why) || count_params(merged) > options_.max_params) {
+        if (log_)
+          log_line("fusion", "not merging the copy {} #{} into the kernel that stores #{}: {}",
+                   op_name(reshape->op), reshape->id, source->id,
+                   why.empty() ? "the kernel is at its size limit" : why);
+        continue;
+      }
+      for (const Node* output : merged.outputs) stored_by[output] = found->second;
+      groups[found->second] = std::move(merged);
+      copy.members.clear();
+    }
+    std::erase_if(groups, [](const FusionGroup& g) { return g.members.empty(); });
   }
 
   // Kernels of a single element (an optimizer's step count and bias corrections, a learning
@@ -706,6 +782,22 @@ class Fuser {
         group.access[output].push_back(nest.result_identity(true));
       } else if (nest.reduction && output->shape == nest.outer_shape(false)) {
         group.access[output].push_back(nest.result_identity(false));
+      } else if (output->op == OpCode::Reshape) {
+        // A reshape of the domain or of the reduction's input, stored at the row-major index of
+        // each point (the copy that rounds a gradient to a matmul's 16-bit type, made by the
+        // kernel that computes the gradient: see merge_copies_into_producers).
+        const bool of_input =
+            nest.reduction && numel(output->shape) == numel(nest.reduction->inputs[0]->shape);
+        const Shape& walked = of_input ? nest.reduction->inputs[0]->shape : nest.domain;
+        if (numel(output->shape) != numel(walked)) {
+          why = "stored values of different shapes";
+          return false;
+        }
+        Access flat;
+        flat.flat = true;
+        flat.coords = {scaled_sum((of_input ? nest.input_identity : nest.identity).coords,
+                                  strides_of(walked))};
+        group.access[output].push_back(std::move(flat));
       } else {
         why = "stored values of different shapes";
         return false;

@@ -87,6 +87,62 @@ Tensor softmax_of(const Tensor& x, const Tensor& mask, int64_t axis, const Loc& 
       loc);
 }
 
+// `shape` without `axes` (negative ones count from the end).
+Shape drop_axes(const Shape& shape, const std::vector<int64_t>& axes) {
+  const auto rank = static_cast<int64_t>(shape.size());
+  Shape kept;
+  for (int64_t d = 0; d < rank; ++d)
+    if (std::none_of(axes.begin(), axes.end(), [&](int64_t a) { return a == d || a + rank == d; }))
+      kept.push_back(shape[static_cast<size_t>(d)]);
+  return kept;
+}
+
+// log(sum(exp(x))) over `axes`. Its gradient is PyTorch's, g exp(x - y), which reads only the
+// input and the result: the composite's own would keep exp(x - max) for the backward pass.
+// cross_entropy's rows are this minus the target's score, so that the backward pass keeps the
+// logits (in their own type, bf16 after an autocast head) and one f32 per row, not the [rows,
+// classes] log-probabilities in f32. The op's result is the one returned (reshaped inside when
+// the axes are dropped), so that a caller who evaluates it keeps what the gradient reads.
+Tensor logsumexp_of(const Tensor& x, const std::vector<int64_t>& axes, bool keepdim,
+                    const Loc& loc) {
+  Shape kept = x.shape();
+  for (int64_t a : axes) kept[static_cast<size_t>(a < 0 ? a + x.dim() : a)] = 1;
+  auto forward = [&](const std::vector<Tensor>& in) {
+    Tensor m = stable_shift(in[0], axes, loc);
+    Tensor result = log(sum(exp(in[0] - m), axes, true)) + m;
+    return keepdim ? result : reshape(result, drop_axes(x.shape(), axes));
+  };
+  if (!grad_enabled() || !x.requires_grad()) return forward({x});
+  return custom_op(
+      {x}, forward,
+      [kept](const std::vector<Tensor>& in, const Tensor& y, const Tensor& g) {
+        return std::vector<Tensor>{reshape(g, kept) * exp(in[0] - reshape(y, kept))};
+      },
+      loc);
+}
+
+// Each row's entry of `values` [..., C] at its class in `targets` [...] (ids already checked to
+// be in range), as a masked sum over the classes, not a gather: it joins the kernel that reads
+// the row, and its gradient is pointwise where a gather's is a scatter into a [rows, classes]
+// zero tensor (for a 50k vocabulary, most of a step). Exact: one term is the value, the others
+// are +0. The gradient compares the classes with the targets again rather than reading the
+// forward pass's [rows, classes] mask, which would be kept for it.
+Tensor pick_class(const Tensor& values, const Tensor& targets) {
+  auto hit = [](const Tensor& scores, const Tensor& ids) {
+    return eq(class_indices(scores.size(-1), ids.dtype()), unsqueeze(ids, -1));
+  };
+  auto forward = [hit](const std::vector<Tensor>& in) {
+    return sum(where(hit(in[0], in[1]), in[0], zeros_like(in[0])), {-1});
+  };
+  if (!grad_enabled() || !values.requires_grad()) return forward({values, targets});
+  return custom_op(
+      {values, targets}, forward,
+      [hit](const std::vector<Tensor>& in, const Tensor&, const Tensor& g) {
+        Tensor row = broadcast_to(unsqueeze(g, -1), in[0].shape());
+        return std::vector<Tensor>{where(hit(in[0], in[1]), row, zeros_like(row)), Tensor()};
+      });
+}
+
 Tensor reduce(const Tensor& loss, Reduction reduction) {
   switch (reduction) {
     case Reduction::None:
@@ -155,15 +211,7 @@ Tensor logsumexp(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const
   CallSiteScope site(loc, composite::logsumexp);
   require_float(x, "logsumexp", "input", loc);
   check_axes(x, axes, "logsumexp", loc);
-  Tensor m = stable_shift(x, axes, loc);
-  Tensor result = log(sum(exp(x - m), axes, true)) + m;
-  if (keepdim) return result;
-  Shape shape;
-  std::vector<int64_t> reduced = axes;
-  for (int64_t& a : reduced) a = a < 0 ? a + x.dim() : a;
-  for (int64_t d = 0; d < x.dim(); ++d)
-    if (std::find(reduced.begin(), reduced.end(), d) == reduced.end()) shape.push_back(x.size(d));
-  return reshape(result, shape);
+  return logsumexp_of(x, axes, keepdim, loc);
 }
 
 Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
@@ -242,40 +290,108 @@ Tensor class_weight(const Tensor& weight, const Tensor& scores, const char* op, 
   return cast(weight, scores.dtype());
 }
 
-// Each target's negative log-likelihood (times its class weight, if any) with the rows that
-// count and their weights (1 without a class weight): cross_entropy's and nll_loss's.
-struct TargetNll {
-  Tensor weighted_loss, valid, weight;  // weighted_loss: with a class weight only
-  Tensor picked;  // without one: the target's log-probability, whose negation is the loss
-  Tensor loss() const { return weighted_loss.defined() ? weighted_loss : -picked; }
+// The rows that count (targets other than ignore_index), each row's class id checked to be in
+// range (at evaluation; ignored rows read class 0), and each row's class weight where there is
+// a class weight: cross_entropy's and nll_loss's.
+struct CheckedTargets {
+  Tensor valid, ids, weight;  // weight: of the target's class, 0 in ignored rows
 };
-TargetNll target_nll(const Tensor& logp, const Tensor& targets, int64_t ignore_index,
-                     const Tensor& class_weight) {
+CheckedTargets check_ids(const Tensor& scores, const Tensor& targets, int64_t ignore_index,
+                         const Tensor& class_weight) {
   // A fill of the targets' shape: one node, where a 0-d scalar would need a broadcast too.
   Tensor valid = ne(targets, full_like(targets, static_cast<double>(ignore_index)));
   Tensor safe_targets = where(valid, targets, zeros_like(targets));
-  // The target's log-probability as a masked sum over the classes, not a gather: it joins the
-  // log_softmax kernel, and its gradient is pointwise where a gather's is a scatter into a
-  // [rows, classes] zero tensor (for a 50k vocabulary, most of a step). Exact: one term is
-  // the value, the others are +0.
   // Picking each target out of the class list is the identity on valid ids, and the check
   // (at evaluation) that none is out of range; it reads only the targets.
-  const Tensor& classes = class_indices(logp.size(-1), targets.dtype());
-  Tensor hit = eq(classes, unsqueeze(index_select(classes, safe_targets, 0), -1));
-  Tensor picked = sum(where(hit, logp, zeros_like(logp)), {-1});
-  if (!class_weight.defined()) return {Tensor(), valid, Tensor(), picked};
-  // The target's weight by the same masked sum: exact, one term is w[y].
-  Tensor w = sum(where(hit, broadcast_to(class_weight, logp.shape()), zeros_like(logp)), {-1});
-  return {-picked * w, valid, where(valid, w, zeros_like(w)), Tensor()};
+  Tensor ids = index_select(class_indices(scores.size(-1), targets.dtype()), safe_targets, 0);
+  Tensor weight;
+  if (class_weight.defined()) {
+    // The target's weight by the same masked sum: exact, one term is w[y].
+    Tensor w = pick_class(broadcast_to(class_weight, scores.shape()), ids);
+    weight = where(valid, w, zeros_like(w));
+  }
+  return {valid, ids, weight};
 }
 
 // Mean over the rows that count (weighted by their class weights, when given), as PyTorch's
 // ignore_index and weight.
-Tensor reduce_valid(const Tensor& loss, const TargetNll& nll, Reduction reduction) {
-  Tensor kept = where(nll.valid, loss, zeros_like(loss));
+Tensor reduce_valid(const Tensor& loss, const CheckedTargets& t, Reduction reduction) {
+  Tensor kept = where(t.valid, loss, zeros_like(loss));
   if (reduction != Reduction::Mean) return reduce(kept, reduction);
-  Tensor total = nll.weight.defined() ? sum(nll.weight) : sum(cast(nll.valid, loss.dtype()));
+  Tensor total = t.weight.defined() ? sum(t.weight) : sum(cast(t.valid, loss.dtype()));
   return sum(kept) / total;
+}
+
+// log_softmax along the last axis, as the composite computes it.
+Tensor log_probs_of(const Tensor& x, const Loc& loc) {
+  Tensor shifted = x - stable_shift(x, {-1}, loc);
+  return shifted - log(sum(exp(shifted), {-1}, true));
+}
+
+// cross_entropy's loss per row before the reduction, with log p = log_softmax(logits):
+// -w_t log p_t, and with label smoothing eps (1 - eps) of that plus eps / C sum_c w_c (-log p_c)
+// (PyTorch's; w = 1 without a class weight). One op, whose gradient is the log_softmax backward
+// of the whole row's d loss / d log p (PyTorch's arithmetic: dlogp - exp(log p) sum(dlogp)) with
+// log p computed again from the logits. So the backward pass keeps the logits in their own type
+// (bf16 after an autocast head) rather than the [rows, classes] log-probabilities in f32, and the
+// logits get their gradient as one term (rounded once to their type, where two terms would each
+// be rounded to a 16-bit type before their sum). The class weight takes no gradient, as in
+// PyTorch.
+Tensor cross_entropy_rows(const Tensor& logits, const Tensor& ids, const Tensor& class_weight,
+                          double eps, const Loc& loc) {
+  const bool weighted = class_weight.defined();
+  auto hit = [](const Tensor& scores, const Tensor& ids) {
+    return eq(class_indices(scores.size(-1), ids.dtype()), unsqueeze(ids, -1));
+  };
+  // The target's log-probability (or weight) as a masked sum: see pick_class.
+  auto pick = [](const Tensor& hits, const Tensor& values) {
+    return sum(where(hits, values, zeros_like(values)), {-1});
+  };
+  auto forward = [=](const std::vector<Tensor>& in) {
+    Tensor logp = log_probs_of(in[0], loc), hits = hit(in[0], in[1]);
+    Tensor picked = pick(hits, logp);
+    if (eps == 0)
+      return weighted ? -picked * pick(hits, broadcast_to(in[2], logp.shape())) : -picked;
+    // The minus signs go into the factors: (-a) b and a (-b) are the same number, zeros' signs
+    // included (so -(1 - eps), which is -0 at eps = 1, not eps - 1).
+    Tensor nll_part = weighted
+                          ? -picked * pick(hits, broadcast_to(in[2], logp.shape())) * (1.0 - eps)
+                          : picked * -(1.0 - eps);
+    Tensor log_mean = weighted ? mean(logp * in[2], {-1}) : mean(logp, {-1});
+    return nll_part + log_mean * -eps;
+  };
+  std::vector<Tensor> inputs{logits, ids};
+  if (weighted) inputs.push_back(class_weight);
+  if (!grad_enabled() || !logits.requires_grad()) return forward(inputs);
+  return custom_op(
+      inputs, forward,
+      [=](const std::vector<Tensor>& in, const Tensor&, const Tensor& g) {
+        const Tensor& x = in[0];
+        const Shape& shape = x.shape();
+        // d loss / d log p: at the target, and the smoothing's share of every class. Made twice
+        // below, as are x - max: the row sums' kernel and the gradient's kernel each compute
+        // their own, so that no [rows, classes] value is stored between them.
+        auto dlogp_of = [&] {
+          Tensor hits = hit(x, in[1]);
+          Tensor w_t = weighted ? pick(hits, broadcast_to(in[2], shape)) : Tensor();
+          Tensor at_target = eps == 0 ? (weighted ? -(g * w_t) : -g)
+                                      : (weighted ? -(g * (1.0 - eps) * w_t) : g * -(1.0 - eps));
+          Tensor rows = broadcast_to(unsqueeze(at_target, -1), shape);
+          Tensor dlogp = where(hits, rows, zeros_like(rows));
+          if (eps == 0) return dlogp;
+          const double share = -eps / static_cast<double>(shape.back());
+          Tensor each = broadcast_to(unsqueeze(g * share, -1), shape);
+          return dlogp + (weighted ? each * in[2] : each);
+        };
+        Tensor shift = stable_shift(x, {-1}, loc);
+        Tensor log_norm = log(sum(exp(x - shift), {-1}, true));
+        Tensor total = sum(dlogp_of(), {-1}, true);
+        Tensor logp = (x - shift) - log_norm;
+        std::vector<Tensor> grads{dlogp_of() - exp(logp) * total, Tensor()};
+        if (weighted) grads.emplace_back();
+        return grads;
+      },
+      loc);
 }
 
 }  // namespace
@@ -289,24 +405,13 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOp
     op_fail("cross_entropy", loc, "label_smoothing must be in [0, 1], got {}",
             options.label_smoothing);
   check_targets(logits, targets, "cross_entropy", loc);
+  if (options.weight.defined() && options.weight.requires_grad())
+    op_fail("cross_entropy", loc,
+            "the class weight takes no gradient (as in PyTorch); pass weight.detach()");
   Tensor weight = class_weight(options.weight, logits, "cross_entropy", loc);
-  Tensor logp = log_softmax(logits, -1);
-  TargetNll nll = target_nll(logp, targets, options.ignore_index, weight);
-  Tensor loss;
-  if (options.label_smoothing == 0) {
-    loss = nll.loss();
-  } else {
-    // PyTorch's: (1 - eps) nll + eps / C sum_c w_c (-log p_c), both over the same denominator.
-    // The minus signs go into the factors: (-a) b and a (-b) are the same number, zeros' signs
-    // included (so -(1 - eps), which is -0 at eps = 1, not eps - 1), and the two negations and
-    // their gradients' were four nodes of every traced step.
-    const double eps = options.label_smoothing;
-    Tensor log_mean = weight.defined() ? mean(logp * weight, {-1}) : mean(logp, {-1});
-    Tensor nll_part =
-        nll.picked.defined() ? nll.picked * -(1.0 - eps) : nll.weighted_loss * (1.0 - eps);
-    loss = nll_part + log_mean * -eps;
-  }
-  return reduce_valid(loss, nll, options.reduction);
+  CheckedTargets checked = check_ids(logits, targets, options.ignore_index, weight);
+  Tensor loss = cross_entropy_rows(logits, checked.ids, weight, options.label_smoothing, loc);
+  return reduce_valid(loss, checked, options.reduction);
 }
 
 Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, Reduction reduction,
@@ -322,8 +427,10 @@ Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, const NllLossOpt
   check_reduction(options.reduction, "nll_loss", loc);
   check_targets(log_probs, targets, "nll_loss", loc);
   Tensor weight = class_weight(options.weight, log_probs, "nll_loss", loc);
-  TargetNll nll = target_nll(log_probs, targets, options.ignore_index, weight);
-  return reduce_valid(nll.loss(), nll, options.reduction);
+  CheckedTargets checked = check_ids(log_probs, targets, options.ignore_index, weight);
+  Tensor picked = pick_class(log_probs, checked.ids);
+  return reduce_valid(weight.defined() ? -picked * checked.weight : -picked, checked,
+                      options.reduction);
 }
 
 namespace {
