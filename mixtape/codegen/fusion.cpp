@@ -92,11 +92,21 @@ bool unflatten(const Affine& flat, const Shape& shape, const std::vector<int64_t
 
 }  // namespace
 
+bool kernel_reads(const Node& node, size_t k) { return node.op != OpCode::Custom || k == 0; }
+
 bool transfer_access(const Node& node, size_t k, const Access& access,
                      const std::vector<int64_t>& dims, Access& out, std::string& why) {
   const size_t rank = dims.size();
   const Shape& in_shape = node.inputs[k]->shape;
   out = Access{};
+  if (node.op == OpCode::Custom) {  // its forward result, element for element
+    if (!kernel_reads(node, k)) {
+      why = "a custom op's kernels read its forward result alone";
+      return false;
+    }
+    out = access;
+    return true;
+  }
   switch (op_info(node.op).kind) {
     case OpKind::Pointwise:
       if (in_shape.empty() && !node.shape.empty())  // a fused op's 0-d operand: one element
@@ -325,8 +335,9 @@ class Fuser {
     for (Node* node : pending) in_pending_.insert(node);
     for (Node* node : required) required_.insert(node);
     for (Node* node : pending)
-      for (const NodePtr& input : node->inputs)
-        if (in_pending_.count(input.get())) users_[input.get()].push_back(node);
+      for (size_t k = 0; k < node->inputs.size(); ++k)
+        if (in_pending_.count(node->inputs[k].get()) && kernel_reads(*node, k))
+          users_[node->inputs[k].get()].push_back(node);
     if (options_.fuse && options_.matmul_epilogue) find_epilogues();
   }
 
@@ -746,8 +757,11 @@ class Fuser {
     std::unordered_set<Node*> members(group.members.begin(), group.members.end());
     std::unordered_set<Node*> loads;
     for (Node* m : group.members)
-      for (const NodePtr& input : m->inputs)
-        if (!members.count(input.get()) && !is_constant_fill(*input)) loads.insert(input.get());
+      for (size_t k = 0; k < m->inputs.size(); ++k) {
+        Node* input = m->inputs[k].get();
+        if (!members.count(input) && !is_constant_fill(*input) && kernel_reads(*m, k))
+          loads.insert(input);
+      }
     return static_cast<int>(loads.size() + group.outputs.size());
   }
 
@@ -830,6 +844,7 @@ class Fuser {
       }
       for (size_t k = 0; k < node->inputs.size(); ++k) {
         Node* input = node->inputs[k].get();
+        if (!kernel_reads(*node, k)) continue;
         if (!members.count(input) && (!is_view(node->op) || is_constant_fill(*input))) continue;
         for (const Access& access : accesses) {
           Access out;

@@ -73,6 +73,11 @@ std::vector<FusionGroup> fuse(const std::vector<Node*>& pending, const std::vect
 bool transfer_access(const Node& node, size_t k, const Access& access,
                      const std::vector<int64_t>& dims, Access& out, std::string& why);
 
+/// Whether a kernel evaluating `node` reads its input `k`: all of them, but for a custom op
+/// only its traced forward result (input 0), which is its value; the other inputs are its
+/// gradient's.
+bool kernel_reads(const Node& node, size_t k);
+
 /// A value that every kernel can recompute for free: an unevaluated fill, or a view of one.
 bool is_constant_fill(const Node& node);
 

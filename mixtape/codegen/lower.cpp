@@ -358,6 +358,9 @@ class Lowerer {
       return to_storage(stage, b.add(acc), node->precision.storage_type);
     }
     if (node->op == OpCode::Full) return fill(b, node);
+    if (node->op == OpCode::Custom)  // its traced forward result (fusion.h, kernel_reads)
+      return to_storage(stage, emit(node->inputs[0].get(), access, stage),
+                        node->precision.storage_type);
     if (op_info(node->op).kind == OpKind::View) {
       Access in;
       std::string why;

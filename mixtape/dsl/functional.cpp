@@ -226,13 +226,45 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
     if (p->defined() && p->shape() != normalized)
       op_fail("layer_norm", loc, "weight/bias shape {} should be {}", to_string(p->shape()),
               to_string(normalized));
-  std::vector<int64_t> axes;
-  for (int64_t d = x.dim() - normalized_dims; d < x.dim(); ++d) axes.push_back(d);
-  Tensor centered = x - mean(x, axes, true);
-  Tensor y = centered * rsqrt(mean(square(centered), axes, true) + eps);
-  if (weight.defined()) y = y * weight;
-  if (bias.defined()) y = y + bias;
-  return y;
+  std::vector<int64_t> axes, leading;
+  for (int64_t d = 0; d < x.dim(); ++d)
+    (d < x.dim() - normalized_dims ? leading : axes).push_back(d);
+  // Inputs: x, then the weight and the bias where given.
+  const bool weighted = weight.defined(), biased = bias.defined();
+  std::vector<Tensor> inputs{x};
+  if (weighted) inputs.push_back(weight);
+  if (biased) inputs.push_back(bias);
+  auto forward = [=](const std::vector<Tensor>& in) {
+    Tensor centered = in[0] - mean(in[0], axes, true);
+    Tensor y = centered * rsqrt(mean(square(centered), axes, true) + eps);
+    if (weighted) y = y * in[1];
+    if (biased) y = y + in[weighted ? 2 : 1];
+    return y;
+  };
+  const bool any_grad =
+      std::any_of(inputs.begin(), inputs.end(), [](const Tensor& t) { return t.requires_grad(); });
+  if (!grad_enabled() || !any_grad) return forward(inputs);
+  // The backward pass keeps x alone, as PyTorch's does (which keeps the row statistics too): the
+  // gradient computes each row's mean and 1/std again, and the weight's gradient its own
+  // normalized rows from them, so that neither the centered nor the normalized rows are kept,
+  // nor passed between kernels.
+  return custom_op(
+      inputs, forward,
+      [=](const std::vector<Tensor>& in, const Tensor&, const Tensor& g) {
+        const Tensor& x = in[0];
+        Tensor mu = mean(x, axes, true);
+        Tensor centered = x - mu;
+        Tensor r = rsqrt(mean(square(centered), axes, true) + eps);
+        Tensor xhat = centered * r;
+        Tensor gw = weighted ? g * in[1] : g;
+        std::vector<Tensor> grads{r *
+                                  (gw - mean(gw, axes, true) - xhat * mean(gw * xhat, axes, true))};
+        auto over_rows = [&](const Tensor& t) { return leading.empty() ? t : sum(t, leading); };
+        if (weighted) grads.push_back(over_rows(g * ((x - mu) * r)));
+        if (biased) grads.push_back(over_rows(g));
+        return grads;
+      },
+      loc);
 }
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, const Loc& loc) {

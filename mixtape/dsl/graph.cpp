@@ -94,6 +94,9 @@ NodePtr make_node(OpCode op, DType dtype, Shape shape, NodeInputs inputs, Attrs 
 }
 
 bool kernel_op(const Node& node) {
+  // A custom op's value is its traced forward result (input 0), which kernels read through it
+  // as through a view; its other inputs are there for its gradient (fusion.h, kernel_reads).
+  if (node.op == OpCode::Custom) return true;
   switch (op_info(node.op).kind) {
     case OpKind::Pointwise:
     case OpKind::View:
