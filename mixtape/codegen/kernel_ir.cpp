@@ -29,9 +29,17 @@ Type register_type(DType dtype) {
 bool Kernel::column_reduction() const {
   if (!is_reduction() || reduce_from < 1 || dims[reduce_from - 1] > max_columns) return false;
   size_t column = reduce_from - 1, last = dims.size() - 1;
-  int unit_column = 0, unit_last = 0;
+  // The loop order in which fewer of the kernel's loads and stores jump through memory: a map
+  // strided along a dim (neither fixed nor contiguous there) does, when that dim is the inner
+  // loop. A bias gradient computed from its [rows, classes] terms reads them strided along the
+  // rows, however many per-row values (contiguous along the rows) it reads besides. Even, the
+  // order with more contiguous maps.
+  int strided_column = 0, strided_last = 0, unit_column = 0, unit_last = 0;
   auto count = [&](const Affine& map) {  // a 0-d value's map has no coefficients
     if (map.coeff.size() != dims.size()) return;
+    auto strided = [](int64_t c) { return c != 0 && c != 1; };
+    strided_column += strided(map.coeff[column]);
+    strided_last += strided(map.coeff[last]);
     unit_column += map.coeff[column] == 1;
     unit_last += map.coeff[last] == 1;
   };
@@ -40,6 +48,7 @@ bool Kernel::column_reduction() const {
       if (v.op == Op::Load) count(v.map);
     for (const Store& s : pass_stores(pass)) count(s.map);
   }
+  if (strided_column != strided_last) return strided_last > strided_column;
   return unit_column > unit_last;
 }
 

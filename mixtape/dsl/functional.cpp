@@ -354,21 +354,16 @@ Tensor reduce_valid(const Tensor& loss, const CheckedTargets& t, Reduction reduc
   return sum(kept) / total;
 }
 
-// log_softmax along the last axis, as the composite computes it.
-Tensor log_probs_of(const Tensor& x, const Loc& loc) {
-  Tensor shifted = x - stable_shift(x, {-1}, loc);
-  return shifted - log(sum(exp(shifted), {-1}, true));
-}
-
 // cross_entropy's loss per row before the reduction, with log p = log_softmax(logits):
 // -w_t log p_t, and with label smoothing eps (1 - eps) of that plus eps / C sum_c w_c (-log p_c)
 // (PyTorch's; w = 1 without a class weight). One op, whose gradient is the log_softmax backward
-// of the whole row's d loss / d log p (PyTorch's arithmetic: dlogp - exp(log p) sum(dlogp)) with
-// log p computed again from the logits. So the backward pass keeps the logits in their own type
-// (bf16 after an autocast head) rather than the [rows, classes] log-probabilities in f32, and the
-// logits get their gradient as one term (rounded once to their type, where two terms would each
-// be rounded to a 16-bit type before their sum). The class weight takes no gradient, as in
-// PyTorch.
+// of the whole row's d loss / d log p (PyTorch's arithmetic: dlogp - exp(log p) sum(dlogp)), with
+// log p computed again from the logits and each row's max and log-sum-exp, which the op takes as
+// inputs (no gradient flows through them: the rule is the whole derivative). So the backward
+// pass keeps the logits in their own type (bf16 after an autocast head) and two values per row
+// rather than the [rows, classes] log-probabilities in f32, and the logits get their gradient as
+// one term (rounded once to their type, where two terms would each be rounded to a 16-bit type
+// before their sum). The class weight takes no gradient, as in PyTorch.
 Tensor cross_entropy_rows(const Tensor& logits, const Tensor& ids, const Tensor& class_weight,
                           double eps, const Loc& loc) {
   const bool weighted = class_weight.defined();
@@ -379,48 +374,58 @@ Tensor cross_entropy_rows(const Tensor& logits, const Tensor& ids, const Tensor&
   auto pick = [](const Tensor& hits, const Tensor& values) {
     return sum(where(hits, values, zeros_like(values)), {-1});
   };
+  // Inputs: the logits, the ids, each row's max (stable_shift) and log-sum-exp of the shifted
+  // row, then the class weight where given. log p is (x - max) - log-sum-exp, as the
+  // log_softmax composite computes it, in the forward pass and again in the gradient's kernel.
+  const Tensor rows = logits.detach();
+  Tensor shift = stable_shift(rows, {-1}, loc);
+  Tensor log_norm = log(sum(exp(rows - shift), {-1}, true));
+  std::vector<Tensor> inputs{logits, ids, shift, log_norm};
+  if (weighted) inputs.push_back(class_weight);
+  auto log_probs = [](const std::vector<Tensor>& in) { return (in[0] - in[2]) - in[3]; };
   auto forward = [=](const std::vector<Tensor>& in) {
-    Tensor logp = log_probs_of(in[0], loc), hits = hit(in[0], in[1]);
+    Tensor logp = log_probs(in), hits = hit(in[0], in[1]);
     Tensor picked = pick(hits, logp);
     if (eps == 0)
-      return weighted ? -picked * pick(hits, broadcast_to(in[2], logp.shape())) : -picked;
+      return weighted ? -picked * pick(hits, broadcast_to(in[4], logp.shape())) : -picked;
     // The minus signs go into the factors: (-a) b and a (-b) are the same number, zeros' signs
     // included (so -(1 - eps), which is -0 at eps = 1, not eps - 1).
     Tensor nll_part = weighted
-                          ? -picked * pick(hits, broadcast_to(in[2], logp.shape())) * (1.0 - eps)
+                          ? -picked * pick(hits, broadcast_to(in[4], logp.shape())) * (1.0 - eps)
                           : picked * -(1.0 - eps);
-    Tensor log_mean = weighted ? mean(logp * in[2], {-1}) : mean(logp, {-1});
+    Tensor log_mean = weighted ? mean(logp * in[4], {-1}) : mean(logp, {-1});
     return nll_part + log_mean * -eps;
   };
-  std::vector<Tensor> inputs{logits, ids};
-  if (weighted) inputs.push_back(class_weight);
   if (!grad_enabled() || !logits.requires_grad()) return forward(inputs);
   return custom_op(
       inputs, forward,
       [=](const std::vector<Tensor>& in, const Tensor&, const Tensor& g) {
-        const Tensor& x = in[0];
-        const Shape& shape = x.shape();
-        // d loss / d log p: at the target, and the smoothing's share of every class. Made twice
-        // below, as are x - max: the row sums' kernel and the gradient's kernel each compute
-        // their own, so that no [rows, classes] value is stored between them.
+        const Shape& shape = in[0].shape();
+        // d loss / d log p: at the target (a value per row), and the smoothing's share of every
+        // class. Without smoothing the row's sum is its one term at the target; with it, the
+        // [rows, classes] terms are made twice, for the sum's kernel and the gradient's, so that
+        // none is stored between them.
+        Tensor w_t = weighted ? pick(hit(in[0], in[1]), broadcast_to(in[4], shape)) : Tensor();
+        Tensor at_target = eps == 0 ? (weighted ? -(g * w_t) : -g)
+                                    : (weighted ? -(g * (1.0 - eps) * w_t) : g * -(1.0 - eps));
         auto dlogp_of = [&] {
-          Tensor hits = hit(x, in[1]);
-          Tensor w_t = weighted ? pick(hits, broadcast_to(in[2], shape)) : Tensor();
-          Tensor at_target = eps == 0 ? (weighted ? -(g * w_t) : -g)
-                                      : (weighted ? -(g * (1.0 - eps) * w_t) : g * -(1.0 - eps));
           Tensor rows = broadcast_to(unsqueeze(at_target, -1), shape);
-          Tensor dlogp = where(hits, rows, zeros_like(rows));
+          Tensor dlogp = where(hit(in[0], in[1]), rows, zeros_like(rows));
           if (eps == 0) return dlogp;
           const double share = -eps / static_cast<double>(shape.back());
           Tensor each = broadcast_to(unsqueeze(g * share, -1), shape);
-          return dlogp + (weighted ? each * in[2] : each);
+          return dlogp + (weighted ? each * in[4] : each);
         };
-        Tensor shift = stable_shift(x, {-1}, loc);
-        Tensor log_norm = log(sum(exp(x - shift), {-1}, true));
-        Tensor total = sum(dlogp_of(), {-1}, true);
-        Tensor logp = (x - shift) - log_norm;
-        std::vector<Tensor> grads{dlogp_of() - exp(logp) * total, Tensor()};
-        if (weighted) grads.emplace_back();
+        Tensor total = eps == 0 ? unsqueeze(at_target, -1) : sum(dlogp_of(), {-1}, true);
+        // A gradient that is itself differentiated (create_graph) takes log p from the logits
+        // alone, so that its own gradient sees the row statistics move with them.
+        std::vector<Tensor> from = in;
+        if (grad_enabled()) {
+          from[2] = stable_shift(in[0], {-1}, loc);
+          from[3] = log(sum(exp(in[0] - from[2]), {-1}, true));
+        }
+        std::vector<Tensor> grads(in.size());
+        grads[0] = dlogp_of() - exp(log_probs(from)) * total;
         return grads;
       },
       loc);
