@@ -167,6 +167,27 @@ TEST(MemoryReport, SoftmaxKeepsOnlyItsOutputForBackward) {
     EXPECT_EQ(row.bytes, row.storage == mt::boolean ? 24 : 96);
 }
 
+// layer_norm and rms_norm keep their input alone for the backward pass, as PyTorch's do (which
+// also keep each row's statistics): loss = sum(norm(2 x, w, b) * c) saves the norm's input and c.
+// The composites' own gradients kept the centered and the normalized rows, and 1/std.
+TEST(MemoryReport, NormsKeepTheirInputAlone) {
+  constexpr int64_t kRows = 8, kCols = 16;
+  for (bool layer : {true, false}) {
+    mt::Linear affine(kCols, kCols);  // only its weight and bias are used, as the norm's
+    mt::Tensor x = mt::tensor(iota_values(kRows * kCols, -1.0f, 0.0625f), {kRows, kCols});
+    mt::Tensor c = mt::tensor(iota_values(kRows * kCols, 0.5f, -0.03125f), {kRows, kCols});
+    mt::Tensor w = affine.bias * 0.5 + 1.0, b = affine.bias;
+    mt::Tensor h = x * 2.0;
+    mt::Tensor y = layer ? mt::layer_norm(h, w, b) : mt::rms_norm(h, w);
+    mt::Tensor loss = mt::sum(y * c);
+    loss.backward();
+    mt::MemoryReport report = mt::memory_report(affine, nullptr, loss);
+    EXPECT_EQ(report.saved_activations, 2 * kRows * kCols * 4)
+        << (layer ? "layer_norm" : "rms_norm") << "\n"
+        << report.table();
+  }
+}
+
 // A vocabulary head's loss, cross_entropy(x W^T, y) over [batch, time] tokens, keeps the logits
 // in their own type and one id per token for the backward pass, and computes the gradient from
 // them in one kernel: no [tokens, classes] value in f32 is kept (the log-probabilities, their

@@ -274,8 +274,33 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, const Loc& lo
   if (weight.defined() && weight.shape() != Shape{x.size(-1)})
     op_fail("rms_norm", loc, "weight shape {} should be [{}]", to_string(weight.shape()),
             x.size(-1));
-  Tensor y = x * rsqrt(mean(square(x), {-1}, true) + eps);
-  return weight.defined() ? y * weight : y;
+  const bool weighted = weight.defined();
+  std::vector<Tensor> inputs{x};
+  if (weighted) inputs.push_back(weight);
+  auto forward = [=](const std::vector<Tensor>& in) {
+    Tensor y = in[0] * rsqrt(mean(square(in[0]), {-1}, true) + eps);
+    return weighted ? y * in[1] : y;
+  };
+  if (!grad_enabled() || !(x.requires_grad() || (weighted && weight.requires_grad())))
+    return forward(inputs);
+  // As layer_norm: the backward pass keeps x alone and computes each row's 1/rms again.
+  std::vector<int64_t> leading;
+  for (int64_t d = 0; d + 1 < x.dim(); ++d) leading.push_back(d);
+  return custom_op(
+      inputs, forward,
+      [=](const std::vector<Tensor>& in, const Tensor&, const Tensor& g) {
+        const Tensor& v = in[0];
+        Tensor r = rsqrt(mean(square(v), {-1}, true) + eps);
+        Tensor xhat = v * r;
+        Tensor gw = weighted ? g * in[1] : g;
+        std::vector<Tensor> grads{r * (gw - xhat * mean(gw * xhat, {-1}, true))};
+        if (weighted) {
+          Tensor terms = g * (v * r);
+          grads.push_back(leading.empty() ? terms : sum(terms, leading));
+        }
+        return grads;
+      },
+      loc);
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Loc& loc) {
