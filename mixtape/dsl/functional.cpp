@@ -98,11 +98,9 @@ Shape drop_axes(const Shape& shape, const std::vector<int64_t>& axes) {
 }
 
 // log(sum(exp(x))) over `axes`. Its gradient is PyTorch's, g exp(x - y), which reads only the
-// input and the result: the composite's own would keep exp(x - max) for the backward pass.
-// cross_entropy's rows are this minus the target's score, so that the backward pass keeps the
-// logits (in their own type, bf16 after an autocast head) and one f32 per row, not the [rows,
-// classes] log-probabilities in f32. The op's result is the one returned (reshaped inside when
-// the axes are dropped), so that a caller who evaluates it keeps what the gradient reads.
+// input and the result: the composite's own would keep exp(x - max) for the backward pass. The
+// op's result is the one returned (reshaped inside when the axes are dropped), so that a caller
+// who evaluates it keeps what the gradient reads.
 Tensor logsumexp_of(const Tensor& x, const std::vector<int64_t>& axes, bool keepdim,
                     const Loc& loc) {
   Shape kept = x.shape();
@@ -121,25 +119,31 @@ Tensor logsumexp_of(const Tensor& x, const std::vector<int64_t>& axes, bool keep
       loc);
 }
 
-// Each row's entry of `values` [..., C] at its class in `targets` [...] (ids already checked to
-// be in range), as a masked sum over the classes, not a gather: it joins the kernel that reads
-// the row, and its gradient is pointwise where a gather's is a scatter into a [rows, classes]
-// zero tensor (for a 50k vocabulary, most of a step). Exact: one term is the value, the others
-// are +0. The gradient compares the classes with the targets again rather than reading the
-// forward pass's [rows, classes] mask, which would be kept for it.
-Tensor pick_class(const Tensor& values, const Tensor& targets) {
-  auto hit = [](const Tensor& scores, const Tensor& ids) {
-    return eq(class_indices(scores.size(-1), ids.dtype()), unsqueeze(ids, -1));
+// Where each row's class is its id: [..., C] bools for scores [..., C] and ids [...] (already
+// checked to be in range).
+Tensor class_hits(const Tensor& scores, const Tensor& ids) {
+  return eq(class_indices(scores.size(-1), ids.dtype()), unsqueeze(ids, -1));
+}
+
+// Each row's value at its class, as a masked sum over the classes, not a gather: it joins the
+// kernel that reads the row, and its gradient is pointwise where a gather's is a scatter into a
+// [rows, classes] zero tensor (for a 50k vocabulary, most of a step). Exact: one term is the
+// value, the others are +0.
+Tensor masked_pick(const Tensor& hits, const Tensor& values) {
+  return sum(where(hits, values, zeros_like(values)), {-1});
+}
+
+// masked_pick of `values` at `ids`, whose gradient compares the classes with the ids again
+// rather than reading the forward pass's [rows, classes] mask, which would be kept for it.
+Tensor pick_class(const Tensor& values, const Tensor& ids) {
+  auto forward = [](const std::vector<Tensor>& in) {
+    return masked_pick(class_hits(in[0], in[1]), in[0]);
   };
-  auto forward = [hit](const std::vector<Tensor>& in) {
-    return sum(where(hit(in[0], in[1]), in[0], zeros_like(in[0])), {-1});
-  };
-  if (!grad_enabled() || !values.requires_grad()) return forward({values, targets});
+  if (!grad_enabled() || !values.requires_grad()) return forward({values, ids});
   return custom_op(
-      {values, targets}, forward,
-      [hit](const std::vector<Tensor>& in, const Tensor&, const Tensor& g) {
+      {values, ids}, forward, [](const std::vector<Tensor>& in, const Tensor&, const Tensor& g) {
         Tensor row = broadcast_to(unsqueeze(g, -1), in[0].shape());
-        return std::vector<Tensor>{where(hit(in[0], in[1]), row, zeros_like(row)), Tensor()};
+        return std::vector<Tensor>{where(class_hits(in[0], in[1]), row, zeros_like(row)), Tensor()};
       });
 }
 
@@ -392,13 +396,6 @@ Tensor reduce_valid(const Tensor& loss, const CheckedTargets& t, Reduction reduc
 Tensor cross_entropy_rows(const Tensor& logits, const Tensor& ids, const Tensor& class_weight,
                           double eps, const Loc& loc) {
   const bool weighted = class_weight.defined();
-  auto hit = [](const Tensor& scores, const Tensor& ids) {
-    return eq(class_indices(scores.size(-1), ids.dtype()), unsqueeze(ids, -1));
-  };
-  // The target's log-probability (or weight) as a masked sum: see pick_class.
-  auto pick = [](const Tensor& hits, const Tensor& values) {
-    return sum(where(hits, values, zeros_like(values)), {-1});
-  };
   // Inputs: the logits, the ids, each row's max (stable_shift) and log-sum-exp of the shifted
   // row, then the class weight where given. log p is (x - max) - log-sum-exp, as the
   // log_softmax composite computes it, in the forward pass and again in the gradient's kernel.
@@ -409,15 +406,15 @@ Tensor cross_entropy_rows(const Tensor& logits, const Tensor& ids, const Tensor&
   if (weighted) inputs.push_back(class_weight);
   auto log_probs = [](const std::vector<Tensor>& in) { return (in[0] - in[2]) - in[3]; };
   auto forward = [=](const std::vector<Tensor>& in) {
-    Tensor logp = log_probs(in), hits = hit(in[0], in[1]);
-    Tensor picked = pick(hits, logp);
+    Tensor logp = log_probs(in), hits = class_hits(in[0], in[1]);
+    Tensor picked = masked_pick(hits, logp);
     if (eps == 0)
-      return weighted ? -picked * pick(hits, broadcast_to(in[4], logp.shape())) : -picked;
+      return weighted ? -picked * masked_pick(hits, broadcast_to(in[4], logp.shape())) : -picked;
     // The minus signs go into the factors: (-a) b and a (-b) are the same number, zeros' signs
     // included (so -(1 - eps), which is -0 at eps = 1, not eps - 1).
-    Tensor nll_part = weighted
-                          ? -picked * pick(hits, broadcast_to(in[4], logp.shape())) * (1.0 - eps)
-                          : picked * -(1.0 - eps);
+    Tensor nll_part =
+        weighted ? -picked * masked_pick(hits, broadcast_to(in[4], logp.shape())) * (1.0 - eps)
+                 : picked * -(1.0 - eps);
     Tensor log_mean = weighted ? mean(logp * in[4], {-1}) : mean(logp, {-1});
     return nll_part + log_mean * -eps;
   };
@@ -430,12 +427,13 @@ Tensor cross_entropy_rows(const Tensor& logits, const Tensor& ids, const Tensor&
         // class. Without smoothing the row's sum is its one term at the target; with it, the
         // [rows, classes] terms are made twice, for the sum's kernel and the gradient's, so that
         // none is stored between them.
-        Tensor w_t = weighted ? pick(hit(in[0], in[1]), broadcast_to(in[4], shape)) : Tensor();
+        Tensor w_t =
+            weighted ? masked_pick(class_hits(in[0], in[1]), broadcast_to(in[4], shape)) : Tensor();
         Tensor at_target = eps == 0 ? (weighted ? -(g * w_t) : -g)
                                     : (weighted ? -(g * (1.0 - eps) * w_t) : g * -(1.0 - eps));
         auto dlogp_of = [&] {
           Tensor rows = broadcast_to(unsqueeze(at_target, -1), shape);
-          Tensor dlogp = where(hit(in[0], in[1]), rows, zeros_like(rows));
+          Tensor dlogp = where(class_hits(in[0], in[1]), rows, zeros_like(rows));
           if (eps == 0) return dlogp;
           const double share = -eps / static_cast<double>(shape.back());
           Tensor each = broadcast_to(unsqueeze(g * share, -1), shape);
