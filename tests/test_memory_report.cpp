@@ -173,7 +173,7 @@ TEST(MemoryReport, SoftmaxKeepsOnlyItsOutputForBackward) {
 TEST(MemoryReport, NormsKeepTheirInputAlone) {
   constexpr int64_t kRows = 8, kCols = 16;
   for (bool layer : {true, false}) {
-    mt::Linear affine(kCols, kCols);  // only its weight and bias are used, as the norm's
+    mt::Linear affine(kCols, kCols);  // its bias (the parameter) makes the norm's weight and bias
     mt::Tensor x = mt::tensor(iota_values(kRows * kCols, -1.0f, 0.0625f), {kRows, kCols});
     mt::Tensor c = mt::tensor(iota_values(kRows * kCols, 0.5f, -0.03125f), {kRows, kCols});
     mt::Tensor w = affine.bias * 0.5 + 1.0, b = affine.bias;

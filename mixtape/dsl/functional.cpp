@@ -87,28 +87,19 @@ Tensor softmax_of(const Tensor& x, const Tensor& mask, int64_t axis, const Loc& 
       loc);
 }
 
-// `shape` without `axes` (negative ones count from the end).
-Shape drop_axes(const Shape& shape, const std::vector<int64_t>& axes) {
-  const auto rank = static_cast<int64_t>(shape.size());
-  Shape kept;
-  for (int64_t d = 0; d < rank; ++d)
-    if (std::none_of(axes.begin(), axes.end(), [&](int64_t a) { return a == d || a + rank == d; }))
-      kept.push_back(shape[static_cast<size_t>(d)]);
-  return kept;
-}
-
 // log(sum(exp(x))) over `axes`. Its gradient is PyTorch's, g exp(x - y), which reads only the
 // input and the result: the composite's own would keep exp(x - max) for the backward pass. The
 // op's result is the one returned (reshaped inside when the axes are dropped), so that a caller
 // who evaluates it keeps what the gradient reads.
 Tensor logsumexp_of(const Tensor& x, const std::vector<int64_t>& axes, bool keepdim,
                     const Loc& loc) {
-  Shape kept = x.shape();
-  for (int64_t a : axes) kept[static_cast<size_t>(a < 0 ? a + x.dim() : a)] = 1;
+  std::vector<int64_t> reduced;
+  for (int64_t a : axes) reduced.push_back(a < 0 ? a + x.dim() : a);
+  const Shape kept = reduced_shape(x.shape(), reduced, true);
   auto forward = [&](const std::vector<Tensor>& in) {
     Tensor m = stable_shift(in[0], axes, loc);
     Tensor result = log(sum(exp(in[0] - m), axes, true)) + m;
-    return keepdim ? result : reshape(result, drop_axes(x.shape(), axes));
+    return keepdim ? result : reshape(result, reduced_shape(x.shape(), reduced, false));
   };
   if (!grad_enabled() || !x.requires_grad()) return forward({x});
   return custom_op(
@@ -145,6 +136,53 @@ Tensor pick_class(const Tensor& values, const Tensor& ids) {
         Tensor row = broadcast_to(unsqueeze(g, -1), in[0].shape());
         return std::vector<Tensor>{where(class_hits(in[0], in[1]), row, zeros_like(row)), Tensor()};
       });
+}
+
+// layer_norm's and rms_norm's op: x over `axes` (centered first where `center`), divided by its
+// root mean square there (+ eps), times the weight and plus the bias where given. The backward
+// pass keeps x alone, as PyTorch's does (which keeps the row statistics too): the gradient
+// computes each row's statistics again, and the weight's gradient its own normalized rows from
+// them, so that neither the centered nor the normalized rows are kept, nor passed between
+// kernels.
+Tensor normalized_rows(const Tensor& x, const Tensor& weight, const Tensor& bias, double eps,
+                       const std::vector<int64_t>& axes, bool center, const Loc& loc) {
+  std::vector<int64_t> leading;
+  for (int64_t d = 0; d < x.dim() - static_cast<int64_t>(axes.size()); ++d) leading.push_back(d);
+  // Inputs: x, then the weight and the bias where given.
+  const bool weighted = weight.defined(), biased = bias.defined();
+  std::vector<Tensor> inputs{x};
+  if (weighted) inputs.push_back(weight);
+  if (biased) inputs.push_back(bias);
+  auto forward = [=](const std::vector<Tensor>& in) {
+    Tensor centered = center ? in[0] - mean(in[0], axes, true) : in[0];
+    Tensor y = centered * rsqrt(mean(square(centered), axes, true) + eps);
+    if (weighted) y = y * in[1];
+    if (biased) y = y + in[weighted ? 2 : 1];
+    return y;
+  };
+  const bool any_grad =
+      std::any_of(inputs.begin(), inputs.end(), [](const Tensor& t) { return t.requires_grad(); });
+  if (!grad_enabled() || !any_grad) return forward(inputs);
+  return custom_op(
+      inputs, forward,
+      [=](const std::vector<Tensor>& in, const Tensor&, const Tensor& g) {
+        const Tensor& v = in[0];
+        Tensor mu = center ? mean(v, axes, true) : Tensor();
+        // Made twice: the input gradient's kernel and the weight gradient's (a sum over the rows,
+        // another loop nest) each compute their own.
+        auto centered = [&] { return center ? v - mu : v; };
+        Tensor c = centered();
+        Tensor r = rsqrt(mean(square(c), axes, true) + eps);
+        Tensor xhat = c * r;
+        Tensor gw = weighted ? g * in[1] : g;
+        Tensor row_terms = center ? gw - mean(gw, axes, true) : gw;
+        std::vector<Tensor> grads{r * (row_terms - xhat * mean(gw * xhat, axes, true))};
+        auto over_rows = [&](const Tensor& t) { return leading.empty() ? t : sum(t, leading); };
+        if (weighted) grads.push_back(over_rows(g * (centered() * r)));
+        if (biased) grads.push_back(over_rows(g));
+        return grads;
+      },
+      loc);
 }
 
 Tensor reduce(const Tensor& loss, Reduction reduction) {
@@ -230,45 +268,9 @@ Tensor layer_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, dou
     if (p->defined() && p->shape() != normalized)
       op_fail("layer_norm", loc, "weight/bias shape {} should be {}", to_string(p->shape()),
               to_string(normalized));
-  std::vector<int64_t> axes, leading;
-  for (int64_t d = 0; d < x.dim(); ++d)
-    (d < x.dim() - normalized_dims ? leading : axes).push_back(d);
-  // Inputs: x, then the weight and the bias where given.
-  const bool weighted = weight.defined(), biased = bias.defined();
-  std::vector<Tensor> inputs{x};
-  if (weighted) inputs.push_back(weight);
-  if (biased) inputs.push_back(bias);
-  auto forward = [=](const std::vector<Tensor>& in) {
-    Tensor centered = in[0] - mean(in[0], axes, true);
-    Tensor y = centered * rsqrt(mean(square(centered), axes, true) + eps);
-    if (weighted) y = y * in[1];
-    if (biased) y = y + in[weighted ? 2 : 1];
-    return y;
-  };
-  const bool any_grad =
-      std::any_of(inputs.begin(), inputs.end(), [](const Tensor& t) { return t.requires_grad(); });
-  if (!grad_enabled() || !any_grad) return forward(inputs);
-  // The backward pass keeps x alone, as PyTorch's does (which keeps the row statistics too): the
-  // gradient computes each row's mean and 1/std again, and the weight's gradient its own
-  // normalized rows from them, so that neither the centered nor the normalized rows are kept,
-  // nor passed between kernels.
-  return custom_op(
-      inputs, forward,
-      [=](const std::vector<Tensor>& in, const Tensor&, const Tensor& g) {
-        const Tensor& x = in[0];
-        Tensor mu = mean(x, axes, true);
-        Tensor centered = x - mu;
-        Tensor r = rsqrt(mean(square(centered), axes, true) + eps);
-        Tensor xhat = centered * r;
-        Tensor gw = weighted ? g * in[1] : g;
-        std::vector<Tensor> grads{r *
-                                  (gw - mean(gw, axes, true) - xhat * mean(gw * xhat, axes, true))};
-        auto over_rows = [&](const Tensor& t) { return leading.empty() ? t : sum(t, leading); };
-        if (weighted) grads.push_back(over_rows(g * ((x - mu) * r)));
-        if (biased) grads.push_back(over_rows(g));
-        return grads;
-      },
-      loc);
+  std::vector<int64_t> axes;
+  for (int64_t d = x.dim() - normalized_dims; d < x.dim(); ++d) axes.push_back(d);
+  return normalized_rows(x, weight, bias, eps, axes, true, loc);
 }
 
 Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, const Loc& loc) {
@@ -278,33 +280,7 @@ Tensor rms_norm(const Tensor& x, const Tensor& weight, double eps, const Loc& lo
   if (weight.defined() && weight.shape() != Shape{x.size(-1)})
     op_fail("rms_norm", loc, "weight shape {} should be [{}]", to_string(weight.shape()),
             x.size(-1));
-  const bool weighted = weight.defined();
-  std::vector<Tensor> inputs{x};
-  if (weighted) inputs.push_back(weight);
-  auto forward = [=](const std::vector<Tensor>& in) {
-    Tensor y = in[0] * rsqrt(mean(square(in[0]), {-1}, true) + eps);
-    return weighted ? y * in[1] : y;
-  };
-  if (!grad_enabled() || !(x.requires_grad() || (weighted && weight.requires_grad())))
-    return forward(inputs);
-  // As layer_norm: the backward pass keeps x alone and computes each row's 1/rms again.
-  std::vector<int64_t> leading;
-  for (int64_t d = 0; d + 1 < x.dim(); ++d) leading.push_back(d);
-  return custom_op(
-      inputs, forward,
-      [=](const std::vector<Tensor>& in, const Tensor&, const Tensor& g) {
-        const Tensor& v = in[0];
-        Tensor r = rsqrt(mean(square(v), {-1}, true) + eps);
-        Tensor xhat = v * r;
-        Tensor gw = weighted ? g * in[1] : g;
-        std::vector<Tensor> grads{r * (gw - xhat * mean(gw * xhat, {-1}, true))};
-        if (weighted) {
-          Tensor terms = g * (v * r);
-          grads.push_back(leading.empty() ? terms : sum(terms, leading));
-        }
-        return grads;
-      },
-      loc);
+  return normalized_rows(x, weight, Tensor(), eps, {x.dim() - 1}, false, loc);
 }
 
 Tensor linear(const Tensor& x, const Tensor& weight, const Tensor& bias, const Loc& loc) {

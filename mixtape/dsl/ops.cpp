@@ -152,18 +152,6 @@ Tensor apply_operator(const Operand& a, const Operand& b, Builder build) {
   return build(a.tensor, b.tensor, loc);
 }
 
-Shape reduced_shape(const Shape& shape, const std::vector<int64_t>& axes, bool keepdim) {
-  Shape out;
-  for (size_t i = 0; i < shape.size(); ++i) {
-    bool reduced = std::find(axes.begin(), axes.end(), static_cast<int64_t>(i)) != axes.end();
-    if (!reduced)
-      out.push_back(shape[i]);
-    else if (keepdim)
-      out.push_back(1);
-  }
-  return out;
-}
-
 int64_t axis_or_fail(int64_t axis, size_t rank, const char* op, const Loc& loc) {
   int64_t r = static_cast<int64_t>(rank);
   if (axis < -r || axis >= r) op_fail(op, loc, "axis {} is out of range for rank {}", axis, rank);

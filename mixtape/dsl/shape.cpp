@@ -34,6 +34,18 @@ std::vector<int64_t> strides_of(const Shape& shape) {
 
 std::string to_string(const Shape& shape) { return fmt::format("[{}]", fmt::join(shape, ", ")); }
 
+Shape reduced_shape(const Shape& shape, const std::vector<int64_t>& axes, bool keepdim) {
+  Shape out;
+  for (size_t i = 0; i < shape.size(); ++i) {
+    bool reduced = std::find(axes.begin(), axes.end(), static_cast<int64_t>(i)) != axes.end();
+    if (!reduced)
+      out.push_back(shape[i]);
+    else if (keepdim)
+      out.push_back(1);
+  }
+  return out;
+}
+
 std::optional<Shape> broadcast_shapes(const Shape& a, const Shape& b) {
   size_t rank = std::max(a.size(), b.size());
   Shape out(rank);

@@ -22,6 +22,8 @@ inline constexpr int64_t max_tensor_bytes = int64_t{1} << 60;
 std::vector<int64_t> strides_of(const Shape& shape);
 /// "[2, 3, 4]"
 std::string to_string(const Shape& shape);
+/// `shape` reduced over `axes` (non-negative): those dims dropped, or kept as 1 with `keepdim`.
+Shape reduced_shape(const Shape& shape, const std::vector<int64_t>& axes, bool keepdim);
 /// numpy broadcasting of two shapes; nullopt when they are incompatible.
 std::optional<Shape> broadcast_shapes(const Shape& a, const Shape& b);
 
