@@ -56,6 +56,13 @@ double round_to_format(double v, int bits, int min_exponent, double max_finite) 
 double to_f16(double v) { return round_to_format(v, 11, -14, 65504.0); }
 double to_bf16(double v) { return round_to_format(v, 8, -126, 0x1.fep127); }
 double to_half(mt::DType t, double v) { return t == mt::f16 ? to_f16(v) : to_bf16(v); }
+// The spacing of the half type `t` at v.
+double ulp_of(mt::DType t, double v) {
+  int exponent = 0;
+  std::frexp(v, &exponent);
+  const int bits = t == mt::f16 ? 11 : 8, min_exponent = t == mt::f16 ? -14 : -126;
+  return std::ldexp(1.0, std::max(exponent - 1, min_exponent) - (bits - 1));
+}
 
 TEST(IndependentRounding, AgreesWithKnownValues) {
   // The helper the executor is checked against, checked itself against worked values.
@@ -235,6 +242,31 @@ TEST(BuiltinPolicies, DecideEachCategoryAsDocumented) {
         }
       }
       EXPECT_GE(checked, 3) << name;
+    }
+    // On half data the composites widen their input themselves (dsl/composites.h): without a
+    // policy their inside is f32 and only what they return is rounded to the data's type; under
+    // autocast and pure policies their casts run in f32 with the rest, and what they return
+    // stays f32.
+    for (auto [name, call] : std::vector<std::pair<const char*, std::function<mt::Tensor()>>>{
+             {"softmax", [&] { return mt::softmax(data16, -1); }},
+             {"log_softmax", [&] { return mt::log_softmax(data16, 0); }},
+             {"logsumexp", [&] { return mt::logsumexp(data16, {1}); }},
+             {"layer_norm", [&] { return mt::layer_norm(data16, mt::Tensor(), mt::Tensor()); }},
+             {"rms_norm", [&] { return mt::rms_norm(data16, mt::Tensor()); }},
+             {"cross_entropy", [&] { return mt::cross_entropy(data16, targets); }},
+             {"nll_loss", [&] { return mt::nll_loss(data16, targets); }}}) {
+      mt::Tensor y;
+      IdRange range = made_by([&] { y = call(); });
+      int widened = 0;
+      for (const mt::PrecisionRow& row : mt::precision_report({y}).rows) {
+        if (!range.contains(row.id) || !mt::is_floating(row.traced)) continue;
+        widened += row.traced == f32;
+        const Decision expected = fp32 ? Decision{row.traced, row.traced, f32} : full;
+        EXPECT_EQ((Decision{row.storage, row.compute, row.accum}), expected)
+            << name << " on f16 data: node " << row.id << " " << row.op << ": " << row.rule;
+      }
+      EXPECT_GE(widened, 2) << name;
+      EXPECT_EQ(decision_of(y), fp32 ? (Decision{mt::f16, mt::f16, f32}) : full) << name;
     }
     if (fp32) {
       EXPECT_EQ(row_of(m).rule, "fp32: as traced");
@@ -758,6 +790,69 @@ TEST(ExecutorFaithfulness, PointwiseOpsStoreAndComputeAsDecided) {
   }
   EXPECT_TRUE(std::isinf(big.item()));  // 80000 > 65504
   EXPECT_EQ(total.item(), 65536.0);
+}
+
+// Half data through softmax, log_softmax, logsumexp, the norms and the losses without a policy:
+// computed in f32 and rounded once to the data's type, as PyTorch's CUDA kernels (and its CPU
+// kernels since 2.0) do, so within one unit in the last place of the f64 value. Rounding every
+// node to 16 bits instead made a confident row's loss log(1 + 3 e^-8) = 0.001 exactly 0 in bf16
+// (1 + 0.001 is 1 there), and its gradient at the target 0; and the layer norm of rows near 1000
+// centred them on a mean rounded to a multiple of 4 or 16.
+TEST(ExecutorFaithfulness, HalfDataThroughF32CompositesIsRoundedOnce) {
+  const std::vector<double> rows{8, 0, 0, 0, 0.5, -1, 2, 0.25, 1000, 1004, 996, 1008};
+  const std::vector<int64_t> ids{0, 2, 3};
+  // The f64 references, row by row.
+  std::vector<double> lse, log_p, p, normed, rms;
+  for (size_t r = 0; r < 3; ++r) {
+    const double* x = &rows[4 * r];
+    double top = *std::max_element(x, x + 4), total = 0, mean = 0, square_sum = 0;
+    for (int c = 0; c < 4; ++c) total += std::exp(x[c] - top), mean += x[c] / 4;
+    for (int c = 0; c < 4; ++c) square_sum += x[c] * x[c] / 4;
+    double var = 0;
+    for (int c = 0; c < 4; ++c) var += (x[c] - mean) * (x[c] - mean) / 4;
+    lse.push_back(top + std::log(total));
+    for (int c = 0; c < 4; ++c) {
+      log_p.push_back(x[c] - lse.back());
+      p.push_back(std::exp(log_p.back()));
+      normed.push_back((x[c] - mean) / std::sqrt(var + 1e-5));
+      rms.push_back(x[c] / std::sqrt(square_sum + 1e-6));
+    }
+  }
+  for (mt::DType t : {mt::bf16, mt::f16}) {
+    SCOPED_TRACE(std::string(mt::name(t)));
+    // Within one unit in the last place of the type at the reference value.
+    auto expect_rounded_once = [&](const mt::Tensor& y, const std::vector<double>& reference,
+                                   const char* what) {
+      ASSERT_EQ(y.dtype(), t) << what;
+      std::vector<double> got = y.to_vector<double>();
+      ASSERT_EQ(got.size(), reference.size()) << what;
+      for (size_t i = 0; i < got.size(); ++i)
+        EXPECT_LE(std::abs(got[i] - reference[i]), ulp_of(t, reference[i])) << what << " " << i;
+    };
+    mt::Tensor x = mt::tensor(rows, {3, 4}, t);
+    ASSERT_EQ(x.to_vector<double>(), rows);  // every input is a value of both types
+    x.requires_grad_(true);
+    mt::Tensor targets = mt::tensor(ids, {3});
+    std::vector<double> loss;
+    for (size_t r = 0; r < 3; ++r) loss.push_back(-log_p[4 * r + static_cast<size_t>(ids[r])]);
+    expect_rounded_once(mt::logsumexp(x, {1}), lse, "logsumexp");
+    expect_rounded_once(mt::log_softmax(x, 1), log_p, "log_softmax");
+    expect_rounded_once(mt::softmax(x, 1), p, "softmax");
+    expect_rounded_once(mt::layer_norm(x, mt::Tensor(), mt::Tensor()), normed, "layer_norm");
+    expect_rounded_once(mt::rms_norm(x, mt::Tensor()), rms, "rms_norm");
+    expect_rounded_once(mt::cross_entropy(x, targets, {.reduction = mt::Reduction::None}), loss,
+                        "cross_entropy");
+    expect_rounded_once(mt::nll_loss(mt::log_softmax(x, 1), targets, mt::Reduction::None), loss,
+                        "nll_loss");
+    // The loss's gradient, (p - onehot) / rows.
+    mt::Tensor mean_loss = mt::cross_entropy(x, targets);
+    expect_rounded_once(mean_loss, {(loss[0] + loss[1] + loss[2]) / 3}, "mean cross_entropy");
+    mean_loss.backward();
+    std::vector<double> expected_grad(p);
+    for (size_t r = 0; r < 3; ++r) expected_grad[4 * r + static_cast<size_t>(ids[r])] -= 1;
+    for (double& g : expected_grad) g /= 3;
+    expect_rounded_once(x.grad(), expected_grad, "cross_entropy's gradient");
+  }
 }
 
 // The premise of loss scaling: gradients below f16's smallest subnormal (2^-24) vanish in an f16

@@ -24,6 +24,8 @@ Category category(const char* name) {
   return Category::Follow;
 }
 
+DType statistics_type(DType input) { return input == f64 ? f64 : f32; }
+
 const std::vector<const char*>& names() {
   static const std::vector<const char*> all = [] {
     std::vector<const char*> out;

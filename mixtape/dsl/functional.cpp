@@ -66,19 +66,21 @@ Tensor stable_shift(const Tensor& x, const std::vector<int64_t>& axes, const Loc
 // recomputed mask, as it reads the recomputed output: the graph around the recomputation is then
 // the forward pass's, and so are its kernels and bits.
 Tensor softmax_of(const Tensor& x, const Tensor& mask, int64_t axis, const Loc& loc) {
+  const DType type = composite::statistics_type(x.dtype());
   auto forward = [&](const std::vector<Tensor>& in) {
-    Tensor scores = in[0];
+    Tensor scores = cast(in[0], type);
     if (in.size() > 1)
       scores = where(in[1], scores, full_like(scores, -std::numeric_limits<double>::infinity()));
     Tensor e = exp(scores - stable_shift(scores, {axis}, loc));
-    return e / sum(e, {axis}, true);
+    return cast(e / sum(e, {axis}, true), x.dtype());
   };
   std::vector<Tensor> inputs{x};
   if (mask.defined()) inputs.push_back(mask);
   if (!grad_enabled() || !x.requires_grad()) return forward(inputs);
   return custom_op(
       inputs, forward,
-      [axis](const std::vector<Tensor>& in, const Tensor& y, const Tensor& g) {
+      [axis, type](const std::vector<Tensor>& in, const Tensor& y_in, const Tensor& g_in) {
+        Tensor y = cast(y_in, type), g = cast(g_in, type);
         Tensor dx = y * (g - sum(g * y, {axis}, true));
         if (in.size() == 1) return std::vector<Tensor>{dx};
         // Masked places get a zero gradient even in a row that is all masked (whose y is NaN).
@@ -96,16 +98,18 @@ Tensor logsumexp_of(const Tensor& x, const std::vector<int64_t>& axes, bool keep
   std::vector<int64_t> reduced;
   for (int64_t a : axes) reduced.push_back(a < 0 ? a + x.dim() : a);
   const Shape kept = reduced_shape(x.shape(), reduced, true);
+  const DType type = composite::statistics_type(x.dtype());
   auto forward = [&](const std::vector<Tensor>& in) {
-    Tensor m = stable_shift(in[0], axes, loc);
-    Tensor result = log(sum(exp(in[0] - m), axes, true)) + m;
+    Tensor v = cast(in[0], type), m = stable_shift(v, axes, loc);
+    Tensor result = cast(log(sum(exp(v - m), axes, true)) + m, x.dtype());
     return keepdim ? result : reshape(result, reduced_shape(x.shape(), reduced, false));
   };
   if (!grad_enabled() || !x.requires_grad()) return forward({x});
   return custom_op(
       {x}, forward,
-      [kept](const std::vector<Tensor>& in, const Tensor& y, const Tensor& g) {
-        return std::vector<Tensor>{reshape(g, kept) * exp(in[0] - reshape(y, kept))};
+      [kept, type](const std::vector<Tensor>& in, const Tensor& y, const Tensor& g) {
+        return std::vector<Tensor>{cast(reshape(g, kept), type) *
+                                   exp(cast(in[0], type) - cast(reshape(y, kept), type))};
       },
       loc);
 }
@@ -153,20 +157,25 @@ Tensor normalized_rows(const Tensor& x, const Tensor& weight, const Tensor& bias
   std::vector<Tensor> inputs{x};
   if (weighted) inputs.push_back(weight);
   if (biased) inputs.push_back(bias);
+  // Computed in the statistics type, the result in the type the inputs promote to.
+  const DType type = composite::statistics_type(x.dtype());
+  DType result_type = x.dtype();
+  for (const Tensor& t : inputs) result_type = promote(result_type, t.dtype());
   auto forward = [=](const std::vector<Tensor>& in) {
-    Tensor centered = center ? in[0] - mean(in[0], axes, true) : in[0];
+    Tensor v = cast(in[0], type);
+    Tensor centered = center ? v - mean(v, axes, true) : v;
     Tensor y = centered * rsqrt(mean(square(centered), axes, true) + eps);
     if (weighted) y = y * in[1];
     if (biased) y = y + in[weighted ? 2 : 1];
-    return y;
+    return cast(y, result_type);
   };
   const bool any_grad =
       std::any_of(inputs.begin(), inputs.end(), [](const Tensor& t) { return t.requires_grad(); });
   if (!grad_enabled() || !any_grad) return forward(inputs);
   return custom_op(
       inputs, forward,
-      [=](const std::vector<Tensor>& in, const Tensor&, const Tensor& g) {
-        const Tensor& v = in[0];
+      [=](const std::vector<Tensor>& in, const Tensor&, const Tensor& g_in) {
+        Tensor v = cast(in[0], type), g = cast(g_in, type);
         Tensor mu = center ? mean(v, axes, true) : Tensor();
         // Made twice: the input gradient's kernel and the weight gradient's (a sum over the rows,
         // another loop nest) each compute their own.
@@ -236,14 +245,17 @@ Tensor log_softmax(const Tensor& x, int64_t axis, const Loc& loc) {
   CallSiteScope site(loc, composite::log_softmax);
   require_float(x, "log_softmax", "input", loc);
   check_axes(x, {axis}, "log_softmax", loc);
-  auto forward = [axis, &loc](const std::vector<Tensor>& in) {
-    Tensor shifted = in[0] - stable_shift(in[0], {axis}, loc);
-    return shifted - log(sum(exp(shifted), {axis}, true));
+  const DType type = composite::statistics_type(x.dtype());
+  auto forward = [axis, type, &loc](const std::vector<Tensor>& in) {
+    Tensor v = cast(in[0], type);
+    Tensor shifted = v - stable_shift(v, {axis}, loc);
+    return cast(shifted - log(sum(exp(shifted), {axis}, true)), in[0].dtype());
   };
   if (!grad_enabled() || !x.requires_grad()) return forward({x});
   return custom_op(
       {x}, forward,
-      [axis](const std::vector<Tensor>&, const Tensor& y, const Tensor& g) {
+      [axis, type](const std::vector<Tensor>&, const Tensor& y_in, const Tensor& g_in) {
+        Tensor y = cast(y_in, type), g = cast(g_in, type);
         return std::vector<Tensor>{g - exp(y) * sum(g, {axis}, true)};
       },
       loc);
@@ -316,7 +328,7 @@ void check_targets(const Tensor& scores, const Tensor& targets, const char* op, 
             to_string(scores.shape()), to_string(expected), to_string(targets.shape()));
 }
 
-// A class weight [C] of floating type for scores [..., C], in the scores' type.
+// A class weight [C] of floating type for scores [..., C], in the scores' statistics type.
 Tensor class_weight(const Tensor& weight, const Tensor& scores, const char* op, const Loc& loc) {
   if (!weight.defined()) return weight;
   if (!is_floating(weight.dtype()))
@@ -324,7 +336,7 @@ Tensor class_weight(const Tensor& weight, const Tensor& scores, const char* op, 
   if (weight.shape() != Shape{scores.size(-1)})
     op_fail(op, loc, "the class weight {} should be [{}], one per class of {}",
             to_string(weight.shape()), scores.size(-1), to_string(scores.shape()));
-  return cast(weight, scores.dtype());
+  return cast(weight, composite::statistics_type(scores.dtype()));
 }
 
 // The rows that count (targets other than ignore_index), each row's class id checked to be in
@@ -368,19 +380,23 @@ Tensor reduce_valid(const Tensor& loss, const CheckedTargets& t, Reduction reduc
 // pass keeps the logits in their own type (bf16 after an autocast head) and two values per row
 // rather than the [rows, classes] log-probabilities in f32, and the logits get their gradient as
 // one term (rounded once to their type, where two terms would each be rounded to a 16-bit type
-// before their sum). The class weight takes no gradient, as in PyTorch.
+// before their sum). The class weight takes no gradient, as in PyTorch. The rows' statistics, the
+// loss and the gradient are computed in the logits' statistics type; the loss is returned in it.
 Tensor cross_entropy_rows(const Tensor& logits, const Tensor& ids, const Tensor& class_weight,
                           double eps, const Loc& loc) {
   const bool weighted = class_weight.defined();
   // Inputs: the logits, the ids, each row's max (stable_shift) and log-sum-exp of the shifted
   // row, then the class weight where given. log p is (x - max) - log-sum-exp, as the
   // log_softmax composite computes it, in the forward pass and again in the gradient's kernel.
-  const Tensor rows = logits.detach();
+  const DType type = composite::statistics_type(logits.dtype());
+  const Tensor rows = cast(logits.detach(), type);
   Tensor shift = stable_shift(rows, {-1}, loc);
   Tensor log_norm = log(sum(exp(rows - shift), {-1}, true));
   std::vector<Tensor> inputs{logits, ids, shift, log_norm};
   if (weighted) inputs.push_back(class_weight);
-  auto log_probs = [](const std::vector<Tensor>& in) { return (in[0] - in[2]) - in[3]; };
+  auto log_probs = [type](const std::vector<Tensor>& in) {
+    return (cast(in[0], type) - in[2]) - in[3];
+  };
   auto forward = [=](const std::vector<Tensor>& in) {
     Tensor logp = log_probs(in), hits = class_hits(in[0], in[1]);
     Tensor picked = masked_pick(hits, logp);
@@ -420,8 +436,9 @@ Tensor cross_entropy_rows(const Tensor& logits, const Tensor& ids, const Tensor&
         // alone, so that its own gradient sees the row statistics move with them.
         std::vector<Tensor> from = in;
         if (grad_enabled()) {
-          from[2] = stable_shift(in[0], {-1}, loc);
-          from[3] = log(sum(exp(in[0] - from[2]), {-1}, true));
+          Tensor v = cast(in[0], type);
+          from[2] = stable_shift(v, {-1}, loc);
+          from[3] = log(sum(exp(v - from[2]), {-1}, true));
         }
         std::vector<Tensor> grads(in.size());
         grads[0] = dlogp_of() - exp(log_probs(from)) * total;
@@ -447,7 +464,8 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOp
   Tensor weight = class_weight(options.weight, logits, "cross_entropy", loc);
   CheckedTargets checked = check_ids(logits, targets, options.ignore_index, weight);
   Tensor loss = cross_entropy_rows(logits, checked.ids, weight, options.label_smoothing, loc);
-  return reduce_valid(loss, checked, options.reduction);
+  // In the logits' type, as PyTorch returns it (a no-op under autocast, dsl/composites.h).
+  return cast(reduce_valid(loss, checked, options.reduction), logits.dtype());
 }
 
 Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, Reduction reduction,
@@ -464,9 +482,11 @@ Tensor nll_loss(const Tensor& log_probs, const Tensor& targets, const NllLossOpt
   check_targets(log_probs, targets, "nll_loss", loc);
   Tensor weight = class_weight(options.weight, log_probs, "nll_loss", loc);
   CheckedTargets checked = check_ids(log_probs, targets, options.ignore_index, weight);
-  Tensor picked = pick_class(log_probs, checked.ids);
-  return reduce_valid(weight.defined() ? -picked * checked.weight : -picked, checked,
-                      options.reduction);
+  Tensor picked =
+      pick_class(cast(log_probs, composite::statistics_type(log_probs.dtype())), checked.ids);
+  return cast(reduce_valid(weight.defined() ? -picked * checked.weight : -picked, checked,
+                           options.reduction),
+              log_probs.dtype());
 }
 
 namespace {

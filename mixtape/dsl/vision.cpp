@@ -309,9 +309,6 @@ Tensor adaptive_avg_pool2d(const Tensor& x, Size2 output_size, const Loc& loc) {
 
 namespace {
 
-// The type the norms compute their statistics in: f32, or f64 for an f64 input.
-DType statistics_type(const Tensor& x) { return x.dtype() == f64 ? f64 : f32; }
-
 // [C] as [1, C, 1, ...] of x's rank, in `dtype`.
 Tensor per_channel(const Tensor& v, const Tensor& x, DType dtype) {
   Shape shape(static_cast<size_t>(x.dim()), 1);
@@ -359,7 +356,7 @@ Tensor batch_norm_tracked(const Tensor& x, const Tensor& running_mean, const Ten
     op_fail(op, loc, "momentum must be in [0, 1], got {}", *momentum);
   if (training && running_mean.defined() && !momentum && !num_batches_tracked.defined())
     op_fail(op, loc, "a cumulative average (momentum None) needs num_batches_tracked");
-  const DType type = statistics_type(x);
+  const DType type = composite::statistics_type(x.dtype());
   Tensor xs = cast(x, type);
   Tensor mu, var;
   if (training) {
@@ -430,7 +427,7 @@ Tensor group_norm(const Tensor& x, int64_t groups, const Tensor& weight, const T
             to_string(x.shape()));
   check_channel_vector(weight, x, op, "weight", loc);
   check_channel_vector(bias, x, op, "bias", loc);
-  Tensor grouped = reshape(cast(x, statistics_type(x)), {x.size(0), groups, -1});
+  Tensor grouped = reshape(cast(x, composite::statistics_type(x.dtype())), {x.size(0), groups, -1});
   Tensor centered = grouped - mean(grouped, {-1}, true);
   Tensor y = centered * rsqrt(mean(square(centered), {-1}, true) + eps);
   return affine(reshape(y, x.shape()), x, weight, bias);

@@ -32,7 +32,11 @@ class CategoryPolicy : public Policy {
   bool pure() const override { return true; }
   Precision decide(const PrecisionQuery& q) const override {
     const std::string& who = name();
-    if (q.op == OpCode::Cast && !q.backward)
+    // Inside an f32 composite a cast is the composite's own (to its statistics type and back to
+    // its input's type, dsl/composites.h) and runs in f32 with the rest of it: the result of
+    // softmax or a loss stays f32 under autocast whatever its input's type, as in PyTorch.
+    const Category whole = composite::category(q.composite);
+    if (q.op == OpCode::Cast && !q.backward && whole != Category::Fp32)
       return {q.traced, q.traced, f32, fmt::format("{}: explicit cast keeps its dtype", who)};
     if (q.category == Category::Like && !q.backward) {
       DType like = q.input_storage.empty() ? q.traced : q.input_storage.back();
@@ -44,7 +48,6 @@ class CategoryPolicy : public Policy {
       return {q.traced, q.traced, f32, fmt::format("{}: leaf keeps its traced dtype", who)};
     // Composites autocast runs as a whole (dsl/composites.def): PyTorch's fp32 list (softmax,
     // norms, every loss) in f32, and linear in the half type.
-    const Category whole = composite::category(q.composite);
     if (whole == Category::Fp32)
       return {f32, f32, f32, fmt::format("{}: inside {}, which runs in f32", who, q.composite)};
     if (whole == Category::LowOk)
