@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -437,6 +438,39 @@ TEST(MemoryReport, OptimizerStateBeforeAndAfterTheFirstStep) {
   mt::SGD plain(plain_net.parameters(), {.lr = 0.01});
   MlpStep step = mlp_step(plain_net, nullptr);
   EXPECT_EQ(mt::memory_report(plain_net, &plain, step.loss).optimizer_state, 0);
+}
+
+// Every built-in rule's estimate before its first step is the state that step makes (each rule
+// says what it keeps: Optimizer::state_elements), Adafactor's factored rows and columns too.
+TEST(MemoryReport, EveryRulesEstimateIsTheStateItsFirstStepMakes) {
+  using Make = std::function<std::unique_ptr<mt::Optimizer>(std::vector<mt::Tensor>)>;
+  for (auto [name, make] : std::vector<std::pair<const char*, Make>>{
+           {"SGD",
+            [](auto p) { return std::make_unique<mt::SGD>(p, mt::SGDOptions{.momentum = 0.9}); }},
+           {"AdamW", [](auto p) { return std::make_unique<mt::AdamW>(p); }},
+           {"RMSprop centered with momentum",
+            [](auto p) {
+              return std::make_unique<mt::RMSprop>(
+                  p, mt::RMSpropOptions{.momentum = 0.5, .centered = true});
+            }},
+           {"Adagrad", [](auto p) { return std::make_unique<mt::Adagrad>(p); }},
+           {"Lion", [](auto p) { return std::make_unique<mt::Lion>(p); }},
+           {"Adafactor", [](auto p) { return std::make_unique<mt::Adafactor>(p); }},
+           {"Adafactor with beta1", [](auto p) {
+              return std::make_unique<mt::Adafactor>(p, mt::AdafactorOptions{.beta1 = 0.9});
+            }}}) {
+    SCOPED_TRACE(name);
+    Mlp net;
+    std::unique_ptr<mt::Optimizer> opt = make(net.parameters());
+    mt::MemoryReport before = mt::memory_report(net, opt.get(), mlp_step(net, nullptr).loss);
+    EXPECT_TRUE(before.optimizer_state_estimated);
+    EXPECT_GT(before.optimizer_state, 0);
+    opt->step();
+    opt->zero_grad();
+    mt::MemoryReport after = mt::memory_report(net, opt.get(), mlp_step(net, nullptr).loss);
+    EXPECT_FALSE(after.optimizer_state_estimated);
+    EXPECT_EQ(before.optimizer_state, after.optimizer_state);
+  }
 }
 
 // With a real batch the activations dominate and a half policy lowers the peak.

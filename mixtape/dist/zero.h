@@ -98,7 +98,8 @@ class ZeroOptimizer {
   virtual const ZeroShards& shards() const = 0;
 };
 
-/// ZeRO stage 1 of the optimizer `Rule` (an elementwise rule: SGD, Adam, AdamW), with Rule's
+/// ZeRO stage 1 of the optimizer `Rule` (an elementwise rule: SGD, Adam, AdamW, RMSprop, Adagrad,
+/// Lion), with Rule's
 /// constructors and options: each process keeps the rule's f32 state for its 1/N shard only
 /// (ZeroShards) and updates only that shard of the parameters (f32 parameters are their own
 /// master weights: the shard is updated in place of a separate master copy); the updated shards
@@ -140,5 +141,8 @@ class Zero : public Rule, public ZeroOptimizer {
 using ZeroAdamW = Zero<AdamW>;
 using ZeroAdam = Zero<Adam>;
 using ZeroSGD = Zero<SGD>;
+using ZeroRMSprop = Zero<RMSprop>;
+using ZeroAdagrad = Zero<Adagrad>;
+using ZeroLion = Zero<Lion>;
 
 }  // namespace mixtape::dist

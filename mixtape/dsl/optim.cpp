@@ -332,6 +332,8 @@ Shape Optimizer::state_shape(const std::string&, const Shape& param) const { ret
 
 Shape Optimizer::local_shape(size_t param_index) const { return params_.at(param_index).shape(); }
 
+int64_t Optimizer::state_elements(const Shape&) const { return 0; }
+
 Tensor Optimizer::local_part(size_t, const Tensor& whole) const { return whole; }
 
 void Optimizer::assemble(const std::vector<size_t>&, std::vector<Tensor>&) {}
@@ -365,6 +367,10 @@ SGD::SGD(std::vector<Tensor> params, SGDOptions options)
     fail("SGD: momentum, dampening and weight_decay must be >= 0");
   if (options.nesterov && (options.momentum <= 0 || options.dampening != 0))
     fail("SGD: Nesterov momentum requires a momentum > 0 and zero dampening");
+}
+
+int64_t SGD::state_elements(const Shape& part) const {
+  return options.momentum != 0 ? numel(part) : 0;  // the momentum buffer
 }
 
 Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
@@ -438,6 +444,8 @@ void Adam::begin_step() {
   if (decoupled_ && options.weight_decay != 0) decay_ = 1.0 - lr_value() * options.weight_decay;
 }
 
+int64_t Adam::state_elements(const Shape& part) const { return 2 * numel(part); }
+
 void Adam::start_state(NamedTensors& state, const Tensor& grad) const {
   add_zero_state(state, "exp_avg", grad);
   add_zero_state(state, "exp_avg_sq", grad);
@@ -483,6 +491,10 @@ RMSprop::RMSprop(std::vector<Tensor> params, RMSpropOptions options)
 }
 
 bool RMSprop::keeps_momentum() const { return options.momentum > 0 || momentum_value().defined(); }
+
+int64_t RMSprop::state_elements(const Shape& part) const {
+  return (1 + options.centered + (options.momentum > 0)) * numel(part);
+}
 
 void RMSprop::start_state(NamedTensors& state, const Tensor& grad) const {
   // The running means and the momentum buffer start at zero, as torch's.
@@ -532,6 +544,8 @@ Adagrad::Adagrad(std::vector<Tensor> params, AdagradOptions options)
     fail("Adagrad: eps must be > 0, and lr_decay, weight_decay and initial_accumulator_value >= 0");
 }
 
+int64_t Adagrad::state_elements(const Shape& part) const { return numel(part); }  // "sum"
+
 Tensor Adagrad::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   Tensor g = grad;
   if (options.weight_decay != 0) g = with_l2_penalty(g, param, options.weight_decay);
@@ -569,6 +583,8 @@ void Lion::begin_step() {
   beta1_ = momentum_value();  // a cycled beta1, as lion-pytorch reads the group's betas
   rest1_ = beta1_.defined() ? 1.0 - beta1_ : Tensor();
 }
+
+int64_t Lion::state_elements(const Shape& part) const { return numel(part); }  // "exp_avg"
 
 void Lion::start_state(NamedTensors& state, const Tensor& grad) const {
   add_zero_state(state, "exp_avg", grad);  // lion-pytorch starts the momentum at zeros
@@ -636,6 +652,14 @@ Shape Adafactor::state_shape(const std::string& name, const Shape& param) const 
   if (factored(param) && name == "exp_avg_sq_row") return row_shape(param);
   if (factored(param) && name == "exp_avg_sq_col") return col_shape(param);
   return param;
+}
+
+int64_t Adafactor::state_elements(const Shape& part) const {
+  int64_t second_moment = numel(state_shape("exp_avg_sq", part));
+  if (factored(part))
+    second_moment =
+        numel(state_shape("exp_avg_sq_row", part)) + numel(state_shape("exp_avg_sq_col", part));
+  return second_moment + (options.beta1 ? numel(part) : 0);
 }
 
 void Adafactor::begin_step() {

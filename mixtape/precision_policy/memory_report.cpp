@@ -52,13 +52,6 @@ struct Buffer {
   bool read_backward = false;
 };
 
-// State the optimizer creates on a parameter's first update, in f32 tensors of its shape.
-int estimated_state_tensors(const Optimizer& opt) {
-  if (const auto* sgd = dynamic_cast<const SGD*>(&opt)) return sgd->options.momentum != 0 ? 1 : 0;
-  if (dynamic_cast<const Adam*>(&opt)) return 2;  // exp_avg, exp_avg_sq (AdamW too)
-  return 0;
-}
-
 std::string human(int64_t bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
   double value = static_cast<double>(bytes);
@@ -257,9 +250,9 @@ void count_gradients(MemoryReport& report, const NamedTensors& params) {
   }
 }
 
-// Counts the optimizer's state, estimating what its first step will create where none exists.
+// Counts the optimizer's state, estimating what its first step will create where none exists
+// (Optimizer::state_elements, in f32).
 void count_optimizer_state(MemoryReport& report, const Optimizer& opt, const ParamSet& params) {
-  const int estimate = estimated_state_tensors(opt);
   for (size_t i = 0; i < opt.params().size(); ++i) {
     const Tensor& p = opt.params()[i];
     MemoryParamRow& row = report.parameters[params.index.at(p.node().get())];
@@ -268,9 +261,9 @@ void count_optimizer_state(MemoryReport& report, const Optimizer& opt, const Par
     for (const auto& [name, value] : state)
       if (value.defined()) bytes += bytes_of(value.numel(), leaf_storage(*value.node()));
     // Of a ZeRO shard (dist/zero.h), or of all of it; none where this process holds none.
-    const int64_t local = numel(opt.local_shape(i));
-    if (state.empty() && p.grad().defined() && estimate > 0 && local > 0) {
-      bytes = estimate * bytes_of(local, f32);
+    const int64_t estimate = opt.state_elements(opt.local_shape(i));
+    if (state.empty() && p.grad().defined() && estimate > 0) {
+      bytes = bytes_of(estimate, f32);
       report.optimizer_state_estimated = true;
     }
     row.state_bytes += bytes;

@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "mixtape/dist/checkpoint.h"
@@ -87,9 +88,42 @@ std::vector<float> rank0s(std::vector<float> values) {
 
 enum class Kind { data_parallel, zero, alone };
 
+// The update rule: AdamW with weight decay, SGD with momentum, and the other elementwise rules.
+enum class Rule { adamw, sgd, rmsprop, adagrad, lion };
+
+// `rule`'s optimizer over the parameters: ZeRO's or the plain one.
+std::unique_ptr<mt::Optimizer> make_optimizer(Rule rule, bool zero,
+                                              const std::vector<mt::Tensor>& params) {
+  namespace d = mt::dist;
+  const mt::AdamOptions adam{.lr = 1e-3, .weight_decay = 0.01};
+  const mt::SGDOptions sgd{.lr = 0.05, .momentum = 0.9};
+  const mt::RMSpropOptions rmsprop{
+      .lr = 1e-3, .weight_decay = 0.01, .momentum = 0.5, .centered = true};
+  const mt::AdagradOptions adagrad{.lr = 0.05, .lr_decay = 0.01, .initial_accumulator_value = 0.1};
+  const mt::LionOptions lion{.lr = 1e-4, .weight_decay = 0.1};
+  switch (rule) {
+    case Rule::adamw:
+      if (zero) return std::make_unique<d::ZeroAdamW>(params, adam);
+      return std::make_unique<mt::AdamW>(params, adam);
+    case Rule::sgd:
+      if (zero) return std::make_unique<d::ZeroSGD>(params, sgd);
+      return std::make_unique<mt::SGD>(params, sgd);
+    case Rule::rmsprop:
+      if (zero) return std::make_unique<d::ZeroRMSprop>(params, rmsprop);
+      return std::make_unique<mt::RMSprop>(params, rmsprop);
+    case Rule::adagrad:
+      if (zero) return std::make_unique<d::ZeroAdagrad>(params, adagrad);
+      return std::make_unique<mt::Adagrad>(params, adagrad);
+    case Rule::lion:
+      if (zero) return std::make_unique<d::ZeroLion>(params, lion);
+      return std::make_unique<mt::Lion>(params, lion);
+  }
+  return nullptr;
+}
+
 struct Options {
   Kind kind = Kind::zero;
-  bool sgd = false;  // SGD with momentum in place of AdamW
+  Rule rule = Rule::adamw;
   bool bf16 = false;
   double max_norm = 0.05;  // the clipping norm: below the gradients' at every step
   bool compiled = false;
@@ -120,17 +154,8 @@ Outcome train(const Options& o) {
   Net net;
   std::optional<mt::dist::DataParallel> ddp;
   if (!alone) ddp.emplace(net);
-  const mt::AdamOptions adam{.lr = 1e-3, .weight_decay = 0.01};
-  const mt::SGDOptions sgd{.lr = 0.05, .momentum = 0.9};
-  std::unique_ptr<mt::Optimizer> optimizer;
-  if (o.kind == Kind::zero && o.sgd)
-    optimizer = std::make_unique<mt::dist::ZeroSGD>(net.parameters(), sgd);
-  else if (o.kind == Kind::zero)
-    optimizer = std::make_unique<mt::dist::ZeroAdamW>(net.parameters(), adam);
-  else if (o.sgd)
-    optimizer = std::make_unique<mt::SGD>(net.parameters(), sgd);
-  else
-    optimizer = std::make_unique<mt::AdamW>(net.parameters(), adam);
+  std::unique_ptr<mt::Optimizer> optimizer =
+      make_optimizer(o.rule, o.kind == Kind::zero, net.parameters());
   mt::Optimizer& opt = *optimizer;
   mt::GradScaler scaler({.init_scale = 1024.0, .growth_interval = 4});
   if (!o.load.empty() && o.sharded && alone) {
@@ -247,9 +272,10 @@ void expect_zero_equals_data_parallel(bool bf16) {
   for (bool sgd : {false, true}) {
     SCOPED_TRACE(sgd ? "SGD, clipped" : "AdamW");
     const double max_norm = sgd ? 0.05 : 1e3;
-    Outcome zero = train({.sgd = sgd, .bf16 = bf16, .max_norm = max_norm});
+    const Rule rule = sgd ? Rule::sgd : Rule::adamw;
+    Outcome zero = train({.rule = rule, .bf16 = bf16, .max_norm = max_norm});
     Outcome plain =
-        train({.kind = Kind::data_parallel, .sgd = sgd, .bf16 = bf16, .max_norm = max_norm});
+        train({.kind = Kind::data_parallel, .rule = rule, .bf16 = bf16, .max_norm = max_norm});
     EXPECT_LE(worst_difference(zero.params, plain.params), 1e-6);
     EXPECT_LE(worst_difference(as_floats(zero.losses), as_floats(plain.losses)), 1e-6);
     // The global norm: each rank's shard's squares, all-reduced, against the whole gradient's:
@@ -259,7 +285,7 @@ void expect_zero_equals_data_parallel(bool bf16) {
       EXPECT_GT(*std::min_element(zero.norms.begin(), zero.norms.end()), max_norm);
     }
     EXPECT_EQ(zero.scales, plain.scales);
-    Outcome again = train({.sgd = sgd, .bf16 = bf16, .max_norm = max_norm});
+    Outcome again = train({.rule = rule, .bf16 = bf16, .max_norm = max_norm});
     EXPECT_EQ(zero.params, again.params) << "runs repeat bit for bit";
   }
 }
@@ -342,15 +368,11 @@ TEST_F(Zero, NoSyncHoldsBackTheReduceScatterAndTheNextBackwardReducesTheSum) {
 
 // The optimizer-state bytes memory_report counts on each rank, before the first step (the
 // estimate) and after it.
-std::pair<int64_t, int64_t> state_bytes(bool zero) {
+std::pair<int64_t, int64_t> state_bytes(bool zero, Rule rule = Rule::adamw) {
   mt::manual_seed(7);
   Net net;
   mt::dist::DataParallel ddp(net);
-  std::unique_ptr<mt::Optimizer> opt;
-  if (zero)
-    opt = std::make_unique<mt::dist::ZeroAdamW>(net.parameters());
-  else
-    opt = std::make_unique<mt::AdamW>(net.parameters());
+  std::unique_ptr<mt::Optimizer> opt = make_optimizer(rule, zero, net.parameters());
   std::pair<int64_t, int64_t> bytes;
   for (int s = 0; s < 2; ++s) {
     auto [x, y] = batch(s, mt::dist::rank() * kBatch, kBatch);
@@ -390,6 +412,38 @@ TEST_F(Zero, EachRankKeepsHalfTheOptimizerState) {
   EXPECT_LE(std::abs(zero - plain / 2), 2 * 4) << "half, give or take one padding element";
   if (mt::dist::rank() == 0)
     std::printf("optimizer state per rank: %ld of %ld bytes\n", zero, plain);
+}
+
+// RMSprop (centered, with momentum and weight decay), Adagrad (a decaying rate and a starting sum)
+// and Lion (decoupled weight decay) are sharded as AdamW is: twenty steps equal plain data
+// parallel's (the clipping norm one the gradients never reach, as for AdamW: the first two divide
+// by the gradients' size and Lion takes their sign, so the gradients must be the same bits);
+// each rank keeps half the state, which memory_report estimates before the first step; a
+// checkpoint ZeRO saved (the shards gathered) resumes two ranks bit for bit, and one process
+// with the plain rule along the same curve.
+TEST_F(Zero, RMSpropAdagradAndLionAreShardedAsAdamWIs) {
+  const std::string path = job_file("rules_checkpoint.safetensors");
+  for (auto [rule, name, copies] :
+       {std::tuple{Rule::rmsprop, "RMSprop", 3}, std::tuple{Rule::adagrad, "Adagrad", 1},
+        std::tuple{Rule::lion, "Lion", 1}}) {
+    SCOPED_TRACE(name);
+    Outcome zero = train({.rule = rule, .max_norm = 1e3, .save_at = 10, .path = path});
+    Outcome plain = train({.kind = Kind::data_parallel, .rule = rule, .max_norm = 1e3});
+    EXPECT_LE(worst_difference(zero.params, plain.params), 1e-6);
+    EXPECT_LE(worst_difference(as_floats(zero.losses), as_floats(plain.losses)), 1e-6);
+    Outcome two = train({.rule = rule, .max_norm = 1e3, .first_step = 10, .load = path});
+    EXPECT_EQ(two.params, zero.params) << "the same world size resumes bit for bit";
+    Outcome one =
+        train({.kind = Kind::alone, .rule = rule, .max_norm = 1e3, .first_step = 10, .load = path});
+    std::vector<double> tail(zero.losses.begin() + 10, zero.losses.end());
+    EXPECT_LE(worst_difference(as_floats(one.losses), as_floats(tail)), 1e-5);
+    auto [plain_estimate, plain_bytes] = state_bytes(false, rule);
+    auto [zero_estimate, zero_bytes] = state_bytes(true, rule);
+    EXPECT_EQ(plain_bytes, copies * 4 * 2213);
+    EXPECT_EQ(plain_estimate, plain_bytes);
+    EXPECT_EQ(zero_estimate, zero_bytes);
+    EXPECT_LE(std::abs(zero_bytes - plain_bytes / 2), copies * 4) << "half, give or take padding";
+  }
 }
 
 TEST_F(Zero, CheckpointsResumeAtTwoRanksAndAtOne) {
