@@ -103,7 +103,6 @@ Options parse(int argc, char** argv) {
   examples::add_distributed(app, o.distributed);
   examples::add_training_flags(app, o);
   examples::parse(app, argc, argv);
-  examples::check_distributed("char_gpt", o.distributed, o.export_dir, o.logdir);
   if (o.model.width % o.model.heads != 0)
     examples::usage_error("char_gpt", "--width must be a positive multiple of --heads");
   if (o.warmup < 0) o.warmup = std::min<int64_t>(100, o.steps / 10);
@@ -246,7 +245,9 @@ int run(const Options& o) {
   using Clock = std::chrono::steady_clock;
   double train_seconds = 0, train_loss = 0, val_loss = 0, last_batch_loss = 0;
   examples::ProgressLine progress(o.steps, o.json_only);
-  std::unique_ptr<mt::SummaryWriter> writer = examples::open_logdir(o.logdir);
+  // Rank 0 alone writes the event file and exports (--distributed).
+  const bool root = mt::dist::rank() == 0;
+  std::unique_ptr<mt::SummaryWriter> writer = examples::open_logdir(root ? o.logdir : "");
   // gradient_health reads every gradient on the host: a few dozen times a run.
   int64_t health_every = std::max<int64_t>(1, o.steps / 30);
   // One training step as a function of the batch, so that mt::compile replays it (unless
@@ -318,6 +319,7 @@ int run(const Options& o) {
   double tokens_per_s =
       static_cast<double>(o.steps * global_batch * config.context) / std::max(train_seconds, 1e-9);
   if (writer) writer->flush();
+  data_parallel.reset();  // training is over: the processes part
 
   model.eval();
   mt::Generator sample_generator(o.seed ^ 0x73616d706c65ULL);
@@ -331,7 +333,7 @@ int run(const Options& o) {
                 static_cast<long long>(o.steps), train_seconds, o.temperature, o.prompt.c_str(),
                 sample.c_str());
 
-  if (!o.export_dir.empty()) {
+  if (!o.export_dir.empty() && root) {
     export_model(model, vocab, policy, o.export_dir);
     if (!o.json_only)
       std::printf(

@@ -88,7 +88,6 @@ inline Options parse(const std::string& example, const Defaults& defaults, int a
   examples::add_distributed(app, o.distributed);
   examples::add_training_flags(app, o);
   examples::parse(app, argc, argv);
-  examples::check_distributed(example, o.distributed, o.export_dir, o.logdir);
   if (o.lr < 0) o.lr = o.optimizer == "sgd" ? defaults.sgd_lr : 2e-3;
   return o;
 }
@@ -161,7 +160,9 @@ int run(const Options& o, Model& net) {
   bool terminal = isatty(STDOUT_FILENO) != 0;
   int64_t report_every = std::max<int64_t>(1, o.steps / 10);
   examples::ProgressLine progress(o.steps, o.json_only);
-  std::unique_ptr<mt::SummaryWriter> writer = examples::open_logdir(o.logdir);
+  // Rank 0 alone writes the event file (--distributed; every rank's parameters are the same).
+  const bool root = mt::dist::rank() == 0;
+  std::unique_ptr<mt::SummaryWriter> writer = examples::open_logdir(root ? o.logdir : "");
   bool log_in_step = writer != nullptr;  // not in the exported step
   // gradient_health reads every gradient on the host: a few dozen times a run.
   int64_t health_every = std::max<int64_t>(1, o.steps / 30);
@@ -216,8 +217,11 @@ int run(const Options& o, Model& net) {
   double train_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
+  // Training is over: the processes part (the step exported below is one process's, without the
+  // gradients' all_reduce, which would wait for the others).
+  data_parallel.reset();
   // The step is exported while the model still trains; the export puts the state back.
-  if (!o.export_dir.empty()) {
+  if (!o.export_dir.empty() && root) {
     mt::aot::Options step_options{.name = o.example + "_train",
                                   .module = &net,
                                   .optimizer = optimizer.get(),
@@ -248,8 +252,8 @@ int run(const Options& o, Model& net) {
   for (size_t i = 0; i < labels.size(); ++i) correct += predicted[i] == labels[i];
   double accuracy = static_cast<double>(correct) / static_cast<double>(labels.size());
 
-  if (!o.save.empty() && mt::dist::rank() == 0) mt::save_checkpoint(o.save, net, optimizer.get());
-  if (!o.export_dir.empty()) {
+  if (!o.save.empty() && root) mt::save_checkpoint(o.save, net, optimizer.get());
+  if (!o.export_dir.empty() && root) {
     mt::aot::Options options{.name = o.example,
                              .dynamic_batch = {.max = 1024},
                              .module = &net,

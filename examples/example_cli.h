@@ -108,16 +108,12 @@ inline mt::GradScalerOptions scaler_options(const std::string& loss_scale) {
   std::exit(2);
 }
 
-/// --distributed: data parallel over the processes mpirun started (--batch per process). Refused
-/// beside --export and --logdir, which one process would have to write alone (not yet).
+/// --distributed: data parallel over the processes mpirun started (--batch per process). Rank 0
+/// alone prints, logs (--logdir: its own share of each batch's loss, as DDP scripts log) and
+/// exports (--export: the trained model, and a training step of one process).
 inline void add_distributed(CLI::App& app, bool& distributed) {
   app.add_flag("--distributed", distributed,
                "data parallel over the processes mpirun started (--batch per process)");
-}
-inline void check_distributed(const std::string& program, bool distributed,
-                              const std::string& export_dir, const std::string& logdir) {
-  if (distributed && (!export_dir.empty() || !logdir.empty()))
-    usage_error(program, "--distributed trains without --export and --logdir (not yet)");
 }
 
 /// What --distributed does first: joins mpirun's processes (saying on stderr why a run is a

@@ -2,16 +2,26 @@
 # tests/examples/char_gpt_distributed_test.sh -- char_gpt --distributed on two processes under
 # mpirun: rank 0 alone prints one JSON line with "world_size": 2, and two processes at batch 6
 # train the model one process trains at batch 12 (each rank's windows are its share of the same
-# shuffled batch), so the evaluated losses agree to f32 reduction-order rounding.
+# shuffled batch), so the evaluated losses agree to f32 reduction-order rounding; rank 0 alone
+# writes --logdir's event file and --export's artifacts.
 # Usage: char_gpt_distributed_test.sh CHAR_GPT MPIRUN
 set -euo pipefail
 bin="$1"
 mpirun=("$2" --allow-run-as-root --oversubscribe -np 2 -x OMP_NUM_THREADS=1)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
 
 source "$(dirname "$0")/checks.sh"
 
 small=(--json --steps 20 --layers 1 --heads 2 --width 32 --context 16 --sample 10 --seed 3)
-out=$("${mpirun[@]}" "$bin" --distributed --batch 6 "${small[@]}")
+out=$("${mpirun[@]}" "$bin" --distributed --batch 6 "${small[@]}" --logdir "$work/runs" \
+  --export "$work/export")
+events=$(find "$work/runs" -name 'events.out.tfevents.*' -size +0 | wc -l)
+check "$events == 1" "one event file, rank 0's ($events)"
+for f in libchar_gpt.so char_gpt.json; do
+  [[ -s "$work/export/$f" ]] || fail "--distributed --export wrote $f"
+done
+ok "rank 0 exported the model"
 check "$(grep -c '"example"' <<<"$out") == 1" "one JSON line, from rank 0 alone"
 two=$(grep '"example"' <<<"$out")
 echo "$two"
