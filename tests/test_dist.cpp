@@ -125,6 +125,105 @@ TEST(Zero, OfOneProcessIsThePlainOptimizerAndItsCheckpointsArePlain) {
                   "the optimizer is SGD");
 }
 
+// Six AdamW steps of an MLP under the pure-bf16 policy, its first weight set to 0.25 by hand
+// after the third: the model in f32 (the policy rounds its parameters where they are read), or
+// made bf16 by Module::to and updated by ZeroAdamW or by the plain AdamW; both start from the same
+// bf16 values. Returns the
+// parameters and the optimizer's state of the first weight.
+struct Bf16Run {
+  std::vector<float> params;
+  mt::NamedTensors first_state;
+};
+Bf16Run train_pure_bf16(bool bf16_model, bool zero) {
+  mt::manual_seed(5);
+  mt::MLP net({4, 8, 3});
+  net.to(mt::bf16);  // both start from the same, bf16, values
+  if (!bf16_model) net.to(mt::f32);
+  std::unique_ptr<mt::Optimizer> opt;
+  const mt::AdamOptions adam{.lr = 1e-3, .weight_decay = 0.1};
+  if (zero)
+    opt = std::make_unique<mt::dist::ZeroAdamW>(net.parameters(), adam);
+  else
+    opt = std::make_unique<mt::AdamW>(net.parameters(), adam);
+  mt::Tensor x = mt::randn({6, 4});
+  mt::Tensor y = mt::tensor(std::vector<int64_t>{0, 1, 2, 0, 1, 2}, {6});
+  for (int s = 0; s < 6; ++s) {
+    if (s == 3) {
+      mt::Tensor w = net.layers[0]->weight;
+      w.assign(mt::full(w.shape(), 0.25, w.dtype()));
+    }
+    opt->zero_grad();
+    {
+      mt::autocast guard(mt::pure_policy(mt::bf16));
+      mt::cross_entropy(net(x), y).backward();
+    }
+    opt->step();
+  }
+  Bf16Run run{{}, opt->state(0)};
+  for (const mt::Tensor& p : net.parameters()) {
+    std::vector<float> v = mt::cast(p, mt::f32).to_vector<float>();
+    run.params.insert(run.params.end(), v.begin(), v.end());
+  }
+  return run;
+}
+
+std::vector<float> rounded_to_bf16(std::vector<float> values) {
+  return mt::cast(mt::cast(mt::tensor(values, {static_cast<int64_t>(values.size())}), mt::bf16),
+                  mt::f32)
+      .to_vector<float>();
+}
+
+// A bf16 model under ZeRO keeps an f32 master of its shard (all of it with one process): the
+// master is what the f32 model under the pure-bf16 policy holds, bit for bit, with the rule's
+// state in f32, and the bf16 parameters are its rounding; a parameter assigned by hand is taken
+// as assigned. The plain AdamW, updating the bf16 parameters themselves, drifts from it (updates
+// below a parameter's bf16 spacing are lost).
+TEST(Zero, KeepsF32MasterWeightsOfABf16Model) {
+  mt::dist::init();
+  Bf16Run f32_model = train_pure_bf16(false, false);
+  Bf16Run zero = train_pure_bf16(true, true);
+  Bf16Run plain = train_pure_bf16(true, false);
+  EXPECT_EQ(zero.params, rounded_to_bf16(f32_model.params));
+  ASSERT_EQ(zero.first_state.size(), 3u);  // exp_avg, exp_avg_sq and the master
+  EXPECT_EQ(zero.first_state[2].first, "master");
+  for (size_t k = 0; k < 3; ++k) EXPECT_EQ(zero.first_state[k].second.dtype(), mt::f32);
+  std::vector<float> first_weight(f32_model.params.begin(), f32_model.params.begin() + 32);
+  EXPECT_EQ(zero.first_state[2].second.to_vector<float>(), first_weight);
+  EXPECT_NE(plain.params, zero.params);
+  // memory_report counts the master too before the first step: 3 f32 copies of every parameter.
+  mt::MLP net({4, 8, 3});
+  net.to(mt::bf16);
+  mt::dist::ZeroAdamW opt(net.parameters());
+  mt::Tensor loss = mt::sum(net(mt::ones({1, 4})));
+  loss.backward();
+  EXPECT_EQ(mt::memory_report(net, &opt, loss).optimizer_state, 3 * 4 * (4 * 8 + 8 + 8 * 3 + 3));
+}
+
+TEST(ModuleTo, ConvertsFloatingParametersAndBuffersInPlace) {
+  mt::manual_seed(5);
+  mt::Sequential net;
+  mt::Linear& fc = net.emplace_back<mt::Linear>(3, 2);
+  mt::BatchNorm1d& norm = net.emplace_back<mt::BatchNorm1d>(2);
+  std::vector<float> weight = fc.weight.to_vector<float>();
+  mt::sum(net(mt::ones({4, 3}))).backward();
+  ASSERT_TRUE(fc.weight.grad().defined());
+  mt::Tensor handle = fc.weight;  // a copy of the handle converts with it
+  EXPECT_EQ(&net.to(mt::bf16), &net);
+  EXPECT_EQ(handle.dtype(), mt::bf16);
+  EXPECT_TRUE(handle.requires_grad());
+  EXPECT_FALSE(handle.grad().defined()) << "a gradient of the old type is dropped";
+  EXPECT_EQ(handle.to_vector<float>(), rounded_to_bf16(weight));
+  for (const auto& [name, buffer] : norm.named_buffers())
+    EXPECT_EQ(buffer.dtype(), name == "num_batches_tracked" ? mt::i64 : mt::bf16) << name;
+  mt::Tensor out = net(mt::ones({4, 3}, mt::bf16));
+  EXPECT_EQ(out.dtype(), mt::bf16);
+  mt::sum(out).backward();
+  EXPECT_EQ(handle.grad().dtype(), mt::bf16);
+  EXPECT_MT_ERROR(net.to(mt::i32), "floating", "i32");
+  mt::Tensor ids = mt::tensor(std::vector<int64_t>{1, 2}, {2});
+  EXPECT_MT_ERROR(ids.convert(mt::f32), "floating", "i64");
+}
+
 // Example i has feature i, so a batch's features name its examples.
 std::vector<int64_t> examples_of(const mt::Batch& b) {
   std::vector<int64_t> ids;

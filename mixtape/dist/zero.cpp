@@ -29,6 +29,25 @@ Tensor* find_entry(NamedTensors& state, const std::string& name) {
 
 }  // namespace
 
+namespace master_weights {
+
+bool started(const NamedTensors& state) {
+  return std::any_of(state.begin(), state.end(), [](const auto& e) { return e.first == kEntry; });
+}
+
+Tensor current(const NamedTensors& state, const Tensor& param) {
+  for (const auto& [name, kept] : state)
+    if (name == kEntry) return where(eq(cast(kept, param.dtype()), param), kept, cast(param, f32));
+  fail("dist::Zero: the master weights of a half parameter were not started before its update");
+}
+
+void keep(NamedTensors& state, const Tensor& next) {
+  for (auto& [name, kept] : state)
+    if (name == kEntry) kept = next;
+}
+
+}  // namespace master_weights
+
 ZeroShards::ZeroShards(const std::vector<Tensor>& params)
     : params_(params), local_(std::make_unique<LocalGradients>()) {
   if (ProcessGroup* group = process_group()) {

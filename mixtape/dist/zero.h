@@ -10,7 +10,9 @@
 #include <vector>
 
 #include "mixtape/autograd/grad.h"
+#include "mixtape/dsl/ops.h"
 #include "mixtape/dsl/optim.h"
+#include "mixtape/dsl/shape.h"
 
 namespace mixtape::dist {
 
@@ -83,6 +85,23 @@ class ZeroShards {
   std::unique_ptr<LocalGradients> local_;  // no_sync's pending local gradients
 };
 
+/// The f32 master weights ZeRO keeps for the shard of a half-typed (bf16, f16) parameter, as
+/// DeepSpeed's bf16 and fp16 optimizers do: state entry "master" of the shard, updated by the
+/// rule in f32 (with the rule's state in f32), the parameter its rounding. A parameter changed
+/// outside the optimizer (a checkpoint loaded into the model, an assign) is taken as it is where
+/// it differs from its master's rounding, element by element, so a master never undoes the
+/// change; it starts as zeros, which the parameter's first step replaces so.
+namespace master_weights {
+inline constexpr const char* kEntry = "master";
+/// Whether the shard's state has its master (and so the rule's state, started with it).
+bool started(const NamedTensors& state);
+/// The shard's master weights for the update: the kept master where it rounds to `param`, the
+/// parameter's value elsewhere.
+Tensor current(const NamedTensors& state, const Tensor& param);
+/// Keeps `next` as the shard's master.
+void keep(NamedTensors& state, const Tensor& next);
+}  // namespace master_weights
+
 /// What dist::save_checkpoint and dist::load_checkpoint need of a ZeRO optimizer, whatever its
 /// rule.
 class ZeroOptimizer {
@@ -99,11 +118,11 @@ class ZeroOptimizer {
 };
 
 /// ZeRO stage 1 of the optimizer `Rule` (an elementwise rule: SGD, Adam, AdamW, RMSprop, Adagrad,
-/// Lion), with Rule's
-/// constructors and options: each process keeps the rule's f32 state for its 1/N shard only
-/// (ZeroShards) and updates only that shard of the parameters (f32 parameters are their own
-/// master weights: the shard is updated in place of a separate master copy); the updated shards
-/// are all-gathered into the parameters in the step's program. GradScaler, clip_grad_norm,
+/// Lion), with Rule's constructors and options: each process keeps the rule's f32 state for its
+/// 1/N shard only (ZeroShards) and updates only that shard of the parameters (f32 parameters are
+/// their own master weights: the shard is updated in place of a separate master copy; half ones
+/// get f32 master shards, master_weights); the updated shards are all-gathered into the
+/// parameters in the step's program. GradScaler, clip_grad_norm,
 /// schedules and mt::compile work as with the plain rule, whose kind() it keeps, so its
 /// checkpoints (dist::save_checkpoint, which gathers the shards) are the plain rule's.
 template <class Rule>
@@ -115,6 +134,10 @@ class Zero : public Rule, public ZeroOptimizer {
   using Rule::Rule;
 
   Shape local_shape(size_t i) const override { return shards_.local_shape(i); }
+  int64_t state_elements(size_t i) const override {
+    const bool half = is_half(this->params()[i].dtype());
+    return Rule::state_elements(i) + (half ? numel(local_shape(i)) : 0);
+  }
   std::unique_ptr<Optimizer> plain() const override {
     return std::make_unique<Rule>(this->params(), this->options);
   }
@@ -129,6 +152,20 @@ class Zero : public Rule, public ZeroOptimizer {
  protected:
   Tensor local_part(size_t i, const Tensor& whole) const override {
     return shards_.local_part(i, whole);
+  }
+  // A half parameter's shard: its state and its master in f32.
+  void start_state(NamedTensors& state, const Tensor& grad) const override {
+    if (!is_half(grad.dtype())) return Rule::start_state(state, grad);
+    if (master_weights::started(state)) return;
+    Tensor like = zeros(grad.shape(), f32);
+    Rule::start_state(state, like);
+    this->add_zero_state(state, master_weights::kEntry, like);
+  }
+  Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override {
+    if (!is_half(param.dtype())) return Rule::update(param, grad, state);
+    Tensor next = Rule::update(master_weights::current(state, param), cast(grad, f32), state);
+    master_weights::keep(state, next);
+    return cast(next, param.dtype());
   }
   void assemble(const std::vector<size_t>& updated, std::vector<Tensor>& new_params) override {
     shards_.assemble(updated, new_params);

@@ -141,6 +141,15 @@ void Module::load_state_dict(const NamedTensors& state, bool strict) {
   }
 }
 
+Module& Module::to(DType dtype) {
+  if (!is_floating(dtype))
+    fail("Module::to: converts to a floating-point type, not {}", name(dtype));
+  for (const NamedTensors& all : {named_parameters(), named_buffers()})
+    for (const auto& [path, value] : all)
+      if (is_floating(value.dtype())) Tensor(value).convert(dtype);
+  return *this;
+}
+
 void Module::train(bool training) {
   training_ = training;
   for (auto& [name, child] : children_) child->train(training);

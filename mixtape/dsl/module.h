@@ -37,6 +37,13 @@ class Module {
   /// are an mt::Error that lists them; nothing is changed unless everything fits.
   void load_state_dict(const NamedTensors& state, bool strict = true);
 
+  /// Converts every floating-point parameter and buffer to `dtype` in place (Tensor::convert),
+  /// as PyTorch's module.to(dtype) (integer buffers are left): `net.to(mt::bf16)` makes a bf16
+  /// model, whose parameters are then stored (and updated: dist::Zero keeps f32 master shards of
+  /// them) in bf16. Their gradients are dropped. Convert before making the optimizer,
+  /// dist::DataParallel or dist::Zero, which read the parameters' types when made.
+  Module& to(DType dtype);
+
   void train(bool training = true);
   void eval() { train(false); }
   bool is_training() const { return training_; }

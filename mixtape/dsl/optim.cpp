@@ -332,7 +332,7 @@ Shape Optimizer::state_shape(const std::string&, const Shape& param) const { ret
 
 Shape Optimizer::local_shape(size_t param_index) const { return params_.at(param_index).shape(); }
 
-int64_t Optimizer::state_elements(const Shape&) const { return 0; }
+int64_t Optimizer::state_elements(size_t) const { return 0; }
 
 Tensor Optimizer::local_part(size_t, const Tensor& whole) const { return whole; }
 
@@ -369,8 +369,8 @@ SGD::SGD(std::vector<Tensor> params, SGDOptions options)
     fail("SGD: Nesterov momentum requires a momentum > 0 and zero dampening");
 }
 
-int64_t SGD::state_elements(const Shape& part) const {
-  return options.momentum != 0 ? numel(part) : 0;  // the momentum buffer
+int64_t SGD::state_elements(size_t param_index) const {  // the momentum buffer
+  return options.momentum != 0 ? numel(local_shape(param_index)) : 0;
 }
 
 Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
@@ -444,7 +444,9 @@ void Adam::begin_step() {
   if (decoupled_ && options.weight_decay != 0) decay_ = 1.0 - lr_value() * options.weight_decay;
 }
 
-int64_t Adam::state_elements(const Shape& part) const { return 2 * numel(part); }
+int64_t Adam::state_elements(size_t param_index) const {
+  return 2 * numel(local_shape(param_index));
+}
 
 void Adam::start_state(NamedTensors& state, const Tensor& grad) const {
   add_zero_state(state, "exp_avg", grad);
@@ -492,8 +494,8 @@ RMSprop::RMSprop(std::vector<Tensor> params, RMSpropOptions options)
 
 bool RMSprop::keeps_momentum() const { return options.momentum > 0 || momentum_value().defined(); }
 
-int64_t RMSprop::state_elements(const Shape& part) const {
-  return (1 + options.centered + (options.momentum > 0)) * numel(part);
+int64_t RMSprop::state_elements(size_t param_index) const {
+  return (1 + options.centered + (options.momentum > 0)) * numel(local_shape(param_index));
 }
 
 void RMSprop::start_state(NamedTensors& state, const Tensor& grad) const {
@@ -544,7 +546,9 @@ Adagrad::Adagrad(std::vector<Tensor> params, AdagradOptions options)
     fail("Adagrad: eps must be > 0, and lr_decay, weight_decay and initial_accumulator_value >= 0");
 }
 
-int64_t Adagrad::state_elements(const Shape& part) const { return numel(part); }  // "sum"
+int64_t Adagrad::state_elements(size_t param_index) const {  // "sum"
+  return numel(local_shape(param_index));
+}
 
 Tensor Adagrad::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   Tensor g = grad;
@@ -584,7 +588,9 @@ void Lion::begin_step() {
   rest1_ = beta1_.defined() ? 1.0 - beta1_ : Tensor();
 }
 
-int64_t Lion::state_elements(const Shape& part) const { return numel(part); }  // "exp_avg"
+int64_t Lion::state_elements(size_t param_index) const {  // "exp_avg"
+  return numel(local_shape(param_index));
+}
 
 void Lion::start_state(NamedTensors& state, const Tensor& grad) const {
   add_zero_state(state, "exp_avg", grad);  // lion-pytorch starts the momentum at zeros
@@ -654,7 +660,8 @@ Shape Adafactor::state_shape(const std::string& name, const Shape& param) const 
   return param;
 }
 
-int64_t Adafactor::state_elements(const Shape& part) const {
+int64_t Adafactor::state_elements(size_t param_index) const {
+  const Shape part = local_shape(param_index);
   int64_t second_moment = numel(state_shape("exp_avg_sq", part));
   if (factored(part))
     second_moment =

@@ -83,10 +83,10 @@ class Optimizer {
   /// state for: the parameter's own, except under ZeRO (dist::Zero), where it is this process's
   /// shard of it, flattened ({0} where it holds none).
   virtual Shape local_shape(size_t param_index) const;
-  /// The elements of state the rule keeps for a part of shape `part` of a parameter (its
-  /// local_shape()) once it has stepped it: what memory_report counts before the first step makes
-  /// them. 0 for a rule that does not say.
-  virtual int64_t state_elements(const Shape& part) const;
+  /// The f32 elements of state the rule keeps for parameter `param_index` (its local_shape()
+  /// part) once it has stepped it: what memory_report counts before the first step makes them.
+  /// 0 for a rule that does not say.
+  virtual int64_t state_elements(size_t param_index) const;
   /// Restores state saved by state(), after check_state().
   void load_state(size_t param_index, const NamedTensors& state, bool allow_nonfinite = false);
   void set_steps_taken(int64_t steps);
@@ -192,7 +192,7 @@ class SGD : public Optimizer {
   SGD(std::vector<Tensor> params, SGDOptions options);
   SGDOptions options;
   bool has_momentum() const override { return true; }
-  int64_t state_elements(const Shape& part) const override;
+  int64_t state_elements(size_t param_index) const override;
 
  protected:
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
@@ -212,7 +212,7 @@ class Adam : public Optimizer {
   Adam(std::vector<Tensor> params, AdamOptions options);
   AdamOptions options;
   bool has_momentum() const override { return true; }
-  int64_t state_elements(const Shape& part) const override;
+  int64_t state_elements(size_t param_index) const override;
 
  protected:
   Adam(std::vector<Tensor> params, AdamOptions options, const char* kind, bool decoupled);
@@ -249,7 +249,7 @@ class RMSprop : public Optimizer {
   RMSprop(std::vector<Tensor> params, RMSpropOptions options = {});
   RMSpropOptions options;
   bool has_momentum() const override { return true; }
-  int64_t state_elements(const Shape& part) const override;
+  int64_t state_elements(size_t param_index) const override;
 
  protected:
   void start_state(NamedTensors& state, const Tensor& grad) const override;
@@ -274,7 +274,7 @@ class Adagrad : public Optimizer {
  public:
   Adagrad(std::vector<Tensor> params, AdagradOptions options = {});
   AdagradOptions options;
-  int64_t state_elements(const Shape& part) const override;
+  int64_t state_elements(size_t param_index) const override;
 
  protected:
   void begin_step() override;
@@ -300,7 +300,7 @@ class Lion : public Optimizer {
   Lion(std::vector<Tensor> params, LionOptions options = {});
   LionOptions options;
   bool has_momentum() const override { return true; }
-  int64_t state_elements(const Shape& part) const override;
+  int64_t state_elements(size_t param_index) const override;
 
  protected:
   void begin_step() override;
@@ -338,7 +338,7 @@ class Adafactor : public Optimizer {
   Adafactor(std::vector<Tensor> params, AdafactorOptions options = {});
   AdafactorOptions options;
   Shape state_shape(const std::string& name, const Shape& param) const override;
-  int64_t state_elements(const Shape& part) const override;
+  int64_t state_elements(size_t param_index) const override;
 
  protected:
   void begin_step() override;

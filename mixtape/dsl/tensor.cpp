@@ -158,7 +158,7 @@ void check_assignable(const NodePtr& current, const Tensor& value, const char* o
 void become_leaf(const std::shared_ptr<TensorImpl>& impl, const NodePtr& value, const Loc& loc) {
   const NodePtr current = impl->node;
   if (value != current) note_assignment(value);
-  auto leaf = make_node(OpCode::Constant, current->dtype, current->shape, {}, {}, loc);
+  auto leaf = make_node(OpCode::Constant, value->dtype, current->shape, {}, {}, loc);
   leaf->value = value->value;
   if (written_in_place(leaf->value.get())) leaf->value = host_copy(*leaf->value);
   leaf->precision.storage_type = leaf->precision.compute = leaf->value->dtype;
@@ -202,6 +202,18 @@ void Tensor::assign_later(const Tensor& value, const Loc& loc) {
   moved_off(current.get(), state.get());
   impl_->node = state;
   deferred_assignments().push_back({impl_, std::move(state), loc});
+}
+
+void Tensor::convert(DType dtype, const Loc& loc) {
+  const NodePtr& current = node();
+  if (!is_floating(dtype) || !is_floating(current->dtype))
+    op_fail("convert", loc, "converts floating-point tensors to floating-point types, not {} to {}",
+            name(current->dtype), name(dtype));
+  if (current->dtype == dtype) return;
+  Tensor value = cast(detach(loc), dtype, loc);
+  evaluate({value.node()});
+  zero_grad();
+  become_leaf(impl_, value.node(), loc);
 }
 
 std::vector<NodePtr> deferred_assignment_values() {

@@ -76,6 +76,10 @@ class Tensor {
   /// running one of its own. Until then this handle reads as `value` (reading it evaluates).
   /// Not for tensors that require grad.
   void assign_later(const Tensor& value, const Loc& loc = Loc::current());
+  /// Makes this handle (and every copy of it) a leaf of another floating-point type holding its
+  /// value rounded to that type, as PyTorch's `p.data = p.data.to(dtype)`: requires_grad is
+  /// kept, the gradient (of the old type) dropped. Module::to converts a model with it.
+  void convert(DType dtype, const Loc& loc = Loc::current());
 
   // ---- method spellings of common ops (see ops.h) ----
   Tensor to(DType dtype, const Loc& loc = Loc::current()) const;

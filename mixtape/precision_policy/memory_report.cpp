@@ -261,7 +261,7 @@ void count_optimizer_state(MemoryReport& report, const Optimizer& opt, const Par
     for (const auto& [name, value] : state)
       if (value.defined()) bytes += bytes_of(value.numel(), leaf_storage(*value.node()));
     // Of a ZeRO shard (dist/zero.h), or of all of it; none where this process holds none.
-    const int64_t estimate = opt.state_elements(opt.local_shape(i));
+    const int64_t estimate = opt.state_elements(i);
     if (state.empty() && p.grad().defined() && estimate > 0) {
       bytes = bytes_of(estimate, f32);
       report.optimizer_state_estimated = true;

@@ -125,6 +125,9 @@ struct Options {
   Kind kind = Kind::zero;
   Rule rule = Rule::adamw;
   bool bf16 = false;
+  // Under the pure-bf16 policy: ZeRO trains the model made bf16 (Module::to; f32 master shards),
+  // data parallel and one process the f32 model from the same bf16 values, reducing in bf16.
+  bool pure_bf16 = false;
   double max_norm = 0.05;  // the clipping norm: below the gradients' at every step
   bool compiled = false;
   int bad_step = -1;       // rank 1 alone multiplies its gradients by inf at this step
@@ -152,8 +155,14 @@ Outcome train(const Options& o) {
   const bool alone = o.kind == Kind::alone;
   mt::manual_seed(7);
   Net net;
+  mt::dist::DataParallelOptions parallel;
+  if (o.pure_bf16) {
+    net.to(mt::bf16);
+    if (o.kind != Kind::zero) net.to(mt::f32);
+    parallel.reduce_dtype = mt::bf16;
+  }
   std::optional<mt::dist::DataParallel> ddp;
-  if (!alone) ddp.emplace(net);
+  if (!alone) ddp.emplace(net, parallel);
   std::unique_ptr<mt::Optimizer> optimizer =
       make_optimizer(o.rule, o.kind == Kind::zero, net.parameters());
   mt::Optimizer& opt = *optimizer;
@@ -183,6 +192,7 @@ Outcome train(const Options& o) {
     {
       std::optional<mt::autocast> guard;
       if (o.bf16) guard.emplace(mt::bf16);
+      if (o.pure_bf16) guard.emplace(mt::pure_policy(mt::bf16));
       loss = mt::cross_entropy(net(x), y);
     }
     scaler.scale(loss).backward();
@@ -444,6 +454,38 @@ TEST_F(Zero, RMSpropAdagradAndLionAreShardedAsAdamWIs) {
     EXPECT_EQ(zero_estimate, zero_bytes);
     EXPECT_LE(std::abs(zero_bytes - plain_bytes / 2), copies * 4) << "half, give or take padding";
   }
+}
+
+// A bf16 model under ZeRO, under the pure-bf16 policy: each rank keeps f32 masters of its shard.
+// Twenty steps equal plain data parallel's on the f32 model (whose parameters are the masters,
+// which the policy rounds where it reads them) reducing its gradients in bf16, as ZeRO reduces
+// the bf16 model's: bit for bit, the bf16 parameters the masters' rounding. A checkpoint ZeRO
+// saved resumes two ranks bit for bit, so the masters are in it. Each rank keeps half of
+// AdamW's state and of the masters (3 f32 values per parameter over 2 ranks).
+TEST_F(Zero, ABf16ModelKeepsF32MasterShards) {
+  const std::string path = job_file("bf16_checkpoint.safetensors");
+  Outcome zero = train({.pure_bf16 = true, .max_norm = 1e3, .save_at = 10, .path = path});
+  Outcome plain = train({.kind = Kind::data_parallel, .pure_bf16 = true, .max_norm = 1e3});
+  std::vector<float> rounded =
+      mt::cast(
+          mt::cast(mt::tensor(plain.params, {static_cast<int64_t>(plain.params.size())}), mt::bf16),
+          mt::f32)
+          .to_vector<float>();
+  EXPECT_EQ(zero.params, rounded);
+  EXPECT_NE(zero.params, plain.params) << "the f32 model's parameters are not all bf16 values";
+  EXPECT_EQ(zero.losses, plain.losses);
+  Outcome two = train({.pure_bf16 = true, .max_norm = 1e3, .first_step = 10, .load = path});
+  EXPECT_EQ(two.params, zero.params) << "the same world size resumes bit for bit";
+  mt::manual_seed(7);
+  Net net;
+  net.to(mt::bf16);
+  mt::dist::DataParallel ddp(net);
+  mt::dist::ZeroAdamW opt(net.parameters());
+  auto [x, y] = batch(0, mt::dist::rank() * kBatch, kBatch);
+  mt::Tensor loss = mt::cross_entropy(net(x), y);
+  loss.backward();
+  const int64_t bytes = mt::memory_report(net, &opt, loss).optimizer_state;
+  EXPECT_LE(std::abs(bytes - 3 * 4 * 2213 / 2), 3 * 4) << "half, give or take padding";
 }
 
 TEST_F(Zero, CheckpointsResumeAtTwoRanksAndAtOne) {
