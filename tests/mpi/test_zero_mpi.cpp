@@ -91,32 +91,31 @@ enum class Kind { data_parallel, zero, alone };
 // The update rule: AdamW with weight decay, SGD with momentum, and the other elementwise rules.
 enum class Rule { adamw, sgd, rmsprop, adagrad, lion };
 
-// `rule`'s optimizer over the parameters: ZeRO's or the plain one.
+// `Rule` over the parameters: ZeRO's or the plain one.
+template <class Rule, class Options>
+std::unique_ptr<mt::Optimizer> either(bool zero, const std::vector<mt::Tensor>& params,
+                                      const Options& options) {
+  if (zero) return std::make_unique<mt::dist::Zero<Rule>>(params, options);
+  return std::make_unique<Rule>(params, options);
+}
+
 std::unique_ptr<mt::Optimizer> make_optimizer(Rule rule, bool zero,
                                               const std::vector<mt::Tensor>& params) {
-  namespace d = mt::dist;
-  const mt::AdamOptions adam{.lr = 1e-3, .weight_decay = 0.01};
-  const mt::SGDOptions sgd{.lr = 0.05, .momentum = 0.9};
-  const mt::RMSpropOptions rmsprop{
-      .lr = 1e-3, .weight_decay = 0.01, .momentum = 0.5, .centered = true};
-  const mt::AdagradOptions adagrad{.lr = 0.05, .lr_decay = 0.01, .initial_accumulator_value = 0.1};
-  const mt::LionOptions lion{.lr = 1e-4, .weight_decay = 0.1};
   switch (rule) {
     case Rule::adamw:
-      if (zero) return std::make_unique<d::ZeroAdamW>(params, adam);
-      return std::make_unique<mt::AdamW>(params, adam);
+      return either<mt::AdamW>(zero, params, mt::AdamOptions{.lr = 1e-3, .weight_decay = 0.01});
     case Rule::sgd:
-      if (zero) return std::make_unique<d::ZeroSGD>(params, sgd);
-      return std::make_unique<mt::SGD>(params, sgd);
+      return either<mt::SGD>(zero, params, mt::SGDOptions{.lr = 0.05, .momentum = 0.9});
     case Rule::rmsprop:
-      if (zero) return std::make_unique<d::ZeroRMSprop>(params, rmsprop);
-      return std::make_unique<mt::RMSprop>(params, rmsprop);
+      return either<mt::RMSprop>(
+          zero, params,
+          mt::RMSpropOptions{.lr = 1e-3, .weight_decay = 0.01, .momentum = 0.5, .centered = true});
     case Rule::adagrad:
-      if (zero) return std::make_unique<d::ZeroAdagrad>(params, adagrad);
-      return std::make_unique<mt::Adagrad>(params, adagrad);
+      return either<mt::Adagrad>(
+          zero, params,
+          mt::AdagradOptions{.lr = 0.05, .lr_decay = 0.01, .initial_accumulator_value = 0.1});
     case Rule::lion:
-      if (zero) return std::make_unique<d::ZeroLion>(params, lion);
-      return std::make_unique<mt::Lion>(params, lion);
+      return either<mt::Lion>(zero, params, mt::LionOptions{.lr = 1e-4, .weight_decay = 0.1});
   }
   return nullptr;
 }
