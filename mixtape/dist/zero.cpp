@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 
 #include "mixtape/dist/gradient_slots.h"
@@ -21,7 +22,8 @@ uint64_t mix(uint64_t h, uint64_t word) {
   return h;
 }
 
-Tensor* find_entry(NamedTensors& state, const std::string& name) {
+template <class State>  // NamedTensors, const or not
+auto find_entry(State& state, std::string_view name) -> decltype(&state.front().second) {
   for (auto& [key, value] : state)
     if (key == name) return &value;
   return nullptr;
@@ -31,19 +33,17 @@ Tensor* find_entry(NamedTensors& state, const std::string& name) {
 
 namespace master_weights {
 
-bool started(const NamedTensors& state) {
-  return std::any_of(state.begin(), state.end(), [](const auto& e) { return e.first == kEntry; });
-}
+bool started(const NamedTensors& state) { return find_entry(state, kEntry) != nullptr; }
 
 Tensor current(const NamedTensors& state, const Tensor& param) {
-  for (const auto& [name, kept] : state)
-    if (name == kEntry) return where(eq(cast(kept, param.dtype()), param), kept, cast(param, f32));
-  fail("dist::Zero: the master weights of a half parameter were not started before its update");
+  const Tensor* kept = find_entry(state, kEntry);
+  if (!kept)
+    fail("dist::Zero: the master weights of a half parameter were not started before its update");
+  return where(eq(cast(*kept, param.dtype()), param), *kept, cast(param, f32));
 }
 
 void keep(NamedTensors& state, const Tensor& next) {
-  for (auto& [name, kept] : state)
-    if (name == kEntry) kept = next;
+  if (Tensor* kept = find_entry(state, kEntry)) *kept = next;
 }
 
 }  // namespace master_weights

@@ -28,7 +28,8 @@ class LocalGradients;
 /// parameter's gradient becomes its elements of this process's shard, zeros elsewhere (DeepSpeed
 /// frees the rest). Parameters are marked set_gradient_sharded, so grad_norm (clip_grad_norm)
 /// sums the processes' squares and dist::DataParallel leaves them to this reduction.
-/// With one process it changes nothing: the optimizer is the plain one.
+/// With one process it changes nothing: the optimizer is the plain one (but for the f32 master
+/// weights of half parameters, master_weights).
 class ZeroShards {
  public:
   /// Every process must pass the same parameters (dtypes and sizes; an mt::Error on every
