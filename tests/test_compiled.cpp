@@ -623,6 +623,31 @@ TEST(Compiled, AReshapeOfAStoredValueSharesItsBuffer) {
   mt::set_device(mt::Device::reference);
 }
 
+// A custom op whose forward result a matmul computes shares that result's buffer, and the
+// detached inputs its forward reads share theirs: no copy kernel. The gradient is the vjp's.
+TEST(Compiled, ACustomOpOverAMatmulSharesItsResult) {
+  mt::set_device(mt::Device::cpu);
+  mt::Generator gen(9);
+  mt::Tensor a = mt::randn({6, 8}, mt::f32, &gen), w = mt::randn({8, 5}, mt::f32, &gen);
+  w.requires_grad_(true);
+  mt::eval({a, w});
+  auto forward = [](const std::vector<mt::Tensor>& in) { return mt::matmul(in[0], in[1]); };
+  auto vjp = [](const std::vector<mt::Tensor>& in, const mt::Tensor&, const mt::Tensor& g) {
+    return std::vector<mt::Tensor>{mt::Tensor(), mt::matmul(in[0], g, true, false) * 2.0};
+  };
+  mt::Tensor product = mt::custom_op({a, w}, forward, vjp);
+  mt::reset_execution_stats();
+  mt::eval({product});
+  EXPECT_EQ(mt::execution_stats().kernels, 0);
+  EXPECT_EQ(mt::execution_stats().gemms, 1);
+  EXPECT_EQ(product.to_vector<float>(), mt::matmul(a, w.detach()).to_vector<float>());
+  mt::sum(mt::square(product)).backward();
+  std::vector<float> expected =
+      (mt::matmul(a, product.detach() * 2.0, true, false) * 2.0).to_vector<float>();
+  EXPECT_EQ(w.grad().to_vector<float>(), expected);
+  mt::set_device(mt::Device::reference);
+}
+
 TEST(Compiled, ColumnSumsSplitAcrossThreadsGiveTheSameBits) {
   // A bias gradient (the sum over a matrix's rows) has no outer dims to split: threads split the
   // columns (kir::Kernel::column_split), and each column still adds its rows in order.

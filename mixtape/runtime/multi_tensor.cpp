@@ -21,8 +21,11 @@ void step_io(const Step& step, const std::vector<Node*>& pending, const Signatur
     for (size_t p = 0; p < step.params.size(); ++p)
       (step.param_is_output(p) ? writes : reads).push_back(step.params[p]);
   } else {
-    for (const NodePtr& input : sig.resolve(step.node, pending)->inputs)
-      reads.push_back(sig.ref(input.get(), pending));
+    // An Alias step shares its input 0's buffer and reads nothing else (a custom op's other
+    // inputs are its gradient's, fusion.h kernel_reads).
+    const Node& node = *sig.resolve(step.node, pending);
+    const size_t read = step.kind == FusionGroup::Kind::Alias ? 1 : node.inputs.size();
+    for (size_t k = 0; k < read; ++k) reads.push_back(sig.ref(node.inputs[k].get(), pending));
     if (step.has_bias) reads.push_back(step.bias);
     writes.push_back(step.output);
   }
