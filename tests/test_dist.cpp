@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <filesystem>
 #include <vector>
 
 #include "mixtape/dist/checkpoint.h"
@@ -222,6 +223,38 @@ TEST(ModuleTo, ConvertsFloatingParametersAndBuffersInPlace) {
   EXPECT_MT_ERROR(net.to(mt::i32), "floating", "i32");
   mt::Tensor ids = mt::tensor(std::vector<int64_t>{1, 2}, {2});
   EXPECT_MT_ERROR(ids.convert(mt::f32), "floating", "i64");
+  mt::Tensor doubled = handle * 2.0;
+  EXPECT_MT_ERROR(doubled.convert(mt::f32), "leaf", "mul");
+}
+
+// A bf16 model with batch norm trains under autocast with the plain AdamW, is saved (the running
+// statistics, computed in f32 inside batch norm, in their bf16 type) and loaded (the state in
+// f32, in which AdamW then computes, the parameters staying bf16), and trains on.
+TEST(ModuleTo, ABf16ModelIsSavedLoadedAndTrainsOn) {
+  mt::manual_seed(5);
+  mt::Sequential net;
+  net.emplace_back<mt::Linear>(3, 4);
+  mt::BatchNorm1d& norm = net.emplace_back<mt::BatchNorm1d>(4);
+  net.to(mt::bf16);
+  mt::AdamW opt(net.parameters(), {.lr = 1e-2});
+  mt::Tensor x = mt::randn({8, 3});
+  auto step = [&] {
+    opt.zero_grad();
+    mt::autocast guard(mt::bf16);
+    mt::sum(mt::square(net(x))).backward();
+    opt.step();
+  };
+  step();
+  const std::string path = testing::TempDir() + "bf16_model.safetensors";
+  mt::save_checkpoint(path, net, &opt);
+  std::vector<float> mean = mt::cast(norm.running_mean, mt::f32).to_vector<float>();
+  mt::load_checkpoint(path, net, &opt);
+  EXPECT_EQ(norm.running_mean.dtype(), mt::bf16);
+  EXPECT_EQ(mt::cast(norm.running_mean, mt::f32).to_vector<float>(), rounded_to_bf16(mean));
+  EXPECT_EQ(opt.state(0)[0].second.dtype(), mt::f32);
+  step();
+  for (const mt::Tensor& p : net.parameters()) EXPECT_EQ(p.dtype(), mt::bf16);
+  std::filesystem::remove(path);
 }
 
 // Example i has feature i, so a batch's features name its examples.

@@ -441,35 +441,80 @@ TEST(MemoryReport, OptimizerStateBeforeAndAfterTheFirstStep) {
 }
 
 // Every built-in rule's estimate before its first step is the state that step makes (each rule
-// says what it keeps: Optimizer::state_elements), Adafactor's factored rows and columns too.
+// says what it keeps: Optimizer::state_elements and state_dtype), Adafactor's factored rows and
+// columns too, for an f32 and a bf16 model (whose plain rules keep bf16 state, Adafactor f32),
+// and RMSprop's momentum buffer when a schedule cycles the momentum.
 TEST(MemoryReport, EveryRulesEstimateIsTheStateItsFirstStepMakes) {
   using Make = std::function<std::unique_ptr<mt::Optimizer>(std::vector<mt::Tensor>)>;
-  for (auto [name, make] : std::vector<std::pair<const char*, Make>>{
-           {"SGD",
-            [](auto p) { return std::make_unique<mt::SGD>(p, mt::SGDOptions{.momentum = 0.9}); }},
-           {"AdamW", [](auto p) { return std::make_unique<mt::AdamW>(p); }},
-           {"RMSprop centered with momentum",
-            [](auto p) {
-              return std::make_unique<mt::RMSprop>(
-                  p, mt::RMSpropOptions{.momentum = 0.5, .centered = true});
-            }},
-           {"Adagrad", [](auto p) { return std::make_unique<mt::Adagrad>(p); }},
-           {"Lion", [](auto p) { return std::make_unique<mt::Lion>(p); }},
-           {"Adafactor", [](auto p) { return std::make_unique<mt::Adafactor>(p); }},
-           {"Adafactor with beta1", [](auto p) {
-              return std::make_unique<mt::Adafactor>(p, mt::AdafactorOptions{.beta1 = 0.9});
-            }}}) {
-    SCOPED_TRACE(name);
-    Mlp net;
-    std::unique_ptr<mt::Optimizer> opt = make(net.parameters());
-    mt::MemoryReport before = mt::memory_report(net, opt.get(), mlp_step(net, nullptr).loss);
-    EXPECT_TRUE(before.optimizer_state_estimated);
-    EXPECT_GT(before.optimizer_state, 0);
-    opt->step();
-    opt->zero_grad();
-    mt::MemoryReport after = mt::memory_report(net, opt.get(), mlp_step(net, nullptr).loss);
-    EXPECT_FALSE(after.optimizer_state_estimated);
-    EXPECT_EQ(before.optimizer_state, after.optimizer_state);
+  for (auto
+       [name, make] : std::vector<std::pair<const char*, Make>>{{"SGD",
+                                                                 [](auto p) {
+                                                                   return std::make_unique<mt::SGD>(
+                                                                       p, mt::SGDOptions{.momentum =
+                                                                                             0.9});
+                                                                 }},
+                                                                {"AdamW",
+                                                                 [](auto p) {
+                                                                   return std::make_unique<
+                                                                       mt::AdamW>(p);
+                                                                 }},
+                                                                {"RMSprop centered with momentum",
+                                                                 [](auto p) {
+                                                                   return std::make_unique<
+                                                                       mt::RMSprop>(
+                                                                       p, mt::RMSpropOptions{
+                                                                              .momentum = 0.5,
+                                                                              .centered = true});
+                                                                 }},
+                                                                {"Adagrad",
+                                                                 [](auto p) {
+                                                                   return std::make_unique<
+                                                                       mt::Adagrad>(p);
+                                                                 }},
+                                                                {"Lion",
+                                                                 [](auto p) {
+                                                                   return std::make_unique<
+                                                                       mt::Lion>(p);
+                                                                 }},
+                                                                {"Adafactor",
+                                                                 [](auto p) {
+                                                                   return std::make_unique<
+                                                                       mt::Adafactor>(p);
+                                                                 }},
+                                                                {"Adafactor with beta1",
+                                                                 [](auto p) {
+                                                                   return std::make_unique<
+                                                                       mt::Adafactor>(
+                                                                       p, mt::AdafactorOptions{
+                                                                              .beta1 = 0.9});
+                                                                 }},
+                                                                {"RMSprop, its momentum cycled by "
+                                                                 "OneCycleLR",
+                                                                 [](auto p) {
+                                                                   auto opt = std::make_unique<
+                                                                       mt::RMSprop>(
+                                                                       p, mt::RMSpropOptions{
+                                                                              .lr = 1e-3});
+                                                                   opt->set_schedule(
+                                                                       std::make_shared<
+                                                                           mt::OneCycleLR>(1e-3,
+                                                                                           100));
+                                                                   return opt;
+                                                                 }}}) {
+    for (mt::DType model : {mt::f32, mt::bf16}) {
+      SCOPED_TRACE(std::string(name) + " on an " + std::string(mt::name(model)) + " model");
+      Mlp net;
+      net.to(model);
+      std::unique_ptr<mt::Optimizer> opt = make(net.parameters());
+      mt::MemoryReport before = mt::memory_report(net, opt.get(), mlp_step(net, nullptr).loss);
+      EXPECT_TRUE(before.optimizer_state_estimated);
+      EXPECT_GT(before.optimizer_state, 0);
+      opt->step();
+      opt->zero_grad();
+      mt::MemoryReport after = mt::memory_report(net, opt.get(), mlp_step(net, nullptr).loss);
+      EXPECT_FALSE(after.optimizer_state_estimated);
+      EXPECT_EQ(before.optimizer_state, after.optimizer_state);
+    }
   }
 }
 

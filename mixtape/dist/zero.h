@@ -139,6 +139,9 @@ class Zero : public Rule, public ZeroOptimizer {
     const bool half = is_half(this->params()[i].dtype());
     return Rule::state_elements(i) + (half ? numel(local_shape(i)) : 0);
   }
+  DType state_dtype(size_t i) const override {
+    return is_half(this->params()[i].dtype()) ? f32 : Rule::state_dtype(i);
+  }
   std::unique_ptr<Optimizer> plain() const override {
     return std::make_unique<Rule>(this->params(), this->options);
   }

@@ -107,9 +107,16 @@ Tensor logsumexp_of(const Tensor& x, const std::vector<int64_t>& axes, bool keep
   if (!grad_enabled() || !x.requires_grad()) return forward({x});
   return custom_op(
       {x}, forward,
-      [kept, type](const std::vector<Tensor>& in, const Tensor& y, const Tensor& g) {
-        return std::vector<Tensor>{cast(reshape(g, kept), type) *
-                                   exp(cast(in[0], type) - cast(reshape(y, kept), type))};
+      [kept, type, axes, loc](const std::vector<Tensor>& in, const Tensor& y, const Tensor& g) {
+        Tensor v = cast(in[0], type), result = cast(reshape(y, kept), type);
+        // A result rounded to a half type is read again in f32: rounded, the log-sum-exp of
+        // rows near 1000 is off by up to half a unit of 4 or 8, and its gradient by a factor
+        // e^2 or e^4 (PyTorch's reads the rounded one).
+        if (v.dtype() != in[0].dtype()) {
+          Tensor m = stable_shift(v, axes, loc);
+          result = log(sum(exp(v - m), axes, true)) + m;
+        }
+        return std::vector<Tensor>{cast(reshape(g, kept), type) * exp(v - result)};
       },
       loc);
 }

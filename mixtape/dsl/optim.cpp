@@ -216,6 +216,8 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
       start_state(state_[i], local_grad);
       NamedTensors state = state_[i];
       Tensor next = update(p, local_grad, state);
+      // In the parameter's type, also from state in a wider one (load_state's f32).
+      if (next.dtype() != p.dtype()) next = cast(next, p.dtype());
       if (skip_.defined()) {
         // State that did not exist yet is kept at zero by a skipped step: for every built-in
         // rule zero state updates exactly like absent state, or the rule keeps a '~' flag.
@@ -334,6 +336,12 @@ Shape Optimizer::local_shape(size_t param_index) const { return params_.at(param
 
 int64_t Optimizer::state_elements(size_t) const { return 0; }
 
+DType Optimizer::state_dtype(size_t param_index) const { return params_.at(param_index).dtype(); }
+
+bool Optimizer::momentum_scheduled() const {
+  return schedule_ && has_momentum() && schedule_->momentum(0).has_value();
+}
+
 Tensor Optimizer::local_part(size_t, const Tensor& whole) const { return whole; }
 
 void Optimizer::assemble(const std::vector<size_t>&, std::vector<Tensor>&) {}
@@ -370,7 +378,7 @@ SGD::SGD(std::vector<Tensor> params, SGDOptions options)
 }
 
 int64_t SGD::state_elements(size_t param_index) const {  // the momentum buffer
-  return options.momentum != 0 ? numel(local_shape(param_index)) : 0;
+  return options.momentum != 0 || momentum_scheduled() ? numel(local_shape(param_index)) : 0;
 }
 
 Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
@@ -495,7 +503,8 @@ RMSprop::RMSprop(std::vector<Tensor> params, RMSpropOptions options)
 bool RMSprop::keeps_momentum() const { return options.momentum > 0 || momentum_value().defined(); }
 
 int64_t RMSprop::state_elements(size_t param_index) const {
-  return (1 + options.centered + (options.momentum > 0)) * numel(local_shape(param_index));
+  const bool momentum = options.momentum > 0 || momentum_scheduled();
+  return (1 + options.centered + momentum) * numel(local_shape(param_index));
 }
 
 void RMSprop::start_state(NamedTensors& state, const Tensor& grad) const {

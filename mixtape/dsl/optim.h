@@ -87,6 +87,10 @@ class Optimizer {
   /// part) once it has stepped it: what memory_report counts before the first step makes them.
   /// 0 for a rule that does not say.
   virtual int64_t state_elements(size_t param_index) const;
+  /// The type of that state as the first step makes it: the parameter's (the rules compute in
+  /// their parameter's type, as torch's), f32 where a rule computes in f32 (Adafactor, ZeRO's
+  /// master shards). load_state() keeps loaded state in f32, in which the rule then computes.
+  virtual DType state_dtype(size_t param_index) const;
   /// Restores state saved by state(), after check_state().
   void load_state(size_t param_index, const NamedTensors& state, bool allow_nonfinite = false);
   void set_steps_taken(int64_t steps);
@@ -130,6 +134,10 @@ class Optimizer {
   /// For begin_step() and update() of a rule with has_momentum(): the schedule's momentum for
   /// this step, a 0-d f64 value, or undefined when the rule's own option holds.
   const Tensor& momentum_value() const { return scheduled_momentum_; }
+  /// Whether the attached schedule gives a rule with has_momentum() its momentum (whose buffer it
+  /// then keeps even for a momentum option of 0): what momentum_value() is defined by, outside a
+  /// step.
+  bool momentum_scheduled() const;
   /// Set by an optimizer that computes its own rate (Adafactor's relative_step): set_lr(),
   /// set_schedule() and current_lr() are then an mt::Error saying this.
   const char* own_rate_ = nullptr;
@@ -339,6 +347,7 @@ class Adafactor : public Optimizer {
   AdafactorOptions options;
   Shape state_shape(const std::string& name, const Shape& param) const override;
   int64_t state_elements(size_t param_index) const override;
+  DType state_dtype(size_t) const override { return f32; }
 
  protected:
   void begin_step() override;

@@ -209,6 +209,11 @@ void Tensor::convert(DType dtype, const Loc& loc) {
   if (!is_floating(dtype) || !is_floating(current->dtype))
     op_fail("convert", loc, "converts floating-point tensors to floating-point types, not {} to {}",
             name(current->dtype), name(dtype));
+  if (!is_leaf())
+    op_fail("convert", loc,
+            "converts a leaf (a parameter, a buffer, data), not the result of '{}', whose graph "
+            "it would cut; use .to(dtype) for a converted value",
+            op_name(current->op));
   if (current->dtype == dtype) return;
   Tensor value = cast(detach(loc), dtype, loc);
   evaluate({value.node()});

@@ -78,7 +78,8 @@ class Tensor {
   void assign_later(const Tensor& value, const Loc& loc = Loc::current());
   /// Makes this handle (and every copy of it) a leaf of another floating-point type holding its
   /// value rounded to that type, as PyTorch's `p.data = p.data.to(dtype)`: requires_grad is
-  /// kept, the gradient (of the old type) dropped. Module::to converts a model with it.
+  /// kept, the gradient (of the old type) dropped. Module::to converts a model with it. Only for
+  /// leaves (an mt::Error for the result of an op).
   void convert(DType dtype, const Loc& loc = Loc::current());
 
   // ---- method spellings of common ops (see ops.h) ----

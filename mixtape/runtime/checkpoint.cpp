@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstring>
+#include <memory>
 #include <set>
 #include <string_view>
 
@@ -154,13 +155,22 @@ void save_tensors(const std::string& path, const NamedTensors& tensors, const Me
   eval(all);
   safetensors::File file;
   for (const auto& [name, tensor] : tensors) {
-    const Storage& storage = *tensor.node()->value;
+    const Storage* storage = tensor.node()->value.get();
+    // In the tensor's type: a value assigned under a policy may be stored in another one (batch
+    // norm's running statistics of a bf16 model, computed in f32 under autocast).
+    std::unique_ptr<Storage> converted;
+    if (storage->dtype != tensor.dtype()) {
+      converted = std::make_unique<Storage>(tensor.dtype(), storage->count);
+      for (int64_t i = 0; i < storage->count; ++i)
+        store_element(*converted, i, load_element<double>(*storage, i));
+      storage = converted.get();
+    }
     safetensors::TensorData data;
     data.name = name;
     data.dtype = tensor.dtype();
     data.shape = tensor.shape();
-    const std::byte* host = storage.host_data();
-    data.bytes.assign(host, host + storage.size_bytes());
+    const std::byte* host = storage->host_data();
+    data.bytes.assign(host, host + storage->size_bytes());
     file.tensors.push_back(std::move(data));
   }
   file.metadata = metadata;
