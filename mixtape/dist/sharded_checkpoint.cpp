@@ -343,10 +343,14 @@ void save_checkpoint_sharded(const std::string& dir, const Module& module,
   if (sharded_state) parameter_index = parameter_indices(module, *optimizer);
   for (const auto& [name, value] : entries) {
     if (sharded_state && is_optimizer_entry(name)) {
-      // This process's elements [first, last) of the parameter's flattened state.
+      // This process's elements [first, last) of the entry's flattened state, and the whole
+      // entry's shape: its parameter's for flat shards, its own for whole tensors.
       const size_t i = parameter_index.at(parameter_of(name));
-      auto [first, last] = zero->shards().held(i);
-      my_pieces.push_back(json::Value::array({name, first, last, optimizer->params()[i].shape()}));
+      const ZeroShards& shards = zero->shards();
+      auto [first, last] = shards.held_state(i, value.numel());
+      const Shape whole_shape =
+          shards.whole_tensors() ? value.shape() : optimizer->params()[i].shape();
+      my_pieces.push_back(json::Value::array({name, first, last, whole_shape}));
       mine.emplace_back(name, value);
       my_bytes += bytes_of(value);
       continue;
@@ -418,9 +422,11 @@ void load_checkpoint_sharded(const std::string& dir, Module& module, Optimizer* 
         const std::map<std::string, size_t> at = parameter_indices(module, *optimizer);
         for (const safetensors::TensorData& data : pieces)
           for (const auto& [file, begin, end] : index.pieces.at(data.name).parts)
-            if (file == rank && (!at.count(parameter_of(data.name)) ||
-                                 zero->shards().held(at.at(parameter_of(data.name))) !=
-                                     std::pair<int64_t, int64_t>(begin, end)))
+            if (file == rank &&
+                (!at.count(parameter_of(data.name)) ||
+                 zero->shards().held_state(at.at(parameter_of(data.name)),
+                                           numel(index.pieces.at(data.name).shape)) !=
+                     std::pair<int64_t, int64_t>(begin, end)))
               fail(
                   "load_checkpoint_sharded {}: '{}' is not sharded as this run's optimizer "
                   "shards it (another optimizer's parameters?)",

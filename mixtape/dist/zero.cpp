@@ -48,8 +48,8 @@ void keep(NamedTensors& state, const Tensor& next) {
 
 }  // namespace master_weights
 
-ZeroShards::ZeroShards(const std::vector<Tensor>& params)
-    : params_(params), local_(std::make_unique<LocalGradients>()) {
+ZeroShards::ZeroShards(const std::vector<Tensor>& params, bool whole_tensors)
+    : params_(params), whole_tensors_(whole_tensors), local_(std::make_unique<LocalGradients>()) {
   if (ProcessGroup* group = process_group()) {
     processes_ = group->size();
     rank_ = group->rank();
@@ -71,6 +71,7 @@ ZeroShards::ZeroShards(const std::vector<Tensor>& params)
   for (Group& g : groups_) {
     g.padded = (g.total + processes_ - 1) / processes_ * processes_;
     g.shard = g.padded / processes_;
+    if (whole_tensors_ && processes_ > 1) place_whole_tensors(g);
   }
   owners_.resize(params_.size());
   if (processes_ == 1) return;
@@ -110,6 +111,32 @@ void ZeroShards::check_same_layout() const {
           q);
 }
 
+void ZeroShards::place_whole_tensors(Group& g) {
+  // Each parameter to the process where its first element falls in an even cut of the group
+  // (in order, so each process's run is a run of the optimizer's order), then the runs laid out
+  // one per shard, each shard as long as the longest run.
+  std::vector<int> owner(g.members.size());
+  std::vector<int64_t> run(static_cast<size_t>(processes_), 0);
+  int64_t before = 0;
+  for (size_t m = 0; m < g.members.size(); ++m) {
+    const int64_t count = params_[g.members[m]].numel();
+    owner[m] = static_cast<int>(std::min<int64_t>(processes_ - 1, before * processes_ / g.total));
+    run[static_cast<size_t>(owner[m])] += count;
+    before += count;
+  }
+  g.shard = *std::max_element(run.begin(), run.end());
+  g.padded = g.shard * processes_;
+  std::vector<int64_t> next(static_cast<size_t>(processes_));
+  for (int r = 0; r < processes_; ++r) next[static_cast<size_t>(r)] = r * g.shard;
+  for (size_t m = 0; m < g.members.size(); ++m) {
+    Place& place = places_[g.members[m]];
+    int64_t& at = next[static_cast<size_t>(owner[m])];
+    place.end = at + (place.end - place.begin);
+    place.begin = at;
+    at = place.end;
+  }
+}
+
 std::pair<int64_t, int64_t> ZeroShards::held(size_t i) const {
   const Place& place = places_.at(i);
   if (processes_ == 1) return {0, place.end - place.begin};
@@ -120,26 +147,35 @@ std::pair<int64_t, int64_t> ZeroShards::held(size_t i) const {
   return {first - place.begin, last - place.begin};
 }
 
+std::pair<int64_t, int64_t> ZeroShards::held_state(size_t i, int64_t entry_elements) const {
+  if (!whole_tensors_) return held(i);
+  auto [first, last] = held(i);
+  return {0, first == last ? 0 : entry_elements};
+}
+
 Tensor ZeroShards::local_part(size_t i, const Tensor& whole) const {
   if (processes_ == 1) return whole;
   auto [first, last] = held(i);
   if (first == last) return Tensor();
-  return slice(reshape(whole, {-1}), 0, first, last);
+  return whole_tensors_ ? whole : slice(reshape(whole, {-1}), 0, first, last);
 }
 
 Shape ZeroShards::local_shape(size_t i) const {
   if (processes_ == 1) return params_.at(i).shape();
   auto [first, last] = held(i);
+  if (whole_tensors_) return first == last ? Shape{0} : params_.at(i).shape();
   return {last - first};
 }
 
 template <typename Part>
 Tensor ZeroShards::shard_of(const Group& group, DType dtype, Part part) const {
   std::vector<Tensor> pieces;
+  int64_t padding = group.shard;  // what the held elements leave of it
   for (size_t i : group.members)
-    if (auto [first, last] = held(i); first != last) pieces.push_back(part(i));
-  const int64_t padding = std::min(group.padded, (rank_ + 1) * group.shard) -
-                          std::max(group.total, rank_ * group.shard);
+    if (auto [first, last] = held(i); first != last) {
+      pieces.push_back(reshape(part(i), {-1}));  // a whole tensor's part keeps its shape
+      padding -= last - first;
+    }
   if (padding > 0) pieces.push_back(zeros({padding}, dtype));
   return pieces.size() == 1 ? pieces[0] : concat(pieces);
 }
@@ -197,13 +233,17 @@ void ZeroShards::reduce(LeafGradients& gradients) const {
   }
   std::vector<Tensor> means;
   for (const Group& group : groups_) {
+    // In the buffer's layout: the padding at the end, or at the end of each shard (whole
+    // tensors).
     std::vector<Tensor> flat;
+    int64_t at = 0;
     for (size_t i : group.members) {
       const Tensor& g = gradients[slot[i]].second;
+      if (places_[i].begin > at) flat.push_back(zeros({places_[i].begin - at}, group.dtype));
       flat.push_back(reshape(g.dtype() == group.dtype ? g : cast(g, group.dtype), {-1}));
+      at = places_[i].end;
     }
-    if (group.padded > group.total)
-      flat.push_back(zeros({group.padded - group.total}, group.dtype));
+    if (group.padded > at) flat.push_back(zeros({group.padded - at}, group.dtype));
     means.push_back(reduce_scatter(concat(flat)) / static_cast<double>(processes_));
   }
   // Now, together, in this order: left lazy, they would run when first read, in whatever order
@@ -238,6 +278,7 @@ void ZeroShards::gather_state(const Optimizer& zero, Optimizer& whole) const {
     for (size_t i = 0; i < params_.size(); ++i) whole.load_state(i, zero.state(i), true);
     return;
   }
+  if (whole_tensors_) return gather_whole_state(zero, whole);
   std::vector<NamedTensors> full(params_.size());
   std::vector<Tensor> pending;
   for (const Group& group : groups_) {
@@ -270,6 +311,38 @@ void ZeroShards::gather_state(const Optimizer& zero, Optimizer& whole) const {
   }
   eval(pending);
   for (size_t i = 0; i < params_.size(); ++i) whole.load_state(i, full[i], true);
+}
+
+void ZeroShards::gather_whole_state(const Optimizer& zero, Optimizer& whole) const {
+  ProcessGroup& group = *process_group();
+  auto send = [&](void* data, int64_t bytes, int from) {
+    group.broadcast(static_cast<std::byte*>(data), bytes, from);
+  };
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Group& g = groups_[places_[i].group];
+    const int holder = g.shard > 0 ? static_cast<int>(places_[i].begin / g.shard) : 0;
+    // The holder's entry names (a factored rule's differ from parameter to parameter), then
+    // each entry in f32, of the shape the rule gives it.
+    const NamedTensors held = holder == rank_ ? zero.state(i) : NamedTensors();
+    std::string names;
+    for (const auto& entry : held) names += entry.first + "\n";
+    int64_t length = static_cast<int64_t>(names.size());
+    send(&length, sizeof(length), holder);
+    names.resize(static_cast<size_t>(length));
+    send(names.data(), length, holder);
+    NamedTensors full;
+    for (size_t at = 0, k = 0; at < names.size(); ++k) {
+      const size_t end = names.find('\n', at);
+      std::string name = names.substr(at, end - at);
+      at = end + 1;
+      const Shape shape = whole.state_shape(name, params_[i].shape());
+      std::vector<float> values(static_cast<size_t>(numel(shape)));
+      if (holder == rank_) values = cast(held[k].second, f32).to_vector<float>();
+      send(values.data(), static_cast<int64_t>(values.size() * sizeof(float)), holder);
+      full.emplace_back(std::move(name), tensor(values, shape));
+    }
+    whole.load_state(i, full, true);
+  }
 }
 
 void ZeroShards::take_state(const Optimizer& whole, Optimizer& zero) const {

@@ -30,11 +30,17 @@ class LocalGradients;
 /// sums the processes' squares and dist::DataParallel leaves them to this reduction.
 /// With one process it changes nothing: the optimizer is the plain one (but for the f32 master
 /// weights of half parameters, master_weights).
+///
+/// For a rule that needs whole parameters (Adafactor's factored statistics of a matrix), the
+/// shards are of whole parameters instead, as PyTorch's ZeroRedundancyOptimizer partitions them:
+/// each dtype's parameters, in order, go to the processes in runs of about 1/N of the elements
+/// (a parameter to the process where its first element falls), each process's run padded at its
+/// end to the longest run; the buffer, reductions and gathers are the same.
 class ZeroShards {
  public:
   /// Every process must pass the same parameters (dtypes and sizes; an mt::Error on every
   /// process otherwise), after dist::init().
-  explicit ZeroShards(const std::vector<Tensor>& params);
+  explicit ZeroShards(const std::vector<Tensor>& params, bool whole_tensors = false);
   ~ZeroShards();
   ZeroShards(const ZeroShards&) = delete;
   ZeroShards& operator=(const ZeroShards&) = delete;
@@ -48,10 +54,15 @@ class ZeroShards {
     int64_t shard = 0;   // padded / N, the elements each process holds
   };
   int processes() const { return processes_; }
+  bool whole_tensors() const { return whole_tensors_; }
   const std::vector<Group>& groups() const { return groups_; }
   /// The elements [first, second) of parameter i (in its flat order) that this process holds;
   /// first == second where it holds none of them. All of them with one process.
   std::pair<int64_t, int64_t> held(size_t i) const;
+  /// The elements [first, second) of a state entry of parameter i with `entry_elements`
+  /// elements, flattened, that this process keeps: held(i) for the flat shards (entries shaped as
+  /// their parameter), all of it or none for whole tensors (entries of any shape).
+  std::pair<int64_t, int64_t> held_state(size_t i, int64_t entry_elements) const;
 
   /// Optimizer::local_part, local_shape and assemble for a ZeRO optimizer.
   Tensor local_part(size_t i, const Tensor& whole) const;
@@ -74,14 +85,19 @@ class ZeroShards {
   Tensor shard_of(const Group& group, DType dtype, Part part) const;
   // Every process's shard gathered, cut into the members' tensors (of their shapes).
   std::vector<Tensor> unshard(const Group& group, const Tensor& shard) const;
+  void place_whole_tensors(Group& group);
   void check_same_layout() const;
   void reduce(LeafGradients& gradients) const;
+  // gather_state for whole tensors: each parameter's state entries sent by the process that
+  // holds it.
+  void gather_whole_state(const Optimizer& zero, Optimizer& whole) const;
 
   std::vector<Tensor> params_;
   std::vector<const TensorImpl*> owners_;
   std::vector<Place> places_;
   std::vector<Group> groups_;
   int processes_ = 1, rank_ = 0;
+  bool whole_tensors_ = false;
   int64_t hook_ = -1;
   std::unique_ptr<LocalGradients> local_;  // no_sync's pending local gradients
 };
@@ -118,19 +134,16 @@ class ZeroOptimizer {
   virtual const ZeroShards& shards() const = 0;
 };
 
-/// ZeRO stage 1 of the optimizer `Rule` (an elementwise rule: SGD, Adam, AdamW, RMSprop, Adagrad,
-/// Lion), with Rule's constructors and options: each process keeps the rule's f32 state for its
-/// 1/N shard only (ZeroShards) and updates only that shard of the parameters (f32 parameters are
-/// their own master weights: the shard is updated in place of a separate master copy; half ones
-/// get f32 master shards, master_weights); the updated shards are all-gathered into the
-/// parameters in the step's program. GradScaler, clip_grad_norm,
+/// ZeRO stage 1 of the optimizer `Rule` (SGD, Adam, AdamW, RMSprop, Adagrad, Lion on flat
+/// shards; Adafactor on shards of whole parameters), with Rule's constructors and options: each
+/// process keeps the rule's f32 state for its 1/N shard only (ZeroShards) and updates only that
+/// shard of the parameters (f32 parameters are their own master weights: the shard is updated in
+/// place of a separate master copy; half ones get f32 master shards, master_weights); the updated
+/// shards are all-gathered into the parameters in the step's program. GradScaler, clip_grad_norm,
 /// schedules and mt::compile work as with the plain rule, whose kind() it keeps, so its
 /// checkpoints (dist::save_checkpoint, which gathers the shards) are the plain rule's.
 template <class Rule>
 class Zero : public Rule, public ZeroOptimizer {
-  // Adafactor's factored statistics and its RMS scaling need whole parameters, not slices.
-  static_assert(!std::is_base_of_v<Adafactor, Rule>, "ZeRO shards elementwise rules only");
-
  public:
   using Rule::Rule;
 
@@ -176,7 +189,8 @@ class Zero : public Rule, public ZeroOptimizer {
   }
 
  private:
-  ZeroShards shards_{this->params()};
+  // Adafactor's factored statistics and its RMS scaling need whole parameters, not slices.
+  ZeroShards shards_{this->params(), std::is_base_of_v<Adafactor, Rule>};
 };
 
 using ZeroAdamW = Zero<AdamW>;
@@ -185,5 +199,6 @@ using ZeroSGD = Zero<SGD>;
 using ZeroRMSprop = Zero<RMSprop>;
 using ZeroAdagrad = Zero<Adagrad>;
 using ZeroLion = Zero<Lion>;
+using ZeroAdafactor = Zero<Adafactor>;
 
 }  // namespace mixtape::dist
