@@ -1712,4 +1712,29 @@ TEST(Compile, AValueAssignedAndReturnedFollowsEachCall) {
   }
 }
 
+// A detached copy of a parameter keeps its value while mt::compile's replays update the
+// parameter in place: a stop_gradient is a copy, not a buffer shared as a reshape's is.
+TEST(Compile, ADetachedParameterKeepsItsValueThroughReplays) {
+  mt::Generator gen(3);
+  mt::Linear fc(8, 4, true, &gen);
+  mt::SGD opt(fc.parameters(), {.lr = 0.1, .momentum = 0.9});
+  mt::Tensor x = mt::randn({5, 8}, mt::f32, &gen);
+  auto step = mt::compile([&](const mt::Tensor& in) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::sum(mt::square(fc(in)));
+    loss.backward();
+    opt.step();
+    return loss;
+  });
+  for (int s = 0; s < 3; ++s) mt::eval({step(x)});
+  mt::Tensor copy = fc.weight.detach();
+  std::vector<float> before = copy.to_vector<float>();
+  for (int s = 0; s < 4; ++s) mt::eval({step(x)});
+  if (mt::current_device() != mt::Device::reference) {  // which has no programs to replay
+    EXPECT_GE(step.stats().replays, 4);
+  }
+  EXPECT_EQ(copy.to_vector<float>(), before);
+  EXPECT_NE(fc.weight.to_vector<float>(), before);
+}
+
 }  // namespace

@@ -690,16 +690,15 @@ class Fuser {
     group_of_[node] = e.group;
   }
 
-  // A kernel that would only copy a stored value: into a new shape (a reshape read by a matmul),
-  // cut from the gradients (a stop_gradient read by a matmul: a custom op's forward reads its
-  // inputs so), or as a custom op's forward result that a matmul or a host op computed
-  // (kernel_reads). Row-major storage is the same bytes in any shape, so the node shares its
-  // input 0's buffer.
+  // A kernel that would only copy a stored value into a new shape (a reshape read by a matmul),
+  // or a custom op's forward result that a matmul or a host op computed (kernel_reads): row-major
+  // storage is the same bytes in any shape, so the node shares its input 0's buffer. Not a
+  // stop_gradient: a detached copy of a parameter keeps its value when a replay updates the
+  // parameter in place (README, "What mt::compile replays").
   static bool is_alias(const FusionGroup& group) {
     if (group.kind != FusionGroup::Kind::Kernel || group.members.size() != 1) return false;
     const Node& node = *group.members[0];
-    if (node.op != OpCode::Reshape && node.op != OpCode::Detach && node.op != OpCode::Custom)
-      return false;
+    if (node.op != OpCode::Reshape && node.op != OpCode::Custom) return false;
     const Node& input = *node.inputs[0];
     if (is_constant_fill(input)) return false;
     DType stored = input.value ? input.value->dtype : input.precision.storage_type;

@@ -21,8 +21,8 @@ struct Access {
 };
 
 struct FusionGroup {
-  // Alias: a reshape or stop_gradient of a value another group stores, or a custom op's forward
-  // result that a matmul or host op computes, sharing its buffer (no copy).
+  // Alias: a reshape of a value another group stores, or a custom op's forward result that a
+  // matmul or host op computes, sharing its buffer (no copy).
   enum class Kind { Kernel, MatMul, Host, Alias };
   Kind kind = Kind::Host;
   std::vector<Node*> members;  // tape order

@@ -71,7 +71,7 @@ ZeroShards::ZeroShards(const std::vector<Tensor>& params, bool whole_tensors)
   for (Group& g : groups_) {
     g.padded = (g.total + processes_ - 1) / processes_ * processes_;
     g.shard = g.padded / processes_;
-    if (whole_tensors_ && processes_ > 1) place_whole_tensors(g);
+    if (whole_tensors_ && processes_ > 1 && g.total > 0) place_whole_tensors(g);
   }
   owners_.resize(params_.size());
   if (processes_ == 1) return;
@@ -176,7 +176,8 @@ Tensor ZeroShards::shard_of(const Group& group, DType dtype, Part part) const {
       pieces.push_back(reshape(part(i), {-1}));  // a whole tensor's part keeps its shape
       padding -= last - first;
     }
-  if (padding > 0) pieces.push_back(zeros({padding}, dtype));
+  // A group of empty parameters has empty shards.
+  if (padding > 0 || pieces.empty()) pieces.push_back(zeros({padding}, dtype));
   return pieces.size() == 1 ? pieces[0] : concat(pieces);
 }
 
@@ -319,8 +320,9 @@ void ZeroShards::gather_whole_state(const Optimizer& zero, Optimizer& whole) con
     group.broadcast(static_cast<std::byte*>(data), bytes, from);
   };
   for (size_t i = 0; i < params_.size(); ++i) {
+    if (params_[i].numel() == 0) continue;  // held by none, without state
     const Group& g = groups_[places_[i].group];
-    const int holder = g.shard > 0 ? static_cast<int>(places_[i].begin / g.shard) : 0;
+    const int holder = static_cast<int>(places_[i].begin / g.shard);
     // The holder's entry names (a factored rule's differ from parameter to parameter), then
     // each entry in f32, of the shape the rule gives it.
     const NamedTensors held = holder == rank_ ? zero.state(i) : NamedTensors();

@@ -536,6 +536,36 @@ TEST_F(Zero, AdafactorShardsWholeParameters) {
   EXPECT_EQ(both.item(), static_cast<double>(plain_bytes));
 }
 
+// Zero-element parameters under whole-parameter shards: one placed after the last rank's full
+// run, which no rank holds, and a dtype of nothing else. They train, and the state gathers.
+TEST_F(Zero, AdafactorTakesZeroElementParameters) {
+  struct Odd : mt::Module {
+    mt::Tensor a, b, none, half_none;
+    Odd() {
+      a = register_parameter("a", mt::ones({2, 5}));
+      b = register_parameter("b", mt::ones({10}));
+      none = register_parameter("none", mt::ones({0}));
+      half_none = register_parameter("half_none", mt::ones({0}, mt::bf16));
+    }
+  } net;
+  mt::dist::DataParallel ddp(net);
+  mt::dist::ZeroAdafactor opt(net.parameters(), {.beta1 = 0.9});
+  for (int s = 0; s < 2; ++s) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::sum(mt::square(net.a)) + mt::sum(net.b * 0.5) + mt::sum(net.none) +
+                      mt::sum(mt::cast(net.half_none, mt::f32));
+    loss.backward();
+    opt.step();
+  }
+  std::unique_ptr<mt::Optimizer> whole = opt.gathered();
+  EXPECT_EQ(whole->steps_taken(), 2);
+  EXPECT_EQ(whole->state(0).size(), 3u) << "a: exp_avg, exp_avg_sq_row, exp_avg_sq_col";
+  EXPECT_EQ(whole->state(1).size(), 2u) << "b: exp_avg, exp_avg_sq";
+  EXPECT_TRUE(whole->state(2).empty());
+  EXPECT_TRUE(whole->state(3).empty());
+  EXPECT_NE(net.a.to_vector<float>(), std::vector<float>(10, 1.0f)) << "the step moved a";
+}
+
 TEST_F(Zero, CheckpointsResumeAtTwoRanksAndAtOne) {
   const std::string path = job_file("zero_checkpoint.safetensors");
   Outcome uninterrupted = train({.save_at = 10, .path = path});
