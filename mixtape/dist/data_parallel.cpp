@@ -62,6 +62,7 @@ void take_rank0_values(ProcessGroup& group, const NamedTensors& state) {
   if (group.rank() == 0)
     for (const Tensor& t : values) {
       const Storage& value = *t.node()->value;
+      if (value.size_bytes() == 0) continue;  // an empty tensor's data may be null
       std::memcpy(bytes.data() + at, value.host_data(), static_cast<size_t>(value.size_bytes()));
       at += value.size_bytes();
     }
@@ -70,8 +71,9 @@ void take_rank0_values(ProcessGroup& group, const NamedTensors& state) {
   at = 0;
   for (Tensor& t : values) {
     auto storage = std::make_shared<Storage>(t.dtype(), t.numel(), Storage::Uninitialized{});
-    std::memcpy(storage->host_data(), bytes.data() + at,
-                static_cast<size_t>(storage->size_bytes()));
+    if (storage->size_bytes() > 0)
+      std::memcpy(storage->host_data(), bytes.data() + at,
+                  static_cast<size_t>(storage->size_bytes()));
     at += storage->size_bytes();
     t.assign(from_storage(std::move(storage), t.shape()));
   }
