@@ -440,67 +440,37 @@ TEST(MemoryReport, OptimizerStateBeforeAndAfterTheFirstStep) {
   EXPECT_EQ(mt::memory_report(plain_net, &plain, step.loss).optimizer_state, 0);
 }
 
+// Makes a rule's optimizer over the parameters.
+using MakeOptimizer = std::function<std::unique_ptr<mt::Optimizer>(std::vector<mt::Tensor>)>;
+
+template <class Rule, class Options>
+MakeOptimizer rule_with(Options options) {
+  return [options](std::vector<mt::Tensor> p) -> std::unique_ptr<mt::Optimizer> {
+    return std::make_unique<Rule>(std::move(p), options);
+  };
+}
+
 // Every built-in rule's estimate before its first step is the state that step makes (each rule
 // says what it keeps: Optimizer::state_elements and state_dtype), Adafactor's factored rows and
 // columns too, for an f32 and a bf16 model (whose plain rules keep bf16 state, Adafactor f32),
 // and RMSprop's momentum buffer when a schedule cycles the momentum.
 TEST(MemoryReport, EveryRulesEstimateIsTheStateItsFirstStepMakes) {
-  using Make = std::function<std::unique_ptr<mt::Optimizer>(std::vector<mt::Tensor>)>;
-  for (auto
-       [name, make] : std::vector<std::pair<const char*, Make>>{{"SGD",
-                                                                 [](auto p) {
-                                                                   return std::make_unique<mt::SGD>(
-                                                                       p, mt::SGDOptions{.momentum =
-                                                                                             0.9});
-                                                                 }},
-                                                                {"AdamW",
-                                                                 [](auto p) {
-                                                                   return std::make_unique<
-                                                                       mt::AdamW>(p);
-                                                                 }},
-                                                                {"RMSprop centered with momentum",
-                                                                 [](auto p) {
-                                                                   return std::make_unique<
-                                                                       mt::RMSprop>(
-                                                                       p, mt::RMSpropOptions{
-                                                                              .momentum = 0.5,
-                                                                              .centered = true});
-                                                                 }},
-                                                                {"Adagrad",
-                                                                 [](auto p) {
-                                                                   return std::make_unique<
-                                                                       mt::Adagrad>(p);
-                                                                 }},
-                                                                {"Lion",
-                                                                 [](auto p) {
-                                                                   return std::make_unique<
-                                                                       mt::Lion>(p);
-                                                                 }},
-                                                                {"Adafactor",
-                                                                 [](auto p) {
-                                                                   return std::make_unique<
-                                                                       mt::Adafactor>(p);
-                                                                 }},
-                                                                {"Adafactor with beta1",
-                                                                 [](auto p) {
-                                                                   return std::make_unique<
-                                                                       mt::Adafactor>(
-                                                                       p, mt::AdafactorOptions{
-                                                                              .beta1 = 0.9});
-                                                                 }},
-                                                                {"RMSprop, its momentum cycled by "
-                                                                 "OneCycleLR",
-                                                                 [](auto p) {
-                                                                   auto opt = std::make_unique<
-                                                                       mt::RMSprop>(
-                                                                       p, mt::RMSpropOptions{
-                                                                              .lr = 1e-3});
-                                                                   opt->set_schedule(
-                                                                       std::make_shared<
-                                                                           mt::OneCycleLR>(1e-3,
-                                                                                           100));
-                                                                   return opt;
-                                                                 }}}) {
+  MakeOptimizer cycled = [](std::vector<mt::Tensor> p) -> std::unique_ptr<mt::Optimizer> {
+    auto opt = std::make_unique<mt::RMSprop>(std::move(p), mt::RMSpropOptions{.lr = 1e-3});
+    opt->set_schedule(std::make_shared<mt::OneCycleLR>(1e-3, 100));
+    return opt;
+  };
+  const std::vector<std::pair<const char*, MakeOptimizer>> rules{
+      {"SGD", rule_with<mt::SGD>(mt::SGDOptions{.momentum = 0.9})},
+      {"AdamW", rule_with<mt::AdamW>(mt::AdamOptions{.weight_decay = 0.01})},
+      {"RMSprop centered with momentum",
+       rule_with<mt::RMSprop>(mt::RMSpropOptions{.momentum = 0.5, .centered = true})},
+      {"Adagrad", rule_with<mt::Adagrad>(mt::AdagradOptions{})},
+      {"Lion", rule_with<mt::Lion>(mt::LionOptions{})},
+      {"Adafactor", rule_with<mt::Adafactor>(mt::AdafactorOptions{})},
+      {"Adafactor with beta1", rule_with<mt::Adafactor>(mt::AdafactorOptions{.beta1 = 0.9})},
+      {"RMSprop, its momentum cycled by OneCycleLR", cycled}};
+  for (const auto& [name, make] : rules) {
     for (mt::DType model : {mt::f32, mt::bf16}) {
       SCOPED_TRACE(std::string(name) + " on an " + std::string(mt::name(model)) + " model");
       Mlp net;
