@@ -6,6 +6,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <vector>
 
 #include "mixtape/dist/gradient_slots.h"
 #include "mixtape/dsl/error.h"
@@ -27,6 +28,24 @@ auto find_entry(State& state, std::string_view name) -> decltype(&state.front().
   for (auto& [key, value] : state)
     if (key == name) return &value;
   return nullptr;
+}
+
+// The names of process `from`'s state entries `state` (the others pass any), on every process.
+std::vector<std::string> entry_names(const NamedTensors& state, int from) {
+  std::string names;
+  if (process_group()->rank() == from)
+    for (const auto& entry : state) names += entry.first + "\n";
+  int64_t length = static_cast<int64_t>(names.size());
+  process_group()->broadcast(reinterpret_cast<std::byte*>(&length), sizeof(length), from);
+  names.resize(static_cast<size_t>(length));
+  process_group()->broadcast(reinterpret_cast<std::byte*>(names.data()), length, from);
+  std::vector<std::string> out;
+  for (size_t at = 0; at < names.size();) {
+    const size_t end = names.find('\n', at);
+    out.push_back(names.substr(at, end - at));
+    at = end + 1;
+  }
+  return out;
 }
 
 }  // namespace
@@ -285,17 +304,8 @@ void ZeroShards::gather_state(const Optimizer& zero, Optimizer& whole) const {
   for (const Group& group : groups_) {
     // Rank 0 holds the group's first elements, so its first member's state names are the
     // group's (the rule makes the same entries for every parameter it has stepped), sent to all.
-    std::string names;
-    if (rank_ == 0)
-      for (const auto& entry : zero.state(group.members[0])) names += entry.first + "\n";
-    int64_t length = static_cast<int64_t>(names.size());
-    process_group()->broadcast(reinterpret_cast<std::byte*>(&length), sizeof(length), 0);
-    names.resize(static_cast<size_t>(length));
-    process_group()->broadcast(reinterpret_cast<std::byte*>(names.data()), length, 0);
-    for (size_t at = 0; at < names.size();) {
-      const size_t end = names.find('\n', at);
-      const std::string name = names.substr(at, end - at);
-      at = end + 1;
+    const NamedTensors first = rank_ == 0 ? zero.state(group.members[0]) : NamedTensors();
+    for (const std::string& name : entry_names(first, 0)) {
       Tensor shard = shard_of(group, f32, [&](size_t i) {
         NamedTensors state = zero.state(i);
         Tensor* value = find_entry(state, name);
@@ -315,10 +325,6 @@ void ZeroShards::gather_state(const Optimizer& zero, Optimizer& whole) const {
 }
 
 void ZeroShards::gather_whole_state(const Optimizer& zero, Optimizer& whole) const {
-  ProcessGroup& group = *process_group();
-  auto send = [&](void* data, int64_t bytes, int from) {
-    group.broadcast(static_cast<std::byte*>(data), bytes, from);
-  };
   for (size_t i = 0; i < params_.size(); ++i) {
     if (params_[i].numel() == 0) continue;  // held by none, without state
     const Group& g = groups_[places_[i].group];
@@ -326,22 +332,14 @@ void ZeroShards::gather_whole_state(const Optimizer& zero, Optimizer& whole) con
     // The holder's entry names (a factored rule's differ from parameter to parameter), then
     // each entry in f32, of the shape the rule gives it.
     const NamedTensors held = holder == rank_ ? zero.state(i) : NamedTensors();
-    std::string names;
-    for (const auto& entry : held) names += entry.first + "\n";
-    int64_t length = static_cast<int64_t>(names.size());
-    send(&length, sizeof(length), holder);
-    names.resize(static_cast<size_t>(length));
-    send(names.data(), length, holder);
     NamedTensors full;
-    for (size_t at = 0, k = 0; at < names.size(); ++k) {
-      const size_t end = names.find('\n', at);
-      std::string name = names.substr(at, end - at);
-      at = end + 1;
+    for (const std::string& name : entry_names(held, holder)) {
       const Shape shape = whole.state_shape(name, params_[i].shape());
       std::vector<float> values(static_cast<size_t>(numel(shape)));
-      if (holder == rank_) values = cast(held[k].second, f32).to_vector<float>();
-      send(values.data(), static_cast<int64_t>(values.size() * sizeof(float)), holder);
-      full.emplace_back(std::move(name), tensor(values, shape));
+      if (holder == rank_) values = cast(*find_entry(held, name), f32).to_vector<float>();
+      process_group()->broadcast(reinterpret_cast<std::byte*>(values.data()),
+                                 static_cast<int64_t>(values.size() * sizeof(float)), holder);
+      full.emplace_back(name, tensor(values, shape));
     }
     whole.load_state(i, full, true);
   }
