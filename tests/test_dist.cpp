@@ -168,12 +168,6 @@ Bf16Run train_pure_bf16(bool bf16_model, bool zero) {
   return run;
 }
 
-std::vector<float> rounded_to_bf16(std::vector<float> values) {
-  return mt::cast(mt::cast(mt::tensor(values, {static_cast<int64_t>(values.size())}), mt::bf16),
-                  mt::f32)
-      .to_vector<float>();
-}
-
 // A bf16 model under ZeRO keeps an f32 master of its shard (all of it with one process): the
 // master is what the f32 model under the pure-bf16 policy holds, bit for bit, with the rule's
 // state in f32, and the bf16 parameters are its rounding; a parameter assigned by hand is taken
@@ -184,7 +178,7 @@ TEST(Zero, KeepsF32MasterWeightsOfABf16Model) {
   Bf16Run f32_model = train_pure_bf16(false, false);
   Bf16Run zero = train_pure_bf16(true, true);
   Bf16Run plain = train_pure_bf16(true, false);
-  EXPECT_EQ(zero.params, rounded_to_bf16(f32_model.params));
+  EXPECT_EQ(zero.params, rounded_to(f32_model.params, mt::bf16));
   ASSERT_EQ(zero.first_state.size(), 3u);  // exp_avg, exp_avg_sq and the master
   EXPECT_EQ(zero.first_state[2].first, "master");
   for (size_t k = 0; k < 3; ++k) EXPECT_EQ(zero.first_state[k].second.dtype(), mt::f32);
@@ -213,7 +207,7 @@ TEST(ModuleTo, ConvertsFloatingParametersAndBuffersInPlace) {
   EXPECT_EQ(handle.dtype(), mt::bf16);
   EXPECT_TRUE(handle.requires_grad());
   EXPECT_FALSE(handle.grad().defined()) << "a gradient of the old type is dropped";
-  EXPECT_EQ(handle.to_vector<float>(), rounded_to_bf16(weight));
+  EXPECT_EQ(handle.to_vector<float>(), rounded_to(weight, mt::bf16));
   for (const auto& [name, buffer] : norm.named_buffers())
     EXPECT_EQ(buffer.dtype(), name == "num_batches_tracked" ? mt::i64 : mt::bf16) << name;
   mt::Tensor out = net(mt::ones({4, 3}, mt::bf16));
@@ -250,7 +244,7 @@ TEST(ModuleTo, ABf16ModelIsSavedLoadedAndTrainsOn) {
   std::vector<float> mean = mt::cast(norm.running_mean, mt::f32).to_vector<float>();
   mt::load_checkpoint(path, net, &opt);
   EXPECT_EQ(norm.running_mean.dtype(), mt::bf16);
-  EXPECT_EQ(mt::cast(norm.running_mean, mt::f32).to_vector<float>(), rounded_to_bf16(mean));
+  EXPECT_EQ(mt::cast(norm.running_mean, mt::f32).to_vector<float>(), rounded_to(mean, mt::bf16));
   EXPECT_EQ(opt.state(0)[0].second.dtype(), mt::f32);
   step();
   for (const mt::Tensor& p : net.parameters()) EXPECT_EQ(p.dtype(), mt::bf16);

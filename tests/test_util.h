@@ -63,6 +63,12 @@ inline int wait_for_child(pid_t child, std::chrono::milliseconds limit) {
   return -1;
 }
 
+/// f32 values rounded to nearest even in `dtype` and widened back.
+inline std::vector<float> rounded_to(const std::vector<float>& values, ::mixtape::DType dtype) {
+  ::mixtape::Tensor t = ::mixtape::tensor(values, {static_cast<int64_t>(values.size())});
+  return ::mixtape::cast(::mixtape::cast(t, dtype), ::mixtape::f32).to_vector<float>();
+}
+
 /// A float tensor's values widened (exactly) to f32, as bit patterns: what tests that expect two
 /// runs to agree bit for bit compare.
 inline std::vector<uint32_t> f32_bits(const ::mixtape::Tensor& t) {

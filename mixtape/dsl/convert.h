@@ -150,6 +150,17 @@ inline bool all_finite(const void* data, int64_t count, DType t) {
   }
 }
 
+/// A new storage of `dtype` holding `in`'s elements converted (floats through f64, so rounded
+/// once; integers and bools through i64, as a C cast).
+inline std::shared_ptr<Storage> converted(const Storage& in, DType dtype) {
+  auto out = std::make_shared<Storage>(dtype, in.count);
+  if (is_floating(in.dtype) || is_floating(dtype))
+    for (int64_t k = 0; k < in.count; ++k) store_element(*out, k, load_element<double>(in, k));
+  else
+    for (int64_t k = 0; k < in.count; ++k) store_element(*out, k, load_element<int64_t>(in, k));
+  return out;
+}
+
 /// A new storage of `dtype` holding `values` converted.
 template <typename T>
 std::shared_ptr<Storage> store_all(DType dtype, const std::vector<T>& values) {

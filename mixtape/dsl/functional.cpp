@@ -89,6 +89,16 @@ Tensor softmax_of(const Tensor& x, const Tensor& mask, int64_t axis, const Loc& 
       loc);
 }
 
+// Each row's max over `axes` (stable_shift) and the log of the sum of exp(x - max) there, kept
+// dims: the log-sum-exp is their sum, and log p is (x - max) - log_norm.
+struct RowStatistics {
+  Tensor shift, log_norm;
+};
+RowStatistics row_statistics(const Tensor& x, const std::vector<int64_t>& axes, const Loc& loc) {
+  Tensor shift = stable_shift(x, axes, loc);
+  return {shift, log(sum(exp(x - shift), axes, true))};
+}
+
 // log(sum(exp(x))) over `axes`. Its gradient is PyTorch's, g exp(x - y), which reads only the
 // input and the result: the composite's own would keep exp(x - max) for the backward pass. The
 // op's result is the one returned (reshaped inside when the axes are dropped), so that a caller
@@ -100,8 +110,8 @@ Tensor logsumexp_of(const Tensor& x, const std::vector<int64_t>& axes, bool keep
   const Shape kept = reduced_shape(x.shape(), reduced, true);
   const DType type = composite::statistics_type(x.dtype());
   auto forward = [&](const std::vector<Tensor>& in) {
-    Tensor v = cast(in[0], type), m = stable_shift(v, axes, loc);
-    Tensor result = cast(log(sum(exp(v - m), axes, true)) + m, x.dtype());
+    RowStatistics rows = row_statistics(cast(in[0], type), axes, loc);
+    Tensor result = cast(rows.log_norm + rows.shift, x.dtype());
     return keepdim ? result : reshape(result, reduced_shape(x.shape(), reduced, false));
   };
   if (!grad_enabled() || !x.requires_grad()) return forward({x});
@@ -113,8 +123,8 @@ Tensor logsumexp_of(const Tensor& x, const std::vector<int64_t>& axes, bool keep
         // rows near 1000 is off by up to half a unit of 4 or 8, and its gradient by a factor
         // e^2 or e^4 (PyTorch's reads the rounded one).
         if (v.dtype() != in[0].dtype()) {
-          Tensor m = stable_shift(v, axes, loc);
-          result = log(sum(exp(v - m), axes, true)) + m;
+          RowStatistics rows = row_statistics(v, axes, loc);
+          result = rows.log_norm + rows.shift;
         }
         return std::vector<Tensor>{cast(reshape(g, kept), type) * exp(v - result)};
       },
@@ -396,10 +406,8 @@ Tensor cross_entropy_rows(const Tensor& logits, const Tensor& ids, const Tensor&
   // row, then the class weight where given. log p is (x - max) - log-sum-exp, as the
   // log_softmax composite computes it, in the forward pass and again in the gradient's kernel.
   const DType type = composite::statistics_type(logits.dtype());
-  const Tensor rows = cast(logits.detach(), type);
-  Tensor shift = stable_shift(rows, {-1}, loc);
-  Tensor log_norm = log(sum(exp(rows - shift), {-1}, true));
-  std::vector<Tensor> inputs{logits, ids, shift, log_norm};
+  RowStatistics rows = row_statistics(cast(logits.detach(), type), {-1}, loc);
+  std::vector<Tensor> inputs{logits, ids, rows.shift, rows.log_norm};
   if (weighted) inputs.push_back(class_weight);
   auto log_probs = [type](const std::vector<Tensor>& in) {
     return (cast(in[0], type) - in[2]) - in[3];
@@ -443,9 +451,9 @@ Tensor cross_entropy_rows(const Tensor& logits, const Tensor& ids, const Tensor&
         // alone, so that its own gradient sees the row statistics move with them.
         std::vector<Tensor> from = in;
         if (grad_enabled()) {
-          Tensor v = cast(in[0], type);
-          from[2] = stable_shift(v, {-1}, loc);
-          from[3] = log(sum(exp(v - from[2]), {-1}, true));
+          RowStatistics rows = row_statistics(cast(in[0], type), {-1}, loc);
+          from[2] = rows.shift;
+          from[3] = rows.log_norm;
         }
         std::vector<Tensor> grads(in.size());
         grads[0] = dlogp_of() - exp(log_probs(from)) * total;

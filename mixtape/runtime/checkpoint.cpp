@@ -155,16 +155,10 @@ void save_tensors(const std::string& path, const NamedTensors& tensors, const Me
   eval(all);
   safetensors::File file;
   for (const auto& [name, tensor] : tensors) {
-    const Storage* storage = tensor.node()->value.get();
     // In the tensor's type: a value assigned under a policy may be stored in another one (batch
     // norm's running statistics of a bf16 model, computed in f32 under autocast).
-    std::unique_ptr<Storage> converted;
-    if (storage->dtype != tensor.dtype()) {
-      converted = std::make_unique<Storage>(tensor.dtype(), storage->count);
-      for (int64_t i = 0; i < storage->count; ++i)
-        store_element(*converted, i, load_element<double>(*storage, i));
-      storage = converted.get();
-    }
+    std::shared_ptr<Storage> storage = tensor.node()->value;
+    if (storage->dtype != tensor.dtype()) storage = converted(*storage, tensor.dtype());
     safetensors::TensorData data;
     data.name = name;
     data.dtype = tensor.dtype();

@@ -70,12 +70,7 @@ StoragePtr new_storage(const Node& node) {
 StoragePtr input_as_storage(const Node& node, size_t i) {
   const StoragePtr& in = node.inputs[i]->value;
   if (in->dtype == node.precision.storage_type) return in;
-  auto out = std::make_shared<Storage>(node.precision.storage_type, in->count);
-  if (is_floating(in->dtype) || is_floating(node.precision.storage_type))
-    for (int64_t k = 0; k < in->count; ++k) store_element(*out, k, load_element<double>(*in, k));
-  else
-    for (int64_t k = 0; k < in->count; ++k) store_element(*out, k, load_element<int64_t>(*in, k));
-  return out;
+  return converted(*in, node.precision.storage_type);
 }
 
 // Calls f with a value of the compute type for elements of `dtype`.

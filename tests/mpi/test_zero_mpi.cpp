@@ -467,12 +467,7 @@ TEST_F(Zero, ABf16ModelKeepsF32MasterShards) {
   const std::string path = job_file("bf16_checkpoint.safetensors");
   Outcome zero = train({.pure_bf16 = true, .max_norm = 1e3, .save_at = 10, .path = path});
   Outcome plain = train({.kind = Kind::data_parallel, .pure_bf16 = true, .max_norm = 1e3});
-  std::vector<float> rounded =
-      mt::cast(
-          mt::cast(mt::tensor(plain.params, {static_cast<int64_t>(plain.params.size())}), mt::bf16),
-          mt::f32)
-          .to_vector<float>();
-  EXPECT_EQ(zero.params, rounded);
+  EXPECT_EQ(zero.params, rounded_to(plain.params, mt::bf16));
   EXPECT_NE(zero.params, plain.params) << "the f32 model's parameters are not all bf16 values";
   EXPECT_EQ(zero.losses, plain.losses);
   Outcome two = train({.pure_bf16 = true, .max_norm = 1e3, .first_step = 10, .load = path});
