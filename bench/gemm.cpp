@@ -29,6 +29,7 @@ constexpr const char* kUsage =
     "             gemm_<f32|bf16>_<M>x<N>x<K> (an M x K by K x N product); a suffix\n"
     "             :native, :widened or :own picks the bf16 kernel (default: automatic),\n"
     "             :ta and :tb store a or b transposed, :b<B> makes it B products in one call,\n"
+    "             :bf16_out rounds the result to bf16 (as an autocast step's products),\n"
     "             :dense or :padded how the f32 kernel reads its operands (default: automatic)\n";
 
 /// A gemm workload's name parsed: gemm_<dtype>_<N> or gemm_<dtype>_<M>x<N>x<K>, and :kernel.
@@ -38,13 +39,14 @@ struct GemmWorkload {
   mt::Bf16Kernel kernel = mt::Bf16Kernel::automatic;
   mt::OperandRows rows = mt::OperandRows::automatic;
   bool transpose_a = false, transpose_b = false;  // the operands stored transposed
+  mt::DType out = mt::f32;                        // the result's type
 };
 
 bool parse_gemm(const std::string& name, GemmWorkload& w) {
   const size_t colon = name.find(':');
   const std::string shape = name.substr(0, colon);
   // Suffixes after ':': the bf16 kernel (native, widened, own), the transposes (ta, tb), the
-  // batch (b<B>) and the f32 kernel's operand rows (dense, padded).
+  // batch (b<B>), the f32 kernel's operand rows (dense, padded) and the result's type (bf16_out).
   for (size_t at = colon; at != std::string::npos;) {
     const size_t next = name.find(':', at + 1);
     const std::string part = name.substr(at + 1, next == std::string::npos ? next : next - at - 1);
@@ -62,6 +64,8 @@ bool parse_gemm(const std::string& name, GemmWorkload& w) {
       w.transpose_a = true;
     else if (part == "tb")
       w.transpose_b = true;
+    else if (part == "bf16_out")
+      w.out = mt::bf16;
     else if (part.size() > 1 && part[0] == 'b' &&
              part.find_first_not_of("0123456789", 1) == std::string::npos)
       w.batch = std::atoll(part.c_str() + 1);
@@ -106,6 +110,7 @@ mt::json::Value gemm_record(const std::string& name, const GemmWorkload& w, Peak
                     .k = w.k,
                     .transpose_a = w.transpose_a,
                     .transpose_b = w.transpose_b,
+                    .out = w.out,
                     .bf16_kernel = w.kernel,
                     .operand_rows = w.rows};
   const void* a_data = a;
@@ -135,7 +140,7 @@ mt::json::Value gemm_record(const std::string& name, const GemmWorkload& w, Peak
                          {"k", w.k},
                          {"batch", w.batch},
                          {"kernel", mt::gemm_kernel(desc)},
-                         {"out_dtype", "f32"},
+                         {"out_dtype", std::string(mt::name(w.out))},
                          {"gflops", gflops},
                          {"peak_gflops", peak}};
   if (w.m == w.n && w.n == w.k) record.emplace("size", w.m);
@@ -158,6 +163,6 @@ int main(int argc, char** argv) {
   return bench::run_kernel_bench<GemmWorkload>(
       argc, argv, "bench_gemm", kUsage,
       "gemm_<f32|bf16>_<N>, gemm_<f32|bf16>_<M>x<N>x<K>, with :native, :widened or :own for bf16, "
-      ":ta, :tb, :b<B>",
+      ":ta, :tb, :b<B>, :bf16_out",
       parse_gemm, gemm_record);
 }

@@ -442,8 +442,12 @@ std::string describe(const Choice& choice, const GemmDesc& d) {
   if (choice.widen)
     return fmt::format("{} widened to f32, oneDNN f32 {}{}", name(d.operand),
                        choice.primitive->implementation, padded);
-  return fmt::format("oneDNN {} {}{}{}", name(d.operand), choice.primitive->implementation,
-                     choice.bf16_result ? ", rounding the bf16 result itself" : "", padded);
+  std::string scratchpad;
+  if (const size_t bytes = choice.primitive->scratchpad.get_size(); bytes > 0)
+    scratchpad = fmt::format(", {:.1f} MiB of scratchpad", static_cast<double>(bytes) / (1 << 20));
+  return fmt::format("oneDNN {} {}{}{}{}", name(d.operand), choice.primitive->implementation,
+                     choice.bf16_result ? ", rounding the bf16 result itself" : "", padded,
+                     scratchpad);
 }
 
 // An operand as oneDNN's f32 kernel reads it: widened to f32 where it is bf16 or f16, and with its
@@ -689,6 +693,63 @@ bool gemm_supported(const GemmDesc& d) {
 
 namespace {
 
+// A 16-bit result that goes through an f32 copy before its rounding (every oneDNN product here
+// but AMX's bf16 ones) takes that copy from the workspace: 4 bytes per element while the call
+// runs. A language model's logits product made it 2x its bf16 result (256 MiB for [8192, 8192]),
+// the largest part of an autocast step's peak outside its stored values. Past this size such a
+// product runs in pieces (whole batch entries, else blocks of rows), each rounded into its part
+// of the result, so the copy never holds more than this.
+constexpr int64_t kMaxResultCopyBytes = int64_t{16} << 20;
+
+void gemm_keeping_scratch(const GemmDesc& d, const void* a, const void* b, void* out,
+                          const void* bias);
+
+// How many batch entries (batch > 1) or rows (batch 1) each piece of the product holds, where
+// it runs in pieces: an f32 copy of its result, larger than kMaxResultCopyBytes, that can be cut.
+// Rows are cut only where a is stored row by row (not transposed), so that a piece's rows of a
+// and of the result are contiguous. The pieces are the same for the same description, so a
+// shape always gives the same bits.
+std::optional<int64_t> result_chunk(const GemmDesc& d, const Choice& choice) {
+  const bool writes_directly = choice.bf16_result || (choice.own && d.out == bf16);
+  if (d.out == f32 || writes_directly) return std::nullopt;
+  const int64_t entry_bytes = d.m * d.n * static_cast<int64_t>(sizeof(float));
+  if (d.batch * entry_bytes <= kMaxResultCopyBytes) return std::nullopt;
+  if (d.batch > 1) return std::max<int64_t>(1, kMaxResultCopyBytes / entry_bytes);
+  if (d.transpose_a) return std::nullopt;
+  constexpr int64_t kRowMultiple = 64;  // oneDNN's blocks
+  const int64_t rows = kMaxResultCopyBytes / (d.n * static_cast<int64_t>(sizeof(float)));
+  const int64_t chunk = std::max(kRowMultiple, rows / kRowMultiple * kRowMultiple);
+  return chunk < d.m ? std::optional<int64_t>(chunk) : std::nullopt;
+}
+
+// The product as pieces of `chunk` batch entries or rows (result_chunk), each a product of its
+// own on the same operands, written into its part of `out`.
+void run_in_chunks(const GemmDesc& d, int64_t chunk, const void* a, const void* b, void* out,
+                   const void* bias) {
+  const int64_t operand_size = static_cast<int64_t>(size_of(d.operand));
+  const int64_t out_size = static_cast<int64_t>(size_of(d.out));
+  const bool by_entry = d.batch > 1;
+  const int64_t pieces_of = by_entry ? d.batch : d.m;
+  for (int64_t start = 0; start < pieces_of; start += chunk) {
+    GemmDesc piece = d;
+    const int64_t count = std::min(chunk, pieces_of - start);
+    const auto* a_bytes = static_cast<const std::byte*>(a);
+    const auto* b_bytes = static_cast<const std::byte*>(b);
+    auto* out_bytes = static_cast<std::byte*>(out);
+    if (by_entry) {
+      piece.batch = count;
+      a_bytes += start * d.m * d.k * operand_size;
+      b_bytes += start * d.k * d.n * operand_size;
+      out_bytes += start * d.m * d.n * out_size;
+    } else {
+      piece.m = count;
+      a_bytes += start * d.k * operand_size;
+      out_bytes += start * d.n * out_size;
+    }
+    gemm_keeping_scratch(piece, a_bytes, b_bytes, out_bytes, bias);
+  }
+}
+
 // gemm(), whose workspace stays with the calling thread until the outermost call returns (a
 // k-split or late-bias product runs this again on its caller's buffers).
 void gemm_keeping_scratch(const GemmDesc& d, const void* a, const void* b, void* out,
@@ -757,6 +818,10 @@ void gemm_keeping_scratch(const GemmDesc& d, const void* a, const void* b, void*
                   result, d.out == bf16, direct && d.relu, team,
                   d.has_bias && d.product_type == bf16);
     if (!direct) finish(d, team, static_cast<float*>(result), out, result_count);
+    return;
+  }
+  if (std::optional<int64_t> chunk = result_chunk(d, choice)) {
+    run_in_chunks(d, *chunk, a, b, out, bias);
     return;
   }
   if (late_bias(d)) {
