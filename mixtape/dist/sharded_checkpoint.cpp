@@ -266,26 +266,40 @@ void check_complete(const Index& index, const NamedTensors& entries) {
            file_name(file, index.world_size));
 }
 
-// A sharded optimizer state, whole again from its parts (any order), which must cover it exactly.
-Tensor assemble(const Index& index, const std::string& name, const Pieces& pieces,
-                std::map<std::pair<std::string, int>, Tensor>& parts) {
+// The parts of a sharded optimizer entry, sorted by their first element, checked to cover it
+// exactly (any order in the index).
+std::vector<std::tuple<int64_t, int64_t, int>> covering_parts(const Index& index,
+                                                              const std::string& name,
+                                                              const Pieces& pieces) {
   std::vector<std::tuple<int64_t, int64_t, int>> ranges;
   for (const auto& [file, begin, end] : pieces.parts) ranges.emplace_back(begin, end, file);
   std::sort(ranges.begin(), ranges.end());
-  std::vector<Tensor> flat;
   int64_t at = 0;
   for (const auto& [begin, end, file] : ranges) {
-    auto found = parts.find({name, file});
-    if (begin != at || found == parts.end() || found->second.numel() != end - begin)
+    if (begin != at)
       fail(
           "load_checkpoint_sharded {}: the parts of '{}' do not cover it (elements {} to {} of {})",
           index.path, name, begin, end, file_name(file, index.world_size));
-    flat.push_back(reshape(found->second, {-1}));
     at = end;
   }
   if (at != numel(pieces.shape))
     fail("load_checkpoint_sharded {}: the parts of '{}' hold {} of its {} elements", index.path,
          name, at, numel(pieces.shape));
+  return ranges;
+}
+
+// A sharded optimizer state, whole again from its parts (any order), which must cover it exactly.
+Tensor assemble(const Index& index, const std::string& name, const Pieces& pieces,
+                std::map<std::pair<std::string, int>, Tensor>& parts) {
+  std::vector<Tensor> flat;
+  for (const auto& [begin, end, file] : covering_parts(index, name, pieces)) {
+    auto found = parts.find({name, file});
+    if (found == parts.end() || found->second.numel() != end - begin)
+      fail(
+          "load_checkpoint_sharded {}: the parts of '{}' do not cover it (elements {} to {} of {})",
+          index.path, name, begin, end, file_name(file, index.world_size));
+    flat.push_back(reshape(found->second, {-1}));
+  }
   return reshape(flat.size() == 1 ? flat[0] : concat(flat), pieces.shape);
 }
 
@@ -307,6 +321,88 @@ NamedTensors read_all(const std::string& dir, const Index& index) {
     assembled.push_back(entries.back().second);
   }
   eval(assembled);
+  return entries;
+}
+
+// A ZeRO optimizer's state at another world size than the save's: the files are read one after
+// another, and of each sharded entry only the elements this process's shard holds are kept (a
+// byte copy, exact), so that a process holds at most one file and its own shards at once, where
+// reassembling the whole state first (read_all) made every process hold all of it. The entries
+// come out as this run's shards, the shapes the optimizer keeps (local_shape); a whole tensor
+// this process does not hold (ZeroAdafactor) comes out as no entry.
+NamedTensors read_held(const std::string& dir, const Index& index, const Module& module,
+                       const Optimizer& optimizer, const ZeroShards& shards) {
+  const std::map<std::string, size_t> at = parameter_indices(module, optimizer);
+  struct Held {
+    size_t param = 0;
+    int64_t first = 0, last = 0;                       // of the entry's flattened elements
+    std::map<int, std::pair<int64_t, int64_t>> parts;  // file -> its range
+    safetensors::TensorData data;                      // the held elements, filled file by file
+    std::set<int> seen;
+  };
+  std::map<std::string, Held> held;
+  for (const auto& [name, pieces] : index.pieces) {
+    auto found = at.find(parameter_of(name));
+    if (found == at.end())
+      fail(
+          "load_checkpoint_sharded {}: '{}' is the state of no parameter of this optimizer "
+          "(another optimizer's parameters?)",
+          index.path, name);
+    Held& h = held[name];
+    h.param = found->second;
+    std::tie(h.first, h.last) = shards.held_state(h.param, numel(pieces.shape));
+    for (const auto& [begin, end, file] : covering_parts(index, name, pieces))
+      h.parts[file] = {begin, end};
+  }
+  NamedTensors entries;
+  for (int q = 0; q < index.world_size; ++q) {
+    std::vector<safetensors::TensorData> whole;
+    for (safetensors::TensorData& data : read_shard(dir, index, q).tensors) {
+      auto found = held.find(data.name);
+      if (found == held.end()) {
+        whole.push_back(std::move(data));
+        continue;
+      }
+      Held& h = found->second;
+      const auto [begin, end] = h.parts.at(q);
+      if (numel(data.shape) != end - begin)
+        fail("load_checkpoint_sharded {}: '{}' holds {} elements in {}, the index says {}",
+             index.path, data.name, numel(data.shape), file_name(q, index.world_size), end - begin);
+      if (h.seen.empty()) {
+        h.data.name = data.name;
+        h.data.dtype = data.dtype;
+        h.data.bytes.resize(static_cast<size_t>((h.last - h.first) * size_of(data.dtype)));
+      } else if (data.dtype != h.data.dtype) {
+        fail("load_checkpoint_sharded {}: the parts of '{}' are of two dtypes, {} and {}",
+             index.path, data.name, name(h.data.dtype), name(data.dtype));
+      }
+      h.seen.insert(q);
+      const int64_t from = std::max(begin, h.first), to = std::min(end, h.last);
+      const auto element = static_cast<int64_t>(size_of(data.dtype));
+      if (from < to)
+        std::memcpy(h.data.bytes.data() + (from - h.first) * element,
+                    data.bytes.data() + (from - begin) * element,
+                    static_cast<size_t>((to - from) * element));
+    }
+    for (auto& entry : tensors_of(std::move(whole))) entries.push_back(std::move(entry));
+  }
+  check_complete(index, entries);
+  std::vector<safetensors::TensorData> mine;
+  for (auto& [name, h] : held) {
+    if (h.seen.size() != h.parts.size())
+      fail("load_checkpoint_sharded {}: a part of '{}' is missing from its file", index.path, name);
+    const std::string state = name.substr(name.rfind('.') + 1);
+    const Shape shape = optimizer.state_shape(state, optimizer.local_shape(h.param));
+    if (numel(shape) != h.last - h.first)
+      fail(
+          "load_checkpoint_sharded {}: '{}' is not sharded as this run's optimizer shards it "
+          "({} elements held, {} expected)",
+          index.path, name, h.last - h.first, numel(shape));
+    if (shards.whole_tensors() && h.first == h.last) continue;
+    h.data.shape = shape;
+    mine.push_back(std::move(h.data));
+  }
+  for (auto& entry : tensors_of(std::move(mine))) entries.push_back(std::move(entry));
   return entries;
 }
 
@@ -435,6 +531,8 @@ void load_checkpoint_sharded(const std::string& dir, Module& module, Optimizer* 
       entries = tensors_of(std::move(pieces));
       const std::vector<std::byte> bytes = safetensors::serialize(whole);
       shared.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+    } else if (zero && !index.pieces.empty()) {
+      entries = read_held(dir, index, module, *optimizer, zero->shards());
     } else {
       entries = read_all(dir, index);
     }
@@ -459,9 +557,10 @@ void load_checkpoint_sharded(const std::string& dir, Module& module, Optimizer* 
     }
     fail_together(error, "dist::load_checkpoint_sharded");
   }
-  // A ZeRO optimizer takes whole state through the plain rule and cuts its own shards from it.
+  // A ZeRO optimizer takes state saved whole through the plain rule and cuts its own shards
+  // from it; sharded state comes as its shards (own_only, read_held).
   std::unique_ptr<Optimizer> whole;
-  if (zero && !(own_only && !index.pieces.empty())) whole = zero->plain();
+  if (zero && index.pieces.empty()) whole = zero->plain();
   try {
     restore_checkpoint(index.path, entries, index.metadata, module, whole ? whole.get() : optimizer,
                        metadata, scaler, options);

@@ -81,12 +81,26 @@ std::vector<float> flat_parameters(const mt::Module& m) {
 
 // Rank 0's values, on every rank.
 std::vector<float> rank0s(std::vector<float> values) {
-  mt::process_group()->broadcast(reinterpret_cast<std::byte*>(values.data()),
-                                 static_cast<int64_t>(values.size() * sizeof(float)), 0);
+  if (mt::ProcessGroup* group = mt::process_group())
+    group->broadcast(reinterpret_cast<std::byte*>(values.data()),
+                     static_cast<int64_t>(values.size() * sizeof(float)), 0);
   return values;
 }
 
-enum class Kind { data_parallel, zero, alone };
+// No process group while it lives, as in a run without mpirun: one process.
+class WithoutProcessGroup {
+ public:
+  WithoutProcessGroup() : group_(mt::exchange_process_group(nullptr)) {}
+  ~WithoutProcessGroup() { mt::exchange_process_group(group_); }
+  WithoutProcessGroup(const WithoutProcessGroup&) = delete;
+  WithoutProcessGroup& operator=(const WithoutProcessGroup&) = delete;
+
+ private:
+  std::shared_ptr<mt::ProcessGroup> group_;
+};
+
+// zero_alone: a ZeRO optimizer in one process (every rank alike, at both ranks' rows).
+enum class Kind { data_parallel, zero, alone, zero_alone };
 
 // The update rule: AdamW with weight decay, SGD with momentum, and the other elementwise rules.
 enum class Rule { adamw, sgd, rmsprop, adagrad, lion, adafactor };
@@ -153,7 +167,10 @@ struct Outcome {
 // plain data parallel at kBatch rows per rank, or one process alone (on every rank alike)
 // at both ranks' rows.
 Outcome train(const Options& o) {
-  const bool alone = o.kind == Kind::alone;
+  const bool alone = o.kind == Kind::alone || o.kind == Kind::zero_alone;
+  const int rank = mt::dist::rank();
+  std::optional<WithoutProcessGroup> one_process;
+  if (o.kind == Kind::zero_alone) one_process.emplace();
   mt::manual_seed(7);
   Net net;
   mt::dist::DataParallelOptions parallel;
@@ -165,19 +182,13 @@ Outcome train(const Options& o) {
   std::optional<mt::dist::DataParallel> ddp;
   if (!alone) ddp.emplace(net, parallel);
   std::unique_ptr<mt::Optimizer> optimizer =
-      make_optimizer(o.rule, o.kind == Kind::zero, net.parameters());
+      make_optimizer(o.rule, o.kind == Kind::zero || o.kind == Kind::zero_alone, net.parameters());
   mt::Optimizer& opt = *optimizer;
   mt::GradScaler scaler({.init_scale = 1024.0, .growth_interval = 4});
   if (!o.load.empty() && o.sharded && alone) {
     // One process, as a run without mpirun is: no process group while it loads.
-    std::shared_ptr<mt::ProcessGroup> group = mt::exchange_process_group(nullptr);
-    try {
-      mt::dist::load_checkpoint_sharded(o.load, net, &opt, nullptr, &scaler);
-    } catch (...) {
-      mt::exchange_process_group(group);
-      throw;
-    }
-    mt::exchange_process_group(group);
+    WithoutProcessGroup loading_alone;
+    mt::dist::load_checkpoint_sharded(o.load, net, &opt, nullptr, &scaler);
   } else if (!o.load.empty() && o.sharded) {
     mt::dist::load_checkpoint_sharded(o.load, net, &opt, nullptr, &scaler);
   } else if (!o.load.empty()) {
@@ -206,7 +217,8 @@ Outcome train(const Options& o) {
   };
   auto compiled = mt::compile(step);
   Outcome r;
-  const int rank = mt::dist::rank();
+  // Each process alone saves its own files (rank 0's at `path`).
+  const std::string save_path = o.kind == Kind::zero_alone && rank > 0 ? o.path + "_rank1" : o.path;
   for (int s = o.first_step; s < o.last_step; ++s) {
     auto [x, y] = alone ? batch(s, 0, 2 * kBatch) : batch(s, rank * kBatch, kBatch);
     if (s == o.bad_step && rank == 1) {  // the same calls as step(), which make collectives
@@ -226,9 +238,9 @@ Outcome train(const Options& o) {
     // kernels, whose sums may add in another order (an ulp apart on AVX-512).
     mt::eval({losses.back()});
     if (s + 1 == o.save_at && o.sharded)
-      mt::dist::save_checkpoint_sharded(o.path, net, &opt, {}, &scaler);
+      mt::dist::save_checkpoint_sharded(save_path, net, &opt, {}, &scaler);
     else if (s + 1 == o.save_at)
-      mt::dist::save_checkpoint(o.path, net, &opt, {}, &scaler);
+      mt::dist::save_checkpoint(save_path, net, &opt, {}, &scaler);
     EXPECT_EQ(flat_parameters(net), rank0s(flat_parameters(net)))
         << "rank " << rank << "'s parameters differ from rank 0's after step " << s;
   }
@@ -521,6 +533,9 @@ TEST_F(Zero, AdafactorShardsWholeParameters) {
     EXPECT_EQ(train(resume).params, zero.params) << "the same world size resumes bit for bit";
     resume.kind = Kind::alone;
     EXPECT_LE(worst_difference(as_floats(train(resume).losses), as_floats(tail)), 1e-5);
+    // ZeroAdafactor in one process holds every parameter: it takes all the whole tensors.
+    resume.kind = Kind::zero_alone;
+    EXPECT_LE(worst_difference(as_floats(train(resume).losses), as_floats(tail)), 1e-5);
   }
   auto [plain_estimate, plain_bytes] = state_bytes(false, Rule::adafactor);
   auto [zero_estimate, zero_bytes] = state_bytes(true, Rule::adafactor);
@@ -613,6 +628,25 @@ TEST_F(Zero, ShardedCheckpointsResumeAtTwoRanksBitForBitAndAtOne) {
 
 // Both ranks wait here until both have arrived.
 void barrier() { mt::all_reduce(mt::scalar(1.0, mt::f64)).item(); }
+
+// A ZeRO run takes its shards of a sharded save made at another world size, reading the files
+// in turn and keeping only the elements its shard holds: 2 ranks' files into one process, and
+// one process's file into 2 ranks. Each continues the run it resumes.
+TEST_F(Zero, ShardedCheckpointsMoveBetweenWorldSizesAsShards) {
+  const std::string dir = job_file("resharded_from_two");
+  Outcome uninterrupted = train({.save_at = 10, .path = dir, .sharded = true});
+  Outcome one = train({.kind = Kind::zero_alone, .first_step = 10, .load = dir, .sharded = true});
+  EXPECT_LE(worst_difference(one.params, uninterrupted.params), 1e-5);
+
+  const std::string single = job_file("resharded_from_one");
+  job_file("resharded_from_one_rank1");  // rank 1's own one-process save, which nothing reads
+  Outcome alone = train({.kind = Kind::zero_alone, .save_at = 10, .path = single, .sharded = true});
+  barrier();  // rank 0's files are written before rank 1 reads them
+  Outcome two = train({.first_step = 10, .load = single, .sharded = true});
+  EXPECT_LE(worst_difference(two.params, alone.params), 1e-5);
+  std::vector<double> tail(alone.losses.begin() + 10, alone.losses.end());
+  EXPECT_LE(worst_difference(as_floats(two.losses), as_floats(tail)), 1e-5);
+}
 
 TEST_F(Zero, AnotherModelOrACorruptShardOrAnotherSavesIndexIsAnErrorOnEveryRank) {
   const std::string dir = job_file("refused_sharded"), other_dir = job_file("other_sharded");
