@@ -1,6 +1,6 @@
 // mixtape/dist/sharded_checkpoint.cpp -- dist::save_checkpoint_sharded and
 // load_checkpoint_sharded: one safetensors file per process plus a JSON index (Hugging Face's
-// layout), each process reading its own file at the same world size, all of them in turn at another.
+// layout), each process reading its own file at the same world size, all in turn at another.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
