@@ -693,12 +693,12 @@ bool gemm_supported(const GemmDesc& d) {
 
 namespace {
 
-// A 16-bit result that goes through an f32 copy before its rounding (every oneDNN product here
-// but AMX's bf16 ones) takes that copy from the workspace: 4 bytes per element while the call
-// runs. A language model's logits product made it 2x its bf16 result (256 MiB for [8192, 8192]),
-// the largest part of an autocast step's peak outside its stored values. Past this size such a
-// product runs in pieces (whole batch entries, else blocks of rows), each rounded into its part
-// of the result, so the copy never holds more than this.
+// A 16-bit result that goes through an f32 copy before its rounding (oneDNN's native bf16
+// products here but AMX's) takes that copy from the workspace: 4 bytes per element while the
+// call runs. A language model's logits product made it 2x its bf16 result (256 MiB for [8192,
+// 8192]), the largest part of an autocast step's peak outside its stored values. Past this size
+// such a product runs in pieces (whole batch entries, else blocks of rows), each rounded into its
+// part of the result, so the copy never holds more than this.
 constexpr int64_t kMaxResultCopyBytes = int64_t{16} << 20;
 
 void gemm_keeping_scratch(const GemmDesc& d, const void* a, const void* b, void* out,
@@ -710,8 +710,13 @@ void gemm_keeping_scratch(const GemmDesc& d, const void* a, const void* b, void*
 // and of the result are contiguous. The pieces are the same for the same description, so a
 // shape always gives the same bits.
 std::optional<int64_t> result_chunk(const GemmDesc& d, const Choice& choice) {
-  const bool writes_directly = choice.bf16_result || (choice.own && d.out == bf16);
-  if (d.out == f32 || writes_directly) return std::nullopt;
+  // A widened product (f16, bf16 without AVX-512) would widen b again for every piece: 5-12%
+  // slower in pieces on the AMD EPYC Zen 5 (bench_gemm gemm_bf16_8192x8192x768:tb:widened:
+  // bf16_out, 177-202 against 200-205 GFLOP/s). It keeps its whole copy, which its widened
+  // operands outweigh less.
+  if (d.out == f32 || choice.bf16_result || choice.widen || choice.a_row_stride > 0 ||
+      choice.b_row_stride > 0)
+    return std::nullopt;
   const int64_t entry_bytes = d.m * d.n * static_cast<int64_t>(sizeof(float));
   if (d.batch * entry_bytes <= kMaxResultCopyBytes) return std::nullopt;
   if (d.batch > 1) return std::max<int64_t>(1, kMaxResultCopyBytes / entry_bytes);
