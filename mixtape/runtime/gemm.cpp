@@ -110,6 +110,12 @@ constexpr double kAmxSingleThreadMaxFlops = double{1 << 24};
 // Per thread, so that concurrent calls never share a buffer and need no lock.
 struct ThreadScratch {
   ScratchBuffer a, b, bias, result, onednn, partials;
+  // While a product runs in row pieces (run_in_chunks), which all read the same b: the b whose
+  // f32 copy `b` holds (nullptr: none yet) and that copy's row stride, so that each piece does
+  // not widen it again.
+  bool pieces_share_b = false;
+  const void* b_copy_of = nullptr;
+  int64_t b_copy_stride = 0;
   void trim() {
     for (ScratchBuffer* buffer : {&a, &b, &bias, &result, &onednn, &partials}) buffer->trim();
   }
@@ -693,12 +699,12 @@ bool gemm_supported(const GemmDesc& d) {
 
 namespace {
 
-// A 16-bit result that goes through an f32 copy before its rounding (oneDNN's native bf16
-// products here but AMX's) takes that copy from the workspace: 4 bytes per element while the
-// call runs. A language model's logits product made it 2x its bf16 result (256 MiB for [8192,
-// 8192]), the largest part of an autocast step's peak outside its stored values. Past this size
-// such a product runs in pieces (whole batch entries, else blocks of rows), each rounded into its
-// part of the result, so the copy never holds more than this.
+// A 16-bit result that goes through an f32 copy before its rounding (every oneDNN product here
+// but AMX's bf16 ones, widened ones included) takes that copy from the workspace: 4 bytes per
+// element while the call runs. A language model's logits product made it 2x its bf16 result (256
+// MiB for [8192, 8192]), the largest part of an autocast step's peak outside its stored values.
+// Past this size such a product runs in pieces (whole batch entries, else blocks of rows), each
+// rounded into its part of the result, so the copy never holds more than this.
 constexpr int64_t kMaxResultCopyBytes = int64_t{16} << 20;
 
 void gemm_keeping_scratch(const GemmDesc& d, const void* a, const void* b, void* out,
@@ -710,13 +716,7 @@ void gemm_keeping_scratch(const GemmDesc& d, const void* a, const void* b, void*
 // and of the result are contiguous. The pieces are the same for the same description, so a
 // shape always gives the same bits.
 std::optional<int64_t> result_chunk(const GemmDesc& d, const Choice& choice) {
-  // A widened product (f16, bf16 without AVX-512) would widen b again for every piece: 5-12%
-  // slower in pieces on the AMD EPYC Zen 5 (bench_gemm gemm_bf16_8192x8192x768:tb:widened:
-  // bf16_out, 177-202 against 200-205 GFLOP/s). It keeps its whole copy, which its widened
-  // operands outweigh less.
-  if (d.out == f32 || choice.bf16_result || choice.widen || choice.a_row_stride > 0 ||
-      choice.b_row_stride > 0)
-    return std::nullopt;
+  if (d.out == f32 || choice.bf16_result) return std::nullopt;
   const int64_t entry_bytes = d.m * d.n * static_cast<int64_t>(sizeof(float));
   if (d.batch * entry_bytes <= kMaxResultCopyBytes) return std::nullopt;
   if (d.batch > 1) return std::max<int64_t>(1, kMaxResultCopyBytes / entry_bytes);
@@ -727,10 +727,31 @@ std::optional<int64_t> result_chunk(const GemmDesc& d, const Choice& choice) {
   return chunk < d.m ? std::optional<int64_t>(chunk) : std::nullopt;
 }
 
+// b as oneDNN's f32 kernel reads it (f32_operand), made once for all the row pieces of a product:
+// widening it again for each piece made the 8192x8192x768 logits product 5-12% slower.
+const void* shared_b_operand(const GemmDesc& d, const Choice& choice, const void* b,
+                             ThreadScratch& scratch) {
+  const StoredRows rows = stored_b(d);
+  if (scratch.pieces_share_b && scratch.b_copy_of == b &&
+      scratch.b_copy_stride == choice.b_row_stride)
+    return scratch.b.get<float>(rows.rows *
+                                (choice.b_row_stride > 0 ? choice.b_row_stride : rows.cols));
+  const float* copy = f32_operand(d.operand, b, rows, choice.b_row_stride, scratch.b);
+  if (scratch.pieces_share_b) scratch.b_copy_of = b, scratch.b_copy_stride = choice.b_row_stride;
+  return copy;
+}
+
 // The product as pieces of `chunk` batch entries or rows (result_chunk), each a product of its
-// own on the same operands, written into its part of `out`.
+// own on the same operands, written into its part of `out`. Row pieces share b's f32 copy.
 void run_in_chunks(const GemmDesc& d, int64_t chunk, const void* a, const void* b, void* out,
                    const void* bias) {
+  struct SharedB {
+    ThreadScratch& scratch;
+    explicit SharedB(ThreadScratch& s, bool share) : scratch(s) {
+      scratch.pieces_share_b = share, scratch.b_copy_of = nullptr;
+    }
+    ~SharedB() { scratch.pieces_share_b = false, scratch.b_copy_of = nullptr; }
+  } sharing(thread_scratch(), d.batch == 1);
   const int64_t operand_size = static_cast<int64_t>(size_of(d.operand));
   const int64_t out_size = static_cast<int64_t>(size_of(d.out));
   const bool by_entry = d.batch > 1;
@@ -841,8 +862,7 @@ void gemm_keeping_scratch(const GemmDesc& d, const void* a, const void* b, void*
   const void* b_operand = b;
   if (choice.widen || choice.a_row_stride > 0)
     a_operand = f32_operand(d.operand, a, stored_a(d), choice.a_row_stride, scratch.a);
-  if (choice.widen || choice.b_row_stride > 0)
-    b_operand = f32_operand(d.operand, b, stored_b(d), choice.b_row_stride, scratch.b);
+  if (choice.widen || choice.b_row_stride > 0) b_operand = shared_b_operand(d, choice, b, scratch);
   float* result = choice.bf16_result ? nullptr : f32_result();
   const bool team = runs_on_team(d, *choice.primitive);
   try {
