@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <memory>
 #include <optional>
 #include <string>
@@ -20,6 +21,7 @@
 #include "mixtape/dist/checkpoint.h"
 #include "mixtape/dist/dist.h"
 #include "mixtape/dist/zero.h"
+#include "mixtape/dsl/json.h"
 #include "mixtape/dsl/process_group.h"
 #include "mixtape/mixtape.h"
 #include "mixtape/runtime/all_reduce.h"
@@ -696,6 +698,8 @@ TEST_F(Zero, AnotherModelOrACorruptShardOrAnotherSavesIndexIsAnErrorOnEveryRank)
     std::shared_ptr<mt::ProcessGroup> group = mt::exchange_process_group(nullptr);
     mt::AdamW alone(net.parameters());
     EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(dir, net, &alone), "is corrupt");
+    mt::dist::ZeroAdamW zero_alone(net.parameters());  // reads the files in turn
+    EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(dir, net, &zero_alone), "is corrupt");
     mt::exchange_process_group(group);
   }
   barrier();
@@ -703,6 +707,31 @@ TEST_F(Zero, AnotherModelOrACorruptShardOrAnotherSavesIndexIsAnErrorOnEveryRank)
   barrier();
   EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(dir, net, &opt),
                   "checkpoint-00002-of-00002.safetensors");
+
+  // An index whose parts of a state are cut elsewhere than its files are: each part's file
+  // holds another number of elements than the index says, at the saved world size and at 1.
+  const std::string moved_dir = job_file("moved_cut_sharded");
+  mt::dist::save_checkpoint_sharded(moved_dir, net, &opt);
+  if (rank == 0) {
+    const std::string index_path = moved_dir + "/checkpoint.safetensors.index.json";
+    std::ifstream in(index_path);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    in.close();
+    mt::json::Value index = mt::json::parse(text);
+    mt::json::Value& files = index["pieces"]["optimizer.fc1.weight.exp_avg"]["files"];
+    ASSERT_EQ(files.size(), 2u);
+    files[0][2] = files[0][2].get<int64_t>() + 1;
+    files[1][1] = files[1][1].get<int64_t>() + 1;
+    std::ofstream(index_path) << mt::json::dump(index);
+  }
+  barrier();
+  EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(moved_dir, net, &opt), "fc1.weight.exp_avg");
+  {
+    WithoutProcessGroup alone;
+    mt::dist::ZeroAdamW zero_alone(net.parameters());
+    EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(moved_dir, net, &zero_alone),
+                    "'optimizer.fc1.weight.exp_avg' holds");
+  }
 
   // The other save's index over this one's files: the files are not of the save it describes.
   if (rank == 0)
