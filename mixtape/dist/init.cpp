@@ -8,9 +8,11 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <vector>
 
+#include "mixtape/dist/checked_group.h"
 #include "mixtape/dist/dist.h"
 #include "mixtape/dist/exchange.h"
 #include "mixtape/dsl/error.h"
@@ -261,7 +263,12 @@ World join_mpi() {
     return world;
   }
   world.nccl_reason = join_nccl(*group);
-  set_process_group(std::move(group));
+  // MIXTAPE_DIST_DEBUG=1: every collective checked to be the same on every process first.
+  const char* debug = std::getenv("MIXTAPE_DIST_DEBUG");
+  if (debug && std::string_view(debug) == "1")
+    set_process_group(checked_process_group(std::move(group)));
+  else
+    set_process_group(std::move(group));
   return world;
 }
 

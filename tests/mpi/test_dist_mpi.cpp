@@ -7,14 +7,17 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
 #include "examples/digits_model.h"
+#include "mixtape/dist/checked_group.h"
 #include "mixtape/dist/dist.h"
 #include "mixtape/dsl/process_group.h"
 #include "mixtape/runtime/all_reduce.h"
@@ -629,5 +632,47 @@ TEST_F(DataParallel, BuffersAreRankZerosAfterEveryStepAsDdpBroadcastsThem) {
   EXPECT_EQ(compiled.state, traced.state) << "mt::compile replays the buffers' broadcast";
   if (mt::current_device() != mt::Device::reference) {
     EXPECT_GE(compiled.replays, kSteps - 3);
+  }
+}
+
+// MIXTAPE_DIST_DEBUG's group (dist/checked_group.h): the same collectives on both processes pass
+// and give their results; another collective, or the same one with other sizes, on one process
+// is an mt::Error on both, naming both calls, before the collective runs.
+TEST_F(DataParallel, ACollectiveThatDiffersBetweenProcessesIsAnErrorOnEveryProcessWhenChecked) {
+  std::shared_ptr<mt::ProcessGroup> plain = mt::exchange_process_group(nullptr);
+  struct PutBack {
+    std::shared_ptr<mt::ProcessGroup> group;
+    ~PutBack() { mt::set_process_group(group); }
+  } put_back{plain};
+  mt::set_process_group(mt::dist::checked_process_group(plain));
+  const int rank = mt::dist::rank();
+  EXPECT_EQ(mt::all_reduce(mt::full({3}, rank + 1.0)).to_vector<float>(),
+            (std::vector<float>{3, 3, 3}));
+  EXPECT_EQ(gather(10 + rank), (std::vector<uint64_t>{10, 11}));
+
+  std::vector<std::byte> bytes(8);
+  if (rank == 0)
+    EXPECT_MT_ERROR(mt::process_group()->broadcast(bytes.data(), 8, 0),
+                    "process 0 calls broadcast of 8 bytes from process 0",
+                    "process 1 calls all_gather of 8 bytes", "differs between the processes");
+  else
+    EXPECT_MT_ERROR(gather(1), "process 0 calls broadcast of 8 bytes from process 0",
+                    "process 1 calls all_gather of 8 bytes");
+  EXPECT_MT_ERROR(mt::process_group()->broadcast(bytes.data(), rank == 0 ? 8 : 4, 0),
+                  "broadcast of 8 bytes from process 0", "broadcast of 4 bytes from process 0");
+  // An all_gather where process 1 expects 4 bytes from process 0, which sends 8.
+  std::vector<std::byte> received(16);
+  std::vector<int64_t> counts{rank == 0 ? 8 : 4, 8}, at{0, 8};
+  EXPECT_MT_ERROR(mt::process_group()->all_gather(bytes.data(), 8, received.data(), counts, at),
+                  "which expects 4 bytes from process 0");
+  // Nothing ran: the processes are still in step, and the next collectives pass.
+  EXPECT_EQ(gather(20 + rank), (std::vector<uint64_t>{20, 21}));
+  // Under MIXTAPE_DIST_DEBUG=1 (ctest's reference-executor run of this suite) dist::init
+  // installed the checked group itself.
+  const char* debug = std::getenv("MIXTAPE_DIST_DEBUG");
+  if (debug && std::string(debug) == "1") {
+    mt::set_process_group(plain);
+    EXPECT_MT_ERROR(mt::process_group()->broadcast(bytes.data(), rank == 0 ? 8 : 4, 0),
+                    "MIXTAPE_DIST_DEBUG", "broadcast of 4 bytes");
   }
 }

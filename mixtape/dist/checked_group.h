@@ -1,0 +1,21 @@
+// mixtape/dist/checked_group.h -- MIXTAPE_DIST_DEBUG=1: a process group that checks, before each
+// collective, that every process makes the same one.
+#pragma once
+
+#include <memory>
+
+#include "mixtape/dsl/process_group.h"
+
+namespace mixtape::dist {
+
+/// `inner` with every collective preceded by an exchange of what each process is about to do
+/// (which collective, its number in the run, its byte counts and root), checked alike on every
+/// process. Where the processes' calls differ (one process built a node that makes a collective,
+/// a logging node, say, and the others did not), every process gets an mt::Error naming both
+/// calls, where the collective itself would have paired unrelated buffers or waited for the
+/// timeout. It costs one small all_gather per collective: dist::init installs it only where
+/// MIXTAPE_DIST_DEBUG=1, as PyTorch checks its collectives under TORCH_DISTRIBUTED_DEBUG=DETAIL.
+/// The collectives NCCL carries do not pass through a process group and are not checked.
+std::shared_ptr<ProcessGroup> checked_process_group(std::shared_ptr<ProcessGroup> inner);
+
+}  // namespace mixtape::dist
