@@ -605,54 +605,63 @@ TEST(Gemm, LargeWorkspaceIsNotLiveAfterTheCall) {
 TEST(Gemm, LargeHalfResultsRunInPiecesOfBoundedWorkspace) {
   std::vector<mt::DType> types{mt::f16};
   if (mt::gemm_bf16_native_available()) types.push_back(mt::bf16);
+  struct Case {
+    int64_t batch;
+    bool transpose_b, epilogue;  // epilogue: a bias added after the product's rounding, a relu
+  };
   for (mt::DType type : types)
-    for (int64_t batch : {int64_t{1}, int64_t{6}})
-      for (bool transpose_b : {false, true}) {
-        SCOPED_TRACE(
-            fmt::format("{}, batch {}, b transposed {}", mt::name(type), batch, transpose_b));
-        auto bits = [&](float value) {
-          return type == mt::f16 ? mt::f32_to_f16_bits(value) : mt::f32_to_bf16_bits(value);
-        };
-        mt::GemmDesc d;
-        d.batch = batch, d.k = 64, d.transpose_b = transpose_b;
-        d.m = batch == 1 ? 4133 : 1000, d.n = batch == 1 ? 4096 : 1500;
-        d.operand = type, d.out = type, d.bf16_kernel = mt::Bf16Kernel::native;
-        auto a_value = [](int64_t e, int64_t i, int64_t p) {
-          return float((e + i * 7 + p) % 5 - 2);
-        };
-        auto b_value = [](int64_t e, int64_t p, int64_t j) {
-          return float((e + p * 3 + j) % 7 - 3);
-        };
-        std::vector<uint16_t> a(d.batch * d.m * d.k), b(d.batch * d.k * d.n);
-        std::vector<uint16_t> out(d.batch * d.m * d.n);
-        for (int64_t e = 0; e < d.batch; ++e) {
-          for (int64_t i = 0; i < d.m; ++i)
-            for (int64_t p = 0; p < d.k; ++p) a[(e * d.m + i) * d.k + p] = bits(a_value(e, i, p));
-          for (int64_t p = 0; p < d.k; ++p)
-            for (int64_t j = 0; j < d.n; ++j)
-              b[e * d.k * d.n + (transpose_b ? j * d.k + p : p * d.n + j)] = bits(b_value(e, p, j));
-        }
-        const int64_t before = mt::host_memory_stats().live_bytes;
-        mt::reset_host_memory_peak();
-        mt::gemm(d, a.data(), b.data(), out.data());
-        const mt::HostMemoryStats after = mt::host_memory_stats();
-        // Live after the call: at most the small buffers a thread keeps (4 MiB each).
-        EXPECT_LE(after.live_bytes - before, int64_t{12} << 20);
-        const int64_t whole_copy = d.batch * d.m * d.n * 4;
-        ASSERT_GT(whole_copy, int64_t{24} << 20);
-        // The f32 copy's 16 MiB, plus b widened (1 MiB) and a piece of a widened.
-        EXPECT_LE(after.peak_bytes - before, int64_t{20} << 20)
-            << "batch " << batch << ": the f32 copy of the result holds " << whole_copy << " bytes";
-        int64_t wrong = 0;
-        for (int64_t e = 0; e < d.batch; ++e)
-          for (int64_t i = 0; i < d.m; ++i)
-            for (int64_t j = 0; j < d.n; j += 7) {
-              float sum = 0;
-              for (int64_t p = 0; p < d.k; ++p) sum += a_value(e, i, p) * b_value(e, p, j);
-              wrong += out[(e * d.m + i) * d.n + j] != bits(sum);
-            }
-        EXPECT_EQ(wrong, 0) << "batch " << batch << ", b transposed " << transpose_b;
+    for (Case c : {Case{1, false, false}, Case{1, true, false}, Case{6, false, false},
+                   Case{6, true, false}, Case{1, false, true}}) {
+      SCOPED_TRACE(fmt::format("{}, batch {}, b transposed {}, epilogue {}", mt::name(type),
+                               c.batch, c.transpose_b, c.epilogue));
+      auto bits = [&](float value) {
+        return type == mt::f16 ? mt::f32_to_f16_bits(value) : mt::f32_to_bf16_bits(value);
+      };
+      auto rounded = [&](float value) {
+        return type == mt::f16 ? mt::f16_bits_to_f32(bits(value))
+                               : mt::bf16_bits_to_f32(bits(value));
+      };
+      mt::GemmDesc d;
+      d.batch = c.batch, d.k = 64, d.transpose_b = c.transpose_b;
+      d.m = c.batch == 1 ? 4133 : 1000, d.n = c.batch == 1 ? 4096 : 1500;
+      d.operand = type, d.out = type, d.bf16_kernel = mt::Bf16Kernel::native;
+      d.has_bias = d.relu = c.epilogue, d.product_type = type;
+      auto a_value = [](int64_t e, int64_t i, int64_t p) { return float((e + i * 7 + p) % 5 - 2); };
+      auto b_value = [](int64_t e, int64_t p, int64_t j) { return float((e + p * 3 + j) % 7 - 3); };
+      auto bias_value = [](int64_t j) { return 0.5f * float(j % 5) - 1.0f; };
+      std::vector<uint16_t> a(d.batch * d.m * d.k), b(d.batch * d.k * d.n);
+      std::vector<uint16_t> out(d.batch * d.m * d.n);
+      std::vector<float> bias(d.n);
+      for (int64_t j = 0; j < d.n; ++j) bias[j] = bias_value(j);
+      for (int64_t e = 0; e < d.batch; ++e) {
+        for (int64_t i = 0; i < d.m; ++i)
+          for (int64_t p = 0; p < d.k; ++p) a[(e * d.m + i) * d.k + p] = bits(a_value(e, i, p));
+        for (int64_t p = 0; p < d.k; ++p)
+          for (int64_t j = 0; j < d.n; ++j)
+            b[e * d.k * d.n + (c.transpose_b ? j * d.k + p : p * d.n + j)] = bits(b_value(e, p, j));
       }
+      const int64_t before = mt::host_memory_stats().live_bytes;
+      mt::reset_host_memory_peak();
+      mt::gemm(d, a.data(), b.data(), out.data(), c.epilogue ? bias.data() : nullptr);
+      const mt::HostMemoryStats after = mt::host_memory_stats();
+      // Live after the call: at most the small buffers a thread keeps (4 MiB each).
+      EXPECT_LE(after.live_bytes - before, int64_t{12} << 20);
+      const int64_t whole_copy = d.batch * d.m * d.n * 4;
+      ASSERT_GT(whole_copy, int64_t{24} << 20);
+      // The f32 copy's 16 MiB, plus b widened (1 MiB) and a piece of a widened.
+      EXPECT_LE(after.peak_bytes - before, int64_t{20} << 20)
+          << "the f32 copy of the result holds " << whole_copy << " bytes";
+      int64_t wrong = 0;
+      for (int64_t e = 0; e < d.batch; ++e)
+        for (int64_t i = 0; i < d.m; ++i)
+          for (int64_t j = 0; j < d.n; j += 7) {
+            float sum = 0;
+            for (int64_t p = 0; p < d.k; ++p) sum += a_value(e, i, p) * b_value(e, p, j);
+            if (c.epilogue) sum = std::max(rounded(sum) + bias_value(j), 0.0f);
+            wrong += out[(e * d.m + i) * d.n + j] != bits(sum);
+          }
+      EXPECT_EQ(wrong, 0);
+    }
 }
 
 TEST(Gemm, PrimitivesAreCachedAndReused) {

@@ -14,8 +14,12 @@ namespace mixtape::dist {
 /// a logging node, say, and the others did not), every process gets an mt::Error naming both
 /// calls, where the collective itself would have paired unrelated buffers or waited for the
 /// timeout. It costs one small all_gather per collective: dist::init installs it only where
-/// MIXTAPE_DIST_DEBUG=1, as PyTorch checks its collectives under TORCH_DISTRIBUTED_DEBUG=DETAIL.
-/// The collectives NCCL carries do not pass through a process group and are not checked.
+/// MIXTAPE_DIST_DEBUG=1 on process 0, as PyTorch checks its collectives under
+/// TORCH_DISTRIBUTED_DEBUG=DETAIL. What it compares is each call's kind and sizes: a collective
+/// that one process skips is found at the first later call whose kind or sizes differ. The
+/// description grows with the processes (2 + 2N counts each, all of them gathered everywhere),
+/// which is fine for the dozens of processes a CPU run has. The collectives NCCL carries do not
+/// pass through a process group and are not checked.
 std::shared_ptr<ProcessGroup> checked_process_group(std::shared_ptr<ProcessGroup> inner);
 
 }  // namespace mixtape::dist

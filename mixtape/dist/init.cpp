@@ -263,9 +263,13 @@ World join_mpi() {
     return world;
   }
   world.nccl_reason = join_nccl(*group);
-  // MIXTAPE_DIST_DEBUG=1: every collective checked to be the same on every process first.
+  // MIXTAPE_DIST_DEBUG=1: every collective checked to be the same on every process first. Rank
+  // 0's setting holds for all (a launcher may hand the variable to some processes only), since a
+  // checked process's collectives would not pair with an unchecked one's.
   const char* debug = std::getenv("MIXTAPE_DIST_DEBUG");
-  if (debug && std::string_view(debug) == "1")
+  int64_t checked = debug && std::string_view(debug) == "1" ? 1 : 0;
+  group->broadcast(reinterpret_cast<std::byte*>(&checked), sizeof(checked), 0);
+  if (checked == 1)
     set_process_group(checked_process_group(std::move(group)));
   else
     set_process_group(std::move(group));

@@ -328,8 +328,8 @@ NamedTensors read_all(const std::string& dir, const Index& index) {
 // another, and of each sharded entry only the elements this process's shard holds are kept (a
 // byte copy, exact), so that a process holds at most one file and its own shards at once, where
 // reassembling the whole state first (read_all) made every process hold all of it. The entries
-// come out as this run's shards, the shapes the optimizer keeps (local_shape); a whole tensor
-// this process does not hold (ZeroAdafactor) comes out as no entry.
+// come out as this run's shards, the shapes the optimizer keeps (local_shape); an entry of
+// which this process holds nothing comes out as no entry.
 NamedTensors read_held(const std::string& dir, const Index& index, const Module& module,
                        const Optimizer& optimizer, const ZeroShards& shards) {
   const std::map<std::string, size_t> at = parameter_indices(module, optimizer);
@@ -351,9 +351,26 @@ NamedTensors read_held(const std::string& dir, const Index& index, const Module&
           index.path, name);
     Held& h = held[name];
     h.param = found->second;
-    std::tie(h.first, h.last) = shards.held_state(h.param, numel(pieces.shape));
+    // The entry's shape and this process's part of it, checked against this run's optimizer
+    // before any file is read or any byte allocated.
+    const std::string state = name.substr(name.rfind('.') + 1);
+    const Shape expected = optimizer.state_shape(state, optimizer.params()[h.param].shape());
+    if (pieces.shape != expected)
+      fail(
+          "load_checkpoint_sharded {}: '{}' has shape {} in the index, where this run's optimizer "
+          "keeps {}",
+          index.path, name, to_string(pieces.shape), to_string(expected));
+    std::tie(h.first, h.last) = shards.held_state(h.param, numel(expected));
+    const int64_t local = numel(optimizer.state_shape(state, optimizer.local_shape(h.param)));
+    if (local != h.last - h.first)
+      fail(
+          "load_checkpoint_sharded {}: '{}' is not sharded as this run's optimizer shards it "
+          "({} elements held, {} expected)",
+          index.path, name, h.last - h.first, local);
     for (const auto& [begin, end, file] : covering_parts(index, name, pieces))
-      h.parts[file] = {begin, end};
+      if (!h.parts.emplace(file, std::pair(begin, end)).second)
+        fail("load_checkpoint_sharded {}: '{}' has two parts in {}", index.path, name,
+             file_name(file, index.world_size));
   }
   NamedTensors entries;
   for (int q = 0; q < index.world_size; ++q) {
@@ -365,7 +382,11 @@ NamedTensors read_held(const std::string& dir, const Index& index, const Module&
         continue;
       }
       Held& h = found->second;
-      const auto [begin, end] = h.parts.at(q);
+      auto part = h.parts.find(q);
+      if (part == h.parts.end())
+        fail("load_checkpoint_sharded {}: the index places no part of '{}' in {}", index.path,
+             data.name, file_name(q, index.world_size));
+      const auto [begin, end] = part->second;
       if (numel(data.shape) != end - begin)
         fail("load_checkpoint_sharded {}: '{}' holds {} elements in {}, the index says {}",
              index.path, data.name, numel(data.shape), file_name(q, index.world_size), end - begin);
@@ -401,15 +422,9 @@ NamedTensors read_held(const std::string& dir, const Index& index, const Module&
           "load_checkpoint_sharded {}: '{}' ({} elements) does not hold this process's elements "
           "{} to {}",
           index.path, name, numel(index.pieces.at(name).shape), h.first, h.last);
-    const std::string state = name.substr(name.rfind('.') + 1);
-    const Shape shape = optimizer.state_shape(state, optimizer.local_shape(h.param));
-    if (numel(shape) != h.last - h.first)
-      fail(
-          "load_checkpoint_sharded {}: '{}' is not sharded as this run's optimizer shards it "
-          "({} elements held, {} expected)",
-          index.path, name, h.last - h.first, numel(shape));
-    if (shards.whole_tensors() && h.first == h.last) continue;
-    h.data.shape = shape;
+    if (h.first == h.last) continue;  // none of it here: no entry, as take_shards gives none
+    h.data.shape =
+        optimizer.state_shape(name.substr(name.rfind('.') + 1), optimizer.local_shape(h.param));
     mine.push_back(std::move(h.data));
   }
   for (auto& entry : tensors_of(std::move(mine))) entries.push_back(std::move(entry));

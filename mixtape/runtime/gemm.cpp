@@ -708,7 +708,21 @@ namespace {
 constexpr int64_t kMaxResultCopyBytes = int64_t{16} << 20;
 
 void gemm_keeping_scratch(const GemmDesc& d, const void* a, const void* b, void* out,
-                          const void* bias);
+                          const void* bias, const Choice* whole);
+
+// One piece's kernel (run_in_chunks): the whole product's, so that every row of its result comes
+// from the same kernel and summation (choose() would pick by the piece's own shape, and a short
+// last piece could take another kernel): oneDNN's bf16 one, or its f32 one on operands widened or
+// copied at the whole's row strides, as a primitive of the piece's shape.
+Choice piece_choice(const GemmDesc& piece, const Choice& whole) {
+  Choice choice = whole;
+  const bool f32_kernel = whole.widen || piece.operand != bf16;
+  choice.primitive =
+      cached_primitive(f32_kernel ? primitive_key(piece, OnednnType::f32, OnednnType::f32,
+                                                  whole.a_row_stride, whole.b_row_stride)
+                                  : primitive_key(piece, OnednnType::bf16));
+  return choice;
+}
 
 // How many batch entries (batch > 1) or rows (batch 1) each piece of the product holds, where
 // it runs in pieces: an f32 copy of its result, larger than kMaxResultCopyBytes, that can be cut.
@@ -743,8 +757,8 @@ const void* shared_b_operand(const GemmDesc& d, const Choice& choice, const void
 
 // The product as pieces of `chunk` batch entries or rows (result_chunk), each a product of its
 // own on the same operands, written into its part of `out`. Row pieces share b's f32 copy.
-void run_in_chunks(const GemmDesc& d, int64_t chunk, const void* a, const void* b, void* out,
-                   const void* bias) {
+void run_in_chunks(const GemmDesc& d, const Choice& whole, int64_t chunk, const void* a,
+                   const void* b, void* out, const void* bias) {
   struct SharedB {
     ThreadScratch& scratch;
     explicit SharedB(ThreadScratch& s, bool share) : scratch(s) {
@@ -772,14 +786,15 @@ void run_in_chunks(const GemmDesc& d, int64_t chunk, const void* a, const void* 
       a_bytes += start * d.k * operand_size;
       out_bytes += start * d.n * out_size;
     }
-    gemm_keeping_scratch(piece, a_bytes, b_bytes, out_bytes, bias);
+    gemm_keeping_scratch(piece, a_bytes, b_bytes, out_bytes, bias, &whole);
   }
 }
 
 // gemm(), whose workspace stays with the calling thread until the outermost call returns (a
-// k-split or late-bias product runs this again on its caller's buffers).
+// k-split or late-bias product runs this again on its caller's buffers). `whole`: the kernel of
+// the product that this one is a piece of (run_in_chunks), which it runs as it is.
 void gemm_keeping_scratch(const GemmDesc& d, const void* a, const void* b, void* out,
-                          const void* bias = nullptr) {
+                          const void* bias = nullptr, const Choice* whole = nullptr) {
   if (!gemm_supported(d))
     fail(
         "{}: unsupported; gemm takes f32, bf16 or f16 operands, outputs and biases and "
@@ -810,7 +825,7 @@ void gemm_keeping_scratch(const GemmDesc& d, const void* a, const void* b, void*
     finish(d, false, result, out, result_count);
     return;
   }
-  if (const int64_t parts = k_split_parts(d); parts > 1) {
+  if (const int64_t parts = whole ? 1 : k_split_parts(d); parts > 1) {
     const GemmDesc part = k_split_part(d, parts);
     const int64_t count = d.m * d.n;
     float* partials = scratch.partials.get<float>(parts * count);
@@ -828,7 +843,7 @@ void gemm_keeping_scratch(const GemmDesc& d, const void* a, const void* b, void*
   }
   Choice choice;
   try {
-    choice = choose(without_late_bias(d));
+    choice = whole ? piece_choice(without_late_bias(d), *whole) : choose(without_late_bias(d));
   } catch (const dnnl::error& error) {
     fail("{}: oneDNN failed: {}", describe(d), error.what());
   }
@@ -846,14 +861,14 @@ void gemm_keeping_scratch(const GemmDesc& d, const void* a, const void* b, void*
     if (!direct) finish(d, team, static_cast<float*>(result), out, result_count);
     return;
   }
-  if (std::optional<int64_t> chunk = result_chunk(d, choice)) {
-    run_in_chunks(d, *chunk, a, b, out, bias);
+  if (std::optional<int64_t> chunk = whole ? std::nullopt : result_chunk(d, choice)) {
+    run_in_chunks(d, choice, *chunk, a, b, out, bias);
     return;
   }
   if (late_bias(d)) {
     // The product alone as f32, then the bias after its rounding, then finish().
     float* result = f32_result();
-    gemm_keeping_scratch(product_only(d), a, b, result);
+    gemm_keeping_scratch(product_only(d), a, b, result, nullptr, whole);
     add_bias_after_rounding(d, bias_f32, result);
     if (d.out != f32) finish(d, flops_of(d) >= kSingleThreadMaxFlops, result, out, result_count);
     return;

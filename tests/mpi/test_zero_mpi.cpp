@@ -25,6 +25,7 @@
 #include "mixtape/dsl/process_group.h"
 #include "mixtape/mixtape.h"
 #include "mixtape/runtime/all_reduce.h"
+#include "mixtape/runtime/safetensors.h"
 #include "tests/test_util.h"
 
 namespace mt = mixtape;
@@ -631,23 +632,73 @@ TEST_F(Zero, ShardedCheckpointsResumeAtTwoRanksBitForBitAndAtOne) {
 // Both ranks wait here until both have arrived.
 void barrier() { mt::all_reduce(mt::scalar(1.0, mt::f64)).item(); }
 
+// `from`, a two-process sharded save, as one process's save that shards its state as ZeRO does
+// (one file holding every entry, each optimizer state listed as a piece of one part), in `to`:
+// a save at another world size whose pieces each process reads from an offset of its own.
+void as_one_process_save(const std::string& from, const std::string& to) {
+  const std::string index_name = "/checkpoint.safetensors.index.json";
+  const std::string file_name = "checkpoint-00001-of-00001.safetensors";
+  std::ifstream in(from + index_name);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  mt::json::Value index = mt::json::parse(text);
+  index["metadata"]["world_size"] = 1;
+  for (auto& [name, file] : index["weight_map"].items()) file = file_name;
+  mt::safetensors::File first =
+      mt::safetensors::read(from + "/checkpoint-00001-of-00002.safetensors");
+  mt::safetensors::File second =
+      mt::safetensors::read(from + "/checkpoint-00002-of-00002.safetensors");
+  mt::safetensors::File one;
+  one.metadata = first.metadata;
+  for (auto& [key, value] : one.metadata)
+    if (key == "world_size") value = "1";
+  for (mt::safetensors::File* file : {&first, &second})
+    for (mt::safetensors::TensorData& data : file->tensors) {
+      mt::safetensors::TensorData* have = nullptr;
+      for (mt::safetensors::TensorData& t : one.tensors)
+        if (t.name == data.name) have = &t;
+      if (!have) {
+        one.tensors.push_back(data);
+        continue;
+      }
+      // A state's second part, after its first: the parts are in rank order.
+      have->bytes.insert(have->bytes.end(), data.bytes.begin(), data.bytes.end());
+      have->shape = {have->shape.at(0) + data.shape.at(0)};
+    }
+  for (auto& [name, piece] : index["pieces"].items()) {
+    int64_t elements = 1;
+    for (const auto& size : piece["shape"]) elements *= size.get<int64_t>();
+    piece["files"] = mt::json::Value::array({mt::json::Value::array({file_name, 0, elements})});
+  }
+  std::filesystem::create_directories(to);
+  mt::safetensors::write(to + "/" + file_name, one);
+  std::ofstream(to + index_name) << mt::json::dump(index);
+}
+
 // A ZeRO run takes its shards of a sharded save made at another world size, reading the files
-// in turn and keeping only the elements its shard holds: 2 ranks' files into one process, and
-// one process's file into 2 ranks. Each continues the run it resumes.
+// in turn and keeping only the elements its shard holds: 2 processes' files into one process,
+// and one process's file into 2 (each process copying its elements from its own offset). Each
+// continues the run it resumes. A one-process ZeRO save, which keeps its state whole, loads at
+// 2 processes too.
 TEST_F(Zero, ShardedCheckpointsMoveBetweenWorldSizesAsShards) {
   const std::string dir = job_file("resharded_from_two");
   Outcome uninterrupted = train({.save_at = 10, .path = dir, .sharded = true});
   Outcome one = train({.kind = Kind::zero_alone, .first_step = 10, .load = dir, .sharded = true});
   EXPECT_LE(worst_difference(one.params, uninterrupted.params), 1e-5);
 
+  const std::string one_file = job_file("resharded_one_file");
+  if (mt::dist::rank() == 0) as_one_process_save(dir, one_file);
+  barrier();
+  Outcome two = train({.first_step = 10, .load = one_file, .sharded = true});
+  EXPECT_EQ(two.params, uninterrupted.params) << "the same state, cut again, resumes bit for bit";
+
   const std::string single = job_file("resharded_from_one");
   job_file("resharded_from_one_rank1");  // rank 1's own one-process save, which nothing reads
   Outcome alone = train({.kind = Kind::zero_alone, .save_at = 10, .path = single, .sharded = true});
   barrier();  // rank 0's files are written before rank 1 reads them
-  Outcome two = train({.first_step = 10, .load = single, .sharded = true});
-  EXPECT_LE(worst_difference(two.params, alone.params), 1e-5);
+  Outcome from_alone = train({.first_step = 10, .load = single, .sharded = true});
+  EXPECT_LE(worst_difference(from_alone.params, alone.params), 1e-5);
   std::vector<double> tail(alone.losses.begin() + 10, alone.losses.end());
-  EXPECT_LE(worst_difference(as_floats(two.losses), as_floats(tail)), 1e-5);
+  EXPECT_LE(worst_difference(as_floats(from_alone.losses), as_floats(tail)), 1e-5);
 }
 
 TEST_F(Zero, AnotherModelOrACorruptShardOrAnotherSavesIndexIsAnErrorOnEveryRank) {
