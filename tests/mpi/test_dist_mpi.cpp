@@ -665,6 +665,32 @@ TEST_F(DataParallel, ACollectiveThatDiffersBetweenProcessesIsAnErrorOnEveryProce
   std::vector<int64_t> counts{rank == 0 ? 8 : 4, 8}, at{0, 8};
   EXPECT_MT_ERROR(mt::process_group()->all_gather(bytes.data(), 8, received.data(), counts, at),
                   "which expects 4 bytes from process 0");
+  // An all_to_all whose counts differ by pair, as the ZeRO reductions' do: process r sends
+  // 8 (r + 1) + 8 q bytes to process q. Consistent counts pass and move the bytes; process 1
+  // expecting 8 bytes too few from process 0 is an error on both.
+  auto sent_by = [](int from, int to) { return int64_t{8} * (from + 1) + 8 * to; };
+  for (bool consistent : {true, false}) {
+    std::vector<int64_t> send_count(2), send_at(2), recv_count(2), recv_at(2);
+    for (int q = 0; q < 2; ++q) {
+      send_count[q] = sent_by(rank, q), recv_count[q] = sent_by(q, rank);
+      send_at[q] = q == 0 ? 0 : send_count[0], recv_at[q] = q == 0 ? 0 : recv_count[0];
+    }
+    if (!consistent && rank == 1) recv_count[0] -= 8;
+    std::vector<std::byte> send(static_cast<size_t>(send_count[0] + send_count[1]),
+                                std::byte(rank + 1));
+    std::vector<std::byte> recv(static_cast<size_t>(sent_by(0, rank) + sent_by(1, rank)));
+    auto exchange = [&] {
+      mt::process_group()->all_to_all(send.data(), send_count, send_at, recv.data(), recv_count,
+                                      recv_at);
+    };
+    if (consistent) {
+      exchange();
+      EXPECT_EQ(recv.front(), std::byte(1));
+      EXPECT_EQ(recv.back(), std::byte(2));
+    } else {
+      EXPECT_MT_ERROR(exchange(), "process 0 sends 16 bytes to process 1, which expects 8");
+    }
+  }
   // Nothing ran: the processes are still in step, and the next collectives pass.
   EXPECT_EQ(gather(20 + rank), (std::vector<uint64_t>{20, 21}));
   // Under MIXTAPE_DIST_DEBUG=1 (ctest's reference-executor run of this suite) dist::init

@@ -782,6 +782,26 @@ TEST_F(Zero, AnotherModelOrACorruptShardOrAnotherSavesIndexIsAnErrorOnEveryRank)
     mt::dist::ZeroAdamW zero_alone(net.parameters());
     EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(moved_dir, net, &zero_alone),
                     "'optimizer.fc1.weight.exp_avg' holds");
+    // And a state whose shape in the index is not its parameter's (here 2^62 + 1 elements, whose
+    // bytes would overflow a size): refused before any file is read.
+    if (rank == 0) {
+      const std::string index_path = moved_dir + "/checkpoint.safetensors.index.json";
+      std::ifstream in(index_path);
+      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+      in.close();
+      mt::json::Value index = mt::json::parse(text);
+      index["pieces"]["optimizer.fc1.weight.exp_avg"]["shape"] =
+          mt::json::Value::array({(int64_t{1} << 62) + 1});
+      std::ofstream(index_path) << mt::json::dump(index);
+    }
+  }
+  barrier();
+  {
+    WithoutProcessGroup alone;
+    mt::dist::ZeroAdamW zero_alone(net.parameters());
+    EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(moved_dir, net, &zero_alone),
+                    "'optimizer.fc1.weight.exp_avg' has shape [4611686018427387905] in the index",
+                    "keeps [32, 64]");
   }
 
   // The other save's index over this one's files: the files are not of the save it describes.
