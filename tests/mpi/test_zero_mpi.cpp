@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iterator>
 #include <memory>
 #include <optional>
@@ -632,17 +633,22 @@ TEST_F(Zero, ShardedCheckpointsResumeAtTwoRanksBitForBitAndAtOne) {
 // Both ranks wait here until both have arrived.
 void barrier() { mt::all_reduce(mt::scalar(1.0, mt::f64)).item(); }
 
+// Rewrites the JSON index of the sharded save in `dir` through `edit`.
+void edit_index(const std::string& dir, const std::function<void(mt::json::Value&)>& edit) {
+  const std::string path = dir + "/checkpoint.safetensors.index.json";
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  in.close();
+  mt::json::Value index = mt::json::parse(text);
+  edit(index);
+  std::ofstream(path) << mt::json::dump(index);
+}
+
 // `from`, a two-process sharded save, as one process's save that shards its state as ZeRO does
 // (one file holding every entry, each optimizer state listed as a piece of one part), in `to`:
 // a save at another world size whose pieces each process reads from an offset of its own.
 void as_one_process_save(const std::string& from, const std::string& to) {
-  const std::string index_name = "/checkpoint.safetensors.index.json";
   const std::string file_name = "checkpoint-00001-of-00001.safetensors";
-  std::ifstream in(from + index_name);
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  mt::json::Value index = mt::json::parse(text);
-  index["metadata"]["world_size"] = 1;
-  for (auto& [name, file] : index["weight_map"].items()) file = file_name;
   mt::safetensors::File first =
       mt::safetensors::read(from + "/checkpoint-00001-of-00002.safetensors");
   mt::safetensors::File second =
@@ -664,14 +670,19 @@ void as_one_process_save(const std::string& from, const std::string& to) {
       have->bytes.insert(have->bytes.end(), data.bytes.begin(), data.bytes.end());
       have->shape = {have->shape.at(0) + data.shape.at(0)};
     }
-  for (auto& [name, piece] : index["pieces"].items()) {
-    int64_t elements = 1;
-    for (const auto& size : piece["shape"]) elements *= size.get<int64_t>();
-    piece["files"] = mt::json::Value::array({mt::json::Value::array({file_name, 0, elements})});
-  }
   std::filesystem::create_directories(to);
   mt::safetensors::write(to + "/" + file_name, one);
-  std::ofstream(to + index_name) << mt::json::dump(index);
+  std::filesystem::copy_file(from + "/checkpoint.safetensors.index.json",
+                             to + "/checkpoint.safetensors.index.json");
+  edit_index(to, [&](mt::json::Value& index) {
+    index["metadata"]["world_size"] = 1;
+    for (auto& [name, file] : index["weight_map"].items()) file = file_name;
+    for (auto& [name, piece] : index["pieces"].items()) {
+      int64_t elements = 1;
+      for (const auto& size : piece["shape"]) elements *= size.get<int64_t>();
+      piece["files"] = mt::json::Value::array({mt::json::Value::array({file_name, 0, elements})});
+    }
+  });
 }
 
 // A ZeRO run takes its shards of a sharded save made at another world size, reading the files
@@ -763,18 +774,13 @@ TEST_F(Zero, AnotherModelOrACorruptShardOrAnotherSavesIndexIsAnErrorOnEveryRank)
   // holds another number of elements than the index says, at the saved world size and at 1.
   const std::string moved_dir = job_file("moved_cut_sharded");
   mt::dist::save_checkpoint_sharded(moved_dir, net, &opt);
-  if (rank == 0) {
-    const std::string index_path = moved_dir + "/checkpoint.safetensors.index.json";
-    std::ifstream in(index_path);
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    in.close();
-    mt::json::Value index = mt::json::parse(text);
-    mt::json::Value& files = index["pieces"]["optimizer.fc1.weight.exp_avg"]["files"];
-    ASSERT_EQ(files.size(), 2u);
-    files[0][2] = files[0][2].get<int64_t>() + 1;
-    files[1][1] = files[1][1].get<int64_t>() + 1;
-    std::ofstream(index_path) << mt::json::dump(index);
-  }
+  if (rank == 0)
+    edit_index(moved_dir, [](mt::json::Value& index) {
+      mt::json::Value& files = index["pieces"]["optimizer.fc1.weight.exp_avg"]["files"];
+      ASSERT_EQ(files.size(), 2u);
+      files[0][2] = files[0][2].get<int64_t>() + 1;
+      files[1][1] = files[1][1].get<int64_t>() + 1;
+    });
   barrier();
   EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(moved_dir, net, &opt), "fc1.weight.exp_avg");
   {
@@ -784,16 +790,11 @@ TEST_F(Zero, AnotherModelOrACorruptShardOrAnotherSavesIndexIsAnErrorOnEveryRank)
                     "'optimizer.fc1.weight.exp_avg' holds");
     // And a state whose shape in the index is not its parameter's (here 2^62 + 1 elements, whose
     // bytes would overflow a size): refused before any file is read.
-    if (rank == 0) {
-      const std::string index_path = moved_dir + "/checkpoint.safetensors.index.json";
-      std::ifstream in(index_path);
-      std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      in.close();
-      mt::json::Value index = mt::json::parse(text);
-      index["pieces"]["optimizer.fc1.weight.exp_avg"]["shape"] =
-          mt::json::Value::array({(int64_t{1} << 62) + 1});
-      std::ofstream(index_path) << mt::json::dump(index);
-    }
+    if (rank == 0)
+      edit_index(moved_dir, [](mt::json::Value& index) {
+        index["pieces"]["optimizer.fc1.weight.exp_avg"]["shape"] =
+            mt::json::Value::array({(int64_t{1} << 62) + 1});
+      });
   }
   barrier();
   {
