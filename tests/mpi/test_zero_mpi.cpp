@@ -788,14 +788,16 @@ TEST_F(Zero, AnotherModelOrACorruptShardOrAnotherSavesIndexIsAnErrorOnEveryRank)
     mt::dist::ZeroAdamW zero_alone(net.parameters());
     EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(moved_dir, net, &zero_alone),
                     "'optimizer.fc1.weight.exp_avg' holds");
-    // And a state whose shape in the index is not its parameter's (here 2^62 + 1 elements, whose
-    // bytes would overflow a size): refused before any file is read.
-    if (rank == 0)
-      edit_index(moved_dir, [](mt::json::Value& index) {
-        index["pieces"]["optimizer.fc1.weight.exp_avg"]["shape"] =
-            mt::json::Value::array({(int64_t{1} << 62) + 1});
-      });
   }
+  // And a state whose shape in the index is not its parameter's (here 2^62 + 1 elements, whose
+  // bytes would overflow a size): refused before any file is read. Both processes have read the
+  // index before process 0 rewrites it.
+  barrier();
+  if (rank == 0)
+    edit_index(moved_dir, [](mt::json::Value& index) {
+      index["pieces"]["optimizer.fc1.weight.exp_avg"]["shape"] =
+          mt::json::Value::array({(int64_t{1} << 62) + 1});
+    });
   barrier();
   {
     WithoutProcessGroup alone;
