@@ -500,6 +500,61 @@ TEST_F(Zero, ABf16ModelKeepsF32MasterShards) {
   EXPECT_LE(std::abs(bytes - 3 * 4 * 2213 / 2), 3 * 4) << "half, give or take padding";
 }
 
+// Both ranks wait here until both have arrived.
+void barrier() { mt::all_reduce(mt::scalar(1.0, mt::f64)).item(); }
+
+// Rewrites the JSON index of the sharded save in `dir` through `edit`.
+void edit_index(const std::string& dir, const std::function<void(mt::json::Value&)>& edit) {
+  const std::string path = dir + "/checkpoint.safetensors.index.json";
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  in.close();
+  mt::json::Value index = mt::json::parse(text);
+  edit(index);
+  std::ofstream(path) << mt::json::dump(index);
+}
+
+// `from`, a two-process sharded save, as one process's save that shards its state as ZeRO does
+// (one file holding every entry, each optimizer state listed as a piece of one part), in `to`:
+// a save at another world size whose pieces each process reads from an offset of its own.
+void as_one_process_save(const std::string& from, const std::string& to) {
+  const std::string file_name = "checkpoint-00001-of-00001.safetensors";
+  mt::safetensors::File first =
+      mt::safetensors::read(from + "/checkpoint-00001-of-00002.safetensors");
+  mt::safetensors::File second =
+      mt::safetensors::read(from + "/checkpoint-00002-of-00002.safetensors");
+  mt::safetensors::File one;
+  one.metadata = first.metadata;
+  for (auto& [key, value] : one.metadata)
+    if (key == "world_size") value = "1";
+  for (mt::safetensors::File* file : {&first, &second})
+    for (mt::safetensors::TensorData& data : file->tensors) {
+      mt::safetensors::TensorData* have = nullptr;
+      for (mt::safetensors::TensorData& t : one.tensors)
+        if (t.name == data.name) have = &t;
+      if (!have) {
+        one.tensors.push_back(data);
+        continue;
+      }
+      // A state's second part, after its first: the parts are in rank order.
+      have->bytes.insert(have->bytes.end(), data.bytes.begin(), data.bytes.end());
+      have->shape = {have->shape.at(0) + data.shape.at(0)};
+    }
+  std::filesystem::create_directories(to);
+  mt::safetensors::write(to + "/" + file_name, one);
+  std::filesystem::copy_file(from + "/checkpoint.safetensors.index.json",
+                             to + "/checkpoint.safetensors.index.json");
+  edit_index(to, [&](mt::json::Value& index) {
+    index["metadata"]["world_size"] = 1;
+    for (auto& [name, file] : index["weight_map"].items()) file = file_name;
+    for (auto& [name, piece] : index["pieces"].items()) {
+      int64_t elements = 1;
+      for (const auto& size : piece["shape"]) elements *= size.get<int64_t>();
+      piece["files"] = mt::json::Value::array({mt::json::Value::array({file_name, 0, elements})});
+    }
+  });
+}
+
 // Adafactor's factored statistics need whole matrices, so ZeroAdafactor shards whole
 // parameters: fc1.weight, 2048 of the 2213 elements, on rank 0, the rest on rank 1. Twenty steps
 // equal plain data parallel's; the two ranks' state adds up to the plain run's; a
@@ -540,6 +595,16 @@ TEST_F(Zero, AdafactorShardsWholeParameters) {
     // ZeroAdafactor in one process holds every parameter: it takes all the whole tensors.
     resume.kind = Kind::zero_alone;
     EXPECT_LE(worst_difference(as_floats(train(resume).losses), as_floats(tail)), 1e-5);
+    if (sharded) {
+      // The same tensors in one file of another world size, cut again at two processes: each
+      // takes the whole tensors it holds and none of the others'.
+      const std::string one_file = job_file("adafactor_one_file");
+      if (mt::dist::rank() == 0) as_one_process_save(dir, one_file);
+      barrier();
+      resume.kind = Kind::zero;
+      resume.load = one_file;
+      EXPECT_EQ(train(resume).params, zero.params) << "the same state, read as shards";
+    }
   }
   auto [plain_estimate, plain_bytes] = state_bytes(false, Rule::adafactor);
   auto [zero_estimate, zero_bytes] = state_bytes(true, Rule::adafactor);
@@ -628,61 +693,6 @@ TEST_F(Zero, ShardedCheckpointsResumeAtTwoRanksBitForBitAndAtOne) {
          .sharded = true});
   Outcome from_plain = train({.first_step = 10, .load = plain_dir, .sharded = true});
   EXPECT_LE(worst_difference(from_plain.params, uninterrupted.params), 1e-6);
-}
-
-// Both ranks wait here until both have arrived.
-void barrier() { mt::all_reduce(mt::scalar(1.0, mt::f64)).item(); }
-
-// Rewrites the JSON index of the sharded save in `dir` through `edit`.
-void edit_index(const std::string& dir, const std::function<void(mt::json::Value&)>& edit) {
-  const std::string path = dir + "/checkpoint.safetensors.index.json";
-  std::ifstream in(path);
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  in.close();
-  mt::json::Value index = mt::json::parse(text);
-  edit(index);
-  std::ofstream(path) << mt::json::dump(index);
-}
-
-// `from`, a two-process sharded save, as one process's save that shards its state as ZeRO does
-// (one file holding every entry, each optimizer state listed as a piece of one part), in `to`:
-// a save at another world size whose pieces each process reads from an offset of its own.
-void as_one_process_save(const std::string& from, const std::string& to) {
-  const std::string file_name = "checkpoint-00001-of-00001.safetensors";
-  mt::safetensors::File first =
-      mt::safetensors::read(from + "/checkpoint-00001-of-00002.safetensors");
-  mt::safetensors::File second =
-      mt::safetensors::read(from + "/checkpoint-00002-of-00002.safetensors");
-  mt::safetensors::File one;
-  one.metadata = first.metadata;
-  for (auto& [key, value] : one.metadata)
-    if (key == "world_size") value = "1";
-  for (mt::safetensors::File* file : {&first, &second})
-    for (mt::safetensors::TensorData& data : file->tensors) {
-      mt::safetensors::TensorData* have = nullptr;
-      for (mt::safetensors::TensorData& t : one.tensors)
-        if (t.name == data.name) have = &t;
-      if (!have) {
-        one.tensors.push_back(data);
-        continue;
-      }
-      // A state's second part, after its first: the parts are in rank order.
-      have->bytes.insert(have->bytes.end(), data.bytes.begin(), data.bytes.end());
-      have->shape = {have->shape.at(0) + data.shape.at(0)};
-    }
-  std::filesystem::create_directories(to);
-  mt::safetensors::write(to + "/" + file_name, one);
-  std::filesystem::copy_file(from + "/checkpoint.safetensors.index.json",
-                             to + "/checkpoint.safetensors.index.json");
-  edit_index(to, [&](mt::json::Value& index) {
-    index["metadata"]["world_size"] = 1;
-    for (auto& [name, file] : index["weight_map"].items()) file = file_name;
-    for (auto& [name, piece] : index["pieces"].items()) {
-      int64_t elements = 1;
-      for (const auto& size : piece["shape"]) elements *= size.get<int64_t>();
-      piece["files"] = mt::json::Value::array({mt::json::Value::array({file_name, 0, elements})});
-    }
-  });
 }
 
 // A ZeRO run takes its shards of a sharded save made at another world size, reading the files
