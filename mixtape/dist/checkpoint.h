@@ -45,12 +45,13 @@ void save_checkpoint_sharded(const std::string& dir, const Module& module,
                              const GradScaler* scaler = nullptr,
                              const CheckpointOptions& options = {});
 /// Loads what save_checkpoint_sharded wrote, on every process, with mt::load_checkpoint's checks.
-/// At the world size it was saved at, each process reads only its own file and the processes
-/// exchange the replicated entries. At any other (1 included) a ZeRO optimizer reads the files
-/// in turn and keeps of the sharded state only the elements its shards hold, so that no process
-/// holds the whole state; a plain optimizer reads every file and takes the state whole. Another
-/// model (its entries are named in the error), an index and shard files of different saves, a
-/// missing or corrupt file: an mt::Error on every process, never a hang.
+/// At the world size it was saved at, and cut as this run's optimizer cuts it, each process reads
+/// only its own file and the processes exchange the replicated entries. At any other (1
+/// included), or cut otherwise, a ZeRO optimizer reads the files in turn and keeps of the
+/// sharded state only the elements its shards hold, so that no process holds the whole state; a
+/// plain optimizer reads every file and takes the state whole. Another model (its entries are
+/// named in the error), an index and shard files of different saves, a missing or corrupt file:
+/// an mt::Error on every process, never a hang.
 void load_checkpoint_sharded(const std::string& dir, Module& module, Optimizer* optimizer = nullptr,
                              Metadata* metadata = nullptr, GradScaler* scaler = nullptr,
                              const CheckpointOptions& options = {});

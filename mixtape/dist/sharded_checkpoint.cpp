@@ -423,6 +423,31 @@ NamedTensors read_held(const std::string& dir, const Index& index, const Module&
   return entries;
 }
 
+// Whether this process's file holds, of every sharded entry, exactly the elements this run's
+// optimizer keeps here (held_state), so that its own file is all it needs to read. False for an
+// entry of another shape or of no parameter of the optimizer: read_held then says which.
+bool cut_as_saved(const Index& index, const Module& module, const Optimizer& optimizer,
+                  const ZeroShards& shards) {
+  const int rank = process_rank();
+  const std::map<std::string, size_t> at = parameter_indices(module, optimizer);
+  for (const auto& [name, pieces] : index.pieces) {
+    auto found = at.find(parameter_of(name));
+    if (found == at.end()) return false;
+    const Shape expected = optimizer.state_shape(name.substr(name.rfind('.') + 1),
+                                                 optimizer.params()[found->second].shape());
+    if (pieces.shape != expected) return false;
+    const auto [first, last] = shards.held_state(found->second, numel(expected));
+    bool in_my_file = false;
+    for (const auto& [file, begin, end] : pieces.parts)
+      if (file == rank) {
+        if (in_my_file || begin != first || end != last) return false;
+        in_my_file = true;
+      }
+    if (!in_my_file && first != last) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 void save_checkpoint_sharded(const std::string& dir, const Module& module,
@@ -519,32 +544,32 @@ void load_checkpoint_sharded(const std::string& dir, Module& module, Optimizer* 
   Index index;
   NamedTensors entries;
   std::string shared;  // at the same world size: this file's whole entries, for the others
-  bool own_only = false;
   try {
     index = read_index(dir);
     check_model(index, module);
-    own_only = index.world_size == processes && (index.pieces.empty() || zero || !optimizer);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  fail_together(error, "dist::load_checkpoint_sharded");
+  bool own_only = index.world_size == processes && (index.pieces.empty() || zero || !optimizer);
+  // A ZeRO run reads only its own file where every process holds the pieces its own file has
+  // (the same optimizer, cut the same way); else it takes its shards from all the files, as at
+  // another world size.
+  if (own_only && zero && !index.pieces.empty()) {
+    const bool mine = processes > 1 && cut_as_saved(index, module, *optimizer, zero->shards());
+    std::vector<std::string> everyone{mine ? "1" : "0"};
+    if (ProcessGroup* group = process_group(); group && processes > 1)
+      everyone = gather_text(*group, everyone[0]);
+    own_only = std::all_of(everyone.begin(), everyone.end(),
+                           [](const std::string& said) { return said == "1"; });
+  }
+  try {
     if (own_only) {
       safetensors::File own = read_shard(dir, index, rank);
       safetensors::File whole;
       std::vector<safetensors::TensorData> pieces;
       for (safetensors::TensorData& data : own.tensors)
         (index.pieces.count(data.name) ? pieces : whole.tensors).push_back(std::move(data));
-      if (zero && processes > 1) {
-        // Each piece must be the elements this process's shard holds.
-        const std::map<std::string, size_t> at = parameter_indices(module, *optimizer);
-        for (const safetensors::TensorData& data : pieces)
-          for (const auto& [file, begin, end] : index.pieces.at(data.name).parts)
-            if (file == rank &&
-                (!at.count(parameter_of(data.name)) ||
-                 zero->shards().held_state(at.at(parameter_of(data.name)),
-                                           numel(index.pieces.at(data.name).shape)) !=
-                     std::pair<int64_t, int64_t>(begin, end)))
-              fail(
-                  "load_checkpoint_sharded {}: '{}' is not sharded as this run's optimizer "
-                  "shards it (another optimizer's parameters?)",
-                  index.path, data.name);
-      }
       entries = tensors_of(std::move(pieces));
       const std::vector<std::byte> bytes = safetensors::serialize(whole);
       shared.assign(reinterpret_cast<const char*>(bytes.data()), bytes.size());

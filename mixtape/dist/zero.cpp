@@ -3,6 +3,7 @@
 #include "mixtape/dist/zero.h"
 
 #include <algorithm>
+#include <numeric>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -131,17 +132,22 @@ void ZeroShards::check_same_layout() const {
 }
 
 void ZeroShards::place_whole_tensors(Group& g) {
-  // Each parameter to the process where its first element falls in an even cut of the group
-  // (in order, so each process's run is a run of the optimizer's order), then the runs laid out
-  // one per shard, each shard as long as the longest run.
+  // Each parameter, the largest first, to the process holding the fewest elements so far (the
+  // lower process on a tie; equal sizes in the optimizer's order), as PyTorch's
+  // ZeroRedundancyOptimizer partitions its parameters, so that the runs come out as even as whole
+  // tensors allow. Then the runs are laid out one per shard, each in the optimizer's order and
+  // each shard as long as the longest run. Every process computes the same placement.
+  std::vector<size_t> by_size(g.members.size());
+  std::iota(by_size.begin(), by_size.end(), size_t{0});
+  std::stable_sort(by_size.begin(), by_size.end(), [&](size_t x, size_t y) {
+    return params_[g.members[x]].numel() > params_[g.members[y]].numel();
+  });
   std::vector<int> owner(g.members.size());
   std::vector<int64_t> run(static_cast<size_t>(processes_), 0);
-  int64_t before = 0;
-  for (size_t m = 0; m < g.members.size(); ++m) {
-    const int64_t count = params_[g.members[m]].numel();
-    owner[m] = static_cast<int>(std::min<int64_t>(processes_ - 1, before * processes_ / g.total));
-    run[static_cast<size_t>(owner[m])] += count;
-    before += count;
+  for (size_t m : by_size) {
+    const auto fewest = std::min_element(run.begin(), run.end());
+    owner[m] = static_cast<int>(fewest - run.begin());
+    *fewest += params_[g.members[m]].numel();
   }
   g.shard = *std::max_element(run.begin(), run.end());
   g.padded = g.shard * processes_;
@@ -255,9 +261,16 @@ void ZeroShards::reduce(LeafGradients& gradients) const {
   for (const Group& group : groups_) {
     // In the buffer's layout: the padding at the end, or at the end of each shard (whole
     // tensors).
+    // Whole tensors are laid out by size (place_whole_tensors), so the members are taken in
+    // the order of their places.
+    std::vector<size_t> in_buffer = group.members;
+    std::sort(in_buffer.begin(), in_buffer.end(), [&](size_t x, size_t y) {
+      return std::pair(places_[x].begin, places_[x].end) <
+             std::pair(places_[y].begin, places_[y].end);
+    });
     std::vector<Tensor> flat;
     int64_t at = 0;
-    for (size_t i : group.members) {
+    for (size_t i : in_buffer) {
       const Tensor& g = gradients[slot[i]].second;
       if (places_[i].begin > at) flat.push_back(zeros({places_[i].begin - at}, group.dtype));
       flat.push_back(reshape(g.dtype() == group.dtype ? g : cast(g, group.dtype), {-1}));

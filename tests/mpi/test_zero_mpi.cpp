@@ -19,6 +19,8 @@
 #include <tuple>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "mixtape/dist/checkpoint.h"
 #include "mixtape/dist/dist.h"
 #include "mixtape/dist/zero.h"
@@ -514,26 +516,27 @@ void edit_index(const std::string& dir, const std::function<void(mt::json::Value
   std::ofstream(path) << mt::json::dump(index);
 }
 
-// `from`, a two-process sharded save, as one process's save that shards its state as ZeRO does
-// (one file holding every entry, each optimizer state listed as a piece of one part), in `to`:
-// a save at another world size whose pieces each process reads from an offset of its own.
-void as_one_process_save(const std::string& from, const std::string& to) {
-  const std::string file_name = "checkpoint-00001-of-00001.safetensors";
+// `from`, a two-process sharded save, rewritten into `to` as a save of `files` files whose first
+// holds every entry (each optimizer state listed as a piece of one part) and the others none:
+// one process's save that shards its state as ZeRO does (files = 1), or a two-process save cut
+// otherwise than this run's ZeRO cuts it (files = 2). Each process reads its pieces from an offset
+// of its own.
+void all_in_the_first_file(const std::string& from, const std::string& to, int files) {
+  auto file_name = [&](int q) {
+    return fmt::format("checkpoint-{:05d}-of-{:05d}.safetensors", q + 1, files);
+  };
   mt::safetensors::File first =
       mt::safetensors::read(from + "/checkpoint-00001-of-00002.safetensors");
   mt::safetensors::File second =
       mt::safetensors::read(from + "/checkpoint-00002-of-00002.safetensors");
-  mt::safetensors::File one;
-  one.metadata = first.metadata;
-  for (auto& [key, value] : one.metadata)
-    if (key == "world_size") value = "1";
+  mt::safetensors::File all;
   for (mt::safetensors::File* file : {&first, &second})
     for (mt::safetensors::TensorData& data : file->tensors) {
       mt::safetensors::TensorData* have = nullptr;
-      for (mt::safetensors::TensorData& t : one.tensors)
+      for (mt::safetensors::TensorData& t : all.tensors)
         if (t.name == data.name) have = &t;
       if (!have) {
-        one.tensors.push_back(data);
+        all.tensors.push_back(data);
         continue;
       }
       // A state's second part, after its first: the parts are in rank order.
@@ -541,16 +544,26 @@ void as_one_process_save(const std::string& from, const std::string& to) {
       have->shape = {have->shape.at(0) + data.shape.at(0)};
     }
   std::filesystem::create_directories(to);
-  mt::safetensors::write(to + "/" + file_name, one);
+  for (int q = 0; q < files; ++q) {
+    mt::safetensors::File file;
+    if (q == 0) file.tensors = all.tensors;
+    file.metadata = first.metadata;
+    for (auto& [key, value] : file.metadata) {
+      if (key == "world_size") value = std::to_string(files);
+      if (key == "rank") value = std::to_string(q);
+    }
+    mt::safetensors::write(to + "/" + file_name(q), file);
+  }
   std::filesystem::copy_file(from + "/checkpoint.safetensors.index.json",
                              to + "/checkpoint.safetensors.index.json");
   edit_index(to, [&](mt::json::Value& index) {
-    index["metadata"]["world_size"] = 1;
-    for (auto& [name, file] : index["weight_map"].items()) file = file_name;
+    index["metadata"]["world_size"] = files;
+    for (auto& [name, file] : index["weight_map"].items()) file = file_name(0);
     for (auto& [name, piece] : index["pieces"].items()) {
       int64_t elements = 1;
       for (const auto& size : piece["shape"]) elements *= size.get<int64_t>();
-      piece["files"] = mt::json::Value::array({mt::json::Value::array({file_name, 0, elements})});
+      piece["files"] =
+          mt::json::Value::array({mt::json::Value::array({file_name(0), 0, elements})});
     }
   });
 }
@@ -599,7 +612,7 @@ TEST_F(Zero, AdafactorShardsWholeParameters) {
       // The same tensors in one file of another world size, cut again at two processes: each
       // takes the whole tensors it holds and none of the others'.
       const std::string one_file = job_file("adafactor_one_file");
-      if (mt::dist::rank() == 0) as_one_process_save(dir, one_file);
+      if (mt::dist::rank() == 0) all_in_the_first_file(dir, one_file, 1);
       barrier();
       resume.kind = Kind::zero;
       resume.load = one_file;
@@ -613,6 +626,46 @@ TEST_F(Zero, AdafactorShardsWholeParameters) {
   EXPECT_LT(zero_bytes, plain_bytes);
   mt::Tensor both = mt::all_reduce(mt::scalar(static_cast<double>(zero_bytes), mt::f64));
   EXPECT_EQ(both.item(), static_cast<double>(plain_bytes));
+}
+
+// Whole parameters go largest first to the process holding the fewest elements, as PyTorch's
+// ZeroRedundancyOptimizer places them: sizes 3, 4 and 3 make runs of 4 and 6 elements (cut
+// evenly in the optimizer's order they made 7 and 3), laid out in another order than the
+// optimizer's. Three steps equal plain data parallel's Adafactor.
+TEST_F(Zero, AdafactorPlacesTheLargestParameterFirst) {
+  struct Three : mt::Module {
+    mt::Tensor a, b, c;
+    Three() {
+      a = register_parameter("a", mt::full({3}, 0.5));
+      b = register_parameter("b", mt::full({2, 2}, -0.25));
+      c = register_parameter("c", mt::full({3}, 0.75));
+    }
+  };
+  const int rank = mt::dist::rank();
+  auto train_three = [&](bool zero) {
+    Three net;
+    mt::dist::DataParallel ddp(net);
+    std::unique_ptr<mt::Optimizer> opt = make_optimizer(Rule::adafactor, zero, net.parameters());
+    if (zero) {
+      const mt::dist::ZeroShards& shards = dynamic_cast<mt::dist::ZeroOptimizer&>(*opt).shards();
+      EXPECT_EQ(shards.groups().at(0).shard, 6);
+      EXPECT_EQ(shards.held(1).second - shards.held(1).first, rank == 0 ? 4 : 0) << "b";
+      EXPECT_EQ(shards.held(0).second - shards.held(0).first, rank == 1 ? 3 : 0) << "a";
+      EXPECT_EQ(shards.held(2).second - shards.held(2).first, rank == 1 ? 3 : 0) << "c";
+    }
+    for (int s = 0; s < 3; ++s) {
+      opt->zero_grad();
+      mt::Tensor loss = mt::sum(mt::square(net.a * (rank + 1.0))) + mt::sum(net.b * net.b * net.b) +
+                        mt::sum(net.c * (s + 1.0));
+      loss.backward();
+      opt->step();
+    }
+    return flat_parameters(net);
+  };
+  std::vector<float> zero = train_three(true), plain = train_three(false);
+  EXPECT_NE(zero.front(), 0.5f) << "the steps moved a";
+  EXPECT_NE(zero.back(), 0.75f) << "the steps moved c";
+  EXPECT_LE(worst_difference(zero, plain), 1e-6);
 }
 
 // Zero-element parameters under whole-parameter shards: one placed after the last rank's full
@@ -707,10 +760,17 @@ TEST_F(Zero, ShardedCheckpointsMoveBetweenWorldSizesAsShards) {
   EXPECT_LE(worst_difference(one.params, uninterrupted.params), 1e-5);
 
   const std::string one_file = job_file("resharded_one_file");
-  if (mt::dist::rank() == 0) as_one_process_save(dir, one_file);
+  if (mt::dist::rank() == 0) all_in_the_first_file(dir, one_file, 1);
   barrier();
   Outcome two = train({.first_step = 10, .load = one_file, .sharded = true});
   EXPECT_EQ(two.params, uninterrupted.params) << "the same state, cut again, resumes bit for bit";
+  // At the same world size, a save cut otherwise than this run's ZeRO cuts it: each process
+  // takes its shards from the files as at another world size.
+  const std::string other_cut = job_file("resharded_other_cut");
+  if (mt::dist::rank() == 0) all_in_the_first_file(dir, other_cut, 2);
+  barrier();
+  Outcome recut = train({.first_step = 10, .load = other_cut, .sharded = true});
+  EXPECT_EQ(recut.params, uninterrupted.params) << "the same state, in other files";
 
   const std::string single = job_file("resharded_from_one");
   job_file("resharded_from_one_rank1");  // rank 1's own one-process save, which nothing reads
