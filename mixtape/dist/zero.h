@@ -33,9 +33,9 @@ class LocalGradients;
 ///
 /// For a rule that needs whole parameters (Adafactor's factored statistics of a matrix), the
 /// shards are of whole parameters instead, as PyTorch's ZeroRedundancyOptimizer partitions them:
-/// each dtype's parameters, in order, go to the processes in runs of about 1/N of the elements
-/// (a parameter to the process where its first element falls), each process's run padded at its
-/// end to the longest run; the buffer, reductions and gathers are the same.
+/// each dtype's parameters, the largest first, go to the process holding the fewest elements so
+/// far, each process's run (in the optimizer's order) padded at its end to the longest run; the
+/// buffer, reductions and gathers are the same.
 class ZeroShards {
  public:
   /// Every process must pass the same parameters (dtypes and sizes; an mt::Error on every
