@@ -3,7 +3,8 @@
 # mpirun: rank 0 alone prints one JSON line with "world_size": 2, and two processes at batch 6
 # train the model one process trains at batch 12 (each rank's windows are its share of the same
 # shuffled batch), so the evaluated losses agree to f32 reduction-order rounding; rank 0 alone
-# writes --logdir's event file and --export's artifacts.
+# writes --logdir's event file and --export's artifacts, while the others make the same collectives
+# (MIXTAPE_DIST_DEBUG checks each against the other process's: rank 0's logging nodes make none).
 # Usage: char_gpt_distributed_test.sh CHAR_GPT MPIRUN
 set -euo pipefail
 bin="$1"
@@ -14,8 +15,8 @@ trap 'rm -rf "$work"' EXIT
 source "$(dirname "$0")/checks.sh"
 
 small=(--json --steps 20 --layers 1 --heads 2 --width 32 --context 16 --sample 10 --seed 3)
-out=$("${mpirun[@]}" "$bin" --distributed --batch 6 "${small[@]}" --logdir "$work/runs" \
-  --export "$work/export")
+out=$("${mpirun[@]}" -x MIXTAPE_DIST_DEBUG=1 "$bin" --distributed --batch 6 "${small[@]}" \
+  --logdir "$work/runs" --export "$work/export")
 events=$(find "$work/runs" -name 'events.out.tfevents.*' -size +0 | wc -l)
 check "$events == 1" "one event file, rank 0's ($events)"
 for f in libchar_gpt.so char_gpt.json; do
