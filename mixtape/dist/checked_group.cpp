@@ -3,7 +3,6 @@
 #include "mixtape/dist/checked_group.h"
 
 #include <atomic>
-#include <cstring>
 #include <string>
 #include <vector>
 
@@ -19,9 +18,8 @@ enum class Kind : int64_t { all_to_all = 1, all_gather = 2, broadcast = 3 };
 // from each), so that every process can check every pair and all reach the same verdict.
 struct Call {
   Kind kind{};
-  int64_t number = 0;  // collectives made through this group before it
-  int64_t bytes = 0;   // sent (all_gather) or broadcast
-  int64_t root = -1;   // broadcast
+  int64_t bytes = 0;  // sent (all_gather) or broadcast
+  int64_t root = -1;  // broadcast
   std::vector<int64_t> sends, receives;
 };
 
@@ -50,85 +48,72 @@ class CheckedGroup : public ProcessGroup {
   void all_to_all(const std::byte* send, std::span<const int64_t> send_count,
                   std::span<const int64_t> send_at, std::byte* recv,
                   std::span<const int64_t> recv_count, std::span<const int64_t> recv_at) override {
-    Call call{Kind::all_to_all,
-              0,
-              0,
-              -1,
-              {send_count.begin(), send_count.end()},
-              {recv_count.begin(), recv_count.end()}};
-    check(call);
+    check({Kind::all_to_all,
+           0,
+           -1,
+           {send_count.begin(), send_count.end()},
+           {recv_count.begin(), recv_count.end()}});
     inner_->all_to_all(send, send_count, send_at, recv, recv_count, recv_at);
   }
   void all_gather(const std::byte* send, int64_t count, std::byte* recv,
                   std::span<const int64_t> counts, std::span<const int64_t> at) override {
-    Call call{Kind::all_gather, 0, count, -1, {}, {counts.begin(), counts.end()}};
-    check(call);
+    check({Kind::all_gather, count, -1, {}, {counts.begin(), counts.end()}});
     inner_->all_gather(send, count, recv, counts, at);
   }
   void broadcast(std::byte* data, int64_t count, int root) override {
-    check(Call{Kind::broadcast, 0, count, root, {}, {}});
+    check({Kind::broadcast, count, root, {}, {}});
     inner_->broadcast(data, count, root);
   }
 
  private:
-  // Every process's call, gathered, then the same checks on every process.
+  // Every process's call, gathered, then the same checks on every process. The processes count
+  // their collectives alike (one gather each), so the number only names the call.
   void check(Call call) {
-    const int n = size();
-    call.number = made_++;
-    call.sends.resize(static_cast<size_t>(n), 0);
-    call.receives.resize(static_cast<size_t>(n), 0);
-    const size_t words = 4 + 2 * static_cast<size_t>(n);
-    std::vector<int64_t> mine{static_cast<int64_t>(call.kind), call.number, call.bytes, call.root};
+    const int64_t number = made_++;
+    const auto n = static_cast<size_t>(size());
+    call.sends.resize(n, 0);
+    call.receives.resize(n, 0);
+    std::vector<int64_t> mine{static_cast<int64_t>(call.kind), call.bytes, call.root};
     mine.insert(mine.end(), call.sends.begin(), call.sends.end());
     mine.insert(mine.end(), call.receives.begin(), call.receives.end());
-    std::vector<int64_t> all(words * static_cast<size_t>(n));
+    const size_t words = mine.size();  // 3 + 2n
     const auto record = static_cast<int64_t>(words * sizeof(int64_t));
-    std::vector<int64_t> counts(static_cast<size_t>(n), record), at(static_cast<size_t>(n));
-    for (int q = 0; q < n; ++q) at[static_cast<size_t>(q)] = q * record;
+    std::vector<int64_t> all(words * n), counts(n, record), at(n);
+    for (size_t q = 0; q < n; ++q) at[q] = static_cast<int64_t>(q) * record;
     inner_->all_gather(reinterpret_cast<const std::byte*>(mine.data()), record,
                        reinterpret_cast<std::byte*>(all.data()), counts, at);
-    std::vector<Call> calls(static_cast<size_t>(n));
-    for (int q = 0; q < n; ++q) {
-      const int64_t* w = all.data() + static_cast<size_t>(q) * words;
-      Call& c = calls[static_cast<size_t>(q)];
-      c.kind = static_cast<Kind>(w[0]), c.number = w[1], c.bytes = w[2], c.root = w[3];
-      c.sends.assign(w + 4, w + 4 + n);
-      c.receives.assign(w + 4 + n, w + 4 + 2 * n);
+    std::vector<Call> calls(n);
+    for (size_t q = 0; q < n; ++q) {
+      const int64_t* w = all.data() + q * words;
+      calls[q] = {
+          static_cast<Kind>(w[0]), w[1], w[2], {w + 3, w + 3 + n}, {w + 3 + n, w + 3 + 2 * n}};
     }
-    auto differ = [&](int q, int s, const std::string& why) {
+    auto differ = [&](size_t q, size_t s, const std::string& why) {
       fail(
           "dist: collective {} differs between the processes (MIXTAPE_DIST_DEBUG): process {} "
           "calls {}, process {} calls {}{}; every process must make the same collectives in the "
           "same order (was a node that makes one built on some processes only?)",
-          calls[0].number, q, describe(calls[static_cast<size_t>(q)]), s,
-          describe(calls[static_cast<size_t>(s)]), why);
+          number, q, describe(calls[q]), s, describe(calls[s]), why);
     };
-    for (int q = 1; q < n; ++q)
-      if (calls[static_cast<size_t>(q)].kind != calls[0].kind ||
-          calls[static_cast<size_t>(q)].number != calls[0].number)
-        differ(0, q,
-               calls[static_cast<size_t>(q)].number != calls[0].number
-                   ? fmt::format(" (its collective {})", calls[static_cast<size_t>(q)].number)
-                   : "");
-    for (int q = 0; q < n; ++q)
-      for (int s = 0; s < n; ++s) {
-        const Call &from = calls[static_cast<size_t>(q)], &to = calls[static_cast<size_t>(s)];
+    for (size_t q = 1; q < n; ++q)
+      if (calls[q].kind != calls[0].kind) differ(0, q, "");
+    for (size_t q = 0; q < n; ++q)
+      for (size_t s = 0; s < n; ++s) {
+        const Call &from = calls[q], &to = calls[s];
         switch (from.kind) {
           case Kind::broadcast:
             if (from.bytes != to.bytes || from.root != to.root) differ(q, s, "");
             break;
           case Kind::all_gather:
-            if (to.receives[static_cast<size_t>(q)] != from.bytes)
+            if (to.receives[q] != from.bytes)
               differ(q, s,
-                     fmt::format(", which expects {} bytes from process {}",
-                                 to.receives[static_cast<size_t>(q)], q));
+                     fmt::format(", which expects {} bytes from process {}", to.receives[q], q));
             break;
           case Kind::all_to_all:
-            if (from.sends[static_cast<size_t>(s)] != to.receives[static_cast<size_t>(q)])
+            if (from.sends[s] != to.receives[q])
               differ(q, s,
                      fmt::format(": process {} sends {} bytes to process {}, which expects {}", q,
-                                 from.sends[static_cast<size_t>(s)], s,
-                                 to.receives[static_cast<size_t>(q)]));
+                                 from.sends[s], s, to.receives[q]));
             break;
           default:
             differ(q, s, "");

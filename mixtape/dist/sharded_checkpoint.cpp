@@ -48,6 +48,9 @@ std::string parameter_of(const std::string& entry) {
   return entry.substr(kOptimizerPrefix.size(), last - kOptimizerPrefix.size());
 }
 
+// The state's name in an optimizer entry "optimizer.<path>.<state>".
+std::string state_of(const std::string& entry) { return entry.substr(entry.rfind('.') + 1); }
+
 // The optimizer's index of each of its parameters, by module path.
 std::map<std::string, size_t> parameter_indices(const Module& module, const Optimizer& optimizer) {
   std::map<std::string, size_t> index;
@@ -324,6 +327,41 @@ NamedTensors read_all(const std::string& dir, const Index& index) {
   return entries;
 }
 
+// Where sharded entry `name` lies in this run: its parameter (index into the optimizer's) and
+// the elements [first, last) of it this process keeps. `problem` says instead why the entry does
+// not fit the optimizer: of no parameter of it, or of another shape than the optimizer keeps.
+// Only this run's shapes are read, so a hostile shape in the index costs nothing.
+struct HeldPart {
+  size_t param = 0;
+  int64_t first = 0, last = 0;
+  std::string problem;
+};
+HeldPart held_part(const Index& index, const std::string& name, const Pieces& pieces,
+                   const std::map<std::string, size_t>& at, const Optimizer& optimizer,
+                   const ZeroShards& shards) {
+  HeldPart part;
+  auto found = at.find(parameter_of(name));
+  if (found == at.end()) {
+    part.problem = fmt::format(
+        "load_checkpoint_sharded {}: '{}' is the state of no parameter of this optimizer "
+        "(another optimizer's parameters?)",
+        index.path, name);
+    return part;
+  }
+  part.param = found->second;
+  const Shape expected =
+      optimizer.state_shape(state_of(name), optimizer.params()[part.param].shape());
+  if (pieces.shape != expected) {
+    part.problem = fmt::format(
+        "load_checkpoint_sharded {}: '{}' has shape {} in the index, where this run's optimizer "
+        "keeps {}",
+        index.path, name, to_string(pieces.shape), to_string(expected));
+    return part;
+  }
+  std::tie(part.first, part.last) = shards.held_state(part.param, numel(expected));
+  return part;
+}
+
 // A ZeRO optimizer's state at another world size than the save's: the files are read one after
 // another, and of each sharded entry only the elements this process's shard holds are kept (a
 // byte copy, exact), so that a process holds at most one file and its own shards at once, where
@@ -333,34 +371,20 @@ NamedTensors read_all(const std::string& dir, const Index& index) {
 NamedTensors read_held(const std::string& dir, const Index& index, const Module& module,
                        const Optimizer& optimizer, const ZeroShards& shards) {
   const std::map<std::string, size_t> at = parameter_indices(module, optimizer);
-  struct Held {
-    size_t param = 0;
-    int64_t first = 0, last = 0;                       // of the entry's flattened elements
+  struct Held : HeldPart {
     std::map<int, std::pair<int64_t, int64_t>> parts;  // file -> its range
     safetensors::TensorData data;                      // the held elements, filled file by file
     std::set<int> seen;
   };
   std::map<std::string, Held> held;
   for (const auto& [name, pieces] : index.pieces) {
-    auto found = at.find(parameter_of(name));
-    if (found == at.end())
-      fail(
-          "load_checkpoint_sharded {}: '{}' is the state of no parameter of this optimizer "
-          "(another optimizer's parameters?)",
-          index.path, name);
+    // The entry and this process's part of it, checked against this run's optimizer before any
+    // file is read or any byte allocated.
     Held& h = held[name];
-    h.param = found->second;
-    // The entry's shape and this process's part of it, checked against this run's optimizer
-    // before any file is read or any byte allocated.
-    const std::string state = name.substr(name.rfind('.') + 1);
-    const Shape expected = optimizer.state_shape(state, optimizer.params()[h.param].shape());
-    if (pieces.shape != expected)
-      fail(
-          "load_checkpoint_sharded {}: '{}' has shape {} in the index, where this run's optimizer "
-          "keeps {}",
-          index.path, name, to_string(pieces.shape), to_string(expected));
-    std::tie(h.first, h.last) = shards.held_state(h.param, numel(expected));
-    const int64_t local = numel(optimizer.state_shape(state, optimizer.local_shape(h.param)));
+    static_cast<HeldPart&>(h) = held_part(index, name, pieces, at, optimizer, shards);
+    if (!h.problem.empty()) fail("{}", h.problem);
+    const int64_t local =
+        numel(optimizer.state_shape(state_of(name), optimizer.local_shape(h.param)));
     if (local != h.last - h.first)
       fail(
           "load_checkpoint_sharded {}: '{}' is not sharded as this run's optimizer shards it "
@@ -415,8 +439,7 @@ NamedTensors read_held(const std::string& dir, const Index& index, const Module&
     // Every part read, which cover the entry (covering_parts) of the shape whose range
     // [first, last) this process holds: every held byte was copied.
     if (h.first == h.last) continue;  // none of it here: no entry, as take_shards gives none
-    h.data.shape =
-        optimizer.state_shape(name.substr(name.rfind('.') + 1), optimizer.local_shape(h.param));
+    h.data.shape = optimizer.state_shape(state_of(name), optimizer.local_shape(h.param));
     mine.push_back(std::move(h.data));
   }
   for (auto& entry : tensors_of(std::move(mine))) entries.push_back(std::move(entry));
@@ -431,19 +454,15 @@ bool cut_as_saved(const Index& index, const Module& module, const Optimizer& opt
   const int rank = process_rank();
   const std::map<std::string, size_t> at = parameter_indices(module, optimizer);
   for (const auto& [name, pieces] : index.pieces) {
-    auto found = at.find(parameter_of(name));
-    if (found == at.end()) return false;
-    const Shape expected = optimizer.state_shape(name.substr(name.rfind('.') + 1),
-                                                 optimizer.params()[found->second].shape());
-    if (pieces.shape != expected) return false;
-    const auto [first, last] = shards.held_state(found->second, numel(expected));
+    const HeldPart part = held_part(index, name, pieces, at, optimizer, shards);
+    if (!part.problem.empty()) return false;
     bool in_my_file = false;
     for (const auto& [file, begin, end] : pieces.parts)
       if (file == rank) {
-        if (in_my_file || begin != first || end != last) return false;
+        if (in_my_file || begin != part.first || end != part.last) return false;
         in_my_file = true;
       }
-    if (!in_my_file && first != last) return false;
+    if (!in_my_file && part.first != part.last) return false;
   }
   return true;
 }

@@ -160,6 +160,9 @@ void ZeroShards::place_whole_tensors(Group& g) {
     place.begin = at;
     at = place.end;
   }
+  // The members in the buffer's order, as the flat layout has them.
+  std::stable_sort(g.members.begin(), g.members.end(),
+                   [&](size_t x, size_t y) { return places_[x].begin < places_[y].begin; });
 }
 
 std::pair<int64_t, int64_t> ZeroShards::held(size_t i) const {
@@ -261,16 +264,9 @@ void ZeroShards::reduce(LeafGradients& gradients) const {
   for (const Group& group : groups_) {
     // In the buffer's layout: the padding at the end, or at the end of each shard (whole
     // tensors).
-    // Whole tensors are laid out by size (place_whole_tensors), so the members are taken in
-    // the order of their places.
-    std::vector<size_t> in_buffer = group.members;
-    std::sort(in_buffer.begin(), in_buffer.end(), [&](size_t x, size_t y) {
-      return std::pair(places_[x].begin, places_[x].end) <
-             std::pair(places_[y].begin, places_[y].end);
-    });
     std::vector<Tensor> flat;
     int64_t at = 0;
-    for (size_t i : in_buffer) {
+    for (size_t i : group.members) {
       const Tensor& g = gradients[slot[i]].second;
       if (places_[i].begin > at) flat.push_back(zeros({places_[i].begin - at}, group.dtype));
       flat.push_back(reshape(g.dtype() == group.dtype ? g : cast(g, group.dtype), {-1}));

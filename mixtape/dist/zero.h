@@ -45,7 +45,8 @@ class ZeroShards {
   ZeroShards(const ZeroShards&) = delete;
   ZeroShards& operator=(const ZeroShards&) = delete;
 
-  /// The parameters of one dtype, flattened: `members` are indices into the parameter list.
+  /// The parameters of one dtype, flattened: `members` are indices into the parameter list, in
+  /// the order of their places in the buffer (the optimizer's order in the flat layout).
   struct Group {
     DType dtype = f32;
     std::vector<size_t> members;

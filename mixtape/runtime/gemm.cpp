@@ -110,12 +110,11 @@ constexpr double kAmxSingleThreadMaxFlops = double{1 << 24};
 // Per thread, so that concurrent calls never share a buffer and need no lock.
 struct ThreadScratch {
   ScratchBuffer a, b, bias, result, onednn, partials;
-  // While a product runs in row pieces (run_in_chunks), which all read the same b: the b whose
-  // f32 copy `b` holds (nullptr: none yet) and that copy's row stride, so that each piece does
-  // not widen it again.
-  bool pieces_share_b = false;
-  const void* b_copy_of = nullptr;
-  int64_t b_copy_stride = 0;
+  // While a product runs in row pieces (run_in_chunks), which all read the same b: that b
+  // (nullptr otherwise) and the row stride of its f32 copy in `b` (-1: not made yet), so that
+  // each piece does not widen it again.
+  const void* shared_b = nullptr;
+  int64_t shared_b_stride = -1;
   void trim() {
     for (ScratchBuffer* buffer : {&a, &b, &bias, &result, &onednn, &partials}) buffer->trim();
   }
@@ -746,12 +745,12 @@ std::optional<int64_t> result_chunk(const GemmDesc& d, const Choice& choice) {
 const void* shared_b_operand(const GemmDesc& d, const Choice& choice, const void* b,
                              ThreadScratch& scratch) {
   const StoredRows rows = stored_b(d);
-  if (scratch.pieces_share_b && scratch.b_copy_of == b &&
-      scratch.b_copy_stride == choice.b_row_stride)
+  const bool shared = scratch.shared_b == b;
+  if (shared && scratch.shared_b_stride == choice.b_row_stride)
     return scratch.b.get<float>(rows.rows *
                                 (choice.b_row_stride > 0 ? choice.b_row_stride : rows.cols));
   const float* copy = f32_operand(d.operand, b, rows, choice.b_row_stride, scratch.b);
-  if (scratch.pieces_share_b) scratch.b_copy_of = b, scratch.b_copy_stride = choice.b_row_stride;
+  if (shared) scratch.shared_b_stride = choice.b_row_stride;
   return copy;
 }
 
@@ -761,11 +760,11 @@ void run_in_chunks(const GemmDesc& d, const Choice& whole, int64_t chunk, const 
                    const void* b, void* out, const void* bias) {
   struct SharedB {
     ThreadScratch& scratch;
-    explicit SharedB(ThreadScratch& s, bool share) : scratch(s) {
-      scratch.pieces_share_b = share, scratch.b_copy_of = nullptr;
+    SharedB(ThreadScratch& s, const void* b) : scratch(s) {
+      scratch.shared_b = b, scratch.shared_b_stride = -1;
     }
-    ~SharedB() { scratch.pieces_share_b = false, scratch.b_copy_of = nullptr; }
-  } sharing(thread_scratch(), d.batch == 1);
+    ~SharedB() { scratch.shared_b = nullptr, scratch.shared_b_stride = -1; }
+  } sharing(thread_scratch(), d.batch == 1 ? b : nullptr);
   const int64_t operand_size = static_cast<int64_t>(size_of(d.operand));
   const int64_t out_size = static_cast<int64_t>(size_of(d.out));
   const bool by_entry = d.batch > 1;
