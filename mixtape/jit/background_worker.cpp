@@ -3,10 +3,10 @@
 
 #include <pthread.h>
 #include <sched.h>
-#include <unistd.h>
 
-#include <atomic>
+#include <algorithm>
 #include <cstdlib>
+#include <new>
 #include <vector>
 
 namespace mixtape {
@@ -34,6 +34,52 @@ void stop_all_at_exit() {
 
 }  // namespace
 
+// pthread_atfork's handlers, over every started worker. The registry's lock is held across the
+// fork as well, so that no worker starts or ends meanwhile.
+struct WorkerForkHandlers {
+  static void before() {
+    registry_mutex().lock();
+    for (BackgroundWorker* worker : registry()) worker->before_fork();
+  }
+  static void in_parent() {
+    for (BackgroundWorker* worker : registry()) worker->after_fork_in_parent();
+    registry_mutex().unlock();
+  }
+  static void in_child() {
+    for (BackgroundWorker* worker : registry()) worker->after_fork_in_child();
+    registry_mutex().unlock();
+  }
+};
+
+void BackgroundWorker::before_fork() {
+  std::unique_lock lock(mutex_);
+  forking_ = true;
+  done_.wait(lock, [&] { return running_ == 0; });
+  lock.release();  // held until the fork is done
+}
+
+void BackgroundWorker::after_fork_in_parent() {
+  forking_ = false;
+  mutex_.unlock();
+  wake_.notify_all();
+}
+
+// The only thread is the one that forked, which holds the lock. The threads' handles name threads
+// of the parent: they are set aside, never joined (a joinable std::thread must not be destroyed).
+// The condition variables are made anew: the parent's threads were waiting on them, and those
+// waiters are in their state but gone. Holds belong to threads that are gone too (the forking
+// thread, in fork(), holds none).
+void BackgroundWorker::after_fork_in_child() {
+  static auto* parents_threads = new std::vector<std::thread>;  // reachable, never destroyed
+  for (std::thread* thread : {&idle_thread_, &patient_thread_})
+    if (thread->joinable()) parents_threads->push_back(std::move(*thread));
+  new (&wake_) std::condition_variable;
+  new (&done_) std::condition_variable;
+  holds_ = 0;
+  forking_ = false;
+  mutex_.unlock();
+}
+
 BackgroundWorker::~BackgroundWorker() {
   stop();
   std::lock_guard lock(registry_mutex());
@@ -49,14 +95,24 @@ bool BackgroundWorker::post(Job job, Job on_drop, bool at_once) {
     queue_.push_back({std::move(job), std::move(on_drop),
                       Clock::now() - (at_once ? patience_ : Clock::duration())});
     start = !patient_thread_.joinable();
-    if (start) owner_pid_ = ::getpid();
   }
   if (start) {
+    // A forked child's copy starts threads again, and is registered already.
+    bool registered = false;
     {
       std::lock_guard lock(registry_mutex());
-      registry().push_back(this);
+      registered = std::ranges::find(registry(), this) != registry().end();
+      if (!registered) registry().push_back(this);
     }
-    std::atexit(stop_all_at_exit);
+    if (!registered) {
+      static const bool handlers = [] {
+        pthread_atfork(WorkerForkHandlers::before, WorkerForkHandlers::in_parent,
+                       WorkerForkHandlers::in_child);
+        return true;
+      }();
+      (void)handlers;
+      std::atexit(stop_all_at_exit);
+    }
     std::lock_guard lock(mutex_);
     if (use_idle_thread_) idle_thread_ = std::thread([this] { run(true); });
     patient_thread_ = std::thread([this] { run(false); });
@@ -82,7 +138,7 @@ void BackgroundWorker::run(bool idle) {
   }
   std::unique_lock lock(mutex_);
   for (;;) {
-    wake_.wait(lock, [&] { return stopping_ || (!queue_.empty() && holds_ == 0); });
+    wake_.wait(lock, [&] { return stopping_ || (!queue_.empty() && holds_ == 0 && !forking_); });
     if (stopping_) break;
     // Quiet after the last hold; for the patient thread, the first job's patience spent too.
     Clock::time_point from = quiet_from_;
@@ -110,7 +166,6 @@ void BackgroundWorker::run_front(std::unique_lock<std::mutex>& lock) {
 
 void BackgroundWorker::drain() {
   std::unique_lock lock(mutex_);
-  if (owner_pid_ != ::getpid()) return;
   // The caller runs what is queued, at its own priority, and waits for what the threads run.
   while (!stopping_ && !queue_.empty()) run_front(lock);
   done_.wait(lock, [&] { return running_ == 0; });
@@ -123,16 +178,6 @@ void BackgroundWorker::stop() {
     std::lock_guard lock(mutex_);
     stopping_ = true;
     dropped.swap(queue_);
-    // A forked child has the object but not the threads: nothing to join, and the handles name
-    // threads of the parent, so they are left alone (a joinable std::thread must not be
-    // destroyed). Nor is there anything to wait for, on this call or a later one: running_
-    // counts the parent's jobs, which no thread of the child will finish.
-    if (owner_pid_ != 0 && owner_pid_ != ::getpid()) {
-      static auto* parents_threads = new std::vector<std::thread>;  // reachable, never destroyed
-      for (std::thread* thread : {&idle_thread_, &patient_thread_})
-        if (thread->joinable()) parents_threads->push_back(std::move(*thread));
-      return;
-    }
     idle = std::move(idle_thread_);
     patient = std::move(patient_thread_);
   }

@@ -1,6 +1,7 @@
 // mixtape/jit/background_worker.h -- threads that run queued jobs in the background: on idle CPU
 // time first, at normal priority once a job has waited long enough; held back while foreground work
-// runs, and drained and joined before static destruction when the process exits.
+// runs, drained and joined before static destruction when the process exits, and quiet across
+// fork().
 #pragma once
 
 #include <chrono>
@@ -32,8 +33,13 @@ namespace mixtape {
 /// worker (stop(): the running jobs finish, the queued ones are dropped, each with its on_drop),
 /// so that exit waits for at most the jobs under way. The caller makes sure that the statics its
 /// jobs use exist before the first post() (jit/llvm_jit.cpp tiers up a kernel of its own before
-/// its first post() for that reason). In a child made by fork(), which has no such threads, the
-/// handler does nothing.
+/// its first post() for that reason).
+///
+/// fork(): no job runs across it. A job holds locks (the JIT's and LLVM's, and under ASan the
+/// allocator's) that a child made meanwhile would wait on forever, since the thread that held them
+/// is not copied. The first post() registers fork handlers: before the fork each worker lets its
+/// running jobs end and starts no other, then holds its lock until the fork is done. The child's
+/// copy has no threads: it starts threads of its own at its next post(), and runs what was queued.
 class BackgroundWorker {
  public:
   using Job = std::function<void()>;
@@ -96,7 +102,13 @@ class BackgroundWorker {
   int holds_ = 0;
   Clock::time_point quiet_from_{};  // the end of the last hold + quiet_period
   std::thread idle_thread_, patient_thread_;
-  int owner_pid_ = 0;  // the process that started the threads
+  bool forking_ = false;  // a fork() is under way: no job starts
+
+  // The fork handlers' parts (background_worker.cpp registers them).
+  void before_fork();
+  void after_fork_in_parent();
+  void after_fork_in_child();
+  friend struct WorkerForkHandlers;
 };
 
 }  // namespace mixtape
