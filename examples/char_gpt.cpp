@@ -46,6 +46,7 @@ struct Options : examples::TrainingFlags {
   std::string prompt = "\n";
   std::string export_dir;    // --export: the trained model as a C library (examples/deploy/)
   bool distributed = false;  // --distributed: data parallel over mpirun's processes
+  bool zero = false;         // --zero: ZeRO-1, AdamW's state sharded over the processes
 };
 
 // What --export writes: the artifact char_gpt (logits f32 [batch, context, vocab] for tokens i64
@@ -101,8 +102,12 @@ Options parse(int argc, char** argv) {
   app.add_option("--export", o.export_dir, "export the trained model as a C library into DIR")
       ->type_name("DIR");
   examples::add_distributed(app, o.distributed);
+  app.add_flag("--zero", o.zero,
+               "with --distributed: ZeRO stage 1, each process keeps and updates its share of "
+               "AdamW's state (mt::dist::ZeroAdamW)");
   examples::add_training_flags(app, o);
   examples::parse(app, argc, argv);
+  if (o.zero && !o.distributed) examples::usage_error("char_gpt", "--zero needs --distributed");
   if (o.model.width % o.model.heads != 0)
     examples::usage_error("char_gpt", "--width must be a positive multiple of --heads");
   if (o.warmup < 0) o.warmup = std::min<int64_t>(100, o.steps / 10);
@@ -219,8 +224,15 @@ int run(const Options& o) {
   for (const mt::Tensor& p : model.parameters()) parameter_count += p.numel();
 
   auto [decayed, not_decayed] = model.decay_groups();
-  mt::AdamW decay_optimizer(decayed, {.lr = o.lr, .beta2 = 0.99, .weight_decay = o.weight_decay});
-  mt::AdamW plain_optimizer(not_decayed, {.lr = o.lr, .beta2 = 0.99, .weight_decay = 0.0});
+  auto adamw = [&](const std::vector<mt::Tensor>& params,
+                   double weight_decay) -> std::unique_ptr<mt::Optimizer> {
+    mt::AdamOptions options{.lr = o.lr, .beta2 = 0.99, .weight_decay = weight_decay};
+    if (o.zero) return std::make_unique<mt::dist::ZeroAdamW>(params, options);
+    return std::make_unique<mt::AdamW>(params, options);
+  };
+  std::unique_ptr<mt::Optimizer> decay_holder = adamw(decayed, o.weight_decay);
+  std::unique_ptr<mt::Optimizer> plain_holder = adamw(not_decayed, 0.0);
+  mt::Optimizer &decay_optimizer = *decay_holder, &plain_optimizer = *plain_holder;
   std::unique_ptr<mt::LRSchedule> schedule;
   if (o.schedule == "cosine")
     schedule = std::make_unique<mt::CosineWithWarmup>(o.lr, o.warmup, o.steps, o.lr / 10);
@@ -245,9 +257,10 @@ int run(const Options& o) {
   using Clock = std::chrono::steady_clock;
   double train_seconds = 0, train_loss = 0, val_loss = 0, last_batch_loss = 0;
   examples::ProgressLine progress(o.steps, o.json_only);
-  // Rank 0 alone writes the event file and exports (--distributed).
+  // Rank 0 alone exports (--distributed). Every rank logs, and rank 0's writer alone writes a
+  // file: under ZeRO the gradients' norm and health are collectives (summary_writer.h).
   const bool root = mt::dist::rank() == 0;
-  std::unique_ptr<mt::SummaryWriter> writer = examples::open_logdir(root ? o.logdir : "");
+  std::unique_ptr<mt::SummaryWriter> writer = examples::open_logdir(o.logdir);
   // gradient_health reads every gradient on the host: a few dozen times a run.
   int64_t health_every = std::max<int64_t>(1, o.steps / 30);
   // One training step as a function of the batch, so that mt::compile replays it (unless
@@ -360,6 +373,7 @@ int run(const Options& o) {
                               {"vocab", config.vocab},
                               {"parameters", parameter_count},
                               {"checkpoint", o.checkpoint},
+                              {"zero", o.zero},
                               {"train_seconds", train_seconds}};
   examples::print_json_line(std::move(line), scaler, o.compile, compiled_step.stats(),
                             o.distributed);

@@ -109,8 +109,8 @@ inline mt::GradScalerOptions scaler_options(const std::string& loss_scale) {
 }
 
 /// --distributed: data parallel over the processes mpirun started (--batch per process). Rank 0
-/// alone prints, logs (--logdir: its own share of each batch's loss, as DDP scripts log) and
-/// exports (--export: the trained model, and a training step of one process).
+/// alone prints, writes the log (--logdir: its own share of each batch's loss, as DDP scripts log)
+/// and exports (--export: the trained model, and a training step of one process).
 inline void add_distributed(CLI::App& app, bool& distributed) {
   app.add_flag("--distributed", distributed,
                "data parallel over the processes mpirun started (--batch per process)");

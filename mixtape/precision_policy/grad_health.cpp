@@ -9,6 +9,7 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/half.h"
 #include "mixtape/dsl/json.h"
+#include "mixtape/dsl/process_group.h"
 
 namespace mixtape {
 namespace {
@@ -123,9 +124,54 @@ std::string table_line(const GradientHealthRow& row, const std::string& shape,
       percent(row.bf16.subnormal, row.bf16_subnormal_fraction()), row.nonfinite);
 }
 
-}  // namespace
+// A process's figures of one sharded row, as they travel.
+struct RowFigures {
+  int64_t nonzero, nonfinite, f16_zero, f16_subnormal, f16_overflow, bf16_zero, bf16_subnormal,
+      bf16_overflow;
+  double amax;
+};
 
-GradientHealth gradient_health(const NamedTensors& gradients, double scale) {
+// Under ZeRO a process holds its own elements of a sharded gradient and zeros elsewhere. A zero
+// counts for nothing but numel, so the whole gradient's counts are the sums of the processes'
+// and its amax their maximum: one all_gather of every sharded row's figures.
+void combine_over_processes(const std::vector<GradientHealthRow*>& rows) {
+  ProcessGroup* group = process_group();
+  if (!group || group->size() == 1 || rows.empty()) return;
+  std::vector<RowFigures> mine;
+  for (const GradientHealthRow* row : rows)
+    mine.push_back({row->nonzero, row->nonfinite, row->f16.zero, row->f16.subnormal,
+                    row->f16.overflow, row->bf16.zero, row->bf16.subnormal, row->bf16.overflow,
+                    row->amax});
+  const int processes = group->size();
+  const auto bytes = static_cast<int64_t>(mine.size() * sizeof(RowFigures));
+  std::vector<RowFigures> all(mine.size() * static_cast<size_t>(processes));
+  std::vector<int64_t> counts(static_cast<size_t>(processes), bytes), at;
+  for (int r = 0; r < processes; ++r) at.push_back(r * bytes);
+  group->all_gather(reinterpret_cast<const std::byte*>(mine.data()), bytes,
+                    reinterpret_cast<std::byte*>(all.data()), counts, at);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    GradientHealthRow& row = *rows[i];
+    row.nonzero = row.nonfinite = 0;
+    row.f16 = row.bf16 = HalfLoss{};
+    row.amax = 0;
+    for (int r = 0; r < processes; ++r) {
+      const RowFigures& part = all[static_cast<size_t>(r) * rows.size() + i];
+      row.nonzero += part.nonzero;
+      row.nonfinite += part.nonfinite;
+      row.f16.zero += part.f16_zero;
+      row.f16.subnormal += part.f16_subnormal;
+      row.f16.overflow += part.f16_overflow;
+      row.bf16.zero += part.bf16_zero;
+      row.bf16.subnormal += part.bf16_subnormal;
+      row.bf16.overflow += part.bf16_overflow;
+      row.amax = std::max(row.amax, part.amax);
+    }
+  }
+}
+
+// gradient_health of the gradients, the ones `sharded` marks combined over the processes.
+GradientHealth health_of(const NamedTensors& gradients, const std::vector<bool>& sharded,
+                         double scale) {
   if (!(scale > 0) || !std::isfinite(scale))
     fail("gradient_health: the scale must be finite and > 0, got {}", scale);
   std::vector<Tensor> defined;
@@ -135,19 +181,34 @@ GradientHealth gradient_health(const NamedTensors& gradients, double scale) {
   GradientHealth health;
   health.scale = scale;
   health.total.name = "total";
-  for (const auto& [name, grad] : gradients) {
+  std::vector<size_t> sharded_rows;
+  for (size_t i = 0; i < gradients.size(); ++i) {
+    const auto& [name, grad] = gradients[i];
     if (!grad.defined()) continue;
+    if (i < sharded.size() && sharded[i]) sharded_rows.push_back(health.rows.size());
     health.rows.push_back(measure(name, grad, scale));
-    accumulate(health.total, health.rows.back());
   }
+  std::vector<GradientHealthRow*> rows;
+  for (size_t i : sharded_rows) rows.push_back(&health.rows[i]);
+  combine_over_processes(rows);
+  for (const GradientHealthRow& row : health.rows) accumulate(health.total, row);
   return health;
+}
+
+}  // namespace
+
+GradientHealth gradient_health(const NamedTensors& gradients, double scale) {
+  return health_of(gradients, {}, scale);
 }
 
 GradientHealth gradient_health(const Module& model, double scale) {
   NamedTensors gradients;
-  for (const auto& [name, param] : model.named_parameters())
+  std::vector<bool> sharded;
+  for (const auto& [name, param] : model.named_parameters()) {
     gradients.emplace_back(name, param.grad());
-  return gradient_health(gradients, scale);
+    sharded.push_back(gradient_sharded(param.node()->grad_owner.lock().get()));
+  }
+  return health_of(gradients, sharded, scale);
 }
 
 std::string GradientHealth::table() const {

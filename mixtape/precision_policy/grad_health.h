@@ -64,7 +64,10 @@ struct GradientHealth {
 /// Values are judged as they stand: gradients still loss-scaled (before unscale_) show what
 /// storing the scaled values in 16 bits would lose.
 GradientHealth gradient_health(const NamedTensors& gradients, double scale = 1);
-/// The same for every parameter of `model` that has a gradient, named by module path.
+/// The same for every parameter of `model` that has a gradient, named by module path. Under
+/// ZeRO (dist/zero.h), where each process holds its part of a gradient and zeros elsewhere, the
+/// processes' counts are combined into the whole gradient's: a collective then, which every
+/// process calls at the same point.
 GradientHealth gradient_health(const Module& model, double scale = 1);
 
 }  // namespace mixtape

@@ -14,6 +14,7 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/process_group.h"
 #include "mixtape/precision_policy/grad_health.h"
 #include "mixtape/precision_policy/grad_scaler.h"
 #include "mixtape/runtime/atomic_file.h"
@@ -60,11 +61,13 @@ struct SummaryWriter::State {
   }
 
   // Taken out of the buffer first: after a failed write its events are lost, never written twice.
+  // Without a file (a process other than 0), the events are dropped.
   void write_buffer() {
     std::string out = std::move(buffer);
     buffer.clear();
     last_write = now_seconds();
-    if (!out.empty()) write_all(fd, out.data(), out.size(), "summary event file " + path);
+    if (!out.empty() && fd >= 0)
+      write_all(fd, out.data(), out.size(), "summary event file " + path);
   }
 
   void append(int64_t event_step, const std::vector<tfevents::Value>& values) {
@@ -120,6 +123,9 @@ SummaryWriter::SummaryWriter(const std::string& dir, SummaryWriterOptions option
   if (options.fetch_every < 1)
     fail("SummaryWriter: fetch_every must be at least 1, got {}", options.fetch_every);
   state_->options = options;
+  // In a run of many processes, process 0 alone writes; the others log the same values without
+  // a file, so that their collectives stay the ones process 0 makes (summary_writer.h).
+  if (process_rank() != 0) return;
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec || !std::filesystem::is_directory(dir))
@@ -229,7 +235,7 @@ void SummaryWriter::log_gradient_health(const Module& model, int64_t every, doub
 void SummaryWriter::flush() {
   state_->fetch();
   state_->write_buffer();
-  if (::fsync(state_->fd) != 0)
+  if (state_->fd >= 0 && ::fsync(state_->fd) != 0)
     fail("SummaryWriter: cannot sync '{}': {}", state_->path, std::strerror(errno));
 }
 

@@ -40,6 +40,13 @@ struct SummaryWriterOptions {
 ///
 /// Every file write is checked (an mt::Error naming the file); flush() also fsyncs, so what
 /// was flushed survives a crash. Not thread-safe.
+///
+/// In a run of many processes (made after mt::dist::init), process 0 alone writes a file; on
+/// the others the writer makes no file (path() is empty) and drops what it logs. Every process
+/// may make one and make the same calls, which is what keeps their collectives alike where a
+/// logged value needs one: under ZeRO (dist/zero.h), log_grad_norm all-reduces and
+/// log_gradient_health exchanges counts, so every process must log them at the same steps. A
+/// writer on process 0 alone serves a plain data-parallel run.
 class SummaryWriter {
  public:
   explicit SummaryWriter(const std::string& dir, SummaryWriterOptions options = {});
@@ -77,12 +84,12 @@ class SummaryWriter {
   /// "grad_zero_fraction/<name>" (values that are exactly zero), "grad_f16_underflow/<name>"
   /// and "grad_bf16_underflow/<name>" (of the non-zero values, those that round to zero in
   /// that type, at `scale`), and the same with "total" as the name. Call it outside a compiled
-  /// step (it reads values on the host), after backward.
+  /// step (it reads values on the host), after backward. Under ZeRO a collective (see above).
   void log_gradient_health(const Module& model, int64_t every, double scale = 1);
 
   /// Reads every pending graph value, writes it, flushes and fsyncs the file.
   void flush();
-  /// The event file's path.
+  /// The event file's path; empty on a process other than 0 (see above).
   const std::string& path() const;
 
  private:

@@ -3,8 +3,9 @@
 # mpirun: rank 0 alone prints one JSON line with "world_size": 2, and two processes at batch 6
 # train the model one process trains at batch 12 (each rank's windows are its share of the same
 # shuffled batch), so the evaluated losses agree to f32 reduction-order rounding; rank 0 alone
-# writes --logdir's event file and --export's artifacts, while the others make the same collectives
-# (MIXTAPE_DIST_DEBUG checks each against the other process's: rank 0's logging nodes make none).
+# writes --logdir's event file and --export's artifacts, while the others log the same values
+# without a file and make the same collectives (MIXTAPE_DIST_DEBUG checks each against the other
+# process's); --zero (ZeroAdamW) trains the same model.
 # Usage: char_gpt_distributed_test.sh CHAR_GPT MPIRUN
 set -euo pipefail
 bin="$1"
@@ -33,3 +34,22 @@ for loss in train_loss val_loss; do
   a=$(field $loss "$two") b=$(field $loss "$one")
   check "abs($a - $b) <= 1e-4 * abs($b)" "$loss at 2 x 6 equals 1 x 12 ($a vs $b)"
 done
+
+# --zero: AdamW's state sharded (ZeRO-1). Every rank logs, rank 0's writer alone writes: the
+# gradients' norm (all-reduced under ZeRO) and health (counts exchanged) are collectives, which
+# MIXTAPE_DIST_DEBUG checks the ranks make alike.
+zero=$("${mpirun[@]}" -x MIXTAPE_DIST_DEBUG=1 "$bin" --distributed --zero --batch 6 "${small[@]}" \
+  --logdir "$work/zero_runs" | grep '"example"')
+echo "$zero"
+events=$(find "$work/zero_runs" -name 'events.out.tfevents.*' | wc -l)
+check "$events == 1" "--zero: one event file, rank 0's ($events)"
+check "'$(field zero "$zero")' == 'True'" "the JSON line says zero"
+for loss in train_loss val_loss; do
+  a=$(field $loss "$zero") b=$(field $loss "$one")
+  check "abs($a - $b) <= 1e-4 * abs($b)" "--zero: $loss at 2 x 6 equals 1 x 12 ($a vs $b)"
+done
+set +e
+OMP_NUM_THREADS=1 "$bin" --zero "${small[@]}" 2>"$work/usage"
+status=$?
+set -e
+check "$status == 2" "--zero without --distributed is a usage error ($(cat "$work/usage"))"

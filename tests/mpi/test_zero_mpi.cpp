@@ -430,6 +430,78 @@ std::string job_file(const std::string& name) {
   return job_files().back();
 }
 
+// One step's gradient health and logs, ZeRO's or plain data parallel's: each rank a
+// SummaryWriter into `dir`, logging the gradients' norm and health as every rank must under ZeRO.
+// `local`: fc1.weight's gradient as this rank holds it, through the overload that combines nothing.
+mt::GradientHealth logged_step(bool zero, const std::string& dir, std::string& path,
+                               mt::GradientHealth& local) {
+  mt::manual_seed(7);
+  Net net;
+  mt::dist::DataParallel ddp(net);
+  std::unique_ptr<mt::Optimizer> opt = make_optimizer(Rule::adamw, zero, net.parameters());
+  mt::SummaryWriter writer(dir);
+  path = writer.path();
+  writer.set_step(1);
+  auto [x, y] = batch(0, mt::dist::rank() * kBatch, kBatch);
+  opt->zero_grad();
+  mt::cross_entropy(net(x), y).backward();
+  writer.log_grad_norm(net.parameters());
+  writer.log_gradient_health(net, 1);
+  // At 1e-4 the gradients' values fall where f16 is subnormal or zero: every count is in play.
+  local = mt::gradient_health(mt::NamedTensors{{"fc1.weight", net.fc1.weight.grad()}}, 1e-4);
+  return mt::gradient_health(net, 1e-4);
+}
+
+// Under ZeRO a rank holds its part of each gradient and zeros elsewhere; gradient_health adds
+// the ranks' counts up to the whole gradient's, as plain data parallel (every rank the whole
+// reduced gradient, the same bits) counts them. A SummaryWriter on each rank writes one file,
+// rank 0's: the other's makes none, and its logging makes the collectives rank 0's does.
+TEST_F(Zero, GradientHealthCountsTheWholeGradientsAndRankZeroAloneWritesTheLog) {
+  const std::string zero_dir = job_file("logs_zero"), plain_dir = job_file("logs_plain");
+  std::string zero_path, plain_path;
+  mt::GradientHealth zero_local, plain_local;
+  mt::GradientHealth zero = logged_step(true, zero_dir, zero_path, zero_local);
+  mt::GradientHealth plain = logged_step(false, plain_dir, plain_path, plain_local);
+  ASSERT_EQ(zero.rows.size(), plain.rows.size());
+  std::vector<mt::GradientHealthRow> rows = zero.rows, expected = plain.rows;
+  rows.push_back(zero.total);
+  expected.push_back(plain.total);
+  for (size_t i = 0; i < rows.size(); ++i) {
+    const mt::GradientHealthRow &got = rows[i], &want = expected[i];
+    SCOPED_TRACE(want.name);
+    EXPECT_EQ(got.numel, want.numel);
+    EXPECT_EQ(got.nonzero, want.nonzero);
+    EXPECT_EQ(got.nonfinite, want.nonfinite);
+    EXPECT_EQ(got.amax, want.amax);
+    for (auto [a, b] : {std::pair{got.f16, want.f16}, std::pair{got.bf16, want.bf16}}) {
+      EXPECT_EQ(a.zero, b.zero);
+      EXPECT_EQ(a.subnormal, b.subnormal);
+      EXPECT_EQ(a.overflow, b.overflow);
+    }
+  }
+  EXPECT_GT(plain.total.f16.zero, 0) << "the scale puts some values below f16's range";
+  EXPECT_GT(plain.total.f16.subnormal, 0);
+  // Each rank holds a part of fc1.weight (rank 0 its first 1107 of 2048 elements): its own
+  // count is not the whole one, which plain data parallel's rank holds.
+  auto fc1 = std::ranges::find(plain.rows, "fc1.weight", &mt::GradientHealthRow::name);
+  ASSERT_NE(fc1, plain.rows.end());
+  EXPECT_EQ(plain_local.total.nonzero, fc1->nonzero);
+  EXPECT_LT(zero_local.total.nonzero, fc1->nonzero);
+  EXPECT_GT(zero_local.total.nonzero, 0);
+  if (mt::dist::rank() == 1) {
+    EXPECT_EQ(zero_path, "");
+    EXPECT_EQ(plain_path, "");
+  } else {
+    EXPECT_NE(zero_path, "");
+  }
+  mt::all_reduce(mt::scalar(1.0, mt::f64)).item();  // both writers are gone
+  for (const std::string& dir : {zero_dir, plain_dir}) {
+    auto files = std::distance(std::filesystem::directory_iterator(dir),
+                               std::filesystem::directory_iterator());
+    EXPECT_EQ(files, 1) << dir;
+  }
+}
+
 TEST_F(Zero, EachRankKeepsHalfTheOptimizerState) {
   auto [plain_estimate, plain] = state_bytes(false);
   auto [zero_estimate, zero] = state_bytes(true);
