@@ -24,7 +24,8 @@ namespace mt = mixtape;
 namespace {
 
 constexpr const char* kUsage =
-    "usage: bench_trace_phases [--workloads digits_mlp,mlp_w64_b256] [--precisions fp32,bf16]\n"
+    "usage: bench_trace_phases [--workloads digits_mlp,digits_cnn,mlp_w64_b256] [--precisions "
+    "fp32,bf16]\n"
     "                          [--steps N] [--rounds N]\n"
     "  Runs N traced steps per round and as many through mt::compile, alternating, and prints\n"
     "  per workload and precision the best round's us per step of each phase (JSON lines).\n"
@@ -70,12 +71,14 @@ Setup mlp_setup(int64_t width, int64_t batch, const mt::PolicyPtr& policy) {
   return setup;
 }
 
-/// bench_training's digits_mlp: examples/digits_mlp.cpp's model and defaults (batch 64, SGD
-/// momentum 0.9 at 0.05, label smoothing 0.2, N(0, 0.2) input noise drawn outside the step).
-Setup digits_setup(const mt::PolicyPtr& policy) {
+/// bench_training's digits_mlp and digits_cnn: examples/digits_mlp.cpp's and digits_cnn.cpp's
+/// models and defaults (batch 64, SGD momentum 0.9 at `lr`, label smoothing 0.2, N(0, 0.2) input
+/// noise drawn outside the step; digits_cnn's random shifts left out).
+template <typename Model>
+Setup digits_setup(const mt::PolicyPtr& policy, double lr) {
   struct State {
     mt::Generator noise{bench::kSeed};
-    DigitsMLP net;
+    Model net;
     std::unique_ptr<mt::TensorDataset> train;
     std::unique_ptr<mt::DataLoader> loader;
   };
@@ -93,14 +96,15 @@ Setup digits_setup(const mt::PolicyPtr& policy) {
     mt::autocast guard(policy);
     return mt::cross_entropy(state->net(x), y, mt::CrossEntropyOptions{.label_smoothing = 0.2});
   };
-  setup.optimizer = std::make_unique<mt::SGD>(state->net.parameters(),
-                                              mt::SGDOptions{.lr = 0.05, .momentum = 0.9});
+  setup.optimizer =
+      std::make_unique<mt::SGD>(state->net.parameters(), mt::SGDOptions{.lr = lr, .momentum = 0.9});
   setup.keep = state;
   return setup;
 }
 
 Setup make_setup(const std::string& name, const mt::PolicyPtr& policy) {
-  if (name == "digits_mlp") return digits_setup(policy);
+  if (name == "digits_mlp") return digits_setup<DigitsMLP>(policy, 0.05);
+  if (name == "digits_cnn") return digits_setup<DigitsCnn>(policy, 0.1);
   int64_t width = 0, batch = 0;
   if (std::sscanf(name.c_str(), "mlp_w%ld_b%ld", &width, &batch) == 2 && width > 0 && batch > 0)
     return mlp_setup(width, batch, policy);
