@@ -1352,6 +1352,7 @@ void add_composite_cases(Oracle& o, Data& d, mt::DType dt) {
   o.add("clamp/min/" + t, {cx}, mt::clamp(cx, 0.5, std::nullopt), "torch.clamp(a, min=0.5)");
   o.add("clamp/max/" + t, {cx}, mt::clamp(cx, std::nullopt, 0.5), "torch.clamp(a, max=0.5)");
   o.add("clamp/min_above_max/" + t, {cx}, mt::clamp(cx, 1.0, -1.0), "torch.clamp(a, 1, -1)");
+  o.add("clip/" + t, {cx}, mt::clip(cx, -0.5, 2.0), "torch.clip(a, -0.5, 2)");
   mt::Tensor fill_mask = mt::tensor(std::vector<int64_t>{1, 0, 0, 1}, {4}, mt::boolean);
   o.add("masked_fill/" + t, {cx, fill_mask}, mt::masked_fill(cx, fill_mask, -7.5),
         "a.masked_fill(b, -7.5)");

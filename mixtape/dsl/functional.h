@@ -99,6 +99,11 @@ Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targ
 /// and the gradient passes where min <= x <= max.
 Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> max,
              const Loc& loc = Loc::current());
+/// torch.clip: clamp under its other name.
+inline Tensor clip(const Tensor& x, std::optional<double> min, std::optional<double> max,
+                   const Loc& loc = Loc::current()) {
+  return clamp(x, min, max, loc);
+}
 /// torch.where with a number for either value or both: the number takes the tensor's type as
 /// PyTorch's promotion gives it (a float number with an integer tensor gives f32, an integer
 /// one with a bool tensor i64); two numbers give f32, or i64 when both are integers.
