@@ -2,11 +2,15 @@
 // gathered from every process and compared before the collective runs.
 #include "mixtape/dist/checked_group.h"
 
+#include <algorithm>
 #include <atomic>
+#include <cstring>
 #include <string>
 #include <vector>
 
 #include "mixtape/dsl/error.h"
+#include "mixtape/dsl/exception.h"
+#include "mixtape/dsl/node.h"
 
 namespace mixtape::dist {
 namespace {
@@ -21,22 +25,40 @@ struct Call {
   int64_t bytes = 0;  // sent (all_gather) or broadcast
   int64_t root = -1;  // broadcast
   std::vector<int64_t> sends, receives;
+  std::string node;  // the graph node it is made for (collective_node()), or empty
 };
 
+// What travels of a call's node: its op and where it was built, cut to a fixed size.
+constexpr size_t kNodeWords = 16;
+
+std::string node_text(const Node* node) {
+  if (!node) return "";
+  std::string text =
+      fmt::format("{} built at {}", op_name(node->op), short_location(node->origin.location));
+  if (!node->origin.module_path.empty()) text += " in module '" + node->origin.module_path + "'";
+  return text.substr(0, kNodeWords * sizeof(int64_t));
+}
+
 std::string describe(const Call& c) {
+  std::string what;
   switch (c.kind) {
     case Kind::all_to_all: {
       int64_t sent = 0, received = 0;
       for (int64_t b : c.sends) sent += b;
       for (int64_t b : c.receives) received += b;
-      return fmt::format("all_to_all sending {} bytes and receiving {}", sent, received);
+      what = fmt::format("all_to_all sending {} bytes and receiving {}", sent, received);
+      break;
     }
     case Kind::all_gather:
-      return fmt::format("all_gather of {} bytes", c.bytes);
+      what = fmt::format("all_gather of {} bytes", c.bytes);
+      break;
     case Kind::broadcast:
-      return fmt::format("broadcast of {} bytes from process {}", c.bytes, c.root);
+      what = fmt::format("broadcast of {} bytes from process {}", c.bytes, c.root);
+      break;
+    default:
+      what = fmt::format("an unknown collective ({})", static_cast<int64_t>(c.kind));
   }
-  return fmt::format("an unknown collective ({})", static_cast<int64_t>(c.kind));
+  return c.node.empty() ? what : fmt::format("{} (for {})", what, c.node);
 }
 
 class CheckedGroup : public ProcessGroup {
@@ -52,16 +74,17 @@ class CheckedGroup : public ProcessGroup {
            0,
            -1,
            {send_count.begin(), send_count.end()},
-           {recv_count.begin(), recv_count.end()}});
+           {recv_count.begin(), recv_count.end()},
+           {}});
     inner_->all_to_all(send, send_count, send_at, recv, recv_count, recv_at);
   }
   void all_gather(const std::byte* send, int64_t count, std::byte* recv,
                   std::span<const int64_t> counts, std::span<const int64_t> at) override {
-    check({Kind::all_gather, count, -1, {}, {counts.begin(), counts.end()}});
+    check({Kind::all_gather, count, -1, {}, {counts.begin(), counts.end()}, {}});
     inner_->all_gather(send, count, recv, counts, at);
   }
   void broadcast(std::byte* data, int64_t count, int root) override {
-    check({Kind::broadcast, count, root, {}, {}});
+    check({Kind::broadcast, count, root, {}, {}, {}});
     inner_->broadcast(data, count, root);
   }
 
@@ -73,10 +96,13 @@ class CheckedGroup : public ProcessGroup {
     const auto n = static_cast<size_t>(size());
     call.sends.resize(n, 0);
     call.receives.resize(n, 0);
+    call.node = node_text(collective_node());
     std::vector<int64_t> mine{static_cast<int64_t>(call.kind), call.bytes, call.root};
     mine.insert(mine.end(), call.sends.begin(), call.sends.end());
     mine.insert(mine.end(), call.receives.begin(), call.receives.end());
-    const size_t words = mine.size();  // 3 + 2n
+    mine.resize(mine.size() + kNodeWords, 0);
+    std::memcpy(mine.data() + 3 + 2 * n, call.node.data(), call.node.size());
+    const size_t words = mine.size();  // 3 + 2n + kNodeWords
     const auto record = static_cast<int64_t>(words * sizeof(int64_t));
     std::vector<int64_t> all(words * n), counts(n, record), at(n);
     for (size_t q = 0; q < n; ++q) at[q] = static_cast<int64_t>(q) * record;
@@ -85,8 +111,13 @@ class CheckedGroup : public ProcessGroup {
     std::vector<Call> calls(n);
     for (size_t q = 0; q < n; ++q) {
       const int64_t* w = all.data() + q * words;
-      calls[q] = {
-          static_cast<Kind>(w[0]), w[1], w[2], {w + 3, w + 3 + n}, {w + 3 + n, w + 3 + 2 * n}};
+      const char* text = reinterpret_cast<const char*>(w + 3 + 2 * n);
+      calls[q] = {static_cast<Kind>(w[0]),
+                  w[1],
+                  w[2],
+                  {w + 3, w + 3 + n},
+                  {w + 3 + n, w + 3 + 2 * n},
+                  std::string(text, strnlen(text, kNodeWords * sizeof(int64_t)))};
     }
     auto differ = [&](size_t q, size_t s, const std::string& why) {
       fail(
@@ -96,7 +127,7 @@ class CheckedGroup : public ProcessGroup {
           number, q, describe(calls[q]), s, describe(calls[s]), why);
     };
     for (size_t q = 1; q < n; ++q)
-      if (calls[q].kind != calls[0].kind) differ(0, q, "");
+      if (calls[q].kind != calls[0].kind || calls[q].node != calls[0].node) differ(0, q, "");
     for (size_t q = 0; q < n; ++q)
       for (size_t s = 0; s < n; ++s) {
         const Call &from = calls[q], &to = calls[s];

@@ -746,7 +746,7 @@ Tensor grad_norm(const std::vector<Tensor>& params) {
     if (!g.defined()) continue;
     Tensor squares = sum(square(cast(g, f32)));
     Tensor& into =
-        processes && gradient_sharded(p.node()->grad_owner.lock().get()) ? sharded : total;
+        processes && gradient_held_as_shards(p.node()->grad_owner.lock().get()) ? sharded : total;
     into = into.defined() ? into + squares : squares;
   }
   if (sharded.defined()) {

@@ -45,6 +45,10 @@ bool gradient_sharded(const TensorImpl* parameter) {
   return parameter && set.parameters.count(parameter) > 0;
 }
 
+bool gradient_held_as_shards(const TensorImpl* parameter) {
+  return *gradient_sync_variant() == '\0' && gradient_sharded(parameter);
+}
+
 void hold_gradient_sync() { ++sync_holds; }
 void release_gradient_sync() { --sync_holds; }
 bool gradient_sync_held() { return sync_holds > 0; }
@@ -54,6 +58,15 @@ const char* gradient_sync_variant() {
   if (sync_holds > 0) return "no_sync";
   return pending_local_gradients > 0 ? "unsynced" : "";
 }
+
+namespace {
+thread_local const Node* current_collective_node = nullptr;
+}  // namespace
+
+CollectiveNodeScope::CollectiveNodeScope(const Node& node)
+    : previous_(std::exchange(current_collective_node, &node)) {}
+CollectiveNodeScope::~CollectiveNodeScope() { current_collective_node = previous_; }
+const Node* collective_node() { return current_collective_node; }
 
 ProcessGroup* process_group() { return installed().get(); }
 void set_process_group(std::shared_ptr<ProcessGroup> group) { installed() = std::move(group); }

@@ -31,6 +31,24 @@ class ProcessGroup {
   virtual void broadcast(std::byte* data, int64_t count, int root) = 0;
 };
 
+struct Node;
+/// While one lives, the collectives this thread makes through the process group are made for
+/// `node` (a collective node of a graph that runs), which MIXTAPE_DIST_DEBUG's check
+/// (dist/checked_group.h) compares between the processes by its op and where it was built, and
+/// names. Scopes nest; outside any, a collective is made for no node (a host exchange).
+class CollectiveNodeScope {
+ public:
+  explicit CollectiveNodeScope(const Node& node);
+  ~CollectiveNodeScope();
+  CollectiveNodeScope(const CollectiveNodeScope&) = delete;
+  CollectiveNodeScope& operator=(const CollectiveNodeScope&) = delete;
+
+ private:
+  const Node* previous_;
+};
+/// The node of this thread's innermost CollectiveNodeScope, or null.
+const Node* collective_node();
+
 /// The installed group (dist::init installs MPI's); null: one process.
 ProcessGroup* process_group();
 void set_process_group(std::shared_ptr<ProcessGroup> group);
@@ -48,6 +66,10 @@ struct TensorImpl;
 /// reduction to ZeRO. Unmarked when `sharded` is false.
 void set_gradient_sharded(const TensorImpl* parameter, bool sharded);
 bool gradient_sharded(const TensorImpl* parameter);
+/// gradient_sharded, and its gradient held as shards now: not while a no_sync hold is taken or
+/// local gradients wait for the backward that folds them in (each process then holds its own
+/// whole local gradient). What grad_norm and gradient_health add up over the processes.
+bool gradient_held_as_shards(const TensorImpl* parameter);
 
 /// dist::DataParallel::no_sync's state. While a hold is taken (holds nest), backward() leaves
 /// the gradients local: the data-parallel reductions (DataParallel's all_reduce, ZeRO's

@@ -51,14 +51,28 @@ struct WorkerForkHandlers {
   }
 };
 
+// A job on the idle thread gets a core only when nothing else wants one, which on a loaded
+// machine may be long after the fork began to wait for it: for the wait, that thread runs at the
+// forking thread's priority.
 void BackgroundWorker::before_fork() {
   std::unique_lock lock(mutex_);
   forking_ = true;
+  if (running_ > 0 && idle_thread_.joinable()) {
+    pthread_t idle = idle_thread_.native_handle();
+    int policy = 0;
+    sched_param param{};
+    idle_priority_raised_ = pthread_getschedparam(idle, &idle_policy_, &idle_param_) == 0 &&
+                            pthread_getschedparam(pthread_self(), &policy, &param) == 0 &&
+                            pthread_setschedparam(idle, policy, &param) == 0;
+  }
   done_.wait(lock, [&] { return running_ == 0; });
   lock.release();  // held until the fork is done
 }
 
 void BackgroundWorker::after_fork_in_parent() {
+  if (idle_priority_raised_)
+    pthread_setschedparam(idle_thread_.native_handle(), idle_policy_, &idle_param_);
+  idle_priority_raised_ = false;
   forking_ = false;
   mutex_.unlock();
   wake_.notify_all();
@@ -67,8 +81,8 @@ void BackgroundWorker::after_fork_in_parent() {
 // The only thread is the one that forked, which holds the lock. The threads' handles name threads
 // of the parent: they are set aside, never joined (a joinable std::thread must not be destroyed).
 // The condition variables are made anew: the parent's threads were waiting on them, and those
-// waiters are in their state but gone. Holds belong to threads that are gone too (the forking
-// thread, in fork(), holds none).
+// waiters are in their state but gone. Holds belong to threads that are gone too (should the
+// forking thread hold one, its end does not count below zero: ~Hold).
 void BackgroundWorker::after_fork_in_child() {
   static auto* parents_threads = new std::vector<std::thread>;  // reachable, never destroyed
   for (std::thread* thread : {&idle_thread_, &patient_thread_})
@@ -76,6 +90,7 @@ void BackgroundWorker::after_fork_in_child() {
   new (&wake_) std::condition_variable;
   new (&done_) std::condition_variable;
   holds_ = 0;
+  idle_priority_raised_ = false;
   forking_ = false;
   mutex_.unlock();
 }
@@ -166,8 +181,13 @@ void BackgroundWorker::run_front(std::unique_lock<std::mutex>& lock) {
 
 void BackgroundWorker::drain() {
   std::unique_lock lock(mutex_);
-  // The caller runs what is queued, at its own priority, and waits for what the threads run.
-  while (!stopping_ && !queue_.empty()) run_front(lock);
+  // The caller runs what is queued, at its own priority, and waits for what the threads run;
+  // while a fork() is under way it starts nothing either.
+  for (;;) {
+    wake_.wait(lock, [&] { return !forking_; });
+    if (stopping_ || queue_.empty()) break;
+    run_front(lock);
+  }
   done_.wait(lock, [&] { return running_ == 0; });
 }
 
@@ -206,7 +226,7 @@ BackgroundWorker::Hold::Hold(BackgroundWorker& worker) : worker_(worker) {
 BackgroundWorker::Hold::~Hold() {
   {
     std::lock_guard lock(worker_.mutex_);
-    --worker_.holds_;
+    if (worker_.holds_ > 0) --worker_.holds_;
     worker_.quiet_from_ = std::chrono::steady_clock::now() + quiet_period;
   }
   worker_.wake_.notify_all();

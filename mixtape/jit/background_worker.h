@@ -4,6 +4,8 @@
 // fork().
 #pragma once
 
+#include <sched.h>
+
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -38,8 +40,12 @@ namespace mixtape {
 /// fork(): no job runs across it. A job holds locks (the JIT's and LLVM's, and under ASan the
 /// allocator's) that a child made meanwhile would wait on forever, since the thread that held them
 /// is not copied. The first post() registers fork handlers: before the fork each worker lets its
-/// running jobs end and starts no other, then holds its lock until the fork is done. The child's
+/// running jobs end (an idle-priority one raised to the forking thread's priority meanwhile) and
+/// starts no other, drain() included, then holds its lock until the fork is done. The child's
 /// copy has no threads: it starts threads of its own at its next post(), and runs what was queued.
+/// A job must not fork, nor make, post to or destroy a worker. Only the workers' own threads are
+/// quiesced: a fork while another thread of the process compiles or evaluates is not supported
+/// (its locks would be the child's, held), as POSIX has it for any library.
 class BackgroundWorker {
  public:
   using Job = std::function<void()>;
@@ -103,6 +109,10 @@ class BackgroundWorker {
   Clock::time_point quiet_from_{};  // the end of the last hold + quiet_period
   std::thread idle_thread_, patient_thread_;
   bool forking_ = false;  // a fork() is under way: no job starts
+  // While a fork waits for a job on the idle thread, that thread's own priority, to restore.
+  bool idle_priority_raised_ = false;
+  int idle_policy_ = 0;
+  sched_param idle_param_{};
 
   // The fork handlers' parts (background_worker.cpp registers them).
   void before_fork();

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 
 #include "mixtape/dsl/convert.h"
 #include "mixtape/dsl/error.h"
@@ -124,7 +125,7 @@ std::string table_line(const GradientHealthRow& row, const std::string& shape,
       percent(row.bf16.subnormal, row.bf16_subnormal_fraction()), row.nonfinite);
 }
 
-// A process's figures of one sharded row, as they travel.
+// A process's figures of one sharded gradient, as they travel.
 struct RowFigures {
   int64_t nonzero, nonfinite, f16_zero, f16_subnormal, f16_overflow, bf16_zero, bf16_subnormal,
       bf16_overflow;
@@ -133,15 +134,18 @@ struct RowFigures {
 
 // Under ZeRO a process holds its own elements of a sharded gradient and zeros elsewhere. A zero
 // counts for nothing but numel, so the whole gradient's counts are the sums of the processes'
-// and its amax their maximum: one all_gather of every sharded row's figures.
+// and its amax their maximum: one all_gather of the figures of every sharded gradient, one
+// record each whether this process has the gradient or not (null: zeros), so that every process
+// sends as many.
 void combine_over_processes(const std::vector<GradientHealthRow*>& rows) {
   ProcessGroup* group = process_group();
   if (!group || group->size() == 1 || rows.empty()) return;
   std::vector<RowFigures> mine;
   for (const GradientHealthRow* row : rows)
-    mine.push_back({row->nonzero, row->nonfinite, row->f16.zero, row->f16.subnormal,
-                    row->f16.overflow, row->bf16.zero, row->bf16.subnormal, row->bf16.overflow,
-                    row->amax});
+    mine.push_back(row ? RowFigures{row->nonzero, row->nonfinite, row->f16.zero, row->f16.subnormal,
+                                    row->f16.overflow, row->bf16.zero, row->bf16.subnormal,
+                                    row->bf16.overflow, row->amax}
+                       : RowFigures{});
   const int processes = group->size();
   const auto bytes = static_cast<int64_t>(mine.size() * sizeof(RowFigures));
   std::vector<RowFigures> all(mine.size() * static_cast<size_t>(processes));
@@ -150,6 +154,7 @@ void combine_over_processes(const std::vector<GradientHealthRow*>& rows) {
   group->all_gather(reinterpret_cast<const std::byte*>(mine.data()), bytes,
                     reinterpret_cast<std::byte*>(all.data()), counts, at);
   for (size_t i = 0; i < rows.size(); ++i) {
+    if (!rows[i]) continue;
     GradientHealthRow& row = *rows[i];
     row.nonzero = row.nonfinite = 0;
     row.f16 = row.bf16 = HalfLoss{};
@@ -181,15 +186,17 @@ GradientHealth health_of(const NamedTensors& gradients, const std::vector<bool>&
   GradientHealth health;
   health.scale = scale;
   health.total.name = "total";
-  std::vector<size_t> sharded_rows;
+  std::vector<std::optional<size_t>> sharded_rows;  // a row index, or none where undefined
   for (size_t i = 0; i < gradients.size(); ++i) {
     const auto& [name, grad] = gradients[i];
-    if (!grad.defined()) continue;
-    if (i < sharded.size() && sharded[i]) sharded_rows.push_back(health.rows.size());
-    health.rows.push_back(measure(name, grad, scale));
+    const bool defined = grad.defined();
+    if (i < sharded.size() && sharded[i])
+      sharded_rows.push_back(defined ? std::optional(health.rows.size()) : std::nullopt);
+    if (defined) health.rows.push_back(measure(name, grad, scale));
   }
   std::vector<GradientHealthRow*> rows;
-  for (size_t i : sharded_rows) rows.push_back(&health.rows[i]);
+  for (const std::optional<size_t>& i : sharded_rows)
+    rows.push_back(i ? &health.rows[*i] : nullptr);
   combine_over_processes(rows);
   for (const GradientHealthRow& row : health.rows) accumulate(health.total, row);
   return health;
@@ -206,7 +213,7 @@ GradientHealth gradient_health(const Module& model, double scale) {
   std::vector<bool> sharded;
   for (const auto& [name, param] : model.named_parameters()) {
     gradients.emplace_back(name, param.grad());
-    sharded.push_back(gradient_sharded(param.node()->grad_owner.lock().get()));
+    sharded.push_back(gradient_held_as_shards(param.node()->grad_owner.lock().get()));
   }
   return health_of(gradients, sharded, scale);
 }

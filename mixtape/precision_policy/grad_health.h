@@ -58,7 +58,8 @@ struct GradientHealth {
   std::string json() const;
 };
 
-/// Gradient health of the given (name, gradient) pairs; undefined gradients are skipped.
+/// Gradient health of the given (name, gradient) pairs; undefined gradients are skipped. The
+/// values as this process holds them: under ZeRO, its shards (see the next overload).
 /// Evaluates all gradients together as one program and reads them on the host, so it is a host
 /// sync and costs one pass over every gradient: cheap enough every N steps, not free every step.
 /// Values are judged as they stand: gradients still loss-scaled (before unscale_) show what
@@ -67,7 +68,8 @@ GradientHealth gradient_health(const NamedTensors& gradients, double scale = 1);
 /// The same for every parameter of `model` that has a gradient, named by module path. Under
 /// ZeRO (dist/zero.h), where each process holds its part of a gradient and zeros elsewhere, the
 /// processes' counts are combined into the whole gradient's: a collective then, which every
-/// process calls at the same point.
+/// process calls at the same point (not inside no_sync, where gradients are each process's own
+/// and are counted as they are).
 GradientHealth gradient_health(const Module& model, double scale = 1);
 
 }  // namespace mixtape

@@ -131,6 +131,7 @@ class HostTransport : public CollectiveTransport {
 std::shared_ptr<Storage> host_value(const Node& node, std::shared_ptr<Storage> input) {
   ProcessGroup* group = process_group();
   if (!group) return converted(input, node.precision.storage_type);
+  CollectiveNodeScope made_for(node);
   HostTransport transport(*group, std::move(input));
   return collective_value(node, transport);
 }

@@ -125,7 +125,7 @@ SummaryWriter::SummaryWriter(const std::string& dir, SummaryWriterOptions option
   state_->options = options;
   // In a run of many processes, process 0 alone writes; the others log the same values without
   // a file, so that their collectives stay the ones process 0 makes (summary_writer.h).
-  if (process_rank() != 0) return;
+  if (process_rank() != 0 && !options.every_process) return;
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec || !std::filesystem::is_directory(dir))

@@ -20,6 +20,9 @@ struct SummaryWriterOptions {
   /// Graph values (add_scalar of a Tensor) wait until they span this many steps, then are
   /// read together: one evaluation and host read per fetch_every steps, not one per step.
   int64_t fetch_every = 100;
+  /// In a run of many processes: each process writes a file of its own (name it a folder of its
+  /// own), where by default process 0 alone writes (see SummaryWriter).
+  bool every_process = false;
 };
 
 /// Writes TensorBoard event files, as torch.utils.tensorboard.SummaryWriter does: a new file
@@ -42,7 +45,8 @@ struct SummaryWriterOptions {
 /// was flushed survives a crash. Not thread-safe.
 ///
 /// In a run of many processes (made after mt::dist::init), process 0 alone writes a file; on
-/// the others the writer makes no file (path() is empty) and drops what it logs. Every process
+/// the others the writer makes no file (path() is empty) and drops what it logs, unless
+/// `every_process` is set. Every process
 /// may make one and make the same calls, which is what keeps their collectives alike where a
 /// logged value needs one: under ZeRO (dist/zero.h), log_grad_norm all-reduces and
 /// log_gradient_health exchanges counts, so every process must log them at the same steps. A

@@ -693,6 +693,19 @@ TEST_F(DataParallel, ACollectiveThatDiffersBetweenProcessesIsAnErrorOnEveryProce
   }
   // Nothing ran: the processes are still in step, and the next collectives pass.
   EXPECT_EQ(gather(20 + rank), (std::vector<uint64_t>{20, 21}));
+  // One-element sums built at two places, as a gradient norm's on one process and the loss
+  // scaler's found-inf on the other would be: the same sizes, told apart by their nodes (the
+  // unchecked group would add the one to the other). The same place passes.
+  mt::Tensor one = mt::full({1}, 1.0);
+  const int here_line = __LINE__ + 1;
+  auto sum_here = [&] { return mt::all_reduce(one); };
+  const int there_line = __LINE__ + 1;
+  auto sum_there = [&] { return mt::all_reduce(one); };
+  EXPECT_EQ(sum_here().item(), 2.0);
+  EXPECT_MT_ERROR((rank == 0 ? sum_here() : sum_there()).item(), "differs between the processes",
+                  fmt::format("(for all_reduce built at test_dist_mpi.cpp:{})", here_line),
+                  fmt::format("(for all_reduce built at test_dist_mpi.cpp:{})", there_line));
+  EXPECT_EQ(gather(30 + rank), (std::vector<uint64_t>{30, 31}));
   // Under MIXTAPE_DIST_DEBUG=1 (ctest's reference-executor run of this suite) dist::init
   // installed the checked group itself.
   const char* debug = std::getenv("MIXTAPE_DIST_DEBUG");

@@ -500,6 +500,45 @@ TEST_F(Zero, GradientHealthCountsTheWholeGradientsAndRankZeroAloneWritesTheLog) 
                                std::filesystem::directory_iterator());
     EXPECT_EQ(files, 1) << dir;
   }
+  // Asked to, every process writes a file of its own.
+  const std::string own_dir = job_file("logs_own") + "_" + std::to_string(mt::dist::rank());
+  EXPECT_NE(mt::SummaryWriter(own_dir, {.every_process = true}).path(), "");
+}
+
+// Inside no_sync a ZeRO rank's gradients are its own whole local ones, not shards: the health
+// and the norm count them as they are, as plain data parallel's no_sync gradients are (adding
+// the ranks' counts gave up to twice the elements); the backward after folds them in and
+// shards them again.
+TEST_F(Zero, InsideNoSyncTheGradientsAreCountedAsEachRankHoldsThem) {
+  mt::manual_seed(7);
+  Net net;
+  mt::dist::DataParallel ddp(net);
+  mt::dist::ZeroAdamW opt(net.parameters());
+  mt::NamedTensors grads;
+  auto local_health = [&] {
+    grads.clear();
+    for (const auto& [name, p] : net.named_parameters()) grads.emplace_back(name, p.grad());
+    return mt::gradient_health(grads, 1e-4);
+  };
+  const int64_t first = mt::dist::rank() * kBatch;
+  {
+    auto guard = ddp.no_sync();
+    auto [x, y] = batch(0, first, kBatch);
+    mt::cross_entropy(net(x), y).backward();
+    mt::GradientHealth health = mt::gradient_health(net, 1e-4), local = local_health();
+    EXPECT_EQ(health.total.nonzero, local.total.nonzero);
+    EXPECT_EQ(health.total.f16.zero, local.total.f16.zero);
+    EXPECT_GT(local.total.nonzero, local.total.numel / 2) << "whole local gradients, no shard";
+    double squares = 0;
+    for (const auto& [name, g] : grads)
+      for (float v : mt::cast(g, mt::f32).to_vector<float>()) squares += double(v) * v;
+    EXPECT_NEAR(mt::grad_norm(net.parameters()).item(), std::sqrt(squares),
+                1e-5 * std::sqrt(squares));
+  }
+  auto [x, y] = batch(0, first, kBatch);
+  mt::cross_entropy(net(x), y).backward();
+  EXPECT_LT(local_health().total.nonzero, mt::gradient_health(net, 1e-4).total.nonzero)
+      << "sharded again: the whole gradients' count is more than this rank's shards";
 }
 
 TEST_F(Zero, EachRankKeepsHalfTheOptimizerState) {
