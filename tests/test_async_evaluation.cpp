@@ -219,6 +219,33 @@ class Fill final : public mt::StreamWork {
 
 float first_value(const mt::Storage& s) { return reinterpret_cast<const float*>(s.host_data())[0]; }
 
+// A product whose operand failed work never computed is an error each time it is read: the
+// synchronous product took its buffer as its value before reading the operand, and the second
+// read summed the unwritten buffer into a number.
+TEST(AsyncEvaluation, AProductOfAValueNeverComputedStaysAnErrorWhenReadAgain) {
+  auto never = std::make_shared<mt::Storage>(mt::f32, 16);
+  auto bad = std::make_unique<Fill>(never, 1.0f);
+  bad->fails = true;
+  mt::submit_to_cpu_stream(std::move(bad));
+  EXPECT_MT_ERROR(mt::synchronize(), "the test's work fails here");
+  mt::Tensor y = mt::sum(mt::matmul(mt::ones({2, 4}), mt::from_storage(never, {4, 4})));
+  EXPECT_MT_ERROR(y.item(), "never computed");
+  EXPECT_MT_ERROR(y.item(), "never computed");
+}
+
+// Work dropped without running (no worker thread could be started) leaves what it was to write
+// never computed, for host reads and for work queued after it alike: the work after it read the
+// unwritten buffer and its result passed for computed.
+TEST(AsyncEvaluation, WorkDroppedUnrunLeavesItsValuesNeverComputedForLaterWork) {
+  auto dropped = std::make_shared<mt::Storage>(mt::f32, 4);
+  auto derived = std::make_shared<mt::Storage>(mt::f32, 4);
+  { Fill never_run(dropped, 1.0f); }
+  mt::submit_to_cpu_stream(std::make_unique<Fill>(derived, 2.0f, dropped));
+  EXPECT_MT_ERROR(mt::synchronize(), "earlier failed work did not compute");
+  EXPECT_MT_ERROR(first_value(*dropped), "never computed");
+  EXPECT_MT_ERROR(first_value(*derived), "never computed");
+}
+
 TEST(AsyncEvaluation, AFailureIsReportedOnceAndWhatItLeftIsNeverReadAsAValue) {
   auto failed = std::make_shared<mt::Storage>(mt::f32, 4);
   auto derived = std::make_shared<mt::Storage>(mt::f32, 4);

@@ -465,9 +465,12 @@ void run_matmul(const Step& step, const std::vector<Node*>& pending, const Signa
       (a.value->count + b.value->count) * static_cast<int64_t>(size_of(desc.operand)) +
       (bias_node ? bias_node->value->count * static_cast<int64_t>(size_of(step.bias_type)) : 0);
   s.bytes_written += bytes_of(*out);
-  output.value = out;
-  if (desc.batch == 0) return;
+  if (desc.batch == 0) {
+    output.value = out;
+    return;
+  }
   if (QueuedRun* queued = queued_run().get()) {
+    output.value = out;  // a failure of the work marks it never computed
     // Converted on the stream: the conversion reads the values.
     QueuedRun::MatMul m{desc,      a.value.get(), b.value.get(), nullptr,
                         out.get(), is_leaf(a),    is_leaf(b),    false};
@@ -484,6 +487,10 @@ void run_matmul(const Step& step, const std::vector<Node*>& pending, const Signa
   auto a_value = as_dtype(a, desc.operand), b_value = as_dtype(b, desc.operand);
   gemm(desc, a_value->host_data(), b_value->host_data(), out->host_data(),
        bias ? bias->host_data() : nullptr);
+  // Only once computed: where reading an operand throws (it reports an earlier queued failure,
+  // or names a value never computed) or the product fails, the node stays unevaluated, so that
+  // nothing later reads its unwritten buffer as a value.
+  output.value = out;
 }
 
 // A convolution primitive through oneDNN; other dtypes and accumulators (f64, a 16-bit

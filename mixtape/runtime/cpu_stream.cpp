@@ -206,6 +206,7 @@ class CpuStream {
       note_failure("an unknown exception");
     }
     for (const auto& s : work.outputs_) written(*s, work.computed_);
+    work.ran_ = true;
   }
 
   void note_failure(const char* what) {
@@ -255,17 +256,19 @@ void CpuStream::stop_at_exit() {
   if (CpuStream* s = the_stream.load()) s->stop();
 }
 
+// Held first, then counted: a hold that fails (no memory) leaves no count that the destructor
+// would not take back.
 std::byte* StreamWork::read(const std::shared_ptr<Storage>& value) {
   if (value->host_stale.load()) value->host_data();  // a device value
-  value->queued_uses.fetch_add(1, std::memory_order_relaxed);
   inputs_.push_back(value);
+  value->queued_uses.fetch_add(1, std::memory_order_relaxed);
   return value->bytes.data();
 }
 
 std::byte* StreamWork::write(const std::shared_ptr<Storage>& value) {
+  outputs_.push_back(value);
   value->queued_uses.fetch_add(1, std::memory_order_relaxed);
   value->queued_writes.fetch_add(1, std::memory_order_relaxed);
-  outputs_.push_back(value);
   return value->bytes.data();
 }
 
@@ -279,9 +282,11 @@ const char* StreamWork::uncomputed_input() const {
 
 // On a thread that queues work (CpuStream::collect), never the worker: each storage's
 // use_count() and queued_uses then change together, as reusable_buffer (cpu_executor.cpp) reads
-// them. What work that never ran was to write stays counted as queued for writing, as a failed
-// work's does: reading it is an mt::Error (Storage::settle_host).
+// them. What work that never ran was to write is never computed, as a failed work's is: reading
+// it is an mt::Error (Storage::settle_host), and work reading it fails.
 StreamWork::~StreamWork() {
+  if (!ran_)
+    for (const auto& s : outputs_) written(*s, false);
   for (const auto& s : outputs_) s->queued_uses.fetch_sub(1, std::memory_order_release);
   for (const auto& s : inputs_) s->queued_uses.fetch_sub(1, std::memory_order_release);
 }

@@ -18,6 +18,8 @@ class StreamWork {
   StreamWork() = default;
   StreamWork(const StreamWork&) = delete;
   StreamWork& operator=(const StreamWork&) = delete;
+  /// Work destroyed without having run (no worker could be started) fails as work that threw:
+  /// what it was to write is never computed, for host reads and later work alike.
   virtual ~StreamWork();
   /// The arithmetic, on the worker thread. An exception fails this work: what it was to write
   /// is never computed (reading it is an mt::Error), nor is what later work computes from
@@ -35,7 +37,7 @@ class StreamWork {
   friend class CpuStream;
   const char* uncomputed_input() const;
   std::vector<std::shared_ptr<Storage>> inputs_, outputs_;
-  bool computed_ = false;
+  bool ran_ = false, computed_ = false;
 };
 
 /// Queues `work` behind everything queued before. Waits first while a few pieces of work are
