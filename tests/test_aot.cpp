@@ -114,6 +114,17 @@ TEST_P(AotStep, TrainingStepEqualsCompile) {
   }
   std::string saved = dir + "_saved.safetensors";
   ASSERT_EQ(mixtape_aot_save(model.m, saved.c_str()), 0) << mixtape_aot_error(model.m);
+  // Over the artifact's own weights or manifest (through another spelling of the path too) the
+  // save is refused, and the artifact still opens.
+  for (const std::string& own :
+       {dir + "/digits_train.safetensors",
+        dir + "/../" + fs::path(dir).filename().string() + "/digits_train.json"}) {
+    EXPECT_EQ(mixtape_aot_save(model.m, own.c_str()), MIXTAPE_AOT_ERROR_ARGUMENT) << own;
+    EXPECT_NE(std::string(mixtape_aot_error(model.m)).find("the artifact's own"), std::string::npos)
+        << mixtape_aot_error(model.m);
+  }
+  Model again(dir, "digits_train", table);
+  EXPECT_NE(again.m, nullptr);
   std::string reference = dir + "_reference.safetensors";
   mt::save_checkpoint(reference, net, &opt, {}, &scaler);
   expect_same_checkpoint(saved, reference);

@@ -247,6 +247,12 @@ int mixtape_aot_save(void* m, const char* path) {
   printf("save %d %s\n", m == &model, path);
   return 0;
 }
+static const char* refused_library;
+int mixtape_aot_refuse_interface(const char* name, const char* header, const char* library) {
+  printf("refuse %s [%s]\n", name, header ? header : "(null)");
+  refused_library = library;
+  return 3;
+}
 int mixtape_aot_load(void* m, const char* path) {
   printf("load %d %s\n", m == &model, path);
   return 2;
@@ -270,6 +276,11 @@ int main(void) {
   printf("%s|%s\n", digits_train_error(m), digits_train_error(0));
   digits_train_close(m);
   printf("%d\n", digits_train_open("d", "cpu", 0));
+  /* A program built against another export's header: refused, the library's own interface
+     named, nothing opened. */
+  m = (digits_train*)&x;
+  printf("%d ", digits_train_open_interface("d", 0, &m, "another export"));
+  printf("%d %d\n", m == 0, strcmp(refused_library, digits_train_INTERFACE));
   return 0;
 }
 )C");
@@ -296,7 +307,15 @@ int main(void) {
                 "model error|thread error\n"
                 "close 1\n"
                 "open d digits_train 0123456789abcdef cpu 1 native 0\n"
-                "1\n");
+                "1\n"
+                "refuse digits_train [another export]\n"
+                "3 1 0\n");
+  // What the header hands over names every argument's dtype and shape and the batches.
+  EXPECT_NE(mt::aot::package_header(spec).find(
+                "#define digits_train_INTERFACE \"digits_train step, batch 32; in x f32 [32, "
+                "64]"),
+            std::string::npos)
+      << mt::aot::package_header(spec);
 }
 
 TEST(AotPackageFiles, PkgConfigAndCmakeFilesAreRelativeToThemselves) {
@@ -371,6 +390,7 @@ extern "C" int mixtape_aot_run(mixtape_aot_model* m, int64_t batch, const void* 
   return 0;
 }
 extern "C" int mixtape_aot_save(mixtape_aot_model*, const char*) { return 5; }
+extern "C" int mixtape_aot_refuse_interface(const char*, const char*, const char*) { return 3; }
 extern "C" int mixtape_aot_load(mixtape_aot_model*, const char*) { return 5; }
 extern "C" const char* mixtape_aot_error(const mixtape_aot_model* m) {
   return m ? m->error.c_str() : "no model";
@@ -515,11 +535,11 @@ TEST_F(AotPackage, HeadersCompileAsC11AndCxx) {
 }
 
 TEST_F(AotPackage, OnlyTheCApiIsExported) {
-  std::set<std::string> api = {"tiny_open", "tiny_run", "tiny_error", "tiny_close"};
+  std::set<std::string> api = {"tiny_open_interface", "tiny_run", "tiny_error", "tiny_close"};
   EXPECT_EQ(exported({"-g", "--defined-only", "-P", (out / "libtiny.a").string()}), api);
   EXPECT_EQ(exported({"-D", "--defined-only", "-P", (out / "libtiny.so").string()}), api);
-  std::set<std::string> step = {"tiny_step_open",  "tiny_step_run",  "tiny_step_error",
-                                "tiny_step_close", "tiny_step_save", "tiny_step_load"};
+  std::set<std::string> step = {"tiny_step_open_interface", "tiny_step_run",  "tiny_step_error",
+                                "tiny_step_close",          "tiny_step_save", "tiny_step_load"};
   EXPECT_EQ(exported({"-D", "--defined-only", "-P", (out / "libtiny_step.so").string()}), step);
 }
 
@@ -650,9 +670,9 @@ TEST(AotPackageRealRuntime, ExportsOnlyTheApiNeedsNoLlvmAndLinksTwice) {
   }
   fs::path out = spec.dir;
   EXPECT_EQ(exported({"-g", "--defined-only", "-P", (out / "libtiny.a").string()}),
-            (std::set<std::string>{"tiny_open", "tiny_run", "tiny_error", "tiny_close"}));
+            (std::set<std::string>{"tiny_open_interface", "tiny_run", "tiny_error", "tiny_close"}));
   EXPECT_EQ(exported({"-D", "--defined-only", "-P", (out / "libtiny.so").string()}),
-            (std::set<std::string>{"tiny_open", "tiny_run", "tiny_error", "tiny_close"}));
+            (std::set<std::string>{"tiny_open_interface", "tiny_run", "tiny_error", "tiny_close"}));
   std::string needed = run("ldd", {(out / "libtiny.so").string()});
   EXPECT_NE(needed.find("libdnnl"), std::string::npos) << needed;
   for (const char* banned : {"LLVM", "nvrtc", "libmixtape", "not found"})
@@ -778,4 +798,11 @@ int main(int argc, char** argv) {
       EXPECT_EQ(run((root.path / "app").string(), {moved, std::to_string(batch), device}), bits)
           << "batch " << batch << " on " << device;
   }
+  // Exported again into the same directory with other shapes, the library refuses the program
+  // built against the first header, which would have handed it buffers sized for those.
+  auto narrower = [](const mt::Tensor& x) { return mt::sum(x, {1}, true); };
+  mt::aot::export_function(narrower, {mt::aot::input("x", {16, 32}, mt::f32)}, {"logits"}, moved,
+                           options);
+  EXPECT_MT_ERROR(run((root.path / "app").string(), {moved, "1", "cpu"}), "another export",
+                  "in x f32 [batch, 64]", "in x f32 [batch, 32]");
 }

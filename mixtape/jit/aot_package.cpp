@@ -165,7 +165,8 @@ std::vector<std::string> write_package(const PackageSpec& spec) {
   // Only the C API stays global. The COMDAT groups go too: a linker keeps one group per
   // signature across all its inputs, and two artifacts (or an artifact and the program) share
   // signatures (std::vector<float>'s members, say) that here name local copies.
-  std::vector<std::string> api = {name + "_open", name + "_run", name + "_error", name + "_close"};
+  std::vector<std::string> api = {name + "_open_interface", name + "_run", name + "_error",
+                                  name + "_close"};
   if (spec.step) api.insert(api.end(), {name + "_save", name + "_load"});
   std::string object = work.file(name + ".o");
   std::vector<std::string> localize = {"--remove-section=.group"};

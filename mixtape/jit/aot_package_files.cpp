@@ -300,6 +300,22 @@ std::string variant_targets(const PackageSpec& spec) {
 }
 }  // namespace
 
+namespace {
+// What a program built against the header relies on: the names, dtypes and shapes of the
+// arguments and the batches NAME_run takes. NAME_open hands the header's to the library, which
+// refuses another export's rather than run buffers sized for other shapes.
+std::string interface_text(const PackageSpec& spec) {
+  std::string text = fmt::format("{} {}, batch {}", spec.name, spec.step ? "step" : "function",
+                                 spec.max_batch > 0 ? fmt::format("1..{}", spec.max_batch)
+                                                    : std::to_string(fixed_batch(spec)));
+  for (const auto* list : {&spec.inputs, &spec.outputs})
+    for (const PackageArgument& argument : *list)
+      text += fmt::format("; {} {} {} {}", list == &spec.inputs ? "in" : "out", argument.name,
+                          name(argument.dtype), shape_text(argument.shape, spec.max_batch > 0));
+  return text;
+}
+}  // namespace
+
 std::string package_header(const PackageSpec& spec) {
   const std::string& n = spec.name;
   std::string batch_line =
@@ -346,11 +362,21 @@ enum {{
 /* An opened artifact: its weights, kernels and working memory{3}. */
 typedef struct {0} {0};
 
+/* The arguments this header was generated for. {0}_open hands it to the library, which
+ * refuses to open ({0}_ERROR_VERSION) when it is another export's: a program built against one
+ * export never runs another's library on buffers sized for other shapes. */
+#define {0}_INTERFACE {9}
+
+int {0}_open_interface(const char* dir, const char* device, {0}** out,
+                       const char* header_interface);
+
 /* Opens the artifact in dir (the export directory: {0}.json, its weights and kernels are
  * read from there). device: "cpu" (the best of the kernel builds this CPU runs), "cpu:TARGET"
  * (that build: {8}), "cuda", or NULL for the best available. On success *out is the model
  * (close it with {0}_close); on failure *out is NULL and {0}_error(NULL) says why. */
-int {0}_open(const char* dir, const char* device, {0}** out);
+static inline int {0}_open(const char* dir, const char* device, {0}** out) {{
+  return {0}_open_interface(dir, device, out, {0}_INTERFACE);
+}}
 
 /* {4}
 {5}{6} * Buffers are host memory, dense and row-major, and must not overlap. */
@@ -369,7 +395,8 @@ void {0}_close({0}* m);
                 : "",
       spec.step ? "Runs one training step on the batch, updating the state kept in m. Arguments:"
                 : "Runs the function on the batch. Arguments:",
-      batch_line, arguments, run_parameters(spec), variant_targets(spec));
+      batch_line, arguments, run_parameters(spec), variant_targets(spec),
+      c_string(interface_text(spec)));
   if (spec.cuda)
     text += fmt::format(R"(
 /* {0}_run on a model opened on "cuda", with device pointers (CUdeviceptr, as from cudaMalloc)
@@ -408,6 +435,7 @@ std::string package_glue(const PackageSpec& spec) {
  * artifact runtime (mixtape_aot_*), with the table of the artifact's CPU kernels. */
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "{0}.h"
 
@@ -457,9 +485,15 @@ std::string package_glue(const PackageSpec& spec) {
     outputs = "outputs";
   }
   text += fmt::format(R"(
-int {0}_open(const char* dir, const char* device, {0}** out) {{
+int {0}_open_interface(const char* dir, const char* device, {0}** out,
+                       const char* header_interface) {{
   mixtape_aot_model* model = NULL;
-  int code = mixtape_aot_open(dir, {1}, {8}, device, {2}, {3}, out ? &model : NULL);
+  int code;
+  if (!header_interface || strcmp(header_interface, {0}_INTERFACE) != 0) {{
+    if (out) *out = NULL;
+    return mixtape_aot_refuse_interface({1}, header_interface, {0}_INTERFACE);
+  }}
+  code = mixtape_aot_open(dir, {1}, {8}, device, {2}, {3}, out ? &model : NULL);
   if (out) *out = ({0}*)model;
   return code;
 }}

@@ -8,6 +8,7 @@
 #include <charconv>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -565,8 +566,30 @@ void require_step(const mixtape_aot_model& m, const char* what) {
                       what));
 }
 
+// A save over the artifact's own files (its weights, plan or manifest, which the library vouches
+// for by their checksums) would leave it refusing to open: such a path is refused, before
+// anything is written.
+void refuse_own_file(const mixtape_aot_model& m, const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code error;
+  const fs::path target = fs::weakly_canonical(path, error);
+  std::vector<std::string> own{m.name + ".json"};
+  for (const auto& [file, info] : m.manifest.at("files").items()) own.push_back(file);
+  for (const std::string& file : own) {
+    std::error_code ignored;
+    const bool same = (!error && fs::weakly_canonical(m.path(file), ignored) == target) ||
+                      fs::equivalent(path, m.path(file), ignored);
+    if (same)
+      raise(MIXTAPE_AOT_ERROR_ARGUMENT,
+            fmt::format("save: {} is the artifact's own {}, which it checks when it opens: "
+                        "save the training state elsewhere",
+                        path, file));
+  }
+}
+
 void save_model(const mixtape_aot_model& m, const std::string& path) {
   require_step(m, "save");
+  refuse_own_file(m, path);
   mt::safetensors::File file;
   for (size_t k = 0; k < m.buffers.size(); ++k) {
     if (!m.checkpointed[k]) continue;
@@ -741,6 +764,17 @@ int mixtape_aot_open(const char* dir, const char* name, const char* manifest_xxh
   });
   if (code == MIXTAPE_AOT_OK) *out = model.release();
   return code;
+}
+
+int mixtape_aot_refuse_interface(const char* name, const char* header, const char* library) {
+  return guarded(nullptr, [&] {
+    raise(MIXTAPE_AOT_ERROR_VERSION,
+          fmt::format("{0}: this program was built with the {0}.h of another export ({1}) than "
+                      "the library it runs with ({2}): rebuild it against the header in the "
+                      "artifact's directory",
+                      name ? name : "(null)", header ? header : "no interface",
+                      library ? library : "(null)"));
+  });
 }
 
 int mixtape_aot_run(mixtape_aot_model* model, int64_t batch, const void* const* inputs,

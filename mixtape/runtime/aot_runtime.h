@@ -48,6 +48,10 @@ enum {
 int mixtape_aot_open(const char* dir, const char* name, const char* manifest_xxh3,
                      const char* device, const mixtape_aot_variant* variants, int64_t variant_count,
                      mixtape_aot_model** out);
+/* What NAME_open_interface returns where the program's NAME.h (`header`, its NAME_INTERFACE;
+   NULL allowed) is another export's than the library's (`library`): MIXTAPE_AOT_ERROR_VERSION,
+   with mixtape_aot_error(NULL) naming both. */
+int mixtape_aot_refuse_interface(const char* name, const char* header, const char* library);
 /* One call of the exported function (or one training step): inputs and outputs are host
    buffers in the manifest's order and dtypes, at `batch` rows. */
 int mixtape_aot_run(mixtape_aot_model* model, int64_t batch, const void* const* inputs,
