@@ -7,6 +7,7 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 
 #include "mixtape/dsl/error.h"
@@ -1735,6 +1736,89 @@ TEST(Compile, ADetachedParameterKeepsItsValueThroughReplays) {
   }
   EXPECT_EQ(copy.to_vector<float>(), before);
   EXPECT_NE(fc.weight.to_vector<float>(), before);
+}
+
+// One tensor passed as two arguments was one input of the trace's programs, which a later call
+// with two tensors replayed: |x - y| summed to 0.
+TEST(Compile, OneTensorAsTwoArgumentsIsNotReplayedForTwo) {
+  auto distance =
+      mt::compile([](const mt::Tensor& a, const mt::Tensor& b) { return mt::sum(mt::abs(a - b)); });
+  mt::Tensor x = mt::full({4}, 1.0), y = mt::full({4}, 3.0);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(distance(x, x).item(), 0.0);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(distance(x, y).item(), 8.0) << i;
+  EXPECT_TRUE(replayed_at_least(distance, 2));
+}
+
+// A replay wrote the value into the tensor the trace assigned: an argument assigned is another
+// tensor from call to call (traced on every call), and so is a captured one that changes (ping-
+// pong buffers: no plan).
+TEST(Compile, AssignmentsGoToTheTensorOfEachCall) {
+  auto update =
+      mt::compile([](const mt::Tensor& x, mt::Tensor acc) { acc.assign(acc * 0.5 + mt::sum(x)); });
+  mt::Tensor a = mt::zeros({}), b = mt::zeros({}), x = mt::ones({2});
+  for (mt::Tensor* target : {&a, &b, &a, &a, &b}) update(x, *target);
+  EXPECT_EQ(a.item(), 3.5);  // 2, 3, 3.5
+  EXPECT_EQ(b.item(), 3.0);  // 2, 3
+  if (replays_here()) {
+    EXPECT_NE(update.stats().reason.find("passed as an argument"), std::string::npos)
+        << update.stats().reason;
+  }
+  std::vector<mt::Tensor> buffers = {mt::zeros({}), mt::zeros({})};
+  int call = 0;
+  auto ping_pong = mt::compile([&](const mt::Tensor& x) {
+    mt::Tensor& target = buffers[call++ % 2];
+    target.assign(target + mt::sum(x));
+  });
+  for (int i = 0; i < 6; ++i) ping_pong(x);
+  EXPECT_EQ(buffers[0].item(), 6.0);
+  EXPECT_EQ(buffers[1].item(), 6.0);
+}
+
+// What the caller sets around a compiled call, which the trace read: a module's train()/eval()
+// setting (dropout kept dropping in eval), the autocast policy and the grad mode.
+TEST(Compile, SettingsAroundTheCallAreFollowed) {
+  mt::Dropout dropout(0.5);
+  auto total = mt::compile([&](const mt::Tensor& x) { return mt::sum(dropout(x)); });
+  mt::Tensor x = mt::full({1000}, 1.0);
+  for (int i = 0; i < 3; ++i) EXPECT_NE(total(x).item(), 1000.0);
+  dropout.eval();
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(total(x).item(), 1000.0) << i;
+  dropout.train();
+  EXPECT_NE(total(x).item(), 1000.0);
+
+  mt::Linear fc(8, 4);
+  auto forward = mt::compile([&](const mt::Tensor& in) { return fc(in); });
+  mt::Tensor in = mt::full({2, 8}, 0.3);
+  auto eager = [&](bool autocast) {
+    std::optional<mt::autocast> guard;
+    if (autocast) guard.emplace(mt::bf16);
+    return fc(in).to_vector<float>();
+  };
+  const std::vector<float> f32 = eager(false), bf16 = eager(true);
+  ASSERT_NE(f32, bf16);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(forward(in).to_vector<float>(), f32);
+  for (int i = 0; i < 3; ++i) {
+    mt::autocast guard(mt::bf16);  // a policy object of its own every call
+    EXPECT_EQ(forward(in).to_vector<float>(), bf16) << i;
+  }
+  EXPECT_TRUE(replayed_at_least(forward, 2));
+  // A training step called under no_grad: its backward has nothing to differentiate, as when
+  // traced, and the weights stay.
+  mt::SGD opt(fc.parameters(), mt::SGDOptions{.lr = 0.1});
+  auto train = mt::compile([&](const mt::Tensor& batch) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::sum(fc(batch));
+    loss.backward();
+    opt.step();
+    return loss;
+  });
+  for (int i = 0; i < 3; ++i) train(in);
+  const std::vector<float> weights = fc.weight.to_vector<float>();
+  {
+    mt::NoGradGuard no_grad;
+    EXPECT_THROW(train(in), mt::Error);
+  }
+  EXPECT_EQ(fc.weight.to_vector<float>(), weights);
 }
 
 }  // namespace

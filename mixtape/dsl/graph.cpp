@@ -167,8 +167,30 @@ void note_side_effect(const char* what) {
 void note_gradient_change(const std::shared_ptr<TensorImpl>& owner, bool reads_current) {
   if (tracer) tracer->gradient_changing(owner, reads_current);
 }
-void note_assignment(const NodePtr& value) {
-  if (tracer) tracer->assigning(value);
+void note_assignment(const TensorImpl* target, const NodePtr& value) {
+  if (tracer) tracer->assigning(target, value);
+}
+
+namespace {
+// A step that read a module's setting replays while the setting is what the trace read.
+class TrainingSettingHook final : public StepHook {
+ public:
+  explicit TrainingSettingHook(std::shared_ptr<const bool> setting)
+      : setting_(std::move(setting)), read_(*setting_) {}
+  const char* stale() const override {
+    return *setting_ != read_ ? "a module it reads was switched between train() and eval()"
+                              : nullptr;
+  }
+  void ran(const std::vector<std::shared_ptr<Storage>>&) override {}
+
+ private:
+  std::shared_ptr<const bool> setting_;
+  bool read_;
+};
+}  // namespace
+
+void note_training_read(const std::shared_ptr<const bool>& setting) {
+  if (tracer) tracer->each_call(std::make_shared<TrainingSettingHook>(setting), {});
 }
 bool on_each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values) {
   if (!tracer) return false;

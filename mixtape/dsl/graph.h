@@ -142,8 +142,8 @@ class TraceObserver {
   virtual void each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values) = 0;
   /// `owner`'s gradient is about to change: made from (`reads_current`) or without its value.
   virtual void gradient_changing(const std::shared_ptr<TensorImpl>& owner, bool reads_current) = 0;
-  /// A tensor is about to hold `value` (evaluated) as its own (assign).
-  virtual void assigning(const NodePtr& value) = 0;
+  /// `target` is about to hold `value` (evaluated) as its own (assign).
+  virtual void assigning(const TensorImpl* target, const NodePtr& value) = 0;
 };
 TraceObserver* trace_observer();
 /// Installs `observer` for this thread, returning the previous one.
@@ -157,9 +157,14 @@ bool on_each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values = 
 /// Tells the observer, if any, that `owner`'s gradient is about to change (zero_grad, set_grad,
 /// backward's accumulation): a replay leaves each gradient where the trace left it.
 void note_gradient_change(const std::shared_ptr<TensorImpl>& owner, bool reads_current);
-/// Tells the observer, if any, that a tensor is about to hold `value` (assign): a replay repeats
-/// that only for a value the call computes.
-void note_assignment(const NodePtr& value);
+/// Tells the observer, if any, that `target` is about to hold `value` (assign): a replay repeats
+/// that only for a value the call computes, into the tensor the trace assigned.
+void note_assignment(const TensorImpl* target, const NodePtr& value);
+
+/// Tells the observer, if any, that the step read a module's train()/eval() setting: a replay
+/// repeats what the trace did under it, so a call that finds it otherwise traces again.
+/// Module::is_training calls it.
+void note_training_read(const std::shared_ptr<const bool>& setting);
 
 /// The most bytes of stored values that the compiled program evaluating `outputs` would keep
 /// alive at once under its memory plan (the peak_bytes execution_stats() reports once it runs;

@@ -151,7 +151,7 @@ Module& Module::to(DType dtype) {
 }
 
 void Module::train(bool training) {
-  training_ = training;
+  *training_ = training;
   for (auto& [name, child] : children_) child->train(training);
 }
 

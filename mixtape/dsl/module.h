@@ -46,7 +46,11 @@ class Module {
 
   void train(bool training = true);
   void eval() { train(false); }
-  bool is_training() const { return training_; }
+  /// Read inside a step mt::compile traces, a later switch makes its next call trace again.
+  bool is_training() const {
+    note_training_read(training_);
+    return *training_;
+  }
   void zero_grad();
 
   /// Activation checkpointing of this module and everything inside it (mt::checkpoint of its
@@ -81,7 +85,8 @@ class Module {
   std::vector<std::pair<std::string, Module*>> children_;
   NamedTensors parameters_;
   NamedTensors buffers_;
-  bool training_ = true;
+  // Shared with the steps mt::compile traced reading it (note_training_read).
+  std::shared_ptr<bool> training_ = std::make_shared<bool>(true);
 };
 
 /// An indexable list of owned submodules, registered as "0", "1", ...

@@ -157,7 +157,7 @@ void check_assignable(const NodePtr& current, const Tensor& value, const char* o
 // would keep it.
 void become_leaf(const std::shared_ptr<TensorImpl>& impl, const NodePtr& value, const Loc& loc) {
   const NodePtr current = impl->node;
-  if (value != current) note_assignment(value);
+  if (value != current) note_assignment(impl.get(), value);
   auto leaf = make_node(OpCode::Constant, value->dtype, current->shape, {}, {}, loc);
   leaf->value = value->value;
   if (written_in_place(leaf->value.get())) leaf->value = host_copy(*leaf->value);

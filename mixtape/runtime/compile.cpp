@@ -6,12 +6,14 @@
 #include <cstring>
 #include <map>
 #include <set>
+#include <typeinfo>
 #include <unordered_map>
 #include <unordered_set>
 
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/log.h"
 #include "mixtape/dsl/process_group.h"
+#include "mixtape/precision_policy/policy.h"
 #include "mixtape/runtime/cpu_executor.h"
 #include "mixtape/runtime/cuda_executor.h"
 #include "mixtape/runtime/cuda_values.h"
@@ -27,8 +29,9 @@ struct Trace {
   std::vector<Evaluation> evals;
   std::vector<std::pair<int, int>> results;  // (evaluation, stored index) of each result
   std::vector<Hook> hooks;
-  std::vector<GradientSlot> gradients;  // each gradient the call changed, in order of change
-  std::string unfit;                    // why no trace of this call can be replayed
+  std::vector<GradientSlot> gradients;         // each gradient the call changed, in order of change
+  std::vector<const TensorImpl*> assigned_to;  // each tensor assign gave a value, in order
+  std::string unfit;                           // why no trace of this call can be replayed
 };
 
 // Gives back what evaluate() would have dropped at once had no trace kept the graph.
@@ -62,7 +65,10 @@ class Recorder final : public TraceObserver {
                  : owner->grad  ? Start::added_to
                                 : Start::made_from_nothing;
   }
-  void assigning(const NodePtr& value) override { assigned.push_back(value); }
+  void assigning(const TensorImpl* target, const NodePtr& value) override {
+    assigned.push_back(value);
+    trace.assigned_to.push_back(target);
+  }
   std::vector<std::weak_ptr<Node>> made;
   std::vector<NodePtr> assigned;              // each value a tensor took with assign, in order
   std::unordered_set<const Node*> made_here;  // made's nodes: an address alive before the call
@@ -156,6 +162,13 @@ Trace trace_call(const std::vector<Tensor>& args, const StepReplayer::Function& 
   // evaluation of the call stored (the weights before the optimizer's update, an argument) would
   // keep the trace's, and so would a returned one (a replay returns each result in a fresh
   // buffer).
+  // ... and into the tensor the trace assigned, which an argument is not from call to call.
+  for (const TensorImpl* target : trace.assigned_to)
+    for (const Tensor& a : args)
+      if (trace.unfit.empty() && a.defined() && a.node()->grad_owner.lock().get() == target)
+        trace.unfit =
+            "assigns to a tensor passed as an argument (a replay would write the tensor the "
+            "trace assigned; capture the tensor instead)";
   for (const NodePtr& value : rec.assigned) {
     if (!trace.unfit.empty()) break;
     const std::pair<int, int> at = stored_place(trace, value.get());
@@ -202,6 +215,10 @@ bool same_shape(const Trace& a, const Trace& b, std::string& why) {
   }
   if (a.gradients != b.gradients) {
     why = "consecutive calls left gradients in different places or of different tensors";
+    return false;
+  }
+  if (a.assigned_to != b.assigned_to) {
+    why = "consecutive calls assigned values to different tensors";
     return false;
   }
   if (a.hooks.size() != b.hooks.size()) {
@@ -509,10 +526,16 @@ struct Entry {
 std::string signature_key(const std::vector<Tensor>& args) {
   // A data-parallel backward makes another graph under no_sync, and another again when it
   // folds no_sync's local gradients into its reduction: each variant has traces of its own.
+  // So does a policy or grad mode the caller sets around the call (one autocast policy object
+  // per call is usual: a policy is known by its name and kind).
   const char* sync = gradient_sync_variant();
-  std::string key = fmt::format("{}{}{}{}", device_name(current_device()),
-                                eager_mode() ? "/eager" : "", *sync ? "/" : "", sync);
-  for (const Tensor& a : args) {
+  const std::shared_ptr<const Policy>& policy = current_policy();
+  std::string key =
+      fmt::format("{}{}{}{}/{}{}{}", device_name(current_device()), eager_mode() ? "/eager" : "",
+                  *sync ? "/" : "", sync, policy ? policy->name() : "",
+                  policy ? typeid(*policy).name() : "", grad_enabled() ? "" : "/no_grad");
+  for (size_t i = 0; i < args.size(); ++i) {
+    const Tensor& a = args[i];
     if (!a.defined()) {
       key += "|-";
       continue;
@@ -520,6 +543,13 @@ std::string signature_key(const std::vector<Tensor>& args) {
     // An argument that requires grad gets a gradient, which makes another graph.
     key += fmt::format("|{}{}{}", name(a.node()->value->dtype), to_string(a.shape()),
                        a.requires_grad() ? "g" : "");
+    // One tensor passed as two arguments is one input of the trace's programs: a call with two
+    // must not replay it.
+    for (size_t j = 0; j < i; ++j)
+      if (args[j].defined() && args[j].node()->value == a.node()->value) {
+        key += fmt::format("={}", j);
+        break;
+      }
   }
   return key;
 }
