@@ -1787,7 +1787,10 @@ TEST(Compile, SettingsAroundTheCallAreFollowed) {
   EXPECT_NE(total(x).item(), 1000.0);
 
   mt::Linear fc(8, 4);
-  auto forward = mt::compile([&](const mt::Tensor& in) { return fc(in); });
+  auto forward = mt::compile([&](const mt::Tensor& in) {
+    mt::NoGradGuard inference;  // a result that requires grad is traced every call
+    return fc(in);
+  });
   mt::Tensor in = mt::full({2, 8}, 0.3);
   auto eager = [&](bool autocast) {
     std::optional<mt::autocast> guard;
@@ -1819,6 +1822,28 @@ TEST(Compile, SettingsAroundTheCallAreFollowed) {
     EXPECT_THROW(train(in), mt::Error);
   }
   EXPECT_EQ(fc.weight.to_vector<float>(), weights);
+}
+
+// A forward compiled alone, differentiated outside: a replay's results have no graph, so from
+// the third call on backward() found nothing to differentiate (or, beside another trainable
+// term, silently left the compiled part's parameters without gradients). It is traced every call.
+TEST(Compile, AForwardDifferentiatedOutsideKeepsItsGradients) {
+  mt::Linear fc(4, 2);
+  auto forward = mt::compile([&](const mt::Tensor& x) { return fc(x); });
+  mt::Tensor x = mt::full({3, 4}, 0.5);
+  for (int i = 0; i < 4; ++i) {
+    fc.weight.zero_grad();
+    mt::Tensor out = forward(x);
+    ASSERT_TRUE(out.requires_grad()) << i;
+    mt::sum(out).backward();
+    ASSERT_TRUE(fc.weight.grad().defined()) << i;
+    EXPECT_EQ(mt::sum(fc.weight.grad()).item(), 12.0) << i;  // 3 rows of 0.5, 4 inputs, 2 outputs
+  }
+  if (replays_here()) {
+    EXPECT_EQ(forward.stats().replays, 0);
+    EXPECT_NE(forward.stats().reason.find("requires grad"), std::string::npos)
+        << forward.stats().reason;
+  }
 }
 
 }  // namespace

@@ -155,6 +155,12 @@ Trace trace_call(const std::vector<Tensor>& args, const StepReplayer::Function& 
       at = stored_place(trace, results[i].node().get());
       if (at == kUndefined && trace.unfit.empty())
         trace.unfit = "returns a value it did not compute (an argument, or a value made before it)";
+      // A replay's results are values without a graph: a forward compiled alone, whose result
+      // a backward outside differentiates, would lose its gradients from the first replay on.
+      if (results[i].requires_grad() && trace.gradients.empty() && trace.unfit.empty())
+        trace.unfit =
+            "returns a value that requires grad and runs no backward (a replay's results have no "
+            "graph for a backward outside it; compile the whole step)";
     }
     trace.results.push_back(at);
   }
