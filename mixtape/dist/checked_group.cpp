@@ -2,7 +2,6 @@
 // gathered from every process and compared before the collective runs.
 #include "mixtape/dist/checked_group.h"
 
-#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <string>

@@ -74,16 +74,19 @@ GradientHealthRow measure(const std::string& name, const Tensor& grad, double sc
   return row;
 }
 
+void add(HalfLoss& sum, const HalfLoss& part) {
+  sum.zero += part.zero;
+  sum.subnormal += part.subnormal;
+  sum.overflow += part.overflow;
+}
+
 void accumulate(GradientHealthRow& total, const GradientHealthRow& row) {
   total.numel += row.numel;
   total.nonzero += row.nonzero;
   total.nonfinite += row.nonfinite;
   total.amax = std::max(total.amax, row.amax);
-  for (auto [sum, part] : {std::pair{&total.f16, &row.f16}, std::pair{&total.bf16, &row.bf16}}) {
-    sum->zero += part->zero;
-    sum->subnormal += part->subnormal;
-    sum->overflow += part->overflow;
-  }
+  add(total.f16, row.f16);
+  add(total.bf16, row.bf16);
 }
 
 json::Value loss_json(const HalfLoss& loss, const GradientHealthRow& row, bool f16_type) {
@@ -127,9 +130,9 @@ std::string table_line(const GradientHealthRow& row, const std::string& shape,
 
 // A process's figures of one sharded gradient, as they travel.
 struct RowFigures {
-  int64_t nonzero, nonfinite, f16_zero, f16_subnormal, f16_overflow, bf16_zero, bf16_subnormal,
-      bf16_overflow;
-  double amax;
+  int64_t nonzero = 0, nonfinite = 0;
+  HalfLoss f16, bf16;
+  double amax = 0;
 };
 
 // Under ZeRO a process holds its own elements of a sharded gradient and zeros elsewhere. A zero
@@ -142,9 +145,7 @@ void combine_over_processes(const std::vector<GradientHealthRow*>& rows) {
   if (!group || group->size() == 1 || rows.empty()) return;
   std::vector<RowFigures> mine;
   for (const GradientHealthRow* row : rows)
-    mine.push_back(row ? RowFigures{row->nonzero, row->nonfinite, row->f16.zero, row->f16.subnormal,
-                                    row->f16.overflow, row->bf16.zero, row->bf16.subnormal,
-                                    row->bf16.overflow, row->amax}
+    mine.push_back(row ? RowFigures{row->nonzero, row->nonfinite, row->f16, row->bf16, row->amax}
                        : RowFigures{});
   const int processes = group->size();
   const auto bytes = static_cast<int64_t>(mine.size() * sizeof(RowFigures));
@@ -163,12 +164,8 @@ void combine_over_processes(const std::vector<GradientHealthRow*>& rows) {
       const RowFigures& part = all[static_cast<size_t>(r) * rows.size() + i];
       row.nonzero += part.nonzero;
       row.nonfinite += part.nonfinite;
-      row.f16.zero += part.f16_zero;
-      row.f16.subnormal += part.f16_subnormal;
-      row.f16.overflow += part.f16_overflow;
-      row.bf16.zero += part.bf16_zero;
-      row.bf16.subnormal += part.bf16_subnormal;
-      row.bf16.overflow += part.bf16_overflow;
+      add(row.f16, part.f16);
+      add(row.bf16, part.bf16);
       row.amax = std::max(row.amax, part.amax);
     }
   }
