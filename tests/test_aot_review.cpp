@@ -3,6 +3,9 @@
 // state an export_step leaves behind. Each test failed (or crashed) before the fix it names.
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
+#include <csignal>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -10,7 +13,10 @@
 #include <optional>
 #include <thread>
 
+#include <fcntl.h>
 #include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <fmt/format.h>
 
@@ -362,6 +368,68 @@ INSTANTIATE_TEST_SUITE_P(
         HostileEdit{"digits.plan", R"("shape":[[0,1],64],"arg":0)", R"("shape":[],"arg":0)"},
         HostileEdit{"digits.plan", R"("result":0)", R"("result":7)"},
         HostileEdit{"digits.plan", R"("arg":0)", R"("arg":3)"}));
+
+// The runtime checked a file's checksum, then opened it again by name to use it: a file swapped
+// in between (another export into the directory, an attacker) ran unchecked. The weights here are
+// a FIFO that serves the exported bytes on its first open and weights of zeros after it: the
+// model must read it once and compute with the bytes it checked.
+TEST_F(AotReviewFiles, AFileSwappedAfterItsCheckIsNeverUsed) {
+  std::string copy = art_->dir + "_fifo";
+  fs::remove_all(copy);
+  fs::copy(art_->dir, copy);
+  std::string weights = copy + "/digits.safetensors";
+  std::string good = read(weights);
+  mt::safetensors::File zeros = mt::safetensors::read(weights);
+  for (mt::safetensors::TensorData& t : zeros.tensors)
+    std::fill(t.bytes.begin(), t.bytes.end(), std::byte{0});
+  std::vector<std::byte> swapped = mt::safetensors::serialize(zeros);
+  ASSERT_EQ(swapped.size(), good.size());
+  fs::remove(weights);
+  ASSERT_EQ(mkfifo(weights.c_str(), 0600), 0) << std::strerror(errno);
+
+  std::atomic<bool> stop = false;
+  std::atomic<int> serves = 0;
+  auto old_sigpipe = std::signal(SIGPIPE, SIG_IGN);  // a reader that stops early
+
+  std::thread writer([&] {
+    for (;;) {
+      int fd = ::open(weights.c_str(), O_WRONLY);  // waits for a reader
+      if (fd < 0 || stop) {
+        if (fd >= 0) ::close(fd);
+        return;
+      }
+      const char* bytes = serves++ == 0 ? good.data() : reinterpret_cast<char*>(swapped.data());
+      for (size_t done = 0; done < good.size();) {
+        ssize_t n = ::write(fd, bytes + done, good.size() - done);
+        if (n <= 0) break;
+        done += static_cast<size_t>(n);
+      }
+      ::close(fd);
+      // The next open must be the next reader's: wait for this one to close its end.
+      for (int probe; !stop && (probe = ::open(weights.c_str(), O_WRONLY | O_NONBLOCK)) >= 0;) {
+        ::close(probe);
+        std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      }
+    }
+  });
+  std::vector<float> x(16 * 64, 0.5f), got(16 * 10), expected(16 * 10);
+  {
+    Model fifo(copy, "digits", *art_->table), file(art_->dir, "digits", *art_->table);
+    const void* in[] = {x.data()};
+    void* out_fifo[] = {got.data()};
+    void* out_file[] = {expected.data()};
+    EXPECT_EQ(mixtape_aot_run(fifo.m, 16, in, out_fifo), 0) << mixtape_aot_error(fifo.m);
+    EXPECT_EQ(mixtape_aot_run(file.m, 16, in, out_file), 0) << mixtape_aot_error(file.m);
+  }
+  stop = true;
+  int reader = ::open(weights.c_str(), O_RDONLY | O_NONBLOCK);  // lets the writer's open return
+  writer.join();
+  ::close(reader);
+  std::signal(SIGPIPE, old_sigpipe);
+  EXPECT_EQ(serves, 1) << "the weights were opened again after their check";
+  EXPECT_EQ(first_difference(got, expected), got.size());
+  fs::remove_all(copy);
+}
 
 // Each file of an export is replaced atomically, but not the set: the plan and weights are
 // written before the libraries are built and the manifest last. An export over a working

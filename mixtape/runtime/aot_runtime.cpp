@@ -41,7 +41,6 @@ using mt::json::Value;
 constexpr const char* kManifestFormat = "mixtape-aot-1";
 // Bounds on what a manifest and a plan may cost to parse: far above any real artifact's.
 constexpr size_t kMaxManifestBytes = 64u << 20;
-constexpr size_t kMaxPlanBytes = 1u << 30;
 constexpr size_t kMaxJsonValues = 64u << 20;
 // Plans kept for batch sizes a dynamic-batch model ran at (each is a few programs).
 constexpr size_t kMaxCachedPlans = 8;
@@ -66,17 +65,24 @@ struct KernelEntry {
 
 thread_local std::string thread_error;
 
-std::string read_text(const std::string& path, size_t limit) {
+// At most `limit` bytes of the file at path, from its start.
+std::string read_at_most(const std::string& path, size_t limit) {
   std::ifstream in(path, std::ios::binary);
   if (!in)
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
   std::string text;
   char chunk[1 << 16];
-  while (in.read(chunk, sizeof chunk) || in.gcount() > 0) {
+  while (text.size() < limit && (in.read(chunk, static_cast<std::streamsize>(
+                                                    std::min(sizeof chunk, limit - text.size()))) ||
+                                 in.gcount() > 0))
     text.append(chunk, static_cast<size_t>(in.gcount()));
-    if (text.size() > limit)
-      raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: larger than {} bytes", path, limit));
-  }
+  return text;
+}
+
+std::string read_text(const std::string& path, size_t limit) {
+  std::string text = read_at_most(path, limit + 1);
+  if (text.size() > limit)
+    raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: larger than {} bytes", path, limit));
   return text;
 }
 
@@ -190,41 +196,55 @@ struct mixtape_aot_model {
 
 namespace {
 
-void verify_files(mixtape_aot_model& m) {
+// The manifest's list of files: the ones an artifact needs are there, all in its directory.
+void check_file_list(const mixtape_aot_model& m) {
   const Value& files = m.manifest.at("files");
   for (const std::string& needed : {m.name + ".plan", m.name + ".safetensors"})
     if (!mt::json::find(files, needed))
       raise(MIXTAPE_AOT_ERROR_FILE,
             fmt::format("{}: the manifest has no checksum for {}", m.name, needed));
-  for (const auto& [file, info] : files.items()) {
+  for (const auto& [file, info] : files.items())
     if (file.find('/') != std::string::npos || file == "..")
       raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: the manifest lists a file outside its "
                                                 "directory: {}",
                                                 m.name, file));
-    mt::FileDigest digest;
-    try {
-      digest = mt::digest_file(m.path(file));
-    } catch (const mt::Error& e) {
-      raise(MIXTAPE_AOT_ERROR_FILE, e.what());
-    }
-    if (digest.bytes != info.at("bytes").get<int64_t>() ||
-        digest.xxh3_64 != info.at("xxh3_64").get<std::string>())
-      raise(MIXTAPE_AOT_ERROR_FILE,
-            fmt::format("{}: {} is corrupt or was replaced: {} bytes with xxh3_64 {}, the "
-                        "manifest recorded {} bytes with {}",
-                        m.name, m.path(file), digest.bytes, digest.xxh3_64,
-                        info.at("bytes").get<int64_t>(), info.at("xxh3_64").get<std::string>()));
-  }
 }
 
-void load_buffers(mixtape_aot_model& m) {
+// A file of the artifact, read once and checked against the manifest's size and XXH3: the bytes
+// returned are the bytes checked, so a file swapped after the check is never used.
+std::string read_checked(const mixtape_aot_model& m, const std::string& file) {
+  const Value* info = mt::json::find(m.manifest.at("files"), file);
+  if (!info)
+    raise(MIXTAPE_AOT_ERROR_FILE,
+          fmt::format("{}: the manifest has no checksum for {}", m.name, file));
+  int64_t recorded = info->at("bytes").get<int64_t>();
+  if (recorded < 0)
+    raise(MIXTAPE_AOT_ERROR_FILE,
+          fmt::format("{}: the manifest records {} bytes for {}", m.name, recorded, file));
+  // One byte more than recorded tells a longer file without reading all of it.
+  std::string text = read_at_most(m.path(file), static_cast<size_t>(recorded) + 1);
+  mt::FileDigest digest = mt::digest_bytes(text);
+  const std::string& xxh3 = info->at("xxh3_64").get<std::string>();
+  if (digest.bytes != recorded || digest.xxh3_64 != xxh3)
+    raise(MIXTAPE_AOT_ERROR_FILE,
+          fmt::format("{}: {} is corrupt or was replaced: {}{} bytes with xxh3_64 {}, the "
+                      "manifest recorded {} bytes with {}",
+                      m.name, m.path(file), digest.bytes > recorded ? "over " : "", digest.bytes,
+                      digest.xxh3_64, recorded, xxh3));
+  return text;
+}
+
+// The buffers from the weights file's checked bytes, which it consumes (one copy at a time).
+void load_buffers(mixtape_aot_model& m, std::string&& weight_bytes) {
   std::string weights = m.path(m.name + ".safetensors");
   mt::safetensors::File file;
   try {
-    file = mt::safetensors::read(weights);
+    file = mt::safetensors::parse(
+        std::as_bytes(std::span<const char>(weight_bytes.data(), weight_bytes.size())), weights);
   } catch (const mt::Error& e) {
     raise(MIXTAPE_AOT_ERROR_FILE, e.what());
   }
+  std::string().swap(weight_bytes);
   for (const Value& b : m.manifest.at("buffers")) {
     mt::aot::PlanBuffer info{
         b.at("name").get<std::string>(), mt::parse_dtype(b.at("dtype").get<std::string>()), {}};
@@ -340,14 +360,8 @@ void open_cuda(mixtape_aot_model& m) {
   }
   const Value* chosen = &info.at("images").at(static_cast<size_t>(index));
   const std::string& file = chosen->at("file").get<std::string>();
-  if (!mt::json::find(m.manifest.at("files"), file))
-    raise(MIXTAPE_AOT_ERROR_FILE,
-          fmt::format("{}: the manifest has no checksum for {}", m.name, file));
-  std::string image = read_text(m.path(file), kMaxPlanBytes);
+  std::string image = read_checked(m, file);
   std::string digest = mt::digest_bytes(image).xxh3_64;
-  if (digest != m.manifest.at("files").at(file).at("xxh3_64").get<std::string>())
-    raise(MIXTAPE_AOT_ERROR_FILE,
-          fmt::format("{}: {} changed after it was checked", m.name, m.path(file)));
   static std::mutex mutex;
   static std::map<std::string, mt::cuda::CUmodule> modules;  // by the image's XXH3
   std::lock_guard<std::mutex> lock(mutex);
@@ -420,7 +434,9 @@ void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const ch
   const mixtape_aot_variant* variant =
       kind == "cpu" ? &choose_variant(m, wanted, variants, variant_count) : nullptr;
   if (variant) m.cpu_target = variant->target;
-  verify_files(m);
+  check_file_list(m);
+  std::string plan_text = read_checked(m, m.name + ".plan");
+  std::string weight_bytes = read_checked(m, m.name + ".safetensors");
   if (m.device == mt::Device::cuda) open_cuda(m);
   for (int64_t i = 0; variant && i < variant->kernel_count; ++i) {
     const mixtape_aot_kernel& kernel = variant->kernels[i];
@@ -455,12 +471,11 @@ void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const ch
                               g.at("buffer").get<int64_t>()});
   }
   try {
-    m.plan_doc = mt::aot::PlanDocument::parse(read_text(m.path(m.name + ".plan"), kMaxPlanBytes),
-                                              kMaxJsonValues);
+    m.plan_doc = mt::aot::PlanDocument::parse(plan_text, kMaxJsonValues);
   } catch (const mt::Error& e) {
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: {}", m.path(m.name + ".plan"), e.what()));
   }
-  load_buffers(m);
+  load_buffers(m, std::move(weight_bytes));
   if (m.steps_buffer >= static_cast<int64_t>(m.buffers.size()))
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: the manifest's step count buffer {} does not "
                                               "exist",
