@@ -1824,6 +1824,49 @@ TEST(Compile, SettingsAroundTheCallAreFollowed) {
   EXPECT_EQ(fc.weight.to_vector<float>(), weights);
 }
 
+// Two policies of one name (every OverridePolicy on fp32 is "fp32+overrides") replayed each
+// other's program: the key held the policy's name. A policy changed between calls (a rule
+// added) made no new trace either. Both run as the traced loop does now.
+TEST(Compile, EachPolicyAndEachEditOfOneIsTracedAnew) {
+  mt::Linear fc(8, 4);
+  mt::Tensor in = mt::full({2, 8}, 0.37);
+  auto forward = mt::compile([&](const mt::Tensor& x) {
+    mt::NoGradGuard inference;
+    return fc(x);
+  });
+  auto f16_matmul = std::make_shared<mt::OverridePolicy>(mt::fp32_policy());
+  f16_matmul->op(mt::OpCode::MatMul, mt::autocast_policy(mt::f16));
+  auto f32_matmul = std::make_shared<mt::OverridePolicy>(mt::fp32_policy());
+  f32_matmul->op(mt::OpCode::MatMul, mt::fp32_policy());
+  ASSERT_EQ(f16_matmul->name(), f32_matmul->name());
+  auto under = [&](const mt::PolicyPtr& policy, bool compiled) {
+    mt::autocast guard(policy);
+    if (compiled) return forward(in).to_vector<float>();
+    mt::NoGradGuard inference;
+    return fc(in).to_vector<float>();
+  };
+  const std::vector<float> f16 = under(f16_matmul, false), f32 = under(f32_matmul, false);
+  ASSERT_NE(f16, f32);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(under(f16_matmul, true), f16) << i;
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(under(f32_matmul, true), f32) << i;
+  EXPECT_TRUE(replayed_at_least(forward, 2));
+  // An override added to a policy after its replays (its f16 matmul is traced anew) ...
+  auto edited = std::make_shared<mt::OverridePolicy>(mt::fp32_policy());
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(under(edited, true), f32) << i;
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(under(edited, false), f32) << i;  // answers cached
+  edited->op(mt::OpCode::MatMul, mt::autocast_policy(mt::f16));
+  EXPECT_EQ(under(edited, false), f16);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(under(edited, true), f16) << i;
+  // ... and to a policy another one delegates to.
+  auto inner = std::make_shared<mt::OverridePolicy>(mt::fp32_policy());
+  auto outer = std::make_shared<mt::OverridePolicy>(mt::fp32_policy());
+  outer->op(mt::OpCode::MatMul, inner);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(under(outer, true), f32) << i;
+  inner->op(mt::OpCode::MatMul, mt::autocast_policy(mt::f16));
+  EXPECT_EQ(under(outer, false), f16);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(under(outer, true), f16) << i;
+}
+
 // A forward compiled alone, differentiated outside: a replay's results have no graph, so from
 // the third call on backward() found nothing to differentiate (or, beside another trainable
 // term, silently left the compiled part's parameters without gradients). It is traced every call.

@@ -429,6 +429,11 @@ TEST(ModulePathMatches, GlobsMatchModulesAndWhatIsInsideThem) {
       {"blocks.**.qkv", "layers.0.qkv", false},
       {"**", "anything.at.all", true},
       {"**", "", true},  // even nodes made outside any module
+      {"**.**", "", true},
+      {"*", "", false},  // the root has no component for '*' (it retyped the loss before)
+      {"*", "fc1", true},
+      {"**.*", "", false},
+      {"fc*", "", false},
       {"fc*", "fc2", true},
       {"fc*", "fc2.sub", true},
       {"fc*", "head", false},
@@ -1300,3 +1305,28 @@ TEST(Executor, HonoursAHalfAccumulatorFromACustomPolicy) {
 }
 
 }  // namespace
+
+// The sums into a leaf's gradient (two uses of one weight, two backward passes) took the policy
+// of the caller of backward(): inside an autocast scope they added in 16 bits (256 + 1 in bf16
+// is 256; 2048 + 1 in f16 is 2048). PyTorch adds a parameter's gradients in its own type.
+TEST(Autograd, LeafGradientSumsKeepTheLeafsTypeUnderTheCallersPolicy) {
+  auto weight = [] { return mt::tensor(std::vector<float>{1}, {1, 1}).requires_grad_(); };
+  auto constant = [](float v) { return mt::tensor(std::vector<float>{v}, {1, 1}); };
+  for (bool inside : {true, false}) {
+    mt::Tensor w = weight(), loss;
+    {
+      mt::autocast guard(mt::bf16);
+      loss = mt::sum(mt::matmul(constant(256), w)) + mt::sum(mt::matmul(constant(1), w));
+      if (inside) loss.backward();
+    }
+    if (!inside) loss.backward();
+    EXPECT_EQ(w.grad().to_vector<float>()[0], 257.0f) << "backward inside autocast: " << inside;
+    EXPECT_EQ(w.grad().dtype(), mt::f32);
+  }
+  mt::Tensor w = weight();
+  for (float x : {2048.0f, 1.0f}) {
+    mt::autocast guard(mt::f16);
+    mt::sum(mt::matmul(constant(x), w)).backward();
+  }
+  EXPECT_EQ(w.grad().to_vector<float>()[0], 2049.0f);
+}

@@ -28,7 +28,17 @@ bool glob_match(const char* glob, const char* path) {
 }  // namespace
 
 bool module_path_matches(const std::string& glob, const std::string& path) {
-  return !glob.empty() && glob_match(glob.c_str(), path.c_str());
+  if (glob.empty()) return false;
+  // The root (nodes made outside every module) has no components: only "**" (any number of
+  // components, none included) matches it, not "*" (one component).
+  if (path.empty()) {
+    for (size_t begin = 0;; begin += 3) {
+      if (glob.compare(begin, 2, "**") != 0 || (begin + 2 < glob.size() && glob[begin + 2] != '.'))
+        return false;
+      if (begin + 2 >= glob.size()) return true;
+    }
+  }
+  return glob_match(glob.c_str(), path.c_str());
 }
 
 std::optional<size_t> matched_module_prefix(const std::string& glob, const std::string& path) {

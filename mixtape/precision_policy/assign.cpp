@@ -154,6 +154,11 @@ Trail& trail_for(size_t graph_size) {
   return trail;
 }
 
+void forget_answers() {
+  answers.clear();
+  for (Trail& t : trails) std::fill(t.answers.begin(), t.answers.end(), nullptr);
+}
+
 // The cached answer to `key`, asked as the `position`-th keyed question of a pass over `trail`.
 const Answer& answer(Trail& trail, size_t position, const QueryView& key, const Policy& policy,
                      const Node& node) {
@@ -163,10 +168,7 @@ const Answer& answer(Trail& trail, size_t position, const QueryView& key, const 
   }
   auto found = answers.find(key);
   if (found == answers.end()) {
-    if (answers.size() >= kMaxAnswers) {
-      answers.clear();
-      for (Trail& t : trails) std::fill(t.answers.begin(), t.answers.end(), nullptr);
-    }
+    if (answers.size() >= kMaxAnswers) forget_answers();
     found = answers
                 .emplace(QueryKey{key.words, std::string(key.module_path)},
                          decide(policy, precision_query(node)))
@@ -183,6 +185,12 @@ void assign_precision(const std::vector<Node*>& order) {
                     f64_kept = shared_rule("f64 is never lowered"),
                     no_policy = shared_rule("no policy: as traced"),
                     leaf_data = shared_rule("leaf data keeps its dtype");
+  // Answers are kept by policy id; a policy changed since they were given answers anew.
+  thread_local uint64_t edits_seen = 0;
+  if (uint64_t edits = policy_edits(); edits != edits_seen) {
+    forget_answers();
+    edits_seen = edits;
+  }
   Trail& trail = trail_for(order.size());
   size_t position = 0;
   for (Node* node : order) {

@@ -110,12 +110,17 @@ PolicyPtr fp32_policy() {
 
 PolicyPtr autocast_policy(DType half) {
   check_half(half, "autocast_policy");
-  return std::make_shared<CategoryPolicy>(fmt::format("autocast-{}", name(half)), half, false);
+  static const PolicyPtr f16_policy = std::make_shared<CategoryPolicy>("autocast-f16", f16, false);
+  static const PolicyPtr bf16_policy =
+      std::make_shared<CategoryPolicy>("autocast-bf16", bf16, false);
+  return half == f16 ? f16_policy : bf16_policy;
 }
 
 PolicyPtr pure_policy(DType half) {
   check_half(half, "pure_policy");
-  return std::make_shared<CategoryPolicy>(fmt::format("pure-{}", name(half)), half, true);
+  static const PolicyPtr f16_policy = std::make_shared<CategoryPolicy>("pure-f16", f16, true);
+  static const PolicyPtr bf16_policy = std::make_shared<CategoryPolicy>("pure-bf16", bf16, true);
+  return half == f16 ? f16_policy : bf16_policy;
 }
 
 PolicyPtr policy_by_name(const std::string& text) {
@@ -133,11 +138,30 @@ Policy::Policy(std::string name) : name_(std::move(name)) {
   id_ = ++made;
 }
 
+namespace {
+std::atomic<uint64_t> edit_count{0};
+}
+
+void Policy::edited() { ++edit_count; }
+uint64_t policy_edits() { return edit_count.load(); }
+
 OverridePolicy::OverridePolicy(PolicyPtr base)
     : Policy(base ? base->name() + "+overrides" : ""), base_(std::move(base)) {
   if (!base_) fail("OverridePolicy: the base policy is null");
-  pure_ = base_->pure();
-  saves_narrower_ = base_->saves_narrower();
+}
+
+bool OverridePolicy::pure() const {
+  if (has_rule_ || !base_->pure()) return false;
+  for (const auto& [decides, policy] : delegates_)
+    if (!policy->pure()) return false;
+  return true;
+}
+
+bool OverridePolicy::saves_narrower() const {
+  if (!saved_.empty() || base_->saves_narrower()) return true;
+  for (const auto& [decides, policy] : delegates_)
+    if (policy->saves_narrower()) return true;
+  return false;
 }
 
 OverridePolicy& OverridePolicy::module(const std::string& glob, PolicyPtr policy) {
@@ -160,27 +184,25 @@ OverridePolicy& OverridePolicy::op(OpCode op, PolicyPtr policy) {
 
 OverridePolicy& OverridePolicy::delegate(std::string description, Matcher decides,
                                          PolicyPtr policy) {
-  saves_narrower_ = saves_narrower_ || policy->saves_narrower();
   delegates_.emplace_back(decides, policy);
-  const bool pure = policy->pure();
-  return add(
-      std::move(description),
-      [decides = std::move(decides),
-       policy = std::move(policy)](const PrecisionQuery& q) -> std::optional<Precision> {
-        if (!decides(q)) return std::nullopt;
-        return policy->decide(q);
-      },
-      pure);
+  return add(std::move(description),
+             [decides = std::move(decides),
+              policy = std::move(policy)](const PrecisionQuery& q) -> std::optional<Precision> {
+               if (!decides(q)) return std::nullopt;
+               return policy->decide(q);
+             });
 }
 
 OverridePolicy& OverridePolicy::rule(std::string description, Rule rule) {
-  return add(std::move(description), std::move(rule), false);
+  add(std::move(description), std::move(rule));
+  has_rule_ = true;
+  return *this;
 }
 
-OverridePolicy& OverridePolicy::add(std::string description, Rule rule, bool pure) {
+OverridePolicy& OverridePolicy::add(std::string description, Rule rule) {
   if (!rule) fail("OverridePolicy::rule: the rule '{}' is empty", description);
   rules_.emplace_back(std::move(description), std::move(rule));
-  pure_ = pure_ && pure;
+  edited();
   return *this;
 }
 
@@ -190,7 +212,7 @@ OverridePolicy& OverridePolicy::save_activations(const std::string& glob, DType 
     fail("OverridePolicy::save_activations: '{}' would keep values as {}, not a floating type",
          glob, mixtape::name(type));
   saved_.emplace_back(glob, type);
-  saves_narrower_ = true;
+  edited();
   return *this;
 }
 

@@ -58,6 +58,11 @@ class Policy {
   /// Unique to this object for the process's life (caches key on it, not on an address).
   uint64_t id() const { return id_; }
 
+ protected:
+  /// A policy whose answers change after it was made (OverridePolicy's rules) calls this: the
+  /// caches of answers and mt::compile's plans, keyed on ids, then ask again (policy_edits()).
+  static void edited();
+
  private:
   std::string name_;
   uint64_t id_;
@@ -65,14 +70,19 @@ class Policy {
 
 using PolicyPtr = std::shared_ptr<const Policy>;
 
+/// How many times any policy was changed after it was made: a key of an answer cached by a
+/// policy's id holds this too, as a policy an answer came from may have changed since.
+uint64_t policy_edits();
+
 /// Every node as traced (f32 for a float model).
 PolicyPtr fp32_policy();
-/// PyTorch-style autocast: matmuls in `half` with f32 accumulation; exp/log/pow/tanh/erf/rsqrt,
-/// softmax, norms and losses in f32; reductions accumulate in f32 and give f32; other ops take
-/// the widest type of their inputs. Parameters stay f32 and are rounded to half where used.
+/// PyTorch-style autocast (one object per type, so that a scope made every step is the same):
+/// matmuls in `half` with f32 accumulation; exp/log/pow/tanh/erf/rsqrt, softmax, norms and losses
+/// in f32; reductions accumulate in f32 and give f32; other ops take the widest type of their
+/// inputs. Parameters stay f32 and are rounded to half where used.
 PolicyPtr autocast_policy(DType half);
-/// O2-style: `half` everywhere except fp32-compute ops, reductions, norms, softmax and losses;
-/// parameters stay f32 masters and are rounded to half where used.
+/// O2-style (one object per type): `half` everywhere except fp32-compute ops, reductions, norms,
+/// softmax and losses; parameters stay f32 masters and are rounded to half where used.
 PolicyPtr pure_policy(DType half);
 /// "fp32", "autocast-f16", "autocast-bf16", "pure-f16", "pure-bf16"; mt::Error otherwise.
 PolicyPtr policy_by_name(const std::string& name);
@@ -96,22 +106,22 @@ class OverridePolicy : public Policy {
   OverridePolicy& save_activations(const std::string& glob, DType type);
   Precision decide(const PrecisionQuery& node) const override;
   std::optional<DType> saved_type(const PrecisionQuery& value) const override;
-  bool saves_narrower() const override { return saves_narrower_; }
+  bool saves_narrower() const override;
   /// Pure when its base and every module()/op() policy are and no rule() was added.
-  bool pure() const override { return pure_; }
+  bool pure() const override;
 
  private:
-  OverridePolicy& add(std::string description, Rule rule, bool pure);
+  OverridePolicy& add(std::string description, Rule rule);
   using Matcher = std::function<bool(const PrecisionQuery&)>;
   // An override by `policy` of the nodes `decides` says: its decide() and its saved_type().
   OverridePolicy& delegate(std::string description, Matcher decides, PolicyPtr policy);
   PolicyPtr base_;
   std::vector<std::pair<std::string, Rule>> rules_;
   std::vector<std::pair<std::string, DType>> saved_;  // save_activations(glob, type)
-  // The module() and op() overrides' policies, in order, with the nodes each decides.
+  // The module() and op() overrides' policies, in order, with the nodes each decides. Asked
+  // at each call of pure() and saves_narrower(): they may be changed after this one was made.
   std::vector<std::pair<Matcher, PolicyPtr>> delegates_;
-  bool pure_;
-  bool saves_narrower_ = false;
+  bool has_rule_ = false;  // a rule() was added: not pure
 };
 
 /// Scoped policy for the nodes made while it lives (DESIGN.md: `mt::autocast guard(mt::f16)`).

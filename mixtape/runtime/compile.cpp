@@ -6,7 +6,6 @@
 #include <cstring>
 #include <map>
 #include <set>
-#include <typeinfo>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -532,14 +531,15 @@ struct Entry {
 std::string signature_key(const std::vector<Tensor>& args) {
   // A data-parallel backward makes another graph under no_sync, and another again when it
   // folds no_sync's local gradients into its reduction: each variant has traces of its own.
-  // So does a policy or grad mode the caller sets around the call (one autocast policy object
-  // per call is usual: a policy is known by its name and kind).
+  // So does a policy or grad mode the caller sets around the call: a policy is known by its id
+  // (mt::autocast(mt::bf16) gives the same object each time) and by the count of edits to
+  // policies, as an OverridePolicy given a rule after a trace decides anew.
   const char* sync = gradient_sync_variant();
   const std::shared_ptr<const Policy>& policy = current_policy();
   std::string key =
-      fmt::format("{}{}{}{}/{}{}{}", device_name(current_device()), eager_mode() ? "/eager" : "",
-                  *sync ? "/" : "", sync, policy ? policy->name() : "",
-                  policy ? typeid(*policy).name() : "", grad_enabled() ? "" : "/no_grad");
+      fmt::format("{}{}{}{}/{}.{}{}", device_name(current_device()), eager_mode() ? "/eager" : "",
+                  *sync ? "/" : "", sync, policy ? policy->id() : 0, policy_edits(),
+                  grad_enabled() ? "" : "/no_grad");
   for (size_t i = 0; i < args.size(); ++i) {
     const Tensor& a = args[i];
     if (!a.defined()) {
