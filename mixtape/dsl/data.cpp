@@ -359,9 +359,9 @@ void DataLoader::start_epoch() {
   if (!shuffle_) return;
   // Each epoch's permutation starts from the identity with its own stream, so it depends only on
   // (seed, epoch): a run resumed at epoch e sees exactly what the original run saw.
-  SplitMix64 mix(seed_);
-  uint64_t stream = mix.next() ^ SplitMix64(static_cast<uint64_t>(epoch_)).next();
-  SplitMix64 rng(stream);
+  // The epoch goes into the seed's stream, not beside it: a symmetric mix (the XOR of both
+  // streams) gave seed s at epoch e the order of seed e at epoch s.
+  SplitMix64 rng(SplitMix64(SplitMix64(seed_).next() + static_cast<uint64_t>(epoch_)).next());
   for (int64_t i = n - 1; i > 0; --i) {
     auto j = static_cast<int64_t>(rng.below(static_cast<uint64_t>(i) + 1));
     std::swap(order_[i], order_[j]);
@@ -398,7 +398,21 @@ DataLoader::State DataLoader::state() const {
           .batch_size = batch_size_,
           .shuffle = shuffle_,
           .seed = seed_,
-          .drop_last = drop_last_};
+          .drop_last = drop_last_,
+          .shards = shard_.count};
+}
+
+// The position of this loader that `state` stands for: the same count of examples of the
+// epoch's order taken by all processes together.
+int64_t DataLoader::resumed_position(const State& state) const {
+  if (state.shards == shard_.count) return state.position;
+  int64_t taken = state.position * state.batch_size * state.shards, global = batch_size_ * shard_.count;
+  if (taken % global != 0)
+    fail("DataLoader::load_state: the state was taken by {} processes {} examples into the "
+         "epoch, which is not a whole number of batches of {} processes ({} each); resume at an "
+         "epoch's start or at a world size that divides it",
+         state.shards, taken, shard_.count, batch_size_);
+  return taken / global;
 }
 
 void DataLoader::check_state(const State& state) const {
@@ -423,15 +437,19 @@ void DataLoader::check_state(const State& state) const {
     seen[static_cast<size_t>(index)] = true;
   }
   if (state.epoch < 0) fail("DataLoader::load_state: epoch {} is negative", state.epoch);
-  if (state.position < 0 || state.position >= batches_per_epoch())
-    fail("DataLoader::load_state: position {} is outside the epoch's {} batches", state.position,
+  if (state.shards < 1 || state.shards > n)
+    fail("DataLoader::load_state: the state is of {} shards, of a dataset of {}", state.shards, n);
+  if (state.position < 0 || state.position > n)
+    fail("DataLoader::load_state: position {} is outside the epoch", state.position);
+  if (int64_t position = resumed_position(state); position >= batches_per_epoch())
+    fail("DataLoader::load_state: position {} is outside the epoch's {} batches", position,
          batches_per_epoch());
 }
 
 void DataLoader::load_state(const State& state) {
   check_state(state);
   epoch_ = state.epoch;
-  batch_ = state.position;
+  batch_ = resumed_position(state);
   order_ = state.order;
 }
 

@@ -206,12 +206,15 @@ class DataLoader {
     bool shuffle = false;
     uint64_t seed = 0;
     bool drop_last = true;
+    int64_t shards = 1;  // the Shard::count of the loader it was taken from (its world size)
   };
   State state() const;
   /// mt::Error, changing nothing, unless `state` could have been taken from a loader like this
   /// one: the same batch size, shuffle, seed and drop_last (else later epochs would differ), an
   /// order that is a permutation of [0, dataset size), 0 <= position < batches_per_epoch() and
-  /// epoch >= 0.
+  /// epoch >= 0. A state of another number of shards resumes where the processes together
+  /// stopped (position * batch_size * shards examples into the epoch's order); mt::Error where
+  /// that is not a whole number of this loader's global batches (batch_size * count).
   void check_state(const State& state) const;
   /// Restores a state after check_state(): next() then returns exactly the batches the loader
   /// it was taken from would have returned, mid-epoch included.
@@ -219,6 +222,7 @@ class DataLoader {
 
  private:
   void start_epoch();
+  int64_t resumed_position(const State& state) const;
 
   const Dataset* data_;
   int64_t batch_size_;

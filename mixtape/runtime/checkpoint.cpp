@@ -136,6 +136,10 @@ DataLoader::State loader_state(const std::string& path, const NamedTensors& entr
       .shuffle = metadata_bool(path, metadata, loader_key(index, "shuffle")),
       .seed = metadata_integer<uint64_t>(path, metadata, loader_key(index, "seed")),
       .drop_last = metadata_bool(path, metadata, loader_key(index, "drop_last"))};
+  // Files from before the count was saved: taken at this loader's world size.
+  std::string shards = loader_key(index, "shards");
+  state.shards = has_metadata(metadata, shards) ? metadata_integer<int64_t>(path, metadata, shards)
+                                                : loader.shard().count;
   try {
     loader.check_state(state);
   } catch (const Error& e) {
@@ -223,6 +227,7 @@ std::pair<NamedTensors, Metadata> checkpoint_entries(const std::string& path, co
     meta.emplace_back(loader_key(i, "shuffle"), state.shuffle ? "true" : "false");
     meta.emplace_back(loader_key(i, "seed"), std::to_string(state.seed));
     meta.emplace_back(loader_key(i, "drop_last"), state.drop_last ? "true" : "false");
+    meta.emplace_back(loader_key(i, "shards"), std::to_string(state.shards));
   }
   return {std::move(tensors), std::move(meta)};
 }
