@@ -848,3 +848,159 @@ TEST_F(Checkpoint, NonFiniteValuesLoadOnlyWhenAllowed) {
 }
 
 }  // namespace
+
+// ---- A review's findings (session 38): each test failed before its fix ----
+
+// Optimizer state was loaded as f32 whatever its type: an f64 run's moments lost precision and a
+// bf16 run's computed in f32 after a resume. Both resume bit for bit now, state in its own type.
+TEST_F(Checkpoint, OptimizerStateKeepsItsTypeAndResumesBitIdentically) {
+  for (mt::DType dtype : {mt::f64, mt::bf16}) {
+    SCOPED_TRACE(mt::name(dtype));
+    auto make = [dtype](uint64_t seed) {
+      Training run = mlp_run(seed);
+      run.model->to(dtype);
+      run.opt = std::make_unique<mt::AdamW>(run.model->parameters(), mt::AdamOptions{.lr = 0.05});
+      return run;
+    };
+    check_resume(make, path("typed.safetensors"));
+    Training run = make(1);
+    run.train(0, 1);
+    mt::save_checkpoint(path("typed.safetensors"), *run.model, run.opt.get());
+    Training resumed = make(2);
+    mt::load_checkpoint(path("typed.safetensors"), *resumed.model, resumed.opt.get());
+    EXPECT_EQ(resumed.opt->state(0)[0].second.dtype(), dtype);
+  }
+}
+
+// A state missing an entry (it would restart from zeros under the restored step count) or
+// holding one the rule does not know was loaded without a word.
+TEST_F(Checkpoint, IncompleteOrUnknownOptimizerStateIsRejectedWithoutChanges) {
+  auto [source, target, meta, entries] = saved_run(path("good.safetensors"));
+  std::string bad = path("bad.safetensors");
+  auto without = [&](const std::string& name) {
+    mt::NamedTensors kept;
+    for (const auto& entry : entries)
+      if (entry.first != name) kept.push_back(entry);
+    return kept;
+  };
+  mt::save_tensors(bad, without("optimizer.fc1.weight.exp_avg"), meta);
+  expect_rejected(bad, *target.model, target.opt.get(),
+                  {"bad.safetensors", "no 'optimizer.fc1.weight.exp_avg'"});
+  mt::NamedTensors renamed = entries;
+  for (auto& [name, value] : renamed)
+    if (name == "optimizer.fc2.bias.exp_avg_sq") name += "q";
+  mt::save_tensors(bad, renamed, meta);
+  expect_rejected(bad, *target.model, target.opt.get(),
+                  {"bad.safetensors", "'optimizer.fc2.bias.exp_avg_sqq'", "not one of"});
+  // A parameter without any state (never stepped) stays legal.
+  mt::NamedTensors no_state = without("optimizer.fc1.weight.exp_avg");
+  std::erase_if(no_state, [](auto& e) { return e.first == "optimizer.fc1.weight.exp_avg_sq"; });
+  mt::save_tensors(bad, no_state, meta);
+  EXPECT_NO_THROW(mt::load_checkpoint(bad, *target.model, target.opt.get()));
+}
+
+// The finite check ran on the file's values, before they were converted to the module's type:
+// an f32 1e6 loaded into an f16 parameter as inf.
+TEST_F(Checkpoint, AValueThatOverflowsTheModulesTypeIsRejected) {
+  mt::Linear f32_layer(2, 2), f16_layer(2, 2);
+  f16_layer.to(mt::f16);
+  f32_layer.weight.assign(mt::full({2, 2}, 1e6));
+  mt::save_checkpoint(path("big.safetensors"), f32_layer);
+  expect_rejected(path("big.safetensors"), f16_layer, nullptr,
+                  {"'weight' holds 1000000 at element 0, which is inf as the module's f16"});
+  EXPECT_NO_THROW(mt::load_checkpoint(path("big.safetensors"), f32_layer));
+}
+
+// restore_checkpoint read the values of its entries without computing them: a crash for an
+// expression not yet evaluated.
+TEST(RestoreCheckpoint, EntriesNotYetEvaluatedAreComputedFirst) {
+  mt::Linear layer(4, 3);
+  mt::restore_checkpoint(
+      "memory", {{"weight", mt::ones({3, 4}) * 2.0}, {"bias", mt::zeros({3}) + 1.0}}, {}, layer);
+  EXPECT_EQ(layer.weight.to_vector<float>(), std::vector<float>(12, 2.0f));
+  EXPECT_EQ(layer.bias.to_vector<float>(), std::vector<float>(3, 1.0f));
+}
+
+// Names the loader reads as the checkpoint's own were saved, and the file never loaded again.
+TEST_F(Checkpoint, NamesTheCheckpointKeepsForItselfAreRefusedAtSave) {
+  struct Clash : mt::Module {
+    mt::Linear optimizer{2, 2};
+    Clash() { register_module("optimizer", optimizer); }
+  } net;
+  EXPECT_THROW(mt::save_checkpoint(path("clash.safetensors"), net), mt::Error);
+  EXPECT_FALSE(fs::exists(path("clash.safetensors")));
+  mt::Linear layer(2, 2);
+  EXPECT_THROW(
+      mt::save_checkpoint(path("clash.safetensors"), layer, nullptr, {{"scaler.note", "7"}}),
+      mt::Error);
+  EXPECT_FALSE(fs::exists(path("clash.safetensors")));
+}
+
+// The rate set_lr() set was not saved: a resume went back to the constructor's.
+TEST_F(Checkpoint, TheLearningRateSetIsRestored) {
+  mt::Linear layer(2, 2);
+  mt::SGD opt(layer.parameters(), {.lr = 0.1});
+  opt.set_lr(0.05);
+  mt::save_checkpoint(path("lr.safetensors"), layer, &opt);
+  mt::SGD fresh(layer.parameters(), {.lr = 0.1});
+  mt::load_checkpoint(path("lr.safetensors"), layer, &fresh);
+  EXPECT_EQ(fresh.lr(), 0.05);
+}
+
+// SGD with dampening: a checkpoint taken while every step so far was skipped (the usual start
+// of f16 training) resumed as if the zero buffer had been stepped, and the first real update
+// took (1 - dampening) of the gradient instead of all of it.
+TEST_F(Checkpoint, SgdWithDampeningResumesBeforeItsFirstRealStep) {
+  auto run = [&](bool save_and_resume) {
+    mt::Linear layer(2, 1, /*bias=*/false);
+    layer.weight.assign(mt::tensor(std::vector<float>{1, 2}, {1, 2}));
+    const mt::SGDOptions options{.lr = 0.1, .momentum = 0.9, .dampening = 0.5};
+    auto opt = std::make_unique<mt::SGD>(layer.parameters(), options);
+    auto step = [&](bool skip) {
+      opt->zero_grad();
+      mt::sum(layer.weight * mt::tensor(std::vector<float>{1, 2}, {1, 2})).backward();
+      opt->step_unless(mt::full({}, skip ? 1.0 : 0.0, mt::boolean));
+    };
+    step(true);
+    if (save_and_resume) {
+      mt::save_checkpoint(path("sgd.safetensors"), layer, opt.get());
+      opt = std::make_unique<mt::SGD>(layer.parameters(), options);
+      mt::load_checkpoint(path("sgd.safetensors"), layer, opt.get());
+    }
+    step(false);
+    step(false);
+    return layer.weight.to_vector<float>();
+  };
+  EXPECT_EQ(run(true), run(false));
+}
+
+// Adagrad made its sum at the first update, as g^2 + initial_accumulator_value: a skipped first
+// step left a zero sum, and the initial value was lost for good. One skipped step and one real
+// one equal one real step (torch's state starts at the initial value).
+TEST(OptimizerState, AdagradKeepsItsInitialAccumulatorThroughASkippedStep) {
+  auto run = [](bool skip_first) {
+    mt::Tensor w = mt::tensor(std::vector<float>{1, -2}, {2}).requires_grad_();
+    mt::Adagrad opt({w}, {.lr = 0.1, .initial_accumulator_value = 1});
+    for (bool skip : skip_first ? std::vector<bool>{true, false} : std::vector<bool>{false}) {
+      opt.zero_grad();
+      mt::sum(w * mt::tensor(std::vector<float>{0.5, 2}, {2})).backward();
+      opt.step_unless(mt::full({}, skip ? 1.0 : 0.0, mt::boolean));
+    }
+    return w.to_vector<float>();
+  };
+  EXPECT_EQ(run(true), run(false));
+  // torch.optim.Adagrad(lr=0.1, initial_accumulator_value=1), one step of gradient [0.5, 2]:
+  // 1 - 0.1 * 0.5 / sqrt(1.25) and -2 - 0.1 * 2 / sqrt(5).
+  std::vector<float> once = run(false);
+  EXPECT_FLOAT_EQ(once[0], 0.95527864f);
+  EXPECT_FLOAT_EQ(once[1], -2.0894427f);
+}
+
+// AdamW's default weight decay lived in a default argument: {.lr = 1e-3} gave 0, torch 0.01.
+TEST(OptimizerState, AdamWDecaysByDefaultAsTorchsAndAdamDoesNot) {
+  mt::Tensor w = mt::ones({2}).requires_grad_();
+  EXPECT_EQ(mt::AdamW({w}, {.lr = 1e-3}).options.weight_decay, 0.01);
+  EXPECT_EQ(mt::AdamW({w}).options.weight_decay, 0.01);
+  EXPECT_EQ(mt::AdamW({w}, {.weight_decay = 0}).options.weight_decay, 0.0);
+  EXPECT_EQ(mt::Adam({w}, {.lr = 1e-3}).options.weight_decay, 0.0);
+}

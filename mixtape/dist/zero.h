@@ -110,7 +110,7 @@ class ZeroShards {
 /// it differs from its master's rounding, element by element, so a master never undoes the
 /// change; it starts as zeros, which the parameter's first step replaces so.
 namespace master_weights {
-inline constexpr const char* kEntry = "master";
+inline constexpr const char* kEntry = kMasterWeightEntry;
 /// Whether the shard's state has its master (and so the rule's state, started with it).
 bool started(const NamedTensors& state);
 /// The shard's master weights for the update: the kept master where it rounds to `param`, the
@@ -149,9 +149,10 @@ class Zero : public Rule, public ZeroOptimizer {
   using Rule::Rule;
 
   Shape local_shape(size_t i) const override { return shards_.local_shape(i); }
-  int64_t state_elements(size_t i) const override {
-    const bool half = is_half(this->params()[i].dtype());
-    return Rule::state_elements(i) + (half ? numel(local_shape(i)) : 0);
+  std::vector<std::string> state_names(size_t i) const override {
+    std::vector<std::string> names = Rule::state_names(i);
+    if (is_half(this->params()[i].dtype())) names.emplace_back(master_weights::kEntry);
+    return names;
   }
   DType state_dtype(size_t i) const override {
     return is_half(this->params()[i].dtype()) ? f32 : Rule::state_dtype(i);

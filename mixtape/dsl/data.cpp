@@ -406,12 +406,14 @@ DataLoader::State DataLoader::state() const {
 // epoch's order taken by all processes together.
 int64_t DataLoader::resumed_position(const State& state) const {
   if (state.shards == shard_.count) return state.position;
-  int64_t taken = state.position * state.batch_size * state.shards, global = batch_size_ * shard_.count;
+  int64_t taken = state.position * state.batch_size * state.shards,
+          global = batch_size_ * shard_.count;
   if (taken % global != 0)
-    fail("DataLoader::load_state: the state was taken by {} processes {} examples into the "
-         "epoch, which is not a whole number of batches of {} processes ({} each); resume at an "
-         "epoch's start or at a world size that divides it",
-         state.shards, taken, shard_.count, batch_size_);
+    fail(
+        "DataLoader::load_state: the state was taken by {} processes {} examples into the "
+        "epoch, which is not a whole number of batches of {} processes ({} each); resume at an "
+        "epoch's start or at a world size that divides it",
+        state.shards, taken, shard_.count, batch_size_);
   return taken / global;
 }
 
@@ -439,7 +441,8 @@ void DataLoader::check_state(const State& state) const {
   if (state.epoch < 0) fail("DataLoader::load_state: epoch {} is negative", state.epoch);
   if (state.shards < 1 || state.shards > n)
     fail("DataLoader::load_state: the state is of {} shards, of a dataset of {}", state.shards, n);
-  if (state.position < 0 || state.position > n)
+  // A loader of `shards` shards has at most this many batches (and the products below fit).
+  if (state.position < 0 || state.position > n / state.shards / state.batch_size + 1)
     fail("DataLoader::load_state: position {} is outside the epoch", state.position);
   if (int64_t position = resumed_position(state); position >= batches_per_epoch())
     fail("DataLoader::load_state: position {} is outside the epoch's {} batches", position,

@@ -23,9 +23,7 @@ void check_rate(const char* schedule, const char* what, double value) {
 
 }  // namespace
 
-ConstantLR::ConstantLR(double lr) : lr_(lr) {
-  if (!(lr >= 0)) fail("ConstantLR: the learning rate must be >= 0, got {}", lr);
-}
+ConstantLR::ConstantLR(double lr) : lr_(lr) { check_rate("ConstantLR", "the learning rate", lr); }
 
 Tensor ConstantLR::graph_lr(const Tensor&) const { return number(lr_); }
 
@@ -35,7 +33,8 @@ CosineWithWarmup::CosineWithWarmup(double peak_lr, int64_t warmup_steps, int64_t
   if (warmup_steps < 0 || total_steps <= 0 || warmup_steps > total_steps)
     fail("CosineWithWarmup: need 0 <= warmup_steps ({}) <= total_steps ({}) and total > 0",
          warmup_steps, total_steps);
-  if (!(peak_lr >= 0) || !(min_lr >= 0)) fail("CosineWithWarmup: learning rates must be >= 0");
+  check_rate("CosineWithWarmup", "peak_lr", peak_lr);
+  check_rate("CosineWithWarmup", "min_lr", min_lr);
 }
 
 double CosineWithWarmup::lr(int64_t step) const {

@@ -17,6 +17,8 @@
 namespace mixtape {
 namespace {
 
+constexpr const char* kMomentumStarted = "~momentum_started";  // SGD: a real step happened
+
 // By a view, not a std::string: names longer than the small-string buffer would allocate on each
 // of the traced loop's lookups.
 Tensor* find_state(NamedTensors& state, std::string_view name) {
@@ -294,6 +296,7 @@ NamedTensors Optimizer::state(size_t param_index) const {
   if (param_index >= params_.size())
     fail("{}: parameter index {} out of range ({} parameters)", kind_, param_index, params_.size());
   NamedTensors visible;
+  if (!state_started(state_[param_index])) return visible;
   for (const auto& entry : state_[param_index])
     if (entry.first.empty() || entry.first[0] != '~') visible.push_back(entry);
   return visible;
@@ -313,15 +316,36 @@ void Optimizer::check_state(size_t param_index, const NamedTensors& state, bool 
       fail("{}: state '{}{}' for parameter {} is {}, not a floating-point tensor", kind_, prefix,
            name, param_index, mixtape::name(value.dtype()));
   }
+  // Every entry the rule keeps, or none (a parameter never stepped), and no others: a state
+  // missing an entry would restart it from zeros under a restored step count, and an entry the
+  // rule does not know is nobody's.
+  if (std::vector<std::string> names = state_names(param_index); !names.empty() && !state.empty()) {
+    for (const auto& [name, value] : state)
+      if (std::find(names.begin(), names.end(), name) == names.end() &&
+          !(name == kMasterWeightEntry && is_half(params_[param_index].dtype())))
+        fail("{}: state '{}{}' for parameter {} is not one of this rule's ({})", kind_, prefix,
+             name, param_index, fmt::join(names, ", "));
+    for (const std::string& name : names)
+      if (std::none_of(state.begin(), state.end(), [&](const auto& e) { return e.first == name; }))
+        fail(
+            "{}: the state for parameter {} has no '{}{}' (it holds {} of this rule's {} "
+            "entries)",
+            kind_, param_index, prefix, name, state.size(), names.size());
+  }
   for (const auto& [name, value] : state) {
     eval({value});
-    const Storage& values = *value.node()->value;
+    // As load_state keeps it.
+    std::shared_ptr<Storage> kept = value.node()->value;
+    if (DType type = loaded_dtype(param_index, kept->dtype); type != kept->dtype)
+      kept = converted(*kept, type);
+    const Storage& values = *kept;
     int64_t bad = allow_nonfinite ? -1 : first_nonfinite(values);
     if (bad >= 0)
       fail(
-          "{}: state '{}{}' for parameter {} holds {} at element {} (pass allow_nonfinite to "
-          "load non-finite values)",
-          kind_, prefix, name, param_index, load_element<double>(values, bad), bad);
+          "{}: state '{}{}' for parameter {} holds {} at element {} as {} (pass allow_nonfinite "
+          "to load non-finite values)",
+          kind_, prefix, name, param_index, load_element<double>(*value.node()->value, bad), bad,
+          mixtape::name(values.dtype));
     std::string problem = impossible_state(name, values);
     if (!problem.empty())
       fail("{}: state '{}{}' for parameter {} {}", kind_, prefix, name, param_index, problem);
@@ -334,7 +358,14 @@ Shape Optimizer::state_shape(const std::string&, const Shape& param) const { ret
 
 Shape Optimizer::local_shape(size_t param_index) const { return params_.at(param_index).shape(); }
 
-int64_t Optimizer::state_elements(size_t) const { return 0; }
+std::vector<std::string> Optimizer::state_names(size_t) const { return {}; }
+
+int64_t Optimizer::state_elements(size_t param_index) const {
+  int64_t elements = 0;
+  for (const std::string& name : state_names(param_index))
+    elements += numel(state_shape(name, local_shape(param_index)));
+  return elements;
+}
 
 DType Optimizer::state_dtype(size_t param_index) const { return params_.at(param_index).dtype(); }
 
@@ -346,10 +377,20 @@ Tensor Optimizer::local_part(size_t, const Tensor& whole) const { return whole; 
 
 void Optimizer::assemble(const std::vector<size_t>&, std::vector<Tensor>&) {}
 
+// The type a fresh optimizer keeps the state in (its parameter's, or f32 where the rule says
+// so), or the state's own where that is wider, so that a resumed run steps as the one that saved
+// it: bf16 state of a bf16 model stays bf16, f64 stays f64, and f32 state of a half parameter
+// (ZeRO's masters and state, gathered into the plain rule for its checkpoint) stays f32.
+DType Optimizer::loaded_dtype(size_t param_index, DType given) const {
+  DType own = state_dtype(param_index);
+  return is_floating(given) && size_of(given) > size_of(own) ? given : own;
+}
+
 void Optimizer::load_state(size_t param_index, const NamedTensors& state, bool allow_nonfinite) {
   check_state(param_index, state, allow_nonfinite);
   NamedTensors converted;
-  for (const auto& [name, value] : state) converted.emplace_back(name, cast(value, f32).detach());
+  for (const auto& [name, value] : state)
+    converted.emplace_back(name, cast(value, loaded_dtype(param_index, value.dtype())).detach());
   // The state handed out earlier (state(i)) keeps the old buffers: count the move off them, so
   // that a replay plan carrying them sees it (Storage::moves_off).
   for (const auto& [name, old] : state_[param_index])
@@ -377,8 +418,16 @@ SGD::SGD(std::vector<Tensor> params, SGDOptions options)
     fail("SGD: Nesterov momentum requires a momentum > 0 and zero dampening");
 }
 
-int64_t SGD::state_elements(size_t param_index) const {  // the momentum buffer
-  return options.momentum != 0 || momentum_scheduled() ? numel(local_shape(param_index)) : 0;
+bool SGD::state_started(const NamedTensors& state) const {
+  // A checkpoint of a zero buffer no real step made loads as no state, and starts as torch's.
+  auto flag = std::find_if(state.begin(), state.end(),
+                           [](const auto& entry) { return entry.first == kMomentumStarted; });
+  return flag == state.end() || flag->second.item() != 0;
+}
+
+std::vector<std::string> SGD::state_names(size_t) const {
+  if (options.momentum != 0 || momentum_scheduled()) return {"momentum_buffer"};
+  return {};
 }
 
 Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
@@ -401,7 +450,7 @@ Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state)
                                                         step_constant(1.0 - options.dampening, g)});
     // The first update copies the gradient. A skipped first step leaves a zero buffer, which
     // with dampening would not update like that, so a flag records whether one really happened.
-    const char* started = "~momentum_started";
+    const char* started = kMomentumStarted;
     Tensor* flag = find_state(state, started);
     if (flag) buffer = where(*flag, buffer, g);
     if (skip_flag().defined() && (flag || (!previous && options.dampening != 0)))
@@ -430,10 +479,12 @@ Adam::Adam(std::vector<Tensor> params, AdamOptions options)
 
 Adam::Adam(std::vector<Tensor> params, AdamOptions options, const char* kind, bool decoupled)
     : Optimizer(std::move(params), kind), options(options), decoupled_(decoupled) {
+  if (!options.weight_decay) this->options.weight_decay = decoupled ? 0.01 : 0.0;
+  options = this->options;
   set_lr(options.lr);
   if (!(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1))
     fail("{}: betas must be in [0, 1), got ({}, {})", kind, options.beta1, options.beta2);
-  if (!(options.eps > 0) || options.weight_decay < 0)
+  if (!(options.eps > 0) || !(*options.weight_decay >= 0))
     fail("{}: eps must be > 0 and weight_decay >= 0", kind);
 }
 
@@ -449,12 +500,10 @@ void Adam::begin_step() {
   Tensor bias2 = 1.0 - pow(full({}, options.beta2, f64), t);
   inv_sqrt_bias2_ = 1.0 / sqrt(bias2);
   step_size_ = lr_value() / bias1;
-  if (decoupled_ && options.weight_decay != 0) decay_ = 1.0 - lr_value() * options.weight_decay;
+  if (decoupled_ && *options.weight_decay != 0) decay_ = 1.0 - lr_value() * *options.weight_decay;
 }
 
-int64_t Adam::state_elements(size_t param_index) const {
-  return 2 * numel(local_shape(param_index));
-}
+std::vector<std::string> Adam::state_names(size_t) const { return {"exp_avg", "exp_avg_sq"}; }
 
 void Adam::start_state(NamedTensors& state, const Tensor& grad) const {
   add_zero_state(state, "exp_avg", grad);
@@ -465,7 +514,8 @@ Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state
   // Fused arithmetic (dsl/ops.def): three nodes where single ops took fourteen, the same f32
   // operations in the same order. The running averages start at zero (start_state).
   Tensor g = grad;
-  if (options.weight_decay != 0 && !decoupled_) g = with_l2_penalty(g, param, options.weight_decay);
+  if (*options.weight_decay != 0 && !decoupled_)
+    g = with_l2_penalty(g, param, *options.weight_decay);
   const Tensor& m_prev = started_state(state, "exp_avg");
   const Tensor& v_prev = started_state(state, "exp_avg_sq");
   auto factor = [&](const Tensor& cycled, double fixed, const Tensor& x) {
@@ -477,7 +527,7 @@ Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state
   Tensor v = lincomb_square({v_prev, step_constant(options.beta2, v_prev), g, rest2});
   set_state(state, "exp_avg", m);
   set_state(state, "exp_avg_sq", v);
-  bool decays = decoupled_ && options.weight_decay != 0;
+  bool decays = decoupled_ && *options.weight_decay != 0;
   return adam_step({param, decays ? step_scalar(decay_, param.dtype()) : step_constant(1, param), m,
                     v, step_scalar(inv_sqrt_bias2_, v.dtype()), step_constant(options.eps, v),
                     step_scalar(step_size_, m.dtype())});
@@ -502,9 +552,11 @@ RMSprop::RMSprop(std::vector<Tensor> params, RMSpropOptions options)
 
 bool RMSprop::keeps_momentum() const { return options.momentum > 0 || momentum_value().defined(); }
 
-int64_t RMSprop::state_elements(size_t param_index) const {
-  const bool momentum = options.momentum > 0 || momentum_scheduled();
-  return (1 + options.centered + momentum) * numel(local_shape(param_index));
+std::vector<std::string> RMSprop::state_names(size_t) const {
+  std::vector<std::string> names = {"square_avg"};
+  if (options.centered) names.push_back("grad_avg");
+  if (options.momentum > 0 || momentum_scheduled()) names.push_back("momentum_buffer");
+  return names;
 }
 
 void RMSprop::start_state(NamedTensors& state, const Tensor& grad) const {
@@ -555,21 +607,25 @@ Adagrad::Adagrad(std::vector<Tensor> params, AdagradOptions options)
     fail("Adagrad: eps must be > 0, and lr_decay, weight_decay and initial_accumulator_value >= 0");
 }
 
-int64_t Adagrad::state_elements(size_t param_index) const {  // "sum"
-  return numel(local_shape(param_index));
-}
+std::vector<std::string> Adagrad::state_names(size_t) const { return {"sum"}; }
 
 Tensor Adagrad::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   Tensor g = grad;
   if (options.weight_decay != 0) g = with_l2_penalty(g, param, options.weight_decay);
-  Tensor* previous = find_state(state, "sum");
-  Tensor g2 = square(g);
-  Tensor sum =
-      previous ? *previous + g2 : g2 + step_constant(options.initial_accumulator_value, g2);
+  Tensor sum = *find_state(state, "sum") + square(g);
   set_state(state, "sum", sum);
   Tensor root = sqrt(sum);
   Tensor ratio = g / (root + step_constant(options.eps, root));
   return sub_mul({param, ratio, step_scalar(step_lr_, g.dtype())});
+}
+
+void Adagrad::start_state(NamedTensors& state, const Tensor& grad) const {
+  // Made before the first update, as torch's at construction: a skipped first step keeps the
+  // initial value (a zero sum, made by the update, lost it).
+  if (find_state(state, "sum")) return;
+  Tensor initial = full(grad.shape(), options.initial_accumulator_value, grad.dtype());
+  eval({initial});
+  state.emplace_back("sum", from_storage(initial.node()->value, grad.shape()));
 }
 
 void Adagrad::begin_step() {
@@ -597,9 +653,7 @@ void Lion::begin_step() {
   rest1_ = beta1_.defined() ? 1.0 - beta1_ : Tensor();
 }
 
-int64_t Lion::state_elements(size_t param_index) const {  // "exp_avg"
-  return numel(local_shape(param_index));
-}
+std::vector<std::string> Lion::state_names(size_t) const { return {"exp_avg"}; }
 
 void Lion::start_state(NamedTensors& state, const Tensor& grad) const {
   add_zero_state(state, "exp_avg", grad);  // lion-pytorch starts the momentum at zeros
@@ -669,13 +723,14 @@ Shape Adafactor::state_shape(const std::string& name, const Shape& param) const 
   return param;
 }
 
-int64_t Adafactor::state_elements(size_t param_index) const {
-  const Shape part = local_shape(param_index);
-  int64_t second_moment = numel(state_shape("exp_avg_sq", part));
-  if (factored(part))
-    second_moment =
-        numel(state_shape("exp_avg_sq_row", part)) + numel(state_shape("exp_avg_sq_col", part));
-  return second_moment + (options.beta1 ? numel(part) : 0);
+std::vector<std::string> Adafactor::state_names(size_t param_index) const {
+  std::vector<std::string> names;
+  if (factored(local_shape(param_index)))
+    names = {"exp_avg_sq_row", "exp_avg_sq_col"};
+  else
+    names = {"exp_avg_sq"};
+  if (options.beta1) names.push_back("exp_avg");
+  return names;
 }
 
 void Adafactor::begin_step() {

@@ -13,6 +13,10 @@
 
 namespace mixtape {
 
+/// The state entry of a half parameter's f32 master copy under ZeRO (dist::Zero). A plain rule
+/// holding ZeRO's gathered state carries it for the ZeRO run that takes the state back.
+inline constexpr const char* kMasterWeightEntry = "master";
+
 /// Base of all optimizers: holds the parameters and their per-parameter state tensors. Each
 /// tensor may be listed once (mt::Error otherwise); Module::parameters() lists a tied weight once.
 /// step() builds every update as graph code and evaluates them together as one program.
@@ -37,6 +41,8 @@ class Optimizer {
   void zero_grad();
   /// The rate set_lr() set last (with a schedule attached, current_lr() is the one in use).
   double lr() const { return lr_; }
+  /// Whether the rule computes its own rate (Adafactor's relative_step): no set_lr() then.
+  bool computes_own_rate() const { return own_rate_ != nullptr; }
   /// Takes effect at the next step. The rate is a graph input (lr_value()), written in place,
   /// so a step compiled by mt::compile follows a schedule set outside it (set_lr(s.lr(step))
   /// between calls). Called inside a compiled function, it keeps that function traced on every
@@ -67,7 +73,8 @@ class Optimizer {
   const char* kind() const { return kind_; }
   const std::vector<Tensor>& params() const { return params_; }
 
-  /// Per-parameter state ("exp_avg", "exp_avg_sq", "momentum_buffer"), for checkpoints.
+  /// Per-parameter state ("exp_avg", "exp_avg_sq", "momentum_buffer"), for checkpoints. Empty
+  /// for a parameter never stepped, also where skipped steps made its (zero) state already.
   NamedTensors state(size_t param_index) const;
   /// mt::Error, changing nothing, unless `state` could be this optimizer's state for parameter
   /// `param_index`: every entry defined, floating point and of the parameter's shape, with values
@@ -83,14 +90,20 @@ class Optimizer {
   /// state for: the parameter's own, except under ZeRO (dist::Zero), where it is this process's
   /// shard of it, flattened ({0} where it holds none).
   virtual Shape local_shape(size_t param_index) const;
-  /// The f32 elements of state the rule keeps for parameter `param_index` (its local_shape()
-  /// part) once it has stepped it: what memory_report counts before the first step makes them.
-  /// 0 for a rule that does not say.
-  virtual int64_t state_elements(size_t param_index) const;
+  /// The names of the state entries the rule keeps for parameter `param_index` once it has
+  /// stepped it (those starting with '~' excepted): a state to load holds all of them or none
+  /// (a parameter never stepped), and no others. Empty for a rule that does not say.
+  virtual std::vector<std::string> state_names(size_t param_index) const;
+  /// The elements of that state (of its local_shape() part): what memory_report counts before
+  /// the first step makes them.
+  int64_t state_elements(size_t param_index) const;
   /// The type of that state as the first step makes it: the parameter's (the rules compute in
   /// their parameter's type, as torch's), f32 where a rule computes in f32 (Adafactor, ZeRO's
-  /// master shards). load_state() keeps loaded state in f32, in which the rule then computes.
+  /// master shards). load_state() keeps loaded state in it, or in the state's own type where
+  /// that is wider.
   virtual DType state_dtype(size_t param_index) const;
+  /// The type load_state() keeps state of type `given` in.
+  DType loaded_dtype(size_t param_index, DType given) const;
   /// Restores state saved by state(), after check_state().
   void load_state(size_t param_index, const NamedTensors& state, bool allow_nonfinite = false);
   void set_steps_taken(int64_t steps);
@@ -123,6 +136,10 @@ class Optimizer {
   /// Why `values` (host values of a state entry `name`, as check_state() found them) cannot be
   /// state this rule produced, or "" when they can. Non-finite values are checked before.
   virtual std::string impossible_state(const std::string& name, const Storage& values) const;
+  /// Whether `state` (a parameter's, '~' entries included) has been stepped: false where only
+  /// skipped steps made it, and a rule's first real step would not treat it as it treats state
+  /// it already stepped (SGD's dampened first momentum). state() then hands out none.
+  virtual bool state_started(const NamedTensors&) const { return true; }
   /// Inside begin_step()/update(): the 1-based number of the update being built, a 0-d f64
   /// graph value (the persistent count plus one).
   const Tensor& step_number() const { return next_step_; }
@@ -200,9 +217,10 @@ class SGD : public Optimizer {
   SGD(std::vector<Tensor> params, SGDOptions options);
   SGDOptions options;
   bool has_momentum() const override { return true; }
-  int64_t state_elements(size_t param_index) const override;
+  std::vector<std::string> state_names(size_t param_index) const override;
 
  protected:
+  bool state_started(const NamedTensors& state) const override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
 };
 
@@ -211,7 +229,9 @@ struct AdamOptions {
   double beta1 = 0.9;
   double beta2 = 0.999;
   double eps = 1e-8;
-  double weight_decay = 0;
+  /// Unset: the rule's default, as torch's: 0 for Adam, 0.01 for AdamW (so AdamW's
+  /// {.lr = 1e-3} decays as torch.optim.AdamW(lr=1e-3) does). Set after construction.
+  std::optional<double> weight_decay = std::nullopt;
 };
 
 /// Adam (L2 weight decay added to the gradient), as torch.optim.Adam.
@@ -220,7 +240,7 @@ class Adam : public Optimizer {
   Adam(std::vector<Tensor> params, AdamOptions options);
   AdamOptions options;
   bool has_momentum() const override { return true; }
-  int64_t state_elements(size_t param_index) const override;
+  std::vector<std::string> state_names(size_t param_index) const override;
 
  protected:
   Adam(std::vector<Tensor> params, AdamOptions options, const char* kind, bool decoupled);
@@ -239,7 +259,7 @@ class Adam : public Optimizer {
 /// AdamW (decoupled weight decay, default 0.01), as torch.optim.AdamW.
 class AdamW : public Adam {
  public:
-  AdamW(std::vector<Tensor> params, AdamOptions options = {.weight_decay = 0.01});
+  AdamW(std::vector<Tensor> params, AdamOptions options = {});
 };
 
 struct RMSpropOptions {
@@ -257,7 +277,7 @@ class RMSprop : public Optimizer {
   RMSprop(std::vector<Tensor> params, RMSpropOptions options = {});
   RMSpropOptions options;
   bool has_momentum() const override { return true; }
-  int64_t state_elements(size_t param_index) const override;
+  std::vector<std::string> state_names(size_t param_index) const override;
 
  protected:
   void start_state(NamedTensors& state, const Tensor& grad) const override;
@@ -282,10 +302,11 @@ class Adagrad : public Optimizer {
  public:
   Adagrad(std::vector<Tensor> params, AdagradOptions options = {});
   AdagradOptions options;
-  int64_t state_elements(size_t param_index) const override;
+  std::vector<std::string> state_names(size_t param_index) const override;
 
  protected:
   void begin_step() override;
+  void start_state(NamedTensors& state, const Tensor& grad) const override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
   std::string impossible_state(const std::string& name, const Storage& values) const override;
 
@@ -308,7 +329,7 @@ class Lion : public Optimizer {
   Lion(std::vector<Tensor> params, LionOptions options = {});
   LionOptions options;
   bool has_momentum() const override { return true; }
-  int64_t state_elements(size_t param_index) const override;
+  std::vector<std::string> state_names(size_t param_index) const override;
 
  protected:
   void begin_step() override;
@@ -346,7 +367,7 @@ class Adafactor : public Optimizer {
   Adafactor(std::vector<Tensor> params, AdafactorOptions options = {});
   AdafactorOptions options;
   Shape state_shape(const std::string& name, const Shape& param) const override;
-  int64_t state_elements(size_t param_index) const override;
+  std::vector<std::string> state_names(size_t param_index) const override;
   DType state_dtype(size_t) const override { return f32; }
 
  protected:

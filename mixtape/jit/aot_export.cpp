@@ -70,6 +70,9 @@ Named checkpoint_names(const Options& o) {
         add(named, "optimizer." + found->first + "." + state, value);
     }
     named.metadata.emplace_back("optimizer.kind", o.optimizer->kind());
+    // The rate, as save_checkpoint writes it (the exported step keeps the one set at export).
+    if (!o.optimizer->computes_own_rate())
+      named.metadata.emplace_back("optimizer.lr", fmt::format("{}", o.optimizer->lr()));
     // The step count is checkpoint metadata ("optimizer.steps"); the artifact keeps it as a
     // tensor of its own weights file.
     add(named, "aot.optimizer.steps", o.optimizer->step_count());

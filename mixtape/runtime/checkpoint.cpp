@@ -4,8 +4,10 @@
 
 #include <algorithm>
 #include <charconv>
+#include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string_view>
 
@@ -195,6 +197,21 @@ std::pair<NamedTensors, Metadata> checkpoint_entries(const std::string& path, co
                                                      const CheckpointOptions& options) {
   check_options(path, options);
   NamedTensors tensors = module.state_dict();
+  // Names the loader would read as the checkpoint's own entries: refused here, not after the
+  // file is written (it would never load).
+  for (const auto& [name, value] : tensors)
+    if (name.starts_with(kOptimizerPrefix) || is_scaler_tensor(name) || is_loader_tensor(name))
+      fail(
+          "save_checkpoint {}: the module's entry '{}' has a name the checkpoint keeps for its "
+          "optimizer, scaler or loader state; rename the submodule",
+          path, name);
+  for (const auto& [key, value] : metadata)
+    if (key == "format" || key.starts_with(kOptimizerPrefix) || key.starts_with(kScalerPrefix) ||
+        key.starts_with(kGeneratorPrefix) || key.starts_with("loader."))
+      fail(
+          "save_checkpoint {}: metadata key '{}' is the checkpoint's own (format, optimizer.*, "
+          "scaler.*, generator.*, loader.*)",
+          path, key);
   Metadata meta = metadata;
   meta.emplace_back("format", "mixtape-checkpoint-1");
   if (optimizer) {
@@ -204,6 +221,9 @@ std::pair<NamedTensors, Metadata> checkpoint_entries(const std::string& path, co
         tensors.emplace_back(kOptimizerPrefix + names[i] + "." + state_name, value);
     meta.emplace_back("optimizer.steps", std::to_string(optimizer->steps_taken()));
     meta.emplace_back("optimizer.kind", optimizer->kind());
+    // The rate set_lr() set, as torch's param_groups carry it (a schedule's follows the steps).
+    if (!optimizer->computes_own_rate())
+      meta.emplace_back("optimizer.lr", fmt::format("{}", optimizer->lr()));
   }
   if (scaler)
     for (const auto& [name, value] : scaler->state_dict()) {
@@ -251,6 +271,14 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
                         Module& module, Optimizer* optimizer, Metadata* metadata,
                         GradScaler* scaler, const CheckpointOptions& options) {
   check_options(path, options);
+  {  // the entries' values, computed (a caller's may be expressions not yet evaluated)
+    std::vector<Tensor> values;
+    for (const auto& [name, value] : all) {
+      if (!value.defined()) fail("load_checkpoint {}: entry '{}' is undefined", path, name);
+      values.push_back(value);
+    }
+    eval(values);
+  }
   NamedTensors model, optimizer_entries;
   for (auto& entry : all)
     if (!is_scaler_tensor(entry.first) && !is_loader_tensor(entry.first))
@@ -269,6 +297,7 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
   }
   std::vector<NamedTensors> states;
   int64_t steps = 0;
+  std::optional<double> lr;  // the rate set_lr() set, where the file has it
   if (optimizer) {
     std::vector<std::string> names = optimizer_param_names(module, *optimizer, path);
     std::string kind = metadata_value(meta, "optimizer.kind");
@@ -281,6 +310,16 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
     if (steps_text.empty() || ec != std::errc() || end != steps_text.data() + steps_text.size() ||
         steps < 0)
       fail("load_checkpoint {}: no valid optimizer step count in the metadata", path);
+    if (has_metadata(meta, "optimizer.lr") && !optimizer->computes_own_rate()) {
+      std::string text = metadata_value(meta, "optimizer.lr");
+      double value = 0;
+      auto [lr_end, lr_ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+      if (text.empty() || lr_ec != std::errc() || lr_end != text.data() + text.size() ||
+          !std::isfinite(value) || value < 0)
+        fail("load_checkpoint {}: metadata 'optimizer.lr' = '{}' is not a learning rate", path,
+             text);
+      lr = value;
+    }
     for (size_t i = 0; i < names.size(); ++i) {
       std::string prefix = kOptimizerPrefix + names[i] + ".";
       NamedTensors state;
@@ -299,14 +338,22 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
     // Only the module's own entries: others are reported as unexpected by load_state_dict.
     NamedTensors own = module.state_dict();
     for (const auto& [name, value] : model) {
-      if (!find_entry(own, name)) continue;
-      const Storage& values = *value.node()->value;
-      int64_t bad = first_nonfinite(values);
+      const Tensor* mine = find_entry(own, name);
+      if (!mine) continue;
+      // As the module will hold it: an f32 1e6 loaded into an f16 parameter is inf there.
+      std::shared_ptr<Storage> values = value.node()->value;
+      if (is_floating(mine->dtype()) && values->dtype != mine->dtype())
+        values = converted(*values, mine->dtype());
+      int64_t bad = first_nonfinite(*values);
       if (bad >= 0)
         fail(
-            "load_checkpoint {}: '{}' holds {} at element {} (pass allow_nonfinite to load "
+            "load_checkpoint {}: '{}' holds {} at element {}{} (pass allow_nonfinite to load "
             "non-finite values)",
-            path, name, load_element<double>(values, bad), bad);
+            path, name, load_element<double>(*value.node()->value, bad), bad,
+            values == value.node()->value
+                ? ""
+                : fmt::format(", which is {} as the module's {}",
+                              load_element<double>(*values, bad), mixtape::name(mine->dtype())));
     }
   }
   std::vector<std::pair<uint64_t, uint64_t>> generator_states;
@@ -331,6 +378,8 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
     for (size_t i = 0; i < states.size(); ++i)
       optimizer->load_state(i, states[i], options.allow_nonfinite);
     optimizer->set_steps_taken(steps);
+    // A schedule attached to this optimizer decides its rate; else the saved one is restored.
+    if (lr && !optimizer->schedule()) optimizer->set_lr(*lr);
   }
   if (!scaler_entries.empty()) scaler->load_state_dict(scaler_entries);
   for (size_t i = 0; i < generator_states.size(); ++i)

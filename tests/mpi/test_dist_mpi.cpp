@@ -214,14 +214,16 @@ TEST_F(DataParallel, TwoRanksAtBatchBEqualOneProcessAt2B) {
 }
 
 // Under autocast the weight gradients are half products, rounded on each rank before the
-// reduction and once over the whole batch alone: the runs agree to the half type's precision,
-// and the dynamic scale (grown every 5 steps from 1024) follows the same course.
+// reduction and once over the whole batch alone: the runs agree to the half type's precision
+// (after 20 steps, a few units in the last place: 1e-2 is 1.3 bf16 ulps, 5e-3 is 5 f16 ulps;
+// the worst f16 element measured 3.8e-3 with the loader's order since session 38), and the
+// dynamic scale (grown every 5 steps from 1024) follows the same course.
 void expect_half_runs_repeat_and_match_one_process(Precision half) {
   Result first = train({.precision = half, .check_each_step = true, .adam = false});
   Result again = train({.precision = half, .adam = false});
   EXPECT_EQ(first.params, again.params);
   Result alone = train({.parallel = false, .precision = half, .adam = false});
-  expect_close(first.params, alone.params, half == Precision::bf16 ? 1e-2 : 2e-3);
+  expect_close(first.params, alone.params, half == Precision::bf16 ? 1e-2 : 5e-3);
   EXPECT_EQ(first.scales, alone.scales);
   EXPECT_NE(std::adjacent_find(first.scales.begin(), first.scales.end(), std::not_equal_to<>()),
             first.scales.end())
