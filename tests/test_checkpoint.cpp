@@ -204,7 +204,7 @@ TEST_F(Checkpoint, OneProcessShardedCheckpointResumesBitIdentically) {
       batch_norm_run, dir,
       [](auto& d, auto& m, auto* o) { mt::dist::save_checkpoint_sharded(d, m, o); },
       [](auto& d, auto& m, auto* o) { mt::dist::load_checkpoint_sharded(d, m, o); });
-  EXPECT_TRUE(fs::exists(dir + "/checkpoint-00001-of-00001.safetensors"));
+  EXPECT_NE(shard_file(dir, 0, 1), "");
   Training run = batch_norm_run(3);
   const std::string index = dir + "/checkpoint.safetensors.index.json";
   write_bytes(index, Bytes(3, std::byte{'{'}));
@@ -213,6 +213,34 @@ TEST_F(Checkpoint, OneProcessShardedCheckpointResumesBitIdentically) {
   std::ofstream(index) << R"({"metadata": {"format": "mixtape-checkpoint-1"}})";
   EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(dir, *run.model, run.opt.get()), index,
                   "not a mixtape-sharded-checkpoint-1 index");
+}
+
+// A sharded save over an earlier one that dies before its index is renamed (the commit point)
+// must leave the earlier save loadable. Before, the shard files had fixed names and were
+// overwritten one by one: the old index then named files of the new save, and neither loaded.
+// The folder a death just before the rename leaves is built from the two saves' files: the new
+// save's shard files, the old index, and every old shard file the new save did not overwrite.
+TEST_F(Checkpoint, AShardedSaveThatDiesBeforeItsIndexLeavesTheEarlierSaveWhole) {
+  const std::string dir = path("sharded_twice"), first = path("sharded_first"),
+                    died = path("sharded_died");
+  Training run = batch_norm_run(1);
+  run.train(0, 2);
+  mt::dist::save_checkpoint_sharded(dir, *run.model, run.opt.get());
+  const Snapshot saved = snapshot(*run.model, run.opt.get());
+  fs::copy(dir, first);
+  run.train(2, 4);
+  mt::dist::save_checkpoint_sharded(dir, *run.model, run.opt.get());
+  EXPECT_NE(shard_file(dir, 0, 1), "") << "one shard file: the earlier save's is removed";
+
+  fs::copy(dir, died);
+  fs::copy_file(first + "/checkpoint.safetensors.index.json",
+                died + "/checkpoint.safetensors.index.json", fs::copy_options::overwrite_existing);
+  for (const auto& old : fs::directory_iterator(first))
+    if (!fs::exists(died + "/" + old.path().filename().string()))
+      fs::copy_file(old.path(), died + "/" + old.path().filename().string());
+  Training resumed = batch_norm_run(2);
+  mt::dist::load_checkpoint_sharded(died, *resumed.model, resumed.opt.get());
+  EXPECT_TRUE(snapshot(*resumed.model, resumed.opt.get()) == saved);
 }
 
 // The MLP under another optimizer, with a schedule that follows the restored step count.

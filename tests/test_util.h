@@ -9,6 +9,7 @@
 #include <bit>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -64,6 +65,24 @@ inline int wait_for_child(pid_t child, std::chrono::milliseconds limit) {
 }
 
 /// f32 values rounded to nearest even in `dtype` and widened back.
+/// The shard file of process `rank` (0-based) of `world` in the sharded checkpoint folder `dir`
+/// (its name carries the save's id): its path, or "" where there is none or more than one.
+inline std::string shard_file(const std::string& dir, int rank, int world) {
+  char suffix[64];
+  std::snprintf(suffix, sizeof suffix, "-%05d-of-%05d.safetensors", rank + 1, world);
+  std::string found;
+  int count = 0;
+  std::error_code ignored;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ignored)) {
+    const std::string name = entry.path().filename().string();
+    if (name.starts_with("checkpoint-") && name.ends_with(suffix)) {
+      found = entry.path().string();
+      ++count;
+    }
+  }
+  return count == 1 ? found : "";
+}
+
 inline std::vector<float> rounded_to(const std::vector<float>& values, ::mixtape::DType dtype) {
   ::mixtape::Tensor t = ::mixtape::tensor(values, {static_cast<int64_t>(values.size())});
   return ::mixtape::cast(::mixtape::cast(t, dtype), ::mixtape::f32).to_vector<float>();

@@ -10,6 +10,7 @@
 #include <fstream>
 #include <map>
 #include <random>
+#include <regex>
 #include <set>
 #include <span>
 #include <sstream>
@@ -32,8 +33,21 @@ constexpr const char* kFormat = "mixtape-sharded-checkpoint-1";
 constexpr const char* kIndexName = "checkpoint.safetensors.index.json";
 constexpr std::string_view kOptimizerPrefix = "optimizer.";
 
-std::string file_name(int rank, int processes) {
-  return fmt::format("checkpoint-{:05d}-of-{:05d}.safetensors", rank + 1, processes);
+// A save's shard files carry its id, so that a save over an earlier one writes new files beside
+// the old ones and the index (renamed over the old index last) is the one point where the new
+// save replaces the old: a save that dies before leaves the old one whole. `stem` is
+// "checkpoint-<id>"; indexes of earlier versions name files "checkpoint-00001-of-00002...", whose
+// stem is "checkpoint".
+std::string file_name(const std::string& stem, int rank, int processes) {
+  return fmt::format("{}-{:05d}-of-{:05d}.safetensors", stem, rank + 1, processes);
+}
+
+std::string stem_of(const std::string& id) { return "checkpoint-" + id; }
+
+// Whether `file` is a shard file of some save (any id, or the earlier unnamed form).
+bool is_shard_file(const std::string& file) {
+  static const std::regex pattern(R"(checkpoint-(?:[0-9a-f]{16}-)?\d{5}-of-\d{5}\.safetensors)");
+  return std::regex_match(file, pattern);
 }
 
 std::string in_dir(const std::string& dir, const std::string& name) {
@@ -118,6 +132,7 @@ struct Index {
   std::string path;
   int world_size = 0;
   std::string id;
+  std::string stem;  // of its files' names (file_name)
   std::vector<std::string> model;
   Metadata metadata;
   std::map<std::string, int> weight_map;  // entry -> file
@@ -139,7 +154,7 @@ json::Value make_index(const std::string& id, const Module& module, const Metada
       json::Value& entry = pieces[piece.at(0).get<std::string>()];
       if (entry.is_null()) entry = {{"shape", piece.at(3)}, {"files", json::Value::array()}};
       entry["files"].push_back(
-          json::Value::array({file_name(q, processes), piece.at(1), piece.at(2)}));
+          json::Value::array({file_name(stem_of(id), q, processes), piece.at(1), piece.at(2)}));
     }
   }
   json::Value index = json::Value::object();
@@ -151,7 +166,7 @@ json::Value make_index(const std::string& id, const Module& module, const Metada
   index["model"] = describe_entries(module.state_dict());
   json::Value weight_map = json::Value::object();
   for (size_t k = 0; k < whole_names.size(); ++k)
-    json::append(weight_map, whole_names[k], file_name(owners[k], processes));
+    json::append(weight_map, whole_names[k], file_name(stem_of(id), owners[k], processes));
   index["weight_map"] = std::move(weight_map);
   index["pieces"] = std::move(pieces);
   return index;
@@ -169,13 +184,21 @@ std::string text(const json::Value& value, std::string_view what, const std::str
   return value.get<std::string>();
 }
 
-int file_index(const Index& index, const json::Value& name) {
+// The rank whose file `name` is; the first name read decides the index's stem (this version's
+// or the earlier one), which every other name must share.
+int file_index(Index& index, const json::Value& name) {
   const std::string file = text(name, "a file name", index.path);
-  int rank = 0, processes = 0;
-  if (std::sscanf(file.c_str(), "checkpoint-%d-of-%d", &rank, &processes) == 2 &&
-      processes == index.world_size && rank >= 1 && rank <= processes &&
-      file == file_name(rank - 1, processes))
+  for (const std::string& stem : {stem_of(index.id), std::string("checkpoint")}) {
+    if (!index.stem.empty() && stem != index.stem) continue;
+    int rank = 0, processes = 0;
+    if (!file.starts_with(stem + "-") ||
+        std::sscanf(file.c_str() + stem.size(), "-%d-of-%d", &rank, &processes) != 2 ||
+        processes != index.world_size || rank < 1 || rank > processes ||
+        file != file_name(stem, rank - 1, processes))
+      continue;
+    index.stem = stem;
     return rank - 1;
+  }
   fail("load_checkpoint_sharded {}: '{}' is none of the index's {} shard files", index.path, file,
        index.world_size);
 }
@@ -218,6 +241,7 @@ Index read_index(const std::string& dir) {
                                 json::as_int(part[2]));
     }
   }
+  if (index.stem.empty()) index.stem = stem_of(index.id);  // no entries: files of no data
   return index;
 }
 
@@ -236,7 +260,13 @@ void check_model(const Index& index, const Module& module) {
 
 // Shard file q of the index, checked to belong to the same save.
 safetensors::File read_shard(const std::string& dir, const Index& index, int q) {
-  const std::string path = in_dir(dir, file_name(q, index.world_size));
+  const std::string path = in_dir(dir, file_name(index.stem, q, index.world_size));
+  std::error_code ignored;
+  if (!std::filesystem::exists(path, ignored))
+    fail(
+        "load_checkpoint_sharded {}: shard {} of the save the index describes (checkpoint id {}) "
+        "is not in the folder: the index is of another save, or the file was moved or removed",
+        path, q, index.id);
   safetensors::File file = safetensors::read(path);
   if (metadata_of(file, "format") != kFormat || metadata_of(file, "checkpoint_id") != index.id ||
       metadata_of(file, "rank") != std::to_string(q))
@@ -266,7 +296,7 @@ void check_complete(const Index& index, const NamedTensors& entries) {
   for (const auto& [name, file] : index.weight_map)
     if (!have.count(name))
       fail("load_checkpoint_sharded {}: '{}' is missing from {}", index.path, name,
-           file_name(file, index.world_size));
+           file_name(index.stem, file, index.world_size));
 }
 
 // The parts of a sharded optimizer entry, sorted by their first element, checked to cover it
@@ -282,7 +312,7 @@ std::vector<std::tuple<int64_t, int64_t, int>> covering_parts(const Index& index
     if (begin != at)
       fail(
           "load_checkpoint_sharded {}: the parts of '{}' do not cover it (elements {} to {} of {})",
-          index.path, name, begin, end, file_name(file, index.world_size));
+          index.path, name, begin, end, file_name(index.stem, file, index.world_size));
     at = end;
   }
   if (at != numel(pieces.shape))
@@ -300,7 +330,7 @@ Tensor assemble(const Index& index, const std::string& name, const Pieces& piece
     if (found == parts.end() || found->second.numel() != end - begin)
       fail(
           "load_checkpoint_sharded {}: the parts of '{}' do not cover it (elements {} to {} of {})",
-          index.path, name, begin, end, file_name(file, index.world_size));
+          index.path, name, begin, end, file_name(index.stem, file, index.world_size));
     flat.push_back(reshape(found->second, {-1}));
   }
   return reshape(flat.size() == 1 ? flat[0] : concat(flat), pieces.shape);
@@ -393,7 +423,7 @@ NamedTensors read_held(const std::string& dir, const Index& index, const Module&
     for (const auto& [begin, end, file] : covering_parts(index, name, pieces))
       if (!h.parts.emplace(file, std::pair(begin, end)).second)
         fail("load_checkpoint_sharded {}: '{}' has two parts in {}", index.path, name,
-             file_name(file, index.world_size));
+             file_name(index.stem, file, index.world_size));
   }
   NamedTensors entries;
   for (int q = 0; q < index.world_size; ++q) {
@@ -408,11 +438,12 @@ NamedTensors read_held(const std::string& dir, const Index& index, const Module&
       auto part = h.parts.find(q);
       if (part == h.parts.end())
         fail("load_checkpoint_sharded {}: the index places no part of '{}' in {}", index.path,
-             data.name, file_name(q, index.world_size));
+             data.name, file_name(index.stem, q, index.world_size));
       const auto [begin, end] = part->second;
       if (numel(data.shape) != end - begin)
         fail("load_checkpoint_sharded {}: '{}' holds {} elements in {}, the index says {}",
-             index.path, data.name, numel(data.shape), file_name(q, index.world_size), end - begin);
+             index.path, data.name, numel(data.shape), file_name(index.stem, q, index.world_size),
+             end - begin);
       if (h.seen.empty()) {
         h.data.name = data.name;
         h.data.dtype = data.dtype;
@@ -528,7 +559,7 @@ void save_checkpoint_sharded(const std::string& dir, const Module& module,
   const std::string id = new_checkpoint_id();
   try {
     std::filesystem::create_directories(dir);
-    save_tensors(in_dir(dir, file_name(rank, processes)), mine,
+    save_tensors(in_dir(dir, file_name(stem_of(id), rank, processes)), mine,
                  {{"format", kFormat},
                   {"checkpoint_id", id},
                   {"rank", std::to_string(rank)},
@@ -552,6 +583,15 @@ void save_checkpoint_sharded(const std::string& dir, const Module& module,
     }
   }
   fail_together(error, "dist::save_checkpoint_sharded");
+  // The new save is in place: earlier saves' shard files are no one's now. Every process removes
+  // those it sees (a folder of each host's own, or one shared); a file another removed first, or
+  // one that cannot be removed, is left (it costs space, not the checkpoint).
+  std::error_code ignored;
+  for (const auto& found : std::filesystem::directory_iterator(dir, ignored)) {
+    const std::string file = found.path().filename().string();
+    if (is_shard_file(file) && !file.starts_with(stem_of(id) + "-"))
+      std::filesystem::remove(found.path(), ignored);
+  }
 }
 
 void load_checkpoint_sharded(const std::string& dir, Module& module, Optimizer* optimizer,
@@ -609,7 +649,7 @@ void load_checkpoint_sharded(const std::string& dir, Module& module, Optimizer* 
       for (int q = 0; q < processes; ++q) {
         auto bytes = std::as_bytes(std::span(everyone[q].data(), everyone[q].size()));
         NamedTensors theirs =
-            tensors_of(safetensors::parse(bytes, file_name(q, processes)).tensors);
+            tensors_of(safetensors::parse(bytes, file_name(index.stem, q, processes)).tensors);
         entries.insert(entries.end(), theirs.begin(), theirs.end());
       }
       check_complete(index, entries);
