@@ -1330,3 +1330,27 @@ TEST(Autograd, LeafGradientSumsKeepTheLeafsTypeUnderTheCallersPolicy) {
   }
   EXPECT_EQ(w.grad().to_vector<float>()[0], 2049.0f);
 }
+
+// The library's own arithmetic took the caller's policy: inside a pure-f16 scope the gradient
+// norm squared in f16 (300^2 is inf there) and the optimizer wrote its f32 weights from an f16
+// update. PyTorch's autocast reaches neither; here they keep their traced types.
+TEST(Autograd, OptimizerNormAndScalerArithmeticIgnoreTheCallersPolicy) {
+  auto run = [](bool inside) {
+    mt::Tensor w = mt::tensor(std::vector<float>{1, 1}, {2}).requires_grad_();
+    mt::GradScaler scaler({.init_scale = 2.0});  // f16 gradients 600 and 800: finite
+    mt::SGD opt({w}, {.lr = 1e-3});
+    std::optional<mt::autocast> guard;
+    if (inside) guard.emplace(mt::pure_policy(mt::f16));
+    mt::Tensor loss = mt::sum(w * mt::tensor(std::vector<float>{300, 400}, {2}));
+    scaler.scale(loss).backward();
+    scaler.unscale_(opt);
+    double norm = mt::clip_grad_norm({w}, 1e4).item();
+    scaler.step(opt);
+    scaler.update();
+    return std::pair{norm, w.to_vector<float>()};
+  };
+  auto [norm, weights] = run(true);
+  EXPECT_EQ(norm, 500.0);
+  EXPECT_EQ(weights, run(false).second);
+  EXPECT_EQ(weights, (std::vector<float>{1.0f - 0.3f, 1.0f - 0.4f}));
+}

@@ -178,20 +178,9 @@ void accumulate(Terms& grads, const NodePtr& node, Tensor g) {
 // A node's gradient once every contribution is in (reverse tape order sees to that): adjacent
 // unslices joined, in whatever order they arrived, then the rest summed in arrival order.
 // Sums of a leaf's gradients are the leaf's own, not the forward pass's: they are made with no
-// policy (as traced, in the leaf's type, as PyTorch accumulates a parameter's gradient), whatever
-// policy the caller of backward() has in effect. Inside a BackwardScope the forward node's
-// policy types the nodes, so only the sums made outside one need this.
-class LeafSumScope {
- public:
-  LeafSumScope() : previous_(exchange_current_policy(nullptr)) {}
-  ~LeafSumScope() { exchange_current_policy(std::move(previous_)); }
-  LeafSumScope(const LeafSumScope&) = delete;
-  LeafSumScope& operator=(const LeafSumScope&) = delete;
-
- private:
-  std::shared_ptr<const Policy> previous_;
-};
-
+// policy (as traced, in the leaf's type, as PyTorch accumulates a parameter's gradient). Inside
+// a BackwardScope the forward node's policy types the nodes, so only the sums made outside one
+// need this (NoPolicyScope).
 const Tensor& combine(TermList& list) {
   if (list.more.empty()) return list.first;
   std::vector<Tensor> terms;
@@ -254,7 +243,7 @@ std::vector<std::pair<const Node*, Tensor>> backpropagate(const std::vector<Node
       if (input_grads[i].defined() && node->inputs[i]->requires_grad)
         accumulate(grads, node->inputs[i], std::move(input_grads[i]));
   }
-  LeafSumScope leaf_sums;
+  NoPolicyScope leaf_sums;
   std::vector<std::pair<const Node*, Tensor>> result;
   result.reserve(grads.arrival.size());
   for (size_t slot = 0; slot < grads.arrival.size(); ++slot)
@@ -313,7 +302,7 @@ void Tensor::backward(const Tensor& grad, bool retain_graph, const Loc& loc) con
   // Only a tensor reached through an old value can appear twice, so the search for its entry
   // runs from the first such leaf on: the usual backward (every leaf current) makes no search.
   LeafGradients leaves;
-  std::optional<LeafSumScope> leaf_sums(std::in_place);
+  NoPolicyScope leaf_sums;  // also for the hooks (data parallel's reduction sets none either)
   bool old_value_seen = false;
   for (auto& [node, g] : grads) {
     if (op_info(node->op).kind != OpKind::Leaf) continue;
@@ -328,7 +317,6 @@ void Tensor::backward(const Tensor& grad, bool retain_graph, const Loc& loc) con
     else
       leaves.emplace_back(std::move(owner), std::move(g));
   }
-  leaf_sums.reset();  // the hooks (data parallel's reduction) make nodes of their own choosing
   GradientHooks& hooks = gradient_hooks();
   if (hooks.count.load(std::memory_order_acquire) > 0) {
     std::vector<std::shared_ptr<const GradientHook>> now;
@@ -338,7 +326,6 @@ void Tensor::backward(const Tensor& grad, bool retain_graph, const Loc& loc) con
     }
     for (const auto& hook : now) (*hook)(leaves);
   }
-  leaf_sums.emplace();
   for (auto& [owner, g] : leaves) {
     note_gradient_change(owner, true);
     NodePtr sum = owner->grad ? (Tensor(owner->grad) + g).node() : g.node();

@@ -79,19 +79,6 @@ void take_rank0_values(ProcessGroup& group, const NamedTensors& state) {
   }
 }
 
-// Nodes made by the reduction keep the types the gradients have (or reduce_dtype), whatever
-// policy the caller's backward() runs under.
-class NoPolicy {
- public:
-  NoPolicy() : saved_(exchange_current_policy(nullptr)) {}
-  ~NoPolicy() { exchange_current_policy(std::move(saved_)); }
-  NoPolicy(const NoPolicy&) = delete;
-  NoPolicy& operator=(const NoPolicy&) = delete;
-
- private:
-  std::shared_ptr<const Policy> saved_;
-};
-
 }  // namespace
 
 DataParallel::DataParallel(Module& module, DataParallelOptions options)
@@ -167,7 +154,9 @@ void DataParallel::average(LeafGradients& gradients) {
     slot = gradient_slots(gradients, param_of, params_.size());
   if (slot.empty()) return;
   NoGradGuard no_grad;
-  NoPolicy no_policy;
+  // The reduction keeps the types the gradients have (or reduce_dtype), whatever policy the
+  // caller's backward() runs under.
+  NoPolicyScope no_policy;
   for (size_t p = 0; p < params_.size(); ++p) {
     // A parameter gone is gone on every process alike (the module owns them).
     if (slot[p] != SIZE_MAX || !owners[p]) continue;

@@ -97,6 +97,21 @@ const std::shared_ptr<const Policy>& current_policy();
 /// Sets it, returning the previous one; mt::autocast is the scoped way to use this.
 std::shared_ptr<const Policy> exchange_current_policy(std::shared_ptr<const Policy> policy);
 
+/// Nodes made while it lives take no policy (they keep their traced types), whatever policy the
+/// caller has in effect: the library's own arithmetic that autocast must not reach, as PyTorch's
+/// autocast does not reach it (optimizer updates, gradient norms, loss-scale bookkeeping, sums
+/// into a leaf's gradient, data parallel's reductions).
+class NoPolicyScope {
+ public:
+  NoPolicyScope() : previous_(exchange_current_policy(nullptr)) {}
+  ~NoPolicyScope() { exchange_current_policy(std::move(previous_)); }
+  NoPolicyScope(const NoPolicyScope&) = delete;
+  NoPolicyScope& operator=(const NoPolicyScope&) = delete;
+
+ private:
+  std::shared_ptr<const Policy> previous_;
+};
+
 /// Nodes made while it lives differentiate `forward`: they take its policy, composite and
 /// module path, so backward runs at the precision of the forward node (DESIGN.md decision 4).
 class BackwardScope {

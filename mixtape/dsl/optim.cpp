@@ -170,6 +170,7 @@ void Optimizer::step_unless(const Tensor& skip) {
 }
 
 void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also) {
+  NoPolicyScope no_policy;  // the update keeps its traced types under the caller's autocast
   warn_about_orphan_parameters();
   for (size_t i = 0; i < also.size(); ++i)
     if (!also[i].defined()) fail("{}: step_unless: extra output {} is undefined", kind_, i);
@@ -792,6 +793,7 @@ std::string Adafactor::impossible_state(const std::string& name, const Storage& 
 
 Tensor grad_norm(const std::vector<Tensor>& params) {
   NoGradGuard no_grad;
+  NoPolicyScope no_policy;  // squares in f32 under a pure-f16 scope too
   // Under ZeRO each process holds its shard of a gradient and zeros elsewhere: the squares of
   // those are summed over the processes (one all_reduce), the others' are the same everywhere.
   Tensor total, sharded;
@@ -814,6 +816,7 @@ Tensor grad_norm(const std::vector<Tensor>& params) {
 Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
   if (!(max_norm > 0)) fail("clip_grad_norm: max_norm must be > 0, got {}", max_norm);
   NoGradGuard no_grad;
+  NoPolicyScope no_policy;
   bool any_grad = false;
   for (const Tensor& p : params) any_grad = any_grad || p.grad().defined();
   if (!any_grad) return scalar(0.0);

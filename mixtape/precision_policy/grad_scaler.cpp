@@ -118,6 +118,7 @@ Tensor GradScaler::found_inf() const {
 }
 
 Tensor GradScaler::scale(const Tensor& loss) {
+  NoPolicyScope no_policy;  // loss-scale arithmetic keeps its traced types under any autocast
   if (!loss.defined()) fail("GradScaler.scale: the loss is an undefined tensor");
   if (!options_.enabled) return loss;
   if (!is_floating(loss.dtype()))
@@ -128,6 +129,7 @@ Tensor GradScaler::scale(const Tensor& loss) {
 }
 
 void GradScaler::unscale_(Optimizer& optimizer) {
+  NoPolicyScope no_policy;
   if (!options_.enabled) return;
   PerOptimizer& state = state_of(optimizer);
   if (state.stage == Stage::Unscaled)
@@ -171,6 +173,7 @@ void GradScaler::unscale_(Optimizer& optimizer) {
 }
 
 void GradScaler::step(Optimizer& optimizer) {
+  NoPolicyScope no_policy;
   if (!options_.enabled) {
     optimizer.step();
     return;
@@ -191,6 +194,7 @@ void GradScaler::step(Optimizer& optimizer) {
 }
 
 void GradScaler::update() {
+  NoPolicyScope no_policy;
   if (!options_.enabled) return;
   Tensor combined = combined_found_inf();
   if (!combined.defined())
@@ -225,6 +229,7 @@ void GradScaler::update() {
 }
 
 void GradScaler::update(double new_scale) {
+  NoPolicyScope no_policy;
   if (!options_.enabled) return;
   if (!fits_f32_scale(new_scale))
     fail("GradScaler.update: the new scale must be a normal f32 value in [2^-126, 3.4e38], got {}",
