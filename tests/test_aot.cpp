@@ -8,6 +8,7 @@
 #include <fstream>
 
 #include "examples/digits_model.h"
+#include "mixtape/runtime/safetensors.h"
 #include "tests/aot_test_util.h"
 
 namespace mt = mixtape;
@@ -131,6 +132,34 @@ TEST_P(AotStep, TrainingStepEqualsCompile) {
   // And the C++ side reads it, and the artifact reads what C++ wrote.
   mt::load_checkpoint(saved, net, &opt, nullptr, &scaler);
   EXPECT_EQ(mixtape_aot_load(model.m, reference.c_str()), 0) << mixtape_aot_error(model.m);
+  if (policy == "f16") {
+    // NAME_load took any scaler settings and growth tracker: the step's are compiled in, so a
+    // file of other settings is refused (load_checkpoint adopts them, as PyTorch's), and a
+    // tracker that is no count below the interval as load_checkpoint refuses it.
+    const std::string bad = dir + "_bad.safetensors";
+    mt::safetensors::File file = mt::safetensors::read(reference);
+    for (auto& [key, value] : file.metadata)
+      if (key == "scaler.growth_interval") value = "1000";
+    mt::safetensors::write(bad, file);
+    EXPECT_EQ(mixtape_aot_load(model.m, bad.c_str()), MIXTAPE_AOT_ERROR_FILE);
+    EXPECT_NE(std::string(mixtape_aot_error(model.m)).find("scaler.growth_interval = 1000"),
+              std::string::npos)
+        << mixtape_aot_error(model.m);
+    for (double tracker : {-1.0, 2000.0}) {
+      mt::safetensors::File file = mt::safetensors::read(reference);
+      for (mt::safetensors::TensorData& t : file.tensors)
+        if (t.name == "scaler.growth_tracker") {
+          mt::Tensor value = mt::full(t.shape, tracker, t.dtype);
+          mt::eval({value});
+          const std::byte* bytes = value.node()->value->host_data();
+          t.bytes.assign(bytes, bytes + t.bytes.size());
+        }
+      mt::safetensors::write(bad, file);
+      EXPECT_EQ(mixtape_aot_load(model.m, bad.c_str()), MIXTAPE_AOT_ERROR_FILE) << tracker;
+      EXPECT_THROW(mt::load_checkpoint(bad, net, &opt, nullptr, &scaler), mt::Error) << tracker;
+    }
+    fs::remove(bad);
+  }
   for (const std::string& f : {start, after_export, saved, reference}) fs::remove(f);
   fs::remove_all(dir);
 }

@@ -7,6 +7,7 @@
 #include <bit>
 #include <charconv>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -714,6 +715,30 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
         if (our_key == key && ours != value)
           raise(MIXTAPE_AOT_ERROR_FILE,
                 fmt::format("{}: {} holds {} state, the step runs {}", m.name, path, value, ours));
+    // The loss scaler's settings are compiled into the step, which cannot take others (where
+    // load_checkpoint adopts a file's, as PyTorch's GradScaler does).
+    if (key.starts_with("scaler."))
+      for (const auto& [our_key, ours] : m.checkpoint_metadata)
+        if (our_key == key &&
+            std::strtod(ours.c_str(), nullptr) != std::strtod(value.c_str(), nullptr))
+          raise(MIXTAPE_AOT_ERROR_FILE,
+                fmt::format("{}: {} holds {} = {}, the step was exported with {}", m.name, path,
+                            key, value, ours));
+  }
+  // The scaler's growth tracker counts finite steps since the last change of scale: a whole
+  // number below the growth interval, as GradScaler::load_state_dict requires.
+  for (const auto& [k, data] : entries) {
+    if (m.buffer_info[k].name != "scaler.growth_tracker" || data->bytes.empty()) continue;
+    mt::Storage probe(m.buffer_info[k].dtype, 1, mt::Storage::Uninitialized{});
+    std::memcpy(probe.bytes.data(), data->bytes.data(), mt::size_of(probe.dtype));
+    double tracker = mt::load_element<double>(probe, 0), interval = 0;
+    for (const auto& [our_key, ours] : m.checkpoint_metadata)
+      if (our_key == "scaler.growth_interval") interval = std::strtod(ours.c_str(), nullptr);
+    if (!(tracker >= 0) || tracker != std::floor(tracker) || (interval > 0 && tracker >= interval))
+      raise(MIXTAPE_AOT_ERROR_FILE,
+            fmt::format("{}: {} holds the growth tracker {}, not a count below the growth "
+                        "interval {}",
+                        m.name, path, tracker, interval));
   }
   if (m.steps_buffer >= 0 && steps < 0)
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: {} has no valid optimizer.steps", m.name, path));
