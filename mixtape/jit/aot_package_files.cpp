@@ -383,7 +383,8 @@ static inline int {0}_open(const char* dir, const char* device, {0}** out) {{
 int {0}_run({7});
 
 /* The last error of m, in words ("" when there was none); m NULL: this thread's last error (a
- * failed {0}_open). Valid until the next call with m. */
+ * failed {0}_open). Valid until the next call with m. Calls with one m from several threads
+ * take turns; read this thread's own error there with NULL. */
 const char* {0}_error(const {0}* m);
 
 /* Frees m and everything it holds. NULL is fine. */

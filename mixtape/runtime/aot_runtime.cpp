@@ -111,6 +111,7 @@ std::vector<Argument> arguments(const Value& list) {
 }  // namespace
 
 struct mixtape_aot_model {
+  std::mutex busy;  // held by each call on the handle (guarded)
   std::string dir, name, error;
   std::string cpu_target;  // the kernel variant in use
   mt::Device device = mt::Device::cpu;
@@ -763,6 +764,10 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
 // Runs `body`, turning every failure into a code and the message both `m` and the thread keep.
 template <typename F>
 int guarded(mixtape_aot_model* m, F body) {
+  // Calls on one handle from several threads take turns: a model's buffers and plans are one
+  // state, which two runs at once would both write.
+  std::unique_lock<std::mutex> turn;
+  if (m) turn = std::unique_lock<std::mutex>(m->busy);
   std::string message;
   int code = MIXTAPE_AOT_OK;
   try {

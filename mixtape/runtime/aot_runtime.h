@@ -1,6 +1,7 @@
 /* mixtape/runtime/aot_runtime.h -- the C ABI under every exported artifact: open, run, save, load
    and close a model from its directory; each artifact's generated NAME.h wraps it with typed
-   functions. C and C++. A model handle is for one thread at a time. */
+   functions. C and C++. Calls on one model handle from several threads take turns (each holds
+   the handle while it runs); mixtape_aot_close must come after every other call on it. */
 #ifndef MIXTAPE_AOT_RUNTIME_H
 #define MIXTAPE_AOT_RUNTIME_H
 
@@ -64,7 +65,8 @@ int mixtape_aot_run_device(mixtape_aot_model* model, int64_t batch, const void* 
    A load refuses a checkpoint whose generator seeds differ from those compiled into the step. */
 int mixtape_aot_save(mixtape_aot_model* model, const char* path);
 int mixtape_aot_load(mixtape_aot_model* model, const char* path);
-/* The last error of `model`, or with NULL the calling thread's last error; "" when none. */
+/* The last error of `model`, or with NULL the calling thread's last error; "" when none. With
+   a handle several threads use, ask with NULL: another thread's call may replace the model's. */
 const char* mixtape_aot_error(const mixtape_aot_model* model);
 void mixtape_aot_close(mixtape_aot_model* model);
 
