@@ -124,6 +124,20 @@ int main(int argc, char** argv) {
 
   Vocab vocab;
   if (!read_vocab(dir, &vocab)) return 1;
+  /* The buffers below are sized from the vocabulary file: it must be the model's, whose shapes
+     the header gives (tokens [batch, context], logits [batch, context, vocab]). */
+  static const int64_t tokens_shape[] = char_gpt_tokens_SHAPE;
+  static const int64_t logits_shape[] = char_gpt_logits_SHAPE;
+  if (char_gpt_tokens_RANK != 2 || char_gpt_logits_RANK != 3 ||
+      vocab.context != tokens_shape[1] || vocab.context != logits_shape[1] ||
+      vocab.size != logits_shape[2]) {
+    fprintf(stderr,
+            "sample_text: %s/char_gpt_vocab.txt (context %lld, %lld characters) is not the "
+            "vocabulary of the model this program was built for (context %lld, %lld characters)\n",
+            dir, (long long)vocab.context, (long long)vocab.size, (long long)tokens_shape[1],
+            (long long)logits_shape[2]);
+    return 1;
+  }
   size_t prompt_length = strlen(prompt), total = prompt_length + (size_t)count;
   int64_t* tokens = malloc(total * sizeof *tokens);
   int64_t* window = malloc((size_t)vocab.context * sizeof *window);

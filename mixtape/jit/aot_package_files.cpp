@@ -316,6 +316,21 @@ std::string interface_text(const PackageSpec& spec) {
 }
 }  // namespace
 
+namespace {
+// "#define NAME_ARG_RANK r" and "#define NAME_ARG_SHAPE {d0, ...}" for every argument.
+std::string shape_macros(const PackageSpec& spec) {
+  std::string text;
+  for (const auto* list : {&spec.inputs, &spec.outputs})
+    for (const PackageArgument& argument : *list) {
+      Shape shape = argument.shape;
+      if (spec.max_batch > 0 && !shape.empty()) shape[0] = spec.max_batch;
+      text += fmt::format("#define {0}_{1}_RANK {2}\n#define {0}_{1}_SHAPE {{{3}}}\n", spec.name,
+                          argument.name, shape.size(), fmt::join(shape, ", "));
+    }
+  return text;
+}
+}  // namespace
+
 std::string package_header(const PackageSpec& spec) {
   const std::string& n = spec.name;
   std::string batch_line =
@@ -367,6 +382,9 @@ typedef struct {0} {0};
  * export never runs another's library on buffers sized for other shapes. */
 #define {0}_INTERFACE {9}
 
+/* Each argument's rank and shape{10}, to size buffers with:
+ *   static const int64_t shape[] = {0}_<argument>_SHAPE; */
+{11}
 int {0}_open_interface(const char* dir, const char* device, {0}** out,
                        const char* header_interface);
 
@@ -397,7 +415,9 @@ void {0}_close({0}* m);
       spec.step ? "Runs one training step on the batch, updating the state kept in m. Arguments:"
                 : "Runs the function on the batch. Arguments:",
       batch_line, arguments, run_parameters(spec), variant_targets(spec),
-      c_string(interface_text(spec)));
+      c_string(interface_text(spec)),
+      spec.max_batch > 0 ? " (dim 0 at the largest batch, where an argument has the batch)" : "",
+      shape_macros(spec));
   if (spec.cuda)
     text += fmt::format(R"(
 /* {0}_run on a model opened on "cuda", with device pointers (CUdeviceptr, as from cudaMalloc)

@@ -82,6 +82,12 @@ expect_error "cannot open $work/nowhere/char_gpt_vocab.txt" "$work/nowhere"
 expect_error "not in the model's vocabulary" "$work/export" --prompt $'\x01'
 expect_error "--temperature needs" "$work/export" --temperature -1
 expect_error "unknown flag" "$work/export" --top-k 3
+# A vocabulary of another model (a shorter context): its sizes would have sized the buffers the
+# model reads and writes (a heap overflow); the header's shapes refuse it.
+cp "$work/export/char_gpt_vocab.txt" "$work/vocab.txt"
+sed -i '1s/^mixtape-char-vocab-1 16 /mixtape-char-vocab-1 8 /' "$work/export/char_gpt_vocab.txt"
+expect_error "is not the vocabulary of the model" "$work/export"
+cp "$work/vocab.txt" "$work/export/char_gpt_vocab.txt"
 rm "$work/export/char_gpt.plan"
 expect_error "char_gpt.plan" "$work/export"
 echo "char_gpt deploy: all checks passed"
