@@ -433,3 +433,67 @@ TEST(FusedAttention, TheCharGptsStoredPeakGrowsLinearlyInContext) {
 }
 
 }  // namespace
+
+namespace {
+std::vector<float> values(const mt::Tensor& t) { return mt::cast(t, mt::f32).to_vector<float>(); }
+bool all_finite(const mt::Tensor& t) {
+  for (float x : values(t))
+    if (!std::isfinite(x)) return false;
+  return true;
+}
+mt::Tensor leaf_like(mt::Generator& gen, mt::Shape shape) {
+  return mt::tensor(mt::randn(shape, mt::f32, &gen).to_vector<float>(), shape).requires_grad_();
+}
+}  // namespace
+
+// Queries that see no key (left padding under a causal mask) get zero weights and a zero
+// gradient in the fused kernels. The composite (the fallback, and the gradient a create_graph
+// backward builds) gave NaN rows, which its products spread to every element of dK and dV.
+TEST(FusedAttention, QueriesWithNoKeyGiveZerosAlsoInTheCompositeAndSecondOrder) {
+  mt::Generator gen(1);
+  const int64_t T = 6, D = 4;
+  mt::Tensor q = leaf_like(gen, {1, 1, T, D}), k = leaf_like(gen, {1, 1, T, D}),
+             v = leaf_like(gen, {1, 1, T, D});
+  mt::Tensor keys =
+      mt::cast(mt::tensor(std::vector<float>{0, 0, 1, 1, 1, 1}, {1, 1, 1, T}), mt::boolean);
+  mt::Tensor fused = mt::scaled_dot_product_attention(q, k, v, keys, true);
+  mt::Tensor composite = mt::detail::attention_composite(q, k, v, keys, true, 0.5, 0, nullptr);
+  std::vector<float> c = values(composite), f = values(fused);
+  for (size_t j = 0; j < c.size(); ++j) EXPECT_NEAR(c[j], f[j], 1e-6) << j;
+  EXPECT_EQ(c[0], 0.0f) << "query 0 sees no key";
+  auto first = mt::grad({mt::sum(fused * fused)}, {q, k, v});
+  auto second = mt::grad({mt::sum(fused * fused)}, {q, k, v}, {}, /*create_graph=*/true);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(all_finite(second[i])) << "input " << i;
+    std::vector<float> a = values(first[i]), b = values(second[i]);
+    for (size_t j = 0; j < a.size(); ++j) EXPECT_NEAR(a[j], b[j], 1e-5) << i << " " << j;
+  }
+  mt::Tensor penalty = mt::sum(second[0] * second[0]) + mt::sum(second[1] * second[1]);
+  penalty.backward();
+  EXPECT_TRUE(all_finite(q.grad()));
+  EXPECT_TRUE(all_finite(k.grad()));
+}
+
+// Precision-aware saving rounded attention's additive mask for the backward pass, whose softmax
+// then differed from the forward's (a mask shifted by 1000, which the softmax ignores, gave q's
+// gradient a relative error of 1.2). q, k and v are leaves here, so nothing may be rounded.
+TEST(FusedAttention, SavingActivationsNarrowerLeavesTheMaskAsItIs) {
+  mt::Generator gen(4);
+  const int64_t T = 16, D = 8;
+  mt::Tensor q = leaf_like(gen, {1, 1, T, D}), k = leaf_like(gen, {1, 1, T, D}),
+             v = leaf_like(gen, {1, 1, T, D});
+  mt::Tensor noise = mt::randn({1, 1, T, T}, mt::f32, &gen);
+  auto narrow = std::make_shared<mt::OverridePolicy>(mt::fp32_policy());
+  narrow->save_activations("**", mt::bf16);
+  auto gradients = [&](const mt::PolicyPtr& policy) {
+    mt::Tensor out;
+    {
+      mt::autocast guard(policy);
+      mt::ModulePathScope in_module("attn");
+      out = mt::scaled_dot_product_attention(q, k, v, noise * 3.0 + 1000.0, false);
+    }
+    auto g = mt::grad({mt::sum(out * out)}, {q, k});
+    return std::pair{values(g[0]), values(g[1])};
+  };
+  EXPECT_EQ(gradients(narrow), gradients(mt::fp32_policy()));
+}

@@ -330,8 +330,9 @@ constexpr GradientReads reads_of_kind(OpKind kind) {
       return {ValueReads::None, ValueReads::None};
     case OpKind::MatMul:
     case OpKind::Conv:
-    case OpKind::Attention:
       return {ValueReads::AsProduct, ValueReads::AsProduct};
+    case OpKind::Attention:  // q, k and v are products' operands; the mask is not
+      return {ValueReads::AsProduct, ValueReads::AsProduct, 3};
     default:
       return {ValueReads::Other, ValueReads::Other};
   }

@@ -2,6 +2,7 @@
 // ops.def.
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "mixtape/dsl/tensor.h"
@@ -20,8 +21,11 @@ std::vector<Tensor> vjp(const NodePtr& node, const Tensor& g);
 /// (precision_policy/saved_copies.cpp) rounds only values that no rule reads otherwise.
 enum class ValueReads : uint8_t { None, AsProduct, Other };
 struct GradientReads {
-  ValueReads inputs;  // of the op's inputs
+  ValueReads inputs;  // of the op's inputs ...
   ValueReads output;  // of the op's own result
+  // ... of its first `as_read` inputs; the others are read Other where `inputs` is AsProduct
+  // (attention's mask and dropout offset: the recomputed softmax must see the forward's mask).
+  size_t as_read = SIZE_MAX;
 };
 GradientReads gradient_reads(OpCode op);
 

@@ -218,9 +218,16 @@ Tensor composite_weights(const Tensor& q, const Tensor& k, const Tensor& mask, b
     Tensor lower = causal_mask(q.size(-2));
     allowed = allowed.defined() ? logical_and(allowed, lower) : lower;
   }
-  if (!allowed.defined()) return softmax(scores);
-  return masked_softmax(
-      scores, broadcast_to(allowed, broadcast_shapes(allowed.shape(), scores.shape()).value()));
+  if (allowed.defined())
+    allowed = broadcast_to(allowed, broadcast_shapes(allowed.shape(), scores.shape()).value());
+  Tensor p = allowed.defined() ? masked_softmax(scores, allowed) : softmax(scores);
+  // A query with no key to attend (every key masked, or -inf by an additive mask) attends to
+  // nothing: zero weights, as the fused kernels give, not the 0/0 of a softmax over no key.
+  // (A NaN row stays NaN: a NaN is no -inf.)
+  Tensor row_max = max(scores, {-1}, true);
+  Tensor some = logical_not(logical_and(isinf(row_max), row_max < 0.0));
+  if (allowed.defined()) some = logical_and(some, any(allowed, {-1}, true));
+  return where(some, p, zeros_like(p));
 }
 }  // namespace
 
