@@ -700,16 +700,47 @@ TEST(VisionErrors, BadArgumentsNameTheOpAndTheShapes) {
   EXPECT_MT_ERROR(mt::dropout2d(x, 1.5), "dropout2d", "p must be");
 }
 
-// PyTorch's interpolate shortcuts, whatever the scale factor: nearest reads o / 2 where the
-// output is twice the input, bilinear copies an input whose sizes all stay.
-TEST(VisionInterpolate, FollowsPyTorchsShortcuts) {
+// Nearest reads floor(o / factor) also where the output is twice the input (torch 1.13 gives
+// 10 10 10 20 20 30 for a factor of 2.2, with one channel or two; the o / 2 shortcut this test
+// asserted before was not what PyTorch computes); bilinear copies an axis whose size stays,
+// also where the other axis changes (torch: 0 1 2 3 4 for a [1, 1, 1, 5] row at (2, 1.1)).
+TEST(VisionInterpolate, FollowsPyTorch) {
   mt::Tensor row = mt::reshape(mt::tensor(std::vector<float>{10, 20, 30}, {3}), {1, 1, 3});
   mt::Tensor near = mt::interpolate(row, {.scale_factor = {2.2}});
-  EXPECT_EQ(near.to_vector<float>(), (std::vector<float>{10, 10, 20, 20, 30, 30}));
+  EXPECT_EQ(near.to_vector<float>(), (std::vector<float>{10, 10, 10, 20, 20, 30}));
   mt::Tensor image = mt::reshape(mt::arange(0.0, 25.0, 1.0, mt::f32), {1, 1, 5, 5});
   mt::Tensor same =
       mt::interpolate(image, {.scale_factor = {1.1}, .mode = mt::InterpolateMode::Bilinear});
   EXPECT_EQ(same.to_vector<float>(), image.to_vector<float>());
+  mt::Tensor line = mt::reshape(mt::arange(0.0, 5.0, 1.0, mt::f32), {1, 1, 1, 5});
+  mt::Tensor taller =
+      mt::interpolate(line, {.scale_factor = {2, 1.1}, .mode = mt::InterpolateMode::Bilinear});
+  EXPECT_EQ(taller.to_vector<float>(), (std::vector<float>{0, 1, 2, 3, 4, 0, 1, 2, 3, 4}));
+}
+
+// ceil_mode windows that reach past the padded input are PyTorch's to take (refused before):
+// torch gives max [9, 11, 13, 15] and mean [4.5, 6.5, 8.5, 10.5] for this [1, 1, 2, 8] input.
+// avg_pool2d sums half inputs in f32 (7 x 7 bf16 values near 0.5: 0.494 before, torch 0.5).
+// instance_norm of one spatial element (its statistics of one value) is refused, as PyTorch's.
+TEST(VisionPool, CeilModeWindowsHalfSumsAndOneElementInstanceNorm) {
+  mt::Tensor x = mt::reshape(mt::arange(0.0, 16.0, 1.0, mt::f32), {1, 1, 2, 8});
+  EXPECT_EQ(mt::max_pool2d(x, {3, 2}, mt::Size2{2, 2}, 0, 1, true).to_vector<float>(),
+            (std::vector<float>{9, 11, 13, 15}));
+  EXPECT_EQ(mt::avg_pool2d(x, {3, 2}, mt::Size2{2, 2}, 0, true).to_vector<float>(),
+            (std::vector<float>{4.5, 6.5, 8.5, 10.5}));
+  std::vector<float> near_half(49);
+  for (size_t i = 0; i < near_half.size(); ++i)
+    near_half[i] = 0.5f + (i % 7 == 0 ? 0.0f : 0.001f * (i % 5));
+  mt::Tensor h = mt::cast(mt::tensor(near_half, {1, 1, 7, 7}), mt::bf16);
+  double exact = 0;
+  for (float v : mt::cast(h, mt::f32).to_vector<float>()) exact += v;
+  exact /= 49;
+  mt::Tensor pooled = mt::avg_pool2d(h, 7);
+  EXPECT_EQ(pooled.dtype(), mt::bf16);
+  EXPECT_EQ(mt::cast(pooled, mt::f32).to_vector<float>()[0],
+            mt::cast(mt::full({}, exact, mt::f32), mt::bf16).to_vector<float>()[0]);
+  EXPECT_MT_ERROR(mt::instance_norm(mt::ones({1, 2, 1, 1})), "instance_norm",
+                  "more than one spatial element");
 }
 
 }  // namespace

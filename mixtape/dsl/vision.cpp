@@ -43,14 +43,16 @@ PoolAxis pool_axis(const char* op, const Loc& loc, const Shape& shape, const cha
     op_fail(op, loc, "padding {} of the {} axis is more than half the kernel {}", pad, axis,
             effective);
   const int64_t span = in + 2 * pad - dilation * (kernel - 1) - 1;
-  if (span < 0)
+  int64_t out = floor_div(span + (ceil_mode ? stride - 1 : 0), stride) + 1;
+  // A last window that would start in the right padding is dropped.
+  if (ceil_mode && (out - 1) * stride >= in + pad) --out;
+  // With ceil_mode a window may reach past the padded input (PyTorch takes it): only no window
+  // at all is refused.
+  if (out < 1)
     op_fail(op, loc,
             "the kernel {} (dilation {}) is larger than the {} axis of input {} padded "
             "by {}",
             kernel, dilation, axis, to_string(shape), pad);
-  int64_t out = floor_div(span + (ceil_mode ? stride - 1 : 0), stride) + 1;
-  // A last window that would start in the right padding is dropped.
-  if (ceil_mode && (out - 1) * stride >= in + pad) --out;
   return {in, kernel, stride, pad, dilation, out};
 }
 
@@ -119,14 +121,16 @@ Pool checked_pool(const char* op, const Loc& loc, const Shape& x, const PoolWind
   const char* names[2] = {"height", "width"};
   for (int d = 0; d < 2; ++d) {
     const int64_t in = x[2 + static_cast<size_t>(d)];
-    PoolAxis floor_axis = pool_axis(op, loc, x, names[d], in, w.kernel[d], w.stride[d], w.pad[d],
-                                    w.dil[d], false, true);
+    // ceil_mode's count (refused where no window fits at all), and floor mode's, which may be
+    // none where ceil_mode's last window reaches past the padded input.
     PoolAxis ceil_axis = pool_axis(op, loc, x, names[d], in, w.kernel[d], w.stride[d], w.pad[d],
                                    w.dil[d], true, true);
-    if (outs[d] != floor_axis.out && outs[d] != ceil_axis.out)
+    const int64_t floor_out =
+        floor_div(in + 2 * w.pad[d] - w.dil[d] * (w.kernel[d] - 1) - 1, w.stride[d]) + 1;
+    if (outs[d] != floor_out && outs[d] != ceil_axis.out)
       op_fail(op, loc, "an output {} of {} is not what the window makes of input {} ({} or {})",
-              names[d], outs[d], to_string(x), floor_axis.out, ceil_axis.out);
-    *axes[d] = floor_axis;
+              names[d], outs[d], to_string(x), floor_out, ceil_axis.out);
+    *axes[d] = ceil_axis;
     axes[d]->out = outs[d];
   }
   return p;
@@ -249,7 +253,9 @@ Tensor avg_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Si
                   bool ceil_mode, bool count_include_pad, const Loc& loc) {
   CallSiteScope site(loc, composite::avg_pool2d);
   const Pool p = pool_geometry("avg_pool2d", loc, x, kernel, stride, padding, 1, ceil_mode, false);
-  Tensor padded = pad_for_windows(x, p, 0.0);
+  // Summed in f32 for half inputs, as PyTorch's kernels accumulate (k*k adds rounded to bf16
+  // each lost several ulps), and given back in x's type.
+  Tensor padded = cast(pad_for_windows(x, p, 0.0), composite::statistics_type(x.dtype()));
   Tensor total;
   for (int64_t i = 0; i < p.h.kernel; ++i)
     for (int64_t j = 0; j < p.w.kernel; ++j) {
@@ -270,8 +276,8 @@ Tensor avg_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Si
     for (int64_t ow = 0; ow < p.w.out; ++ow)
       divisors.push_back(static_cast<double>(covered(p.h, oh) * covered(p.w, ow)));
   if (std::all_of(divisors.begin(), divisors.end(), [&](double d) { return d == divisors[0]; }))
-    return total / divisors[0];
-  return total / tensor(divisors, {p.h.out, p.w.out}, x.dtype());
+    return cast(total / divisors[0], x.dtype());
+  return cast(total / tensor(divisors, {p.h.out, p.w.out}, total.dtype()), x.dtype());
 }
 
 namespace {
@@ -440,6 +446,10 @@ Tensor instance_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, 
   if (x.dim() < 3)
     op_fail("instance_norm", loc, "needs an [N, C, spatial...] input, got {}",
             to_string(x.shape()));
+  if (x.numel() / std::max<int64_t>(x.size(0) * x.size(1), 1) <= 1 && x.numel() > 0)
+    op_fail("instance_norm", loc,
+            "needs more than one spatial element to normalize over (its statistics), got {}",
+            to_string(x.shape()));
   // In x's stored type, as batch norm (PyTorch's autocast lists neither; group norm is on its f32
   // list).
   return cast_like(group_norm(x, x.size(1), weight, bias, eps, loc), x);
@@ -457,23 +467,26 @@ Tensor index_tensor(const std::vector<int64_t>& indices) {
   return tensor(indices, {static_cast<int64_t>(indices.size())});
 }
 
-// Nearest: output o reads input min(floor(o scale), in - 1), PyTorch's nearest_idx, with its two
-// shortcuts whatever the scale: the same size copies, twice the size reads o / 2.
+// Nearest: output o reads input min(floor(o scale), in - 1), as PyTorch's NCHW kernels (and its
+// CUDA one) compute it. (Its nearest_idx also copies at the same size and reads o / 2 at twice
+// the size whatever the scale factor says, which its channels-last kernel follows: a factor of
+// 2.2 at twice the size, or 1.3 at the same size, differs there.)
 Tensor nearest_axis(const Tensor& x, int64_t axis, int64_t out, float scale) {
   const int64_t in = x.size(axis);
-  if (in == out) return x;
   std::vector<int64_t> source(static_cast<size_t>(out));
-  for (int64_t o = 0; o < out; ++o)
+  bool identity = in == out;
+  for (int64_t o = 0; o < out; ++o) {
     source[static_cast<size_t>(o)] =
-        out == 2 * in
-            ? o >> 1
-            : std::min(static_cast<int64_t>(std::floor(static_cast<float>(o) * scale)), in - 1);
-  return index_select(x, index_tensor(source), axis);
+        std::min(static_cast<int64_t>(std::floor(static_cast<float>(o) * scale)), in - 1);
+    identity &= source[static_cast<size_t>(o)] == o;
+  }
+  return identity ? x : index_select(x, index_tensor(source), axis);
 }
 
 // Linear along one axis: x[i0] l0 + x[i1] l1 with PyTorch's area_pixel_compute_source_index.
 Tensor linear_axis(const Tensor& x, int64_t axis, int64_t out, float scale, bool align_corners) {
   const int64_t in = x.size(axis);
+  if (in == out) return x;  // PyTorch copies an axis whose size stays, whatever the factor
   std::vector<int64_t> lo(static_cast<size_t>(out)), hi(static_cast<size_t>(out));
   std::vector<double> w_lo(static_cast<size_t>(out)), w_hi(static_cast<size_t>(out));
   const float step =
@@ -530,11 +543,6 @@ Tensor interpolate(const Tensor& x, const InterpolateOptions& options, const Loc
     if (s <= 0) op_fail(op, loc, "output sizes must be positive, got {}", s);
   if (options.align_corners && !bilinear)
     op_fail(op, loc, "align_corners applies to bilinear mode only");
-  // PyTorch's bilinear kernel copies an input whose every spatial size stays (whatever the
-  // scale factor says).
-  bool same = true;
-  for (size_t a = 0; a < spatial; ++a) same &= sizes[a] == x.size(static_cast<int64_t>(a) + 2);
-  if (bilinear && same) return x;
   Tensor y = x;
   for (size_t a = 0; a < spatial; ++a) {
     const int64_t axis = static_cast<int64_t>(a) + 2;
