@@ -2,8 +2,10 @@
 #include "mixtape/dsl/data.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <zlib.h>
+#include <limits>
 
 #include <algorithm>
 #include <cstdlib>
@@ -518,6 +520,46 @@ TEST(DataLoader, StateRestoresTheRemainingBatches) {
       EXPECT_EQ(resumed.epoch(), original.epoch());
     }
   }
+}
+
+// Hostile sizes and files (a review's findings): a shape whose product wraps past 2^63 crashed
+// with SIGFPE (a division by the wrapped 0); a batch size near 2^63 overflowed the batch count
+// (an epoch that never ended); a FIFO at a data path blocked for ever; a small gzip file that
+// inflates past the cap filled memory.
+TEST(DataFiles, HostileSizesAndFilesAreErrors) {
+  EXPECT_THROW(
+      TensorDataset(std::vector<float>(4, 1.0f), {int64_t{1} << 32, int64_t{1} << 32}, {0}), Error);
+  TensorDataset ten = numbered(10);
+  DataLoader whole(ten, std::numeric_limits<int64_t>::max(), false, 0, Shard{}, false);
+  EXPECT_EQ(whole.batches_per_epoch(), 1);
+  EXPECT_EQ(rows_of(whole.next()), range(0, 10));
+  EXPECT_EQ(whole.epoch(), 1);
+
+  fs::path dir = fs::temp_directory_path() / ("mixtape_data_hostile_" + std::to_string(::getpid()));
+  fs::create_directories(dir);
+  const std::string fifo = (dir / "fifo").string();
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  EXPECT_THROW(read_file(fifo), Error);
+  EXPECT_THROW(read_gzip_file(fifo), Error);
+  EXPECT_THROW(read_file(dir.string()), Error);
+  const std::string bomb = (dir / "zeros.gz").string();
+  {
+    gzFile out = gzopen(bomb.c_str(), "wb9");
+    ASSERT_NE(out, nullptr);
+    std::string zeros(1 << 20, '\0');
+    for (int i = 0; i < 4; ++i) gzwrite(out, zeros.data(), static_cast<unsigned>(zeros.size()));
+    gzclose(out);
+  }
+  ASSERT_LT(fs::file_size(bomb), 1u << 14);  // 4 MiB of zeros in a few KiB
+  EXPECT_EQ(read_gzip_file(bomb).size(), 4u << 20);
+  try {
+    read_gzip_file(bomb, 1 << 20);
+    ADD_FAILURE() << "no cap";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("inflates to more than 1048576 bytes"), std::string::npos)
+        << e.what();
+  }
+  fs::remove_all(dir);
 }
 
 // Seed and epoch were mixed symmetrically: seed 0's second epoch was seed 1's first, and every

@@ -31,6 +31,7 @@
 
 #include "mixtape/codegen/hash.h"
 #include "mixtape/codegen/kernel_cache.h"
+#include "mixtape/codegen/lru_cache.h"
 
 namespace mt = mixtape;
 namespace fs = std::filesystem;
@@ -341,6 +342,39 @@ TEST(KernelCache, ASecondInstanceOnTheSameDirectoryGetsDiskHits) {
   reader.clear_memory();
   EXPECT_EQ(reader.load("kernel-a"), object_for("kernel-a"));
   EXPECT_EQ(reader.stats().disk_hits, 3);
+}
+
+// A load that could not open an entry for want of descriptors (EMFILE) called it corrupt and
+// deleted it: a good entry lost to a passing shortage. It is a miss now, and the entry stays.
+TEST(KernelCache, AnEntryThatCannotBeOpenedNowIsKept) {
+  TemporaryDirectory dir;
+  { mt::KernelCache(dir.path()).store("kernel-a", object_for("kernel-a")); }
+  mt::KernelCache reader(dir.path());
+  struct rlimit before {};
+  ASSERT_EQ(::getrlimit(RLIMIT_NOFILE, &before), 0);
+  std::vector<int> held;
+  struct rlimit tight = before;
+  tight.rlim_cur = 256;
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &tight), 0);
+  for (int fd; (fd = ::dup(0)) >= 0;) held.push_back(fd);
+  std::optional<std::vector<std::byte>> during = reader.load("kernel-a");
+  for (int fd : held) ::close(fd);
+  ASSERT_EQ(::setrlimit(RLIMIT_NOFILE, &before), 0);
+  EXPECT_EQ(during, std::nullopt);
+  EXPECT_EQ(reader.stats().corrupt_entries, 0);
+  EXPECT_EQ(reader.load("kernel-a"), object_for("kernel-a")) << "the entry is still there";
+}
+
+// One entry larger than the whole memory budget emptied the in-memory cache (the others were
+// evicted before it was found not to fit, then it was dropped too).
+TEST(LruCache, AnEntryLargerThanTheBudgetLeavesTheOthers) {
+  mt::LruCache<std::string, int> cache(100);
+  cache.put("a", 1, 30);
+  cache.put("b", 2, 30);
+  cache.put("huge", 3, 101);
+  EXPECT_EQ(cache.find(std::string("huge")), nullptr);
+  ASSERT_NE(cache.find(std::string("a")), nullptr);
+  ASSERT_NE(cache.find(std::string("b")), nullptr);
 }
 
 // A forked child is a real second process: its own pid, memory and file descriptors.

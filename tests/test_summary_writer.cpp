@@ -3,6 +3,8 @@
 // step compiled by mt::compile), the logging helpers, and a round trip through TensorBoard's
 // own EventAccumulator (PyPI tensorboard in a venv) checking every scalar's tag, step and bits.
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <csignal>
 
 #include <bit>
 #include <cmath>
@@ -21,6 +23,8 @@
 #include <mixtape/mixtape.h>
 
 #include "mixtape/summary/tfevents.h"
+
+#include "tests/test_util.h"
 
 namespace mt = mixtape;
 namespace tfe = mixtape::tfevents;
@@ -267,6 +271,40 @@ TEST(SummaryWriter, BadInputIsAnError) {
   EXPECT_THROW(writer.add_scalar("v", mt::Tensor()), mt::Error);
   EXPECT_THROW(writer.add_scalar("v", mt::zeros({2})), mt::Error);
   EXPECT_THROW(writer.log_gradient_health(mt::Linear(2, 2), 0), mt::Error);
+  fs::remove_all(dir);
+}
+
+// A review's findings (session 38), each checked with TensorBoard's reader by the reviewer:
+// - a tag that is not UTF-8 made TensorBoard stop reading the file (every later event lost);
+// - host values were buffered until a later call, so an idle or killed run lost them;
+// - a write that failed part way (a full disk) left a torn record, after which nothing written
+//   later was read.
+TEST(SummaryWriter, TagsAreUtf8HostValuesAreWrittenAtOnceAndAFailedWriteIsCutBack) {
+  fs::path dir = fresh_dir("review");
+  mt::SummaryWriter writer(dir.string());
+  EXPECT_MT_ERROR(writer.add_scalar("caf\xe9", 1.0, 1), "not valid UTF-8");
+  EXPECT_MT_ERROR(writer.add_scalar("\xed\xa0\x80", mt::scalar(1.0)), "not valid UTF-8");
+  EXPECT_MT_ERROR(writer.add_histogram("x\xc0\x80", std::vector<double>{1.0}, 1), "UTF-8");
+  writer.add_scalar("caf\xc3\xa9 \xf0\x9f\x98\x80", 1.0, 1);  // "café 😀"
+  EXPECT_EQ(scalars_of(writer.path()).size(), 1u) << "in the file before any flush";
+
+  // A file size limit stands in for a full disk: the write of step 2 fails part way.
+  struct rlimit before {};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &before), 0);
+  auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  struct rlimit tight = before;
+  tight.rlim_cur = static_cast<rlim_t>(fs::file_size(writer.path()) + 20);
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &tight), 0);
+  EXPECT_THROW(writer.add_scalar("a tag long enough to need more than twenty bytes", 2.0, 2),
+               mt::Error);
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &before), 0);
+  std::signal(SIGXFSZ, old_handler);
+  writer.add_scalar("b", 3.0, 3);
+  writer.add_scalar("b", 4.0, 4);
+  using Row = std::tuple<std::string, int64_t, float>;
+  EXPECT_EQ(scalars_of(writer.path()),
+            (std::vector<Row>{
+                {"caf\xc3\xa9 \xf0\x9f\x98\x80", 1, 1.0f}, {"b", 3, 3.0f}, {"b", 4, 4.0f}}));
   fs::remove_all(dir);
 }
 

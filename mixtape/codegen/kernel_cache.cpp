@@ -275,7 +275,9 @@ std::array<unsigned char, mac_bytes> mac_of(const std::array<unsigned char, secr
 }
 
 struct EntryRead {
-  enum class Outcome { missing, corrupt, valid } outcome;
+  // unreadable: the entry could not be read now (too many open files, out of memory, an I/O
+  // error): a miss that keeps the entry, which may well be good.
+  enum class Outcome { missing, unreadable, corrupt, valid } outcome;
   std::vector<std::byte> payload;  // when valid
   std::string problem;             // when corrupt
 };
@@ -293,10 +295,11 @@ EntryRead read_entry(int dir_fd, const std::string& name, std::string_view key,
   if (fd.get() < 0) {
     if (errno == ENOENT) return {EntryRead::Outcome::missing, {}, {}};
     if (errno == ELOOP) return corrupt("a symbolic link");
-    return corrupt("cannot open: " + errno_text(errno));
+    return {EntryRead::Outcome::unreadable, {}, "cannot open: " + errno_text(errno)};
   }
   struct stat info;
-  if (::fstat(fd.get(), &info) != 0) return corrupt("cannot stat: " + errno_text(errno));
+  if (::fstat(fd.get(), &info) != 0)
+    return {EntryRead::Outcome::unreadable, {}, "cannot stat: " + errno_text(errno)};
   if (!S_ISREG(info.st_mode)) return corrupt("not a regular file");
   if (info.st_uid != ::geteuid())
     return corrupt(
@@ -307,7 +310,7 @@ EntryRead read_entry(int dir_fd, const std::string& name, std::string_view key,
   std::vector<std::byte> file(static_cast<size_t>(info.st_size));
   size_t got = 0;
   if (int error = read_up_to(fd.get(), file.data(), file.size(), got))
-    return corrupt("read failed: " + errno_text(error));
+    return {EntryRead::Outcome::unreadable, {}, "read failed: " + errno_text(error)};
   file.resize(got);  // shrank while reading
   // A hit is a use: the disk cap evicts by modification time. Fails harmlessly on a read-only
   // mount.
@@ -489,6 +492,11 @@ std::optional<std::vector<std::byte>> KernelCache::load(std::string_view key) {
       remember(key, std::make_shared<const std::vector<std::byte>>(entry.payload));
       return std::move(entry.payload);
     }
+    if (entry.outcome == EntryRead::Outcome::unreadable)
+      warn_once_about_entry("unreadable", path,
+                            fmt::format("kernel cache entry {} cannot be read now ({}); "
+                                        "recompiling, the entry is kept",
+                                        path, entry.problem));
     if (entry.outcome == EntryRead::Outcome::corrupt) {
       ++stats_.corrupt_entries;
       warn_once_about_entry(

@@ -46,6 +46,12 @@ class LruCache {
   /// Stores value under key (replacing any), most recently used, then evicts to the budget.
   void put(Key key, Value value, int64_t bytes) {
     erase(key);
+    // Larger than the whole budget: not kept, and the others stay (evicting from the back first
+    // emptied the cache and then dropped this one too).
+    if (bytes > budget()) {
+      ++evictions_;
+      return;
+    }
     order_.push_front({std::move(key), std::move(value), bytes});
     index_.emplace(View(order_.front().key), order_.begin());
     bytes_ += bytes;

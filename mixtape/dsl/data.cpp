@@ -2,6 +2,9 @@
 // DataLoader.
 #include "mixtape/dsl/data.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <algorithm>
@@ -11,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <utility>
 
 #include "mixtape/dsl/error.h"
@@ -19,10 +23,31 @@ namespace mixtape {
 
 // ---- files ----
 
+namespace {
+// A descriptor of the regular file at path, opened without waiting: a FIFO or a device there
+// would block the open or never end, and is refused instead.
+int open_regular_file(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) fail("cannot open {}: {}", path, std::strerror(errno));
+  struct stat info;
+  if (::fstat(fd, &info) != 0 || !S_ISREG(info.st_mode)) {
+    int error = errno;
+    ::close(fd);
+    if (S_ISDIR(info.st_mode)) fail("cannot read {}: it is a folder", path);
+    fail("cannot read {}: {}", path, error != 0 ? std::strerror(error) : "not a regular file");
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  return fd;
+}
+}  // namespace
+
 std::string read_file(const std::string& path) {
-  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(std::fopen(path.c_str(), "rb"),
-                                                       &std::fclose);
-  if (!file) fail("cannot open {}: {}", path, std::strerror(errno));
+  int fd = open_regular_file(path);
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file(::fdopen(fd, "rb"), &std::fclose);
+  if (!file) {
+    ::close(fd);
+    fail("cannot open {}: {}", path, std::strerror(errno));
+  }
   std::string data;
   char buffer[1 << 16];
   size_t got;
@@ -32,17 +57,29 @@ std::string read_file(const std::string& path) {
   return data;
 }
 
-std::string read_gzip_file(const std::string& path) {
+std::string read_gzip_file(const std::string& path, int64_t max_bytes) {
+  int fd = open_regular_file(path);
   errno = 0;
-  gzFile file = gzopen(path.c_str(), "rb");
+  gzFile file = gzdopen(fd, "rb");
   if (file == nullptr) {
+    ::close(fd);
     fail("cannot open {}: {}", path, errno != 0 ? std::strerror(errno) : "out of memory");
   }
   gzbuffer(file, 1 << 17);
   std::string data;
   char buffer[1 << 16];
   int got;
-  while ((got = gzread(file, buffer, sizeof buffer)) > 0) data.append(buffer, got);
+  while ((got = gzread(file, buffer, sizeof buffer)) > 0) {
+    // A small file can inflate a thousandfold (a "gzip bomb"): stop at the cap, not at memory.
+    if (static_cast<int64_t>(data.size()) + got > max_bytes) {
+      gzclose(file);
+      fail(
+          "cannot read gzip file {}: it inflates to more than {} bytes (read_gzip_file's "
+          "max_bytes)",
+          path, max_bytes);
+    }
+    data.append(buffer, static_cast<size_t>(got));
+  }
   // A truncated stream is not a read error to gzread (it returns what it could inflate and then
   // 0), so the error state has to be checked even after a clean-looking end of file.
   int code = Z_OK;
@@ -197,12 +234,13 @@ Dataset::~Dataset() = default;
 namespace {
 
 int64_t example_numel(const Shape& shape, const char* what) {
-  int64_t n = 1;
-  for (int64_t d : shape) {
+  for (int64_t d : shape)
     if (d < 1) fail("TensorDataset: {} shape {} has a dimension below 1", what, to_string(shape));
-    n *= d;
-  }
-  return n;
+  std::optional<int64_t> n = checked_numel(shape);  // a product past 2^63 wrapped before
+  if (!n)
+    fail("TensorDataset: {} shape {} has more elements than a 64-bit count holds", what,
+         to_string(shape));
+  return *n;
 }
 
 Shape batch_shape(int64_t batch, const Shape& example) {
@@ -236,7 +274,7 @@ TensorDataset::TensorDataset(std::vector<float> features, Shape feature_shape,
         n_features, to_string(feature_shape_));
   }
   count_ = n_features / feature_numel_;
-  if (n_targets != count_ * target_numel_) {
+  if (n_targets / target_numel_ != count_ || n_targets % target_numel_ != 0) {
     fail(
         "TensorDataset: {} examples of features need {} target values of shape {} each, "
         "got {}",
@@ -349,7 +387,8 @@ DataLoader::DataLoader(const Dataset& data, int64_t batch_size, bool shuffle, ui
 
 int64_t DataLoader::batches_per_epoch() const {
   int64_t n = data_->size() / shard_.count;
-  return drop_last_ ? n / batch_size_ : (n + batch_size_ - 1) / batch_size_;
+  // (n + b - 1) / b overflowed for a batch size near 2^63.
+  return drop_last_ ? n / batch_size_ : n / batch_size_ + (n % batch_size_ != 0);
 }
 
 void DataLoader::start_epoch() {
@@ -370,8 +409,8 @@ void DataLoader::start_epoch() {
 
 Batch DataLoader::next() {
   int64_t n = static_cast<int64_t>(order_.size()) / shard_.count;
-  int64_t start = batch_ * batch_size_;
-  int64_t stop = std::min(start + batch_size_, n);
+  int64_t start = batch_ * batch_size_;  // below n: batch_ < batches_per_epoch()
+  int64_t stop = batch_size_ >= n - start ? n : start + batch_size_;
   Batch batch;
   if (shard_.count == 1) {
     batch = data_->get_batch({order_.data() + start, static_cast<size_t>(stop - start)});

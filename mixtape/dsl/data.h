@@ -17,12 +17,14 @@ namespace mixtape {
 
 // ---- files ----
 
-/// The whole file as bytes; mt::Error naming the path when it cannot be opened or read.
+/// The whole file as bytes; mt::Error naming the path when it cannot be opened or read, or is no
+/// regular file (a FIFO would block for ever).
 std::string read_file(const std::string& path);
 /// The decompressed contents of a gzip file. Files that are not gzip are returned as they are, so
 /// callers need not care whether a data set was shipped compressed. mt::Error naming the path for
-/// a missing or unreadable file and for a corrupt or truncated gzip stream.
-std::string read_gzip_file(const std::string& path);
+/// a missing or unreadable file (a FIFO or device too: only regular files are read), for a
+/// corrupt or truncated gzip stream, and for one that inflates past max_bytes.
+std::string read_gzip_file(const std::string& path, int64_t max_bytes = int64_t{1} << 30);
 
 /// The directory the examples and tests read their data from: $MIXTAPE_DATA_DIR when set and not
 /// empty, else the source tree's examples/data as recorded by the build, else "examples/data".

@@ -24,10 +24,6 @@ namespace mixtape {
 
 namespace {
 
-// Buffered events reach the file at least this often (and at every fetch and flush), so that
-// a TensorBoard watching the run sees them; TensorBoard's own writer flushes every 120 s.
-constexpr double kWriteIntervalSeconds = 5;
-constexpr size_t kWriteBufferBytes = 1 << 16;
 constexpr size_t kMaxPending = 1 << 14;
 
 double now_seconds() {
@@ -46,6 +42,7 @@ struct SummaryWriter::State {
   struct Pending {
     std::string tag;
     int64_t step;
+    double wall_time;  // when it was logged, not when it is read
     Tensor value;
   };
   std::string path;
@@ -53,27 +50,36 @@ struct SummaryWriter::State {
   SummaryWriterOptions options;
   int64_t step = 0;
   std::vector<Pending> pending;
-  std::string buffer;  // framed events not yet written
-  double last_write = now_seconds();
+  std::string buffer;   // framed events not yet written
+  int64_t written = 0;  // bytes of whole records in the file
 
   ~State() {
     if (fd >= 0) ::close(fd);
   }
 
   // Taken out of the buffer first: after a failed write its events are lost, never written twice.
+  // A write that fails part way (a full disk) is cut back to the last whole record, so that the
+  // events written after it are read: a reader stops at the first record whose checksum fails.
   // Without a file (a process other than 0), the events are dropped.
   void write_buffer() {
     std::string out = std::move(buffer);
     buffer.clear();
-    last_write = now_seconds();
-    if (!out.empty() && fd >= 0)
+    if (out.empty() || fd < 0) return;
+    try {
       write_all(fd, out.data(), out.size(), "summary event file " + path);
+    } catch (const Error&) {
+      if (::ftruncate(fd, written) != 0 || ::lseek(fd, written, SEEK_SET) != written) {
+        ::close(fd);  // the file cannot be repaired: no more events go into it
+        fd = -1;
+      }
+      throw;
+    }
+    written += static_cast<int64_t>(out.size());
   }
 
-  void append(int64_t event_step, const std::vector<tfevents::Value>& values) {
-    buffer += tfevents::frame_record(tfevents::encode_event(now_seconds(), event_step, "", values));
-    if (buffer.size() >= kWriteBufferBytes || now_seconds() - last_write >= kWriteIntervalSeconds)
-      write_buffer();
+  void append(int64_t event_step, const std::vector<tfevents::Value>& values,
+              double wall_time = now_seconds()) {
+    buffer += tfevents::frame_record(tfevents::encode_event(wall_time, event_step, "", values));
   }
 
   // Reads every pending value with one evaluation and writes them, a step's values in one event.
@@ -88,7 +94,7 @@ struct SummaryWriter::State {
     for (size_t i = 0; i < batch.size(); ++i) {
       event.push_back({batch[i].tag, static_cast<float>(batch[i].value.item()), std::nullopt});
       if (i + 1 == batch.size() || batch[i + 1].step != batch[i].step) {
-        append(batch[i].step, event);
+        append(batch[i].step, event, batch[i].wall_time);
         event.clear();
       }
     }
@@ -109,7 +115,8 @@ struct SummaryWriter::State {
         : state_(std::move(state)), tag_(std::move(tag)) {}
     void ran(const std::vector<std::shared_ptr<Storage>>& values) override {
       if (std::shared_ptr<State> state = state_.lock())
-        state->pending.push_back({tag_, state->step, from_storage(values.at(0), {})});
+        state->pending.push_back(
+            {tag_, state->step, now_seconds(), from_storage(values.at(0), {})});
     }
 
    private:
@@ -157,10 +164,13 @@ SummaryWriter::~SummaryWriter() {
 }
 
 void SummaryWriter::add_scalar(const std::string& tag, double value, int64_t step) {
+  tfevents::check_tag(tag, "SummaryWriter.add_scalar");
   state_->append(step, {{tag, static_cast<float>(value), std::nullopt}});
+  state_->write_buffer();
 }
 
 void SummaryWriter::add_scalar(const std::string& tag, const Tensor& value) {
+  tfevents::check_tag(tag, "SummaryWriter.add_scalar");
   if (!value.defined()) fail("SummaryWriter.add_scalar('{}'): the value is undefined", tag);
   if (value.numel() != 1)
     fail("SummaryWriter.add_scalar('{}'): the value must have one element, got shape {}", tag,
@@ -177,13 +187,15 @@ void SummaryWriter::add_scalar(const std::string& tag, const Tensor& value) {
   // step's program), which then keeps only the value, not the graph that made it.
   Tensor holder = zeros({}, scalar_value.dtype());
   holder.assign_later(scalar_value);
-  state_->pending.push_back({tag, state_->step, holder});
+  state_->pending.push_back({tag, state_->step, now_seconds(), holder});
   state_->maybe_fetch();
 }
 
 void SummaryWriter::add_histogram(const std::string& tag, const std::vector<double>& values,
                                   int64_t step) {
+  tfevents::check_tag(tag, "SummaryWriter.add_histogram");
   state_->append(step, {{tag, std::nullopt, tfevents::make_histogram(values)}});
+  state_->write_buffer();
 }
 
 void SummaryWriter::add_histogram(const std::string& tag, const Tensor& values, int64_t step) {
@@ -229,7 +241,10 @@ void SummaryWriter::log_gradient_health(const Module& model, int64_t every, doub
   };
   for (const GradientHealthRow& row : health.rows) add(row);
   add(health.total);
+  for (const tfevents::Value& value : values)
+    tfevents::check_tag(value.tag, "SummaryWriter.log_gradient_health");
   state_->append(state_->step, values);
+  state_->write_buffer();
 }
 
 void SummaryWriter::flush() {

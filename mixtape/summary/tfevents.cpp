@@ -164,6 +164,32 @@ Histogram make_histogram(const std::vector<double>& values) {
   return h;
 }
 
+void check_tag(std::string_view tag, const char* who) {
+  // UTF-8 as RFC 3629 defines it: no overlong forms, no surrogates, nothing past U+10FFFF.
+  for (size_t i = 0; i < tag.size();) {
+    const auto byte = [&](size_t k) { return static_cast<unsigned char>(tag[k]); };
+    const unsigned char lead = byte(i);
+    size_t length = lead < 0x80           ? 1
+                    : (lead >> 5) == 0x6  ? 2
+                    : (lead >> 4) == 0xe  ? 3
+                    : (lead >> 3) == 0x1e ? 4
+                                          : 0;
+    bool valid = length > 0 && i + length <= tag.size() && (length != 2 || lead >= 0xc2) &&
+                 (length != 4 || lead <= 0xf4);
+    for (size_t k = 1; valid && k < length; ++k) valid = (byte(i + k) & 0xc0) == 0x80;
+    if (valid && length == 3)
+      valid = !(lead == 0xe0 && byte(i + 1) < 0xa0) && !(lead == 0xed && byte(i + 1) >= 0xa0);
+    if (valid && length == 4)
+      valid = !(lead == 0xf0 && byte(i + 1) < 0x90) && !(lead == 0xf4 && byte(i + 1) >= 0x90);
+    if (!valid)
+      fail(
+          "{}: the tag is not valid UTF-8 (byte {} of it, 0x{:02x}); TensorBoard would stop "
+          "reading the file there",
+          who, i, lead);
+    i += length;
+  }
+}
+
 std::string encode_event(double wall_time, int64_t step, const std::string& file_version,
                          const std::vector<Value>& values) {
   ProtoWriter w;

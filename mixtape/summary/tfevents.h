@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace mixtape::tfevents {
@@ -39,6 +40,11 @@ struct Value {
 
 /// An Event protobuf: wall_time (1), step (2), and file_version (3) when given, else a Summary
 /// (5) with the values.
+/// mt::Error naming `who` unless `tag` is valid UTF-8: a Summary's tag is a protobuf string,
+/// and TensorBoard's reader stops at the first event whose tag is not (dropping the rest of the
+/// file). Checked by hand (a dozen lines) rather than through a Unicode library for one check.
+void check_tag(std::string_view tag, const char* who);
+
 std::string encode_event(double wall_time, int64_t step, const std::string& file_version,
                          const std::vector<Value>& values);
 
