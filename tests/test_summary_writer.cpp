@@ -2,6 +2,7 @@
 // record frame and Event protobuf byte for byte, graph values fetched in batches (also from a
 // step compiled by mt::compile), the logging helpers, and a round trip through TensorBoard's
 // own EventAccumulator (PyPI tensorboard in a venv) checking every scalar's tag, step and bits.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <csignal>
@@ -305,6 +306,29 @@ TEST(SummaryWriter, TagsAreUtf8HostValuesAreWrittenAtOnceAndAFailedWriteIsCutBac
   EXPECT_EQ(scalars_of(writer.path()),
             (std::vector<Row>{
                 {"caf\xc3\xa9 \xf0\x9f\x98\x80", 1, 1.0f}, {"b", 3, 3.0f}, {"b", 4, 4.0f}}));
+  fs::remove_all(dir);
+}
+
+// A file of that name already there (a restarted container: same second, host name and pid)
+// made the constructor throw. The next counter's name is taken instead.
+TEST(SummaryWriter, ANameTakenAlreadyTakesTheNextOne) {
+  fs::path dir = fresh_dir("taken");
+  std::string first;
+  { first = mt::SummaryWriter(dir.string()).path(); }
+  // The next writer's name differs in the counter (and the second, if one has begun since):
+  // occupy the next ten counters at this second and the next.
+  // events.out.tfevents.<10-digit seconds>.<host>.<pid>.<counter>
+  const std::string name = fs::path(first).filename().string();
+  const size_t time_at = std::string("events.out.tfevents.").size();
+  const int64_t seconds = std::stoll(name.substr(time_at, 10));
+  const std::string host_pid = name.substr(time_at + 10, name.rfind('.') + 1 - (time_at + 10));
+  const int64_t next = std::stoll(name.substr(name.rfind('.') + 1)) + 1;
+  for (int64_t t = seconds; t <= seconds + 1; ++t)
+    for (int64_t k = next; k < next + 10; ++k)
+      std::ofstream(dir / fmt::format("events.out.tfevents.{:010d}{}{}", t, host_pid, k)) << "x";
+  mt::SummaryWriter writer(dir.string());
+  writer.add_scalar("v", 1.0, 1);
+  EXPECT_EQ(scalars_of(writer.path()).size(), 1u);
   fs::remove_all(dir);
 }
 

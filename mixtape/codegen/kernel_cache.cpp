@@ -502,7 +502,11 @@ std::optional<std::vector<std::byte>> KernelCache::load(std::string_view key) {
       warn_once_about_entry(
           "corrupt", path,
           fmt::format("kernel cache entry {} is corrupt ({}); recompiling", path, entry.problem));
-      ::unlinkat(directory_fd_, name.c_str(), 0);
+      // A folder at the path (mixtape makes none) would block the key for good: removed whole.
+      if (::unlinkat(directory_fd_, name.c_str(), 0) != 0 && errno == EISDIR) {
+        std::error_code ignored;
+        std::filesystem::remove_all(path, ignored);
+      }
     }
   }
   ++stats_.misses;

@@ -139,11 +139,16 @@ SummaryWriter::SummaryWriter(const std::string& dir, SummaryWriterOptions option
     fail("SummaryWriter: cannot create the log folder '{}': {}", dir,
          ec ? ec.message() : "it is not a folder");
   // torch.utils.tensorboard's name: the time, host, pid and a per-process counter.
+  // A name taken (a restarted container in the same second, with the same host name and pid)
+  // takes the next counter, as a new file must never append to another run's.
   static std::atomic<int64_t> counter{0};
   double start = now_seconds();
-  state_->path = fmt::format("{}/events.out.tfevents.{:010d}.{}.{}.{}", dir,
-                             static_cast<int64_t>(start), host_name(), ::getpid(), counter++);
-  state_->fd = ::open(state_->path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+  for (int attempt = 0; attempt < 1000 && state_->fd < 0; ++attempt) {
+    state_->path = fmt::format("{}/events.out.tfevents.{:010d}.{}.{}.{}", dir,
+                               static_cast<int64_t>(start), host_name(), ::getpid(), counter++);
+    state_->fd = ::open(state_->path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
+    if (state_->fd < 0 && errno != EEXIST) break;
+  }
   if (state_->fd < 0)
     fail("SummaryWriter: cannot create '{}': {}", state_->path, std::strerror(errno));
   // The first event names the format version, as every TensorFlow writer's does.
