@@ -30,11 +30,15 @@ int open_regular_file(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
   if (fd < 0) fail("cannot open {}: {}", path, std::strerror(errno));
   struct stat info;
-  if (::fstat(fd, &info) != 0 || !S_ISREG(info.st_mode)) {
+  if (::fstat(fd, &info) != 0) {
     int error = errno;
     ::close(fd);
-    if (S_ISDIR(info.st_mode)) fail("cannot read {}: it is a folder", path);
-    fail("cannot read {}: {}", path, error != 0 ? std::strerror(error) : "not a regular file");
+    fail("cannot read {}: {}", path, std::strerror(error));
+  }
+  if (!S_ISREG(info.st_mode)) {
+    ::close(fd);
+    fail("cannot read {}: {}", path,
+         S_ISDIR(info.st_mode) ? "it is a folder" : "not a regular file");
   }
   ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   return fd;

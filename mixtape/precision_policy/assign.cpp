@@ -193,6 +193,10 @@ void assign_precision(const std::vector<Node*>& order) {
   }
   Trail& trail = trail_for(order.size());
   size_t position = 0;
+  // Whether a node's policy is pure, asked once per run of nodes of one policy (an
+  // OverridePolicy asks its base and every delegate), not once per node.
+  const Policy* asked = nullptr;
+  bool asked_is_pure = false;
   for (Node* node : order) {
     if (node->precision.assigned) continue;
     node->precision.assigned = true;
@@ -210,7 +214,11 @@ void assign_precision(const std::vector<Node*>& order) {
     } else {
       const Policy& policy = *node->origin.policy;
       std::optional<QueryView> key;
-      if (policy.pure()) key = query_key(policy, *node);
+      if (&policy != asked) {
+        asked = &policy;
+        asked_is_pure = policy.pure();
+      }
+      if (asked_is_pure) key = query_key(policy, *node);
       if (key) {
         const Decision& decided = answer(trail, position++, *key, policy, *node).second;
         node->precision.storage_type = decided.storage;

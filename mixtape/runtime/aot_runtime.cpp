@@ -13,6 +13,8 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <string>
+#include <string_view>
 #include <unordered_map>
 
 #include "mixtape/dsl/convert.h"
@@ -363,7 +365,7 @@ void open_cuda(mixtape_aot_model& m) {
   const Value* chosen = &info.at("images").at(static_cast<size_t>(index));
   const std::string& file = chosen->at("file").get<std::string>();
   std::string image = read_checked(m, file);
-  std::string digest = mt::digest_bytes(image).xxh3_64;
+  const std::string& digest = m.manifest.at("files").at(file).at("xxh3_64").get<std::string>();
   static std::mutex mutex;
   static std::map<std::string, mt::cuda::CUmodule> modules;  // by the image's XXH3
   std::lock_guard<std::mutex> lock(mutex);
@@ -664,6 +666,13 @@ uint64_t generator_offset(const mixtape_aot_model& m,
 }
 
 // A checkpoint's state, checked whole before any of it replaces the model's.
+// The checkpoint metadata the step was exported with under `key`, or null.
+const std::string* exported_metadata(const mixtape_aot_model& m, std::string_view key) {
+  for (const auto& [our_key, ours] : m.checkpoint_metadata)
+    if (our_key == key) return &ours;
+  return nullptr;
+}
+
 void load_model(mixtape_aot_model& m, const std::string& path) {
   require_step(m, "load");
   mt::safetensors::File file;
@@ -681,24 +690,35 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
       raise(MIXTAPE_AOT_ERROR_FILE,
             fmt::format("{}: {} holds no {} tensor '{}' of shape {}", m.name, path,
                         mt::name(info.dtype), info.name, mt::to_string(info.shape)));
-    if (mt::is_floating(info.dtype))
-      for (int64_t i = 0; i < m.buffers[k]->count; ++i) {
-        mt::Storage probe(info.dtype, 1, mt::Storage::Uninitialized{});
-        size_t size = mt::size_of(info.dtype);
-        std::memcpy(probe.bytes.data(), data->bytes.data() + i * size, size);
-        double v = mt::load_element<double>(probe, 0);
-        if (!std::isfinite(v))
-          raise(MIXTAPE_AOT_ERROR_FILE,
-                fmt::format("{}: {} holds {} in '{}'", m.name, path, v, info.name));
-        if (info.name == "scaler.scale" && !(v > 0 && std::isnormal(v)))
-          raise(MIXTAPE_AOT_ERROR_FILE,
-                fmt::format("{}: {} holds the loss scale {}, not a normal positive number", m.name,
-                            path, v));
-        if (v < 0 && info.name.ends_with(".exp_avg_sq"))
-          raise(MIXTAPE_AOT_ERROR_FILE,
-                fmt::format("{}: {} holds a negative value in '{}', a mean of squares", m.name,
-                            path, info.name));
-      }
+    // The values, checked as load_checkpoint checks them.
+    mt::Storage values(info.dtype, m.buffers[k]->count, mt::Storage::Uninitialized{});
+    std::memcpy(values.bytes.data(), data->bytes.data(), data->bytes.size());
+    for (int64_t i = 0; mt::is_floating(info.dtype) && i < values.count; ++i) {
+      double v = mt::load_element<double>(values, i);
+      if (!std::isfinite(v))
+        raise(MIXTAPE_AOT_ERROR_FILE,
+              fmt::format("{}: {} holds {} in '{}'", m.name, path, v, info.name));
+      if (info.name == "scaler.scale" && !(v > 0 && std::isnormal(v)))
+        raise(MIXTAPE_AOT_ERROR_FILE,
+              fmt::format("{}: {} holds the loss scale {}, not a normal positive number", m.name,
+                          path, v));
+      if (v < 0 && info.name.ends_with(".exp_avg_sq"))
+        raise(MIXTAPE_AOT_ERROR_FILE,
+              fmt::format("{}: {} holds a negative value in '{}', a mean of squares", m.name, path,
+                          info.name));
+    }
+    // The scaler's growth tracker counts finite steps since the last change of scale: a whole
+    // number below the growth interval, as GradScaler::load_state_dict requires.
+    if (info.name == "scaler.growth_tracker" && values.count == 1) {
+      double tracker = mt::load_element<double>(values, 0);
+      const std::string* interval = exported_metadata(m, "scaler.growth_interval");
+      double limit = interval ? std::strtod(interval->c_str(), nullptr) : 0;
+      if (!(tracker >= 0) || tracker != std::floor(tracker) || (limit > 0 && tracker >= limit))
+        raise(MIXTAPE_AOT_ERROR_FILE,
+              fmt::format("{}: {} holds the growth tracker {}, not a count below the growth "
+                          "interval {}",
+                          m.name, path, tracker, limit));
+    }
     entries.emplace_back(k, data);
   }
   int64_t steps = -1;
@@ -711,35 +731,17 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
             MIXTAPE_AOT_ERROR_FILE,
             fmt::format("{}: {} has optimizer.steps '{}', not a step count", m.name, path, value));
     }
-    if (key == "optimizer.kind")
-      for (const auto& [our_key, ours] : m.checkpoint_metadata)
-        if (our_key == key && ours != value)
-          raise(MIXTAPE_AOT_ERROR_FILE,
-                fmt::format("{}: {} holds {} state, the step runs {}", m.name, path, value, ours));
+    const std::string* ours = exported_metadata(m, key);
+    if (key == "optimizer.kind" && ours && *ours != value)
+      raise(MIXTAPE_AOT_ERROR_FILE,
+            fmt::format("{}: {} holds {} state, the step runs {}", m.name, path, value, *ours));
     // The loss scaler's settings are compiled into the step, which cannot take others (where
     // load_checkpoint adopts a file's, as PyTorch's GradScaler does).
-    if (key.starts_with("scaler."))
-      for (const auto& [our_key, ours] : m.checkpoint_metadata)
-        if (our_key == key &&
-            std::strtod(ours.c_str(), nullptr) != std::strtod(value.c_str(), nullptr))
-          raise(MIXTAPE_AOT_ERROR_FILE,
-                fmt::format("{}: {} holds {} = {}, the step was exported with {}", m.name, path,
-                            key, value, ours));
-  }
-  // The scaler's growth tracker counts finite steps since the last change of scale: a whole
-  // number below the growth interval, as GradScaler::load_state_dict requires.
-  for (const auto& [k, data] : entries) {
-    if (m.buffer_info[k].name != "scaler.growth_tracker" || data->bytes.empty()) continue;
-    mt::Storage probe(m.buffer_info[k].dtype, 1, mt::Storage::Uninitialized{});
-    std::memcpy(probe.bytes.data(), data->bytes.data(), mt::size_of(probe.dtype));
-    double tracker = mt::load_element<double>(probe, 0), interval = 0;
-    for (const auto& [our_key, ours] : m.checkpoint_metadata)
-      if (our_key == "scaler.growth_interval") interval = std::strtod(ours.c_str(), nullptr);
-    if (!(tracker >= 0) || tracker != std::floor(tracker) || (interval > 0 && tracker >= interval))
+    if (key.starts_with("scaler.") && ours &&
+        std::strtod(ours->c_str(), nullptr) != std::strtod(value.c_str(), nullptr))
       raise(MIXTAPE_AOT_ERROR_FILE,
-            fmt::format("{}: {} holds the growth tracker {}, not a count below the growth "
-                        "interval {}",
-                        m.name, path, tracker, interval));
+            fmt::format("{}: {} holds {} = {}, the step was exported with {}", m.name, path, key,
+                        value, *ours));
   }
   if (m.steps_buffer >= 0 && steps < 0)
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: {} has no valid optimizer.steps", m.name, path));

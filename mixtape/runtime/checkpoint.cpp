@@ -70,15 +70,16 @@ bool has_metadata(const Metadata& metadata, const std::string& key) {
   return std::any_of(metadata.begin(), metadata.end(), [&](auto& e) { return e.first == key; });
 }
 
-// A whole decimal integer from the metadata; an absent or malformed value names the key.
+// A whole decimal number from the metadata (an integer for an integral T); an absent or
+// malformed value names the key.
 template <typename T>
-T metadata_integer(const std::string& path, const Metadata& metadata, const std::string& key) {
+T metadata_number(const std::string& path, const Metadata& metadata, const std::string& key) {
   if (!has_metadata(metadata, key)) fail("load_checkpoint {}: the file has no '{}'", path, key);
   std::string text = metadata_value(metadata, key);
   T value{};
   auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
   if (text.empty() || ec != std::errc() || end != text.data() + text.size())
-    fail("load_checkpoint {}: metadata '{}' = '{}' is not an integer in range", path, key, text);
+    fail("load_checkpoint {}: metadata '{}' = '{}' is not a number in range", path, key, text);
   return value;
 }
 
@@ -131,16 +132,16 @@ DataLoader::State loader_state(const std::string& path, const NamedTensors& entr
     fail("load_checkpoint {}: '{}' is {} {}, expected a 1-d i64 tensor", path, order_name,
          name(order->dtype()), to_string(order->shape()));
   DataLoader::State state{
-      .epoch = metadata_integer<int64_t>(path, metadata, loader_key(index, "epoch")),
-      .position = metadata_integer<int64_t>(path, metadata, loader_key(index, "position")),
+      .epoch = metadata_number<int64_t>(path, metadata, loader_key(index, "epoch")),
+      .position = metadata_number<int64_t>(path, metadata, loader_key(index, "position")),
       .order = order->to_vector<int64_t>(),
-      .batch_size = metadata_integer<int64_t>(path, metadata, loader_key(index, "batch_size")),
+      .batch_size = metadata_number<int64_t>(path, metadata, loader_key(index, "batch_size")),
       .shuffle = metadata_bool(path, metadata, loader_key(index, "shuffle")),
-      .seed = metadata_integer<uint64_t>(path, metadata, loader_key(index, "seed")),
+      .seed = metadata_number<uint64_t>(path, metadata, loader_key(index, "seed")),
       .drop_last = metadata_bool(path, metadata, loader_key(index, "drop_last"))};
   // Files from before the count was saved: taken at this loader's world size.
   std::string shards = loader_key(index, "shards");
-  state.shards = has_metadata(metadata, shards) ? metadata_integer<int64_t>(path, metadata, shards)
+  state.shards = has_metadata(metadata, shards) ? metadata_number<int64_t>(path, metadata, shards)
                                                 : loader.shard().count;
   try {
     loader.check_state(state);
@@ -311,14 +312,9 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
         steps < 0)
       fail("load_checkpoint {}: no valid optimizer step count in the metadata", path);
     if (has_metadata(meta, "optimizer.lr") && !optimizer->computes_own_rate()) {
-      std::string text = metadata_value(meta, "optimizer.lr");
-      double value = 0;
-      auto [lr_end, lr_ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-      if (text.empty() || lr_ec != std::errc() || lr_end != text.data() + text.size() ||
-          !std::isfinite(value) || value < 0)
-        fail("load_checkpoint {}: metadata 'optimizer.lr' = '{}' is not a learning rate", path,
-             text);
-      lr = value;
+      lr = metadata_number<double>(path, meta, "optimizer.lr");
+      if (!std::isfinite(*lr) || *lr < 0)
+        fail("load_checkpoint {}: metadata 'optimizer.lr' = {} is not a learning rate", path, *lr);
     }
     for (size_t i = 0; i < names.size(); ++i) {
       std::string prefix = kOptimizerPrefix + names[i] + ".";
@@ -362,8 +358,8 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
     if (!has_metadata(meta, seed_key))
       fail("load_checkpoint {}: the file holds no state for generator '{}'", path, name);
     generator_states.emplace_back(
-        metadata_integer<uint64_t>(path, meta, seed_key),
-        metadata_integer<uint64_t>(path, meta, kGeneratorPrefix + name + ".offset"));
+        metadata_number<uint64_t>(path, meta, seed_key),
+        metadata_number<uint64_t>(path, meta, kGeneratorPrefix + name + ".offset"));
   }
   std::vector<DataLoader::State> loader_states;
   for (size_t i = 0; i < options.loaders.size(); ++i)
