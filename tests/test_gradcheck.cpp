@@ -755,6 +755,12 @@ const std::vector<Sample>& composite_samples() {
                 x[0], x[1], x[2],
                 {.stride = 2, .padding = {1, 0}, .output_padding = {1, 0}, .groups = 2});
           });
+    // An output_padding of a stride or more, below the dilation, as PyTorch takes.
+    add_c("conv_transpose2d_output_padding_below_dilation", {{{1, 2, 3, 2}}, {{2, 2, 2, 2}}},
+          [](const Tensors& x) {
+            return mt::conv_transpose2d(
+                x[0], x[1], {}, {.stride = {1, 2}, .output_padding = {2, 2}, .dilation = 3});
+          });
     add_c("softmax_axis0", {{{3, 4}}}, [](const Tensors& x) { return mt::softmax(x[0], 0); });
     // einsum's lowerings: a batched matmul with a broadcast "...", a broadcast product, a
     // diagonal, and a chain of three operands with a batch label shared by all.

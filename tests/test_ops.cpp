@@ -1138,6 +1138,15 @@ void add_conv_cases(Oracle& o, Data& d, mt::DType dt) {
       "F.conv_transpose2d(a, b, c, stride=(2, 3), padding=(1, 0), output_padding=(1, 2), "
       "groups=2)",
       rtol, atol);
+  // output_padding of a stride or more (below the dilation), which PyTorch takes.
+  mt::Tensor wd = d.randn({4, 3, 2, 3}, dt);
+  o.add("conv_transpose2d_dilated/" + t, {xt, wd},
+        mt::conv_transpose2d(
+            xt, wd, {},
+            {.stride = {1, 2}, .padding = {0, 1}, .output_padding = {2, 3}, .dilation = {3, 4}}),
+        "F.conv_transpose2d(a, b, stride=(1, 2), padding=(0, 1), output_padding=(2, 3), "
+        "dilation=(3, 4))",
+        rtol, atol);
 }
 
 void add_movement_cases(Oracle& o, Data& d, mt::DType dt) {

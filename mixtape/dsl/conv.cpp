@@ -2,8 +2,11 @@
 // primitives, and the shape checks they share.
 #include "mixtape/dsl/conv.h"
 
+#include <algorithm>
+
 #include "mixtape/dsl/composites.h"
 #include "mixtape/dsl/error.h"
+#include "mixtape/dsl/functional.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/ops.h"
 
@@ -234,13 +237,19 @@ Tensor conv_transpose2d(const Tensor& x, const Tensor& weight, const Tensor& bia
     op_fail(op, loc, "{} groups of {} output channels are more than 2^60", options.groups,
             weight.size(1));
   Shape out{x.size(0), static_cast<int64_t>(channels), 0, 0};
+  // PyTorch takes fewer extra rows than a stride or than a dilation step. The output must be an
+  // input size of the convolution this one is the gradient of, which holds below a stride; a
+  // padding of a stride or more is the same as appending padding / stride rows of zeros to x
+  // (they add nothing), and keeping the remainder.
+  int64_t zero_rows[2] = {0, 0};
   for (int d = 0; d < 2; ++d) {
-    // Fewer extra rows than a stride, so that the output is an input size of the convolution
-    // this one is the gradient of. (PyTorch also takes fewer than a dilation step, which no
-    // forward convolution has.)
-    if (output_padding[d] < 0 || output_padding[d] >= window.stride[d])
-      op_fail(op, loc, "output_padding ({}, {}) must be smaller than the stride ({}, {})",
-              output_padding[0], output_padding[1], window.stride[0], window.stride[1]);
+    if (output_padding[d] < 0 || output_padding[d] >= std::max(window.stride[d], window.dil[d]))
+      op_fail(op, loc,
+              "output_padding ({}, {}) must be smaller than the stride ({}, {}) or the "
+              "dilation ({}, {})",
+              output_padding[0], output_padding[1], window.stride[0], window.stride[1],
+              window.dil[0], window.dil[1]);
+    zero_rows[d] = output_padding[d] / window.stride[d];
     if (weight.size(2 + d) < 1)
       op_fail(op, loc, "weight {} has an empty spatial dimension", to_string(weight.shape()));
     const __int128 size =
@@ -254,7 +263,10 @@ Tensor conv_transpose2d(const Tensor& x, const Tensor& weight, const Tensor& bia
       op_fail(op, loc, "the output would be empty: input {}, weight {}, {}", to_string(x.shape()),
               to_string(weight.shape()), window_text(window));
   }
-  return add_bias(op, conv2d_input_grad(x, weight, out, window, loc), bias, loc);
+  const Tensor rows = zero_rows[0] || zero_rows[1]
+                          ? pad(x, {0, zero_rows[1], 0, zero_rows[0]}, PadMode::Constant, 0.0, loc)
+                          : x;
+  return add_bias(op, conv2d_input_grad(rows, weight, out, window, loc), bias, loc);
 }
 
 }  // namespace mixtape
