@@ -319,6 +319,26 @@ const std::vector<ScheduleCase>& schedule_cases() {
                  make_shared<mt::StepLR>(kScheduleBase, 2, 0.5)},
              std::vector<int64_t>{3, 7});
        }},
+      // The momentum OneCycleLR cycles, in PyTorch's SequentialLR: before its phase, what its
+      // construction wrote (its step 0); after it, what it left at its last step. The rates
+      // start from OneCycleLR's initial_lr, 0.5 / 25, which its construction writes into the
+      // group for every schedule.
+      {"sequential_linear_onecycle_step",
+       R"({"type": "sequential", "milestones": [3, 10], "schedules": [
+           {"type": "linear", "args": {"start_factor": 0.5, "end_factor": 1.0, "total_iters": 2}},
+           {"type": "onecycle", "args": {"max_lr": 0.5, "total_steps": 6, "base_momentum": 0.6,
+            "max_momentum": 0.9}},
+           {"type": "step", "step_size": 2, "gamma": 0.5}]})",
+       15,
+       [] {
+         return make_shared<mt::SequentialLR>(
+             std::vector<std::shared_ptr<const mt::LRSchedule>>{
+                 make_shared<mt::LinearLR>(0.02, 0.5, 1.0, 2),
+                 make_shared<mt::OneCycleLR>(
+                     0.5, 6, mt::OneCycleOptions{.base_momentum = 0.6, .max_momentum = 0.9}),
+                 make_shared<mt::StepLR>(0.02, 2, 0.5)},
+             std::vector<int64_t>{3, 10});
+       }},
       {"sequential_multistep_linear",
        R"({"type": "sequential", "milestones": [5], "schedules": [
            {"type": "multistep", "milestones": [1, 3], "gamma": 0.5},

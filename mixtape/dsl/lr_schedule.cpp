@@ -231,6 +231,48 @@ SequentialLR::SequentialLR(std::vector<std::shared_ptr<const LRSchedule>> schedu
     if (milestones_[i] <= (i == 0 ? 0 : milestones_[i - 1]))
       fail("SequentialLR: milestones must be increasing and > 0, got {} at index {}",
            milestones_[i], i);
+  for (const auto& schedule : schedules_) cycles_ |= schedule->momentum(0).has_value();
+}
+
+bool SequentialLR::requires_momentum() const {
+  for (const auto& schedule : schedules_)
+    if (schedule->requires_momentum()) return true;
+  return false;
+}
+
+double SequentialLR::phase_momentum(size_t phase, int64_t local) const {
+  if (std::optional<double> own = schedules_[phase]->momentum(local)) return *own;
+  for (size_t before = phase; before-- > 0;) {
+    // What the last cycling phase before this one wrote at its last step.
+    const int64_t length = milestones_[before] - (before == 0 ? 0 : milestones_[before - 1]);
+    if (std::optional<double> left = schedules_[before]->momentum(length - 1)) return *left;
+  }
+  for (size_t last = schedules_.size(); last-- > 0;)
+    if (std::optional<double> first = schedules_[last]->momentum(0)) return *first;
+  fail("SequentialLR: no schedule cycles the momentum");
+}
+
+std::optional<double> SequentialLR::momentum(int64_t step) const {
+  if (!cycles_) return std::nullopt;
+  size_t passed = 0;
+  while (passed < milestones_.size() && milestones_[passed] <= step) ++passed;
+  return phase_momentum(passed, passed == 0 ? step : step - milestones_[passed - 1]);
+}
+
+Tensor SequentialLR::graph_momentum(const Tensor& step) const {
+  if (!cycles_) return Tensor();
+  // As graph_lr; a phase that does not cycle has one value throughout, a host constant.
+  auto phase_value = [&](size_t phase, const Tensor& local) {
+    Tensor cycled = schedules_[phase]->graph_momentum(local);
+    return cycled.defined() ? cycled : number(phase_momentum(phase, 0));
+  };
+  Tensor value = phase_value(0, step);
+  for (size_t i = 1; i < schedules_.size(); ++i) {
+    auto milestone = static_cast<double>(milestones_[i - 1]);
+    Tensor local = maximum(step - milestone, number(0));
+    value = where(step >= milestone, phase_value(i, local), value);
+  }
+  return value;
 }
 
 double SequentialLR::lr(int64_t step) const {

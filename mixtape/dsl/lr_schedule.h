@@ -151,16 +151,28 @@ class OneCycleLR : public LRSchedule {
 /// SequentialLR: schedules[0] until milestones[0], then schedules[1] counted from 0 at that
 /// milestone, and so on (PyTorch's SequentialLR, where each later schedule starts at its closed
 /// form's step 0). Milestones must be increasing and > 0, one fewer than the schedules.
+/// Where some schedules cycle the momentum (OneCycleLR), it is PyTorch's momentum, which a
+/// schedule writes into the optimizer only while it runs: a phase whose schedule cycles gives
+/// it; a later phase that does not keeps the value the cycling one left at its last step; a
+/// phase before the first cycling one has what constructing the schedules in list order leaves,
+/// the last cycling schedule's momentum at its step 0.
 class SequentialLR : public LRSchedule {
  public:
   SequentialLR(std::vector<std::shared_ptr<const LRSchedule>> schedules,
                std::vector<int64_t> milestones);
   double lr(int64_t step) const override;
   Tensor graph_lr(const Tensor& step) const override;
+  std::optional<double> momentum(int64_t step) const override;
+  Tensor graph_momentum(const Tensor& step) const override;
+  bool requires_momentum() const override;
 
  private:
+  // The momentum in phase `phase` (at its own step `local` where its schedule cycles), for a
+  // sequence in which some schedule cycles.
+  double phase_momentum(size_t phase, int64_t local) const;
   std::vector<std::shared_ptr<const LRSchedule>> schedules_;
   std::vector<int64_t> milestones_;
+  bool cycles_ = false;  // some schedule cycles the momentum
 };
 
 }  // namespace mixtape
