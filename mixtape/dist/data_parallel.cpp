@@ -33,8 +33,12 @@ std::vector<std::string> split(std::string_view text) {
 }
 
 // The same error on every process, naming the first process and entry that differ from rank 0.
+// Which parameters take gradients counts too: the buckets hold theirs.
 void check_same_model(ProcessGroup& group, const NamedTensors& state) {
-  std::vector<std::string> texts = gather_text(group, join(describe_entries(state)));
+  std::vector<std::string> lines = describe_entries(state);
+  for (size_t i = 0; i < state.size(); ++i)
+    lines[i] += state[i].second.requires_grad() ? " requires_grad" : " no_grad";
+  std::vector<std::string> texts = gather_text(group, join(lines));
   const std::vector<std::string> first = split(texts[0]);
   for (size_t q = 1; q < texts.size(); ++q) {
     if (texts[q] == texts[0]) continue;
@@ -45,7 +49,8 @@ void check_same_model(ProcessGroup& group, const NamedTensors& state) {
     std::string ours = i < first.size() ? first[i] : "nothing more";
     fail(
         "dist::DataParallel: the models differ across processes: process {} has {} where "
-        "process 0 has {} (entry {} of the parameters and buffers: name, shape, dtype)",
+        "process 0 has {} (entry {} of the parameters and buffers: name, shape, dtype, whether "
+        "it takes gradients)",
         q, theirs, ours, i);
   }
 }
@@ -135,31 +140,37 @@ void DataParallel::average(LeafGradients& gradients) {
   const int processes = process_count();
   if (processes == 1) return;
   // Every parameter, in the module's order, whether or not this process's backward reached it
-  // (a branch taken on one process only, a layer used by some batches): one that was not
-  // contributes zeros and receives the others' average, as PyTorch's find_unused_parameters.
-  // Buckets made from the gradients a process happens to have would pair one process's layer
-  // with another's. A backward that reached none of the module's parameters reduces nothing.
-  std::vector<std::shared_ptr<TensorImpl>> owners(params_.size());
+  // (a branch taken on one process only, a layer used by some batches): one that some other
+  // process reached contributes zeros and receives the others' average, as with PyTorch's
+  // find_unused_parameters. Buckets made from the gradients a process happens to have would
+  // pair one process's layer with another's. A backward that reached none of the module's
+  // parameters reduces nothing. A ZeRO optimizer (dist/zero.h) reduce-scatters its parameters'
+  // gradients itself; they count as reached here (the buffers follow), but are not reduced.
+  std::vector<std::shared_ptr<TensorImpl>> owners(params_.size()), reduced(params_.size());
   std::unordered_map<const TensorImpl*, size_t> param_of;
   for (size_t p = 0; p < params_.size(); ++p) {
     owners[p] = params_[p].lock();
-    // A ZeRO optimizer (dist/zero.h) reduce-scatters its parameters' gradients itself.
-    if (owners[p] && gradient_sharded(owners[p].get())) owners[p].reset();
+    if (owners[p] && !gradient_sharded(owners[p].get())) reduced[p] = owners[p];
     if (owners[p]) param_of.emplace(owners[p].get(), p);
   }
   std::vector<size_t> slot = gradient_slots(gradients, param_of, params_.size());
   if (local_->skip(!slot.empty())) return;
   if (local_->fold(
-          gradients, [&]() -> const auto& { return owners; }))
+          gradients, [&]() -> const auto& { return reduced; }))
     slot = gradient_slots(gradients, param_of, params_.size());
   if (slot.empty()) return;
+  const std::vector<bool> reached = reached_by_any_process(slot);
   NoGradGuard no_grad;
   // The reduction keeps the types the gradients have (or reduce_dtype), whatever policy the
   // caller's backward() runs under.
   NoPolicyScope no_policy;
   for (size_t p = 0; p < params_.size(); ++p) {
     // A parameter gone is gone on every process alike (the module owns them).
-    if (slot[p] != SIZE_MAX || !owners[p]) continue;
+    if (!reduced[p]) {
+      slot[p] = SIZE_MAX;
+      continue;
+    }
+    if (slot[p] != SIZE_MAX || !reached[p]) continue;
     const Node& leaf = *owners[p]->node;
     gradients.emplace_back(owners[p], zeros(leaf.shape, leaf.precision.storage_type));
     slot[p] = gradients.size() - 1;

@@ -35,6 +35,29 @@ inline std::vector<size_t> gradient_slots(
   return slot;
 }
 
+/// Whether some process's backward reached parameter p, for each p (this process's: slot[p] !=
+/// SIZE_MAX): a byte per parameter from every process, a host exchange, as PyTorch DDP's
+/// find_unused_parameters all-reduces its map of locally used parameters. A parameter that no
+/// process reached keeps no gradient, as in one process, so that the optimizer leaves it alone
+/// (no weight decay, no momentum), and every process leaves it out of the reduction alike.
+inline std::vector<bool> reached_by_any_process(const std::vector<size_t>& slot) {
+  std::vector<bool> reached(slot.size());
+  for (size_t p = 0; p < slot.size(); ++p) reached[p] = slot[p] != SIZE_MAX;
+  ProcessGroup* group = process_group();
+  if (!group || group->size() == 1 || slot.empty()) return reached;
+  const int processes = group->size();
+  const auto count = static_cast<int64_t>(slot.size());
+  std::vector<uint8_t> mine(slot.size()), all(slot.size() * static_cast<size_t>(processes));
+  for (size_t p = 0; p < slot.size(); ++p) mine[p] = reached[p] ? 1 : 0;
+  std::vector<int64_t> counts(static_cast<size_t>(processes), count), at(counts.size());
+  for (int q = 0; q < processes; ++q) at[static_cast<size_t>(q)] = q * count;
+  group->all_gather(reinterpret_cast<const std::byte*>(mine.data()), count,
+                    reinterpret_cast<std::byte*>(all.data()), counts, at);
+  for (size_t q = 0; q < static_cast<size_t>(processes); ++q)
+    for (size_t p = 0; p < slot.size(); ++p) reached[p] = reached[p] || all[q * slot.size() + p];
+  return reached;
+}
+
 /// no_sync's side of one reducer (dist::DataParallel, dist::ZeroShards): which backward()s leave
 /// the gradients local, and folding those into the next reduction.
 class LocalGradients {

@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "mixtape/dist/exchange.h"
 #include "mixtape/dist/gradient_slots.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
@@ -47,6 +48,39 @@ std::vector<std::string> entry_names(const NamedTensors& state, int from) {
     at = end + 1;
   }
   return out;
+}
+
+// Each parameter's state entry names, on every process: those of the processes holding part of
+// it (they step it alike; one holding none of it has no state for it), none for a parameter
+// never stepped or empty. One exchange of text.
+std::vector<std::vector<std::string>> state_names_everywhere(const Optimizer& zero,
+                                                             size_t parameter_count) {
+  std::string mine;
+  for (size_t i = 0; i < parameter_count; ++i) {
+    const NamedTensors state = zero.state(i);
+    if (state.empty()) continue;
+    mine += std::to_string(i);
+    for (const auto& entry : state) mine += " " + entry.first;
+    mine += "\n";
+  }
+  std::vector<std::vector<std::string>> names(parameter_count);
+  for (const std::string& text : gather_text(*process_group(), mine)) {
+    for (size_t at = 0; at < text.size();) {
+      const size_t end = text.find('\n', at);
+      std::vector<std::string> words;
+      for (size_t word = at; word < end;) {
+        const size_t space = std::min(text.find(' ', word), end);
+        words.push_back(text.substr(word, space - word));
+        word = space + 1;
+      }
+      std::vector<std::string>& known = names[std::stoul(words[0])];
+      for (size_t w = 1; w < words.size(); ++w)
+        if (std::find(known.begin(), known.end(), words[w]) == known.end())
+          known.push_back(words[w]);
+      at = end + 1;
+    }
+  }
+  return names;
 }
 
 }  // namespace
@@ -249,7 +283,9 @@ void ZeroShards::reduce(LeafGradients& gradients) const {
   if (local_->fold(gradients, owners_of)) slot = gradient_slots(gradients, index, params_.size());
   // As dist::DataParallel: a backward that reached none of them reduces nothing; one that
   // reached some gives the others zeros, so every process's flat buffers hold the same layout.
+  // A parameter that no process reached takes zeros in the buffers and keeps no gradient.
   if (slot.empty()) return;
+  const std::vector<bool> reached = reached_by_any_process(slot);
   NoGradGuard no_grad;
   std::vector<DType> grad_types(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
@@ -299,6 +335,13 @@ void ZeroShards::reduce(LeafGradients& gradients) const {
       gradients[slot[i]].second = mine.dtype() == grad_types[i] ? mine : cast(mine, grad_types[i]);
     }
   }
+  // The zeros that stood in for a parameter no process reached leave the list: no gradient.
+  std::vector<bool> unreached_slot(gradients.size());
+  for (size_t i = 0; i < params_.size(); ++i) unreached_slot[slot[i]] = !reached[i];
+  size_t kept = 0;
+  for (size_t k = 0; k < gradients.size(); ++k)
+    if (!unreached_slot[k]) gradients[kept++] = std::move(gradients[k]);
+  gradients.resize(kept);
 }
 
 void ZeroShards::gather_state(const Optimizer& zero, Optimizer& whole) const {
@@ -310,20 +353,25 @@ void ZeroShards::gather_state(const Optimizer& zero, Optimizer& whole) const {
   if (whole_tensors_) return gather_whole_state(zero, whole);
   std::vector<NamedTensors> full(params_.size());
   std::vector<Tensor> pending;
+  const std::vector<std::vector<std::string>> names = state_names_everywhere(zero, params_.size());
   for (const Group& group : groups_) {
-    // Rank 0 holds the group's first elements, so its first member's state names are the
-    // group's (the rule makes the same entries for every parameter it has stepped), sent to all.
-    const NamedTensors first = rank_ == 0 ? zero.state(group.members[0]) : NamedTensors();
-    for (const std::string& name : entry_names(first, 0)) {
+    // Every entry name of the group's members, each gathered once for the whole group; a member
+    // without that entry (never stepped, or empty) contributes zeros and takes none.
+    std::vector<std::string> group_names;
+    for (size_t i : group.members)
+      for (const std::string& name : names[i])
+        if (std::find(group_names.begin(), group_names.end(), name) == group_names.end())
+          group_names.push_back(name);
+    for (const std::string& name : group_names) {
       Tensor shard = shard_of(group, f32, [&](size_t i) {
         NamedTensors state = zero.state(i);
         Tensor* value = find_entry(state, name);
-        // A shard this process has not stepped yet (impossible while every process steps
-        // alike) contributes zeros rather than leave the others waiting.
         return value ? cast(*value, f32) : zeros(local_shape(i), f32);
       });
       std::vector<Tensor> values = unshard(group, shard);
       for (size_t m = 0; m < group.members.size(); ++m) {
+        const std::vector<std::string>& own = names[group.members[m]];
+        if (std::find(own.begin(), own.end(), name) == own.end()) continue;
         full[group.members[m]].emplace_back(name, values[m]);
         pending.push_back(values[m]);
       }

@@ -1030,4 +1030,150 @@ TEST_F(Zero, AnotherModelsCheckpointIsAnErrorOnEveryRank) {
   EXPECT_EQ(opt.steps_taken(), 0);
 }
 
+// Rank 0's bytes of `values`, compared with this rank's.
+bool same_as_rank0(std::vector<float> values) {
+  std::vector<float> rank0 = values;
+  mt::process_group()->broadcast(reinterpret_cast<std::byte*>(rank0.data()),
+                                 static_cast<int64_t>(rank0.size() * sizeof(float)), 0);
+  return rank0 == values;
+}
+
+// ZeRO over every parameter beside DataParallel (the README's pattern) leaves DataParallel no
+// gradient to reduce; the running statistics are still rank 0's after every step.
+TEST_F(Zero, BatchNormBuffersFollowRankZeroWhenZeroShardsEveryParameter) {
+  struct BnNet : mt::Module {
+    mt::Linear l1{5, 4}, l2{4, 2};
+    mt::BatchNorm1d bn{4};
+    BnNet() {
+      register_module("l1", l1);
+      register_module("bn", bn);
+      register_module("l2", l2);
+    }
+  };
+  mt::manual_seed(1);
+  BnNet net;
+  mt::dist::DataParallel ddp(net);
+  mt::dist::ZeroAdamW opt(net.parameters(), {.lr = 1e-2});
+  for (int s = 0; s < 3; ++s) {
+    mt::Generator gen(100 + s * 10 + mt::dist::rank());  // each rank its own batch
+    mt::Tensor x = mt::randn({8, 5}, mt::f32, &gen);
+    opt.zero_grad();
+    mt::Tensor y = net.l2(mt::relu(net.bn(net.l1(x))));
+    mt::mean(y * y).backward();
+    opt.step();
+    EXPECT_TRUE(same_as_rank0(net.l1.weight.to_vector<float>())) << "step " << s;
+    EXPECT_TRUE(same_as_rank0(net.bn.running_mean.to_vector<float>())) << "step " << s;
+    EXPECT_TRUE(same_as_rank0(net.bn.running_var.to_vector<float>())) << "step " << s;
+  }
+}
+
+// A first parameter of no elements has no state; the gathered state and the checkpoint keep
+// every other parameter's, as a plain AdamW has it.
+TEST_F(Zero, AnEmptyFirstParameterLeavesTheOthersStateInTheGatheredCheckpoint) {
+  struct Small : mt::Module {
+    mt::Tensor e, w, b;
+    Small() {
+      mt::Generator gen(3);
+      e = register_parameter("e", mt::zeros({0}));
+      w = register_parameter("w", mt::randn({5, 3}, mt::f32, &gen));
+      b = register_parameter("b", mt::randn({3}, mt::f32, &gen));
+    }
+    mt::Tensor loss(const mt::Tensor& x) const {
+      mt::Tensor y = mt::matmul(x, w) + b;
+      return mt::mean(y * y) + mt::sum(e);
+    }
+  };
+  Small plain_net, zero_net;
+  mt::dist::DataParallel plain_ddp(plain_net), zero_ddp(zero_net);
+  mt::AdamW plain(plain_net.parameters(), {.lr = 1e-2});
+  mt::dist::ZeroAdamW zero(zero_net.parameters(), {.lr = 1e-2});
+  for (int s = 0; s < 3; ++s) {
+    mt::Generator gen(100 + s * 10 + mt::dist::rank());
+    mt::Tensor x = mt::randn({4, 5}, mt::f32, &gen);
+    plain.zero_grad();
+    plain_net.loss(x).backward();
+    plain.step();
+    zero.zero_grad();
+    zero_net.loss(x).backward();
+    zero.step();
+  }
+  const std::string path = job_file("empty_first.safetensors");
+  mt::dist::save_checkpoint(path, zero_net, &zero);
+  Small loaded_net;
+  mt::AdamW loaded(loaded_net.parameters(), {.lr = 1e-2});
+  mt::dist::load_checkpoint(path, loaded_net, &loaded);
+  // (The empty parameter itself has state of no elements in the plain AdamW and none under
+  // ZeRO, which holds none of it: the same nothing.)
+  for (size_t i = 1; i < 3; ++i) {
+    const mt::NamedTensors want = plain.state(i), got = loaded.state(i);
+    ASSERT_EQ(got.size(), want.size()) << "parameter " << i;
+    for (size_t k = 0; k < want.size(); ++k) {
+      EXPECT_EQ(got[k].first, want[k].first);
+      EXPECT_EQ(got[k].second.to_vector<float>(), want[k].second.to_vector<float>())
+          << "parameter " << i << " " << want[k].first;
+    }
+  }
+  EXPECT_EQ(loaded.steps_taken(), 3);
+}
+
+// A head that no rank's backward reaches after the first step keeps no gradient, so AdamW leaves
+// it alone (no weight decay, no momentum), as one process does and as PyTorch DDP's
+// find_unused_parameters; under plain data parallel and under ZeRO.
+TEST_F(Zero, AParameterNoRankReachedIsNotStepped) {
+  struct Heads : mt::Module {
+    mt::Linear body{5, 4}, head_a{4, 1}, head_b{4, 1};
+    Heads() {
+      register_module("body", body);
+      register_module("head_a", head_a);
+      register_module("head_b", head_b);
+    }
+    mt::Tensor loss(const mt::Tensor& x, bool use_b) const {
+      mt::Tensor h = mt::relu(body(x));
+      mt::Tensor y = use_b ? head_b(h) : head_a(h);
+      return mt::mean(y * y);
+    }
+  };
+  // 0: one process; 1: DataParallel; 2: DataParallel and ZeRO. Every rank takes the same batch,
+  // so the average is exact.
+  auto run = [](int kind) {
+    mt::manual_seed(1);
+    Heads net;
+    std::optional<mt::dist::DataParallel> ddp;
+    if (kind > 0) ddp.emplace(net);
+    std::unique_ptr<mt::Optimizer> opt;
+    if (kind == 2)
+      opt = std::make_unique<mt::dist::ZeroAdamW>(net.parameters(), mt::AdamOptions{.lr = 1e-2});
+    else
+      opt = std::make_unique<mt::AdamW>(net.parameters(), mt::AdamOptions{.lr = 1e-2});
+    for (int s = 0; s < 4; ++s) {
+      mt::Generator gen(100 + s);
+      mt::Tensor x = mt::randn({4, 5}, mt::f32, &gen);
+      opt->zero_grad();
+      net.loss(x, s == 0).backward();
+      opt->step();
+      if (s > 0) {
+        EXPECT_FALSE(net.head_b.weight.grad().defined()) << "kind " << kind << " step " << s;
+      }
+    }
+    return net.head_b.weight.to_vector<float>();
+  };
+  std::vector<float> alone;
+  {
+    auto group = mt::exchange_process_group(nullptr);
+    alone = run(0);
+    mt::exchange_process_group(group);
+  }
+  EXPECT_EQ(run(1), alone);
+  EXPECT_EQ(run(2), alone);
+}
+
+// Processes that freeze different parameters would pair one's gradient with another's in the
+// buckets: refused at construction, on every rank, naming the parameter.
+TEST_F(Zero, ModelsThatFreezeDifferentParametersAreRefused) {
+  mt::manual_seed(7);
+  Net net;
+  (mt::dist::rank() == 0 ? net.fc1.bias : net.temperature).requires_grad_(false);
+  EXPECT_MT_ERROR(mt::dist::DataParallel ddp(net), "the models differ", "no_grad");
+}
+
 }  // namespace
