@@ -485,6 +485,105 @@ TEST(ScanGradients, ProductsAtZerosTakeTheOtherFactors) {
               {6, 6, 3});
 }
 
+// Gradients where a composite's pieces are not smooth but the function is (or where PyTorch
+// masks a 0 * inf): PyTorch 1.13's values.
+TEST(EdgeGradients, AsPyTorchAtZerosAndSaturation) {
+  auto grad_of = [](const mt::Tensor& x, const std::function<mt::Tensor(const mt::Tensor&)>& f) {
+    return values(mt::grad({mt::sum(f(x))}, {x})[0]);
+  };
+  auto leaf = [](Doubles v, mt::DType dtype = mt::f64) {
+    mt::Tensor x = make(std::move(v), {static_cast<int64_t>(v.size())}, dtype);
+    x.requires_grad_();
+    return x;
+  };
+  // -log(sigmoid(0)) has slope -1/2 (relu's and abs's gradients at 0 made it 0).
+  mt::Tensor t = make({0, 1}, {2});
+  expect_same(
+      grad_of(leaf({0, 0}),
+              [&](const mt::Tensor& x) { return mt::binary_cross_entropy_with_logits(x, t, {}); }),
+      {0.25, -0.25}, "bce_with_logits");
+  expect_same(grad_of(leaf({0, 0}),
+                      [&](const mt::Tensor& x) {
+                        return mt::binary_cross_entropy_with_logits(x, t,
+                                                                    {.pos_weight = make({3}, {1})});
+                      }),
+              {0.25, -0.75}, "bce_with_logits pos_weight");
+  // binary_cross_entropy at probabilities of exactly 1 and 0: PyTorch's (p - t) / max(p (1 - p),
+  // 1e-12), not 0/0. sigmoid(20) rounds to 1 in f32.
+  mt::Tensor saturated = leaf({20, 3}, mt::f32);
+  Doubles through_sigmoid = grad_of(saturated, [](const mt::Tensor& x) {
+    return mt::binary_cross_entropy(mt::sigmoid(x), mt::ones({2}), mt::Reduction::Mean);
+  });
+  EXPECT_EQ(through_sigmoid[0], 0.0);
+  EXPECT_NEAR(through_sigmoid[1], -0.0237129330635, 1e-9);
+  mt::Tensor probs = leaf({1, 0, 0.5}, mt::f32);
+  mt::Tensor bce = mt::binary_cross_entropy(probs, mt::tensor(std::vector<float>{0, 1, 0.25}, {3}),
+                                            mt::Reduction::None);
+  expect_same(values(bce), {100, 100, 0.6931471824645996}, "bce values");
+  Doubles slopes = values(mt::grad({mt::sum(bce)}, {probs})[0]);
+  EXPECT_NEAR(slopes[0], 1e12, 1e6);
+  EXPECT_NEAR(slopes[1], -1e12, 1e6);
+  EXPECT_EQ(slopes[2], 1.0);
+  // norm and std where the result is 0: gradient 0, not inf * 0.
+  mt::Tensor rows = make({0, 0, 3, 4}, {2, 2});
+  rows.requires_grad_();
+  Doubles norm_slopes = values(mt::grad({mt::sum(mt::norm(rows, 2, {1}))}, {rows})[0]);
+  expect_same({norm_slopes[0], norm_slopes[1]}, {0, 0}, "norm at 0");
+  EXPECT_NEAR(norm_slopes[2], 0.6, 1e-15);
+  EXPECT_NEAR(norm_slopes[3], 0.8, 1e-15);
+  expect_same(grad_of(leaf({2, 2, 2}), [](const mt::Tensor& x) { return mt::std_dev(x); }),
+              {0, 0, 0}, "std");
+  EXPECT_EQ(values(mt::std_dev(make({1, 3}, {2}), {0}, false, 3))[0],
+            std::numeric_limits<double>::infinity());
+  // clamp passes the gradient where min <= x <= max only (not through NaN).
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  mt::Tensor clamped = leaf({nan, 0.5, -1, 2, 0, 1});
+  expect_same(values(mt::clamp(clamped, 0.0, 1.0)), {nan, 0.5, 0, 1, 0, 1}, "clamp values");
+  expect_same(grad_of(clamped, [](const mt::Tensor& x) { return mt::clamp(x, 0.0, 1.0); }),
+              {0, 1, 0, 0, 1, 1}, "clamp");
+  // An integer input with fractional bounds is clamped in f32, as PyTorch promotes it.
+  mt::Tensor promoted = mt::clamp(ints({0, 1, 2}, {3}), 0.5, 1.5);
+  EXPECT_EQ(promoted.dtype(), mt::f32);
+  expect_same(values(promoted), {0.5, 1, 1.5}, "clamp of integers");
+  EXPECT_EQ(mt::clamp(ints({0, 1, 2}, {3}), 1.0, 1.0).dtype(), mt::i64);
+  Doubles hardswish_slopes =
+      grad_of(leaf({-3, 3, -4, 1}), [](const mt::Tensor& x) { return mt::hardswish(x); });
+  expect_same({hardswish_slopes[0], hardswish_slopes[1], hardswish_slopes[2]}, {-0.5, 1.5, 0},
+              "hardswish");
+  EXPECT_NEAR(hardswish_slopes[3], 5.0 / 6.0, 1e-15);
+  expect_same(grad_of(leaf({0, 2}), [](const mt::Tensor& x) { return mt::pow(x, 0.0); }), {0, 0},
+              "pow");
+  // A diagonal is selected: an infinity off it does not make it NaN.
+  const double inf = std::numeric_limits<double>::infinity();
+  expect_same(values(mt::einsum("ii->i", {make({1, inf, nan, 2}, {2, 2})})), {1, 2}, "diagonal");
+  expect_same(values(mt::einsum("ii", {make({1, inf, nan, 2}, {2, 2})})), {3}, "trace");
+}
+
+// The smallest integer is the minimum (min was -max(-x), and -x wraps there).
+TEST(IntegerReductions, MinAndArgminOfTheSmallestInteger) {
+  const int64_t smallest = std::numeric_limits<int64_t>::min();
+  EXPECT_EQ(int_values(mt::min(ints({smallest, 5}, {2})))[0], smallest);
+  EXPECT_EQ(int_values(mt::min(ints({-2147483648LL, 5}, {2}, mt::i32)))[0], -2147483648LL);
+  EXPECT_EQ(int_values(mt::argmin(ints({5, smallest, 7}, {3})))[0], 1);
+}
+
+// Programs over empty tensors: a keepdim reduction's [1, 0, 1] reshaped and read twice, and the
+// gradient of a broadcast over an empty axis, on the CPU back end as on the reference.
+TEST(EmptyTensors, ReshapesOfEmptyReductionsAndBroadcastGradients) {
+  mt::Tensor s = mt::sum(mt::ones({2, 0, 4}) * mt::ones({2, 0, 4}), {0, 2}, true);
+  mt::Tensor r = mt::reshape(s, {0, 1});
+  mt::Tensor a = mt::cast(r, mt::f64), b = mt::cast(mt::exp(r), mt::f64);
+  mt::eval({a, b});
+  EXPECT_EQ(a.shape(), (mt::Shape{0, 1}));
+  EXPECT_EQ(b.numel(), 0);
+  mt::Tensor c = mt::zeros({0});
+  c.requires_grad_();
+  mt::Tensor z = mt::zeros({2, 0, 3, 3}) + mt::reshape(c, {1, 0, 1, 1});
+  mt::Tensor g = mt::grad({mt::sum(z)}, {c})[0];
+  EXPECT_EQ(g.shape(), (mt::Shape{0}));
+  EXPECT_EQ(values(g).size(), 0u);
+}
+
 // Of repeated positions scatter keeps the last write (PyTorch's CPU order), and the gradient of
 // base is zero wherever something was written.
 TEST(Scatter, RepeatedPositionsKeepTheLastWrite) {

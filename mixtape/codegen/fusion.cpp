@@ -175,7 +175,9 @@ bool flat_bijective(const Affine& flat, const Shape& shape, const std::vector<in
   for (size_t d = 0; d < flat.coeff.size(); ++d) {
     if (flat.coeff[d] == 0) continue;
     if (flat.coeff[d] < 0 || d >= loop_dims) return false;
-    steps.emplace_back(flat.coeff[d], dims[d]);
+    // A variable over one value never moves the index (its row-major step may equal another's:
+    // [1, 0, 1]'s strides are [0, 1, 1]).
+    if (dims[d] != 1) steps.emplace_back(flat.coeff[d], dims[d]);
   }
   std::sort(steps.begin(), steps.end());
   int64_t stride = 1;

@@ -210,7 +210,8 @@ class Lowering {
     return std::string(1, static_cast<char>(l < 26 ? 'A' + l : 'a' + (l - 26)));
   }
 
-  // A letter repeated within one operand: its diagonal, by a mask and a sum over the repeat.
+  // A letter repeated within one operand: its diagonal, selected by a mask and summed over the
+  // repeat.
   Labeled diagonals(Labeled x, size_t operand) {
     for (size_t p = 0; p < x.labels.size(); ++p)
       for (size_t q = p + 1; q < x.labels.size();) {
@@ -226,8 +227,10 @@ class Lowering {
         mask_shape[p] = mask_shape[q] = n;
         Tensor eye = eq(unsqueeze(arange(n, i64, loc_), 1, loc_),
                         unsqueeze(arange(n, i64, loc_), 0, loc_), loc_);
-        Tensor mask = reshape(cast(eye, x.value.dtype(), loc_), mask_shape, loc_);
-        x.value = sum(x.value * mask, {static_cast<int64_t>(q)}, false, loc_);
+        // Selected, not multiplied: an infinity off the diagonal times 0 would be NaN.
+        Tensor mask = reshape(eye, mask_shape, loc_);
+        x.value = sum(where(mask, x.value, zeros_like(x.value, loc_), loc_),
+                      {static_cast<int64_t>(q)}, false, loc_);
         x.labels.erase(x.labels.begin() + static_cast<std::ptrdiff_t>(q));
       }
     return x;

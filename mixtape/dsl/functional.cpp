@@ -539,10 +539,18 @@ Tensor binary_cross_entropy(const Tensor& probs, const Tensor& targets, const Bc
   same_shapes(probs, targets, op, loc);
   check_reduction(options.reduction, op, loc);
   Tensor weight = element_weight(options.weight, probs, op, "weight", loc);
-  // PyTorch clamps each log at -100, so that a probability of 0 or 1 gives a finite loss.
-  Tensor log_p = maximum(log(probs), full_like(probs, -100.0));
-  Tensor log_q = maximum(log(1.0 - probs), full_like(probs, -100.0));
-  Tensor loss = -(targets * log_p + (1.0 - targets) * log_q);
+  // PyTorch clamps each log at -100, so that a probability of 0 or 1 gives a finite loss. The
+  // gradient with respect to the probabilities is PyTorch's, (p - t) / max(p (1 - p), 1e-12):
+  // the clamped logs' own is 0/0 at a probability of exactly 0 or 1 (what sigmoid rounds to
+  // beyond |x| = 17). The values come from the detached probabilities, and the gradient from
+  // p * D - detach(p * D), which adds exactly zero.
+  Tensor p = probs.detach();
+  Tensor log_p = maximum(log(p), full_like(p, -100.0));
+  Tensor log_q = maximum(log(1.0 - p), full_like(p, -100.0));
+  Tensor slope = (p - targets.detach()) / maximum(p * (1.0 - p), full_like(p, 1e-12));
+  Tensor through_probs = probs * slope;
+  Tensor loss =
+      -(targets * log_p + (1.0 - targets) * log_q) + (through_probs - through_probs.detach());
   return reduce(weight.defined() ? loss * weight : loss, options.reduction);
 }
 
@@ -612,7 +620,10 @@ Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targ
   check_reduction(options.reduction, op, loc);
   Tensor weight = element_weight(options.weight, logits, op, "weight", loc);
   Tensor pos_weight = element_weight(options.pos_weight, logits, op, "pos_weight", loc);
-  Tensor neg_log_sigmoid = log1p(exp(-abs(logits))) + relu(-logits);
+  // max(-x, 0) as (|x| - x) / 2 (the same values: halves are exact), so that the gradient at
+  // x = 0 is -1/2: relu's and abs's are 0 there, which gave the sum a gradient of 0.
+  Tensor magnitude = abs(logits);
+  Tensor neg_log_sigmoid = log1p(exp(-magnitude)) + (magnitude * 0.5 - logits * 0.5);
   Tensor loss;
   if (pos_weight.defined()) {
     Tensor log_weight = 1.0 + (pos_weight - 1.0) * targets;
@@ -628,11 +639,21 @@ Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> m
   CallSiteScope site(loc, composite::clamp);
   require(x, "clamp", "input", loc);
   if (!min && !max) op_fail("clamp", loc, "needs a min or a max");
-  // Comparisons are false for NaN, so NaN passes both selections unchanged.
-  Tensor y = x;
+  // An integer input with a bound that is not a whole number is clamped in f32, as PyTorch
+  // promotes it.
+  auto whole = [](std::optional<double> b) { return !b || *b == std::nearbyint(*b); };
+  const Tensor input =
+      !is_floating(x.dtype()) && x.dtype() != boolean && !(whole(min) && whole(max)) ? cast(x, f32)
+                                                                                     : x;
+  // Comparisons are false for NaN, so NaN passes both selections unchanged; min > max gives max.
+  Tensor y = input.detach();
   if (min) y = where(y < *min, full_like(y, *min), y);
   if (max) y = where(y > *max, full_like(y, *max), y);
-  return y;
+  // The gradient is PyTorch's: 1 where min <= x <= max, else 0 (NaN included).
+  Tensor inside = ones(input.shape(), boolean);
+  if (min) inside = logical_and(inside, input >= *min);
+  if (max) inside = logical_and(inside, input <= *max);
+  return where(inside, input, y);
 }
 
 namespace detail {
@@ -816,6 +837,17 @@ Tensor tile(const Tensor& x, const std::vector<int64_t>& reps, const Loc& loc) {
   return repeat(x, repeats, loc);
 }
 
+namespace {
+
+// sqrt(s) for s >= 0 (or NaN), with a gradient of 0 where s is 0, as PyTorch masks the zero
+// results of norm and std: sqrt's own there is inf, which times the zero spread gave NaN.
+Tensor sqrt_zero_gradient_at_zero(const Tensor& s) {
+  Tensor nonzero = ne(s, zeros_like(s));  // true for NaN
+  return where(nonzero, sqrt(where(nonzero, s, ones_like(s))), zeros_like(s));
+}
+
+}  // namespace
+
 Tensor std_dev(const Tensor& x, std::vector<int64_t> axes, bool keepdim, double correction,
                const Loc& loc) {
   CallSiteScope site(loc);
@@ -826,8 +858,10 @@ Tensor std_dev(const Tensor& x, std::vector<int64_t> axes, bool keepdim, double 
     n = x.numel();
   else
     for (int64_t axis : axes) n *= x.size(axis);
-  // Bessel's correction as PyTorch's: var * n / (n - correction); n <= correction gives inf/NaN.
-  return sqrt(var(x, axes, keepdim) * (static_cast<double>(n) / (n - correction)));
+  // Bessel's correction as PyTorch's: the squares' sum over max(0, n - correction), so that
+  // n <= correction gives inf (NaN for no spread).
+  const double factor = static_cast<double>(n) / std::max(0.0, static_cast<double>(n) - correction);
+  return sqrt_zero_gradient_at_zero(var(x, axes, keepdim) * factor);
 }
 
 Tensor norm(const Tensor& x, double p, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
@@ -835,7 +869,7 @@ Tensor norm(const Tensor& x, double p, std::vector<int64_t> axes, bool keepdim, 
   require_float(x, "norm", "input", loc);
   check_axes(x, axes, "norm", loc);
   if (p == 1) return sum(abs(x), axes, keepdim);
-  if (p == 2) return sqrt(sum(x * x, axes, keepdim));
+  if (p == 2) return sqrt_zero_gradient_at_zero(sum(x * x, axes, keepdim));
   if (std::isinf(p) && p > 0) return max(abs(x), axes, keepdim);
   op_fail("norm", loc, "p must be 1, 2 or inf, got {}", p);
 }
@@ -844,8 +878,8 @@ Tensor argmin(const Tensor& x, std::optional<int64_t> axis, bool keepdim, const 
   CallSiteScope site(loc);
   require(x, "argmin", "input", loc);
   // The first smallest is the first largest of an order-reversing map: -x for floats (NaN stays
-  // NaN and wins, as torch.argmin), ~x = -x - 1 for integers (which does not overflow).
-  Tensor reversed = is_floating(x.dtype()) ? -x : -x - 1;
+  // NaN and wins, as torch.argmin), ~x = -1 - x for integers (which does not overflow).
+  Tensor reversed = is_floating(x.dtype()) ? -x : -1 - x;
   return argmax(reversed, axis, keepdim, loc);
 }
 
@@ -923,7 +957,8 @@ Tensor hardsigmoid(const Tensor& x, const Loc& loc) {
 Tensor hardswish(const Tensor& x, const Loc& loc) {
   CallSiteScope site(loc, composite::hardswish);
   require_float(x, "hardswish", "input", loc);
-  return where(x <= -3.0, zeros_like(x), where(x > 3.0, x, x * (x + 3.0) * (1.0 / 6.0)));
+  // Zero below -3, as PyTorch's gradient (-1/2 at -3 itself).
+  return where(x < -3.0, zeros_like(x), where(x > 3.0, x, x * (x + 3.0) * (1.0 / 6.0)));
 }
 
 Tensor lerp(const Tensor& start, const Tensor& end, const Tensor& weight, const Loc& loc) {

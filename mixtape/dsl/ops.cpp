@@ -295,7 +295,10 @@ Tensor min(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& 
   check_domain("min", Domain::Numeric, x.dtype(), loc);
   for (int64_t a : axes_or_fail(axes, x.shape().size(), "min", loc))
     if (x.shape()[a] == 0) op_fail("min", loc, "cannot reduce an empty axis {}", a);
-  return -max(-x, axes, keepdim, loc);
+  // The largest of an order-reversing map: -x for floats, ~x = -1 - x for integers (-x
+  // overflows at the smallest integer, -1 - x never).
+  if (is_floating(x.dtype()) || x.dtype() == boolean) return -max(-x, axes, keepdim, loc);
+  return -1 - max(-1 - x, axes, keepdim, loc);
 }
 
 Tensor argmax(const Tensor& x, std::optional<int64_t> axis, bool keepdim, const Loc& loc) {
