@@ -118,10 +118,12 @@ class CharGpt : public mt::Module {
       std::vector<int64_t> last(tokens.end() - window, tokens.end());
       mt::Tensor logits = (*this)(mt::tensor(last, {1, window}));
       logits = mt::reshape(mt::slice(logits, 1, window - 1, window), {config_.vocab});
-      logits = mt::cast(logits, mt::f32);
+      logits = mt::cast(logits, mt::f64);
       if (temperature > 0) {
-        mt::Tensor uniform = mt::rand({config_.vocab}, mt::f32, gen);
-        logits = logits / temperature - mt::log(-mt::log(uniform));
+        // argmax(logits / T + gumbel) as argmax(logits + T gumbel): the same draw, and a tiny T
+        // tends to the greedy pick instead of dividing the logits into infinities.
+        mt::Tensor uniform = mt::cast(mt::rand({config_.vocab}, mt::f32, gen), mt::f64);
+        logits = logits - mt::log(-mt::log(uniform)) * temperature;
       }
       int64_t next = mt::argmax(logits).to_vector<int64_t>().at(0);
       tokens.push_back(next);

@@ -6,24 +6,65 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <cctype>
+#include <charconv>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
+#include <limits>
+#include <optional>
 #include <string>
 
 namespace examples {
 
 namespace mt = mixtape;
 
-/// A number for which `ok` holds; `rule` says which ("at least 1"), in --help and errors.
+/// Why `text` is not a decimal number as the flags take them, or "". CLI11 reads an integer
+/// flag in C's base 0, where 010 is 8 and 0x10 is 16, while the checks below read the text as a
+/// decimal double: a leading 0 before a digit or a letter is refused, so both read alike.
+inline std::string not_decimal(const std::string& text) {
+  size_t at = !text.empty() && (text[0] == '-' || text[0] == '+') ? 1 : 0;
+  if (text.size() > at + 1 && text[at] == '0' &&
+      std::isalnum(static_cast<unsigned char>(text[at + 1])))
+    return "write " + text + " in decimal, without a leading 0";
+  return "";
+}
+
+/// A finite decimal number for which `ok` holds; `rule` says which ("at least 1"), in --help
+/// and errors.
 inline CLI::Validator number_that(const std::string& rule, std::function<bool(double)> ok) {
   return {[rule, ok](std::string& text) -> std::string {
             double value = 0;
             if (!CLI::detail::lexical_cast(text, value)) return "not a number: " + text;
+            if (std::string why = not_decimal(text); !why.empty()) return why;
+            if (!std::isfinite(value)) return "must be a finite number, got " + text;
             return ok(value) ? "" : "must be " + rule + ", got " + text;
           },
           rule};
+}
+
+/// A seed: a whole decimal number in [0, 2^64) (CLI11 wraps -1 and 2^64 to 2^64 - 1).
+inline CLI::Validator seed_value() {
+  return {[](std::string& text) -> std::string {
+            uint64_t value = 0;
+            const char* end = text.data() + text.size();
+            auto [stop, error] = std::from_chars(text.data(), end, value);
+            if (error != std::errc() || stop != end || !not_decimal(text).empty())
+              return "must be a whole decimal number in [0, 2^64), got " + text;
+            return "";
+          },
+          "[0, 2^64)"};
+}
+
+/// The factor of --loss-scale static:N: a finite number above 0 that f32 holds, or nothing.
+inline std::optional<double> static_scale(const std::string& text) {
+  double factor = 0;
+  if (!text.starts_with("static:") || !CLI::detail::lexical_cast(text.substr(7), factor))
+    return std::nullopt;
+  if (!(factor > 0 && factor <= std::numeric_limits<float>::max())) return std::nullopt;
+  return factor;
 }
 
 inline CLI::Validator at_least(double min) {
@@ -78,15 +119,15 @@ inline void add_training_flags(CLI::App& app, TrainingFlags& f) {
       ->check(CLI::Validator(
           [](std::string& text) -> std::string {
             if (text == "none" || text == "dynamic") return "";
-            double factor = 0;
-            if (text.starts_with("static:") && CLI::detail::lexical_cast(text.substr(7), factor) &&
-                factor > 0)
-              return "";
-            return "must be none, static:N (N > 0) or dynamic, got '" + text + "'";
+            if (static_scale(text)) return "";
+            return "must be none, static:N (0 < N <= 3.4e38, the largest float) or dynamic, "
+                   "got '" +
+                   text + "'";
           },
           ""))
       ->capture_default_str();
   app.add_option("--seed", f.seed, "seed of the weights, batches and sampling")
+      ->check(seed_value())
       ->capture_default_str();
   app.add_flag("--json", f.json_only, "print only the JSON line of results");
   app.add_flag("--compile,!--no-compile", f.compile,
@@ -98,7 +139,7 @@ inline void add_training_flags(CLI::App& app, TrainingFlags& f) {
 inline mt::GradScalerOptions scaler_options(const std::string& loss_scale) {
   mt::GradScalerOptions scaling{.enabled = loss_scale != "none",
                                 .dynamic = loss_scale == "dynamic"};
-  if (loss_scale.starts_with("static:")) scaling.init_scale = std::stod(loss_scale.substr(7));
+  if (std::optional<double> factor = static_scale(loss_scale)) scaling.init_scale = *factor;
   return scaling;
 }
 

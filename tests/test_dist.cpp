@@ -194,6 +194,69 @@ TEST(Zero, KeepsF32MasterWeightsOfABf16Model) {
   EXPECT_EQ(mt::memory_report(net, &opt, loss).optimizer_state, 3 * 4 * (4 * 8 + 8 + 8 * 3 + 3));
 }
 
+// A child that outlives its parent, or a parent that outlives its child, keeps no pointer to the
+// other (the sanitizer suite reads what a dangling one would); a registration cycle is refused.
+TEST(ModuleTree, ChildrenAndParentsMayOutliveEachOtherAndCyclesAreRefused) {
+  struct Node : mt::Module {
+    void adopt(const std::string& name, mt::Module& child) { register_module(name, child); }
+  };
+  mt::Linear encoder(3, 2);
+  {
+    Node holder;
+    holder.adopt("encoder", encoder);
+    EXPECT_EQ(encoder.path(), "encoder");
+  }
+  EXPECT_EQ(encoder.path(), "");
+  EXPECT_EQ(encoder(mt::ones({1, 3})).shape(), (mt::Shape{1, 2}));
+  Node wrapper;
+  wrapper.adopt("encoder", encoder);  // free to join another
+  EXPECT_EQ(wrapper.named_parameters().size(), 2u);
+  {
+    mt::Linear temporary(2, 2);
+    wrapper.adopt("temporary", temporary);
+    EXPECT_EQ(wrapper.named_parameters().size(), 4u);
+  }
+  EXPECT_EQ(wrapper.named_parameters().size(), 2u);
+  Node a, b, c;
+  a.adopt("b", b);
+  b.adopt("c", c);
+  EXPECT_MT_ERROR(c.adopt("a", a), "cannot register 'a'", "contains it");
+  EXPECT_MT_ERROR(b.adopt("self", b), "own child");
+  EXPECT_EQ(c.path(), "b.c");
+}
+
+// load_state_dict changes nothing unless every value fits and evaluates; a name given twice is
+// refused. A computed buffer is stored as its values, so Module::to converts it.
+TEST(ModuleState, LoadingIsAllOrNothingAndComputedBuffersConvert) {
+  struct Net : mt::Module {
+    mt::Linear fc{2, 2};
+    Net() { register_module("fc", fc); }
+  } net;
+  const std::vector<float> weight = net.fc.weight.to_vector<float>();
+  mt::NamedTensors bad = {
+      {"fc.weight", mt::full({2, 2}, 9.0)},
+      {"fc.bias",
+       mt::embedding(mt::ones({2, 2}), mt::tensor(std::vector<int64_t>{0, 7}, {2}, mt::i64))}};
+  bad[1].second = mt::sum(bad[1].second, {1});
+  EXPECT_MT_ERROR(net.load_state_dict(bad), "out of range");
+  EXPECT_EQ(net.fc.weight.to_vector<float>(), weight) << "nothing loaded";
+  mt::NamedTensors twice = {{"fc.weight", mt::full({2, 2}, 9.0)},
+                            {"fc.bias", mt::zeros({2})},
+                            {"fc.bias", mt::ones({2})}};
+  EXPECT_MT_ERROR(net.load_state_dict(twice), "'fc.bias' is given twice");
+  struct Encoded : mt::Module {
+    mt::Linear fc{2, 2};
+    mt::Tensor table;
+    Encoded() {
+      register_module("fc", fc);
+      table = register_buffer("table", mt::sin(mt::arange(4, mt::f32) * 0.5));
+    }
+  } encoded;
+  encoded.to(mt::bf16);
+  EXPECT_EQ(encoded.fc.weight.dtype(), mt::bf16);
+  EXPECT_EQ(encoded.named_buffers()[0].second.dtype(), mt::bf16);
+}
+
 TEST(ModuleTo, ConvertsFloatingParametersAndBuffersInPlace) {
   mt::manual_seed(5);
   mt::Sequential net;

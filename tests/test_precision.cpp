@@ -427,6 +427,10 @@ TEST(ModulePathMatches, GlobsMatchModulesAndWhatIsInsideThem) {
       {"blocks.**.qkv", "blocks.qkv", true},
       {"blocks.**.qkv", "blocks.0.attn.qkv", true},
       {"blocks.**.qkv", "layers.0.qkv", false},
+      {"head.**", "head", true},  // a trailing '**' too: the module itself
+      {"head.**", "head.fc.w", true},
+      {"head.**", "heads", false},
+      {"a.**.**", "a", true},
       {"**", "anything.at.all", true},
       {"**", "", true},  // even nodes made outside any module
       {"**.**", "", true},

@@ -469,7 +469,7 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOp
   CallSiteScope site(loc, composite::cross_entropy);
   require_float(logits, "cross_entropy", "logits", loc);
   check_reduction(options.reduction, "cross_entropy", loc);
-  if (options.label_smoothing < 0 || options.label_smoothing > 1)
+  if (!(options.label_smoothing >= 0 && options.label_smoothing <= 1))
     op_fail("cross_entropy", loc, "label_smoothing must be in [0, 1], got {}",
             options.label_smoothing);
   check_targets(logits, targets, "cross_entropy", loc);

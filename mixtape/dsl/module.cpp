@@ -11,7 +11,18 @@
 
 namespace mixtape {
 
-Module::~Module() = default;
+Module::~Module() {
+  // A child may outlive its parent (an encoder handed to a wrapper that goes first), and a
+  // parent its child: neither keeps a pointer to the other.
+  for (auto& [name, child] : children_)
+    if (child->parent_ == this) child->parent_ = nullptr;
+  if (parent_) {
+    auto& siblings = parent_->children_;
+    siblings.erase(std::remove_if(siblings.begin(), siblings.end(),
+                                  [&](const auto& entry) { return entry.second == this; }),
+                   siblings.end());
+  }
+}
 
 void Module::checkpoint(bool enabled) const {
   const std::string glob = path();
@@ -38,6 +49,9 @@ void Module::check_new_name(const std::string& name) const {
 void Module::add_child(const std::string& name, Module& child) {
   check_new_name(name);
   if (&child == this) fail("Module '{}': cannot register a module as its own child", path());
+  for (const Module* above = parent_; above; above = above->parent_)
+    if (above == &child)
+      fail("Module '{}': cannot register '{}', which contains it, as its child", path(), name);
   if (child.parent_) fail("Module: '{}' is already registered as '{}'", name, child.path());
   child.parent_ = this;
   child.name_ = name;
@@ -65,6 +79,10 @@ Tensor Module::register_parameter(const std::string& name, Tensor value, bool re
 Tensor Module::register_buffer(const std::string& name, Tensor value) {
   check_new_name(name);
   if (!value.defined()) fail("Module '{}': buffer '{}' is undefined", path(), name);
+  if (!value.is_leaf()) {  // a computed table (positional encodings): its values, not its graph
+    mixtape::eval({value});
+    value = from_storage(value.node()->value, value.shape());
+  }
   buffers_.emplace_back(name, value);
   return value;
 }
@@ -106,7 +124,8 @@ void Module::load_state_dict(const NamedTensors& state, bool strict) {
   std::vector<std::pair<Tensor, Tensor>> assignments;
   std::vector<std::string> missing, unexpected, mismatched;
   std::set<std::string> given;
-  for (const auto& [name, value] : state) given.insert(name);
+  for (const auto& [name, value] : state)
+    if (!given.insert(name).second) fail("load_state_dict: the entry '{}' is given twice", name);
   for (const auto& [name, target] : own) {
     auto found = std::find_if(state.begin(), state.end(), [&](auto& e) { return e.first == name; });
     if (found == state.end()) {
@@ -135,18 +154,29 @@ void Module::load_state_dict(const NamedTensors& state, bool strict) {
   if (strict && (!missing.empty() || !unexpected.empty()))
     fail("load_state_dict: missing keys [{}], unexpected keys [{}]", fmt::join(missing, ", "),
          fmt::join(unexpected, ", "));
-  for (auto& [target, value] : assignments) {
-    Tensor t = target;
-    t.assign(cast(value, target.dtype()));
-  }
+  // Every value is computed before any is assigned: one that fails to evaluate changes nothing.
+  std::vector<Tensor> values;
+  for (auto& [target, value] : assignments) values.push_back(cast(value, target.dtype()));
+  mixtape::eval(values);
+  for (size_t i = 0; i < assignments.size(); ++i) Tensor(assignments[i].first).assign(values[i]);
 }
 
 Module& Module::to(DType dtype) {
   if (!is_floating(dtype))
     fail("Module::to: converts to a floating-point type, not {}", name(dtype));
-  for (const NamedTensors& all : {named_parameters(), named_buffers()})
-    for (const auto& [path, value] : all)
-      if (is_floating(value.dtype())) Tensor(value).convert(dtype);
+  // Checked before any is converted, so that a failure leaves no mixed module. An evaluation
+  // settles the values assigned later (batch norm's running statistics after a forward).
+  const NamedTensors all = state_dict();
+  std::vector<Tensor> pending;
+  for (const auto& [path, value] : all)
+    if (!value.is_leaf()) pending.push_back(value);
+  if (!pending.empty()) mixtape::eval(pending);
+  for (const auto& [path, value] : all)
+    if (is_floating(value.dtype()) && !value.is_leaf())
+      fail("Module::to: '{}' is the result of '{}', not a leaf (assign it its value first)", path,
+           op_name(value.node()->op));
+  for (const auto& [path, value] : all)
+    if (is_floating(value.dtype())) Tensor(value).convert(dtype);
   return *this;
 }
 

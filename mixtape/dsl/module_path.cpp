@@ -16,6 +16,10 @@ bool glob_match(const char* glob, const char* path) {
       if (*p == '\0') return false;
     }
   }
+  // ".**" also stands for no components at all: "a.**" matches "a" itself.
+  if (glob[0] == '.' && glob[1] == '*' && glob[2] == '*' && (glob[3] == '\0' || glob[3] == '.') &&
+      glob_match(glob + 3, path))
+    return true;
   if (*glob == '*') {
     for (const char* p = path;; ++p) {
       if (glob_match(glob + 1, p)) return true;

@@ -55,7 +55,8 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim, int64_t num_heads, dou
       gen_(gen) {
   if (embed_dim <= 0 || num_heads <= 0 || embed_dim % num_heads != 0)
     fail("MultiheadAttention: embed_dim {} is not divisible by {} heads", embed_dim, num_heads);
-  if (dropout < 0 || dropout > 1) fail("MultiheadAttention: dropout {} not in [0, 1]", dropout);
+  if (!(dropout >= 0 && dropout <= 1))
+    fail("MultiheadAttention: dropout {} not in [0, 1]", dropout);
   // PyTorch's _reset_parameters: xavier_uniform_ over the packed [3E, E] weight, zero biases.
   in_proj_weight = register_parameter("in_proj_weight",
                                       init::xavier_uniform({3 * embed_dim, embed_dim}, 1.0, gen));
@@ -194,7 +195,7 @@ Recurrent::Recurrent(const char* kind, int64_t gates, int64_t input_size, int64_
   if (input_size <= 0 || hidden_size <= 0 || num_layers <= 0)
     fail("{}: sizes must be positive, got input {} hidden {} layers {}", kind, input_size,
          hidden_size, num_layers);
-  if (dropout < 0 || dropout > 1) fail("{}: dropout {} not in [0, 1]", kind, dropout);
+  if (!(dropout >= 0 && dropout <= 1)) fail("{}: dropout {} not in [0, 1]", kind, dropout);
   const double bound = 1.0 / std::sqrt(static_cast<double>(hidden_size));
   auto uniform = [&](Shape shape) { return init::uniform(std::move(shape), -bound, bound, gen); };
   for (int64_t l = 0; l < num_layers; ++l) {

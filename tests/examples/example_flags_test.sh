@@ -42,6 +42,12 @@ for bin in "$1" "$2"; do
   fails "fp8" "$bin" --policy fp8
   fails "static:N" "$bin" --loss-scale static:0
   fails "--logdir" "$bin" --logdir
+  fails "static:N" "$bin" --loss-scale static:1e999
+  fails "in decimal" "$bin" --steps 010
+  fails "in decimal" "$bin" --batch 0x10
+  fails "finite" "$bin" --noise inf
+  fails "--seed" "$bin" --seed -1
+  fails "--seed" "$bin" --seed 18446744073709551616
 done
 for flag in --layers --heads --width --context --prompt --temperature --policy --loss-scale \
   --json --no-compile --export --logdir; do
