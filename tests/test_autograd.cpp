@@ -492,16 +492,51 @@ TEST(AssignLater, TheNextEvaluationComputesAndSettlesIt) {
   mt::eval({other * 3.0});
 }
 
-// A value that cannot be computed fails its evaluation, and only that one: later evaluations of
-// other values go on, while reading the tensor reports the error again.
+// A value that cannot be computed fails its evaluation, and only that one: later evaluations go
+// on, and the tensor keeps the value it had before (as if the forward pass that assigned it had
+// not run). An evaluation that fails for another reason still settles a pending assignment.
 TEST(AssignLater, AValueThatFailsDoesNotFailLaterEvaluations) {
   mt::Tensor source = mt::tensor(std::vector<double>{1, 2, 3}, {3});
   mt::Tensor buffer = mt::zeros({2}, mt::f64);
   mt::eval({buffer});
-  buffer.assign_later(mt::index_select(source, mt::tensor(std::vector<int64_t>{0, 7}, {2}), 0));
+  const mt::Tensor bad_ids = mt::tensor(std::vector<int64_t>{0, 7}, {2});
+  buffer.assign_later(mt::index_select(source, bad_ids, 0));
   EXPECT_MT_ERROR(mt::eval({source * 2.0}), "index 7");
   expect_near_all(values(source * 3.0), {3, 6, 9});
-  EXPECT_MT_ERROR(buffer.to_vector<double>(), "index 7");
+  expect_near_all(values(buffer), {0, 0});
+  EXPECT_TRUE(buffer.is_leaf());
+  buffer.assign_later(buffer + 5.0);
+  EXPECT_MT_ERROR(mt::eval({mt::index_select(source, bad_ids, 0)}), "index 7");
+  EXPECT_TRUE(buffer.is_leaf());
+  expect_near_all(values(buffer), {5, 5});
+}
+
+// A model with batch norm survives a bad batch caught by the training loop: an index out of
+// range before the norm leaves its running statistics as they were; a label out of range after
+// it (the loss fails) keeps the forward pass's update, as PyTorch's eager norm has made it.
+TEST(AssignLater, BatchNormSurvivesABadBatch) {
+  mt::manual_seed(3);
+  mt::Embedding embed(10, 4);
+  mt::BatchNorm1d norm(4);
+  mt::Linear head(4, 3);
+  auto loss_of = [&](std::vector<int64_t> ids, std::vector<int64_t> labels) {
+    mt::Tensor x = norm(embed(mt::tensor(ids, {4})));
+    return mt::cross_entropy(head(x), mt::tensor(labels, {4}));
+  };
+  mt::SGD opt({embed.weight, norm.weight, norm.bias, head.weight, head.bias}, {.lr = 0.1});
+  auto step = [&](std::vector<int64_t> ids, std::vector<int64_t> labels) {
+    opt.zero_grad();
+    loss_of(std::move(ids), std::move(labels)).backward();
+    opt.step();
+  };
+  step({1, 2, 3, 4}, {0, 1, 2, 0});
+  const std::vector<float> mean = norm.running_mean.to_vector<float>();
+  EXPECT_MT_ERROR(step({1, 12, 3, 4}, {0, 1, 2, 0}), "index 12");
+  EXPECT_EQ(norm.running_mean.to_vector<float>(), mean) << "the failed forward changed nothing";
+  EXPECT_MT_ERROR(step({1, 2, 3, 4}, {0, 1, 9, 0}), "9");
+  EXPECT_NE(norm.running_mean.to_vector<float>(), mean) << "the forward pass ran";
+  step({5, 6, 7, 8}, {2, 1, 0, 1});  // training goes on
+  for (float v : norm.running_var.to_vector<float>()) EXPECT_TRUE(std::isfinite(v));
 }
 
 // State assigned from a value that requires grad is state, as assign() makes it: no gradient

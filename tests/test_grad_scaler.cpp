@@ -788,6 +788,34 @@ TEST(GradScalerReliability, StateLoadedBetweenCompiledStepsIsFollowed) {
   EXPECT_EQ(scaler.get_scale(), 64);
 }
 
+// state_dict() holds the values when it was taken, as PyTorch's numbers: replays of a compiled
+// step (which update the scale in place) do not change it, so it rolls the scaler back.
+TEST(GradScalerReliability, AStateDictTakenBetweenCompiledStepsIsASnapshot) {
+  Tiny m;
+  mt::SGD opt(m.lin.parameters(), {.lr = 0.01});
+  mt::GradScaler scaler({.init_scale = 4, .growth_interval = 1});  // doubles every step
+  auto step = mt::compile([&](const mt::Tensor& x) {
+    opt.zero_grad();
+    scaler.scale(m.loss_on(x)).backward();
+    scaler.step(opt);
+    scaler.update();
+  });
+  for (int i = 0; i < 4; ++i) step(m.x);
+  if (mt::current_device() != mt::Device::reference) {  // which traces every call
+    EXPECT_GE(step.stats().replays, 1);
+  }
+  const double scale = scaler.get_scale();
+  mt::NamedTensors saved = scaler.state_dict();
+  for (int i = 0; i < 3; ++i) step(m.x);
+  EXPECT_EQ(scaler.get_scale(), scale * 8);
+  EXPECT_EQ(saved[0].first, "scale");
+  EXPECT_EQ(saved[0].second.item(), scale) << "the snapshot did not follow the replays";
+  scaler.load_state_dict(saved);
+  EXPECT_EQ(scaler.get_scale(), scale);
+  step(m.x);
+  EXPECT_EQ(scaler.get_scale(), scale * 2);
+}
+
 TEST(GradScalerReliability, GradientsThatOverflowOnlyWhenUnscaledAreSkipped) {
   // A scale below 1 (as fp16 runs reach after overflows) unscales a finite 3e38 into inf: the
   // check must look at what the optimizer would apply, as PyTorch's does.

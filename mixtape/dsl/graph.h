@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <source_location>
 #include <string>
 #include <utility>
@@ -202,8 +203,10 @@ void evaluate_queued(const std::vector<NodePtr>& outputs);
 /// its value (as assign() does) and drops the settled ones from the list.
 std::vector<NodePtr> deferred_assignment_values();
 void settle_deferred_assignments();
-/// Drops every pending assignment from the list (after an evaluation that included them failed):
-/// each tensor keeps its unevaluated value.
-void forget_deferred_assignments();
+/// After an evaluation that included them failed: each pending assignment whose value
+/// `compute` (an evaluation of it alone) computes settles, as settle_deferred_assignments()
+/// would; the others are undone, each tensor keeping the value it had before assign_later. The
+/// list is empty afterwards.
+void recover_deferred_assignments(const std::function<void(const NodePtr&)>& compute);
 
 }  // namespace mixtape

@@ -175,6 +175,7 @@ void become_leaf(const std::shared_ptr<TensorImpl>& impl, const NodePtr& value, 
 struct DeferredAssignment {
   std::weak_ptr<TensorImpl> impl;
   NodePtr value;
+  NodePtr previous;  // the tensor's value before: what it keeps if `value` cannot be computed
   Loc loc;
 };
 std::vector<DeferredAssignment>& deferred_assignments() {
@@ -199,9 +200,10 @@ void Tensor::assign_later(const Tensor& value, const Loc& loc) {
   if (value.node()->evaluated()) return assign(value, loc);
   // State, as assign() makes it: no gradient flows through it into what computed the value.
   NodePtr state = value.requires_grad() ? value.detach(loc).node() : value.node();
+  NodePtr previous = current;
   moved_off(current.get(), state.get());
   impl_->node = state;
-  deferred_assignments().push_back({impl_, std::move(state), loc});
+  deferred_assignments().push_back({impl_, std::move(state), std::move(previous), loc});
 }
 
 void Tensor::convert(DType dtype, const Loc& loc) {
@@ -227,7 +229,21 @@ std::vector<NodePtr> deferred_assignment_values() {
   return values;
 }
 
-void forget_deferred_assignments() { deferred_assignments().clear(); }
+void recover_deferred_assignments(const std::function<void(const NodePtr&)>& compute) {
+  std::vector<DeferredAssignment> list = std::move(deferred_assignments());
+  deferred_assignments().clear();
+  for (DeferredAssignment& d : list) {
+    std::shared_ptr<TensorImpl> impl = d.impl.lock();
+    if (!impl || impl->node != d.value) continue;  // dropped, or assigned again since
+    try {
+      if (!d.value->evaluated()) compute(d.value);
+      become_leaf(impl, d.value, d.loc);
+    } catch (...) {
+      moved_off(d.value.get(), d.previous.get());
+      impl->node = d.previous;
+    }
+  }
+}
 
 void settle_deferred_assignments() {
   std::vector<DeferredAssignment>& list = deferred_assignments();

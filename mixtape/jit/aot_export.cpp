@@ -78,13 +78,14 @@ Named checkpoint_names(const Options& o) {
     add(named, "aot.optimizer.steps", o.optimizer->step_count());
     named.steps = named.buffers.back().first;
   }
-  if (o.scaler)
-    for (const auto& [name, value] : o.scaler->state_dict()) {
-      if (name == "scale" || name == "growth_tracker")
-        add(named, "scaler." + name, value);
-      else
+  if (o.scaler && o.scaler->is_enabled()) {
+    // The buffers themselves, which the exported step reads and writes (state_dict() copies).
+    add(named, "scaler.scale", Tensor(o.scaler->scale_tensor().node()));
+    add(named, "scaler.growth_tracker", Tensor(o.scaler->growth_tracker_tensor().node()));
+    for (const auto& [name, value] : o.scaler->state_dict())
+      if (name != "scale" && name != "growth_tracker")
         named.metadata.emplace_back("scaler." + name, fmt::format("{}", value.item()));
-    }
+  }
   // A generator's offset is metadata in a checkpoint; the artifact keeps it as a tensor.
   for (const auto& [name, generator] : o.generators) {
     add(named, "aot.generator." + name + ".offset", generator->offset_tensor());

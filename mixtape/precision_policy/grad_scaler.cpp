@@ -335,10 +335,11 @@ NamedTensors GradScaler::state_dict() const {
   if (!options_.enabled) return {};
   auto number = [](double value) { return full({}, value, f64); };
   NamedTensors state = {
-      // The values' buffers, as Module::state_dict() hands out its parameters': what a
-      // checkpoint or an AOT export names the scaler's state by.
-      {"scale", Tensor(scale_.node())},
-      {"growth_tracker", Tensor(tracker_.node())},
+      // Copies of the values now, as PyTorch's state_dict() holds numbers: a state kept to
+      // restore later (or written later) must not follow the replays of a compiled step, which
+      // update the buffers in place. (An AOT export names the buffers themselves.)
+      {"scale", value_now(scale_)},
+      {"growth_tracker", value_now(tracker_)},
       {"growth_factor", number(options_.growth_factor)},
       {"backoff_factor", number(options_.backoff_factor)},
       {"growth_interval", number(static_cast<double>(options_.growth_interval))},

@@ -98,7 +98,8 @@ class GradScaler {
 
   /// "scale" (0-d f32), "growth_tracker" (0-d i32) and the hyperparameters as 0-d f64 tensors
   /// ("growth_factor", "backoff_factor", "growth_interval", "dynamic", and "min_scale",
-  /// "max_scale" when set). Empty for a disabled scaler, as in PyTorch.
+  /// "max_scale" when set), copies of the values now (a host sync), as PyTorch's numbers: they
+  /// do not follow later steps, compiled or not. Empty for a disabled scaler, as in PyTorch.
   NamedTensors state_dict() const;
   /// Restores state_dict(): the scale, the tracker and the hyperparameters (absent bounds are
   /// unset). Everything is validated before anything changes. A no-op for a disabled scaler.

@@ -41,9 +41,13 @@ void evaluate(const std::vector<NodePtr>& requested) {
   try {
     run(outputs);
   } catch (...) {
-    // A value that cannot be computed must not fail every later evaluation: its tensor keeps
-    // it, and reading that tensor reports the error again.
-    forget_deferred_assignments();
+    // A value that cannot be computed must not fail every later evaluation, nor make its
+    // tensor fail every read. What was asked for may fail where the pending assignments do not
+    // (a loss whose labels are out of range, after batch norm's update): each is computed
+    // alone and settles; one that fails too (it reads the failing value: an embedding's index
+    // out of range before batch norm) leaves its tensor as it was before, as if the forward
+    // pass that made it had not run. (A compiled step that fails changes no state at all.)
+    recover_deferred_assignments([](const NodePtr& value) { run({value}); });
     throw;
   }
   settle_deferred_assignments();
