@@ -476,6 +476,13 @@ std::vector<Case> selection_cases() {
       OP_CASE("logcumsumexp", mt::logcumsumexp(f, 5), "axis 5"),
       OP_CASE("argsort", mt::argsort(f, 2), "axis 2", "rank 2"),
       OP_CASE("argsort", mt::argsort(u), "undefined"),
+      OP_CASE("check", mt::check(u, b, mt::CheckKind::Probabilities), "undefined"),
+      OP_CASE("check", mt::check(b, u, mt::CheckKind::Probabilities), "condition", "undefined"),
+      OP_CASE("check", mt::check(b, b * 1.0, mt::CheckKind::Probabilities), "must be bool"),
+      OP_CASE("check",
+              mt::check(b, mt::zeros({1}, mt::boolean), mt::CheckKind::Probabilities)
+                  .to_vector<float>(),
+              "every probability must be in [0, 1]"),
       OP_CASE("all_reduce", mt::all_reduce(u), "undefined"),
       OP_CASE("all_reduce", mt::all_reduce(b), "bool"),
       OP_CASE("reduce_scatter", mt::reduce_scatter(mt::flatten(b)), "bool"),
@@ -515,6 +522,15 @@ std::vector<Case> selection_cases() {
       OP_CASE("multinomial", mt::multinomial(cube, 1), "1-d or 2-d", "[2, 2, 2]"),
       OP_CASE("multinomial", mt::multinomial(mt::zeros({2, 0}), 1), "at least one category"),
       OP_CASE("randperm", mt::randperm(-1), "non-negative", "-1"),
+      // Values only the graph knows are checked where they are made, as PyTorch checks them.
+      OP_CASE("multinomial", mt::multinomial(mt::full({2}, -1.0), 1).to_vector<int64_t>(),
+              "every weight must be finite and >= 0"),
+      OP_CASE("bernoulli", mt::bernoulli(mt::full({2}, 1.5)).to_vector<float>(),
+              "every probability must be in [0, 1]"),
+      OP_CASE(
+          "binary_cross_entropy",
+          mt::binary_cross_entropy(mt::full({2}, -0.5), mt::ones({2}), mt::Reduction::Mean).item(),
+          "every probability must be in [0, 1]"),
       OP_CASE("randperm", mt::randperm(3, nullptr, mt::f32), "integer type", "f32"),
       OP_CASE("argsort", mt::argsort(b, 3), "axis 3"),
   };

@@ -671,6 +671,10 @@ void add_collectives(Table& t) {
       [](const Tensors& x) { return mt::reduce_scatter(x[0]) * x[0]; });
   add(t, OpCode::AllGather, "all_gather over one process", {{{6}}},
       [](const Tensors& x) { return mt::all_gather(x[0]) * x[0]; });
+  // A check that holds is its value, and so is its gradient.
+  add(t, OpCode::Check, "check of a value that holds", {{{2, 3}}}, [](const Tensors& x) {
+    return mt::check(x[0], mt::abs(x[0]) < 1e6, mt::CheckKind::Probabilities) * x[0];
+  });
 }
 
 const Table& op_samples() {

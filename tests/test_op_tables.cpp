@@ -355,6 +355,7 @@ TEST(CompositeTable, EveryCompositeNamesItsNodes) {
          return mt::einsum("bij,kj->bik", {x, w});
        }},
       {"multinomial", [&] { return mt::multinomial(mt::softmax(w), 2, false, &gen); }},
+      {"bernoulli", [&] { return mt::bernoulli(mt::sigmoid(w), &gen); }},
   };
   EXPECT_EQ(mt::composite::names().size(), builders.size());
   for (const char* name : mt::composite::names()) {

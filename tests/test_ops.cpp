@@ -375,6 +375,21 @@ TEST(RandomComposites, BernoulliAndRandint) {
   }
   for (int c : counts) EXPECT_NEAR(c / 20000.0, 1.0 / 7, 0.02);
   EXPECT_THROW(mt::randint(2, 2, {3}, &gen), mt::Error);
+  // Wide ranges: every value reachable (f64 draws carry 53 bits; 24 left multiples of 2^16 in
+  // [0, 2^40)), an offset beyond 2^53 added exactly, and no range the draws cannot cover.
+  std::vector<int64_t> wide = int_values(mt::randint(0, int64_t{1} << 40, {64}, &gen));
+  EXPECT_TRUE(std::any_of(wide.begin(), wide.end(), [](int64_t v) { return v % 65536 != 0; }));
+  const int64_t far = (int64_t{1} << 60) + 12345;
+  for (int64_t v : int_values(mt::randint(far, far + 3, {64}, &gen))) {
+    EXPECT_GE(v, far);
+    EXPECT_LT(v, far + 3);
+  }
+  try {
+    mt::randint(std::numeric_limits<int64_t>::min(), int64_t{1} << 62, {2}, &gen);
+    ADD_FAILURE() << "a range of more than 2^53 values was drawn";
+  } catch (const mt::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("at most 2^53 values"), std::string::npos) << e.what();
+  }
   EXPECT_THROW(mt::norm(p, 3.0), mt::Error);
   EXPECT_THROW(mt::tril(p), mt::Error);
   EXPECT_THROW(mt::roll(p, {1, 2}, {0}), mt::Error);
@@ -868,9 +883,11 @@ TEST(Philox, Random123KnownAnswers) {
   // Counter words (lo to hi) 243f6a88 85a308d3 13198a2e 03707344, key a4093822 299f31d0: pi.
   EXPECT_EQ(mt::philox4x32(0x85a308d3243f6a88ull, 0x0370734413198a2eull, 0x299f31d0a4093822ull),
             (Words{0xd16cfe09u, 0x94fdccebu, 0x5001e420u, 0x24126ea1u}));
-  // rand's element i of a fresh seed-0 generator is the top 24 bits of word 0 at counter i.
+  // f64 rand's element i of a fresh seed-0 generator: 53 bits, word 0 at counter i and the top
+  // 21 of word 1.
   mt::Generator gen(0);
-  EXPECT_EQ(mt::rand({1}, mt::f64, &gen).item(), static_cast<double>(0x6627e8d5u >> 8) * 0x1p-24);
+  EXPECT_EQ(mt::rand({1}, mt::f64, &gen).item(),
+            static_cast<double>((uint64_t{0x6627e8d5u} << 21) | (0xe169c58du >> 11)) * 0x1p-53);
 }
 
 TEST(Dropout, KeepsTheExpectedFractionAndRescales) {

@@ -544,7 +544,9 @@ Tensor binary_cross_entropy(const Tensor& probs, const Tensor& targets, const Bc
   // the clamped logs' own is 0/0 at a probability of exactly 0 or 1 (what sigmoid rounds to
   // beyond |x| = 17). The values come from the detached probabilities, and the gradient from
   // p * D - detach(p * D), which adds exactly zero.
+  // As PyTorch, a probability outside [0, 1] (or NaN) is an error, checked in the graph.
   Tensor p = probs.detach();
+  p = check(p, logical_and(p >= 0.0, p <= 1.0), CheckKind::Probabilities);
   Tensor log_p = maximum(log(p), full_like(p, -100.0));
   Tensor log_q = maximum(log(1.0 - p), full_like(p, -100.0));
   Tensor slope = (p - targets.detach()) / maximum(p * (1.0 - p), full_like(p, 1e-12));
@@ -897,18 +899,29 @@ Tensor all(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& 
 }
 
 Tensor bernoulli(const Tensor& p, Generator* gen, const Loc& loc) {
-  CallSiteScope site(loc);
+  CallSiteScope site(loc, composite::bernoulli);
   require_float(p, "bernoulli", "probabilities", loc);
-  return cast(rand(p.shape(), f32, gen) < cast(p, f32), p.dtype());
+  // As torch.bernoulli, a probability outside [0, 1] (or NaN) is an error, checked in the graph.
+  Tensor checked = check(p, logical_and(p >= 0.0, p <= 1.0), CheckKind::Probabilities);
+  return cast(rand(p.shape(), f32, gen) < cast(checked, f32), p.dtype());
 }
 
 Tensor randint(int64_t low, int64_t high, Shape shape, Generator* gen, const Loc& loc) {
   CallSiteScope site(loc);
   if (high <= low) op_fail("randint", loc, "needs low < high, got [{}, {})", low, high);
-  // floor(u (high - low)) with u in [0, 1) drawn in f64 stays below high - low.
+  // floor(u (high - low)) with u = k / 2^53 drawn in f64 is below high - low, and every value
+  // of a range up to 2^53 comes as often as every other within one in 2^53 / (high - low); a
+  // wider range would leave values out.
+  const __int128 range = static_cast<__int128>(high) - low;
+  if (range > (__int128{1} << 53))
+    op_fail("randint", loc, "draws from at most 2^53 values, got [{}, {})", low, high);
   Tensor u = rand(std::move(shape), f64, gen);
-  return cast(floor(u * static_cast<double>(high - low)), i64) +
-         scalar(static_cast<double>(low), i64);
+  // low added exactly, also beyond 2^53, as two numbers a double holds: its bits above the
+  // lowest 11 (at most 53 significant ones) and those 11.
+  const int64_t low_high_bits = low & ~int64_t{2047}, low_low_bits = low & 2047;
+  return cast(floor(u * static_cast<double>(range)), i64) +
+         scalar(static_cast<double>(low_high_bits), i64) +
+         scalar(static_cast<double>(low_low_bits), i64);
 }
 
 Tensor softplus(const Tensor& x, double beta, double threshold, const Loc& loc) {

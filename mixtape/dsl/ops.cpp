@@ -790,6 +790,27 @@ Tensor argsort(const Tensor& x, int64_t dim, bool descending, bool /*stable*/, c
       make_node(OpCode::Argsort, i64, node->shape, node_list(node), std::move(attrs), loc));
 }
 
+const char* check_message(CheckKind kind) {
+  switch (kind) {
+#define MT_CHECK(Name, message) \
+  case CheckKind::Name:         \
+    return message;
+#include "mixtape/dsl/checks.def"
+  }
+  return "an unknown condition";
+}
+
+Tensor check(const Tensor& value, const Tensor& ok, CheckKind kind, const Loc& loc) {
+  const NodePtr& node = input(value, "check", loc, "value");
+  const NodePtr& flags = input(ok, "check", loc, "condition");
+  if (flags->dtype != boolean)
+    op_fail("check", loc, "the condition must be bool, got {}", name(flags->dtype));
+  Attrs attrs;
+  attrs.check = static_cast<int64_t>(kind);
+  return Tensor(make_node(OpCode::Check, node->dtype, node->shape, node_list(node, flags),
+                          std::move(attrs), loc));
+}
+
 Tensor all_reduce(const Tensor& x, const Loc& loc) {
   const NodePtr& node = input(x, "all_reduce", loc);
   if (node->dtype == boolean)

@@ -153,6 +153,19 @@ Tensor custom_op(const std::vector<Tensor>& inputs,
                  const std::function<Tensor(const std::vector<Tensor>&)>& forward, CustomVjp vjp,
                  const Loc& loc = Loc::current());
 
+/// The conditions mt::check asserts (dsl/checks.def).
+enum class CheckKind : int64_t {
+#define MT_CHECK(Name, message) Name,
+#include "mixtape/dsl/checks.def"
+};
+/// The message a failed check of `kind` gives.
+const char* check_message(CheckKind kind);
+/// `value`, once every element of the bool `ok` (any shape) is true; its evaluation is an
+/// mt::Error naming the call site's op and `kind`'s condition otherwise. A host step: the values
+/// checked are read where they are made, without a sync of their own.
+Tensor check(const Tensor& value, const Tensor& ok, CheckKind kind,
+             const Loc& loc = Loc::current());
+
 /// The sum of x over every process of the run (dsl/process_group.h), the same bits on each:
 /// added in rank order, in f32 for half types; x's value with one process. Every process must
 /// evaluate the same all_reduce nodes in the same order (dist::DataParallel makes them).

@@ -31,19 +31,25 @@ inline std::array<uint32_t, 4> philox4x32(uint64_t counter_lo, uint64_t counter_
   return {c0, c1, c2, c3};
 }
 
-/// Element `index` of the uniform [0, 1) stream (seed, offset) of f64 tensors, with 24 random
-/// bits. (f32, f16 and bf16 tensors draw four elements per counter: runtime/random_fill.h.)
+/// 53 random bits from two words: a whole number in [0, 2^53).
+inline uint64_t top53(uint32_t high, uint32_t low) {
+  return (static_cast<uint64_t>(high) << 21) | (low >> 11);
+}
+
+/// Element `index` of the uniform [0, 1) stream (seed, offset) of f64 tensors, with 53 random
+/// bits, as torch's f64 draws: every double k / 2^53. (f32, f16 and bf16 tensors draw four
+/// elements per counter with 24 bits each: runtime/random_fill.h.)
 inline double philox_uniform(uint64_t seed, uint64_t offset, uint64_t index) {
   auto w = philox4x32(offset + index, 0, seed);
-  return static_cast<double>(w[0] >> 8) * 0x1.0p-24;
+  return static_cast<double>(top53(w[0], w[1])) * 0x1.0p-53;
 }
 
 /// Element `index` of the standard normal stream (seed, offset) of f64 tensors, by Box-Muller
-/// on two words.
+/// on two 53-bit uniforms (tails out to |z| = 8.57).
 inline double philox_normal(uint64_t seed, uint64_t offset, uint64_t index) {
   auto w = philox4x32(offset + index, 0, seed);
-  double u1 = (static_cast<double>(w[0] >> 8) + 1.0) * 0x1.0p-24;  // (0, 1]: log stays finite
-  double u2 = static_cast<double>(w[1] >> 8) * 0x1.0p-24;
+  double u1 = (static_cast<double>(top53(w[0], w[1])) + 1.0) * 0x1.0p-53;  // (0, 1]: finite log
+  double u2 = static_cast<double>(top53(w[2], w[3])) * 0x1.0p-53;
   return std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
 }
 

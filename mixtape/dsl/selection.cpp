@@ -6,6 +6,7 @@
 
 #include "mixtape/dsl/composites.h"
 #include "mixtape/dsl/error.h"
+#include "mixtape/dsl/functional.h"
 
 namespace mixtape {
 namespace {
@@ -136,20 +137,13 @@ Tensor nonzero(const Tensor& x, const Loc& loc) {
 
 namespace {
 
-// torch.multinomial's checks of the weights, as graph code so that they hold in compiled
-// replays too and cost no host read: a row code (0 fine; 1 a negative, infinite or NaN weight;
-// 2 no positive weight) negated as an index into a one-element table, which evaluation refuses with
-// an mt::Error when it is not 0. The returned zeros ([..., 1] i64) are added to the draws, so the
-// check runs with them.
-Tensor weight_check(const Tensor& p) {
+// p with torch.multinomial's check of its weights in the graph (each finite and >= 0, each
+// row's sum positive), evaluated with the draws: never read on the host.
+Tensor checked_weights(const Tensor& p) {
   const double inf = std::numeric_limits<double>::infinity();
   Tensor good = where(p < 0.0, zeros(p.shape(), boolean), p < inf);  // NaN is not below inf
-  Tensor bad = sum(cast(good, i64), {-1}, true) < p.size(-1);
-  Tensor positive = sum(cast(p > 0.0, i64), {-1}, true);
-  Tensor code = where(positive < 1, full_like(positive, 2), zeros_like(positive));
-  code = where(bad, full_like(positive, 1), code);
-  Tensor guard = index_select(zeros({1}, i64), reshape(-code, {-1}), 0);
-  return reshape(guard, code.shape());
+  Tensor rows = logical_and(all(good, {-1}, true), any(p > 0.0, {-1}, true));
+  return check(p, rows, CheckKind::SamplingWeights);
 }
 
 }  // namespace
@@ -173,8 +167,7 @@ Tensor multinomial(const Tensor& probs, int64_t num_samples, bool replacement, G
     op_fail("multinomial", loc,
             "cannot draw {} samples without replacement from {} categories (shape {})", num_samples,
             n, to_string(probs.shape()));
-  Tensor p = cast(probs, f64).detach();
-  Tensor checked = weight_check(p);
+  Tensor p = checked_weights(cast(probs, f64).detach());
   Shape drawn = probs.shape();
   drawn.back() = num_samples;
   if (replacement) {
@@ -184,11 +177,13 @@ Tensor multinomial(const Tensor& probs, int64_t num_samples, bool replacement, G
     Tensor total = slice(cdf, -1, n - 1, n);
     Tensor u = rand(drawn, f64, gen) * total;
     Tensor below = cast(unsqueeze(cdf, -2) <= unsqueeze(u, -1), i64);
-    return minimum(sum(below, {-1}), scalar(static_cast<double>(n - 1), i64)) + checked;
+    return minimum(sum(below, {-1}), scalar(static_cast<double>(n - 1), i64));
   }
   // -log(1 - u) with u in [0, 1) is an Exp(1) draw, finite and positive.
   Tensor exponential = -log1p(-rand(probs.shape(), f64, gen));
-  return topk(p / exponential, num_samples, -1).indices + checked;
+  // A zero weight's key is -1, never 0 / 0 (an exponential draw of 0 made it NaN, which topk
+  // ranks first).
+  return topk(where(p > 0.0, p / exponential, full_like(p, -1.0)), num_samples, -1).indices;
 }
 
 Tensor randperm(int64_t n, Generator* gen, DType dtype, const Loc& loc) {

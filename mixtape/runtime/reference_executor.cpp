@@ -792,6 +792,14 @@ StoragePtr ref_IndexSelect(const Node& node) {
   return out;
 }
 
+StoragePtr ref_Check(const Node& node) {
+  const Storage& ok = value_of(node, 1);
+  for (int64_t i = 0; i < ok.count; ++i)
+    if (!load_element<bool>(ok, i))
+      node_fail(node, "{}", check_message(static_cast<CheckKind>(node.attrs.check)));
+  return host_copy(*input_as_storage(node, 0));
+}
+
 StoragePtr ref_IndexAdd(const Node& node) {
   StoragePtr out = new_storage(node);
   const Shape& shape = node.shape;
