@@ -461,6 +461,24 @@ TEST(Assign, KeepsRequiresGradAndUpdatesEveryCopy) {
   expect_near_all(values(c_copy), {1, 1});
 }
 
+// A chain of 300k nodes, and the backward pass of one of 150k, are dropped without recursing
+// through their destructors (which overflowed the stack at about 150k nodes: a long unrolled
+// loop, or a running sum kept across steps).
+TEST(Graph, LongChainsAreDroppedWithoutRecursion) {
+  {
+    mt::Tensor running = mt::zeros({});
+    for (int i = 0; i < 300000; ++i) running = running + 1.0;
+  }
+  mt::Tensor x = mt::ones({2});
+  x.requires_grad_();
+  {
+    mt::Tensor y = x;
+    for (int i = 0; i < 150000; ++i) y = y * 1.0;
+    mt::sum(y).backward();
+  }
+  EXPECT_TRUE(x.grad().defined());  // a chain of 150k products, dropped with x
+}
+
 // assign_later leaves the value to the next evaluation, whatever it was asked for: batch norm's
 // running statistics join the training step's program that way.
 TEST(AssignLater, TheNextEvaluationComputesAndSettlesIt) {

@@ -857,6 +857,7 @@ TEST(CudaOnHost, MaxPoolKernelsStoreTheReferencesBits) {
   mt::set_device(mt::Device::reference);
   struct Pool {
     mt::Tensor x, gy, out;
+    mt::PoolGeometry geometry;  // read before the evaluation drops the node's inputs
   };
   std::vector<Pool> pools;
   auto tied = [](mt::Shape shape, mt::DType dtype, uint64_t seed) {
@@ -873,11 +874,12 @@ TEST(CudaOnHost, MaxPoolKernelsStoreTheReferencesBits) {
     if (dtype == mt::f32 || dtype == mt::f64) v[1] = v[2] = v[v.size() / 2] = NAN;
     mt::Tensor x = mt::tensor(v, shape, dtype);
     mt::Tensor y = mt::max_pool2d(x, k, s, p, d, ceil_mode);
+    const mt::PoolGeometry forward = mt::PoolGeometry::of(*y.node());
     mt::eval({y});
     mt::Tensor gy = values(y.shape(), dtype, seed + 1);
-    pools.push_back({x, mt::Tensor(), y});
-    pools.push_back(
-        {x, gy, mt::max_pool2d_grad(x, gy, mt::PoolWindow::from(y.node()->attrs.window))});
+    mt::Tensor grad = mt::max_pool2d_grad(x, gy, mt::PoolWindow::from(y.node()->attrs.window));
+    pools.push_back({x, mt::Tensor(), y, forward});
+    pools.push_back({x, gy, grad, mt::PoolGeometry::of(*grad.node())});
   };
   add({2, 3, 11, 10}, mt::f32, 1, 3, 2, 1, 1, false);
   add({1, 2, 6, 7}, mt::bf16, 2, 2, 1, 0, 1, false);
@@ -895,7 +897,7 @@ TEST(CudaOnHost, MaxPoolKernelsStoreTheReferencesBits) {
     ASSERT_EQ(mt::op_info(node.op).kind, mt::OpKind::Pool);
     ASSERT_EQ(backward, o % 2 == 1);
     const mt::Storage& x = *pools[o].x.node()->value;
-    const mt::PoolGeometry g = mt::PoolGeometry::of(node);
+    const mt::PoolGeometry& g = pools[o].geometry;
     const mt::PoolWindow& w = g.window;
     const mt::DType g_dtype = backward ? pools[o].gy.node()->value->dtype : x.dtype;
     const std::string args = fmt::format(

@@ -582,6 +582,30 @@ TEST(IntegerReductions, MinAndArgminOfTheSmallestInteger) {
   EXPECT_EQ(int_values(mt::argmin(ints({5, smallest, 7}, {3})))[0], 1);
 }
 
+// Floats that no integer holds convert to INT64_MIN (wrapped to the width of a narrower type),
+// the same on every back end: C++'s cast is undefined there and LLVM's fptosi poison, which
+// gave each source type its own answer. tanh stays within [-1, 1].
+TEST(Casts, FloatsNoIntegerHoldsAreDefined) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  const int64_t smallest = std::numeric_limits<int64_t>::min();
+  for (mt::DType from : {mt::f32, mt::f64, mt::bf16, mt::f16}) {
+    SCOPED_TRACE(mt::name(from));
+    mt::Tensor x = mt::cast(make({nan, inf, -inf, -2.5, 256}, {5}), from) * 1.0;
+    EXPECT_EQ(int_values(mt::cast(x, mt::i64)),
+              (std::vector<int64_t>{smallest, smallest, smallest, -2, 256}));
+    EXPECT_EQ(int_values(mt::cast(x, mt::i32)), (std::vector<int64_t>{0, 0, 0, -2, 256}));
+  }
+  mt::Tensor big = mt::cast(make({3e9, 1e19}, {2}), mt::f32) * 1.0;
+  EXPECT_EQ(int_values(mt::cast(big, mt::i64)), (std::vector<int64_t>{3000000000, smallest}));
+  EXPECT_EQ(int_values(mt::cast(big, mt::i32)), (std::vector<int64_t>{-1294967296, 0}));
+  // The fit gave 1 + 2^-23 for 8.13 < |x| < 9.1.
+  std::vector<float> grid;
+  for (int i = 0; i < 2000; ++i) grid.push_back(8.0f + 1.2f * static_cast<float>(i) / 2000);
+  for (float v : mt::tanh(mt::tensor(grid, {2000})).to_vector<float>()) ASSERT_LE(v, 1.0f);
+  for (float v : mt::tanh(-mt::tensor(grid, {2000})).to_vector<float>()) ASSERT_GE(v, -1.0f);
+}
+
 // Programs over empty tensors: a keepdim reduction's [1, 0, 1] reshaped and read twice, and the
 // gradient of a broadcast over an empty axis, on the CPU back end as on the reference.
 TEST(EmptyTensors, ReshapesOfEmptyReductionsAndBroadcastGradients) {

@@ -64,6 +64,11 @@ static __device__ __forceinline__ float mt_f64_to_f32_odd(double x) {
   return __uint_as_float(bits | 1u);
 }
 // i64 arithmetic wraps, as LLVM's add/sub/mul without nsw do.
+// A float to a 64-bit integer as the other back ends convert it: INT64_MIN for NaN and outside
+// [-2^63, 2^63) (dsl/convert.h's to_int64), not the hardware's saturation.
+static __device__ __forceinline__ long long mt_to_i64(double x) {
+  return x >= -0x1p63 && x < 0x1p63 ? static_cast<long long>(x) : (-0x7fffffffffffffffLL - 1);
+}
 static __device__ __forceinline__ long long mt_add_i64(long long a, long long b) {
   return static_cast<long long>(static_cast<unsigned long long>(a) +
                                 static_cast<unsigned long long>(b));
@@ -517,7 +522,7 @@ class Emitter {
     if (from == to) return a;
     if (from == Type::f32 && to == Type::f64) return fmt::format("static_cast<double>({})", a);
     if (from == Type::f64 && to == Type::f32) return fmt::format("__double2float_rn({})", a);
-    if (is_float(from) && to == Type::i64) return fmt::format("static_cast<long long>({})", a);
+    if (is_float(from) && to == Type::i64) return fmt::format("mt_to_i64({})", a);
     if (is_float(from) && to == Type::i1)  // une: NaN converts to true, as in C
       return fmt::format("({} != {})", a, constant(from, 0.0));
     if (from == Type::i64 && to == Type::f32) return fmt::format("__ll2float_rn({})", a);

@@ -788,9 +788,19 @@ class Emitter {
       line("{} = fpext {} {} to {}", r, f, a, t);
     else if (from == Type::f64 && to == Type::f32)
       line("{} = fptrunc {} {} to {}", r, f, a, t);
-    else if (is_float(from) && to == Type::i64)
-      line("{} = fptosi {} {} to {}", r, f, a, t);
-    else if (is_float(from) && to == Type::i1)
+    else if (is_float(from) && to == Type::i64) {
+      // fptosi of NaN or of a value outside [-2^63, 2^63) is poison: INT64_MIN there, as the
+      // reference executor converts (dsl/convert.h's to_int64).
+      const char* element = llvm_type(from);
+      std::string above = tmp(), below = tmp(), ok = tmp(), safe = tmp(), whole = tmp();
+      line("{} = fcmp oge {} {}, {}", above, f, a, lit(element, constant(from, -0x1p63)));
+      line("{} = fcmp olt {} {}, {}", below, f, a, lit(element, constant(from, 0x1p63)));
+      line("{} = and {} {}, {}", ok, lanes("i1"), above, below);
+      line("{} = select {} {}, {} {}, {} {}", safe, lanes("i1"), ok, f, a, f, zero("0.0"));
+      line("{} = fptosi {} {} to {}", whole, f, safe, t);
+      line("{} = select {} {}, {} {}, {} {}", r, lanes("i1"), ok, t, whole, t,
+           lit("i64", "-9223372036854775808"));
+    } else if (is_float(from) && to == Type::i1)
       line("{} = fcmp une {} {}, {}", r, f, a, zero("0.0"));
     else if (from == Type::i64 && is_float(to))
       line("{} = sitofp {} {} to {}", r, f, a, t);

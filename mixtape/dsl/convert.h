@@ -4,6 +4,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -29,6 +30,17 @@ inline float to_f32_for_half(T v) {
     return round_to_odd_f32(static_cast<double>(v));
 }
 
+/// A value converted to a 64-bit integer as every back end converts it: truncated toward zero;
+/// a float that is NaN or outside [-2^63, 2^63) gives INT64_MIN (C++'s cast is undefined there,
+/// LLVM's fptosi poison, and x86 gives INT64_MIN). A narrower integer type wraps it.
+template <typename T>
+inline int64_t to_int64(T v) {
+  if constexpr (std::is_floating_point_v<T>) {
+    if (!(v >= T(-0x1p63) && v < T(0x1p63))) return std::numeric_limits<int64_t>::min();
+  }
+  return static_cast<int64_t>(v);
+}
+
 /// Converts one host value to the storage representation of `dtype` and writes it at `out[i]`.
 /// Floats are rounded to nearest even (f16/bf16 as IEEE defines); integers are truncated toward
 /// zero like a C cast; bool is value != 0.
@@ -48,10 +60,10 @@ inline void store_element(Storage& out, int64_t i, T v) {
       out.as<uint16_t>()[i] = f32_to_bf16_bits(to_f32_for_half(v));
       break;
     case DType::i32:
-      out.as<int32_t>()[i] = static_cast<int32_t>(v);
+      out.as<int32_t>()[i] = static_cast<int32_t>(to_int64(v));
       break;
     case DType::i64:
-      out.as<int64_t>()[i] = static_cast<int64_t>(v);
+      out.as<int64_t>()[i] = to_int64(v);
       break;
     case DType::boolean:
       out.as<uint8_t>()[i] = v != T(0);

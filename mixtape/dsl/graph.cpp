@@ -12,6 +12,22 @@
 #include "mixtape/dsl/pool_allocator.h"
 
 namespace mixtape {
+
+void release_input(NodePtr& input) noexcept {
+  if (!input || input.use_count() != 1) return input.reset();
+  // The last hold: the node goes, and so may its inputs and theirs. Each node's inputs are
+  // taken out before it is destroyed, so no destructor drops a node that still holds any.
+  std::vector<NodePtr> dying;
+  dying.push_back(std::move(input));
+  while (!dying.empty()) {
+    NodePtr node = std::move(dying.back());
+    dying.pop_back();
+    if (node.use_count() == 1)
+      for (NodePtr& producer : node->inputs)
+        if (producer) dying.push_back(std::move(producer));
+    node.reset();
+  }
+}
 namespace {
 
 constexpr OpInfo kOpInfo[] = {

@@ -16,6 +16,12 @@ namespace mixtape {
 struct Node;
 using NodePtr = std::shared_ptr<Node>;
 
+/// Drops `input`. Where that was the last hold on its node, the node's own inputs are dropped in
+/// a loop, not by the recursion of their destructors (dsl/graph.cpp): a chain of 100k nodes (a
+/// long unrolled loop, a running sum kept across steps, the backward pass of either) overflowed
+/// the stack.
+void release_input(NodePtr& input) noexcept;
+
 /// The inputs of a node, in order. Every op but the variadic ones (concat, custom ops) has at
 /// most three, and those live inside the node: the traced loop makes a few hundred nodes every
 /// step, and a heap block per input list was one of each node's allocations. The interface is
@@ -95,7 +101,10 @@ class NodeInputs {
   void push_back(NodePtr&& input) { emplace_back(std::move(input)); }
   /// Drops every input (a node whose producers are no longer needed keeps its capacity).
   void clear() {
-    for (uint32_t i = 0; i < size_; ++i) data_[i].~NodePtr();
+    for (uint32_t i = 0; i < size_; ++i) {
+      release_input(data_[i]);
+      data_[i].~NodePtr();
+    }
     size_ = 0;
   }
 
