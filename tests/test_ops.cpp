@@ -574,6 +574,35 @@ TEST(EdgeGradients, AsPyTorchAtZerosAndSaturation) {
   expect_same(values(mt::einsum("ii", {make({1, inf, nan, 2}, {2, 2})})), {3}, "trace");
 }
 
+// A NaN passes its gradient on through relu, maximum and minimum (masked only where strictly
+// beaten), as PyTorch's; detach() gives a leaf a new graph can start at; hardsigmoid keeps its
+// digits near -3 and softplus of an f16 tensor is computed in f32.
+TEST(EdgeGradients, NansPassGradientsAndDetachedValuesBecomeLeaves) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  mt::Tensor x = make({nan, 2, -1}, {3});
+  x.requires_grad_();
+  mt::Tensor y = mt::ones({3}, mt::f64);
+  y.requires_grad_();
+  expect_same(values(mt::grad({mt::sum(mt::relu(x))}, {x})[0]), {1, 1, 0}, "relu");
+  std::vector<mt::Tensor> up = mt::grad({mt::sum(mt::maximum(x, y))}, {x, y});
+  expect_same(values(up[0]), {1, 1, 0}, "maximum x");
+  expect_same(values(up[1]), {1, 0, 1}, "maximum y");
+  std::vector<mt::Tensor> down = mt::grad({mt::sum(mt::minimum(x, y))}, {x, y});
+  expect_same(values(down[0]), {1, 0, 1}, "minimum x");
+  expect_same(values(down[1]), {1, 1, 0}, "minimum y");
+  mt::Tensor start = (make({1, 2}, {2}) * 2.0).detach();
+  start.requires_grad_();
+  EXPECT_TRUE(start.is_leaf());
+  mt::sum(start * start).backward();
+  expect_same(values(start.grad()), {4, 8}, "a detached value's own gradient");
+  const float near_minus_three = -2.99995518f;
+  EXPECT_NEAR(mt::hardsigmoid(mt::tensor(std::vector<float>{near_minus_three}, {1})).item(),
+              7.470448963431409e-06, 1e-12);
+  std::vector<float> soft =
+      mt::cast(mt::softplus(mt::cast(make({15, 11.5}, {2}), mt::f16)), mt::f32).to_vector<float>();
+  EXPECT_EQ(soft, (std::vector<float>{15, 11.5}));
+}
+
 // The smallest integer is the minimum (min was -max(-x), and -x wraps there).
 TEST(IntegerReductions, MinAndArgminOfTheSmallestInteger) {
   const int64_t smallest = std::numeric_limits<int64_t>::min();

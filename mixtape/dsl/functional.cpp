@@ -928,9 +928,12 @@ Tensor softplus(const Tensor& x, double beta, double threshold, const Loc& loc) 
   CallSiteScope site(loc, composite::softplus);
   require_float(x, "softplus", "input", loc);
   if (!(beta > 0)) op_fail("softplus", loc, "beta must be positive, got {}", beta);
-  // Linear above the threshold, as PyTorch's, where log1p(exp(beta x)) / beta rounds to x.
-  Tensor scaled = x * beta;
-  return where(scaled > threshold, x, log1p(exp(scaled)) * (1.0 / beta));
+  // Linear above the threshold, as PyTorch's, where log1p(exp(beta x)) / beta rounds to x. A
+  // half input is computed in f32, as PyTorch's: exp overflows f16 from 11.1.
+  const Tensor wide = is_half(x.dtype()) ? cast(x, f32) : x;
+  Tensor scaled = wide * beta;
+  Tensor y = where(scaled > threshold, wide, log1p(exp(scaled)) * (1.0 / beta));
+  return y.dtype() == x.dtype() ? y : cast(y, x.dtype());
 }
 
 Tensor leaky_relu(const Tensor& x, double negative_slope, const Loc& loc) {
@@ -964,7 +967,8 @@ Tensor hardsigmoid(const Tensor& x, const Loc& loc) {
   CallSiteScope site(loc, composite::hardsigmoid);
   require_float(x, "hardsigmoid", "input", loc);
   // relu6(x + 3) / 6, whose gradient is 1/6 strictly inside (-3, 3), as PyTorch's.
-  return where(x <= -3.0, zeros_like(x), where(x >= 3.0, ones_like(x), x * (1.0 / 6.0) + 0.5));
+  // (x + 3) / 6 as PyTorch: x + 3 is exact near -3, where x / 6 + 0.5 cancelled.
+  return where(x <= -3.0, zeros_like(x), where(x >= 3.0, ones_like(x), (x + 3.0) / 6.0));
 }
 
 Tensor hardswish(const Tensor& x, const Loc& loc) {

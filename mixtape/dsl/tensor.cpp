@@ -16,6 +16,7 @@ namespace mixtape {
 
 namespace {
 std::atomic<Storage::HostFetch> host_fetch{nullptr};
+void become_leaf(const std::shared_ptr<TensorImpl>& impl, const NodePtr& value, const Loc& loc);
 }  // namespace
 
 void Storage::set_host_fetch(HostFetch fetch) { host_fetch.store(fetch); }
@@ -91,6 +92,13 @@ std::vector<bool> Tensor::to_vector<bool>() const {
 }
 
 Tensor& Tensor::requires_grad_(bool enabled) {
+  if (enabled && node()->op == OpCode::Detach) {
+    // As PyTorch's detach(), whose result is a leaf: x.detach().requires_grad_() starts a new
+    // graph at x's value (input gradients, adversarial examples).
+    const NodePtr detached = node();
+    evaluate({detached});
+    become_leaf(impl_, detached, Loc::current());
+  }
   const NodePtr& n = node();
   if (!is_leaf())
     fail(
