@@ -764,18 +764,23 @@ TEST(GradScalerReliability, PoisonedStepsThenCleanOnesLeaveTheWeightsFiniteCompi
   poisoned_then_clean(true);
 }
 
+// PyTorch's AMP step on `m`, compiled.
+auto compiled_amp_step(Tiny& m, mt::Optimizer& opt, mt::GradScaler& scaler) {
+  return mt::compile([m = &m, opt = &opt, scaler = &scaler](const mt::Tensor& x) {
+    opt->zero_grad();
+    scaler->scale(m->loss_on(x)).backward();
+    scaler->step(*opt);
+    scaler->update();
+  });
+}
+
 // A state loaded between replays of a compiled step (e.g. resuming into a running loop) is the
 // state the next call uses, not the one the replay plan last wrote.
 TEST(GradScalerReliability, StateLoadedBetweenCompiledStepsIsFollowed) {
   Tiny m;
   mt::SGD opt(m.lin.parameters(), {.lr = 0.01});
   mt::GradScaler scaler({.init_scale = 1024});
-  auto step = mt::compile([&](const mt::Tensor& x) {
-    opt.zero_grad();
-    scaler.scale(m.loss_on(x)).backward();
-    scaler.step(opt);
-    scaler.update();
-  });
+  auto step = compiled_amp_step(m, opt, scaler);
   for (int i = 0; i < 4; ++i) step(m.x);
   EXPECT_EQ(scaler.get_scale(), 1024);
   mt::NamedTensors state = mt::GradScaler({.init_scale = 8}).state_dict();
@@ -794,12 +799,7 @@ TEST(GradScalerReliability, AStateDictTakenBetweenCompiledStepsIsASnapshot) {
   Tiny m;
   mt::SGD opt(m.lin.parameters(), {.lr = 0.01});
   mt::GradScaler scaler({.init_scale = 4, .growth_interval = 1});  // doubles every step
-  auto step = mt::compile([&](const mt::Tensor& x) {
-    opt.zero_grad();
-    scaler.scale(m.loss_on(x)).backward();
-    scaler.step(opt);
-    scaler.update();
-  });
+  auto step = compiled_amp_step(m, opt, scaler);
   for (int i = 0; i < 4; ++i) step(m.x);
   if (mt::current_device() != mt::Device::reference) {  // which traces every call
     EXPECT_GE(step.stats().replays, 1);
