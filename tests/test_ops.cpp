@@ -603,6 +603,15 @@ TEST(EdgeGradients, NansPassGradientsAndDetachedValuesBecomeLeaves) {
   EXPECT_EQ(soft, (std::vector<float>{15, 11.5}));
 }
 
+// uniform_(t, a, a) fills a, as PyTorch's, and so do initializers with a gain of 0.
+TEST(RandomComposites, AnEmptyRangeIsItsValue) {
+  mt::Tensor t = mt::zeros({3});
+  mt::init::uniform_(t, 0.5, 0.5);
+  EXPECT_EQ(t.to_vector<float>(), (std::vector<float>{0.5f, 0.5f, 0.5f}));
+  EXPECT_EQ(mt::rand({2}, mt::bf16, nullptr, -2.0, -2.0).to_vector<float>(),
+            (std::vector<float>{-2.0f, -2.0f}));
+}
+
 // The smallest integer is the minimum (min was -max(-x), and -x wraps there).
 TEST(IntegerReductions, MinAndArgminOfTheSmallestInteger) {
   const int64_t smallest = std::numeric_limits<int64_t>::min();
@@ -921,7 +930,7 @@ TEST(Random, ReproducibleWithASeedAndRoughlyRightMoments) {
     EXPECT_GE(*std::min_element(h.begin(), h.end()), 0.0) << mt::name(dt);
   }
   EXPECT_THROW(mt::rand({2}, mt::i32), mt::Error);
-  EXPECT_THROW(mt::rand({2}, mt::f32, nullptr, 1.0, 1.0), mt::Error);
+  EXPECT_THROW(mt::rand({2}, mt::f32, nullptr, 1.0, 0.5), mt::Error);
   EXPECT_THROW(mt::randn({2}, mt::f32, nullptr, 0.0, -1.0), mt::Error);
 }
 

@@ -527,7 +527,19 @@ Tensor random_leaf(OpCode op, const char* opname, Shape shape, DType dtype, Gene
 }  // namespace
 
 Tensor rand(Shape shape, DType dtype, Generator* gen, double low, double high, const Loc& loc) {
-  if (!(low < high)) op_fail("rand", loc, "needs low < high, got [{}, {})", low, high);
+  if (!is_floating(dtype)) op_fail("rand", loc, "needs a floating dtype, got {}", name(dtype));
+  if (!(low <= high)) op_fail("rand", loc, "needs low <= high, got [{}, {})", low, high);
+  // As PyTorch's uniform_: bounds the dtype holds, and a range no wider than its largest value
+  // (u (high - low) overflowed to inf, or NaN in f16 for [-1e5, 1e5)).
+  const double largest = dtype == f16    ? 65504.0
+                         : dtype == bf16 ? static_cast<double>(bf16_bits_to_f32(0x7f7f))
+                         : dtype == f32  ? static_cast<double>(std::numeric_limits<float>::max())
+                                         : std::numeric_limits<double>::max();
+  if (!(std::abs(low) <= largest && std::abs(high) <= largest && high - low <= largest))
+    op_fail("rand", loc, "the range [{}, {}) does not fit {}, whose largest value is {}", low, high,
+            name(dtype), largest);
+  // An empty range is its one value, as PyTorch's uniform_(a, a) fills a.
+  if (low == high) return full(std::move(shape), low, dtype, loc);
   Tensor u = random_leaf(OpCode::RandUniform, "rand", std::move(shape), dtype, gen, loc);
   if (low == 0 && high == 1) return u;
   CallSiteScope site(loc);
