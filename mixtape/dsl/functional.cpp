@@ -527,6 +527,16 @@ Tensor element_weight(const Tensor& weight, const Tensor& input, const char* op,
 }
 }  // namespace
 
+namespace {
+
+// p, with PyTorch's check that every probability is in [0, 1] (none NaN) in the graph: an
+// mt::Error where the value is evaluated (binary_cross_entropy, bernoulli).
+Tensor checked_probabilities(const Tensor& p) {
+  return check(p, logical_and(p >= 0.0, p <= 1.0), CheckKind::Probabilities);
+}
+
+}  // namespace
+
 Tensor binary_cross_entropy(const Tensor& probs, const Tensor& targets, Reduction reduction,
                             const Loc& loc) {
   return binary_cross_entropy(probs, targets, BceOptions{.reduction = reduction}, loc);
@@ -544,9 +554,7 @@ Tensor binary_cross_entropy(const Tensor& probs, const Tensor& targets, const Bc
   // the clamped logs' own is 0/0 at a probability of exactly 0 or 1 (what sigmoid rounds to
   // beyond |x| = 17). The values come from the detached probabilities, and the gradient from
   // p * D - detach(p * D), which adds exactly zero.
-  // As PyTorch, a probability outside [0, 1] (or NaN) is an error, checked in the graph.
-  Tensor p = probs.detach();
-  p = check(p, logical_and(p >= 0.0, p <= 1.0), CheckKind::Probabilities);
+  Tensor p = checked_probabilities(probs.detach());
   Tensor log_p = maximum(log(p), full_like(p, -100.0));
   Tensor log_q = maximum(log(1.0 - p), full_like(p, -100.0));
   Tensor slope = (p - targets.detach()) / maximum(p * (1.0 - p), full_like(p, 1e-12));
@@ -652,9 +660,8 @@ Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> m
   if (min) y = where(y < *min, full_like(y, *min), y);
   if (max) y = where(y > *max, full_like(y, *max), y);
   // The gradient is PyTorch's: 1 where min <= x <= max, else 0 (NaN included).
-  Tensor inside = ones(input.shape(), boolean);
-  if (min) inside = logical_and(inside, input >= *min);
-  if (max) inside = logical_and(inside, input <= *max);
+  Tensor inside = min ? input >= *min : input <= *max;
+  if (min && max) inside = logical_and(inside, input <= *max);
   return where(inside, input, y);
 }
 
@@ -901,9 +908,7 @@ Tensor all(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& 
 Tensor bernoulli(const Tensor& p, Generator* gen, const Loc& loc) {
   CallSiteScope site(loc, composite::bernoulli);
   require_float(p, "bernoulli", "probabilities", loc);
-  // As torch.bernoulli, a probability outside [0, 1] (or NaN) is an error, checked in the graph.
-  Tensor checked = check(p, logical_and(p >= 0.0, p <= 1.0), CheckKind::Probabilities);
-  return cast(rand(p.shape(), f32, gen) < cast(checked, f32), p.dtype());
+  return cast(rand(p.shape(), f32, gen) < cast(checked_probabilities(p), f32), p.dtype());
 }
 
 Tensor randint(int64_t low, int64_t high, Shape shape, Generator* gen, const Loc& loc) {
