@@ -100,6 +100,7 @@ Options parse(int argc, char** argv) {
                "activation checkpointing of every transformer block: backward recomputes their "
                "activations instead of keeping them");
   app.add_option("--export", o.export_dir, "export the trained model as a C library into DIR")
+      ->check(examples::path_value())
       ->type_name("DIR");
   examples::add_distributed(app, o.distributed);
   app.add_flag("--zero", o.zero,

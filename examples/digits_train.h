@@ -80,10 +80,14 @@ inline Options parse(const std::string& example, const Defaults& defaults, int a
       ->capture_default_str();
   app.add_flag("--cosine,!--no-cosine", o.cosine, "cosine learning-rate schedule");
   app.add_flag("--shuffle,!--no-shuffle", o.shuffle, "shuffle the batches (default)");
-  app.add_option("--load", o.load, "start from this checkpoint")->type_name("FILE");
+  app.add_option("--load", o.load, "start from this checkpoint")
+      ->check(examples::path_value())
+      ->type_name("FILE");
   app.add_option("--save", o.save, "save the trained weights to this checkpoint")
+      ->check(examples::path_value())
       ->type_name("FILE");
   app.add_option("--export", o.export_dir, "export the trained model as C libraries into DIR")
+      ->check(examples::path_value())
       ->type_name("DIR");
   examples::add_distributed(app, o.distributed);
   examples::add_training_flags(app, o);

@@ -67,6 +67,14 @@ inline std::optional<double> static_scale(const std::string& text) {
   return factor;
 }
 
+/// A file or folder name: not empty (an empty --load would be taken as no --load at all).
+inline CLI::Validator path_value() {
+  return {[](std::string& text) -> std::string {
+            return text.empty() ? "needs a path, got an empty one" : "";
+          },
+          "PATH"};
+}
+
 inline CLI::Validator at_least(double min) {
   return number_that("at least " + CLI::detail::to_string(min),
                      [min](double v) { return v >= min; });
@@ -96,6 +104,7 @@ inline void add_steps(CLI::App& app, int64_t& steps) {
 /// --logdir DIR.
 inline void add_logdir(CLI::App& app, std::string& logdir) {
   app.add_option("--logdir", logdir, "write the run's TensorBoard event files into DIR")
+      ->check(path_value())
       ->type_name("DIR");
 }
 

@@ -361,4 +361,22 @@ TEST(GradientHook, SeesEveryLeafGradientOnceAndCanReplaceIt) {
   EXPECT_EQ(w.grad().to_vector<float>(), (std::vector<float>{9, 9, 9}));
 }
 
+// A hook that throws (a collective whose peer died) leaves the graph walkable, so the backward can
+// be called again; a hook's gradient of the wrong shape is refused, not accumulated.
+TEST(GradientHook, AFailedHookLeavesTheGraphWalkableAndAWrongShapeIsRefused) {
+  mt::Tensor w = mt::ones({3}).requires_grad_(true);
+  mt::Tensor loss = mt::sum(w * 3.0);
+  int64_t id = mt::add_gradient_hook([](mt::LeafGradients&) { throw mt::Error("peer died"); });
+  EXPECT_MT_ERROR(loss.backward(), "peer died");
+  mt::remove_gradient_hook(id);
+  EXPECT_FALSE(w.grad().defined());
+  loss.backward();
+  EXPECT_EQ(w.grad().to_vector<float>(), (std::vector<float>{3, 3, 3}));
+  id = mt::add_gradient_hook([](mt::LeafGradients& grads) { grads[0].second = mt::ones({2}); });
+  EXPECT_MT_ERROR(mt::sum(w * 3.0).backward(), "a gradient hook gave a gradient of shape [2]",
+                  "parameter of shape [3]");
+  mt::remove_gradient_hook(id);
+  EXPECT_EQ(w.grad().to_vector<float>(), (std::vector<float>{3, 3, 3}));
+}
+
 }  // namespace

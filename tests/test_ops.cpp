@@ -620,6 +620,27 @@ TEST(IntegerReductions, MinAndArgminOfTheSmallestInteger) {
   EXPECT_EQ(int_values(mt::argmin(ints({5, smallest, 7}, {3})))[0], 1);
 }
 
+// Integer arithmetic wraps on every back end, as PyTorch's: the reference executor's loops are
+// compiled with -fwrapv (their int64_t overflow was undefined, and UBSan stopped on it).
+TEST(IntegerReductions, OverflowWrapsOnTheReferenceAndTheKernels) {
+  const int64_t largest = std::numeric_limits<int64_t>::max();
+  const int64_t smallest = std::numeric_limits<int64_t>::min();
+  const mt::Device previous = mt::current_device();
+  for (mt::Device device : {mt::Device::reference, mt::Device::cpu}) {
+    mt::set_device(device);
+    mt::Tensor x = ints({largest, 1, 2}, {3});
+    EXPECT_EQ(int_values(mt::sum(x)), (std::vector<int64_t>{smallest + 2}));
+    EXPECT_EQ(int_values(mt::cumsum(x, 0)),
+              (std::vector<int64_t>{largest, smallest, smallest + 2}));
+    EXPECT_EQ(int_values(x + x), (std::vector<int64_t>{-2, 2, 4}));
+    EXPECT_EQ(int_values(mt::prod(ints({largest, 2}, {2}))), (std::vector<int64_t>{-2}));
+    EXPECT_EQ(int_values(-ints({smallest}, {1})), (std::vector<int64_t>{smallest}));
+    EXPECT_EQ(int_values(ints({2147483647, 1}, {2}, mt::i32) + ints({1, 1}, {2}, mt::i32)),
+              (std::vector<int64_t>{-2147483648LL, 2}));
+  }
+  mt::set_device(previous);
+}
+
 // Floats that no integer holds convert to INT64_MIN (wrapped to the width of a narrower type),
 // the same on every back end: C++'s cast is undefined there and LLVM's fptosi poison, which
 // gave each source type its own answer. tanh stays within [-1, 1].

@@ -293,8 +293,6 @@ void Tensor::backward(const Tensor& grad, bool retain_graph, const Loc& loc) con
               op_name(node->op), short_location(node->origin.location));
     walked.push_back(const_cast<Node*>(node));
   }
-  if (!retain_graph)
-    for (Node* node : walked) node->backward_done = true;
   // A leaf's gradient goes to its tensor, also where the tensor has moved on to another value
   // since the graph was built (an optimizer step between two backward passes of a retained
   // graph), as PyTorch accumulates into the parameter: the old value and the new one are one
@@ -325,7 +323,16 @@ void Tensor::backward(const Tensor& grad, bool retain_graph, const Loc& loc) con
       for (const auto& hook : hooks.hooks) now.push_back(hook.second);
     }
     for (const auto& hook : now) (*hook)(leaves);
+    for (const auto& [owner, g] : leaves)
+      if (!g.defined() || g.shape() != owner->node->shape)
+        op_fail("backward", loc,
+                "a gradient hook gave a gradient of shape {} for a parameter of shape {}",
+                g.defined() ? to_string(g.shape()) : "(none)", to_string(owner->node->shape));
   }
+  // Marked only now that nothing can fail: a backward that threw (a hook's collective whose
+  // peer died) can be called again.
+  if (!retain_graph)
+    for (Node* node : walked) node->backward_done = true;
   for (auto& [owner, g] : leaves) {
     note_gradient_change(owner, true);
     NodePtr sum = owner->grad ? (Tensor(owner->grad) + g).node() : g.node();

@@ -128,28 +128,15 @@ Grads vjp_Cumprod(const Node& n, const Tensor& g) {
   return {where(before, before_grad, where(first, first_grad, zero))};
 }
 
-// The most negative finite value of a floating dtype: log|g| where g has the other sign, so that
-// log|g| - y stays finite (not -inf - -inf) where y is -inf.
-double lowest_finite(DType t) {
-  switch (t) {
-    case DType::f64:
-      return std::numeric_limits<double>::lowest();
-    case DType::f16:
-      return -65504.0;
-    case DType::bf16:
-      return -3.3895313892515355e38;
-    default:
-      return std::numeric_limits<float>::lowest();
-  }
-}
-
 // sum over j >= k of g[j] exp(x[k] - y[j]), with g split by sign so that each part is a
 // logcumsumexp from the other end of log|g| - y: PyTorch's logcumsumexp_backward.
 Grads vjp_Logcumsumexp(const Node& n, const Tensor& g) {
   Tensor x = in(n, 0), y = out(n);
   const int64_t axis = n.attrs.axis;
   const bool reverse = n.attrs.reverse;
-  Tensor log_abs = log(abs(g)), lowest = full_like(g, lowest_finite(g.dtype()));
+  // The lowest finite value, not -inf, where g has the other sign: log|g| - y stays finite
+  // (not -inf - -inf) where y is -inf.
+  Tensor log_abs = log(abs(g)), lowest = full_like(g, -largest_finite(g.dtype()));
   Tensor zero = zeros_like(g);
   auto part = [&](const Tensor& log_g) {
     return exp(cumulative(OpCode::Logcumsumexp, log_g - y, axis, !reverse) + x);

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string_view>
 
 namespace mixtape {
@@ -39,6 +40,28 @@ constexpr bool is_floating(DType t) {
 }
 constexpr bool is_integer(DType t) { return t == DType::i32 || t == DType::i64; }
 constexpr bool is_half(DType t) { return t == DType::f16 || t == DType::bf16; }
+
+/// The largest finite value of a dtype, as a double (exact for every dtype but i64, whose
+/// 2^63 - 1 rounds up to 2^63); its negation is the lowest finite value of the floating dtypes.
+constexpr double largest_finite(DType t) {
+  switch (t) {
+    case DType::f64:
+      return std::numeric_limits<double>::max();
+    case DType::f32:
+      return std::numeric_limits<float>::max();
+    case DType::f16:
+      return 65504.0;
+    case DType::bf16:
+      return 3.3895313892515355e38;  // 0x7f7f: f32's exponent, 7 mantissa bits
+    case DType::i64:
+      return static_cast<double>(std::numeric_limits<int64_t>::max());
+    case DType::i32:
+      return std::numeric_limits<int32_t>::max();
+    case DType::boolean:
+      return 1.0;
+  }
+  return 0.0;
+}
 
 /// The short name used in errors, reports and safetensors headers' counterpart ("f32", "bf16",
 /// ...).

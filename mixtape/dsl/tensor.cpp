@@ -531,10 +531,7 @@ Tensor rand(Shape shape, DType dtype, Generator* gen, double low, double high, c
   if (!(low <= high)) op_fail("rand", loc, "needs low <= high, got [{}, {})", low, high);
   // As PyTorch's uniform_: bounds the dtype holds, and a range no wider than its largest value
   // (u (high - low) overflowed to inf, or NaN in f16 for [-1e5, 1e5)).
-  const double largest = dtype == f16    ? 65504.0
-                         : dtype == bf16 ? static_cast<double>(bf16_bits_to_f32(0x7f7f))
-                         : dtype == f32  ? static_cast<double>(std::numeric_limits<float>::max())
-                                         : std::numeric_limits<double>::max();
+  const double largest = largest_finite(dtype);
   if (!(std::abs(low) <= largest && std::abs(high) <= largest && high - low <= largest))
     op_fail("rand", loc, "the range [{}, {}) does not fit {}, whose largest value is {}", low, high,
             name(dtype), largest);

@@ -48,6 +48,9 @@ for bin in "$1" "$2"; do
   fails "finite" "$bin" --noise inf
   fails "--seed" "$bin" --seed -1
   fails "--seed" "$bin" --seed 18446744073709551616
+  for flag in --load --save --export --logdir; do
+    fails "empty" "$bin" "$flag" ""
+  done
 done
 for flag in --layers --heads --width --context --prompt --temperature --policy --loss-scale \
   --json --no-compile --export --logdir; do
@@ -57,6 +60,7 @@ fails "--width" "$3" --heads 3 --width 32
 fails "--warmup" "$3" --steps 10 --warmup 20
 fails "--dropout" "$3" --dropout 1
 fails "--prompt" "$3" --prompt ""
+fails "empty" "$3" --export ""
 fails "fp8" "$3" --policy fp8
 helps "--growth-interval" "$4"
 helps "--logdir" "$4"
