@@ -1,6 +1,7 @@
 // tests/test_aot.cpp -- exported artifacts replay bit for bit what the JIT computes (functions at
 // any allowed batch, N training steps against mt::compile), and refuse bad input with a code.
 #include <gtest/gtest.h>
+#include <immintrin.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -201,6 +202,26 @@ TEST_F(AotErrors, BatchOutOfRange) {
   EXPECT_NE(std::string(mixtape_aot_error(model.m)).find("outside 1..16"), std::string::npos);
   EXPECT_EQ(mixtape_aot_run(model.m, 17, in, out), MIXTAPE_AOT_ERROR_ARGUMENT);
   EXPECT_EQ(mixtape_aot_run(model.m, 16, in, out), 0) << mixtape_aot_error(model.m);
+}
+
+// NAME_run leaves the caller's float mode as it found it (a program built with -ffast-math runs
+// with FTZ and DAZ on): it cleared both bits, for good, to run under mixtape's own setting.
+TEST_F(AotErrors, RunKeepsTheCallersFloatMode) {
+#if defined(__SSE__)
+  Model model(art_->dir, "digits", *art_->table);
+  std::vector<float> x(64, 0.5f), y(10);
+  const void* in[] = {x.data()};
+  void* out[] = {y.data()};
+  const unsigned before = _mm_getcsr();
+  _mm_setcsr(before | 0x8040);  // FTZ and DAZ
+  const int status = mixtape_aot_run(model.m, 1, in, out);
+  const unsigned after = _mm_getcsr();
+  _mm_setcsr(before);
+  ASSERT_EQ(status, 0) << mixtape_aot_error(model.m);
+  EXPECT_EQ(after & 0x8040, 0x8040u);
+#else
+  GTEST_SKIP() << "no MXCSR on this CPU";
+#endif
 }
 
 TEST_F(AotErrors, NullPointers) {

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -222,6 +223,49 @@ float first_value(const mt::Storage& s) { return reinterpret_cast<const float*>(
 // A product whose operand failed work never computed is an error each time it is read: the
 // synchronous product took its buffer as its value before reading the operand, and the second
 // read summed the unwritten buffer into a number.
+// A memory limit reached by a queued bf16 step is an mt::Error of that step and loses nothing:
+// the copies its products read in bf16 were allocated on the stream's worker, whose failure
+// marked every buffer the step writes (the parameters Adam updates in place) never computed,
+// so that the model could no longer be read or saved.
+TEST(AsyncEvaluation, AMemoryLimitReachedByAQueuedStepLosesNoParameter) {
+  AsyncScope scope(true);
+  mt::Generator gen(1);
+  mt::MLP net({64, 256, 256, 4}, mt::Activation::Relu, &gen);
+  mt::Adam opt(net.parameters(), mt::AdamOptions{.lr = 1e-2});
+  mt::Tensor x = mt::randn({8, 64}, mt::f32, &gen), y = mt::randn({8, 4}, mt::f32, &gen);
+  auto step = [&] {
+    opt.zero_grad();
+    mt::Tensor loss;
+    {
+      mt::autocast guard(mt::autocast_policy(mt::bf16));
+      loss = mt::mse_loss(net(x), y);
+    }
+    loss.backward();
+    opt.step();
+    return loss.item();
+  };
+  for (int i = 0; i < 3; ++i) step();
+  mt::synchronize();
+  const mt::HostMemoryStats before = mt::host_memory_stats();
+  int failures = 0;
+  for (double fraction : {0.1, 0.3, 0.6}) {
+    mt::set_memory_limit(before.live_bytes +
+                         static_cast<int64_t>(fraction * (before.peak_bytes - before.live_bytes)));
+    for (int i = 0; i < 2; ++i) {
+      try {
+        step();
+      } catch (const mt::Error& e) {
+        ++failures;
+        EXPECT_NE(std::string(e.what()).find("memory"), std::string::npos) << e.what();
+      }
+    }
+    mt::set_memory_limit(0);
+    for (const mt::Tensor& p : net.parameters()) EXPECT_TRUE(std::isfinite(mt::sum(p).item()));
+    EXPECT_TRUE(std::isfinite(step()));
+  }
+  EXPECT_GT(failures, 0);
+}
+
 TEST(AsyncEvaluation, AProductOfAValueNeverComputedStaysAnErrorWhenReadAgain) {
   auto never = std::make_shared<mt::Storage>(mt::f32, 16);
   auto bad = std::make_unique<Fill>(never, 1.0f);

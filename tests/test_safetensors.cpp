@@ -4,6 +4,8 @@
 #include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/sysinfo.h>
+#include <sys/sysmacros.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -713,6 +715,46 @@ TEST_F(SafetensorsFiles, SaveRefusesLinksPlantedByOthersInStickyFolders) {
   EXPECT_EQ(generation_of(st::read(dir_ / "real.safetensors")), 2);
 }
 
+// A device, a pipe or a folder at the path is refused, and left as it was: the temporary renamed
+// over it made a save to /dev/null, run as root, replace the system's /dev/null with a file.
+TEST_F(SafetensorsFiles, SaveRefusesDevicesPipesAndFolders) {
+  fs::path pipe = dir_ / "pipe", folder = dir_ / "folder", device = dir_ / "null";
+  ASSERT_EQ(::mkfifo(pipe.c_str(), 0600), 0);
+  fs::create_directories(folder);
+  EXPECT_MT_ERROR(st::write(pipe, generation_file(1)), "not a regular file");
+  EXPECT_MT_ERROR(st::write(folder, generation_file(1)), "not a regular file");
+  EXPECT_TRUE(fs::is_fifo(pipe));
+  EXPECT_TRUE(fs::is_directory(folder));
+  std::set<std::string> expected{"folder", "pipe"};
+  if (::geteuid() == 0 && ::mknod(device.c_str(), S_IFCHR | 0666, ::makedev(1, 3)) == 0) {
+    EXPECT_MT_ERROR(st::write(device, generation_file(1)), "not a regular file");
+    EXPECT_TRUE(fs::is_character_file(device));
+    expected.insert("null");
+  }
+  EXPECT_EQ(listing(dir_), expected);  // no temporaries left
+}
+
+// A file another user made in a shared sticky folder does not lend root's save its owner and
+// mode: root's checkpoint would be theirs to change before root loads it again.
+TEST_F(SafetensorsFiles, SaveTakesNoOwnerFromAFilePlantedInAStickyFolder) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to give a file to another user";
+  fs::path shared = dir_ / "shared";
+  fs::create_directories(shared);
+  ASSERT_EQ(::chmod(shared.c_str(), 01777), 0);
+  fs::path planted = shared / "model.safetensors";
+  st::write(planted, generation_file(1));
+  ASSERT_EQ(::chown(planted.c_str(), 65534, 65534), 0);
+  ASSERT_EQ(::chmod(planted.c_str(), 0666), 0);
+  mode_t old_umask = ::umask(022);
+  st::write(planted, generation_file(2));
+  ::umask(old_umask);
+  struct stat info {};
+  ASSERT_EQ(::stat(planted.c_str(), &info), 0);
+  EXPECT_EQ(info.st_uid, 0u);
+  EXPECT_EQ(info.st_mode & 07777, 0644u);
+  EXPECT_EQ(generation_of(st::read(planted)), 2);
+}
+
 // ---- checksums ----
 
 // Where a tensor's bytes start in a serialized file.
@@ -913,6 +955,26 @@ TEST_F(SafetensorsFiles, RunningOutOfMemoryWhileReadingIsAnMtError) {
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 0) << "1: no error, 2: unclear message, 3: setrlimit failed, "
                                        "4: an exception other than mt::Error";
+}
+
+// A file larger than the machine's memory and swap (sparse here) is refused before any of it is
+// allocated, with no memory limit set: jemalloc hands out such a block, and filling it had the
+// process killed by the OS.
+TEST_F(SafetensorsFiles, AFileLargerThanTheMachineIsRefusedWithoutALimit) {
+  struct sysinfo info {};
+  ASSERT_EQ(::sysinfo(&info), 0);
+  const uint64_t machine = (static_cast<uint64_t>(info.totalram) + info.totalswap) * info.mem_unit;
+  const uint64_t tensor_bytes = (machine / 4 + (uint64_t{1} << 28)) * 4;
+  std::string header =
+      fmt::format(R"({{"huge":{{"dtype":"F32","shape":[{}],"data_offsets":[0,{}]}}}})",
+                  tensor_bytes / 4, tensor_bytes);
+  header.append((8 - header.size() % 8) % 8, ' ');
+  std::string path = dir_ / "larger_than_memory.safetensors";
+  write_bytes(path, hand_made(header, 0));
+  std::error_code sparse;
+  fs::resize_file(path, 8 + header.size() + tensor_bytes, sparse);
+  if (sparse) GTEST_SKIP() << "this file system holds no such sparse file: " << sparse.message();
+  EXPECT_MT_ERROR(st::read(path), "out of memory", path, "more than this machine's");
 }
 
 // ---- interop with an independent implementation of the format ----

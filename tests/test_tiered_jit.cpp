@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <barrier>
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -455,6 +456,25 @@ TEST(BackgroundWorker, StopDropsTheQueuedJobsAndRunsTheirOnDrop) {
   EXPECT_FALSE(worker.post([&] { ++ran; }, [&] { ++dropped; }));
   worker.stop();
   EXPECT_EQ(dropped, 1);
+}
+
+// Two threads posting a fresh worker's first jobs at once start its threads once: the second
+// start assigned over a running std::thread, which terminates the process.
+TEST(BackgroundWorker, TwoFirstPostsAtOnceStartOneSetOfThreads) {
+  std::atomic<int> ran{0};
+  for (int round = 0; round < 300; ++round) {
+    mt::BackgroundWorker worker(std::chrono::milliseconds(0), /*idle_thread=*/false);
+    std::barrier both(2);
+    auto poster = [&] {
+      both.arrive_and_wait();
+      worker.post([&] { ++ran; }, {}, /*at_once=*/true);
+    };
+    std::thread a(poster), b(poster);
+    a.join();
+    b.join();
+    worker.drain();
+  }
+  EXPECT_EQ(ran, 600);
 }
 
 // A job posted at_once runs on the normal-priority thread without waiting its patience.

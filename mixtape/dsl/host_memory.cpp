@@ -46,7 +46,9 @@ struct Cache {
 
   // Counts `bytes` more as live and raises the high-water mark to the new total.
   void add_live(int64_t bytes) {
-    const int64_t now = live.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+    raise_peak(live.fetch_add(bytes, std::memory_order_relaxed) + bytes);
+  }
+  void raise_peak(int64_t now) {
     int64_t seen = peak.load(std::memory_order_relaxed);
     while (now > seen && !peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
     }
@@ -115,6 +117,10 @@ void reserve(Cache& c, double size, double asked, const std::string& what = "") 
 }  // namespace
 
 void check_memory_request(uint64_t bytes, const std::string& what) {
+  if (bytes > machine_bytes())
+    fail("out of memory: {}{} asked for, more than this machine's {} of memory and swap",
+         what.empty() ? "" : what + ": ", human_bytes(static_cast<double>(bytes)),
+         human_bytes(static_cast<double>(machine_bytes())));
   Cache& c = cache();
   std::lock_guard<std::mutex> lock(c.mutex);
   reserve(c, static_cast<double>(bytes), static_cast<double>(bytes), what);
@@ -149,12 +155,16 @@ void* host_allocate(size_t bytes) {
     }
     ++c.stats.misses;
     reserve(c, static_cast<double>(size), static_cast<double>(bytes));
+    // Counted under the lock, so that two misses cannot both pass the limit; the high-water
+    // mark only once the block is there (a refused block is no peak).
+    c.live += counted;
   }
-  if (size > machine_bytes())
+  if (size > machine_bytes()) {
+    c.live -= counted;
     fail("out of memory: the system could not provide {} ({} bytes): it has {} of memory and swap",
          human_bytes(static_cast<double>(bytes)), bytes,
          human_bytes(static_cast<double>(machine_bytes())));
-  c.add_live(counted);
+  }
   void* block = std::aligned_alloc(alignment, size);
   if (!block) {
     // Freed blocks of other sizes may be what the OS lacks: give them back and try once more.
@@ -167,6 +177,7 @@ void* host_allocate(size_t bytes) {
            human_bytes(static_cast<double>(bytes)), bytes);
     }
   }
+  c.raise_peak(c.live.load(std::memory_order_relaxed));
   return block;
 }
 

@@ -32,8 +32,10 @@ void host_release(void* block, size_t bytes) noexcept;
 void set_memory_limit(int64_t bytes);
 int64_t memory_limit();
 /// mt::Error, as an allocation past the limit would be, when `bytes` more would not fit within
-/// the memory limit: for readers that know the total they are about to allocate (a checkpoint's
-/// tensors) and refuse it whole, before allocating any of it. `what` names the asker.
+/// the memory limit, or more than the machine's memory and swap (with no limit set too: an
+/// allocator that maps lazily would hand it out, and the OS kill the process while it is filled):
+/// for readers that know the total they are about to allocate (a checkpoint's tensors) and
+/// refuse it whole, before allocating any of it. `what` names the asker.
 void check_memory_request(uint64_t bytes, const std::string& what);
 
 struct HostMemoryStats {

@@ -129,8 +129,12 @@ bool BackgroundWorker::post(Job job, Job on_drop, bool at_once) {
       std::atexit(stop_all_at_exit);
     }
     std::lock_guard lock(mutex_);
-    if (use_idle_thread_) idle_thread_ = std::thread([this] { run(true); });
-    patient_thread_ = std::thread([this] { run(false); });
+    // Decided again: another first post may have started them since (assigning over a running
+    // std::thread terminates the process).
+    if (!patient_thread_.joinable()) {
+      if (use_idle_thread_) idle_thread_ = std::thread([this] { run(true); });
+      patient_thread_ = std::thread([this] { run(false); });
+    }
   }
   wake_.notify_all();
   return true;

@@ -32,6 +32,17 @@ std::string errno_message(int error = errno) {
 /// Linux's own limit on links followed while resolving one path.
 constexpr int max_symlink_hops = 40;
 
+/// Whether `entry` (lstat'ed as `info`) lies in a sticky folder anyone may write (/tmp) and belongs
+/// neither to us nor to the folder's owner: anyone could have planted it there. The kernel's
+/// fs.protected_symlinks and fs.protected_regular distrust the same entries.
+bool planted_by_others(const fs::path& entry, const struct stat& info) {
+  fs::path folder = entry.parent_path().empty() ? fs::path(".") : entry.parent_path();
+  struct stat folder_info {};
+  return ::stat(folder.c_str(), &folder_info) == 0 && (folder_info.st_mode & S_ISVTX) &&
+         (folder_info.st_mode & S_IWOTH) && info.st_uid != ::geteuid() &&
+         info.st_uid != folder_info.st_uid;
+}
+
 /// The file a chain of symbolic links at path ends in (path itself when it is no link). The
 /// end need not exist: a dangling link is written through, creating its target, as a shell's
 /// `>` redirection does.
@@ -40,18 +51,13 @@ fs::path resolve_symlinks(const std::string& path) {
   for (int hops = 0; hops <= max_symlink_hops; ++hops) {
     struct stat info {};
     if (::lstat(current.c_str(), &info) != 0 || !S_ISLNK(info.st_mode)) return current;
-    // As the kernel's fs.protected_symlinks does for open(): in a sticky folder anyone may write
-    // (/tmp), a link is followed only when it is ours or the folder owner's. Otherwise any user
-    // could plant one there and point our save at any file we may replace.
-    fs::path folder = current.parent_path().empty() ? fs::path(".") : current.parent_path();
-    struct stat folder_info {};
-    if (::stat(folder.c_str(), &folder_info) == 0 && (folder_info.st_mode & S_ISVTX) &&
-        (folder_info.st_mode & S_IWOTH) && info.st_uid != ::geteuid() &&
-        info.st_uid != folder_info.st_uid)
+    // As the kernel's fs.protected_symlinks does for open(): a link planted by others is not
+    // followed, or any user could point our save at any file we may replace.
+    if (planted_by_others(current, info))
       fail(
-          "refusing to follow the symbolic link '{}': it belongs to uid {}, in the shared folder "
-          "'{}' where anyone may plant one",
-          current.string(), info.st_uid, folder.string());
+          "refusing to follow the symbolic link '{}': it belongs to uid {}, in a shared folder "
+          "where anyone may plant one",
+          current.string(), info.st_uid);
     std::error_code error;
     fs::path target = fs::read_symlink(current, error);
     if (error) fail("reading the symbolic link '{}': {}", current.string(), error.message());
@@ -149,7 +155,15 @@ void write_file_atomically(const std::string& path, const std::function<void(int
     remove_stale_temporaries(target);
     struct stat existing {};
     // lstat: a link planted after resolve_symlinks must not lend us another file's owner and mode.
-    bool keep_mode = ::lstat(target.c_str(), &existing) == 0 && S_ISREG(existing.st_mode);
+    const bool exists = ::lstat(target.c_str(), &existing) == 0;
+    // A device or a pipe is not replaced by a file (a save to /dev/null as root would replace the
+    // system's /dev/null), nor is a folder.
+    if (exists && !S_ISREG(existing.st_mode) && !S_ISLNK(existing.st_mode))
+      fail("'{}' is not a regular file (a device, a pipe or a folder); save to a file",
+           target.string());
+    // Nor does a file planted by others in a shared folder lend the new one its owner and mode
+    // (root's checkpoint would become theirs to change before root loads it again).
+    bool keep_mode = exists && S_ISREG(existing.st_mode) && !planted_by_others(target, existing);
     tmp_path = temporary_name(target);
     // 0600 until the final mode is set, so the data is never readable by more than the old file.
     fd = ::open(tmp_path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC,

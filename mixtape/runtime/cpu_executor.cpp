@@ -148,7 +148,7 @@ void launch(const KernelLaunch& k) {
   if (k.threads <= 1 || k.extent < 2) return k.function(k.args, 0, k.extent);
 #pragma omp parallel num_threads(k.threads)
   {
-    apply_flush_denormal();
+    FlushDenormalScope float_mode;  // the team's threads may be the caller's too
     int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
     if (k.segment_starts) {
       // Whole segments, a thread taking those that start in its share of the elements.
@@ -173,10 +173,22 @@ class QueuedRun final : public StreamWork {
  public:
   // Raw pointers: the run holds each storage once (StreamWork::read/write), so that
   // use_count() - queued_uses is what else holds it (reusable_buffer).
+  // An operand in the type the product reads: the value itself (copy null), or a copy that the
+  // run converts it into before the first product that reads it.
+  struct Operand {
+    Storage* value = nullptr;
+    std::shared_ptr<Storage> copy;
+    bool fill = false;  // this product converts into copy (a leaf's copy is shared)
+    const Storage& read() const {
+      if (!copy) return *value;
+      if (fill) convert(*value, *copy);
+      return *copy;
+    }
+  };
   struct MatMul {
     GemmDesc desc;
-    Storage *a = nullptr, *b = nullptr, *bias = nullptr, *out = nullptr;
-    bool a_leaf = false, b_leaf = false, bias_leaf = false;
+    Operand a, b, bias;
+    Storage* out = nullptr;
   };
   struct Launch {
     KernelLaunch kernel;
@@ -194,6 +206,27 @@ class QueuedRun final : public StreamWork {
   std::vector<Launch> launches;
   std::vector<MatMul> matmuls;
 
+  // `value` read in `dtype`. A copy is allocated here, on the thread that queues the run, so
+  // that running out of memory (a memory limit) is an mt::Error of this evaluation before any
+  // of it runs, not a failure of the queued work, which would mark everything it writes (the
+  // parameters an optimizer updates in place) never computed. A leaf (a weight read by the
+  // forward product and the weight gradient) is converted once a run.
+  Operand operand(Storage& value, DType dtype, bool leaf) {
+    Operand o;
+    o.value = &value;
+    if (value.dtype == dtype) return o;
+    if (leaf)
+      for (const auto& [source, copy] : converted_)
+        if (source == &value && copy->dtype == dtype) {
+          o.copy = copy;
+          return o;
+        }
+    o.copy = std::make_shared<Storage>(dtype, value.count, Storage::Uninitialized{});
+    o.fill = true;
+    if (leaf) converted_.emplace_back(&value, o.copy);
+    return o;
+  }
+
   void run() override {
     for (auto [arg, scalar] : scalar_args) args[arg] = scalars.data() + scalar;
     for (Launch& l : launches) {
@@ -202,34 +235,18 @@ class QueuedRun final : public StreamWork {
         launch(l.kernel);
         continue;
       }
-      const MatMul& m = matmuls[static_cast<size_t>(l.matmul)];
-      std::shared_ptr<Storage> scratch[3];
-      const Storage& a = in_dtype(*m.a, m.desc.operand, m.a_leaf, scratch[0]);
-      const Storage& b = in_dtype(*m.b, m.desc.operand, m.b_leaf, scratch[1]);
-      const Storage* bias =
-          m.bias ? &in_dtype(*m.bias, m.desc.bias_type, m.bias_leaf, scratch[2]) : nullptr;
+      MatMul& m = matmuls[static_cast<size_t>(l.matmul)];
+      const Storage& a = m.a.read();
+      const Storage& b = m.b.read();
+      const Storage* bias = m.bias.value ? &m.bias.read() : nullptr;
       gemm(m.desc, a.host_data(), b.host_data(), m.out->bytes.data(),
            bias ? bias->host_data() : nullptr);
+      m.a.copy.reset(), m.b.copy.reset(), m.bias.copy.reset();
     }
     converted_.clear();
   }
 
  private:
-  // `value` in `dtype`: itself, or a copy, kept for the run where `leaf` (a weight read by the
-  // forward product and the weight gradient is rounded once), else in `scratch`. The run holds
-  // every source, so a raw pointer names it.
-  const Storage& in_dtype(const Storage& value, DType dtype, bool leaf,
-                          std::shared_ptr<Storage>& scratch) {
-    if (value.dtype == dtype) return value;
-    if (leaf)
-      for (const auto& [source, copy] : converted_)
-        if (source == &value && copy->dtype == dtype) return *copy;
-    scratch = std::make_shared<Storage>(dtype, value.count, Storage::Uninitialized{});
-    convert(value, *scratch);
-    if (leaf) converted_.emplace_back(&value, scratch);
-    return *scratch;
-  }
-
   std::shared_ptr<const Program> program_;  // its kernels' code
   std::vector<std::pair<const Storage*, std::shared_ptr<Storage>>> converted_;
 };
@@ -472,11 +489,14 @@ void run_matmul(const Step& step, const std::vector<Node*>& pending, const Signa
   if (QueuedRun* queued = queued_run().get()) {
     output.value = out;  // a failure of the work marks it never computed
     // Converted on the stream: the conversion reads the values.
-    QueuedRun::MatMul m{desc,      a.value.get(), b.value.get(), nullptr,
-                        out.get(), is_leaf(a),    is_leaf(b),    false};
+    QueuedRun::MatMul m;
+    m.desc = desc;
+    m.a = queued->operand(*a.value, desc.operand, is_leaf(a));
+    m.b = queued->operand(*b.value, desc.operand, is_leaf(b));
+    m.out = out.get();
     queued->read(a.value), queued->read(b.value), queued->write(out);
     if (bias_node) {
-      m.bias = bias_node->value.get(), m.bias_leaf = is_leaf(*bias_node);
+      m.bias = queued->operand(*bias_node->value, step.bias_type, is_leaf(*bias_node));
       queued->read(bias_node->value);
     }
     queued->launches.push_back({{}, 0, static_cast<int64_t>(queued->matmuls.size())});

@@ -6,6 +6,7 @@
 #include <pthread.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -15,6 +16,8 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "mixtape/dsl/error.h"
 #include "mixtape/runtime/device.h"
@@ -41,7 +44,8 @@ constexpr int32_t kNeverComputed = int32_t{1} << 24;
 // This work's write of `s` has run, or failed: one atomic step, so that no reader sees the
 // count at zero in between.
 void written(Storage& s, bool computed) {
-  if (computed) {
+  // Marked once: each failed write adding the mark again overflowed the count after 128.
+  if (computed || s.queued_writes.load(std::memory_order_acquire) >= kNeverComputed) {
     s.queued_writes.fetch_sub(1, std::memory_order_release);
     return;
   }
@@ -71,6 +75,7 @@ bool spin_until(std::chrono::microseconds spin, Done done) {
 class CpuStream {
  public:
   void submit(std::unique_ptr<StreamWork> work) {
+    work->submitter_ = std::this_thread::get_id();
     // Without spinning: the work queued ahead keeps the worker busy while this thread wakes.
     wait_for(submitted_.load(std::memory_order_relaxed) - kMaxQueued + 1, false);
     collect();
@@ -91,14 +96,21 @@ class CpuStream {
     if (worker_waiting_) work_ready_.notify_one();
   }
 
-  // Reports a failure once: the values it left uncomputed report it again when read.
+  // Reports a failure of the work this thread queued, once: the values it left uncomputed
+  // report it again when read. Another thread's failure is that thread's to report (its own
+  // graphs, DESIGN.md section 2); this one's values that read it fail when read.
   void finish() {
     wait_for(submitted_.load(std::memory_order_acquire), true);
     collect();
     std::string failure;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      failure.swap(failure_);
+      auto mine = std::ranges::find(failures_, std::this_thread::get_id(),
+                                    &std::pair<std::thread::id, std::string>::first);
+      if (mine != failures_.end()) {
+        failure = std::move(mine->second);
+        failures_.erase(mine);
+      }
     }
     if (!failure.empty())
       fail(
@@ -117,10 +129,10 @@ class CpuStream {
       std::lock_guard<std::mutex> lock(mutex_);
       stopping_ = true;
       work_ready_.notify_one();
-      if (!failure_.empty())
+      for (const auto& [thread, failure] : failures_)
         std::fprintf(stderr,
                      "mixtape: an asynchronous CPU evaluation failed and nothing read it: %s\n",
-                     failure_.c_str());
+                     failure.c_str());
     }
     worker_.join();
     collect();
@@ -201,17 +213,20 @@ class CpuStream {
       work.run();
       work.computed_ = true;
     } catch (const std::exception& e) {
-      note_failure(e.what());
+      note_failure(work.submitter_, e.what());
     } catch (...) {
-      note_failure("an unknown exception");
+      note_failure(work.submitter_, "an unknown exception");
     }
     for (const auto& s : work.outputs_) written(*s, work.computed_);
     work.ran_ = true;
   }
 
-  void note_failure(const char* what) {
+  // The first failure of each thread's work.
+  void note_failure(std::thread::id submitter, const char* what) {
     std::lock_guard<std::mutex> lock(mutex_);
-    if (failure_.empty()) failure_ = what;
+    if (std::ranges::find(failures_, submitter, &std::pair<std::thread::id, std::string>::first) ==
+        failures_.end())
+      failures_.emplace_back(submitter, what);
   }
 
   std::mutex mutex_;
@@ -222,7 +237,8 @@ class CpuStream {
   std::atomic<int> waiters_{0};
   bool worker_waiting_ = false, stopping_ = false;
   std::atomic<bool> closed_{false};  // stopped at exit: later work runs on its caller's thread
-  std::string failure_;              // the first failure not yet reported, under mutex_
+  // Per thread that queued it, the first failure not yet reported; under mutex_.
+  std::vector<std::pair<std::thread::id, std::string>> failures_;
   pid_t owner_ = 0;
   std::thread worker_;
 };

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <memory>
+#include <thread>
 #include <vector>
 
 #include "mixtape/dsl/node.h"
@@ -23,7 +24,7 @@ class StreamWork {
   virtual ~StreamWork();
   /// The arithmetic, on the worker thread. An exception fails this work: what it was to write
   /// is never computed (reading it is an mt::Error), nor is what later work computes from
-  /// that; the next finish_cpu_stream() reports the failure.
+  /// that; the next finish_cpu_stream() on the thread that queued it reports the failure.
   virtual void run() = 0;
   /// Holds `value`, which the work reads, and returns the address of its bytes, which the work
   /// reads without waiting (what writes them is queued before it). A value on a device is
@@ -38,6 +39,7 @@ class StreamWork {
   const char* uncomputed_input() const;
   std::vector<std::shared_ptr<Storage>> inputs_, outputs_;
   bool ran_ = false, computed_ = false;
+  std::thread::id submitter_;  // the thread that queued it, to which its failure is reported
 };
 
 /// Queues `work` behind everything queued before. Waits first while a few pieces of work are

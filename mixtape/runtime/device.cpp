@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdlib>
+#include <exception>
 #include <optional>
 #include <string>
 
@@ -127,9 +128,10 @@ void set_use_cudnn(bool use) { cudnn_setting().store(use, std::memory_order_rela
 bool use_cudnn() { return cudnn_setting().load(std::memory_order_relaxed); }
 
 void set_async_evaluation(bool on) {
-  // What was queued finishes first: turning it off means nothing is left running.
-  if (!on) finish_cpu_stream();
   async_setting().store(on, std::memory_order_relaxed);
+  // What was queued finishes: turning it off means nothing is left running. Set first, so that a
+  // failure of that work, reported now, does not also leave the setting unchanged.
+  if (!on) finish_cpu_stream();
 }
 bool async_evaluation() { return async_setting().load(std::memory_order_relaxed); }
 
@@ -148,14 +150,35 @@ void apply_flush_denormal() {
 #endif
 }
 
+FlushDenormalScope::FlushDenormalScope() {
+#if defined(__SSE__)
+  saved_ = _mm_getcsr();
+  apply_flush_denormal();
+#endif
+}
+
+FlushDenormalScope::~FlushDenormalScope() {
+#if defined(__SSE__)
+  if (_mm_getcsr() != saved_) _mm_setcsr(saved_);
+#endif
+}
+
 bool set_flush_denormal(bool on) {
 #if defined(__SSE__)
-  finish_cpu_stream();  // queued work keeps the mode it was queued under
+  // Queued work keeps the mode it was queued under. A failure of it is reported once the mode
+  // is set, not instead of setting it.
+  std::exception_ptr failure;
+  try {
+    finish_cpu_stream();
+  } catch (...) {
+    failure = std::current_exception();
+  }
   flush_setting().store(on);
   // Every thread of the OpenMP team (which oneDNN's matmuls use too) takes the mode now.
 #pragma omp parallel
   apply_flush_denormal();
   apply_flush_denormal();
+  if (failure) std::rethrow_exception(failure);
   return true;
 #else
   return !on;

@@ -51,8 +51,22 @@ void synchronize();
 bool set_flush_denormal(bool on);
 bool flush_denormal();
 /// Sets the calling thread's float mode to the setting above; the back ends call it on each
-/// thread that runs a step (cheap when nothing changes).
+/// thread of their own that runs a step (cheap when nothing changes).
 void apply_flush_denormal();
+/// The setting above on a thread that is not ours (the caller of an evaluation, an exported
+/// artifact's NAME_run, an OpenMP team thread) for the scope's life, and the mode the thread had
+/// given back after: a program built with -ffast-math (FTZ and DAZ on) keeps its mode, and
+/// mixtape's results do not depend on it.
+class FlushDenormalScope {
+ public:
+  FlushDenormalScope();
+  ~FlushDenormalScope();
+  FlushDenormalScope(const FlushDenormalScope&) = delete;
+  FlushDenormalScope& operator=(const FlushDenormalScope&) = delete;
+
+ private:
+  unsigned saved_ = 0;
+};
 /// TF32 tensor cores for f32 matmuls on the cuda device, as torch.backends.cuda.matmul.allow_tf32
 /// (torch.set_float32_matmul_precision("high")): operands rounded to TF32's 10-bit mantissa, f32
 /// accumulation (CUBLAS_COMPUTE_32F_FAST_TF32), several times the f32 rate at about 1e-3

@@ -830,7 +830,7 @@ class CollectivesInFlight {
 void run_program(const Program& program, const std::vector<Node*>& pending, const Signature& sig,
                  const StepRunners& run) {
   ++execution_counters().evaluations;
-  apply_flush_denormal();
+  FlushDenormalScope float_mode;
   StepProfile* profile = StepProfile::active();
   const DeviceTimer* timer = profile ? run.timer : nullptr;
   std::vector<std::string> timed;  // the label of each step the timer marked, in order
