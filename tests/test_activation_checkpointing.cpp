@@ -15,6 +15,8 @@
 
 #include <mixtape/mixtape.h>
 
+#include "mixtape/dsl/graph.h"
+
 #include "examples/char_gpt_model.h"
 #include "mixtape/dsl/module_path.h"
 #include "test_util.h"
@@ -146,6 +148,23 @@ TEST_F(Checkpointing, MemoryReportShowsTheSavedActivationsWithAndWithout) {
   EXPECT_EQ(saved_in_body(with), 1);
   EXPECT_GE(saved_in_body(without), 3);
   EXPECT_NE(with.table().find("recomputed activations"), std::string::npos);
+  // The recomputed nodes run in the backward pass, where the reports put them: both said
+  // "forward" (a peak at a recomputed node, a forward count per module that had each twice).
+  std::vector<mt::Tensor> outputs{loss};
+  std::vector<mt::NodePtr> roots{loss.node()};
+  for (const mt::Tensor& p : net.parameters()) {
+    outputs.push_back(p.grad());
+    roots.push_back(p.grad().node());
+  }
+  std::vector<uint64_t> recomputed;
+  for (const mt::Node* node : mt::nodes_in_tape_order(roots))
+    if (node->recomputed) recomputed.push_back(node->id);
+  ASSERT_FALSE(recomputed.empty());
+  for (const mt::PrecisionRow& row : mt::precision_report(outputs).rows) {
+    if (std::count(recomputed.begin(), recomputed.end(), row.id)) {
+      EXPECT_TRUE(row.backward) << "node " << row.id << " (" << row.op << ") is labelled forward";
+    }
+  }
 }
 
 // The char GPT of examples/char_gpt.cpp's defaults (4 blocks, 4 heads, width 128, context 64,

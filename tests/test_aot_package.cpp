@@ -184,6 +184,8 @@ TEST(AotPackageFiles, BadSpecsAreClearErrors) {
   EXPECT_MT_ERROR(mt::aot::check_package_spec(with_name("my-model")), "\"my-model\"");
   EXPECT_MT_ERROR(mt::aot::check_package_spec(with_name("my model")), "\"my model\"");
   EXPECT_MT_ERROR(mt::aot::check_package_spec(with_name("class")), "\"class\"", "keyword");
+  EXPECT_MT_ERROR(mt::aot::check_package_spec(with_name("mt")), "\"mt\"", "reserved");
+  EXPECT_MT_ERROR(mt::aot::check_package_spec(with_name("mixtape_aot")), "reserved");
   mt::aot::PackageSpec spec = digits_like_spec(false);
   spec.inputs.push_back({"batch", mt::f32, {1}});
   EXPECT_MT_ERROR(mt::aot::check_package_spec(spec), "\"batch\"", "digits_run");

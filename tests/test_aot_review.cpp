@@ -25,6 +25,7 @@
 #include "mixtape/dsl/json.h"
 #include "mixtape/runtime/file_digest.h"
 #include "mixtape/runtime/safetensors.h"
+#include "tests/test_util.h"
 
 namespace mt = mixtape;
 namespace fs = std::filesystem;
@@ -618,7 +619,8 @@ TEST(AotReviewState, LoadRefusesAStepCountLoadCheckpointRefuses) {
   ASSERT_NE(model->m, nullptr);
   std::string path = dir + "/ck.safetensors";
   ASSERT_EQ(mixtape_aot_save(model->m, path.c_str()), 0) << mixtape_aot_error(model->m);
-  for (const char* text : {"12abc", "abc", "99999999999999999999999"}) {
+  // 2^53 + 1: beyond the f64 the count is kept in (INT64_MAX saved back as INT64_MIN).
+  for (const char* text : {"12abc", "abc", "99999999999999999999999", "9007199254740993"}) {
     mt::safetensors::File file = mt::safetensors::read(path);
     for (auto& [key, value] : file.metadata)
       if (key == "optimizer.steps") value = text;
@@ -627,6 +629,64 @@ TEST(AotReviewState, LoadRefusesAStepCountLoadCheckpointRefuses) {
     EXPECT_THROW(mt::load_checkpoint(bad, net, &opt), mt::Error) << text;
     EXPECT_NE(mixtape_aot_load(model->m, bad.c_str()), 0) << "optimizer.steps = " << text;
   }
+}
+
+// A negative running sum or mean of squares (RMSprop's square_avg, Adagrad's sum, Adafactor's
+// factored rows) is refused by NAME_load as load_checkpoint refuses it: only Adam's exp_avg_sq
+// was, and the next run's square root made every weight NaN.
+template <typename Rule, typename Options>
+void expect_negative_squares_refused(Options options, const char* entry) {
+  SCOPED_TRACE(entry);
+  mt::manual_seed(3);
+  DigitsMLP net;
+  Rule opt(net.parameters(), options);
+  mt::Generator g{9};
+  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::cross_entropy(net(x), y);
+    loss.backward();
+    opt.step();
+    return loss;
+  };
+  train_step(mt::randn({8, 64}, mt::f32, &g), mt::zeros({8}, mt::i64));
+  const std::string dir = temp_dir("review_negative_squares");
+  mt::aot::Options o{.name = "train", .module = &net, .optimizer = &opt};
+  mt::aot::Exported exported = mt::aot::export_step(
+      train_step, {mt::aot::input("x", {8, 64}, mt::f32), mt::aot::input("y", {8}, mt::i64)},
+      {"loss"}, dir, o);
+  {
+    Table table(exported);
+    Model model(dir, "train", table);
+    ASSERT_NE(model.m, nullptr);
+    const std::string path = dir + "/ck.safetensors", bad = dir + "/bad.safetensors";
+    ASSERT_EQ(mixtape_aot_save(model.m, path.c_str()), 0) << mixtape_aot_error(model.m);
+    mt::safetensors::File file = mt::safetensors::read(path);
+    bool edited = false;
+    for (auto& t : file.tensors)
+      if (t.name == entry) {
+        const float negative = -1.0f;
+        std::memcpy(t.bytes.data(), &negative, sizeof negative);
+        edited = true;
+      }
+    ASSERT_TRUE(edited) << "the checkpoint has no " << entry;
+    mt::safetensors::write(bad, file);
+    EXPECT_MT_ERROR(mt::load_checkpoint(bad, net, &opt), "never below zero");
+    EXPECT_EQ(mixtape_aot_load(model.m, bad.c_str()), MIXTAPE_AOT_ERROR_FILE);
+    EXPECT_NE(std::string(mixtape_aot_error(model.m)).find("never below zero"), std::string::npos)
+        << mixtape_aot_error(model.m);
+  }
+  fs::remove_all(dir);
+}
+
+TEST(AotReviewState, LoadRefusesNegativeSquaresOfEveryRule) {
+  expect_negative_squares_refused<mt::RMSprop>(mt::RMSpropOptions{.lr = 1e-3},
+                                               "optimizer.fc1.weight.square_avg");
+  expect_negative_squares_refused<mt::Adagrad>(mt::AdagradOptions{.lr = 0.1},
+                                               "optimizer.fc1.weight.sum");
+  expect_negative_squares_refused<mt::Adafactor>(mt::AdafactorOptions{},
+                                                 "optimizer.fc1.weight.exp_avg_sq_row");
+  expect_negative_squares_refused<mt::AdamW>(mt::AdamOptions{.lr = 1e-3},
+                                             "optimizer.fc1.weight.exp_avg_sq");
 }
 
 // A step that fails part way (a label out of range: cross_entropy's gather refuses it) returns

@@ -13,6 +13,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "mixtape/mixtape.h"
@@ -220,9 +221,6 @@ class Fill final : public mt::StreamWork {
 
 float first_value(const mt::Storage& s) { return reinterpret_cast<const float*>(s.host_data())[0]; }
 
-// A product whose operand failed work never computed is an error each time it is read: the
-// synchronous product took its buffer as its value before reading the operand, and the second
-// read summed the unwritten buffer into a number.
 // A memory limit reached by a queued bf16 step is an mt::Error of that step and loses nothing:
 // the copies its products read in bf16 were allocated on the stream's worker, whose failure
 // marked every buffer the step writes (the parameters Adam updates in place) never computed,
@@ -266,6 +264,9 @@ TEST(AsyncEvaluation, AMemoryLimitReachedByAQueuedStepLosesNoParameter) {
   EXPECT_GT(failures, 0);
 }
 
+// A product whose operand failed work never computed is an error each time it is read: the
+// synchronous product took its buffer as its value before reading the operand, and the second
+// read summed the unwritten buffer into a number.
 TEST(AsyncEvaluation, AProductOfAValueNeverComputedStaysAnErrorWhenReadAgain) {
   auto never = std::make_shared<mt::Storage>(mt::f32, 16);
   auto bad = std::make_unique<Fill>(never, 1.0f);
@@ -309,6 +310,45 @@ TEST(AsyncEvaluation, AFailureIsReportedOnceAndWhatItLeftIsNeverReadAsAValue) {
   // The stream goes on.
   mt::submit_to_cpu_stream(std::make_unique<Fill>(unrelated, 4.0f));
   EXPECT_EQ(first_value(*unrelated), 4.0f);
+  EXPECT_MT_ERROR(first_value(*failed), "never computed");
+}
+
+// A failure of work one thread queued is reported to that thread, not to another thread that
+// synchronizes first (whose own, unrelated work was computed); a setting changed while a
+// failure waits to be reported takes effect as the failure is reported.
+TEST(AsyncEvaluation, AFailureIsReportedToTheThreadThatQueuedTheWork) {
+  auto failed = std::make_shared<mt::Storage>(mt::f32, 4);
+  std::thread other([&] {
+    auto bad = std::make_unique<Fill>(failed, 1.0f);
+    bad->fails = true;
+    mt::submit_to_cpu_stream(std::move(bad));
+  });
+  other.join();  // its failure stays unreported: the thread is gone
+  auto mine = std::make_shared<mt::Storage>(mt::f32, 4);
+  mt::submit_to_cpu_stream(std::make_unique<Fill>(mine, 5.0f));
+  EXPECT_NO_THROW(mt::synchronize());
+  EXPECT_EQ(first_value(*mine), 5.0f);
+  EXPECT_MT_ERROR(first_value(*failed), "never computed");
+
+  auto bad = std::make_unique<Fill>(mine, 1.0f);
+  bad->fails = true;
+  mt::submit_to_cpu_stream(std::move(bad));
+  const bool was = mt::flush_denormal();
+  EXPECT_MT_ERROR(mt::set_flush_denormal(!was), "the test's work fails here");
+  EXPECT_EQ(mt::flush_denormal(), !was);
+  mt::set_flush_denormal(was);
+}
+
+// A failed write marks its storage never computed once: each failed write added the mark again,
+// and after 128 the count wrapped and the storage read as a value.
+TEST(AsyncEvaluation, ManyFailedWritesLeaveTheValueNeverComputed) {
+  auto failed = std::make_shared<mt::Storage>(mt::f32, 4);
+  for (int i = 0; i < 130; ++i) {
+    auto bad = std::make_unique<Fill>(failed, 1.0f);
+    bad->fails = true;
+    mt::submit_to_cpu_stream(std::move(bad));
+    EXPECT_THROW(mt::synchronize(), mt::Error);
+  }
   EXPECT_MT_ERROR(first_value(*failed), "never computed");
 }
 

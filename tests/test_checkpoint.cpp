@@ -927,6 +927,33 @@ TEST_F(Checkpoint, IncompleteOrUnknownOptimizerStateIsRejectedWithoutChanges) {
   EXPECT_NO_THROW(mt::load_checkpoint(bad, *target.model, target.opt.get()));
 }
 
+// Optimizer state for a parameter the loading optimizer does not update was dropped without a
+// word (PyTorch refuses a state_dict of another parameter count); a rule that keeps no state
+// (SGD without momentum) took any entry, momentum buffers of an SGD with momentum included, and
+// saved them again with every later checkpoint.
+TEST_F(Checkpoint, StateTheOptimizerCannotTakeIsRefused) {
+  mt::Generator gen(3);
+  mt::MLP net({4, 8, 3}, mt::Activation::Relu, &gen);
+  mt::Adam all(net.parameters(), {.lr = 0.1});
+  mt::sum(net(mt::ones({1, 4}))).backward();
+  all.step();
+  mt::save_checkpoint(path("all.safetensors"), net, &all);
+  const std::vector<mt::Tensor> params = net.parameters();
+  std::vector<mt::Tensor> first_layer(params.begin(), params.begin() + 2);
+  mt::Adam some(first_layer, {.lr = 0.1});
+  expect_rejected(path("all.safetensors"), net, &some, {"does not update", "optimizer."});
+  EXPECT_NO_THROW(mt::load_checkpoint(path("all.safetensors"), net));  // the weights alone
+
+  mt::SGD with_momentum(net.parameters(), {.lr = 0.1, .momentum = 0.9});
+  mt::sum(net(mt::ones({1, 4}))).backward();
+  with_momentum.step();
+  mt::save_checkpoint(path("momentum.safetensors"), net, &with_momentum);
+  mt::SGD plain(net.parameters(), {.lr = 0.1});
+  expect_rejected(path("momentum.safetensors"), net, &plain, {"momentum_buffer", "keeps none"});
+  EXPECT_MT_ERROR(plain.load_state(0, {{"bogus", mt::zeros(net.parameters()[0].shape())}}),
+                  "'bogus'", "keeps none");
+}
+
 // The finite check ran on the file's values, before they were converted to the module's type:
 // an f32 1e6 loaded into an f16 parameter as inf.
 TEST_F(Checkpoint, AValueThatOverflowsTheModulesTypeIsRejected) {

@@ -1867,6 +1867,32 @@ TEST(Compile, EachPolicyAndEachEditOfOneIsTracedAnew) {
   for (int i = 0; i < 3; ++i) EXPECT_EQ(under(outer, true), f16) << i;
 }
 
+// A policy built (given its rules) but not yet in use changes no answer: building one between
+// steps, or inside each step (mt::autocast guard(make_policy())), made every call trace anew and
+// keep one more trace, for good.
+TEST(Compile, PoliciesBuiltBetweenStepsKeepTheStepReplaying) {
+  mt::Linear fc(8, 4);
+  mt::SGD opt(fc.parameters(), {.lr = 0.01});
+  mt::Tensor in = mt::full({2, 8}, 0.37);
+  auto step = mt::compile([&](const mt::Tensor& x) {
+    opt.zero_grad();
+    mt::Tensor loss;
+    {
+      mt::autocast guard(mt::bf16);
+      loss = mt::sum(fc(x));
+    }
+    loss.backward();
+    opt.step();
+    return loss;
+  });
+  for (int i = 0; i < 8; ++i) {
+    step(in);
+    auto unused = std::make_shared<mt::OverridePolicy>(mt::fp32_policy());
+    unused->module("head", mt::fp32_policy()).op(mt::OpCode::MatMul, mt::fp32_policy());
+  }
+  EXPECT_TRUE(replayed_at_least(step, 5)) << step.stats().reason;
+}
+
 // A forward compiled alone, differentiated outside: a replay's results have no graph, so from
 // the third call on backward() found nothing to differentiate (or, beside another trainable
 // term, silently left the compiled part's parameters without gradients). It is traced every call.

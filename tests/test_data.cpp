@@ -128,6 +128,27 @@ TEST(DataFiles, TruncatedAndCorruptGzipThrow) {
   EXPECT_TRUE(contains(message, corrupt)) << message;
 }
 
+// Several members (pigz, `cat a.gz b.gz`) are read whole; bytes after the last that are not
+// another member (a damaged header, trailing garbage) are an error, as for gzip -d: gzread
+// stopped there silently, and a file lost everything after its first member without a word.
+TEST(DataFiles, EveryGzipMemberIsReadAndTrailingBytesAreAnError) {
+  TempDir dir;
+  const std::string first = read_file(dir.write_gzip("first.gz", "first member\n"));
+  const std::string second = read_file(dir.write_gzip("second.gz", "second member\n"));
+  EXPECT_EQ(read_gzip_file(dir.write("both.gz", first + second)), "first member\nsecond member\n");
+  std::string damaged = second;
+  damaged[0] = static_cast<char>(damaged[0] ^ 1);
+  std::string path = dir.write("damaged.gz", first + damaged);
+  std::string message = error_of([&] { read_gzip_file(path); });
+  EXPECT_TRUE(contains(message, path) && contains(message, "not gzip")) << message;
+  path = dir.write("trailing.gz", first + "garbage");
+  message = error_of([&] { read_gzip_file(path); });
+  EXPECT_TRUE(contains(message, "7 bytes after the end of its gzip data")) << message;
+  path = dir.write("magic_only.gz", std::string("\x1f\x8b", 2));
+  message = error_of([&] { read_gzip_file(path); });
+  EXPECT_TRUE(contains(message, path)) << message;
+}
+
 TEST(DataFiles, DefaultDataDirHonoursTheEnvironment) {
   const char* saved = std::getenv("MIXTAPE_DATA_DIR");
   std::string saved_value = saved ? saved : "";

@@ -292,6 +292,22 @@ TEST(GradScaler, UnscaleThenClipSeesTrueGradients) {
   EXPECT_EQ(optimizer_bits(scaled_opt), optimizer_bits(plain_opt));
 }
 
+// f64 gradients are clipped by an f64 norm: their f32 squares overflowed at 1e20 (the norm inf,
+// every gradient zeroed) and underflowed at 1e-30 (the norm 0), where torch gives 5e20 and 5e-30.
+TEST(ClipGradNorm, F64GradientsKeepF64Range) {
+  for (double scale : {1e20, 1e-30, 1.0}) {
+    SCOPED_TRACE(scale);
+    mt::Tensor w = mt::zeros({2}, mt::f64).requires_grad_();
+    mt::sum(w * mt::tensor(std::vector<double>{3 * scale, 4 * scale}, {2})).backward();
+    const double norm = mt::clip_grad_norm({w}, 1.0).item();
+    EXPECT_NEAR(norm, 5 * scale, 1e-12 * 5 * scale);
+    const std::vector<double> g = w.grad().to_vector<double>();
+    const double clip = std::min(1.0, 1.0 / (5 * scale + 1e-6));  // torch's coefficient
+    EXPECT_NEAR(g[0], 3 * scale * clip, 1e-12 * 3 * scale * clip);
+    EXPECT_NEAR(g[1], 4 * scale * clip, 1e-12 * 4 * scale * clip);
+  }
+}
+
 TEST(GradScaler, SeveralOptimizersShareOneScaler) {
   Tiny a, b;
   mt::SGD opt_a(a.lin.parameters(), {.lr = 0.1, .momentum = 0.9});

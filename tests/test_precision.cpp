@@ -1313,6 +1313,23 @@ TEST(Executor, HonoursAHalfAccumulatorFromACustomPolicy) {
 // The sums into a leaf's gradient (two uses of one weight, two backward passes) took the policy
 // of the caller of backward(): inside an autocast scope they added in 16 bits (256 + 1 in bf16
 // is 256; 2048 + 1 in f16 is 2048). PyTorch adds a parameter's gradients in its own type.
+// A policy that stores max narrower than its input (pure bf16 of f32 data) still sends the
+// gradient to the maximum: the rounded maximum equalled no f32 element, and every gradient was 0.
+TEST(Autograd, MaxStoredNarrowerThanItsInputSendsTheGradientToTheMaximum) {
+  for (const char* policy : {"fp32", "autocast-bf16", "pure-bf16", "pure-f16"}) {
+    SCOPED_TRACE(policy);
+    mt::Tensor x = mt::tensor(std::vector<float>{1.1f, 2.3f, -0.7f, 0.31f, 0.2f, 0.1f}, {2, 3});
+    x.requires_grad_();
+    mt::Tensor y;
+    {
+      mt::autocast guard(mt::policy_by_name(policy));
+      y = mt::sum(mt::max(x, {1}));
+    }
+    y.backward();
+    EXPECT_EQ(x.grad().to_vector<float>(), (std::vector<float>{0, 1, 0, 1, 0, 0}));
+  }
+}
+
 TEST(Autograd, LeafGradientSumsKeepTheLeafsTypeUnderTheCallersPolicy) {
   auto weight = [] { return mt::tensor(std::vector<float>{1}, {1, 1}).requires_grad_(); };
   auto constant = [](float v) { return mt::tensor(std::vector<float>{v}, {1, 1}); };

@@ -530,10 +530,10 @@ TEST_F(SafetensorsFiles, WriteFailuresLeaveNothingBehind) {
   EXPECT_FALSE(fs::exists(in_proc));
   EXPECT_FALSE(fs::exists(in_proc + ".tmp." + std::to_string(::getpid())));
 
-  // The temporary is written fine but cannot be renamed over a directory: it must be removed.
+  // A directory at the path is refused before a temporary is made (the rename over it failed).
   fs::create_directories(dir_ / "occupied" / "inside");
   std::string onto_dir = dir_ / "occupied";
-  EXPECT_MT_ERROR(st::write(onto_dir, file), "renaming");
+  EXPECT_MT_ERROR(st::write(onto_dir, file), "not a regular file");
   EXPECT_EQ(listing(dir_), (std::set<std::string>{"blocker", "occupied"}));
   EXPECT_TRUE(fs::is_directory(onto_dir));
 }

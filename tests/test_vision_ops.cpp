@@ -108,6 +108,38 @@ std::vector<double> host_avg_pool(const Image& im, const PoolArgs& a) {
   return out;
 }
 
+// Under autocast avg_pool2d of a bf16-stored value (a convolution's output) sums its windows in
+// f32, as PyTorch's kernels do, and rounds once to the bf16 it returns: each of the 15 adds was
+// rounded to bf16 (results 3 ulps and more off the correctly rounded mean).
+TEST(AvgPool2d, SumsHalfStoredWindowsInF32UnderAutocast) {
+  mt::Generator gen(4);
+  mt::Tensor x = mt::randn({1, 2, 8, 8}, mt::f32, &gen), w = mt::randn({2, 2, 1, 1}, mt::f32, &gen);
+  mt::Tensor c, y;
+  {
+    mt::autocast guard(mt::bf16);
+    c = mt::conv2d(x, w);
+    y = mt::avg_pool2d(c, {4, 4});
+  }
+  mt::eval({c, y});
+  ASSERT_EQ(y.node()->value->dtype, mt::bf16);  // pooling follows its input's stored type
+  const std::vector<float> cv = c.to_vector<float>(), yv = y.to_vector<float>();
+  ASSERT_EQ(yv.size(), 8u);
+  for (int64_t ch = 0; ch < 2; ++ch)
+    for (int64_t oh = 0; oh < 2; ++oh)
+      for (int64_t ow = 0; ow < 2; ++ow) {
+        double total = 0;  // exact: 16 bf16 values
+        for (int64_t i = 0; i < 4; ++i)
+          for (int64_t j = 0; j < 4; ++j)
+            total += cv[static_cast<size_t>((ch * 8 + oh * 4 + i) * 8 + ow * 4 + j)];
+        const double mean = total / 16;
+        const float got = yv[static_cast<size_t>((ch * 2 + oh) * 2 + ow)];
+        // Correctly rounded to bf16 (8 significant bits): within half an ulp of the mean.
+        const double half_ulp = std::ldexp(1.0, std::ilogb(mean) - 8);
+        EXPECT_LE(std::abs(got - mean), half_ulp)
+            << ch << oh << ow << ": " << got << " vs " << mean;
+      }
+}
+
 TEST(MaxPool2d, MatchesTheHostLoopWithPaddingDilationAndCeilMode) {
   mt::Generator gen(1);
   mt::Tensor x = mt::randn({2, 3, 9, 8}, mt::f32, &gen);
@@ -626,8 +658,15 @@ TEST(VisionPrecision, NormsRunInF32AndPoolingFollowsItsInputUnderAutocast) {
   mt::Tensor p = mt::randn({6, 6}, mt::f32, &gen);
   mt::autocast guard(mt::bf16);
   mt::Tensor h = mt::matmul(x, p);  // bf16
-  mt::Tensor pooled = mt::max_pool2d(h, 2) + mt::avg_pool2d(h, 2) +
-                      mt::adaptive_avg_pool2d(mt::interpolate(h, {.size = {3, 3}}), {3, 3});
+  mt::Tensor pooled =
+      mt::max_pool2d(h, 2) + mt::adaptive_avg_pool2d(mt::interpolate(h, {.size = {3, 3}}), {3, 3});
+  // avg_pool2d sums in f32 and returns its input's stored type.
+  mt::Tensor averaged = mt::avg_pool2d(h, 2);
+  int f32_sums = 0;
+  for (const mt::PrecisionRow& row : mt::precision_report({averaged}).rows)
+    f32_sums += row.op == "add" && row.storage == mt::f32;
+  EXPECT_EQ(f32_sums, 3);  // the 2x2 window's
+  EXPECT_EQ(averaged.node()->precision.storage_type, mt::bf16);
   mt::Tensor normed =
       mt::batch_norm(h, {}, {}, {}, {}, true) + mt::group_norm(h, 2) + mt::instance_norm(h);
   std::map<std::string, int> f32_rows;

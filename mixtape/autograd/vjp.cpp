@@ -89,12 +89,15 @@ Tensor unreduce(const Node& n, const Tensor& g) {
 
 Grads vjp_Sum(const Node& n, const Tensor& g) { return {unreduce(n, g)}; }
 
-// The gradient goes to the elements equal to the maximum, shared evenly between ties.
+// The gradient goes to the elements equal to the maximum, shared evenly between ties. Compared
+// in the type the maximum is stored in: a policy may store it narrower than its input (pure bf16
+// of an f32 value), and the rounded maximum then equalled no element.
 Grads vjp_Max(const Node& n, const Tensor& g) {
   Tensor x = in(n, 0);
   Shape kept = x.shape();
   for (int64_t axis : n.attrs.axes) kept[axis] = 1;
-  Tensor is_max = eq(x, broadcast_to(reshape(out(n), kept), x.shape()));
+  Tensor max = broadcast_to(reshape(out(n), kept), x.shape());
+  Tensor is_max = eq(cast_like(x, max), max);
   Tensor count = sum(cast(is_max, x.dtype()), n.attrs.axes, true);
   Tensor share = broadcast_to(reshape(g, kept) / count, x.shape());
   return {where(is_max, share, zeros_like(share))};

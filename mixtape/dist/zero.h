@@ -149,9 +149,9 @@ class Zero : public Rule, public ZeroOptimizer {
   using Rule::Rule;
 
   Shape local_shape(size_t i) const override { return shards_.local_shape(i); }
-  std::vector<std::string> state_names(size_t i) const override {
-    std::vector<std::string> names = Rule::state_names(i);
-    if (is_half(this->params()[i].dtype())) names.emplace_back(master_weights::kEntry);
+  std::optional<std::vector<std::string>> state_names(size_t i) const override {
+    std::optional<std::vector<std::string>> names = Rule::state_names(i);
+    if (names && is_half(this->params()[i].dtype())) names->emplace_back(master_weights::kEntry);
     return names;
   }
   DType state_dtype(size_t i) const override {

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <charconv>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -62,39 +63,58 @@ std::string read_file(const std::string& path) {
 }
 
 std::string read_gzip_file(const std::string& path, int64_t max_bytes) {
-  int fd = open_regular_file(path);
-  errno = 0;
-  gzFile file = gzdopen(fd, "rb");
-  if (file == nullptr) {
-    ::close(fd);
-    fail("cannot open {}: {}", path, errno != 0 ? std::strerror(errno) : "out of memory");
+  const std::string packed = read_file(path);
+  auto too_large = [&] {
+    fail("cannot read gzip file {}: it inflates to more than {} bytes (read_gzip_file's max_bytes)",
+         path, max_bytes);
+  };
+  // Not gzip (no magic bytes): the file as it is.
+  if (packed.size() < 2 || static_cast<unsigned char>(packed[0]) != 0x1f ||
+      static_cast<unsigned char>(packed[1]) != 0x8b) {
+    if (static_cast<int64_t>(packed.size()) > max_bytes) too_large();
+    return packed;
   }
-  gzbuffer(file, 1 << 17);
+  // Every member (pigz and `cat a.gz b.gz` write several), each checked to its trailer; what
+  // follows the last must be another member. zlib's gzread stopped silently at anything that
+  // was not a gzip header: a damaged second member lost the rest of the data without a word.
+  z_stream z{};
+  if (inflateInit2(&z, 16 + MAX_WBITS) != Z_OK)
+    fail("cannot read gzip file {}: out of memory for the decompressor", path);
+  struct End {
+    z_stream& z;
+    ~End() { inflateEnd(&z); }
+  } end{z};
+  z.next_in = reinterpret_cast<Bytef*>(const_cast<char*>(packed.data()));
+  z.avail_in = static_cast<uInt>(std::min<size_t>(packed.size(), UINT32_MAX));
+  size_t unread = packed.size() - z.avail_in;  // beyond avail_in's 32 bits
   std::string data;
   char buffer[1 << 16];
-  int got;
-  while ((got = gzread(file, buffer, sizeof buffer)) > 0) {
-    // A small file can inflate a thousandfold (a "gzip bomb"): stop at the cap, not at memory.
-    if (static_cast<int64_t>(data.size()) + got > max_bytes) {
-      gzclose(file);
-      fail(
-          "cannot read gzip file {}: it inflates to more than {} bytes (read_gzip_file's "
-          "max_bytes)",
-          path, max_bytes);
+  for (;;) {
+    if (z.avail_in == 0 && unread > 0) {
+      z.avail_in = static_cast<uInt>(std::min<size_t>(unread, UINT32_MAX));
+      unread -= z.avail_in;
     }
-    data.append(buffer, static_cast<size_t>(got));
+    z.next_out = reinterpret_cast<Bytef*>(buffer);
+    z.avail_out = sizeof buffer;
+    const int code = inflate(&z, Z_NO_FLUSH);
+    const size_t got = sizeof buffer - z.avail_out;
+    // A small file can inflate a thousandfold (a "gzip bomb"): stop at the cap, not at memory.
+    if (static_cast<int64_t>(data.size() + got) > max_bytes) too_large();
+    data.append(buffer, got);
+    if (code == Z_STREAM_END) {
+      if (z.avail_in == 0 && unread == 0) return data;
+      if (z.avail_in < 2 || z.next_in[0] != 0x1f || z.next_in[1] != 0x8b)
+        fail("cannot read gzip file {}: {} bytes after the end of its gzip data are not gzip", path,
+             z.avail_in + unread);
+      inflateReset(&z);
+      continue;
+    }
+    const bool stuck = got == 0 && z.avail_in == 0 && unread == 0;
+    if ((code == Z_OK || code == Z_BUF_ERROR) && !stuck) continue;
+    if (code == Z_OK || code == Z_BUF_ERROR)
+      fail("cannot read gzip file {}: truncated (the gzip data ends early)", path);
+    fail("cannot read gzip file {}: corrupt: {}", path, z.msg ? z.msg : "invalid data");
   }
-  // A truncated stream is not a read error to gzread (it returns what it could inflate and then
-  // 0), so the error state has to be checked even after a clean-looking end of file.
-  int code = Z_OK;
-  const char* message = gzerror(file, &code);
-  std::string detail = message != nullptr ? message : "";
-  // zlib prefixes its messages with the path, which our message already names.
-  if (detail.starts_with(path + ": ")) detail.erase(0, path.size() + 2);
-  int closed = gzclose(file);
-  if (got < 0 || code != Z_OK) fail("cannot read gzip file {}: {}", path, detail);
-  if (closed != Z_OK) fail("cannot read gzip file {}: truncated or corrupt", path);
-  return data;
 }
 
 std::string default_data_dir() {

@@ -23,7 +23,9 @@ std::string read_file(const std::string& path);
 /// The decompressed contents of a gzip file. Files that are not gzip are returned as they are, so
 /// callers need not care whether a data set was shipped compressed. mt::Error naming the path for
 /// a missing or unreadable file (a FIFO or device too: only regular files are read), for a
-/// corrupt or truncated gzip stream, and for one that inflates past max_bytes.
+/// corrupt or truncated gzip stream (every member of a multi-member file is read and checked, and
+/// bytes after the last that are not gzip are an error, as for gzip -d), and for one that
+/// inflates past max_bytes.
 std::string read_gzip_file(const std::string& path, int64_t max_bytes = int64_t{1} << 30);
 
 /// The directory the examples and tests read their data from: $MIXTAPE_DATA_DIR when set and not

@@ -10,6 +10,7 @@
 #include "mixtape/dsl/convert.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/ops.h"
+#include "mixtape/dsl/optimizer_entries.h"
 #include "mixtape/dsl/orphan_parameters.h"
 #include "mixtape/dsl/process_group.h"
 #include "mixtape/dsl/reusable_buffers.h"
@@ -320,12 +321,15 @@ void Optimizer::check_state(size_t param_index, const NamedTensors& state, bool 
   // Every entry the rule keeps, or none (a parameter never stepped), and no others: a state
   // missing an entry would restart it from zeros under a restored step count, and an entry the
   // rule does not know is nobody's.
-  if (std::vector<std::string> names = state_names(param_index); !names.empty() && !state.empty()) {
+  if (std::optional<std::vector<std::string>> known = state_names(param_index);
+      known && !state.empty()) {
+    const std::vector<std::string>& names = *known;
     for (const auto& [name, value] : state)
       if (std::find(names.begin(), names.end(), name) == names.end() &&
           !(name == kMasterWeightEntry && is_half(params_[param_index].dtype())))
         fail("{}: state '{}{}' for parameter {} is not one of this rule's ({})", kind_, prefix,
-             name, param_index, fmt::join(names, ", "));
+             name, param_index,
+             names.empty() ? "it keeps none" : fmt::format("{}", fmt::join(names, ", ")));
     for (const std::string& name : names)
       if (std::none_of(state.begin(), state.end(), [&](const auto& e) { return e.first == name; }))
         fail(
@@ -353,17 +357,33 @@ void Optimizer::check_state(size_t param_index, const NamedTensors& state, bool 
   }
 }
 
-std::string Optimizer::impossible_state(const std::string&, const Storage&) const { return ""; }
+namespace {
+// A running sum or mean of squares, never below zero: a negative element is a corrupt state.
+// -0.0 compares equal to zero and NaN compares false: only real negatives are caught here.
+std::string negative_element(const Storage& values, const char* what) {
+  for (int64_t i = 0; i < values.count; ++i)
+    if (double v = load_element<double>(values, i); v < 0)
+      return fmt::format("holds {} at element {}: it is {}, never below zero", v, i, what);
+  return "";
+}
+}  // namespace
+
+std::string Optimizer::impossible_state(const std::string& name, const Storage& values) const {
+  const char* what = never_negative_state(kind_, name);
+  return what ? negative_element(values, what) : "";
+}
 
 Shape Optimizer::state_shape(const std::string&, const Shape& param) const { return param; }
 
 Shape Optimizer::local_shape(size_t param_index) const { return params_.at(param_index).shape(); }
 
-std::vector<std::string> Optimizer::state_names(size_t) const { return {}; }
+std::optional<std::vector<std::string>> Optimizer::state_names(size_t) const {
+  return std::nullopt;
+}
 
 int64_t Optimizer::state_elements(size_t param_index) const {
   int64_t elements = 0;
-  for (const std::string& name : state_names(param_index))
+  for (const std::string& name : state_names(param_index).value_or(std::vector<std::string>{}))
     elements += numel(state_shape(name, local_shape(param_index)));
   return elements;
 }
@@ -426,9 +446,10 @@ bool SGD::state_started(const NamedTensors& state) const {
   return flag == state.end() || flag->second.item() != 0;
 }
 
-std::vector<std::string> SGD::state_names(size_t) const {
-  if (options.momentum != 0 || momentum_scheduled()) return {"momentum_buffer"};
-  return {};
+std::optional<std::vector<std::string>> SGD::state_names(size_t) const {
+  if (options.momentum != 0 || momentum_scheduled())
+    return std::vector<std::string>{"momentum_buffer"};
+  return std::vector<std::string>{};  // keeps none: any entry is refused
 }
 
 Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
@@ -464,17 +485,6 @@ Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state)
   return sub_mul({param, g, step_scalar(lr_value(), g.dtype())});
 }
 
-namespace {
-// A running sum or mean of squares, never below zero: a negative element is a corrupt state.
-// -0.0 compares equal to zero and NaN compares false: only real negatives are caught here.
-std::string negative_element(const Storage& values, const char* what) {
-  for (int64_t i = 0; i < values.count; ++i)
-    if (double v = load_element<double>(values, i); v < 0)
-      return fmt::format("holds {} at element {}: it is {}, never below zero", v, i, what);
-  return "";
-}
-}  // namespace
-
 Adam::Adam(std::vector<Tensor> params, AdamOptions options)
     : Adam(std::move(params), options, "Adam", false) {}
 
@@ -504,7 +514,9 @@ void Adam::begin_step() {
   if (decoupled_ && *options.weight_decay != 0) decay_ = 1.0 - lr_value() * *options.weight_decay;
 }
 
-std::vector<std::string> Adam::state_names(size_t) const { return {"exp_avg", "exp_avg_sq"}; }
+std::optional<std::vector<std::string>> Adam::state_names(size_t) const {
+  return std::vector<std::string>{"exp_avg", "exp_avg_sq"};
+}
 
 void Adam::start_state(NamedTensors& state, const Tensor& grad) const {
   add_zero_state(state, "exp_avg", grad);
@@ -534,11 +546,6 @@ Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state
                     step_scalar(step_size_, m.dtype())});
 }
 
-std::string Adam::impossible_state(const std::string& name, const Storage& values) const {
-  if (name != "exp_avg_sq") return "";
-  return negative_element(values, "a running mean of squared gradients");
-}
-
 AdamW::AdamW(std::vector<Tensor> params, AdamOptions options)
     : Adam(std::move(params), options, "AdamW", true) {}
 
@@ -553,7 +560,7 @@ RMSprop::RMSprop(std::vector<Tensor> params, RMSpropOptions options)
 
 bool RMSprop::keeps_momentum() const { return options.momentum > 0 || momentum_value().defined(); }
 
-std::vector<std::string> RMSprop::state_names(size_t) const {
+std::optional<std::vector<std::string>> RMSprop::state_names(size_t) const {
   std::vector<std::string> names = {"square_avg"};
   if (options.centered) names.push_back("grad_avg");
   if (options.momentum > 0 || momentum_scheduled()) names.push_back("momentum_buffer");
@@ -595,11 +602,6 @@ Tensor RMSprop::update(const Tensor& param, const Tensor& grad, NamedTensors& st
   return sub_mul({param, step, step_scalar(lr_value(), step.dtype())});
 }
 
-std::string RMSprop::impossible_state(const std::string& name, const Storage& values) const {
-  if (name != "square_avg") return "";
-  return negative_element(values, "a running mean of squared gradients");
-}
-
 Adagrad::Adagrad(std::vector<Tensor> params, AdagradOptions options)
     : Optimizer(std::move(params), "Adagrad"), options(options) {
   set_lr(options.lr);
@@ -608,7 +610,9 @@ Adagrad::Adagrad(std::vector<Tensor> params, AdagradOptions options)
     fail("Adagrad: eps must be > 0, and lr_decay, weight_decay and initial_accumulator_value >= 0");
 }
 
-std::vector<std::string> Adagrad::state_names(size_t) const { return {"sum"}; }
+std::optional<std::vector<std::string>> Adagrad::state_names(size_t) const {
+  return std::vector<std::string>{"sum"};
+}
 
 Tensor Adagrad::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   Tensor g = grad;
@@ -635,11 +639,6 @@ void Adagrad::begin_step() {
   step_lr_ = lr_value() / ((step_number() - 1.0) * options.lr_decay + 1.0);
 }
 
-std::string Adagrad::impossible_state(const std::string& name, const Storage& values) const {
-  if (name != "sum") return "";
-  return negative_element(values, "a running sum of squared gradients");
-}
-
 Lion::Lion(std::vector<Tensor> params, LionOptions options)
     : Optimizer(std::move(params), "Lion"), options(options) {
   set_lr(options.lr);
@@ -654,7 +653,9 @@ void Lion::begin_step() {
   rest1_ = beta1_.defined() ? 1.0 - beta1_ : Tensor();
 }
 
-std::vector<std::string> Lion::state_names(size_t) const { return {"exp_avg"}; }
+std::optional<std::vector<std::string>> Lion::state_names(size_t) const {
+  return std::vector<std::string>{"exp_avg"};
+}
 
 void Lion::start_state(NamedTensors& state, const Tensor& grad) const {
   add_zero_state(state, "exp_avg", grad);  // lion-pytorch starts the momentum at zeros
@@ -724,7 +725,7 @@ Shape Adafactor::state_shape(const std::string& name, const Shape& param) const 
   return param;
 }
 
-std::vector<std::string> Adafactor::state_names(size_t param_index) const {
+std::optional<std::vector<std::string>> Adafactor::state_names(size_t param_index) const {
   std::vector<std::string> names;
   if (factored(local_shape(param_index)))
     names = {"exp_avg_sq_row", "exp_avg_sq_col"};
@@ -786,22 +787,22 @@ Tensor Adafactor::update(const Tensor& param, const Tensor& grad, NamedTensors& 
   return next.dtype() == param.dtype() ? next : cast(next, param.dtype());
 }
 
-std::string Adafactor::impossible_state(const std::string& name, const Storage& values) const {
-  if (name != "exp_avg_sq" && name != "exp_avg_sq_row" && name != "exp_avg_sq_col") return "";
-  return negative_element(values, "a running mean of squared gradients");
-}
-
 Tensor grad_norm(const std::vector<Tensor>& params) {
   NoGradGuard no_grad;
   NoPolicyScope no_policy;  // squares in f32 under a pure-f16 scope too
   // Under ZeRO each process holds its shard of a gradient and zeros elsewhere: the squares of
   // those are summed over the processes (one all_reduce), the others' are the same everywhere.
+  // Squares in f32, or in f64 where a gradient is f64 (f32 squares of its 1e20 were inf, and
+  // clipping zeroed it).
+  DType type = f32;
+  for (const Tensor& p : params)
+    if (p.grad().defined() && p.grad().dtype() == f64) type = f64;
   Tensor total, sharded;
   const bool processes = process_count() > 1;
   for (const Tensor& p : params) {
     Tensor g = p.grad();
     if (!g.defined()) continue;
-    Tensor squares = sum(square(cast(g, f32)));
+    Tensor squares = sum(square(cast(g, type)));
     Tensor& into =
         processes && gradient_held_as_shards(p.node()->grad_owner.lock().get()) ? sharded : total;
     into = into.defined() ? into + squares : squares;

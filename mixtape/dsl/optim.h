@@ -92,8 +92,9 @@ class Optimizer {
   virtual Shape local_shape(size_t param_index) const;
   /// The names of the state entries the rule keeps for parameter `param_index` once it has
   /// stepped it (those starting with '~' excepted): a state to load holds all of them or none
-  /// (a parameter never stepped), and no others. Empty for a rule that does not say.
-  virtual std::vector<std::string> state_names(size_t param_index) const;
+  /// (a parameter never stepped), and no others; an empty list for a rule that keeps none (SGD
+  /// without momentum), so that any entry is refused. nullopt for a rule that does not say.
+  virtual std::optional<std::vector<std::string>> state_names(size_t param_index) const;
   /// The elements of that state (of its local_shape() part): what memory_report counts before
   /// the first step makes them.
   int64_t state_elements(size_t param_index) const;
@@ -134,7 +135,8 @@ class Optimizer {
   /// none of, are filled in).
   virtual void assemble(const std::vector<size_t>& updated, std::vector<Tensor>& new_params);
   /// Why `values` (host values of a state entry `name`, as check_state() found them) cannot be
-  /// state this rule produced, or "" when they can. Non-finite values are checked before.
+  /// state this rule produced, or "" when they can. Non-finite values are checked before. By
+  /// default: a negative element of an entry never_negative_state() names.
   virtual std::string impossible_state(const std::string& name, const Storage& values) const;
   /// Whether `state` (a parameter's, '~' entries included) has been stepped: false where only
   /// skipped steps made it, and a rule's first real step would not treat it as it treats state
@@ -217,7 +219,7 @@ class SGD : public Optimizer {
   SGD(std::vector<Tensor> params, SGDOptions options);
   SGDOptions options;
   bool has_momentum() const override { return true; }
-  std::vector<std::string> state_names(size_t param_index) const override;
+  std::optional<std::vector<std::string>> state_names(size_t param_index) const override;
 
  protected:
   bool state_started(const NamedTensors& state) const override;
@@ -240,14 +242,13 @@ class Adam : public Optimizer {
   Adam(std::vector<Tensor> params, AdamOptions options);
   AdamOptions options;
   bool has_momentum() const override { return true; }
-  std::vector<std::string> state_names(size_t param_index) const override;
+  std::optional<std::vector<std::string>> state_names(size_t param_index) const override;
 
  protected:
   Adam(std::vector<Tensor> params, AdamOptions options, const char* kind, bool decoupled);
   void begin_step() override;
   void start_state(NamedTensors& state, const Tensor& grad) const override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
-  std::string impossible_state(const std::string& name, const Storage& values) const override;
 
  private:
   bool decoupled_;
@@ -277,12 +278,11 @@ class RMSprop : public Optimizer {
   RMSprop(std::vector<Tensor> params, RMSpropOptions options = {});
   RMSpropOptions options;
   bool has_momentum() const override { return true; }
-  std::vector<std::string> state_names(size_t param_index) const override;
+  std::optional<std::vector<std::string>> state_names(size_t param_index) const override;
 
  protected:
   void start_state(NamedTensors& state, const Tensor& grad) const override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
-  std::string impossible_state(const std::string& name, const Storage& values) const override;
 
  private:
   bool keeps_momentum() const;  // a momentum buffer: an option or a cycled momentum
@@ -302,13 +302,12 @@ class Adagrad : public Optimizer {
  public:
   Adagrad(std::vector<Tensor> params, AdagradOptions options = {});
   AdagradOptions options;
-  std::vector<std::string> state_names(size_t param_index) const override;
+  std::optional<std::vector<std::string>> state_names(size_t param_index) const override;
 
  protected:
   void begin_step() override;
   void start_state(NamedTensors& state, const Tensor& grad) const override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
-  std::string impossible_state(const std::string& name, const Storage& values) const override;
 
  private:
   Tensor step_lr_;  // this step's decayed learning rate, a 0-d f64 graph value
@@ -329,7 +328,7 @@ class Lion : public Optimizer {
   Lion(std::vector<Tensor> params, LionOptions options = {});
   LionOptions options;
   bool has_momentum() const override { return true; }
-  std::vector<std::string> state_names(size_t param_index) const override;
+  std::optional<std::vector<std::string>> state_names(size_t param_index) const override;
 
  protected:
   void begin_step() override;
@@ -367,20 +366,20 @@ class Adafactor : public Optimizer {
   Adafactor(std::vector<Tensor> params, AdafactorOptions options = {});
   AdafactorOptions options;
   Shape state_shape(const std::string& name, const Shape& param) const override;
-  std::vector<std::string> state_names(size_t param_index) const override;
+  std::optional<std::vector<std::string>> state_names(size_t param_index) const override;
   DType state_dtype(size_t) const override { return f32; }
 
  protected:
   void begin_step() override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
-  std::string impossible_state(const std::string& name, const Storage& values) const override;
 
  private:
   Tensor beta2t_, rest_, rate_;  // this step's decay, 1 - decay and relative rate (0-d f64)
 };
 
-/// The global L2 norm of the gradients of `params` (each squared in f32 and summed), a 0-d f32
-/// graph value: what clip_grad_norm clips by. 0 when none has a gradient.
+/// The global L2 norm of the gradients of `params` (each squared in f32 and summed; in f64 where
+/// one of them is f64), a 0-d f32 (f64) graph value: what clip_grad_norm clips by. 0 when none
+/// has a gradient.
 Tensor grad_norm(const std::vector<Tensor>& params);
 
 /// Scales all gradients so that their global L2 norm is at most max_norm; returns the norm

@@ -253,9 +253,15 @@ Tensor avg_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Si
                   bool ceil_mode, bool count_include_pad, const Loc& loc) {
   CallSiteScope site(loc, composite::avg_pool2d);
   const Pool p = pool_geometry("avg_pool2d", loc, x, kernel, stride, padding, 1, ceil_mode, false);
-  // Summed in f32 for half inputs, as PyTorch's kernels accumulate (k*k adds rounded to bf16
-  // each lost several ulps), and given back in x's type.
-  Tensor padded = cast(pad_for_windows(x, p, 0.0), composite::statistics_type(x.dtype()));
+  // Summed in f32, as PyTorch's kernels accumulate (k*k adds rounded to bf16 each lost several
+  // ulps), and given back in the type x is stored in. The cast is a node also where x is traced
+  // in f32: a policy may store x in a half type (a convolution's output under autocast), and an
+  // explicit cast keeps its traced type, so the sums are f32 then too.
+  Tensor windows = pad_for_windows(x, p, 0.0);
+  const DType sum_type = composite::statistics_type(x.dtype());
+  Tensor padded(make_node(OpCode::Cast, sum_type, windows.shape(), {windows.node()}, {}, loc));
+  // x's stored type at the output's shape, for the result (cast_like): one window element of it.
+  Tensor stored_like_x = window_slice(windows, window_element(windows, p, 0, 0));
   Tensor total;
   for (int64_t i = 0; i < p.h.kernel; ++i)
     for (int64_t j = 0; j < p.w.kernel; ++j) {
@@ -275,9 +281,11 @@ Tensor avg_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Si
   for (int64_t oh = 0; oh < p.h.out; ++oh)
     for (int64_t ow = 0; ow < p.w.out; ++ow)
       divisors.push_back(static_cast<double>(covered(p.h, oh) * covered(p.w, ow)));
-  if (std::all_of(divisors.begin(), divisors.end(), [&](double d) { return d == divisors[0]; }))
-    return cast(total / divisors[0], x.dtype());
-  return cast(total / tensor(divisors, {p.h.out, p.w.out}, total.dtype()), x.dtype());
+  Tensor mean =
+      std::all_of(divisors.begin(), divisors.end(), [&](double d) { return d == divisors[0]; })
+          ? total / divisors[0]
+          : total / tensor(divisors, {p.h.out, p.w.out}, total.dtype());
+  return cast_like(cast(mean, x.dtype()), stored_like_x);
 }
 
 namespace {

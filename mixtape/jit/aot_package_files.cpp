@@ -238,6 +238,13 @@ const char* c_type(DType dtype) {
 
 void check_package_spec(const PackageSpec& spec) {
   check_identifier(spec.name, "the artifact name");
+  // Its C API is NAME_...: "mt" would take the prefix of every kernel symbol (mt_<hash>), and a
+  // name from mixtape_aot on that of the runtime's own C API (mixtape_aot_run, ...).
+  if (spec.name == "mt" || spec.name.starts_with("mixtape_aot"))
+    fail(
+        "AOT export: the artifact name \"{}\" is reserved (\"mt\" and names from \"mixtape_aot\" "
+        "prefix mixtape's own symbols); choose another",
+        spec.name);
   if (spec.max_batch < 0)
     fail("AOT export of {}: max_batch {} is negative", spec.name, spec.max_batch);
   std::set<std::string> names;

@@ -16,10 +16,6 @@
 namespace mixtape {
 namespace {
 
-// Whether `node` runs in the backward pass: a gradient node, or a checkpointed module's
-// recomputation (autograd/recompute.h), which only the backward pass reads.
-bool in_backward(const Node& node) { return node.backward || node.recomputed; }
-
 int64_t bytes_of(int64_t numel, DType dtype) {
   return numel * static_cast<int64_t>(size_of(dtype));
 }
@@ -72,16 +68,18 @@ std::string dtype_list(const std::vector<DType>& types) {
 }
 
 // The parameters a report covers: the model's, then any the optimizer holds besides, with each
-// one's node mapped to its index.
+// one's node mapped to its index. A tied weight (one tensor under two names) is one row, under
+// its first name: counted once per name, its master, gradient and the peak were too high.
 struct ParamSet {
   NamedTensors params;
   std::unordered_map<const Node*, size_t> index;
 };
 
 ParamSet collect_params(const Module& model, const Optimizer* opt) {
-  ParamSet set{model.named_parameters(), {}};
+  ParamSet set;
   NamedTensors& params = set.params;
-  for (size_t i = 0; i < params.size(); ++i) set.index.emplace(params[i].second.node().get(), i);
+  for (auto& [name, p] : model.named_parameters())
+    if (set.index.emplace(p.node().get(), params.size()).second) params.emplace_back(name, p);
   if (opt)
     for (size_t i = 0; i < opt->params().size(); ++i) {
       const Tensor& p = opt->params()[i];
@@ -99,6 +97,15 @@ struct StepGraph {
   std::unordered_map<const Node*, int64_t> position;
   int64_t end = 0;  // the position of the last node
   std::unordered_set<const Node*> outputs;
+  std::unordered_set<const Node*> forward;  // what the loss is computed from
+
+  // Whether `node` runs in the backward pass: a gradient node, a checkpointed module's
+  // recomputation (autograd/recompute.h), or another node the loss does not need (the sums of a
+  // leaf's gradients, made outside any vjp) but for a companion (a copy the forward pass keeps
+  // for the backward pass, precision_policy/saved_copies.cpp).
+  bool in_backward(const Node& node) const {
+    return node.backward || node.recomputed || (!forward.count(&node) && !is_companion(node));
+  }
 };
 
 StepGraph typed_graph(const Tensor& loss, const NamedTensors& params) {
@@ -112,6 +119,7 @@ StepGraph typed_graph(const Tensor& loss, const NamedTensors& params) {
     graph.position.emplace(graph.nodes[k], static_cast<int64_t>(k));
   graph.end = static_cast<int64_t>(graph.nodes.size()) - 1;
   for (const NodePtr& root : graph.roots) graph.outputs.insert(root.get());
+  for (Node* node : nodes_in_tape_order({loss.node()})) graph.forward.insert(node);
   return graph;
 }
 
@@ -199,7 +207,7 @@ class BufferMap {
     if (std::optional<int64_t> alias = alias_of(node, pos)) {
       buffer_of_[k] = *alias;
       // A view reads its one input through the buffer it aliases.
-      if (*alias >= 0) read(*alias, pos, in_backward(node));
+      if (*alias >= 0) read(*alias, pos, graph_.in_backward(node));
       return;
     }
     buffer_of_[k] = static_cast<int64_t>(buffers_.size());
@@ -217,7 +225,7 @@ class BufferMap {
       if (src.kind == Buffer::Kind::Param && is_floating(input->dtype) &&
           is_half(node.precision.compute) && node.precision.compute != src.dtype)
         source = half_copy_of(src.param, node.precision.compute, pos);
-      read(source, pos, in_backward(node));
+      read(source, pos, graph_.in_backward(node));
     }
   }
 
@@ -295,8 +303,8 @@ void list_saved_activations(MemoryReport& report, const std::vector<Buffer>& buf
 }
 
 // The peak: the most live bytes while a node runs, on top of the persistent memory.
-void find_peak(MemoryReport& report, const std::vector<Buffer>& buffers,
-               const std::vector<Node*>& nodes) {
+void find_peak(MemoryReport& report, const std::vector<Buffer>& buffers, const StepGraph& graph) {
+  const std::vector<Node*>& nodes = graph.nodes;
   std::vector<int64_t> delta(nodes.size() + 1, 0);
   for (const Buffer& buffer : buffers) {
     if (buffer.kind == Buffer::Kind::Param) continue;
@@ -311,7 +319,7 @@ void find_peak(MemoryReport& report, const std::vector<Buffer>& buffers,
       report.peak = live;
       report.peak_node = nodes[k]->id;
       report.peak_op = op_name(nodes[k]->op);
-      report.peak_backward = nodes[k]->backward;
+      report.peak_backward = graph.in_backward(*nodes[k]);
     }
   }
 }
@@ -342,7 +350,7 @@ MemoryReport memory_report(const Module& model, const Optimizer* opt, const Tens
   count_gradients(report, params.params);
   if (opt) count_optimizer_state(report, *opt, params);
   list_saved_activations(report, map.buffers());
-  find_peak(report, map.buffers(), graph.nodes);
+  find_peak(report, map.buffers(), graph);
   report.compiled_peak = planned_peak_bytes(graph.roots);
   report.policy = policy_names(graph.nodes);
   return report;

@@ -142,7 +142,18 @@ namespace {
 std::atomic<uint64_t> edit_count{0};
 }
 
-void Policy::edited() { ++edit_count; }
+void Policy::edited() const {
+  if (in_use()) ++edit_count;
+}
+
+void Policy::mark_in_use() const { in_use_.store(true, std::memory_order_relaxed); }
+
+void OverridePolicy::mark_in_use() const {
+  if (in_use()) return;  // its parts too: delegate() marks those added since
+  Policy::mark_in_use();
+  base_->mark_in_use();
+  for (const auto& [decides, policy] : delegates_) policy->mark_in_use();
+}
 uint64_t policy_edits() { return edit_count.load(); }
 
 OverridePolicy::OverridePolicy(PolicyPtr base)
@@ -184,6 +195,7 @@ OverridePolicy& OverridePolicy::op(OpCode op, PolicyPtr policy) {
 
 OverridePolicy& OverridePolicy::delegate(std::string description, Matcher decides,
                                          PolicyPtr policy) {
+  if (in_use()) policy->mark_in_use();
   delegates_.emplace_back(decides, policy);
   return add(std::move(description),
              [decides = std::move(decides),
@@ -236,6 +248,7 @@ Precision OverridePolicy::decide(const PrecisionQuery& q) const {
 autocast::autocast(DType half) : autocast(autocast_policy(half)) {}
 autocast::autocast(PolicyPtr policy) {
   if (!policy) fail("autocast: the policy is null (use autocast(false) to disable)");
+  policy->mark_in_use();
   previous_ = exchange_current_policy(std::move(policy));
 }
 autocast::autocast(bool enabled)

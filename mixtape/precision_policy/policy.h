@@ -2,6 +2,7 @@
 // overrides and the mt::autocast scope.
 #pragma once
 
+#include <atomic>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -57,21 +58,28 @@ class Policy {
   const std::string& name() const { return name_; }
   /// Unique to this object for the process's life (caches key on it, not on an address).
   uint64_t id() const { return id_; }
+  /// Called as the policy becomes the current one (mt::autocast): from then on its edits count
+  /// (policy_edits()). An OverridePolicy marks the policies it delegates to too.
+  virtual void mark_in_use() const;
 
  protected:
   /// A policy whose answers change after it was made (OverridePolicy's rules) calls this: the
   /// caches of answers and mt::compile's plans, keyed on ids, then ask again (policy_edits()).
-  static void edited();
+  /// Only once it has been in use: a policy being built (or one never used) has no answers
+  /// anywhere, and counting its edits made every mt::compile step trace anew.
+  void edited() const;
+  bool in_use() const { return in_use_.load(std::memory_order_relaxed); }
 
  private:
   std::string name_;
   uint64_t id_;
+  mutable std::atomic<bool> in_use_{false};
 };
 
 using PolicyPtr = std::shared_ptr<const Policy>;
 
-/// How many times any policy was changed after it was made: a key of an answer cached by a
-/// policy's id holds this too, as a policy an answer came from may have changed since.
+/// How many times a policy in use was changed: a key of an answer cached by a policy's id holds
+/// this too, as a policy an answer came from may have changed since.
 uint64_t policy_edits();
 
 /// Every node as traced (f32 for a float model).
@@ -109,6 +117,7 @@ class OverridePolicy : public Policy {
   bool saves_narrower() const override;
   /// Pure when its base and every module()/op() policy are and no rule() was added.
   bool pure() const override;
+  void mark_in_use() const override;
 
  private:
   OverridePolicy& add(std::string description, Rule rule);

@@ -23,7 +23,9 @@ PrecisionReport precision_report(const std::vector<Tensor>& outputs) {
   for (Node* n : nodes)
     report.rows.push_back({n->id, op_name(n->op), n->origin.module_path, n->shape, n->dtype,
                            n->precision.storage_type, n->precision.compute, n->precision.accum,
-                           n->backward, n->precision.rule ? *n->precision.rule : std::string()});
+                           // A checkpointed module's recomputation runs in the backward pass.
+                           n->backward || n->recomputed,
+                           n->precision.rule ? *n->precision.rule : std::string()});
   return report;
 }
 

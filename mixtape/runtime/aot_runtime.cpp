@@ -20,6 +20,7 @@
 #include "mixtape/dsl/convert.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/json.h"
+#include "mixtape/dsl/optimizer_entries.h"
 #include "mixtape/runtime/aot_cuda_image.h"
 #include "mixtape/runtime/aot_plan.h"
 #include "mixtape/runtime/cpu_features.h"
@@ -665,7 +666,6 @@ uint64_t generator_offset(const mixtape_aot_model& m,
   return number(*offset_text, "generator offset");
 }
 
-// A checkpoint's state, checked whole before any of it replaces the model's.
 // The checkpoint metadata the step was exported with under `key`, or null.
 const std::string* exported_metadata(const mixtape_aot_model& m, std::string_view key) {
   for (const auto& [our_key, ours] : m.checkpoint_metadata)
@@ -673,6 +673,7 @@ const std::string* exported_metadata(const mixtape_aot_model& m, std::string_vie
   return nullptr;
 }
 
+// A checkpoint's state, checked whole before any of it replaces the model's.
 void load_model(mixtape_aot_model& m, const std::string& path) {
   require_step(m, "load");
   mt::safetensors::File file;
@@ -682,6 +683,7 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
     raise(MIXTAPE_AOT_ERROR_FILE, e.what());
   }
   std::vector<std::pair<size_t, const mt::safetensors::TensorData*>> entries;
+  const std::string* kind = exported_metadata(m, "optimizer.kind");
   for (size_t k = 0; k < m.buffers.size(); ++k) {
     if (!m.checkpointed[k]) continue;
     const mt::aot::PlanBuffer& info = m.buffer_info[k];
@@ -693,6 +695,10 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
     // The values, checked as load_checkpoint checks them.
     mt::Storage values(info.dtype, m.buffers[k]->count, mt::Storage::Uninitialized{});
     std::memcpy(values.bytes.data(), data->bytes.data(), data->bytes.size());
+    // The optimizer's running sums and means of squares, as its impossible_state() refuses.
+    const char* squares = nullptr;
+    if (kind && info.name.starts_with("optimizer."))
+      squares = mt::never_negative_state(*kind, info.name.substr(info.name.rfind('.') + 1));
     for (int64_t i = 0; mt::is_floating(info.dtype) && i < values.count; ++i) {
       double v = mt::load_element<double>(values, i);
       if (!std::isfinite(v))
@@ -702,10 +708,10 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
         raise(MIXTAPE_AOT_ERROR_FILE,
               fmt::format("{}: {} holds the loss scale {}, not a normal positive number", m.name,
                           path, v));
-      if (v < 0 && info.name.ends_with(".exp_avg_sq"))
+      if (v < 0 && squares)
         raise(MIXTAPE_AOT_ERROR_FILE,
-              fmt::format("{}: {} holds a negative value in '{}', a mean of squares", m.name, path,
-                          info.name));
+              fmt::format("{}: {} holds {} in '{}': it is {}, never below zero", m.name, path, v,
+                          info.name, squares));
     }
     // The scaler's growth tracker counts finite steps since the last change of scale: a whole
     // number below the growth interval, as GradScaler::load_state_dict requires.
@@ -724,9 +730,10 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
   int64_t steps = -1;
   for (const auto& [key, value] : file.metadata) {
     if (key == "optimizer.steps") {
-      // Whole decimal text, as load_checkpoint reads it.
+      // Whole decimal text up to 2^53 (kept as an f64), as load_checkpoint reads it.
       auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), steps);
-      if (value.empty() || ec != std::errc() || end != value.data() + value.size() || steps < 0)
+      if (value.empty() || ec != std::errc() || end != value.data() + value.size() || steps < 0 ||
+          steps > (int64_t{1} << 53))
         raise(
             MIXTAPE_AOT_ERROR_FILE,
             fmt::format("{}: {} has optimizer.steps '{}', not a step count", m.name, path, value));

@@ -308,8 +308,9 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
     std::string steps_text = metadata_value(meta, "optimizer.steps");
     auto [end, ec] =
         std::from_chars(steps_text.data(), steps_text.data() + steps_text.size(), steps);
+    // At most 2^53: the count is kept as an f64 graph value, which holds every integer to there.
     if (steps_text.empty() || ec != std::errc() || end != steps_text.data() + steps_text.size() ||
-        steps < 0)
+        steps < 0 || steps > (int64_t{1} << 53))
       fail("load_checkpoint {}: no valid optimizer step count in the metadata", path);
     if (has_metadata(meta, "optimizer.lr") && !optimizer->computes_own_rate()) {
       lr = metadata_number<double>(path, meta, "optimizer.lr");
@@ -329,6 +330,17 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
       }
       states.push_back(std::move(state));
     }
+    // State for a parameter this optimizer does not update would be dropped without a word (a
+    // checkpoint of an optimizer over more parameters), as PyTorch refuses it.
+    for (const auto& [key, value] : optimizer_entries)
+      if (std::none_of(names.begin(), names.end(), [&](const std::string& name) {
+            const std::string prefix = kOptimizerPrefix + name + ".";
+            return key.rfind(prefix, 0) == 0 && key.find('.', prefix.size()) == std::string::npos;
+          }))
+        fail(
+            "load_checkpoint {}: '{}' is optimizer state for a parameter this optimizer does not "
+            "update (load the module alone, without the optimizer, to take only the weights)",
+            path, key);
   }
   if (!options.allow_nonfinite) {
     // Only the module's own entries: others are reported as unexpected by load_state_dict.

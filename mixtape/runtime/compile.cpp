@@ -526,6 +526,7 @@ const char* replaced_state(const Plan& plan, const std::vector<Tensor>& args) {
 struct Entry {
   std::unique_ptr<Trace> previous;
   std::unique_ptr<Plan> plan;
+  uint64_t policy_edits = 0;  // its key's: once policies in use change, never asked for again
 };
 
 std::string signature_key(const std::vector<Tensor>& args) {
@@ -565,6 +566,7 @@ std::string signature_key(const std::vector<Tensor>& args) {
 struct StepReplayer::State {
   std::map<std::string, Entry> entries;
   CompileStats stats;
+  uint64_t policy_edits = 0;  // at the last call
 };
 
 StepReplayer::StepReplayer() : state_(std::make_unique<State>()) {}
@@ -596,7 +598,23 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
   for (const Tensor& a : args)
     if (a.defined()) defined.push_back(a);
   eval(defined);
+  // Entries keyed before an edit to a policy in use are never asked for again: freed, so that a
+  // loop that edits its policies between steps holds one entry, not one per edit.
+  if (const uint64_t edits = policy_edits(); edits != state_->policy_edits) {
+    for (auto it = state_->entries.begin(); it != state_->entries.end();) {
+      Entry& stale = it->second;
+      if (stale.policy_edits == edits) {
+        ++it;
+        continue;
+      }
+      if (stale.previous) release(*stale.previous);
+      if (stale.plan) release(*stale.plan);
+      it = state_->entries.erase(it);
+    }
+    state_->policy_edits = edits;
+  }
   Entry& entry = state_->entries[signature_key(args)];
+  entry.policy_edits = state_->policy_edits;
   const bool log = log_enabled("compile");
   if (entry.plan) {
     if (const char* replaced = replaced_state(*entry.plan, args)) {
