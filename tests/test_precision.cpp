@@ -333,6 +333,35 @@ TEST(BuiltinPolicies, BackwardNodesTakeThePrecisionOfTheForwardNode) {
 // ---------------------------------------------------------------------------------------------
 // 2. mt::autocast scopes.
 
+// Type promotion's casts are not explicit casts: under autocast a bf16-stored value plus bf16
+// data, an integer tensor or a boolean mask stays bf16, as in PyTorch (bf16 + bf16 is bf16, and
+// integer tensors do not widen a float one). Each widened to f32 before.
+TEST(Autocast, PromotedOperandsDoNotWidenTheOp) {
+  mt::Generator gen(7);
+  mt::Tensor x = mt::randn({2, 3}, mt::f32, &gen), w = mt::randn({3, 4}, mt::f32, &gen);
+  mt::Tensor data = mt::cast(mt::randn({2, 4}, mt::f32, &gen), mt::bf16);
+  mt::Tensor ints = mt::tensor(std::vector<int64_t>{1, -2, 3, 4, 5, 6, -7, 8}, {2, 4});
+  mt::Tensor mask = mt::gt(mt::randn({2, 4}, mt::f32, &gen), mt::zeros({2, 4}));
+  mt::Tensor m, sums[4];
+  {
+    mt::autocast guard(mt::bf16);
+    m = mt::matmul(x, w);
+    sums[0] = m + data;
+    sums[1] = m + ints;
+    sums[2] = m * mask;
+    sums[3] = mt::where(mask, m, data);
+  }
+  for (int i = 0; i < 4; ++i) {
+    SCOPED_TRACE(i);
+    const mt::PrecisionReport report = mt::precision_report({sums[i]});
+    EXPECT_EQ(report.rows.back().storage, mt::bf16) << report.rows.back().rule;
+  }
+  // The values: bf16 operands added in f32 and rounded once to bf16.
+  mt::Tensor expected = mt::cast(mt::cast(m, mt::f32) + mt::cast(data, mt::f32), mt::bf16);
+  EXPECT_EQ(mt::cast(sums[0], mt::f32).to_vector<float>(),
+            mt::cast(expected, mt::f32).to_vector<float>());
+}
+
 TEST(Autocast, NestsDisablesAndRestores) {
   mt::Tensor a = values({1.0f, 2.0f}, {1, 2}), b = values({3.0f, 4.0f}, {2, 1});
   auto storage = [](const mt::Tensor& t) { return row_of(t).storage; };
@@ -478,6 +507,21 @@ TEST(OverridePolicy, ByModuleGlob) {
   mt::autocast all(everything);
   for (const char* path : {"", "a", "a.b.c"}) EXPECT_EQ(row_of(matmul_in(path)).storage, mt::bf16);
   EXPECT_EQ(row_of(mt::relu(values({1}, {1}))).storage, mt::bf16) << "pure's relu at the root";
+}
+
+// An override that decides no node (a glob with a typo: "block.*" for "blocks.*") is named by
+// the precision report, as the model then runs under the base policy without a word.
+TEST(OverridePolicy, TheReportNamesOverridesThatDecidedNoNode) {
+  auto policy = std::make_shared<mt::OverridePolicy>(mt::autocast_policy(mt::f16));
+  policy->module("blocks.*", mt::fp32_policy()).module("block.*", mt::fp32_policy());
+  mt::autocast guard(policy);
+  mt::PrecisionReport report = mt::precision_report({matmul_in("blocks.0.mlp")});
+  ASSERT_EQ(report.unmatched_rules.size(), 1u);
+  EXPECT_EQ(report.unmatched_rules[0], "autocast-f16+overrides: module 'block.*' -> fp32");
+  EXPECT_NE(report.table().find("override autocast-f16+overrides: module 'block.*' -> fp32 has "
+                                "decided no node"),
+            std::string::npos);
+  EXPECT_EQ(mt::json::parse(report.json()).at("unmatched_rules").size(), 1u);
 }
 
 TEST(OverridePolicy, ByOpAlsoCoversTheOpsGradient) {

@@ -77,6 +77,7 @@ NodePtr Recomputation::clone_within(const NodePtr& root, const std::string& regi
     clone->backward = original->backward;
     clone->forward_op = original->forward_op;
     clone->recomputed = true;
+    clone->promotion = original->promotion;
     clone->precision = original->precision;
     clone->origin = original->origin;
     clones_.emplace(original, std::move(clone));

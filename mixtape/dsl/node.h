@@ -263,6 +263,10 @@ struct Node : std::enable_shared_from_this<Node> {
   // A clone of a checkpointed forward node that a backward pass made to recompute it
   // (autograd/recompute.h): a forward node in every respect but this, read only by the backward.
   bool recomputed = false;
+  // A Cast that type promotion made (ops.cpp's conform: a bf16 or integer operand of an f32 op),
+  // not one the user asked for: policies treat it as part of the op that reads it, as PyTorch's
+  // autocast sees no such cast (a bf16 operand stays bf16, an integer one does not widen).
+  bool promotion = false;
   // An evaluation computed a new value into this node's buffer (dsl/reusable_buffers.h): its
   // value is no longer its own, and an evaluation that reads it fails.
   bool overwritten = false;

@@ -64,9 +64,11 @@ NodePtr broadcast_node(const NodePtr& node, Shape shape, const Loc& loc);
 NodePtr conform(const Tensor& x, DType dtype, const Shape& shape, const Loc& loc) {
   const NodePtr& given = x.node();
   if (given->dtype == dtype && same_shape(given->shape, shape)) return given;
-  NodePtr node = given->dtype == dtype
-                     ? given
-                     : make_node(OpCode::Cast, dtype, given->shape, node_list(given), {}, loc);
+  NodePtr node = given;
+  if (given->dtype != dtype) {
+    node = make_node(OpCode::Cast, dtype, given->shape, node_list(given), {}, loc);
+    node->promotion = true;
+  }
   if (!same_shape(node->shape, shape)) node = broadcast_node(node, shape, loc);
   return node;
 }

@@ -15,9 +15,11 @@ namespace mixtape {
 namespace {
 
 // A scalar constant, possibly broadcast or reshaped: like a Python number in PyTorch, it does
-// not widen the type of the op it meets.
+// not widen the type of the op it meets. Nor does an integer or boolean operand that promotion
+// made a float of (a mask, a count): PyTorch keeps a bf16 tensor times an integer one bf16.
 bool is_scalar_constant(const Node& node) {
   if (node.op == OpCode::Full) return true;
+  if (node.op == OpCode::Cast && node.promotion && !is_floating(node.inputs[0]->dtype)) return true;
   if ((node.op == OpCode::BroadcastTo || node.op == OpCode::Reshape) && !node.inputs.empty())
     return is_scalar_constant(*node.inputs[0]);
   return false;
@@ -97,7 +99,7 @@ std::optional<QueryView> query_key(const Policy& policy, const Node& node) {
   }
   key.words.node = static_cast<uint64_t>(node.op) | static_cast<uint64_t>(node.forward_op) << 16 |
                    uint64_t{static_cast<uint8_t>(node.dtype)} << 32 |
-                   uint64_t{node.backward} << 40 | floating << 48;
+                   uint64_t{node.backward} << 40 | uint64_t{node.promotion} << 41 | floating << 48;
   return key;
 }
 
@@ -112,7 +114,8 @@ PrecisionQuery precision_query(const Node& node) {
                        node.origin.module_path,
                        node.origin.composite,
                        node.backward,
-                       node.forward_op};
+                       node.forward_op,
+                       node.op == OpCode::Cast && node.promotion};
   for (const NodePtr& input : node.inputs)
     if (is_floating(input->dtype)) {
       query.input_storage.push_back(input->precision.storage_type);

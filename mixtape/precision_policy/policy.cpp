@@ -1,6 +1,8 @@
 // mixtape/precision_policy/policy.cpp -- the built-in policies and the override mechanism.
 #include "mixtape/precision_policy/policy.h"
 
+#include <algorithm>
+
 #include <atomic>
 
 #include "mixtape/dsl/composites.h"
@@ -36,6 +38,14 @@ class CategoryPolicy : public Policy {
     // its input's type, dsl/composites.h) and runs in f32 with the rest of it: the result of
     // softmax or a loss stays f32 under autocast whatever its input's type, as in PyTorch.
     const Category whole = composite::category(q.composite);
+    // A float operand cast up by type promotion keeps its stored type, as PyTorch's autocast
+    // sees a bf16 operand of an op as bf16; the op reading it then takes its widest input.
+    if (q.op == OpCode::Cast && !q.backward && whole != Category::Fp32 && q.promotion &&
+        !q.input_storage.empty()) {
+      const DType kept = q.input_storage[0];
+      return {kept, kept, f32,
+              fmt::format("{}: a promotion keeps its input's stored type {}", who, name_of(kept))};
+    }
     if (q.op == OpCode::Cast && !q.backward && whole != Category::Fp32)
       return {q.traced, q.traced, f32, fmt::format("{}: explicit cast keeps its dtype", who)};
     if (q.category == Category::Like && !q.backward) {
@@ -213,7 +223,7 @@ OverridePolicy& OverridePolicy::rule(std::string description, Rule rule) {
 
 OverridePolicy& OverridePolicy::add(std::string description, Rule rule) {
   if (!rule) fail("OverridePolicy::rule: the rule '{}' is empty", description);
-  rules_.emplace_back(std::move(description), std::move(rule));
+  rules_.push_back({std::move(description), std::move(rule)});
   edited();
   return *this;
 }
@@ -237,12 +247,27 @@ std::optional<DType> OverridePolicy::saved_type(const PrecisionQuery& q) const {
 }
 
 Precision OverridePolicy::decide(const PrecisionQuery& q) const {
-  for (const auto& [description, rule] : rules_)
-    if (std::optional<Precision> decided = rule(q)) {
-      decided->rule = fmt::format("override {}: {}", description, decided->rule);
+  for (const Override& o : rules_)
+    if (std::optional<Precision> decided = o.rule(q)) {
+      o.decided->store(true, std::memory_order_relaxed);
+      decided->rule = fmt::format("override {}: {}", o.description, decided->rule);
       return *decided;
     }
   return base_->decide(q);
+}
+
+std::vector<std::string> OverridePolicy::unmatched_rules() const {
+  std::vector<std::string> unmatched;
+  for (const Override& o : rules_)
+    if (!o.decided->load(std::memory_order_relaxed)) unmatched.push_back(o.description);
+  std::vector<const Policy*> parts{base_.get()};
+  for (const auto& [decides, policy] : delegates_) parts.push_back(policy.get());
+  for (const Policy* part : parts)
+    if (const auto* inner = dynamic_cast<const OverridePolicy*>(part))
+      for (std::string& rule : inner->unmatched_rules())
+        if (std::find(unmatched.begin(), unmatched.end(), rule) == unmatched.end())
+          unmatched.push_back(std::move(rule));
+  return unmatched;
 }
 
 autocast::autocast(DType half) : autocast(autocast_policy(half)) {}

@@ -26,6 +26,9 @@ struct PrecisionQuery {
   const char* composite;  // the outermost composite op that made the node (softmax...), or null
   bool backward;          // made by autograd ...
   OpCode forward_op;      // ... to differentiate a node of this op
+  /// A Cast that type promotion made for the op reading it (Node::promotion), not one the user
+  /// asked for.
+  bool promotion = false;
 };
 
 /// A node's precision: storage of its value, the type its float inputs are rounded to, the type
@@ -118,14 +121,23 @@ class OverridePolicy : public Policy {
   /// Pure when its base and every module()/op() policy are and no rule() was added.
   bool pure() const override;
   void mark_in_use() const override;
+  /// The descriptions of the overrides (module(), op(), rule()) that have decided no node so far,
+  /// those of the OverridePolicies this one delegates to included: a glob with a typo
+  /// ("block.*" for "blocks.*") decides nothing, silently. precision_report lists them.
+  std::vector<std::string> unmatched_rules() const;
 
  private:
+  struct Override {
+    std::string description;
+    Rule rule;
+    std::shared_ptr<std::atomic<bool>> decided = std::make_shared<std::atomic<bool>>(false);
+  };
   OverridePolicy& add(std::string description, Rule rule);
   using Matcher = std::function<bool(const PrecisionQuery&)>;
   // An override by `policy` of the nodes `decides` says: its decide() and its saved_type().
   OverridePolicy& delegate(std::string description, Matcher decides, PolicyPtr policy);
   PolicyPtr base_;
-  std::vector<std::pair<std::string, Rule>> rules_;
+  std::vector<Override> rules_;
   std::vector<std::pair<std::string, DType>> saved_;  // save_activations(glob, type)
   // The module() and op() overrides' policies, in order, with the nodes each decides. Asked
   // at each call of pure() and saves_narrower(): they may be changed after this one was made.

@@ -8,6 +8,7 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/json.h"
 #include "mixtape/precision_policy/assign.h"
+#include "mixtape/precision_policy/policy.h"
 
 namespace mixtape {
 
@@ -26,6 +27,16 @@ PrecisionReport precision_report(const std::vector<Tensor>& outputs) {
                            // A checkpointed module's recomputation runs in the backward pass.
                            n->backward || n->recomputed,
                            n->precision.rule ? *n->precision.rule : std::string()});
+  // Each override policy's rules that have decided nothing yet, once per policy.
+  std::vector<const Policy*> seen;
+  for (const Node* n : nodes) {
+    const Policy* policy = n->origin.policy.get();
+    if (!policy || std::find(seen.begin(), seen.end(), policy) != seen.end()) continue;
+    seen.push_back(policy);
+    if (const auto* overrides = dynamic_cast<const OverridePolicy*>(policy))
+      for (const std::string& rule : overrides->unmatched_rules())
+        report.unmatched_rules.push_back(fmt::format("{}: {}", policy->name(), rule));
+  }
   return report;
 }
 
@@ -38,6 +49,8 @@ std::string PrecisionReport::table() const {
                        r.module_path.empty() ? "-" : r.module_path, to_string(r.shape),
                        name(r.storage), name(r.compute), name(r.accum), r.backward ? "bwd" : "fwd",
                        r.rule);
+  for (const std::string& rule : unmatched_rules)
+    out += fmt::format("override {} has decided no node\n", rule);
   return out;
 }
 
@@ -76,6 +89,8 @@ std::string PrecisionReport::summary() const {
   for (const Tally& t : per_module)
     out += fmt::format("{:<{}}  {:<7} {:<7} {:>8} {:>8}\n", t.module, width, name(t.storage),
                        name(t.compute), t.forward, t.backward);
+  for (const std::string& rule : unmatched_rules)
+    out += fmt::format("override {} has decided no node\n", rule);
   return out;
 }
 
@@ -92,7 +107,9 @@ std::string PrecisionReport::json() const {
                      {"accum", name(r.accum)},
                      {"pass", r.backward ? "backward" : "forward"},
                      {"rule", r.rule}});
-  return json::dump({{"nodes", std::move(nodes)}});
+  json::Value unmatched = json::Value::array();
+  for (const std::string& rule : unmatched_rules) unmatched.push_back(rule);
+  return json::dump({{"nodes", std::move(nodes)}, {"unmatched_rules", std::move(unmatched)}});
 }
 
 }  // namespace mixtape

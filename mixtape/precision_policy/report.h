@@ -21,13 +21,18 @@ struct PrecisionRow {
 
 struct PrecisionReport {
   std::vector<PrecisionRow> rows;  // in tape order
+  /// "policy: override" for each OverridePolicy rule (module(), op(), rule()) of the graph's
+  /// policies that has decided no node yet: a glob with a typo decides nothing, silently.
+  /// table(), summary() and json() end with them.
+  std::vector<std::string> unmatched_rules;
   /// A fixed-width table, one node a line.
   std::string table() const;
   /// A tally: one line per module (in order of first appearance; "-" for nodes outside any)
   /// and per (storage, compute) pair, with its forward and backward node counts, then the same
   /// over all modules as "(all)".
   std::string summary() const;
-  /// {"nodes":[{"id":..,"op":..,"module":..,"shape":[..],"traced":..,"storage":..,...}]}
+  /// {"nodes":[{"id":..,"op":..,"module":..,"shape":[..],"traced":..,"storage":..,...}],
+  ///  "unmatched_rules":[..]}
   std::string json() const;
 };
 

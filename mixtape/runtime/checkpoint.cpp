@@ -185,6 +185,9 @@ NamedTensors load_tensors(const std::string& path, Metadata* metadata) {
     auto storage =
         std::make_shared<Storage>(data.dtype, numel(data.shape), Storage::Uninitialized{});
     storage->bytes.assign(data.bytes.begin(), data.bytes.end());
+    // Freed as it is copied: the file's bytes and the tensors' would otherwise be held at once,
+    // twice the checkpoint's size.
+    std::vector<std::byte>().swap(data.bytes);
     out.emplace_back(data.name, from_storage(std::move(storage), data.shape));
   }
   if (metadata) *metadata = std::move(file.metadata);
