@@ -16,6 +16,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <regex>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -207,6 +208,15 @@ TEST_F(Checkpoint, OneProcessShardedCheckpointResumesBitIdentically) {
   EXPECT_NE(shard_file(dir, 0, 1), "");
   Training run = batch_norm_run(3);
   const std::string index = dir + "/checkpoint.safetensors.index.json";
+  // The id names the shard files: one that is a path reached outside the folder.
+  std::ifstream in(index);
+  const std::string text((std::istreambuf_iterator<char>(in)), {});
+  const std::string edited = std::regex_replace(
+      text, std::regex(R"re("checkpoint_id": *"[0-9a-f]{16}")re"), R"("checkpoint_id":"../../x")");
+  ASSERT_NE(edited, text);
+  std::ofstream(index) << edited;
+  EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(dir, *run.model, run.opt.get()),
+                  "checkpoint_id '../../x' is not 16 hex digits");
   write_bytes(index, Bytes(3, std::byte{'{'}));
   EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(dir, *run.model, run.opt.get()), index,
                   "json: syntax error");

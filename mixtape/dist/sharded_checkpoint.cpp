@@ -223,6 +223,10 @@ Index read_index(const std::string& dir) {
   if (index.world_size < 1)
     fail("load_checkpoint_sharded {}: world_size {} is not positive", index.path, index.world_size);
   index.id = text(member(meta, "checkpoint_id", index.path), "checkpoint_id", index.path);
+  // It names the shard files: 16 hex digits as new_checkpoint_id() writes, never a path ("../").
+  if (index.id.size() != 16 || index.id.find_first_not_of("0123456789abcdef") != std::string::npos)
+    fail("load_checkpoint_sharded {}: checkpoint_id '{}' is not 16 hex digits", index.path,
+         index.id);
   for (const auto& [key, value] : member(doc, "checkpoint_metadata", index.path).items())
     index.metadata.emplace_back(key, text(value, key, index.path));
   for (const json::Value& line : member(doc, "model", index.path))

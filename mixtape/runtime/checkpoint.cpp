@@ -160,19 +160,18 @@ void save_tensors(const std::string& path, const NamedTensors& tensors, const Me
     all.push_back(tensor);
   }
   eval(all);
-  safetensors::File file;
+  // Written from the values' own bytes: a copy of them all would hold the checkpoint twice.
+  safetensors::FileView file;
+  std::vector<std::shared_ptr<Storage>> held;
   for (const auto& [name, tensor] : tensors) {
     // In the tensor's type: a value assigned under a policy may be stored in another one (batch
     // norm's running statistics of a bf16 model, computed in f32 under autocast).
     std::shared_ptr<Storage> storage = tensor.node()->value;
     if (storage->dtype != tensor.dtype()) storage = converted(*storage, tensor.dtype());
-    safetensors::TensorData data;
-    data.name = name;
-    data.dtype = tensor.dtype();
-    data.shape = tensor.shape();
     const std::byte* host = storage->host_data();
-    data.bytes.assign(host, host + storage->size_bytes());
-    file.tensors.push_back(std::move(data));
+    file.tensors.push_back(
+        {name, tensor.dtype(), tensor.shape(), {host, static_cast<size_t>(storage->size_bytes())}});
+    held.push_back(std::move(storage));
   }
   file.metadata = metadata;
   safetensors::write(path, file);

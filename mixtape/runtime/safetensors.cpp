@@ -86,10 +86,12 @@ void store_u64_le(std::byte* out, uint64_t value) {
 
 // ---- writing ----
 
-/// Checks everything a reader would reject, so a bad File fails before touching the disk.
-void validate(const File& file, std::string_view context) {
+/// Checks everything a reader would reject, so a bad File fails before touching the disk. Of a
+/// File or a FileView (bytes held, or viewed).
+template <typename Tensors>
+void validate(const Tensors& file, std::string_view context) {
   std::unordered_set<std::string_view> names;
-  for (const TensorData& tensor : file.tensors) {
+  for (const auto& tensor : file.tensors) {
     if (tensor.name.empty()) fail("{}: tensor names must not be empty", context);
     if (tensor.name == metadata_key)
       fail("{}: '{}' is reserved for metadata and cannot name a tensor", context, metadata_key);
@@ -124,15 +126,17 @@ void validate(const File& file, std::string_view context) {
 /// The checksum entry: a JSON object, as text, of each tensor's name and the XXH3-64 of its
 /// bytes as 16 lowercase hex digits. Text in a metadata string keeps the file readable by every
 /// safetensors reader, which require metadata values to be strings.
-std::string encode_checksums(const File& file) {
+template <typename Tensors>
+std::string encode_checksums(const Tensors& file) {
   json::Value sums = json::Value::object();
-  for (const TensorData& tensor : file.tensors)
+  for (const auto& tensor : file.tensors)
     json::append(sums, tensor.name, fmt::format("{:016x}", checksum(tensor.bytes)));
   return json::dump(sums);
 }
 
 /// The length field plus the space-padded JSON header; the data section follows it directly.
-std::string encode_header(const File& file, std::string_view context) {
+template <typename Tensors>
+std::string encode_header(const Tensors& file, std::string_view context) {
   validate(file, context);
   // validate() has checked that the names and keys are distinct.
   json::Value root = json::Value::object();
@@ -144,7 +148,7 @@ std::string encode_header(const File& file, std::string_view context) {
     json::append(root, std::string(metadata_key), std::move(metadata));
   }
   uint64_t offset = 0;
-  for (const TensorData& tensor : file.tensors) {
+  for (const auto& tensor : file.tensors) {
     uint64_t end = offset + tensor.bytes.size();
     json::append(root, tensor.name,
                  {{"dtype", safetensors_name(tensor.dtype)},
@@ -516,13 +520,20 @@ File read(const std::string& path) {
   return file;
 }
 
-void write(const std::string& path, const File& file) {
+namespace {
+template <typename Tensors>
+void write_tensors(const std::string& path, const Tensors& file) {
   std::string header = encode_header(file, fmt::format("cannot write '{}'", path));
   write_file_atomically(path, [&](int fd) {
     write_all(fd, header.data(), header.size(), path);
-    for (const TensorData& tensor : file.tensors)
+    for (const auto& tensor : file.tensors)
       write_all(fd, tensor.bytes.data(), tensor.bytes.size(), path);
   });
 }
+
+}  // namespace
+
+void write(const std::string& path, const File& file) { write_tensors(path, file); }
+void write(const std::string& path, const FileView& file) { write_tensors(path, file); }
 
 }  // namespace mixtape::safetensors

@@ -56,6 +56,21 @@ inline constexpr std::string_view reserved_metadata_prefix = "mixtape.checksum."
 /// key, more than the limits) or on any I/O failure; no temporary file is left behind either way.
 void write(const std::string& path, const File& file);
 
+/// A tensor to write whose bytes live elsewhere (a Storage's), so that a save holds no second
+/// copy of a checkpoint in memory.
+struct TensorView {
+  std::string name;
+  DType dtype = DType::f32;
+  std::vector<int64_t> shape;
+  std::span<const std::byte> bytes;
+};
+struct FileView {
+  std::vector<TensorView> tensors;
+  std::vector<std::pair<std::string, std::string>> metadata;
+};
+/// As write(path, File), from bytes the caller keeps alive until it returns.
+void write(const std::string& path, const FileView& file);
+
 /// Reads and fully validates a file; tensors come back in data-section order, which for files
 /// from write() is the order they were written in. Throws mt::Error naming path on failure: a
 /// file that is not safetensors says "not a safetensors file: <path> (...)"; every size the
