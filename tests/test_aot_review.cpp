@@ -631,6 +631,25 @@ TEST(AotReviewState, LoadRefusesAStepCountLoadCheckpointRefuses) {
   }
 }
 
+// A checkpoint with a tensor the artifact has no buffer for (of a larger model) is refused, as
+// load_checkpoint refuses it: NAME_load took the tensors it knew and ignored the rest.
+TEST(AotReviewState, LoadRefusesATensorTheArtifactDoesNotHave) {
+  mt::manual_seed(5);
+  AdamStepArtifact a("review_extra_tensor", 1e-3);
+  auto& [net, opt, g, dir, exported, table, model] = a;
+  ASSERT_NE(model->m, nullptr);
+  const std::string path = dir + "/ck.safetensors", bad = dir + "/bad.safetensors";
+  ASSERT_EQ(mixtape_aot_save(model->m, path.c_str()), 0) << mixtape_aot_error(model->m);
+  ASSERT_EQ(mixtape_aot_load(model->m, path.c_str()), 0) << mixtape_aot_error(model->m);
+  mt::safetensors::File file = mt::safetensors::read(path);
+  file.tensors.push_back({"fc4.weight", mt::f32, {2}, std::vector<std::byte>(8)});
+  mt::safetensors::write(bad, file);
+  EXPECT_THROW(mt::load_checkpoint(bad, net, &opt), mt::Error);
+  EXPECT_EQ(mixtape_aot_load(model->m, bad.c_str()), MIXTAPE_AOT_ERROR_FILE);
+  EXPECT_NE(std::string(mixtape_aot_error(model->m)).find("'fc4.weight'"), std::string::npos)
+      << mixtape_aot_error(model->m);
+}
+
 // A negative running sum or mean of squares (RMSprop's square_avg, Adagrad's sum, Adafactor's
 // factored rows) is refused by NAME_load as load_checkpoint refuses it: only Adam's exp_avg_sq
 // was, and the next run's square root made every weight NaN.

@@ -727,6 +727,21 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
     }
     entries.emplace_back(k, data);
   }
+  // A tensor the artifact has no buffer for is refused, as load_checkpoint refuses an entry the
+  // module or the optimizer does not have (a checkpoint of a larger model, of other parameters):
+  // taking the rest would run a model that was never trained. The scaler's and data loaders'
+  // entries of a step exported without them are the state of what the artifact does not run.
+  for (const mt::safetensors::TensorData& tensor : file.tensors) {
+    const bool ours = std::any_of(entries.begin(), entries.end(),
+                                  [&](const auto& entry) { return entry.second == &tensor; });
+    const bool elsewhere = tensor.name.starts_with("scaler.") ||
+                           tensor.name.starts_with("loader.") ||
+                           (!kind && tensor.name.starts_with("optimizer."));
+    if (!ours && !elsewhere)
+      raise(MIXTAPE_AOT_ERROR_FILE,
+            fmt::format("{}: {} holds '{}', which the artifact does not have", m.name, path,
+                        tensor.name));
+  }
   int64_t steps = -1;
   for (const auto& [key, value] : file.metadata) {
     if (key == "optimizer.steps") {
