@@ -576,18 +576,19 @@ TEST(AotReviewState, TiedWeightsSaveWhatTheStepTrained) {
   fs::remove_all(dir);
 }
 
-// The digits MLP with plain AdamW (no scaler), trained one step (the optimizer makes its state
-// then) and exported at batch 8 as "train", with the generator its inputs came from.
-struct AdamStepArtifact {
+// The digits MLP with an optimizer `Rule` (no scaler), trained one step (the optimizer makes its
+// state then) and exported at batch 8 as "train", with the generator its inputs came from.
+template <typename Rule, typename Options>
+struct StepArtifact {
   DigitsMLP net;
-  mt::AdamW opt;
+  Rule opt;
   mt::Generator g{9};
   std::string dir;
   mt::aot::Exported exported;
   std::optional<Table> table;  // the exported kernels, and the artifact opened with them
   std::optional<Model> model;
-  AdamStepArtifact(const std::string& what, double lr)
-      : opt(net.parameters(), {.lr = lr}), dir(temp_dir(what)) {
+  StepArtifact(const std::string& what, Options options)
+      : opt(net.parameters(), options), dir(temp_dir(what)) {
     auto train_step = [this](const mt::Tensor& x, const mt::Tensor& y) {
       opt.zero_grad();
       mt::Tensor loss = mt::cross_entropy(net(x), y);
@@ -603,11 +604,16 @@ struct AdamStepArtifact {
     table.emplace(exported);
     model.emplace(dir, "train", *table);
   }
-  ~AdamStepArtifact() {
+  ~StepArtifact() {
     model.reset();  // closed before its folder goes
     table.reset();
     fs::remove_all(dir);
   }
+};
+
+// With plain AdamW.
+struct AdamStepArtifact : StepArtifact<mt::AdamW, mt::AdamOptions> {
+  AdamStepArtifact(const std::string& what, double lr) : StepArtifact(what, {.lr = lr}) {}
 };
 
 // NAME_load read optimizer.steps with strtoll: "12abc" loaded as 12 and "abc" as 0 (resetting
@@ -657,44 +663,24 @@ template <typename Rule, typename Options>
 void expect_negative_squares_refused(Options options, const char* entry) {
   SCOPED_TRACE(entry);
   mt::manual_seed(3);
-  DigitsMLP net;
-  Rule opt(net.parameters(), options);
-  mt::Generator g{9};
-  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
-    opt.zero_grad();
-    mt::Tensor loss = mt::cross_entropy(net(x), y);
-    loss.backward();
-    opt.step();
-    return loss;
-  };
-  train_step(mt::randn({8, 64}, mt::f32, &g), mt::zeros({8}, mt::i64));
-  const std::string dir = temp_dir("review_negative_squares");
-  mt::aot::Options o{.name = "train", .module = &net, .optimizer = &opt};
-  mt::aot::Exported exported = mt::aot::export_step(
-      train_step, {mt::aot::input("x", {8, 64}, mt::f32), mt::aot::input("y", {8}, mt::i64)},
-      {"loss"}, dir, o);
-  {
-    Table table(exported);
-    Model model(dir, "train", table);
-    ASSERT_NE(model.m, nullptr);
-    const std::string path = dir + "/ck.safetensors", bad = dir + "/bad.safetensors";
-    ASSERT_EQ(mixtape_aot_save(model.m, path.c_str()), 0) << mixtape_aot_error(model.m);
-    mt::safetensors::File file = mt::safetensors::read(path);
-    bool edited = false;
-    for (auto& t : file.tensors)
-      if (t.name == entry) {
-        const float negative = -1.0f;
-        std::memcpy(t.bytes.data(), &negative, sizeof negative);
-        edited = true;
-      }
-    ASSERT_TRUE(edited) << "the checkpoint has no " << entry;
-    mt::safetensors::write(bad, file);
-    EXPECT_MT_ERROR(mt::load_checkpoint(bad, net, &opt), "never below zero");
-    EXPECT_EQ(mixtape_aot_load(model.m, bad.c_str()), MIXTAPE_AOT_ERROR_FILE);
-    EXPECT_NE(std::string(mixtape_aot_error(model.m)).find("never below zero"), std::string::npos)
-        << mixtape_aot_error(model.m);
-  }
-  fs::remove_all(dir);
+  StepArtifact<Rule, Options> a("review_negative_squares", options);
+  ASSERT_NE(a.model->m, nullptr);
+  const std::string path = a.dir + "/ck.safetensors", bad = a.dir + "/bad.safetensors";
+  ASSERT_EQ(mixtape_aot_save(a.model->m, path.c_str()), 0) << mixtape_aot_error(a.model->m);
+  mt::safetensors::File file = mt::safetensors::read(path);
+  bool edited = false;
+  for (auto& t : file.tensors)
+    if (t.name == entry) {
+      const float negative = -1.0f;
+      std::memcpy(t.bytes.data(), &negative, sizeof negative);
+      edited = true;
+    }
+  ASSERT_TRUE(edited) << "the checkpoint has no " << entry;
+  mt::safetensors::write(bad, file);
+  EXPECT_MT_ERROR(mt::load_checkpoint(bad, a.net, &a.opt), "never below zero");
+  EXPECT_EQ(mixtape_aot_load(a.model->m, bad.c_str()), MIXTAPE_AOT_ERROR_FILE);
+  EXPECT_NE(std::string(mixtape_aot_error(a.model->m)).find("never below zero"), std::string::npos)
+      << mixtape_aot_error(a.model->m);
 }
 
 TEST(AotReviewState, LoadRefusesNegativeSquaresOfEveryRule) {

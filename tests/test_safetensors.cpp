@@ -691,14 +691,20 @@ TEST_F(SafetensorsFiles, SaveWritesThroughSymbolicLinks) {
   EXPECT_MT_ERROR(st::write(dir_ / "links" / "loop_a", generation_file(4)), "symbolic links");
 }
 
+// A folder anyone may write and only owners may delete from, as /tmp: dir/shared.
+fs::path sticky_folder(const fs::path& dir) {
+  fs::path shared = dir / "shared";
+  fs::create_directories(shared);
+  EXPECT_EQ(::chmod(shared.c_str(), 01777), 0);
+  return shared;
+}
+
 // A link another user planted in a shared sticky folder such as /tmp is not followed: writing
 // through it would let them point a victim's save at any file the victim may replace. The kernel
 // refuses such links too (fs.protected_symlinks); following them by hand must not bypass that.
 TEST_F(SafetensorsFiles, SaveRefusesLinksPlantedByOthersInStickyFolders) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to give a link to another user";
-  fs::path shared = dir_ / "shared";
-  fs::create_directories(shared);
-  ASSERT_EQ(::chmod(shared.c_str(), 01777), 0);
+  const fs::path shared = sticky_folder(dir_);
   fs::path victim = dir_ / "victim.txt";
   std::ofstream(victim) << "precious";
   fs::path planted = shared / "model.safetensors";
@@ -738,9 +744,7 @@ TEST_F(SafetensorsFiles, SaveRefusesDevicesPipesAndFolders) {
 // mode: root's checkpoint would be theirs to change before root loads it again.
 TEST_F(SafetensorsFiles, SaveTakesNoOwnerFromAFilePlantedInAStickyFolder) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to give a file to another user";
-  fs::path shared = dir_ / "shared";
-  fs::create_directories(shared);
-  ASSERT_EQ(::chmod(shared.c_str(), 01777), 0);
+  const fs::path shared = sticky_folder(dir_);
   fs::path planted = shared / "model.safetensors";
   st::write(planted, generation_file(1));
   ASSERT_EQ(::chown(planted.c_str(), 65534, 65534), 0);
