@@ -915,6 +915,19 @@ TEST_F(SafetensorsFiles, DeclaredSizesBeyondTheFileAreRejectedBeforeAllocating) 
   EXPECT_MT_ERROR(st::read(path), path, "tensor 'huge'", "beyond the 16-byte data section");
 }
 
+// A file of one F32 tensor "huge" of `tensor_bytes` that it really holds, as a hole (no disk
+// space used); false where the file system cannot hold such a file.
+bool write_sparse_f32_file(const std::string& path, uint64_t tensor_bytes) {
+  std::string header =
+      fmt::format(R"({{"huge":{{"dtype":"F32","shape":[{}],"data_offsets":[0,{}]}}}})",
+                  tensor_bytes / 4, tensor_bytes);
+  header.append((8 - header.size() % 8) % 8, ' ');
+  write_bytes(path, hand_made(header, 0));
+  std::error_code error;
+  fs::resize_file(path, 8 + header.size() + tensor_bytes, error);
+  return !error;
+}
+
 // A 1 GiB tensor the file really holds (sparse), read where memory is short: an mt::Error naming
 // the bytes and the tensor, not std::bad_alloc. In a child process, whose address space is
 // limited; ASan reserves terabytes of shadow memory, so it cannot run under such a limit.
@@ -923,13 +936,8 @@ TEST_F(SafetensorsFiles, RunningOutOfMemoryWhileReadingIsAnMtError) {
   GTEST_SKIP() << "an address-space limit cannot be combined with AddressSanitizer";
 #endif
   constexpr uint64_t tensor_bytes = uint64_t{1} << 30;
-  std::string header =
-      fmt::format(R"({{"huge":{{"dtype":"F32","shape":[{}],"data_offsets":[0,{}]}}}})",
-                  tensor_bytes / 4, tensor_bytes);
-  header.append((8 - header.size() % 8) % 8, ' ');
   std::string path = dir_ / "sparse.safetensors";
-  write_bytes(path, hand_made(header, 0));
-  fs::resize_file(path, 8 + header.size() + tensor_bytes);  // a hole: no disk space used
+  ASSERT_TRUE(write_sparse_f32_file(path, tensor_bytes));
 
   pid_t child = ::fork();
   ASSERT_GE(child, 0);
@@ -969,15 +977,9 @@ TEST_F(SafetensorsFiles, AFileLargerThanTheMachineIsRefusedWithoutALimit) {
   ASSERT_EQ(::sysinfo(&info), 0);
   const uint64_t machine = (static_cast<uint64_t>(info.totalram) + info.totalswap) * info.mem_unit;
   const uint64_t tensor_bytes = (machine / 4 + (uint64_t{1} << 28)) * 4;
-  std::string header =
-      fmt::format(R"({{"huge":{{"dtype":"F32","shape":[{}],"data_offsets":[0,{}]}}}})",
-                  tensor_bytes / 4, tensor_bytes);
-  header.append((8 - header.size() % 8) % 8, ' ');
   std::string path = dir_ / "larger_than_memory.safetensors";
-  write_bytes(path, hand_made(header, 0));
-  std::error_code sparse;
-  fs::resize_file(path, 8 + header.size() + tensor_bytes, sparse);
-  if (sparse) GTEST_SKIP() << "this file system holds no such sparse file: " << sparse.message();
+  if (!write_sparse_f32_file(path, tensor_bytes))
+    GTEST_SKIP() << "this file system holds no such sparse file";
   EXPECT_MT_ERROR(st::read(path), "out of memory", path, "more than this machine's");
 }
 
