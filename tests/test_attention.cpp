@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -472,6 +473,84 @@ TEST(FusedAttention, QueriesWithNoKeyGiveZerosAlsoInTheCompositeAndSecondOrder) 
   penalty.backward();
   EXPECT_TRUE(all_finite(q.grad()));
   EXPECT_TRUE(all_finite(k.grad()));
+}
+
+// Rows that an additive -inf mask leaves no key (alone, and with the causal mask) are zeros
+// with zero, finite gradients in the composite too: its softmax saw the all -inf row, whose
+// gradient was NaN (and with causal, its row test ignored the additive -inf: NaN outputs).
+TEST(FusedAttention, RowsAnAdditiveMaskEmptiesHaveZeroGradientsInTheComposite) {
+  mt::Generator gen(2);
+  const int64_t T = 4, D = 4;
+  const float ninf = -std::numeric_limits<float>::infinity();
+  mt::Tensor q = leaf_like(gen, {1, T, D}), k = leaf_like(gen, {1, T, D}),
+             v = leaf_like(gen, {1, T, D});
+  std::vector<float> row_one(T * T, 0.0f);
+  for (int64_t j = 0; j < T; ++j) row_one[static_cast<size_t>(T + j)] = ninf;  // query 1: none
+  std::vector<float> causal_row_one(T * T, 0.0f);
+  causal_row_one[static_cast<size_t>(T)] = causal_row_one[static_cast<size_t>(T + 1)] = ninf;
+  for (bool causal : {false, true}) {
+    SCOPED_TRACE(causal);
+    mt::Tensor mask = mt::tensor(causal ? causal_row_one : row_one, {T, T}).requires_grad_();
+    mt::Tensor out = mt::detail::attention_composite(q, k, v, mask, causal, 0.5, 0, nullptr);
+    std::vector<float> o = values(out);
+    ASSERT_TRUE(all_finite(out));
+    for (int64_t e = 0; e < D; ++e) EXPECT_EQ(o[static_cast<size_t>(T + e)], 0.0f);
+    auto grads = mt::grad({mt::sum(out * out)}, {q, k, v, mask});
+    for (int i = 0; i < 4; ++i) EXPECT_TRUE(all_finite(grads[i])) << "input " << i;
+    for (int64_t e = 0; e < D; ++e) EXPECT_EQ(values(grads[0])[static_cast<size_t>(T + e)], 0.0f);
+  }
+}
+
+// A NaN score makes its row NaN in the fused kernels, as in the composite and PyTorch: their
+// maximum skipped it, found no score, and gave the row zero weights and a finite loss.
+TEST(FusedAttention, ANanScoreMakesItsRowNan) {
+  mt::Generator gen(3);
+  const int64_t T = 3, D = 4;
+  std::vector<float> qv = mt::randn({1, T, D}, mt::f32, &gen).to_vector<float>();
+  qv[static_cast<size_t>(D)] = std::numeric_limits<float>::quiet_NaN();  // query 1
+  mt::Tensor q = mt::tensor(qv, {1, T, D}), k = mt::randn({1, T, D}, mt::f32, &gen),
+             v = mt::randn({1, T, D}, mt::f32, &gen);
+  for (mt::Device device : {mt::Device::cpu, mt::Device::reference}) {
+    const mt::Device previous = mt::current_device();
+    mt::set_device(device);
+    std::vector<float> out = values(mt::scaled_dot_product_attention(q, k, v, {}));
+    mt::set_device(previous);
+    for (int64_t e = 0; e < D; ++e) {
+      EXPECT_TRUE(std::isnan(out[static_cast<size_t>(D + e)])) << mt::device_name(device);
+      EXPECT_FALSE(std::isnan(out[static_cast<size_t>(e)])) << mt::device_name(device);
+    }
+  }
+}
+
+// A mask with batch dims the operands lack ([3, Tq, Tk] beside [1, Tq, D]) broadcasts the result,
+// as PyTorch's: it passed the broadcast check and then failed in the fused op's own.
+TEST(FusedAttention, AMaskWiderThanTheOperandsBatchBroadcastsTheResult) {
+  mt::Generator gen(4);
+  mt::Tensor q = mt::randn({1, 5, 4}, mt::f32, &gen), k = mt::randn({1, 7, 4}, mt::f32, &gen),
+             v = mt::randn({1, 7, 4}, mt::f32, &gen), mask = mt::randn({3, 5, 7}, mt::f32, &gen);
+  mt::Tensor out = mt::scaled_dot_product_attention(q, k, v, mask);
+  EXPECT_EQ(out.shape(), (mt::Shape{3, 5, 4}));
+  std::vector<float> got = values(out), want = values(mt::detail::attention_composite(
+                                            q, k, v, mask, false, 0.5, 0, nullptr));
+  for (size_t j = 0; j < want.size(); ++j) EXPECT_NEAR(got[j], want[j], 1e-6) << j;
+}
+
+// MultiheadAttention scales q before its product, as PyTorch's: under autocast-f16 the unscaled
+// product overflowed to inf (NaN outputs) once the scaled scores passed 65504 / sqrt(E).
+TEST(FusedAttention, MultiheadAttentionKeepsLargeScoresFiniteUnderAutocastF16) {
+  mt::MultiheadAttention mha(64, 1);
+  std::vector<float> identity(64 * 64, 0.0f);
+  for (size_t i = 0; i < 64; ++i) identity[i * 65] = 1.0f;
+  mt::Tensor eye = mt::tensor(identity, {64, 64});
+  mha.in_proj_weight.assign(mt::concat({eye, eye, eye}, 0));
+  mha.in_proj_bias.assign(mt::zeros({192}));
+  mt::Tensor x = mt::full({2, 1, 64}, 35.0);  // scaled scores 35^2 * 64 / 8 = 9800
+  mt::Tensor out;
+  {
+    mt::autocast guard(mt::f16);
+    out = mha(x, x, x).output;
+  }
+  EXPECT_TRUE(all_finite(out));
 }
 
 // Precision-aware saving rounded attention's additive mask for the backward pass, whose softmax

@@ -1893,6 +1893,34 @@ TEST(Compile, PoliciesBuiltBetweenStepsKeepTheStepReplaying) {
   EXPECT_TRUE(replayed_at_least(step, 5)) << step.stats().reason;
 }
 
+// A policy that another asks only inside a rule() is never current, but in use from its first
+// answer: an edit to it after that made no new trace, and the step replayed the old precision.
+TEST(Compile, AnEditToAPolicyAskedInsideARuleIsTracedAnew) {
+  mt::Linear fc(8, 4);
+  mt::Tensor in = mt::full({2, 8}, 0.37);
+  auto forward = mt::compile([&](const mt::Tensor& x) {
+    mt::NoGradGuard inference;
+    return fc(x);
+  });
+  auto inner = std::make_shared<mt::OverridePolicy>(mt::fp32_policy());
+  auto outer = std::make_shared<mt::OverridePolicy>(mt::fp32_policy());
+  outer->rule("ask inner", [inner](const mt::PrecisionQuery& q) -> std::optional<mt::Precision> {
+    return inner->decide(q);
+  });
+  auto run = [&](bool compiled) {
+    mt::autocast guard(outer);
+    if (compiled) return forward(in).to_vector<float>();
+    mt::NoGradGuard inference;
+    return fc(in).to_vector<float>();
+  };
+  const std::vector<float> f32 = run(false);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(run(true), f32) << i;
+  inner->op(mt::OpCode::MatMul, mt::autocast_policy(mt::f16));
+  const std::vector<float> f16 = run(false);
+  ASSERT_NE(f16, f32);
+  for (int i = 0; i < 3; ++i) EXPECT_EQ(run(true), f16) << i;
+}
+
 // A forward compiled alone, differentiated outside: a replay's results have no graph, so from
 // the third call on backward() found nothing to differentiate (or, beside another trainable
 // term, silently left the compiled part's parameters without gradients). It is traced every call.

@@ -144,6 +144,9 @@ TEST(DataFiles, EveryGzipMemberIsReadAndTrailingBytesAreAnError) {
   path = dir.write("trailing.gz", first + "garbage");
   message = error_of([&] { read_gzip_file(path); });
   EXPECT_TRUE(contains(message, "7 bytes after the end of its gzip data")) << message;
+  // Zero padding after the last member (tape blocks) is accepted, as by gzip -d and Python.
+  path = dir.write("padded.gz", first + std::string(512, '\0'));
+  EXPECT_EQ(read_gzip_file(path), "first member\n");
   path = dir.write("magic_only.gz", std::string("\x1f\x8b", 2));
   message = error_of([&] { read_gzip_file(path); });
   EXPECT_TRUE(contains(message, path)) << message;

@@ -362,6 +362,23 @@ TEST(Autocast, PromotedOperandsDoNotWidenTheOp) {
             mt::cast(expected, mt::f32).to_vector<float>());
 }
 
+// The weak promotion of a mask outlives its input: reading the loss after backward() drops the
+// evaluated nodes' inputs, and the policy's question about the mask's cast (whose input it
+// read) crashed the gradient's evaluation.
+TEST(Autocast, AMaskedLossReadBeforeItsGradientsKeepsTheGradients) {
+  mt::Tensor x = mt::tensor(std::vector<float>{1, -2, 3, 4}, {2, 2}).requires_grad_();
+  mt::Tensor loss;
+  {
+    mt::autocast guard(mt::bf16);
+    mt::Tensor h = mt::matmul(x, x);
+    loss = mt::sum(mt::cast(h * mt::gt(h, mt::zeros({2, 2})), mt::f32));
+  }
+  loss.backward();
+  // PyTorch's (x @ x = [[-5, -10], [15, 10]], exact in bf16).
+  EXPECT_EQ(loss.item(), 25.0);
+  EXPECT_EQ(x.grad().to_vector<float>(), (std::vector<float>{3, 3, 3, 11}));
+}
+
 TEST(Autocast, NestsDisablesAndRestores) {
   mt::Tensor a = values({1.0f, 2.0f}, {1, 2}), b = values({3.0f, 4.0f}, {2, 1});
   auto storage = [](const mt::Tensor& t) { return row_of(t).storage; };

@@ -78,6 +78,7 @@ NodePtr Recomputation::clone_within(const NodePtr& root, const std::string& regi
     clone->forward_op = original->forward_op;
     clone->recomputed = true;
     clone->promotion = original->promotion;
+    clone->weak_promotion = original->weak_promotion;
     clone->precision = original->precision;
     clone->origin = original->origin;
     clones_.emplace(original, std::move(clone));

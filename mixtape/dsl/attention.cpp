@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <limits>
 #include <string>
 
 #include "mixtape/dsl/convert.h"
@@ -220,14 +221,20 @@ Tensor composite_weights(const Tensor& q, const Tensor& k, const Tensor& mask, b
   }
   if (allowed.defined())
     allowed = broadcast_to(allowed, broadcast_shapes(allowed.shape(), scores.shape()).value());
-  Tensor p = allowed.defined() ? masked_softmax(scores, allowed) : softmax(scores);
-  // A query with no key to attend (every key masked, or -inf by an additive mask) attends to
-  // nothing: zero weights, as the fused kernels give, not the 0/0 of a softmax over no key.
+  // A query with no key to attend (every key masked, or -inf by an additive mask, the two
+  // together too) attends to nothing: zero weights and zero gradients, as the fused kernels
+  // give, not the 0/0 of a softmax over no key. Such a row never reaches the softmax (zeros in
+  // its place), whose gradient through it was NaN even where its weights were replaced.
   // (A NaN row stays NaN: a NaN is no -inf.)
-  Tensor row_max = max(scores, {-1}, true);
+  const double inf = std::numeric_limits<double>::infinity();
+  Tensor visible = allowed.defined() ? where(allowed, scores, full_like(scores, -inf)) : scores;
+  Tensor row_max = max(visible, {-1}, true);
   Tensor some = logical_not(logical_and(isinf(row_max), row_max < 0.0));
-  if (allowed.defined()) some = logical_and(some, any(allowed, {-1}, true));
-  return where(some, p, zeros_like(p));
+  Tensor kept = broadcast_to(some, scores.shape());
+  Tensor safe = where(kept, scores, zeros_like(scores));
+  Tensor p = allowed.defined() ? masked_softmax(safe, logical_or(allowed, logical_not(kept)))
+                               : softmax(safe);
+  return where(kept, p, zeros_like(p));
 }
 }  // namespace
 
@@ -289,6 +296,13 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
     shape.insert(shape.end(), mask.shape().begin(), mask.shape().end());
     raised = reshape(mask, shape, loc);
   }
+  // A mask with batch dims the operands lack ([3, Tq, Tk] beside q [1, Tq, D]) widens the
+  // scores: the composite broadcasts it, where the kernels run over the operands' batch.
+  if (raised.defined())
+    for (size_t d = 0; d < batch->size(); ++d)
+      if (raised.size(static_cast<int64_t>(d)) != 1 &&
+          raised.size(static_cast<int64_t>(d)) != (*batch)[d])
+        return attention_composite(q, k, v, mask, causal, factor, dropout_p, gen);
   const AttentionDropout dropout =
       AttentionDropout::draw(dropout_p, gen, with_last_two(*batch, q.size(-2), k.size(-2)));
   return attention_forward(operand(q), operand(k), operand(v), raised, causal, factor, dropout,

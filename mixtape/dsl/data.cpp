@@ -103,6 +103,10 @@ std::string read_gzip_file(const std::string& path, int64_t max_bytes) {
     data.append(buffer, got);
     if (code == Z_STREAM_END) {
       if (z.avail_in == 0 && unread == 0) return data;
+      // Zeros after the last member are padding (tape blocks), which gzip -d and Python accept.
+      const char* rest = reinterpret_cast<const char*>(z.next_in);
+      if (std::all_of(rest, packed.data() + packed.size(), [](char c) { return c == 0; }))
+        return data;
       if (z.avail_in < 2 || z.next_in[0] != 0x1f || z.next_in[1] != 0x8b)
         fail("cannot read gzip file {}: {} bytes after the end of its gzip data are not gzip", path,
              z.avail_in + unread);

@@ -267,6 +267,9 @@ struct Node : std::enable_shared_from_this<Node> {
   // not one the user asked for: policies treat it as part of the op that reads it, as PyTorch's
   // autocast sees no such cast (a bf16 operand stays bf16, an integer one does not widen).
   bool promotion = false;
+  // Of those, one of an integer or boolean operand: weak beside float operands, as a Python
+  // number is (kept here: an evaluated node's inputs are dropped, and policies still ask).
+  bool weak_promotion = false;
   // An evaluation computed a new value into this node's buffer (dsl/reusable_buffers.h): its
   // value is no longer its own, and an evaluation that reads it fails.
   bool overwritten = false;

@@ -68,6 +68,7 @@ NodePtr conform(const Tensor& x, DType dtype, const Shape& shape, const Loc& loc
   if (given->dtype != dtype) {
     node = make_node(OpCode::Cast, dtype, given->shape, node_list(given), {}, loc);
     node->promotion = true;
+    node->weak_promotion = !is_floating(given->dtype);
   }
   if (!same_shape(node->shape, shape)) node = broadcast_node(node, shape, loc);
   return node;

@@ -124,7 +124,9 @@ MultiheadAttention::Result MultiheadAttention::operator()(
     if (L != S) op_fail(op, loc, "is_causal needs as many queries as keys ({} and {})", L, S);
     allowed = allowed.defined() ? logical_and(allowed, causal_mask(L)) : causal_mask(L);
   }
-  Tensor scores = matmul(q, k, false, true) * (1.0 / std::sqrt(static_cast<double>(D)));
+  // q scaled before the product, as PyTorch's multi_head_attention_forward: the product of the
+  // unscaled q, rounded to f16 under autocast, overflowed at scores of 65504 / sqrt(D).
+  Tensor scores = matmul(q / std::sqrt(static_cast<double>(D)), k, false, true);
   if (additive.defined()) scores = scores + additive;
   Tensor weights = allowed.defined() ? masked_softmax(scores, broadcast_to(allowed, {N, H, L, S}))
                                      : softmax(scores);

@@ -19,7 +19,7 @@ namespace {
 // made a float of (a mask, a count): PyTorch keeps a bf16 tensor times an integer one bf16.
 bool is_scalar_constant(const Node& node) {
   if (node.op == OpCode::Full) return true;
-  if (node.op == OpCode::Cast && node.promotion && !is_floating(node.inputs[0]->dtype)) return true;
+  if (node.weak_promotion) return true;
   if ((node.op == OpCode::BroadcastTo || node.op == OpCode::Reshape) && !node.inputs.empty())
     return is_scalar_constant(*node.inputs[0]);
   return false;

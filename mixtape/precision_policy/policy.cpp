@@ -239,6 +239,7 @@ OverridePolicy& OverridePolicy::save_activations(const std::string& glob, DType 
 }
 
 std::optional<DType> OverridePolicy::saved_type(const PrecisionQuery& q) const {
+  if (!in_use()) mark_in_use();
   for (const auto& [glob, type] : saved_)
     if (module_path_matches(glob, q.module_path)) return type;
   for (const auto& [decides, policy] : delegates_)
@@ -247,6 +248,8 @@ std::optional<DType> OverridePolicy::saved_type(const PrecisionQuery& q) const {
 }
 
 Precision OverridePolicy::decide(const PrecisionQuery& q) const {
+  // In use from its first answer too: a policy another asks inside a rule() is never current.
+  if (!in_use()) mark_in_use();
   for (const Override& o : rules_)
     if (std::optional<Precision> decided = o.rule(q)) {
       o.decided->store(true, std::memory_order_relaxed);

@@ -76,17 +76,23 @@ template <typename T>
 
 // A row's maximum and sum in 8 lanes, and its elements shifted and exponentiated in place:
 // without -ffast-math a compiler keeps a reduction in order (scalar), so the lanes are written out.
+// The maximum is NaN where a score is: the row is then NaN, as PyTorch's softmax makes it (a
+// maximum that skipped NaN found no score and gave the row zero weights).
 constexpr int64_t kLanes = 8;
+template <typename T>
+[[gnu::always_inline]] inline T nan_max(T a, T b) {
+  return a < b || b != b ? b : a;
+}
 template <typename T>
 [[gnu::always_inline]] inline T row_max(const T* __restrict x, int64_t n, T init) {
   T lane[kLanes];
   for (int64_t k = 0; k < kLanes; ++k) lane[k] = init;
   int64_t j = 0;
   for (; j + kLanes <= n; j += kLanes)
-    for (int64_t k = 0; k < kLanes; ++k) lane[k] = lane[k] < x[j + k] ? x[j + k] : lane[k];
-  for (; j < n; ++j) lane[0] = lane[0] < x[j] ? x[j] : lane[0];
+    for (int64_t k = 0; k < kLanes; ++k) lane[k] = nan_max(lane[k], x[j + k]);
+  for (; j < n; ++j) lane[0] = nan_max(lane[0], x[j]);
   T top = lane[0];
-  for (int64_t k = 1; k < kLanes; ++k) top = top < lane[k] ? lane[k] : top;
+  for (int64_t k = 1; k < kLanes; ++k) top = nan_max(top, lane[k]);
   return top;
 }
 template <typename T>

@@ -692,11 +692,11 @@ struct AttentionRows {
         s = g.bool_mask ? (m != 0 ? s : ninf) : s + m;
       }
       p[j] = s;
-      top = std::max(top, s);
+      top = s > top || std::isnan(s) ? s : top;  // a NaN score makes the row NaN, as PyTorch's
     }
     double total = 0;
     for (double& x : p) total += x = top == ninf ? 0 : std::exp(x - top);
-    for (double& x : p) x = total > 0 ? x / total : 0;
+    for (double& x : p) x = top == ninf ? 0 : x / total;
     return p;
   }
 };
