@@ -2,7 +2,6 @@
 #include "mixtape/precision_policy/policy.h"
 
 #include <algorithm>
-
 #include <atomic>
 
 #include "mixtape/dsl/composites.h"

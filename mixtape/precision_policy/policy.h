@@ -61,8 +61,9 @@ class Policy {
   const std::string& name() const { return name_; }
   /// Unique to this object for the process's life (caches key on it, not on an address).
   uint64_t id() const { return id_; }
-  /// Called as the policy becomes the current one (mt::autocast): from then on its edits count
-  /// (policy_edits()). An OverridePolicy marks the policies it delegates to too.
+  /// Called as the policy becomes the current one (mt::autocast), and by an OverridePolicy at its
+  /// first answer (one another asks inside a rule() is never current): from then on its edits
+  /// count (policy_edits()). An OverridePolicy marks the policies it delegates to too.
   virtual void mark_in_use() const;
 
  protected:

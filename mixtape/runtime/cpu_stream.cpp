@@ -70,12 +70,21 @@ bool spin_until(std::chrono::microseconds spin, Done done) {
   }
 }
 
+// Its destructor, at the end of a thread that queued work, drops that thread's failures.
+struct ForgetFailuresAtThreadExit {
+  ~ForgetFailuresAtThreadExit();
+};
+
 }  // namespace
 
 class CpuStream {
  public:
   void submit(std::unique_ptr<StreamWork> work) {
     work->submitter_ = std::this_thread::get_id();
+    // A thread that ends with a failure unreported takes it along: its id may be another
+    // thread's later, which must not be handed that failure.
+    thread_local ForgetFailuresAtThreadExit forget;
+    (void)forget;
     // Without spinning: the work queued ahead keeps the worker busy while this thread wakes.
     wait_for(submitted_.load(std::memory_order_relaxed) - kMaxQueued + 1, false);
     collect();
@@ -146,6 +155,13 @@ class CpuStream {
   }
 
   static void stop_at_exit();
+
+  // Drops the failures of this thread's work, which it can no longer be told of.
+  void forget_failures() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    std::erase_if(failures_,
+                  [](const auto& entry) { return entry.first == std::this_thread::get_id(); });
+  }
   bool started() {
     std::lock_guard<std::mutex> lock(mutex_);
     return worker_.joinable();
@@ -267,6 +283,10 @@ CpuStream& stream() {
 }
 
 }  // namespace
+
+ForgetFailuresAtThreadExit::~ForgetFailuresAtThreadExit() {
+  if (CpuStream* s = the_stream.load()) s->forget_failures();
+}
 
 void CpuStream::stop_at_exit() {
   if (CpuStream* s = the_stream.load()) s->stop();
