@@ -535,6 +535,18 @@ TEST(FusedAttention, AMaskWiderThanTheOperandsBatchBroadcastsTheResult) {
   for (size_t j = 0; j < want.size(); ++j) EXPECT_NEAR(got[j], want[j], 1e-6) << j;
 }
 
+// With no key to attend (S = 0) MultiheadAttention averages nothing: its output is out_proj's
+// bias and its weights are empty, as PyTorch's (a softmax over the empty axis threw).
+TEST(FusedAttention, MultiheadAttentionOverNoKeysGivesTheOutputBias) {
+  mt::MultiheadAttention mha(8, 2);
+  mha.out_proj.bias.assign(mt::full({8}, 0.25));
+  mt::Tensor query = mt::ones({3, 2, 8}), keys = mt::ones({0, 2, 8});
+  mt::MultiheadAttention::Result r = mha(query, keys, keys);
+  EXPECT_EQ(r.output.shape(), (mt::Shape{3, 2, 8}));
+  for (float x : values(r.output)) EXPECT_EQ(x, 0.25f);
+  EXPECT_EQ(r.weights.shape(), (mt::Shape{2, 3, 0}));
+}
+
 // MultiheadAttention scales q before its product, as PyTorch's: under autocast-f16 the unscaled
 // product overflowed to inf (NaN outputs) once the scaled scores passed 65504 / sqrt(E).
 TEST(FusedAttention, MultiheadAttentionKeepsLargeScoresFiniteUnderAutocastF16) {

@@ -440,6 +440,12 @@ TEST(Safetensors, ReaderValidatesEveryHeaderRule) {
       entry(R"("dtype":"F64","shape":[9223372036854775807,0,9223372036854775807],)"
             R"("data_offsets":[0,0])");
   EXPECT_EQ(st::parse(hand_made(huge_but_empty, 0), "hand").tensors.at(0).bytes.size(), 0u);
+  // A null metadata entry is no metadata, as for the reference reader (an Option in Rust).
+  std::string null_metadata =
+      R"({"__metadata__":null,"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  st::File read_back = st::parse(hand_made(null_metadata, 8), "hand");
+  EXPECT_TRUE(read_back.metadata.empty());
+  EXPECT_EQ(read_back.tensors.at(0).name, "a");
 }
 
 TEST(Safetensors, ReaderRejectsBadHeaderLengths) {

@@ -128,8 +128,11 @@ MultiheadAttention::Result MultiheadAttention::operator()(
   // unscaled q, rounded to f16 under autocast, overflowed at scores of 65504 / sqrt(D).
   Tensor scores = matmul(q / std::sqrt(static_cast<double>(D)), k, false, true);
   if (additive.defined()) scores = scores + additive;
-  Tensor weights = allowed.defined() ? masked_softmax(scores, broadcast_to(allowed, {N, H, L, S}))
-                                     : softmax(scores);
+  // With no key (S = 0) nothing is averaged: zeros, so the output is out_proj's bias, as
+  // PyTorch's (a softmax over the empty axis has no maximum).
+  Tensor weights = S == 0              ? zeros_like(scores)
+                   : allowed.defined() ? masked_softmax(scores, broadcast_to(allowed, {N, H, L, S}))
+                                       : softmax(scores);
   // As PyTorch: the weights returned are the ones the values are averaged with, after dropout.
   weights = mixtape::dropout(weights, dropout, is_training(), gen_);
   Tensor attended = matmul(weights, v);

@@ -214,6 +214,8 @@ void check_header_length(uint64_t header_length, uint64_t total_size, std::strin
 
 std::vector<std::pair<std::string, std::string>> read_metadata(const json::Value& value,
                                                                std::string_view origin) {
+  // null is no metadata, as the reference reader (an Option) takes it.
+  if (value.is_null()) return {};
   if (!value.is_object())
     fail("{}: '{}' must be an object, got {}", origin, metadata_key, value.type_name());
   if (value.size() > max_metadata_entries)
