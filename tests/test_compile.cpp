@@ -1824,32 +1824,41 @@ TEST(Compile, SettingsAroundTheCallAreFollowed) {
   EXPECT_EQ(fc.weight.to_vector<float>(), weights);
 }
 
+// A linear layer's inference, compiled, and run under a policy compiled or eagerly.
+struct ForwardUnderPolicies {
+  mt::Linear fc{8, 4};
+  mt::Tensor in = mt::full({2, 8}, 0.37);
+  using Function = std::function<mt::Tensor(const mt::Tensor&)>;
+  mt::Compiled<Function> forward = mt::compile(Function([this](const mt::Tensor& x) {
+    mt::NoGradGuard inference;
+    return fc(x);
+  }));
+  std::vector<float> under(const mt::PolicyPtr& policy, bool compiled) {
+    mt::autocast guard(policy);
+    if (compiled) return forward(in).to_vector<float>();
+    mt::NoGradGuard inference;
+    return fc(in).to_vector<float>();
+  }
+};
+
 // Two policies of one name (every OverridePolicy on fp32 is "fp32+overrides") replayed each
 // other's program: the key held the policy's name. A policy changed between calls (a rule
 // added) made no new trace either. Both run as the traced loop does now.
 TEST(Compile, EachPolicyAndEachEditOfOneIsTracedAnew) {
-  mt::Linear fc(8, 4);
-  mt::Tensor in = mt::full({2, 8}, 0.37);
-  auto forward = mt::compile([&](const mt::Tensor& x) {
-    mt::NoGradGuard inference;
-    return fc(x);
-  });
+  ForwardUnderPolicies f;
+  auto under = [&f](const mt::PolicyPtr& policy, bool compiled) {
+    return f.under(policy, compiled);
+  };
   auto f16_matmul = std::make_shared<mt::OverridePolicy>(mt::fp32_policy());
   f16_matmul->op(mt::OpCode::MatMul, mt::autocast_policy(mt::f16));
   auto f32_matmul = std::make_shared<mt::OverridePolicy>(mt::fp32_policy());
   f32_matmul->op(mt::OpCode::MatMul, mt::fp32_policy());
   ASSERT_EQ(f16_matmul->name(), f32_matmul->name());
-  auto under = [&](const mt::PolicyPtr& policy, bool compiled) {
-    mt::autocast guard(policy);
-    if (compiled) return forward(in).to_vector<float>();
-    mt::NoGradGuard inference;
-    return fc(in).to_vector<float>();
-  };
   const std::vector<float> f16 = under(f16_matmul, false), f32 = under(f32_matmul, false);
   ASSERT_NE(f16, f32);
   for (int i = 0; i < 3; ++i) EXPECT_EQ(under(f16_matmul, true), f16) << i;
   for (int i = 0; i < 3; ++i) EXPECT_EQ(under(f32_matmul, true), f32) << i;
-  EXPECT_TRUE(replayed_at_least(forward, 2));
+  EXPECT_TRUE(replayed_at_least(f.forward, 2));
   // An override added to a policy after its replays (its f16 matmul is traced anew) ...
   auto edited = std::make_shared<mt::OverridePolicy>(mt::fp32_policy());
   for (int i = 0; i < 3; ++i) EXPECT_EQ(under(edited, true), f32) << i;
@@ -1896,23 +1905,13 @@ TEST(Compile, PoliciesBuiltBetweenStepsKeepTheStepReplaying) {
 // A policy that another asks only inside a rule() is never current, but in use from its first
 // answer: an edit to it after that made no new trace, and the step replayed the old precision.
 TEST(Compile, AnEditToAPolicyAskedInsideARuleIsTracedAnew) {
-  mt::Linear fc(8, 4);
-  mt::Tensor in = mt::full({2, 8}, 0.37);
-  auto forward = mt::compile([&](const mt::Tensor& x) {
-    mt::NoGradGuard inference;
-    return fc(x);
-  });
+  ForwardUnderPolicies f;
   auto inner = std::make_shared<mt::OverridePolicy>(mt::fp32_policy());
   auto outer = std::make_shared<mt::OverridePolicy>(mt::fp32_policy());
   outer->rule("ask inner", [inner](const mt::PrecisionQuery& q) -> std::optional<mt::Precision> {
     return inner->decide(q);
   });
-  auto run = [&](bool compiled) {
-    mt::autocast guard(outer);
-    if (compiled) return forward(in).to_vector<float>();
-    mt::NoGradGuard inference;
-    return fc(in).to_vector<float>();
-  };
+  auto run = [&](bool compiled) { return f.under(outer, compiled); };
   const std::vector<float> f32 = run(false);
   for (int i = 0; i < 3; ++i) EXPECT_EQ(run(true), f32) << i;
   inner->op(mt::OpCode::MatMul, mt::autocast_policy(mt::f16));

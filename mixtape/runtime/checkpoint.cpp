@@ -319,12 +319,17 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
       if (!std::isfinite(*lr) || *lr < 0)
         fail("load_checkpoint {}: metadata 'optimizer.lr' = {} is not a learning rate", path, *lr);
     }
+    std::vector<bool> taken(optimizer_entries.size());
     for (size_t i = 0; i < names.size(); ++i) {
       std::string prefix = kOptimizerPrefix + names[i] + ".";
       NamedTensors state;
-      for (const auto& [key, value] : optimizer_entries)
-        if (key.rfind(prefix, 0) == 0 && key.find('.', prefix.size()) == std::string::npos)
-          state.emplace_back(key.substr(prefix.size()), value);
+      for (size_t e = 0; e < optimizer_entries.size(); ++e) {
+        const auto& [key, value] = optimizer_entries[e];
+        if (key.rfind(prefix, 0) != 0 || key.find('.', prefix.size()) != std::string::npos)
+          continue;
+        state.emplace_back(key.substr(prefix.size()), value);
+        taken[e] = true;
+      }
       try {
         optimizer->check_state(i, state, options.allow_nonfinite, prefix);
       } catch (const Error& e) {
@@ -334,15 +339,12 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
     }
     // State for a parameter this optimizer does not update would be dropped without a word (a
     // checkpoint of an optimizer over more parameters), as PyTorch refuses it.
-    for (const auto& [key, value] : optimizer_entries)
-      if (std::none_of(names.begin(), names.end(), [&](const std::string& name) {
-            const std::string prefix = kOptimizerPrefix + name + ".";
-            return key.rfind(prefix, 0) == 0 && key.find('.', prefix.size()) == std::string::npos;
-          }))
+    for (size_t e = 0; e < optimizer_entries.size(); ++e)
+      if (!taken[e])
         fail(
             "load_checkpoint {}: '{}' is optimizer state for a parameter this optimizer does not "
             "update (load the module alone, without the optimizer, to take only the weights)",
-            path, key);
+            path, optimizer_entries[e].first);
   }
   if (!options.allow_nonfinite) {
     // Only the module's own entries: others are reported as unexpected by load_state_dict.
