@@ -576,6 +576,120 @@ TEST(AotReviewState, TiedWeightsSaveWhatTheStepTrained) {
   fs::remove_all(dir);
 }
 
+// Parameters that skipped steps count their own (torch's per-parameter "step"): the artifact
+// reads their counts from buffers of their own, NAME_save writes them as save_checkpoint does,
+// and NAME_load takes them back, refusing counts the exported step cannot hold.
+TEST(AotReviewState, ParametersThatSkippedStepsKeepTheirOwnCounts) {
+  mt::manual_seed(6);
+  DigitsMLP net;
+  mt::AdamW opt(net.parameters(), {.lr = 1e-2});
+  mt::Generator g(8);
+  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y, bool freeze_fc1) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::cross_entropy(net(x), y);
+    loss.backward();
+    if (freeze_fc1) {
+      net.fc1.weight.zero_grad();
+      net.fc1.bias.zero_grad();
+    }
+    opt.step();
+    return loss;
+  };
+  auto batch = [&] {
+    return std::pair{mt::randn({8, 64}, mt::f32, &g), mt::randint(0, 10, {8}, &g)};
+  };
+  for (bool freeze : {false, true, false}) {
+    auto [x, y] = batch();
+    train_step(x, y, freeze);
+  }
+  ASSERT_EQ(opt.steps_taken(0), 2);
+  ASSERT_EQ(opt.steps_taken(2), 3);
+  auto step = [&](const mt::Tensor& x, const mt::Tensor& y) { return train_step(x, y, false); };
+  std::string dir = temp_dir("review_own_counts");
+  mt::aot::Options o{.name = "train", .module = &net, .optimizer = &opt};
+  auto exported = mt::aot::export_step(
+      step, {mt::aot::input("x", {8, 64}, mt::f32), mt::aot::input("y", {8}, mt::i64)}, {"loss"},
+      dir, o);
+  Table table(exported);
+  Model model(dir, "train", table);
+  ASSERT_NE(model.m, nullptr);
+  auto compiled = mt::compile(step);
+  for (int s = 0; s < 3; ++s) {
+    auto [x, y] = batch();
+    float want = compiled(x, y).to_vector<float>()[0], loss = 0;
+    std::vector<float> xs = x.to_vector<float>();
+    std::vector<int64_t> ys = y.to_vector<int64_t>();
+    const void* in[] = {xs.data(), ys.data()};
+    void* out[] = {&loss};
+    ASSERT_EQ(mixtape_aot_run(model.m, 8, in, out), 0) << mixtape_aot_error(model.m);
+    EXPECT_EQ(loss, want) << "step " << s;
+  }
+  EXPECT_EQ(opt.steps_taken(0), 5);
+  const std::string saved = dir + "/saved.safetensors", reference = dir + "/reference.safetensors";
+  ASSERT_EQ(mixtape_aot_save(model.m, saved.c_str()), 0) << mixtape_aot_error(model.m);
+  mt::save_checkpoint(reference, net, &opt);
+  expect_same_checkpoint(saved, reference);  // the metadata too: optimizer.fc1.weight.steps = 5
+  ASSERT_EQ(mixtape_aot_load(model.m, reference.c_str()), 0) << mixtape_aot_error(model.m);
+
+  auto edited = [&](const std::vector<std::pair<std::string, std::string>>& entries) {
+    mt::safetensors::File file = mt::safetensors::read(reference);
+    for (const auto& [key, text] : entries) {
+      std::erase_if(file.metadata, [&](auto& e) { return e.first == key; });
+      if (!text.empty()) file.metadata.emplace_back(key, text);
+    }
+    const std::string bad = dir + "/bad.safetensors";
+    mt::safetensors::write(bad, file);
+    return bad;
+  };
+  struct Refused {
+    std::vector<std::pair<std::string, std::string>> entries;
+    const char* message;
+    bool by_load_checkpoint;  // or a count the C++ optimizer can hold, and the artifact cannot
+  };
+  const Refused refused[] = {
+      // fc1's weight and bias shared a count at export: one buffer cannot hold two.
+      {{{"optimizer.fc1.weight.steps", "4"}}, "which the exported step counts with 5", false},
+      // fc2 took every update at export: the step counts it with the optimizer.
+      {{{"optimizer.fc2.weight.steps", "3"}}, "which the exported step counts with 6", false},
+      {{{"optimizer.fc1.weight.steps", "7"}, {"optimizer.fc1.bias.steps", "7"}},
+       "more than the optimizer's 6",
+       true},
+      {{{"optimizer.fc1.weight.steps", "x"}}, "not a step count", true},
+  };
+  for (const Refused& r : refused) {
+    std::string bad = edited(r.entries);
+    EXPECT_EQ(mixtape_aot_load(model.m, bad.c_str()), MIXTAPE_AOT_ERROR_FILE) << r.message;
+    EXPECT_NE(std::string(mixtape_aot_error(model.m)).find(r.message), std::string::npos)
+        << mixtape_aot_error(model.m);
+    if (r.by_load_checkpoint) {
+      EXPECT_THROW(mt::load_checkpoint(bad, net, &opt), mt::Error) << r.message;
+    }
+  }
+  // Both fc1 counts moved together, and a file without them (the optimizer's count for all)
+  // load.
+  for (const auto& entries :
+       {std::vector<std::pair<std::string, std::string>>{{"optimizer.fc1.weight.steps", "2"},
+                                                         {"optimizer.fc1.bias.steps", "2"}},
+        std::vector<std::pair<std::string, std::string>>{{"optimizer.fc1.weight.steps", ""},
+                                                         {"optimizer.fc1.bias.steps", ""}}}) {
+    std::string good = edited(entries);
+    EXPECT_EQ(mixtape_aot_load(model.m, good.c_str()), 0) << mixtape_aot_error(model.m);
+    mt::load_checkpoint(good, net, &opt);
+    auto [x, y] = batch();
+    float want = compiled(x, y).to_vector<float>()[0], loss = 0;
+    std::vector<float> xs = x.to_vector<float>();
+    std::vector<int64_t> ys = y.to_vector<int64_t>();
+    const void* in[] = {xs.data(), ys.data()};
+    void* out[] = {&loss};
+    ASSERT_EQ(mixtape_aot_run(model.m, 8, in, out), 0) << mixtape_aot_error(model.m);
+    EXPECT_EQ(loss, want);
+    ASSERT_EQ(mixtape_aot_save(model.m, saved.c_str()), 0) << mixtape_aot_error(model.m);
+    mt::save_checkpoint(reference + ".2", net, &opt);
+    expect_same_checkpoint(saved, reference + ".2");
+  }
+  fs::remove_all(dir);
+}
+
 // The digits MLP with an optimizer `Rule` (no scaler), trained one step (the optimizer makes its
 // state then) and exported at batch 8 as "train", with the generator its inputs came from.
 template <typename Rule, typename Options>

@@ -24,6 +24,7 @@
 #include <mixtape/mixtape.h>
 
 #include "mixtape/dist/checkpoint.h"
+#include "mixtape/runtime/safetensors.h"
 
 #include "tests/test_util.h"
 
@@ -46,6 +47,7 @@ Bytes bytes_of(const mt::Tensor& t) {
 struct Snapshot {
   std::vector<std::pair<std::string, Bytes>> entries;
   int64_t steps = -1;
+  std::vector<int64_t> param_steps;
   bool operator==(const Snapshot&) const = default;
 };
 
@@ -58,6 +60,8 @@ Snapshot snapshot(const mt::Module& module, const mt::Optimizer* optimizer = nul
       for (const auto& [name, tensor] : optimizer->state(i))
         s.entries.emplace_back(std::to_string(i) + "/" + name, bytes_of(tensor));
     s.steps = optimizer->steps_taken();
+    for (size_t i = 0; i < optimizer->params().size(); ++i)
+      s.param_steps.push_back(optimizer->steps_taken(i));
   }
   return s;
 }
@@ -93,10 +97,12 @@ struct Training {
   std::unique_ptr<mt::Module> model;
   std::unique_ptr<mt::Optimizer> opt;
   std::function<mt::Tensor(int)> loss;
+  std::function<void(int)> after_backward;  // e.g. drops gradients: parameters frozen at step i
   void train(int from, int to) {
     for (int i = from; i < to; ++i) {
       opt->zero_grad();
       loss(i).backward();
+      if (after_backward) after_backward(i);
       opt->step();
     }
   }
@@ -195,6 +201,114 @@ void check_resume(
 }
 
 TEST_F(Checkpoint, MlpResumesBitIdentically) { check_resume(mlp_run, path("mlp.safetensors")); }
+
+// The MLP with its first weight frozen (no gradient) for the first two steps and its last bias
+// for the fifth: each counts its own steps, as torch's optimizers, and the checkpoint carries the
+// counts that differ from the optimizer's, so the resumed run bias-corrects them as the
+// uninterrupted one.
+Training partly_frozen_mlp_run(uint64_t seed) {
+  Training run = mlp_run(seed);
+  std::vector<mt::Tensor> params = run.model->parameters();
+  run.after_backward = [params](int step) mutable {
+    if (step < 2) params.front().zero_grad();
+    if (step == 4) params.back().zero_grad();
+  };
+  return run;
+}
+
+TEST_F(Checkpoint, ParametersThatSkippedStepsResumeWithTheirOwnCounts) {
+  const std::string file = path("frozen.safetensors");
+  check_resume(partly_frozen_mlp_run, file);
+  Training run = partly_frozen_mlp_run(1);
+  run.train(0, 3);
+  mt::save_checkpoint(file, *run.model, run.opt.get());
+  mt::Metadata meta;
+  Training loaded = mlp_run(2);  // nothing frozen: the counts come from the file
+  mt::load_checkpoint(file, *loaded.model, loaded.opt.get(), &meta);
+  const std::string first = loaded.model->named_parameters().front().first;
+  auto entry = std::find_if(meta.begin(), meta.end(),
+                            [&](auto& e) { return e.first == "optimizer." + first + ".steps"; });
+  ASSERT_NE(entry, meta.end());
+  EXPECT_EQ(entry->second, "1");
+  EXPECT_EQ(loaded.opt->steps_taken(0), 1);
+  EXPECT_EQ(loaded.opt->steps_taken(1), 3);
+  EXPECT_TRUE(loaded.opt->step_count(1).same(loaded.opt->step_count()));
+  // Only the count that differs is written: a run that froze nothing writes none.
+  size_t counts = 0;
+  for (const auto& [key, value] : meta)
+    counts += key.ends_with(".steps") && key != "optimizer.steps";
+  EXPECT_EQ(counts, 1u);
+
+  // Counts the optimizer cannot have are refused, changing nothing.
+  auto with_meta = [&](const std::string& key, const std::string& value) {
+    std::string out = path("edited.safetensors");
+    mt::safetensors::File f = mt::safetensors::read(file);
+    for (auto& [k, v] : f.metadata)
+      if (k == key) v = value;
+    if (std::none_of(f.metadata.begin(), f.metadata.end(), [&](auto& e) { return e.first == key; }))
+      f.metadata.emplace_back(key, value);
+    mt::safetensors::write(out, f);
+    return out;
+  };
+  Training target = mlp_run(3);
+  Snapshot before = snapshot(*target.model, target.opt.get());
+  EXPECT_MT_ERROR(mt::load_checkpoint(with_meta("optimizer." + first + ".steps", "4"),
+                                      *target.model, target.opt.get()),
+                  "not a step count between 0 and the optimizer's 3");
+  EXPECT_MT_ERROR(mt::load_checkpoint(with_meta("optimizer." + first + ".steps", "0"),
+                                      *target.model, target.opt.get()),
+                  "has optimizer state but took no step");
+  EXPECT_MT_ERROR(mt::load_checkpoint(with_meta("optimizer.nothing.weight.steps", "1"),
+                                      *target.model, target.opt.get()),
+                  "'optimizer.nothing.weight.steps' is a step count for a parameter this optimizer "
+                  "does not update");
+  EXPECT_TRUE(snapshot(*target.model, target.opt.get()) == before);
+}
+
+TEST(OptimizerState, APerParameterCountFollowsSkippedStepsAndCompiledReplays) {
+  // A predicated step that is skipped advances no count; a compiled step replays the counts of
+  // the parameters that took different updates, bit for bit with the traced loop.
+  std::vector<Bytes> traced;
+  for (bool compiled : {false, true}) {
+    SCOPED_TRACE(compiled ? "compiled" : "traced");
+    mt::Generator gen(4);
+    mt::Linear a(3, 2, true, &gen), b(3, 2, true, &gen);
+    mt::Adam opt({a.weight, a.bias, b.weight, b.bias}, {.lr = 0.1});
+    mt::Tensor x = mt::randn({4, 3}, mt::f32, &gen);
+    auto step = [&](bool use_b, const mt::Tensor& skip) {
+      opt.zero_grad();
+      mt::Tensor loss = mt::sum(mt::square(a(x)));
+      if (use_b) loss = loss + mt::sum(mt::square(b(x)));
+      loss.backward();
+      opt.step_unless(skip);
+    };
+    mt::Tensor no = mt::scalar(false), yes = mt::scalar(true);
+    step(false, no);  // b not reached: only a's count
+    step(true, yes);  // skipped: no count moves
+    step(true, no);
+    EXPECT_EQ(opt.steps_taken(), 2);
+    EXPECT_EQ(opt.steps_taken(0), 2);
+    EXPECT_EQ(opt.steps_taken(2), 1);
+    EXPECT_EQ(opt.steps_taken(3), 1);
+    EXPECT_TRUE(opt.step_count(2).same(opt.step_count(3))) << "one count for b's parameters";
+    auto both = mt::compile([&] { step(true, no); });
+    for (int i = 0; i < (compiled ? 4 : 0); ++i) both();
+    if (!compiled)
+      for (int i = 0; i < 4; ++i) step(true, no);
+    EXPECT_EQ(opt.steps_taken(), 6);
+    EXPECT_EQ(opt.steps_taken(1), 6);
+    EXPECT_EQ(opt.steps_taken(2), 5);
+    std::vector<Bytes> now = {bytes_of(b.weight), bytes_of(a.weight)};
+    if (!compiled) {
+      traced = now;
+    } else {
+      EXPECT_TRUE(now == traced) << "compiled replays equal the traced loop";
+      if (mt::current_device() != mt::Device::reference) {  // which has no programs to replay
+        EXPECT_GT(both.stats().replays, 0) << both.stats().reason;
+      }
+    }
+  }
+}
 
 // One process's sharded checkpoint (dist::save_checkpoint_sharded without mpirun): one shard file
 // and the index, resumed bit for bit; an index that is not JSON, or of no sharded checkpoint, is

@@ -123,7 +123,13 @@ struct OptConfig {
   bool relative_step = true, scale_parameter = true, warmup_init = false;
   double clip_threshold = 1.0, decay_rate = -0.8;
   int64_t onecycle = 0;  // > 0: OneCycleLR(lr, onecycle) with PyTorch's defaults, momentum cycled
+  // Gradients dropped (no gradient, as torch's p.grad = None) before some steps: the first
+  // parameter has none in the first two steps, the last none in step 3, so each counts its own
+  // steps (bias corrections, lr_decay, first momentum).
+  bool skips = false;
 };
+// (parameter, step) pairs of OptConfig::skips, by the parameter's place in named_parameters().
+constexpr std::pair<int, int> kDroppedGradients[] = {{0, 0}, {0, 1}, {-1, 3}};
 const OptConfig kOptConfigs[] = {
     {.name = "sgd", .type = "sgd", .lr = 0.1},
     {.name = "sgd_momentum", .type = "sgd", .lr = 0.1, .momentum = 0.9},
@@ -197,7 +203,28 @@ const OptConfig kOptConfigs[] = {
     {.name = "adam_onecycle", .type = "adam", .lr = 0.02, .onecycle = 8},
     {.name = "adamw_onecycle", .type = "adamw", .lr = 0.02, .weight_decay = 0.1, .onecycle = 6},
     {.name = "lion_onecycle", .type = "lion", .lr = 0.02, .beta2 = 0.99, .onecycle = 8},
+    {.name = "sgd_dampening_skips",
+     .type = "sgd",
+     .lr = 0.1,
+     .momentum = 0.9,
+     .dampening = 0.3,
+     .skips = true},
+    {.name = "adam_skips", .type = "adam", .lr = 0.01, .skips = true},
+    {.name = "adamw_skips", .type = "adamw", .lr = 0.01, .weight_decay = 0.1, .skips = true},
+    {.name = "adagrad_decay_skips", .type = "adagrad", .lr = 0.1, .lr_decay = 0.1, .skips = true},
+    {.name = "adafactor_skips", .type = "adafactor", .lr = 0, .skips = true},
+    {.name = "adam_onecycle_skips", .type = "adam", .lr = 0.02, .onecycle = 8, .skips = true},
 };
+
+// The parameter names OptConfig::skips drops the gradient of at `step`.
+std::vector<std::string> dropped_gradients(const OptConfig& c, const mt::Module& model, int step) {
+  std::vector<std::string> names;
+  if (!c.skips) return names;
+  mt::NamedTensors params = model.named_parameters();
+  for (auto [index, at] : kDroppedGradients)
+    if (at == step) names.push_back(params.at(index < 0 ? params.size() + index : index).first);
+  return names;
+}
 
 std::unique_ptr<mt::Optimizer> make_optimizer(const OptConfig& c, std::vector<mt::Tensor> params) {
   if (std::string(c.type) == "sgd")
@@ -1000,7 +1027,15 @@ void write_inputs(const fs::path& dir) {
                 {"warmup_init", c.warmup_init ? "1" : "0"},
                 {"clip_threshold", fmt::format("{}", c.clip_threshold)},
                 {"decay_rate", fmt::format("{}", c.decay_rate)},
-                {"onecycle", std::to_string(c.onecycle)}},
+                {"onecycle", std::to_string(c.onecycle)},
+                {"dropped",
+                 [&] {
+                   std::vector<std::string> steps;
+                   for (int step = 0; step < kOptSteps; ++step)
+                     for (const std::string& name : dropped_gradients(c, model, step))
+                       steps.push_back(fmt::format("{}@{}", name, step));
+                   return fmt::format("{}", fmt::join(steps, ";"));
+                 }()}},
                {{"x", opt_x}, {"y", opt_y}}, &model);
   }
   for (const ScheduleCase& c : schedule_cases())
@@ -1315,6 +1350,9 @@ TEST_F(TorchParity, OptimizerTrajectoriesMatchTorchOptim) {
       opt->zero_grad();
       mt::Tensor loss = mt::cross_entropy(model(c.input("x")), c.input("y"));
       loss.backward();
+      for (const std::string& name : dropped_gradients(config, model, step))
+        for (auto& [n, p] : model.named_parameters())
+          if (n == name) p.zero_grad();
       opt->step();
       cmp.check(fmt::format("loss {}", step), loss, c.ref(fmt::format("loss{}", step)),
                 kParamTolerance);
@@ -1328,6 +1366,13 @@ TEST_F(TorchParity, OptimizerTrajectoriesMatchTorchOptim) {
         moved = std::max(moved, std::abs(double(now[i]) - before[i]));
     }
     EXPECT_GT(moved, 1e-3) << id << ": the parameters barely moved";
+    if (config.skips) {  // each parameter's own count, as torch's state[p]["step"]
+      mt::NamedTensors params = model.named_parameters();
+      EXPECT_EQ(opt->steps_taken(), kOptSteps);
+      EXPECT_EQ(opt->steps_taken(0), kOptSteps - 2);
+      EXPECT_EQ(opt->steps_taken(params.size() - 1), kOptSteps - 1);
+      EXPECT_TRUE(opt->step_count(1).same(opt->step_count())) << "one count for the others";
+    }
   }
 }
 

@@ -344,8 +344,17 @@ void ZeroShards::reduce(LeafGradients& gradients) const {
   gradients.resize(kept);
 }
 
+namespace {
+// The optimizer's step count and each parameter's where it differs.
+void copy_step_counts(const Optimizer& from, Optimizer& to) {
+  to.set_steps_taken(from.steps_taken());
+  for (size_t i = 0; i < from.params().size(); ++i)
+    if (!from.step_count(i).same(from.step_count())) to.set_steps_taken(i, from.steps_taken(i));
+}
+}  // namespace
+
 void ZeroShards::gather_state(const Optimizer& zero, Optimizer& whole) const {
-  whole.set_steps_taken(zero.steps_taken());
+  copy_step_counts(zero, whole);
   if (processes_ == 1) {
     for (size_t i = 0; i < params_.size(); ++i) whole.load_state(i, zero.state(i), true);
     return;
@@ -411,7 +420,7 @@ void ZeroShards::take_state(const Optimizer& whole, Optimizer& zero) const {
     }
     zero.load_state(i, mine, true);
   }
-  zero.set_steps_taken(whole.steps_taken());
+  copy_step_counts(whole, zero);
 }
 
 }  // namespace mixtape::dist

@@ -54,7 +54,7 @@ void Optimizer::add_zero_state(NamedTensors& state, std::string_view name, const
 }
 
 Optimizer::Optimizer(std::vector<Tensor> params, const char* kind)
-    : params_(std::move(params)), state_(params_.size()), kind_(kind) {
+    : params_(std::move(params)), state_(params_.size()), counts_(params_.size()), kind_(kind) {
   if (params_.empty()) fail("{}: got an empty parameter list", kind_);
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!params_[i].defined()) fail("{}: parameter {} is undefined", kind_, i);
@@ -107,7 +107,7 @@ void Optimizer::set_schedule(std::shared_ptr<const LRSchedule> schedule) {
          kind_, kind_);
   schedule_ = std::move(schedule);
   // A compiled step holds the old schedule's code: a new step-count buffer makes it trace again.
-  set_steps_taken(steps_taken());
+  renew_step_count(steps_taken());
 }
 
 Tensor Optimizer::current_lr() const {
@@ -183,6 +183,11 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
   new_params.reserve(params_.size());
   new_state.reserve(params_.size());
   Tensor new_step;
+  // Each parameter counts its own updates, as torch's optimizers do (a parameter that got no
+  // gradient in a step is not updated and its count stays): parameters that took the same
+  // updates share one count node, step_'s while they took every one, so a step builds each
+  // count and the scalars begin_step() makes from it once per group, usually one.
+  std::vector<CountGroup> groups;
   {
     NoGradGuard no_grad;
     // The shared nodes live for this build only, also when it throws: an entry is keyed by its
@@ -192,6 +197,7 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
       ~DropShared() {
         optimizer.drop_shared();
         optimizer.scheduled_lr_ = optimizer.scheduled_momentum_ = Tensor();
+        optimizer.next_step_ = optimizer.skip_ = Tensor();
       }
     } drop_shared{*this};
     skip_ = Tensor();
@@ -202,57 +208,79 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
       Tensor flag = reshape(skip, {});
       skip_ = flag.dtype() == boolean ? flag : ne(flag, zeros({}, flag.dtype()));
     }
-    next_step_ = step_ + 1.0;
     if (schedule_) scheduled_lr_ = schedule_->graph_lr(step_);
     if (schedule_ && has_momentum()) scheduled_momentum_ = schedule_->graph_momentum(step_);
-    begin_step();
     for (size_t i = 0; i < params_.size(); ++i) {
-      Tensor g = params_[i].grad();
-      if (!g.defined()) continue;
-      Tensor p = local_part(i, Tensor(params_[i].node()));
-      if (!p.defined()) {  // a ZeRO shard of another process: assemble() gives its new value
-        updated.push_back(i);
-        new_params.emplace_back();
-        new_state.push_back(state_[i]);
-        continue;
-      }
-      Tensor local_grad = local_part(i, g.dtype() == p.dtype() ? g : cast(g, p.dtype()));
-      start_state(state_[i], local_grad);
-      NamedTensors state = state_[i];
-      Tensor next = update(p, local_grad, state);
-      // In the parameter's type, also from state in a wider one (load_state's f32).
-      if (next.dtype() != p.dtype()) next = cast(next, p.dtype());
-      if (skip_.defined()) {
-        // State that did not exist yet is kept at zero by a skipped step: for every built-in
-        // rule zero state updates exactly like absent state, or the rule keeps a '~' flag.
-        next = where(skip_, p, next);
-        for (auto& [name, value] : state) {
-          Tensor* old = find_state(state_[i], name);
-          value = where(skip_, old ? *old : zeros_like(value), value);
-        }
-      }
-      new_params.push_back(next);
-      new_state.push_back(std::move(state));
-      updated.push_back(i);
+      if (!params_[i].grad().defined()) continue;
+      auto same = [&](const CountGroup& g) { return g.count.same(counts_[i]); };
+      auto group = std::find_if(groups.begin(), groups.end(), same);
+      if (group == groups.end()) group = groups.insert(groups.end(), {counts_[i], {}, {}});
+      group->members.push_back(i);
     }
+    std::vector<Tensor> slot_params(params_.size());
+    std::vector<NamedTensors> slot_state(params_.size());
+    for (CountGroup& group : groups) {
+      next_step_ = group.count + 1.0;
+      group.next = skip_.defined() ? where(skip_, group.count, next_step_) : next_step_;
+      begin_step();
+      for (size_t i : group.members) {
+        Tensor g = params_[i].grad();
+        Tensor p = local_part(i, Tensor(params_[i].node()));
+        if (!p.defined()) {  // a ZeRO shard of another process: assemble() gives its new value
+          slot_state[i] = state_[i];
+          continue;
+        }
+        Tensor local_grad = local_part(i, g.dtype() == p.dtype() ? g : cast(g, p.dtype()));
+        start_state(state_[i], local_grad);
+        NamedTensors state = state_[i];
+        Tensor next = update(p, local_grad, state);
+        // In the parameter's type, also from state in a wider one (load_state's f32).
+        if (next.dtype() != p.dtype()) next = cast(next, p.dtype());
+        if (skip_.defined()) {
+          // State that did not exist yet is kept at zero by a skipped step: for every built-in
+          // rule zero state updates exactly like absent state, or the rule keeps a '~' flag.
+          next = where(skip_, p, next);
+          for (auto& [name, value] : state) {
+            Tensor* old = find_state(state_[i], name);
+            value = where(skip_, old ? *old : zeros_like(value), value);
+          }
+        }
+        slot_params[i] = std::move(next);
+        slot_state[i] = std::move(state);
+      }
+    }
+    // In the parameters' order, as assemble() gathers them.
+    for (size_t i = 0; i < params_.size(); ++i)
+      if (params_[i].grad().defined()) {
+        updated.push_back(i);
+        new_params.push_back(std::move(slot_params[i]));
+        new_state.push_back(std::move(slot_state[i]));
+      }
     if (!updated.empty()) {
       assemble(updated, new_params);
-      new_step = skip_.defined() ? where(skip_, step_, next_step_) : next_step_;
+      // The optimizer's own count (schedules follow it): the group that took every update
+      // computed it already.
+      auto every = std::find_if(groups.begin(), groups.end(),
+                                [&](const CountGroup& g) { return g.count.same(step_); });
+      new_step = every != groups.end() ? every->next
+                 : skip_.defined()     ? where(skip_, step_, step_ + 1.0)
+                                       : step_ + 1.0;
     }
-    next_step_ = skip_ = scheduled_lr_ = scheduled_momentum_ = Tensor();
   }
   if (updated.empty()) {
     if (!also.empty()) eval(also);
     return;
   }
   std::vector<Tensor> outputs;
-  size_t output_count = new_params.size() + 1 + also.size();
+  size_t output_count = new_params.size() + 1 + groups.size() + also.size();
   for (const NamedTensors& state : new_state) output_count += state.size();
   outputs.reserve(output_count);
   outputs.insert(outputs.end(), new_params.begin(), new_params.end());
   for (const NamedTensors& state : new_state)
     for (const auto& [name, value] : state) outputs.push_back(value);
   outputs.push_back(new_step);
+  for (const CountGroup& group : groups)
+    if (!group.next.same(new_step)) outputs.push_back(group.next);
   outputs.insert(outputs.end(), also.begin(), also.end());
   {
     // The update may compute into the buffers of the values it replaces, as PyTorch's optimizers
@@ -286,6 +314,10 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
     state_[i] = std::move(persistent);
   }
   step_ = from_storage(new_step.node()->value, {});
+  for (const CountGroup& group : groups) {
+    Tensor count = group.next.same(new_step) ? step_ : from_storage(group.next.node()->value, {});
+    for (size_t i : group.members) counts_[i] = count;
+  }
 }
 
 int64_t Optimizer::steps_taken() const { return static_cast<int64_t>(step_.item()); }
@@ -419,15 +451,56 @@ void Optimizer::load_state(size_t param_index, const NamedTensors& state, bool a
   state_[param_index] = converted;
 }
 
-void Optimizer::set_steps_taken(int64_t steps) {
+Tensor Optimizer::stored_count(int64_t steps) const {
   if (steps < 0) fail("{}: step count must be non-negative, got {}", kind_, steps);
+  if (steps > (int64_t{1} << 53))
+    fail("{}: step count {} is above 2^53, which the f64 count cannot hold exactly", kind_, steps);
   // Stored, not a fill: the first step then reads the count as every later one does, so that it
   // runs the same kernels.
   auto count = std::make_shared<Storage>(f64, 1);
   count->as<double>()[0] = static_cast<double>(steps);
-  Tensor next = from_storage(std::move(count), {});
+  return from_storage(std::move(count), {});
+}
+
+void Optimizer::renew_step_count(int64_t steps) {
+  Tensor next = stored_count(steps);
   if (step_.defined()) moved_off(step_.node().get(), next.node().get());
+  for (Tensor& count : counts_)
+    if (count.same(step_)) count = next;
   step_ = std::move(next);
+}
+
+void Optimizer::set_steps_taken(int64_t steps) {
+  renew_step_count(steps);
+  for (Tensor& count : counts_) {
+    if (!count.same(step_)) moved_off(count.node().get(), step_.node().get());
+    count = step_;
+  }
+}
+
+int64_t Optimizer::steps_taken(size_t param_index) const {
+  if (param_index >= params_.size())
+    fail("{}: parameter index {} out of range ({} parameters)", kind_, param_index, params_.size());
+  return static_cast<int64_t>(counts_[param_index].item());
+}
+
+void Optimizer::set_steps_taken(size_t param_index, int64_t steps) {
+  if (param_index >= params_.size())
+    fail("{}: parameter index {} out of range ({} parameters)", kind_, param_index, params_.size());
+  if (int64_t taken = steps_taken(); steps > taken)
+    fail("{}: parameter {} cannot have taken {} steps, more than the optimizer's {}", kind_,
+         param_index, steps, taken);
+  Tensor& count = counts_[param_index];
+  if (steps == steps_taken()) {
+    if (!count.same(step_)) moved_off(count.node().get(), step_.node().get());
+    count = step_;
+    return;
+  }
+  Tensor next = stored_count(steps);
+  // Parameters sharing the old count keep it; a replay plan that carried it for this one sees
+  // the move off it.
+  moved_off(count.node().get(), next.node().get());
+  count = std::move(next);
 }
 
 SGD::SGD(std::vector<Tensor> params, SGDOptions options)

@@ -63,12 +63,20 @@ class Optimizer {
   Tensor current_momentum() const;
   /// Whether the rule has a momentum or beta1 that a schedule may cycle.
   virtual bool has_momentum() const { return false; }
-  /// Updates taken so far, skipped ones not counted. The count lives in the graph (so that a
-  /// predicated step can follow it without a host read): this call evaluates and reads it, a
-  /// host sync.
+  /// Updates taken so far, skipped ones not counted: the steps that updated any parameter. The
+  /// count lives in the graph (so that a predicated step can follow it without a host read):
+  /// this call evaluates and reads it, a host sync. Schedules follow it.
   int64_t steps_taken() const;
   /// The same count as a 0-d f64 graph value, persistent between steps.
   const Tensor& step_count() const { return step_; }
+  /// The updates parameter `param_index` took: steps_taken() less the steps in which it had no
+  /// gradient, as torch's optimizers count each parameter's "step" (a parameter frozen for a
+  /// while, or not reached by some steps' losses). Adam's bias corrections, Adagrad's lr_decay
+  /// and Adafactor's decay follow it. A host sync.
+  int64_t steps_taken(size_t param_index) const;
+  /// The same count as a 0-d f64 graph value: step_count() itself while the parameter took every
+  /// update.
+  const Tensor& step_count(size_t param_index) const { return counts_.at(param_index); }
   /// "SGD", "Adam", "AdamW", ...: checkpoints record it so state is not loaded into another kind.
   const char* kind() const { return kind_; }
   const std::vector<Tensor>& params() const { return params_; }
@@ -107,7 +115,11 @@ class Optimizer {
   DType loaded_dtype(size_t param_index, DType given) const;
   /// Restores state saved by state(), after check_state().
   void load_state(size_t param_index, const NamedTensors& state, bool allow_nonfinite = false);
+  /// Sets the optimizer's step count and every parameter's.
   void set_steps_taken(int64_t steps);
+  /// Sets parameter `param_index`'s count, at most steps_taken() (call set_steps_taken(steps)
+  /// first).
+  void set_steps_taken(size_t param_index, int64_t steps);
 
  protected:
   /// Called once per step before the update() calls, when step_number() is set.
@@ -142,8 +154,10 @@ class Optimizer {
   /// skipped steps made it, and a rule's first real step would not treat it as it treats state
   /// it already stepped (SGD's dampened first momentum). state() then hands out none.
   virtual bool state_started(const NamedTensors&) const { return true; }
-  /// Inside begin_step()/update(): the 1-based number of the update being built, a 0-d f64
-  /// graph value (the persistent count plus one).
+  /// Inside begin_step()/update(): the 1-based number of the update being built for the
+  /// parameters being updated, a 0-d f64 graph value (their persistent count plus one).
+  /// begin_step() is called once for each set of parameters that share a count (usually all),
+  /// before their update() calls.
   const Tensor& step_number() const { return next_step_; }
   /// Inside update(): the bool skip flag of a predicated step; undefined for a plain step().
   const Tensor& skip_flag() const { return skip_; }
@@ -197,7 +211,21 @@ class Optimizer {
   Tensor lr_f32_;
   std::vector<Tensor> params_;
   std::vector<NamedTensors> state_;
+  // A new stored count of `steps`, refused beyond what the f64 count holds exactly.
+  Tensor stored_count(int64_t steps) const;
+  // step_ as a new buffer holding `steps` (so that a compiled step traces again); the parameters
+  // that shared the old count share the new one.
+  void renew_step_count(int64_t steps);
+  // The parameters updated in a step that share a count (a 0-d node), and their new count.
+  struct CountGroup {
+    Tensor count;
+    std::vector<size_t> members;
+    Tensor next;
+  };
   Tensor step_;  // 0-d f64: updates taken, skipped ones not counted
+  // Each parameter's updates taken, 0-d f64: step_ itself while it took every update, else a
+  // count shared by the parameters that took the same updates.
+  std::vector<Tensor> counts_;
   Tensor next_step_, skip_;
   std::shared_ptr<const LRSchedule> schedule_;
   Tensor scheduled_lr_;        // inside a step with a schedule: its rate

@@ -40,6 +40,9 @@ struct Named {
   std::vector<std::pair<StoragePtr, PlanBuffer>> buffers;  // the checkpoint's tensors first
   std::vector<std::pair<std::string, std::string>> metadata;
   StoragePtr steps;  // the optimizer's step count (metadata "optimizer.steps")
+  // Parameters that count their own steps (they skipped some): (parameter path, buffer index);
+  // metadata "optimizer.<path>.steps" where it differs from the optimizer's.
+  std::vector<std::pair<std::string, size_t>> param_steps;
   struct Drawn {
     std::string name;
     uint64_t seed;
@@ -61,11 +64,13 @@ Named checkpoint_names(const Options& o) {
   named.metadata.emplace_back("format", "mixtape-checkpoint-1");
   if (o.optimizer) {
     NamedTensors params = o.module->named_parameters();
+    std::vector<std::string> param_names;
     for (size_t i = 0; i < o.optimizer->params().size(); ++i) {
       auto found = std::find_if(params.begin(), params.end(),
                                 [&](auto& e) { return e.second.same(o.optimizer->params()[i]); });
       if (found == params.end())
         fail("aot: the optimizer holds a parameter that is not part of the module");
+      param_names.push_back(found->first);
       for (const auto& [state, value] : o.optimizer->state(i))
         add(named, "optimizer." + found->first + "." + state, value);
     }
@@ -77,6 +82,11 @@ Named checkpoint_names(const Options& o) {
     // tensor of its own weights file.
     add(named, "aot.optimizer.steps", o.optimizer->step_count());
     named.steps = named.buffers.back().first;
+    for (size_t i = 0; i < param_names.size(); ++i)
+      if (!o.optimizer->step_count(i).same(o.optimizer->step_count())) {
+        add(named, "aot.optimizer." + param_names[i] + ".steps", o.optimizer->step_count(i));
+        named.param_steps.emplace_back(param_names[i], named.buffers.size() - 1);
+      }
   }
   if (o.scaler && o.scaler->is_enabled()) {
     // The buffers themselves, which the exported step reads and writes (state_dict() copies).
@@ -291,7 +301,10 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   for (size_t k = 0; k < buffers.size(); ++k) {
     auto& [storage, info] = buffers[k];
     bool named_state = k < named.buffers.size();
-    bool checkpoint = named_state && storage != named.steps && !offsets.count(storage.get());
+    const bool own_steps = std::any_of(named.param_steps.begin(), named.param_steps.end(),
+                                       [&](const auto& e) { return e.second == k; });
+    bool checkpoint =
+        named_state && storage != named.steps && !own_steps && !offsets.count(storage.get());
     bool carried = first_value.count(storage.get()) > 0;
     if (!named_state && carried && drawn.count(storage.get()))
       fail(
@@ -328,12 +341,22 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
     buffer_list.push_back(std::move(entry));
   }
   weights.metadata = named.metadata;
-  if (named.steps)
-    weights.metadata.emplace_back(
-        "optimizer.steps",
-        std::to_string(static_cast<int64_t>(
-            (first_value.count(named.steps.get()) ? first_value.at(named.steps.get()) : named.steps)
-                ->as<double>()[0])));
+  // The step counts as the traces found them: "optimizer.steps", and a parameter's own where it
+  // differs.
+  auto count = [&](const StoragePtr& buffer) {
+    const StoragePtr& before =
+        first_value.count(buffer.get()) ? first_value.at(buffer.get()) : buffer;
+    return static_cast<int64_t>(before->as<double>()[0]);
+  };
+  Value param_steps = Value::array();
+  if (named.steps) {
+    weights.metadata.emplace_back("optimizer.steps", std::to_string(count(named.steps)));
+    for (const auto& [param, k] : named.param_steps) {
+      if (int64_t own = count(buffers[k].first); own != count(named.steps))
+        weights.metadata.emplace_back("optimizer." + param + ".steps", std::to_string(own));
+      param_steps.push_back(Value::array({param, static_cast<int64_t>(k)}));
+    }
+  }
   Value generator_list = Value::array();
   for (const Named::Drawn& g : named.generators) {
     const StoragePtr& offset =
@@ -502,6 +525,7 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
     for (const auto& [k, v] : named.metadata) metadata.push_back(Value::array({k, v}));
     manifest["checkpoint"] = {{"metadata", std::move(metadata)},
                               {"steps_buffer", steps_buffer},
+                              {"param_steps", std::move(param_steps)},
                               {"generators", std::move(generator_list)}};
   }
   std::string manifest_text = json::dump(manifest);

@@ -129,6 +129,9 @@ struct mixtape_aot_model {
   std::vector<mt::aot::PlanBuffer> buffer_info;
   std::vector<bool> checkpointed;  // per buffer: saved by NAME_save under its name
   int64_t steps_buffer = -1;       // the optimizer's step count, saved as metadata
+  // Parameters that count their own steps: (parameter path, buffer), saved as metadata
+  // "optimizer.<path>.steps" where it differs from the optimizer's.
+  std::vector<std::pair<std::string, int64_t>> param_steps;
   std::vector<std::pair<std::string, std::string>> checkpoint_metadata;
   struct Generator {
     std::string name;
@@ -470,6 +473,8 @@ void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const ch
     for (const Value& kv : checkpoint.at("metadata"))
       m.checkpoint_metadata.emplace_back(kv.at(0).get<std::string>(), kv.at(1).get<std::string>());
     m.steps_buffer = checkpoint.at("steps_buffer").get<int64_t>();
+    for (const Value& e : checkpoint.at("param_steps"))
+      m.param_steps.emplace_back(e.at(0).get<std::string>(), e.at(1).get<int64_t>());
     for (const Value& g : checkpoint.at("generators"))
       m.generators.push_back({g.at("name").get<std::string>(),
                               parse_uint64(g.at("seed").get<std::string>(), "generator seed"),
@@ -485,6 +490,13 @@ void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const ch
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: the manifest's step count buffer {} does not "
                                               "exist",
                                               m.name, m.steps_buffer));
+  for (const auto& [param, k] : m.param_steps)
+    if (m.steps_buffer < 0 || k < 0 || k >= static_cast<int64_t>(m.buffers.size()) ||
+        m.buffers[k]->dtype != mt::f64 || m.buffers[k]->count != 1)
+      raise(MIXTAPE_AOT_ERROR_FILE,
+            fmt::format("{}: the manifest's step count buffer of parameter '{}' is not a 0-d f64 "
+                        "buffer",
+                        m.name, param));
   for (const auto& g : m.generators)
     if (g.buffer < 0 || g.buffer >= static_cast<int64_t>(m.buffers.size()) ||
         m.buffers[g.buffer]->dtype != mt::i64 || m.buffers[g.buffer]->count != 1)
@@ -620,10 +632,13 @@ void save_model(const mixtape_aot_model& m, const std::string& path) {
     file.tensors.push_back(std::move(data));
   }
   file.metadata = m.checkpoint_metadata;
-  if (m.steps_buffer >= 0)
-    file.metadata.emplace_back(
-        "optimizer.steps",
-        std::to_string(static_cast<int64_t>(m.buffers[m.steps_buffer]->as<double>()[0])));
+  if (m.steps_buffer >= 0) {
+    const auto steps = static_cast<int64_t>(m.buffers[m.steps_buffer]->as<double>()[0]);
+    file.metadata.emplace_back("optimizer.steps", std::to_string(steps));
+    for (const auto& [param, k] : m.param_steps)
+      if (const auto own = static_cast<int64_t>(m.buffers[k]->as<double>()[0]); own != steps)
+        file.metadata.emplace_back("optimizer." + param + ".steps", std::to_string(own));
+  }
   for (const auto& g : m.generators) {
     file.metadata.emplace_back("generator." + g.name + ".seed", std::to_string(g.seed));
     file.metadata.emplace_back(
@@ -742,17 +757,23 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
             fmt::format("{}: {} holds '{}', which the artifact does not have", m.name, path,
                         tensor.name));
   }
+  // Whole decimal text up to 2^53 (kept as an f64), as load_checkpoint reads it.
+  auto step_count = [&](const std::string& key, const std::string& value) {
+    int64_t count = -1;
+    auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), count);
+    if (value.empty() || ec != std::errc() || end != value.data() + value.size() || count < 0 ||
+        count > (int64_t{1} << 53))
+      raise(MIXTAPE_AOT_ERROR_FILE,
+            fmt::format("{}: {} has {} '{}', not a step count", m.name, path, key, value));
+    return count;
+  };
   int64_t steps = -1;
+  std::vector<std::pair<std::string, int64_t>> param_steps;  // a parameter's own, where given
   for (const auto& [key, value] : file.metadata) {
-    if (key == "optimizer.steps") {
-      // Whole decimal text up to 2^53 (kept as an f64), as load_checkpoint reads it.
-      auto [end, ec] = std::from_chars(value.data(), value.data() + value.size(), steps);
-      if (value.empty() || ec != std::errc() || end != value.data() + value.size() || steps < 0 ||
-          steps > (int64_t{1} << 53))
-        raise(
-            MIXTAPE_AOT_ERROR_FILE,
-            fmt::format("{}: {} has optimizer.steps '{}', not a step count", m.name, path, value));
-    }
+    if (key == "optimizer.steps")
+      steps = step_count(key, value);
+    else if (m.steps_buffer >= 0 && key.starts_with("optimizer.") && key.ends_with(".steps"))
+      param_steps.emplace_back(key.substr(10, key.size() - 16), step_count(key, value));
     const std::string* ours = exported_metadata(m, key);
     if (key == "optimizer.kind" && ours && *ours != value)
       raise(MIXTAPE_AOT_ERROR_FILE,
@@ -767,6 +788,34 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
   }
   if (m.steps_buffer >= 0 && steps < 0)
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: {} has no valid optimizer.steps", m.name, path));
+  // Each parameter's count as load_checkpoint takes it (the optimizer's unless the file gives its
+  // own), into the buffers the exported step reads: the step counts a parameter that took every
+  // update with the optimizer, and parameters that shared a count at export share one buffer.
+  std::vector<std::pair<int64_t, int64_t>> counts;  // (buffer, count)
+  auto take_count = [&](const std::string& param, int64_t buffer, int64_t count) {
+    for (const auto& [b, c] : counts)
+      if (m.buffers[b] == m.buffers[buffer] && c != count)  // one storage (the manifest's same_as)
+        raise(MIXTAPE_AOT_ERROR_FILE,
+              fmt::format("{}: {} counts {} steps for parameter '{}', which the exported step "
+                          "counts with {} (the parameters that skipped the same steps at export, "
+                          "or the optimizer itself)",
+                          m.name, path, count, param, c));
+    counts.emplace_back(buffer, count);
+  };
+  if (m.steps_buffer >= 0) counts.emplace_back(m.steps_buffer, steps);
+  for (const auto& [param, count] : param_steps) {
+    if (count > steps)
+      raise(MIXTAPE_AOT_ERROR_FILE,
+            fmt::format("{}: {} counts {} steps for parameter '{}', more than the optimizer's {}",
+                        m.name, path, count, param, steps));
+    auto own = std::find_if(m.param_steps.begin(), m.param_steps.end(),
+                            [&](const auto& e) { return e.first == param; });
+    take_count(param, own == m.param_steps.end() ? m.steps_buffer : own->second, count);
+  }
+  for (const auto& [param, buffer] : m.param_steps)
+    if (std::none_of(param_steps.begin(), param_steps.end(),
+                     [&](const auto& e) { return e.first == param; }))
+      take_count(param, buffer, steps);
   std::vector<uint64_t> offsets;
   for (const auto& g : m.generators)
     offsets.push_back(generator_offset(m, file.metadata, path, g.name, g.seed));
@@ -774,9 +823,9 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
     std::memcpy(m.buffers[k]->host_data(), data->bytes.data(), data->bytes.size());
     m.buffers[k]->host_written();
   }
-  if (m.steps_buffer >= 0) {
-    m.buffers[m.steps_buffer]->as<double>()[0] = static_cast<double>(steps);
-    m.buffers[m.steps_buffer]->host_written();
+  for (const auto& [buffer, count] : counts) {
+    m.buffers[buffer]->as<double>()[0] = static_cast<double>(count);
+    m.buffers[buffer]->host_written();
   }
   for (size_t i = 0; i < offsets.size(); ++i) {
     mt::Storage& offset = *m.buffers[m.generators[i].buffer];

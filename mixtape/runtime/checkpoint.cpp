@@ -60,6 +60,11 @@ std::vector<std::string> optimizer_param_names(const Module& module, const Optim
   return names;
 }
 
+// The metadata key of a parameter's own step count, where it differs from the optimizer's.
+std::string param_steps_key(const std::string& param_name) {
+  return kOptimizerPrefix + param_name + ".steps";
+}
+
 std::string metadata_value(const Metadata& metadata, const std::string& key) {
   for (const auto& [k, v] : metadata)
     if (k == key) return v;
@@ -222,7 +227,13 @@ std::pair<NamedTensors, Metadata> checkpoint_entries(const std::string& path, co
     for (size_t i = 0; i < names.size(); ++i)
       for (const auto& [state_name, value] : optimizer->state(i))
         tensors.emplace_back(kOptimizerPrefix + names[i] + "." + state_name, value);
-    meta.emplace_back("optimizer.steps", std::to_string(optimizer->steps_taken()));
+    const int64_t steps = optimizer->steps_taken();
+    meta.emplace_back("optimizer.steps", std::to_string(steps));
+    // A parameter that skipped steps (no gradient) counts its own, as torch's "step" entries.
+    for (size_t i = 0; i < names.size(); ++i)
+      if (!optimizer->step_count(i).same(optimizer->step_count()))
+        if (int64_t own = optimizer->steps_taken(i); own != steps)
+          meta.emplace_back(param_steps_key(names[i]), std::to_string(own));
     meta.emplace_back("optimizer.kind", optimizer->kind());
     // The rate set_lr() set, as torch's param_groups carry it (a schedule's follows the steps).
     if (!optimizer->computes_own_rate())
@@ -300,7 +311,8 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
   }
   std::vector<NamedTensors> states;
   int64_t steps = 0;
-  std::optional<double> lr;  // the rate set_lr() set, where the file has it
+  std::vector<std::optional<int64_t>> param_steps;  // where a parameter's count differs
+  std::optional<double> lr;                         // the rate set_lr() set, where the file has it
   if (optimizer) {
     std::vector<std::string> names = optimizer_param_names(module, *optimizer, path);
     std::string kind = metadata_value(meta, "optimizer.kind");
@@ -319,6 +331,31 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
       if (!std::isfinite(*lr) || *lr < 0)
         fail("load_checkpoint {}: metadata 'optimizer.lr' = {} is not a learning rate", path, *lr);
     }
+    // Files without a parameter's own count (all of them before counts were per parameter)
+    // give it the optimizer's.
+    for (const auto& [key, value] : meta)
+      if (key != "optimizer.steps" && key.starts_with(kOptimizerPrefix) &&
+          key.ends_with(".steps") &&
+          std::none_of(names.begin(), names.end(),
+                       [&](const std::string& n) { return param_steps_key(n) == key; }))
+        fail(
+            "load_checkpoint {}: metadata '{}' is a step count for a parameter this optimizer "
+            "does not update",
+            path, key);
+    for (const std::string& name : names) {
+      std::string key = param_steps_key(name);
+      if (!has_metadata(meta, key)) {
+        param_steps.emplace_back();
+        continue;
+      }
+      int64_t own = metadata_number<int64_t>(path, meta, key);
+      if (own < 0 || own > steps)
+        fail(
+            "load_checkpoint {}: metadata '{}' = {} is not a step count between 0 and the "
+            "optimizer's {}",
+            path, key, own, steps);
+      param_steps.emplace_back(own);
+    }
     std::vector<bool> taken(optimizer_entries.size());
     for (size_t i = 0; i < names.size(); ++i) {
       std::string prefix = kOptimizerPrefix + names[i] + ".";
@@ -335,6 +372,9 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
       } catch (const Error& e) {
         fail("load_checkpoint {}: {}", path, e.what());
       }
+      if (param_steps[i] == 0 && !state.empty())
+        fail("load_checkpoint {}: parameter '{}' has optimizer state but took no step", path,
+             names[i]);
       states.push_back(std::move(state));
     }
     // State for a parameter this optimizer does not update would be dropped without a word (a
@@ -390,6 +430,8 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
     for (size_t i = 0; i < states.size(); ++i)
       optimizer->load_state(i, states[i], options.allow_nonfinite);
     optimizer->set_steps_taken(steps);
+    for (size_t i = 0; i < param_steps.size(); ++i)
+      if (param_steps[i]) optimizer->set_steps_taken(i, *param_steps[i]);
     // A schedule attached to this optimizer decides its rate; else the saved one is restored.
     if (lr && !optimizer->schedule()) optimizer->set_lr(*lr);
   }

@@ -236,11 +236,16 @@ def run_optim(d, m, params):
     # OneCycleLR with PyTorch's defaults (cycle_momentum: the momentum or beta1 cycles too).
     sched = (torch.optim.lr_scheduler.OneCycleLR(opt, float(m['lr']), int(m['onecycle']))
              if int(m.get('onecycle', '0')) else None)
+    dropped = [e.rsplit('@', 1) for e in m.get('dropped', '').split(';') if e]
+    named = dict(model.named_parameters())
     out = {}
     for step in range(int(m['steps'])):
         opt.zero_grad()
         loss = F.cross_entropy(model(d['x']), d['y'])
         loss.backward()
+        for name, at in dropped:
+            if int(at) == step:
+                named[name].grad = None  # not updated this step: its own "step" stays
         opt.step()
         if sched:
             sched.step()
