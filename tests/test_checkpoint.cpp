@@ -474,6 +474,51 @@ TEST_F(Checkpoint, OptimizerStateIsSavedUnderParameterPaths) {
 // both names. An optimizer
 // given the tensor twice refuses it (two sets of state under one name, each update computed
 // twice and the second kept).
+// Tying as in PyTorch, by assigning one layer's weight to another's (`self.lm_head.weight =
+// self.wte.weight`): the layers register their members, so the module lists the tensor the
+// forward reads under both names. Before, the registry kept the untied initial weight: state_dict
+// saved it under lm_head.weight, untrained, and the optimizer trained a tensor nothing read.
+TEST_F(Checkpoint, AWeightTiedByAssignmentIsSavedAndTrainedAsTheOneTheForwardReads) {
+  struct LanguageModel : mt::Module {
+    mt::Generator gen{5};
+    mt::Embedding wte{10, 4, &gen};
+    mt::Linear lm_head{4, 10, false, &gen};
+    LanguageModel() {
+      register_module("wte", wte);
+      register_module("lm_head", lm_head);
+      lm_head.weight = wte.weight;
+    }
+    mt::Tensor loss(int i) const {
+      mt::Tensor ids = mt::tensor(std::vector<int64_t>{i % 10, (i + 3) % 10, 7}, {3});
+      return mt::cross_entropy(lm_head(wte(ids)), mt::tensor(std::vector<int64_t>{1, 2, 3}, {3}));
+    }
+  };
+  LanguageModel net;
+  ASSERT_EQ(net.parameters().size(), 1u);
+  EXPECT_TRUE(net.parameters()[0].same(net.wte.weight));
+  mt::AdamW opt(net.parameters(), {.lr = 1e-2});
+  for (int i = 0; i < 3; ++i) {
+    opt.zero_grad();
+    net.loss(i).backward();
+    opt.step();
+  }
+  mt::NamedTensors state = net.state_dict();
+  ASSERT_EQ(state.size(), 2u);
+  EXPECT_EQ(state[1].first, "lm_head.weight");
+  EXPECT_TRUE(bytes_of(state[1].second) == bytes_of(net.wte.weight)) << "the trained weight";
+  mt::save_checkpoint(path("tied_lm.safetensors"), net, &opt);
+  mt::NamedTensors file = mt::load_tensors(path("tied_lm.safetensors"));
+  ASSERT_GE(file.size(), 2u);
+  EXPECT_TRUE(bytes_of(file[0].second) == bytes_of(file[1].second));
+  LanguageModel other;
+  mt::AdamW other_opt(other.parameters(), {.lr = 1e-2});
+  mt::load_checkpoint(path("tied_lm.safetensors"), other, &other_opt);
+  EXPECT_TRUE(bytes_of(other.loss(5)) == bytes_of(net.loss(5)));
+  // A member emptied after registration is an error naming it, not an undefined parameter.
+  other.lm_head.weight = mt::Tensor();
+  EXPECT_MT_ERROR(other.state_dict(), "parameter 'weight' is undefined");
+}
+
 TEST_F(Checkpoint, ATiedWeightIsOneParameterWithOneOptimizerState) {
   struct Tied : mt::Module {
     mt::Generator gen{4};

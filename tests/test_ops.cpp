@@ -274,6 +274,103 @@ TEST(BceWithLogits, ConfidentLogitsHaveFiniteGradients) {
   }
 }
 
+// Confident predictions keep their gradient's digits, as PyTorch's sigmoid(x) - y: a negative
+// logit with target 0 (most labels of a multi-label model) took 1 - 1 + sigmoid(x) in f32, which
+// lost 28% at x = -17 and all of it at -20. With pos_weight p: (p y + 1 - y) sigmoid(x) - p y.
+TEST(BceWithLogits, ConfidentPredictionsKeepTheirGradientsDigits) {
+  const std::vector<double> xs = {-12, -15, -17, -20, -30, 0, 12, 15, 17, 3};
+  const std::vector<double> ys = {0, 0, 0, 0, 0, 0, 1, 1, 1, 0.25};
+  for (bool weighted : {false, true}) {
+    SCOPED_TRACE(weighted ? "pos_weight" : "plain");
+    mt::Tensor x = make(xs, {10}, mt::f32).requires_grad_(true);
+    mt::Tensor y = make(ys, {10}, mt::f32);
+    mt::BceWithLogitsOptions options{.reduction = mt::Reduction::Sum};
+    if (weighted) options.pos_weight = mt::full({10}, 3.0);
+    mt::Tensor loss = mt::binary_cross_entropy_with_logits(x, y, options);
+    loss.backward();
+    std::vector<double> grad = values(x.grad()),
+                        each = values(mt::binary_cross_entropy_with_logits(x.detach(), y, [&] {
+                          mt::BceWithLogitsOptions o = options;
+                          o.reduction = mt::Reduction::None;
+                          return o;
+                        }()));
+    const double p = weighted ? 3 : 1;
+    for (size_t i = 0; i < xs.size(); ++i) {
+      const double s = 1 / (1 + std::exp(-xs[i])), l = 1 + (p - 1) * ys[i];
+      const double want = (p * ys[i] + 1 - ys[i]) * s - p * ys[i];
+      EXPECT_NEAR(grad[i], want, 2e-7 * std::abs(want) + 1e-30) << "x = " << xs[i];
+      // The loss keeps its digits too: (1 - y) x + l log(1 + e^-x), as l log(1 + e^x) - p y x
+      // below zero, where the first form cancels in doubles as well.
+      const double loss_want = xs[i] < 0 ? l * std::log1p(std::exp(xs[i])) - p * ys[i] * xs[i]
+                                         : (1 - ys[i]) * xs[i] + l * std::log1p(std::exp(-xs[i]));
+      EXPECT_NEAR(each[i], loss_want, 4e-7 * std::abs(loss_want) + 1e-30) << "x = " << xs[i];
+    }
+  }
+  // Infinite and NaN logits give what PyTorch's do, with a finite gradient elsewhere.
+  mt::Tensor x = make({-kInf, kInf, kNan, 1}, {4}, mt::f32).requires_grad_(true);
+  mt::Tensor y = make({1, 0, 0, 1}, {4}, mt::f32);
+  mt::binary_cross_entropy_with_logits(x, y, {.reduction = mt::Reduction::Sum}).backward();
+  std::vector<double> grad = values(x.grad());
+  EXPECT_NEAR(grad[3], 1 / (1 + std::exp(-1.0)) - 1, 1e-7);
+  EXPECT_EQ(values(mt::binary_cross_entropy_with_logits(x.detach(), y,
+                                                        {.reduction = mt::Reduction::None}))[1],
+            kInf);
+}
+
+// Variances of 16-bit inputs are computed in f32 and rounded once, as PyTorch's: f16 squares of
+// deviations of 200 overflowed where the variance, 40000, fits.
+TEST(Reductions, HalfVarianceComputesInF32) {
+  for (mt::DType dt : {mt::f16, mt::bf16}) {
+    mt::Tensor x = make({-200, 200, -200, 200}, {4}, dt);
+    EXPECT_EQ(values(mt::var(x))[0], values(make({40000}, {1}, dt))[0]) << mt::name(dt);
+    EXPECT_EQ(mt::var(x).dtype(), dt);
+    EXPECT_NEAR(values(mt::std_dev(x))[0], 230.9, 0.5) << mt::name(dt);  // Bessel-corrected
+  }
+}
+
+// A mean over no elements is NaN, as PyTorch's, and so are the losses of an empty batch.
+TEST(Reductions, MeanOfNothingIsNaN) {
+  EXPECT_TRUE(std::isnan(values(mt::mean(mt::zeros({0})))[0]));
+  EXPECT_EQ(mt::mean(mt::zeros({0, 3}), {0}).shape(), mt::Shape{3});
+  for (double v : values(mt::mean(mt::zeros({0, 3}), {0}))) EXPECT_TRUE(std::isnan(v));
+  mt::Tensor empty = mt::zeros({0, 3});
+  EXPECT_TRUE(std::isnan(values(mt::mse_loss(empty, empty))[0]));
+  EXPECT_TRUE(std::isnan(values(mt::l1_loss(empty, empty))[0]));
+  EXPECT_TRUE(std::isnan(values(mt::binary_cross_entropy_with_logits(empty, empty))[0]));
+  EXPECT_TRUE(std::isnan(values(mt::var(mt::zeros({0})))[0]));
+}
+
+// A row holding +inf: softmax and log_softmax give NaN throughout, as PyTorch's (the shift that
+// keeps an all -inf row from NaN took +inf too, which gave [nan, 0, 0]); logsumexp gives inf.
+TEST(Softmax, ARowHoldingInfinityIsNaNAndItsLogSumExpInfinite) {
+  mt::Tensor x = make({kInf, 1, 2, 0, 1, 2}, {2, 3}, mt::f32);
+  std::vector<double> p = values(mt::softmax(x, -1)), lp = values(mt::log_softmax(x, -1));
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_TRUE(std::isnan(p[i])) << i;
+    EXPECT_TRUE(std::isnan(lp[i])) << i;
+    EXPECT_FALSE(std::isnan(p[3 + i])) << i;
+  }
+  EXPECT_EQ(values(mt::logsumexp(x, {-1}))[0], kInf);
+  std::vector<double> all_masked = values(mt::softmax(make({-kInf, -kInf}, {2}, mt::f32), -1));
+  EXPECT_TRUE(std::isnan(all_masked[0]));
+}
+
+// Integers above 2^53 are compared and added as integers: through doubles 2^53 + 1 was 2^53
+// (argmax picked the first of two "equal" values; scatter_add rounded elements it did not touch).
+TEST(Integers, ArgmaxAndScatterAddKeepEverySixtyFourBitValue) {
+  const int64_t big = (int64_t{1} << 53) + 1;
+  auto i64 = [](std::vector<int64_t> v) {
+    const int64_t n = static_cast<int64_t>(v.size());
+    return mt::tensor(std::move(v), {n});
+  };
+  EXPECT_EQ(mt::argmax(i64({big - 1, big})).item(), 1);
+  EXPECT_EQ(mt::argmax(i64({-1, INT64_MAX - 1, INT64_MAX})).item(), 2);
+  EXPECT_EQ(mt::scatter_add(i64({big, 5}), i64({1}), i64({1}), 0).to_vector<int64_t>(),
+            (std::vector<int64_t>{big, 6}));
+  EXPECT_EQ(mt::index_add(i64({big, 5}), i64({1}), i64({1}), 0).to_vector<int64_t>(),
+            (std::vector<int64_t>{big, 6}));
+}
+
 // The losses' class and element weights and reductions refuse what PyTorch refuses.
 TEST(LossOptions, BadWeightsAndReductionsAreErrors) {
   mt::Tensor lp = mt::log_softmax(mt::zeros({4, 5})), y = ints({1, 0, 4, 2}, {4});

@@ -189,4 +189,39 @@ TEST(Reliability, AParameterNoOptimizerUpdatesGetsOneWarningAtTheStep) {
   EXPECT_EQ(testing::internal::GetCapturedStderr(), "");
 }
 
+// An optimizer refuses a computed tensor, as torch's ("can't optimize a non-leaf Tensor"): it
+// took w * 2, never updated it, and the next backward failed with an unrelated message.
+TEST(Reliability, AnOptimizerRefusesANonLeafTensor) {
+  mt::Tensor w = mt::ones({3});
+  w.requires_grad_();
+  mt::Tensor y = w * 2.0;
+  EXPECT_MT_ERROR(mt::SGD({y}, {.lr = 0.1}), "SGD", "parameter 0", "not a leaf");
+  EXPECT_MT_ERROR(mt::AdamW({w, y}), "AdamW", "parameter 1", "not a leaf");
+}
+
+// A step whose graph fails to evaluate (a target out of range) leaves the GradScaler ready for
+// the next: its unscaled gradients and inf flag were of the failed graph, which every later
+// step() evaluated again (the same error for good) and update() folded into the scale.
+TEST(Reliability, AGradScalerGoesOnAfterAStepThatFailedToEvaluate) {
+  mt::Generator gen(3);
+  mt::Linear lin(4, 3, true, &gen);
+  mt::SGD opt(lin.parameters(), {.lr = 0.1});
+  mt::GradScaler scaler({.init_scale = 1024});
+  mt::Tensor x = mt::randn({2, 4}, mt::f32, &gen);
+  auto step = [&](std::vector<int64_t> labels) {
+    opt.zero_grad();
+    scaler.scale(mt::cross_entropy(lin(x), mt::tensor(labels, {2}))).backward();
+    scaler.step(opt);
+    scaler.update();
+  };
+  step({1, 2});
+  std::vector<float> before = lin.weight.to_vector<float>();
+  EXPECT_MT_ERROR(step({1, 9}), "out of range");
+  EXPECT_EQ(lin.weight.to_vector<float>(), before) << "the failed step changed nothing";
+  step({1, 2});
+  EXPECT_NE(lin.weight.to_vector<float>(), before) << "the next step trains";
+  EXPECT_EQ(scaler.get_scale(), 1024.0);
+  EXPECT_EQ(opt.steps_taken(), 2);
+}
+
 }  // namespace

@@ -299,14 +299,16 @@ const std::vector<ScheduleCase>& schedule_cases() {
       {"linear_decay",
        R"({"type": "linear", "args": {"start_factor": 1.0, "end_factor": 0.1, "total_iters": 6}})",
        10, [] { return make_shared<mt::LinearLR>(kScheduleBase, 1.0, 0.1, 6); }},
-      // Every step OneCycleLR allows: indices 0 to total_steps.
+      // Every step of OneCycleLR's cycle: indices 0 to total_steps - 1. (PyTorch allows
+      // total_steps too, where its formula overshoots the minimum, below zero for linear
+      // annealing; mixtape holds the minimum from there: OneCycleHoldsItsLastRatePastTheCycle.)
       {"onecycle_defaults", R"({"type": "onecycle", "args": {"max_lr": 0.5, "total_steps": 20}})",
-       21, [] { return make_shared<mt::OneCycleLR>(0.5, 20); }},
+       20, [] { return make_shared<mt::OneCycleLR>(0.5, 20); }},
       {"onecycle_linear_three_phase",
        R"({"type": "onecycle", "args": {"max_lr": 0.5, "total_steps": 17, "pct_start": 0.25,
            "anneal_strategy": "linear", "div_factor": 10.0, "final_div_factor": 100.0,
            "three_phase": true}})",
-       18,
+       17,
        [] {
          return make_shared<mt::OneCycleLR>(0.5, 17,
                                             mt::OneCycleOptions{.pct_start = 0.25,
@@ -319,7 +321,7 @@ const std::vector<ScheduleCase>& schedule_cases() {
        R"({"type": "onecycle", "args": {"max_lr": 0.5, "total_steps": 15, "pct_start": 0.3,
            "anneal_strategy": "linear", "three_phase": true, "base_momentum": 0.5,
            "max_momentum": 0.8}})",
-       16,
+       15,
        [] {
          return make_shared<mt::OneCycleLR>(
              0.5, 15,
@@ -329,7 +331,7 @@ const std::vector<ScheduleCase>& schedule_cases() {
       {"onecycle_no_momentum",
        R"({"type": "onecycle", "args": {"max_lr": 0.3, "total_steps": 10,
            "cycle_momentum": false}})",
-       11,
+       10,
        [] {
          return make_shared<mt::OneCycleLR>(0.3, 10, mt::OneCycleOptions{.cycle_momentum = false});
        }},
@@ -351,7 +353,7 @@ const std::vector<ScheduleCase>& schedule_cases() {
       // start from OneCycleLR's initial_lr, 0.5 / 25, which its construction writes into the
       // group for every schedule.
       {"sequential_linear_onecycle_step",
-       R"({"type": "sequential", "milestones": [3, 10], "schedules": [
+       R"({"type": "sequential", "milestones": [3, 9], "schedules": [
            {"type": "linear", "args": {"start_factor": 0.5, "end_factor": 1.0, "total_iters": 2}},
            {"type": "onecycle", "args": {"max_lr": 0.5, "total_steps": 6, "base_momentum": 0.6,
             "max_momentum": 0.9}},
@@ -364,7 +366,7 @@ const std::vector<ScheduleCase>& schedule_cases() {
                  make_shared<mt::OneCycleLR>(
                      0.5, 6, mt::OneCycleOptions{.base_momentum = 0.6, .max_momentum = 0.9}),
                  make_shared<mt::StepLR>(0.02, 2, 0.5)},
-             std::vector<int64_t>{3, 10});
+             std::vector<int64_t>{3, 9});
        }},
       {"sequential_multistep_linear",
        R"({"type": "sequential", "milestones": [5], "schedules": [
@@ -1448,6 +1450,34 @@ TEST(Schedules, CosineWithWarmupMatchesHandComputedValues) {
   EXPECT_NEAR(no_warmup.lr(2), 0.5, 1e-15);
   EXPECT_NEAR(no_warmup.lr(3), 0.14644660940672627, 1e-15);
   EXPECT_EQ(no_warmup.lr(4), 0.0);
+}
+
+// Past its cycle OneCycleLR holds its last step's rate and momentum, the minimum: the formula at
+// total_steps overshot it (below zero with linear annealing, a rising rate with cos), and the
+// rate stayed there for good.
+TEST(Schedules, OneCycleHoldsItsLastRatePastTheCycle) {
+  for (bool cos : {true, false})
+    for (bool three_phase : {false, true}) {
+      SCOPED_TRACE(fmt::format("cos {} three_phase {}", cos, three_phase));
+      mt::OneCycleLR schedule(0.1, 10, {.cos = cos, .three_phase = three_phase});
+      const double last = schedule.lr(9);
+      EXPECT_NEAR(last, 0.1 / 25 / 1e4, 1e-15);
+      mt::Tensor p = mt::zeros({1}, mt::f64);
+      p.requires_grad_();
+      mt::SGD opt({p}, {.lr = 1.0});
+      opt.set_schedule(std::make_shared<mt::OneCycleLR>(
+          0.1, 10, mt::OneCycleOptions{.cos = cos, .three_phase = three_phase}));
+      for (int64_t step = 0; step < 14; ++step) {
+        if (step >= 9) {
+          EXPECT_EQ(schedule.lr(step), last) << step;
+          EXPECT_EQ(opt.current_lr().item(), last) << step;
+          EXPECT_EQ(schedule.momentum(step), schedule.momentum(9)) << step;
+        }
+        opt.zero_grad();
+        mt::sum(p).backward();
+        opt.step();
+      }
+    }
 }
 
 // Each schedule's rates against torch.optim.lr_scheduler's, step by step (PyTorch steps its

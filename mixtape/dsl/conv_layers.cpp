@@ -37,9 +37,12 @@ Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, Size2 kernel_size,
   Shape shape{out_channels, in_channels / std::max<int64_t>(1, options.groups), kernel_size.h,
               kernel_size.w};
   double bound = init_bound("Conv2d", in_channels, out_channels, options.groups, shape);
-  weight = register_parameter("weight", init::uniform(shape, -bound, bound, gen));
-  if (with_bias)
-    bias = register_parameter("bias", init::uniform({out_channels}, -bound, bound, gen));
+  weight = init::uniform(shape, -bound, bound, gen);
+  register_parameter("weight", &weight);
+  if (with_bias) {
+    bias = init::uniform({out_channels}, -bound, bound, gen);
+    register_parameter("bias", &bias);
+  }
 }
 
 Tensor Conv2d::operator()(const Tensor& x, const Loc& loc) const {
@@ -52,9 +55,12 @@ Conv1d::Conv1d(int64_t in_channels, int64_t out_channels, int64_t kernel_size,
     : options(options) {
   Shape shape{out_channels, in_channels / std::max<int64_t>(1, options.groups), kernel_size};
   double bound = init_bound("Conv1d", in_channels, out_channels, options.groups, shape);
-  weight = register_parameter("weight", init::uniform(shape, -bound, bound, gen));
-  if (with_bias)
-    bias = register_parameter("bias", init::uniform({out_channels}, -bound, bound, gen));
+  weight = init::uniform(shape, -bound, bound, gen);
+  register_parameter("weight", &weight);
+  if (with_bias) {
+    bias = init::uniform({out_channels}, -bound, bound, gen);
+    register_parameter("bias", &bias);
+  }
 }
 
 Tensor Conv1d::operator()(const Tensor& x, const Loc& loc) const {
@@ -69,9 +75,12 @@ ConvTranspose2d::ConvTranspose2d(int64_t in_channels, int64_t out_channels, Size
   Shape shape{in_channels, out_channels / std::max<int64_t>(1, options.groups), kernel_size.h,
               kernel_size.w};
   double bound = init_bound("ConvTranspose2d", in_channels, out_channels, options.groups, shape);
-  weight = register_parameter("weight", init::uniform(shape, -bound, bound, gen));
-  if (with_bias)
-    bias = register_parameter("bias", init::uniform({out_channels}, -bound, bound, gen));
+  weight = init::uniform(shape, -bound, bound, gen);
+  register_parameter("weight", &weight);
+  if (with_bias) {
+    bias = init::uniform({out_channels}, -bound, bound, gen);
+    register_parameter("bias", &bias);
+  }
 }
 
 Tensor ConvTranspose2d::operator()(const Tensor& x, const Loc& loc) const {

@@ -49,11 +49,16 @@ void check_axes(const Tensor& x, const std::vector<int64_t>& axes, const char* o
 }
 
 // The per-row shift that keeps exp() from overflowing; constant for gradients, and 0 for rows
-// that are entirely -inf so that they give -inf / NaN as the math says rather than NaN early.
-Tensor stable_shift(const Tensor& x, const std::vector<int64_t>& axes, const Loc& loc) {
+// that are entirely -inf so that they give -inf / NaN as the math says rather than NaN early. A
+// row holding +inf keeps it as its shift, so that softmax and log_softmax make it NaN, as
+// PyTorch's; `infinite_rows_unshifted` shifts it by 0 instead, for the log-sum-exp, which is inf
+// there (as torch.logsumexp).
+Tensor stable_shift(const Tensor& x, const std::vector<int64_t>& axes, const Loc& loc,
+                    bool infinite_rows_unshifted = false) {
   Tensor m = max(x, axes, true, loc);
   if (m.requires_grad()) m = m.detach();  // inside a custom op's forward it never does
-  return where(abs(m) < std::numeric_limits<double>::infinity(), m, zeros_like(m), loc);
+  constexpr double inf = std::numeric_limits<double>::infinity();
+  return where(infinite_rows_unshifted ? abs(m) < inf : m > -inf, m, zeros_like(m), loc);
 }
 
 // Softmax and log_softmax take PyTorch's gradients, which read only the output: softmax's
@@ -95,7 +100,7 @@ struct RowStatistics {
   Tensor shift, log_norm;
 };
 RowStatistics row_statistics(const Tensor& x, const std::vector<int64_t>& axes, const Loc& loc) {
-  Tensor shift = stable_shift(x, axes, loc);
+  Tensor shift = stable_shift(x, axes, loc, true);
   return {shift, log(sum(exp(x - shift), axes, true))};
 }
 
@@ -625,22 +630,27 @@ Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targ
   if (logits.shape() != targets.shape())
     op_fail(op, loc, "logits {} and targets {} must have the same shape", to_string(logits.shape()),
             to_string(targets.shape()));
-  // -log(sigmoid(x)) = log1p(exp(-|x|)) + max(-x, 0), which overflows for neither sign and keeps
-  // the digits of a confident prediction's small loss, as PyTorch's.
   check_reduction(options.reduction, op, loc);
   Tensor weight = element_weight(options.weight, logits, op, "weight", loc);
   Tensor pos_weight = element_weight(options.pos_weight, logits, op, "pos_weight", loc);
-  // max(-x, 0) as (|x| - x) / 2 (the same values: halves are exact), so that the gradient at
-  // x = 0 is -1/2: relu's and abs's are 0 there, which gave the sum a gradient of 0.
-  Tensor magnitude = abs(logits);
-  Tensor neg_log_sigmoid = log1p(exp(-magnitude)) + (magnitude * 0.5 - logits * 0.5);
-  Tensor loss;
-  if (pos_weight.defined()) {
-    Tensor log_weight = 1.0 + (pos_weight - 1.0) * targets;
-    loss = (1.0 - targets) * logits + log_weight * neg_log_sigmoid;
-  } else {
-    loss = (1.0 - targets) * logits + neg_log_sigmoid;
-  }
+  // With l = 1 + (pos_weight - 1) y, the loss (1 - y) x + l softplus(-x) is also
+  // l softplus(x) - pos_weight y x. Each form is written where its softplus neither overflows
+  // nor cancels: log1p(exp(x)) for x < 0, log1p(exp(-x)) from 0 on, keeping the digits of a
+  // confident prediction's small loss. Their gradients are PyTorch's: l sigmoid(x) - pos_weight y
+  // below 0, which is exact for a confident negative (the single form's 1 - 1 + sigmoid(x) lost
+  // it), and (1 - y) - l sigmoid(-x) above. Each side reads x only where it is selected (0
+  // elsewhere), so neither exp overflows into the other's gradient; x = 0 takes the upper side,
+  // whose gradient there is (1 - y) - l / 2.
+  Tensor below = logits < 0.0, zero = zeros_like(logits);
+  Tensor negative = where(below, logits, zero), positive = where(below, zero, logits);
+  Tensor log_weight = pos_weight.defined() ? 1.0 + (pos_weight - 1.0) * targets : Tensor();
+  auto weighted = [&](const Tensor& softplus) {
+    return log_weight.defined() ? log_weight * softplus : softplus;
+  };
+  Tensor positive_targets = pos_weight.defined() ? pos_weight * targets : targets;
+  Tensor lower = weighted(log1p(exp(negative))) - positive_targets * logits;
+  Tensor upper = (1.0 - targets) * logits + weighted(log1p(exp(-positive)));
+  Tensor loss = where(below, lower, upper);
   return reduce(weight.defined() ? loss * weight : loss, options.reduction);
 }
 

@@ -159,7 +159,7 @@ OneCycleLR::OneCycleLR(double max_lr, int64_t total_steps, OneCycleOptions optio
 template <typename Value, typename Anneal>
 Value OneCycleLR::at(const Value& step, Anneal anneal) const {
   if constexpr (std::is_same_v<Value, double>) {
-    double s = std::min(step, static_cast<double>(total_)), start = 0;
+    double s = std::min(step, static_cast<double>(total_ - 1)), start = 0;
     for (size_t i = 0; i < phases_.size(); ++i) {
       const Phase& phase = phases_[i];
       if (s <= phase.end_step || i + 1 == phases_.size())
@@ -168,7 +168,7 @@ Value OneCycleLR::at(const Value& step, Anneal anneal) const {
     }
     return 0;  // not reached: the last phase takes every step
   } else {
-    Tensor s = minimum(step, number(static_cast<double>(total_)));
+    Tensor s = minimum(step, number(static_cast<double>(total_ - 1)));
     std::vector<Tensor> values;
     double start = 0;
     for (const Phase& phase : phases_) {

@@ -126,7 +126,9 @@ struct OneCycleOptions {
 
 /// OneCycleLR's learning rate, PyTorch's defaults: from max_lr / div_factor up to max_lr over
 /// pct_start of total_steps, then down to the minimum (three_phase: back to the initial rate
-/// first). Past total_steps the rate stays where step total_steps put it (PyTorch raises there).
+/// first). From total_steps on the rate (and momentum) stay those of the last step, total_steps
+/// - 1, the minimum (PyTorch raises past total_steps; the formula there overshoots, below zero
+/// for linear annealing).
 /// With cycle_momentum (the default) the optimizer's momentum or beta1 follows the schedule too.
 class OneCycleLR : public LRSchedule {
  public:

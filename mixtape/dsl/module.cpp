@@ -58,13 +58,16 @@ void Module::add_child(const std::string& name, Module& child) {
   children_.emplace_back(name, &child);
 }
 
-Tensor Module::register_parameter(const std::string& name, Tensor value, bool requires_grad) {
-  check_new_name(name);
-  if (!value.defined()) fail("Module '{}': parameter '{}' is undefined", path(), name);
+namespace {
+// A registered tensor as the module keeps it: a leaf (an initializer's randn * std keeps its
+// values, not its graph), requiring grad where asked.
+Tensor registered_leaf(const Module& module, const char* what, const std::string& name,
+                       Tensor value, bool requires_grad) {
+  if (!value.defined()) fail("Module '{}': {} '{}' is undefined", module.path(), what, name);
   if (requires_grad && !is_floating(value.dtype()))
-    fail("Module '{}': parameter '{}' is {}, but only floating-point tensors can require grad",
-         path(), name, mixtape::name(value.dtype()));
-  if (!value.is_leaf()) {  // e.g. an initializer's randn * std: keep the values, not the graph
+    fail("Module '{}': {} '{}' is {}, but only floating-point tensors can require grad",
+         module.path(), what, name, mixtape::name(value.dtype()));
+  if (!value.is_leaf()) {
     mixtape::eval({value});
     value = from_storage(value.node()->value, value.shape());
   }
@@ -72,24 +75,43 @@ Tensor Module::register_parameter(const std::string& name, Tensor value, bool re
     value.requires_grad_(true);
     note_module_parameter(value, name);
   }
-  parameters_.emplace_back(name, value);
   return value;
+}
+}  // namespace
+
+Tensor Module::register_parameter(const std::string& name, Tensor value, bool requires_grad) {
+  check_new_name(name);
+  owned_.push_back(registered_leaf(*this, "parameter", name, std::move(value), requires_grad));
+  parameters_.emplace_back(name, &owned_.back());
+  return owned_.back();
 }
 
 Tensor Module::register_buffer(const std::string& name, Tensor value) {
   check_new_name(name);
-  if (!value.defined()) fail("Module '{}': buffer '{}' is undefined", path(), name);
-  if (!value.is_leaf()) {  // a computed table (positional encodings): its values, not its graph
-    mixtape::eval({value});
-    value = from_storage(value.node()->value, value.shape());
-  }
-  buffers_.emplace_back(name, value);
-  return value;
+  owned_.push_back(registered_leaf(*this, "buffer", name, std::move(value), false));
+  buffers_.emplace_back(name, &owned_.back());
+  return owned_.back();
+}
+
+void Module::register_parameter(const std::string& name, Tensor* member, bool requires_grad) {
+  check_new_name(name);
+  *member = registered_leaf(*this, "parameter", name, *member, requires_grad);
+  parameters_.emplace_back(name, member);
+}
+
+void Module::register_buffer(const std::string& name, Tensor* member) {
+  check_new_name(name);
+  *member = registered_leaf(*this, "buffer", name, *member, false);
+  buffers_.emplace_back(name, member);
 }
 
 void Module::collect(const std::string& prefix, bool buffers, NamedTensors& out) const {
-  for (const auto& [name, tensor] : buffers ? buffers_ : parameters_)
-    out.emplace_back(prefix + name, tensor);
+  for (const auto& [name, tensor] : buffers ? buffers_ : parameters_) {
+    // A member assigned an undefined tensor after registration.
+    if (!tensor->defined())
+      fail("Module '{}': {} '{}' is undefined", path(), buffers ? "buffer" : "parameter", name);
+    out.emplace_back(prefix + name, *tensor);
+  }
   for (const auto& [name, child] : children_) child->collect(prefix + name + ".", buffers, out);
 }
 

@@ -1,6 +1,7 @@
 // mixtape/dsl/module.h -- mt::Module: named parameters, buffers and submodules, train/eval mode.
 #pragma once
 
+#include <deque>
 #include <memory>
 #include <string>
 #include <utility>
@@ -74,6 +75,13 @@ class Module {
   /// Registers a parameter (requires grad) and returns the handle to keep as a member.
   Tensor register_parameter(const std::string& name, Tensor value, bool requires_grad = true);
   Tensor register_buffer(const std::string& name, Tensor value);
+  /// Registers the member `*member` (which holds the initial value) under `name`: the module
+  /// lists whatever the member holds when asked, so a tensor assigned to it later is the
+  /// parameter, saved and optimized under that name, as PyTorch's attribute assignment (a tied
+  /// weight: `lm_head.weight = wte.weight`; a loaded tensor put in place). The built-in layers
+  /// register their weights so. `*member` must outlive the module's use (a field of it).
+  void register_parameter(const std::string& name, Tensor* member, bool requires_grad = true);
+  void register_buffer(const std::string& name, Tensor* member);
 
  private:
   void add_child(const std::string& name, Module& child);
@@ -83,8 +91,11 @@ class Module {
   Module* parent_ = nullptr;
   std::string name_;
   std::vector<std::pair<std::string, Module*>> children_;
-  NamedTensors parameters_;
-  NamedTensors buffers_;
+  // The registered tensors: members of the module (register_parameter(name, &member)), or the
+  // handles the value forms registered, kept in owned_.
+  std::vector<std::pair<std::string, Tensor*>> parameters_;
+  std::vector<std::pair<std::string, Tensor*>> buffers_;
+  std::deque<Tensor> owned_;
   // Shared with the steps mt::compile traced reading it (note_training_read).
   std::shared_ptr<bool> training_ = std::make_shared<bool>(true);
 };

@@ -78,10 +78,12 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool with_bias, Genera
   if (in_features <= 0 || out_features <= 0)
     fail("Linear: features must be positive, got in={} out={}", in_features, out_features);
   double bound = 1.0 / std::sqrt(static_cast<double>(in_features));
-  weight =
-      register_parameter("weight", init::uniform({out_features, in_features}, -bound, bound, gen));
-  if (with_bias)
-    bias = register_parameter("bias", init::uniform({out_features}, -bound, bound, gen));
+  weight = init::uniform({out_features, in_features}, -bound, bound, gen);
+  register_parameter("weight", &weight);
+  if (with_bias) {
+    bias = init::uniform({out_features}, -bound, bound, gen);
+    register_parameter("bias", &bias);
+  }
 }
 
 Tensor Linear::operator()(const Tensor& x, const Loc& loc) const {
@@ -92,7 +94,8 @@ Tensor Linear::operator()(const Tensor& x, const Loc& loc) const {
 Embedding::Embedding(int64_t num_embeddings, int64_t dim, Generator* gen) {
   if (num_embeddings <= 0 || dim <= 0)
     fail("Embedding: sizes must be positive, got {} x {}", num_embeddings, dim);
-  weight = register_parameter("weight", init::normal({num_embeddings, dim}, 0, 1, gen));
+  weight = init::normal({num_embeddings, dim}, 0, 1, gen);
+  register_parameter("weight", &weight);
 }
 
 Tensor Embedding::operator()(const Tensor& ids, const Loc& loc) const {
@@ -102,8 +105,10 @@ Tensor Embedding::operator()(const Tensor& ids, const Loc& loc) const {
 
 LayerNorm::LayerNorm(int64_t dim, double eps) : eps(eps) {
   if (dim <= 0) fail("LayerNorm: dim must be positive, got {}", dim);
-  weight = register_parameter("weight", ones({dim}));
-  bias = register_parameter("bias", zeros({dim}));
+  weight = ones({dim});
+  register_parameter("weight", &weight);
+  bias = zeros({dim});
+  register_parameter("bias", &bias);
 }
 
 Tensor LayerNorm::operator()(const Tensor& x, const Loc& loc) const {
@@ -113,7 +118,8 @@ Tensor LayerNorm::operator()(const Tensor& x, const Loc& loc) const {
 
 RMSNorm::RMSNorm(int64_t dim, double eps) : eps(eps) {
   if (dim <= 0) fail("RMSNorm: dim must be positive, got {}", dim);
-  weight = register_parameter("weight", ones({dim}));
+  weight = ones({dim});
+  register_parameter("weight", &weight);
 }
 
 Tensor RMSNorm::operator()(const Tensor& x, const Loc& loc) const {
@@ -137,13 +143,18 @@ BatchNorm::BatchNorm(const char* kind, int64_t num_features, double eps,
   if (momentum && !(*momentum >= 0 && *momentum <= 1))
     fail("{}: momentum must be in [0, 1], got {}", kind, *momentum);
   if (affine) {
-    weight = register_parameter("weight", ones({num_features}));
-    bias = register_parameter("bias", zeros({num_features}));
+    weight = ones({num_features});
+    register_parameter("weight", &weight);
+    bias = zeros({num_features});
+    register_parameter("bias", &bias);
   }
   if (track_running_stats) {
-    running_mean = register_buffer("running_mean", zeros({num_features}));
-    running_var = register_buffer("running_var", ones({num_features}));
-    num_batches_tracked = register_buffer("num_batches_tracked", zeros({}, i64));
+    running_mean = zeros({num_features});
+    register_buffer("running_mean", &running_mean);
+    running_var = ones({num_features});
+    register_buffer("running_var", &running_var);
+    num_batches_tracked = zeros({}, i64);
+    register_buffer("num_batches_tracked", &num_batches_tracked);
   }
 }
 
@@ -181,8 +192,10 @@ GroupNorm::GroupNorm(int64_t num_groups, int64_t num_channels, double eps, bool 
   if (num_groups <= 0 || num_channels <= 0 || num_channels % num_groups != 0)
     fail("GroupNorm: {} groups do not divide {} channels", num_groups, num_channels);
   if (affine) {
-    weight = register_parameter("weight", ones({num_channels}));
-    bias = register_parameter("bias", zeros({num_channels}));
+    weight = ones({num_channels});
+    register_parameter("weight", &weight);
+    bias = zeros({num_channels});
+    register_parameter("bias", &bias);
   }
 }
 

@@ -2,6 +2,8 @@
 // nodes.
 #include "mixtape/dsl/ops.h"
 
+#include "mixtape/dsl/composites.h"
+
 #include <algorithm>
 #include <numeric>
 #include <optional>
@@ -282,7 +284,7 @@ Tensor mean(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc&
   std::vector<int64_t> normalized = axes_or_fail(axes, x.shape().size(), "mean", loc);
   int64_t count = 1;
   for (int64_t a : normalized) count *= x.shape()[a];
-  if (count == 0) op_fail("mean", loc, "mean over zero elements");
+  // Over zero elements the sum 0 times 1/0 = inf: NaN, as PyTorch's mean of nothing.
   return sum(x, normalized, keepdim, loc) * (1.0 / static_cast<double>(count));
 }
 
@@ -318,8 +320,13 @@ Tensor var(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& 
   input(x, "var", loc);
   check_domain("var", Domain::Float, x.dtype(), loc);
   axes_or_fail(axes, x.shape().size(), "var", loc);
-  Tensor centered = x - mean(x, axes, true, loc);
-  return mean(square(centered), axes, keepdim, loc);
+  // In f32 for 16-bit inputs, rounded once, as PyTorch's kernel: f16 squares of deviations of
+  // 200 overflowed where the variance, 40000, fits.
+  const DType type = composite::statistics_type(x.dtype());
+  const Tensor wide = x.dtype() == type ? x : cast(x, type, loc);
+  Tensor centered = wide - mean(wide, axes, true, loc);
+  Tensor variance = mean(square(centered), axes, keepdim, loc);
+  return variance.dtype() == x.dtype() ? variance : cast(variance, x.dtype(), loc);
 }
 
 Tensor matmul(const Tensor& a_in, const Tensor& b_in, bool transpose_a, bool transpose_b,

@@ -59,6 +59,12 @@ Optimizer::Optimizer(std::vector<Tensor> params, const char* kind)
   for (size_t i = 0; i < params_.size(); ++i) {
     if (!params_[i].defined()) fail("{}: parameter {} is undefined", kind_, i);
     if (!params_[i].requires_grad()) fail("{}: parameter {} does not require grad", kind_, i);
+    // A computed tensor (w * 2) gets no gradient of its own: it would never be updated.
+    if (!params_[i].is_leaf())
+      fail(
+          "{}: parameter {} is the result of '{}', not a leaf tensor: an optimizer updates leaves "
+          "(as torch's, which cannot optimize a non-leaf tensor)",
+          kind_, i, op_name(params_[i].node()->op));
     // Updated twice from the same value, the second assign would win and the step be taken
     // once, but the tensor would have two sets of state, saved under one checkpoint name.
     // (PyTorch warns of duplicates in a group and refuses a tensor in two groups.)

@@ -58,10 +58,11 @@ MultiheadAttention::MultiheadAttention(int64_t embed_dim, int64_t num_heads, dou
   if (!(dropout >= 0 && dropout <= 1))
     fail("MultiheadAttention: dropout {} not in [0, 1]", dropout);
   // PyTorch's _reset_parameters: xavier_uniform_ over the packed [3E, E] weight, zero biases.
-  in_proj_weight = register_parameter("in_proj_weight",
-                                      init::xavier_uniform({3 * embed_dim, embed_dim}, 1.0, gen));
+  in_proj_weight = init::xavier_uniform({3 * embed_dim, embed_dim}, 1.0, gen);
+  register_parameter("in_proj_weight", &in_proj_weight);
   if (bias) {
-    in_proj_bias = register_parameter("in_proj_bias", zeros({3 * embed_dim}));
+    in_proj_bias = zeros({3 * embed_dim});
+    register_parameter("in_proj_bias", &in_proj_bias);
     out_proj.bias.assign(zeros({embed_dim}));
   }
   register_module("out_proj", out_proj);

@@ -189,7 +189,15 @@ void GradScaler::step(Optimizer& optimizer) {
         "is nothing to check or update (call backward() on scaler.scale(loss) first)",
         optimizer.params().size(), optimizer.kind());
   // The pending scale update of the previous step joins this step's program.
-  optimizer.step_unless(state.found_inf, {scale_, tracker_});
+  try {
+    optimizer.step_unless(state.found_inf, {scale_, tracker_});
+  } catch (...) {
+    // The step's graph failed to evaluate (a target out of range): its unscaled gradients and
+    // inf flag are of that graph, which every later step() would evaluate again and update()
+    // would fold into the scale. The optimizer starts over, as after update().
+    state_of(optimizer) = PerOptimizer{};
+    throw;
+  }
   state.stage = Stage::Stepped;
 }
 

@@ -390,20 +390,28 @@ StoragePtr ref_Argmax(const Node& node) {
   int64_t outer = 1, inner = 1, dim = shape[axis];
   for (int64_t d = 0; d < axis; ++d) outer *= shape[d];
   for (size_t d = axis + 1; d < shape.size(); ++d) inner *= shape[d];
-  std::vector<double> in = load_all<double>(value_of(node, 0));
-  for (int64_t o = 0; o < outer; ++o)
-    for (int64_t i = 0; i < inner; ++i) {
-      int64_t best = 0;
-      double best_value = in[o * dim * inner + i];
-      for (int64_t k = 1; k < dim && !std::isnan(best_value); ++k) {
-        double v = in[(o * dim + k) * inner + i];
-        if (std::isnan(v) || v > best_value) {
-          best = k;
-          best_value = v;
+  // Integers compared as integers: through doubles, 2^53 and 2^53 + 1 tied.
+  auto search = [&](auto zero) {
+    using T = decltype(zero);
+    std::vector<T> in = load_all<T>(value_of(node, 0));
+    for (int64_t o = 0; o < outer; ++o)
+      for (int64_t i = 0; i < inner; ++i) {
+        int64_t best = 0;
+        T best_value = in[o * dim * inner + i];
+        for (int64_t k = 1; k < dim && !is_nan(best_value); ++k) {
+          T v = in[(o * dim + k) * inner + i];
+          if (is_nan(v) || v > best_value) {
+            best = k;
+            best_value = v;
+          }
         }
+        out->as<int64_t>()[o * inner + i] = best;
       }
-      out->as<int64_t>()[o * inner + i] = best;
-    }
+  };
+  if (is_floating(node.inputs[0]->dtype))
+    search(double{});
+  else
+    search(int64_t{});
   return out;
 }
 
@@ -808,22 +816,30 @@ StoragePtr ref_IndexAdd(const Node& node) {
   for (size_t d = axis + 1; d < shape.size(); ++d) inner *= shape[d];
   std::vector<int64_t> index = checked_indices(node);
   int64_t count = static_cast<int64_t>(index.size());
-  std::vector<double> acc = load_all<double>(value_of(node, 0));
-  auto add_rows = [&](const auto* source) {
-    for (int64_t o = 0; o < outer; ++o)
-      for (int64_t j = 0; j < count; ++j) {
-        double* to = acc.data() + (o * dim + index[j]) * inner;
-        const auto* from = source + (o * count + j) * inner;
-        for (int64_t i = 0; i < inner; ++i) to[i] += static_cast<double>(from[i]);
-      }
+  // Integers add as integers (through doubles, 2^53 + 1 became 2^53), floats in doubles.
+  auto accumulate = [&](auto zero) {
+    using T = decltype(zero);
+    std::vector<T> acc = load_all<T>(value_of(node, 0));
+    auto add_rows = [&](const auto* source) {
+      for (int64_t o = 0; o < outer; ++o)
+        for (int64_t j = 0; j < count; ++j) {
+          T* to = acc.data() + (o * dim + index[j]) * inner;
+          const auto* from = source + (o * count + j) * inner;
+          for (int64_t i = 0; i < inner; ++i) to[i] += static_cast<T>(from[i]);
+        }
+    };
+    // f32 sources (an embedding's gradient) are read in place; others through T.
+    const Storage& source = value_of(node, 2);
+    if (std::is_floating_point_v<T> && source.dtype == f32)
+      add_rows(source.as<float>());
+    else
+      add_rows(load_all<T>(source).data());
+    for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, acc[i]);
   };
-  // f32 sources (an embedding's gradient) are read in place; others through doubles.
-  const Storage& source = value_of(node, 2);
-  if (source.dtype == f32)
-    add_rows(source.as<float>());
+  if (is_floating(node.dtype))
+    accumulate(double{});
   else
-    add_rows(load_all<double>(source).data());
-  for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, acc[i]);
+    accumulate(int64_t{});
   return out;
 }
 
@@ -867,11 +883,18 @@ StoragePtr ref_Gather(const Node& node) {
 StoragePtr ref_ScatterAdd(const Node& node) {
   StoragePtr out = new_storage(node);
   std::vector<int64_t> index = load_all<int64_t>(value_of(node, 1));
-  std::vector<double> acc = load_all<double>(value_of(node, 0));
-  std::vector<double> source = load_all<double>(value_of(node, 2));
-  for_each_gathered(node, node.shape, node.inputs[1]->shape, index, node.attrs.axis,
-                    [&](int64_t i, int64_t offset) { acc[offset] += source[i]; });
-  for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, acc[i]);
+  auto accumulate = [&](auto zero) {  // integers as integers, as ref_IndexAdd
+    using T = decltype(zero);
+    std::vector<T> acc = load_all<T>(value_of(node, 0));
+    std::vector<T> source = load_all<T>(value_of(node, 2));
+    for_each_gathered(node, node.shape, node.inputs[1]->shape, index, node.attrs.axis,
+                      [&](int64_t i, int64_t offset) { acc[offset] += source[i]; });
+    for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, acc[i]);
+  };
+  if (is_floating(node.dtype))
+    accumulate(double{});
+  else
+    accumulate(int64_t{});
   return out;
 }
 
