@@ -519,6 +519,52 @@ TEST_F(Checkpoint, AWeightTiedByAssignmentIsSavedAndTrainedAsTheOneTheForwardRea
   EXPECT_MT_ERROR(other.state_dict(), "parameter 'weight' is undefined");
 }
 
+// A compiled step notices a member assigned another tensor between calls and traces again: its
+// replays trained the old tensor, which the forward no longer read. An LSTM's or GRU's weights
+// are members too.
+TEST(TiedByAssignment, ACompiledStepTracesAgainAfterAMemberIsAssigned) {
+  struct Net : mt::Module {
+    mt::Generator gen{7};
+    mt::Linear a{3, 3, true, &gen}, b{3, 3, true, &gen};
+    Net() {
+      register_module("a", a);
+      register_module("b", b);
+    }
+    mt::Tensor operator()(const mt::Tensor& x) const { return a(mt::tanh(b(x))); }
+  };
+  std::vector<std::vector<float>> results;
+  for (bool compiled : {false, true}) {
+    Net net;
+    mt::SGD opt(net.parameters(), {.lr = 0.1});
+    mt::Tensor x = mt::ones({2, 3});
+    auto body = [&] {
+      opt.zero_grad();
+      mt::Tensor loss = mt::sum(mt::square(net(x)));
+      loss.backward();
+      opt.step();
+      return loss;
+    };
+    auto step = mt::compile(body);
+    auto call = [&] { return compiled ? step() : body(); };
+    for (int i = 0; i < 5; ++i) call();
+    const mt::CompileStats before = step.stats();
+    net.a.weight = net.b.weight;
+    mt::Tensor last = call();
+    // The call after the assignment traces (the reference executor traces every call).
+    if (compiled && mt::current_device() != mt::Device::reference) {
+      EXPECT_GE(before.replays, 1);
+      EXPECT_EQ(step.stats().traces, before.traces + 1);
+    }
+    for (int i = 0; i < 2; ++i) last = call();
+    results.push_back(last.to_vector<float>());
+  }
+  EXPECT_EQ(results[0], results[1]);
+  mt::GRU gru(2, 3);
+  mt::Tensor w = mt::zeros({9, 2});
+  gru.weight_ih[0] = w;
+  EXPECT_TRUE(gru.state_dict()[0].second.same(w));
+}
+
 TEST_F(Checkpoint, ATiedWeightIsOneParameterWithOneOptimizerState) {
   struct Tied : mt::Module {
     mt::Generator gen{4};
@@ -588,6 +634,42 @@ TEST_F(Checkpoint, MetadataRoundTrips) {
   mt::NamedTensors entries = mt::load_tensors(path("plain.safetensors"), &plain);
   EXPECT_EQ(entries.size(), 4u);
   EXPECT_EQ(plain.size(), 4u);
+}
+
+// A non-persistent buffer (a rotary table, a causal mask) is module state that checkpoints
+// neither save nor expect, as PyTorch's register_buffer(persistent=False): a strict load of a
+// file without it works; to() converts it with the rest. save_tensors marks its files
+// "format": "pt", which Hugging Face's loaders require, unless the metadata gives a format.
+TEST_F(Checkpoint, NonPersistentBuffersAreLeftOutAndFilesAreMarkedPt) {
+  struct Rotary : mt::Module {
+    mt::Linear proj{2, 2};
+    mt::Tensor inv_freq = mt::tensor(std::vector<float>{1, 0.5}, {2});
+    mt::Tensor count = mt::zeros({}, mt::i64);
+    Rotary() {
+      register_module("proj", proj);
+      register_buffer("inv_freq", &inv_freq, false);
+      register_buffer("count", &count);
+    }
+  };
+  Rotary net;
+  std::vector<std::string> saved, buffers;
+  for (const auto& [name, t] : net.state_dict()) saved.push_back(name);
+  for (const auto& [name, t] : net.named_buffers()) buffers.push_back(name);
+  EXPECT_EQ(saved, (std::vector<std::string>{"proj.weight", "proj.bias", "count"}));
+  EXPECT_EQ(buffers, (std::vector<std::string>{"inv_freq", "count"}));
+  mt::save_tensors(path("rotary.safetensors"), net.state_dict());
+  mt::Metadata meta;
+  mt::NamedTensors file = mt::load_tensors(path("rotary.safetensors"), &meta);
+  EXPECT_EQ(file.size(), 3u);
+  ASSERT_EQ(meta.size(), 1u);
+  EXPECT_EQ(meta[0], (std::pair<std::string, std::string>{"format", "pt"}));
+  Rotary other;
+  other.load_state_dict(file);  // strict: inv_freq is not expected
+  net.to(mt::bf16);
+  EXPECT_EQ(net.inv_freq.dtype(), mt::bf16);
+  mt::save_tensors(path("tf.safetensors"), file, {{"format", "tf"}});
+  mt::load_tensors(path("tf.safetensors"), &meta);
+  EXPECT_EQ(meta, (mt::Metadata{{"format", "tf"}}));
 }
 
 // Loading `file` into `target` must fail with every fragment and change nothing.
@@ -835,7 +917,7 @@ TEST_F(Checkpoint, EveryDtypeRoundTripsBitExactly) {
   mt::save_tensors(path("all.safetensors"), tensors, meta);
   mt::Metadata loaded_meta;
   mt::NamedTensors loaded = mt::load_tensors(path("all.safetensors"), &loaded_meta);
-  EXPECT_EQ(loaded_meta, meta);
+  EXPECT_EQ(loaded_meta, (mt::Metadata{{"source", "test"}, {"format", "pt"}}));
   ASSERT_EQ(loaded.size(), tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     SCOPED_TRACE(tensors[i].first);
@@ -873,7 +955,7 @@ header = json.loads(raw[8:8 + n].decode('utf-8'))
 data = raw[8 + n:]
 metadata = header.pop('__metadata__')
 assert set(json.loads(metadata.pop('mixtape.checksum.xxh3_64'))) == set(header), 'checksums'
-assert metadata == {'source': 'mixtape'}, 'metadata'
+assert metadata == {'source': 'mixtape', 'format': 'pt'}, 'metadata'
 want = {
     'f32': ('F32', [2, 3]), 'f64': ('F64', [4]), 'f16': ('F16', [3, 2]), 'bf16': ('BF16', [5]),
     'i32': ('I32', [2, 2]), 'i64': ('I64', [3]), 'bool': ('BOOL', [2, 1, 2]),

@@ -25,6 +25,7 @@
 #include "mixtape/dsl/random.h"
 #include "mixtape/dsl/scalar_math.h"
 #include "mixtape/mixtape.h"
+#include "tests/test_util.h"
 
 namespace mt = mixtape;
 
@@ -317,6 +318,29 @@ TEST(BceWithLogits, ConfidentPredictionsKeepTheirGradientsDigits) {
             kInf);
 }
 
+// std_dev of 16-bit inputs too, whole: the variance rounded to f16 overflowed above 256^2.
+TEST(Reductions, HalfStandardDeviationComputesInF32) {
+  mt::Tensor x = make({300, -300, 290, -290}, {4}, mt::f16).requires_grad_(true);
+  mt::Tensor s = mt::std_dev(x);
+  EXPECT_NEAR(values(s)[0], 340.75, 0.5);
+  s.backward();
+  EXPECT_NEAR(values(x.grad())[0], 0.2935, 1e-3);
+  EXPECT_NEAR(values(mt::std_dev(make({200, -200, 190, -190}, {4}, mt::bf16)))[0], 225.0, 0.5);
+}
+
+// Infinite logits: the targets' gradient is -x there, as PyTorch's (0 * inf made it NaN), and a
+// cross_entropy row holding +inf is NaN, as log_softmax's and PyTorch's (it was inf).
+TEST(BceWithLogits, InfiniteLogitsGiveTheTargetsTheirGradient) {
+  mt::Tensor x = make({kInf, -kInf}, {2}, mt::f32);
+  mt::Tensor t = make({0.5, 0.5}, {2}, mt::f32).requires_grad_(true);
+  mt::sum(mt::binary_cross_entropy_with_logits(x, t, {.reduction = mt::Reduction::None}))
+      .backward();
+  expect_same(values(t.grad()), {-kInf, kInf});
+  mt::Tensor logits = make({kInf, 1, 2}, {1, 3}, mt::f32).requires_grad_(true);
+  mt::Tensor loss = mt::cross_entropy(logits, ints({1}, {1}));
+  EXPECT_TRUE(std::isnan(values(loss)[0]));
+}
+
 // Variances of 16-bit inputs are computed in f32 and rounded once, as PyTorch's: f16 squares of
 // deviations of 200 overflowed where the variance, 40000, fits.
 TEST(Reductions, HalfVarianceComputesInF32) {
@@ -369,6 +393,44 @@ TEST(Integers, ArgmaxAndScatterAddKeepEverySixtyFourBitValue) {
             (std::vector<int64_t>{big, 6}));
   EXPECT_EQ(mt::index_add(i64({big, 5}), i64({1}), i64({1}), 0).to_vector<int64_t>(),
             (std::vector<int64_t>{big, 6}));
+}
+
+// Embedding's padding_idx, as torch's: the row starts at zeros and gets no gradient from the
+// places that read it (the others' gradients are summed as before); negative counts from the end.
+TEST(Embedding, PaddingRowStartsAtZeroAndGetsNoGradient) {
+  mt::Generator gen(2);
+  mt::Embedding table(5, 3, &gen, -1);
+  ASSERT_EQ(table.padding_idx, 4);
+  std::vector<double> w = values(table.weight);
+  for (int i = 12; i < 15; ++i) EXPECT_EQ(w[i], 0.0);
+  EXPECT_NE(w[0], 0.0);
+  mt::Tensor ids = ints({4, 1, 4, 1, 0}, {5});
+  mt::sum(table(ids) * make({1, 2, 3, 4, 5}, {5, 1}, mt::f32)).backward();
+  std::vector<double> g = values(table.weight.grad());
+  expect_same(g, {5, 5, 5, 6, 6, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0});
+  EXPECT_THROW(mt::Embedding(5, 3, nullptr, 5), mt::Error);
+  EXPECT_THROW(mt::Embedding(5, 3, nullptr, -6), mt::Error);
+  EXPECT_THROW(mt::embedding(table.weight, ids, 7), mt::Error);
+}
+
+// LSTM and GRU refuse an empty sequence by name, and LSTM an h0 without its c0 (torch takes
+// them as one tuple); "stack: needs at least one tensor" and zeros for c0 were the answers.
+TEST(Recurrent, EmptySequencesAndHalfAnInitialStateAreRefused) {
+  mt::LSTM lstm(2, 3, 1, true, true);
+  mt::GRU gru(2, 3);
+  EXPECT_MT_ERROR(lstm(mt::zeros({4, 0, 2})), "LSTM", "at least one step", "[4, 0, 2]");
+  EXPECT_MT_ERROR(gru(mt::zeros({0, 2})), "GRU", "at least one step");
+  EXPECT_MT_ERROR(lstm(mt::zeros({4, 5, 2}), mt::zeros({1, 4, 3})), "LSTM", "h0 and c0 together");
+  EXPECT_MT_ERROR(lstm(mt::zeros({4, 5, 2}), mt::Tensor(), mt::zeros({1, 4, 3})), "only c0");
+  // Bidirectional: the reverse direction's weights after the forward one's, as torch's names.
+  mt::GRU both(2, 3, 2, true, false, 0.0, nullptr, true);
+  std::vector<std::string> names;
+  for (const auto& [name, p] : both.named_parameters()) names.push_back(name);
+  EXPECT_EQ(names[4], "weight_ih_l0_reverse");
+  EXPECT_EQ(both.named_parameters()[8].second.shape(), (mt::Shape{9, 6}));  // weight_ih_l1: 2 H in
+  auto out = both(mt::zeros({4, 5, 2}));
+  EXPECT_EQ(out.output.shape(), (mt::Shape{4, 5, 6}));
+  EXPECT_EQ(out.h_n.shape(), (mt::Shape{4, 5, 3}));
 }
 
 // The losses' class and element weights and reductions refuse what PyTorch refuses.

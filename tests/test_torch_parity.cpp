@@ -296,6 +296,20 @@ const std::vector<ScheduleCase>& schedule_cases() {
       {"linear_warmup",
        R"({"type": "linear", "args": {"start_factor": 0.25, "end_factor": 1.0, "total_iters": 4}})",
        8, [] { return make_shared<mt::LinearLR>(kScheduleBase, 0.25, 1.0, 4); }},
+      {"cosine_annealing", R"({"type": "cosine", "args": {"T_max": 6, "eta_min": 0.01}})", 16,
+       [] { return make_shared<mt::CosineAnnealingLR>(kScheduleBase, 6, 0.01); }},
+      {"sequential_constant_factor_exponential",
+       R"({"type": "sequential", "milestones": [4], "schedules": [
+           {"type": "constant", "args": {"factor": 0.5, "total_iters": 3}},
+           {"type": "exponential", "gamma": 0.8}]})",
+       9,
+       [] {
+         return make_shared<mt::SequentialLR>(
+             std::vector<std::shared_ptr<const mt::LRSchedule>>{
+                 make_shared<mt::ConstantLR>(kScheduleBase, 0.5, 3),
+                 make_shared<mt::ExponentialLR>(kScheduleBase, 0.8)},
+             std::vector<int64_t>{4});
+       }},
       {"linear_decay",
        R"({"type": "linear", "args": {"start_factor": 1.0, "end_factor": 0.1, "total_iters": 6}})",
        10, [] { return make_shared<mt::LinearLR>(kScheduleBase, 1.0, 0.1, 6); }},
@@ -719,6 +733,26 @@ std::vector<ExprCase> expr_cases() {
            }},
           reduction != R::Sum);
   }
+  // Class probabilities as targets (PyTorch's soft targets), with their own gradient.
+  mt::Tensor soft = mt::softmax(rng.normal(rc, 1.0), -1);
+  for (auto [reduction, rname] : {std::pair{R::Mean, "mean"}, {R::Sum, "sum"}, {R::None, "none"}})
+    add({fmt::format("ce_probabilities_weight_{}_ls015", rname),
+         fmt::format("F.cross_entropy(a, b, weight=c, label_smoothing=0.15, reduction='{}')",
+                     rname),
+         {scores, soft, weight},
+         "a,b",
+         [reduction](const In& x) {
+           return mt::cross_entropy(
+               x[0], x[1], {.reduction = reduction, .label_smoothing = 0.15, .weight = x[2]});
+         }},
+        reduction == R::Mean);
+  mt::Tensor soft3 = mt::softmax(rng.normal({2, 3, kExprClasses}, 1.0), -1);
+  add({"ce_probabilities_3d",
+       "F.cross_entropy(a.permute(0, 2, 1), b.permute(0, 2, 1))",
+       {rng.normal({2, 3, kExprClasses}, 1.5), soft3},
+       "a,b",
+       [](const In& x) { return mt::cross_entropy(x[0], x[1]); }},
+      false);
   // Under autocast on log-probabilities: the mean of arbitrary scores cancels, and one bf16 ulp
   // where the two libraries' matmuls round a tie differently would be percents of it.
   add({"nll_weight_log_softmax",
@@ -890,7 +924,8 @@ struct SequenceCase {
   bool masks = false;    // mha: bool key padding and attention masks; else a float mask
   bool initial = false;  // lstm/gru: h0 (and c0) given
   int64_t layers = 1;
-  bool autocast = false;  // forward and backward under bf16 autocast in both libraries
+  bool autocast = false;       // forward and backward under bf16 autocast in both libraries
+  bool bidirectional = false;  // lstm/gru
 };
 const std::vector<SequenceCase>& sequence_cases() {
   static const std::vector<SequenceCase> cases = {
@@ -905,6 +940,10 @@ const std::vector<SequenceCase>& sequence_cases() {
       {"mha_self_batch_first_float_mask_bf16", "mha", true, true, false, false, 1, true},
       {"lstm_two_layers_initial_bf16", "lstm", false, false, false, true, 2, true},
       {"gru_two_layers_batch_first_initial_bf16", "gru", true, false, false, true, 2, true},
+      {"lstm_bidirectional_two_layers_initial", "lstm", false, false, false, true, 2, false, true},
+      {"gru_bidirectional_batch_first", "gru", true, false, false, false, 1, false, true},
+      {"gru_bidirectional_two_layers_initial_bf16", "gru", false, false, false, true, 2, true,
+       true},
   };
   return cases;
 }
@@ -918,8 +957,9 @@ std::unique_ptr<mt::Module> sequence_layer(const SequenceCase& c, mt::Generator*
                                                     gen);
   if (c.layer == "lstm")
     return std::make_unique<mt::LSTM>(kSeqInput, kSeqHidden, c.layers, true, c.batch_first, 0.0,
-                                      gen);
-  return std::make_unique<mt::GRU>(kSeqInput, kSeqHidden, c.layers, true, c.batch_first, 0.0, gen);
+                                      gen, c.bidirectional);
+  return std::make_unique<mt::GRU>(kSeqInput, kSeqHidden, c.layers, true, c.batch_first, 0.0, gen,
+                                   c.bidirectional);
 }
 
 mt::Shape batched(bool batch_first, int64_t time, int64_t features) {
@@ -966,13 +1006,15 @@ void write_sequence_cases(const fs::path& dir, HostRandom& rng, bool autocast) {
       meta.emplace_back("input", std::to_string(kSeqInput));
       meta.emplace_back("hidden", std::to_string(kSeqHidden));
       meta.emplace_back("layers", std::to_string(c.layers));
-      mt::Shape state{c.layers, kSeqBatch, kSeqHidden};
+      meta.emplace_back("bidirectional", c.bidirectional ? "1" : "0");
+      const int64_t directions = c.bidirectional ? 2 : 1;
+      mt::Shape state{c.layers * directions, kSeqBatch, kSeqHidden};
       data.emplace_back("x", rng.normal(batched(c.batch_first, kSeqTime, kSeqInput)));
       if (c.initial) {
         data.emplace_back("h0", rng.normal(state));
         if (c.layer == "lstm") data.emplace_back("c0", rng.normal(state));
       }
-      data.emplace_back("w", rng.normal(batched(c.batch_first, kSeqTime, kSeqHidden)));
+      data.emplace_back("w", rng.normal(batched(c.batch_first, kSeqTime, directions * kSeqHidden)));
       data.emplace_back("wh", rng.normal(state));
       if (c.layer == "lstm") data.emplace_back("wc", rng.normal(state));
     }

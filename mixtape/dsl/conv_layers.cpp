@@ -46,7 +46,7 @@ Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, Size2 kernel_size,
 }
 
 Tensor Conv2d::operator()(const Tensor& x, const Loc& loc) const {
-  ModulePathScope scope(path());
+  ModulePathScope scope = forward_scope();
   return conv2d(x, weight, bias, options, loc);
 }
 
@@ -64,7 +64,7 @@ Conv1d::Conv1d(int64_t in_channels, int64_t out_channels, int64_t kernel_size,
 }
 
 Tensor Conv1d::operator()(const Tensor& x, const Loc& loc) const {
-  ModulePathScope scope(path());
+  ModulePathScope scope = forward_scope();
   return conv1d(x, weight, bias, options, loc);
 }
 
@@ -84,7 +84,7 @@ ConvTranspose2d::ConvTranspose2d(int64_t in_channels, int64_t out_channels, Size
 }
 
 Tensor ConvTranspose2d::operator()(const Tensor& x, const Loc& loc) const {
-  ModulePathScope scope(path());
+  ModulePathScope scope = forward_scope();
   return conv_transpose2d(x, weight, bias, options, loc);
 }
 

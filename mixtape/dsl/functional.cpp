@@ -99,8 +99,11 @@ Tensor softmax_of(const Tensor& x, const Tensor& mask, int64_t axis, const Loc& 
 struct RowStatistics {
   Tensor shift, log_norm;
 };
-RowStatistics row_statistics(const Tensor& x, const std::vector<int64_t>& axes, const Loc& loc) {
-  Tensor shift = stable_shift(x, axes, loc, true);
+// `infinite_rows_unshifted`: stable_shift's, true for the log-sum-exp (inf for a +inf row),
+// false for log-probabilities (NaN there, as log_softmax's and PyTorch's).
+RowStatistics row_statistics(const Tensor& x, const std::vector<int64_t>& axes, const Loc& loc,
+                             bool infinite_rows_unshifted) {
+  Tensor shift = stable_shift(x, axes, loc, infinite_rows_unshifted);
   return {shift, log(sum(exp(x - shift), axes, true))};
 }
 
@@ -115,7 +118,7 @@ Tensor logsumexp_of(const Tensor& x, const std::vector<int64_t>& axes, bool keep
   const Shape kept = reduced_shape(x.shape(), reduced, true);
   const DType type = composite::statistics_type(x.dtype());
   auto forward = [&](const std::vector<Tensor>& in) {
-    RowStatistics rows = row_statistics(cast(in[0], type), axes, loc);
+    RowStatistics rows = row_statistics(cast(in[0], type), axes, loc, true);
     Tensor result = cast(rows.log_norm + rows.shift, x.dtype());
     return keepdim ? result : reshape(result, reduced_shape(x.shape(), reduced, false));
   };
@@ -128,7 +131,7 @@ Tensor logsumexp_of(const Tensor& x, const std::vector<int64_t>& axes, bool keep
         // rows near 1000 is off by up to half a unit of 4 or 8, and its gradient by a factor
         // e^2 or e^4 (PyTorch's reads the rounded one).
         if (v.dtype() != in[0].dtype()) {
-          RowStatistics rows = row_statistics(v, axes, loc);
+          RowStatistics rows = row_statistics(v, axes, loc, true);
           result = rows.log_norm + rows.shift;
         }
         return std::vector<Tensor>{cast(reshape(g, kept), type) * exp(v - result)};
@@ -411,7 +414,7 @@ Tensor cross_entropy_rows(const Tensor& logits, const Tensor& ids, const Tensor&
   // row, then the class weight where given. log p is (x - max) - log-sum-exp, as the
   // log_softmax composite computes it, in the forward pass and again in the gradient's kernel.
   const DType type = composite::statistics_type(logits.dtype());
-  RowStatistics rows = row_statistics(cast(logits.detach(), type), {-1}, loc);
+  RowStatistics rows = row_statistics(cast(logits.detach(), type), {-1}, loc, false);
   std::vector<Tensor> inputs{logits, ids, rows.shift, rows.log_norm};
   if (weighted) inputs.push_back(class_weight);
   auto log_probs = [type](const std::vector<Tensor>& in) {
@@ -456,7 +459,7 @@ Tensor cross_entropy_rows(const Tensor& logits, const Tensor& ids, const Tensor&
         // alone, so that its own gradient sees the row statistics move with them.
         std::vector<Tensor> from = in;
         if (grad_enabled()) {
-          RowStatistics rows = row_statistics(cast(in[0], type), {-1}, loc);
+          RowStatistics rows = row_statistics(cast(in[0], type), {-1}, loc, false);
           from[2] = rows.shift;
           from[3] = rows.log_norm;
         }
@@ -469,6 +472,33 @@ Tensor cross_entropy_rows(const Tensor& logits, const Tensor& ids, const Tensor&
 
 }  // namespace
 
+namespace {
+// cross_entropy against class probabilities [..., C] (PyTorch's since 1.10): each row's
+// -sum_c w_c t_c log p_c, with label smoothing mixing the targets with the uniform ones first;
+// Mean is over the rows, whatever the weights (as PyTorch's).
+Tensor cross_entropy_with_probabilities(const Tensor& logits, const Tensor& targets,
+                                        const CrossEntropyOptions& options, const Loc& loc) {
+  if (logits.dim() == 0 || targets.shape() != logits.shape())
+    op_fail("cross_entropy", loc,
+            "{} targets are class probabilities, which must have the logits' shape {} (classes "
+            "last), got {} (class indices must be integer)",
+            name(targets.dtype()), to_string(logits.shape()), to_string(targets.shape()));
+  if (options.ignore_index != CrossEntropyOptions{}.ignore_index)
+    op_fail("cross_entropy", loc,
+            "ignore_index ({}) applies to class indices, not to class probabilities",
+            options.ignore_index);
+  const DType type = composite::statistics_type(logits.dtype());
+  Tensor weight = class_weight(options.weight, logits, "cross_entropy", loc);
+  Tensor t = cast(targets, type);
+  const double smoothing = options.label_smoothing;
+  if (smoothing > 0) t = t * (1.0 - smoothing) + smoothing / static_cast<double>(logits.size(-1));
+  Tensor terms = t * log_softmax(cast(logits, type), -1, loc);
+  if (weight.defined()) terms = terms * weight;
+  Tensor rows = -sum(terms, {-1});
+  return cast(reduce(rows, options.reduction), logits.dtype());
+}
+}  // namespace
+
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOptions options,
                      const Loc& loc) {
   CallSiteScope site(loc, composite::cross_entropy);
@@ -477,10 +507,12 @@ Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOp
   if (!(options.label_smoothing >= 0 && options.label_smoothing <= 1))
     op_fail("cross_entropy", loc, "label_smoothing must be in [0, 1], got {}",
             options.label_smoothing);
-  check_targets(logits, targets, "cross_entropy", loc);
   if (options.weight.defined() && options.weight.requires_grad())
     op_fail("cross_entropy", loc,
             "the class weight takes no gradient (as in PyTorch); pass weight.detach()");
+  if (targets.defined() && is_floating(targets.dtype()))
+    return cross_entropy_with_probabilities(logits, targets, options, loc);
+  check_targets(logits, targets, "cross_entropy", loc);
   Tensor weight = class_weight(options.weight, logits, "cross_entropy", loc);
   CheckedTargets checked = check_ids(logits, targets, options.ignore_index, weight);
   Tensor loss = cross_entropy_rows(logits, checked.ids, weight, options.label_smoothing, loc);
@@ -640,7 +672,8 @@ Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targ
   // below 0, which is exact for a confident negative (the single form's 1 - 1 + sigmoid(x) lost
   // it), and (1 - y) - l sigmoid(-x) above. Each side reads x only where it is selected (0
   // elsewhere), so neither exp overflows into the other's gradient; x = 0 takes the upper side,
-  // whose gradient there is (1 - y) - l / 2.
+  // whose gradient there is (1 - y) - l / 2. The targets' gradients read the selected x alone
+  // too (an infinite x in the other side's term made 0 * inf = NaN of them).
   Tensor below = logits < 0.0, zero = zeros_like(logits);
   Tensor negative = where(below, logits, zero), positive = where(below, zero, logits);
   Tensor log_weight = pos_weight.defined() ? 1.0 + (pos_weight - 1.0) * targets : Tensor();
@@ -648,8 +681,8 @@ Tensor binary_cross_entropy_with_logits(const Tensor& logits, const Tensor& targ
     return log_weight.defined() ? log_weight * softplus : softplus;
   };
   Tensor positive_targets = pos_weight.defined() ? pos_weight * targets : targets;
-  Tensor lower = weighted(log1p(exp(negative))) - positive_targets * logits;
-  Tensor upper = (1.0 - targets) * logits + weighted(log1p(exp(-positive)));
+  Tensor lower = weighted(log1p(exp(negative))) - positive_targets * negative;
+  Tensor upper = (1.0 - targets) * positive + weighted(log1p(exp(-positive)));
   Tensor loss = where(below, lower, upper);
   return reduce(weight.defined() ? loss * weight : loss, options.reduction);
 }
@@ -880,7 +913,11 @@ Tensor std_dev(const Tensor& x, std::vector<int64_t> axes, bool keepdim, double 
   // Bessel's correction as PyTorch's: the squares' sum over max(0, n - correction), so that
   // n <= correction gives inf (NaN for no spread).
   const double factor = static_cast<double>(n) / std::max(0.0, static_cast<double>(n) - correction);
-  return sqrt_zero_gradient_at_zero(var(x, axes, keepdim) * factor);
+  // In f32 for 16-bit inputs, rounded once (var's own rounding to f16 overflowed above 256).
+  const DType type = composite::statistics_type(x.dtype());
+  Tensor deviation = sqrt_zero_gradient_at_zero(
+      var(x.dtype() == type ? x : cast(x, type), axes, keepdim) * factor);
+  return deviation.dtype() == x.dtype() ? deviation : cast(deviation, x.dtype());
 }
 
 Tensor norm(const Tensor& x, double p, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {

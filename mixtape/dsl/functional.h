@@ -41,7 +41,9 @@ struct CrossEntropyOptions {
 /// logits [..., C] against integer class targets [...]. Mean is over the targets that are not
 /// ignore_index, as in PyTorch; with a class weight it is PyTorch's weighted mean,
 /// sum(w[y] l) / sum(w[y]), and label smoothing's term weighs each class's -log p by its weight
-/// (normalized by the same sum(w[y]), as PyTorch's).
+/// (normalized by the same sum(w[y]), as PyTorch's). Floating-point targets of the logits' shape
+/// are class probabilities (PyTorch's soft targets): -sum_c w_c t_c log p_c per row, smoothed as
+/// t (1 - label_smoothing) + label_smoothing / C, Mean over the rows; ignore_index is refused.
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOptions options = {},
                      const Loc& loc = Loc::current());
 Tensor mse_loss(const Tensor& prediction, const Tensor& target,

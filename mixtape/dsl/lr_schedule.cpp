@@ -23,9 +23,38 @@ void check_rate(const char* schedule, const char* what, double value) {
 
 }  // namespace
 
-ConstantLR::ConstantLR(double lr) : lr_(lr) { check_rate("ConstantLR", "the learning rate", lr); }
+ConstantLR::ConstantLR(double lr) : base_(lr) { check_rate("ConstantLR", "the learning rate", lr); }
 
-Tensor ConstantLR::graph_lr(const Tensor&) const { return number(lr_); }
+ConstantLR::ConstantLR(double base_lr, double factor, int64_t total_iters)
+    : base_(base_lr), factor_(factor), total_(total_iters) {
+  check_rate("ConstantLR", "base_lr", base_lr);
+  if (!(factor >= 0 && factor <= 1)) fail("ConstantLR: factor must be in [0, 1], got {}", factor);
+  if (total_iters < 0) fail("ConstantLR: total_iters must be >= 0, got {}", total_iters);
+}
+
+double ConstantLR::lr(int64_t step) const { return step < total_ ? base_ * factor_ : base_; }
+
+Tensor ConstantLR::graph_lr(const Tensor& step) const {
+  if (total_ == 0) return number(base_);
+  return where(step < static_cast<double>(total_), number(base_ * factor_), number(base_));
+}
+
+CosineAnnealingLR::CosineAnnealingLR(double base_lr, int64_t T_max, double eta_min)
+    : base_(base_lr), min_(eta_min), period_(T_max) {
+  check_rate("CosineAnnealingLR", "base_lr", base_lr);
+  check_rate("CosineAnnealingLR", "eta_min", eta_min);
+  if (T_max <= 0) fail("CosineAnnealingLR: T_max must be > 0, got {}", T_max);
+}
+
+double CosineAnnealingLR::lr(int64_t step) const {
+  const double phase = std::numbers::pi * static_cast<double>(step) / static_cast<double>(period_);
+  return min_ + (base_ - min_) * (1 + std::cos(phase)) / 2;
+}
+
+Tensor CosineAnnealingLR::graph_lr(const Tensor& step) const {
+  Tensor phase = std::numbers::pi * step / static_cast<double>(period_);
+  return min_ + (base_ - min_) * (1.0 + cos(phase)) / 2.0;
+}
 
 CosineWithWarmup::CosineWithWarmup(double peak_lr, int64_t warmup_steps, int64_t total_steps,
                                    double min_lr)

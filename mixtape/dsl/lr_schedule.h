@@ -35,15 +35,33 @@ class LRSchedule {
   virtual bool requires_momentum() const { return false; }
 };
 
-/// The same rate at every step.
+/// ConstantLR(lr): the same rate at every step. ConstantLR(base_lr, factor, total_iters) is
+/// torch.optim.lr_scheduler.ConstantLR: base_lr * factor for the first total_iters steps, then
+/// base_lr (PyTorch's defaults 1/3 and 5).
 class ConstantLR : public LRSchedule {
  public:
   explicit ConstantLR(double lr);
-  double lr(int64_t) const override { return lr_; }
+  ConstantLR(double base_lr, double factor, int64_t total_iters = 5);
+  double lr(int64_t step) const override;
   Tensor graph_lr(const Tensor& step) const override;
 
  private:
-  double lr_;
+  double base_, factor_ = 1;
+  int64_t total_ = 0;
+};
+
+/// torch.optim.lr_scheduler.CosineAnnealingLR (its closed form, which its step-by-step one
+/// follows): eta_min + (base_lr - eta_min) (1 + cos(pi step / T_max)) / 2, rising again after
+/// T_max as PyTorch's does (no restarts).
+class CosineAnnealingLR : public LRSchedule {
+ public:
+  CosineAnnealingLR(double base_lr, int64_t T_max, double eta_min = 0);
+  double lr(int64_t step) const override;
+  Tensor graph_lr(const Tensor& step) const override;
+
+ private:
+  double base_, min_;
+  int64_t period_;
 };
 
 /// Linear warmup from 0 to peak over warmup_steps, then cosine decay to min_lr at total_steps.

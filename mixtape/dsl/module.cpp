@@ -2,7 +2,9 @@
 #include "mixtape/dsl/module.h"
 
 #include <algorithm>
-#include <set>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
 
 #include "mixtape/dsl/activation_checkpointing.h"
 #include "mixtape/dsl/error.h"
@@ -12,6 +14,7 @@
 namespace mixtape {
 
 Module::~Module() {
+  members_->alive = false;
   // A child may outlive its parent (an encoder handed to a wrapper that goes first), and a
   // parent its child: neither keeps a pointer to the other.
   for (auto& [name, child] : children_)
@@ -37,12 +40,13 @@ void Module::checkpoint(bool enabled) const {
 void Module::check_new_name(const std::string& name) const {
   if (name.empty() || name.find('.') != std::string::npos)
     fail("Module: invalid name '{}' (must be non-empty and contain no '.')", name);
-  auto taken = [&](const auto& list) {
-    for (const auto& entry : list)
-      if (entry.first == name) return true;
-    return false;
+  auto taken = [&](const std::vector<Registered>& list) {
+    return std::any_of(list.begin(), list.end(),
+                       [&](const Registered& r) { return r.name == name; });
   };
-  if (taken(children_) || taken(parameters_) || taken(buffers_))
+  const bool child = std::any_of(children_.begin(), children_.end(),
+                                 [&](const auto& entry) { return entry.first == name; });
+  if (child || taken(parameters_) || taken(buffers_))
     fail("Module '{}': the name '{}' is already registered", path(), name);
 }
 
@@ -82,62 +86,98 @@ Tensor registered_leaf(const Module& module, const char* what, const std::string
 Tensor Module::register_parameter(const std::string& name, Tensor value, bool requires_grad) {
   check_new_name(name);
   owned_.push_back(registered_leaf(*this, "parameter", name, std::move(value), requires_grad));
-  parameters_.emplace_back(name, &owned_.back());
+  parameters_.push_back({name, &owned_.back()});
   return owned_.back();
 }
 
-Tensor Module::register_buffer(const std::string& name, Tensor value) {
+Tensor Module::register_buffer(const std::string& name, Tensor value, bool persistent) {
   check_new_name(name);
   owned_.push_back(registered_leaf(*this, "buffer", name, std::move(value), false));
-  buffers_.emplace_back(name, &owned_.back());
+  buffers_.push_back({name, &owned_.back(), persistent});
   return owned_.back();
 }
 
 void Module::register_parameter(const std::string& name, Tensor* member, bool requires_grad) {
   check_new_name(name);
   *member = registered_leaf(*this, "parameter", name, *member, requires_grad);
-  parameters_.emplace_back(name, member);
+  parameters_.push_back({name, member});
+  members_->slots.push_back(member);
 }
 
-void Module::register_buffer(const std::string& name, Tensor* member) {
+void Module::register_buffer(const std::string& name, Tensor* member, bool persistent) {
   check_new_name(name);
   *member = registered_leaf(*this, "buffer", name, *member, false);
-  buffers_.emplace_back(name, member);
+  buffers_.push_back({name, member, persistent});
+  members_->slots.push_back(member);
 }
 
-void Module::collect(const std::string& prefix, bool buffers, NamedTensors& out) const {
-  for (const auto& [name, tensor] : buffers ? buffers_ : parameters_) {
-    // A member assigned an undefined tensor after registration.
-    if (!tensor->defined())
-      fail("Module '{}': {} '{}' is undefined", path(), buffers ? "buffer" : "parameter", name);
-    out.emplace_back(prefix + name, *tensor);
+namespace {
+// A step that read a module's members replays while each still holds the tensor the trace read.
+class MembersHook final : public StepHook {
+ public:
+  MembersHook(std::shared_ptr<const void> owner, const std::vector<const Tensor*>& slots,
+              const bool& alive)
+      : owner_(std::move(owner)), slots_(slots), alive_(alive) {
+    for (const Tensor* slot : slots_) read_.push_back(slot->identity());
   }
-  for (const auto& [name, child] : children_) child->collect(prefix + name + ".", buffers, out);
+  const char* stale() const override {
+    if (!alive_) return "a module it read was destroyed";
+    for (size_t i = 0; i < read_.size(); ++i)  // members registered since are not the trace's
+      if (slots_[i]->identity() != read_[i])
+        return "a module's parameter or buffer was assigned another tensor since the trace";
+    return nullptr;
+  }
+  void ran(const std::vector<std::shared_ptr<Storage>>&) override {}
+
+ private:
+  std::shared_ptr<const void> owner_;  // keeps slots_ and alive_ readable after the module goes
+  const std::vector<const Tensor*>& slots_;
+  const bool& alive_;
+  std::vector<const void*> read_;
+};
+}  // namespace
+
+ModulePathScope Module::forward_scope() const {
+  if (trace_observer() && !members_->slots.empty())
+    on_each_call(std::make_shared<MembersHook>(members_, members_->slots, members_->alive));
+  return ModulePathScope(path());
+}
+
+void Module::collect(const std::string& prefix, Listing listing, NamedTensors& out) const {
+  const bool buffers = listing != Listing::parameters;
+  for (const Registered& r : buffers ? buffers_ : parameters_) {
+    if (listing == Listing::persistent_buffers && !r.persistent) continue;
+    // A member assigned an undefined tensor after registration.
+    if (!r.tensor->defined())
+      fail("Module '{}': {} '{}' is undefined", path(), buffers ? "buffer" : "parameter", r.name);
+    out.emplace_back(prefix + r.name, *r.tensor);
+  }
+  for (const auto& [name, child] : children_) child->collect(prefix + name + ".", listing, out);
 }
 
 std::vector<Tensor> Module::parameters() const {
   std::vector<Tensor> out;
+  std::unordered_set<const void*> listed;
   for (auto& [name, tensor] : named_parameters())
-    if (std::none_of(out.begin(), out.end(), [&](const Tensor& t) { return t.same(tensor); }))
-      out.push_back(tensor);
+    if (listed.insert(tensor.identity()).second) out.push_back(tensor);
   return out;
 }
 
 NamedTensors Module::named_parameters() const {
   NamedTensors out;
-  collect("", false, out);
+  collect("", Listing::parameters, out);
   return out;
 }
 
 NamedTensors Module::named_buffers() const {
   NamedTensors out;
-  collect("", true, out);
+  collect("", Listing::buffers, out);
   return out;
 }
 
 NamedTensors Module::state_dict() const {
   NamedTensors out = named_parameters();
-  for (auto& entry : named_buffers()) out.push_back(entry);
+  collect("", Listing::persistent_buffers, out);
   return out;
 }
 
@@ -145,16 +185,21 @@ void Module::load_state_dict(const NamedTensors& state, bool strict) {
   NamedTensors own = state_dict();
   std::vector<std::pair<Tensor, Tensor>> assignments;
   std::vector<std::string> missing, unexpected, mismatched;
-  std::set<std::string> given;
+  // By name, so that matching is linear in the entries (a scan for each was quadratic: seconds
+  // for 64k entries).
+  std::unordered_map<std::string_view, const Tensor*> given;
   for (const auto& [name, value] : state)
-    if (!given.insert(name).second) fail("load_state_dict: the entry '{}' is given twice", name);
+    if (!given.emplace(name, &value).second)
+      fail("load_state_dict: the entry '{}' is given twice", name);
+  std::unordered_set<std::string_view> own_names;
   for (const auto& [name, target] : own) {
-    auto found = std::find_if(state.begin(), state.end(), [&](auto& e) { return e.first == name; });
-    if (found == state.end()) {
+    own_names.insert(name);
+    auto found = given.find(name);
+    if (found == given.end()) {
       missing.push_back(name);
       continue;
     }
-    const Tensor& value = found->second;
+    const Tensor& value = *found->second;
     bool convertible =
         value.defined() && (value.dtype() == target.dtype() ||
                             (is_floating(value.dtype()) && is_floating(target.dtype())));
@@ -167,10 +212,8 @@ void Module::load_state_dict(const NamedTensors& state, bool strict) {
     }
     assignments.emplace_back(target, value);
   }
-  for (const auto& [name, value] : state) {
-    bool known = std::any_of(own.begin(), own.end(), [&](auto& e) { return e.first == name; });
-    if (!known) unexpected.push_back(name);
-  }
+  for (const auto& [name, value] : state)
+    if (!own_names.count(name)) unexpected.push_back(name);
   if (!mismatched.empty())
     fail("load_state_dict: shape or dtype mismatch for {}", fmt::join(mismatched, "; "));
   if (strict && (!missing.empty() || !unexpected.empty()))
@@ -188,7 +231,8 @@ Module& Module::to(DType dtype) {
     fail("Module::to: converts to a floating-point type, not {}", name(dtype));
   // Checked before any is converted, so that a failure leaves no mixed module. An evaluation
   // settles the values assigned later (batch norm's running statistics after a forward).
-  const NamedTensors all = state_dict();
+  NamedTensors all = named_parameters();
+  collect("", Listing::buffers, all);  // non-persistent buffers too, as PyTorch's to()
   std::vector<Tensor> pending;
   for (const auto& [path, value] : all)
     if (!value.is_leaf()) pending.push_back(value);

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/tensor.h"
 
 namespace mixtape {
@@ -30,8 +31,10 @@ class Module {
   /// ("fc1.weight", tensor) pairs, names relative to this module; a tied weight under each of
   /// its names (a checkpoint stores every name).
   NamedTensors named_parameters() const;
+  /// Every buffer, persistent or not (as PyTorch's named_buffers()).
   NamedTensors named_buffers() const;
-  /// Parameters then buffers, by name.
+  /// Parameters then the persistent buffers, by name: what checkpoints save and
+  /// load_state_dict() takes.
   NamedTensors state_dict() const;
   /// Assigns each entry to the parameter or buffer of that name (shape and dtype must match;
   /// values are converted from other float dtypes). With strict, missing or unexpected names
@@ -74,27 +77,48 @@ class Module {
   }
   /// Registers a parameter (requires grad) and returns the handle to keep as a member.
   Tensor register_parameter(const std::string& name, Tensor value, bool requires_grad = true);
-  Tensor register_buffer(const std::string& name, Tensor value);
+  /// A buffer: module state that is not a parameter (running statistics). A non-persistent one
+  /// (persistent = false: a rotary table, a causal mask) is left out of state_dict(), so that
+  /// checkpoints neither save nor expect it, as PyTorch's register_buffer(persistent=False).
+  Tensor register_buffer(const std::string& name, Tensor value, bool persistent = true);
   /// Registers the member `*member` (which holds the initial value) under `name`: the module
   /// lists whatever the member holds when asked, so a tensor assigned to it later is the
   /// parameter, saved and optimized under that name, as PyTorch's attribute assignment (a tied
   /// weight: `lm_head.weight = wte.weight`; a loaded tensor put in place). The built-in layers
   /// register their weights so. `*member` must outlive the module's use (a field of it).
   void register_parameter(const std::string& name, Tensor* member, bool requires_grad = true);
-  void register_buffer(const std::string& name, Tensor* member);
+  void register_buffer(const std::string& name, Tensor* member, bool persistent = true);
+  /// Opens the module's forward (`auto scope = forward_scope();`): its path, for error messages
+  /// and precision rules (ModulePathScope), and, while mt::compile traces, a check before each
+  /// replay that every member registered by pointer still holds the tensor the trace read (a
+  /// member assigned another tensor between calls makes the step trace again). The built-in
+  /// layers open it; a module of your own that registers members by pointer should too.
+  ModulePathScope forward_scope() const;
 
  private:
   void add_child(const std::string& name, Module& child);
   void check_new_name(const std::string& name) const;
-  void collect(const std::string& prefix, bool buffers, NamedTensors& out) const;
+  enum class Listing { parameters, buffers, persistent_buffers };
+  void collect(const std::string& prefix, Listing listing, NamedTensors& out) const;
 
   Module* parent_ = nullptr;
   std::string name_;
   std::vector<std::pair<std::string, Module*>> children_;
   // The registered tensors: members of the module (register_parameter(name, &member)), or the
   // handles the value forms registered, kept in owned_.
-  std::vector<std::pair<std::string, Tensor*>> parameters_;
-  std::vector<std::pair<std::string, Tensor*>> buffers_;
+  struct Registered {
+    std::string name;
+    Tensor* tensor;
+    bool persistent = true;  // buffers: saved by state_dict()
+  };
+  std::vector<Registered> parameters_, buffers_;
+  // The members registered by pointer, shared with the replay checks of the steps mt::compile
+  // traced reading them (forward_scope()); `alive` turns false when the module goes.
+  struct Members {
+    std::vector<const Tensor*> slots;
+    bool alive = true;
+  };
+  std::shared_ptr<Members> members_ = std::make_shared<Members>();
   std::deque<Tensor> owned_;
   // Shared with the steps mt::compile traced reading it (note_training_read).
   std::shared_ptr<bool> training_ = std::make_shared<bool>(true);

@@ -87,20 +87,31 @@ Linear::Linear(int64_t in_features, int64_t out_features, bool with_bias, Genera
 }
 
 Tensor Linear::operator()(const Tensor& x, const Loc& loc) const {
-  ModulePathScope scope(path());
+  ModulePathScope scope = forward_scope();
   return linear(x, weight, bias, loc);
 }
 
-Embedding::Embedding(int64_t num_embeddings, int64_t dim, Generator* gen) {
+Embedding::Embedding(int64_t num_embeddings, int64_t dim, Generator* gen,
+                     std::optional<int64_t> padding_idx) {
   if (num_embeddings <= 0 || dim <= 0)
     fail("Embedding: sizes must be positive, got {} x {}", num_embeddings, dim);
+  if (padding_idx) {
+    if (*padding_idx < -num_embeddings || *padding_idx >= num_embeddings)
+      fail("Embedding: padding_idx {} is out of range for {} embeddings", *padding_idx,
+           num_embeddings);
+    this->padding_idx = *padding_idx < 0 ? *padding_idx + num_embeddings : *padding_idx;
+  }
   weight = init::normal({num_embeddings, dim}, 0, 1, gen);
+  if (this->padding_idx) {  // torch zeroes the padding row after drawing the others
+    Tensor row = eq(arange(num_embeddings, i64), full({}, double(*this->padding_idx), i64));
+    weight = where(unsqueeze(row, -1), zeros_like(weight), weight);
+  }
   register_parameter("weight", &weight);
 }
 
 Tensor Embedding::operator()(const Tensor& ids, const Loc& loc) const {
-  ModulePathScope scope(path());
-  return embedding(weight, ids, loc);
+  ModulePathScope scope = forward_scope();
+  return embedding(weight, ids, padding_idx, loc);
 }
 
 LayerNorm::LayerNorm(int64_t dim, double eps) : eps(eps) {
@@ -112,7 +123,7 @@ LayerNorm::LayerNorm(int64_t dim, double eps) : eps(eps) {
 }
 
 Tensor LayerNorm::operator()(const Tensor& x, const Loc& loc) const {
-  ModulePathScope scope(path());
+  ModulePathScope scope = forward_scope();
   return layer_norm(x, weight, bias, eps, 1, loc);
 }
 
@@ -123,7 +134,7 @@ RMSNorm::RMSNorm(int64_t dim, double eps) : eps(eps) {
 }
 
 Tensor RMSNorm::operator()(const Tensor& x, const Loc& loc) const {
-  ModulePathScope scope(path());
+  ModulePathScope scope = forward_scope();
   return rms_norm(x, weight, eps, loc);
 }
 
@@ -132,7 +143,7 @@ Dropout::Dropout(double p, Generator* gen) : p(p), gen_(gen) {
 }
 
 Tensor Dropout::operator()(const Tensor& x, const Loc& loc) const {
-  ModulePathScope scope(path());
+  ModulePathScope scope = forward_scope();
   return dropout(x, p, is_training(), gen_, loc);
 }
 
@@ -159,7 +170,7 @@ BatchNorm::BatchNorm(const char* kind, int64_t num_features, double eps,
 }
 
 Tensor BatchNorm::operator()(const Tensor& x, const Loc& loc) const {
-  ModulePathScope scope(path());
+  ModulePathScope scope = forward_scope();
   if (!x.defined()) fail("{} '{}': the input is an undefined tensor", kind_, path());
   check_rank(x);
   // Without running statistics the batch's are used in eval mode too, as PyTorch's.
@@ -200,7 +211,7 @@ GroupNorm::GroupNorm(int64_t num_groups, int64_t num_channels, double eps, bool 
 }
 
 Tensor GroupNorm::operator()(const Tensor& x, const Loc& loc) const {
-  ModulePathScope scope(path());
+  ModulePathScope scope = forward_scope();
   return group_norm(x, num_groups, weight, bias, eps, loc);
 }
 
@@ -209,7 +220,7 @@ MaxPool2d::MaxPool2d(Size2 kernel, std::optional<Size2> stride, Size2 padding, S
     : kernel(kernel), stride(stride), padding(padding), dilation(dilation), ceil_mode(ceil_mode) {}
 
 Tensor MaxPool2d::operator()(const Tensor& x, const Loc& loc) const {
-  ModulePathScope scope(path());
+  ModulePathScope scope = forward_scope();
   return max_pool2d(x, kernel, stride, padding, dilation, ceil_mode, loc);
 }
 
@@ -222,14 +233,14 @@ AvgPool2d::AvgPool2d(Size2 kernel, std::optional<Size2> stride, Size2 padding, b
       count_include_pad(count_include_pad) {}
 
 Tensor AvgPool2d::operator()(const Tensor& x, const Loc& loc) const {
-  ModulePathScope scope(path());
+  ModulePathScope scope = forward_scope();
   return avg_pool2d(x, kernel, stride, padding, ceil_mode, count_include_pad, loc);
 }
 
 AdaptiveAvgPool2d::AdaptiveAvgPool2d(Size2 output_size) : output_size(output_size) {}
 
 Tensor AdaptiveAvgPool2d::operator()(const Tensor& x, const Loc& loc) const {
-  ModulePathScope scope(path());
+  ModulePathScope scope = forward_scope();
   return adaptive_avg_pool2d(x, output_size, loc);
 }
 
@@ -238,7 +249,7 @@ Dropout2d::Dropout2d(double p, Generator* gen) : p(p), gen_(gen) {
 }
 
 Tensor Dropout2d::operator()(const Tensor& x, const Loc& loc) const {
-  ModulePathScope scope(path());
+  ModulePathScope scope = forward_scope();
   return dropout2d(x, p, is_training(), gen_, loc);
 }
 
@@ -296,7 +307,7 @@ Tensor MLP::operator()(const Tensor& x, const Loc& loc) const {
   for (size_t i = 0; i < layers.size(); ++i) {
     h = (*layers[i])(h);
     if (i + 1 < layers.size()) {
-      ModulePathScope scope(path());
+      ModulePathScope scope = forward_scope();
       h = activate(activation, h);
     }
   }
@@ -317,7 +328,7 @@ CausalSelfAttention::CausalSelfAttention(int64_t dim, int64_t heads, double drop
 
 Tensor CausalSelfAttention::operator()(const Tensor& x, const Loc& loc) const {
   CallSiteScope site(loc);
-  ModulePathScope scope(path());
+  ModulePathScope scope = forward_scope();
   if (!x.defined() || x.dim() != 3 || x.size(2) * 3 != qkv.weight.size(0))
     op_fail("CausalSelfAttention", loc, "expects [batch, time, {}], got {}", qkv.weight.size(1),
             x.defined() ? to_string(x.shape()) : "undefined");
@@ -353,7 +364,7 @@ TransformerBlock::TransformerBlock(int64_t dim, int64_t heads, double dropout, G
 Tensor TransformerBlock::operator()(const Tensor& x, const Loc& loc) const {
   CallSiteScope site(loc);
   // The residual sums are the block's own nodes, so that checkpointing the block covers them.
-  ModulePathScope scope(path());
+  ModulePathScope scope = forward_scope();
   Tensor h = x + resid_dropout(attn(ln1(x)));
   return h + resid_dropout(mlp(ln2(h)));
 }

@@ -40,11 +40,15 @@ class Linear : public Module {
   Tensor weight, bias;
 };
 
+/// torch.nn.Embedding: weight [num_embeddings, dim] drawn from N(0, 1). With padding_idx
+/// (negative counts from the end) that row starts at zeros and gets no gradient, as torch's.
 class Embedding : public Module {
  public:
-  Embedding(int64_t num_embeddings, int64_t dim, Generator* gen = nullptr);
+  Embedding(int64_t num_embeddings, int64_t dim, Generator* gen = nullptr,
+            std::optional<int64_t> padding_idx = std::nullopt);
   Tensor operator()(const Tensor& ids, const Loc& loc = Loc::current()) const;
   Tensor weight;
+  std::optional<int64_t> padding_idx;  // normalized to [0, num_embeddings)
 };
 
 class LayerNorm : public Module {

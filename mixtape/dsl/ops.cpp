@@ -862,6 +862,21 @@ Tensor embedding(const Tensor& weight, const Tensor& ids, const Loc& loc) {
   return index_select(weight, ids, 0, loc);
 }
 
+Tensor embedding(const Tensor& weight, const Tensor& ids, std::optional<int64_t> padding_idx,
+                 const Loc& loc) {
+  CallSiteScope site(loc);
+  Tensor rows = embedding(weight, ids, loc);
+  if (!padding_idx) return rows;
+  const int64_t num = weight.size(0), pad = *padding_idx < 0 ? *padding_idx + num : *padding_idx;
+  if (pad < 0 || pad >= num)
+    op_fail("embedding", loc, "padding_idx {} is out of range for {} embeddings", *padding_idx,
+            num);
+  if (!rows.requires_grad()) return rows;
+  // The padding places read the row's value without a path for its gradient.
+  Tensor padding = unsqueeze(eq(ids, full({}, static_cast<double>(pad), ids.dtype()), loc), -1);
+  return where(padding, rows.detach(), rows, loc);
+}
+
 Tensor one_hot(const Tensor& ids, int64_t num_classes, DType dtype, const Loc& loc) {
   CallSiteScope site(loc);
   input(ids, "one_hot", loc, "ids");

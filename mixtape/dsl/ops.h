@@ -4,6 +4,7 @@
 
 #include <array>
 #include <concepts>
+#include <optional>
 #include <vector>
 
 #include "mixtape/dsl/tensor.h"
@@ -142,6 +143,10 @@ Tensor scatter(const Tensor& x, int64_t dim, const Tensor& index, double value,
                const Loc& loc = Loc::current());
 /// weight[ids]: [num, dim] table, integer ids of any shape -> ids.shape + [dim].
 Tensor embedding(const Tensor& weight, const Tensor& ids, const Loc& loc = Loc::current());
+/// The same, where the row `padding_idx` (negative counts from the end) gets no gradient from
+/// the places that read it, as torch's F.embedding(padding_idx=...).
+Tensor embedding(const Tensor& weight, const Tensor& ids, std::optional<int64_t> padding_idx,
+                 const Loc& loc = Loc::current());
 /// [..., num_classes] of dtype with 1 at each id; ids outside [0, num_classes) give all zeros.
 Tensor one_hot(const Tensor& ids, int64_t num_classes, DType dtype = f32,
                const Loc& loc = Loc::current());

@@ -73,7 +73,7 @@ MultiheadAttention::Result MultiheadAttention::operator()(
     bool need_weights, const Tensor& attn_mask, bool average_attn_weights, bool is_causal,
     const Loc& loc) const {
   CallSiteScope site(loc);
-  ModulePathScope scope(path());
+  ModulePathScope scope = forward_scope();
   const char* op = "MultiheadAttention";
   for (const Tensor* t : {&query, &key, &value})
     if (!t->defined() || t->dim() != 3 || t->size(2) != embed_dim)
@@ -163,6 +163,8 @@ RecurrentShape time_major(const char* op, const Tensor& x, int64_t input_size, b
     op_fail(op, loc, "expects [{}, {}] or an unbatched [T, {}], got {}",
             batch_first ? "N, T" : "T, N", input_size, input_size,
             x.defined() ? to_string(x.shape()) : "undefined");
+  if (x.size(batch_first && x.dim() == 3 ? 1 : 0) == 0)
+    op_fail(op, loc, "expects a sequence of at least one step, got {}", to_string(x.shape()));
   if (x.dim() == 2) return {unsqueeze(x, 1, loc), true};
   return {batch_first ? transpose(x, 0, 1) : x, false};
 }
@@ -191,12 +193,13 @@ Tensor caller_state(const Tensor& state, bool unbatched) {
 
 Recurrent::Recurrent(const char* kind, int64_t gates, int64_t input_size, int64_t hidden_size,
                      int64_t num_layers, bool bias, bool batch_first, double dropout,
-                     Generator* gen)
+                     Generator* gen, bool bidirectional)
     : input_size(input_size),
       hidden_size(hidden_size),
       num_layers(num_layers),
       batch_first(batch_first),
       dropout(dropout),
+      bidirectional(bidirectional),
       gen_(gen) {
   if (input_size <= 0 || hidden_size <= 0 || num_layers <= 0)
     fail("{}: sizes must be positive, got input {} hidden {} layers {}", kind, input_size,
@@ -204,84 +207,124 @@ Recurrent::Recurrent(const char* kind, int64_t gates, int64_t input_size, int64_
   if (!(dropout >= 0 && dropout <= 1)) fail("{}: dropout {} not in [0, 1]", kind, dropout);
   const double bound = 1.0 / std::sqrt(static_cast<double>(hidden_size));
   auto uniform = [&](Shape shape) { return init::uniform(std::move(shape), -bound, bound, gen); };
-  for (int64_t l = 0; l < num_layers; ++l) {
-    const std::string suffix = "_l" + std::to_string(l);
-    const int64_t in = l == 0 ? input_size : hidden_size, rows = gates * hidden_size;
-    weight_ih.push_back(register_parameter("weight_ih" + suffix, uniform({rows, in})));
-    weight_hh.push_back(register_parameter("weight_hh" + suffix, uniform({rows, hidden_size})));
-    bias_ih.push_back(bias ? register_parameter("bias_ih" + suffix, uniform({rows})) : Tensor());
-    bias_hh.push_back(bias ? register_parameter("bias_hh" + suffix, uniform({rows})) : Tensor());
-  }
+  // Sized first: the members are registered by address (so that one assigned another tensor is
+  // the parameter, as the other layers'), which a growing vector would move.
+  const auto count = static_cast<size_t>(num_layers * directions());
+  for (auto* list : {&weight_ih, &weight_hh, &bias_ih, &bias_hh}) list->reserve(count);
+  auto add = [&](std::vector<Tensor>& list, const std::string& name, Shape shape) {
+    list.push_back(uniform(std::move(shape)));
+    register_parameter(name, &list.back());
+  };
+  for (int64_t l = 0; l < num_layers; ++l)
+    for (int64_t d = 0; d < directions(); ++d) {
+      const std::string suffix = "_l" + std::to_string(l) + (d == 1 ? "_reverse" : "");
+      const int64_t in = l == 0 ? input_size : hidden_size * directions(),
+                    rows = gates * hidden_size;
+      add(weight_ih, "weight_ih" + suffix, {rows, in});
+      add(weight_hh, "weight_hh" + suffix, {rows, hidden_size});
+      if (bias) {
+        add(bias_ih, "bias_ih" + suffix, {rows});
+        add(bias_hh, "bias_hh" + suffix, {rows});
+      } else {
+        bias_ih.emplace_back();
+        bias_hh.emplace_back();
+      }
+    }
 }
 
+namespace {
+
+// Runs a recurrent layer of `layers` (each with `directions`) over `steps` [T, N, in]: each
+// layer and direction k projects its input at every step at once (weight_ih[k], bias_ih[k]),
+// then `cell(k, projected row, states)` updates the states (h first) step by step, forwards in
+// time or backwards. Returns the last layer's outputs [T, N, directions * H] and each k's last
+// states.
+template <typename Cell>
+std::pair<Tensor, std::vector<std::vector<Tensor>>> run_layers(const Recurrent& net,
+                                                               const Tensor& steps,
+                                                               std::vector<Tensor> initial,
+                                                               Cell cell, bool training,
+                                                               Generator* gen) {
+  const int64_t T = steps.size(0), D = net.directions();
+  Tensor layer_input = steps;
+  std::vector<std::vector<Tensor>> last(initial.size());
+  for (int64_t l = 0; l < net.num_layers; ++l) {
+    std::vector<Tensor> direction_outputs;
+    for (int64_t d = 0; d < D; ++d) {
+      const size_t k = static_cast<size_t>(l * D + d);
+      Tensor projected = linear(layer_input, net.weight_ih[k], net.bias_ih[k]);  // [T, N, G H]
+      std::vector<Tensor> states;
+      for (const Tensor& all : initial) states.push_back(row(all, static_cast<int64_t>(k)));
+      std::vector<Tensor> outputs(static_cast<size_t>(T));
+      for (int64_t s = 0; s < T; ++s) {
+        const int64_t t = d == 0 ? s : T - 1 - s;
+        cell(k, row(projected, t), states);
+        outputs[static_cast<size_t>(t)] = states[0];
+      }
+      for (size_t i = 0; i < states.size(); ++i) last[i].push_back(states[i]);
+      direction_outputs.push_back(stack(outputs, 0));
+    }
+    layer_input = D == 1 ? direction_outputs[0] : concat(direction_outputs, -1);
+    if (l + 1 < net.num_layers)
+      layer_input = mixtape::dropout(layer_input, net.dropout, training, gen);
+  }
+  return {layer_input, last};
+}
+
+}  // namespace
+
 LSTM::LSTM(int64_t input_size, int64_t hidden_size, int64_t num_layers, bool bias, bool batch_first,
-           double dropout, Generator* gen)
-    : Recurrent("LSTM", 4, input_size, hidden_size, num_layers, bias, batch_first, dropout, gen) {}
+           double dropout, Generator* gen, bool bidirectional)
+    : Recurrent("LSTM", 4, input_size, hidden_size, num_layers, bias, batch_first, dropout, gen,
+                bidirectional) {}
 
 LSTM::Result LSTM::operator()(const Tensor& x, const Tensor& h0, const Tensor& c0,
                               const Loc& loc) const {
   CallSiteScope site(loc);
-  ModulePathScope scope(path());
+  ModulePathScope scope = forward_scope();
+  if (h0.defined() != c0.defined())
+    op_fail("LSTM", loc, "takes the initial states h0 and c0 together, got only {}",
+            h0.defined() ? "h0" : "c0");
   RecurrentShape in = time_major("LSTM", x, input_size, batch_first, loc);
-  const int64_t T = in.steps.size(0), N = in.steps.size(1), H = hidden_size;
-  Tensor h_all = initial_state("LSTM", h0, num_layers, N, H, in.unbatched, x.dtype(), loc);
-  Tensor c_all = initial_state("LSTM", c0, num_layers, N, H, in.unbatched, x.dtype(), loc);
-  Tensor layer_input = in.steps;
-  std::vector<Tensor> h_last, c_last;
-  for (int64_t l = 0; l < num_layers; ++l) {
-    // Every step's input projection at once; the recurrence multiplies by weight_hh per step.
-    Tensor projected = linear(layer_input, weight_ih[l], bias_ih[l]);  // [T, N, 4H]
-    Tensor h = row(h_all, l), c = row(c_all, l);
-    std::vector<Tensor> outputs;
-    for (int64_t t = 0; t < T; ++t) {
-      Tensor gates = row(projected, t) + linear(h, weight_hh[l], bias_hh[l]);
-      std::vector<Tensor> g = chunk(gates, 4, 1);  // i, f, g, o
-      c = sigmoid(g[1]) * c + sigmoid(g[0]) * tanh(g[2]);
-      h = sigmoid(g[3]) * tanh(c);
-      outputs.push_back(h);
-    }
-    h_last.push_back(h);
-    c_last.push_back(c);
-    layer_input = stack(outputs, 0);
-    if (l + 1 < num_layers)
-      layer_input = mixtape::dropout(layer_input, dropout, is_training(), gen_);
-  }
-  return {caller_layout(layer_input, in.unbatched, batch_first),
-          caller_state(stack(h_last, 0), in.unbatched),
-          caller_state(stack(c_last, 0), in.unbatched)};
+  const int64_t N = in.steps.size(1), H = hidden_size, K = num_layers * directions();
+  std::vector<Tensor> initial = {initial_state("LSTM", h0, K, N, H, in.unbatched, x.dtype(), loc),
+                                 initial_state("LSTM", c0, K, N, H, in.unbatched, x.dtype(), loc)};
+  auto cell = [&](size_t k, const Tensor& projected, std::vector<Tensor>& state) {
+    Tensor& h = state[0];
+    Tensor& c = state[1];
+    Tensor gates = projected + linear(h, weight_hh[k], bias_hh[k]);
+    std::vector<Tensor> g = chunk(gates, 4, 1);  // i, f, g, o
+    c = sigmoid(g[1]) * c + sigmoid(g[0]) * tanh(g[2]);
+    h = sigmoid(g[3]) * tanh(c);
+  };
+  auto [output, last] = run_layers(*this, in.steps, initial, cell, is_training(), gen_);
+  return {caller_layout(output, in.unbatched, batch_first),
+          caller_state(stack(last[0], 0), in.unbatched),
+          caller_state(stack(last[1], 0), in.unbatched)};
 }
 
 GRU::GRU(int64_t input_size, int64_t hidden_size, int64_t num_layers, bool bias, bool batch_first,
-         double dropout, Generator* gen)
-    : Recurrent("GRU", 3, input_size, hidden_size, num_layers, bias, batch_first, dropout, gen) {}
+         double dropout, Generator* gen, bool bidirectional)
+    : Recurrent("GRU", 3, input_size, hidden_size, num_layers, bias, batch_first, dropout, gen,
+                bidirectional) {}
 
 GRU::Result GRU::operator()(const Tensor& x, const Tensor& h0, const Loc& loc) const {
   CallSiteScope site(loc);
-  ModulePathScope scope(path());
+  ModulePathScope scope = forward_scope();
   RecurrentShape in = time_major("GRU", x, input_size, batch_first, loc);
-  const int64_t T = in.steps.size(0), N = in.steps.size(1), H = hidden_size;
-  Tensor h_all = initial_state("GRU", h0, num_layers, N, H, in.unbatched, x.dtype(), loc);
-  Tensor layer_input = in.steps;
-  std::vector<Tensor> h_last;
-  for (int64_t l = 0; l < num_layers; ++l) {
-    Tensor projected = linear(layer_input, weight_ih[l], bias_ih[l]);  // [T, N, 3H]
-    Tensor h = row(h_all, l);
-    std::vector<Tensor> outputs;
-    for (int64_t t = 0; t < T; ++t) {
-      std::vector<Tensor> xi = chunk(row(projected, t), 3, 1);                    // r, z, n
-      std::vector<Tensor> hh = chunk(linear(h, weight_hh[l], bias_hh[l]), 3, 1);  // r, z, n
-      Tensor r = sigmoid(xi[0] + hh[0]), z = sigmoid(xi[1] + hh[1]);
-      Tensor n = tanh(xi[2] + r * hh[2]);
-      h = (1.0 - z) * n + z * h;
-      outputs.push_back(h);
-    }
-    h_last.push_back(h);
-    layer_input = stack(outputs, 0);
-    if (l + 1 < num_layers)
-      layer_input = mixtape::dropout(layer_input, dropout, is_training(), gen_);
-  }
-  return {caller_layout(layer_input, in.unbatched, batch_first),
-          caller_state(stack(h_last, 0), in.unbatched)};
+  const int64_t N = in.steps.size(1), H = hidden_size, K = num_layers * directions();
+  std::vector<Tensor> initial = {initial_state("GRU", h0, K, N, H, in.unbatched, x.dtype(), loc)};
+  auto cell = [&](size_t k, const Tensor& projected, std::vector<Tensor>& state) {
+    Tensor& h = state[0];
+    std::vector<Tensor> xi = chunk(projected, 3, 1);                            // r, z, n
+    std::vector<Tensor> hh = chunk(linear(h, weight_hh[k], bias_hh[k]), 3, 1);  // r, z, n
+    Tensor r = sigmoid(xi[0] + hh[0]), z = sigmoid(xi[1] + hh[1]);
+    Tensor n = tanh(xi[2] + r * hh[2]);
+    h = (1.0 - z) * n + z * h;
+  };
+  auto [output, last] = run_layers(*this, in.steps, initial, cell, is_training(), gen_);
+  return {caller_layout(output, in.unbatched, batch_first),
+          caller_state(stack(last[0], 0), in.unbatched)};
 }
 
 }  // namespace mixtape

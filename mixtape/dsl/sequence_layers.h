@@ -53,31 +53,43 @@ class MultiheadAttention : public Module {
   Generator* gen_;
 };
 
-/// What torch.nn.LSTM and torch.nn.GRU (unidirectional) share: weight_ih_l{k} [G H, in],
-/// weight_hh_l{k} [G H, H], bias_ih_l{k}, bias_hh_l{k} with G = 4 gates (i, f, g, o) or 3 (r, z,
-/// n), all U(-1/sqrt(H), 1/sqrt(H)); dropout between layers when training. Input [T, N, in]
-/// ([N, T, in] batch first, or [T, in] unbatched); each returns the last layer's outputs at
-/// every step and each layer's last state [layers, N, H] (LSTM: h and c).
+/// What torch.nn.LSTM and torch.nn.GRU share: weight_ih_l{k} [G H, in], weight_hh_l{k} [G H, H],
+/// bias_ih_l{k}, bias_hh_l{k} with G = 4 gates (i, f, g, o) or 3 (r, z, n), all
+/// U(-1/sqrt(H), 1/sqrt(H)); dropout between layers when training. Bidirectional: each layer
+/// also runs backwards in time with its own weight_ih_l{k}_reverse, ... (registered after the
+/// forward direction's, as torch's), the directions' outputs concatenated [..., 2 H] (the next
+/// layer's input) and their states in h_n as (layer 0 forward, layer 0 backward, layer 1
+/// forward, ...). Input [T, N, in] ([N, T, in] batch first, or [T, in] unbatched), T >= 1; each
+/// returns the last layer's outputs at every step and each layer's and direction's last state
+/// [layers * directions, N, H] (LSTM: h and c). The bidirectional flag comes last (after gen),
+/// so that a torch-ordered `true` there does not compile as a Generator*.
 class Recurrent : public Module {
  public:
   int64_t input_size, hidden_size, num_layers;
   bool batch_first;
   double dropout;
-  std::vector<Tensor> weight_ih, weight_hh, bias_ih, bias_hh;  // per layer
+  bool bidirectional;
+  /// Per layer and direction, index layer * directions() + direction. Registered by address: an
+  /// element may be assigned another tensor (which is then the parameter), the vectors not resized.
+  std::vector<Tensor> weight_ih, weight_hh, bias_ih, bias_hh;
+  int64_t directions() const { return bidirectional ? 2 : 1; }
 
  protected:
   Recurrent(const char* kind, int64_t gates, int64_t input_size, int64_t hidden_size,
-            int64_t num_layers, bool bias, bool batch_first, double dropout, Generator* gen);
+            int64_t num_layers, bool bias, bool batch_first, double dropout, Generator* gen,
+            bool bidirectional);
   Generator* gen_;
 };
 
 class LSTM : public Recurrent {
  public:
   LSTM(int64_t input_size, int64_t hidden_size, int64_t num_layers = 1, bool bias = true,
-       bool batch_first = false, double dropout = 0.0, Generator* gen = nullptr);
+       bool batch_first = false, double dropout = 0.0, Generator* gen = nullptr,
+       bool bidirectional = false);
   struct Result {
     Tensor output, h_n, c_n;
   };
+  /// h0 and c0 are given together or not at all (zeros), as torch's (h0, c0) tuple.
   Result operator()(const Tensor& x, const Tensor& h0 = Tensor(), const Tensor& c0 = Tensor(),
                     const Loc& loc = Loc::current()) const;
 };
@@ -85,7 +97,8 @@ class LSTM : public Recurrent {
 class GRU : public Recurrent {
  public:
   GRU(int64_t input_size, int64_t hidden_size, int64_t num_layers = 1, bool bias = true,
-      bool batch_first = false, double dropout = 0.0, Generator* gen = nullptr);
+      bool batch_first = false, double dropout = 0.0, Generator* gen = nullptr,
+      bool bidirectional = false);
   struct Result {
     Tensor output, h_n;
   };

@@ -93,6 +93,8 @@ class Tensor {
 
   /// True when both handles share state (copies of one another).
   bool same(const Tensor& other) const { return impl_ == other.impl_; }
+  /// What same() compares, for sets and maps of tensors by identity.
+  const void* identity() const { return impl_.get(); }
 
  private:
   [[noreturn]] static void undefined();  // the mt::Error for a use of an undefined tensor

@@ -10,6 +10,7 @@
 #include <optional>
 #include <set>
 #include <string_view>
+#include <unordered_map>
 
 #include "mixtape/dsl/convert.h"
 #include "mixtape/dsl/error.h"
@@ -179,6 +180,9 @@ void save_tensors(const std::string& path, const NamedTensors& tensors, const Me
     held.push_back(std::move(storage));
   }
   file.metadata = metadata;
+  // Hugging Face's loaders take a safetensors file only with a "format" they know; these are
+  // PyTorch-layout tensors, as safetensors.torch.save_file's callers mark them.
+  if (!has_metadata(metadata, "format")) file.metadata.emplace_back("format", "pt");
   safetensors::write(path, file);
 }
 
@@ -356,17 +360,27 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
             path, key, own, steps);
       param_steps.emplace_back(own);
     }
+    // Each entry "optimizer.<parameter path>.<state>" by its parameter (a state name has no
+    // '.'), so that matching them is linear in the entries.
+    std::unordered_map<std::string_view, std::vector<size_t>> entries_of;
+    for (size_t e = 0; e < optimizer_entries.size(); ++e) {
+      const std::string& key = optimizer_entries[e].first;
+      const size_t dot = key.rfind('.');
+      if (dot > std::strlen(kOptimizerPrefix))
+        entries_of[std::string_view(key).substr(std::strlen(kOptimizerPrefix),
+                                                dot - std::strlen(kOptimizerPrefix))]
+            .push_back(e);
+    }
     std::vector<bool> taken(optimizer_entries.size());
     for (size_t i = 0; i < names.size(); ++i) {
       std::string prefix = kOptimizerPrefix + names[i] + ".";
       NamedTensors state;
-      for (size_t e = 0; e < optimizer_entries.size(); ++e) {
-        const auto& [key, value] = optimizer_entries[e];
-        if (key.rfind(prefix, 0) != 0 || key.find('.', prefix.size()) != std::string::npos)
-          continue;
-        state.emplace_back(key.substr(prefix.size()), value);
-        taken[e] = true;
-      }
+      if (auto found = entries_of.find(names[i]); found != entries_of.end())
+        for (size_t e : found->second) {
+          state.emplace_back(optimizer_entries[e].first.substr(prefix.size()),
+                             optimizer_entries[e].second);
+          taken[e] = true;
+        }
       try {
         optimizer->check_state(i, state, options.allow_nonfinite, prefix);
       } catch (const Error& e) {
@@ -389,9 +403,12 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
   if (!options.allow_nonfinite) {
     // Only the module's own entries: others are reported as unexpected by load_state_dict.
     NamedTensors own = module.state_dict();
+    std::unordered_map<std::string_view, const Tensor*> own_by_name;
+    for (const auto& [name, value] : own) own_by_name.emplace(name, &value);
     for (const auto& [name, value] : model) {
-      const Tensor* mine = find_entry(own, name);
-      if (!mine) continue;
+      auto found = own_by_name.find(name);
+      if (found == own_by_name.end()) continue;
+      const Tensor* mine = found->second;
       // As the module will hold it: an f32 1e6 loaded into an f16 parameter is inf there.
       std::shared_ptr<Storage> values = value.node()->value;
       if (is_floating(mine->dtype()) && values->dtype != mine->dtype())

@@ -48,7 +48,8 @@ def run_seq(d, m, params):
         mod = nn.MultiheadAttention(int(m['embed']), int(m['heads']), batch_first=flag('batch_first'))
     else:
         mod = (nn.LSTM if layer == 'lstm' else nn.GRU)(
-            int(m['input']), int(m['hidden']), int(m['layers']), batch_first=flag('batch_first'))
+            int(m['input']), int(m['hidden']), int(m['layers']), batch_first=flag('batch_first'),
+            bidirectional=flag('bidirectional'))
     mod.load_state_dict(params, strict=True)
     with torch.autocast('cpu', dtype=torch.bfloat16, enabled=flag('autocast')):
         return seq_forward_backward(mod, layer, d, flag)
@@ -267,6 +268,10 @@ def make_schedule(opt, spec):
         return S.LinearLR(opt, **spec.get('args', {}))
     if kind == 'onecycle':
         return S.OneCycleLR(opt, **spec['args'])
+    if kind == 'cosine':
+        return S.CosineAnnealingLR(opt, **spec['args'])
+    if kind == 'constant':
+        return S.ConstantLR(opt, **spec['args'])
     if kind == 'sequential':
         return S.SequentialLR(opt, [make_schedule(opt, s) for s in spec['schedules']],
                               spec['milestones'])
