@@ -395,6 +395,32 @@ TEST(Integers, ArgmaxAndScatterAddKeepEverySixtyFourBitValue) {
             (std::vector<int64_t>{big, 6}));
 }
 
+// A 0-d operand beside one with dimensions counts only when its category (bool < integer <
+// floating) is higher, as torch.result_type: an f16 activation times a 0-d f32 stayed f32.
+TEST(Promotion, ZeroDimensionalOperandsFollowTorchsCategories) {
+  mt::Tensor h = make({1, 2, 3}, {3}, mt::f16), b = make({1, 2, 3}, {3}, mt::bf16);
+  mt::Tensor f = make({1, 2, 3}, {3}, mt::f32), i = ints({1, 2, 3}, {3}, mt::i32);
+  mt::Tensor yes = mt::tensor(std::vector<bool>{true, false, true}, {3});
+  const std::vector<std::pair<mt::Tensor, mt::DType>> cases = {
+      {h * mt::scalar(0.5), mt::f16},
+      {mt::add(f, mt::scalar(2, mt::f64)), mt::f32},
+      {mt::add(i, mt::scalar(2, mt::i64)), mt::i32},
+      {mt::add(h, mt::scalar(2, mt::bf16)), mt::f16},
+      {mt::where(yes, b, mt::scalar(2, mt::f32)), mt::bf16},
+      {mt::pow(h, mt::scalar(2, mt::f32)), mt::f16},
+      // A higher category wins, in the 0-d operand's type.
+      {mt::add(i, mt::scalar(2.5, mt::f64)), mt::f64},
+      {mt::add(i, mt::scalar(2, mt::f16)), mt::f16},
+      {mt::add(yes, mt::scalar(2, mt::i32)), mt::i32},
+      // Operands alike in rank promote as before.
+      {mt::add(mt::scalar(1, mt::f16), mt::scalar(2, mt::f32)), mt::f32},
+      {mt::add(h, f), mt::f32},
+  };
+  for (size_t k = 0; k < cases.size(); ++k)
+    EXPECT_EQ(cases[k].first.dtype(), cases[k].second) << "case " << k;
+  expect_same(values(h * mt::scalar(0.5)), {0.5, 1, 1.5});
+}
+
 // Embedding's padding_idx, as torch's: the row starts at zeros and gets no gradient from the
 // places that read it (the others' gradients are summed as before); negative counts from the end.
 TEST(Embedding, PaddingRowStartsAtZeroAndGetsNoGradient) {

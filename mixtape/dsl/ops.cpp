@@ -76,12 +76,26 @@ NodePtr conform(const Tensor& x, DType dtype, const Shape& shape, const Loc& loc
   return node;
 }
 
+// The type two operands compute in, by PyTorch's rule for 0-d tensors: a 0-d operand beside one
+// with dimensions counts only when its category (bool < integer < floating) is higher, so that
+// an f16 activation times a 0-d f32 value stays f16 (as a number operand keeps it, scalar_like).
+DType result_type(const Tensor& a, const Tensor& b) {
+  const bool a0 = a.dim() == 0, b0 = b.dim() == 0;
+  if (a0 == b0) return promote(a.dtype(), b.dtype());
+  auto category = [](DType t) { return t == boolean ? 0 : is_floating(t) ? 2 : 1; };
+  const Tensor& dimensioned = a0 ? b : a;
+  const Tensor& zero_d = a0 ? a : b;
+  if (category(zero_d.dtype()) > category(dimensioned.dtype()))
+    return promote(dimensioned.dtype(), zero_d.dtype());
+  return dimensioned.dtype();
+}
+
 Tensor pointwise(OpCode op, Domain domain, bool to_bool, const Tensor& a, const Tensor& b,
                  const Loc& loc) {
   const char* opname = op_name(op);
   input(a, opname, loc, "first operand");
   input(b, opname, loc, "second operand");
-  DType t = promote(a.dtype(), b.dtype());
+  DType t = result_type(a, b);
   check_domain(opname, domain, t, loc);
   // Operands of one shape (most of a training step's) need no broadcast.
   Shape shape = same_shape(a.shape(), b.shape()) ? a.shape() : broadcast_or_fail(a, b, opname, loc);
@@ -242,7 +256,7 @@ Tensor where(const Tensor& cond, const Tensor& a, const Tensor& b, const Loc& lo
   input(b, "where", loc, "second value");
   if (cond.dtype() != boolean)
     op_fail("where", loc, "the condition must be bool, got {}", name(cond.dtype()));
-  DType t = promote(a.dtype(), b.dtype());
+  DType t = result_type(a, b);
   std::optional<Shape> values = broadcast_shapes(a.shape(), b.shape());
   std::optional<Shape> all = values ? broadcast_shapes(cond.shape(), *values) : std::nullopt;
   if (!all)
