@@ -559,6 +559,22 @@ TEST(TiedByAssignment, ACompiledStepTracesAgainAfterAMemberIsAssigned) {
     results.push_back(last.to_vector<float>());
   }
   EXPECT_EQ(results[0], results[1]);
+  // A layer the step makes itself is no member to check: such a step replays.
+  mt::Tensor w_in = mt::ones({2, 8});
+  w_in.requires_grad_();
+  mt::SGD inner_opt({w_in}, {.lr = 0.01});
+  auto inner = mt::compile([&] {
+    inner_opt.zero_grad();
+    mt::LayerNorm norm(8);
+    mt::Tensor loss = mt::sum(mt::square(norm(w_in * 2.0)));
+    loss.backward();
+    inner_opt.step();
+    return loss;
+  });
+  for (int i = 0; i < 6; ++i) inner();
+  if (mt::current_device() != mt::Device::reference) {
+    EXPECT_GE(inner.stats().replays, 3) << inner.stats().reason;
+  }
   mt::GRU gru(2, 3);
   mt::Tensor w = mt::zeros({9, 2});
   gru.weight_ih[0] = w;
@@ -634,6 +650,27 @@ TEST_F(Checkpoint, MetadataRoundTrips) {
   mt::NamedTensors entries = mt::load_tensors(path("plain.safetensors"), &plain);
   EXPECT_EQ(entries.size(), 4u);
   EXPECT_EQ(plain.size(), 4u);
+}
+
+// A batch norm's num_batches_tracked missing from a file (PyTorch before 0.4.1, converted
+// weights) starts at 0, and an i32 one converts, as torch's BatchNorm takes them.
+TEST_F(Checkpoint, BatchNormTakesAMissingOrI32BatchCountAsTorchDoes) {
+  mt::BatchNorm1d norm(3);
+  norm(mt::randn({4, 3}));
+  mt::eval({norm.num_batches_tracked});
+  EXPECT_EQ(norm.num_batches_tracked.item(), 1);
+  mt::NamedTensors file;
+  for (const auto& [name, t] : norm.state_dict())
+    if (name != "num_batches_tracked") file.emplace_back(name, t);
+  mt::BatchNorm1d other(3);
+  other.load_state_dict(file);
+  EXPECT_EQ(other.num_batches_tracked.item(), 0);
+  file.emplace_back("num_batches_tracked", mt::full({}, 7, mt::i32));
+  other.load_state_dict(file);
+  EXPECT_EQ(other.num_batches_tracked.item(), 7);
+  EXPECT_EQ(other.num_batches_tracked.dtype(), mt::i64);
+  file.back().second = mt::full({}, 7, mt::f32);  // a float into an integer buffer stays refused
+  EXPECT_MT_ERROR(other.load_state_dict(file), "num_batches_tracked", "expected [] i64");
 }
 
 // A non-persistent buffer (a rotary table, a causal mask) is module state that checkpoints

@@ -421,6 +421,26 @@ TEST(Promotion, ZeroDimensionalOperandsFollowTorchsCategories) {
   expect_same(values(h * mt::scalar(0.5)), {0.5, 1, 1.5});
 }
 
+// == and != compare elementwise, as PyTorch's: `ids != 0` is the padding mask a user writes.
+TEST(Operators, EqualityComparesElementwise) {
+  mt::Tensor ids = ints({0, 3, 0, 5}, {4});
+  mt::Tensor mask = ids != 0;
+  EXPECT_EQ(mask.dtype(), mt::boolean);
+  expect_same(values(mask), {0, 1, 0, 1});
+  expect_same(values(0 == ids), {1, 0, 1, 0});
+  expect_same(values(make({1, kNan}, {2}, mt::f32) == make({1, kNan}, {2}, mt::f32)), {1, 0});
+  expect_same(values(make({1, kNan}, {2}, mt::f32) != make({1, kNan}, {2}, mt::f32)), {0, 1});
+}
+
+// Class-probability targets take a negative ignore_index (it selects no class) and refuse one
+// that names a class, as PyTorch's check.
+TEST(CrossEntropy, ProbabilityTargetsRefuseOnlyAnIgnoreIndexOfAClass) {
+  mt::Tensor x = make({1, 2, 3, 3, 1, 0}, {2, 3}, mt::f32);
+  mt::Tensor p = make({0.2, 0.3, 0.5, 1, 0, 0}, {2, 3}, mt::f32);
+  EXPECT_EQ(values(mt::cross_entropy(x, p, {.ignore_index = -1})), values(mt::cross_entropy(x, p)));
+  EXPECT_MT_ERROR(mt::cross_entropy(x, p, {.ignore_index = 0}), "ignore_index (0)");
+}
+
 // Embedding's padding_idx, as torch's: the row starts at zeros and gets no gradient from the
 // places that read it (the others' gradients are summed as before); negative counts from the end.
 TEST(Embedding, PaddingRowStartsAtZeroAndGetsNoGradient) {
@@ -435,6 +455,8 @@ TEST(Embedding, PaddingRowStartsAtZeroAndGetsNoGradient) {
   std::vector<double> g = values(table.weight.grad());
   expect_same(g, {5, 5, 5, 6, 6, 6, 0, 0, 0, 0, 0, 0, 0, 0, 0});
   EXPECT_THROW(mt::Embedding(5, 3, nullptr, 5), mt::Error);
+  // torch's Embedding(10, 4, 0) means padding_idx 0; here the 0 would be a null generator.
+  static_assert(!std::is_constructible_v<mt::Embedding, int64_t, int64_t, int>);
   EXPECT_THROW(mt::Embedding(5, 3, nullptr, -6), mt::Error);
   EXPECT_THROW(mt::embedding(table.weight, ids, 7), mt::Error);
 }

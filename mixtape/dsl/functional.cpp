@@ -483,7 +483,7 @@ Tensor cross_entropy_with_probabilities(const Tensor& logits, const Tensor& targ
             "{} targets are class probabilities, which must have the logits' shape {} (classes "
             "last), got {} (class indices must be integer)",
             name(targets.dtype()), to_string(logits.shape()), to_string(targets.shape()));
-  if (options.ignore_index != CrossEntropyOptions{}.ignore_index)
+  if (options.ignore_index >= 0)  // as PyTorch's check: a negative one selects no class
     op_fail("cross_entropy", loc,
             "ignore_index ({}) applies to class indices, not to class probabilities",
             options.ignore_index);

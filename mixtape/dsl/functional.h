@@ -43,7 +43,8 @@ struct CrossEntropyOptions {
 /// sum(w[y] l) / sum(w[y]), and label smoothing's term weighs each class's -log p by its weight
 /// (normalized by the same sum(w[y]), as PyTorch's). Floating-point targets of the logits' shape
 /// are class probabilities (PyTorch's soft targets): -sum_c w_c t_c log p_c per row, smoothed as
-/// t (1 - label_smoothing) + label_smoothing / C, Mean over the rows; ignore_index is refused.
+/// t (1 - label_smoothing) + label_smoothing / C, Mean over the rows; an ignore_index of a class
+/// (>= 0) is refused.
 Tensor cross_entropy(const Tensor& logits, const Tensor& targets, CrossEntropyOptions options = {},
                      const Loc& loc = Loc::current());
 Tensor mse_loss(const Tensor& prediction, const Tensor& target,

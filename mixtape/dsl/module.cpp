@@ -138,7 +138,7 @@ class MembersHook final : public StepHook {
 }  // namespace
 
 ModulePathScope Module::forward_scope() const {
-  if (trace_observer() && !members_->slots.empty())
+  if (trace_observer() && !members_->slots.empty() && members_->made_in_trace != trace_observer())
     on_each_call(std::make_shared<MembersHook>(members_, members_->slots, members_->alive));
   return ModulePathScope(path());
 }
@@ -196,13 +196,23 @@ void Module::load_state_dict(const NamedTensors& state, bool strict) {
     own_names.insert(name);
     auto found = given.find(name);
     if (found == given.end()) {
-      missing.push_back(name);
+      // A batch norm's count of batches, which files from before PyTorch 0.4.1 and converted
+      // weights lack: it starts at 0, as torch's BatchNorm fills it in.
+      if ((name == "num_batches_tracked" || name.ends_with(".num_batches_tracked")) &&
+          target.dtype() == i64 && target.dim() == 0)
+        assignments.emplace_back(target, zeros({}, i64));
+      else
+        missing.push_back(name);
       continue;
     }
     const Tensor& value = *found->second;
+    // Floats convert to floats and integers to integers (an i32 count into an i64 buffer), as
+    // torch's copy_ takes them.
+    auto integer = [](DType t) { return !is_floating(t) && t != boolean; };
     bool convertible =
         value.defined() && (value.dtype() == target.dtype() ||
-                            (is_floating(value.dtype()) && is_floating(target.dtype())));
+                            (is_floating(value.dtype()) && is_floating(target.dtype())) ||
+                            (integer(value.dtype()) && integer(target.dtype())));
     if (!convertible || value.shape() != target.shape()) {
       mismatched.push_back(fmt::format("{} (expected {} {}, got {} {})", name,
                                        to_string(target.shape()), mixtape::name(target.dtype()),

@@ -117,6 +117,10 @@ class Module {
   struct Members {
     std::vector<const Tensor*> slots;
     bool alive = true;
+    // The trace running when the module was made: a module the step makes itself (a layer
+    // built inside the compiled function) lives only while that trace runs, and its values are
+    // the trace's own, so there is nothing of it for a replay to check.
+    const void* made_in_trace = trace_observer();
   };
   std::shared_ptr<Members> members_ = std::make_shared<Members>();
   std::deque<Tensor> owned_;

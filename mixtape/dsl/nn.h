@@ -46,6 +46,9 @@ class Embedding : public Module {
  public:
   Embedding(int64_t num_embeddings, int64_t dim, Generator* gen = nullptr,
             std::optional<int64_t> padding_idx = std::nullopt);
+  /// Embedding(10, 4, 0), torch's padding_idx=0 in its argument order, would take the 0 as a
+  /// null generator here: refused at compile time (pass {.., nullptr, 0} for a padding row).
+  Embedding(int64_t num_embeddings, int64_t dim, int padding_idx_in_torch_order) = delete;
   Tensor operator()(const Tensor& ids, const Loc& loc = Loc::current()) const;
   Tensor weight;
   std::optional<int64_t> padding_idx;  // normalized to [0, num_embeddings)

@@ -240,6 +240,8 @@ Tensor operator<(const Operand& a, const Operand& b) { return apply_operator(a, 
 Tensor operator<=(const Operand& a, const Operand& b) { return apply_operator(a, b, le); }
 Tensor operator>(const Operand& a, const Operand& b) { return apply_operator(a, b, gt); }
 Tensor operator>=(const Operand& a, const Operand& b) { return apply_operator(a, b, ge); }
+Tensor operator==(const Operand& a, const Operand& b) { return apply_operator(a, b, eq); }
+Tensor operator!=(const Operand& a, const Operand& b) { return apply_operator(a, b, ne); }
 Tensor operator-(const Operand& x) {
   if (!x.is_tensor) op_fail("neg", x.loc, "needs a tensor operand");
   return neg(x.tensor, x.loc);

@@ -52,6 +52,10 @@ Tensor operator<(const Operand& a, const Operand& b);
 Tensor operator<=(const Operand& a, const Operand& b);
 Tensor operator>(const Operand& a, const Operand& b);
 Tensor operator>=(const Operand& a, const Operand& b);
+/// Elementwise eq and ne, as PyTorch's tensor == and != (`ids != 0`): bool tensors, not a
+/// comparison of handles (Tensor::same() is that).
+Tensor operator==(const Operand& a, const Operand& b);
+Tensor operator!=(const Operand& a, const Operand& b);
 // An Operand, not a Tensor, so that the node records the caller's line (operators cannot take
 // a defaulted location argument).
 Tensor operator-(const Operand& x);

@@ -493,11 +493,12 @@ int64_t Optimizer::steps_taken(size_t param_index) const {
 void Optimizer::set_steps_taken(size_t param_index, int64_t steps) {
   if (param_index >= params_.size())
     fail("{}: parameter index {} out of range ({} parameters)", kind_, param_index, params_.size());
-  if (int64_t taken = steps_taken(); steps > taken)
+  const int64_t taken = steps_taken();
+  if (steps > taken)
     fail("{}: parameter {} cannot have taken {} steps, more than the optimizer's {}", kind_,
          param_index, steps, taken);
   Tensor& count = counts_[param_index];
-  if (steps == steps_taken()) {
+  if (steps == taken) {
     if (!count.same(step_)) moved_off(count.node().get(), step_.node().get());
     count = step_;
     return;

@@ -769,11 +769,14 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
   };
   int64_t steps = -1;
   std::vector<std::pair<std::string, int64_t>> param_steps;  // a parameter's own, where given
+  constexpr std::string_view prefix = "optimizer.", suffix = ".steps";
   for (const auto& [key, value] : file.metadata) {
     if (key == "optimizer.steps")
       steps = step_count(key, value);
-    else if (m.steps_buffer >= 0 && key.starts_with("optimizer.") && key.ends_with(".steps"))
-      param_steps.emplace_back(key.substr(10, key.size() - 16), step_count(key, value));
+    else if (m.steps_buffer >= 0 && key.starts_with(prefix) && key.ends_with(suffix))
+      param_steps.emplace_back(
+          key.substr(prefix.size(), key.size() - prefix.size() - suffix.size()),
+          step_count(key, value));
     const std::string* ours = exported_metadata(m, key);
     if (key == "optimizer.kind" && ours && *ours != value)
       raise(MIXTAPE_AOT_ERROR_FILE,

@@ -49,14 +49,16 @@ NamedTensors scaler_state(const std::string& path, const NamedTensors& entries,
 // The module path of each optimizer parameter, found by handle identity.
 std::vector<std::string> optimizer_param_names(const Module& module, const Optimizer& optimizer,
                                                const std::string& path) {
-  NamedTensors named = module.named_parameters();
+  // The first name of each tensor (a tied weight has several), by identity.
+  std::unordered_map<const void*, std::string> first_name;
+  for (const auto& [name, p] : module.named_parameters())
+    first_name.try_emplace(p.identity(), name);
   std::vector<std::string> names;
   for (const Tensor& p : optimizer.params()) {
-    auto found =
-        std::find_if(named.begin(), named.end(), [&](auto& e) { return e.second.same(p); });
-    if (found == named.end())
+    auto found = first_name.find(p.identity());
+    if (found == first_name.end())
       fail("checkpoint {}: the optimizer holds a parameter that is not part of the module", path);
-    names.push_back(found->first);
+    names.push_back(found->second);
   }
   return names;
 }
