@@ -430,6 +430,12 @@ TEST(Operators, EqualityComparesElementwise) {
   expect_same(values(0 == ids), {1, 0, 1, 0});
   expect_same(values(make({1, kNan}, {2}, mt::f32) == make({1, kNan}, {2}, mt::f32)), {1, 0});
   expect_same(values(make({1, kNan}, {2}, mt::f32) != make({1, kNan}, {2}, mt::f32)), {0, 1});
+  // Integers beyond 2^53 compare and add exactly (the number went through a double).
+  const int64_t big = (int64_t{1} << 53) + 1;
+  mt::Tensor wide = ints({big - 1, big}, {2});
+  expect_same(values(wide == big), {0, 1});
+  expect_same(values(wide != big), {1, 0});
+  EXPECT_EQ(int_values(wide - big), (std::vector<int64_t>{-1, 0}));
 }
 
 // Class-probability targets take a negative ignore_index (it selects no class) and refuse one

@@ -152,6 +152,12 @@ Tensor scalar_like(const Operand& s, const Tensor& other, const Loc& loc) {
   DType t = other.dtype();
   if (!is_floating(t) && !s.scalar_is_integral) t = f32;
   if (t == boolean) t = i64;
+  // An integer beyond 2^53 that a fill's double would round (ids == 2^53 + 1 matched 2^53): a
+  // stored value instead, exact.
+  constexpr int64_t exact = int64_t{1} << 53;
+  if (s.scalar_is_integral && !is_floating(t) && (s.integer > exact || s.integer < -exact))
+    return broadcast_to(cast(tensor(std::vector<int64_t>{s.integer}, {}, i64, loc), t, loc),
+                        other.shape(), loc);
   return full(other.shape(), s.scalar, t, loc);
 }
 

@@ -33,6 +33,7 @@ struct Operand {
   const Tensor& tensor;
   double scalar = 0;
   bool scalar_is_integral = false;
+  int64_t integer = 0;     // an integral scalar exactly (the double rounds beyond 2^53)
   bool is_tensor = false;  // so that an undefined tensor is an error rather than the scalar 0
   Loc loc;
   Operand(const Tensor& t, const Loc& loc = Loc::current())
@@ -42,6 +43,7 @@ struct Operand {
       : tensor(none),
         scalar(static_cast<double>(s)),
         scalar_is_integral(std::is_integral_v<S>),
+        integer(std::is_integral_v<S> ? static_cast<int64_t>(s) : 0),
         loc(loc) {}
 };
 Tensor operator+(const Operand& a, const Operand& b);
