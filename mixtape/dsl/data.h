@@ -140,7 +140,9 @@ struct Shard {
 /// order or, with `shuffle`, in a permutation that depends only on (seed, epoch), so a run can be
 /// reproduced (and resumed) exactly, on any platform and standard library. With `drop_last` the
 /// size() % batch_size examples that do not fill a batch are skipped in that epoch; without it
-/// the last batch of each epoch is shorter.
+/// the last batch of each epoch is shorter. drop_last defaults to true, where PyTorch's
+/// DataLoader keeps the short batch: every batch then has one shape, which a compiled step
+/// replays; pass false to see every example (an evaluation loop).
 ///
 /// The loader refers to `data`, which must outlive it.
 class DataLoader {
