@@ -11,6 +11,7 @@
 #include "examples/digits_model.h"
 #include "mixtape/runtime/safetensors.h"
 #include "tests/aot_test_util.h"
+#include "tests/test_util.h"
 
 namespace mt = mixtape;
 namespace fs = std::filesystem;
@@ -335,6 +336,32 @@ TEST(AotExport, StepsTakeAFixedBatch) {
   EXPECT_THROW(mt::aot::export_step(step, {mt::aot::input("x", {8, 64}, mt::f32)}, {"loss"},
                                     temp_dir("fixed"), o),
                mt::Error);
+}
+
+// A step that updates a non-persistent buffer (left out of the checkpoint) is refused naming it;
+// the message called it a "f32 [1] value ... or a buffer of its own".
+TEST(AotExport, AStepUpdatingANonPersistentBufferIsRefusedByName) {
+  struct Counting : mt::Module {
+    mt::Linear fc{4, 2};
+    mt::Tensor seen = mt::zeros({});
+    Counting() {
+      register_module("fc", fc);
+      register_buffer("seen", &seen, false);
+    }
+  } net;
+  mt::SGD opt(net.parameters(), {.lr = 0.1});
+  auto step = [&](const mt::Tensor& x) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::mean(net.fc(x));
+    loss.backward();
+    opt.step();
+    net.seen.assign(net.seen + 1.0);
+    return loss;
+  };
+  mt::aot::Options o{.name = "step", .module = &net, .optimizer = &opt};
+  EXPECT_MT_ERROR(mt::aot::export_step(step, {mt::aot::input("x", {3, 4}, mt::f32)}, {"loss"},
+                                       temp_dir("non_persistent"), o),
+                  "buffer 'seen'", "not persistent");
 }
 
 TEST_F(AotErrors, FunctionsHaveNoCheckpoints) {

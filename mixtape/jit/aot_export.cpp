@@ -312,6 +312,14 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
           "Options::generators does not name: its offset is state the step carries from call to "
           "call. Name each generator the step draws from in Options::generators, as "
           "CheckpointOptions::generators names it (mt::default_generator() for draws given none)");
+    if (!named_state && carried && o.module)
+      for (const auto& [path, buffer] : o.module->named_buffers())
+        if (buffer.node()->value == storage)  // left out of the checkpoint: non-persistent
+          fail(
+              "aot: the step updates the module's buffer '{}', which is not persistent, so the "
+              "checkpoint leaves it out and NAME_save could not keep what the step carries from "
+              "call to call: register it persistent, or do not assign it in the step",
+              path);
     if (!named_state && carried)
       fail(
           "aot: the step carries a {} {} value from call to call that {} does not name (state "
