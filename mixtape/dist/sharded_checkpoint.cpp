@@ -58,12 +58,13 @@ bool is_optimizer_entry(const std::string& name) { return name.starts_with(kOpti
 
 // The module path of the parameter an optimizer entry "optimizer.<path>.<state>" belongs to.
 std::string parameter_of(const std::string& entry) {
-  const size_t last = entry.rfind('.');
-  return entry.substr(kOptimizerPrefix.size(), last - kOptimizerPrefix.size());
+  return std::string(optimizer_entry_name(entry).value().parameter);
 }
 
 // The state's name in an optimizer entry "optimizer.<path>.<state>".
-std::string state_of(const std::string& entry) { return entry.substr(entry.rfind('.') + 1); }
+std::string state_of(const std::string& entry) {
+  return std::string(optimizer_entry_name(entry).value().entry);
+}
 
 // The optimizer's index of each of its parameters, by module path.
 std::map<std::string, size_t> parameter_indices(const Module& module, const Optimizer& optimizer) {

@@ -143,10 +143,18 @@ ModulePathScope Module::forward_scope() const {
   return ModulePathScope(path());
 }
 
+void Module::zero_when_missing(const std::string& name) {
+  auto found = std::find_if(buffers_.begin(), buffers_.end(),
+                            [&](const Registered& r) { return r.name == name; });
+  if (found == buffers_.end()) fail("Module '{}': no buffer '{}' is registered", path(), name);
+  found->zero_when_missing = true;
+}
+
 void Module::collect(const std::string& prefix, Listing listing, NamedTensors& out) const {
   const bool buffers = listing != Listing::parameters;
   for (const Registered& r : buffers ? buffers_ : parameters_) {
     if (listing == Listing::persistent_buffers && !r.persistent) continue;
+    if (listing == Listing::zero_when_missing && !(r.persistent && r.zero_when_missing)) continue;
     // A member assigned an undefined tensor after registration.
     if (!r.tensor->defined())
       fail("Module '{}': {} '{}' is undefined", path(), buffers ? "buffer" : "parameter", r.name);
@@ -191,16 +199,16 @@ void Module::load_state_dict(const NamedTensors& state, bool strict) {
   for (const auto& [name, value] : state)
     if (!given.emplace(name, &value).second)
       fail("load_state_dict: the entry '{}' is given twice", name);
-  std::unordered_set<std::string_view> own_names;
+  NamedTensors optional;
+  collect("", Listing::zero_when_missing, optional);
+  std::unordered_set<std::string_view> own_names, zero_names;
+  for (const auto& [name, target] : optional) zero_names.insert(name);
   for (const auto& [name, target] : own) {
     own_names.insert(name);
     auto found = given.find(name);
     if (found == given.end()) {
-      // A batch norm's count of batches, which files from before PyTorch 0.4.1 and converted
-      // weights lack: it starts at 0, as torch's BatchNorm fills it in.
-      if ((name == "num_batches_tracked" || name.ends_with(".num_batches_tracked")) &&
-          target.dtype() == i64 && target.dim() == 0)
-        assignments.emplace_back(target, zeros({}, i64));
+      if (zero_names.count(name))
+        assignments.emplace_back(target, zeros(target.shape(), target.dtype()));
       else
         missing.push_back(name);
       continue;

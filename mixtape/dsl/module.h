@@ -88,6 +88,9 @@ class Module {
   /// register their weights so. `*member` must outlive the module's use (a field of it).
   void register_parameter(const std::string& name, Tensor* member, bool requires_grad = true);
   void register_buffer(const std::string& name, Tensor* member, bool persistent = true);
+  /// Makes buffer `name` (registered) start at zeros where a state dict to load lacks it, as
+  /// PyTorch's BatchNorm takes files from before its num_batches_tracked existed.
+  void zero_when_missing(const std::string& name);
   /// Opens the module's forward (`auto scope = forward_scope();`): its path, for error messages
   /// and precision rules (ModulePathScope), and, while mt::compile traces, a check before each
   /// replay that every member registered by pointer still holds the tensor the trace read (a
@@ -98,7 +101,7 @@ class Module {
  private:
   void add_child(const std::string& name, Module& child);
   void check_new_name(const std::string& name) const;
-  enum class Listing { parameters, buffers, persistent_buffers };
+  enum class Listing { parameters, buffers, persistent_buffers, zero_when_missing };
   void collect(const std::string& prefix, Listing listing, NamedTensors& out) const;
 
   Module* parent_ = nullptr;
@@ -109,7 +112,8 @@ class Module {
   struct Registered {
     std::string name;
     Tensor* tensor;
-    bool persistent = true;  // buffers: saved by state_dict()
+    bool persistent = true;          // buffers: saved by state_dict()
+    bool zero_when_missing = false;  // buffers: zeros where a state dict lacks it
   };
   std::vector<Registered> parameters_, buffers_;
   // The members registered by pointer, shared with the replay checks of the steps mt::compile

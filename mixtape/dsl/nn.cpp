@@ -166,6 +166,8 @@ BatchNorm::BatchNorm(const char* kind, int64_t num_features, double eps,
     register_buffer("running_var", &running_var);
     num_batches_tracked = zeros({}, i64);
     register_buffer("num_batches_tracked", &num_batches_tracked);
+    // Files from before PyTorch 0.4.1, and converted weights, lack it: torch starts it at 0.
+    zero_when_missing("num_batches_tracked");
   }
 }
 

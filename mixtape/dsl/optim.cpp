@@ -186,8 +186,6 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
   std::vector<Tensor> new_params;
   std::vector<NamedTensors> new_state;
   updated.reserve(params_.size());
-  new_params.reserve(params_.size());
-  new_state.reserve(params_.size());
   Tensor new_step;
   // Each parameter counts its own updates, as torch's optimizers do (a parameter that got no
   // gradient in a step is not updated and its count stays): parameters that took the same
@@ -216,24 +214,28 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
     }
     if (schedule_) scheduled_lr_ = schedule_->graph_lr(step_);
     if (schedule_ && has_momentum()) scheduled_momentum_ = schedule_->graph_momentum(step_);
+    // The updated parameters in their order (as assemble() gathers them), each group's members
+    // as places in that order.
     for (size_t i = 0; i < params_.size(); ++i) {
       if (!params_[i].grad().defined()) continue;
       auto same = [&](const CountGroup& g) { return g.count.same(counts_[i]); };
       auto group = std::find_if(groups.begin(), groups.end(), same);
       if (group == groups.end()) group = groups.insert(groups.end(), {counts_[i], {}, {}});
-      group->members.push_back(i);
+      group->members.push_back(updated.size());
+      updated.push_back(i);
     }
-    std::vector<Tensor> slot_params(params_.size());
-    std::vector<NamedTensors> slot_state(params_.size());
+    new_params.resize(updated.size());
+    new_state.resize(updated.size());
     for (CountGroup& group : groups) {
       next_step_ = group.count + 1.0;
       group.next = skip_.defined() ? where(skip_, group.count, next_step_) : next_step_;
       begin_step();
-      for (size_t i : group.members) {
+      for (size_t k : group.members) {
+        const size_t i = updated[k];
         Tensor g = params_[i].grad();
         Tensor p = local_part(i, Tensor(params_[i].node()));
         if (!p.defined()) {  // a ZeRO shard of another process: assemble() gives its new value
-          slot_state[i] = state_[i];
+          new_state[k] = state_[i];
           continue;
         }
         Tensor local_grad = local_part(i, g.dtype() == p.dtype() ? g : cast(g, p.dtype()));
@@ -251,17 +253,10 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
             value = where(skip_, old ? *old : zeros_like(value), value);
           }
         }
-        slot_params[i] = std::move(next);
-        slot_state[i] = std::move(state);
+        new_params[k] = std::move(next);
+        new_state[k] = std::move(state);
       }
     }
-    // In the parameters' order, as assemble() gathers them.
-    for (size_t i = 0; i < params_.size(); ++i)
-      if (params_[i].grad().defined()) {
-        updated.push_back(i);
-        new_params.push_back(std::move(slot_params[i]));
-        new_state.push_back(std::move(slot_state[i]));
-      }
     if (!updated.empty()) {
       assemble(updated, new_params);
       // The optimizer's own count (schedules follow it): the group that took every update
@@ -322,7 +317,7 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
   step_ = from_storage(new_step.node()->value, {});
   for (const CountGroup& group : groups) {
     Tensor count = group.next.same(new_step) ? step_ : from_storage(group.next.node()->value, {});
-    for (size_t i : group.members) counts_[i] = count;
+    for (size_t k : group.members) counts_[updated[k]] = count;
   }
 }
 

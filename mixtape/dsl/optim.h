@@ -219,7 +219,7 @@ class Optimizer {
   // The parameters updated in a step that share a count (a 0-d node), and their new count.
   struct CountGroup {
     Tensor count;
-    std::vector<size_t> members;
+    std::vector<size_t> members;  // places in the step's list of updated parameters
     Tensor next;
   };
   Tensor step_;  // 0-d f64: updates taken, skipped ones not counted

@@ -63,6 +63,19 @@ std::vector<std::string> optimizer_param_names(const Module& module, const Optim
   return names;
 }
 
+}  // namespace
+
+std::optional<OptimizerEntryName> optimizer_entry_name(std::string_view name) {
+  const std::string_view prefix = kOptimizerPrefix;
+  const size_t last = name.rfind('.');
+  if (!name.starts_with(prefix) || last == std::string_view::npos || last <= prefix.size())
+    return std::nullopt;
+  return OptimizerEntryName{name.substr(prefix.size(), last - prefix.size()),
+                            name.substr(last + 1)};
+}
+
+namespace {
+
 // The metadata key of a parameter's own step count, where it differs from the optimizer's.
 std::string param_steps_key(const std::string& param_name) {
   return kOptimizerPrefix + param_name + ".steps";
@@ -337,52 +350,41 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
       if (!std::isfinite(*lr) || *lr < 0)
         fail("load_checkpoint {}: metadata 'optimizer.lr' = {} is not a learning rate", path, *lr);
     }
-    // Files without a parameter's own count (all of them before counts were per parameter)
-    // give it the optimizer's.
-    for (const auto& [key, value] : meta)
-      if (key != "optimizer.steps" && key.starts_with(kOptimizerPrefix) &&
-          key.ends_with(".steps") &&
-          std::none_of(names.begin(), names.end(),
-                       [&](const std::string& n) { return param_steps_key(n) == key; }))
+    std::unordered_map<std::string_view, size_t> index_of;
+    for (size_t i = 0; i < names.size(); ++i) index_of.emplace(names[i], i);
+    // A parameter's own count where the file has one; else the optimizer's (every file from
+    // before counts were per parameter).
+    param_steps.resize(names.size());
+    for (const auto& [key, value] : meta) {
+      std::optional<OptimizerEntryName> name = optimizer_entry_name(key);
+      if (!name || name->entry != "steps") continue;
+      auto found = index_of.find(name->parameter);
+      if (found == index_of.end())
         fail(
             "load_checkpoint {}: metadata '{}' is a step count for a parameter this optimizer "
             "does not update",
             path, key);
-    for (const std::string& name : names) {
-      std::string key = param_steps_key(name);
-      if (!has_metadata(meta, key)) {
-        param_steps.emplace_back();
-        continue;
-      }
       int64_t own = metadata_number<int64_t>(path, meta, key);
       if (own < 0 || own > steps)
         fail(
             "load_checkpoint {}: metadata '{}' = {} is not a step count between 0 and the "
             "optimizer's {}",
             path, key, own, steps);
-      param_steps.emplace_back(own);
+      param_steps[found->second] = own;
     }
-    // Each entry "optimizer.<parameter path>.<state>" by its parameter (a state name has no
-    // '.'), so that matching them is linear in the entries.
-    std::unordered_map<std::string_view, std::vector<size_t>> entries_of;
-    for (size_t e = 0; e < optimizer_entries.size(); ++e) {
-      const std::string& key = optimizer_entries[e].first;
-      const size_t dot = key.rfind('.');
-      if (dot > std::strlen(kOptimizerPrefix))
-        entries_of[std::string_view(key).substr(std::strlen(kOptimizerPrefix),
-                                                dot - std::strlen(kOptimizerPrefix))]
-            .push_back(e);
-    }
+    // Each state entry by its parameter, so that matching them is linear in the entries.
+    std::vector<NamedTensors> state_of(names.size());
     std::vector<bool> taken(optimizer_entries.size());
-    for (size_t i = 0; i < names.size(); ++i) {
-      std::string prefix = kOptimizerPrefix + names[i] + ".";
-      NamedTensors state;
-      if (auto found = entries_of.find(names[i]); found != entries_of.end())
-        for (size_t e : found->second) {
-          state.emplace_back(optimizer_entries[e].first.substr(prefix.size()),
-                             optimizer_entries[e].second);
+    for (size_t e = 0; e < optimizer_entries.size(); ++e)
+      if (std::optional<OptimizerEntryName> name = optimizer_entry_name(optimizer_entries[e].first))
+        if (auto found = index_of.find(name->parameter); found != index_of.end()) {
+          state_of[found->second].emplace_back(std::string(name->entry),
+                                               optimizer_entries[e].second);
           taken[e] = true;
         }
+    for (size_t i = 0; i < names.size(); ++i) {
+      std::string prefix = kOptimizerPrefix + names[i] + ".";
+      NamedTensors& state = state_of[i];
       try {
         optimizer->check_state(i, state, options.allow_nonfinite, prefix);
       } catch (const Error& e) {

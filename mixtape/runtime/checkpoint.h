@@ -2,7 +2,9 @@
 // loaders to and from safetensors files.
 #pragma once
 
+#include <optional>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -21,6 +23,14 @@ void save_tensors(const std::string& path, const NamedTensors& tensors,
                   const Metadata& metadata = {});
 /// Reads every tensor of a safetensors file; the file is validated completely first.
 NamedTensors load_tensors(const std::string& path, Metadata* metadata = nullptr);
+
+/// The parts of a checkpoint's optimizer name "optimizer.<parameter path>.<entry>": a state
+/// tensor's ("exp_avg"), or the metadata key of a parameter's own step count ("steps"); nullopt
+/// for other names (the optimizer's own keys, "optimizer.steps", have no parameter).
+struct OptimizerEntryName {
+  std::string_view parameter, entry;
+};
+std::optional<OptimizerEntryName> optimizer_entry_name(std::string_view name);
 
 /// What a checkpoint carries besides the module, optimizer and scaler, so that a run resumed
 /// from it goes on exactly as the saved one would have (the same dropout masks, noise and
