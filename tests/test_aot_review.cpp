@@ -579,10 +579,15 @@ TEST(AotReviewState, TiedWeightsSaveWhatTheStepTrained) {
 // Parameters that skipped steps count their own (torch's per-parameter "step"): the artifact
 // reads their counts from buffers of their own, NAME_save writes them as save_checkpoint does,
 // and NAME_load takes them back, refusing counts the exported step cannot hold.
+// In two parameter groups (weight matrices decayed, biases not and at half the rate), whose
+// rates the artifact steps with and saves as save_checkpoint does; fc1's weight and bias, in
+// different groups, share a count.
 TEST(AotReviewState, ParametersThatSkippedStepsKeepTheirOwnCounts) {
   mt::manual_seed(6);
   DigitsMLP net;
-  mt::AdamW opt(net.parameters(), {.lr = 1e-2});
+  mt::AdamW opt(std::vector<mt::ParamGroup<mt::AdamOptions>>{
+      {{net.fc1.weight, net.fc2.weight, net.fc3.weight}, {.lr = 1e-2}},
+      {{net.fc1.bias, net.fc2.bias, net.fc3.bias}, {.lr = 5e-3, .weight_decay = 0}}});
   mt::Generator g(8);
   auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y, bool freeze_fc1) {
     opt.zero_grad();
@@ -602,8 +607,9 @@ TEST(AotReviewState, ParametersThatSkippedStepsKeepTheirOwnCounts) {
     auto [x, y] = batch();
     train_step(x, y, freeze);
   }
-  ASSERT_EQ(opt.steps_taken(0), 2);
-  ASSERT_EQ(opt.steps_taken(2), 3);
+  ASSERT_EQ(opt.steps_taken(0), 2);  // fc1.weight
+  ASSERT_EQ(opt.steps_taken(3), 2);  // fc1.bias
+  ASSERT_EQ(opt.steps_taken(1), 3);
   auto step = [&](const mt::Tensor& x, const mt::Tensor& y) { return train_step(x, y, false); };
   std::string dir = temp_dir("review_own_counts");
   mt::aot::Options o{.name = "train", .module = &net, .optimizer = &opt};
@@ -657,6 +663,13 @@ TEST(AotReviewState, ParametersThatSkippedStepsKeepTheirOwnCounts) {
        "more than the optimizer's 6",
        true},
       {{{"optimizer.fc1.weight.steps", "x"}}, "not a step count", true},
+      // The state of other parameter groups (the step's options are its groups').
+      {{{"optimizer.param_groups", ""}}, "other parameter groups", true},
+      {{{"optimizer.param_groups", R"([{"params":["fc1.weight","fc2.weight","fc3.bias"]},)"
+                                   R"({"params":["fc1.bias","fc2.bias","fc3.weight"]}])"}},
+       "other parameter groups",
+       true},
+      {{{"optimizer.param_groups", "{"}}, "syntax error", true},
   };
   for (const Refused& r : refused) {
     std::string bad = edited(r.entries);

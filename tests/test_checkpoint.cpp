@@ -48,6 +48,7 @@ struct Snapshot {
   std::vector<std::pair<std::string, Bytes>> entries;
   int64_t steps = -1;
   std::vector<int64_t> param_steps;
+  std::vector<double> rates;  // each parameter group's, set_lr()'s
   bool operator==(const Snapshot&) const = default;
 };
 
@@ -62,6 +63,8 @@ Snapshot snapshot(const mt::Module& module, const mt::Optimizer* optimizer = nul
     s.steps = optimizer->steps_taken();
     for (size_t i = 0; i < optimizer->params().size(); ++i)
       s.param_steps.push_back(optimizer->steps_taken(i));
+    for (size_t g = 0; g < optimizer->group_count() && !optimizer->computes_own_rate(); ++g)
+      s.rates.push_back(optimizer->lr(g));
   }
   return s;
 }
@@ -1290,6 +1293,211 @@ TEST_F(Checkpoint, TheLearningRateSetIsRestored) {
   EXPECT_EQ(fresh.lr(), 0.05);
 }
 
+// Parameter groups, as torch's param_groups: the MLP's weight matrices decayed, its biases not
+// and at a rate of their own.
+std::vector<mt::ParamGroup<mt::AdamOptions>> matrices_and_vectors(const mt::Module& model,
+                                                                  double vector_lr = 0.02) {
+  std::vector<mt::Tensor> matrices, vectors;
+  for (const mt::Tensor& p : model.parameters()) (p.dim() > 1 ? matrices : vectors).push_back(p);
+  return {{matrices, {.lr = 0.05, .weight_decay = 0.1}},
+          {vectors, {.lr = vector_lr, .weight_decay = 0}}};
+}
+
+Training grouped_mlp_run(uint64_t seed) {
+  Training run = mlp_run(seed);
+  run.opt = std::make_unique<mt::AdamW>(matrices_and_vectors(*run.model));
+  // The saved run changed the biases' rate: the resumed one, made with 0.02, takes it from the
+  // file, or its biases go another way.
+  if (seed == 1) run.opt->set_lr(1, 0.03);
+  return run;
+}
+
+TEST_F(Checkpoint, ParameterGroupsResumeBitIdenticallyWithTheirRates) {
+  check_resume(grouped_mlp_run, path("groups.safetensors"));
+  Training resumed = grouped_mlp_run(2);
+  mt::load_checkpoint(path("groups.safetensors"), *resumed.model, resumed.opt.get());
+  EXPECT_EQ(resumed.opt->lr(0), 0.05);
+  EXPECT_EQ(resumed.opt->lr(1), 0.03);
+  mt::Metadata meta;
+  mt::load_tensors(path("groups.safetensors"), &meta);
+  std::map<std::string, std::string> by_key(meta.begin(), meta.end());
+  EXPECT_EQ(by_key["optimizer.param_groups"],
+            R"([{"params":["fc1.weight","fc2.weight"],"lr":0.05},)"
+            R"({"params":["fc1.bias","fc2.bias"],"lr":0.03}])");
+  EXPECT_EQ(by_key.count("optimizer.lr"), 0u) << "each group's rate is in its group";
+}
+
+// State loaded into other groups would go on under other options: refused, as torch refuses
+// param_groups that differ, with the file's groups checked as any other entry.
+TEST_F(Checkpoint, ParameterGroupsThatDifferAreRejectedWithoutChanges) {
+  Training grouped = grouped_mlp_run(1);
+  grouped.train(0, 2);
+  const std::string file = path("groups.safetensors");
+  mt::save_checkpoint(file, *grouped.model, grouped.opt.get());
+  Training one = mlp_run(3);
+  one.train(0, 1);
+  expect_rejected(file, *one.model, one.opt.get(),
+                  {"the file's optimizer has 2 parameter groups, this one has 1"});
+  mt::save_checkpoint(path("one.safetensors"), *one.model, one.opt.get());
+  Training target = grouped_mlp_run(3);
+  target.train(0, 1);
+  expect_rejected(path("one.safetensors"), *target.model, target.opt.get(),
+                  {"the file's optimizer has one parameter group, this one has 2"});
+  {
+    SCOPED_TRACE("the same sizes, other members");
+    Training other = mlp_run(4);
+    std::vector<mt::Tensor> p = other.model->parameters();  // fc1.weight, fc1.bias, fc2...
+    other.opt = std::make_unique<mt::AdamW>(
+        std::vector<mt::ParamGroup<mt::AdamOptions>>{{{p[0], p[1]}, {}}, {{p[2], p[3]}, {}}});
+    other.train(0, 1);
+    expect_rejected(file, *other.model, other.opt.get(),
+                    {"group 0 of the file lists 'fc2.weight', which is in group 1"});
+  }
+  mt::Metadata meta;
+  mt::NamedTensors entries = mt::load_tensors(file, &meta);
+  const std::pair<const char*, const char*> damaged[] = {
+      {"[", "syntax error"},
+      {R"({"params":[]})", "not a list of parameter groups"},
+      {"[{},{}]", R"(group 0 of metadata 'optimizer.param_groups' has no "params" list)"},
+      {R"([{"params":["fc1.weight"]},{"params":["fc1.bias","fc2.bias"]}])",
+       "group 0 of the file has 1 parameters, the optimizer's has 2"},
+      {R"([{"params":["fc1.weight","fc1.weight"]},{"params":["fc1.bias","fc2.bias"]}])",
+       "lists 'fc1.weight', which is listed twice"},
+      {R"([{"params":["fc1.weight",7]},{"params":["fc1.bias","fc2.bias"]}])",
+       "group 0 of the file lists 7, not a parameter this optimizer updates"},
+      {R"([{"params":["fc1.weight","fc2.weight"],"lr":-1},{"params":["fc1.bias","fc2.bias"]}])",
+       "group 0's rate = -1 is not a learning rate"},
+      {R"([{"params":["fc1.weight","fc2.weight"]},{"params":["fc1.bias","fc2.bias"],"lr":"x"}])",
+       R"(group 1's "lr" is "x", not a number)"},
+  };
+  for (const auto& [value, fragment] : damaged) {
+    SCOPED_TRACE(value);
+    mt::Metadata bad = meta;
+    for (auto& [key, text] : bad)
+      if (key == "optimizer.param_groups") text = value;
+    mt::save_tensors(path("bad_groups.safetensors"), entries, bad);
+    expect_rejected(path("bad_groups.safetensors"), *target.model, target.opt.get(), {fragment});
+  }
+}
+
+// A tensor in two groups would be stepped twice with two states; an Adafactor whose groups
+// disagree on relative_step would have a rate that is and is not its own.
+TEST(ParameterGroups, ATensorInTwoGroupsAndMixedRelativeStepsAreRefused) {
+  mt::Linear layer(2, 2);
+  EXPECT_MT_ERROR(mt::SGD(std::vector<mt::ParamGroup<mt::SGDOptions>>{
+                      {{layer.weight}, {.lr = 0.1}}, {{layer.bias, layer.weight}, {.lr = 0.2}}}),
+                  "parameter 2 of group 1 is parameter 0 of group 0 again");
+  EXPECT_MT_ERROR(mt::Adafactor(std::vector<mt::ParamGroup<mt::AdafactorOptions>>{
+                      {{layer.weight}, {}}, {{layer.bias}, {.lr = 0.1, .relative_step = false}}}),
+                  "a group has relative_step = false and group 0 true");
+  mt::SGD sgd(std::vector<mt::ParamGroup<mt::SGDOptions>>{
+      {{layer.weight}, {.lr = 0.1}}, {{}, {.lr = 0.3}}, {{layer.bias}, {.lr = 0.2}}});
+  EXPECT_EQ(sgd.group_count(), 3u);
+  EXPECT_EQ(sgd.group_of(1), 2u) << "an empty group is kept, as torch keeps one";
+  EXPECT_MT_ERROR(sgd.set_lr(3, 0.1), "parameter group 3 out of range (3 groups)");
+  EXPECT_MT_ERROR(mt::SGD(std::vector<mt::ParamGroup<mt::SGDOptions>>{{{layer.weight}, {.lr = 0.1}},
+                                                                      {{layer.bias}, {.lr = -1}}}),
+                  "learning rate must be finite and >= 0, got -1");
+}
+
+// Unfreezing as training goes on: a group added after three steps (torch's add_param_group) steps
+// as the same parameters in a group of their own from the start, frozen until then (each counts
+// its own updates: Adam's bias corrections start at their first), also in a compiled step,
+// which traces again; the checkpoint then records both groups.
+TEST(ParameterGroups, AGroupAddedLaterStepsAsOneFrozenUntilThen) {
+  std::vector<Bytes> expected;
+  for (int run = 0; run < 3; ++run) {
+    const bool added = run > 0, compiled = run == 2;
+    SCOPED_TRACE(!added ? "both groups from the start" : compiled ? "added, compiled" : "added");
+    mt::Generator gen(4);
+    mt::Linear body(3, 4, true, &gen), head(4, 2, true, &gen);
+    mt::Tensor x = mt::randn({5, 3}, mt::f32, &gen), y = mt::randn({5, 2}, mt::f32, &gen);
+    std::vector<mt::ParamGroup<mt::AdamOptions>> groups = {
+        {{head.weight, head.bias}, {.lr = 0.05}}, {{body.weight, body.bias}, {.lr = 0.01}}};
+    if (added) groups.pop_back();
+    mt::AdamW opt(groups);
+    auto step = [&] {
+      opt.zero_grad();
+      mt::mse_loss(head(mt::tanh(body(x))), y).backward();
+      opt.step();
+    };
+    auto compiled_step = mt::compile(step);
+    for (mt::Tensor p : {body.weight, body.bias}) p.requires_grad_(false);
+    for (int i = 0; i < 6; ++i) {
+      if (i == 3) {
+        for (mt::Tensor p : {body.weight, body.bias}) p.requires_grad_(true);
+        if (added) opt.add_param_group({{body.weight, body.bias}, {.lr = 0.01}});
+      }
+      compiled ? compiled_step() : step();
+    }
+    EXPECT_EQ(opt.group_count(), 2u);
+    EXPECT_EQ(opt.steps_taken(2), 3) << "the body's own updates";
+    EXPECT_EQ(opt.steps_taken(0), 6);
+    std::vector<Bytes> now;
+    for (const mt::Tensor& p : {head.weight, head.bias, body.weight, body.bias})
+      now.push_back(bytes_of(p));
+    if (!added)
+      expected = now;
+    else
+      EXPECT_TRUE(now == expected) << "the same bits as the optimizer built with both groups";
+  }
+  mt::Linear layer(2, 2);
+  mt::SGD sgd({layer.weight}, {.lr = 0.1});
+  EXPECT_MT_ERROR(sgd.add_param_group({{layer.bias, layer.weight}, {.lr = 0.1}}),
+                  "parameter 2 of group 1 is parameter 0 of group 0 again");
+  EXPECT_MT_ERROR(sgd.add_param_group({{layer.bias}, {.lr = 0.1, .momentum = -1}}),
+                  "momentum, dampening and weight_decay must be >= 0");
+  EXPECT_MT_ERROR(sgd.add_param_group({{layer.bias}, {.lr = -1}}),
+                  "learning rate must be finite and >= 0, got -1");
+  EXPECT_EQ(sgd.group_count(), 1u) << "refused groups are not added";
+  EXPECT_EQ(sgd.params().size(), 1u);
+}
+
+// torch's `param_groups[g]["weight_decay"] = ...`: set_options checks the options as the
+// constructor does and replaces the group's rate unless a schedule sets it; a compiled step
+// traces again and follows them. set_lr of every group changes none while one has a schedule.
+TEST(ParameterGroups, OptionsSetBetweenStepsAreFollowedAlsoByACompiledStep) {
+  std::vector<Bytes> expected;
+  for (bool compiled : {false, true}) {
+    SCOPED_TRACE(compiled ? "compiled" : "traced");
+    mt::Generator gen(5);
+    mt::Linear layer(3, 2, true, &gen);
+    mt::Tensor x = mt::randn({4, 3}, mt::f32, &gen);
+    mt::AdamW opt(std::vector<mt::ParamGroup<mt::AdamOptions>>{{{layer.weight}, {.lr = 0.05}},
+                                                               {{layer.bias}, {.lr = 0.02}}});
+    auto step = [&] {
+      opt.zero_grad();
+      mt::sum(mt::square(layer(x))).backward();
+      opt.step();
+    };
+    auto compiled_step = mt::compile(step);
+    for (int i = 0; i < 8; ++i) {
+      if (i == 4) opt.set_options(0, {.lr = 0.03, .beta1 = 0.5, .weight_decay = 0.3});
+      compiled ? compiled_step() : step();
+    }
+    EXPECT_EQ(opt.lr(0), 0.03);
+    EXPECT_EQ(opt.options(0).beta1, 0.5);
+    std::vector<Bytes> now = {bytes_of(layer.weight), bytes_of(layer.bias)};
+    if (!compiled)
+      expected = now;
+    else
+      EXPECT_TRUE(now == expected) << "a replay with the old options";
+  }
+  mt::Linear layer(2, 2);
+  mt::SGD sgd(std::vector<mt::ParamGroup<mt::SGDOptions>>{{{layer.weight}, {.lr = 0.1}},
+                                                          {{layer.bias}, {.lr = 0.2}}});
+  EXPECT_MT_ERROR(sgd.set_options(1, {.lr = 0.1, .nesterov = true}),
+                  "Nesterov momentum requires a momentum > 0");
+  EXPECT_MT_ERROR(sgd.set_options(2, {}), "parameter group 2 out of range (2 groups)");
+  sgd.set_schedule(1, std::make_shared<mt::ExponentialLR>(0.2, 0.5));
+  EXPECT_MT_ERROR(sgd.set_lr(0.5), "while a schedule is attached to group 1");
+  EXPECT_EQ(sgd.lr(0), 0.1) << "no group changed";
+  sgd.set_options(1, {.lr = 0.7, .momentum = 0.9});
+  EXPECT_EQ(sgd.options(1).momentum, 0.9);
+  EXPECT_EQ(sgd.current_lr(1).item(), 0.2) << "the schedule sets the rate";
+  EXPECT_MT_ERROR(sgd.group_of(2), "parameter index 2 out of range");
+}
+
 // SGD with dampening: a checkpoint taken while every step so far was skipped (the usual start
 // of f16 training) resumed as if the zero buffer had been stepped, and the first real update
 // took (1 - dampening) of the gradient instead of all of it.
@@ -1342,8 +1550,8 @@ TEST(OptimizerState, AdagradKeepsItsInitialAccumulatorThroughASkippedStep) {
 // AdamW's default weight decay lived in a default argument: {.lr = 1e-3} gave 0, torch 0.01.
 TEST(OptimizerState, AdamWDecaysByDefaultAsTorchsAndAdamDoesNot) {
   mt::Tensor w = mt::ones({2}).requires_grad_();
-  EXPECT_EQ(mt::AdamW({w}, {.lr = 1e-3}).options.weight_decay, 0.01);
-  EXPECT_EQ(mt::AdamW({w}).options.weight_decay, 0.01);
-  EXPECT_EQ(mt::AdamW({w}, {.weight_decay = 0}).options.weight_decay, 0.0);
-  EXPECT_EQ(mt::Adam({w}, {.lr = 1e-3}).options.weight_decay, 0.0);
+  EXPECT_EQ(mt::AdamW({w}, {.lr = 1e-3}).options().weight_decay, 0.01);
+  EXPECT_EQ(mt::AdamW({w}).options().weight_decay, 0.01);
+  EXPECT_EQ(mt::AdamW({w}, {.weight_decay = 0}).options().weight_decay, 0.0);
+  EXPECT_EQ(mt::Adam({w}, {.lr = 1e-3}).options().weight_decay, 0.0);
 }

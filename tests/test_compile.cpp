@@ -1501,6 +1501,15 @@ TEST(Compile, SchedulesAndTheNewOptimizersReplayBitForBit) {
          opt->set_schedule(warmup_then_steps());
          return opt;
        }},
+      {"AdamW groups: the matrices scheduled, the vectors at a set rate without decay",
+       [](std::vector<mt::Tensor> p) {
+         std::vector<mt::ParamGroup<mt::AdamOptions>> groups(2);
+         for (mt::Tensor& t : p) groups[t.dim() > 1 ? 0 : 1].params.push_back(t);
+         groups[1].options = {.lr = 3e-3, .weight_decay = 0};
+         auto opt = std::make_unique<mt::AdamW>(std::move(groups));
+         opt->set_schedule(0, warmup_then_steps());
+         return opt;
+       }},
       {"Adafactor relative_step",
        [](std::vector<mt::Tensor> p) {
          return std::make_unique<mt::Adafactor>(std::move(p), mt::AdafactorOptions{.beta1 = 0.9});

@@ -127,6 +127,51 @@ TEST(Zero, OfOneProcessIsThePlainOptimizerAndItsCheckpointsArePlain) {
   std::filesystem::remove(path);  // no file left in the temp folder
 }
 
+// Parameter groups under ZeRO: each group's options and rate, as the plain rule's; its checkpoint
+// is the plain rule's, and loading one restores each group's rate into a ZeRO optimizer too (it
+// kept the constructor's).
+TEST(Zero, KeepsParameterGroupsAndRestoresTheirRates) {
+  mt::dist::init();
+  auto groups = [](const mt::MLP& net) {
+    std::vector<mt::Tensor> matrices, vectors;
+    for (const mt::Tensor& p : net.parameters()) (p.dim() > 1 ? matrices : vectors).push_back(p);
+    return std::vector<mt::ParamGroup<mt::AdamOptions>>{
+        {matrices, {.lr = 0.01, .weight_decay = 0.1}}, {vectors, {.lr = 0.03, .weight_decay = 0}}};
+  };
+  auto train = [&](mt::MLP& net, mt::Optimizer& opt) {
+    for (int s = 0; s < 3; ++s) {
+      opt.zero_grad();
+      mt::sum(mt::square(net(mt::ones({2, 4})))).backward();
+      opt.step();
+    }
+    std::vector<std::vector<float>> out;
+    for (const mt::Tensor& p : net.parameters()) out.push_back(p.to_vector<float>());
+    return out;
+  };
+  mt::manual_seed(5);
+  mt::MLP net({4, 8, 3}), twin({4, 8, 3});
+  twin.load_state_dict(net.state_dict());
+  mt::dist::ZeroAdamW zero(groups(net));
+  mt::AdamW plain(groups(twin));
+  EXPECT_EQ(train(net, zero), train(twin, plain));
+  EXPECT_EQ(zero.group_count(), 2u);
+  zero.set_lr(1, 0.004);
+  const std::string path = testing::TempDir() + "zero_groups.safetensors";
+  mt::dist::save_checkpoint(path, net, &zero);
+  mt::dist::ZeroAdamW resumed(groups(net));
+  mt::dist::load_checkpoint(path, net, &resumed);
+  EXPECT_EQ(resumed.lr(0), 0.01);
+  EXPECT_EQ(resumed.lr(1), 0.004);
+  mt::AdamW whole(groups(net));
+  mt::load_checkpoint(path, net, &whole);
+  EXPECT_EQ(whole.lr(1), 0.004);
+  mt::dist::ZeroAdamW ungrouped(net.parameters());
+  EXPECT_MT_ERROR(mt::dist::load_checkpoint(path, net, &ungrouped), "2 parameter groups");
+  mt::MLP other({2, 2});
+  EXPECT_MT_ERROR(zero.add_param_group({other.parameters(), {}}), "ZeRO cuts its shards");
+  std::filesystem::remove(path);
+}
+
 // Six AdamW steps of an MLP under the pure-bf16 policy, its first weight set to 0.25 by hand
 // after the third: the model in f32 (the policy rounds its parameters where they are read), or
 // made bf16 by Module::to and updated by ZeroAdamW or by the plain AdamW; both start from the same

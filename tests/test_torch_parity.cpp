@@ -127,6 +127,9 @@ struct OptConfig {
   // parameter has none in the first two steps, the last none in step 3, so each counts its own
   // steps (bias corrections, lr_decay, first momentum).
   bool skips = false;
+  // Two parameter groups: the weight matrices with these options, the biases with half the rate
+  // and no weight decay (torch's param_groups; the schedule, per group, peaks at each group's).
+  bool grouped = false;
 };
 // (parameter, step) pairs of OptConfig::skips, by the parameter's place in named_parameters().
 constexpr std::pair<int, int> kDroppedGradients[] = {{0, 0}, {0, 1}, {-1, 3}};
@@ -214,6 +217,39 @@ const OptConfig kOptConfigs[] = {
     {.name = "adagrad_decay_skips", .type = "adagrad", .lr = 0.1, .lr_decay = 0.1, .skips = true},
     {.name = "adafactor_skips", .type = "adafactor", .lr = 0, .skips = true},
     {.name = "adam_onecycle_skips", .type = "adam", .lr = 0.02, .onecycle = 8, .skips = true},
+    {.name = "sgd_momentum_groups",
+     .type = "sgd",
+     .lr = 0.1,
+     .momentum = 0.9,
+     .weight_decay = 0.05,
+     .grouped = true},
+    {.name = "adamw_groups", .type = "adamw", .lr = 0.01, .weight_decay = 0.1, .grouped = true},
+    {.name = "adam_l2_skips_groups",
+     .type = "adam",
+     .lr = 0.01,
+     .weight_decay = 0.1,
+     .skips = true,
+     .grouped = true},
+    {.name = "rmsprop_groups", .type = "rmsprop", .lr = 0.01, .weight_decay = 0.05, .grouped = true},
+    {.name = "adagrad_decay_groups",
+     .type = "adagrad",
+     .lr = 0.1,
+     .weight_decay = 0.05,
+     .lr_decay = 0.1,
+     .grouped = true},
+    {.name = "lion_groups", .type = "lion", .lr = 0.02, .weight_decay = 0.5, .grouped = true},
+    {.name = "adafactor_lr_groups",
+     .type = "adafactor",
+     .lr = 0.05,
+     .weight_decay = 0.1,
+     .relative_step = false,
+     .grouped = true},
+    {.name = "adamw_onecycle_groups",
+     .type = "adamw",
+     .lr = 0.02,
+     .weight_decay = 0.1,
+     .onecycle = 6,
+     .grouped = true},
 };
 
 // The parameter names OptConfig::skips drops the gradient of at `step`.
@@ -226,50 +262,79 @@ std::vector<std::string> dropped_gradients(const OptConfig& c, const mt::Module&
   return names;
 }
 
-std::unique_ptr<mt::Optimizer> make_optimizer(const OptConfig& c, std::vector<mt::Tensor> params) {
-  if (std::string(c.type) == "sgd")
-    return std::make_unique<mt::SGD>(std::move(params),
-                                     mt::SGDOptions{.lr = c.lr,
-                                                    .momentum = c.momentum,
-                                                    .dampening = c.dampening,
-                                                    .weight_decay = c.weight_decay,
-                                                    .nesterov = c.nesterov});
-  if (std::string(c.type) == "rmsprop")
-    return std::make_unique<mt::RMSprop>(std::move(params),
-                                         mt::RMSpropOptions{.lr = c.lr,
-                                                            .alpha = c.alpha,
-                                                            .eps = c.eps,
-                                                            .weight_decay = c.weight_decay,
-                                                            .momentum = c.momentum,
-                                                            .centered = c.centered});
-  if (std::string(c.type) == "adagrad")
-    return std::make_unique<mt::Adagrad>(
-        std::move(params),
-        mt::AdagradOptions{.lr = c.lr,
-                           .lr_decay = c.lr_decay,
-                           .weight_decay = c.weight_decay,
-                           .initial_accumulator_value = c.initial_accumulator_value,
-                           .eps = c.eps});
-  if (std::string(c.type) == "lion")
-    return std::make_unique<mt::Lion>(
-        std::move(params),
-        mt::LionOptions{
-            .lr = c.lr, .beta1 = c.beta1, .beta2 = c.beta2, .weight_decay = c.weight_decay});
-  if (std::string(c.type) == "adafactor")
-    return std::make_unique<mt::Adafactor>(
-        std::move(params),
-        mt::AdafactorOptions{.lr = c.relative_step ? std::nullopt : std::optional<double>(c.lr),
-                             .clip_threshold = c.clip_threshold,
-                             .decay_rate = c.decay_rate,
-                             .beta1 = c.af_beta1,
-                             .weight_decay = c.weight_decay,
-                             .scale_parameter = c.scale_parameter,
-                             .relative_step = c.relative_step,
-                             .warmup_init = c.warmup_init});
-  mt::AdamOptions options{
-      .lr = c.lr, .beta1 = c.beta1, .beta2 = c.beta2, .eps = c.eps, .weight_decay = c.weight_decay};
-  if (std::string(c.type) == "adam") return std::make_unique<mt::Adam>(std::move(params), options);
-  return std::make_unique<mt::AdamW>(std::move(params), options);
+// The parameter groups of OptConfig::grouped: the weight matrices, then the biases.
+std::vector<std::vector<mt::Tensor>> parameter_groups(const OptConfig& c,
+                                                      const std::vector<mt::Tensor>& params) {
+  if (!c.grouped) return {params};
+  std::vector<std::vector<mt::Tensor>> groups(2);
+  for (const mt::Tensor& p : params) groups[p.dim() > 1 ? 0 : 1].push_back(p);
+  return groups;
+}
+
+// Rule over the groups, each with the options `make(lr, weight_decay)` gives for its rate and
+// decay (the second group's as OptConfig::grouped says).
+template <class Rule, class Make>
+std::unique_ptr<mt::Optimizer> grouped_rule(const OptConfig& c,
+                                            const std::vector<std::vector<mt::Tensor>>& groups,
+                                            Make make) {
+  std::vector<mt::ParamGroup<decltype(make(0.0, 0.0))>> out;
+  for (size_t g = 0; g < groups.size(); ++g)
+    out.push_back({groups[g], g == 0 ? make(c.lr, c.weight_decay) : make(c.lr * 0.5, 0.0)});
+  return std::make_unique<Rule>(std::move(out));
+}
+
+std::unique_ptr<mt::Optimizer> make_optimizer(const OptConfig& c,
+                                              const std::vector<mt::Tensor>& params) {
+  std::vector<std::vector<mt::Tensor>> groups = parameter_groups(c, params);
+  const std::string type = c.type;
+  if (type == "sgd")
+    return grouped_rule<mt::SGD>(c, groups, [&](double lr, double weight_decay) {
+      return mt::SGDOptions{.lr = lr,
+                            .momentum = c.momentum,
+                            .dampening = c.dampening,
+                            .weight_decay = weight_decay,
+                            .nesterov = c.nesterov};
+    });
+  if (type == "rmsprop")
+    return grouped_rule<mt::RMSprop>(c, groups, [&](double lr, double weight_decay) {
+      return mt::RMSpropOptions{.lr = lr,
+                                .alpha = c.alpha,
+                                .eps = c.eps,
+                                .weight_decay = weight_decay,
+                                .momentum = c.momentum,
+                                .centered = c.centered};
+    });
+  if (type == "adagrad")
+    return grouped_rule<mt::Adagrad>(c, groups, [&](double lr, double weight_decay) {
+      return mt::AdagradOptions{.lr = lr,
+                                .lr_decay = c.lr_decay,
+                                .weight_decay = weight_decay,
+                                .initial_accumulator_value = c.initial_accumulator_value,
+                                .eps = c.eps};
+    });
+  if (type == "lion")
+    return grouped_rule<mt::Lion>(c, groups, [&](double lr, double weight_decay) {
+      return mt::LionOptions{
+          .lr = lr, .beta1 = c.beta1, .beta2 = c.beta2, .weight_decay = weight_decay};
+    });
+  if (type == "adafactor")
+    return grouped_rule<mt::Adafactor>(c, groups, [&](double lr, double weight_decay) {
+      return mt::AdafactorOptions{
+          .lr = c.relative_step ? std::nullopt : std::optional<double>(lr),
+          .clip_threshold = c.clip_threshold,
+          .decay_rate = c.decay_rate,
+          .beta1 = c.af_beta1,
+          .weight_decay = weight_decay,
+          .scale_parameter = c.scale_parameter,
+          .relative_step = c.relative_step,
+          .warmup_init = c.warmup_init};
+    });
+  auto adam = [&](double lr, double weight_decay) {
+    return mt::AdamOptions{
+        .lr = lr, .beta1 = c.beta1, .beta2 = c.beta2, .eps = c.eps, .weight_decay = weight_decay};
+  };
+  if (type == "adam") return grouped_rule<mt::Adam>(c, groups, adam);
+  return grouped_rule<mt::AdamW>(c, groups, adam);
 }
 
 // Learning-rate schedules: torch.optim.lr_scheduler built from `spec` (JSON) on an SGD with
@@ -1072,6 +1137,7 @@ void write_inputs(const fs::path& dir) {
                 {"clip_threshold", fmt::format("{}", c.clip_threshold)},
                 {"decay_rate", fmt::format("{}", c.decay_rate)},
                 {"onecycle", std::to_string(c.onecycle)},
+                {"grouped", c.grouped ? "1" : "0"},
                 {"dropped",
                  [&] {
                    std::vector<std::string> steps;
@@ -1383,7 +1449,9 @@ TEST_F(TorchParity, OptimizerTrajectoriesMatchTorchOptim) {
     Case c = open_case(id, &model);
     std::unique_ptr<mt::Optimizer> opt = make_optimizer(config, model.parameters());
     if (config.onecycle) {
-      opt->set_schedule(std::make_shared<mt::OneCycleLR>(config.lr, config.onecycle));
+      for (size_t g = 0; g < opt->group_count(); ++g)
+        opt->set_schedule(g, std::make_shared<mt::OneCycleLR>(config.lr * (g ? 0.5 : 1.0),
+                                                              config.onecycle));
       EXPECT_TRUE(opt->current_momentum().defined()) << "OneCycleLR cycles the momentum";
     }
     Comparison cmp(id);

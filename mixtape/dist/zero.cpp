@@ -412,6 +412,9 @@ void ZeroShards::gather_whole_state(const Optimizer& zero, Optimizer& whole) con
 }
 
 void ZeroShards::take_state(const Optimizer& whole, Optimizer& zero) const {
+  if (whole.group_count() != zero.group_count())
+    fail("ZeRO: the state is of {} parameter groups, the optimizer has {}", whole.group_count(),
+         zero.group_count());
   for (size_t i = 0; i < params_.size(); ++i) {
     NamedTensors mine;
     for (const auto& [name, value] : whole.state(i)) {
@@ -421,6 +424,9 @@ void ZeroShards::take_state(const Optimizer& whole, Optimizer& zero) const {
     zero.load_state(i, mine, true);
   }
   copy_step_counts(whole, zero);
+  // The rates the whole optimizer loaded, where no schedule of the ZeRO one sets them.
+  for (size_t g = 0; g < zero.group_count() && !zero.computes_own_rate(); ++g)
+    if (!zero.schedule(g)) zero.set_lr(g, whole.lr(g));
 }
 
 }  // namespace mixtape::dist

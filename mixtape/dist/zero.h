@@ -72,7 +72,8 @@ class ZeroShards {
   /// Into `whole`, a plain optimizer over the same parameters: every process's state shards,
   /// gathered, and `zero`'s step count. Every process calls it (collectives).
   void gather_state(const Optimizer& zero, Optimizer& whole) const;
-  /// Into `zero`: this process's shards of `whole`'s state, and its step count.
+  /// Into `zero`: this process's shards of `whole`'s state, its step counts, and its groups' rates
+  /// where `zero` has no schedule.
   void take_state(const Optimizer& whole, Optimizer& zero) const;
 
  private:
@@ -125,7 +126,8 @@ void keep(NamedTensors& state, const Tensor& next);
 class ZeroOptimizer {
  public:
   virtual ~ZeroOptimizer() = default;
-  /// A plain optimizer of the same rule and options over the same parameters, without state.
+  /// A plain optimizer of the same rule, groups and options over the same parameters, with each
+  /// group's rate set_lr() set last, without state (nor schedules).
   virtual std::unique_ptr<Optimizer> plain() const = 0;
   /// plain() with every process's state gathered: what a checkpoint holds. Every process calls
   /// it.
@@ -158,7 +160,7 @@ class Zero : public Rule, public ZeroOptimizer {
     return is_half(this->params()[i].dtype()) ? f32 : Rule::state_dtype(i);
   }
   std::unique_ptr<Optimizer> plain() const override {
-    return std::make_unique<Rule>(this->params(), this->options);
+    return std::make_unique<Rule>(this->param_groups());
   }
   std::unique_ptr<Optimizer> gathered() const override {
     std::unique_ptr<Optimizer> whole = plain();
@@ -167,6 +169,10 @@ class Zero : public Rule, public ZeroOptimizer {
   }
   void take_shards(const Optimizer& whole) override { shards_.take_state(whole, *this); }
   const ZeroShards& shards() const override { return shards_; }
+  const char* fixed_groups() const override {
+    return "ZeRO cuts its shards of the parameters at construction: construct it with every "
+           "group";
+  }
 
  protected:
   Tensor local_part(size_t i, const Tensor& whole) const override {

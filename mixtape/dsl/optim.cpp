@@ -6,6 +6,7 @@
 #include <cmath>
 #include <numbers>
 #include <string_view>
+#include <unordered_map>
 
 #include "mixtape/dsl/convert.h"
 #include "mixtape/dsl/error.h"
@@ -53,78 +54,169 @@ void Optimizer::add_zero_state(NamedTensors& state, std::string_view name, const
       from_storage(std::make_shared<Storage>(like.dtype(), like.numel()), like.shape()));
 }
 
-Optimizer::Optimizer(std::vector<Tensor> params, const char* kind)
-    : params_(std::move(params)), state_(params_.size()), counts_(params_.size()), kind_(kind) {
-  if (params_.empty()) fail("{}: got an empty parameter list", kind_);
-  for (size_t i = 0; i < params_.size(); ++i) {
-    if (!params_[i].defined()) fail("{}: parameter {} is undefined", kind_, i);
-    if (!params_[i].requires_grad()) fail("{}: parameter {} does not require grad", kind_, i);
+namespace {
+// mt::Error unless each of `params` (in groups `group_of`) is a defined leaf that requires grad
+// and is listed once.
+void check_parameters(const char* kind, const std::vector<Tensor>& params,
+                      const std::vector<size_t>& group_of) {
+  if (params.empty()) fail("{}: got an empty parameter list", kind);
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].defined()) fail("{}: parameter {} is undefined", kind, i);
+    if (!params[i].requires_grad()) fail("{}: parameter {} does not require grad", kind, i);
     // A computed tensor (w * 2) gets no gradient of its own: it would never be updated.
-    if (!params_[i].is_leaf())
+    if (!params[i].is_leaf())
       fail(
           "{}: parameter {} is the result of '{}', not a leaf tensor: an optimizer updates leaves "
           "(as torch's, which cannot optimize a non-leaf tensor)",
-          kind_, i, op_name(params_[i].node()->op));
-    // Updated twice from the same value, the second assign would win and the step be taken
-    // once, but the tensor would have two sets of state, saved under one checkpoint name.
-    // (PyTorch warns of duplicates in a group and refuses a tensor in two groups.)
-    for (size_t j = 0; j < i; ++j)
-      if (params_[i].same(params_[j]))
-        fail(
-            "{}: parameter {} is parameter {} again (a weight tied under two names?); list each "
-            "tensor once, as Module::parameters() does",
-            kind_, i, j);
+          kind, i, op_name(params[i].node()->op));
   }
+  // Updated twice from the same value, the second assign would win and the step be taken once,
+  // but the tensor would have two sets of state, saved under one checkpoint name. (PyTorch warns
+  // of duplicates in a group and refuses a tensor in two groups.) By node: a model has thousands
+  // of parameters.
+  std::unordered_map<const Node*, size_t> first_place;
+  for (size_t i = 0; i < params.size(); ++i) {
+    auto [place, added] = first_place.emplace(params[i].node().get(), i);
+    if (added) continue;
+    const size_t j = place->second;
+    if (group_of[i] != group_of[j])
+      fail(
+          "{}: parameter {} of group {} is parameter {} of group {} again; a tensor belongs to "
+          "one group",
+          kind, i, group_of[i], j, group_of[j]);
+    fail(
+        "{}: parameter {} is parameter {} again (a weight tied under two names?); list each "
+        "tensor once, as Module::parameters() does",
+        kind, i, j);
+  }
+}
+}  // namespace
+
+Optimizer::Optimizer(std::vector<std::vector<Tensor>> groups, const char* kind)
+    : groups_(groups.size()), kind_(kind) {
+  for (size_t g = 0; g < groups.size(); ++g)
+    for (Tensor& p : groups[g]) {
+      params_.push_back(std::move(p));
+      group_of_.push_back(g);
+    }
+  check_parameters(kind_, params_, group_of_);
+  state_.resize(params_.size());
+  counts_.resize(params_.size());
   set_steps_taken(0);
   note_optimizer_parameters(params_, true);
 }
 
+size_t Optimizer::add_group(std::vector<Tensor> params) {
+  if (const char* why = fixed_groups()) fail("{}: add_param_group: {}", kind_, why);
+  std::vector<Tensor> all = params_;
+  std::vector<size_t> group_of = group_of_;
+  const size_t group = groups_.size();
+  all.insert(all.end(), params.begin(), params.end());
+  group_of.resize(all.size(), group);
+  check_parameters(kind_, all, group_of);
+  // Its parameters have taken no update: the optimizer's count while it has taken none either,
+  // else a count of their own, as torch starts their "step" at their first update.
+  const int64_t taken = steps_taken();
+  Tensor count = taken == 0 ? step_ : stored_count(0);
+  params_ = std::move(all);
+  group_of_ = std::move(group_of);
+  groups_.emplace_back();
+  state_.resize(params_.size());
+  counts_.resize(params_.size(), count);
+  note_optimizer_parameters(params, true);
+  // A compiled step updates the parameters it traced: a new step-count buffer makes it trace
+  // again.
+  renew_step_count(taken);
+  return group;
+}
+
 Optimizer::~Optimizer() { note_optimizer_parameters(params_, false); }
 
-void Optimizer::set_lr(double lr) {
-  if (own_rate_) fail("{}: set_lr: {}", kind_, own_rate_);
-  if (schedule_)
-    fail(
-        "{}: set_lr({}) while a schedule is attached, which sets every step's rate; detach it "
-        "first (set_schedule(nullptr))",
-        kind_, lr);
+const Optimizer::Group& Optimizer::checked_group(size_t group) const {
+  if (group >= groups_.size())
+    fail("{}: parameter group {} out of range ({} groups)", kind_, group, groups_.size());
+  return groups_[group];
+}
+
+void Optimizer::check_group(size_t group) const { checked_group(group); }
+
+size_t Optimizer::group_of(size_t param_index) const {
+  if (param_index >= params_.size())
+    fail("{}: parameter index {} out of range ({} parameters)", kind_, param_index, params_.size());
+  return group_of_[param_index];
+}
+
+void Optimizer::check_lr(double lr) const {
   if (!(lr >= 0) || !std::isfinite(lr))
     fail("{}: learning rate must be finite and >= 0, got {}", kind_, lr);
+}
+
+void Optimizer::options_changed() {
+  note_side_effect(
+      "changes an optimizer's options (call set_options outside the compiled function)");
+  renew_step_count(steps_taken());
+}
+
+void Optimizer::set_lr(double lr) {
+  // Every group or none: a group whose schedule sets its rate refuses before any changes.
+  for (size_t g = 0; g < groups_.size(); ++g)
+    if (groups_[g].schedule) set_lr(g, lr);
+  for (size_t g = 0; g < groups_.size(); ++g) set_lr(g, lr);
+}
+
+void Optimizer::set_lr(size_t group, double lr) {
+  checked_group(group);
+  if (own_rate_) fail("{}: set_lr: {}", kind_, own_rate_);
+  Group& own = groups_[group];
+  if (own.schedule)
+    fail(
+        "{}: set_lr({}) while a schedule is attached{}, which sets every step's rate; detach it "
+        "first (set_schedule(nullptr))",
+        kind_, lr, groups_.size() > 1 ? fmt::format(" to group {}", group) : "");
+  check_lr(lr);
   note_side_effect("sets the learning rate (call set_lr outside the compiled function)");
-  lr_ = lr;
-  if (!lr_value_.defined()) {
-    lr_value_ = from_storage(std::make_shared<Storage>(f64, 1), {});
-    lr_f32_ = from_storage(std::make_shared<Storage>(f32, 1), {});
+  own.lr = lr;
+  if (!own.lr_value.defined()) {
+    own.lr_value = from_storage(std::make_shared<Storage>(f64, 1), {});
+    own.lr_f32 = from_storage(std::make_shared<Storage>(f32, 1), {});
   }
-  Storage& rate = *lr_value_.node()->value;
+  Storage& rate = *own.lr_value.node()->value;
   rate.as<double>()[0] = lr;
   rate.host_written();
-  Storage& rate_f32 = *lr_f32_.node()->value;
+  Storage& rate_f32 = *own.lr_f32.node()->value;
   rate_f32.as<float>()[0] = static_cast<float>(lr);
   rate_f32.host_written();
 }
 
 void Optimizer::set_schedule(std::shared_ptr<const LRSchedule> schedule) {
   if (own_rate_) fail("{}: set_schedule: {}", kind_, own_rate_);
+  for (size_t g = 0; g < groups_.size(); ++g) set_schedule(g, schedule);
+}
+
+void Optimizer::set_schedule(size_t group, std::shared_ptr<const LRSchedule> schedule) {
+  checked_group(group);
+  if (own_rate_) fail("{}: set_schedule: {}", kind_, own_rate_);
   note_side_effect(
       "sets a learning-rate schedule (call set_schedule outside the compiled function)");
   if (schedule && schedule->requires_momentum() && !has_momentum())
     fail("{}: the schedule cycles the momentum (cycle_momentum), and {} has no momentum or beta1",
          kind_, kind_);
-  schedule_ = std::move(schedule);
+  groups_[group].schedule = std::move(schedule);
   // A compiled step holds the old schedule's code: a new step-count buffer makes it trace again.
   renew_step_count(steps_taken());
 }
 
-Tensor Optimizer::current_lr() const {
+Tensor Optimizer::current_lr(size_t group) const {
+  const Group& own = checked_group(group);
   if (own_rate_) fail("{}: current_lr: {}", kind_, own_rate_);
   NoGradGuard no_grad;
-  return schedule_ ? schedule_->graph_lr(step_) : lr_value_;
+  return own.schedule ? own.schedule->graph_lr(step_) : own.lr_value;
 }
 
-Tensor Optimizer::current_momentum() const {
+Tensor Optimizer::current_momentum(size_t group) const {
+  const Group& own = checked_group(group);
   NoGradGuard no_grad;
-  return schedule_ && has_momentum() ? schedule_->graph_momentum(step_) : Tensor();
+  return own.schedule && has_momentum() ? own.schedule->graph_momentum(step_) : Tensor();
 }
 
 template <typename Make>
@@ -158,7 +250,9 @@ Tensor Optimizer::step_scalar(const Tensor& scalar, DType dtype, const Loc& loc)
   // The cast of a value this step computes is shared (it joins the kernel that computes the
   // value); that of a stored value (the learning rate) would be a kernel of its own, so each
   // parameter makes its own, which joins its update's kernel.
-  if (dtype == f32 && lr_f32_.defined() && scalar.node() == lr_value_.node()) return lr_f32_;
+  const Group& group = groups_[group_in_use_];
+  if (dtype == f32 && group.lr_f32.defined() && scalar.node() == group.lr_value.node())
+    return group.lr_f32;
   if (scalar.node()->evaluated()) return cast(scalar, dtype, loc);
   uint64_t what = reinterpret_cast<uintptr_t>(scalar.node().get());
   return shared(what, false, dtype, [&] { return cast(scalar, dtype, loc); });
@@ -200,8 +294,10 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
       Optimizer& optimizer;
       ~DropShared() {
         optimizer.drop_shared();
-        optimizer.scheduled_lr_ = optimizer.scheduled_momentum_ = Tensor();
+        for (Group& group : optimizer.groups_)
+          group.scheduled_lr = group.scheduled_momentum = Tensor();
         optimizer.next_step_ = optimizer.skip_ = Tensor();
+        optimizer.group_in_use_ = 0;
       }
     } drop_shared{*this};
     skip_ = Tensor();
@@ -212,8 +308,20 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
       Tensor flag = reshape(skip, {});
       skip_ = flag.dtype() == boolean ? flag : ne(flag, zeros({}, flag.dtype()));
     }
-    if (schedule_) scheduled_lr_ = schedule_->graph_lr(step_);
-    if (schedule_ && has_momentum()) scheduled_momentum_ = schedule_->graph_momentum(step_);
+    // One schedule attached to several groups builds its graph once.
+    for (size_t g = 0; g < groups_.size(); ++g) {
+      Group& group = groups_[g];
+      if (!group.schedule) continue;
+      auto same = std::find_if(groups_.begin(), groups_.begin() + static_cast<ptrdiff_t>(g),
+                               [&](const Group& e) { return e.schedule == group.schedule; });
+      if (same != groups_.begin() + static_cast<ptrdiff_t>(g)) {
+        group.scheduled_lr = same->scheduled_lr;
+        group.scheduled_momentum = same->scheduled_momentum;
+        continue;
+      }
+      group.scheduled_lr = group.schedule->graph_lr(step_);
+      if (has_momentum()) group.scheduled_momentum = group.schedule->graph_momentum(step_);
+    }
     // The updated parameters in their order (as assemble() gathers them), each group's members
     // as places in that order.
     for (size_t i = 0; i < params_.size(); ++i) {
@@ -229,9 +337,19 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
     for (CountGroup& group : groups) {
       next_step_ = group.count + 1.0;
       group.next = skip_.defined() ? where(skip_, group.count, next_step_) : next_step_;
-      begin_step();
-      for (size_t k : group.members) {
+      // Then the members of each parameter group in turn, begin_step() first with its options:
+      // sorted by group (no allocation, as the traced loop runs this every step).
+      if (groups_.size() > 1)
+        std::sort(group.members.begin(), group.members.end(), [&](size_t a, size_t b) {
+          return std::pair(group_of_[updated[a]], a) < std::pair(group_of_[updated[b]], b);
+        });
+      for (size_t m = 0; m < group.members.size(); ++m) {
+        const size_t k = group.members[m];
         const size_t i = updated[k];
+        if (m == 0 || group_of_[i] != group_in_use_) {
+          group_in_use_ = group_of_[i];
+          begin_step();
+        }
         Tensor g = params_[i].grad();
         Tensor p = local_part(i, Tensor(params_[i].node()));
         if (!p.defined()) {  // a ZeRO shard of another process: assemble() gives its new value
@@ -423,8 +541,9 @@ int64_t Optimizer::state_elements(size_t param_index) const {
 
 DType Optimizer::state_dtype(size_t param_index) const { return params_.at(param_index).dtype(); }
 
-bool Optimizer::momentum_scheduled() const {
-  return schedule_ && has_momentum() && schedule_->momentum(0).has_value();
+bool Optimizer::momentum_scheduled(size_t group) const {
+  const Group& own = checked_group(group);
+  return own.schedule && has_momentum() && own.schedule->momentum(0).has_value();
 }
 
 Tensor Optimizer::local_part(size_t, const Tensor& whole) const { return whole; }
@@ -506,8 +625,13 @@ void Optimizer::set_steps_taken(size_t param_index, int64_t steps) {
 }
 
 SGD::SGD(std::vector<Tensor> params, SGDOptions options)
-    : Optimizer(std::move(params), "SGD"), options(options) {
-  set_lr(options.lr);
+    : SGD(std::vector<ParamGroup<SGDOptions>>{{std::move(params), options}}) {}
+
+SGD::SGD(std::vector<ParamGroup<SGDOptions>> groups) : OptimizerWith(std::move(groups), "SGD") {
+  start_groups();
+}
+
+void SGD::resolve_options(SGDOptions& options) const {
   if (options.momentum < 0 || options.weight_decay < 0 || options.dampening < 0)
     fail("SGD: momentum, dampening and weight_decay must be >= 0");
   if (options.nesterov && (options.momentum <= 0 || options.dampening != 0))
@@ -521,13 +645,15 @@ bool SGD::state_started(const NamedTensors& state) const {
   return flag == state.end() || flag->second.item() != 0;
 }
 
-std::optional<std::vector<std::string>> SGD::state_names(size_t) const {
-  if (options.momentum != 0 || momentum_scheduled())
+std::optional<std::vector<std::string>> SGD::state_names(size_t param_index) const {
+  const size_t group = group_of(param_index);
+  if (options(group).momentum != 0 || momentum_scheduled(group))
     return std::vector<std::string>{"momentum_buffer"};
   return std::vector<std::string>{};  // keeps none: any entry is refused
 }
 
 Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
+  const SGDOptions& options = group_options();
   Tensor g = grad;
   if (options.weight_decay != 0) g = with_l2_penalty(g, param, options.weight_decay);
   // A cycled momentum (a schedule's graph value) replaces the option, as PyTorch's OneCycleLR
@@ -561,20 +687,25 @@ Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state)
 }
 
 Adam::Adam(std::vector<Tensor> params, AdamOptions options)
-    : Adam(std::move(params), options, "Adam", false) {}
+    : Adam(std::vector<ParamGroup<AdamOptions>>{{std::move(params), options}}) {}
 
-Adam::Adam(std::vector<Tensor> params, AdamOptions options, const char* kind, bool decoupled)
-    : Optimizer(std::move(params), kind), options(options), decoupled_(decoupled) {
-  if (!options.weight_decay) this->options.weight_decay = decoupled ? 0.01 : 0.0;
-  options = this->options;
-  set_lr(options.lr);
+Adam::Adam(std::vector<ParamGroup<AdamOptions>> groups) : Adam(std::move(groups), "Adam", false) {}
+
+Adam::Adam(std::vector<ParamGroup<AdamOptions>> groups, const char* kind, bool decoupled)
+    : OptimizerWith(std::move(groups), kind), decoupled_(decoupled) {
+  start_groups();
+}
+
+void Adam::resolve_options(AdamOptions& options) const {
   if (!(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1))
-    fail("{}: betas must be in [0, 1), got ({}, {})", kind, options.beta1, options.beta2);
-  if (!(options.eps > 0) || !(*options.weight_decay >= 0))
-    fail("{}: eps must be > 0 and weight_decay >= 0", kind);
+    fail("{}: betas must be in [0, 1), got ({}, {})", kind(), options.beta1, options.beta2);
+  if (!(options.eps > 0) || !(options.weight_decay.value_or(0) >= 0))
+    fail("{}: eps must be > 0 and weight_decay >= 0", kind());
+  if (!options.weight_decay) options.weight_decay = decoupled_ ? 0.01 : 0.0;
 }
 
 void Adam::begin_step() {
+  const AdamOptions& options = group_options();
   // The bias corrections follow the step count in the graph (a skipped step does not advance
   // it), in f64 and in the same arrangement as torch.optim.Adam, rounded to the state's dtype
   // where they meet it, so results agree closely.
@@ -599,6 +730,7 @@ void Adam::start_state(NamedTensors& state, const Tensor& grad) const {
 }
 
 Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
+  const AdamOptions& options = group_options();
   // Fused arithmetic (dsl/ops.def): three nodes where single ops took fourteen, the same f32
   // operations in the same order. The running averages start at zero (start_state).
   Tensor g = grad;
@@ -622,27 +754,40 @@ Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state
 }
 
 AdamW::AdamW(std::vector<Tensor> params, AdamOptions options)
-    : Adam(std::move(params), options, "AdamW", true) {}
+    : AdamW(std::vector<ParamGroup<AdamOptions>>{{std::move(params), options}}) {}
+
+AdamW::AdamW(std::vector<ParamGroup<AdamOptions>> groups)
+    : Adam(std::move(groups), "AdamW", true) {}
 
 RMSprop::RMSprop(std::vector<Tensor> params, RMSpropOptions options)
-    : Optimizer(std::move(params), "RMSprop"), options(options) {
-  set_lr(options.lr);
+    : RMSprop(std::vector<ParamGroup<RMSpropOptions>>{{std::move(params), options}}) {}
+
+RMSprop::RMSprop(std::vector<ParamGroup<RMSpropOptions>> groups)
+    : OptimizerWith(std::move(groups), "RMSprop") {
+  start_groups();
+}
+
+void RMSprop::resolve_options(RMSpropOptions& options) const {
   if (!(options.alpha >= 0 && options.alpha < 1))
     fail("RMSprop: alpha must be in [0, 1), got {}", options.alpha);
   if (!(options.eps > 0) || options.weight_decay < 0 || options.momentum < 0)
     fail("RMSprop: eps must be > 0, weight_decay and momentum >= 0");
 }
 
-bool RMSprop::keeps_momentum() const { return options.momentum > 0 || momentum_value().defined(); }
+bool RMSprop::keeps_momentum() const {
+  return group_options().momentum > 0 || momentum_value().defined();
+}
 
-std::optional<std::vector<std::string>> RMSprop::state_names(size_t) const {
+std::optional<std::vector<std::string>> RMSprop::state_names(size_t param_index) const {
+  const size_t group = group_of(param_index);
   std::vector<std::string> names = {"square_avg"};
-  if (options.centered) names.push_back("grad_avg");
-  if (options.momentum > 0 || momentum_scheduled()) names.push_back("momentum_buffer");
+  if (options(group).centered) names.push_back("grad_avg");
+  if (options(group).momentum > 0 || momentum_scheduled(group)) names.push_back("momentum_buffer");
   return names;
 }
 
 void RMSprop::start_state(NamedTensors& state, const Tensor& grad) const {
+  const RMSpropOptions& options = group_options();
   // The running means and the momentum buffer start at zero, as torch's.
   add_zero_state(state, "square_avg", grad);
   if (options.centered) add_zero_state(state, "grad_avg", grad);
@@ -650,6 +795,7 @@ void RMSprop::start_state(NamedTensors& state, const Tensor& grad) const {
 }
 
 Tensor RMSprop::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
+  const RMSpropOptions& options = group_options();
   Tensor g = grad;
   if (options.weight_decay != 0) g = with_l2_penalty(g, param, options.weight_decay);
   auto running = [&](const char* name, bool squared) {
@@ -678,8 +824,14 @@ Tensor RMSprop::update(const Tensor& param, const Tensor& grad, NamedTensors& st
 }
 
 Adagrad::Adagrad(std::vector<Tensor> params, AdagradOptions options)
-    : Optimizer(std::move(params), "Adagrad"), options(options) {
-  set_lr(options.lr);
+    : Adagrad(std::vector<ParamGroup<AdagradOptions>>{{std::move(params), options}}) {}
+
+Adagrad::Adagrad(std::vector<ParamGroup<AdagradOptions>> groups)
+    : OptimizerWith(std::move(groups), "Adagrad") {
+  start_groups();
+}
+
+void Adagrad::resolve_options(AdagradOptions& options) const {
   if (!(options.eps > 0) || options.weight_decay < 0 || options.lr_decay < 0 ||
       options.initial_accumulator_value < 0)
     fail("Adagrad: eps must be > 0, and lr_decay, weight_decay and initial_accumulator_value >= 0");
@@ -690,6 +842,7 @@ std::optional<std::vector<std::string>> Adagrad::state_names(size_t) const {
 }
 
 Tensor Adagrad::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
+  const AdagradOptions& options = group_options();
   Tensor g = grad;
   if (options.weight_decay != 0) g = with_l2_penalty(g, param, options.weight_decay);
   Tensor sum = *find_state(state, "sum") + square(g);
@@ -703,7 +856,7 @@ void Adagrad::start_state(NamedTensors& state, const Tensor& grad) const {
   // Made before the first update, as torch's at construction: a skipped first step keeps the
   // initial value (a zero sum, made by the update, lost it).
   if (find_state(state, "sum")) return;
-  Tensor initial = full(grad.shape(), options.initial_accumulator_value, grad.dtype());
+  Tensor initial = full(grad.shape(), group_options().initial_accumulator_value, grad.dtype());
   eval({initial});
   state.emplace_back("sum", from_storage(initial.node()->value, grad.shape()));
 }
@@ -711,19 +864,25 @@ void Adagrad::start_state(NamedTensors& state, const Tensor& grad) const {
 void Adagrad::begin_step() {
   // Once per step for all parameters: the learning rate follows the step count in the graph, in
   // f64 as torch's.
-  step_lr_ = lr_value() / ((step_number() - 1.0) * options.lr_decay + 1.0);
+  step_lr_ = lr_value() / ((step_number() - 1.0) * group_options().lr_decay + 1.0);
 }
 
 Lion::Lion(std::vector<Tensor> params, LionOptions options)
-    : Optimizer(std::move(params), "Lion"), options(options) {
-  set_lr(options.lr);
+    : Lion(std::vector<ParamGroup<LionOptions>>{{std::move(params), options}}) {}
+
+Lion::Lion(std::vector<ParamGroup<LionOptions>> groups) : OptimizerWith(std::move(groups), "Lion") {
+  start_groups();
+}
+
+void Lion::resolve_options(LionOptions& options) const {
   if (!(options.beta1 >= 0 && options.beta1 <= 1 && options.beta2 >= 0 && options.beta2 <= 1))
     fail("Lion: betas must be in [0, 1], got ({}, {})", options.beta1, options.beta2);
   if (!(options.weight_decay >= 0)) fail("Lion: weight_decay must be >= 0");
 }
 
 void Lion::begin_step() {
-  if (options.weight_decay != 0) decay_ = 1.0 - lr_value() * options.weight_decay;
+  const double weight_decay = group_options().weight_decay;
+  if (weight_decay != 0) decay_ = 1.0 - lr_value() * weight_decay;
   beta1_ = momentum_value();  // a cycled beta1, as lion-pytorch reads the group's betas
   rest1_ = beta1_.defined() ? 1.0 - beta1_ : Tensor();
 }
@@ -737,6 +896,7 @@ void Lion::start_state(NamedTensors& state, const Tensor& grad) const {
 }
 
 Tensor Lion::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
+  const LionOptions& options = group_options();
   Tensor p = param;
   if (options.weight_decay != 0) p = p * step_scalar(decay_, p.dtype());
   const Tensor& m_prev = started_state(state, "exp_avg");
@@ -754,7 +914,24 @@ Tensor Lion::update(const Tensor& param, const Tensor& grad, NamedTensors& state
 }
 
 Adafactor::Adafactor(std::vector<Tensor> params, AdafactorOptions options)
-    : Optimizer(std::move(params), "Adafactor"), options(options) {
+    : Adafactor(std::vector<ParamGroup<AdafactorOptions>>{{std::move(params), options}}) {}
+
+Adafactor::Adafactor(std::vector<ParamGroup<AdafactorOptions>> groups)
+    : OptimizerWith(std::move(groups), "Adafactor") {
+  if (options(0).relative_step)
+    own_rate_ =
+        "relative_step computes the rate from the step count (construct Adafactor with "
+        "relative_step = false and an lr to set one)";
+  start_groups();
+}
+
+void Adafactor::resolve_options(AdafactorOptions& options) const {
+  // The rate is the optimizer's or the rule's: one relative_step for all groups.
+  if (options.relative_step != computes_own_rate())
+    fail(
+        "Adafactor: a group has relative_step = {} and group 0 {}; the groups either all compute "
+        "their rate or all take an lr",
+        options.relative_step, computes_own_rate());
   if (options.relative_step && options.lr)
     fail("Adafactor: lr = {} with relative_step, which computes the rate: pass one or the other",
          *options.lr);
@@ -770,12 +947,6 @@ Adafactor::Adafactor(std::vector<Tensor> params, AdafactorOptions options)
     fail("Adafactor: decay_rate must be <= 0, got {}", options.decay_rate);
   if (options.beta1 && !(*options.beta1 >= 0 && *options.beta1 < 1))
     fail("Adafactor: beta1 must be in [0, 1), got {}", *options.beta1);
-  if (options.relative_step)
-    own_rate_ =
-        "relative_step computes the rate from the step count (construct Adafactor with "
-        "relative_step = false and an lr to set one)";
-  else
-    set_lr(*options.lr);
 }
 
 namespace {
@@ -806,11 +977,12 @@ std::optional<std::vector<std::string>> Adafactor::state_names(size_t param_inde
     names = {"exp_avg_sq_row", "exp_avg_sq_col"};
   else
     names = {"exp_avg_sq"};
-  if (options.beta1) names.push_back("exp_avg");
+  if (options(group_of(param_index)).beta1) names.push_back("exp_avg");
   return names;
 }
 
 void Adafactor::begin_step() {
+  const AdafactorOptions& options = group_options();
   // transformers computes these in Python doubles from the step count.
   const Tensor& t = step_number();
   beta2t_ = 1.0 - pow(t, options.decay_rate);
@@ -824,6 +996,7 @@ void Adafactor::begin_step() {
 }
 
 Tensor Adafactor::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
+  const AdafactorOptions& options = group_options();
   Tensor p = param.dtype() == f32 ? param : cast(param, f32);
   Tensor g = grad.dtype() == f32 ? grad : cast(grad, f32);
   // The rate is a 0-d f32 value per parameter: transformers multiplies the parameter's RMS (an

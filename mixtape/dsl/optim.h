@@ -17,12 +17,27 @@ namespace mixtape {
 /// holding ZeRO's gathered state carries it for the ZeRO run that takes the state back.
 inline constexpr const char* kMasterWeightEntry = "master";
 
-/// Base of all optimizers: holds the parameters and their per-parameter state tensors. Each
-/// tensor may be listed once (mt::Error otherwise); Module::parameters() lists a tied weight once.
-/// step() builds every update as graph code and evaluates them together as one program.
+/// A parameter group, as torch.optim's param_groups: parameters updated with options of their
+/// own (weight decay on the weight matrices only, a smaller rate for pretrained layers). Each
+/// group carries its whole options; copy a base and change what differs:
+///   mt::AdamOptions decay{.lr = 6e-4, .weight_decay = 0.1}, no_decay = decay;
+///   no_decay.weight_decay = 0;
+///   mt::AdamW opt({{matrices, decay}, {biases_and_norms, no_decay}});
+template <class Options>
+struct ParamGroup {
+  std::vector<Tensor> params;
+  Options options;
+};
+
+/// Base of all optimizers: holds the parameters, in one or more groups, and their per-parameter
+/// state tensors. Each tensor may be listed once, in one group (mt::Error otherwise);
+/// Module::parameters() lists a tied weight once. params() lists the groups' parameters in
+/// order, group after group; parameter indices are places in that list. step() builds every
+/// update as graph code and evaluates them together as one program.
 class Optimizer {
  public:
-  explicit Optimizer(std::vector<Tensor> params, const char* kind);
+  /// The parameters of each group (at least one parameter in all, a group may be empty).
+  Optimizer(std::vector<std::vector<Tensor>> groups, const char* kind);
   virtual ~Optimizer();
   Optimizer(const Optimizer&) = delete;
   Optimizer& operator=(const Optimizer&) = delete;
@@ -39,28 +54,44 @@ class Optimizer {
   /// The same, also evaluating `also` in that program (GradScaler's pending scale update).
   void step_unless(const Tensor& skip, const std::vector<Tensor>& also);
   void zero_grad();
-  /// The rate set_lr() set last (with a schedule attached, current_lr() is the one in use).
-  double lr() const { return lr_; }
+  /// The number of parameter groups (1 for an optimizer made from one parameter list).
+  size_t group_count() const { return groups_.size(); }
+  /// The group parameter `param_index` belongs to.
+  size_t group_of(size_t param_index) const;
+  /// The rate set_lr() set last for `group` (with a schedule attached, current_lr() is the one
+  /// in use).
+  double lr(size_t group = 0) const { return checked_group(group).lr; }
   /// Whether the rule computes its own rate (Adafactor's relative_step): no set_lr() then.
   bool computes_own_rate() const { return own_rate_ != nullptr; }
-  /// Takes effect at the next step. The rate is a graph input (lr_value()), written in place,
-  /// so a step compiled by mt::compile follows a schedule set outside it (set_lr(s.lr(step))
-  /// between calls). Called inside a compiled function, it keeps that function traced on every
-  /// call. An mt::Error while a schedule is attached: the schedule would override it.
+  /// Sets every group's rate; takes effect at the next step. The rate is a graph input
+  /// (lr_value()), written in place, so a step compiled by mt::compile follows a schedule set
+  /// outside it (set_lr(s.lr(step)) between calls). Called inside a compiled function, it keeps
+  /// that function traced on every call. An mt::Error while a schedule is attached: the schedule
+  /// would override it.
   void set_lr(double lr);
-  /// Attaches a schedule computed inside every step's graph: update number t (0-based, the step
-  /// count before it) uses schedule->graph_lr(t), a graph value that follows the optimizer's
-  /// step count, so mt::compile replays advance it, and a checkpoint, which restores the count,
-  /// resumes it. A skipped step (step_unless) does not advance it. nullptr detaches it; the rate
-  /// is then set_lr()'s again. Call it outside a compiled function: a compiled one traces again.
+  /// The same for one group, as torch's `optimizer.param_groups[group]["lr"] = lr`.
+  void set_lr(size_t group, double lr);
+  /// Attaches a schedule to every group, computed inside every step's graph: update number t
+  /// (0-based, the step count before it) uses schedule->graph_lr(t), a graph value that follows
+  /// the optimizer's step count, so mt::compile replays advance it, and a checkpoint, which
+  /// restores the count, resumes it. A skipped step (step_unless) does not advance it. nullptr
+  /// detaches it; the rate is then set_lr()'s again. Call it outside a compiled function: a
+  /// compiled one traces again.
   void set_schedule(std::shared_ptr<const LRSchedule> schedule);
-  const std::shared_ptr<const LRSchedule>& schedule() const { return schedule_; }
-  /// The rate the next step uses, a 0-d f64 graph value (item() reads it: a host sync).
-  Tensor current_lr() const;
-  /// The momentum (SGD, RMSprop) or beta1 (Adam, AdamW, Lion) the next step uses when the
-  /// attached schedule cycles it (OneCycleLR's cycle_momentum), a 0-d f64 graph value; undefined
+  /// The same for one group. A schedule gives rates, not factors: groups that run at different
+  /// rates under one shape of schedule each get a schedule of their own (torch's schedulers
+  /// scale each group's initial rate instead).
+  void set_schedule(size_t group, std::shared_ptr<const LRSchedule> schedule);
+  const std::shared_ptr<const LRSchedule>& schedule(size_t group = 0) const {
+    return checked_group(group).schedule;
+  }
+  /// The rate the next step uses for `group`, a 0-d f64 graph value (item() reads it: a host
+  /// sync).
+  Tensor current_lr(size_t group = 0) const;
+  /// The momentum (SGD, RMSprop) or beta1 (Adam, AdamW, Lion) the next step uses for `group`
+  /// when its schedule cycles it (OneCycleLR's cycle_momentum), a 0-d f64 graph value; undefined
   /// when the optimizer's own option is in use.
-  Tensor current_momentum() const;
+  Tensor current_momentum(size_t group = 0) const;
   /// Whether the rule has a momentum or beta1 that a schedule may cycle.
   virtual bool has_momentum() const { return false; }
   /// Updates taken so far, skipped ones not counted: the steps that updated any parameter. The
@@ -122,7 +153,20 @@ class Optimizer {
   void set_steps_taken(size_t param_index, int64_t steps);
 
  protected:
-  /// Called once per step before the update() calls, when step_number() is set.
+  /// Adds a group of parameters after the others, without state and with no updates taken (the
+  /// optimizer's count while it has taken none either); returns its index. The body of the rules'
+  /// add_param_group(), which then adds the group's options and rate.
+  size_t add_group(std::vector<Tensor> params);
+  /// Why groups cannot be added after construction, or nullptr where they can.
+  virtual const char* fixed_groups() const { return nullptr; }
+  /// mt::Error unless `lr` is a learning rate (finite, >= 0), as set_lr() checks it.
+  void check_lr(double lr) const;
+  /// After options a step reads as C++ values changed: a compiled step traces again.
+  void options_changed();
+  /// mt::Error for a group index out of range.
+  void check_group(size_t group) const;
+  /// Called once per step before the update() calls, when step_number() and group_in_use() are
+  /// set.
   virtual void begin_step() {}
   /// Called before each update() with the parameter's persistent state and the gradient
   /// update() will get: adds, with add_zero_state(), the entries that start at zero (torch
@@ -156,21 +200,27 @@ class Optimizer {
   virtual bool state_started(const NamedTensors&) const { return true; }
   /// Inside begin_step()/update(): the 1-based number of the update being built for the
   /// parameters being updated, a 0-d f64 graph value (their persistent count plus one).
-  /// begin_step() is called once for each set of parameters that share a count (usually all),
-  /// before their update() calls.
+  /// begin_step() is called once for each set of parameters that share a count (usually all)
+  /// and a group, before their update() calls.
   const Tensor& step_number() const { return next_step_; }
+  /// Inside begin_step()/update()/start_state(): the group of the parameters being updated.
+  size_t group_in_use() const { return group_in_use_; }
   /// Inside update(): the bool skip flag of a predicated step; undefined for a plain step().
   const Tensor& skip_flag() const { return skip_; }
-  /// The learning rate as a 0-d f64 value, for begin_step() and update(): a leaf whose storage
-  /// holds lr(), or, with a schedule attached, the schedule's graph value for this step.
-  const Tensor& lr_value() const { return scheduled_lr_.defined() ? scheduled_lr_ : lr_value_; }
+  /// The learning rate of group_in_use() as a 0-d f64 value, for begin_step() and update(): a
+  /// leaf whose storage holds lr(), or, with a schedule attached, the schedule's graph value for
+  /// this step.
+  const Tensor& lr_value() const {
+    const Group& group = groups_[group_in_use_];
+    return group.scheduled_lr.defined() ? group.scheduled_lr : group.lr_value;
+  }
   /// For begin_step() and update() of a rule with has_momentum(): the schedule's momentum for
-  /// this step, a 0-d f64 value, or undefined when the rule's own option holds.
-  const Tensor& momentum_value() const { return scheduled_momentum_; }
-  /// Whether the attached schedule gives a rule with has_momentum() its momentum (whose buffer it
-  /// then keeps even for a momentum option of 0): what momentum_value() is defined by, outside a
-  /// step.
-  bool momentum_scheduled() const;
+  /// this step in group_in_use(), a 0-d f64 value, or undefined when the rule's own option holds.
+  const Tensor& momentum_value() const { return groups_[group_in_use_].scheduled_momentum; }
+  /// Whether the schedule of `group` gives a rule with has_momentum() its momentum (whose buffer
+  /// it then keeps even for a momentum option of 0): what momentum_value() is defined by, outside
+  /// a step.
+  bool momentum_scheduled(size_t group) const;
   /// Set by an optimizer that computes its own rate (Adafactor's relative_step): set_lr(),
   /// set_schedule() and current_lr() are then an mt::Error saying this.
   const char* own_rate_ = nullptr;
@@ -203,12 +253,22 @@ class Optimizer {
   void drop_shared();
   std::vector<Shared> shared_;  // this step's entries first, then spares from earlier steps
   size_t shared_count_ = 0;
-  double lr_ = 0;
-  Tensor lr_value_;
-  // The rate already in f32, a leaf set_lr() writes beside lr_value_: step_scalar() returns it
-  // instead of casting the f64 rate for each parameter every step (a node per parameter less;
-  // the cast rounds to nearest even, as static_cast<float> does, so the values are the same).
-  Tensor lr_f32_;
+  // What a parameter group has of its own besides the rule's options.
+  struct Group {
+    double lr = 0;
+    Tensor lr_value;
+    // The rate already in f32, a leaf set_lr() writes beside lr_value: step_scalar() returns it
+    // instead of casting the f64 rate for each parameter every step (a node per parameter less;
+    // the cast rounds to nearest even, as static_cast<float> does, so the values are the same).
+    Tensor lr_f32;
+    std::shared_ptr<const LRSchedule> schedule;
+    Tensor scheduled_lr;        // inside a step with a schedule: its rate
+    Tensor scheduled_momentum;  // and its momentum, when it cycles one
+  };
+  const Group& checked_group(size_t group) const;
+  std::vector<Group> groups_;
+  std::vector<size_t> group_of_;  // each parameter's group
+  size_t group_in_use_ = 0;
   std::vector<Tensor> params_;
   std::vector<NamedTensors> state_;
   // A new stored count of `steps`, refused beyond what the f64 count holds exactly.
@@ -227,10 +287,80 @@ class Optimizer {
   // count shared by the parameters that took the same updates.
   std::vector<Tensor> counts_;
   Tensor next_step_, skip_;
-  std::shared_ptr<const LRSchedule> schedule_;
-  Tensor scheduled_lr_;        // inside a step with a schedule: its rate
-  Tensor scheduled_momentum_;  // and its momentum, when it cycles one
   const char* kind_;
+};
+
+/// The base of a rule with options of type Options: each parameter group's options.
+template <class Options>
+class OptimizerWith : public Optimizer {
+ public:
+  /// The options of `group` (the rule's defaults resolved, as Adam's weight_decay).
+  const Options& options(size_t group = 0) const {
+    check_group(group);
+    return options_[group];
+  }
+  /// Replaces the options of `group` (checked as the constructor checks them), and its rate with
+  /// options.lr unless a schedule sets it, as torch's `param_groups[group][key] = value`. The
+  /// options are C++ values a compiled step holds: it traces again.
+  void set_options(size_t group, Options options) {
+    check_group(group);
+    resolve_options(options);
+    const bool rate = !computes_own_rate() && !schedule(group);
+    if (rate) check_lr(rate_of(options));
+    options_[group] = options;
+    if (rate) set_lr(group, rate_of(options));
+    options_changed();
+  }
+  /// Adds a parameter group, as torch's add_param_group (unfreezing layers as training goes
+  /// on): its parameters start without state and count their own updates from their first, with
+  /// the group's options and rate; a compiled step traces again. mt::Error, changing nothing, for
+  /// options the rule refuses, a parameter the optimizer already updates, and under ZeRO.
+  void add_param_group(ParamGroup<Options> group) {
+    resolve_options(group.options);
+    if (!computes_own_rate()) check_lr(rate_of(group.options));
+    const size_t index = add_group(std::move(group.params));
+    options_.push_back(group.options);
+    if (!computes_own_rate()) set_lr(index, rate_of(group.options));
+  }
+  /// The groups with their parameters and options, each with the rate set_lr() set last.
+  std::vector<ParamGroup<Options>> param_groups() const {
+    std::vector<ParamGroup<Options>> out;
+    for (size_t g = 0; g < options_.size(); ++g) out.push_back({{}, options_[g]});
+    for (size_t i = 0; i < params().size(); ++i) out[group_of(i)].params.push_back(params()[i]);
+    for (size_t g = 0; g < out.size() && !computes_own_rate(); ++g) out[g].options.lr = lr(g);
+    return out;
+  }
+
+ protected:
+  OptimizerWith(std::vector<ParamGroup<Options>> groups, const char* kind)
+      : Optimizer(parameters_of(groups), kind) {
+    for (ParamGroup<Options>& group : groups) options_.push_back(group.options);
+  }
+  /// The options of the group being updated (group_in_use()).
+  const Options& group_options() const { return options_[group_in_use()]; }
+  /// mt::Error for options the rule refuses; sets the rule's defaults where they are unset.
+  virtual void resolve_options(Options& options) const = 0;
+  /// For the rules' constructors: resolves each group's options and sets its rate.
+  void start_groups() {
+    for (Options& options : options_) resolve_options(options);
+    for (size_t g = 0; g < options_.size() && !computes_own_rate(); ++g)
+      set_lr(g, rate_of(options_[g]));
+  }
+
+ private:
+  // options.lr, an optional one (Adafactor's) where the rule takes a rate.
+  static double rate_of(const Options& options) {
+    if constexpr (requires { *options.lr; })
+      return *options.lr;
+    else
+      return options.lr;
+  }
+  static std::vector<std::vector<Tensor>> parameters_of(std::vector<ParamGroup<Options>>& groups) {
+    std::vector<std::vector<Tensor>> out;
+    for (ParamGroup<Options>& group : groups) out.push_back(std::move(group.params));
+    return out;
+  }
+  std::vector<Options> options_;
 };
 
 struct SGDOptions {
@@ -242,14 +372,15 @@ struct SGDOptions {
 };
 
 /// Stochastic gradient descent with PyTorch's momentum, Nesterov and L2 weight-decay rules.
-class SGD : public Optimizer {
+class SGD : public OptimizerWith<SGDOptions> {
  public:
+  explicit SGD(std::vector<ParamGroup<SGDOptions>> groups);
   SGD(std::vector<Tensor> params, SGDOptions options);
-  SGDOptions options;
   bool has_momentum() const override { return true; }
   std::optional<std::vector<std::string>> state_names(size_t param_index) const override;
 
  protected:
+  void resolve_options(SGDOptions& options) const override;
   bool state_started(const NamedTensors& state) const override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
 };
@@ -265,15 +396,16 @@ struct AdamOptions {
 };
 
 /// Adam (L2 weight decay added to the gradient), as torch.optim.Adam.
-class Adam : public Optimizer {
+class Adam : public OptimizerWith<AdamOptions> {
  public:
   Adam(std::vector<Tensor> params, AdamOptions options);
-  AdamOptions options;
+  explicit Adam(std::vector<ParamGroup<AdamOptions>> groups);
   bool has_momentum() const override { return true; }
   std::optional<std::vector<std::string>> state_names(size_t param_index) const override;
 
  protected:
-  Adam(std::vector<Tensor> params, AdamOptions options, const char* kind, bool decoupled);
+  void resolve_options(AdamOptions& options) const override;
+  Adam(std::vector<ParamGroup<AdamOptions>> groups, const char* kind, bool decoupled);
   void begin_step() override;
   void start_state(NamedTensors& state, const Tensor& grad) const override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
@@ -289,6 +421,7 @@ class Adam : public Optimizer {
 class AdamW : public Adam {
  public:
   AdamW(std::vector<Tensor> params, AdamOptions options = {});
+  explicit AdamW(std::vector<ParamGroup<AdamOptions>> groups);
 };
 
 struct RMSpropOptions {
@@ -301,14 +434,15 @@ struct RMSpropOptions {
 };
 
 /// RMSprop, as torch.optim.RMSprop (eps added after the square root; L2 weight decay).
-class RMSprop : public Optimizer {
+class RMSprop : public OptimizerWith<RMSpropOptions> {
  public:
+  explicit RMSprop(std::vector<ParamGroup<RMSpropOptions>> groups);
   RMSprop(std::vector<Tensor> params, RMSpropOptions options = {});
-  RMSpropOptions options;
   bool has_momentum() const override { return true; }
   std::optional<std::vector<std::string>> state_names(size_t param_index) const override;
 
  protected:
+  void resolve_options(RMSpropOptions& options) const override;
   void start_state(NamedTensors& state, const Tensor& grad) const override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
 
@@ -326,13 +460,14 @@ struct AdagradOptions {
 
 /// Adagrad, as torch.optim.Adagrad: the learning rate divided by 1 + (step - 1) lr_decay and
 /// by the square root of each element's running sum of squared gradients.
-class Adagrad : public Optimizer {
+class Adagrad : public OptimizerWith<AdagradOptions> {
  public:
+  explicit Adagrad(std::vector<ParamGroup<AdagradOptions>> groups);
   Adagrad(std::vector<Tensor> params, AdagradOptions options = {});
-  AdagradOptions options;
   std::optional<std::vector<std::string>> state_names(size_t param_index) const override;
 
  protected:
+  void resolve_options(AdagradOptions& options) const override;
   void begin_step() override;
   void start_state(NamedTensors& state, const Tensor& grad) const override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
@@ -351,14 +486,15 @@ struct LionOptions {
 /// Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), as lucidrains'
 /// lion-pytorch: p *= 1 - lr * weight_decay (decoupled); p -= lr * sign(beta1 m + (1 - beta1) g);
 /// m = beta2 m + (1 - beta2) g. State "exp_avg" (m).
-class Lion : public Optimizer {
+class Lion : public OptimizerWith<LionOptions> {
  public:
+  explicit Lion(std::vector<ParamGroup<LionOptions>> groups);
   Lion(std::vector<Tensor> params, LionOptions options = {});
-  LionOptions options;
   bool has_momentum() const override { return true; }
   std::optional<std::vector<std::string>> state_names(size_t param_index) const override;
 
  protected:
+  void resolve_options(LionOptions& options) const override;
   void begin_step() override;
   void start_state(NamedTensors& state, const Tensor& grad) const override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
@@ -389,15 +525,16 @@ struct AdafactorOptions {
 /// it ("exp_avg_sq_col", [..., cols]); others keep it whole ("exp_avg_sq"); "exp_avg" with
 /// beta1. Computed in f32 for any parameter dtype. (torch.optim.Adafactor of PyTorch 2.5 is a
 /// variant with other defaults and no relative step; this follows transformers.)
-class Adafactor : public Optimizer {
+class Adafactor : public OptimizerWith<AdafactorOptions> {
  public:
+  explicit Adafactor(std::vector<ParamGroup<AdafactorOptions>> groups);
   Adafactor(std::vector<Tensor> params, AdafactorOptions options = {});
-  AdafactorOptions options;
   Shape state_shape(const std::string& name, const Shape& param) const override;
   std::optional<std::vector<std::string>> state_names(size_t param_index) const override;
   DType state_dtype(size_t) const override { return f32; }
 
  protected:
+  void resolve_options(AdafactorOptions& options) const override;
   void begin_step() override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
 

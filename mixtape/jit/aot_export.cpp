@@ -24,6 +24,7 @@
 #include "mixtape/precision_policy/policy.h"
 #include "mixtape/runtime/aot_plan.h"
 #include "mixtape/runtime/atomic_file.h"
+#include "mixtape/runtime/checkpoint.h"
 #include "mixtape/runtime/compile.h"
 #include "mixtape/runtime/cpu_features.h"
 #include "mixtape/runtime/device.h"
@@ -74,10 +75,10 @@ Named checkpoint_names(const Options& o) {
       for (const auto& [state, value] : o.optimizer->state(i))
         add(named, "optimizer." + found->first + "." + state, value);
     }
-    named.metadata.emplace_back("optimizer.kind", o.optimizer->kind());
-    // The rate, as save_checkpoint writes it (the exported step keeps the one set at export).
-    if (!o.optimizer->computes_own_rate())
-      named.metadata.emplace_back("optimizer.lr", fmt::format("{}", o.optimizer->lr()));
+    // The kind and rates, as save_checkpoint writes them (the exported step keeps the rates set
+    // at export).
+    for (auto& entry : optimizer_metadata(*o.optimizer, param_names))
+      named.metadata.push_back(std::move(entry));
     // The step count is checkpoint metadata ("optimizer.steps"); the artifact keeps it as a
     // tensor of its own weights file.
     add(named, "aot.optimizer.steps", o.optimizer->step_count());

@@ -688,6 +688,31 @@ const std::string* exported_metadata(const mixtape_aot_model& m, std::string_vie
   return nullptr;
 }
 
+// The parameter paths of each group in checkpoint metadata "optimizer.param_groups" (`text`),
+// each group's sorted; none for an optimizer of one group (no such metadata).
+std::vector<std::vector<std::string>> group_members(const mixtape_aot_model& m,
+                                                    const std::string& path,
+                                                    const std::string* text) {
+  std::vector<std::vector<std::string>> groups;
+  if (!text) return groups;
+  mt::json::Value doc;
+  try {
+    doc = mt::json::parse(*text, text->size() + 16);  // a value takes at least a byte
+  } catch (const mt::Error& e) {
+    raise(MIXTAPE_AOT_ERROR_FILE,
+          fmt::format("{}: {}: metadata optimizer.param_groups: {}", m.name, path, e.what()));
+  }
+  for (const mt::json::Value& group : doc.is_array() ? doc : mt::json::Value::array()) {
+    const mt::json::Value* params = mt::json::find(group, "params");
+    std::vector<std::string>& names = groups.emplace_back();
+    for (const mt::json::Value& name : params && params->is_array() ? *params : mt::json::Value())
+      names.push_back(name.is_string() ? name.get<std::string>() : name.dump());
+    std::sort(names.begin(), names.end());
+  }
+  if (!doc.is_array()) groups.emplace_back();  // never an exported grouping: refused
+  return groups;
+}
+
 // A checkpoint's state, checked whole before any of it replaces the model's.
 void load_model(mixtape_aot_model& m, const std::string& path) {
   require_step(m, "load");
@@ -791,6 +816,19 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
   }
   if (m.steps_buffer >= 0 && steps < 0)
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: {} has no valid optimizer.steps", m.name, path));
+  // The parameter groups, as load_checkpoint checks them: state saved under other groups would go
+  // on under this step's options. (Their rates are the step's own.)
+  if (kind) {
+    const std::string* theirs = nullptr;
+    for (const auto& [key, value] : file.metadata)
+      if (key == "optimizer.param_groups") theirs = &value;
+    if (group_members(m, path, exported_metadata(m, "optimizer.param_groups")) !=
+        group_members(m, path, theirs))
+      raise(MIXTAPE_AOT_ERROR_FILE,
+            fmt::format("{}: {} holds optimizer state of other parameter groups than the step "
+                        "was exported with (metadata optimizer.param_groups)",
+                        m.name, path));
+  }
   // Each parameter's count as load_checkpoint takes it (the optimizer's unless the file gives its
   // own), into the buffers the exported step reads: the step counts a parameter that took every
   // update with the optimizer, and parameters that shared a count at export share one buffer.

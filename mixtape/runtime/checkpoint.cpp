@@ -14,11 +14,14 @@
 
 #include "mixtape/dsl/convert.h"
 #include "mixtape/dsl/error.h"
+#include "mixtape/dsl/json.h"
 #include "mixtape/precision_policy/grad_scaler.h"
 #include "mixtape/runtime/safetensors.h"
 
 namespace mixtape {
 namespace {
+
+constexpr const char* kParamGroupsKey = "optimizer.param_groups";
 
 constexpr const char* kOptimizerPrefix = "optimizer.";
 constexpr const char* kScalerPrefix = "scaler.";
@@ -72,6 +75,28 @@ std::optional<OptimizerEntryName> optimizer_entry_name(std::string_view name) {
     return std::nullopt;
   return OptimizerEntryName{name.substr(prefix.size(), last - prefix.size()),
                             name.substr(last + 1)};
+}
+
+Metadata optimizer_metadata(const Optimizer& optimizer, const std::vector<std::string>& names) {
+  Metadata meta;
+  meta.emplace_back("optimizer.kind", optimizer.kind());
+  const bool rates = !optimizer.computes_own_rate();
+  if (optimizer.group_count() == 1) {
+    // The rate set_lr() set, as torch's param_groups carry it (a schedule's follows the steps).
+    if (rates) meta.emplace_back("optimizer.lr", fmt::format("{}", optimizer.lr()));
+    return meta;
+  }
+  json::Value groups = json::Value::array();
+  for (size_t g = 0; g < optimizer.group_count(); ++g) {
+    json::Value group = json::Value::object();
+    json::append(group, "params", json::Value::array());
+    if (rates) json::append(group, "lr", optimizer.lr(g));
+    groups.push_back(std::move(group));
+  }
+  for (size_t i = 0; i < names.size(); ++i)
+    groups[optimizer.group_of(i)]["params"].push_back(names[i]);
+  meta.emplace_back(kParamGroupsKey, json::dump(groups));
+  return meta;
 }
 
 namespace {
@@ -129,6 +154,81 @@ const Tensor* find_entry(const NamedTensors& entries, const std::string& name) {
   for (const auto& [key, value] : entries)
     if (key == name) return &value;
   return nullptr;
+}
+
+// Each group's rate as the file has it (none where the rule computes its own, or where a file
+// has none), once the file's parameter groups are found to be the optimizer's: state loaded
+// into other groups would go on under other options, as torch refuses groups that differ.
+std::vector<std::optional<double>> saved_rates(const std::string& path, const Metadata& meta,
+                                               const Optimizer& optimizer,
+                                               const std::vector<std::string>& names) {
+  const size_t groups = optimizer.group_count();
+  std::vector<std::optional<double>> rates(groups);
+  auto rate = [&](double lr, const std::string& what) {
+    if (!std::isfinite(lr) || lr < 0)
+      fail("load_checkpoint {}: {} = {} is not a learning rate", path, what, lr);
+    return lr;
+  };
+  if (!has_metadata(meta, kParamGroupsKey)) {
+    if (groups > 1)
+      fail("load_checkpoint {}: the file's optimizer has one parameter group, this one has {}",
+           path, groups);
+    if (has_metadata(meta, "optimizer.lr") && !optimizer.computes_own_rate())
+      rates[0] =
+          rate(metadata_number<double>(path, meta, "optimizer.lr"), "metadata 'optimizer.lr'");
+    return rates;
+  }
+  json::Value doc;
+  try {
+    // One per parameter path, three per group (its object, "params" list and rate), the list.
+    doc = json::parse(metadata_value(meta, kParamGroupsKey), names.size() + 3 * groups + 64);
+  } catch (const Error& e) {
+    fail("load_checkpoint {}: metadata '{}': {}", path, kParamGroupsKey, e.what());
+  }
+  if (!doc.is_array())
+    fail("load_checkpoint {}: metadata '{}' is not a list of parameter groups", path,
+         kParamGroupsKey);
+  if (doc.size() != groups)
+    fail("load_checkpoint {}: the file's optimizer has {} parameter groups, this one has {}", path,
+         doc.size(), groups);
+  std::unordered_map<std::string_view, size_t> index_of;
+  std::vector<size_t> sizes(groups);
+  for (size_t i = 0; i < names.size(); ++i) {
+    index_of.emplace(names[i], i);
+    ++sizes[optimizer.group_of(i)];
+  }
+  std::vector<bool> listed(names.size());
+  for (size_t g = 0; g < groups; ++g) {
+    const json::Value* params = json::find(doc[g], "params");
+    if (!params || !params->is_array())
+      fail("load_checkpoint {}: group {} of metadata '{}' has no \"params\" list", path, g,
+           kParamGroupsKey);
+    if (params->size() != sizes[g])
+      fail("load_checkpoint {}: group {} of the file has {} parameters, the optimizer's has {}",
+           path, g, params->size(), sizes[g]);
+    for (const json::Value& name : *params) {
+      const std::string* text = name.get_ptr<const std::string*>();
+      auto found = text ? index_of.find(*text) : index_of.end();
+      if (found == index_of.end())
+        fail(
+            "load_checkpoint {}: group {} of the file lists {}, not a parameter this optimizer "
+            "updates",
+            path, g, name.dump());
+      if (optimizer.group_of(found->second) != g || listed[found->second])
+        fail("load_checkpoint {}: group {} of the file lists '{}', which is {} of the optimizer",
+             path, g, *text,
+             listed[found->second] ? std::string("listed twice")
+                                   : fmt::format("in group {}", optimizer.group_of(found->second)));
+      listed[found->second] = true;
+    }
+    const json::Value* lr = json::find(doc[g], "lr");
+    if (lr && !optimizer.computes_own_rate()) {
+      if (!lr->is_number())
+        fail("load_checkpoint {}: group {}'s \"lr\" is {}, not a number", path, g, lr->dump());
+      rates[g] = rate(lr->get<double>(), fmt::format("group {}'s rate", g));
+    }
+  }
+  return rates;
 }
 
 void check_options(const std::string& path, const CheckpointOptions& options) {
@@ -253,10 +353,7 @@ std::pair<NamedTensors, Metadata> checkpoint_entries(const std::string& path, co
       if (!optimizer->step_count(i).same(optimizer->step_count()))
         if (int64_t own = optimizer->steps_taken(i); own != steps)
           meta.emplace_back(param_steps_key(names[i]), std::to_string(own));
-    meta.emplace_back("optimizer.kind", optimizer->kind());
-    // The rate set_lr() set, as torch's param_groups carry it (a schedule's follows the steps).
-    if (!optimizer->computes_own_rate())
-      meta.emplace_back("optimizer.lr", fmt::format("{}", optimizer->lr()));
+    for (auto& entry : optimizer_metadata(*optimizer, names)) meta.push_back(std::move(entry));
   }
   if (scaler)
     for (const auto& [name, value] : scaler->state_dict()) {
@@ -331,7 +428,7 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
   std::vector<NamedTensors> states;
   int64_t steps = 0;
   std::vector<std::optional<int64_t>> param_steps;  // where a parameter's count differs
-  std::optional<double> lr;                         // the rate set_lr() set, where the file has it
+  std::vector<std::optional<double>> rates;         // each group's, where the file has it
   if (optimizer) {
     std::vector<std::string> names = optimizer_param_names(module, *optimizer, path);
     std::string kind = metadata_value(meta, "optimizer.kind");
@@ -345,11 +442,7 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
     if (steps_text.empty() || ec != std::errc() || end != steps_text.data() + steps_text.size() ||
         steps < 0 || steps > (int64_t{1} << 53))
       fail("load_checkpoint {}: no valid optimizer step count in the metadata", path);
-    if (has_metadata(meta, "optimizer.lr") && !optimizer->computes_own_rate()) {
-      lr = metadata_number<double>(path, meta, "optimizer.lr");
-      if (!std::isfinite(*lr) || *lr < 0)
-        fail("load_checkpoint {}: metadata 'optimizer.lr' = {} is not a learning rate", path, *lr);
-    }
+    rates = saved_rates(path, meta, *optimizer, names);
     std::unordered_map<std::string_view, size_t> index_of;
     for (size_t i = 0; i < names.size(); ++i) index_of.emplace(names[i], i);
     // A parameter's own count where the file has one; else the optimizer's (every file from
@@ -453,8 +546,9 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
     optimizer->set_steps_taken(steps);
     for (size_t i = 0; i < param_steps.size(); ++i)
       if (param_steps[i]) optimizer->set_steps_taken(i, *param_steps[i]);
-    // A schedule attached to this optimizer decides its rate; else the saved one is restored.
-    if (lr && !optimizer->schedule()) optimizer->set_lr(*lr);
+    // A schedule attached to a group decides its rate; else the saved one is restored.
+    for (size_t g = 0; g < rates.size(); ++g)
+      if (rates[g] && !optimizer->schedule(g)) optimizer->set_lr(g, *rates[g]);
   }
   if (!scaler_entries.empty()) scaler->load_state_dict(scaler_entries);
   for (size_t i = 0; i < generator_states.size(); ++i)

@@ -32,6 +32,12 @@ struct OptimizerEntryName {
 };
 std::optional<OptimizerEntryName> optimizer_entry_name(std::string_view name);
 
+/// A checkpoint's metadata of `optimizer`, whose parameters have the paths `names`: its kind,
+/// and the rate set_lr() set as "optimizer.lr" or, with several parameter groups, each group's
+/// parameters and rate as "optimizer.param_groups", JSON as torch's param_groups hold them:
+/// [{"params": ["fc.weight", ...], "lr": 0.001}, ...] (no rate where the rule computes its own).
+Metadata optimizer_metadata(const Optimizer& optimizer, const std::vector<std::string>& names);
+
 /// What a checkpoint carries besides the module, optimizer and scaler, so that a run resumed
 /// from it goes on exactly as the saved one would have (the same dropout masks, noise and
 /// batches); and how strictly a load checks values. Pass the same options to save and load:

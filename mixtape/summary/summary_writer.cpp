@@ -222,7 +222,9 @@ void SummaryWriter::log_scaler(const GradScaler& scaler, const std::string& pref
 }
 
 void SummaryWriter::log_learning_rate(const Optimizer& optimizer, const std::string& prefix) {
-  add_scalar(prefix + "lr", optimizer.current_lr());
+  if (optimizer.group_count() == 1) return add_scalar(prefix + "lr", optimizer.current_lr());
+  for (size_t g = 0; g < optimizer.group_count(); ++g)
+    add_scalar(fmt::format("{}lr/group{}", prefix, g), optimizer.current_lr(g));
 }
 
 void SummaryWriter::log_grad_norm(const std::vector<Tensor>& params) {

@@ -76,8 +76,8 @@ class SummaryWriter {
   /// gradients held inf/NaN and the step was skipped. Graph values (no sync); call after
   /// scaler.step(opt) and before scaler.update().
   void log_scaler(const GradScaler& scaler, const std::string& prefix = "");
-  /// "lr" (or prefix + "lr"): the rate the optimizer's next step uses, its schedule's included.
-  /// A graph value. An mt::Error for an optimizer that computes its own rate (Adafactor's
+  /// "lr" (or prefix + "lr"): the rate the optimizer's next step uses, its schedule's included;
+  /// with several parameter groups, each group's as "lr/group<g>". Graph values. An mt::Error for an optimizer that computes its own rate (Adafactor's
   /// relative step), as current_lr() is.
   void log_learning_rate(const Optimizer& optimizer, const std::string& prefix = "");
   /// "grad_norm": the global L2 norm of the gradients of `params`, as clip_grad_norm computes

@@ -233,9 +233,18 @@ def make_optimizer(m, params):
 def run_optim(d, m, params):
     model = MLP(sizes(m), m['activation'])
     model.load_state_dict(params, strict=True)
-    opt = make_optimizer(m, model.parameters())
+    params = list(model.parameters())
+    grouped = m.get('grouped', '0') == '1'
+    if grouped:
+        # Two param_groups: the weight matrices with the options, the biases at half the rate
+        # and without weight decay.
+        params = [{'params': [p for p in params if p.dim() > 1]},
+                  {'params': [p for p in params if p.dim() <= 1],
+                   'lr': float(m['lr']) * 0.5, 'weight_decay': 0.0}]
+    opt = make_optimizer(m, params)
     # OneCycleLR with PyTorch's defaults (cycle_momentum: the momentum or beta1 cycles too).
-    sched = (torch.optim.lr_scheduler.OneCycleLR(opt, float(m['lr']), int(m['onecycle']))
+    peak = [float(m['lr']), float(m['lr']) * 0.5] if grouped else float(m['lr'])
+    sched = (torch.optim.lr_scheduler.OneCycleLR(opt, peak, int(m['onecycle']))
              if int(m.get('onecycle', '0')) else None)
     dropped = [e.rsplit('@', 1) for e in m.get('dropped', '').split(';') if e]
     named = dict(model.named_parameters())
