@@ -1495,7 +1495,114 @@ TEST(ParameterGroups, OptionsSetBetweenStepsAreFollowedAlsoByACompiledStep) {
   sgd.set_options(1, {.lr = 0.7, .momentum = 0.9});
   EXPECT_EQ(sgd.options(1).momentum, 0.9);
   EXPECT_EQ(sgd.current_lr(1).item(), 0.2) << "the schedule sets the rate";
+  // The options handed out carry the rate set_lr() set: changing another field keeps it.
+  sgd.set_lr(0, 0.01);
+  mt::SGDOptions changed = sgd.options(0);
+  changed.weight_decay = 0.2;
+  sgd.set_options(0, changed);
+  EXPECT_EQ(sgd.lr(0), 0.01);
+  EXPECT_EQ(sgd.param_groups()[0].options.lr, 0.01);
   EXPECT_MT_ERROR(sgd.group_of(2), "parameter index 2 out of range");
+}
+
+// State made before set_options() turned momentum off (SGD: the buffers it no longer keeps are
+// dropped) or on (RMSprop, a parameter not stepped since lacking its buffer) saves and loads, as
+// torch's does, and steps on as the run that saved it.
+TEST_F(Checkpoint, StateMadeUnderEarlierOptionsLoads) {
+  auto run = [&](auto make, auto change, bool resume) {
+    mt::Generator gen(6);
+    mt::Linear layer(3, 2, true, &gen);
+    mt::Tensor x = mt::randn({4, 3}, mt::f32, &gen);
+    auto opt = make(layer);
+    auto step = [&](bool bias) {
+      opt->zero_grad();
+      mt::sum(mt::square(layer(x))).backward();
+      if (!bias) layer.bias.zero_grad();
+      opt->step();
+    };
+    step(true);
+    change(*opt);
+    step(false);
+    if (resume) {
+      mt::save_checkpoint(path("changed.safetensors"), layer, opt.get());
+      auto fresh = make(layer);
+      change(*fresh);
+      mt::load_checkpoint(path("changed.safetensors"), layer, fresh.get());
+      opt = std::move(fresh);
+    }
+    step(true);
+    return std::vector<Bytes>{bytes_of(layer.weight), bytes_of(layer.bias)};
+  };
+  auto sgd = [](mt::Linear& l) {
+    return std::make_unique<mt::SGD>(std::vector<mt::ParamGroup<mt::SGDOptions>>{
+        {{l.weight}, {.lr = 0.1, .momentum = 0.9}}, {{l.bias}, {.lr = 0.1, .momentum = 0.9}}});
+  };
+  auto sgd_off = [](mt::SGD& opt) {
+    mt::SGDOptions o = opt.options(1);
+    o.momentum = 0;
+    opt.set_options(1, o);
+  };
+  EXPECT_TRUE(run(sgd, sgd_off, true) == run(sgd, sgd_off, false));
+  auto rmsprop = [](mt::Linear& l) {
+    return std::make_unique<mt::RMSprop>(std::vector<mt::ParamGroup<mt::RMSpropOptions>>{
+        {{l.weight}, {.lr = 0.01}}, {{l.bias}, {.lr = 0.01}}});
+  };
+  auto rmsprop_on = [](mt::RMSprop& opt) {
+    mt::RMSpropOptions o = opt.options(1);
+    o.momentum = 0.5;
+    o.centered = true;
+    opt.set_options(1, o);
+  };
+  EXPECT_TRUE(run(rmsprop, rmsprop_on, true) == run(rmsprop, rmsprop_on, false));
+}
+
+// An EMA of a bf16 model keeps its averages in f32 (a thousandth of a difference of 1 is below
+// bf16's resolution near 1: a bf16 average would never move), a compiled step replays its update,
+// copy_to writes the averages and hands back the weights, and a state it cannot hold is refused
+// without a change.
+TEST(AveragedModel, HalfWeightsAreAveragedInF32CompiledAndCopiedBack) {
+  mt::Linear layer(2, 2, false);
+  layer.to(mt::bf16);
+  layer.weight.assign(mt::full({2, 2}, 1.0, mt::bf16));
+  mt::AveragedModel ema(layer, {.decay = 0.999});
+  ema.update();  // the first copies
+  layer.weight.assign(mt::full({2, 2}, 2.0, mt::bf16));
+  auto step = mt::compile([&] { ema.update(); });
+  float expected = 1;
+  for (int i = 0; i < 6; ++i) {
+    step();
+    expected = expected * 0.999f + 2.0f * static_cast<float>(1 - 0.999);
+  }
+  EXPECT_EQ(ema.updates(), 7);
+  EXPECT_EQ(ema.averages()[0].second.dtype(), mt::f32);
+  for (float v : ema.averages()[0].second.to_vector<float>()) EXPECT_NEAR(v, expected, 1e-6);
+  if (mt::current_device() != mt::Device::reference) {
+    EXPECT_GT(step.stats().replays, 0) << step.stats().reason;
+  }
+  mt::NamedTensors training = ema.copy_to(layer);
+  EXPECT_EQ(layer.weight.dtype(), mt::bf16);
+  EXPECT_EQ(layer.weight.to_vector<float>()[0], mt::cast(mt::scalar(expected), mt::bf16).item());
+  layer.load_state_dict(training);
+  EXPECT_EQ(layer.weight.to_vector<float>()[0], 2.0f);
+
+  mt::NamedTensors state = ema.state_dict();
+  auto with = [&](const std::string& key, const mt::Tensor& value) {
+    mt::NamedTensors out = state;
+    for (auto& [name, t] : out)
+      if (name == key) t = value;
+    return out;
+  };
+  EXPECT_MT_ERROR(ema.load_state_dict({}), "0 entries, expected n_averaged and 1 averages");
+  EXPECT_MT_ERROR(ema.load_state_dict(with("n_averaged", mt::scalar(-1, mt::i64))),
+                  "n_averaged = -1 is not a count");
+  EXPECT_MT_ERROR(ema.load_state_dict(with("module.weight", mt::zeros({3}))),
+                  "'module.weight' has shape [3], expected [2, 2]");
+  EXPECT_MT_ERROR(ema.load_state_dict(with("module.weight", mt::full({2, 2}, NAN))),
+                  "'module.weight' holds a non-finite value");
+  EXPECT_EQ(ema.updates(), 7) << "refused states change nothing";
+  ema.load_state_dict(with("n_averaged", mt::scalar(3, mt::i64)));
+  EXPECT_EQ(ema.updates(), 3);
+  EXPECT_MT_ERROR(mt::AveragedModel(layer, {.decay = 1.5}), "decay must be in [0, 1]");
 }
 
 // SGD with dampening: a checkpoint taken while every step so far was skipped (the usual start

@@ -19,6 +19,8 @@
 #include <vector>
 
 #include "mixtape/dsl/error.h"
+#include "mixtape/dsl/functional.h"
+#include "mixtape/dsl/ops.h"
 
 namespace mixtape {
 namespace {
@@ -343,6 +345,48 @@ TEST(TensorDataset, GathersRowsIntoBatches) {
   Digits digits = load_digits(data_file("digits.csv.gz"));
   TensorDataset digit_data(digits.pixels, {64}, digits.labels);
   EXPECT_EQ(digit_data.size(), 1797);
+}
+
+// torch's TensorDataset(inputs, targets) of any dtypes: f32 features with f64 regression targets,
+// i64 token ids with bf16 targets. Each batch row is the example's row, bit for bit, in its own
+// dtype, also through a DataLoader; the dataset keeps a copy of the values.
+TEST(TensorDataset, TakesTensorsOfAnyDtype) {
+  Generator gen(3);
+  Tensor x = randn({6, 2, 3}, f32, &gen), y = randn({6, 4}, f64, &gen);
+  Tensor ids = randint(0, 100, {6, 5}, &gen), half = cast(randn({6}, f32, &gen), bf16);
+  TensorDataset regression(x, y), tokens(ids, half);
+  EXPECT_EQ(regression.size(), 6);
+  EXPECT_EQ(regression.feature_shape(), (Shape{2, 3}));
+  EXPECT_EQ(tokens.target_shape(), (Shape{}));
+  const std::vector<int64_t> pick = {4, 0, 4, 5};
+  Batch b = regression.get_batch(pick), t = tokens.get_batch(pick);
+  EXPECT_EQ(b.inputs.shape(), (Shape{4, 2, 3}));
+  EXPECT_EQ(b.targets.dtype(), f64);
+  EXPECT_EQ(t.inputs.dtype(), i64);
+  EXPECT_EQ(t.targets.dtype(), bf16);
+  std::vector<float> xs = x.to_vector<float>(), bx = b.inputs.to_vector<float>();
+  std::vector<double> ys = y.to_vector<double>(), by = b.targets.to_vector<double>();
+  std::vector<int64_t> is = ids.to_vector<int64_t>(), ti = t.inputs.to_vector<int64_t>();
+  std::vector<float> hs = half.to_vector<float>(), th = t.targets.to_vector<float>();
+  for (size_t k = 0; k < pick.size(); ++k) {
+    const auto i = static_cast<size_t>(pick[k]);
+    EXPECT_TRUE(std::equal(bx.begin() + k * 6, bx.begin() + k * 6 + 6, xs.begin() + i * 6));
+    EXPECT_TRUE(std::equal(by.begin() + k * 4, by.begin() + k * 4 + 4, ys.begin() + i * 4));
+    EXPECT_TRUE(std::equal(ti.begin() + k * 5, ti.begin() + k * 5 + 5, is.begin() + i * 5));
+    EXPECT_EQ(th[k], hs[i]);
+  }
+  DataLoader loader(tokens, 4, false, 0);
+  for (const Batch& batch : loader) {
+    EXPECT_EQ(batch.inputs.dtype(), i64);
+    EXPECT_EQ(batch.targets.dtype(), bf16);
+  }
+  std::string message = error_of([&] { TensorDataset(x, randn({5})); });
+  EXPECT_TRUE(contains(message, "not the same, non-zero number of examples")) << message;
+  message = error_of([&] { TensorDataset(Tensor(), y); });
+  EXPECT_TRUE(contains(message, "the inputs are undefined")) << message;
+  message = error_of([&] { TensorDataset(x, scalar(1.0)); });
+  EXPECT_TRUE(contains(message, "the targets are 0-d")) << message;
+  error_of([&] { TensorDataset(zeros({0, 3}), zeros({0})); });
 }
 
 TEST(TensorDataset, RejectsInconsistentSizes) {

@@ -34,6 +34,7 @@
 
 #include "examples/resnet_model.h"
 #include "mixtape/runtime/checkpoint.h"
+#include "tests/test_util.h"
 #include "torch_side.h"
 
 namespace mt = mixtape;
@@ -230,7 +231,11 @@ const OptConfig kOptConfigs[] = {
      .weight_decay = 0.1,
      .skips = true,
      .grouped = true},
-    {.name = "rmsprop_groups", .type = "rmsprop", .lr = 0.01, .weight_decay = 0.05, .grouped = true},
+    {.name = "rmsprop_groups",
+     .type = "rmsprop",
+     .lr = 0.01,
+     .weight_decay = 0.05,
+     .grouped = true},
     {.name = "adagrad_decay_groups",
      .type = "adagrad",
      .lr = 0.1,
@@ -319,15 +324,14 @@ std::unique_ptr<mt::Optimizer> make_optimizer(const OptConfig& c,
     });
   if (type == "adafactor")
     return grouped_rule<mt::Adafactor>(c, groups, [&](double lr, double weight_decay) {
-      return mt::AdafactorOptions{
-          .lr = c.relative_step ? std::nullopt : std::optional<double>(lr),
-          .clip_threshold = c.clip_threshold,
-          .decay_rate = c.decay_rate,
-          .beta1 = c.af_beta1,
-          .weight_decay = weight_decay,
-          .scale_parameter = c.scale_parameter,
-          .relative_step = c.relative_step,
-          .warmup_init = c.warmup_init};
+      return mt::AdafactorOptions{.lr = c.relative_step ? std::nullopt : std::optional<double>(lr),
+                                  .clip_threshold = c.clip_threshold,
+                                  .decay_rate = c.decay_rate,
+                                  .beta1 = c.af_beta1,
+                                  .weight_decay = weight_decay,
+                                  .scale_parameter = c.scale_parameter,
+                                  .relative_step = c.relative_step,
+                                  .warmup_init = c.warmup_init};
     });
   auto adam = [&](double lr, double weight_decay) {
     return mt::AdamOptions{
@@ -335,6 +339,62 @@ std::unique_ptr<mt::Optimizer> make_optimizer(const OptConfig& c,
   };
   if (type == "adam") return grouped_rule<mt::Adam>(c, groups, adam);
   return grouped_rule<mt::AdamW>(c, groups, adam);
+}
+
+// AveragedModel cases: an EMA (decay) or SWA's mean, with or without the buffers averaged, over
+// the weights of a Linear-BatchNorm-Linear that the case gives for each of kAveragedUpdates.
+struct AveragedCase {
+  std::string name;
+  std::optional<double> decay;
+  bool buffers;
+};
+const std::vector<AveragedCase> kAveragedCases = {{"averaged_ema", 0.9, false},
+                                                  {"averaged_ema_buffers", 0.75, true},
+                                                  {"averaged_swa", std::nullopt, false},
+                                                  {"averaged_swa_buffers", std::nullopt, true}};
+constexpr int kAveragedUpdates = 5;
+std::unique_ptr<mt::Sequential> averaged_model(mt::Generator* gen = nullptr) {
+  auto net = std::make_unique<mt::Sequential>();
+  net->emplace_back<mt::Linear>(3, 4, true, gen);
+  net->emplace_back<mt::BatchNorm1d>(4);
+  net->emplace_back<mt::Linear>(4, 2, true, gen);
+  return net;
+}
+
+// ReduceLROnPlateau over an SGD of two groups (rates 0.1 and 0.05), fed `metrics`.
+struct PlateauCase {
+  std::string name, args;  // torch's keyword arguments, JSON
+  mt::ReduceLROnPlateauOptions options;
+  std::vector<double> metrics;
+};
+const std::vector<PlateauCase>& plateau_cases() {
+  // Falls, then stalls within the threshold, then falls by a hair, then rises: each rule's
+  // improvements and bad epochs come at different epochs.
+  static const std::vector<double> curve = {
+      1.0,  0.8,     0.7,  0.69995, 0.69999, 0.7,  0.6999, 0.71, 0.72, 0.5,  0.5,     0.5,
+      0.5,  0.49996, 0.5,  0.52,    0.53,    0.54, 0.55,   0.56, 0.57, 0.58, 0.59,    0.6,
+      0.61, 0.62,    0.63, 0.2,     0.2,     0.2,  0.2,    0.2,  0.2,  0.2,  0.19999, 0.2};
+  static const std::vector<PlateauCase> cases = {
+      {"plateau_default_patience2", R"({"patience": 2})", {.patience = 2}, curve},
+      {"plateau_abs_cooldown",
+       R"({"patience": 1, "threshold": 0.001, "threshold_mode": "abs", "cooldown": 2,
+           "factor": 0.5})",
+       {.factor = 0.5,
+        .patience = 1,
+        .threshold = 0.001,
+        .relative_threshold = false,
+        .cooldown = 2},
+       curve},
+      {"plateau_max_min_lr",
+       R"({"mode": "max", "patience": 0, "factor": 0.3, "min_lr": [0.01, 0.004]})",
+       {.maximize = true, .factor = 0.3, .patience = 0, .min_lr = {0.01, 0.004}},
+       curve},
+      {"plateau_eps",
+       R"({"patience": 0, "factor": 0.9, "min_lr": 0.04, "eps": 0.003})",
+       {.factor = 0.9, .patience = 0, .min_lr = {0.04}, .eps = 0.003},
+       curve},
+  };
+  return cases;
 }
 
 // Learning-rate schedules: torch.optim.lr_scheduler built from `spec` (JSON) on an SGD with
@@ -414,6 +474,19 @@ const std::vector<ScheduleCase>& schedule_cases() {
        [] {
          return make_shared<mt::OneCycleLR>(0.3, 10, mt::OneCycleOptions{.cycle_momentum = false});
        }},
+      {"warm_restarts", R"({"type": "warm_restarts", "args": {"T_0": 4, "eta_min": 0.01}})", 13,
+       [] { return make_shared<mt::CosineAnnealingWarmRestarts>(kScheduleBase, 4, 1, 0.01); }},
+      // Periods 2, 6, 18: steps 2 and 8 start new ones, where a logarithm lands near a whole
+      // number.
+      {"warm_restarts_mult", R"({"type": "warm_restarts", "args": {"T_0": 2, "T_mult": 3}})", 30,
+       [] { return make_shared<mt::CosineAnnealingWarmRestarts>(kScheduleBase, 2, 3); }},
+      {"warm_restarts_mult2",
+       R"({"type": "warm_restarts", "args": {"T_0": 1, "T_mult": 2, "eta_min": 0.001}})", 40,
+       [] { return make_shared<mt::CosineAnnealingWarmRestarts>(kScheduleBase, 1, 2, 0.001); }},
+      {"polynomial", R"({"type": "polynomial", "args": {"total_iters": 8, "power": 2.0}})", 12,
+       [] { return make_shared<mt::PolynomialLR>(kScheduleBase, 8, 2.0); }},
+      {"polynomial_default", R"({"type": "polynomial", "args": {}})", 8,
+       [] { return make_shared<mt::PolynomialLR>(kScheduleBase); }},
       {"sequential_warmup_exponential_step",
        R"({"type": "sequential", "milestones": [3, 7], "schedules": [
            {"type": "linear", "args": {"start_factor": 0.1, "end_factor": 1.0, "total_iters": 3}},
@@ -463,7 +536,20 @@ const std::vector<ScheduleCase>& schedule_cases() {
   return cases;
 }
 
-constexpr double kClipNorms[] = {0.3, 100.0};  // one that clips, one that does not
+// clip_grad_norm with L2 (one that clips, one that does not), the largest element, p = 1 and
+// p = 3; and clip_grad_value (clip_value > 0).
+struct ClipCase {
+  double max_norm;
+  double norm_type = 2;
+  double clip_value = 0;
+};
+constexpr ClipCase kClipCases[] = {
+    {0.3},    {100.0},  {0.05, std::numeric_limits<double>::infinity()},
+    {0.5, 1}, {0.2, 3}, {.max_norm = 0, .clip_value = 0.01}};
+std::string clip_id(const ClipCase& c) {
+  return c.clip_value > 0 ? fmt::format("clip_value_{}", c.clip_value)
+                          : fmt::format("clip_{}_{}", c.max_norm, c.norm_type);
+}
 
 struct CrossEntropyCase {
   std::string name;
@@ -1148,6 +1234,27 @@ void write_inputs(const fs::path& dir) {
                  }()}},
                {{"x", opt_x}, {"y", opt_y}}, &model);
   }
+  for (const AveragedCase& c : kAveragedCases) {
+    HostRandom own(std::hash<std::string>{}(c.name));  // the shared stream's cases keep theirs
+    mt::Generator gen(1);
+    mt::NamedTensors weights;
+    for (int k = 0; k < kAveragedUpdates; ++k)
+      for (const auto& [name, value] : averaged_model(&gen)->state_dict()) {
+        mt::Tensor w = value.dtype() == mt::i64 ? mt::tensor(std::vector<int64_t>{3 * k + 1}, {})
+                       : name.ends_with("running_var") ? mt::abs(own.normal(value.shape())) + 0.5
+                                                       : own.normal(value.shape());
+        weights.emplace_back(fmt::format("w{}.{}", k, name), w);
+      }
+    write_case(dir, c.name,
+               {{"kind", "averaged"},
+                {"decay", c.decay ? fmt::format("{}", *c.decay) : "none"},
+                {"buffers", c.buffers ? "1" : "0"},
+                {"updates", std::to_string(kAveragedUpdates)}},
+               weights);
+  }
+  for (const PlateauCase& c : plateau_cases())
+    write_case(dir, c.name, {{"kind", "plateau"}, {"args", c.args}},
+               {{"metrics", mt::tensor(c.metrics, {static_cast<int64_t>(c.metrics.size())})}});
   for (const ScheduleCase& c : schedule_cases())
     write_case(dir, "schedule_" + c.name,
                {{"kind", "schedule"},
@@ -1156,15 +1263,23 @@ void write_inputs(const fs::path& dir) {
                 {"base_lr", fmt::format("{}", kScheduleBase)}},
                {{"unused", mt::zeros({1})}});
   ++seed;
-  for (double max_norm : kClipNorms) {
-    mt::Generator gen(seed++);
+  for (const ClipCase& clip : kClipCases) {
+    // The first two cases draw from the shared stream, as before there were others; the others
+    // from their own, leaving the inputs of the cases written after them as they were tuned.
+    const bool original = clip.norm_type == 2 && clip.clip_value == 0;
+    HostRandom own(std::hash<std::string>{}(clip_id(clip)));
+    HostRandom& source = original ? rng : own;
+    mt::Generator gen(original ? seed++ : std::hash<std::string>{}(clip_id(clip)));
     mt::MLP model(kMlpSizes, mt::Activation::Gelu, &gen);
-    write_case(dir, fmt::format("clip_{}", max_norm),
+    write_case(dir, clip_id(clip),
                {{"kind", "clip"},
                 {"sizes", join(kMlpSizes)},
                 {"activation", "gelu"},
-                {"max_norm", fmt::format("{}", max_norm)}},
-               {{"x", rng.normal({8, kMlpSizes.front()})}, {"y", rng.classes({8}, 5)}}, &model);
+                {"max_norm", fmt::format("{}", clip.max_norm)},
+                {"norm_type", fmt::format("{}", clip.norm_type)},
+                {"clip_value", fmt::format("{}", clip.clip_value)}},
+               {{"x", source.normal({8, kMlpSizes.front()})}, {"y", source.classes({8}, 5)}},
+               &model);
   }
   for (const CrossEntropyCase& c : cross_entropy_cases()) {
     mt::Shape target_shape(c.logits_shape.begin(), c.logits_shape.end() - 1);
@@ -1450,8 +1565,8 @@ TEST_F(TorchParity, OptimizerTrajectoriesMatchTorchOptim) {
     std::unique_ptr<mt::Optimizer> opt = make_optimizer(config, model.parameters());
     if (config.onecycle) {
       for (size_t g = 0; g < opt->group_count(); ++g)
-        opt->set_schedule(g, std::make_shared<mt::OneCycleLR>(config.lr * (g ? 0.5 : 1.0),
-                                                              config.onecycle));
+        opt->set_schedule(
+            g, std::make_shared<mt::OneCycleLR>(config.lr * (g ? 0.5 : 1.0), config.onecycle));
       EXPECT_TRUE(opt->current_momentum().defined()) << "OneCycleLR cycles the momentum";
     }
     Comparison cmp(id);
@@ -1489,23 +1604,38 @@ TEST_F(TorchParity, OptimizerTrajectoriesMatchTorchOptim) {
 }
 
 TEST_F(TorchParity, ClipGradNormMatchesTorch) {
-  for (double max_norm : kClipNorms) {
-    std::string id = fmt::format("clip_{}", max_norm);
+  for (const ClipCase& clip : kClipCases) {
+    std::string id = clip_id(clip);
     SCOPED_TRACE(id);
     mt::MLP model(kMlpSizes, mt::Activation::Gelu);
     Case c = open_case(id, &model);
     mt::cross_entropy(model(c.input("x")), c.input("y")).backward();
-    mt::Tensor norm = mt::clip_grad_norm(model.parameters(), max_norm);
     Comparison cmp(id);
+    if (clip.clip_value > 0) {
+      mt::clip_grad_value(model.parameters(), clip.clip_value);
+      cmp.check_grads(model, c);
+      size_t at_bound = 0;
+      for (const mt::Tensor& p : model.parameters())
+        for (float g : p.grad().to_vector<float>()) {
+          EXPECT_LE(std::abs(g), static_cast<float>(clip.clip_value));
+          at_bound += std::abs(g) == static_cast<float>(clip.clip_value);
+        }
+      EXPECT_GT(at_bound, 0u) << "some gradients were clipped";
+      continue;
+    }
+    mt::Tensor norm = mt::clip_grad_norm(model.parameters(), clip.max_norm, clip.norm_type);
     cmp.check("norm", norm, c.ref("norm"));
     cmp.check_grads(model, c);
     // The case that clips must end at max_norm; the other must be untouched.
     double clipped = 0;
     for (const mt::Tensor& p : model.parameters())
-      for (float g : p.grad().to_vector<float>()) clipped += double(g) * g;
-    clipped = std::sqrt(clipped);
-    if (norm.item() > max_norm) {
-      EXPECT_NEAR(clipped, max_norm, 1e-5 * max_norm);
+      for (float g : p.grad().to_vector<float>())
+        clipped = std::isinf(clip.norm_type)
+                      ? std::max(clipped, double(std::abs(g)))
+                      : clipped + std::pow(std::abs(double(g)), clip.norm_type);
+    if (!std::isinf(clip.norm_type)) clipped = std::pow(clipped, 1 / clip.norm_type);
+    if (norm.item() > clip.max_norm) {
+      EXPECT_NEAR(clipped, clip.max_norm, 1e-5 * clip.max_norm);
     } else {
       EXPECT_NEAR(clipped, norm.item(), 1e-5 * clipped);
     }
@@ -1637,6 +1767,103 @@ TEST_F(TorchParity, SchedulesMatchTorchLrScheduler) {
     }
     EXPECT_GE(distinct.size(), 3u) << "a schedule that hardly changes proves little";
   }
+}
+
+// The averages after each case's updates, as torch's AveragedModel.state_dict() holds them
+// (buffers only where averaged: torch's AveragedModel keeps the ones it copied when made, mixtape
+// the module's latest; integer buffers, which torch passes through avg_fn, are copied).
+TEST_F(TorchParity, AveragedModelMatchesTorch) {
+  for (const AveragedCase& ac : kAveragedCases) {
+    SCOPED_TRACE(ac.name);
+    Case c = open_case(ac.name);
+    std::unique_ptr<mt::Sequential> model = averaged_model();
+    mt::AveragedModel averaged(*model, {.decay = ac.decay, .average_buffers = ac.buffers});
+    for (int k = 0; k < kAveragedUpdates; ++k) {
+      mt::NamedTensors weights;
+      for (const auto& [name, value] : model->state_dict())
+        weights.emplace_back(name, c.input(fmt::format("w{}.{}", k, name)));
+      model->load_state_dict(weights);
+      averaged.update();
+    }
+    EXPECT_EQ(averaged.updates(), kAveragedUpdates);
+    Comparison cmp(ac.name);
+    size_t compared = 0;
+    for (const auto& [name, value] : averaged.state_dict()) {
+      if (name == "n_averaged" || name.ends_with("num_batches_tracked")) {
+        EXPECT_EQ(value.item(), name == "n_averaged" ? kAveragedUpdates : 3 * kAveragedUpdates - 2)
+            << name;
+        continue;
+      }
+      if (!ac.buffers && name.find("running_") != std::string::npos) continue;
+      cmp.check(name, value, c.ref(name), 1e-6);
+      ++compared;
+    }
+    EXPECT_EQ(compared, ac.buffers ? 8u : 6u);
+  }
+}
+
+// Each group's rate after each epoch's step(metric), the same doubles as torch's.
+TEST_F(TorchParity, ReduceLROnPlateauMatchesTorch) {
+  for (const PlateauCase& pc : plateau_cases()) {
+    SCOPED_TRACE(pc.name);
+    Case c = open_case(pc.name);
+    std::vector<double> torch_lr = c.ref("lr").to_vector<double>();
+    ASSERT_EQ(torch_lr.size(), 2 * pc.metrics.size());
+    mt::Tensor a = mt::zeros({1}), b = mt::zeros({1});
+    a.requires_grad_();
+    b.requires_grad_();
+    mt::SGD opt(
+        std::vector<mt::ParamGroup<mt::SGDOptions>>{{{a}, {.lr = 0.1}}, {{b}, {.lr = 0.05}}});
+    mt::ReduceLROnPlateau plateau(opt, pc.options);
+    std::set<double> distinct;
+    for (size_t e = 0; e < pc.metrics.size(); ++e) {
+      plateau.step(pc.metrics[e]);
+      EXPECT_EQ(opt.lr(0), torch_lr[2 * e]) << "epoch " << e;
+      EXPECT_EQ(opt.lr(1), torch_lr[2 * e + 1]) << "epoch " << e;
+      distinct.insert(opt.lr(1));
+    }
+    EXPECT_GE(distinct.size(), 3u) << "reduced at least twice";
+  }
+}
+
+// Its state resumes: a plateau restored from state_dict() halfway reduces at the same epochs as
+// the one that went on; a state it cannot hold is refused without a change.
+TEST(ReduceLROnPlateau, StateResumesAndBadStateIsRefused) {
+  const std::vector<double>& metrics = plateau_cases()[1].metrics;
+  const mt::ReduceLROnPlateauOptions& options = plateau_cases()[1].options;
+  mt::Tensor w = mt::zeros({1});
+  w.requires_grad_();
+  mt::SGD whole({w}, {.lr = 0.1}), resumed({w}, {.lr = 0.1});
+  mt::ReduceLROnPlateau going(whole, options);
+  std::vector<std::pair<std::string, std::string>> saved;
+  for (size_t e = 0; e < 12; ++e) going.step(metrics[e]);
+  saved = going.state_dict();
+  mt::ReduceLROnPlateau restored(resumed, options);
+  resumed.set_lr(whole.lr());
+  restored.load_state_dict(saved);
+  for (size_t e = 12; e < metrics.size(); ++e) {
+    EXPECT_EQ(going.step(metrics[e]), restored.step(metrics[e])) << "epoch " << e;
+    EXPECT_EQ(whole.lr(), resumed.lr()) << "epoch " << e;
+  }
+  auto edited = [&](const std::string& key, const std::string& value) {
+    auto out = saved;
+    for (auto& [k, v] : out)
+      if (k == key) v = value;
+    return out;
+  };
+  mt::ReduceLROnPlateau fresh(resumed, options);
+  EXPECT_MT_ERROR(fresh.load_state_dict(edited("plateau.best", "nan")), "is not a metric");
+  EXPECT_MT_ERROR(fresh.load_state_dict(edited("plateau.bad_epochs", "-1")), "is not a count");
+  EXPECT_MT_ERROR(fresh.load_state_dict(edited("plateau.cooldown_counter", "3")),
+                  "cannot be the state of patience 1 and cooldown 2");
+  EXPECT_MT_ERROR(fresh.load_state_dict({}), "the state has no 'plateau.best'");
+  EXPECT_EQ(fresh.bad_epochs(), 0);
+  EXPECT_EQ(fresh.best(), std::numeric_limits<double>::infinity());
+  resumed.set_schedule(std::make_shared<mt::ExponentialLR>(0.1, 0.9));
+  EXPECT_MT_ERROR(fresh.step(1.0), "has a schedule attached");
+  EXPECT_MT_ERROR(mt::ReduceLROnPlateau(whole, {.min_lr = {0.1, 0.2}}),
+                  "2 min_lr values for an optimizer of 1 parameter groups");
+  EXPECT_MT_ERROR(mt::ReduceLROnPlateau(whole, {.factor = 1.0}), "factor must be in [0, 1)");
 }
 
 // ---------------------------------------------------------------------------------------------

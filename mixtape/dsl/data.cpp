@@ -285,45 +285,74 @@ void check_index(const char* dataset, int64_t index, int64_t size) {
 
 }  // namespace
 
+TensorDataset::Examples TensorDataset::examples_of(const Tensor& t, const char* what) {
+  if (!t.defined()) fail("TensorDataset: the {} are undefined", what);
+  if (t.dim() < 1) fail("TensorDataset: the {} are 0-d; examples lie along a leading axis", what);
+  eval({t});
+  const Storage& values = *t.node()->value;
+  if (values.count != t.numel())
+    fail("TensorDataset: the {}' storage holds {} values for shape {}", what, values.count,
+         to_string(t.shape()));
+  Examples out{t.dtype(), Shape(t.shape().begin() + 1, t.shape().end()), 0, {}};
+  out.numel = numel(out.shape);
+  const std::byte* bytes = values.host_data();
+  out.bytes.assign(bytes, bytes + values.size_bytes());
+  return out;
+}
+
+TensorDataset::TensorDataset(const Tensor& inputs, const Tensor& targets)
+    : inputs_(examples_of(inputs, "inputs")), targets_(examples_of(targets, "targets")) {
+  count_ = inputs.shape()[0];
+  if (count_ == 0 || targets.shape()[0] != count_)
+    fail(
+        "TensorDataset: inputs of shape {} and targets of shape {} are not the same, non-zero "
+        "number of examples",
+        to_string(inputs.shape()), to_string(targets.shape()));
+}
+
 TensorDataset::TensorDataset(std::vector<float> features, Shape feature_shape,
-                             std::vector<int64_t> targets, Shape target_shape)
-    : features_(std::move(features)),
-      feature_shape_(std::move(feature_shape)),
-      targets_(std::move(targets)),
-      target_shape_(std::move(target_shape)),
-      feature_numel_(example_numel(feature_shape_, "feature")),
-      target_numel_(example_numel(target_shape_, "target")) {
-  auto n_features = static_cast<int64_t>(features_.size());
-  auto n_targets = static_cast<int64_t>(targets_.size());
-  if (n_features == 0 || n_features % feature_numel_ != 0) {
+                             std::vector<int64_t> targets, Shape target_shape) {
+  const int64_t feature_numel = example_numel(feature_shape, "feature");
+  const int64_t target_numel = example_numel(target_shape, "target");
+  auto n_features = static_cast<int64_t>(features.size());
+  auto n_targets = static_cast<int64_t>(targets.size());
+  if (n_features == 0 || n_features % feature_numel != 0) {
     fail(
         "TensorDataset: {} feature values are not a whole, non-zero number of examples of "
         "shape {}",
-        n_features, to_string(feature_shape_));
+        n_features, to_string(feature_shape));
   }
-  count_ = n_features / feature_numel_;
-  if (n_targets / target_numel_ != count_ || n_targets % target_numel_ != 0) {
+  count_ = n_features / feature_numel;
+  if (n_targets / target_numel != count_ || n_targets % target_numel != 0) {
     fail(
         "TensorDataset: {} examples of features need {} target values of shape {} each, "
         "got {}",
-        count_, count_ * target_numel_, to_string(target_shape_), n_targets);
+        count_, count_ * target_numel, to_string(target_shape), n_targets);
   }
+  auto bytes_of = [](const auto& values) {
+    const auto* first = reinterpret_cast<const std::byte*>(values.data());
+    return std::vector<std::byte>(first, first + values.size() * sizeof(values[0]));
+  };
+  inputs_ = {f32, std::move(feature_shape), feature_numel, bytes_of(features)};
+  targets_ = {i64, std::move(target_shape), target_numel, bytes_of(targets)};
+}
+
+Tensor TensorDataset::gather(const Examples& examples, std::span<const int64_t> indices) const {
+  const auto batch = static_cast<int64_t>(indices.size());
+  const size_t row = static_cast<size_t>(examples.numel) * size_of(examples.dtype);
+  auto out =
+      std::make_shared<Storage>(examples.dtype, batch * examples.numel, Storage::Uninitialized{});
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t i = indices[static_cast<size_t>(b)];
+    check_index("TensorDataset", i, count_);
+    std::memcpy(out->bytes.data() + static_cast<size_t>(b) * row,
+                examples.bytes.data() + static_cast<size_t>(i) * row, row);
+  }
+  return from_storage(std::move(out), batch_shape(batch, examples.shape));
 }
 
 Batch TensorDataset::get_batch(std::span<const int64_t> indices) const {
-  auto batch = static_cast<int64_t>(indices.size());
-  std::vector<float> inputs(static_cast<size_t>(batch * feature_numel_));
-  std::vector<int64_t> targets(static_cast<size_t>(batch * target_numel_));
-  for (int64_t b = 0; b < batch; ++b) {
-    int64_t i = indices[b];
-    check_index("TensorDataset", i, count_);
-    std::copy_n(features_.begin() + i * feature_numel_, feature_numel_,
-                inputs.begin() + b * feature_numel_);
-    std::copy_n(targets_.begin() + i * target_numel_, target_numel_,
-                targets.begin() + b * target_numel_);
-  }
-  return {tensor(inputs, batch_shape(batch, feature_shape_), f32),
-          tensor(targets, batch_shape(batch, target_shape_), i64)};
+  return {gather(inputs_, indices), gather(targets_, indices)};
 }
 
 TextWindows::TextWindows(std::vector<int64_t> tokens, int64_t context)

@@ -83,28 +83,39 @@ class Dataset {
   virtual Batch get_batch(std::span<const int64_t> indices) const = 0;
 };
 
-/// Examples held in host memory: float features of a fixed per-example shape and int64 targets of
-/// a fixed per-example shape ({} for one class label per example). Batches are f32 inputs
-/// [B, feature_shape...] and i64 targets [B, target_shape...].
+/// Examples held in host memory, as torch.utils.data.TensorDataset of two tensors: example i is
+/// (inputs[i], targets[i]), of any dtypes (f32 images, i64 token ids, f32 regression targets, i64
+/// class labels). Batches stack them: inputs [B, inputs.shape[1:]...] and targets
+/// [B, targets.shape[1:]...], in their own dtypes.
 class TensorDataset : public Dataset {
  public:
-  /// mt::Error unless both vectors hold the same whole, non-zero number of examples.
+  /// Copies the two tensors' values (evaluating them). mt::Error unless both are defined, have a
+  /// leading axis, and hold the same non-zero number of examples.
+  TensorDataset(const Tensor& inputs, const Tensor& targets);
+  /// From host vectors: f32 features and i64 targets of fixed per-example shapes ({} for one class
+  /// label per example). mt::Error unless both hold the same whole, non-zero number of examples.
   TensorDataset(std::vector<float> features, Shape feature_shape, std::vector<int64_t> targets,
                 Shape target_shape = {});
 
   int64_t size() const override { return count_; }
   Batch get_batch(std::span<const int64_t> indices) const override;
 
-  const Shape& feature_shape() const { return feature_shape_; }
-  const Shape& target_shape() const { return target_shape_; }
+  /// One example's input and target shapes.
+  const Shape& feature_shape() const { return inputs_.shape; }
+  const Shape& target_shape() const { return targets_.shape; }
 
  private:
-  std::vector<float> features_;
-  Shape feature_shape_;
-  std::vector<int64_t> targets_;
-  Shape target_shape_;
-  int64_t feature_numel_ = 0;
-  int64_t target_numel_ = 0;
+  // One side's examples: their dtype, one example's shape and elements, and their bytes, example
+  // after example.
+  struct Examples {
+    DType dtype = f32;
+    Shape shape;
+    int64_t numel = 0;
+    std::vector<std::byte> bytes;
+  };
+  static Examples examples_of(const Tensor& t, const char* what);
+  Tensor gather(const Examples& examples, std::span<const int64_t> indices) const;
+  Examples inputs_, targets_;
   int64_t count_ = 0;
 };
 

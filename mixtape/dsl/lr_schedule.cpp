@@ -82,6 +82,68 @@ Tensor CosineWithWarmup::graph_lr(const Tensor& step) const {
   return where(step < warmup, peak_ * (step + 1.0) / warmup, rate);
 }
 
+CosineAnnealingWarmRestarts::CosineAnnealingWarmRestarts(double base_lr, int64_t T_0,
+                                                         int64_t T_mult, double eta_min)
+    : base_(base_lr), min_(eta_min), first_(T_0), mult_(T_mult) {
+  check_rate("CosineAnnealingWarmRestarts", "base_lr", base_lr);
+  check_rate("CosineAnnealingWarmRestarts", "eta_min", eta_min);
+  if (T_0 <= 0) fail("CosineAnnealingWarmRestarts: T_0 must be > 0, got {}", T_0);
+  if (T_mult < 1) fail("CosineAnnealingWarmRestarts: T_mult must be >= 1, got {}", T_mult);
+  // The graph form finds the period from powers of T_mult in f64, exact below 2^53.
+  if (static_cast<double>(T_0) * static_cast<double>(T_mult) > 0x1p40)
+    fail("CosineAnnealingWarmRestarts: T_0 * T_mult = {} * {} is too large", T_0, T_mult);
+}
+
+double CosineAnnealingWarmRestarts::lr(int64_t step) const {
+  // As PyTorch's step-by-step form counts: the step into the period and the period, in integers.
+  int64_t into = step, period = first_;
+  if (mult_ == 1) {
+    into = step % first_;
+  } else {
+    while (into >= period) {
+      into -= period;
+      period *= mult_;
+    }
+  }
+  const double phase = std::numbers::pi * static_cast<double>(into) / static_cast<double>(period);
+  return min_ + (base_ - min_) * (1 + std::cos(phase)) / 2;
+}
+
+Tensor CosineAnnealingWarmRestarts::graph_lr(const Tensor& step) const {
+  const auto first = static_cast<double>(first_), mult = static_cast<double>(mult_);
+  Tensor into, period;
+  if (mult_ == 1) {
+    into = step - first * floor(step / first);
+    period = number(first);
+  } else {
+    // Period n starts at T_0 (T_mult^n - 1) / (T_mult - 1): n from a logarithm, then moved by
+    // one where rounding put it on the wrong side of a start (log(8) / log(2) < 3).
+    auto start = [&](const Tensor& n) { return first * (pow(number(mult), n) - 1.0) / (mult - 1); };
+    Tensor n = floor(log(step / first * (mult - 1) + 1.0) / std::log(mult));
+    n = where(step < start(n), n - 1.0, where(step >= start(n + 1.0), n + 1.0, n));
+    into = step - start(n);
+    period = first * pow(number(mult), n);
+  }
+  return min_ + (base_ - min_) * (1.0 + cos(std::numbers::pi * into / period)) / 2.0;
+}
+
+PolynomialLR::PolynomialLR(double base_lr, int64_t total_iters, double power)
+    : base_(base_lr), power_(power), total_(total_iters) {
+  check_rate("PolynomialLR", "base_lr", base_lr);
+  check_rate("PolynomialLR", "power", power);
+  if (total_iters <= 0) fail("PolynomialLR: total_iters must be > 0, got {}", total_iters);
+}
+
+double PolynomialLR::lr(int64_t step) const {
+  const auto total = static_cast<double>(total_);
+  return base_ * std::pow(1.0 - static_cast<double>(std::min(step, total_)) / total, power_);
+}
+
+Tensor PolynomialLR::graph_lr(const Tensor& step) const {
+  const auto total = static_cast<double>(total_);
+  return base_ * pow(1.0 - minimum(step, number(total)) / total, number(power_));
+}
+
 StepLR::StepLR(double base_lr, int64_t step_size, double gamma)
     : base_(base_lr), gamma_(gamma), step_size_(step_size) {
   check_rate("StepLR", "base_lr", base_lr);

@@ -76,6 +76,33 @@ class CosineWithWarmup : public LRSchedule {
   int64_t warmup_, total_;
 };
 
+/// torch.optim.lr_scheduler.CosineAnnealingWarmRestarts (SGDR, Loshchilov and Hutter 2017):
+/// cosine annealing from base_lr to eta_min over a period of T_0 steps, restarted at base_lr at
+/// the end of each period, each period T_mult times the last (an integer >= 1).
+class CosineAnnealingWarmRestarts : public LRSchedule {
+ public:
+  CosineAnnealingWarmRestarts(double base_lr, int64_t T_0, int64_t T_mult = 1, double eta_min = 0);
+  double lr(int64_t step) const override;
+  Tensor graph_lr(const Tensor& step) const override;
+
+ private:
+  double base_, min_;
+  int64_t first_, mult_;
+};
+
+/// torch.optim.lr_scheduler.PolynomialLR: base_lr * (1 - min(step, total_iters) / total_iters)
+/// ^ power, so 0 from total_iters on (PyTorch's defaults: 5 steps, power 1).
+class PolynomialLR : public LRSchedule {
+ public:
+  explicit PolynomialLR(double base_lr, int64_t total_iters = 5, double power = 1);
+  double lr(int64_t step) const override;
+  Tensor graph_lr(const Tensor& step) const override;
+
+ private:
+  double base_, power_;
+  int64_t total_;
+};
+
 /// torch.optim.lr_scheduler.StepLR: base_lr * gamma^floor(step / step_size).
 class StepLR : public LRSchedule {
  public:

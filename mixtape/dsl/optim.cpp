@@ -10,6 +10,7 @@
 
 #include "mixtape/dsl/convert.h"
 #include "mixtape/dsl/error.h"
+#include "mixtape/dsl/functional.h"
 #include "mixtape/dsl/ops.h"
 #include "mixtape/dsl/optimizer_entries.h"
 #include "mixtape/dsl/orphan_parameters.h"
@@ -149,6 +150,21 @@ size_t Optimizer::group_of(size_t param_index) const {
 void Optimizer::check_lr(double lr) const {
   if (!(lr >= 0) || !std::isfinite(lr))
     fail("{}: learning rate must be finite and >= 0, got {}", kind_, lr);
+}
+
+void Optimizer::drop_unused_state(size_t group) {
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (group_of_[i] != group) continue;
+    std::optional<std::vector<std::string>> known = state_names(i);
+    if (!known) continue;
+    std::erase_if(state_[i], [&](const auto& entry) {
+      const std::string& name = entry.first;
+      const bool kept =
+          name.starts_with('~') || std::find(known->begin(), known->end(), name) != known->end();
+      if (!kept && entry.second.defined()) moved_off(entry.second.node().get(), nullptr);
+      return !kept;
+    });
+  }
 }
 
 void Optimizer::options_changed() {
@@ -475,14 +491,19 @@ void Optimizer::check_state(size_t param_index, const NamedTensors& state, bool 
   if (std::optional<std::vector<std::string>> known = state_names(param_index);
       known && !state.empty()) {
     const std::vector<std::string>& names = *known;
+    const std::vector<std::string> optional = optional_state_names();
+    auto listed = [](const std::vector<std::string>& list, const std::string& name) {
+      return std::find(list.begin(), list.end(), name) != list.end();
+    };
     for (const auto& [name, value] : state)
-      if (std::find(names.begin(), names.end(), name) == names.end() &&
+      if (!listed(names, name) &&
           !(name == kMasterWeightEntry && is_half(params_[param_index].dtype())))
         fail("{}: state '{}{}' for parameter {} is not one of this rule's ({})", kind_, prefix,
              name, param_index,
              names.empty() ? "it keeps none" : fmt::format("{}", fmt::join(names, ", ")));
     for (const std::string& name : names)
-      if (std::none_of(state.begin(), state.end(), [&](const auto& e) { return e.first == name; }))
+      if (!listed(optional, name) &&
+          std::none_of(state.begin(), state.end(), [&](const auto& e) { return e.first == name; }))
         fail(
             "{}: the state for parameter {} has no '{}{}' (it holds {} of this rule's {} "
             "entries)",
@@ -638,6 +659,8 @@ void SGD::resolve_options(SGDOptions& options) const {
     fail("SGD: Nesterov momentum requires a momentum > 0 and zero dampening");
 }
 
+std::vector<std::string> SGD::optional_state_names() const { return {"momentum_buffer"}; }
+
 bool SGD::state_started(const NamedTensors& state) const {
   // A checkpoint of a zero buffer no real step made loads as no state, and starts as torch's.
   auto flag = std::find_if(state.begin(), state.end(),
@@ -784,6 +807,10 @@ std::optional<std::vector<std::string>> RMSprop::state_names(size_t param_index)
   if (options(group).centered) names.push_back("grad_avg");
   if (options(group).momentum > 0 || momentum_scheduled(group)) names.push_back("momentum_buffer");
   return names;
+}
+
+std::vector<std::string> RMSprop::optional_state_names() const {
+  return {"grad_avg", "momentum_buffer"};
 }
 
 void RMSprop::start_state(NamedTensors& state, const Tensor& grad) const {
@@ -981,6 +1008,8 @@ std::optional<std::vector<std::string>> Adafactor::state_names(size_t param_inde
   return names;
 }
 
+std::vector<std::string> Adafactor::optional_state_names() const { return {"exp_avg"}; }
+
 void Adafactor::begin_step() {
   const AdafactorOptions& options = group_options();
   // transformers computes these in Python doubles from the step count.
@@ -1035,7 +1064,14 @@ Tensor Adafactor::update(const Tensor& param, const Tensor& grad, NamedTensors& 
   return next.dtype() == param.dtype() ? next : cast(next, param.dtype());
 }
 
-Tensor grad_norm(const std::vector<Tensor>& params) {
+namespace {
+void check_norm_type(const char* what, double norm_type) {
+  if (!(norm_type > 0)) fail("{}: norm_type must be > 0 (or infinity), got {}", what, norm_type);
+}
+}  // namespace
+
+Tensor grad_norm(const std::vector<Tensor>& params, double norm_type) {
+  check_norm_type("grad_norm", norm_type);
   NoGradGuard no_grad;
   NoPolicyScope no_policy;  // squares in f32 under a pure-f16 scope too
   // Under ZeRO each process holds its shard of a gradient and zeros elsewhere: the squares of
@@ -1045,31 +1081,45 @@ Tensor grad_norm(const std::vector<Tensor>& params) {
   DType type = f32;
   for (const Tensor& p : params)
     if (p.grad().defined() && p.grad().dtype() == f64) type = f64;
+  const bool largest = std::isinf(norm_type);
+  // Each gradient's part: the sum of its |g|^p (squares for L2), or its largest |g|.
+  auto part = [&](const Tensor& g) {
+    Tensor x = cast(g, type);
+    if (largest) return max(abs(x));
+    if (norm_type == 2) return sum(square(x));
+    if (norm_type == 1) return sum(abs(x));
+    return sum(pow(abs(x), norm_type));
+  };
+  auto combine = [&](const Tensor& a, const Tensor& b) { return largest ? maximum(a, b) : a + b; };
   Tensor total, sharded;
   const bool processes = process_count() > 1;
   for (const Tensor& p : params) {
     Tensor g = p.grad();
     if (!g.defined()) continue;
-    Tensor squares = sum(square(cast(g, type)));
+    Tensor here = part(g);
     Tensor& into =
         processes && gradient_held_as_shards(p.node()->grad_owner.lock().get()) ? sharded : total;
-    into = into.defined() ? into + squares : squares;
+    into = into.defined() ? combine(into, here) : here;
   }
   if (sharded.defined()) {
-    sharded = all_reduce(sharded);
-    total = total.defined() ? total + sharded : sharded;
+    // The largest over the processes: each process's, gathered; else their sum.
+    sharded = largest ? max(all_gather(reshape(sharded, {1}))) : all_reduce(sharded);
+    total = total.defined() ? combine(total, sharded) : sharded;
   }
-  return total.defined() ? sqrt(total) : scalar(0.0);
+  if (!total.defined()) return scalar(0.0);
+  if (largest || norm_type == 1) return total;
+  return norm_type == 2 ? sqrt(total) : pow(total, 1.0 / norm_type);
 }
 
-Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
+Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm, double norm_type) {
   if (!(max_norm > 0)) fail("clip_grad_norm: max_norm must be > 0, got {}", max_norm);
+  check_norm_type("clip_grad_norm", norm_type);
   NoGradGuard no_grad;
   NoPolicyScope no_policy;
   bool any_grad = false;
   for (const Tensor& p : params) any_grad = any_grad || p.grad().defined();
   if (!any_grad) return scalar(0.0);
-  Tensor norm = grad_norm(params);
+  Tensor norm = grad_norm(params, norm_type);
   Tensor coefficient = minimum(max_norm / (norm + 1e-6), scalar(1.0));
   for (const Tensor& p : params) {
     Tensor g = p.grad();
@@ -1078,6 +1128,19 @@ Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm) {
     handle.set_grad(g * cast(coefficient, g.dtype()));
   }
   return norm;
+}
+
+void clip_grad_value(const std::vector<Tensor>& params, double clip_value) {
+  if (!(clip_value >= 0) || std::isinf(clip_value))
+    fail("clip_grad_value: clip_value must be finite and >= 0, got {}", clip_value);
+  NoGradGuard no_grad;
+  NoPolicyScope no_policy;
+  for (const Tensor& p : params) {
+    Tensor g = p.grad();
+    if (!g.defined()) continue;
+    Tensor handle = p;
+    handle.set_grad(clamp(g, -clip_value, clip_value));
+  }
 }
 
 }  // namespace mixtape

@@ -134,6 +134,11 @@ class Optimizer {
   /// (a parameter never stepped), and no others; an empty list for a rule that keeps none (SGD
   /// without momentum), so that any entry is refused. nullopt for a rule that does not say.
   virtual std::optional<std::vector<std::string>> state_names(size_t param_index) const;
+  /// The entries a rule keeps only under some options (SGD's and RMSprop's momentum_buffer,
+  /// RMSprop's grad_avg, Adafactor's exp_avg): state made before set_options() turned one on
+  /// may lack it (a parameter not stepped since), which then starts as the rule starts it.
+  /// (set_options() drops the entries the new options do not keep.)
+  virtual std::vector<std::string> optional_state_names() const { return {}; }
   /// The elements of that state (of its local_shape() part): what memory_report counts before
   /// the first step makes them.
   int64_t state_elements(size_t param_index) const;
@@ -163,6 +168,9 @@ class Optimizer {
   void check_lr(double lr) const;
   /// After options a step reads as C++ values changed: a compiled step traces again.
   void options_changed();
+  /// Drops the state entries of `group`'s parameters that state_names() no longer lists (after
+  /// set_options() turned momentum off, say), so that the state is one its options keep.
+  void drop_unused_state(size_t group);
   /// mt::Error for a group index out of range.
   void check_group(size_t group) const;
   /// Called once per step before the update() calls, when step_number() and group_in_use() are
@@ -294,14 +302,19 @@ class Optimizer {
 template <class Options>
 class OptimizerWith : public Optimizer {
  public:
-  /// The options of `group` (the rule's defaults resolved, as Adam's weight_decay).
-  const Options& options(size_t group = 0) const {
+  /// The options of `group` (the rule's defaults resolved, as Adam's weight_decay), with the rate
+  /// set_lr() set last as lr, as torch's param_groups[group] holds them: change a field and hand
+  /// them to set_options().
+  Options options(size_t group = 0) const {
     check_group(group);
-    return options_[group];
+    Options out = options_[group];
+    if (!computes_own_rate()) out.lr = lr(group);
+    return out;
   }
   /// Replaces the options of `group` (checked as the constructor checks them), and its rate with
-  /// options.lr unless a schedule sets it, as torch's `param_groups[group][key] = value`. The
-  /// options are C++ values a compiled step holds: it traces again.
+  /// options.lr unless a schedule sets it, as torch's `param_groups[group][key] = value`; state
+  /// the new options do not keep (a momentum buffer, with momentum turned off) is dropped, where
+  /// torch keeps it unused. The options are C++ values a compiled step holds: it traces again.
   void set_options(size_t group, Options options) {
     check_group(group);
     resolve_options(options);
@@ -309,12 +322,15 @@ class OptimizerWith : public Optimizer {
     if (rate) check_lr(rate_of(options));
     options_[group] = options;
     if (rate) set_lr(group, rate_of(options));
+    drop_unused_state(group);
     options_changed();
   }
   /// Adds a parameter group, as torch's add_param_group (unfreezing layers as training goes
   /// on): its parameters start without state and count their own updates from their first, with
-  /// the group's options and rate; a compiled step traces again. mt::Error, changing nothing, for
-  /// options the rule refuses, a parameter the optimizer already updates, and under ZeRO.
+  /// the group's options and rate (whole options: start from options(0) to keep the others'); a
+  /// compiled step traces again. A schedule attached to it follows the optimizer's step count, as
+  /// every group's does. mt::Error, changing nothing, for options the rule refuses, a parameter
+  /// the optimizer already updates, and under ZeRO.
   void add_param_group(ParamGroup<Options> group) {
     resolve_options(group.options);
     if (!computes_own_rate()) check_lr(rate_of(group.options));
@@ -325,9 +341,8 @@ class OptimizerWith : public Optimizer {
   /// The groups with their parameters and options, each with the rate set_lr() set last.
   std::vector<ParamGroup<Options>> param_groups() const {
     std::vector<ParamGroup<Options>> out;
-    for (size_t g = 0; g < options_.size(); ++g) out.push_back({{}, options_[g]});
+    for (size_t g = 0; g < options_.size(); ++g) out.push_back({{}, options(g)});
     for (size_t i = 0; i < params().size(); ++i) out[group_of(i)].params.push_back(params()[i]);
-    for (size_t g = 0; g < out.size() && !computes_own_rate(); ++g) out[g].options.lr = lr(g);
     return out;
   }
 
@@ -378,6 +393,7 @@ class SGD : public OptimizerWith<SGDOptions> {
   SGD(std::vector<Tensor> params, SGDOptions options);
   bool has_momentum() const override { return true; }
   std::optional<std::vector<std::string>> state_names(size_t param_index) const override;
+  std::vector<std::string> optional_state_names() const override;
 
  protected:
   void resolve_options(SGDOptions& options) const override;
@@ -440,6 +456,7 @@ class RMSprop : public OptimizerWith<RMSpropOptions> {
   RMSprop(std::vector<Tensor> params, RMSpropOptions options = {});
   bool has_momentum() const override { return true; }
   std::optional<std::vector<std::string>> state_names(size_t param_index) const override;
+  std::vector<std::string> optional_state_names() const override;
 
  protected:
   void resolve_options(RMSpropOptions& options) const override;
@@ -531,6 +548,7 @@ class Adafactor : public OptimizerWith<AdafactorOptions> {
   Adafactor(std::vector<Tensor> params, AdafactorOptions options = {});
   Shape state_shape(const std::string& name, const Shape& param) const override;
   std::optional<std::vector<std::string>> state_names(size_t param_index) const override;
+  std::vector<std::string> optional_state_names() const override;
   DType state_dtype(size_t) const override { return f32; }
 
  protected:
@@ -542,13 +560,18 @@ class Adafactor : public OptimizerWith<AdafactorOptions> {
   Tensor beta2t_, rest_, rate_;  // this step's decay, 1 - decay and relative rate (0-d f64)
 };
 
-/// The global L2 norm of the gradients of `params` (each squared in f32 and summed; in f64 where
-/// one of them is f64), a 0-d f32 (f64) graph value: what clip_grad_norm clips by. 0 when none
-/// has a gradient.
-Tensor grad_norm(const std::vector<Tensor>& params);
+/// The global norm of the gradients of `params`, as torch.nn.utils.clip_grad_norm_ computes it:
+/// L2 by default (each squared in f32 and summed; in f64 where one of them is f64), any p > 0
+/// (the p-th root of the sum of |g|^p), or the largest |g| for norm_type = infinity. A 0-d f32
+/// (f64) graph value: what clip_grad_norm clips by. 0 when none has a gradient.
+Tensor grad_norm(const std::vector<Tensor>& params, double norm_type = 2.0);
 
-/// Scales all gradients so that their global L2 norm is at most max_norm; returns the norm
-/// before clipping (a graph value: reading it is the only host sync).
-Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm);
+/// Scales all gradients so that their global norm (grad_norm's) is at most max_norm; returns the
+/// norm before clipping (a graph value: reading it is the only host sync).
+Tensor clip_grad_norm(const std::vector<Tensor>& params, double max_norm, double norm_type = 2.0);
+
+/// Clamps every gradient of `params` into [-clip_value, clip_value], as
+/// torch.nn.utils.clip_grad_value_.
+void clip_grad_value(const std::vector<Tensor>& params, double clip_value);
 
 }  // namespace mixtape

@@ -222,8 +222,9 @@ void SummaryWriter::log_scaler(const GradScaler& scaler, const std::string& pref
 }
 
 void SummaryWriter::log_learning_rate(const Optimizer& optimizer, const std::string& prefix) {
-  if (optimizer.group_count() == 1) return add_scalar(prefix + "lr", optimizer.current_lr());
-  for (size_t g = 0; g < optimizer.group_count(); ++g)
+  // Group 0's keeps its tag when groups are added (add_param_group), so its curve goes on.
+  add_scalar(prefix + "lr", optimizer.current_lr());
+  for (size_t g = 1; g < optimizer.group_count(); ++g)
     add_scalar(fmt::format("{}lr/group{}", prefix, g), optimizer.current_lr(g));
 }
 

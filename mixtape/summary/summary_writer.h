@@ -77,7 +77,7 @@ class SummaryWriter {
   /// scaler.step(opt) and before scaler.update().
   void log_scaler(const GradScaler& scaler, const std::string& prefix = "");
   /// "lr" (or prefix + "lr"): the rate the optimizer's next step uses, its schedule's included;
-  /// with several parameter groups, each group's as "lr/group<g>". Graph values. An mt::Error for an optimizer that computes its own rate (Adafactor's
+  /// each further parameter group's as "lr/group<g>" (g >= 1). Graph values. An mt::Error for an optimizer that computes its own rate (Adafactor's
   /// relative step), as current_lr() is.
   void log_learning_rate(const Optimizer& optimizer, const std::string& prefix = "");
   /// "grad_norm": the global L2 norm of the gradients of `params`, as clip_grad_norm computes

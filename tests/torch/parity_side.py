@@ -281,6 +281,10 @@ def make_schedule(opt, spec):
         return S.CosineAnnealingLR(opt, **spec['args'])
     if kind == 'constant':
         return S.ConstantLR(opt, **spec['args'])
+    if kind == 'warm_restarts':
+        return S.CosineAnnealingWarmRestarts(opt, **spec['args'])
+    if kind == 'polynomial':
+        return S.PolynomialLR(opt, **spec['args'])
     if kind == 'sequential':
         return S.SequentialLR(opt, [make_schedule(opt, s) for s in spec['schedules']],
                               spec['milestones'])
@@ -301,11 +305,43 @@ def run_schedule(d, m, _):
     return {'lr': torch.tensor(lrs, dtype=torch.float64),
             'momentum': torch.tensor(momenta, dtype=torch.float64)}
 
+# ReduceLROnPlateau fed the case's metrics, one per epoch, over two parameter groups: each
+# group's rate after each step(metric).
+def run_plateau(d, m, _):
+    a, b = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
+    opt = torch.optim.SGD([{'params': [a]}, {'params': [b], 'lr': 0.05}], lr=0.1)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, **json.loads(m['args']))
+    rates = []
+    for metric in d['metrics'].tolist():
+        sched.step(metric)
+        rates.append([group['lr'] for group in opt.param_groups])
+    return {'lr': torch.tensor(rates, dtype=torch.float64)}
+
+# AveragedModel (EMA with an avg_fn, or SWA's mean) over a Linear-BatchNorm-Linear whose weights
+# the case gives for each update.
+def run_averaged(d, m, _):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4),
+                                torch.nn.Linear(4, 2))
+    avg_fn = None
+    if m['decay'] != 'none':
+        decay = float(m['decay'])
+        avg_fn = lambda average, weight, n: decay * average + (1 - decay) * weight
+    averaged = torch.optim.swa_utils.AveragedModel(model, avg_fn=avg_fn,
+                                                   use_buffers=m['buffers'] == '1')
+    for k in range(int(m['updates'])):
+        model.load_state_dict({name: d['w%d.%s' % (k, name)] for name in model.state_dict()})
+        averaged.update_parameters(model)
+    return dict(averaged.state_dict())
+
 def run_clip(d, m, params):
     model = MLP(sizes(m), m['activation'])
     model.load_state_dict(params, strict=True)
     F.cross_entropy(model(d['x']), d['y']).backward()
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float(m['max_norm']))
+    if float(m.get('clip_value', '0')) > 0:
+        torch.nn.utils.clip_grad_value_(model.parameters(), float(m['clip_value']))
+        return grads(model)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float(m['max_norm']),
+                                          float(m.get('norm_type', '2')))
     return {'norm': norm, **grads(model)}
 
 def run_cross_entropy(d, m, _):
@@ -432,7 +468,7 @@ def run_expr(d, m, _):
     return {'y': y.float(), **{'grad.' + n: leaves[n].grad for n in wants}}
 
 HANDLERS = {'mlp': run_mlp, 'block': run_block, 'optim': run_optim, 'clip': run_clip,
-            'schedule': run_schedule,
+            'schedule': run_schedule, 'plateau': run_plateau, 'averaged': run_averaged,
             'cross_entropy': run_cross_entropy, 'op': run_op,
             'vision': run_vision, 'resnet': run_resnet, 'seq': run_seq, 'scan': run_scan,
             'expr': run_expr}
