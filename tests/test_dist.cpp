@@ -172,6 +172,34 @@ TEST(Zero, KeepsParameterGroupsAndRestoresTheirRates) {
   std::filesystem::remove(path);
 }
 
+// A bf16 parameter under ZeRO keeps f32 state beside its f32 master: entries set_options() turns
+// on later (RMSprop's centered mean and momentum) start at the next step, as the plain rule's do.
+TEST(Zero, StateTurnedOnBySetOptionsStartsForHalfParameters) {
+  mt::dist::init();
+  mt::Tensor w = mt::full({2, 3}, 0.5, mt::bf16);
+  w.requires_grad_();
+  mt::dist::Zero<mt::RMSprop> opt(std::vector<mt::Tensor>{w}, {.lr = 0.01});
+  auto step = [&](double g) {
+    w.set_grad(mt::full({2, 3}, g, mt::bf16));
+    opt.step();
+  };
+  step(1.0);
+  mt::RMSpropOptions options = opt.options(0);
+  options.centered = true;
+  options.momentum = 0.5;
+  opt.set_options(0, options);
+  step(0.5);
+  step(0.25);
+  std::vector<std::string> names;
+  for (const auto& [name, value] : opt.state(0)) {
+    names.push_back(name);
+    EXPECT_EQ(value.dtype(), mt::f32) << name;
+  }
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names,
+            (std::vector<std::string>{"grad_avg", "master", "momentum_buffer", "square_avg"}));
+}
+
 // Six AdamW steps of an MLP under the pure-bf16 policy, its first weight set to 0.25 by hand
 // after the third: the model in f32 (the policy rounds its parameters where they are read), or
 // made bf16 by Module::to and updated by ZeroAdamW or by the plain AdamW; both start from the same

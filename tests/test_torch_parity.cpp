@@ -1864,6 +1864,27 @@ TEST(ReduceLROnPlateau, StateResumesAndBadStateIsRefused) {
   EXPECT_MT_ERROR(mt::ReduceLROnPlateau(whole, {.min_lr = {0.1, 0.2}}),
                   "2 min_lr values for an optimizer of 1 parameter groups");
   EXPECT_MT_ERROR(mt::ReduceLROnPlateau(whole, {.factor = 1.0}), "factor must be in [0, 1)");
+  // A group added later takes the one min_lr given for all; with one per group, a step refuses
+  // before it changes anything.
+  mt::Tensor a = mt::zeros({1}), b = mt::zeros({1});
+  a.requires_grad_();
+  b.requires_grad_();
+  mt::SGD one({a}, {.lr = 0.1}), two({a}, {.lr = 0.1});
+  mt::ReduceLROnPlateau for_all(one, {.patience = 0, .min_lr = {0.05}});
+  one.add_param_group({{b}, {.lr = 0.2}});
+  for_all.step(1.0);
+  for_all.step(2.0);  // no better: both rates reduced to the floor
+  EXPECT_EQ(one.lr(0), 0.05);
+  EXPECT_EQ(one.lr(1), 0.05);
+  two.add_param_group({{b}, {.lr = 0.2}});
+  mt::ReduceLROnPlateau two_groups(two, {.patience = 0, .min_lr = {0.05, 0.01}});
+  mt::Tensor c = mt::zeros({1});
+  c.requires_grad_();
+  two.add_param_group({{c}, {.lr = 0.3}});
+  EXPECT_MT_ERROR(two_groups.step(1.0),
+                  "2 min_lr values for an optimizer now of 3 parameter groups");
+  EXPECT_EQ(two_groups.bad_epochs(), 0);
+  EXPECT_EQ(two.lr(2), 0.3) << "nothing changed";
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -181,10 +181,11 @@ class Zero : public Rule, public ZeroOptimizer {
   // A half parameter's shard: its state and its master in f32.
   void start_state(NamedTensors& state, const Tensor& grad) const override {
     if (!is_half(grad.dtype())) return Rule::start_state(state, grad);
-    if (master_weights::started(state)) return;
+    // Every step, as for the plain rule: entries set_options() turned on start then. (Only
+    // missing entries are added; `like` gives their shape and type.)
     Tensor like = zeros(grad.shape(), f32);
     Rule::start_state(state, like);
-    this->add_zero_state(state, master_weights::kEntry, like);
+    if (!master_weights::started(state)) this->add_zero_state(state, master_weights::kEntry, like);
   }
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override {
     if (!is_half(param.dtype())) return Rule::update(param, grad, state);

@@ -45,8 +45,9 @@ void AveragedModel::update() {
   if (now.size() != averages_.size())
     fail("AveragedModel: the module now has {} parameters and buffers, {} when it was made",
          now.size(), averages_.size());
+  const NamedTensors parameters = module_.named_parameters();  // the names below view it
   std::unordered_map<std::string_view, const Tensor*> parameter;
-  for (const auto& [name, value] : module_.named_parameters()) parameter.emplace(name, &value);
+  for (const auto& [name, value] : parameters) parameter.emplace(name, &value);
   const Tensor first = count_ == 0.0;
   std::vector<Tensor> next;
   next.reserve(averages_.size() + 1);
@@ -83,7 +84,8 @@ NamedTensors AveragedModel::copy_to(Module& module) const {
 NamedTensors AveragedModel::state_dict() const {
   NamedTensors out;
   out.emplace_back("n_averaged", cast(count_, i64));
-  for (const auto& [name, average] : averages_) out.emplace_back("module." + name, average);
+  for (const auto& [name, average] : averages_)
+    out.emplace_back("module." + name, average.detach());
   return out;
 }
 

@@ -46,7 +46,8 @@ class AveragedModel {
   /// values they replaced, for module.load_state_dict() to put back.
   NamedTensors copy_to(Module& module) const;
   /// torch's AveragedModel.state_dict(): "n_averaged" (0-d i64) and each average as
-  /// "module.<name>", which torch's AveragedModel.load_state_dict() takes.
+  /// "module.<name>", which torch's AveragedModel.load_state_dict() takes. Values of the moment
+  /// it is called (an update after it leaves them): take it when saving.
   NamedTensors state_dict() const;
   /// Restores what state_dict() wrote; mt::Error, changing nothing, for a missing or unexpected
   /// name, a shape that differs, a non-finite average, or a negative n_averaged.

@@ -25,7 +25,6 @@ ReduceLROnPlateau::ReduceLROnPlateau(Optimizer& optimizer, ReduceLROnPlateauOpti
   if (options_.min_lr.size() != 1 && options_.min_lr.size() != groups)
     fail("ReduceLROnPlateau: {} min_lr values for an optimizer of {} parameter groups",
          options_.min_lr.size(), groups);
-  if (options_.min_lr.size() == 1) options_.min_lr.assign(groups, options_.min_lr[0]);
   for (double least : options_.min_lr)
     if (!(least >= 0) || !std::isfinite(least))
       fail("ReduceLROnPlateau: min_lr must be finite and >= 0, got {}", least);
@@ -40,12 +39,22 @@ bool ReduceLROnPlateau::better(double metric) const {
   return options_.relative_threshold ? metric < best_ * (1 - t) : metric < best_ - t;
 }
 
+double ReduceLROnPlateau::min_lr(size_t group) const {
+  return options_.min_lr.size() == 1 ? options_.min_lr[0] : options_.min_lr[group];
+}
+
 bool ReduceLROnPlateau::step(double metric) {
-  // Before anything changes: a group whose schedule sets its rate cannot be reduced.
+  // Before anything changes: a group whose schedule sets its rate cannot be reduced, nor one
+  // added (add_param_group) without a min_lr of its own.
   for (size_t g = 0; g < optimizer_.group_count(); ++g)
     if (optimizer_.schedule(g))
       fail("ReduceLROnPlateau: group {} of the {} has a schedule attached, which sets its rate", g,
            optimizer_.kind());
+  if (options_.min_lr.size() != 1 && options_.min_lr.size() != optimizer_.group_count())
+    fail(
+        "ReduceLROnPlateau: {} min_lr values for an optimizer now of {} parameter groups (one was "
+        "added since; give one min_lr for all)",
+        options_.min_lr.size(), optimizer_.group_count());
   ++last_epoch_;
   if (better(metric)) {
     best_ = metric;
@@ -61,7 +70,7 @@ bool ReduceLROnPlateau::step(double metric) {
   bool reduced = false;
   for (size_t g = 0; g < optimizer_.group_count(); ++g) {
     const double old_lr = optimizer_.lr(g);
-    const double new_lr = std::max(old_lr * options_.factor, options_.min_lr[g]);
+    const double new_lr = std::max(old_lr * options_.factor, min_lr(g));
     if (old_lr - new_lr > options_.eps) {
       optimizer_.set_lr(g, new_lr);
       reduced = true;

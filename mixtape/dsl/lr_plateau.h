@@ -17,10 +17,11 @@ struct ReduceLROnPlateauOptions {
   double factor = 0.1;    // each reduction multiplies the rate by it (< 1)
   int64_t patience = 10;  // epochs without improvement tolerated before a reduction
   double threshold = 1e-4;
-  bool relative_threshold = true;   // threshold_mode "rel" (else "abs")
-  int64_t cooldown = 0;             // epochs after a reduction in which none is counted
-  std::vector<double> min_lr{0.0};  // the least rate: one for every group, or one per group
-  double eps = 1e-8;                // a reduction smaller than it is not made
+  bool relative_threshold = true;  // threshold_mode "rel" (else "abs")
+  int64_t cooldown = 0;            // epochs after a reduction in which none is counted
+  // The least rate: one for every group (also groups added later), or one per group.
+  std::vector<double> min_lr{0.0};
+  double eps = 1e-8;  // a reduction smaller than it is not made
 };
 
 /// ReduceLROnPlateau, as torch.optim.lr_scheduler.ReduceLROnPlateau: step(metric) once an epoch;
@@ -51,6 +52,7 @@ class ReduceLROnPlateau {
 
  private:
   bool better(double metric) const;
+  double min_lr(size_t group) const;
   Optimizer& optimizer_;
   ReduceLROnPlateauOptions options_;
   double best_;
