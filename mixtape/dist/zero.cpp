@@ -87,7 +87,7 @@ std::vector<std::vector<std::string>> state_names_everywhere(const Optimizer& ze
 
 namespace master_weights {
 
-bool started(const NamedTensors& state) { return find_entry(state, kEntry) != nullptr; }
+const Tensor* find(const NamedTensors& state) { return find_entry(state, kEntry); }
 
 Tensor current(const NamedTensors& state, const Tensor& param) {
   const Tensor* kept = find_entry(state, kEntry);

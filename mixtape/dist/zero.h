@@ -112,8 +112,8 @@ class ZeroShards {
 /// change; it starts as zeros, which the parameter's first step replaces so.
 namespace master_weights {
 inline constexpr const char* kEntry = kMasterWeightEntry;
-/// Whether the shard's state has its master (and so the rule's state, started with it).
-bool started(const NamedTensors& state);
+/// The shard's master in its state, or null before its first update.
+const Tensor* find(const NamedTensors& state);
 /// The shard's master weights for the update: the kept master where it rounds to `param`, the
 /// parameter's value elsewhere.
 Tensor current(const NamedTensors& state, const Tensor& param);
@@ -181,11 +181,14 @@ class Zero : public Rule, public ZeroOptimizer {
   // A half parameter's shard: its state and its master in f32.
   void start_state(NamedTensors& state, const Tensor& grad) const override {
     if (!is_half(grad.dtype())) return Rule::start_state(state, grad);
-    // Every step, as for the plain rule: entries set_options() turned on start then. (Only
-    // missing entries are added; `like` gives their shape and type.)
-    Tensor like = zeros(grad.shape(), f32);
+    // Every step, as for the plain rule: entries set_options() turned on start then. Only missing
+    // entries are added, shaped and typed like the master (f32, the shard's), once it exists (a
+    // handle of its own: adding entries moves the state's).
+    const Tensor* master = master_weights::find(state);
+    const bool started = master != nullptr;
+    Tensor like = started ? *master : zeros(grad.shape(), f32);
     Rule::start_state(state, like);
-    if (!master_weights::started(state)) this->add_zero_state(state, master_weights::kEntry, like);
+    if (!started) this->add_zero_state(state, master_weights::kEntry, like);
   }
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override {
     if (!is_half(param.dtype())) return Rule::update(param, grad, state);

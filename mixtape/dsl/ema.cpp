@@ -6,6 +6,7 @@
 #include <memory>
 #include <string>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "mixtape/dsl/convert.h"
@@ -32,8 +33,14 @@ AveragedModel::AveragedModel(const Module& module, AveragedModelOptions options)
   if (options_.decay && !(*options_.decay >= 0 && *options_.decay <= 1))
     fail("AveragedModel: decay must be in [0, 1], got {}", *options_.decay);
   NoGradGuard no_grad;
-  for (const auto& [name, value] : module.state_dict())
+  const NamedTensors parameters = module.named_parameters();
+  std::unordered_set<std::string_view> parameter_names;
+  for (const auto& [name, value] : parameters) parameter_names.insert(name);
+  for (const auto& [name, value] : module.state_dict()) {
     averages_.emplace_back(name, stored_copy(value, average_dtype(value.dtype())));
+    folded_.push_back(is_floating(value.dtype()) &&
+                      (parameter_names.count(name) > 0 || options_.average_buffers));
+  }
   if (averages_.empty()) fail("AveragedModel: the module has no parameters or buffers");
   count_ = stored_copy(zeros({}, f64), f64);
 }
@@ -45,9 +52,6 @@ void AveragedModel::update() {
   if (now.size() != averages_.size())
     fail("AveragedModel: the module now has {} parameters and buffers, {} when it was made",
          now.size(), averages_.size());
-  const NamedTensors parameters = module_.named_parameters();  // the names below view it
-  std::unordered_map<std::string_view, const Tensor*> parameter;
-  for (const auto& [name, value] : parameters) parameter.emplace(name, &value);
   const Tensor first = count_ == 0.0;
   std::vector<Tensor> next;
   next.reserve(averages_.size() + 1);
@@ -55,9 +59,8 @@ void AveragedModel::update() {
     const auto& [name, average] = averages_[i];
     if (now[i].first != name || now[i].second.shape() != average.shape())
       fail("AveragedModel: the module's '{}' is not the '{}' it was made with", now[i].first, name);
-    const bool is_parameter = parameter.count(name) > 0;
     Tensor weight = cast(now[i].second, average.dtype());
-    if (!is_floating(average.dtype()) || (!is_parameter && !options_.average_buffers)) {
+    if (!folded_[i]) {
       next.push_back(weight * 1);  // copied: integer buffers, or buffers not averaged
       continue;
     }

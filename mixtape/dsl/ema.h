@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "mixtape/dsl/module.h"
 
@@ -56,8 +57,9 @@ class AveragedModel {
  private:
   const Module& module_;
   AveragedModelOptions options_;
-  NamedTensors averages_;  // by the module's state_dict() names
-  Tensor count_;           // 0-d f64, stored: updates taken
+  NamedTensors averages_;     // by the module's state_dict() names
+  std::vector<bool> folded_;  // per average: folded in (else the weight is copied)
+  Tensor count_;              // 0-d f64, stored: updates taken
 };
 
 }  // namespace mixtape

@@ -23,6 +23,7 @@
 #include "mixtape/dsl/optimizer_entries.h"
 #include "mixtape/runtime/aot_cuda_image.h"
 #include "mixtape/runtime/aot_plan.h"
+#include "mixtape/runtime/checkpoint.h"
 #include "mixtape/runtime/cpu_features.h"
 #include "mixtape/runtime/cpu_kernels.h"
 #include "mixtape/runtime/cublaslt.h"
@@ -695,21 +696,15 @@ std::vector<std::vector<std::string>> group_members(const mixtape_aot_model& m,
                                                     const std::string* text) {
   std::vector<std::vector<std::string>> groups;
   if (!text) return groups;
-  mt::json::Value doc;
   try {
-    doc = mt::json::parse(*text, text->size() + 16);  // a value takes at least a byte
+    for (mt::SavedParamGroup& group :
+         mt::parse_param_groups(fmt::format("{}: {}", m.name, path), *text)) {
+      std::sort(group.params.begin(), group.params.end());
+      groups.push_back(std::move(group.params));
+    }
   } catch (const mt::Error& e) {
-    raise(MIXTAPE_AOT_ERROR_FILE,
-          fmt::format("{}: {}: metadata optimizer.param_groups: {}", m.name, path, e.what()));
+    raise(MIXTAPE_AOT_ERROR_FILE, e.what());
   }
-  for (const mt::json::Value& group : doc.is_array() ? doc : mt::json::Value::array()) {
-    const mt::json::Value* params = mt::json::find(group, "params");
-    std::vector<std::string>& names = groups.emplace_back();
-    for (const mt::json::Value& name : params && params->is_array() ? *params : mt::json::Value())
-      names.push_back(name.is_string() ? name.get<std::string>() : name.dump());
-    std::sort(names.begin(), names.end());
-  }
-  if (!doc.is_array()) groups.emplace_back();  // never an exported grouping: refused
   return groups;
 }
 

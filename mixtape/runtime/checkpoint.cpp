@@ -99,6 +99,37 @@ Metadata optimizer_metadata(const Optimizer& optimizer, const std::vector<std::s
   return meta;
 }
 
+std::vector<SavedParamGroup> parse_param_groups(const std::string& context, std::string_view text) {
+  json::Value doc;
+  try {
+    doc = json::parse(text, text.size() + 16);  // a value takes at least a byte
+  } catch (const Error& e) {
+    fail("{}: metadata '{}': {}", context, kParamGroupsKey, e.what());
+  }
+  if (!doc.is_array())
+    fail("{}: metadata '{}' is not a list of parameter groups", context, kParamGroupsKey);
+  std::vector<SavedParamGroup> groups;
+  for (size_t g = 0; g < doc.size(); ++g) {
+    const json::Value* params = json::find(doc[g], "params");
+    if (!params || !params->is_array())
+      fail("{}: group {} of metadata '{}' has no \"params\" list", context, g, kParamGroupsKey);
+    SavedParamGroup& group = groups.emplace_back();
+    for (const json::Value& name : *params) {
+      const std::string* path = name.get_ptr<const std::string*>();
+      if (!path)
+        fail("{}: group {} of the file lists {}, not a parameter this optimizer updates", context,
+             g, name.dump());
+      group.params.push_back(*path);
+    }
+    if (const json::Value* lr = json::find(doc[g], "lr")) {
+      if (!lr->is_number())
+        fail("{}: group {}'s \"lr\" is {}, not a number", context, g, lr->dump());
+      group.lr = lr->get<double>();
+    }
+  }
+  return groups;
+}
+
 namespace {
 
 // The metadata key of a parameter's own step count, where it differs from the optimizer's.
@@ -178,19 +209,11 @@ std::vector<std::optional<double>> saved_rates(const std::string& path, const Me
           rate(metadata_number<double>(path, meta, "optimizer.lr"), "metadata 'optimizer.lr'");
     return rates;
   }
-  json::Value doc;
-  try {
-    // One per parameter path, three per group (its object, "params" list and rate), the list.
-    doc = json::parse(metadata_value(meta, kParamGroupsKey), names.size() + 3 * groups + 64);
-  } catch (const Error& e) {
-    fail("load_checkpoint {}: metadata '{}': {}", path, kParamGroupsKey, e.what());
-  }
-  if (!doc.is_array())
-    fail("load_checkpoint {}: metadata '{}' is not a list of parameter groups", path,
-         kParamGroupsKey);
-  if (doc.size() != groups)
+  const std::vector<SavedParamGroup> saved =
+      parse_param_groups("load_checkpoint " + path, metadata_value(meta, kParamGroupsKey));
+  if (saved.size() != groups)
     fail("load_checkpoint {}: the file's optimizer has {} parameter groups, this one has {}", path,
-         doc.size(), groups);
+         saved.size(), groups);
   std::unordered_map<std::string_view, size_t> index_of;
   std::vector<size_t> sizes(groups);
   for (size_t i = 0; i < names.size(); ++i) {
@@ -199,34 +222,25 @@ std::vector<std::optional<double>> saved_rates(const std::string& path, const Me
   }
   std::vector<bool> listed(names.size());
   for (size_t g = 0; g < groups; ++g) {
-    const json::Value* params = json::find(doc[g], "params");
-    if (!params || !params->is_array())
-      fail("load_checkpoint {}: group {} of metadata '{}' has no \"params\" list", path, g,
-           kParamGroupsKey);
-    if (params->size() != sizes[g])
+    if (saved[g].params.size() != sizes[g])
       fail("load_checkpoint {}: group {} of the file has {} parameters, the optimizer's has {}",
-           path, g, params->size(), sizes[g]);
-    for (const json::Value& name : *params) {
-      const std::string* text = name.get_ptr<const std::string*>();
-      auto found = text ? index_of.find(*text) : index_of.end();
+           path, g, saved[g].params.size(), sizes[g]);
+    for (const std::string& name : saved[g].params) {
+      auto found = index_of.find(name);
       if (found == index_of.end())
         fail(
-            "load_checkpoint {}: group {} of the file lists {}, not a parameter this optimizer "
+            "load_checkpoint {}: group {} of the file lists '{}', not a parameter this optimizer "
             "updates",
-            path, g, name.dump());
+            path, g, name);
       if (optimizer.group_of(found->second) != g || listed[found->second])
         fail("load_checkpoint {}: group {} of the file lists '{}', which is {} of the optimizer",
-             path, g, *text,
+             path, g, name,
              listed[found->second] ? std::string("listed twice")
                                    : fmt::format("in group {}", optimizer.group_of(found->second)));
       listed[found->second] = true;
     }
-    const json::Value* lr = json::find(doc[g], "lr");
-    if (lr && !optimizer.computes_own_rate()) {
-      if (!lr->is_number())
-        fail("load_checkpoint {}: group {}'s \"lr\" is {}, not a number", path, g, lr->dump());
-      rates[g] = rate(lr->get<double>(), fmt::format("group {}'s rate", g));
-    }
+    if (saved[g].lr && !optimizer.computes_own_rate())
+      rates[g] = rate(*saved[g].lr, fmt::format("group {}'s rate", g));
   }
   return rates;
 }

@@ -38,6 +38,16 @@ std::optional<OptimizerEntryName> optimizer_entry_name(std::string_view name);
 /// [{"params": ["fc.weight", ...], "lr": 0.001}, ...] (no rate where the rule computes its own).
 Metadata optimizer_metadata(const Optimizer& optimizer, const std::vector<std::string>& names);
 
+/// One group of a checkpoint's "optimizer.param_groups" (optimizer_metadata's JSON).
+struct SavedParamGroup {
+  std::vector<std::string> params;  // parameter paths, in the file's order
+  std::optional<double> lr;         // the group's rate, where the file gives one
+};
+/// Parses "optimizer.param_groups" metadata; mt::Error starting with `context` for text that is
+/// not such a list (malformed JSON, a group without a "params" list, a path that is no string,
+/// a rate that is no number). load_checkpoint and the AOT runtime's NAME_load read it so.
+std::vector<SavedParamGroup> parse_param_groups(const std::string& context, std::string_view text);
+
 /// What a checkpoint carries besides the module, optimizer and scaler, so that a run resumed
 /// from it goes on exactly as the saved one would have (the same dropout masks, noise and
 /// batches); and how strictly a load checks values. Pass the same options to save and load:
