@@ -778,6 +778,68 @@ TEST(Compile, OptimizerOutsideTheStepStillReplays) {
   EXPECT_TRUE(replayed_at_least(step, 7));
 }
 
+// Gradient accumulation in the loop users write (torch.compile's usual use): the forward and
+// backward pass compiled, four micro-batches per optimizer step, zero_grad and the optimizer's
+// step outside. The call after zero_grad and the calls that add to the gradients replay one plan
+// (its gradients start from -0 where the call finds none, which leaves every sum exact), so
+// after the first calls every call replays, and what it leaves is tracing's, bit for bit: in f32
+// and under bf16 autocast.
+TEST(Compile, GradientAccumulationWithTheOptimizerOutsideReplays) {
+  for (bool bf16 : {false, true}) {
+    SCOPED_TRACE(bf16 ? "autocast bf16" : "f32");
+    std::optional<mt::autocast> guard;
+    if (bf16) guard.emplace(mt::bf16);
+    MlpRun plain_run, compiled_run;
+    auto step = compile_forward_backward(compiled_run);
+    const int micro = 4, steps = 6;
+    for (int s = 0; s < steps; ++s) {
+      for (int m = 0; m < micro; ++m) {
+        const int i = s * micro + m;
+        EXPECT_EQ(f32_bits(forward_backward(plain_run, plain_run.batch(i), plain_run.y)),
+                  f32_bits(step(compiled_run.batch(i), compiled_run.y)));
+        EXPECT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model))
+            << "call " << i;
+      }
+      for (MlpRun* run : {&plain_run, &compiled_run}) {
+        run->opt.step();
+        run->opt.zero_grad();
+      }
+    }
+    expect_same_state(plain_run, compiled_run);
+    if (replays_here()) {  // under autocast the first sum reads a bf16 gradient, later ones f32
+      EXPECT_LE(step.stats().traces, bf16 ? 4 : 3) << step.stats().reason;
+      EXPECT_EQ(step.stats().plans, 1) << step.stats().reason;
+    }
+  }
+}
+
+// The same for a bf16 tensor used twice in the step (two contributions to its bf16 gradient)
+// and for a gradient dropped in the middle of accumulating (the next call makes it afresh):
+// the replays leave tracing's bits.
+TEST(Compile, AccumulatedHalfGradientsMatchTracing) {
+  mt::Generator gen(5);
+  const mt::Tensor x = mt::randn({16, 8}, mt::f32, &gen).to(mt::bf16);
+  mt::Tensor plain_w = mt::randn({8, 8}, mt::bf16, &gen).requires_grad_();
+  mt::Tensor compiled_w = plain_w.detach().requires_grad_();
+  auto body = [&](mt::Tensor& w, const mt::Tensor& input) {
+    mt::Tensor h = mt::matmul(mt::matmul(input, w), w);
+    mt::Tensor loss = mt::mean(mt::cast(h * h, mt::f32));
+    loss.backward();
+    return loss;
+  };
+  auto step = mt::compile([&](const mt::Tensor& input) { return body(compiled_w, input); });
+  for (int i = 0; i < 18; ++i) {
+    if (i % 3 == 0 || i == 10)
+      for (mt::Tensor* w : {&plain_w, &compiled_w}) w->zero_grad();
+    const mt::Tensor input = x * (1.0 + 0.125 * i);
+    EXPECT_EQ(f32_bits(body(plain_w, input)), f32_bits(step(input)));
+    ASSERT_TRUE(compiled_w.grad().defined());
+    EXPECT_EQ(compiled_w.grad().dtype(), mt::bf16);
+    EXPECT_EQ(f32_bits(plain_w.grad()), f32_bits(compiled_w.grad())) << "call " << i;
+  }
+  EXPECT_TRUE(replayed_at_least(step, 14));
+}
+
 // A parameter frozen (requires_grad_(false)) or unfrozen between calls is followed, with the
 // optimizer inside the step and outside it.
 TEST(Compile, FrozenParametersAreFollowed) {

@@ -63,6 +63,8 @@ class Recorder final : public TraceObserver {
     slot.start = !reads_current ? Start::replaced
                  : owner->grad  ? Start::added_to
                                 : Start::made_from_nothing;
+    if (slot.start == Start::added_to && owner->grad->evaluated())
+      slot.found = owner->grad->value.get();
   }
   void assigning(const TensorImpl* target, const NodePtr& value) override {
     assigned.push_back(value);
@@ -266,7 +268,12 @@ bool index_outputs(const Trace& t, std::unordered_map<const Storage*, Place>& at
 // when the traces do not show it.
 class EvaluationPlanner {
  public:
-  EvaluationPlanner(const Trace& a, const Trace& b, std::string& why) : a_(a), b_(b), why_(why) {}
+  // `by_owner`: read the parameters and the gradients the step adds to through their tensors
+  // (mt::compile's replays follow what happens to them outside the step); else a parameter
+  // that is the same buffer in both traces is a constant, and a gradient is state the step
+  // carries (an AOT artifact has no tensors to read through).
+  EvaluationPlanner(const Trace& a, const Trace& b, bool by_owner, std::string& why)
+      : a_(a), b_(b), by_owner_(by_owner), why_(why) {}
 
   // Indexes the two traces' buffers; false when one buffer holds two values.
   bool index() {
@@ -314,6 +321,9 @@ class EvaluationPlanner {
         return false;
       }
       binding.arg = arg->second;
+    } else if (const int g = by_owner_ ? gradient_found(now, before) : -1; g >= 0) {
+      binding.gradient = g;
+      binding.owner_dtype = eb.inputs[x]->dtype;
     } else if (auto own = out_b_.find(now); own != out_b_.end()) {
       // Stored earlier in the same call.
       same_call = true;
@@ -329,12 +339,14 @@ class EvaluationPlanner {
       // first, the replay hands this one the value it replaced.
       source = carried->second;
       binding.at_call_start = source.first < static_cast<int>(e);
+    } else if (std::shared_ptr<TensorImpl> owner = eb.parameters[x].lock();
+               owner && owner == ea.parameters[x].lock() && (by_owner_ || now != before)) {
+      // The same buffer in both calls may still be replaced outside before the next (the
+      // optimizer's step after the last of several accumulating calls).
+      binding.parameter = owner;
+      binding.owner_dtype = eb.inputs[x]->dtype;
     } else if (now == before) {
       binding.object = eb.inputs[x];  // the same buffer in both calls: a constant
-    } else if (std::shared_ptr<TensorImpl> owner = eb.parameters[x].lock();
-               owner && owner == ea.parameters[x].lock()) {
-      binding.parameter = owner;
-      binding.parameter_dtype = eb.inputs[x]->dtype;
     } else {
       why_ = fmt::format(
           "evaluation {} reads a new {} on every call that is not an argument (a tensor made "
@@ -375,8 +387,18 @@ class EvaluationPlanner {
     return true;
   }
 
+  // The index of the gradient slot whose buffer evaluation inputs `now` (in b) and `before`
+  // (in a) are: the gradient the step found and added to; else -1.
+  int gradient_found(const Storage* now, const Storage* before) const {
+    for (size_t g = 0; g < b_.gradients.size(); ++g)
+      if (b_.gradients[g].found == now && a_.gradients[g].found == before && now)
+        return static_cast<int>(g);
+    return -1;
+  }
+
   const Trace& a_;
   const Trace& b_;
+  const bool by_owner_;
   std::string& why_;
   std::unordered_map<const Storage*, Place> out_a_, out_b_;
   std::unordered_map<const Storage*, int> arg_of_;
@@ -410,8 +432,10 @@ void adopt_graph(Plan& plan, size_t e, Evaluation&& eval) {
     auto leaf = std::make_shared<Node>(*external);
     leaf->inputs.clear();
     leaf->value = planned.inputs[x].object;
-    // A parameter's value is read afresh each call: the plan keeps no old weights alive.
-    if (planned.inputs[x].through_parameter()) planned.eval.inputs[x].reset();
+    // A parameter's or gradient's value is read afresh each call: the plan keeps no old weights
+    // or gradients alive.
+    if (planned.inputs[x].through_parameter() || planned.inputs[x].through_gradient())
+      planned.eval.inputs[x].reset();
     private_leaf.emplace(external, leaf);
     sig.externals[x] = leaf.get();  // Signature::ref() maps the leaf from here on
     planned.leaves.push_back(std::move(leaf));
@@ -428,9 +452,9 @@ void adopt_graph(Plan& plan, size_t e, Evaluation&& eval) {
 
 // The replay plan for calls like `b`, whose previous call was `a`; empty with the reason when
 // the two do not show how to bind every input.
-std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
+std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, bool by_owner, std::string& why) {
   if (!same_shape(a, b, why)) return nullptr;
-  EvaluationPlanner planner(a, b, why);
+  EvaluationPlanner planner(a, b, by_owner, why);
   if (!planner.index()) return nullptr;
   auto plan = std::make_unique<Plan>();
   plan->results = b.results;
@@ -444,6 +468,7 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, std::string& why) {
   b.evals.clear();
   plan->hooks = std::move(b.hooks);
   plan->gradients = std::move(b.gradients);
+  for (GradientSlot& slot : plan->gradients) slot.found = nullptr;
   return plan;
 }
 
@@ -465,8 +490,8 @@ void hand_over_gradients(Plan& plan) {
 
 // Called once the previous trace is gone, so that the counts are those of the steady state.
 // The gradients the step leaves are left out: the replay hands each back to its owner, so a
-// move off one (zero_grad) loses nothing; where the next call reads one (accumulation), its
-// binding watches it.
+// move off one (zero_grad) loses nothing; where the next call reads one (accumulation), it
+// reads it through its tensor (Binding::gradient), or in an AOT plan its binding watches it.
 void watch(Plan& plan) {
   std::unordered_set<const Storage*> handed_back;
   for (const GradientSlot& slot : plan.gradients)
@@ -492,6 +517,26 @@ void watch(Plan& plan) {
   }
 }
 
+// Why a replay cannot read the gradient `binding` adds to through its tensor, or null.
+const char* replaced_gradient(const Plan& plan, const Binding& binding, const Node& leaf,
+                              const std::vector<Tensor>& args) {
+  const GradientSlot& slot = plan.gradients[static_cast<size_t>(binding.gradient)];
+  std::shared_ptr<TensorImpl> owner = owner_of(slot, args);
+  if (!owner) return "a tensor whose gradient the step adds to is gone";
+  const Node* grad = owner->grad.get();
+  if (!grad) return nullptr;  // the replay adds to -0
+  if (!grad->evaluated() || grad->shape != leaf.shape || grad->value->dtype != binding.owner_dtype)
+    return "a gradient the step adds to was given another shape or dtype, or a value not yet "
+           "computed, outside it since the last call";
+  // The buffer the step leaves this gradient in is read before the replay writes it again; any
+  // other buffer it updates may be written in place first.
+  const bool own = slot.at != kUndefined &&
+                   plan.evals[slot.at.first].eval.outputs[slot.at.second] == grad->value;
+  if (!own && plan.kept.count(grad->value.get()))
+    return "a gradient the step adds to shares a buffer with state the step updates in place";
+  return nullptr;
+}
+
 const char* replaced_state(const Plan& plan, const std::vector<Tensor>& args) {
   for (const Plan::Watched& w : plan.watched)
     if (w.object.use_count() < w.holders ||
@@ -500,12 +545,15 @@ const char* replaced_state(const Plan& plan, const std::vector<Tensor>& args) {
              "last call (assign, load_state, zero_grad outside the function)";
   for (const PlannedEvaluation& planned : plan.evals)
     for (size_t x = 0; x < planned.inputs.size(); ++x) {
+      if (planned.inputs[x].through_gradient())
+        if (const char* why = replaced_gradient(plan, planned.inputs[x], *planned.leaves[x], args))
+          return why;
       if (!planned.inputs[x].through_parameter()) continue;
       std::shared_ptr<TensorImpl> owner = planned.inputs[x].parameter.lock();
       const Node* value = owner ? owner->node.get() : nullptr;
       const Node& leaf = *planned.leaves[x];
       if (!value || !value->evaluated() || value->shape != leaf.shape ||
-          value->value->dtype != planned.inputs[x].parameter_dtype ||
+          value->value->dtype != planned.inputs[x].owner_dtype ||
           value->requires_grad != leaf.requires_grad)
         return "a parameter the step reads was dropped, frozen or unfrozen, or given another "
                "shape or dtype, or a value not yet computed, outside it since the last call";
@@ -643,7 +691,7 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
   if (!trace->unfit.empty()) {
     why = fmt::format("the function {}; it is traced on every call", trace->unfit);
   } else if (entry.previous && entry.previous->unfit.empty()) {
-    entry.plan = make_plan(*entry.previous, *trace, why);
+    entry.plan = make_plan(*entry.previous, *trace, true, why);
   } else {
     why = "waiting for a second trace to compare with";
   }
@@ -697,7 +745,7 @@ std::unique_ptr<Plan> plan_step(const std::vector<Tensor>& args, const StepRepla
     }
     Trace next = trace_call(args, fn, results);
     std::unique_ptr<Plan> plan;
-    if (next.unfit.empty()) plan = make_plan(previous, next, why);
+    if (next.unfit.empty()) plan = make_plan(previous, next, false, why);
     release(previous);
     if (plan && reads_replaced_parameters(*plan)) {
       release(*plan);

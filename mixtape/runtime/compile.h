@@ -48,7 +48,12 @@ struct CompileStats {
 /// function still works, traced on every call (stats().reason says why). Changing state from
 /// outside between calls is fine when it writes in place (set_lr, writing a storage); replacing
 /// it (assign, load_state, a new optimizer, set_schedule, reseeding a generator) is detected and
-/// makes the next calls trace again. A schedule attached with Optimizer::set_schedule is graph
+/// makes the next calls trace again. Parameters, and the gradients a step adds to, are read
+/// through their tensors, so the forward and backward compiled alone replay with the
+/// optimizer's step and zero_grad outside, gradient accumulation included (a call finding no
+/// gradient adds to -0, which leaves what a call making it afresh leaves, except that under
+/// autocast it is stored in f32 where that call would store a bf16 or f16 gradient as the
+/// backward made it). A schedule attached with Optimizer::set_schedule is graph
 /// code over the step count, so replays advance it with no call between them. Not thread-safe.
 class StepReplayer {
  public:

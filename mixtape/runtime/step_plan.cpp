@@ -79,6 +79,22 @@ const std::vector<std::pair<const Node*, StoragePtr>>& in_place_of(
   return *(planned.in_place = std::move(list));
 }
 
+// The gradient `binding` adds to, as the call begins: its tensor's, or where it has none, the
+// binding's buffer of -0 shaped and typed like the trace's (`leaf`).
+StoragePtr gradient_at_call_start(const Plan& plan, Binding& binding, const Node& leaf,
+                                  const std::vector<Tensor>& args) {
+  const GradientSlot& slot = plan.gradients[static_cast<size_t>(binding.gradient)];
+  if (std::shared_ptr<TensorImpl> owner = owner_of(slot, args); owner && owner->grad)
+    return owner->grad->value;
+  if (!binding.no_gradient) {
+    NoPolicyScope as_asked;  // the trace's dtype, whatever the policy around the call
+    Tensor zeros = full(leaf.shape, -0.0, binding.owner_dtype);
+    eval({zeros});
+    binding.no_gradient = zeros.node()->value;
+  }
+  return binding.no_gradient;
+}
+
 }  // namespace
 
 bool GradientSlot::operator==(const GradientSlot& other) const {
@@ -146,6 +162,9 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
         sig.externals[x]->value = args[planned.inputs[x].arg].node()->value;
       else if (planned.inputs[x].through_parameter())  // replaced_state checked it
         sig.externals[x]->value = planned.inputs[x].parameter.lock()->node->value;
+      else if (planned.inputs[x].through_gradient())  // replaced_state checked it too
+        sig.externals[x]->value =
+            gradient_at_call_start(plan, planned.inputs[x], *sig.externals[x], args);
       else if (planned.inputs[x].at_call_start)
         sig.externals[x]->value = call_start_value(planned.inputs[x].object);
     for (Node* node : e.pending_raw) node->value.reset();
@@ -187,7 +206,8 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
                     fresh_of[first >= 0 ? first : j], moved);
       }
     for (size_t x = 0; x < planned.inputs.size(); ++x)
-      if (planned.inputs[x].arg >= 0 || planned.inputs[x].through_parameter())
+      if (planned.inputs[x].arg >= 0 || planned.inputs[x].through_parameter() ||
+          planned.inputs[x].through_gradient())
         sig.externals[x]->value.reset();
       else if (planned.inputs[x].at_call_start)
         sig.externals[x]->value = planned.inputs[x].object;

@@ -53,12 +53,21 @@ void run_hooks(const std::vector<Hook>& hooks);
 struct Binding {
   int arg = -1;       // >= 0: the call's argument
   StoragePtr object;  // else this buffer, which the step keeps up to date in place
+  // Else, >= 0: the gradient of plan.gradients[gradient]'s tensor when the call begins, which
+  // the step adds to (accumulation), read through the tensor as tracing reads it; where the
+  // tensor has none (zero_grad since), a buffer of -0, for x + -0 == x in IEEE 754: the sum is
+  // what a call that makes the gradient afresh computes, bit for bit.
+  int gradient = -1;
+  StoragePtr no_gradient;  // that buffer of -0, made by the first replay that needs it
   // Else this parameter's value when the call begins: one that something outside the step
   // replaces between calls (an optimizer's step outside it), read through the parameter as
-  // tracing reads it. Its dtype is the trace's; a replay needs the same.
+  // tracing reads it.
   std::weak_ptr<TensorImpl> parameter;
-  DType parameter_dtype = DType::f32;
-  bool through_parameter() const { return arg < 0 && !object; }
+  // The dtype of a value read through its tensor (parameter or gradient) in the trace; a
+  // replay needs the same.
+  DType owner_dtype = DType::f32;
+  bool through_parameter() const { return arg < 0 && !object && gradient < 0; }
+  bool through_gradient() const { return gradient >= 0; }
   // The buffer's value when the earlier of the two traces the plan compares read it (the state
   // before that call), which AOT export saves; null for arguments.
   StoragePtr first_value;
@@ -111,11 +120,14 @@ struct GradientSlot {
     made_from_nothing,  // found none (zero_grad before the call): a replay needs none either
     added_to,           // added to it (accumulation): state the replay reads
   } start = Start::replaced;
+  // The buffer of the gradient it added to (Start::added_to), for the trace's planner to tell
+  // which input reads it; only while the trace that found it lives (null in a plan).
+  const Storage* found = nullptr;
   // Where the step leaves it: (evaluation, stored index), which may be a result's; or the
   // call's argument `arg` itself (set_grad(argument)); or neither: no gradient.
   std::pair<int, int> at{-1, -1};
   int arg = -1;
-  bool operator==(const GradientSlot& other) const;  // the same, but for `handed`
+  bool operator==(const GradientSlot& other) const;  // the same, but for `found`, `handed`
   // The leaf a replay last left in owner's grad(). While something else holds it, the next
   // replay gives it the value it had instead of overwriting it.
   std::weak_ptr<Node> handed;
