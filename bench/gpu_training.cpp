@@ -179,7 +179,7 @@ int main(int argc, char** argv) {
       for (const std::string& precision : line.precisions) {
         mt::PolicyPtr policy = bench::precision_policy(precision);
         mt::reset_execution_stats();
-        bench::Workload workload = workload_by_name(name, policy, bench::step_mode(line.step));
+        bench::Workload workload = workload_by_name(name, policy, bench::step_mode(line));
         mt::json::Value record = {{"benchmark", "gpu_training"}};
         record.update(
             bench::measure_workload(workload, name, precision, line, mt::cuda_synchronize));

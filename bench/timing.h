@@ -155,6 +155,9 @@ struct CommandLine {
   // bench_training: traced (every step), compiled (the whole step through mt::compile) or
   // compiled-model (the forward and backward pass through it, the optimizer's update outside).
   std::string step = "traced";
+  // Micro-batches whose gradients each optimizer step adds up (--accumulate): the gradients
+  // zeroed and the update made outside the forward and backward pass, after the last.
+  int micro_batches = 1;
 };
 
 [[noreturn]] inline void usage_error(const char* program, const std::string& problem,
@@ -196,10 +199,17 @@ inline CommandLine parse_command_line(int argc, char** argv, const char* program
     else if (flag == "--step" &&
              (value == "traced" || value == "compiled" || value == "compiled-model"))
       line.step = value;
+    else if (flag == "--accumulate")
+      line.micro_batches = std::max(1, static_cast<int>(number()));
     else
       usage_error(program, "unknown flag " + flag, usage);
   }
   if (line.workloads.empty()) usage_error(program, "--workloads is required", usage);
+  if (line.micro_batches > 1 && line.step == "compiled")
+    usage_error(program,
+                "--accumulate needs the optimizer outside the compiled function: --step traced "
+                "or compiled-model",
+                usage);
   for (const std::string& p : line.precisions)
     if (p != "fp32" && p != "bf16" && p != "fp16")
       usage_error(program, "precisions are fp32, bf16 and fp16", usage);
@@ -258,20 +268,27 @@ struct Workload {
 };
 
 /// How a workload's steps run: traced on every call, or through mt::compile, the whole step or
-/// (as torch.compile users compile a model) its forward and backward pass only.
-enum class StepMode { traced, compiled, compiled_model };
-inline StepMode step_mode(const std::string& step) {
-  return step == "traced"     ? StepMode::traced
-         : step == "compiled" ? StepMode::compiled
-                              : StepMode::compiled_model;
+/// (as torch.compile users compile a model) its forward and backward pass only; and how many
+/// micro-batches each optimizer step adds up.
+struct StepMode {
+  enum Kind { traced, compiled, compiled_model } kind = traced;
+  int micro_batches = 1;
+};
+inline StepMode step_mode(const CommandLine& line) {
+  return {line.step == "traced"     ? StepMode::traced
+          : line.step == "compiled" ? StepMode::compiled
+                                    : StepMode::compiled_model,
+          line.micro_batches};
 }
 
-/// A training step split where a user who compiles only the model splits it: the forward and
-/// backward pass, then the optimizer's update.
+/// A training step split where a user who compiles only the model splits it: zeroing the
+/// gradients, the forward and backward pass (which adds to them), then the optimizer's update.
 struct SplitStep {
+  std::function<void()> zero_grad;
   std::function<mt::Tensor(const mt::Tensor&, const mt::Tensor&)> forward_backward;
   std::function<void()> update;
   mt::Tensor operator()(const mt::Tensor& inputs, const mt::Tensor& targets) const {
+    zero_grad();
     mt::Tensor loss = forward_backward(inputs, targets);
     update();
     return loss;
@@ -283,9 +300,35 @@ struct SplitStep {
 template <typename Train, typename NextBatch>
 Workload make_workload(Train train, NextBatch next_batch, StepMode mode, mt::json::Value facts) {
   if constexpr (std::is_same_v<Train, SplitStep>) {
-    if (mode == StepMode::compiled_model) {
-      auto step =
-          std::make_shared<mt::Compiled<decltype(train.forward_backward)>>(train.forward_backward);
+    if (mode.micro_batches > 1) {
+      // Gradient accumulation: zero_grad and the update outside, after the last micro-batch.
+      facts["micro_batches"] = mode.micro_batches;
+      using ForwardBackward = decltype(train.forward_backward);
+      std::shared_ptr<mt::Compiled<ForwardBackward>> step;
+      std::function<mt::CompileStats()> stats;
+      if (mode.kind == StepMode::compiled_model) {
+        step = std::make_shared<mt::Compiled<ForwardBackward>>(train.forward_backward);
+        stats = [step] { return step->stats(); };
+      }
+      return {[step, train, next_batch, micro = mode.micro_batches]() mutable {
+                mt::Tensor loss;
+                for (int m = 0; m < micro; ++m) {
+                  auto [inputs, targets] = next_batch();
+                  loss = step ? (*step)(inputs, targets) : train.forward_backward(inputs, targets);
+                }
+                train.update();
+                train.zero_grad();
+                return loss;
+              },
+              std::move(facts), std::move(stats)};
+    }
+    if (mode.kind == StepMode::compiled_model) {
+      auto pass = [zero_grad = train.zero_grad, forward_backward = train.forward_backward](
+                      const mt::Tensor& inputs, const mt::Tensor& targets) {
+        zero_grad();
+        return forward_backward(inputs, targets);
+      };
+      auto step = std::make_shared<mt::Compiled<decltype(pass)>>(pass);
       return {[step, update = train.update, next_batch]() mutable {
                 auto [inputs, targets] = next_batch();
                 mt::Tensor loss = (*step)(inputs, targets);
@@ -294,12 +337,12 @@ Workload make_workload(Train train, NextBatch next_batch, StepMode mode, mt::jso
               },
               std::move(facts), [step] { return step->stats(); }};
     }
-  } else if (mode == StepMode::compiled_model) {
+  } else if (mode.kind == StepMode::compiled_model || mode.micro_batches > 1) {
     mt::fail(
-        "--step compiled-model: this workload's step is not split into the model's pass and "
-        "the optimizer's update");
+        "--step compiled-model and --accumulate: this workload's step is not split into the "
+        "model's pass and the optimizer's update");
   }
-  if (mode == StepMode::traced)
+  if (mode.kind == StepMode::traced)
     return {[train, next_batch]() mutable {
               auto [inputs, targets] = next_batch();
               return mt::Tensor(train(inputs, targets));
@@ -351,8 +394,8 @@ template <typename State, typename LossOf>
 SplitStep autocast_train_step(std::shared_ptr<State> state, mt::PolicyPtr policy, LossOf loss_of) {
   auto scaler = std::make_shared<mt::GradScaler>(
       mt::GradScalerOptions{.enabled = policy->name() == "autocast-f16"});
-  return {[state, policy, loss_of, scaler](const mt::Tensor& inputs, const mt::Tensor& targets) {
-            state->optimizer->zero_grad();
+  return {[state] { state->optimizer->zero_grad(); },
+          [state, policy, loss_of, scaler](const mt::Tensor& inputs, const mt::Tensor& targets) {
             mt::Tensor loss;
             {
               mt::autocast guard(policy);

@@ -28,7 +28,7 @@ namespace {
 constexpr const char* kUsage =
     "usage: bench_training --workloads LIST [--precisions fp32,bf16,fp16] [--warmup N]\n"
     "                      [--windows N] [--window-seconds S] [--budget-seconds S]\n"
-    "                      [--step traced|compiled|compiled-model]\n"
+    "                      [--step traced|compiled|compiled-model] [--accumulate N]\n"
     "  workloads: mlp_w<W>_b<B> (32 -> W x4 hidden -> 16, ReLU, MSE, Adam 1e-3), digits_mlp\n"
     "             (examples/digits_mlp's model and loop), digits_demo (the README's demo: the\n"
     "             same at batch 256 with AdamW), char_gpt (CharGpt 4x4x128, context 64,\n"
@@ -40,6 +40,8 @@ constexpr const char* kUsage =
     "  (the default) builds the graph every step, as the plain training loop does;\n"
     "  compiled-model compiles the forward and backward pass and runs the optimizer's update\n"
     "  outside (mlp_w<W>_b<B>, digits_mlp, digits_demo, resnet18), as torch.compile users do.\n"
+    "  --accumulate N (traced or compiled-model, the same workloads): each step adds up the\n"
+    "  gradients of N micro-batches, then updates and zeroes them outside the compiled pass.\n"
     "  Under mpirun -np N, digits_mlp, digits_demo and char_gpt train data parallel\n"
     "  (dist::DataParallel, each process its shard at the batch above); rank 0 prints.\n"
     "  Precisions: fp32, bf16 (autocast-bf16) and fp16 (autocast-f16 with a dynamic GradScaler\n"
@@ -276,7 +278,7 @@ int main(int argc, char** argv) {
         const mt::LlvmJit::Stats jit_before = mt::LlvmJit::instance().stats();
         auto setup_start = std::chrono::steady_clock::now();
         double setup_cpu_start = bench::process_cpu_seconds();
-        Workload workload = workload_by_name(name, policy, bench::step_mode(line.step));
+        Workload workload = workload_by_name(name, policy, bench::step_mode(line));
         mt::json::Value setup{{"setup_s", bench::seconds_since(setup_start)},
                               {"setup_cpu_s", bench::process_cpu_seconds() - setup_cpu_start}};
         mt::json::Value record = bench::measure_workload(workload, name, precision, line);

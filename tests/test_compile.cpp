@@ -840,6 +840,78 @@ TEST(Compile, AccumulatedHalfGradientsMatchTracing) {
   EXPECT_TRUE(replayed_at_least(step, 14));
 }
 
+// A gradient the step adds to that is, in the traced calls, also read in another role (another
+// parameter's gradient: set_grad of one tensor, or of cached zeros, to two parameters; the
+// parameter itself; an argument) is not bound to one of them: the step traces, and leaves what
+// tracing leaves when the roles part.
+TEST(Compile, AGradientAlsoReadInAnotherRoleIsNotBoundToOne) {
+  for (int scenario = 0; scenario < 4; ++scenario) {
+    SCOPED_TRACE(testing::Message() << "scenario " << scenario);
+    MlpRun plain_run, compiled_run;
+    auto body = [](MlpRun& run, const mt::Tensor& x, const mt::Tensor& y, const mt::Tensor& aux) {
+      mt::Tensor loss = mt::mse_loss(run.model(x), y) + 0.0 * mt::sum(aux);
+      loss.backward();
+      return loss;
+    };
+    auto step = mt::compile([&](const mt::Tensor& x, const mt::Tensor& y, const mt::Tensor& aux) {
+      return body(compiled_run, x, y, aux);
+    });
+    for (int i = 0; i < 12; ++i) {
+      const bool together = i < 6;  // the roles share a buffer, then part
+      std::vector<mt::Tensor> aux;
+      for (MlpRun* run : {&plain_run, &compiled_run}) {
+        std::vector<mt::Tensor> p = run->model.parameters();  // biases 1 and 3: [32]
+        if (scenario == 0 && p[3].grad().defined())
+          p[1].set_grad(together ? p[3].grad() : p[3].grad() * 2.0);
+        if (scenario == 1 && i % 3 == 0) {  // set_to_none=False with one zeros per shape
+          const mt::Tensor zeros = mt::zeros({32});
+          p[1].set_grad(zeros);
+          p[3].set_grad(together ? zeros : mt::zeros({32}));
+        }
+        if (scenario == 2) p[5].set_grad(together ? p[5] : mt::full({4}, 1000.0));
+        aux.push_back(scenario == 3 && together && p[5].grad().defined() ? p[5].grad()
+                                                                         : mt::full({4}, 7.0));
+        mt::eval(p);
+      }
+      mt::eval(aux);
+      ASSERT_EQ(f32_bits(body(plain_run, plain_run.batch(i), plain_run.y, aux[0])),
+                f32_bits(step(compiled_run.batch(i), compiled_run.y, aux[1])))
+          << "call " << i;
+      ASSERT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model))
+          << "call " << i;
+      if (i % 4 == 3)
+        for (MlpRun* run : {&plain_run, &compiled_run}) run->opt.step();
+    }
+    expect_same_state(plain_run, compiled_run);
+  }
+}
+
+// A step that reads the gradient it found both before and after the evaluation that adds to it
+// (the gradient before, then the sum minus it): the later read sees the gradient the call
+// found, as tracing does, not the sum a replay wrote into its buffer first.
+TEST(Compile, TheGradientFoundIsReadAsItWasAfterTheSumIsWritten) {
+  MlpRun plain_run, compiled_run;
+  auto body = [](MlpRun& run, const mt::Tensor& x, const mt::Tensor& y) {
+    const mt::Tensor bias = run.model.parameters()[5];
+    const mt::Tensor before = bias.grad();
+    mt::Tensor loss = mt::mse_loss(run.model(x), y);
+    loss.backward();
+    mt::eval({loss, bias.grad()});  // the sum, in an evaluation of its own
+    return std::vector<mt::Tensor>{loss, mt::sum(bias.grad() - before)};
+  };
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& y) { return body(compiled_run, x, y); });
+  for (MlpRun* run : {&plain_run, &compiled_run}) forward_backward(*run, run->batch(0), run->y);
+  for (int i = 1; i < 9; ++i) {
+    const std::vector<mt::Tensor> traced = body(plain_run, plain_run.batch(i), plain_run.y);
+    const std::vector<mt::Tensor> compiled = step(compiled_run.batch(i), compiled_run.y);
+    EXPECT_EQ(f32_bits(traced[0]), f32_bits(compiled[0])) << "call " << i;
+    EXPECT_EQ(f32_bits(traced[1]), f32_bits(compiled[1])) << "call " << i;
+    EXPECT_TRUE(gradient_bits(plain_run.model) == gradient_bits(compiled_run.model));
+  }
+  EXPECT_TRUE(replayed_at_least(step, 4));
+}
+
 // A parameter frozen (requires_grad_(false)) or unfrozen between calls is followed, with the
 // optimizer inside the step and outside it.
 TEST(Compile, FrozenParametersAreFollowed) {

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <optional>
+#include <string_view>
 #include <utility>
 
 #include "mixtape/dsl/graph.h"
@@ -13,20 +14,33 @@ namespace mixtape {
 Recomputation::Recomputation(std::shared_ptr<const std::vector<std::string>> globs)
     : globs_(std::move(globs)) {}
 
-const std::string& Recomputation::region_of(const Node& node) {
-  auto [it, added] = region_by_path_.try_emplace(node.origin.module_path);
+CheckpointRegion Recomputation::region_of(const Node& node) {
+  auto [it, added] = region_length_by_path_.try_emplace(node.origin.module_path, -1);
   if (added) {
     const std::string& path = node.origin.module_path;
     size_t shortest = std::string::npos;
     for (const std::string& glob : *globs_)
       if (std::optional<size_t> prefix = matched_module_prefix(glob, path))
         shortest = std::min(shortest, *prefix);
-    if (shortest != std::string::npos) it->second = path.substr(0, shortest);
+    if (shortest != std::string::npos) it->second = static_cast<ptrdiff_t>(shortest);
   }
-  return it->second;
+  if (it->second < 0) return {};
+  const std::string_view module(it->first.data(), static_cast<size_t>(it->second));
+  auto inside = [&](const std::string& path) {
+    return path.starts_with(module) && (path.size() == module.size() || path[module.size()] == '.');
+  };
+  // The module's outermost call (one that opened its own scope again is still one call), else
+  // the innermost call around the module.
+  const ModuleCall *own = nullptr, *around = nullptr;
+  for (const ModuleCall* call = node.origin.module_call.get(); call; call = call->parent.get())
+    if (call->path == module)
+      own = call;
+    else if (!around && !inside(call->path))
+      around = call;
+  return {module, own ? own : around};
 }
 
-bool Recomputation::clonable(const Node& node, const std::string& region) {
+bool Recomputation::clonable(const Node& node, const CheckpointRegion& region) {
   // An evaluated node has its value to read; a collective's recomputation would be a collective
   // that the other processes never join (DESIGN.md decision 13).
   return !node.evaluated() && op_info(node.op).kind != OpKind::Collective &&
@@ -35,12 +49,12 @@ bool Recomputation::clonable(const Node& node, const std::string& region) {
 
 NodePtr Recomputation::for_vjp(const NodePtr& node) {
   if (node->evaluated()) return node;
-  const std::string& region = region_of(*node);
-  if (region.empty() || !clonable(*node, region)) return node;
-  return clone_within(node, std::string(region));
+  const CheckpointRegion region = region_of(*node);
+  if (!region || !clonable(*node, region)) return node;
+  return clone_within(node, region);
 }
 
-NodePtr Recomputation::clone_within(const NodePtr& root, const std::string& region) {
+NodePtr Recomputation::clone_within(const NodePtr& root, const CheckpointRegion& region) {
   // Depth first, inputs before their readers, without recursion (a module may be deep). Each
   // entry is an edge of the graph (a reader's input, or `root`), which stays put meanwhile.
   struct Visit {

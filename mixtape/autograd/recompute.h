@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 #include <unordered_map>
 #include <vector>
 
@@ -11,9 +12,20 @@
 
 namespace mixtape {
 
+/// A region activation checkpointing recomputes as one: a call of a checkpointed module (at path
+/// `module`). `call` is the module's own call where it opened a scope (Module::forward_scope);
+/// for a module that opens none, the call around it, so that its children's calls in it are
+/// one region.
+struct CheckpointRegion {
+  std::string_view module;  // empty: no region
+  const ModuleCall* call = nullptr;
+  explicit operator bool() const { return !module.empty(); }
+  bool operator==(const CheckpointRegion&) const = default;
+};
+
 /// One backward pass's recomputation (DESIGN.md decision 14). The gradient rule of a forward
 /// node inside a checkpointed module (dsl/activation_checkpointing.h) reads a clone of it, whose
-/// inputs are clones too as far as they were made in the same module instance and are not
+/// inputs are clones too as far as they were made in the same call of the module and are not
 /// evaluated; the module's inputs (values made outside it, parameters, evaluated nodes) are read
 /// as they are. So only those inputs live from the forward pass to the backward one: the
 /// originals inside the module have no backward readers and die after their last forward one.
@@ -35,15 +47,17 @@ class Recomputation {
   /// unevaluated node of a checkpointed module, else `node`.
   NodePtr for_vjp(const NodePtr& node);
 
-  /// The outermost checkpointed module `node` was made in ("blocks.3"), or "" for none.
-  const std::string& region_of(const Node& node);
+  /// The call of the outermost checkpointed module `node` was made in (a call of "blocks.3"),
+  /// or no region.
+  CheckpointRegion region_of(const Node& node);
 
  private:
-  bool clonable(const Node& node, const std::string& region);
-  NodePtr clone_within(const NodePtr& root, const std::string& region);
+  bool clonable(const Node& node, const CheckpointRegion& region);
+  NodePtr clone_within(const NodePtr& root, const CheckpointRegion& region);
 
   std::shared_ptr<const std::vector<std::string>> globs_;
-  std::unordered_map<std::string, std::string> region_by_path_;
+  // Per module path, the length of the outermost checkpointed module's path within it, or -1.
+  std::unordered_map<std::string, ptrdiff_t> region_length_by_path_;
   std::unordered_map<const Node*, NodePtr> clones_;
 };
 

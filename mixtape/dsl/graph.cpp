@@ -61,6 +61,7 @@ uint64_t new_node_id(uint64_t after) {
 }
 thread_local bool grad_mode = true;
 thread_local std::string module_path;
+thread_local std::shared_ptr<const ModuleCall> module_call;
 thread_local const Loc* call_site = nullptr;
 thread_local const char* composite = nullptr;
 thread_local const Node* differentiating = nullptr;
@@ -91,6 +92,7 @@ NodePtr make_node(OpCode op, DType dtype, Shape shape, NodeInputs inputs, Attrs 
   }
   auto node = std::allocate_shared<Node>(PoolAllocator<Node>(), op, dtype, std::move(shape),
                                          std::move(inputs), std::move(attrs), module_path);
+  node->origin.module_call = module_call;
   node->id = new_node_id(latest_input);
   node->requires_grad =
       grad_mode && any_input_requires_grad && is_floating(dtype) && !blocks_gradient(op);
@@ -228,10 +230,20 @@ NoGradGuard::NoGradGuard() : NoGradGuard(false) {}
 NoGradGuard::NoGradGuard(bool enabled) : previous_(grad_mode) { grad_mode = enabled; }
 NoGradGuard::~NoGradGuard() { grad_mode = previous_; }
 
-ModulePathScope::ModulePathScope(const std::string& path) : previous_(module_path) {
+ModulePathScope::ModulePathScope(const std::string& path)
+    : previous_(module_path), previous_call_(module_call) {
   module_path = path;
+  module_call = std::make_shared<const ModuleCall>(ModuleCall{path, previous_call_});
 }
-ModulePathScope::~ModulePathScope() { module_path = previous_; }
+ModulePathScope::ModulePathScope(const NodeOrigin& origin)
+    : previous_(module_path), previous_call_(module_call) {
+  module_path = origin.module_path;
+  module_call = origin.module_call;
+}
+ModulePathScope::~ModulePathScope() {
+  module_path = previous_;
+  module_call = std::move(previous_call_);
+}
 
 CallSiteScope::CallSiteScope(const Loc& loc, const char* name)
     : owns_site_(call_site == nullptr), owns_composite_(name && composite == nullptr) {
@@ -267,9 +279,7 @@ std::shared_ptr<const Policy> exchange_current_policy(std::shared_ptr<const Poli
 }
 
 BackwardScope::BackwardScope(const Node& forward)
-    : previous_(differentiating),
-      path_(forward.origin.module_path),
-      site_(forward.origin.location) {
+    : previous_(differentiating), path_(forward.origin), site_(forward.origin.location) {
   differentiating = &forward;
 }
 BackwardScope::~BackwardScope() { differentiating = previous_; }

@@ -63,16 +63,21 @@ class NoGradGuard {
   bool previous_;
 };
 
-/// Module path recorded on the nodes made while it lives ("blocks.0.attn").
+/// Module path recorded on the nodes made while it lives ("blocks.0.attn"), with the call of
+/// the module it is (NodeOrigin::module_call).
 class ModulePathScope {
  public:
+  /// A call of the module at `path`, inside the calls in progress.
   explicit ModulePathScope(const std::string& path);
+  /// The path and call `origin` was made in (a gradient node is its forward node's).
+  explicit ModulePathScope(const NodeOrigin& origin);
   ~ModulePathScope();
   ModulePathScope(const ModulePathScope&) = delete;
   ModulePathScope& operator=(const ModulePathScope&) = delete;
 
  private:
   std::string previous_;
+  std::shared_ptr<const ModuleCall> previous_call_;
 };
 
 /// Makes nodes built inside library code (composites, modules) report the user's call site:

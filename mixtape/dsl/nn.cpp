@@ -305,13 +305,11 @@ MLP::~MLP() = default;
 
 Tensor MLP::operator()(const Tensor& x, const Loc& loc) const {
   CallSiteScope site(loc);
+  ModulePathScope scope = forward_scope();  // one call, its layers' calls inside it
   Tensor h = x;
   for (size_t i = 0; i < layers.size(); ++i) {
     h = (*layers[i])(h);
-    if (i + 1 < layers.size()) {
-      ModulePathScope scope = forward_scope();
-      h = activate(activation, h);
-    }
+    if (i + 1 < layers.size()) h = activate(activation, h);
   }
   return h;
 }

@@ -219,12 +219,21 @@ struct NodePrecision {
   }
 };
 
+/// One call of a module's forward pass (a ModulePathScope, dsl/graph.h): the module's path and
+/// the call it was made in. Activation checkpointing recomputes each call from its own inputs,
+/// so a module called twice in a step (weights shared) is two regions.
+struct ModuleCall {
+  std::string path;
+  std::shared_ptr<const ModuleCall> parent;
+};
+
 /// Where a node was made: what the policy pass matches on and what reports and errors name.
 struct NodeOrigin {
   std::shared_ptr<const Policy> policy;  // the autocast policy active when the node was made
   const char* composite = nullptr;       // the outermost composite (softmax, ...) that made it
   std::source_location location;
   std::string module_path;
+  std::shared_ptr<const ModuleCall> module_call;  // the innermost call module_path names
 };
 
 /// One value of the lazy graph. Nodes are immutable once made, except that evaluation fills

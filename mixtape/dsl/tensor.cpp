@@ -172,6 +172,7 @@ void become_leaf(const std::shared_ptr<TensorImpl>& impl, const NodePtr& value, 
   leaf->precision.storage_type = leaf->precision.compute = leaf->value->dtype;
   leaf->precision.assigned = true;
   leaf->origin.module_path = current->origin.module_path;
+  leaf->origin.module_call = current->origin.module_call;
   leaf->requires_grad = current->requires_grad;
   // Also for a tensor without gradients (a loss scale): mt::compile reads a value assigned
   // outside the step through its tensor.

@@ -44,15 +44,14 @@ std::unordered_set<const Node*> copyable(const std::vector<Node*>& graph,
     const bool product_or_step = !kernel_op(*node);
     if (product_or_step) stored.insert(node);
     if (reads.output == ValueReads::Other) excluded.insert(node);
-    const std::string* region = recompute ? &recompute->region_of(*node) : nullptr;
+    const CheckpointRegion region = recompute ? recompute->region_of(*node) : CheckpointRegion();
     for (size_t i = 0; i < node->inputs.size(); ++i) {
       const Node* source = source_of(node->inputs[i].get());
       // Read through a view, a kernel's value is computed again where the view is laid out
       // for the product (the backward pass's too): only one read as it is stays stored.
       if (product_or_step && source == node->inputs[i].get()) stored.insert(source);
       if (reads.inputs == ValueReads::Other || i >= reads.as_read) excluded.insert(source);
-      if (region && !region->empty() && recompute->region_of(*source) != *region)
-        excluded.insert(source);
+      if (region && !(recompute->region_of(*source) == region)) excluded.insert(source);
     }
   }
   for (const Node* node : excluded) stored.erase(node);

@@ -63,8 +63,10 @@ class Recorder final : public TraceObserver {
     slot.start = !reads_current ? Start::replaced
                  : owner->grad  ? Start::added_to
                                 : Start::made_from_nothing;
-    if (slot.start == Start::added_to && owner->grad->evaluated())
-      slot.found = owner->grad->value.get();
+    if (slot.start == Start::added_to && owner->grad->evaluated()) {
+      slot.found = owner->grad.get();
+      slot.found_buffer = owner->grad->value.get();
+    }
   }
   void assigning(const TensorImpl* target, const NodePtr& value) override {
     assigned.push_back(value);
@@ -314,16 +316,24 @@ class EvaluationPlanner {
     const Node& external = *eb.executed.sig.externals[x];
     Place source{-1, -1};
     bool same_call = false;
-    if (auto arg = arg_of_.find(now); arg != arg_of_.end()) {
+    const int gradient = by_owner_ ? gradient_read(e, x) : -1;
+    if (gradient == kOtherRole) {
+      why_ = fmt::format(
+          "evaluation {} reads a gradient it adds to as something else too (another tensor's "
+          "gradient, a parameter, an argument: set or pass a copy)",
+          e);
+      return false;
+    }
+    if (gradient >= 0) {
+      binding.gradient = gradient;
+      binding.owner_dtype = eb.inputs[x]->dtype;
+    } else if (auto arg = arg_of_.find(now); arg != arg_of_.end()) {
       if (before != a_.args[arg->second].get()) {
         why_ = fmt::format("evaluation {} reads argument {} in one call but not the other", e,
                            arg->second);
         return false;
       }
       binding.arg = arg->second;
-    } else if (const int g = by_owner_ ? gradient_found(now, before) : -1; g >= 0) {
-      binding.gradient = g;
-      binding.owner_dtype = eb.inputs[x]->dtype;
     } else if (auto own = out_b_.find(now); own != out_b_.end()) {
       // Stored earlier in the same call.
       same_call = true;
@@ -387,13 +397,29 @@ class EvaluationPlanner {
     return true;
   }
 
-  // The index of the gradient slot whose buffer evaluation inputs `now` (in b) and `before`
-  // (in a) are: the gradient the step found and added to; else -1.
-  int gradient_found(const Storage* now, const Storage* before) const {
+  // The index of the gradient slot whose gradient input x of evaluation e is in both traces:
+  // one the step found and added to. kOtherRole where its buffer is such a gradient read in
+  // another role as well (a second slot's gradient, another node on the buffer, a parameter or
+  // an argument), which a replay reading each role through its own owner would tell apart
+  // only in the calls where they differ; else -1.
+  static constexpr int kOtherRole = -2;
+  int gradient_read(size_t e, size_t x) const {
+    const Evaluation& eb = b_.evals[e];
+    const Storage* now = eb.inputs[x].get();
+    int slot = -1, slots = 0;
     for (size_t g = 0; g < b_.gradients.size(); ++g)
-      if (b_.gradients[g].found == now && a_.gradients[g].found == before && now)
-        return static_cast<int>(g);
-    return -1;
+      if (b_.gradients[g].found_buffer == now) {
+        slot = static_cast<int>(g);
+        ++slots;
+      }
+    if (slots == 0) return -1;
+    const Node* external = eb.executed.sig.externals[x];
+    const Evaluation& ea = a_.evals[e];
+    if (slots > 1 || b_.gradients[slot].found != external ||
+        a_.gradients[slot].found != ea.executed.sig.externals[x] || arg_of_.count(now) ||
+        !eb.parameters[x].expired())
+      return kOtherRole;
+    return slot;
   }
 
   const Trace& a_;
@@ -468,7 +494,10 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, bool by_owner, std::string& 
   b.evals.clear();
   plan->hooks = std::move(b.hooks);
   plan->gradients = std::move(b.gradients);
-  for (GradientSlot& slot : plan->gradients) slot.found = nullptr;
+  for (GradientSlot& slot : plan->gradients) {
+    slot.found = nullptr;
+    slot.found_buffer = nullptr;
+  }
   return plan;
 }
 

@@ -144,9 +144,25 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
   // The buffers a later evaluation reads as they were when the call began, and (once an
   // evaluation replaced it) that value: swap_value leaves it in the fresh storage.
   std::vector<std::pair<const Storage*, StoragePtr>> replaced;
-  for (const PlannedEvaluation& planned : plan.evals)
-    for (const Binding& binding : planned.inputs)
+  // The gradients the step adds to, per evaluation and input, as the call begins: found before
+  // any evaluation writes one. One the step leaves in the buffer it found (the last replay's),
+  // read after the evaluation that writes it, is read as it was.
+  std::vector<std::vector<StoragePtr>> gradient_inputs(plan.evals.size());
+  for (size_t index = 0; index < plan.evals.size(); ++index) {
+    PlannedEvaluation& planned = plan.evals[index];
+    gradient_inputs[index].resize(planned.inputs.size());
+    for (size_t x = 0; x < planned.inputs.size(); ++x) {
+      Binding& binding = planned.inputs[x];
       if (binding.at_call_start) replaced.emplace_back(binding.object.get(), nullptr);
+      if (!binding.through_gradient()) continue;
+      StoragePtr value = gradient_at_call_start(plan, binding, *planned.leaves[x], args);
+      const GradientSlot& slot = plan.gradients[static_cast<size_t>(binding.gradient)];
+      if (slot.at.first >= 0 && slot.at.first < static_cast<int>(index) &&
+          plan.evals[slot.at.first].eval.outputs[slot.at.second] == value)
+        replaced.emplace_back(value.get(), nullptr);
+      gradient_inputs[index][x] = std::move(value);
+    }
+  }
   auto call_start_value = [&](const StoragePtr& object) {
     for (const auto& [buffer, value] : replaced)
       if (buffer == object.get() && value) return value;
@@ -163,8 +179,7 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
       else if (planned.inputs[x].through_parameter())  // replaced_state checked it
         sig.externals[x]->value = planned.inputs[x].parameter.lock()->node->value;
       else if (planned.inputs[x].through_gradient())  // replaced_state checked it too
-        sig.externals[x]->value =
-            gradient_at_call_start(plan, planned.inputs[x], *sig.externals[x], args);
+        sig.externals[x]->value = call_start_value(gradient_inputs[index][x]);
       else if (planned.inputs[x].at_call_start)
         sig.externals[x]->value = call_start_value(planned.inputs[x].object);
     for (Node* node : e.pending_raw) node->value.reset();

@@ -120,9 +120,10 @@ struct GradientSlot {
     made_from_nothing,  // found none (zero_grad before the call): a replay needs none either
     added_to,           // added to it (accumulation): state the replay reads
   } start = Start::replaced;
-  // The buffer of the gradient it added to (Start::added_to), for the trace's planner to tell
+  // The gradient it added to (Start::added_to) and its buffer, for the trace's planner to tell
   // which input reads it; only while the trace that found it lives (null in a plan).
-  const Storage* found = nullptr;
+  const Node* found = nullptr;
+  const Storage* found_buffer = nullptr;
   // Where the step leaves it: (evaluation, stored index), which may be a result's; or the
   // call's argument `arg` itself (set_grad(argument)); or neither: no gradient.
   std::pair<int, int> at{-1, -1};
