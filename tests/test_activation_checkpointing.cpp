@@ -339,6 +339,65 @@ TEST_F(Checkpointing, AModuleWithoutAScopeOfItsOwnIsOneRegion) {
   EXPECT_EQ(saved_in("pair.first"), 0);
 }
 
+// A module whose forward opens several scopes (one per activation, its layers called between
+// them) cannot have its calls told apart (calls_apart): it is one region per call of the module
+// around it, recomputed whole as before regions were calls, not in pieces whose boundaries would
+// all stay saved. mt::Sequential opens one scope per call: called three times in a row, each
+// call is a region, and only what a call hands the next stays saved (one region over the three
+// calls would keep none, and recompute all three together).
+TEST_F(Checkpointing, ModulesOfSeveralScopesAreOneRegionAndSequentialIsPerCall) {
+  struct Pieces : mt::Module {
+    mt::Linear a{16, 64}, b{64, 64}, c{64, 16};
+    Pieces() {
+      register_module("a", a);
+      register_module("b", b);
+      register_module("c", c);
+    }
+    mt::Tensor operator()(const mt::Tensor& x) const {
+      mt::Tensor h = a(x);
+      {
+        mt::ModulePathScope scope = forward_scope();
+        h = mt::gelu(h);
+      }
+      h = b(h);
+      {
+        mt::ModulePathScope scope = forward_scope();
+        h = mt::gelu(h);
+      }
+      return c(h);
+    }
+  };
+  struct Outer : mt::Module {
+    Pieces pieces;
+    mt::Sequential seq;
+    Outer() {
+      register_module("pieces", pieces);
+      register_module("seq", seq);
+      seq.emplace_back<mt::Linear>(16, 64);
+      seq.append([](const mt::Tensor& h) { return mt::gelu(h); });
+      seq.emplace_back<mt::Linear>(64, 16);
+    }
+  } net;
+  mt::Generator gen(4);
+  const mt::Tensor x = mt::randn({32, 16}, mt::f32, &gen), y = mt::randn({32, 16}, mt::f32, &gen);
+  mt::eval(net.parameters());
+  auto saved_in = [&](const char* glob) {
+    mt::Tensor loss = mt::mse_loss(net.seq(net.seq(net.seq(mt::tanh(net.pieces(x))))), y);
+    loss.backward();
+    int64_t count = 0;
+    for (const mt::SavedActivationRow& row : mt::memory_report(net, nullptr, loss).saved)
+      count += mt::module_path_matches(glob, row.module_path);
+    net.zero_grad();
+    return count;
+  };
+  EXPECT_GE(saved_in("pieces"), 4);
+  EXPECT_GE(saved_in("seq"), 6);
+  mt::checkpoint("pieces");
+  mt::checkpoint("seq");
+  EXPECT_EQ(saved_in("pieces"), 0);  // recomputed whole from its input (in pieces: 5 kept)
+  EXPECT_EQ(saved_in("seq"), 2);     // the first two calls' outputs, the next calls' inputs
+}
+
 // After the same steps traced and through mt::compile: the same parameter bits, and the compiled
 // step replayed.
 template <typename CompiledStep>

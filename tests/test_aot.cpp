@@ -134,6 +134,25 @@ TEST_P(AotStep, TrainingStepEqualsCompile) {
   // And the C++ side reads it, and the artifact reads what C++ wrote.
   mt::load_checkpoint(saved, net, &opt, nullptr, &scaler);
   EXPECT_EQ(mixtape_aot_load(model.m, reference.c_str()), 0) << mixtape_aot_error(model.m);
+  {
+    // The optimizer's options but the rate are compiled into the step too: a file of others is
+    // refused (load_checkpoint restores them, as torch's load_state_dict).
+    const std::string other = dir + "_options.safetensors";
+    mt::safetensors::File file = mt::safetensors::read(reference);
+    bool found = false;
+    for (auto& [key, value] : file.metadata)
+      if (key == "optimizer.options") {
+        found = true;
+        value = R"([{"beta1":0.5,"beta2":0.999,"eps":1e-08,"weight_decay":0.0}])";
+      }
+    EXPECT_TRUE(found);
+    mt::safetensors::write(other, file);
+    EXPECT_EQ(mixtape_aot_load(model.m, other.c_str()), MIXTAPE_AOT_ERROR_FILE);
+    EXPECT_NE(std::string(mixtape_aot_error(model.m)).find("holds optimizer options"),
+              std::string::npos)
+        << mixtape_aot_error(model.m);
+    fs::remove(other);
+  }
   if (policy == "f16") {
     // NAME_load took any scaler settings and growth tracker: the step's are compiled in, so a
     // file of other settings is refused (load_checkpoint adopts them, as PyTorch's), and a

@@ -1220,8 +1220,10 @@ TEST_F(Checkpoint, IncompleteOrUnknownOptimizerStateIsRejectedWithoutChanges) {
 
 // Optimizer state for a parameter the loading optimizer does not update was dropped without a
 // word (PyTorch refuses a state_dict of another parameter count); a rule that keeps no state
-// (SGD without momentum) took any entry, momentum buffers of an SGD with momentum included, and
-// saved them again with every later checkpoint.
+// (SGD without momentum) took any entry, and saved it again with every later checkpoint. (A
+// file of an SGD with momentum now brings its momentum along, as torch's load_state_dict
+// restores param_groups; a file whose options keep no buffer but that holds one is refused:
+// OptionsThatCannotBeRestoredAreRejectedWithoutChanges.)
 TEST_F(Checkpoint, StateTheOptimizerCannotTakeIsRefused) {
   mt::Generator gen(3);
   mt::MLP net({4, 8, 3}, mt::Activation::Relu, &gen);
@@ -1240,9 +1242,12 @@ TEST_F(Checkpoint, StateTheOptimizerCannotTakeIsRefused) {
   with_momentum.step();
   mt::save_checkpoint(path("momentum.safetensors"), net, &with_momentum);
   mt::SGD plain(net.parameters(), {.lr = 0.1});
-  expect_rejected(path("momentum.safetensors"), net, &plain, {"momentum_buffer", "keeps none"});
   EXPECT_MT_ERROR(plain.load_state(0, {{"bogus", mt::zeros(net.parameters()[0].shape())}}),
                   "'bogus'", "keeps none");
+  mt::load_checkpoint(path("momentum.safetensors"), net, &plain);
+  EXPECT_EQ(plain.options(0).momentum, 0.9);
+  ASSERT_EQ(plain.state(0).size(), 1u);
+  EXPECT_EQ(plain.state(0)[0].first, "momentum_buffer");
 }
 
 // The finite check ran on the file's values, before they were converted to the module's type:
@@ -1554,6 +1559,110 @@ TEST_F(Checkpoint, StateMadeUnderEarlierOptionsLoads) {
     opt.set_options(1, o);
   };
   EXPECT_TRUE(run(rmsprop, rmsprop_on, true) == run(rmsprop, rmsprop_on, false));
+}
+
+// Every hyperparameter a run changed with set_options() comes back with a resume, as torch's
+// load_state_dict restores param_groups: an optimizer made with the constructor's options steps
+// on as the run that saved it (SGD momentum turned off in one group; RMSprop momentum and
+// centering turned on; Adafactor's first moment), its state checked under the file's options.
+TEST_F(Checkpoint, EveryOptionSetIsRestored) {
+  auto run = [&](auto make, auto change, bool resume) {
+    mt::Generator gen(6);
+    mt::Linear layer(3, 2, true, &gen);
+    mt::Tensor x = mt::randn({4, 3}, mt::f32, &gen);
+    auto opt = make(layer);
+    auto step = [&] {
+      opt->zero_grad();
+      mt::sum(mt::square(layer(x))).backward();
+      opt->step();
+    };
+    step();
+    change(*opt);
+    step();
+    mt::NamedOptions changed = opt->named_options(1);
+    if (resume) {
+      mt::save_checkpoint(path("options.safetensors"), layer, opt.get());
+      auto fresh = make(layer);
+      mt::load_checkpoint(path("options.safetensors"), layer, fresh.get());
+      EXPECT_EQ(fresh->named_options(1), changed);
+      opt = std::move(fresh);
+    }
+    step();
+    step();
+    return std::vector<Bytes>{bytes_of(layer.weight), bytes_of(layer.bias)};
+  };
+  auto sgd = [](mt::Linear& l) {
+    return std::make_unique<mt::SGD>(std::vector<mt::ParamGroup<mt::SGDOptions>>{
+        {{l.weight}, {.lr = 0.1, .momentum = 0.9}}, {{l.bias}, {.lr = 0.1, .momentum = 0.9}}});
+  };
+  auto sgd_change = [](mt::SGD& opt) {
+    opt.set_options(1, {.lr = 0.05, .momentum = 0, .weight_decay = 0.25});
+  };
+  EXPECT_TRUE(run(sgd, sgd_change, true) == run(sgd, sgd_change, false));
+  auto rmsprop = [](mt::Linear& l) {
+    return std::make_unique<mt::RMSprop>(std::vector<mt::ParamGroup<mt::RMSpropOptions>>{
+        {{l.weight}, {.lr = 0.01}}, {{l.bias}, {.lr = 0.01}}});
+  };
+  auto rmsprop_change = [](mt::RMSprop& opt) {
+    opt.set_options(1, {.lr = 0.02, .alpha = 0.9, .momentum = 0.5, .centered = true});
+  };
+  EXPECT_TRUE(run(rmsprop, rmsprop_change, true) == run(rmsprop, rmsprop_change, false));
+  auto adafactor = [](mt::Linear& l) {
+    return std::make_unique<mt::Adafactor>(
+        std::vector<mt::ParamGroup<mt::AdafactorOptions>>{{{l.weight}, {}}, {{l.bias}, {}}});
+  };
+  auto adafactor_change = [](mt::Adafactor& opt) {
+    mt::AdafactorOptions o = opt.options(1);
+    o.beta1 = 0.9;
+    o.clip_threshold = 0.5;
+    opt.set_options(1, o);
+  };
+  EXPECT_TRUE(run(adafactor, adafactor_change, true) == run(adafactor, adafactor_change, false));
+}
+
+// A file's options that the optimizer cannot take are refused, naming them, before anything
+// changes: a name the rule does not have, a value of another kind, one the rule refuses, a list
+// of another length, text that is not JSON.
+TEST_F(Checkpoint, OptionsThatCannotBeRestoredAreRejectedWithoutChanges) {
+  mt::Linear layer(3, 2);
+  mt::SGD opt(layer.parameters(), {.lr = 0.1, .momentum = 0.9});
+  mt::Tensor x = mt::full({4, 3}, 0.5);
+  mt::sum(mt::square(layer(x))).backward();
+  opt.step();
+  const std::string file = path("options.safetensors");
+  mt::save_checkpoint(file, layer, &opt);
+  mt::Metadata meta;
+  mt::NamedTensors entries = mt::load_tensors(file, &meta);
+  std::map<std::string, std::string> by_key(meta.begin(), meta.end());
+  EXPECT_EQ(by_key["optimizer.options"],
+            R"([{"momentum":0.9,"dampening":0.0,"weight_decay":0.0,"nesterov":false}])");
+  const std::pair<const char*, const char*> damaged[] = {
+      {"[", "metadata 'optimizer.options'"},
+      {"{}", "not a list of parameter groups' options"},
+      {"[7]", "group 0 of metadata 'optimizer.options' is not an object"},
+      {R"([{"momentum":"x"}])", "group 0's option 'momentum' is \"x\", not a number or a flag"},
+      {R"([{"betas":0.9}])", "group 0 has no option 'betas'"},
+      {R"([{"nesterov":1}])", "group 0's option 'nesterov' is given a value of another kind"},
+      {R"([{"momentum":-1}])", "momentum"},
+      {R"([{},{}])", "options for 2 parameter groups, the optimizer has 1"},
+  };
+  const mt::NamedOptions before = opt.named_options(0);
+  for (const auto& [value, fragment] : damaged) {
+    SCOPED_TRACE(value);
+    mt::Metadata bad = meta;
+    for (auto& [key, text] : bad)
+      if (key == "optimizer.options") text = value;
+    mt::save_tensors(path("bad_options.safetensors"), entries, bad);
+    expect_rejected(path("bad_options.safetensors"), layer, &opt, {fragment});
+    EXPECT_EQ(opt.named_options(0), before);
+  }
+  // A file whose options keep no momentum buffer, holding one, is refused under its options.
+  mt::Metadata off = meta;
+  for (auto& [key, text] : off)
+    if (key == "optimizer.options") text = R"([{"momentum":0}])";
+  mt::save_tensors(path("bad_options.safetensors"), entries, off);
+  expect_rejected(path("bad_options.safetensors"), layer, &opt, {"momentum_buffer"});
+  EXPECT_EQ(opt.named_options(0), before);
 }
 
 // An EMA of a bf16 model keeps its averages in f32 (a thousandth of a difference of 1 is below

@@ -156,12 +156,17 @@ TEST(Zero, KeepsParameterGroupsAndRestoresTheirRates) {
   EXPECT_EQ(train(net, zero), train(twin, plain));
   EXPECT_EQ(zero.group_count(), 2u);
   zero.set_lr(1, 0.004);
+  mt::AdamOptions changed = zero.options(0);  // options other than the rate are restored too
+  changed.beta2 = 0.99;
+  zero.set_options(0, changed);
   const std::string path = testing::TempDir() + "zero_groups.safetensors";
   mt::dist::save_checkpoint(path, net, &zero);
   mt::dist::ZeroAdamW resumed(groups(net));
   mt::dist::load_checkpoint(path, net, &resumed);
   EXPECT_EQ(resumed.lr(0), 0.01);
   EXPECT_EQ(resumed.lr(1), 0.004);
+  EXPECT_EQ(resumed.options(0).beta2, 0.99);
+  EXPECT_EQ(resumed.named_options(1), zero.named_options(1));
   mt::AdamW whole(groups(net));
   mt::load_checkpoint(path, net, &whole);
   EXPECT_EQ(whole.lr(1), 0.004);

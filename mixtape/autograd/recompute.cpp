@@ -29,15 +29,17 @@ CheckpointRegion Recomputation::region_of(const Node& node) {
   auto inside = [&](const std::string& path) {
     return path.starts_with(module) && (path.size() == module.size() || path[module.size()] == '.');
   };
-  // The module's outermost call (one that opened its own scope again is still one call), else
-  // the innermost call around the module.
+  // The module's outermost call (one that opened its own scope again is still one call), where
+  // its calls can be told apart; else the innermost call around the module.
+  auto [apart, asked] = apart_by_module_.try_emplace(std::string(module), false);
+  if (asked) apart->second = calls_apart(apart->first);
   const ModuleCall *own = nullptr, *around = nullptr;
   for (const ModuleCall* call = node.origin.module_call.get(); call; call = call->parent.get())
     if (call->path == module)
       own = call;
     else if (!around && !inside(call->path))
       around = call;
-  return {module, own ? own : around};
+  return {module, own && apart->second ? own : around};
 }
 
 bool Recomputation::clonable(const Node& node, const CheckpointRegion& region) {

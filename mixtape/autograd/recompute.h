@@ -13,9 +13,9 @@
 namespace mixtape {
 
 /// A region activation checkpointing recomputes as one: a call of a checkpointed module (at path
-/// `module`). `call` is the module's own call where it opened a scope (Module::forward_scope);
-/// for a module that opens none, the call around it, so that its children's calls in it are
-/// one region.
+/// `module`). `call` is the module's own call where its forward opens one scope around all it
+/// does (Module::forward_scope); for a module that opens none, or several (calls_apart false),
+/// the call around it, so that its children's calls in it are one region.
 struct CheckpointRegion {
   std::string_view module;  // empty: no region
   const ModuleCall* call = nullptr;
@@ -58,6 +58,7 @@ class Recomputation {
   std::shared_ptr<const std::vector<std::string>> globs_;
   // Per module path, the length of the outermost checkpointed module's path within it, or -1.
   std::unordered_map<std::string, ptrdiff_t> region_length_by_path_;
+  std::unordered_map<std::string, bool> apart_by_module_;  // calls_apart, asked once a pass
   std::unordered_map<const Node*, NodePtr> clones_;
 };
 

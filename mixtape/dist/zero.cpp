@@ -415,6 +415,10 @@ void ZeroShards::take_state(const Optimizer& whole, Optimizer& zero) const {
   if (whole.group_count() != zero.group_count())
     fail("ZeRO: the state is of {} parameter groups, the optimizer has {}", whole.group_count(),
          zero.group_count());
+  // The options the whole one holds (a checkpoint's), before the state they decide is taken.
+  std::vector<NamedOptions> options;
+  for (size_t g = 0; g < whole.group_count(); ++g) options.push_back(whole.named_options(g));
+  zero.set_named_options(options);
   for (size_t i = 0; i < params_.size(); ++i) {
     NamedTensors mine;
     for (const auto& [name, value] : whole.state(i)) {

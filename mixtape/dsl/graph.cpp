@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <mutex>
 #include <string_view>
 #include <unordered_set>
 #include <utility>
@@ -230,8 +231,45 @@ NoGradGuard::NoGradGuard() : NoGradGuard(false) {}
 NoGradGuard::NoGradGuard(bool enabled) : previous_(grad_mode) { grad_mode = enabled; }
 NoGradGuard::~NoGradGuard() { grad_mode = previous_; }
 
+namespace {
+// The modules whose children were called outside a scope of the module's own (see
+// calls_apart): only ever added to, from any thread.
+struct ScopelessModules {
+  std::mutex mutex;
+  std::unordered_set<std::string> paths;
+};
+ScopelessModules& scopeless_modules() {
+  static ScopelessModules* modules = new ScopelessModules;  // read until exit
+  return *modules;
+}
+thread_local std::unordered_set<std::string> scopeless_seen;  // this thread's additions
+
+// Notes every module above `path` ("blocks.0" above "blocks.0.attn") that has no call in
+// progress in `calls`: its child is called outside a scope of its own.
+void note_scopeless_parents(const std::string& path, const ModuleCall* calls) {
+  for (size_t dot = path.find('.'); dot != std::string::npos; dot = path.find('.', dot + 1)) {
+    const std::string_view parent(path.data(), dot);
+    bool open = false;
+    for (const ModuleCall* call = calls; call && !open; call = call->parent.get())
+      open = call->path == parent;
+    if (open || scopeless_seen.count(std::string(parent))) continue;
+    scopeless_seen.emplace(parent);
+    ScopelessModules& modules = scopeless_modules();
+    std::lock_guard<std::mutex> lock(modules.mutex);
+    modules.paths.emplace(parent);
+  }
+}
+}  // namespace
+
+bool calls_apart(const std::string& path) {
+  ScopelessModules& modules = scopeless_modules();
+  std::lock_guard<std::mutex> lock(modules.mutex);
+  return !modules.paths.count(path);
+}
+
 ModulePathScope::ModulePathScope(const std::string& path)
     : previous_(module_path), previous_call_(module_call) {
+  note_scopeless_parents(path, previous_call_.get());
   module_path = path;
   module_call = std::make_shared<const ModuleCall>(ModuleCall{path, previous_call_});
 }

@@ -63,6 +63,11 @@ class NoGradGuard {
   bool previous_;
 };
 
+/// Whether the calls of the module at `path` can be told apart: false once one of its children
+/// was called outside a scope of the module's own (a module whose forward opens no
+/// forward_scope(), or several, one per piece), whose nodes then belong to no one call of it.
+bool calls_apart(const std::string& path);
+
 /// Module path recorded on the nodes made while it lives ("blocks.0.attn"), with the call of
 /// the module it is (NodeOrigin::module_call).
 class ModulePathScope {

@@ -95,7 +95,10 @@ class Module {
   /// and precision rules (ModulePathScope), and, while mt::compile traces, a check before each
   /// replay that every member registered by pointer still holds the tensor the trace read (a
   /// member assigned another tensor between calls makes the step trace again). The built-in
-  /// layers open it; a module of your own that registers members by pointer should too.
+  /// layers open it; a module of your own that registers members by pointer should too. Open
+  /// it once, around everything the forward does: activation checkpointing then recomputes each
+  /// call of the module on its own (one that opens none, or several, is recomputed with the
+  /// other calls in the call around it).
   ModulePathScope forward_scope() const;
 
  private:

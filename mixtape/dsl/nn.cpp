@@ -271,6 +271,7 @@ Sequential& Sequential::append(Step step) {
 
 Tensor Sequential::operator()(const Tensor& x, const Loc& loc) const {
   CallSiteScope site(loc);
+  ModulePathScope scope = forward_scope();  // one call, its steps' calls inside it
   Tensor y = x;
   for (const Step& step : steps_) y = step(y);
   return y;

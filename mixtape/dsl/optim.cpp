@@ -625,6 +625,76 @@ int64_t Optimizer::steps_taken(size_t param_index) const {
   return static_cast<int64_t>(counts_[param_index].item());
 }
 
+void Optimizer::with_named_options(const std::vector<NamedOptions>& groups,
+                                   const std::function<void()>& check) {
+  Optimizer::set_named_options(groups);  // refuses any option: this rule has none to set
+  check();
+}
+
+void Optimizer::set_named_options(const std::vector<NamedOptions>& groups) {
+  check_options_count(groups.size());
+  for (size_t g = 0; g < groups.size(); ++g)
+    if (!groups[g].empty()) refuse_option(g, groups[g][0].first, false);
+}
+
+void Optimizer::check_options_count(size_t count) const {
+  if (count != group_count())
+    fail("{}: options for {} parameter groups, the optimizer has {}", kind_, count, group_count());
+}
+
+void Optimizer::refuse_option(size_t group, const std::string& name, bool known) const {
+  if (known)
+    fail("{}: group {}'s option '{}' is given a value of another kind", kind_, group, name);
+  fail("{}: group {} has no option '{}'", kind_, group, name);
+}
+
+// Each rule's options by name, as torch's param_groups name them.
+OptionFields option_fields(SGDOptions& o) {
+  return {{"lr", &o.lr},
+          {"momentum", &o.momentum},
+          {"dampening", &o.dampening},
+          {"weight_decay", &o.weight_decay},
+          {"nesterov", &o.nesterov}};
+}
+OptionFields option_fields(AdamOptions& o) {
+  return {{"lr", &o.lr},
+          {"beta1", &o.beta1},
+          {"beta2", &o.beta2},
+          {"eps", &o.eps},
+          {"weight_decay", &o.weight_decay}};
+}
+OptionFields option_fields(RMSpropOptions& o) {
+  return {{"lr", &o.lr},
+          {"alpha", &o.alpha},
+          {"eps", &o.eps},
+          {"weight_decay", &o.weight_decay},
+          {"momentum", &o.momentum},
+          {"centered", &o.centered}};
+}
+OptionFields option_fields(AdagradOptions& o) {
+  return {{"lr", &o.lr},
+          {"lr_decay", &o.lr_decay},
+          {"weight_decay", &o.weight_decay},
+          {"initial_accumulator_value", &o.initial_accumulator_value},
+          {"eps", &o.eps}};
+}
+OptionFields option_fields(LionOptions& o) {
+  return {
+      {"lr", &o.lr}, {"beta1", &o.beta1}, {"beta2", &o.beta2}, {"weight_decay", &o.weight_decay}};
+}
+OptionFields option_fields(AdafactorOptions& o) {
+  return {{"lr", &o.lr},
+          {"eps1", &o.eps1},
+          {"eps2", &o.eps2},
+          {"clip_threshold", &o.clip_threshold},
+          {"decay_rate", &o.decay_rate},
+          {"beta1", &o.beta1},
+          {"weight_decay", &o.weight_decay},
+          {"scale_parameter", &o.scale_parameter},
+          {"relative_step", &o.relative_step},
+          {"warmup_init", &o.warmup_init}};
+}
+
 void Optimizer::set_steps_taken(size_t param_index, int64_t steps) {
   if (param_index >= params_.size())
     fail("{}: parameter index {} out of range ({} parameters)", kind_, param_index, params_.size());

@@ -2,10 +2,12 @@
 // code over persistent fp32 state, and gradient clipping. Schedules: dsl/lr_schedule.h.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <variant>
 #include <vector>
 
 #include "mixtape/dsl/lr_schedule.h"
@@ -34,6 +36,15 @@ struct ParamGroup {
 /// Module::parameters() lists a tied weight once. params() lists the groups' parameters in
 /// order, group after group; parameter indices are places in that list. step() builds every
 /// update as graph code and evaluates them together as one program.
+/// One option of a parameter group by name (a checkpoint's "optimizer.options", as torch's
+/// param_groups hold every hyperparameter): a number, an optional number, or a flag.
+using OptionValue = std::variant<double, std::optional<double>, bool>;
+using NamedOptions = std::vector<std::pair<std::string, OptionValue>>;
+/// Where each option of an Options struct lives, by name, in declaration order (optim.cpp has
+/// one list per rule; a rule of one's own whose options have none saves none).
+using OptionField = std::variant<double*, std::optional<double>*, bool*>;
+using OptionFields = std::vector<std::pair<const char*, OptionField>>;
+
 class Optimizer {
  public:
   /// The parameters of each group (at least one parameter in all, a group may be empty).
@@ -157,6 +168,21 @@ class Optimizer {
   /// first).
   void set_steps_taken(size_t param_index, int64_t steps);
 
+  /// Group `group`'s options by name but the rate (which lr() and set_lr() carry): what a
+  /// checkpoint saves so that a resume restores every hyperparameter, as torch's
+  /// load_state_dict does. Empty for a rule whose options list no fields.
+  virtual NamedOptions named_options(size_t /*group*/) const { return {}; }
+  /// Runs `check` with each group's options replaced by `groups` (named_options() of every
+  /// group, over the options each has), then puts the old ones back: a file's state is checked
+  /// under the options it will restore before anything changes. mt::Error, changing nothing,
+  /// for a list of another length, a name the rule does not know, a value of another kind, or
+  /// options the rule refuses.
+  virtual void with_named_options(const std::vector<NamedOptions>& groups,
+                                  const std::function<void()>& check);
+  /// Sets each group's options from `groups` as set_options() does (with_named_options()
+  /// checks them).
+  virtual void set_named_options(const std::vector<NamedOptions>& groups);
+
  protected:
   /// Adds a group of parameters after the others, without state and with no updates taken (the
   /// optimizer's count while it has taken none either); returns its index. The body of the rules'
@@ -166,6 +192,10 @@ class Optimizer {
   virtual const char* fixed_groups() const { return nullptr; }
   /// mt::Error unless `lr` is a learning rate (finite, >= 0), as set_lr() checks it.
   void check_lr(double lr) const;
+  /// For OptimizerWith's named options: mt::Error unless `count` is group_count(); mt::Error for
+  /// option `name` of `group`, which the rule has (of another kind) or not (`known`).
+  void check_options_count(size_t count) const;
+  [[noreturn]] void refuse_option(size_t group, const std::string& name, bool known) const;
   /// After options a step reads as C++ values changed: a compiled step traces again.
   void options_changed();
   /// Drops the state entries of `group`'s parameters that state_names() no longer lists (after
@@ -346,6 +376,34 @@ class OptimizerWith : public Optimizer {
     return out;
   }
 
+  NamedOptions named_options(size_t group) const override {
+    NamedOptions out;
+    if constexpr (requires(Options & o) { option_fields(o); }) {
+      Options copy = options(group);
+      for (const auto& [name, field] : option_fields(copy))
+        if (std::string_view(name) != "lr")
+          out.emplace_back(name,
+                           std::visit([](auto* value) { return OptionValue(*value); }, field));
+    }
+    return out;
+  }
+  void with_named_options(const std::vector<NamedOptions>& groups,
+                          const std::function<void()>& check) override {
+    std::vector<Options> trial = options_from(groups);
+    std::swap(trial, options_);
+    try {
+      check();
+    } catch (...) {
+      std::swap(trial, options_);
+      throw;
+    }
+    std::swap(trial, options_);
+  }
+  void set_named_options(const std::vector<NamedOptions>& groups) override {
+    std::vector<Options> next = options_from(groups);
+    for (size_t g = 0; g < next.size(); ++g) set_options(g, next[g]);
+  }
+
  protected:
   OptimizerWith(std::vector<ParamGroup<Options>> groups, const char* kind)
       : Optimizer(parameters_of(groups), kind) {
@@ -370,6 +428,41 @@ class OptimizerWith : public Optimizer {
     else
       return options.lr;
   }
+  // Each group's options with `groups`' values over them, resolved and checked.
+  std::vector<Options> options_from(const std::vector<NamedOptions>& groups) const {
+    check_options_count(groups.size());
+    std::vector<Options> out;
+    for (size_t g = 0; g < groups.size(); ++g) {
+      Options next = options(g);
+      for (const auto& [name, value] : groups[g]) set_named_option(next, name, value, g);
+      resolve_options(next);
+      if (!computes_own_rate()) check_lr(rate_of(next));
+      out.push_back(next);
+    }
+    return out;
+  }
+  void set_named_option(Options& options, const std::string& name, const OptionValue& value,
+                        size_t group) const {
+    if constexpr (requires(Options & o) { option_fields(o); }) {
+      for (const auto& [field_name, field] : option_fields(options))
+        if (name == field_name && name != "lr") {
+          const bool set = std::visit(
+              [&](auto* target) {
+                using T = std::remove_pointer_t<decltype(target)>;
+                if (const T* given = std::get_if<T>(&value)) return *target = *given, true;
+                if constexpr (std::is_same_v<T,
+                                             std::optional<double>>)  // a number where one may be
+                  if (const double* given = std::get_if<double>(&value))
+                    return *target = *given, true;
+                return false;
+              },
+              field);
+          if (!set) refuse_option(group, name, true);
+          return;
+        }
+    }
+    refuse_option(group, name, false);
+  }
   static std::vector<std::vector<Tensor>> parameters_of(std::vector<ParamGroup<Options>>& groups) {
     std::vector<std::vector<Tensor>> out;
     for (ParamGroup<Options>& group : groups) out.push_back(std::move(group.params));
@@ -385,6 +478,7 @@ struct SGDOptions {
   double weight_decay = 0;
   bool nesterov = false;
 };
+OptionFields option_fields(SGDOptions& options);
 
 /// Stochastic gradient descent with PyTorch's momentum, Nesterov and L2 weight-decay rules.
 class SGD : public OptimizerWith<SGDOptions> {
@@ -410,6 +504,7 @@ struct AdamOptions {
   /// {.lr = 1e-3} decays as torch.optim.AdamW(lr=1e-3) does). Set after construction.
   std::optional<double> weight_decay = std::nullopt;
 };
+OptionFields option_fields(AdamOptions& options);
 
 /// Adam (L2 weight decay added to the gradient), as torch.optim.Adam.
 class Adam : public OptimizerWith<AdamOptions> {
@@ -448,6 +543,7 @@ struct RMSpropOptions {
   double momentum = 0;
   bool centered = false;  // divide by the gradients' running variance, not their mean square
 };
+OptionFields option_fields(RMSpropOptions& options);
 
 /// RMSprop, as torch.optim.RMSprop (eps added after the square root; L2 weight decay).
 class RMSprop : public OptimizerWith<RMSpropOptions> {
@@ -474,6 +570,7 @@ struct AdagradOptions {
   double initial_accumulator_value = 0;
   double eps = 1e-10;
 };
+OptionFields option_fields(AdagradOptions& options);
 
 /// Adagrad, as torch.optim.Adagrad: the learning rate divided by 1 + (step - 1) lr_decay and
 /// by the square root of each element's running sum of squared gradients.
@@ -499,6 +596,7 @@ struct LionOptions {
   double beta2 = 0.99;  // the momentum's decay
   double weight_decay = 0;
 };
+OptionFields option_fields(LionOptions& options);
 
 /// Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), as lucidrains'
 /// lion-pytorch: p *= 1 - lr * weight_decay (decoupled); p -= lr * sign(beta1 m + (1 - beta1) g);
@@ -535,6 +633,7 @@ struct AdafactorOptions {
   bool relative_step = true;    // the rate min(1e-2, 1/sqrt(t)) (warmup_init: min(1e-6 t, ...))
   bool warmup_init = false;
 };
+OptionFields option_fields(AdafactorOptions& options);
 
 /// Adafactor (Shazeer and Stern 2018), as transformers.optimization.Adafactor: parameters of
 /// two or more dimensions keep the second moment factored, as the running means of the squared

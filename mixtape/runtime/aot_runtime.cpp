@@ -801,6 +801,11 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
     if (key == "optimizer.kind" && ours && *ours != value)
       raise(MIXTAPE_AOT_ERROR_FILE,
             fmt::format("{}: {} holds {} state, the step runs {}", m.name, path, value, *ours));
+    // So are the optimizer's options but the rate (load_checkpoint restores a file's).
+    if (key == "optimizer.options" && ours && *ours != value)
+      raise(MIXTAPE_AOT_ERROR_FILE,
+            fmt::format("{}: {} holds optimizer options {}, the step was exported with {}", m.name,
+                        path, value, *ours));
     // The loss scaler's settings are compiled into the step, which cannot take others (where
     // load_checkpoint adopts a file's, as PyTorch's GradScaler does).
     if (key.starts_with("scaler.") && ours &&

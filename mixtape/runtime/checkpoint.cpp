@@ -22,6 +22,9 @@ namespace mixtape {
 namespace {
 
 constexpr const char* kParamGroupsKey = "optimizer.param_groups";
+// Each group's options but the rate, as Optimizer::named_options() gives them: a JSON list of
+// objects, one per group.
+constexpr const char* kOptionsKey = "optimizer.options";
 
 constexpr const char* kOptimizerPrefix = "optimizer.";
 constexpr const char* kScalerPrefix = "scaler.";
@@ -80,6 +83,24 @@ std::optional<OptimizerEntryName> optimizer_entry_name(std::string_view name) {
 Metadata optimizer_metadata(const Optimizer& optimizer, const std::vector<std::string>& names) {
   Metadata meta;
   meta.emplace_back("optimizer.kind", optimizer.kind());
+  json::Value options = json::Value::array();
+  bool named = false;
+  for (size_t g = 0; g < optimizer.group_count(); ++g) {
+    json::Value group = json::Value::object();
+    for (const auto& [name, value] : optimizer.named_options(g)) {
+      named = true;
+      json::Value saved;  // null: an optional option unset
+      if (const double* number = std::get_if<double>(&value))
+        saved = *number;
+      else if (const bool* flag = std::get_if<bool>(&value))
+        saved = *flag;
+      else if (const auto& optional = std::get<std::optional<double>>(value))
+        saved = *optional;
+      json::append(group, name, std::move(saved));
+    }
+    options.push_back(std::move(group));
+  }
+  if (named) meta.emplace_back(kOptionsKey, json::dump(options));
   const bool rates = !optimizer.computes_own_rate();
   if (optimizer.group_count() == 1) {
     // The rate set_lr() set, as torch's param_groups carry it (a schedule's follows the steps).
@@ -158,6 +179,39 @@ T metadata_number(const std::string& path, const Metadata& metadata, const std::
   if (text.empty() || ec != std::errc() || end != text.data() + text.size())
     fail("load_checkpoint {}: metadata '{}' = '{}' is not a number in range", path, key, text);
   return value;
+}
+
+// The groups' options the file saved (kOptionsKey), or none where it has no such metadata.
+std::vector<NamedOptions> saved_options(const std::string& path, const Metadata& meta) {
+  std::vector<NamedOptions> groups;
+  if (!has_metadata(meta, kOptionsKey)) return groups;
+  const std::string text = metadata_value(meta, kOptionsKey);
+  json::Value doc;
+  try {
+    doc = json::parse(text, text.size() + 16);  // a value takes at least a byte
+  } catch (const Error& e) {
+    fail("load_checkpoint {}: metadata '{}': {}", path, kOptionsKey, e.what());
+  }
+  if (!doc.is_array())
+    fail("load_checkpoint {}: metadata '{}' is not a list of parameter groups' options", path,
+         kOptionsKey);
+  for (size_t g = 0; g < doc.size(); ++g) {
+    if (!doc[g].is_object())
+      fail("load_checkpoint {}: group {} of metadata '{}' is not an object", path, g, kOptionsKey);
+    NamedOptions& group = groups.emplace_back();
+    for (const auto& [name, value] : doc[g].items()) {
+      if (value.is_boolean())
+        group.emplace_back(name, value.get<bool>());
+      else if (value.is_number())
+        group.emplace_back(name, value.get<double>());
+      else if (value.is_null())  // an optional option left unset
+        group.emplace_back(name, std::optional<double>());
+      else
+        fail("load_checkpoint {}: group {}'s option '{}' is {}, not a number or a flag", path, g,
+             name, value.dump());
+    }
+  }
+  return groups;
 }
 
 bool metadata_bool(const std::string& path, const Metadata& metadata, const std::string& key) {
@@ -443,6 +497,7 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
   int64_t steps = 0;
   std::vector<std::optional<int64_t>> param_steps;  // where a parameter's count differs
   std::vector<std::optional<double>> rates;         // each group's, where the file has it
+  std::vector<NamedOptions> group_options;          // each group's, where the file has them
   if (optimizer) {
     std::vector<std::string> names = optimizer_param_names(module, *optimizer, path);
     std::string kind = metadata_value(meta, "optimizer.kind");
@@ -489,18 +544,33 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
                                                optimizer_entries[e].second);
           taken[e] = true;
         }
-    for (size_t i = 0; i < names.size(); ++i) {
-      std::string prefix = kOptimizerPrefix + names[i] + ".";
-      NamedTensors& state = state_of[i];
-      try {
-        optimizer->check_state(i, state, options.allow_nonfinite, prefix);
-      } catch (const Error& e) {
-        fail("load_checkpoint {}: {}", path, e.what());
+    auto check_states = [&] {
+      for (size_t i = 0; i < names.size(); ++i) {
+        std::string prefix = kOptimizerPrefix + names[i] + ".";
+        NamedTensors& state = state_of[i];
+        try {
+          optimizer->check_state(i, state, options.allow_nonfinite, prefix);
+        } catch (const Error& e) {
+          fail("load_checkpoint {}: {}", path, e.what());
+        }
+        if (param_steps[i] == 0 && !state.empty())
+          fail("load_checkpoint {}: parameter '{}' has optimizer state but took no step", path,
+               names[i]);
+        states.push_back(std::move(state));
       }
-      if (param_steps[i] == 0 && !state.empty())
-        fail("load_checkpoint {}: parameter '{}' has optimizer state but took no step", path,
-             names[i]);
-      states.push_back(std::move(state));
+    };
+    // The state is checked under the options the file restores (a momentum buffer is state
+    // only with momentum), which are checked first.
+    group_options = saved_options(path, meta);
+    if (group_options.empty()) {
+      check_states();
+    } else {
+      try {
+        optimizer->with_named_options(group_options, [] {});
+      } catch (const Error& e) {
+        fail("load_checkpoint {}: metadata '{}': {}", path, kOptionsKey, e.what());
+      }
+      optimizer->with_named_options(group_options, check_states);
     }
     // State for a parameter this optimizer does not update would be dropped without a word (a
     // checkpoint of an optimizer over more parameters), as PyTorch refuses it.
@@ -555,6 +625,7 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
     fail("load_checkpoint {}: {}", path, e.what());
   }
   if (optimizer) {
+    if (!group_options.empty()) optimizer->set_named_options(group_options);
     for (size_t i = 0; i < states.size(); ++i)
       optimizer->load_state(i, states[i], options.allow_nonfinite);
     optimizer->set_steps_taken(steps);
