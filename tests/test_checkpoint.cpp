@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <bit>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -1620,6 +1621,42 @@ TEST_F(Checkpoint, EveryOptionSetIsRestored) {
   EXPECT_TRUE(run(adafactor, adafactor_change, true) == run(adafactor, adafactor_change, false));
 }
 
+// An option JSON has no number for (Adafactor's clip_threshold at infinity: updates never
+// clipped) is saved with Python's spelling, "Infinity", and resumes bit for bit; null stays an
+// optional option unset (Adafactor's beta1), never a stand-in for a number.
+TEST_F(Checkpoint, InfiniteOptionsResume) {
+  auto run = [&](bool resume) {
+    mt::Generator gen(8);
+    mt::Linear layer(3, 2, true, &gen);
+    mt::Tensor x = mt::randn({4, 3}, mt::f32, &gen);
+    auto make = [&] {
+      return std::make_unique<mt::Adafactor>(layer.parameters(),
+                                             mt::AdafactorOptions{.clip_threshold = INFINITY});
+    };
+    auto opt = make();
+    for (int s = 0; s < 4; ++s) {
+      if (resume && s == 2) {
+        mt::save_checkpoint(path("inf.safetensors"), layer, opt.get());
+        mt::Metadata meta;
+        mt::load_tensors(path("inf.safetensors"), &meta);
+        std::map<std::string, std::string> by_key(meta.begin(), meta.end());
+        EXPECT_NE(by_key["optimizer.options"].find(R"("clip_threshold":"Infinity")"),
+                  std::string::npos);
+        EXPECT_NE(by_key["optimizer.options"].find(R"("beta1":null)"), std::string::npos);
+        opt = make();
+        mt::load_checkpoint(path("inf.safetensors"), layer, opt.get());
+        EXPECT_EQ(opt->options(0).clip_threshold, INFINITY);
+        EXPECT_FALSE(opt->options(0).beta1.has_value());
+      }
+      opt->zero_grad();
+      mt::sum(mt::square(layer(x))).backward();
+      opt->step();
+    }
+    return std::vector<Bytes>{bytes_of(layer.weight), bytes_of(layer.bias)};
+  };
+  EXPECT_TRUE(run(true) == run(false));
+}
+
 // A file's options that the optimizer cannot take are refused, naming them, before anything
 // changes: a name the rule does not have, a value of another kind, one the rule refuses, a list
 // of another length, text that is not JSON.
@@ -1645,6 +1682,8 @@ TEST_F(Checkpoint, OptionsThatCannotBeRestoredAreRejectedWithoutChanges) {
       {R"([{"nesterov":1}])", "group 0's option 'nesterov' is given a value of another kind"},
       {R"([{"momentum":-1}])", "momentum"},
       {R"([{},{}])", "options for 2 parameter groups, the optimizer has 1"},
+      {"[]", "options for 0 parameter groups, the optimizer has 1"},
+      {R"([{"momentum":"Inf"}])", "group 0's option 'momentum' is \"Inf\", not a number or a flag"},
   };
   const mt::NamedOptions before = opt.named_options(0);
   for (const auto& [value, fragment] : damaged) {

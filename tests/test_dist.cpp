@@ -177,6 +177,39 @@ TEST(Zero, KeepsParameterGroupsAndRestoresTheirRates) {
   std::filesystem::remove(path);
 }
 
+// A ZeRO SGD whose schedule cycles its momentum (OneCycleLR) keeps momentum buffers its options
+// alone (momentum 0) do not: its checkpoint, gathered into the plain rule with the schedules,
+// saves and resumes bit for bit.
+TEST(Zero, ACycledMomentumCheckpointsAndResumes) {
+  mt::dist::init();
+  auto run = [](bool resume) {
+    mt::manual_seed(9);
+    mt::MLP net({4, 8, 3});
+    auto make = [&] {
+      auto opt = std::make_unique<mt::dist::ZeroSGD>(net.parameters(), mt::SGDOptions{.lr = 0.1});
+      opt->set_schedule(0, std::make_shared<mt::OneCycleLR>(0.1, 10));
+      return opt;
+    };
+    auto opt = make();
+    const std::string path = testing::TempDir() + "zero_cycled.safetensors";
+    for (int s = 0; s < 4; ++s) {
+      if (resume && s == 2) {
+        mt::dist::save_checkpoint(path, net, opt.get());
+        opt = make();
+        mt::dist::load_checkpoint(path, net, opt.get());
+        std::filesystem::remove(path);
+      }
+      opt->zero_grad();
+      mt::sum(mt::square(net(mt::ones({2, 4})))).backward();
+      opt->step();
+    }
+    std::vector<std::vector<float>> out;
+    for (const mt::Tensor& p : net.parameters()) out.push_back(p.to_vector<float>());
+    return out;
+  };
+  EXPECT_EQ(run(true), run(false));
+}
+
 // A bf16 parameter under ZeRO keeps f32 state beside its f32 master: entries set_options() turns
 // on later (RMSprop's centered mean and momentum) start at the next step, as the plain rule's do.
 TEST(Zero, StateTurnedOnBySetOptionsStartsForHalfParameters) {

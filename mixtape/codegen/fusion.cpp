@@ -31,6 +31,11 @@ Affine unit(size_t rank, int var) {
 
 bool is_reduction(const Node& node) { return op_info(node.op).kind == OpKind::Reduce; }
 
+// A gradient sum of a module call (GradientSumCalls), or null.
+const ModuleCall* sum_call(const Node& node) {
+  return node.backward && is_reduction(node) ? node.origin.module_call.get() : nullptr;
+}
+
 bool reduced_axis(const Node& reduction, size_t d) {
   const std::vector<int64_t>& axes = reduction.attrs.axes;
   return std::find(axes.begin(), axes.end(), static_cast<int64_t>(d)) != axes.end();
@@ -738,6 +743,13 @@ class Fuser {
           fmt::join(trial.reductions.front()->attrs.axes, ","),
           to_string(trial.reductions.front()->inputs[0]->shape), fmt::join(node->attrs.axes, ","),
           to_string(node->inputs[0]->shape));
+    } else if (const ModuleCall* call = sum_call(*node);
+               call &&
+               std::any_of(trial.reductions.begin(), trial.reductions.end(),
+                           [&](const Node* r) { return sum_call(*r) && sum_call(*r) != call; })) {
+      why =
+          "the kernel's reductions sum the gradients of another call of the module "
+          "(GradientSumCalls)";
     } else if (static_cast<int>(trial.members.size()) > options_.max_members) {
       why = "the kernel is at its size limit";
     } else {
@@ -959,6 +971,14 @@ bool is_constant_fill(const Node& node) {
 std::vector<FusionGroup> fuse(const std::vector<Node*>& pending, const std::vector<Node*>& required,
                               const FusionOptions& options) {
   return Fuser(pending, required, options).run();
+}
+
+uint64_t GradientSumCalls::number(const Node& node) {
+  const ModuleCall* call = sum_call(node);
+  if (!call) return 0;
+  auto found = std::find(calls_.begin(), calls_.end(), call);
+  if (found == calls_.end()) found = calls_.insert(calls_.end(), call);
+  return static_cast<uint64_t>(found - calls_.begin()) + 1;
 }
 
 }  // namespace mixtape

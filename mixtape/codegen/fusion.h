@@ -82,4 +82,18 @@ bool kernel_reads(const Node& node, size_t k);
 /// A value that every kernel can recompute for free: an unevaluated fill, or a view of one.
 bool is_constant_fill(const Node& node);
 
+/// Gradient sums (reductions of the backward pass) made in different calls of a module are
+/// kept in different kernels: merged with the adds that accumulate a shared weight's gradient,
+/// they would keep every call's output gradient (and, checkpointed, its recomputed values)
+/// alive until the last call's backward. What fusion reads of it, which signing hashes and an
+/// AOT plan stores: per node, 0, or for such a sum 1 + the number of its module call among the
+/// graph's sums in order of first appearance (tape order).
+class GradientSumCalls {
+ public:
+  uint64_t number(const Node& node);
+
+ private:
+  std::vector<const ModuleCall*> calls_;
+};
+
 }  // namespace mixtape

@@ -18,12 +18,16 @@ void save_checkpoint(const std::string& path, const Module& module, const Optimi
                      const Metadata& metadata, const GradScaler* scaler,
                      const CheckpointOptions& options) {
   std::unique_ptr<Optimizer> whole;
-  if (const auto* zero = dynamic_cast<const ZeroOptimizer*>(optimizer)) {
-    whole = zero->gathered();
-    optimizer = whole.get();
-  }
   std::string error;
-  if (process_rank() == 0) {
+  if (const auto* zero = dynamic_cast<const ZeroOptimizer*>(optimizer)) {
+    try {  // every process gathers; one that fails tells the others below
+      whole = zero->gathered();
+      optimizer = whole.get();
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  if (process_rank() == 0 && error.empty()) {
     try {
       mixtape::save_checkpoint(path, module, optimizer, metadata, scaler, options);
     } catch (const std::exception& e) {

@@ -160,7 +160,11 @@ class Zero : public Rule, public ZeroOptimizer {
     return is_half(this->params()[i].dtype()) ? f32 : Rule::state_dtype(i);
   }
   std::unique_ptr<Optimizer> plain() const override {
-    return std::make_unique<Rule>(this->param_groups());
+    auto whole = std::make_unique<Rule>(this->param_groups());
+    // The schedules too: a cycled momentum keeps state (SGD's buffer) the options alone do not.
+    for (size_t g = 0; g < this->group_count(); ++g)
+      if (this->schedule(g)) whole->set_schedule(g, this->schedule(g));
+    return whole;
   }
   std::unique_ptr<Optimizer> gathered() const override {
     std::unique_ptr<Optimizer> whole = plain();

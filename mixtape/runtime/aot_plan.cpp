@@ -190,6 +190,7 @@ PlanDocument plan_to_json(const std::vector<TracedPlan>& traced,
     };
     size_t leaves = planned.eval.executed.sig.externals.size();
     Value node_values = Value::array();
+    GradientSumCalls sum_calls;  // which gradient sums fusion keeps apart
     for (size_t i = 0; i < nodes.size(); ++i) {
       const Node& node = *nodes[i];
       Value o = {{"op", op_name(node.op)},
@@ -231,6 +232,7 @@ PlanDocument plan_to_json(const std::vector<TracedPlan>& traced,
         if (node.requires_grad) o["requires_grad"] = true;
       }
       if (!node.origin.module_path.empty()) o["module"] = node.origin.module_path;
+      if (const uint64_t call = sum_calls.number(node)) o["call"] = call;
       node_values.push_back(std::move(o));
     }
     Value stored = Value::array();
@@ -295,6 +297,9 @@ std::unique_ptr<Plan> plan_from_json(const PlanDocument& document, int64_t batch
       fail("an evaluation of the plan has {} leaves of {} nodes", leaves, node_values.size());
     std::vector<NodePtr> nodes;
     std::unordered_map<const Node*, Binding> binding_of;
+    // The module calls of the gradient sums (GradientSumCalls), by number: fusion keeps sums of
+    // different calls apart, as it did when the plan was exported.
+    std::vector<std::shared_ptr<const ModuleCall>> sum_calls;
     for (const Value& v : node_values) {
       const auto& op_text = v.at("op").get_ref<const std::string&>();
       auto op = ops.find(op_text);
@@ -329,6 +334,18 @@ std::unique_ptr<Plan> plan_from_json(const PlanDocument& document, int64_t batch
       node->requires_grad = json::find(v, "requires_grad") != nullptr;
       if (const Value* m = json::find(v, "module"))
         node->origin.module_path = m->get<std::string>();
+      if (const Value* c = json::find(v, "call")) {
+        const int64_t call = json::as_int(*c);
+        if (call < 1 || call > static_cast<int64_t>(node_values.size()))
+          fail("{} in the plan is the gradient sum of module call {}, not one of its {} nodes'",
+               op->first, call, node_values.size());
+        if (sum_calls.size() < static_cast<size_t>(call)) sum_calls.resize(call);
+        std::shared_ptr<const ModuleCall>& frame = sum_calls[call - 1];
+        if (!frame)
+          frame = std::make_shared<const ModuleCall>(ModuleCall{node->origin.module_path, nullptr});
+        node->origin.module_call = frame;
+        node->backward = true;
+      }
       if (leaf) {
         Binding binding;
         if (const Value* arg = json::find(v, "arg")) {

@@ -80,6 +80,33 @@ std::optional<OptimizerEntryName> optimizer_entry_name(std::string_view name) {
                             name.substr(last + 1)};
 }
 
+// An option's value as JSON: a number, a flag, null for an optional one unset, and Python's
+// spellings "Infinity", "-Infinity" and "NaN" as strings for what JSON has no number for.
+json::Value option_json(const OptionValue& value) {
+  if (const bool* flag = std::get_if<bool>(&value)) return *flag;
+  const double* number = std::get_if<double>(&value);
+  if (!number) number = std::get<std::optional<double>>(value) ? &*std::get<1>(value) : nullptr;
+  if (!number) return nullptr;  // an optional option unset
+  const double v = *number;
+  if (std::isnan(v)) return "NaN";
+  if (std::isinf(v)) return v > 0 ? "Infinity" : "-Infinity";
+  return v;
+}
+
+// The JSON list a metadata entry `key` holds; mt::Error starting with `context` for text that is
+// none (`what` says what the list should hold).
+json::Value metadata_list(const std::string& context, const char* key, std::string_view text,
+                          const char* what) {
+  json::Value doc;
+  try {
+    doc = json::parse(text, text.size() + 16);  // a value takes at least a byte
+  } catch (const Error& e) {
+    fail("{}: metadata '{}': {}", context, key, e.what());
+  }
+  if (!doc.is_array()) fail("{}: metadata '{}' is not a list of {}", context, key, what);
+  return doc;
+}
+
 Metadata optimizer_metadata(const Optimizer& optimizer, const std::vector<std::string>& names) {
   Metadata meta;
   meta.emplace_back("optimizer.kind", optimizer.kind());
@@ -89,14 +116,7 @@ Metadata optimizer_metadata(const Optimizer& optimizer, const std::vector<std::s
     json::Value group = json::Value::object();
     for (const auto& [name, value] : optimizer.named_options(g)) {
       named = true;
-      json::Value saved;  // null: an optional option unset
-      if (const double* number = std::get_if<double>(&value))
-        saved = *number;
-      else if (const bool* flag = std::get_if<bool>(&value))
-        saved = *flag;
-      else if (const auto& optional = std::get<std::optional<double>>(value))
-        saved = *optional;
-      json::append(group, name, std::move(saved));
+      json::append(group, name, option_json(value));
     }
     options.push_back(std::move(group));
   }
@@ -121,14 +141,7 @@ Metadata optimizer_metadata(const Optimizer& optimizer, const std::vector<std::s
 }
 
 std::vector<SavedParamGroup> parse_param_groups(const std::string& context, std::string_view text) {
-  json::Value doc;
-  try {
-    doc = json::parse(text, text.size() + 16);  // a value takes at least a byte
-  } catch (const Error& e) {
-    fail("{}: metadata '{}': {}", context, kParamGroupsKey, e.what());
-  }
-  if (!doc.is_array())
-    fail("{}: metadata '{}' is not a list of parameter groups", context, kParamGroupsKey);
+  const json::Value doc = metadata_list(context, kParamGroupsKey, text, "parameter groups");
   std::vector<SavedParamGroup> groups;
   for (size_t g = 0; g < doc.size(); ++g) {
     const json::Value* params = json::find(doc[g], "params");
@@ -181,20 +194,15 @@ T metadata_number(const std::string& path, const Metadata& metadata, const std::
   return value;
 }
 
-// The groups' options the file saved (kOptionsKey), or none where it has no such metadata.
-std::vector<NamedOptions> saved_options(const std::string& path, const Metadata& meta) {
+// The groups' options the file saved (kOptionsKey), as option_json wrote them; nullopt where
+// it has no such metadata.
+std::optional<std::vector<NamedOptions>> saved_options(const std::string& path,
+                                                       const Metadata& meta) {
+  if (!has_metadata(meta, kOptionsKey)) return std::nullopt;
+  const json::Value doc =
+      metadata_list("load_checkpoint " + path, kOptionsKey, metadata_value(meta, kOptionsKey),
+                    "parameter groups' options");
   std::vector<NamedOptions> groups;
-  if (!has_metadata(meta, kOptionsKey)) return groups;
-  const std::string text = metadata_value(meta, kOptionsKey);
-  json::Value doc;
-  try {
-    doc = json::parse(text, text.size() + 16);  // a value takes at least a byte
-  } catch (const Error& e) {
-    fail("load_checkpoint {}: metadata '{}': {}", path, kOptionsKey, e.what());
-  }
-  if (!doc.is_array())
-    fail("load_checkpoint {}: metadata '{}' is not a list of parameter groups' options", path,
-         kOptionsKey);
   for (size_t g = 0; g < doc.size(); ++g) {
     if (!doc[g].is_object())
       fail("load_checkpoint {}: group {} of metadata '{}' is not an object", path, g, kOptionsKey);
@@ -206,6 +214,10 @@ std::vector<NamedOptions> saved_options(const std::string& path, const Metadata&
         group.emplace_back(name, value.get<double>());
       else if (value.is_null())  // an optional option left unset
         group.emplace_back(name, std::optional<double>());
+      else if (value == "Infinity" || value == "-Infinity" || value == "NaN")
+        group.emplace_back(name, value == "NaN"        ? std::nan("")
+                                 : value == "Infinity" ? HUGE_VAL
+                                                       : -HUGE_VAL);
       else
         fail("load_checkpoint {}: group {}'s option '{}' is {}, not a number or a flag", path, g,
              name, value.dump());
@@ -495,9 +507,9 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
   }
   std::vector<NamedTensors> states;
   int64_t steps = 0;
-  std::vector<std::optional<int64_t>> param_steps;  // where a parameter's count differs
-  std::vector<std::optional<double>> rates;         // each group's, where the file has it
-  std::vector<NamedOptions> group_options;          // each group's, where the file has them
+  std::vector<std::optional<int64_t>> param_steps;         // where a parameter's count differs
+  std::vector<std::optional<double>> rates;                // each group's, where the file has it
+  std::optional<std::vector<NamedOptions>> group_options;  // each group's, where the file has them
   if (optimizer) {
     std::vector<std::string> names = optimizer_param_names(module, *optimizer, path);
     std::string kind = metadata_value(meta, "optimizer.kind");
@@ -562,15 +574,15 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
     // The state is checked under the options the file restores (a momentum buffer is state
     // only with momentum), which are checked first.
     group_options = saved_options(path, meta);
-    if (group_options.empty()) {
+    if (!group_options) {
       check_states();
     } else {
       try {
-        optimizer->with_named_options(group_options, [] {});
+        optimizer->with_named_options(*group_options, [] {});
       } catch (const Error& e) {
         fail("load_checkpoint {}: metadata '{}': {}", path, kOptionsKey, e.what());
       }
-      optimizer->with_named_options(group_options, check_states);
+      optimizer->with_named_options(*group_options, check_states);
     }
     // State for a parameter this optimizer does not update would be dropped without a word (a
     // checkpoint of an optimizer over more parameters), as PyTorch refuses it.
@@ -625,7 +637,7 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
     fail("load_checkpoint {}: {}", path, e.what());
   }
   if (optimizer) {
-    if (!group_options.empty()) optimizer->set_named_options(group_options);
+    if (group_options) optimizer->set_named_options(*group_options);
     for (size_t i = 0; i < states.size(); ++i)
       optimizer->load_state(i, states[i], options.allow_nonfinite);
     optimizer->set_steps_taken(steps);

@@ -500,8 +500,10 @@ Signature sign(const std::vector<Node*>& pending, const std::vector<Node*>& requ
   };
   thread_local std::vector<Uses> uses;
   uses.assign(pending.size(), {0, 0, false});
+  GradientSumCalls sum_calls;  // fusion reads them
   for (Node* node : pending) {
     hash_node(h, *node);
+    if (const uint64_t call = sum_calls.number(*node)) h.update(call);
     for (const NodePtr& input : node->inputs) {
       if (!input->evaluated()) {
         int32_t slot = input->sign_slot;
