@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <functional>
 #include <mutex>
 #include <string_view>
 #include <unordered_set>
@@ -242,7 +243,13 @@ ScopelessModules& scopeless_modules() {
   static ScopelessModules* modules = new ScopelessModules;  // read until exit
   return *modules;
 }
-thread_local std::unordered_set<std::string> scopeless_seen;  // this thread's additions
+// Looked up by a view of the path, so a module call allocates nothing for a parent noted before.
+struct PathHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view path) const { return std::hash<std::string_view>{}(path); }
+};
+thread_local std::unordered_set<std::string, PathHash, std::equal_to<>>
+    scopeless_seen;  // this thread's additions
 
 // Notes every module above `path` ("blocks.0" above "blocks.0.attn") that has no call in
 // progress in `calls`: its child is called outside a scope of its own.
@@ -252,7 +259,7 @@ void note_scopeless_parents(const std::string& path, const ModuleCall* calls) {
     bool open = false;
     for (const ModuleCall* call = calls; call && !open; call = call->parent.get())
       open = call->path == parent;
-    if (open || scopeless_seen.count(std::string(parent))) continue;
+    if (open || scopeless_seen.count(parent)) continue;
     scopeless_seen.emplace(parent);
     ScopelessModules& modules = scopeless_modules();
     std::lock_guard<std::mutex> lock(modules.mutex);

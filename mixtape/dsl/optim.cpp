@@ -648,43 +648,36 @@ void Optimizer::refuse_option(size_t group, const std::string& name, bool known)
   fail("{}: group {} has no option '{}'", kind_, group, name);
 }
 
-// Each rule's options by name, as torch's param_groups name them.
+// Each rule's options by name, as torch's param_groups name them, but the rate: lr() and set_lr()
+// carry it (the checkpoint's "lr" or "optimizer.param_groups").
 OptionFields option_fields(SGDOptions& o) {
-  return {{"lr", &o.lr},
-          {"momentum", &o.momentum},
+  return {{"momentum", &o.momentum},
           {"dampening", &o.dampening},
           {"weight_decay", &o.weight_decay},
           {"nesterov", &o.nesterov}};
 }
 OptionFields option_fields(AdamOptions& o) {
-  return {{"lr", &o.lr},
-          {"beta1", &o.beta1},
-          {"beta2", &o.beta2},
-          {"eps", &o.eps},
-          {"weight_decay", &o.weight_decay}};
+  return {
+      {"beta1", &o.beta1}, {"beta2", &o.beta2}, {"eps", &o.eps}, {"weight_decay", &o.weight_decay}};
 }
 OptionFields option_fields(RMSpropOptions& o) {
-  return {{"lr", &o.lr},
-          {"alpha", &o.alpha},
+  return {{"alpha", &o.alpha},
           {"eps", &o.eps},
           {"weight_decay", &o.weight_decay},
           {"momentum", &o.momentum},
           {"centered", &o.centered}};
 }
 OptionFields option_fields(AdagradOptions& o) {
-  return {{"lr", &o.lr},
-          {"lr_decay", &o.lr_decay},
+  return {{"lr_decay", &o.lr_decay},
           {"weight_decay", &o.weight_decay},
           {"initial_accumulator_value", &o.initial_accumulator_value},
           {"eps", &o.eps}};
 }
 OptionFields option_fields(LionOptions& o) {
-  return {
-      {"lr", &o.lr}, {"beta1", &o.beta1}, {"beta2", &o.beta2}, {"weight_decay", &o.weight_decay}};
+  return {{"beta1", &o.beta1}, {"beta2", &o.beta2}, {"weight_decay", &o.weight_decay}};
 }
 OptionFields option_fields(AdafactorOptions& o) {
-  return {{"lr", &o.lr},
-          {"eps1", &o.eps1},
+  return {{"eps1", &o.eps1},
           {"eps2", &o.eps2},
           {"clip_threshold", &o.clip_threshold},
           {"decay_rate", &o.decay_rate},

@@ -40,8 +40,8 @@ struct ParamGroup {
 /// param_groups hold every hyperparameter): a number, an optional number, or a flag.
 using OptionValue = std::variant<double, std::optional<double>, bool>;
 using NamedOptions = std::vector<std::pair<std::string, OptionValue>>;
-/// Where each option of an Options struct lives, by name, in declaration order (optim.cpp has
-/// one list per rule; a rule of one's own whose options have none saves none).
+/// Where each option of an Options struct but the rate lives, by name, in declaration order
+/// (optim.cpp has one list per rule; a rule of one's own whose options have none saves none).
 using OptionField = std::variant<double*, std::optional<double>*, bool*>;
 using OptionFields = std::vector<std::pair<const char*, OptionField>>;
 
@@ -381,9 +381,7 @@ class OptimizerWith : public Optimizer {
     if constexpr (requires(Options & o) { option_fields(o); }) {
       Options copy = options(group);
       for (const auto& [name, field] : option_fields(copy))
-        if (std::string_view(name) != "lr")
-          out.emplace_back(name,
-                           std::visit([](auto* value) { return OptionValue(*value); }, field));
+        out.emplace_back(name, std::visit([](auto* value) { return OptionValue(*value); }, field));
     }
     return out;
   }
@@ -445,7 +443,7 @@ class OptimizerWith : public Optimizer {
                         size_t group) const {
     if constexpr (requires(Options & o) { option_fields(o); }) {
       for (const auto& [field_name, field] : option_fields(options))
-        if (name == field_name && name != "lr") {
+        if (name == field_name) {
           const bool set = std::visit(
               [&](auto* target) {
                 using T = std::remove_pointer_t<decltype(target)>;

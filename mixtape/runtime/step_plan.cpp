@@ -150,11 +150,11 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
   std::vector<std::vector<StoragePtr>> gradient_inputs(plan.evals.size());
   for (size_t index = 0; index < plan.evals.size(); ++index) {
     PlannedEvaluation& planned = plan.evals[index];
-    gradient_inputs[index].resize(planned.inputs.size());
     for (size_t x = 0; x < planned.inputs.size(); ++x) {
       Binding& binding = planned.inputs[x];
       if (binding.at_call_start) replaced.emplace_back(binding.object.get(), nullptr);
       if (!binding.through_gradient()) continue;
+      gradient_inputs[index].resize(planned.inputs.size());  // only evaluations that add to one
       StoragePtr value = gradient_at_call_start(plan, binding, *planned.leaves[x], args);
       const GradientSlot& slot = plan.gradients[static_cast<size_t>(binding.gradient)];
       if (slot.at.first >= 0 && slot.at.first < static_cast<int>(index) &&
