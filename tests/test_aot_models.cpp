@@ -2,7 +2,7 @@
 // examples/char_gpt_model.h, a TransformerBlock, a small convolution net and fused attention, as
 // functions at batch 1, 7 and the max (rank-3 shapes, attention masks, embedding gathers under a
 // dynamic batch) and as training steps against mt::compile, in fp32, autocast bf16 and autocast
-// f16 with dynamic loss scaling.
+// f16 with dynamic loss scaling, and the char GPT with every block checkpointed as a training step.
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -68,14 +68,19 @@ struct SmallAttention : mt::Module {
 
 // One of the models under test, with what it takes and how it is trained.
 struct Subject {
-  std::string kind;  // "gpt", "block", "cnn" or "attn"
+  std::string kind;  // "gpt", "gpt_checkpointed", "block", "cnn" or "attn"
   std::unique_ptr<mt::Module> module;
   std::function<mt::Tensor(const mt::Tensor&)> forward;  // logits (gpt) or activations (block)
 
   Subject(const std::string& kind, uint64_t seed) : kind(kind) {
     mt::Generator gen(seed);
-    if (kind == "gpt") {
+    if (gpt()) {
       auto gpt = std::make_unique<CharGpt>(small_gpt(), &gen);
+      // "gpt_checkpointed": every block recomputed in the backward pass, which groups its
+      // kernels as the plain step does not (runtime/program.cpp); the artifact must group them
+      // the same at load.
+      if (kind == "gpt_checkpointed")
+        for (auto& block : gpt->blocks) block->checkpoint(true);
       forward = [m = gpt.get()](const mt::Tensor& tokens) { return (*m)(tokens); };
       module = std::move(gpt);
     } else if (kind == "cnn") {
@@ -92,7 +97,7 @@ struct Subject {
       module = std::move(block);
     }
   }
-  bool gpt() const { return kind == "gpt"; }
+  bool gpt() const { return kind.starts_with("gpt"); }
   // One example's shape: tokens [T] (gpt), activations [T, C] (block) or images [3, H, W].
   mt::Shape example() const {
     if (gpt()) return {kTime};
@@ -139,6 +144,8 @@ std::string case_name(const testing::TestParamInfo<Case>& info) {
 const auto every_model_and_policy = testing::Combine(testing::Values("gpt", "block", "cnn"),
                                                      testing::Values("fp32", "bf16", "f16"));
 const auto attention_cases = testing::Combine(testing::Values("attn"), testing::Values("bf16"));
+const auto checkpointed_cases =
+    testing::Combine(testing::Values("gpt_checkpointed"), testing::Values("bf16"));
 
 // ---- the inference function: equal to the JIT at batch 1, 7 and the max ----
 
@@ -273,5 +280,6 @@ TEST_P(AotModelStep, EqualsCompile) {
 
 INSTANTIATE_TEST_SUITE_P(Models, AotModelStep, every_model_and_policy, case_name);
 INSTANTIATE_TEST_SUITE_P(Attention, AotModelStep, attention_cases, case_name);
+INSTANTIATE_TEST_SUITE_P(Checkpointed, AotModelStep, checkpointed_cases, case_name);
 
 }  // namespace

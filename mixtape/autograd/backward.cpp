@@ -220,8 +220,11 @@ std::vector<std::pair<const Node*, Tensor>> backpropagate(const std::vector<Node
   WalkMarks marks;
   std::vector<NodePtr> tape = tape_in_reverse(roots, marks);
   Terms grads(marks);
+  // A pass that builds a graph to differentiate again reads the forward nodes themselves: its
+  // gradient nodes keep what they read alive anyway, and gradients of clones would reach the
+  // module's inputs along a second path, summed in another order than the unchecked graph's.
   std::optional<Recomputation> recompute;
-  if (auto globs = checkpoint_globs()) recompute.emplace(std::move(globs));
+  if (auto globs = checkpoint_globs(); globs && !create_graph) recompute.emplace(std::move(globs));
   std::unique_ptr<SavedValues> saved =
       saved_values_for(roots, tape, create_graph, recompute ? &*recompute : nullptr);
   SavedValuesScope reading(saved.get());

@@ -230,6 +230,9 @@ PlanDocument plan_to_json(const std::vector<TracedPlan>& traced,
         Value attrs = attrs_value(node);
         if (!attrs.empty()) o["attrs"] = std::move(attrs);
         if (node.requires_grad) o["requires_grad"] = true;
+        // Program building keeps a checkpointed recomputation out of multi-tensor kernels: the
+        // load must group kernels as the export compiled them.
+        if (node.recomputed) o["recomputed"] = true;
       }
       if (!node.origin.module_path.empty()) o["module"] = node.origin.module_path;
       if (const uint64_t call = sum_calls.number(node)) o["call"] = call;
@@ -332,6 +335,7 @@ std::unique_ptr<Plan> plan_from_json(const PlanDocument& document, int64_t batch
       node->precision.accum = dtype("accum");
       node->precision.assigned = true;
       node->requires_grad = json::find(v, "requires_grad") != nullptr;
+      node->recomputed = json::find(v, "recomputed") != nullptr;
       if (const Value* m = json::find(v, "module"))
         node->origin.module_path = m->get<std::string>();
       if (const Value* c = json::find(v, "call")) {

@@ -158,7 +158,9 @@ void hash_node(WordHasher& h, const Node& node) {
   w.word = static_cast<uint64_t>(node.op) | uint64_t{static_cast<uint8_t>(node.dtype)} << 16 |
            uint64_t{static_cast<uint8_t>(node.precision.storage_type)} << 24 |
            uint64_t{static_cast<uint8_t>(node.precision.compute)} << 32 |
-           uint64_t{static_cast<uint8_t>(node.precision.accum)} << 40;
+           uint64_t{static_cast<uint8_t>(node.precision.accum)} << 40 |
+           // Program building keeps a checkpoint's recomputation out of multi-tensor kernels.
+           uint64_t{node.recomputed} << 48;
   w.counts[w.count_n++] = node.shape.size();
   w.counts[w.count_n++] = node.inputs.size();
 #define MT_ATTR(type, name, default_value, hashed, ops) \
