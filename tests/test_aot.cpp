@@ -187,6 +187,139 @@ TEST_P(AotStep, TrainingStepEqualsCompile) {
 
 INSTANTIATE_TEST_SUITE_P(Policies, AotStep, testing::Values("fp32", "bf16", "f16"));
 
+// The rate of each parameter group without a schedule is state: NAME_load takes a checkpoint's
+// (a rate lowered in C++, as ReduceLROnPlateau does), the steps then equal mt::compile's at
+// that rate, and NAME_save writes it back; a file with a rate that is none is refused whole.
+TEST(AotRates, LoadTakesEachGroupsRateAndSaveWritesItBack) {
+  constexpr int64_t batch = 16;
+  mt::manual_seed(3);
+  DigitsMLP net;
+  std::vector<mt::Tensor> matrices, vectors;
+  for (const mt::Tensor& p : net.parameters()) (p.dim() > 1 ? matrices : vectors).push_back(p);
+  mt::AdamW opt(std::vector<mt::ParamGroup<mt::AdamOptions>>{
+      {matrices, {.lr = 1e-2, .weight_decay = 0.1}}, {vectors, {.lr = 5e-3, .weight_decay = 0}}});
+  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::cross_entropy(net(x), y);
+    loss.backward();
+    opt.step();
+    return loss;
+  };
+  mt::Generator g(4);
+  std::vector<int64_t> labels(batch);
+  for (int64_t i = 0; i < batch; ++i) labels[i] = i % 10;
+  const mt::Tensor y = mt::tensor(labels, {batch}, mt::i64);
+  train_step(mt::randn({batch, 64}, mt::f32, &g), y);
+  std::string dir = temp_dir("rates");
+  mt::aot::Options o{.name = "rates_train", .module = &net, .optimizer = &opt};
+  mt::aot::Exported exported = mt::aot::export_step(
+      train_step,
+      {mt::aot::input("x", {batch, 64}, mt::f32), mt::aot::input("y", {batch}, mt::i64)}, {"loss"},
+      dir, o);
+  Table table(exported);
+  Model model(dir, "rates_train", table);
+  ASSERT_NE(model.m, nullptr);
+  auto compiled = mt::compile(train_step);
+  auto same_steps = [&](int64_t steps) {
+    for (int64_t s = 0; s < steps; ++s) {
+      std::vector<float> x = mt::randn({batch, 64}, mt::f32, &g).to_vector<float>();
+      float want = compiled(mt::tensor(x, {batch, 64}), y).to_vector<float>()[0], loss = 0;
+      const void* in[] = {x.data(), labels.data()};
+      void* out[] = {&loss};
+      ASSERT_EQ(mixtape_aot_run(model.m, batch, in, out), 0) << mixtape_aot_error(model.m);
+      EXPECT_EQ(std::memcmp(&loss, &want, sizeof loss), 0) << "step " << s;
+    }
+  };
+  opt.set_lr(0, 2e-3);
+  opt.set_lr(1, 1e-4);
+  const std::string lowered = dir + "_lowered.safetensors";
+  mt::save_checkpoint(lowered, net, &opt);
+  ASSERT_EQ(mixtape_aot_load(model.m, lowered.c_str()), 0) << mixtape_aot_error(model.m);
+  same_steps(3);
+  // A rate that is none: refused, and the artifact goes on at the rates it had.
+  const std::string bad = dir + "_bad.safetensors";
+  mt::safetensors::File file = mt::safetensors::read(lowered);
+  for (auto& [key, value] : file.metadata)
+    if (key == "optimizer.param_groups") value.replace(value.find("0.0001"), 6, "-1");
+  mt::safetensors::write(bad, file);
+  EXPECT_EQ(mixtape_aot_load(model.m, bad.c_str()), MIXTAPE_AOT_ERROR_FILE);
+  EXPECT_NE(std::string(mixtape_aot_error(model.m)).find("group 1's rate = -1"), std::string::npos)
+      << mixtape_aot_error(model.m);
+  same_steps(1);
+  const std::string saved = dir + "_saved.safetensors", reference = dir + "_reference.safetensors";
+  ASSERT_EQ(mixtape_aot_save(model.m, saved.c_str()), 0) << mixtape_aot_error(model.m);
+  mt::save_checkpoint(reference, net, &opt);
+  expect_same_checkpoint(saved, reference);
+  for (const std::string& f : {lowered, bad, saved, reference}) fs::remove(f);
+  fs::remove_all(dir);
+}
+
+// A step that returns its logits beside the loss, which reads them, and keeps the last loss in
+// a buffer it writes but never reads: the artifact returns both outputs, equal to mt::compile's,
+// and the export leaves the buffer, in the model and in the artifact's weights, as it was.
+TEST(AotStepOutputs, TheLogitsTheLossReadsAreReturnedAndAWrittenBufferKept) {
+  constexpr int64_t batch = 8;
+  struct Tracked : mt::Module {
+    DigitsMLP net;
+    mt::Tensor last_loss = mt::full({}, 42.0);
+    Tracked() {
+      register_module("net", net);
+      register_buffer("last_loss", &last_loss);
+    }
+  };
+  mt::manual_seed(6);
+  Tracked model;
+  mt::SGD opt(model.net.parameters(), {.lr = 0.05, .momentum = 0.9});
+  auto train_step = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    opt.zero_grad();
+    mt::Tensor logits = model.net(x);
+    mt::Tensor loss = mt::cross_entropy(logits, y);
+    loss.backward();
+    opt.step();
+    model.last_loss.assign(loss.detach() * 1.0f);
+    return std::vector<mt::Tensor>{loss, logits};
+  };
+  mt::Generator g(2);
+  std::vector<int64_t> labels(batch);
+  for (int64_t i = 0; i < batch; ++i) labels[i] = (3 * i) % 10;
+  const mt::Tensor y = mt::tensor(labels, {batch}, mt::i64);
+  train_step(mt::randn({batch, 64}, mt::f32, &g), y);
+  const std::vector<float> last_loss = model.last_loss.to_vector<float>();
+  std::string dir = temp_dir("logits");
+  mt::aot::Options o{.name = "logits_train", .module = &model, .optimizer = &opt};
+  mt::aot::Exported exported = mt::aot::export_step(
+      train_step,
+      {mt::aot::input("x", {batch, 64}, mt::f32), mt::aot::input("y", {batch}, mt::i64)},
+      {"loss", "logits"}, dir, o);
+  EXPECT_EQ(model.last_loss.to_vector<float>(), last_loss);
+  for (const auto& [name, value] : mt::load_tensors(dir + "/logits_train.safetensors"))
+    if (name == "last_loss") {
+      EXPECT_EQ(value.to_vector<float>(), last_loss);
+    }
+  Table table(exported);
+  Model artifact(dir, "logits_train", table);
+  ASSERT_NE(artifact.m, nullptr);
+  auto compiled = mt::compile(train_step);
+  for (int s = 0; s < 4; ++s) {
+    std::vector<float> x = mt::randn({batch, 64}, mt::f32, &g).to_vector<float>();
+    std::vector<mt::Tensor> want = compiled(mt::tensor(x, {batch, 64}), y);
+    float loss = 0;
+    std::vector<float> logits(batch * 10);
+    const void* in[] = {x.data(), labels.data()};
+    void* out[] = {&loss, logits.data()};
+    ASSERT_EQ(mixtape_aot_run(artifact.m, batch, in, out), 0) << mixtape_aot_error(artifact.m);
+    EXPECT_EQ(f32_bits(want[0])[0], std::bit_cast<uint32_t>(loss)) << "step " << s;
+    EXPECT_EQ(want[1].to_vector<float>(), logits) << "step " << s;
+  }
+  EXPECT_GE(compiled.stats().replays, 2) << compiled.stats().reason;
+  const std::string saved = dir + "_saved.safetensors", reference = dir + "_reference.safetensors";
+  ASSERT_EQ(mixtape_aot_save(artifact.m, saved.c_str()), 0) << mixtape_aot_error(artifact.m);
+  mt::save_checkpoint(reference, model, &opt);
+  expect_same_checkpoint(saved, reference);
+  for (const std::string& f : {saved, reference}) fs::remove(f);
+  fs::remove_all(dir);
+}
+
 // ---- bad input: a code and words, never a crash ----
 
 class AotErrors : public testing::Test {

@@ -1408,8 +1408,9 @@ TEST(ParameterGroups, ATensorInTwoGroupsAndMixedRelativeStepsAreRefused) {
 
 // Unfreezing as training goes on: a group added after three steps (torch's add_param_group) steps
 // as the same parameters in a group of their own from the start, frozen until then (each counts
-// its own updates: Adam's bias corrections start at their first), also in a compiled step,
-// which traces again; the checkpoint then records both groups.
+// its own updates: Adam's bias corrections start at their first; an optimizer takes frozen
+// parameters, as torch's do), also in a compiled step, which traces again; the checkpoint then
+// records both groups.
 TEST(ParameterGroups, AGroupAddedLaterStepsAsOneFrozenUntilThen) {
   std::vector<Bytes> expected;
   for (int run = 0; run < 3; ++run) {
@@ -1421,6 +1422,7 @@ TEST(ParameterGroups, AGroupAddedLaterStepsAsOneFrozenUntilThen) {
     std::vector<mt::ParamGroup<mt::AdamOptions>> groups = {
         {{head.weight, head.bias}, {.lr = 0.05}}, {{body.weight, body.bias}, {.lr = 0.01}}};
     if (added) groups.pop_back();
+    for (mt::Tensor p : {body.weight, body.bias}) p.requires_grad_(false);
     mt::AdamW opt(groups);
     auto step = [&] {
       opt.zero_grad();
@@ -1428,7 +1430,6 @@ TEST(ParameterGroups, AGroupAddedLaterStepsAsOneFrozenUntilThen) {
       opt.step();
     };
     auto compiled_step = mt::compile(step);
-    for (mt::Tensor p : {body.weight, body.bias}) p.requires_grad_(false);
     for (int i = 0; i < 6; ++i) {
       if (i == 3) {
         for (mt::Tensor p : {body.weight, body.bias}) p.requires_grad_(true);

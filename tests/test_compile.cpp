@@ -336,6 +336,41 @@ TEST(Compile, LossScalerRecordsOutliveReplaysAndTheirScaler) {
   EXPECT_EQ(copy.skip_history(), skips);
 }
 
+// A scaler replaced by assignment between calls (PyTorch: rebinding the scaler takes effect at
+// the next step): the compiled step follows the new scale, settings and statistics as tracing
+// every call does, an overflow after the swap included.
+TEST(Compile, AScalerAssignedBetweenCallsIsFollowed) {
+  struct Run {
+    mt::Tensor w = mt::tensor(std::vector<float>{1, 2, 3, 4}, {2, 2}).requires_grad_();
+    mt::SGD opt{{w}, mt::SGDOptions{.lr = 0.01}};
+    mt::GradScaler scaler{mt::GradScalerOptions{.init_scale = 1024, .growth_interval = 2}};
+    mt::Tensor step(const mt::Tensor& x) {
+      opt.zero_grad();
+      scaler.scale(mt::sum(w * x)).backward();
+      scaler.step(opt);
+      scaler.update();
+      return mt::Tensor();
+    }
+  };
+  Run plain_run, compiled_run;
+  auto step = mt::compile([&](const mt::Tensor& x) { return compiled_run.step(x); });
+  const mt::Tensor clean = mt::ones({2, 2}), poisoned = mt::full({2, 2}, INFINITY);
+  for (int i = 0; i < 9; ++i) {
+    if (i == 5)
+      for (Run* run : {&plain_run, &compiled_run})
+        run->scaler =
+            mt::GradScaler(mt::GradScalerOptions{.init_scale = 8, .growth_interval = 1000});
+    const mt::Tensor& x = i == 7 ? poisoned : clean;
+    plain_run.step(x);
+    step(x);
+    EXPECT_EQ(compiled_run.scaler.get_scale(), plain_run.scaler.get_scale()) << "call " << i;
+    EXPECT_EQ(compiled_run.scaler.skipped_steps(), plain_run.scaler.skipped_steps()) << i;
+    EXPECT_EQ(f32_bits(compiled_run.w), f32_bits(plain_run.w)) << "call " << i;
+  }
+  EXPECT_EQ(compiled_run.scaler.scale_history(), plain_run.scaler.scale_history());
+  EXPECT_TRUE(replayed_at_least(step, 2));
+}
+
 // A copy of a scaler that a compiled step updates keeps the values it had when taken: the replays
 // update the scaler's buffers in place. (Its state_dict, like a module's, names those buffers.)
 TEST(Compile, ACopyOfAReplayedScalerKeepsItsValues) {
@@ -627,6 +662,43 @@ TEST(Compile, ALossEvaluatedAfterTheStepReadsTheWeightsItWasComputedFrom) {
   EXPECT_EQ(plain, compiled);
   for (size_t i = 0; i < plain_run.opt.params().size(); ++i)
     EXPECT_EQ(f32_bits(plain_run.opt.params()[i]), f32_bits(compiled_run.opt.params()[i])) << i;
+  EXPECT_TRUE(replayed_at_least(step, 3));
+}
+
+// A training step that returns its logits beside the loss (for the accuracy): the optimizer's
+// evaluation stores the logits, which the returned loss, evaluated after it, reads. The replay
+// hands the loss the logits it returns, fresh every call, and replays with tracing's bits.
+TEST(Compile, AStepReturningTheLogitsTheLossReadsReplays) {
+  struct Run {
+    mt::Generator gen{5};
+    mt::MLP model{{8, 16, 4}, mt::Activation::Gelu, &gen};
+    mt::SGD opt{model.parameters(), {.lr = 0.1, .momentum = 0.9}};
+    std::vector<mt::Tensor> step(const mt::Tensor& x, const mt::Tensor& y) {
+      opt.zero_grad();
+      mt::Tensor logits = model(x);
+      mt::Tensor loss = mt::cross_entropy(logits, y);
+      loss.backward();
+      opt.step();
+      return {loss, logits};
+    }
+  };
+  mt::Generator data(8);
+  const mt::Tensor y = mt::tensor(std::vector<int64_t>{0, 3, 1, 2, 2, 0}, {6}, mt::i64);
+  Run plain_run, compiled_run;
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& labels) { return compiled_run.step(x, labels); });
+  mt::Tensor first_logits;
+  std::vector<uint32_t> first_bits;
+  for (int i = 0; i < 6; ++i) {
+    const mt::Tensor x = mt::randn({6, 8}, mt::f32, &data);
+    std::vector<mt::Tensor> want = plain_run.step(x, y), got = step(x, y);
+    ASSERT_EQ(got.size(), 2u);
+    EXPECT_EQ(f32_bits(want[0]), f32_bits(got[0])) << "loss, call " << i;
+    EXPECT_EQ(f32_bits(want[1]), f32_bits(got[1])) << "logits, call " << i;
+    if (i == 0) first_logits = got[1], first_bits = f32_bits(got[1]);
+  }
+  // Every call's results are its own: the first call's logits still hold their values.
+  EXPECT_EQ(f32_bits(first_logits), first_bits);
   EXPECT_TRUE(replayed_at_least(step, 3));
 }
 

@@ -548,6 +548,16 @@ TEST(GroupNorm, NormalizesEachGroupOfChannels) {
   }());
   // instance_norm is one channel per group.
   EXPECT_EQ(values(mt::instance_norm(x)), values(mt::group_norm(x, 4)));
+  // An empty batch is an empty result, as PyTorch's, with an empty gradient.
+  mt::Tensor none = mt::zeros({0, 4, 5, 5}).requires_grad_();
+  for (const mt::Tensor& y :
+       {mt::group_norm(none, 2, w, b), mt::instance_norm(none), module(none)}) {
+    mt::eval({y});
+    EXPECT_EQ(y.shape(), (mt::Shape{0, 4, 5, 5}));
+  }
+  mt::sum(mt::group_norm(none, 2, w, b)).backward();
+  mt::eval({none.grad()});
+  EXPECT_EQ(none.grad().shape(), (mt::Shape{0, 4, 5, 5}));
 }
 
 TEST(Interpolate, NearestAndBilinearUsePyTorchsSourceIndices) {

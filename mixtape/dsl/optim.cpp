@@ -56,14 +56,14 @@ void Optimizer::add_zero_state(NamedTensors& state, std::string_view name, const
 }
 
 namespace {
-// mt::Error unless each of `params` (in groups `group_of`) is a defined leaf that requires grad
-// and is listed once.
+// mt::Error unless each of `params` (in groups `group_of`) is a defined leaf listed once. One
+// that does not require grad (a frozen backbone) is taken, as torch's optimizers take it: a step
+// leaves a parameter without a gradient alone.
 void check_parameters(const char* kind, const std::vector<Tensor>& params,
                       const std::vector<size_t>& group_of) {
   if (params.empty()) fail("{}: got an empty parameter list", kind);
   for (size_t i = 0; i < params.size(); ++i) {
     if (!params[i].defined()) fail("{}: parameter {} is undefined", kind, i);
-    if (!params[i].requires_grad()) fail("{}: parameter {} does not require grad", kind, i);
     // A computed tensor (w * 2) gets no gradient of its own: it would never be updated.
     if (!params[i].is_leaf())
       fail(

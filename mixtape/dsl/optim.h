@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -72,6 +73,13 @@ class Optimizer {
   /// The rate set_lr() set last for `group` (with a schedule attached, current_lr() is the one
   /// in use).
   double lr(size_t group = 0) const { return checked_group(group).lr; }
+  /// The leaves holding the rate set_lr() set for `group`, as f64 and rounded to f32, which a
+  /// step without a schedule reads (an exported step keeps them as state that NAME_load sets);
+  /// undefined where the rule computes its own rate.
+  std::pair<Tensor, Tensor> rate_leaves(size_t group) const {
+    const Group& own = checked_group(group);
+    return {own.lr_value, own.lr_f32};
+  }
   /// Whether the rule computes its own rate (Adafactor's relative_step): no set_lr() then.
   bool computes_own_rate() const { return own_rate_ != nullptr; }
   /// Sets every group's rate; takes effect at the next step. The rate is a graph input

@@ -301,6 +301,15 @@ void check_shape(const char* op, const Shape& shape, DType dtype, const Loc& loc
   check_shape_size(op, shape, dtype, loc);
 }
 
+// A fill an integer type cannot hold (NaN, infinite, past its range) is refused, as PyTorch's
+// full refuses it: converting it is undefined (INT64_MAX's double, 2^63, became INT64_MIN).
+void check_fill(const char* op, double value, DType dtype, const Loc& loc) {
+  if (dtype != i32 && dtype != i64) return;
+  const double bound = dtype == i32 ? 0x1p31 : 0x1p63;
+  if (!(std::trunc(value) >= -bound && std::trunc(value) < bound))  // NaN fails both
+    op_fail(op, loc, "{} cannot be converted to {} without overflow", value, name(dtype));
+}
+
 Tensor leaf(OpCode op, DType dtype, Shape shape, Attrs attrs, const Loc& loc) {
   return Tensor(make_node(op, dtype, std::move(shape), {}, std::move(attrs), loc));
 }
@@ -350,6 +359,7 @@ Tensor tensor(const std::vector<bool>& values, Shape shape, std::optional<DType>
 }
 
 Tensor scalar(double value, DType dtype, const Loc& loc) {
+  check_fill("scalar", value, dtype, loc);
   Attrs attrs;
   attrs.value = value;
   return leaf(OpCode::Full, dtype, {}, std::move(attrs), loc);
@@ -370,6 +380,7 @@ Tensor from_storage(std::shared_ptr<Storage> storage, Shape shape, const Loc& lo
 
 Tensor full(Shape shape, double value, DType dtype, const Loc& loc) {
   check_shape("full", shape, dtype, loc);
+  check_fill("full", value, dtype, loc);
   Attrs attrs;
   attrs.value = value;
   return leaf(OpCode::Full, dtype, std::move(shape), std::move(attrs), loc);

@@ -441,7 +441,11 @@ Tensor group_norm(const Tensor& x, int64_t groups, const Tensor& weight, const T
             to_string(x.shape()));
   check_channel_vector(weight, x, op, "weight", loc);
   check_channel_vector(bias, x, op, "bias", loc);
-  Tensor grouped = reshape(cast(x, composite::statistics_type(x.dtype())), {x.size(0), groups, -1});
+  // The group's size spelled out: an empty batch (N = 0) leaves nothing to infer a -1 from.
+  int64_t group_size = x.size(1) / groups;
+  for (int64_t d = 2; d < x.dim(); ++d) group_size *= x.size(d);
+  Tensor grouped = reshape(cast(x, composite::statistics_type(x.dtype())),
+                           {x.size(0), groups, group_size});
   Tensor centered = grouped - mean(grouped, {-1}, true);
   Tensor y = centered * rsqrt(mean(square(centered), {-1}, true) + eps);
   return affine(reshape(y, x.shape()), x, weight, bias);

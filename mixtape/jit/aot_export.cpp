@@ -50,6 +50,16 @@ struct Named {
     StoragePtr offset;  // metadata "generator.<name>.offset"
   };
   std::vector<Drawn> generators;
+  // A group's rate without a schedule: the leaves set_lr() writes, f64 and f32 (buffer indices),
+  // which NAME_load sets from the file's rate and NAME_save writes back as metadata.
+  struct Rate {
+    size_t group, f64, f32;
+  };
+  std::vector<Rate> rates;
+  bool is_rate(size_t k) const {
+    return std::any_of(rates.begin(), rates.end(),
+                       [&](const Rate& r) { return r.f64 == k || r.f32 == k; });
+  }
 };
 
 void add(Named& named, const std::string& name, const Tensor& t) {
@@ -75,14 +85,20 @@ Named checkpoint_names(const Options& o) {
       for (const auto& [state, value] : o.optimizer->state(i))
         add(named, "optimizer." + found->first + "." + state, value);
     }
-    // The kind and rates, as save_checkpoint writes them (the exported step keeps the rates set
-    // at export).
+    // The kind and rates, as save_checkpoint writes them (NAME_save writes the rates in force).
     for (auto& entry : optimizer_metadata(*o.optimizer, param_names))
       named.metadata.push_back(std::move(entry));
     // The step count is checkpoint metadata ("optimizer.steps"); the artifact keeps it as a
     // tensor of its own weights file.
     add(named, "aot.optimizer.steps", o.optimizer->step_count());
     named.steps = named.buffers.back().first;
+    for (size_t g = 0; g < o.optimizer->group_count() && !o.optimizer->computes_own_rate(); ++g) {
+      if (o.optimizer->schedule(g)) continue;  // the step computes its rate from the count
+      auto [rate, rate_f32] = o.optimizer->rate_leaves(g);
+      add(named, fmt::format("aot.optimizer.lr.{}", g), rate);
+      add(named, fmt::format("aot.optimizer.lr_f32.{}", g), rate_f32);
+      named.rates.push_back({g, named.buffers.size() - 2, named.buffers.size() - 1});
+    }
     for (size_t i = 0; i < param_names.size(); ++i)
       if (!o.optimizer->step_count(i).same(o.optimizer->step_count())) {
         add(named, "aot.optimizer." + param_names[i] + ".steps", o.optimizer->step_count(i));
@@ -172,12 +188,15 @@ std::vector<std::pair<std::string, StoragePtr>> snapshot(const Options& o) {
   return values;
 }
 
-// Restores the device and eager mode, drops the plans' graphs, and, should the export fail,
-// puts the state the traces changed back as it was (the traces train on zeros).
+// Restores the device and eager mode, drops the plans' graphs, and puts the state the traces
+// changed back as it was (the traces train on zeros): once traced, and again should the export
+// fail. While it lives, loss scalers record no statistics (the traces' updates are not the
+// run's).
 struct Session {
   const Options& options;
   Device device = current_device();
   bool eager = eager_mode();
+  ScalerStatisticsPause statistics;
   std::vector<std::unique_ptr<Plan>> plans;
   std::vector<std::pair<std::string, StoragePtr>> before;
   bool done = false;
@@ -186,18 +205,24 @@ struct Session {
     set_device(Device::cpu);
     set_eager_mode(false);
   }
+  // Every named value as `before` holds it, state the step only writes included. Optimizer
+  // state the traces made (an export without a step before it) is not in `before`: the plan's
+  // first values hold it.
+  void restore() {
+    for (const auto& [storage, info] : checkpoint_names(options).buffers)
+      for (const auto& [name, value] : before)
+        if (name == info.name && value->size_bytes() == storage->size_bytes() &&
+            value->dtype == storage->dtype) {
+          std::memcpy(storage->host_data(), value->host_data(),
+                      static_cast<size_t>(value->size_bytes()));
+          storage->host_written();
+        }
+  }
   ~Session() {
     for (auto& plan : plans) release(*plan);
     if (!done && !before.empty()) {
       try {
-        for (const auto& [storage, info] : checkpoint_names(options).buffers)
-          for (const auto& [name, value] : before)
-            if (name == info.name && value->size_bytes() == storage->size_bytes() &&
-                value->dtype == storage->dtype) {
-              std::memcpy(storage->host_data(), value->host_data(),
-                          static_cast<size_t>(value->size_bytes()));
-              storage->host_written();
-            }
+        restore();
       } catch (...) {
         // The export's own error is the one to report.
       }
@@ -279,6 +304,7 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
     traced.push_back({b, session.plans.back().get()});
   }
   const Plan& plan = *traced[0].plan;
+  session.restore();  // the weights file and the model hold the state from before the traces
 
   // The state, named as a checkpoint names it; what the checkpoint does not name is a constant.
   Named named = checkpoint_names(o);
@@ -304,8 +330,8 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
     bool named_state = k < named.buffers.size();
     const bool own_steps = std::any_of(named.param_steps.begin(), named.param_steps.end(),
                                        [&](const auto& e) { return e.second == k; });
-    bool checkpoint =
-        named_state && storage != named.steps && !own_steps && !offsets.count(storage.get());
+    bool checkpoint = named_state && storage != named.steps && !own_steps &&
+                      !offsets.count(storage.get()) && !named.is_rate(k);
     bool carried = first_value.count(storage.get()) > 0;
     if (!named_state && carried && drawn.count(storage.get()))
       fail(
@@ -366,6 +392,11 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
       param_steps.push_back(Value::array({param, static_cast<int64_t>(k)}));
     }
   }
+  Value rate_list = Value::array();
+  for (const Named::Rate& r : named.rates)
+    rate_list.push_back({{"group", static_cast<int64_t>(r.group)},
+                         {"f64", static_cast<int64_t>(r.f64)},
+                         {"f32", static_cast<int64_t>(r.f32)}});
   Value generator_list = Value::array();
   for (const Named::Drawn& g : named.generators) {
     const StoragePtr& offset =
@@ -535,6 +566,7 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
     manifest["checkpoint"] = {{"metadata", std::move(metadata)},
                               {"steps_buffer", steps_buffer},
                               {"param_steps", std::move(param_steps)},
+                              {"rates", std::move(rate_list)},
                               {"generators", std::move(generator_list)}};
   }
   std::string manifest_text = json::dump(manifest);

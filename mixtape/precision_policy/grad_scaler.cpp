@@ -87,13 +87,21 @@ GradScaler::GradScaler(const GradScaler& other)
       per_optimizer_(other.per_optimizer_),
       stats_(other.stats_) {}
 
+// Into this scaler's own tensors and statistics, as load_state_dict writes them: a step compiled
+// with this scaler reads the scale through its tensors and records into its statistics, and
+// traces again (state_version) with the new scale and settings.
 GradScaler& GradScaler::operator=(const GradScaler& other) {
   if (this == &other) return *this;
   options_ = other.options_;
-  scale_ = value_now(other.scale_);
-  tracker_ = value_now(other.tracker_);
+  {
+    NoGradGuard no_grad;
+    scale_.assign(value_now(other.scale_));
+    tracker_.assign(value_now(other.tracker_));
+  }
   per_optimizer_ = other.per_optimizer_;
-  stats_ = other.stats_;
+  const int64_t version = stats_.data->state_version;
+  *stats_.data = *other.stats_.data;
+  stats_.data->state_version = version + 1;
   return *this;
 }
 
@@ -277,7 +285,20 @@ class RecordEachCall final : public StepHook {
 
 }  // namespace
 
+namespace {
+bool& statistics_paused() {
+  thread_local bool paused = false;
+  return paused;
+}
+}  // namespace
+
+ScalerStatisticsPause::ScalerStatisticsPause() : was_paused_(statistics_paused()) {
+  statistics_paused() = true;
+}
+ScalerStatisticsPause::~ScalerStatisticsPause() { statistics_paused() = was_paused_; }
+
 void GradScaler::record(const Tensor& found) {
+  if (statistics_paused()) return;
   // A step compiled by mt::compile runs this code only when it traces, so the record is made
   // on every call by host work the replays repeat (with no host read).
   std::weak_ptr<Statistics> stats = stats_.data;

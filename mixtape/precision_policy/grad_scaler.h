@@ -55,9 +55,10 @@ class GradScaler {
   Tensor scale(const Tensor& loss);
   /// Divides the gradients of every parameter of `optimizer` by the scale (the inverse is
   /// computed in f64 and rounded to f32, as PyTorch does) and records whether any of the
-  /// unscaled gradients holds an inf or NaN (as PyTorch, the check runs after unscaling, so a
-  /// value that overflows only when unscaled is caught too). Clipping after it sees true
-  /// gradients. At most once per optimizer between update() calls, and not after step().
+  /// unscaled gradients holds an inf or NaN (PyTorch checks the scaled ones; after unscaling,
+  /// a value that overflows only when unscaled, under a scale below 1, is caught too). Clipping
+  /// after it sees true gradients. At most once per optimizer between update() calls, and not
+  /// after step().
   void unscale_(Optimizer& optimizer);
   /// unscale_ (unless done), then optimizer.step_unless(found inf). At most once per optimizer
   /// between update() calls; the optimizer must have gradients.
@@ -152,6 +153,20 @@ class GradScaler {
   // In first-use order, so that the graph an update builds does not depend on addresses.
   std::vector<std::pair<const Optimizer*, PerOptimizer>> per_optimizer_;
   SharedStatistics stats_;
+};
+
+/// While one lives on this thread, update() records nothing in any scaler's statistics
+/// (skipped_steps, scale_history, skip_history): aot::export_step traces the step on zeros, and
+/// those updates are not the run's.
+class ScalerStatisticsPause {
+ public:
+  ScalerStatisticsPause();
+  ~ScalerStatisticsPause();
+  ScalerStatisticsPause(const ScalerStatisticsPause&) = delete;
+  ScalerStatisticsPause& operator=(const ScalerStatisticsPause&) = delete;
+
+ private:
+  bool was_paused_;
 };
 
 }  // namespace mixtape

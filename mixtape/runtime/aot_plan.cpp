@@ -182,7 +182,7 @@ PlanDocument plan_to_json(const std::vector<TracedPlan>& traced,
         const Binding &x = planned.inputs[i], &y = t == 0 ? x : traced[t].plan->evals[e].inputs[i];
         // State and constants are the same buffers in every trace; a value an earlier
         // evaluation of the same call stored is each trace's own.
-        if (x.arg != y.arg || x.at_call_start != y.at_call_start ||
+        if (x.arg != y.arg || x.result != y.result || x.at_call_start != y.at_call_start ||
             (x.first_value && x.object != y.object))
           return false;
       }
@@ -216,6 +216,8 @@ PlanDocument plan_to_json(const std::vector<TracedPlan>& traced,
         const Binding& binding = planned.inputs[i];
         if (binding.arg >= 0)
           o["arg"] = binding.arg;
+        else if (binding.through_result())
+          o["result"] = binding.result;
         else
           o["buffer"] = buffer_index(binding.object);
         if (binding.at_call_start) o["at_call_start"] = true;
@@ -355,6 +357,23 @@ std::unique_ptr<Plan> plan_from_json(const PlanDocument& document, int64_t batch
         if (const Value* arg = json::find(v, "arg")) {
           binding.arg = static_cast<int>(json::as_int(*arg));
           // Signing reads an external's value (its dtype); each replay binds the argument's.
+          node->value = std::make_shared<Storage>(node->precision.storage_type, node->numel());
+        } else if (const Value* r = json::find(v, "result")) {
+          binding.result = static_cast<int>(json::as_int(*r));
+          const bool earlier =
+              binding.result >= 0 && static_cast<size_t>(binding.result) < plan->results.size() &&
+              plan->results[binding.result].first >= 0 &&
+              plan->results[binding.result].first < static_cast<int>(plan->evals.size());
+          const Node* returned = nullptr;
+          if (earlier) {
+            const auto [re, rj] = plan->results[binding.result];
+            const std::vector<Node*>& stored = plan->evals[re].eval.executed.sig.stored;
+            if (rj >= 0 && static_cast<size_t>(rj) < stored.size()) returned = stored[rj];
+          }
+          if (!returned || returned->precision.storage_type != node->precision.storage_type ||
+              returned->numel() != node->numel())
+            fail("{} of the plan reads result {}, which no earlier evaluation returns as such",
+                 describe(*node), binding.result);
           node->value = std::make_shared<Storage>(node->precision.storage_type, node->numel());
         } else {
           binding.object = buffer(v.at("buffer"));

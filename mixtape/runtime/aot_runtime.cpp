@@ -140,6 +140,13 @@ struct mixtape_aot_model {
     int64_t buffer;  // its offset (the bits of a uint64 in an i64)
   };
   std::vector<Generator> generators;  // saved as metadata "generator.<name>.seed" / ".offset"
+  struct Rate {
+    size_t group;
+    int64_t f64, f32;  // the rate's leaves (0-d f64 and f32 buffers), as set_lr() writes them
+  };
+  // The groups whose rate the step reads rather than computes (no schedule): saved as metadata
+  // "optimizer.lr" or each group's "lr" of "optimizer.param_groups".
+  std::vector<Rate> rates;
   std::unordered_map<std::string, KernelEntry> kernels;
   std::map<int64_t, std::unique_ptr<mt::Plan>> plans;  // by batch
   std::vector<int64_t> plan_order;                     // least recently used first
@@ -480,6 +487,10 @@ void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const ch
       m.generators.push_back({g.at("name").get<std::string>(),
                               parse_uint64(g.at("seed").get<std::string>(), "generator seed"),
                               g.at("buffer").get<int64_t>()});
+    if (const Value* rates = mt::json::find(checkpoint, "rates"))
+      for (const Value& r : *rates)
+        m.rates.push_back({r.at("group").get<size_t>(), r.at("f64").get<int64_t>(),
+                           r.at("f32").get<int64_t>()});
   }
   try {
     m.plan_doc = mt::aot::PlanDocument::parse(plan_text, kMaxJsonValues);
@@ -505,6 +516,16 @@ void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const ch
             fmt::format("{}: the manifest's offset buffer of generator '{}' is not a 0-d i64 "
                         "buffer",
                         m.name, g.name));
+  auto zero_d = [&](int64_t k, mt::DType dtype) {
+    return k >= 0 && k < static_cast<int64_t>(m.buffers.size()) && m.buffers[k]->dtype == dtype &&
+           m.buffers[k]->count == 1;
+  };
+  for (const auto& r : m.rates)
+    if (!zero_d(r.f64, mt::f64) || !zero_d(r.f32, mt::f32))
+      raise(MIXTAPE_AOT_ERROR_FILE,
+            fmt::format("{}: the manifest's rate buffers of parameter group {} are not a 0-d f64 "
+                        "and a 0-d f32 buffer",
+                        m.name, r.group));
   m.plan_for(m.run_batch(m.export_batch));  // builds the programs now: the first run is a run
 }
 
@@ -633,6 +654,18 @@ void save_model(const mixtape_aot_model& m, const std::string& path) {
     file.tensors.push_back(std::move(data));
   }
   file.metadata = m.checkpoint_metadata;
+  // The rates in force (NAME_load may have set others than the export's), as save_checkpoint
+  // writes them.
+  for (auto& [key, value] : file.metadata) {
+    if (key == "optimizer.lr") {
+      for (const auto& r : m.rates)
+        if (r.group == 0) value = fmt::format("{}", m.buffers[r.f64]->as<double>()[0]);
+    } else if (key == "optimizer.param_groups" && !m.rates.empty()) {
+      Value groups = mt::json::parse(value);
+      for (const auto& r : m.rates) groups.at(r.group)["lr"] = m.buffers[r.f64]->as<double>()[0];
+      value = mt::json::dump(groups);
+    }
+  }
   if (m.steps_buffer >= 0) {
     const auto steps = static_cast<int64_t>(m.buffers[m.steps_buffer]->as<double>()[0]);
     file.metadata.emplace_back("optimizer.steps", std::to_string(steps));
@@ -817,7 +850,7 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
   if (m.steps_buffer >= 0 && steps < 0)
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: {} has no valid optimizer.steps", m.name, path));
   // The parameter groups, as load_checkpoint checks them: state saved under other groups would go
-  // on under this step's options. (Their rates are the step's own.)
+  // on under this step's options (their rates are taken below).
   if (kind) {
     const std::string* theirs = nullptr;
     for (const auto& [key, value] : file.metadata)
@@ -860,6 +893,24 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
   std::vector<uint64_t> offsets;
   for (const auto& g : m.generators)
     offsets.push_back(generator_offset(m, file.metadata, path, g.name, g.seed));
+  // The file's rates, as load_checkpoint restores them into groups without a schedule (a group
+  // the file gives none keeps its own).
+  std::vector<std::pair<const mixtape_aot_model::Rate*, double>> rates;
+  if (!m.rates.empty()) {
+    std::vector<std::optional<double>> theirs;
+    try {
+      theirs = mt::metadata_rates(fmt::format("{}: {}", m.name, path), file.metadata);
+    } catch (const mt::Error& e) {
+      raise(MIXTAPE_AOT_ERROR_FILE, e.what());
+    }
+    for (const auto& r : m.rates) {
+      if (r.group >= theirs.size())
+        raise(MIXTAPE_AOT_ERROR_FILE,
+              fmt::format("{}: {} holds the rates of {} parameter groups, the step has group {}",
+                          m.name, path, theirs.size(), r.group));
+      if (theirs[r.group]) rates.emplace_back(&r, *theirs[r.group]);
+    }
+  }
   for (const auto& [k, data] : entries) {
     std::memcpy(m.buffers[k]->host_data(), data->bytes.data(), data->bytes.size());
     m.buffers[k]->host_written();
@@ -872,6 +923,12 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
     mt::Storage& offset = *m.buffers[m.generators[i].buffer];
     offset.as<int64_t>()[0] = std::bit_cast<int64_t>(offsets[i]);
     offset.host_written();
+  }
+  for (const auto& [r, lr] : rates) {  // as Optimizer::set_lr writes them
+    m.buffers[r->f64]->as<double>()[0] = lr;
+    m.buffers[r->f64]->host_written();
+    m.buffers[r->f32]->as<float>()[0] = static_cast<float>(lr);
+    m.buffers[r->f32]->host_written();
   }
 }
 

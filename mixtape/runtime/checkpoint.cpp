@@ -260,55 +260,46 @@ std::vector<std::optional<double>> saved_rates(const std::string& path, const Me
                                                const Optimizer& optimizer,
                                                const std::vector<std::string>& names) {
   const size_t groups = optimizer.group_count();
-  std::vector<std::optional<double>> rates(groups);
-  auto rate = [&](double lr, const std::string& what) {
-    if (!std::isfinite(lr) || lr < 0)
-      fail("load_checkpoint {}: {} = {} is not a learning rate", path, what, lr);
-    return lr;
-  };
   if (!has_metadata(meta, kParamGroupsKey)) {
     if (groups > 1)
       fail("load_checkpoint {}: the file's optimizer has one parameter group, this one has {}",
            path, groups);
-    if (has_metadata(meta, "optimizer.lr") && !optimizer.computes_own_rate())
-      rates[0] =
-          rate(metadata_number<double>(path, meta, "optimizer.lr"), "metadata 'optimizer.lr'");
-    return rates;
-  }
-  const std::vector<SavedParamGroup> saved =
-      parse_param_groups("load_checkpoint " + path, metadata_value(meta, kParamGroupsKey));
-  if (saved.size() != groups)
-    fail("load_checkpoint {}: the file's optimizer has {} parameter groups, this one has {}", path,
-         saved.size(), groups);
-  std::unordered_map<std::string_view, size_t> index_of;
-  std::vector<size_t> sizes(groups);
-  for (size_t i = 0; i < names.size(); ++i) {
-    index_of.emplace(names[i], i);
-    ++sizes[optimizer.group_of(i)];
-  }
-  std::vector<bool> listed(names.size());
-  for (size_t g = 0; g < groups; ++g) {
-    if (saved[g].params.size() != sizes[g])
-      fail("load_checkpoint {}: group {} of the file has {} parameters, the optimizer's has {}",
-           path, g, saved[g].params.size(), sizes[g]);
-    for (const std::string& name : saved[g].params) {
-      auto found = index_of.find(name);
-      if (found == index_of.end())
-        fail(
-            "load_checkpoint {}: group {} of the file lists '{}', not a parameter this optimizer "
-            "updates",
-            path, g, name);
-      if (optimizer.group_of(found->second) != g || listed[found->second])
-        fail("load_checkpoint {}: group {} of the file lists '{}', which is {} of the optimizer",
-             path, g, name,
-             listed[found->second] ? std::string("listed twice")
-                                   : fmt::format("in group {}", optimizer.group_of(found->second)));
-      listed[found->second] = true;
+  } else {
+    const std::vector<SavedParamGroup> saved =
+        parse_param_groups("load_checkpoint " + path, metadata_value(meta, kParamGroupsKey));
+    if (saved.size() != groups)
+      fail("load_checkpoint {}: the file's optimizer has {} parameter groups, this one has {}",
+           path, saved.size(), groups);
+    std::unordered_map<std::string_view, size_t> index_of;
+    std::vector<size_t> sizes(groups);
+    for (size_t i = 0; i < names.size(); ++i) {
+      index_of.emplace(names[i], i);
+      ++sizes[optimizer.group_of(i)];
     }
-    if (saved[g].lr && !optimizer.computes_own_rate())
-      rates[g] = rate(*saved[g].lr, fmt::format("group {}'s rate", g));
+    std::vector<bool> listed(names.size());
+    for (size_t g = 0; g < groups; ++g) {
+      if (saved[g].params.size() != sizes[g])
+        fail("load_checkpoint {}: group {} of the file has {} parameters, the optimizer's has {}",
+             path, g, saved[g].params.size(), sizes[g]);
+      for (const std::string& name : saved[g].params) {
+        auto found = index_of.find(name);
+        if (found == index_of.end())
+          fail(
+              "load_checkpoint {}: group {} of the file lists '{}', not a parameter this "
+              "optimizer updates",
+              path, g, name);
+        if (optimizer.group_of(found->second) != g || listed[found->second])
+          fail("load_checkpoint {}: group {} of the file lists '{}', which is {} of the optimizer",
+               path, g, name,
+               listed[found->second]
+                   ? std::string("listed twice")
+                   : fmt::format("in group {}", optimizer.group_of(found->second)));
+        listed[found->second] = true;
+      }
+    }
   }
-  return rates;
+  if (optimizer.computes_own_rate()) return std::vector<std::optional<double>>(groups);
+  return metadata_rates("load_checkpoint " + path, meta);
 }
 
 void check_options(const std::string& path, const CheckpointOptions& options) {
@@ -353,6 +344,33 @@ DataLoader::State loader_state(const std::string& path, const NamedTensors& entr
 }
 
 }  // namespace
+
+std::vector<std::optional<double>> metadata_rates(const std::string& context,
+                                                  const Metadata& meta) {
+  auto rate = [&](double lr, const std::string& what) {
+    if (!std::isfinite(lr) || lr < 0)
+      fail("{}: {} = {} is not a learning rate", context, what, lr);
+    return lr;
+  };
+  if (has_metadata(meta, kParamGroupsKey)) {
+    std::vector<std::optional<double>> rates;
+    for (const SavedParamGroup& group :
+         parse_param_groups(context, metadata_value(meta, kParamGroupsKey))) {
+      rates.emplace_back();
+      if (group.lr) rates.back() = rate(*group.lr, fmt::format("group {}'s rate", rates.size() - 1));
+    }
+    return rates;
+  }
+  std::vector<std::optional<double>> rates(1);
+  if (!has_metadata(meta, "optimizer.lr")) return rates;
+  const std::string text = metadata_value(meta, "optimizer.lr");
+  double lr = 0;
+  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), lr);
+  if (text.empty() || ec != std::errc() || end != text.data() + text.size())
+    fail("{}: metadata 'optimizer.lr' = '{}' is not a number in range", context, text);
+  rates[0] = rate(lr, "metadata 'optimizer.lr'");
+  return rates;
+}
 
 void save_tensors(const std::string& path, const NamedTensors& tensors, const Metadata& metadata) {
   std::vector<Tensor> all;

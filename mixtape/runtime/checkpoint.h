@@ -47,6 +47,11 @@ struct SavedParamGroup {
 /// not such a list (malformed JSON, a group without a "params" list, a path that is no string,
 /// a rate that is no number). load_checkpoint and the AOT runtime's NAME_load read it so.
 std::vector<SavedParamGroup> parse_param_groups(const std::string& context, std::string_view text);
+/// Each parameter group's rate as checkpoint metadata holds it: "optimizer.lr" for a file of one
+/// group, each group's "lr" of "optimizer.param_groups" for one of several (that many entries);
+/// none where the file gives none. mt::Error starting with `context` for a rate that is not a
+/// number, negative or not finite. load_checkpoint and the AOT runtime's NAME_load read it so.
+std::vector<std::optional<double>> metadata_rates(const std::string& context, const Metadata& meta);
 
 /// What a checkpoint carries besides the module, optimizer and scaler, so that a run resumed
 /// from it goes on exactly as the saved one would have (the same dropout masks, noise and

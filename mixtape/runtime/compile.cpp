@@ -364,13 +364,18 @@ class EvaluationPlanner {
           e, describe(external));
       return false;
     }
-    if (source.first >= 0) {
-      if (results_.count(source)) {
+    if (source.first >= 0 && results_.count(source)) {
+      if (!same_call) {
         why_ = "a value the function returns is also state the next call reads (return a copy)";
         return false;
       }
-      binding.object = b_.evals[source.first].outputs[source.second];
+      // Returned, and read by a later evaluation of the call (the loss of logits the step
+      // returns too): the replay hands it the call's own result.
+      binding.result = static_cast<int>(
+          std::find(b_.results.begin(), b_.results.end(), source) - b_.results.begin());
+      return true;
     }
+    if (source.first >= 0) binding.object = b_.evals[source.first].outputs[source.second];
     // State the previous call left (or a constant): what the earlier call read is the value
     // before it. A value stored earlier in the same call is no state.
     if (binding.object && !same_call) binding.first_value = ea.inputs[x];
@@ -458,9 +463,10 @@ void adopt_graph(Plan& plan, size_t e, Evaluation&& eval) {
     auto leaf = std::make_shared<Node>(*external);
     leaf->inputs.clear();
     leaf->value = planned.inputs[x].object;
-    // A parameter's or gradient's value is read afresh each call: the plan keeps no old weights
-    // or gradients alive.
-    if (planned.inputs[x].through_parameter() || planned.inputs[x].through_gradient())
+    // A parameter's, gradient's or result's value is read afresh each call: the plan keeps no old
+    // weights, gradients or results alive.
+    if (planned.inputs[x].through_parameter() || planned.inputs[x].through_gradient() ||
+        planned.inputs[x].through_result())
       planned.eval.inputs[x].reset();
     private_leaf.emplace(external, leaf);
     sig.externals[x] = leaf.get();  // Signature::ref() maps the leaf from here on

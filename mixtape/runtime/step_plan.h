@@ -66,8 +66,13 @@ struct Binding {
   // The dtype of a value read through its tensor (parameter or gradient) in the trace; a
   // replay needs the same.
   DType owner_dtype = DType::f32;
-  bool through_parameter() const { return arg < 0 && !object && gradient < 0; }
+  // Else, >= 0: the call's result `result`, which an earlier evaluation of the call stored (the
+  // logits a training step returns beside its loss, which the loss reads): a replay hands the
+  // reader the fresh buffer it returns.
+  int result = -1;
+  bool through_parameter() const { return arg < 0 && !object && gradient < 0 && result < 0; }
   bool through_gradient() const { return gradient >= 0; }
+  bool through_result() const { return result >= 0; }
   // The buffer's value when the earlier of the two traces the plan compares read it (the state
   // before that call), which AOT export saves; null for arguments.
   StoragePtr first_value;
