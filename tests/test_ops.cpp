@@ -346,7 +346,8 @@ TEST(BceWithLogits, InfiniteLogitsGiveTheTargetsTheirGradient) {
 TEST(Reductions, HalfVarianceComputesInF32) {
   for (mt::DType dt : {mt::f16, mt::bf16}) {
     mt::Tensor x = make({-200, 200, -200, 200}, {4}, dt);
-    EXPECT_EQ(values(mt::var(x))[0], values(make({40000}, {1}, dt))[0]) << mt::name(dt);
+    EXPECT_EQ(values(mt::var(x, {}, false, 0))[0], values(make({40000}, {1}, dt))[0])
+        << mt::name(dt);
     EXPECT_EQ(mt::var(x).dtype(), dt);
     EXPECT_NEAR(values(mt::std_dev(x))[0], 230.9, 0.5) << mt::name(dt);  // Bessel-corrected
   }
@@ -994,7 +995,8 @@ TEST(MatmulAndComposites, HandWorked) {
   EXPECT_NEAR(ln[0], -std::sqrt(1.5), 1e-15);
   EXPECT_NEAR(ln[1], 0, 1e-15);
   EXPECT_NEAR(ln[2], std::sqrt(1.5), 1e-15);
-  EXPECT_EQ(mt::var(make({1, 2, 3, 4}, {4})).item(), 1.25);
+  EXPECT_EQ(mt::var(make({1, 2, 3, 4}, {4}), {}, false, 0).item(), 1.25);
+  EXPECT_EQ(mt::var(make({1, 2, 3, 4}, {4})).item(), 5.0 / 3);  // torch.var's correction 1
   EXPECT_NEAR(mt::cross_entropy(make({0, 0}, {1, 2}), ints({1}, {1})).item(), std::log(2.0), 1e-15);
 }
 
@@ -1437,8 +1439,11 @@ void add_reduction_cases(Oracle& o, Data& d, mt::DType dt) {
   add("sum/axis1", mt::sum(x, {1}), "a.sum(1)");
   add("sum/axes02_keepdim", mt::sum(x, {0, 2}, true), "a.sum((0, 2), keepdim=True)");
   add("mean/last", mt::mean(x, {-1}), "a.mean(-1)");
-  add("var/axis0", mt::var(x, {0}), "a.var(0, unbiased=False)");
-  add("var/all_keepdim", mt::var(x, {}, true), "a.var((0, 1, 2), unbiased=False, keepdim=True)");
+  add("var/axis0", mt::var(x, {0}, false, 0), "a.var(0, unbiased=False)");
+  add("var/all_keepdim", mt::var(x, {}, true, 0),
+      "a.var((0, 1, 2), unbiased=False, keepdim=True)");
+  add("var/axis2_unbiased", mt::var(x, {2}), "a.var(2)");
+  add("var/axes01_correction2", mt::var(x, {0, 1}, false, 2), "a.var((0, 1), correction=2)");
   add("max/axis2", mt::max(x, {2}), "a.amax(2)");
   add("max/axes01_keepdim", mt::max(x, {0, 1}, true), "a.amax((0, 1), keepdim=True)");
   add("max/all", mt::max(x), "a.amax()");

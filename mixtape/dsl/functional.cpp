@@ -905,18 +905,10 @@ Tensor std_dev(const Tensor& x, std::vector<int64_t> axes, bool keepdim, double 
   CallSiteScope site(loc);
   require_float(x, "std", "input", loc);
   check_axes(x, axes, "std", loc);
-  int64_t n = 1;
-  if (axes.empty())
-    n = x.numel();
-  else
-    for (int64_t axis : axes) n *= x.size(axis);
-  // Bessel's correction as PyTorch's: the squares' sum over max(0, n - correction), so that
-  // n <= correction gives inf (NaN for no spread).
-  const double factor = static_cast<double>(n) / std::max(0.0, static_cast<double>(n) - correction);
   // In f32 for 16-bit inputs, rounded once (var's own rounding to f16 overflowed above 256).
   const DType type = composite::statistics_type(x.dtype());
   Tensor deviation = sqrt_zero_gradient_at_zero(
-      var(x.dtype() == type ? x : cast(x, type), axes, keepdim) * factor);
+      var(x.dtype() == type ? x : cast(x, type), axes, keepdim, correction));
   return deviation.dtype() == x.dtype() ? deviation : cast(deviation, x.dtype());
 }
 

@@ -337,17 +337,27 @@ Tensor argmax(const Tensor& x, std::optional<int64_t> axis, bool keepdim, const 
   return keepdim ? reshape(flat, Shape(x.shape().size(), 1), loc) : flat;
 }
 
-Tensor var(const Tensor& x, std::vector<int64_t> axes, bool keepdim, const Loc& loc) {
+Tensor var(const Tensor& x, std::vector<int64_t> axes, bool keepdim, double correction,
+           const Loc& loc) {
   CallSiteScope site(loc);
   input(x, "var", loc);
   check_domain("var", Domain::Float, x.dtype(), loc);
-  axes_or_fail(axes, x.shape().size(), "var", loc);
+  const std::vector<int64_t> normalized = axes_or_fail(axes, x.shape().size(), "var", loc);
   // In f32 for 16-bit inputs, rounded once, as PyTorch's kernel: f16 squares of deviations of
   // 200 overflowed where the variance, 40000, fits.
   const DType type = composite::statistics_type(x.dtype());
   const Tensor wide = x.dtype() == type ? x : cast(x, type, loc);
   Tensor centered = wide - mean(wide, axes, true, loc);
-  Tensor variance = mean(square(centered), axes, keepdim, loc);
+  Tensor variance;
+  if (correction == 0) {
+    variance = mean(square(centered), axes, keepdim, loc);
+  } else {
+    // Divided by the count less the correction, as PyTorch's, not scaled by a rounded ratio.
+    int64_t n = 1;
+    for (int64_t axis : normalized) n *= x.size(axis);
+    variance = sum(square(centered), axes, keepdim, loc) /
+               std::max(0.0, static_cast<double>(n) - correction);
+  }
   return variance.dtype() == x.dtype() ? variance : cast(variance, x.dtype(), loc);
 }
 

@@ -95,9 +95,11 @@ Tensor logcumsumexp(const Tensor& x, int64_t dim, const Loc& loc = Loc::current(
 /// keep their order, a valid answer for stable=false too.
 Tensor argsort(const Tensor& x, int64_t dim = -1, bool descending = false, bool stable = false,
                const Loc& loc = Loc::current());
-/// Population variance (divides by n), the form layer_norm uses.
+/// torch.var: the squared deviations from the mean summed over max(0, n - correction), Bessel's
+/// correction 1 by default (n <= correction gives inf, NaN for no spread); 0 is the population
+/// variance layer_norm uses.
 Tensor var(const Tensor& x, std::vector<int64_t> axes = {}, bool keepdim = false,
-           const Loc& loc = Loc::current());
+           double correction = 1.0, const Loc& loc = Loc::current());
 
 // ---- matmul: [..., m, k] x [..., k, n] with numpy batch broadcasting; 1-d operands as numpy ----
 Tensor matmul(const Tensor& a, const Tensor& b, bool transpose_a = false, bool transpose_b = false,

@@ -2,6 +2,7 @@
 // with the flash-attention recurrences, in tiles that fit the caches.
 #include "mixtape/runtime/attention.h"
 
+#include <omp.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -15,6 +16,7 @@
 #include "mixtape/dsl/attention.h"
 #include "mixtape/dsl/convert.h"
 #include "mixtape/dsl/half.h"
+#include "mixtape/dsl/host_memory.h"
 #include "mixtape/runtime/cpu_features.h"
 #include "mixtape/runtime/random_fill.h"
 #include "mixtape/runtime/storage_rows.h"
@@ -142,22 +144,40 @@ struct Operands {
   int64_t key_tile;
 };
 
-// Per-thread tiles.
+template <typename T>
+using HostVector = std::vector<T, HostAllocator<T>>;
+
+// A thread's tiles (zeros), from the values' allocator, so that the measured peak counts them
+// (tiles_per_thread makes them before the parallel region: past the memory limit an allocation
+// is an mt::Error, which must not leave an OpenMP region).
 template <typename T>
 struct Tiles {
-  std::vector<T> q, k, kt, v, vt, s, dp, pt, acc, m, l, go, o, delta, lse, dq, z;
-  std::vector<float> u;  // a row's uniform draws for dropout, from its first Philox block on
-  void size(const Operands& a) {
+  HostVector<T> q, k, kt, v, vt, s, dp, pt, acc, m, l, go, o, delta, lse, dq, z;
+  HostVector<float> u;  // a row's uniform draws for dropout, from its first Philox block on
+  HostVector<T> dk, dv;  // backward: one (batch, head)'s key and value gradients
+  Tiles(const Operands& a, bool backward) {
     const auto& g = a.g;
     const size_t rows = kQueryTile, cols = static_cast<size_t>(a.key_tile);
-    q.resize(rows * g.d), k.resize(cols * g.d), kt.resize(cols * g.d);
-    v.resize(cols * g.dv), vt.resize(cols * g.dv), s.resize(rows * cols), dp.resize(rows * cols);
-    pt.resize(rows * cols);
-    acc.resize(rows * g.dv), m.resize(rows), l.resize(rows), go.resize(rows * g.dv);
-    o.resize(rows * g.dv), delta.resize(rows), lse.resize(rows), dq.resize(rows * g.d);
-    z.resize(cols), u.resize(cols + 8);
+    auto zeros = [](HostVector<T>& tile, size_t n) { tile.assign(n, T(0)); };
+    zeros(q, rows * g.d), zeros(k, cols * g.d), zeros(kt, cols * g.d);
+    zeros(v, cols * g.dv), zeros(vt, cols * g.dv), zeros(s, rows * cols), zeros(dp, rows * cols);
+    zeros(pt, rows * cols);
+    zeros(acc, rows * g.dv), zeros(m, rows), zeros(l, rows), zeros(go, rows * g.dv);
+    zeros(o, rows * g.dv), zeros(delta, rows), zeros(lse, rows), zeros(dq, rows * g.d);
+    zeros(z, cols), u.assign(cols + 8, 0.0f);
+    if (backward) zeros(dk, static_cast<size_t>(g.tk * g.d)), zeros(dv, static_cast<size_t>(g.tk * g.dv));
   }
 };
+
+// A Tiles for each thread a region `parallel` runs on.
+template <typename T>
+std::vector<Tiles<T>> tiles_per_thread(const Operands& a, bool parallel, bool backward) {
+  std::vector<Tiles<T>> tiles;
+  const int threads = parallel ? omp_get_max_threads() : 1;
+  tiles.reserve(static_cast<size_t>(threads));
+  for (int i = 0; i < threads; ++i) tiles.emplace_back(a, backward);
+  return tiles;
+}
 
 // c [rows, cols] (+)= a [rows, depth] b [depth, cols], row-major with leading dims lda, ldb,
 // ldc. f32: blocks of 4 rows and 2W columns keep their sums in 8 registers of W floats (GCC's
@@ -393,14 +413,14 @@ template <int W, typename T>
 
 // One (batch, head): dQ tile by tile, dK and dV accumulated over the query tiles.
 template <int W, typename T>
-[[gnu::always_inline]] inline void backward_batch(const Operands& a, Tiles<T>& t,
-                                                  std::vector<T>& dk, std::vector<T>& dv,
-                                                  Storage& out, int64_t b) {
+[[gnu::always_inline]] inline void backward_batch(const Operands& a, Tiles<T>& t, Storage& out,
+                                                  int64_t b) {
   const auto& g = a.g;
   const int64_t ld = a.key_tile, per_batch = g.tq * g.d + g.tk * (g.d + g.dv);
   const T ninf = -std::numeric_limits<T>::infinity(), scale = static_cast<T>(g.scale);
-  dk.assign(static_cast<size_t>(g.tk * g.d), T(0));
-  dv.assign(static_cast<size_t>(g.tk * g.dv), T(0));
+  HostVector<T>&dk = t.dk, &dv = t.dv;
+  std::fill(dk.begin(), dk.end(), T(0));
+  std::fill(dv.begin(), dv.end(), T(0));
   for (int64_t i0 = 0; i0 < g.tq; i0 += kQueryTile) {
     const int64_t rows = std::min(kQueryTile, g.tq - i0), end = keys_seen(g, i0, rows);
     load(*a.q, (b * g.tq + i0) * g.d, rows * g.d, t.q.data(), a.compute);
@@ -484,17 +504,15 @@ template <int W, typename T>
 template <typename T>
 struct Loops {
   void (*forward)(const Operands&, Tiles<T>&, Storage&, int64_t b, int64_t i0);
-  void (*backward)(const Operands&, Tiles<T>&, std::vector<T>&, std::vector<T>&, Storage&,
-                   int64_t b);
+  void (*backward)(const Operands&, Tiles<T>&, Storage&, int64_t b);
 };
 template <typename T>
 void forward_plain(const Operands& a, Tiles<T>& t, Storage& out, int64_t b, int64_t i0) {
   forward_task<8>(a, t, out, b, i0);
 }
 template <typename T>
-void backward_plain(const Operands& a, Tiles<T>& t, std::vector<T>& dk, std::vector<T>& dv,
-                    Storage& out, int64_t b) {
-  backward_batch<8>(a, t, dk, dv, out, b);
+void backward_plain(const Operands& a, Tiles<T>& t, Storage& out, int64_t b) {
+  backward_batch<8>(a, t, out, b);
 }
 #if defined(__x86_64__)
 // forward_<name> and backward_<name>: the loops W lanes wide, compiled for the `isa` target.
@@ -504,9 +522,8 @@ void backward_plain(const Operands& a, Tiles<T>& t, std::vector<T>& dk, std::vec
     forward_task<W>(a, t, out, b, i0);                                                    \
   }                                                                                       \
   [[gnu::target(isa), gnu::optimize("fp-contract=fast")]] void backward_##name(           \
-      const Operands& a, Tiles<float>& t, std::vector<float>& dk, std::vector<float>& dv, \
-      Storage& out, int64_t b) {                                                          \
-    backward_batch<W>(a, t, dk, dv, out, b);                                              \
+      const Operands& a, Tiles<float>& t, Storage& out, int64_t b) {                      \
+    backward_batch<W>(a, t, out, b);                                                      \
   }
 MT_ATTENTION_LOOPS(avx2, "avx2,fma", 8)
 MT_ATTENTION_LOOPS(avx512, "avx512f,avx2,fma", 16)
@@ -536,10 +553,11 @@ void run_forward(const Operands& a, Storage& out) {
   const auto& g = a.g;
   const Loops<T> run = loops<T>();
   const int64_t tiles = (g.tq + kQueryTile - 1) / kQueryTile, tasks = g.batch * tiles;
-#pragma omp parallel if (tasks > 1 && g.tq * g.tk * g.d >= (1 << 16))
+  const bool parallel = tasks > 1 && g.tq * g.tk * g.d >= (1 << 16);
+  std::vector<Tiles<T>> per_thread = tiles_per_thread<T>(a, parallel, false);
+#pragma omp parallel if (parallel)
   {
-    Tiles<T> t;
-    t.size(a);
+    Tiles<T>& t = per_thread[static_cast<size_t>(omp_get_thread_num())];
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < tasks; ++task)
       run.forward(a, t, out, task / tiles, (task % tiles) * kQueryTile);
@@ -550,13 +568,13 @@ template <typename T>
 void run_backward(const Operands& a, Storage& out) {
   const auto& g = a.g;
   const Loops<T> run = loops<T>();
-#pragma omp parallel if (g.batch > 1 && g.tq * g.tk * g.d >= (1 << 16))
+  const bool parallel = g.batch > 1 && g.tq * g.tk * g.d >= (1 << 16);
+  std::vector<Tiles<T>> per_thread = tiles_per_thread<T>(a, parallel, true);
+#pragma omp parallel if (parallel)
   {
-    Tiles<T> t;
-    t.size(a);
-    std::vector<T> dk, dv;
+    Tiles<T>& t = per_thread[static_cast<size_t>(omp_get_thread_num())];
 #pragma omp for schedule(dynamic)
-    for (int64_t b = 0; b < g.batch; ++b) run.backward(a, t, dk, dv, out, b);
+    for (int64_t b = 0; b < g.batch; ++b) run.backward(a, t, out, b);
   }
 }
 
