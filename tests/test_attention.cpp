@@ -327,21 +327,23 @@ TEST(FusedAttention, PeakStoredBytesGrowLinearlyInT) {
 
 // The CPU loops' tiles come from the values' allocator, so the measured process peak counts
 // them: the backward op's key and value gradient tiles (T x d each) live beside its output
-// (dQ, dK and dV), all made during that evaluation.
+// (dQ, dK and dV packed) and the query gradient sliced from it (5.0 operands' bytes without
+// the tiles on an AMD EPYC, 7.25 with them).
 TEST(FusedAttention, TheMeasuredPeakCountsTheCpuLoopsTiles) {
   if (mt::current_device() != mt::Device::cpu) GTEST_SKIP() << "the CPU back end's loops";
   constexpr int64_t t = 4096, d = 128;
   mt::Generator gen(5);
   auto operand = [&] { return mt::randn({1, 1, t, d}, mt::f32, &gen).requires_grad_(); };
-  mt::Tensor q = operand(), k = operand(), v = operand(), w = mt::randn({1, 1, t, d}, mt::f32, &gen);
+  mt::Tensor q = operand(), k = operand(), v = operand(),
+             w = mt::randn({1, 1, t, d}, mt::f32, &gen);
   mt::Tensor loss = mt::sum(mt::scaled_dot_product_attention(q, k, v, true) * w);
   mt::eval({loss, w});
   mt::reset_execution_stats();
   const int64_t before = mt::execution_stats().memory_peak_bytes;
   loss.backward();
-  mt::eval({q.grad(), k.grad(), v.grad()});
+  mt::eval({q.grad()});
   const int64_t operand_bytes = t * d * 4;
-  EXPECT_GE(mt::execution_stats().memory_peak_bytes - before, 3 * operand_bytes + 2 * operand_bytes);
+  EXPECT_GE(mt::execution_stats().memory_peak_bytes - before, 6 * operand_bytes);
 }
 
 // CausalSelfAttention as it was before the fused op, over the module's own layers: the

@@ -337,13 +337,16 @@ TEST(Compile, LossScalerRecordsOutliveReplaysAndTheirScaler) {
 }
 
 // A scaler replaced by assignment between calls (PyTorch: rebinding the scaler takes effect at
-// the next step): the compiled step follows the new scale, settings and statistics as tracing
-// every call does, an overflow after the swap included.
+// the next step), enabled or disabled before: the compiled step follows the new scale, settings
+// and statistics as tracing every call does, an overflow after the swap included.
 TEST(Compile, AScalerAssignedBetweenCallsIsFollowed) {
   struct Run {
     mt::Tensor w = mt::tensor(std::vector<float>{1, 2, 3, 4}, {2, 2}).requires_grad_();
     mt::SGD opt{{w}, mt::SGDOptions{.lr = 0.01}};
-    mt::GradScaler scaler{mt::GradScalerOptions{.init_scale = 1024, .growth_interval = 2}};
+    mt::GradScaler scaler;
+    explicit Run(bool enabled)
+        : scaler(mt::GradScalerOptions{
+              .init_scale = 1024, .growth_interval = 2, .enabled = enabled}) {}
     mt::Tensor step(const mt::Tensor& x) {
       opt.zero_grad();
       scaler.scale(mt::sum(w * x)).backward();
@@ -352,23 +355,60 @@ TEST(Compile, AScalerAssignedBetweenCallsIsFollowed) {
       return mt::Tensor();
     }
   };
-  Run plain_run, compiled_run;
-  auto step = mt::compile([&](const mt::Tensor& x) { return compiled_run.step(x); });
-  const mt::Tensor clean = mt::ones({2, 2}), poisoned = mt::full({2, 2}, INFINITY);
-  for (int i = 0; i < 9; ++i) {
-    if (i == 5)
-      for (Run* run : {&plain_run, &compiled_run})
-        run->scaler =
-            mt::GradScaler(mt::GradScalerOptions{.init_scale = 8, .growth_interval = 1000});
-    const mt::Tensor& x = i == 7 ? poisoned : clean;
-    plain_run.step(x);
-    step(x);
-    EXPECT_EQ(compiled_run.scaler.get_scale(), plain_run.scaler.get_scale()) << "call " << i;
-    EXPECT_EQ(compiled_run.scaler.skipped_steps(), plain_run.scaler.skipped_steps()) << i;
-    EXPECT_EQ(f32_bits(compiled_run.w), f32_bits(plain_run.w)) << "call " << i;
+  for (bool enabled_before : {true, false}) {
+    SCOPED_TRACE(enabled_before ? "enabled before" : "disabled before");
+    Run plain_run(enabled_before), compiled_run(enabled_before);
+    auto step = mt::compile([&](const mt::Tensor& x) { return compiled_run.step(x); });
+    const mt::Tensor clean = mt::ones({2, 2}), poisoned = mt::full({2, 2}, INFINITY);
+    for (int i = 0; i < 9; ++i) {
+      if (i == 5)
+        for (Run* run : {&plain_run, &compiled_run})
+          run->scaler =
+              mt::GradScaler(mt::GradScalerOptions{.init_scale = 8, .growth_interval = 1000});
+      const mt::Tensor& x = i == 7 ? poisoned : clean;
+      plain_run.step(x);
+      step(x);
+      EXPECT_EQ(compiled_run.scaler.get_scale(), plain_run.scaler.get_scale()) << "call " << i;
+      EXPECT_EQ(compiled_run.scaler.skipped_steps(), plain_run.scaler.skipped_steps()) << i;
+      EXPECT_EQ(f32_bits(compiled_run.w), f32_bits(plain_run.w)) << "call " << i;
+    }
+    EXPECT_EQ(compiled_run.scaler.scale_history(), plain_run.scaler.scale_history());
+    EXPECT_TRUE(replayed_at_least(step, 2));
   }
-  EXPECT_EQ(compiled_run.scaler.scale_history(), plain_run.scaler.scale_history());
-  EXPECT_TRUE(replayed_at_least(step, 2));
+}
+
+// A value the step evaluates before backward() (the loss, read for a log line): the backward
+// pass computes the forward values it needs again, which two evaluations of the plan then share;
+// the replays give tracing's bits, the logits returned too.
+TEST(Compile, AStepEvaluatingItsLossBeforeBackwardReplays) {
+  struct Run {
+    mt::Generator gen{5};
+    mt::MLP model{{8, 16, 4}, mt::Activation::Gelu, &gen};
+    mt::SGD opt{model.parameters(), {.lr = 0.1}};
+    std::vector<mt::Tensor> step(const mt::Tensor& x, const mt::Tensor& y) {
+      opt.zero_grad();
+      mt::Tensor logits = model(x);
+      mt::Tensor loss = mt::cross_entropy(logits, y);
+      mt::eval({loss});
+      loss.backward();
+      opt.step();
+      return {loss, logits};
+    }
+  };
+  mt::Generator data(8);
+  const mt::Tensor y = mt::tensor(std::vector<int64_t>{0, 3, 1, 2, 2, 0}, {6}, mt::i64);
+  Run plain_run, compiled_run;
+  auto step = mt::compile(
+      [&](const mt::Tensor& x, const mt::Tensor& labels) { return compiled_run.step(x, labels); });
+  for (int i = 0; i < 6; ++i) {
+    const mt::Tensor x = mt::randn({6, 8}, mt::f32, &data);
+    std::vector<mt::Tensor> want = plain_run.step(x, y), got = step(x, y);
+    EXPECT_EQ(f32_bits(want[0]), f32_bits(got[0])) << "loss, call " << i;
+    EXPECT_EQ(f32_bits(want[1]), f32_bits(got[1])) << "logits, call " << i;
+  }
+  for (size_t i = 0; i < plain_run.opt.params().size(); ++i)
+    EXPECT_EQ(f32_bits(plain_run.opt.params()[i]), f32_bits(compiled_run.opt.params()[i])) << i;
+  EXPECT_TRUE(replayed_at_least(step, 3));
 }
 
 // A copy of a scaler that a compiled step updates keeps the values it had when taken: the replays

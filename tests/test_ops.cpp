@@ -396,6 +396,27 @@ TEST(Integers, ArgmaxAndScatterAddKeepEverySixtyFourBitValue) {
             (std::vector<int64_t>{big, 6}));
 }
 
+// Integer numbers an integer tensor's type cannot hold: exact, as PyTorch's, where the fills went
+// through a double and wrapped (INT64_MAX's double, 2^63, became INT64_MIN) or now refused.
+TEST(Integers, NumbersBeyondATensorsTypeAreExact) {
+  const mt::Tensor small = mt::tensor(std::vector<int32_t>{1, 2, -5}, {3}, mt::i32);
+  EXPECT_EQ(mt::clamp(small, -1e10, std::nullopt).to_vector<int32_t>(),
+            (std::vector<int32_t>{1, 2, -5}));
+  EXPECT_EQ(mt::clamp(small, std::nullopt, 1e19).dtype(), mt::i32);
+  EXPECT_EQ(mt::clamp(small, 0.0, 1.0).to_vector<int32_t>(), (std::vector<int32_t>{1, 1, 0}));
+  EXPECT_EQ((small < int64_t{3000000000}).to_vector<bool>(), (std::vector<bool>{true, true, true}));
+  EXPECT_EQ((small == int64_t{-3000000000}).to_vector<bool>(),
+            (std::vector<bool>{false, false, false}));
+  const mt::Tensor cond = mt::tensor(std::vector<bool>{true, false}, {2});
+  const mt::Tensor ids = mt::tensor(std::vector<int64_t>{7, 8}, {2});
+  EXPECT_EQ(mt::where(cond, ids, INT64_MAX).to_vector<int64_t>(),
+            (std::vector<int64_t>{7, INT64_MAX}));
+  EXPECT_EQ(mt::where(cond, int64_t{0}, INT64_MAX).to_vector<int64_t>(),
+            (std::vector<int64_t>{0, INT64_MAX}));
+  const int64_t big = (int64_t{1} << 60) + 1;
+  EXPECT_EQ(mt::full_integer({2}, big).to_vector<int64_t>(), (std::vector<int64_t>{big, big}));
+}
+
 // A 0-d operand beside one with dimensions counts only when its category (bool < integer <
 // floating) is higher, as torch.result_type: an f16 activation times a 0-d f32 stayed f32.
 TEST(Promotion, ZeroDimensionalOperandsFollowTorchsCategories) {
@@ -1440,8 +1461,7 @@ void add_reduction_cases(Oracle& o, Data& d, mt::DType dt) {
   add("sum/axes02_keepdim", mt::sum(x, {0, 2}, true), "a.sum((0, 2), keepdim=True)");
   add("mean/last", mt::mean(x, {-1}), "a.mean(-1)");
   add("var/axis0", mt::var(x, {0}, false, 0), "a.var(0, unbiased=False)");
-  add("var/all_keepdim", mt::var(x, {}, true, 0),
-      "a.var((0, 1, 2), unbiased=False, keepdim=True)");
+  add("var/all_keepdim", mt::var(x, {}, true, 0), "a.var((0, 1, 2), unbiased=False, keepdim=True)");
   add("var/axis2_unbiased", mt::var(x, {2}), "a.var(2)");
   add("var/axes01_correction2", mt::var(x, {0, 1}, false, 2), "a.var((0, 1), correction=2)");
   add("max/axis2", mt::max(x, {2}), "a.amax(2)");

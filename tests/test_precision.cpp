@@ -210,9 +210,10 @@ TEST(BuiltinPolicies, DecideEachCategoryAsDocumented) {
               (Decision{mt::f16, mt::f16, f32}));
     EXPECT_EQ(decision_of(mt::randn({2})), full);
     EXPECT_EQ(decision_of(mt::full({2}, 3.0)), full);
-    // Integers, bools and f64 are never touched.
+    // Integers, bools and f64 are never touched; a comparison compares in its value's stored
+    // type (the number rounded to it).
     EXPECT_EQ(decision_of(mt::arange(4) + 1), (Decision{mt::i64, mt::i64, f32}));
-    EXPECT_EQ(decision_of(m > 0.0), (Decision{mt::boolean, mt::boolean, f32}));
+    EXPECT_EQ(decision_of(m > 0.0), (Decision{mt::boolean, fp32 ? f32 : H, f32}));
     EXPECT_EQ(decision_of(mt::exp(x64)), (Decision{mt::f64, mt::f64, mt::f64}));
     EXPECT_EQ(decision_of(mt::matmul(x64, mt::transpose(x64))),
               (Decision{mt::f64, mt::f64, mt::f64}));
@@ -360,6 +361,62 @@ TEST(Autocast, PromotedOperandsDoNotWidenTheOp) {
   mt::Tensor expected = mt::cast(mt::cast(m, mt::f32) + mt::cast(data, mt::f32), mt::bf16);
   EXPECT_EQ(mt::cast(sums[0], mt::f32).to_vector<float>(),
             mt::cast(expected, mt::f32).to_vector<float>());
+}
+
+// A half value compared with a number meets the number rounded to its type, as PyTorch's
+// promotion gives it: bf16(0.1) > 0.1 is false in torch (both are 0.10009765625).
+TEST(Autocast, ComparisonsWithANumberRoundItToTheValuesType) {
+  mt::Tensor a = mt::tensor(std::vector<float>{0.1f, 0.3f, 1.0f / 3}, {3, 1});
+  mt::Tensor one = mt::tensor(std::vector<float>{1}, {1, 1});
+  mt::Tensor h, f32_value = mt::tensor(std::vector<float>{0.1f, 0.3f, 1.0f / 3}, {3, 1});
+  std::vector<bool> gt, eq, le, wide;
+  {
+    mt::autocast guard(mt::bf16);
+    h = mt::matmul(a, one);  // stored bf16
+    gt = (h > 0.1).to_vector<bool>();
+    eq = (h == 0.3).to_vector<bool>();
+    le = (h <= 1.0 / 3).to_vector<bool>();
+    wide = (h > f32_value).to_vector<bool>();  // an f32 tensor promotes: compared in f32
+  }
+  EXPECT_EQ(gt, (std::vector<bool>{false, true, true}));
+  EXPECT_EQ(eq, (std::vector<bool>{false, true, false}));
+  EXPECT_EQ(le, (std::vector<bool>{true, true, true}));
+  // bf16(0.1) = 0.10009765625 > 0.1f, bf16(0.3) = 0.30078125 > 0.3f, bf16(1/3) = 0.333984375.
+  EXPECT_EQ(wide, (std::vector<bool>{true, true, true}));
+}
+
+// A 0-d f32 tensor (a learned scale) beside a half value does not widen the op, as
+// torch.result_type ranks a 0-d tensor of the same category below dimensioned ones.
+TEST(Autocast, AZeroDimTensorBesideAHalfValueKeepsItHalf) {
+  mt::Generator gen(7);
+  mt::Tensor x = mt::randn({2, 3}, mt::f32, &gen), w = mt::randn({3, 4}, mt::f32, &gen);
+  mt::Tensor scale = mt::tensor(std::vector<float>{1.0f / 3}, {});
+  mt::Tensor data = mt::cast(mt::randn({2, 4}, mt::f32, &gen), mt::bf16);
+  mt::Tensor products[2];
+  {
+    mt::autocast guard(mt::bf16);
+    products[0] = mt::matmul(x, w) * scale;
+    products[1] = data * scale;
+  }
+  for (const mt::Tensor& y : products) {
+    const mt::PrecisionReport report = mt::precision_report({y});
+    EXPECT_EQ(report.rows.back().storage, mt::bf16) << report.rows.back().rule;
+  }
+}
+
+// A parameter made by full() counts as the f32 tensor it is, from the first step (before its
+// first update it was still a fill, weak as a number, and the op it met stayed bf16 only then).
+TEST(Autocast, AParameterMadeByFullWidensTheOpFromTheFirstStep) {
+  mt::Generator gen(7);
+  mt::Tensor x = mt::randn({2, 3}, mt::f32, &gen), w = mt::randn({3, 4}, mt::f32, &gen);
+  mt::Tensor gamma = mt::full({4}, 0.1).requires_grad_();
+  mt::Tensor y;
+  {
+    mt::autocast guard(mt::bf16);
+    y = mt::matmul(x, w) * gamma;
+  }
+  const mt::PrecisionReport report = mt::precision_report({y});
+  EXPECT_EQ(report.rows.back().storage, mt::f32) << report.rows.back().rule;
 }
 
 // The weak promotion of a mask outlives its input: reading the loss after backward() drops the
@@ -742,6 +799,8 @@ TEST(UserPolicy, NonFloatDecisionsAreRejected) {
     mt::autocast guard(std::make_shared<Broken>());
     y = mt::exp(values({1}, {1}));
   }
+  EXPECT_MT_ERROR(y.item(), "broken", "exp", "i32");
+  // And again: the node stays undecided, not run as traced.
   EXPECT_MT_ERROR(y.item(), "broken", "exp", "i32");
 }
 

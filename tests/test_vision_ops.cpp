@@ -677,6 +677,10 @@ TEST(VisionPrecision, NormsRunInF32AndPoolingFollowsItsInputUnderAutocast) {
     f32_sums += row.op == "add" && row.storage == mt::f32;
   EXPECT_EQ(f32_sums, 3);  // the 2x2 window's
   EXPECT_EQ(averaged.node()->precision.storage_type, mt::bf16);
+  // Bilinear interpolation too (its f32 weights widened the sum).
+  mt::Tensor resized = mt::interpolate(h, {.size = {9, 9}, .mode = mt::InterpolateMode::Bilinear});
+  mt::eval({resized});
+  EXPECT_EQ(resized.node()->precision.storage_type, mt::bf16);
   mt::Tensor normed =
       mt::batch_norm(h, {}, {}, {}, {}, true) + mt::group_norm(h, 2) + mt::instance_norm(h);
   std::map<std::string, int> f32_rows;

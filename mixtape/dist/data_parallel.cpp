@@ -93,8 +93,9 @@ DataParallel::DataParallel(Module& module, DataParallelOptions options)
   if (options_.reduce_dtype && !is_floating(*options_.reduce_dtype))
     fail("dist::DataParallel: reduce_dtype must be a floating type, got {}",
          mixtape::name(*options_.reduce_dtype));
-  for (const Tensor& p : module.parameters())
-    if (auto impl = p.node()->grad_owner.lock()) params_.push_back(impl);
+  // Frozen ones too: unfrozen later, their gradients are averaged (PyTorch's DDP leaves out
+  // what was frozen when it was made, and the processes drift apart).
+  for (const Tensor& p : module.parameters()) params_.push_back(p.impl());
   if (ProcessGroup* group = process_group(); group && group->size() > 1) {
     NamedTensors state = module.state_dict();
     check_same_model(*group, state);

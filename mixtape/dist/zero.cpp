@@ -131,7 +131,7 @@ ZeroShards::ZeroShards(const std::vector<Tensor>& params, bool whole_tensors)
   if (processes_ == 1) return;
   check_same_layout();
   for (size_t i = 0; i < params_.size(); ++i) {
-    owners_[i] = params_[i].node()->grad_owner.lock().get();
+    owners_[i] = params_[i].impl().get();  // frozen now or not: unfrozen later, it is reduced
     set_gradient_sharded(owners_[i], true);
   }
   hook_ = add_gradient_hook([this](LeafGradients& gradients) { reduce(gradients); });
@@ -277,7 +277,7 @@ void ZeroShards::reduce(LeafGradients& gradients) const {
   if (local_->skip(!slot.empty())) return;
   auto owners_of = [&] {
     std::vector<std::shared_ptr<TensorImpl>> owners;
-    for (const Tensor& p : params_) owners.push_back(p.node()->grad_owner.lock());
+    for (const Tensor& p : params_) owners.push_back(p.impl());
     return owners;
   };
   if (local_->fold(gradients, owners_of)) slot = gradient_slots(gradients, index, params_.size());
@@ -290,8 +290,7 @@ void ZeroShards::reduce(LeafGradients& gradients) const {
   std::vector<DType> grad_types(params_.size());
   for (size_t i = 0; i < params_.size(); ++i) {
     if (slot[i] == SIZE_MAX) {
-      gradients.emplace_back(params_[i].node()->grad_owner.lock(),
-                             zeros(params_[i].shape(), params_[i].dtype()));
+      gradients.emplace_back(params_[i].impl(), zeros(params_[i].shape(), params_[i].dtype()));
       slot[i] = gradients.size() - 1;
     }
     grad_types[i] = gradients[slot[i]].second.dtype();

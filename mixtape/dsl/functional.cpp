@@ -698,6 +698,14 @@ Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> m
   const Tensor input =
       !is_floating(x.dtype()) && x.dtype() != boolean && !(whole(min) && whole(max)) ? cast(x, f32)
                                                                                      : x;
+  // A whole bound past an integer type's range clamps nothing on its side: it is the range's
+  // end (which every value already respects) rather than a fill the type cannot hold.
+  if (!is_floating(input.dtype()) && input.dtype() != boolean) {
+    const double low = input.dtype() == i32 ? -0x1p31 : -0x1p63;
+    const double high = input.dtype() == i32 ? 0x1p31 - 1 : 0x1p63 - 1024;  // largest below 2^63
+    if (min) min = std::clamp(*min, low, high);
+    if (max) max = std::clamp(*max, low, high);
+  }
   // Comparisons are false for NaN, so NaN passes both selections unchanged; min > max gives max.
   Tensor y = input.detach();
   if (min) y = where(y < *min, full_like(y, *min), y);
@@ -710,7 +718,7 @@ Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> m
 
 namespace detail {
 
-Tensor where_number(const Tensor& cond, const Tensor& tensor, double number, bool integral,
+Tensor where_number(const Tensor& cond, const Tensor& tensor, const Operand& number,
                     bool boolean_number, bool number_first, const Loc& loc) {
   CallSiteScope site(loc);
   require(cond, "where", "condition", loc);
@@ -718,18 +726,19 @@ Tensor where_number(const Tensor& cond, const Tensor& tensor, double number, boo
   // PyTorch's promotion of a number with a tensor: the tensor's type unless the number is of a
   // higher kind (float over integer and bool, integer over bool), then the default of that kind.
   DType t = tensor.dtype();
-  if (!is_floating(t) && !integral) t = f32;
+  if (!is_floating(t) && !number.scalar_is_integral) t = f32;
   if (t == boolean && !boolean_number) t = i64;
-  Tensor value = cast(tensor, t);
-  Tensor fill = full(tensor.shape(), number, t);
+  Tensor fill = number_fill(number, t, tensor.shape(), loc);
+  Tensor value = cast(tensor, fill.dtype());
   return number_first ? where(cond, fill, value, loc) : where(cond, value, fill, loc);
 }
 
-Tensor where_numbers(const Tensor& cond, double a, double b, bool integral, const Loc& loc) {
+Tensor where_numbers(const Tensor& cond, const Operand& a, const Operand& b, const Loc& loc) {
   CallSiteScope site(loc);
   require(cond, "where", "condition", loc);
-  const DType t = integral ? i64 : f32;
-  return where(cond, full(cond.shape(), a, t), full(cond.shape(), b, t), loc);
+  const DType t = a.scalar_is_integral && b.scalar_is_integral ? i64 : f32;
+  return where(cond, number_fill(a, t, cond.shape(), loc), number_fill(b, t, cond.shape(), loc),
+               loc);
 }
 
 }  // namespace detail

@@ -110,28 +110,26 @@ inline Tensor clip(const Tensor& x, std::optional<double> min, std::optional<dou
 /// torch.where with a number for either value or both: the number takes the tensor's type as
 /// PyTorch's promotion gives it (a float number with an integer tensor gives f32, an integer
 /// one with a bool tensor i64); two numbers give f32, or i64 when both are integers.
+/// Integer numbers are exact (beyond 2^53 too); one an i32 tensor cannot hold gives i64.
 namespace detail {
-Tensor where_number(const Tensor& cond, const Tensor& tensor, double number, bool integral,
+Tensor where_number(const Tensor& cond, const Tensor& tensor, const Operand& number,
                     bool boolean_number, bool number_first, const Loc& loc);
-Tensor where_numbers(const Tensor& cond, double a, double b, bool integral, const Loc& loc);
+Tensor where_numbers(const Tensor& cond, const Operand& a, const Operand& b, const Loc& loc);
 }  // namespace detail
 template <typename S>
 requires std::is_arithmetic_v<S> Tensor where(const Tensor& cond, S a, const Tensor& b,
                                               const Loc& loc = Loc::current()) {
-  return detail::where_number(cond, b, static_cast<double>(a), std::is_integral_v<S>,
-                              std::is_same_v<S, bool>, true, loc);
+  return detail::where_number(cond, b, Operand(a, loc), std::is_same_v<S, bool>, true, loc);
 }
 template <typename S>
 requires std::is_arithmetic_v<S> Tensor where(const Tensor& cond, const Tensor& a, S b,
                                               const Loc& loc = Loc::current()) {
-  return detail::where_number(cond, a, static_cast<double>(b), std::is_integral_v<S>,
-                              std::is_same_v<S, bool>, false, loc);
+  return detail::where_number(cond, a, Operand(b, loc), std::is_same_v<S, bool>, false, loc);
 }
 template <typename S, typename T>
 requires std::is_arithmetic_v<S> && std::is_arithmetic_v<T> Tensor
 where(const Tensor& cond, S a, T b, const Loc& loc = Loc::current()) {
-  return detail::where_numbers(cond, static_cast<double>(a), static_cast<double>(b),
-                               std::is_integral_v<S> && std::is_integral_v<T>, loc);
+  return detail::where_numbers(cond, Operand(a, loc), Operand(b, loc), loc);
 }
 /// value where mask (bool, broadcast to x) is true, else x: torch's masked_fill.
 Tensor masked_fill(const Tensor& x, const Tensor& mask, double value,

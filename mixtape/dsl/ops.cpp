@@ -5,6 +5,7 @@
 #include "mixtape/dsl/composites.h"
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 #include <optional>
 #include <span>
@@ -145,6 +146,21 @@ Tensor unary(OpCode op, Domain domain, const Tensor& x, const Loc& loc) {
   return Tensor(make_node(op, x.dtype(), node->shape, node_list(node), {}, loc));
 }
 
+}  // namespace
+
+Tensor number_fill(const Operand& number, DType t, const Shape& shape, const Loc& loc) {
+  if (is_floating(t) || t == boolean || !number.scalar_is_integral)
+    return full(shape, number.scalar, t, loc);
+  // An integer exactly (ids == 2^53 + 1 matched 2^53 through a double); one an i32 cannot
+  // hold as an i64 (i32 < 3e9 compares exactly, as PyTorch's).
+  using i32_limits = std::numeric_limits<int32_t>;
+  if (t == i32 && (number.integer < i32_limits::min() || number.integer > i32_limits::max()))
+    t = i64;
+  return full_integer(shape, number.integer, t, loc);
+}
+
+namespace {
+
 // A number operand as a fill of the other operand's shape: one node, where a 0-d fill would need
 // a broadcast as well (the traced loop builds a few of these per parameter every step). Either
 // way it is a constant that kernels compute in place.
@@ -152,13 +168,7 @@ Tensor scalar_like(const Operand& s, const Tensor& other, const Loc& loc) {
   DType t = other.dtype();
   if (!is_floating(t) && !s.scalar_is_integral) t = f32;
   if (t == boolean) t = i64;
-  // An integer beyond 2^53 that a fill's double would round (ids == 2^53 + 1 matched 2^53): a
-  // stored value instead, exact.
-  constexpr int64_t exact = int64_t{1} << 53;
-  if (s.scalar_is_integral && !is_floating(t) && (s.integer > exact || s.integer < -exact))
-    return broadcast_to(cast(tensor(std::vector<int64_t>{s.integer}, {}, i64, loc), t, loc),
-                        other.shape(), loc);
-  return full(other.shape(), s.scalar, t, loc);
+  return number_fill(s, t, other.shape(), loc);
 }
 
 template <typename Builder>

@@ -54,6 +54,11 @@ Tensor operator<(const Operand& a, const Operand& b);
 Tensor operator<=(const Operand& a, const Operand& b);
 Tensor operator>(const Operand& a, const Operand& b);
 Tensor operator>=(const Operand& a, const Operand& b);
+/// A number as a fill of `shape` in type `t` (an integer number exactly, beyond 2^53 too), or,
+/// for an integer number an i32 cannot hold, in i64: the op reading it then promotes, as
+/// PyTorch's number operands do.
+Tensor number_fill(const Operand& number, DType t, const Shape& shape,
+                   const Loc& loc = Loc::current());
 /// Elementwise eq and ne, as PyTorch's tensor == and != (`ids != 0`): bool tensors, not a
 /// comparison of handles (Tensor::same() is that).
 Tensor operator==(const Operand& a, const Operand& b);

@@ -31,13 +31,14 @@ Registry& registry() {
   return *r;
 }
 
-const TensorImpl* impl_of(const Tensor& t) { return t.node()->grad_owner.lock().get(); }
+const TensorImpl* impl_of(const Tensor& t) { return t.impl().get(); }
 
 }  // namespace
 
 void note_module_parameter(const Tensor& param, const std::string& name) {
-  std::shared_ptr<TensorImpl> impl = param.node()->grad_owner.lock();
-  if (!impl) return;  // does not require grad: no gradients to lose
+  // Frozen ones too: unfrozen later, they get gradients.
+  const std::shared_ptr<TensorImpl>& impl = param.impl();
+  if (!impl) return;
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);
   // Parameters of models long gone would pile up: drop dead entries now and then.

@@ -385,6 +385,14 @@ Tensor full(Shape shape, double value, DType dtype, const Loc& loc) {
   attrs.value = value;
   return leaf(OpCode::Full, dtype, std::move(shape), std::move(attrs), loc);
 }
+Tensor full_integer(Shape shape, int64_t value, DType dtype, const Loc& loc) {
+  constexpr int64_t exact = int64_t{1} << 53;
+  if (dtype != i64 || (value >= -exact && value <= exact))
+    return full(std::move(shape), static_cast<double>(value), dtype, loc);
+  check_shape("full", shape, dtype, loc);
+  // A stored value, broadcast: a fill's double would round it.
+  return broadcast_to(tensor(std::vector<int64_t>{value}, {}, i64, loc), shape, loc);
+}
 Tensor zeros(Shape shape, DType dtype, const Loc& loc) {
   check_shape("zeros", shape, dtype, loc);
   return full(std::move(shape), 0, dtype, loc);

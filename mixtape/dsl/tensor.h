@@ -95,6 +95,9 @@ class Tensor {
   bool same(const Tensor& other) const { return impl_ == other.impl_; }
   /// What same() compares, for sets and maps of tensors by identity.
   const void* identity() const { return impl_.get(); }
+  /// The handle's shared state: a parameter's identity for its gradient whether or not it
+  /// requires grad now (optimizers and data parallelism keep track of frozen parameters too).
+  const std::shared_ptr<TensorImpl>& impl() const { return impl_; }
 
  private:
   [[noreturn]] static void undefined();  // the mt::Error for a use of an undefined tensor
@@ -140,7 +143,11 @@ Tensor scalar(double value, DType dtype = f32, const Loc& loc = Loc::current());
 /// A tensor that wraps already converted storage (its dtype and count must fit `shape`).
 Tensor from_storage(std::shared_ptr<Storage> storage, Shape shape, const Loc& loc = Loc::current());
 
+/// mt::Error for a value an integer dtype cannot hold (NaN, infinite, past its range), as
+/// PyTorch's full refuses it.
 Tensor full(Shape shape, double value, DType dtype = f32, const Loc& loc = Loc::current());
+/// full() of an integer exactly (a double rounds it beyond 2^53), as torch.full of a Python int.
+Tensor full_integer(Shape shape, int64_t value, DType dtype = i64, const Loc& loc = Loc::current());
 Tensor zeros(Shape shape, DType dtype = f32, const Loc& loc = Loc::current());
 Tensor ones(Shape shape, DType dtype = f32, const Loc& loc = Loc::current());
 Tensor zeros_like(const Tensor& x, const Loc& loc = Loc::current());

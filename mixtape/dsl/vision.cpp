@@ -444,8 +444,8 @@ Tensor group_norm(const Tensor& x, int64_t groups, const Tensor& weight, const T
   // The group's size spelled out: an empty batch (N = 0) leaves nothing to infer a -1 from.
   int64_t group_size = x.size(1) / groups;
   for (int64_t d = 2; d < x.dim(); ++d) group_size *= x.size(d);
-  Tensor grouped = reshape(cast(x, composite::statistics_type(x.dtype())),
-                           {x.size(0), groups, group_size});
+  Tensor grouped =
+      reshape(cast(x, composite::statistics_type(x.dtype())), {x.size(0), groups, group_size});
   Tensor centered = grouped - mean(grouped, {-1}, true);
   Tensor y = centered * rsqrt(mean(square(centered), {-1}, true) + eps);
   return affine(reshape(y, x.shape()), x, weight, bias);
@@ -516,9 +516,11 @@ Tensor linear_axis(const Tensor& x, int64_t axis, int64_t out, float scale, bool
   }
   Shape weight_shape(static_cast<size_t>(x.dim() - axis), 1);
   weight_shape[0] = out;
-  Tensor a = index_select(x, index_tensor(lo), axis) * tensor(w_lo, weight_shape, x.dtype());
+  Tensor low = index_select(x, index_tensor(lo), axis);
+  Tensor a = low * tensor(w_lo, weight_shape, x.dtype());
   Tensor b = index_select(x, index_tensor(hi), axis) * tensor(w_hi, weight_shape, x.dtype());
-  return a + b;
+  // In x's stored type, as PyTorch's autocast leaves it (the f32 weights widened the sum).
+  return cast_like(a + b, low);
 }
 
 }  // namespace

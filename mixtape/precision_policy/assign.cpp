@@ -18,14 +18,44 @@ namespace {
 // not widen the type of the op it meets. Nor does an integer or boolean operand that promotion
 // made a float of (a mask, a count): PyTorch keeps a bf16 tensor times an integer one bf16.
 bool is_scalar_constant(const Node& node) {
-  if (node.op == OpCode::Full) return true;
+  // A parameter made by full() or zeros() is a tensor like any other (after its first update it
+  // is stored data): its type counts from the first step on.
+  if (node.op == OpCode::Full) return !node.requires_grad;
   if (node.weak_promotion) return true;
   if ((node.op == OpCode::BroadcastTo || node.op == OpCode::Reshape) && !node.inputs.empty())
     return is_scalar_constant(*node.inputs[0]);
   return false;
 }
 
+// Whether `input` of `node` does not widen it: a scalar constant, or a 0-d value (possibly
+// broadcast or reshaped) beside operands with dimensions, as torch.result_type ranks a 0-d
+// tensor of the same category below them (a bf16 activation times a learned 0-d f32 scale stays
+// bf16).
+bool is_weak_input(const Node& node, const Node& input) {
+  if (is_scalar_constant(input)) return true;
+  if (node.shape.empty()) return false;
+  const Node* source = &input;
+  while ((source->op == OpCode::BroadcastTo || source->op == OpCode::Reshape) &&
+         !source->inputs.empty())
+    source = source->inputs[0].get();
+  return source->shape.empty();
+}
+
 using Rule = std::shared_ptr<const std::string>;
+
+// What a comparison of floats (a bool pointwise node) compares in: the stored types of its
+// operands promoted, numbers weak, as PyTorch's promotion gives them: a bf16 value against 0.1
+// meets bf16(0.1). Its traced type where no operand is a float.
+DType compared_type(const Node& node) {
+  std::optional<DType> strong, any;
+  for (const NodePtr& input : node.inputs) {
+    if (!is_floating(input->dtype)) continue;
+    const DType stored = input->value ? input->value->dtype : input->precision.storage_type;
+    any = any ? promote(*any, stored) : stored;
+    if (!is_weak_input(node, *input)) strong = strong ? promote(*strong, stored) : stored;
+  }
+  return strong.value_or(any.value_or(node.precision.compute));
+}
 
 void keep_traced(Node& node, const Rule& rule) {
   node.precision = NodePrecision::traced(node.dtype);
@@ -94,7 +124,7 @@ std::optional<QueryView> query_key(const Policy& policy, const Node& node) {
     if (!is_floating(input->dtype)) continue;
     if (floating == kMaxKeyedInputs) return std::nullopt;
     uint64_t bits =
-        static_cast<uint64_t>(input->precision.storage_type) << 1 | is_scalar_constant(*input);
+        static_cast<uint64_t>(input->precision.storage_type) << 1 | is_weak_input(node, *input);
     key.words.inputs |= bits << (4 * floating++);
   }
   key.words.node = static_cast<uint64_t>(node.op) | static_cast<uint64_t>(node.forward_op) << 16 |
@@ -119,7 +149,7 @@ PrecisionQuery precision_query(const Node& node) {
   for (const NodePtr& input : node.inputs)
     if (is_floating(input->dtype)) {
       query.input_storage.push_back(input->precision.storage_type);
-      query.input_is_scalar.push_back(is_scalar_constant(*input));
+      query.input_is_scalar.push_back(is_weak_input(node, *input));
     }
   return query;
 }
@@ -202,9 +232,10 @@ void assign_precision(const std::vector<Node*>& order) {
   bool asked_is_pure = false;
   for (Node* node : order) {
     if (node->precision.assigned) continue;
-    node->precision.assigned = true;
     if (!is_floating(node->dtype)) {
       keep_traced(*node, not_float);
+      if (node->dtype == boolean && op_info(node->op).kind == OpKind::Pointwise)
+        node->precision.compute = compared_type(*node);
     } else if (node->dtype == f64) {
       keep_traced(*node, f64_kept);
     } else if (!node->origin.policy) {
@@ -236,6 +267,9 @@ void assign_precision(const std::vector<Node*>& order) {
         node->precision.rule = std::move(decided.rule);
       }
     }
+    // Only once decided: a policy that threw (or gave a non-float type) is asked again by the
+    // next evaluation, which fails the same way, rather than the node running as traced.
+    node->precision.assigned = true;
   }
 }
 

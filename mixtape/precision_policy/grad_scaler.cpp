@@ -128,7 +128,10 @@ Tensor GradScaler::found_inf() const {
 Tensor GradScaler::scale(const Tensor& loss) {
   NoPolicyScope no_policy;  // loss-scale arithmetic keeps its traced types under any autocast
   if (!loss.defined()) fail("GradScaler.scale: the loss is an undefined tensor");
-  if (!options_.enabled) return loss;
+  if (!options_.enabled) {
+    watch_state();
+    return loss;
+  }
   if (!is_floating(loss.dtype()))
     fail("GradScaler.scale: the loss must be floating-point, got {}", name(loss.dtype()));
   // A half loss is scaled in f32, so a large scale cannot overflow it before backward.
@@ -211,7 +214,10 @@ void GradScaler::step(Optimizer& optimizer) {
 
 void GradScaler::update() {
   NoPolicyScope no_policy;
-  if (!options_.enabled) return;
+  if (!options_.enabled) {
+    watch_state();
+    return;
+  }
   Tensor combined = combined_found_inf();
   if (!combined.defined())
     fail(
@@ -269,21 +275,44 @@ class RecordEachCall final : public StepHook {
  public:
   RecordEachCall(std::function<void(Tensor, Tensor)> add, std::function<bool()> replaced)
       : add_(std::move(add)), replaced_(std::move(replaced)) {}
-  const char* stale() const override {
-    return replaced_() ? "the loss scaler's state was loaded or set (load_state_dict, update(s)) "
-                         "since the step was traced"
-                       : nullptr;
-  }
+  const char* stale() const override { return replaced_() ? kReplaced : nullptr; }
   void ran(const std::vector<std::shared_ptr<Storage>>& values) override {
     add_(from_storage(values.at(0), {}), from_storage(values.at(1), {}));
   }
+  static constexpr const char* kReplaced =
+      "the loss scaler's state was loaded, set or assigned (load_state_dict, update(s), =) since "
+      "the step was traced";
 
  private:
   std::function<void(Tensor, Tensor)> add_;
   std::function<bool()> replaced_;
 };
 
+// What a disabled scaler leaves a compiled step: only the watch for its state being replaced (an
+// enabled scaler assigned to it), after which the step traces again.
+class WatchEachCall final : public StepHook {
+ public:
+  explicit WatchEachCall(std::function<bool()> replaced) : replaced_(std::move(replaced)) {}
+  const char* stale() const override { return replaced_() ? RecordEachCall::kReplaced : nullptr; }
+  void ran(const std::vector<std::shared_ptr<Storage>>&) override {}
+
+ private:
+  std::function<bool()> replaced_;
+};
+
 }  // namespace
+
+std::function<bool()> GradScaler::replaced_since_now() const {
+  std::weak_ptr<Statistics> stats = stats_.data;
+  return [stats, version = stats_.data->state_version] {
+    std::shared_ptr<Statistics> alive = stats.lock();
+    return alive && alive->state_version != version;
+  };
+}
+
+void GradScaler::watch_state() const {
+  on_each_call(std::make_shared<WatchEachCall>(replaced_since_now()));
+}
 
 namespace {
 bool& statistics_paused() {
@@ -306,11 +335,7 @@ void GradScaler::record(const Tensor& found) {
     if (std::shared_ptr<Statistics> alive = stats.lock())
       alive->add({std::move(found_copy), std::move(scale_copy)});
   };
-  auto replaced = [stats, version = stats_.data->state_version] {
-    std::shared_ptr<Statistics> alive = stats.lock();
-    return alive && alive->state_version != version;
-  };
-  if (on_each_call(std::make_shared<RecordEachCall>(std::move(add), std::move(replaced)),
+  if (on_each_call(std::make_shared<RecordEachCall>(std::move(add), replaced_since_now()),
                    {found.node(), scale_.node()}))
     return;
   stats_.data->add({found, Tensor(scale_.node())});  // this update's value, not later ones'

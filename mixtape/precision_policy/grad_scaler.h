@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <utility>
@@ -144,6 +145,10 @@ class GradScaler {
   // The OR of the recorded found-inf flags, as their f32 sum; undefined when none was recorded.
   Tensor combined_found_inf() const;
   void record(const Tensor& found);
+  // Whether the state is replaced (state_version) after now: what a compiled step's hooks check.
+  std::function<bool()> replaced_since_now() const;
+  // A disabled scaler's part of a traced step: it traces again once the state is replaced.
+  void watch_state() const;
 
   GradScalerOptions options_;
   // Each keeps its tensor for good, a new value assigned to it (as PyTorch updates its scale in

@@ -489,8 +489,8 @@ void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const ch
                               g.at("buffer").get<int64_t>()});
     if (const Value* rates = mt::json::find(checkpoint, "rates"))
       for (const Value& r : *rates)
-        m.rates.push_back({r.at("group").get<size_t>(), r.at("f64").get<int64_t>(),
-                           r.at("f32").get<int64_t>()});
+        m.rates.push_back(
+            {r.at("group").get<size_t>(), r.at("f64").get<int64_t>(), r.at("f32").get<int64_t>()});
   }
   try {
     m.plan_doc = mt::aot::PlanDocument::parse(plan_text, kMaxJsonValues);

@@ -153,7 +153,7 @@ using HostVector = std::vector<T, HostAllocator<T>>;
 template <typename T>
 struct Tiles {
   HostVector<T> q, k, kt, v, vt, s, dp, pt, acc, m, l, go, o, delta, lse, dq, z;
-  HostVector<float> u;  // a row's uniform draws for dropout, from its first Philox block on
+  HostVector<float> u;   // a row's uniform draws for dropout, from its first Philox block on
   HostVector<T> dk, dv;  // backward: one (batch, head)'s key and value gradients
   Tiles(const Operands& a, bool backward) {
     const auto& g = a.g;
@@ -165,7 +165,8 @@ struct Tiles {
     zeros(acc, rows * g.dv), zeros(m, rows), zeros(l, rows), zeros(go, rows * g.dv);
     zeros(o, rows * g.dv), zeros(delta, rows), zeros(lse, rows), zeros(dq, rows * g.d);
     zeros(z, cols), u.assign(cols + 8, 0.0f);
-    if (backward) zeros(dk, static_cast<size_t>(g.tk * g.d)), zeros(dv, static_cast<size_t>(g.tk * g.dv));
+    if (backward)
+      zeros(dk, static_cast<size_t>(g.tk * g.d)), zeros(dv, static_cast<size_t>(g.tk * g.dv));
   }
 };
 
@@ -516,14 +517,14 @@ void backward_plain(const Operands& a, Tiles<T>& t, Storage& out, int64_t b) {
 }
 #if defined(__x86_64__)
 // forward_<name> and backward_<name>: the loops W lanes wide, compiled for the `isa` target.
-#define MT_ATTENTION_LOOPS(name, isa, W)                                                  \
-  [[gnu::target(isa), gnu::optimize("fp-contract=fast")]] void forward_##name(            \
-      const Operands& a, Tiles<float>& t, Storage& out, int64_t b, int64_t i0) {          \
-    forward_task<W>(a, t, out, b, i0);                                                    \
-  }                                                                                       \
-  [[gnu::target(isa), gnu::optimize("fp-contract=fast")]] void backward_##name(           \
-      const Operands& a, Tiles<float>& t, Storage& out, int64_t b) {                      \
-    backward_batch<W>(a, t, out, b);                                                      \
+#define MT_ATTENTION_LOOPS(name, isa, W)                                         \
+  [[gnu::target(isa), gnu::optimize("fp-contract=fast")]] void forward_##name(   \
+      const Operands& a, Tiles<float>& t, Storage& out, int64_t b, int64_t i0) { \
+    forward_task<W>(a, t, out, b, i0);                                           \
+  }                                                                              \
+  [[gnu::target(isa), gnu::optimize("fp-contract=fast")]] void backward_##name(  \
+      const Operands& a, Tiles<float>& t, Storage& out, int64_t b) {             \
+    backward_batch<W>(a, t, out, b);                                             \
   }
 MT_ATTENTION_LOOPS(avx2, "avx2,fma", 8)
 MT_ATTENTION_LOOPS(avx512, "avx512f,avx2,fma", 16)

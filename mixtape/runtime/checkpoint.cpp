@@ -348,8 +348,7 @@ DataLoader::State loader_state(const std::string& path, const NamedTensors& entr
 std::vector<std::optional<double>> metadata_rates(const std::string& context,
                                                   const Metadata& meta) {
   auto rate = [&](double lr, const std::string& what) {
-    if (!std::isfinite(lr) || lr < 0)
-      fail("{}: {} = {} is not a learning rate", context, what, lr);
+    if (!std::isfinite(lr) || lr < 0) fail("{}: {} = {} is not a learning rate", context, what, lr);
     return lr;
   };
   if (has_metadata(meta, kParamGroupsKey)) {
@@ -357,7 +356,8 @@ std::vector<std::optional<double>> metadata_rates(const std::string& context,
     for (const SavedParamGroup& group :
          parse_param_groups(context, metadata_value(meta, kParamGroupsKey))) {
       rates.emplace_back();
-      if (group.lr) rates.back() = rate(*group.lr, fmt::format("group {}'s rate", rates.size() - 1));
+      if (group.lr)
+        rates.back() = rate(*group.lr, fmt::format("group {}'s rate", rates.size() - 1));
     }
     return rates;
   }

@@ -371,8 +371,8 @@ class EvaluationPlanner {
       }
       // Returned, and read by a later evaluation of the call (the loss of logits the step
       // returns too): the replay hands it the call's own result.
-      binding.result = static_cast<int>(
-          std::find(b_.results.begin(), b_.results.end(), source) - b_.results.begin());
+      binding.result = static_cast<int>(std::find(b_.results.begin(), b_.results.end(), source) -
+                                        b_.results.begin());
       return true;
     }
     if (source.first >= 0) binding.object = b_.evals[source.first].outputs[source.second];
@@ -451,31 +451,40 @@ bool hooks_read_no_result(const Trace& b, std::string& why) {
   return true;
 }
 
+// The private leaf of each external input of a plan's evaluations, by the external (held, so
+// that no other node takes its address while the plan is made).
+using PrivateLeaves = std::unordered_map<const Node*, std::pair<NodePtr, NodePtr>>;
+
 // Gives evaluation e of the plan the second trace's graph. Its external inputs become private
-// leaves, so that binding a replay's inputs never touches a node the user may still hold.
-void adopt_graph(Plan& plan, size_t e, Evaluation&& eval) {
+// leaves, so that binding a replay's inputs never touches a node the user may still hold. One
+// leaf per external for the whole plan: a node two evaluations compute (a forward value
+// mt::eval'd before backward() that the backward pass computes again, not stored) has one list
+// of inputs, which each evaluation's bindings set before it runs.
+void adopt_graph(Plan& plan, size_t e, Evaluation&& eval, PrivateLeaves& private_leaf) {
   PlannedEvaluation& planned = plan.evals[e];
   planned.eval = std::move(eval);
   Signature& sig = planned.eval.executed.sig;
-  std::unordered_map<const Node*, NodePtr> private_leaf;
   for (size_t x = 0; x < sig.externals.size(); ++x) {
     Node* external = sig.externals[x];
-    auto leaf = std::make_shared<Node>(*external);
-    leaf->inputs.clear();
-    leaf->value = planned.inputs[x].object;
+    auto& [original, leaf] = private_leaf[external];
+    if (!leaf) {
+      original = external->shared_from_this();
+      leaf = std::make_shared<Node>(*external);
+      leaf->inputs.clear();
+      leaf->value = planned.inputs[x].object;
+    }
     // A parameter's, gradient's or result's value is read afresh each call: the plan keeps no old
     // weights, gradients or results alive.
     if (planned.inputs[x].through_parameter() || planned.inputs[x].through_gradient() ||
         planned.inputs[x].through_result())
       planned.eval.inputs[x].reset();
-    private_leaf.emplace(external, leaf);
     sig.externals[x] = leaf.get();  // Signature::ref() maps the leaf from here on
-    planned.leaves.push_back(std::move(leaf));
+    planned.leaves.push_back(leaf);
   }
   for (Node* node : planned.eval.pending_raw)
     for (NodePtr& input : node->inputs)
       if (auto found = private_leaf.find(input.get()); found != private_leaf.end())
-        input = found->second;
+        input = found->second.second;
   planned.result_slot.assign(sig.stored.size(), -1);
   for (size_t r = 0; r < plan.results.size(); ++r)
     if (plan.results[r].first == static_cast<int>(e))
@@ -496,7 +505,9 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, bool by_owner, std::string& 
     plan->evals.push_back(std::move(planned));
   }
   if (!hooks_read_no_result(b, why)) return nullptr;
-  for (size_t e = 0; e < b.evals.size(); ++e) adopt_graph(*plan, e, std::move(b.evals[e]));
+  PrivateLeaves private_leaf;
+  for (size_t e = 0; e < b.evals.size(); ++e)
+    adopt_graph(*plan, e, std::move(b.evals[e]), private_leaf);
   b.evals.clear();
   plan->hooks = std::move(b.hooks);
   plan->gradients = std::move(b.gradients);

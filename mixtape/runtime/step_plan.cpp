@@ -181,7 +181,8 @@ std::vector<Tensor> replay(Plan& plan, const std::vector<Tensor>& args) {
       else if (planned.inputs[x].through_gradient())  // replaced_state checked it too
         sig.externals[x]->value = call_start_value(gradient_inputs[index][x]);
       else if (planned.inputs[x].through_result())
-        sig.externals[x]->value = results[static_cast<size_t>(planned.inputs[x].result)].node()->value;
+        sig.externals[x]->value =
+            results[static_cast<size_t>(planned.inputs[x].result)].node()->value;
       else if (planned.inputs[x].at_call_start)
         sig.externals[x]->value = call_start_value(planned.inputs[x].object);
     for (Node* node : e.pending_raw) node->value.reset();

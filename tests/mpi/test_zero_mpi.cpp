@@ -158,6 +158,7 @@ struct Options {
   std::string load = {};
   std::string path = {};
   bool sharded = false;  // save_checkpoint_sharded and load_checkpoint_sharded
+  int unfreeze_at = -1;  // fc1 frozen before the optimizer and DataParallel are made, until then
 };
 
 struct Outcome {
@@ -179,6 +180,10 @@ Outcome train(const Options& o) {
   if (o.kind == Kind::zero_alone) one_process.emplace();
   mt::manual_seed(7);
   Net net;
+  auto set_fc1_trainable = [&](bool on) {
+    for (mt::Tensor p : {net.fc1.weight, net.fc1.bias}) p.requires_grad_(on);
+  };
+  if (o.unfreeze_at >= 0) set_fc1_trainable(false);
   mt::dist::DataParallelOptions parallel;
   if (o.pure_bf16) {
     net.to(mt::bf16);
@@ -226,6 +231,7 @@ Outcome train(const Options& o) {
   // Each process alone saves its own files (rank 0's at `path`).
   const std::string save_path = o.kind == Kind::zero_alone && rank > 0 ? o.path + "_rank1" : o.path;
   for (int s = o.first_step; s < o.last_step; ++s) {
+    if (s == o.unfreeze_at) set_fc1_trainable(true);
     auto [x, y] = alone ? batch(s, 0, 2 * kBatch) : batch(s, rank * kBatch, kBatch);
     if (s == o.bad_step && rank == 1) {  // the same calls as step(), which make collectives
       opt.zero_grad();
@@ -323,6 +329,18 @@ TEST_F(Zero, EqualsPlainDataParallelInFp32) { expect_zero_equals_data_parallel(f
 
 TEST_F(Zero, EqualsPlainDataParallelUnderAutocastBf16WithDynamicScaling) {
   expect_zero_equals_data_parallel(true);
+}
+
+// Layers frozen when the optimizer and DataParallel are made (a fine-tuning run's backbone) and
+// unfrozen later are averaged from then on, under ZeRO and plain data parallel, as one process
+// at both ranks' rows trains them (PyTorch's DDP would leave them out: the ranks drifted apart).
+TEST_F(Zero, LayersFrozenWhenMadeAreAveragedOnceUnfrozen) {
+  const Outcome alone = train({.kind = Kind::alone, .max_norm = 1e3, .unfreeze_at = 5});
+  for (Kind kind : {Kind::zero, Kind::data_parallel}) {
+    SCOPED_TRACE(kind == Kind::zero ? "ZeRO" : "data parallel");
+    const Outcome both = train({.kind = kind, .max_norm = 1e3, .unfreeze_at = 5});
+    EXPECT_LE(worst_difference(both.params, alone.params), 1e-5);
+  }
 }
 
 TEST_F(Zero, OneRanksInfSkipsTheStepOnEveryRank) {
