@@ -318,6 +318,22 @@ TEST(AotStepOutputs, TheLogitsTheLossReadsAreReturnedAndAWrittenBufferKept) {
   expect_same_checkpoint(saved, reference);
   for (const std::string& f : {saved, reference}) fs::remove(f);
   fs::remove_all(dir);
+  // With the loss read before backward(), the backward pass computes the forward values again
+  // from inputs no plan can bind for both evaluations: the export says so.
+  auto reading_first = [&](const mt::Tensor& x, const mt::Tensor& y) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::cross_entropy(model.net(x), y);
+    mt::eval({loss});
+    loss.backward();
+    opt.step();
+    return loss;
+  };
+  EXPECT_MT_ERROR(mt::aot::export_step(reading_first,
+                                       {mt::aot::input("x", {batch, 64}, mt::f32),
+                                        mt::aot::input("y", {batch}, mt::i64)},
+                                       {"loss"}, dir, o),
+                  "two evaluations of the call compute");
+  fs::remove_all(dir);
 }
 
 // ---- bad input: a code and words, never a crash ----

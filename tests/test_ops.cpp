@@ -404,6 +404,15 @@ TEST(Integers, NumbersBeyondATensorsTypeAreExact) {
             (std::vector<int32_t>{1, 2, -5}));
   EXPECT_EQ(mt::clamp(small, std::nullopt, 1e19).dtype(), mt::i32);
   EXPECT_EQ(mt::clamp(small, 0.0, 1.0).to_vector<int32_t>(), (std::vector<int32_t>{1, 1, 0}));
+  // Compared as integers, not through f32 (16777217 was above no f32 bound of 16777216).
+  EXPECT_EQ(mt::clamp(mt::tensor(std::vector<int32_t>{16777217, 5}, {2}, mt::i32), std::nullopt,
+                      16777216.0)
+                .to_vector<int32_t>(),
+            (std::vector<int32_t>{16777216, 5}));
+  EXPECT_EQ(
+      mt::clamp(mt::tensor(std::vector<int64_t>{(int64_t{1} << 53) + 1, 100000001}, {2}), 0.0, 1e8)
+          .to_vector<int64_t>(),
+      (std::vector<int64_t>{100000000, 100000000}));
   EXPECT_EQ((small < int64_t{3000000000}).to_vector<bool>(), (std::vector<bool>{true, true, true}));
   EXPECT_EQ((small == int64_t{-3000000000}).to_vector<bool>(),
             (std::vector<bool>{false, false, false}));

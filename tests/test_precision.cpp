@@ -392,16 +392,18 @@ TEST(Autocast, AZeroDimTensorBesideAHalfValueKeepsItHalf) {
   mt::Tensor x = mt::randn({2, 3}, mt::f32, &gen), w = mt::randn({3, 4}, mt::f32, &gen);
   mt::Tensor scale = mt::tensor(std::vector<float>{1.0f / 3}, {});
   mt::Tensor data = mt::cast(mt::randn({2, 4}, mt::f32, &gen), mt::bf16);
-  mt::Tensor products[2];
+  mt::Tensor products[2], reshaped;
   {
     mt::autocast guard(mt::bf16);
     products[0] = mt::matmul(x, w) * scale;
     products[1] = data * scale;
+    reshaped = mt::matmul(x, w) * mt::reshape(scale, {1});  // [1]: a tensor like any other
   }
   for (const mt::Tensor& y : products) {
     const mt::PrecisionReport report = mt::precision_report({y});
     EXPECT_EQ(report.rows.back().storage, mt::bf16) << report.rows.back().rule;
   }
+  EXPECT_EQ(mt::precision_report({reshaped}).rows.back().storage, mt::f32);
 }
 
 // A parameter made by full() counts as the f32 tensor it is, from the first step (before its

@@ -698,13 +698,21 @@ Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> m
   const Tensor input =
       !is_floating(x.dtype()) && x.dtype() != boolean && !(whole(min) && whole(max)) ? cast(x, f32)
                                                                                      : x;
-  // A whole bound past an integer type's range clamps nothing on its side: it is the range's
-  // end (which every value already respects) rather than a fill the type cannot hold.
+  // Whole bounds of an integer input: compared and filled as integers, exactly (a double bound
+  // made the comparison f32's, inexact past 2^24); one at or past the type's range bounds nothing
+  // on its side. Integers take no gradient.
   if (!is_floating(input.dtype()) && input.dtype() != boolean) {
-    const double low = input.dtype() == i32 ? -0x1p31 : -0x1p63;
-    const double high = input.dtype() == i32 ? 0x1p31 - 1 : 0x1p63 - 1024;  // largest below 2^63
-    if (min) min = std::clamp(*min, low, high);
-    if (max) max = std::clamp(*max, low, high);
+    const double range = input.dtype() == i32 ? 0x1p31 : 0x1p63;  // [-range, range)
+    Tensor y = input;
+    if (min && *min > -range) {
+      const auto bound = static_cast<int64_t>(*min);
+      y = where(y < bound, full_integer(y.shape(), bound, y.dtype()), y);
+    }
+    if (max && *max < range) {
+      const auto bound = static_cast<int64_t>(*max);
+      y = where(y > bound, full_integer(y.shape(), bound, y.dtype()), y);
+    }
+    return y;
   }
   // Comparisons are false for NaN, so NaN passes both selections unchanged; min > max gives max.
   Tensor y = input.detach();

@@ -73,7 +73,13 @@ NodePtr conform(const Tensor& x, DType dtype, const Shape& shape, const Loc& loc
     node->promotion = true;
     node->weak_promotion = !is_floating(given->dtype);
   }
-  if (!same_shape(node->shape, shape)) node = broadcast_node(node, shape, loc);
+  if (!same_shape(node->shape, shape)) {
+    node = broadcast_node(node, shape, loc);
+    // A 0-d operand broadcast beside one with dimensions is weak as a promoted integer is: it
+    // does not widen the op under a policy, as torch.result_type ranks a 0-d tensor of the same
+    // category below dimensioned ones (precision_policy/assign.cpp).
+    node->weak_promotion = given->shape.empty();
+  }
   return node;
 }
 

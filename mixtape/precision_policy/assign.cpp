@@ -27,18 +27,13 @@ bool is_scalar_constant(const Node& node) {
   return false;
 }
 
-// Whether `input` of `node` does not widen it: a scalar constant, or a 0-d value (possibly
-// broadcast or reshaped) beside operands with dimensions, as torch.result_type ranks a 0-d
-// tensor of the same category below them (a bf16 activation times a learned 0-d f32 scale stays
-// bf16).
+// Whether `input` of `node` does not widen it: a scalar constant, a 0-d operand promotion
+// broadcast (conform marks it weak), or a 0-d value read at every element of a node with
+// dimensions (a fused op's), as torch.result_type ranks a 0-d tensor of the same category
+// below dimensioned ones (a bf16 activation times a learned 0-d f32 scale stays bf16; one the
+// user reshaped to [1] is a tensor like any other).
 bool is_weak_input(const Node& node, const Node& input) {
-  if (is_scalar_constant(input)) return true;
-  if (node.shape.empty()) return false;
-  const Node* source = &input;
-  while ((source->op == OpCode::BroadcastTo || source->op == OpCode::Reshape) &&
-         !source->inputs.empty())
-    source = source->inputs[0].get();
-  return source->shape.empty();
+  return is_scalar_constant(input) || (input.shape.empty() && !node.shape.empty());
 }
 
 using Rule = std::shared_ptr<const std::string>;

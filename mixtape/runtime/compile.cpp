@@ -451,40 +451,60 @@ bool hooks_read_no_result(const Trace& b, std::string& why) {
   return true;
 }
 
-// The private leaf of each external input of a plan's evaluations, by the external (held, so
-// that no other node takes its address while the plan is made).
-using PrivateLeaves = std::unordered_map<const Node*, std::pair<NodePtr, NodePtr>>;
+// Whether every node that two evaluations of the call compute (a fill inlined in both, or a
+// value one evaluated before another needed it unstored: a loss read before backward(), whose
+// pass computes the forward values again) reads only nodes both compute: a plan points an
+// evaluation's external inputs at private leaves, and one node cannot read two evaluations'
+// leaves at once.
+bool each_node_in_one_evaluation(const Trace& b, std::string& why) {
+  std::vector<std::unordered_set<const Node*>> computed(b.evals.size());
+  std::unordered_map<const Node*, std::vector<size_t>> evaluations_of;
+  for (size_t e = 0; e < b.evals.size(); ++e)
+    for (const Node* node : b.evals[e].pending_raw) {
+      computed[e].insert(node);
+      evaluations_of[node].push_back(e);
+    }
+  for (const auto& [node, evaluations] : evaluations_of) {
+    if (evaluations.size() < 2) continue;
+    for (const NodePtr& input : node->inputs)
+      for (size_t e : evaluations)
+        if (!computed[e].count(input.get())) {
+          why = fmt::format(
+              "two evaluations of the call compute {} from values only one of them has (a value "
+              "evaluated before backward() or the optimizer's step, which computes it again: "
+              "read it after them)",
+              describe(*node));
+          return false;
+        }
+  }
+  return true;
+}
 
 // Gives evaluation e of the plan the second trace's graph. Its external inputs become private
-// leaves, so that binding a replay's inputs never touches a node the user may still hold. One
-// leaf per external for the whole plan: a node two evaluations compute (a forward value
-// mt::eval'd before backward() that the backward pass computes again, not stored) has one list
-// of inputs, which each evaluation's bindings set before it runs.
-void adopt_graph(Plan& plan, size_t e, Evaluation&& eval, PrivateLeaves& private_leaf) {
+// leaves, so that binding a replay's inputs never touches a node the user may still hold.
+void adopt_graph(Plan& plan, size_t e, Evaluation&& eval) {
   PlannedEvaluation& planned = plan.evals[e];
   planned.eval = std::move(eval);
   Signature& sig = planned.eval.executed.sig;
+  std::unordered_map<const Node*, NodePtr> private_leaf;
   for (size_t x = 0; x < sig.externals.size(); ++x) {
     Node* external = sig.externals[x];
-    auto& [original, leaf] = private_leaf[external];
-    if (!leaf) {
-      original = external->shared_from_this();
-      leaf = std::make_shared<Node>(*external);
-      leaf->inputs.clear();
-      leaf->value = planned.inputs[x].object;
-    }
+    auto leaf = std::make_shared<Node>(*external);
+    leaf->inputs.clear();
+    leaf->value = planned.inputs[x].object;
     // A parameter's, gradient's or result's value is read afresh each call: the plan keeps no old
     // weights, gradients or results alive.
     if (planned.inputs[x].through_parameter() || planned.inputs[x].through_gradient() ||
         planned.inputs[x].through_result())
       planned.eval.inputs[x].reset();
+    private_leaf.emplace(external, leaf);
     sig.externals[x] = leaf.get();  // Signature::ref() maps the leaf from here on
-    planned.leaves.push_back(leaf);
+    planned.leaves.push_back(std::move(leaf));
   }
   for (Node* node : planned.eval.pending_raw)
     for (NodePtr& input : node->inputs)
       if (auto found = private_leaf.find(input.get()); found != private_leaf.end())
-        input = found->second.second;
+        input = found->second;
   planned.result_slot.assign(sig.stored.size(), -1);
   for (size_t r = 0; r < plan.results.size(); ++r)
     if (plan.results[r].first == static_cast<int>(e))
@@ -504,10 +524,8 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, bool by_owner, std::string& 
     if (!planner.plan(e, planned)) return nullptr;
     plan->evals.push_back(std::move(planned));
   }
-  if (!hooks_read_no_result(b, why)) return nullptr;
-  PrivateLeaves private_leaf;
-  for (size_t e = 0; e < b.evals.size(); ++e)
-    adopt_graph(*plan, e, std::move(b.evals[e]), private_leaf);
+  if (!hooks_read_no_result(b, why) || !each_node_in_one_evaluation(b, why)) return nullptr;
+  for (size_t e = 0; e < b.evals.size(); ++e) adopt_graph(*plan, e, std::move(b.evals[e]));
   b.evals.clear();
   plan->hooks = std::move(b.hooks);
   plan->gradients = std::move(b.gradients);
