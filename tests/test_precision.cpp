@@ -1404,7 +1404,9 @@ TEST(Executor, HonoursAHalfAccumulatorFromACustomPolicy) {
     auto policy = std::make_shared<mt::OverridePolicy>(mt::fp32_policy());
     policy->rule("accumulate sums in " + std::string(mt::name(accum)),
                  [accum](const mt::PrecisionQuery& q) -> std::optional<mt::Precision> {
-                   if (q.op != OpCode::Sum && q.op != OpCode::MatMul) return std::nullopt;
+                   if (q.op != OpCode::Sum && q.op != OpCode::MatMul && q.op != OpCode::IndexAdd &&
+                       q.op != OpCode::ScatterAdd)
+                     return std::nullopt;
                    return mt::Precision{mt::f32, mt::f32, accum, "test accumulator"};
                  });
     return policy;
@@ -1413,21 +1415,31 @@ TEST(Executor, HonoursAHalfAccumulatorFromACustomPolicy) {
   mt::Tensor x = mt::tensor(values, {5});
   mt::Tensor row = mt::tensor(values, {1, 5});
   mt::Tensor column = mt::ones({5, 1});
-  mt::Tensor sum16, sum32, dot16, dot32;
+  // index_add and scatter_add (an embedding's gradient) of the five values into one zero.
+  mt::Tensor to_zero = mt::tensor(std::vector<int64_t>{0, 0, 0, 0, 0}, {5});
+  auto sums_in = [&](mt::DType accum) {
+    mt::autocast guard(accumulate_in(accum));
+    return std::vector<mt::Tensor>{mt::sum(x), mt::matmul(row, column),
+                                   mt::index_add(mt::zeros({1}), to_zero, x, 0),
+                                   mt::scatter_add(mt::zeros({1}), to_zero, x, 0)};
+  };
+  for (const mt::Tensor& sum : sums_in(mt::f16)) EXPECT_EQ(sum.to_vector<double>()[0], 1.0);
+  for (const mt::Tensor& sum : sums_in(mt::f32))
+    EXPECT_EQ(sum.to_vector<double>()[0], 1.0 + 4 * 0x1p-11);
+  // Fused attention has no 16-bit accumulator: a policy asking for one is told so.
+  auto half_attention = std::make_shared<mt::OverridePolicy>(mt::fp32_policy());
+  half_attention->rule("attention accumulates in f16", [](const mt::PrecisionQuery& q) {
+    return q.op == OpCode::Attention
+               ? std::optional<mt::Precision>(mt::Precision{mt::f32, mt::f32, mt::f16, "f16 sums"})
+               : std::nullopt;
+  });
+  mt::Tensor q = mt::ones({1, 2, 4});
+  mt::Tensor attended;
   {
-    mt::autocast guard(accumulate_in(mt::f16));
-    sum16 = mt::sum(x);
-    dot16 = mt::matmul(row, column);
+    mt::autocast guard(half_attention);
+    attended = mt::scaled_dot_product_attention(q, q, q);
   }
-  {
-    mt::autocast guard(accumulate_in(mt::f32));
-    sum32 = mt::sum(x);
-    dot32 = mt::matmul(row, column);
-  }
-  EXPECT_EQ(sum16.item(), 1.0);
-  EXPECT_EQ(dot16.item(), 1.0);
-  EXPECT_EQ(sum32.item(), 1.0 + 4 * 0x1p-11);
-  EXPECT_EQ(dot32.item(), 1.0 + 4 * 0x1p-11);
+  EXPECT_MT_ERROR(mt::eval({attended}), "f16 accumulator", "fused attention");
 }
 
 }  // namespace

@@ -157,6 +157,13 @@ Decision decide(const Policy& policy, const PrecisionQuery& query) {
     if (!is_floating(t))
       fail("policy '{}' gave the floating-point node {} a non-float precision {}", policy.name(),
            op_name(query.op), name(t));
+  // Fused attention's online softmax sums in f32 (f64 for f64) on every back end: a 16-bit
+  // accumulator would be reported and not used.
+  if (op_info(query.op).kind == OpKind::Attention && is_half(decided.accum))
+    fail(
+        "policy '{}' gave {} a {} accumulator, which fused attention does not have (its softmax "
+        "and products sum in f32): give it f32",
+        policy.name(), op_name(query.op), name(decided.accum));
   return {decided.storage, decided.compute, decided.accum,
           std::make_shared<const std::string>(std::move(decided.rule))};
 }

@@ -678,8 +678,9 @@ bool run_index_select(Node& node) {
 bool run_index_add(Node& node) {
   Storage& base = *node.inputs[0]->value;
   Storage& source = *node.inputs[2]->value;
+  // A 16-bit accumulator (a custom policy's) is the reference loops' to honour.
   if (!is_float_dtype(node.precision.storage_type) || !is_float_dtype(base.dtype) ||
-      !is_float_dtype(source.dtype))
+      !is_float_dtype(source.dtype) || is_half(node.precision.accum))
     return false;
   std::vector<int64_t> index = checked_indices(node);
   AxisSplit s = split_at(node.shape, node.attrs.axis);

@@ -820,11 +820,19 @@ StoragePtr ref_IndexAdd(const Node& node) {
   auto accumulate = [&](auto zero) {
     using T = decltype(zero);
     std::vector<T> acc = load_all<T>(value_of(node, 0));
+    const Accumulator accumulator{node.precision.accum};
     auto add_rows = [&](const auto* source) {
       for (int64_t o = 0; o < outer; ++o)
         for (int64_t j = 0; j < count; ++j) {
           T* to = acc.data() + (o * dim + index[j]) * inner;
           const auto* from = source + (o * count + j) * inner;
+          if constexpr (std::is_floating_point_v<T>) {
+            if (accumulator.rounds()) {  // a 16-bit accumulator a custom policy asked for
+              for (int64_t i = 0; i < inner; ++i)
+                to[i] = accumulator.add(to[i], static_cast<T>(from[i]));
+              continue;
+            }
+          }
           for (int64_t i = 0; i < inner; ++i) to[i] += static_cast<T>(from[i]);
         }
     };
@@ -887,8 +895,14 @@ StoragePtr ref_ScatterAdd(const Node& node) {
     using T = decltype(zero);
     std::vector<T> acc = load_all<T>(value_of(node, 0));
     std::vector<T> source = load_all<T>(value_of(node, 2));
+    const Accumulator accumulator{node.precision.accum};
     for_each_gathered(node, node.shape, node.inputs[1]->shape, index, node.attrs.axis,
-                      [&](int64_t i, int64_t offset) { acc[offset] += source[i]; });
+                      [&](int64_t i, int64_t offset) {
+                        if constexpr (std::is_floating_point_v<T>)
+                          acc[offset] = accumulator.add(acc[offset], source[i]);
+                        else
+                          acc[offset] += source[i];
+                      });
     for (int64_t i = 0; i < out->count; ++i) store_element(*out, i, acc[i]);
   };
   if (is_floating(node.dtype))
