@@ -271,32 +271,23 @@ namespace {
 
 // What record() leaves a compiled step to do after each replay: the replay recomputed this
 // update's flag and scale in place, so the record takes copies of them.
+// A disabled scaler's hook has no `add`: only the watch for its state being replaced (an
+// enabled scaler assigned to it), after which the step traces again.
 class RecordEachCall final : public StepHook {
  public:
   RecordEachCall(std::function<void(Tensor, Tensor)> add, std::function<bool()> replaced)
       : add_(std::move(add)), replaced_(std::move(replaced)) {}
-  const char* stale() const override { return replaced_() ? kReplaced : nullptr; }
-  void ran(const std::vector<std::shared_ptr<Storage>>& values) override {
-    add_(from_storage(values.at(0), {}), from_storage(values.at(1), {}));
+  const char* stale() const override {
+    return replaced_() ? "the loss scaler's state was loaded, set or assigned (load_state_dict, "
+                         "update(s), =) since the step was traced"
+                       : nullptr;
   }
-  static constexpr const char* kReplaced =
-      "the loss scaler's state was loaded, set or assigned (load_state_dict, update(s), =) since "
-      "the step was traced";
+  void ran(const std::vector<std::shared_ptr<Storage>>& values) override {
+    if (add_) add_(from_storage(values.at(0), {}), from_storage(values.at(1), {}));
+  }
 
  private:
   std::function<void(Tensor, Tensor)> add_;
-  std::function<bool()> replaced_;
-};
-
-// What a disabled scaler leaves a compiled step: only the watch for its state being replaced (an
-// enabled scaler assigned to it), after which the step traces again.
-class WatchEachCall final : public StepHook {
- public:
-  explicit WatchEachCall(std::function<bool()> replaced) : replaced_(std::move(replaced)) {}
-  const char* stale() const override { return replaced_() ? RecordEachCall::kReplaced : nullptr; }
-  void ran(const std::vector<std::shared_ptr<Storage>>&) override {}
-
- private:
   std::function<bool()> replaced_;
 };
 
@@ -311,7 +302,7 @@ std::function<bool()> GradScaler::replaced_since_now() const {
 }
 
 void GradScaler::watch_state() const {
-  on_each_call(std::make_shared<WatchEachCall>(replaced_since_now()));
+  on_each_call(std::make_shared<RecordEachCall>(nullptr, replaced_since_now()));
 }
 
 namespace {

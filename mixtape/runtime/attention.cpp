@@ -158,13 +158,13 @@ struct Tiles {
   Tiles(const Operands& a, bool backward) {
     const auto& g = a.g;
     const size_t rows = kQueryTile, cols = static_cast<size_t>(a.key_tile);
-    auto zeros = [](HostVector<T>& tile, size_t n) { tile.assign(n, T(0)); };
+    auto zeros = [](auto& tile, size_t n) { tile.assign(n, {}); };
     zeros(q, rows * g.d), zeros(k, cols * g.d), zeros(kt, cols * g.d);
     zeros(v, cols * g.dv), zeros(vt, cols * g.dv), zeros(s, rows * cols), zeros(dp, rows * cols);
     zeros(pt, rows * cols);
     zeros(acc, rows * g.dv), zeros(m, rows), zeros(l, rows), zeros(go, rows * g.dv);
     zeros(o, rows * g.dv), zeros(delta, rows), zeros(lse, rows), zeros(dq, rows * g.d);
-    zeros(z, cols), u.assign(cols + 8, 0.0f);
+    zeros(z, cols), zeros(u, cols + 8);
     if (backward)
       zeros(dk, static_cast<size_t>(g.tk * g.d)), zeros(dv, static_cast<size_t>(g.tk * g.dv));
   }
@@ -419,7 +419,8 @@ template <int W, typename T>
   const auto& g = a.g;
   const int64_t ld = a.key_tile, per_batch = g.tq * g.d + g.tk * (g.d + g.dv);
   const T ninf = -std::numeric_limits<T>::infinity(), scale = static_cast<T>(g.scale);
-  HostVector<T>&dk = t.dk, &dv = t.dv;
+  HostVector<T>& dk = t.dk;
+  HostVector<T>& dv = t.dv;
   std::fill(dk.begin(), dk.end(), T(0));
   std::fill(dv.begin(), dv.end(), T(0));
   for (int64_t i0 = 0; i0 < g.tq; i0 += kQueryTile) {

@@ -182,16 +182,20 @@ bool has_metadata(const Metadata& metadata, const std::string& key) {
 }
 
 // A whole decimal number from the metadata (an integer for an integral T); an absent or
-// malformed value names the key.
+// malformed value is an mt::Error starting with `context` that names the key.
 template <typename T>
-T metadata_number(const std::string& path, const Metadata& metadata, const std::string& key) {
-  if (!has_metadata(metadata, key)) fail("load_checkpoint {}: the file has no '{}'", path, key);
+T metadata_number_in(const std::string& context, const Metadata& metadata, const std::string& key) {
+  if (!has_metadata(metadata, key)) fail("{}: the file has no '{}'", context, key);
   std::string text = metadata_value(metadata, key);
   T value{};
   auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
   if (text.empty() || ec != std::errc() || end != text.data() + text.size())
-    fail("load_checkpoint {}: metadata '{}' = '{}' is not a number in range", path, key, text);
+    fail("{}: metadata '{}' = '{}' is not a number in range", context, key, text);
   return value;
+}
+template <typename T>
+T metadata_number(const std::string& path, const Metadata& metadata, const std::string& key) {
+  return metadata_number_in<T>("load_checkpoint " + path, metadata, key);
 }
 
 // The groups' options the file saved (kOptionsKey), as option_json wrote them; nullopt where
@@ -362,13 +366,9 @@ std::vector<std::optional<double>> metadata_rates(const std::string& context,
     return rates;
   }
   std::vector<std::optional<double>> rates(1);
-  if (!has_metadata(meta, "optimizer.lr")) return rates;
-  const std::string text = metadata_value(meta, "optimizer.lr");
-  double lr = 0;
-  auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), lr);
-  if (text.empty() || ec != std::errc() || end != text.data() + text.size())
-    fail("{}: metadata 'optimizer.lr' = '{}' is not a number in range", context, text);
-  rates[0] = rate(lr, "metadata 'optimizer.lr'");
+  if (has_metadata(meta, "optimizer.lr"))
+    rates[0] =
+        rate(metadata_number_in<double>(context, meta, "optimizer.lr"), "metadata 'optimizer.lr'");
   return rates;
 }
 
