@@ -9,6 +9,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <bit>
 #include <charconv>
@@ -28,6 +29,7 @@
 #include <fmt/format.h>
 
 #include "mixtape/dsl/error.h"
+#include "mixtape/dsl/half.h"
 #include "mixtape/dsl/json.h"
 #include "mixtape/runtime/safetensors.h"
 
@@ -386,8 +388,9 @@ TEST(Safetensors, ReaderValidatesEveryHeaderRule) {
        "unexpected field 'extra'"},
       {entry(R"("dtype":32,"shape":[2],"data_offsets":[0,8])"), 8, "'dtype' must be a string"},
       {entry(R"("dtype":"F8_E4M3","shape":[2],"data_offsets":[0,2])"), 2,
-       "unknown dtype 'F8_E4M3'"},
-      {entry(R"("dtype":"f32","shape":[2],"data_offsets":[0,8])"), 8, "unknown dtype 'f32'"},
+       "dtype 'F8_E4M3' is not one mixtape reads (F32, F64, F16, BF16, I32, I64, BOOL)"},
+      {entry(R"("dtype":"f32","shape":[2],"data_offsets":[0,8])"), 8,
+       "dtype 'f32' is not one mixtape reads"},
       {entry(R"("dtype":"F32","shape":2,"data_offsets":[0,8])"), 8, "'shape' must be"},
       {entry(R"("dtype":"F32","shape":[-2],"data_offsets":[0,8])"), 8, "'shape' must be"},
       {entry(R"("dtype":"F32","shape":[2.5],"data_offsets":[0,8])"), 8, "'shape' must be"},
@@ -989,13 +992,15 @@ TEST_F(SafetensorsFiles, AFileLargerThanTheMachineIsRefusedWithoutALimit) {
   EXPECT_MT_ERROR(st::read(path), "out of memory", path, "more than this machine's");
 }
 
-// ---- interop with an independent implementation of the format ----
+// ---- interop with independent implementations of the format ----
 
+// Debian's Python decodes files with nothing but struct and json (PythonInterop); PyPI's
+// safetensors, the format's reference implementation, reads and writes them in the venv
+// tools/reference_venv.sh makes (ReferenceSafetensors).
 constexpr const char* python = "/usr/bin/python3";
 
 // Decodes a file with nothing but struct and json, and compares it with what the C++ side
-// says it wrote, checksums recomputed with Python's xxhash; also cross-checks with the
-// safetensors package when that is installed.
+// says it wrote, checksums recomputed with Python's xxhash.
 constexpr const char* python_reader = R"PY(
 import json, math, struct, sys
 import xxhash
@@ -1033,16 +1038,6 @@ for t in expected['tensors']:
     assert checksums.pop(t['name']) == xxhash.xxh3_64_hexdigest(body[begin:end]), t['name']
 assert cursor == len(body), 'data section not fully covered'
 assert not checksums, ('checksums for unknown tensors', checksums)
-
-try:
-    from safetensors import safe_open
-except ImportError:
-    safe_open = None
-if safe_open is not None:
-    with safe_open(path, framework='pt') as f:
-        assert sorted(f.keys()) == sorted(names)
-        for t in expected['tensors']:
-            assert list(f.get_tensor(t['name']).shape) == t['shape']
 print('ok')
 )PY";
 
@@ -1073,7 +1068,8 @@ with open(sys.argv[1], 'wb') as f:
 class PythonInterop : public SafetensorsFiles {
  protected:
   void SetUp() override {
-    if (::access(python, X_OK) != 0) GTEST_SKIP() << python << " not found; interop not checked";
+    if (::access(python_.c_str(), X_OK) != 0)
+      GTEST_SKIP() << python_ << " not found; interop not checked";
     SafetensorsFiles::SetUp();
   }
 
@@ -1082,7 +1078,7 @@ class PythonInterop : public SafetensorsFiles {
     fs::path script_path = dir_ / "script.py";
     fs::path output_path = dir_ / "python_output.txt";
     std::ofstream(script_path) << script;
-    std::string command = fmt::format("{} '{}'", python, script_path.string());
+    std::string command = fmt::format("{} '{}'", python_, script_path.string());
     for (const std::string& arg : args) command += fmt::format(" '{}'", arg);
     command += fmt::format(" > '{}' 2>&1", output_path.string());
     int status = std::system(command.c_str());
@@ -1090,6 +1086,8 @@ class PythonInterop : public SafetensorsFiles {
     EXPECT_EQ(status, 0) << "python failed:\n" << output;
     return output;
   }
+
+  std::string python_ = python;
 };
 
 TEST_F(PythonInterop, PythonReadsWhatMixtapeWrites) {
@@ -1153,6 +1151,169 @@ TEST_F(PythonInterop, MixtapeReadsWhatPythonWrites) {
   std::string rewritten = dir_ / "rewritten.safetensors";
   st::write(rewritten, file);
   expect_same(st::read(rewritten), file);
+}
+
+// ---- the format's reference implementation (PyPI safetensors) ----
+
+// The venv's python (tools/reference_venv.sh, shared with test_summary_writer): Debian's Python
+// and torch plus PyPI's safetensors.
+class ReferenceSafetensors : public PythonInterop {
+ protected:
+  void SetUp() override {
+    std::string source = MIXTAPE_SOURCE_DIR, binary = MIXTAPE_BINARY_DIR;
+    int made = std::system(
+        (source + "/tools/reference_venv.sh " + binary + "/python-venv > /dev/null").c_str());
+    if (made != 0)
+      GTEST_SKIP() << "the reference venv could not be made (tools/reference_venv.sh said why "
+                      "above; it needs python3-venv and PyPI)";
+    python_ = binary + "/python-venv/bin/python";
+    PythonInterop::SetUp();
+  }
+};
+
+// safe_open and load_file read every tensor and the metadata of a file mixtape wrote, with the
+// values an independent decoder expects (our checksums are one more metadata string to them).
+constexpr const char* reference_reader = R"PY(
+import json, sys, torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+path, expected_path = sys.argv[1], sys.argv[2]
+expected = json.load(open(expected_path, encoding='utf-8'))
+tags = {torch.float32: 'F32', torch.float64: 'F64', torch.float16: 'F16', torch.bfloat16: 'BF16',
+        torch.int32: 'I32', torch.int64: 'I64', torch.bool: 'BOOL'}
+loaded = load_file(path)
+with safe_open(path, framework='pt') as f:
+    metadata = f.metadata()
+    assert sorted(f.keys()) == sorted(t['name'] for t in expected['tensors']), list(f.keys())
+    for t in expected['tensors']:
+        tensor = f.get_tensor(t['name'])
+        assert tags[tensor.dtype] == t['dtype'], (t['name'], tensor.dtype)
+        assert list(tensor.shape) == t['shape'], (t['name'], tensor.shape)
+        flat = tensor.flatten()
+        values = (flat.double() if tensor.is_floating_point() else flat).tolist()
+        assert values == t['values'], (t['name'], values, t['values'])
+        assert torch.equal(loaded[t['name']], tensor), t['name']
+assert 'mixtape.checksum.xxh3_64' in metadata, metadata
+del metadata['mixtape.checksum.xxh3_64']
+assert metadata == expected['metadata'], (metadata, expected['metadata'])
+print('ok')
+)PY";
+
+TEST_F(ReferenceSafetensors, SafeOpenReadsWhatMixtapeWrites) {
+  std::string path = dir_ / "from_cpp.safetensors";
+  st::File file = sample_file();
+  st::write(path, file);
+  Value metadata = Value::object();
+  for (const auto& [key, value] : file.metadata) metadata[key] = value;
+  Value tensors = Value::array();
+  for (const Expected& e : sample_expectations())
+    tensors.push_back(
+        {{"name", e.name}, {"dtype", e.dtype}, {"shape", e.shape}, {"values", e.values}});
+  std::string expected_path = dir_ / "expected.json";
+  std::ofstream(expected_path) << mt::json::dump(
+      Value{{"metadata", std::move(metadata)}, {"tensors", std::move(tensors)}});
+  EXPECT_NE(run_python(reference_reader, {path, expected_path}).find("ok"), std::string::npos);
+}
+
+// save_file writes every dtype mixtape reads, at the edges of each (f16's largest and smallest
+// numbers, bf16 near f32's range, i64's extremes), a 0-d and an empty tensor, a transposed one
+// made contiguous, and unicode metadata; the values it meant go to a JSON file beside it. It
+// also writes one file per dtype the format has and mixtape does not read.
+constexpr const char* reference_writer = R"PY(
+import json, sys, torch
+from safetensors.torch import save_file
+
+folder = sys.argv[1]
+tensors = {
+    'f64': torch.tensor([0.1, -1e300, 5e-324], dtype=torch.float64),
+    'f32.transposed': (torch.arange(6, dtype=torch.float32).reshape(2, 3) * -1.5).t().contiguous(),
+    'f16': torch.tensor([65504.0, -2.0 ** -24, 0.333, -0.0], dtype=torch.float16),
+    'bf16': torch.tensor([[3e38, -1.0 / 3], [1e-38, 7.0]], dtype=torch.bfloat16),
+    'i64': torch.tensor([2 ** 62, -2 ** 63, 2 ** 63 - 1]),
+    'i32': torch.tensor([[-2 ** 31], [2 ** 31 - 1]], dtype=torch.int32),
+    'mask': torch.tensor([True, False, True]),
+    'scalar': torch.tensor(2.5),
+    'empty': torch.zeros(0, 4, dtype=torch.float16),
+}
+tags = {torch.float32: 'F32', torch.float64: 'F64', torch.float16: 'F16', torch.bfloat16: 'BF16',
+        torch.int32: 'I32', torch.int64: 'I64', torch.bool: 'BOOL'}
+metadata = {'format': 'pt', 'note': 'caf\u00e9 \U0001F600'}
+save_file(tensors, folder + '/from_reference.safetensors', metadata=metadata)
+expected = {'metadata': metadata, 'tensors': [
+    {'name': name, 'dtype': tags[t.dtype], 'shape': list(t.shape),
+     'values': (t.double() if t.is_floating_point() else t).flatten().tolist()}
+    for name, t in tensors.items()]}
+json.dump(expected, open(folder + '/expected.json', 'w', encoding='utf-8'))
+for name, dtype in [('i8', torch.int8), ('u8', torch.uint8), ('i16', torch.int16)]:
+    save_file({'q': torch.tensor([1, 2], dtype=dtype)}, folder + '/' + name + '.safetensors')
+)PY";
+
+// A tensor's values decoded to JSON numbers (f16 and bf16 by exact widening), as Python's
+// tolist() of the same tensor gives them.
+Value decoded(const st::TensorData& tensor) {
+  Value values = Value::array();
+  auto push_all = [&]<typename T>(T, auto widen) {
+    for (T value : from_bytes<T>(tensor.bytes)) values.push_back(widen(value));
+  };
+  auto same = [](auto value) { return value; };
+  switch (tensor.dtype) {
+    case DType::f32:
+      push_all(float{}, [](float v) { return double{v}; });
+      break;
+    case DType::f64:
+      push_all(double{}, same);
+      break;
+    case DType::f16:
+      push_all(uint16_t{}, [](uint16_t b) { return double{mt::f16_bits_to_f32(b)}; });
+      break;
+    case DType::bf16:
+      push_all(uint16_t{}, [](uint16_t b) { return double{mt::bf16_bits_to_f32(b)}; });
+      break;
+    case DType::i32:
+      push_all(int32_t{}, same);
+      break;
+    case DType::i64:
+      push_all(int64_t{}, same);
+      break;
+    case DType::boolean:
+      push_all(uint8_t{}, [](uint8_t b) { return b != 0; });
+      break;
+    default:
+      ADD_FAILURE() << "unexpected dtype for " << tensor.name;
+  }
+  return values;
+}
+
+TEST_F(ReferenceSafetensors, MixtapeReadsWhatSaveFileWrites) {
+  run_python(reference_writer, {dir_.string()});
+  st::File file = st::read(dir_ / "from_reference.safetensors");
+  Value expected = mt::json::parse(read_text(dir_ / "expected.json"));
+
+  ASSERT_EQ(file.tensors.size(), expected["tensors"].size());
+  for (const Value& want : expected["tensors"]) {
+    const std::string& name = want["name"].get_ref<const std::string&>();
+    SCOPED_TRACE(name);
+    const st::TensorData* got = file.find(name);
+    ASSERT_NE(got, nullptr);
+    EXPECT_EQ(mt::safetensors_name(got->dtype), want["dtype"].get<std::string>());
+    EXPECT_EQ(Value(got->shape), want["shape"]);
+    EXPECT_EQ(decoded(*got), want["values"]);
+  }
+  using Metadata = std::vector<std::pair<std::string, std::string>>;
+  Metadata metadata;
+  for (const auto& [key, value] : expected["metadata"].items())
+    metadata.emplace_back(key, value.get<std::string>());
+  std::sort(metadata.begin(), metadata.end());
+  Metadata read_metadata = file.metadata;
+  std::sort(read_metadata.begin(), read_metadata.end());
+  EXPECT_EQ(read_metadata, metadata);
+
+  // Dtypes of the format mixtape has no tensors for are refused by name, not misread.
+  for (auto [tag, file_name] : {std::pair{"I8", "i8"}, {"U8", "u8"}, {"I16", "i16"}}) {
+    std::string path = dir_ / fmt::format("{}.safetensors", file_name);
+    EXPECT_MT_ERROR(st::read(path), path, fmt::format("dtype '{}' is not one mixtape reads", tag));
+  }
 }
 
 }  // namespace

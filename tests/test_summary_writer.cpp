@@ -472,9 +472,9 @@ TEST(RoundTrip, TensorBoardReadsEveryScalarExactly) {
   std::string source = MIXTAPE_SOURCE_DIR, binary = MIXTAPE_BINARY_DIR;
   std::string venv_python = binary + "/python-venv/bin/python";
   int made = std::system(
-      (source + "/tools/tensorboard_venv.sh " + binary + "/python-venv > /dev/null").c_str());
+      (source + "/tools/reference_venv.sh " + binary + "/python-venv > /dev/null").c_str());
   if (made != 0)
-    GTEST_SKIP() << "the tensorboard venv could not be made (tools/tensorboard_venv.sh said why "
+    GTEST_SKIP() << "the reference venv could not be made (tools/reference_venv.sh said why "
                     "above; it needs python3-venv and PyPI)";
   fs::path dir = fresh_dir("roundtrip");
   std::vector<std::tuple<std::string, int64_t, float>> expected;

@@ -3,8 +3,8 @@
 # Usage: tools/install_deps.sh [--test]   (--test adds what the test suite needs: GoogleTest,
 # PyTorch and numpy for the oracle tests, Python's xxhash to check checkpoint checksums, clang
 # 16's libFuzzer for tests/fuzz: clang 14 cannot compile GCC 12's <source_location>, pkg-config
-# for the deploy test's C builds, python3-venv for the venv tools/tensorboard_venv.sh fills with
-# PyPI's tensorboard, python3-matplotlib for tools/plot_run.py). libisal-dev: CRC32C for the
+# for the deploy test's C builds, python3-venv for the venv tools/reference_venv.sh fills with
+# PyPI's tensorboard and safetensors, python3-matplotlib for tools/plot_run.py). libisal-dev: CRC32C for the
 # TensorBoard event files. nlohmann-json3-dev: the JSON of checkpoints, artifacts and reports;
 # libcli11-dev: the examples' command lines (both header-only). gcc and binutils: an AOT export
 # compiles and links the artifact's libraries with cc, ld, objcopy, ar and nm. libopenmpi-dev

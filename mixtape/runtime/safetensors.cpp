@@ -258,7 +258,11 @@ Entry read_entry(std::string name, const json::Value& value, uint64_t data_size,
   if (!dtype.is_string()) bad("'dtype' must be a string");
   const std::string& tag = dtype.get_ref<const std::string&>();
   std::optional<DType> parsed_dtype = dtype_from_tag(tag);
-  if (!parsed_dtype) bad(fmt::format("unknown dtype '{}'", tag));
+  if (!parsed_dtype) {
+    std::vector<std::string_view> readable;
+    for (DType known : all_dtypes) readable.push_back(safetensors_name(known));
+    bad(fmt::format("dtype '{}' is not one mixtape reads ({})", tag, fmt::join(readable, ", ")));
+  }
   entry.dtype = *parsed_dtype;
 
   std::optional<std::vector<int64_t>> shape = read_naturals(value.at("shape"));
