@@ -751,6 +751,15 @@ TEST(DataLoader, LoadStateRejectsWhatCannotBeRightAndChangesNothing) {
   state = good;
   state.epoch = -2;
   rejected(state, {"epoch -2"});
+  // A position no loader of the state's shards can reach, whose count of examples overflowed
+  // and resumed a loader at a negative position that failed every next().
+  DataLoader huge(data, int64_t{1} << 62, false, 0, false);
+  DataLoader::State far = huge.state();
+  far.shards = 2;
+  far.position = 1;
+  EXPECT_TRUE(contains(error_of([&] { huge.load_state(far); }), "position 1"));
+  EXPECT_EQ(huge.state().position, 0);
+  EXPECT_EQ(rows_of(huge.next()), range(0, 10));
   // A different dataset size is caught through the order.
   TensorDataset bigger = numbered(12);
   DataLoader other(bigger, 3, true, 5);

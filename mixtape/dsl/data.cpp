@@ -502,9 +502,10 @@ DataLoader::State DataLoader::state() const {
 // epoch's order taken by all processes together.
 int64_t DataLoader::resumed_position(const State& state) const {
   if (state.shards == shard_.count) return state.position;
-  int64_t taken = state.position * state.batch_size * state.shards,
-          global = batch_size_ * shard_.count;
-  if (taken % global != 0)
+  // check_state bounds position, so taken is at most the dataset's size; a global batch whose
+  // size overflows is larger than any such count.
+  int64_t taken = state.position * state.batch_size * state.shards, global = 0;
+  if (__builtin_mul_overflow(batch_size_, shard_.count, &global) || taken % global != 0)
     fail(
         "DataLoader::load_state: the state was taken by {} processes {} examples into the "
         "epoch, which is not a whole number of batches of {} processes ({} each); resume at an "
@@ -537,9 +538,13 @@ void DataLoader::check_state(const State& state) const {
   if (state.epoch < 0) fail("DataLoader::load_state: epoch {} is negative", state.epoch);
   if (state.shards < 1 || state.shards > n)
     fail("DataLoader::load_state: the state is of {} shards, of a dataset of {}", state.shards, n);
-  // A loader of `shards` shards has at most this many batches (and the products below fit).
-  if (state.position < 0 || state.position > n / state.shards / state.batch_size + 1)
-    fail("DataLoader::load_state: position {} is outside the epoch", state.position);
+  // A loader of `shards` shards has this many batches, each at most batch_size of its share
+  // (so resumed_position's products stay within the dataset's size).
+  int64_t share = n / state.shards,
+          batches = share / state.batch_size + (!drop_last_ && share % state.batch_size != 0);
+  if (state.position < 0 || state.position >= batches)
+    fail("DataLoader::load_state: position {} is outside the epoch's {} batches of {} shards",
+         state.position, batches, state.shards);
   if (int64_t position = resumed_position(state); position >= batches_per_epoch())
     fail("DataLoader::load_state: position {} is outside the epoch's {} batches", position,
          batches_per_epoch());
