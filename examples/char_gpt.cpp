@@ -56,7 +56,7 @@ constexpr const char* kVocabFile = "char_gpt_vocab.txt";
 
 Options parse(int argc, char** argv) {
   Options o;
-  CLI::App app("A character-level GPT trained on tiny Shakespeare; samples text after training.",
+  CLI::App app("A character-level GPT trained on the BSD fortunes; samples text after training.",
                "char_gpt");
   auto positive = examples::at_least(1);
   examples::add_steps(app, o.steps);
@@ -100,7 +100,7 @@ Options parse(int argc, char** argv) {
                "activation checkpointing of every transformer block: backward recomputes their "
                "activations instead of keeping them");
   app.add_option("--export", o.export_dir, "export the trained model as a C library into DIR")
-      ->check(examples::path_value())
+      ->check(examples::output_folder())
       ->type_name("DIR");
   examples::add_distributed(app, o.distributed);
   app.add_flag("--zero", o.zero,

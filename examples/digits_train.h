@@ -84,10 +84,10 @@ inline Options parse(const std::string& example, const Defaults& defaults, int a
       ->check(examples::path_value())
       ->type_name("FILE");
   app.add_option("--save", o.save, "save the trained weights to this checkpoint")
-      ->check(examples::path_value())
+      ->check(examples::output_file())
       ->type_name("FILE");
   app.add_option("--export", o.export_dir, "export the trained model as C libraries into DIR")
-      ->check(examples::path_value())
+      ->check(examples::output_folder())
       ->type_name("DIR");
   examples::add_distributed(app, o.distributed);
   examples::add_training_flags(app, o);
@@ -224,6 +224,8 @@ int run(const Options& o, Model& net) {
   // Training is over: the processes part (the step exported below is one process's, without the
   // gradients' all_reduce, which would wait for the others).
   data_parallel.reset();
+  // Saved first: an export that fails (no C compiler, a full disk) loses no trained weights.
+  if (!o.save.empty() && root) mt::save_checkpoint(o.save, net, optimizer.get());
   // The step is exported while the model still trains; the export puts the state back.
   if (!o.export_dir.empty() && root) {
     mt::aot::Options step_options{.name = o.example + "_train",
@@ -256,7 +258,6 @@ int run(const Options& o, Model& net) {
   for (size_t i = 0; i < labels.size(); ++i) correct += predicted[i] == labels[i];
   double accuracy = static_cast<double>(correct) / static_cast<double>(labels.size());
 
-  if (!o.save.empty() && root) mt::save_checkpoint(o.save, net, optimizer.get());
   if (!o.export_dir.empty() && root) {
     mt::aot::Options options{.name = o.example,
                              .dynamic_batch = {.max = 1024},
@@ -264,11 +265,12 @@ int run(const Options& o, Model& net) {
                              .devices = mt::aot::exportable_devices()};
     mt::aot::export_function(classify, {mt::aot::input("x", {1024, 64}, mt::f32)}, {"logits"},
                              o.export_dir, options);
-    std::printf(
-        "exported to %s: %s (logits f32 [batch, 10] from x f32 [batch, 64], batch 1..1024, "
-        "policy %s) and %s_train (one training step, batch %lld); see examples/deploy/\n",
-        o.export_dir.c_str(), o.example.c_str(), o.policy.c_str(), o.example.c_str(),
-        static_cast<long long>(o.batch));
+    if (!o.json_only)
+      std::printf(
+          "exported to %s: %s (logits f32 [batch, 10] from x f32 [batch, 64], batch 1..1024, "
+          "policy %s) and %s_train (one training step, batch %lld); see examples/deploy/\n",
+          o.export_dir.c_str(), o.example.c_str(), o.policy.c_str(), o.example.c_str(),
+          static_cast<long long>(o.batch));
   }
   if (!o.json_only)
     std::printf("test accuracy %.2f%% (%lld/%zu), %lld steps in %.1f s\n", accuracy * 100,

@@ -6,12 +6,16 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <unistd.h>
+
 #include <cctype>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <functional>
 #include <limits>
 #include <optional>
@@ -40,6 +44,8 @@ inline CLI::Validator number_that(const std::string& rule, std::function<bool(do
             if (!CLI::detail::lexical_cast(text, value)) return "not a number: " + text;
             if (std::string why = not_decimal(text); !why.empty()) return why;
             if (!std::isfinite(value)) return "must be a finite number, got " + text;
+            // CLI11 saturates an integer flag beyond int64 at 2^63 - 1 without a word.
+            if (std::fabs(value) >= 0x1p63) return "must be below 2^63, got " + text;
             return ok(value) ? "" : "must be " + rule + ", got " + text;
           },
           rule};
@@ -58,12 +64,13 @@ inline CLI::Validator seed_value() {
           "[0, 2^64)"};
 }
 
-/// The factor of --loss-scale static:N: a finite number above 0 that f32 holds, or nothing.
+/// The factor of --loss-scale static:N: a normal f32 number (GradScaler's range), or nothing.
 inline std::optional<double> static_scale(const std::string& text) {
   double factor = 0;
   if (!text.starts_with("static:") || !CLI::detail::lexical_cast(text.substr(7), factor))
     return std::nullopt;
-  if (!(factor > 0 && factor <= std::numeric_limits<float>::max())) return std::nullopt;
+  if (!(factor >= std::numeric_limits<float>::min() && factor <= std::numeric_limits<float>::max()))
+    return std::nullopt;
   return factor;
 }
 
@@ -73,6 +80,45 @@ inline CLI::Validator path_value() {
             return text.empty() ? "needs a path, got an empty one" : "";
           },
           "PATH"};
+}
+
+/// Why a file or folder cannot be made inside `folder` (which must exist), or "".
+inline std::string unwritable_folder(const std::filesystem::path& folder) {
+  std::error_code error;
+  if (!std::filesystem::exists(folder, error))
+    return "the folder " + folder.string() + " does not exist";
+  if (!std::filesystem::is_directory(folder, error)) return folder.string() + " is not a folder";
+  if (::access(folder.c_str(), W_OK | X_OK) != 0)
+    return "cannot write into " + folder.string() + ": " + std::strerror(errno);
+  return "";
+}
+
+/// A folder the run writes into at its end (--export, --logdir): one that exists, or can be
+/// made, writable. Checked with the flags, so that a bad one is found before training, not
+/// after it (the trained model lost), and by every process of a distributed run alike.
+inline CLI::Validator output_folder() {
+  return {[](std::string& text) -> std::string {
+            if (text.empty()) return "needs a path, got an empty one";
+            std::filesystem::path existing = text;  // its nearest part that exists
+            std::error_code error;
+            while (!existing.empty() && !std::filesystem::exists(existing, error))
+              existing = existing.parent_path();
+            return unwritable_folder(existing.empty() ? "." : existing);
+          },
+          "DIR"};
+}
+
+/// A file the run writes at its end (--save): not a folder, in a folder that exists, writable.
+inline CLI::Validator output_file() {
+  return {[](std::string& text) -> std::string {
+            if (text.empty()) return "needs a path, got an empty one";
+            std::filesystem::path path = text;
+            std::error_code error;
+            if (std::filesystem::is_directory(path, error)) return text + " is a folder";
+            std::filesystem::path folder = path.parent_path();
+            return unwritable_folder(folder.empty() ? "." : folder);
+          },
+          "FILE"};
 }
 
 inline CLI::Validator at_least(double min) {
@@ -104,7 +150,7 @@ inline void add_steps(CLI::App& app, int64_t& steps) {
 /// --logdir DIR.
 inline void add_logdir(CLI::App& app, std::string& logdir) {
   app.add_option("--logdir", logdir, "write the run's TensorBoard event files into DIR")
-      ->check(path_value())
+      ->check(output_folder())
       ->type_name("DIR");
 }
 
@@ -129,7 +175,7 @@ inline void add_training_flags(CLI::App& app, TrainingFlags& f) {
           [](std::string& text) -> std::string {
             if (text == "none" || text == "dynamic") return "";
             if (static_scale(text)) return "";
-            return "must be none, static:N (0 < N <= 3.4e38, the largest float) or dynamic, "
+            return "must be none, static:N (2^-126 <= N <= 3.4e38, normal floats) or dynamic, "
                    "got '" +
                    text + "'";
           },

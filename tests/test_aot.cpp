@@ -126,6 +126,26 @@ TEST_P(AotStep, TrainingStepEqualsCompile) {
     EXPECT_NE(std::string(mixtape_aot_error(model.m)).find("the artifact's own"), std::string::npos)
         << mixtape_aot_error(model.m);
   }
+  // Nor over its library or header, nor over what an export beside it wrote (a sibling
+  // artifact's weights, named by its manifest; any library, header, package or plan file).
+  for (const std::string& own : {dir + "/libdigits_train.so", dir + "/digits_train.h"}) {
+    EXPECT_EQ(mixtape_aot_save(model.m, own.c_str()), MIXTAPE_AOT_ERROR_ARGUMENT) << own;
+    EXPECT_NE(std::string(mixtape_aot_error(model.m)).find("the artifact's own"), std::string::npos)
+        << mixtape_aot_error(model.m);
+  }
+  std::ofstream(dir + "/sibling.json") << "{}";
+  for (const std::string& beside : {dir + "/sibling.safetensors", dir + "/libsibling.so",
+                                    dir + "/sibling.h", dir + "/sibling.plan"}) {
+    EXPECT_EQ(mixtape_aot_save(model.m, beside.c_str()), MIXTAPE_AOT_ERROR_ARGUMENT) << beside;
+    EXPECT_NE(std::string(mixtape_aot_error(model.m)).find("a file an export wrote"),
+              std::string::npos)
+        << mixtape_aot_error(model.m);
+    EXPECT_FALSE(fs::exists(beside) && fs::file_size(beside) > 0) << beside;
+  }
+  fs::remove(dir + "/sibling.json");
+  const std::string in_folder = dir + "/state.safetensors";  // a checkpoint of its own is fine
+  EXPECT_EQ(mixtape_aot_save(model.m, in_folder.c_str()), 0) << mixtape_aot_error(model.m);
+  fs::remove(in_folder);
   Model again(dir, "digits_train", table);
   EXPECT_NE(again.m, nullptr);
   std::string reference = dir + "_reference.safetensors";

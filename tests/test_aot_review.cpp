@@ -435,6 +435,40 @@ TEST_F(AotReviewFiles, AFileSwappedAfterItsCheckIsNeverUsed) {
   fs::remove_all(copy);
 }
 
+// A FIFO in the weights' place that no writer ever opens made the open hang for good (a blocking
+// open waits for a writer): it is refused after a wait, and a directory or device at once.
+TEST_F(AotReviewFiles, AFifoNobodyWritesIsRefusedNotWaitedOnForever) {
+  std::string copy = art_->dir + "_silent";
+  fs::remove_all(copy);
+  fs::copy(art_->dir, copy);
+  std::string weights = copy + "/digits.safetensors";
+  fs::remove(weights);
+  ASSERT_EQ(mkfifo(weights.c_str(), 0600), 0) << std::strerror(errno);
+  mixtape_aot_model* m = nullptr;
+  EXPECT_EQ(mixtape_aot_open(copy.c_str(), "digits", art_->table->manifest_xxh3.c_str(), "cpu",
+                             &art_->table->variant, 1, &m),
+            MIXTAPE_AOT_ERROR_FILE);
+  EXPECT_NE(std::string(mixtape_aot_error(nullptr)).find("a FIFO that sent nothing"),
+            std::string::npos)
+      << mixtape_aot_error(nullptr);
+  fs::remove(weights);
+  fs::create_symlink("/dev/zero", weights);
+  EXPECT_EQ(mixtape_aot_open(copy.c_str(), "digits", art_->table->manifest_xxh3.c_str(), "cpu",
+                             &art_->table->variant, 1, &m),
+            MIXTAPE_AOT_ERROR_FILE);
+  EXPECT_NE(std::string(mixtape_aot_error(nullptr)).find("not a regular file"), std::string::npos)
+      << mixtape_aot_error(nullptr);
+  EXPECT_EQ(m, nullptr);
+  // An empty folder name and "cpu:" with no target are argument errors.
+  EXPECT_EQ(mixtape_aot_open("", "digits", art_->table->manifest_xxh3.c_str(), "cpu",
+                             &art_->table->variant, 1, &m),
+            MIXTAPE_AOT_ERROR_ARGUMENT);
+  EXPECT_EQ(mixtape_aot_open(art_->dir.c_str(), "digits", art_->table->manifest_xxh3.c_str(),
+                             "cpu:", &art_->table->variant, 1, &m),
+            MIXTAPE_AOT_ERROR_ARGUMENT);
+  fs::remove_all(copy);
+}
+
 // Each file of an export is replaced atomically, but not the set: the plan and weights are
 // written before the libraries are built and the manifest last. An export over a working
 // artifact that fails in between (no C compiler, no runtime archive, a full disk) leaves the old

@@ -556,6 +556,50 @@ TEST(FusedAttention, AMaskWiderThanTheOperandsBatchBroadcastsTheResult) {
   for (size_t j = 0; j < want.size(); ++j) EXPECT_NEAR(got[j], want[j], 1e-6) << j;
 }
 
+// ... and so does a bool mask, whose broadcast widened the mask but not the scores.
+TEST(FusedAttention, ABoolMaskWiderThanTheOperandsBatchBroadcastsTheResult) {
+  mt::Generator gen(4);
+  mt::Tensor q = mt::randn({1, 5, 4}, mt::f32, &gen), k = mt::randn({1, 7, 4}, mt::f32, &gen),
+             v = mt::randn({1, 7, 4}, mt::f32, &gen), noise = mt::randn({3, 5, 7}, mt::f32, &gen);
+  mt::Tensor allowed = noise > -0.5,
+             additive = mt::where(allowed, mt::zeros_like(noise), mt::full_like(noise, -INFINITY));
+  mt::Tensor out = mt::scaled_dot_product_attention(q, k, v, allowed);
+  EXPECT_EQ(out.shape(), (mt::Shape{3, 5, 4}));
+  std::vector<float> got = values(out),
+                     want = values(mt::scaled_dot_product_attention(q, k, v, additive));
+  for (size_t j = 0; j < want.size(); ++j) EXPECT_NEAR(got[j], want[j], 1e-6) << j;
+}
+
+// A row whose keys an additive mask of -1e9 (or the f32 minimum, PyTorch's masked_fill value)
+// all hides gets the forward pass's weights, exp(s - max) / sum, in the fused backward too: its
+// log-sum-exp max + log(sum) lost log(sum) to rounding, so each weight was 1 and the row's
+// gradients were the key count times the composite's.
+TEST(FusedAttention, RowsAHugeAdditiveMaskHidesGetTheCompositesGradients) {
+  if (mt::current_device() == mt::Device::reference)
+    GTEST_SKIP() << "the reference loops make these rows' weights in f64, where -1e9 keeps the "
+                    "differences of the scores that the f32 composite rounds away";
+  const Case c{"hidden rows", 1, 1, 3, 40, 8, 8, false, Case::Additive};
+  for (double hide : {-1e9, static_cast<double>(std::numeric_limits<float>::lowest())}) {
+    SCOPED_TRACE(hide);
+    Values x = values_for(c, 9);
+    for (int64_t j = 0; j < c.tk; ++j) x.mask[static_cast<size_t>(j)] = hide;  // query 0
+    Result fused = run(c, x, true, mt::f32), composite = run(c, x, false, mt::f32);
+    EXPECT_EQ(fused.op, mt::OpCode::Attention);
+    expect_close(fused, composite, 1e-5);
+  }
+}
+
+// PyTorch's argument order (dropout_p before is_causal) does not compile, rather than taking the
+// dropout probability as the causal flag.
+template <typename... Args>
+concept AttentionCall = requires(Args... args) {
+  mt::scaled_dot_product_attention(args...);
+};
+static_assert(!AttentionCall<mt::Tensor, mt::Tensor, mt::Tensor, mt::Tensor, double>);
+static_assert(!AttentionCall<mt::Tensor, mt::Tensor, mt::Tensor, mt::Tensor, double, bool>);
+static_assert(AttentionCall<mt::Tensor, mt::Tensor, mt::Tensor, mt::Tensor, bool>);
+static_assert(AttentionCall<mt::Tensor, mt::Tensor, mt::Tensor, mt::Tensor, bool, double, double>);
+
 // With no key to attend (S = 0) MultiheadAttention averages nothing: its output is out_proj's
 // bias and its weights are empty, as PyTorch's (a softmax over the empty axis threw).
 TEST(FusedAttention, MultiheadAttentionOverNoKeysGivesTheOutputBias) {

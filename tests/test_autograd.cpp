@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -701,6 +702,125 @@ TEST(Memory, LongTrainingLoopKeepsTheGraphFlat) {
   EXPECT_NEAR(w[1], -1.0, 1e-3);
   EXPECT_NEAR(w[2], 0.5, 1e-3);
   EXPECT_NEAR(model.bias.item(), 1.0, 1e-3);
+}
+
+// ---- what a review against torch 1.13 found ----
+
+// Gradients of the activations whose exponential branch overflows where it is not taken: 0 * inf
+// was NaN, added to the taken branch's gradient. torch: 1 (selu: its scale; softplus(-x): -1).
+TEST(ActivationGradients, AreFiniteWhereTheUnusedBranchOverflows) {
+  for (mt::DType dt : {mt::f32, mt::f64}) {
+    const double big = dt == mt::f32 ? 100.0 : 800.0;
+    auto gradient = [&](auto f, double at) {
+      mt::Tensor x = mt::full({1}, at, dt).requires_grad_();
+      mt::sum(f(x)).backward();
+      return x.grad().template to_vector<double>()[0];
+    };
+    EXPECT_EQ(gradient([](const mt::Tensor& x) { return mt::softplus(x); }, big), 1.0);
+    EXPECT_EQ(gradient([](const mt::Tensor& x) { return mt::softplus(-x); }, -big), -1.0);
+    EXPECT_EQ(gradient([](const mt::Tensor& x) { return mt::elu(x); }, big), 1.0);
+    EXPECT_NEAR(gradient([](const mt::Tensor& x) { return mt::selu(x); }, big), 1.0507009873554805,
+                1e-6);
+    EXPECT_EQ(gradient([](const mt::Tensor& x) { return mt::mish(x); }, big), 1.0);
+    // The taken exponential branch is unchanged: elu'(-1) = exp(-1), softplus'(0) = 1/2.
+    EXPECT_NEAR(gradient([](const mt::Tensor& x) { return mt::elu(x); }, -1.0), std::exp(-1.0),
+                1e-7);
+    EXPECT_NEAR(gradient([](const mt::Tensor& x) { return mt::softplus(x); }, 0.0), 0.5, 1e-7);
+  }
+}
+
+// A NaN maximum's gradient is NaN, as torch.amax's: eq found no maximum, and zeros hid the NaN
+// from the loss scaler's check of the gradients. min and norm(inf) share the rule.
+TEST(ReductionGradients, ANanMaximumGivesNanGradients) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  mt::Tensor x = mt::tensor(std::vector<double>{1, nan, 3, 2, 5, 4}, {2, 3}).requires_grad_();
+  mt::sum(mt::max(x, {1})).backward();
+  std::vector<double> g = x.grad().to_vector<double>();
+  for (int i = 0; i < 3; ++i) EXPECT_TRUE(std::isnan(g[i])) << i;
+  EXPECT_EQ(std::vector<double>(g.begin() + 3, g.end()), (std::vector<double>{0, 1, 0}));
+  mt::Tensor y = mt::tensor(std::vector<double>{1, nan}, {2}).requires_grad_();
+  mt::min(y).backward();
+  EXPECT_TRUE(std::isnan(y.grad().to_vector<double>()[0]));
+}
+
+// The exponent's gradient of pow is 0 only where the base is 0 and the exponent not negative,
+// as torch's: a negative base gives NaN (the log), a zero base and negative exponent -inf.
+TEST(PowGradient, TheExponentsFollowsTorch) {
+  auto exponent_gradient = [](double base, double exponent) {
+    mt::Tensor e = mt::full({1}, exponent, mt::f64).requires_grad_();
+    mt::sum(mt::pow(mt::full({1}, base, mt::f64), e)).backward();
+    return e.grad().to_vector<double>()[0];
+  };
+  EXPECT_TRUE(std::isnan(exponent_gradient(-2, 2)));
+  EXPECT_EQ(exponent_gradient(0, -1), -std::numeric_limits<double>::infinity());
+  EXPECT_EQ(exponent_gradient(0, 2), 0.0);
+  EXPECT_EQ(exponent_gradient(0, 0), 0.0);
+  EXPECT_NEAR(exponent_gradient(2, 3), 8 * std::log(2.0), 1e-12);
+}
+
+// requires_grad_() on another handle of a tensor that trains (w.to(w.dtype()), an identity
+// reshape: in torch, w itself) took the gradient from w, which then got none.
+TEST(RequiresGrad, AnAliasOfATrainingTensorLeavesItItsGradient) {
+  mt::Tensor w = mt::tensor(std::vector<float>{1, 2}, {2}).requires_grad_();
+  w.to(mt::f32).requires_grad_();
+  mt::reshape(w, {2}).requires_grad_();
+  mt::sum(w * w).backward();
+  ASSERT_TRUE(w.grad().defined());
+  EXPECT_EQ(w.grad().to_vector<float>(), (std::vector<float>{2, 4}));
+}
+
+// A tensor assigned to a parameter member (one loaded from a file) is the parameter and trains,
+// as module.h says: it required no grad and silently stayed as it was. One frozen in place stays
+// frozen.
+struct TwoWeights : mt::Module {
+  mt::Tensor w = mt::zeros({2}), frozen = mt::zeros({2});
+  TwoWeights() {
+    register_parameter("w", &w);
+    register_parameter("frozen", &frozen);
+  }
+};
+
+TEST(ModuleParameters, ATensorAssignedToAParameterMemberTrains) {
+  TwoWeights m;
+  m.frozen.requires_grad_(false);
+  m.w = mt::full({2}, 0.5);  // as a loaded tensor: no grad
+  mt::SGD opt(m.parameters(), {.lr = 1.0});
+  for (int step = 0; step < 3; ++step) {
+    opt.zero_grad();
+    mt::sum(m.w * 2.0 + m.frozen).backward();
+    opt.step();
+  }
+  EXPECT_TRUE(m.w.requires_grad());
+  EXPECT_EQ(m.w.to_vector<float>(), (std::vector<float>{-5.5f, -5.5f}));
+  EXPECT_FALSE(m.frozen.requires_grad());
+  EXPECT_EQ(m.frozen.to_vector<float>(), (std::vector<float>{0, 0}));
+}
+
+// register_parameter(name, value, false) freezes the module's parameter even where the value
+// trains (torch's Parameter(t, requires_grad=False)): the flag was ignored. The value itself
+// keeps training.
+struct FrozenFromTrainable : mt::Module {
+  mt::Tensor source = mt::ones({2}).requires_grad_(), held;
+  FrozenFromTrainable() { held = register_parameter("held", source, false); }
+};
+
+TEST(ModuleParameters, RegisteredFrozenStaysFrozen) {
+  FrozenFromTrainable m;
+  EXPECT_FALSE(m.held.requires_grad());
+  EXPECT_TRUE(m.source.requires_grad());
+  EXPECT_EQ(m.held.to_vector<float>(), (std::vector<float>{1, 1}));
+}
+
+// ModuleList's index past the end is an mt::Error (std::out_of_range escaped), and a const list
+// iterates.
+TEST(ModuleParameters, AModuleListIndexPastTheEndIsAnError) {
+  mt::ModuleList<mt::Linear> list;
+  list.emplace_back(2, 2);
+  EXPECT_MT_ERROR((void)list[5], "index 5 is out of range for 1 modules");
+  const mt::ModuleList<mt::Linear>& view = list;
+  int count = 0;
+  for (const auto& layer : view) count += layer->weight.defined() ? 1 : 0;
+  EXPECT_EQ(count, 1);
 }
 
 }  // namespace

@@ -1019,8 +1019,9 @@ TEST(CudaOnHost, AttentionKernelsMatchTheReference) {
         bytes_literal(*c.v.node()->value), bytes_literal(*c.y.node()->value),
         bytes_literal(*c.go.node()->value),
         g.mask_kind ? bytes_literal(*c.mask.node()->value) : "{0}", fmt::join(offsets, ", "),
-        c.offset, forward.value->size_bytes(), backward.value->size_bytes(), 2 * g.batch * g.tq,
-        sizeof(mt::AttentionKernelArgs), args_bytes(c.forward_launch.args), args_bytes(g));
+        c.offset, forward.value->size_bytes(), backward.value->size_bytes(),
+        mt::kAttentionRowStats * g.batch * g.tq, sizeof(mt::AttentionKernelArgs),
+        args_bytes(c.forward_launch.args), args_bytes(g));
     auto blocks = [&](int64_t rows) { return g.batch * ((rows + 127) / 128); };
     main_text += fmt::format(
         "  mt_run_grid({}, 128, true, [&] {{ mt_attention_forward_{}(q.data(), k.data(), "

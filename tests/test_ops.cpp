@@ -260,6 +260,57 @@ TEST(SplitChunk, PiecesAsPyTorchCutsThem) {
   expect_same(values(x.grad()), {1, 1, 0, 0, 10});
 }
 
+// What a review against torch 1.13 found: chunk of an empty axis gives `chunks` empty pieces
+// (it gave one); einsum with a size-0 axis against a missing or size-1 one gives the empty
+// result (a broadcast_to error) and takes integers, summed exactly in their type (matmul refused
+// them); flip refuses an axis named twice (it flipped back silently); argmax/argmin of a 0-d
+// tensor take axis 0 and -1; roll with no axes rolls the flattened tensor; an unsigned operand
+// beyond int64 is an error (it wrapped to a negative number).
+TEST(Ops, EdgeCasesAsTorchHasThem) {
+  auto shapes = [](const std::vector<mt::Tensor>& pieces) {
+    std::vector<mt::Shape> out;
+    for (const mt::Tensor& p : pieces) out.push_back(p.shape());
+    return out;
+  };
+  EXPECT_EQ(shapes(mt::chunk(mt::ones({0, 2}), 3)),
+            (std::vector<mt::Shape>{{0, 2}, {0, 2}, {0, 2}}));
+  EXPECT_EQ(mt::einsum("ij,jk->ik", {mt::ones({2, 3}), mt::ones({3, 0})}).shape(),
+            (mt::Shape{2, 0}));
+  EXPECT_EQ(mt::einsum("ij,jk->ik", {mt::ones({0, 3}), mt::ones({3, 2})}).shape(),
+            (mt::Shape{0, 2}));
+  mt::Tensor i_empty = mt::einsum("ij,j->i", {mt::ones({3, 0}), mt::ones({1})});
+  EXPECT_EQ(i_empty.shape(), (mt::Shape{3}));
+  expect_same(values(i_empty), {0, 0, 0});
+  // Beyond 2^53, where an f64 product would round: (2^53 + 1) * 3 + 1 * 2.
+  const int64_t big = (int64_t{1} << 53) + 1;
+  mt::Tensor a = mt::tensor(std::vector<int64_t>{big, 1}, {1, 2}),
+             b = mt::tensor(std::vector<int64_t>{3, 2}, {2, 1});
+  mt::Tensor product = mt::einsum("ij,jk->ik", {a, b});
+  EXPECT_EQ(product.dtype(), mt::i64);
+  EXPECT_EQ(int_values(product), (std::vector<int64_t>{big * 3 + 2}));
+  mt::Tensor a32 = mt::tensor(std::vector<int32_t>{1, 2, 3, 4}, {2, 2}, mt::i32);
+  mt::Tensor trace_product = mt::einsum("ij,ji->", {a32, a32});  // 1 + 2*3*2 + 16 = 29
+  EXPECT_EQ(trace_product.dtype(), mt::i32);
+  EXPECT_EQ(int_values(trace_product), (std::vector<int64_t>{29}));
+  mt::Tensor row = make({1, 2, 3}, {3});
+  EXPECT_MT_ERROR(mt::flip(row, {0, 0}), "flip", "axis 0 appears twice");
+  EXPECT_MT_ERROR(mt::flip(row, {0, -1}), "flip", "appears twice");
+  expect_same(values(mt::flip(row, {-1})), {3, 2, 1});
+  for (int64_t axis : {0, -1}) {
+    EXPECT_EQ(int_values(mt::argmax(mt::scalar(1.0), axis)), (std::vector<int64_t>{0}));
+    EXPECT_EQ(int_values(mt::argmin(mt::scalar(1.0), axis, true)), (std::vector<int64_t>{0}));
+  }
+  EXPECT_MT_ERROR(mt::argmin(mt::scalar(1.0), 1), "argmin", "out of range");
+  EXPECT_MT_ERROR(mt::argmax(mt::scalar(1.0), -2), "argmax", "out of range");
+  mt::Tensor m = mt::reshape(mt::arange(6), {2, 3});
+  EXPECT_EQ(int_values(mt::roll(m, {1}, {})), (std::vector<int64_t>{5, 0, 1, 2, 3, 4}));
+  EXPECT_EQ(mt::roll(m, {-2}, {}).shape(), (mt::Shape{2, 3}));
+  EXPECT_EQ(int_values(mt::roll(m, {-2}, {})), (std::vector<int64_t>{2, 3, 4, 5, 0, 1}));
+  EXPECT_MT_ERROR(row + (uint64_t{1} << 63), "does not fit in int64");
+  EXPECT_MT_ERROR(row * std::numeric_limits<uint64_t>::max(), "does not fit in int64");
+  expect_same(values(row + uint64_t{2}), {3, 4, 5});
+}
+
 // binary_cross_entropy_with_logits' gradient is (sigmoid(x) - y) / n, finite for confident
 // logits too (their log1p branch must not divide by zero in the backward pass).
 TEST(BceWithLogits, ConfidentLogitsHaveFiniteGradients) {

@@ -326,8 +326,10 @@ TEST_F(SafetensorsFiles, WriterRejectsInvalidFilesWithoutTouchingDisk) {
   EXPECT_MT_ERROR(st::write(path, with([](st::File& f) { f.tensors[1].name = ""; })), "empty");
   EXPECT_MT_ERROR(st::write(path, with([](st::File& f) { f.tensors[1].name = "__metadata__"; })),
                   "reserved");
-  EXPECT_MT_ERROR(st::write(path, with([](st::File& f) { f.tensors[1].name = "bad\xFF"; })),
-                  "valid UTF-8");
+  // The name, in the checksum entry first, is checked as the metadata are (the message once
+  // lacked the path: "invalid UTF-8" from the JSON writer alone).
+  EXPECT_MT_ERROR(st::write(path, with([](st::File& f) { f.tensors[1].name = "bad\xFF"; })), path,
+                  "tensor names and metadata must be valid UTF-8");
   EXPECT_MT_ERROR(st::write(path, with([](st::File& f) { f.metadata[0].second = "\xC0\xAF"; })),
                   "valid UTF-8");
   EXPECT_MT_ERROR(st::write(path, with([](st::File& f) { f.tensors[4].shape = {-1}; })),
@@ -413,6 +415,10 @@ TEST(Safetensors, ReaderValidatesEveryHeaderRule) {
        "too large"},
       {entry(R"("dtype":"I64","shape":[9223372036854775807,3],"data_offsets":[0,8])"), 8,
        "too large"},
+      // No elements, but a count no tensor can hold before the zero (the reference refuses it).
+      {entry(
+           R"("dtype":"F32","shape":[4611686018427387904,4611686018427387904,0],"data_offsets":[0,0])"),
+       0, "too large"},
       {two(f32(2, 0, 8), "b", f32(2, 4, 12)), 12, "tensors 'a' [0, 8) and 'b' [4, 12) overlap"},
       {two(f32(2, 0, 8), "b", f32(2, 0, 8)), 8, "overlap"},
       {two(f32(2, 0, 8), "b", f32(0, 4, 4)), 8, "overlap"},

@@ -15,6 +15,7 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <memory>
 #include <regex>
 #include <sstream>
 #include <string>
@@ -306,6 +307,78 @@ TEST(SummaryWriter, TagsAreUtf8HostValuesAreWrittenAtOnceAndAFailedWriteIsCutBac
   EXPECT_EQ(scalars_of(writer.path()),
             (std::vector<Row>{
                 {"caf\xc3\xa9 \xf0\x9f\x98\x80", 1, 1.0f}, {"b", 3, 3.0f}, {"b", 4, 4.0f}}));
+  fs::remove_all(dir);
+}
+
+// A failed write that cannot be cut back (the file made append-only, so ftruncate fails) leaves a
+// torn record that ends what a reader sees: every later write and flush is an error naming the
+// file. They returned silently, as if this were a process without a file.
+TEST(SummaryWriter, AWriteThatCannotBeCutBackFailsEveryLaterWrite) {
+  fs::path dir = fresh_dir("torn");
+  {
+    mt::SummaryWriter writer(dir.string());
+    writer.add_scalar("a", 1.0, 1);
+    std::string quoted = "'" + writer.path() + "'";
+    if (std::system(("chattr +a " + quoted + " 2> /dev/null").c_str()) != 0)
+      GTEST_SKIP() << "chattr +a is not available here (root on ext4 or similar)";
+    struct rlimit before {};
+    ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &before), 0);
+    auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+    struct rlimit tight = before;
+    tight.rlim_cur = static_cast<rlim_t>(fs::file_size(writer.path()) + 20);
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &tight), 0);
+    EXPECT_THROW(writer.add_scalar("a tag long enough to need more than twenty bytes", 2.0, 2),
+                 mt::Error);
+    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &before), 0);
+    std::signal(SIGXFSZ, old_handler);
+    ASSERT_EQ(std::system(("chattr -a " + quoted).c_str()), 0);
+    EXPECT_MT_ERROR(writer.add_scalar("b", 3.0, 3), writer.path(), "takes no more events");
+    writer.add_scalar("c", mt::scalar(4.0));
+    EXPECT_MT_ERROR(writer.flush(), writer.path(), "takes no more events");
+    EXPECT_MT_ERROR(writer.flush(), writer.path(), "takes no more events");
+  }
+  fs::remove_all(dir);
+}
+
+// A compiled step that logged to a writer since destroyed traces again and logs to the writer in
+// place then (a new run folder after a resume): its replays kept sending values to the old one,
+// which dropped them.
+TEST(SummaryWriter, ACompiledStepLogsToTheWriterThatReplacedItsOwn) {
+  fs::path dir = fresh_dir("replaced");
+  mt::manual_seed(2);
+  mt::Linear net(3, 1);
+  mt::SGD opt(net.parameters(), {.lr = 0.1});
+  auto writer = std::make_unique<mt::SummaryWriter>((dir / "first").string());
+  auto step_fn = mt::compile([&](const mt::Tensor& x) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::mean(mt::square(net(x)));
+    loss.backward();
+    opt.step();
+    writer->add_scalar("loss", loss);
+    return std::vector<mt::Tensor>{loss};
+  });
+  mt::Tensor x = mt::ones({2, 3});
+  std::vector<std::string> paths;
+  std::vector<float> losses;
+  for (int64_t step = 1; step <= 8; ++step) {
+    if (step == 5) {
+      writer->flush();
+      paths.push_back(writer->path());
+      writer = std::make_unique<mt::SummaryWriter>((dir / "second").string());
+    }
+    writer->set_step(step);
+    losses.push_back(static_cast<float>(step_fn(x)[0].item()));
+  }
+  writer->flush();
+  paths.push_back(writer->path());
+  using Row = std::tuple<std::string, int64_t, float>;
+  for (size_t run = 0; run < 2; ++run) {
+    std::vector<Row> expected;
+    for (int64_t step = 1 + 4 * static_cast<int64_t>(run);
+         step <= 4 + 4 * static_cast<int64_t>(run); ++step)
+      expected.emplace_back("loss", step, losses[static_cast<size_t>(step - 1)]);
+    EXPECT_EQ(scalars_of(paths[run]), expected) << "run " << run;
+  }
   fs::remove_all(dir);
 }
 

@@ -100,7 +100,10 @@ Grads vjp_Max(const Node& n, const Tensor& g) {
   Tensor is_max = eq(cast_like(x, max), max);
   Tensor count = sum(cast(is_max, x.dtype()), n.attrs.axes, true);
   Tensor share = broadcast_to(reshape(g, kept) / count, x.shape());
-  return {where(is_max, share, zeros_like(share))};
+  // A NaN maximum equals no element: its group's gradient is NaN, as torch.amax's (0 / 0), not
+  // zeros that hid the NaN from a loss scaler's check of the gradients.
+  Tensor nan_share = share * 0.0;  // g / 0 times 0
+  return {where(is_max, share, where(isnan(max), nan_share, zeros_like(share)))};
 }
 
 // ---- scans (attrs: axis, reverse) ----

@@ -29,7 +29,8 @@ void load_checkpoint(const std::string& path, Module& module, Optimizer* optimiz
 
 /// The sharded checkpoint, for models whose state is too large to gather on one process: called
 /// by every process with the same arguments, each writes its own safetensors file
-/// `dir`/checkpoint-0000<r+1>-of-0000<N>.safetensors (atomically, as mt::save_checkpoint does):
+/// `dir`/checkpoint-<save id>-<r+1, 5 digits>-of-<N, 5 digits>.safetensors (atomically, as
+/// mt::save_checkpoint does):
 /// a ZeRO optimizer's (dist::Zero) state shards as this process holds them, and an equal share by
 /// bytes of the replicated entries (parameters, buffers, a plain optimizer's state, the scaler
 /// and loader tensors), each whole in one file. Rank 0 then writes the index

@@ -93,11 +93,17 @@ DataParallel::DataParallel(Module& module, DataParallelOptions options)
   if (options_.reduce_dtype && !is_floating(*options_.reduce_dtype))
     fail("dist::DataParallel: reduce_dtype must be a floating type, got {}",
          mixtape::name(*options_.reduce_dtype));
+  // Made before dist::init() under an MPI launcher, it checked and broadcast nothing, yet
+  // averaged gradients once init() had run: it joins the processes itself (init() is once).
+  if (!process_group()) init();
   // Frozen ones too: unfrozen later, their gradients are averaged (PyTorch's DDP leaves out
   // what was frozen when it was made, and the processes drift apart).
   for (const Tensor& p : module.parameters()) params_.push_back(p.impl());
   if (ProcessGroup* group = process_group(); group && group->size() > 1) {
-    NamedTensors state = module.state_dict();
+    // Every buffer, non-persistent ones too (a rotary table, a mask): each backward gives them
+    // all rank 0's values (take_rank0_buffers), which paired buffers of different sizes.
+    NamedTensors state = module.named_parameters();
+    for (auto& entry : module.named_buffers()) state.push_back(std::move(entry));
     check_same_model(*group, state);
     take_rank0_values(*group, state);
   }
@@ -166,7 +172,14 @@ void DataParallel::average(LeafGradients& gradients) {
   // caller's backward() runs under.
   NoPolicyScope no_policy;
   for (size_t p = 0; p < params_.size(); ++p) {
-    // A parameter gone is gone on every process alike (the module owns them).
+    // A parameter gone was replaced in the module (a tensor assigned to its member): it would
+    // never be averaged again, and the processes would drift apart.
+    if (!owners[p])
+      fail(
+          "dist::DataParallel: parameter {} of the module was replaced or dropped after "
+          "DataParallel was made: make it after assigning parameters (load_checkpoint and "
+          "load_state_dict write in place)",
+          p);
     if (!reduced[p]) {
       slot[p] = SIZE_MAX;
       continue;

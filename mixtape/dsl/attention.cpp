@@ -219,8 +219,11 @@ Tensor composite_weights(const Tensor& q, const Tensor& k, const Tensor& mask, b
     Tensor lower = causal_mask(q.size(-2));
     allowed = allowed.defined() ? logical_and(allowed, lower) : lower;
   }
-  if (allowed.defined())
-    allowed = broadcast_to(allowed, broadcast_shapes(allowed.shape(), scores.shape()).value());
+  if (allowed.defined()) {  // a bool mask with batch dims q and k lack widens the scores too
+    Shape wide = broadcast_shapes(allowed.shape(), scores.shape()).value();
+    allowed = broadcast_to(allowed, wide);
+    if (scores.shape() != wide) scores = broadcast_to(scores, wide);
+  }
   // A query with no key to attend (every key masked, or -inf by an additive mask, the two
   // together too) attends to nothing: zero weights and zero gradients, as the fused kernels
   // give, not the 0/0 of a softmax over no key. Such a row never reaches the softmax (zeros in

@@ -272,9 +272,10 @@ class Lowering {
     }
     for (int l : b.labels)
       if (!has(a, l)) b_only.push_back(l);
+    // A side's size where it is not 1 (a size-0 axis against a missing or size-1 one is 0).
     auto size_of = [&](int l) {
       int64_t sa = has(a, l) ? axis_size(a, l) : 1, sb = has(b, l) ? axis_size(b, l) : 1;
-      return std::max(sa, sb);
+      return sa == 1 ? sb : sa;
     };
     // Each side permuted to `order`, with size-1 axes where it lacks a label, and broadcast to
     // the common sizes.
@@ -298,6 +299,17 @@ class Lowering {
       // Nothing summed between them: a broadcast product over batch, a_only, b_only.
       Tensor va = arrange(a, result_labels).first, vb = arrange(b, result_labels).first;
       return {va * vb, result_labels};
+    }
+    if (!is_floating(promote(a.value.dtype(), b.value.dtype()))) {
+      // Integers, which matmul does not take: the broadcast product summed over the summed
+      // axes, in the operands' type as torch.einsum keeps it (sum widens i32 to i64).
+      std::vector<int> labels = result_labels;
+      labels.insert(labels.end(), summed.begin(), summed.end());
+      Tensor product = arrange(a, labels).first * arrange(b, labels).first;
+      std::vector<int64_t> axes;
+      for (size_t i = result_labels.size(); i < labels.size(); ++i)
+        axes.push_back(static_cast<int64_t>(i));
+      return {cast(sum(product, axes, false, loc_), product.dtype(), loc_), result_labels};
     }
     auto product = [&](const std::vector<int>& labels) {
       int64_t n = 1;

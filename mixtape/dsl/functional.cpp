@@ -2,6 +2,8 @@
 // fusion free.
 #include "mixtape/dsl/functional.h"
 
+#include <fmt/ranges.h>
+
 #include <cmath>
 #include <limits>
 #include <map>
@@ -827,9 +829,14 @@ Tensor logical_xor(const Tensor& a, const Tensor& b, const Loc& loc) {
 Tensor flip(const Tensor& x, const std::vector<int64_t>& axes, const Loc& loc) {
   CallSiteScope site(loc);
   require(x, "flip", "input", loc);
-  check_axes(x, axes, "flip", loc);
   Tensor y = x;
+  std::vector<int64_t> flipped;
   for (int64_t axis : axes) {
+    // An axis named twice is an error, as torch's: flipped twice, it silently came back.
+    const int64_t a = axis_index(x, axis, "flip", loc);
+    if (std::find(flipped.begin(), flipped.end(), a) != flipped.end())
+      op_fail("flip", loc, "axis {} appears twice in [{}]", axis, fmt::join(axes, ", "));
+    flipped.push_back(a);
     const int64_t n = y.size(axis);
     if (n > 1) y = index_select(y, arange(static_cast<double>(n - 1), -1.0, -1.0), axis);
   }
@@ -840,6 +847,9 @@ Tensor roll(const Tensor& x, const std::vector<int64_t>& shifts, const std::vect
             const Loc& loc) {
   CallSiteScope site(loc);
   require(x, "roll", "input", loc);
+  // No axes and one shift: torch.roll(x, shift) rolls the flattened tensor.
+  if (axes.empty() && shifts.size() == 1)
+    return reshape(roll(reshape(x, {-1}, loc), shifts, {0}, loc), x.shape(), loc);
   if (shifts.size() != axes.size())
     op_fail("roll", loc, "needs one shift per axis, got {} shifts for {} axes", shifts.size(),
             axes.size());
@@ -942,6 +952,10 @@ Tensor norm(const Tensor& x, double p, std::vector<int64_t> axes, bool keepdim, 
 Tensor argmin(const Tensor& x, std::optional<int64_t> axis, bool keepdim, const Loc& loc) {
   CallSiteScope site(loc);
   require(x, "argmin", "input", loc);
+  // Checked here so that a bad axis is named as argmin's (a 0-d tensor takes 0 and -1).
+  if (axis && !x.shape().empty()) check_axes(x, {*axis}, "argmin", loc);
+  if (axis && x.shape().empty() && (*axis < -1 || *axis > 0))
+    op_fail("argmin", loc, "axis {} is out of range for a 0-d tensor", *axis);
   // The first smallest is the first largest of an order-reversing map: -x for floats (NaN stays
   // NaN and wins, as torch.argmin), ~x = -1 - x for integers (which does not overflow).
   Tensor reversed = is_floating(x.dtype()) ? -x : -1 - x;
@@ -993,7 +1007,11 @@ Tensor softplus(const Tensor& x, double beta, double threshold, const Loc& loc) 
   // half input is computed in f32, as PyTorch's: exp overflows f16 from 11.1.
   const Tensor wide = is_half(x.dtype()) ? cast(x, f32) : x;
   Tensor scaled = wide * beta;
-  Tensor y = where(scaled > threshold, wide, log1p(exp(scaled)) * (1.0 / beta));
+  // The exponential's branch sees 0 where it is not taken: exp of a large input is inf, whose
+  // gradient, 0 * inf, was NaN even where `where` gave the branch none.
+  Tensor linear = scaled > threshold;
+  Tensor y =
+      where(linear, wide, log1p(exp(where(linear, zeros_like(scaled), scaled))) * (1.0 / beta));
   return y.dtype() == x.dtype() ? y : cast(y, x.dtype());
 }
 
@@ -1006,7 +1024,8 @@ Tensor leaky_relu(const Tensor& x, double negative_slope, const Loc& loc) {
 Tensor elu(const Tensor& x, double alpha, const Loc& loc) {
   CallSiteScope site(loc, composite::elu);
   require_float(x, "elu", "input", loc);
-  return where(x > 0.0, x, expm1(x) * alpha);
+  Tensor positive = x > 0.0;  // expm1 of 0 there: of a large x it is inf, whose gradient is NaN
+  return where(positive, x, expm1(where(positive, zeros_like(x), x)) * alpha);
 }
 
 Tensor selu(const Tensor& x, const Loc& loc) {
@@ -1015,7 +1034,8 @@ Tensor selu(const Tensor& x, const Loc& loc) {
   // The constants of Klambauer et al. (2017), as PyTorch has them.
   constexpr double alpha = 1.6732632423543772848170429916717;
   constexpr double scale = 1.0507009873554804934193349852946;
-  return where(x > 0.0, x * scale, expm1(x) * (alpha * scale));
+  Tensor positive = x > 0.0;  // expm1 of 0 there, as elu's
+  return where(positive, x * scale, expm1(where(positive, zeros_like(x), x)) * (alpha * scale));
 }
 
 Tensor mish(const Tensor& x, const Loc& loc) {
@@ -1141,9 +1161,10 @@ std::vector<Tensor> chunk(const Tensor& x, int64_t chunks, int64_t axis, const L
   require(x, "chunk", "input", loc);
   const int64_t a = axis_index(x, axis, "chunk", loc);
   if (chunks <= 0) op_fail("chunk", loc, "the number of chunks must be positive, got {}", chunks);
-  // torch.chunk: pieces of ceil(size / chunks), so there may be fewer than `chunks`.
-  const int64_t size = std::max<int64_t>((x.size(a) + chunks - 1) / chunks, 1);
-  return split(x, size, a, loc);
+  // torch.chunk: pieces of ceil(size / chunks), so there may be fewer than `chunks`; an empty
+  // axis gives `chunks` empty pieces.
+  if (x.size(a) == 0) return split(x, std::vector<int64_t>(static_cast<size_t>(chunks), 0), a, loc);
+  return split(x, (x.size(a) + chunks - 1) / chunks, a, loc);
 }
 
 Tensor dropout(const Tensor& x, double p, bool training, Generator* gen, const Loc& loc) {

@@ -161,7 +161,8 @@ Tensor lerp(const Tensor& start, const Tensor& end, const Tensor& weight,
             const Loc& loc = Loc::current());
 
 /// Shape and indexing with PyTorch's semantics: flip reverses the axes; roll shifts elements
-/// along each axis (those pushed off the end come back at the start); tril/triu keep the
+/// along each axis (those pushed off the end come back at the start; no axes and one shift roll
+/// the flattened tensor, as torch.roll(x, shift)); tril/triu keep the
 /// elements on and below / above the `diagonal`-th diagonal of the last two axes; repeat
 /// tiles x (torch.Tensor.repeat: one count per dim, extra counts add leading dims); tile pads
 /// the counts with leading 1s instead (torch.tile).

@@ -71,9 +71,12 @@ Tensor registered_leaf(const Module& module, const char* what, const std::string
   if (requires_grad && !is_floating(value.dtype()))
     fail("Module '{}': {} '{}' is {}, but only floating-point tensors can require grad",
          module.path(), what, name, mixtape::name(value.dtype()));
-  if (!value.is_leaf()) {
+  // A leaf of the module's own on the value's buffer where the value is no leaf (made where
+  // the value was, which the orphan warning names), or where it trains and should not (a
+  // frozen parameter on a trainable tensor's values: the tensor itself keeps training).
+  if (!value.is_leaf() || (!requires_grad && value.requires_grad())) {
     mixtape::eval({value});
-    value = from_storage(value.node()->value, value.shape());
+    value = from_storage(value.node()->value, value.shape(), value.node()->origin.location);
   }
   if (requires_grad) {
     value.requires_grad_(true);
@@ -86,28 +89,29 @@ Tensor registered_leaf(const Module& module, const char* what, const std::string
 Tensor Module::register_parameter(const std::string& name, Tensor value, bool requires_grad) {
   check_new_name(name);
   owned_.push_back(registered_leaf(*this, "parameter", name, std::move(value), requires_grad));
-  parameters_.push_back({name, &owned_.back()});
+  parameters_.push_back({.name = name, .tensor = &owned_.back()});
   return owned_.back();
 }
 
 Tensor Module::register_buffer(const std::string& name, Tensor value, bool persistent) {
   check_new_name(name);
   owned_.push_back(registered_leaf(*this, "buffer", name, std::move(value), false));
-  buffers_.push_back({name, &owned_.back(), persistent});
+  buffers_.push_back({.name = name, .tensor = &owned_.back(), .persistent = persistent});
   return owned_.back();
 }
 
 void Module::register_parameter(const std::string& name, Tensor* member, bool requires_grad) {
   check_new_name(name);
   *member = registered_leaf(*this, "parameter", name, *member, requires_grad);
-  parameters_.push_back({name, member});
+  parameters_.push_back(
+      {.name = name, .tensor = member, .trains = requires_grad, .listed = member->impl()});
   members_->slots.push_back(member);
 }
 
 void Module::register_buffer(const std::string& name, Tensor* member, bool persistent) {
   check_new_name(name);
   *member = registered_leaf(*this, "buffer", name, *member, false);
-  buffers_.push_back({name, member, persistent});
+  buffers_.push_back({.name = name, .tensor = member, .persistent = persistent});
   members_->slots.push_back(member);
 }
 
@@ -158,9 +162,28 @@ void Module::collect(const std::string& prefix, Listing listing, NamedTensors& o
     // A member assigned an undefined tensor after registration.
     if (!r.tensor->defined())
       fail("Module '{}': {} '{}' is undefined", path(), buffers ? "buffer" : "parameter", r.name);
+    if (r.trains && r.listed.lock() != r.tensor->impl()) adopt(r);
     out.emplace_back(prefix + r.name, *r.tensor);
   }
   for (const auto& [name, child] : children_) child->collect(prefix + name + ".", listing, out);
+}
+
+// A tensor assigned to a trainable parameter member since it was last listed is the parameter
+// (module.h), as torch's attribute assignment of an nn.Parameter: a leaf that requires no grad
+// (one loaded from a file) is made to require it, or it would silently never train. One the
+// user froze in place stays frozen: it is the tensor listed before.
+void Module::adopt(const Registered& r) const {
+  Tensor& value = *r.tensor;
+  if (value.is_leaf() && is_floating(value.dtype()) && !value.requires_grad()) {
+    value.requires_grad_(true);
+    note_module_parameter(value, r.name);
+  }
+  r.listed = value.impl();
+}
+
+size_t checked_index(size_t index, size_t size) {
+  if (index >= size) fail("ModuleList: index {} is out of range for {} modules", index, size);
+  return index;
 }
 
 std::vector<Tensor> Module::parameters() const {

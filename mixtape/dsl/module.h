@@ -106,6 +106,8 @@ class Module {
   void check_new_name(const std::string& name) const;
   enum class Listing { parameters, buffers, persistent_buffers, zero_when_missing };
   void collect(const std::string& prefix, Listing listing, NamedTensors& out) const;
+  struct Registered;
+  void adopt(const Registered& r) const;
 
   Module* parent_ = nullptr;
   std::string name_;
@@ -117,6 +119,10 @@ class Module {
     Tensor* tensor;
     bool persistent = true;          // buffers: saved by state_dict()
     bool zero_when_missing = false;  // buffers: zeros where a state dict lacks it
+    // Parameters registered by pointer to train: the tensor the member held when last listed,
+    // so that a tensor assigned to it since (a loaded one) becomes the parameter.
+    bool trains = false;
+    mutable std::weak_ptr<TensorImpl> listed{};
   };
   std::vector<Registered> parameters_, buffers_;
   // The members registered by pointer, shared with the replay checks of the steps mt::compile
@@ -135,6 +141,9 @@ class Module {
   std::shared_ptr<bool> training_ = std::make_shared<bool>(true);
 };
 
+/// `index`, or an mt::Error naming it where it is not below `size` (ModuleList's operator[]).
+size_t checked_index(size_t index, size_t size);
+
 /// An indexable list of owned submodules, registered as "0", "1", ...
 template <typename M>
 class ModuleList : public Module {
@@ -145,10 +154,13 @@ class ModuleList : public Module {
     return register_module(std::to_string(items_.size() - 1), *items_.back());
   }
   size_t size() const { return items_.size(); }
-  M& operator[](size_t i) { return *items_.at(i); }
-  const M& operator[](size_t i) const { return *items_.at(i); }
+  /// mt::Error for an index past the end, as torch's IndexError.
+  M& operator[](size_t i) { return *items_[checked_index(i, items_.size())]; }
+  const M& operator[](size_t i) const { return *items_[checked_index(i, items_.size())]; }
   auto begin() { return items_.begin(); }
   auto end() { return items_.end(); }
+  auto begin() const { return items_.begin(); }
+  auto end() const { return items_.end(); }
 
  private:
   std::vector<std::unique_ptr<M>> items_;

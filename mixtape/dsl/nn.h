@@ -191,7 +191,8 @@ class Sequential : public Module {
   using Step = std::function<Tensor(const Tensor&)>;
   Sequential() = default;
   ~Sequential() override;  // out of line: its containers are destroyed in nn.cpp
-  /// Makes and owns an M (anything with operator()(const Tensor&)) at the next index.
+  /// Makes and owns an M (a Module with operator()(const Tensor&)) at the next index; a step
+  /// without parameters that is no Module goes in with append().
   template <typename M, typename... Args>
   M& emplace_back(Args&&... args) {
     return push_back(std::make_unique<M>(std::forward<Args>(args)...));

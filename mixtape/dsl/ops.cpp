@@ -154,6 +154,11 @@ Tensor unary(OpCode op, Domain domain, const Tensor& x, const Loc& loc) {
 
 }  // namespace
 
+void integer_operand_overflow(uint64_t value, const Loc& loc) {
+  op_fail("operator", loc, "the integer {} does not fit in int64 (the widest tensor integer)",
+          value);
+}
+
 Tensor number_fill(const Operand& number, DType t, const Shape& shape, const Loc& loc) {
   if (is_floating(t) || t == boolean || !number.scalar_is_integral)
     return full(shape, number.scalar, t, loc);
@@ -348,7 +353,10 @@ Tensor argmax(const Tensor& x, std::optional<int64_t> axis, bool keepdim, const 
   CallSiteScope site(loc);
   input(x, "argmax", loc);
   check_domain("argmax", Domain::Numeric, x.dtype(), loc);
-  if (axis) return reduce(OpCode::Argmax, x, {*axis}, keepdim, i64, loc);
+  // A 0-d tensor takes axis 0 or -1, as torch's: its one element is at index 0.
+  if (axis && !x.shape().empty()) return reduce(OpCode::Argmax, x, {*axis}, keepdim, i64, loc);
+  if (axis && (*axis < -1 || *axis > 0))
+    op_fail("argmax", loc, "axis {} is out of range for a 0-d tensor", *axis);
   Tensor flat = reduce(OpCode::Argmax, reshape(x, {-1}, loc), {0}, false, i64, loc);
   return keepdim ? reshape(flat, Shape(x.shape().size(), 1), loc) : flat;
 }

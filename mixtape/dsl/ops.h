@@ -4,6 +4,8 @@
 
 #include <array>
 #include <concepts>
+#include <cstdint>
+#include <limits>
 #include <optional>
 #include <vector>
 
@@ -28,6 +30,9 @@ namespace mixtape {
 /// An Operand refers to its tensor, as a parameter does: it lives only for the operator's call,
 /// within the expression that holds the tensor (a copy was two atomic count updates per operand,
 /// and the traced loop applies operators by the hundred every step).
+/// An unsigned integer operand above INT64_MAX is an mt::Error (PyTorch raises on such a Python
+/// int too): it wrapped to a negative number.
+[[noreturn]] void integer_operand_overflow(uint64_t value, const Loc& loc);
 struct Operand {
   inline static const Tensor none{};  // the tensor of a scalar operand: undefined
   const Tensor& tensor;
@@ -44,7 +49,10 @@ struct Operand {
         scalar(static_cast<double>(s)),
         scalar_is_integral(std::is_integral_v<S>),
         integer(std::is_integral_v<S> ? static_cast<int64_t>(s) : 0),
-        loc(loc) {}
+        loc(loc) {
+    if constexpr (std::is_unsigned_v<S> && sizeof(S) >= sizeof(int64_t))
+      if (s > static_cast<S>(std::numeric_limits<int64_t>::max())) integer_operand_overflow(s, loc);
+  }
 };
 Tensor operator+(const Operand& a, const Operand& b);
 Tensor operator-(const Operand& a, const Operand& b);

@@ -22,6 +22,9 @@ namespace {
 
 constexpr const char* kMomentumStarted = "~momentum_started";  // SGD: a real step happened
 
+// An option that scales or decays: a NaN passed `x < 0` and made every parameter NaN.
+bool finite_non_negative(double x) { return std::isfinite(x) && x >= 0; }
+
 // By a view, not a std::string: names longer than the small-string buffer would allocate on each
 // of the traced loop's lookups.
 Tensor* find_state(NamedTensors& state, std::string_view name) {
@@ -716,8 +719,9 @@ SGD::SGD(std::vector<ParamGroup<SGDOptions>> groups) : OptimizerWith(std::move(g
 }
 
 void SGD::resolve_options(SGDOptions& options) const {
-  if (options.momentum < 0 || options.weight_decay < 0 || options.dampening < 0)
-    fail("SGD: momentum, dampening and weight_decay must be >= 0");
+  if (!finite_non_negative(options.momentum) || !finite_non_negative(options.weight_decay) ||
+      !finite_non_negative(options.dampening))
+    fail("SGD: momentum, dampening and weight_decay must be finite and >= 0");
   if (options.nesterov && (options.momentum <= 0 || options.dampening != 0))
     fail("SGD: Nesterov momentum requires a momentum > 0 and zero dampening");
 }
@@ -785,7 +789,7 @@ Adam::Adam(std::vector<ParamGroup<AdamOptions>> groups, const char* kind, bool d
 void Adam::resolve_options(AdamOptions& options) const {
   if (!(options.beta1 >= 0 && options.beta1 < 1 && options.beta2 >= 0 && options.beta2 < 1))
     fail("{}: betas must be in [0, 1), got ({}, {})", kind(), options.beta1, options.beta2);
-  if (!(options.eps > 0) || !(options.weight_decay.value_or(0) >= 0))
+  if (!(options.eps > 0) || !finite_non_negative(options.weight_decay.value_or(0)))
     fail("{}: eps must be > 0 and weight_decay >= 0", kind());
   if (!options.weight_decay) options.weight_decay = decoupled_ ? 0.01 : 0.0;
 }
@@ -856,8 +860,9 @@ RMSprop::RMSprop(std::vector<ParamGroup<RMSpropOptions>> groups)
 void RMSprop::resolve_options(RMSpropOptions& options) const {
   if (!(options.alpha >= 0 && options.alpha < 1))
     fail("RMSprop: alpha must be in [0, 1), got {}", options.alpha);
-  if (!(options.eps > 0) || options.weight_decay < 0 || options.momentum < 0)
-    fail("RMSprop: eps must be > 0, weight_decay and momentum >= 0");
+  if (!(options.eps > 0) || !finite_non_negative(options.weight_decay) ||
+      !finite_non_negative(options.momentum))
+    fail("RMSprop: eps must be > 0, weight_decay and momentum finite and >= 0");
 }
 
 bool RMSprop::keeps_momentum() const {
@@ -922,9 +927,12 @@ Adagrad::Adagrad(std::vector<ParamGroup<AdagradOptions>> groups)
 }
 
 void Adagrad::resolve_options(AdagradOptions& options) const {
-  if (!(options.eps > 0) || options.weight_decay < 0 || options.lr_decay < 0 ||
-      options.initial_accumulator_value < 0)
-    fail("Adagrad: eps must be > 0, and lr_decay, weight_decay and initial_accumulator_value >= 0");
+  if (!(options.eps > 0) || !finite_non_negative(options.weight_decay) ||
+      !finite_non_negative(options.lr_decay) ||
+      !finite_non_negative(options.initial_accumulator_value))
+    fail(
+        "Adagrad: eps must be > 0, and lr_decay, weight_decay and initial_accumulator_value "
+        "finite and >= 0");
 }
 
 std::optional<std::vector<std::string>> Adagrad::state_names(size_t) const {
@@ -967,7 +975,8 @@ Lion::Lion(std::vector<ParamGroup<LionOptions>> groups) : OptimizerWith(std::mov
 void Lion::resolve_options(LionOptions& options) const {
   if (!(options.beta1 >= 0 && options.beta1 <= 1 && options.beta2 >= 0 && options.beta2 <= 1))
     fail("Lion: betas must be in [0, 1], got ({}, {})", options.beta1, options.beta2);
-  if (!(options.weight_decay >= 0)) fail("Lion: weight_decay must be >= 0");
+  if (!finite_non_negative(options.weight_decay))
+    fail("Lion: weight_decay must be finite and >= 0");
 }
 
 void Lion::begin_step() {

@@ -132,7 +132,9 @@ class Optimizer {
   const std::vector<Tensor>& params() const { return params_; }
 
   /// Per-parameter state ("exp_avg", "exp_avg_sq", "momentum_buffer"), for checkpoints. Empty
-  /// for a parameter never stepped, also where skipped steps made its (zero) state already.
+  /// for a parameter never stepped (SGD's also where skipped steps made its zero buffer); other
+  /// rules hand out the initial state skipped steps made, which load_checkpoint leaves aside
+  /// beside a step count of 0.
   NamedTensors state(size_t param_index) const;
   /// mt::Error, changing nothing, unless `state` could be this optimizer's state for parameter
   /// `param_index`: every entry defined, floating point and of the parameter's shape, with values

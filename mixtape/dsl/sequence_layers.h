@@ -3,6 +3,7 @@
 // parameter names, layouts, initialization and defaults.
 #pragma once
 
+#include <concepts>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -25,6 +26,13 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
                                     std::optional<double> scale = std::nullopt,
                                     double dropout_p = 0, Generator* gen = nullptr,
                                     const Loc& loc = Loc::current());
+/// PyTorch's order puts dropout_p before is_causal: (q, k, v, mask, 0.1) or (q, k, v, mask, 0.0,
+/// true) would take the float as `causal` and the bool as the scale here, so they are refused at
+/// compile time (pass the causal flag as a bool, dropout_p after the scale).
+template <std::floating_point DropoutInTorchOrder>
+Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
+                                    const Tensor& attn_mask, DropoutInTorchOrder dropout_p,
+                                    bool is_causal = false) = delete;
 
 /// torch.nn.MultiheadAttention: in_proj_weight [3E, E], in_proj_bias [3E], out_proj.weight [E, E],
 /// out_proj.bias [E]; batch_first false takes [L, N, E] as PyTorch's default does.

@@ -509,7 +509,8 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   // Nothing in `dir` changes until the libraries are built: a failed export over an artifact
   // leaves it working. The weights are staged under a hidden name in `dir` (safetensors writes
   // files), so that moving them in is a rename.
-  std::filesystem::create_directories(dir);
+  if (std::error_code error; !std::filesystem::create_directories(dir, error) && error)
+    fail("aot: cannot create the export folder '{}': {}", dir, error.message());
   auto path = [&](const std::string& file) { return dir + "/" + file; };
   std::string plan_text = plan_doc.text();
   std::string staged = fmt::format("{}/.{}.safetensors.{}.staged", dir, o.name, getpid());
@@ -583,7 +584,11 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
         file, [&](int fd) { write_all(fd, image.bytes.data(), image.bytes.size(), file); });
     exported.files.push_back(std::filesystem::path(file).filename().string());
   }
-  std::filesystem::rename(staged, path(o.name + ".safetensors"));
+  std::error_code moved;
+  std::filesystem::rename(staged, path(o.name + ".safetensors"), moved);
+  if (moved)
+    fail("aot: cannot move the weights into place as '{}': {}", path(o.name + ".safetensors"),
+         moved.message());
   write_file_atomically(path(o.name + ".json"), [&](int fd) {
     write_all(fd, manifest_text.data(), manifest_text.size(), path(o.name + ".json"));
   });
@@ -592,7 +597,8 @@ Exported export_artifact(const Function& fn, const std::vector<Input>& inputs,
   // CUDA images an earlier export of NAME wrote that this one does not list (it has no cuda, or
   // other archs): nothing opens them now, and a copy of the directory should not carry them.
   static const std::regex image_file(R"((sm_\d+\.cubin|compute_\d+\.ptx))");
-  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+  std::error_code listing;  // the export succeeded; a folder it cannot list keeps its leftovers
+  for (const auto& entry : std::filesystem::directory_iterator(dir, listing)) {
     std::string file = entry.path().filename().string();
     if (file.starts_with(o.name + ".") &&
         std::regex_match(file.substr(o.name.size() + 1), image_file) &&

@@ -3,6 +3,11 @@
 // kernels.
 #include "mixtape/runtime/aot_runtime.h"
 
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <bit>
 #include <charconv>
@@ -10,7 +15,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <mutex>
 #include <string>
@@ -70,17 +74,43 @@ struct KernelEntry {
 
 thread_local std::string thread_error;
 
-// At most `limit` bytes of the file at path, from its start.
+// At most `limit` bytes of the file at path, from its start. Opened without waiting: a FIFO in
+// the artifact's place (no writer ever) made a blocking open hang for good. A FIFO is read as it
+// comes, while a writer sends within the wait; anything else but a regular file is refused.
 std::string read_at_most(const std::string& path, size_t limit) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in)
+  constexpr int kFifoWaitMs = 5'000;
+  const int fd = ::open(path.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0)
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: cannot open: {}", path, std::strerror(errno)));
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  struct stat status {};
+  if (::fstat(fd, &status) != 0 || !(S_ISREG(status.st_mode) || S_ISFIFO(status.st_mode)))
+    raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: not a regular file", path));
+  const bool fifo = S_ISFIFO(status.st_mode);
+  if (!fifo) ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
   std::string text;
   char chunk[1 << 16];
-  while (text.size() < limit && (in.read(chunk, static_cast<std::streamsize>(
-                                                    std::min(sizeof chunk, limit - text.size()))) ||
-                                 in.gcount() > 0))
-    text.append(chunk, static_cast<size_t>(in.gcount()));
+  while (text.size() < limit) {
+    if (fifo) {
+      pollfd ready{fd, POLLIN, 0};
+      const int polled = ::poll(&ready, 1, kFifoWaitMs);
+      if (polled == 0)
+        raise(MIXTAPE_AOT_ERROR_FILE,
+              fmt::format("{}: a FIFO that sent nothing for {} s", path, kFifoWaitMs / 1000));
+      if (polled < 0 && errno != EINTR)
+        raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: {}", path, std::strerror(errno)));
+    }
+    const ssize_t n = ::read(fd, chunk, std::min(sizeof chunk, limit - text.size()));
+    if (n == 0) break;
+    if (n < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: cannot read: {}", path, std::strerror(errno)));
+    }
+    text.append(chunk, static_cast<size_t>(n));
+  }
   return text;
 }
 
@@ -433,7 +463,7 @@ void open_model(mixtape_aot_model& m, const std::string& manifest_xxh3, const ch
                        : has_cuda && gpu_unusable_reason().empty() && cuda_image(m) >= 0 ? "cuda"
                                                                                          : "cpu";
   std::string kind = wanted.substr(0, wanted.find(':'));
-  if ((kind != "cpu" && kind != "cuda") || (kind == "cuda" && wanted != "cuda"))
+  if ((kind != "cpu" && kind != "cuda") || (kind == "cuda" && wanted != "cuda") || wanted == "cpu:")
     raise(MIXTAPE_AOT_ERROR_ARGUMENT,
           fmt::format("{}: unknown device '{}' (cpu, cpu:TARGET, cuda, or NULL for the best)",
                       m.name, wanted));
@@ -621,13 +651,17 @@ void require_step(const mixtape_aot_model& m, const char* what) {
 }
 
 // A save over the artifact's own files (its weights, plan or manifest, which the library vouches
-// for by their checksums) would leave it refusing to open: such a path is refused, before
-// anything is written.
+// for by their checksums, and the library, header and package files programs are built and
+// linked with) would leave it refusing to open or its programs failing to load: such a path is
+// refused, before anything is written. So is one over what an export beside it wrote (several
+// artifacts share a folder): a library, header, package, manifest or plan file of the folder, or
+// weights a manifest there names.
 void refuse_own_file(const mixtape_aot_model& m, const std::string& path) {
   namespace fs = std::filesystem;
   std::error_code error;
   const fs::path target = fs::weakly_canonical(path, error);
-  std::vector<std::string> own{m.name + ".json"};
+  std::vector<std::string> own{m.name + ".json", "lib" + m.name + ".so", "lib" + m.name + ".a",
+                               m.name + ".h",    m.name + ".pc",         m.name + "Config.cmake"};
   for (const auto& [file, info] : m.manifest.at("files").items()) own.push_back(file);
   for (const std::string& file : own) {
     std::error_code ignored;
@@ -635,9 +669,24 @@ void refuse_own_file(const mixtape_aot_model& m, const std::string& path) {
                       fs::equivalent(path, m.path(file), ignored);
     if (same)
       raise(MIXTAPE_AOT_ERROR_ARGUMENT,
-            fmt::format("save: {} is the artifact's own {}, which it checks when it opens: "
-                        "save the training state elsewhere",
+            fmt::format("save: {} is the artifact's own {}, which it or the programs built "
+                        "with it read: save the training state elsewhere",
                         path, file));
+  }
+  std::error_code folder_error;
+  const fs::path folder = fs::weakly_canonical(m.dir, folder_error);
+  if (!error && !folder_error && target.parent_path() == folder) {
+    const std::string extension = target.extension().string();
+    const bool exported = extension == ".so" || extension == ".a" || extension == ".h" ||
+                          extension == ".pc" || extension == ".cmake" || extension == ".json" ||
+                          extension == ".plan";
+    std::error_code ignored;
+    if (exported || (extension == ".safetensors" &&
+                     fs::exists(folder / (target.stem().string() + ".json"), ignored)))
+      raise(MIXTAPE_AOT_ERROR_ARGUMENT,
+            fmt::format("save: {} is a file an export wrote into the artifacts' folder: save the "
+                        "training state elsewhere, or under another name",
+                        path));
   }
 }
 
@@ -974,6 +1023,8 @@ int mixtape_aot_open(const char* dir, const char* name, const char* manifest_xxh
     if (!out || !dir || !name || !manifest_xxh3 || (!variants && variant_count > 0) ||
         variant_count < 0)
       raise(MIXTAPE_AOT_ERROR_ARGUMENT, "open: dir, name and out must not be NULL");
+    if (!*dir)
+      raise(MIXTAPE_AOT_ERROR_ARGUMENT, "open: dir is empty (\".\" is the current folder)");
     model->dir = dir;
     model->name = name;
     open_model(*model, manifest_xxh3, device, variants, variant_count);

@@ -152,7 +152,7 @@ using HostVector = std::vector<T, HostAllocator<T>>;
 // is an mt::Error, which must not leave an OpenMP region).
 template <typename T>
 struct Tiles {
-  HostVector<T> q, k, kt, v, vt, s, dp, pt, acc, m, l, go, o, delta, lse, dq, z;
+  HostVector<T> q, k, kt, v, vt, s, dp, pt, acc, m, l, go, o, delta, inverse_sum, dq, z;
   HostVector<float> u;   // a row's uniform draws for dropout, from its first Philox block on
   HostVector<T> dk, dv;  // backward: one (batch, head)'s key and value gradients
   Tiles(const Operands& a, bool backward) {
@@ -163,7 +163,7 @@ struct Tiles {
     zeros(v, cols * g.dv), zeros(vt, cols * g.dv), zeros(s, rows * cols), zeros(dp, rows * cols);
     zeros(pt, rows * cols);
     zeros(acc, rows * g.dv), zeros(m, rows), zeros(l, rows), zeros(go, rows * g.dv);
-    zeros(o, rows * g.dv), zeros(delta, rows), zeros(lse, rows), zeros(dq, rows * g.d);
+    zeros(o, rows * g.dv), zeros(delta, rows), zeros(inverse_sum, rows), zeros(dq, rows * g.d);
     zeros(z, cols), zeros(u, cols + 8);
     if (backward)
       zeros(dk, static_cast<size_t>(g.tk * g.d)), zeros(dv, static_cast<size_t>(g.tk * g.dv));
@@ -433,7 +433,10 @@ template <int W, typename T>
       for (int64_t e = 0; e < g.dv; ++e) sum += t.go[r * g.dv + e] * t.o[r * g.dv + e];
       t.delta[r] = sum;
     }
-    // Each row's log-sum-exp, online over the key tiles.
+    // Each row's maximum and sum of exponentials, online over the key tiles. The weights are
+    // exp(s - max) / sum, as the forward pass makes them: one log-sum-exp, max + log(sum), loses
+    // log(sum) to rounding when max is huge (a row whose keys an additive mask of -1e9 hides),
+    // which made each weight 1 instead of 1 / keys.
     std::fill(t.m.begin(), t.m.end(), ninf);
     std::fill(t.l.begin(), t.l.end(), T(0));
     for (int64_t j0 = 0; j0 < end; j0 += ld) {
@@ -450,7 +453,7 @@ template <int W, typename T>
         t.m[r] = top;
       }
     }
-    for (int64_t r = 0; r < rows; ++r) t.lse[r] = t.m[r] == ninf ? ninf : t.m[r] + std::log(t.l[r]);
+    for (int64_t r = 0; r < rows; ++r) t.inverse_sum[r] = T(1) / t.l[r];
     std::fill(t.dq.begin(), t.dq.end(), T(0));
     for (int64_t j0 = 0; j0 < end; j0 += ld) {
       const int64_t cols = std::min(ld, end - j0);
@@ -464,20 +467,24 @@ template <int W, typename T>
       for (int64_t r = 0; r < rows; ++r) {
         T* __restrict p = t.s.data() + r * ld;
         T* __restrict ds = t.dp.data() + r * ld;
-        const T lse = t.lse[r], delta = t.delta[r];
-        if (lse == ninf) {
+        const T top = t.m[r], inverse_sum = t.inverse_sum[r], delta = t.delta[r];
+        if (top == ninf) {
           for (int64_t j = 0; j < cols; ++j) p[j] = ds[j] = 0;
           continue;
         }
-        exp_shifted<W>(p, cols, lse);
+        exp_shifted<W>(p, cols, top);
         if (!g.has_dropout) {
-          for (int64_t j = 0; j < cols; ++j) ds[j] = p[j] * (ds[j] - delta) * scale;
+          for (int64_t j = 0; j < cols; ++j) {
+            p[j] *= inverse_sum;
+            ds[j] = p[j] * (ds[j] - delta) * scale;
+          }
           continue;
         }
         // dS = P (Z dP - delta); dV then takes the kept weights P Z.
         dropout_factors(a, t, b, i0 + r, j0, cols);
         const T* __restrict z = t.z.data();
         for (int64_t j = 0; j < cols; ++j) {
+          p[j] *= inverse_sum;
           ds[j] = p[j] * (z[j] * ds[j] - delta) * scale;
           p[j] *= z[j];
         }

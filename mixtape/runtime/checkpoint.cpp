@@ -121,12 +121,10 @@ Metadata optimizer_metadata(const Optimizer& optimizer, const std::vector<std::s
     options.push_back(std::move(group));
   }
   if (named) meta.emplace_back(kOptionsKey, json::dump(options));
+  // Each group's parameters and the rate set_lr() set (a schedule's follows the steps), as
+  // torch's param_groups, also for one group: a load checks them, so that a file of an optimizer
+  // over other parameters is refused (it loaded, giving the others the file's step count).
   const bool rates = !optimizer.computes_own_rate();
-  if (optimizer.group_count() == 1) {
-    // The rate set_lr() set, as torch's param_groups carry it (a schedule's follows the steps).
-    if (rates) meta.emplace_back("optimizer.lr", fmt::format("{}", optimizer.lr()));
-    return meta;
-  }
   json::Value groups = json::Value::array();
   for (size_t g = 0; g < optimizer.group_count(); ++g) {
     json::Value group = json::Value::object();
@@ -272,8 +270,10 @@ std::vector<std::optional<double>> saved_rates(const std::string& path, const Me
     const std::vector<SavedParamGroup> saved =
         parse_param_groups("load_checkpoint " + path, metadata_value(meta, kParamGroupsKey));
     if (saved.size() != groups)
-      fail("load_checkpoint {}: the file's optimizer has {} parameter groups, this one has {}",
-           path, saved.size(), groups);
+      fail("load_checkpoint {}: the file's optimizer has {}, this one has {}", path,
+           saved.size() == 1 ? std::string("one parameter group")
+                             : fmt::format("{} parameter groups", saved.size()),
+           groups);
     std::unordered_map<std::string_view, size_t> index_of;
     std::vector<size_t> sizes(groups);
     for (size_t i = 0; i < names.size(); ++i) {
@@ -583,9 +583,11 @@ void restore_checkpoint(const std::string& path, const NamedTensors& all, Metada
         } catch (const Error& e) {
           fail("load_checkpoint {}: {}", path, e.what());
         }
-        if (param_steps[i] == 0 && !state.empty())
-          fail("load_checkpoint {}: parameter '{}' has optimizer state but took no step", path,
-               names[i]);
+        // A parameter whose every step so far was skipped (its first gradient came in a step
+        // the loss scaler skipped) holds the state those steps made, the rule's initial one,
+        // beside a count of 0: the load leaves it to the first update, which makes the same.
+        // (Refusing it made files mixtape wrote fail to load.)
+        if (param_steps[i] == 0) state.clear();
         states.push_back(std::move(state));
       }
     };

@@ -33,9 +33,9 @@ struct OptimizerEntryName {
 std::optional<OptimizerEntryName> optimizer_entry_name(std::string_view name);
 
 /// A checkpoint's metadata of `optimizer`, whose parameters have the paths `names`: its kind,
-/// and the rate set_lr() set as "optimizer.lr" or, with several parameter groups, each group's
-/// parameters and rate as "optimizer.param_groups", JSON as torch's param_groups hold them:
-/// [{"params": ["fc.weight", ...], "lr": 0.001}, ...] (no rate where the rule computes its own).
+/// and each group's parameters and the rate set_lr() set as "optimizer.param_groups", JSON as
+/// torch's param_groups hold them: [{"params": ["fc.weight", ...], "lr": 0.001}, ...] (no rate
+/// where the rule computes its own). Files from before hold one group's rate as "optimizer.lr".
 Metadata optimizer_metadata(const Optimizer& optimizer, const std::vector<std::string>& names);
 
 /// One group of a checkpoint's "optimizer.param_groups" (optimizer_metadata's JSON).
@@ -47,8 +47,8 @@ struct SavedParamGroup {
 /// not such a list (malformed JSON, a group without a "params" list, a path that is no string,
 /// a rate that is no number). load_checkpoint and the AOT runtime's NAME_load read it so.
 std::vector<SavedParamGroup> parse_param_groups(const std::string& context, std::string_view text);
-/// Each parameter group's rate as checkpoint metadata holds it: "optimizer.lr" for a file of one
-/// group, each group's "lr" of "optimizer.param_groups" for one of several (that many entries);
+/// Each parameter group's rate as checkpoint metadata holds it: each group's "lr" of
+/// "optimizer.param_groups" (that many entries), or "optimizer.lr" of an older file of one group;
 /// none where the file gives none. mt::Error starting with `context` for a rate that is not a
 /// number, negative or not finite. load_checkpoint and the AOT runtime's NAME_load read it so.
 std::vector<std::optional<double>> metadata_rates(const std::string& context, const Metadata& meta);

@@ -334,6 +334,7 @@ class EvaluationPlanner {
         return false;
       }
       binding.arg = arg->second;
+      if (now == before) binding.pinned_arg = now;
     } else if (auto own = out_b_.find(now); own != out_b_.end()) {
       // Stored earlier in the same call.
       same_call = true;
@@ -609,6 +610,10 @@ const char* replaced_state(const Plan& plan, const std::vector<Tensor>& args) {
              "last call (assign, load_state, zero_grad outside the function)";
   for (const PlannedEvaluation& planned : plan.evals)
     for (size_t x = 0; x < planned.inputs.size(); ++x) {
+      if (const Binding& b = planned.inputs[x];
+          b.pinned_arg && args[static_cast<size_t>(b.arg)].node()->value.get() != b.pinned_arg)
+        return "an argument both traced calls passed as one tensor (which the function may also "
+               "read captured) is another tensor now";
       if (planned.inputs[x].through_gradient())
         if (const char* why = replaced_gradient(plan, planned.inputs[x], *planned.leaves[x], args))
           return why;
@@ -639,7 +644,32 @@ struct Entry {
   std::unique_ptr<Trace> previous;
   std::unique_ptr<Plan> plan;
   uint64_t policy_edits = 0;  // its key's: once policies in use change, never asked for again
+  bool collective = false;    // its last trace made collectives (a data-parallel step)
 };
+
+// Whether a call's evaluations made collectives (a data-parallel step's gradient reduction).
+bool makes_collectives(const Trace& trace) {
+  for (const Evaluation& e : trace.evals)
+    for (const Node* node : e.pending_raw)
+      if (op_info(node->op).kind == OpKind::Collective) return true;
+  return false;
+}
+
+// Whether every process replays this call, asked of them all (a collective itself): a traced
+// step makes host exchanges that a replay does not (the data-parallel reducer's map of the
+// parameters each process reached), so a process tracing (a loss.item() on rank 0 only) beside
+// others replaying paired different collectives, and the run failed or waited out its timeout.
+bool every_process_replays(bool replay) {
+  ProcessGroup* group = process_group();
+  if (!group || group->size() == 1) return replay;
+  const auto processes = static_cast<size_t>(group->size());
+  std::vector<std::byte> all(processes);
+  std::vector<int64_t> counts(processes, 1), at(processes);
+  for (size_t q = 0; q < processes; ++q) at[q] = static_cast<int64_t>(q);
+  const std::byte mine{static_cast<unsigned char>(replay ? 1 : 0)};
+  group->all_gather(&mine, 1, all.data(), counts, at);
+  return std::all_of(all.begin(), all.end(), [](std::byte b) { return b == std::byte{1}; });
+}
 
 std::string signature_key(const std::vector<Tensor>& args) {
   // A data-parallel backward makes another graph under no_sync, and another again when it
@@ -728,9 +758,14 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
   Entry& entry = state_->entries[signature_key(args)];
   entry.policy_edits = state_->policy_edits;
   const bool log = log_enabled("compile");
+  const char* dropped = nullptr;  // why this call's plan was dropped, which stats.reason keeps
+  if (entry.plan) dropped = replaced_state(*entry.plan, args);
+  if (entry.collective && !every_process_replays(entry.plan && !dropped) && entry.plan && !dropped)
+    dropped =
+        "another process traces this call (a value read on the host there, or state changed), "
+        "and every process must make the same collectives";
   if (entry.plan) {
-    if (const char* replaced = replaced_state(*entry.plan, args)) {
-      stats.reason = replaced;
+    if (const char* replaced = dropped) {
       if (log) log_line("compile", "dropping the replay plan: {}", replaced);
       release(*entry.plan);
       entry.plan.reset();
@@ -750,6 +785,7 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
 
   std::vector<Tensor> results;
   auto trace = std::make_unique<Trace>(trace_call(args, fn, results));
+  entry.collective = makes_collectives(*trace);
   ++stats.traces;
   std::string why;
   if (!trace->unfit.empty()) {
@@ -770,7 +806,7 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
       log_line("compile", "replaying from now on ({} evaluations per call)",
                entry.plan->evals.size());
   } else {
-    stats.reason = why;
+    stats.reason = dropped ? fmt::format("the replay plan was dropped: {}; {}", dropped, why) : why;
     // Before the first plan, calls that differ are the normal warm-up (optimizer state, the
     // loss scaler and caches are made on the first steps), not a failure to replay.
     if (log)
@@ -790,6 +826,27 @@ static bool reads_replaced_parameters(const Plan& plan) {
   return false;
 }
 
+// The arguments as new buffers of the same values. plan_step's later traces read these: a
+// function that also reads an argument's tensor captured (one input node for both) then makes
+// another graph than with the tensor itself, so no plan binds the captured tensor to an input.
+static std::vector<Tensor> copies_of(const std::vector<Tensor>& args) {
+  std::vector<Tensor> out;
+  for (const Tensor& a : args) {
+    if (!a.defined()) {
+      out.emplace_back();
+      continue;
+    }
+    Storage& value = *a.node()->value;
+    auto copy = std::make_shared<Storage>(value.dtype, value.count, Storage::Uninitialized{});
+    if (value.size_bytes() > 0)
+      std::memcpy(copy->host_data(), value.host_data(), static_cast<size_t>(value.size_bytes()));
+    Tensor t = from_storage(std::move(copy), a.shape());
+    if (a.requires_grad()) t.requires_grad_(true);
+    out.push_back(std::move(t));
+  }
+  return out;
+}
+
 std::unique_ptr<Plan> plan_step(const std::vector<Tensor>& args, const StepReplayer::Function& fn) {
   if (trace_observer()) fail("a step cannot be planned inside another traced function");
   finish_cpu_stream();
@@ -807,7 +864,8 @@ std::unique_ptr<Plan> plan_step(const std::vector<Tensor>& args, const StepRepla
       release(previous);
       fail("the function {}, so it cannot be replayed", previous.unfit);
     }
-    Trace next = trace_call(args, fn, results);
+    std::vector<Tensor> copies = copies_of(args);
+    Trace next = trace_call(copies, fn, results);
     std::unique_ptr<Plan> plan;
     if (next.unfit.empty()) plan = make_plan(previous, next, false, why);
     release(previous);

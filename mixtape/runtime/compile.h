@@ -32,7 +32,10 @@ struct CompileStats {
 /// programs on inputs it can account for, later calls only bind the new arguments and rerun
 /// those programs. The function's results are fresh tensors on every call; everything else the
 /// step wrote (parameters, optimizer and loss-scaler state, gradients) is updated in place, so
-/// every handle to it (model.parameters(), opt.state(), p.grad()) sees the new values.
+/// every handle to it (model.parameters(), opt.state(), p.grad()) sees the new values. Unlike
+/// the uncompiled step, whose optimizer leaves a handle taken before it its old value, so does
+/// an optimizer state entry held across a call and an evaluated view sharing a weight's or a
+/// running statistic's buffer (w.reshape({-1}) after eval): copy what must keep the old value.
 ///
 /// State includes buffers written with assign() and every random generator's offset: draws read
 /// it as a graph input and advance it with graph code, so a replay draws the numbers tracing

@@ -238,8 +238,11 @@ static __device__ __forceinline__ void mt_attention_forward(
   mt_att_store_row<D>(out, g.out_dtype, (b * g.tq + i) * g.dv, acc, inverse, g.dv);
 }
 
-// Backward, per query row i: lse_i online over the keys, delta_i = dO_i . O_i (both into
-// stats[2 (b tq + i)]), then dQ_i = sum_j dS_ij k_j with dS = P (Z dP - delta) scale.
+// Backward, per query row i: the row's maximum score top_i and sum of exponentials online over
+// the keys, delta_i = dO_i . O_i (top, 1 / sum and delta into stats[3 (b tq + i)]), then
+// dQ_i = sum_j dS_ij k_j with dS = P (Z dP - delta) scale. P = exp(s - top) / sum, as the
+// forward pass makes it: a log-sum-exp top + log(sum) loses log(sum) to rounding when top is
+// huge (a row whose keys an additive mask of -1e9 hides), which made each weight 1.
 template <int D>
 static __device__ __forceinline__ void mt_attention_rows(
     const void* q, const void* k, const void* v, const void* o, const void* go, const void* mask,
@@ -263,18 +266,18 @@ static __device__ __forceinline__ void mt_attention_rows(
   mt_att_softmax<D, false>(g, k, v, mask, mask_batch, offset, at, keys, values, qi, nullptr, top,
                            total);
   const long long end = mt_att_keys_seen(g, at.first);
-  const float lse = top == mt_att_ninf() ? top : top + logf(total);
+  const float inverse_sum = 1.0f / total;
   for (long long j0 = 0; j0 < end; j0 += MT_ATT_TILE) {
     __syncthreads();
     mt_att_stage<D>(keys, k, g.k_dtype, g.compute, b, g.tk, g.d, j0);
     mt_att_stage<D>(values, v, g.v_dtype, g.compute, b, g.tk, g.dv, j0);
     __syncthreads();
-    if (!active || lse == mt_att_ninf()) continue;
+    if (!active || top == mt_att_ninf()) continue;
     const int cols = static_cast<int>(mt_att_min(MT_ATT_TILE, end - j0));
 #pragma unroll 1
     for (int r = 0; r < cols; ++r) {
       const float s = mt_att_score<D>(g, mask, mask_batch, b, i, j0 + r, qi, keys[r]);
-      const float p = expf(s - lse);
+      const float p = expf(s - top) * inverse_sum;
       const float dp = mt_att_dot<D>(gi, values[r]);
       const float ds = p * (mt_att_keep(g, offset, b, i, j0 + r) * dp - delta) * g.scale;
 #pragma unroll
@@ -282,8 +285,9 @@ static __device__ __forceinline__ void mt_attention_rows(
     }
   }
   if (!active) return;
-  stats[2 * (b * g.tq + i)] = lse;
-  stats[2 * (b * g.tq + i) + 1] = delta;
+  stats[3 * (b * g.tq + i)] = top;
+  stats[3 * (b * g.tq + i) + 1] = inverse_sum;
+  stats[3 * (b * g.tq + i) + 2] = delta;
   const long long per_batch = g.tq * g.d + g.tk * (g.d + g.dv);
   mt_att_store_row<D>(out, g.out_dtype, b * per_batch + i * g.d, dq, 1.0f, g.d);
 }
@@ -295,7 +299,7 @@ static __device__ __forceinline__ void mt_attention_keys(
     const void* q, const void* k, const void* v, const void* go, const void* mask,
     const long long* mask_batch, const unsigned long long* offset, const float* stats, void* out,
     const mt_attention& g) {
-  __shared__ float queries[MT_ATT_TILE][D], grads[MT_ATT_TILE][D], rows[MT_ATT_TILE][2];
+  __shared__ float queries[MT_ATT_TILE][D], grads[MT_ATT_TILE][D], rows[MT_ATT_TILE][3];
   const mt_att_rows at = mt_att_rows_of(g.tk);
   const long long b = at.b, j = at.row;
   const bool active = at.active;
@@ -310,9 +314,9 @@ static __device__ __forceinline__ void mt_attention_keys(
     __syncthreads();
     mt_att_stage<D>(queries, q, g.q_dtype, g.compute, b, g.tq, g.d, i0);
     mt_att_stage<D>(grads, go, g.go_dtype, g.compute, b, g.tq, g.dv, i0);
-    for (int t = threadIdx.x; t < 2 * MT_ATT_TILE; t += blockDim.x) {
-      const long long row = i0 + t / 2;
-      rows[t / 2][t % 2] = row < g.tq ? stats[2 * (b * g.tq + row) + t % 2] : 0.0f;
+    for (int t = threadIdx.x; t < 3 * MT_ATT_TILE; t += blockDim.x) {
+      const long long row = i0 + t / 3;
+      rows[t / 3][t % 3] = row < g.tq ? stats[3 * (b * g.tq + row) + t % 3] : 0.0f;
     }
     __syncthreads();
     if (!active) continue;
@@ -320,16 +324,16 @@ static __device__ __forceinline__ void mt_attention_keys(
 #pragma unroll 1
     for (int r = 0; r < count; ++r) {
       const long long i = i0 + r;
-      const float lse = rows[r][0];
-      if (lse == mt_att_ninf()) continue;  // a row that sees no key: zero gradients
+      const float top = rows[r][0];
+      if (top == mt_att_ninf()) continue;  // a row that sees no key: zero gradients
       const float s = mt_att_score<D>(g, mask, mask_batch, b, i, j, queries[r], kj);
-      const float p = expf(s - lse), z = mt_att_keep(g, offset, b, i, j);
+      const float p = expf(s - top) * rows[r][1], z = mt_att_keep(g, offset, b, i, j);
       if (Values) {
         const float weight = p * z;
 #pragma unroll
         for (int e = 0; e < D; ++e) acc[e] = fmaf(weight, grads[r][e], acc[e]);
       } else {
-        const float ds = p * (z * mt_att_dot<D>(grads[r], vj) - rows[r][1]) * g.scale;
+        const float ds = p * (z * mt_att_dot<D>(grads[r], vj) - rows[r][2]) * g.scale;
 #pragma unroll
         for (int e = 0; e < D; ++e) acc[e] = fmaf(ds, queries[r][e], acc[e]);
       }
@@ -507,7 +511,8 @@ bool run_attention_kernels(Node& node) {
       launch_rows(kernels.forward, args.batch, args.tq, params);
     } else {
       cuda::CUdeviceptr o = address(3), go = address(4);
-      cuda::DeviceBuffer stats(std::max<int64_t>(2 * args.batch * args.tq, 1) * sizeof(float));
+      cuda::DeviceBuffer stats(std::max<int64_t>(kAttentionRowStats * args.batch * args.tq, 1) *
+                               sizeof(float));
       cuda::CUdeviceptr stats_at = stats.address();
       void* rows[] = {&q, &k, &v, &o, &go, &m, &batch_offsets, &offset, &stats_at, &to, &args};
       launch_rows(kernels.rows, args.batch, args.tq, rows);

@@ -17,13 +17,16 @@ namespace mixtape {
 /// zeros), after the fixed kernels' source, whose loads, stores and Philox they use:
 ///   mt_attention_forward_DIM  one thread per query row, key and value tiles in shared memory,
 ///                             an online softmax over them;
-///   mt_attention_rows_DIM     backward, one thread per query row: the row's log-sum-exp and
-///                             delta = dO . O (kept for the next two), and dQ;
+///   mt_attention_rows_DIM     backward, one thread per query row: the row's maximum score,
+///                             1 / its sum of exponentials and delta = dO . O (kept for the next
+///                             two: kAttentionRowStats f32 per row), and dQ;
 ///   mt_attention_keys_DIM / mt_attention_values_DIM
 ///                             backward, one thread per key row: dK, and dV, over query tiles.
 /// Every sum is one thread's, in key (or query) order: runs repeat bit for bit, with no atomics.
 /// One module per dim, compiled when a node first needs it (NVRTC takes seconds for each).
 std::string cuda_attention_source(int dim);
+/// The f32 values the backward kernels keep per query row (maximum, 1 / sum, delta).
+inline constexpr int64_t kAttentionRowStats = 3;
 /// The kernels alone, for each of `dims`, to follow the fixed kernels' source (an AOT artifact's
 /// module holds them beside its programs' kernels).
 std::string cuda_attention_kernels(const std::set<int>& dims);

@@ -20,6 +20,7 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/host_memory.h"
 #include "mixtape/dsl/json.h"
+#include "mixtape/dsl/shape.h"
 #include "mixtape/runtime/atomic_file.h"
 
 // Header-only use of the system's xxHash: nothing to link, for mixtape or its consumers.
@@ -64,13 +65,15 @@ std::string describe(const std::vector<int64_t>& shape) {
   return fmt::format("[{}]", fmt::join(shape, ", "));
 }
 
-/// Bytes a tensor of this dtype and shape needs, or nullopt when that overflows 64 bits. Dims
-/// must already be known to be non-negative. A zero dim wins over any overflow among the others.
+/// Bytes a tensor of this dtype and shape needs, or nullopt when that overflows. The element
+/// count is a tensor's (checked_numel: dim by dim, as the reference reader counts too), so a
+/// zero-size shape whose leading dims overflow is refused here, not accepted and then failed,
+/// without the file's name, by the tensor made from it.
 std::optional<uint64_t> byte_size(DType dtype, const std::vector<int64_t>& shape) {
-  if (std::find(shape.begin(), shape.end(), 0) != shape.end()) return 0;
-  uint64_t total = size_of(dtype);
-  for (int64_t dim : shape)
-    if (__builtin_mul_overflow(total, static_cast<uint64_t>(dim), &total)) return std::nullopt;
+  std::optional<int64_t> count = checked_numel(shape);
+  uint64_t total = 0;
+  if (!count || __builtin_mul_overflow(static_cast<uint64_t>(*count), size_of(dtype), &total))
+    return std::nullopt;
   return total;
 }
 
@@ -138,26 +141,27 @@ std::string encode_checksums(const Tensors& file) {
 template <typename Tensors>
 std::string encode_header(const Tensors& file, std::string_view context) {
   validate(file, context);
-  // validate() has checked that the names and keys are distinct.
-  json::Value root = json::Value::object();
-  if (!file.metadata.empty() || !file.tensors.empty()) {
-    json::Value metadata = json::Value::object();
-    for (const auto& [key, value] : file.metadata) json::append(metadata, key, value);
-    if (!file.tensors.empty())
-      json::append(metadata, std::string(checksum_key), encode_checksums(file));
-    json::append(root, std::string(metadata_key), std::move(metadata));
-  }
-  uint64_t offset = 0;
-  for (const auto& tensor : file.tensors) {
-    uint64_t end = offset + tensor.bytes.size();
-    json::append(root, tensor.name,
-                 {{"dtype", safetensors_name(tensor.dtype)},
-                  {"shape", tensor.shape},
-                  {"data_offsets", {offset, end}}});
-    offset = end;
-  }
+  // validate() has checked that the names and keys are distinct; dumping checks the UTF-8 of
+  // each, the checksum entry's tensor names first.
   std::string json_text;
   try {
+    json::Value root = json::Value::object();
+    if (!file.metadata.empty() || !file.tensors.empty()) {
+      json::Value metadata = json::Value::object();
+      for (const auto& [key, value] : file.metadata) json::append(metadata, key, value);
+      if (!file.tensors.empty())
+        json::append(metadata, std::string(checksum_key), encode_checksums(file));
+      json::append(root, std::string(metadata_key), std::move(metadata));
+    }
+    uint64_t offset = 0;
+    for (const auto& tensor : file.tensors) {
+      uint64_t end = offset + tensor.bytes.size();
+      json::append(root, tensor.name,
+                   {{"dtype", safetensors_name(tensor.dtype)},
+                    {"shape", tensor.shape},
+                    {"data_offsets", {offset, end}}});
+      offset = end;
+    }
     json_text = json::dump(root);
   } catch (const Error& e) {
     fail("{}: tensor names and metadata must be valid UTF-8 ({})", context, e.what());

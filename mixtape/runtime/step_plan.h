@@ -51,7 +51,11 @@ void run_hooks(const std::vector<Hook>& hooks);
 
 /// Where a replay takes an external input of an evaluation from.
 struct Binding {
-  int arg = -1;       // >= 0: the call's argument
+  int arg = -1;  // >= 0: the call's argument
+  // The argument's buffer where both traced calls passed the same one: the plan cannot tell it
+  // from a tensor the function captures (one input node for both), so a call passing another
+  // buffer there traces again rather than replace the captured tensor by it.
+  const Storage* pinned_arg = nullptr;
   StoragePtr object;  // else this buffer, which the step keeps up to date in place
   // Else, >= 0: the gradient of plan.gradients[gradient]'s tensor when the call begins, which
   // the step adds to (accumulation), read through the tensor as tracing reads it; where the

@@ -52,6 +52,7 @@ struct SummaryWriter::State {
   std::vector<Pending> pending;
   std::string buffer;   // framed events not yet written
   int64_t written = 0;  // bytes of whole records in the file
+  std::string broken;   // why the file takes no more events (a failed write not cut back)
 
   ~State() {
     if (fd >= 0) ::close(fd);
@@ -60,16 +61,24 @@ struct SummaryWriter::State {
   // Taken out of the buffer first: after a failed write its events are lost, never written twice.
   // A write that fails part way (a full disk) is cut back to the last whole record, so that the
   // events written after it are read: a reader stops at the first record whose checksum fails.
-  // Without a file (a process other than 0), the events are dropped.
+  // Without a file (a process other than 0), the events are dropped. A write that cannot be cut
+  // back leaves a torn record, after which a reader sees nothing: every later write and flush
+  // is then an mt::Error, not events silently lost.
   void write_buffer() {
     std::string out = std::move(buffer);
     buffer.clear();
+    if (!broken.empty())
+      fail(
+          "SummaryWriter: '{}' takes no more events since a write failed and could not be cut "
+          "back ({})",
+          path, broken);
     if (out.empty() || fd < 0) return;
     try {
       write_all(fd, out.data(), out.size(), "summary event file " + path);
-    } catch (const Error&) {
+    } catch (const Error& e) {
       if (::ftruncate(fd, written) != 0 || ::lseek(fd, written, SEEK_SET) != written) {
-        ::close(fd);  // the file cannot be repaired: no more events go into it
+        broken = fmt::format("{}; then: {}", e.what(), std::strerror(errno));
+        ::close(fd);
         fd = -1;
       }
       throw;
@@ -113,6 +122,11 @@ struct SummaryWriter::State {
    public:
     CaptureEachCall(std::weak_ptr<State> state, std::string tag)
         : state_(std::move(state)), tag_(std::move(tag)) {}
+    // A step replayed after its writer was destroyed would log nowhere: traced again, it logs to
+    // the writer it names then (a new one for a resumed run, say).
+    const char* stale() const override {
+      return state_.expired() ? "the SummaryWriter it logs to was destroyed" : nullptr;
+    }
     void ran(const std::vector<std::shared_ptr<Storage>>& values) override {
       if (std::shared_ptr<State> state = state_.lock())
         state->pending.push_back(

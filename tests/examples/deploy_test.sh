@@ -18,10 +18,15 @@ source "$(dirname "$0")/checks.sh"
 cflags=$(deploy_cflags "$sanitize" "-O2 -Wall -Wextra -Werror")
 
 # ---- export ----
-"$bin" --steps 400 --seed 0 --export "$work/export" --json > "$work/export.txt"
+"$bin" --steps 400 --seed 0 --export "$work/export" > "$work/export.txt"
 cat "$work/export.txt"
 grep -q "^exported to $work/export: digits_mlp .* and digits_mlp_train " "$work/export.txt" ||
   fail "digits_mlp --export says what it wrote"
+# With --json the JSON line is all it prints (a consumer reads the whole of stdout).
+"$bin" --steps 50 --seed 0 --export "$work/export_json" --json > "$work/export_json.txt"
+[[ $(wc -l < "$work/export_json.txt") == 1 ]] && python3 -c 'import json,sys; json.load(sys.stdin)' \
+  < "$work/export_json.txt" || fail "digits_mlp --json --export prints more than the JSON line"
+[[ -f "$work/export_json/digits_mlp.json" ]] || fail "digits_mlp --json --export wrote no artifact"
 for f in digits_mlp.h libdigits_mlp.so libdigits_mlp.a digits_mlp.pc digits_mlpConfig.cmake \
   digits_mlp.json digits_mlp_train.h libdigits_mlp_train.so digits_mlp_train.pc; do
   [[ -s "$work/export/$f" ]] || fail "--export wrote $f"

@@ -51,6 +51,14 @@ for bin in "$1" "$2"; do
   for flag in --load --save --export --logdir; do
     fails "empty" "$bin" "$flag" ""
   done
+  # A tiny static scale is no normal float (GradScaler's range); a count past int64 was clamped.
+  fails "static:N" "$bin" --loss-scale static:1e-40
+  fails "below 2^63" "$bin" --steps 99999999999999999999
+  # Where the run writes at its end is checked before it trains (a bad one lost the model).
+  fails "is not a folder" "$bin" --export "$err/export"
+  fails "is not a folder" "$bin" --logdir "$err/log"
+  fails "does not exist" "$bin" --save /nonexistent_folder_of_mixtape/x.safetensors
+  fails "is a folder" "$bin" --save /tmp
 done
 for flag in --layers --heads --width --context --prompt --temperature --policy --loss-scale \
   --json --no-compile --export --logdir; do

@@ -537,6 +537,58 @@ TEST_F(DataParallel, ALayerOnlySomeProcessesUsedGetsTheAverageEverywhere) {
   expect_same_on_every_rank(net, "after a backward that reached different layers");
 }
 
+// Every buffer is checked at construction, non-persistent ones too: each backward gives them all
+// rank 0's values, and a mask of another size on one process was paired with rank 0's.
+TEST_F(DataParallel, ANonPersistentBufferThatDiffersIsRefused) {
+  struct Masked : mt::Module {
+    mt::Linear fc{4, 3};
+    mt::Tensor mask;
+    Masked() {
+      register_module("fc", fc);
+      mask = register_buffer("mask", mt::ones({mt::dist::rank() == 1 ? 5 : 4}), false);
+    }
+  };
+  Masked net;
+  EXPECT_MT_ERROR(mt::dist::DataParallel{net}, "process 1 has mask [5] f32",
+                  "process 0 has mask [4] f32");
+}
+
+// A parameter replaced in the module after DataParallel was made (a tensor assigned to its
+// member) was silently never averaged again: an error on every process.
+TEST_F(DataParallel, AParameterReplacedAfterConstructionIsAnError) {
+  mt::manual_seed(1);
+  TwoLayers net;
+  mt::dist::DataParallel ddp(net);
+  net.b.weight = mt::full({4, 4}, 0.5).requires_grad_();
+  mt::Tensor x = mt::ones({1, 4});
+  EXPECT_MT_ERROR(mt::sum(net.b(net.a(x))).backward(), "was replaced or dropped");
+}
+
+// A compiled step that reads the loss on rank 0 only is traced every call there while rank 1
+// replays; the processes agree to trace alike, so their collectives pair (they failed with
+// MPI_ERR_TRUNCATE or waited out the timeout).
+TEST_F(DataParallel, ACompiledStepReadingTheLossOnRankZeroOnlyRuns) {
+  mt::manual_seed(2);
+  TwoLayers net;
+  mt::dist::DataParallel ddp(net);
+  mt::SGD opt(net.parameters(), {.lr = 0.1});
+  const int rank = mt::dist::rank();
+  double read = 0;
+  auto step = mt::compile([&](const mt::Tensor& x) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::sum(mt::square(net.b(net.a(x))));
+    loss.backward();
+    opt.step();
+    if (rank == 0) read = loss.item();
+    return std::vector<mt::Tensor>{loss};
+  });
+  for (int s = 0; s < 6; ++s) step(mt::full({2, 4}, 0.25 * (s + 1) + rank));
+  expect_same_on_every_rank(net, "after six compiled steps");
+  if (rank == 0) {
+    EXPECT_GT(read, 0.0);
+  }
+}
+
 // Batch norm first, where its statistics are of the data alone (so that their course has a host
 // reference), and after a trained layer.
 struct NormedMlp : mt::Module {

@@ -1033,7 +1033,8 @@ TEST_F(Zero, AnotherModelsCheckpointIsAnErrorOnEveryRank) {
   const std::string path = job_file("own_model.safetensors");
   mt::dist::save_checkpoint(path, net, &opt);
   const std::vector<float> before = flat_parameters(net);
-  EXPECT_MT_ERROR(mt::dist::load_checkpoint(other_path, net, &opt), "fc1.weight");
+  EXPECT_MT_ERROR(mt::dist::load_checkpoint(other_path, net, &opt),
+                  "group 0 of the file has 2 parameters, the optimizer's has 5");
   // A file that only rank 1 cannot read is an error on rank 0 too, naming the process.
   const std::string mine = mt::dist::rank() == 1 ? path + ".missing" : path;
   EXPECT_MT_ERROR(mt::dist::load_checkpoint(mine, net, &opt), ".missing");
