@@ -4,6 +4,7 @@
 #include <immintrin.h>
 #include <unistd.h>
 
+#include <fmt/format.h>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -154,6 +155,18 @@ TEST_P(AotStep, TrainingStepEqualsCompile) {
   // And the C++ side reads it, and the artifact reads what C++ wrote.
   mt::load_checkpoint(saved, net, &opt, nullptr, &scaler);
   EXPECT_EQ(mixtape_aot_load(model.m, reference.c_str()), 0) << mixtape_aot_error(model.m);
+  {
+    // A file of one group from before one group's parameters were listed: its rate as
+    // optimizer.lr, no optimizer.param_groups. load_checkpoint takes it, and so does the artifact.
+    mt::Metadata meta;
+    mt::NamedTensors entries = mt::load_tensors(reference, &meta);
+    std::erase_if(meta, [](const auto& entry) { return entry.first == "optimizer.param_groups"; });
+    meta.emplace_back("optimizer.lr", fmt::format("{}", opt.lr()));
+    const std::string older = dir + "_older.safetensors";
+    mt::save_tensors(older, entries, meta);
+    EXPECT_EQ(mixtape_aot_load(model.m, older.c_str()), 0) << mixtape_aot_error(model.m);
+    mt::load_checkpoint(older, net, &opt, nullptr, &scaler);
+  }
   {
     // The optimizer's options but the rate are compiled into the step too: a file of others is
     // refused (load_checkpoint restores them, as torch's load_state_dict).

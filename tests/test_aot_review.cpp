@@ -697,6 +697,9 @@ TEST(AotReviewState, ParametersThatSkippedStepsKeepTheirOwnCounts) {
        "more than the optimizer's 6",
        true},
       {{{"optimizer.fc1.weight.steps", "x"}}, "not a step count", true},
+      // A count for a parameter the optimizer does not update (it loaded when it equalled the
+      // optimizer's).
+      {{{"optimizer.fc9.weight.steps", "6"}}, "'fc9.weight', which the step does not update", true},
       // The state of other parameter groups (the step's options are its groups').
       {{{"optimizer.param_groups", ""}}, "other parameter groups", true},
       {{{"optimizer.param_groups", R"([{"params":["fc1.weight","fc2.weight","fc3.bias"]},)"

@@ -2205,4 +2205,36 @@ TEST(Compile, AnArgumentThatIsAlsoCapturedIsNotReplacedByTheNextOne) {
   EXPECT_TRUE(!replays || f.stats().replays > before);
 }
 
+// Each batch passed to two calls in a row (several passes over one minibatch, SAM, a GAN's
+// sub-steps): the pair of calls on one batch made a pinned plan that the next batch dropped,
+// every batch. After one such drop the plan waits for two calls on different tensors, and then
+// replays every call.
+TEST(Compile, EachBatchPassedToTwoCallsReplays) {
+  mt::Generator gen(3);
+  mt::Linear plain_layer(4, 2, true, &gen);
+  mt::Generator gen2(3);
+  mt::Linear layer(4, 2, true, &gen2);
+  mt::SGD plain_opt(plain_layer.parameters(), {.lr = 0.1}), opt(layer.parameters(), {.lr = 0.1});
+  auto step_of = [](mt::Linear& l, mt::SGD& o) {
+    return [&l, &o](const mt::Tensor& x) {
+      o.zero_grad();
+      mt::Tensor loss = mt::sum(mt::square(l(x)));
+      loss.backward();
+      o.step();
+      return std::vector<mt::Tensor>{loss};
+    };
+  };
+  auto plain = step_of(plain_layer, plain_opt);
+  auto compiled = mt::compile(step_of(layer, opt));
+  mt::Generator data(4);
+  for (int batch = 0; batch < 10; ++batch) {
+    mt::Tensor x = mt::randn({3, 4}, mt::f32, &data);
+    for (int pass = 0; pass < 2; ++pass)
+      EXPECT_EQ(plain(x)[0].item(), compiled(x)[0].item()) << batch << " " << pass;
+  }
+  if (mt::current_device() != mt::Device::reference) {
+    EXPECT_GE(compiled.stats().replays, 13) << compiled.stats().reason;
+  }
+}
+
 }  // namespace

@@ -1096,20 +1096,26 @@ class PythonInterop : public SafetensorsFiles {
   std::string python_ = python;
 };
 
-TEST_F(PythonInterop, PythonReadsWhatMixtapeWrites) {
-  std::string path = dir_ / "from_cpp.safetensors";
+// Writes sample_file() into `dir` and, beside it, what an independent reader should find in it
+// (its metadata and sample_expectations(), as JSON); returns the two paths.
+std::pair<std::string, std::string> sample_file_and_expectations(const fs::path& dir) {
+  std::string path = dir / "from_cpp.safetensors";
   st::File file = sample_file();
   st::write(path, file);
-
   Value metadata = Value::object();
   for (const auto& [key, value] : file.metadata) metadata[key] = value;
   Value tensors = Value::array();
   for (const Expected& e : sample_expectations())
     tensors.push_back(
         {{"name", e.name}, {"dtype", e.dtype}, {"shape", e.shape}, {"values", e.values}});
-  Value expected = {{"metadata", std::move(metadata)}, {"tensors", std::move(tensors)}};
-  std::string expected_path = dir_ / "expected.json";
-  std::ofstream(expected_path) << mt::json::dump(expected);
+  std::string expected_path = dir / "expected.json";
+  std::ofstream(expected_path) << mt::json::dump(
+      Value{{"metadata", std::move(metadata)}, {"tensors", std::move(tensors)}});
+  return {path, expected_path};
+}
+
+TEST_F(PythonInterop, PythonReadsWhatMixtapeWrites) {
+  auto [path, expected_path] = sample_file_and_expectations(dir_);
 
   EXPECT_NE(run_python(python_reader, {path, expected_path}).find("ok"), std::string::npos);
 }
@@ -1207,18 +1213,7 @@ print('ok')
 )PY";
 
 TEST_F(ReferenceSafetensors, SafeOpenReadsWhatMixtapeWrites) {
-  std::string path = dir_ / "from_cpp.safetensors";
-  st::File file = sample_file();
-  st::write(path, file);
-  Value metadata = Value::object();
-  for (const auto& [key, value] : file.metadata) metadata[key] = value;
-  Value tensors = Value::array();
-  for (const Expected& e : sample_expectations())
-    tensors.push_back(
-        {{"name", e.name}, {"dtype", e.dtype}, {"shape", e.shape}, {"values", e.values}});
-  std::string expected_path = dir_ / "expected.json";
-  std::ofstream(expected_path) << mt::json::dump(
-      Value{{"metadata", std::move(metadata)}, {"tensors", std::move(tensors)}});
+  auto [path, expected_path] = sample_file_and_expectations(dir_);
   EXPECT_NE(run_python(reference_reader, {path, expected_path}).find("ok"), std::string::npos);
 }
 

@@ -281,16 +281,8 @@ TEST(SummaryWriter, BadInputIsAnError) {
 // - host values were buffered until a later call, so an idle or killed run lost them;
 // - a write that failed part way (a full disk) left a torn record, after which nothing written
 //   later was read.
-TEST(SummaryWriter, TagsAreUtf8HostValuesAreWrittenAtOnceAndAFailedWriteIsCutBack) {
-  fs::path dir = fresh_dir("review");
-  mt::SummaryWriter writer(dir.string());
-  EXPECT_MT_ERROR(writer.add_scalar("caf\xe9", 1.0, 1), "not valid UTF-8");
-  EXPECT_MT_ERROR(writer.add_scalar("\xed\xa0\x80", mt::scalar(1.0)), "not valid UTF-8");
-  EXPECT_MT_ERROR(writer.add_histogram("x\xc0\x80", std::vector<double>{1.0}, 1), "UTF-8");
-  writer.add_scalar("caf\xc3\xa9 \xf0\x9f\x98\x80", 1.0, 1);  // "café 😀"
-  EXPECT_EQ(scalars_of(writer.path()).size(), 1u) << "in the file before any flush";
-
-  // A file size limit stands in for a full disk: the write of step 2 fails part way.
+// A file size limit stands in for a full disk: the next event's write fails part way.
+void fail_a_write_part_way(mt::SummaryWriter& writer) {
   struct rlimit before {};
   ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &before), 0);
   auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
@@ -301,6 +293,18 @@ TEST(SummaryWriter, TagsAreUtf8HostValuesAreWrittenAtOnceAndAFailedWriteIsCutBac
                mt::Error);
   ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &before), 0);
   std::signal(SIGXFSZ, old_handler);
+}
+
+TEST(SummaryWriter, TagsAreUtf8HostValuesAreWrittenAtOnceAndAFailedWriteIsCutBack) {
+  fs::path dir = fresh_dir("review");
+  mt::SummaryWriter writer(dir.string());
+  EXPECT_MT_ERROR(writer.add_scalar("caf\xe9", 1.0, 1), "not valid UTF-8");
+  EXPECT_MT_ERROR(writer.add_scalar("\xed\xa0\x80", mt::scalar(1.0)), "not valid UTF-8");
+  EXPECT_MT_ERROR(writer.add_histogram("x\xc0\x80", std::vector<double>{1.0}, 1), "UTF-8");
+  writer.add_scalar("caf\xc3\xa9 \xf0\x9f\x98\x80", 1.0, 1);  // "café 😀"
+  EXPECT_EQ(scalars_of(writer.path()).size(), 1u) << "in the file before any flush";
+
+  fail_a_write_part_way(writer);
   writer.add_scalar("b", 3.0, 3);
   writer.add_scalar("b", 4.0, 4);
   using Row = std::tuple<std::string, int64_t, float>;
@@ -321,16 +325,7 @@ TEST(SummaryWriter, AWriteThatCannotBeCutBackFailsEveryLaterWrite) {
     std::string quoted = "'" + writer.path() + "'";
     if (std::system(("chattr +a " + quoted + " 2> /dev/null").c_str()) != 0)
       GTEST_SKIP() << "chattr +a is not available here (root on ext4 or similar)";
-    struct rlimit before {};
-    ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &before), 0);
-    auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
-    struct rlimit tight = before;
-    tight.rlim_cur = static_cast<rlim_t>(fs::file_size(writer.path()) + 20);
-    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &tight), 0);
-    EXPECT_THROW(writer.add_scalar("a tag long enough to need more than twenty bytes", 2.0, 2),
-                 mt::Error);
-    ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &before), 0);
-    std::signal(SIGXFSZ, old_handler);
+    fail_a_write_part_way(writer);
     ASSERT_EQ(std::system(("chattr -a " + quoted).c_str()), 0);
     EXPECT_MT_ERROR(writer.add_scalar("b", 3.0, 3), writer.path(), "takes no more events");
     writer.add_scalar("c", mt::scalar(4.0));

@@ -78,10 +78,9 @@ Tensor registered_leaf(const Module& module, const char* what, const std::string
     mixtape::eval({value});
     value = from_storage(value.node()->value, value.shape(), value.node()->origin.location);
   }
-  if (requires_grad) {
-    value.requires_grad_(true);
-    note_module_parameter(value, name);
-  }
+  if (requires_grad) value.requires_grad_(true);
+  // Frozen ones too: a tensor tied to one (adopt) keeps its flag, as torch's Parameter does.
+  if (std::string_view(what) == "parameter") note_module_parameter(value, name);
   return value;
 }
 }  // namespace
@@ -169,12 +168,14 @@ void Module::collect(const std::string& prefix, Listing listing, NamedTensors& o
 }
 
 // A tensor assigned to a trainable parameter member since it was last listed is the parameter
-// (module.h), as torch's attribute assignment of an nn.Parameter: a leaf that requires no grad
-// (one loaded from a file) is made to require it, or it would silently never train. One the
-// user froze in place stays frozen: it is the tensor listed before.
+// (module.h), as torch's attribute assignment of an nn.Parameter: a plain leaf that requires no
+// grad (one loaded from a file) is made to require it, or it would silently never train. A
+// parameter keeps its flag: one the user froze in place, or another module's frozen one tied to
+// this member, stays frozen.
 void Module::adopt(const Registered& r) const {
   Tensor& value = *r.tensor;
-  if (value.is_leaf() && is_floating(value.dtype()) && !value.requires_grad()) {
+  if (value.is_leaf() && is_floating(value.dtype()) && !value.requires_grad() &&
+      !is_module_parameter(value)) {
     value.requires_grad_(true);
     note_module_parameter(value, r.name);
   }

@@ -49,6 +49,15 @@ void note_module_parameter(const Tensor& param, const std::string& name) {
   r.parameters[impl.get()] = {impl, name};
 }
 
+bool is_module_parameter(const Tensor& t) {
+  const std::shared_ptr<TensorImpl>& impl = t.impl();
+  if (!impl) return false;
+  Registry& r = registry();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  auto found = r.parameters.find(impl.get());
+  return found != r.parameters.end() && found->second.alive.lock() == impl;
+}
+
 void note_optimizer_parameters(const std::vector<Tensor>& params, bool add) {
   Registry& r = registry();
   std::lock_guard<std::mutex> lock(r.mutex);

@@ -12,6 +12,8 @@ namespace mixtape {
 
 /// Module::register_parameter: `param` (a leaf that requires grad) is a parameter named `name`.
 void note_module_parameter(const Tensor& param, const std::string& name);
+/// Whether `t` is a parameter some module registered (frozen ones too), as torch's Parameter.
+bool is_module_parameter(const Tensor& t);
 /// An optimizer holds (add) or no longer holds (!add) these parameters.
 void note_optimizer_parameters(const std::vector<Tensor>& params, bool add);
 /// backward(): `leaf` received a gradient.

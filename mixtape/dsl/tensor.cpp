@@ -108,12 +108,6 @@ Tensor& Tensor::requires_grad_(bool enabled) {
   if (enabled && !is_floating(n->dtype))
     fail("requires_grad_: only floating-point tensors can require gradients, got {}",
          name(n->dtype));
-  // Another live handle on the node that trains already owns its gradient (the tensor that
-  // w.to(w.dtype()) or an identity reshape of w aliases, which in torch are w itself): it keeps
-  // it, where this handle took it and the tensor's gradient went astray.
-  if (enabled && n->requires_grad)
-    if (std::shared_ptr<TensorImpl> owner = n->grad_owner.lock(); owner && owner != impl_)
-      return *this;
   // A compiled step that read this value traces again: what it computes depends on the flag.
   if (n->requires_grad != enabled && n->value)
     n->value->moves_off.fetch_add(1, std::memory_order_relaxed);

@@ -900,12 +900,19 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
     raise(MIXTAPE_AOT_ERROR_FILE, fmt::format("{}: {} has no valid optimizer.steps", m.name, path));
   // The parameter groups, as load_checkpoint checks them: state saved under other groups would go
   // on under this step's options (their rates are taken below).
+  const std::string* exported_list = exported_metadata(m, "optimizer.param_groups");
+  const std::vector<std::vector<std::string>> exported_groups =
+      group_members(m, path, exported_list);
   if (kind) {
     const std::string* theirs = nullptr;
     for (const auto& [key, value] : file.metadata)
       if (key == "optimizer.param_groups") theirs = &value;
-    if (group_members(m, path, exported_metadata(m, "optimizer.param_groups")) !=
-        group_members(m, path, theirs))
+    const std::vector<std::vector<std::string>> their_groups = group_members(m, path, theirs);
+    // A file, or an artifact, of one group from before one group's parameters were listed
+    // holds no list: as load_checkpoint, it matches one group.
+    const bool older_single_group =
+        (!theirs && exported_groups.size() == 1) || (!exported_list && their_groups.size() == 1);
+    if (!older_single_group && exported_groups != their_groups)
       raise(MIXTAPE_AOT_ERROR_FILE,
             fmt::format("{}: {} holds optimizer state of other parameter groups than the step "
                         "was exported with (metadata optimizer.param_groups)",
@@ -927,6 +934,15 @@ void load_model(mixtape_aot_model& m, const std::string& path) {
   };
   if (m.steps_buffer >= 0) counts.emplace_back(m.steps_buffer, steps);
   for (const auto& [param, count] : param_steps) {
+    // As load_checkpoint refuses it: a count for a parameter the optimizer does not update.
+    if (!exported_groups.empty() &&
+        std::none_of(exported_groups.begin(), exported_groups.end(), [&](const auto& group) {
+          return std::binary_search(group.begin(), group.end(), param);
+        }))
+      raise(MIXTAPE_AOT_ERROR_FILE,
+            fmt::format("{}: {} has a step count for parameter '{}', which the step does not "
+                        "update",
+                        m.name, path, param));
     if (count > steps)
       raise(MIXTAPE_AOT_ERROR_FILE,
             fmt::format("{}: {} counts {} steps for parameter '{}', more than the optimizer's {}",

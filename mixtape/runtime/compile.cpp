@@ -514,7 +514,11 @@ void adopt_graph(Plan& plan, size_t e, Evaluation&& eval) {
 
 // The replay plan for calls like `b`, whose previous call was `a`; empty with the reason when
 // the two do not show how to bind every input.
-std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, bool by_owner, std::string& why) {
+// `unpinned_arg` >= 0: no plan where that argument would be pinned (after such a plan was
+// dropped for another buffer there, a loop passing each batch to several calls made and dropped
+// one per batch; waiting for a pair of calls with two buffers makes one that binds it for good).
+std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, bool by_owner, std::string& why,
+                                int unpinned_arg = -1) {
   if (!same_shape(a, b, why)) return nullptr;
   EvaluationPlanner planner(a, b, by_owner, why);
   if (!planner.index()) return nullptr;
@@ -523,6 +527,11 @@ std::unique_ptr<Plan> make_plan(Trace& a, Trace& b, bool by_owner, std::string& 
   for (size_t e = 0; e < b.evals.size(); ++e) {
     PlannedEvaluation planned;
     if (!planner.plan(e, planned)) return nullptr;
+    if (std::any_of(planned.inputs.begin(), planned.inputs.end(),
+                    [&](const Binding& in) { return in.pinned_arg && in.arg == unpinned_arg; })) {
+      why = "waiting for a call with another argument tensor than the last two passed";
+      return nullptr;
+    }
     plan->evals.push_back(std::move(planned));
   }
   if (!hooks_read_no_result(b, why) || !each_node_in_one_evaluation(b, why)) return nullptr;
@@ -602,6 +611,24 @@ const char* replaced_gradient(const Plan& plan, const Binding& binding, const No
   return nullptr;
 }
 
+// Whether `b` binds a pinned argument that this call passes another buffer for.
+bool changed_pinned_arg(const Binding& b, const std::vector<Tensor>& args) {
+  return b.pinned_arg && args[static_cast<size_t>(b.arg)].node()->value.get() != b.pinned_arg;
+}
+
+// The argument a plan pinned that this call passes another buffer for, or -1.
+int changed_pinned_arg(const Plan& plan, const std::vector<Tensor>& args) {
+  for (const PlannedEvaluation& planned : plan.evals)
+    for (const Binding& b : planned.inputs)
+      if (changed_pinned_arg(b, args)) return b.arg;
+  return -1;
+}
+
+// Why a plan is dropped when a call passes another buffer for a pinned argument.
+constexpr const char* kPinnedArgumentChanged =
+    "an argument both traced calls passed as one tensor (which the function may also read "
+    "captured) is another tensor now";
+
 const char* replaced_state(const Plan& plan, const std::vector<Tensor>& args) {
   for (const Plan::Watched& w : plan.watched)
     if (w.object.use_count() < w.holders ||
@@ -610,10 +637,7 @@ const char* replaced_state(const Plan& plan, const std::vector<Tensor>& args) {
              "last call (assign, load_state, zero_grad outside the function)";
   for (const PlannedEvaluation& planned : plan.evals)
     for (size_t x = 0; x < planned.inputs.size(); ++x) {
-      if (const Binding& b = planned.inputs[x];
-          b.pinned_arg && args[static_cast<size_t>(b.arg)].node()->value.get() != b.pinned_arg)
-        return "an argument both traced calls passed as one tensor (which the function may also "
-               "read captured) is another tensor now";
+      if (changed_pinned_arg(planned.inputs[x], args)) return kPinnedArgumentChanged;
       if (planned.inputs[x].through_gradient())
         if (const char* why = replaced_gradient(plan, planned.inputs[x], *planned.leaves[x], args))
           return why;
@@ -645,6 +669,7 @@ struct Entry {
   std::unique_ptr<Plan> plan;
   uint64_t policy_edits = 0;  // its key's: once policies in use change, never asked for again
   bool collective = false;    // its last trace made collectives (a data-parallel step)
+  int unpinned_arg = -1;      // its plan was dropped for another buffer of this pinned argument
 };
 
 // Whether a call's evaluations made collectives (a data-parallel step's gradient reduction).
@@ -767,6 +792,8 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
   if (entry.plan) {
     if (const char* replaced = dropped) {
       if (log) log_line("compile", "dropping the replay plan: {}", replaced);
+      entry.unpinned_arg =
+          replaced == kPinnedArgumentChanged ? changed_pinned_arg(*entry.plan, args) : -1;
       release(*entry.plan);
       entry.plan.reset();
     } else {
@@ -791,7 +818,8 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
   if (!trace->unfit.empty()) {
     why = fmt::format("the function {}; it is traced on every call", trace->unfit);
   } else if (entry.previous && entry.previous->unfit.empty()) {
-    entry.plan = make_plan(*entry.previous, *trace, true, why);
+    entry.plan = make_plan(*entry.previous, *trace, true, why, entry.unpinned_arg);
+    entry.unpinned_arg = -1;
   } else {
     why = "waiting for a second trace to compare with";
   }

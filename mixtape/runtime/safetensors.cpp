@@ -20,7 +20,6 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/host_memory.h"
 #include "mixtape/dsl/json.h"
-#include "mixtape/dsl/shape.h"
 #include "mixtape/runtime/atomic_file.h"
 
 // Header-only use of the system's xxHash: nothing to link, for mixtape or its consumers.
@@ -66,13 +65,16 @@ std::string describe(const std::vector<int64_t>& shape) {
 }
 
 /// Bytes a tensor of this dtype and shape needs, or nullopt when that overflows. The element
-/// count is a tensor's (checked_numel: dim by dim, as the reference reader counts too), so a
-/// zero-size shape whose leading dims overflow is refused here, not accepted and then failed,
-/// without the file's name, by the tensor made from it.
+/// count is counted dim by dim in int64, as a tensor's shape (dsl/shape.h's checked_numel, which
+/// the fuzz target does not link) and the reference reader count it, so a zero-size shape whose
+/// leading dims overflow is refused here, not accepted and then failed, without the file's name,
+/// by the tensor made from it.
 std::optional<uint64_t> byte_size(DType dtype, const std::vector<int64_t>& shape) {
-  std::optional<int64_t> count = checked_numel(shape);
+  int64_t count = 1;
+  for (int64_t dim : shape)
+    if (dim < 0 || __builtin_mul_overflow(count, dim, &count)) return std::nullopt;
   uint64_t total = 0;
-  if (!count || __builtin_mul_overflow(static_cast<uint64_t>(*count), size_of(dtype), &total))
+  if (__builtin_mul_overflow(static_cast<uint64_t>(count), size_of(dtype), &total))
     return std::nullopt;
   return total;
 }
