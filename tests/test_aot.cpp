@@ -166,6 +166,7 @@ TEST_P(AotStep, TrainingStepEqualsCompile) {
     mt::save_tensors(older, entries, meta);
     EXPECT_EQ(mixtape_aot_load(model.m, older.c_str()), 0) << mixtape_aot_error(model.m);
     mt::load_checkpoint(older, net, &opt, nullptr, &scaler);
+    fs::remove(older);
   }
   {
     // The optimizer's options but the rate are compiled into the step too: a file of others is
