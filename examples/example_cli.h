@@ -74,12 +74,14 @@ inline std::optional<double> static_scale(const std::string& text) {
   return factor;
 }
 
-/// A file or folder name: not empty (an empty --load would be taken as no --load at all).
+/// Why `text` is no path, or "": an empty --load would be taken as no --load at all.
+inline std::string empty_path(const std::string& text) {
+  return text.empty() ? "needs a path, got an empty one" : "";
+}
+
+/// A file or folder name: not empty.
 inline CLI::Validator path_value() {
-  return {[](std::string& text) -> std::string {
-            return text.empty() ? "needs a path, got an empty one" : "";
-          },
-          "PATH"};
+  return {[](std::string& text) { return empty_path(text); }, "PATH"};
 }
 
 /// Why a file or folder cannot be made inside `folder` (which must exist), or "".
@@ -98,7 +100,7 @@ inline std::string unwritable_folder(const std::filesystem::path& folder) {
 /// after it (the trained model lost), and by every process of a distributed run alike.
 inline CLI::Validator output_folder() {
   return {[](std::string& text) -> std::string {
-            if (text.empty()) return "needs a path, got an empty one";
+            if (text.empty()) return empty_path(text);
             std::filesystem::path existing = text;  // its nearest part that exists
             std::error_code error;
             while (!existing.empty() && !std::filesystem::exists(existing, error))
@@ -111,7 +113,7 @@ inline CLI::Validator output_folder() {
 /// A file the run writes at its end (--save): not a folder, in a folder that exists, writable.
 inline CLI::Validator output_file() {
   return {[](std::string& text) -> std::string {
-            if (text.empty()) return "needs a path, got an empty one";
+            if (text.empty()) return empty_path(text);
             std::filesystem::path path = text;
             std::error_code error;
             if (std::filesystem::is_directory(path, error)) return text + " is a folder";

@@ -442,10 +442,15 @@ DataLoader::DataLoader(const Dataset& data, int64_t batch_size, bool shuffle, ui
   start_epoch();
 }
 
+namespace {
+// The batches of an epoch of `examples` ((n + b - 1) / b overflowed for a batch size near 2^63).
+int64_t batches_of(int64_t examples, int64_t batch_size, bool drop_last) {
+  return examples / batch_size + (!drop_last && examples % batch_size != 0);
+}
+}  // namespace
+
 int64_t DataLoader::batches_per_epoch() const {
-  int64_t n = data_->size() / shard_.count;
-  // (n + b - 1) / b overflowed for a batch size near 2^63.
-  return drop_last_ ? n / batch_size_ : n / batch_size_ + (n % batch_size_ != 0);
+  return batches_of(data_->size() / shard_.count, batch_size_, drop_last_);
 }
 
 void DataLoader::start_epoch() {
@@ -540,8 +545,7 @@ void DataLoader::check_state(const State& state) const {
     fail("DataLoader::load_state: the state is of {} shards, of a dataset of {}", state.shards, n);
   // A loader of `shards` shards has this many batches, each at most batch_size of its share
   // (so resumed_position's products stay within the dataset's size).
-  int64_t share = n / state.shards,
-          batches = share / state.batch_size + (!drop_last_ && share % state.batch_size != 0);
+  const int64_t batches = batches_of(n / state.shards, state.batch_size, drop_last_);
   if (state.position < 0 || state.position >= batches)
     fail("DataLoader::load_state: position {} is outside the epoch's {} batches of {} shards",
          state.position, batches, state.shards);

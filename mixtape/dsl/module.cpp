@@ -79,8 +79,6 @@ Tensor registered_leaf(const Module& module, const char* what, const std::string
     value = from_storage(value.node()->value, value.shape(), value.node()->origin.location);
   }
   if (requires_grad) value.requires_grad_(true);
-  // Frozen ones too: a tensor tied to one (adopt) keeps its flag, as torch's Parameter does.
-  if (std::string_view(what) == "parameter") note_module_parameter(value, name);
   return value;
 }
 }  // namespace
@@ -88,6 +86,8 @@ Tensor registered_leaf(const Module& module, const char* what, const std::string
 Tensor Module::register_parameter(const std::string& name, Tensor value, bool requires_grad) {
   check_new_name(name);
   owned_.push_back(registered_leaf(*this, "parameter", name, std::move(value), requires_grad));
+  // Frozen ones too: a tensor tied to one (adopt) keeps its flag, as torch's Parameter does.
+  note_module_parameter(owned_.back(), name);
   parameters_.push_back({.name = name, .tensor = &owned_.back()});
   return owned_.back();
 }
@@ -102,6 +102,7 @@ Tensor Module::register_buffer(const std::string& name, Tensor value, bool persi
 void Module::register_parameter(const std::string& name, Tensor* member, bool requires_grad) {
   check_new_name(name);
   *member = registered_leaf(*this, "parameter", name, *member, requires_grad);
+  note_module_parameter(*member, name);  // frozen ones too, as above
   parameters_.push_back(
       {.name = name, .tensor = member, .trains = requires_grad, .listed = member->impl()});
   members_->slots.push_back(member);

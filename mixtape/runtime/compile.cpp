@@ -785,7 +785,8 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
   const bool log = log_enabled("compile");
   const char* dropped = nullptr;  // why this call's plan was dropped, which stats.reason keeps
   if (entry.plan) dropped = replaced_state(*entry.plan, args);
-  if (entry.collective && !every_process_replays(entry.plan && !dropped) && entry.plan && !dropped)
+  const bool replays_here = entry.plan && !dropped;
+  if (entry.collective && !every_process_replays(replays_here) && replays_here)
     dropped =
         "another process traces this call (a value read on the host there, or state changed), "
         "and every process must make the same collectives";
@@ -864,11 +865,7 @@ static std::vector<Tensor> copies_of(const std::vector<Tensor>& args) {
       out.emplace_back();
       continue;
     }
-    Storage& value = *a.node()->value;
-    auto copy = std::make_shared<Storage>(value.dtype, value.count, Storage::Uninitialized{});
-    if (value.size_bytes() > 0)
-      std::memcpy(copy->host_data(), value.host_data(), static_cast<size_t>(value.size_bytes()));
-    Tensor t = from_storage(std::move(copy), a.shape());
+    Tensor t = from_storage(host_copy(*a.node()->value), a.shape());
     if (a.requires_grad()) t.requires_grad_(true);
     out.push_back(std::move(t));
   }

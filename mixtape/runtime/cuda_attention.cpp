@@ -239,7 +239,8 @@ static __device__ __forceinline__ void mt_attention_forward(
 }
 
 // Backward, per query row i: the row's maximum score top_i and sum of exponentials online over
-// the keys, delta_i = dO_i . O_i (top, 1 / sum and delta into stats[3 (b tq + i)]), then
+// the keys, delta_i = dO_i . O_i (top, 1 / sum and delta into stats[MT_ATT_ROW_STATS (b tq + i)],
+// kAttentionRowStats of the host), then
 // dQ_i = sum_j dS_ij k_j with dS = P (Z dP - delta) scale. P = exp(s - top) / sum, as the
 // forward pass makes it: a log-sum-exp top + log(sum) loses log(sum) to rounding when top is
 // huge (a row whose keys an additive mask of -1e9 hides), which made each weight 1.
@@ -285,9 +286,10 @@ static __device__ __forceinline__ void mt_attention_rows(
     }
   }
   if (!active) return;
-  stats[3 * (b * g.tq + i)] = top;
-  stats[3 * (b * g.tq + i) + 1] = inverse_sum;
-  stats[3 * (b * g.tq + i) + 2] = delta;
+  float* row_stats = stats + MT_ATT_ROW_STATS * (b * g.tq + i);
+  row_stats[0] = top;
+  row_stats[1] = inverse_sum;
+  row_stats[2] = delta;
   const long long per_batch = g.tq * g.d + g.tk * (g.d + g.dv);
   mt_att_store_row<D>(out, g.out_dtype, b * per_batch + i * g.d, dq, 1.0f, g.d);
 }
@@ -299,7 +301,8 @@ static __device__ __forceinline__ void mt_attention_keys(
     const void* q, const void* k, const void* v, const void* go, const void* mask,
     const long long* mask_batch, const unsigned long long* offset, const float* stats, void* out,
     const mt_attention& g) {
-  __shared__ float queries[MT_ATT_TILE][D], grads[MT_ATT_TILE][D], rows[MT_ATT_TILE][3];
+  __shared__ float queries[MT_ATT_TILE][D], grads[MT_ATT_TILE][D],
+      rows[MT_ATT_TILE][MT_ATT_ROW_STATS];
   const mt_att_rows at = mt_att_rows_of(g.tk);
   const long long b = at.b, j = at.row;
   const bool active = at.active;
@@ -314,9 +317,10 @@ static __device__ __forceinline__ void mt_attention_keys(
     __syncthreads();
     mt_att_stage<D>(queries, q, g.q_dtype, g.compute, b, g.tq, g.d, i0);
     mt_att_stage<D>(grads, go, g.go_dtype, g.compute, b, g.tq, g.dv, i0);
-    for (int t = threadIdx.x; t < 3 * MT_ATT_TILE; t += blockDim.x) {
-      const long long row = i0 + t / 3;
-      rows[t / 3][t % 3] = row < g.tq ? stats[3 * (b * g.tq + row) + t % 3] : 0.0f;
+    for (int t = threadIdx.x; t < MT_ATT_ROW_STATS * MT_ATT_TILE; t += blockDim.x) {
+      const long long row = i0 + t / MT_ATT_ROW_STATS;
+      rows[t / MT_ATT_ROW_STATS][t % MT_ATT_ROW_STATS] =
+          row < g.tq ? stats[MT_ATT_ROW_STATS * (b * g.tq + row) + t % MT_ATT_ROW_STATS] : 0.0f;
     }
     __syncthreads();
     if (!active) continue;
@@ -429,7 +433,7 @@ void launch_rows(cuda::CUfunction function, int64_t batch, int64_t rows, void** 
 }  // namespace
 
 std::string cuda_attention_kernels(const std::set<int>& dims) {
-  std::string out = source;
+  std::string out = fmt::format("#define MT_ATT_ROW_STATS {}\n", kAttentionRowStats) + source;
   for (int dim : dims) out += fmt::format("MT_ATTENTION_KERNELS({})\n", dim);
   return out;
 }
