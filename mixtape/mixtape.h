@@ -22,6 +22,7 @@
 #include "mixtape/dsl/nn.h"
 #include "mixtape/dsl/ops.h"
 #include "mixtape/dsl/optim.h"
+#include "mixtape/dsl/adaptive_optim.h"
 #include "mixtape/dsl/selection.h"
 #include "mixtape/dsl/sequence_layers.h"
 #include "mixtape/dsl/tensor.h"

@@ -428,6 +428,45 @@ TEST_F(Checkpoint, LionAndAdafactorResumeBitIdentically) {
                   "Adafactor", "Lion");
 }
 
+// The torch.optim rules of dsl/adaptive_optim.h, and Adam's AMSGrad maximum, resume bit for
+// bit: NAdam's 0-d mu_product (not of the parameter's shape) is saved and checked as such.
+TEST_F(Checkpoint, AdaptiveRulesAndAmsgradResumeBitIdentically) {
+  using Make = std::function<std::unique_ptr<mt::Optimizer>(std::vector<mt::Tensor>)>;
+  const std::pair<const char*, Make> rules[] = {
+      {"adam_amsgrad",
+       [](std::vector<mt::Tensor> p) {
+         return std::make_unique<mt::AdamW>(std::move(p), mt::AdamOptions{.amsgrad = true});
+       }},
+      {"adamax", [](std::vector<mt::Tensor> p) { return std::make_unique<mt::Adamax>(p); }},
+      {"nadam", [](std::vector<mt::Tensor> p) { return std::make_unique<mt::NAdam>(p); }},
+      {"radam", [](std::vector<mt::Tensor> p) { return std::make_unique<mt::RAdam>(p); }},
+      {"adadelta", [](std::vector<mt::Tensor> p) { return std::make_unique<mt::Adadelta>(p); }},
+  };
+  for (const auto& [name, make] : rules) {
+    SCOPED_TRACE(name);
+    check_resume(mlp_run_with(make), path(fmt::format("{}.safetensors", name)));
+  }
+  Training run = mlp_run_with(rules[2].second)(1);
+  run.train(0, 2);
+  mt::NamedTensors state = run.opt->state(0);
+  for (auto& [name, value] : state)
+    if (name == "mu_product") {
+      EXPECT_EQ(value.shape(), mt::Shape{});
+      // mu_1 mu_2, each 0.9 (1 - 0.96^(0.004 t) / 2), about 0.45
+      EXPECT_NEAR(value.item(), 0.45007 * 0.45014, 1e-5);
+      value = mt::full({}, 1.5);
+    }
+  EXPECT_MT_ERROR(run.opt->load_state(0, state), "NAdam", "'mu_product'", "1.5", "[0, 1]");
+  // AMSGrad's maximum is saved only where the option is on, and checked where it is.
+  Training amsgrad = mlp_run_with(rules[0].second)(1);
+  amsgrad.train(0, 1);
+  mt::NamedTensors with_max = amsgrad.opt->state(0);
+  EXPECT_EQ(with_max.size(), 3u);
+  Training plain = mlp_run_with(
+      [](std::vector<mt::Tensor> p) { return std::make_unique<mt::AdamW>(std::move(p)); })(1);
+  EXPECT_MT_ERROR(plain.opt->load_state(0, with_max), "AdamW", "'max_exp_avg_sq'");
+}
+
 TEST_F(Checkpoint, TransformerBlockResumesBitIdentically) {
   check_resume(transformer_run, path("block.safetensors"));
 }

@@ -111,7 +111,7 @@ constexpr int kOptSteps = 5;
 
 struct OptConfig {
   const char* name;
-  const char* type;  // sgd, adam, adamw, rmsprop, adagrad
+  const char* type;  // sgd, adam, adamw, rmsprop, adagrad, lion, adafactor, adamax, nadam, ...
   double lr;
   double momentum = 0, dampening = 0, weight_decay = 0;
   bool nesterov = false;
@@ -131,6 +131,10 @@ struct OptConfig {
   // Two parameter groups: the weight matrices with these options, the biases with half the rate
   // and no weight decay (torch's param_groups; the schedule, per group, peaks at each group's).
   bool grouped = false;
+  bool amsgrad = false, maximize = false;  // Adam, AdamW; maximize for torch's rules that have it
+  double momentum_decay = 4e-3;            // NAdam
+  double rho = 0.9;                        // Adadelta
+  int steps = kOptSteps;  // RAdam's rectified steps start at the sixth (beta2 = 0.999)
 };
 // (parameter, step) pairs of OptConfig::skips, by the parameter's place in named_parameters().
 constexpr std::pair<int, int> kDroppedGradients[] = {{0, 0}, {0, 1}, {-1, 3}};
@@ -249,6 +253,60 @@ const OptConfig kOptConfigs[] = {
      .weight_decay = 0.1,
      .relative_step = false,
      .grouped = true},
+    {.name = "adam_amsgrad", .type = "adam", .lr = 0.01, .amsgrad = true},
+    {.name = "adamw_amsgrad_maximize_skips",
+     .type = "adamw",
+     .lr = 0.01,
+     .weight_decay = 0.1,
+     .skips = true,
+     .amsgrad = true,
+     .maximize = true},
+    {.name = "sgd_momentum_maximize",
+     .type = "sgd",
+     .lr = 0.1,
+     .momentum = 0.9,
+     .weight_decay = 0.05,
+     .maximize = true},
+    {.name = "rmsprop_maximize", .type = "rmsprop", .lr = 0.01, .maximize = true},
+    {.name = "adagrad_maximize", .type = "adagrad", .lr = 0.1, .maximize = true},
+    {.name = "adamax", .type = "adamax", .lr = 0.02},
+    {.name = "adamax_decay_maximize",
+     .type = "adamax",
+     .lr = 0.02,
+     .weight_decay = 0.1,
+     .beta1 = 0.8,
+     .beta2 = 0.99,
+     .maximize = true},
+    {.name = "adamax_onecycle_skips", .type = "adamax", .lr = 0.02, .onecycle = 8, .skips = true},
+    {.name = "nadam", .type = "nadam", .lr = 0.01},
+    {.name = "nadam_decay",
+     .type = "nadam",
+     .lr = 0.02,
+     .weight_decay = 0.1,
+     .beta2 = 0.99,
+     .momentum_decay = 0.01},
+    {.name = "nadam_skips_groups", .type = "nadam", .lr = 0.01, .skips = true, .grouped = true},
+    {.name = "radam", .type = "radam", .lr = 0.01, .steps = 8},
+    {.name = "radam_decay_skips",
+     .type = "radam",
+     .lr = 0.01,
+     .weight_decay = 0.1,
+     .skips = true,
+     .steps = 9},
+    {.name = "radam_onecycle", .type = "radam", .lr = 0.02, .onecycle = 8, .steps = 8},
+    {.name = "adadelta", .type = "adadelta", .lr = 1.0},
+    {.name = "adadelta_decay_maximize",
+     .type = "adadelta",
+     .lr = 0.5,
+     .weight_decay = 0.1,
+     .eps = 1e-5,
+     .maximize = true,
+     .rho = 0.8},
+    {.name = "adadelta_groups",
+     .type = "adadelta",
+     .lr = 1.0,
+     .weight_decay = 0.05,
+     .grouped = true},
     {.name = "adamw_onecycle_groups",
      .type = "adamw",
      .lr = 0.02,
@@ -298,7 +356,8 @@ std::unique_ptr<mt::Optimizer> make_optimizer(const OptConfig& c,
                             .momentum = c.momentum,
                             .dampening = c.dampening,
                             .weight_decay = weight_decay,
-                            .nesterov = c.nesterov};
+                            .nesterov = c.nesterov,
+                            .maximize = c.maximize};
     });
   if (type == "rmsprop")
     return grouped_rule<mt::RMSprop>(c, groups, [&](double lr, double weight_decay) {
@@ -307,7 +366,8 @@ std::unique_ptr<mt::Optimizer> make_optimizer(const OptConfig& c,
                                 .eps = c.eps,
                                 .weight_decay = weight_decay,
                                 .momentum = c.momentum,
-                                .centered = c.centered};
+                                .centered = c.centered,
+                                .maximize = c.maximize};
     });
   if (type == "adagrad")
     return grouped_rule<mt::Adagrad>(c, groups, [&](double lr, double weight_decay) {
@@ -315,7 +375,44 @@ std::unique_ptr<mt::Optimizer> make_optimizer(const OptConfig& c,
                                 .lr_decay = c.lr_decay,
                                 .weight_decay = weight_decay,
                                 .initial_accumulator_value = c.initial_accumulator_value,
-                                .eps = c.eps};
+                                .eps = c.eps,
+                                .maximize = c.maximize};
+    });
+  if (type == "adamax")
+    return grouped_rule<mt::Adamax>(c, groups, [&](double lr, double weight_decay) {
+      return mt::AdamaxOptions{.lr = lr,
+                               .beta1 = c.beta1,
+                               .beta2 = c.beta2,
+                               .eps = c.eps,
+                               .weight_decay = weight_decay,
+                               .maximize = c.maximize};
+    });
+  if (type == "nadam")
+    return grouped_rule<mt::NAdam>(c, groups, [&](double lr, double weight_decay) {
+      return mt::NAdamOptions{.lr = lr,
+                              .beta1 = c.beta1,
+                              .beta2 = c.beta2,
+                              .eps = c.eps,
+                              .weight_decay = weight_decay,
+                              .momentum_decay = c.momentum_decay,
+                              .maximize = c.maximize};
+    });
+  if (type == "radam")
+    return grouped_rule<mt::RAdam>(c, groups, [&](double lr, double weight_decay) {
+      return mt::RAdamOptions{.lr = lr,
+                              .beta1 = c.beta1,
+                              .beta2 = c.beta2,
+                              .eps = c.eps,
+                              .weight_decay = weight_decay,
+                              .maximize = c.maximize};
+    });
+  if (type == "adadelta")
+    return grouped_rule<mt::Adadelta>(c, groups, [&](double lr, double weight_decay) {
+      return mt::AdadeltaOptions{.lr = lr,
+                                 .rho = c.rho,
+                                 .eps = c.eps,
+                                 .weight_decay = weight_decay,
+                                 .maximize = c.maximize};
     });
   if (type == "lion")
     return grouped_rule<mt::Lion>(c, groups, [&](double lr, double weight_decay) {
@@ -334,8 +431,13 @@ std::unique_ptr<mt::Optimizer> make_optimizer(const OptConfig& c,
                                   .warmup_init = c.warmup_init};
     });
   auto adam = [&](double lr, double weight_decay) {
-    return mt::AdamOptions{
-        .lr = lr, .beta1 = c.beta1, .beta2 = c.beta2, .eps = c.eps, .weight_decay = weight_decay};
+    return mt::AdamOptions{.lr = lr,
+                           .beta1 = c.beta1,
+                           .beta2 = c.beta2,
+                           .eps = c.eps,
+                           .weight_decay = weight_decay,
+                           .amsgrad = c.amsgrad,
+                           .maximize = c.maximize};
   };
   if (type == "adam") return grouped_rule<mt::Adam>(c, groups, adam);
   return grouped_rule<mt::AdamW>(c, groups, adam);
@@ -1202,7 +1304,7 @@ void write_inputs(const fs::path& dir) {
                {{"kind", "optim"},
                 {"sizes", join(kOptSizes)},
                 {"activation", "tanh"},
-                {"steps", std::to_string(kOptSteps)},
+                {"steps", std::to_string(c.steps)},
                 {"optimizer", c.type},
                 {"lr", fmt::format("{}", c.lr)},
                 {"momentum", fmt::format("{}", c.momentum)},
@@ -1224,10 +1326,14 @@ void write_inputs(const fs::path& dir) {
                 {"decay_rate", fmt::format("{}", c.decay_rate)},
                 {"onecycle", std::to_string(c.onecycle)},
                 {"grouped", c.grouped ? "1" : "0"},
+                {"amsgrad", c.amsgrad ? "1" : "0"},
+                {"maximize", c.maximize ? "1" : "0"},
+                {"momentum_decay", fmt::format("{}", c.momentum_decay)},
+                {"rho", fmt::format("{}", c.rho)},
                 {"dropped",
                  [&] {
                    std::vector<std::string> steps;
-                   for (int step = 0; step < kOptSteps; ++step)
+                   for (int step = 0; step < c.steps; ++step)
                      for (const std::string& name : dropped_gradients(c, model, step))
                        steps.push_back(fmt::format("{}@{}", name, step));
                    return fmt::format("{}", fmt::join(steps, ";"));
@@ -1573,7 +1679,7 @@ TEST_F(TorchParity, OptimizerTrajectoriesMatchTorchOptim) {
     std::map<std::string, std::vector<float>> initial;
     for (const auto& [name, p] : model.named_parameters()) initial[name] = p.to_vector<float>();
     double moved = 0;  // how far the run went, so that a no-op optimizer cannot pass
-    for (int step = 0; step < kOptSteps; ++step) {
+    for (int step = 0; step < config.steps; ++step) {
       opt->zero_grad();
       mt::Tensor loss = mt::cross_entropy(model(c.input("x")), c.input("y"));
       loss.backward();
@@ -1595,9 +1701,9 @@ TEST_F(TorchParity, OptimizerTrajectoriesMatchTorchOptim) {
     EXPECT_GT(moved, 1e-3) << id << ": the parameters barely moved";
     if (config.skips) {  // each parameter's own count, as torch's state[p]["step"]
       mt::NamedTensors params = model.named_parameters();
-      EXPECT_EQ(opt->steps_taken(), kOptSteps);
-      EXPECT_EQ(opt->steps_taken(0), kOptSteps - 2);
-      EXPECT_EQ(opt->steps_taken(params.size() - 1), kOptSteps - 1);
+      EXPECT_EQ(opt->steps_taken(), config.steps);
+      EXPECT_EQ(opt->steps_taken(0), config.steps - 2);
+      EXPECT_EQ(opt->steps_taken(params.size() - 1), config.steps - 1);
       EXPECT_TRUE(opt->step_count(1).same(opt->step_count())) << "one count for the others";
     }
   }

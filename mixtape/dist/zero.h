@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "mixtape/autograd/grad.h"
+#include "mixtape/dsl/adaptive_optim.h"
 #include "mixtape/dsl/ops.h"
 #include "mixtape/dsl/optim.h"
 #include "mixtape/dsl/shape.h"
@@ -137,14 +138,15 @@ class ZeroOptimizer {
   virtual const ZeroShards& shards() const = 0;
 };
 
-/// ZeRO stage 1 of the optimizer `Rule` (SGD, Adam, AdamW, RMSprop, Adagrad, Lion on flat
-/// shards; Adafactor on shards of whole parameters), with Rule's constructors and options: each
-/// process keeps the rule's f32 state for its 1/N shard only (ZeroShards) and updates only that
-/// shard of the parameters (f32 parameters are their own master weights: the shard is updated in
-/// place of a separate master copy; half ones get f32 master shards, master_weights); the updated
-/// shards are all-gathered into the parameters in the step's program. GradScaler, clip_grad_norm,
-/// schedules and mt::compile work as with the plain rule, whose kind() it keeps, so its
-/// checkpoints (dist::save_checkpoint, which gathers the shards) are the plain rule's.
+/// ZeRO stage 1 of the optimizer `Rule` (SGD, Adam, AdamW, RMSprop, Adagrad, Lion, Adamax,
+/// RAdam, Adadelta on flat shards; Adafactor and NAdam on shards of whole parameters), with Rule's
+/// constructors and options: each process keeps the rule's f32 state for its 1/N shard only
+/// (ZeroShards) and updates only that shard of the parameters (f32 parameters are their own master
+/// weights: the shard is updated in place of a separate master copy; half ones get f32 master
+/// shards, master_weights); the updated shards are all-gathered into the parameters in the step's
+/// program. GradScaler, clip_grad_norm, schedules and mt::compile work as with the plain rule,
+/// whose kind() it keeps, so its checkpoints (dist::save_checkpoint, which gathers the shards) are
+/// the plain rule's.
 template <class Rule>
 class Zero : public Rule, public ZeroOptimizer {
  public:
@@ -205,8 +207,10 @@ class Zero : public Rule, public ZeroOptimizer {
   }
 
  private:
-  // Adafactor's factored statistics and its RMS scaling need whole parameters, not slices.
-  ZeroShards shards_{this->params(), std::is_base_of_v<Adafactor, Rule>};
+  // Adafactor's factored statistics and its RMS scaling need whole parameters, not slices, as
+  // does NAdam's one mu_product per parameter.
+  ZeroShards shards_{this->params(),
+                     std::is_base_of_v<Adafactor, Rule> || std::is_base_of_v<NAdam, Rule>};
 };
 
 using ZeroAdamW = Zero<AdamW>;
@@ -216,5 +220,9 @@ using ZeroRMSprop = Zero<RMSprop>;
 using ZeroAdagrad = Zero<Adagrad>;
 using ZeroLion = Zero<Lion>;
 using ZeroAdafactor = Zero<Adafactor>;
+using ZeroAdamax = Zero<Adamax>;
+using ZeroNAdam = Zero<NAdam>;
+using ZeroRAdam = Zero<RAdam>;
+using ZeroAdadelta = Zero<Adadelta>;
 
 }  // namespace mixtape::dist

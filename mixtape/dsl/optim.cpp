@@ -13,6 +13,7 @@
 #include "mixtape/dsl/functional.h"
 #include "mixtape/dsl/ops.h"
 #include "mixtape/dsl/optimizer_entries.h"
+#include "mixtape/dsl/optimizer_state.h"
 #include "mixtape/dsl/orphan_parameters.h"
 #include "mixtape/dsl/process_group.h"
 #include "mixtape/dsl/reusable_buffers.h"
@@ -22,30 +23,10 @@ namespace {
 
 constexpr const char* kMomentumStarted = "~momentum_started";  // SGD: a real step happened
 
-// An option that scales or decays: a NaN passed `x < 0` and made every parameter NaN.
-bool finite_non_negative(double x) { return std::isfinite(x) && x >= 0; }
-
-// By a view, not a std::string: names longer than the small-string buffer would allocate on each
-// of the traced loop's lookups.
-Tensor* find_state(NamedTensors& state, std::string_view name) {
-  for (auto& [key, value] : state)
-    if (key == name) return &value;
-  return nullptr;
-}
-
-// An entry start_state() added: there from the first update on.
-const Tensor& started_state(NamedTensors& state, std::string_view name) {
-  Tensor* entry = find_state(state, name);
-  if (!entry) fail("optimizer state '{}' was not started before the update", name);
-  return *entry;
-}
-
-void set_state(NamedTensors& state, std::string_view name, Tensor value) {
-  if (Tensor* slot = find_state(state, name))
-    *slot = std::move(value);
-  else
-    state.emplace_back(std::string(name), std::move(value));
-}
+using optimizer_state::find_state;
+using optimizer_state::finite_non_negative;
+using optimizer_state::set_state;
+using optimizer_state::started_state;
 
 }  // namespace
 
@@ -657,24 +638,24 @@ OptionFields option_fields(SGDOptions& o) {
   return {{"momentum", &o.momentum},
           {"dampening", &o.dampening},
           {"weight_decay", &o.weight_decay},
-          {"nesterov", &o.nesterov}};
+          {"nesterov", &o.nesterov},
+          {"maximize", &o.maximize}};
 }
 OptionFields option_fields(AdamOptions& o) {
-  return {
-      {"beta1", &o.beta1}, {"beta2", &o.beta2}, {"eps", &o.eps}, {"weight_decay", &o.weight_decay}};
+  return {{"beta1", &o.beta1},     {"beta2", &o.beta2},
+          {"eps", &o.eps},         {"weight_decay", &o.weight_decay},
+          {"amsgrad", &o.amsgrad}, {"maximize", &o.maximize}};
 }
 OptionFields option_fields(RMSpropOptions& o) {
-  return {{"alpha", &o.alpha},
-          {"eps", &o.eps},
-          {"weight_decay", &o.weight_decay},
-          {"momentum", &o.momentum},
-          {"centered", &o.centered}};
+  return {{"alpha", &o.alpha},       {"eps", &o.eps},           {"weight_decay", &o.weight_decay},
+          {"momentum", &o.momentum}, {"centered", &o.centered}, {"maximize", &o.maximize}};
 }
 OptionFields option_fields(AdagradOptions& o) {
   return {{"lr_decay", &o.lr_decay},
           {"weight_decay", &o.weight_decay},
           {"initial_accumulator_value", &o.initial_accumulator_value},
-          {"eps", &o.eps}};
+          {"eps", &o.eps},
+          {"maximize", &o.maximize}};
 }
 OptionFields option_fields(LionOptions& o) {
   return {{"beta1", &o.beta1}, {"beta2", &o.beta2}, {"weight_decay", &o.weight_decay}};
@@ -744,7 +725,7 @@ std::optional<std::vector<std::string>> SGD::state_names(size_t param_index) con
 
 Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   const SGDOptions& options = group_options();
-  Tensor g = grad;
+  Tensor g = options.maximize ? -grad : grad;
   if (options.weight_decay != 0) g = with_l2_penalty(g, param, options.weight_decay);
   // A cycled momentum (a schedule's graph value) replaces the option, as PyTorch's OneCycleLR
   // writes the group's momentum: then the buffer is kept even for a momentum option of 0.
@@ -810,20 +791,23 @@ void Adam::begin_step() {
   if (decoupled_ && *options.weight_decay != 0) decay_ = 1.0 - lr_value() * *options.weight_decay;
 }
 
-std::optional<std::vector<std::string>> Adam::state_names(size_t) const {
-  return std::vector<std::string>{"exp_avg", "exp_avg_sq"};
+std::optional<std::vector<std::string>> Adam::state_names(size_t param_index) const {
+  std::vector<std::string> names{"exp_avg", "exp_avg_sq"};
+  if (options(group_of(param_index)).amsgrad) names.push_back("max_exp_avg_sq");
+  return names;
 }
 
 void Adam::start_state(NamedTensors& state, const Tensor& grad) const {
   add_zero_state(state, "exp_avg", grad);
   add_zero_state(state, "exp_avg_sq", grad);
+  if (group_options().amsgrad) add_zero_state(state, "max_exp_avg_sq", grad);
 }
 
 Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   const AdamOptions& options = group_options();
   // Fused arithmetic (dsl/ops.def): three nodes where single ops took fourteen, the same f32
   // operations in the same order. The running averages start at zero (start_state).
-  Tensor g = grad;
+  Tensor g = options.maximize ? -grad : grad;
   if (*options.weight_decay != 0 && !decoupled_)
     g = with_l2_penalty(g, param, *options.weight_decay);
   const Tensor& m_prev = started_state(state, "exp_avg");
@@ -837,10 +821,15 @@ Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state
   Tensor v = lincomb_square({v_prev, step_constant(options.beta2, v_prev), g, rest2});
   set_state(state, "exp_avg", m);
   set_state(state, "exp_avg_sq", v);
+  Tensor denominator = v;  // AMSGrad divides by the largest exp_avg_sq so far
+  if (options.amsgrad) {
+    denominator = maximum(started_state(state, "max_exp_avg_sq"), v);
+    set_state(state, "max_exp_avg_sq", denominator);
+  }
   bool decays = decoupled_ && *options.weight_decay != 0;
   return adam_step({param, decays ? step_scalar(decay_, param.dtype()) : step_constant(1, param), m,
-                    v, step_scalar(inv_sqrt_bias2_, v.dtype()), step_constant(options.eps, v),
-                    step_scalar(step_size_, m.dtype())});
+                    denominator, step_scalar(inv_sqrt_bias2_, v.dtype()),
+                    step_constant(options.eps, v), step_scalar(step_size_, m.dtype())});
 }
 
 AdamW::AdamW(std::vector<Tensor> params, AdamOptions options)
@@ -891,7 +880,7 @@ void RMSprop::start_state(NamedTensors& state, const Tensor& grad) const {
 
 Tensor RMSprop::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   const RMSpropOptions& options = group_options();
-  Tensor g = grad;
+  Tensor g = options.maximize ? -grad : grad;
   if (options.weight_decay != 0) g = with_l2_penalty(g, param, options.weight_decay);
   auto running = [&](const char* name, bool squared) {
     const Tensor& previous = started_state(state, name);
@@ -941,7 +930,7 @@ std::optional<std::vector<std::string>> Adagrad::state_names(size_t) const {
 
 Tensor Adagrad::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   const AdagradOptions& options = group_options();
-  Tensor g = grad;
+  Tensor g = options.maximize ? -grad : grad;
   if (options.weight_decay != 0) g = with_l2_penalty(g, param, options.weight_decay);
   Tensor sum = *find_state(state, "sum") + square(g);
   set_state(state, "sum", sum);

@@ -107,7 +107,7 @@ class Optimizer {
   /// The rate the next step uses for `group`, a 0-d f64 graph value (item() reads it: a host
   /// sync).
   Tensor current_lr(size_t group = 0) const;
-  /// The momentum (SGD, RMSprop) or beta1 (Adam, AdamW, Lion) the next step uses for `group`
+  /// The momentum (SGD, RMSprop) or beta1 (the Adam family, Lion) the next step uses for `group`
   /// when its schedule cycles it (OneCycleLR's cycle_momentum), a 0-d f64 graph value; undefined
   /// when the optimizer's own option is in use.
   Tensor current_momentum(size_t group = 0) const;
@@ -485,6 +485,7 @@ struct SGDOptions {
   double dampening = 0;
   double weight_decay = 0;
   bool nesterov = false;
+  bool maximize = false;  // ascend: the gradient negated first, as torch's maximize
 };
 OptionFields option_fields(SGDOptions& options);
 
@@ -511,6 +512,10 @@ struct AdamOptions {
   /// Unset: the rule's default, as torch's: 0 for Adam, 0.01 for AdamW (so AdamW's
   /// {.lr = 1e-3} decays as torch.optim.AdamW(lr=1e-3) does). Set after construction.
   std::optional<double> weight_decay = std::nullopt;
+  /// AMSGrad (Reddi et al. 2018): divide by the running maximum of exp_avg_sq (state
+  /// "max_exp_avg_sq"), as torch's amsgrad.
+  bool amsgrad = false;
+  bool maximize = false;  // ascend: the gradient negated first, as torch's maximize
 };
 OptionFields option_fields(AdamOptions& options);
 
@@ -521,6 +526,7 @@ class Adam : public OptimizerWith<AdamOptions> {
   explicit Adam(std::vector<ParamGroup<AdamOptions>> groups);
   bool has_momentum() const override { return true; }
   std::optional<std::vector<std::string>> state_names(size_t param_index) const override;
+  std::vector<std::string> optional_state_names() const override { return {"max_exp_avg_sq"}; }
 
  protected:
   void resolve_options(AdamOptions& options) const override;
@@ -550,6 +556,7 @@ struct RMSpropOptions {
   double weight_decay = 0;
   double momentum = 0;
   bool centered = false;  // divide by the gradients' running variance, not their mean square
+  bool maximize = false;  // ascend: the gradient negated first, as torch's maximize
 };
 OptionFields option_fields(RMSpropOptions& options);
 
@@ -577,6 +584,7 @@ struct AdagradOptions {
   double weight_decay = 0;
   double initial_accumulator_value = 0;
   double eps = 1e-10;
+  bool maximize = false;  // ascend: the gradient negated first, as torch's maximize
 };
 OptionFields option_fields(AdagradOptions& options);
 

@@ -19,6 +19,13 @@ constexpr const char* never_negative_state(std::string_view kind, std::string_vi
   constexpr Row table[] = {
       {"Adam", "exp_avg_sq", mean},
       {"AdamW", "exp_avg_sq", mean},
+      {"Adam", "max_exp_avg_sq", "a running maximum of squared-gradient means"},
+      {"AdamW", "max_exp_avg_sq", "a running maximum of squared-gradient means"},
+      {"NAdam", "exp_avg_sq", mean},
+      {"RAdam", "exp_avg_sq", mean},
+      {"Adamax", "exp_inf", "a running maximum of absolute gradients"},
+      {"Adadelta", "square_avg", mean},
+      {"Adadelta", "acc_delta", "a running mean of squared steps"},
       {"RMSprop", "square_avg", mean},
       {"Adagrad", "sum", "a running sum of squared gradients"},
       {"Adafactor", "exp_avg_sq", mean},

@@ -213,22 +213,42 @@ def make_optimizer(m, params):
                          scale_parameter=m['scale_parameter'] == '1',
                          relative_step=m['relative_step'] == '1',
                          warmup_init=m['warmup_init'] == '1')
+    maximize = m.get('maximize', '0') == '1'
     if m['optimizer'] == 'sgd':
         return torch.optim.SGD(params, lr=f('lr'), momentum=f('momentum'),
                                dampening=f('dampening'), weight_decay=f('weight_decay'),
-                               nesterov=m['nesterov'] == '1')
+                               nesterov=m['nesterov'] == '1', maximize=maximize)
     if m['optimizer'] == 'rmsprop':
         return torch.optim.RMSprop(params, lr=f('lr'), alpha=f('alpha'), eps=f('eps'),
                                    weight_decay=f('weight_decay'), momentum=f('momentum'),
-                                   centered=m['centered'] == '1')
+                                   centered=m['centered'] == '1', maximize=maximize)
     if m['optimizer'] == 'adagrad':
         return torch.optim.Adagrad(params, lr=f('lr'), lr_decay=f('lr_decay'),
                                    weight_decay=f('weight_decay'),
                                    initial_accumulator_value=f('initial_accumulator_value'),
-                                   eps=f('eps'))
+                                   eps=f('eps'), maximize=maximize)
+    betas = (f('beta1'), f('beta2'))
+    if m['optimizer'] == 'adamax':
+        return torch.optim.Adamax(params, lr=f('lr'), betas=betas, eps=f('eps'),
+                                  weight_decay=f('weight_decay'), maximize=maximize)
+    if m['optimizer'] == 'nadam':
+        # The multi-tensor update: 1.13's single-tensor one squares mu in mu_product_next, which
+        # later releases fixed (both forms there agree with this one).
+        assert not maximize
+        return torch.optim.NAdam(params, lr=f('lr'), betas=betas, eps=f('eps'),
+                                 weight_decay=f('weight_decay'),
+                                 momentum_decay=f('momentum_decay'), foreach=True)
+    if m['optimizer'] == 'radam':
+        assert not maximize
+        return torch.optim.RAdam(params, lr=f('lr'), betas=betas, eps=f('eps'),
+                                 weight_decay=f('weight_decay'))
+    if m['optimizer'] == 'adadelta':
+        return torch.optim.Adadelta(params, lr=f('lr'), rho=f('rho'), eps=f('eps'),
+                                    weight_decay=f('weight_decay'), maximize=maximize)
     kind = {'adam': torch.optim.Adam, 'adamw': torch.optim.AdamW}[m['optimizer']]
-    return kind(params, lr=f('lr'), betas=(f('beta1'), f('beta2')), eps=f('eps'),
-                weight_decay=f('weight_decay'))
+    return kind(params, lr=f('lr'), betas=betas, eps=f('eps'),
+                weight_decay=f('weight_decay'), amsgrad=m.get('amsgrad', '0') == '1',
+                maximize=maximize)
 
 def run_optim(d, m, params):
     model = MLP(sizes(m), m['activation'])
