@@ -1725,7 +1725,8 @@ TEST_F(Checkpoint, OptionsThatCannotBeRestoredAreRejectedWithoutChanges) {
   mt::NamedTensors entries = mt::load_tensors(file, &meta);
   std::map<std::string, std::string> by_key(meta.begin(), meta.end());
   EXPECT_EQ(by_key["optimizer.options"],
-            R"([{"momentum":0.9,"dampening":0.0,"weight_decay":0.0,"nesterov":false}])");
+            R"([{"momentum":0.9,"dampening":0.0,"weight_decay":0.0,"nesterov":false,)"
+            R"("maximize":false}])");
   const std::pair<const char*, const char*> damaged[] = {
       {"[", "metadata 'optimizer.options'"},
       {"{}", "not a list of parameter groups' options"},

@@ -586,6 +586,33 @@ TEST(GradScalerState, StateDictRoundTrip) {
   EXPECT_EQ(target.get_scale(), 16);
 }
 
+// Bounds f32 cannot hold exactly (1e-5 rounds down, 0.3 up): a scale clamped to one is the bound
+// rounded to f32, and its state loads, as does a scaler made with it. Before, the scale was
+// compared with the bound as a double, found outside, and a checkpoint saved after the scale
+// reached the bound could not be resumed.
+TEST(GradScalerState, AScaleClampedToABoundF32CannotHoldRoundTrips) {
+  mt::Tensor p = param({0, 0});
+  mt::SGD opt({p}, {.lr = 1});
+  mt::GradScaler low({.init_scale = 1, .min_scale = 1e-5});
+  drive(low, opt, p, "IIIIIIIIIIIIIIIIIIII");  // 2^-20 < 1e-5: clamped
+  ASSERT_EQ(low.get_scale(), static_cast<double>(1e-5f));
+  mt::GradScaler again({.init_scale = 1, .min_scale = 1e-5});
+  again.load_state_dict(low.state_dict());
+  EXPECT_EQ(again.get_scale(), low.get_scale());
+  again.update(low.get_scale());
+  mt::GradScaler from_scale({.init_scale = low.get_scale(), .min_scale = 1e-5});
+  EXPECT_EQ(from_scale.get_scale(), low.get_scale());
+
+  mt::GradScaler high({.init_scale = 0.3, .max_scale = 0.3});
+  ASSERT_GT(high.get_scale(), 0.3);  // f32(0.3)
+  mt::GradScaler copy({.init_scale = 0.25, .max_scale = 0.3});
+  copy.load_state_dict(high.state_dict());
+  EXPECT_EQ(copy.get_scale(), high.get_scale());
+  // A scale really outside stays refused.
+  EXPECT_MT_ERROR(copy.update(0.31), "outside");
+  EXPECT_MT_ERROR(again.update(0.9e-5), "outside");
+}
+
 TEST(GradScalerState, LoadStateDictRejectsBadState) {
   mt::GradScaler scaler({.init_scale = 32});
   mt::NamedTensors good = mt::GradScaler({.init_scale = 64}).state_dict();

@@ -563,6 +563,69 @@ TEST(MemoryReport, CompiledPeakIsWhatTheProgramReports) {
   }
 }
 
+// A reshape shares its input's buffer: flatten of a batch evaluated before stores nothing (both
+// peaks counted the batch's 768 KiB again), and the program's peak is the report's.
+TEST(MemoryReport, AFlattenedBatchIsNotCountedAgain) {
+  mt::Generator gen(2);
+  mt::Linear fc(3072, 10, true, &gen);
+  mt::Tensor x = mt::randn({64, 3, 32, 32}, mt::f32, &gen), y = mt::randn({64, 10}, mt::f32, &gen);
+  mt::eval({x, y});
+  mt::Tensor loss = mt::mse_loss(fc(mt::flatten(x, 1)), y);
+  loss.backward();
+  mt::MemoryReport report = mt::memory_report(fc, nullptr, loss);
+  const int64_t batch = 64 * 3072 * 4, weight_grad = 3072 * 10 * 4;
+  EXPECT_GE(report.compiled_peak, weight_grad);
+  EXPECT_LT(report.compiled_peak, batch / 4);
+  if (mt::current_device() == mt::Device::reference) return;  // runs no program
+  mt::reset_execution_stats();
+  mt::eval({loss, fc.weight.grad(), fc.bias.grad()});
+  EXPECT_EQ(mt::execution_stats().peak_bytes, report.compiled_peak);
+}
+
+// An embedding's gradient is its rows added into a table of zeros (index_add): that fill is a
+// stored buffer, not folded into a kernel, so the peak holds the master, the zeros and the
+// gradient (it missed one whole table).
+TEST(MemoryReport, AnEmbeddingsZeroTableIsStored) {
+  mt::Generator gen(3);
+  mt::Embedding emb(20000, 64, &gen);
+  mt::eval({emb.weight});
+  mt::Tensor loss = mt::sum(mt::square(emb(mt::tensor(std::vector<int64_t>(16, 7), {16}))));
+  loss.backward();
+  mt::MemoryReport report = mt::memory_report(emb, nullptr, loss);
+  const int64_t table = 20000 * 64 * 4;
+  EXPECT_GE(report.peak, 3 * table);
+  EXPECT_LT(report.peak, 3 * table + table / 10);
+}
+
+// The report's policy is the step's, not that of a constant made once by an earlier step under
+// another policy (cross_entropy's class indices), and module buffers are persistent memory.
+TEST(MemoryReport, NamesTheStepsPolicyAndCountsModuleBuffers) {
+  std::string named;
+  for (const char* policy : {"autocast-f16", "autocast-bf16"}) {
+    mt::Generator gen(5);
+    mt::Sequential net;
+    net.emplace_back<mt::Linear>(8, 6, true, &gen);
+    net.emplace_back<mt::BatchNorm1d>(6);
+    mt::Tensor x = mt::randn({4, 8}, mt::f32, &gen);
+    mt::Tensor loss;
+    {
+      mt::autocast guard(mt::policy_by_name(policy));
+      loss = mt::cross_entropy(net(x), mt::tensor(std::vector<int64_t>{0, 1, 2, 5}, {4}));
+    }
+    loss.backward();
+    mt::MemoryReport report = mt::memory_report(net, nullptr, loss);
+    EXPECT_EQ(report.policy, policy);
+    int64_t buffers = 0;
+    for (const auto& [name, b] : net.named_buffers())
+      buffers += b.numel() * static_cast<int64_t>(mt::size_of(b.dtype()));
+    EXPECT_EQ(buffers, 6 * 4 * 2 + 8);  // running mean and variance, num_batches_tracked
+    EXPECT_EQ(report.buffers, buffers);
+    EXPECT_EQ(report.persistent(), report.master_weights + buffers);
+    EXPECT_NE(report.table().find("module buffers"), std::string::npos);
+    EXPECT_NE(report.json().find("\"buffers\":56"), std::string::npos);
+  }
+}
+
 TEST(MemoryReport, RejectsAnUndefinedLoss) {
   Mlp net;
   EXPECT_MT_ERROR(mt::memory_report(net, nullptr, mt::Tensor()), "memory_report", "undefined");

@@ -15,6 +15,7 @@ struct Registry {
   std::mutex mutex;
   std::shared_ptr<const std::vector<std::string>> globs;  // under the mutex
   std::atomic<bool> any{false};                           // read unlocked by every backward pass
+  std::atomic<uint64_t> edits{0};
 };
 Registry& registry() {
   static Registry* r = new Registry;  // never destroyed: backward passes may run until exit
@@ -29,6 +30,7 @@ void publish(Registry& r, std::vector<std::string> globs) {
   if (!globs.empty()) list = std::make_shared<const std::vector<std::string>>(std::move(globs));
   r.any.store(list != nullptr, std::memory_order_release);
   r.globs = std::move(list);
+  r.edits.fetch_add(1, std::memory_order_release);
 }
 
 }  // namespace
@@ -56,6 +58,8 @@ bool remove_checkpoint(const std::string& glob) {
   publish(r, std::move(globs));
   return true;
 }
+
+uint64_t checkpoint_edits() { return registry().edits.load(std::memory_order_acquire); }
 
 void clear_checkpoints() {
   Registry& r = registry();

@@ -25,6 +25,10 @@ void clear_checkpoints();
 /// The globs in force, in the order added.
 std::vector<std::string> checkpoints();
 
+/// How many times the globs in force have changed: mt::compile's plans are keyed on it, as on
+/// policy_edits().
+uint64_t checkpoint_edits();
+
 /// The globs in force, shared (one per change): what a backward pass reads once when it starts;
 /// null when there are none (then without taking a lock).
 std::shared_ptr<const std::vector<std::string>> checkpoint_globs();

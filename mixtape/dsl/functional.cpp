@@ -591,16 +591,39 @@ Tensor binary_cross_entropy(const Tensor& probs, const Tensor& targets, const Bc
   // PyTorch clamps each log at -100, so that a probability of 0 or 1 gives a finite loss. The
   // gradient with respect to the probabilities is PyTorch's, (p - t) / max(p (1 - p), 1e-12):
   // the clamped logs' own is 0/0 at a probability of exactly 0 or 1 (what sigmoid rounds to
-  // beyond |x| = 17). The values come from the detached probabilities, and the gradient from
-  // p * D - detach(p * D), which adds exactly zero.
-  Tensor p = checked_probabilities(probs.detach());
-  Tensor log_p = maximum(log(p), full_like(p, -100.0));
-  Tensor log_q = maximum(log(1.0 - p), full_like(p, -100.0));
-  Tensor slope = (p - targets.detach()) / maximum(p * (1.0 - p), full_like(p, 1e-12));
-  Tensor through_probs = probs * slope;
-  Tensor loss =
-      -(targets * log_p + (1.0 - targets) * log_q) + (through_probs - through_probs.detach());
-  return reduce(weight.defined() ? loss * weight : loss, options.reduction);
+  // beyond |x| = 17). An op with that rule, built from the inputs themselves, so that a gradient
+  // differentiated again (create_graph) has its own; computed in the statistics type (f32 for
+  // half inputs, where 1e-12 is 0), as cross_entropy, and the loss returned in it.
+  const DType type = composite::statistics_type(probs.dtype());
+  auto clamped_logs = [](const Tensor& p) {
+    return std::pair(maximum(log(p), full_like(p, -100.0)),
+                     maximum(log(1.0 - p), full_like(p, -100.0)));
+  };
+  auto forward = [=](const std::vector<Tensor>& in) {
+    Tensor p = checked_probabilities(cast(in[0], type)), t = cast(in[1], type);
+    auto [log_p, log_q] = clamped_logs(p);
+    return -(t * log_p + (1.0 - t) * log_q);
+  };
+  std::vector<Tensor> inputs{probs, targets};
+  Tensor loss = !grad_enabled() || !(probs.requires_grad() || targets.requires_grad())
+                    ? forward(inputs)
+                    : custom_op(
+                          inputs, forward,
+                          [=](const std::vector<Tensor>& in, const Tensor&, const Tensor& g) {
+                            Tensor p = cast(in[0], type), t = cast(in[1], type);
+                            std::vector<Tensor> grads(2);
+                            if (in[0].requires_grad())
+                              grads[0] =
+                                  cast(g * (p - t) / maximum(p * (1.0 - p), full_like(p, 1e-12)),
+                                       in[0].dtype());
+                            if (in[1].requires_grad()) {
+                              auto [log_p, log_q] = clamped_logs(p);
+                              grads[1] = cast(g * (log_q - log_p), in[1].dtype());
+                            }
+                            return grads;
+                          },
+                          loc);
+  return reduce(weight.defined() ? loss * cast(weight, type) : loss, options.reduction);
 }
 
 Tensor l1_loss(const Tensor& input, const Tensor& target, Reduction reduction, const Loc& loc) {
@@ -696,14 +719,16 @@ Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> m
   if (!min && !max) op_fail("clamp", loc, "needs a min or a max");
   // An integer input with a bound that is not a whole number is clamped in f32, as PyTorch
   // promotes it.
+  // A bool input becomes a number, as PyTorch promotes it with the bounds: i64 for whole ones.
   auto whole = [](std::optional<double> b) { return !b || *b == std::nearbyint(*b); };
-  const Tensor input =
-      !is_floating(x.dtype()) && x.dtype() != boolean && !(whole(min) && whole(max)) ? cast(x, f32)
-                                                                                     : x;
+  const Tensor input = is_floating(x.dtype())        ? x
+                       : !(whole(min) && whole(max)) ? cast(x, f32)
+                       : x.dtype() == boolean        ? cast(x, i64)
+                                                     : x;
   // Whole bounds of an integer input: compared and filled as integers, exactly (a double bound
   // made the comparison f32's, inexact past 2^24); one at or past the type's range bounds nothing
   // on its side. Integers take no gradient.
-  if (!is_floating(input.dtype()) && input.dtype() != boolean) {
+  if (!is_floating(input.dtype())) {
     const double range = input.dtype() == i32 ? 0x1p31 : 0x1p63;  // [-range, range)
     Tensor y = input;
     if (min && *min > -range) {
@@ -932,10 +957,10 @@ Tensor std_dev(const Tensor& x, std::vector<int64_t> axes, bool keepdim, double 
   CallSiteScope site(loc);
   require_float(x, "std", "input", loc);
   check_axes(x, axes, "std", loc);
-  // In f32 for 16-bit inputs, rounded once (var's own rounding to f16 overflowed above 256).
-  const DType type = composite::statistics_type(x.dtype());
+  // In f64, rounded once, as PyTorch accumulates: var's own rounding to f16 overflowed above
+  // 256, and to f32 past 1.8e19, where the deviation itself fits.
   Tensor deviation = sqrt_zero_gradient_at_zero(
-      var(x.dtype() == type ? x : cast(x, type), axes, keepdim, correction));
+      var(x.dtype() == f64 ? x : cast(x, f64), axes, keepdim, correction));
   return deviation.dtype() == x.dtype() ? deviation : cast(deviation, x.dtype());
 }
 
@@ -999,20 +1024,30 @@ Tensor randint(int64_t low, int64_t high, Shape shape, Generator* gen, const Loc
          scalar(static_cast<double>(low_low_bits), i64);
 }
 
+namespace {
+// fn of x computed in f32 for a half x and rounded once, as PyTorch's kernels compute 16-bit
+// activations (rounding each step of a composite to f16/bf16 was off by a few ulps).
+template <class Fn>
+Tensor in_f32_for_half(const Tensor& x, Fn fn) {
+  if (!is_half(x.dtype())) return fn(x);
+  return cast(fn(cast(x, f32)), x.dtype());
+}
+}  // namespace
+
 Tensor softplus(const Tensor& x, double beta, double threshold, const Loc& loc) {
   CallSiteScope site(loc, composite::softplus);
   require_float(x, "softplus", "input", loc);
   if (!(beta > 0)) op_fail("softplus", loc, "beta must be positive, got {}", beta);
   // Linear above the threshold, as PyTorch's, where log1p(exp(beta x)) / beta rounds to x. A
   // half input is computed in f32, as PyTorch's: exp overflows f16 from 11.1.
-  const Tensor wide = is_half(x.dtype()) ? cast(x, f32) : x;
-  Tensor scaled = wide * beta;
-  // The exponential's branch sees 0 where it is not taken: exp of a large input is inf, whose
-  // gradient, 0 * inf, was NaN even where `where` gave the branch none.
-  Tensor linear = scaled > threshold;
-  Tensor y =
-      where(linear, wide, log1p(exp(where(linear, zeros_like(scaled), scaled))) * (1.0 / beta));
-  return y.dtype() == x.dtype() ? y : cast(y, x.dtype());
+  return in_f32_for_half(x, [&](const Tensor& wide) {
+    Tensor scaled = wide * beta;
+    // The exponential's branch sees 0 where it is not taken: exp of a large input is inf, whose
+    // gradient, 0 * inf, was NaN even where `where` gave the branch none.
+    Tensor linear = scaled > threshold;
+    return where(linear, wide,
+                 log1p(exp(where(linear, zeros_like(scaled), scaled))) * (1.0 / beta));
+  });
 }
 
 Tensor leaky_relu(const Tensor& x, double negative_slope, const Loc& loc) {
@@ -1034,14 +1069,16 @@ Tensor selu(const Tensor& x, const Loc& loc) {
   // The constants of Klambauer et al. (2017), as PyTorch has them.
   constexpr double alpha = 1.6732632423543772848170429916717;
   constexpr double scale = 1.0507009873554804934193349852946;
-  Tensor positive = x > 0.0;  // expm1 of 0 there, as elu's
-  return where(positive, x * scale, expm1(where(positive, zeros_like(x), x)) * (alpha * scale));
+  return in_f32_for_half(x, [](const Tensor& x) {
+    Tensor positive = x > 0.0;  // expm1 of 0 there, as elu's
+    return where(positive, x * scale, expm1(where(positive, zeros_like(x), x)) * (alpha * scale));
+  });
 }
 
 Tensor mish(const Tensor& x, const Loc& loc) {
   CallSiteScope site(loc, composite::mish);
   require_float(x, "mish", "input", loc);
-  return x * tanh(softplus(x));
+  return in_f32_for_half(x, [](const Tensor& x) { return x * tanh(softplus(x)); });
 }
 
 Tensor hardsigmoid(const Tensor& x, const Loc& loc) {
@@ -1049,14 +1086,18 @@ Tensor hardsigmoid(const Tensor& x, const Loc& loc) {
   require_float(x, "hardsigmoid", "input", loc);
   // relu6(x + 3) / 6, whose gradient is 1/6 strictly inside (-3, 3), as PyTorch's.
   // (x + 3) / 6 as PyTorch: x + 3 is exact near -3, where x / 6 + 0.5 cancelled.
-  return where(x <= -3.0, zeros_like(x), where(x >= 3.0, ones_like(x), (x + 3.0) / 6.0));
+  return in_f32_for_half(x, [](const Tensor& x) {
+    return where(x <= -3.0, zeros_like(x), where(x >= 3.0, ones_like(x), (x + 3.0) / 6.0));
+  });
 }
 
 Tensor hardswish(const Tensor& x, const Loc& loc) {
   CallSiteScope site(loc, composite::hardswish);
   require_float(x, "hardswish", "input", loc);
-  // Zero below -3, as PyTorch's gradient (-1/2 at -3 itself).
-  return where(x < -3.0, zeros_like(x), where(x > 3.0, x, x * (x + 3.0) * (1.0 / 6.0)));
+  // Zero below -3, as PyTorch's gradient (-1/2 at -3 itself); x (x + 3) / 6 in its order.
+  return in_f32_for_half(x, [](const Tensor& x) {
+    return where(x < -3.0, zeros_like(x), where(x > 3.0, x, x * (x + 3.0) / 6.0));
+  });
 }
 
 Tensor lerp(const Tensor& start, const Tensor& end, const Tensor& weight, const Loc& loc) {
@@ -1064,9 +1105,16 @@ Tensor lerp(const Tensor& start, const Tensor& end, const Tensor& weight, const 
   require_float(start, "lerp", "start", loc);
   require_float(end, "lerp", "end", loc);
   require_float(weight, "lerp", "weight", loc);
-  // PyTorch's two forms: from start below a weight of 0.5, from end above (exact at both ends).
-  Tensor diff = end - start;
-  return where(abs(weight) < 0.5, start + weight * diff, end - diff * (1.0 - weight));
+  // PyTorch's two forms: from start below a weight of 0.5 (negative ones too, as its kernels
+  // pick), from end at and above it (exact at both ends). A half result is computed in f32 and
+  // rounded once, as PyTorch's: each step rounded to bf16 was off by up to the whole result.
+  auto lerped = [](const Tensor& a, const Tensor& b, const Tensor& w) {
+    Tensor diff = b - a;
+    return where(w < 0.5, a + w * diff, b - diff * (1.0 - w));
+  };
+  const DType out = promote(promote(start.dtype(), end.dtype()), weight.dtype());
+  if (!is_half(out)) return lerped(start, end, weight);
+  return cast(lerped(cast(start, f32), cast(end, f32), cast(weight, f32)), out);
 }
 
 Tensor pad(const Tensor& x, const std::vector<int64_t>& pads, PadMode mode, double value,
@@ -1174,7 +1222,9 @@ Tensor dropout(const Tensor& x, double p, bool training, Generator* gen, const L
   if (!training || p == 0) return x;
   if (p == 1) return x * 0.0;
   Tensor keep = rand(x.shape(), f32, gen) >= p;
-  return where(keep, x * (1.0 / (1.0 - p)), zeros_like(x));
+  // x times 0 or 1/(1-p) (in x's type), as PyTorch's x * noise: a dropped NaN or inf stays NaN
+  // rather than being hidden as 0 from the loss scaler and the gradient checks.
+  return x * where(keep, full_like(x, 1.0 / (1.0 - p)), zeros_like(x));
 }
 
 Tensor causal_mask(int64_t size, const Loc& loc) {

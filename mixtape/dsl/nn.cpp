@@ -63,6 +63,8 @@ Tensor xavier_normal(Shape shape, double gain, Generator* gen) {
 }
 
 Tensor kaiming_uniform(Shape shape, double gain, Generator* gen) {
+  // No elements, no fan: the empty tensor, as torch's (sqrt(3 / 0) is not a bound).
+  if (numel(shape) == 0) return zeros(std::move(shape));
   double bound = gain * std::sqrt(3.0 / static_cast<double>(fans(shape).first));
   return uniform(std::move(shape), -bound, bound, gen);
 }

@@ -371,7 +371,10 @@ Tensor var(const Tensor& x, std::vector<int64_t> axes, bool keepdim, double corr
   // 200 overflowed where the variance, 40000, fits.
   const DType type = composite::statistics_type(x.dtype());
   const Tensor wide = x.dtype() == type ? x : cast(x, type, loc);
+  // The squares and their sum in f64, as PyTorch accumulates: an f32 deviation of 1e20 has a
+  // square f32 cannot hold.
   Tensor centered = wide - mean(wide, axes, true, loc);
+  if (type == f32) centered = cast(centered, f64, loc);
   Tensor variance;
   if (correction == 0) {
     variance = mean(square(centered), axes, keepdim, loc);

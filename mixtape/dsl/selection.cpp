@@ -172,8 +172,11 @@ Tensor multinomial(const Tensor& probs, int64_t num_samples, bool replacement, G
   drawn.back() = num_samples;
   if (replacement) {
     // The category of u * total is the number of cumulative weights at or below it: a category
-    // of zero weight never is, since its cumulative weight equals the one before it.
-    Tensor cdf = cumsum(p, -1);
+    // of zero weight never is, since its cumulative weight equals the one before it. The weights
+    // are divided by the row's largest first, so that the total is in [1, n]: a subnormal total
+    // rounded u * total up to it (drawing a last category of zero weight), an infinite one made
+    // every draw the last category.
+    Tensor cdf = cumsum(p / max(p, {-1}, true), -1);
     Tensor total = slice(cdf, -1, n - 1, n);
     Tensor u = rand(drawn, f64, gen) * total;
     Tensor below = cast(unsqueeze(cdf, -2) <= unsqueeze(u, -1), i64);

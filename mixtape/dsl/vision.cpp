@@ -579,7 +579,9 @@ Tensor dropout2d(const Tensor& x, double p, bool training, Generator* gen, const
   mask_shape[0] = x.size(0);
   mask_shape[1] = x.size(1);
   Tensor keep = rand(mask_shape, f32, gen) >= p;
-  return where(keep, x * (1.0 / (1.0 - p)), zeros_like(x));
+  // Multiplied, as dropout's: a dropped channel's NaN stays NaN.
+  return x *
+         where(keep, full(mask_shape, 1.0 / (1.0 - p), x.dtype()), zeros(mask_shape, x.dtype()));
 }
 
 }  // namespace mixtape

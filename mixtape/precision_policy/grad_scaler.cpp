@@ -28,6 +28,15 @@ bool fits_f32_scale(double value) {
   return std::isfinite(rounded) && rounded >= static_cast<float>(kSafeMinScale);
 }
 
+// Whether `scale` lies outside [min_scale, max_scale] as the scaler keeps them, in f32: a scale
+// clamped to a bound f32 cannot hold exactly (1e-5, 0.3) is that bound rounded, which compared
+// as a double lay outside it, and a checkpoint saved there did not load.
+bool outside_bounds(double scale, const GradScalerOptions& o) {
+  const float kept = static_cast<float>(scale);
+  return (o.min_scale && kept < static_cast<float>(*o.min_scale)) ||
+         (o.max_scale && kept > static_cast<float>(*o.max_scale));
+}
+
 void check_options(const GradScalerOptions& o, const char* who, bool check_init) {
   if (check_init && !fits_f32_scale(o.init_scale))
     fail("{}: init_scale must be a normal f32 value in [2^-126, 3.4e38], got {}", who,
@@ -45,8 +54,7 @@ void check_options(const GradScalerOptions& o, const char* who, bool check_init)
     fail("{}: max_scale must be a normal f32 value in [2^-126, 3.4e38], got {}", who, *o.max_scale);
   if (o.min_scale && o.max_scale && *o.min_scale > *o.max_scale)
     fail("{}: min_scale ({}) must not exceed max_scale ({})", who, *o.min_scale, *o.max_scale);
-  if (check_init && ((o.min_scale && o.init_scale < *o.min_scale) ||
-                     (o.max_scale && o.init_scale > *o.max_scale)))
+  if (check_init && outside_bounds(o.init_scale, o))
     fail("{}: init_scale {} lies outside [min_scale, max_scale] = [{}, {}]", who, o.init_scale,
          o.min_scale ? fmt::format("{}", *o.min_scale) : "none",
          o.max_scale ? fmt::format("{}", *o.max_scale) : "none");
@@ -256,8 +264,7 @@ void GradScaler::update(double new_scale) {
   if (!fits_f32_scale(new_scale))
     fail("GradScaler.update: the new scale must be a normal f32 value in [2^-126, 3.4e38], got {}",
          new_scale);
-  if ((options_.min_scale && new_scale < *options_.min_scale) ||
-      (options_.max_scale && new_scale > *options_.max_scale))
+  if (outside_bounds(new_scale, options_))
     fail("GradScaler.update: the new scale {} lies outside [min_scale, max_scale]", new_scale);
   Tensor combined = combined_found_inf();
   NoGradGuard no_grad;
@@ -446,7 +453,7 @@ void GradScaler::load_state_dict(const NamedTensors& state) {
         "{}: the scale must be a normal f32 value in [2^-126, 3.4e38] (not zero, subnormal, "
         "negative or non-finite), got {}",
         who, scale);
-  if ((next.min_scale && scale < *next.min_scale) || (next.max_scale && scale > *next.max_scale))
+  if (outside_bounds(scale, next))
     fail("{}: the scale {} lies outside [min_scale, max_scale]", who, scale);
   if (tracker != std::floor(tracker) || tracker < 0 ||
       tracker >= static_cast<double>(next.growth_interval))

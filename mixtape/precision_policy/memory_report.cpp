@@ -98,6 +98,9 @@ struct StepGraph {
   int64_t end = 0;  // the position of the last node
   std::unordered_set<const Node*> outputs;
   std::unordered_set<const Node*> forward;  // what the loss is computed from
+  // Fills (and views of them) that a step other than a fused kernel reads: the compiled program
+  // stores them (codegen/fusion.cpp folds a fill only into kernels).
+  std::unordered_set<const Node*> stored_fills;
 
   // Whether `node` runs in the backward pass: a gradient node, a checkpointed module's
   // recomputation (autograd/recompute.h), or another node the loss does not need (the sums of a
@@ -120,6 +123,17 @@ StepGraph typed_graph(const Tensor& loss, const NamedTensors& params) {
   graph.end = static_cast<int64_t>(graph.nodes.size()) - 1;
   for (const NodePtr& root : graph.roots) graph.outputs.insert(root.get());
   for (Node* node : nodes_in_tape_order({loss.node()})) graph.forward.insert(node);
+  for (const Node* node : graph.nodes) {
+    const OpKind kind = op_info(node->op).kind;
+    if (kind == OpKind::Pointwise || kind == OpKind::Reduce || kind == OpKind::View) continue;
+    for (const NodePtr& input : node->inputs) {
+      // The views it reads a fill through, and the fill.
+      std::vector<const Node*> chain{input.get()};
+      while (op_info(chain.back()->op).kind == OpKind::View && chain.back()->inputs.size() == 1)
+        chain.push_back(chain.back()->inputs[0].get());
+      if (is_fill(chain.back()->op)) graph.stored_fills.insert(chain.begin(), chain.end());
+    }
+  }
   return graph;
 }
 
@@ -184,10 +198,11 @@ class BufferMap {
   // For a node that owns no memory, the buffer it lives in (-1: none, a fill or a view of one);
   // nullopt when it needs a buffer of its own.
   std::optional<int64_t> alias_of(const Node& node, int64_t pos) {
-    if (is_fill(node.op) && !graph_.outputs.count(&node)) return -1;
+    const bool stored = graph_.outputs.count(&node) || graph_.stored_fills.count(&node);
+    if (is_fill(node.op) && !stored) return -1;
     if (!is_alias_view(node.op) || node.inputs.size() != 1) return std::nullopt;
     int64_t source = buffer_of_[graph_.position.at(node.inputs[0].get())];
-    if (source < 0 && !graph_.outputs.count(&node)) return -1;  // a view of a fill is still a fill
+    if (source < 0 && !stored) return -1;  // a view of a fill is still a fill
     if (source >= 0 && buffers_[source].dtype == node.precision.storage_type) return source;
     if (source >= 0 && buffers_[source].kind == Buffer::Kind::Param &&
         is_half(node.precision.storage_type))
@@ -324,11 +339,13 @@ void find_peak(MemoryReport& report, const std::vector<Buffer>& buffers, const S
   }
 }
 
-// The forward nodes' policy names in order of first use, ", "-joined; "none" without any.
+// The forward nodes' policy names in order of first use, ", "-joined; "none" without any. Leaves
+// are not counted: a constant made once and kept (cross_entropy's class indices) carries the
+// policy of the step that first made it.
 std::string policy_names(const std::vector<Node*>& nodes) {
   std::vector<std::string> policies;
   for (const Node* node : nodes)
-    if (!node->backward && node->origin.policy &&
+    if (!node->backward && !node->inputs.empty() && node->origin.policy &&
         std::find(policies.begin(), policies.end(), node->origin.policy->name()) == policies.end())
       policies.push_back(node->origin.policy->name());
   return policies.empty() ? "none" : fmt::format("{}", fmt::join(policies, ", "));
@@ -349,6 +366,8 @@ MemoryReport memory_report(const Module& model, const Optimizer* opt, const Tens
   count_half_copies(report, map);
   count_gradients(report, params.params);
   if (opt) count_optimizer_state(report, *opt, params);
+  for (const auto& [name, buffer] : model.named_buffers())
+    report.buffers += bytes_of(buffer.numel(), buffer.dtype());
   list_saved_activations(report, map.buffers());
   find_peak(report, map.buffers(), graph);
   report.compiled_peak = planned_peak_bytes(graph.roots);
@@ -366,6 +385,7 @@ std::string MemoryReport::table() const {
   line("gradients", gradients);
   line("optimizer state", optimizer_state,
        optimizer_state_estimated ? "  (includes state the first step creates)" : "");
+  if (buffers > 0) line("module buffers", buffers);
   line("saved activations", saved_activations);
   if (recomputed_nodes > 0)
     line("recomputed activations", recomputed_activations,
@@ -420,6 +440,7 @@ std::string MemoryReport::json() const {
        {"gradients", gradients},
        {"optimizer_state", optimizer_state},
        {"optimizer_state_estimated", optimizer_state_estimated},
+       {"buffers", buffers},
        {"saved_activations", saved_activations},
        {"recomputed_activations", recomputed_activations},
        {"recomputed_nodes", recomputed_nodes},

@@ -42,6 +42,8 @@ struct MemoryReport {
   int64_t half_copies = 0;
   int64_t gradients = 0;
   int64_t optimizer_state = 0;
+  /// The module's buffers (BatchNorm's running statistics): kept across steps, not parameters.
+  int64_t buffers = 0;
   /// True when some state does not exist yet (before an optimizer's first step) and was counted
   /// from what the optimizer will create: SGD one f32 buffer with momentum, Adam/AdamW two.
   bool optimizer_state_estimated = false;
@@ -61,12 +63,12 @@ struct MemoryReport {
   std::vector<MemoryParamRow> parameters;  // in named_parameters() order
   std::vector<SavedActivationRow> saved;   // in tape order
 
-  /// Masters and optimizer state: what lives across steps.
-  int64_t persistent() const { return master_weights + optimizer_state; }
+  /// Masters, optimizer state and module buffers: what lives across steps.
+  int64_t persistent() const { return master_weights + optimizer_state + buffers; }
   /// The totals, then one line per parameter and per saved activation.
   std::string table() const;
   /// {"policy":..,"master_weights":..,"half_copies":..,"gradients":..,"optimizer_state":..,
-  ///  "optimizer_state_estimated":..,"saved_activations":..,"recomputed_activations":..,
+  ///  "optimizer_state_estimated":..,"buffers":..,"saved_activations":..,"recomputed_activations":..,
   ///  "recomputed_nodes":..,"peak":..,"compiled_peak":..,
   ///  "peak_at":{"id":..,"op":..,"pass":..},"parameters":[..],"saved":[..]}
   std::string json() const;
@@ -85,7 +87,9 @@ struct MemoryReport {
 ///   when it runs and freed after its last reader runs. The loss and the gradients are the
 ///   program's outputs and stay to the end. Leaf data (a batch) counts from when it was made. Views
 ///   that keep the storage type (reshape, broadcast_to, permute, stop_gradient) alias their input,
-///   and fills (full, arange) are folded into their readers: neither takes memory.
+///   and fills (full, arange) are folded into their readers: neither takes memory, but for a fill
+///   that a step other than a fused kernel reads (the zeros index_add adds an embedding's
+///   gradient rows into), which is stored.
 /// - While a node runs, its inputs and its output are all live; the peak is the largest such sum,
 ///   persistent memory included.
 /// - Saved activations are the buffers of forward values that the forward pass reads and backward

@@ -9,6 +9,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "mixtape/dsl/activation_checkpointing.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/log.h"
 #include "mixtape/dsl/process_group.h"
@@ -667,9 +668,10 @@ const char* replaced_state(const Plan& plan, const std::vector<Tensor>& args) {
 struct Entry {
   std::unique_ptr<Trace> previous;
   std::unique_ptr<Plan> plan;
-  uint64_t policy_edits = 0;  // its key's: once policies in use change, never asked for again
-  bool collective = false;    // its last trace made collectives (a data-parallel step)
-  int unpinned_arg = -1;      // its plan was dropped for another buffer of this pinned argument
+  uint64_t setting_edits =
+      0;                    // its key's graph_setting_edits(): once they change, never asked again
+  bool collective = false;  // its last trace made collectives (a data-parallel step)
+  int unpinned_arg = -1;    // its plan was dropped for another buffer of this pinned argument
 };
 
 // Whether a call's evaluations made collectives (a data-parallel step's gradient reduction).
@@ -696,17 +698,22 @@ bool every_process_replays(bool replay) {
   return std::all_of(all.begin(), all.end(), [](std::byte b) { return b == std::byte{1}; });
 }
 
+// Edits to what makes a step's graph outside its arguments: the policies in use and the modules
+// checkpointed. Plans keyed before an edit are never asked for again.
+uint64_t graph_setting_edits() { return policy_edits() + checkpoint_edits(); }
+
 std::string signature_key(const std::vector<Tensor>& args) {
   // A data-parallel backward makes another graph under no_sync, and another again when it
   // folds no_sync's local gradients into its reduction: each variant has traces of its own.
   // So does a policy or grad mode the caller sets around the call: a policy is known by its id
   // (mt::autocast(mt::bf16) gives the same object each time) and by the count of edits to
-  // policies, as an OverridePolicy given a rule after a trace decides anew.
+  // policies, as an OverridePolicy given a rule after a trace decides anew, and of checkpointed
+  // modules.
   const char* sync = gradient_sync_variant();
   const std::shared_ptr<const Policy>& policy = current_policy();
   std::string key =
       fmt::format("{}{}{}{}/{}.{}{}", device_name(current_device()), eager_mode() ? "/eager" : "",
-                  *sync ? "/" : "", sync, policy ? policy->id() : 0, policy_edits(),
+                  *sync ? "/" : "", sync, policy ? policy->id() : 0, graph_setting_edits(),
                   grad_enabled() ? "" : "/no_grad");
   for (size_t i = 0; i < args.size(); ++i) {
     const Tensor& a = args[i];
@@ -733,7 +740,7 @@ std::string signature_key(const std::vector<Tensor>& args) {
 struct StepReplayer::State {
   std::map<std::string, Entry> entries;
   CompileStats stats;
-  uint64_t policy_edits = 0;  // at the last call
+  uint64_t setting_edits = 0;  // at the last call
 };
 
 StepReplayer::StepReplayer() : state_(std::make_unique<State>()) {}
@@ -765,12 +772,13 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
   for (const Tensor& a : args)
     if (a.defined()) defined.push_back(a);
   eval(defined);
-  // Entries keyed before an edit to a policy in use are never asked for again: freed, so that a
-  // loop that edits its policies between steps holds one entry, not one per edit.
-  if (const uint64_t edits = policy_edits(); edits != state_->policy_edits) {
+  // Entries keyed before an edit to a policy in use or the checkpointed modules are never asked
+  // for again: freed, so that a loop that edits them between steps holds one entry, not one per
+  // edit.
+  if (const uint64_t edits = graph_setting_edits(); edits != state_->setting_edits) {
     for (auto it = state_->entries.begin(); it != state_->entries.end();) {
       Entry& stale = it->second;
-      if (stale.policy_edits == edits) {
+      if (stale.setting_edits == edits) {
         ++it;
         continue;
       }
@@ -778,10 +786,10 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
       if (stale.plan) release(*stale.plan);
       it = state_->entries.erase(it);
     }
-    state_->policy_edits = edits;
+    state_->setting_edits = edits;
   }
   Entry& entry = state_->entries[signature_key(args)];
-  entry.policy_edits = state_->policy_edits;
+  entry.setting_edits = state_->setting_edits;
   const bool log = log_enabled("compile");
   const char* dropped = nullptr;  // why this call's plan was dropped, which stats.reason keeps
   if (entry.plan) dropped = replaced_state(*entry.plan, args);

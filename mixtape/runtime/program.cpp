@@ -188,9 +188,12 @@ int64_t stored_bytes(const Node* node) { return node->value ? node->value->size_
 
 // The bytes of what step `step` stores, measured by `bytes_of` (run_program and the plan-only
 // peak count the same values).
+// A reshape (an Alias step) stores nothing: it shares its input's buffer
+// (Program::frees_buffer).
 template <typename BytesOf>
 int64_t step_output_bytes(const Step& step, const std::vector<Node*>& pending, const Signature& sig,
                           BytesOf bytes_of) {
+  if (step.kind == FusionGroup::Kind::Alias) return 0;
   if (step.kind != FusionGroup::Kind::Kernel) return bytes_of(sig.resolve(step.output, pending));
   int64_t bytes = 0;
   for (size_t p = 0; p < step.params.size(); ++p)
@@ -295,6 +298,27 @@ void plan_memory(Program& program, const std::vector<Node*>& pending, const Sign
   for (NodeRef ref : stored_order)
     if (!keep.count(pending[ref]) && op_info(pending[ref]->op).kind != OpKind::Collective)
       program.release_after[last_use.at(ref)].push_back(ref);
+  // Each stored node's buffer by its first holder (negative: an external's), and the holders of
+  // each: a buffer is freed by the release of its last holder, never while one is kept.
+  std::unordered_map<NodeRef, NodeRef> first_holder;
+  for (const Step& step : program.steps) {
+    if (step.kind != FusionGroup::Kind::Alias) continue;
+    step_io(step, pending, sig, reads, writes);
+    auto shared = first_holder.find(reads[0]);
+    first_holder[writes[0]] = shared != first_holder.end() ? shared->second : reads[0];
+  }
+  auto buffer_of = [&](NodeRef ref) {
+    auto shared = first_holder.find(ref);
+    return shared != first_holder.end() ? shared->second : ref;
+  };
+  std::unordered_map<NodeRef, int64_t> holders;
+  for (NodeRef ref : stored_order) ++holders[buffer_of(ref)];
+  program.frees_buffer.assign(program.steps.size(), {});
+  for (size_t i = 0; i < program.steps.size(); ++i)
+    for (NodeRef ref : program.release_after[i]) {
+      const NodeRef buffer = buffer_of(ref);
+      program.frees_buffer[i].push_back(--holders[buffer] == 0 && buffer >= 0);
+    }
 }
 
 // Whether `kernel` reads param `input` only where it writes the same element of param `output`:
@@ -686,6 +710,7 @@ int64_t approximate_bytes(const Program& program) {
   }
   for (const std::vector<NodeRef>& released : program.release_after)
     bytes += vector_bytes(released);
+  for (const std::vector<uint8_t>& frees : program.frees_buffer) bytes += vector_bytes(frees);
   return bytes;
 }
 
@@ -857,7 +882,7 @@ void run_program(const Program& program, const std::vector<Node*>& pending, cons
     bool started = false;
     if (step.kind == FusionGroup::Kind::Alias) {
       // Every back end stores values flat and row-major: a reshape shares its input's storage
-      // (counted again below, so peak_bytes errs high while both are alive).
+      // (counted once, Program::frees_buffer).
       Node* node = sig.resolve(step.node, pending);
       node->value = node->inputs[0]->value;
     } else if (step.kind == FusionGroup::Kind::Kernel) {
@@ -883,9 +908,9 @@ void run_program(const Program& program, const std::vector<Node*>& pending, cons
     }
     if (!started) live += step_output_bytes(step, pending, sig, stored_bytes);
     peak = std::max(peak, live);
-    for (NodeRef ref : program.release_after[i]) {
-      Node* node = pending[ref];
-      live -= stored_bytes(node);
+    for (size_t r = 0; r < program.release_after[i].size(); ++r) {
+      Node* node = pending[program.release_after[i][r]];
+      if (program.frees_buffer[i][r]) live -= stored_bytes(node);
       node->value.reset();
     }
   }
@@ -1014,7 +1039,8 @@ int64_t planned_peak_bytes(const std::vector<NodePtr>& outputs) {
   for (size_t i = 0; i < program.steps.size(); ++i) {
     live += step_output_bytes(program.steps[i], pending, sig, planned_bytes);
     peak = std::max(peak, live);
-    for (NodeRef ref : program.release_after[i]) live -= planned_bytes(pending[ref]);
+    for (size_t r = 0; r < program.release_after[i].size(); ++r)
+      if (program.frees_buffer[i][r]) live -= planned_bytes(pending[program.release_after[i][r]]);
   }
   return peak;
 }

@@ -161,6 +161,10 @@ struct Program {
   // steps that follow; a later evaluation that does need one recomputes it from its inputs, as
   // it would a value fusion kept in registers.
   std::vector<std::vector<NodeRef>> release_after;
+  // For each release, whether it frees a buffer the evaluation stored: a reshape (an Alias step)
+  // shares its input's buffer, which goes with the last of the nodes holding it, and one of a
+  // value evaluated before (a batch) holds nothing the evaluation stored. What peak_bytes counts.
+  std::vector<std::vector<uint8_t>> frees_buffer;
 };
 
 /// What a back end's kernel loader returns for a kernel: the address its step runner takes, and
