@@ -815,14 +815,16 @@ TEST(AotReviewState, LoadRefusesATensorTheArtifactDoesNotHave) {
       << mixtape_aot_error(model->m);
 }
 
-// A negative running sum or mean of squares (RMSprop's square_avg, Adagrad's sum, Adafactor's
-// factored rows) is refused by NAME_load as load_checkpoint refuses it: only Adam's exp_avg_sq
-// was, and the next run's square root made every weight NaN.
+// A state entry out of its range (a negative running sum or mean of squares: RMSprop's
+// square_avg, Adagrad's sum, Adafactor's factored rows; NAdam's mu_product above 1) is refused by
+// NAME_load as load_checkpoint refuses it (optimizer_entries.h): only Adam's exp_avg_sq was, and
+// the next run's square root made every weight NaN.
 template <typename Rule, typename Options>
-void expect_negative_squares_refused(Options options, const char* entry) {
+void expect_out_of_range_state_refused(Options options, const char* entry, float value = -1.0f,
+                                       const char* words = "never below zero") {
   SCOPED_TRACE(entry);
   mt::manual_seed(3);
-  StepArtifact<Rule, Options> a("review_negative_squares", options);
+  StepArtifact<Rule, Options> a("review_state_range", options);
   ASSERT_NE(a.model->m, nullptr);
   const std::string path = a.dir + "/ck.safetensors", bad = a.dir + "/bad.safetensors";
   ASSERT_EQ(mixtape_aot_save(a.model->m, path.c_str()), 0) << mixtape_aot_error(a.model->m);
@@ -830,27 +832,34 @@ void expect_negative_squares_refused(Options options, const char* entry) {
   bool edited = false;
   for (auto& t : file.tensors)
     if (t.name == entry) {
-      const float negative = -1.0f;
-      std::memcpy(t.bytes.data(), &negative, sizeof negative);
+      std::memcpy(t.bytes.data(), &value, sizeof value);
       edited = true;
     }
   ASSERT_TRUE(edited) << "the checkpoint has no " << entry;
   mt::safetensors::write(bad, file);
-  EXPECT_MT_ERROR(mt::load_checkpoint(bad, a.net, &a.opt), "never below zero");
+  EXPECT_MT_ERROR(mt::load_checkpoint(bad, a.net, &a.opt), words);
   EXPECT_EQ(mixtape_aot_load(a.model->m, bad.c_str()), MIXTAPE_AOT_ERROR_FILE);
-  EXPECT_NE(std::string(mixtape_aot_error(a.model->m)).find("never below zero"), std::string::npos)
+  EXPECT_NE(std::string(mixtape_aot_error(a.model->m)).find(words), std::string::npos)
       << mixtape_aot_error(a.model->m);
 }
 
-TEST(AotReviewState, LoadRefusesNegativeSquaresOfEveryRule) {
-  expect_negative_squares_refused<mt::RMSprop>(mt::RMSpropOptions{.lr = 1e-3},
-                                               "optimizer.fc1.weight.square_avg");
-  expect_negative_squares_refused<mt::Adagrad>(mt::AdagradOptions{.lr = 0.1},
-                                               "optimizer.fc1.weight.sum");
-  expect_negative_squares_refused<mt::Adafactor>(mt::AdafactorOptions{},
-                                                 "optimizer.fc1.weight.exp_avg_sq_row");
-  expect_negative_squares_refused<mt::AdamW>(mt::AdamOptions{.lr = 1e-3},
-                                             "optimizer.fc1.weight.exp_avg_sq");
+TEST(AotReviewState, LoadRefusesStateOutOfRangeForEveryRule) {
+  expect_out_of_range_state_refused<mt::RMSprop>(mt::RMSpropOptions{.lr = 1e-3},
+                                                 "optimizer.fc1.weight.square_avg");
+  expect_out_of_range_state_refused<mt::Adagrad>(mt::AdagradOptions{.lr = 0.1},
+                                                 "optimizer.fc1.weight.sum");
+  expect_out_of_range_state_refused<mt::Adafactor>(mt::AdafactorOptions{},
+                                                   "optimizer.fc1.weight.exp_avg_sq_row");
+  expect_out_of_range_state_refused<mt::AdamW>(mt::AdamOptions{.lr = 1e-3},
+                                               "optimizer.fc1.weight.exp_avg_sq");
+  expect_out_of_range_state_refused<mt::AdamW>(mt::AdamOptions{.lr = 1e-3, .amsgrad = true},
+                                               "optimizer.fc1.weight.max_exp_avg_sq");
+  expect_out_of_range_state_refused<mt::Adamax>(mt::AdamaxOptions{},
+                                                "optimizer.fc1.weight.exp_inf");
+  expect_out_of_range_state_refused<mt::Adadelta>(mt::AdadeltaOptions{},
+                                                  "optimizer.fc1.weight.acc_delta");
+  expect_out_of_range_state_refused<mt::NAdam>(
+      mt::NAdamOptions{}, "optimizer.fc1.weight.mu_product", 1.5f, "in [0, 1]");
 }
 
 // A step that fails part way (a label out of range: cross_entropy's gather refuses it) returns

@@ -821,6 +821,7 @@ std::vector<Case> optim_cases() {
       CASE("ConstantLR", mt::ConstantLR(-0.5), "-0.5"),
       CASE("ConstantLR", mt::ConstantLR(inf), "finite"),
       CASE("ConstantLR", mt::ConstantLR(nan), "nan"),
+      CASE("ConstantLR", mt::ConstantLR(0.1, 0.5, 0), "total_iters", "0"),
       CASE("StepLR", mt::StepLR(0.1, 0), "step_size", "0"),
       CASE("StepLR", mt::StepLR(-0.1, 2), "base_lr", "-0.1"),
       CASE("MultiStepLR", mt::MultiStepLR(0.1, {3, -1}), "milestones", "-1"),

@@ -180,15 +180,6 @@ Tensor NAdam::update(const Tensor& param, const Tensor& grad, NamedTensors& stat
   return sub_mul({p, m / denominator, step_scalar(avg_step, m.dtype())});
 }
 
-std::string NAdam::impossible_state(const std::string& name, const Storage& values) const {
-  if (name != "mu_product") return Optimizer::impossible_state(name, values);
-  // A product of factors in [0, 1): a value above 1 would make a step divide by zero or flip.
-  for (int64_t i = 0; i < values.count; ++i)
-    if (double v = load_element<double>(values, i); !(v >= 0 && v <= 1))
-      return fmt::format("is {}: it is a product of momentum factors, in [0, 1]", v);
-  return "";
-}
-
 // ---------------------------------------------------------------------------------------------
 // RAdam
 

@@ -63,7 +63,6 @@ class NAdam : public OptimizerWith<NAdamOptions> {
   void begin_step() override;
   void start_state(NamedTensors& state, const Tensor& grad) const override;
   Tensor update(const Tensor& param, const Tensor& grad, NamedTensors& state) override;
-  std::string impossible_state(const std::string& name, const Storage& values) const override;
 
  private:
   Tensor beta1_, rest1_, mu_, mu_next_, sqrt_bias2_;  // this step's scalars (0-d f64)

@@ -29,7 +29,8 @@ ConstantLR::ConstantLR(double base_lr, double factor, int64_t total_iters)
     : base_(base_lr), factor_(factor), total_(total_iters) {
   check_rate("ConstantLR", "base_lr", base_lr);
   if (!(factor >= 0 && factor <= 1)) fail("ConstantLR: factor must be in [0, 1], got {}", factor);
-  if (total_iters < 0) fail("ConstantLR: total_iters must be >= 0, got {}", total_iters);
+  // At 0, torch 1.13's scheduler keeps the factor for good where its closed form drops it.
+  if (total_iters < 1) fail("ConstantLR: total_iters must be >= 1, got {}", total_iters);
 }
 
 double ConstantLR::lr(int64_t step) const { return step < total_ ? base_ * factor_ : base_; }

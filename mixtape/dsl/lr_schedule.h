@@ -26,12 +26,12 @@ class LRSchedule {
   /// `step`: a 0-d f64 graph value holding a whole number >= 0. Returns a 0-d f64 graph value.
   virtual Tensor graph_lr(const Tensor& step) const = 0;
   /// A schedule that also cycles the momentum (OneCycleLR's cycle_momentum) gives it here, in
-  /// the same two forms: SGD's and RMSprop's momentum, the beta1 of Adam, AdamW, Lion, Adamax, NAdam and RAdam. Others
-  /// give nothing (an undefined tensor), and the optimizer keeps its own.
+  /// the same two forms: SGD's and RMSprop's momentum, the beta1 of Adam, AdamW, Lion, Adamax,
+  /// NAdam and RAdam. Others give nothing (an undefined tensor), and the optimizer keeps its own.
   virtual std::optional<double> momentum(int64_t /*step*/) const { return std::nullopt; }
   virtual Tensor graph_momentum(const Tensor& /*step*/) const { return Tensor(); }
-  /// Whether an optimizer without a momentum or beta1 (Adagrad, Adadelta, Adafactor) must refuse this
-  /// schedule, as PyTorch's OneCycleLR refuses one when cycle_momentum is asked for.
+  /// Whether an optimizer without a momentum or beta1 (Adagrad, Adadelta, Adafactor) must refuse
+  /// this schedule, as PyTorch's OneCycleLR refuses one when cycle_momentum is asked for.
   virtual bool requires_momentum() const { return false; }
 };
 
@@ -64,7 +64,9 @@ class CosineAnnealingLR : public LRSchedule {
   int64_t period_;
 };
 
-/// Linear warmup from 0 to peak over warmup_steps, then cosine decay to min_lr at total_steps.
+/// Linear warmup to peak over warmup_steps (step t < warmup_steps: peak (t + 1) / warmup_steps,
+/// so the first step takes a share of the peak, not 0), then cosine decay to min_lr at
+/// total_steps.
 class CosineWithWarmup : public LRSchedule {
  public:
   CosineWithWarmup(double peak_lr, int64_t warmup_steps, int64_t total_steps, double min_lr = 0);
@@ -162,8 +164,8 @@ struct OneCycleOptions {
   /// PyTorch's cycle_momentum: the momentum (beta1) moves against the rate, from max_momentum
   /// down to base_momentum while the rate rises and back while it falls (three_phase: it stays
   /// at max_momentum in the last phase). Unset is PyTorch's default, true, except that an
-  /// optimizer without a momentum (Adagrad, Adadelta, Adafactor) keeps the schedule for its rate alone
-  /// where PyTorch raises; true asks for it and such an optimizer refuses the schedule.
+  /// optimizer without a momentum (Adagrad, Adadelta, Adafactor) keeps the schedule for its rate
+  /// alone where PyTorch raises; true asks for it and such an optimizer refuses the schedule.
   std::optional<bool> cycle_momentum = std::nullopt;
   double base_momentum = 0.85;
   double max_momentum = 0.95;

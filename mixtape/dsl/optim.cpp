@@ -202,6 +202,10 @@ void Optimizer::set_schedule(size_t group, std::shared_ptr<const LRSchedule> sch
     fail("{}: the schedule cycles the momentum (cycle_momentum), and {} has no momentum or beta1",
          kind_, kind_);
   groups_[group].schedule = std::move(schedule);
+  // A cycled momentum keeps a buffer the option alone may not (SGD's, RMSprop's with a momentum
+  // of 0): without it the buffer goes, as set_options() drops what its options do not keep, or
+  // the next checkpoint would hold an entry no optimizer of these options loads.
+  drop_unused_state(group);
   // A compiled step holds the old schedule's code: a new step-count buffer makes it trace again.
   renew_step_count(steps_taken());
 }
@@ -513,20 +517,14 @@ void Optimizer::check_state(size_t param_index, const NamedTensors& state, bool 
   }
 }
 
-namespace {
-// A running sum or mean of squares, never below zero: a negative element is a corrupt state.
-// -0.0 compares equal to zero and NaN compares false: only real negatives are caught here.
-std::string negative_element(const Storage& values, const char* what) {
-  for (int64_t i = 0; i < values.count; ++i)
-    if (double v = load_element<double>(values, i); v < 0)
-      return fmt::format("holds {} at element {}: it is {}, never below zero", v, i, what);
-  return "";
-}
-}  // namespace
-
 std::string Optimizer::impossible_state(const std::string& name, const Storage& values) const {
-  const char* what = never_negative_state(kind_, name);
-  return what ? negative_element(values, what) : "";
+  // -0.0 compares equal to zero and NaN compares false: only real values outside are caught.
+  const StateRange range = state_range(kind_, name);
+  if (!range.what) return "";
+  for (int64_t i = 0; i < values.count; ++i)
+    if (double v = load_element<double>(values, i); !range.holds(v))
+      return fmt::format("holds {} at element {}: it is {}, {}", v, i, range.what, range.range);
+  return "";
 }
 
 Shape Optimizer::state_shape(const std::string&, const Shape& param) const { return param; }

@@ -240,7 +240,7 @@ class Optimizer {
   virtual void assemble(const std::vector<size_t>& updated, std::vector<Tensor>& new_params);
   /// Why `values` (host values of a state entry `name`, as check_state() found them) cannot be
   /// state this rule produced, or "" when they can. Non-finite values are checked before. By
-  /// default: a negative element of an entry never_negative_state() names.
+  /// default: an element outside the range state_range() gives the entry.
   virtual std::string impossible_state(const std::string& name, const Storage& values) const;
   /// Whether `state` (a parameter's, '~' entries included) has been stepped: false where only
   /// skipped steps made it, and a rule's first real step would not treat it as it treats state
