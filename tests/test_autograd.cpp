@@ -790,6 +790,15 @@ TEST(ModuleParameters, ATensorAssignedToAParameterMemberTrains) {
   m.w = other.w;
   (void)m.parameters();
   EXPECT_FALSE(other.w.requires_grad());
+  // A computed tensor has no gradient of its own and would never train: refused when the
+  // parameters are listed, as torch refuses a plain tensor assigned to a parameter; assign()
+  // gives the parameter new values instead.
+  m.w = other.w.detach() * 2.0;
+  EXPECT_MT_ERROR((void)m.parameters(), "parameter 'w'", "computed tensor", "assign");
+  m.w = mt::full({2}, 0.25);
+  m.w.assign(other.w.detach() * 2.0);
+  EXPECT_EQ(m.parameters().size(), 2u);
+  EXPECT_TRUE(m.w.is_leaf());
 }
 
 // register_parameter(name, value, false) freezes the module's parameter even where the value

@@ -58,7 +58,16 @@ void check(int code, const char* call) {
   char text[MPI_MAX_ERROR_STRING];
   int length = 0;
   MPI_Error_string(code, text, &length);
-  fail("dist: {} failed: {}", call, std::string(text, static_cast<size_t>(length)));
+  // A message longer than its receive buffer: the processes paired two different collectives.
+  int error_class = MPI_SUCCESS;
+  MPI_Error_class(code, &error_class);
+  const char* why =
+      error_class == MPI_ERR_TRUNCATE
+          ? " (the processes made different collectives here: one made a call the others did "
+            "not, such as dist::save_checkpoint on process 0 alone, which every process must "
+            "call; MIXTAPE_DIST_DEBUG=1 names both calls)"
+          : "";
+  fail("dist: {} failed: {}{}", call, std::string(text, static_cast<size_t>(length)), why);
 }
 
 // Waits for a nonblocking collective, polling, for at most the timeout: a process that died or

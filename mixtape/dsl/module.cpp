@@ -8,6 +8,7 @@
 
 #include "mixtape/dsl/activation_checkpointing.h"
 #include "mixtape/dsl/error.h"
+#include "mixtape/dsl/exception.h"
 #include "mixtape/dsl/ops.h"
 #include "mixtape/dsl/orphan_parameters.h"
 
@@ -175,6 +176,15 @@ void Module::collect(const std::string& prefix, Listing listing, NamedTensors& o
 // this member, stays frozen.
 void Module::adopt(const Registered& r) const {
   Tensor& value = *r.tensor;
+  // A computed value (w.detach(), w * 2) has no gradient of its own: assigned to a parameter it
+  // never trained, silently. Refused, as torch refuses to assign a plain tensor to a parameter.
+  if (!value.is_leaf())
+    fail(
+        "Module '{}': parameter '{}' was assigned a computed tensor ({} built at {}), which "
+        "would never train; assign a leaf (a loaded or created tensor, another parameter), or "
+        "give the parameter new values with {}.assign(value)",
+        path(), r.name, op_name(value.node()->op), short_location(value.node()->origin.location),
+        r.name);
   if (value.is_leaf() && is_floating(value.dtype()) && !value.requires_grad() &&
       !is_module_parameter(value)) {
     value.requires_grad_(true);
