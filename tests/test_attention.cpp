@@ -556,6 +556,36 @@ TEST(FusedAttention, AMaskWiderThanTheOperandsBatchBroadcastsTheResult) {
   for (size_t j = 0; j < want.size(); ++j) EXPECT_NEAR(got[j], want[j], 1e-6) << j;
 }
 
+// Causal attention with fewer or more queries than keys: query i sees keys 0..i, PyTorch's
+// top-left alignment (torch.ones(L, S).tril()), in the fused op, the masked overload and
+// MultiheadAttention; the same as that mask given explicitly, and alone or with another mask.
+TEST(FusedAttention, CausalWithOtherQueryAndKeyCountsAlignsTopLeft) {
+  mt::Generator gen(6);
+  for (auto [L, S] : {std::pair<int64_t, int64_t>{3, 7}, {7, 3}}) {
+    SCOPED_TRACE(fmt::format("L {} S {}", L, S));
+    mt::Tensor q = mt::randn({2, L, 4}, mt::f32, &gen), k = mt::randn({2, S, 4}, mt::f32, &gen),
+               v = mt::randn({2, S, 4}, mt::f32, &gen);
+    std::vector<int64_t> tril;
+    for (int64_t i = 0; i < L; ++i)
+      for (int64_t j = 0; j < S; ++j) tril.push_back(j <= i ? 1 : 0);
+    mt::Tensor lower = mt::tensor(tril, {L, S}, mt::boolean);
+    std::vector<float> want = values(mt::scaled_dot_product_attention(q, k, v, lower));
+    auto expect_want = [&](const mt::Tensor& got, const std::vector<float>& expected) {
+      std::vector<float> g = values(got);
+      ASSERT_EQ(g.size(), expected.size());
+      for (size_t j = 0; j < g.size(); ++j) EXPECT_NEAR(g[j], expected[j], 1e-6) << j;
+    };
+    expect_want(mt::scaled_dot_product_attention(q, k, v, true), want);
+    expect_want(mt::scaled_dot_product_attention(q, k, v, mt::Tensor(), true), want);
+    // With a key padding mask as well: the two combined.
+    std::vector<int64_t> keep(static_cast<size_t>(S), 1);
+    keep[0] = 0;
+    mt::Tensor keys = mt::tensor(keep, {S}, mt::boolean);
+    expect_want(mt::scaled_dot_product_attention(q, k, v, keys, true),
+                values(mt::scaled_dot_product_attention(q, k, v, mt::logical_and(keys, lower))));
+  }
+}
+
 // ... and so does a bool mask, whose broadcast widened the mask but not the scores.
 TEST(FusedAttention, ABoolMaskWiderThanTheOperandsBatchBroadcastsTheResult) {
   mt::Generator gen(4);

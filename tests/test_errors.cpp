@@ -608,8 +608,6 @@ std::vector<Case> functional_cases() {
               "k [4]"),
       OP_CASE("scaled_dot_product_attention", mt::scaled_dot_product_attention(q24, q24, f4),
               "v [4]"),
-      OP_CASE("scaled_dot_product_attention", mt::scaled_dot_product_attention(q24, k34, k34, true),
-              "causal", "queries"),
       OP_CASE("scaled_dot_product_attention", mt::scaled_dot_product_attention(i, i, i), "query",
               "floating-point", "i64"),
   };

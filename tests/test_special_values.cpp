@@ -200,3 +200,30 @@ TEST(SpecialValues, BinaryCrossEntropyHasASecondDerivative) {
 }
 
 }  // namespace
+
+namespace {
+
+// ignore_index is compared as an integer: 2^53 + 1 is not 2^53 (as a double it was, and an
+// out-of-range target 2^53 was silently ignored), and one i32 targets cannot hold ignores
+// nothing (it was an error about the fill).
+TEST(SpecialValues, IgnoreIndexIsComparedExactly) {
+  mt::Tensor logits = mt::zeros({2, 3});
+  const int64_t big = (int64_t{1} << 53) + 1;
+  mt::Tensor targets = mt::tensor(std::vector<int64_t>{int64_t{1} << 53, 1}, {2});
+  EXPECT_THROW(mt::cross_entropy(logits, targets, {.ignore_index = big}).item(), mt::Error);
+  mt::Tensor narrow = mt::tensor(std::vector<int64_t>{0, 2}, {2}, mt::i32);
+  EXPECT_NEAR(mt::cross_entropy(logits, narrow, {.ignore_index = int64_t{1} << 40}).item(),
+              std::log(3.0), 1e-6);
+}
+
+// smooth_l1_loss of f16 values with a small beta: d d / 2 / beta, whose constant 0.5 / beta is
+// past f16's range (0 times it was NaN); torch's half kernel gives 0 and the finite values.
+TEST(SpecialValues, SmoothL1OfHalvesWithASmallBeta) {
+  mt::Tensor a = mt::tensor(Doubles{1, 2}, {2}, mt::f16),
+             b = mt::tensor(Doubles{1, 2.5}, {2}, mt::f16);
+  Doubles got = values(mt::smooth_l1_loss(a, b, mt::Reduction::None, 1e-6));
+  EXPECT_EQ(got[0], 0);
+  EXPECT_NEAR(got[1], 0.5, 1e-3);
+}
+
+}  // namespace

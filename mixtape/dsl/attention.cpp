@@ -276,6 +276,15 @@ Tensor attention(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor
   const char* op = "scaled_dot_product_attention";
   if (!(dropout_p >= 0 && dropout_p <= 1))
     op_fail(op, loc, "dropout_p must be in [0, 1], got {}", dropout_p);
+  // Causal with more queries than keys or fewer: query i sees keys 0..i, the top-left alignment
+  // of PyTorch's is_causal (torch.ones(L, S).tril()), as a mask the kernels take.
+  if (causal && q.dim() >= 2 && k.dim() >= 2 && q.size(-2) != k.size(-2)) {
+    Tensor lower = causal_mask(q.size(-2), k.size(-2), loc);
+    Tensor combined = !mask.defined()           ? lower
+                      : mask.dtype() == boolean ? logical_and(mask, lower)
+                                                : where(lower, mask, full_like(mask, -INFINITY));
+    return attention(q, k, v, combined, false, scale, fused, loc, dropout_p, gen);
+  }
   const double factor = scale ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
   const size_t rank = std::max(std::max(q.dim(), k.dim()), v.dim());
   // dropout_p == 1 zeroes every weight without a draw, as dropout() does.

@@ -5,6 +5,7 @@
 #include <fmt/ranges.h>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <map>
 #include <mutex>
@@ -374,8 +375,14 @@ struct CheckedTargets {
 };
 CheckedTargets check_ids(const Tensor& scores, const Tensor& targets, int64_t ignore_index,
                          const Tensor& class_weight) {
-  // A fill of the targets' shape: one node, where a 0-d scalar would need a broadcast too.
-  Tensor valid = ne(targets, full_like(targets, static_cast<double>(ignore_index)));
+  // A fill of the targets' shape: one node, where a 0-d scalar would need a broadcast too. As an
+  // integer, exactly (a double made 2^53 + 1 equal 2^53); one the targets' type cannot hold
+  // (past i32's range) ignores nothing.
+  const bool representable =
+      targets.dtype() != i32 || (ignore_index >= INT32_MIN && ignore_index <= INT32_MAX);
+  Tensor valid = representable
+                     ? ne(targets, full_integer(targets.shape(), ignore_index, targets.dtype()))
+                     : ones(targets.shape(), boolean);
   Tensor safe_targets = where(valid, targets, zeros_like(targets));
   // Picking each target out of the class list is the identity on valid ids, and the check
   // (at evaluation) that none is out of range; it reads only the targets.
@@ -641,7 +648,8 @@ Tensor smooth_l1_loss(const Tensor& input, const Tensor& target, Reduction reduc
   if (!(beta >= 0)) op_fail("smooth_l1_loss", loc, "beta must be non-negative, got {}", beta);
   Tensor d = abs(input - target);
   if (beta == 0) return reduce(d, reduction);
-  return reduce(where(d < beta, d * d * (0.5 / beta), d - 0.5 * beta), reduction);
+  // d d / 2 / beta in that order, as PyTorch's: 0.5 / beta of a small beta is past f16's range.
+  return reduce(where(d < beta, d * d * 0.5 / beta, d - 0.5 * beta), reduction);
 }
 
 Tensor huber_loss(const Tensor& input, const Tensor& target, Reduction reduction, double delta,
@@ -1230,8 +1238,14 @@ Tensor dropout(const Tensor& x, double p, bool training, Generator* gen, const L
 Tensor causal_mask(int64_t size, const Loc& loc) {
   CallSiteScope site(loc, composite::causal_mask);
   if (size < 0) op_fail("causal_mask", loc, "size must be non-negative, got {}", size);
-  Tensor positions = arange(size);
-  return ge(unsqueeze(positions, 1), unsqueeze(positions, 0));
+  return causal_mask(size, size, loc);
+}
+
+Tensor causal_mask(int64_t queries, int64_t keys, const Loc& loc) {
+  CallSiteScope site(loc, composite::causal_mask);
+  if (queries < 0 || keys < 0)
+    op_fail("causal_mask", loc, "sizes must be non-negative, got {} and {}", queries, keys);
+  return ge(unsqueeze(arange(queries), 1), unsqueeze(arange(keys), 0));
 }
 
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v, bool causal,
@@ -1244,8 +1258,6 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
       k.size(-2) != v.size(-2))
     op_fail("scaled_dot_product_attention", loc, "shapes q {} k {} v {} do not fit",
             to_string(q.shape()), to_string(k.shape()), to_string(v.shape()));
-  if (causal && q.size(-2) != k.size(-2))
-    op_fail("scaled_dot_product_attention", loc, "a causal mask needs as many queries as keys");
   return detail::attention(q, k, v, Tensor(), causal, std::nullopt, true, loc);
 }
 

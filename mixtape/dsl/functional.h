@@ -219,6 +219,9 @@ Tensor dropout(const Tensor& x, double p, bool training = true, Generator* gen =
 
 /// [size, size] bool, true where key position <= query position.
 Tensor causal_mask(int64_t size, const Loc& loc = Loc::current());
+/// The same for `queries` rows over `keys` columns, aligned at the top left (query i sees keys
+/// 0..i), as PyTorch's is_causal (torch.ones(L, S).tril()).
+Tensor causal_mask(int64_t queries, int64_t keys, const Loc& loc = Loc::current());
 /// softmax(q k^T / sqrt(d) [masked]) v over [..., T, d] operands.
 Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tensor& v,
                                     bool causal = false, const Loc& loc = Loc::current());

@@ -37,9 +37,6 @@ Tensor scaled_dot_product_attention(const Tensor& q, const Tensor& k, const Tens
     if (attn_mask.dtype() != boolean && !is_floating(attn_mask.dtype()))
       op_fail(op, loc, "the mask must be bool or floating, got {}", name(attn_mask.dtype()));
   }
-  if (causal && q.size(-2) != k.size(-2))
-    op_fail(op, loc, "a causal mask needs as many queries as keys: q {} k {}", to_string(q.shape()),
-            to_string(k.shape()));
   return detail::attention(q, k, v, attn_mask, causal, scale, true, loc, dropout_p, gen);
 }
 
@@ -121,10 +118,8 @@ MultiheadAttention::Result MultiheadAttention::operator()(
     Tensor keys = logical_not(reshape(key_padding_mask, {N, 1, 1, S}));
     allowed = allowed.defined() ? logical_and(allowed, keys) : keys;
   }
-  if (is_causal) {
-    if (L != S) op_fail(op, loc, "is_causal needs as many queries as keys ({} and {})", L, S);
-    allowed = allowed.defined() ? logical_and(allowed, causal_mask(L)) : causal_mask(L);
-  }
+  if (is_causal)
+    allowed = allowed.defined() ? logical_and(allowed, causal_mask(L, S)) : causal_mask(L, S);
   // q scaled before the product, as PyTorch's multi_head_attention_forward: the product of the
   // unscaled q, rounded to f16 under autocast, overflowed at scores of 65504 / sqrt(D).
   Tensor scores = matmul(q / std::sqrt(static_cast<double>(D)), k, false, true);

@@ -17,7 +17,8 @@ namespace mixtape {
 /// torch.nn.functional.scaled_dot_product_attention over [..., L, E] queries and [..., S, E]
 /// keys, [..., S, Ev] values: softmax(q k^T * scale + mask) v with scale 1/sqrt(E) by default.
 /// `attn_mask` broadcasts to [..., L, S]: bool (true where a query may attend) or a float added to
-/// the scores; `causal` masks keys after each query too. A query whose keys are all masked gets
+/// the scores; `causal` masks keys after each query too (query i sees keys 0..i, PyTorch's top-left
+/// alignment where L != S). A query whose keys are all masked gets
 /// zeros and a zero gradient (PyTorch gives NaN there). dropout_p drops weights after the
 /// softmax (PyTorch's dropout_p: the rest scaled by 1/(1-p)), drawn from `gen` (the default
 /// generator where null) as dropout(weights, dropout_p, true, gen) draws them; pass 0 in eval.
