@@ -558,6 +558,12 @@ TEST(Recurrent, EmptySequencesAndHalfAnInitialStateAreRefused) {
   EXPECT_MT_ERROR(gru(mt::zeros({0, 2})), "GRU", "at least one step");
   EXPECT_MT_ERROR(lstm(mt::zeros({4, 5, 2}), mt::zeros({1, 4, 3})), "LSTM", "h0 and c0 together");
   EXPECT_MT_ERROR(lstm(mt::zeros({4, 5, 2}), mt::Tensor(), mt::zeros({1, 4, 3})), "only c0");
+  // Integer inputs are refused, as torch refuses them (they were multiplied by the weights).
+  EXPECT_MT_ERROR(lstm(mt::zeros({4, 5, 2}, mt::i64)), "LSTM", "floating-point", "i64");
+  EXPECT_MT_ERROR(gru(mt::zeros({5, 2}, mt::i32)), "GRU", "floating-point", "i32");
+  mt::MultiheadAttention mha(4, 2);
+  mt::Tensor ids = mt::zeros({3, 1, 4}, mt::i64);
+  EXPECT_MT_ERROR(mha(ids, ids, ids), "MultiheadAttention", "floating-point", "i64");
   // Bidirectional: the reverse direction's weights after the forward one's, as torch's names.
   mt::GRU both(2, 3, 2, true, false, 0.0, nullptr, true);
   std::vector<std::string> names;

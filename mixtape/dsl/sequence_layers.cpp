@@ -72,11 +72,15 @@ MultiheadAttention::Result MultiheadAttention::operator()(
   CallSiteScope site(loc);
   ModulePathScope scope = forward_scope();
   const char* op = "MultiheadAttention";
-  for (const Tensor* t : {&query, &key, &value})
+  for (const Tensor* t : {&query, &key, &value}) {
     if (!t->defined() || t->dim() != 3 || t->size(2) != embed_dim)
       op_fail(op, loc, "query, key and value must be [{}, {}], got {}",
               batch_first ? "N, L" : "L, N", embed_dim,
               t->defined() ? to_string(t->shape()) : "undefined");
+    // As torch's: an integer input is refused, not multiplied by the float weights.
+    if (!is_floating(t->dtype()))
+      op_fail(op, loc, "query, key and value must be floating-point, got {}", name(t->dtype()));
+  }
   // [L, N, E] inside, as PyTorch's.
   Tensor q_in = batch_first ? transpose(query, 0, 1) : query;
   Tensor k_in = batch_first ? transpose(key, 0, 1) : key;
@@ -160,6 +164,8 @@ RecurrentShape time_major(const char* op, const Tensor& x, int64_t input_size, b
             x.defined() ? to_string(x.shape()) : "undefined");
   if (x.size(batch_first && x.dim() == 3 ? 1 : 0) == 0)
     op_fail(op, loc, "expects a sequence of at least one step, got {}", to_string(x.shape()));
+  if (!is_floating(x.dtype()))  // as torch's: not promoted by the float weights
+    op_fail(op, loc, "expects a floating-point input, got {}", name(x.dtype()));
   if (x.dim() == 2) return {unsqueeze(x, 1, loc), true};
   return {batch_first ? transpose(x, 0, 1) : x, false};
 }
