@@ -503,6 +503,11 @@ TEST(MemoryReport, EveryRulesEstimateIsTheStateItsFirstStepMakes) {
       {"Lion", rule_with<mt::Lion>(mt::LionOptions{})},
       {"Adafactor", rule_with<mt::Adafactor>(mt::AdafactorOptions{})},
       {"Adafactor with beta1", rule_with<mt::Adafactor>(mt::AdafactorOptions{.beta1 = 0.9})},
+      {"AdamW with amsgrad", rule_with<mt::AdamW>(mt::AdamOptions{.amsgrad = true})},
+      {"Adamax", rule_with<mt::Adamax>(mt::AdamaxOptions{})},
+      {"NAdam (its mu_product in f32 for a bf16 model)", rule_with<mt::NAdam>(mt::NAdamOptions{})},
+      {"RAdam", rule_with<mt::RAdam>(mt::RAdamOptions{})},
+      {"Adadelta", rule_with<mt::Adadelta>(mt::AdadeltaOptions{})},
       {"RMSprop, its momentum cycled by OneCycleLR", cycled}};
   for (const auto& [name, make] : rules) {
     for (mt::DType model : {mt::f32, mt::bf16}) {

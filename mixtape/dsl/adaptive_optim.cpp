@@ -93,8 +93,7 @@ void Adamax::start_state(NamedTensors& state, const Tensor& grad) const {
 
 Tensor Adamax::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   const AdamaxOptions& o = group_options();
-  Tensor g = o.maximize ? -grad : grad;
-  if (o.weight_decay != 0) g = with_l2_penalty(g, param, o.weight_decay);
+  Tensor g = rule_gradient(grad, param, o.maximize, o.weight_decay);
   const Tensor& m_prev = started_state(state, "exp_avg");
   const Tensor& u_prev = started_state(state, "exp_inf");
   Tensor beta1 = beta1_.defined() ? step_scalar(beta1_, g.dtype()) : step_constant(o.beta1, g);
@@ -145,13 +144,19 @@ Shape NAdam::state_shape(const std::string& name, const Shape& param) const {
   return name == "mu_product" ? Shape{} : param;
 }
 
+DType NAdam::entry_dtype(size_t param_index, const std::string& name) const {
+  // In f32 at least: a half product would round 1 - mu_product, which divides the step, to
+  // three digits.
+  const DType own = state_dtype(param_index);
+  return name == "mu_product" && size_of(own) < size_of(f32) ? f32 : own;
+}
+
 void NAdam::start_state(NamedTensors& state, const Tensor& grad) const {
   add_zero_state(state, "exp_avg", grad);
   add_zero_state(state, "exp_avg_sq", grad);
   if (optimizer_state::find_state(state, "mu_product")) return;
-  // The product starts at 1, stored (as torch's state), in f32 at least: a half one would
-  // round 1 - mu_product, which divides the step, to three digits.
-  const DType type = size_of(grad.dtype()) > size_of(f32) ? grad.dtype() : f32;
+  // The product starts at 1, stored (as torch's state), in entry_dtype()'s type.
+  const DType type = size_of(grad.dtype()) < size_of(f32) ? f32 : grad.dtype();
   auto one = std::make_shared<Storage>(type, 1);
   store_element(*one, 0, 1.0);
   state.emplace_back("mu_product", from_storage(std::move(one), {}));
@@ -159,8 +164,7 @@ void NAdam::start_state(NamedTensors& state, const Tensor& grad) const {
 
 Tensor NAdam::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   const NAdamOptions& o = group_options();
-  Tensor g = o.maximize ? -grad : grad;
-  if (o.weight_decay != 0) g = with_l2_penalty(g, param, o.weight_decay);
+  Tensor g = rule_gradient(grad, param, o.maximize, o.weight_decay);
   const Tensor& m_prev = started_state(state, "exp_avg");
   const Tensor& v_prev = started_state(state, "exp_avg_sq");
   const Tensor& product_prev = started_state(state, "mu_product");
@@ -222,8 +226,7 @@ void RAdam::start_state(NamedTensors& state, const Tensor& grad) const {
 
 Tensor RAdam::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   const RAdamOptions& o = group_options();
-  Tensor g = o.maximize ? -grad : grad;
-  if (o.weight_decay != 0) g = with_l2_penalty(g, param, o.weight_decay);
+  Tensor g = rule_gradient(grad, param, o.maximize, o.weight_decay);
   const Tensor& m_prev = started_state(state, "exp_avg");
   const Tensor& v_prev = started_state(state, "exp_avg_sq");
   Tensor beta1 = beta1_.defined() ? step_scalar(beta1_, g.dtype()) : step_constant(o.beta1, g);
@@ -269,8 +272,7 @@ void Adadelta::start_state(NamedTensors& state, const Tensor& grad) const {
 
 Tensor Adadelta::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   const AdadeltaOptions& o = group_options();
-  Tensor g = o.maximize ? -grad : grad;
-  if (o.weight_decay != 0) g = with_l2_penalty(g, param, o.weight_decay);
+  Tensor g = rule_gradient(grad, param, o.maximize, o.weight_decay);
   const Tensor& square_prev = started_state(state, "square_avg");
   const Tensor& delta_prev = started_state(state, "acc_delta");
   Tensor rho = step_constant(o.rho, g), rest = step_constant(1 - o.rho, g);

@@ -57,6 +57,7 @@ class NAdam : public OptimizerWith<NAdamOptions> {
   bool has_momentum() const override { return true; }
   std::optional<std::vector<std::string>> state_names(size_t param_index) const override;
   Shape state_shape(const std::string& name, const Shape& param) const override;
+  DType entry_dtype(size_t param_index, const std::string& name) const override;
 
  protected:
   void resolve_options(NAdamOptions& options) const override;

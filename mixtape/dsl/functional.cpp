@@ -725,9 +725,8 @@ Tensor clamp(const Tensor& x, std::optional<double> min, std::optional<double> m
   CallSiteScope site(loc, composite::clamp);
   require(x, "clamp", "input", loc);
   if (!min && !max) op_fail("clamp", loc, "needs a min or a max");
-  // An integer input with a bound that is not a whole number is clamped in f32, as PyTorch
-  // promotes it.
-  // A bool input becomes a number, as PyTorch promotes it with the bounds: i64 for whole ones.
+  // An integer or bool input with a bound that is not a whole number is clamped in f32, as
+  // PyTorch promotes it; a bool one with whole bounds in i64.
   auto whole = [](std::optional<double> b) { return !b || *b == std::nearbyint(*b); };
   const Tensor input = is_floating(x.dtype())        ? x
                        : !(whole(min) && whole(max)) ? cast(x, f32)

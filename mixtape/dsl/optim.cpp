@@ -267,6 +267,12 @@ Tensor Optimizer::with_l2_penalty(const Tensor& grad, const Tensor& param, doubl
   return mul_add({param, step_constant(weight_decay, param), grad});
 }
 
+Tensor Optimizer::rule_gradient(const Tensor& grad, const Tensor& param, bool maximize,
+                                double weight_decay) {
+  Tensor g = maximize ? -grad : grad;
+  return weight_decay != 0 ? with_l2_penalty(g, param, weight_decay) : g;
+}
+
 void Optimizer::step() { step_unless(Tensor(), {}); }
 
 void Optimizer::step_unless(const Tensor& skip) {
@@ -535,11 +541,12 @@ std::optional<std::vector<std::string>> Optimizer::state_names(size_t) const {
   return std::nullopt;
 }
 
-int64_t Optimizer::state_elements(size_t param_index) const {
-  int64_t elements = 0;
+int64_t Optimizer::state_bytes(size_t param_index) const {
+  int64_t bytes = 0;
   for (const std::string& name : state_names(param_index).value_or(std::vector<std::string>{}))
-    elements += numel(state_shape(name, local_shape(param_index)));
-  return elements;
+    bytes += numel(state_shape(name, local_shape(param_index))) *
+             static_cast<int64_t>(size_of(entry_dtype(param_index, name)));
+  return bytes;
 }
 
 DType Optimizer::state_dtype(size_t param_index) const { return params_.at(param_index).dtype(); }
@@ -723,8 +730,7 @@ std::optional<std::vector<std::string>> SGD::state_names(size_t param_index) con
 
 Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   const SGDOptions& options = group_options();
-  Tensor g = options.maximize ? -grad : grad;
-  if (options.weight_decay != 0) g = with_l2_penalty(g, param, options.weight_decay);
+  Tensor g = rule_gradient(grad, param, options.maximize, options.weight_decay);
   // A cycled momentum (a schedule's graph value) replaces the option, as PyTorch's OneCycleLR
   // writes the group's momentum: then the buffer is kept even for a momentum option of 0.
   const Tensor& cycled = momentum_value();
@@ -805,9 +811,7 @@ Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state
   const AdamOptions& options = group_options();
   // Fused arithmetic (dsl/ops.def): three nodes where single ops took fourteen, the same f32
   // operations in the same order. The running averages start at zero (start_state).
-  Tensor g = options.maximize ? -grad : grad;
-  if (*options.weight_decay != 0 && !decoupled_)
-    g = with_l2_penalty(g, param, *options.weight_decay);
+  Tensor g = rule_gradient(grad, param, options.maximize, decoupled_ ? 0 : *options.weight_decay);
   const Tensor& m_prev = started_state(state, "exp_avg");
   const Tensor& v_prev = started_state(state, "exp_avg_sq");
   auto factor = [&](const Tensor& cycled, double fixed, const Tensor& x) {
@@ -878,8 +882,7 @@ void RMSprop::start_state(NamedTensors& state, const Tensor& grad) const {
 
 Tensor RMSprop::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   const RMSpropOptions& options = group_options();
-  Tensor g = options.maximize ? -grad : grad;
-  if (options.weight_decay != 0) g = with_l2_penalty(g, param, options.weight_decay);
+  Tensor g = rule_gradient(grad, param, options.maximize, options.weight_decay);
   auto running = [&](const char* name, bool squared) {
     const Tensor& previous = started_state(state, name);
     Tensor rest = step_constant(1 - options.alpha, g);
@@ -928,8 +931,7 @@ std::optional<std::vector<std::string>> Adagrad::state_names(size_t) const {
 
 Tensor Adagrad::update(const Tensor& param, const Tensor& grad, NamedTensors& state) {
   const AdagradOptions& options = group_options();
-  Tensor g = options.maximize ? -grad : grad;
-  if (options.weight_decay != 0) g = with_l2_penalty(g, param, options.weight_decay);
+  Tensor g = rule_gradient(grad, param, options.maximize, options.weight_decay);
   Tensor sum = *find_state(state, "sum") + square(g);
   set_state(state, "sum", sum);
   Tensor root = sqrt(sum);

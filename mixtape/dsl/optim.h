@@ -160,14 +160,19 @@ class Optimizer {
   /// may lack it (a parameter not stepped since), which then starts as the rule starts it.
   /// (set_options() drops the entries the new options do not keep.)
   virtual std::vector<std::string> optional_state_names() const { return {}; }
-  /// The elements of that state (of its local_shape() part): what memory_report counts before
-  /// the first step makes them.
-  int64_t state_elements(size_t param_index) const;
+  /// The bytes of that state (of its local_shape() part, each entry in entry_dtype()): what
+  /// memory_report counts before the first step makes them.
+  int64_t state_bytes(size_t param_index) const;
   /// The type of that state as the first step makes it: the parameter's (the rules compute in
   /// their parameter's type, as torch's), f32 where a rule computes in f32 (Adafactor, ZeRO's
   /// master shards). load_state() keeps loaded state in it, or in the state's own type where
   /// that is wider.
   virtual DType state_dtype(size_t param_index) const;
+  /// The type the first step makes entry `name` of that state in: state_dtype(), but for an
+  /// entry a rule keeps in another (NAdam's mu_product, in f32 at least).
+  virtual DType entry_dtype(size_t param_index, const std::string& /*name*/) const {
+    return state_dtype(param_index);
+  }
   /// The type load_state() keeps state of type `given` in.
   DType loaded_dtype(size_t param_index, DType given) const;
   /// Restores state saved by state(), after check_state().
@@ -285,6 +290,9 @@ class Optimizer {
   /// Inside update(): grad + param * weight_decay (an L2 penalty, as torch's optimizers add it
   /// without decoupling), one fused node.
   Tensor with_l2_penalty(const Tensor& grad, const Tensor& param, double weight_decay);
+  /// Inside update(): the gradient a rule steps along, as torch's rules make it: negated for
+  /// `maximize` (ascent), then with_l2_penalty() where weight_decay is not 0.
+  Tensor rule_gradient(const Tensor& grad, const Tensor& param, bool maximize, double weight_decay);
 
  private:
   // The nodes step_constant() and step_scalar() share within a step, by what they hold (a

@@ -274,7 +274,7 @@ void count_gradients(MemoryReport& report, const NamedTensors& params) {
 }
 
 // Counts the optimizer's state, estimating what its first step will create where none exists
-// (Optimizer::state_elements and state_dtype).
+// (Optimizer::state_bytes).
 void count_optimizer_state(MemoryReport& report, const Optimizer& opt, const ParamSet& params) {
   for (size_t i = 0; i < opt.params().size(); ++i) {
     const Tensor& p = opt.params()[i];
@@ -284,9 +284,9 @@ void count_optimizer_state(MemoryReport& report, const Optimizer& opt, const Par
     for (const auto& [name, value] : state)
       if (value.defined()) bytes += bytes_of(value.numel(), leaf_storage(*value.node()));
     // Of a ZeRO shard (dist/zero.h), or of all of it; none where this process holds none.
-    const int64_t estimate = opt.state_elements(i);
+    const int64_t estimate = opt.state_bytes(i);
     if (state.empty() && p.grad().defined() && estimate > 0) {
-      bytes = bytes_of(estimate, opt.state_dtype(i));
+      bytes = estimate;
       report.optimizer_state_estimated = true;
     }
     row.state_bytes += bytes;

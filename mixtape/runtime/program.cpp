@@ -187,9 +187,8 @@ void hash_node(WordHasher& h, const Node& node) {
 int64_t stored_bytes(const Node* node) { return node->value ? node->value->size_bytes() : 0; }
 
 // The bytes of what step `step` stores, measured by `bytes_of` (run_program and the plan-only
-// peak count the same values).
-// A reshape (an Alias step) stores nothing: it shares its input's buffer
-// (Program::frees_buffer).
+// peak count the same values); none for a reshape (an Alias step), which shares its input's
+// buffer (Program::frees_buffer).
 template <typename BytesOf>
 int64_t step_output_bytes(const Step& step, const std::vector<Node*>& pending, const Signature& sig,
                           BytesOf bytes_of) {
