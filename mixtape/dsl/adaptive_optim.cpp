@@ -12,6 +12,7 @@
 namespace mixtape {
 namespace {
 
+using optimizer_state::bias_correction;
 using optimizer_state::finite_non_negative;
 using optimizer_state::set_state;
 using optimizer_state::started_state;
@@ -25,10 +26,9 @@ void check_betas(const char* kind, double beta1, double beta2, double eps, doubl
          eps, weight_decay);
 }
 
-// 1 - beta^t for the cycled beta (a 0-d f64 graph value) or the option's.
-Tensor bias_correction(const Tensor& cycled, double beta, const Tensor& t) {
-  return 1.0 - pow(cycled.defined() ? cycled : full({}, beta, f64), t);
-}
+// NAdam's mu_product: in f32 at least, where the state is narrower (a half product would round
+// 1 - mu_product, which divides the step, to three digits).
+DType mu_product_type(DType state) { return size_of(state) < size_of(f32) ? f32 : state; }
 
 }  // namespace
 
@@ -96,9 +96,8 @@ Tensor Adamax::update(const Tensor& param, const Tensor& grad, NamedTensors& sta
   Tensor g = rule_gradient(grad, param, o.maximize, o.weight_decay);
   const Tensor& m_prev = started_state(state, "exp_avg");
   const Tensor& u_prev = started_state(state, "exp_inf");
-  Tensor beta1 = beta1_.defined() ? step_scalar(beta1_, g.dtype()) : step_constant(o.beta1, g);
-  Tensor rest1 = rest1_.defined() ? step_scalar(rest1_, g.dtype()) : step_constant(1 - o.beta1, g);
-  Tensor m = lincomb({m_prev, beta1, g, rest1});
+  Tensor m =
+      lincomb({m_prev, step_factor(beta1_, o.beta1, g), g, step_factor(rest1_, 1 - o.beta1, g)});
   // The larger of the decayed norm and |g| + eps; a NaN in either stays (torch's amax).
   Tensor u = maximum(u_prev * step_constant(o.beta2, u_prev), abs(g) + step_constant(o.eps, g));
   set_state(state, "exp_avg", m);
@@ -145,19 +144,16 @@ Shape NAdam::state_shape(const std::string& name, const Shape& param) const {
 }
 
 DType NAdam::entry_dtype(size_t param_index, const std::string& name) const {
-  // In f32 at least: a half product would round 1 - mu_product, which divides the step, to
-  // three digits.
   const DType own = state_dtype(param_index);
-  return name == "mu_product" && size_of(own) < size_of(f32) ? f32 : own;
+  return name == "mu_product" ? mu_product_type(own) : own;
 }
 
 void NAdam::start_state(NamedTensors& state, const Tensor& grad) const {
   add_zero_state(state, "exp_avg", grad);
   add_zero_state(state, "exp_avg_sq", grad);
   if (optimizer_state::find_state(state, "mu_product")) return;
-  // The product starts at 1, stored (as torch's state), in entry_dtype()'s type.
-  const DType type = size_of(grad.dtype()) < size_of(f32) ? f32 : grad.dtype();
-  auto one = std::make_shared<Storage>(type, 1);
+  // The product starts at 1, stored (as torch's state).
+  auto one = std::make_shared<Storage>(mu_product_type(grad.dtype()), 1);
   store_element(*one, 0, 1.0);
   state.emplace_back("mu_product", from_storage(std::move(one), {}));
 }
@@ -229,9 +225,8 @@ Tensor RAdam::update(const Tensor& param, const Tensor& grad, NamedTensors& stat
   Tensor g = rule_gradient(grad, param, o.maximize, o.weight_decay);
   const Tensor& m_prev = started_state(state, "exp_avg");
   const Tensor& v_prev = started_state(state, "exp_avg_sq");
-  Tensor beta1 = beta1_.defined() ? step_scalar(beta1_, g.dtype()) : step_constant(o.beta1, g);
-  Tensor rest1 = rest1_.defined() ? step_scalar(rest1_, g.dtype()) : step_constant(1 - o.beta1, g);
-  Tensor m = lincomb({m_prev, beta1, g, rest1});
+  Tensor m =
+      lincomb({m_prev, step_factor(beta1_, o.beta1, g), g, step_factor(rest1_, 1 - o.beta1, g)});
   Tensor v =
       lincomb_square({v_prev, step_constant(o.beta2, v_prev), g, step_constant(1 - o.beta2, g)});
   set_state(state, "exp_avg", m);

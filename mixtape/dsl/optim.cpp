@@ -23,6 +23,7 @@ namespace {
 
 constexpr const char* kMomentumStarted = "~momentum_started";  // SGD: a real step happened
 
+using optimizer_state::bias_correction;
 using optimizer_state::find_state;
 using optimizer_state::finite_non_negative;
 using optimizer_state::set_state;
@@ -265,6 +266,12 @@ Tensor Optimizer::step_scalar(const Tensor& scalar, DType dtype, const Loc& loc)
 Tensor Optimizer::with_l2_penalty(const Tensor& grad, const Tensor& param, double weight_decay) {
   // param * weight_decay + grad: the same sum as grad + param * weight_decay, bit for bit.
   return mul_add({param, step_constant(weight_decay, param), grad});
+}
+
+Tensor Optimizer::step_factor(const Tensor& cycled, double fixed, const Tensor& like,
+                              const Loc& loc) {
+  return cycled.defined() ? step_scalar(cycled, like.dtype(), loc)
+                          : step_constant(fixed, like, loc);
 }
 
 Tensor Optimizer::rule_gradient(const Tensor& grad, const Tensor& param, bool maximize,
@@ -735,9 +742,7 @@ Tensor SGD::update(const Tensor& param, const Tensor& grad, NamedTensors& state)
   // writes the group's momentum: then the buffer is kept even for a momentum option of 0.
   const Tensor& cycled = momentum_value();
   if (options.momentum != 0 || cycled.defined()) {
-    auto momentum = [&](const Tensor& x) {
-      return cycled.defined() ? step_scalar(cycled, x.dtype()) : step_constant(options.momentum, x);
-    };
+    auto momentum = [&](const Tensor& x) { return step_factor(cycled, options.momentum, x); };
     Tensor* previous = find_state(state, "momentum_buffer");
     // Without dampening the gradient's factor is 1, which mul_add leaves out (g * 1 is g, bit for
     // bit). The first buffer is a copy of the gradient, as torch.optim.SGD's clone: a compiled
@@ -788,8 +793,8 @@ void Adam::begin_step() {
   // A cycled beta1 enters the bias correction as this step's beta1, as in torch.optim.Adam.
   beta1_ = momentum_value();
   rest1_ = beta1_.defined() ? 1.0 - beta1_ : Tensor();
-  Tensor bias1 = 1.0 - pow(beta1_.defined() ? beta1_ : full({}, options.beta1, f64), t);
-  Tensor bias2 = 1.0 - pow(full({}, options.beta2, f64), t);
+  Tensor bias1 = bias_correction(beta1_, options.beta1, t);
+  Tensor bias2 = bias_correction(Tensor(), options.beta2, t);
   inv_sqrt_bias2_ = 1.0 / sqrt(bias2);
   step_size_ = lr_value() / bias1;
   if (decoupled_ && *options.weight_decay != 0) decay_ = 1.0 - lr_value() * *options.weight_decay;
@@ -814,11 +819,8 @@ Tensor Adam::update(const Tensor& param, const Tensor& grad, NamedTensors& state
   Tensor g = rule_gradient(grad, param, options.maximize, decoupled_ ? 0 : *options.weight_decay);
   const Tensor& m_prev = started_state(state, "exp_avg");
   const Tensor& v_prev = started_state(state, "exp_avg_sq");
-  auto factor = [&](const Tensor& cycled, double fixed, const Tensor& x) {
-    return cycled.defined() ? step_scalar(cycled, x.dtype()) : step_constant(fixed, x);
-  };
-  Tensor rest1 = factor(rest1_, 1 - options.beta1, g);
-  Tensor m = lincomb({m_prev, factor(beta1_, options.beta1, m_prev), g, rest1});
+  Tensor rest1 = step_factor(rest1_, 1 - options.beta1, g);
+  Tensor m = lincomb({m_prev, step_factor(beta1_, options.beta1, m_prev), g, rest1});
   Tensor rest2 = step_constant(1 - options.beta2, g);
   Tensor v = lincomb_square({v_prev, step_constant(options.beta2, v_prev), g, rest2});
   set_state(state, "exp_avg", m);
@@ -899,9 +901,7 @@ Tensor RMSprop::update(const Tensor& param, const Tensor& grad, NamedTensors& st
   Tensor step = g / avg;
   if (keeps_momentum()) {
     const Tensor& previous = started_state(state, "momentum_buffer");
-    const Tensor& cycled = momentum_value();
-    Tensor momentum = cycled.defined() ? step_scalar(cycled, previous.dtype())
-                                       : step_constant(options.momentum, previous);
+    Tensor momentum = step_factor(momentum_value(), options.momentum, previous);
     step = mul_add({previous, momentum, step});
     set_state(state, "momentum_buffer", step);
   }

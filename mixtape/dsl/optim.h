@@ -287,6 +287,11 @@ class Optimizer {
   /// 0-d as step_constant()'s; the cast of a value begin_step() made is shared by all parameters
   /// of that dtype.
   Tensor step_scalar(const Tensor& scalar, DType dtype, const Loc& loc = Loc::current());
+  /// Inside update(): a factor a schedule may cycle (a momentum, a beta1, or 1 - beta1):
+  /// step_scalar(cycled, like's dtype) where begin_step() made `cycled`, else
+  /// step_constant(fixed, like).
+  Tensor step_factor(const Tensor& cycled, double fixed, const Tensor& like,
+                     const Loc& loc = Loc::current());
   /// Inside update(): grad + param * weight_decay (an L2 penalty, as torch's optimizers add it
   /// without decoupling), one fused node.
   Tensor with_l2_penalty(const Tensor& grad, const Tensor& param, double weight_decay);

@@ -7,6 +7,7 @@
 
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/module.h"
+#include "mixtape/dsl/ops.h"
 
 namespace mixtape::optimizer_state {
 
@@ -34,6 +35,12 @@ inline void set_state(NamedTensors& state, std::string_view name, Tensor value) 
     *slot = std::move(value);
   else
     state.emplace_back(std::string(name), std::move(value));
+}
+
+/// 1 - beta^t, a bias correction in f64 as torch's Python floats: of the cycled beta (a 0-d f64
+/// graph value) where there is one, else of the option's.
+inline Tensor bias_correction(const Tensor& cycled, double beta, const Tensor& t) {
+  return 1.0 - pow(cycled.defined() ? cycled : full({}, beta, f64), t);
 }
 
 }  // namespace mixtape::optimizer_state
