@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <functional>
 #include <optional>
 #include <set>
 #include <utility>
@@ -130,12 +131,21 @@ class Emitter {
         line("%acc{}.addr = alloca {}", r, t);
       acc_ptr_.push_back(fmt::format("%acc{}.addr", r));
       acc_value_.push_back(fmt::format("%acc{}", r));
+      wide_ptr_.push_back(fmt::format("%wide{}.addr", r));
       if (vector_columns_)
         line("%vacc{}.addr = alloca <{} x {}>", r, column_lanes, llvm_type(k_.reductions[r].type));
       for (int b = 0; vector_rows_ && b < k_.dims[rank - 1] / column_lanes; ++b)
         line("%vacc{}.{}.addr = alloca <{} x float>", r, b, column_lanes);
+      if (!widened(k_.reductions[r])) continue;
+      if (column)
+        line("%wide{}.addr = alloca double, i64 {}", r, k_.dims[column_dim]);
+      else
+        line("%wide{}.addr = alloca double", r);
+      if (vector_columns_ || vector_rows_)
+        line("%vwide{}.addr = alloca <{} x double>", r, column_lanes);
     }
     if (vector_columns_) line("%vb.addr = alloca i64");
+    for (int d = 0; d < rank; ++d) line("%blk{}.addr = alloca i64", d);
   }
 
   // The loop over the call's range [begin, end), its point decomposed into the parallel dims.
@@ -184,6 +194,20 @@ class Emitter {
   void column_passes(int parallel, int rank, int column_dim, const std::string& from) {
     for (int pass = 0; pass < k_.pass_count(); ++pass) {
       std::string prefix = pass == 0 ? "v" : fmt::format("v{}.", pass);
+      // Blocked (many rows): each column's f64 accumulator takes its block's sum per block.
+      auto column_wide_sums = [&](Wide step) {
+        column_loop(
+            column_dim,
+            [&] {
+              point_accumulators(column_dim);
+              wide_sums(step, pass);
+            },
+            from);
+      };
+      blocks_ = block_plan(pass, parallel + 1, rank, chain_terms);
+      blocks_.flush = [&] { column_wide_sums(Wide::add); };
+      const bool blocked = blocks_.dim >= 0;
+      if (blocked) column_wide_sums(Wide::start);
       inner_loops(parallel + 1, rank, pass, [&] {
         column_loop(
             column_dim,
@@ -198,6 +222,8 @@ class Emitter {
             },
             from);
       });
+      if (blocked) column_wide_sums(Wide::finish);
+      blocks_ = {};
     }
   }
 
@@ -342,12 +368,24 @@ class Emitter {
       }
     };
     block_accumulators(true);
+    // Blocked (many rows): each lane's block of rows into an f64 lane, rounded at the end.
+    auto vector_wide_sums = [&](Wide step) {
+      wide_sums(
+          step, 0, [&](size_t r) { return fmt::format("%vacc{}.addr", r); },
+          [&](size_t r) { return fmt::format("%vwide{}.addr", r); });
+    };
+    blocks_ = block_plan(0, parallel + 1, rank, chain_terms);
+    blocks_.flush = [&] { vector_wide_sums(Wide::add); };
+    const bool blocked = blocks_.dim >= 0;
+    if (blocked) vector_wide_sums(Wide::start);
     inner_loops(parallel + 1, rank, std::string(".v"), [&] {
       var_[column_dim] = "%vb";
       values(k_.body, "w");
       stores(k_.stores);
       add_to_vector_sums("");
     });
+    if (blocked) vector_wide_sums(Wide::finish);
+    blocks_ = {};
     block_accumulators(false);
     lanes_ = 1;
     line("store i64 %vb.end, ptr %vb.addr");
@@ -373,11 +411,16 @@ class Emitter {
     }
     for (int pass = 0; pass < k_.pass_count(); ++pass) {
       std::string prefix = pass == 0 ? "v" : fmt::format("v{}.", pass);
+      blocks_ = block_plan(pass, parallel, rank, row_block_terms);
+      blocks_.flush = [&] { wide_sums(Wide::add, pass); };
+      if (blocks_.dim >= 0) wide_sums(Wide::start, pass);
       inner_loops(parallel, rank, pass, [&] {
         values(k_.pass_body(pass), prefix.c_str());
         stores(k_.pass_stores(pass));
         accumulate(pass);
       });
+      if (blocks_.dim >= 0) wide_sums(Wide::finish, pass);
+      blocks_ = {};
       for (size_t r = 0; r < k_.reductions.size(); ++r)
         if (k_.reductions[r].pass == pass) acc_value_[r] = load_final(r);
     }
@@ -399,6 +442,21 @@ class Emitter {
         line("store {} zeroinitializer, ptr %vacc{}.{}.addr", t, r, b);
     }
     const std::string pass_name = pass == 0 ? "" : fmt::format("p{}", pass);
+    // Blocked (long sums): every vector of a block's partial sums is added into one f64 vector
+    // per reduction, whose lanes are added in order at the end.
+    blocks_ = block_plan(pass, parallel, last, chain_terms);
+    const bool blocked = blocks_.dim >= 0;
+    auto vector_wide_sums = [&](Wide step, int b) {
+      lanes_ = column_lanes;
+      wide_sums(
+          step, pass, [&](size_t r) { return fmt::format("%vacc{}.{}.addr", r, b); },
+          [&](size_t r) { return fmt::format("%vwide{}.addr", r); });
+      lanes_ = 1;
+    };
+    blocks_.flush = [&] {
+      for (int b = 0; b < blocks; ++b) vector_wide_sums(Wide::add, b);
+    };
+    if (blocked) vector_wide_sums(Wide::start, 0);
     inner_loops(parallel, last, ".v" + pass_name, [&] {
       lanes_ = column_lanes;
       vector_dim_ = last;
@@ -410,10 +468,24 @@ class Emitter {
       }
       lanes_ = 1;
     });
+    blocks_ = {};
     const std::string reduce = fmt::format("llvm.vector.reduce.fadd.v{}f32", column_lanes);
     declare(fmt::format("declare float @{}(float, {})", reduce, t));
+    const std::string reduce_wide = fmt::format("llvm.vector.reduce.fadd.v{}f64", column_lanes);
+    if (blocked)
+      declare(fmt::format("declare double @{}(double, <{} x double>)", reduce_wide, column_lanes));
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
       if (!in_pass(r)) continue;
+      if (blocked && widened(k_.reductions[r])) {  // the accumulator is 0: the sweep's first
+        std::string wide = tmp(), sum = tmp(), rounded = tmp();
+        line("{} = load <{} x double>, ptr %vwide{}.addr", wide, column_lanes, r);
+        line("{} = call double @{}(double 0.0, <{} x double> {})", sum, reduce_wide, column_lanes,
+             wide);
+        line("{} = fptrunc double {} to float", rounded, sum);
+        line("store float {}, ptr {}", rounded, acc_ptr_[r]);
+        acc_value_[r] = load_final(r);
+        continue;
+      }
       std::string lanes_sum = tmp();
       line("{} = load {}, ptr %vacc{}.0.addr", lanes_sum, t, r);
       for (int b = 1; b < blocks; ++b) {
@@ -449,10 +521,13 @@ class Emitter {
     line("%segments = load i64, ptr %info, !noalias !0");
     line("%seg.addr = alloca i64");
     line("%o.addr = alloca i64");
+    line("%blk0.addr = alloca i64");
     for (size_t r = 0; r < k_.reductions.size(); ++r) {
       line("%acc{}.addr = alloca {}", r, acc_type(k_.reductions[r]));
+      line("%wide{}.addr = alloca double", r);
       acc_ptr_.push_back(fmt::format("%acc{}.addr", r));
       acc_value_.push_back(fmt::format("%acc{}", r));
+      wide_ptr_.push_back(fmt::format("%wide{}.addr", r));
     }
     line("store i64 {}, ptr %seg.addr", reduce ? "%begin" : "0");
     line("br label %seg.head");
@@ -503,12 +578,20 @@ class Emitter {
     }
     var_ = {"%i0"};
     initialize_accumulators();
-    line("store i64 %lo.rel, ptr %o.addr");
+    // A segment's sum in blocks (its extent is known only at the launch).
+    const bool blocked = reduce && has_widened(0);
+    std::string end = "%hi.rel";
+    if (blocked) {
+      blocks_ = {0, row_block_terms, [&] { wide_sums(Wide::add, 0); }};
+      wide_sums(Wide::start, 0);
+      end = open_block("seg", 0, "%hi.rel");
+    }
+    line("store i64 {}, ptr %o.addr", blocked ? "%seg.lo" : "%lo.rel");
     line("br label %outer.head");
     label("outer.head");
     line("%o = load i64, ptr %o.addr");
-    line("%outer.more = icmp slt i64 %o, %hi.rel");
-    line("br i1 %outer.more, label %outer.body, label %seg.next");
+    line("%outer.more = icmp slt i64 %o, {}", end);
+    line("br i1 %outer.more, label %outer.body, label %outer.exit");
     label("outer.body");
     line("%i0 = add i64 %o, 0");
     values(k_.body, "v");
@@ -517,6 +600,13 @@ class Emitter {
     line("%o.next = add nsw i64 %o, 1");
     line("store i64 %o.next, ptr %o.addr");
     line("br label %outer.head");
+    label("outer.exit");
+    if (blocked) {
+      close_block("seg", 0);
+      wide_sums(Wide::finish, 0);
+      blocks_ = {};
+    }
+    line("br label %seg.next");
     label("seg.next");
     if (reduce) {
       for (size_t r = 0; r < k_.reductions.size(); ++r) acc_value_[r] = load_final(r);
@@ -631,6 +721,10 @@ class Emitter {
       acc_ptr_[r] = tmp();
       line("{} = getelementptr inbounds {}, ptr %acc{}.addr, i64 {}", acc_ptr_[r],
            acc_type(k_.reductions[r]), r, var_[d]);
+      if (!widened(k_.reductions[r])) continue;
+      wide_ptr_[r] = tmp();
+      line("{} = getelementptr inbounds double, ptr %wide{}.addr, i64 {}", wide_ptr_[r], r,
+           var_[d]);
     }
   }
 
@@ -682,11 +776,14 @@ class Emitter {
     std::string l = fmt::format("l{}{}", d, suffix);
     std::string i = fmt::format("%i{}{}", d, suffix);
     var_[d] = i;
-    line("store i64 0, ptr %i{}.addr", d);
+    const bool blocked = d == blocks_.dim;
+    const std::string extent = std::to_string(k_.dims[d]);
+    const std::string end = blocked ? open_block(l, d, extent) : extent;
+    line("store i64 {}, ptr %i{}.addr", blocked ? "%" + l + ".lo" : "0", d);
     line("br label %{}.head", l);
     label(fmt::format("{}.head", l));
     line("{} = load i64, ptr %i{}.addr", i, d);
-    line("%{}.more = icmp slt i64 {}, {}", l, i, k_.dims[d]);
+    line("%{}.more = icmp slt i64 {}, {}", l, i, end);
     line("br i1 %{}.more, label %{}.body, label %{}.exit", l, l, l);
     label(fmt::format("{}.body", l));
     inner_loops(from + 1, to, suffix, body);
@@ -694,6 +791,101 @@ class Emitter {
     line("store i64 {}.next, ptr %i{}.addr", i, d);
     line("br label %{}.head", l);
     label(fmt::format("{}.exit", l));
+    if (blocked) close_block(l, d);
+  }
+
+  // ---- Blocked sums ----
+  // A fast f32 sum adds its terms in one chain per vector lane, and a chain's error grows with
+  // its length: 2^20 values of 0.1 summed 1.5e-4 off, 2^24 of them 2.5e-3, where PyTorch's
+  // cascade sum keeps 1e-7. A long sum is therefore swept in blocks, each adding at most
+  // chain_terms terms per chain in f32 as before, and each block's partial sums are added into
+  // an f64 accumulator,
+  // a few adds per block, which rounds to f32 once when the sweep ends. The error is then that
+  // of one block, whatever the count. Max, integer, f64 and 16-bit accumulated sums keep
+  // their one chain.
+  static constexpr int64_t chain_terms = sum_chain_terms;
+  // A row's loop, which the vectorizer splits into at least column_lanes chains.
+  static constexpr int64_t row_block_terms = chain_terms * column_lanes;
+  static bool widened(const kir::Reduction& r) {
+    return r.kind == kir::ReduceKind::Sum && r.type == Type::f32 && !is_half(r.round_to);
+  }
+  bool has_widened(int pass) const {
+    return std::any_of(k_.reductions.begin(), k_.reductions.end(),
+                       [&](const kir::Reduction& r) { return r.pass == pass && widened(r); });
+  }
+  struct Blocks {
+    int dim = -1;                 // the loop that the blocks split; -1: none
+    int64_t chunk = 0;            // its iterations per block
+    std::function<void()> flush;  // adds a block's partial sums into the f64 accumulators
+  };
+
+  // How blocks split a sweep of pass `pass` over dims [first, end), each point adding one term
+  // to a chain: at the innermost dim whose loops from it inward add more than `limit` terms,
+  // as many of its iterations as keep a block within the limit. No blocks for a short sweep.
+  Blocks block_plan(int pass, int first, int end, int64_t limit) const {
+    int64_t inner = 1;
+    for (int d = end - 1; has_widened(pass) && d >= first; --d) {
+      if (inner * k_.dims[d] > limit) return {d, std::max<int64_t>(1, limit / inner), {}};
+      inner *= k_.dims[d];
+    }
+    return {};
+  }
+
+  // The loop over the blocks of dim d's [0, extent) (loop `l`'s): returns the current block's
+  // end, which the loop over its iterations, from %<l>.lo, runs to.
+  std::string open_block(const std::string& l, int d, const std::string& extent) {
+    line("store i64 0, ptr %blk{}.addr", d);
+    line("br label %{}.blocks", l);
+    label(fmt::format("{}.blocks", l));
+    line("%{}.lo = load i64, ptr %blk{}.addr", l, d);
+    line("%{}.more.blocks = icmp slt i64 %{}.lo, {}", l, l, extent);
+    line("br i1 %{}.more.blocks, label %{}.block, label %{}.done", l, l, l);
+    label(fmt::format("{}.block", l));
+    line("%{}.hi.full = add nsw i64 %{}.lo, {}", l, l, blocks_.chunk);
+    line("%{}.hi.fits = icmp slt i64 %{}.hi.full, {}", l, l, extent);
+    line("%{}.hi = select i1 %{}.hi.fits, i64 %{}.hi.full, i64 {}", l, l, l, extent);
+    return fmt::format("%{}.hi", l);
+  }
+  void close_block(const std::string& l, int d) {
+    blocks_.flush();
+    line("store i64 %{}.hi, ptr %blk{}.addr", l, d);
+    line("br label %{}.blocks", l);
+    label(fmt::format("{}.done", l));
+  }
+
+  // wide += acc and acc = 0, or (start) wide = 0, or (finish) acc = wide rounded to f32, for
+  // the widened sums of `pass`, whose accumulators acc(r) and wide(r) point to: scalars, or
+  // vectors of lanes_ while the emitter writes column blocks.
+  enum class Wide { start, add, finish };
+  template <typename Acc, typename WidePtr>
+  void wide_sums(Wide step, int pass, Acc acc, WidePtr wide) {
+    const std::string f = lanes("float"), d = lanes("double");
+    for (size_t r = 0; r < k_.reductions.size(); ++r) {
+      if (k_.reductions[r].pass != pass || !widened(k_.reductions[r])) continue;
+      if (step == Wide::start) {
+        line("store {} {}, ptr {}", d, zero("0.0"), wide(r));
+        continue;
+      }
+      std::string w = tmp();
+      line("{} = load {}, ptr {}", w, d, wide(r));
+      if (step == Wide::finish) {
+        std::string rounded = tmp();
+        line("{} = fptrunc {} {} to {}", rounded, d, w, f);
+        line("store {} {}, ptr {}", f, rounded, acc(r));
+        continue;
+      }
+      std::string a = tmp(), a_wide = tmp(), sum = tmp();
+      line("{} = load {}, ptr {}", a, f, acc(r));
+      line("{} = fpext {} {} to {}", a_wide, f, a, d);
+      line("{} = fadd {} {}, {}", sum, d, w, a_wide);
+      line("store {} {}, ptr {}", d, sum, wide(r));
+      line("store {} {}, ptr {}", f, zero("0.0"), acc(r));
+    }
+  }
+  // The same for the current accumulators (acc_ptr_, wide_ptr_).
+  void wide_sums(Wide step, int pass) {
+    wide_sums(
+        step, pass, [&](size_t r) { return acc_ptr_[r]; }, [&](size_t r) { return wide_ptr_[r]; });
   }
 
   std::string offset(const Affine& map) {
@@ -1093,6 +1285,8 @@ class Emitter {
   int vector_dim_ = -1;                 // the column dim a column block's lanes run along
   int column_loops_ = 0;                // column loops given a loop ID (column_loop_metadata)
   std::vector<std::string> acc_ptr_;    // where each reduction's accumulator is
+  std::vector<std::string> wide_ptr_;   // and its f64 accumulator across blocks (widened sums)
+  Blocks blocks_;                       // how the loops being written split into blocks
   std::vector<std::string> acc_value_;  // its final value, in the epilogue
 };
 

@@ -1,6 +1,7 @@
 // mixtape/codegen/emit_llvm.h -- prints a kernel as LLVM 16 IR text for the CPU back end.
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 #include "mixtape/codegen/kernel_ir.h"
@@ -13,5 +14,10 @@ namespace mixtape {
 /// (dsl/scalar_math.h), other math calls go to the C library (logf, ...), so results equal the
 /// reference executor's bit for bit.
 std::string emit_llvm(const kir::Kernel& kernel);
+
+/// A long fast f32 sum is added in blocks: at most this many terms per chain (a vector lane, or
+/// a column's accumulator) in f32, each block's partial sums then added into an f64 total that
+/// rounds to f32 once, so its error does not grow with the count (emit_llvm.cpp, "Blocked sums").
+inline constexpr int64_t sum_chain_terms = 64;
 
 }  // namespace mixtape
