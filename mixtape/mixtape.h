@@ -26,6 +26,7 @@
 #include "mixtape/dsl/selection.h"
 #include "mixtape/dsl/sequence_layers.h"
 #include "mixtape/dsl/tensor.h"
+#include "mixtape/dsl/transformer_layers.h"
 #include "mixtape/dsl/vision.h"
 #include "mixtape/jit/aot_export.h"
 #include "mixtape/precision_policy/grad_health.h"

@@ -1179,6 +1179,8 @@ struct SequenceCase {
   int64_t layers = 1;
   bool autocast = false;       // forward and backward under bf16 autocast in both libraries
   bool bidirectional = false;  // lstm/gru
+  bool norm_first = false;     // encoder: pre-norm layers
+  bool gelu = false;           // encoder: GELU between the linear layers (else ReLU)
 };
 const std::vector<SequenceCase>& sequence_cases() {
   static const std::vector<SequenceCase> cases = {
@@ -1197,17 +1199,41 @@ const std::vector<SequenceCase>& sequence_cases() {
       {"gru_bidirectional_batch_first", "gru", true, false, false, false, 1, false, true},
       {"gru_bidirectional_two_layers_initial_bf16", "gru", false, false, false, true, 2, true,
        true},
+      // "encoder": one TransformerEncoderLayer, or with layers = 2 a TransformerEncoder of two
+      // and a final norm.
+      {"encoder_layer_masks", "encoder", false, false, true},
+      {"encoder_layer_norm_first_gelu_batch_first_float_mask", "encoder", true, false, false, false,
+       1, false, false, true, true},
+      {"encoder_two_layers_norm_masks", "encoder", true, false, true, false, 2},
+      // GELU under bf16: with ReLU, torch's own bf16 run of this small layer is 0.35 off its
+      // f32 one in linear1's gradients (pre-activations near 0 change sign).
+      {"encoder_layer_gelu_masks_bf16", "encoder", false, false, true, false, 1, true, false,
+       false, true},
   };
   return cases;
 }
 constexpr int64_t kSeqEmbed = 8, kSeqHeads = 2, kSeqInput = 4, kSeqHidden = 6, kSeqBatch = 3,
-                  kSeqTime = 5, kSeqKeys = 6;
+                  kSeqTime = 5, kSeqKeys = 6, kSeqFeedForward = 12;
+
+mt::TransformerEncoderLayerOptions encoder_options(const SequenceCase& c) {
+  return {.dim_feedforward = kSeqFeedForward,
+          .dropout = 0.0,
+          .activation = c.gelu ? mt::Activation::Gelu : mt::Activation::Relu,
+          .batch_first = c.batch_first,
+          .norm_first = c.norm_first};
+}
 
 // The layer of a case, made afresh (its weights come from the case's parameter file).
 std::unique_ptr<mt::Module> sequence_layer(const SequenceCase& c, mt::Generator* gen) {
   if (c.layer == "mha")
     return std::make_unique<mt::MultiheadAttention>(kSeqEmbed, kSeqHeads, 0.0, true, c.batch_first,
                                                     gen);
+  if (c.layer == "encoder" && c.layers == 1)
+    return std::make_unique<mt::TransformerEncoderLayer>(kSeqEmbed, kSeqHeads, encoder_options(c),
+                                                         gen);
+  if (c.layer == "encoder")
+    return std::make_unique<mt::TransformerEncoder>(kSeqEmbed, kSeqHeads, c.layers,
+                                                    encoder_options(c), true, gen);
   if (c.layer == "lstm")
     return std::make_unique<mt::LSTM>(kSeqInput, kSeqHidden, c.layers, true, c.batch_first, 0.0,
                                       gen, c.bidirectional);
@@ -1255,6 +1281,25 @@ void write_sequence_cases(const fs::path& dir, HostRandom& rng, bool autocast) {
       }
       data.emplace_back("w", rng.normal(batched(c.batch_first, kSeqTime, kSeqEmbed)));
       data.emplace_back("ww", rng.normal({kSeqBatch, kSeqTime, keys}));
+    } else if (c.layer == "encoder") {
+      meta.emplace_back("embed", std::to_string(kSeqEmbed));
+      meta.emplace_back("heads", std::to_string(kSeqHeads));
+      meta.emplace_back("feedforward", std::to_string(kSeqFeedForward));
+      meta.emplace_back("layers", std::to_string(c.layers));
+      meta.emplace_back("norm_first", c.norm_first ? "1" : "0");
+      meta.emplace_back("gelu", c.gelu ? "1" : "0");
+      data.emplace_back("src", rng.normal(batched(c.batch_first, kSeqTime, kSeqEmbed)));
+      if (c.masks) {
+        std::vector<bool> padding(static_cast<size_t>(kSeqBatch * kSeqTime), false);
+        padding[kSeqTime - 1] = padding[2 * kSeqTime - 2] = true;
+        std::vector<bool> pairs(static_cast<size_t>(kSeqTime * kSeqTime), false);
+        pairs[1] = pairs[kSeqTime + 3] = pairs[3 * kSeqTime] = true;
+        data.emplace_back("src_key_padding_mask", mt::tensor(padding, {kSeqBatch, kSeqTime}));
+        data.emplace_back("src_mask", mt::tensor(pairs, {kSeqTime, kSeqTime}));
+      } else {
+        data.emplace_back("src_mask", rng.normal({kSeqBatch * kSeqHeads, kSeqTime, kSeqTime}));
+      }
+      data.emplace_back("w", rng.normal(batched(c.batch_first, kSeqTime, kSeqEmbed)));
     } else {
       meta.emplace_back("input", std::to_string(kSeqInput));
       meta.emplace_back("hidden", std::to_string(kSeqHidden));
@@ -2223,8 +2268,10 @@ TEST_F(TorchParity, FunctionalOptionsMatchTorch) {
 }
 
 // MultiheadAttention (masks of both kinds, batch first, self-attention), LSTM and GRU (two
-// layers, initial states, batch first) load torch.nn's parameters by its names and match its
-// outputs, attention weights, final states and every gradient.
+// layers, initial states, batch first), TransformerEncoderLayer (post- and pre-norm, ReLU and
+// GELU, masks of both kinds) and TransformerEncoder (two layers and a final norm) load torch.nn's
+// parameters by its names and match its outputs, attention weights, final states and every
+// gradient.
 TEST_F(TorchParity, SequenceLayersMatchTorch) {
   for (const SequenceCase& sc : sequence_cases()) {
     std::string id = "seq_" + sc.name;
@@ -2255,6 +2302,16 @@ TEST_F(TorchParity, SequenceLayersMatchTorch) {
       loss.backward();
       cmp.check("output", f32(result.output), c.ref("output"), tolerance);
       cmp.check("weights", f32(result.weights), c.ref("weights"), tolerance);
+    } else if (sc.layer == "encoder") {
+      mt::Tensor src = input("src");
+      mt::Tensor padding = sc.masks ? c.input("src_key_padding_mask") : mt::Tensor();
+      mt::Tensor y =
+          sc.layers == 1
+              ? static_cast<mt::TransformerEncoderLayer&>(*layer)(src, c.input("src_mask"), padding)
+              : static_cast<mt::TransformerEncoder&>(*layer)(src, c.input("src_mask"), padding);
+      loss = mt::sum(f32(y) * c.input("w"));
+      loss.backward();
+      cmp.check("output", f32(y), c.ref("output"), tolerance);
     } else {
       mt::Tensor x = input("x");
       mt::Tensor h0 = sc.initial ? c.input("h0") : mt::Tensor();

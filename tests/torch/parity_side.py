@@ -46,6 +46,15 @@ def run_seq(d, m, params):
     layer = m['layer']
     if layer == 'mha':
         mod = nn.MultiheadAttention(int(m['embed']), int(m['heads']), batch_first=flag('batch_first'))
+    elif layer == 'encoder':
+        def encoder_layer():
+            return nn.TransformerEncoderLayer(
+                int(m['embed']), int(m['heads']), dim_feedforward=int(m['feedforward']),
+                dropout=0.0, activation='gelu' if flag('gelu') else 'relu',
+                batch_first=flag('batch_first'), norm_first=flag('norm_first'))
+        layers = int(m['layers'])
+        mod = encoder_layer() if layers == 1 else nn.TransformerEncoder(
+            encoder_layer(), layers, norm=nn.LayerNorm(int(m['embed'])))
     else:
         mod = (nn.LSTM if layer == 'lstm' else nn.GRU)(
             int(m['input']), int(m['hidden']), int(m['layers']), batch_first=flag('batch_first'),
@@ -66,6 +75,11 @@ def seq_forward_backward(mod, layer, d, flag):
         y, w = y.float(), w.float()
         ((y * d['w']).sum() + (w * d['ww']).sum()).backward()
         out.update({'output': y, 'weights': w})
+    elif layer == 'encoder':
+        ins = {'src': d['src'].clone().requires_grad_(True)}
+        y = mod(ins['src'], d['src_mask'], d.get('src_key_padding_mask')).float()
+        (y * d['w']).sum().backward()
+        out['output'] = y
     else:
         ins = {'x': d['x'].clone().requires_grad_(True)}
         if layer == 'lstm':
