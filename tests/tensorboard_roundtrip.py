@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 # tests/tensorboard_roundtrip.py -- reads a mixtape SummaryWriter folder with TensorBoard's own
-# EventAccumulator and checks every scalar (tag, step, f32 bits) against a list of expectations;
+# EventAccumulator and checks every scalar (tag, step, f32 bits) against a list of expectations,
+# and the histogram and texts the test wrote;
 # tools/plot_run.py's own small reader must read the same scalars.
 # Usage: tensorboard_roundtrip.py LOGDIR EXPECTED (lines "tag step f32-bits")
 import os
@@ -18,7 +19,8 @@ def main():
             tag, step, bits = line.split()
             expected.append((tag, int(step), int(bits)))
     acc = event_accumulator.EventAccumulator(
-        logdir, size_guidance={event_accumulator.SCALARS: 0, event_accumulator.HISTOGRAMS: 0})
+        logdir, size_guidance={event_accumulator.SCALARS: 0, event_accumulator.HISTOGRAMS: 0,
+                               event_accumulator.TENSORS: 0})
     acc.Reload()
     got = []
     for tag in acc.Tags()["scalars"]:
@@ -42,7 +44,19 @@ def main():
             1, 5, 4.0, 2.0, -1.0, 2.0, 4.0):
         print("histogram:", histograms)
         return 1
-    print(f"tensorboard (and plot_run.py) read {len(got)} scalars and the histogram back exactly")
+    # add_text: torch's layout, a string tensor of one element under "<tag>/text_summary" that
+    # the text plugin claims.
+    from tensorboard.util import tensor_util
+    texts = [(e.step, tensor_util.make_ndarray(e.tensor_proto).tolist())
+             for e in acc.Tensors("notes/text_summary")]
+    if texts != [(3, ["lr 3e-4, **bf16** \u00e9t\u00e9".encode()]), (4, [b""])]:
+        print("texts:", texts)
+        return 1
+    if list(acc.PluginTagToContent("text")) != ["notes/text_summary"]:
+        print("text plugin tags:", acc.PluginTagToContent("text"))
+        return 1
+    print(f"tensorboard (and plot_run.py) read {len(got)} scalars, the histogram and the texts "
+          "back exactly")
     return 0
 
 

@@ -1431,6 +1431,39 @@ TEST(Compile, ShapesArePlannedSeparately) {
   }
 }
 
+// A training step whose batches switch shape (a short last batch each epoch): a trace of one
+// shape replaces the state the other shape's plan updates in place, so that plan is dropped and
+// made again. The results stay the eager step's, and the reason names the switch, not a change
+// "outside the function" the caller did not make.
+TEST(Compile, ASwitchOfBatchShapeSaysWhyThePlanWasDropped) {
+  auto run = [](bool compiled, std::string* reason_after_switch) {
+    mt::Generator gen(8);
+    mt::Linear layer(3, 2, true, &gen);
+    mt::SGD opt(layer.parameters(), {.lr = 0.1, .momentum = 0.9});
+    auto step = [&](const mt::Tensor& x) {
+      opt.zero_grad();
+      mt::Tensor loss = mt::mean(mt::square(layer(x)));
+      loss.backward();
+      opt.step();
+      return std::vector<mt::Tensor>{loss};
+    };
+    auto compiled_step = mt::compile(step);
+    std::vector<double> losses;
+    for (int call = 0; call < 9; ++call) {
+      const int64_t rows = call % 3 == 2 ? 2 : 4;  // 4, 4, 2, 4, 4, 2, ...
+      mt::Tensor x = mt::full({rows, 3}, 0.1 * (call + 1));
+      losses.push_back((compiled ? compiled_step(x) : step(x))[0].item());
+      if (compiled && call == 3) *reason_after_switch = compiled_step.stats().reason;
+    }
+    return losses;
+  };
+  std::string reason;
+  EXPECT_EQ(run(true, &reason), run(false, nullptr));
+  if (replays_here()) {
+    EXPECT_NE(reason.find("other argument shapes"), std::string::npos) << reason;
+  }
+}
+
 // State a function keeps in a captured tensor through assign() is carried from call to call;
 // a function may return nothing.
 TEST(Compile, StateAssignedInsideTheFunctionIsCarried) {

@@ -840,6 +840,17 @@ TEST(Compiled, LongF32SumsStayAccurate) {
       });
       check(logs[c], want, "log column", c);
     }
+    // A body calling the C library (fmod: no vector form) leaves the row's loop scalar, one
+    // chain per block, which must still be short.
+    std::vector<double> fmods =
+        mt::sum(mt::fmod(x.reshape({64, n / 64}) * 3.0, mt::full({}, 1.0, mt::f32)), {1})
+            .to_vector<double>();
+    for (int64_t r = 0; r < 64; ++r) {
+      double want = exact(r * (n / 64), n / 64, 1, [](double t) {
+        return static_cast<double>(std::fmod(static_cast<float>(t) * 3.0f, 1.0f));
+      });
+      check(fmods[r], want, "fmod row", r);
+    }
     std::vector<double> short_rows =
         mt::sum(x.reshape({n / 512, 32, 16}), {0, 2}).to_vector<double>();
     for (int64_t c = 0; c < 32; ++c) {

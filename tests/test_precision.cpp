@@ -1142,6 +1142,31 @@ TEST(PrecisionReport, ListsEveryNodeWithModuleShapeDtypesAndRule) {
   for (double g : grad) EXPECT_EQ(g, to_f16(g)) << "fc1's weight gradient is stored as f16";
 }
 
+// After an optimizer step the parameters are leaves the update set, decided before the pass
+// sees them: their rows still give the reason, leaf data's, as before the first step.
+TEST(PrecisionReport, ParametersKeepARuleAfterAnOptimizerStep) {
+  mt::Generator gen(5);
+  mt::Linear layer(4, 3, true, &gen);
+  mt::SGD opt(layer.parameters(), {.lr = 0.1, .momentum = 0.9});
+  mt::Tensor x = mt::randn({2, 4}, mt::f32, &gen);
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE(step);
+    mt::Tensor loss;
+    {
+      mt::autocast guard(mt::bf16);
+      loss = mt::sum(layer(x));
+    }
+    loss.backward();
+    for (const mt::PrecisionRow& row : mt::precision_report({loss}).rows)
+      EXPECT_FALSE(row.rule.empty()) << "node " << row.id << " (" << row.op << ") has no rule";
+    if (step == 1) {
+      EXPECT_EQ(row_of(layer.weight).rule, "leaf data keeps its dtype");
+    }
+    opt.step();
+    opt.zero_grad();
+  }
+}
+
 TEST(PrecisionReport, NamesNestedModulesOfATransformerBlock) {
   mt::Generator gen(5);
   mt::TransformerBlock block(8, 2, 0.0, &gen);

@@ -185,7 +185,7 @@ TEST(Tfevents, EncodesEventsByteForByte) {
   std::string scalar_event =
       bytes({0x09, 0,    0,    0,    0,    0,   0,    0xf8, 0x3f, 0x10, 0x03, 0x2a,
              0x0a, 0x0a, 0x08, 0x0a, 0x01, 'a', 0x15, 0,    0,    0,    0x40});
-  EXPECT_EQ(tfe::encode_event(1.5, 3, "", {{"a", 2.0f, std::nullopt}}), scalar_event);
+  EXPECT_EQ(tfe::encode_event(1.5, 3, "", {{"a", 2.0f, std::nullopt, std::nullopt}}), scalar_event);
   // The first event: file_version (field 3) and no summary.
   std::string version_event =
       bytes({0x09, 0, 0, 0, 0, 0, 0, 0, 0x40, 0x10, 0x00, 0x1a, 0x0d}) + "brain.Event:2";
@@ -195,7 +195,7 @@ TEST(Tfevents, EncodesEventsByteForByte) {
   EXPECT_EQ(tfe::encode_event(0, -1, "v", {}).substr(9, 11),
             bytes({0x10, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01}));
   // Two values in one summary, in order.
-  std::string two = tfe::encode_event(0, 1, "", {{"x", 1.0f, {}}, {"yy", -0.0f, {}}});
+  std::string two = tfe::encode_event(0, 1, "", {{"x", 1.0f, {}, {}}, {"yy", -0.0f, {}, {}}});
   EXPECT_EQ(two.substr(11), bytes({0x2a, 0x15, 0x0a, 0x08, 0x0a, 0x01, 'x',  0x15, 0, 0, 0x80, 0x3f,
                                    0x0a, 0x09, 0x0a, 0x02, 'y',  'y',  0x15, 0,    0, 0, 0x80}));
 }
@@ -273,6 +273,7 @@ TEST(SummaryWriter, BadInputIsAnError) {
   EXPECT_THROW(writer.add_scalar("v", mt::Tensor()), mt::Error);
   EXPECT_THROW(writer.add_scalar("v", mt::zeros({2})), mt::Error);
   EXPECT_THROW(writer.log_gradient_health(mt::Linear(2, 2), 0), mt::Error);
+  EXPECT_THROW(writer.add_text("notes", "\xff", 1), mt::Error);  // not UTF-8
   fs::remove_all(dir);
 }
 
@@ -374,6 +375,47 @@ TEST(SummaryWriter, ACompiledStepLogsToTheWriterThatReplacedItsOwn) {
       expected.emplace_back("loss", step, losses[static_cast<size_t>(step - 1)]);
     EXPECT_EQ(scalars_of(paths[run]), expected) << "run " << run;
   }
+  fs::remove_all(dir);
+}
+
+// close() writes what is pending and closes the file: later logging is an mt::Error (nothing
+// is silently dropped), a later flush, close or destruction does nothing, and a compiled step
+// that logged to it is traced again (and then logs to nothing it can reach: an error).
+TEST(SummaryWriter, CloseWritesEverythingAndRefusesLaterLogging) {
+  fs::path dir = fresh_dir("close");
+  mt::manual_seed(3);
+  mt::Linear net(3, 1);
+  mt::SGD opt(net.parameters(), {.lr = 0.1});
+  mt::SummaryWriter writer(dir.string());
+  auto step_fn = mt::compile([&](const mt::Tensor& x) {
+    opt.zero_grad();
+    mt::Tensor loss = mt::mean(mt::square(net(x)));
+    loss.backward();
+    opt.step();
+    writer.add_scalar("loss", loss);
+    return std::vector<mt::Tensor>{loss};
+  });
+  mt::Tensor x = mt::ones({2, 3});
+  std::vector<float> losses;
+  for (int64_t step = 1; step <= 3; ++step) {
+    writer.set_step(step);
+    losses.push_back(static_cast<float>(step_fn(x)[0].item()));
+  }
+  writer.add_scalar("host", 0.5, 3);
+  writer.close();
+  using Row = std::tuple<std::string, int64_t, float>;
+  // Host values go into the file at once, the graph values at close's fetch.
+  EXPECT_EQ(scalars_of(writer.path()), (std::vector<Row>{{"host", 3, 0.5f},
+                                                         {"loss", 1, losses[0]},
+                                                         {"loss", 2, losses[1]},
+                                                         {"loss", 3, losses[2]}}));
+  EXPECT_THROW(writer.add_scalar("host", 1.0, 4), mt::Error);
+  EXPECT_THROW(writer.add_text("notes", "late", 4), mt::Error);
+  EXPECT_THROW(writer.add_histogram("h", std::vector<double>{1.0}, 4), mt::Error);
+  EXPECT_THROW(step_fn(x), mt::Error);  // traced again: its add_scalar refuses
+  EXPECT_NO_THROW(writer.flush());
+  EXPECT_NO_THROW(writer.close());
+  EXPECT_EQ(scalars_of(writer.path()).size(), 4u);
   fs::remove_all(dir);
 }
 
@@ -534,8 +576,9 @@ TEST(GradNorm, IsWhatClipGradNormClipsBy) {
   EXPECT_EQ(mt::grad_norm({}).item(), 0.0);
 }
 
-// Writes scalars (host values, graph values, extreme floats) and a histogram, then has
-// TensorBoard's EventAccumulator read the folder: every (tag, step, f32 bits) must come back.
+// Writes scalars (host values, graph values, extreme floats), a histogram and texts, then has
+// TensorBoard's EventAccumulator read the folder: every (tag, step, f32 bits) must come back,
+// and the texts as the text plugin's string tensors.
 TEST(RoundTrip, TensorBoardReadsEveryScalarExactly) {
   std::string source = MIXTAPE_SOURCE_DIR, binary = MIXTAPE_BINARY_DIR;
   std::string venv_python = binary + "/python-venv/bin/python";
@@ -571,6 +614,8 @@ TEST(RoundTrip, TensorBoardReadsEveryScalarExactly) {
       expected.emplace_back("train/host", s * 100 + 1, static_cast<float>(s * 0.01));
     }
     writer.add_histogram("weights", mt::tensor(std::vector<float>{-1, 0.5f, 0.5f, 2}, {4}), 5);
+    writer.add_text("notes", "lr 3e-4, **bf16** \xc3\xa9t\xc3\xa9", 3);  // read back below
+    writer.add_text("notes", "", 4);
   }
   std::ofstream list(dir / "expected.txt");
   for (const auto& [tag, step, value] : expected)

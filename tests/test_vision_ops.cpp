@@ -751,6 +751,51 @@ TEST(VisionErrors, BadArgumentsNameTheOpAndTheShapes) {
       mt::interpolate(mt::zeros({2, 3, 4}), {.size = {8}, .mode = mt::InterpolateMode::Bilinear}),
       "interpolate", "bilinear", "[2, 3, 4]");
   EXPECT_MT_ERROR(mt::dropout2d(x, 1.5), "dropout2d", "p must be");
+  // Huge sizes: an mt::Error, not an allocation failure, an overflow or a graph of 2^40 nodes.
+  const double inf = std::numeric_limits<double>::infinity();
+  EXPECT_MT_ERROR(mt::interpolate(x, {.scale_factor = {inf}}), "interpolate", "above 2^31");
+  EXPECT_MT_ERROR(mt::interpolate(x, {.scale_factor = {1e12, 1}}), "interpolate", "above 2^31");
+  EXPECT_MT_ERROR(mt::interpolate(x, {.size = {int64_t{1} << 40, 1}}), "interpolate", "2^31");
+  EXPECT_MT_ERROR(mt::adaptive_avg_pool2d(x, {int64_t{1} << 40, 1}), "adaptive_avg_pool2d",
+                  "above 2^16");
+  EXPECT_MT_ERROR(mt::max_pool2d(x, {(int64_t{1} << 40) + 1, 1}, 1, {int64_t{1} << 39, 0}),
+                  "max_pool2d", "above 2^31");
+  EXPECT_MT_ERROR(mt::avg_pool2d(x, {(int64_t{1} << 24) + 1, 1}, 1, {int64_t{1} << 23, 0}),
+                  "avg_pool2d", "2^16 elements");
+}
+
+// avg_pool2d's divisors (where windows cover different counts) and interpolate's indices and
+// weights are host tables; kept by value (dsl/constant_cache.h), a compiled step reading them
+// replays, where a new table on every trace kept it tracing.
+TEST(VisionCompile, PoolingDivisorsAndInterpolationTablesReplay) {
+  mt::Generator gen(21);
+  mt::Tensor x = mt::randn({2, 3, 6, 6}, mt::f32, &gen);
+  auto run = [&](bool compiled) {
+    mt::Tensor w = mt::ones({1, 3, 6, 6});
+    w.requires_grad_();
+    mt::SGD opt({w}, {.lr = 0.1});
+    auto step = [&](const mt::Tensor& input) {
+      opt.zero_grad();
+      mt::Tensor h = input * w;
+      mt::Tensor loss = mt::mean(mt::square(mt::avg_pool2d(h, 3, 2, 1, false, false))) +
+                        mt::mean(mt::square(mt::avg_pool2d(h, 2, 1, 1, true, false))) +
+                        mt::mean(mt::square(mt::interpolate(
+                            h, {.size = {9, 10}, .mode = mt::InterpolateMode::Bilinear}))) +
+                        mt::mean(mt::square(mt::interpolate(h, {.scale_factor = {1.5}})));
+      loss.backward();
+      opt.step();
+      return loss;
+    };
+    auto compiled_step = mt::compile(step);
+    std::vector<double> losses;
+    for (int call = 0; call < 5; ++call)
+      losses.push_back((compiled ? compiled_step(x) : step(x)).item());
+    if (compiled && mt::current_device() != mt::Device::reference) {
+      EXPECT_GE(compiled_step.stats().replays, 2) << compiled_step.stats().reason;
+    }
+    return losses;
+  };
+  EXPECT_EQ(run(true), run(false));
 }
 
 // Nearest reads floor(o / factor) also where the output is twice the input (torch 1.13 gives

@@ -411,7 +411,7 @@ class Emitter {
     }
     for (int pass = 0; pass < k_.pass_count(); ++pass) {
       std::string prefix = pass == 0 ? "v" : fmt::format("v{}.", pass);
-      blocks_ = block_plan(pass, parallel, rank, row_block_terms);
+      blocks_ = block_plan(pass, parallel, rank, row_block_terms(pass));
       blocks_.flush = [&] { wide_sums(Wide::add, pass); };
       if (blocks_.dim >= 0) wide_sums(Wide::start, pass);
       inner_loops(parallel, rank, pass, [&] {
@@ -582,7 +582,7 @@ class Emitter {
     const bool blocked = reduce && has_widened(0);
     std::string end = "%hi.rel";
     if (blocked) {
-      blocks_ = {0, row_block_terms, [&] { wide_sums(Wide::add, 0); }};
+      blocks_ = {0, row_block_terms(0), [&] { wide_sums(Wide::add, 0); }};
       wide_sums(Wide::start, 0);
       end = open_block("seg", 0, "%hi.rel");
     }
@@ -799,13 +799,18 @@ class Emitter {
   // its length: 2^20 values of 0.1 summed 1.5e-4 off, 2^24 of them 2.5e-3, where PyTorch's
   // cascade sum keeps 1e-7. A long sum is therefore swept in blocks, each adding at most
   // chain_terms terms per chain in f32 as before, and each block's partial sums are added into
-  // an f64 accumulator,
-  // a few adds per block, which rounds to f32 once when the sweep ends. The error is then that
-  // of one block, whatever the count. Max, integer, f64 and 16-bit accumulated sums keep
-  // their one chain.
+  // an f64 accumulator, a few adds per block, which rounds to f32 once when the sweep ends.
+  // The error is then that of one block, whatever the count. Max, integer, f64 and 16-bit
+  // accumulated sums keep their one chain.
   static constexpr int64_t chain_terms = sum_chain_terms;
-  // A row's loop, which the vectorizer splits into at least column_lanes chains.
-  static constexpr int64_t row_block_terms = chain_terms * column_lanes;
+  // How many terms a block of a row's loop (the vectorizer's lanes) takes: column_lanes chains
+  // of chain_terms where the vectorizer splits it; one chain where a C library call in the pass
+  // (fmod, atan2: LLVM has no vector form of them) keeps the loop scalar.
+  int64_t row_block_terms(int pass) const {
+    for (const Value& v : k_.pass_body(pass))
+      if (kir::traits(v.op).form == kir::OpForm::Libm) return chain_terms;
+    return chain_terms * column_lanes;
+  }
   static bool widened(const kir::Reduction& r) {
     return r.kind == kir::ReduceKind::Sum && r.type == Type::f32 && !is_half(r.round_to);
   }

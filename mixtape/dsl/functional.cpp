@@ -7,31 +7,21 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
-#include <map>
-#include <mutex>
 #include <numeric>
 
 #include "mixtape/dsl/attention.h"
 #include "mixtape/dsl/composites.h"
+#include "mixtape/dsl/constant_cache.h"
 #include "mixtape/dsl/error.h"
 
 namespace mixtape {
 namespace {
 
-// 0, 1, ..., n - 1 as a constant, made once per size and type and kept: every step's one-hot
-// compare reads the same buffer, so it is neither recomputed nor copied to a device again.
-// (Never freed: it outlives the host block cache its storage came from.)
-const Tensor& class_indices(int64_t n, DType dtype) {
-  static std::mutex mutex;
-  static auto* cache = new std::map<std::pair<int64_t, DType>, Tensor>();
-  std::lock_guard<std::mutex> lock(mutex);
-  Tensor& indices = (*cache)[{n, dtype}];
-  if (!indices.defined()) {
-    std::vector<int64_t> values(static_cast<size_t>(n));
-    std::iota(values.begin(), values.end(), int64_t{0});
-    indices = tensor(values, {n}, dtype);
-  }
-  return indices;
+// 0, 1, ..., n - 1 as a constant, kept: every step's one-hot compare reads the same buffer.
+Tensor class_indices(int64_t n, DType dtype) {
+  std::vector<int64_t> values(static_cast<size_t>(n));
+  std::iota(values.begin(), values.end(), int64_t{0});
+  return cached_constant(values, {n}, dtype);
 }
 
 void require(const Tensor& t, const char* op, const char* role, const Loc& loc) {

@@ -4,10 +4,12 @@
 // and precision from the primitives.
 #include "mixtape/dsl/vision.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
 #include "mixtape/dsl/composites.h"
+#include "mixtape/dsl/constant_cache.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
 
@@ -21,6 +23,14 @@ void require_float(const Tensor& t, const char* op, const char* role, const Loc&
 }
 
 int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
+
+// The largest pooling window size, stride, dilation and padding (conv2d's bound).
+constexpr int64_t kMaxWindow = int64_t{1} << 31;
+// The most windows per axis an op that makes graph nodes per window or per window element
+// takes (avg_pool2d's kernel elements, adaptive_avg_pool2d's unequal windows), and the largest
+// output axis of the ops that make host tables of it (interpolate).
+constexpr int64_t kMaxNodesPerAxis = int64_t{1} << 16;
+constexpr int64_t kMaxInterpolatedAxis = int64_t{1} << 31;
 
 // One spatial axis of a pooling window: sizes as given and the output size they make.
 struct PoolAxis {
@@ -38,6 +48,10 @@ PoolAxis pool_axis(const char* op, const Loc& loc, const Shape& shape, const cha
     op_fail(op, loc, "kernel {}, stride {} and dilation {} of the {} axis must be positive", kernel,
             stride, dilation, axis);
   if (pad < 0) op_fail(op, loc, "padding {} of the {} axis is negative", pad, axis);
+  // As conv2d's windows: sizes past 2^31 would overflow the products below.
+  if (std::max({kernel, stride, dilation, pad}) > kMaxWindow)
+    op_fail(op, loc, "kernel {}, stride {}, dilation {} or padding {} of the {} axis is above 2^31",
+            kernel, stride, dilation, pad, axis);
   const int64_t effective = half_dilated_kernel ? (kernel - 1) * dilation + 1 : kernel;
   if (pad > effective / 2)
     op_fail(op, loc, "padding {} of the {} axis is more than half the kernel {}", pad, axis,
@@ -253,6 +267,11 @@ Tensor avg_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Si
                   bool ceil_mode, bool count_include_pad, const Loc& loc) {
   CallSiteScope site(loc, composite::avg_pool2d);
   const Pool p = pool_geometry("avg_pool2d", loc, x, kernel, stride, padding, 1, ceil_mode, false);
+  if (p.h.kernel * p.w.kernel > kMaxNodesPerAxis)
+    op_fail("avg_pool2d", loc,
+            "kernel {}x{} has more than 2^16 elements (it adds one view per element); "
+            "adaptive_avg_pool2d or mean take any window",
+            p.h.kernel, p.w.kernel);
   // Summed in f32, as PyTorch's kernels accumulate (k*k adds rounded to bf16 each lost several
   // ulps), and given back in the type x is stored in. The cast is a node also where x is traced
   // in f32: a policy may store x in a half type (a convolution's output under autocast), and an
@@ -284,7 +303,7 @@ Tensor avg_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Si
   Tensor mean =
       std::all_of(divisors.begin(), divisors.end(), [&](double d) { return d == divisors[0]; })
           ? total / divisors[0]
-          : total / tensor(divisors, {p.h.out, p.w.out}, total.dtype());
+          : total / cached_constant(divisors, {p.h.out, p.w.out}, total.dtype());
   return cast_like(cast(mean, x.dtype()), stored_like_x);
 }
 
@@ -316,6 +335,13 @@ Tensor adaptive_avg_pool2d(const Tensor& x, Size2 output_size, const Loc& loc) {
   if (output_size.h <= 0 || output_size.w <= 0)
     op_fail("adaptive_avg_pool2d", loc, "output size ({}, {}) must be positive", output_size.h,
             output_size.w);
+  for (auto [in, out] :
+       {std::pair{x.size(-2), output_size.h}, std::pair{x.size(-1), output_size.w}})
+    if (out > kMaxNodesPerAxis && in % out != 0)
+      op_fail("adaptive_avg_pool2d", loc,
+              "output size ({}, {}) is above 2^16 on an axis whose windows differ (it makes a "
+              "mean per window)",
+              output_size.h, output_size.w);
   if (x.size(-2) == 0 || x.size(-1) == 0)
     op_fail("adaptive_avg_pool2d", loc, "input {} has an empty spatial axis", to_string(x.shape()));
   return adaptive_mean(adaptive_mean(x, x.dim() - 2, output_size.h), x.dim() - 1, output_size.w);
@@ -476,7 +502,7 @@ float source_scale(const std::vector<double>& factors, size_t axis, int64_t in, 
 }
 
 Tensor index_tensor(const std::vector<int64_t>& indices) {
-  return tensor(indices, {static_cast<int64_t>(indices.size())});
+  return cached_constant(indices, {static_cast<int64_t>(indices.size())}, i64);
 }
 
 // Nearest: output o reads input min(floor(o scale), in - 1), as PyTorch's NCHW kernels (and its
@@ -517,8 +543,9 @@ Tensor linear_axis(const Tensor& x, int64_t axis, int64_t out, float scale, bool
   Shape weight_shape(static_cast<size_t>(x.dim() - axis), 1);
   weight_shape[0] = out;
   Tensor low = index_select(x, index_tensor(lo), axis);
-  Tensor a = low * tensor(w_lo, weight_shape, x.dtype());
-  Tensor b = index_select(x, index_tensor(hi), axis) * tensor(w_hi, weight_shape, x.dtype());
+  Tensor a = low * cached_constant(w_lo, weight_shape, x.dtype());
+  Tensor b =
+      index_select(x, index_tensor(hi), axis) * cached_constant(w_hi, weight_shape, x.dtype());
   // In x's stored type, as PyTorch's autocast leaves it (the f32 weights widened the sum).
   return cast_like(a + b, low);
 }
@@ -550,11 +577,16 @@ Tensor interpolate(const Tensor& x, const InterpolateOptions& options, const Loc
   if (sizes.empty())
     for (size_t a = 0; a < spatial; ++a) {
       if (!(factors[a] > 0)) op_fail(op, loc, "scale factors must be positive, got {}", factors[a]);
-      sizes.push_back(static_cast<int64_t>(
-          std::floor(static_cast<double>(x.size(static_cast<int64_t>(a) + 2)) * factors[a])));
+      const double size =
+          std::floor(static_cast<double>(x.size(static_cast<int64_t>(a) + 2)) * factors[a]);
+      if (!(size <= static_cast<double>(kMaxInterpolatedAxis)))
+        op_fail(op, loc, "scale factor {} makes an axis of {} from {}, above 2^31", factors[a],
+                size, x.size(static_cast<int64_t>(a) + 2));
+      sizes.push_back(static_cast<int64_t>(size));
     }
   for (int64_t s : sizes)
-    if (s <= 0) op_fail(op, loc, "output sizes must be positive, got {}", s);
+    if (s <= 0 || s > kMaxInterpolatedAxis)
+      op_fail(op, loc, "output sizes must be positive and at most 2^31, got {}", s);
   if (options.align_corners && !bilinear)
     op_fail(op, loc, "align_corners applies to bilinear mode only");
   Tensor y = x;

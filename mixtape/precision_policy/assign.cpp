@@ -233,7 +233,12 @@ void assign_precision(const std::vector<Node*>& order) {
   const Policy* asked = nullptr;
   bool asked_is_pure = false;
   for (Node* node : order) {
-    if (node->precision.assigned) continue;
+    if (node->precision.assigned) {
+      // A leaf set from outside (an optimizer's update, a compiled step's output) came decided,
+      // without a reason: the one the pass gives leaves.
+      if (!node->precision.rule && node->inputs.empty()) node->precision.rule = leaf_data;
+      continue;
+    }
     if (!is_floating(node->dtype)) {
       keep_traced(*node, not_float);
       if (node->dtype == boolean && op_info(node->op).kind == OpKind::Pointwise)

@@ -672,6 +672,7 @@ struct Entry {
       0;                    // its key's graph_setting_edits(): once they change, never asked again
   bool collective = false;  // its last trace made collectives (a data-parallel step)
   int unpinned_arg = -1;    // its plan was dropped for another buffer of this pinned argument
+  int64_t last_call = 0;    // the number of its latest call (CompileStats::calls)
 };
 
 // Whether a call's evaluations made collectives (a data-parallel step's gradient reduction).
@@ -740,8 +741,20 @@ std::string signature_key(const std::vector<Tensor>& args) {
 struct StepReplayer::State {
   std::map<std::string, Entry> entries;
   CompileStats stats;
-  uint64_t setting_edits = 0;  // at the last call
+  uint64_t setting_edits = 0;     // at the last call
+  const Entry* traced = nullptr;  // the entry of the latest trace, at call number traced_at
+  int64_t traced_at = 0;
 };
+
+namespace {
+// Why a plan was dropped or two traces differ where calls of other argument signatures traced
+// in between: their steps replaced the state buffers (plans update them in place, a trace
+// replaces them), which the plain reasons blame on the caller.
+constexpr const char* kOtherSignatureTraced =
+    "a call with other argument shapes or dtypes (a short last batch?) traced the step since "
+    "this plan's last call, replacing the state it updates in place; each switch of shapes "
+    "costs the other shapes two traces (drop_last, or one batch shape, keeps replaying)";
+}  // namespace
 
 StepReplayer::StepReplayer() : state_(std::make_unique<State>()) {}
 StepReplayer::~StepReplayer() {
@@ -790,9 +803,14 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
   }
   Entry& entry = state_->entries[signature_key(args)];
   entry.setting_edits = state_->setting_edits;
+  const bool others_traced = state_->traced && state_->traced != &entry &&
+                             state_->traced_at > entry.last_call && entry.last_call > 0;
+  const bool others_called = entry.last_call > 0 && entry.last_call + 1 < stats.calls;
+  entry.last_call = stats.calls;
   const bool log = log_enabled("compile");
   const char* dropped = nullptr;  // why this call's plan was dropped, which stats.reason keeps
   if (entry.plan) dropped = replaced_state(*entry.plan, args);
+  if (dropped && others_traced) dropped = kOtherSignatureTraced;
   const bool replays_here = entry.plan && !dropped;
   if (entry.collective && !every_process_replays(replays_here) && replays_here)
     dropped =
@@ -823,12 +841,20 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
   auto trace = std::make_unique<Trace>(trace_call(args, fn, results));
   entry.collective = makes_collectives(*trace);
   ++stats.traces;
+  state_->traced = &entry;
+  state_->traced_at = stats.calls;
   std::string why;
   if (!trace->unfit.empty()) {
     why = fmt::format("the function {}; it is traced on every call", trace->unfit);
   } else if (entry.previous && entry.previous->unfit.empty()) {
     entry.plan = make_plan(*entry.previous, *trace, true, why, entry.unpinned_arg);
     entry.unpinned_arg = -1;
+    // The traces compared are not of consecutive calls: what changed between is the calls'
+    // of other shapes, not necessarily the function's doing.
+    if (!entry.plan && others_called)
+      why +=
+          "; the trace compared with was not the previous call's (calls with other argument "
+          "shapes between: a short last batch?)";
   } else {
     why = "waiting for a second trace to compare with";
   }

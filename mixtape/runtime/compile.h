@@ -57,7 +57,11 @@ struct CompileStats {
 /// gradient adds to -0, which leaves what a call making it afresh leaves, except that under
 /// autocast it is stored in f32 where that call would store a bf16 or f16 gradient as the
 /// backward made it). A schedule attached with Optimizer::set_schedule is graph
-/// code over the step count, so replays advance it with no call between them. Not thread-safe.
+/// code over the step count, so replays advance it with no call between them.
+/// Each signature has its own traces and plan, but a trace replaces the state buffers that the
+/// other signatures' plans update in place: calls that switch shapes (a short last batch each
+/// epoch) cost the other shapes two traces per switch (stats().reason says so); drop_last or
+/// one batch shape keeps every call replaying. Not thread-safe.
 class StepReplayer {
  public:
   using Function = std::function<std::vector<Tensor>(const std::vector<Tensor>&)>;

@@ -53,6 +53,11 @@ struct SummaryWriter::State {
   std::string buffer;   // framed events not yet written
   int64_t written = 0;  // bytes of whole records in the file
   std::string broken;   // why the file takes no more events (a failed write not cut back)
+  bool closed = false;  // close() was called
+
+  void check_open(const char* who) const {
+    if (closed) fail("{}: the SummaryWriter writing '{}' was closed", who, path);
+  }
 
   ~State() {
     if (fd >= 0) ::close(fd);
@@ -101,7 +106,8 @@ struct SummaryWriter::State {
     eval(values);
     std::vector<tfevents::Value> event;
     for (size_t i = 0; i < batch.size(); ++i) {
-      event.push_back({batch[i].tag, static_cast<float>(batch[i].value.item()), std::nullopt});
+      event.push_back(
+          {batch[i].tag, static_cast<float>(batch[i].value.item()), std::nullopt, std::nullopt});
       if (i + 1 == batch.size() || batch[i + 1].step != batch[i].step) {
         append(batch[i].step, event, batch[i].wall_time);
         event.clear();
@@ -125,7 +131,9 @@ struct SummaryWriter::State {
     // A step replayed after its writer was destroyed would log nowhere: traced again, it logs to
     // the writer it names then (a new one for a resumed run, say).
     const char* stale() const override {
-      return state_.expired() ? "the SummaryWriter it logs to was destroyed" : nullptr;
+      std::shared_ptr<State> state = state_.lock();
+      if (!state) return "the SummaryWriter it logs to was destroyed";
+      return state->closed ? "the SummaryWriter it logs to was closed" : nullptr;
     }
     void ran(const std::vector<std::shared_ptr<Storage>>& values) override {
       if (std::shared_ptr<State> state = state_.lock())
@@ -183,12 +191,14 @@ SummaryWriter::~SummaryWriter() {
 }
 
 void SummaryWriter::add_scalar(const std::string& tag, double value, int64_t step) {
+  state_->check_open("SummaryWriter.add_scalar");
   tfevents::check_tag(tag, "SummaryWriter.add_scalar");
-  state_->append(step, {{tag, static_cast<float>(value), std::nullopt}});
+  state_->append(step, {{tag, static_cast<float>(value), std::nullopt, std::nullopt}});
   state_->write_buffer();
 }
 
 void SummaryWriter::add_scalar(const std::string& tag, const Tensor& value) {
+  state_->check_open("SummaryWriter.add_scalar");
   tfevents::check_tag(tag, "SummaryWriter.add_scalar");
   if (!value.defined()) fail("SummaryWriter.add_scalar('{}'): the value is undefined", tag);
   if (value.numel() != 1)
@@ -212,8 +222,18 @@ void SummaryWriter::add_scalar(const std::string& tag, const Tensor& value) {
 
 void SummaryWriter::add_histogram(const std::string& tag, const std::vector<double>& values,
                                   int64_t step) {
+  state_->check_open("SummaryWriter.add_histogram");
   tfevents::check_tag(tag, "SummaryWriter.add_histogram");
-  state_->append(step, {{tag, std::nullopt, tfevents::make_histogram(values)}});
+  state_->append(step, {{tag, std::nullopt, tfevents::make_histogram(values), std::nullopt}});
+  state_->write_buffer();
+}
+
+void SummaryWriter::add_text(const std::string& tag, const std::string& text, int64_t step) {
+  state_->check_open("SummaryWriter.add_text");
+  tfevents::check_tag(tag, "SummaryWriter.add_text");
+  // A protobuf string: TensorBoard's reader decodes it as UTF-8 too.
+  tfevents::check_utf8(text, "SummaryWriter.add_text", "text");
+  state_->append(step, {{tag + "/text_summary", std::nullopt, std::nullopt, text}});
   state_->write_buffer();
 }
 
@@ -249,6 +269,7 @@ void SummaryWriter::log_grad_norm(const std::vector<Tensor>& params) {
 void SummaryWriter::log_gradient_health(const Module& model, int64_t every, double scale) {
   if (every < 1) fail("SummaryWriter.log_gradient_health: every must be at least 1, got {}", every);
   if (state_->step % every != 0) return;
+  state_->check_open("SummaryWriter.log_gradient_health");
   GradientHealth health = gradient_health(model, scale);
   std::vector<tfevents::Value> values;
   auto add = [&](const GradientHealthRow& row) {
@@ -259,7 +280,7 @@ void SummaryWriter::log_gradient_health(const Module& model, int64_t every, doub
          {std::pair{"grad_amax/", row.amax}, std::pair{"grad_zero_fraction/", zero},
           std::pair{"grad_f16_underflow/", row.f16_zero_fraction()},
           std::pair{"grad_bf16_underflow/", row.bf16_zero_fraction()}})
-      values.push_back({name + row.name, static_cast<float>(value), std::nullopt});
+      values.push_back({name + row.name, static_cast<float>(value), std::nullopt, std::nullopt});
   };
   for (const GradientHealthRow& row : health.rows) add(row);
   add(health.total);
@@ -270,10 +291,20 @@ void SummaryWriter::log_gradient_health(const Module& model, int64_t every, doub
 }
 
 void SummaryWriter::flush() {
+  if (state_->closed) return;
   state_->fetch();
   state_->write_buffer();
   if (state_->fd >= 0 && ::fsync(state_->fd) != 0)
     fail("SummaryWriter: cannot sync '{}': {}", state_->path, std::strerror(errno));
+}
+
+void SummaryWriter::close() {
+  if (state_->closed) return;
+  flush();
+  state_->closed = true;
+  if (state_->fd >= 0 && ::close(state_->fd) != 0)
+    fail("SummaryWriter: cannot close '{}': {}", state_->path, std::strerror(errno));
+  state_->fd = -1;
 }
 
 const std::string& SummaryWriter::path() const { return state_->path; }

@@ -67,6 +67,10 @@ class SummaryWriter {
   /// on the host now (a sync): for every N steps, not every step.
   void add_histogram(const std::string& tag, const Tensor& values, int64_t step);
   void add_histogram(const std::string& tag, const std::vector<double>& values, int64_t step);
+  /// A text (a note on the run, a sample the model wrote; TensorBoard renders it as Markdown),
+  /// written now under "<tag>/text_summary", as torch's add_text names it. Any bytes that are
+  /// valid UTF-8.
+  void add_text(const std::string& tag, const std::string& text, int64_t step);
 
   /// The step graph values are logged at. Steps need not be consecutive.
   void set_step(int64_t step);
@@ -77,8 +81,8 @@ class SummaryWriter {
   /// scaler.step(opt) and before scaler.update().
   void log_scaler(const GradScaler& scaler, const std::string& prefix = "");
   /// "lr" (or prefix + "lr"): the rate the optimizer's next step uses, its schedule's included;
-  /// each further parameter group's as "lr/group<g>" (g >= 1). Graph values. An mt::Error for an optimizer that computes its own rate (Adafactor's
-  /// relative step), as current_lr() is.
+  /// each further parameter group's as "lr/group<g>" (g >= 1). Graph values. An mt::Error for an
+  /// optimizer that computes its own rate (Adafactor's relative step), as current_lr() is.
   void log_learning_rate(const Optimizer& optimizer, const std::string& prefix = "");
   /// "grad_norm": the global L2 norm of the gradients of `params`, as clip_grad_norm computes
   /// it (mt::grad_norm). A graph value.
@@ -91,8 +95,12 @@ class SummaryWriter {
   /// step (it reads values on the host), after backward. Under ZeRO a collective (see above).
   void log_gradient_health(const Module& model, int64_t every, double scale = 1);
 
-  /// Reads every pending graph value, writes it, flushes and fsyncs the file.
+  /// Reads every pending graph value, writes it, flushes and fsyncs the file. Nothing once
+  /// closed.
   void flush();
+  /// flush(), then closes the file: later logging is an mt::Error, a later flush() or close()
+  /// does nothing, and a step compiled to log here is traced again when next called.
+  void close();
   /// The event file's path; empty on a process other than 0 (see above).
   const std::string& path() const;
 

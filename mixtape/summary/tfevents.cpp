@@ -101,6 +101,23 @@ std::string encode_value(const Value& v) {
   w.bytes_field(1, v.tag);
   if (v.simple_value) w.float_field(2, *v.simple_value);
   if (v.histo) w.bytes_field(5, encode_histogram(*v.histo));  // Summary.Value.histo is field 5
+  if (v.text) {
+    // Summary.Value.tensor (8): a TensorProto of dtype DT_STRING (1: 7), shape [1] (2: a
+    // TensorShapeProto whose dim (2) has size (1) 1) and the text as its string_val (8).
+    ProtoWriter dim, shape, tensor;
+    dim.int64_field(1, 1);
+    shape.bytes_field(2, dim.str());
+    tensor.int64_field(1, 7);
+    tensor.bytes_field(2, shape.str());
+    tensor.bytes_field(8, *v.text);
+    w.bytes_field(8, tensor.str());
+    // Summary.Value.metadata (9): SummaryMetadata.plugin_data (1), a PluginData naming (1) the
+    // "text" plugin; its content, TextPluginData at version 0, encodes to no bytes.
+    ProtoWriter plugin, metadata;
+    plugin.bytes_field(1, "text");
+    metadata.bytes_field(1, plugin.str());
+    w.bytes_field(9, metadata.str());
+  }
   return std::move(w.str());
 }
 
@@ -164,7 +181,9 @@ Histogram make_histogram(const std::vector<double>& values) {
   return h;
 }
 
-void check_tag(std::string_view tag, const char* who) {
+void check_tag(std::string_view tag, const char* who) { check_utf8(tag, who, "tag"); }
+
+void check_utf8(std::string_view tag, const char* who, const char* what) {
   // UTF-8 as RFC 3629 defines it: no overlong forms, no surrogates, nothing past U+10FFFF.
   for (size_t i = 0; i < tag.size();) {
     const auto byte = [&](size_t k) { return static_cast<unsigned char>(tag[k]); };
@@ -183,9 +202,9 @@ void check_tag(std::string_view tag, const char* who) {
       valid = !(lead == 0xf0 && byte(i + 1) < 0x90) && !(lead == 0xf4 && byte(i + 1) >= 0x90);
     if (!valid)
       fail(
-          "{}: the tag is not valid UTF-8 (byte {} of it, 0x{:02x}); TensorBoard would stop "
+          "{}: the {} is not valid UTF-8 (byte {} of it, 0x{:02x}); TensorBoard would stop "
           "reading the file there",
-          who, i, lead);
+          who, what, i, lead);
     i += length;
   }
 }

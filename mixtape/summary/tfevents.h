@@ -1,5 +1,5 @@
 // mixtape/summary/tfevents.h -- TensorBoard's event file format, encoded by hand: CRC32C-framed
-// records holding Event protobufs with scalar and histogram summaries.
+// records holding Event protobufs with scalar, histogram and text summaries.
 #pragma once
 
 #include <cstdint>
@@ -31,11 +31,13 @@ struct Histogram {
 /// writes them. mt::Error for a non-finite value.
 Histogram make_histogram(const std::vector<double>& values);
 
-/// What one Summary.Value holds: a float scalar or a histogram.
+/// What one Summary.Value holds: a float scalar, a histogram, or a text (a string tensor of
+/// one element with the text plugin's metadata, as torch's add_text writes it).
 struct Value {
   std::string tag;
   std::optional<float> simple_value;
   std::optional<Histogram> histo;
+  std::optional<std::string> text;
 };
 
 /// An Event protobuf: wall_time (1), step (2), and file_version (3) when given, else a Summary
@@ -44,6 +46,8 @@ struct Value {
 /// and TensorBoard's reader stops at the first event whose tag is not (dropping the rest of the
 /// file). Checked by hand (a dozen lines) rather than through a Unicode library for one check.
 void check_tag(std::string_view tag, const char* who);
+/// The same check of any protobuf string (`what` names it in the message: "text").
+void check_utf8(std::string_view text, const char* who, const char* what);
 
 std::string encode_event(double wall_time, int64_t step, const std::string& file_version,
                          const std::vector<Value>& values);
