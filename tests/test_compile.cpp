@@ -1464,6 +1464,24 @@ TEST(Compile, ASwitchOfBatchShapeSaysWhyThePlanWasDropped) {
   }
 }
 
+// That reason replaces only the replaced-buffer one: a parameter frozen outside the step after a
+// call of other shapes is still named as the cause.
+TEST(Compile, ARealChangeKeepsItsReasonAfterASwitchOfShapes) {
+  mt::Generator gen(9);
+  mt::Linear layer(4, 2, true, &gen);
+  auto infer = mt::compile([&](const mt::Tensor& x) {
+    mt::NoGradGuard no_grad;
+    return mt::sum(layer(x));
+  });
+  for (int call = 0; call < 3; ++call) infer(mt::full({2, 4}, call + 1.0));
+  infer(mt::ones({3, 4}));
+  layer.bias.requires_grad_(false);
+  infer(mt::full({2, 4}, 5.0));
+  if (replays_here()) {
+    EXPECT_NE(infer.stats().reason.find("frozen"), std::string::npos) << infer.stats().reason;
+  }
+}
+
 // State a function keeps in a captured tensor through assign() is carried from call to call;
 // a function may return nothing.
 TEST(Compile, StateAssignedInsideTheFunctionIsCarried) {

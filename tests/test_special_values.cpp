@@ -226,4 +226,36 @@ TEST(SpecialValues, SmoothL1OfHalvesWithASmallBeta) {
   EXPECT_NEAR(got[1], 0.5, 1e-3);
 }
 
+// Replicate and reflect padding add every copy's gradient into the element copied: for a bf16
+// input in f32, rounded once (each axis' stage was rounded to bf16 first: 6 ulps off here).
+TEST(SpecialValues, HalfPaddingGradientsRoundOnce) {
+  for (mt::PadMode mode : {mt::PadMode::Replicate, mt::PadMode::Reflect}) {
+    SCOPED_TRACE(mode == mt::PadMode::Replicate ? "replicate" : "reflect");
+    mt::Generator gen(5);
+    const bool replicate = mode == mt::PadMode::Replicate;
+    mt::Tensor x = mt::randn({1, 2, 2, 2}, mt::f32, &gen).to(mt::bf16).detach();
+    x.requires_grad_();
+    const std::vector<int64_t> pads =
+        replicate ? std::vector<int64_t>{6, 6, 6, 6} : std::vector<int64_t>{1, 1, 1, 1};
+    mt::Tensor y = mt::pad(x, pads, mode);
+    ASSERT_EQ(y.dtype(), mt::bf16);
+    mt::Tensor gy = mt::randn(y.shape(), mt::f32, &gen).to(mt::bf16);
+    mt::sum(mt::cast(y, mt::f32) * mt::cast(gy, mt::f32)).backward();
+    // The f64 sum of the gradients each input element's copies receive, rounded to bf16 once.
+    Doubles g = values(gy), want(8, 0.0);
+    const int64_t h = y.size(2), w = y.size(3);
+    auto source = [&](int64_t i, int64_t n, int64_t before) {
+      const int64_t at = i - before;
+      if (replicate) return std::min<int64_t>(std::max<int64_t>(at, 0), n - 1);
+      return at < 0 ? -at : at >= n ? 2 * (n - 1) - at : at;
+    };
+    for (int64_t c = 0; c < 2; ++c)
+      for (int64_t i = 0; i < h; ++i)
+        for (int64_t j = 0; j < w; ++j)
+          want[static_cast<size_t>(c * 4 + source(i, 2, pads[2]) * 2 + source(j, 2, pads[0]))] +=
+              g[static_cast<size_t>((c * h + i) * w + j)];
+    EXPECT_EQ(values(x.grad()), values(mt::tensor(want, {1, 2, 2, 2}).to(mt::bf16)));
+  }
+}
+
 }  // namespace

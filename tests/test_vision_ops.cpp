@@ -675,7 +675,7 @@ TEST(VisionPrecision, NormsRunInF32AndPoolingFollowsItsInputUnderAutocast) {
   int f32_sums = 0;
   for (const mt::PrecisionRow& row : mt::precision_report({averaged}).rows)
     f32_sums += row.op == "add" && row.storage == mt::f32;
-  EXPECT_EQ(f32_sums, 3);  // the 2x2 window's
+  EXPECT_EQ(f32_sums, 2);  // the 2x2 window's: its rows' sum, then its columns'
   EXPECT_EQ(averaged.node()->precision.storage_type, mt::bf16);
   // Bilinear interpolation too (its f32 weights widened the sum).
   mt::Tensor resized = mt::interpolate(h, {.size = {9, 9}, .mode = mt::InterpolateMode::Bilinear});
@@ -753,15 +753,22 @@ TEST(VisionErrors, BadArgumentsNameTheOpAndTheShapes) {
   EXPECT_MT_ERROR(mt::dropout2d(x, 1.5), "dropout2d", "p must be");
   // Huge sizes: an mt::Error, not an allocation failure, an overflow or a graph of 2^40 nodes.
   const double inf = std::numeric_limits<double>::infinity();
-  EXPECT_MT_ERROR(mt::interpolate(x, {.scale_factor = {inf}}), "interpolate", "above 2^31");
-  EXPECT_MT_ERROR(mt::interpolate(x, {.scale_factor = {1e12, 1}}), "interpolate", "above 2^31");
-  EXPECT_MT_ERROR(mt::interpolate(x, {.size = {int64_t{1} << 40, 1}}), "interpolate", "2^31");
+  EXPECT_MT_ERROR(mt::interpolate(x, {.scale_factor = {inf}}), "interpolate", "above 2^24");
+  EXPECT_MT_ERROR(mt::interpolate(x, {.scale_factor = {1e12, 1}}), "interpolate", "above 2^24");
+  EXPECT_MT_ERROR(mt::interpolate(x, {.size = {int64_t{1} << 40, 1}}), "interpolate", "2^24");
   EXPECT_MT_ERROR(mt::adaptive_avg_pool2d(x, {int64_t{1} << 40, 1}), "adaptive_avg_pool2d",
-                  "above 2^16");
+                  "above 2^20");
   EXPECT_MT_ERROR(mt::max_pool2d(x, {(int64_t{1} << 40) + 1, 1}, 1, {int64_t{1} << 39, 0}),
                   "max_pool2d", "above 2^31");
   EXPECT_MT_ERROR(mt::avg_pool2d(x, {(int64_t{1} << 24) + 1, 1}, 1, {int64_t{1} << 23, 0}),
-                  "avg_pool2d", "2^16 elements");
+                  "avg_pool2d", "above 2^16 on an axis");
+  // Large windows torch takes are taken: a global pool over 300 x 300 (a view per kernel row
+  // and column), and 70000 windows of one element each.
+  mt::Tensor big = mt::ones({1, 1, 300, 300}) * 0.5;
+  EXPECT_EQ(values(mt::avg_pool2d(big, 300)), std::vector<float>{0.5f});
+  mt::Tensor widened = mt::adaptive_avg_pool2d(mt::full({1, 1, 1, 3}, 2.0), {1, 70000});
+  EXPECT_EQ(widened.shape(), (mt::Shape{1, 1, 1, 70000}));
+  EXPECT_EQ(mt::sum(widened).item(), 140000.0);
 }
 
 // avg_pool2d's divisors (where windows cover different counts) and interpolate's indices and

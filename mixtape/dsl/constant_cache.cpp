@@ -12,11 +12,15 @@
 namespace mixtape {
 namespace {
 
-// The values' bytes in all: beyond it the oldest tables are let go.
+// The values' bytes in all, beyond which the oldest tables are let go, and of one table, beyond
+// which it is made afresh each time (an interpolation to a long axis: its tables cost more than
+// a trace).
 constexpr size_t kMaxBytes = size_t{64} << 20;
+constexpr size_t kMaxTableBytes = size_t{4} << 20;
 
 template <typename T>
 Tensor cached(const std::vector<T>& values, const Shape& shape, DType dtype) {
+  if (values.size() * sizeof(T) > kMaxTableBytes) return tensor(values, shape, dtype);
   std::string key(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
   key += fmt::format("|{}|{}|{}", sizeof(T), name(dtype), to_string(shape));
   static std::mutex mutex;

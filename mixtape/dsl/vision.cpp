@@ -26,11 +26,12 @@ int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 
 
 // The largest pooling window size, stride, dilation and padding (conv2d's bound).
 constexpr int64_t kMaxWindow = int64_t{1} << 31;
-// The most windows per axis an op that makes graph nodes per window or per window element
-// takes (avg_pool2d's kernel elements, adaptive_avg_pool2d's unequal windows), and the largest
-// output axis of the ops that make host tables of it (interpolate).
+// Bounds on what ops make per kernel row or window on the host: graph nodes (avg_pool2d's views
+// per kernel row and column, adaptive_avg_pool2d's means per window where windows differ) and
+// index and weight tables (interpolate's, 8 to 24 bytes per output element of an axis).
 constexpr int64_t kMaxNodesPerAxis = int64_t{1} << 16;
-constexpr int64_t kMaxInterpolatedAxis = int64_t{1} << 31;
+constexpr int64_t kMaxWindowsPerAxis = int64_t{1} << 20;
+constexpr int64_t kMaxInterpolatedAxis = int64_t{1} << 24;
 
 // One spatial axis of a pooling window: sizes as given and the output size they make.
 struct PoolAxis {
@@ -110,6 +111,17 @@ WindowElement window_element(const Tensor& padded, const Pool& p, int64_t i, int
 }
 Tensor window_slice(const Tensor& padded, const WindowElement& e) {
   return slice(padded, e.starts, e.steps, e.shape);
+}
+
+// t[..., start : start + step * count : step, ...] along `axis`, the other axes whole.
+Tensor strided_axis(const Tensor& t, int64_t axis, int64_t start, int64_t step, int64_t count) {
+  const auto at = static_cast<size_t>(axis);
+  WindowElement e{std::vector<int64_t>(static_cast<size_t>(t.dim()), 0),
+                  std::vector<int64_t>(static_cast<size_t>(t.dim()), 1), t.shape()};
+  e.starts[at] = start;
+  e.steps[at] = step;
+  e.shape[at] = count;
+  return window_slice(t, e);
 }
 
 // The window of one of max_pool2d's geometries.
@@ -267,9 +279,9 @@ Tensor avg_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Si
                   bool ceil_mode, bool count_include_pad, const Loc& loc) {
   CallSiteScope site(loc, composite::avg_pool2d);
   const Pool p = pool_geometry("avg_pool2d", loc, x, kernel, stride, padding, 1, ceil_mode, false);
-  if (p.h.kernel * p.w.kernel > kMaxNodesPerAxis)
+  if (std::max(p.h.kernel, p.w.kernel) > kMaxNodesPerAxis)
     op_fail("avg_pool2d", loc,
-            "kernel {}x{} has more than 2^16 elements (it adds one view per element); "
+            "kernel {}x{} is above 2^16 on an axis (it adds a view per kernel row and column); "
             "adaptive_avg_pool2d or mean take any window",
             p.h.kernel, p.w.kernel);
   // Summed in f32, as PyTorch's kernels accumulate (k*k adds rounded to bf16 each lost several
@@ -281,12 +293,17 @@ Tensor avg_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Si
   Tensor padded(make_node(OpCode::Cast, sum_type, windows.shape(), {windows.node()}, {}, loc));
   // x's stored type at the output's shape, for the result (cast_like): one window element of it.
   Tensor stored_like_x = window_slice(windows, window_element(windows, p, 0, 0));
-  Tensor total;
-  for (int64_t i = 0; i < p.h.kernel; ++i)
-    for (int64_t j = 0; j < p.w.kernel; ++j) {
-      Tensor element = window_slice(padded, window_element(padded, p, i, j));
-      total = total.defined() ? total + element : element;
+  // Separably: the kernel's rows first (a view per row, every column kept), then its columns
+  // of their sum, kh + kw views rather than kh * kw (a global pool over 300 x 300 made 90000).
+  auto sum_views = [&](const Tensor& t, int64_t axis, const PoolAxis& a) {
+    Tensor sum;
+    for (int64_t k = 0; k < a.kernel; ++k) {
+      Tensor view = strided_axis(t, axis, k * a.dilation, a.stride, a.out);
+      sum = sum.defined() ? sum + view : view;
     }
+    return sum;
+  };
+  Tensor total = sum_views(sum_views(padded, padded.dim() - 2, p.h), padded.dim() - 1, p.w);
   // PyTorch's divisor per window: the part inside the padded input (ceil_mode windows can reach
   // past it), or only the part inside the input without count_include_pad.
   auto covered = [count_include_pad](const PoolAxis& a, int64_t o) {
@@ -337,9 +354,9 @@ Tensor adaptive_avg_pool2d(const Tensor& x, Size2 output_size, const Loc& loc) {
             output_size.w);
   for (auto [in, out] :
        {std::pair{x.size(-2), output_size.h}, std::pair{x.size(-1), output_size.w}})
-    if (out > kMaxNodesPerAxis && in % out != 0)
+    if (out > kMaxWindowsPerAxis && in % out != 0)
       op_fail("adaptive_avg_pool2d", loc,
-              "output size ({}, {}) is above 2^16 on an axis whose windows differ (it makes a "
+              "output size ({}, {}) is above 2^20 on an axis whose windows differ (it makes a "
               "mean per window)",
               output_size.h, output_size.w);
   if (x.size(-2) == 0 || x.size(-1) == 0)
@@ -580,13 +597,13 @@ Tensor interpolate(const Tensor& x, const InterpolateOptions& options, const Loc
       const double size =
           std::floor(static_cast<double>(x.size(static_cast<int64_t>(a) + 2)) * factors[a]);
       if (!(size <= static_cast<double>(kMaxInterpolatedAxis)))
-        op_fail(op, loc, "scale factor {} makes an axis of {} from {}, above 2^31", factors[a],
+        op_fail(op, loc, "scale factor {} makes an axis of {} from {}, above 2^24", factors[a],
                 size, x.size(static_cast<int64_t>(a) + 2));
       sizes.push_back(static_cast<int64_t>(size));
     }
   for (int64_t s : sizes)
     if (s <= 0 || s > kMaxInterpolatedAxis)
-      op_fail(op, loc, "output sizes must be positive and at most 2^31, got {}", s);
+      op_fail(op, loc, "output sizes must be positive and at most 2^24, got {}", s);
   if (options.align_corners && !bilinear)
     op_fail(op, loc, "align_corners applies to bilinear mode only");
   Tensor y = x;

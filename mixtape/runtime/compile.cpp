@@ -630,12 +630,16 @@ constexpr const char* kPinnedArgumentChanged =
     "an argument both traced calls passed as one tensor (which the function may also read "
     "captured) is another tensor now";
 
+// Why a plan is dropped when a buffer it watches was replaced or dropped.
+constexpr const char* kWatchedBufferReplaced =
+    "a buffer the step reads or updates was replaced or dropped outside it since the last call "
+    "(assign, load_state, zero_grad outside the function)";
+
 const char* replaced_state(const Plan& plan, const std::vector<Tensor>& args) {
   for (const Plan::Watched& w : plan.watched)
     if (w.object.use_count() < w.holders ||
         w.object->moves_off.load(std::memory_order_relaxed) != w.moves_off)
-      return "a buffer the step reads or updates was replaced or dropped outside it since the "
-             "last call (assign, load_state, zero_grad outside the function)";
+      return kWatchedBufferReplaced;
   for (const PlannedEvaluation& planned : plan.evals)
     for (size_t x = 0; x < planned.inputs.size(); ++x) {
       if (changed_pinned_arg(planned.inputs[x], args)) return kPinnedArgumentChanged;
@@ -747,13 +751,14 @@ struct StepReplayer::State {
 };
 
 namespace {
-// Why a plan was dropped or two traces differ where calls of other argument signatures traced
-// in between: their steps replaced the state buffers (plans update them in place, a trace
-// replaces them), which the plain reasons blame on the caller.
+// Why a plan was dropped, for a buffer it watches replaced, where calls of other argument
+// signatures traced in between: their traces replace the state buffers (plans update them in
+// place), which kWatchedBufferReplaced would blame on the caller.
 constexpr const char* kOtherSignatureTraced =
-    "a call with other argument shapes or dtypes (a short last batch?) traced the step since "
-    "this plan's last call, replacing the state it updates in place; each switch of shapes "
-    "costs the other shapes two traces (drop_last, or one batch shape, keeps replaying)";
+    "a state buffer the step updates was replaced since this plan's last call, as a trace of "
+    "the step with other argument shapes or dtypes (a short last batch?) since then replaces "
+    "them; each switch of shapes costs the other shapes two traces (drop_last, or one batch "
+    "shape, keeps replaying)";
 }  // namespace
 
 StepReplayer::StepReplayer() : state_(std::make_unique<State>()) {}
@@ -810,7 +815,7 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
   const bool log = log_enabled("compile");
   const char* dropped = nullptr;  // why this call's plan was dropped, which stats.reason keeps
   if (entry.plan) dropped = replaced_state(*entry.plan, args);
-  if (dropped && others_traced) dropped = kOtherSignatureTraced;
+  if (dropped == kWatchedBufferReplaced && others_traced) dropped = kOtherSignatureTraced;
   const bool replays_here = entry.plan && !dropped;
   if (entry.collective && !every_process_replays(replays_here) && replays_here)
     dropped =
