@@ -586,21 +586,13 @@ class Emitter {
       wide_sums(Wide::start, 0);
       end = open_block("seg", 0, "%hi.rel");
     }
-    line("store i64 {}, ptr %o.addr", blocked ? "%seg.lo" : "%lo.rel");
-    line("br label %outer.head");
-    label("outer.head");
-    line("%o = load i64, ptr %o.addr");
-    line("%outer.more = icmp slt i64 %o, {}", end);
-    line("br i1 %outer.more, label %outer.body, label %outer.exit");
-    label("outer.body");
+    loop_head("outer", "%o.addr", "%o", blocked ? "%seg.lo" : "%lo.rel", end);
     line("%i0 = add i64 %o, 0");
     values(k_.body, "v");
     stores(k_.stores);
     accumulate(0);
     line("%o.next = add nsw i64 %o, 1");
-    line("store i64 %o.next, ptr %o.addr");
-    line("br label %outer.head");
-    label("outer.exit");
+    loop_end("outer", "%o.addr", "%o.next");
     if (blocked) {
       close_block("seg", 0);
       wide_sums(Wide::finish, 0);
@@ -732,27 +724,44 @@ class Emitter {
   // reduction loops over its column dim three times).
   template <typename F>
   void column_loop(int d, F body, const std::string& from = "") {
-    int n = loop_count_++;
-    std::string var = fmt::format("%c{}.i", n);
+    const std::string name = fmt::format("c{}", loop_count_++), var = "%" + name + ".i";
+    const std::string counter = fmt::format("%i{}.addr", d);
     const bool split = split_columns_ && d == 0;
-    line("store i64 {}, ptr %i{}.addr", !from.empty() ? from : split ? "%begin" : "0", d);
-    line("br label %c{}.head", n);
-    label(fmt::format("c{}.head", n));
-    line("{} = load i64, ptr %i{}.addr", var, d);
-    line("%c{}.more = icmp slt i64 {}, {}", n, var,
-         split ? std::string("%end") : std::to_string(k_.dims[d]));
-    line("br i1 %c{}.more, label %c{}.body, label %c{}.exit", n, n, n);
-    label(fmt::format("c{}.body", n));
+    loop_head(name, counter, var,
+              !from.empty() ? from
+              : split       ? "%begin"
+                            : "0",
+              split ? std::string("%end") : std::to_string(k_.dims[d]));
     var_[d] = var;
     body();
-    line("%c{}.next = add nsw i64 {}, 1", n, var);
-    line("store i64 %c{}.next, ptr %i{}.addr", n, d);
+    line("%{}.next = add nsw i64 {}, 1", name, var);
     // Vectorized 16 wide, not interleaved: the loop runs once per reduced row over a thread's
     // share of the columns (32 of 64 on two threads), which the vectorizer's cost model left
     // scalar (its trip count unknown), 60 us of a 4096-row bias gradient. Its iterations are
     // independent columns, so the bits stay.
-    line("br label %c{}.head, !llvm.loop !{}", n, column_loop_metadata());
-    label(fmt::format("c{}.exit", n));
+    loop_end(name, counter, "%" + name + ".next",
+             fmt::format(", !llvm.loop !{}", column_loop_metadata()));
+  }
+
+  // A loop's head: the counter at `counter` set to `start`, then the body (label <name>.body)
+  // while the loop variable `var` read from it is below `end`, else <name>.exit (loop_end's).
+  void loop_head(const std::string& name, const std::string& counter, const std::string& var,
+                 const std::string& start, const std::string& end) {
+    line("store i64 {}, ptr {}", start, counter);
+    line("br label %{}.head", name);
+    label(name + ".head");
+    line("{} = load i64, ptr {}", var, counter);
+    line("%{}.more = icmp slt i64 {}, {}", name, var, end);
+    line("br i1 %{}.more, label %{}.body, label %{}.exit", name, name, name);
+    label(name + ".body");
+  }
+  // Its end: the counter set to `next`, back to the head (the branch followed by `hint`, a loop
+  // ID), and the exit label.
+  void loop_end(const std::string& name, const std::string& counter, const std::string& next,
+                const std::string& hint = "") {
+    line("store i64 {}, ptr {}", next, counter);
+    line("br label %{}.head{}", name, hint);
+    label(name + ".exit");
   }
 
   // A distinct loop ID naming the column loops' hints (finish_function defines them).
@@ -777,20 +786,12 @@ class Emitter {
     std::string i = fmt::format("%i{}{}", d, suffix);
     var_[d] = i;
     const bool blocked = d == blocks_.dim;
-    const std::string extent = std::to_string(k_.dims[d]);
+    const std::string extent = std::to_string(k_.dims[d]), counter = fmt::format("%i{}.addr", d);
     const std::string end = blocked ? open_block(l, d, extent) : extent;
-    line("store i64 {}, ptr %i{}.addr", blocked ? "%" + l + ".lo" : "0", d);
-    line("br label %{}.head", l);
-    label(fmt::format("{}.head", l));
-    line("{} = load i64, ptr %i{}.addr", i, d);
-    line("%{}.more = icmp slt i64 {}, {}", l, i, end);
-    line("br i1 %{}.more, label %{}.body, label %{}.exit", l, l, l);
-    label(fmt::format("{}.body", l));
+    loop_head(l, counter, i, blocked ? "%" + l + ".lo" : "0", end);
     inner_loops(from + 1, to, suffix, body);
     line("{}.next = add nsw i64 {}, 1", i, i);
-    line("store i64 {}.next, ptr %i{}.addr", i, d);
-    line("br label %{}.head", l);
-    label(fmt::format("{}.exit", l));
+    loop_end(l, counter, i + ".next");
     if (blocked) close_block(l, d);
   }
 
@@ -839,13 +840,7 @@ class Emitter {
   // The loop over the blocks of dim d's [0, extent) (loop `l`'s): returns the current block's
   // end, which the loop over its iterations, from %<l>.lo, runs to.
   std::string open_block(const std::string& l, int d, const std::string& extent) {
-    line("store i64 0, ptr %blk{}.addr", d);
-    line("br label %{}.blocks", l);
-    label(fmt::format("{}.blocks", l));
-    line("%{}.lo = load i64, ptr %blk{}.addr", l, d);
-    line("%{}.more.blocks = icmp slt i64 %{}.lo, {}", l, l, extent);
-    line("br i1 %{}.more.blocks, label %{}.block, label %{}.done", l, l, l);
-    label(fmt::format("{}.block", l));
+    loop_head(l + ".blocks", fmt::format("%blk{}.addr", d), "%" + l + ".lo", "0", extent);
     line("%{}.hi.full = add nsw i64 %{}.lo, {}", l, l, blocks_.chunk);
     line("%{}.hi.fits = icmp slt i64 %{}.hi.full, {}", l, l, extent);
     line("%{}.hi = select i1 %{}.hi.fits, i64 %{}.hi.full, i64 {}", l, l, l, extent);
@@ -853,9 +848,7 @@ class Emitter {
   }
   void close_block(const std::string& l, int d) {
     blocks_.flush();
-    line("store i64 %{}.hi, ptr %blk{}.addr", l, d);
-    line("br label %{}.blocks", l);
-    label(fmt::format("{}.done", l));
+    loop_end(l + ".blocks", fmt::format("%blk{}.addr", d), "%" + l + ".hi");
   }
 
   // wide += acc and acc = 0, or (start) wide = 0, or (finish) acc = wide rounded to f32, for

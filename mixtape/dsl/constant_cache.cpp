@@ -1,28 +1,25 @@
-// mixtape/dsl/constant_cache.cpp -- tables that composites make on the host, kept by value.
+// mixtape/dsl/constant_cache.cpp -- tables that composites make on the host, kept by what makes
+// them.
 #include "mixtape/dsl/constant_cache.h"
 
-#include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
-#include <string>
-
-#include <fmt/format.h>
 
 namespace mixtape {
 namespace {
 
-// The values' bytes in all, beyond which the oldest tables are let go, and of one table, beyond
-// which it is made afresh each time (an interpolation to a long axis: its tables cost more than
-// a trace).
+// The tables' bytes in all, beyond which the oldest are let go, and of one table, beyond which
+// it is made afresh each time (an interpolation to a long axis: its tables cost more than a
+// trace).
 constexpr size_t kMaxBytes = size_t{64} << 20;
 constexpr size_t kMaxTableBytes = size_t{4} << 20;
 
-template <typename T>
-Tensor cached(const std::vector<T>& values, const Shape& shape, DType dtype) {
-  if (values.size() * sizeof(T) > kMaxTableBytes) return tensor(values, shape, dtype);
-  std::string key(reinterpret_cast<const char*>(values.data()), values.size() * sizeof(T));
-  key += fmt::format("|{}|{}|{}", sizeof(T), name(dtype), to_string(shape));
+size_t bytes_of(const Tensor& t) { return static_cast<size_t>(t.numel()) * size_of(t.dtype()); }
+
+}  // namespace
+
+Tensor cached_constant(const std::string& key, const std::function<Tensor()>& make) {
   static std::mutex mutex;
   // Never destroyed: a kept tensor must not outlive the host block cache its storage came from,
   // which static destruction would not guarantee.
@@ -30,27 +27,18 @@ Tensor cached(const std::vector<T>& values, const Shape& shape, DType dtype) {
   static auto* order = new std::deque<std::map<std::string, Tensor>::iterator>();
   static size_t bytes = 0;
   std::lock_guard<std::mutex> lock(mutex);
-  auto [it, made] = tables->try_emplace(std::move(key));
-  if (!made) return it->second;
-  it->second = tensor(values, shape, dtype);
+  if (auto found = tables->find(key); found != tables->end()) return found->second;
+  Tensor table = make();
+  if (bytes_of(table) > kMaxTableBytes) return table;
+  auto it = tables->emplace(key, table).first;
   order->push_back(it);
-  bytes += it->first.size();
+  bytes += bytes_of(table);
   while (bytes > kMaxBytes && order->size() > 1) {
-    bytes -= order->front()->first.size();
+    bytes -= bytes_of(order->front()->second);
     tables->erase(order->front());
     order->pop_front();
   }
-  return it->second;
-}
-
-}  // namespace
-
-Tensor cached_constant(const std::vector<double>& values, const Shape& shape, DType dtype) {
-  return cached(values, shape, dtype);
-}
-
-Tensor cached_constant(const std::vector<int64_t>& values, const Shape& shape, DType dtype) {
-  return cached(values, shape, dtype);
+  return table;
 }
 
 }  // namespace mixtape

@@ -19,9 +19,11 @@ namespace {
 
 // 0, 1, ..., n - 1 as a constant, kept: every step's one-hot compare reads the same buffer.
 Tensor class_indices(int64_t n, DType dtype) {
-  std::vector<int64_t> values(static_cast<size_t>(n));
-  std::iota(values.begin(), values.end(), int64_t{0});
-  return cached_constant(values, {n}, dtype);
+  return cached_constant(fmt::format("class indices {} {}", n, name(dtype)), [&] {
+    std::vector<int64_t> values(static_cast<size_t>(n));
+    std::iota(values.begin(), values.end(), int64_t{0});
+    return tensor(values, {n}, dtype);
+  });
 }
 
 void require(const Tensor& t, const char* op, const char* role, const Loc& loc) {
@@ -1121,55 +1123,57 @@ Tensor pad(const Tensor& x, const std::vector<int64_t>& pads, PadMode mode, doub
   if (pads.size() % 2 != 0 || pads.size() / 2 > static_cast<size_t>(x.dim()))
     op_fail("pad", loc, "needs (before, after) pairs for at most {} axes, got {} values", x.dim(),
             pads.size());
+  auto padded = [&](const Tensor& input) {
+    Tensor y = input;
+    for (size_t pair = 0; pair < pads.size() / 2; ++pair) {
+      const int64_t axis = x.dim() - 1 - static_cast<int64_t>(pair);
+      int64_t before = pads[2 * pair], after = pads[2 * pair + 1];
+      const int64_t size = y.size(axis);
+      if (mode != PadMode::Constant && (before < 0 || after < 0))
+        op_fail("pad", loc, "negative padding ({}, {}) of axis {} needs constant mode", before,
+                after, axis);
+      if (mode == PadMode::Reflect && (before >= size || after >= size))
+        op_fail("pad", loc, "reflect padding ({}, {}) of axis {} must be below its size {}", before,
+                after, axis, size);
+      if (mode == PadMode::Replicate && size == 0 && (before > 0 || after > 0))
+        op_fail("pad", loc, "cannot replicate the edge of axis {}, which is empty", axis);
+      if (before < 0 || after < 0) {  // negative constant pads crop
+        const int64_t start = std::max<int64_t>(-before, 0);
+        const int64_t stop = size - std::max<int64_t>(-after, 0);
+        if (stop < start)
+          op_fail("pad", loc, "padding ({}, {}) crops more than axis {} has ({})", before, after,
+                  axis, size);
+        y = slice(y, axis, start, stop);
+        before = std::max<int64_t>(before, 0);
+        after = std::max<int64_t>(after, 0);
+      }
+      const int64_t n = y.size(axis);
+      auto block = [&](int64_t count, bool at_start) {
+        Shape shape = y.shape();
+        shape[axis] = count;
+        if (mode == PadMode::Constant) return full(shape, value, y.dtype());
+        if (mode == PadMode::Replicate)
+          return broadcast_to(slice(y, axis, at_start ? 0 : n - 1, at_start ? 1 : n), shape);
+        // Reflect: the mirror image without the edge, x[count] ... x[1] before, x[n-2] ... after.
+        std::vector<Tensor> rows;
+        for (int64_t i = 0; i < count; ++i) {
+          const int64_t at = at_start ? count - i : n - 2 - i;
+          rows.push_back(slice(y, axis, at, at + 1));
+        }
+        return concat(rows, axis);
+      };
+      std::vector<Tensor> parts;
+      if (before > 0) parts.push_back(block(before, true));
+      parts.push_back(y);
+      if (after > 0) parts.push_back(block(after, false));
+      if (parts.size() > 1) y = concat(parts, axis);
+    }
+    return y;
+  };
   // Replicate and reflect read an edge element many times, so the backward adds many gradient
   // terms into it: for a 16-bit x in f32, rounded once at the end (per axis, each stage's sums
   // were rounded to bf16: 6 ulps off at a 1x1 input padded (2, 3, 1, 1)). The copies are exact.
-  const bool widen = mode != PadMode::Constant && (x.dtype() == bf16 || x.dtype() == f16);
-  Tensor y = widen ? cast(x, f32, loc) : x;
-  for (size_t pair = 0; pair < pads.size() / 2; ++pair) {
-    const int64_t axis = x.dim() - 1 - static_cast<int64_t>(pair);
-    int64_t before = pads[2 * pair], after = pads[2 * pair + 1];
-    const int64_t size = y.size(axis);
-    if (mode != PadMode::Constant && (before < 0 || after < 0))
-      op_fail("pad", loc, "negative padding ({}, {}) of axis {} needs constant mode", before, after,
-              axis);
-    if (mode == PadMode::Reflect && (before >= size || after >= size))
-      op_fail("pad", loc, "reflect padding ({}, {}) of axis {} must be below its size {}", before,
-              after, axis, size);
-    if (mode == PadMode::Replicate && size == 0 && (before > 0 || after > 0))
-      op_fail("pad", loc, "cannot replicate the edge of axis {}, which is empty", axis);
-    if (before < 0 || after < 0) {  // negative constant pads crop
-      const int64_t start = std::max<int64_t>(-before, 0);
-      const int64_t stop = size - std::max<int64_t>(-after, 0);
-      if (stop < start)
-        op_fail("pad", loc, "padding ({}, {}) crops more than axis {} has ({})", before, after,
-                axis, size);
-      y = slice(y, axis, start, stop);
-      before = std::max<int64_t>(before, 0);
-      after = std::max<int64_t>(after, 0);
-    }
-    const int64_t n = y.size(axis);
-    auto block = [&](int64_t count, bool at_start) {
-      Shape shape = y.shape();
-      shape[axis] = count;
-      if (mode == PadMode::Constant) return full(shape, value, y.dtype());
-      if (mode == PadMode::Replicate)
-        return broadcast_to(slice(y, axis, at_start ? 0 : n - 1, at_start ? 1 : n), shape);
-      // Reflect: the mirror image without the edge, x[count] ... x[1] before, x[n-2] ... after.
-      std::vector<Tensor> rows;
-      for (int64_t i = 0; i < count; ++i) {
-        const int64_t at = at_start ? count - i : n - 2 - i;
-        rows.push_back(slice(y, axis, at, at + 1));
-      }
-      return concat(rows, axis);
-    };
-    std::vector<Tensor> parts;
-    if (before > 0) parts.push_back(block(before, true));
-    parts.push_back(y);
-    if (after > 0) parts.push_back(block(after, false));
-    if (parts.size() > 1) y = concat(parts, axis);
-  }
-  return widen ? cast(y, x.dtype(), loc) : y;
+  return mode == PadMode::Constant ? padded(x) : in_f32_for_half(x, padded);
 }
 
 std::vector<Tensor> split(const Tensor& x, const std::vector<int64_t>& sizes, int64_t axis,

@@ -5,8 +5,13 @@
 #include "mixtape/dsl/vision.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <limits>
+#include <string>
+
+#include <fmt/format.h>
 
 #include "mixtape/dsl/composites.h"
 #include "mixtape/dsl/constant_cache.h"
@@ -39,6 +44,10 @@ struct PoolAxis {
   // The padded extent the windows read: left pad, then the input, then `right` more (negative
   // where the last windows end before the input does).
   int64_t right() const { return (out - 1) * stride + dilation * (kernel - 1) + 1 - in - pad; }
+  // Every size, for the key of a table made from them.
+  std::string key() const {
+    return fmt::format("{},{},{},{},{},{}", in, kernel, stride, pad, dilation, out);
+  }
 };
 
 // PyTorch's pooling_output_shape, with its checks reported as `op`'s.
@@ -317,10 +326,14 @@ Tensor avg_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Si
   for (int64_t oh = 0; oh < p.h.out; ++oh)
     for (int64_t ow = 0; ow < p.w.out; ++ow)
       divisors.push_back(static_cast<double>(covered(p.h, oh) * covered(p.w, ow)));
+  const std::string key = fmt::format("avg_pool2d divisors {} {} {} {}", p.h.key(), p.w.key(),
+                                      count_include_pad, name(total.dtype()));
   Tensor mean =
       std::all_of(divisors.begin(), divisors.end(), [&](double d) { return d == divisors[0]; })
           ? total / divisors[0]
-          : total / cached_constant(divisors, {p.h.out, p.w.out}, total.dtype());
+          : total / cached_constant(key, [&] {
+              return tensor(divisors, {p.h.out, p.w.out}, total.dtype());
+            });
   return cast_like(cast(mean, x.dtype()), stored_like_x);
 }
 
@@ -518,8 +531,15 @@ float source_scale(const std::vector<double>& factors, size_t axis, int64_t in, 
   return static_cast<float>(in) / static_cast<float>(out);
 }
 
-Tensor index_tensor(const std::vector<int64_t>& indices) {
-  return cached_constant(indices, {static_cast<int64_t>(indices.size())}, i64);
+// A table of an interpolation along one axis, kept under `key` (the table's name and
+// everything it depends on).
+Tensor axis_table(const std::string& key, const std::vector<int64_t>& indices) {
+  return cached_constant(key,
+                         [&] { return tensor(indices, {static_cast<int64_t>(indices.size())}); });
+}
+Tensor axis_table(const std::string& key, const std::vector<double>& weights, const Shape& shape,
+                  DType dtype) {
+  return cached_constant(key, [&] { return tensor(weights, shape, dtype); });
 }
 
 // Nearest: output o reads input min(floor(o scale), in - 1), as PyTorch's NCHW kernels (and its
@@ -535,7 +555,10 @@ Tensor nearest_axis(const Tensor& x, int64_t axis, int64_t out, float scale) {
         std::min(static_cast<int64_t>(std::floor(static_cast<float>(o) * scale)), in - 1);
     identity &= source[static_cast<size_t>(o)] == o;
   }
-  return identity ? x : index_select(x, index_tensor(source), axis);
+  if (identity) return x;
+  const auto scale_bits = std::bit_cast<uint32_t>(scale);
+  return index_select(x, axis_table(fmt::format("nearest {} {} {}", in, out, scale_bits), source),
+                      axis);
 }
 
 // Linear along one axis: x[i0] l0 + x[i1] l1 with PyTorch's area_pixel_compute_source_index.
@@ -559,10 +582,13 @@ Tensor linear_axis(const Tensor& x, int64_t axis, int64_t out, float scale, bool
   }
   Shape weight_shape(static_cast<size_t>(x.dim() - axis), 1);
   weight_shape[0] = out;
-  Tensor low = index_select(x, index_tensor(lo), axis);
-  Tensor a = low * cached_constant(w_lo, weight_shape, x.dtype());
-  Tensor b =
-      index_select(x, index_tensor(hi), axis) * cached_constant(w_hi, weight_shape, x.dtype());
+  const std::string key =
+      fmt::format("linear {} {} {} {} {} {}", in, out, std::bit_cast<uint32_t>(scale),
+                  align_corners, name(x.dtype()), to_string(weight_shape));
+  Tensor low = index_select(x, axis_table(key + " lo", lo), axis);
+  Tensor a = low * axis_table(key + " w_lo", w_lo, weight_shape, x.dtype());
+  Tensor b = index_select(x, axis_table(key + " hi", hi), axis) *
+             axis_table(key + " w_hi", w_hi, weight_shape, x.dtype());
   // In x's stored type, as PyTorch's autocast leaves it (the f32 weights widened the sum).
   return cast_like(a + b, low);
 }

@@ -635,6 +635,15 @@ constexpr const char* kWatchedBufferReplaced =
     "a buffer the step reads or updates was replaced or dropped outside it since the last call "
     "(assign, load_state, zero_grad outside the function)";
 
+// Why a plan was dropped, for a buffer it watches replaced, where calls of other argument
+// signatures traced in between: their traces replace the state buffers (plans update them in
+// place), which kWatchedBufferReplaced would blame on the caller.
+constexpr const char* kOtherSignatureTraced =
+    "a state buffer the step updates was replaced since this plan's last call, as a trace of "
+    "the step with other argument shapes or dtypes (a short last batch?) since then replaces "
+    "them; each switch of shapes costs the other shapes two traces (drop_last, or one batch "
+    "shape, keeps replaying)";
+
 const char* replaced_state(const Plan& plan, const std::vector<Tensor>& args) {
   for (const Plan::Watched& w : plan.watched)
     if (w.object.use_count() < w.holders ||
@@ -749,17 +758,6 @@ struct StepReplayer::State {
   const Entry* traced = nullptr;  // the entry of the latest trace, at call number traced_at
   int64_t traced_at = 0;
 };
-
-namespace {
-// Why a plan was dropped, for a buffer it watches replaced, where calls of other argument
-// signatures traced in between: their traces replace the state buffers (plans update them in
-// place), which kWatchedBufferReplaced would blame on the caller.
-constexpr const char* kOtherSignatureTraced =
-    "a state buffer the step updates was replaced since this plan's last call, as a trace of "
-    "the step with other argument shapes or dtypes (a short last batch?) since then replaces "
-    "them; each switch of shapes costs the other shapes two traces (drop_last, or one batch "
-    "shape, keeps replaying)";
-}  // namespace
 
 StepReplayer::StepReplayer() : state_(std::make_unique<State>()) {}
 StepReplayer::~StepReplayer() {
