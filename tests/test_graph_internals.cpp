@@ -146,7 +146,9 @@ class NodeCounter : public mt::TraceObserver {
   void side_effect(const char*) override {}
   void each_call(std::shared_ptr<mt::StepHook>, std::vector<mt::NodePtr>) override {}
   void gradient_changing(const std::shared_ptr<mt::TensorImpl>&, bool) override {}
-  void assigning(const mt::TensorImpl*, const mt::NodePtr&) override {}
+  void assigning(const std::shared_ptr<mt::TensorImpl>&, const mt::NodePtr&) override {}
+  void keeping(const std::shared_ptr<const void>&, const std::string&,
+               const mt::NodePtr&) override {}
   int count(mt::OpCode op) const {
     auto found = made.find(op);
     return found == made.end() ? 0 : found->second;

@@ -187,8 +187,12 @@ void note_side_effect(const char* what) {
 void note_gradient_change(const std::shared_ptr<TensorImpl>& owner, bool reads_current) {
   if (tracer) tracer->gradient_changing(owner, reads_current);
 }
-void note_assignment(const TensorImpl* target, const NodePtr& value) {
+void note_assignment(const std::shared_ptr<TensorImpl>& target, const NodePtr& value) {
   if (tracer) tracer->assigning(target, value);
+}
+void note_kept_state(const std::shared_ptr<const void>& anchor, const std::string& role,
+                     const NodePtr& value) {
+  if (tracer) tracer->keeping(anchor, role, value);
 }
 
 namespace {

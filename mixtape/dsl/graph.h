@@ -151,6 +151,10 @@ class StepHook {
   /// Before each replay: why replaying would no longer do what tracing the step would (state
   /// the trace read was changed outside it), or null. A reason makes the next call trace again.
   virtual const char* stale() const { return nullptr; }
+  /// A trace of the step with other argument shapes changed what this hook guards, and the plan
+  /// of this hook's trace took up the state that trace left (mt::compile): true where the change
+  /// was that trace's own, so that stale() no longer reports it.
+  virtual bool take_up() { return false; }
   /// After the trace and after each replay, with copies of the values passed to on_each_call as
   /// that call computed them: buffers of their own, which later replays do not overwrite.
   virtual void ran(const std::vector<std::shared_ptr<Storage>>& values) = 0;
@@ -169,7 +173,11 @@ class TraceObserver {
   /// `owner`'s gradient is about to change: made from (`reads_current`) or without its value.
   virtual void gradient_changing(const std::shared_ptr<TensorImpl>& owner, bool reads_current) = 0;
   /// `target` is about to hold `value` (evaluated) as its own (assign).
-  virtual void assigning(const TensorImpl* target, const NodePtr& value) = 0;
+  virtual void assigning(const std::shared_ptr<TensorImpl>& target, const NodePtr& value) = 0;
+  /// The call leaves `value` (evaluated) as state a handle holds for `anchor` in `role` (an
+  /// optimizer's moment of a parameter), in place of what was kept there before.
+  virtual void keeping(const std::shared_ptr<const void>& anchor, const std::string& role,
+                       const NodePtr& value) = 0;
 };
 TraceObserver* trace_observer();
 /// Installs `observer` for this thread, returning the previous one.
@@ -185,7 +193,13 @@ bool on_each_call(std::shared_ptr<StepHook> hook, std::vector<NodePtr> values = 
 void note_gradient_change(const std::shared_ptr<TensorImpl>& owner, bool reads_current);
 /// Tells the observer, if any, that `target` is about to hold `value` (assign): a replay repeats
 /// that only for a value the call computes, into the tensor the trace assigned.
-void note_assignment(const TensorImpl* target, const NodePtr& value);
+void note_assignment(const std::shared_ptr<TensorImpl>& target, const NodePtr& value);
+/// Tells the observer, if any, that `value` is now the state kept for `anchor` in `role`, held by
+/// a handle that replaces the old one rather than assign() it (an optimizer's moment of a
+/// parameter, a generator's offset): mt::compile hands such state from a plan of one argument
+/// shape to another's by that name. The last value a call keeps under a name is its state.
+void note_kept_state(const std::shared_ptr<const void>& anchor, const std::string& role,
+                     const NodePtr& value);
 
 /// Tells the observer, if any, that the step read a module's train()/eval() setting: a replay
 /// repeats what the trace did under it, so a call that finds it otherwise traces again.

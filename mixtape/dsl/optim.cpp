@@ -2,6 +2,7 @@
 #include "mixtape/dsl/optim.h"
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <cmath>
 #include <numbers>
@@ -80,6 +81,8 @@ void check_parameters(const char* kind, const std::vector<Tensor>& params,
 
 Optimizer::Optimizer(std::vector<std::vector<Tensor>> groups, const char* kind)
     : groups_(groups.size()), kind_(kind) {
+  static std::atomic<uint64_t> optimizers{0};
+  id_ = ++optimizers;
   for (size_t g = 0; g < groups.size(); ++g)
     for (Tensor& p : groups[g]) {
       params_.push_back(std::move(p));
@@ -453,6 +456,18 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
   for (const CountGroup& group : groups) {
     Tensor count = group.next.same(new_step) ? step_ : from_storage(group.next.node()->value, {});
     for (size_t k : group.members) counts_[updated[k]] = count;
+  }
+  if (trace_observer()) {
+    // The handles above replace the old state: named by parameter and optimizer for a compiled
+    // step's plans of other batch shapes, which take it up by those names (runtime/compile.cpp).
+    auto keep = [&](size_t param, std::string_view name, const Tensor& value) {
+      note_kept_state(params_[param].impl(), fmt::format("{}/{}", id_, name), value.node());
+    };
+    for (size_t k = 0; k < updated.size(); ++k)
+      for (const auto& [name, value] : new_state[k]) keep(updated[k], name, value);
+    keep(0, "~step", new_step);
+    for (const CountGroup& group : groups)
+      if (!group.next.same(new_step)) keep(updated[group.members.front()], "~count", group.next);
   }
 }
 

@@ -349,6 +349,9 @@ class Optimizer {
   std::vector<Tensor> counts_;
   Tensor next_step_, skip_;
   const char* kind_;
+  // Tells this optimizer's state from another's over the same parameters, in the names a
+  // compiled step's plans take it up by (note_kept_state).
+  uint64_t id_;
 };
 
 /// The base of a rule with options of type Options: each parameter group's options.

@@ -165,7 +165,7 @@ void check_assignable(const NodePtr& current, const Tensor& value, const char* o
 // would keep it.
 void become_leaf(const std::shared_ptr<TensorImpl>& impl, const NodePtr& value, const Loc& loc) {
   const NodePtr current = impl->node;
-  if (value != current) note_assignment(impl.get(), value);
+  if (value != current) note_assignment(impl, value);
   auto leaf = make_node(OpCode::Constant, value->dtype, current->shape, {}, {}, loc);
   leaf->value = value->value;
   if (written_in_place(leaf->value.get())) leaf->value = host_copy(*leaf->value);
@@ -212,6 +212,9 @@ void Tensor::assign_later(const Tensor& value, const Loc& loc) {
   NodePtr previous = current;
   moved_off(current.get(), state.get());
   impl_->node = state;
+  // Settled without an assign() the trace hears (become_leaf finds the value in place): named
+  // here for the plans of a compiled step's other shapes (runtime/compile.cpp).
+  note_kept_state(impl_, "assign_later", state);
   deferred_assignments().push_back({impl_, std::move(state), std::move(previous), loc});
 }
 
@@ -495,7 +498,7 @@ Tensor Generator::draw(uint64_t count) {
   // go on from the offset they keep, so they stop, and the step is traced again.
   class Unchanged final : public StepHook {
    public:
-    explicit Unchanged(const std::shared_ptr<State>& state) : state_(state) {}
+    explicit Unchanged(const std::shared_ptr<State>& state) : state_(state), seed_(state->seed) {}
     const char* stale() const override {
       std::shared_ptr<State> state = state_.lock();
       if (!state || state->changes == changes_) return nullptr;
@@ -505,9 +508,19 @@ Tensor Generator::draw(uint64_t count) {
     void ran(const std::vector<std::shared_ptr<Storage>>&) override {
       if (std::shared_ptr<State> state = state_.lock()) changes_ = state->changes;
     }
+    // The offset is state kept by name (below): a plan that took it up from a trace of other
+    // shapes follows that trace's draws and a restore before it; one after it replaced the
+    // offset that trace left, which no plan takes up. The seed is in the traced graph.
+    bool take_up() override {
+      std::shared_ptr<State> state = state_.lock();
+      if (!state || state->seed != seed_) return false;
+      changes_ = state->changes;
+      return true;
+    }
 
    private:
     std::weak_ptr<State> state_;
+    uint64_t seed_;
     uint64_t changes_ = 0;
   };
   Tensor first = state_->offset;
@@ -519,6 +532,7 @@ Tensor Generator::draw(uint64_t count) {
   } else {
     NoGradGuard no_grad;
     state_->offset = add(first, full({}, static_cast<double>(count), i64));
+    note_kept_state(state_, "offset", state_->offset.node());
   }
   ++state_->changes;
   if (trace_observer()) on_each_call(std::make_shared<Unchanged>(state_));

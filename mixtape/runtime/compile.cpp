@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
@@ -24,6 +25,19 @@ namespace {
 
 constexpr std::pair<int, int> kUndefined{-1, -1};
 
+// State a call leaves, named by whose it is: a tensor assign() gave it (`tensor`, `role` empty),
+// or a handle kept for `anchor` in `role` (note_kept_state: an optimizer's moment of a
+// parameter, a generator's offset).
+struct KeptState {
+  std::weak_ptr<const void> anchor;
+  std::string role;
+  std::weak_ptr<TensorImpl> tensor;  // the anchor, where assign() made the state
+  std::pair<int, int> at;            // where the call stored it
+  // Its name, while the anchor lives: an address is one object's while it lives.
+  using Key = std::pair<const void*, std::string>;
+  Key key() const { return {anchor.lock().get(), role}; }
+};
+
 struct Trace {
   std::vector<StoragePtr> args;
   std::vector<Evaluation> evals;
@@ -31,6 +45,7 @@ struct Trace {
   std::vector<Hook> hooks;
   std::vector<GradientSlot> gradients;         // each gradient the call changed, in order of change
   std::vector<const TensorImpl*> assigned_to;  // each tensor assign gave a value, in order
+  std::vector<KeptState> kept;                 // the state it left, by whose it is
   std::string unfit;                           // why no trace of this call can be replayed
 };
 
@@ -69,14 +84,31 @@ class Recorder final : public TraceObserver {
       slot.found_buffer = owner->grad->value.get();
     }
   }
-  void assigning(const TensorImpl* target, const NodePtr& value) override {
+  void assigning(const std::shared_ptr<TensorImpl>& target, const NodePtr& value) override {
     assigned.push_back(value);
-    trace.assigned_to.push_back(target);
+    trace.assigned_to.push_back(target.get());
+    keep({target, "", target, kUndefined}, value);
+  }
+  void keeping(const std::shared_ptr<const void>& anchor, const std::string& role,
+               const NodePtr& value) override {
+    keep({anchor, role, {}, kUndefined}, value);
+  }
+  // The last value kept under a name is the state the call leaves there.
+  void keep(KeptState&& state, const NodePtr& value) {
+    auto [at, added] = kept_index.try_emplace(state.key(), trace.kept.size());
+    if (!added) {
+      kept_values[at->second] = value;
+      return;
+    }
+    trace.kept.push_back(std::move(state));
+    kept_values.push_back(value);
   }
   std::vector<std::weak_ptr<Node>> made;
-  std::vector<NodePtr> assigned;              // each value a tensor took with assign, in order
-  std::unordered_set<const Node*> made_here;  // made's nodes: an address alive before the call
-                                              // is none of them
+  std::vector<NodePtr> assigned;                // each value a tensor took with assign, in order
+  std::vector<NodePtr> kept_values;             // each value of trace.kept
+  std::map<KeptState::Key, size_t> kept_index;  // where trace.kept has each name
+  std::unordered_set<const Node*> made_here;    // made's nodes: an address alive before the call
+                                                // is none of them
   Trace trace;
 };
 
@@ -179,6 +211,8 @@ Trace trace_call(const std::vector<Tensor>& args, const StepReplayer::Function& 
         trace.unfit =
             "assigns to a tensor passed as an argument (a replay would write the tensor the "
             "trace assigned; capture the tensor instead)";
+  for (size_t k = 0; k < trace.kept.size(); ++k)
+    trace.kept[k].at = stored_place(trace, rec.kept_values[k].get());
   for (const NodePtr& value : rec.assigned) {
     if (!trace.unfit.empty()) break;
     const std::pair<int, int> at = stored_place(trace, value.get());
@@ -639,10 +673,9 @@ constexpr const char* kWatchedBufferReplaced =
 // signatures traced in between: their traces replace the state buffers (plans update them in
 // place), which kWatchedBufferReplaced would blame on the caller.
 constexpr const char* kOtherSignatureTraced =
-    "a state buffer the step updates was replaced since this plan's last call, as a trace of "
-    "the step with other argument shapes or dtypes (a short last batch?) since then replaces "
-    "them; each switch of shapes costs the other shapes two traces (drop_last, or one batch "
-    "shape, keeps replaying)";
+    "a trace of the step with other argument shapes or dtypes (a short last batch?) replaced the "
+    "state buffers it updates, and not every one could be taken up from that trace (state "
+    "without a name, or changed outside the step since)";
 
 const char* replaced_state(const Plan& plan, const std::vector<Tensor>& args) {
   for (const Plan::Watched& w : plan.watched)
@@ -686,7 +719,138 @@ struct Entry {
   bool collective = false;  // its last trace made collectives (a data-parallel step)
   int unpinned_arg = -1;    // its plan was dropped for another buffer of this pinned argument
   int64_t last_call = 0;    // the number of its latest call (CompileStats::calls)
+  std::vector<KeptState> kept;  // the state its plan's second trace left (Trace::kept)
 };
+
+// What the latest trace left: the buffers it stored, with their holders and moves off once the
+// call ended, and whose state each is. A plan of other argument shapes whose state that trace
+// replaced takes it up from here (take_up_state_left) rather than be made again from two more
+// traces.
+struct StateLeft {
+  struct Stored {
+    std::weak_ptr<Storage> buffer;
+    long holders = 0;
+    uint32_t moves_off = 0;
+  };
+  std::vector<std::vector<Stored>> evals;  // per evaluation, per stored value
+  std::map<KeptState::Key, Place> kept;    // where it stored the state under each name
+
+  explicit StateLeft(const Trace& trace) {
+    for (const KeptState& state : trace.kept) kept.emplace(state.key(), state.at);
+    for (const Evaluation& e : trace.evals) {
+      std::vector<Stored>& left = evals.emplace_back();
+      for (const StoragePtr& output : e.outputs) left.push_back({output});
+    }
+  }
+  // Counts the holders and moves off of the stored buffers as the call ends.
+  void settle() {
+    for (std::vector<Stored>& e : evals)
+      for (Stored& stored : e)
+        if (StoragePtr buffer = stored.buffer.lock()) {
+          stored.holders = buffer.use_count() - 1;
+          stored.moves_off = buffer->moves_off.load(std::memory_order_relaxed);
+        }
+  }
+  // The buffer stored at `at`, where nothing let go of it or moved off it since the call (an
+  // assign or load_state outside); else null.
+  StoragePtr current(Place at) const {
+    if (at.first < 0 || at.first >= static_cast<int>(evals.size())) return nullptr;
+    const std::vector<Stored>& outputs = evals[at.first];
+    if (at.second < 0 || at.second >= static_cast<int>(outputs.size())) return nullptr;
+    const Stored& stored = outputs[at.second];
+    StoragePtr buffer = stored.buffer.lock();
+    if (!buffer || buffer.use_count() - 1 < stored.holders ||
+        buffer->moves_off.load(std::memory_order_relaxed) != stored.moves_off)
+      return nullptr;
+    return buffer;
+  }
+};
+
+// The buffer `left` holds under the name of the plan's state `mine` (null where something
+// outside let go of it or moved off it since, or an assigned tensor holds another); nullopt where
+// `left` kept nothing under that name.
+std::optional<StoragePtr> successor(const KeptState& mine, const StateLeft& left) {
+  // The anchor lived through both traces (it lives now and did at the plan's trace), so the same
+  // address in the other's name is the same anchor.
+  const KeptState::Key key = mine.key();
+  auto theirs = left.kept.find(key);
+  if (!key.first || theirs == left.kept.end()) return std::nullopt;
+  StoragePtr now = left.current(theirs->second);
+  if (mine.role.empty()) {
+    std::shared_ptr<TensorImpl> tensor = mine.tensor.lock();
+    if (!tensor || !tensor->node || now != tensor->node->value) return nullptr;
+  }
+  return now;
+}
+
+// Gives the plan the buffers `left` holds in the roles of the state buffers it watches that a
+// trace of other argument shapes replaced, so that it updates those in place from now on. False,
+// changing nothing, where the successor of one cannot be told.
+bool take_up_state_left(Entry& entry, const StateLeft& left) {
+  Plan& plan = *entry.plan;
+  // Every state the plan's trace left under a name that the other trace left too, whether or not
+  // its buffer looks replaced: a handle the other trace replaced may have lost its holder while
+  // that trace took one (it read the buffer).
+  std::unordered_map<const Storage*, StoragePtr> next_of;
+  std::unordered_set<const Storage*> taken;
+  for (const KeptState& mine : entry.kept) {
+    if (mine.at.first < 0 || mine.at.first >= static_cast<int>(plan.evals.size())) continue;
+    const std::vector<StoragePtr>& outputs = plan.evals[mine.at.first].eval.outputs;
+    if (mine.at.second < 0 || mine.at.second >= static_cast<int>(outputs.size())) continue;
+    const StoragePtr& old = outputs[mine.at.second];
+    std::optional<StoragePtr> next = successor(mine, left);
+    if (!next || *next == old) continue;
+    if (!*next || (*next)->dtype != old->dtype || (*next)->count != old->count ||
+        !taken.insert(next->get()).second || !next_of.emplace(old.get(), std::move(*next)).second)
+      return false;
+  }
+  if (next_of.empty()) return false;
+  // What else looks replaced has no name to take it up by (a constant the step reads, replaced
+  // outside).
+  for (const Plan::Watched& w : plan.watched)
+    if ((w.object.use_count() < w.holders ||
+         w.object->moves_off.load(std::memory_order_relaxed) != w.moves_off) &&
+        !next_of.count(w.object.get()))
+      return false;
+  // A successor may not be a buffer the plan holds in another role.
+  auto other_role = [&](const StoragePtr& buffer) {
+    return buffer && taken.count(buffer.get()) && !next_of.count(buffer.get());
+  };
+  for (const PlannedEvaluation& planned : plan.evals) {
+    if (std::any_of(planned.eval.inputs.begin(), planned.eval.inputs.end(), other_role) ||
+        std::any_of(planned.eval.outputs.begin(), planned.eval.outputs.end(), other_role))
+      return false;
+    for (const Binding& binding : planned.inputs)
+      if (other_role(binding.object)) return false;
+  }
+  auto take = [&](StoragePtr& buffer) {
+    if (!buffer) return;
+    if (auto found = next_of.find(buffer.get()); found != next_of.end()) buffer = found->second;
+  };
+  for (PlannedEvaluation& planned : plan.evals) {
+    for (StoragePtr& input : planned.eval.inputs) take(input);
+    for (StoragePtr& output : planned.eval.outputs) take(output);
+    for (Binding& binding : planned.inputs) take(binding.object);
+    for (const NodePtr& leaf : planned.leaves) take(leaf->value);
+    for (Node* node : planned.eval.pending_raw) take(node->value);
+    planned.in_place.reset();
+  }
+  next_of.clear();  // counted by watch() as holders otherwise
+  std::vector<Plan::Watched> before = std::move(plan.watched);
+  plan.watched.clear();
+  plan.kept.clear();
+  watch(plan);
+  // A buffer it kept keeps the holders counted when the plan was made: a handle taken since
+  // may still let go of it.
+  for (Plan::Watched& w : plan.watched)
+    for (const Plan::Watched& old : before)
+      if (old.object == w.object) w.holders = std::min(w.holders, old.holders);
+  // Host work guarding state that trace changed (a generator it drew from) follows it; a hook
+  // that cannot stays stale, and the plan is dropped.
+  for (const Hook& h : plan.hooks)
+    if (h.hook->stale()) h.hook->take_up();
+  return true;
+}
 
 // Whether a call's evaluations made collectives (a data-parallel step's gradient reduction).
 bool makes_collectives(const Trace& trace) {
@@ -757,6 +921,7 @@ struct StepReplayer::State {
   uint64_t setting_edits = 0;     // at the last call
   const Entry* traced = nullptr;  // the entry of the latest trace, at call number traced_at
   int64_t traced_at = 0;
+  std::optional<StateLeft> left;  // what the latest trace left, if it was fit to replay
 };
 
 StepReplayer::StepReplayer() : state_(std::make_unique<State>()) {}
@@ -774,6 +939,7 @@ void StepReplayer::reset() {
     if (entry.plan) release(*entry.plan);
   }
   state_->entries.clear();
+  state_->left.reset();
 }
 
 std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Function& fn) {
@@ -813,7 +979,14 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
   const bool log = log_enabled("compile");
   const char* dropped = nullptr;  // why this call's plan was dropped, which stats.reason keeps
   if (entry.plan) dropped = replaced_state(*entry.plan, args);
-  if (dropped == kWatchedBufferReplaced && others_traced) dropped = kOtherSignatureTraced;
+  if (dropped == kWatchedBufferReplaced && others_traced) {
+    dropped = kOtherSignatureTraced;
+    if (state_->left && take_up_state_left(entry, *state_->left)) {
+      ++stats.rebinds;
+      if (log) log_line("compile", "took up the state a trace of other argument shapes left");
+      dropped = replaced_state(*entry.plan, args);
+    }
+  }
   const bool replays_here = entry.plan && !dropped;
   if (entry.collective && !every_process_replays(replays_here) && replays_here)
     dropped =
@@ -842,6 +1015,10 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
 
   std::vector<Tensor> results;
   auto trace = std::make_unique<Trace>(trace_call(args, fn, results));
+  if (trace->unfit.empty())
+    state_->left.emplace(*trace);
+  else
+    state_->left.reset();
   entry.collective = makes_collectives(*trace);
   ++stats.traces;
   state_->traced = &entry;
@@ -864,6 +1041,7 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
   if (entry.previous) release(*entry.previous);
   entry.previous.reset();
   if (entry.plan) {
+    entry.kept = trace->kept;
     hand_over_gradients(*entry.plan);
     watch(*entry.plan);
     ++stats.plans;
@@ -880,6 +1058,8 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
                stats.plans == 0 && stats.traces <= 3 ? "warming up, traced" : "traced", why);
     entry.previous = std::move(trace);
   }
+  trace.reset();
+  if (state_->left) state_->left->settle();
   return results;
 }
 

@@ -21,6 +21,9 @@ struct CompileStats {
   int64_t traces = 0;   // calls that ran the function
   int64_t replays = 0;  // calls that ran only the recorded programs
   int64_t plans = 0;    // replay plans made (a new argument signature, or after invalidation)
+  /// Plans that took up the state a trace of other argument shapes left (a short last batch)
+  /// instead of tracing twice again.
+  int64_t rebinds = 0;
   /// Why the latest trace could not become a replay plan, or why the last plan was dropped;
   /// empty when the latest call replayed or made a plan.
   std::string reason;
@@ -58,10 +61,14 @@ struct CompileStats {
 /// autocast it is stored in f32 where that call would store a bf16 or f16 gradient as the
 /// backward made it). A schedule attached with Optimizer::set_schedule is graph
 /// code over the step count, so replays advance it with no call between them.
-/// Each signature has its own traces and plan, but a trace replaces the state buffers that the
-/// other signatures' plans update in place: calls that switch shapes (a short last batch each
-/// epoch) cost the other shapes two traces per switch (stats().reason says so); drop_last or
-/// one batch shape keeps every call replaying. Not thread-safe.
+/// Each signature has its own traces and plan. A trace replaces the state buffers that the
+/// other signatures' plans update in place; the next call of such a plan takes up the buffers
+/// that trace left (stats().rebinds) where each has a name: the value of a tensor (assign,
+/// assign_later), or state kept by name (note_kept_state, dsl/graph.h: an optimizer's moments and
+/// counts, a generator's offset). So with a short last batch each epoch the full batches keep
+/// replaying, and from the third epoch on the short batch replays too. Where a buffer has no
+/// name, the plan is dropped and made again from two traces (stats().reason says so). Not
+/// thread-safe.
 class StepReplayer {
  public:
   using Function = std::function<std::vector<Tensor>(const std::vector<Tensor>&)>;

@@ -107,13 +107,15 @@ class InPlaceBuffers {
   InPlaceBuffers() = default;
   InPlaceBuffers(const InPlaceBuffers&) = delete;
   InPlaceBuffers& operator=(const InPlaceBuffers&) = delete;
-  ~InPlaceBuffers() {
-    for (const Storage* buffer : buffers_) release_in_place(buffer);
-  }
+  ~InPlaceBuffers() { clear(); }
   void insert(const Storage* buffer) {
     if (buffers_.insert(buffer).second) hold_in_place(buffer);
   }
   bool count(const Storage* buffer) const { return buffers_.count(buffer) > 0; }
+  void clear() {
+    for (const Storage* buffer : buffers_) release_in_place(buffer);
+    buffers_.clear();
+  }
 
  private:
   std::unordered_set<const Storage*> buffers_;
