@@ -589,6 +589,24 @@ const std::vector<ScheduleCase>& schedule_cases() {
        [] { return make_shared<mt::PolynomialLR>(kScheduleBase, 8, 2.0); }},
       {"polynomial_default", R"({"type": "polynomial", "args": {}})", 8,
        [] { return make_shared<mt::PolynomialLR>(kScheduleBase); }},
+      {"lambda_warmup_decay",
+       R"({"type": "lambda", "fn": "warmup_decay", "warmup": 4, "total": 10})", 13,
+       [] {
+         return make_shared<mt::LambdaLR>(kScheduleBase, [](const mt::Tensor& t) {
+           return mt::where(t < 4.0, t / 4.0, mt::clamp((10.0 - t) / 6.0, 0.0, std::nullopt));
+         });
+       }},
+      {"lambda_power", R"({"type": "lambda", "fn": "power", "gamma": 0.9})", 9,
+       [] {
+         return make_shared<mt::LambdaLR>(kScheduleBase, [](const mt::Tensor& t) {
+           return mt::pow(mt::full({}, 0.9, mt::f64), t);
+         });
+       }},
+      {"lambda_whole", R"({"type": "lambda", "fn": "whole"})", 8,
+       [] {
+         return make_shared<mt::LambdaLR>(
+             kScheduleBase, [](const mt::Tensor& t) { return 1 + mt::floor(t / 3.0).to(mt::i64); });
+       }},
       {"sequential_warmup_exponential_step",
        R"({"type": "sequential", "milestones": [3, 7], "schedules": [
            {"type": "linear", "args": {"start_factor": 0.1, "end_factor": 1.0, "total_iters": 3}},
@@ -1841,6 +1859,29 @@ TEST(Schedules, CosineWithWarmupMatchesHandComputedValues) {
   EXPECT_NEAR(no_warmup.lr(2), 0.5, 1e-15);
   EXPECT_NEAR(no_warmup.lr(3), 0.14644660940672627, 1e-15);
   EXPECT_EQ(no_warmup.lr(4), 0.0);
+}
+
+// A LambdaLR's factor is one number: an empty function, a tensor of several values or a flag is
+// an mt::Error naming what it got, at construction or where the rate is computed.
+TEST(Schedules, LambdaLRRefusesWhatIsNoFactor) {
+  EXPECT_THROW(mt::LambdaLR(0.1, nullptr), mt::Error);
+  EXPECT_THROW(mt::LambdaLR(-0.1, [](const mt::Tensor& t) { return t; }), mt::Error);
+  auto message = [](mt::LambdaLR::Factor factor) {
+    try {
+      mt::LambdaLR(0.1, std::move(factor)).lr(3);
+    } catch (const mt::Error& e) {
+      return std::string(e.what());
+    }
+    return std::string("no error");
+  };
+  EXPECT_NE(message([](const mt::Tensor& t) {
+              return mt::stack({t, t});
+            }).find("[2] f64"),
+            std::string::npos);
+  EXPECT_NE(message([](const mt::Tensor& t) { return t > 1.0; }).find("bool"), std::string::npos);
+  EXPECT_NE(message([](const mt::Tensor&) { return mt::Tensor(); }).find("undefined"),
+            std::string::npos);
+  EXPECT_EQ(mt::LambdaLR(0.5, [](const mt::Tensor& t) { return t * t; }).lr(3), 4.5);
 }
 
 // Past its cycle OneCycleLR holds its last step's rate and momentum, the minimum: the formula at

@@ -193,6 +193,26 @@ Tensor ExponentialLR::graph_lr(const Tensor& step) const {
   return base_ * pow(number(gamma_), step);
 }
 
+LambdaLR::LambdaLR(double base_lr, Factor factor) : base_(base_lr), factor_(std::move(factor)) {
+  check_rate("LambdaLR", "base_lr", base_lr);
+  if (!factor_) fail("LambdaLR: the factor function is empty");
+}
+
+Tensor LambdaLR::graph_lr(const Tensor& step) const {
+  Tensor factor = factor_(step);
+  // As PyTorch's lambdas: any number (a whole one included), multiplied in f64.
+  if (!factor.defined() || factor.dim() != 0 || factor.dtype() == boolean)
+    fail("LambdaLR: the factor function must return a 0-d number, got {}",
+         factor.defined() ? fmt::format("{} {}", to_string(factor.shape()), name(factor.dtype()))
+                          : std::string("an undefined tensor"));
+  return base_ * cast(factor, f64);
+}
+
+double LambdaLR::lr(int64_t step) const {
+  NoGradGuard no_grad;
+  return graph_lr(number(static_cast<double>(step))).item();
+}
+
 LinearLR::LinearLR(double base_lr, double start_factor, double end_factor, int64_t total_iters)
     : base_(base_lr), start_(start_factor), end_(end_factor), total_(total_iters) {
   check_rate("LinearLR", "base_lr", base_lr);

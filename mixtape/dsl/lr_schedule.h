@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <vector>
@@ -195,6 +196,24 @@ class OneCycleLR : public LRSchedule {
   std::vector<Phase> phases_;
   int64_t total_;
   bool cos_, cycle_, required_;
+};
+
+/// torch.optim.lr_scheduler.LambdaLR: base_lr * factor(t) at step t, where `factor` is graph code
+/// over a 0-d f64 step (mixtape ops: where, clamp, pow, ...) returning a 0-d number, so that a
+/// compiled step's replays advance it as they do the built-in schedules; lr(t) runs the same
+/// code on the host. Transformers' linear warmup and decay, with w warmup and n total steps:
+///   mt::LambdaLR(3e-4, [](const mt::Tensor& t) {
+///     return mt::where(t < w, t / w, mt::clamp((n - t) / (n - w), 0.0, std::nullopt)); })
+class LambdaLR : public LRSchedule {
+ public:
+  using Factor = std::function<Tensor(const Tensor& step)>;
+  LambdaLR(double base_lr, Factor factor);
+  double lr(int64_t step) const override;
+  Tensor graph_lr(const Tensor& step) const override;
+
+ private:
+  double base_;
+  Factor factor_;
 };
 
 /// SequentialLR: schedules[0] until milestones[0], then schedules[1] counted from 0 at that

@@ -119,7 +119,17 @@ size_t Optimizer::add_group(std::vector<Tensor> params) {
   return group;
 }
 
-Optimizer::~Optimizer() { note_optimizer_parameters(params_, false); }
+Optimizer::~Optimizer() {
+  note_optimizer_parameters(params_, false);
+  // The state goes with the optimizer: a compiled step's plan that updates it traces again,
+  // whoever else holds the buffers (another plan, a trace), as after load_state.
+  for (const NamedTensors& state : state_)
+    for (const auto& [name, value] : state)
+      if (value.defined()) moved_off(value.node().get(), nullptr);
+  for (const Tensor& count : counts_)
+    if (count.defined()) moved_off(count.node().get(), nullptr);
+  if (step_.defined()) moved_off(step_.node().get(), nullptr);
+}
 
 const Optimizer::Group& Optimizer::checked_group(size_t group) const {
   if (group >= groups_.size())
@@ -465,9 +475,11 @@ void Optimizer::step_unless(const Tensor& skip, const std::vector<Tensor>& also)
     };
     for (size_t k = 0; k < updated.size(); ++k)
       for (const auto& [name, value] : new_state[k]) keep(updated[k], name, value);
+    // Every updated parameter's count, also where it is the step count: a parameter another
+    // shape's step does not update keeps its count apart from the one that shape leaves.
     keep(0, "~step", new_step);
     for (const CountGroup& group : groups)
-      if (!group.next.same(new_step)) keep(updated[group.members.front()], "~count", group.next);
+      for (size_t k : group.members) keep(updated[k], "~count", group.next);
   }
 }
 

@@ -456,6 +456,15 @@ Tensor offset_value(uint64_t offset) {
   storage->as<int64_t>()[0] = std::bit_cast<int64_t>(offset);
   return from_storage(std::move(storage), {});
 }
+
+// A new value rather than a write in place: draws not evaluated yet keep the offset they read.
+// The buffer it leaves counts a move off (Storage::moves_off): a compiled step's plan that reads
+// it, or takes it up from a trace of other shapes, sees it is no longer the offset, whoever still
+// holds it (a trace that read it, another plan).
+void replace_offset(Tensor& offset, Tensor next) {
+  moved_off(offset.node().get(), next.node().get());
+  offset = std::move(next);
+}
 }  // namespace
 
 Generator::Generator(uint64_t seed) : state_(std::make_shared<State>()) {
@@ -480,9 +489,8 @@ uint64_t Generator::offset() const {
 void Generator::manual_seed(uint64_t seed) { set_state(seed, 0); }
 
 void Generator::set_state(uint64_t seed, uint64_t offset) {
-  // A new value rather than a write in place: draws not evaluated yet keep the offset they read.
   state_->seed = seed;
-  state_->offset = offset_value(offset);
+  replace_offset(state_->offset, offset_value(offset));
   ++state_->changes;
 }
 
@@ -509,8 +517,9 @@ Tensor Generator::draw(uint64_t count) {
       if (std::shared_ptr<State> state = state_.lock()) changes_ = state->changes;
     }
     // The offset is state kept by name (below): a plan that took it up from a trace of other
-    // shapes follows that trace's draws and a restore before it; one after it replaced the
-    // offset that trace left, which no plan takes up. The seed is in the traced graph.
+    // shapes follows that trace's draws. A change before that trace left this hook stale then,
+    // so the plan takes nothing up; one after it moved off the offset that trace left, which
+    // the plan then cannot take up (replace_offset). The seed is in the traced graph.
     bool take_up() override {
       std::shared_ptr<State> state = state_.lock();
       if (!state || state->seed != seed_) return false;
@@ -528,10 +537,10 @@ Tensor Generator::draw(uint64_t count) {
   if (!trace_observer() && node->evaluated() && node->value->host_ready()) {
     // Outside a compiled step, with the offset at hand on the host, no graph code is needed.
     uint64_t at = std::bit_cast<uint64_t>(load_element<int64_t>(*node->value, 0));
-    state_->offset = offset_value(at + count);
+    replace_offset(state_->offset, offset_value(at + count));
   } else {
     NoGradGuard no_grad;
-    state_->offset = add(first, full({}, static_cast<double>(count), i64));
+    replace_offset(state_->offset, add(first, full({}, static_cast<double>(count), i64)));
     note_kept_state(state_, "offset", state_->offset.node());
   }
   ++state_->changes;

@@ -667,7 +667,7 @@ constexpr const char* kPinnedArgumentChanged =
 // Why a plan is dropped when a buffer it watches was replaced or dropped.
 constexpr const char* kWatchedBufferReplaced =
     "a buffer the step reads or updates was replaced or dropped outside it since the last call "
-    "(assign, load_state, zero_grad outside the function)";
+    "(assign, load_state, zero_grad outside the function, a generator reseeded or drawn from)";
 
 // Why a plan was dropped, for a buffer it watches replaced, where calls of other argument
 // signatures traced in between: their traces replace the state buffers (plans update them in
@@ -677,11 +677,23 @@ constexpr const char* kOtherSignatureTraced =
     "state buffers it updates, and not every one could be taken up from that trace (state "
     "without a name, or changed outside the step since)";
 
+// Whether something outside replaced or dropped a buffer the plan watches.
+bool replaced(const Plan::Watched& w) {
+  return w.object.use_count() < w.holders ||
+         w.object->moves_off.load(std::memory_order_relaxed) != w.moves_off;
+}
+
+// Whether the state the plan updates is as its last call left it: no buffer it watches replaced,
+// no host work guarding state stale.
+bool state_unchanged(const Plan& plan) {
+  return std::none_of(plan.watched.begin(), plan.watched.end(), replaced) &&
+         std::none_of(plan.hooks.begin(), plan.hooks.end(),
+                      [](const Hook& h) { return h.hook->stale() != nullptr; });
+}
+
 const char* replaced_state(const Plan& plan, const std::vector<Tensor>& args) {
-  for (const Plan::Watched& w : plan.watched)
-    if (w.object.use_count() < w.holders ||
-        w.object->moves_off.load(std::memory_order_relaxed) != w.moves_off)
-      return kWatchedBufferReplaced;
+  if (std::any_of(plan.watched.begin(), plan.watched.end(), replaced))
+    return kWatchedBufferReplaced;
   for (const PlannedEvaluation& planned : plan.evals)
     for (size_t x = 0; x < planned.inputs.size(); ++x) {
       if (changed_pinned_arg(planned.inputs[x], args)) return kPinnedArgumentChanged;
@@ -720,6 +732,10 @@ struct Entry {
   int unpinned_arg = -1;    // its plan was dropped for another buffer of this pinned argument
   int64_t last_call = 0;    // the number of its latest call (CompileStats::calls)
   std::vector<KeptState> kept;  // the state its plan's second trace left (Trace::kept)
+  // The call whose trace (of another signature) began with this plan's state as its last call
+  // left it: only what that trace leaves may the plan take up, as the changes it replaces are
+  // that trace's own.
+  int64_t clean_at = -1;
 };
 
 // What the latest trace left: the buffers it stored, with their holders and moves off once the
@@ -750,6 +766,11 @@ struct StateLeft {
           stored.holders = buffer.use_count() - 1;
           stored.moves_off = buffer->moves_off.load(std::memory_order_relaxed);
         }
+  }
+  // Whether nothing outside let go of or moved off any state it left under a name since.
+  bool all_current() const {
+    return std::all_of(kept.begin(), kept.end(),
+                       [&](const auto& name) { return current(name.second) != nullptr; });
   }
   // The buffer stored at `at`, where nothing let go of it or moved off it since the call (an
   // assign or load_state outside); else null.
@@ -788,30 +809,37 @@ std::optional<StoragePtr> successor(const KeptState& mine, const StateLeft& left
 // changing nothing, where the successor of one cannot be told.
 bool take_up_state_left(Entry& entry, const StateLeft& left) {
   Plan& plan = *entry.plan;
-  // Every state the plan's trace left under a name that the other trace left too, whether or not
-  // its buffer looks replaced: a handle the other trace replaced may have lost its holder while
-  // that trace took one (it read the buffer).
-  std::unordered_map<const Storage*, StoragePtr> next_of;
-  std::unordered_set<const Storage*> taken;
+  // Every buffer holding state the plan's trace left under a name that the other trace left too,
+  // whether or not it looks replaced (a handle the other trace replaced may have lost its holder
+  // while that trace took one: it read the buffer). A buffer under several names (the counts
+  // that parameters share) needs one successor for all of them, or none.
+  std::unordered_map<const Storage*, std::pair<StoragePtr, std::optional<StoragePtr>>> verdict;
   for (const KeptState& mine : entry.kept) {
     if (mine.at.first < 0 || mine.at.first >= static_cast<int>(plan.evals.size())) continue;
     const std::vector<StoragePtr>& outputs = plan.evals[mine.at.first].eval.outputs;
     if (mine.at.second < 0 || mine.at.second >= static_cast<int>(outputs.size())) continue;
     const StoragePtr& old = outputs[mine.at.second];
     std::optional<StoragePtr> next = successor(mine, left);
-    if (!next || *next == old) continue;
-    if (!*next || (*next)->dtype != old->dtype || (*next)->count != old->count ||
-        !taken.insert(next->get()).second || !next_of.emplace(old.get(), std::move(*next)).second)
-      return false;
+    if (next && !*next) return false;  // changed outside since that trace
+    auto [at, first] = verdict.try_emplace(old.get(), old, next);
+    if (!first && at->second.second != next) return false;
   }
+  std::unordered_map<const Storage*, StoragePtr> next_of;
+  std::unordered_set<const Storage*> taken;
+  for (auto& [buffer, entry_verdict] : verdict) {
+    auto& [old, next] = entry_verdict;
+    if (!next || *next == old) continue;
+    if ((*next)->dtype != old->dtype || (*next)->count != old->count ||
+        !taken.insert(next->get()).second)
+      return false;
+    next_of.emplace(buffer, std::move(*next));
+  }
+  verdict.clear();
   if (next_of.empty()) return false;
   // What else looks replaced has no name to take it up by (a constant the step reads, replaced
   // outside).
   for (const Plan::Watched& w : plan.watched)
-    if ((w.object.use_count() < w.holders ||
-         w.object->moves_off.load(std::memory_order_relaxed) != w.moves_off) &&
-        !next_of.count(w.object.get()))
-      return false;
+    if (replaced(w) && !next_of.count(w.object.get())) return false;
   // A successor may not be a buffer the plan holds in another role.
   auto other_role = [&](const StoragePtr& buffer) {
     return buffer && taken.count(buffer.get()) && !next_of.count(buffer.get());
@@ -981,7 +1009,8 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
   if (entry.plan) dropped = replaced_state(*entry.plan, args);
   if (dropped == kWatchedBufferReplaced && others_traced) {
     dropped = kOtherSignatureTraced;
-    if (state_->left && take_up_state_left(entry, *state_->left)) {
+    if (state_->left && entry.clean_at == state_->traced_at &&
+        take_up_state_left(entry, *state_->left)) {
       ++stats.rebinds;
       if (log) log_line("compile", "took up the state a trace of other argument shapes left");
       dropped = replaced_state(*entry.plan, args);
@@ -1013,6 +1042,16 @@ std::vector<Tensor> StepReplayer::call(const std::vector<Tensor>& args, const Fu
     }
   }
 
+  // Which other plans may take up what this trace leaves: those whose state is as their last
+  // call left it now, before the trace replaces it, or as the latest trace left it where they
+  // could take that up (short batches of several shapes in a row).
+  const bool left_current = state_->left && state_->left->all_current();
+  for (auto& [key, other] : state_->entries)
+    if (&other != &entry && other.plan)
+      other.clean_at =
+          state_unchanged(*other.plan) || (left_current && other.clean_at == state_->traced_at)
+              ? stats.calls
+              : -1;
   std::vector<Tensor> results;
   auto trace = std::make_unique<Trace>(trace_call(args, fn, results));
   if (trace->unfit.empty())

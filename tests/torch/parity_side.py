@@ -322,6 +322,14 @@ def make_schedule(opt, spec):
     if kind == 'sequential':
         return S.SequentialLR(opt, [make_schedule(opt, s) for s in spec['schedules']],
                               spec['milestones'])
+    if kind == 'lambda':  # the factors the C++ side writes as graph code
+        if spec['fn'] == 'warmup_decay':  # transformers' get_linear_schedule_with_warmup
+            w, n = spec['warmup'], spec['total']
+            return S.LambdaLR(opt, lambda t: t / w if t < w else max(0.0, (n - t) / (n - w)))
+        if spec['fn'] == 'power':
+            return S.LambdaLR(opt, lambda t: spec['gamma'] ** t)
+        if spec['fn'] == 'whole':  # a lambda returning an int
+            return S.LambdaLR(opt, lambda t: 1 + t // 3)
     raise ValueError('unknown schedule ' + kind)
 
 # The rate each optimizer step uses: the one the scheduler set after as many scheduler.step()s.
