@@ -645,7 +645,24 @@ TEST(GradScalerState, LoadStateDictRejectsBadState) {
   EXPECT_MT_ERROR(scaler.load_state_dict(with("scale", mt::zeros({2}))), "'scale'", "single");
   EXPECT_MT_ERROR(scaler.load_state_dict(with("growth_interval", mt::scalar(2.5, mt::f64))),
                   "growth_interval", "integer");
+  mt::NamedTensors both = good;
+  both.emplace_back("_growth_tracker", mt::scalar(3, mt::i32));
+  EXPECT_MT_ERROR(scaler.load_state_dict(both), "growth_tracker", "_growth_tracker");
   EXPECT_EQ(scaler.get_scale(), 32);  // nothing changed
+}
+
+// The keys torch.cuda.amp.GradScaler.state_dict() writes (its tracker as "_growth_tracker", the
+// numbers as Python floats and ints) load as ours.
+TEST(GradScalerState, LoadsPyTorchsKeys) {
+  mt::GradScaler scaler({.init_scale = 32});
+  scaler.load_state_dict({{"scale", mt::scalar(1024.0, mt::f64)},
+                          {"growth_factor", mt::scalar(2.0, mt::f64)},
+                          {"backoff_factor", mt::scalar(0.5, mt::f64)},
+                          {"growth_interval", mt::scalar(100, mt::i64)},
+                          {"_growth_tracker", mt::scalar(7, mt::i64)}});
+  EXPECT_EQ(scaler.get_scale(), 1024);
+  EXPECT_EQ(scaler.get_growth_tracker(), 7);
+  EXPECT_EQ(scaler.options().growth_interval, 100);
 }
 
 TEST_F(TempDir, CheckpointRoundTripWithScaler) {

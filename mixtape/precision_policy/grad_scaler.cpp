@@ -412,7 +412,15 @@ void GradScaler::load_state_dict(const NamedTensors& state) {
   const std::vector<std::string> known = {"scale",          "growth_tracker",  "growth_factor",
                                           "backoff_factor", "growth_interval", "dynamic",
                                           "min_scale",      "max_scale"};
-  for (const auto& [key, tensor] : state) {
+  // torch.cuda.amp.GradScaler.state_dict() names the tracker "_growth_tracker": its keys are
+  // read as ours.
+  auto has = [&](const char* key) {
+    return std::any_of(state.begin(), state.end(), [&](const auto& e) { return e.first == key; });
+  };
+  if (has("_growth_tracker") && has("growth_tracker"))
+    fail("{}: the state has both 'growth_tracker' and PyTorch's '_growth_tracker'", who);
+  for (const auto& [named, tensor] : state) {
+    const std::string& key = named == "_growth_tracker" ? known[1] : named;
     if (std::find(known.begin(), known.end(), key) == known.end()) {
       unknown.push_back(key);
       continue;
