@@ -25,14 +25,13 @@ namespace {
 
 constexpr std::pair<int, int> kUndefined{-1, -1};
 
-// State a call leaves, named by whose it is: a tensor assign() gave it (`tensor`, `role` empty),
-// or a handle kept for `anchor` in `role` (note_kept_state: an optimizer's moment of a
+// State a call leaves, named by whose it is: a tensor assign() gave it (the tensor, `role`
+// empty), or a handle kept for `anchor` in `role` (note_kept_state: an optimizer's moment of a
 // parameter, a generator's offset).
 struct KeptState {
   std::weak_ptr<const void> anchor;
   std::string role;
-  std::weak_ptr<TensorImpl> tensor;  // the anchor, where assign() made the state
-  std::pair<int, int> at;            // where the call stored it
+  std::pair<int, int> at;  // where the call stored it
   // Its name, while the anchor lives: an address is one object's while it lives.
   using Key = std::pair<const void*, std::string>;
   Key key() const { return {anchor.lock().get(), role}; }
@@ -87,11 +86,11 @@ class Recorder final : public TraceObserver {
   void assigning(const std::shared_ptr<TensorImpl>& target, const NodePtr& value) override {
     assigned.push_back(value);
     trace.assigned_to.push_back(target.get());
-    keep({target, "", target, kUndefined}, value);
+    keep({target, "", kUndefined}, value);
   }
   void keeping(const std::shared_ptr<const void>& anchor, const std::string& role,
                const NodePtr& value) override {
-    keep({anchor, role, {}, kUndefined}, value);
+    keep({anchor, role, kUndefined}, value);
   }
   // The last value kept under a name is the state the call leaves there.
   void keep(KeptState&& state, const NodePtr& value) {
@@ -738,8 +737,8 @@ struct Entry {
   int64_t clean_at = -1;
 };
 
-// What the latest trace left: the buffers it stored, with their holders and moves off once the
-// call ended, and whose state each is. A plan of other argument shapes whose state that trace
+// What the latest trace left: the buffer of each state it left under a name, with its holders
+// and moves off once the call ended. A plan of other argument shapes whose state that trace
 // replaced takes it up from here (take_up_state_left) rather than be made again from two more
 // traces.
 struct StateLeft {
@@ -747,61 +746,49 @@ struct StateLeft {
     std::weak_ptr<Storage> buffer;
     long holders = 0;
     uint32_t moves_off = 0;
+    // The buffer, where nothing let go of it or moved off it since the call ended (an assign or
+    // load_state outside); else null.
+    StoragePtr current() const {
+      StoragePtr now = buffer.lock();
+      if (!now || now.use_count() - 1 < holders ||
+          now->moves_off.load(std::memory_order_relaxed) != moves_off)
+        return nullptr;
+      return now;
+    }
   };
-  std::vector<std::vector<Stored>> evals;  // per evaluation, per stored value
-  std::map<KeptState::Key, Place> kept;    // where it stored the state under each name
+  std::map<KeptState::Key, Stored> kept;  // the buffer it left under each name
 
   explicit StateLeft(const Trace& trace) {
-    for (const KeptState& state : trace.kept) kept.emplace(state.key(), state.at);
-    for (const Evaluation& e : trace.evals) {
-      std::vector<Stored>& left = evals.emplace_back();
-      for (const StoragePtr& output : e.outputs) left.push_back({output});
-    }
+    for (const KeptState& state : trace.kept)
+      kept.emplace(state.key(), Stored{state.at == kUndefined
+                                           ? nullptr
+                                           : trace.evals[state.at.first].outputs[state.at.second]});
   }
-  // Counts the holders and moves off of the stored buffers as the call ends.
+  // Counts the holders and moves off of those buffers as the call ends.
   void settle() {
-    for (std::vector<Stored>& e : evals)
-      for (Stored& stored : e)
-        if (StoragePtr buffer = stored.buffer.lock()) {
-          stored.holders = buffer.use_count() - 1;
-          stored.moves_off = buffer->moves_off.load(std::memory_order_relaxed);
-        }
+    for (auto& [name, stored] : kept)
+      if (StoragePtr buffer = stored.buffer.lock()) {
+        stored.holders = buffer.use_count() - 1;
+        stored.moves_off = buffer->moves_off.load(std::memory_order_relaxed);
+      }
   }
   // Whether nothing outside let go of or moved off any state it left under a name since.
   bool all_current() const {
     return std::all_of(kept.begin(), kept.end(),
-                       [&](const auto& name) { return current(name.second) != nullptr; });
-  }
-  // The buffer stored at `at`, where nothing let go of it or moved off it since the call (an
-  // assign or load_state outside); else null.
-  StoragePtr current(Place at) const {
-    if (at.first < 0 || at.first >= static_cast<int>(evals.size())) return nullptr;
-    const std::vector<Stored>& outputs = evals[at.first];
-    if (at.second < 0 || at.second >= static_cast<int>(outputs.size())) return nullptr;
-    const Stored& stored = outputs[at.second];
-    StoragePtr buffer = stored.buffer.lock();
-    if (!buffer || buffer.use_count() - 1 < stored.holders ||
-        buffer->moves_off.load(std::memory_order_relaxed) != stored.moves_off)
-      return nullptr;
-    return buffer;
+                       [](const auto& name) { return name.second.current() != nullptr; });
   }
 };
 
 // The buffer `left` holds under the name of the plan's state `mine` (null where something
-// outside let go of it or moved off it since, or an assigned tensor holds another); nullopt where
-// `left` kept nothing under that name.
+// outside let go of it or moved off it since: an assign, a load_state); nullopt where `left` kept
+// nothing under that name.
 std::optional<StoragePtr> successor(const KeptState& mine, const StateLeft& left) {
   // The anchor lived through both traces (it lives now and did at the plan's trace), so the same
   // address in the other's name is the same anchor.
   const KeptState::Key key = mine.key();
   auto theirs = left.kept.find(key);
   if (!key.first || theirs == left.kept.end()) return std::nullopt;
-  StoragePtr now = left.current(theirs->second);
-  if (mine.role.empty()) {
-    std::shared_ptr<TensorImpl> tensor = mine.tensor.lock();
-    if (!tensor || !tensor->node || now != tensor->node->value) return nullptr;
-  }
-  return now;
+  return theirs->second.current();
 }
 
 // Gives the plan the buffers `left` holds in the roles of the state buffers it watches that a
@@ -815,10 +802,8 @@ bool take_up_state_left(Entry& entry, const StateLeft& left) {
   // that parameters share) needs one successor for all of them, or none.
   std::unordered_map<const Storage*, std::pair<StoragePtr, std::optional<StoragePtr>>> verdict;
   for (const KeptState& mine : entry.kept) {
-    if (mine.at.first < 0 || mine.at.first >= static_cast<int>(plan.evals.size())) continue;
-    const std::vector<StoragePtr>& outputs = plan.evals[mine.at.first].eval.outputs;
-    if (mine.at.second < 0 || mine.at.second >= static_cast<int>(outputs.size())) continue;
-    const StoragePtr& old = outputs[mine.at.second];
+    if (mine.at == kUndefined) continue;
+    const StoragePtr& old = plan.evals[mine.at.first].eval.outputs[mine.at.second];
     std::optional<StoragePtr> next = successor(mine, left);
     if (next && !*next) return false;  // changed outside since that trace
     auto [at, first] = verdict.try_emplace(old.get(), old, next);
@@ -864,15 +849,17 @@ bool take_up_state_left(Entry& entry, const StateLeft& left) {
     planned.in_place.reset();
   }
   next_of.clear();  // counted by watch() as holders otherwise
-  std::vector<Plan::Watched> before = std::move(plan.watched);
+  std::unordered_map<const Storage*, long> holders_before;
+  for (const Plan::Watched& w : plan.watched) holders_before.emplace(w.object.get(), w.holders);
+  const std::vector<Plan::Watched> before = std::move(plan.watched);  // alive for the keys above
   plan.watched.clear();
   plan.kept.clear();
   watch(plan);
   // A buffer it kept keeps the holders counted when the plan was made: a handle taken since
   // may still let go of it.
   for (Plan::Watched& w : plan.watched)
-    for (const Plan::Watched& old : before)
-      if (old.object == w.object) w.holders = std::min(w.holders, old.holders);
+    if (auto found = holders_before.find(w.object.get()); found != holders_before.end())
+      w.holders = std::min(w.holders, found->second);
   // Host work guarding state that trace changed (a generator it drew from) follows it; a hook
   // that cannot stays stale, and the plan is dropped.
   for (const Hook& h : plan.hooks)
