@@ -880,6 +880,29 @@ const std::vector<Sample>& composite_samples() {
     add_c("interpolate_nearest", {{{1, 2, 3, 4}}}, [](const Tensors& x) {
       return mt::interpolate(x[0], {.size = {5, 3}});
     });
+    add_c("interpolate_bicubic", {{{1, 2, 3, 4}}}, [](const Tensors& x) {
+      return mt::interpolate(x[0], {.size = {5, 3}, .mode = mt::InterpolateMode::Bicubic});
+    });
+    add_c("interpolate_bicubic_align_corners", {{{1, 1, 4, 3}}}, [](const Tensors& x) {
+      return mt::interpolate(
+          x[0],
+          {.scale_factor = {1.5}, .mode = mt::InterpolateMode::Bicubic, .align_corners = true});
+    });
+    add_c("pad_circular", {{{2, 3, 4}}}, [](const Tensors& x) {
+      return mt::pad(x[0], {4, 2, 1, 3}, mt::PadMode::Circular);
+    });
+    add_c("conv2d_same_reflect", {{{1, 2, 4, 3}}, {{3, 2, 2, 3}}}, [](const Tensors& x) {
+      return mt::conv2d(x[0], x[1], {},
+                        {.padding = mt::Padding::Same, .padding_mode = mt::PadMode::Reflect});
+    });
+    add_c("conv1d_same_circular", {{{1, 2, 5}}, {{2, 2, 4}}}, [](const Tensors& x) {
+      return mt::conv1d(x[0], x[1], {},
+                        {.padding = mt::Padding::Same, .padding_mode = mt::PadMode::Circular});
+    });
+    add_c("pixel_shuffle_unshuffle", {{{1, 8, 2, 3}}}, [](const Tensors& x) {
+      mt::Tensor up = mt::pixel_shuffle(x[0], 2);
+      return mt::pixel_unshuffle(up * up, 2);
+    });
     add_c("split_weighted", {{{2, 5}}}, [](const Tensors& x) {
       std::vector<mt::Tensor> parts = mt::split(x[0], 2, 1);
       return mt::concat({parts[2] * 3.0, parts[0], parts[1] * parts[1]}, 1);

@@ -1616,6 +1616,44 @@ void add_conv_cases(Oracle& o, Data& d, mt::DType dt) {
           fmt::format("torch.nn.grad.conv2d_weight(a, ({}), b, {})", join_dims(c.w), args), rtol,
           atol);
   }
+  // Padding rules and modes: torch.nn's modules pad as they do (the odd one of 'same' after),
+  // and F.conv2d / F.conv1d take 'same' and 'valid'.
+  mt::Tensor xs = d.randn({2, 4, 7, 6}, dt), ws = d.randn({6, 2, 4, 3}, dt), bs = d.randn({6}, dt);
+  o.add("conv2d/same_even_kernel/" + t, {xs, ws, bs},
+        mt::conv2d(xs, ws, bs, {.padding = mt::Padding::Same, .dilation = {1, 2}, .groups = 2}),
+        "F.conv2d(a, b, c, padding='same', dilation=(1, 2), groups=2)", rtol, atol);
+  o.add("conv2d/valid/" + t, {xs, ws},
+        mt::conv2d(xs, ws, {}, {.stride = {2, 1}, .padding = mt::Padding::Valid, .groups = 2}),
+        "F.conv2d(a, b, stride=(2, 1), padding='valid', groups=2)", rtol, atol);
+  const std::pair<mt::PadMode, const char*> modes[] = {{mt::PadMode::Reflect, "reflect"},
+                                                       {mt::PadMode::Replicate, "replicate"},
+                                                       {mt::PadMode::Circular, "circular"}};
+  for (const auto& [mode, mode_name] : modes) {
+    o.add(fmt::format("conv2d/same_{}/{}", mode_name, t), {xs, ws, bs},
+          mt::conv2d(xs, ws, bs, {.padding = mt::Padding::Same, .groups = 2, .padding_mode = mode}),
+          fmt::format("conv_module(torch.nn.Conv2d, a, b, c, padding='same', groups=2, "
+                      "padding_mode='{}')",
+                      mode_name),
+          rtol, atol);
+    o.add(
+        fmt::format("conv2d/padded_{}/{}", mode_name, t), {xs, ws},
+        mt::conv2d(xs, ws, {}, {.stride = 2, .padding = {2, 1}, .groups = 2, .padding_mode = mode}),
+        fmt::format("conv_module(torch.nn.Conv2d, a, b, None, stride=2, padding=(2, 1), "
+                    "groups=2, padding_mode='{}')",
+                    mode_name),
+        rtol, atol);
+  }
+  mt::Tensor xl = d.randn({2, 4, 9}, dt), wl = d.randn({6, 2, 4}, dt);
+  o.add("conv1d/same_even_kernel/" + t, {xl, wl},
+        mt::conv1d(xl, wl, {}, {.padding = mt::Padding::Same, .dilation = 3, .groups = 2}),
+        "F.conv1d(a, b, padding='same', dilation=3, groups=2)", rtol, atol);
+  o.add(
+      "conv1d/same_reflect/" + t, {xl, wl},
+      mt::conv1d(xl, wl, {},
+                 {.padding = mt::Padding::Same, .groups = 2, .padding_mode = mt::PadMode::Reflect}),
+      "conv_module(torch.nn.Conv1d, a, b, None, padding='same', groups=2, "
+      "padding_mode='reflect')",
+      rtol, atol);
   // Max pooling's two primitives: PyTorch's forward and its autograd gradient.
   mt::Tensor xp = d.randn({2, 3, 9, 8}, dt);
   mt::PoolWindow pool;
@@ -1658,6 +1696,13 @@ void add_movement_cases(Oracle& o, Data& d, mt::DType dt) {
   o.add("reshape/" + t, {x}, mt::reshape(x, {4, -1}), "a.reshape(4, -1)");
   o.add("permute/" + t, {x}, mt::permute(x, {2, 0, 1}), "a.permute(2, 0, 1)");
   o.add("transpose/" + t, {x}, mt::transpose(x, 0, 2), "a.transpose(0, 2)");
+  mt::Tensor channels = d.randn({2, 3, 12, 2, 3}, dt);
+  o.add("pixel_shuffle/" + t, {channels}, mt::pixel_shuffle(channels, 2), "F.pixel_shuffle(a, 2)");
+  mt::Tensor blocks = d.randn({2, 3, 2, 4, 6}, dt);
+  o.add("pixel_unshuffle/" + t, {blocks}, mt::pixel_unshuffle(blocks, 2),
+        "F.pixel_unshuffle(a, 2)");
+  mt::Tensor image = d.randn({1, 18, 2, 3}, dt);
+  o.add("pixel_shuffle_3/" + t, {image}, mt::pixel_shuffle(image, 3), "F.pixel_shuffle(a, 3)");
   o.add("flatten/" + t, {x}, mt::flatten(x, 0, 1), "a.flatten(0, 1)");
   o.add("unsqueeze/" + t, {x}, mt::unsqueeze(x, -1), "a.unsqueeze(-1)");
   mt::Tensor col = d.randn({3, 1}, dt);
@@ -1876,6 +1921,8 @@ void add_composite_cases(Oracle& o, Data& d, mt::DType dt) {
         "F.pad(a, (2, 1, 3, 0), mode='reflect')");
   o.add("pad/replicate/" + t, {img}, mt::pad(img, {3, 1, 1, 2}, mt::PadMode::Replicate),
         "F.pad(a, (3, 1, 1, 2), mode='replicate')");
+  o.add("pad/circular/" + t, {img}, mt::pad(img, {5, 2, 1, 4}, mt::PadMode::Circular),
+        "F.pad(a, (5, 2, 1, 4), mode='circular')");
   Doubles lv = d.normal(12, 4.0);
   lv[0] = 30, lv[1] = -30, lv[2] = 12, lv[3] = -12;
   mt::Tensor bl = make(lv, {3, 4}, dt), by = make(d.uniform(12, 0.0, 1.0), {3, 4}, dt);

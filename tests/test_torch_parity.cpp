@@ -858,6 +858,33 @@ std::vector<VisionCase> vision_cases() {
        {{"size", "4,3"}, {"mode", "bilinear"}, {"align_corners", "1"}}},
       {"pad_reflect", "pad", {2, 3, 5, 6}, {{"pads", "2,1,1,3"}, {"mode", "reflect"}}},
       {"pad_replicate", "pad", {2, 3, 5, 6}, {{"pads", "1,2,3,0"}, {"mode", "replicate"}}},
+      {"pad_circular",
+       "pad",
+       {2, 3, 5, 6},
+       {{"pads", "6,2,1,4"}, {"mode", "circular"}},
+       false,
+       false,
+       false,
+       false,
+       true},
+      {"interpolate_bicubic",
+       "interpolate",
+       {2, 3, 5, 6},
+       {{"size", "9,11"}, {"mode", "bicubic"}, {"align_corners", "0"}},
+       false,
+       false,
+       false,
+       false,
+       true},
+      {"interpolate_bicubic_corners_down",
+       "interpolate",
+       {2, 3, 5, 6},
+       {{"size", "4,3"}, {"mode", "bicubic"}, {"align_corners", "1"}},
+       false,
+       false,
+       false,
+       false,
+       true},
   };
   std::vector<VisionCase> cases;
   for (const VisionCase& c : base) {
@@ -898,16 +925,21 @@ mt::Tensor apply_vision(const VisionCase& c, const mt::Tensor& h, const mt::Tens
   if (c.op == "group_norm")
     return mt::group_norm(h, integer("groups"), weight, bias, number("eps"));
   if (c.op == "instance_norm") return mt::instance_norm(h, weight, bias, number("eps"));
-  if (c.op == "interpolate")
-    return mt::interpolate(
-        h, {.size = int_list(c.options.at("size")),
-            .mode = c.options.at("mode") == "bilinear" ? mt::InterpolateMode::Bilinear
-                                                       : mt::InterpolateMode::Nearest,
-            .align_corners = flag("align_corners")});
-  if (c.op == "pad")
-    return mt::pad(
-        h, int_list(c.options.at("pads")),
-        c.options.at("mode") == "reflect" ? mt::PadMode::Reflect : mt::PadMode::Replicate);
+  if (c.op == "interpolate") {
+    const std::map<std::string, mt::InterpolateMode> modes{
+        {"nearest", mt::InterpolateMode::Nearest},
+        {"bilinear", mt::InterpolateMode::Bilinear},
+        {"bicubic", mt::InterpolateMode::Bicubic}};
+    return mt::interpolate(h, {.size = int_list(c.options.at("size")),
+                               .mode = modes.at(c.options.at("mode")),
+                               .align_corners = flag("align_corners")});
+  }
+  if (c.op == "pad") {
+    const std::map<std::string, mt::PadMode> modes{{"reflect", mt::PadMode::Reflect},
+                                                   {"replicate", mt::PadMode::Replicate},
+                                                   {"circular", mt::PadMode::Circular}};
+    return mt::pad(h, int_list(c.options.at("pads")), modes.at(c.options.at("mode")));
+  }
   throw std::runtime_error("unknown vision op " + c.op);
 }
 

@@ -750,6 +750,21 @@ TEST(VisionErrors, BadArgumentsNameTheOpAndTheShapes) {
   EXPECT_MT_ERROR(
       mt::interpolate(mt::zeros({2, 3, 4}), {.size = {8}, .mode = mt::InterpolateMode::Bilinear}),
       "interpolate", "bilinear", "[2, 3, 4]");
+  EXPECT_MT_ERROR(
+      mt::interpolate(mt::zeros({2, 3, 4}), {.size = {8}, .mode = mt::InterpolateMode::Bicubic}),
+      "interpolate", "bicubic", "[2, 3, 4]");
+  EXPECT_MT_ERROR(mt::interpolate(x, {.size = {8, 8}, .align_corners = true}), "interpolate",
+                  "align_corners", "bilinear and bicubic");
+  EXPECT_MT_ERROR(mt::Upsample({.size = {8, 8}, .scale_factor = {2}}), "Upsample", "both");
+  EXPECT_MT_ERROR(mt::pixel_shuffle(x, 3), "pixel_shuffle", "4 channels", "[2, 4, 5, 5]");
+  EXPECT_MT_ERROR(mt::pixel_shuffle(mt::zeros({4, 5}), 1), "pixel_shuffle", "[*, C, H, W]");
+  EXPECT_MT_ERROR(mt::pixel_shuffle(x, 0), "pixel_shuffle", "factor", "got 0");
+  EXPECT_MT_ERROR(mt::pixel_shuffle(x, int64_t{1} << 40), "pixel_shuffle", "2^30");
+  EXPECT_MT_ERROR(mt::pixel_unshuffle(x, 2), "pixel_unshuffle", "multiples of the factor 2");
+  EXPECT_MT_ERROR(mt::PixelShuffle(-1), "PixelShuffle", "positive");
+  EXPECT_MT_ERROR(mt::pad(x, {6, 0}, mt::PadMode::Circular), "pad", "circular",
+                  "at most its size 5");
+  EXPECT_MT_ERROR(mt::pad(x, {-1, 0}, mt::PadMode::Circular), "pad", "constant mode");
   EXPECT_MT_ERROR(mt::dropout2d(x, 1.5), "dropout2d", "p must be");
   // Huge sizes: an mt::Error, not an allocation failure, an overflow or a graph of 2^40 nodes.
   const double inf = std::numeric_limits<double>::infinity();
@@ -821,6 +836,52 @@ TEST(VisionInterpolate, FollowsPyTorch) {
   mt::Tensor taller =
       mt::interpolate(line, {.scale_factor = {2, 1.1}, .mode = mt::InterpolateMode::Bilinear});
   EXPECT_EQ(taller.to_vector<float>(), (std::vector<float>{0, 1, 2, 3, 4, 0, 1, 2, 3, 4}));
+  // Bicubic does not copy such an axis (its weights at 1.1 are not (0, 1, 0, 0)), and overshoots
+  // at the edge: torch 1.13's values.
+  mt::Tensor cubic =
+      mt::interpolate(line, {.scale_factor = {2, 1.1}, .mode = mt::InterpolateMode::Bicubic});
+  const std::vector<double> torch_row{-0.031062126, 0.80876720, 1.7248309, 2.6423745, 3.6760664};
+  std::vector<double> rows = torch_row;
+  rows.insert(rows.end(), torch_row.begin(), torch_row.end());
+  expect_near(values(cubic), rows, 1e-6);
+  mt::Tensor squares = mt::tensor(std::vector<float>{0, 1, 4, 9}, {1, 1, 1, 4});
+  mt::Tensor corners = mt::interpolate(
+      squares, {.size = {1, 7}, .mode = mt::InterpolateMode::Bicubic, .align_corners = true});
+  EXPECT_EQ(corners.to_vector<float>(),
+            (std::vector<float>{0, 0.21875f, 1, 2.125f, 4, 6.78125f, 9}));
+}
+
+// The modules of the vision ops run them with the options they were made with; a strided
+// convolution with padding 'same' fails when it is made, as torch.nn's.
+TEST(VisionModules, UpsamplePixelShuffleAndSamePaddedConvolutions) {
+  mt::Generator gen(5);
+  mt::Sequential net;
+  auto& conv = net.emplace_back<mt::Conv2d>(
+      3, 8, mt::Size2{2, 3},
+      mt::Conv2dOptions{.padding = mt::Padding::Same, .padding_mode = mt::PadMode::Reflect}, true,
+      &gen);
+  net.emplace_back<mt::PixelShuffle>(2);
+  net.emplace_back<mt::Upsample>(
+      mt::InterpolateOptions{.scale_factor = {0.5}, .mode = mt::InterpolateMode::Bicubic});
+  net.emplace_back<mt::PixelUnshuffle>(2);
+  mt::Tensor x = mt::randn({2, 3, 6, 4}, mt::f32, &gen);
+  mt::Tensor y = net(x);
+  EXPECT_EQ(y.shape(), (mt::Shape{2, 8, 3, 2}));
+  mt::Tensor padded = mt::pad(x, {1, 1, 0, 1}, mt::PadMode::Reflect);
+  mt::Tensor by_hand = mt::pixel_unshuffle(
+      mt::interpolate(mt::pixel_shuffle(mt::conv2d(padded, conv.weight, conv.bias), 2),
+                      {.scale_factor = {0.5}, .mode = mt::InterpolateMode::Bicubic}),
+      2);
+  EXPECT_EQ(values(y), values(by_hand));
+  EXPECT_MT_ERROR(mt::Conv2d(3, 8, 3, {.stride = 2, .padding = mt::Padding::Same}), "Conv2d",
+                  "'same'", "stride 1");
+  EXPECT_MT_ERROR(mt::Conv1d(3, 8, 3, {.stride = 2, .padding = mt::Padding::Same}), "Conv1d",
+                  "'same'", "stride 1");
+  EXPECT_MT_ERROR(mt::conv2d(x, conv.weight, {}, {.stride = {1, 2}, .padding = mt::Padding::Same}),
+                  "conv2d", "'same'", "got stride 2");
+  EXPECT_MT_ERROR(mt::conv2d(x, mt::zeros({8, 3, 3, 3}), {},
+                             {.padding = 6, .padding_mode = mt::PadMode::Reflect}),
+                  "pad", "reflect padding (6, 6)", "below its size 4");
 }
 
 // ceil_mode windows that reach past the padded input are PyTorch's to take (refused before):

@@ -3,6 +3,7 @@
 #include "mixtape/dsl/conv.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "mixtape/dsl/composites.h"
 #include "mixtape/dsl/error.h"
@@ -181,35 +182,88 @@ Tensor conv2d_weight_grad(const Tensor& x, const Tensor& grad_out, const Shape& 
   return conv_node(OpCode::Conv2dWeightGrad, x, grad_out, t, weight_shape, window, loc);
 }
 
+namespace {
+
+// x [N, C, H, W] and the window of conv1d's and conv2d's options, their padding resolved as
+// PyTorch resolves it: 'same' pads dilation (k - 1) per axis, the odd one after, and a padding
+// mode other than zeros pads x with mt::pad first, for a convolution without padding. So does
+// 'same''s odd zero, the rest staying the window's. Padding happens before the convolution's
+// composite opens, as PyTorch's modules pad in x's type before theirs.
+std::pair<Tensor, ConvWindow> resolve_padding(const char* op, const Tensor& x, const Tensor& weight,
+                                              const Conv2dOptions& options, const Loc& loc) {
+  ConvWindow window;
+  window.stride[0] = options.stride.h, window.stride[1] = options.stride.w;
+  window.dil[0] = options.dilation.h, window.dil[1] = options.dilation.w;
+  window.groups = options.groups;
+  if (!options.padding.same) window.pad[0] = options.padding.h, window.pad[1] = options.padding.w;
+  check_window(op, window, loc);
+  if (!options.padding.same && options.padding_mode == PadMode::Constant) return {x, window};
+  // The shapes' own errors come from the convolution.
+  if (x.dim() != 4 || weight.dim() != 4) return {x, window};
+  int64_t before[2], after[2];
+  for (int d = 0; d < 2; ++d) {
+    before[d] = after[d] = window.pad[d];
+    if (!options.padding.same) continue;
+    if (window.stride[d] != 1)
+      op_fail(op, loc, "padding 'same' needs stride 1, got stride {}", window.stride[d]);
+    const int64_t total =
+        std::max<int64_t>(0, dilated_extent(op, window.dil[d], weight.size(2 + d), loc) - 1);
+    before[d] = total / 2;
+    after[d] = total - before[d];
+  }
+  if (options.padding_mode == PadMode::Constant) {
+    window.pad[0] = before[0], window.pad[1] = before[1];
+    check_window(op, window, loc);
+    if (after[0] == before[0] && after[1] == before[1]) return {x, window};
+    return {pad(x, {0, after[1] - before[1], 0, after[0] - before[0]}, PadMode::Constant, 0.0, loc),
+            window};
+  }
+  window.pad[0] = window.pad[1] = 0;
+  return {pad(x, {before[1], after[1], before[0], after[0]}, options.padding_mode, 0.0, loc),
+          window};
+}
+
+}  // namespace
+
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
               const Conv2dOptions& options, const Loc& loc) {
-  CallSiteScope site(loc, composite::conv2d);
   if (!x.defined() || !weight.defined())
     op_fail("conv2d", loc, "the input or the weight is an undefined tensor");
-  if (x.dim() == 3)
-    return squeeze(conv2d(unsqueeze(x, 0, loc), weight, bias, options, loc), 0, loc);
-  const ConvWindow window = ConvWindow::of(options);
-  return add_bias("conv2d", forward("conv2d", x, weight, window, loc), bias, loc);
+  if (x.dim() == 3) {
+    Tensor y = conv2d(unsqueeze(x, 0, loc), weight, bias, options, loc);
+    CallSiteScope site(loc, composite::conv2d);
+    return squeeze(y, 0, loc);
+  }
+  const auto [input, window] = resolve_padding("conv2d", x, weight, options, loc);
+  CallSiteScope site(loc, composite::conv2d);
+  return add_bias("conv2d", forward("conv2d", input, weight, window, loc), bias, loc);
 }
 
 Tensor conv1d(const Tensor& x, const Tensor& weight, const Tensor& bias,
               const Conv1dOptions& options, const Loc& loc) {
-  CallSiteScope site(loc, composite::conv1d);
   if (!x.defined() || !weight.defined())
     op_fail("conv1d", loc, "the input or the weight is an undefined tensor");
-  if (x.dim() == 2)
-    return squeeze(conv1d(unsqueeze(x, 0, loc), weight, bias, options, loc), 0, loc);
+  if (x.dim() == 2) {
+    Tensor y = conv1d(unsqueeze(x, 0, loc), weight, bias, options, loc);
+    CallSiteScope site(loc, composite::conv1d);
+    return squeeze(y, 0, loc);
+  }
   if (x.dim() != 3) op_fail("conv1d", loc, "input must be [N, C, L], got {}", to_string(x.shape()));
   if (weight.dim() != 3)
     op_fail("conv1d", loc, "weight must be [out_channels, in_channels / groups, K], got {}",
             to_string(weight.shape()));
   // A 2-d convolution over a height of one.
-  ConvWindow window;
-  window.stride[1] = options.stride;
-  window.pad[1] = options.padding;
-  window.dil[1] = options.dilation;
-  window.groups = options.groups;
-  Tensor y = forward("conv1d", unsqueeze(x, 2, loc), unsqueeze(weight, 2, loc), window, loc);
+  const Tensor x2 = unsqueeze(x, 2, loc), weight2 = unsqueeze(weight, 2, loc);
+  const Conv2dOptions options2{.stride = {1, options.stride},
+                               .padding = options.padding.same
+                                              ? ConvPadding2(Padding::Same)
+                                              : ConvPadding2(0, options.padding.size),
+                               .dilation = {1, options.dilation},
+                               .groups = options.groups,
+                               .padding_mode = options.padding_mode};
+  const auto [input, window] = resolve_padding("conv1d", x2, weight2, options2, loc);
+  CallSiteScope site(loc, composite::conv1d);
+  Tensor y = forward("conv1d", input, weight2, window, loc);
   return add_bias("conv1d", squeeze(y, 2, loc), bias, loc);
 }
 

@@ -6,16 +6,48 @@
 #include <cstdint>
 #include <string>
 
+#include "mixtape/dsl/error.h"
+#include "mixtape/dsl/functional.h"
 #include "mixtape/dsl/tensor.h"
 
 namespace mixtape {
 
+/// PyTorch's padding='same' and padding='valid' of conv1d and conv2d. Same pads each axis by
+/// dilation (kernel - 1) in all, the odd one after (right, bottom), so that the output is as large
+/// as the input; it needs stride 1. Valid pads nothing.
+enum class Padding { Same, Valid };
+
+/// conv2d's padding: sizes, as PyTorch's `int or tuple` (`.padding = 1`, `.padding = {1, 0}`),
+/// or a rule (`.padding = mt::Padding::Same`).
+struct ConvPadding2 : Size2 {
+  ConvPadding2(int64_t both) : Size2(both) {}  // NOLINT: implicit, as PyTorch's int argument
+  ConvPadding2(int64_t h, int64_t w) : Size2(h, w) {}
+  ConvPadding2(Padding rule) : Size2(0), same(rule == Padding::Same) {}  // NOLINT: as 'same'
+  bool same = false;
+};
+/// conv1d's padding: a size or a rule.
+struct ConvPadding1 {
+  ConvPadding1(int64_t size) : size(size) {}  // NOLINT: implicit, as PyTorch's int argument
+  ConvPadding1(Padding rule) : same(rule == Padding::Same) {}  // NOLINT: as 'same'
+  int64_t size = 0;
+  bool same = false;
+};
+
+/// `padding_mode` is the modules' argument in PyTorch (Conv1d, Conv2d), which their functions
+/// take here too: Constant pads zeros ('zeros'), Reflect, Replicate and Circular pad the input
+/// with mt::pad before a convolution without padding, as PyTorch's modules do.
 struct Conv2dOptions {
-  Size2 stride = 1, padding = 0, dilation = 1;
+  Size2 stride = 1;
+  ConvPadding2 padding = 0;
+  Size2 dilation = 1;
   int64_t groups = 1;
+  PadMode padding_mode = PadMode::Constant;
 };
 struct Conv1dOptions {
-  int64_t stride = 1, padding = 0, dilation = 1, groups = 1;
+  int64_t stride = 1;
+  ConvPadding1 padding = 0;
+  int64_t dilation = 1, groups = 1;
+  PadMode padding_mode = PadMode::Constant;
 };
 struct ConvTranspose2dOptions {
   Size2 stride = 1, padding = 0, output_padding = 0;
@@ -25,7 +57,8 @@ struct ConvTranspose2dOptions {
 
 /// torch.nn.functional.conv2d: x [N, C, H, W] (or [C, H, W]), weight [O, C / groups, KH, KW],
 /// bias [O] or undefined -> [N, O, OH, OW] with OH = (H + 2 pad - dil (KH - 1) - 1) / stride + 1.
-/// A low-precision op with f32 accumulation under autocast, as matmul.
+/// A low-precision op with f32 accumulation under autocast, as matmul. Padding 'same', or a
+/// padding mode other than zeros, pads x with mt::pad first (in x's type, as PyTorch).
 Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
               const Conv2dOptions& options = {}, const Loc& loc = Loc::current());
 /// torch.nn.functional.conv1d: x [N, C, L] (or [C, L]), weight [O, C / groups, K].
@@ -44,9 +77,12 @@ struct ConvWindow {
   Ints attr() const;
   static ConvWindow from(const Ints& attr);
   auto operator<=>(const ConvWindow&) const = default;
-  /// The window of conv2d's (or conv_transpose2d's) options.
+  /// The window of conv2d's (or conv_transpose2d's) options with padding in sizes (conv2d
+  /// resolves a rule and a padding mode into an explicit pad and this window).
   template <typename Options>
   static ConvWindow of(const Options& o) {
+    if constexpr (requires { o.padding.same; })
+      if (o.padding.same) fail("ConvWindow::of: padding 'same' has no window before a kernel");
     ConvWindow w;
     w.stride[0] = o.stride.h, w.stride[1] = o.stride.w;
     w.pad[0] = o.padding.h, w.pad[1] = o.padding.w;

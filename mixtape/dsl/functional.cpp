@@ -1135,6 +1135,9 @@ Tensor pad(const Tensor& x, const std::vector<int64_t>& pads, PadMode mode, doub
       if (mode == PadMode::Reflect && (before >= size || after >= size))
         op_fail("pad", loc, "reflect padding ({}, {}) of axis {} must be below its size {}", before,
                 after, axis, size);
+      if (mode == PadMode::Circular && (before > size || after > size))
+        op_fail("pad", loc, "circular padding ({}, {}) of axis {} must be at most its size {}",
+                before, after, axis, size);
       if (mode == PadMode::Replicate && size == 0 && (before > 0 || after > 0))
         op_fail("pad", loc, "cannot replicate the edge of axis {}, which is empty", axis);
       if (before < 0 || after < 0) {  // negative constant pads crop
@@ -1154,6 +1157,8 @@ Tensor pad(const Tensor& x, const std::vector<int64_t>& pads, PadMode mode, doub
         if (mode == PadMode::Constant) return full(shape, value, y.dtype());
         if (mode == PadMode::Replicate)
           return broadcast_to(slice(y, axis, at_start ? 0 : n - 1, at_start ? 1 : n), shape);
+        if (mode == PadMode::Circular)
+          return at_start ? slice(y, axis, n - count, n) : slice(y, axis, 0, count);
         // Reflect: the mirror image without the edge, x[count] ... x[1] before, x[n-2] ... after.
         std::vector<Tensor> rows;
         for (int64_t i = 0; i < count; ++i) {
@@ -1170,9 +1175,10 @@ Tensor pad(const Tensor& x, const std::vector<int64_t>& pads, PadMode mode, doub
     }
     return y;
   };
-  // Replicate and reflect read an edge element many times, so the backward adds many gradient
-  // terms into it: for a 16-bit x in f32, rounded once at the end (per axis, each stage's sums
-  // were rounded to bf16: 6 ulps off at a 1x1 input padded (2, 3, 1, 1)). The copies are exact.
+  // Replicate, reflect and circular read an element several times, so the backward adds
+  // several gradient terms into it: for a 16-bit x in f32, rounded once at the end (per axis, each
+  // stage's sums were rounded to bf16: 6 ulps off at a 1x1 input padded (2, 3, 1, 1)). The copies
+  // are exact.
   return mode == PadMode::Constant ? padded(x) : in_f32_for_half(x, padded);
 }
 

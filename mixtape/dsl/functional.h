@@ -195,11 +195,12 @@ Tensor bernoulli(const Tensor& p, Generator* gen = nullptr, const Loc& loc = Loc
 Tensor randint(int64_t low, int64_t high, Shape shape, Generator* gen = nullptr,
                const Loc& loc = Loc::current());
 
-enum class PadMode { Constant, Reflect, Replicate };
+enum class PadMode { Constant, Reflect, Replicate, Circular };
 /// Pads x as torch.nn.functional.pad: `pads` holds (before, after) pairs from the last axis
 /// backwards, (left, right, top, bottom, ...). Constant fills with `value` and takes negative
 /// pads (which crop); Reflect mirrors without repeating the edge (each pad below the axis's
-/// size); Replicate repeats the edge.
+/// size); Replicate repeats the edge; Circular wraps around, the axis's end before it and its
+/// start after it (each pad at most the axis's size).
 Tensor pad(const Tensor& x, const std::vector<int64_t>& pads, PadMode mode = PadMode::Constant,
            double value = 0.0, const Loc& loc = Loc::current());
 

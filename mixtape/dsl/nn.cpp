@@ -3,6 +3,7 @@
 
 #include <cmath>
 #include <optional>
+#include <utility>
 
 #include "mixtape/dsl/attention.h"
 #include "mixtape/dsl/error.h"
@@ -255,6 +256,33 @@ Dropout2d::Dropout2d(double p, Generator* gen) : p(p), gen_(gen) {
 Tensor Dropout2d::operator()(const Tensor& x, const Loc& loc) const {
   ModulePathScope scope = forward_scope();
   return dropout2d(x, p, is_training(), gen_, loc);
+}
+
+Upsample::Upsample(InterpolateOptions options) : options(std::move(options)) {
+  if (this->options.size.empty() == this->options.scale_factor.empty())
+    fail("Upsample: needs either size or scale_factor, not {}",
+         this->options.size.empty() ? "neither" : "both");
+}
+
+Tensor Upsample::operator()(const Tensor& x, const Loc& loc) const {
+  return interpolate(x, options, loc);
+}
+
+PixelShuffle::PixelShuffle(int64_t upscale_factor) : upscale_factor(upscale_factor) {
+  if (upscale_factor < 1) fail("PixelShuffle: the factor must be positive, got {}", upscale_factor);
+}
+
+Tensor PixelShuffle::operator()(const Tensor& x, const Loc& loc) const {
+  return pixel_shuffle(x, upscale_factor, loc);
+}
+
+PixelUnshuffle::PixelUnshuffle(int64_t downscale_factor) : downscale_factor(downscale_factor) {
+  if (downscale_factor < 1)
+    fail("PixelUnshuffle: the factor must be positive, got {}", downscale_factor);
+}
+
+Tensor PixelUnshuffle::operator()(const Tensor& x, const Loc& loc) const {
+  return pixel_unshuffle(x, downscale_factor, loc);
 }
 
 Flatten::Flatten(int64_t start_dim, int64_t end_dim) : start_dim(start_dim), end_dim(end_dim) {}

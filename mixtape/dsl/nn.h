@@ -175,6 +175,28 @@ class Dropout2d : public Module {
   Generator* gen_;
 };
 
+/// torch.nn.Upsample: interpolate with the options it was made with.
+class Upsample : public Module {
+ public:
+  explicit Upsample(InterpolateOptions options);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  InterpolateOptions options;
+};
+
+/// torch.nn.PixelShuffle and PixelUnshuffle.
+class PixelShuffle : public Module {
+ public:
+  explicit PixelShuffle(int64_t upscale_factor);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  int64_t upscale_factor;
+};
+class PixelUnshuffle : public Module {
+ public:
+  explicit PixelUnshuffle(int64_t downscale_factor);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  int64_t downscale_factor;
+};
+
 /// Flattens axes start_dim..end_dim into one (torch.nn.Flatten: from axis 1 by default).
 class Flatten : public Module {
  public:

@@ -561,36 +561,94 @@ Tensor nearest_axis(const Tensor& x, int64_t axis, int64_t out, float scale) {
                       axis);
 }
 
+// The source position of output o along an axis, PyTorch's area_pixel_compute_source_index (a
+// linear interpolation clamps it at 0, a cubic one does not).
+float source_index(int64_t o, float step, bool align_corners, bool cubic) {
+  if (align_corners) return step * static_cast<float>(o);
+  const float source = step * (static_cast<float>(o) + 0.5f) - 0.5f;
+  return cubic ? source : std::max(source, 0.f);
+}
+
+// Along one axis, each output as a weighted sum of taps: Σ_j x[index_j] weight_j, the tables
+// kept under `key`. In f32 for a 16-bit x (PyTorch's opmath), rounded once to x's stored type,
+// as PyTorch's autocast leaves it.
+Tensor weighted_taps(const Tensor& x, int64_t axis, const std::string& key,
+                     const std::vector<std::vector<int64_t>>& indices,
+                     const std::vector<std::vector<double>>& weights) {
+  const DType weight_type = is_half(x.dtype()) ? f32 : x.dtype();
+  Shape weight_shape(static_cast<size_t>(x.dim() - axis), 1);
+  weight_shape[0] = static_cast<int64_t>(weights[0].size());
+  const std::string tables =
+      fmt::format("{} {} {}", key, name(weight_type), to_string(weight_shape));
+  Tensor sum, first;
+  for (size_t j = 0; j < indices.size(); ++j) {
+    Tensor selected =
+        index_select(x, axis_table(fmt::format("{} index {}", tables, j), indices[j]), axis);
+    Tensor tap = selected * axis_table(fmt::format("{} weight {}", tables, j), weights[j],
+                                       weight_shape, weight_type);
+    sum = j == 0 ? tap : sum + tap;
+    if (j == 0) first = selected;
+  }
+  return cast_like(sum, first);  // the taps are stored as x is
+}
+
+// The source step per output step: (in - 1) / (out - 1) with align_corners, else the scale.
+float source_step(int64_t in, int64_t out, float scale, bool align_corners) {
+  if (!align_corners) return scale;
+  return out > 1 ? static_cast<float>(in - 1) / static_cast<float>(out - 1) : 0.f;
+}
+
 // Linear along one axis: x[i0] l0 + x[i1] l1 with PyTorch's area_pixel_compute_source_index.
 Tensor linear_axis(const Tensor& x, int64_t axis, int64_t out, float scale, bool align_corners) {
   const int64_t in = x.size(axis);
   if (in == out) return x;  // PyTorch copies an axis whose size stays, whatever the factor
-  std::vector<int64_t> lo(static_cast<size_t>(out)), hi(static_cast<size_t>(out));
-  std::vector<double> w_lo(static_cast<size_t>(out)), w_hi(static_cast<size_t>(out));
-  const float step =
-      align_corners ? (out > 1 ? static_cast<float>(in - 1) / static_cast<float>(out - 1) : 0.f)
-                    : scale;
+  std::vector<std::vector<int64_t>> index(2, std::vector<int64_t>(static_cast<size_t>(out)));
+  std::vector<std::vector<double>> weight(2, std::vector<double>(static_cast<size_t>(out)));
+  const float step = source_step(in, out, scale, align_corners);
   for (int64_t o = 0; o < out; ++o) {
     const auto k = static_cast<size_t>(o);
-    float source = align_corners ? step * static_cast<float>(o)
-                                 : std::max(step * (static_cast<float>(o) + 0.5f) - 0.5f, 0.f);
-    lo[k] = std::min(static_cast<int64_t>(source), in - 1);
-    hi[k] = std::min(lo[k] + 1, in - 1);
-    const float lambda = std::min(std::max(source - static_cast<float>(lo[k]), 0.f), 1.f);
-    w_hi[k] = lambda;
-    w_lo[k] = 1.f - lambda;
+    const float source = source_index(o, step, align_corners, false);
+    index[0][k] = std::min(static_cast<int64_t>(source), in - 1);
+    index[1][k] = std::min(index[0][k] + 1, in - 1);
+    const float lambda = std::min(std::max(source - static_cast<float>(index[0][k]), 0.f), 1.f);
+    weight[1][k] = lambda;
+    weight[0][k] = 1.f - lambda;
   }
-  Shape weight_shape(static_cast<size_t>(x.dim() - axis), 1);
-  weight_shape[0] = out;
-  const std::string key =
-      fmt::format("linear {} {} {} {} {} {}", in, out, std::bit_cast<uint32_t>(scale),
-                  align_corners, name(x.dtype()), to_string(weight_shape));
-  Tensor low = index_select(x, axis_table(key + " lo", lo), axis);
-  Tensor a = low * axis_table(key + " w_lo", w_lo, weight_shape, x.dtype());
-  Tensor b = index_select(x, axis_table(key + " hi", hi), axis) *
-             axis_table(key + " w_hi", w_hi, weight_shape, x.dtype());
-  // In x's stored type, as PyTorch's autocast leaves it (the f32 weights widened the sum).
-  return cast_like(a + b, low);
+  return weighted_taps(
+      x, axis,
+      fmt::format("linear {} {} {} {}", in, out, std::bit_cast<uint32_t>(scale), align_corners),
+      index, weight);
+}
+
+// Cubic along one axis: four taps around the source position, clamped to the axis, weighted by
+// PyTorch's cubic convolution (Keys, A = -0.75) in float, as get_cubic_upsample_coefficients.
+Tensor cubic_axis(const Tensor& x, int64_t axis, int64_t out, float scale, bool align_corners) {
+  const int64_t in = x.size(axis);
+  constexpr float A = -0.75f;
+  auto near = [](float d) { return ((A + 2) * d - (A + 3)) * d * d + 1; };       // |d| <= 1
+  auto far = [](float d) { return ((A * d - 5 * A) * d + 8 * A) * d - 4 * A; };  // 1 < |d| < 2
+  std::vector<std::vector<int64_t>> index(4, std::vector<int64_t>(static_cast<size_t>(out)));
+  std::vector<std::vector<double>> weight(4, std::vector<double>(static_cast<size_t>(out)));
+  const float step = source_step(in, out, scale, align_corners);
+  bool identity = in == out;
+  for (int64_t o = 0; o < out; ++o) {
+    const auto k = static_cast<size_t>(o);
+    const float source = source_index(o, step, align_corners, true);
+    const float start = std::floor(source);
+    const float t = source - start;
+    const float w[4] = {far(t + 1.f), near(t), near(1.f - t), far(2.f - t)};
+    for (size_t j = 0; j < 4; ++j) {
+      index[j][k] =
+          std::clamp(static_cast<int64_t>(start) - 1 + static_cast<int64_t>(j), int64_t{0}, in - 1);
+      weight[j][k] = w[j];
+    }
+    identity &= t == 0.f && static_cast<int64_t>(start) == o;
+  }
+  if (identity) return x;  // the weights (0, 1, 0, 0) of every output: a copy
+  return weighted_taps(
+      x, axis,
+      fmt::format("cubic {} {} {} {}", in, out, std::bit_cast<uint32_t>(scale), align_corners),
+      index, weight);
 }
 
 }  // namespace
@@ -599,10 +657,13 @@ Tensor interpolate(const Tensor& x, const InterpolateOptions& options, const Loc
   CallSiteScope site(loc, composite::interpolate);
   const char* op = "interpolate";
   require_float(x, op, "input", loc);
-  const bool bilinear = options.mode == InterpolateMode::Bilinear;
-  if (bilinear ? x.dim() != 4 : (x.dim() != 3 && x.dim() != 4))
-    op_fail(op, loc, "{} needs an {} input, got {}", bilinear ? "bilinear" : "nearest",
-            bilinear ? "[N, C, H, W]" : "[N, C, L] or [N, C, H, W]", to_string(x.shape()));
+  const bool nearest = options.mode == InterpolateMode::Nearest;
+  const char* mode = nearest                                     ? "nearest"
+                     : options.mode == InterpolateMode::Bilinear ? "bilinear"
+                                                                 : "bicubic";
+  if (nearest ? (x.dim() != 3 && x.dim() != 4) : x.dim() != 4)
+    op_fail(op, loc, "{} needs an {} input, got {}", mode,
+            nearest ? "[N, C, L] or [N, C, H, W]" : "[N, C, H, W]", to_string(x.shape()));
   const auto spatial = static_cast<size_t>(x.dim() - 2);
   if (options.size.empty() == options.scale_factor.empty())
     op_fail(op, loc, "needs either size or scale_factor, not {}",
@@ -630,14 +691,23 @@ Tensor interpolate(const Tensor& x, const InterpolateOptions& options, const Loc
   for (int64_t s : sizes)
     if (s <= 0 || s > kMaxInterpolatedAxis)
       op_fail(op, loc, "output sizes must be positive and at most 2^24, got {}", s);
-  if (options.align_corners && !bilinear)
-    op_fail(op, loc, "align_corners applies to bilinear mode only");
+  if (options.align_corners && nearest)
+    op_fail(op, loc, "align_corners applies to the bilinear and bicubic modes only");
   Tensor y = x;
   for (size_t a = 0; a < spatial; ++a) {
     const int64_t axis = static_cast<int64_t>(a) + 2;
     const float scale = source_scale(factors, a, x.size(axis), sizes[a]);
-    y = bilinear ? linear_axis(y, axis, sizes[a], scale, options.align_corners)
-                 : nearest_axis(y, axis, sizes[a], scale);
+    switch (options.mode) {
+      case InterpolateMode::Nearest:
+        y = nearest_axis(y, axis, sizes[a], scale);
+        break;
+      case InterpolateMode::Bilinear:
+        y = linear_axis(y, axis, sizes[a], scale, options.align_corners);
+        break;
+      case InterpolateMode::Bicubic:
+        y = cubic_axis(y, axis, sizes[a], scale, options.align_corners);
+        break;
+    }
   }
   return y;
 }
@@ -657,6 +727,58 @@ Tensor dropout2d(const Tensor& x, double p, bool training, Generator* gen, const
   // Multiplied, as dropout's: a dropped channel's NaN stays NaN.
   return x *
          where(keep, full(mask_shape, 1.0 / (1.0 - p), x.dtype()), zeros(mask_shape, x.dtype()));
+}
+
+namespace {
+
+// pixel_shuffle's and pixel_unshuffle's checks: x [*, C, H, W] and a positive factor.
+void check_shuffle(const char* op, const Tensor& x, int64_t factor, const Loc& loc) {
+  if (!x.defined()) op_fail(op, loc, "the input is an undefined tensor");
+  if (x.dim() < 3) op_fail(op, loc, "needs an input [*, C, H, W], got {}", to_string(x.shape()));
+  if (factor < 1 || factor > (int64_t{1} << 30))
+    op_fail(op, loc, "the factor must be in [1, 2^30], got {}", factor);
+}
+
+}  // namespace
+
+Tensor pixel_shuffle(const Tensor& x, int64_t upscale_factor, const Loc& loc) {
+  CallSiteScope site(loc);
+  const char* op = "pixel_shuffle";
+  check_shuffle(op, x, upscale_factor, loc);
+  const int64_t r = upscale_factor, c = x.size(-3), h = x.size(-2), w = x.size(-1);
+  if (c % (r * r) != 0)
+    op_fail(op, loc, "the {} channels of input {} are no multiple of the factor {} squared", c,
+            to_string(x.shape()), r);
+  const int64_t batch = x.dim() - 3;
+  Shape split(x.shape().begin(), x.shape().end() - 3);
+  for (int64_t size : {c / (r * r), r, r, h, w}) split.push_back(size);
+  // [*, C, r, r, H, W] -> [*, C, H, r, W, r]
+  std::vector<int64_t> order;
+  for (int64_t d = 0; d < batch; ++d) order.push_back(d);
+  for (int64_t d : {0, 3, 1, 4, 2}) order.push_back(batch + d);
+  Shape out(x.shape().begin(), x.shape().end() - 3);
+  for (int64_t size : {c / (r * r), h * r, w * r}) out.push_back(size);
+  return reshape(permute(reshape(x, split, loc), order, loc), out, loc);
+}
+
+Tensor pixel_unshuffle(const Tensor& x, int64_t downscale_factor, const Loc& loc) {
+  CallSiteScope site(loc);
+  const char* op = "pixel_unshuffle";
+  check_shuffle(op, x, downscale_factor, loc);
+  const int64_t r = downscale_factor, c = x.size(-3), h = x.size(-2), w = x.size(-1);
+  if (h % r != 0 || w % r != 0)
+    op_fail(op, loc, "the height and width of input {} must be multiples of the factor {}",
+            to_string(x.shape()), r);
+  const int64_t batch = x.dim() - 3;
+  Shape split(x.shape().begin(), x.shape().end() - 3);
+  for (int64_t size : {c, h / r, r, w / r, r}) split.push_back(size);
+  // [*, C, H, r, W, r] -> [*, C, r, r, H, W]
+  std::vector<int64_t> order;
+  for (int64_t d = 0; d < batch; ++d) order.push_back(d);
+  for (int64_t d : {0, 2, 4, 1, 3}) order.push_back(batch + d);
+  Shape out(x.shape().begin(), x.shape().end() - 3);
+  for (int64_t size : {c * r * r, h / r, w / r}) out.push_back(size);
+  return reshape(permute(reshape(x, split, loc), order, loc), out, loc);
 }
 
 }  // namespace mixtape

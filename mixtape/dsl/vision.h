@@ -88,18 +88,27 @@ Tensor instance_norm(const Tensor& x, const Tensor& weight = Tensor(),
                      const Tensor& bias = Tensor(), double eps = 1e-5,
                      const Loc& loc = Loc::current());
 
-enum class InterpolateMode { Nearest, Bilinear };
+enum class InterpolateMode { Nearest, Bilinear, Bicubic };
 struct InterpolateOptions {
   std::vector<int64_t> size{};         // the output's spatial sizes, or
   std::vector<double> scale_factor{};  // a factor per spatial axis (one for all)
   InterpolateMode mode = InterpolateMode::Nearest;
-  bool align_corners = false;  // bilinear only: the corner pixels' centers map onto each other
+  bool align_corners =
+      false;  // bilinear and bicubic: the corner pixels' centers map onto each other
 };
-/// torch.nn.functional.interpolate of [N, C, ...spatial] (nearest: 1 or 2 spatial axes; bilinear:
-/// 2), with PyTorch's source-index formulas (a given scale_factor is used for the mapping, as
-/// PyTorch does without recompute_scale_factor).
+/// torch.nn.functional.interpolate of [N, C, ...spatial] (nearest: 1 or 2 spatial axes; bilinear
+/// and bicubic: 2), with PyTorch's source-index formulas (a given scale_factor is used for the
+/// mapping, as PyTorch does without recompute_scale_factor). Bicubic is PyTorch's: Keys' cubic
+/// convolution with A = -0.75 over four taps per axis, the edge repeated past the border,
+/// without antialiasing (so it overshoots, as PyTorch's does).
 Tensor interpolate(const Tensor& x, const InterpolateOptions& options,
                    const Loc& loc = Loc::current());
+
+/// torch.nn.functional.pixel_shuffle: [*, C r^2, H, W] -> [*, C, H r, W r], each group of r^2
+/// channels spread over an r x r block (sub-pixel convolution's upscaling).
+Tensor pixel_shuffle(const Tensor& x, int64_t upscale_factor, const Loc& loc = Loc::current());
+/// Its inverse, torch.nn.functional.pixel_unshuffle: [*, C, H r, W r] -> [*, C r^2, H, W].
+Tensor pixel_unshuffle(const Tensor& x, int64_t downscale_factor, const Loc& loc = Loc::current());
 
 /// Zeroes whole channels of [N, C, ...] with probability p and scales the rest by 1/(1-p) when
 /// training, as torch's dropout2d.

@@ -22,6 +22,16 @@ def sdpa(q, k, v, causal):
 def rms_norm(x, w, eps):
     return x * torch.rsqrt((x * x).mean(-1, keepdim=True) + eps) * w
 
+def conv_module(cls, x, w, b, **kw):
+    # A torch.nn convolution module holding w and b: the padding rules and modes are the module's.
+    m = cls(w.shape[1] * kw.get('groups', 1), w.shape[0], tuple(w.shape[2:]), bias=b is not None,
+            dtype=x.dtype, **kw)
+    with torch.no_grad():
+        m.weight.copy_(w)
+        if b is not None:
+            m.bias.copy_(b)
+        return m(x)
+
 def same_shape(*ts):
     return [t.contiguous() for t in torch.broadcast_tensors(*ts)]
 
@@ -52,7 +62,8 @@ def main():
     tensors, meta = load(sys.argv[1])
     for name in sorted(k[5:] for k in meta if k.startswith('expr/')):
         env = dict(torch=torch, F=F, np=np, math=math, f16=f16, unslice=unslice, sdpa=sdpa,
-                   rms_norm=rms_norm, same_shape=same_shape)
+                   rms_norm=rms_norm, same_shape=same_shape,
+                   conv_module=conv_module)
         i = 0
         while '%s/in%d' % (name, i) in tensors:
             env['abcdefgh'[i]] = tensors['%s/in%d' % (name, i)]

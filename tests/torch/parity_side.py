@@ -460,8 +460,13 @@ def run_vision(d, m, _):
             y = F.group_norm(h.float(), int(m['groups']), extra.get('weight'), extra.get('bias'),
                              float(m['eps']))
         elif op == 'interpolate':
-            y = F.interpolate(h, size=ints('size'), mode=m['mode'],
-                              align_corners=flag('align_corners') if m['mode'] == 'bilinear' else None)
+            # torch 1.13's CPU bicubic kernel weighs and sums a bf16 input in bf16 (6% off an f64
+            # computation from the same values); mixtape's sums in f32 and rounds once, as its
+            # f32 kernel on those values does, which is the reference here.
+            source = h.float() if m['mode'] == 'bicubic' else h
+            y = F.interpolate(source, size=ints('size'), mode=m['mode'],
+                              align_corners=flag('align_corners') if m['mode'] != 'nearest' else None)
+            y = y.to(h.dtype)
         elif op == 'pad':
             y = F.pad(h, ints('pads'), mode=m['mode'])
         else:
