@@ -899,6 +899,17 @@ const std::vector<Sample>& composite_samples() {
       return mt::conv1d(x[0], x[1], {},
                         {.padding = mt::Padding::Same, .padding_mode = mt::PadMode::Circular});
     });
+    add_c("unfold", {{{1, 2, 4, 5}}}, [](const Tensors& x) {
+      mt::Tensor cols = mt::unfold(x[0], {2, 3}, {1, 2}, {1, 0}, {2, 1});
+      return cols * cols;
+    });
+    add_c("fold", {{{1, 12, 16}}}, [](const Tensors& x) {
+      mt::Tensor image = mt::fold(x[0], {4, 5}, {2, 3}, {2, 1}, {1, 2}, {1, 2});
+      return image * image;
+    });
+    add_c("adaptive_max_pool2d", {{{2, 2, 5, 7}}}, [](const Tensors& x) {
+      return mt::adaptive_max_pool2d(x[0], {3, 2});
+    });
     add_c("pixel_shuffle_unshuffle", {{{1, 8, 2, 3}}}, [](const Tensors& x) {
       mt::Tensor up = mt::pixel_shuffle(x[0], 2);
       return mt::pixel_unshuffle(up * up, 2);

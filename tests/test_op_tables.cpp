@@ -346,6 +346,10 @@ TEST(CompositeTable, EveryCompositeNamesItsNodes) {
        [&] {
          return mt::adaptive_avg_pool2d(image, {2, 1});
        }},
+      {"adaptive_max_pool2d",
+       [&] {
+         return mt::adaptive_max_pool2d(image, {2, 1});
+       }},
       {"interpolate",
        [&] {
          return mt::interpolate(image, {.size = {5, 6}});

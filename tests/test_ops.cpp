@@ -1654,6 +1654,21 @@ void add_conv_cases(Oracle& o, Data& d, mt::DType dt) {
       "conv_module(torch.nn.Conv1d, a, b, None, padding='same', groups=2, "
       "padding_mode='reflect')",
       rtol, atol);
+  // im2col and col2im, and adaptive max pooling (unequal and equal windows).
+  mt::Tensor xu = d.randn({2, 3, 6, 7}, dt);
+  o.add("unfold/" + t, {xu}, mt::unfold(xu, {2, 3}, {1, 2}, {1, 0}, {2, 1}),
+        "F.unfold(a, (2, 3), dilation=(1, 2), padding=(1, 0), stride=(2, 1))", rtol, atol);
+  mt::Tensor xf = d.randn({2, 18, 28}, dt);
+  o.add("fold/" + t, {xf}, mt::fold(xf, {7, 6}, {2, 3}, {2, 1}, {1, 2}, {1, 2}),
+        "F.fold(a, (7, 6), (2, 3), dilation=(2, 1), padding=(1, 2), stride=(1, 2))", rtol, atol);
+  mt::Tensor xr = d.randn({1, 4, 4}, dt);  // the blocks leave the last row and column
+  o.add("fold_uncovered/" + t, {xr}, mt::fold(xr, {5, 5}, 2, 1, 0, 2),
+        "F.fold(a, (5, 5), 2, stride=2)", rtol, atol);
+  mt::Tensor xa = d.randn({2, 3, 7, 6}, dt);
+  o.add("adaptive_max_pool2d/" + t, {xa}, mt::adaptive_max_pool2d(xa, {3, 4}),
+        "F.adaptive_max_pool2d(a, (3, 4))", rtol, atol);
+  o.add("adaptive_max_pool2d_equal/" + t, {xa}, mt::adaptive_max_pool2d(xa, {7, 2}),
+        "F.adaptive_max_pool2d(a, (7, 2))", rtol, atol);
   // Max pooling's two primitives: PyTorch's forward and its autograd gradient.
   mt::Tensor xp = d.randn({2, 3, 9, 8}, dt);
   mt::PoolWindow pool;

@@ -867,6 +867,15 @@ std::vector<VisionCase> vision_cases() {
        false,
        false,
        true},
+      {"adaptive_max_pool2d_relu",
+       "adaptive_max_pool2d_relu",
+       {2, 3, 7, 6},
+       {{"size", "3,4"}},
+       false,
+       false,
+       false,
+       false,
+       true},
       {"interpolate_bicubic",
        "interpolate",
        {2, 3, 5, 6},
@@ -915,6 +924,10 @@ mt::Tensor apply_vision(const VisionCase& c, const mt::Tensor& h, const mt::Tens
   if (c.op == "avg_pool2d")
     return mt::avg_pool2d(h, integer("k"), integer("s"), integer("pad"), flag("ceil"),
                           flag("include_pad"));
+  if (c.op == "adaptive_max_pool2d_relu") {
+    std::vector<int64_t> size = int_list(c.options.at("size"));
+    return mt::adaptive_max_pool2d(mt::relu(h), {size[0], size[1]});
+  }
   if (c.op == "adaptive_avg_pool2d") {
     std::vector<int64_t> size = int_list(c.options.at("size"));
     return mt::adaptive_avg_pool2d(h, {size[0], size[1]});
@@ -1532,7 +1545,8 @@ void write_inputs(const fs::path& dir) {
     HostRandom own(std::hash<std::string>{}(c.name));  // both sides run in this process
     HostRandom& source = c.own_stream ? own : rng;
     // Shifted down for the max pools, so that after the ReLU many windows are all zeros (ties).
-    mt::Tensor x = source.normal(c.shape, 1.5) - (c.op == "max_pool2d_relu" ? 1.0 : 0.0);
+    const bool ties = c.op == "max_pool2d_relu" || c.op == "adaptive_max_pool2d_relu";
+    mt::Tensor x = source.normal(c.shape, 1.5) - (ties ? 1.0 : 0.0);
     const int64_t channels = c.shape[1], width = c.shape.back();
     mt::NamedTensors data{{"x", x}, {"p", source.normal({width, width}, 0.4)}};
     if (c.weight) data.emplace_back("weight", source.normal({channels}, 0.5) + 1.0);

@@ -761,10 +761,24 @@ TEST(VisionErrors, BadArgumentsNameTheOpAndTheShapes) {
   EXPECT_MT_ERROR(mt::pixel_shuffle(x, 0), "pixel_shuffle", "factor", "got 0");
   EXPECT_MT_ERROR(mt::pixel_shuffle(x, int64_t{1} << 40), "pixel_shuffle", "2^30");
   EXPECT_MT_ERROR(mt::pixel_unshuffle(x, 2), "pixel_unshuffle", "multiples of the factor 2");
+  EXPECT_MT_ERROR(mt::pixel_unshuffle(mt::zeros({1, 3, 0, 0}), int64_t{1} << 30), "pixel_unshuffle",
+                  "more than 2^60 channels");
+  EXPECT_MT_ERROR(mt::interpolate(mt::zeros({1, 2, 0, 3}), {.size = {4, 4}}), "interpolate",
+                  "empty spatial axis");
   EXPECT_MT_ERROR(mt::PixelShuffle(-1), "PixelShuffle", "positive");
   EXPECT_MT_ERROR(mt::pad(x, {6, 0}, mt::PadMode::Circular), "pad", "circular",
                   "at most its size 5");
   EXPECT_MT_ERROR(mt::pad(x, {-1, 0}, mt::PadMode::Circular), "pad", "constant mode");
+  EXPECT_MT_ERROR(mt::adaptive_max_pool2d(x, {2, 0}), "adaptive_max_pool2d", "positive");
+  EXPECT_MT_ERROR(mt::adaptive_max_pool2d(mt::zeros({4, 5}), 2), "adaptive_max_pool2d", "NCHW");
+  EXPECT_MT_ERROR(mt::unfold(mt::zeros({4, 5}), 2), "unfold", "[N, C, H, W]", "[4, 5]");
+  EXPECT_MT_ERROR(mt::unfold(x, 6), "unfold", "kernel_size (6, 6)", "no block", "(5, 5)");
+  EXPECT_MT_ERROR(mt::unfold(x, 2, 1, -1), "unfold", "padding not negative");
+  EXPECT_MT_ERROR(mt::unfold(x, {300, 300}, 1, 150), "unfold", "more than 2^16 kernel elements");
+  EXPECT_MT_ERROR(mt::unfold(x, 2, int64_t{1} << 40), "unfold", "above 2^31");
+  EXPECT_MT_ERROR(mt::fold(mt::zeros({2, 9, 16}), {5, 5}, 2), "fold", "9 rows", "4 elements");
+  EXPECT_MT_ERROR(mt::fold(mt::zeros({2, 8, 15}), {5, 5}, 2), "fold", "15 blocks", "takes 16");
+  EXPECT_MT_ERROR(mt::fold(mt::zeros({8}), {5, 5}, 2), "fold", "[8]");
   EXPECT_MT_ERROR(mt::dropout2d(x, 1.5), "dropout2d", "p must be");
   // Huge sizes: an mt::Error, not an allocation failure, an overflow or a graph of 2^40 nodes.
   const double inf = std::numeric_limits<double>::infinity();
@@ -851,6 +865,44 @@ TEST(VisionInterpolate, FollowsPyTorch) {
             (std::vector<float>{0, 0.21875f, 1, 2.125f, 4, 6.78125f, 9}));
 }
 
+// A 16-bit image is interpolated in f32 along both axes and rounded once (rounding after each
+// axis put the centre one bf16 ulp off and flipped the sign of a bicubic value near zero), and an
+// f64 one with positions and weights in double, as PyTorch's opmath: torch 1.13's values.
+TEST(VisionInterpolate, RoundsAHalfImageOnceAndWeighsF64InDouble) {
+  mt::Tensor a = mt::tensor(std::vector<float>{-1.0859375f, -1.3984375f, 0.404296875f, 0.83984375f},
+                            {1, 1, 2, 2}, mt::bf16);
+  mt::Tensor linear = mt::interpolate(
+      a, {.size = {3, 3}, .mode = mt::InterpolateMode::Bilinear, .align_corners = true});
+  EXPECT_EQ(values(linear)[4], -0.310546875f);
+  mt::Tensor b =
+      mt::tensor(std::vector<float>{0.08642578125f, 0.5390625f, 1.234375f, 0.609375f, -1.734375f,
+                                    1.0078125f, -1.2109375f, -0.035888671875f, 1.5546875f},
+                 {1, 1, 3, 3}, mt::bf16);
+  mt::Tensor cubic = mt::interpolate(
+      b, {.size = {5, 5}, .mode = mt::InterpolateMode::Bicubic, .align_corners = true});
+  EXPECT_EQ(cubic.dtype(), mt::bf16);
+  EXPECT_EQ(values(cubic)[18], 0.0015106201171875f);
+  mt::Tensor x = mt::tensor(std::vector<double>{0, 1, 4}, {1, 1, 1, 3}, mt::f64);
+  const std::vector<double> torch_cubic{
+      -0.10932944606414008, 0.08163265306122625, 0.26530612244897966, 1.0,
+      2.3644314868804637,   3.650145772594752,   4.327988338192423};
+  std::vector<double> got =
+      mt::interpolate(x, {.size = {1, 7}, .mode = mt::InterpolateMode::Bicubic})
+          .to_vector<double>();
+  ASSERT_EQ(got.size(), torch_cubic.size());
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], torch_cubic[i], 1e-14) << i;
+  const std::vector<double> torch_linear{0.0,
+                                         0.14285714285714282,
+                                         0.5714285714285714,
+                                         0.9999999999999999,
+                                         2.285714285714285,
+                                         3.571428571428571,
+                                         4.0};
+  got = mt::interpolate(x, {.size = {1, 7}, .mode = mt::InterpolateMode::Bilinear})
+            .to_vector<double>();
+  for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], torch_linear[i], 1e-14) << i;
+}
+
 // The modules of the vision ops run them with the options they were made with; a strided
 // convolution with padding 'same' fails when it is made, as torch.nn's.
 TEST(VisionModules, UpsamplePixelShuffleAndSamePaddedConvolutions) {
@@ -873,10 +925,18 @@ TEST(VisionModules, UpsamplePixelShuffleAndSamePaddedConvolutions) {
                       {.scale_factor = {0.5}, .mode = mt::InterpolateMode::Bicubic}),
       2);
   EXPECT_EQ(values(y), values(by_hand));
+  // Non-overlapping blocks: fold puts back what unfold took; the modules run the functions.
+  mt::Unfold patches(mt::Size2{2, 3}, 1, 0, mt::Size2{2, 3});
+  mt::Fold image(mt::Size2{6, 6}, mt::Size2{2, 3}, 1, 0, mt::Size2{2, 3});
+  mt::Tensor z = mt::randn({2, 3, 6, 6}, mt::f32, &gen);
+  EXPECT_EQ(patches(z).shape(), (mt::Shape{2, 18, 6}));
+  EXPECT_EQ(values(image(patches(z))), values(z));
+  mt::AdaptiveMaxPool2d pool(mt::Size2{1, 1});
+  EXPECT_EQ(values(pool(z)), values(mt::max(z, {2, 3}, true)));
   EXPECT_MT_ERROR(mt::Conv2d(3, 8, 3, {.stride = 2, .padding = mt::Padding::Same}), "Conv2d",
                   "'same'", "stride 1");
   EXPECT_MT_ERROR(mt::Conv1d(3, 8, 3, {.stride = 2, .padding = mt::Padding::Same}), "Conv1d",
-                  "'same'", "stride 1");
+                  "'same'", "stride 1, got stride 2");
   EXPECT_MT_ERROR(mt::conv2d(x, conv.weight, {}, {.stride = {1, 2}, .padding = mt::Padding::Same}),
                   "conv2d", "'same'", "got stride 2");
   EXPECT_MT_ERROR(mt::conv2d(x, mt::zeros({8, 3, 3, 3}), {},

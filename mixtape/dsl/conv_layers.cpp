@@ -2,6 +2,7 @@
 #include "mixtape/dsl/conv_layers.h"
 
 #include <cmath>
+#include <string>
 
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
@@ -30,9 +31,8 @@ double init_bound(const char* kind, int64_t in_channels, int64_t out_channels, i
 }
 
 // As torch.nn's modules, a strided convolution with padding 'same' fails when it is made.
-void check_same_padding(const char* module, bool same, Size2 stride) {
-  if (same && (stride.h != 1 || stride.w != 1))
-    fail("{}: padding 'same' needs stride 1, got stride ({}, {})", module, stride.h, stride.w);
+void check_same_padding(const char* module, bool same, bool strided, const std::string& stride) {
+  if (same && strided) fail("{}: padding 'same' needs stride 1, got stride {}", module, stride);
 }
 
 }  // namespace
@@ -40,7 +40,8 @@ void check_same_padding(const char* module, bool same, Size2 stride) {
 Conv2d::Conv2d(int64_t in_channels, int64_t out_channels, Size2 kernel_size,
                const Conv2dOptions& options, bool with_bias, Generator* gen)
     : options(options) {
-  check_same_padding("Conv2d", options.padding.same, options.stride);
+  check_same_padding("Conv2d", options.padding.same, options.stride.h != 1 || options.stride.w != 1,
+                     fmt::format("({}, {})", options.stride.h, options.stride.w));
   Shape shape{out_channels, in_channels / std::max<int64_t>(1, options.groups), kernel_size.h,
               kernel_size.w};
   double bound = init_bound("Conv2d", in_channels, out_channels, options.groups, shape);
@@ -60,7 +61,8 @@ Tensor Conv2d::operator()(const Tensor& x, const Loc& loc) const {
 Conv1d::Conv1d(int64_t in_channels, int64_t out_channels, int64_t kernel_size,
                const Conv1dOptions& options, bool with_bias, Generator* gen)
     : options(options) {
-  check_same_padding("Conv1d", options.padding.same, options.stride);
+  check_same_padding("Conv1d", options.padding.same, options.stride != 1,
+                     std::to_string(options.stride));
   Shape shape{out_channels, in_channels / std::max<int64_t>(1, options.groups), kernel_size};
   double bound = init_bound("Conv1d", in_channels, out_channels, options.groups, shape);
   weight = init::uniform(shape, -bound, bound, gen);

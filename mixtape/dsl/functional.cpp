@@ -13,6 +13,7 @@
 #include "mixtape/dsl/composites.h"
 #include "mixtape/dsl/constant_cache.h"
 #include "mixtape/dsl/error.h"
+#include "mixtape/dsl/operand_checks.h"
 
 namespace mixtape {
 namespace {
@@ -24,16 +25,6 @@ Tensor class_indices(int64_t n, DType dtype) {
     std::iota(values.begin(), values.end(), int64_t{0});
     return tensor(values, {n}, dtype);
   });
-}
-
-void require(const Tensor& t, const char* op, const char* role, const Loc& loc) {
-  if (!t.defined()) op_fail(op, loc, "the {} is an undefined tensor", role);
-}
-
-void require_float(const Tensor& t, const char* op, const char* role, const Loc& loc) {
-  require(t, op, role, loc);
-  if (!is_floating(t.dtype()))
-    op_fail(op, loc, "the {} must be floating-point, got {}", role, name(t.dtype()));
 }
 
 // Checked here so that a bad axis is reported as the caller's op, not as the max inside it.

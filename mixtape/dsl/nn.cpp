@@ -249,6 +249,31 @@ Tensor AdaptiveAvgPool2d::operator()(const Tensor& x, const Loc& loc) const {
   return adaptive_avg_pool2d(x, output_size, loc);
 }
 
+AdaptiveMaxPool2d::AdaptiveMaxPool2d(Size2 output_size) : output_size(output_size) {}
+
+Tensor AdaptiveMaxPool2d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope = forward_scope();
+  return adaptive_max_pool2d(x, output_size, loc);
+}
+
+Unfold::Unfold(Size2 kernel_size, Size2 dilation, Size2 padding, Size2 stride)
+    : kernel_size(kernel_size), dilation(dilation), padding(padding), stride(stride) {}
+
+Tensor Unfold::operator()(const Tensor& x, const Loc& loc) const {
+  return unfold(x, kernel_size, dilation, padding, stride, loc);
+}
+
+Fold::Fold(Size2 output_size, Size2 kernel_size, Size2 dilation, Size2 padding, Size2 stride)
+    : output_size(output_size),
+      kernel_size(kernel_size),
+      dilation(dilation),
+      padding(padding),
+      stride(stride) {}
+
+Tensor Fold::operator()(const Tensor& x, const Loc& loc) const {
+  return fold(x, output_size, kernel_size, dilation, padding, stride, loc);
+}
+
 Dropout2d::Dropout2d(double p, Generator* gen) : p(p), gen_(gen) {
   if (!(p >= 0 && p <= 1)) fail("Dropout2d: p must be in [0, 1], got {}", p);
 }

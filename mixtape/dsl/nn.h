@@ -164,6 +164,28 @@ class AdaptiveAvgPool2d : public Module {
   Size2 output_size;
 };
 
+class AdaptiveMaxPool2d : public Module {
+ public:
+  explicit AdaptiveMaxPool2d(Size2 output_size);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  Size2 output_size;
+};
+
+/// torch.nn.Unfold and Fold: unfold / fold with the sizes they were made with.
+class Unfold : public Module {
+ public:
+  explicit Unfold(Size2 kernel_size, Size2 dilation = 1, Size2 padding = 0, Size2 stride = 1);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  Size2 kernel_size, dilation, padding, stride;
+};
+class Fold : public Module {
+ public:
+  Fold(Size2 output_size, Size2 kernel_size, Size2 dilation = 1, Size2 padding = 0,
+       Size2 stride = 1);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  Size2 output_size, kernel_size, dilation, padding, stride;
+};
+
 /// Zeroes whole channels when training (torch.nn.Dropout2d).
 class Dropout2d : public Module {
  public:

@@ -7,13 +7,10 @@
 #include "mixtape/dsl/composites.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/functional.h"
+#include "mixtape/dsl/operand_checks.h"
 
 namespace mixtape {
 namespace {
-
-void require(const Tensor& t, const char* op, const char* role, const Loc& loc) {
-  if (!t.defined()) op_fail(op, loc, "the {} is an undefined tensor", role);
-}
 
 // dim counted from the end when negative; a 0-d tensor takes 0 and -1, as in PyTorch.
 int64_t dim_or_fail(const Tensor& x, int64_t dim, const char* op, const Loc& loc) {

@@ -1,11 +1,10 @@
 // mixtape/dsl/vision.cpp -- max pooling over its two primitives (MaxPool2d, MaxPool2dGrad); avg
-// pooling, batch/group/instance norm, interpolate and dropout2d as composites over strided slices,
-// pointwise ops and reductions, so that they fuse into the kernels around them and get gradients
-// and precision from the primitives.
+// pooling, batch/group/instance norm and dropout2d as composites over strided slices, pointwise
+// ops and reductions, so that they fuse into the kernels around them and get gradients and
+// precision from the primitives. (Interpolation is in resample.cpp.)
 #include "mixtape/dsl/vision.h"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -17,26 +16,19 @@
 #include "mixtape/dsl/constant_cache.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/operand_checks.h"
 
 namespace mixtape {
 namespace {
-
-void require_float(const Tensor& t, const char* op, const char* role, const Loc& loc) {
-  if (!t.defined()) op_fail(op, loc, "the {} is an undefined tensor", role);
-  if (!is_floating(t.dtype()))
-    op_fail(op, loc, "the {} must be floating-point, got {}", role, name(t.dtype()));
-}
 
 int64_t floor_div(int64_t a, int64_t b) { return a / b - ((a % b != 0) && ((a < 0) != (b < 0))); }
 
 // The largest pooling window size, stride, dilation and padding (conv2d's bound).
 constexpr int64_t kMaxWindow = int64_t{1} << 31;
 // Bounds on what ops make per kernel row or window on the host: graph nodes (avg_pool2d's views
-// per kernel row and column, adaptive_avg_pool2d's means per window where windows differ) and
-// index and weight tables (interpolate's, 8 to 24 bytes per output element of an axis).
+// per kernel row and column, adaptive_avg_pool2d's means per window where windows differ).
 constexpr int64_t kMaxNodesPerAxis = int64_t{1} << 16;
 constexpr int64_t kMaxWindowsPerAxis = int64_t{1} << 20;
-constexpr int64_t kMaxInterpolatedAxis = int64_t{1} << 24;
 
 // One spatial axis of a pooling window: sizes as given and the output size they make.
 struct PoolAxis {
@@ -357,24 +349,162 @@ Tensor adaptive_mean(const Tensor& x, int64_t axis, int64_t out) {
 }
 }  // namespace
 
-Tensor adaptive_avg_pool2d(const Tensor& x, Size2 output_size, const Loc& loc) {
-  CallSiteScope site(loc, composite::adaptive_avg_pool2d);
-  require_float(x, "adaptive_avg_pool2d", "input", loc);
+namespace {
+
+// adaptive pooling's checks of x (NCHW or CHW) and the output size.
+void check_adaptive(const char* op, const Loc& loc, const Tensor& x, Size2 output_size) {
+  require_float(x, op, "input", loc);
   if (x.dim() != 3 && x.dim() != 4)
-    op_fail("adaptive_avg_pool2d", loc, "needs an NCHW or CHW input, got {}", to_string(x.shape()));
+    op_fail(op, loc, "needs an NCHW or CHW input, got {}", to_string(x.shape()));
   if (output_size.h <= 0 || output_size.w <= 0)
-    op_fail("adaptive_avg_pool2d", loc, "output size ({}, {}) must be positive", output_size.h,
-            output_size.w);
+    op_fail(op, loc, "output size ({}, {}) must be positive", output_size.h, output_size.w);
   for (auto [in, out] :
        {std::pair{x.size(-2), output_size.h}, std::pair{x.size(-1), output_size.w}})
     if (out > kMaxWindowsPerAxis && in % out != 0)
-      op_fail("adaptive_avg_pool2d", loc,
+      op_fail(op, loc,
               "output size ({}, {}) is above 2^20 on an axis whose windows differ (it makes a "
-              "mean per window)",
+              "node per window)",
               output_size.h, output_size.w);
   if (x.size(-2) == 0 || x.size(-1) == 0)
-    op_fail("adaptive_avg_pool2d", loc, "input {} has an empty spatial axis", to_string(x.shape()));
+    op_fail(op, loc, "input {} has an empty spatial axis", to_string(x.shape()));
+}
+
+// The maximum over each output's window of one axis (2 or 3) of NCHW x, as adaptive_mean's,
+// through the MaxPool2d primitive: ties and NaN pick as PyTorch's.
+Tensor adaptive_max(const Tensor& x, int64_t axis, int64_t out) {
+  const int64_t in = x.size(axis);
+  if (in == out) return x;
+  auto pool = [&](const Tensor& t, int64_t kernel, int64_t count) {
+    PoolWindow window;
+    const auto d = static_cast<size_t>(axis - 2);
+    window.kernel[d] = window.stride[d] = kernel;
+    Size2 output(t.size(2), t.size(3));
+    (d == 0 ? output.h : output.w) = count;
+    return max_pool2d_forward(t, window, output);
+  };
+  if (in % out == 0) return pool(x, in / out, out);  // equal windows: one pooling
+  std::vector<Tensor> parts;
+  for (int64_t i = 0; i < out; ++i) {
+    const int64_t start = i * in / out, end = ((i + 1) * in + out - 1) / out;
+    parts.push_back(pool(slice(x, axis, start, end), end - start, 1));
+  }
+  return concat(parts, axis);
+}
+
+}  // namespace
+
+Tensor adaptive_avg_pool2d(const Tensor& x, Size2 output_size, const Loc& loc) {
+  CallSiteScope site(loc, composite::adaptive_avg_pool2d);
+  check_adaptive("adaptive_avg_pool2d", loc, x, output_size);
   return adaptive_mean(adaptive_mean(x, x.dim() - 2, output_size.h), x.dim() - 1, output_size.w);
+}
+
+Tensor adaptive_max_pool2d(const Tensor& x, Size2 output_size, const Loc& loc) {
+  CallSiteScope site(loc, composite::adaptive_max_pool2d);
+  check_adaptive("adaptive_max_pool2d", loc, x, output_size);
+  // Along the width first: each window's pick is then the first maximum (the last NaN) in
+  // row-major order, PyTorch's.
+  return batched(x, [&](const Tensor& nchw) {
+    return adaptive_max(adaptive_max(nchw, 3, output_size.w), 2, output_size.h);
+  });
+}
+
+namespace {
+
+// unfold's and fold's sliding blocks over a spatial size: every size checked as conv2d's, at
+// least one block per axis and at most 2^16 kernel elements (each makes a view), as PyTorch's
+// im2col checks.
+Pool block_geometry(const char* op, const Loc& loc, Size2 in, Size2 kernel, Size2 dilation,
+                    Size2 padding, Size2 stride) {
+  const auto text = [&] {
+    return fmt::format("kernel_size ({}, {}), dilation ({}, {}), padding ({}, {}), stride ({}, {})",
+                       kernel.h, kernel.w, dilation.h, dilation.w, padding.h, padding.w, stride.h,
+                       stride.w);
+  };
+  Pool p;
+  PoolAxis* axes[2] = {&p.h, &p.w};
+  const Size2* sizes[5] = {&in, &kernel, &dilation, &padding, &stride};
+  for (int d = 0; d < 2; ++d) {
+    int64_t v[5];
+    for (int s = 0; s < 5; ++s) v[s] = d == 0 ? sizes[s]->h : sizes[s]->w;
+    const auto [size, k, dil, pad, step] = v;
+    if (k <= 0 || dil <= 0 || step <= 0 || pad < 0)
+      op_fail(op, loc, "{}: kernel, dilation and stride must be positive, padding not negative",
+              text());
+    if (std::max({k, dil, pad, step}) > kMaxWindow) op_fail(op, loc, "{}: above 2^31", text());
+    if (size < 0) op_fail(op, loc, "spatial size ({}, {}) is negative", in.h, in.w);
+    const int64_t span = size + 2 * pad - dil * (k - 1) - 1;
+    if (span < 0)
+      op_fail(op, loc, "{} makes no block of spatial size ({}, {})", text(), in.h, in.w);
+    *axes[d] = {size, k, step, pad, dil, span / step + 1};
+  }
+  if (kernel.h * kernel.w > kMaxNodesPerAxis)
+    op_fail(op, loc, "{}: more than 2^16 kernel elements (a view each)", text());
+  return p;
+}
+
+}  // namespace
+
+Tensor unfold(const Tensor& x, Size2 kernel_size, Size2 dilation, Size2 padding, Size2 stride,
+              const Loc& loc) {
+  CallSiteScope site(loc);
+  const char* op = "unfold";
+  require(x, op, "input", loc);
+  if (x.dim() != 3 && x.dim() != 4)
+    op_fail(op, loc, "needs an [N, C, H, W] or [C, H, W] input, got {}", to_string(x.shape()));
+  const Pool p =
+      block_geometry(op, loc, {x.size(-2), x.size(-1)}, kernel_size, dilation, padding, stride);
+  return batched(x, [&](const Tensor& nchw) {
+    const Tensor padded = pad_for_windows(nchw, p, 0.0);
+    std::vector<Tensor> elements;
+    for (int64_t i = 0; i < p.h.kernel; ++i)
+      for (int64_t j = 0; j < p.w.kernel; ++j)
+        elements.push_back(window_slice(padded, window_element(padded, p, i, j)));
+    // [N, C, kernel elements, OH, OW]: channel-major rows, as PyTorch's.
+    return reshape(stack(elements, 2),
+                   {nchw.size(0), nchw.size(1) * p.h.kernel * p.w.kernel, p.h.out * p.w.out});
+  });
+}
+
+Tensor fold(const Tensor& x, Size2 output_size, Size2 kernel_size, Size2 dilation, Size2 padding,
+            Size2 stride, const Loc& loc) {
+  CallSiteScope site(loc);
+  const char* op = "fold";
+  require(x, op, "input", loc);
+  if (x.dim() != 2 && x.dim() != 3)
+    op_fail(op, loc, "needs an [N, C * kernel elements, blocks] or unbatched input, got {}",
+            to_string(x.shape()));
+  const Pool p = block_geometry(op, loc, output_size, kernel_size, dilation, padding, stride);
+  const int64_t elements = p.h.kernel * p.w.kernel;
+  if (x.size(-2) % elements != 0)
+    op_fail(op, loc, "the {} rows of input {} are no multiple of the kernel's {} elements",
+            x.size(-2), to_string(x.shape()), elements);
+  if (x.size(-1) != p.h.out * p.w.out)
+    op_fail(op, loc, "input {} has {} blocks, output size ({}, {}) takes {} ({} x {})",
+            to_string(x.shape()), x.size(-1), output_size.h, output_size.w, p.h.out * p.w.out,
+            p.h.out, p.w.out);
+  auto folded = [&](const Tensor& batch) {
+    const int64_t n = batch.size(0), c = batch.size(1) / elements;
+    const Tensor blocks = reshape(batch, {n, c, elements, p.h.out, p.w.out});
+    // The extent the blocks cover, from the top-left padding on; each kernel element's values
+    // are added at their strided places (the adjoint of unfold's views).
+    const Shape extent{n, c, p.h.pad + p.h.in + p.h.right(), p.w.pad + p.w.in + p.w.right()};
+    Tensor sum;
+    for (int64_t i = 0; i < p.h.kernel; ++i)
+      for (int64_t j = 0; j < p.w.kernel; ++j) {
+        const int64_t e = i * p.w.kernel + j;
+        const Tensor placed = unslice(squeeze(slice(blocks, 2, e, e + 1), 2),
+                                      {0, 0, i * p.h.dilation, j * p.w.dilation},
+                                      {1, 1, p.h.stride, p.w.stride}, extent);
+        sum = sum.defined() ? sum + placed : placed;
+      }
+    // The padding cropped, and zeros where no block reaches.
+    return pad(sum, {-p.w.pad, -p.w.right(), -p.h.pad, -p.h.right()});
+  };
+  // Many blocks may add into one element: a 16-bit input sums in f32, rounded once.
+  const Tensor wide = is_half(x.dtype()) ? cast(x, f32) : x;
+  const Tensor y = x.dim() == 3 ? folded(wide) : squeeze(folded(unsqueeze(wide, 0)), 0);
+  return cast(y, x.dtype());
 }
 
 namespace {
@@ -523,195 +653,6 @@ Tensor instance_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, 
   return cast_like(group_norm(x, x.size(1), weight, bias, eps, loc), x);
 }
 
-namespace {
-
-// PyTorch's compute_scales_value: the source step per output step, in float as PyTorch has it.
-float source_scale(const std::vector<double>& factors, size_t axis, int64_t in, int64_t out) {
-  if (!factors.empty() && factors[axis] > 0) return static_cast<float>(1.0 / factors[axis]);
-  return static_cast<float>(in) / static_cast<float>(out);
-}
-
-// A table of an interpolation along one axis, kept under `key` (the table's name and
-// everything it depends on).
-Tensor axis_table(const std::string& key, const std::vector<int64_t>& indices) {
-  return cached_constant(key,
-                         [&] { return tensor(indices, {static_cast<int64_t>(indices.size())}); });
-}
-Tensor axis_table(const std::string& key, const std::vector<double>& weights, const Shape& shape,
-                  DType dtype) {
-  return cached_constant(key, [&] { return tensor(weights, shape, dtype); });
-}
-
-// Nearest: output o reads input min(floor(o scale), in - 1), as PyTorch's NCHW kernels (and its
-// CUDA one) compute it. (Its nearest_idx also copies at the same size and reads o / 2 at twice
-// the size whatever the scale factor says, which its channels-last kernel follows: a factor of
-// 2.2 at twice the size, or 1.3 at the same size, differs there.)
-Tensor nearest_axis(const Tensor& x, int64_t axis, int64_t out, float scale) {
-  const int64_t in = x.size(axis);
-  std::vector<int64_t> source(static_cast<size_t>(out));
-  bool identity = in == out;
-  for (int64_t o = 0; o < out; ++o) {
-    source[static_cast<size_t>(o)] =
-        std::min(static_cast<int64_t>(std::floor(static_cast<float>(o) * scale)), in - 1);
-    identity &= source[static_cast<size_t>(o)] == o;
-  }
-  if (identity) return x;
-  const auto scale_bits = std::bit_cast<uint32_t>(scale);
-  return index_select(x, axis_table(fmt::format("nearest {} {} {}", in, out, scale_bits), source),
-                      axis);
-}
-
-// The source position of output o along an axis, PyTorch's area_pixel_compute_source_index (a
-// linear interpolation clamps it at 0, a cubic one does not).
-float source_index(int64_t o, float step, bool align_corners, bool cubic) {
-  if (align_corners) return step * static_cast<float>(o);
-  const float source = step * (static_cast<float>(o) + 0.5f) - 0.5f;
-  return cubic ? source : std::max(source, 0.f);
-}
-
-// Along one axis, each output as a weighted sum of taps: Σ_j x[index_j] weight_j, the tables
-// kept under `key`. In f32 for a 16-bit x (PyTorch's opmath), rounded once to x's stored type,
-// as PyTorch's autocast leaves it.
-Tensor weighted_taps(const Tensor& x, int64_t axis, const std::string& key,
-                     const std::vector<std::vector<int64_t>>& indices,
-                     const std::vector<std::vector<double>>& weights) {
-  const DType weight_type = is_half(x.dtype()) ? f32 : x.dtype();
-  Shape weight_shape(static_cast<size_t>(x.dim() - axis), 1);
-  weight_shape[0] = static_cast<int64_t>(weights[0].size());
-  const std::string tables =
-      fmt::format("{} {} {}", key, name(weight_type), to_string(weight_shape));
-  Tensor sum, first;
-  for (size_t j = 0; j < indices.size(); ++j) {
-    Tensor selected =
-        index_select(x, axis_table(fmt::format("{} index {}", tables, j), indices[j]), axis);
-    Tensor tap = selected * axis_table(fmt::format("{} weight {}", tables, j), weights[j],
-                                       weight_shape, weight_type);
-    sum = j == 0 ? tap : sum + tap;
-    if (j == 0) first = selected;
-  }
-  return cast_like(sum, first);  // the taps are stored as x is
-}
-
-// The source step per output step: (in - 1) / (out - 1) with align_corners, else the scale.
-float source_step(int64_t in, int64_t out, float scale, bool align_corners) {
-  if (!align_corners) return scale;
-  return out > 1 ? static_cast<float>(in - 1) / static_cast<float>(out - 1) : 0.f;
-}
-
-// Linear along one axis: x[i0] l0 + x[i1] l1 with PyTorch's area_pixel_compute_source_index.
-Tensor linear_axis(const Tensor& x, int64_t axis, int64_t out, float scale, bool align_corners) {
-  const int64_t in = x.size(axis);
-  if (in == out) return x;  // PyTorch copies an axis whose size stays, whatever the factor
-  std::vector<std::vector<int64_t>> index(2, std::vector<int64_t>(static_cast<size_t>(out)));
-  std::vector<std::vector<double>> weight(2, std::vector<double>(static_cast<size_t>(out)));
-  const float step = source_step(in, out, scale, align_corners);
-  for (int64_t o = 0; o < out; ++o) {
-    const auto k = static_cast<size_t>(o);
-    const float source = source_index(o, step, align_corners, false);
-    index[0][k] = std::min(static_cast<int64_t>(source), in - 1);
-    index[1][k] = std::min(index[0][k] + 1, in - 1);
-    const float lambda = std::min(std::max(source - static_cast<float>(index[0][k]), 0.f), 1.f);
-    weight[1][k] = lambda;
-    weight[0][k] = 1.f - lambda;
-  }
-  return weighted_taps(
-      x, axis,
-      fmt::format("linear {} {} {} {}", in, out, std::bit_cast<uint32_t>(scale), align_corners),
-      index, weight);
-}
-
-// Cubic along one axis: four taps around the source position, clamped to the axis, weighted by
-// PyTorch's cubic convolution (Keys, A = -0.75) in float, as get_cubic_upsample_coefficients.
-Tensor cubic_axis(const Tensor& x, int64_t axis, int64_t out, float scale, bool align_corners) {
-  const int64_t in = x.size(axis);
-  constexpr float A = -0.75f;
-  auto near = [](float d) { return ((A + 2) * d - (A + 3)) * d * d + 1; };       // |d| <= 1
-  auto far = [](float d) { return ((A * d - 5 * A) * d + 8 * A) * d - 4 * A; };  // 1 < |d| < 2
-  std::vector<std::vector<int64_t>> index(4, std::vector<int64_t>(static_cast<size_t>(out)));
-  std::vector<std::vector<double>> weight(4, std::vector<double>(static_cast<size_t>(out)));
-  const float step = source_step(in, out, scale, align_corners);
-  bool identity = in == out;
-  for (int64_t o = 0; o < out; ++o) {
-    const auto k = static_cast<size_t>(o);
-    const float source = source_index(o, step, align_corners, true);
-    const float start = std::floor(source);
-    const float t = source - start;
-    const float w[4] = {far(t + 1.f), near(t), near(1.f - t), far(2.f - t)};
-    for (size_t j = 0; j < 4; ++j) {
-      index[j][k] =
-          std::clamp(static_cast<int64_t>(start) - 1 + static_cast<int64_t>(j), int64_t{0}, in - 1);
-      weight[j][k] = w[j];
-    }
-    identity &= t == 0.f && static_cast<int64_t>(start) == o;
-  }
-  if (identity) return x;  // the weights (0, 1, 0, 0) of every output: a copy
-  return weighted_taps(
-      x, axis,
-      fmt::format("cubic {} {} {} {}", in, out, std::bit_cast<uint32_t>(scale), align_corners),
-      index, weight);
-}
-
-}  // namespace
-
-Tensor interpolate(const Tensor& x, const InterpolateOptions& options, const Loc& loc) {
-  CallSiteScope site(loc, composite::interpolate);
-  const char* op = "interpolate";
-  require_float(x, op, "input", loc);
-  const bool nearest = options.mode == InterpolateMode::Nearest;
-  const char* mode = nearest                                     ? "nearest"
-                     : options.mode == InterpolateMode::Bilinear ? "bilinear"
-                                                                 : "bicubic";
-  if (nearest ? (x.dim() != 3 && x.dim() != 4) : x.dim() != 4)
-    op_fail(op, loc, "{} needs an {} input, got {}", mode,
-            nearest ? "[N, C, L] or [N, C, H, W]" : "[N, C, H, W]", to_string(x.shape()));
-  const auto spatial = static_cast<size_t>(x.dim() - 2);
-  if (options.size.empty() == options.scale_factor.empty())
-    op_fail(op, loc, "needs either size or scale_factor, not {}",
-            options.size.empty() ? "neither" : "both");
-  std::vector<double> factors = options.scale_factor;
-  if (factors.size() == 1) factors.resize(spatial, factors[0]);
-  std::vector<int64_t> sizes = options.size;
-  if (sizes.size() == 1) sizes.resize(spatial, sizes[0]);
-  if (!factors.empty() && factors.size() != spatial)
-    op_fail(op, loc, "needs 1 or {} scale factors for input {}, got {}", spatial,
-            to_string(x.shape()), factors.size());
-  if (!sizes.empty() && sizes.size() != spatial)
-    op_fail(op, loc, "needs 1 or {} sizes for input {}, got {}", spatial, to_string(x.shape()),
-            sizes.size());
-  if (sizes.empty())
-    for (size_t a = 0; a < spatial; ++a) {
-      if (!(factors[a] > 0)) op_fail(op, loc, "scale factors must be positive, got {}", factors[a]);
-      const double size =
-          std::floor(static_cast<double>(x.size(static_cast<int64_t>(a) + 2)) * factors[a]);
-      if (!(size <= static_cast<double>(kMaxInterpolatedAxis)))
-        op_fail(op, loc, "scale factor {} makes an axis of {} from {}, above 2^24", factors[a],
-                size, x.size(static_cast<int64_t>(a) + 2));
-      sizes.push_back(static_cast<int64_t>(size));
-    }
-  for (int64_t s : sizes)
-    if (s <= 0 || s > kMaxInterpolatedAxis)
-      op_fail(op, loc, "output sizes must be positive and at most 2^24, got {}", s);
-  if (options.align_corners && nearest)
-    op_fail(op, loc, "align_corners applies to the bilinear and bicubic modes only");
-  Tensor y = x;
-  for (size_t a = 0; a < spatial; ++a) {
-    const int64_t axis = static_cast<int64_t>(a) + 2;
-    const float scale = source_scale(factors, a, x.size(axis), sizes[a]);
-    switch (options.mode) {
-      case InterpolateMode::Nearest:
-        y = nearest_axis(y, axis, sizes[a], scale);
-        break;
-      case InterpolateMode::Bilinear:
-        y = linear_axis(y, axis, sizes[a], scale, options.align_corners);
-        break;
-      case InterpolateMode::Bicubic:
-        y = cubic_axis(y, axis, sizes[a], scale, options.align_corners);
-        break;
-    }
-  }
-  return y;
-}
-
 Tensor dropout2d(const Tensor& x, double p, bool training, Generator* gen, const Loc& loc) {
   CallSiteScope site(loc, composite::dropout);
   require_float(x, "dropout2d", "input", loc);
@@ -727,58 +668,6 @@ Tensor dropout2d(const Tensor& x, double p, bool training, Generator* gen, const
   // Multiplied, as dropout's: a dropped channel's NaN stays NaN.
   return x *
          where(keep, full(mask_shape, 1.0 / (1.0 - p), x.dtype()), zeros(mask_shape, x.dtype()));
-}
-
-namespace {
-
-// pixel_shuffle's and pixel_unshuffle's checks: x [*, C, H, W] and a positive factor.
-void check_shuffle(const char* op, const Tensor& x, int64_t factor, const Loc& loc) {
-  if (!x.defined()) op_fail(op, loc, "the input is an undefined tensor");
-  if (x.dim() < 3) op_fail(op, loc, "needs an input [*, C, H, W], got {}", to_string(x.shape()));
-  if (factor < 1 || factor > (int64_t{1} << 30))
-    op_fail(op, loc, "the factor must be in [1, 2^30], got {}", factor);
-}
-
-}  // namespace
-
-Tensor pixel_shuffle(const Tensor& x, int64_t upscale_factor, const Loc& loc) {
-  CallSiteScope site(loc);
-  const char* op = "pixel_shuffle";
-  check_shuffle(op, x, upscale_factor, loc);
-  const int64_t r = upscale_factor, c = x.size(-3), h = x.size(-2), w = x.size(-1);
-  if (c % (r * r) != 0)
-    op_fail(op, loc, "the {} channels of input {} are no multiple of the factor {} squared", c,
-            to_string(x.shape()), r);
-  const int64_t batch = x.dim() - 3;
-  Shape split(x.shape().begin(), x.shape().end() - 3);
-  for (int64_t size : {c / (r * r), r, r, h, w}) split.push_back(size);
-  // [*, C, r, r, H, W] -> [*, C, H, r, W, r]
-  std::vector<int64_t> order;
-  for (int64_t d = 0; d < batch; ++d) order.push_back(d);
-  for (int64_t d : {0, 3, 1, 4, 2}) order.push_back(batch + d);
-  Shape out(x.shape().begin(), x.shape().end() - 3);
-  for (int64_t size : {c / (r * r), h * r, w * r}) out.push_back(size);
-  return reshape(permute(reshape(x, split, loc), order, loc), out, loc);
-}
-
-Tensor pixel_unshuffle(const Tensor& x, int64_t downscale_factor, const Loc& loc) {
-  CallSiteScope site(loc);
-  const char* op = "pixel_unshuffle";
-  check_shuffle(op, x, downscale_factor, loc);
-  const int64_t r = downscale_factor, c = x.size(-3), h = x.size(-2), w = x.size(-1);
-  if (h % r != 0 || w % r != 0)
-    op_fail(op, loc, "the height and width of input {} must be multiples of the factor {}",
-            to_string(x.shape()), r);
-  const int64_t batch = x.dim() - 3;
-  Shape split(x.shape().begin(), x.shape().end() - 3);
-  for (int64_t size : {c, h / r, r, w / r, r}) split.push_back(size);
-  // [*, C, H, r, W, r] -> [*, C, r, r, H, W]
-  std::vector<int64_t> order;
-  for (int64_t d = 0; d < batch; ++d) order.push_back(d);
-  for (int64_t d : {0, 2, 4, 1, 3}) order.push_back(batch + d);
-  Shape out(x.shape().begin(), x.shape().end() - 3);
-  for (int64_t size : {c * r * r, h / r, w / r}) out.push_back(size);
-  return reshape(permute(reshape(x, split, loc), order, loc), out, loc);
 }
 
 }  // namespace mixtape

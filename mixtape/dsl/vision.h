@@ -57,6 +57,20 @@ Tensor avg_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride = s
                   const Loc& loc = Loc::current());
 /// The mean over windows [floor(i H / out), ceil((i + 1) H / out)) along each axis, PyTorch's.
 Tensor adaptive_avg_pool2d(const Tensor& x, Size2 output_size, const Loc& loc = Loc::current());
+/// The maximum over adaptive_avg_pool2d's windows, through the MaxPool2d primitive: its
+/// gradient goes to each window's first maximum in row-major order (the last NaN), PyTorch's.
+Tensor adaptive_max_pool2d(const Tensor& x, Size2 output_size, const Loc& loc = Loc::current());
+
+/// torch.nn.functional.unfold (im2col): x [N, C, H, W] (or [C, H, W]) -> [N, C kh kw, L], each
+/// column one block of the sliding window (L blocks in row-major order, rows channel-major then
+/// kernel row and column), the blocks placed as conv2d's windows with the same arguments.
+Tensor unfold(const Tensor& x, Size2 kernel_size, Size2 dilation = 1, Size2 padding = 0,
+              Size2 stride = 1, const Loc& loc = Loc::current());
+/// torch.nn.functional.fold (col2im), unfold's adjoint: x [N, C kh kw, L] (or unbatched) ->
+/// [N, C, output_size], each block's values added at its place (a 16-bit input summed in f32,
+/// rounded once); the padding is cut off.
+Tensor fold(const Tensor& x, Size2 output_size, Size2 kernel_size, Size2 dilation = 1,
+            Size2 padding = 0, Size2 stride = 1, const Loc& loc = Loc::current());
 
 /// torch.nn.functional.batch_norm over [N, C, ...] (statistics per channel C, over every other
 /// axis). Training uses the batch's statistics (the biased variance to normalize) and, where the

@@ -467,6 +467,8 @@ def run_vision(d, m, _):
             y = F.interpolate(source, size=ints('size'), mode=m['mode'],
                               align_corners=flag('align_corners') if m['mode'] != 'nearest' else None)
             y = y.to(h.dtype)
+        elif op == 'adaptive_max_pool2d_relu':
+            y = F.adaptive_max_pool2d(F.relu(h), ints('size'))
         elif op == 'pad':
             y = F.pad(h, ints('pads'), mode=m['mode'])
         else:

@@ -1,0 +1,288 @@
+// mixtape/dsl/resample.cpp -- resampling images: interpolate (nearest, bilinear, bicubic) over
+// host index and weight tables, and pixel_shuffle / pixel_unshuffle as views.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "mixtape/dsl/composites.h"
+#include "mixtape/dsl/constant_cache.h"
+#include "mixtape/dsl/error.h"
+#include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/operand_checks.h"
+#include "mixtape/dsl/vision.h"
+
+namespace mixtape {
+namespace {
+
+// The largest interpolated axis: its index and weight tables take 8 to 24 bytes per output
+// element on the host.
+constexpr int64_t kMaxInterpolatedAxis = int64_t{1} << 24;
+
+// PyTorch's compute_scales_value: the source step per output step, in the type PyTorch computes
+// positions in (float for nearest, its opmath type for linear and cubic: double for f64).
+template <typename Real>
+Real source_scale(const std::vector<double>& factors, size_t axis, int64_t in, int64_t out) {
+  if (!factors.empty() && factors[axis] > 0) return static_cast<Real>(1.0 / factors[axis]);
+  return static_cast<Real>(in) / static_cast<Real>(out);
+}
+
+// A table of an interpolation along one axis, kept under `key` (the table's name and
+// everything it depends on).
+Tensor axis_table(const std::string& key, const std::vector<int64_t>& indices) {
+  return cached_constant(key,
+                         [&] { return tensor(indices, {static_cast<int64_t>(indices.size())}); });
+}
+Tensor axis_table(const std::string& key, const std::vector<double>& weights, const Shape& shape,
+                  DType dtype) {
+  return cached_constant(key, [&] { return tensor(weights, shape, dtype); });
+}
+
+// Nearest: output o reads input min(floor(o scale), in - 1), as PyTorch's NCHW kernels (and its
+// CUDA one) compute it. (Its nearest_idx also copies at the same size and reads o / 2 at twice
+// the size whatever the scale factor says, which its channels-last kernel follows: a factor of
+// 2.2 at twice the size, or 1.3 at the same size, differs there.)
+Tensor nearest_axis(const Tensor& x, int64_t axis, int64_t out, float scale) {
+  const int64_t in = x.size(axis);
+  std::vector<int64_t> source(static_cast<size_t>(out));
+  bool identity = in == out;
+  for (int64_t o = 0; o < out; ++o) {
+    source[static_cast<size_t>(o)] =
+        std::min(static_cast<int64_t>(std::floor(static_cast<float>(o) * scale)), in - 1);
+    identity &= source[static_cast<size_t>(o)] == o;
+  }
+  if (identity) return x;
+  return index_select(x, axis_table(fmt::format("nearest {} {} {:a}", in, out, scale), source),
+                      axis);
+}
+
+// The source position of output o along an axis, PyTorch's area_pixel_compute_source_index (a
+// linear interpolation clamps it at 0, a cubic one does not).
+template <typename Real>
+Real source_index(int64_t o, Real step, bool align_corners, bool cubic) {
+  if (align_corners) return step * static_cast<Real>(o);
+  const Real source = step * (static_cast<Real>(o) + Real(0.5)) - Real(0.5);
+  return cubic ? source : std::max(source, Real(0));
+}
+
+// The source step per output step: (in - 1) / (out - 1) with align_corners, else the scale.
+template <typename Real>
+Real source_step(int64_t in, int64_t out, Real scale, bool align_corners) {
+  if (!align_corners) return scale;
+  return out > 1 ? static_cast<Real>(in - 1) / static_cast<Real>(out - 1) : Real(0);
+}
+
+// Along one axis, each output as a weighted sum of taps: Σ_j x[index_j] weight_j, the tables
+// kept under `key` with x's type (f32 or f64: interpolate sums a 16-bit input in f32).
+Tensor weighted_taps(const Tensor& x, int64_t axis, const std::string& key,
+                     const std::vector<std::vector<int64_t>>& indices,
+                     const std::vector<std::vector<double>>& weights) {
+  Shape weight_shape(static_cast<size_t>(x.dim() - axis), 1);
+  weight_shape[0] = static_cast<int64_t>(weights[0].size());
+  const std::string tables = fmt::format("{} {} {}", key, name(x.dtype()), to_string(weight_shape));
+  Tensor sum;
+  for (size_t j = 0; j < indices.size(); ++j) {
+    Tensor tap =
+        index_select(x, axis_table(fmt::format("{} index {}", tables, j), indices[j]), axis) *
+        axis_table(fmt::format("{} weight {}", tables, j), weights[j], weight_shape, x.dtype());
+    sum = j == 0 ? tap : sum + tap;
+  }
+  return sum;
+}
+
+// The key of an axis's tables: the mode, the sizes, the scale (exactly, and its type) and
+// align_corners.
+template <typename Real>
+std::string axis_key(const char* mode, int64_t in, int64_t out, Real scale, bool align_corners) {
+  return fmt::format("{} {} {} {:a} {} {}", mode, in, out, static_cast<double>(scale), sizeof(Real),
+                     align_corners);
+}
+
+// Linear along one axis: x[i0] l0 + x[i1] l1 with PyTorch's area_pixel_compute_source_index.
+template <typename Real>
+Tensor linear_axis(const Tensor& x, int64_t axis, int64_t out, Real scale, bool align_corners) {
+  const int64_t in = x.size(axis);
+  if (in == out) return x;  // PyTorch copies an axis whose size stays, whatever the factor
+  std::vector<std::vector<int64_t>> index(2, std::vector<int64_t>(static_cast<size_t>(out)));
+  std::vector<std::vector<double>> weight(2, std::vector<double>(static_cast<size_t>(out)));
+  const Real step = source_step(in, out, scale, align_corners);
+  for (int64_t o = 0; o < out; ++o) {
+    const auto k = static_cast<size_t>(o);
+    const Real source = source_index(o, step, align_corners, false);
+    index[0][k] = std::min(static_cast<int64_t>(source), in - 1);
+    index[1][k] = std::min(index[0][k] + 1, in - 1);
+    const Real lambda =
+        std::min(std::max(source - static_cast<Real>(index[0][k]), Real(0)), Real(1));
+    weight[1][k] = lambda;
+    weight[0][k] = Real(1) - lambda;
+  }
+  return weighted_taps(x, axis, axis_key("linear", in, out, scale, align_corners), index, weight);
+}
+
+// Cubic along one axis: four taps around the source position, clamped to the axis, weighted by
+// PyTorch's cubic convolution (Keys, A = -0.75), as get_cubic_upsample_coefficients.
+template <typename Real>
+Tensor cubic_axis(const Tensor& x, int64_t axis, int64_t out, Real scale, bool align_corners) {
+  const int64_t in = x.size(axis);
+  constexpr Real A = Real(-0.75);
+  auto near = [](Real d) { return ((A + 2) * d - (A + 3)) * d * d + 1; };       // |d| <= 1
+  auto far = [](Real d) { return ((A * d - 5 * A) * d + 8 * A) * d - 4 * A; };  // 1 < |d| < 2
+  std::vector<std::vector<int64_t>> index(4, std::vector<int64_t>(static_cast<size_t>(out)));
+  std::vector<std::vector<double>> weight(4, std::vector<double>(static_cast<size_t>(out)));
+  const Real step = source_step(in, out, scale, align_corners);
+  bool identity = in == out;
+  for (int64_t o = 0; o < out; ++o) {
+    const auto k = static_cast<size_t>(o);
+    const Real source = source_index(o, step, align_corners, true);
+    const Real start = std::floor(source);
+    const Real t = source - start;
+    const Real w[4] = {far(t + 1), near(t), near(1 - t), far(2 - t)};
+    for (size_t j = 0; j < 4; ++j) {
+      index[j][k] =
+          std::clamp(static_cast<int64_t>(start) - 1 + static_cast<int64_t>(j), int64_t{0}, in - 1);
+      weight[j][k] = w[j];
+    }
+    identity &= t == 0 && static_cast<int64_t>(start) == o;
+  }
+  if (identity) return x;  // the weights (0, 1, 0, 0) of every output: a copy
+  return weighted_taps(x, axis, axis_key("cubic", in, out, scale, align_corners), index, weight);
+}
+
+// Linear or cubic along one axis, positions and weights in Real, PyTorch's opmath type.
+template <typename Real>
+Tensor smooth_axis(const Tensor& x, int64_t axis, int64_t out, const std::vector<double>& factors,
+                   size_t a, bool cubic, bool align_corners) {
+  const Real scale = source_scale<Real>(factors, a, x.size(axis), out);
+  return cubic ? cubic_axis<Real>(x, axis, out, scale, align_corners)
+               : linear_axis<Real>(x, axis, out, scale, align_corners);
+}
+
+}  // namespace
+
+Tensor interpolate(const Tensor& x, const InterpolateOptions& options, const Loc& loc) {
+  CallSiteScope site(loc, composite::interpolate);
+  const char* op = "interpolate";
+  require_float(x, op, "input", loc);
+  const bool nearest = options.mode == InterpolateMode::Nearest;
+  const char* mode = nearest                                     ? "nearest"
+                     : options.mode == InterpolateMode::Bilinear ? "bilinear"
+                                                                 : "bicubic";
+  if (nearest ? (x.dim() != 3 && x.dim() != 4) : x.dim() != 4)
+    op_fail(op, loc, "{} needs an {} input, got {}", mode,
+            nearest ? "[N, C, L] or [N, C, H, W]" : "[N, C, H, W]", to_string(x.shape()));
+  const auto spatial = static_cast<size_t>(x.dim() - 2);
+  if (options.size.empty() == options.scale_factor.empty())
+    op_fail(op, loc, "needs either size or scale_factor, not {}",
+            options.size.empty() ? "neither" : "both");
+  std::vector<double> factors = options.scale_factor;
+  if (factors.size() == 1) factors.resize(spatial, factors[0]);
+  std::vector<int64_t> sizes = options.size;
+  if (sizes.size() == 1) sizes.resize(spatial, sizes[0]);
+  if (!factors.empty() && factors.size() != spatial)
+    op_fail(op, loc, "needs 1 or {} scale factors for input {}, got {}", spatial,
+            to_string(x.shape()), factors.size());
+  if (!sizes.empty() && sizes.size() != spatial)
+    op_fail(op, loc, "needs 1 or {} sizes for input {}, got {}", spatial, to_string(x.shape()),
+            sizes.size());
+  if (sizes.empty())
+    for (size_t a = 0; a < spatial; ++a) {
+      if (!(factors[a] > 0)) op_fail(op, loc, "scale factors must be positive, got {}", factors[a]);
+      const double size =
+          std::floor(static_cast<double>(x.size(static_cast<int64_t>(a) + 2)) * factors[a]);
+      if (!(size <= static_cast<double>(kMaxInterpolatedAxis)))
+        op_fail(op, loc, "scale factor {} makes an axis of {} from {}, above 2^24", factors[a],
+                size, x.size(static_cast<int64_t>(a) + 2));
+      sizes.push_back(static_cast<int64_t>(size));
+    }
+  for (int64_t s : sizes)
+    if (s <= 0 || s > kMaxInterpolatedAxis)
+      op_fail(op, loc, "output sizes must be positive and at most 2^24, got {}", s);
+  for (int64_t axis = 2; axis < x.dim(); ++axis)
+    if (x.size(axis) == 0)
+      op_fail(op, loc, "input {} has an empty spatial axis", to_string(x.shape()));
+  if (options.align_corners && nearest)
+    op_fail(op, loc, "align_corners applies to the bilinear and bicubic modes only");
+  if (nearest) {
+    Tensor y = x;
+    for (size_t a = 0; a < spatial; ++a) {
+      const int64_t axis = static_cast<int64_t>(a) + 2;
+      y = nearest_axis(y, axis, sizes[a], source_scale<float>(factors, a, x.size(axis), sizes[a]));
+    }
+    return y;
+  }
+  // Summed in f32 (f64 for f64) over both axes and rounded once, as PyTorch's opmath kernels.
+  // The cast is a node also where x is traced in f32: a policy may store x in a half type (a
+  // convolution's output under autocast), and an explicit cast keeps its traced type.
+  const DType sum_type = composite::statistics_type(x.dtype());
+  Tensor y(make_node(OpCode::Cast, sum_type, x.shape(), {x.node()}, {}, loc));
+  const bool cubic = options.mode == InterpolateMode::Bicubic;
+  for (size_t a = 0; a < spatial; ++a) {
+    const int64_t axis = static_cast<int64_t>(a) + 2;
+    y = sum_type == f64
+            ? smooth_axis<double>(y, axis, sizes[a], factors, a, cubic, options.align_corners)
+            : smooth_axis<float>(y, axis, sizes[a], factors, a, cubic, options.align_corners);
+  }
+  // x's stored type at the output's shape, for the result (cast_like): a view of one element.
+  const Tensor corner = slice(x, {0, 0, 0, 0}, {1, 1, 1, 1}, {x.size(0), x.size(1), 1, 1});
+  return cast_like(cast(y, x.dtype()), broadcast_to(corner, y.shape()));
+}
+
+namespace {
+
+// pixel_shuffle's and pixel_unshuffle's checks: x [*, C, H, W] and a positive factor.
+void check_shuffle(const char* op, const Tensor& x, int64_t factor, const Loc& loc) {
+  if (!x.defined()) op_fail(op, loc, "the input is an undefined tensor");
+  if (x.dim() < 3) op_fail(op, loc, "needs an input [*, C, H, W], got {}", to_string(x.shape()));
+  if (factor < 1 || factor > (int64_t{1} << 30))
+    op_fail(op, loc, "the factor must be in [1, 2^30], got {}", factor);
+}
+
+}  // namespace
+
+Tensor pixel_shuffle(const Tensor& x, int64_t upscale_factor, const Loc& loc) {
+  CallSiteScope site(loc);
+  const char* op = "pixel_shuffle";
+  check_shuffle(op, x, upscale_factor, loc);
+  const int64_t r = upscale_factor, c = x.size(-3), h = x.size(-2), w = x.size(-1);
+  if (c % (r * r) != 0)
+    op_fail(op, loc, "the {} channels of input {} are no multiple of the factor {} squared", c,
+            to_string(x.shape()), r);
+  const int64_t batch = x.dim() - 3;
+  Shape split(x.shape().begin(), x.shape().end() - 3);
+  for (int64_t size : {c / (r * r), r, r, h, w}) split.push_back(size);
+  // [*, C, r, r, H, W] -> [*, C, H, r, W, r]
+  std::vector<int64_t> order;
+  for (int64_t d = 0; d < batch; ++d) order.push_back(d);
+  for (int64_t d : {0, 3, 1, 4, 2}) order.push_back(batch + d);
+  Shape out(x.shape().begin(), x.shape().end() - 3);
+  for (int64_t size : {c / (r * r), h * r, w * r}) out.push_back(size);
+  return reshape(permute(reshape(x, split, loc), order, loc), out, loc);
+}
+
+Tensor pixel_unshuffle(const Tensor& x, int64_t downscale_factor, const Loc& loc) {
+  CallSiteScope site(loc);
+  const char* op = "pixel_unshuffle";
+  check_shuffle(op, x, downscale_factor, loc);
+  const int64_t r = downscale_factor, c = x.size(-3), h = x.size(-2), w = x.size(-1);
+  if (h % r != 0 || w % r != 0)
+    op_fail(op, loc, "the height and width of input {} must be multiples of the factor {}",
+            to_string(x.shape()), r);
+  if (c > (int64_t{1} << 60) / (r * r))
+    op_fail(op, loc, "input {} would have more than 2^60 channels at factor {}",
+            to_string(x.shape()), r);
+  const int64_t batch = x.dim() - 3;
+  Shape split(x.shape().begin(), x.shape().end() - 3);
+  for (int64_t size : {c, h / r, r, w / r, r}) split.push_back(size);
+  // [*, C, H, r, W, r] -> [*, C, r, r, H, W]
+  std::vector<int64_t> order;
+  for (int64_t d = 0; d < batch; ++d) order.push_back(d);
+  for (int64_t d : {0, 2, 4, 1, 3}) order.push_back(batch + d);
+  Shape out(x.shape().begin(), x.shape().end() - 3);
+  for (int64_t size : {c * r * r, h / r, w / r}) out.push_back(size);
+  return reshape(permute(reshape(x, split, loc), order, loc), out, loc);
+}
+
+}  // namespace mixtape
