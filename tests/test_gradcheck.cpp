@@ -910,6 +910,16 @@ const std::vector<Sample>& composite_samples() {
     add_c("adaptive_max_pool2d", {{{2, 2, 5, 7}}}, [](const Tensors& x) {
       return mt::adaptive_max_pool2d(x[0], {3, 2});
     });
+    add_c("grid_sample_zeros", {{{1, 2, 3, 4}}, {{1, 2, 3, 2}}},
+          [](const Tensors& x) { return mt::grid_sample(x[0], x[1] * 0.6); });
+    add_c("grid_sample_reflection_corners", {{{1, 2, 3, 4}}, {{1, 2, 3, 2}}}, [](const Tensors& x) {
+      return mt::grid_sample(x[0], x[1],
+                             {.padding_mode = mt::GridPadding::Reflection, .align_corners = true});
+    });
+    add_c("affine_grid_sample", {{{1, 2, 3, 4}}, {{1, 2, 3}}}, [](const Tensors& x) {
+      return mt::grid_sample(x[0], mt::affine_grid(x[1] * 0.5, {1, 2, 3, 3}),
+                             {.padding_mode = mt::GridPadding::Border});
+    });
     add_c("pixel_shuffle_unshuffle", {{{1, 8, 2, 3}}}, [](const Tensors& x) {
       mt::Tensor up = mt::pixel_shuffle(x[0], 2);
       return mt::pixel_unshuffle(up * up, 2);

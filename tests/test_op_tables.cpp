@@ -350,6 +350,10 @@ TEST(CompositeTable, EveryCompositeNamesItsNodes) {
        [&] {
          return mt::adaptive_max_pool2d(image, {2, 1});
        }},
+      {"grid_sample",
+       [&] {
+         return mt::grid_sample(image, mt::zeros({2, 3, 2, 2}));
+       }},
       {"interpolate",
        [&] {
          return mt::interpolate(image, {.size = {5, 6}});

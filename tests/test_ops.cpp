@@ -1669,6 +1669,47 @@ void add_conv_cases(Oracle& o, Data& d, mt::DType dt) {
         "F.adaptive_max_pool2d(a, (3, 4))", rtol, atol);
   o.add("adaptive_max_pool2d_equal/" + t, {xa}, mt::adaptive_max_pool2d(xa, {7, 2}),
         "F.adaptive_max_pool2d(a, (7, 2))", rtol, atol);
+  // grid_sample in every mode, padding and align_corners, at points inside and outside the
+  // input: values and both gradients (torch.autograd.grad); affine_grid's grids.
+  mt::Tensor image = d.randn({2, 3, 5, 4}, dt),
+             points = make(d.uniform(72, -1.3, 1.3), {2, 3, 6, 2}, dt);
+  mt::Tensor seed = d.randn({2, 3, 3, 6}, dt);
+  const std::pair<mt::GridSampleMode, const char*> sample_modes[] = {
+      {mt::GridSampleMode::Bilinear, "bilinear"}, {mt::GridSampleMode::Nearest, "nearest"}};
+  const std::pair<mt::GridPadding, const char*> paddings[] = {
+      {mt::GridPadding::Zeros, "zeros"},
+      {mt::GridPadding::Border, "border"},
+      {mt::GridPadding::Reflection, "reflection"}};
+  for (const auto& [mode, mode_name] : sample_modes)
+    for (const auto& [padding, padding_name] : paddings)
+      for (bool align : {false, true}) {
+        const std::string label =
+            fmt::format("{}_{}_{}/{}", mode_name, padding_name, align ? "corners" : "edges", t);
+        const std::string args = fmt::format("mode='{}', padding_mode='{}', align_corners={}",
+                                             mode_name, padding_name, align ? "True" : "False");
+        mt::Tensor x = image.detach(), g = points.detach();
+        x.requires_grad_();
+        g.requires_grad_();
+        mt::Tensor y =
+            mt::grid_sample(x, g, {.mode = mode, .padding_mode = padding, .align_corners = align});
+        // Nearest's grid takes no gradient (PyTorch's is zeros).
+        std::vector<mt::Tensor> grads = mt::grad({y}, {x, g}, {seed}, false, true);
+        if (!grads[1].defined()) grads[1] = mt::zeros_like(points);
+        o.add("grid_sample/" + label, {image, points}, y.detach(),
+              "F.grid_sample(a, b, " + args + ")", rtol, atol);
+        const std::string both =
+            "(lambda x, g: torch.autograd.grad(F.grid_sample(x, g, " + args +
+            "), (x, g), c))(a.clone().requires_grad_(), b.clone().requires_grad_())";
+        o.add("grid_sample_grad_input/" + label, {image, points, seed}, grads[0], both + "[0]",
+              rtol, atol);
+        o.add("grid_sample_grad_grid/" + label, {image, points, seed}, grads[1], both + "[1]", rtol,
+              atol);
+      }
+  mt::Tensor theta = d.randn({2, 2, 3}, dt);
+  o.add("affine_grid/" + t, {theta}, mt::affine_grid(theta, {2, 3, 4, 5}),
+        "F.affine_grid(a, (2, 3, 4, 5), align_corners=False)", rtol, atol);
+  o.add("affine_grid_corners/" + t, {theta}, mt::affine_grid(theta, {2, 1, 1, 6}, true),
+        "F.affine_grid(a, (2, 1, 1, 6), align_corners=True)", rtol, atol);
   // Max pooling's two primitives: PyTorch's forward and its autograd gradient.
   mt::Tensor xp = d.randn({2, 3, 9, 8}, dt);
   mt::PoolWindow pool;

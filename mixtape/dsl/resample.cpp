@@ -1,5 +1,6 @@
 // mixtape/dsl/resample.cpp -- resampling images: interpolate (nearest, bilinear, bicubic) over
-// host index and weight tables, and pixel_shuffle / pixel_unshuffle as views.
+// host index and weight tables, pixel_shuffle / pixel_unshuffle as views, and grid_sample /
+// affine_grid as gathers at positions computed in the graph.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -13,6 +14,7 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/operand_checks.h"
+#include "mixtape/dsl/selection.h"
 #include "mixtape/dsl/vision.h"
 
 namespace mixtape {
@@ -283,6 +285,126 @@ Tensor pixel_unshuffle(const Tensor& x, int64_t downscale_factor, const Loc& loc
   Shape out(x.shape().begin(), x.shape().end() - 3);
   for (int64_t size : {c * r * r, h / r, w / r}) out.push_back(size);
   return reshape(permute(reshape(x, split, loc), order, loc), out, loc);
+}
+
+namespace {
+
+// One grid coordinate (-1 to 1 across an axis of `size`) as a position on that axis, as
+// PyTorch's grid_sampler_compute_source_index: unnormalized, then clipped (border) or reflected
+// and clipped (reflection).
+Tensor grid_source(const Tensor& coord, int64_t size, const GridSampleOptions& o) {
+  const auto n = static_cast<double>(size);
+  Tensor at = o.align_corners ? (coord + 1.0) / 2.0 * (n - 1) : ((coord + 1.0) * n - 1.0) / 2.0;
+  if (o.padding_mode == GridPadding::Zeros) return at;
+  if (o.padding_mode == GridPadding::Reflection) {
+    // reflect_coordinates over [low, high] (the pixel centers' span, or the pixels' edges)
+    const double low = o.align_corners ? 0.0 : -0.5, high = o.align_corners ? n - 1 : n - 0.5;
+    if (high <= low) {
+      at = at * 0.0;
+    } else {
+      const double span = high - low;
+      const Tensor span_t = full({}, span, at.dtype());
+      const Tensor distance = abs(at - low);
+      const Tensor extra = fmod(distance, span_t);
+      const Tensor flips = floor(distance / span);
+      at = where(fmod(flips, full({}, 2.0, at.dtype())) == 0.0, extra + low, span - extra + low);
+    }
+  }
+  return clamp(at, 0.0, n - 1);
+}
+
+}  // namespace
+
+Tensor grid_sample(const Tensor& x, const Tensor& grid, const GridSampleOptions& options,
+                   const Loc& loc) {
+  CallSiteScope site(loc, composite::grid_sample);
+  const char* op = "grid_sample";
+  require_float(x, op, "input", loc);
+  require_float(grid, op, "grid", loc);
+  if (x.dim() != 4 || grid.dim() != 4 || grid.size(3) != 2 || grid.size(0) != x.size(0))
+    op_fail(op, loc, "needs an input [N, C, H, W] and a grid [N, H_out, W_out, 2], got {} and {}",
+            to_string(x.shape()), to_string(grid.shape()));
+  if (x.size(2) == 0 || x.size(3) == 0)
+    op_fail(op, loc, "input {} has an empty spatial axis", to_string(x.shape()));
+  const int64_t n = x.size(0), c = x.size(1), h = x.size(2), w = x.size(3);
+  const int64_t out_h = grid.size(1), out_w = grid.size(2), points = out_h * out_w;
+  // In f32 (f64 for f64) whatever the policy, as PyTorch's autocast runs grid_sampler.
+  const DType t = composite::statistics_type(promote(x.dtype(), grid.dtype()));
+  const Tensor image = reshape(cast(x, t, loc), {n, c, h * w});
+  const Tensor xy = reshape(cast(grid, t, loc), {n, 1, points, 2});
+  const Tensor ix = grid_source(squeeze(slice(xy, 3, 0, 1), 3), w, options);  // [N, 1, points]
+  const Tensor iy = grid_source(squeeze(slice(xy, 3, 1, 2), 3), h, options);
+  // The input at integer positions (px, py) of [N, 1, points], zero outside it.
+  auto at = [&](const Tensor& px, const Tensor& py) {
+    const Tensor inside = logical_and(logical_and(px >= 0.0, px <= static_cast<double>(w - 1)),
+                                      logical_and(py >= 0.0, py <= static_cast<double>(h - 1)));
+    const Tensor index = cast(clamp(py, 0.0, static_cast<double>(h - 1)) * static_cast<double>(w) +
+                                  clamp(px, 0.0, static_cast<double>(w - 1)),
+                              i64);
+    return where(inside, take_along_dim(image, index, 2), zeros({}, t));
+  };
+  Tensor y;
+  if (options.mode == GridSampleMode::Nearest) {
+    y = at(round(ix), round(iy));
+  } else {
+    const Tensor x0 = floor(ix), y0 = floor(iy);
+    const Tensor x1 = x0 + 1.0, y1 = y0 + 1.0;
+    // PyTorch's weights and order: north-west, north-east, south-west, south-east.
+    y = at(x0, y0) * ((x1 - ix) * (y1 - iy)) + at(x1, y0) * ((ix - x0) * (y1 - iy)) +
+        at(x0, y1) * ((x1 - ix) * (iy - y0)) + at(x1, y1) * ((ix - x0) * (iy - y0));
+  }
+  return cast(reshape(y, {n, c, out_h, out_w}), x.dtype());
+}
+
+namespace {
+
+// PyTorch's linspace_from_neg_one: -1 to 1 in `steps` (computed from both ends, as its linspace
+// kernel), scaled by (steps - 1) / steps without align_corners; 0 for one step.
+template <typename Real>
+std::vector<double> neg_one_to_one(int64_t steps, bool align_corners) {
+  std::vector<double> out(static_cast<size_t>(steps), 0.0);
+  if (steps <= 1) return out;
+  const Real step = Real(2) / static_cast<Real>(steps - 1);
+  for (int64_t i = 0; i < steps; ++i) {
+    Real v = i < steps / 2 ? Real(-1) + step * static_cast<Real>(i)
+                           : Real(1) - step * static_cast<Real>(steps - i - 1);
+    if (!align_corners) v = v * static_cast<Real>(steps - 1) / static_cast<Real>(steps);
+    out[static_cast<size_t>(i)] = v;
+  }
+  return out;
+}
+
+}  // namespace
+
+Tensor affine_grid(const Tensor& theta, const Shape& size, bool align_corners, const Loc& loc) {
+  CallSiteScope site(loc, composite::grid_sample);
+  const char* op = "affine_grid";
+  require_float(theta, op, "theta", loc);
+  if (size.size() != 4 || theta.dim() != 3 || theta.size(1) != 2 || theta.size(2) != 3 ||
+      theta.size(0) != size[0])
+    op_fail(op, loc, "needs theta [N, 2, 3] and a size [N, C, H, W], got {} and {}",
+            to_string(theta.shape()), to_string(size));
+  const int64_t h = size[2], w = size[3];
+  if (h <= 0 || w <= 0 || h > kMaxInterpolatedAxis || w > kMaxInterpolatedAxis)
+    op_fail(op, loc, "the size's H and W must be in [1, 2^24], got {}", to_string(size));
+  const DType t = composite::statistics_type(theta.dtype());
+  // The base grid [H W, 3] of (x, y, 1) rows, a host table kept by value.
+  const Tensor base =
+      cached_constant(fmt::format("affine_grid {} {} {} {}", h, w, align_corners, name(t)), [&] {
+        const bool f64_math = t == f64;
+        const std::vector<double> xs = f64_math ? neg_one_to_one<double>(w, align_corners)
+                                                : neg_one_to_one<float>(w, align_corners);
+        const std::vector<double> ys = f64_math ? neg_one_to_one<double>(h, align_corners)
+                                                : neg_one_to_one<float>(h, align_corners);
+        std::vector<double> rows;
+        rows.reserve(static_cast<size_t>(h * w * 3));
+        for (double y : ys)
+          for (double x : xs) rows.insert(rows.end(), {x, y, 1.0});
+        return tensor(rows, {h * w, 3}, t);
+      });
+  // [H W, 3] @ theta^T [N, 3, 2] -> [N, H W, 2]
+  const Tensor grid = matmul(base, cast(theta, t, loc), false, true);
+  return cast(reshape(grid, {size[0], h, w, 2}), theta.dtype());
 }
 
 }  // namespace mixtape

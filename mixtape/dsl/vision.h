@@ -118,6 +118,27 @@ struct InterpolateOptions {
 Tensor interpolate(const Tensor& x, const InterpolateOptions& options,
                    const Loc& loc = Loc::current());
 
+enum class GridSampleMode { Bilinear, Nearest };
+enum class GridPadding { Zeros, Border, Reflection };
+struct GridSampleOptions {
+  GridSampleMode mode = GridSampleMode::Bilinear;
+  GridPadding padding_mode = GridPadding::Zeros;  // what a point outside the input reads
+  bool align_corners = false;  // -1 and 1 are the corner pixels' centers (else their edges)
+};
+/// torch.nn.functional.grid_sample (2-d): x [N, C, H, W] read at grid [N, H_out, W_out, 2]'s
+/// (x, y) points, -1 to 1 across the input's width and height -> [N, C, H_out, W_out], with
+/// PyTorch's unnormalization, padding modes and bilinear weights; differentiable in x and in the
+/// grid (bilinear). Computed in f32 (f64 for f64) whatever the policy, as PyTorch's autocast runs
+/// grid_sampler, and returned in x's type.
+Tensor grid_sample(const Tensor& x, const Tensor& grid, const GridSampleOptions& options = {},
+                   const Loc& loc = Loc::current());
+/// torch.nn.functional.affine_grid (2-d): the grid [N, H, W, 2] that theta [N, 2, 3] maps the
+/// output's normalized (x, y, 1) to, for grid_sample into an output of `size` [N, C, H, W]. In
+/// f32 (f64 for f64) whatever the policy (PyTorch's autocast would run its bmm in the half type,
+/// which moves bilinear samples by up to 1/256 of the image).
+Tensor affine_grid(const Tensor& theta, const Shape& size, bool align_corners = false,
+                   const Loc& loc = Loc::current());
+
 /// torch.nn.functional.pixel_shuffle: [*, C r^2, H, W] -> [*, C, H r, W r], each group of r^2
 /// channels spread over an r x r block (sub-pixel convolution's upscaling).
 Tensor pixel_shuffle(const Tensor& x, int64_t upscale_factor, const Loc& loc = Loc::current());
