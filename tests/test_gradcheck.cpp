@@ -920,6 +920,13 @@ const std::vector<Sample>& composite_samples() {
       return mt::grid_sample(x[0], mt::affine_grid(x[1] * 0.5, {1, 2, 3, 3}),
                              {.padding_mode = mt::GridPadding::Border});
     });
+    add_c("max_unpool2d", {{{1, 2, 2, 3}}}, [](const Tensors& x) {
+      // The picks of a fixed image, so that the indices do not move with the input.
+      mt::Tensor image = mt::reshape(mt::arange(0.0, 48.0, 1.0, mt::f64), {1, 2, 4, 6});
+      mt::Tensor picks = mt::max_pool2d_with_indices(mt::cos(image), 2).indices;
+      mt::Tensor y = mt::max_unpool2d(x[0], picks, 2, std::nullopt, 0, mt::Size2{4, 6});
+      return y * y;
+    });
     add_c("pixel_shuffle_unshuffle", {{{1, 8, 2, 3}}}, [](const Tensors& x) {
       mt::Tensor up = mt::pixel_shuffle(x[0], 2);
       return mt::pixel_unshuffle(up * up, 2);

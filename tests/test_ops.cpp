@@ -1718,6 +1718,27 @@ void add_conv_cases(Oracle& o, Data& d, mt::DType dt) {
   const std::string pool_args = "(3, 2), (2, 2), (1, 0), (1, 2), True";
   mt::Tensor yp = mt::max_pool2d_forward(xp, pool, {5, 4});  // ceil mode: 9 -> 5, 8 -> 4
   o.add("max_pool2d_forward/" + t, {xp}, yp, "F.max_pool2d(a, " + pool_args + ")", rtol, atol);
+  mt::ValuesIndices picked =
+      mt::max_pool2d_with_indices(xp, {3, 2}, mt::Size2{2, 2}, {1, 0}, {1, 2}, true);
+  o.add("max_pool2d_indices/" + t, {xp}, picked.indices,
+        "F.max_pool2d(a, " + pool_args + ", return_indices=True)[1]");
+  o.add("max_pool2d_with_indices/" + t, {xp}, picked.values,
+        "F.max_pool2d(a, " + pool_args + ", return_indices=True)[0]", rtol, atol);
+  // Ties, NaN and windows of only -inf (their first tap inside the input), padded.
+  mt::Tensor special =
+      make({-kInf, -kInf, -kInf, 1.0,   1.0,   0.5, -kInf, -kInf, -kInf, kNan,  2.0, kNan,
+            0.0,   0.0,   0.0,   -kInf, -kInf, 3.0, 3.0,   -kInf, -kInf, -kInf, 1.0, 1.0},
+           {1, 2, 3, 4}, dt);
+  o.add("max_pool2d_indices_special/" + t, {special},
+        mt::max_pool2d_with_indices(special, {2, 2}, mt::Size2{1, 2}, {1, 1}).indices,
+        "F.max_pool2d(a, (2, 2), (1, 2), (1, 1), return_indices=True)[1]");
+  mt::Tensor xq = d.randn({2, 3, 6, 4}, dt);
+  mt::ValuesIndices pooled = mt::max_pool2d_with_indices(xq, 2);
+  o.add("max_unpool2d/" + t, {pooled.values, pooled.indices},
+        mt::max_unpool2d(pooled.values, pooled.indices, 2), "F.max_unpool2d(a, b, 2)", rtol, atol);
+  o.add("max_unpool2d_sized/" + t, {pooled.values, pooled.indices},
+        mt::max_unpool2d(pooled.values, pooled.indices, 2, std::nullopt, 0, mt::Size2{7, 5}),
+        "F.max_unpool2d(a, b, 2, output_size=(7, 5))", rtol, atol);
   mt::Tensor gyp = d.randn(yp.shape(), dt);
   o.add("max_pool2d_grad/" + t, {xp, gyp}, mt::max_pool2d_grad(xp, gyp, pool),
         "(lambda x: torch.autograd.grad(F.max_pool2d(x, " + pool_args +

@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <optional>
@@ -777,8 +778,22 @@ TEST(VisionErrors, BadArgumentsNameTheOpAndTheShapes) {
   EXPECT_MT_ERROR(mt::unfold(x, {300, 300}, 1, 150), "unfold", "more than 2^16 kernel elements");
   EXPECT_MT_ERROR(mt::unfold(x, 2, int64_t{1} << 40), "unfold", "above 2^31");
   EXPECT_MT_ERROR(mt::fold(mt::zeros({2, 9, 16}), {5, 5}, 2), "fold", "9 rows", "4 elements");
-  EXPECT_MT_ERROR(mt::fold(mt::zeros({2, 8, 15}), {5, 5}, 2), "fold", "15 blocks", "takes 16");
+  EXPECT_MT_ERROR(mt::fold(mt::zeros({2, 8, 15}), {5, 5}, 2), "fold", "15 blocks", "takes 4 x 4");
+  EXPECT_MT_ERROR(mt::fold(mt::ones({1, 1, 4}), {(int64_t{1} << 62) + 1, 4}, 1), "fold",
+                  "above 2^60");
+  EXPECT_MT_ERROR(mt::fold(mt::ones({1, 1, 4}), {int64_t{1} << 32, int64_t{1} << 32}, 1), "fold",
+                  "4 blocks", "takes 4294967296 x 4294967296");
+  EXPECT_MT_ERROR(mt::fold(mt::zeros({2, 4, 16}, mt::i64), {5, 5}, 2), "fold", "floating-point");
   EXPECT_MT_ERROR(mt::fold(mt::zeros({8}), {5, 5}, 2), "fold", "[8]");
+  mt::Tensor picks = mt::max_pool2d_with_indices(x, 2).indices;
+  EXPECT_MT_ERROR(mt::max_unpool2d(mt::zeros({2, 4, 2, 2}), mt::cast(picks, mt::f32), 2),
+                  "max_unpool2d", "i64", "[2, 4, 2, 2]");
+  EXPECT_MT_ERROR(mt::max_unpool2d(mt::zeros({2, 4, 3, 2}), picks, 2), "max_unpool2d",
+                  "the input's shape [2, 4, 3, 2]");
+  EXPECT_MT_ERROR(
+      mt::max_unpool2d(mt::zeros({2, 4, 2, 2}), picks, 2, std::nullopt, 0, mt::Size2{0, 4}),
+      "max_unpool2d", "output size (0, 4)");
+  EXPECT_MT_ERROR(mt::max_unpool2d(mt::zeros({2, 4, 2, 2}), picks, 0), "max_unpool2d", "range");
   EXPECT_MT_ERROR(mt::dropout2d(x, 1.5), "dropout2d", "p must be");
   // Huge sizes: an mt::Error, not an allocation failure, an overflow or a graph of 2^40 nodes.
   const double inf = std::numeric_limits<double>::infinity();
@@ -903,6 +918,41 @@ TEST(VisionInterpolate, RoundsAHalfImageOnceAndWeighsF64InDouble) {
   for (size_t i = 0; i < got.size(); ++i) EXPECT_NEAR(got[i], torch_linear[i], 1e-14) << i;
 }
 
+// unfold's and adaptive_max_pool2d's gradients of a bf16 input add their overlapping windows'
+// terms in f32 and round once (they were bf16 sums, up to 8 ulps off), and fold adds a conv
+// output under autocast, traced f32 but stored bf16, in f32 too: each the f32 result rounded.
+TEST(VisionWideSums, HalfGradientsAndAutocastInputsRoundOnce) {
+  mt::Generator gen(17);
+  auto rounded_once = [&](const mt::Shape& shape,
+                          const std::function<mt::Tensor(const mt::Tensor&)>& op) {
+    mt::Tensor half = mt::cast(mt::randn(shape, mt::f32, &gen), mt::bf16).detach();
+    mt::Tensor wide = mt::cast(half, mt::f32).detach();
+    half.requires_grad_();
+    wide.requires_grad_();
+    mt::Tensor y = op(half);
+    mt::Tensor seed = mt::cast(mt::randn(y.shape(), mt::f32, &gen), mt::bf16);
+    mt::sum(mt::cast(y, mt::f32) * mt::cast(seed, mt::f32)).backward();
+    mt::sum(op(wide) * mt::cast(seed, mt::f32)).backward();
+    EXPECT_EQ(values(y), values(mt::cast(op(wide), mt::bf16)));
+    EXPECT_EQ(values(half.grad()), values(mt::cast(wide.grad(), mt::bf16)));
+  };
+  rounded_once({1, 4, 16, 16}, [](const mt::Tensor& x) { return mt::unfold(x, 7, 1, 3); });
+  rounded_once({2, 3, 3, 3}, [](const mt::Tensor& x) {
+    return mt::adaptive_max_pool2d(x, {5, 7});
+  });
+  mt::Tensor x = mt::randn({2, 3, 6, 6}, mt::f32, &gen), w = mt::randn({8, 3, 2, 2}, mt::f32, &gen);
+  mt::Tensor folded, stored;
+  {
+    mt::autocast guard(mt::bf16);
+    mt::Tensor c = mt::conv2d(x, w);  // [2, 8, 5, 5], stored bf16
+    stored = mt::cast(mt::cast(c, mt::f32), mt::bf16);
+    folded = mt::fold(mt::reshape(c, {2, 8, 25}), {6, 6}, 2);
+  }
+  mt::Tensor once =
+      mt::cast(mt::fold(mt::reshape(mt::cast(stored, mt::f32), {2, 8, 25}), {6, 6}, 2), mt::bf16);
+  EXPECT_EQ(values(folded), values(once));
+}
+
 // The modules of the vision ops run them with the options they were made with; a strided
 // convolution with padding 'same' fails when it is made, as torch.nn's.
 TEST(VisionModules, UpsamplePixelShuffleAndSamePaddedConvolutions) {
@@ -931,6 +981,15 @@ TEST(VisionModules, UpsamplePixelShuffleAndSamePaddedConvolutions) {
   mt::Tensor z = mt::randn({2, 3, 6, 6}, mt::f32, &gen);
   EXPECT_EQ(patches(z).shape(), (mt::Shape{2, 18, 6}));
   EXPECT_EQ(values(image(patches(z))), values(z));
+  // A SegNet-style round trip: each window's maximum back at its place, zeros elsewhere.
+  mt::MaxPool2d down(2);
+  mt::MaxUnpool2d up(2);
+  mt::ValuesIndices picked = down.with_indices(z);
+  EXPECT_EQ(values(picked.values), values(down(z)));
+  mt::Tensor restored = up(picked.values, picked.indices);
+  EXPECT_EQ(values(restored),
+            values(mt::where(mt::interpolate(picked.values, {.scale_factor = {2}}) == z, z,
+                             mt::zeros_like(z))));
   mt::AdaptiveMaxPool2d pool(mt::Size2{1, 1});
   EXPECT_EQ(values(pool(z)), values(mt::max(z, {2, 3}, true)));
   EXPECT_MT_ERROR(mt::Conv2d(3, 8, 3, {.stride = 2, .padding = mt::Padding::Same}), "Conv2d",

@@ -229,6 +229,19 @@ Tensor MaxPool2d::operator()(const Tensor& x, const Loc& loc) const {
   return max_pool2d(x, kernel, stride, padding, dilation, ceil_mode, loc);
 }
 
+ValuesIndices MaxPool2d::with_indices(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope = forward_scope();
+  return max_pool2d_with_indices(x, kernel, stride, padding, dilation, ceil_mode, loc);
+}
+
+MaxUnpool2d::MaxUnpool2d(Size2 kernel, std::optional<Size2> stride, Size2 padding)
+    : kernel(kernel), stride(stride), padding(padding) {}
+
+Tensor MaxUnpool2d::operator()(const Tensor& x, const Tensor& indices,
+                               std::optional<Size2> output_size, const Loc& loc) const {
+  return max_unpool2d(x, indices, kernel, stride, padding, output_size, loc);
+}
+
 AvgPool2d::AvgPool2d(Size2 kernel, std::optional<Size2> stride, Size2 padding, bool ceil_mode,
                      bool count_include_pad)
     : kernel(kernel),

@@ -140,10 +140,24 @@ class MaxPool2d : public Module {
   explicit MaxPool2d(Size2 kernel, std::optional<Size2> stride = std::nullopt, Size2 padding = 0,
                      Size2 dilation = 1, bool ceil_mode = false);
   Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  /// As PyTorch's module made with return_indices: the values and each one's index.
+  ValuesIndices with_indices(const Tensor& x, const Loc& loc = Loc::current()) const;
   Size2 kernel;
   std::optional<Size2> stride;
   Size2 padding, dilation;
   bool ceil_mode;
+};
+
+/// torch.nn.MaxUnpool2d: max_unpool2d with the sizes it was made with.
+class MaxUnpool2d : public Module {
+ public:
+  explicit MaxUnpool2d(Size2 kernel, std::optional<Size2> stride = std::nullopt, Size2 padding = 0);
+  Tensor operator()(const Tensor& x, const Tensor& indices,
+                    std::optional<Size2> output_size = std::nullopt,
+                    const Loc& loc = Loc::current()) const;
+  Size2 kernel;
+  std::optional<Size2> stride;
+  Size2 padding;
 };
 
 class AvgPool2d : public Module {

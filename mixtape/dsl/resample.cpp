@@ -16,6 +16,7 @@
 #include "mixtape/dsl/operand_checks.h"
 #include "mixtape/dsl/selection.h"
 #include "mixtape/dsl/vision.h"
+#include "mixtape/dsl/wide_sums.h"
 
 namespace mixtape {
 namespace {
@@ -216,10 +217,8 @@ Tensor interpolate(const Tensor& x, const InterpolateOptions& options, const Loc
     return y;
   }
   // Summed in f32 (f64 for f64) over both axes and rounded once, as PyTorch's opmath kernels.
-  // The cast is a node also where x is traced in f32: a policy may store x in a half type (a
-  // convolution's output under autocast), and an explicit cast keeps its traced type.
-  const DType sum_type = composite::statistics_type(x.dtype());
-  Tensor y(make_node(OpCode::Cast, sum_type, x.shape(), {x.node()}, {}, loc));
+  Tensor y = widened(x, loc);
+  const DType sum_type = y.dtype();
   const bool cubic = options.mode == InterpolateMode::Bicubic;
   for (size_t a = 0; a < spatial; ++a) {
     const int64_t axis = static_cast<int64_t>(a) + 2;
@@ -227,9 +226,7 @@ Tensor interpolate(const Tensor& x, const InterpolateOptions& options, const Loc
             ? smooth_axis<double>(y, axis, sizes[a], factors, a, cubic, options.align_corners)
             : smooth_axis<float>(y, axis, sizes[a], factors, a, cubic, options.align_corners);
   }
-  // x's stored type at the output's shape, for the result (cast_like): a view of one element.
-  const Tensor corner = slice(x, {0, 0, 0, 0}, {1, 1, 1, 1}, {x.size(0), x.size(1), 1, 1});
-  return cast_like(cast(y, x.dtype()), broadcast_to(corner, y.shape()));
+  return narrowed_like(y, x, loc);
 }
 
 namespace {

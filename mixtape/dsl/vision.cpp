@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <string>
 
 #include <fmt/format.h>
@@ -17,6 +18,7 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/operand_checks.h"
+#include "mixtape/dsl/wide_sums.h"
 
 namespace mixtape {
 namespace {
@@ -175,17 +177,28 @@ void require_nchw(const char* op, const Loc& loc, const Tensor& t, const char* r
 Tensor pick_windows(const Tensor& x, const Tensor& g, const Pool& p) {
   const double inf = std::numeric_limits<double>::infinity();
   Tensor padded = pad_for_windows(x, p, -inf), padded_g = pad_for_windows(g, p, 0.0);
-  Tensor y, taken_value;  // the maximum so far and g at its pick
+  // Where the windows read padding, which a tap inside the input replaces also when equal (a
+  // window of only -inf picks its first tap inside the input).
+  const bool padding = padded.shape() != x.shape() || p.h.pad > 0 || p.w.pad > 0;
+  const Tensor inside_input =
+      padding ? pad_for_windows(full(x.shape(), 1.0, boolean), p, 0.0) : Tensor();
+  Tensor y, taken_value, taken_inside;  // the maximum so far, g at its pick, the pick inside
   for (int64_t i = 0; i < p.h.kernel; ++i)
     for (int64_t j = 0; j < p.w.kernel; ++j) {
       WindowElement e = window_element(padded, p, i, j);
       Tensor element = window_slice(padded, e), value = window_slice(padded_g, e);
+      Tensor inside = padding ? window_slice(inside_input, e) : Tensor();
       if (!y.defined()) {
         y = element;
         taken_value = value;
+        taken_inside = inside;
         continue;
       }
       Tensor take = logical_or(element > y, isnan(element));
+      if (padding) {
+        take = logical_or(take, logical_and(inside, logical_not(taken_inside)));
+        taken_inside = logical_or(taken_inside, inside);
+      }
       y = where(take, element, y);
       taken_value = where(take, value, taken_value);
     }
@@ -276,6 +289,66 @@ Tensor max_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Si
   });
 }
 
+ValuesIndices max_pool2d_with_indices(const Tensor& x, Size2 kernel, std::optional<Size2> stride,
+                                      Size2 padding, Size2 dilation, bool ceil_mode,
+                                      const Loc& loc) {
+  CallSiteScope site(loc, composite::max_pool2d);
+  const Pool p =
+      pool_geometry("max_pool2d", loc, x, kernel, stride, padding, dilation, ceil_mode, true);
+  const Tensor nchw = x.dim() == 4 ? x : unsqueeze(x, 0);
+  const Tensor values = max_pool2d_forward(nchw, window_of(p), {p.h.out, p.w.out}, loc);
+  // Each element's index in its plane, picked as the primitive picks.
+  const int64_t h = nchw.size(2), w = nchw.size(3);
+  const Tensor plane = cached_constant(fmt::format("max_pool2d plane {} {}", h, w), [&] {
+    std::vector<int64_t> index(static_cast<size_t>(h * w));
+    std::iota(index.begin(), index.end(), int64_t{0});
+    return tensor(index, {h, w});
+  });
+  const Tensor indices = pick_windows(nchw, broadcast_to(plane, nchw.shape()), p);
+  if (x.dim() == 4) return {values, indices};
+  return {squeeze(values, 0), squeeze(indices, 0)};
+}
+
+Tensor max_unpool2d(const Tensor& x, const Tensor& indices, Size2 kernel,
+                    std::optional<Size2> stride, Size2 padding, std::optional<Size2> output_size,
+                    const Loc& loc) {
+  CallSiteScope site(loc);
+  const char* op = "max_unpool2d";
+  require_float(x, op, "input", loc);
+  require(indices, op, "indices", loc);
+  if (x.dim() != 3 && x.dim() != 4)
+    op_fail(op, loc, "needs an NCHW or CHW input, got {}", to_string(x.shape()));
+  if (indices.dtype() != i64 || indices.shape() != x.shape())
+    op_fail(op, loc, "indices must be i64 of the input's shape {}, got {} {}", to_string(x.shape()),
+            name(indices.dtype()), to_string(indices.shape()));
+  const Size2 s = stride.value_or(kernel);
+  int64_t size[2];
+  for (int d = 0; d < 2; ++d) {
+    const int64_t k = d == 0 ? kernel.h : kernel.w, step = d == 0 ? s.h : s.w;
+    const int64_t pad = d == 0 ? padding.h : padding.w, in = x.size(x.dim() - 2 + d);
+    if (k <= 0 || step <= 0 || pad < 0 || std::max({k, step, pad}) > kMaxWindow)
+      op_fail(op, loc, "kernel ({}, {}), stride ({}, {}) and padding ({}, {}) must be in range",
+              kernel.h, kernel.w, s.h, s.w, padding.h, padding.w);
+    // PyTorch's default size: the input max_pool2d made x from, without ceil_mode's extra.
+    size[d] =
+        output_size ? (d == 0 ? output_size->h : output_size->w) : (in - 1) * step - 2 * pad + k;
+    if (size[d] <= 0 || size[d] > (int64_t{1} << 31))
+      op_fail(op, loc, "the output size ({}, {}) must be positive and at most 2^31",
+              output_size ? output_size->h : size[0], output_size ? output_size->w : size[1]);
+  }
+  // Each value written at its index of a zero plane (of repeated indices the last is kept);
+  // an index outside the plane is an mt::Error when it is evaluated.
+  Shape planes(x.shape().begin(), x.shape().end() - 2);
+  Shape flat = planes;
+  flat.push_back(x.size(-2) * x.size(-1));
+  Shape out_flat = planes;
+  out_flat.push_back(size[0] * size[1]);
+  Tensor y =
+      scatter(zeros(out_flat, x.dtype()), x.dim() - 2, reshape(indices, flat), reshape(x, flat));
+  planes.insert(planes.end(), {size[0], size[1]});
+  return reshape(y, planes);
+}
+
 Tensor avg_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Size2 padding,
                   bool ceil_mode, bool count_include_pad, const Loc& loc) {
   CallSiteScope site(loc, composite::avg_pool2d);
@@ -289,11 +362,7 @@ Tensor avg_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Si
   // ulps), and given back in the type x is stored in. The cast is a node also where x is traced
   // in f32: a policy may store x in a half type (a convolution's output under autocast), and an
   // explicit cast keeps its traced type, so the sums are f32 then too.
-  Tensor windows = pad_for_windows(x, p, 0.0);
-  const DType sum_type = composite::statistics_type(x.dtype());
-  Tensor padded(make_node(OpCode::Cast, sum_type, windows.shape(), {windows.node()}, {}, loc));
-  // x's stored type at the output's shape, for the result (cast_like): one window element of it.
-  Tensor stored_like_x = window_slice(windows, window_element(windows, p, 0, 0));
+  Tensor padded = widened(pad_for_windows(x, p, 0.0), loc);
   // Separably: the kernel's rows first (a view per row, every column kept), then its columns
   // of their sum, kh + kw views rather than kh * kw (a global pool over 300 x 300 made 90000).
   auto sum_views = [&](const Tensor& t, int64_t axis, const PoolAxis& a) {
@@ -326,7 +395,7 @@ Tensor avg_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Si
           : total / cached_constant(key, [&] {
               return tensor(divisors, {p.h.out, p.w.out}, total.dtype());
             });
-  return cast_like(cast(mean, x.dtype()), stored_like_x);
+  return narrowed_like(mean, x, loc);
 }
 
 namespace {
@@ -404,9 +473,11 @@ Tensor adaptive_max_pool2d(const Tensor& x, Size2 output_size, const Loc& loc) {
   check_adaptive("adaptive_max_pool2d", loc, x, output_size);
   // Along the width first: each window's pick is then the first maximum (the last NaN) in
   // row-major order, PyTorch's.
-  return batched(x, [&](const Tensor& nchw) {
+  // In f32 for a 16-bit x: the gradients of overlapping windows add up in the passes' outputs.
+  const Tensor y = batched(widened(x, loc), [&](const Tensor& nchw) {
     return adaptive_max(adaptive_max(nchw, 3, output_size.w), 2, output_size.h);
   });
+  return narrowed_like(y, x, loc);
 }
 
 namespace {
@@ -433,7 +504,9 @@ Pool block_geometry(const char* op, const Loc& loc, Size2 in, Size2 kernel, Size
               text());
     if (std::max({k, dil, pad, step}) > kMaxWindow) op_fail(op, loc, "{}: above 2^31", text());
     if (size < 0) op_fail(op, loc, "spatial size ({}, {}) is negative", in.h, in.w);
-    const int64_t span = size + 2 * pad - dil * (k - 1) - 1;
+    if (size > (int64_t{1} << 60))
+      op_fail(op, loc, "spatial size ({}, {}) is above 2^60", in.h, in.w);
+    const int64_t span = size + 2 * pad - dil * (k - 1) - 1;  // below 2^62: no overflow
     if (span < 0)
       op_fail(op, loc, "{} makes no block of spatial size ({}, {})", text(), in.h, in.w);
     *axes[d] = {size, k, step, pad, dil, span / step + 1};
@@ -454,7 +527,9 @@ Tensor unfold(const Tensor& x, Size2 kernel_size, Size2 dilation, Size2 padding,
     op_fail(op, loc, "needs an [N, C, H, W] or [C, H, W] input, got {}", to_string(x.shape()));
   const Pool p =
       block_geometry(op, loc, {x.size(-2), x.size(-1)}, kernel_size, dilation, padding, stride);
-  return batched(x, [&](const Tensor& nchw) {
+  // A floating x in f32 (f64 for f64): the gradients of overlapping blocks add up in x's.
+  const bool floating = is_floating(x.dtype());
+  const Tensor y = batched(floating ? widened(x, loc) : x, [&](const Tensor& nchw) {
     const Tensor padded = pad_for_windows(nchw, p, 0.0);
     std::vector<Tensor> elements;
     for (int64_t i = 0; i < p.h.kernel; ++i)
@@ -464,13 +539,14 @@ Tensor unfold(const Tensor& x, Size2 kernel_size, Size2 dilation, Size2 padding,
     return reshape(stack(elements, 2),
                    {nchw.size(0), nchw.size(1) * p.h.kernel * p.w.kernel, p.h.out * p.w.out});
   });
+  return floating ? narrowed_like(y, x, loc) : y;
 }
 
 Tensor fold(const Tensor& x, Size2 output_size, Size2 kernel_size, Size2 dilation, Size2 padding,
             Size2 stride, const Loc& loc) {
   CallSiteScope site(loc);
   const char* op = "fold";
-  require(x, op, "input", loc);
+  require_float(x, op, "input", loc);
   if (x.dim() != 2 && x.dim() != 3)
     op_fail(op, loc, "needs an [N, C * kernel elements, blocks] or unbatched input, got {}",
             to_string(x.shape()));
@@ -479,10 +555,9 @@ Tensor fold(const Tensor& x, Size2 output_size, Size2 kernel_size, Size2 dilatio
   if (x.size(-2) % elements != 0)
     op_fail(op, loc, "the {} rows of input {} are no multiple of the kernel's {} elements",
             x.size(-2), to_string(x.shape()), elements);
-  if (x.size(-1) != p.h.out * p.w.out)
-    op_fail(op, loc, "input {} has {} blocks, output size ({}, {}) takes {} ({} x {})",
-            to_string(x.shape()), x.size(-1), output_size.h, output_size.w, p.h.out * p.w.out,
-            p.h.out, p.w.out);
+  if (static_cast<__int128>(x.size(-1)) != static_cast<__int128>(p.h.out) * p.w.out)
+    op_fail(op, loc, "input {} has {} blocks, output size ({}, {}) takes {} x {}",
+            to_string(x.shape()), x.size(-1), output_size.h, output_size.w, p.h.out, p.w.out);
   auto folded = [&](const Tensor& batch) {
     const int64_t n = batch.size(0), c = batch.size(1) / elements;
     const Tensor blocks = reshape(batch, {n, c, elements, p.h.out, p.w.out});
@@ -502,9 +577,9 @@ Tensor fold(const Tensor& x, Size2 output_size, Size2 kernel_size, Size2 dilatio
     return pad(sum, {-p.w.pad, -p.w.right(), -p.h.pad, -p.h.right()});
   };
   // Many blocks may add into one element: a 16-bit input sums in f32, rounded once.
-  const Tensor wide = is_half(x.dtype()) ? cast(x, f32) : x;
+  const Tensor wide = widened(x, loc);
   const Tensor y = x.dim() == 3 ? folded(wide) : squeeze(folded(unsqueeze(wide, 0)), 0);
-  return cast(y, x.dtype());
+  return narrowed_like(y, x, loc);
 }
 
 namespace {

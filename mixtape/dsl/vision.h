@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "mixtape/dsl/functional.h"
+#include "mixtape/dsl/selection.h"
 
 namespace mixtape {
 
@@ -18,6 +19,19 @@ namespace mixtape {
 Tensor max_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride = std::nullopt,
                   Size2 padding = 0, Size2 dilation = 1, bool ceil_mode = false,
                   const Loc& loc = Loc::current());
+/// max_pool2d with return_indices: also each window's pick, as the flat index h W + w in its
+/// input plane (i64), PyTorch's (what max_unpool2d reads).
+ValuesIndices max_pool2d_with_indices(const Tensor& x, Size2 kernel,
+                                      std::optional<Size2> stride = std::nullopt, Size2 padding = 0,
+                                      Size2 dilation = 1, bool ceil_mode = false,
+                                      const Loc& loc = Loc::current());
+/// torch.nn.functional.max_unpool2d: each value of x [N, C, h, w] (or CHW) written at its index
+/// of a zero plane of output_size (by default (h - 1) stride - 2 padding + kernel per axis), the
+/// gradient read back from there.
+Tensor max_unpool2d(const Tensor& x, const Tensor& indices, Size2 kernel,
+                    std::optional<Size2> stride = std::nullopt, Size2 padding = 0,
+                    std::optional<Size2> output_size = std::nullopt,
+                    const Loc& loc = Loc::current());
 /// The max-pooling primitives' window (dsl/attrs.def's `window` attribute of MaxPool2d and
 /// MaxPool2dGrad): per spatial axis the kernel, stride, padding and dilation.
 struct PoolWindow {
@@ -44,8 +58,7 @@ Tensor max_pool2d_grad(const Tensor& x, const Tensor& grad_out, const PoolWindow
                        const Loc& loc = Loc::current());
 namespace detail {
 /// The gradient of max_pool2d_grad with respect to gy: each window's value of `g` (x's shape) at
-/// the window's pick, a composite of strided slices. (Ties as the primitives; a window of only
-/// -inf or NaN may pick differently, where no gradient is meaningful.)
+/// the window's pick (the primitives' rule), a composite of strided slices.
 Tensor max_pool2d_pick(const Tensor& x, const Tensor& g, const PoolWindow& window, Size2 output);
 }  // namespace detail
 
