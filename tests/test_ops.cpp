@@ -1671,40 +1671,48 @@ void add_conv_cases(Oracle& o, Data& d, mt::DType dt) {
         "F.adaptive_max_pool2d(a, (7, 2))", rtol, atol);
   // grid_sample in every mode, padding and align_corners, at points inside and outside the
   // input: values and both gradients (torch.autograd.grad); affine_grid's grids.
-  mt::Tensor image = d.randn({2, 3, 5, 4}, dt),
-             points = make(d.uniform(72, -1.3, 1.3), {2, 3, 6, 2}, dt);
-  mt::Tensor seed = d.randn({2, 3, 3, 6}, dt);
+  mt::Tensor spread_image = d.randn({2, 3, 5, 4}, dt),
+             spread = make(d.uniform(72, -1.3, 1.3), {2, 3, 6, 2}, dt);
+  mt::Tensor spread_seed = d.randn({2, 3, 3, 6}, dt);
   const std::pair<mt::GridSampleMode, const char*> sample_modes[] = {
       {mt::GridSampleMode::Bilinear, "bilinear"}, {mt::GridSampleMode::Nearest, "nearest"}};
   const std::pair<mt::GridPadding, const char*> paddings[] = {
       {mt::GridPadding::Zeros, "zeros"},
       {mt::GridPadding::Border, "border"},
       {mt::GridPadding::Reflection, "reflection"}};
-  for (const auto& [mode, mode_name] : sample_modes)
-    for (const auto& [padding, padding_name] : paddings)
-      for (bool align : {false, true}) {
-        const std::string label =
-            fmt::format("{}_{}_{}/{}", mode_name, padding_name, align ? "corners" : "edges", t);
-        const std::string args = fmt::format("mode='{}', padding_mode='{}', align_corners={}",
-                                             mode_name, padding_name, align ? "True" : "False");
-        mt::Tensor x = image.detach(), g = points.detach();
-        x.requires_grad_();
-        g.requires_grad_();
-        mt::Tensor y =
-            mt::grid_sample(x, g, {.mode = mode, .padding_mode = padding, .align_corners = align});
-        // Nearest's grid takes no gradient (PyTorch's is zeros).
-        std::vector<mt::Tensor> grads = mt::grad({y}, {x, g}, {seed}, false, true);
-        if (!grads[1].defined()) grads[1] = mt::zeros_like(points);
-        o.add("grid_sample/" + label, {image, points}, y.detach(),
-              "F.grid_sample(a, b, " + args + ")", rtol, atol);
-        const std::string both =
-            "(lambda x, g: torch.autograd.grad(F.grid_sample(x, g, " + args +
-            "), (x, g), c))(a.clone().requires_grad_(), b.clone().requires_grad_())";
-        o.add("grid_sample_grad_input/" + label, {image, points, seed}, grads[0], both + "[0]",
-              rtol, atol);
-        o.add("grid_sample_grad_grid/" + label, {image, points, seed}, grads[1], both + "[1]", rtol,
-              atol);
-      }
+  // Points on the limits, where border and reflection clip (no gradient there, as PyTorch's).
+  mt::Tensor limits = make({-1.0, 0.0, 1.0,  0.0, 0.5, -1.0,  0.0, 1.0, -1.0, -1.0, 1.0,  1.0,
+                            0.25, 0.5, -0.5, 0.0, 1.0, -0.25, 0.0, 0.0, 0.75, 1.0,  -1.0, 0.5},
+                           {1, 3, 4, 2}, dt);
+  mt::Tensor limits_image = d.randn({1, 2, 3, 4}, dt), limits_seed = d.randn({1, 2, 3, 4}, dt);
+  const std::tuple<const char*, mt::Tensor, mt::Tensor, mt::Tensor> grids[] = {
+      {"", spread_image, spread, spread_seed}, {"limits_", limits_image, limits, limits_seed}};
+  for (const auto& [grid_name, image, points, seed] : grids)
+    for (const auto& [mode, mode_name] : sample_modes)
+      for (const auto& [padding, padding_name] : paddings)
+        for (bool align : {false, true}) {
+          const std::string label = fmt::format("{}{}_{}_{}/{}", grid_name, mode_name, padding_name,
+                                                align ? "corners" : "edges", t);
+          const std::string args = fmt::format("mode='{}', padding_mode='{}', align_corners={}",
+                                               mode_name, padding_name, align ? "True" : "False");
+          mt::Tensor x = image.detach(), g = points.detach();
+          x.requires_grad_();
+          g.requires_grad_();
+          mt::Tensor y = mt::grid_sample(
+              x, g, {.mode = mode, .padding_mode = padding, .align_corners = align});
+          // Nearest's grid takes no gradient (PyTorch's is zeros).
+          std::vector<mt::Tensor> grads = mt::grad({y}, {x, g}, {seed}, false, true);
+          if (!grads[1].defined()) grads[1] = mt::zeros_like(points);
+          o.add("grid_sample/" + label, {image, points}, y.detach(),
+                "F.grid_sample(a, b, " + args + ")", rtol, atol);
+          const std::string both =
+              "(lambda x, g: torch.autograd.grad(F.grid_sample(x, g, " + args +
+              "), (x, g), c))(a.clone().requires_grad_(), b.clone().requires_grad_())";
+          o.add("grid_sample_grad_input/" + label, {image, points, seed}, grads[0], both + "[0]",
+                rtol, atol);
+          o.add("grid_sample_grad_grid/" + label, {image, points, seed}, grads[1], both + "[1]",
+                rtol, atol);
+        }
   mt::Tensor theta = d.randn({2, 2, 3}, dt);
   o.add("affine_grid/" + t, {theta}, mt::affine_grid(theta, {2, 3, 4, 5}),
         "F.affine_grid(a, (2, 3, 4, 5), align_corners=False)", rtol, atol);

@@ -15,6 +15,7 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <fmt/format.h>
@@ -792,7 +793,7 @@ TEST(VisionErrors, BadArgumentsNameTheOpAndTheShapes) {
                   "the input's shape [2, 4, 3, 2]");
   EXPECT_MT_ERROR(
       mt::max_unpool2d(mt::zeros({2, 4, 2, 2}), picks, 2, std::nullopt, 0, mt::Size2{0, 4}),
-      "max_unpool2d", "output size (0, 4)");
+      "max_unpool2d", "the output's height 0");
   EXPECT_MT_ERROR(mt::max_unpool2d(mt::zeros({2, 4, 2, 2}), picks, 0), "max_unpool2d", "range");
   EXPECT_MT_ERROR(mt::dropout2d(x, 1.5), "dropout2d", "p must be");
   // Huge sizes: an mt::Error, not an allocation failure, an overflow or a graph of 2^40 nodes.
@@ -951,6 +952,36 @@ TEST(VisionWideSums, HalfGradientsAndAutocastInputsRoundOnce) {
   mt::Tensor once =
       mt::cast(mt::fold(mt::reshape(mt::cast(stored, mt::f32), {2, 8, 25}), {6, 6}, 2), mt::bf16);
   EXPECT_EQ(values(folded), values(once));
+}
+
+// A spatial transformer starts from the identity, whose grid points lie on the limits border and
+// reflection clip at: there they take no gradient, as PyTorch's (torch 1.13's f32 theta
+// gradients; in f64 its CPU kernel's fused multiply-add moves some of these points just inside).
+// A NaN grid point reads nothing (bilinear NaN, nearest 0, as torch's zeros padding).
+TEST(VisionGridSample, IdentityThetaGradientsAndNanPoints) {
+  mt::Tensor x = mt::reshape(mt::arange(1.0, 13.0, 1.0, mt::f32), {1, 1, 3, 4});
+  const std::tuple<mt::GridPadding, bool, std::vector<double>> cases[] = {
+      {mt::GridPadding::Border, false, {0, 0, 12, 0, 0, 24}},
+      {mt::GridPadding::Border, true, {0, 0, 9, 0, 0, 16}},
+      {mt::GridPadding::Reflection, false, {0, 0, 12, 0, 0, 24}},
+      {mt::GridPadding::Reflection, true, {0, 0, 9, 0, 0, 16}}};
+  for (const auto& [padding, align, torch_grad] : cases) {
+    mt::Tensor theta = mt::tensor(std::vector<float>{1, 0, 0, 0, 1, 0}, {1, 2, 3});
+    theta.requires_grad_();
+    mt::Tensor y = mt::grid_sample(x, mt::affine_grid(theta, {1, 1, 3, 4}, align),
+                                   {.padding_mode = padding, .align_corners = align});
+    mt::sum(y).backward();
+    const std::vector<float> image = values(x);
+    expect_near(values(y), std::vector<double>(image.begin(), image.end()), 1e-6);
+    expect_near(values(theta.grad()), torch_grad, 1e-5);
+  }
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  mt::Tensor point = mt::tensor(std::vector<float>{nan, 0.0f}, {1, 1, 1, 2});
+  EXPECT_TRUE(std::isnan(mt::grid_sample(x, point).item()));
+  EXPECT_EQ(mt::grid_sample(x, point, {.mode = mt::GridSampleMode::Nearest}).item(), 0.0);
+  const float inf = std::numeric_limits<float>::infinity();
+  mt::Tensor far = mt::tensor(std::vector<float>{inf, 0.0f}, {1, 1, 1, 2});
+  EXPECT_NO_THROW(mt::grid_sample(x, far, {.padding_mode = mt::GridPadding::Reflection}).item());
 }
 
 // The modules of the vision ops run them with the options they were made with; a strided

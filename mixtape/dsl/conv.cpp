@@ -185,10 +185,10 @@ Tensor conv2d_weight_grad(const Tensor& x, const Tensor& grad_out, const Shape& 
 namespace {
 
 // x [N, C, H, W] and the window of conv1d's and conv2d's options, their padding resolved as
-// PyTorch resolves it: 'same' pads dilation (k - 1) per axis, the odd one after, and a padding
-// mode other than zeros pads x with mt::pad first, for a convolution without padding. So does
-// 'same''s odd zero, the rest staying the window's. Padding happens before the convolution's
-// composite opens, as PyTorch's modules pad in x's type before theirs.
+// PyTorch resolves it: 'same' pads dilation (k - 1) per axis, the odd one after. A padding mode
+// other than zeros pads x with mt::pad first, for a convolution without padding; with zeros, the
+// window pads both sides alike and mt::pad adds 'same''s odd row or column. The padding happens
+// before the convolution's composite opens, as PyTorch's modules pad in x's type before theirs.
 std::pair<Tensor, ConvWindow> resolve_padding(const char* op, const Tensor& x, const Tensor& weight,
                                               const Conv2dOptions& options, const Loc& loc) {
   ConvWindow window;

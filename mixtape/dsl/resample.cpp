@@ -14,7 +14,6 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
 #include "mixtape/dsl/operand_checks.h"
-#include "mixtape/dsl/selection.h"
 #include "mixtape/dsl/vision.h"
 #include "mixtape/dsl/wide_sums.h"
 
@@ -287,11 +286,12 @@ Tensor pixel_unshuffle(const Tensor& x, int64_t downscale_factor, const Loc& loc
 namespace {
 
 // One grid coordinate (-1 to 1 across an axis of `size`) as a position on that axis, as
-// PyTorch's grid_sampler_compute_source_index: unnormalized, then clipped (border) or reflected
-// and clipped (reflection).
+// PyTorch's CPU grid sampler computes it (ComputeLocation): unnormalized as (coord + 1) times
+// (size - 1) / 2, or times size / 2 less 0.5 (its rounding decides whether a point of the identity
+// grid lies on a limit), then clipped (border) or reflected and clipped (reflection).
 Tensor grid_source(const Tensor& coord, int64_t size, const GridSampleOptions& o) {
   const auto n = static_cast<double>(size);
-  Tensor at = o.align_corners ? (coord + 1.0) / 2.0 * (n - 1) : ((coord + 1.0) * n - 1.0) / 2.0;
+  Tensor at = o.align_corners ? (coord + 1.0) * ((n - 1) / 2) : (coord + 1.0) * (n / 2) - 0.5;
   if (o.padding_mode == GridPadding::Zeros) return at;
   if (o.padding_mode == GridPadding::Reflection) {
     // reflect_coordinates over [low, high] (the pixel centers' span, or the pixels' edges)
@@ -307,7 +307,9 @@ Tensor grid_source(const Tensor& coord, int64_t size, const GridSampleOptions& o
       at = where(fmod(flips, full({}, 2.0, at.dtype())) == 0.0, extra + low, span - extra + low);
     }
   }
-  return clamp(at, 0.0, n - 1);
+  // Clipped to the axis, as PyTorch's clip_coordinates: a point on or past a limit takes no
+  // gradient (its bilinear taps there would read past the input).
+  return where(logical_and(at > 0.0, at < n - 1), at, clamp(at, 0.0, n - 1).detach());
 }
 
 }  // namespace
@@ -327,18 +329,26 @@ Tensor grid_sample(const Tensor& x, const Tensor& grid, const GridSampleOptions&
   const int64_t out_h = grid.size(1), out_w = grid.size(2), points = out_h * out_w;
   // In f32 (f64 for f64) whatever the policy, as PyTorch's autocast runs grid_sampler.
   const DType t = composite::statistics_type(promote(x.dtype(), grid.dtype()));
-  const Tensor image = reshape(cast(x, t, loc), {n, c, h * w});
-  const Tensor xy = reshape(cast(grid, t, loc), {n, 1, points, 2});
-  const Tensor ix = grid_source(squeeze(slice(xy, 3, 0, 1), 3), w, options);  // [N, 1, points]
-  const Tensor iy = grid_source(squeeze(slice(xy, 3, 1, 2), 3), h, options);
-  // The input at integer positions (px, py) of [N, 1, points], zero outside it.
+  // The input as a table of pixels [N H W, C], read a row per point (an embedding lookup, whose
+  // gradient adds rows back: several times faster than gathering each channel's element).
+  const Tensor pixels = reshape(permute(cast(x, t, loc), {0, 2, 3, 1}), {n * h * w, c});
+  const Tensor xy = reshape(cast(grid, t, loc), {n, points, 2});
+  const Tensor ix = grid_source(slice(xy, 2, 0, 1), w, options);  // [N, points, 1]
+  const Tensor iy = grid_source(slice(xy, 2, 1, 2), h, options);
+  // Each sample's first row in the table.
+  const Tensor first_row =
+      reshape(arange(0.0, static_cast<double>(n * h * w), static_cast<double>(h * w), i64), {n, 1});
+  // The input at integer positions (px, py) [N, points, 1]: [N, points, C], zero outside it.
   auto at = [&](const Tensor& px, const Tensor& py) {
     const Tensor inside = logical_and(logical_and(px >= 0.0, px <= static_cast<double>(w - 1)),
                                       logical_and(py >= 0.0, py <= static_cast<double>(h - 1)));
-    const Tensor index = cast(clamp(py, 0.0, static_cast<double>(h - 1)) * static_cast<double>(w) +
-                                  clamp(px, 0.0, static_cast<double>(w - 1)),
-                              i64);
-    return where(inside, take_along_dim(image, index, 2), zeros({}, t));
+    // A NaN point (a NaN grid value, or an infinite one reflected) reads nothing.
+    auto axis_index = [&](const Tensor& p, int64_t size) {
+      return cast(clamp(where(isnan(p), zeros({}, t), p), 0.0, static_cast<double>(size - 1)), i64);
+    };
+    const Tensor row = axis_index(py, h) * w + axis_index(px, w);
+    const Tensor rows = reshape(row, {n, points}) + first_row;
+    return where(inside, embedding(pixels, rows), zeros({}, t));
   };
   Tensor y;
   if (options.mode == GridSampleMode::Nearest) {
@@ -350,7 +360,8 @@ Tensor grid_sample(const Tensor& x, const Tensor& grid, const GridSampleOptions&
     y = at(x0, y0) * ((x1 - ix) * (y1 - iy)) + at(x1, y0) * ((ix - x0) * (y1 - iy)) +
         at(x0, y1) * ((x1 - ix) * (iy - y0)) + at(x1, y1) * ((ix - x0) * (iy - y0));
   }
-  return cast(reshape(y, {n, c, out_h, out_w}), x.dtype());
+  // [N, points, C] -> [N, C, H_out, W_out]
+  return cast(reshape(permute(y, {0, 2, 1}), {n, c, out_h, out_w}), x.dtype());
 }
 
 namespace {

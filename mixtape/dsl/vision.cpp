@@ -322,7 +322,7 @@ Tensor max_unpool2d(const Tensor& x, const Tensor& indices, Size2 kernel,
     op_fail(op, loc, "indices must be i64 of the input's shape {}, got {} {}", to_string(x.shape()),
             name(indices.dtype()), to_string(indices.shape()));
   const Size2 s = stride.value_or(kernel);
-  int64_t size[2];
+  int64_t size[2] = {0, 0};
   for (int d = 0; d < 2; ++d) {
     const int64_t k = d == 0 ? kernel.h : kernel.w, step = d == 0 ? s.h : s.w;
     const int64_t pad = d == 0 ? padding.h : padding.w, in = x.size(x.dim() - 2 + d);
@@ -333,8 +333,8 @@ Tensor max_unpool2d(const Tensor& x, const Tensor& indices, Size2 kernel,
     size[d] =
         output_size ? (d == 0 ? output_size->h : output_size->w) : (in - 1) * step - 2 * pad + k;
     if (size[d] <= 0 || size[d] > (int64_t{1} << 31))
-      op_fail(op, loc, "the output size ({}, {}) must be positive and at most 2^31",
-              output_size ? output_size->h : size[0], output_size ? output_size->w : size[1]);
+      op_fail(op, loc, "the output's {} {} must be positive and at most 2^31",
+              d == 0 ? "height" : "width", size[d]);
   }
   // Each value written at its index of a zero plane (of repeated indices the last is kept);
   // an index outside the plane is an mt::Error when it is evaluated.
@@ -472,8 +472,8 @@ Tensor adaptive_max_pool2d(const Tensor& x, Size2 output_size, const Loc& loc) {
   CallSiteScope site(loc, composite::adaptive_max_pool2d);
   check_adaptive("adaptive_max_pool2d", loc, x, output_size);
   // Along the width first: each window's pick is then the first maximum (the last NaN) in
-  // row-major order, PyTorch's.
-  // In f32 for a 16-bit x: the gradients of overlapping windows add up in the passes' outputs.
+  // row-major order, PyTorch's. In f32 for a 16-bit x, as the gradients of overlapping windows
+  // add up in the passes' outputs.
   const Tensor y = batched(widened(x, loc), [&](const Tensor& nchw) {
     return adaptive_max(adaptive_max(nchw, 3, output_size.w), 2, output_size.h);
   });
