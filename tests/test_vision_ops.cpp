@@ -795,6 +795,12 @@ TEST(VisionErrors, BadArgumentsNameTheOpAndTheShapes) {
       mt::max_unpool2d(mt::zeros({2, 4, 2, 2}), picks, 2, std::nullopt, 0, mt::Size2{0, 4}),
       "max_unpool2d", "the output's height 0");
   EXPECT_MT_ERROR(mt::max_unpool2d(mt::zeros({2, 4, 2, 2}), picks, 0), "max_unpool2d", "range");
+  // torch's bounds: (default - stride, default + stride), the default here 4.
+  EXPECT_MT_ERROR(
+      mt::max_unpool2d(mt::zeros({2, 4, 2, 2}), picks, 2, std::nullopt, 0, mt::Size2{6, 4}),
+      "max_unpool2d", "height 6 must be between 2 and 6");
+  EXPECT_MT_ERROR(mt::grid_sample(x, mt::zeros({2, 3, 3, 2}, mt::f64)), "grid_sample",
+                  "the input (f32) and the grid (f64) must have one dtype");
   EXPECT_MT_ERROR(mt::dropout2d(x, 1.5), "dropout2d", "p must be");
   // Huge sizes: an mt::Error, not an allocation failure, an overflow or a graph of 2^40 nodes.
   const double inf = std::numeric_limits<double>::infinity();

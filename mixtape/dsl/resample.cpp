@@ -325,10 +325,13 @@ Tensor grid_sample(const Tensor& x, const Tensor& grid, const GridSampleOptions&
             to_string(x.shape()), to_string(grid.shape()));
   if (x.size(2) == 0 || x.size(3) == 0)
     op_fail(op, loc, "input {} has an empty spatial axis", to_string(x.shape()));
+  if (x.dtype() != grid.dtype())
+    op_fail(op, loc, "the input ({}) and the grid ({}) must have one dtype, as PyTorch's",
+            name(x.dtype()), name(grid.dtype()));
   const int64_t n = x.size(0), c = x.size(1), h = x.size(2), w = x.size(3);
   const int64_t out_h = grid.size(1), out_w = grid.size(2), points = out_h * out_w;
   // In f32 (f64 for f64) whatever the policy, as PyTorch's autocast runs grid_sampler.
-  const DType t = composite::statistics_type(promote(x.dtype(), grid.dtype()));
+  const DType t = composite::statistics_type(x.dtype());
   // The input as a table of pixels [N H W, C], read a row per point (an embedding lookup, whose
   // gradient adds rows back: several times faster than gathering each channel's element).
   const Tensor pixels = reshape(permute(cast(x, t, loc), {0, 2, 3, 1}), {n * h * w, c});

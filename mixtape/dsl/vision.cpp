@@ -329,9 +329,13 @@ Tensor max_unpool2d(const Tensor& x, const Tensor& indices, Size2 kernel,
     if (k <= 0 || step <= 0 || pad < 0 || std::max({k, step, pad}) > kMaxWindow)
       op_fail(op, loc, "kernel ({}, {}), stride ({}, {}) and padding ({}, {}) must be in range",
               kernel.h, kernel.w, s.h, s.w, padding.h, padding.w);
-    // PyTorch's default size: the input max_pool2d made x from, without ceil_mode's extra.
-    size[d] =
-        output_size ? (d == 0 ? output_size->h : output_size->w) : (in - 1) * step - 2 * pad + k;
+    // PyTorch's default size: the input max_pool2d made x from, without ceil_mode's extra; a
+    // size given must be one max_pool2d with this stride could have made x from, as its check.
+    const int64_t natural = (in - 1) * step - 2 * pad + k;
+    size[d] = output_size ? (d == 0 ? output_size->h : output_size->w) : natural;
+    if (output_size && !(natural - step < size[d] && size[d] < natural + step))
+      op_fail(op, loc, "the output's {} {} must be between {} and {} (exclusive)",
+              d == 0 ? "height" : "width", size[d], natural - step, natural + step);
     if (size[d] <= 0 || size[d] > (int64_t{1} << 31))
       op_fail(op, loc, "the output's {} {} must be positive and at most 2^31",
               d == 0 ? "height" : "width", size[d]);
