@@ -179,7 +179,7 @@ Tensor pick_windows(const Tensor& x, const Tensor& g, const Pool& p) {
   Tensor padded = pad_for_windows(x, p, -inf), padded_g = pad_for_windows(g, p, 0.0);
   // Where the windows read padding, which a tap inside the input replaces also when equal (a
   // window of only -inf picks its first tap inside the input).
-  const bool padding = padded.shape() != x.shape() || p.h.pad > 0 || p.w.pad > 0;
+  const bool padding = p.h.pad > 0 || p.w.pad > 0 || p.h.right() > 0 || p.w.right() > 0;
   const Tensor inside_input =
       padding ? pad_for_windows(full(x.shape(), 1.0, boolean), p, 0.0) : Tensor();
   Tensor y, taken_value, taken_inside;  // the maximum so far, g at its pick, the pick inside
@@ -331,7 +331,11 @@ Tensor max_unpool2d(const Tensor& x, const Tensor& indices, Size2 kernel,
               kernel.h, kernel.w, s.h, s.w, padding.h, padding.w);
     // PyTorch's default size: the input max_pool2d made x from, without ceil_mode's extra; a
     // size given must be one max_pool2d with this stride could have made x from, as its check.
-    const int64_t natural = (in - 1) * step - 2 * pad + k;
+    // In 128 bits: an input of up to 2^60 rows times a stride of up to 2^31.
+    const __int128 wide = static_cast<__int128>(in - 1) * step - 2 * pad + k;
+    if (wide > (int64_t{1} << 60))
+      op_fail(op, loc, "the output's {} would be above 2^60 rows", d == 0 ? "height" : "width");
+    const auto natural = static_cast<int64_t>(wide);
     size[d] = output_size ? (d == 0 ? output_size->h : output_size->w) : natural;
     if (output_size && !(natural - step < size[d] && size[d] < natural + step))
       op_fail(op, loc, "the output's {} {} must be between {} and {} (exclusive)",
@@ -363,9 +367,7 @@ Tensor avg_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Si
             "adaptive_avg_pool2d or mean take any window",
             p.h.kernel, p.w.kernel);
   // Summed in f32, as PyTorch's kernels accumulate (k*k adds rounded to bf16 each lost several
-  // ulps), and given back in the type x is stored in. The cast is a node also where x is traced
-  // in f32: a policy may store x in a half type (a convolution's output under autocast), and an
-  // explicit cast keeps its traced type, so the sums are f32 then too.
+  // ulps), and given back in the type x is stored in (dsl/wide_sums.h).
   Tensor padded = widened(pad_for_windows(x, p, 0.0), loc);
   // Separably: the kernel's rows first (a view per row, every column kept), then its columns
   // of their sum, kh + kw views rather than kh * kw (a global pool over 300 x 300 made 90000).

@@ -819,7 +819,7 @@ bool take_up_state_left(Entry& entry, const StateLeft& left) {
       return false;
     next_of.emplace(buffer, std::move(*next));
   }
-  verdict.clear();
+  verdict.clear();  // its buffers would count as holders in watch() below
   if (next_of.empty()) return false;
   // What else looks replaced has no name to take it up by (a constant the step reads, replaced
   // outside).
