@@ -20,10 +20,14 @@ def main():
     x = torch.randn(8, 64, 32, 32)
     theta = torch.randn(8, 2, 3) * 0.1 + torch.tensor([[1.0, 0, 0], [0, 1, 0]])
     weight = torch.randn(64, 64, 3, 3) * 0.05
+    positions = torch.randint(0, 1024, (8, 64, 1024))
     ops = {
         "unfold_fold": lambda t: F.fold(F.unfold(t, 3, 1, 1), (32, 32), 3, 1, 1),
         "affine_grid_sample": lambda t: F.grid_sample(
             t, F.affine_grid(theta, (8, 64, 32, 32), align_corners=False), align_corners=False),
+        "interpolate_bilinear": lambda t: F.interpolate(t, size=(64, 64), mode="bilinear",
+                                                        align_corners=False),
+        "take_along_dim": lambda t: torch.take_along_dim(t.reshape(8, 64, 1024), positions, 2),
         "interpolate_bicubic": lambda t: F.interpolate(t, size=(64, 64), mode="bicubic",
                                                        align_corners=False),
         "conv2d_same_reflect": lambda t: F.conv2d(F.pad(t, (1, 1, 1, 1), mode="reflect"), weight),

@@ -1,7 +1,8 @@
 // bench/vision_ops.cpp -- bench_vision_ops: steps/s of the image ops a PyTorch user reaches for
-// beyond convolution and pooling (unfold + fold, affine_grid + grid_sample, bicubic interpolate,
-// a 'same' reflect-padded convolution), forward and backward through mt::compile, against PyTorch
-// eager in the same run (bench/peer_torch_vision.py). JSON lines; not a CTest test.
+// beyond convolution and pooling (unfold + fold, affine_grid + grid_sample, bilinear and bicubic
+// interpolate, take_along_dim, a 'same' reflect-padded convolution), forward and backward through
+// mt::compile, against PyTorch eager in the same run (bench/peer_torch_vision.py). JSON lines;
+// not a CTest test.
 #include <mixtape/mixtape.h>
 
 #include <cstdio>
@@ -24,7 +25,9 @@ constexpr const char* kUsage =
     "usage: bench_vision_ops [--window-seconds S] [--no-peer]\n"
     "  Each op on x [8, 64, 32, 32] f32, the step computing x's gradient of sum(op(x)^2) through\n"
     "  mt::compile: unfold_fold (kernel 3, padding 1, and back), affine_grid_sample (bilinear,\n"
-    "  zeros), interpolate_bicubic (to 64 x 64), conv2d_same_reflect (64 -> 64 channels, 3 x 3).\n"
+    "  zeros), interpolate_bilinear and interpolate_bicubic (to 64 x 64), take_along_dim (x as\n"
+    "  [8, 64, 1024], positions uniform in the last axis), conv2d_same_reflect (64 -> 64\n"
+    "  channels, 3 x 3).\n"
     "  Then PyTorch eager on the same ops (bench/peer_torch_vision.py) unless --no-peer.\n";
 
 using Op = std::function<mt::Tensor(const mt::Tensor&)>;
@@ -69,7 +72,8 @@ int main(int argc, char** argv) {
     const mt::Tensor identity = mt::tensor(std::vector<float>{1, 0, 0, 0, 1, 0}, {1, 2, 3});
     const mt::Tensor theta = mt::randn({8, 2, 3}, mt::f32, &gen) * 0.1 + identity;
     const mt::Tensor weight = mt::randn({64, 64, 3, 3}, mt::f32, &gen) * 0.05;
-    mt::eval({x, theta, weight});
+    const mt::Tensor positions = mt::randint(0, 1024, {8, 64, 1024}, &gen);
+    mt::eval({x, theta, weight, positions});
     const std::vector<std::pair<std::string, Op>> ops = {
         {"unfold_fold",
          [](const mt::Tensor& t) {
@@ -78,6 +82,14 @@ int main(int argc, char** argv) {
         {"affine_grid_sample",
          [&](const mt::Tensor& t) {
            return mt::grid_sample(t, mt::affine_grid(theta, {8, 64, 32, 32}));
+         }},
+        {"interpolate_bilinear",
+         [](const mt::Tensor& t) {
+           return mt::interpolate(t, {.size = {64, 64}, .mode = mt::InterpolateMode::Bilinear});
+         }},
+        {"take_along_dim",
+         [&](const mt::Tensor& t) {
+           return mt::take_along_dim(mt::reshape(t, {8, 64, 1024}), positions, 2);
          }},
         {"interpolate_bicubic",
          [](const mt::Tensor& t) {

@@ -776,9 +776,11 @@ int64_t checked_index(const Node& node, int64_t index, int64_t dim, int64_t axis
   return index;
 }
 
-// IndexSelect's (of its input's) and IndexAdd's (of its output's) indices along the axis.
+// The size of the axis the indices name: of the input IndexSelect and Gather read, of the
+// result the others write.
 int64_t indexed_dim(const Node& node) {
-  const Shape& shape = node.op == OpCode::IndexSelect ? node.inputs[0]->shape : node.shape;
+  const bool reads = node.op == OpCode::IndexSelect || node.op == OpCode::Gather;
+  const Shape& shape = reads ? node.inputs[0]->shape : node.shape;
   return shape[node.attrs.axis];
 }
 
@@ -853,17 +855,16 @@ StoragePtr ref_IndexAdd(const Node& node) {
 
 // Visits every element of `index_shape`, passing its flat position and the flat offset of the
 // element it names in a tensor of `data_shape` (with the index value substituted on `axis`).
+// The indices are checked_indices'.
 template <typename F>
-void for_each_gathered(const Node& node, const Shape& data_shape, const Shape& index_shape,
+void for_each_gathered(const Shape& data_shape, const Shape& index_shape,
                        const std::vector<int64_t>& index, int64_t axis, F visit) {
   std::vector<int64_t> data_strides = strides_of(data_shape);
   std::vector<int64_t> position(index_shape.size(), 0);
   for (size_t i = 0; i < index.size(); ++i) {
     int64_t offset = 0;
     for (size_t d = 0; d < index_shape.size(); ++d) {
-      int64_t coordinate = static_cast<int64_t>(d) == axis
-                               ? checked_index(node, index[i], data_shape[d], axis)
-                               : position[d];
+      int64_t coordinate = static_cast<int64_t>(d) == axis ? index[i] : position[d];
       offset += coordinate * data_strides[d];
     }
     visit(static_cast<int64_t>(i), offset);
@@ -876,27 +877,26 @@ void for_each_gathered(const Node& node, const Shape& data_shape, const Shape& i
 
 StoragePtr ref_Gather(const Node& node) {
   StoragePtr out = new_storage(node);
-  std::vector<int64_t> index = load_all<int64_t>(value_of(node, 1));
+  std::vector<int64_t> index = checked_indices(node);
   size_t bytes = size_of(node.precision.storage_type);
   StoragePtr converted = input_as_storage(node, 0);
   const Storage& in = *converted;
-  for_each_gathered(node, node.inputs[0]->shape, node.shape, index, node.attrs.axis,
-                    [&](int64_t i, int64_t offset) {
-                      std::memcpy(out->host_data() + i * bytes, in.host_data() + offset * bytes,
-                                  bytes);
-                    });
+  for_each_gathered(
+      node.inputs[0]->shape, node.shape, index, node.attrs.axis, [&](int64_t i, int64_t offset) {
+        std::memcpy(out->host_data() + i * bytes, in.host_data() + offset * bytes, bytes);
+      });
   return out;
 }
 
 StoragePtr ref_ScatterAdd(const Node& node) {
   StoragePtr out = new_storage(node);
-  std::vector<int64_t> index = load_all<int64_t>(value_of(node, 1));
+  std::vector<int64_t> index = checked_indices(node);
   auto accumulate = [&](auto zero) {  // integers as integers, as ref_IndexAdd
     using T = decltype(zero);
     std::vector<T> acc = load_all<T>(value_of(node, 0));
     std::vector<T> source = load_all<T>(value_of(node, 2));
     const Accumulator accumulator{node.precision.accum};
-    for_each_gathered(node, node.shape, node.inputs[1]->shape, index, node.attrs.axis,
+    for_each_gathered(node.shape, node.inputs[1]->shape, index, node.attrs.axis,
                       [&](int64_t i, int64_t offset) {
                         if constexpr (std::is_floating_point_v<T>)
                           acc[offset] = accumulator.add(acc[offset], source[i]);
@@ -913,17 +913,16 @@ StoragePtr ref_ScatterAdd(const Node& node) {
 }
 
 StoragePtr ref_Scatter(const Node& node) {
-  std::vector<int64_t> index = load_all<int64_t>(value_of(node, 1));
+  std::vector<int64_t> index = checked_indices(node);
   size_t bytes = size_of(node.precision.storage_type);
   StoragePtr base = input_as_storage(node, 0), source = input_as_storage(node, 2);
   StoragePtr out = new_storage(node);
   std::memcpy(out->host_data(), base->host_data(), static_cast<size_t>(out->size_bytes()));
   // In index order, so that of repeated positions the last write stays (PyTorch's CPU order).
-  for_each_gathered(node, node.shape, node.inputs[1]->shape, index, node.attrs.axis,
-                    [&](int64_t i, int64_t offset) {
-                      std::memcpy(out->host_data() + offset * bytes,
-                                  source->host_data() + i * bytes, bytes);
-                    });
+  for_each_gathered(
+      node.shape, node.inputs[1]->shape, index, node.attrs.axis, [&](int64_t i, int64_t offset) {
+        std::memcpy(out->host_data() + offset * bytes, source->host_data() + i * bytes, bytes);
+      });
   return out;
 }
 

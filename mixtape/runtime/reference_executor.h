@@ -14,8 +14,9 @@ namespace mixtape {
 /// reductions and matmul accumulate in f64; results are rounded to the node's dtype.
 std::shared_ptr<Storage> reference_compute(const Node& node);
 
-/// IndexSelect's or IndexAdd's indices (input 1) read on the host, each checked against the
-/// size of the indexed axis: mixtape::Error naming the node for the first out of range.
+/// An indexing node's indices (input 1: IndexSelect, IndexAdd, Gather, ScatterAdd, Scatter) read
+/// on the host, each checked against the size of the indexed axis: mixtape::Error naming the node
+/// for the first out of range.
 std::vector<int64_t> checked_indices(const Node& node);
 
 }  // namespace mixtape
