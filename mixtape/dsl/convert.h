@@ -107,6 +107,11 @@ std::vector<T> load_all(const Storage& in) {
       for (int64_t i = 0; i < in.count; ++i) out[i] = static_cast<T>(data[i]);
       return out;
     }
+    case DType::i64: {  // indices
+      const int64_t* data = in.as<int64_t>();
+      for (int64_t i = 0; i < in.count; ++i) out[i] = static_cast<T>(data[i]);
+      return out;
+    }
     default:
       if (in.count > 0) in.host_data();  // fetch once, outside the loop
       for (int64_t i = 0; i < in.count; ++i) out[i] = load_element<T>(in, i);

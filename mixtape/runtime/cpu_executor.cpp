@@ -24,6 +24,7 @@
 #include "mixtape/runtime/conv.h"
 #include "mixtape/runtime/cpu_indexing.h"
 #include "mixtape/runtime/cpu_kernels.h"
+#include "mixtape/runtime/cpu_sort.h"
 #include "mixtape/runtime/cpu_stream.h"
 #include "mixtape/runtime/device.h"
 #include "mixtape/runtime/gemm.h"
@@ -557,8 +558,8 @@ void run_own_loops(Node& node, bool supported, void (*compute)(const Node&, Stor
   s.bytes_written += bytes_of(*out);
 }
 
-// Steps without a generated kernel: convolutions through oneDNN, max pooling, attention and
-// indexing by their loops, the rest by the reference loops.
+// Steps without a generated kernel: convolutions through oneDNN, max pooling, attention, indexing
+// and sorting by their loops, the rest by the reference loops.
 void run_host_step(Node& node) {
   submit_queued();  // what it reads may be queued
   if (op_info(node.op).kind == OpKind::Conv) return run_conv(node);
@@ -568,16 +569,18 @@ void run_host_step(Node& node) {
     return run_own_loops(node, attention_cpu_supported(node), attention_cpu);
   if (op_info(node.op).kind == OpKind::Gather)
     return run_own_loops(node, indexing_cpu_supported(node), indexing_cpu);
+  if (op_info(node.op).kind == OpKind::Sort)
+    return run_own_loops(node, argsort_cpu_supported(node), argsort_cpu);
   node.value = reference_compute(node);
   ++stats().host_ops;
 }
 
 // Whether every step of `program` runs on one thread whatever the OpenMP team: its kernels and
 // products below their team thresholds, and no host step of those that split their work
-// (convolutions, pooling, attention, large indexing steps, collectives). Only such a program is
-// queued on the CPU stream, whose worker runs it alone on its own core: an OpenMP team there would
-// share a core with the thread that traces on, and every region of it would wait for the
-// descheduled member.
+// (convolutions, pooling, attention, large indexing and sorting steps, collectives). Only such a
+// program is queued on the CPU stream, whose worker runs it alone on its own core: an OpenMP team
+// there would share a core with the thread that traces on, and every region of it would wait for
+// the descheduled member.
 bool runs_on_one_thread(const Program& program, const std::vector<Node*>& pending,
                         const Signature& sig) {
   // With a team of one (OMP_NUM_THREADS=1) every step runs on one thread anyway, and what bounds
@@ -597,7 +600,8 @@ bool runs_on_one_thread(const Program& program, const std::vector<Node*>& pendin
       const Node& node = *sig.resolve(step.node, pending);
       OpKind kind = op_info(node.op).kind;
       if (kind == OpKind::Conv || kind == OpKind::Pool || kind == OpKind::Attention ||
-          kind == OpKind::Collective || (kind == OpKind::Gather && indexing_cpu_splits(node)))
+          kind == OpKind::Collective || (kind == OpKind::Gather && indexing_cpu_splits(node)) ||
+          (kind == OpKind::Sort && argsort_cpu_splits(node)))
         return false;
     }
   }

@@ -1,6 +1,6 @@
-// tests/test_indexing_loops.cpp -- the CPU back end's indexing loops (runtime/cpu_indexing.h)
-// against the reference executor: the same bits for every op, dtype and axis, threaded or not,
-// the same error for an index out of range.
+// tests/test_cpu_loops.cpp -- the CPU back end's indexing and sorting loops
+// (runtime/cpu_indexing.h, runtime/cpu_sort.h) against the reference executor: the same bits for
+// every op, dtype and axis, threaded or not, the same error for an index out of range.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -196,6 +196,64 @@ TEST(IndexingLoops, EmptyTensors) {
   EXPECT_EQ(mt::scatter_add(x, no_rows, mt::ones({0, 4}), 0).to_vector<float>(),
             std::vector<float>(12, 1.f));
   EXPECT_EQ(mt::gather(x, no_rows, 0).shape(), (mt::Shape{0, 4}));
+}
+
+// ---- argsort ----
+
+struct SortCase {
+  mt::Shape shape;
+  int64_t axis;
+};
+
+// Values on five levels (ties everywhere) with NaNs of both signs, infinities and both zeros.
+std::vector<double> tie_heavy(const mt::Shape& shape, uint32_t seed) {
+  std::vector<double> v(static_cast<size_t>(mt::numel(shape)));
+  uint32_t state = seed;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double specials[] = {
+      nan, -nan, std::numeric_limits<double>::infinity(), -std::numeric_limits<double>::infinity(),
+      0.0, -0.0};
+  for (double& e : v) {
+    state = state * 1664525u + 1013904223u;
+    const uint32_t pick = state >> 27;  // 0..31
+    e = pick < 6 ? specials[pick] : static_cast<double>(static_cast<int>(pick % 5) - 2) * 1.5;
+  }
+  return v;
+}
+
+std::vector<int64_t> argsort_on(mt::Device device, const SortCase& c, mt::DType dtype,
+                                bool descending, int64_t* host_ops) {
+  mt::Device previous = mt::current_device();
+  mt::set_device(device);
+  const mt::Tensor x = mt::tensor(tie_heavy(c.shape, 3), c.shape, dtype);
+  mt::eval({x});
+  mt::reset_execution_stats();
+  const mt::Tensor order = mt::argsort(x, c.axis, descending);
+  mt::eval({order});
+  *host_ops = mt::execution_stats().host_ops;
+  std::vector<int64_t> result = order.to_vector<int64_t>();
+  mt::set_device(previous);
+  return result;
+}
+
+// Every axis of a small tensor, long lines the team splits, and many short lines along the first
+// axis (strided lines); each in both directions and every dtype.
+TEST(SortLoops, CpuArgsortIsTheReferencesStableOrder) {
+  const std::vector<SortCase> cases = {{{5, 7, 3}, 0},     {{5, 7, 3}, 1},    {{5, 7, 3}, 2},
+                                       {{8, 64, 1024}, 2}, {{300, 2, 70}, 0}, {{9}, 0}};
+  for (const SortCase& c : cases)
+    for (mt::DType dtype : {mt::f32, mt::bf16, mt::f16, mt::f64, mt::i64, mt::i32, mt::boolean})
+      for (bool descending : {false, true}) {
+        SCOPED_TRACE(testing::Message() << mt::to_string(c.shape) << " axis " << c.axis << " "
+                                        << mt::name(dtype) << (descending ? " descending" : ""));
+        int64_t cpu_host_ops = 0, reference_host_ops = 0;
+        const std::vector<int64_t> got =
+            argsort_on(mt::Device::cpu, c, dtype, descending, &cpu_host_ops);
+        const std::vector<int64_t> want =
+            argsort_on(mt::Device::reference, c, dtype, descending, &reference_host_ops);
+        ASSERT_EQ(got, want);
+        EXPECT_EQ(cpu_host_ops, 0);  // the CPU's loops ran it
+      }
 }
 
 }  // namespace
