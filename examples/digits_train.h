@@ -14,6 +14,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <sstream>
 #include <string>
 #include <utility>
 
@@ -39,6 +40,8 @@ struct Options : examples::TrainingFlags {
   bool cosine = false;
   bool shuffle = true;
   std::string load, save;
+  std::string resume;      // --resume: go on from a checkpoint --save (--save-every) wrote
+  int64_t save_every = 0;  // --save-every: also save --save's checkpoint every N steps
   std::string export_dir;  // --export: the trained model as C libraries (examples/deploy/)
   // --distributed: data parallel over the processes mpirun started (--batch per process).
   bool distributed = false;
@@ -86,6 +89,18 @@ inline Options parse(const std::string& example, const Defaults& defaults, int a
   app.add_option("--save", o.save, "save the trained weights to this checkpoint")
       ->check(examples::output_file())
       ->type_name("FILE");
+  app.add_option("--save-every", o.save_every,
+                 "also save the --save checkpoint every N steps, with what --resume needs")
+      ->check(examples::at_least(1))
+      ->type_name("N")
+      ->needs("--save");
+  app.add_option("--resume", o.resume,
+                 "go on from a checkpoint that --save wrote: weights, optimizer, loss scale, data "
+                 "order, input noise and shifts, and the step, so that the run ends as one never "
+                 "stopped")
+      ->check(examples::path_value())
+      ->type_name("FILE")
+      ->excludes("--load");
   app.add_option("--export", o.export_dir, "export the trained model as C libraries into DIR")
       ->check(examples::output_folder())
       ->type_name("DIR");
@@ -93,6 +108,9 @@ inline Options parse(const std::string& example, const Defaults& defaults, int a
   examples::add_training_flags(app, o);
   examples::parse(app, argc, argv);
   if (o.lr < 0) o.lr = o.optimizer == "sgd" ? defaults.sgd_lr : 2e-3;
+  // Each process draws its own noise and shifts, which one file does not hold.
+  if (o.distributed && (!o.resume.empty() || o.save_every > 0))
+    examples::usage_error(example, "--resume and --save-every are for a run of one process");
   return o;
 }
 
@@ -160,6 +178,44 @@ int run(const Options& o, Model& net) {
   mt::Generator noise_generator(o.seed ^ 0x6e6f697365ULL ^ rank_salt);
   std::mt19937_64 shift_generator(o.seed ^ 0x7368696674ULL ^ rank_salt);
   mt::CosineWithWarmup cosine(o.lr, 0, o.steps);
+  // What a checkpoint holds besides the model, the optimizer and the scaler, so that a resumed
+  // run draws the same batches, noise and shifts as one never stopped. The shifts' generator, a
+  // standard one, goes into the metadata as the text its operator<< writes.
+  const mt::CheckpointOptions resumable{.generators = {{"noise", &noise_generator}},
+                                        .loaders = {&loader}};
+  auto save = [&](int64_t step) {
+    std::ostringstream shifts;
+    shifts << shift_generator;
+    mt::save_checkpoint(o.save, net, optimizer.get(),
+                        {{"step", std::to_string(step)}, {"shift_generator", shifts.str()}},
+                        &scaler, resumable);
+  };
+  int64_t first_step = 1;
+  if (!o.resume.empty()) {
+    mt::Metadata meta;
+    mt::load_checkpoint(o.resume, net, optimizer.get(), &meta, &scaler, resumable);
+    auto entry = [&](const std::string& key) {
+      for (const auto& [name, value] : meta)
+        if (name == key) return value;
+      return std::string();
+    };
+    const std::string step = entry("step");
+    std::istringstream shift_state(entry("shift_generator"));
+    std::mt19937_64 restored;
+    shift_state >> restored;
+    char* end = nullptr;
+    const long long saved_step = step.empty() ? -1 : std::strtoll(step.c_str(), &end, 10);
+    if (saved_step < 1 || *end != '\0' || shift_state.fail())
+      mt::fail(
+          "{}: not a checkpoint that --save wrote during training (its step or the shifts' "
+          "generator is missing)",
+          o.resume);
+    if (saved_step >= o.steps)
+      mt::fail("{}: saved at step {}, which --steps {} does not go past", o.resume, saved_step,
+               o.steps);
+    shift_generator = restored;
+    first_step = saved_step + 1;
+  }
   mt::CrossEntropyOptions loss_options{.label_smoothing = o.label_smoothing};
   bool terminal = isatty(STDOUT_FILENO) != 0;
   int64_t report_every = std::max<int64_t>(1, o.steps / 10);
@@ -195,7 +251,7 @@ int run(const Options& o, Model& net) {
   auto compiled_step = mt::compile(train_step);
   double loss_value = 0;
   auto start = std::chrono::steady_clock::now();
-  for (int64_t step = 1; step <= o.steps; ++step) {
+  for (int64_t step = first_step; step <= o.steps; ++step) {
     mt::Batch batch = loader.next();
     if (o.cosine) optimizer->set_lr(cosine.lr(step - 1));
     mt::Tensor inputs =
@@ -207,12 +263,13 @@ int run(const Options& o, Model& net) {
         o.compile ? compiled_step(inputs, batch.targets) : train_step(inputs, batch.targets);
     if (writer) writer->log_gradient_health(net, health_every);
     if (step == o.steps) loss_value = loss.item();
+    if (o.save_every > 0 && step % o.save_every == 0 && step < o.steps) save(step);
     if (progress.due(step)) {
       progress.update(step, loss.item(), scaler.is_enabled() ? scaler.get_scale() : 0);
     } else if (!terminal && (step % report_every == 0 || step == o.steps)) {
       double seconds =
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      log_line(o, step, loss.item(), static_cast<double>(step) / seconds);
+      log_line(o, step, loss.item(), static_cast<double>(step - first_step + 1) / seconds);
     }
   }
   progress.finish();
@@ -225,7 +282,7 @@ int run(const Options& o, Model& net) {
   // gradients' all_reduce, which would wait for the others).
   data_parallel.reset();
   // Saved first: an export that fails (no C compiler, a full disk) loses no trained weights.
-  if (!o.save.empty() && root) mt::save_checkpoint(o.save, net, optimizer.get());
+  if (!o.save.empty() && root) save(o.steps);
   // The step is exported while the model still trains; the export puts the state back.
   if (!o.export_dir.empty() && root) {
     mt::aot::Options step_options{.name = o.example + "_train",
@@ -276,15 +333,11 @@ int run(const Options& o, Model& net) {
     std::printf("test accuracy %.2f%% (%lld/%zu), %lld steps in %.1f s\n", accuracy * 100,
                 static_cast<long long>(correct), labels.size(), static_cast<long long>(o.steps),
                 train_seconds);
-  nlohmann::ordered_json line{{"example", o.example},
-                              {"test_accuracy", accuracy},
-                              {"final_loss", loss_value},
-                              {"steps", o.steps},
-                              {"train_seconds", train_seconds},
-                              {"optimizer", o.optimizer},
-                              {"batch", o.batch},
-                              {"policy", o.policy},
-                              {"loss_scale", o.loss_scale}};
+  nlohmann::ordered_json line{{"example", o.example},     {"test_accuracy", accuracy},
+                              {"final_loss", loss_value}, {"steps", o.steps},
+                              {"first_step", first_step}, {"train_seconds", train_seconds},
+                              {"optimizer", o.optimizer}, {"batch", o.batch},
+                              {"policy", o.policy},       {"loss_scale", o.loss_scale}};
   examples::print_json_line(std::move(line), scaler, o.compile, compiled_step.stats(),
                             o.distributed);
   return 0;

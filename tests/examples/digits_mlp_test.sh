@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # tests/examples/digits_mlp_test.sh -- runs the digits_mlp demo as a user would and checks what it
 # promises: >= 95% test accuracy with the defaults, reproducible runs, --save/--load round trip,
-# --no-shuffle order, mt::compile by default (the same run as --no-compile), and one clear line
-# plus a non-zero exit for bad flags or files.
+# --resume as a run never stopped, --no-shuffle order, mt::compile by default (the same run as
+# --no-compile), and one clear line plus a non-zero exit for bad flags or files.
 set -euo pipefail
 bin="$1"
 work=$(mktemp -d)
@@ -47,6 +47,28 @@ saved=$(tail -n 1 "$work/save.txt")
 loaded=$("$bin" --json --steps 1 --lr 0 --load "$work/ckpt.safetensors" | tail -n 1)
 check "$(field test_accuracy "$saved") == $(field test_accuracy "$loaded")" \
   "--load restores the weights that --save wrote"
+
+# --resume: a run stopped at step 40 goes on to step 60 as the run never stopped, to the bytes of
+# its last checkpoint (weights, AdamW's moments, the dynamic loss scale, the data order, the noise
+# and shift generators). --save-every's checkpoints on the way leave the run as it was.
+run=(--json --optimizer adamw --shift 1 --policy autocast-f16 --loss-scale dynamic)
+whole=$("$bin" "${run[@]}" --steps 60 --save "$work/whole.safetensors" | tail -n 1)
+"$bin" "${run[@]}" --steps 40 --save "$work/stopped.safetensors" > /dev/null
+resumed=$("$bin" "${run[@]}" --steps 60 --resume "$work/stopped.safetensors" \
+  --save "$work/resumed.safetensors" | tail -n 1)
+check "$(field final_loss "$whole") == $(field final_loss "$resumed") and \
+  $(field first_step "$resumed") == 41" "--resume goes on to the uninterrupted run's loss"
+check "$(cmp -s "$work/whole.safetensors" "$work/resumed.safetensors" && echo 1 || echo 0) == 1" \
+  "--resume ends with the uninterrupted run's checkpoint bytes"
+"$bin" "${run[@]}" --steps 60 --save "$work/every.safetensors" --save-every 25 > /dev/null
+check "$(cmp -s "$work/whole.safetensors" "$work/every.safetensors" && echo 1 || echo 0) == 1" \
+  "--save-every's checkpoints leave the run as it was"
+if "$bin" "${run[@]}" --steps 60 --resume "$work/whole.safetensors" > "$work/out.txt" \
+  2> "$work/err.txt"; then
+  echo "FAIL: resuming past --steps was accepted"; exit 1
+fi
+check "$(wc -l < "$work/err.txt") == 1 and 'step 60' in open('$work/err.txt').read()" \
+  "resuming a run that already reached --steps exits with one line saying so"
 
 if "$bin" --steps 0 > "$work/out.txt" 2> "$work/err.txt"; then
   echo "FAIL: --steps 0 was accepted"; exit 1
