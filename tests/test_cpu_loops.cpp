@@ -68,6 +68,12 @@ std::vector<IndexCase> cases() {
   all.push_back({"index_select embedding", {1000, 64}, {16, 128}, {}, 0, 1000, read_select});
   all.push_back(
       {"index_add embedding gradient", {1000, 64}, {16, 128}, {16, 128, 64}, 0, 1000, add_rows});
+  // Rows cut into blocks of 64 with one element left over (a block of one that is not a whole
+  // row), with one and with a few outer coordinates.
+  all.push_back({"index_select 65 wide", {3, 65}, {3}, {}, 0, 3, read_select});
+  all.push_back({"index_add 65 wide", {3, 65}, {5}, {5, 65}, 0, 3, add_rows});
+  all.push_back({"index_select 129 wide axis 1", {4, 4, 129}, {6}, {}, 1, 4, read_select});
+  all.push_back({"index_add 129 wide axis 1", {4, 4, 129}, {6}, {4, 6, 129}, 1, 4, add_rows});
   all.push_back({"index_select rows", {300, 256}, {700}, {}, 0, 300, read_select});
   all.push_back({"index_add rows", {300, 256}, {700}, {700, 256}, 0, 300, add_rows});
   all.push_back({"index_select height", {4, 16, 32, 32}, {64}, {}, 2, 32, read_select});

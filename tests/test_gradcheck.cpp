@@ -916,6 +916,11 @@ const std::vector<Sample>& composite_samples() {
       return mt::grid_sample(x[0], x[1],
                              {.padding_mode = mt::GridPadding::Reflection, .align_corners = true});
     });
+    add_c("grid_sample_bicubic_border", {{{1, 2, 3, 4}}, {{1, 2, 3, 2}}}, [](const Tensors& x) {
+      return mt::grid_sample(
+          x[0], x[1],
+          {.mode = mt::GridSampleMode::Bicubic, .padding_mode = mt::GridPadding::Border});
+    });
     add_c("affine_grid_sample", {{{1, 2, 3, 4}}, {{1, 2, 3}}}, [](const Tensors& x) {
       return mt::grid_sample(x[0], mt::affine_grid(x[1] * 0.5, {1, 2, 3, 3}),
                              {.padding_mode = mt::GridPadding::Border});

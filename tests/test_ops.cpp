@@ -1675,7 +1675,9 @@ void add_conv_cases(Oracle& o, Data& d, mt::DType dt) {
              spread = make(d.uniform(72, -1.3, 1.3), {2, 3, 6, 2}, dt);
   mt::Tensor spread_seed = d.randn({2, 3, 3, 6}, dt);
   const std::pair<mt::GridSampleMode, const char*> sample_modes[] = {
-      {mt::GridSampleMode::Bilinear, "bilinear"}, {mt::GridSampleMode::Nearest, "nearest"}};
+      {mt::GridSampleMode::Bilinear, "bilinear"},
+      {mt::GridSampleMode::Nearest, "nearest"},
+      {mt::GridSampleMode::Bicubic, "bicubic"}};
   const std::pair<mt::GridPadding, const char*> paddings[] = {
       {mt::GridPadding::Zeros, "zeros"},
       {mt::GridPadding::Border, "border"},

@@ -2,6 +2,7 @@
 // host index and weight tables, pixel_shuffle / pixel_unshuffle as views, and grid_sample /
 // affine_grid as gathers at positions computed in the graph.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -124,14 +125,24 @@ Tensor linear_axis(const Tensor& x, int64_t axis, int64_t out, Real scale, bool 
   return weighted_taps(x, axis, axis_key("linear", in, out, scale, align_corners), index, weight);
 }
 
+// PyTorch's cubic convolution (Keys, A = -0.75), as get_cubic_upsample_coefficients: the
+// weights of the four taps around a position t past the second, of host values (S their type)
+// or graph values (S double).
+template <typename V, typename S = V>
+std::array<V, 4> cubic_weights(const V& t) {
+  constexpr S A = S(-0.75);
+  auto near = [](const V& d) { return ((A + 2) * d - (A + 3)) * d * d + S(1); };  // |d| <= 1
+  auto far = [](const V& d) {                                                     // 1 < |d| < 2
+    return ((A * d - S(5) * A) * d + S(8) * A) * d - S(4) * A;
+  };
+  return {far(t + S(1)), near(t), near(S(1) - t), far(S(2) - t)};
+}
+
 // Cubic along one axis: four taps around the source position, clamped to the axis, weighted by
-// PyTorch's cubic convolution (Keys, A = -0.75), as get_cubic_upsample_coefficients.
+// cubic_weights.
 template <typename Real>
 Tensor cubic_axis(const Tensor& x, int64_t axis, int64_t out, Real scale, bool align_corners) {
   const int64_t in = x.size(axis);
-  constexpr Real A = Real(-0.75);
-  auto near = [](Real d) { return ((A + 2) * d - (A + 3)) * d * d + 1; };       // |d| <= 1
-  auto far = [](Real d) { return ((A * d - 5 * A) * d + 8 * A) * d - 4 * A; };  // 1 < |d| < 2
   std::vector<std::vector<int64_t>> index(4, std::vector<int64_t>(static_cast<size_t>(out)));
   std::vector<std::vector<double>> weight(4, std::vector<double>(static_cast<size_t>(out)));
   const Real step = source_step(in, out, scale, align_corners);
@@ -141,7 +152,7 @@ Tensor cubic_axis(const Tensor& x, int64_t axis, int64_t out, Real scale, bool a
     const Real source = source_index(o, step, align_corners, true);
     const Real start = std::floor(source);
     const Real t = source - start;
-    const Real w[4] = {far(t + 1), near(t), near(1 - t), far(2 - t)};
+    const std::array<Real, 4> w = cubic_weights(t);
     for (size_t j = 0; j < 4; ++j) {
       index[j][k] =
           std::clamp(static_cast<int64_t>(start) - 1 + static_cast<int64_t>(j), int64_t{0}, in - 1);
@@ -286,12 +297,18 @@ Tensor pixel_unshuffle(const Tensor& x, int64_t downscale_factor, const Loc& loc
 namespace {
 
 // One grid coordinate (-1 to 1 across an axis of `size`) as a position on that axis, as
-// PyTorch's CPU grid sampler computes it (ComputeLocation): unnormalized as (coord + 1) times
-// (size - 1) / 2, or times size / 2 less 0.5 (its rounding decides whether a point of the identity
-// grid lies on a limit), then clipped (border) or reflected and clipped (reflection).
-Tensor grid_source(const Tensor& coord, int64_t size, const GridSampleOptions& o) {
+// PyTorch's CPU grid sampler unnormalizes it (ComputeLocation): (coord + 1) times (size - 1) / 2,
+// or times size / 2 less 0.5 (its rounding decides whether a point of the identity grid lies on
+// a limit).
+Tensor grid_position(const Tensor& coord, int64_t size, const GridSampleOptions& o) {
   const auto n = static_cast<double>(size);
-  Tensor at = o.align_corners ? (coord + 1.0) * ((n - 1) / 2) : (coord + 1.0) * (n / 2) - 0.5;
+  return o.align_corners ? (coord + 1.0) * ((n - 1) / 2) : (coord + 1.0) * (n / 2) - 0.5;
+}
+
+// A position on an axis of `size` as the padding mode moves it (compute_coordinates): clipped
+// (border), reflected and clipped (reflection), or left (zeros).
+Tensor padded_position(Tensor at, int64_t size, const GridSampleOptions& o) {
+  const auto n = static_cast<double>(size);
   if (o.padding_mode == GridPadding::Zeros) return at;
   if (o.padding_mode == GridPadding::Reflection) {
     // reflect_coordinates over [low, high] (the pixel centers' span, or the pixels' edges)
@@ -336,8 +353,9 @@ Tensor grid_sample(const Tensor& x, const Tensor& grid, const GridSampleOptions&
   // gradient adds rows back: several times faster than gathering each channel's element).
   const Tensor pixels = reshape(permute(cast(x, t, loc), {0, 2, 3, 1}), {n * h * w, c});
   const Tensor xy = reshape(cast(grid, t, loc), {n, points, 2});
-  const Tensor ix = grid_source(slice(xy, 2, 0, 1), w, options);  // [N, points, 1]
-  const Tensor iy = grid_source(slice(xy, 2, 1, 2), h, options);
+  // [N, points, 1]
+  const Tensor gx = grid_position(slice(xy, 2, 0, 1), w, options);
+  const Tensor gy = grid_position(slice(xy, 2, 1, 2), h, options);
   // Each sample's first row in the table.
   const Tensor first_row =
       reshape(arange(0.0, static_cast<double>(n * h * w), static_cast<double>(h * w), i64), {n, 1});
@@ -354,9 +372,26 @@ Tensor grid_sample(const Tensor& x, const Tensor& grid, const GridSampleOptions&
     return where(inside, embedding(pixels, rows), zeros({}, t));
   };
   Tensor y;
-  if (options.mode == GridSampleMode::Nearest) {
-    y = at(round(ix), round(iy));
+  if (options.mode == GridSampleMode::Bicubic) {
+    // PyTorch's: sixteen taps around the unpadded position, each moved by the padding mode
+    // (get_value_bounded), weighted by the cubic weights of the position's fraction, summed
+    // along x for each row of taps, then along y. The weights carry the grid's gradient.
+    const Tensor x0 = floor(gx), y0 = floor(gy);
+    const std::array<Tensor, 4> wx = cubic_weights<Tensor, double>(gx - x0);
+    const std::array<Tensor, 4> wy = cubic_weights<Tensor, double>(gy - y0);
+    auto tap = [&](const Tensor& start, int64_t k, int64_t size) {
+      return padded_position((start + static_cast<double>(k - 1)).detach(), size, options);
+    };
+    for (int64_t j = 0; j < 4; ++j) {
+      const Tensor py = tap(y0, j, h);
+      Tensor row = at(tap(x0, 0, w), py) * wx[0];
+      for (int64_t i = 1; i < 4; ++i) row = row + at(tap(x0, i, w), py) * wx[i];
+      y = j == 0 ? row * wy[0] : y + row * wy[j];
+    }
+  } else if (options.mode == GridSampleMode::Nearest) {
+    y = at(round(padded_position(gx, w, options)), round(padded_position(gy, h, options)));
   } else {
+    const Tensor ix = padded_position(gx, w, options), iy = padded_position(gy, h, options);
     const Tensor x0 = floor(ix), y0 = floor(iy);
     const Tensor x1 = x0 + 1.0, y1 = y0 + 1.0;
     // PyTorch's weights and order: north-west, north-east, south-west, south-east.

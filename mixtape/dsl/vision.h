@@ -131,7 +131,7 @@ struct InterpolateOptions {
 Tensor interpolate(const Tensor& x, const InterpolateOptions& options,
                    const Loc& loc = Loc::current());
 
-enum class GridSampleMode { Bilinear, Nearest };
+enum class GridSampleMode { Bilinear, Nearest, Bicubic };
 enum class GridPadding { Zeros, Border, Reflection };
 struct GridSampleOptions {
   GridSampleMode mode = GridSampleMode::Bilinear;
@@ -140,9 +140,10 @@ struct GridSampleOptions {
 };
 /// torch.nn.functional.grid_sample (2-d): x [N, C, H, W] read at grid [N, H_out, W_out, 2]'s
 /// (x, y) points, -1 to 1 across the input's width and height -> [N, C, H_out, W_out], with
-/// PyTorch's unnormalization, padding modes and bilinear weights; differentiable in x and in the
-/// grid (bilinear). Computed in f32 (f64 for f64) whatever the policy, as PyTorch's autocast runs
-/// grid_sampler, and returned in x's type.
+/// PyTorch's unnormalization, padding modes and weights (bicubic: its cubic convolution over 16
+/// taps, A = -0.75, each tap moved by the padding mode); differentiable in x and in the grid
+/// (bilinear, bicubic). Computed in f32 (f64 for f64) whatever the policy, as PyTorch's autocast
+/// runs grid_sampler, and returned in x's type.
 Tensor grid_sample(const Tensor& x, const Tensor& grid, const GridSampleOptions& options = {},
                    const Loc& loc = Loc::current());
 /// torch.nn.functional.affine_grid (2-d): the grid [N, H, W, 2] that theta [N, 2, 3] maps the

@@ -106,7 +106,7 @@ void for_each_run(const Node& node, const Geometry& g, const std::vector<int64_t
   for (int64_t block = 0; block < g.outer * chunks; ++block) {
     const int64_t o = block / chunks, q0 = block % chunks * chunk;
     const int64_t q1 = std::min(inner, q0 + chunk), base = outer_at[o];
-    if (rows && q1 - q0 == 1) {  // rows of one element (the last axis): no run loop
+    if (rows && inner == 1) {  // rows of one element (the last axis): no run loop
       for (int64_t j = 0; j < along; ++j) visit(o * along + j, base + indices[j] * stride, 1);
     } else if (rows) {
       for (int64_t j = 0; j < along; ++j)
