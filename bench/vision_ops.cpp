@@ -1,8 +1,8 @@
 // bench/vision_ops.cpp -- bench_vision_ops: steps/s of the image ops a PyTorch user reaches for
 // beyond convolution and pooling (unfold + fold, affine_grid + grid_sample, bilinear and bicubic
-// interpolate, take_along_dim, a 'same' reflect-padded convolution), forward and backward through
-// mt::compile, against PyTorch eager in the same run (bench/peer_torch_vision.py). JSON lines;
-// not a CTest test.
+// interpolate, take_along_dim, sort, a 'same' reflect-padded convolution), forward and backward
+// through mt::compile, against PyTorch eager in the same run (bench/peer_torch_vision.py). JSON
+// lines; not a CTest test.
 #include <mixtape/mixtape.h>
 
 #include <cstdio>
@@ -26,8 +26,8 @@ constexpr const char* kUsage =
     "  Each op on x [8, 64, 32, 32] f32, the step computing x's gradient of sum(op(x)^2) through\n"
     "  mt::compile: unfold_fold (kernel 3, padding 1, and back), affine_grid_sample (bilinear,\n"
     "  zeros), interpolate_bilinear and interpolate_bicubic (to 64 x 64), take_along_dim (x as\n"
-    "  [8, 64, 1024], positions uniform in the last axis), conv2d_same_reflect (64 -> 64\n"
-    "  channels, 3 x 3).\n"
+    "  [8, 64, 1024], positions uniform in the last axis), sort (its values along that axis),\n"
+    "  conv2d_same_reflect (64 -> 64 channels, 3 x 3).\n"
     "  Then PyTorch eager on the same ops (bench/peer_torch_vision.py) unless --no-peer.\n";
 
 using Op = std::function<mt::Tensor(const mt::Tensor&)>;
@@ -90,6 +90,10 @@ int main(int argc, char** argv) {
         {"take_along_dim",
          [&](const mt::Tensor& t) {
            return mt::take_along_dim(mt::reshape(t, {8, 64, 1024}), positions, 2);
+         }},
+        {"sort",
+         [](const mt::Tensor& t) {
+           return mt::sort(mt::reshape(t, {8, 64, 1024}), 2).values;
          }},
         {"interpolate_bicubic",
          [](const mt::Tensor& t) {
