@@ -88,8 +88,7 @@ bool parallel(const Geometry& g) {
 // shape) and the data position it names, n = 1, or for runs of n elements naming n consecutive
 // positions (IndexSelect's and IndexAdd's rows); the team splits outer and inner coordinates.
 template <typename Visit>
-void for_each_run(const Node& node, const Geometry& g, const std::vector<int64_t>& index,
-                  Visit visit) {
+void for_each_run(const Node& node, const Geometry& g, const int64_t* indices, Visit visit) {
   if (g.elements() == 0) return;
   const bool rows = selects_rows(node.op);  // inner coordinates are the data's: inner_at[q] = q
   // Enough blocks for the team to share evenly; at least 64 inner coordinates a block.
@@ -99,15 +98,18 @@ void for_each_run(const Node& node, const Geometry& g, const std::vector<int64_t
                             : std::max<int64_t>(64, (g.inner * g.outer + wanted - 1) / wanted);
   const int64_t chunks = (g.inner + chunk - 1) / chunk;
   // Locals, so that the loops keep them in registers (the visits store through pointers).
-  const int64_t *indices = index.data(), *outer_at = g.outer_at.data(),
-                *inner_at = g.inner_at.data();
+  const int64_t *outer_at = g.outer_at.data(), *inner_at = g.inner_at.data();
   const int64_t along = g.along, inner = g.inner, stride = g.axis_stride;
 #pragma omp parallel for schedule(static) if (parallel(g))
   for (int64_t block = 0; block < g.outer * chunks; ++block) {
     const int64_t o = block / chunks, q0 = block % chunks * chunk;
     const int64_t q1 = std::min(inner, q0 + chunk), base = outer_at[o];
-    if (rows && inner == 1) {  // rows of one element (the last axis): no run loop
-      for (int64_t j = 0; j < along; ++j) visit(o * along + j, base + indices[j] * stride, 1);
+    if (inner == 1) {  // the last axis (then q0 = 0, q1 = 1): no inner loop
+      const int64_t first = o * along;
+      if (rows)
+        for (int64_t j = 0; j < along; ++j) visit(first + j, base + indices[j] * stride, 1);
+      else
+        for (int64_t j = 0; j < along; ++j) visit(first + j, base + indices[first + j] * stride, 1);
     } else if (rows) {
       for (int64_t j = 0; j < along; ++j)
         visit((o * along + j) * inner + q0, base + indices[j] * stride + q0, q1 - q0);
@@ -136,20 +138,13 @@ void with_element_type(size_t bytes, F&& f) {
   }
 }
 
-// Input i in the node's storage type (the reference's input_as_storage).
-std::shared_ptr<Storage> stored_input(const Node& node, size_t i) {
-  const std::shared_ptr<Storage>& in = node.inputs[i]->value;
-  if (in->dtype == node.precision.storage_type) return in;
-  return converted(*in, node.precision.storage_type);
-}
-
-void copy_elements(const Node& node, const Geometry& g, const std::vector<int64_t>& index,
-                   Storage& out) {
+void copy_elements(const Node& node, const Geometry& g, const int64_t* index, Storage& out) {
   with_element_type(size_of(node.precision.storage_type), [&](auto zero) {
     using E = decltype(zero);
     E* to = reinterpret_cast<E*>(out.host_data());
     if (node.op == OpCode::Scatter) {
-      const std::shared_ptr<Storage> base = stored_input(node, 0), source = stored_input(node, 2);
+      const std::shared_ptr<Storage> base = input_as_storage(node, 0),
+                                     source = input_as_storage(node, 2);
       std::memcpy(to, base->host_data(), static_cast<size_t>(out.size_bytes()));
       const E* from = reinterpret_cast<const E*>(source->host_data());
       for_each_run(node, g, index, [to, from](int64_t i, int64_t at, int64_t n) {
@@ -157,7 +152,7 @@ void copy_elements(const Node& node, const Geometry& g, const std::vector<int64_
       });
       return;
     }
-    const std::shared_ptr<Storage> data = stored_input(node, 0);
+    const std::shared_ptr<Storage> data = input_as_storage(node, 0);
     const E* from = reinterpret_cast<const E*>(data->host_data());
     for_each_run(node, g, index, [to, from](int64_t i, int64_t at, int64_t n) {
       for (int64_t k = 0; k < n; ++k) to[i + k] = from[at + k];
@@ -165,8 +160,7 @@ void copy_elements(const Node& node, const Geometry& g, const std::vector<int64_
   });
 }
 
-void add_elements(const Node& node, const Geometry& g, const std::vector<int64_t>& index,
-                  Storage& out) {
+void add_elements(const Node& node, const Geometry& g, const int64_t* index, Storage& out) {
   // The f64 sums in a workspace kept between calls (a fresh one faults in its pages each time,
   // as long as the adds themselves took), from the values' allocator so that the peak counts it.
   thread_local ScratchBuffer workspace;
@@ -224,7 +218,21 @@ bool indexing_cpu_splits(const Node& node) {
 
 void indexing_cpu(const Node& node, Storage& out) {
   const Geometry g = geometry_of(node);
-  const std::vector<int64_t> index = checked_indices(node);
+  // The indices, read in place where they are i64; an index out of range is the reference's
+  // error (checked_indices names the first).
+  const Storage& stored = *node.inputs[1]->value;
+  std::vector<int64_t> copied;
+  const int64_t* index = nullptr;
+  if (stored.dtype == i64) {
+    index = stored.as<int64_t>();
+    const auto size = static_cast<uint64_t>(data_shape(node)[node.attrs.axis]);
+    bool inside = true;
+    for (int64_t i = 0; i < stored.count; ++i) inside &= static_cast<uint64_t>(index[i]) < size;
+    if (!inside) checked_indices(node);
+  } else {
+    copied = checked_indices(node);
+    index = copied.data();
+  }
   if (adds(node.op))
     add_elements(node, g, index, out);
   else

@@ -65,14 +65,6 @@ StoragePtr new_storage(const Node& node) {
   return allocate_value(node, node.precision.storage_type, node.numel(), false);
 }
 
-// Input i in the node's storage type, for ops that move elements as bytes. The precision pass
-// may store an input differently (an f32 parameter viewed inside an f16 region): convert it.
-StoragePtr input_as_storage(const Node& node, size_t i) {
-  const StoragePtr& in = node.inputs[i]->value;
-  if (in->dtype == node.precision.storage_type) return in;
-  return converted(*in, node.precision.storage_type);
-}
-
 // Calls f with a value of the compute type for elements of `dtype`.
 template <typename F>
 auto with_compute_type(DType dtype, F&& f) {
@@ -933,6 +925,12 @@ StoragePtr ref_ReduceScatter(const Node& node) { return collective_value(node); 
 StoragePtr ref_AllGather(const Node& node) { return collective_value(node); }
 
 }  // namespace
+
+StoragePtr input_as_storage(const Node& node, size_t i) {
+  const StoragePtr& in = node.inputs[i]->value;
+  if (in->dtype == node.precision.storage_type) return in;
+  return converted(*in, node.precision.storage_type);
+}
 
 std::vector<int64_t> checked_indices(const Node& node) {
   std::vector<int64_t> index = load_all<int64_t>(value_of(node, 1));

@@ -14,6 +14,11 @@ namespace mixtape {
 /// reductions and matmul accumulate in f64; results are rounded to the node's dtype.
 std::shared_ptr<Storage> reference_compute(const Node& node);
 
+/// Input i of `node` in the node's storage type, for ops that move elements as bytes: the
+/// precision pass may store an input otherwise (an f32 parameter viewed inside an f16 region),
+/// which is then converted.
+std::shared_ptr<Storage> input_as_storage(const Node& node, size_t i);
+
 /// An indexing node's indices (input 1: IndexSelect, IndexAdd, Gather, ScatterAdd, Scatter) read
 /// on the host, each checked against the size of the indexed axis: mixtape::Error naming the node
 /// for the first out of range.
