@@ -183,12 +183,26 @@ int run(const Options& o, Model& net) {
   // standard one, goes into the metadata as the text its operator<< writes.
   const mt::CheckpointOptions resumable{.generators = {{"noise", &noise_generator}},
                                         .loaders = {&loader}};
+  // The flags that shape the run after its start, saved as metadata "flag.<name>": a resume
+  // under others would not go on as the saved run did (the loader's state checks --batch,
+  // --no-shuffle and --seed; the optimizer's and scaler's state their kinds).
+  auto number = [](double v) { return nlohmann::json(v).dump(); };
+  const std::vector<std::pair<std::string, std::string>> shaping = {
+      {"policy", o.policy},
+      {"loss-scale", o.loss_scale},
+      {"optimizer", o.optimizer},
+      {"lr", number(o.lr)},
+      {"label-smoothing", number(o.label_smoothing)},
+      {"noise", number(o.noise)},
+      {"shift", std::to_string(o.shift)},
+      {"cosine", o.cosine ? "on" : "off"},
+      {"steps", o.cosine ? std::to_string(o.steps) : "any"}};  // the cosine schedule's span
   auto save = [&](int64_t step) {
     std::ostringstream shifts;
     shifts << shift_generator;
-    mt::save_checkpoint(o.save, net, optimizer.get(),
-                        {{"step", std::to_string(step)}, {"shift_generator", shifts.str()}},
-                        &scaler, resumable);
+    mt::Metadata meta{{"step", std::to_string(step)}, {"shift_generator", shifts.str()}};
+    for (const auto& [flag, value] : shaping) meta.emplace_back("flag." + flag, value);
+    mt::save_checkpoint(o.save, net, optimizer.get(), meta, &scaler, resumable);
   };
   int64_t first_step = 1;
   if (!o.resume.empty()) {
@@ -210,6 +224,20 @@ int run(const Options& o, Model& net) {
           "{}: not a checkpoint that --save wrote during training (its step or the shifts' "
           "generator is missing)",
           o.resume);
+    for (const auto& [flag, value] : shaping) {
+      const std::string saved = entry("flag." + flag);
+      if (saved != value)
+        mt::fail(
+            "{}: saved with --{} {}, resumed with --{} {}: resume with the flags it was saved "
+            "with",
+            o.resume, flag, saved.empty() ? "(not recorded)" : saved, flag, value);
+    }
+    // The step and the loader's place are two records of one count: metadata has no checksum,
+    // so a file whose two disagree was damaged.
+    const int64_t drawn = loader.epoch() * loader.batches_per_epoch() + loader.state().position;
+    if (drawn != saved_step)
+      mt::fail("{}: its step {} and its data loader's {} batches disagree: the file is damaged",
+               o.resume, saved_step, drawn);
     if (saved_step >= o.steps)
       mt::fail("{}: saved at step {}, which --steps {} does not go past", o.resume, saved_step,
                o.steps);

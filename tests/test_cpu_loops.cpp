@@ -2,6 +2,8 @@
 // (runtime/cpu_indexing.h, runtime/cpu_sort.h) against the reference executor: the same bits for
 // every op, dtype and axis, threaded or not, the same error for an index out of range.
 #include <gtest/gtest.h>
+#include <omp.h>
+#include <xmmintrin.h>
 
 #include <cmath>
 #include <functional>
@@ -260,6 +262,41 @@ TEST(SortLoops, CpuArgsortIsTheReferencesStableOrder) {
         ASSERT_EQ(got, want);
         EXPECT_EQ(cpu_host_ops, 0);  // the CPU's loops ran it
       }
+}
+
+// ---- the caller's float mode ----
+
+// Sets (or clears) flush-to-zero and denormals-are-zero on the calling thread and on every
+// thread of the OpenMP team, as a program built with -ffast-math runs them.
+void set_team_float_mode(bool flush) {
+  constexpr unsigned kFtzDaz = 0x8040;
+#pragma omp parallel
+  { _mm_setcsr(flush ? _mm_getcsr() | kFtzDaz : _mm_getcsr() & ~kFtzDaz); }
+  _mm_setcsr(flush ? _mm_getcsr() | kFtzDaz : _mm_getcsr() & ~kFtzDaz);
+}
+
+// The loops' team threads take mixtape's float mode (IEEE unless mt::set_flush_denormal), not
+// the one the caller left on them (runtime/device.h): subnormals of both signs sort apart and
+// sums of subnormals stay subnormal, threaded as on one thread.
+TEST(CpuLoops, ResultsDoNotDependOnTheCallersFloatMode) {
+  mt::set_device(mt::Device::cpu);
+  const int64_t rows = 4, n = 8192;  // enough for the team to split the lines
+  std::vector<float> tiny(static_cast<size_t>(rows * n));
+  for (size_t i = 0; i < tiny.size(); ++i) tiny[i] = (i % 2 ? -1e-40f : 1e-40f) * (1 + i % 3);
+  const mt::Tensor x = mt::tensor(tiny, {rows, n});
+  const mt::Tensor index =
+      mt::tensor(std::vector<double>(static_cast<size_t>(n), 1.0), {n}, mt::i64);
+  auto run = [&] {
+    return std::make_pair(mt::argsort(x, 1).to_vector<int64_t>(),
+                          mt::index_add(mt::zeros({rows, 2}), index, x, 1).to_vector<float>());
+  };
+  const auto ieee = run();
+  set_team_float_mode(true);
+  const auto flushing_caller = run();
+  set_team_float_mode(false);
+  EXPECT_EQ(flushing_caller.first, ieee.first);
+  EXPECT_EQ(flushing_caller.second, ieee.second);
+  EXPECT_NE(ieee.second[1], 0.f);  // a sum of subnormals: subnormal, not flushed
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include "mixtape/dsl/half.h"
 #include "mixtape/dsl/host_memory.h"
 #include "mixtape/runtime/cpu_features.h"
+#include "mixtape/runtime/device.h"
 #include "mixtape/runtime/random_fill.h"
 #include "mixtape/runtime/storage_rows.h"
 
@@ -566,6 +567,7 @@ void run_forward(const Operands& a, Storage& out) {
   std::vector<Tiles<T>> per_thread = tiles_per_thread<T>(a, parallel, false);
 #pragma omp parallel if (parallel)
   {
+    FlushDenormalScope float_mode;  // the team's threads may be the caller's too
     Tiles<T>& t = per_thread[static_cast<size_t>(omp_get_thread_num())];
 #pragma omp for schedule(dynamic)
     for (int64_t task = 0; task < tasks; ++task)
@@ -581,6 +583,7 @@ void run_backward(const Operands& a, Storage& out) {
   std::vector<Tiles<T>> per_thread = tiles_per_thread<T>(a, parallel, true);
 #pragma omp parallel if (parallel)
   {
+    FlushDenormalScope float_mode;  // the team's threads may be the caller's too
     Tiles<T>& t = per_thread[static_cast<size_t>(omp_get_thread_num())];
 #pragma omp for schedule(dynamic)
     for (int64_t b = 0; b < g.batch; ++b) run.backward(a, t, out, b);

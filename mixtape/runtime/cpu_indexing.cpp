@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "mixtape/dsl/convert.h"
+#include "mixtape/runtime/device.h"
 #include "mixtape/runtime/reference_executor.h"
 #include "mixtape/runtime/scratch_buffer.h"
 
@@ -100,24 +101,29 @@ void for_each_run(const Node& node, const Geometry& g, const int64_t* indices, V
   // Locals, so that the loops keep them in registers (the visits store through pointers).
   const int64_t *outer_at = g.outer_at.data(), *inner_at = g.inner_at.data();
   const int64_t along = g.along, inner = g.inner, stride = g.axis_stride;
-#pragma omp parallel for schedule(static) if (parallel(g))
-  for (int64_t block = 0; block < g.outer * chunks; ++block) {
-    const int64_t o = block / chunks, q0 = block % chunks * chunk;
-    const int64_t q1 = std::min(inner, q0 + chunk), base = outer_at[o];
-    if (inner == 1) {  // the last axis (then q0 = 0, q1 = 1): no inner loop
-      const int64_t first = o * along;
-      if (rows)
-        for (int64_t j = 0; j < along; ++j) visit(first + j, base + indices[j] * stride, 1);
-      else
-        for (int64_t j = 0; j < along; ++j) visit(first + j, base + indices[first + j] * stride, 1);
-    } else if (rows) {
-      for (int64_t j = 0; j < along; ++j)
-        visit((o * along + j) * inner + q0, base + indices[j] * stride + q0, q1 - q0);
-    } else {
-      for (int64_t j = 0; j < along; ++j) {
-        const int64_t row = (o * along + j) * inner;
-        for (int64_t q = q0; q < q1; ++q)
-          visit(row + q, base + indices[row + q] * stride + inner_at[q], 1);
+#pragma omp parallel if (parallel(g))
+  {
+    FlushDenormalScope float_mode;  // the team's threads may be the caller's too
+#pragma omp for schedule(static)
+    for (int64_t block = 0; block < g.outer * chunks; ++block) {
+      const int64_t o = block / chunks, q0 = block % chunks * chunk;
+      const int64_t q1 = std::min(inner, q0 + chunk), base = outer_at[o];
+      if (inner == 1) {  // the last axis (then q0 = 0, q1 = 1): no inner loop
+        const int64_t first = o * along;
+        if (rows)
+          for (int64_t j = 0; j < along; ++j) visit(first + j, base + indices[j] * stride, 1);
+        else
+          for (int64_t j = 0; j < along; ++j)
+            visit(first + j, base + indices[first + j] * stride, 1);
+      } else if (rows) {
+        for (int64_t j = 0; j < along; ++j)
+          visit((o * along + j) * inner + q0, base + indices[j] * stride + q0, q1 - q0);
+      } else {
+        for (int64_t j = 0; j < along; ++j) {
+          const int64_t row = (o * along + j) * inner;
+          for (int64_t q = q0; q < q1; ++q)
+            visit(row + q, base + indices[row + q] * stride + inner_at[q], 1);
+        }
       }
     }
   }
@@ -168,9 +174,13 @@ void add_elements(const Node& node, const Geometry& g, const int64_t* index, Sto
   const Storage& base = *node.inputs[0]->value;
   const float* base_f32 = base.dtype == f32 ? base.as<float>() : nullptr;
   if (base.count > 0) base.host_data();  // fetched once, outside the team
-#pragma omp parallel for schedule(static) if (out.count >= kParallelElements)
-  for (int64_t i = 0; i < out.count; ++i)
-    sums[i] = base_f32 ? base_f32[i] : load_element<double>(base, i);
+#pragma omp parallel if (out.count >= kParallelElements)
+  {
+    FlushDenormalScope float_mode;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < out.count; ++i)
+      sums[i] = base_f32 ? base_f32[i] : load_element<double>(base, i);
+  }
   auto add = [&](const auto* from) {
     for_each_run(node, g, index, [sums, from](int64_t i, int64_t at, int64_t n) {
       for (int64_t k = 0; k < n; ++k) sums[at + k] += static_cast<double>(from[i + k]);
@@ -184,12 +194,16 @@ void add_elements(const Node& node, const Geometry& g, const int64_t* index, Sto
   // Rounded once, as store_element rounds (its f32 case without the per-element switch).
   float* out_f32 = out.dtype == f32 ? out.as<float>() : nullptr;
   if (out.count > 0) out.host_data();
-#pragma omp parallel for schedule(static) if (out.count >= kParallelElements)
-  for (int64_t i = 0; i < out.count; ++i) {
-    if (out_f32)
-      out_f32[i] = static_cast<float>(sums[i]);
-    else
-      store_element(out, i, sums[i]);
+#pragma omp parallel if (out.count >= kParallelElements)
+  {
+    FlushDenormalScope float_mode;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < out.count; ++i) {
+      if (out_f32)
+        out_f32[i] = static_cast<float>(sums[i]);
+      else
+        store_element(out, i, sums[i]);
+    }
   }
   workspace.trim();
 }

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "mixtape/dsl/convert.h"
+#include "mixtape/runtime/device.h"
 
 namespace mixtape {
 namespace {
@@ -52,6 +53,7 @@ void sort_lines(const Node& node, const std::vector<T>& in, int64_t* out) {
   const int64_t count = lines.outer * lines.inner;
 #pragma omp parallel if (count > 1 && count * lines.dim >= kParallelElements)
   {
+    FlushDenormalScope float_mode;                    // the team's threads may be the caller's too
     std::vector<uint64_t> words;                      // packed: key << 32 | position
     std::vector<std::pair<uint64_t, int64_t>> pairs;  // otherwise
 #pragma omp for schedule(static)

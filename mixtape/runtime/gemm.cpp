@@ -20,6 +20,7 @@
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/half.h"
 #include "mixtape/dsl/log.h"
+#include "mixtape/runtime/device.h"
 #include "mixtape/runtime/gemm_bf16.h"
 #include "mixtape/runtime/half_convert.h"
 #include "mixtape/runtime/onednn_team.h"
@@ -628,10 +629,14 @@ void add_bias_after_rounding(const GemmDesc& d, const float* bias, float* result
     bias_after_rounding_rows(result, rows, d.n, bias, d.product_type, relu);
     return;
   }
-#pragma omp parallel for schedule(static)
-  for (int64_t row = 0; row < rows; row += kBlockRows)
-    bias_after_rounding_rows(result + row * d.n, std::min(kBlockRows, rows - row), d.n, bias,
-                             d.product_type, relu);
+#pragma omp parallel
+  {
+    FlushDenormalScope float_mode;  // the team's threads may be the caller's too
+#pragma omp for schedule(static)
+    for (int64_t row = 0; row < rows; row += kBlockRows)
+      bias_after_rounding_rows(result + row * d.n, std::min(kBlockRows, rows - row), d.n, bias,
+                               d.product_type, relu);
+  }
 }
 
 // The epilogue after oneDNN: relu, and the one rounding to a half output.
@@ -831,11 +836,15 @@ void gemm_keeping_scratch(const GemmDesc& d, const void* a, const void* b, void*
     gemm_keeping_scratch(part, a, b, partials);
     log_choice(d, [&] { return describe_k_split(d, parts); });
     float* result = f32_result();
-#pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < count; ++i) {
-      float sum = partials[i];
-      for (int64_t p = 1; p < parts; ++p) sum += partials[p * count + i];
-      result[i] = bias_f32 != nullptr ? round_to(d.product_type, sum) + bias_f32[i % d.n] : sum;
+#pragma omp parallel
+    {
+      FlushDenormalScope float_mode;
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < count; ++i) {
+        float sum = partials[i];
+        for (int64_t p = 1; p < parts; ++p) sum += partials[p * count + i];
+        result[i] = bias_f32 != nullptr ? round_to(d.product_type, sum) + bias_f32[i % d.n] : sum;
+      }
     }
     finish(d, true, result, out, count);
     return;

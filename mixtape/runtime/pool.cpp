@@ -17,6 +17,7 @@
 
 #include "mixtape/dsl/vision.h"
 #include "mixtape/runtime/cpu_features.h"
+#include "mixtape/runtime/device.h"
 #include "mixtape/runtime/half_convert.h"
 #include "mixtape/runtime/storage_rows.h"
 
@@ -235,6 +236,7 @@ void max_pool_cpu(const Node& node, Storage& out) {
   }
 #pragma omp parallel if (parallel)
   {
+    FlushDenormalScope float_mode;  // the team's threads may be the caller's too
     std::vector<float> padded, row, y, gy, gx, best;
     std::vector<int32_t> pick;
 #pragma omp for schedule(static)

@@ -70,6 +70,27 @@ fi
 check "$(wc -l < "$work/err.txt") == 1 and 'step 60' in open('$work/err.txt').read()" \
   "resuming a run that already reached --steps exits with one line saying so"
 
+# A resume under other flags that shape the run is refused, and a damaged step is found (the
+# metadata has no checksum; the step and the loader's place must agree).
+if "$bin" --json --optimizer adamw --shift 1 --policy autocast-f16 --loss-scale static:1024 \
+  --steps 60 --resume "$work/stopped.safetensors" > "$work/out.txt" 2> "$work/err.txt"; then
+  echo "FAIL: a resume under another --loss-scale was accepted"; exit 1
+fi
+check "$(wc -l < "$work/err.txt") == 1 and 'saved with --loss-scale dynamic' in \
+  open('$work/err.txt').read()" "a resume under another --loss-scale names the flag"
+python3 - "$work/stopped.safetensors" "$work/damaged.safetensors" <<'EOF_PY'
+import sys
+data = open(sys.argv[1], "rb").read()
+assert data.count(b'"step":"40"') == 1
+open(sys.argv[2], "wb").write(data.replace(b'"step":"40"', b'"step":"41"'))
+EOF_PY
+if "$bin" "${run[@]}" --steps 60 --resume "$work/damaged.safetensors" > "$work/out.txt" \
+  2> "$work/err.txt"; then
+  echo "FAIL: a checkpoint with a damaged step was accepted"; exit 1
+fi
+check "$(wc -l < "$work/err.txt") == 1 and 'damaged' in open('$work/err.txt').read()" \
+  "a checkpoint whose step disagrees with its loader is refused"
+
 if "$bin" --steps 0 > "$work/out.txt" 2> "$work/err.txt"; then
   echo "FAIL: --steps 0 was accepted"; exit 1
 fi
