@@ -226,8 +226,10 @@ bool indexing_cpu_supported(const Node& node) {
 }
 
 bool indexing_cpu_splits(const Node& node) {
-  return indexing_cpu_supported(node) && numel(visited_shape(node)) >= kParallelElements &&
-         omp_get_max_threads() > 1;
+  // The sums' widening and rounding passes go over the result, which may be far larger than
+  // the index (a few rows added into an embedding table's gradient).
+  const int64_t work = std::max(numel(visited_shape(node)), adds(node.op) ? node.numel() : 0);
+  return indexing_cpu_supported(node) && work >= kParallelElements && omp_get_max_threads() > 1;
 }
 
 void indexing_cpu(const Node& node, Storage& out) {
