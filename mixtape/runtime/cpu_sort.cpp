@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "mixtape/dsl/convert.h"
+#include "mixtape/runtime/axis_lines.h"
 #include "mixtape/runtime/device.h"
 
 namespace mixtape {
@@ -23,14 +24,6 @@ namespace {
 
 // Below this many elements a run stays on one thread (the team costs more).
 constexpr int64_t kParallelElements = int64_t{1} << 14;
-
-struct Lines {
-  int64_t outer = 1, dim = 1, inner = 1;
-  explicit Lines(const Node& node) : dim(node.shape[node.attrs.axis]) {
-    for (int64_t d = 0; d < node.attrs.axis; ++d) outer *= node.shape[d];
-    for (size_t d = node.attrs.axis + 1; d < node.shape.size(); ++d) inner *= node.shape[d];
-  }
-};
 
 // The key of an element, ascending: unsigned order is the reference's order.
 template <typename Bits, typename T>
@@ -47,10 +40,10 @@ uint64_t key_of(int64_t v) { return static_cast<uint64_t>(v) ^ (uint64_t{1} << 6
 
 template <typename T>
 void sort_lines(const Node& node, const std::vector<T>& in, int64_t* out) {
-  const Lines lines(node);
+  const AxisLines lines(node.shape, node.attrs.axis);
   constexpr bool packed = std::is_same_v<T, float>;  // a 32-bit key and a 32-bit position
   const uint64_t flip = !node.attrs.reverse ? 0 : packed ? 0xffffffffu : ~uint64_t{0};
-  const int64_t count = lines.outer * lines.inner;
+  const int64_t count = lines.count();
 #pragma omp parallel if (count > 1 && count * lines.dim >= kParallelElements)
   {
     FlushDenormalScope float_mode;                    // the team's threads may be the caller's too
@@ -58,8 +51,8 @@ void sort_lines(const Node& node, const std::vector<T>& in, int64_t* out) {
     std::vector<std::pair<uint64_t, int64_t>> pairs;  // otherwise
 #pragma omp for schedule(static)
     for (int64_t line = 0; line < count; ++line) {
-      const int64_t o = line / lines.inner, i = line % lines.inner;
-      auto at = [&](int64_t k) { return (o * lines.dim + k) * lines.inner + i; };
+      const int64_t first = lines.at(line, 0);
+      auto at = [&](int64_t k) { return first + k * lines.inner; };
       if constexpr (packed) {
         words.resize(static_cast<size_t>(lines.dim));
         for (int64_t k = 0; k < lines.dim; ++k)

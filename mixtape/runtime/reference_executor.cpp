@@ -22,6 +22,7 @@
 #include "mixtape/dsl/scalar_math.h"
 #include "mixtape/dsl/vision.h"
 #include "mixtape/runtime/all_reduce.h"
+#include "mixtape/runtime/axis_lines.h"
 #include "mixtape/runtime/matmul_dims.h"
 #include "mixtape/runtime/random_fill.h"
 
@@ -407,23 +408,7 @@ StoragePtr ref_Argmax(const Node& node) {
   return out;
 }
 
-// ---- scans and sorting: one loop per line along the node's axis ----
-// The lines along `axis` of a tensor of `shape`: line (o, i) holds elements
-// (o * dim + k) * inner + i for k in [0, dim).
-struct Lines {
-  int64_t outer = 1, dim = 1, inner = 1;
-  Lines(const Shape& shape, int64_t axis) : dim(shape[axis]) {
-    for (int64_t d = 0; d < axis; ++d) outer *= shape[d];
-    for (size_t d = axis + 1; d < shape.size(); ++d) inner *= shape[d];
-  }
-  // Calls visit(at) with the flat position of each line's k-th element as a function of k.
-  template <typename F>
-  void for_each(F visit) const {
-    for (int64_t o = 0; o < outer; ++o)
-      for (int64_t i = 0; i < inner; ++i)
-        visit([o, i, this](int64_t k) { return (o * dim + k) * inner + i; });
-  }
-};
+// ---- scans and sorting: one loop per line along the node's axis (AxisLines) ----
 
 // log(exp(a) + exp(b)) without overflow, as PyTorch's _log_add_exp_helper: equal infinities give
 // themselves (not inf - inf), and a NaN anywhere gives NaN.
@@ -440,7 +425,7 @@ double log_add_exp(double a, double b) {
 template <typename T, typename Step>
 StoragePtr scan(const Node& node, T init, Step step) {
   StoragePtr out = new_storage(node);
-  Lines lines(node.shape, node.attrs.axis);
+  AxisLines lines(node.shape, node.attrs.axis);
   std::vector<T> in = load_all<T>(value_of(node, 0));
   const bool reverse = node.attrs.reverse;
   Accumulator accumulator{node.precision.accum};
@@ -475,7 +460,7 @@ StoragePtr ref_Logcumsumexp(const Node& node) {
 // torch.sort; equal elements (-0 and +0 among them) keep their order either way.
 StoragePtr ref_Argsort(const Node& node) {
   StoragePtr out = new_storage(node);
-  Lines lines(node.shape, node.attrs.axis);
+  AxisLines lines(node.shape, node.attrs.axis);
   const bool descending = node.attrs.reverse;
   with_compute_type(node.inputs[0]->dtype, [&](auto zero) {
     using T = decltype(zero);
