@@ -22,10 +22,11 @@
 #include "mixtape/jit/aot_export.h"
 #include "mixtape/runtime/atomic_file.h"
 #include "progress_line.h"
+#include "resumable.h"
 
 namespace {
 
-struct Options : examples::TrainingFlags {
+struct Options : examples::TrainingFlags, examples::ResumeFlags {
   // nanoGPT's shakespeare_char settings for a CPU (4 layers, 4 heads, width 128, context 64,
   // batch 12, AdamW at 1e-3 with beta2 0.99, weight decay 0.1, clipping at 1, warmup then cosine
   // decay to lr / 10). nanoGPT trains 2000 steps; the default here takes about 7 minutes of one
@@ -102,6 +103,8 @@ Options parse(int argc, char** argv) {
   app.add_option("--export", o.export_dir, "export the trained model as a C library into DIR")
       ->check(examples::output_folder())
       ->type_name("DIR");
+  examples::add_resume_flags(app, o,
+                             "weights, AdamW's state, loss scale, data order, dropout's stream");
   examples::add_distributed(app, o.distributed);
   app.add_flag("--zero", o.zero,
                "with --distributed: ZeRO stage 1, each process keeps and updates its share of "
@@ -224,16 +227,17 @@ int run(const Options& o) {
   int64_t parameter_count = 0;
   for (const mt::Tensor& p : model.parameters()) parameter_count += p.numel();
 
+  // AdamW with weight decay on the weight matrices only, as nanoGPT's two parameter groups.
   auto [decayed, not_decayed] = model.decay_groups();
-  auto adamw = [&](const std::vector<mt::Tensor>& params,
-                   double weight_decay) -> std::unique_ptr<mt::Optimizer> {
-    mt::AdamOptions options{.lr = o.lr, .beta2 = 0.99, .weight_decay = weight_decay};
-    if (o.zero) return std::make_unique<mt::dist::ZeroAdamW>(params, options);
-    return std::make_unique<mt::AdamW>(params, options);
-  };
-  std::unique_ptr<mt::Optimizer> decay_holder = adamw(decayed, o.weight_decay);
-  std::unique_ptr<mt::Optimizer> plain_holder = adamw(not_decayed, 0.0);
-  mt::Optimizer &decay_optimizer = *decay_holder, &plain_optimizer = *plain_holder;
+  mt::AdamOptions decay{.lr = o.lr, .beta2 = 0.99, .weight_decay = o.weight_decay};
+  mt::AdamOptions no_decay = decay;
+  no_decay.weight_decay = 0;
+  std::vector<mt::ParamGroup<mt::AdamOptions>> groups{{decayed, decay}, {not_decayed, no_decay}};
+  std::unique_ptr<mt::Optimizer> optimizer;
+  if (o.zero)
+    optimizer = std::make_unique<mt::dist::ZeroAdamW>(std::move(groups));
+  else
+    optimizer = std::make_unique<mt::AdamW>(std::move(groups));
   std::unique_ptr<mt::LRSchedule> schedule;
   if (o.schedule == "cosine")
     schedule = std::make_unique<mt::CosineWithWarmup>(o.lr, o.warmup, o.steps, o.lr / 10);
@@ -244,6 +248,38 @@ int run(const Options& o) {
   // many processes share it) and what tokens/s counts.
   const int64_t global_batch = o.batch * mt::dist::world_size();
   uint64_t eval_seed = o.seed ^ 0x6576616cULL;
+
+  // What a checkpoint holds besides the model, the optimizer and the scaler, so that a resumed run
+  // draws the same batches and dropout masks (the model's stream, after its initialization) as
+  // one never stopped; and the flags that shape the
+  // run after its start (the loader's state checks --batch and --seed, the model's tensors its
+  // shape, the optimizer's state its kind).
+  const mt::CheckpointOptions resumable{.generators = {{"model", &init_generator}},
+                                        .loaders = {&loader}};
+  auto number = [](double v) { return nlohmann::json(v).dump(); };
+  const examples::RunFlags shaping = {
+      {"policy", o.policy},
+      {"loss-scale", o.loss_scale},
+      {"dropout", number(o.model.dropout)},
+      {"lr", number(o.lr)},
+      {"weight-decay", number(o.weight_decay)},
+      {"clip", number(o.clip)},
+      {"schedule", o.schedule},
+      // The cosine's span, checked before the warmup, whose default it sets.
+      {"steps", o.schedule == "cosine" ? std::to_string(o.steps) : "any"},
+      {"warmup", o.schedule == "cosine" ? std::to_string(o.warmup) : "any"},
+      {"zero", o.zero ? "on" : "off"}};
+  // Every process calls it: ZeRO's shards are gathered, and rank 0 writes the file.
+  auto save = [&](int64_t step) {
+    mt::dist::save_checkpoint(o.save, model, optimizer.get(),
+                              examples::resumable_metadata(step, shaping, {}), &scaler, resumable);
+  };
+  int64_t first_step = 1;
+  if (!o.resume.empty()) {
+    mt::Metadata meta;
+    mt::dist::load_checkpoint(o.resume, model, optimizer.get(), &meta, &scaler, resumable);
+    first_step = examples::resumed_step(o.resume, meta, shaping, loader, o.steps) + 1;
+  }
 
   if (!o.json_only)
     std::printf(
@@ -267,8 +303,7 @@ int run(const Options& o) {
   // One training step as a function of the batch, so that mt::compile replays it (unless
   // --no-compile); the learning rate is set outside it (set_lr writes a graph input in place).
   auto train_step = [&](const mt::Tensor& inputs, const mt::Tensor& targets) {
-    decay_optimizer.zero_grad();
-    plain_optimizer.zero_grad();
+    optimizer->zero_grad();
     mt::Tensor loss;
     {
       mt::autocast guard(policy);
@@ -277,16 +312,14 @@ int run(const Options& o) {
     scaler.scale(loss).backward();
     mt::Tensor norm;
     if (o.clip > 0) {
-      scaler.unscale_(decay_optimizer);
-      scaler.unscale_(plain_optimizer);
+      scaler.unscale_(*optimizer);
       norm = mt::clip_grad_norm(model.parameters(), o.clip);
     }
-    scaler.step(decay_optimizer);
-    scaler.step(plain_optimizer);
+    scaler.step(*optimizer);
     if (writer) {  // graph values, read every 100 steps: no host sync in the step
       writer->add_scalar("loss", loss);
       writer->log_scaler(scaler);
-      writer->log_learning_rate(decay_optimizer);
+      writer->log_learning_rate(*optimizer);
       // The norm before clipping, as clipping saw it (clip_grad_norm's own value).
       if (norm.defined())
         writer->add_scalar("grad_norm", norm);
@@ -297,16 +330,15 @@ int run(const Options& o) {
     return loss;
   };
   auto compiled_step = mt::compile(train_step);
-  for (int64_t step = 1; step <= o.steps; ++step) {
+  for (int64_t step = first_step; step <= o.steps; ++step) {
     auto start = Clock::now();
     mt::Batch batch = loader.next();
-    double lr = schedule->lr(step - 1);
-    decay_optimizer.set_lr(lr);
-    plain_optimizer.set_lr(lr);
+    optimizer->set_lr(schedule->lr(step - 1));
     if (writer) writer->set_step(step);
     mt::Tensor loss = o.compile ? compiled_step(batch.inputs, batch.targets)
                                 : train_step(batch.inputs, batch.targets);
     if (writer) writer->log_gradient_health(model, health_every);
+    if (o.save_every > 0 && step % o.save_every == 0 && step < o.steps) save(step);
     bool report = step % o.eval_every == 0 || step == o.steps;
     if (report) last_batch_loss = loss.item();
     train_seconds += std::chrono::duration<double>(Clock::now() - start).count();
@@ -321,7 +353,8 @@ int run(const Options& o) {
       writer->add_scalar("eval/val_loss", val_loss, step);
     }
     double tokens_per_s =
-        static_cast<double>(step * global_batch * config.context) / std::max(train_seconds, 1e-9);
+        static_cast<double>((step - first_step + 1) * global_batch * config.context) /
+        std::max(train_seconds, 1e-9);
     if (!o.json_only) {
       std::printf(
           "step %lld/%lld  batch loss %.4f  train loss %.4f  val loss %.4f  %.0f tokens/s\n",
@@ -331,8 +364,11 @@ int run(const Options& o) {
     }
   }
   double tokens_per_s =
-      static_cast<double>(o.steps * global_batch * config.context) / std::max(train_seconds, 1e-9);
+      static_cast<double>((o.steps - first_step + 1) * global_batch * config.context) /
+      std::max(train_seconds, 1e-9);
   if (writer) writer->flush();
+  // Saved first: an export that fails (no C compiler, a full disk) loses no trained weights.
+  if (!o.save.empty()) save(o.steps);
   data_parallel.reset();  // training is over: the processes part
 
   model.eval();
@@ -361,6 +397,7 @@ int run(const Options& o) {
   nlohmann::ordered_json line{{"example", "char_gpt"},
                               {"policy", o.policy},
                               {"steps", o.steps},
+                              {"first_step", first_step},
                               {"train_loss", train_loss},
                               {"val_loss", val_loss},
                               {"tokens_per_s", tokens_per_s},

@@ -20,12 +20,13 @@
 
 #include "example_cli.h"
 #include "progress_line.h"
+#include "resumable.h"
 
 namespace digits {
 
 namespace mt = mixtape;
 
-struct Options : examples::TrainingFlags {
+struct Options : examples::TrainingFlags, examples::ResumeFlags {
   std::string example;  // digits_mlp or digits_cnn: names the binary, its JSON line and exports
   // digits_mlp's defaults reach >= 95% on the last 360 digits (other writers than the training
   // rows): label smoothing and input noise are what close the gap to 1-nearest-neighbour
@@ -39,9 +40,7 @@ struct Options : examples::TrainingFlags {
   int64_t shift = 0;  // random translations of up to this many pixels
   bool cosine = false;
   bool shuffle = true;
-  std::string load, save;
-  std::string resume;      // --resume: go on from a checkpoint --save (--save-every) wrote
-  int64_t save_every = 0;  // --save-every: also save --save's checkpoint every N steps
+  std::string load;
   std::string export_dir;  // --export: the trained model as C libraries (examples/deploy/)
   // --distributed: data parallel over the processes mpirun started (--batch per process).
   bool distributed = false;
@@ -86,21 +85,9 @@ inline Options parse(const std::string& example, const Defaults& defaults, int a
   app.add_option("--load", o.load, "start from this checkpoint")
       ->check(examples::path_value())
       ->type_name("FILE");
-  app.add_option("--save", o.save, "save the trained weights to this checkpoint")
-      ->check(examples::output_file())
-      ->type_name("FILE");
-  app.add_option("--save-every", o.save_every,
-                 "also save the --save checkpoint every N steps, with what --resume needs")
-      ->check(examples::at_least(1))
-      ->type_name("N")
-      ->needs("--save");
-  app.add_option("--resume", o.resume,
-                 "go on from a checkpoint that --save wrote: weights, optimizer, loss scale, data "
-                 "order, input noise and shifts, and the step, so that the run ends as one never "
-                 "stopped")
-      ->check(examples::path_value())
-      ->type_name("FILE")
-      ->excludes("--load");
+  examples::add_resume_flags(app, o,
+                             "weights, optimizer, loss scale, data order, input noise and shifts");
+  app.get_option("--resume")->excludes("--load");
   app.add_option("--export", o.export_dir, "export the trained model as C libraries into DIR")
       ->check(examples::output_folder())
       ->type_name("DIR");
@@ -187,7 +174,7 @@ int run(const Options& o, Model& net) {
   // under others would not go on as the saved run did (the loader's state checks --batch,
   // --no-shuffle and --seed; the optimizer's and scaler's state their kinds).
   auto number = [](double v) { return nlohmann::json(v).dump(); };
-  const std::vector<std::pair<std::string, std::string>> shaping = {
+  const examples::RunFlags shaping = {
       {"policy", o.policy},
       {"loss-scale", o.loss_scale},
       {"optimizer", o.optimizer},
@@ -200,49 +187,23 @@ int run(const Options& o, Model& net) {
   auto save = [&](int64_t step) {
     std::ostringstream shifts;
     shifts << shift_generator;
-    mt::Metadata meta{{"step", std::to_string(step)}, {"shift_generator", shifts.str()}};
-    for (const auto& [flag, value] : shaping) meta.emplace_back("flag." + flag, value);
-    mt::save_checkpoint(o.save, net, optimizer.get(), meta, &scaler, resumable);
+    mt::save_checkpoint(
+        o.save, net, optimizer.get(),
+        examples::resumable_metadata(step, shaping, {{"shift_generator", shifts.str()}}), &scaler,
+        resumable);
   };
   int64_t first_step = 1;
   if (!o.resume.empty()) {
     mt::Metadata meta;
     mt::load_checkpoint(o.resume, net, optimizer.get(), &meta, &scaler, resumable);
-    auto entry = [&](const std::string& key) {
-      for (const auto& [name, value] : meta)
-        if (name == key) return value;
-      return std::string();
-    };
-    const std::string step = entry("step");
-    std::istringstream shift_state(entry("shift_generator"));
-    std::mt19937_64 restored;
-    shift_state >> restored;
-    char* end = nullptr;
-    const long long saved_step = step.empty() ? -1 : std::strtoll(step.c_str(), &end, 10);
-    if (saved_step < 1 || *end != '\0' || shift_state.fail())
+    first_step = examples::resumed_step(o.resume, meta, shaping, loader, o.steps) + 1;
+    std::istringstream shift_state(examples::metadata_entry(meta, "shift_generator"));
+    shift_state >> shift_generator;
+    if (shift_state.fail())
       mt::fail(
-          "{}: not a checkpoint that --save wrote during training (its step or the shifts' "
-          "generator is missing)",
+          "{}: not a checkpoint that --save wrote during training (it has no shifts' "
+          "generator)",
           o.resume);
-    for (const auto& [flag, value] : shaping) {
-      const std::string saved = entry("flag." + flag);
-      if (saved != value)
-        mt::fail(
-            "{}: saved with --{} {}, resumed with --{} {}: resume with the flags it was saved "
-            "with",
-            o.resume, flag, saved.empty() ? "(not recorded)" : saved, flag, value);
-    }
-    // The step and the loader's place are two records of one count: metadata has no checksum,
-    // so a file whose two disagree was damaged.
-    const int64_t drawn = loader.epoch() * loader.batches_per_epoch() + loader.state().position;
-    if (drawn != saved_step)
-      mt::fail("{}: its step {} and its data loader's {} batches disagree: the file is damaged",
-               o.resume, saved_step, drawn);
-    if (saved_step >= o.steps)
-      mt::fail("{}: saved at step {}, which --steps {} does not go past", o.resume, saved_step,
-               o.steps);
-    shift_generator = restored;
-    first_step = saved_step + 1;
   }
   mt::CrossEntropyOptions loss_options{.label_smoothing = o.label_smoothing};
   bool terminal = isatty(STDOUT_FILENO) != 0;

@@ -1067,6 +1067,7 @@ header = json.loads(raw[8:8 + n].decode('utf-8'))
 data = raw[8 + n:]
 metadata = header.pop('__metadata__')
 assert set(json.loads(metadata.pop('mixtape.checksum.xxh3_64'))) == set(header), 'checksums'
+assert len(metadata.pop('mixtape.checksum.header_xxh3_64')) == 16, 'header checksum'
 assert metadata == {'source': 'mixtape', 'format': 'pt'}, 'metadata'
 want = {
     'f32': ('F32', [2, 3]), 'f64': ('F64', [4]), 'f16': ('F16', [3, 2]), 'bf16': ('BF16', [5]),

@@ -27,6 +27,8 @@
 #include <thread>
 
 #include <fmt/format.h>
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/half.h"
@@ -845,6 +847,69 @@ TEST(Safetensors, ChecksumMetadataIsCheckedAndReserved) {
                   "'mixtape.checksum.xxh3_65'", "reserved for checksums");
 }
 
+// Replaces the one occurrence of `from` in a serialized file's header by `to`, of equal length.
+std::vector<std::byte> with_header_edit(std::vector<std::byte> bytes, std::string_view from,
+                                        std::string_view to) {
+  EXPECT_EQ(from.size(), to.size());
+  std::string text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  size_t at = text.find(from);
+  EXPECT_NE(at, std::string::npos) << from;
+  EXPECT_EQ(text.find(from, at + 1), std::string::npos) << from;
+  if (at != std::string::npos) std::memcpy(bytes.data() + at, to.data(), to.size());
+  return bytes;
+}
+
+TEST(Safetensors, HeaderChecksumCatchesDamagedMetadataAndShapes) {
+  st::File file;
+  file.tensors.push_back(tensor("w", DType::f32, {1, 4}, to_bytes<float>({1, 2, 3, 4})));
+  file.tensors.push_back(tensor("b", DType::f32, {2}, to_bytes<float>({5, 6})));
+  file.metadata = {{"step", "1200"}, {"generator.offset", "4096"}};
+  std::vector<std::byte> bytes = st::serialize(file);
+  expect_same(st::parse(bytes, "m.st"), file);
+
+  // Each edit leaves valid JSON and every tensor's bytes as they were, so only the header
+  // checksum can tell: a digit of a metadata value, a shape with the same element count, a
+  // dtype of the same width, a renamed tensor.
+  for (auto [from, to] : std::vector<std::pair<std::string, std::string>>{
+           {"\"1200\"", "\"1208\""},
+           {"\"4096\"", "\"4097\""},
+           {"[1,4]", "[4,1]"},
+           {"\"w\":{", "\"v\":{"},
+           {"\"b\":{\"dtype\":\"F32\"", "\"b\":{\"dtype\":\"I32\""}}) {
+    SCOPED_TRACE(from);
+    EXPECT_MT_ERROR(st::parse(with_header_edit(bytes, from, to), "m.st"),
+                    "m.st: the header is corrupt", "xxh3_64");
+  }
+
+  // The recorded checksum itself: damaged, or not 16 hex digits.
+  std::string text(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+  std::string key = "\"mixtape.checksum.header_xxh3_64\":\"";
+  size_t at = text.find(key);
+  ASSERT_NE(at, std::string::npos);
+  std::string recorded = text.substr(at + key.size(), 16);
+  std::string flipped = recorded;
+  flipped[0] = flipped[0] == '0' ? '1' : '0';
+  EXPECT_MT_ERROR(st::parse(with_header_edit(bytes, recorded, flipped), "m.st"),
+                  "the header is corrupt");
+  EXPECT_MT_ERROR(st::parse(with_header_edit(bytes, recorded, "0x" + recorded.substr(2)), "m.st"),
+                  "'mixtape.checksum.header_xxh3_64' is not 16 hex digits");
+
+  // Metadata alone, with no tensors, is covered too.
+  st::File metadata_only;
+  metadata_only.metadata = {{"epoch", "3"}};
+  std::vector<std::byte> only = st::serialize(metadata_only);
+  expect_same(st::parse(only, "m.st"), metadata_only);
+  EXPECT_MT_ERROR(st::parse(with_header_edit(only, "\"3\"", "\"4\""), "m.st"),
+                  "the header is corrupt");
+
+  // A file from before the header checksum (tensor checksums only) still loads.
+  std::string old_header = R"({"__metadata__":{"step":"7","mixtape.checksum.xxh3_64":"{\"a\":\")" +
+                           fmt::format("{:016x}", XXH3_64bits("\x11\x11\x11\x11", 4)) +
+                           R"(\"}"},"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})";
+  st::File old = st::parse(hand_made(old_header, 4), "old.st");
+  EXPECT_EQ(old.metadata, (std::vector<std::pair<std::string, std::string>>{{"step", "7"}}));
+}
+
 // ---- hostile headers and sizes ----
 
 // Bytes the process has held at most so far, from the kernel's high-water mark.
@@ -1020,7 +1085,26 @@ header = json.loads(data[8:8 + n].decode('utf-8'))
 body = data[8 + n:]
 metadata = header.pop('__metadata__')
 checksums = json.loads(metadata.pop('mixtape.checksum.xxh3_64'))
+header_checksum = metadata.pop('mixtape.checksum.header_xxh3_64')
 assert metadata == expected['metadata'], 'metadata differs'
+
+# The header checksum, recomputed from the layout safetensors.h documents: the metadata sorted by
+# key, then each tensor's name, dtype and shape sorted by name; strings as a u64 LE length and
+# UTF-8 bytes, counts and dims as u64 LE.
+def text(value):
+    raw = value.encode('utf-8')
+    return struct.pack('<Q', len(raw)) + raw
+def sorted_by_utf8(keys):
+    return sorted(keys, key=lambda k: k.encode('utf-8'))
+encoding = struct.pack('<Q', len(metadata))
+for key in sorted_by_utf8(metadata):
+    encoding += text(key) + text(metadata[key])
+encoding += struct.pack('<Q', len(header))
+for name in sorted_by_utf8(header):
+    shape = header[name]['shape']
+    encoding += text(name) + text(header[name]['dtype']) + struct.pack('<Q', len(shape))
+    encoding += b''.join(struct.pack('<Q', dim) for dim in shape)
+assert header_checksum == xxhash.xxh3_64_hexdigest(encoding), 'header checksum'
 names = [t['name'] for t in expected['tensors']]
 assert list(header) == names, ('names', list(header), names)
 formats = {'F32': 'f', 'F64': 'd', 'F16': 'e', 'BF16': 'H', 'I32': 'i', 'I64': 'q', 'BOOL': '?'}
@@ -1208,6 +1292,7 @@ with safe_open(path, framework='pt') as f:
         assert torch.equal(loaded[t['name']], tensor), t['name']
 assert 'mixtape.checksum.xxh3_64' in metadata, metadata
 del metadata['mixtape.checksum.xxh3_64']
+del metadata['mixtape.checksum.header_xxh3_64']
 assert metadata == expected['metadata'], (metadata, expected['metadata'])
 print('ok')
 )PY";

@@ -38,6 +38,11 @@ namespace {
 
 constexpr std::string_view metadata_key = "__metadata__";
 constexpr std::string_view checksum_key = "mixtape.checksum.xxh3_64";
+/// The header's own checksum: the metadata and each tensor's name, dtype and shape (see
+/// header_checksum). Files from before it was added have only the tensors' and still load.
+constexpr std::string_view header_checksum_key = "mixtape.checksum.header_xxh3_64";
+/// Entries of the reserved prefix that a file of ours holds at most.
+constexpr size_t reserved_entries = 2;
 constexpr size_t length_field_bytes = 8;
 // One header member's values: a tensor entry needs 6 plus its rank, the metadata object one per
 // entry plus itself. The parsed tree of a member costs ~50 bytes a value, so this caps it.
@@ -45,6 +50,49 @@ constexpr size_t max_member_values = 2 * max_metadata_entries + 16;
 
 uint64_t checksum(std::span<const std::byte> bytes) {
   return XXH3_64bits(bytes.data(), bytes.size());
+}
+
+/// The XXH3-64 of what the header says apart from the data offsets and our checksums: the
+/// metadata entries sorted by key, then each tensor's name, dtype tag and shape sorted by name.
+/// Each string is its length (u64 LE) and bytes, each count and dim a u64 LE, so no two headers
+/// share an encoding and a reader in any language can recompute it. Sorted, so the file's JSON
+/// member order (which other tools may change) does not matter. The tensors' own checksums cover
+/// their bytes but not what the bytes mean: without this a damaged step count in the metadata,
+/// or a shape [2, 8] read as [8, 2], would load silently.
+template <typename Tensors>
+uint64_t header_checksum(const std::vector<std::pair<std::string, std::string>>& metadata,
+                         const Tensors& tensors) {
+  XXH3_state_t state;
+  XXH3_64bits_reset(&state);
+  auto number = [&](uint64_t value) {
+    std::byte bytes[8];
+    for (size_t i = 0; i < 8; ++i) bytes[i] = static_cast<std::byte>(value >> (8 * i));
+    XXH3_64bits_update(&state, bytes, sizeof bytes);
+  };
+  auto text = [&](std::string_view value) {
+    number(value.size());
+    XXH3_64bits_update(&state, value.data(), value.size());
+  };
+  std::vector<const std::pair<std::string, std::string>*> entries;
+  for (const auto& entry : metadata) entries.push_back(&entry);
+  std::sort(entries.begin(), entries.end(), [](auto* a, auto* b) { return a->first < b->first; });
+  number(entries.size());
+  for (const auto* entry : entries) {
+    text(entry->first);
+    text(entry->second);
+  }
+  std::vector<size_t> order(tensors.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return tensors[a].name < tensors[b].name; });
+  number(order.size());
+  for (size_t i : order) {
+    text(tensors[i].name);
+    text(safetensors_name(tensors[i].dtype));
+    number(tensors[i].shape.size());
+    for (int64_t dim : tensors[i].shape) number(static_cast<uint64_t>(dim));
+  }
+  return XXH3_64bits_digest(&state);
 }
 
 [[noreturn]] void not_safetensors(std::string_view origin, std::string_view why) {
@@ -115,10 +163,9 @@ void validate(const Tensors& file, std::string_view context) {
   }
   if (file.tensors.size() > max_tensors)
     fail("{}: {} tensors, more than the limit of {}", context, file.tensors.size(), max_tensors);
-  // One metadata entry is the checksums'.
-  if (file.metadata.size() + 1 > max_metadata_entries)
+  if (file.metadata.size() + reserved_entries > max_metadata_entries)
     fail("{}: {} metadata entries, more than the limit of {}", context, file.metadata.size(),
-         max_metadata_entries - 1);
+         max_metadata_entries - reserved_entries);
   std::unordered_set<std::string_view> keys;
   for (const auto& [key, value] : file.metadata) {
     if (!keys.insert(key).second) fail("{}: duplicate metadata key '{}'", context, key);
@@ -153,6 +200,8 @@ std::string encode_header(const Tensors& file, std::string_view context) {
       for (const auto& [key, value] : file.metadata) json::append(metadata, key, value);
       if (!file.tensors.empty())
         json::append(metadata, std::string(checksum_key), encode_checksums(file));
+      json::append(metadata, std::string(header_checksum_key),
+                   fmt::format("{:016x}", header_checksum(file.metadata, file.tensors)));
       json::append(root, std::string(metadata_key), std::move(metadata));
     }
     uint64_t offset = 0;
@@ -307,22 +356,44 @@ void check_unique_names(const std::vector<Entry>& entries, std::string_view orig
       fail("{}: duplicate key \"{}\" in the header", origin, *names[i]);
 }
 
-/// Moves the checksum entry out of the metadata and matches it to the entries; no entry means the
-/// file has no checksums. Any other key of the reserved prefix is an error: a damaged byte in the
-/// key's name must not turn verification off silently.
+/// A checksum as the file writes it: exactly 16 hex digits.
+std::optional<uint64_t> parse_hex16(std::string_view hex) {
+  uint64_t value = 0;
+  auto [end, ec] = std::from_chars(hex.data(), hex.data() + hex.size(), value, 16);
+  if (hex.size() != 16 || ec != std::errc() || end != hex.data() + hex.size()) return std::nullopt;
+  return value;
+}
+
+/// Moves the checksum entries out of the metadata, checks the header's, and matches the tensors'
+/// to the entries; no entry means the file has no checksums of that kind. Any other key of the
+/// reserved prefix is an error: a damaged byte in the key's name must not turn verification off
+/// silently.
 std::vector<uint64_t> take_checksums(Layout& layout, std::string_view origin) {
-  std::optional<std::string> text;
+  std::optional<std::string> text, header_text;
   for (const auto& [key, value] : layout.metadata)
-    if (key.starts_with(reserved_metadata_prefix) && key != checksum_key)
+    if (key.starts_with(reserved_metadata_prefix) && key != checksum_key &&
+        key != header_checksum_key)
       fail(
-          "{}: metadata '{}' uses the prefix reserved for checksums but is not '{}': the file is "
-          "damaged, or from a newer mixtape",
-          origin, key, checksum_key);
+          "{}: metadata '{}' uses the prefix reserved for checksums but is not '{}' or '{}': the "
+          "file is damaged, or from a newer mixtape",
+          origin, key, checksum_key, header_checksum_key);
   std::erase_if(layout.metadata, [&](auto& key_value) {
-    if (key_value.first != checksum_key) return false;
-    text = std::move(key_value.second);
-    return true;
+    std::optional<std::string>* taken = key_value.first == checksum_key          ? &text
+                                        : key_value.first == header_checksum_key ? &header_text
+                                                                                 : nullptr;
+    if (taken) *taken = std::move(key_value.second);
+    return taken != nullptr;
   });
+  if (header_text) {
+    std::optional<uint64_t> recorded = parse_hex16(*header_text);
+    if (!recorded) fail("{}: metadata '{}' is not 16 hex digits", origin, header_checksum_key);
+    uint64_t actual = header_checksum(layout.metadata, layout.entries);
+    if (actual != *recorded)
+      fail(
+          "{}: the header is corrupt: its metadata and tensor names, dtypes and shapes hash to "
+          "xxh3_64 {:016x}, the file recorded {:016x}",
+          origin, actual, *recorded);
+  }
   if (!text) return {};
   auto bad = [&](std::string_view what) {
     fail("{}: metadata '{}' {}", origin, checksum_key, what);
@@ -336,13 +407,10 @@ std::vector<uint64_t> take_checksums(Layout& layout, std::string_view origin) {
   if (!sums.is_object()) bad("must hold a JSON object");
   std::unordered_map<std::string_view, uint64_t> by_name;
   for (const auto& [name, sum] : sums.items()) {
-    uint64_t value = 0;
-    std::string_view hex =
-        sum.is_string() ? std::string_view(sum.get_ref<const std::string&>()) : "";
-    auto [end, ec] = std::from_chars(hex.data(), hex.data() + hex.size(), value, 16);
-    if (hex.size() != 16 || ec != std::errc() || end != hex.data() + hex.size())
-      bad(fmt::format("gives tensor '{}' a checksum that is not 16 hex digits", name));
-    by_name.emplace(name, value);
+    std::optional<uint64_t> value =
+        sum.is_string() ? parse_hex16(sum.get_ref<const std::string&>()) : std::nullopt;
+    if (!value) bad(fmt::format("gives tensor '{}' a checksum that is not 16 hex digits", name));
+    by_name.emplace(name, *value);
   }
   // Checksums for a different set of tensors mean a tool rewrote the file and kept ours.
   if (by_name.size() != layout.entries.size())

@@ -20,7 +20,12 @@
 // "mixtape.checksum.xxh3_64", whose value is the text of a JSON object {"<tensor>": "<16 hex
 // digits>"}; a string, so every safetensors reader still reads the file. read() and parse()
 // verify it (a mismatch is an mt::Error naming the tensor and the file) and take it out of
-// File::metadata; files without it, from other writers, load unverified.
+// File::metadata; files without it, from other writers, load unverified. The entry
+// "mixtape.checksum.header_xxh3_64" (16 hex digits) covers the rest of the header: the other
+// metadata sorted by key, then each tensor's name, dtype tag and shape sorted by name, each
+// string as its u64 LE length and bytes and each count and dim as a u64 LE. A damaged metadata
+// value (a step count, a generator offset) or shape is an error, not a silently different load.
+// Files written before it existed lack it and load with the tensors' checksums alone.
 namespace mixtape::safetensors {
 
 struct TensorData {

@@ -15,7 +15,8 @@ trap 'rm -rf "$work"' EXIT
 
 source "$(dirname "$0")/checks.sh"
 
-small=(--json --steps 20 --layers 1 --heads 2 --width 32 --context 16 --sample 10 --seed 3)
+sized=(--json --layers 1 --heads 2 --width 32 --context 16 --sample 10 --seed 3)
+small=(--steps 20 "${sized[@]}")
 out=$("${mpirun[@]}" -x MIXTAPE_DIST_DEBUG=1 "$bin" --distributed --batch 6 "${small[@]}" \
   --logdir "$work/runs" --export "$work/export")
 events=$(find "$work/runs" -name 'events.out.tfevents.*' -size +0 | wc -l)
@@ -53,3 +54,15 @@ OMP_NUM_THREADS=1 "$bin" --zero "${small[@]}" 2>"$work/usage"
 status=$?
 set -e
 check "$status == 2" "--zero without --distributed is a usage error ($(cat "$work/usage"))"
+
+# --save and --resume under --zero: the shards are gathered into one ordinary checkpoint, which
+# the two processes take up again (each its shard), ending as the run never stopped did.
+zrun=("${mpirun[@]}" "$bin" --distributed --zero --batch 6 "${sized[@]}" --dropout 0.1
+  --schedule constant)
+"${zrun[@]}" --steps 12 --save "$work/whole.safetensors" > /dev/null
+"${zrun[@]}" --steps 8 --save "$work/stopped.safetensors" > /dev/null
+resumed=$("${zrun[@]}" --steps 12 --resume "$work/stopped.safetensors" \
+  --save "$work/resumed.safetensors" | grep '"example"')
+check "$(field first_step "$resumed") == 9" "--zero --resume goes on from step 9"
+check "$(cmp -s "$work/whole.safetensors" "$work/resumed.safetensors" && echo 1 || echo 0) == 1" \
+  "--zero --resume ends with the uninterrupted run's checkpoint bytes"

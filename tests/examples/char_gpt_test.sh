@@ -6,8 +6,8 @@ set -euo pipefail
 bin="$1"
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-small="--steps 30 --layers 1 --width 32 --context 16 --batch 4 --lr 3e-3 --eval-batches 4"
-small="$small --sample 20 --json"
+sized="--layers 1 --width 32 --context 16 --batch 4 --lr 3e-3 --eval-batches 4 --sample 20 --json"
+small="--steps 30 $sized"
 
 source "$(dirname "$0")/checks.sh"
 # A model that has learned nothing predicts uniformly: loss ln(vocab) (4.70 for the fortunes'
@@ -52,6 +52,42 @@ traced=$("$bin" $small --dropout 0.1 --checkpoint --no-compile | tail -n 1)
 learned "$kept" "--checkpoint"
 check "$(python3 -c "$same" "$kept" "$traced")" "--checkpoint replays what tracing computes"
 check "$(field replayed_steps "$kept") >= 20" "the checkpointed step replays"
+# --resume: a run stopped at step 20 goes on to step 30 as the run never stopped, with dropout
+# (the model's generator), AdamW's two groups and dynamic f16 loss scaling: the same
+# losses, sample and final checkpoint bytes. --save-every's checkpoints on the way leave the run
+# as it was. (A constant rate: the cosine schedule's span is --steps, checked below.)
+run="$sized --schedule constant --dropout 0.1 --policy autocast-f16 --loss-scale dynamic"
+whole=$("$bin" $run --steps 30 --save "$work/whole.safetensors" | tail -n 1)
+"$bin" $run --steps 20 --save "$work/stopped.safetensors" > /dev/null
+if "$bin" $run --steps 20 --resume "$work/stopped.safetensors" > "$work/out.txt" \
+  2> "$work/err.txt"; then
+  echo "FAIL: resuming at the step it was saved was accepted"; exit 1
+fi
+check "$(wc -l < "$work/err.txt") == 1 and 'step 20' in open('$work/err.txt').read()" \
+  "resuming a run that already reached --steps exits with one line saying so"
+if "$bin" $sized --policy autocast-f16 --loss-scale dynamic --steps 30 \
+  --resume "$work/stopped.safetensors" > "$work/out.txt" 2> "$work/err.txt"; then
+  echo "FAIL: a resume under another --dropout was accepted"; exit 1
+fi
+check "$(wc -l < "$work/err.txt") == 1 and 'saved with --dropout 0.1' in \
+  open('$work/err.txt').read()" "a resume under another --dropout names the flag"
+resumed=$("$bin" $run --steps 30 --resume "$work/stopped.safetensors" \
+  --save "$work/resumed.safetensors" | tail -n 1)
+check "$(python3 -c "$same" "$whole" "$resumed") and $(field first_step "$resumed") == 21" \
+  "--resume goes on to the uninterrupted run's losses and sample"
+check "$(cmp -s "$work/whole.safetensors" "$work/resumed.safetensors" && echo 1 || echo 0) == 1" \
+  "--resume ends with the uninterrupted run's checkpoint bytes"
+"$bin" $run --steps 30 --save "$work/every.safetensors" --save-every 7 > /dev/null
+check "$(cmp -s "$work/whole.safetensors" "$work/every.safetensors" && echo 1 || echo 0) == 1" \
+  "--save-every's checkpoints leave the run as it was"
+"$bin" $sized --steps 20 --save "$work/cosine.safetensors" > /dev/null
+if "$bin" $sized --steps 30 --resume "$work/cosine.safetensors" > "$work/out.txt" \
+  2> "$work/err.txt"; then
+  echo "FAIL: a cosine schedule resumed over another span was accepted"; exit 1
+fi
+check "$(wc -l < "$work/err.txt") == 1 and 'saved with --steps 20' in \
+  open('$work/err.txt').read()" "a cosine schedule resumed over another --steps names the flag"
+
 other=$("$bin" $small --seed 1 | tail -n 1)
 check "$(field val_loss "$line") != $(field val_loss "$other")" "another seed gives another run"
 

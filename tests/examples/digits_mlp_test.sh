@@ -71,7 +71,7 @@ check "$(wc -l < "$work/err.txt") == 1 and 'step 60' in open('$work/err.txt').re
   "resuming a run that already reached --steps exits with one line saying so"
 
 # A resume under other flags that shape the run is refused, and a damaged step is found (the
-# metadata has no checksum; the step and the loader's place must agree).
+# header's checksum covers the metadata).
 if "$bin" --json --optimizer adamw --shift 1 --policy autocast-f16 --loss-scale static:1024 \
   --steps 60 --resume "$work/stopped.safetensors" > "$work/out.txt" 2> "$work/err.txt"; then
   echo "FAIL: a resume under another --loss-scale was accepted"; exit 1
@@ -88,8 +88,8 @@ if "$bin" "${run[@]}" --steps 60 --resume "$work/damaged.safetensors" > "$work/o
   2> "$work/err.txt"; then
   echo "FAIL: a checkpoint with a damaged step was accepted"; exit 1
 fi
-check "$(wc -l < "$work/err.txt") == 1 and 'damaged' in open('$work/err.txt').read()" \
-  "a checkpoint whose step disagrees with its loader is refused"
+check "$(wc -l < "$work/err.txt") == 1 and 'the header is corrupt' in open('$work/err.txt').read()" \
+  "a checkpoint with a damaged step is refused"
 
 if "$bin" --steps 0 > "$work/out.txt" 2> "$work/err.txt"; then
   echo "FAIL: --steps 0 was accepted"; exit 1
