@@ -925,6 +925,20 @@ const std::vector<Sample>& composite_samples() {
       return mt::grid_sample(x[0], mt::affine_grid(x[1] * 0.5, {1, 2, 3, 3}),
                              {.padding_mode = mt::GridPadding::Border});
     });
+    add_c("grid_sample_volume_reflection", {{{1, 2, 2, 3, 3}}, {{1, 2, 2, 2, 3}}},
+          [](const Tensors& x) {
+            return mt::grid_sample(x[0], x[1], {.padding_mode = mt::GridPadding::Reflection});
+          });
+    add_c("affine_grid_sample_volume", {{{1, 1, 2, 3, 3}}, {{1, 3, 4}}}, [](const Tensors& x) {
+      return mt::grid_sample(x[0], mt::affine_grid(x[1] * 0.5, {1, 1, 2, 2, 3}, true),
+                             {.padding_mode = mt::GridPadding::Border, .align_corners = true});
+    });
+    add_c("interpolate_trilinear", {{{1, 2, 2, 3, 3}}}, [](const Tensors& x) {
+      return mt::interpolate(x[0], {.size = {3, 2, 5}, .mode = mt::InterpolateMode::Trilinear});
+    });
+    add_c("interpolate_area_volume", {{{1, 2, 3, 5, 4}}}, [](const Tensors& x) {
+      return mt::interpolate(x[0], {.size = {2, 3, 3}, .mode = mt::InterpolateMode::Area});
+    });
     add_c("max_unpool2d", {{{1, 2, 2, 3}}}, [](const Tensors& x) {
       // The picks of a fixed image, so that the indices do not move with the input.
       mt::Tensor image = mt::reshape(mt::arange(0.0, 48.0, 1.0, mt::f64), {1, 2, 4, 6});

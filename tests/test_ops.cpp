@@ -1720,6 +1720,108 @@ void add_conv_cases(Oracle& o, Data& d, mt::DType dt) {
         "F.affine_grid(a, (2, 3, 4, 5), align_corners=False)", rtol, atol);
   o.add("affine_grid_corners/" + t, {theta}, mt::affine_grid(theta, {2, 1, 1, 6}, true),
         "F.affine_grid(a, (2, 1, 1, 6), align_corners=True)", rtol, atol);
+  // Volumes: grid_sample's trilinear and nearest modes over (x, y, z) points, every padding and
+  // align_corners, values and both gradients; affine_grid's 3-d grids.
+  mt::Tensor volume = d.randn({2, 2, 3, 4, 5}, dt),
+             volume_points = make(d.uniform(144, -1.3, 1.3), {2, 2, 3, 4, 3}, dt),
+             volume_seed = d.randn({2, 2, 2, 3, 4}, dt);
+  for (const auto& [mode, mode_name] : sample_modes) {
+    if (mode == mt::GridSampleMode::Bicubic) continue;  // PyTorch's is 2-d only
+    for (const auto& [padding, padding_name] : paddings)
+      for (bool align : {false, true}) {
+        const std::string label = fmt::format("volume_{}_{}_{}/{}", mode_name, padding_name,
+                                              align ? "corners" : "edges", t);
+        const std::string args = fmt::format("mode='{}', padding_mode='{}', align_corners={}",
+                                             mode_name, padding_name, align ? "True" : "False");
+        mt::Tensor x = volume.detach(), g = volume_points.detach();
+        x.requires_grad_();
+        g.requires_grad_();
+        mt::Tensor y =
+            mt::grid_sample(x, g, {.mode = mode, .padding_mode = padding, .align_corners = align});
+        std::vector<mt::Tensor> grads = mt::grad({y}, {x, g}, {volume_seed}, false, true);
+        if (!grads[1].defined()) grads[1] = mt::zeros_like(volume_points);
+        o.add("grid_sample/" + label, {volume, volume_points}, y.detach(),
+              "F.grid_sample(a, b, " + args + ")", rtol, atol);
+        const std::string both =
+            "(lambda x, g: torch.autograd.grad(F.grid_sample(x, g, " + args +
+            "), (x, g), c))(a.clone().requires_grad_(), b.clone().requires_grad_())";
+        o.add("grid_sample_grad_input/" + label, {volume, volume_points, volume_seed}, grads[0],
+              both + "[0]", rtol, atol);
+        o.add("grid_sample_grad_grid/" + label, {volume, volume_points, volume_seed}, grads[1],
+              both + "[1]", rtol, atol);
+      }
+  }
+  mt::Tensor theta3 = d.randn({2, 3, 4}, dt);
+  o.add("affine_grid_3d/" + t, {theta3}, mt::affine_grid(theta3, {2, 3, 4, 5, 6}),
+        "F.affine_grid(a, (2, 3, 4, 5, 6), align_corners=False)", rtol, atol);
+  o.add("affine_grid_3d_corners/" + t, {theta3}, mt::affine_grid(theta3, {2, 1, 1, 3, 2}, true),
+        "F.affine_grid(a, (2, 1, 1, 3, 2), align_corners=True)", rtol, atol);
+  // interpolate's other modes: linear and trilinear (values and the input's gradient), nearest
+  // on volumes, nearest-exact and area on lines, images and volumes.
+  struct Resize {
+    std::string name;
+    mt::Tensor x;
+    mt::InterpolateOptions options;
+    std::string args;
+  };
+  mt::Tensor line = d.randn({2, 3, 7}, dt), image = d.randn({2, 3, 5, 6}, dt),
+             box = d.randn({1, 2, 5, 7, 6}, dt);
+  const Resize resizes[] = {
+      {"linear",
+       line,
+       {.size = {11}, .mode = mt::InterpolateMode::Linear},
+       "size=11, mode='linear'"},
+      {"linear_corners_down",
+       line,
+       {.size = {4}, .mode = mt::InterpolateMode::Linear, .align_corners = true},
+       "size=4, mode='linear', align_corners=True"},
+      {"linear_scale",
+       line,
+       {.scale_factor = {1.7}, .mode = mt::InterpolateMode::Linear},
+       "scale_factor=1.7, mode='linear'"},
+      {"trilinear",
+       box,
+       {.size = {7, 3, 9}, .mode = mt::InterpolateMode::Trilinear},
+       "size=(7, 3, 9), mode='trilinear'"},
+      {"trilinear_corners",
+       box,
+       {.size = {3, 9, 4}, .mode = mt::InterpolateMode::Trilinear, .align_corners = true},
+       "size=(3, 9, 4), mode='trilinear', align_corners=True"},
+      {"nearest_volume", box, {.size = {7, 3, 9}}, "size=(7, 3, 9), mode='nearest'"},
+      {"nearest_exact_line",
+       line,
+       {.size = {11}, .mode = mt::InterpolateMode::NearestExact},
+       "size=11, mode='nearest-exact'"},
+      {"nearest_exact_image",
+       image,
+       {.scale_factor = {1.5, 0.7}, .mode = mt::InterpolateMode::NearestExact},
+       "scale_factor=(1.5, 0.7), mode='nearest-exact'"},
+      {"nearest_exact_volume",
+       box,
+       {.size = {3, 9, 4}, .mode = mt::InterpolateMode::NearestExact},
+       "size=(3, 9, 4), mode='nearest-exact'"},
+      {"area_line", line, {.size = {3}, .mode = mt::InterpolateMode::Area}, "size=3, mode='area'"},
+      {"area_image",
+       image,
+       {.size = {3, 4}, .mode = mt::InterpolateMode::Area},
+       "size=(3, 4), mode='area'"},
+      {"area_volume",
+       box,
+       {.size = {2, 3, 4}, .mode = mt::InterpolateMode::Area},
+       "size=(2, 3, 4), mode='area'"},
+  };
+  for (const Resize& r : resizes) {
+    mt::Tensor x = r.x.detach();
+    x.requires_grad_();
+    mt::Tensor y = mt::interpolate(x, r.options);
+    mt::Tensor seed = d.randn(y.shape(), dt);
+    o.add("interpolate/" + r.name + "/" + t, {r.x}, y.detach(), "F.interpolate(a, " + r.args + ")",
+          rtol, atol);
+    o.add("interpolate_grad/" + r.name + "/" + t, {r.x, seed}, mt::grad({y}, {x}, {seed})[0],
+          "(lambda x: torch.autograd.grad(F.interpolate(x, " + r.args +
+              "), x, b))(a.clone().requires_grad_())[0]",
+          rtol, atol);
+  }
   // Max pooling's two primitives: PyTorch's forward and its autograd gradient.
   mt::Tensor xp = d.randn({2, 3, 9, 8}, dt);
   mt::PoolWindow pool;

@@ -756,7 +756,20 @@ TEST(VisionErrors, BadArgumentsNameTheOpAndTheShapes) {
       mt::interpolate(mt::zeros({2, 3, 4}), {.size = {8}, .mode = mt::InterpolateMode::Bicubic}),
       "interpolate", "bicubic", "[2, 3, 4]");
   EXPECT_MT_ERROR(mt::interpolate(x, {.size = {8, 8}, .align_corners = true}), "interpolate",
-                  "align_corners", "bilinear and bicubic");
+                  "align_corners", "linear, bilinear, bicubic and trilinear");
+  EXPECT_MT_ERROR(
+      mt::interpolate(
+          x, {.size = {8, 8}, .mode = mt::InterpolateMode::NearestExact, .align_corners = true}),
+      "interpolate", "align_corners");
+  EXPECT_MT_ERROR(mt::interpolate(x, {.size = {8}, .mode = mt::InterpolateMode::Linear}),
+                  "interpolate", "linear needs an input [N, C, L]", "[2, 4, 5, 5]");
+  EXPECT_MT_ERROR(mt::interpolate(x, {.size = {8}, .mode = mt::InterpolateMode::Trilinear}),
+                  "interpolate", "trilinear needs an input [N, C, D, H, W]", "[2, 4, 5, 5]");
+  EXPECT_MT_ERROR(
+      mt::interpolate(mt::zeros({2, 3}), {.size = {8}, .mode = mt::InterpolateMode::Area}),
+      "interpolate", "area needs an input [N, C, L], [N, C, H, W] or [N, C, D, H, W]");
+  EXPECT_MT_ERROR(mt::interpolate(mt::zeros({1, 1, 2, 2, 2, 2}), {.size = {8}}), "interpolate",
+                  "nearest needs an input");
   EXPECT_MT_ERROR(mt::Upsample({.size = {8, 8}, .scale_factor = {2}}), "Upsample", "both");
   EXPECT_MT_ERROR(mt::pixel_shuffle(x, 3), "pixel_shuffle", "4 channels", "[2, 4, 5, 5]");
   EXPECT_MT_ERROR(mt::pixel_shuffle(mt::zeros({4, 5}), 1), "pixel_shuffle", "[*, C, H, W]");
@@ -801,6 +814,21 @@ TEST(VisionErrors, BadArgumentsNameTheOpAndTheShapes) {
       "max_unpool2d", "height 6 must be between 2 and 6");
   EXPECT_MT_ERROR(mt::grid_sample(x, mt::zeros({2, 3, 3, 2}, mt::f64)), "grid_sample",
                   "the input (f32) and the grid (f64) must have one dtype");
+  // Three spatial axes: a grid of (x, y, z) points; PyTorch has no bicubic there.
+  mt::Tensor volume = mt::zeros({2, 4, 3, 5, 5});
+  EXPECT_MT_ERROR(mt::grid_sample(volume, mt::zeros({2, 3, 3, 3, 2})), "grid_sample",
+                  "[N, D_out, H_out, W_out, 3]", "[2, 3, 3, 3, 2]");
+  EXPECT_MT_ERROR(mt::grid_sample(x, mt::zeros({2, 3, 3, 3})), "grid_sample",
+                  "[N, H_out, W_out, 2]", "[2, 3, 3, 3]");
+  EXPECT_MT_ERROR(
+      mt::grid_sample(volume, mt::zeros({2, 1, 3, 3, 3}), {.mode = mt::GridSampleMode::Bicubic}),
+      "grid_sample", "bicubic needs an input [N, C, H, W]", "[2, 4, 3, 5, 5]");
+  EXPECT_MT_ERROR(mt::grid_sample(mt::zeros({2, 4, 0, 5, 5}), mt::zeros({2, 1, 3, 3, 3})),
+                  "grid_sample", "empty spatial axis");
+  EXPECT_MT_ERROR(mt::affine_grid(mt::zeros({2, 2, 3}), {2, 4, 3, 5, 5}), "affine_grid",
+                  "theta [N, 3, 4] and a size [N, C, D, H, W]", "[2, 2, 3]");
+  EXPECT_MT_ERROR(mt::affine_grid(mt::zeros({2, 3, 4}), {2, 4, 0, 5, 5}), "affine_grid",
+                  "[1, 2^24]");
   EXPECT_MT_ERROR(mt::dropout2d(x, 1.5), "dropout2d", "p must be");
   // Huge sizes: an mt::Error, not an allocation failure, an overflow or a graph of 2^40 nodes.
   const double inf = std::numeric_limits<double>::infinity();

@@ -1,4 +1,4 @@
-// mixtape/dsl/resample.cpp -- resampling images: interpolate (nearest, bilinear, bicubic) over
+// mixtape/dsl/resample.cpp -- resampling images and volumes: interpolate (every PyTorch mode) over
 // host index and weight tables, pixel_shuffle / pixel_unshuffle as views, and grid_sample /
 // affine_grid as gathers at positions computed in the graph.
 #include <algorithm>
@@ -47,19 +47,25 @@ Tensor axis_table(const std::string& key, const std::vector<double>& weights, co
 // Nearest: output o reads input min(floor(o scale), in - 1), as PyTorch's NCHW kernels (and its
 // CUDA one) compute it. (Its nearest_idx also copies at the same size and reads o / 2 at twice
 // the size whatever the scale factor says, which its channels-last kernel follows: a factor of
-// 2.2 at twice the size, or 1.3 at the same size, differs there.)
-Tensor nearest_axis(const Tensor& x, int64_t axis, int64_t out, float scale) {
+// 2.2 at twice the size, or 1.3 at the same size, differs there.) Nearest-exact reads
+// min(floor((o + 0.5) scale), in - 1), the product in double rounded to float as PyTorch's
+// nearest_neighbor_exact_compute_source_index rounds it for floorf.
+Tensor nearest_axis(const Tensor& x, int64_t axis, int64_t out, float scale, bool exact) {
   const int64_t in = x.size(axis);
   std::vector<int64_t> source(static_cast<size_t>(out));
   bool identity = in == out;
   for (int64_t o = 0; o < out; ++o) {
-    source[static_cast<size_t>(o)] =
-        std::min(static_cast<int64_t>(std::floor(static_cast<float>(o) * scale)), in - 1);
+    const float at = exact ? static_cast<float>((static_cast<double>(o) + 0.5) * scale)
+                           : static_cast<float>(o) * scale;
+    source[static_cast<size_t>(o)] = std::min(static_cast<int64_t>(std::floor(at)), in - 1);
     identity &= source[static_cast<size_t>(o)] == o;
   }
   if (identity) return x;
-  return index_select(x, axis_table(fmt::format("nearest {} {} {:a}", in, out, scale), source),
-                      axis);
+  return index_select(
+      x,
+      axis_table(fmt::format("nearest{} {} {} {:a}", exact ? "-exact" : "", in, out, scale),
+                 source),
+      axis);
 }
 
 // The source position of output o along an axis, PyTorch's area_pixel_compute_source_index (a
@@ -173,19 +179,61 @@ Tensor smooth_axis(const Tensor& x, int64_t axis, int64_t out, const std::vector
                : linear_axis<Real>(x, axis, out, scale, align_corners);
 }
 
+// What interpolate needs to know of a mode: its name in PyTorch, the ranks of input it takes
+// (and their shapes, for the error), and whether it interpolates (takes align_corners).
+struct InterpolationModeInfo {
+  const char* name;
+  std::vector<int64_t> ranks;
+  const char* inputs;
+  bool interpolates;
+};
+
+InterpolationModeInfo interpolation_mode(InterpolateMode mode) {
+  const char* any = "[N, C, L], [N, C, H, W] or [N, C, D, H, W]";
+  switch (mode) {
+    case InterpolateMode::Nearest:
+      return {"nearest", {3, 4, 5}, any, false};
+    case InterpolateMode::NearestExact:
+      return {"nearest-exact", {3, 4, 5}, any, false};
+    case InterpolateMode::Area:
+      return {"area", {3, 4, 5}, any, false};
+    case InterpolateMode::Linear:
+      return {"linear", {3}, "[N, C, L]", true};
+    case InterpolateMode::Bilinear:
+      return {"bilinear", {4}, "[N, C, H, W]", true};
+    case InterpolateMode::Bicubic:
+      return {"bicubic", {4}, "[N, C, H, W]", true};
+    case InterpolateMode::Trilinear:
+      return {"trilinear", {5}, "[N, C, D, H, W]", true};
+  }
+  fail("interpolate: unknown mode {}", static_cast<int>(mode));
+}
+
+// Area: adaptive average pooling to `sizes`, as PyTorch's interpolate does. One spatial axis is
+// pooled as an image of one row; three as the mean over (H, W) windows, then over D windows (each
+// D window's (H, W) windows hold the same count, so the mean of means is the box's mean).
+Tensor area(const Tensor& x, const std::vector<int64_t>& sizes, const Loc& loc) {
+  const int64_t n = x.size(0), c = x.size(1);
+  if (x.dim() == 3)
+    return reshape(adaptive_avg_pool2d(unsqueeze(x, 2), {1, sizes[0]}, loc), {n, c, sizes[0]});
+  if (x.dim() == 4) return adaptive_avg_pool2d(x, {sizes[0], sizes[1]}, loc);
+  const int64_t d = x.size(2), h = sizes[1], w = sizes[2];
+  const Tensor planes =
+      adaptive_avg_pool2d(reshape(x, {n, c * d, x.size(3), x.size(4)}), {h, w}, loc);
+  const Tensor depth =
+      adaptive_avg_pool2d(reshape(planes, {n, c, d, h * w}), {sizes[0], h * w}, loc);
+  return reshape(depth, {n, c, sizes[0], h, w});
+}
+
 }  // namespace
 
 Tensor interpolate(const Tensor& x, const InterpolateOptions& options, const Loc& loc) {
   CallSiteScope site(loc, composite::interpolate);
   const char* op = "interpolate";
   require_float(x, op, "input", loc);
-  const bool nearest = options.mode == InterpolateMode::Nearest;
-  const char* mode = nearest                                     ? "nearest"
-                     : options.mode == InterpolateMode::Bilinear ? "bilinear"
-                                                                 : "bicubic";
-  if (nearest ? (x.dim() != 3 && x.dim() != 4) : x.dim() != 4)
-    op_fail(op, loc, "{} needs an {} input, got {}", mode,
-            nearest ? "[N, C, L] or [N, C, H, W]" : "[N, C, H, W]", to_string(x.shape()));
+  const InterpolationModeInfo mode = interpolation_mode(options.mode);
+  if (std::find(mode.ranks.begin(), mode.ranks.end(), x.dim()) == mode.ranks.end())
+    op_fail(op, loc, "{} needs an input {}, got {}", mode.name, mode.inputs, to_string(x.shape()));
   const auto spatial = static_cast<size_t>(x.dim() - 2);
   if (options.size.empty() == options.scale_factor.empty())
     op_fail(op, loc, "needs either size or scale_factor, not {}",
@@ -216,20 +264,23 @@ Tensor interpolate(const Tensor& x, const InterpolateOptions& options, const Loc
   for (int64_t axis = 2; axis < x.dim(); ++axis)
     if (x.size(axis) == 0)
       op_fail(op, loc, "input {} has an empty spatial axis", to_string(x.shape()));
-  if (options.align_corners && nearest)
-    op_fail(op, loc, "align_corners applies to the bilinear and bicubic modes only");
-  if (nearest) {
+  if (options.align_corners && !mode.interpolates)
+    op_fail(op, loc,
+            "align_corners applies to the linear, bilinear, bicubic and trilinear modes only");
+  if (options.mode == InterpolateMode::Area) return area(x, sizes, loc);
+  if (!mode.interpolates) {
     Tensor y = x;
     for (size_t a = 0; a < spatial; ++a) {
       const int64_t axis = static_cast<int64_t>(a) + 2;
-      y = nearest_axis(y, axis, sizes[a], source_scale<float>(factors, a, x.size(axis), sizes[a]));
+      y = nearest_axis(y, axis, sizes[a], source_scale<float>(factors, a, x.size(axis), sizes[a]),
+                       options.mode == InterpolateMode::NearestExact);
     }
     return y;
   }
-  // Summed in f32 (f64 for f64) over both axes and rounded once, as PyTorch's opmath kernels.
+  // Summed in f32 (f64 for f64) over every axis and rounded once, as PyTorch's opmath kernels.
   Tensor y = widened(x, loc);
   const DType sum_type = y.dtype();
-  const bool cubic = options.mode == InterpolateMode::Bicubic;
+  const bool cubic = options.mode == InterpolateMode::Bicubic;  // else linear along each axis
   for (size_t a = 0; a < spatial; ++a) {
     const int64_t axis = static_cast<int64_t>(a) + 2;
     y = sum_type == f64
@@ -337,37 +388,67 @@ Tensor grid_sample(const Tensor& x, const Tensor& grid, const GridSampleOptions&
   const char* op = "grid_sample";
   require_float(x, op, "input", loc);
   require_float(grid, op, "grid", loc);
-  if (x.dim() != 4 || grid.dim() != 4 || grid.size(3) != 2 || grid.size(0) != x.size(0))
-    op_fail(op, loc, "needs an input [N, C, H, W] and a grid [N, H_out, W_out, 2], got {} and {}",
+  // Two or three spatial axes; the grid's last axis holds a point's coordinates (x, y[, z]),
+  // which run along the input's last, second-to-last[, third-to-last] axis.
+  const int64_t spatial = x.dim() - 2;
+  if ((spatial != 2 && spatial != 3) || grid.dim() != x.dim() || grid.size(-1) != spatial ||
+      grid.size(0) != x.size(0))
+    op_fail(op, loc,
+            "needs an input [N, C, H, W] and a grid [N, H_out, W_out, 2], or an input "
+            "[N, C, D, H, W] and a grid [N, D_out, H_out, W_out, 3], got {} and {}",
             to_string(x.shape()), to_string(grid.shape()));
-  if (x.size(2) == 0 || x.size(3) == 0)
-    op_fail(op, loc, "input {} has an empty spatial axis", to_string(x.shape()));
+  for (int64_t axis = 2; axis < x.dim(); ++axis)
+    if (x.size(axis) == 0)
+      op_fail(op, loc, "input {} has an empty spatial axis", to_string(x.shape()));
   if (x.dtype() != grid.dtype())
     op_fail(op, loc, "the input ({}) and the grid ({}) must have one dtype, as PyTorch's",
             name(x.dtype()), name(grid.dtype()));
-  const int64_t n = x.size(0), c = x.size(1), h = x.size(2), w = x.size(3);
-  const int64_t out_h = grid.size(1), out_w = grid.size(2), points = out_h * out_w;
+  if (options.mode == GridSampleMode::Bicubic && spatial == 3)
+    op_fail(op, loc, "bicubic needs an input [N, C, H, W] (as PyTorch's), got {}",
+            to_string(x.shape()));
+  const int64_t n = x.size(0), c = x.size(1);
+  // Coordinate j's axis size, and its stride in a sample's pixels (x varies fastest).
+  std::vector<int64_t> sizes, strides;
+  int64_t volume = 1;
+  for (int64_t j = 0; j < spatial; ++j) {
+    sizes.push_back(x.size(x.dim() - 1 - j));
+    strides.push_back(volume);
+    volume *= sizes.back();
+  }
+  Shape out_shape{n, c};
+  int64_t points = 1;
+  for (int64_t axis = 1; axis <= spatial; ++axis) {
+    out_shape.push_back(grid.size(axis));
+    points *= grid.size(axis);
+  }
   // In f32 (f64 for f64) whatever the policy, as PyTorch's autocast runs grid_sampler.
   const DType t = composite::statistics_type(x.dtype());
-  // The input as a table of pixels [N H W, C], read a row per point (an embedding lookup, whose
-  // gradient adds rows back: several times faster than gathering each channel's element).
-  const Tensor pixels = reshape(permute(cast(x, t, loc), {0, 2, 3, 1}), {n * h * w, c});
-  const Tensor xy = reshape(cast(grid, t, loc), {n, points, 2});
-  // [N, points, 1]
-  const Tensor gx = grid_position(slice(xy, 2, 0, 1), w, options);
-  const Tensor gy = grid_position(slice(xy, 2, 1, 2), h, options);
+  // The input as a table of pixels [N D H W, C], read a row per point (an embedding lookup,
+  // whose gradient adds rows back: several times faster than gathering each channel's element).
+  std::vector<int64_t> channels_last{0};
+  for (int64_t axis = 2; axis < x.dim(); ++axis) channels_last.push_back(axis);
+  channels_last.push_back(1);
+  const Tensor pixels = reshape(permute(cast(x, t, loc), channels_last), {n * volume, c});
+  const Tensor coords = reshape(cast(grid, t, loc), {n, points, spatial});
+  // Each coordinate's position on its axis [N, points, 1].
+  std::vector<Tensor> g;
+  for (int64_t j = 0; j < spatial; ++j)
+    g.push_back(grid_position(slice(coords, 2, j, j + 1), sizes[j], options));
   // Each sample's first row in the table.
-  const Tensor first_row =
-      reshape(arange(0.0, static_cast<double>(n * h * w), static_cast<double>(h * w), i64), {n, 1});
-  // The input at integer positions (px, py) [N, points, 1]: [N, points, C], zero outside it.
-  auto at = [&](const Tensor& px, const Tensor& py) {
-    const Tensor inside = logical_and(logical_and(px >= 0.0, px <= static_cast<double>(w - 1)),
-                                      logical_and(py >= 0.0, py <= static_cast<double>(h - 1)));
-    // A NaN point (a NaN grid value, or an infinite one reflected) reads nothing.
-    auto axis_index = [&](const Tensor& p, int64_t size) {
-      return cast(clamp(where(isnan(p), zeros({}, t), p), 0.0, static_cast<double>(size - 1)), i64);
-    };
-    const Tensor row = axis_index(py, h) * w + axis_index(px, w);
+  const Tensor first_row = reshape(
+      arange(0.0, static_cast<double>(n * volume), static_cast<double>(volume), i64), {n, 1});
+  // The input at integer positions p (one [N, points, 1] per coordinate): [N, points, C], zero
+  // outside it.
+  auto at = [&](const std::vector<Tensor>& p) {
+    Tensor inside, row;
+    for (int64_t j = 0; j < spatial; ++j) {
+      const auto high = static_cast<double>(sizes[j] - 1);
+      const Tensor within = logical_and(p[j] >= 0.0, p[j] <= high);
+      inside = j == 0 ? within : logical_and(inside, within);
+      // A NaN point (a NaN grid value, or an infinite one reflected) reads nothing.
+      const Tensor index = cast(clamp(where(isnan(p[j]), zeros({}, t), p[j]), 0.0, high), i64);
+      row = j == 0 ? index : row + index * strides[j];
+    }
     const Tensor rows = reshape(row, {n, points}) + first_row;
     return where(inside, embedding(pixels, rows), zeros({}, t));
   };
@@ -376,30 +457,48 @@ Tensor grid_sample(const Tensor& x, const Tensor& grid, const GridSampleOptions&
     // PyTorch's: sixteen taps around the unpadded position, each moved by the padding mode
     // (get_value_bounded), weighted by the cubic weights of the position's fraction, summed
     // along x for each row of taps, then along y. The weights carry the grid's gradient.
-    const Tensor x0 = floor(gx), y0 = floor(gy);
-    const std::array<Tensor, 4> wx = cubic_weights<Tensor, double>(gx - x0);
-    const std::array<Tensor, 4> wy = cubic_weights<Tensor, double>(gy - y0);
+    const Tensor x0 = floor(g[0]), y0 = floor(g[1]);
+    const std::array<Tensor, 4> wx = cubic_weights<Tensor, double>(g[0] - x0);
+    const std::array<Tensor, 4> wy = cubic_weights<Tensor, double>(g[1] - y0);
     auto tap = [&](const Tensor& start, int64_t k, int64_t size) {
       return padded_position((start + static_cast<double>(k - 1)).detach(), size, options);
     };
     for (int64_t j = 0; j < 4; ++j) {
-      const Tensor py = tap(y0, j, h);
-      Tensor row = at(tap(x0, 0, w), py) * wx[0];
-      for (int64_t i = 1; i < 4; ++i) row = row + at(tap(x0, i, w), py) * wx[i];
+      const Tensor py = tap(y0, j, sizes[1]);
+      Tensor row = at({tap(x0, 0, sizes[0]), py}) * wx[0];
+      for (int64_t i = 1; i < 4; ++i) row = row + at({tap(x0, i, sizes[0]), py}) * wx[i];
       y = j == 0 ? row * wy[0] : y + row * wy[j];
     }
   } else if (options.mode == GridSampleMode::Nearest) {
-    y = at(round(padded_position(gx, w, options)), round(padded_position(gy, h, options)));
+    std::vector<Tensor> p;
+    for (int64_t j = 0; j < spatial; ++j)
+      p.push_back(round(padded_position(g[j], sizes[j], options)));
+    y = at(p);
   } else {
-    const Tensor ix = padded_position(gx, w, options), iy = padded_position(gy, h, options);
-    const Tensor x0 = floor(ix), y0 = floor(iy);
-    const Tensor x1 = x0 + 1.0, y1 = y0 + 1.0;
-    // PyTorch's weights and order: north-west, north-east, south-west, south-east.
-    y = at(x0, y0) * ((x1 - ix) * (y1 - iy)) + at(x1, y0) * ((ix - x0) * (y1 - iy)) +
-        at(x0, y1) * ((x1 - ix) * (iy - y0)) + at(x1, y1) * ((ix - x0) * (iy - y0));
+    // PyTorch's (tri)linear weights and order: the corners with x varying fastest (north-west,
+    // north-east, south-west, south-east; then the same one slice further along z), each corner's
+    // weight the product of its coordinates' weights in the order x, y, z.
+    std::vector<Tensor> i, low, high;
+    for (int64_t j = 0; j < spatial; ++j) {
+      i.push_back(padded_position(g[j], sizes[j], options));
+      low.push_back(floor(i[j]));
+      high.push_back(low[j] + 1.0);
+    }
+    for (int64_t corner = 0; corner < (int64_t{1} << spatial); ++corner) {
+      std::vector<Tensor> p;
+      Tensor weight;
+      for (int64_t j = 0; j < spatial; ++j) {
+        const bool far = (corner >> j) & 1;
+        p.push_back(far ? high[j] : low[j]);
+        const Tensor w = far ? i[j] - low[j] : high[j] - i[j];
+        weight = j == 0 ? w : weight * w;
+      }
+      const Tensor term = at(p) * weight;
+      y = corner == 0 ? term : y + term;
+    }
   }
-  // [N, points, C] -> [N, C, H_out, W_out]
-  return cast(reshape(permute(y, {0, 2, 1}), {n, c, out_h, out_w}), x.dtype());
+  // [N, points, C] -> [N, C, (D_out,) H_out, W_out]
+  return cast(reshape(permute(y, {0, 2, 1}), out_shape), x.dtype());
 }
 
 namespace {
@@ -426,31 +525,51 @@ Tensor affine_grid(const Tensor& theta, const Shape& size, bool align_corners, c
   CallSiteScope site(loc, composite::grid_sample);
   const char* op = "affine_grid";
   require_float(theta, op, "theta", loc);
-  if (size.size() != 4 || theta.dim() != 3 || theta.size(1) != 2 || theta.size(2) != 3 ||
-      theta.size(0) != size[0])
-    op_fail(op, loc, "needs theta [N, 2, 3] and a size [N, C, H, W], got {} and {}",
+  // Two spatial axes (theta [N, 2, 3]) or three (theta [N, 3, 4]).
+  const auto spatial = static_cast<int64_t>(size.size()) - 2;
+  if ((spatial != 2 && spatial != 3) || theta.dim() != 3 || theta.size(1) != spatial ||
+      theta.size(2) != spatial + 1 || theta.size(0) != size[0])
+    op_fail(op, loc,
+            "needs theta [N, 2, 3] and a size [N, C, H, W], or theta [N, 3, 4] and a size "
+            "[N, C, D, H, W], got {} and {}",
             to_string(theta.shape()), to_string(size));
-  const int64_t h = size[2], w = size[3];
-  if (h <= 0 || w <= 0 || h > kMaxInterpolatedAxis || w > kMaxInterpolatedAxis)
-    op_fail(op, loc, "the size's H and W must be in [1, 2^24], got {}", to_string(size));
+  for (size_t axis = 2; axis < size.size(); ++axis)
+    if (size[axis] <= 0 || size[axis] > kMaxInterpolatedAxis)
+      op_fail(op, loc, "the size's spatial axes must be in [1, 2^24], got {}", to_string(size));
   const DType t = composite::statistics_type(theta.dtype());
-  // The base grid [H W, 3] of (x, y, 1) rows, a host table kept by value.
-  const Tensor base =
-      cached_constant(fmt::format("affine_grid {} {} {} {}", h, w, align_corners, name(t)), [&] {
-        const bool f64_math = t == f64;
-        const std::vector<double> xs = f64_math ? neg_one_to_one<double>(w, align_corners)
-                                                : neg_one_to_one<float>(w, align_corners);
-        const std::vector<double> ys = f64_math ? neg_one_to_one<double>(h, align_corners)
-                                                : neg_one_to_one<float>(h, align_corners);
+  const Shape axes(size.begin() + 2, size.end());
+  int64_t points = 1;
+  for (int64_t s : axes) points *= s;
+  // The base grid [D H W, 3 or 4] of (x, y[, z], 1) rows, x varying fastest: a host table kept
+  // by value.
+  const Tensor base = cached_constant(
+      fmt::format("affine_grid {} {} {}", to_string(axes), align_corners, name(t)), [&] {
+        // Each coordinate's steps: x along the last axis, y the one before[, z the first].
+        std::vector<std::vector<double>> steps;
+        for (int64_t j = 0; j < spatial; ++j) {
+          const int64_t length = axes[static_cast<size_t>(spatial - 1 - j)];
+          steps.push_back(t == f64 ? neg_one_to_one<double>(length, align_corners)
+                                   : neg_one_to_one<float>(length, align_corners));
+        }
         std::vector<double> rows;
-        rows.reserve(static_cast<size_t>(h * w * 3));
-        for (double y : ys)
-          for (double x : xs) rows.insert(rows.end(), {x, y, 1.0});
-        return tensor(rows, {h * w, 3}, t);
+        rows.reserve(static_cast<size_t>(points * (spatial + 1)));
+        for (int64_t point = 0; point < points; ++point) {
+          int64_t rest = point;
+          for (int64_t j = 0; j < spatial; ++j) {
+            const auto length = static_cast<int64_t>(steps[static_cast<size_t>(j)].size());
+            rows.push_back(steps[static_cast<size_t>(j)][static_cast<size_t>(rest % length)]);
+            rest /= length;
+          }
+          rows.push_back(1.0);
+        }
+        return tensor(rows, {points, spatial + 1}, t);
       });
-  // [H W, 3] @ theta^T [N, 3, 2] -> [N, H W, 2]
+  // [D H W, 4] @ theta^T [N, 4, 3] -> [N, D H W, 3]
   const Tensor grid = matmul(base, cast(theta, t, loc), false, true);
-  return cast(reshape(grid, {size[0], h, w, 2}), theta.dtype());
+  Shape grid_shape{size[0]};
+  grid_shape.insert(grid_shape.end(), axes.begin(), axes.end());
+  grid_shape.push_back(spatial);
+  return cast(reshape(grid, grid_shape), theta.dtype());
 }
 
 }  // namespace mixtape

@@ -115,16 +115,20 @@ Tensor instance_norm(const Tensor& x, const Tensor& weight = Tensor(),
                      const Tensor& bias = Tensor(), double eps = 1e-5,
                      const Loc& loc = Loc::current());
 
-enum class InterpolateMode { Nearest, Bilinear, Bicubic };
+/// torch.nn.functional.interpolate's modes, each for the inputs PyTorch takes: Linear [N, C, L],
+/// Bilinear and Bicubic [N, C, H, W], Trilinear [N, C, D, H, W]; Nearest, NearestExact
+/// ("nearest-exact": output o reads floor((o + 1/2) scale), the pixel centers' nearest) and Area
+/// (adaptive average pooling to the output size) any of the three.
+enum class InterpolateMode { Nearest, Bilinear, Bicubic, Linear, Trilinear, NearestExact, Area };
 struct InterpolateOptions {
   std::vector<int64_t> size{};         // the output's spatial sizes, or
   std::vector<double> scale_factor{};  // a factor per spatial axis (one for all)
   InterpolateMode mode = InterpolateMode::Nearest;
-  bool align_corners =
-      false;  // bilinear and bicubic: the corner pixels' centers map onto each other
+  // The linear modes and bicubic: the corner pixels' centers map onto each other.
+  bool align_corners = false;
 };
-/// torch.nn.functional.interpolate of [N, C, ...spatial] (nearest: 1 or 2 spatial axes; bilinear
-/// and bicubic: 2), with PyTorch's source-index formulas (a given scale_factor is used for the
+/// torch.nn.functional.interpolate of [N, C, ...spatial] (1 to 3 spatial axes, as the mode
+/// takes), with PyTorch's source-index formulas (a given scale_factor is used for the
 /// mapping, as PyTorch does without recompute_scale_factor). Bicubic is PyTorch's: Keys' cubic
 /// convolution with A = -0.75 over four taps per axis, the edge repeated past the border,
 /// without antialiasing (so it overshoots, as PyTorch's does).
@@ -138,16 +142,19 @@ struct GridSampleOptions {
   GridPadding padding_mode = GridPadding::Zeros;  // what a point outside the input reads
   bool align_corners = false;  // -1 and 1 are the corner pixels' centers (else their edges)
 };
-/// torch.nn.functional.grid_sample (2-d): x [N, C, H, W] read at grid [N, H_out, W_out, 2]'s
-/// (x, y) points, -1 to 1 across the input's width and height -> [N, C, H_out, W_out], with
-/// PyTorch's unnormalization, padding modes and weights (bicubic: its cubic convolution over 16
-/// taps, A = -0.75, each tap moved by the padding mode); differentiable in x and in the grid
-/// (bilinear, bicubic). Computed in f32 (f64 for f64) whatever the policy, as PyTorch's autocast
+/// torch.nn.functional.grid_sample: x [N, C, H, W] read at grid [N, H_out, W_out, 2]'s (x, y)
+/// points, -1 to 1 across the input's width and height -> [N, C, H_out, W_out]; or x
+/// [N, C, D, H, W] at grid [N, D_out, H_out, W_out, 3]'s (x, y, z) points -> [N, C, D_out, H_out,
+/// W_out] (bilinear is then trilinear, over 8 corners). With PyTorch's unnormalization, padding
+/// modes and weights (bicubic, 2-d only as PyTorch's: its cubic convolution over 16 taps,
+/// A = -0.75, each tap moved by the padding mode); differentiable in x and in the grid (bilinear,
+/// bicubic). Computed in f32 (f64 for f64) whatever the policy, as PyTorch's autocast
 /// runs grid_sampler, and returned in x's type.
 Tensor grid_sample(const Tensor& x, const Tensor& grid, const GridSampleOptions& options = {},
                    const Loc& loc = Loc::current());
-/// torch.nn.functional.affine_grid (2-d): the grid [N, H, W, 2] that theta [N, 2, 3] maps the
-/// output's normalized (x, y, 1) to, for grid_sample into an output of `size` [N, C, H, W]. In
+/// torch.nn.functional.affine_grid: the grid [N, H, W, 2] that theta [N, 2, 3] maps the output's
+/// normalized (x, y, 1) to, for grid_sample into an output of `size` [N, C, H, W]; or the grid
+/// [N, D, H, W, 3] of theta [N, 3, 4] and (x, y, z, 1), for a `size` [N, C, D, H, W]. In
 /// f32 (f64 for f64) whatever the policy (PyTorch's autocast would run its bmm in the half type,
 /// which moves bilinear samples by up to 1/256 of the image).
 Tensor affine_grid(const Tensor& theta, const Shape& size, bool align_corners = false,
