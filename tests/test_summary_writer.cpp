@@ -627,6 +627,47 @@ TEST(RoundTrip, TensorBoardReadsEveryScalarExactly) {
   fs::remove_all(dir);
 }
 
+// add_hparams: one run as torch's add_hparams writes it (TensorBoard's reader and the hparams
+// plugin's protobufs compare the two), one of flags, one named by the time; and the refusals.
+TEST(RoundTrip, HParamsAsTorchWritesThem) {
+  std::string source = MIXTAPE_SOURCE_DIR, binary = MIXTAPE_BINARY_DIR;
+  if (std::system("/usr/bin/python3 -c 'import torch' 2>/dev/null") != 0)
+    GTEST_SKIP() << "/usr/bin/python3 cannot import torch";
+  int made = std::system(
+      (source + "/tools/reference_venv.sh " + binary + "/python-venv > /dev/null").c_str());
+  if (made != 0)
+    GTEST_SKIP() << "the reference venv could not be made (tools/reference_venv.sh said why "
+                    "above; it needs python3-venv and PyPI)";
+  fs::path dir = fresh_dir("hparams"), torch_dir = fresh_dir("hparams_torch");
+  {
+    mt::SummaryWriter writer(dir.string());
+    writer.add_hparams({{"lr", 3e-4}, {"layers", 4}, {"policy", "autocast-bf16"}, {"zero", 0.0}},
+                       {{"hparam/val_loss", 1.25}, {"hparam/accuracy", 0.5}},
+                       {{"policy", {"fp32", "autocast-bf16"}}, {"layers", {2, 4, 8}}}, "compare");
+    writer.add_hparams({{"shuffle", true}, {"ema", false}}, {{"loss", 2.0}}, {}, "flags");
+    writer.add_hparams({{"seed", int64_t{7}}}, {});
+    EXPECT_MT_ERROR(writer.add_hparams({{"lr", 1}, {"lr", 2}}, {}), "add_hparams",
+                    "'lr' is given twice");
+    EXPECT_MT_ERROR(writer.add_hparams({{"lr", 1}}, {}, {{"policy", {"fp32"}}}), "add_hparams",
+                    "'policy', which is not a hyperparameter given");
+    EXPECT_MT_ERROR(writer.add_hparams({{"lr", 1}}, {}, {{"lr", {"fast"}}}), "add_hparams",
+                    "another type");
+    EXPECT_MT_ERROR(writer.add_hparams({{"lr", 1}}, {}, {}, "../outside"), "add_hparams",
+                    "'../outside' must be a folder inside the writer's");
+    EXPECT_MT_ERROR(writer.add_hparams({{"lr", 1}}, {}, {}, "/tmp/outside"), "add_hparams",
+                    "inside the writer's");
+    EXPECT_MT_ERROR(writer.add_hparams({{"l\xffr", 1}}, {}), "add_hparams", "UTF-8");
+    EXPECT_MT_ERROR(writer.add_hparams({{"lr", "\xc0"}}, {}), "add_hparams", "UTF-8");
+    EXPECT_MT_ERROR(writer.add_hparams({{"lr", 1}}, {{"lo\xffss", 1}}), "add_hparams", "UTF-8");
+  }
+  std::string command = "PYTHONPATH=$(echo " + binary +
+                        "/python-venv/lib/python3*/site-packages) /usr/bin/python3 " + source +
+                        "/tests/tensorboard_hparams.py " + dir.string() + " " + torch_dir.string();
+  EXPECT_EQ(std::system(command.c_str()), 0) << command;
+  fs::remove_all(dir);
+  fs::remove_all(torch_dir);
+}
+
 TEST(PrecisionSummary, TalliesModulesAndPairs) {
   mt::PrecisionReport report;
   auto row = [](std::string module, mt::DType storage, mt::DType compute, bool backward) {

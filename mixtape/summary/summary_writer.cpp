@@ -5,11 +5,14 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <set>
+#include <variant>
 
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
@@ -45,7 +48,7 @@ struct SummaryWriter::State {
     double wall_time;  // when it was logged, not when it is read
     Tensor value;
   };
-  std::string path;
+  std::string dir, path;
   int fd = -1;
   SummaryWriterOptions options;
   int64_t step = 0;
@@ -107,7 +110,7 @@ struct SummaryWriter::State {
     std::vector<tfevents::Value> event;
     for (size_t i = 0; i < batch.size(); ++i) {
       event.push_back(
-          {batch[i].tag, static_cast<float>(batch[i].value.item()), std::nullopt, std::nullopt});
+          {.tag = batch[i].tag, .simple_value = static_cast<float>(batch[i].value.item())});
       if (i + 1 == batch.size() || batch[i + 1].step != batch[i].step) {
         append(batch[i].step, event, batch[i].wall_time);
         event.clear();
@@ -152,6 +155,7 @@ SummaryWriter::SummaryWriter(const std::string& dir, SummaryWriterOptions option
   if (options.fetch_every < 1)
     fail("SummaryWriter: fetch_every must be at least 1, got {}", options.fetch_every);
   state_->options = options;
+  state_->dir = dir;
   // In a run of many processes, process 0 alone writes; the others log the same values without
   // a file, so that their collectives stay the ones process 0 makes (summary_writer.h).
   if (process_rank() != 0 && !options.every_process) return;
@@ -193,7 +197,7 @@ SummaryWriter::~SummaryWriter() {
 void SummaryWriter::add_scalar(const std::string& tag, double value, int64_t step) {
   state_->check_open("SummaryWriter.add_scalar");
   tfevents::check_tag(tag, "SummaryWriter.add_scalar");
-  state_->append(step, {{tag, static_cast<float>(value), std::nullopt, std::nullopt}});
+  state_->append(step, {{.tag = tag, .simple_value = static_cast<float>(value)}});
   state_->write_buffer();
 }
 
@@ -224,7 +228,7 @@ void SummaryWriter::add_histogram(const std::string& tag, const std::vector<doub
                                   int64_t step) {
   state_->check_open("SummaryWriter.add_histogram");
   tfevents::check_tag(tag, "SummaryWriter.add_histogram");
-  state_->append(step, {{tag, std::nullopt, tfevents::make_histogram(values), std::nullopt}});
+  state_->append(step, {{.tag = tag, .histo = tfevents::make_histogram(values)}});
   state_->write_buffer();
 }
 
@@ -233,13 +237,66 @@ void SummaryWriter::add_text(const std::string& tag, const std::string& text, in
   tfevents::check_tag(tag, "SummaryWriter.add_text");
   // A protobuf string: TensorBoard's reader decodes it as UTF-8 too.
   tfevents::check_utf8(text, "SummaryWriter.add_text", "text");
-  state_->append(step, {{tag + "/text_summary", std::nullopt, std::nullopt, text}});
+  state_->append(step, {{.tag = tag + "/text_summary", .text = text}});
   state_->write_buffer();
 }
 
 void SummaryWriter::add_histogram(const std::string& tag, const Tensor& values, int64_t step) {
   if (!values.defined()) fail("SummaryWriter.add_histogram('{}'): the values are undefined", tag);
   add_histogram(tag, cast(values, f64).to_vector<double>(), step);
+}
+
+void SummaryWriter::add_hparams(
+    const std::vector<std::pair<std::string, HParam>>& hparams,
+    const std::vector<std::pair<std::string, double>>& metrics,
+    const std::vector<std::pair<std::string, std::vector<HParam>>>& domains,
+    const std::string& run_name) {
+  const char* who = "SummaryWriter.add_hparams";
+  state_->check_open(who);
+  tfevents::HParamsRun run;
+  std::set<std::string> names;
+  for (const auto& [name, value] : hparams) {
+    tfevents::check_utf8(name, who, "hyperparameter's name");
+    if (const auto* text = std::get_if<std::string>(&value.value))
+      tfevents::check_utf8(*text, who, "hyperparameter's text");
+    if (!names.insert(name).second) fail("{}: the hyperparameter '{}' is given twice", who, name);
+    run.hparams.emplace_back(name, value.value);
+  }
+  // torch's checks of hparam_domain_discrete: a domain of a hyperparameter given, its values of
+  // the hyperparameter's type.
+  std::set<std::string> domain_names;
+  for (const auto& [name, values] : domains) {
+    auto given = std::find_if(hparams.begin(), hparams.end(),
+                              [&](const auto& entry) { return entry.first == name; });
+    if (given == hparams.end())
+      fail("{}: a domain for '{}', which is not a hyperparameter given", who, name);
+    if (!domain_names.insert(name).second) fail("{}: the domain of '{}' is given twice", who, name);
+    std::vector<tfevents::HParamValue> list;
+    for (const HParam& v : values) {
+      if (v.value.index() != given->second.value.index())
+        fail("{}: the domain of '{}' holds a value of another type than its value", who, name);
+      if (const auto* text = std::get_if<std::string>(&v.value))
+        tfevents::check_utf8(*text, who, "domain's text");
+      list.push_back(v.value);
+    }
+    run.domains.emplace_back(name, std::move(list));
+  }
+  for (const auto& [tag, value] : metrics) {
+    tfevents::check_tag(tag, who);
+    run.metrics.push_back(tag);
+  }
+  // torch's default: the time as the run's name, a folder in this writer's.
+  std::string name = run_name.empty() ? fmt::format("{:.6f}", now_seconds()) : run_name;
+  const std::filesystem::path relative(name);
+  if (relative.is_absolute() ||
+      std::any_of(relative.begin(), relative.end(), [](const auto& part) { return part == ".."; }))
+    fail("{}: the run's name '{}' must be a folder inside the writer's", who, name);
+  if (state_->path.empty()) return;  // a process that writes no file (see the class)
+  SummaryWriter session((std::filesystem::path(state_->dir) / relative).string(), state_->options);
+  session.state_->append(0, tfevents::hparams_values(run));
+  for (const auto& [tag, value] : metrics)
+    session.state_->append(0, {{.tag = tag, .simple_value = static_cast<float>(value)}});
+  session.close();
 }
 
 void SummaryWriter::set_step(int64_t step) {
@@ -280,7 +337,7 @@ void SummaryWriter::log_gradient_health(const Module& model, int64_t every, doub
          {std::pair{"grad_amax/", row.amax}, std::pair{"grad_zero_fraction/", zero},
           std::pair{"grad_f16_underflow/", row.f16_zero_fraction()},
           std::pair{"grad_bf16_underflow/", row.bf16_zero_fraction()}})
-      values.push_back({name + row.name, static_cast<float>(value), std::nullopt, std::nullopt});
+      values.push_back({.tag = name + row.name, .simple_value = static_cast<float>(value)});
   };
   for (const GradientHealthRow& row : health.rows) add(row);
   add(health.total);

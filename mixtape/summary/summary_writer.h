@@ -6,6 +6,9 @@
 #include <cstdio>
 #include <memory>
 #include <string>
+#include <type_traits>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "mixtape/dsl/module.h"
@@ -23,6 +26,22 @@ struct SummaryWriterOptions {
   /// In a run of many processes: each process writes a file of its own (name it a folder of its
   /// own), where by default process 0 alone writes (see SummaryWriter).
   bool every_process = false;
+};
+
+/// A hyperparameter's value for SummaryWriter::add_hparams: a number (of any arithmetic type
+/// but bool), a text or a flag.
+struct HParam {
+  template <typename T>
+  requires std::is_arithmetic_v<T> HParam(
+      T v) {  // NOLINT(google-explicit-constructor): {"lr", 3e-4} as in torch's dict
+    if constexpr (std::is_same_v<T, bool>)
+      value = v;
+    else
+      value = static_cast<double>(v);
+  }
+  HParam(std::string v) : value(std::move(v)) {}    // NOLINT(google-explicit-constructor)
+  HParam(const char* v) : value(std::string(v)) {}  // NOLINT(google-explicit-constructor)
+  std::variant<double, std::string, bool> value;
 };
 
 /// Writes TensorBoard event files, as torch.utils.tensorboard.SummaryWriter does: a new file
@@ -71,6 +90,21 @@ class SummaryWriter {
   /// written now under "<tag>/text_summary", as torch's add_text names it. Any bytes that are
   /// valid UTF-8.
   void add_text(const std::string& tag, const std::string& text, int64_t step);
+
+  /// torch's add_hparams: one run of a sweep for TensorBoard's HParams dashboard, written to a
+  /// new event file in the folder `run_name` (default: the time in seconds, as torch names it)
+  /// inside this writer's: the hparams plugin's summaries of the run's hyperparameters (with the
+  /// discrete `domains` a hyperparameter takes in the sweep, where given) and metric tags, and
+  /// each metric as a scalar at step 0. Names and texts must be valid UTF-8, hyperparameters
+  /// distinct, a domain's values of its hyperparameter's type, and `run_name` a folder inside
+  /// this writer's; each is an mt::Error otherwise. A flag is written as a bool, where torch's
+  /// takes Python's True for the number 1.
+  ///   writer.add_hparams({{"lr", 3e-4}, {"policy", "autocast-bf16"}, {"layers", 4}},
+  ///                      {{"hparam/val_loss", val_loss}});
+  void add_hparams(const std::vector<std::pair<std::string, HParam>>& hparams,
+                   const std::vector<std::pair<std::string, double>>& metrics,
+                   const std::vector<std::pair<std::string, std::vector<HParam>>>& domains = {},
+                   const std::string& run_name = "");
 
   /// The step graph values are logged at. Steps need not be consecutive.
   void set_step(int64_t step);

@@ -111,14 +111,37 @@ std::string encode_value(const Value& v) {
     tensor.bytes_field(2, shape.str());
     tensor.bytes_field(8, *v.text);
     w.bytes_field(8, tensor.str());
-    // Summary.Value.metadata (9): SummaryMetadata.plugin_data (1), a PluginData naming (1) the
-    // "text" plugin; its content, TextPluginData at version 0, encodes to no bytes.
-    ProtoWriter plugin, metadata;
-    plugin.bytes_field(1, "text");
-    metadata.bytes_field(1, plugin.str());
+  }
+  // Summary.Value.metadata (9): SummaryMetadata.plugin_data (1), a PluginData naming (1) the
+  // plugin, with its content (2). The text plugin's content, TextPluginData at version 0,
+  // encodes to no bytes.
+  std::optional<PluginData> plugin = v.text ? PluginData{"text", ""} : v.plugin;
+  if (plugin) {
+    ProtoWriter data, metadata;
+    data.bytes_field(1, plugin->name);
+    if (!plugin->content.empty()) data.bytes_field(2, plugin->content);
+    metadata.bytes_field(1, data.str());
     w.bytes_field(9, metadata.str());
   }
   return std::move(w.str());
+}
+
+// A google.protobuf.Value: number_value (2), string_value (3) or bool_value (4), members of a
+// oneof, so written even when zero.
+std::string encode_hparam_value(const HParamValue& value) {
+  ProtoWriter w;
+  if (const double* number = std::get_if<double>(&value)) w.double_field(2, *number);
+  if (const std::string* text = std::get_if<std::string>(&value)) w.bytes_field(3, *text);
+  if (const bool* flag = std::get_if<bool>(&value)) w.int64_field(4, *flag ? 1 : 0);
+  return std::move(w.str());
+}
+
+// HParamsPluginData (version 0, the default, so no bytes) holding `data` in field `field`: the
+// experiment (2), the session's start (3) or its end (4).
+Value hparams_value(const char* tag, int field, const std::string& data) {
+  ProtoWriter w;
+  w.bytes_field(field, data);
+  return {.tag = tag, .plugin = PluginData{"hparams", std::move(w.str())}};
 }
 
 // TensorFlow's default edges (tensorflow/core/lib/histogram/histogram.cc): 1e-12 * 1.1^k up to
@@ -207,6 +230,47 @@ void check_utf8(std::string_view tag, const char* who, const char* what) {
           who, what, i, lead);
     i += length;
   }
+}
+
+std::vector<Value> hparams_values(const HParamsRun& run) {
+  // Experiment: hparam_infos (4), each a HParamInfo of name (1), type (4: DATA_TYPE_FLOAT64 3,
+  // STRING 1, BOOL 2) and domain_discrete (5, a ListValue of values (1)); metric_infos (5), each
+  // a MetricInfo whose name (1) is a MetricName of tag (2).
+  ProtoWriter experiment;
+  for (const auto& [name, value] : run.hparams) {
+    ProtoWriter info;
+    info.bytes_field(1, name);
+    info.int64_field(4, std::holds_alternative<double>(value)        ? 3
+                        : std::holds_alternative<std::string>(value) ? 1
+                                                                     : 2);
+    for (const auto& [domain_name, values] : run.domains) {
+      if (domain_name != name) continue;
+      ProtoWriter list;
+      for (const HParamValue& v : values) list.bytes_field(1, encode_hparam_value(v));
+      info.bytes_field(5, list.str());
+    }
+    experiment.bytes_field(4, info.str());
+  }
+  for (const std::string& tag : run.metrics) {
+    ProtoWriter metric_name, info;
+    metric_name.bytes_field(2, tag);
+    info.bytes_field(1, metric_name.str());
+    experiment.bytes_field(5, info.str());
+  }
+  // SessionStartInfo: hparams (1), a map whose entries hold key (1) and value (2).
+  ProtoWriter start;
+  for (const auto& [name, value] : run.hparams) {
+    ProtoWriter entry;
+    entry.bytes_field(1, name);
+    entry.bytes_field(2, encode_hparam_value(value));
+    start.bytes_field(1, entry.str());
+  }
+  // SessionEndInfo: status (1) STATUS_SUCCESS (1).
+  ProtoWriter end;
+  end.int64_field(1, 1);
+  return {hparams_value("_hparams_/experiment", 2, experiment.str()),
+          hparams_value("_hparams_/session_start_info", 3, start.str()),
+          hparams_value("_hparams_/session_end_info", 4, end.str())};
 }
 
 std::string encode_event(double wall_time, int64_t step, const std::string& file_version,

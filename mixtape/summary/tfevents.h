@@ -1,11 +1,13 @@
 // mixtape/summary/tfevents.h -- TensorBoard's event file format, encoded by hand: CRC32C-framed
-// records holding Event protobufs with scalar, histogram and text summaries.
+// records holding Event protobufs with scalar, histogram, text and hparams summaries.
 #pragma once
 
 #include <cstdint>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
+#include <variant>
 #include <vector>
 
 namespace mixtape::tfevents {
@@ -31,14 +33,39 @@ struct Histogram {
 /// writes them. mt::Error for a non-finite value.
 Histogram make_histogram(const std::vector<double>& values);
 
-/// What one Summary.Value holds: a float scalar, a histogram, or a text (a string tensor of
-/// one element with the text plugin's metadata, as torch's add_text writes it).
+/// SummaryMetadata.PluginData: the plugin that reads a value, and what it needs besides.
+struct PluginData {
+  std::string name;
+  std::string content;  // the plugin's own protobuf, serialized
+};
+
+/// What one Summary.Value holds: a float scalar, a histogram, a text (a string tensor of one
+/// element with the text plugin's metadata, as torch's add_text writes it), or only a plugin's
+/// metadata (the hparams plugin's summaries).
 struct Value {
   std::string tag;
-  std::optional<float> simple_value;
-  std::optional<Histogram> histo;
-  std::optional<std::string> text;
+  std::optional<float> simple_value{};
+  std::optional<Histogram> histo{};
+  std::optional<std::string> text{};
+  std::optional<PluginData> plugin{};
 };
+
+/// A hyperparameter's value as the hparams plugin holds it (a google.protobuf.Value).
+using HParamValue = std::variant<double, std::string, bool>;
+/// One run's hyperparameters and the tags of its metrics, for hparams_values.
+struct HParamsRun {
+  std::vector<std::pair<std::string, HParamValue>> hparams;
+  /// The values a hyperparameter takes in the sweep, by its name (HParamInfo.domain_discrete).
+  std::vector<std::pair<std::string, std::vector<HParamValue>>> domains;
+  std::vector<std::string> metrics;
+};
+/// The hparams plugin's three summaries of a run, as torch.utils.tensorboard's hparams() makes
+/// them: HParamsPluginData (version 0) holding the experiment (each hyperparameter's name, type
+/// and domain, each metric's tag), the session's start (the values) and its end
+/// (STATUS_SUCCESS), tagged "_hparams_/experiment", "_hparams_/session_start_info" and
+/// "_hparams_/session_end_info". One difference: a flag is a bool (DATA_TYPE_BOOL), where
+/// torch's hparams() takes Python's True for the number 1.
+std::vector<Value> hparams_values(const HParamsRun& run);
 
 /// An Event protobuf: wall_time (1), step (2), and file_version (3) when given, else a Summary
 /// (5) with the values.
