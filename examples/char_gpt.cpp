@@ -260,6 +260,7 @@ int run(const Options& o) {
   const examples::RunFlags shaping = {
       {"policy", o.policy},
       {"loss-scale", o.loss_scale},
+      {"heads", std::to_string(o.model.heads)},  // the parameters' shapes do not show it
       {"dropout", number(o.model.dropout)},
       {"lr", number(o.lr)},
       {"weight-decay", number(o.weight_decay)},

@@ -78,7 +78,10 @@ inline int64_t resumed_step(const std::string& path, const mt::Metadata& meta,
   }
   const int64_t drawn = loader.epoch() * loader.batches_per_epoch() + loader.state().position;
   if (drawn != saved_step)
-    mt::fail("{}: its step {} and its data loader's {} batches disagree", path, saved_step, drawn);
+    mt::fail(
+        "{}: its step {} and its data loader's {} batches disagree: saved with another --batch "
+        "or number of processes",
+        path, saved_step, drawn);
   if (saved_step >= steps)
     mt::fail("{}: saved at step {}, which --steps {} does not go past", path, saved_step, steps);
   return saved_step;

@@ -329,13 +329,33 @@ TEST_F(Checkpoint, OneProcessShardedCheckpointResumesBitIdentically) {
   EXPECT_NE(shard_file(dir, 0, 1), "");
   Training run = batch_norm_run(3);
   const std::string index = dir + "/checkpoint.safetensors.index.json";
-  // The id names the shard files: one that is a path reached outside the folder.
   std::ifstream in(index);
   const std::string text((std::istreambuf_iterator<char>(in)), {});
-  const std::string edited = std::regex_replace(
-      text, std::regex(R"re("checkpoint_id": *"[0-9a-f]{16}")re"), R"("checkpoint_id":"../../x")");
-  ASSERT_NE(edited, text);
-  std::ofstream(index) << edited;
+  auto edit = [&](const std::string& from, const std::string& to) {
+    const std::string edited = std::regex_replace(text, std::regex(from), to);
+    EXPECT_NE(edited, text) << from;
+    std::ofstream(index) << edited;
+  };
+  // The index's checksum covers what the shard files' do not: the checkpoint's metadata (its
+  // step, the generators' offsets), and the rest of the index. A damaged name of the checksum's
+  // member is a member of no index, not an index without a checksum.
+  edit(R"re("total_size":)re", R"("total_size":1)");
+  EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(dir, *run.model, run.opt.get()), index,
+                  "the index is corrupt: it hashes to xxh3_64");
+  edit(R"re("checksum":)re", R"("checksun":)");
+  EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(dir, *run.model, run.opt.get()), index,
+                  "unknown member \"checksun\"");
+  // An index from before the checksum: the id names the shard files, and one that is a path
+  // reaching outside the folder is refused.
+  const std::string old_index =
+      std::regex_replace(text, std::regex(R"re(,"checksum":\{"xxh3_64":"[0-9a-f]{16}"\})re"), "");
+  ASSERT_NE(old_index, text);
+  std::ofstream(index) << old_index;
+  Training old = batch_norm_run(4);
+  mt::dist::load_checkpoint_sharded(dir, *old.model, old.opt.get());
+  std::ofstream(index) << std::regex_replace(old_index,
+                                             std::regex(R"re("checkpoint_id": *"[0-9a-f]{16}")re"),
+                                             R"("checkpoint_id":"../../x")");
   EXPECT_MT_ERROR(mt::dist::load_checkpoint_sharded(dir, *run.model, run.opt.get()),
                   "checkpoint_id '../../x' is not 16 hex digits");
   write_bytes(index, Bytes(3, std::byte{'{'}));

@@ -1751,6 +1751,30 @@ void add_conv_cases(Oracle& o, Data& d, mt::DType dt) {
               both + "[1]", rtol, atol);
       }
   }
+  // Points on ties: a volume halved by an identity grid (every point halfway between two voxels,
+  // which PyTorch's 3-d nearest rounds away from zero) and a lattice of eighths.
+  mt::Tensor cube = d.randn({1, 2, 4, 4, 4}, dt);
+  mt::Tensor identity = make({1, 0, 0, 0, 0, 1, 0, 0, 0, 0, 1, 0}, {1, 3, 4}, dt);
+  std::vector<double> eighths;
+  for (int k = 0; k < 3 * 5 * 4 * 3; ++k) eighths.push_back(static_cast<double>(k % 17 - 8) / 8);
+  mt::Tensor lattice = make(eighths, {1, 3, 5, 4, 3}, dt);
+  for (const auto& [padding, padding_name] : paddings)
+    for (bool align : {false, true}) {
+      const std::string args = fmt::format("mode='nearest', padding_mode='{}', align_corners={}",
+                                           padding_name, align ? "True" : "False");
+      const mt::GridSampleOptions options{
+          .mode = mt::GridSampleMode::Nearest, .padding_mode = padding, .align_corners = align};
+      const std::string label =
+          fmt::format("{}_{}/{}", padding_name, align ? "corners" : "edges", t);
+      o.add("grid_sample/volume_halved_nearest_" + label, {cube, identity},
+            mt::grid_sample(cube, mt::affine_grid(identity, {1, 2, 2, 2, 2}, align), options),
+            fmt::format("F.grid_sample(a, F.affine_grid(b, (1, 2, 2, 2, 2), align_corners={}), {})",
+                        align ? "True" : "False", args),
+            rtol, atol);
+      o.add("grid_sample/volume_eighths_nearest_" + label, {cube, lattice},
+            mt::grid_sample(cube, lattice, options), "F.grid_sample(a, b, " + args + ")", rtol,
+            atol);
+    }
   mt::Tensor theta3 = d.randn({2, 3, 4}, dt);
   o.add("affine_grid_3d/" + t, {theta3}, mt::affine_grid(theta3, {2, 3, 4, 5, 6}),
         "F.affine_grid(a, (2, 3, 4, 5, 6), align_corners=False)", rtol, atol);
@@ -1775,6 +1799,11 @@ void add_conv_cases(Oracle& o, Data& d, mt::DType dt) {
        line,
        {.size = {4}, .mode = mt::InterpolateMode::Linear, .align_corners = true},
        "size=4, mode='linear', align_corners=True"},
+      // A long axis, where positions in float throughout moved samples by 1e-3.
+      {"linear_long",
+       d.randn({1, 1, 3000}, dt),
+       {.size = {4711}, .mode = mt::InterpolateMode::Linear},
+       "size=4711, mode='linear'"},
       {"linear_scale",
        line,
        {.scale_factor = {1.7}, .mode = mt::InterpolateMode::Linear},

@@ -894,6 +894,21 @@ TEST(Safetensors, HeaderChecksumCatchesDamagedMetadataAndShapes) {
   EXPECT_MT_ERROR(st::parse(with_header_edit(bytes, recorded, "0x" + recorded.substr(2)), "m.st"),
                   "'mixtape.checksum.header_xxh3_64' is not 16 hex digits");
 
+  // The checksums cannot cover their own keys: a key one byte from one is a damaged one, in
+  // the reserved prefix or not, and no user key may be one.
+  EXPECT_MT_ERROR(st::parse(with_header_edit(bytes, "\"mixtape.checksum.header_xxh3_64\"",
+                                             "\"mixtape_checksum.header_xxh3_64\""),
+                            "m.st"),
+                  "'mixtape_checksum.header_xxh3_64' is one byte from "
+                  "'mixtape.checksum.header_xxh3_64': the file is damaged");
+  EXPECT_MT_ERROR(st::parse(with_header_edit(bytes, "\"mixtape.checksum.xxh3_64\"",
+                                             "\"mixtape.checksum_xxh3_64\""),
+                            "m.st"),
+                  "one byte from 'mixtape.checksum.xxh3_64'");
+  st::File near = file;
+  near.metadata.push_back({"mixtape-checksum.xxh3_64", "x"});
+  EXPECT_MT_ERROR(st::serialize(near), "'mixtape-checksum.xxh3_64' is one byte from", "reserved");
+
   // Metadata alone, with no tensors, is covered too.
   st::File metadata_only;
   metadata_only.metadata = {{"epoch", "3"}};

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include <mixtape/mixtape.h>
+#include <nlohmann/json.hpp>
 
 #include "mixtape/summary/tfevents.h"
 
@@ -666,6 +667,64 @@ TEST(RoundTrip, HParamsAsTorchWritesThem) {
   EXPECT_EQ(std::system(command.c_str()), 0) << command;
   fs::remove_all(dir);
   fs::remove_all(torch_dir);
+}
+
+// add_image in every layout, channel count and dtype, with values outside [0, 1], NaN and the
+// edges of each byte: TensorBoard reads the PNGs back, with torch's own image summary's pixels.
+TEST(RoundTrip, ImagesAsTorchMakesThem) {
+  std::string source = MIXTAPE_SOURCE_DIR, binary = MIXTAPE_BINARY_DIR;
+  if (std::system("/usr/bin/python3 -c 'import torch, PIL' 2>/dev/null") != 0)
+    GTEST_SKIP() << "/usr/bin/python3 cannot import torch and PIL";
+  int made = std::system(
+      (source + "/tools/reference_venv.sh " + binary + "/python-venv > /dev/null").c_str());
+  if (made != 0)
+    GTEST_SKIP() << "the reference venv could not be made (tools/reference_venv.sh said why "
+                    "above; it needs python3-venv and PyPI)";
+  fs::path dir = fresh_dir("images");
+  mt::Generator gen(11);
+  const float nan = std::numeric_limits<float>::quiet_NaN(),
+              inf = std::numeric_limits<float>::infinity();
+  // Every byte's edges: k / 255 and the floats just below and above it.
+  std::vector<float> edges;
+  for (int k = 0; k <= 255; ++k) {
+    const float at = static_cast<float>(k) / 255.0f;
+    edges.insert(edges.end(), {std::nextafter(at, -inf), at, std::nextafter(at, inf)});
+  }
+  edges.insert(edges.end(), {nan, inf, -inf, -0.0f, 1e30f, -1e-30f});
+  const std::vector<std::tuple<std::string, mt::Tensor, std::string>> images = {
+      {"rgb_chw", mt::rand({3, 5, 7}, mt::f32, &gen) * 1.4 - 0.2, "CHW"},
+      {"gray_chw_f64", mt::rand({1, 4, 6}, mt::f64, &gen), "CHW"},
+      {"rgba_hwc_bf16", mt::cast(mt::rand({5, 3, 4}, mt::f32, &gen), mt::bf16), "HWC"},
+      {"gray_hwc", mt::rand({2, 9, 1}, mt::f32, &gen), "HWC"},
+      {"edges_hw", mt::tensor(edges, {static_cast<int64_t>(edges.size()) / 6, 6}), "HW"},
+      {"rgb_hwc_f16", mt::cast(mt::rand({1, 1, 3}, mt::f32, &gen), mt::f16), "HWC"}};
+  mt::NamedTensors saved;
+  nlohmann::json formats = nlohmann::json::object();
+  {
+    mt::SummaryWriter writer(dir.string());
+    for (const auto& [tag, image, layout] : images) {
+      writer.add_image(tag, image, 3, layout);
+      saved.emplace_back(tag, image);
+      formats[tag] = layout;
+    }
+    mt::Tensor two = mt::zeros({2, 4, 4});
+    EXPECT_MT_ERROR(writer.add_image("two", two, 0), "add_image", "1, 3 or 4 channels",
+                    "[2, 4, 4]");
+    EXPECT_MT_ERROR(writer.add_image("hw", mt::zeros({4, 4}), 0), "add_image",
+                    "laid out CHW has 3 axes", "[4, 4]");
+    EXPECT_MT_ERROR(writer.add_image("nchw", mt::zeros({1, 3, 4, 4}), 0, "NCHW"), "add_image",
+                    "dataformats must be");
+    EXPECT_MT_ERROR(writer.add_image("empty", mt::zeros({3, 0, 4}), 0), "add_image",
+                    "height and width must be in [1, 1000000]", "[3, 0, 4]");
+    EXPECT_MT_ERROR(writer.add_image("none", mt::Tensor(), 0), "add_image", "undefined");
+  }
+  fs::path file = dir / "images.safetensors";
+  mt::save_tensors(file.string(), saved, {{"dataformats", formats.dump()}});
+  std::string command = "PYTHONPATH=$(echo " + binary +
+                        "/python-venv/lib/python3*/site-packages) /usr/bin/python3 " + source +
+                        "/tests/tensorboard_images.py " + dir.string() + " " + file.string();
+  EXPECT_EQ(std::system(command.c_str()), 0) << command;
+  fs::remove_all(dir);
 }
 
 TEST(PrecisionSummary, TalliesModulesAndPairs) {

@@ -829,6 +829,20 @@ TEST(VisionErrors, BadArgumentsNameTheOpAndTheShapes) {
                   "theta [N, 3, 4] and a size [N, C, D, H, W]", "[2, 2, 3]");
   EXPECT_MT_ERROR(mt::affine_grid(mt::zeros({2, 3, 4}), {2, 4, 0, 5, 5}), "affine_grid",
                   "[1, 2^24]");
+  // A base grid larger than memory is refused before any of it is allocated.
+  const int64_t side = int64_t{1} << 20;
+  EXPECT_MT_ERROR(mt::affine_grid(mt::zeros({1, 3, 4}), {1, 1, side, side, side}), "affine_grid",
+                  "needs more host memory than a 64-bit count holds");
+  EXPECT_MT_ERROR(mt::affine_grid(mt::zeros({1, 3, 4}), {1, 1, 4 * side, 2 * side, 2 * side}),
+                  "affine_grid", "more points than a 64-bit count holds");
+  EXPECT_MT_ERROR(mt::affine_grid(mt::zeros({1, 2, 3}), {1, 1, int64_t{1} << 24, int64_t{1} << 24}),
+                  "affine_grid's base grid", "out of memory");
+  EXPECT_MT_ERROR(
+      mt::grid_sample(x, mt::zeros({2, 3, 3, 2}), {.mode = static_cast<mt::GridSampleMode>(7)}),
+      "grid_sample", "unknown mode 7");
+  EXPECT_MT_ERROR(mt::grid_sample(x, mt::zeros({2, 3, 3, 2}),
+                                  {.padding_mode = static_cast<mt::GridPadding>(9)}),
+                  "grid_sample", "unknown padding mode 9");
   EXPECT_MT_ERROR(mt::dropout2d(x, 1.5), "dropout2d", "p must be");
   // Huge sizes: an mt::Error, not an allocation failure, an overflow or a graph of 2^40 nodes.
   const double inf = std::numeric_limits<double>::infinity();

@@ -5,7 +5,7 @@
 # 16's libFuzzer for tests/fuzz: clang 14 cannot compile GCC 12's <source_location>, pkg-config
 # for the deploy test's C builds, python3-venv for the venv tools/reference_venv.sh fills with
 # PyPI's tensorboard and safetensors, python3-matplotlib for tools/plot_run.py). libisal-dev: CRC32C for the
-# TensorBoard event files. nlohmann-json3-dev: the JSON of checkpoints, artifacts and reports;
+# TensorBoard event files, libpng-dev the PNG of their images. nlohmann-json3-dev: the JSON of checkpoints, artifacts and reports;
 # libcli11-dev: the examples' command lines (both header-only). gcc and binutils: an AOT export
 # compiles and links the artifact's libraries with cc, ld, objcopy, ar and nm. libopenmpi-dev
 # and openmpi-bin: dist/'s data-parallel training (mpirun -np N) and the tests labelled mpi; a
@@ -13,7 +13,7 @@
 # Safe to run again: installs nothing when all is there.
 set -euo pipefail
 packages=(g++ gcc binutils cmake make libfmt-dev zlib1g-dev libssl-dev llvm-16-dev libdnnl-dev
-  libxxhash-dev libjemalloc-dev libisal-dev nlohmann-json3-dev libcli11-dev libopenmpi-dev
+  libxxhash-dev libjemalloc-dev libisal-dev libpng-dev nlohmann-json3-dev libcli11-dev libopenmpi-dev
   openmpi-bin)
 if [[ "${1:-}" == "--test" ]]; then
   packages+=(libgtest-dev libgmock-dev python3 python3-torch python3-numpy python3-xxhash

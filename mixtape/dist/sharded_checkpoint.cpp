@@ -24,6 +24,7 @@
 #include "mixtape/dsl/ops.h"
 #include "mixtape/dsl/process_group.h"
 #include "mixtape/runtime/atomic_file.h"
+#include "mixtape/runtime/file_digest.h"
 #include "mixtape/runtime/safetensors.h"
 
 namespace mixtape::dist {
@@ -170,6 +171,9 @@ json::Value make_index(const std::string& id, const Module& module, const Metada
     json::append(weight_map, whole_names[k], file_name(stem_of(id), owners[k], processes));
   index["weight_map"] = std::move(weight_map);
   index["pieces"] = std::move(pieces);
+  // The XXH3-64 of the index as dumped so far: the shard files checksum their own headers, but
+  // the checkpoint's metadata (its step, generators' offsets, loaders' places) lives here.
+  index["checksum"] = {{"xxh3_64", digest_bytes(json::dump(index)).xxh3_64}};
   return index;
 }
 
@@ -216,6 +220,29 @@ Index read_index(const std::string& dir) {
     doc = json::parse(contents.str());
   } catch (const Error& e) {
     fail("load_checkpoint_sharded {}: {}", index.path, e.what());
+  }
+  // A member of another name is a damaged one (a damaged "checksum" would turn the check off).
+  if (!doc.is_object())
+    fail("load_checkpoint_sharded {}: the index is not a JSON object", index.path);
+  for (const auto& [key, value] : doc.items())
+    if (key != "metadata" && key != "checkpoint_metadata" && key != "model" &&
+        key != "weight_map" && key != "pieces" && key != "checksum")
+      fail(
+          "load_checkpoint_sharded {}: the index has an unknown member \"{}\": it is damaged, "
+          "or from a newer mixtape",
+          index.path, key);
+  // Indices from before the checksum have none.
+  if (const json::Value* sum = json::find(doc, "checksum")) {
+    const std::string recorded =
+        text(member(*sum, "xxh3_64", index.path), "checksum.xxh3_64", index.path);
+    json::Value rest = doc;
+    rest.erase("checksum");
+    const std::string actual = digest_bytes(json::dump(rest)).xxh3_64;
+    if (actual != recorded)
+      fail(
+          "load_checkpoint_sharded {}: the index is corrupt: it hashes to xxh3_64 {}, it "
+          "recorded {}",
+          index.path, actual, recorded);
   }
   const json::Value& meta = member(doc, "metadata", index.path);
   if (text(member(meta, "format", index.path), "metadata.format", index.path) != kFormat)

@@ -14,6 +14,7 @@
 #include "mixtape/dsl/constant_cache.h"
 #include "mixtape/dsl/error.h"
 #include "mixtape/dsl/graph.h"
+#include "mixtape/dsl/host_memory.h"
 #include "mixtape/dsl/operand_checks.h"
 #include "mixtape/dsl/vision.h"
 #include "mixtape/dsl/wide_sums.h"
@@ -69,12 +70,15 @@ Tensor nearest_axis(const Tensor& x, int64_t axis, int64_t out, float scale, boo
 }
 
 // The source position of output o along an axis, PyTorch's area_pixel_compute_source_index (a
-// linear interpolation clamps it at 0, a cubic one does not).
+// linear interpolation clamps it at 0, a cubic one does not). In double from the step in Real,
+// as PyTorch's CPU kernels compute positions, their fractions rounded to Real only as weights
+// (in float throughout, an axis of thousands moved samples by 1e-3).
 template <typename Real>
-Real source_index(int64_t o, Real step, bool align_corners, bool cubic) {
-  if (align_corners) return step * static_cast<Real>(o);
-  const Real source = step * (static_cast<Real>(o) + Real(0.5)) - Real(0.5);
-  return cubic ? source : std::max(source, Real(0));
+double source_index(int64_t o, Real step, bool align_corners, bool cubic) {
+  const auto scale = static_cast<double>(step);
+  if (align_corners) return scale * static_cast<double>(o);
+  const double source = scale * (static_cast<double>(o) + 0.5) - 0.5;
+  return cubic ? source : std::max(source, 0.0);
 }
 
 // The source step per output step: (in - 1) / (out - 1) with align_corners, else the scale.
@@ -120,11 +124,11 @@ Tensor linear_axis(const Tensor& x, int64_t axis, int64_t out, Real scale, bool 
   const Real step = source_step(in, out, scale, align_corners);
   for (int64_t o = 0; o < out; ++o) {
     const auto k = static_cast<size_t>(o);
-    const Real source = source_index(o, step, align_corners, false);
+    const double source = source_index(o, step, align_corners, false);
     index[0][k] = std::min(static_cast<int64_t>(source), in - 1);
     index[1][k] = std::min(index[0][k] + 1, in - 1);
-    const Real lambda =
-        std::min(std::max(source - static_cast<Real>(index[0][k]), Real(0)), Real(1));
+    const auto lambda =
+        static_cast<Real>(std::min(std::max(source - static_cast<double>(index[0][k]), 0.0), 1.0));
     weight[1][k] = lambda;
     weight[0][k] = Real(1) - lambda;
   }
@@ -155,9 +159,9 @@ Tensor cubic_axis(const Tensor& x, int64_t axis, int64_t out, Real scale, bool a
   bool identity = in == out;
   for (int64_t o = 0; o < out; ++o) {
     const auto k = static_cast<size_t>(o);
-    const Real source = source_index(o, step, align_corners, true);
-    const Real start = std::floor(source);
-    const Real t = source - start;
+    const double source = source_index(o, step, align_corners, true);
+    const double start = std::floor(source);
+    const auto t = static_cast<Real>(source - start);
     const std::array<Real, 4> w = cubic_weights(t);
     for (size_t j = 0; j < 4; ++j) {
       index[j][k] =
@@ -403,6 +407,12 @@ Tensor grid_sample(const Tensor& x, const Tensor& grid, const GridSampleOptions&
   if (x.dtype() != grid.dtype())
     op_fail(op, loc, "the input ({}) and the grid ({}) must have one dtype, as PyTorch's",
             name(x.dtype()), name(grid.dtype()));
+  if (options.mode != GridSampleMode::Bilinear && options.mode != GridSampleMode::Nearest &&
+      options.mode != GridSampleMode::Bicubic)
+    op_fail(op, loc, "unknown mode {}", static_cast<int>(options.mode));
+  if (options.padding_mode != GridPadding::Zeros && options.padding_mode != GridPadding::Border &&
+      options.padding_mode != GridPadding::Reflection)
+    op_fail(op, loc, "unknown padding mode {}", static_cast<int>(options.padding_mode));
   if (options.mode == GridSampleMode::Bicubic && spatial == 3)
     op_fail(op, loc, "bicubic needs an input [N, C, H, W] (as PyTorch's), got {}",
             to_string(x.shape()));
@@ -470,9 +480,18 @@ Tensor grid_sample(const Tensor& x, const Tensor& grid, const GridSampleOptions&
       y = j == 0 ? row * wy[0] : y + row * wy[j];
     }
   } else if (options.mode == GridSampleMode::Nearest) {
+    // PyTorch's nearest pixel: std::nearbyint (half to even) in its 2-d kernels, std::round
+    // (half away from zero) in its 3-d one, where a volume halved by an identity grid ties.
     std::vector<Tensor> p;
-    for (int64_t j = 0; j < spatial; ++j)
-      p.push_back(round(padded_position(g[j], sizes[j], options)));
+    for (int64_t j = 0; j < spatial; ++j) {
+      const Tensor at = padded_position(g[j], sizes[j], options);
+      if (spatial == 2) {
+        p.push_back(round(at));
+      } else {
+        const Tensor whole = trunc(at), fraction = at - whole;  // the fraction is exact
+        p.push_back(whole + where(abs(fraction) >= 0.5, sign(at), zeros({}, t)));
+      }
+    }
     y = at(p);
   } else {
     // PyTorch's (tri)linear weights and order: the corners with x varying fastest (north-west,
@@ -538,8 +557,17 @@ Tensor affine_grid(const Tensor& theta, const Shape& size, bool align_corners, c
       op_fail(op, loc, "the size's spatial axes must be in [1, 2^24], got {}", to_string(size));
   const DType t = composite::statistics_type(theta.dtype());
   const Shape axes(size.begin() + 2, size.end());
-  int64_t points = 1;
-  for (int64_t s : axes) points *= s;
+  // The base grid is a host table of `points` rows of spatial + 1 doubles: refused whole, before
+  // any of it is allocated, when it would not fit.
+  uint64_t points = 1, bytes = 0;
+  for (int64_t s : axes)
+    if (__builtin_mul_overflow(points, static_cast<uint64_t>(s), &points))
+      op_fail(op, loc, "a grid of size {} has more points than a 64-bit count holds",
+              to_string(size));
+  if (__builtin_mul_overflow(points, static_cast<uint64_t>(spatial + 1) * sizeof(double), &bytes))
+    op_fail(op, loc, "a grid of size {} needs more host memory than a 64-bit count holds",
+            to_string(size));
+  check_memory_request(bytes, fmt::format("affine_grid's base grid of size {}", to_string(size)));
   // The base grid [D H W, 3 or 4] of (x, y[, z], 1) rows, x varying fastest: a host table kept
   // by value.
   const Tensor base = cached_constant(
@@ -552,9 +580,9 @@ Tensor affine_grid(const Tensor& theta, const Shape& size, bool align_corners, c
                                    : neg_one_to_one<float>(length, align_corners));
         }
         std::vector<double> rows;
-        rows.reserve(static_cast<size_t>(points * (spatial + 1)));
-        for (int64_t point = 0; point < points; ++point) {
-          int64_t rest = point;
+        rows.reserve(bytes / sizeof(double));
+        for (uint64_t point = 0; point < points; ++point) {
+          auto rest = static_cast<int64_t>(point);
           for (int64_t j = 0; j < spatial; ++j) {
             const auto length = static_cast<int64_t>(steps[static_cast<size_t>(j)].size());
             rows.push_back(steps[static_cast<size_t>(j)][static_cast<size_t>(rest % length)]);
@@ -562,7 +590,7 @@ Tensor affine_grid(const Tensor& theta, const Shape& size, bool align_corners, c
           }
           rows.push_back(1.0);
         }
-        return tensor(rows, {points, spatial + 1}, t);
+        return tensor(rows, {static_cast<int64_t>(points), spatial + 1}, t);
       });
   // [D H W, 4] @ theta^T [N, 4, 3] -> [N, D H W, 3]
   const Tensor grid = matmul(base, cast(theta, t, loc), false, true);

@@ -48,6 +48,19 @@ constexpr size_t length_field_bytes = 8;
 // entry plus itself. The parsed tree of a member costs ~50 bytes a value, so this caps it.
 constexpr size_t max_member_values = 2 * max_metadata_entries + 16;
 
+/// The checksum key that `key` is one damaged byte away from (same length, one byte different),
+/// or "": the checksums cannot cover their own keys, so a key one byte from one is taken for a
+/// damaged one, and refused, rather than for user metadata (which would turn the check off).
+std::string_view near_checksum_key(std::string_view key) {
+  for (std::string_view reserved : {checksum_key, header_checksum_key}) {
+    if (key.size() != reserved.size() || key == reserved) continue;
+    size_t differing = 0;
+    for (size_t i = 0; i < key.size(); ++i) differing += key[i] != reserved[i];
+    if (differing == 1) return reserved;
+  }
+  return {};
+}
+
 uint64_t checksum(std::span<const std::byte> bytes) {
   return XXH3_64bits(bytes.data(), bytes.size());
 }
@@ -172,6 +185,9 @@ void validate(const Tensors& file, std::string_view context) {
     if (key.starts_with(reserved_metadata_prefix))
       fail("{}: metadata key '{}' uses the prefix '{}', which is reserved for mixtape's checksums",
            context, key, reserved_metadata_prefix);
+    if (std::string_view near = near_checksum_key(key); !near.empty())
+      fail("{}: metadata key '{}' is one byte from '{}', which is reserved for mixtape's checksums",
+           context, key, near);
   }
 }
 
@@ -377,6 +393,9 @@ std::vector<uint64_t> take_checksums(Layout& layout, std::string_view origin) {
           "{}: metadata '{}' uses the prefix reserved for checksums but is not '{}' or '{}': the "
           "file is damaged, or from a newer mixtape",
           origin, key, checksum_key, header_checksum_key);
+  for (const auto& [key, value] : layout.metadata)
+    if (std::string_view near = near_checksum_key(key); !near.empty())
+      fail("{}: metadata '{}' is one byte from '{}': the file is damaged", origin, key, near);
   std::erase_if(layout.metadata, [&](auto& key_value) {
     std::optional<std::string>* taken = key_value.first == checksum_key          ? &text
                                         : key_value.first == header_checksum_key ? &header_text

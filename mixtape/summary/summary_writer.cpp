@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <set>
@@ -21,6 +22,7 @@
 #include "mixtape/precision_policy/grad_health.h"
 #include "mixtape/precision_policy/grad_scaler.h"
 #include "mixtape/runtime/atomic_file.h"
+#include "mixtape/summary/png.h"
 #include "mixtape/summary/tfevents.h"
 
 namespace mixtape {
@@ -229,6 +231,50 @@ void SummaryWriter::add_histogram(const std::string& tag, const std::vector<doub
   state_->check_open("SummaryWriter.add_histogram");
   tfevents::check_tag(tag, "SummaryWriter.add_histogram");
   state_->append(step, {{.tag = tag, .histo = tfevents::make_histogram(values)}});
+  state_->write_buffer();
+}
+
+void SummaryWriter::add_image(const std::string& tag, const Tensor& image, int64_t step,
+                              const std::string& dataformats) {
+  const char* who = "SummaryWriter.add_image";
+  state_->check_open(who);
+  tfevents::check_tag(tag, who);
+  if (!image.defined()) fail("{}('{}'): the image is undefined", who, tag);
+  if (dataformats != "CHW" && dataformats != "HWC" && dataformats != "HW")
+    fail("{}('{}'): dataformats must be \"CHW\", \"HWC\" or \"HW\", got \"{}\"", who, tag,
+         dataformats);
+  if (image.dim() != static_cast<int64_t>(dataformats.size()))
+    fail("{}('{}'): an image laid out {} has {} axes, got shape {}", who, tag, dataformats,
+         dataformats.size(), to_string(image.shape()));
+  const size_t c_axis = dataformats.find('C');
+  const int64_t channels =
+      c_axis == std::string::npos ? 1 : image.size(static_cast<int64_t>(c_axis));
+  const int64_t height = image.size(static_cast<int64_t>(dataformats.find('H')));
+  const int64_t width = image.size(static_cast<int64_t>(dataformats.find('W')));
+  if (channels != 1 && channels != 3 && channels != 4)
+    fail("{}('{}'): an image has 1, 3 or 4 channels, got shape {} ({})", who, tag,
+         to_string(image.shape()), dataformats);
+  if (height < 1 || width < 1 || height > kMaxPngSide || width > kMaxPngSide)
+    fail("{}('{}'): an image's height and width must be in [1, {}], got shape {}", who, tag,
+         kMaxPngSide, to_string(image.shape()));
+  // HWC bytes, as torch's convert_to_HWC and its (x * 255).clip(0, 255).astype(uint8) in f32;
+  // one channel repeated into three.
+  const std::vector<float> values = cast(image, f32).to_vector<float>();
+  const int64_t shown = channels == 1 ? 3 : channels;
+  std::vector<uint8_t> pixels(static_cast<size_t>(height * width * shown));
+  for (int64_t y = 0; y < height; ++y)
+    for (int64_t x = 0; x < width; ++x)
+      for (int64_t k = 0; k < shown; ++k) {
+        const int64_t c = channels == 1 ? 0 : k;
+        const int64_t at = dataformats == "CHW"   ? (c * height + y) * width + x
+                           : dataformats == "HWC" ? (y * width + x) * channels + c
+                                                  : y * width + x;
+        const float v = values[static_cast<size_t>(at)] * 255.0f;
+        pixels[static_cast<size_t>((y * width + x) * shown + k)] =
+            std::isnan(v) ? 0 : static_cast<uint8_t>(std::clamp(v, 0.0f, 255.0f));
+      }
+  tfevents::Image encoded{height, width, shown, encode_png(pixels, height, width, shown, who)};
+  state_->append(step, {{.tag = tag, .image = std::move(encoded)}});
   state_->write_buffer();
 }
 

@@ -86,6 +86,15 @@ class SummaryWriter {
   /// on the host now (a sync): for every N steps, not every step.
   void add_histogram(const std::string& tag, const Tensor& values, int64_t step);
   void add_histogram(const std::string& tag, const std::vector<double>& values, int64_t step);
+  /// An image, as torch's add_image: `image` laid out as `dataformats` says, "CHW" (1, 3 or 4
+  /// channels), "HWC" or "HW" (one channel). Values are scaled by 255, clipped to [0, 255] and
+  /// truncated to bytes after a cast to f32, as torch's (for every dtype but uint8, which
+  /// mixtape lacks; torch 1.13 wraps values past [0, 1] around, later versions clip), NaN as 0; one
+  /// channel is shown as gray (torch widens it to RGB). Written now as a PNG (libpng): reads the
+  /// values on the host (a sync). An mt::Error for another layout or channel count, or an empty
+  /// image.
+  void add_image(const std::string& tag, const Tensor& image, int64_t step,
+                 const std::string& dataformats = "CHW");
   /// A text (a note on the run, a sample the model wrote; TensorBoard renders it as Markdown),
   /// written now under "<tag>/text_summary", as torch's add_text names it. Any bytes that are
   /// valid UTF-8.

@@ -100,6 +100,16 @@ std::string encode_value(const Value& v) {
   ProtoWriter w;
   w.bytes_field(1, v.tag);
   if (v.simple_value) w.float_field(2, *v.simple_value);
+  if (v.image) {
+    // Summary.Value.image (4): Summary.Image of height (1), width (2), colorspace (3) and
+    // encoded_image_string (4).
+    ProtoWriter image;
+    image.int64_field(1, v.image->height);
+    image.int64_field(2, v.image->width);
+    image.int64_field(3, v.image->colorspace);
+    image.bytes_field(4, v.image->encoded);
+    w.bytes_field(4, image.str());
+  }
   if (v.histo) w.bytes_field(5, encode_histogram(*v.histo));  // Summary.Value.histo is field 5
   if (v.text) {
     // Summary.Value.tensor (8): a TensorProto of dtype DT_STRING (1: 7), shape [1] (2: a

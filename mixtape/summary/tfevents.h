@@ -1,5 +1,5 @@
 // mixtape/summary/tfevents.h -- TensorBoard's event file format, encoded by hand: CRC32C-framed
-// records holding Event protobufs with scalar, histogram, text and hparams summaries.
+// records holding Event protobufs with scalar, histogram, image, text and hparams summaries.
 #pragma once
 
 #include <cstdint>
@@ -39,13 +39,20 @@ struct PluginData {
   std::string content;  // the plugin's own protobuf, serialized
 };
 
-/// What one Summary.Value holds: a float scalar, a histogram, a text (a string tensor of one
-/// element with the text plugin's metadata, as torch's add_text writes it), or only a plugin's
+/// Summary.Image: an encoded image (PNG) and its height, width and channel count.
+struct Image {
+  int64_t height = 0, width = 0, colorspace = 0;
+  std::string encoded;
+};
+
+/// What one Summary.Value holds: a float scalar, a histogram, an image, a text (a string tensor of
+/// one element with the text plugin's metadata, as torch's add_text writes it), or only a plugin's
 /// metadata (the hparams plugin's summaries).
 struct Value {
   std::string tag;
   std::optional<float> simple_value{};
   std::optional<Histogram> histo{};
+  std::optional<Image> image{};
   std::optional<std::string> text{};
   std::optional<PluginData> plugin{};
 };

@@ -71,6 +71,13 @@ if "$bin" $sized --policy autocast-f16 --loss-scale dynamic --steps 30 \
 fi
 check "$(wc -l < "$work/err.txt") == 1 and 'saved with --dropout 0.1' in \
   open('$work/err.txt').read()" "a resume under another --dropout names the flag"
+# Two heads of width 16 have the parameters four of width 8 have: only the flag tells.
+if "$bin" $run --steps 30 --heads 2 --resume "$work/stopped.safetensors" > "$work/out.txt" \
+  2> "$work/err.txt"; then
+  echo "FAIL: a resume under another --heads was accepted"; exit 1
+fi
+check "'saved with --heads 4, resumed with --heads 2' in open('$work/err.txt').read()" \
+  "a resume under another --heads names the flag"
 resumed=$("$bin" $run --steps 30 --resume "$work/stopped.safetensors" \
   --save "$work/resumed.safetensors" | tail -n 1)
 check "$(python3 -c "$same" "$whole" "$resumed") and $(field first_step "$resumed") == 21" \
