@@ -367,7 +367,25 @@ int run(const Options& o) {
   double tokens_per_s =
       static_cast<double>((o.steps - first_step + 1) * global_batch * config.context) /
       std::max(train_seconds, 1e-9);
-  if (writer) writer->flush();
+  // The run as a session of a sweep, for TensorBoard's HParams dashboard: its flags and losses.
+  if (writer) {
+    writer->add_hparams({{"lr", o.lr},
+                         {"batch", o.batch},
+                         {"layers", config.layers},
+                         {"heads", config.heads},
+                         {"width", config.width},
+                         {"context", config.context},
+                         {"dropout", config.dropout},
+                         {"weight_decay", o.weight_decay},
+                         {"policy", o.policy},
+                         {"loss_scale", o.loss_scale},
+                         {"schedule", o.schedule},
+                         {"checkpoint", o.checkpoint},
+                         {"zero", o.zero}},
+                        {{"hparam/train_loss", train_loss}, {"hparam/val_loss", val_loss}}, {},
+                        "hparams");
+    writer->flush();
+  }
   // Saved first: an export that fails (no C compiler, a full disk) loses no trained weights.
   if (!o.save.empty()) save(o.steps);
   data_parallel.reset();  // training is over: the processes part

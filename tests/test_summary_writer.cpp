@@ -577,17 +577,37 @@ TEST(GradNorm, IsWhatClipGradNormClipsBy) {
   EXPECT_EQ(mt::grad_norm({}).item(), 0.0);
 }
 
+// Why the reference readers cannot run here, or "": the venv tools/reference_venv.sh makes
+// (PyPI's tensorboard and safetensors) and, `with_torch`, /usr/bin/python3's torch and PIL.
+std::string reference_readers_missing(bool with_torch) {
+  if (with_torch && std::system("/usr/bin/python3 -c 'import torch, PIL' 2>/dev/null") != 0)
+    return "/usr/bin/python3 cannot import torch and PIL";
+  const std::string source = MIXTAPE_SOURCE_DIR, binary = MIXTAPE_BINARY_DIR;
+  if (std::system(
+          (source + "/tools/reference_venv.sh " + binary + "/python-venv > /dev/null").c_str()) !=
+      0)
+    return "the reference venv could not be made (tools/reference_venv.sh said why above; it "
+           "needs python3-venv and PyPI)";
+  return "";
+}
+
+// Runs tests/<script> with `args` in /usr/bin/python3 (torch, PIL) with the reference venv's
+// packages on its path too (tensorboard, safetensors); a failure unless it exits 0.
+void run_with_torch_and_tensorboard(const std::string& script, const std::string& args) {
+  const std::string source = MIXTAPE_SOURCE_DIR, binary = MIXTAPE_BINARY_DIR;
+  const std::string command = "PYTHONPATH=$(echo " + binary +
+                              "/python-venv/lib/python3*/site-packages) /usr/bin/python3 " +
+                              source + "/tests/" + script + " " + args;
+  EXPECT_EQ(std::system(command.c_str()), 0) << command;
+}
+
 // Writes scalars (host values, graph values, extreme floats), a histogram and texts, then has
 // TensorBoard's EventAccumulator read the folder: every (tag, step, f32 bits) must come back,
 // and the texts as the text plugin's string tensors.
 TEST(RoundTrip, TensorBoardReadsEveryScalarExactly) {
   std::string source = MIXTAPE_SOURCE_DIR, binary = MIXTAPE_BINARY_DIR;
   std::string venv_python = binary + "/python-venv/bin/python";
-  int made = std::system(
-      (source + "/tools/reference_venv.sh " + binary + "/python-venv > /dev/null").c_str());
-  if (made != 0)
-    GTEST_SKIP() << "the reference venv could not be made (tools/reference_venv.sh said why "
-                    "above; it needs python3-venv and PyPI)";
+  if (std::string why = reference_readers_missing(false); !why.empty()) GTEST_SKIP() << why;
   fs::path dir = fresh_dir("roundtrip");
   std::vector<std::tuple<std::string, int64_t, float>> expected;
   {
@@ -631,14 +651,7 @@ TEST(RoundTrip, TensorBoardReadsEveryScalarExactly) {
 // add_hparams: one run as torch's add_hparams writes it (TensorBoard's reader and the hparams
 // plugin's protobufs compare the two), one of flags, one named by the time; and the refusals.
 TEST(RoundTrip, HParamsAsTorchWritesThem) {
-  std::string source = MIXTAPE_SOURCE_DIR, binary = MIXTAPE_BINARY_DIR;
-  if (std::system("/usr/bin/python3 -c 'import torch' 2>/dev/null") != 0)
-    GTEST_SKIP() << "/usr/bin/python3 cannot import torch";
-  int made = std::system(
-      (source + "/tools/reference_venv.sh " + binary + "/python-venv > /dev/null").c_str());
-  if (made != 0)
-    GTEST_SKIP() << "the reference venv could not be made (tools/reference_venv.sh said why "
-                    "above; it needs python3-venv and PyPI)";
+  if (std::string why = reference_readers_missing(true); !why.empty()) GTEST_SKIP() << why;
   fs::path dir = fresh_dir("hparams"), torch_dir = fresh_dir("hparams_torch");
   {
     mt::SummaryWriter writer(dir.string());
@@ -660,11 +673,14 @@ TEST(RoundTrip, HParamsAsTorchWritesThem) {
     EXPECT_MT_ERROR(writer.add_hparams({{"l\xffr", 1}}, {}), "add_hparams", "UTF-8");
     EXPECT_MT_ERROR(writer.add_hparams({{"lr", "\xc0"}}, {}), "add_hparams", "UTF-8");
     EXPECT_MT_ERROR(writer.add_hparams({{"lr", 1}}, {{"lo\xffss", 1}}), "add_hparams", "UTF-8");
+    EXPECT_MT_ERROR(writer.add_hparams({{"lr", 1}}, {{"loss", 1}, {"loss", 2}}), "add_hparams",
+                    "the metric 'loss' is given twice");
+    EXPECT_MT_ERROR(writer.add_hparams({{"lr", 1}}, {}, {}, "run\xff"), "add_hparams",
+                    "run's name is not valid UTF-8");
+    EXPECT_MT_ERROR(writer.add_hparams({{"lr", 1}}, {}, {}, std::string("nu\0l", 4)), "add_hparams",
+                    "NUL byte");
   }
-  std::string command = "PYTHONPATH=$(echo " + binary +
-                        "/python-venv/lib/python3*/site-packages) /usr/bin/python3 " + source +
-                        "/tests/tensorboard_hparams.py " + dir.string() + " " + torch_dir.string();
-  EXPECT_EQ(std::system(command.c_str()), 0) << command;
+  run_with_torch_and_tensorboard("tensorboard_hparams.py", dir.string() + " " + torch_dir.string());
   fs::remove_all(dir);
   fs::remove_all(torch_dir);
 }
@@ -672,14 +688,7 @@ TEST(RoundTrip, HParamsAsTorchWritesThem) {
 // add_image in every layout, channel count and dtype, with values outside [0, 1], NaN and the
 // edges of each byte: TensorBoard reads the PNGs back, with torch's own image summary's pixels.
 TEST(RoundTrip, ImagesAsTorchMakesThem) {
-  std::string source = MIXTAPE_SOURCE_DIR, binary = MIXTAPE_BINARY_DIR;
-  if (std::system("/usr/bin/python3 -c 'import torch, PIL' 2>/dev/null") != 0)
-    GTEST_SKIP() << "/usr/bin/python3 cannot import torch and PIL";
-  int made = std::system(
-      (source + "/tools/reference_venv.sh " + binary + "/python-venv > /dev/null").c_str());
-  if (made != 0)
-    GTEST_SKIP() << "the reference venv could not be made (tools/reference_venv.sh said why "
-                    "above; it needs python3-venv and PyPI)";
+  if (std::string why = reference_readers_missing(true); !why.empty()) GTEST_SKIP() << why;
   fs::path dir = fresh_dir("images");
   mt::Generator gen(11);
   const float nan = std::numeric_limits<float>::quiet_NaN(),
@@ -720,10 +729,7 @@ TEST(RoundTrip, ImagesAsTorchMakesThem) {
   }
   fs::path file = dir / "images.safetensors";
   mt::save_tensors(file.string(), saved, {{"dataformats", formats.dump()}});
-  std::string command = "PYTHONPATH=$(echo " + binary +
-                        "/python-venv/lib/python3*/site-packages) /usr/bin/python3 " + source +
-                        "/tests/tensorboard_images.py " + dir.string() + " " + file.string();
-  EXPECT_EQ(std::system(command.c_str()), 0) << command;
+  run_with_torch_and_tensorboard("tensorboard_images.py", dir.string() + " " + file.string());
   fs::remove_all(dir);
 }
 

@@ -1,6 +1,7 @@
 // mixtape/dsl/resample.cpp -- resampling images and volumes: interpolate (every PyTorch mode) over
-// host index and weight tables, pixel_shuffle / pixel_unshuffle as views, and grid_sample /
-// affine_grid as gathers at positions computed in the graph.
+// host index and weight tables (area by adaptive average pooling), pixel_shuffle /
+// pixel_unshuffle as views, and grid_sample / affine_grid as gathers at positions computed in
+// the graph.
 #include <algorithm>
 #include <array>
 #include <cmath>

@@ -154,6 +154,8 @@ struct SummaryWriter::State {
 
 SummaryWriter::SummaryWriter(const std::string& dir, SummaryWriterOptions options)
     : state_(std::make_shared<State>()) {
+  if (dir.find('\0') != std::string::npos)
+    fail("SummaryWriter: the folder's name holds a NUL byte, which no path can");
   if (options.fetch_every < 1)
     fail("SummaryWriter: fetch_every must be at least 1, got {}", options.fetch_every);
   state_->options = options;
@@ -327,12 +329,19 @@ void SummaryWriter::add_hparams(
     }
     run.domains.emplace_back(name, std::move(list));
   }
+  std::set<std::string> tags;
   for (const auto& [tag, value] : metrics) {
     tfevents::check_tag(tag, who);
+    if (!tags.insert(tag).second) fail("{}: the metric '{}' is given twice", who, tag);
     run.metrics.push_back(tag);
   }
   // torch's default: the time as the run's name, a folder in this writer's.
   std::string name = run_name.empty() ? fmt::format("{:.6f}", now_seconds()) : run_name;
+  // A folder name TensorBoard's readers can walk: its Python reader stops at one that is not
+  // UTF-8, dropping every run of the folder.
+  tfevents::check_utf8(name, who, "run's name");
+  if (name.find('\0') != std::string::npos)
+    fail("{}: the run's name holds a NUL byte, which no path can", who);
   const std::filesystem::path relative(name);
   if (relative.is_absolute() ||
       std::any_of(relative.begin(), relative.end(), [](const auto& part) { return part == ".."; }))

@@ -19,8 +19,10 @@ sized=(--json --layers 1 --heads 2 --width 32 --context 16 --sample 10 --seed 3)
 small=(--steps 20 "${sized[@]}")
 out=$("${mpirun[@]}" -x MIXTAPE_DIST_DEBUG=1 "$bin" --distributed --batch 6 "${small[@]}" \
   --logdir "$work/runs" --export "$work/export")
-events=$(find "$work/runs" -name 'events.out.tfevents.*' -size +0 | wc -l)
+events=$(find "$work/runs" -maxdepth 1 -name 'events.out.tfevents.*' -size +0 | wc -l)
 check "$events == 1" "one event file, rank 0's ($events)"
+events=$(find "$work/runs/hparams" -name 'events.out.tfevents.*' -size +0 | wc -l)
+check "$events == 1" "one hparams session, rank 0's ($events)"
 for f in libchar_gpt.so char_gpt.json; do
   [[ -s "$work/export/$f" ]] || fail "--distributed --export wrote $f"
 done
@@ -42,7 +44,7 @@ done
 zero=$("${mpirun[@]}" -x MIXTAPE_DIST_DEBUG=1 "$bin" --distributed --zero --batch 6 "${small[@]}" \
   --logdir "$work/zero_runs" | grep '"example"')
 echo "$zero"
-events=$(find "$work/zero_runs" -name 'events.out.tfevents.*' | wc -l)
+events=$(find "$work/zero_runs" -maxdepth 1 -name 'events.out.tfevents.*' | wc -l)
 check "$events == 1" "--zero: one event file, rank 0's ($events)"
 check "'$(field zero "$zero")' == 'True'" "the JSON line says zero"
 for loss in train_loss val_loss; do

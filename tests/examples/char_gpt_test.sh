@@ -95,7 +95,12 @@ fi
 check "$(wc -l < "$work/err.txt") == 1 and 'saved with --steps 20' in \
   open('$work/err.txt').read()" "a cosine schedule resumed over another --steps names the flag"
 
-other=$("$bin" $small --seed 1 | tail -n 1)
+other=$("$bin" $small --seed 1 --logdir "$work/runs" | tail -n 1)
+# --logdir: the curves, and the run as a session of a sweep (add_hparams) in runs/hparams.
+for run in "$work/runs" "$work/runs/hparams"; do
+  events=$(find "$run" -maxdepth 1 -name 'events.out.tfevents.*' -size +0 | wc -l)
+  check "$events == 1" "--logdir writes one event file in $run"
+done
 check "$(field val_loss "$line") != $(field val_loss "$other")" "another seed gives another run"
 
 for args in "--policy autocast-bf16" "--policy autocast-f16 --loss-scale dynamic" \
