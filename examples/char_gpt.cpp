@@ -251,9 +251,8 @@ int run(const Options& o) {
 
   // What a checkpoint holds besides the model, the optimizer and the scaler, so that a resumed run
   // draws the same batches and dropout masks (the model's stream, after its initialization) as
-  // one never stopped; and the flags that shape the
-  // run after its start (the loader's state checks --batch and --seed, the model's tensors its
-  // shape, the optimizer's state its kind).
+  // one never stopped; and the flags that shape the run after its start (the loader's state
+  // checks --batch and --seed, the model's tensors its shape, the optimizer's state its kind).
   const mt::CheckpointOptions resumable{.generators = {{"model", &init_generator}},
                                         .loaders = {&loader}};
   auto number = [](double v) { return nlohmann::json(v).dump(); };

@@ -686,7 +686,8 @@ TEST(RoundTrip, HParamsAsTorchWritesThem) {
 }
 
 // add_image in every layout, channel count and dtype, with values outside [0, 1], NaN and the
-// edges of each byte: TensorBoard reads the PNGs back, with torch's own image summary's pixels.
+// edges of each byte, and add_images' grids: TensorBoard reads the PNGs back, with torch's own
+// image summary's pixels.
 TEST(RoundTrip, ImagesAsTorchMakesThem) {
   if (std::string why = reference_readers_missing(true); !why.empty()) GTEST_SKIP() << why;
   fs::path dir = fresh_dir("images");
@@ -706,16 +707,29 @@ TEST(RoundTrip, ImagesAsTorchMakesThem) {
       {"rgba_hwc_bf16", mt::cast(mt::rand({5, 3, 4}, mt::f32, &gen), mt::bf16), "HWC"},
       {"gray_hwc", mt::rand({2, 9, 1}, mt::f32, &gen), "HWC"},
       {"edges_hw", mt::tensor(edges, {static_cast<int64_t>(edges.size()) / 6, 6}), "HW"},
-      {"rgb_hwc_f16", mt::cast(mt::rand({1, 1, 3}, mt::f32, &gen), mt::f16), "HWC"}};
+      {"rgb_hwc_f16", mt::cast(mt::rand({1, 1, 3}, mt::f32, &gen), mt::f16), "HWC"},
+      // add_images: one row of five, two rows of eight and three, RGBA with empty cells.
+      {"batch_nchw", mt::rand({5, 3, 4, 6}, mt::f32, &gen), "NCHW"},
+      {"batch_nhwc_gray", mt::rand({11, 3, 2, 1}, mt::f32, &gen), "NHWC"},
+      {"batch_rgba", mt::rand({9, 4, 2, 3}, mt::f32, &gen) * 1.2, "NCHW"}};
   mt::NamedTensors saved;
   nlohmann::json formats = nlohmann::json::object();
   {
     mt::SummaryWriter writer(dir.string());
     for (const auto& [tag, image, layout] : images) {
-      writer.add_image(tag, image, 3, layout);
+      if (layout.size() == 4)
+        writer.add_images(tag, image, 3, layout);
+      else
+        writer.add_image(tag, image, 3, layout);
       saved.emplace_back(tag, image);
       formats[tag] = layout;
     }
+    EXPECT_MT_ERROR(writer.add_images("none", mt::zeros({0, 3, 4, 4}), 0), "add_images",
+                    "no images", "[0, 3, 4, 4]");
+    EXPECT_MT_ERROR(writer.add_images("chw", mt::zeros({3, 4, 4}), 0, "CHW"), "add_images",
+                    "dataformats must be \"NCHW\" or \"NHWC\"");
+    EXPECT_MT_ERROR(writer.add_images("wide", mt::zeros({9, 1, 1, 500'000}), 0), "add_images",
+                    "height and width must be in [1, 1000000]");
     mt::Tensor two = mt::zeros({2, 4, 4});
     EXPECT_MT_ERROR(writer.add_image("two", two, 0), "add_image", "1, 3 or 4 channels",
                     "[2, 4, 4]");

@@ -236,47 +236,81 @@ void SummaryWriter::add_histogram(const std::string& tag, const std::vector<doub
   state_->write_buffer();
 }
 
+namespace {
+
+// An image summary of `image` laid out as `layout` ("CHW", "HWC", "HW", or a batch "NCHW",
+// "NHWC"), as torch's image(): bytes of x * 255 in f32, clipped (torch 1.13 wraps) and
+// truncated, NaN as 0; one channel repeated into three (convert_to_HWC); a batch tiled into a
+// grid of up to 8 columns, row after row, the cells past the last image zero (its make_grid).
+tfevents::Image image_summary(const std::string& tag, const Tensor& image,
+                              const std::string& layout, const char* who) {
+  if (!image.defined()) fail("{}('{}'): the image is undefined", who, tag);
+  if (image.dim() != static_cast<int64_t>(layout.size()))
+    fail("{}('{}'): an image laid out {} has {} axes, got shape {}", who, tag, layout,
+         layout.size(), to_string(image.shape()));
+  // Each named axis's size and stride (1 and 0 where the layout has none).
+  auto axis = [&](char name) -> std::pair<int64_t, int64_t> {
+    const size_t at = layout.find(name);
+    if (at == std::string::npos) return {1, 0};
+    int64_t stride = 1;
+    for (size_t k = at + 1; k < layout.size(); ++k) stride *= image.size(static_cast<int64_t>(k));
+    return {image.size(static_cast<int64_t>(at)), stride};
+  };
+  const auto [count, n_stride] = axis('N');
+  const auto [channels, c_stride] = axis('C');
+  const auto [height, y_stride] = axis('H');
+  const auto [width, x_stride] = axis('W');
+  if (channels != 1 && channels != 3 && channels != 4)
+    fail("{}('{}'): an image has 1, 3 or 4 channels, got shape {} ({})", who, tag,
+         to_string(image.shape()), layout);
+  if (count < 1)
+    fail("{}('{}'): no images in shape {} ({})", who, tag, to_string(image.shape()), layout);
+  const int64_t columns = std::min<int64_t>(count, 8), rows = (count + columns - 1) / columns;
+  if (height < 1 || width < 1 || height * rows > kMaxPngSide || width * columns > kMaxPngSide)
+    fail("{}('{}'): an image's height and width must be in [1, {}], got shape {} ({})", who, tag,
+         kMaxPngSide, to_string(image.shape()), layout);
+  const std::vector<float> values = cast(image, f32).to_vector<float>();
+  const int64_t shown = channels == 1 ? 3 : channels;
+  const int64_t canvas_height = height * rows, canvas_width = width * columns;
+  std::vector<uint8_t> pixels(static_cast<size_t>(canvas_height * canvas_width * shown), 0);
+  for (int64_t n = 0; n < count; ++n)
+    for (int64_t y = 0; y < height; ++y)
+      for (int64_t x = 0; x < width; ++x)
+        for (int64_t k = 0; k < shown; ++k) {
+          const int64_t c = channels == 1 ? 0 : k;
+          const float v = values[static_cast<size_t>(n * n_stride + c * c_stride + y * y_stride +
+                                                     x * x_stride)] *
+                          255.0f;
+          const int64_t canvas_y = n / columns * height + y, canvas_x = n % columns * width + x;
+          pixels[static_cast<size_t>((canvas_y * canvas_width + canvas_x) * shown + k)] =
+              std::isnan(v) ? 0 : static_cast<uint8_t>(std::clamp(v, 0.0f, 255.0f));
+        }
+  return {canvas_height, canvas_width, shown,
+          encode_png(pixels, canvas_height, canvas_width, shown, who)};
+}
+
+}  // namespace
+
 void SummaryWriter::add_image(const std::string& tag, const Tensor& image, int64_t step,
                               const std::string& dataformats) {
   const char* who = "SummaryWriter.add_image";
   state_->check_open(who);
   tfevents::check_tag(tag, who);
-  if (!image.defined()) fail("{}('{}'): the image is undefined", who, tag);
   if (dataformats != "CHW" && dataformats != "HWC" && dataformats != "HW")
     fail("{}('{}'): dataformats must be \"CHW\", \"HWC\" or \"HW\", got \"{}\"", who, tag,
          dataformats);
-  if (image.dim() != static_cast<int64_t>(dataformats.size()))
-    fail("{}('{}'): an image laid out {} has {} axes, got shape {}", who, tag, dataformats,
-         dataformats.size(), to_string(image.shape()));
-  const size_t c_axis = dataformats.find('C');
-  const int64_t channels =
-      c_axis == std::string::npos ? 1 : image.size(static_cast<int64_t>(c_axis));
-  const int64_t height = image.size(static_cast<int64_t>(dataformats.find('H')));
-  const int64_t width = image.size(static_cast<int64_t>(dataformats.find('W')));
-  if (channels != 1 && channels != 3 && channels != 4)
-    fail("{}('{}'): an image has 1, 3 or 4 channels, got shape {} ({})", who, tag,
-         to_string(image.shape()), dataformats);
-  if (height < 1 || width < 1 || height > kMaxPngSide || width > kMaxPngSide)
-    fail("{}('{}'): an image's height and width must be in [1, {}], got shape {}", who, tag,
-         kMaxPngSide, to_string(image.shape()));
-  // HWC bytes, as torch's convert_to_HWC and its (x * 255).clip(0, 255).astype(uint8) in f32;
-  // one channel repeated into three.
-  const std::vector<float> values = cast(image, f32).to_vector<float>();
-  const int64_t shown = channels == 1 ? 3 : channels;
-  std::vector<uint8_t> pixels(static_cast<size_t>(height * width * shown));
-  for (int64_t y = 0; y < height; ++y)
-    for (int64_t x = 0; x < width; ++x)
-      for (int64_t k = 0; k < shown; ++k) {
-        const int64_t c = channels == 1 ? 0 : k;
-        const int64_t at = dataformats == "CHW"   ? (c * height + y) * width + x
-                           : dataformats == "HWC" ? (y * width + x) * channels + c
-                                                  : y * width + x;
-        const float v = values[static_cast<size_t>(at)] * 255.0f;
-        pixels[static_cast<size_t>((y * width + x) * shown + k)] =
-            std::isnan(v) ? 0 : static_cast<uint8_t>(std::clamp(v, 0.0f, 255.0f));
-      }
-  tfevents::Image encoded{height, width, shown, encode_png(pixels, height, width, shown, who)};
-  state_->append(step, {{.tag = tag, .image = std::move(encoded)}});
+  state_->append(step, {{.tag = tag, .image = image_summary(tag, image, dataformats, who)}});
+  state_->write_buffer();
+}
+
+void SummaryWriter::add_images(const std::string& tag, const Tensor& images, int64_t step,
+                               const std::string& dataformats) {
+  const char* who = "SummaryWriter.add_images";
+  state_->check_open(who);
+  tfevents::check_tag(tag, who);
+  if (dataformats != "NCHW" && dataformats != "NHWC")
+    fail("{}('{}'): dataformats must be \"NCHW\" or \"NHWC\", got \"{}\"", who, tag, dataformats);
+  state_->append(step, {{.tag = tag, .image = image_summary(tag, images, dataformats, who)}});
   state_->write_buffer();
 }
 

@@ -95,6 +95,11 @@ class SummaryWriter {
   /// image.
   void add_image(const std::string& tag, const Tensor& image, int64_t step,
                  const std::string& dataformats = "CHW");
+  /// torch's add_images: a batch of images ("NCHW" or "NHWC"; N >= 1) as one image, a grid of up
+  /// to 8 columns filled row by row (torch's make_grid, the cells past the last image black and,
+  /// with 4 channels, transparent); each image's values as add_image makes them.
+  void add_images(const std::string& tag, const Tensor& images, int64_t step,
+                  const std::string& dataformats = "NCHW");
   /// A text (a note on the run, a sample the model wrote; TensorBoard renders it as Markdown),
   /// written now under "<tag>/text_summary", as torch's add_text names it. Any bytes that are
   /// valid UTF-8.
