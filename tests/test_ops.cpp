@@ -1687,12 +1687,20 @@ void add_conv_cases(Oracle& o, Data& d, mt::DType dt) {
                             0.25, 0.5, -0.5, 0.0, 1.0, -0.25, 0.0, 0.0, 0.75, 1.0,  -1.0, 0.5},
                            {1, 3, 4, 2}, dt);
   mt::Tensor limits_image = d.randn({1, 2, 3, 4}, dt), limits_seed = d.randn({1, 2, 3, 4}, dt);
+  // Volumes: trilinear and nearest over (x, y, z) points.
+  mt::Tensor volume = d.randn({2, 2, 3, 4, 5}, dt),
+             volume_points = make(d.uniform(144, -1.3, 1.3), {2, 2, 3, 4, 3}, dt),
+             volume_seed = d.randn({2, 2, 2, 3, 4}, dt);
   const std::tuple<const char*, mt::Tensor, mt::Tensor, mt::Tensor> grids[] = {
-      {"", spread_image, spread, spread_seed}, {"limits_", limits_image, limits, limits_seed}};
+      {"", spread_image, spread, spread_seed},
+      {"limits_", limits_image, limits, limits_seed},
+      {"volume_", volume, volume_points, volume_seed}};
   for (const auto& [grid_name, image, points, seed] : grids)
     for (const auto& [mode, mode_name] : sample_modes)
       for (const auto& [padding, padding_name] : paddings)
         for (bool align : {false, true}) {
+          // PyTorch's bicubic is 2-d only.
+          if (image.dim() == 5 && mode == mt::GridSampleMode::Bicubic) continue;
           const std::string label = fmt::format("{}{}_{}_{}/{}", grid_name, mode_name, padding_name,
                                                 align ? "corners" : "edges", t);
           const std::string args = fmt::format("mode='{}', padding_mode='{}', align_corners={}",
@@ -1720,37 +1728,6 @@ void add_conv_cases(Oracle& o, Data& d, mt::DType dt) {
         "F.affine_grid(a, (2, 3, 4, 5), align_corners=False)", rtol, atol);
   o.add("affine_grid_corners/" + t, {theta}, mt::affine_grid(theta, {2, 1, 1, 6}, true),
         "F.affine_grid(a, (2, 1, 1, 6), align_corners=True)", rtol, atol);
-  // Volumes: grid_sample's trilinear and nearest modes over (x, y, z) points, every padding and
-  // align_corners, values and both gradients; affine_grid's 3-d grids.
-  mt::Tensor volume = d.randn({2, 2, 3, 4, 5}, dt),
-             volume_points = make(d.uniform(144, -1.3, 1.3), {2, 2, 3, 4, 3}, dt),
-             volume_seed = d.randn({2, 2, 2, 3, 4}, dt);
-  for (const auto& [mode, mode_name] : sample_modes) {
-    if (mode == mt::GridSampleMode::Bicubic) continue;  // PyTorch's is 2-d only
-    for (const auto& [padding, padding_name] : paddings)
-      for (bool align : {false, true}) {
-        const std::string label = fmt::format("volume_{}_{}_{}/{}", mode_name, padding_name,
-                                              align ? "corners" : "edges", t);
-        const std::string args = fmt::format("mode='{}', padding_mode='{}', align_corners={}",
-                                             mode_name, padding_name, align ? "True" : "False");
-        mt::Tensor x = volume.detach(), g = volume_points.detach();
-        x.requires_grad_();
-        g.requires_grad_();
-        mt::Tensor y =
-            mt::grid_sample(x, g, {.mode = mode, .padding_mode = padding, .align_corners = align});
-        std::vector<mt::Tensor> grads = mt::grad({y}, {x, g}, {volume_seed}, false, true);
-        if (!grads[1].defined()) grads[1] = mt::zeros_like(volume_points);
-        o.add("grid_sample/" + label, {volume, volume_points}, y.detach(),
-              "F.grid_sample(a, b, " + args + ")", rtol, atol);
-        const std::string both =
-            "(lambda x, g: torch.autograd.grad(F.grid_sample(x, g, " + args +
-            "), (x, g), c))(a.clone().requires_grad_(), b.clone().requires_grad_())";
-        o.add("grid_sample_grad_input/" + label, {volume, volume_points, volume_seed}, grads[0],
-              both + "[0]", rtol, atol);
-        o.add("grid_sample_grad_grid/" + label, {volume, volume_points, volume_seed}, grads[1],
-              both + "[1]", rtol, atol);
-      }
-  }
   // Points on ties: a volume halved by an identity grid (every point halfway between two voxels,
   // which PyTorch's 3-d nearest rounds away from zero) and a lattice of eighths.
   mt::Tensor cube = d.randn({1, 2, 4, 4, 4}, dt);

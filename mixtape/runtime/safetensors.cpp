@@ -386,16 +386,16 @@ std::optional<uint64_t> parse_hex16(std::string_view hex) {
 /// silently.
 std::vector<uint64_t> take_checksums(Layout& layout, std::string_view origin) {
   std::optional<std::string> text, header_text;
-  for (const auto& [key, value] : layout.metadata)
+  for (const auto& [key, value] : layout.metadata) {
     if (key.starts_with(reserved_metadata_prefix) && key != checksum_key &&
         key != header_checksum_key)
       fail(
           "{}: metadata '{}' uses the prefix reserved for checksums but is not '{}' or '{}': the "
           "file is damaged, or from a newer mixtape",
           origin, key, checksum_key, header_checksum_key);
-  for (const auto& [key, value] : layout.metadata)
     if (std::string_view near = near_checksum_key(key); !near.empty())
       fail("{}: metadata '{}' is one byte from '{}': the file is damaged", origin, key, near);
+  }
   std::erase_if(layout.metadata, [&](auto& key_value) {
     std::optional<std::string>* taken = key_value.first == checksum_key          ? &text
                                         : key_value.first == header_checksum_key ? &header_text
