@@ -335,6 +335,37 @@ TEST(Conv, BadArgumentsNameTheOpAndShapes) {
   EXPECT_MT_ERROR(mt::Conv2d(6, 4, {0, 3}), "Conv2d", "kernel sizes must be positive");
 }
 
+TEST(Conv, Conv3dModuleShapesNamesAndErrors) {
+  mt::Conv3d c3(6, 4, {3, 2, 1}, {.padding = {1, 0, 0}, .groups = 2});
+  EXPECT_EQ(c3.weight.shape(), (mt::Shape{4, 3, 3, 2, 1}));
+  EXPECT_EQ(c3(mt::zeros({2, 6, 5, 4, 3})).shape(), (mt::Shape{2, 4, 5, 3, 3}));
+  EXPECT_EQ(c3(mt::zeros({6, 5, 4, 3})).shape(), (mt::Shape{4, 5, 3, 3}));
+  std::vector<std::string> names;
+  for (const auto& [name, tensor] : c3.named_parameters()) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"weight", "bias"}));
+  const double bound = 1.0 / std::sqrt(18.0);  // fan_in 3 * 3 * 2 * 1
+  for (float v : c3.weight.to_vector<float>()) EXPECT_LE(std::fabs(v), bound);
+  EXPECT_MT_ERROR(mt::Conv3d(4, 4, 3, {.stride = 2, .padding = mt::Padding::Same}), "Conv3d",
+                  "needs stride 1", "(2, 2, 2)");
+  mt::Tensor x = mt::zeros({1, 4, 5, 5, 5}), w = mt::zeros({6, 2, 3, 3, 3});
+  EXPECT_MT_ERROR(mt::conv3d(x, w, {}, {.padding = {0, -1, 0}, .groups = 2}), "conv3d",
+                  "padding not negative", "padding (0, -1, 0)");
+  EXPECT_MT_ERROR(mt::conv3d(x, w), "conv3d", "[6, 2, 3, 3, 3]", "expects 2 input channels");
+  EXPECT_MT_ERROR(mt::conv3d(x, mt::zeros({6, 2, 6, 3, 3}), {}, {.groups = 2}), "conv3d",
+                  "larger than the padded input", "[1, 4, 5, 5, 5]");
+  EXPECT_MT_ERROR(mt::conv3d(mt::zeros({1, 4, 5, 5}), mt::zeros({6, 2, 3, 3})), "conv3d",
+                  "[out_channels, in_channels / groups, KD, KH, KW]");
+  EXPECT_MT_ERROR(mt::conv3d(mt::zeros({4, 5, 5}), w), "conv3d", "[N, C, D, H, W]");
+  EXPECT_MT_ERROR(mt::conv3d(x, w, mt::zeros({5}), {.groups = 2}), "bias shape [5]", "[6]");
+  EXPECT_MT_ERROR(
+      mt::conv3d(x, w, {}, {.stride = {1, 2, 1}, .padding = mt::Padding::Same, .groups = 2}),
+      "conv3d", "'same' needs stride 1");
+  EXPECT_MT_ERROR(mt::conv3d(x, w, {}, {.dilation = {int64_t{1} << 40, 1, 1}, .groups = 2}),
+                  "conv3d", "window sizes above 2^31");
+  EXPECT_MT_ERROR(mt::conv3d(mt::zeros({1, 4, 5, 5, 5}, mt::i64), mt::zeros(w.shape(), mt::i64)),
+                  "conv3d", "floating-point");
+}
+
 // The convolution and its gradients replay under mt::compile, bit for bit as the traced step.
 TEST(Conv, CompiledStepReplaysTheTracedOne) {
   mt::set_device(mt::Device::cpu);

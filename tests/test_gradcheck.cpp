@@ -910,6 +910,33 @@ const std::vector<Sample>& composite_samples() {
     add_c("adaptive_max_pool2d", {{{2, 2, 5, 7}}}, [](const Tensors& x) {
       return mt::adaptive_max_pool2d(x[0], {3, 2});
     });
+    // Volumes: conv3d over one 2-d convolution of gathered depth taps, the 3-d poolings over
+    // two 2-d passes.
+    add_c("conv3d_bias_groups_strided", {{{1, 4, 4, 3, 5}}, {{4, 2, 2, 2, 3}}, {{4}}},
+          [](const Tensors& x) {
+            return mt::conv3d(x[0], x[1], x[2],
+                              {.stride = {2, 1, 2}, .padding = {1, 0, 1}, .groups = 2});
+          });
+    add_c("conv3d_same_reflect_unbatched", {{{2, 3, 4, 3}}, {{2, 2, 2, 3, 2}}},
+          [](const Tensors& x) {
+            return mt::conv3d(x[0], x[1], {},
+                              {.padding = mt::Padding::Same,
+                               .dilation = {1, 1, 2},
+                               .padding_mode = mt::PadMode::Reflect});
+          });
+    add_c("max_pool3d_pad_ceil", {{{1, 2, 4, 5, 5}, Dist::Grid}},
+          [](const Tensors& x) { return mt::max_pool3d(x[0], 3, 2, 1, 1, true); });
+    add_c("max_pool3d_dilated_rect", {{{1, 1, 5, 4, 6}, Dist::Grid}}, [](const Tensors& x) {
+      return mt::max_pool3d(x[0], {2, 2, 3}, {{1, 2, 2}}, {1, 0, 1}, {2, 1, 1});
+    });
+    add_c("avg_pool3d_pad_ceil_exclude_pad", {{{1, 2, 4, 5, 6}}},
+          [](const Tensors& x) { return mt::avg_pool3d(x[0], 3, 2, 1, true, false); });
+    add_c("adaptive_avg_pool3d", {{{1, 2, 5, 4, 7}}}, [](const Tensors& x) {
+      return mt::adaptive_avg_pool3d(x[0], {3, 4, 2});
+    });
+    add_c("adaptive_max_pool3d", {{{1, 2, 5, 4, 7}}}, [](const Tensors& x) {
+      return mt::adaptive_max_pool3d(x[0], {2, 3, 3});
+    });
     add_c("grid_sample_zeros", {{{1, 2, 3, 4}}, {{1, 2, 3, 2}}},
           [](const Tensors& x) { return mt::grid_sample(x[0], x[1] * 0.6); });
     add_c("grid_sample_reflection_corners", {{{1, 2, 3, 4}}, {{1, 2, 3, 2}}}, [](const Tensors& x) {

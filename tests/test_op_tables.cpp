@@ -286,6 +286,7 @@ TEST(CompositeTable, EveryCompositeNamesItsNodes) {
   mt::Tensor norm_weight = mt::ones({4}), norm_bias = mt::zeros({4});
   mt::Tensor labels = mt::zeros({2, 3}, mt::i64);
   mt::Tensor image = mt::randn({2, 3, 4, 4});
+  mt::Tensor volume = mt::randn({2, 3, 4, 4, 4});
   mt::Generator gen(1);
   const std::map<std::string, std::function<mt::Tensor()>> builders = {
       {"softmax", [&] { return mt::softmax(x); }},
@@ -329,6 +330,10 @@ TEST(CompositeTable, EveryCompositeNamesItsNodes) {
        [&] {
          return mt::conv2d(x, mt::ones({5, 2, 2, 2}), b);
        }},
+      {"conv3d",
+       [&] {
+         return mt::conv3d(volume, mt::ones({5, 3, 2, 2, 2}), b);
+       }},
       {"conv_transpose2d",
        [&] {
          return mt::conv_transpose2d(x, mt::ones({2, 5, 2, 2}), b);
@@ -349,6 +354,16 @@ TEST(CompositeTable, EveryCompositeNamesItsNodes) {
       {"adaptive_max_pool2d",
        [&] {
          return mt::adaptive_max_pool2d(image, {2, 1});
+       }},
+      {"max_pool3d", [&] { return mt::max_pool3d(volume, 2); }},
+      {"avg_pool3d", [&] { return mt::avg_pool3d(volume, 2); }},
+      {"adaptive_avg_pool3d",
+       [&] {
+         return mt::adaptive_avg_pool3d(volume, {2, 1, 3});
+       }},
+      {"adaptive_max_pool3d",
+       [&] {
+         return mt::adaptive_max_pool3d(volume, {2, 1, 3});
        }},
       {"grid_sample",
        [&] {

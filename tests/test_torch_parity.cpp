@@ -1185,6 +1185,101 @@ std::vector<ExprCase> expr_cases() {
        "a,b,c",
        [](const In& x) { return mt::scaled_dot_product_attention(x[0], x[1], x[2], x[3]); }},
       true);
+  // Volumes: conv3d (a 2-d convolution of gathered depth taps inside) and the 3-d poolings (two
+  // 2-d passes). PyTorch's CPU autocast runs the poolings in f32 (its fp32 list, not CUDA's);
+  // mixtape's follow their input, summed in f32 and rounded once.
+  const mt::Tensor volume = rng.normal({2, 4, 5, 6, 7});
+  add({"conv3d_groups_strided_dilated",
+       "F.conv3d(a, b, c, stride=(2, 1, 2), padding=(1, 0, 1), dilation=(1, 2, 1), groups=2)",
+       {volume, rng.normal({6, 2, 3, 2, 3}, 0.3), rng.normal({6})},
+       "a,b,c",
+       [](const In& x) {
+         return mt::conv3d(
+             x[0], x[1], x[2],
+             {.stride = {2, 1, 2}, .padding = {1, 0, 1}, .dilation = {1, 2, 1}, .groups = 2});
+       }},
+      true);
+  add({"conv3d_same_zeros",
+       "F.conv3d(a, b, padding='same')",
+       {volume, rng.normal({3, 4, 2, 3, 4}, 0.3)},
+       "a,b",
+       [](const In& x) { return mt::conv3d(x[0], x[1], {}, {.padding = mt::Padding::Same}); }},
+      true);
+  // 'same' with a padding mode, as torch.nn.Conv3d pads: the odd one of each axis after.
+  add({"conv3d_same_replicate",
+       "F.conv3d(F.pad(a, (1, 2, 1, 1, 0, 1), mode='replicate'), b)",
+       {volume, rng.normal({3, 4, 2, 3, 4}, 0.3)},
+       "a,b",
+       [](const In& x) {
+         return mt::conv3d(x[0], x[1], {},
+                           {.padding = mt::Padding::Same, .padding_mode = mt::PadMode::Replicate});
+       }},
+      true);
+  add({"conv3d_unbatched",
+       "F.conv3d(a, b, c, padding=1)",
+       {rng.normal({4, 5, 6, 7}), rng.normal({3, 4, 3, 3, 3}, 0.2), rng.normal({3})},
+       "a,b,c",
+       [](const In& x) { return mt::conv3d(x[0], x[1], x[2], {.padding = 1}); }},
+      true);
+  add({"max_pool3d_overlapping",
+       "F.max_pool3d(a, 3, 2, 1)",
+       {volume},
+       "a",
+       [](const In& x) { return mt::max_pool3d(x[0], 3, 2, 1); }},
+      true);
+  add({"max_pool3d_dilated_ceil",
+       "F.max_pool3d(a, (2, 3, 2), (2, 1, 2), (1, 1, 0), (1, 1, 2), ceil_mode=True)",
+       {volume},
+       "a",
+       [](const In& x) {
+         return mt::max_pool3d(x[0], {2, 3, 2}, {{2, 1, 2}}, {1, 1, 0}, {1, 1, 2}, true);
+       }},
+      true);
+  // Ties everywhere (small integers): the gradient goes to each window's first maximum in
+  // (depth, height, width) order, as PyTorch's.
+  add({"max_pool3d_ties",
+       "F.max_pool3d(a, 3, (1, 2, 2), 1)",
+       {mt::round(rng.normal({2, 3, 5, 6, 7}, 1.0))},
+       "a",
+       [](const In& x) {
+         return mt::max_pool3d(x[0], 3, {{1, 2, 2}}, 1);
+       }},
+      false);
+  add({"adaptive_max_pool3d_ties",
+       "F.adaptive_max_pool3d(a, (3, 4, 2))",
+       {mt::round(rng.normal({2, 3, 5, 6, 7}, 1.0))},
+       "a",
+       [](const In& x) {
+         return mt::adaptive_max_pool3d(x[0], {3, 4, 2});
+       }},
+      false);
+  add({"adaptive_max_pool3d",
+       "F.adaptive_max_pool3d(a, (3, 4, 2))",
+       {volume},
+       "a",
+       [](const In& x) {
+         return mt::adaptive_max_pool3d(x[0], {3, 4, 2});
+       }},
+      true);
+  for (bool include_pad : {false, true})
+    add({fmt::format("avg_pool3d_ceil_{}", include_pad ? "include_pad" : "exclude_pad"),
+         fmt::format("F.avg_pool3d(a, (3, 2, 3), 2, (1, 1, 0), ceil_mode=True, "
+                     "count_include_pad={})",
+                     include_pad ? "True" : "False"),
+         {volume},
+         "a",
+         [include_pad](const In& x) {
+           return mt::avg_pool3d(x[0], {3, 2, 3}, 2, {1, 1, 0}, true, include_pad);
+         }},
+        true);
+  add({"adaptive_avg_pool3d",
+       "F.adaptive_avg_pool3d(a, (3, 4, 2))",
+       {volume},
+       "a",
+       [](const In& x) {
+         return mt::adaptive_avg_pool3d(x[0], {3, 4, 2});
+       }},
+      true);
   return cases;
 }
 

@@ -867,6 +867,95 @@ TEST(VisionErrors, BadArgumentsNameTheOpAndTheShapes) {
 // avg_pool2d's divisors (where windows cover different counts) and interpolate's indices and
 // weights are host tables; kept by value (dsl/constant_cache.h), a compiled step reading them
 // replays, where a new table on every trace kept it tracing.
+// A small volume network (Conv3d, BatchNorm3d, the 3-d poolings) trains the same under
+// mt::compile as traced, in f32 and under bf16 autocast, its running statistics included.
+TEST(VisionVolumes, ANetworkOfVolumesReplaysUnderCompile) {
+  mt::Generator data_gen(5);
+  const mt::Tensor x = mt::randn({3, 2, 6, 7, 5}, mt::f32, &data_gen);
+  for (bool autocast : {false, true}) {
+    SCOPED_TRACE(autocast ? "autocast-bf16" : "fp32");
+    auto run = [&](bool compiled) {
+      mt::Generator gen(9);
+      mt::Conv3d conv1(2, 4, 3, {.padding = 1}, true, &gen);
+      mt::BatchNorm3d norm(4);
+      mt::MaxPool3d pool(3, mt::Size3{2, 2, 1}, 1);
+      mt::Conv3d conv2(4, 4, {2, 3, 3}, {.padding = mt::Padding::Same, .groups = 2}, false, &gen);
+      mt::AvgPool3d avg(2, std::nullopt, 0, true);
+      mt::AdaptiveMaxPool3d top({1, 2, 1});
+      mt::AdaptiveAvgPool3d mean3({1, 1, 1});
+      std::vector<mt::Tensor> params = conv1.parameters();
+      for (mt::Module* m : std::vector<mt::Module*>{&norm, &conv2})
+        for (const mt::Tensor& p : m->parameters()) params.push_back(p);
+      mt::SGD opt(params, {.lr = 0.05, .momentum = 0.9});
+      auto step = [&](const mt::Tensor& input) {
+        opt.zero_grad();
+        std::optional<mt::autocast> guard;
+        if (autocast) guard.emplace(mt::bf16);
+        mt::Tensor h = pool(mt::relu(norm(conv1(input))));
+        h = conv2(h);
+        mt::Tensor loss = mt::mean(mt::square(mean3(avg(h)))) + mt::mean(mt::square(top(h)));
+        guard.reset();
+        loss.backward();
+        opt.step();
+        return loss;
+      };
+      auto compiled_step = mt::compile(step);
+      std::vector<double> losses;
+      for (int call = 0; call < 4; ++call)
+        losses.push_back((compiled ? compiled_step(x) : step(x)).item());
+      if (compiled && mt::current_device() != mt::Device::reference) {
+        EXPECT_GE(compiled_step.stats().replays, 1) << compiled_step.stats().reason;
+      }
+      losses.push_back(mt::sum(norm.running_mean).item());
+      losses.push_back(static_cast<double>(norm.num_batches_tracked.item()));
+      return losses;
+    };
+    const std::vector<double> traced = run(false);
+    EXPECT_EQ(run(true), traced);
+    EXPECT_EQ(traced.back(), 4.0);
+    EXPECT_NE(traced[4], 0.0);  // the running mean moved
+  }
+}
+
+TEST(VisionVolumes, ShapesChannelDropoutAndErrors) {
+  mt::Tensor v = mt::ones({2, 3, 5, 6, 7});
+  EXPECT_EQ(mt::max_pool3d(v, 2).shape(), (mt::Shape{2, 3, 2, 3, 3}));
+  EXPECT_EQ(mt::max_pool3d(v, 2, std::nullopt, 0, 1, true).shape(), (mt::Shape{2, 3, 3, 3, 4}));
+  EXPECT_EQ(mt::avg_pool3d(mt::ones({3, 5, 6, 7}), {1, 2, 3}).shape(), (mt::Shape{3, 5, 3, 2}));
+  EXPECT_EQ(mt::adaptive_avg_pool3d(v, {4, 1, 3}).shape(), (mt::Shape{2, 3, 4, 1, 3}));
+  EXPECT_EQ(values(mt::adaptive_max_pool3d(v, {2, 2, 2})), std::vector<float>(48, 1.0f));
+  // Whole channels of a volume dropped (or scaled by 2), batched and not.
+  mt::Generator gen(3);
+  for (const mt::Shape& shape : {mt::Shape{4, 6, 2, 3, 2}, mt::Shape{6, 2, 3, 2}}) {
+    std::vector<float> y = values(mt::dropout3d(mt::ones(shape), 0.5, true, &gen));
+    for (size_t ch = 0; ch < y.size() / 12; ++ch)
+      for (size_t i = 0; i < 12; ++i) {
+        EXPECT_EQ(y[ch * 12 + i], y[ch * 12]);
+        EXPECT_TRUE(y[ch * 12] == 0.0f || y[ch * 12] == 2.0f);
+      }
+  }
+  mt::Dropout3d drop(0.5, &gen);
+  drop.eval();
+  EXPECT_EQ(values(drop(v)), values(v));
+  EXPECT_MT_ERROR(mt::Dropout3d(1.5), "Dropout3d", "p must be in [0, 1]");
+  EXPECT_MT_ERROR(mt::dropout3d(mt::ones({2, 3, 4}), 0.5), "dropout3d", "[N, C, D, H, W]");
+  EXPECT_MT_ERROR(mt::max_pool3d(mt::ones({2, 3, 4}), 2), "max_pool3d", "NCDHW or CDHW");
+  EXPECT_MT_ERROR(mt::max_pool3d(v, 2, std::nullopt, {2, 0, 0}), "max_pool3d", "depth axis",
+                  "more than half the kernel");
+  EXPECT_MT_ERROR(mt::avg_pool3d(v, {2, 9, 2}), "avg_pool3d", "height axis", "larger than");
+  EXPECT_MT_ERROR(mt::avg_pool3d(v, 2, mt::Size3{1, 0, 1}), "avg_pool3d", "must be positive");
+  EXPECT_MT_ERROR(mt::adaptive_avg_pool3d(v, {2, 0, 2}), "adaptive_avg_pool3d", "(2, 0, 2)",
+                  "must be positive");
+  EXPECT_MT_ERROR(mt::adaptive_max_pool3d(mt::ones({2, 3, 4, 5}, mt::i64), 2),
+                  "adaptive_max_pool3d", "input");
+  mt::BatchNorm3d norm(3);
+  EXPECT_MT_ERROR(norm(mt::ones({2, 3, 4, 5})), "BatchNorm3d", "[N, C, D, H, W]");
+  std::vector<std::string> names;
+  for (const auto& [name, tensor] : norm.state_dict()) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"weight", "bias", "running_mean", "running_var",
+                                             "num_batches_tracked"}));
+}
+
 TEST(VisionCompile, PoolingDivisorsAndInterpolationTablesReplay) {
   mt::Generator gen(21);
   mt::Tensor x = mt::randn({2, 3, 6, 6}, mt::f32, &gen);

@@ -3,6 +3,7 @@
 #include "mixtape/dsl/conv.h"
 
 #include <algorithm>
+#include <iterator>
 #include <utility>
 
 #include "mixtape/dsl/composites.h"
@@ -265,6 +266,100 @@ Tensor conv1d(const Tensor& x, const Tensor& weight, const Tensor& bias,
   CallSiteScope site(loc, composite::conv1d);
   Tensor y = forward("conv1d", input, weight2, window, loc);
   return add_bias("conv1d", squeeze(y, 2, loc), bias, loc);
+}
+
+Tensor conv3d(const Tensor& x, const Tensor& weight, const Tensor& bias,
+              const Conv3dOptions& options, const Loc& loc) {
+  const char* op = "conv3d";
+  if (!x.defined() || !weight.defined())
+    op_fail(op, loc, "the input or the weight is an undefined tensor");
+  if (x.dim() == 4) {
+    Tensor y = conv3d(unsqueeze(x, 0, loc), weight, bias, options, loc);
+    CallSiteScope site(loc, composite::conv3d);
+    return squeeze(y, 0, loc);
+  }
+  operand_type(op, x, weight, loc);
+  if (x.dim() != 5) op_fail(op, loc, "input must be [N, C, D, H, W], got {}", to_string(x.shape()));
+  if (weight.dim() != 5)
+    op_fail(op, loc, "weight must be [out_channels, in_channels / groups, KD, KH, KW], got {}",
+            to_string(weight.shape()));
+  const int64_t stride[3] = {options.stride.d, options.stride.h, options.stride.w};
+  const int64_t dil[3] = {options.dilation.d, options.dilation.h, options.dilation.w};
+  const int64_t padding[3] = {options.padding.d, options.padding.h, options.padding.w};
+  const int64_t groups = options.groups;
+  const auto text = [&] {
+    return fmt::format(
+        "stride ({}, {}, {}), padding ({}, {}, {}), dilation ({}, {}, {}), groups {}", stride[0],
+        stride[1], stride[2], padding[0], padding[1], padding[2], dil[0], dil[1], dil[2], groups);
+  };
+  for (int a = 0; a < 3; ++a) {
+    if (stride[a] < 1 || dil[a] < 1 || padding[a] < 0)
+      op_fail(op, loc, "stride and dilation must be positive, padding not negative: {}", text());
+    if (std::max({stride[a], dil[a], padding[a]}) > kMaxWindow)
+      op_fail(op, loc, "window sizes above 2^31: {}", text());
+  }
+  if (groups < 1 || groups > kMaxWindow)
+    op_fail(op, loc, "groups must be positive and at most 2^31: {}", text());
+  const Shape& xs = x.shape();
+  const Shape& ws = weight.shape();
+  if (xs[1] % groups != 0 || ws[0] % groups != 0)
+    op_fail(op, loc, "groups {} must divide the input's {} and the output's {} channels", groups,
+            xs[1], ws[0]);
+  if (ws[1] * groups != xs[1])
+    op_fail(op, loc, "weight {} expects {} input channels ({} per group of {}), input {} has {}",
+            to_string(ws), ws[1] * groups, ws[1], groups, to_string(xs), xs[1]);
+  // PyTorch's padding per axis: 'same' pads dilation (k - 1), the odd one after.
+  int64_t before[3], after[3], extent[3];
+  for (int a = 0; a < 3; ++a) {
+    if (ws[2 + a] < 1) op_fail(op, loc, "kernel {} has an empty spatial dimension", to_string(ws));
+    extent[a] = dilated_extent(op, dil[a], ws[2 + a], loc);
+    before[a] = after[a] = options.padding.same ? 0 : padding[a];
+    if (!options.padding.same) continue;
+    if (stride[a] != 1) op_fail(op, loc, "padding 'same' needs stride 1, got {}", text());
+    before[a] = (extent[a] - 1) / 2;
+    after[a] = extent[a] - 1 - before[a];
+  }
+  for (int a = 0; a < 3; ++a)
+    if (xs[2 + a] + before[a] + after[a] < extent[a])
+      op_fail(op, loc, "kernel {} (dilated {}) is larger than the padded input {} padded by {}",
+              to_string(ws), extent[a], to_string(xs), text());
+  // A padding mode other than zeros pads in x's type before the convolution, as PyTorch's
+  // modules do; zeros pad inside it.
+  Tensor input = x;
+  if (options.padding_mode != PadMode::Constant) {
+    input = pad(x, {before[2], after[2], before[1], after[1], before[0], after[0]},
+                options.padding_mode, 0.0, loc);
+    std::fill(std::begin(before), std::end(before), 0);
+    std::fill(std::begin(after), std::end(after), 0);
+  }
+  CallSiteScope site(loc, composite::conv3d);
+  // The depth padding, and 'same''s odd row and column: the 2-d window pads the rest.
+  if (before[0] || after[0] || after[1] != before[1] || after[2] != before[2])
+    input = pad(input, {0, after[2] - before[2], 0, after[1] - before[1], before[0], after[0]},
+                PadMode::Constant, 0.0, loc);
+  const int64_t n = xs[0], c = xs[1], o = ws[0], kd = ws[2];
+  const int64_t od = (input.size(2) - extent[0]) / stride[0] + 1;
+  // Tap t of output depth z reads depth z stride + t dilation: [N, C, KD, OD, H, W], as
+  // [N OD, C KD, H, W] with channel c KD + t, which keeps each group's channels together.
+  std::vector<Tensor> taps;
+  taps.reserve(static_cast<size_t>(kd));
+  for (int64_t t = 0; t < kd; ++t)
+    taps.push_back(slice(input, {0, 0, t * dil[0], 0, 0}, {1, 1, stride[0], 1, 1},
+                         {n, c, od, input.size(3), input.size(4)}, loc));
+  const Tensor columns = reshape(permute(stack(taps, 2, loc), {0, 3, 1, 2, 4, 5}, loc),
+                                 {n * od, c * kd, input.size(3), input.size(4)}, loc);
+  ConvWindow window;
+  for (int a = 1; a < 3; ++a) {
+    window.stride[a - 1] = stride[a];
+    window.pad[a - 1] = before[a];
+    window.dil[a - 1] = dil[a];
+  }
+  window.groups = groups;
+  const Tensor y2 =
+      forward(op, columns, reshape(weight, {o, ws[1] * kd, ws[3], ws[4]}, loc), window, loc);
+  const Tensor y =
+      permute(reshape(y2, {n, od, o, y2.size(2), y2.size(3)}, loc), {0, 2, 1, 3, 4}, loc);
+  return add_bias(op, y, bias, loc);
 }
 
 Tensor conv_transpose2d(const Tensor& x, const Tensor& weight, const Tensor& bias,

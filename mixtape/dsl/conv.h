@@ -1,5 +1,5 @@
-// mixtape/dsl/conv.h -- convolutions as PyTorch has them (conv1d, conv2d, conv_transpose2d) and the
-// geometry their three primitives share.
+// mixtape/dsl/conv.h -- convolutions as PyTorch has them (conv1d, conv2d, conv3d,
+// conv_transpose2d) and the geometry their three primitives share.
 #pragma once
 
 #include <compare>
@@ -33,6 +33,14 @@ struct ConvPadding1 {
   bool same = false;
 };
 
+/// conv3d's padding: sizes (one for all axes, or depth, height, width) or a rule.
+struct ConvPadding3 : Size3 {
+  ConvPadding3(int64_t all) : Size3(all) {}  // NOLINT: implicit, as PyTorch's int argument
+  ConvPadding3(int64_t d, int64_t h, int64_t w) : Size3(d, h, w) {}
+  ConvPadding3(Padding rule) : Size3(0), same(rule == Padding::Same) {}  // NOLINT: as 'same'
+  bool same = false;
+};
+
 /// `padding_mode` is the modules' argument in PyTorch (Conv1d, Conv2d), which their functions
 /// take here too: Constant pads zeros ('zeros'), Reflect, Replicate and Circular pad the input
 /// with mt::pad before a convolution without padding, as PyTorch's modules do.
@@ -47,6 +55,13 @@ struct Conv1dOptions {
   int64_t stride = 1;
   ConvPadding1 padding = 0;
   int64_t dilation = 1, groups = 1;
+  PadMode padding_mode = PadMode::Constant;
+};
+struct Conv3dOptions {
+  Size3 stride = 1;
+  ConvPadding3 padding = 0;
+  Size3 dilation = 1;
+  int64_t groups = 1;
   PadMode padding_mode = PadMode::Constant;
 };
 struct ConvTranspose2dOptions {
@@ -64,6 +79,14 @@ Tensor conv2d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor
 /// torch.nn.functional.conv1d: x [N, C, L] (or [C, L]), weight [O, C / groups, K].
 Tensor conv1d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
               const Conv1dOptions& options = {}, const Loc& loc = Loc::current());
+/// torch.nn.functional.conv3d: x [N, C, D, H, W] (or [C, D, H, W]), weight [O, C / groups, KD, KH,
+/// KW], bias [O] -> [N, O, OD, OH, OW], each axis sized as conv2d's, with its options per axis
+/// (depth, height, width). Lowered to one 2-d convolution, so that every back end runs it on its
+/// conv2d primitives and each output is one f32 sum rounded once: the KD depth taps of each
+/// output depth are gathered into channels (x as [N OD, C KD, H, W], KD / stride times its size;
+/// the weight as [O, C / groups KD, KH, KW], a view).
+Tensor conv3d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
+              const Conv3dOptions& options = {}, const Loc& loc = Loc::current());
 /// torch.nn.functional.conv_transpose2d: x [N, Cin, H, W], weight [Cin, Cout / groups, KH, KW]
 /// -> [N, Cout, (H - 1) stride - 2 pad + dil (KH - 1) + output_padding + 1, ...]: the gradient
 /// of conv2d with respect to its input.

@@ -1,5 +1,5 @@
-// mixtape/dsl/conv_layers.h -- the convolution modules: Conv1d, Conv2d and ConvTranspose2d, with
-// PyTorch's parameter names, shapes and initialization.
+// mixtape/dsl/conv_layers.h -- the convolution modules: Conv1d, Conv2d, Conv3d and ConvTranspose2d,
+// with PyTorch's parameter names, shapes and initialization.
 #pragma once
 
 #include "mixtape/dsl/conv.h"
@@ -28,6 +28,16 @@ class Conv1d : public Module {
   Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
   Tensor weight, bias;
   Conv1dOptions options;
+};
+
+/// weight [out, in / groups, KD, KH, KW], bias [out], as torch.nn.Conv3d.
+class Conv3d : public Module {
+ public:
+  Conv3d(int64_t in_channels, int64_t out_channels, Size3 kernel_size,
+         const Conv3dOptions& options = {}, bool bias = true, Generator* gen = nullptr);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  Tensor weight, bias;
+  Conv3dOptions options;
 };
 
 /// weight [in, out / groups, KH, KW], bias [out], as torch.nn.ConvTranspose2d (whose fan_in is

@@ -203,6 +203,15 @@ void BatchNorm2d::check_rank(const Tensor& x) const {
     fail("BatchNorm2d '{}': needs an [N, C, H, W] input, got {}", path(), to_string(x.shape()));
 }
 
+BatchNorm3d::BatchNorm3d(int64_t num_features, double eps, std::optional<double> momentum,
+                         bool affine, bool track_running_stats)
+    : BatchNorm("BatchNorm3d", num_features, eps, momentum, affine, track_running_stats) {}
+
+void BatchNorm3d::check_rank(const Tensor& x) const {
+  if (x.dim() != 5)
+    fail("BatchNorm3d '{}': needs an [N, C, D, H, W] input, got {}", path(), to_string(x.shape()));
+}
+
 GroupNorm::GroupNorm(int64_t num_groups, int64_t num_channels, double eps, bool affine)
     : num_groups(num_groups), eps(eps) {
   if (num_groups <= 0 || num_channels <= 0 || num_channels % num_groups != 0)
@@ -269,6 +278,42 @@ Tensor AdaptiveMaxPool2d::operator()(const Tensor& x, const Loc& loc) const {
   return adaptive_max_pool2d(x, output_size, loc);
 }
 
+MaxPool3d::MaxPool3d(Size3 kernel, std::optional<Size3> stride, Size3 padding, Size3 dilation,
+                     bool ceil_mode)
+    : kernel(kernel), stride(stride), padding(padding), dilation(dilation), ceil_mode(ceil_mode) {}
+
+Tensor MaxPool3d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope = forward_scope();
+  return max_pool3d(x, kernel, stride, padding, dilation, ceil_mode, loc);
+}
+
+AvgPool3d::AvgPool3d(Size3 kernel, std::optional<Size3> stride, Size3 padding, bool ceil_mode,
+                     bool count_include_pad)
+    : kernel(kernel),
+      stride(stride),
+      padding(padding),
+      ceil_mode(ceil_mode),
+      count_include_pad(count_include_pad) {}
+
+Tensor AvgPool3d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope = forward_scope();
+  return avg_pool3d(x, kernel, stride, padding, ceil_mode, count_include_pad, loc);
+}
+
+AdaptiveAvgPool3d::AdaptiveAvgPool3d(Size3 output_size) : output_size(output_size) {}
+
+Tensor AdaptiveAvgPool3d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope = forward_scope();
+  return adaptive_avg_pool3d(x, output_size, loc);
+}
+
+AdaptiveMaxPool3d::AdaptiveMaxPool3d(Size3 output_size) : output_size(output_size) {}
+
+Tensor AdaptiveMaxPool3d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope = forward_scope();
+  return adaptive_max_pool3d(x, output_size, loc);
+}
+
 Unfold::Unfold(Size2 kernel_size, Size2 dilation, Size2 padding, Size2 stride)
     : kernel_size(kernel_size), dilation(dilation), padding(padding), stride(stride) {}
 
@@ -294,6 +339,15 @@ Dropout2d::Dropout2d(double p, Generator* gen) : p(p), gen_(gen) {
 Tensor Dropout2d::operator()(const Tensor& x, const Loc& loc) const {
   ModulePathScope scope = forward_scope();
   return dropout2d(x, p, is_training(), gen_, loc);
+}
+
+Dropout3d::Dropout3d(double p, Generator* gen) : p(p), gen_(gen) {
+  if (!(p >= 0 && p <= 1)) fail("Dropout3d: p must be in [0, 1], got {}", p);
+}
+
+Tensor Dropout3d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope = forward_scope();
+  return dropout3d(x, p, is_training(), gen_, loc);
 }
 
 Upsample::Upsample(InterpolateOptions options) : options(std::move(options)) {

@@ -126,6 +126,17 @@ class BatchNorm2d : public BatchNorm {
   void check_rank(const Tensor& x) const override;
 };
 
+/// Over [N, C, D, H, W].
+class BatchNorm3d : public BatchNorm {
+ public:
+  explicit BatchNorm3d(int64_t num_features, double eps = 1e-5,
+                       std::optional<double> momentum = 0.1, bool affine = true,
+                       bool track_running_stats = true);
+
+ private:
+  void check_rank(const Tensor& x) const override;
+};
+
 class GroupNorm : public Module {
  public:
   GroupNorm(int64_t num_groups, int64_t num_channels, double eps = 1e-5, bool affine = true);
@@ -185,6 +196,43 @@ class AdaptiveMaxPool2d : public Module {
   Size2 output_size;
 };
 
+/// The 3-d poolings' modules (dsl/vision.h's max_pool3d, ...), as torch.nn's.
+class MaxPool3d : public Module {
+ public:
+  explicit MaxPool3d(Size3 kernel, std::optional<Size3> stride = std::nullopt, Size3 padding = 0,
+                     Size3 dilation = 1, bool ceil_mode = false);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  Size3 kernel;
+  std::optional<Size3> stride;
+  Size3 padding, dilation;
+  bool ceil_mode;
+};
+
+class AvgPool3d : public Module {
+ public:
+  explicit AvgPool3d(Size3 kernel, std::optional<Size3> stride = std::nullopt, Size3 padding = 0,
+                     bool ceil_mode = false, bool count_include_pad = true);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  Size3 kernel;
+  std::optional<Size3> stride;
+  Size3 padding;
+  bool ceil_mode, count_include_pad;
+};
+
+class AdaptiveAvgPool3d : public Module {
+ public:
+  explicit AdaptiveAvgPool3d(Size3 output_size);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  Size3 output_size;
+};
+
+class AdaptiveMaxPool3d : public Module {
+ public:
+  explicit AdaptiveMaxPool3d(Size3 output_size);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  Size3 output_size;
+};
+
 /// torch.nn.Unfold and Fold: unfold / fold with the sizes they were made with.
 class Unfold : public Module {
  public:
@@ -204,6 +252,17 @@ class Fold : public Module {
 class Dropout2d : public Module {
  public:
   explicit Dropout2d(double p = 0.5, Generator* gen = nullptr);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  double p;
+
+ private:
+  Generator* gen_;
+};
+
+/// Zeroes whole channels of a volume when training (torch.nn.Dropout3d).
+class Dropout3d : public Module {
+ public:
+  explicit Dropout3d(double p = 0.5, Generator* gen = nullptr);
   Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
   double p;
 

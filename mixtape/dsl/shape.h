@@ -36,4 +36,12 @@ struct Size2 {
   bool operator==(const Size2&) const = default;
 };
 
+/// A (depth, height, width) triple of a 3-d window, also one number for all three.
+struct Size3 {
+  int64_t d = 0, h = 0, w = 0;
+  Size3(int64_t all) : d(all), h(all), w(all) {}  // NOLINT: implicit, as PyTorch's int argument
+  Size3(int64_t d, int64_t h, int64_t w) : d(d), h(h), w(w) {}
+  bool operator==(const Size3&) const = default;
+};
+
 }  // namespace mixtape

@@ -12,6 +12,7 @@
 #include <string>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "mixtape/dsl/composites.h"
 #include "mixtape/dsl/constant_cache.h"
@@ -426,22 +427,28 @@ Tensor adaptive_mean(const Tensor& x, int64_t axis, int64_t out) {
 
 namespace {
 
-// adaptive pooling's checks of x (NCHW or CHW) and the output size.
-void check_adaptive(const char* op, const Loc& loc, const Tensor& x, Size2 output_size) {
+// adaptive pooling's checks of x (NCHW or CHW; NCDHW or CDHW for three sizes) and the output
+// size per spatial axis.
+void check_adaptive(const char* op, const Loc& loc, const Tensor& x,
+                    const std::vector<int64_t>& output_size) {
   require_float(x, op, "input", loc);
-  if (x.dim() != 3 && x.dim() != 4)
-    op_fail(op, loc, "needs an NCHW or CHW input, got {}", to_string(x.shape()));
-  if (output_size.h <= 0 || output_size.w <= 0)
-    op_fail(op, loc, "output size ({}, {}) must be positive", output_size.h, output_size.w);
-  for (auto [in, out] :
-       {std::pair{x.size(-2), output_size.h}, std::pair{x.size(-1), output_size.w}})
+  const auto spatial = static_cast<int64_t>(output_size.size());
+  if (x.dim() != spatial + 1 && x.dim() != spatial + 2)
+    op_fail(op, loc, "needs an {} input, got {}", spatial == 3 ? "NCDHW or CDHW" : "NCHW or CHW",
+            to_string(x.shape()));
+  const std::string sizes = fmt::format("({})", fmt::join(output_size, ", "));
+  for (int64_t a = 0; a < spatial; ++a) {
+    const int64_t in = x.size(a - spatial), out = output_size[static_cast<size_t>(a)];
+    if (out <= 0) op_fail(op, loc, "output size {} must be positive", sizes);
     if (out > kMaxWindowsPerAxis && in % out != 0)
       op_fail(op, loc,
-              "output size ({}, {}) is above 2^20 on an axis whose windows differ (it makes a "
-              "node per window)",
-              output_size.h, output_size.w);
-  if (x.size(-2) == 0 || x.size(-1) == 0)
-    op_fail(op, loc, "input {} has an empty spatial axis", to_string(x.shape()));
+              "output size {} is above 2^20 on an axis whose windows differ (it makes a node per "
+              "window)",
+              sizes);
+  }
+  for (int64_t a = 0; a < spatial; ++a)
+    if (x.size(a - spatial) == 0)
+      op_fail(op, loc, "input {} has an empty spatial axis", to_string(x.shape()));
 }
 
 // The maximum over each output's window of one axis (2 or 3) of NCHW x, as adaptive_mean's,
@@ -470,19 +477,139 @@ Tensor adaptive_max(const Tensor& x, int64_t axis, int64_t out) {
 
 Tensor adaptive_avg_pool2d(const Tensor& x, Size2 output_size, const Loc& loc) {
   CallSiteScope site(loc, composite::adaptive_avg_pool2d);
-  check_adaptive("adaptive_avg_pool2d", loc, x, output_size);
+  check_adaptive("adaptive_avg_pool2d", loc, x, {output_size.h, output_size.w});
   return adaptive_mean(adaptive_mean(x, x.dim() - 2, output_size.h), x.dim() - 1, output_size.w);
 }
 
 Tensor adaptive_max_pool2d(const Tensor& x, Size2 output_size, const Loc& loc) {
   CallSiteScope site(loc, composite::adaptive_max_pool2d);
-  check_adaptive("adaptive_max_pool2d", loc, x, output_size);
+  check_adaptive("adaptive_max_pool2d", loc, x, {output_size.h, output_size.w});
   // Along the width first: each window's pick is then the first maximum (the last NaN) in
   // row-major order, PyTorch's. In f32 for a 16-bit x, as the gradients of overlapping windows
   // add up in the passes' outputs.
   const Tensor y = batched(widened(x, loc), [&](const Tensor& nchw) {
     return adaptive_max(adaptive_max(nchw, 3, output_size.w), 2, output_size.h);
   });
+  return narrowed_like(y, x, loc);
+}
+
+namespace {
+
+// The three axes of a 3-d pooling of x (NCDHW or CDHW), each checked as the 2-d poolings' are.
+struct Pool3 {
+  PoolAxis d, h, w;
+};
+Pool3 pool3_geometry(const char* op, const Loc& loc, const Tensor& x, Size3 kernel,
+                     std::optional<Size3> stride, Size3 padding, Size3 dilation, bool ceil_mode,
+                     bool half_dilated_kernel) {
+  require_float(x, op, "input", loc);
+  if (x.dim() != 4 && x.dim() != 5)
+    op_fail(op, loc, "needs an NCDHW or CDHW input, got {}", to_string(x.shape()));
+  const Size3 s = stride.value_or(kernel);
+  const auto axis = [&](const char* name, int64_t at, int64_t k, int64_t step, int64_t pad,
+                        int64_t dil) {
+    return pool_axis(op, loc, x.shape(), name, x.size(at), k, step, pad, dil, ceil_mode,
+                     half_dilated_kernel);
+  };
+  return {axis("depth", -3, kernel.d, s.d, padding.d, dilation.d),
+          axis("height", -2, kernel.h, s.h, padding.h, dilation.h),
+          axis("width", -1, kernel.w, s.w, padding.w, dilation.w)};
+}
+
+// Whether an axis's windows overlap, so that its gradient adds several outputs' into one input.
+bool overlapping(const PoolAxis& a) { return a.stride < a.dilation * (a.kernel - 1) + 1; }
+
+// A 3-d pooling of x (NCDHW, or CDHW as a batch of one), separably: `planes` pools each depth
+// slice ([N, C D, H, W]) over height and width, `lines` then the depth axis of [N, C, D, OH OW]
+// (as a 2-d pooling with one column per window).
+template <typename Planes, typename Lines>
+Tensor separable3d(const Tensor& x, Planes&& planes, Lines&& lines) {
+  const Tensor v = x.dim() == 5 ? x : unsqueeze(x, 0);
+  const int64_t n = v.size(0), c = v.size(1), d = v.size(2);
+  const Tensor pooled = planes(reshape(v, {n, c * d, v.size(3), v.size(4)}));
+  const int64_t oh = pooled.size(2), ow = pooled.size(3);
+  const Tensor y = lines(reshape(pooled, {n, c, d, oh * ow}));
+  const Tensor volume = reshape(y, {n, c, y.size(2), oh, ow});
+  return x.dim() == 5 ? volume : squeeze(volume, 0);
+}
+
+// The 2-d window of a pooling's two axes `first` (height, or depth) and `second` (width, or a
+// window of one over the columns).
+PoolWindow window_of(const PoolAxis& first, const PoolAxis& second) {
+  return window_of(Pool{first, second});
+}
+PoolAxis column_axis(int64_t in) { return {in, 1, 1, 0, 1, in}; }
+
+}  // namespace
+
+Tensor max_pool3d(const Tensor& x, Size3 kernel, std::optional<Size3> stride, Size3 padding,
+                  Size3 dilation, bool ceil_mode, const Loc& loc) {
+  CallSiteScope site(loc, composite::max_pool3d);
+  const Pool3 p =
+      pool3_geometry("max_pool3d", loc, x, kernel, stride, padding, dilation, ceil_mode, true);
+  // Each pass's gradient is summed in f32 and rounded once; only where both passes add several
+  // outputs' gradients into one element would a 16-bit second pass round again.
+  const bool wide = overlapping(p.d) && (overlapping(p.h) || overlapping(p.w));
+  const Tensor y = separable3d(
+      wide ? widened(x, loc) : x,
+      [&](const Tensor& t) {
+        return max_pool2d_forward(t, window_of(p.h, p.w), {p.h.out, p.w.out}, loc);
+      },
+      [&](const Tensor& t) {
+        return max_pool2d_forward(t, window_of(p.d, column_axis(t.size(3))), {p.d.out, t.size(3)},
+                                  loc);
+      });
+  return wide ? narrowed_like(y, x, loc) : y;
+}
+
+Tensor avg_pool3d(const Tensor& x, Size3 kernel, std::optional<Size3> stride, Size3 padding,
+                  bool ceil_mode, bool count_include_pad, const Loc& loc) {
+  CallSiteScope site(loc, composite::avg_pool3d);
+  const Pool3 p =
+      pool3_geometry("avg_pool3d", loc, x, kernel, stride, padding, 1, ceil_mode, false);
+  if (std::max({p.d.kernel, p.h.kernel, p.w.kernel}) > kMaxNodesPerAxis)
+    op_fail("avg_pool3d", loc,
+            "kernel {}x{}x{} is above 2^16 on an axis (it adds a view per kernel row); "
+            "adaptive_avg_pool3d or mean take any window",
+            p.d.kernel, p.h.kernel, p.w.kernel);
+  // PyTorch's divisor is the product of each axis's count, so the mean of the depth windows of
+  // the height-and-width means is the window's mean; summed in f32 and rounded once.
+  const Size3 s = stride.value_or(kernel);
+  const Tensor y = separable3d(
+      widened(x, loc),
+      [&](const Tensor& t) {
+        return avg_pool2d(t, {kernel.h, kernel.w}, Size2{s.h, s.w}, {padding.h, padding.w},
+                          ceil_mode, count_include_pad, loc);
+      },
+      [&](const Tensor& t) {
+        return avg_pool2d(t, {kernel.d, 1}, Size2{s.d, 1}, {padding.d, 0}, ceil_mode,
+                          count_include_pad, loc);
+      });
+  return narrowed_like(y, x, loc);
+}
+
+Tensor adaptive_avg_pool3d(const Tensor& x, Size3 output_size, const Loc& loc) {
+  CallSiteScope site(loc, composite::adaptive_avg_pool3d);
+  check_adaptive("adaptive_avg_pool3d", loc, x, {output_size.d, output_size.h, output_size.w});
+  const Tensor wide = widened(x, loc);
+  const int64_t at = x.dim() - 3;
+  const Tensor y =
+      adaptive_mean(adaptive_mean(adaptive_mean(wide, at, output_size.d), at + 1, output_size.h),
+                    at + 2, output_size.w);
+  return narrowed_like(y, x, loc);
+}
+
+Tensor adaptive_max_pool3d(const Tensor& x, Size3 output_size, const Loc& loc) {
+  CallSiteScope site(loc, composite::adaptive_max_pool3d);
+  check_adaptive("adaptive_max_pool3d", loc, x, {output_size.d, output_size.h, output_size.w});
+  // Width, height, then depth: each window's pick is the first maximum (the last NaN) in
+  // (depth, height, width) order, PyTorch's. In f32, as adaptive_max_pool2d.
+  const Tensor y = separable3d(
+      widened(x, loc),
+      [&](const Tensor& t) {
+        return adaptive_max(adaptive_max(t, 3, output_size.w), 2, output_size.h);
+      },
+      [&](const Tensor& t) { return adaptive_max(t, 2, output_size.d); });
   return narrowed_like(y, x, loc);
 }
 
@@ -732,6 +859,16 @@ Tensor instance_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, 
   // In x's stored type, as batch norm (PyTorch's autocast lists neither; group norm is on its f32
   // list).
   return cast_like(group_norm(x, x.size(1), weight, bias, eps, loc), x);
+}
+
+Tensor dropout3d(const Tensor& x, double p, bool training, Generator* gen, const Loc& loc) {
+  require_float(x, "dropout3d", "input", loc);
+  if (!(p >= 0 && p <= 1)) op_fail("dropout3d", loc, "p must be in [0, 1], got {}", p);
+  if (x.dim() != 4 && x.dim() != 5)
+    op_fail("dropout3d", loc, "needs an [N, C, D, H, W] or [C, D, H, W] input, got {}",
+            to_string(x.shape()));
+  if (x.dim() == 5) return dropout2d(x, p, training, gen, loc);
+  return squeeze(dropout2d(unsqueeze(x, 0, loc), p, training, gen, loc), 0, loc);
 }
 
 Tensor dropout2d(const Tensor& x, double p, bool training, Generator* gen, const Loc& loc) {

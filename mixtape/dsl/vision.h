@@ -74,6 +74,21 @@ Tensor adaptive_avg_pool2d(const Tensor& x, Size2 output_size, const Loc& loc = 
 /// gradient goes to each window's first maximum in row-major order (the last NaN), PyTorch's.
 Tensor adaptive_max_pool2d(const Tensor& x, Size2 output_size, const Loc& loc = Loc::current());
 
+/// Pooling over the last three axes of an NCDHW (or CDHW) input, as torch.nn.functional's
+/// max_pool3d, avg_pool3d, adaptive_avg_pool3d and adaptive_max_pool3d: each axis sized and
+/// checked as the 2-d ones' (depth, height, width). Separable, over the 2-d pooling: each depth
+/// slice pooled over height and width, then windows of depth. The maximum is PyTorch's: the
+/// first in (depth, height, width) order takes the gradient (a NaN, the last); the means count
+/// the padding as avg_pool2d does, per axis. A 16-bit input is pooled in f32 where a second
+/// pass would round its sums again, and the result rounded once.
+Tensor max_pool3d(const Tensor& x, Size3 kernel, std::optional<Size3> stride = std::nullopt,
+                  Size3 padding = 0, Size3 dilation = 1, bool ceil_mode = false,
+                  const Loc& loc = Loc::current());
+Tensor avg_pool3d(const Tensor& x, Size3 kernel, std::optional<Size3> stride = std::nullopt,
+                  Size3 padding = 0, bool ceil_mode = false, bool count_include_pad = true,
+                  const Loc& loc = Loc::current());
+Tensor adaptive_avg_pool3d(const Tensor& x, Size3 output_size, const Loc& loc = Loc::current());
+Tensor adaptive_max_pool3d(const Tensor& x, Size3 output_size, const Loc& loc = Loc::current());
 /// torch.nn.functional.unfold (im2col): x [N, C, H, W] (or [C, H, W]) -> [N, C kh kw, L], each
 /// column one block of the sliding window (L blocks in row-major order, rows channel-major then
 /// kernel row and column), the blocks placed as conv2d's windows with the same arguments.
@@ -169,6 +184,10 @@ Tensor pixel_unshuffle(const Tensor& x, int64_t downscale_factor, const Loc& loc
 /// Zeroes whole channels of [N, C, ...] with probability p and scales the rest by 1/(1-p) when
 /// training, as torch's dropout2d.
 Tensor dropout2d(const Tensor& x, double p, bool training = true, Generator* gen = nullptr,
+                 const Loc& loc = Loc::current());
+/// torch.nn.functional.dropout3d: dropout2d's channels of [N, C, D, H, W], or of an unbatched
+/// [C, D, H, W].
+Tensor dropout3d(const Tensor& x, double p, bool training = true, Generator* gen = nullptr,
                  const Loc& loc = Loc::current());
 
 }  // namespace mixtape
