@@ -364,6 +364,22 @@ TEST(Conv, Conv3dModuleShapesNamesAndErrors) {
                   "conv3d", "window sizes above 2^31");
   EXPECT_MT_ERROR(mt::conv3d(mt::zeros({1, 4, 5, 5, 5}, mt::i64), mt::zeros(w.shape(), mt::i64)),
                   "conv3d", "floating-point");
+  mt::ConvTranspose3d t3(4, 6, {2, 3, 1},
+                         {.stride = {2, 1, 1}, .output_padding = {1, 0, 0}, .groups = 2});
+  EXPECT_EQ(t3.weight.shape(), (mt::Shape{4, 3, 2, 3, 1}));
+  EXPECT_EQ(t3(mt::zeros({1, 4, 3, 4, 5})).shape(), (mt::Shape{1, 6, 7, 6, 5}));
+  EXPECT_MT_ERROR(mt::conv_transpose3d(x, mt::zeros({4, 3, 3, 3, 3}), {},
+                                       {.stride = 2, .output_padding = {0, 2, 0}}),
+                  "conv_transpose3d", "output_padding (0, 2, 0)", "smaller than the stride");
+  EXPECT_MT_ERROR(mt::conv_transpose3d(x, mt::zeros({5, 3, 3, 3, 3})), "conv_transpose3d",
+                  "[5, 3, 3, 3, 3]", "in_channels 4");
+  EXPECT_MT_ERROR(mt::conv_transpose3d(x, mt::zeros({4, 3, 3, 3, 3}), {}, {.groups = 3}),
+                  "conv_transpose3d", "divide the input's 4 channels");
+  EXPECT_MT_ERROR(mt::conv_transpose3d(mt::zeros({1, 4, 1, 1, 1}), mt::zeros({4, 3, 1, 1, 1}), {},
+                                       {.padding = 1}),
+                  "conv_transpose3d", "the output would have no rows");
+  EXPECT_MT_ERROR(mt::conv_transpose3d(x, mt::zeros({4, 3, 3, 3, 3}), mt::zeros({2})),
+                  "bias shape [2]", "[3]");
 }
 
 // The convolution and its gradients replay under mt::compile, bit for bit as the traced step.

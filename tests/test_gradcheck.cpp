@@ -924,6 +924,22 @@ const std::vector<Sample>& composite_samples() {
                                .dilation = {1, 1, 2},
                                .padding_mode = mt::PadMode::Reflect});
           });
+    add_c("conv_transpose3d_bias_groups_output_padding",
+          {{{1, 4, 2, 3, 2}}, {{4, 1, 3, 2, 2}}, {{2}}}, [](const Tensors& x) {
+            return mt::conv_transpose3d(x[0], x[1], x[2],
+                                        {.stride = {2, 1, 2},
+                                         .padding = {1, 0, 1},
+                                         .output_padding = {1, 0, 1},
+                                         .groups = 2});
+          });
+    add_c("conv_transpose3d_dilated_cropped_unbatched", {{{2, 3, 2, 2}}, {{2, 2, 2, 2, 3}}},
+          [](const Tensors& x) {
+            return mt::conv_transpose3d(x[0], x[1], {},
+                                        {.stride = {1, 2, 1},
+                                         .padding = {3, 1, 0},
+                                         .output_padding = {2, 1, 0},
+                                         .dilation = 3});
+          });
     add_c("max_pool3d_pad_ceil", {{{1, 2, 4, 5, 5}, Dist::Grid}},
           [](const Tensors& x) { return mt::max_pool3d(x[0], 3, 2, 1, 1, true); });
     add_c("max_pool3d_dilated_rect", {{{1, 1, 5, 4, 6}, Dist::Grid}}, [](const Tensors& x) {

@@ -338,6 +338,10 @@ TEST(CompositeTable, EveryCompositeNamesItsNodes) {
        [&] {
          return mt::conv_transpose2d(x, mt::ones({2, 5, 2, 2}), b);
        }},
+      {"conv_transpose3d",
+       [&] {
+         return mt::conv_transpose3d(volume, mt::ones({3, 5, 2, 2, 2}), b);
+       }},
       {"dropout", [&] { return mt::dropout(x, 0.5, true, &gen); }},
       {"causal_mask", [&] { return mt::causal_mask(3); }},
       {"scaled_dot_product_attention",

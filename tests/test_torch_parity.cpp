@@ -1221,6 +1221,29 @@ std::vector<ExprCase> expr_cases() {
        "a,b,c",
        [](const In& x) { return mt::conv3d(x[0], x[1], x[2], {.padding = 1}); }},
       true);
+  add({"conv_transpose3d_groups_output_padding",
+       "F.conv_transpose3d(a, b, c, stride=(2, 1, 3), padding=(1, 0, 1), output_padding=(1, 0, 2), "
+       "groups=2, dilation=(1, 2, 1))",
+       {volume, rng.normal({4, 3, 3, 2, 3}, 0.3), rng.normal({6})},
+       "a,b,c",
+       [](const In& x) {
+         return mt::conv_transpose3d(x[0], x[1], x[2],
+                                     {.stride = {2, 1, 3},
+                                      .padding = {1, 0, 1},
+                                      .output_padding = {1, 0, 2},
+                                      .groups = 2,
+                                      .dilation = {1, 2, 1}});
+       }},
+      true);
+  // A padding past the dilated kernel crops what the spread depths reach.
+  add({"conv_transpose3d_cropped_unbatched",
+       "F.conv_transpose3d(a, b, padding=(2, 1, 1), dilation=(1, 1, 2))",
+       {rng.normal({4, 5, 6, 7}), rng.normal({4, 2, 2, 3, 2}, 0.3)},
+       "a,b",
+       [](const In& x) {
+         return mt::conv_transpose3d(x[0], x[1], {}, {.padding = {2, 1, 1}, .dilation = {1, 1, 2}});
+       }},
+      true);
   add({"max_pool3d_overlapping",
        "F.max_pool3d(a, 3, 2, 1)",
        {volume},

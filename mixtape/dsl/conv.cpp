@@ -362,6 +362,101 @@ Tensor conv3d(const Tensor& x, const Tensor& weight, const Tensor& bias,
   return add_bias(op, y, bias, loc);
 }
 
+Tensor conv_transpose3d(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                        const ConvTranspose3dOptions& options, const Loc& loc) {
+  const char* op = "conv_transpose3d";
+  if (!x.defined() || !weight.defined())
+    op_fail(op, loc, "the input or the weight is an undefined tensor");
+  if (x.dim() == 4) {
+    Tensor y = conv_transpose3d(unsqueeze(x, 0, loc), weight, bias, options, loc);
+    CallSiteScope site(loc, composite::conv_transpose3d);
+    return squeeze(y, 0, loc);
+  }
+  operand_type(op, x, weight, loc);
+  if (x.dim() != 5) op_fail(op, loc, "input must be [N, C, D, H, W], got {}", to_string(x.shape()));
+  const Shape& xs = x.shape();
+  const Shape& ws = weight.shape();
+  if (weight.dim() != 5 || ws[0] != xs[1])
+    op_fail(op, loc, "weight {} must be [in_channels {}, out_channels / groups, KD, KH, KW]",
+            to_string(ws), xs[1]);
+  const int64_t stride[3] = {options.stride.d, options.stride.h, options.stride.w};
+  const int64_t dil[3] = {options.dilation.d, options.dilation.h, options.dilation.w};
+  const int64_t padding[3] = {options.padding.d, options.padding.h, options.padding.w};
+  const int64_t extra[3] = {options.output_padding.d, options.output_padding.h,
+                            options.output_padding.w};
+  const int64_t groups = options.groups;
+  const auto text = [&] {
+    return fmt::format(
+        "stride ({}, {}, {}), padding ({}, {}, {}), output_padding ({}, {}, {}), dilation ({}, {}, "
+        "{}), groups {}",
+        stride[0], stride[1], stride[2], padding[0], padding[1], padding[2], extra[0], extra[1],
+        extra[2], dil[0], dil[1], dil[2], groups);
+  };
+  for (int a = 0; a < 3; ++a) {
+    if (stride[a] < 1 || dil[a] < 1 || padding[a] < 0)
+      op_fail(op, loc, "stride and dilation must be positive, padding not negative: {}", text());
+    if (std::max({stride[a], dil[a], padding[a]}) > kMaxWindow)
+      op_fail(op, loc, "window sizes above 2^31: {}", text());
+    if (extra[a] < 0 || extra[a] >= std::max(stride[a], dil[a]))
+      op_fail(op, loc, "output_padding must be smaller than the stride or the dilation: {}",
+              text());
+  }
+  if (groups < 1 || groups > kMaxWindow || xs[1] % groups != 0)
+    op_fail(op, loc, "groups must be positive and divide the input's {} channels: {}", xs[1],
+            text());
+  int64_t extent[3], out[3];
+  for (int a = 0; a < 3; ++a) {
+    if (xs[2 + a] < 1 || ws[2 + a] < 1)
+      op_fail(op, loc, "input {} or weight {} has an empty spatial dimension", to_string(xs),
+              to_string(ws));
+    extent[a] = dilated_extent(op, dil[a], ws[2 + a], loc);
+    const __int128 size =
+        static_cast<__int128>(xs[2 + a] - 1) * stride[a] - 2 * padding[a] + extent[a] + extra[a];
+    if (size > (__int128{1} << 60) || size < 1)
+      op_fail(op, loc, "the output would have {} rows on an axis: input {}, weight {}, {}",
+              size < 1 ? "no" : "more than 2^60", to_string(xs), to_string(ws), text());
+    out[a] = static_cast<int64_t>(size);
+  }
+  const __int128 channels = static_cast<__int128>(ws[1]) * groups;
+  if (channels > (__int128{1} << 60))
+    op_fail(op, loc, "{} groups of {} output channels are more than 2^60", groups, ws[1]);
+  CallSiteScope site(loc, composite::conv_transpose3d);
+  // Along the depth, the transposed convolution is a direct one: x's depths spread a stride apart
+  // (zeros between), padded by dilation (KD - 1) - padding each side (output_padding more after),
+  // read by the kernel reversed. Its taps gathered into channels as conv3d gathers them, height
+  // and width are conv_transpose2d's: one 2-d convolution, each output one f32 sum.
+  const int64_t n = xs[0], c = xs[1], kd = ws[2], h = xs[3], w = xs[4];
+  Tensor spread = x;
+  if (stride[0] > 1) {
+    spread = pad(unsqueeze(x, 3, loc), {0, 0, 0, 0, 0, stride[0] - 1}, PadMode::Constant, 0.0, loc);
+    spread = reshape(spread, {n, c, xs[2] * stride[0], h, w}, loc);
+  }
+  const int64_t margin = dil[0] * (kd - 1) - padding[0];
+  const int64_t trailing = stride[0] > 1 ? -(stride[0] - 1) : 0;
+  if (margin != 0 || trailing + margin + extra[0] != 0)
+    spread = pad(spread, {0, 0, 0, 0, margin, trailing + margin + extra[0]}, PadMode::Constant, 0.0,
+                 loc);
+  std::vector<Tensor> taps;
+  taps.reserve(static_cast<size_t>(kd));
+  for (int64_t t = 0; t < kd; ++t)
+    taps.push_back(slice(spread, 2, t * dil[0], t * dil[0] + out[0], 1, loc));
+  const Tensor columns = reshape(permute(stack(taps, 2, loc), {0, 3, 1, 2, 4, 5}, loc),
+                                 {n * out[0], c * kd, h, w}, loc);
+  // [Cin, Cout / groups, KD, KH, KW] -> [Cin KD, Cout / groups, KH, KW], the depth reversed.
+  const Tensor kernels = reshape(permute(flip(weight, {2}, loc), {0, 2, 1, 3, 4}, loc),
+                                 {c * kd, ws[1], ws[3], ws[4]}, loc);
+  const Tensor y2 = conv_transpose2d(columns, kernels, Tensor(),
+                                     {.stride = {stride[1], stride[2]},
+                                      .padding = {padding[1], padding[2]},
+                                      .output_padding = {extra[1], extra[2]},
+                                      .groups = groups,
+                                      .dilation = {dil[1], dil[2]}},
+                                     loc);
+  const Tensor y =
+      permute(reshape(y2, {n, out[0], y2.size(1), out[1], out[2]}, loc), {0, 2, 1, 3, 4}, loc);
+  return add_bias(op, y, bias, loc);
+}
+
 Tensor conv_transpose2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
                         const ConvTranspose2dOptions& options, const Loc& loc) {
   CallSiteScope site(loc, composite::conv_transpose2d);

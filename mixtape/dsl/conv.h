@@ -1,5 +1,5 @@
 // mixtape/dsl/conv.h -- convolutions as PyTorch has them (conv1d, conv2d, conv3d,
-// conv_transpose2d) and the geometry their three primitives share.
+// conv_transpose2d, conv_transpose3d) and the geometry their three primitives share.
 #pragma once
 
 #include <compare>
@@ -64,6 +64,11 @@ struct Conv3dOptions {
   int64_t groups = 1;
   PadMode padding_mode = PadMode::Constant;
 };
+struct ConvTranspose3dOptions {
+  Size3 stride = 1, padding = 0, output_padding = 0;
+  int64_t groups = 1;
+  Size3 dilation = 1;
+};
 struct ConvTranspose2dOptions {
   Size2 stride = 1, padding = 0, output_padding = 0;
   int64_t groups = 1;
@@ -92,6 +97,15 @@ Tensor conv3d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor
 /// of conv2d with respect to its input.
 Tensor conv_transpose2d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
                         const ConvTranspose2dOptions& options = {},
+                        const Loc& loc = Loc::current());
+
+/// torch.nn.functional.conv_transpose3d: x [N, Cin, D, H, W] (or unbatched), weight [Cin,
+/// Cout / groups, KD, KH, KW] -> [N, Cout, (D - 1) stride - 2 pad + dil (KD - 1) + output_padding
+/// + 1, ...]: conv3d's gradient with respect to its input. Lowered to one 2-d transposed
+/// convolution, each output one f32 sum: along the depth a direct convolution of x's depths
+/// spread a stride apart, its KD taps gathered into channels (stride KD times x's size).
+Tensor conv_transpose3d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
+                        const ConvTranspose3dOptions& options = {},
                         const Loc& loc = Loc::current());
 
 /// The primitives' window attribute (dsl/attrs.def): strides, paddings, dilations, groups.

@@ -1,4 +1,4 @@
-// mixtape/dsl/conv_layers.cpp -- Conv1d, Conv2d, Conv3d and ConvTranspose2d.
+// mixtape/dsl/conv_layers.cpp -- Conv1d, Conv2d, Conv3d, ConvTranspose2d and ConvTranspose3d.
 #include "mixtape/dsl/conv_layers.h"
 
 #include <cmath>
@@ -116,6 +116,23 @@ ConvTranspose2d::ConvTranspose2d(int64_t in_channels, int64_t out_channels, Size
 Tensor ConvTranspose2d::operator()(const Tensor& x, const Loc& loc) const {
   ModulePathScope scope = forward_scope();
   return conv_transpose2d(x, weight, bias, options, loc);
+}
+
+ConvTranspose3d::ConvTranspose3d(int64_t in_channels, int64_t out_channels, Size3 kernel_size,
+                                 const ConvTranspose3dOptions& options, bool with_bias,
+                                 Generator* gen)
+    : options(options) {
+  Shape shape{in_channels, out_channels / std::max<int64_t>(1, options.groups), kernel_size.d,
+              kernel_size.h, kernel_size.w};
+  draw_parameters("ConvTranspose3d", in_channels, out_channels, options.groups, shape, out_channels,
+                  with_bias, gen, weight, bias);
+  register_parameter("weight", &weight);
+  if (with_bias) register_parameter("bias", &bias);
+}
+
+Tensor ConvTranspose3d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope = forward_scope();
+  return conv_transpose3d(x, weight, bias, options, loc);
 }
 
 }  // namespace mixtape

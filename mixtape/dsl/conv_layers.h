@@ -52,4 +52,15 @@ class ConvTranspose2d : public Module {
   ConvTranspose2dOptions options;
 };
 
+/// weight [in, out / groups, KD, KH, KW], bias [out], as torch.nn.ConvTranspose3d.
+class ConvTranspose3d : public Module {
+ public:
+  ConvTranspose3d(int64_t in_channels, int64_t out_channels, Size3 kernel_size,
+                  const ConvTranspose3dOptions& options = {}, bool bias = true,
+                  Generator* gen = nullptr);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  Tensor weight, bias;
+  ConvTranspose3dOptions options;
+};
+
 }  // namespace mixtape
