@@ -21,6 +21,12 @@ def main():
     theta = torch.randn(8, 2, 3) * 0.1 + torch.tensor([[1.0, 0, 0], [0, 1, 0]])
     weight = torch.randn(64, 64, 3, 3) * 0.05
     positions = torch.randint(0, 1024, (8, 64, 1024))
+    weight3 = torch.randn(16, 16, 3, 3, 3) * 0.05
+    weight_up = torch.randn(16, 16, 2, 2, 2) * 0.1
+
+    def volume(t):
+        return t.reshape(8, 16, 16, 16, 16)
+
     ops = {
         "unfold_fold": lambda t: F.fold(F.unfold(t, 3, 1, 1), (32, 32), 3, 1, 1),
         "affine_grid_sample": lambda t: F.grid_sample(
@@ -32,6 +38,10 @@ def main():
         "interpolate_bicubic": lambda t: F.interpolate(t, size=(64, 64), mode="bicubic",
                                                        align_corners=False),
         "conv2d_same_reflect": lambda t: F.conv2d(F.pad(t, (1, 1, 1, 1), mode="reflect"), weight),
+        "conv3d": lambda t: F.conv3d(volume(t), weight3, padding=1),
+        "conv_transpose3d": lambda t: F.conv_transpose3d(volume(t), weight_up, stride=2),
+        "max_pool3d": lambda t: F.max_pool3d(volume(t), 3, 2, 1),
+        "avg_pool3d": lambda t: F.avg_pool3d(volume(t), 2),
     }
     for name, op in ops.items():
         def step():

@@ -1,8 +1,8 @@
 // bench/vision_ops.cpp -- bench_vision_ops: steps/s of the image ops a PyTorch user reaches for
 // beyond convolution and pooling (unfold + fold, affine_grid + grid_sample, bilinear and bicubic
-// interpolate, take_along_dim, sort, a 'same' reflect-padded convolution), forward and backward
-// through mt::compile, against PyTorch eager in the same run (bench/peer_torch_vision.py). JSON
-// lines; not a CTest test.
+// interpolate, take_along_dim, sort, a 'same' reflect-padded convolution, the volume ops),
+// forward and backward through mt::compile, against PyTorch eager in the same run
+// (bench/peer_torch_vision.py). JSON lines; not a CTest test.
 #include <mixtape/mixtape.h>
 
 #include <cstdio>
@@ -27,7 +27,9 @@ constexpr const char* kUsage =
     "  mt::compile: unfold_fold (kernel 3, padding 1, and back), affine_grid_sample (bilinear,\n"
     "  zeros), interpolate_bilinear and interpolate_bicubic (to 64 x 64), take_along_dim (x as\n"
     "  [8, 64, 1024], positions uniform in the last axis), sort (its values along that axis),\n"
-    "  conv2d_same_reflect (64 -> 64 channels, 3 x 3).\n"
+    "  conv2d_same_reflect (64 -> 64 channels, 3 x 3); and on x as a volume [8, 16, 16, 16, 16]:\n"
+    "  conv3d (16 -> 16 channels, 3 x 3 x 3, padding 1), conv_transpose3d (16 -> 16, kernel 2,\n"
+    "  stride 2), max_pool3d (3, stride 2, padding 1), avg_pool3d (2).\n"
     "  Then PyTorch eager on the same ops (bench/peer_torch_vision.py) unless --no-peer.\n";
 
 using Op = std::function<mt::Tensor(const mt::Tensor&)>;
@@ -73,7 +75,10 @@ int main(int argc, char** argv) {
     const mt::Tensor theta = mt::randn({8, 2, 3}, mt::f32, &gen) * 0.1 + identity;
     const mt::Tensor weight = mt::randn({64, 64, 3, 3}, mt::f32, &gen) * 0.05;
     const mt::Tensor positions = mt::randint(0, 1024, {8, 64, 1024}, &gen);
-    mt::eval({x, theta, weight, positions});
+    const mt::Tensor weight3 = mt::randn({16, 16, 3, 3, 3}, mt::f32, &gen) * 0.05;
+    const mt::Tensor weight_up = mt::randn({16, 16, 2, 2, 2}, mt::f32, &gen) * 0.1;
+    mt::eval({x, theta, weight, positions, weight3, weight_up});
+    const auto volume = [](const mt::Tensor& t) { return mt::reshape(t, {8, 16, 16, 16, 16}); };
     const std::vector<std::pair<std::string, Op>> ops = {
         {"unfold_fold",
          [](const mt::Tensor& t) {
@@ -99,10 +104,19 @@ int main(int argc, char** argv) {
          [](const mt::Tensor& t) {
            return mt::interpolate(t, {.size = {64, 64}, .mode = mt::InterpolateMode::Bicubic});
          }},
-        {"conv2d_same_reflect", [&](const mt::Tensor& t) {
+        {"conv2d_same_reflect",
+         [&](const mt::Tensor& t) {
            return mt::conv2d(t, weight, {},
                              {.padding = mt::Padding::Same, .padding_mode = mt::PadMode::Reflect});
-         }}};
+         }},
+        {"conv3d",
+         [&](const mt::Tensor& t) { return mt::conv3d(volume(t), weight3, {}, {.padding = 1}); }},
+        {"conv_transpose3d",
+         [&](const mt::Tensor& t) {
+           return mt::conv_transpose3d(volume(t), weight_up, {}, {.stride = 2});
+         }},
+        {"max_pool3d", [&](const mt::Tensor& t) { return mt::max_pool3d(volume(t), 3, 2, 1); }},
+        {"avg_pool3d", [&](const mt::Tensor& t) { return mt::avg_pool3d(volume(t), 2); }}};
     for (const auto& [name, op] : ops) bench::emit(run(name, op, x, timing));
   } catch (const mt::Error& e) {
     std::fprintf(stderr, "bench_vision_ops: %s\n", e.what());
