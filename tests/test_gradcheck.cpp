@@ -940,6 +940,23 @@ const std::vector<Sample>& composite_samples() {
                                          .output_padding = {2, 1, 0},
                                          .dilation = 3});
           });
+    add_c("conv_transpose1d_groups_output_padding", {{{2, 4, 3}}, {{4, 1, 3}}, {{2}}},
+          [](const Tensors& x) {
+            return mt::conv_transpose1d(
+                x[0], x[1], x[2],
+                {.stride = 2, .padding = 1, .output_padding = 1, .groups = 2, .dilation = 2});
+          });
+    add_c("max_pool1d_pad_ceil_dilated", {{{2, 2, 9}, Dist::Grid}},
+          [](const Tensors& x) { return mt::max_pool1d(x[0], 3, 2, 1, 2, true); });
+    add_c("avg_pool1d_exclude_pad_ceil", {{{2, 7}}},
+          [](const Tensors& x) { return mt::avg_pool1d(x[0], 3, 2, 1, true, false); });
+    add_c("adaptive_pools1d", {{{2, 3, 7}}}, [](const Tensors& x) {
+      return mt::adaptive_avg_pool1d(x[0], 3) + mt::adaptive_max_pool1d(x[0], 3);
+    });
+    add_c("prelu_per_channel", {{{2, 3, 4}}, {{3}}},
+          [](const Tensors& x) { return mt::prelu(x[0], x[1]); });
+    add_c("prelu_shared_1d", {{{5}}, {{1}}},
+          [](const Tensors& x) { return mt::prelu(x[0], x[1]); });
     add_c("max_pool3d_pad_ceil", {{{1, 2, 4, 5, 5}, Dist::Grid}},
           [](const Tensors& x) { return mt::max_pool3d(x[0], 3, 2, 1, 1, true); });
     add_c("max_pool3d_dilated_rect", {{{1, 1, 5, 4, 6}, Dist::Grid}}, [](const Tensors& x) {

@@ -342,6 +342,15 @@ TEST(CompositeTable, EveryCompositeNamesItsNodes) {
        [&] {
          return mt::conv_transpose3d(volume, mt::ones({3, 5, 2, 2, 2}), b);
        }},
+      {"conv_transpose1d",
+       [&] {
+         return mt::conv_transpose1d(x, mt::ones({3, 5, 2}), b);
+       }},
+      {"prelu", [&] { return mt::prelu(x, mt::full({3}, 0.25)); }},
+      {"max_pool1d", [&] { return mt::max_pool1d(x, 2); }},
+      {"avg_pool1d", [&] { return mt::avg_pool1d(x, 2); }},
+      {"adaptive_avg_pool1d", [&] { return mt::adaptive_avg_pool1d(x, 3); }},
+      {"adaptive_max_pool1d", [&] { return mt::adaptive_max_pool1d(x, 3); }},
       {"dropout", [&] { return mt::dropout(x, 0.5, true, &gen); }},
       {"causal_mask", [&] { return mt::causal_mask(3); }},
       {"scaled_dot_product_attention",

@@ -1295,6 +1295,56 @@ std::vector<ExprCase> expr_cases() {
            return mt::avg_pool3d(x[0], {3, 2, 3}, 2, {1, 1, 0}, true, include_pad);
          }},
         true);
+  // Lines: the 1-d poolings and conv_transpose1d (the 2-d ones over a height of one), PReLU.
+  const mt::Tensor line = rng.normal({3, 4, 11});
+  add({"max_pool1d_ties",
+       "F.max_pool1d(a, 3, 2, 1, ceil_mode=True)",
+       {mt::round(rng.normal({3, 4, 11}, 1.0))},
+       "a",
+       [](const In& x) { return mt::max_pool1d(x[0], 3, 2, 1, 1, true); }},
+      false);
+  add({"max_pool1d_dilated",
+       "F.max_pool1d(a, 2, 1, 1, 3)",
+       {line},
+       "a",
+       [](const In& x) { return mt::max_pool1d(x[0], 2, 1, 1, 3); }},
+      true);
+  add({"avg_pool1d_exclude_pad_ceil",
+       "F.avg_pool1d(a, 4, 3, 2, ceil_mode=True, count_include_pad=False)",
+       {line},
+       "a",
+       [](const In& x) { return mt::avg_pool1d(x[0], 4, 3, 2, true, false); }},
+      true);
+  add({"adaptive_pools1d",
+       "F.adaptive_avg_pool1d(a, 4) + F.adaptive_max_pool1d(a, 4)",
+       {line},
+       "a",
+       [](const In& x) {
+         return mt::adaptive_avg_pool1d(x[0], 4) + mt::adaptive_max_pool1d(x[0], 4);
+       }},
+      true);
+  add({"conv_transpose1d",
+       "F.conv_transpose1d(a, b, c, stride=3, padding=2, output_padding=1, groups=2, dilation=2)",
+       {line, rng.normal({4, 3, 3}, 0.3), rng.normal({6})},
+       "a,b,c",
+       [](const In& x) {
+         return mt::conv_transpose1d(
+             x[0], x[1], x[2],
+             {.stride = 3, .padding = 2, .output_padding = 1, .groups = 2, .dilation = 2});
+       }},
+      true);
+  add({"prelu_per_channel",
+       "F.prelu(a, b)",
+       {line, rng.normal({4}, 0.5)},
+       "a,b",
+       [](const In& x) { return mt::prelu(x[0], x[1]); }},
+      true);
+  add({"prelu_shared",
+       "F.prelu(a, b)",
+       {line, rng.normal({1}, 0.5)},
+       "a,b",
+       [](const In& x) { return mt::prelu(x[0], x[1]); }},
+      true);
   add({"adaptive_avg_pool3d",
        "F.adaptive_avg_pool3d(a, (3, 4, 2))",
        {volume},

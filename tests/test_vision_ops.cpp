@@ -956,6 +956,84 @@ TEST(VisionVolumes, ShapesChannelDropoutAndErrors) {
                                              "num_batches_tracked"}));
 }
 
+// InstanceNorm with running statistics against host loops: training moves them towards the
+// batch's mean of the instances' means and unbiased variances, eval normalizes with them.
+TEST(InstanceNormModules, RunningStatisticsUnbatchedInputsAndNames) {
+  mt::Generator gen(12);
+  const int64_t n = 3, c = 2, plane = 6;
+  const mt::Tensor x = mt::randn({n, c, 2, 3}, mt::f32, &gen) * 2.0 + 1.0;
+  const std::vector<float> xv = values(x);
+  mt::InstanceNorm2d norm(c, 1e-5, 0.3, true, true);
+  std::vector<std::string> names;
+  for (const auto& [name, tensor] : norm.state_dict()) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"weight", "bias", "running_mean", "running_var",
+                                             "num_batches_tracked"}));
+  const mt::Tensor trained = norm(x);
+  mt::eval({trained});
+  std::vector<double> expect_mean(c), expect_var(c);
+  for (int64_t ch = 0; ch < c; ++ch) {
+    double mean_sum = 0, var_sum = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float* v = xv.data() + (i * c + ch) * plane;
+      double m = 0, s2 = 0;
+      for (int64_t k = 0; k < plane; ++k) m += v[k];
+      m /= plane;
+      for (int64_t k = 0; k < plane; ++k) s2 += (v[k] - m) * (v[k] - m);
+      mean_sum += m;
+      var_sum += s2 / (plane - 1);
+    }
+    expect_mean[ch] = 0.7 * 0.0 + 0.3 * mean_sum / n;
+    expect_var[ch] = 0.7 * 1.0 + 0.3 * var_sum / n;
+  }
+  const std::vector<float> rm = values(norm.running_mean), rv = values(norm.running_var);
+  for (int64_t ch = 0; ch < c; ++ch) {
+    EXPECT_NEAR(rm[ch], expect_mean[ch], 1e-5);
+    EXPECT_NEAR(rv[ch], expect_var[ch], 1e-5);
+  }
+  EXPECT_EQ(norm.num_batches_tracked.item(), 0.0);  // PyTorch's instance norm never counts
+  // Eval: (x - running_mean) / sqrt(running_var + eps), per channel; an unbatched input too.
+  norm.eval();
+  const std::vector<float> y = values(norm(x)), y0 = values(norm(mt::squeeze(mt::slice(x, 0, 0, 1), 0)));
+  for (int64_t i = 0; i < n * c * plane; ++i) {
+    const int64_t ch = (i / plane) % c;
+    const double want = (xv[i] - rm[ch]) / std::sqrt(rv[ch] + 1e-5);
+    EXPECT_NEAR(y[i], want, 1e-5);
+    if (i < c * plane) {
+      EXPECT_NEAR(y0[i], want, 1e-5);
+    }
+  }
+  // The defaults: no affine, no running statistics, batch statistics in eval too.
+  mt::InstanceNorm1d plain(4);
+  EXPECT_TRUE(plain.state_dict().empty());
+  plain.eval();
+  const mt::Tensor line = mt::randn({2, 4, 5}, mt::f32, &gen);
+  EXPECT_EQ(values(plain(line)), values(mt::instance_norm(line)));
+  EXPECT_MT_ERROR(plain(mt::ones({2, 4, 5, 6})), "InstanceNorm1d", "[N, C, L] or [C, L]");
+  EXPECT_MT_ERROR(mt::InstanceNorm3d(2, 1e-5, 1.5), "InstanceNorm3d", "momentum");
+  EXPECT_MT_ERROR(mt::InstanceNorm3d(2, 1e-5, 0.1, false, true)(mt::ones({1, 3, 2, 2, 2})),
+                  "running_mean shape [2]", "[1, 3, 2, 2, 2]");
+  mt::PReLU prelu(3, 0.1);
+  EXPECT_EQ(values(prelu.weight), std::vector<float>(3, 0.1f));
+  EXPECT_EQ(values(prelu(mt::tensor(std::vector<float>{-1, 2, -3}, {1, 3}))),
+            (std::vector<float>{-0.1f, 2.0f, -0.3f}));
+  EXPECT_MT_ERROR(mt::prelu(mt::ones({2, 3}), mt::ones({2})), "prelu", "one per channel");
+  EXPECT_MT_ERROR(mt::max_pool1d(mt::ones({2, 3, 4, 5}), 2), "max_pool1d", "NCL or CL");
+  EXPECT_MT_ERROR(mt::avg_pool1d(mt::ones({2, 3, 4}), 2, 1, 2), "avg_pool1d", "length axis",
+                  "more than half");
+  EXPECT_MT_ERROR(mt::adaptive_max_pool1d(mt::ones({2, 3, 4}), 0), "adaptive_max_pool1d",
+                  "must be positive");
+  EXPECT_MT_ERROR(mt::conv_transpose1d(mt::ones({2, 3, 4}), mt::ones({3, 1, 2}), {},
+                                       {.stride = 2, .output_padding = 2}),
+                  "conv_transpose1d", "output_padding 2");
+  EXPECT_EQ(mt::MaxPool1d(3, 2)(mt::ones({2, 3, 9})).shape(), (mt::Shape{2, 3, 4}));
+  EXPECT_EQ(mt::AvgPool1d(2)(mt::ones({3, 9})).shape(), (mt::Shape{3, 4}));
+  EXPECT_EQ(mt::AdaptiveAvgPool1d(5)(mt::ones({3, 9})).shape(), (mt::Shape{3, 5}));
+  EXPECT_EQ(mt::AdaptiveMaxPool1d(2)(mt::ones({1, 3, 9})).shape(), (mt::Shape{1, 3, 2}));
+  mt::ConvTranspose1d up(4, 6, 3, {.stride = 2, .groups = 2});
+  EXPECT_EQ(up.weight.shape(), (mt::Shape{4, 3, 3}));
+  EXPECT_EQ(up(mt::zeros({2, 4, 5})).shape(), (mt::Shape{2, 6, 11}));
+}
+
 TEST(VisionCompile, PoolingDivisorsAndInterpolationTablesReplay) {
   mt::Generator gen(21);
   mt::Tensor x = mt::randn({2, 3, 6, 6}, mt::f32, &gen);

@@ -362,6 +362,35 @@ Tensor conv3d(const Tensor& x, const Tensor& weight, const Tensor& bias,
   return add_bias(op, y, bias, loc);
 }
 
+Tensor conv_transpose1d(const Tensor& x, const Tensor& weight, const Tensor& bias,
+                        const ConvTranspose1dOptions& options, const Loc& loc) {
+  const char* op = "conv_transpose1d";
+  if (!x.defined() || !weight.defined())
+    op_fail(op, loc, "the input or the weight is an undefined tensor");
+  if (x.dim() == 2) {
+    Tensor y = conv_transpose1d(unsqueeze(x, 0, loc), weight, bias, options, loc);
+    CallSiteScope site(loc, composite::conv_transpose1d);
+    return squeeze(y, 0, loc);
+  }
+  if (x.dim() != 3) op_fail(op, loc, "input must be [N, C, L], got {}", to_string(x.shape()));
+  if (weight.dim() != 3 || weight.size(0) != x.size(1))
+    op_fail(op, loc, "weight {} must be [in_channels {}, out_channels / groups, K]",
+            to_string(weight.shape()), x.size(1));
+  const ConvTranspose1dOptions& o = options;
+  if (o.output_padding < 0 || o.output_padding >= std::max(o.stride, o.dilation))
+    op_fail(op, loc, "output_padding {} must be smaller than the stride {} or the dilation {}",
+            o.output_padding, o.stride, o.dilation);
+  CallSiteScope site(loc, composite::conv_transpose1d);
+  const Tensor y = conv_transpose2d(unsqueeze(x, 2, loc), unsqueeze(weight, 2, loc), bias,
+                                    {.stride = {1, o.stride},
+                                     .padding = {0, o.padding},
+                                     .output_padding = {0, o.output_padding},
+                                     .groups = o.groups,
+                                     .dilation = {1, o.dilation}},
+                                    loc);
+  return squeeze(y, 2, loc);
+}
+
 Tensor conv_transpose3d(const Tensor& x, const Tensor& weight, const Tensor& bias,
                         const ConvTranspose3dOptions& options, const Loc& loc) {
   const char* op = "conv_transpose3d";

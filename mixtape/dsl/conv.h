@@ -1,5 +1,5 @@
-// mixtape/dsl/conv.h -- convolutions as PyTorch has them (conv1d, conv2d, conv3d,
-// conv_transpose2d, conv_transpose3d) and the geometry their three primitives share.
+// mixtape/dsl/conv.h -- convolutions as PyTorch has them (conv1d, conv2d, conv3d and their
+// transposes) and the geometry their three primitives share.
 #pragma once
 
 #include <compare>
@@ -64,6 +64,9 @@ struct Conv3dOptions {
   int64_t groups = 1;
   PadMode padding_mode = PadMode::Constant;
 };
+struct ConvTranspose1dOptions {
+  int64_t stride = 1, padding = 0, output_padding = 0, groups = 1, dilation = 1;
+};
 struct ConvTranspose3dOptions {
   Size3 stride = 1, padding = 0, output_padding = 0;
   int64_t groups = 1;
@@ -99,6 +102,11 @@ Tensor conv_transpose2d(const Tensor& x, const Tensor& weight, const Tensor& bia
                         const ConvTranspose2dOptions& options = {},
                         const Loc& loc = Loc::current());
 
+/// torch.nn.functional.conv_transpose1d: x [N, Cin, L] (or [Cin, L]), weight [Cin, Cout / groups,
+/// K]: conv_transpose2d over a height of one.
+Tensor conv_transpose1d(const Tensor& x, const Tensor& weight, const Tensor& bias = Tensor(),
+                        const ConvTranspose1dOptions& options = {},
+                        const Loc& loc = Loc::current());
 /// torch.nn.functional.conv_transpose3d: x [N, Cin, D, H, W] (or unbatched), weight [Cin,
 /// Cout / groups, KD, KH, KW] -> [N, Cout, (D - 1) stride - 2 pad + dil (KD - 1) + output_padding
 /// + 1, ...]: conv3d's gradient with respect to its input. Lowered to one 2-d transposed

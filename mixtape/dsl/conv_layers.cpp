@@ -1,4 +1,4 @@
-// mixtape/dsl/conv_layers.cpp -- Conv1d, Conv2d, Conv3d, ConvTranspose2d and ConvTranspose3d.
+// mixtape/dsl/conv_layers.cpp -- Conv1d, Conv2d, Conv3d and their transposes.
 #include "mixtape/dsl/conv_layers.h"
 
 #include <cmath>
@@ -116,6 +116,22 @@ ConvTranspose2d::ConvTranspose2d(int64_t in_channels, int64_t out_channels, Size
 Tensor ConvTranspose2d::operator()(const Tensor& x, const Loc& loc) const {
   ModulePathScope scope = forward_scope();
   return conv_transpose2d(x, weight, bias, options, loc);
+}
+
+ConvTranspose1d::ConvTranspose1d(int64_t in_channels, int64_t out_channels, int64_t kernel_size,
+                                 const ConvTranspose1dOptions& options, bool with_bias,
+                                 Generator* gen)
+    : options(options) {
+  Shape shape{in_channels, out_channels / std::max<int64_t>(1, options.groups), kernel_size};
+  draw_parameters("ConvTranspose1d", in_channels, out_channels, options.groups, shape, out_channels,
+                  with_bias, gen, weight, bias);
+  register_parameter("weight", &weight);
+  if (with_bias) register_parameter("bias", &bias);
+}
+
+Tensor ConvTranspose1d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope = forward_scope();
+  return conv_transpose1d(x, weight, bias, options, loc);
 }
 
 ConvTranspose3d::ConvTranspose3d(int64_t in_channels, int64_t out_channels, Size3 kernel_size,

@@ -52,6 +52,17 @@ class ConvTranspose2d : public Module {
   ConvTranspose2dOptions options;
 };
 
+/// weight [in, out / groups, K], bias [out], as torch.nn.ConvTranspose1d.
+class ConvTranspose1d : public Module {
+ public:
+  ConvTranspose1d(int64_t in_channels, int64_t out_channels, int64_t kernel_size,
+                  const ConvTranspose1dOptions& options = {}, bool bias = true,
+                  Generator* gen = nullptr);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  Tensor weight, bias;
+  ConvTranspose1dOptions options;
+};
+
 /// weight [in, out / groups, KD, KH, KW], bias [out], as torch.nn.ConvTranspose3d.
 class ConvTranspose3d : public Module {
  public:

@@ -150,12 +150,10 @@ Tensor Dropout::operator()(const Tensor& x, const Loc& loc) const {
   return dropout(x, p, is_training(), gen_, loc);
 }
 
-BatchNorm::BatchNorm(const char* kind, int64_t num_features, double eps,
-                     std::optional<double> momentum, bool affine, bool track_running_stats)
-    : eps(eps), momentum(momentum), kind_(kind) {
+NormBase::NormBase(const char* kind, int64_t num_features, double eps, bool affine,
+                   bool track_running_stats)
+    : eps(eps) {
   if (num_features <= 0) fail("{}: num_features must be positive, got {}", kind, num_features);
-  if (momentum && !(*momentum >= 0 && *momentum <= 1))
-    fail("{}: momentum must be in [0, 1], got {}", kind, *momentum);
   if (affine) {
     weight = ones({num_features});
     register_parameter("weight", &weight);
@@ -172,6 +170,15 @@ BatchNorm::BatchNorm(const char* kind, int64_t num_features, double eps,
     // Files from before PyTorch 0.4.1, and converted weights, lack it: torch starts it at 0.
     zero_when_missing("num_batches_tracked");
   }
+}
+
+BatchNorm::BatchNorm(const char* kind, int64_t num_features, double eps,
+                     std::optional<double> momentum, bool affine, bool track_running_stats)
+    : NormBase(kind, num_features, eps, affine, track_running_stats),
+      momentum(momentum),
+      kind_(kind) {
+  if (momentum && !(*momentum >= 0 && *momentum <= 1))
+    fail("{}: momentum must be in [0, 1], got {}", kind, *momentum);
 }
 
 Tensor BatchNorm::operator()(const Tensor& x, const Loc& loc) const {
@@ -210,6 +217,52 @@ BatchNorm3d::BatchNorm3d(int64_t num_features, double eps, std::optional<double>
 void BatchNorm3d::check_rank(const Tensor& x) const {
   if (x.dim() != 5)
     fail("BatchNorm3d '{}': needs an [N, C, D, H, W] input, got {}", path(), to_string(x.shape()));
+}
+
+InstanceNorm::InstanceNorm(const char* kind, int64_t spatial_axes, int64_t num_features, double eps,
+                           double momentum, bool affine, bool track_running_stats)
+    : NormBase(kind, num_features, eps, affine, track_running_stats),
+      momentum(momentum),
+      kind_(kind),
+      spatial_axes_(spatial_axes) {
+  if (!(momentum >= 0 && momentum <= 1))
+    fail("{}: momentum must be in [0, 1], got {}", kind, momentum);
+}
+
+Tensor InstanceNorm::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope = forward_scope();
+  const char* layouts[3] = {"[N, C, L] or [C, L]", "[N, C, H, W] or [C, H, W]",
+                            "[N, C, D, H, W] or [C, D, H, W]"};
+  if (x.dim() != spatial_axes_ + 1 && x.dim() != spatial_axes_ + 2)
+    fail("{} '{}': needs an {} input, got {}", kind_, path(), layouts[spatial_axes_ - 1],
+         to_string(x.shape()));
+  const bool batched = x.dim() == spatial_axes_ + 2;
+  const bool use_input_stats = is_training() || !running_mean.defined();
+  const Tensor y =
+      detail::instance_norm_tracked(batched ? x : unsqueeze(x, 0, loc), running_mean, running_var,
+                                    weight, bias, use_input_stats, momentum, eps, loc);
+  return batched ? y : squeeze(y, 0, loc);
+}
+
+InstanceNorm1d::InstanceNorm1d(int64_t num_features, double eps, double momentum, bool affine,
+                               bool track_running_stats)
+    : InstanceNorm("InstanceNorm1d", 1, num_features, eps, momentum, affine, track_running_stats) {}
+InstanceNorm2d::InstanceNorm2d(int64_t num_features, double eps, double momentum, bool affine,
+                               bool track_running_stats)
+    : InstanceNorm("InstanceNorm2d", 2, num_features, eps, momentum, affine, track_running_stats) {}
+InstanceNorm3d::InstanceNorm3d(int64_t num_features, double eps, double momentum, bool affine,
+                               bool track_running_stats)
+    : InstanceNorm("InstanceNorm3d", 3, num_features, eps, momentum, affine, track_running_stats) {}
+
+PReLU::PReLU(int64_t num_parameters, double init) {
+  if (num_parameters <= 0) fail("PReLU: num_parameters must be positive, got {}", num_parameters);
+  weight = full({num_parameters}, init);
+  register_parameter("weight", &weight);
+}
+
+Tensor PReLU::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope = forward_scope();
+  return prelu(x, weight, loc);
 }
 
 GroupNorm::GroupNorm(int64_t num_groups, int64_t num_channels, double eps, bool affine)
@@ -276,6 +329,42 @@ AdaptiveMaxPool2d::AdaptiveMaxPool2d(Size2 output_size) : output_size(output_siz
 Tensor AdaptiveMaxPool2d::operator()(const Tensor& x, const Loc& loc) const {
   ModulePathScope scope = forward_scope();
   return adaptive_max_pool2d(x, output_size, loc);
+}
+
+MaxPool1d::MaxPool1d(int64_t kernel, std::optional<int64_t> stride, int64_t padding,
+                     int64_t dilation, bool ceil_mode)
+    : kernel(kernel), stride(stride), padding(padding), dilation(dilation), ceil_mode(ceil_mode) {}
+
+Tensor MaxPool1d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope = forward_scope();
+  return max_pool1d(x, kernel, stride, padding, dilation, ceil_mode, loc);
+}
+
+AvgPool1d::AvgPool1d(int64_t kernel, std::optional<int64_t> stride, int64_t padding, bool ceil_mode,
+                     bool count_include_pad)
+    : kernel(kernel),
+      stride(stride),
+      padding(padding),
+      ceil_mode(ceil_mode),
+      count_include_pad(count_include_pad) {}
+
+Tensor AvgPool1d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope = forward_scope();
+  return avg_pool1d(x, kernel, stride, padding, ceil_mode, count_include_pad, loc);
+}
+
+AdaptiveAvgPool1d::AdaptiveAvgPool1d(int64_t output_size) : output_size(output_size) {}
+
+Tensor AdaptiveAvgPool1d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope = forward_scope();
+  return adaptive_avg_pool1d(x, output_size, loc);
+}
+
+AdaptiveMaxPool1d::AdaptiveMaxPool1d(int64_t output_size) : output_size(output_size) {}
+
+Tensor AdaptiveMaxPool1d::operator()(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope = forward_scope();
+  return adaptive_max_pool1d(x, output_size, loc);
 }
 
 MaxPool3d::MaxPool3d(Size3 kernel, std::optional<Size3> stride, Size3 padding, Size3 dilation,

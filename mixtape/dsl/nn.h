@@ -82,17 +82,26 @@ class Dropout : public Module {
   Generator* gen_;
 };
 
-/// Batch normalization over channel 1, as torch.nn.BatchNorm1d/2d with their names (weight,
-/// bias parameters; running_mean, running_var, num_batches_tracked buffers, so that a torchvision
-/// state_dict loads). Training normalizes with the batch's statistics and updates the buffers
-/// inside the step's graph; eval uses the running statistics. momentum nullopt is the cumulative
-/// average. The buffers stay f32 under every policy.
-class BatchNorm : public Module {
+/// What the batch and instance norm modules hold, with PyTorch's names (its _NormBase): weight
+/// and bias parameters; running_mean, running_var and num_batches_tracked buffers, so that a
+/// torchvision state_dict loads. The buffers stay f32 under every policy.
+class NormBase : public Module {
  public:
-  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
   Tensor weight, bias;                                    // undefined without affine
   Tensor running_mean, running_var, num_batches_tracked;  // undefined without tracking
   double eps;
+
+ protected:
+  NormBase(const char* kind, int64_t num_features, double eps, bool affine,
+           bool track_running_stats);
+};
+
+/// Batch normalization over channel 1, as torch.nn.BatchNorm1d/2d/3d. Training normalizes with
+/// the batch's statistics and updates the buffers inside the step's graph; eval uses the running
+/// statistics. momentum nullopt is the cumulative average.
+class BatchNorm : public NormBase {
+ public:
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
   std::optional<double> momentum;
 
  protected:
@@ -135,6 +144,50 @@ class BatchNorm3d : public BatchNorm {
 
  private:
   void check_rank(const Tensor& x) const override;
+};
+
+/// Instance normalization as torch.nn.InstanceNorm1d/2d/3d: each (sample, channel) over its
+/// spatial axes, affine and track_running_stats off by default, as PyTorch's. With running
+/// statistics, training moves them towards the batch's (momentum) and eval normalizes with them;
+/// num_batches_tracked is kept for PyTorch's state_dict and stays 0, as PyTorch's does. An
+/// unbatched input ([C, L], [C, H, W], [C, D, H, W]) is a batch of one.
+class InstanceNorm : public NormBase {
+ public:
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  double momentum;
+
+ protected:
+  InstanceNorm(const char* kind, int64_t spatial_axes, int64_t num_features, double eps,
+               double momentum, bool affine, bool track_running_stats);
+
+ private:
+  const char* kind_;
+  int64_t spatial_axes_;
+};
+
+class InstanceNorm1d : public InstanceNorm {
+ public:
+  explicit InstanceNorm1d(int64_t num_features, double eps = 1e-5, double momentum = 0.1,
+                          bool affine = false, bool track_running_stats = false);
+};
+class InstanceNorm2d : public InstanceNorm {
+ public:
+  explicit InstanceNorm2d(int64_t num_features, double eps = 1e-5, double momentum = 0.1,
+                          bool affine = false, bool track_running_stats = false);
+};
+class InstanceNorm3d : public InstanceNorm {
+ public:
+  explicit InstanceNorm3d(int64_t num_features, double eps = 1e-5, double momentum = 0.1,
+                          bool affine = false, bool track_running_stats = false);
+};
+
+/// torch.nn.PReLU: prelu with a learned weight [num_parameters] (1, shared, or one per channel),
+/// every entry `init` at first.
+class PReLU : public Module {
+ public:
+  explicit PReLU(int64_t num_parameters = 1, double init = 0.25);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  Tensor weight;
 };
 
 class GroupNorm : public Module {
@@ -194,6 +247,43 @@ class AdaptiveMaxPool2d : public Module {
   explicit AdaptiveMaxPool2d(Size2 output_size);
   Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
   Size2 output_size;
+};
+
+/// The 1-d poolings' modules (dsl/vision.h's max_pool1d, ...), as torch.nn's.
+class MaxPool1d : public Module {
+ public:
+  explicit MaxPool1d(int64_t kernel, std::optional<int64_t> stride = std::nullopt,
+                     int64_t padding = 0, int64_t dilation = 1, bool ceil_mode = false);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  int64_t kernel;
+  std::optional<int64_t> stride;
+  int64_t padding, dilation;
+  bool ceil_mode;
+};
+
+class AvgPool1d : public Module {
+ public:
+  explicit AvgPool1d(int64_t kernel, std::optional<int64_t> stride = std::nullopt,
+                     int64_t padding = 0, bool ceil_mode = false, bool count_include_pad = true);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  int64_t kernel;
+  std::optional<int64_t> stride;
+  int64_t padding;
+  bool ceil_mode, count_include_pad;
+};
+
+class AdaptiveAvgPool1d : public Module {
+ public:
+  explicit AdaptiveAvgPool1d(int64_t output_size);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  int64_t output_size;
+};
+
+class AdaptiveMaxPool1d : public Module {
+ public:
+  explicit AdaptiveMaxPool1d(int64_t output_size);
+  Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  int64_t output_size;
 };
 
 /// The 3-d poolings' modules (dsl/vision.h's max_pool3d, ...), as torch.nn's.

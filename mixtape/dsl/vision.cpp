@@ -434,7 +434,8 @@ void check_adaptive(const char* op, const Loc& loc, const Tensor& x,
   require_float(x, op, "input", loc);
   const auto spatial = static_cast<int64_t>(output_size.size());
   if (x.dim() != spatial + 1 && x.dim() != spatial + 2)
-    op_fail(op, loc, "needs an {} input, got {}", spatial == 3 ? "NCDHW or CDHW" : "NCHW or CHW",
+    op_fail(op, loc, "needs an {} input, got {}",
+            spatial == 3 ? "NCDHW or CDHW" : (spatial == 2 ? "NCHW or CHW" : "NCL or CL"),
             to_string(x.shape()));
   const std::string sizes = fmt::format("({})", fmt::join(output_size, ", "));
   for (int64_t a = 0; a < spatial; ++a) {
@@ -491,6 +492,60 @@ Tensor adaptive_max_pool2d(const Tensor& x, Size2 output_size, const Loc& loc) {
     return adaptive_max(adaptive_max(nchw, 3, output_size.w), 2, output_size.h);
   });
   return narrowed_like(y, x, loc);
+}
+
+namespace {
+
+// A 1-d pooling of x (NCL or CL) as `pool2d` of x over a height of one ([N, C, 1, L]).
+template <typename Pool2d>
+Tensor over_unit_height(const char* op, const Loc& loc, const Tensor& x, Pool2d&& pool2d) {
+  require_float(x, op, "input", loc);
+  if (x.dim() != 2 && x.dim() != 3)
+    op_fail(op, loc, "needs an NCL or CL input, got {}", to_string(x.shape()));
+  return squeeze(pool2d(unsqueeze(x, x.dim() - 1, loc)), x.dim() - 1, loc);
+}
+
+}  // namespace
+
+Tensor max_pool1d(const Tensor& x, int64_t kernel, std::optional<int64_t> stride, int64_t padding,
+                  int64_t dilation, bool ceil_mode, const Loc& loc) {
+  CallSiteScope site(loc, composite::max_pool1d);
+  const char* op = "max_pool1d";
+  return over_unit_height(op, loc, x, [&](const Tensor& t) {
+    const int64_t s = stride.value_or(kernel);
+    pool_axis(op, loc, x.shape(), "length", x.size(-1), kernel, s, padding, dilation, ceil_mode,
+              true);
+    return max_pool2d(t, {1, kernel}, Size2{1, s}, {0, padding}, {1, dilation}, ceil_mode, loc);
+  });
+}
+
+Tensor avg_pool1d(const Tensor& x, int64_t kernel, std::optional<int64_t> stride, int64_t padding,
+                  bool ceil_mode, bool count_include_pad, const Loc& loc) {
+  CallSiteScope site(loc, composite::avg_pool1d);
+  const char* op = "avg_pool1d";
+  return over_unit_height(op, loc, x, [&](const Tensor& t) {
+    const int64_t s = stride.value_or(kernel);
+    pool_axis(op, loc, x.shape(), "length", x.size(-1), kernel, s, padding, 1, ceil_mode, false);
+    if (kernel > kMaxNodesPerAxis)
+      op_fail(op, loc, "kernel {} is above 2^16 (it adds a view per kernel element)", kernel);
+    return avg_pool2d(t, {1, kernel}, Size2{1, s}, {0, padding}, ceil_mode, count_include_pad, loc);
+  });
+}
+
+Tensor adaptive_avg_pool1d(const Tensor& x, int64_t output_size, const Loc& loc) {
+  CallSiteScope site(loc, composite::adaptive_avg_pool1d);
+  check_adaptive("adaptive_avg_pool1d", loc, x, {output_size});
+  return over_unit_height("adaptive_avg_pool1d", loc, x, [&](const Tensor& t) {
+    return adaptive_avg_pool2d(t, {1, output_size}, loc);
+  });
+}
+
+Tensor adaptive_max_pool1d(const Tensor& x, int64_t output_size, const Loc& loc) {
+  CallSiteScope site(loc, composite::adaptive_max_pool1d);
+  check_adaptive("adaptive_max_pool1d", loc, x, {output_size});
+  return over_unit_height("adaptive_max_pool1d", loc, x, [&](const Tensor& t) {
+    return adaptive_max_pool2d(t, {1, output_size}, loc);
+  });
 }
 
 namespace {
@@ -859,6 +914,67 @@ Tensor instance_norm(const Tensor& x, const Tensor& weight, const Tensor& bias, 
   // In x's stored type, as batch norm (PyTorch's autocast lists neither; group norm is on its f32
   // list).
   return cast_like(group_norm(x, x.size(1), weight, bias, eps, loc), x);
+}
+
+namespace detail {
+
+Tensor instance_norm_tracked(const Tensor& x, const Tensor& running_mean, const Tensor& running_var,
+                             const Tensor& weight, const Tensor& bias, bool use_input_stats,
+                             double momentum, double eps, const Loc& loc) {
+  CallSiteScope site(loc, composite::instance_norm);
+  const char* op = "instance_norm";
+  require_float(x, op, "input", loc);
+  if (x.dim() < 3)
+    op_fail(op, loc, "needs an [N, C, spatial...] input, got {}", to_string(x.shape()));
+  check_channel_vector(running_mean, x, op, "running_mean", loc);
+  check_channel_vector(running_var, x, op, "running_var", loc);
+  if (running_mean.defined() != running_var.defined())
+    op_fail(op, loc, "running_mean and running_var must both be given or both be undefined");
+  if (!(momentum >= 0 && momentum <= 1))
+    op_fail(op, loc, "momentum must be in [0, 1], got {}", momentum);
+  if (!use_input_stats) {
+    if (!running_mean.defined())
+      op_fail(op, loc, "without the input's statistics it needs running_mean and running_var");
+    // The running statistics per channel: batch norm's eval mode.
+    return batch_norm(x, running_mean, running_var, weight, bias, false, momentum, eps, loc);
+  }
+  Tensor y = instance_norm(x, weight, bias, eps, loc);
+  const int64_t n = x.size(0), c = x.size(1);
+  // An empty batch has no statistics to move the running ones towards (PyTorch's would be NaN).
+  if (!running_mean.defined() || n == 0) return y;
+  // PyTorch's: batch norm of x as one sample of N C channels, its running statistics repeated N
+  // times and then averaged: the running ones move towards the instances' mean mean and mean
+  // unbiased variance. In f32, computed by the step's next evaluation.
+  const int64_t plane = x.numel() / (n * c);
+  const Tensor xs = reshape(cast(x.detach(), composite::statistics_type(x.dtype())), {n, c, plane});
+  const Tensor mu = mean(xs, {2}, true);
+  const Tensor var = sum(square(xs - mu), {2}) / static_cast<double>(plane - 1);
+  auto moved = [&](const Tensor& running, const Tensor& instances) {
+    return running * (1.0 - momentum) +
+           cast(mean(reshape(instances, {n, c}), {0}), running.dtype()) * momentum;
+  };
+  const Tensor new_mean = moved(running_mean, mu), new_var = moved(running_var, var);
+  Tensor(running_mean).assign_later(new_mean);
+  Tensor(running_var).assign_later(new_var);
+  return y;
+}
+
+}  // namespace detail
+
+Tensor prelu(const Tensor& x, const Tensor& weight, const Loc& loc) {
+  CallSiteScope site(loc, composite::prelu);
+  const char* op = "prelu";
+  require_float(x, op, "input", loc);
+  require_float(weight, op, "weight", loc);
+  const int64_t channels = x.dim() >= 2 ? x.size(1) : (x.dim() == 1 ? x.size(0) : 1);
+  if (weight.dim() > 1 || (weight.numel() != 1 && weight.numel() != channels))
+    op_fail(op, loc, "weight {} must hold 1 value or one per channel ({} of input {})",
+            to_string(weight.shape()), channels, to_string(x.shape()));
+  Shape at(static_cast<size_t>(x.dim()), 1);  // one weight per channel, broadcast over the rest
+  if (x.dim() > 0) at[x.dim() >= 2 ? 1 : 0] = channels;
+  const Tensor w = reshape(weight, weight.numel() == 1 ? Shape{} : at, loc);
+  // PyTorch's: x where x > 0, else weight x (also at 0, for the gradients; a NaN stays NaN).
+  return where(x > 0.0, x, w * x, loc);
 }
 
 Tensor dropout3d(const Tensor& x, double p, bool training, Generator* gen, const Loc& loc) {

@@ -74,6 +74,17 @@ Tensor adaptive_avg_pool2d(const Tensor& x, Size2 output_size, const Loc& loc = 
 /// gradient goes to each window's first maximum in row-major order (the last NaN), PyTorch's.
 Tensor adaptive_max_pool2d(const Tensor& x, Size2 output_size, const Loc& loc = Loc::current());
 
+/// Pooling over the last axis of an NCL (or CL) input, as torch.nn.functional's max_pool1d,
+/// avg_pool1d, adaptive_avg_pool1d and adaptive_max_pool1d: the 2-d poolings over a height of one
+/// (their windows, ties, NaN and divisors), the length axis checked as theirs.
+Tensor max_pool1d(const Tensor& x, int64_t kernel, std::optional<int64_t> stride = std::nullopt,
+                  int64_t padding = 0, int64_t dilation = 1, bool ceil_mode = false,
+                  const Loc& loc = Loc::current());
+Tensor avg_pool1d(const Tensor& x, int64_t kernel, std::optional<int64_t> stride = std::nullopt,
+                  int64_t padding = 0, bool ceil_mode = false, bool count_include_pad = true,
+                  const Loc& loc = Loc::current());
+Tensor adaptive_avg_pool1d(const Tensor& x, int64_t output_size, const Loc& loc = Loc::current());
+Tensor adaptive_max_pool1d(const Tensor& x, int64_t output_size, const Loc& loc = Loc::current());
 /// Pooling over the last three axes of an NCDHW (or CDHW) input, as torch.nn.functional's
 /// max_pool3d, avg_pool3d, adaptive_avg_pool3d and adaptive_max_pool3d: each axis sized and
 /// checked as the 2-d ones' (depth, height, width). Separable, over the 2-d pooling: each depth
@@ -130,6 +141,20 @@ Tensor instance_norm(const Tensor& x, const Tensor& weight = Tensor(),
                      const Tensor& bias = Tensor(), double eps = 1e-5,
                      const Loc& loc = Loc::current());
 
+namespace detail {
+/// instance_norm as the InstanceNorm modules run it (torch.nn.functional.instance_norm): with
+/// `use_input_stats`, each (sample, channel) normalized by its own statistics and, where the
+/// running buffers are defined, those updated (in the step's next evaluation, as batch norm's)
+/// by `momentum` towards the batch's mean of the instances' means and unbiased variances; else
+/// normalized by the running statistics.
+Tensor instance_norm_tracked(const Tensor& x, const Tensor& running_mean, const Tensor& running_var,
+                             const Tensor& weight, const Tensor& bias, bool use_input_stats,
+                             double momentum, double eps, const Loc& loc);
+}  // namespace detail
+/// torch.nn.functional.prelu: max(0, x) + weight min(0, x), weight [1] (shared) or [C] (per
+/// channel, axis 1 of x, or of a 1-d x's only axis). A low-precision op under autocast, as
+/// PyTorch's lists have it.
+Tensor prelu(const Tensor& x, const Tensor& weight, const Loc& loc = Loc::current());
 /// torch.nn.functional.interpolate's modes, each for the inputs PyTorch takes: Linear [N, C, L],
 /// Bilinear and Bicubic [N, C, H, W], Trilinear [N, C, D, H, W]; Nearest, NearestExact
 /// ("nearest-exact": output o reads floor((o + 1/2) scale), the pixel centers' nearest) and Area
