@@ -214,20 +214,11 @@ InterpolationModeInfo interpolation_mode(InterpolateMode mode) {
   fail("interpolate: unknown mode {}", static_cast<int>(mode));
 }
 
-// Area: adaptive average pooling to `sizes`, as PyTorch's interpolate does. One spatial axis is
-// pooled as an image of one row; three as the mean over (H, W) windows, then over D windows (each
-// D window's (H, W) windows hold the same count, so the mean of means is the box's mean).
+// Area: adaptive average pooling to `sizes`, as PyTorch's interpolate does.
 Tensor area(const Tensor& x, const std::vector<int64_t>& sizes, const Loc& loc) {
-  const int64_t n = x.size(0), c = x.size(1);
-  if (x.dim() == 3)
-    return reshape(adaptive_avg_pool2d(unsqueeze(x, 2), {1, sizes[0]}, loc), {n, c, sizes[0]});
+  if (x.dim() == 3) return adaptive_avg_pool1d(x, sizes[0], loc);
   if (x.dim() == 4) return adaptive_avg_pool2d(x, {sizes[0], sizes[1]}, loc);
-  const int64_t d = x.size(2), h = sizes[1], w = sizes[2];
-  const Tensor planes =
-      adaptive_avg_pool2d(reshape(x, {n, c * d, x.size(3), x.size(4)}), {h, w}, loc);
-  const Tensor depth =
-      adaptive_avg_pool2d(reshape(planes, {n, c, d, h * w}), {sizes[0], h * w}, loc);
-  return reshape(depth, {n, c, sizes[0], h, w});
+  return adaptive_avg_pool3d(x, {sizes[0], sizes[1], sizes[2]}, loc);
 }
 
 }  // namespace
