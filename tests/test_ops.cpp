@@ -1857,6 +1857,33 @@ void add_conv_cases(Oracle& o, Data& d, mt::DType dt) {
   o.add("max_unpool2d_sized/" + t, {pooled.values, pooled.indices},
         mt::max_unpool2d(pooled.values, pooled.indices, 2, std::nullopt, 0, mt::Size2{7, 5}),
         "F.max_unpool2d(a, b, 2, output_size=(7, 5))", rtol, atol);
+  // The 1-d and 3-d return_indices (two 2-d passes) and unpooling, with ties (small integers)
+  // and NaN: the pick PyTorch's kernels make.
+  mt::Tensor xv = mt::round(d.randn({2, 3, 5, 6, 7}, dt));
+  const std::string v_args = "(3, 2, 3), (2, 1, 2), (1, 0, 1), (1, 2, 1), True";
+  mt::ValuesIndices picked3 =
+      mt::max_pool3d_with_indices(xv, {3, 2, 3}, mt::Size3{2, 1, 2}, {1, 0, 1}, {1, 2, 1}, true);
+  o.add("max_pool3d_indices/" + t, {xv}, picked3.indices,
+        "F.max_pool3d(a, " + v_args + ", return_indices=True)[1]");
+  o.add("max_pool3d_with_indices/" + t, {xv}, picked3.values,
+        "F.max_pool3d(a, " + v_args + ", return_indices=True)[0]", rtol, atol);
+  mt::Tensor special3 = mt::reshape(special, {1, 2, 1, 3, 4});
+  o.add("max_pool3d_indices_special/" + t, {special3},
+        mt::max_pool3d_with_indices(special3, {1, 2, 2}, mt::Size3{1, 1, 2}, {0, 1, 1}).indices,
+        "F.max_pool3d(a, (1, 2, 2), (1, 1, 2), (0, 1, 1), return_indices=True)[1]");
+  mt::ValuesIndices pooled3 =
+      mt::max_pool3d_with_indices(mt::squeeze(mt::slice(xv, 0, 0, 1), 0), 2);
+  o.add("max_unpool3d_sized/" + t, {pooled3.values, pooled3.indices},
+        mt::max_unpool3d(pooled3.values, pooled3.indices, 2, std::nullopt, 0, mt::Size3{5, 7, 7}),
+        "F.max_unpool3d(a, b, 2, output_size=(5, 7, 7))", rtol, atol);
+  mt::Tensor xl1 = mt::round(d.randn({2, 3, 11}, dt));
+  mt::ValuesIndices picked1 = mt::max_pool1d_with_indices(xl1, 3, 2, 1, 2, true);
+  o.add("max_pool1d_indices/" + t, {xl1}, picked1.indices,
+        "F.max_pool1d(a, 3, 2, 1, 2, True, return_indices=True)[1]");
+  mt::ValuesIndices pooled1 = mt::max_pool1d_with_indices(xl1, 3, 2, 1);
+  o.add("max_unpool1d/" + t, {pooled1.values, pooled1.indices},
+        mt::max_unpool1d(pooled1.values, pooled1.indices, 3, 2, 1, 11),
+        "F.max_unpool1d(a, b, 3, 2, 1, output_size=(11,))", rtol, atol);
   mt::Tensor gyp = d.randn(yp.shape(), dt);
   o.add("max_pool2d_grad/" + t, {xp, gyp}, mt::max_pool2d_grad(xp, gyp, pool),
         "(lambda x: torch.autograd.grad(F.max_pool2d(x, " + pool_args +

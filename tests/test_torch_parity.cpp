@@ -1345,6 +1345,26 @@ std::vector<ExprCase> expr_cases() {
        "a,b",
        [](const In& x) { return mt::prelu(x[0], x[1]); }},
       true);
+  // Pooling with indices and unpooling: the gradient through the picks, ties included.
+  add({"max_unpool3d_round_trip_ties",
+       "F.max_unpool3d(*F.max_pool3d(a, 2, (1, 2, 2), return_indices=True), 2, (1, 2, 2), "
+       "output_size=a.shape[2:])",
+       {mt::round(rng.normal({2, 3, 5, 6, 7}, 1.0))},
+       "a",
+       [](const In& x) {
+         const mt::ValuesIndices p = mt::max_pool3d_with_indices(x[0], 2, {{1, 2, 2}});
+         return mt::max_unpool3d(p.values, p.indices, 2, {{1, 2, 2}}, 0, mt::Size3{5, 6, 7});
+       }},
+      false);
+  add({"max_unpool1d_round_trip",
+       "F.max_unpool1d(*F.max_pool1d(a, 3, 2, 1, return_indices=True), 3, 2, 1)",
+       {line},
+       "a",
+       [](const In& x) {
+         const mt::ValuesIndices p = mt::max_pool1d_with_indices(x[0], 3, 2, 1);
+         return mt::max_unpool1d(p.values, p.indices, 3, 2, 1);
+       }},
+      true);
   add({"adaptive_avg_pool3d",
        "F.adaptive_avg_pool3d(a, (3, 4, 2))",
        {volume},

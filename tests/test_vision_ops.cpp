@@ -993,7 +993,8 @@ TEST(InstanceNormModules, RunningStatisticsUnbatchedInputsAndNames) {
   EXPECT_EQ(norm.num_batches_tracked.item(), 0.0);  // PyTorch's instance norm never counts
   // Eval: (x - running_mean) / sqrt(running_var + eps), per channel; an unbatched input too.
   norm.eval();
-  const std::vector<float> y = values(norm(x)), y0 = values(norm(mt::squeeze(mt::slice(x, 0, 0, 1), 0)));
+  const std::vector<float> y = values(norm(x)),
+                           y0 = values(norm(mt::squeeze(mt::slice(x, 0, 0, 1), 0)));
   for (int64_t i = 0; i < n * c * plane; ++i) {
     const int64_t ch = (i / plane) % c;
     const double want = (xv[i] - rm[ch]) / std::sqrt(rv[ch] + 1e-5);
@@ -1029,6 +1030,19 @@ TEST(InstanceNormModules, RunningStatisticsUnbatchedInputsAndNames) {
   EXPECT_EQ(mt::AvgPool1d(2)(mt::ones({3, 9})).shape(), (mt::Shape{3, 4}));
   EXPECT_EQ(mt::AdaptiveAvgPool1d(5)(mt::ones({3, 9})).shape(), (mt::Shape{3, 5}));
   EXPECT_EQ(mt::AdaptiveMaxPool1d(2)(mt::ones({1, 3, 9})).shape(), (mt::Shape{1, 3, 2}));
+  mt::Tensor pooled = mt::ones({2, 3, 2, 2, 2});
+  mt::Tensor at = mt::zeros({2, 3, 2, 2, 2}, mt::i64);
+  EXPECT_EQ(mt::MaxUnpool3d(2)(pooled, at).shape(), (mt::Shape{2, 3, 4, 4, 4}));
+  EXPECT_MT_ERROR(mt::max_unpool3d(pooled, mt::zeros({2, 3, 2, 2}, mt::i64), 2), "max_unpool3d",
+                  "indices must be i64 of the input's shape");
+  EXPECT_MT_ERROR(mt::max_unpool3d(pooled, at, 2, std::nullopt, 0, mt::Size3{4, 9, 4}),
+                  "max_unpool3d", "height 9", "between 2 and 6");
+  EXPECT_MT_ERROR(mt::max_unpool1d(mt::ones({2, 3, 4, 5}), mt::zeros({2, 3, 4, 5}, mt::i64), 2),
+                  "max_unpool1d", "NCL or CL");
+  EXPECT_EQ(mt::MaxPool3d(2).with_indices(mt::ones({3, 4, 4, 4})).indices.shape(),
+            (mt::Shape{3, 2, 2, 2}));
+  EXPECT_EQ(mt::MaxUnpool1d(2)(mt::ones({3, 4}), mt::zeros({3, 4}, mt::i64)).shape(),
+            (mt::Shape{3, 8}));
   mt::ConvTranspose1d up(4, 6, 3, {.stride = 2, .groups = 2});
   EXPECT_EQ(up.weight.shape(), (mt::Shape{4, 3, 3}));
   EXPECT_EQ(up(mt::zeros({2, 4, 5})).shape(), (mt::Shape{2, 6, 11}));

@@ -304,6 +304,22 @@ Tensor MaxUnpool2d::operator()(const Tensor& x, const Tensor& indices,
   return max_unpool2d(x, indices, kernel, stride, padding, output_size, loc);
 }
 
+MaxUnpool1d::MaxUnpool1d(int64_t kernel, std::optional<int64_t> stride, int64_t padding)
+    : kernel(kernel), stride(stride), padding(padding) {}
+
+Tensor MaxUnpool1d::operator()(const Tensor& x, const Tensor& indices,
+                               std::optional<int64_t> output_size, const Loc& loc) const {
+  return max_unpool1d(x, indices, kernel, stride, padding, output_size, loc);
+}
+
+MaxUnpool3d::MaxUnpool3d(Size3 kernel, std::optional<Size3> stride, Size3 padding)
+    : kernel(kernel), stride(stride), padding(padding) {}
+
+Tensor MaxUnpool3d::operator()(const Tensor& x, const Tensor& indices,
+                               std::optional<Size3> output_size, const Loc& loc) const {
+  return max_unpool3d(x, indices, kernel, stride, padding, output_size, loc);
+}
+
 AvgPool2d::AvgPool2d(Size2 kernel, std::optional<Size2> stride, Size2 padding, bool ceil_mode,
                      bool count_include_pad)
     : kernel(kernel),
@@ -340,6 +356,11 @@ Tensor MaxPool1d::operator()(const Tensor& x, const Loc& loc) const {
   return max_pool1d(x, kernel, stride, padding, dilation, ceil_mode, loc);
 }
 
+ValuesIndices MaxPool1d::with_indices(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope = forward_scope();
+  return max_pool1d_with_indices(x, kernel, stride, padding, dilation, ceil_mode, loc);
+}
+
 AvgPool1d::AvgPool1d(int64_t kernel, std::optional<int64_t> stride, int64_t padding, bool ceil_mode,
                      bool count_include_pad)
     : kernel(kernel),
@@ -374,6 +395,11 @@ MaxPool3d::MaxPool3d(Size3 kernel, std::optional<Size3> stride, Size3 padding, S
 Tensor MaxPool3d::operator()(const Tensor& x, const Loc& loc) const {
   ModulePathScope scope = forward_scope();
   return max_pool3d(x, kernel, stride, padding, dilation, ceil_mode, loc);
+}
+
+ValuesIndices MaxPool3d::with_indices(const Tensor& x, const Loc& loc) const {
+  ModulePathScope scope = forward_scope();
+  return max_pool3d_with_indices(x, kernel, stride, padding, dilation, ceil_mode, loc);
 }
 
 AvgPool3d::AvgPool3d(Size3 kernel, std::optional<Size3> stride, Size3 padding, bool ceil_mode,

@@ -212,6 +212,30 @@ class MaxPool2d : public Module {
   bool ceil_mode;
 };
 
+/// torch.nn.MaxUnpool1d and MaxUnpool3d: max_unpool1d / max_unpool3d with the sizes they were
+/// made with.
+class MaxUnpool1d : public Module {
+ public:
+  explicit MaxUnpool1d(int64_t kernel, std::optional<int64_t> stride = std::nullopt,
+                       int64_t padding = 0);
+  Tensor operator()(const Tensor& x, const Tensor& indices,
+                    std::optional<int64_t> output_size = std::nullopt,
+                    const Loc& loc = Loc::current()) const;
+  int64_t kernel;
+  std::optional<int64_t> stride;
+  int64_t padding;
+};
+class MaxUnpool3d : public Module {
+ public:
+  explicit MaxUnpool3d(Size3 kernel, std::optional<Size3> stride = std::nullopt, Size3 padding = 0);
+  Tensor operator()(const Tensor& x, const Tensor& indices,
+                    std::optional<Size3> output_size = std::nullopt,
+                    const Loc& loc = Loc::current()) const;
+  Size3 kernel;
+  std::optional<Size3> stride;
+  Size3 padding;
+};
+
 /// torch.nn.MaxUnpool2d: max_unpool2d with the sizes it was made with.
 class MaxUnpool2d : public Module {
  public:
@@ -255,6 +279,8 @@ class MaxPool1d : public Module {
   explicit MaxPool1d(int64_t kernel, std::optional<int64_t> stride = std::nullopt,
                      int64_t padding = 0, int64_t dilation = 1, bool ceil_mode = false);
   Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  /// As PyTorch's module made with return_indices: the values and each one's index.
+  ValuesIndices with_indices(const Tensor& x, const Loc& loc = Loc::current()) const;
   int64_t kernel;
   std::optional<int64_t> stride;
   int64_t padding, dilation;
@@ -292,6 +318,8 @@ class MaxPool3d : public Module {
   explicit MaxPool3d(Size3 kernel, std::optional<Size3> stride = std::nullopt, Size3 padding = 0,
                      Size3 dilation = 1, bool ceil_mode = false);
   Tensor operator()(const Tensor& x, const Loc& loc = Loc::current()) const;
+  /// As PyTorch's module made with return_indices: the values and each one's index.
+  ValuesIndices with_indices(const Tensor& x, const Loc& loc = Loc::current()) const;
   Size3 kernel;
   std::optional<Size3> stride;
   Size3 padding, dilation;

@@ -310,52 +310,100 @@ ValuesIndices max_pool2d_with_indices(const Tensor& x, Size2 kernel, std::option
   return {squeeze(values, 0), squeeze(indices, 0)};
 }
 
+namespace {
+
+// max_unpool1d/2d/3d over x's last kernel.size() axes (1 to 3), the sizes per axis.
+Tensor max_unpool(const char* op, const Tensor& x, const Tensor& indices,
+                  const std::vector<int64_t>& kernel, const std::vector<int64_t>& stride,
+                  const std::vector<int64_t>& padding,
+                  const std::optional<std::vector<int64_t>>& output_size, const Loc& loc) {
+  const auto spatial = static_cast<int64_t>(kernel.size());
+  const char* layouts[3] = {"NCL or CL", "NCHW or CHW", "NCDHW or CDHW"};
+  const char* axis_names[3][3] = {{"length"}, {"height", "width"}, {"depth", "height", "width"}};
+  require_float(x, op, "input", loc);
+  require(indices, op, "indices", loc);
+  if (x.dim() != spatial + 1 && x.dim() != spatial + 2)
+    op_fail(op, loc, "needs an {} input, got {}", layouts[spatial - 1], to_string(x.shape()));
+  if (indices.dtype() != i64 || indices.shape() != x.shape())
+    op_fail(op, loc, "indices must be i64 of the input's shape {}, got {} {}", to_string(x.shape()),
+            name(indices.dtype()), to_string(indices.shape()));
+  if (output_size && static_cast<int64_t>(output_size->size()) != spatial)
+    op_fail(op, loc, "output_size must have {} sizes, got {}", spatial, output_size->size());
+  const auto sizes_text = [&] {
+    return fmt::format("kernel ({}), stride ({}) and padding ({})", fmt::join(kernel, ", "),
+                       fmt::join(stride, ", "), fmt::join(padding, ", "));
+  };
+  std::vector<int64_t> size(kernel.size());
+  for (size_t d = 0; d < kernel.size(); ++d) {
+    const int64_t k = kernel[d], step = stride[d], pad = padding[d];
+    const int64_t in = x.size(x.dim() - spatial + static_cast<int64_t>(d));
+    const char* axis = axis_names[spatial - 1][d];
+    if (k <= 0 || step <= 0 || pad < 0 || std::max({k, step, pad}) > kMaxWindow)
+      op_fail(op, loc, "{} must be in range", sizes_text());
+    // PyTorch's default size: the input max pooling made x from, without ceil_mode's extra; a
+    // size given must be one the pooling with this stride could have made x from, as its
+    // check. In 128 bits: an input of up to 2^60 rows times a stride of up to 2^31.
+    const __int128 wide = static_cast<__int128>(in - 1) * step - 2 * pad + k;
+    if (wide > (int64_t{1} << 60)) op_fail(op, loc, "the output's {} would be above 2^60", axis);
+    const auto natural = static_cast<int64_t>(wide);
+    size[d] = output_size ? (*output_size)[d] : natural;
+    if (output_size && !(natural - step < size[d] && size[d] < natural + step))
+      op_fail(op, loc, "the output's {} {} must be between {} and {} (exclusive)", axis, size[d],
+              natural - step, natural + step);
+    if (size[d] <= 0 || size[d] > (int64_t{1} << 31))
+      op_fail(op, loc, "the output's {} {} must be positive and at most 2^31", axis, size[d]);
+  }
+  // Each value written at its index of a zero plane (of repeated indices the last is kept);
+  // an index outside the plane is an mt::Error when it is evaluated.
+  Shape planes(x.shape().begin(), x.shape().end() - spatial);
+  Shape flat = planes, out_flat = planes;
+  int64_t in_plane = 1, out_plane = 1;
+  for (size_t d = 0; d < kernel.size(); ++d) {
+    in_plane *= x.size(x.dim() - spatial + static_cast<int64_t>(d));
+    out_plane *= size[d];
+  }
+  if (out_plane > (int64_t{1} << 60))
+    op_fail(op, loc, "the output plane would hold more than 2^60 elements");
+  flat.push_back(in_plane);
+  out_flat.push_back(out_plane);
+  const int64_t axis = static_cast<int64_t>(planes.size());
+  Tensor y = scatter(zeros(out_flat, x.dtype()), axis, reshape(indices, flat), reshape(x, flat));
+  planes.insert(planes.end(), size.begin(), size.end());
+  return reshape(y, planes);
+}
+
+}  // namespace
+
+Tensor max_unpool1d(const Tensor& x, const Tensor& indices, int64_t kernel,
+                    std::optional<int64_t> stride, int64_t padding,
+                    std::optional<int64_t> output_size, const Loc& loc) {
+  CallSiteScope site(loc);
+  std::optional<std::vector<int64_t>> size;
+  if (output_size) size = std::vector<int64_t>{*output_size};
+  return max_unpool("max_unpool1d", x, indices, {kernel}, {stride.value_or(kernel)}, {padding},
+                    size, loc);
+}
+
 Tensor max_unpool2d(const Tensor& x, const Tensor& indices, Size2 kernel,
                     std::optional<Size2> stride, Size2 padding, std::optional<Size2> output_size,
                     const Loc& loc) {
   CallSiteScope site(loc);
-  const char* op = "max_unpool2d";
-  require_float(x, op, "input", loc);
-  require(indices, op, "indices", loc);
-  if (x.dim() != 3 && x.dim() != 4)
-    op_fail(op, loc, "needs an NCHW or CHW input, got {}", to_string(x.shape()));
-  if (indices.dtype() != i64 || indices.shape() != x.shape())
-    op_fail(op, loc, "indices must be i64 of the input's shape {}, got {} {}", to_string(x.shape()),
-            name(indices.dtype()), to_string(indices.shape()));
   const Size2 s = stride.value_or(kernel);
-  int64_t size[2] = {0, 0};
-  for (int d = 0; d < 2; ++d) {
-    const int64_t k = d == 0 ? kernel.h : kernel.w, step = d == 0 ? s.h : s.w;
-    const int64_t pad = d == 0 ? padding.h : padding.w, in = x.size(x.dim() - 2 + d);
-    if (k <= 0 || step <= 0 || pad < 0 || std::max({k, step, pad}) > kMaxWindow)
-      op_fail(op, loc, "kernel ({}, {}), stride ({}, {}) and padding ({}, {}) must be in range",
-              kernel.h, kernel.w, s.h, s.w, padding.h, padding.w);
-    // PyTorch's default size: the input max_pool2d made x from, without ceil_mode's extra; a
-    // size given must be one max_pool2d with this stride could have made x from, as its check.
-    // In 128 bits: an input of up to 2^60 rows times a stride of up to 2^31.
-    const __int128 wide = static_cast<__int128>(in - 1) * step - 2 * pad + k;
-    if (wide > (int64_t{1} << 60))
-      op_fail(op, loc, "the output's {} would be above 2^60 rows", d == 0 ? "height" : "width");
-    const auto natural = static_cast<int64_t>(wide);
-    size[d] = output_size ? (d == 0 ? output_size->h : output_size->w) : natural;
-    if (output_size && !(natural - step < size[d] && size[d] < natural + step))
-      op_fail(op, loc, "the output's {} {} must be between {} and {} (exclusive)",
-              d == 0 ? "height" : "width", size[d], natural - step, natural + step);
-    if (size[d] <= 0 || size[d] > (int64_t{1} << 31))
-      op_fail(op, loc, "the output's {} {} must be positive and at most 2^31",
-              d == 0 ? "height" : "width", size[d]);
-  }
-  // Each value written at its index of a zero plane (of repeated indices the last is kept);
-  // an index outside the plane is an mt::Error when it is evaluated.
-  Shape planes(x.shape().begin(), x.shape().end() - 2);
-  Shape flat = planes;
-  flat.push_back(x.size(-2) * x.size(-1));
-  Shape out_flat = planes;
-  out_flat.push_back(size[0] * size[1]);
-  Tensor y =
-      scatter(zeros(out_flat, x.dtype()), x.dim() - 2, reshape(indices, flat), reshape(x, flat));
-  planes.insert(planes.end(), {size[0], size[1]});
-  return reshape(y, planes);
+  std::optional<std::vector<int64_t>> size;
+  if (output_size) size = std::vector<int64_t>{output_size->h, output_size->w};
+  return max_unpool("max_unpool2d", x, indices, {kernel.h, kernel.w}, {s.h, s.w},
+                    {padding.h, padding.w}, size, loc);
+}
+
+Tensor max_unpool3d(const Tensor& x, const Tensor& indices, Size3 kernel,
+                    std::optional<Size3> stride, Size3 padding, std::optional<Size3> output_size,
+                    const Loc& loc) {
+  CallSiteScope site(loc);
+  const Size3 s = stride.value_or(kernel);
+  std::optional<std::vector<int64_t>> size;
+  if (output_size) size = std::vector<int64_t>{output_size->d, output_size->h, output_size->w};
+  return max_unpool("max_unpool3d", x, indices, {kernel.d, kernel.h, kernel.w}, {s.d, s.h, s.w},
+                    {padding.d, padding.h, padding.w}, size, loc);
 }
 
 Tensor avg_pool2d(const Tensor& x, Size2 kernel, std::optional<Size2> stride, Size2 padding,
@@ -519,6 +567,24 @@ Tensor max_pool1d(const Tensor& x, int64_t kernel, std::optional<int64_t> stride
   });
 }
 
+ValuesIndices max_pool1d_with_indices(const Tensor& x, int64_t kernel,
+                                      std::optional<int64_t> stride, int64_t padding,
+                                      int64_t dilation, bool ceil_mode, const Loc& loc) {
+  CallSiteScope site(loc, composite::max_pool1d);
+  const char* op = "max_pool1d";
+  ValuesIndices picked;
+  over_unit_height(op, loc, x, [&](const Tensor& t) {
+    const int64_t s = stride.value_or(kernel);
+    pool_axis(op, loc, x.shape(), "length", x.size(-1), kernel, s, padding, dilation, ceil_mode,
+              true);
+    picked = max_pool2d_with_indices(t, {1, kernel}, Size2{1, s}, {0, padding}, {1, dilation},
+                                     ceil_mode, loc);
+    return picked.values;
+  });
+  // Flat indices h W + w of a height of one: the position along the line, PyTorch's.
+  return {squeeze(picked.values, x.dim() - 1, loc), squeeze(picked.indices, x.dim() - 1, loc)};
+}
+
 Tensor avg_pool1d(const Tensor& x, int64_t kernel, std::optional<int64_t> stride, int64_t padding,
                   bool ceil_mode, bool count_include_pad, const Loc& loc) {
   CallSiteScope site(loc, composite::avg_pool1d);
@@ -615,6 +681,39 @@ Tensor max_pool3d(const Tensor& x, Size3 kernel, std::optional<Size3> stride, Si
                                   loc);
       });
   return wide ? narrowed_like(y, x, loc) : y;
+}
+
+ValuesIndices max_pool3d_with_indices(const Tensor& x, Size3 kernel, std::optional<Size3> stride,
+                                      Size3 padding, Size3 dilation, bool ceil_mode,
+                                      const Loc& loc) {
+  const Tensor values = max_pool3d(x, kernel, stride, padding, dilation, ceil_mode, loc);
+  CallSiteScope site(loc, composite::max_pool3d);
+  const Pool3 p =
+      pool3_geometry("max_pool3d", loc, x, kernel, stride, padding, dilation, ceil_mode, true);
+  // The passes' picks: each depth slice's (h W + w), made (d H W + h W + w); then the depth
+  // window's pick (d (OH OW) + column) reads it, so the index is the value's (as max_pool3d
+  // picks).
+  const Tensor v = x.dim() == 5 ? x : unsqueeze(x, 0, loc);
+  const int64_t n = v.size(0), c = v.size(1), d = v.size(2), h = v.size(3), w = v.size(4);
+  const ValuesIndices planes = max_pool2d_with_indices(
+      reshape(v, {n, c * d, h, w}, loc), {p.h.kernel, p.w.kernel}, Size2{p.h.stride, p.w.stride},
+      {p.h.pad, p.w.pad}, {p.h.dilation, p.w.dilation}, ceil_mode, loc);
+  const int64_t columns = p.h.out * p.w.out;
+  const Tensor depth_offsets =
+      cached_constant(fmt::format("max_pool3d depths {} {}", d, h * w), [&] {
+        std::vector<int64_t> offsets(static_cast<size_t>(d));
+        for (int64_t i = 0; i < d; ++i) offsets[static_cast<size_t>(i)] = i * h * w;
+        return tensor(offsets, {d, 1});
+      });
+  const Tensor volume_index = reshape(planes.indices, {n, c, d, columns}, loc) + depth_offsets;
+  const ValuesIndices depth = max_pool2d_with_indices(
+      reshape(planes.values, {n, c, d, columns}, loc), {p.d.kernel, 1}, Size2{p.d.stride, 1},
+      {p.d.pad, 0}, {p.d.dilation, 1}, ceil_mode, loc);
+  const Tensor picked = take_along_dim(reshape(volume_index, {n, c, d * columns}, loc),
+                                       reshape(depth.indices, {n, c, p.d.out * columns}, loc), 2);
+  Tensor indices = reshape(picked, {n, c, p.d.out, p.h.out, p.w.out}, loc);
+  if (x.dim() == 4) indices = squeeze(indices, 0, loc);
+  return {values, indices};
 }
 
 Tensor avg_pool3d(const Tensor& x, Size3 kernel, std::optional<Size3> stride, Size3 padding,

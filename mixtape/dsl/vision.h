@@ -80,6 +80,16 @@ Tensor adaptive_max_pool2d(const Tensor& x, Size2 output_size, const Loc& loc = 
 Tensor max_pool1d(const Tensor& x, int64_t kernel, std::optional<int64_t> stride = std::nullopt,
                   int64_t padding = 0, int64_t dilation = 1, bool ceil_mode = false,
                   const Loc& loc = Loc::current());
+/// max_pool1d with return_indices: also each pick's position along the line (i64).
+ValuesIndices max_pool1d_with_indices(const Tensor& x, int64_t kernel,
+                                      std::optional<int64_t> stride = std::nullopt,
+                                      int64_t padding = 0, int64_t dilation = 1,
+                                      bool ceil_mode = false, const Loc& loc = Loc::current());
+/// torch.nn.functional.max_unpool1d: max_unpool2d's rule along the line.
+Tensor max_unpool1d(const Tensor& x, const Tensor& indices, int64_t kernel,
+                    std::optional<int64_t> stride = std::nullopt, int64_t padding = 0,
+                    std::optional<int64_t> output_size = std::nullopt,
+                    const Loc& loc = Loc::current());
 Tensor avg_pool1d(const Tensor& x, int64_t kernel, std::optional<int64_t> stride = std::nullopt,
                   int64_t padding = 0, bool ceil_mode = false, bool count_include_pad = true,
                   const Loc& loc = Loc::current());
@@ -95,6 +105,17 @@ Tensor adaptive_max_pool1d(const Tensor& x, int64_t output_size, const Loc& loc 
 Tensor max_pool3d(const Tensor& x, Size3 kernel, std::optional<Size3> stride = std::nullopt,
                   Size3 padding = 0, Size3 dilation = 1, bool ceil_mode = false,
                   const Loc& loc = Loc::current());
+/// max_pool3d with return_indices: also each pick's flat index d H W + h W + w in its input
+/// volume (i64), PyTorch's (what max_unpool3d reads).
+ValuesIndices max_pool3d_with_indices(const Tensor& x, Size3 kernel,
+                                      std::optional<Size3> stride = std::nullopt, Size3 padding = 0,
+                                      Size3 dilation = 1, bool ceil_mode = false,
+                                      const Loc& loc = Loc::current());
+/// torch.nn.functional.max_unpool3d: max_unpool2d's rule over a volume.
+Tensor max_unpool3d(const Tensor& x, const Tensor& indices, Size3 kernel,
+                    std::optional<Size3> stride = std::nullopt, Size3 padding = 0,
+                    std::optional<Size3> output_size = std::nullopt,
+                    const Loc& loc = Loc::current());
 Tensor avg_pool3d(const Tensor& x, Size3 kernel, std::optional<Size3> stride = std::nullopt,
                   Size3 padding = 0, bool ceil_mode = false, bool count_include_pad = true,
                   const Loc& loc = Loc::current());
