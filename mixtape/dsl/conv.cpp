@@ -268,6 +268,42 @@ Tensor conv1d(const Tensor& x, const Tensor& weight, const Tensor& bias,
   return add_bias("conv1d", squeeze(y, 2, loc), bias, loc);
 }
 
+namespace {
+
+// A 3-d window's strides, dilations and paddings per axis (depth, height, width), checked as
+// conv2d's; `text` describes the window for the message.
+template <typename Text>
+void check_window3(const char* op, const int64_t (&stride)[3], const int64_t (&dil)[3],
+                   const int64_t (&padding)[3], const Text& text, const Loc& loc) {
+  for (int a = 0; a < 3; ++a) {
+    if (stride[a] < 1 || dil[a] < 1 || padding[a] < 0)
+      op_fail(op, loc, "stride and dilation must be positive, padding not negative: {}", text());
+    if (std::max({stride[a], dil[a], padding[a]}) > kMaxWindow)
+      op_fail(op, loc, "window sizes above 2^31: {}", text());
+  }
+}
+
+// The depth taps of x [N, C, D, H, W] as channels: [N count, C kd, H, W], whose channel c kd + t
+// holds depth z step + t dil of output depth z (each group's channels stay together).
+Tensor depth_taps(const Tensor& x, int64_t kd, int64_t dil, int64_t step, int64_t count,
+                  const Loc& loc) {
+  const int64_t n = x.size(0), c = x.size(1), h = x.size(3), w = x.size(4);
+  std::vector<Tensor> taps;
+  taps.reserve(static_cast<size_t>(kd));
+  for (int64_t t = 0; t < kd; ++t)
+    taps.push_back(slice(x, {0, 0, t * dil, 0, 0}, {1, 1, step, 1, 1}, {n, c, count, h, w}, loc));
+  return reshape(permute(stack(taps, 2, loc), {0, 3, 1, 2, 4, 5}, loc), {n * count, c * kd, h, w},
+                 loc);
+}
+
+// y [N count, O, H, W] of depth_taps' columns as [N, O, count, H, W].
+Tensor volume_of(const Tensor& y, int64_t n, int64_t count, const Loc& loc) {
+  return permute(reshape(y, {n, count, y.size(1), y.size(2), y.size(3)}, loc), {0, 2, 1, 3, 4},
+                 loc);
+}
+
+}  // namespace
+
 Tensor conv3d(const Tensor& x, const Tensor& weight, const Tensor& bias,
               const Conv3dOptions& options, const Loc& loc) {
   const char* op = "conv3d";
@@ -292,12 +328,7 @@ Tensor conv3d(const Tensor& x, const Tensor& weight, const Tensor& bias,
         "stride ({}, {}, {}), padding ({}, {}, {}), dilation ({}, {}, {}), groups {}", stride[0],
         stride[1], stride[2], padding[0], padding[1], padding[2], dil[0], dil[1], dil[2], groups);
   };
-  for (int a = 0; a < 3; ++a) {
-    if (stride[a] < 1 || dil[a] < 1 || padding[a] < 0)
-      op_fail(op, loc, "stride and dilation must be positive, padding not negative: {}", text());
-    if (std::max({stride[a], dil[a], padding[a]}) > kMaxWindow)
-      op_fail(op, loc, "window sizes above 2^31: {}", text());
-  }
+  check_window3(op, stride, dil, padding, text, loc);
   if (groups < 1 || groups > kMaxWindow)
     op_fail(op, loc, "groups must be positive and at most 2^31: {}", text());
   const Shape& xs = x.shape();
@@ -337,17 +368,9 @@ Tensor conv3d(const Tensor& x, const Tensor& weight, const Tensor& bias,
   if (before[0] || after[0] || after[1] != before[1] || after[2] != before[2])
     input = pad(input, {0, after[2] - before[2], 0, after[1] - before[1], before[0], after[0]},
                 PadMode::Constant, 0.0, loc);
-  const int64_t n = xs[0], c = xs[1], o = ws[0], kd = ws[2];
+  const int64_t o = ws[0], kd = ws[2];
   const int64_t od = (input.size(2) - extent[0]) / stride[0] + 1;
-  // Tap t of output depth z reads depth z stride + t dilation: [N, C, KD, OD, H, W], as
-  // [N OD, C KD, H, W] with channel c KD + t, which keeps each group's channels together.
-  std::vector<Tensor> taps;
-  taps.reserve(static_cast<size_t>(kd));
-  for (int64_t t = 0; t < kd; ++t)
-    taps.push_back(slice(input, {0, 0, t * dil[0], 0, 0}, {1, 1, stride[0], 1, 1},
-                         {n, c, od, input.size(3), input.size(4)}, loc));
-  const Tensor columns = reshape(permute(stack(taps, 2, loc), {0, 3, 1, 2, 4, 5}, loc),
-                                 {n * od, c * kd, input.size(3), input.size(4)}, loc);
+  const Tensor columns = depth_taps(input, kd, dil[0], stride[0], od, loc);
   ConvWindow window;
   for (int a = 1; a < 3; ++a) {
     window.stride[a - 1] = stride[a];
@@ -357,9 +380,7 @@ Tensor conv3d(const Tensor& x, const Tensor& weight, const Tensor& bias,
   window.groups = groups;
   const Tensor y2 =
       forward(op, columns, reshape(weight, {o, ws[1] * kd, ws[3], ws[4]}, loc), window, loc);
-  const Tensor y =
-      permute(reshape(y2, {n, od, o, y2.size(2), y2.size(3)}, loc), {0, 2, 1, 3, 4}, loc);
-  return add_bias(op, y, bias, loc);
+  return add_bias(op, volume_of(y2, xs[0], od, loc), bias, loc);
 }
 
 Tensor conv_transpose1d(const Tensor& x, const Tensor& weight, const Tensor& bias,
@@ -421,11 +442,8 @@ Tensor conv_transpose3d(const Tensor& x, const Tensor& weight, const Tensor& bia
         stride[0], stride[1], stride[2], padding[0], padding[1], padding[2], extra[0], extra[1],
         extra[2], dil[0], dil[1], dil[2], groups);
   };
+  check_window3(op, stride, dil, padding, text, loc);
   for (int a = 0; a < 3; ++a) {
-    if (stride[a] < 1 || dil[a] < 1 || padding[a] < 0)
-      op_fail(op, loc, "stride and dilation must be positive, padding not negative: {}", text());
-    if (std::max({stride[a], dil[a], padding[a]}) > kMaxWindow)
-      op_fail(op, loc, "window sizes above 2^31: {}", text());
     if (extra[a] < 0 || extra[a] >= std::max(stride[a], dil[a]))
       op_fail(op, loc, "output_padding must be smaller than the stride or the dilation: {}",
               text());
@@ -465,12 +483,7 @@ Tensor conv_transpose3d(const Tensor& x, const Tensor& weight, const Tensor& bia
   if (margin != 0 || trailing + margin + extra[0] != 0)
     spread = pad(spread, {0, 0, 0, 0, margin, trailing + margin + extra[0]}, PadMode::Constant, 0.0,
                  loc);
-  std::vector<Tensor> taps;
-  taps.reserve(static_cast<size_t>(kd));
-  for (int64_t t = 0; t < kd; ++t)
-    taps.push_back(slice(spread, 2, t * dil[0], t * dil[0] + out[0], 1, loc));
-  const Tensor columns = reshape(permute(stack(taps, 2, loc), {0, 3, 1, 2, 4, 5}, loc),
-                                 {n * out[0], c * kd, h, w}, loc);
+  const Tensor columns = depth_taps(spread, kd, dil[0], 1, out[0], loc);
   // [Cin, Cout / groups, KD, KH, KW] -> [Cin KD, Cout / groups, KH, KW], the depth reversed.
   const Tensor kernels = reshape(permute(flip(weight, {2}, loc), {0, 2, 1, 3, 4}, loc),
                                  {c * kd, ws[1], ws[3], ws[4]}, loc);
@@ -481,9 +494,7 @@ Tensor conv_transpose3d(const Tensor& x, const Tensor& weight, const Tensor& bia
                                       .groups = groups,
                                       .dilation = {dil[1], dil[2]}},
                                      loc);
-  const Tensor y =
-      permute(reshape(y2, {n, out[0], y2.size(1), out[1], out[2]}, loc), {0, 2, 1, 3, 4}, loc);
-  return add_bias(op, y, bias, loc);
+  return add_bias(op, volume_of(y2, n, out[0], loc), bias, loc);
 }
 
 Tensor conv_transpose2d(const Tensor& x, const Tensor& weight, const Tensor& bias,
