@@ -380,6 +380,14 @@ TEST(Conv, Conv3dModuleShapesNamesAndErrors) {
                   "conv_transpose3d", "the output would have no rows");
   EXPECT_MT_ERROR(mt::conv_transpose3d(x, mt::zeros({4, 3, 3, 3, 3}), mt::zeros({2})),
                   "bias shape [2]", "[3]");
+  // Intermediates of the lowering past 2^60 bytes are refused by the op that makes them.
+  EXPECT_MT_ERROR(mt::conv3d(mt::zeros({1 << 25, 1, 1 << 30, 1, 1}), mt::zeros({1, 1, 2, 1, 1}), {},
+                             {.padding = {int64_t{1} << 31, 0, 0}}),
+                  "conv3d", "the depth taps gathered into channels", "2^60 bytes");
+  EXPECT_MT_ERROR(
+      mt::conv_transpose3d(mt::zeros({1024, 1, 1 << 28, 1, 1}), mt::zeros({1, 1, 1, 1, 1}), {},
+                           {.stride = {int64_t{1} << 31, 1, 1}}),
+      "conv_transpose3d", "depths spread a stride apart");
 }
 
 // The convolution and its gradients replay under mt::compile, bit for bit as the traced step.

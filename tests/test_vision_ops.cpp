@@ -946,6 +946,8 @@ TEST(VisionVolumes, ShapesChannelDropoutAndErrors) {
   EXPECT_MT_ERROR(mt::avg_pool3d(v, 2, mt::Size3{1, 0, 1}), "avg_pool3d", "must be positive");
   EXPECT_MT_ERROR(mt::adaptive_avg_pool3d(v, {2, 0, 2}), "adaptive_avg_pool3d", "(2, 0, 2)",
                   "must be positive");
+  EXPECT_MT_ERROR(mt::adaptive_max_pool3d(mt::zeros({1, 1, int64_t{1} << 33, 1, 1}), 1),
+                  "adaptive_max_pool3d", "along the depth axis", "above 2^31");
   EXPECT_MT_ERROR(mt::adaptive_max_pool3d(mt::ones({2, 3, 4, 5}, mt::i64), 2),
                   "adaptive_max_pool3d", "input");
   mt::BatchNorm3d norm(3);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <iterator>
+#include <optional>
 #include <utility>
 
 #include "mixtape/dsl/composites.h"
@@ -283,11 +284,21 @@ void check_window3(const char* op, const int64_t (&stride)[3], const int64_t (&d
   }
 }
 
+// Refuses a volume op's intermediate `what` of `shape` past max_tensor_bytes, naming `op`.
+void check_intermediate(const char* op, const char* what, const Shape& shape, DType type,
+                        const Loc& loc) {
+  const std::optional<int64_t> elements = checked_numel(shape);
+  if (!elements || *elements > max_tensor_bytes / static_cast<int64_t>(size_of(type)))
+    op_fail(op, loc, "{} {} would span more than 2^60 bytes", what, to_string(shape));
+}
+
 // The depth taps of x [N, C, D, H, W] as channels: [N count, C kd, H, W], whose channel c kd + t
 // holds depth z step + t dil of output depth z (each group's channels stay together).
-Tensor depth_taps(const Tensor& x, int64_t kd, int64_t dil, int64_t step, int64_t count,
-                  const Loc& loc) {
+Tensor depth_taps(const char* op, const Tensor& x, int64_t kd, int64_t dil, int64_t step,
+                  int64_t count, const Loc& loc) {
   const int64_t n = x.size(0), c = x.size(1), h = x.size(3), w = x.size(4);
+  check_intermediate(op, "the depth taps gathered into channels (kernel depth times the output)",
+                     {n, count, c, kd, h, w}, x.dtype(), loc);
   std::vector<Tensor> taps;
   taps.reserve(static_cast<size_t>(kd));
   for (int64_t t = 0; t < kd; ++t)
@@ -370,7 +381,7 @@ Tensor conv3d(const Tensor& x, const Tensor& weight, const Tensor& bias,
                 PadMode::Constant, 0.0, loc);
   const int64_t o = ws[0], kd = ws[2];
   const int64_t od = (input.size(2) - extent[0]) / stride[0] + 1;
-  const Tensor columns = depth_taps(input, kd, dil[0], stride[0], od, loc);
+  const Tensor columns = depth_taps(op, input, kd, dil[0], stride[0], od, loc);
   ConvWindow window;
   for (int a = 1; a < 3; ++a) {
     window.stride[a - 1] = stride[a];
@@ -475,6 +486,8 @@ Tensor conv_transpose3d(const Tensor& x, const Tensor& weight, const Tensor& bia
   const int64_t n = xs[0], c = xs[1], kd = ws[2], h = xs[3], w = xs[4];
   Tensor spread = x;
   if (stride[0] > 1) {
+    check_intermediate(op, "the input's depths spread a stride apart",
+                       {n, c, xs[2], stride[0], h, w}, x.dtype(), loc);
     spread = pad(unsqueeze(x, 3, loc), {0, 0, 0, 0, 0, stride[0] - 1}, PadMode::Constant, 0.0, loc);
     spread = reshape(spread, {n, c, xs[2] * stride[0], h, w}, loc);
   }
@@ -483,7 +496,7 @@ Tensor conv_transpose3d(const Tensor& x, const Tensor& weight, const Tensor& bia
   if (margin != 0 || trailing + margin + extra[0] != 0)
     spread = pad(spread, {0, 0, 0, 0, margin, trailing + margin + extra[0]}, PadMode::Constant, 0.0,
                  loc);
-  const Tensor columns = depth_taps(spread, kd, dil[0], 1, out[0], loc);
+  const Tensor columns = depth_taps(op, spread, kd, dil[0], 1, out[0], loc);
   // [Cin, Cout / groups, KD, KH, KW] -> [Cin KD, Cout / groups, KH, KW], the depth reversed.
   const Tensor kernels = reshape(permute(flip(weight, {2}, loc), {0, 2, 1, 3, 4}, loc),
                                  {c * kd, ws[1], ws[3], ws[4]}, loc);

@@ -475,10 +475,11 @@ Tensor adaptive_mean(const Tensor& x, int64_t axis, int64_t out) {
 
 namespace {
 
-// adaptive pooling's checks of x (NCHW or CHW; NCDHW or CDHW for three sizes) and the output
-// size per spatial axis.
+// adaptive pooling's checks of x (NCHW or CHW; NCL or CL, NCDHW or CDHW for one or three sizes)
+// and the output size per spatial axis; `max_windows`: the windows go to the max-pooling
+// primitive, whose windows are at most 2^31 long.
 void check_adaptive(const char* op, const Loc& loc, const Tensor& x,
-                    const std::vector<int64_t>& output_size) {
+                    const std::vector<int64_t>& output_size, bool max_windows = false) {
   require_float(x, op, "input", loc);
   const auto spatial = static_cast<int64_t>(output_size.size());
   if (x.dim() != spatial + 1 && x.dim() != spatial + 2)
@@ -498,6 +499,17 @@ void check_adaptive(const char* op, const Loc& loc, const Tensor& x,
   for (int64_t a = 0; a < spatial; ++a)
     if (x.size(a - spatial) == 0)
       op_fail(op, loc, "input {} has an empty spatial axis", to_string(x.shape()));
+  if (!max_windows) return;
+  const char* names[3][3] = {{"length"}, {"height", "width"}, {"depth", "height", "width"}};
+  for (int64_t a = 0; a < spatial; ++a) {
+    const int64_t in = x.size(a - spatial), out = output_size[static_cast<size_t>(a)];
+    const int64_t widest = in % out == 0 ? in / out : in / out + 2;  // ceil(in / out) + 1 at most
+    if (widest > kMaxWindow)
+      op_fail(op, loc,
+              "windows of up to {} elements along the {} axis of input {} are above 2^31, the "
+              "bound of a max pooling window",
+              widest, names[spatial - 1][a], to_string(x.shape()));
+  }
 }
 
 // The maximum over each output's window of one axis (2 or 3) of NCHW x, as adaptive_mean's,
@@ -532,7 +544,7 @@ Tensor adaptive_avg_pool2d(const Tensor& x, Size2 output_size, const Loc& loc) {
 
 Tensor adaptive_max_pool2d(const Tensor& x, Size2 output_size, const Loc& loc) {
   CallSiteScope site(loc, composite::adaptive_max_pool2d);
-  check_adaptive("adaptive_max_pool2d", loc, x, {output_size.h, output_size.w});
+  check_adaptive("adaptive_max_pool2d", loc, x, {output_size.h, output_size.w}, true);
   // Along the width first: each window's pick is then the first maximum (the last NaN) in
   // row-major order, PyTorch's. In f32 for a 16-bit x, as the gradients of overlapping windows
   // add up in the passes' outputs.
@@ -608,7 +620,7 @@ Tensor adaptive_avg_pool1d(const Tensor& x, int64_t output_size, const Loc& loc)
 
 Tensor adaptive_max_pool1d(const Tensor& x, int64_t output_size, const Loc& loc) {
   CallSiteScope site(loc, composite::adaptive_max_pool1d);
-  check_adaptive("adaptive_max_pool1d", loc, x, {output_size});
+  check_adaptive("adaptive_max_pool1d", loc, x, {output_size}, true);
   return over_unit_height("adaptive_max_pool1d", loc, x, [&](const Tensor& t) {
     return adaptive_max_pool2d(t, {1, output_size}, loc);
   });
@@ -755,7 +767,8 @@ Tensor adaptive_avg_pool3d(const Tensor& x, Size3 output_size, const Loc& loc) {
 
 Tensor adaptive_max_pool3d(const Tensor& x, Size3 output_size, const Loc& loc) {
   CallSiteScope site(loc, composite::adaptive_max_pool3d);
-  check_adaptive("adaptive_max_pool3d", loc, x, {output_size.d, output_size.h, output_size.w});
+  check_adaptive("adaptive_max_pool3d", loc, x, {output_size.d, output_size.h, output_size.w},
+                 true);
   // Width, height, then depth: each window's pick is the first maximum (the last NaN) in
   // (depth, height, width) order, PyTorch's. In f32, as adaptive_max_pool2d.
   const Tensor y = separable3d(
