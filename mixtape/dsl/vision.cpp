@@ -652,6 +652,13 @@ Pool3 pool3_geometry(const char* op, const Loc& loc, const Tensor& x, Size3 kern
 // Whether an axis's windows overlap, so that its gradient adds several outputs' into one input.
 bool overlapping(const PoolAxis& a) { return a.stride < a.dilation * (a.kernel - 1) + 1; }
 
+// Whether max_pool3d pools a 16-bit input in f32: each pass's gradient is summed in f32 and
+// rounded once; only where both passes add several outputs' gradients into one element would a
+// 16-bit second pass round again.
+bool max_pool3d_widens(const Pool3& p) {
+  return overlapping(p.d) && (overlapping(p.h) || overlapping(p.w));
+}
+
 // A 3-d pooling of x (NCDHW, or CDHW as a batch of one), separably: `planes` pools each depth
 // slice ([N, C D, H, W]) over height and width, `lines` then the depth axis of [N, C, D, OH OW]
 // (as a 2-d pooling with one column per window).
@@ -680,9 +687,7 @@ Tensor max_pool3d(const Tensor& x, Size3 kernel, std::optional<Size3> stride, Si
   CallSiteScope site(loc, composite::max_pool3d);
   const Pool3 p =
       pool3_geometry("max_pool3d", loc, x, kernel, stride, padding, dilation, ceil_mode, true);
-  // Each pass's gradient is summed in f32 and rounded once; only where both passes add several
-  // outputs' gradients into one element would a 16-bit second pass round again.
-  const bool wide = overlapping(p.d) && (overlapping(p.h) || overlapping(p.w));
+  const bool wide = max_pool3d_widens(p);
   const Tensor y = separable3d(
       wide ? widened(x, loc) : x,
       [&](const Tensor& t) {
@@ -698,14 +703,14 @@ Tensor max_pool3d(const Tensor& x, Size3 kernel, std::optional<Size3> stride, Si
 ValuesIndices max_pool3d_with_indices(const Tensor& x, Size3 kernel, std::optional<Size3> stride,
                                       Size3 padding, Size3 dilation, bool ceil_mode,
                                       const Loc& loc) {
-  const Tensor values = max_pool3d(x, kernel, stride, padding, dilation, ceil_mode, loc);
   CallSiteScope site(loc, composite::max_pool3d);
   const Pool3 p =
       pool3_geometry("max_pool3d", loc, x, kernel, stride, padding, dilation, ceil_mode, true);
-  // The passes' picks: each depth slice's (h W + w), made (d H W + h W + w); then the depth
-  // window's pick (d (OH OW) + column) reads it, so the index is the value's (as max_pool3d
-  // picks).
-  const Tensor v = x.dim() == 5 ? x : unsqueeze(x, 0, loc);
+  // max_pool3d's two passes, with each pass's picks: each depth slice's (h W + w), made
+  // (d H W + h W + w); then the depth window's pick (d (OH OW) + column) reads it.
+  const bool wide = max_pool3d_widens(p);
+  const Tensor input = wide ? widened(x, loc) : x;
+  const Tensor v = x.dim() == 5 ? input : unsqueeze(input, 0, loc);
   const int64_t n = v.size(0), c = v.size(1), d = v.size(2), h = v.size(3), w = v.size(4);
   const ValuesIndices planes = max_pool2d_with_indices(
       reshape(v, {n, c * d, h, w}, loc), {p.h.kernel, p.w.kernel}, Size2{p.h.stride, p.w.stride},
@@ -724,8 +729,12 @@ ValuesIndices max_pool3d_with_indices(const Tensor& x, Size3 kernel, std::option
   const Tensor picked = take_along_dim(reshape(volume_index, {n, c, d * columns}, loc),
                                        reshape(depth.indices, {n, c, p.d.out * columns}, loc), 2);
   Tensor indices = reshape(picked, {n, c, p.d.out, p.h.out, p.w.out}, loc);
-  if (x.dim() == 4) indices = squeeze(indices, 0, loc);
-  return {values, indices};
+  Tensor values = reshape(depth.values, {n, c, p.d.out, p.h.out, p.w.out}, loc);
+  if (x.dim() == 4) {
+    indices = squeeze(indices, 0, loc);
+    values = squeeze(values, 0, loc);
+  }
+  return {wide ? narrowed_like(values, x, loc) : values, indices};
 }
 
 Tensor avg_pool3d(const Tensor& x, Size3 kernel, std::optional<Size3> stride, Size3 padding,
